@@ -1,0 +1,92 @@
+/*
+ * kmq_plugin.h: the kmqd handler-plugin ABI, version 1.
+ *
+ * This header is the source of truth for the ABI. A plugin is a shared library (.so) that exports one symbol,
+ * `kmq_plugin_v1`, returning a pointer to a `kmq_plugin` descriptor that lives as long as the library.
+ *
+ * Rules of the boundary:
+ *   - Everything that crosses it is C. No unwinding crosses it: a C++ or Rust plugin catches its own exceptions
+ *     and panics (the Rust SDK does this for you).
+ *   - The host owns every buffer it passes in; a plugin copies what it keeps past the call. Nothing allocated on
+ *     one side is freed on the other.
+ *   - `handle` is called from many threads at once and must be thread-safe.
+ *   - The host reads `abi_version` before anything else and refuses any version but KMQ_ABI_VERSION. It then reads
+ *     only the fields that `struct_size` covers, so fields added later within v1 go at the end of `kmq_plugin`.
+ *     An incompatible change is a new symbol, `kmq_plugin_v2`.
+ *   - The host never unloads a plugin (no dlclose): threads and thread-locals of the plugin may outlive a call.
+ */
+#ifndef KMQ_PLUGIN_H
+#define KMQ_PLUGIN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KMQ_ABI_VERSION 1
+
+/* A UTF-8 string that is not NUL-terminated. Valid only during the call it is passed to. */
+typedef struct {
+    const uint8_t *ptr;
+    size_t len;
+} kmq_str;
+
+/* One run (attempt) of a task. Every pointer is valid only during the call it is passed to. */
+typedef struct {
+    kmq_str id;                          /* the task id: stable across retries */
+    kmq_str queue;                       /* the queue name from the config */
+    kmq_str type;                        /* the task type that selected this plugin */
+    kmq_str data;                        /* the task's `data` as JSON text ("null" when the producer gave none) */
+    uint32_t attempt;                    /* 0 on the first run, 1 on the first retry, ... */
+    int64_t created_at_ms;               /* when the task was enqueued, ms since the epoch on Redis's clock (0: unknown) */
+    int64_t deadline_ms;                 /* when the execution timeout ends, ms since the epoch (0: none) */
+    const volatile uint32_t *cancel;     /* becomes non-zero when the host wants the handler to stop early */
+    /* Out-parameter for KMQ_RETRY: the delay before the next attempt, in ms. The host sets it to -1 before the
+     * call, which means "use the queue's backoff". Ignored for KMQ_DONE and KMQ_FAIL. */
+    int64_t *retry_after_ms;
+} kmq_task;
+
+typedef enum {
+    KMQ_DONE = 0,   /* the task is finished: acknowledge it */
+    KMQ_RETRY = 1,  /* this attempt failed: the queue's `on_handler_error` decides (retry with backoff by default) */
+    KMQ_FAIL = 2    /* the task can never succeed: dead-letter it now, no more retries */
+} kmq_status;
+
+/* A host-owned output buffer: the plugin writes at most `cap` bytes at `ptr` and sets `len` to what it wrote. */
+typedef struct {
+    char *ptr;
+    size_t cap;
+    size_t len;
+} kmq_buf;
+
+typedef struct {
+    uint32_t abi_version;                /* KMQ_ABI_VERSION; first, and never moves */
+    uint32_t struct_size;                /* sizeof(kmq_plugin) as the plugin was built: later v1 fields are appended */
+    const char *name;                    /* plugin name, NUL-terminated */
+    /* NULL-terminated list of the task types the plugin handles. The host reads it after `init` returns, so a
+     * plugin may fill it from its config. A type claimed by two plugins is refused at start. */
+    const char *const *types;
+    /* Called once, before anything else; config is the plugin's [plugins.NAME] `config` table as JSON ("{}" when
+     * absent). Returns the plugin's state, passed back to every other call, or NULL on failure with a message in err.
+     * May be NULL: the state is then NULL. */
+    void *(*init)(kmq_str config, kmq_buf *err);
+    /* Runs one attempt of a task. Called from many threads at once: must be thread-safe. msg: a short reason for
+     * KMQ_RETRY or KMQ_FAIL (shown in logs, the dead-letter list and the task's last_error). */
+    kmq_status (*handle)(void *state, const kmq_task *task, kmq_buf *msg);
+    /* Optional (may be NULL): a task of one of this plugin's types was dead-lettered; reason says why. Called after
+     * the task is safely in the dead-letter list: the final-failure pipeline (persist it, alert, ...). Must be quick. */
+    void (*on_dead)(void *state, const kmq_task *task, kmq_str reason);
+    /* Optional (may be NULL): called once, after the last handle() returned. */
+    void (*shutdown)(void *state);
+} kmq_plugin;
+
+/* The exported symbol; v1 is the ABI version. */
+const kmq_plugin *kmq_plugin_v1(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KMQ_PLUGIN_H */

@@ -1,0 +1,118 @@
+//! The C ABI of `plugins/include/kmq_plugin.h`, version 1, as Rust types.
+//!
+//! The header is the source of truth; these declarations mirror it field for field (a test compiles the header
+//! and compares sizes and offsets). Both the host (`kmqd`) and Rust plugins use these types, so the two sides
+//! cannot drift apart.
+
+use std::ffi::{c_char, c_void};
+
+/// The only ABI version this crate speaks.
+pub const KMQ_ABI_VERSION: u32 = 1;
+
+/// The exported symbol every plugin provides, with its trailing NUL as `libloading` wants it.
+pub const PLUGIN_SYMBOL: &[u8] = b"kmq_plugin_v1\0";
+
+/// `kmq_str`: UTF-8 text that is not NUL-terminated, valid only during the call it is passed to.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct KmqStr {
+    pub ptr: *const u8,
+    pub len: usize,
+}
+
+impl KmqStr {
+    /// Borrows `s` for the duration of a call.
+    pub fn borrow(s: &str) -> KmqStr {
+        KmqStr {
+            ptr: s.as_ptr(),
+            len: s.len(),
+        }
+    }
+
+    /// Reads the text back.
+    ///
+    /// # Safety
+    /// `ptr` must point at `len` readable bytes that stay valid for `'a` (the ABI guarantees this for the
+    /// duration of a call).
+    pub unsafe fn as_bytes<'a>(&self) -> &'a [u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: the caller guarantees ptr/len describe live memory.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+/// `kmq_task`: one run of a task.
+#[repr(C)]
+#[derive(Debug)]
+pub struct KmqTask {
+    pub id: KmqStr,
+    pub queue: KmqStr,
+    pub type_: KmqStr,
+    pub data: KmqStr,
+    pub attempt: u32,
+    pub created_at_ms: i64,
+    pub deadline_ms: i64,
+    /// `const volatile uint32_t *`: the host's cancel flag. `AtomicU32` has the layout of `u32`.
+    pub cancel: *const u32,
+    /// Out-parameter for `KMQ_RETRY`: ms before the next attempt; -1 means the queue's backoff.
+    pub retry_after_ms: *mut i64,
+}
+
+/// `kmq_status`: a C enum, which is `int`-sized on every platform kmqd supports.
+pub type KmqStatus = i32;
+pub const KMQ_DONE: KmqStatus = 0;
+pub const KMQ_RETRY: KmqStatus = 1;
+pub const KMQ_FAIL: KmqStatus = 2;
+
+/// `kmq_buf`: a host-owned output buffer the plugin writes at most `cap` bytes into.
+#[repr(C)]
+#[derive(Debug)]
+pub struct KmqBuf {
+    pub ptr: *mut c_char,
+    pub cap: usize,
+    pub len: usize,
+}
+
+impl KmqBuf {
+    /// Copies as much of `text` as fits, cut at a UTF-8 character boundary, and sets `len`.
+    ///
+    /// # Safety
+    /// `ptr` must point at `cap` writable bytes.
+    pub unsafe fn write(&mut self, text: &str) {
+        let mut n = text.len().min(self.cap);
+        while !text.is_char_boundary(n) {
+            n -= 1;
+        }
+        if n > 0 {
+            // SAFETY: n <= cap and the caller guarantees ptr has cap writable bytes; the regions cannot overlap
+            // because the buffer is host-owned and `text` is the plugin's.
+            unsafe { std::ptr::copy_nonoverlapping(text.as_ptr(), self.ptr.cast::<u8>(), n) };
+        }
+        self.len = n;
+    }
+}
+
+pub type InitFn = unsafe extern "C" fn(config: KmqStr, err: *mut KmqBuf) -> *mut c_void;
+pub type HandleFn =
+    unsafe extern "C" fn(state: *mut c_void, task: *const KmqTask, msg: *mut KmqBuf) -> KmqStatus;
+pub type OnDeadFn = unsafe extern "C" fn(state: *mut c_void, task: *const KmqTask, reason: KmqStr);
+pub type ShutdownFn = unsafe extern "C" fn(state: *mut c_void);
+
+/// `kmq_plugin`: the descriptor `kmq_plugin_v1()` returns.
+#[repr(C)]
+#[derive(Debug)]
+pub struct KmqPlugin {
+    pub abi_version: u32,
+    pub struct_size: u32,
+    pub name: *const c_char,
+    pub types: *const *const c_char,
+    pub init: Option<InitFn>,
+    pub handle: Option<HandleFn>,
+    pub on_dead: Option<OnDeadFn>,
+    pub shutdown: Option<ShutdownFn>,
+}
+
+/// The signature of the exported `kmq_plugin_v1` symbol.
+pub type EntryFn = unsafe extern "C" fn() -> *const KmqPlugin;

@@ -1,0 +1,167 @@
+//! What [`crate::export!`] expands to: the `extern "C"` side of a Rust plugin.
+//!
+//! Every function here catches panics before they reach the boundary: unwinding out of an `extern "C"` function
+//! aborts the process, and the host cannot catch it. This module is the only unsafe code of the SDK.
+
+use std::any::Any;
+use std::cell::UnsafeCell;
+use std::ffi::{CString, c_char, c_void};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use crate::abi::{self, KMQ_ABI_VERSION, KmqBuf, KmqPlugin, KmqStatus, KmqStr, KmqTask};
+use crate::{Handler, Outcome, Task};
+
+/// The plugin's descriptor. `init` fills in `types` before it returns; the host reads the descriptor only from the
+/// thread that called `init`, after it returned, so there is no data race.
+pub struct Descriptor(UnsafeCell<KmqPlugin>);
+
+// SAFETY: see the type's doc: the one write (in `init`) happens-before every read by the host.
+unsafe impl Sync for Descriptor {}
+// SAFETY: the pointers inside point at leaked, immutable strings, valid from any thread.
+unsafe impl Send for Descriptor {}
+
+/// Exactly one handler is exported per library, so one descriptor per library suffices.
+static DESCRIPTOR: std::sync::OnceLock<Descriptor> = std::sync::OnceLock::new();
+
+/// Returns the descriptor for `H`, building it on the first call.
+pub fn descriptor<H: Handler>() -> *const KmqPlugin {
+    let descriptor = DESCRIPTOR.get_or_init(|| {
+        Descriptor(UnsafeCell::new(KmqPlugin {
+            abi_version: KMQ_ABI_VERSION,
+            struct_size: size_of::<KmqPlugin>() as u32,
+            name: leak_c_string(H::NAME),
+            types: leak_type_list(H::TYPES.iter().copied()),
+            init: Some(init::<H>),
+            handle: Some(handle::<H>),
+            on_dead: Some(on_dead::<H>),
+            shutdown: Some(shutdown::<H>),
+        }))
+    });
+    descriptor.0.get()
+}
+
+/// The plugin lives until the process exits (hosts never unload it), so its strings may too.
+fn leak_c_string(text: &str) -> *const c_char {
+    let text = text.replace('\0', "");
+    // The NULs are removed above, so CString::new cannot fail.
+    CString::new(text).expect("no interior NUL").into_raw()
+}
+
+fn leak_type_list<'a>(types: impl Iterator<Item = &'a str>) -> *const *const c_char {
+    let mut list: Vec<*const c_char> = types.map(leak_c_string).collect();
+    list.push(std::ptr::null());
+    Box::leak(list.into_boxed_slice()).as_ptr()
+}
+
+fn panic_message(panic: &(dyn Any + Send)) -> String {
+    if let Some(text) = panic.downcast_ref::<&str>() {
+        (*text).to_string()
+    } else if let Some(text) = panic.downcast_ref::<String>() {
+        text.clone()
+    } else {
+        "non-string panic payload".to_string()
+    }
+}
+
+unsafe fn write_buf(buf: *mut KmqBuf, text: &str) {
+    if let Some(buf) = unsafe { buf.as_mut() } {
+        // SAFETY: the host hands a buffer with `cap` writable bytes.
+        unsafe { buf.write(text) };
+    }
+}
+
+unsafe extern "C" fn init<H: Handler>(config: KmqStr, err: *mut KmqBuf) -> *mut c_void {
+    let result = catch_unwind(|| {
+        // SAFETY: the host passes valid bytes for the duration of the call.
+        let json = unsafe { config.as_bytes() };
+        let config: H::Config = serde_json::from_slice(json)
+            .map_err(|error| format!("invalid config for plugin {}: {error}", H::NAME))?;
+        let handler = H::init(config)?;
+        let types = handler.types();
+        if let Some(descriptor) = DESCRIPTOR.get() {
+            // SAFETY: see `Descriptor`: the host reads `types` only after this call returns.
+            unsafe {
+                (*descriptor.0.get()).types = leak_type_list(types.iter().map(String::as_str))
+            };
+        }
+        Ok::<_, String>(Box::into_raw(Box::new(handler)).cast::<c_void>())
+    });
+    let message = match result {
+        Ok(Ok(state)) => return state,
+        Ok(Err(message)) => message,
+        Err(panic) => format!("init panicked: {}", panic_message(&*panic)),
+    };
+    // SAFETY: host-owned buffer with `cap` bytes.
+    unsafe { write_buf(err, &message) };
+    std::ptr::null_mut()
+}
+
+unsafe extern "C" fn handle<H: Handler>(
+    state: *mut c_void,
+    task: *const KmqTask,
+    msg: *mut KmqBuf,
+) -> KmqStatus {
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: `state` came from `init::<H>` and lives until `shutdown`; `task` is valid for the call.
+        let (handler, task) = unsafe { (&*state.cast::<H>(), &*task) };
+        // SAFETY: as above.
+        let view = unsafe { Task::from_raw(task) };
+        (handler.handle(&view), task.retry_after_ms)
+    }));
+    match result {
+        Ok((Outcome::Done, _)) => abi::KMQ_DONE,
+        Ok((Outcome::Retry { after, reason }, retry_after_ms)) => {
+            if let (Some(after), false) = (after, retry_after_ms.is_null()) {
+                // SAFETY: the host passes a valid out-pointer (checked non-null) for the call.
+                unsafe { *retry_after_ms = i64::try_from(after.as_millis()).unwrap_or(i64::MAX) };
+            }
+            // SAFETY: host-owned buffer.
+            unsafe { write_buf(msg, &reason) };
+            abi::KMQ_RETRY
+        }
+        Ok((Outcome::Fail { reason }, _)) => {
+            // SAFETY: host-owned buffer.
+            unsafe { write_buf(msg, &reason) };
+            abi::KMQ_FAIL
+        }
+        Err(panic) => {
+            // SAFETY: host-owned buffer.
+            unsafe { write_buf(msg, &format!("panic: {}", panic_message(&*panic))) };
+            abi::KMQ_RETRY
+        }
+    }
+}
+
+unsafe extern "C" fn on_dead<H: Handler>(state: *mut c_void, task: *const KmqTask, reason: KmqStr) {
+    // A panicking final-failure hook has nobody to report to but stderr, which the panic hook already wrote.
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: as in `handle`.
+        let (handler, task) = unsafe { (&*state.cast::<H>(), &*task) };
+        // SAFETY: valid for the call.
+        let view = unsafe { Task::from_raw(task) };
+        // SAFETY: valid for the call.
+        let reason = String::from_utf8_lossy(unsafe { reason.as_bytes() });
+        handler.on_dead(&view, &reason);
+    }));
+}
+
+unsafe extern "C" fn shutdown<H: Handler>(state: *mut c_void) {
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: `state` came from `init::<H>`; the host calls shutdown once, after the last handle returned,
+        // so taking the box back (and dropping the handler) is sound.
+        let handler = unsafe { Box::from_raw(state.cast::<H>()) };
+        handler.shutdown();
+    }));
+}
+
+/// Exports a [`Handler`] as the plugin's `kmq_plugin_v1` symbol.
+#[macro_export]
+macro_rules! export {
+    ($handler:ty) => {
+        /// The plugin's entry point (ABI v1); see `kmq_plugin.h`.
+        #[unsafe(no_mangle)]
+        pub extern "C" fn kmq_plugin_v1() -> *const $crate::abi::KmqPlugin {
+            $crate::export::descriptor::<$handler>()
+        }
+    };
+}

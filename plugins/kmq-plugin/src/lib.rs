@@ -1,0 +1,182 @@
+//! The SDK for kmqd handler plugins written in Rust.
+//!
+//! A plugin is a `cdylib` crate that implements [`Handler`] and exports it with [`export!`]:
+//!
+//! ```ignore
+//! use kmq_plugin::{Handler, Outcome, Task};
+//!
+//! struct Mail;
+//!
+//! impl Handler for Mail {
+//!     const NAME: &'static str = "mail";
+//!     const TYPES: &'static [&'static str] = &["mail.send"];
+//!     type Config = kmq_plugin::NoConfig;
+//!     fn init(_config: Self::Config) -> Result<Self, String> { Ok(Mail) }
+//!     fn handle(&self, task: &Task<'_>) -> Outcome { Outcome::Done }
+//! }
+//!
+//! kmq_plugin::export!(Mail);
+//! ```
+//!
+//! The macro generates every `extern "C"` function of the ABI (`plugins/include/kmq_plugin.h`) and wraps each in
+//! `catch_unwind`: a panic never crosses the boundary (it would abort the daemon). A panic in `handle` becomes a
+//! failed attempt (`KMQ_RETRY`, message `panic: ...`), which the queue's `on_handler_error` then decides about.
+
+pub mod abi;
+#[doc(hidden)]
+pub mod export;
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::de::DeserializeOwned;
+
+pub use serde_json;
+
+/// A task handler. One value is created by `init` and shared by every worker thread of the daemon.
+pub trait Handler: Send + Sync + Sized + 'static {
+    /// The plugin's name, as the config and the logs show it.
+    const NAME: &'static str;
+    /// The task types this plugin handles, unless [`Handler::types`] is overridden to read them from the config.
+    const TYPES: &'static [&'static str] = &[];
+    /// The plugin's `[plugins.NAME] config` table, deserialized from JSON. Use [`NoConfig`] when there is none.
+    type Config: DeserializeOwned;
+
+    /// Builds the handler from its config; an `Err` refuses the plugin at start with that message.
+    fn init(config: Self::Config) -> Result<Self, String>;
+
+    /// The task types this plugin handles; read once, right after `init`.
+    fn types(&self) -> Vec<String> {
+        Self::TYPES.iter().map(|t| t.to_string()).collect()
+    }
+
+    /// Runs one attempt of a task. Called from many threads at once.
+    fn handle(&self, task: &Task<'_>) -> Outcome;
+
+    /// A task of one of this plugin's types was dead-lettered (after it is safely in the dead-letter list).
+    fn on_dead(&self, _task: &Task<'_>, _reason: &str) {}
+
+    /// Called once, after the last `handle` returned.
+    fn shutdown(&self) {}
+}
+
+/// The config of a plugin that takes none: any key in its table is an error.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NoConfig {}
+
+/// What one attempt of a task came to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// The task is finished.
+    Done,
+    /// This attempt failed; the queue's `on_handler_error` decides (by default: retry after `after`, or after the
+    /// queue's backoff when `None`, until `retry_times` is used up).
+    Retry {
+        after: Option<Duration>,
+        reason: String,
+    },
+    /// The task can never succeed: dead-letter it now.
+    Fail { reason: String },
+}
+
+impl Outcome {
+    /// A failed attempt, retried after the queue's backoff.
+    pub fn retry(reason: impl Into<String>) -> Outcome {
+        Outcome::Retry {
+            after: None,
+            reason: reason.into(),
+        }
+    }
+
+    /// A failed attempt, retried after `after`.
+    pub fn retry_after(after: Duration, reason: impl Into<String>) -> Outcome {
+        Outcome::Retry {
+            after: Some(after),
+            reason: reason.into(),
+        }
+    }
+
+    /// A final failure: the task goes to the dead-letter list.
+    pub fn fail(reason: impl Into<String>) -> Outcome {
+        Outcome::Fail {
+            reason: reason.into(),
+        }
+    }
+}
+
+/// One run of a task, borrowed from the host for the duration of a call.
+pub struct Task<'a> {
+    raw: &'a abi::KmqTask,
+}
+
+impl<'a> Task<'a> {
+    /// Wraps the host's task.
+    ///
+    /// # Safety
+    /// Every pointer in `raw` must be valid for `'a`, as the ABI guarantees during a call.
+    pub unsafe fn from_raw(raw: &'a abi::KmqTask) -> Task<'a> {
+        Task { raw }
+    }
+
+    fn text(s: &abi::KmqStr) -> &'a str {
+        // SAFETY: `from_raw`'s contract: the host keeps the bytes alive for the call.
+        let bytes = unsafe { s.as_bytes() };
+        // The host only passes text it decoded as UTF-8; a lossy fallback would allocate, so an invalid string
+        // (a foreign host's bug) reads as empty rather than as garbage.
+        std::str::from_utf8(bytes).unwrap_or("")
+    }
+
+    /// The task id, stable across retries.
+    pub fn id(&self) -> &'a str {
+        Self::text(&self.raw.id)
+    }
+
+    /// The queue the task came from.
+    pub fn queue(&self) -> &'a str {
+        Self::text(&self.raw.queue)
+    }
+
+    /// The task type (the envelope's `type`).
+    pub fn kind(&self) -> &'a str {
+        Self::text(&self.raw.type_)
+    }
+
+    /// The task's `data` as JSON text.
+    pub fn data_json(&self) -> &'a str {
+        Self::text(&self.raw.data)
+    }
+
+    /// The task's `data`, deserialized.
+    pub fn data<T: DeserializeOwned>(&self) -> Result<T, serde_json::Error> {
+        serde_json::from_str(self.data_json())
+    }
+
+    /// 0 on the first run, 1 on the first retry, and so on.
+    pub fn attempt(&self) -> u32 {
+        self.raw.attempt
+    }
+
+    /// When the task was enqueued (Redis's clock), if known.
+    pub fn created_at(&self) -> Option<SystemTime> {
+        millis_to_time(self.raw.created_at_ms)
+    }
+
+    /// When the queue's execution timeout ends for this run, if it has one. Past it, the run counts as failed.
+    pub fn deadline(&self) -> Option<SystemTime> {
+        millis_to_time(self.raw.deadline_ms)
+    }
+
+    /// True once the host wants this run to stop early (execution timeout or shutdown). Long handlers should
+    /// check it between steps and return [`Outcome::retry`].
+    pub fn is_cancelled(&self) -> bool {
+        if self.raw.cancel.is_null() {
+            return false;
+        }
+        // SAFETY: the host keeps the flag alive during the call; it writes it from another thread, hence volatile.
+        unsafe { std::ptr::read_volatile(self.raw.cancel) != 0 }
+    }
+}
+
+fn millis_to_time(ms: i64) -> Option<SystemTime> {
+    (ms > 0).then(|| UNIX_EPOCH + Duration::from_millis(ms as u64))
+}

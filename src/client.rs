@@ -1,0 +1,244 @@
+//! The producer API: push tasks to the queues a config names.
+//!
+//! ```no_run
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let config = kmqd::Config::load("queues.toml".as_ref())?;
+//! let client = kmqd::Client::new(&config)?;
+//! let pushed = client.push("mail", kmqd::NewTask::new("mail.send", r#"{"to": "a@example.com"}"#)?)?;
+//! println!("queued {}", pushed.id());
+//! # Ok(()) }
+//! ```
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use serde_json::value::RawValue;
+
+use crate::broker::{self, BrokerError, Due, Pool, PushItem, QueueKeys, QueueStats};
+use crate::config::Config;
+use crate::task::{self, Envelope};
+
+/// The most tasks sent in one enqueue script call. Bounded so that one call never holds Redis for long.
+pub const PUSH_CHUNK: usize = 1000;
+
+/// A task to enqueue.
+#[derive(Clone, Debug)]
+pub struct NewTask {
+    pub kind: String,
+    pub data: Box<RawValue>,
+    /// The task id; a random UUID when `None`.
+    pub id: Option<String>,
+    /// A priority level of the queue; the queue's default level when `None`.
+    pub priority: Option<String>,
+    /// Refuse the push while a task with this id is delayed, ready or processing (needs an explicit id).
+    pub unique: bool,
+    pub due: Due,
+}
+
+impl NewTask {
+    /// A task of type `kind` whose data is the JSON text `data`.
+    pub fn new(kind: impl Into<String>, data: &str) -> Result<NewTask, ClientError> {
+        Ok(NewTask::with_data(
+            kind,
+            task::data_from_str(data).map_err(ClientError::Data)?,
+        ))
+    }
+
+    /// A task of type `kind` with already-parsed data.
+    pub fn with_data(kind: impl Into<String>, data: Box<RawValue>) -> NewTask {
+        NewTask {
+            kind: kind.into(),
+            data,
+            id: None,
+            priority: None,
+            unique: false,
+            due: Due::Now,
+        }
+    }
+
+    pub fn id(mut self, id: impl Into<String>) -> NewTask {
+        self.id = Some(id.into());
+        self
+    }
+
+    pub fn priority(mut self, level: impl Into<String>) -> NewTask {
+        self.priority = Some(level.into());
+        self
+    }
+
+    pub fn unique(mut self) -> NewTask {
+        self.unique = true;
+        self
+    }
+
+    /// Ready `delay` after the push, on Redis's clock.
+    pub fn delay(mut self, delay: Duration) -> NewTask {
+        self.due = Due::After(delay);
+        self
+    }
+
+    /// Ready at `at_ms` (ms since the epoch).
+    pub fn at(mut self, at_ms: i64) -> NewTask {
+        self.due = Due::At(at_ms);
+        self
+    }
+}
+
+/// What became of a push.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Pushed {
+    /// Queued under this id.
+    Accepted(String),
+    /// Refused: a unique task with this id is live, or this exact envelope is already delayed.
+    Duplicate(String),
+}
+
+impl Pushed {
+    pub fn id(&self) -> &str {
+        match self {
+            Pushed::Accepted(id) | Pushed::Duplicate(id) => id,
+        }
+    }
+
+    pub fn is_accepted(&self) -> bool {
+        matches!(self, Pushed::Accepted(_))
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("queue {queue:?} is not in the config; configured queues: {known}")]
+    UnknownQueue { queue: String, known: String },
+    #[error("queue {queue:?} has no priority {priority:?}; its levels are {levels:?}")]
+    UnknownPriority {
+        queue: String,
+        priority: String,
+        levels: Vec<String>,
+    },
+    #[error("a unique task needs an id (--id): uniqueness is per id")]
+    UniqueWithoutId,
+    #[error("{0}")]
+    Data(String),
+    #[error(transparent)]
+    Broker(#[from] BrokerError),
+}
+
+struct QueueInfo {
+    keys: QueueKeys,
+    priorities: Vec<String>,
+    default_priority: usize,
+}
+
+/// A producer (and inspector) for the queues of one config. Cheap to share: it holds a connection pool.
+pub struct Client {
+    pool: Pool,
+    queues: HashMap<String, QueueInfo>,
+}
+
+impl Client {
+    pub fn new(config: &Config) -> Result<Client, ClientError> {
+        let queues = config
+            .queues
+            .iter()
+            .map(|queue| {
+                let info = QueueInfo {
+                    keys: QueueKeys::for_queue(&config.redis.key_prefix, queue),
+                    priorities: queue.priorities.clone(),
+                    default_priority: queue.default_priority,
+                };
+                (queue.name.clone(), info)
+            })
+            .collect();
+        Ok(Client {
+            pool: broker::pool(&config.redis)?,
+            queues,
+        })
+    }
+
+    fn queue(&self, queue: &str) -> Result<&QueueInfo, ClientError> {
+        self.queues.get(queue).ok_or_else(|| {
+            let mut known: Vec<&str> = self.queues.keys().map(String::as_str).collect();
+            known.sort_unstable();
+            ClientError::UnknownQueue {
+                queue: queue.to_string(),
+                known: known.join(", "),
+            }
+        })
+    }
+
+    /// Enqueues one task.
+    pub fn push(&self, queue: &str, task: NewTask) -> Result<Pushed, ClientError> {
+        let mut pushed = self.push_batch(queue, [task])?;
+        // push_batch returns one result per task.
+        Ok(pushed.remove(0))
+    }
+
+    /// Enqueues many tasks with few round trips (one enqueue script call per [`PUSH_CHUNK`] tasks of the same
+    /// level and due time). Returns one result per task, in order.
+    pub fn push_batch(
+        &self,
+        queue: &str,
+        tasks: impl IntoIterator<Item = NewTask>,
+    ) -> Result<Vec<Pushed>, ClientError> {
+        let info = self.queue(queue)?;
+        let mut prepared: Vec<(usize, Due, Option<String>, String, String)> = Vec::new();
+        for task in tasks {
+            let level = match &task.priority {
+                Some(priority) => info
+                    .priorities
+                    .iter()
+                    .position(|p| p == priority)
+                    .ok_or_else(|| ClientError::UnknownPriority {
+                        queue: queue.to_string(),
+                        priority: priority.clone(),
+                        levels: info.priorities.clone(),
+                    })?,
+                None => info.default_priority,
+            };
+            if task.unique && task.id.is_none() {
+                return Err(ClientError::UniqueWithoutId);
+            }
+            let id = task.id.unwrap_or_else(task::new_id);
+            let mut envelope = Envelope::new(id.clone(), task.kind, task.data);
+            envelope.priority = task.priority;
+            envelope.unique = task.unique;
+            let unique_id = task.unique.then(|| id.clone());
+            prepared.push((level, task.due, unique_id, envelope.encode(), id));
+        }
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        let mut results = Vec::with_capacity(prepared.len());
+        // Consecutive tasks with the same level and due time share script calls.
+        for group in prepared.chunk_by(|a, b| a.0 == b.0 && a.1 == b.1) {
+            for chunk in group.chunks(PUSH_CHUNK) {
+                let items: Vec<PushItem<'_>> = chunk
+                    .iter()
+                    .map(|(_, _, unique_id, envelope, _)| PushItem {
+                        envelope,
+                        unique_id: unique_id.as_deref(),
+                    })
+                    .collect();
+                let (level, due) = (chunk[0].0, chunk[0].1);
+                let accepted = broker::push(&mut **connection, &info.keys, level, due, &items)?;
+                for ((.., id), ok) in chunk.iter().zip(accepted) {
+                    results.push(if ok {
+                        Pushed::Accepted(id.clone())
+                    } else {
+                        Pushed::Duplicate(id.clone())
+                    });
+                }
+            }
+        }
+        Ok(results)
+    }
+
+    /// A queue's depth and counters.
+    pub fn stats(&self, queue: &str) -> Result<QueueStats, ClientError> {
+        let info = self.queue(queue)?;
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        Ok(broker::stats(
+            &mut **connection,
+            &info.keys,
+            &info.priorities,
+        )?)
+    }
+}

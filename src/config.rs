@@ -1,0 +1,1020 @@
+//! The TOML config: parsed into `Raw*` structs, then validated into [`Config`].
+//!
+//! Parsing and validating are separate steps (ripgrep's LowArgs -> HiArgs, sccache's raw config): serde checks
+//! shapes and rejects unknown keys, then [`RawConfig::validate`] checks meaning. Every raw struct is destructured
+//! there, so a new key cannot be forgotten. Every error names the file, line, column and key, and says what would
+//! be valid. Relative paths are resolved against the config file's directory, not the working directory, so a
+//! config means the same thing whoever starts the daemon.
+
+use std::collections::{BTreeMap, HashSet};
+use std::fmt;
+use std::net::SocketAddr;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+use toml::Spanned;
+
+/// The validated config of one daemon (or of one `kmqd push`/`stats` invocation).
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// The file the config was read from.
+    pub path: PathBuf,
+    pub redis: RedisConfig,
+    pub daemon: DaemonConfig,
+    pub queues: Vec<QueueConfig>,
+    pub plugins: Vec<PluginConfig>,
+}
+
+#[derive(Clone)]
+pub struct RedisConfig {
+    /// `redis://`, `rediss://` or `unix://` URL, without the password when it came from `password_env`/`_file`.
+    pub url: String,
+    /// Kept out of `url` (and out of `Debug`) so it is never logged.
+    pub password: Option<String>,
+    pub pool_size: u32,
+    pub key_prefix: String,
+    pub connect_timeout: Duration,
+}
+
+impl fmt::Debug for RedisConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisConfig")
+            .field("url", &redact_url(&self.url))
+            .field("password", &self.password.as_ref().map(|_| "<redacted>"))
+            .field("pool_size", &self.pool_size)
+            .field("key_prefix", &self.key_prefix)
+            .field("connect_timeout", &self.connect_timeout)
+            .finish()
+    }
+}
+
+/// Replaces the password of a `scheme://user:password@host` URL with `***`, for logs and error messages.
+pub fn redact_url(url: &str) -> String {
+    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
+        return url.to_string();
+    };
+    let rest = &url[scheme_end..];
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    match rest[..authority_end].rfind('@') {
+        Some(at) => match rest[..at].find(':') {
+            Some(colon) => format!(
+                "{}{}:***{}",
+                &url[..scheme_end],
+                &rest[..colon],
+                &rest[at..]
+            ),
+            None => url.to_string(),
+        },
+        None => url.to_string(),
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct DaemonConfig {
+    pub plugins_dir: PathBuf,
+    pub shutdown_grace: Duration,
+    pub metrics_addr: Option<SocketAddr>,
+    /// A tracing filter such as `info` or `kmqd=debug`; `RUST_LOG` takes precedence.
+    pub log_level: String,
+}
+
+/// A queue's delivery guarantee; see docs/PROTOCOL.md, "Guarantees".
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Plain pop: fast; a task whose daemon dies while holding it is lost.
+    Default,
+    /// At-least-once: claimed tasks stay in the processing area under a lease until acknowledged.
+    Safe,
+}
+
+/// What a handler error (`KMQ_RETRY`, a panic, an execution timeout) does to a task.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnHandlerError {
+    /// Retry with exponential backoff until `retry_times` is used up, then dead-letter.
+    Retry,
+    /// Count the task as done (KMQueue's rule): it is acknowledged and not run again.
+    Finish,
+    /// Dead-letter at once.
+    Dead,
+}
+
+#[derive(Clone, Debug)]
+pub struct QueueConfig {
+    pub name: String,
+    pub mode: Mode,
+    /// Priority levels, highest first. A queue without `priorities` has one level, `normal`.
+    pub priorities: Vec<String>,
+    /// Index into `priorities` of the level a push without `--priority` goes to.
+    pub default_priority: usize,
+    pub workers: usize,
+    /// The most tasks one claim takes.
+    pub batch: usize,
+    /// How many claimed tasks may wait for a worker, beyond one per idle worker.
+    pub prefetch: usize,
+    pub lease_timeout: Duration,
+    pub execution_timeout: Option<Duration>,
+    pub alive_timeout: Option<Duration>,
+    pub retry_times: u32,
+    pub on_handler_error: OnHandlerError,
+    pub backoff: Duration,
+    pub backoff_max: Duration,
+    pub dead_max: usize,
+    /// The longest an idle fetcher waits before looking at the ready lists on its own, and so the bound on how
+    /// late a task pushed without a wake-up marker (a plain RPUSH) is picked up.
+    pub idle_poll: Duration,
+}
+
+#[derive(Clone, Debug)]
+pub struct PluginConfig {
+    pub name: String,
+    /// Absolute path (resolved against `plugins_dir`); canonicalised by the loader.
+    pub file: PathBuf,
+    /// The `config` table as JSON text, handed to the plugin's `init`.
+    pub config_json: String,
+    /// Where `[plugins.NAME]` stands in the config, for error messages.
+    pub location: String,
+}
+
+/// A config that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{location}: {message}")]
+    Invalid { location: String, message: String },
+}
+
+impl Config {
+    /// Reads, parses and validates a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Config::parse(path, &text)
+    }
+
+    /// Parses and validates config text; `path` names it in errors and anchors relative paths.
+    pub fn parse(path: &Path, text: &str) -> Result<Config, ConfigError> {
+        let source = Source { path, text };
+        let raw: RawConfig = toml::from_str(text).map_err(|error| {
+            let message = error.message().trim_end().to_string();
+            source.error(error.span().unwrap_or(0..0), message)
+        })?;
+        raw.validate(&source)
+    }
+
+    /// The queue named `name`.
+    pub fn queue(&self, name: &str) -> Option<&QueueConfig> {
+        self.queues.iter().find(|queue| queue.name == name)
+    }
+
+    /// Redis connections the daemon holds at once: per queue a fetcher, an acker and a delay poller; per daemon
+    /// the monitor, the heartbeat and one for stats and the metrics endpoint.
+    pub fn connections_needed(&self) -> u32 {
+        3 * self.queues.len() as u32 + 3
+    }
+}
+
+/// The config text and its file, to turn byte spans into "file:line:column".
+struct Source<'a> {
+    path: &'a Path,
+    text: &'a str,
+}
+
+impl Source<'_> {
+    fn location(&self, span: &Range<usize>) -> String {
+        let start = span.start.min(self.text.len());
+        let before = &self.text[..start];
+        let line = before.matches('\n').count() + 1;
+        let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+        format!("{}:{line}:{column}", self.path.display())
+    }
+
+    fn error(&self, span: Range<usize>, message: impl Into<String>) -> ConfigError {
+        ConfigError::Invalid {
+            location: self.location(&span),
+            message: message.into(),
+        }
+    }
+
+    fn base_dir(&self) -> PathBuf {
+        match self.path.parent() {
+            Some(dir) if !dir.as_os_str().is_empty() => dir.to_owned(),
+            _ => PathBuf::from("."),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    #[serde(default)]
+    redis: RawRedis,
+    #[serde(default)]
+    daemon: RawDaemon,
+    #[serde(default)]
+    queues: Vec<Spanned<RawQueue>>,
+    #[serde(default)]
+    plugins: BTreeMap<Spanned<String>, Spanned<RawPlugin>>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawRedis {
+    url: Option<Spanned<String>>,
+    password_env: Option<Spanned<String>>,
+    password_file: Option<Spanned<String>>,
+    pool_size: Option<Spanned<u32>>,
+    key_prefix: Option<Spanned<String>>,
+    connect_timeout: Option<Spanned<String>>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawDaemon {
+    plugins_dir: Option<Spanned<String>>,
+    shutdown_grace: Option<Spanned<String>>,
+    metrics_addr: Option<Spanned<String>>,
+    log_level: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawQueue {
+    name: Option<Spanned<String>>,
+    mode: Option<Spanned<String>>,
+    priorities: Option<Spanned<Vec<String>>>,
+    default_priority: Option<Spanned<String>>,
+    workers: Option<Spanned<i64>>,
+    batch: Option<Spanned<i64>>,
+    prefetch: Option<Spanned<i64>>,
+    lease_timeout: Option<Spanned<String>>,
+    execution_timeout: Option<Spanned<String>>,
+    alive_timeout: Option<Spanned<String>>,
+    retry_times: Option<Spanned<i64>>,
+    on_handler_error: Option<Spanned<String>>,
+    backoff: Option<Spanned<String>>,
+    backoff_max: Option<Spanned<String>>,
+    dead_max: Option<Spanned<i64>>,
+    idle_poll: Option<Spanned<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPlugin {
+    file: Option<Spanned<String>>,
+    config: Option<toml::Table>,
+}
+
+/// Default values, in one place so docs/CONFIG.md can be checked against them.
+pub mod defaults {
+    use std::time::Duration;
+
+    pub const REDIS_URL: &str = "redis://127.0.0.1:6379/0";
+    pub const KEY_PREFIX: &str = "kmq";
+    pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+    pub const PLUGINS_DIR: &str = "/usr/lib/kmqd/plugins";
+    pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+    pub const LOG_LEVEL: &str = "info";
+    pub const PRIORITY: &str = "normal";
+    pub const WORKERS: usize = 8;
+    pub const BATCH: usize = 100;
+    pub const LEASE_TIMEOUT: Duration = Duration::from_secs(30);
+    pub const EXECUTION_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+    pub const RETRY_TIMES: u32 = 3;
+    pub const BACKOFF: Duration = Duration::from_secs(1);
+    pub const BACKOFF_MAX: Duration = Duration::from_secs(10 * 60);
+    pub const DEAD_MAX: usize = 10_000;
+    pub const IDLE_POLL: Duration = Duration::from_secs(1);
+}
+
+/// The largest claim batch: Lua's `unpack` fails past ~8,000 values and a claim passes two per task.
+pub const MAX_BATCH: usize = 1000;
+
+fn parse_duration(
+    source: &Source<'_>,
+    key: &str,
+    value: &Spanned<String>,
+) -> Result<Duration, ConfigError> {
+    humantime::parse_duration(value.get_ref()).map_err(|error| {
+        source.error(
+            value.span(),
+            format!("{key}: {:?} is not a duration ({error}); write it like \"250ms\", \"30s\", \"5m\" or \"1h\"", value.get_ref()),
+        )
+    })
+}
+
+fn duration_or(
+    source: &Source<'_>,
+    key: &str,
+    value: &Option<Spanned<String>>,
+    default: Duration,
+) -> Result<Duration, ConfigError> {
+    match value {
+        Some(value) => parse_duration(source, key, value),
+        None => Ok(default),
+    }
+}
+
+fn ranged(
+    source: &Source<'_>,
+    key: &str,
+    value: &Spanned<i64>,
+    range: Range<i64>,
+) -> Result<i64, ConfigError> {
+    let n = *value.get_ref();
+    if range.contains(&n) {
+        Ok(n)
+    } else {
+        Err(source.error(
+            value.span(),
+            format!(
+                "{key}: {n} is out of range; it must be between {} and {}",
+                range.start,
+                range.end - 1
+            ),
+        ))
+    }
+}
+
+/// Names that end up inside Redis keys (queues, priority levels) are kept to a safe alphabet.
+fn check_name(
+    source: &Source<'_>,
+    key: &str,
+    value: &Spanned<String>,
+    what: &str,
+) -> Result<(), ConfigError> {
+    let name = value.get_ref();
+    let valid = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
+    if valid {
+        Ok(())
+    } else {
+        Err(source.error(
+            value.span(),
+            format!("{key}: {name:?} is not a valid {what}; use 1 to 64 characters from a-z, A-Z, 0-9, '_', '-', '.'"),
+        ))
+    }
+}
+
+fn one_of<T: Copy>(
+    source: &Source<'_>,
+    key: &str,
+    value: &Spanned<String>,
+    choices: &[(&str, T)],
+) -> Result<T, ConfigError> {
+    choices
+        .iter()
+        .find(|(name, _)| name == value.get_ref())
+        .map(|(_, v)| *v)
+        .ok_or_else(|| {
+            let names: Vec<String> = choices
+                .iter()
+                .map(|(name, _)| format!("{name:?}"))
+                .collect();
+            source.error(
+                value.span(),
+                format!(
+                    "{key}: {:?} is not one of {}",
+                    value.get_ref(),
+                    names.join(", ")
+                ),
+            )
+        })
+}
+
+impl RawConfig {
+    fn validate(self, source: &Source<'_>) -> Result<Config, ConfigError> {
+        let RawConfig {
+            redis,
+            daemon,
+            queues,
+            plugins,
+        } = self;
+        let base = source.base_dir();
+        let redis = redis.validate(source, &base)?;
+        let daemon = daemon.validate(source, &base)?;
+
+        let mut seen = HashSet::new();
+        let mut validated_queues = Vec::with_capacity(queues.len());
+        for (index, queue) in queues.into_iter().enumerate() {
+            let span = queue.span();
+            let queue = queue.into_inner().validate(source, index, span)?;
+            if !seen.insert(queue.name.clone()) {
+                return Err(ConfigError::Invalid {
+                    location: source.path.display().to_string(),
+                    message: format!(
+                        "queues[{index}].name: queue {:?} is defined twice",
+                        queue.name
+                    ),
+                });
+            }
+            validated_queues.push(queue);
+        }
+
+        let mut validated_plugins = Vec::with_capacity(plugins.len());
+        for (name, plugin) in plugins {
+            check_name(source, "plugins", &name, "plugin name")?;
+            validated_plugins.push(plugin.get_ref().validate(
+                source,
+                name.get_ref(),
+                plugin.span(),
+                &daemon.plugins_dir,
+            )?);
+        }
+
+        let config = Config {
+            path: source.path.to_owned(),
+            redis,
+            daemon,
+            queues: validated_queues,
+            plugins: validated_plugins,
+        };
+        let mut config = config;
+        if config.redis.pool_size == 0 {
+            // Two more than the daemon holds, for `stats` and short-lived commands.
+            config.redis.pool_size = config.connections_needed() + 2;
+        } else if config.redis.pool_size < config.connections_needed() {
+            return Err(ConfigError::Invalid {
+                location: source.path.display().to_string(),
+                message: format!(
+                    "redis.pool_size: {} is too small for {} queue(s): the daemon holds 3 connections per queue and 3 \
+                     more, so set pool_size to at least {}",
+                    config.redis.pool_size,
+                    config.queues.len(),
+                    config.connections_needed()
+                ),
+            });
+        }
+        Ok(config)
+    }
+}
+
+impl RawRedis {
+    fn validate(self, source: &Source<'_>, base: &Path) -> Result<RedisConfig, ConfigError> {
+        let RawRedis {
+            url,
+            password_env,
+            password_file,
+            pool_size,
+            key_prefix,
+            connect_timeout,
+        } = self;
+        let url_text = url
+            .as_ref()
+            .map_or(defaults::REDIS_URL.to_string(), |u| u.get_ref().clone());
+        if let Some(url) = &url {
+            let scheme_ok = ["redis://", "rediss://", "unix://", "redis+unix://"]
+                .iter()
+                .any(|s| url.get_ref().starts_with(s));
+            if !scheme_ok {
+                return Err(source.error(
+                    url.span(),
+                    format!(
+                        "redis.url: {:?} is not a Redis URL; write redis://HOST:PORT/DB, rediss://... for TLS or \
+                         unix:///path/to/redis.sock",
+                        redact_url(url.get_ref())
+                    ),
+                ));
+            }
+        }
+        let password = match (&password_env, &password_file) {
+            (Some(_), Some(file)) => {
+                return Err(source.error(
+                    file.span(),
+                    "redis.password_file: set password_env or password_file, not both",
+                ));
+            }
+            (Some(var), None) => Some(std::env::var(var.get_ref()).map_err(|_| {
+                source.error(
+                    var.span(),
+                    format!(
+                        "redis.password_env: environment variable {} is not set",
+                        var.get_ref()
+                    ),
+                )
+            })?),
+            (None, Some(file)) => {
+                let path = base.join(file.get_ref());
+                let text = std::fs::read_to_string(&path).map_err(|error| {
+                    source.error(
+                        file.span(),
+                        format!(
+                            "redis.password_file: cannot read {}: {error}",
+                            path.display()
+                        ),
+                    )
+                })?;
+                Some(text.trim_end_matches(['\r', '\n']).to_string())
+            }
+            (None, None) => None,
+        };
+        let pool_size = match &pool_size {
+            Some(size) if *size.get_ref() == 0 => {
+                return Err(source.error(size.span(), "redis.pool_size: must be at least 1; leave it out to size the pool from the queues"));
+            }
+            Some(size) => *size.get_ref(),
+            // Filled in once the number of queues is known.
+            None => 0,
+        };
+        let key_prefix = match key_prefix {
+            Some(prefix) => {
+                check_name(source, "redis.key_prefix", &prefix, "key prefix")?;
+                prefix.into_inner()
+            }
+            None => defaults::KEY_PREFIX.to_string(),
+        };
+        let connect_timeout = duration_or(
+            source,
+            "redis.connect_timeout",
+            &connect_timeout,
+            defaults::CONNECT_TIMEOUT,
+        )?;
+        Ok(RedisConfig {
+            url: url_text,
+            password,
+            pool_size,
+            key_prefix,
+            connect_timeout,
+        })
+    }
+}
+
+impl RawDaemon {
+    fn validate(self, source: &Source<'_>, base: &Path) -> Result<DaemonConfig, ConfigError> {
+        let RawDaemon {
+            plugins_dir,
+            shutdown_grace,
+            metrics_addr,
+            log_level,
+        } = self;
+        let plugins_dir =
+            base.join(plugins_dir.map_or(defaults::PLUGINS_DIR.to_string(), Spanned::into_inner));
+        let shutdown_grace = duration_or(
+            source,
+            "daemon.shutdown_grace",
+            &shutdown_grace,
+            defaults::SHUTDOWN_GRACE,
+        )?;
+        let metrics_addr = match metrics_addr {
+            Some(addr) => Some(addr.get_ref().parse::<SocketAddr>().map_err(|_| {
+                source.error(
+                    addr.span(),
+                    format!("daemon.metrics_addr: {:?} is not an address; write it like \"127.0.0.1:9464\"", addr.get_ref()),
+                )
+            })?),
+            None => None,
+        };
+        let log_level = log_level.unwrap_or_else(|| defaults::LOG_LEVEL.to_string());
+        Ok(DaemonConfig {
+            plugins_dir,
+            shutdown_grace,
+            metrics_addr,
+            log_level,
+        })
+    }
+}
+
+impl RawQueue {
+    fn validate(
+        self,
+        source: &Source<'_>,
+        index: usize,
+        span: Range<usize>,
+    ) -> Result<QueueConfig, ConfigError> {
+        let RawQueue {
+            name,
+            mode,
+            priorities,
+            default_priority,
+            workers,
+            batch,
+            prefetch,
+            lease_timeout,
+            execution_timeout,
+            alive_timeout,
+            retry_times,
+            on_handler_error,
+            backoff,
+            backoff_max,
+            dead_max,
+            idle_poll,
+        } = self;
+        let key = |field: &str| format!("queues[{index}].{field}");
+
+        let name = name.ok_or_else(|| {
+            source.error(
+                span.clone(),
+                format!("{}: every queue needs a name", key("name")),
+            )
+        })?;
+        check_name(source, &key("name"), &name, "queue name")?;
+        let mode = mode.ok_or_else(|| {
+            source.error(
+                span.clone(),
+                format!(
+                    "{}: queue {:?} has no mode; write mode = \"safe\" (at-least-once) or mode = \"default\" (fast; a \
+                     task whose daemon dies is lost)",
+                    key("mode"),
+                    name.get_ref()
+                ),
+            )
+        })?;
+        let mode = one_of(
+            source,
+            &key("mode"),
+            &mode,
+            &[("default", Mode::Default), ("safe", Mode::Safe)],
+        )?;
+
+        let priorities = match priorities {
+            Some(list) => {
+                let levels = list.get_ref();
+                if levels.is_empty() {
+                    return Err(source.error(
+                        list.span(),
+                        format!("{}: list at least one level", key("priorities")),
+                    ));
+                }
+                let mut seen = HashSet::new();
+                for level in levels {
+                    let spanned = Spanned::new(list.span(), level.clone());
+                    check_name(source, &key("priorities"), &spanned, "priority level")?;
+                    if !seen.insert(level) {
+                        return Err(source.error(
+                            list.span(),
+                            format!("{}: level {level:?} is listed twice", key("priorities")),
+                        ));
+                    }
+                }
+                levels.clone()
+            }
+            None => vec![defaults::PRIORITY.to_string()],
+        };
+        // The middle level for an odd count, the first of the two middle ones otherwise: "normal" for
+        // ["high", "normal", "low"], "high" for ["high", "low"].
+        let default_priority = match default_priority {
+            Some(level) => priorities
+                .iter()
+                .position(|p| p == level.get_ref())
+                .ok_or_else(|| {
+                    source.error(
+                        level.span(),
+                        format!(
+                            "{}: {:?} is not one of the queue's priorities {priorities:?}",
+                            key("default_priority"),
+                            level.get_ref()
+                        ),
+                    )
+                })?,
+            None => (priorities.len() - 1) / 2,
+        };
+
+        let workers = match &workers {
+            Some(w) => ranged(source, &key("workers"), w, 1..1025)? as usize,
+            None => defaults::WORKERS,
+        };
+        let batch = match &batch {
+            Some(b) => ranged(source, &key("batch"), b, 1..MAX_BATCH as i64 + 1)? as usize,
+            None => defaults::BATCH,
+        };
+        let prefetch = match &prefetch {
+            Some(p) => ranged(source, &key("prefetch"), p, 0..100_001)? as usize,
+            None => workers,
+        };
+        let lease_timeout = duration_or(
+            source,
+            &key("lease_timeout"),
+            &lease_timeout,
+            defaults::LEASE_TIMEOUT,
+        )?;
+        if lease_timeout < Duration::from_millis(300) {
+            return Err(source.error(
+                span.clone(),
+                format!("{}: {lease_timeout:?} is too short; the heartbeat renews every third of it, use at least 300ms", key("lease_timeout")),
+            ));
+        }
+        let execution_timeout = Some(duration_or(
+            source,
+            &key("execution_timeout"),
+            &execution_timeout,
+            defaults::EXECUTION_TIMEOUT,
+        )?)
+        .filter(|d| !d.is_zero());
+        let alive_timeout = match &alive_timeout {
+            Some(value) => {
+                Some(parse_duration(source, &key("alive_timeout"), value)?).filter(|d| !d.is_zero())
+            }
+            None => None,
+        };
+        let retry_times = match &retry_times {
+            Some(r) => ranged(source, &key("retry_times"), r, 0..1001)? as u32,
+            None => defaults::RETRY_TIMES,
+        };
+        let on_handler_error = match &on_handler_error {
+            Some(value) => one_of(
+                source,
+                &key("on_handler_error"),
+                value,
+                &[
+                    ("retry", OnHandlerError::Retry),
+                    ("finish", OnHandlerError::Finish),
+                    ("dead", OnHandlerError::Dead),
+                ],
+            )?,
+            None => OnHandlerError::Retry,
+        };
+        let backoff_value = duration_or(source, &key("backoff"), &backoff, defaults::BACKOFF)?;
+        let backoff_max = duration_or(
+            source,
+            &key("backoff_max"),
+            &backoff_max,
+            defaults::BACKOFF_MAX,
+        )?;
+        if backoff_max < backoff_value {
+            return Err(source.error(
+                span.clone(),
+                format!(
+                    "{}: must not be shorter than backoff ({backoff_value:?})",
+                    key("backoff_max")
+                ),
+            ));
+        }
+        let dead_max = match &dead_max {
+            Some(d) => ranged(source, &key("dead_max"), d, 1..100_000_001)? as usize,
+            None => defaults::DEAD_MAX,
+        };
+        let idle_poll = duration_or(source, &key("idle_poll"), &idle_poll, defaults::IDLE_POLL)?;
+        if idle_poll < Duration::from_millis(10) || idle_poll > Duration::from_secs(5) {
+            return Err(source.error(span, format!("{}: must be between 10ms and 5s (it also bounds how long a stopping daemon waits for its fetchers)", key("idle_poll"))));
+        }
+
+        Ok(QueueConfig {
+            name: name.into_inner(),
+            mode,
+            priorities,
+            default_priority,
+            workers,
+            batch,
+            prefetch,
+            lease_timeout,
+            execution_timeout,
+            alive_timeout,
+            retry_times,
+            on_handler_error,
+            backoff: backoff_value,
+            backoff_max,
+            dead_max,
+            idle_poll,
+        })
+    }
+}
+
+impl RawPlugin {
+    fn validate(
+        &self,
+        source: &Source<'_>,
+        name: &str,
+        span: Range<usize>,
+        plugins_dir: &Path,
+    ) -> Result<PluginConfig, ConfigError> {
+        let RawPlugin { file, config } = self;
+        let file = file.as_ref().ok_or_else(|| {
+            source.error(
+                span.clone(),
+                format!("plugins.{name}.file: missing; name the plugin's .so file, e.g. file = \"libkmq_{name}.so\""),
+            )
+        })?;
+        let config_json = match config {
+            Some(table) => serde_json::to_string(&toml_to_json(&toml::Value::Table(table.clone())))
+                .expect("a JSON value always serializes"),
+            None => "{}".to_string(),
+        };
+        Ok(PluginConfig {
+            name: name.to_string(),
+            file: plugins_dir.join(file.get_ref()),
+            config_json,
+            location: source.location(&span),
+        })
+    }
+}
+
+/// TOML is a superset of JSON's types but for datetimes, which become RFC 3339 strings.
+fn toml_to_json(value: &toml::Value) -> serde_json::Value {
+    use serde_json::Value as J;
+    match value {
+        toml::Value::String(s) => J::String(s.clone()),
+        toml::Value::Integer(i) => J::from(*i),
+        toml::Value::Float(f) => serde_json::Number::from_f64(*f).map_or(J::Null, J::Number),
+        toml::Value::Boolean(b) => J::Bool(*b),
+        toml::Value::Datetime(d) => J::String(d.to_string()),
+        toml::Value::Array(items) => J::Array(items.iter().map(toml_to_json).collect()),
+        toml::Value::Table(table) => J::Object(
+            table
+                .iter()
+                .map(|(k, v)| (k.clone(), toml_to_json(v)))
+                .collect(),
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config, String> {
+        Config::parse(Path::new("/etc/kmqd/queues.toml"), text).map_err(|e| e.to_string())
+    }
+
+    const MINIMAL: &str = "[[queues]]\nname = \"mail\"\nmode = \"safe\"\n";
+
+    #[test]
+    fn minimal_config_gets_documented_defaults() {
+        let config = parse(MINIMAL).unwrap();
+        let queue = &config.queues[0];
+        assert_eq!(queue.priorities, ["normal"]);
+        assert_eq!(queue.workers, defaults::WORKERS);
+        assert_eq!(queue.prefetch, queue.workers);
+        assert_eq!(queue.lease_timeout, defaults::LEASE_TIMEOUT);
+        assert_eq!(queue.execution_timeout, Some(defaults::EXECUTION_TIMEOUT));
+        assert_eq!(queue.alive_timeout, None);
+        assert_eq!(config.redis.key_prefix, "kmq");
+        assert_eq!(
+            config.redis.pool_size,
+            config.connections_needed() + 2,
+            "sized from the queues when not set"
+        );
+        assert_eq!(
+            config.daemon.plugins_dir,
+            PathBuf::from("/usr/lib/kmqd/plugins")
+        );
+    }
+
+    #[test]
+    fn relative_paths_are_resolved_against_the_config_file() {
+        let config = parse(
+            "[daemon]\nplugins_dir = \"plugins\"\n[plugins.echo]\nfile = \"libkmq_echo.so\"\n",
+        )
+        .unwrap();
+        assert_eq!(
+            config.daemon.plugins_dir,
+            PathBuf::from("/etc/kmqd/plugins")
+        );
+        assert_eq!(
+            config.plugins[0].file,
+            PathBuf::from("/etc/kmqd/plugins/libkmq_echo.so")
+        );
+        assert_eq!(config.plugins[0].config_json, "{}");
+    }
+
+    #[test]
+    fn default_priority_is_the_middle_or_first_level() {
+        for (levels, expected) in [
+            ("[\"a\"]", 0),
+            ("[\"a\", \"b\"]", 0),
+            ("[\"a\", \"b\", \"c\"]", 1),
+            ("[\"a\", \"b\", \"c\", \"d\"]", 1),
+        ] {
+            let config = parse(&format!("{MINIMAL}priorities = {levels}\n")).unwrap();
+            assert_eq!(config.queues[0].default_priority, expected, "for {levels}");
+        }
+    }
+
+    #[test]
+    fn plugin_config_table_becomes_json() {
+        let config = parse("[plugins.mail]\nfile = \"/opt/libmail.so\"\nconfig = { smtp = \"127.0.0.1:25\", tries = 2, when = 1979-05-27T07:32:00Z }\n").unwrap();
+        let json: serde_json::Value = serde_json::from_str(&config.plugins[0].config_json).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({"smtp": "127.0.0.1:25", "tries": 2, "when": "1979-05-27T07:32:00Z"})
+        );
+    }
+
+    /// Each bad config, and the location and words its error must contain.
+    #[test]
+    fn bad_configs_name_file_line_key_and_fix() {
+        let cases: &[(&str, &str, &[&str])] = &[
+            (
+                "[redis]\nurl = \"http://x\"\n",
+                "queues.toml:2:7",
+                &["redis.url", "redis://"],
+            ),
+            (
+                "[daemon]\nshutdown_grace = \"30 parsecs\"\n",
+                "queues.toml:2:18",
+                &["daemon.shutdown_grace", "\"30s\""],
+            ),
+            (
+                "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nworkers = 0\n",
+                "queues.toml:4:11",
+                &["queues[0].workers", "between 1 and 1024"],
+            ),
+            (
+                "[[queues]]\nname = \"mail\"\nmode = \"fast\"\n",
+                "queues.toml:3:8",
+                &["queues[0].mode", "\"default\", \"safe\""],
+            ),
+            (
+                "[[queues]]\nname = \"mail\"\n",
+                "queues.toml:1:1",
+                &["queues[0].mode", "mode = \"safe\""],
+            ),
+            (
+                "[[queues]]\nname = \"ma il\"\nmode = \"safe\"\n",
+                "queues.toml:2:8",
+                &["queues[0].name", "a-z"],
+            ),
+            (
+                "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nwrkers = 3\n",
+                "queues.toml:4:1",
+                &["unknown field `wrkers`", "`workers`"],
+            ),
+            (
+                "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nworkers = \"many\"\n",
+                "queues.toml:4:11",
+                &["invalid type"],
+            ),
+            (
+                "[[queues]]\nname = \"m\"\nmode = \"safe\"\nbatch = 5000\n",
+                "queues.toml:4:9",
+                &["queues[0].batch", "between 1 and 1000"],
+            ),
+            (
+                "[[queues]]\nname = \"m\"\nmode = \"safe\"\non_handler_error = \"ignore\"\n",
+                "queues.toml:4:20",
+                &["on_handler_error", "\"finish\""],
+            ),
+            (
+                "[[queues]]\nname = \"m\"\nmode = \"safe\"\npriorities = [\"hi\", \"hi\"]\n",
+                "queues.toml:4:14",
+                &["listed twice"],
+            ),
+            (
+                "[[queues]]\nname = \"m\"\nmode = \"safe\"\ndefault_priority = \"x\"\n",
+                "queues.toml:4:20",
+                &["not one of the queue's priorities"],
+            ),
+            (
+                "[[queues]]\nname = \"m\"\nmode = \"safe\"\n[[queues]]\nname = \"m\"\nmode = \"safe\"\n",
+                "queues.toml",
+                &["defined twice"],
+            ),
+            (
+                "[redis]\npool_size = 2\n[[queues]]\nname = \"m\"\nmode = \"safe\"\n",
+                "queues.toml",
+                &["redis.pool_size", "at least 6"],
+            ),
+            (
+                "[plugins.mail]\nconfig = {}\n",
+                "queues.toml:1:1",
+                &["plugins.mail.file", "libkmq_mail.so"],
+            ),
+            (
+                "[redis]\npassword_env = \"KMQD_TEST_SURELY_UNSET_VARIABLE\"\n",
+                "queues.toml:2:16",
+                &["is not set"],
+            ),
+            (
+                "[daemon]\nmetrics_addr = \"localhost\"\n",
+                "queues.toml:2:16",
+                &["daemon.metrics_addr", "127.0.0.1:9464"],
+            ),
+        ];
+        for (text, location, words) in cases {
+            let error = parse(text).expect_err(text);
+            assert!(
+                error.starts_with(&format!("/etc/kmqd/{location}")),
+                "{text:?}\n gave: {error}"
+            );
+            for word in *words {
+                assert!(
+                    error.contains(word),
+                    "{text:?}\n gave: {error}\n missing: {word}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(
+            redact_url("redis://user:secret@host:6379/0"),
+            "redis://user:***@host:6379/0"
+        );
+        assert_eq!(redact_url("redis://:secret@host/0"), "redis://:***@host/0");
+        assert_eq!(redact_url("redis://host:6379/0"), "redis://host:6379/0");
+        assert_eq!(
+            redact_url("unix:///run/redis.sock"),
+            "unix:///run/redis.sock"
+        );
+    }
+}

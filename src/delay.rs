@@ -1,0 +1,126 @@
+//! Delayed tasks and retries in backoff: per queue a poller thread moves due tasks into the ready lists, in
+//! batches, with the lock-free promote script; per daemon a listener thread tells pollers when a task became due
+//! sooner than they planned.
+//!
+//! A poller sleeps (on the local clock, which is precise, unlike Redis's blocking timeouts that round up to its
+//! 100 ms tick) until the earliest due time that the script reported, at most [`MAX_WAIT`]. Producers that add a
+//! task earlier than every other publish on the queue's delay channel, and the listener wakes the poller.
+//! [`MAX_WAIT`] bounds how late a task added by a producer that does not publish (a plain ZADD) can be.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, Sender, select};
+
+use crate::broker::{self, Connector, Session};
+use crate::config::MAX_BATCH;
+use crate::daemon::QueueContext;
+use crate::shutdown::{Backoff, Listener};
+
+/// The longest a poller sleeps without looking.
+pub const MAX_WAIT: Duration = Duration::from_secs(1);
+
+pub struct DelayPoller {
+    pub queue: Arc<QueueContext>,
+    pub connection: Session,
+    /// Wake-ups from the listener.
+    pub nudges: Receiver<()>,
+    pub background: Listener,
+}
+
+impl DelayPoller {
+    pub fn run(mut self) {
+        let mut backoff = Backoff::new();
+        loop {
+            let queue = &self.queue;
+            let result = self
+                .connection
+                .get()
+                .and_then(|connection| broker::promote(connection, &queue.keys, MAX_BATCH));
+            let wait = match result {
+                Ok((moved, _)) if moved == MAX_BATCH => {
+                    backoff.reset();
+                    continue;
+                }
+                Ok((_, next_due)) => {
+                    backoff.reset();
+                    next_due.unwrap_or(MAX_WAIT).min(MAX_WAIT)
+                }
+                Err(error) => {
+                    tracing::error!(queue = %queue.config.name, %error, "cannot move due tasks; retrying");
+                    self.connection.reset();
+                    if backoff.wait(&self.background) {
+                        break;
+                    }
+                    continue;
+                }
+            };
+            if wait.is_zero() {
+                continue;
+            }
+            select! {
+                recv(self.nudges) -> _ => {}
+                recv(self.background.receiver()) -> _ => break,
+                default(wait) => {}
+            }
+        }
+        tracing::debug!(queue = %self.queue.config.name, "delay poller stopped");
+    }
+}
+
+/// Subscribes to every queue's delay channel and nudges that queue's poller.
+pub struct DelayListener {
+    pub connector: Arc<Connector>,
+    /// Channel name -> the poller's nudge sender (capacity 1: one pending nudge is enough).
+    pub pollers: HashMap<String, Sender<()>>,
+    pub background: Listener,
+}
+
+impl DelayListener {
+    pub fn run(self) {
+        let mut backoff = Backoff::new();
+        while !self.background.is_triggered() {
+            if let Err(error) = self.listen() {
+                tracing::error!(%error, "delay listener lost its connection; reconnecting");
+                if backoff.wait(&self.background) {
+                    break;
+                }
+            } else {
+                backoff.reset();
+            }
+        }
+        tracing::debug!("delay listener stopped");
+    }
+
+    fn nudge_all(&self) {
+        for poller in self.pollers.values() {
+            let _ = poller.try_send(());
+        }
+    }
+
+    /// Listens until shutdown (Ok) or a connection error (Err).
+    fn listen(&self) -> broker::Result<()> {
+        let mut connection = self.connector.connect()?;
+        let mut pubsub = connection.as_pubsub();
+        for channel in self.pollers.keys() {
+            pubsub.subscribe(channel)?;
+        }
+        pubsub.set_read_timeout(Some(Duration::from_millis(500)))?;
+        // Whatever was published while we were not subscribed is lost: let every poller look once.
+        self.nudge_all();
+        while !self.background.is_triggered() {
+            match pubsub.get_message() {
+                Ok(message) => {
+                    if let Some(poller) = self.pollers.get(message.get_channel_name()) {
+                        // Full means a nudge is already pending: nothing is lost.
+                        let _ = poller.try_send(());
+                    }
+                }
+                Err(error) if error.is_timeout() => {}
+                Err(error) => return Err(error.into()),
+            }
+        }
+        Ok(())
+    }
+}

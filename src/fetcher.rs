@@ -1,0 +1,116 @@
+//! The fetcher: one thread per queue that takes tasks from Redis for the queue's workers.
+//!
+//! It claims only as many tasks as there are free slots (idle workers plus the configured prefetch), so a task
+//! never waits in this daemon's memory longer than that. When the queue is empty it blocks in Redis (safe mode:
+//! on the wake-up list that every enqueue path touches; default mode: on the ready lists themselves) for at
+//! most `idle_poll`, which also bounds how long shutdown waits for it.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Sender;
+
+use crate::broker::{self, Batch, Session};
+use crate::config::Mode;
+use crate::daemon::{Job, QueueContext};
+use crate::shutdown::{Backoff, Listener};
+
+/// How long the fetcher waits for a free slot before it looks at the shutdown flag again.
+const SLOT_WAIT: Duration = Duration::from_millis(200);
+
+pub struct Fetcher {
+    pub queue: Arc<QueueContext>,
+    pub connection: Session,
+    /// Fires when the daemon stops claiming.
+    pub claiming: Listener,
+    /// To the queue's workers. Dropped when this thread ends, which is how workers learn no more work comes.
+    pub jobs: Sender<Job>,
+}
+
+impl Fetcher {
+    pub fn run(mut self) {
+        let mut backoff = Backoff::new();
+        while !self.claiming.is_triggered() {
+            let free = self.queue.slots.acquire(self.queue.config.batch, SLOT_WAIT);
+            if free == 0 {
+                continue;
+            }
+            match self.fetch(free) {
+                Ok(batch) => {
+                    backoff.reset();
+                    let taken = batch.tasks.len();
+                    self.queue.slots.release(free - taken);
+                    self.dispatch(batch);
+                }
+                Err(error) => {
+                    self.queue.slots.release(free);
+                    tracing::error!(queue = %self.queue.config.name, %error, "cannot fetch tasks; retrying");
+                    self.connection.reset();
+                    backoff.wait(&self.claiming);
+                }
+            }
+        }
+        tracing::debug!(queue = %self.queue.config.name, "fetcher stopped");
+    }
+
+    /// Takes up to `free` tasks; when none is ready, waits up to `idle_poll` for one.
+    fn fetch(&mut self, free: usize) -> broker::Result<Batch> {
+        let queue = &self.queue;
+        let connection = self.connection.get()?;
+        match queue.config.mode {
+            Mode::Safe => {
+                let batch = broker::claim(
+                    connection,
+                    &queue.keys,
+                    &queue.config.priorities,
+                    free,
+                    queue.config.lease_timeout,
+                )?;
+                if batch.tasks.is_empty() {
+                    // A marker means "something was pushed": the next round claims it. No marker within
+                    // idle_poll: the next round looks anyway, which picks up producers that push no marker.
+                    broker::wait_wake(connection, &queue.keys, queue.config.idle_poll)?;
+                }
+                Ok(batch)
+            }
+            Mode::Default => {
+                let batch = broker::pop(connection, &queue.keys, free, None)?;
+                if batch.tasks.is_empty() {
+                    return broker::pop(
+                        connection,
+                        &queue.keys,
+                        free,
+                        Some(queue.config.idle_poll),
+                    );
+                }
+                Ok(batch)
+            }
+        }
+    }
+
+    fn dispatch(&self, batch: Batch) {
+        let claimed_at = Instant::now();
+        for taken in batch.tasks {
+            let token: Option<Arc<str>> = taken.token.map(Arc::from);
+            let payload: Arc<str> = Arc::from(taken.payload);
+            let (id, cancel) =
+                self.queue
+                    .inflight
+                    .insert(token.clone(), taken.level, Arc::clone(&payload));
+            let job = Job {
+                id,
+                token,
+                level: taken.level,
+                payload,
+                cancel,
+                claimed_at_ms: batch.now_ms,
+                claimed_at,
+            };
+            // The channel holds as many jobs as there are slots, and a job exists only for a taken slot, so this
+            // send never blocks. It fails only when every worker is gone, which happens after the fetcher stops.
+            if self.jobs.send(job).is_err() {
+                tracing::error!(queue = %self.queue.config.name, "workers are gone; the task stays held until its lease expires");
+            }
+        }
+    }
+}

@@ -1,0 +1,301 @@
+//! Loading a plugin and calling it through the C ABI of `plugins/include/kmq_plugin.h`.
+//!
+//! This is the only unsafe code of the daemon. The rules it relies on are the header's: the descriptor lives as
+//! long as the library, `handle` is thread-safe, buffers are host-owned, and nothing unwinds across the boundary.
+//! A library is never unloaded (its threads or thread-locals may outlive a call), so every pointer into it stays
+//! valid until the process exits.
+#![allow(unsafe_code)]
+
+use std::ffi::{CStr, c_char, c_void};
+use std::mem::{ManuallyDrop, offset_of};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU32;
+use std::time::Duration;
+
+use kmq_plugin::abi::{
+    self, EntryFn, HandleFn, KMQ_ABI_VERSION, KmqBuf, KmqPlugin, KmqStr, KmqTask, OnDeadFn,
+    PLUGIN_SYMBOL, ShutdownFn,
+};
+
+use super::PluginError;
+
+/// The smallest descriptor the host accepts: the v1 fields up to and including `handle`, the last one it needs.
+const MIN_STRUCT_SIZE: usize = offset_of!(KmqPlugin, handle) + size_of::<Option<HandleFn>>();
+
+/// How many bytes of message a plugin may return; longer messages are cut.
+pub const MESSAGE_CAPACITY: usize = 1024;
+
+/// A loaded, initialised plugin.
+pub struct LoadedPlugin {
+    /// The name the plugin gives itself.
+    pub name: String,
+    /// The canonical path of its library.
+    pub path: PathBuf,
+    /// The task types it handles.
+    pub types: Vec<String>,
+    handle: HandleFn,
+    on_dead: Option<OnDeadFn>,
+    shutdown: Option<ShutdownFn>,
+    /// Whatever `init` returned; only ever passed back to the plugin.
+    state: *mut c_void,
+    /// Never dropped: unloading a library that may still have threads or thread-locals alive is undefined.
+    _library: ManuallyDrop<libloading::Library>,
+}
+
+// SAFETY: the ABI requires `handle` to be thread-safe, and the host passes `state` back untouched; the other
+// fields are plain data. `on_dead` and `shutdown` are documented as callable from any thread.
+unsafe impl Send for LoadedPlugin {}
+// SAFETY: as above.
+unsafe impl Sync for LoadedPlugin {}
+
+/// The inputs of one run, borrowed for the call.
+pub struct Run<'a> {
+    pub id: &'a str,
+    pub queue: &'a str,
+    pub kind: &'a str,
+    pub data: &'a str,
+    pub attempt: u32,
+    pub created_at_ms: i64,
+    pub deadline_ms: i64,
+    pub cancel: &'a AtomicU32,
+}
+
+/// What `handle` returned.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Status {
+    Done,
+    Retry {
+        after: Option<Duration>,
+        message: String,
+    },
+    Fail {
+        message: String,
+    },
+    /// A status outside the ABI: treated as a handler error by the caller.
+    Unknown(i32),
+}
+
+/// Refuses a plugin file (or its directory) that someone else could have replaced: loading a library runs its
+/// code with the daemon's rights.
+fn check_trusted(path: &Path) -> Result<(), PluginError> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    let directory = path.parent().unwrap_or(Path::new("/"));
+    for (what, candidate) in [("file", path), ("directory", directory)] {
+        let metadata = std::fs::metadata(candidate).map_err(|error| PluginError::Open {
+            path: path.to_owned(),
+            message: format!("{}: {error}", candidate.display()),
+        })?;
+        let reason = if metadata.mode() & 0o022 != 0 {
+            Some(format!(
+                "its {what} {} is writable by group or others (mode {:o}); run chmod go-w on it",
+                candidate.display(),
+                metadata.mode() & 0o7777
+            ))
+        } else if metadata.uid() != 0 && metadata.uid() != euid {
+            Some(format!(
+                "its {what} {} is owned by uid {}, which is neither root nor the daemon's user (uid {euid})",
+                candidate.display(),
+                metadata.uid()
+            ))
+        } else {
+            None
+        };
+        if let Some(reason) = reason {
+            return Err(PluginError::Untrusted {
+                path: path.to_owned(),
+                reason,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Reads a NUL-terminated string owned by the plugin.
+///
+/// # Safety
+/// `ptr` must be null or point at a NUL-terminated string that lives as long as the library.
+unsafe fn c_string(ptr: *const c_char) -> Option<String> {
+    // SAFETY: the caller's contract.
+    (!ptr.is_null()).then(|| {
+        unsafe { CStr::from_ptr(ptr) }
+            .to_string_lossy()
+            .into_owned()
+    })
+}
+
+/// Loads the library at `path` (already canonical), checks its descriptor and runs `init` with `config_json`.
+pub fn load(path: &Path, config_json: &str) -> Result<LoadedPlugin, PluginError> {
+    check_trusted(path)?;
+    let open = |message: String| PluginError::Open {
+        path: path.to_owned(),
+        message,
+    };
+    // SAFETY: loading a library runs its initialisers. That is the point of a plugin; check_trusted above made
+    // sure only root or the daemon's own user could have put this file there.
+    let library =
+        unsafe { libloading::Library::new(path) }.map_err(|error| open(error.to_string()))?;
+    // SAFETY: the symbol's type is fixed by the ABI (`const kmq_plugin *kmq_plugin_v1(void)`).
+    let entry: EntryFn = match unsafe { library.get::<EntryFn>(PLUGIN_SYMBOL) } {
+        Ok(symbol) => *symbol,
+        Err(_) => {
+            return Err(PluginError::MissingSymbol {
+                path: path.to_owned(),
+            });
+        }
+    };
+    // SAFETY: calling the entry point is what the ABI prescribes; it returns a pointer into the library.
+    let descriptor = unsafe { entry() };
+    if descriptor.is_null() {
+        return Err(open("kmq_plugin_v1() returned NULL".to_string()));
+    }
+    // SAFETY: `abi_version` is the first field of every version of the descriptor, so reading it alone is valid
+    // whatever the plugin's version.
+    let abi_version = unsafe { std::ptr::read(descriptor.cast::<u32>()) };
+    if abi_version != KMQ_ABI_VERSION {
+        return Err(PluginError::AbiVersion {
+            path: path.to_owned(),
+            found: abi_version,
+            expected: KMQ_ABI_VERSION,
+        });
+    }
+    // SAFETY: version 1 guarantees `struct_size` as the second u32.
+    let struct_size = unsafe { std::ptr::read(descriptor.cast::<u32>().add(1)) } as usize;
+    if struct_size < MIN_STRUCT_SIZE {
+        return Err(PluginError::StructSize {
+            path: path.to_owned(),
+            found: struct_size,
+            minimum: MIN_STRUCT_SIZE,
+        });
+    }
+    // Read only the fields `struct_size` covers; later ones keep their defaults (None).
+    // SAFETY: the descriptor is at least MIN_STRUCT_SIZE bytes, which covers every field up to `handle`.
+    let (name, init, handle) =
+        unsafe { ((*descriptor).name, (*descriptor).init, (*descriptor).handle) };
+    let covers = |offset: usize, size: usize| offset + size <= struct_size;
+    // SAFETY: each optional field is read only when struct_size covers it.
+    let on_dead = if covers(
+        offset_of!(KmqPlugin, on_dead),
+        size_of::<Option<OnDeadFn>>(),
+    ) {
+        unsafe { (*descriptor).on_dead }
+    } else {
+        None
+    };
+    // SAFETY: as above.
+    let shutdown = if covers(
+        offset_of!(KmqPlugin, shutdown),
+        size_of::<Option<ShutdownFn>>(),
+    ) {
+        unsafe { (*descriptor).shutdown }
+    } else {
+        None
+    };
+    // SAFETY: the ABI makes `name` a NUL-terminated string owned by the library.
+    let name = unsafe { c_string(name) }.unwrap_or_else(|| path.display().to_string());
+    let handle = handle.ok_or_else(|| open(format!("plugin {name} has no handle function")))?;
+
+    let mut state = std::ptr::null_mut();
+    if let Some(init) = init {
+        let mut message = vec![0u8; MESSAGE_CAPACITY];
+        let mut err = KmqBuf {
+            ptr: message.as_mut_ptr().cast::<c_char>(),
+            cap: message.len(),
+            len: 0,
+        };
+        // SAFETY: init gets a borrowed config string and a host-owned buffer, both valid for the call.
+        state = unsafe { init(KmqStr::borrow(config_json), &mut err) };
+        if state.is_null() {
+            let len = err.len.min(message.len());
+            return Err(PluginError::InitFailed {
+                path: path.to_owned(),
+                name,
+                message: String::from_utf8_lossy(&message[..len]).into_owned(),
+            });
+        }
+    }
+    // `types` is read after init, which may have filled it from its config.
+    // SAFETY: within struct_size (checked above); the list is NULL-terminated and lives as long as the library.
+    let mut types = Vec::new();
+    let mut cursor = unsafe { (*descriptor).types };
+    if !cursor.is_null() {
+        // SAFETY: as above; the loop stops at the terminating NULL.
+        while let Some(kind) = unsafe { c_string(*cursor) } {
+            types.push(kind);
+            // SAFETY: not past the NULL terminator yet.
+            cursor = unsafe { cursor.add(1) };
+        }
+    }
+    Ok(LoadedPlugin {
+        name,
+        path: path.to_owned(),
+        types,
+        handle,
+        on_dead,
+        shutdown,
+        state,
+        _library: ManuallyDrop::new(library),
+    })
+}
+
+fn task_view<'a>(run: &'a Run<'a>, retry_after_ms: &'a mut i64) -> KmqTask {
+    KmqTask {
+        id: KmqStr::borrow(run.id),
+        queue: KmqStr::borrow(run.queue),
+        type_: KmqStr::borrow(run.kind),
+        data: KmqStr::borrow(run.data),
+        attempt: run.attempt,
+        created_at_ms: run.created_at_ms,
+        deadline_ms: run.deadline_ms,
+        cancel: run.cancel.as_ptr().cast_const(),
+        retry_after_ms,
+    }
+}
+
+impl LoadedPlugin {
+    /// Runs one attempt. `message` is the caller's scratch buffer, reused across calls.
+    pub fn handle(&self, run: &Run<'_>, message: &mut Vec<u8>) -> Status {
+        message.clear();
+        message.resize(MESSAGE_CAPACITY, 0);
+        let mut retry_after_ms: i64 = -1;
+        let task = task_view(run, &mut retry_after_ms);
+        let mut buf = KmqBuf {
+            ptr: message.as_mut_ptr().cast::<c_char>(),
+            cap: message.len(),
+            len: 0,
+        };
+        // SAFETY: the ABI call: every pointer in `task` and `buf` is valid until it returns, `state` is what init
+        // returned, and `handle` is thread-safe by contract.
+        let status = unsafe { (self.handle)(self.state, &task, &mut buf) };
+        let len = buf.len.min(MESSAGE_CAPACITY);
+        let text = || String::from_utf8_lossy(&message[..len]).into_owned();
+        match status {
+            abi::KMQ_DONE => Status::Done,
+            abi::KMQ_RETRY => Status::Retry {
+                after: (retry_after_ms >= 0).then(|| Duration::from_millis(retry_after_ms as u64)),
+                message: text(),
+            },
+            abi::KMQ_FAIL => Status::Fail { message: text() },
+            other => Status::Unknown(other),
+        }
+    }
+
+    /// Tells the plugin a task of its types was dead-lettered.
+    pub fn on_dead(&self, run: &Run<'_>, reason: &str) {
+        if let Some(on_dead) = self.on_dead {
+            let mut retry_after_ms = -1;
+            let task = task_view(run, &mut retry_after_ms);
+            // SAFETY: as in `handle`; `reason` is borrowed for the call.
+            unsafe { on_dead(self.state, &task, KmqStr::borrow(reason)) };
+        }
+    }
+
+    /// Calls the plugin's shutdown. The caller guarantees no `handle` is running or will run.
+    pub fn shutdown(&self) {
+        if let Some(shutdown) = self.shutdown {
+            // SAFETY: called once, after the last handle returned (the daemon's shutdown sequence).
+            unsafe { shutdown(self.state) };
+        }
+    }
+}

@@ -1,0 +1,271 @@
+//! Pure decisions: what happens to a task after a run (or instead of one). No I/O here, so every rule is
+//! table-tested below; docs/RELIABILITY.md states the same rules in prose.
+
+use std::time::Duration;
+
+use crate::config::{OnHandlerError, QueueConfig};
+
+/// The parts of a queue's config that decide a task's fate.
+#[derive(Clone, Debug)]
+pub struct Policy {
+    pub retry_times: u32,
+    pub on_handler_error: OnHandlerError,
+    pub backoff: Duration,
+    pub backoff_max: Duration,
+    pub alive_timeout: Option<Duration>,
+}
+
+impl Policy {
+    pub fn for_queue(queue: &QueueConfig) -> Policy {
+        Policy {
+            retry_times: queue.retry_times,
+            on_handler_error: queue.on_handler_error,
+            backoff: queue.backoff,
+            backoff_max: queue.backoff_max,
+            alive_timeout: queue.alive_timeout,
+        }
+    }
+
+    /// Whether a task created at `created_at_ms` is past its alive timeout at `now_ms` (both Redis's clock).
+    pub fn too_old(&self, created_at_ms: Option<i64>, now_ms: i64) -> Option<String> {
+        let (alive, created_at) = (self.alive_timeout?, created_at_ms?);
+        let age = Duration::from_millis((now_ms - created_at).max(0) as u64);
+        (age > alive).then(|| {
+            format!(
+                "older than alive_timeout: {} > {}",
+                humantime::format_duration(Duration::from_secs(age.as_secs())),
+                humantime::format_duration(alive)
+            )
+        })
+    }
+
+    /// The backoff before retry number `attempt + 1`: `backoff * 2^attempt`, at most `backoff_max`, plus up to
+    /// 25 % jitter so that tasks that failed together do not all come back together. The jitter comes from
+    /// `seed` (a hash of the task id), so a decision is reproducible.
+    pub fn backoff_for(&self, attempt: u32, seed: u64) -> Duration {
+        let base = self
+            .backoff
+            .saturating_mul(1u32.checked_shl(attempt.min(31)).unwrap_or(u32::MAX))
+            .min(self.backoff_max);
+        let jitter = base.mul_f64((seed % 1000) as f64 / 4000.0);
+        base + jitter
+    }
+}
+
+/// What a run came to, or why the task could not run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// The handler finished the task.
+    Done,
+    /// `KMQ_RETRY`, a panic, an execution timeout or a status outside the ABI; `after` is the handler's own delay.
+    HandlerError {
+        reason: String,
+        after: Option<Duration>,
+    },
+    /// `KMQ_FAIL`: the handler says the task can never succeed.
+    Fail { reason: String },
+    /// Safe mode: the daemon holding the task stopped renewing its lease (it died or hung).
+    LeaseExpired,
+    /// The task could not be run at all (malformed, no handler, too old).
+    Unrunnable { reason: String },
+}
+
+impl Verdict {
+    /// Whether a run happened and failed; such runs are counted in the `failed` statistic.
+    pub fn is_failed_run(&self) -> bool {
+        matches!(
+            self,
+            Verdict::HandlerError { .. } | Verdict::Fail { .. } | Verdict::LeaseExpired
+        )
+    }
+}
+
+/// What to do with the task.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Acknowledge it: it is done (also after a handler error under `on_handler_error = "finish"`).
+    Ack,
+    /// Queue it again with `attempt + 1` after `delay` (zero: at the front of its level at once).
+    Retry { delay: Duration, reason: String },
+    /// Move it to the dead-letter list.
+    Dead { reason: String },
+}
+
+/// Decides the fate of a task whose run number `attempt` (0 = first) came to `verdict`.
+pub fn decide(policy: &Policy, attempt: u32, verdict: Verdict, seed: u64) -> Action {
+    let out_of_retries = attempt >= policy.retry_times;
+    match verdict {
+        Verdict::Done => Action::Ack,
+        Verdict::Fail { reason } => Action::Dead { reason },
+        Verdict::Unrunnable { reason } => Action::Dead { reason },
+        Verdict::LeaseExpired => {
+            let reason = "lease expired: the daemon running it stopped heart-beating".to_string();
+            if out_of_retries {
+                Action::Dead {
+                    reason: format!("{reason}; no retries left after {} runs", attempt + 1),
+                }
+            } else {
+                Action::Retry {
+                    delay: Duration::ZERO,
+                    reason,
+                }
+            }
+        }
+        Verdict::HandlerError { reason, after } => match policy.on_handler_error {
+            OnHandlerError::Finish => Action::Ack,
+            OnHandlerError::Dead => Action::Dead { reason },
+            OnHandlerError::Retry if out_of_retries => Action::Dead {
+                reason: format!("{reason}; no retries left after {} runs", attempt + 1),
+            },
+            OnHandlerError::Retry => Action::Retry {
+                delay: after.unwrap_or_else(|| policy.backoff_for(attempt, seed)),
+                reason,
+            },
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(on_handler_error: OnHandlerError) -> Policy {
+        Policy {
+            retry_times: 2,
+            on_handler_error,
+            backoff: Duration::from_secs(1),
+            backoff_max: Duration::from_secs(60),
+            alive_timeout: Some(Duration::from_secs(3600)),
+        }
+    }
+
+    fn error(after: Option<u64>) -> Verdict {
+        Verdict::HandlerError {
+            reason: "boom".into(),
+            after: after.map(Duration::from_millis),
+        }
+    }
+
+    fn retry(ms: u64) -> Action {
+        Action::Retry {
+            delay: Duration::from_millis(ms),
+            reason: "boom".into(),
+        }
+    }
+
+    #[test]
+    fn decisions() {
+        use OnHandlerError::*;
+        let lease_reason = "lease expired: the daemon running it stopped heart-beating";
+        let cases: Vec<(OnHandlerError, u32, Verdict, Action)> = vec![
+            (Retry, 0, Verdict::Done, Action::Ack),
+            (Retry, 0, error(None), retry(1000)),
+            (Retry, 1, error(None), retry(2000)),
+            (Retry, 1, error(Some(250)), retry(250)),
+            (
+                Retry,
+                2,
+                error(None),
+                Action::Dead {
+                    reason: "boom; no retries left after 3 runs".into(),
+                },
+            ),
+            (Finish, 0, error(None), Action::Ack),
+            (
+                Dead,
+                0,
+                error(None),
+                Action::Dead {
+                    reason: "boom".into(),
+                },
+            ),
+            (
+                Retry,
+                0,
+                Verdict::Fail {
+                    reason: "bad".into(),
+                },
+                Action::Dead {
+                    reason: "bad".into(),
+                },
+            ),
+            (
+                Finish,
+                0,
+                Verdict::Fail {
+                    reason: "bad".into(),
+                },
+                Action::Dead {
+                    reason: "bad".into(),
+                },
+            ),
+            (
+                Finish,
+                0,
+                Verdict::LeaseExpired,
+                Action::Retry {
+                    delay: Duration::ZERO,
+                    reason: lease_reason.into(),
+                },
+            ),
+            (
+                Retry,
+                2,
+                Verdict::LeaseExpired,
+                Action::Dead {
+                    reason: format!("{lease_reason}; no retries left after 3 runs"),
+                },
+            ),
+            (
+                Retry,
+                0,
+                Verdict::Unrunnable { reason: "x".into() },
+                Action::Dead { reason: "x".into() },
+            ),
+        ];
+        for (mode, attempt, verdict, expected) in cases {
+            let label = format!("{mode:?} attempt {attempt} {verdict:?}");
+            assert_eq!(
+                decide(&policy(mode), attempt, verdict, 0),
+                expected,
+                "{label}"
+            );
+        }
+    }
+
+    #[test]
+    fn backoff_doubles_up_to_the_cap_with_bounded_jitter() {
+        let policy = policy(OnHandlerError::Retry);
+        let secs = |attempt| policy.backoff_for(attempt, 0).as_secs();
+        assert_eq!(
+            [secs(0), secs(1), secs(2), secs(5), secs(6), secs(40)],
+            [1, 2, 4, 32, 60, 60]
+        );
+        assert_eq!(
+            policy.backoff_for(1, 999),
+            Duration::from_micros(2_000_000 + 499_500),
+            "999/4000 of the base"
+        );
+    }
+
+    #[test]
+    fn age_is_checked_against_alive_timeout() {
+        let policy = policy(OnHandlerError::Retry);
+        let hour = 3_600_000;
+        assert_eq!(policy.too_old(Some(0), hour), None);
+        assert_eq!(
+            policy.too_old(Some(0), hour + 1_000).as_deref(),
+            Some("older than alive_timeout: 1h 1s > 1h")
+        );
+        assert_eq!(
+            policy.too_old(None, hour * 10),
+            None,
+            "no created_at: age unknown"
+        );
+        let forever = Policy {
+            alive_timeout: None,
+            ..policy
+        };
+        assert_eq!(forever.too_old(Some(0), hour * 10), None);
+    }
+}

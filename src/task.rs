@@ -1,0 +1,336 @@
+//! The task envelope: the only module that knows the wire format of a task (docs/PROTOCOL.md, "The envelope").
+//!
+//! An envelope is a JSON object. kmqd reads the fields it knows and keeps every other field byte for byte, so a
+//! task that is retried or dead-lettered comes back with whatever its producer put in it. `data` is never
+//! decoded by the daemon: it goes to the plugin as the JSON text the producer wrote.
+
+use std::fmt;
+
+use serde::de::{self, Deserializer, MapAccess, Visitor};
+use serde::{Deserialize, Serialize, Serializer, ser::SerializeMap};
+use serde_json::value::RawValue;
+
+/// The envelope version this build speaks. An envelope without `v` is version 1.
+pub const ENVELOPE_VERSION: u32 = 1;
+
+/// A decoded task envelope.
+#[derive(Clone, Debug)]
+pub struct Envelope {
+    /// Absent only in envelopes written by hand; the daemon then assigns one (see [`Envelope::ensure_id`]).
+    pub id: Option<String>,
+    /// Selects the handler.
+    pub kind: String,
+    /// The task's payload as JSON text (`null` when absent).
+    pub data: Box<RawValue>,
+    /// Enqueue time in ms on Redis's clock, stamped by the enqueue script when the producer gave none.
+    pub created_at: Option<i64>,
+    /// 0 on the first run.
+    pub attempt: u32,
+    /// The level the producer asked for; informational once the task is in a list.
+    pub priority: Option<String>,
+    /// Set when the task was pushed as unique: its id is held until the task is done or dead.
+    pub unique: bool,
+    /// Why the previous attempt failed.
+    pub last_error: Option<String>,
+    /// The envelope version, 1 when absent.
+    pub version: u32,
+    /// Every field kmqd does not know, kept as the producer wrote it.
+    pub extra: Vec<(String, Box<RawValue>)>,
+}
+
+impl PartialEq for Envelope {
+    fn eq(&self, other: &Envelope) -> bool {
+        // RawValue has no PartialEq: raw JSON is compared as text, which is what kmqd preserves.
+        let raw_eq = |a: &RawValue, b: &RawValue| a.get() == b.get();
+        self.id == other.id
+            && self.kind == other.kind
+            && raw_eq(&self.data, &other.data)
+            && self.created_at == other.created_at
+            && self.attempt == other.attempt
+            && self.priority == other.priority
+            && self.unique == other.unique
+            && self.last_error == other.last_error
+            && self.version == other.version
+            && self.extra.len() == other.extra.len()
+            && self
+                .extra
+                .iter()
+                .zip(&other.extra)
+                .all(|((ka, va), (kb, vb))| ka == kb && raw_eq(va, vb))
+    }
+}
+
+/// Why a payload is not a usable envelope. The text ends up in the dead-letter record.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("malformed task: {0}")]
+pub struct EnvelopeError(pub String);
+
+impl Envelope {
+    /// A new envelope as a producer makes it: attempt 0, no `created_at` (the enqueue script stamps it).
+    pub fn new(id: String, kind: String, data: Box<RawValue>) -> Envelope {
+        Envelope {
+            id: Some(id),
+            kind,
+            data,
+            created_at: None,
+            attempt: 0,
+            priority: None,
+            unique: false,
+            last_error: None,
+            version: ENVELOPE_VERSION,
+            extra: Vec::new(),
+        }
+    }
+
+    /// Decodes a payload taken from Redis.
+    pub fn decode(payload: &str) -> Result<Envelope, EnvelopeError> {
+        let envelope: Envelope =
+            serde_json::from_str(payload).map_err(|error| EnvelopeError(error.to_string()))?;
+        if envelope.version > ENVELOPE_VERSION {
+            return Err(EnvelopeError(format!(
+                "envelope version {} is newer than this kmqd speaks ({ENVELOPE_VERSION}); upgrade kmqd",
+                envelope.version
+            )));
+        }
+        Ok(envelope)
+    }
+
+    /// Encodes the envelope: known fields first, in a fixed order, then the producer's extra fields.
+    pub fn encode(&self) -> String {
+        // Serializing strings, integers and raw JSON into a String cannot fail.
+        serde_json::to_string(self).expect("envelope serialization is infallible")
+    }
+
+    /// The id, or `fallback` for a hand-written envelope without one. Retries and dead records write the id
+    /// back, so a task keeps the id it was first given.
+    pub fn ensure_id(&mut self, fallback: impl FnOnce() -> String) -> &str {
+        self.id.get_or_insert_with(fallback)
+    }
+
+    /// The id for logs and records: the empty string when the envelope has none.
+    pub fn id_str(&self) -> &str {
+        self.id.as_deref().unwrap_or("")
+    }
+}
+
+impl Serialize for Envelope {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut map = serializer.serialize_map(None)?;
+        if let Some(id) = &self.id {
+            map.serialize_entry("id", id)?;
+        }
+        map.serialize_entry("type", &self.kind)?;
+        map.serialize_entry("data", &self.data)?;
+        if let Some(created_at) = self.created_at {
+            map.serialize_entry("created_at", &created_at)?;
+        }
+        map.serialize_entry("attempt", &self.attempt)?;
+        if let Some(priority) = &self.priority {
+            map.serialize_entry("priority", priority)?;
+        }
+        if self.unique {
+            map.serialize_entry("unique", &true)?;
+        }
+        if let Some(last_error) = &self.last_error {
+            map.serialize_entry("last_error", last_error)?;
+        }
+        if self.version != ENVELOPE_VERSION {
+            map.serialize_entry("v", &self.version)?;
+        }
+        for (key, value) in &self.extra {
+            map.serialize_entry(key, value)?;
+        }
+        map.end()
+    }
+}
+
+/// The envelope's known keys; anything else is kept in `extra`.
+enum Field {
+    Id,
+    Type,
+    Data,
+    CreatedAt,
+    Attempt,
+    Priority,
+    Unique,
+    LastError,
+    Version,
+    Other(String),
+}
+
+impl<'de> Deserialize<'de> for Field {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Field, D::Error> {
+        struct FieldVisitor;
+        impl Visitor<'_> for FieldVisitor {
+            type Value = Field;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a field name")
+            }
+            fn visit_str<E: de::Error>(self, key: &str) -> Result<Field, E> {
+                Ok(match key {
+                    "id" => Field::Id,
+                    "type" => Field::Type,
+                    "data" => Field::Data,
+                    "created_at" => Field::CreatedAt,
+                    "attempt" => Field::Attempt,
+                    "priority" => Field::Priority,
+                    "unique" => Field::Unique,
+                    "last_error" => Field::LastError,
+                    "v" => Field::Version,
+                    other => Field::Other(other.to_string()),
+                })
+            }
+        }
+        deserializer.deserialize_identifier(FieldVisitor)
+    }
+}
+
+impl<'de> Deserialize<'de> for Envelope {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Envelope, D::Error> {
+        struct EnvelopeVisitor;
+
+        fn set<T, E: de::Error>(
+            slot: &mut Option<T>,
+            value: T,
+            name: &'static str,
+        ) -> Result<(), E> {
+            if slot.replace(value).is_some() {
+                return Err(E::duplicate_field(name));
+            }
+            Ok(())
+        }
+
+        impl<'de> Visitor<'de> for EnvelopeVisitor {
+            type Value = Envelope;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a task envelope: a JSON object with at least \"type\"")
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Envelope, A::Error> {
+                let (mut id, mut kind, mut data, mut created_at, mut attempt) =
+                    (None, None, None, None, None);
+                let (mut priority, mut unique, mut last_error, mut version) =
+                    (None, None, None, None);
+                let mut extra = Vec::new();
+                while let Some(field) = map.next_key::<Field>()? {
+                    match field {
+                        Field::Id => set(&mut id, map.next_value::<String>()?, "id")?,
+                        Field::Type => set(&mut kind, map.next_value::<String>()?, "type")?,
+                        Field::Data => set(&mut data, map.next_value::<Box<RawValue>>()?, "data")?,
+                        Field::CreatedAt => set(
+                            &mut created_at,
+                            map.next_value::<Option<i64>>()?,
+                            "created_at",
+                        )?,
+                        Field::Attempt => set(&mut attempt, map.next_value::<u32>()?, "attempt")?,
+                        Field::Priority => set(
+                            &mut priority,
+                            map.next_value::<Option<String>>()?,
+                            "priority",
+                        )?,
+                        Field::Unique => set(&mut unique, map.next_value::<bool>()?, "unique")?,
+                        Field::LastError => set(
+                            &mut last_error,
+                            map.next_value::<Option<String>>()?,
+                            "last_error",
+                        )?,
+                        Field::Version => set(&mut version, map.next_value::<u32>()?, "v")?,
+                        Field::Other(key) => extra.push((key, map.next_value::<Box<RawValue>>()?)),
+                    }
+                }
+                let kind: String = kind.ok_or_else(|| de::Error::missing_field("type"))?;
+                if kind.is_empty() {
+                    return Err(de::Error::invalid_value(
+                        de::Unexpected::Str(""),
+                        &"a non-empty task type",
+                    ));
+                }
+                Ok(Envelope {
+                    id,
+                    kind,
+                    // "null" is valid JSON, so the conversion cannot fail.
+                    data: data.unwrap_or_else(|| {
+                        RawValue::from_string("null".into()).expect("null is JSON")
+                    }),
+                    created_at: created_at.flatten(),
+                    attempt: attempt.unwrap_or(0),
+                    priority: priority.flatten(),
+                    unique: unique.unwrap_or(false),
+                    last_error: last_error.flatten(),
+                    version: version.unwrap_or(ENVELOPE_VERSION),
+                    extra,
+                })
+            }
+        }
+
+        deserializer.deserialize_map(EnvelopeVisitor)
+    }
+}
+
+/// Parses `text` as JSON for a task's `data`, with an error that says what was wrong.
+pub fn data_from_str(text: &str) -> Result<Box<RawValue>, String> {
+    RawValue::from_string(text.to_string())
+        .map_err(|error| format!("data is not valid JSON: {error}"))
+}
+
+/// A new random task id.
+pub fn new_id() -> String {
+    uuid::Uuid::new_v4().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_keeps_unknown_fields_and_data_byte_for_byte() {
+        let payload = r#"{"id":"a1","type":"mail.send","data":{"to": "x@y", "n": 12345678901234567890},"created_at":1700000000000,"attempt":2,"trace":{"span": 7},"priority":"high"}"#;
+        let envelope = Envelope::decode(payload).unwrap();
+        assert_eq!(envelope.id.as_deref(), Some("a1"));
+        assert_eq!(envelope.kind, "mail.send");
+        assert_eq!(
+            envelope.data.get(),
+            r#"{"to": "x@y", "n": 12345678901234567890}"#
+        );
+        assert_eq!(envelope.attempt, 2);
+        assert_eq!(envelope.created_at, Some(1_700_000_000_000));
+        let encoded = envelope.encode();
+        assert_eq!(
+            encoded,
+            r#"{"id":"a1","type":"mail.send","data":{"to": "x@y", "n": 12345678901234567890},"created_at":1700000000000,"attempt":2,"priority":"high","trace":{"span": 7}}"#
+        );
+        assert_eq!(Envelope::decode(&encoded).unwrap(), envelope);
+    }
+
+    #[test]
+    fn minimal_envelope_gets_defaults() {
+        let envelope = Envelope::decode(r#"{"type":"t"}"#).unwrap();
+        assert_eq!(envelope.id, None);
+        assert_eq!(envelope.data.get(), "null");
+        assert_eq!(envelope.attempt, 0);
+        assert!(!envelope.unique);
+        assert_eq!(envelope.encode(), r#"{"type":"t","data":null,"attempt":0}"#);
+    }
+
+    #[test]
+    fn malformed_payloads_say_what_is_wrong() {
+        let cases = [
+            ("not json", "expected ident"),
+            ("[1,2]", "a task envelope"),
+            (r#"{"id":"x"}"#, "missing field `type`"),
+            (r#"{"type":""}"#, "non-empty task type"),
+            (r#"{"type":"t","attempt":-1}"#, "invalid value"),
+            (r#"{"type":"t","type":"u"}"#, "duplicate field `type`"),
+            (r#"{"type":"t","v":2}"#, "newer than this kmqd speaks"),
+        ];
+        for (payload, expected) in cases {
+            let error = Envelope::decode(payload).unwrap_err().to_string();
+            assert!(error.starts_with("malformed task: "), "{payload}: {error}");
+            assert!(
+                error.contains(expected),
+                "{payload}: {error} (wanted {expected:?})"
+            );
+        }
+    }
+}

@@ -1,0 +1,236 @@
+//! The command line: exit codes, error messages that name file and line, push and stats.
+
+use crate::support::*;
+
+const QUEUE: &str =
+    "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\npriorities = [\"high\", \"normal\", \"low\"]\n";
+
+#[test]
+fn check_config_accepts_a_good_config_and_loads_its_plugins() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, QUEUE);
+    let (code, out, err) = kmqd(
+        &["--config", config.to_str().unwrap(), "check-config"],
+        None,
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("queue jobs: safe mode"), "{out}");
+    assert!(out.contains("types [\"test\"]"), "{out}");
+}
+
+#[test]
+fn check_config_names_file_line_and_key_and_exits_2() {
+    let dir = TestDir::new();
+    let path = dir.path("bad.toml");
+    std::fs::write(
+        &path,
+        "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\nworkers = 0\n",
+    )
+    .unwrap();
+    let (code, _, err) = kmqd(&["--config", path.to_str().unwrap(), "check-config"], None);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains(&format!(
+            "{}:4:11: queues[0].workers: 0 is out of range",
+            path.display()
+        )),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_missing_plugin_file_is_refused_by_name() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(
+        &redis,
+        &format!("{QUEUE}\n[plugins.gone]\nfile = \"libgone.so\"\n"),
+    );
+    let (code, _, err) = kmqd(
+        &["--config", config.to_str().unwrap(), "check-config"],
+        None,
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("libgone.so"), "{err}");
+}
+
+#[test]
+fn a_plugin_writable_by_others_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, QUEUE);
+    let plugin = dir.plugins_dir().join("libkmq_testkit.so");
+    std::fs::set_permissions(&plugin, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let (code, _, err) = kmqd(
+        &["--config", config.to_str().unwrap(), "check-config"],
+        None,
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("writable by group or others") && err.contains("chmod go-w"),
+        "{err}"
+    );
+}
+
+#[test]
+fn no_config_is_a_usage_error() {
+    let (code, _, err) = kmqd(&["stats"], None);
+    assert_eq!(code, 2);
+    assert!(err.contains("--config"), "{err}");
+}
+
+#[test]
+fn push_exit_codes() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, QUEUE);
+    let c = config.to_str().unwrap();
+    let (code, out, err) = kmqd(
+        &[
+            "-c",
+            c,
+            "push",
+            "jobs",
+            "test",
+            r#"{"a":1}"#,
+            "--priority",
+            "high",
+        ],
+        None,
+    );
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out.trim().len(), 36, "prints the generated id: {out}");
+    let (code, _, err) = kmqd(&["-c", c, "push", "nosuch", "test"], None);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("queue \"nosuch\" is not in the config; configured queues: jobs"),
+        "{err}"
+    );
+    let (code, _, err) = kmqd(&["-c", c, "push", "jobs", "test", "{oops"], None);
+    assert_eq!(code, 2);
+    assert!(err.contains("data is not valid JSON"), "{err}");
+    let (code, _, err) = kmqd(
+        &["-c", c, "push", "jobs", "test", "--priority", "urgent"],
+        None,
+    );
+    assert_eq!(code, 2);
+    assert!(err.contains("no priority \"urgent\""), "{err}");
+    assert_eq!(
+        kmqd(
+            &["-c", c, "push", "jobs", "test", "--id", "u", "--unique"],
+            None
+        )
+        .0,
+        0
+    );
+    let (code, _, err) = kmqd(
+        &["-c", c, "push", "jobs", "test", "--id", "u", "--unique"],
+        None,
+    );
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("task u is already queued"), "{err}");
+    let high: i64 = redis.cmd(&["LLEN", "kmq:{jobs}:ready:high"]);
+    let normal: i64 = redis.cmd(&["LLEN", "kmq:{jobs}:ready:normal"]);
+    assert_eq!((high, normal), (1, 1));
+}
+
+#[test]
+fn push_stdin_pushes_every_line_and_stops_at_a_bad_one() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, QUEUE);
+    let c = config.to_str().unwrap();
+    let lines: String = (0..2500).map(|i| format!("{{\"n\":{i}}}\n")).collect();
+    let (code, out, err) = kmqd(&["-c", c, "push", "jobs", "test", "--stdin"], Some(&lines));
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out.trim(), "pushed 2500 tasks to jobs");
+    assert_eq!(stats(&config, "jobs").ready, 2500);
+    let (code, _, err) = kmqd(
+        &["-c", c, "push", "jobs", "test", "--stdin"],
+        Some("1\n2\n\n{bad\n3\n"),
+    );
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("line 4: data is not valid JSON")
+            && err.contains("the 2 tasks before it were pushed"),
+        "{err}"
+    );
+    assert_eq!(stats(&config, "jobs").ready, 2502);
+}
+
+#[test]
+fn stats_json_has_the_documented_shape() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, QUEUE);
+    let c = config.to_str().unwrap();
+    assert_eq!(
+        kmqd(
+            &["-c", c, "push", "jobs", "test", "--priority", "low"],
+            None
+        )
+        .0,
+        0
+    );
+    let (code, out, err) = kmqd(&["-c", c, "stats", "--json"], None);
+    assert_eq!(code, 0, "{err}");
+    let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let jobs = &json["queues"]["jobs"];
+    for key in [
+        "ready",
+        "processing",
+        "delayed",
+        "dead",
+        "done",
+        "retried",
+        "failed",
+        "dead_lettered",
+    ] {
+        assert!(jobs[key].is_u64(), "{key} missing in {out}");
+    }
+    assert_eq!(jobs["ready"], 1);
+    assert_eq!(
+        jobs["ready_by_level"],
+        serde_json::json!({"high": 0, "normal": 0, "low": 1})
+    );
+    let (code, out, _) = kmqd(&["-c", c, "stats"], None);
+    assert_eq!(code, 0);
+    assert!(out.lines().nth(1).unwrap().starts_with("jobs"), "{out}");
+}
+
+#[test]
+fn push_to_an_unreachable_redis_is_a_runtime_error() {
+    let dir = TestDir::new();
+    let path = dir.path("down.toml");
+    let socket = dir.path("nobody-listens.sock");
+    std::fs::write(
+        &path,
+        format!(
+            "[redis]\nurl = \"unix://{}\"\nconnect_timeout = \"1s\"\n{QUEUE}",
+            socket.display()
+        ),
+    )
+    .unwrap();
+    let (code, _, err) = kmqd(
+        &["-c", path.to_str().unwrap(), "push", "jobs", "test"],
+        None,
+    );
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("redis"), "{err}");
+}
+
+#[test]
+fn every_example_config_parses() {
+    let dir = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/config"));
+    let mut seen = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            kmqd::Config::load(&path).unwrap_or_else(|e| panic!("{e}"));
+            seen += 1;
+        }
+    }
+    assert!(seen >= 2, "config/ holds the example configs");
+}

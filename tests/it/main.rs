@@ -1,0 +1,11 @@
+//! kmqd's integration tests: one binary (ripgrep's layout). Every test starts its own redis-server and loads
+//! real plugins built from this workspace (see `support`).
+
+mod support;
+
+mod cli;
+mod crash;
+mod default_mode;
+mod protocol;
+mod safe_mode;
+mod shutdown;

@@ -1,0 +1,501 @@
+//! Safe mode's guarantees (docs/RELIABILITY.md): nothing is lost, a live handler keeps its task, expired leases
+//! are recovered once, and every outcome ends where the policy says.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kmqd::broker::{self, Fence, SettleOp, Settlement};
+use kmqd::daemon::QueueContext;
+use kmqd::inflight::{InFlight, Slots};
+use kmqd::monitor::Monitor;
+use kmqd::plugin::Registry;
+use kmqd::policy::Policy;
+use kmqd::{Config, NewTask};
+
+use crate::support::*;
+
+fn safe(extra: &str) -> String {
+    format!(
+        "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\nworkers = 4\nbackoff = \"10ms\"\n{extra}\n"
+    )
+}
+
+fn dead_records(redis: &RedisServer) -> Vec<serde_json::Value> {
+    let dead: Vec<String> = redis.cmd(&["LRANGE", "kmq:{jobs}:dead", "0", "-1"]);
+    dead.iter()
+        .map(|r| serde_json::from_str(r).unwrap())
+        .collect()
+}
+
+fn wait_drained(config: &std::path::Path) -> kmqd::broker::QueueStats {
+    eventually(Duration::from_secs(30), "the queue to drain", || {
+        let s = stats(config, "jobs");
+        (s.ready + s.processing + s.delayed == 0, s)
+    })
+}
+
+#[test]
+fn every_pushed_task_ends_done_or_dead() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &safe("retry_times = 2"));
+    let daemon = TestDaemon::start(&config);
+    let outcomes = [
+        r#"{}"#,
+        r#"{"fail_attempts":1}"#,
+        r#"{"outcome":"fail"}"#,
+        r#"{"outcome":"retry"}"#,
+        r#"{"outcome":"panic"}"#,
+    ];
+    let tasks: Vec<NewTask> = (0..300)
+        .map(|i| NewTask::new("test", outcomes[i % outcomes.len()]).unwrap())
+        .collect();
+    let pushed = client(&config).push_batch("jobs", tasks).unwrap();
+    assert!(pushed.iter().all(|p| p.is_accepted()));
+    let s = wait_drained(&config);
+    // 60 of each kind: plain and fail-once end done; fail, retry-forever and panic-forever end dead.
+    assert_eq!((s.done, s.dead_lettered, s.dead), (120, 180, 180), "{s:?}");
+    assert_eq!(s.done + s.dead, s.pushed, "conservation: {s:?}");
+    // Retries: 60 fail-once retried once; retry and panic retried twice each.
+    assert_eq!(s.retried, 60 + 2 * 60 + 2 * 60, "{s:?}");
+    let records = dir.records();
+    assert_eq!(
+        records.deads.len(),
+        180,
+        "on_dead was called for every dead-lettered task"
+    );
+    daemon.stop();
+}
+
+#[test]
+fn slow_live_handler_keeps_its_task_past_the_lease() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &safe("lease_timeout = \"500ms\""));
+    let daemon = TestDaemon::start(&config);
+    client(&config)
+        .push(
+            "jobs",
+            NewTask::new("test", r#"{"sleep_ms":2000}"#)
+                .unwrap()
+                .id("slow"),
+        )
+        .unwrap();
+    let s = eventually(Duration::from_secs(20), "the slow task to finish", || {
+        let s = stats(&config, "jobs");
+        (s.done == 1, s)
+    });
+    assert_eq!((s.retried, s.failed), (0, 0), "{s:?}");
+    assert_eq!(
+        dir.records().runs_of("slow"),
+        1,
+        "never run twice while its lease is renewed"
+    );
+    daemon.stop();
+}
+
+#[test]
+fn fail_dead_letters_at_once_with_the_handler_reason() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &safe("retry_times = 5"));
+    let daemon = TestDaemon::start(&config);
+    client(&config)
+        .push(
+            "jobs",
+            NewTask::new("test", r#"{"outcome":"fail"}"#)
+                .unwrap()
+                .id("f1"),
+        )
+        .unwrap();
+    let records = eventually(Duration::from_secs(10), "the dead letter", || {
+        let dead = dead_records(&redis);
+        (dead.len() == 1, dead)
+    });
+    assert_eq!(records[0]["reason"], "testkit: asked to fail");
+    assert_eq!(records[0]["id"], "f1");
+    assert!(records[0]["dead_at"].as_i64().unwrap() > 0);
+    assert_eq!(dir.records().runs_of("f1"), 1);
+    eventually(Duration::from_secs(5), "on_dead", || {
+        (dir.records().deads.len() == 1, ())
+    });
+    daemon.stop();
+}
+
+#[test]
+fn on_handler_error_finish_counts_the_task_done() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &safe("on_handler_error = \"finish\""));
+    let daemon = TestDaemon::start(&config);
+    client(&config)
+        .push(
+            "jobs",
+            NewTask::new("test", r#"{"outcome":"retry"}"#).unwrap(),
+        )
+        .unwrap();
+    let s = eventually(Duration::from_secs(10), "the task to be finished", || {
+        let s = stats(&config, "jobs");
+        (s.done == 1, s)
+    });
+    assert_eq!((s.failed, s.retried, s.dead), (1, 0, 0), "{s:?}");
+    daemon.stop();
+}
+
+#[test]
+fn on_handler_error_dead_skips_retries() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(
+        &redis,
+        &safe("on_handler_error = \"dead\"\nretry_times = 5"),
+    );
+    let daemon = TestDaemon::start(&config);
+    client(&config)
+        .push(
+            "jobs",
+            NewTask::new("test", r#"{"outcome":"panic"}"#)
+                .unwrap()
+                .id("p"),
+        )
+        .unwrap();
+    let records = eventually(Duration::from_secs(10), "the dead letter", || {
+        let dead = dead_records(&redis);
+        (dead.len() == 1, dead)
+    });
+    assert!(
+        records[0]["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("panic: testkit: asked to panic"),
+        "{records:?}"
+    );
+    assert_eq!(dir.records().runs_of("p"), 1);
+    daemon.stop();
+}
+
+#[test]
+fn handler_panics_fail_their_task_and_the_daemon_keeps_working() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &safe("retry_times = 0"));
+    let daemon = TestDaemon::start(&config);
+    let client = client(&config);
+    let tasks: Vec<NewTask> = (0..100)
+        .map(|i| {
+            let data = if i % 10 == 0 {
+                r#"{"outcome":"panic"}"#
+            } else {
+                "{}"
+            };
+            NewTask::new("test", data).unwrap().id(format!("t{i}"))
+        })
+        .collect();
+    client.push_batch("jobs", tasks).unwrap();
+    let s = wait_drained(&config);
+    assert_eq!((s.done, s.dead), (90, 10), "{s:?}");
+    for record in dead_records(&redis) {
+        let id = record["id"].as_str().unwrap();
+        assert!(
+            id.trim_start_matches('t').parse::<u32>().unwrap() % 10 == 0,
+            "only panicking tasks are dead: {id}"
+        );
+    }
+    daemon.stop();
+}
+
+#[test]
+fn execution_timeout_cancels_the_run_and_counts_it_failed() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(
+        &redis,
+        &safe("execution_timeout = \"300ms\"\nretry_times = 1"),
+    );
+    let daemon = TestDaemon::start(&config);
+    client(&config)
+        .push(
+            "jobs",
+            NewTask::new("test", r#"{"until_cancelled":true}"#)
+                .unwrap()
+                .id("stuck"),
+        )
+        .unwrap();
+    let records = eventually(
+        Duration::from_secs(20),
+        "the timed-out task to be dead-lettered",
+        || {
+            let dead = dead_records(&redis);
+            (dead.len() == 1, dead)
+        },
+    );
+    assert!(
+        records[0]["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("execution timeout: still running after 300ms"),
+        "{records:?}"
+    );
+    let runs = dir.records();
+    assert_eq!(
+        runs.starts,
+        [("stuck".to_string(), 0), ("stuck".to_string(), 1)]
+    );
+    // The handler saw its cancel flag and returned; those late outcomes were ignored.
+    eventually(Duration::from_secs(5), "both runs to return", || {
+        (dir.records().ends.len() == 2, ())
+    });
+    let s = stats(&config, "jobs");
+    assert_eq!((s.failed, s.retried, s.done), (2, 1, 0), "{s:?}");
+    daemon.stop();
+}
+
+#[test]
+fn task_older_than_alive_timeout_is_dead_lettered_unrun() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &safe("alive_timeout = \"1s\""));
+    let daemon = TestDaemon::start(&config);
+    let (seconds, _): (i64, i64) = redis.cmd(&["TIME"]);
+    let old = format!(
+        r#"{{"id":"old","type":"test","created_at":{}}}"#,
+        (seconds - 60) * 1000
+    );
+    let _: i64 = redis.cmd(&["RPUSH", "kmq:{jobs}:ready:normal", &old]);
+    let _: i64 = redis.cmd(&["LPUSH", "kmq:{jobs}:wake", "1"]);
+    let records = eventually(
+        Duration::from_secs(10),
+        "the old task to be dead-lettered",
+        || {
+            let dead = dead_records(&redis);
+            (dead.len() == 1, dead)
+        },
+    );
+    assert!(
+        records[0]["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("older than alive_timeout: 1m"),
+        "{records:?}"
+    );
+    assert_eq!(
+        dir.records().runs_of("old"),
+        0,
+        "a task past its alive timeout never runs"
+    );
+    daemon.stop();
+}
+
+#[test]
+fn malformed_and_unhandled_tasks_are_dead_lettered_with_a_reason() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &safe(""));
+    let daemon = TestDaemon::start(&config);
+    for payload in [
+        "not json at all",
+        r#"{"id":"nt","data":1}"#,
+        r#"{"id":"nobody","type":"no.such.type"}"#,
+    ] {
+        let _: i64 = redis.cmd(&["RPUSH", "kmq:{jobs}:ready:normal", payload]);
+    }
+    let _: i64 = redis.cmd(&["LPUSH", "kmq:{jobs}:wake", "1"]);
+    let records = eventually(Duration::from_secs(10), "three dead letters", || {
+        let dead = dead_records(&redis);
+        (dead.len() == 3, dead)
+    });
+    let reason_of = |task: &str| {
+        records
+            .iter()
+            .find(|r| r["task"] == task)
+            .map(|r| r["reason"].as_str().unwrap().to_string())
+            .unwrap()
+    };
+    assert!(reason_of("not json at all").starts_with("malformed task: expected"));
+    assert_eq!(
+        reason_of(r#"{"id":"nt","data":1}"#),
+        "malformed task: missing field `type` at line 1 column 20"
+    );
+    assert_eq!(
+        reason_of(r#"{"id":"nobody","type":"no.such.type"}"#),
+        "no plugin handles task type \"no.such.type\""
+    );
+    let s = stats(&config, "jobs");
+    assert_eq!(
+        (s.dead_lettered, s.failed, s.processing),
+        (3, 0, 0),
+        "nothing ran, so nothing failed: {s:?}"
+    );
+    daemon.stop();
+}
+
+#[test]
+fn unique_id_is_refused_while_live_and_accepted_once_done() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &safe(""));
+    let client = client(&config);
+    let unique = |data: &str| NewTask::new("test", data).unwrap().id("only-one").unique();
+    assert!(client.push("jobs", unique("{}")).unwrap().is_accepted());
+    assert!(
+        !client.push("jobs", unique("{}")).unwrap().is_accepted(),
+        "refused while ready"
+    );
+    let daemon = TestDaemon::start(&config);
+    eventually(
+        Duration::from_secs(10),
+        "the unique task to be done",
+        || (stats(&config, "jobs").done == 1, ()),
+    );
+    assert!(
+        client.push("jobs", unique("{}")).unwrap().is_accepted(),
+        "accepted again once done"
+    );
+    eventually(Duration::from_secs(10), "the second one to be done", || {
+        (stats(&config, "jobs").done == 2, ())
+    });
+    daemon.stop();
+}
+
+/// A queue context like the daemon builds, for driving one component directly.
+fn context(config: &Config) -> Arc<QueueContext> {
+    let queue = config.queues[0].clone();
+    Arc::new(QueueContext {
+        keys: broker::QueueKeys::for_queue(&config.redis.key_prefix, &queue),
+        policy: Policy::for_queue(&queue),
+        inflight: InFlight::default(),
+        slots: Slots::new(1),
+        config: queue,
+    })
+}
+
+fn monitor(config: &Config, queue: &Arc<QueueContext>) -> Monitor {
+    Monitor {
+        queues: vec![Arc::clone(queue)],
+        connection: broker::Session::new(broker::pool(&config.redis).unwrap()),
+        registry: Arc::new(Registry::empty()),
+        daemon_id: Arc::from("test:0"),
+        background: kmqd::shutdown::Trigger::new().listener(),
+    }
+}
+
+#[test]
+fn expired_lease_is_retried_at_the_front_with_attempt_plus_one() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let path = dir.config(&redis, &safe("lease_timeout = \"300ms\""));
+    let config = Config::load(&path).unwrap();
+    let queue = context(&config);
+    let client = client(&path);
+    client
+        .push("jobs", NewTask::new("test", "{}").unwrap().id("claimed"))
+        .unwrap();
+    // A daemon claims the task, then dies: nobody renews the lease.
+    let mut connection = redis.connection();
+    let levels = &queue.config.priorities;
+    let batch = broker::claim(
+        &mut connection,
+        &queue.keys,
+        levels,
+        10,
+        Duration::from_millis(300),
+    )
+    .unwrap();
+    assert_eq!(batch.tasks.len(), 1);
+    client
+        .push("jobs", NewTask::new("test", "{}").unwrap().id("behind"))
+        .unwrap();
+    let mut monitor = monitor(&config, &queue);
+    assert_eq!(monitor.recover_now(), 0, "the lease has not expired yet");
+    eventually(
+        Duration::from_secs(5),
+        "the lease to expire and be recovered",
+        || (monitor.recover_now() == 1, ()),
+    );
+    let ready: Vec<String> = redis.cmd(&["LRANGE", "kmq:{jobs}:ready:normal", "0", "-1"]);
+    assert_eq!(ready.len(), 2);
+    let first = kmqd::task::Envelope::decode(&ready[0]).unwrap();
+    assert_eq!(
+        (first.id.as_deref(), first.attempt),
+        (Some("claimed"), 1),
+        "recovered task is first in line"
+    );
+    assert!(first.last_error.unwrap().starts_with("lease expired"));
+    let s = stats(&path, "jobs");
+    assert_eq!((s.processing, s.retried, s.failed), (0, 1, 1), "{s:?}");
+    // The dead daemon's acknowledgement, arriving late, is fenced off.
+    let token = batch.tasks[0].token.clone();
+    let late = Settlement {
+        op: SettleOp::Ack,
+        token,
+        unique_id: None,
+        level: 0,
+        payload: String::new(),
+        failed: false,
+    };
+    let applied = broker::settle(&mut connection, &queue.keys, Fence::Owner, 100, &[late]).unwrap();
+    assert_eq!(applied, [false]);
+    assert_eq!(stats(&path, "jobs").done, 0);
+}
+
+#[test]
+fn monitors_racing_on_the_same_leases_recover_each_task_once() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let path = dir.config(&redis, &safe("lease_timeout = \"300ms\""));
+    let config = Config::load(&path).unwrap();
+    let queue = context(&config);
+    let tasks: Vec<NewTask> = (0..500)
+        .map(|i| NewTask::new("test", "{}").unwrap().id(format!("t{i}")))
+        .collect();
+    client(&path).push_batch("jobs", tasks).unwrap();
+    let mut connection = redis.connection();
+    for _ in 0..5 {
+        broker::claim(
+            &mut connection,
+            &queue.keys,
+            &queue.config.priorities,
+            100,
+            Duration::from_millis(300),
+        )
+        .unwrap();
+    }
+    eventually(Duration::from_secs(5), "the leases to expire", || {
+        let expired: i64 = redis.cmd(&["ZCOUNT", "kmq:{jobs}:leases", "-inf", "+inf"]);
+        let (now, _): (i64, i64) = redis.cmd(&["TIME"]);
+        let live: i64 = redis.cmd(&[
+            "ZCOUNT",
+            "kmq:{jobs}:leases",
+            &format!("{}", now * 1000),
+            "+inf",
+        ]);
+        (expired == 500 && live == 0, (expired, live))
+    });
+    let recovered: usize = std::thread::scope(|scope| {
+        let racers: Vec<_> = (0..4)
+            .map(|_| {
+                let mut monitor = monitor(&config, &queue);
+                scope.spawn(move || (0..20).map(|_| monitor.recover_now()).sum::<usize>())
+            })
+            .collect();
+        racers.into_iter().map(|r| r.join().unwrap()).sum()
+    });
+    assert_eq!(
+        recovered, 500,
+        "each expired lease recovered by exactly one monitor"
+    );
+    let ready: Vec<String> = redis.cmd(&["LRANGE", "kmq:{jobs}:ready:normal", "0", "-1"]);
+    let mut ids: Vec<String> = ready
+        .iter()
+        .map(|p| kmqd::task::Envelope::decode(p).unwrap().id.unwrap())
+        .collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(
+        (ready.len(), ids.len()),
+        (500, 500),
+        "no task duplicated, none lost"
+    );
+    let s = stats(&path, "jobs");
+    assert_eq!((s.processing, s.retried), (0, 500), "{s:?}");
+}

@@ -1,0 +1,171 @@
+//! Graceful shutdown: SIGTERM stops claiming, lets running tasks finish within `shutdown_grace`, hands back what
+//! did not (safe mode), and exits 0. A second signal exits at once.
+
+use std::time::Duration;
+
+use kmqd::NewTask;
+
+use crate::support::*;
+
+const SIGINT: i32 = 2;
+const SIGTERM: i32 = 15;
+
+fn queue(extra: &str) -> String {
+    format!("[[queues]]\nname = \"jobs\"\nmode = \"safe\"\nworkers = 1\nprefetch = 5\n{extra}\n")
+}
+
+fn wait_started(dir: &TestDir, id: &str) {
+    eventually(Duration::from_secs(10), "the task to start", || {
+        (dir.records().runs_of(id) == 1, ())
+    });
+}
+
+#[test]
+fn sigterm_lets_the_running_task_finish_and_hands_back_the_prefetched_ones() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &queue(""));
+    let release = dir.path("release");
+    let client = client(&config);
+    let first = format!(r#"{{"wait_for_file":"{}"}}"#, release.display());
+    client
+        .push("jobs", NewTask::new("test", &first).unwrap().id("running"))
+        .unwrap();
+    client
+        .push_batch(
+            "jobs",
+            (0..5).map(|i| {
+                NewTask::new("test", "{}")
+                    .unwrap()
+                    .id(format!("waiting{i}"))
+            }),
+        )
+        .unwrap();
+    let mut daemon = Process::start(&config, dir.path("kmqd.log"));
+    wait_started(&dir, "running");
+    eventually(
+        Duration::from_secs(10),
+        "the prefetch to be claimed",
+        || {
+            let s = stats(&config, "jobs");
+            (s.processing == 6, s)
+        },
+    );
+    daemon.signal(SIGTERM);
+    eventually(
+        Duration::from_secs(10),
+        "the daemon to stop claiming",
+        || (daemon.log_text().contains("no new tasks are taken"), ()),
+    );
+    // The running task may finish within the grace period.
+    std::fs::write(&release, "").unwrap();
+    let code = daemon.wait_within(Duration::from_secs(20));
+    assert_eq!(code, Some(0), "{}", daemon.log_text());
+    let s = stats(&config, "jobs");
+    assert_eq!(
+        (s.done, s.ready, s.processing),
+        (1, 5, 0),
+        "{s:?}\n{}",
+        daemon.log_text()
+    );
+    let records = dir.records();
+    assert_eq!(
+        records.starts.len(),
+        1,
+        "prefetched tasks were handed back, not started: {records:?}"
+    );
+    let ready: Vec<String> = redis.cmd(&["LRANGE", "kmq:{jobs}:ready:normal", "0", "-1"]);
+    assert!(
+        ready.iter().all(|p| p.contains(r#""attempt":0"#)),
+        "a hand-back is not a failed attempt: {ready:?}"
+    );
+}
+
+#[test]
+fn a_task_still_running_after_the_grace_is_handed_back() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config_with(&redis, "shutdown_grace = \"300ms\"", &queue(""));
+    client(&config)
+        .push(
+            "jobs",
+            NewTask::new("test", r#"{"until_cancelled":true}"#)
+                .unwrap()
+                .id("long"),
+        )
+        .unwrap();
+    let mut daemon = Process::start(&config, dir.path("kmqd.log"));
+    wait_started(&dir, "long");
+    daemon.signal(SIGTERM);
+    assert_eq!(
+        daemon.wait_within(Duration::from_secs(20)),
+        Some(0),
+        "{}",
+        daemon.log_text()
+    );
+    let s = stats(&config, "jobs");
+    assert_eq!(
+        (s.ready, s.processing, s.done, s.failed),
+        (1, 0, 0, 0),
+        "handed back, not failed: {s:?}"
+    );
+}
+
+#[test]
+fn a_handler_that_ignores_cancel_does_not_hold_the_daemon() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config_with(&redis, "shutdown_grace = \"300ms\"", &queue(""));
+    let data = r#"{"until_cancelled":true,"ignore_cancel":true}"#;
+    client(&config)
+        .push("jobs", NewTask::new("test", data).unwrap().id("deaf"))
+        .unwrap();
+    let mut daemon = Process::start(&config, dir.path("kmqd.log"));
+    wait_started(&dir, "deaf");
+    daemon.signal(SIGTERM);
+    assert_eq!(
+        daemon.wait_within(Duration::from_secs(30)),
+        Some(0),
+        "{}",
+        daemon.log_text()
+    );
+    assert!(
+        daemon.log_text().contains("plugin shutdown skipped"),
+        "{}",
+        daemon.log_text()
+    );
+    let s = stats(&config, "jobs");
+    assert_eq!((s.ready, s.processing), (1, 0), "handed back: {s:?}");
+}
+
+#[test]
+fn a_second_signal_exits_at_once() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config_with(&redis, "shutdown_grace = \"1h\"", &queue(""));
+    client(&config)
+        .push(
+            "jobs",
+            NewTask::new("test", r#"{"until_cancelled":true,"ignore_cancel":true}"#)
+                .unwrap()
+                .id("x"),
+        )
+        .unwrap();
+    let mut daemon = Process::start(&config, dir.path("kmqd.log"));
+    wait_started(&dir, "x");
+    daemon.signal(SIGINT);
+    eventually(
+        Duration::from_secs(10),
+        "the first signal to be logged",
+        || (daemon.log_text().contains("shutting down gracefully"), ()),
+    );
+    daemon.signal(SIGINT);
+    assert_eq!(
+        daemon.wait_within(Duration::from_secs(10)),
+        Some(128 + SIGINT),
+        "{}",
+        daemon.log_text()
+    );
+    // The task stays in the processing area; its lease brings it back.
+    assert_eq!(stats(&config, "jobs").processing, 1);
+}

@@ -1,0 +1,405 @@
+//! Test fixtures: a private redis-server per test, real plugins built from this workspace, daemons run in-process
+//! or as the real binary, and `eventually` to poll a condition with a deadline instead of sleeping.
+
+#![allow(dead_code)]
+
+use std::fs;
+use std::io::Write;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kmqd::Config;
+use kmqd::broker::QueueStats;
+use kmqd::daemon::DaemonError;
+use kmqd::plugin::Registry;
+
+/// Polls `condition` every 5 ms until it holds; panics with `what` (and the last observed value) after `within`.
+pub fn eventually<T: std::fmt::Debug>(
+    within: Duration,
+    what: &str,
+    mut condition: impl FnMut() -> (bool, T),
+) -> T {
+    let deadline = Instant::now() + within;
+    loop {
+        let (ok, observed) = condition();
+        if ok {
+            return observed;
+        }
+        if Instant::now() >= deadline {
+            panic!("timed out after {within:?} waiting for {what}; last observed: {observed:?}");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn redis_server_binary() -> PathBuf {
+    let found = std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|paths| std::env::split_paths(&paths).collect::<Vec<_>>())
+        .chain([PathBuf::from("/usr/bin"), PathBuf::from("/usr/sbin")])
+        .map(|dir| dir.join("redis-server"))
+        .find(|path| path.is_file());
+    found.unwrap_or_else(|| {
+        panic!("redis-server not found: the tests need it. Run scripts/test, which installs it, or apt-get install redis-server")
+    })
+}
+
+/// A redis-server of the test's own: unix socket in a temp dir, no persistence, killed on drop.
+pub struct RedisServer {
+    child: Child,
+    pub dir: tempfile::TempDir,
+    pub socket: PathBuf,
+}
+
+impl RedisServer {
+    pub fn start() -> RedisServer {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let socket = dir.path().join("redis.sock");
+        let log = dir.path().join("redis.log");
+        let child = Command::new(redis_server_binary())
+            .args([
+                "--port",
+                "0",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--unixsocketperm",
+                "700",
+            ])
+            .arg("--unixsocket")
+            .arg(&socket)
+            .arg("--dir")
+            .arg(dir.path())
+            .arg("--logfile")
+            .arg(&log)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start redis-server");
+        let server = RedisServer { child, dir, socket };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(mut connection) = server.try_connect() {
+                if redis::cmd("PING").query::<String>(&mut connection).is_ok() {
+                    break;
+                }
+            }
+            if Instant::now() > deadline {
+                panic!(
+                    "redis-server did not answer PING within 10 s; its log:\n{}",
+                    fs::read_to_string(&log).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        server
+    }
+
+    pub fn url(&self) -> String {
+        format!("unix://{}", self.socket.display())
+    }
+
+    fn try_connect(&self) -> redis::RedisResult<redis::Connection> {
+        redis::Client::open(self.url())?.get_connection()
+    }
+
+    pub fn connection(&self) -> redis::Connection {
+        self.try_connect()
+            .expect("connect to the test's redis-server")
+    }
+
+    /// Runs one command.
+    pub fn cmd<T: redis::FromRedisValue>(&self, args: &[&str]) -> T {
+        let mut command = redis::cmd(args[0]);
+        for arg in &args[1..] {
+            command.arg(*arg);
+        }
+        command
+            .query(&mut self.connection())
+            .unwrap_or_else(|error| panic!("{args:?}: {error}"))
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The directory cargo put this test binary's profile in (target/debug or target/release).
+fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    // target/<profile>/deps/it-<hash>
+    exe.parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>")
+        .to_owned()
+}
+
+/// Builds the workspace's example plugins once per test run and returns the directory holding the .so files.
+pub fn built_plugins() -> &'static Path {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        let dir = profile_dir();
+        let mut command = Command::new(env!("CARGO"));
+        command.current_dir(env!("CARGO_MANIFEST_DIR")).args([
+            "build",
+            "--quiet",
+            "-p",
+            "kmq-testkit",
+            "-p",
+            "kmq-echo",
+        ]);
+        if dir.ends_with("release") {
+            command.arg("--release");
+        }
+        let status = command.status().expect("run cargo build for the plugins");
+        assert!(status.success(), "building the test plugins failed");
+        dir
+    })
+}
+
+/// A test's private directory: its plugins (copied, so every test loads its own instance), config and records.
+pub struct TestDir {
+    pub dir: tempfile::TempDir,
+}
+
+impl TestDir {
+    pub fn new() -> TestDir {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let plugins = dir.path().join("plugins");
+        fs::create_dir(&plugins).unwrap();
+        fs::set_permissions(&plugins, fs::Permissions::from_mode(0o755)).unwrap();
+        for name in ["libkmq_testkit.so", "libkmq_echo.so"] {
+            let target = plugins.join(name);
+            fs::copy(built_plugins().join(name), &target)
+                .unwrap_or_else(|e| panic!("copy {name}: {e}"));
+            fs::set_permissions(&target, fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        TestDir { dir }
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    pub fn plugins_dir(&self) -> PathBuf {
+        self.path("plugins")
+    }
+
+    /// The file the testkit plugin records runs in.
+    pub fn record_file(&self) -> PathBuf {
+        self.path("runs.log")
+    }
+
+    /// Writes a config: `[redis]` and `[daemon]` pointing at `redis` and this dir, the testkit plugin recording
+    /// to [`TestDir::record_file`], then `queues` (TOML `[[queues]]` entries).
+    pub fn config(&self, redis: &RedisServer, queues: &str) -> PathBuf {
+        self.config_with(redis, "shutdown_grace = \"5s\"", queues)
+    }
+
+    /// As [`TestDir::config`], with extra `[daemon]` keys.
+    pub fn config_with(&self, redis: &RedisServer, daemon: &str, queues: &str) -> PathBuf {
+        let text = format!(
+            "[redis]\nurl = \"{url}\"\n\n[daemon]\nplugins_dir = \"{plugins}\"\n{daemon}\n\n{queues}\n\n\
+             [plugins.testkit]\nfile = \"libkmq_testkit.so\"\nconfig = {{ record = \"{record}\" }}\n",
+            url = redis.url(),
+            plugins = self.plugins_dir().display(),
+            record = self.record_file().display(),
+        );
+        let path = self.path("kmqd.toml");
+        fs::write(&path, text).unwrap();
+        path
+    }
+
+    /// The runs the testkit plugin recorded.
+    pub fn records(&self) -> Records {
+        Records::parse(&fs::read_to_string(self.record_file()).unwrap_or_default())
+    }
+}
+
+/// The lines of the testkit record file.
+#[derive(Debug, Default)]
+pub struct Records {
+    /// (id, attempt) of every run that started.
+    pub starts: Vec<(String, u32)>,
+    /// (id, attempt, outcome) of every run that returned.
+    pub ends: Vec<(String, u32, String)>,
+    /// (id, attempt, reason) of every on_dead call.
+    pub deads: Vec<(String, u32, String)>,
+}
+
+impl Records {
+    fn parse(text: &str) -> Records {
+        let mut records = Records::default();
+        for line in text.lines() {
+            let mut parts = line.splitn(4, ' ');
+            let (kind, id, attempt, rest) = (
+                parts.next(),
+                parts.next(),
+                parts.next(),
+                parts.next().unwrap_or(""),
+            );
+            let (Some(kind), Some(id), Some(attempt)) = (kind, id, attempt) else {
+                continue;
+            };
+            let attempt: u32 = attempt.parse().unwrap_or(u32::MAX);
+            match kind {
+                "start" => records.starts.push((id.to_string(), attempt)),
+                "end" => records
+                    .ends
+                    .push((id.to_string(), attempt, rest.to_string())),
+                "dead" => records
+                    .deads
+                    .push((id.to_string(), attempt, rest.to_string())),
+                _ => {}
+            }
+        }
+        records
+    }
+
+    /// How many runs of `id` started.
+    pub fn runs_of(&self, id: &str) -> usize {
+        self.starts.iter().filter(|(i, _)| i == id).count()
+    }
+}
+
+/// A daemon running in this process (the library entry point, as `main` uses it).
+pub struct TestDaemon {
+    stop: crossbeam_channel::Sender<()>,
+    handle: Option<JoinHandle<Result<(), DaemonError>>>,
+}
+
+impl TestDaemon {
+    pub fn start(config_path: &Path) -> TestDaemon {
+        let config = Config::load(config_path).expect("test config is valid");
+        let registry = Arc::new(Registry::load(&config).expect("test plugins load"));
+        let (stop, stop_rx) = crossbeam_channel::bounded(1);
+        let handle = std::thread::Builder::new()
+            .name("test-daemon".into())
+            .spawn(move || kmqd::daemon::run(&config, registry, stop_rx))
+            .unwrap();
+        TestDaemon {
+            stop,
+            handle: Some(handle),
+        }
+    }
+
+    /// Asks for a graceful stop and waits for it (at most `within`).
+    pub fn stop_within(mut self, within: Duration) -> Result<(), DaemonError> {
+        let _ = self.stop.send(());
+        let handle = self.handle.take().expect("running");
+        eventually(within, "the daemon to stop", || (handle.is_finished(), ()));
+        handle.join().expect("daemon thread did not panic")
+    }
+
+    pub fn stop(self) {
+        self.stop_within(Duration::from_secs(30))
+            .expect("daemon stopped cleanly");
+    }
+}
+
+impl Drop for TestDaemon {
+    fn drop(&mut self) {
+        // A test that panicked before stopping its daemon: stop it, but do not wait (the test already failed).
+        let _ = self.stop.send(());
+    }
+}
+
+/// The real `kmqd` binary as a child process, with its output in a log file.
+pub struct Process {
+    pub child: Child,
+    pub log: PathBuf,
+}
+
+impl Process {
+    pub fn start(config_path: &Path, log: PathBuf) -> Process {
+        let out = fs::File::create(&log).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_kmqd"))
+            .arg("--config")
+            .arg(config_path)
+            .env("RUST_LOG", "kmqd=debug")
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .expect("start kmqd");
+        Process { child, log }
+    }
+
+    pub fn log_text(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Sends a signal (SIGTERM, SIGINT) to the process.
+    pub fn signal(&self, signal: i32) {
+        // kill(1) rather than libc::kill keeps the tests free of unsafe code.
+        let status = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(self.child.id().to_string())
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    /// Waits (at most `within`) for the process to exit; returns its exit code.
+    pub fn wait_within(&mut self, within: Duration) -> Option<i32> {
+        let status = eventually(within, "kmqd to exit", || {
+            match self.child.try_wait().unwrap() {
+                Some(status) => (true, Some(status)),
+                None => (false, None),
+            }
+        });
+        status.and_then(|s| s.code())
+    }
+
+    pub fn kill9(&mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Runs `kmqd ARGS` to completion; returns (exit code, stdout, stderr).
+pub fn kmqd(args: &[&str], stdin: Option<&str>) -> (i32, String, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kmqd"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run kmqd");
+    let mut input = child.stdin.take().unwrap();
+    if let Some(text) = stdin {
+        input.write_all(text.as_bytes()).unwrap();
+    }
+    drop(input);
+    let output = child.wait_with_output().unwrap();
+    (
+        output.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+/// A queue's stats through the library.
+pub fn stats(config_path: &Path, queue: &str) -> QueueStats {
+    let config = Config::load(config_path).unwrap();
+    kmqd::Client::new(&config).unwrap().stats(queue).unwrap()
+}
+
+/// A producer for a config.
+pub fn client(config_path: &Path) -> kmqd::Client {
+    kmqd::Client::new(&Config::load(config_path).unwrap()).unwrap()
+}
