@@ -1,9 +1,9 @@
 //! The supervisor: spawns every thread of the daemon, watches them, and runs the shutdown sequence.
 //!
 //! Threads, per queue: a fetcher, `workers` workers, an acker and a delay poller; per daemon: the heartbeat, the
-//! monitor (when a queue is in safe mode) and the delay listener. Each is named after its module
-//! (`kmqd-worker-mail-3`) and reports its end on the event channel, so the supervisor's loop is one `select!`
-//! over a closed set of events.
+//! monitor (when a queue is in safe mode), the delay listener and the metrics endpoint (when configured). Each is
+//! named after its module (`kmqd-worker-mail-3`) and reports its end on the event channel, so the supervisor's
+//! loop is one `select!` over a closed set of events.
 //!
 //! Shutdown (docs/OPERATIONS.md, "Stopping"), in phases so that no outcome is lost between threads:
 //! 1. *claiming* fires: fetchers stop; jobs still queued for workers are handed back without running;
@@ -28,6 +28,7 @@ use crate::delay::{DelayListener, DelayPoller};
 use crate::fetcher::Fetcher;
 use crate::heartbeat::Heartbeat;
 use crate::inflight::{InFlight, JobId, Slots};
+use crate::metrics::Metrics;
 use crate::monitor::Monitor;
 use crate::plugin::Registry;
 use crate::policy::Policy;
@@ -67,6 +68,11 @@ pub struct Job {
 pub enum DaemonError {
     #[error(transparent)]
     Broker(#[from] BrokerError),
+    #[error("cannot listen on metrics_addr {addr}: {source}")]
+    Metrics {
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
     #[error("cannot start thread {name}: {source}")]
     Spawn {
         name: String,
@@ -320,6 +326,20 @@ pub fn run(
     threads.spawn("kmqd-delay-listener".to_string(), Role::Other, move || {
         listener.run()
     })?;
+    if let Some(addr) = config.daemon.metrics_addr {
+        let listener = std::net::TcpListener::bind(addr)
+            .map_err(|source| DaemonError::Metrics { addr, source })?;
+        let metrics = Metrics {
+            listener,
+            queues: queues.clone(),
+            connection: Session::new(pool.clone()),
+            background: background.listener(),
+        };
+        tracing::info!("metrics on http://{addr}/metrics");
+        threads.spawn("kmqd-metrics".to_string(), Role::Other, move || {
+            metrics.run()
+        })?;
+    }
 
     tracing::info!(
         redis = %redact(config),

@@ -8,7 +8,7 @@
 //! - [`client`]: the producer API ([`Client::push`], [`Client::push_batch`]);
 //! - [`policy`]: pure decisions (retry, dead-letter, backoff);
 //! - [`daemon`]: the supervisor, which starts and stops the threads: [`fetcher`], [`worker`], [`acker`],
-//!   [`heartbeat`], [`monitor`], [`delay`], all sharing a queue's [`inflight`] table;
+//!   [`heartbeat`], [`monitor`], [`delay`], [`metrics`], all sharing a queue's [`inflight`] table;
 //! - [`plugin`]: the plugin registry and the FFI (the only unsafe code);
 //! - [`cli`]: the `kmqd` command line.
 #![deny(unsafe_code)]
@@ -23,6 +23,7 @@ pub mod delay;
 pub mod fetcher;
 pub mod heartbeat;
 pub mod inflight;
+pub mod metrics;
 pub mod monitor;
 pub mod plugin;
 pub mod policy;

@@ -234,3 +234,62 @@ fn every_example_config_parses() {
     }
     assert!(seen >= 2, "config/ holds the example configs");
 }
+
+#[test]
+fn metrics_endpoint_serves_queue_depths_and_counters() {
+    use std::io::{Read, Write};
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    // A port the OS just handed out; released before the daemon binds it.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let daemon_keys = format!("metrics_addr = \"127.0.0.1:{port}\"");
+    let config = dir.config_with(&redis, &daemon_keys, QUEUE);
+    let c = config.to_str().unwrap();
+    assert_eq!(
+        kmqd(
+            &["-c", c, "push", "jobs", "test", "--priority", "high"],
+            None
+        )
+        .0,
+        0
+    );
+    let daemon = TestDaemon::start(&config);
+    let scrape = || -> String {
+        let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+            return String::new();
+        };
+        stream.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+        let mut page = String::new();
+        stream.read_to_string(&mut page).unwrap();
+        page
+    };
+    let page = eventually(
+        std::time::Duration::from_secs(10),
+        "the task to show as done",
+        || {
+            let page = scrape();
+            (
+                page.contains("kmqd_tasks_done_total{queue=\"jobs\"} 1"),
+                page,
+            )
+        },
+    );
+    assert!(page.starts_with("HTTP/1.0 200 OK"), "{page}");
+    assert!(
+        page.contains("kmqd_queue_ready{queue=\"jobs\",level=\"high\"} 0"),
+        "{page}"
+    );
+    assert!(
+        page.contains("# TYPE kmqd_queue_lag_seconds gauge"),
+        "{page}"
+    );
+    assert!(
+        page.contains("kmqd_daemon_held_tasks{queue=\"jobs\"} 0"),
+        "{page}"
+    );
+    daemon.stop();
+}
