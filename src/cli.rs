@@ -1,7 +1,8 @@
-//! The `kmqd` command line: `kmqd --config FILE [run|check-config|push|stats]`.
+//! The `kmqd` command line: `kmqd --config FILE [run|check-config|push|stats|task]`.
 //!
 //! Exit codes, everywhere: 0 success, 1 runtime error (Redis unreachable, a thread died), 2 usage or config
-//! error (including a refused plugin), 3 a push refused because its unique id is live.
+//! error (including a refused plugin), 3 a push refused because its unique id is live, 4 a task id not found
+//! where `task show` or `task cancel` needs it.
 
 use std::fmt;
 use std::io::{BufRead, Write};
@@ -12,7 +13,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 
-use crate::broker::{Due, QueueStats};
+use crate::broker::{Due, Found, QueueStats};
 use crate::client::{Client, ClientError, NewTask, PUSH_CHUNK, Pushed};
 use crate::config::Config;
 use crate::plugin::Registry;
@@ -45,6 +46,29 @@ pub enum Command {
         /// Print JSON: {"queues": {"NAME": {"ready": 0, ...}}}.
         #[arg(long)]
         json: bool,
+    },
+    /// Find or cancel tasks by id.
+    #[command(subcommand)]
+    Task(TaskCommand),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum TaskCommand {
+    /// Show where a task is: delayed (and when it is due), retrying, ready (and its place in line), processing, or
+    /// dead (and why). Exit 4 when it is nowhere (done tasks are not kept).
+    Show {
+        queue: String,
+        id: String,
+        /// Print JSON: a list of {"state": ..., ...}.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Cancel waiting tasks (delayed, retrying or ready); a running task cannot be cancelled. Exit 4 when an id
+    /// was not waiting.
+    Cancel {
+        queue: String,
+        #[arg(required = true)]
+        ids: Vec<String>,
     },
 }
 
@@ -96,6 +120,8 @@ pub enum Failure {
     Runtime(String),
     /// A unique push refused: exit 3.
     Refused(String),
+    /// A task id that is not where the command needs it: exit 4.
+    NotFound(String),
 }
 
 impl Failure {
@@ -104,6 +130,7 @@ impl Failure {
             Failure::Runtime(_) => 1,
             Failure::Usage(_) => 2,
             Failure::Refused(_) => 3,
+            Failure::NotFound(_) => 4,
         }
     }
 }
@@ -111,9 +138,10 @@ impl Failure {
 impl fmt::Display for Failure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Failure::Usage(message) | Failure::Runtime(message) | Failure::Refused(message) => {
-                f.write_str(message)
-            }
+            Failure::Usage(message)
+            | Failure::Runtime(message)
+            | Failure::Refused(message)
+            | Failure::NotFound(message) => f.write_str(message),
         }
     }
 }
@@ -152,6 +180,10 @@ pub fn run(args: Args) -> Result<(), Failure> {
         Command::Stats { json } => {
             init_logging("warn");
             run_stats(&config, json)
+        }
+        Command::Task(task) => {
+            init_logging("warn");
+            run_task(&config, task)
         }
     }
 }
@@ -240,6 +272,10 @@ fn run_push(config: &Config, args: PushArgs) -> Result<(), Failure> {
             println!("{id}");
             Ok(())
         }
+        Pushed::Duplicate(id) if due != Due::Now && !args.unique => Err(Failure::Refused(format!(
+            "a delayed task {id} is already waiting; to reschedule it, cancel it first (kmqd task cancel {} {id})",
+            args.queue
+        ))),
         Pushed::Duplicate(id) => Err(Failure::Refused(format!(
             "task {id} is already queued (delayed, ready or processing){}",
             if args.unique {
@@ -349,4 +385,98 @@ fn run_stats(config: &Config, json: bool) -> Result<(), Failure> {
         );
     }
     Ok(())
+}
+
+fn run_task(config: &Config, command: TaskCommand) -> Result<(), Failure> {
+    let client = Client::new(config)?;
+    match command {
+        TaskCommand::Show { queue, id, json } => {
+            let found = client.find(&queue, &id)?;
+            if found.is_empty() {
+                return Err(Failure::NotFound(format!(
+                    "no task {id} in queue {queue}: it is not delayed, ready, processing or dead (done tasks are not kept)"
+                )));
+            }
+            let mut out = std::io::stdout().lock();
+            if json {
+                let _ = writeln!(
+                    out,
+                    "{}",
+                    serde_json::to_string(&found).expect("found serializes")
+                );
+                return Ok(());
+            }
+            let ms = |ms: i64| {
+                humantime::format_duration(Duration::from_millis(ms.max(0) as u64)).to_string()
+            };
+            for place in &found {
+                let (state, payload) = match place {
+                    Found::Delayed {
+                        level,
+                        due_in_ms,
+                        envelope,
+                    } => (
+                        format!("delayed, level {level}, due in {}", ms(*due_in_ms)),
+                        envelope,
+                    ),
+                    Found::Retrying {
+                        level,
+                        due_in_ms,
+                        envelope,
+                    } => (
+                        format!("waiting to retry, level {level}, due in {}", ms(*due_in_ms)),
+                        envelope,
+                    ),
+                    Found::Ready {
+                        level,
+                        position,
+                        envelope,
+                    } => (
+                        format!("ready, level {level}, {position} ahead of it"),
+                        envelope,
+                    ),
+                    Found::Processing {
+                        token,
+                        lease_left_ms,
+                        envelope,
+                    } => (
+                        format!(
+                            "processing (claim {token}), lease ends in {}",
+                            ms(*lease_left_ms)
+                        ),
+                        envelope,
+                    ),
+                    Found::Dead { record } => ("dead".to_string(), record),
+                };
+                let _ = writeln!(out, "{id} in {queue}: {state}\n  {payload}");
+            }
+            Ok(())
+        }
+        TaskCommand::Cancel { queue, ids } => {
+            let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+            let removed = client.cancel_batch(&queue, &refs)?;
+            let mut missing = Vec::new();
+            for id in &ids {
+                match removed.get(id).copied().unwrap_or(0) {
+                    0 => missing.push(id.as_str()),
+                    n => println!(
+                        "cancelled {id}{}",
+                        if n > 1 {
+                            format!(" ({n} copies)")
+                        } else {
+                            String::new()
+                        }
+                    ),
+                }
+            }
+            if missing.is_empty() {
+                Ok(())
+            } else {
+                Err(Failure::NotFound(format!(
+                    "not waiting in queue {queue}, so not cancelled: {} (unknown, running, done or dead; see `kmqd task show`)",
+                    missing.join(", ")
+                )))
+            }
+        }
+    }
 }

@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use serde_json::value::RawValue;
 
-use crate::broker::{self, BrokerError, Due, Pool, PushItem, QueueKeys, QueueStats};
+use crate::broker::{
+    self, BrokerError, Due, Found, Pool, PushItem, QueueKeys, QueueStats, Scope, lookup,
+};
 use crate::config::Config;
 use crate::task::{self, Envelope};
 
@@ -181,7 +183,8 @@ impl Client {
         tasks: impl IntoIterator<Item = NewTask>,
     ) -> Result<Vec<Pushed>, ClientError> {
         let info = self.queue(queue)?;
-        let mut prepared: Vec<(usize, Due, Option<String>, String, String)> = Vec::new();
+        // (level, due, unique, envelope, id)
+        let mut prepared: Vec<(usize, Due, bool, String, String)> = Vec::new();
         for task in tasks {
             let level = match &task.priority {
                 Some(priority) => info
@@ -202,8 +205,7 @@ impl Client {
             let mut envelope = Envelope::new(id.clone(), task.kind, task.data);
             envelope.priority = task.priority;
             envelope.unique = task.unique;
-            let unique_id = task.unique.then(|| id.clone());
-            prepared.push((level, task.due, unique_id, envelope.encode(), id));
+            prepared.push((level, task.due, task.unique, envelope.encode(), id));
         }
         let mut connection = self.pool.get().map_err(BrokerError::from)?;
         let mut results = Vec::with_capacity(prepared.len());
@@ -212,9 +214,10 @@ impl Client {
             for chunk in group.chunks(PUSH_CHUNK) {
                 let items: Vec<PushItem<'_>> = chunk
                     .iter()
-                    .map(|(_, _, unique_id, envelope, _)| PushItem {
+                    .map(|(_, _, unique, envelope, id)| PushItem {
+                        id,
+                        unique: *unique,
                         envelope,
-                        unique_id: unique_id.as_deref(),
                     })
                     .collect();
                 let (level, due) = (chunk[0].0, chunk[0].1);
@@ -229,6 +232,59 @@ impl Client {
             }
         }
         Ok(results)
+    }
+
+    /// Every place the task `id` is in: delayed, retrying, ready, processing or dead (a non-unique id may be in
+    /// several). Finding a delayed task costs O(log n); the other places are scanned.
+    pub fn find(&self, queue: &str, id: &str) -> Result<Vec<Found>, ClientError> {
+        let info = self.queue(queue)?;
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        let found = lookup::locate(
+            &mut connection,
+            &info.keys,
+            &info.priorities,
+            &[id],
+            Scope::Everywhere,
+        )?;
+        Ok(found.into_iter().map(|(_, found)| found).collect())
+    }
+
+    /// Whether the task `id` is delayed, retrying, ready or processing.
+    pub fn exists(&self, queue: &str, id: &str) -> Result<bool, ClientError> {
+        Ok(self
+            .find(queue, id)?
+            .iter()
+            .any(|found| !matches!(found, Found::Dead { .. })))
+    }
+
+    /// How long until the delayed (or retrying) task `id` is due; `None` when it is not waiting for a due time.
+    pub fn remaining_delay(&self, queue: &str, id: &str) -> Result<Option<Duration>, ClientError> {
+        let info = self.queue(queue)?;
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        let left = lookup::remaining_delay(&mut connection, &info.keys, &info.priorities, id)?;
+        Ok(left.map(|ms| Duration::from_millis(ms as u64)))
+    }
+
+    /// Cancels the waiting (delayed, retrying or ready) task `id`; returns how many copies were removed (0: it
+    /// was not waiting: unknown, already running, done or dead). A unique id is released.
+    pub fn cancel(&self, queue: &str, id: &str) -> Result<usize, ClientError> {
+        Ok(self.cancel_batch(queue, &[id])?.into_values().sum())
+    }
+
+    /// [`Client::cancel`] for many ids, in one pass over the queue.
+    pub fn cancel_batch(
+        &self,
+        queue: &str,
+        ids: &[&str],
+    ) -> Result<HashMap<String, usize>, ClientError> {
+        let info = self.queue(queue)?;
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        Ok(lookup::cancel(
+            &mut connection,
+            &info.keys,
+            &info.priorities,
+            ids,
+        )?)
     }
 
     /// A queue's depth and counters.

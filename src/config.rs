@@ -25,6 +25,7 @@ pub struct Config {
     pub daemon: DaemonConfig,
     pub queues: Vec<QueueConfig>,
     pub plugins: Vec<PluginConfig>,
+    pub schedules: Vec<ScheduleConfig>,
 }
 
 #[derive(Clone)]
@@ -121,9 +122,64 @@ pub struct QueueConfig {
     pub backoff: Duration,
     pub backoff_max: Duration,
     pub dead_max: usize,
+    /// Accept plain JSON objects that are not envelopes, taking the task type from this field.
+    pub foreign_type_field: Option<String>,
+    /// The most due tasks one call of the delay poller moves.
+    pub delay_batch: usize,
     /// The longest an idle fetcher waits before looking at the ready lists on its own, and so the bound on how
     /// late a task pushed without a wake-up marker (a plain RPUSH) is picked up.
     pub idle_poll: Duration,
+}
+
+/// A periodic task: queued once per slot across every daemon.
+#[derive(Clone, Debug)]
+pub struct ScheduleConfig {
+    pub name: String,
+    /// The queue, as named in `[[queues]]`.
+    pub queue: String,
+    /// The task type.
+    pub kind: String,
+    /// The task's `data` as JSON text.
+    pub data_json: String,
+    pub when: When,
+    /// Index into the queue's priorities.
+    pub level: usize,
+    pub missed: Missed,
+    /// A slot later than this when a daemon gets to it counts as missed.
+    pub misfire_grace: Duration,
+    /// With `missed = "catch_up"`, the most missed slots fired (the newest ones).
+    pub catch_up_max: usize,
+}
+
+/// When a schedule's slots are.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum When {
+    /// A five-field cron expression, in UTC.
+    Cron(crate::schedule::cron::Cron),
+    /// Every multiple of this duration since the epoch (so "5m" fires at :00, :05, ...).
+    Every(Duration),
+}
+
+impl When {
+    /// The first slot strictly after `after_ms`.
+    pub fn next_after(&self, after_ms: i64) -> Option<i64> {
+        match self {
+            When::Cron(cron) => cron.next_after(after_ms),
+            When::Every(every) => {
+                let every = every.as_millis() as i64;
+                Some((after_ms.div_euclid(every) + 1) * every)
+            }
+        }
+    }
+}
+
+/// What to do with slots that passed while no daemon ran.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Missed {
+    /// Do not fire them; go on with the next slot.
+    Skip,
+    /// Fire them, oldest first (at most `catch_up_max`).
+    CatchUp,
 }
 
 #[derive(Clone, Debug)]
@@ -175,9 +231,9 @@ impl Config {
     }
 
     /// Redis connections the daemon holds at once: per queue a fetcher, an acker and a delay poller; per daemon
-    /// the monitor, the heartbeat and one for stats and the metrics endpoint.
+    /// the monitor, the heartbeat, the scheduler and the metrics endpoint.
     pub fn connections_needed(&self) -> u32 {
-        3 * self.queues.len() as u32 + 3
+        3 * self.queues.len() as u32 + 4
     }
 }
 
@@ -222,6 +278,24 @@ struct RawConfig {
     queues: Vec<Spanned<RawQueue>>,
     #[serde(default)]
     plugins: BTreeMap<Spanned<String>, Spanned<RawPlugin>>,
+    #[serde(default)]
+    schedules: Vec<Spanned<RawSchedule>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSchedule {
+    name: Option<Spanned<String>>,
+    queue: Option<Spanned<String>>,
+    #[serde(rename = "type")]
+    kind: Option<Spanned<String>>,
+    data: Option<toml::Value>,
+    cron: Option<Spanned<String>>,
+    every: Option<Spanned<String>>,
+    priority: Option<Spanned<String>>,
+    missed: Option<Spanned<String>>,
+    misfire_grace: Option<Spanned<String>>,
+    catch_up_max: Option<Spanned<i64>>,
 }
 
 #[derive(Deserialize, Default)]
@@ -263,6 +337,8 @@ struct RawQueue {
     backoff_max: Option<Spanned<String>>,
     dead_max: Option<Spanned<i64>>,
     idle_poll: Option<Spanned<String>>,
+    foreign_type_field: Option<Spanned<String>>,
+    delay_batch: Option<Spanned<i64>>,
 }
 
 #[derive(Deserialize)]
@@ -399,7 +475,9 @@ impl RawConfig {
             daemon,
             queues,
             plugins,
+            schedules,
         } = self;
+
         let base = source.base_dir();
         let redis = redis.validate(source, &base)?;
         let daemon = daemon.validate(source, &base)?;
@@ -432,14 +510,34 @@ impl RawConfig {
             )?);
         }
 
-        let config = Config {
+        let mut seen_schedules = HashSet::new();
+        let mut validated_schedules = Vec::with_capacity(schedules.len());
+        for (index, schedule) in schedules.into_iter().enumerate() {
+            let span = schedule.span();
+            let schedule =
+                schedule
+                    .into_inner()
+                    .validate(source, index, span.clone(), &validated_queues)?;
+            if !seen_schedules.insert(schedule.name.clone()) {
+                return Err(source.error(
+                    span,
+                    format!(
+                        "schedules[{index}].name: schedule {:?} is defined twice",
+                        schedule.name
+                    ),
+                ));
+            }
+            validated_schedules.push(schedule);
+        }
+
+        let mut config = Config {
             path: source.path.to_owned(),
             redis,
             daemon,
             queues: validated_queues,
             plugins: validated_plugins,
+            schedules: validated_schedules,
         };
-        let mut config = config;
         if config.redis.pool_size == 0 {
             // Two more than the daemon holds, for `stats` and short-lived commands.
             config.redis.pool_size = config.connections_needed() + 2;
@@ -447,7 +545,7 @@ impl RawConfig {
             return Err(ConfigError::Invalid {
                 location: source.path.display().to_string(),
                 message: format!(
-                    "redis.pool_size: {} is too small for {} queue(s): the daemon holds 3 connections per queue and 3 \
+                    "redis.pool_size: {} is too small for {} queue(s): the daemon holds 3 connections per queue and 4 \
                      more, so set pool_size to at least {}",
                     config.redis.pool_size,
                     config.queues.len(),
@@ -608,7 +706,10 @@ impl RawQueue {
             backoff_max,
             dead_max,
             idle_poll,
+            foreign_type_field,
+            delay_batch,
         } = self;
+
         let key = |field: &str| format!("queues[{index}].{field}");
 
         let name = name.ok_or_else(|| {
@@ -757,9 +858,27 @@ impl RawQueue {
         if idle_poll < Duration::from_millis(10) || idle_poll > Duration::from_secs(5) {
             return Err(source.error(span, format!("{}: must be between 10ms and 5s (it also bounds how long a stopping daemon waits for its fetchers)", key("idle_poll"))));
         }
+        let foreign_type_field = match foreign_type_field {
+            Some(field) if field.get_ref().is_empty() || field.get_ref() == "type" => {
+                return Err(source.error(
+                    field.span(),
+                    format!(
+                        "{}: name the field of a foreign payload that holds its task type, e.g. \"callback\" (not \
+                         \"type\", which makes it an envelope)",
+                        key("foreign_type_field")
+                    ),
+                ));
+            }
+            other => other.map(Spanned::into_inner),
+        };
+        let delay_batch = match &delay_batch {
+            Some(b) => ranged(source, &key("delay_batch"), b, 1..MAX_BATCH as i64 + 1)? as usize,
+            None => MAX_BATCH,
+        };
 
         Ok(QueueConfig {
             name: name.into_inner(),
+
             mode,
             priorities,
             default_priority,
@@ -775,6 +894,141 @@ impl RawQueue {
             backoff_max,
             dead_max,
             idle_poll,
+            foreign_type_field,
+            delay_batch,
+        })
+    }
+}
+
+impl RawSchedule {
+    fn validate(
+        self,
+        source: &Source<'_>,
+        index: usize,
+        span: Range<usize>,
+        queues: &[QueueConfig],
+    ) -> Result<ScheduleConfig, ConfigError> {
+        let RawSchedule {
+            name,
+            queue,
+            kind,
+            data,
+            cron,
+            every,
+            priority,
+            missed,
+            misfire_grace,
+            catch_up_max,
+        } = self;
+        let key = |field: &str| format!("schedules[{index}].{field}");
+        let required = |value: Option<Spanned<String>>, field: &str, example: &str| {
+            value.ok_or_else(|| {
+                source.error(
+                    span.clone(),
+                    format!("{}: missing; e.g. {field} = {example}", key(field)),
+                )
+            })
+        };
+        let name = required(name, "name", "\"nightly-report\"")?;
+        check_name(source, &key("name"), &name, "schedule name")?;
+        let queue_name = required(queue, "queue", "\"reports\"")?;
+        let queue = queues
+            .iter()
+            .find(|q| q.name == *queue_name.get_ref())
+            .ok_or_else(|| {
+                let known: Vec<&str> = queues.iter().map(|q| q.name.as_str()).collect();
+                source.error(
+                    queue_name.span(),
+                    format!(
+                        "{}: no queue {:?}; configured queues: {}",
+                        key("queue"),
+                        queue_name.get_ref(),
+                        known.join(", ")
+                    ),
+                )
+            })?;
+        let kind = required(kind, "type", "\"report.build\"")?;
+        if kind.get_ref().is_empty() {
+            return Err(source.error(kind.span(), format!("{}: must not be empty", key("type"))));
+        }
+        let when = match (cron, every) {
+            (Some(cron), None) => When::Cron(cron.get_ref().parse().map_err(|error: String| {
+                source.error(cron.span(), format!("{}: {error}", key("cron")))
+            })?),
+            (None, Some(every)) => {
+                let period = parse_duration(source, &key("every"), &every)?;
+                if period < Duration::from_secs(1) || period.subsec_nanos() != 0 {
+                    return Err(source.error(
+                        every.span(),
+                        format!("{}: use whole seconds, at least \"1s\"", key("every")),
+                    ));
+                }
+                When::Every(period)
+            }
+            _ => {
+                return Err(source.error(
+                    span,
+                    format!(
+                        "{}: give exactly one of cron = \"0 3 * * *\" (UTC) or every = \"5m\"",
+                        key("cron")
+                    ),
+                ));
+            }
+        };
+        let level = match &priority {
+            Some(level) => queue
+                .priorities
+                .iter()
+                .position(|p| p == level.get_ref())
+                .ok_or_else(|| {
+                    source.error(
+                        level.span(),
+                        format!(
+                            "{}: {:?} is not one of {:?} of queue {}",
+                            key("priority"),
+                            level.get_ref(),
+                            queue.priorities,
+                            queue.name
+                        ),
+                    )
+                })?,
+            None => queue.default_priority,
+        };
+        let missed = match &missed {
+            Some(value) => one_of(
+                source,
+                &key("missed"),
+                value,
+                &[("skip", Missed::Skip), ("catch_up", Missed::CatchUp)],
+            )?,
+            None => Missed::Skip,
+        };
+        let misfire_grace = duration_or(
+            source,
+            &key("misfire_grace"),
+            &misfire_grace,
+            Duration::from_secs(60),
+        )?;
+        let catch_up_max = match &catch_up_max {
+            Some(n) => ranged(source, &key("catch_up_max"), n, 1..100_001)? as usize,
+            None => 100,
+        };
+        let data_json = match &data {
+            Some(value) => {
+                serde_json::to_string(&toml_to_json(value)).expect("a JSON value always serializes")
+            }
+            None => "null".to_string(),
+        };
+        Ok(ScheduleConfig {
+            name: name.into_inner(),
+            queue: queue.name.clone(),
+            kind: kind.into_inner(),
+            data_json,
+            when,
+            level,
+            missed,
+            misfire_grace,
+            catch_up_max,
         })
     }
 }
@@ -971,7 +1225,7 @@ mod tests {
             (
                 "[redis]\npool_size = 2\n[[queues]]\nname = \"m\"\nmode = \"safe\"\n",
                 "queues.toml",
-                &["redis.pool_size", "at least 6"],
+                &["redis.pool_size", "at least 7"],
             ),
             (
                 "[plugins.mail]\nconfig = {}\n",
@@ -988,7 +1242,33 @@ mod tests {
                 "queues.toml:2:16",
                 &["daemon.metrics_addr", "127.0.0.1:9464"],
             ),
+            (
+                "[[queues]]\nname = \"m\"\nmode = \"safe\"\nforeign_type_field = \"type\"\n",
+                "queues.toml:4:22",
+                &["queues[0].foreign_type_field", "\"callback\""],
+            ),
+            (
+                "[[schedules]]\nname = \"s\"\nqueue = \"nope\"\ntype = \"t\"\nevery = \"1m\"\n",
+                "queues.toml:3:9",
+                &["schedules[0].queue", "no queue \"nope\""],
+            ),
+            (
+                "[[queues]]\nname = \"m\"\nmode = \"safe\"\n[[schedules]]\nname = \"s\"\nqueue = \"m\"\ntype = \"t\"\ncron = \"0 25 * * *\"\n",
+                "queues.toml:8:8",
+                &["schedules[0].cron", "hour: 25 is outside 0-23"],
+            ),
+            (
+                "[[queues]]\nname = \"m\"\nmode = \"safe\"\n[[schedules]]\nname = \"s\"\nqueue = \"m\"\ntype = \"t\"\ncron = \"* * * * *\"\nevery = \"1m\"\n",
+                "queues.toml:4:1",
+                &["exactly one of cron"],
+            ),
+            (
+                "[[queues]]\nname = \"m\"\nmode = \"safe\"\n[[schedules]]\nname = \"s\"\nqueue = \"m\"\ntype = \"t\"\nevery = \"1500ms\"\n",
+                "queues.toml:8:9",
+                &["schedules[0].every", "whole seconds"],
+            ),
         ];
+
         for (text, location, words) in cases {
             let error = parse(text).expect_err(text);
             assert!(

@@ -32,8 +32,12 @@ use crate::metrics::Metrics;
 use crate::monitor::Monitor;
 use crate::plugin::Registry;
 use crate::policy::Policy;
+use crate::schedule::Scheduler;
+
 use crate::settlement::{self, Outcome};
 use crate::shutdown::Trigger;
+use crate::task::{Envelope, EnvelopeError, new_id};
+
 use crate::worker::Worker;
 
 /// How long the ackers get to apply what they hold once the handlers are done.
@@ -48,6 +52,19 @@ pub struct QueueContext {
     pub policy: Policy,
     pub inflight: InFlight,
     pub slots: Slots,
+}
+
+impl QueueContext {
+    /// Decodes a payload of this queue: an envelope, or a foreign payload when the queue accepts them. A task
+    /// without an id gets a fresh one, which retries and dead letters then carry.
+    pub fn decode(&self, payload: &str) -> Result<Envelope, EnvelopeError> {
+        let mut envelope = match &self.config.foreign_type_field {
+            Some(field) => Envelope::decode_foreign(payload, field)?,
+            None => Envelope::decode(payload)?,
+        };
+        envelope.ensure_id(new_id);
+        Ok(envelope)
+    }
 }
 
 /// A task handed from the fetcher to a worker.
@@ -326,6 +343,25 @@ pub fn run(
     threads.spawn("kmqd-delay-listener".to_string(), Role::Other, move || {
         listener.run()
     })?;
+    if !config.schedules.is_empty() {
+        let schedules = config
+            .schedules
+            .iter()
+            .map(|schedule| {
+                // Validation made sure every schedule names a configured queue.
+                let queue = queues
+                    .iter()
+                    .find(|q| q.config.name == schedule.queue)
+                    .expect("schedule's queue exists");
+                (schedule.clone(), Arc::clone(queue))
+            })
+            .collect();
+        let scheduler =
+            Scheduler::new(schedules, Session::new(pool.clone()), background.listener());
+        threads.spawn("kmqd-scheduler".to_string(), Role::Other, move || {
+            scheduler.run()
+        })?;
+    }
     if let Some(addr) = config.daemon.metrics_addr {
         let listener = std::net::TcpListener::bind(addr)
             .map_err(|source| DaemonError::Metrics { addr, source })?;

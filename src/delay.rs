@@ -14,7 +14,7 @@ use std::time::Duration;
 use crossbeam_channel::{Receiver, Sender, select};
 
 use crate::broker::{self, Connector, Session};
-use crate::config::MAX_BATCH;
+
 use crate::daemon::QueueContext;
 use crate::shutdown::{Backoff, Listener};
 
@@ -34,12 +34,13 @@ impl DelayPoller {
         let mut backoff = Backoff::new();
         loop {
             let queue = &self.queue;
+            let batch = queue.config.delay_batch;
             let result = self
                 .connection
                 .get()
-                .and_then(|connection| broker::promote(connection, &queue.keys, MAX_BATCH));
+                .and_then(|connection| broker::promote(connection, &queue.keys, batch));
             let wait = match result {
-                Ok((moved, _)) if moved == MAX_BATCH => {
+                Ok((moved, _)) if moved == batch => {
                     backoff.reset();
                     continue;
                 }

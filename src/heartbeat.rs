@@ -16,7 +16,6 @@ use crate::daemon::QueueContext;
 use crate::policy::Verdict;
 use crate::settlement::{self, Origin, Outcome};
 use crate::shutdown::Listener;
-use crate::task::{Envelope, new_id};
 
 /// How often execution timeouts are checked; a run is cancelled at most this late.
 const TICK: Duration = Duration::from_millis(100);
@@ -88,10 +87,8 @@ impl Heartbeat {
             return;
         };
         for overdue in queue.inflight.take_overdue(timeout) {
-            let envelope = Envelope::decode(&overdue.payload).ok().map(|mut envelope| {
-                envelope.ensure_id(new_id);
-                envelope
-            });
+            let envelope = queue.decode(&overdue.payload).ok();
+
             let reason = format!(
                 "execution timeout: still running after {}",
                 humantime::format_duration(timeout)

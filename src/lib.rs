@@ -27,6 +27,8 @@ pub mod metrics;
 pub mod monitor;
 pub mod plugin;
 pub mod policy;
+pub mod schedule;
+
 pub mod settlement;
 pub mod shutdown;
 pub mod signals;

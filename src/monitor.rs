@@ -14,7 +14,6 @@ use crate::plugin::Registry;
 use crate::policy::Verdict;
 use crate::settlement::{self, DeadHook, Origin};
 use crate::shutdown::Listener;
-use crate::task::{Envelope, new_id};
 
 /// The most expired leases handled per script call.
 const BATCH: usize = 100;
@@ -97,15 +96,14 @@ impl Monitor {
             }
             let level =
                 level_of(token, &queue.config.priorities).unwrap_or(queue.config.default_priority);
-            let (verdict, envelope) = match Envelope::decode(payload) {
+            let (verdict, envelope) = match queue.decode(payload) {
                 Err(error) => (
                     Verdict::Unrunnable {
                         reason: error.to_string(),
                     },
                     None,
                 ),
-                Ok(mut envelope) => {
-                    envelope.ensure_id(new_id);
+                Ok(envelope) => {
                     let verdict = match queue.policy.too_old(envelope.created_at, now_ms) {
                         Some(reason) => Verdict::Unrunnable { reason },
                         None => Verdict::LeaseExpired,

@@ -95,6 +95,43 @@ impl Envelope {
         Ok(envelope)
     }
 
+    /// Decodes a payload of a queue that also accepts *foreign* payloads: plain JSON objects that are not
+    /// envelopes (no `type`), whose task type is the string in `type_field`. Such a payload becomes the `data` of
+    /// a new envelope, whole; its `id` field, when a string, becomes the task id. Envelopes decode as usual.
+    pub fn decode_foreign(payload: &str, type_field: &str) -> Result<Envelope, EnvelopeError> {
+        let strict = Envelope::decode(payload);
+        let Err(error) = &strict else { return strict };
+        let Ok(fields) =
+            serde_json::from_str::<std::collections::HashMap<&str, &RawValue>>(payload)
+        else {
+            return strict;
+        };
+        if fields.contains_key("type") {
+            return strict;
+        }
+        let Some(kind) = fields.get(type_field) else {
+            return Err(EnvelopeError(format!(
+                "{}; and no {type_field:?} field for a foreign payload",
+                error.0
+            )));
+        };
+        let kind: String = serde_json::from_str(kind.get())
+            .ok()
+            .filter(|kind: &String| !kind.is_empty())
+            .ok_or_else(|| {
+                EnvelopeError(format!(
+                    "foreign payload: {type_field:?} must be a non-empty string"
+                ))
+            })?;
+        let id = fields
+            .get("id")
+            .and_then(|id| serde_json::from_str::<String>(id.get()).ok())
+            .unwrap_or_else(new_id);
+        let data = RawValue::from_string(payload.to_string())
+            .map_err(|error| EnvelopeError(error.to_string()))?;
+        Ok(Envelope::new(id, kind, data))
+    }
+
     /// Encodes the envelope: known fields first, in a fixed order, then the producer's extra fields.
     pub fn encode(&self) -> String {
         // Serializing strings, integers and raw JSON into a String cannot fail.
@@ -311,6 +348,36 @@ mod tests {
         assert_eq!(envelope.attempt, 0);
         assert!(!envelope.unique);
         assert_eq!(envelope.encode(), r#"{"type":"t","data":null,"attempt":0}"#);
+    }
+
+    #[test]
+    fn foreign_payloads_take_their_type_from_the_configured_field() {
+        let payload = r#"{"callback": "send_mail", "args": [1, 2], "id": "f1"}"#;
+        let envelope = Envelope::decode_foreign(payload, "callback").unwrap();
+        assert_eq!(
+            (envelope.id.as_deref(), envelope.kind.as_str()),
+            (Some("f1"), "send_mail")
+        );
+        assert_eq!(
+            envelope.data.get(),
+            payload,
+            "the whole payload is the data"
+        );
+        let retried = Envelope::decode_foreign(&envelope.encode(), "callback").unwrap();
+        assert_eq!(retried, envelope, "once wrapped, it is an envelope");
+        let plain = Envelope::decode_foreign(r#"{"type":"t","data":1}"#, "callback").unwrap();
+        assert_eq!(plain.kind, "t", "envelopes still decode as envelopes");
+        let cases = [
+            (r#"{"args": []}"#, "no \"callback\" field"),
+            (r#"{"callback": 7}"#, "must be a non-empty string"),
+            ("[1]", "a task envelope"),
+        ];
+        for (payload, expected) in cases {
+            let error = Envelope::decode_foreign(payload, "callback")
+                .unwrap_err()
+                .to_string();
+            assert!(error.contains(expected), "{payload}: {error}");
+        }
     }
 
     #[test]

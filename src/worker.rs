@@ -9,7 +9,7 @@ use crate::plugin::{MESSAGE_CAPACITY, Registry, Run, Status};
 use crate::policy::Verdict;
 use crate::settlement::{self, Origin, Outcome};
 use crate::shutdown::Listener;
-use crate::task::{Envelope, new_id};
+use crate::task::Envelope;
 
 pub struct Worker {
     pub queue: Arc<QueueContext>,
@@ -59,17 +59,14 @@ impl Worker {
         if !queue.inflight.start(job.id) {
             return None;
         }
-        let (verdict, envelope) = match Envelope::decode(&job.payload) {
+        let (verdict, envelope) = match queue.decode(&job.payload) {
             Err(error) => (
                 Verdict::Unrunnable {
                     reason: error.to_string(),
                 },
                 None,
             ),
-            Ok(mut envelope) => {
-                envelope.ensure_id(new_id);
-                (self.verdict(&job, &envelope, message), Some(envelope))
-            }
+            Ok(envelope) => (self.verdict(&job, &envelope, message), Some(envelope)),
         };
         if !queue.inflight.resolve(job.id) {
             tracing::warn!(queue = %queue.config.name, id = envelope.as_ref().map_or("", Envelope::id_str), "outcome after the execution timeout or shutdown is ignored");

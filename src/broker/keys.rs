@@ -10,8 +10,11 @@ use crate::config::QueueConfig;
 pub struct QueueKeys {
     /// Ready lists, one per priority level, highest first.
     pub ready: Vec<String>,
-    /// Delayed tasks per level: zset envelope -> due ms; they go to the back of the ready list when due.
+    /// Delayed tasks per level: zset task id -> due ms; they go to the back of the ready list when due.
     pub delayed: Vec<String>,
+    /// The envelopes of delayed tasks: hash task id -> envelope. Keyed by id so that the delay-queue operations
+    /// (exists, cancel, remaining delay) cost O(log n), not a scan.
+    pub delayed_tasks: String,
     /// Retries waiting out their backoff per level: zset envelope -> due ms; they go to the front when due.
     pub retry: Vec<String>,
     /// Safe mode: hash token -> envelope of every claimed, unsettled task.
@@ -24,10 +27,12 @@ pub struct QueueKeys {
     pub dead: String,
     /// Hash unique id -> ms it was taken, for unique tasks that are delayed, ready or processing.
     pub unique: String,
-    /// Hash of counters: pushed, done, retried, failed, dead_lettered.
+    /// Hash of counters: pushed, done, retried, failed, dead_lettered, cancelled.
     pub stats: String,
     /// Wake-up markers for idle fetchers (at most one element).
     pub wake: String,
+    /// Periodic tasks: hash schedule name -> the last slot fired (ms).
+    pub schedules: String,
     /// Hash with the protocol version of the queue's keys.
     pub meta: String,
     /// Pub/sub channel that tells delay pollers a task became due sooner than they planned.
@@ -47,6 +52,7 @@ impl QueueKeys {
         QueueKeys {
             ready: per_level("ready"),
             delayed: per_level("delayed"),
+            delayed_tasks: format!("{base}:delayed-tasks"),
             retry: per_level("retry"),
             processing: format!("{base}:processing"),
             leases: format!("{base}:leases"),
@@ -56,6 +62,8 @@ impl QueueKeys {
             stats: format!("{base}:stats"),
             wake: format!("{base}:wake"),
             meta: format!("{base}:meta"),
+            schedules: format!("{base}:schedules"),
+
             delay_channel: format!("{base}:delay-wake"),
         }
     }

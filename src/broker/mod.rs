@@ -5,6 +5,7 @@
 //! that call them own their connection for as long as they run, so a blocking call never starves anyone else.
 
 pub mod keys;
+pub mod lookup;
 
 use std::collections::HashMap;
 use std::sync::LazyLock;
@@ -16,6 +17,7 @@ use serde::Serialize;
 use crate::config::{RedisConfig, redact_url};
 use crate::task::Envelope;
 pub use keys::QueueKeys;
+pub use lookup::{Found, Scope};
 
 /// A Redis failure, with what was being done.
 #[derive(Debug, thiserror::Error)]
@@ -51,6 +53,8 @@ struct Scripts {
     expired: redis::Script,
     renew: redis::Script,
     promote: redis::Script,
+    remove: redis::Script,
+    fire: redis::Script,
 }
 
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
@@ -60,6 +64,8 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     expired: redis::Script::new(include_str!("scripts/expired.lua")),
     renew: redis::Script::new(include_str!("scripts/renew.lua")),
     promote: redis::Script::new(include_str!("scripts/promote.lua")),
+    remove: redis::Script::new(include_str!("scripts/remove.lua")),
+    fire: redis::Script::new(include_str!("scripts/fire.lua")),
 });
 
 /// The published enqueue script (docs/PROTOCOL.md shows how to call it from any language).
@@ -211,10 +217,13 @@ pub enum Due {
     At(i64),
 }
 
-/// One task to enqueue: its encoded envelope and, when unique, the id it holds while live.
+/// One task to enqueue.
 pub struct PushItem<'a> {
+    /// The task id (the envelope's `id`): needed for delayed and unique tasks.
+    pub id: &'a str,
+    /// Hold the id while the task is live, refusing other pushes of it.
+    pub unique: bool,
     pub envelope: &'a str,
-    pub unique_id: Option<&'a str>,
 }
 
 /// Runs the enqueue script for tasks of one level. Returns, per task, whether it was accepted.
@@ -234,6 +243,7 @@ pub fn push(
     invocation
         .key(&keys.ready[level])
         .key(&keys.delayed[level])
+        .key(&keys.delayed_tasks)
         .key(&keys.wake)
         .key(&keys.unique)
         .key(&keys.stats)
@@ -242,7 +252,8 @@ pub fn push(
         .arg(&keys.delay_channel);
     for item in items {
         invocation
-            .arg(item.unique_id.unwrap_or(""))
+            .arg(item.id)
+            .arg(if item.unique { "1" } else { "0" })
             .arg(item.envelope);
     }
     let accepted: Vec<i64> = invocation.invoke(conn)?;
@@ -571,7 +582,7 @@ pub fn promote(
     max: usize,
 ) -> Result<(usize, Option<Duration>)> {
     let mut invocation = SCRIPTS.promote.prepare_invoke();
-    invocation.key(&keys.wake);
+    invocation.key(&keys.wake).key(&keys.delayed_tasks);
     for key in keys.ready.iter().chain(&keys.delayed).chain(&keys.retry) {
         invocation.key(key);
     }
@@ -580,6 +591,60 @@ pub fn promote(
         moved as usize,
         (next_ms >= 0).then(|| Duration::from_millis(next_ms as u64)),
     ))
+}
+
+/// What became of an attempt to fire a periodic task's slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fired {
+    /// This call queued the task.
+    Now,
+    /// The slot (or a later one) was fired already, by this daemon or another.
+    Already,
+    /// The slot is still in the future on Redis's clock.
+    NotYet,
+}
+
+/// Fires `slot` of the schedule `name`: queues `envelope` on `level` unless the slot was fired already.
+/// Returns what happened and Redis's clock.
+pub fn fire(
+    conn: &mut dyn ConnectionLike,
+    keys: &QueueKeys,
+    level: usize,
+    name: &str,
+    slot_ms: i64,
+    envelope: &str,
+) -> Result<(Fired, i64)> {
+    let (result, now_ms): (i64, i64) = SCRIPTS
+        .fire
+        .key(&keys.schedules)
+        .key(&keys.ready[level])
+        .key(&keys.wake)
+        .key(&keys.stats)
+        .arg(name)
+        .arg(slot_ms)
+        .arg(envelope)
+        .invoke(conn)?;
+    let fired = match result {
+        1 => Fired::Now,
+        0 => Fired::Already,
+        _ => Fired::NotYet,
+    };
+    Ok((fired, now_ms))
+}
+
+/// The last slot fired for the schedule `name` (if any) and Redis's clock.
+pub fn schedule_state(
+    conn: &mut dyn ConnectionLike,
+    keys: &QueueKeys,
+    name: &str,
+) -> Result<(Option<i64>, i64)> {
+    let (last, (seconds, micros)): (Option<i64>, (i64, i64)) = redis::pipe()
+        .cmd("HGET")
+        .arg(&keys.schedules)
+        .arg(name)
+        .cmd("TIME")
+        .query(conn)?;
+    Ok((last, seconds * 1000 + micros / 1000))
 }
 
 /// Records the protocol version in the queue's meta hash, or refuses keys written by another version.
@@ -629,6 +694,8 @@ pub struct QueueStats {
     pub failed: u64,
     /// Tasks moved to the dead-letter list.
     pub dead_lettered: u64,
+    /// Waiting tasks removed by `task cancel` (or `Client::cancel`).
+    pub cancelled: u64,
     /// Age of the oldest task at the head of a ready list, ms; `None` when nothing is ready.
     pub lag_ms: Option<i64>,
 }
@@ -715,6 +782,7 @@ pub fn stats(
         retried: counter("retried"),
         failed: counter("failed"),
         dead_lettered: counter("dead_lettered"),
+        cancelled: counter("cancelled"),
         lag_ms,
     })
 }

@@ -7,74 +7,77 @@ use crate::support::*;
 const SAFE_QUEUE: &str =
     "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\nworkers = 2\nidle_poll = \"200ms\"\n";
 
+/// The code block after the `n`-th "tested" marker of docs/PROTOCOL.md.
+fn documented_block(n: usize) -> String {
+    let doc =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/PROTOCOL.md")).unwrap();
+    let after_marker = doc
+        .split("<!-- tested: tests/it/protocol.rs runs this block -->")
+        .nth(n + 1)
+        .expect("marker");
+    let block = after_marker
+        .split("```")
+        .nth(1)
+        .expect("a code block after the marker");
+    block.trim_start_matches("sh").to_string()
+}
+
+/// Runs a documented redis-cli block against the test's own server, for the testkit's task type.
+fn run_documented(block: &str, redis: &RedisServer) {
+    let socket = redis.socket.display().to_string();
+    let script = block
+        .replace("redis-cli ", &format!("redis-cli -s {socket} "))
+        .replace("mail.send", "test");
+    let output = std::process::Command::new("sh")
+        .arg("-ec")
+        .arg(&script)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{script}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+const MAIL: &str = "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nworkers = 2\n";
+
 #[test]
 fn task_pushed_with_plain_rpush_as_documented_runs() {
     let redis = RedisServer::start();
     let dir = TestDir::new();
-    let config = dir.config(&redis, SAFE_QUEUE);
+    let config = dir.config(&redis, MAIL);
     let daemon = TestDaemon::start(&config);
-    // Exactly the two commands docs/PROTOCOL.md shows for redis-cli.
-    let envelope = r#"{"id":"plain-1","type":"test","data":{"x":1}}"#;
-    let _: i64 = redis.cmd(&["RPUSH", "kmq:{jobs}:ready:normal", envelope]);
-    let _: i64 = redis.cmd(&["LPUSH", "kmq:{jobs}:wake", "1"]);
-    eventually(Duration::from_secs(10), "the task to run", || {
-        let records = dir.records();
-        (
-            records
-                .ends
-                .iter()
-                .any(|(id, _, outcome)| id == "plain-1" && outcome == "done"),
-            records,
-        )
-    });
+    run_documented(&documented_block(1), &redis);
     eventually(
         Duration::from_secs(10),
         "the task to be acknowledged",
         || {
-            let stats = stats(&config, "jobs");
+            let stats = stats(&config, "mail");
             (stats.done == 1 && stats.processing == 0, stats)
         },
     );
+    assert_eq!(dir.records().runs_of("order-42"), 1);
     daemon.stop();
 }
 
 #[test]
-fn task_pushed_with_the_published_script_runs() {
+fn task_pushed_with_the_published_script_as_documented_runs() {
     let redis = RedisServer::start();
     let dir = TestDir::new();
-    let config = dir.config(&redis, SAFE_QUEUE);
+    let config = dir.config(&redis, MAIL);
     let daemon = TestDaemon::start(&config);
-    let script = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/src/broker/scripts/push.lua"
-    ))
-    .unwrap();
-    let envelope = r#"{"id":"scripted-1","type":"test","data":null,"trace":"keep-me"}"#;
-    let accepted: Vec<i64> = redis.cmd(&[
-        "EVAL",
-        &script,
-        "5",
-        "kmq:{jobs}:ready:normal",
-        "kmq:{jobs}:delayed:normal",
-        "kmq:{jobs}:wake",
-        "kmq:{jobs}:unique",
-        "kmq:{jobs}:stats",
-        "0",
-        "0",
-        "kmq:{jobs}:delay-wake",
-        "",
-        envelope,
-    ]);
-    assert_eq!(accepted, [1]);
+    run_documented(&documented_block(0), &redis);
     eventually(
         Duration::from_secs(10),
         "the scripted task to be done",
         || {
-            let stats = stats(&config, "jobs");
+            let stats = stats(&config, "mail");
             (stats.done == 1 && stats.pushed == 1, stats)
         },
     );
-    assert_eq!(dir.records().runs_of("scripted-1"), 1);
+    assert_eq!(dir.records().runs_of("order-42"), 1);
     daemon.stop();
 }
 

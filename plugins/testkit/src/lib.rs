@@ -9,7 +9,7 @@
 //! - `fail_attempts`: answer `retry` while `attempt < fail_attempts`, then `outcome`;
 //! - `retry_after_ms`: the delay a `retry` asks for.
 //!
-//! Config: `record` (a file path): every run appends `start <id> <attempt> <type>` when it begins and
+//! Config: `record` (a file path): every run appends `start <id> <attempt> <type> <unix µs>` when it begins and
 //! `end <id> <attempt> <outcome>` when it returns, one `write` per line so concurrent lines never interleave.
 //! `types` (default `["test"]`): the task types to claim.
 
@@ -135,8 +135,11 @@ impl Handler for Testkit {
     }
 
     fn handle(&self, task: &Task<'_>) -> Outcome {
+        let started_us = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |since| since.as_micros());
         self.record(format!(
-            "start {} {} {}\n",
+            "start {} {} {} {started_us}\n",
             task.id(),
             task.attempt(),
             task.kind()

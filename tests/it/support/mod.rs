@@ -229,6 +229,8 @@ impl TestDir {
 pub struct Records {
     /// (id, attempt) of every run that started.
     pub starts: Vec<(String, u32)>,
+    /// (id, µs since the epoch) of every run that started, in the same order as `starts`.
+    pub start_times: Vec<(String, u64)>,
     /// (id, attempt, outcome) of every run that returned.
     pub ends: Vec<(String, u32, String)>,
     /// (id, attempt, reason) of every on_dead call.
@@ -251,7 +253,16 @@ impl Records {
             };
             let attempt: u32 = attempt.parse().unwrap_or(u32::MAX);
             match kind {
-                "start" => records.starts.push((id.to_string(), attempt)),
+                "start" => {
+                    records.starts.push((id.to_string(), attempt));
+                    let micros = rest
+                        .split(' ')
+                        .nth(1)
+                        .and_then(|t| t.parse().ok())
+                        .unwrap_or(0);
+                    records.start_times.push((id.to_string(), micros));
+                }
+
                 "end" => records
                     .ends
                     .push((id.to_string(), attempt, rest.to_string())),

@@ -1,0 +1,431 @@
+//! Finding and cancelling tasks by id: the delay-queue operations (exists, remaining delay, cancel) and
+//! `kmqd task show|cancel`.
+//!
+//! Delayed tasks are indexed by id (`delayed-tasks` hash, `delayed:L` zsets of ids), so finding one costs
+//! O(log n). Ready lists, retry sets and the processing area hold envelopes and are scanned in chunks of
+//! [`CHUNK`] (never one long command that would stall Redis): O(n) in their size, fine for an operator's
+//! command, not for a hot path. Many ids are looked up in one pass.
+
+use std::collections::{HashMap, HashSet};
+
+use redis::{Connection, Value};
+use serde::Serialize;
+
+use super::{QueueKeys, Result, SCRIPTS, text};
+use crate::task::Envelope;
+
+/// Elements read per command while scanning.
+const CHUNK: usize = 1000;
+
+/// One place a task with a given id is in.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum Found {
+    /// Waiting for its due time (a delayed push).
+    Delayed {
+        level: String,
+        due_in_ms: i64,
+        envelope: String,
+    },
+    /// Waiting out a retry backoff.
+    Retrying {
+        level: String,
+        due_in_ms: i64,
+        envelope: String,
+    },
+    /// In a ready list; `position` 0 is the next to be taken.
+    Ready {
+        level: String,
+        position: u64,
+        envelope: String,
+    },
+    /// Claimed by a daemon (safe mode); `lease_left_ms` until a monitor takes it back if nobody renews it.
+    Processing {
+        token: String,
+        lease_left_ms: i64,
+        envelope: String,
+    },
+    /// In the dead-letter list.
+    Dead { record: String },
+}
+
+impl Found {
+    /// Whether the task is waiting (delayed, retrying or ready), so that it can be cancelled.
+    pub fn is_waiting(&self) -> bool {
+        matches!(
+            self,
+            Found::Delayed { .. } | Found::Retrying { .. } | Found::Ready { .. }
+        )
+    }
+}
+
+/// What to look through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scope {
+    /// Delayed, retrying and ready tasks: what `cancel` can remove.
+    Waiting,
+    /// Also the processing area and the dead-letter list.
+    Everywhere,
+}
+
+/// The id as it appears inside a JSON string (escaped), to pre-filter payloads before decoding them.
+fn json_escaped(id: &str) -> String {
+    let quoted = serde_json::to_string(id).expect("a string serializes");
+    quoted[1..quoted.len() - 1].to_string()
+}
+
+/// A Redis glob that matches any member containing `needle`.
+fn glob_containing(needle: &str) -> String {
+    let mut pattern = String::with_capacity(needle.len() + 2);
+    pattern.push('*');
+    for c in needle.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            pattern.push('\\');
+        }
+        pattern.push(c);
+    }
+    pattern.push('*');
+    pattern
+}
+
+/// The ids we look for, with their escaped forms for the pre-filter.
+struct Wanted<'a> {
+    ids: HashSet<&'a str>,
+    escaped: Vec<String>,
+}
+
+impl<'a> Wanted<'a> {
+    fn new(ids: &'a [&'a str]) -> Wanted<'a> {
+        Wanted {
+            ids: ids.iter().copied().collect(),
+            escaped: ids.iter().map(|id| json_escaped(id)).collect(),
+        }
+    }
+
+    /// The id of `payload` when it is one of the wanted ones.
+    fn matching(&self, payload: &str) -> Option<String> {
+        if !self
+            .escaped
+            .iter()
+            .any(|needle| payload.contains(needle.as_str()))
+        {
+            return None;
+        }
+        let id = Envelope::decode(payload).ok()?.id?;
+        self.ids.contains(id.as_str()).then_some(id)
+    }
+}
+
+fn redis_now(conn: &mut Connection) -> Result<i64> {
+    let (seconds, micros): (i64, i64) = redis::cmd("TIME").query(conn)?;
+    Ok(seconds * 1000 + micros / 1000)
+}
+
+/// Finds every place the tasks with these ids are in. A non-unique id may be in several.
+pub fn locate(
+    conn: &mut Connection,
+    keys: &QueueKeys,
+    levels: &[String],
+    ids: &[&str],
+    scope: Scope,
+) -> Result<Vec<(String, Found)>> {
+    let mut found = Vec::new();
+    if ids.is_empty() {
+        return Ok(found);
+    }
+    let wanted = Wanted::new(ids);
+    let now = redis_now(conn)?;
+
+    // Delayed: by id, through the index.
+    let envelopes: Vec<Option<String>> = redis::cmd("HMGET")
+        .arg(&keys.delayed_tasks)
+        .arg(ids)
+        .query(conn)?;
+    for (id, envelope) in ids.iter().zip(envelopes) {
+        let Some(envelope) = envelope else { continue };
+        let mut pipe = redis::pipe();
+        for zset in &keys.delayed {
+            pipe.cmd("ZSCORE").arg(zset).arg(*id);
+        }
+        let scores: Vec<Option<f64>> = pipe.query(conn)?;
+        if let Some((level, due)) = scores
+            .iter()
+            .enumerate()
+            .find_map(|(l, s)| s.map(|due| (l, due)))
+        {
+            let due_in_ms = due as i64 - now;
+            found.push((
+                id.to_string(),
+                Found::Delayed {
+                    level: levels[level].clone(),
+                    due_in_ms,
+                    envelope,
+                },
+            ));
+        }
+    }
+
+    // Retrying: scan each level's zset for members that contain one of the ids.
+    for (level, zset) in keys.retry.iter().enumerate() {
+        for needle in &wanted.escaped {
+            let mut cursor = 0u64;
+            loop {
+                let (next, items): (u64, Vec<(String, f64)>) = redis::cmd("ZSCAN")
+                    .arg(zset)
+                    .arg(cursor)
+                    .arg("MATCH")
+                    .arg(glob_containing(needle))
+                    .arg("COUNT")
+                    .arg(CHUNK)
+                    .query(conn)?;
+                for (payload, due) in items {
+                    if let Some(id) = wanted.matching(&payload) {
+                        let entry = Found::Retrying {
+                            level: levels[level].clone(),
+                            due_in_ms: due as i64 - now,
+                            envelope: payload,
+                        };
+                        if !found.iter().any(|(i, f)| *i == id && *f == entry) {
+                            found.push((id, entry));
+                        }
+                    }
+                }
+                cursor = next;
+                if cursor == 0 {
+                    break;
+                }
+            }
+        }
+    }
+
+    // Ready: read each list in chunks.
+    for (level, list) in keys.ready.iter().enumerate() {
+        let mut start = 0usize;
+        loop {
+            let chunk: Vec<Value> = redis::cmd("LRANGE")
+                .arg(list)
+                .arg(start)
+                .arg(start + CHUNK - 1)
+                .query(conn)?;
+            let count = chunk.len();
+            for (offset, value) in chunk.into_iter().enumerate() {
+                let payload = text(value, "lookup")?;
+                if let Some(id) = wanted.matching(&payload) {
+                    let position = (start + offset) as u64;
+                    found.push((
+                        id,
+                        Found::Ready {
+                            level: levels[level].clone(),
+                            position,
+                            envelope: payload,
+                        },
+                    ));
+                }
+            }
+            if count < CHUNK {
+                break;
+            }
+            start += CHUNK;
+        }
+    }
+
+    if scope == Scope::Everywhere {
+        locate_processing(conn, keys, &wanted, now, &mut found)?;
+        locate_dead(conn, keys, &wanted, &mut found)?;
+    }
+    Ok(found)
+}
+
+fn locate_processing(
+    conn: &mut Connection,
+    keys: &QueueKeys,
+    wanted: &Wanted<'_>,
+    now: i64,
+    found: &mut Vec<(String, Found)>,
+) -> Result<()> {
+    let mut cursor = 0u64;
+    loop {
+        let (next, items): (u64, Vec<(String, String)>) = redis::cmd("HSCAN")
+            .arg(&keys.processing)
+            .arg(cursor)
+            .arg("COUNT")
+            .arg(CHUNK)
+            .query(conn)?;
+        for (token, payload) in items {
+            if let Some(id) = wanted.matching(&payload) {
+                let lease: Option<f64> = redis::cmd("ZSCORE")
+                    .arg(&keys.leases)
+                    .arg(&token)
+                    .query(conn)?;
+                let lease_left_ms = lease.map_or(0, |deadline| deadline as i64 - now);
+                found.push((
+                    id,
+                    Found::Processing {
+                        token,
+                        lease_left_ms,
+                        envelope: payload,
+                    },
+                ));
+            }
+        }
+        cursor = next;
+        if cursor == 0 {
+            return Ok(());
+        }
+    }
+}
+
+fn locate_dead(
+    conn: &mut Connection,
+    keys: &QueueKeys,
+    wanted: &Wanted<'_>,
+    found: &mut Vec<(String, Found)>,
+) -> Result<()> {
+    let mut start = 0usize;
+    loop {
+        let chunk: Vec<String> = redis::cmd("LRANGE")
+            .arg(&keys.dead)
+            .arg(start)
+            .arg(start + CHUNK - 1)
+            .query(conn)?;
+        let count = chunk.len();
+        for record in chunk {
+            #[derive(serde::Deserialize)]
+            struct Head {
+                id: String,
+            }
+            if let Ok(head) = serde_json::from_str::<Head>(&record) {
+                if wanted.ids.contains(head.id.as_str()) {
+                    found.push((head.id, Found::Dead { record }));
+                }
+            }
+        }
+        if count < CHUNK {
+            return Ok(());
+        }
+        start += CHUNK;
+    }
+}
+
+/// Cancels every waiting copy (delayed, retrying, ready) of the tasks with these ids. Returns, per id, how many
+/// copies were removed (0: none was waiting: unknown, running, done, or dead). Unique ids are released.
+pub fn cancel(
+    conn: &mut Connection,
+    keys: &QueueKeys,
+    levels: &[String],
+    ids: &[&str],
+) -> Result<HashMap<String, usize>> {
+    let mut removed: HashMap<String, usize> = ids.iter().map(|id| (id.to_string(), 0)).collect();
+    for (id, found) in locate(conn, keys, levels, ids, Scope::Waiting)? {
+        let level_of = |name: &str| levels.iter().position(|l| l == name).unwrap_or(0);
+        let (key, kind, task, expected, envelope) = match &found {
+            Found::Delayed {
+                level, envelope, ..
+            } => (
+                &keys.delayed[level_of(level)],
+                "delayed",
+                id.as_str(),
+                envelope.as_str(),
+                envelope,
+            ),
+            Found::Retrying {
+                level, envelope, ..
+            } => (
+                &keys.retry[level_of(level)],
+                "retry",
+                envelope.as_str(),
+                "",
+                envelope,
+            ),
+            Found::Ready {
+                level, envelope, ..
+            } => (
+                &keys.ready[level_of(level)],
+                "list",
+                envelope.as_str(),
+                "",
+                envelope,
+            ),
+            Found::Processing { .. } | Found::Dead { .. } => continue,
+        };
+        let unique = Envelope::decode(envelope)
+            .map(|e| e.unique)
+            .unwrap_or(false);
+        let done: i64 = SCRIPTS
+            .remove
+            .key(key)
+            .key(&keys.delayed_tasks)
+            .key(&keys.unique)
+            .key(&keys.stats)
+            .arg(kind)
+            .arg(task)
+            .arg(expected)
+            .arg(if unique { id.as_str() } else { "" })
+            .invoke(conn)?;
+        if done == 1 {
+            *removed.entry(id).or_default() += 1;
+        }
+    }
+    Ok(removed)
+}
+
+/// How long until the delayed or retrying task `id` is due (`None`: it is not waiting for a due time).
+pub fn remaining_delay(
+    conn: &mut Connection,
+    keys: &QueueKeys,
+    levels: &[String],
+    id: &str,
+) -> Result<Option<i64>> {
+    let found = locate(conn, keys, levels, &[id], Scope::Waiting)?;
+    Ok(found.into_iter().find_map(|(_, f)| match f {
+        Found::Delayed { due_in_ms, .. } | Found::Retrying { due_in_ms, .. } => {
+            Some(due_in_ms.max(0))
+        }
+        _ => None,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn globs_escape_their_special_characters() {
+        assert_eq!(glob_containing("a*b?[c]\\d"), "*a\\*b\\?\\[c\\]\\\\d*");
+    }
+
+    #[test]
+    fn ids_are_matched_as_json_text_then_decoded() {
+        let ids = ["x\"y", "plain"];
+        let wanted = Wanted::new(&ids);
+        assert_eq!(
+            wanted.matching(r#"{"id":"x\"y","type":"t"}"#).as_deref(),
+            Some("x\"y")
+        );
+        assert_eq!(
+            wanted.matching(r#"{"id":"other","type":"t","data":"plain"}"#),
+            None,
+            "data that contains the id"
+        );
+        assert_eq!(
+            wanted.matching(r#"{"type":"t","id":"plain"}"#).as_deref(),
+            Some("plain")
+        );
+    }
+
+    #[test]
+    fn only_waiting_tasks_can_be_cancelled() {
+        let ready = Found::Ready {
+            level: "normal".into(),
+            position: 0,
+            envelope: String::new(),
+        };
+        let running = Found::Processing {
+            token: "1:normal".into(),
+            lease_left_ms: 0,
+            envelope: String::new(),
+        };
+        assert!(ready.is_waiting());
+        assert!(!running.is_waiting());
+    }
+}

@@ -1,0 +1,199 @@
+//! Strict priorities, batch fetch within free slots, unique tasks under concurrency, foreign payloads, and waking
+//! an idle daemon.
+
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use kmqd::NewTask;
+
+use crate::support::*;
+
+#[test]
+fn strict_priority_with_one_worker_and_a_mixed_backlog() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let queue = "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\npriorities = [\"high\", \"normal\", \"low\"]\nworkers = 1\nprefetch = 0\n";
+    let config = dir.config(&redis, queue);
+    let client = client(&config);
+    for i in 0..30 {
+        let level = ["low", "normal", "high"][i % 3];
+        client
+            .push(
+                "jobs",
+                NewTask::new("test", "{}")
+                    .unwrap()
+                    .id(format!("{level}-{i}"))
+                    .priority(level),
+            )
+            .unwrap();
+    }
+    let daemon = TestDaemon::start(&config);
+    eventually(Duration::from_secs(20), "the backlog to drain", || {
+        (stats(&config, "jobs").done == 30, ())
+    });
+    daemon.stop();
+    let order: Vec<String> = dir
+        .records()
+        .starts
+        .into_iter()
+        .map(|(id, _)| id.split('-').next().unwrap().to_string())
+        .collect();
+    let expected: Vec<&str> = ["high"; 10]
+        .into_iter()
+        .chain(["normal"; 10])
+        .chain(["low"; 10])
+        .collect();
+    assert_eq!(order, expected);
+}
+
+#[test]
+fn batch_fetch_takes_a_batch_per_call_and_never_more_than_the_free_slots() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let queue =
+        "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\nworkers = 4\nprefetch = 296\nbatch = 100\n";
+    let config = dir.config(&redis, queue);
+    let release = dir.path("release");
+    let data = format!(r#"{{"wait_for_file":"{}"}}"#, release.display());
+    let tasks: Vec<NewTask> = (0..500)
+        .map(|_| NewTask::new("test", &data).unwrap())
+        .collect();
+    client(&config).push_batch("jobs", tasks).unwrap();
+    let daemon = TestDaemon::start(&config);
+    eventually(Duration::from_secs(10), "the four workers to start", || {
+        (dir.records().starts.len() == 4, ())
+    });
+    let s = eventually(
+        Duration::from_secs(10),
+        "the free slots to be claimed",
+        || {
+            let s = stats(&config, "jobs");
+            (s.processing == 300, s)
+        },
+    );
+    assert_eq!(
+        s.ready, 200,
+        "workers + prefetch = 300 held, no more: {s:?}"
+    );
+    let info: String = redis.cmd(&["INFO", "commandstats"]);
+    let lpops: u64 = info
+        .lines()
+        .find_map(|line| line.strip_prefix("cmdstat_lpop:calls="))
+        .and_then(|rest| rest.split(',').next()?.parse().ok())
+        .unwrap_or(0);
+    assert!(
+        (3..=4).contains(&lpops),
+        "300 tasks in batches of 100 take 3 claims, not {lpops}"
+    );
+    std::fs::write(&release, "").unwrap();
+    eventually(Duration::from_secs(30), "the rest to drain", || {
+        (stats(&config, "jobs").done == 500, ())
+    });
+    daemon.stop();
+}
+
+#[test]
+fn concurrent_unique_pushes_of_one_id_accept_exactly_one() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\n");
+    let barrier = Arc::new(Barrier::new(50));
+    let accepted: usize = std::thread::scope(|scope| {
+        let pushers: Vec<_> = (0..50)
+            .map(|_| {
+                let (barrier, config) = (Arc::clone(&barrier), config.clone());
+                scope.spawn(move || {
+                    let client = client(&config);
+                    barrier.wait();
+                    client
+                        .push(
+                            "jobs",
+                            NewTask::new("test", "{}").unwrap().id("once").unique(),
+                        )
+                        .unwrap()
+                        .is_accepted()
+                })
+            })
+            .collect();
+        pushers
+            .into_iter()
+            .map(|p| usize::from(p.join().unwrap()))
+            .sum()
+    });
+    assert_eq!(accepted, 1);
+    assert_eq!(stats(&config, "jobs").ready, 1);
+}
+
+#[test]
+fn foreign_payloads_run_with_their_type_from_the_configured_field() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let queue = "[[queues]]\nname = \"legacy\"\nmode = \"safe\"\nforeign_type_field = \"callback\"\nretry_times = 0\n";
+    let config = dir.config(&redis, queue);
+    let daemon = TestDaemon::start(&config);
+    // A producer written for Redis in Action's queue, unchanged.
+    let _: i64 = redis.cmd(&[
+        "RPUSH",
+        "kmq:{legacy}:ready:normal",
+        r#"{"callback": "test", "args": [1, 2], "id": "ria-1"}"#,
+    ]);
+    let _: i64 = redis.cmd(&[
+        "RPUSH",
+        "kmq:{legacy}:ready:normal",
+        r#"{"callback": "test", "outcome": "fail"}"#,
+    ]);
+    let _: i64 = redis.cmd(&["LPUSH", "kmq:{legacy}:wake", "1"]);
+    let s = eventually(Duration::from_secs(10), "both tasks to finish", || {
+        let s = stats(&config, "legacy");
+        (s.done + s.dead_lettered == 2, s)
+    });
+    assert_eq!(
+        (s.done, s.dead_lettered),
+        (1, 1),
+        "the payload is the data: its \"outcome\" field reached the plugin"
+    );
+    assert_eq!(dir.records().runs_of("ria-1"), 1);
+    daemon.stop();
+}
+
+#[test]
+fn an_idle_daemon_takes_a_pushed_task_without_waiting_for_its_poll() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let queue = "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\nidle_poll = \"5s\"\n";
+    let config = dir.config(&redis, queue);
+    let daemon = TestDaemon::start(&config);
+    eventually(
+        Duration::from_secs(10),
+        "the fetcher to block on the wake list",
+        || {
+            let clients: String = redis.cmd(&["CLIENT", "LIST"]);
+            (clients.contains("cmd=blpop"), clients)
+        },
+    );
+    let client = client(&config);
+    for round in 0..3 {
+        let pushed = Instant::now();
+        client
+            .push(
+                "jobs",
+                NewTask::new("test", "{}").unwrap().id(format!("w{round}")),
+            )
+            .unwrap();
+        eventually(Duration::from_secs(5), "the task to start", || {
+            (dir.records().runs_of(&format!("w{round}")) == 1, ())
+        });
+        // The bound is idle_poll (5 s) for a push without a marker; with one it is a round trip. Generous slack:
+        // `kmqd bench` measures the real figure.
+        assert!(
+            pushed.elapsed() < Duration::from_secs(2),
+            "round {round}: {:?}",
+            pushed.elapsed()
+        );
+        eventually(Duration::from_secs(5), "the fetcher to block again", || {
+            let clients: String = redis.cmd(&["CLIENT", "LIST"]);
+            (clients.contains("cmd=blpop"), ())
+        });
+    }
+    daemon.stop();
+}
