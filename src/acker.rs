@@ -54,23 +54,19 @@ impl Acker {
 
     fn settle(&mut self, batch: &[Outcome]) {
         let queue = &self.queue;
-        let settlements: Vec<_> = batch
-            .iter()
-            .map(|outcome| outcome.settlement.clone())
-            .collect();
         let mut backoff = Backoff::new();
-        let applied = loop {
+        let settled = loop {
             let result = self.connection.get().and_then(|connection| {
                 broker::settle(
                     connection,
                     &queue.keys,
                     Fence::Owner,
                     queue.config.dead_max,
-                    &settlements,
+                    batch.iter().map(|o| &o.settlement),
                 )
             });
             match result {
-                Ok(applied) => break applied,
+                Ok(settled) => break settled,
                 Err(error) => {
                     tracing::error!(queue = %queue.config.name, %error, outcomes = batch.len(), "cannot settle outcomes; retrying");
                     self.connection.reset();
@@ -88,7 +84,12 @@ impl Acker {
         queue
             .inflight
             .remove(batch.iter().map(|outcome| outcome.job));
-        let stale = applied.iter().filter(|ok| !**ok).count();
+        let stale = settled.stale_acks
+            + settled
+                .applied
+                .iter()
+                .filter(|ok| **ok == Some(false))
+                .count();
         if stale > 0 {
             tracing::warn!(
                 queue = %queue.config.name,
@@ -96,8 +97,8 @@ impl Acker {
                 "outcomes arrived after their leases expired; a monitor had already queued those tasks again"
             );
         }
-        for (outcome, applied) in batch.iter().zip(applied) {
-            if let (Some(hook), true) = (&outcome.dead_hook, applied) {
+        for (outcome, applied) in batch.iter().zip(settled.applied) {
+            if let (Some(hook), Some(true)) = (&outcome.dead_hook, applied) {
                 settlement::run_dead_hook(&self.registry, &queue.config.name, hook);
             }
         }

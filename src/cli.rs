@@ -50,6 +50,43 @@ pub enum Command {
     /// Find or cancel tasks by id.
     #[command(subcommand)]
     Task(TaskCommand),
+    /// Measure kmqd against a private redis-server (needs no config): push rates, drain rates in both modes with
+    /// 1, 2 and 4 daemons, idle wake-up latency, delayed-task lateness, memory. See docs/PERFORMANCE.md.
+    Bench(BenchArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    /// Tasks per drain run.
+    #[arg(long, default_value_t = 200_000)]
+    pub tasks: usize,
+    /// Runs per figure; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+    /// Daemon process counts for the drain runs.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    pub daemons: Vec<usize>,
+    /// Only these scenarios (push, drain, wakeup, lateness, memory).
+    #[arg(long, value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(crate::bench::SCENARIOS))]
+    pub only: Vec<String>,
+    /// Handler threads per daemon.
+    #[arg(long, default_value_t = 4)]
+    pub workers: usize,
+    /// Claim batch.
+    #[arg(long, default_value_t = 1000)]
+    pub batch: usize,
+    /// Claimed tasks that may wait for a worker, per daemon.
+    #[arg(long, default_value_t = 1000)]
+    pub prefetch: usize,
+    /// Where libkmq_testkit.so is (default: next to the kmqd binary).
+    #[arg(long)]
+    pub plugins_dir: Option<PathBuf>,
+    /// The backlog whose drain the peak-RSS figure measures.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub backlog: usize,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -157,6 +194,9 @@ impl From<ClientError> for Failure {
 
 /// Runs a parsed command line.
 pub fn run(args: Args) -> Result<(), Failure> {
+    if let Some(Command::Bench(bench)) = args.command {
+        return run_bench(bench);
+    }
     let path = args.config.ok_or_else(|| {
         Failure::Usage(
             "no config file: pass --config FILE (or set KMQD_CONFIG); see config/ for examples"
@@ -185,6 +225,7 @@ pub fn run(args: Args) -> Result<(), Failure> {
             init_logging("warn");
             run_task(&config, task)
         }
+        Command::Bench(_) => unreachable!("handled before the config is read"),
     }
 }
 
@@ -479,4 +520,29 @@ fn run_task(config: &Config, command: TaskCommand) -> Result<(), Failure> {
             }
         }
     }
+}
+
+fn run_bench(args: BenchArgs) -> Result<(), Failure> {
+    init_logging("warn");
+    let options = crate::bench::Options {
+        tasks: args.tasks,
+        runs: args.runs.max(1),
+        daemons: args.daemons,
+        only: args.only,
+        workers: args.workers,
+        batch: args.batch,
+        prefetch: args.prefetch,
+        plugins_dir: args.plugins_dir,
+        backlog: args.backlog,
+    };
+    let report = crate::bench::run(options, &mut std::io::stderr()).map_err(Failure::Runtime)?;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).expect("report serializes")
+        );
+    } else {
+        print!("{}", crate::bench::render(&report));
+    }
+    Ok(())
 }

@@ -127,7 +127,6 @@ pub enum ClientError {
 
 struct QueueInfo {
     keys: QueueKeys,
-    priorities: Vec<String>,
     default_priority: usize,
 }
 
@@ -145,7 +144,6 @@ impl Client {
             .map(|queue| {
                 let info = QueueInfo {
                     keys: QueueKeys::for_queue(&config.redis.key_prefix, queue),
-                    priorities: queue.priorities.clone(),
                     default_priority: queue.default_priority,
                 };
                 (queue.name.clone(), info)
@@ -188,13 +186,14 @@ impl Client {
         for task in tasks {
             let level = match &task.priority {
                 Some(priority) => info
-                    .priorities
+                    .keys
+                    .levels
                     .iter()
                     .position(|p| p == priority)
                     .ok_or_else(|| ClientError::UnknownPriority {
                         queue: queue.to_string(),
                         priority: priority.clone(),
-                        levels: info.priorities.clone(),
+                        levels: info.keys.levels.clone(),
                     })?,
                 None => info.default_priority,
             };
@@ -239,13 +238,7 @@ impl Client {
     pub fn find(&self, queue: &str, id: &str) -> Result<Vec<Found>, ClientError> {
         let info = self.queue(queue)?;
         let mut connection = self.pool.get().map_err(BrokerError::from)?;
-        let found = lookup::locate(
-            &mut connection,
-            &info.keys,
-            &info.priorities,
-            &[id],
-            Scope::Everywhere,
-        )?;
+        let found = lookup::locate(&mut connection, &info.keys, &[id], Scope::Everywhere)?;
         Ok(found.into_iter().map(|(_, found)| found).collect())
     }
 
@@ -261,7 +254,7 @@ impl Client {
     pub fn remaining_delay(&self, queue: &str, id: &str) -> Result<Option<Duration>, ClientError> {
         let info = self.queue(queue)?;
         let mut connection = self.pool.get().map_err(BrokerError::from)?;
-        let left = lookup::remaining_delay(&mut connection, &info.keys, &info.priorities, id)?;
+        let left = lookup::remaining_delay(&mut connection, &info.keys, id)?;
         Ok(left.map(|ms| Duration::from_millis(ms as u64)))
     }
 
@@ -279,22 +272,13 @@ impl Client {
     ) -> Result<HashMap<String, usize>, ClientError> {
         let info = self.queue(queue)?;
         let mut connection = self.pool.get().map_err(BrokerError::from)?;
-        Ok(lookup::cancel(
-            &mut connection,
-            &info.keys,
-            &info.priorities,
-            ids,
-        )?)
+        Ok(lookup::cancel(&mut connection, &info.keys, ids)?)
     }
 
     /// A queue's depth and counters.
     pub fn stats(&self, queue: &str) -> Result<QueueStats, ClientError> {
         let info = self.queue(queue)?;
         let mut connection = self.pool.get().map_err(BrokerError::from)?;
-        Ok(broker::stats(
-            &mut **connection,
-            &info.keys,
-            &info.priorities,
-        )?)
+        Ok(broker::stats(&mut **connection, &info.keys)?)
     }
 }

@@ -15,7 +15,6 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::AtomicU32;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -27,7 +26,7 @@ use crate::config::{Config, Mode, QueueConfig};
 use crate::delay::{DelayListener, DelayPoller};
 use crate::fetcher::Fetcher;
 use crate::heartbeat::Heartbeat;
-use crate::inflight::{InFlight, JobId, Slots};
+use crate::inflight::{InFlight, JobId, JobState, Slots};
 use crate::metrics::Metrics;
 use crate::monitor::Monitor;
 use crate::plugin::Registry;
@@ -71,10 +70,8 @@ impl QueueContext {
 #[derive(Debug)]
 pub struct Job {
     pub id: JobId,
-    pub token: Option<Arc<str>>,
-    pub level: usize,
-    pub payload: Arc<str>,
-    pub cancel: Arc<AtomicU32>,
+    /// Shared with the in-flight table.
+    pub state: Arc<JobState>,
     /// Redis's clock when the task was taken, ms.
     pub claimed_at_ms: i64,
     /// The local clock at the same moment, to advance `claimed_at_ms` without asking Redis.
@@ -192,6 +189,12 @@ impl Threads {
     }
 }
 
+/// How many free slots make the fetcher claim (unless the workers run dry first): a full batch, or half of all
+/// the slots when that is smaller, so that claims stay large and workers never wait on a round trip.
+pub fn fetch_threshold(queue: &QueueConfig) -> usize {
+    queue.batch.min((queue.workers + queue.prefetch) / 2).max(1)
+}
+
 /// `host:pid`, written into dead-letter records so an operator knows where a task died.
 fn daemon_id() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -243,7 +246,7 @@ pub fn run(
                 keys: QueueKeys::for_queue(&config.redis.key_prefix, queue),
                 policy: Policy::for_queue(queue),
                 inflight: InFlight::default(),
-                slots: Slots::new(queue.workers + queue.prefetch),
+                slots: Slots::new(queue.workers + queue.prefetch, fetch_threshold(queue)),
             })
         })
         .collect();
@@ -435,14 +438,15 @@ fn hand_back_running(queues: &[Arc<QueueContext>], ackers: &[Sender<Outcome>]) {
             if queue.config.mode == Mode::Default && task.started {
                 tracing::warn!(
                     queue = %queue.config.name,
-                    payload = %task.payload,
+                    payload = %task.state.payload,
                     "handler still running after shutdown_grace; default mode cannot hand it back, the task is lost"
                 );
                 // Nothing to settle in Redis: the task left it when it was popped.
                 queue.inflight.remove([task.id]);
                 continue;
             }
-            let settlement = settlement::handback(task.token, task.level, &task.payload);
+            let state = &task.state;
+            let settlement = settlement::handback(state.token.clone(), state.level, &state.payload);
             let _ = acker.send(Outcome {
                 job: task.id,
                 settlement,

@@ -1,7 +1,8 @@
 //! The fetcher: one thread per queue that takes tasks from Redis for the queue's workers.
 //!
 //! It claims only as many tasks as there are free slots (idle workers plus the configured prefetch), so a task
-//! never waits in this daemon's memory longer than that. When the queue is empty it blocks in Redis (safe mode:
+//! never waits in this daemon's memory longer than that; and it claims in batches: it waits until `batch` slots
+//! (or half of them all) are free, unless the workers run out of work first. When the queue is empty it blocks in Redis (safe mode:
 //! on the wake-up list that every enqueue path touches; default mode: on the ready lists themselves) for at
 //! most `idle_poll`, which also bounds how long shutdown waits for it.
 
@@ -13,6 +14,7 @@ use crossbeam_channel::Sender;
 use crate::broker::{self, Batch, Session};
 use crate::config::Mode;
 use crate::daemon::{Job, QueueContext};
+use crate::inflight::JobState;
 use crate::shutdown::{Backoff, Listener};
 
 /// How long the fetcher waits for a free slot before it looks at the shutdown flag again.
@@ -31,7 +33,11 @@ impl Fetcher {
     pub fn run(mut self) {
         let mut backoff = Backoff::new();
         while !self.claiming.is_triggered() {
-            let free = self.queue.slots.acquire(self.queue.config.batch, SLOT_WAIT);
+            // Claim a batch's worth of slots at once, or whatever is free when the workers run dry.
+            let free = self
+                .queue
+                .slots
+                .acquire(self.queue.config.batch, SLOT_WAIT, || self.jobs.is_empty());
             if free == 0 {
                 continue;
             }
@@ -59,13 +65,8 @@ impl Fetcher {
         let connection = self.connection.get()?;
         match queue.config.mode {
             Mode::Safe => {
-                let batch = broker::claim(
-                    connection,
-                    &queue.keys,
-                    &queue.config.priorities,
-                    free,
-                    queue.config.lease_timeout,
-                )?;
+                let batch =
+                    broker::claim(connection, &queue.keys, free, queue.config.lease_timeout)?;
                 if batch.tasks.is_empty() {
                     // A marker means "something was pushed": the next round claims it. No marker within
                     // idle_poll: the next round looks anyway, which picks up producers that push no marker.
@@ -90,19 +91,14 @@ impl Fetcher {
 
     fn dispatch(&self, batch: Batch) {
         let claimed_at = Instant::now();
-        for taken in batch.tasks {
-            let token: Option<Arc<str>> = taken.token.map(Arc::from);
-            let payload: Arc<str> = Arc::from(taken.payload);
-            let (id, cancel) =
-                self.queue
-                    .inflight
-                    .insert(token.clone(), taken.level, Arc::clone(&payload));
+        let states = batch
+            .tasks
+            .into_iter()
+            .map(|taken| JobState::new(taken.token, taken.level, taken.payload));
+        for (id, state) in self.queue.inflight.insert(states) {
             let job = Job {
                 id,
-                token,
-                level: taken.level,
-                payload,
-                cancel,
+                state,
                 claimed_at_ms: batch.now_ms,
                 claimed_at,
             };

@@ -54,12 +54,11 @@ impl Heartbeat {
     fn renew(&mut self, index: usize) -> Duration {
         let queue = Arc::clone(&self.queues[index].0);
         let tokens = queue.inflight.tokens();
-        let token_refs: Vec<&str> = tokens.iter().map(|t| &**t).collect();
         let lease = queue.config.lease_timeout;
         let result = self
             .connection
             .get()
-            .and_then(|connection| broker::renew(connection, &queue.keys, lease, &token_refs));
+            .and_then(|connection| broker::renew(connection, &queue.keys, lease, &tokens));
         match result {
             Ok(lost) => {
                 if !lost.is_empty() {
@@ -87,8 +86,8 @@ impl Heartbeat {
             return;
         };
         for overdue in queue.inflight.take_overdue(timeout) {
-            let envelope = queue.decode(&overdue.payload).ok();
-
+            let state = &overdue.state;
+            let envelope = queue.decode(&state.payload).ok();
             let reason = format!(
                 "execution timeout: still running after {}",
                 humantime::format_duration(timeout)
@@ -105,9 +104,9 @@ impl Heartbeat {
                 &queue.policy,
                 &origin,
                 verdict,
-                overdue.token,
-                overdue.level,
-                &overdue.payload,
+                state.token.clone(),
+                state.level,
+                &state.payload,
                 envelope.as_ref(),
             );
             // Sent before the ackers drain (checked by the caller); a send that still fails leaves the task to

@@ -3,44 +3,85 @@
 //!
 //! Architecture Invariant: a task's entry exists from the moment the fetcher takes it until the acker has
 //! settled it in Redis, so the heartbeat renews its lease for exactly that long. Exactly one party *resolves*
-//! an entry (decides its outcome): the worker that ran it, the heartbeat when the execution timeout passes, or
-//! the supervisor handing it back at shutdown. A later outcome for a resolved entry is dropped.
+//! a task (decides its outcome): the worker that ran it, the heartbeat when the execution timeout passes, or
+//! the supervisor handing it back at shutdown. A later outcome for a resolved task is dropped.
+//!
+//! The hot path takes no lock per task: a task's phase is an atomic in its [`JobState`], shared by the table
+//! and the worker; the table's lock is taken once per claimed batch (insert) and once per settled batch
+//! (remove).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, LazyLock, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+use crate::broker::Token;
 
 /// A local handle for a task held by this daemon (unique within the process).
 pub type JobId = u64;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Phase {
-    /// Claimed, waiting in the channel for a worker.
-    Waiting,
-    /// A worker is running it since this instant.
-    Running(Instant),
-    /// Its outcome is decided and on its way to the acker.
-    Resolved,
+const WAITING: u8 = 0;
+const RUNNING: u8 = 1;
+const RESOLVED: u8 = 2;
+
+/// The reference point for run start times, so that they fit an atomic.
+static EPOCH: LazyLock<Instant> = LazyLock::new(Instant::now);
+
+/// One task held by the daemon, shared by the in-flight table and the worker that runs it.
+#[derive(Debug)]
+pub struct JobState {
+    /// Safe mode: the claim that fences the task's settlement.
+    pub token: Option<Token>,
+    /// The priority level it came from.
+    pub level: usize,
+    /// The envelope as taken from Redis.
+    pub payload: String,
+    /// Raised (non-zero) to ask the handler to stop; the ABI points plugins at it.
+    pub cancel: AtomicU32,
+    phase: AtomicU8,
+    /// When a worker started it, ns since [`EPOCH`].
+    started_ns: AtomicU64,
 }
 
-/// One task held by the daemon.
-#[derive(Debug)]
-struct Entry {
-    token: Option<Arc<str>>,
-    level: usize,
-    payload: Arc<str>,
-    cancel: Arc<AtomicU32>,
-    phase: Phase,
+impl JobState {
+    pub fn new(token: Option<Token>, level: usize, payload: String) -> JobState {
+        JobState {
+            token,
+            level,
+            payload,
+            cancel: AtomicU32::new(0),
+            phase: AtomicU8::new(WAITING),
+            started_ns: AtomicU64::new(0),
+        }
+    }
+
+    /// A worker is about to run the task; false when it was already resolved (handed back, timed out).
+    pub fn start(&self) -> bool {
+        self.started_ns
+            .store(EPOCH.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        self.phase
+            .compare_exchange(WAITING, RUNNING, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    /// Claims the right to decide the task's outcome; false when someone else already did.
+    pub fn resolve(&self) -> bool {
+        self.phase.swap(RESOLVED, Ordering::AcqRel) != RESOLVED
+    }
+
+    fn running_for(&self) -> Option<Duration> {
+        (self.phase.load(Ordering::Acquire) == RUNNING).then(|| {
+            let started = Duration::from_nanos(self.started_ns.load(Ordering::Relaxed));
+            EPOCH.elapsed().saturating_sub(started)
+        })
+    }
 }
 
 /// A task taken back from the table for someone other than its worker to settle.
 #[derive(Debug)]
 pub struct Reclaimed {
     pub id: JobId,
-    pub token: Option<Arc<str>>,
-    pub level: usize,
-    pub payload: Arc<str>,
+    pub state: Arc<JobState>,
     /// Whether a worker had started it (false: still waiting in the channel).
     pub started: bool,
 }
@@ -48,12 +89,12 @@ pub struct Reclaimed {
 /// The tasks a daemon holds for one queue.
 #[derive(Debug, Default)]
 pub struct InFlight {
-    entries: Mutex<HashMap<JobId, Entry>>,
+    entries: Mutex<HashMap<JobId, Arc<JobState>>>,
     next_id: AtomicU64,
 }
 
 impl InFlight {
-    fn lock(&self) -> MutexGuard<'_, HashMap<JobId, Entry>> {
+    fn lock(&self) -> MutexGuard<'_, HashMap<JobId, Arc<JobState>>> {
         // A panic while holding this lock can only come from HashMap itself (allocation failure aborts anyway);
         // the data stays consistent, so a poisoned lock is still usable.
         self.entries
@@ -61,46 +102,22 @@ impl InFlight {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Records a newly taken task; returns its id and its cancel flag.
-    pub fn insert(
-        &self,
-        token: Option<Arc<str>>,
-        level: usize,
-        payload: Arc<str>,
-    ) -> (JobId, Arc<AtomicU32>) {
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let cancel = Arc::new(AtomicU32::new(0));
-        let entry = Entry {
-            token,
-            level,
-            payload,
-            cancel: Arc::clone(&cancel),
-            phase: Phase::Waiting,
-        };
-        self.lock().insert(id, entry);
-        (id, cancel)
-    }
-
-    /// A worker is about to run `id`; false when it was already resolved (handed back, timed out).
-    pub fn start(&self, id: JobId) -> bool {
-        match self.lock().get_mut(&id) {
-            Some(entry) if entry.phase == Phase::Waiting => {
-                entry.phase = Phase::Running(Instant::now());
-                true
-            }
-            _ => false,
+    /// Records newly taken tasks, under one lock.
+    pub fn insert(&self, tasks: impl IntoIterator<Item = JobState>) -> Vec<(JobId, Arc<JobState>)> {
+        let tasks: Vec<(JobId, Arc<JobState>)> = tasks
+            .into_iter()
+            .map(|state| {
+                (
+                    self.next_id.fetch_add(1, Ordering::Relaxed),
+                    Arc::new(state),
+                )
+            })
+            .collect();
+        let mut entries = self.lock();
+        for (id, state) in &tasks {
+            entries.insert(*id, Arc::clone(state));
         }
-    }
-
-    /// Claims the right to decide `id`'s outcome; false when someone else already did.
-    pub fn resolve(&self, id: JobId) -> bool {
-        match self.lock().get_mut(&id) {
-            Some(entry) if entry.phase != Phase::Resolved => {
-                entry.phase = Phase::Resolved;
-                true
-            }
-            _ => false,
-        }
+        tasks
     }
 
     /// Forgets settled tasks.
@@ -112,10 +129,10 @@ impl InFlight {
     }
 
     /// The claim tokens of every held task, for the heartbeat to renew.
-    pub fn tokens(&self) -> Vec<Arc<str>> {
+    pub fn tokens(&self) -> Vec<Token> {
         self.lock()
             .values()
-            .filter_map(|entry| entry.token.clone())
+            .filter_map(|state| state.token.clone())
             .collect()
     }
 
@@ -130,29 +147,26 @@ impl InFlight {
 
     /// Resolves and cancels every task running longer than `timeout`.
     pub fn take_overdue(&self, timeout: Duration) -> Vec<Reclaimed> {
-        let now = Instant::now();
-        self.take_where(
-            |phase| matches!(phase, Phase::Running(since) if now.duration_since(since) > timeout),
-        )
+        self.take_where(|state| state.running_for().is_some_and(|running| running > timeout))
     }
 
     /// Resolves and cancels every task not resolved yet (shutdown: the grace period is over).
     pub fn take_unresolved(&self) -> Vec<Reclaimed> {
-        self.take_where(|phase| phase != Phase::Resolved)
+        self.take_where(|_| true)
     }
 
-    fn take_where(&self, mut matches: impl FnMut(Phase) -> bool) -> Vec<Reclaimed> {
+    fn take_where(&self, mut matches: impl FnMut(&JobState) -> bool) -> Vec<Reclaimed> {
         let mut taken = Vec::new();
-        for (id, entry) in self.lock().iter_mut() {
-            if matches(entry.phase) {
-                let started = matches!(entry.phase, Phase::Running(_));
-                entry.phase = Phase::Resolved;
-                entry.cancel.store(1, Ordering::SeqCst);
+        for (id, state) in self.lock().iter() {
+            if !matches(state) {
+                continue;
+            }
+            let started = state.phase.load(Ordering::Acquire) == RUNNING;
+            if state.resolve() {
+                state.cancel.store(1, Ordering::SeqCst);
                 taken.push(Reclaimed {
                     id: *id,
-                    token: entry.token.clone(),
-                    level: entry.level,
-                    payload: Arc::clone(&entry.payload),
+                    state: Arc::clone(state),
                     started,
                 });
             }
@@ -161,48 +175,78 @@ impl InFlight {
     }
 }
 
-/// Free worker capacity of one queue: the fetcher claims only as many tasks as there are free slots, so no
-/// claimed task waits in memory longer than the configured prefetch allows.
+/// Free worker capacity of one queue (`workers + prefetch` slots): the fetcher claims only as many tasks as there
+/// are free slots, so no claimed task waits in memory longer than the configured prefetch allows.
+///
+/// To claim in batches rather than one task per freed slot, the fetcher waits until `threshold` slots are free,
+/// unless the workers run dry first (a worker that finds no job [`Slots::nudge`]s it). Releasing a slot is an
+/// atomic add; the fetcher is woken only when the count crosses the threshold.
 #[derive(Debug)]
 pub struct Slots {
-    free: Mutex<usize>,
-    freed: Condvar,
+    free: AtomicUsize,
+    threshold: usize,
+    lock: Mutex<()>,
+    wake: Condvar,
 }
 
 impl Slots {
-    pub fn new(capacity: usize) -> Slots {
+    /// `capacity` slots; the fetcher wakes when `threshold` (at least 1) are free.
+    pub fn new(capacity: usize, threshold: usize) -> Slots {
         Slots {
-            free: Mutex::new(capacity),
-            freed: Condvar::new(),
+            free: AtomicUsize::new(capacity),
+            threshold: threshold.clamp(1, capacity.max(1)),
+            lock: Mutex::new(()),
+            wake: Condvar::new(),
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, usize> {
-        // The guarded value is a plain counter; a poisoned lock still holds a valid count.
-        self.free
+    fn guard(&self) -> MutexGuard<'_, ()> {
+        // The mutex guards no data, only the wait; a poisoned one is as good.
+        self.lock
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Waits up to `timeout` for a free slot, then takes up to `max` of them. Returns how many it took (0 on
-    /// timeout).
-    pub fn acquire(&self, max: usize, timeout: Duration) -> usize {
-        let free = self.lock();
-        let (mut free, _) = self
-            .freed
-            .wait_timeout_while(free, timeout, |free| *free == 0)
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let taken = (*free).min(max);
-        *free -= taken;
-        taken
+    /// Waits up to `timeout` until the threshold is reached, or until some slot is free and `starving()` says the
+    /// workers have nothing to do; then takes up to `max` free slots. Returns how many it took (0 on timeout).
+    pub fn acquire(&self, max: usize, timeout: Duration, starving: impl Fn() -> bool) -> usize {
+        let deadline = Instant::now() + timeout;
+        let mut guard = self.guard();
+        loop {
+            let free = self.free.load(Ordering::Acquire);
+            if free >= self.threshold || (free > 0 && starving()) {
+                // Only the fetcher takes slots, so `free` cannot shrink between the load and the subtraction.
+                let taken = free.min(max);
+                self.free.fetch_sub(taken, Ordering::AcqRel);
+                return taken;
+            }
+            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                return 0;
+            };
+            guard = self
+                .wake
+                .wait_timeout(guard, left)
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .0;
+        }
     }
 
     /// Gives back `n` slots.
     pub fn release(&self, n: usize) {
-        if n > 0 {
-            *self.lock() += n;
-            self.freed.notify_one();
+        if n == 0 {
+            return;
         }
+        let before = self.free.fetch_add(n, Ordering::AcqRel);
+        if before < self.threshold && before + n >= self.threshold {
+            let _guard = self.guard();
+            self.wake.notify_one();
+        }
+    }
+
+    /// A worker found no job waiting: wake the fetcher even below the threshold.
+    pub fn nudge(&self) {
+        let _guard = self.guard();
+        self.wake.notify_one();
     }
 }
 
@@ -210,26 +254,28 @@ impl Slots {
 mod tests {
     use super::*;
 
-    fn payload() -> Arc<str> {
-        Arc::from("{}")
+    fn job(table: &InFlight, token: Option<Token>) -> (JobId, Arc<JobState>) {
+        table
+            .insert([JobState::new(token, 0, "{}".to_string())])
+            .remove(0)
     }
 
     #[test]
-    fn exactly_one_party_resolves_an_entry() {
+    fn exactly_one_party_resolves_a_task() {
         let table = InFlight::default();
-        let (id, cancel) = table.insert(Some(Arc::from("1:normal")), 0, payload());
-        assert!(table.start(id));
+        let (id, state) = job(&table, Some(Token::Claim { seq: 1, level: 0 }));
+        assert!(state.start());
         assert_eq!(
             table.take_unresolved().len(),
             1,
             "shutdown takes the running task"
         );
         assert_eq!(
-            cancel.load(Ordering::SeqCst),
+            state.cancel.load(Ordering::SeqCst),
             1,
             "and raises its cancel flag"
         );
-        assert!(!table.resolve(id), "the worker's late outcome is dropped");
+        assert!(!state.resolve(), "the worker's late outcome is dropped");
         assert_eq!(
             table.tokens().len(),
             1,
@@ -242,31 +288,58 @@ mod tests {
     #[test]
     fn a_handed_back_task_is_not_started() {
         let table = InFlight::default();
-        let (id, _) = table.insert(None, 0, payload());
+        let (_, state) = job(&table, None);
         let taken = table.take_unresolved();
         assert!(!taken[0].started);
-        assert!(!table.start(id));
+        assert!(!state.start());
     }
 
     #[test]
-    fn only_running_tasks_overdue() {
+    fn only_running_tasks_are_overdue() {
         let table = InFlight::default();
-        let (waiting, _) = table.insert(None, 0, payload());
-        let (running, _) = table.insert(None, 0, payload());
-        assert!(table.start(running));
+        let (_, waiting) = job(&table, None);
+        let (running, state) = job(&table, None);
+        assert!(state.start());
         let overdue = table.take_overdue(Duration::ZERO);
         assert_eq!(overdue.iter().map(|r| r.id).collect::<Vec<_>>(), [running]);
-        assert!(table.start(waiting));
-        assert!(table.resolve(waiting));
+        assert!(waiting.start());
+        assert!(waiting.resolve());
     }
 
     #[test]
-    fn slots_hand_out_at_most_what_is_free() {
-        let slots = Slots::new(3);
-        assert_eq!(slots.acquire(2, Duration::ZERO), 2);
-        assert_eq!(slots.acquire(5, Duration::ZERO), 1);
-        assert_eq!(slots.acquire(5, Duration::from_millis(1)), 0);
+    fn slots_batch_up_to_the_threshold_unless_workers_starve() {
+        let slots = Slots::new(10, 4);
+        assert_eq!(slots.acquire(100, Duration::ZERO, || false), 10);
         slots.release(2);
-        assert_eq!(slots.acquire(5, Duration::ZERO), 2);
+        assert_eq!(
+            slots.acquire(100, Duration::from_millis(1), || false),
+            0,
+            "2 free, below the threshold"
+        );
+        assert_eq!(
+            slots.acquire(100, Duration::ZERO, || true),
+            2,
+            "starving workers get what is free"
+        );
+        slots.release(5);
+        assert_eq!(slots.acquire(3, Duration::ZERO, || false), 3, "at most max");
+        assert_eq!(slots.acquire(100, Duration::ZERO, || true), 2);
+    }
+
+    #[test]
+    fn crossing_the_threshold_wakes_a_waiting_fetcher() {
+        let slots = Arc::new(Slots::new(4, 2));
+        assert_eq!(slots.acquire(4, Duration::ZERO, || false), 4);
+        let waiter = {
+            let slots = Arc::clone(&slots);
+            std::thread::spawn(move || slots.acquire(4, Duration::from_secs(60), || false))
+        };
+        slots.release(1);
+        slots.release(1);
+        assert_eq!(
+            waiter.join().unwrap(),
+            2,
+            "woken by the release that reached the threshold, not the timeout"
+        );
     }
 }

@@ -10,10 +10,12 @@
 //! - [`daemon`]: the supervisor, which starts and stops the threads: [`fetcher`], [`worker`], [`acker`],
 //!   [`heartbeat`], [`monitor`], [`delay`], [`metrics`], all sharing a queue's [`inflight`] table;
 //! - [`plugin`]: the plugin registry and the FFI (the only unsafe code);
-//! - [`cli`]: the `kmqd` command line.
+//! - [`cli`]: the `kmqd` command line; [`bench`]: `kmqd bench`, which measures kmqd against a private
+//!   [`redis_server`].
 #![deny(unsafe_code)]
 
 pub mod acker;
+pub mod bench;
 pub mod broker;
 pub mod cli;
 pub mod client;
@@ -27,6 +29,7 @@ pub mod metrics;
 pub mod monitor;
 pub mod plugin;
 pub mod policy;
+pub mod redis_server;
 pub mod schedule;
 
 pub mod settlement;

@@ -147,11 +147,7 @@ impl Metrics {
         let mut stats = Vec::with_capacity(self.queues.len());
         for queue in &self.queues {
             let connection = self.connection.get()?;
-            stats.push(broker::stats(
-                connection,
-                &queue.keys,
-                &queue.config.priorities,
-            )?);
+            stats.push(broker::stats(connection, &queue.keys)?);
         }
         let mut out = String::new();
         let mut family =

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::broker::{self, Fence, Session, Settlement};
+use crate::broker::{self, Fence, Session, Settlement, Token};
 use crate::daemon::QueueContext;
 use crate::plugin::Registry;
 use crate::policy::Verdict;
@@ -115,7 +115,7 @@ impl Monitor {
                 &queue.policy,
                 &origin,
                 verdict,
-                Some(Arc::from(token.as_str())),
+                Some(Token::Text(token.clone())),
                 level,
                 payload,
                 envelope.as_ref(),
@@ -126,19 +126,23 @@ impl Monitor {
         if settlements.is_empty() {
             return Ok((expired.len(), 0));
         }
-        let applied = broker::settle(
+        let settled = broker::settle(
             connection,
             &queue.keys,
             Fence::Expired,
             queue.config.dead_max,
             &settlements,
         )?;
-        let recovered = applied.iter().filter(|ok| **ok).count();
+        let recovered = settled
+            .applied
+            .iter()
+            .filter(|ok| **ok == Some(true))
+            .count();
         if recovered > 0 {
             tracing::warn!(queue = %queue.config.name, recovered, "recovered tasks whose lease expired");
         }
-        for (hook, applied) in hooks.iter().zip(applied) {
-            if let (Some(hook), true) = (hook, applied) {
+        for (hook, applied) in hooks.iter().zip(settled.applied) {
+            if let (Some(hook), Some(true)) = (hook, applied) {
                 settlement::run_dead_hook(&self.registry, &queue.config.name, hook);
             }
         }

@@ -2,11 +2,10 @@
 //! plugin's final-failure hook needs once the record landed.
 
 use std::hash::{DefaultHasher, Hash, Hasher};
-use std::sync::Arc;
 
 use serde::Serialize;
 
-use crate::broker::{SettleOp, Settlement};
+use crate::broker::{SettleOp, Settlement, Token};
 use crate::inflight::JobId;
 use crate::plugin::{Registry, Run};
 use crate::policy::{self, Action, Policy, Verdict};
@@ -66,17 +65,17 @@ pub fn settlement(
     origin: &Origin<'_>,
     action: &Action,
     failed: bool,
-    token: Option<Arc<str>>,
+    token: Option<Token>,
     level: usize,
     payload: &str,
     envelope: Option<&Envelope>,
 ) -> (Settlement, Option<DeadHook>) {
     let unique_id = envelope.filter(|e| e.unique).and_then(|e| e.id.clone());
-    let token = token.map(|t| t.to_string());
-    let base = |op, payload: String| Settlement {
+    // Called once, whichever the branch.
+    let base = move |op, payload: String| Settlement {
         op,
-        token: token.clone(),
-        unique_id: unique_id.clone(),
+        token,
+        unique_id,
         level,
         payload,
         failed,
@@ -117,7 +116,7 @@ pub fn decide(
     policy: &Policy,
     origin: &Origin<'_>,
     verdict: Verdict,
-    token: Option<Arc<str>>,
+    token: Option<Token>,
     level: usize,
     payload: &str,
     envelope: Option<&Envelope>,
@@ -145,10 +144,10 @@ pub fn decide(
 }
 
 /// A hand-back at shutdown: the task goes to the front of its level unchanged.
-pub fn handback(token: Option<Arc<str>>, level: usize, payload: &str) -> Settlement {
+pub fn handback(token: Option<Token>, level: usize, payload: &str) -> Settlement {
     Settlement {
         op: SettleOp::Back,
-        token: token.map(|t| t.to_string()),
+        token,
         unique_id: None,
         level,
         payload: payload.to_string(),
@@ -201,7 +200,7 @@ mod tests {
             &origin(),
             &action,
             true,
-            Some(Arc::from("7:normal")),
+            Some(Token::Claim { seq: 7, level: 0 }),
             0,
             "",
             Some(&envelope),
@@ -212,7 +211,7 @@ mod tests {
                 delay: Duration::from_secs(2)
             }
         );
-        assert_eq!(s.token.as_deref(), Some("7:normal"));
+        assert_eq!(s.token, Some(Token::Claim { seq: 7, level: 0 }));
         assert_eq!(
             s.unique_id.as_deref(),
             Some("a"),

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use crossbeam_channel::{Receiver, Sender};
+use crossbeam_channel::{Receiver, Sender, TryRecvError};
 
 use crate::daemon::{Job, QueueContext};
 use crate::plugin::{MESSAGE_CAPACITY, Registry, Run, Status};
@@ -25,7 +25,19 @@ impl Worker {
     /// Runs jobs until the fetcher is gone and the channel is empty.
     pub fn run(self) {
         let mut message = Vec::with_capacity(MESSAGE_CAPACITY);
-        for job in self.jobs.iter() {
+        loop {
+            let job = match self.jobs.try_recv() {
+                Ok(job) => job,
+                Err(TryRecvError::Empty) => {
+                    // Nothing waiting: let the fetcher claim now rather than wait for a full batch of slots.
+                    self.queue.slots.nudge();
+                    match self.jobs.recv() {
+                        Ok(job) => job,
+                        Err(_) => break,
+                    }
+                }
+                Err(TryRecvError::Disconnected) => break,
+            };
             let outcome = if self.claiming.is_triggered() {
                 self.hand_back(job)
             } else {
@@ -43,10 +55,11 @@ impl Worker {
     }
 
     fn hand_back(&self, job: Job) -> Option<Outcome> {
-        if !self.queue.inflight.resolve(job.id) {
+        if !job.state.resolve() {
             return None;
         }
-        let settlement = settlement::handback(job.token, job.level, &job.payload);
+        let settlement =
+            settlement::handback(job.state.token.clone(), job.state.level, &job.state.payload);
         Some(Outcome {
             job: job.id,
             settlement,
@@ -56,10 +69,11 @@ impl Worker {
 
     fn run_job(&self, job: Job, message: &mut Vec<u8>) -> Option<Outcome> {
         let queue = &self.queue;
-        if !queue.inflight.start(job.id) {
+        let state = &job.state;
+        if !state.start() {
             return None;
         }
-        let (verdict, envelope) = match queue.decode(&job.payload) {
+        let (verdict, envelope) = match queue.decode(&state.payload) {
             Err(error) => (
                 Verdict::Unrunnable {
                     reason: error.to_string(),
@@ -68,8 +82,9 @@ impl Worker {
             ),
             Ok(envelope) => (self.verdict(&job, &envelope, message), Some(envelope)),
         };
-        if !queue.inflight.resolve(job.id) {
-            tracing::warn!(queue = %queue.config.name, id = envelope.as_ref().map_or("", Envelope::id_str), "outcome after the execution timeout or shutdown is ignored");
+        if !state.resolve() {
+            let id = envelope.as_ref().map_or("", Envelope::id_str);
+            tracing::warn!(queue = %queue.config.name, id, "outcome after the execution timeout or shutdown is ignored");
             return None;
         }
         let origin = Origin {
@@ -80,9 +95,9 @@ impl Worker {
             &queue.policy,
             &origin,
             verdict,
-            job.token,
-            job.level,
-            &job.payload,
+            state.token.clone(),
+            state.level,
+            &state.payload,
             envelope.as_ref(),
         );
         Some(Outcome {
@@ -115,7 +130,7 @@ impl Worker {
                 .config
                 .execution_timeout
                 .map_or(0, |timeout| now_ms + timeout.as_millis() as i64),
-            cancel: &job.cancel,
+            cancel: &job.state.cancel,
         };
         match plugin.handle(&run, message) {
             Status::Done => Verdict::Done,

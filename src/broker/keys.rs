@@ -8,6 +8,8 @@ use crate::config::QueueConfig;
 /// The keys (and the one pub/sub channel) of one queue.
 #[derive(Clone, Debug)]
 pub struct QueueKeys {
+    /// The priority levels, highest first (claim tokens and level keys are named after them).
+    pub levels: Vec<String>,
     /// Ready lists, one per priority level, highest first.
     pub ready: Vec<String>,
     /// Delayed tasks per level: zset task id -> due ms; they go to the back of the ready list when due.
@@ -50,6 +52,7 @@ impl QueueKeys {
                 .collect()
         };
         QueueKeys {
+            levels: levels.to_vec(),
             ready: per_level("ready"),
             delayed: per_level("delayed"),
             delayed_tasks: format!("{base}:delayed-tasks"),

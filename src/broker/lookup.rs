@@ -125,7 +125,6 @@ fn redis_now(conn: &mut Connection) -> Result<i64> {
 pub fn locate(
     conn: &mut Connection,
     keys: &QueueKeys,
-    levels: &[String],
     ids: &[&str],
     scope: Scope,
 ) -> Result<Vec<(String, Found)>> {
@@ -133,6 +132,7 @@ pub fn locate(
     if ids.is_empty() {
         return Ok(found);
     }
+    let levels = &keys.levels;
     let wanted = Wanted::new(ids);
     let now = redis_now(conn)?;
 
@@ -312,11 +312,11 @@ fn locate_dead(
 pub fn cancel(
     conn: &mut Connection,
     keys: &QueueKeys,
-    levels: &[String],
     ids: &[&str],
 ) -> Result<HashMap<String, usize>> {
+    let levels = &keys.levels;
     let mut removed: HashMap<String, usize> = ids.iter().map(|id| (id.to_string(), 0)).collect();
-    for (id, found) in locate(conn, keys, levels, ids, Scope::Waiting)? {
+    for (id, found) in locate(conn, keys, ids, Scope::Waiting)? {
         let level_of = |name: &str| levels.iter().position(|l| l == name).unwrap_or(0);
         let (key, kind, task, expected, envelope) = match &found {
             Found::Delayed {
@@ -370,13 +370,8 @@ pub fn cancel(
 }
 
 /// How long until the delayed or retrying task `id` is due (`None`: it is not waiting for a due time).
-pub fn remaining_delay(
-    conn: &mut Connection,
-    keys: &QueueKeys,
-    levels: &[String],
-    id: &str,
-) -> Result<Option<i64>> {
-    let found = locate(conn, keys, levels, &[id], Scope::Waiting)?;
+pub fn remaining_delay(conn: &mut Connection, keys: &QueueKeys, id: &str) -> Result<Option<i64>> {
+    let found = locate(conn, keys, &[id], Scope::Waiting)?;
     Ok(found.into_iter().find_map(|(_, f)| match f {
         Found::Delayed { due_in_ms, .. } | Found::Retrying { due_in_ms, .. } => {
             Some(due_in_ms.max(0))

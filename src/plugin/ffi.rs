@@ -256,8 +256,11 @@ fn task_view<'a>(run: &'a Run<'a>, retry_after_ms: &'a mut i64) -> KmqTask {
 impl LoadedPlugin {
     /// Runs one attempt. `message` is the caller's scratch buffer, reused across calls.
     pub fn handle(&self, run: &Run<'_>, message: &mut Vec<u8>) -> Status {
-        message.clear();
-        message.resize(MESSAGE_CAPACITY, 0);
+        // Zeroed once, then reused as is: the plugin overwrites what it reports, and stale bytes past `len` are
+        // never read.
+        if message.len() != MESSAGE_CAPACITY {
+            message.resize(MESSAGE_CAPACITY, 0);
+        }
         let mut retry_after_ms: i64 = -1;
         let task = task_view(run, &mut retry_after_ms);
         let mut buf = KmqBuf {

@@ -364,7 +364,7 @@ fn context(config: &Config) -> Arc<QueueContext> {
         keys: broker::QueueKeys::for_queue(&config.redis.key_prefix, &queue),
         policy: Policy::for_queue(&queue),
         inflight: InFlight::default(),
-        slots: Slots::new(1),
+        slots: Slots::new(1, 1),
         config: queue,
     })
 }
@@ -392,15 +392,8 @@ fn expired_lease_is_retried_at_the_front_with_attempt_plus_one() {
         .unwrap();
     // A daemon claims the task, then dies: nobody renews the lease.
     let mut connection = redis.connection();
-    let levels = &queue.config.priorities;
-    let batch = broker::claim(
-        &mut connection,
-        &queue.keys,
-        levels,
-        10,
-        Duration::from_millis(300),
-    )
-    .unwrap();
+    let batch =
+        broker::claim(&mut connection, &queue.keys, 10, Duration::from_millis(300)).unwrap();
     assert_eq!(batch.tasks.len(), 1);
     client
         .push("jobs", NewTask::new("test", "{}").unwrap().id("behind"))
@@ -433,8 +426,8 @@ fn expired_lease_is_retried_at_the_front_with_attempt_plus_one() {
         payload: String::new(),
         failed: false,
     };
-    let applied = broker::settle(&mut connection, &queue.keys, Fence::Owner, 100, &[late]).unwrap();
-    assert_eq!(applied, [false]);
+    let settled = broker::settle(&mut connection, &queue.keys, Fence::Owner, 100, &[late]).unwrap();
+    assert_eq!((settled.stale_acks, settled.applied), (1, vec![None]));
     assert_eq!(stats(&path, "jobs").done, 0);
 }
 
@@ -454,7 +447,6 @@ fn monitors_racing_on_the_same_leases_recover_each_task_once() {
         broker::claim(
             &mut connection,
             &queue.keys,
-            &queue.config.priorities,
             100,
             Duration::from_millis(300),
         )

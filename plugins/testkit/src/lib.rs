@@ -51,10 +51,12 @@ struct Testkit {
 const POLL: Duration = Duration::from_millis(2);
 
 impl Testkit {
-    fn record(&self, line: String) {
+    /// Appends a line to the record file, if there is one; `line` is only formatted then, so that a testkit
+    /// without a record file costs a handler call and nothing more (benchmarks measure kmqd, not the testkit).
+    fn record(&self, line: impl FnOnce() -> String) {
         if let Some(mut file) = self.record.as_ref() {
             // A failed record write must not pass for a handled task: the test reading the file would be misled.
-            file.write_all(line.as_bytes())
+            file.write_all(line().as_bytes())
                 .expect("testkit: cannot append to the record file");
         }
     }
@@ -135,20 +137,22 @@ impl Handler for Testkit {
     }
 
     fn handle(&self, task: &Task<'_>) -> Outcome {
-        let started_us = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |since| since.as_micros());
-        self.record(format!(
-            "start {} {} {} {started_us}\n",
-            task.id(),
-            task.attempt(),
-            task.kind()
-        ));
+        self.record(|| {
+            let started_us = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |since| since.as_micros());
+            format!(
+                "start {} {} {} {started_us}\n",
+                task.id(),
+                task.attempt(),
+                task.kind()
+            )
+        });
         let outcome =
             match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run(task))) {
                 Ok(outcome) => outcome,
                 Err(panic) => {
-                    self.record(format!("end {} {} panic\n", task.id(), task.attempt()));
+                    self.record(|| format!("end {} {} panic\n", task.id(), task.attempt()));
                     // Re-raise: the SDK's own catch_unwind is what is under test.
                     std::panic::resume_unwind(panic)
                 }
@@ -158,17 +162,19 @@ impl Handler for Testkit {
             Outcome::Retry { .. } => "retry",
             Outcome::Fail { .. } => "fail",
         };
-        self.record(format!("end {} {} {label}\n", task.id(), task.attempt()));
+        self.record(|| format!("end {} {} {label}\n", task.id(), task.attempt()));
         outcome
     }
 
     fn on_dead(&self, task: &Task<'_>, reason: &str) {
-        self.record(format!(
-            "dead {} {} {}\n",
-            task.id(),
-            task.attempt(),
-            reason.replace('\n', " ")
-        ));
+        self.record(|| {
+            format!(
+                "dead {} {} {}\n",
+                task.id(),
+                task.attempt(),
+                reason.replace('\n', " ")
+            )
+        });
     }
 }
 

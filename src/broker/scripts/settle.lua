@@ -5,7 +5,9 @@
 -- ARGV[1] fence: "owner" (the claimer settles its own token) or "expired" (a monitor settles a token whose lease
 --         has run out; skipped when the lease was renewed meanwhile)
 -- ARGV[2] dead list bound; ARGV[3] number of levels L; ARGV[4] the delay poller's channel
--- ARGV[5..] records of 7: op, token, unique id, level (1-based), delay ms, payload, failed ("1" or "0")
+-- ARGV[5] A, then A tokens: plain acknowledgements (safe mode, fence "owner"), applied in bulk: one HDEL, one ZREM
+-- then C: plain acknowledgements without a token (default mode), only counted
+-- then records of 7: op, token, unique id, level (1-based), delay ms, payload, failed ("1" or "0")
 --   op "ack":   done; the token leaves the processing area
 --   op "retry": payload (the envelope with attempt + 1) goes to the front of its ready list now (delay 0) or
 --               to the level's retry zset, due in delay ms
@@ -14,15 +16,29 @@
 -- A record whose token is not (or no longer) in the processing area is stale and changes nothing: this fences a
 -- slow owner against a monitor that already recovered its task, and two monitors against each other.
 -- Default-mode records have an empty token and are never stale.
--- Returns one integer per record: 1 applied, 0 stale.
+-- Returns {number of stale plain acknowledgements, then one integer per record: 1 applied, 0 stale}.
 local proc, leases, stats, dead, uniq, wake = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local fence, dead_max, levels, channel = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local result = {}
 local done, retried, failed, dead_lettered = 0, 0, 0, 0
 local wake_fetchers, wake_poller = false, false
-for i = 5, #ARGV, 7 do
+local acks = tonumber(ARGV[5])
+local stale = 0
+if acks > 0 then
+  local tokens = {}
+  for i = 6, 5 + acks do
+    tokens[#tokens + 1] = ARGV[i]
+  end
+  local removed = redis.call('HDEL', proc, unpack(tokens))
+  -- A stale token's lease went with its processing entry, so removing every token's lease is exact.
+  redis.call('ZREM', leases, unpack(tokens))
+  done = done + removed
+  stale = acks - removed
+end
+done = done + tonumber(ARGV[6 + acks])
+local result = {stale}
+for i = 7 + acks, #ARGV, 7 do
   local op, token, uid = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   local level, delay, payload = tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4]), ARGV[i + 5]
   local ok = 1

@@ -1,0 +1,789 @@
+//! `kmqd bench`: measures kmqd against a private redis-server it starts itself, with the real binary as daemon
+//! processes and the `testkit` plugin as a no-op handler, the way `../shared/bench/peers` measures the peers
+//! (enqueue first, then drain; drain rate = tasks left at the first poll that saw progress / time to empty).
+//!
+//! Every figure is the median of `--runs` runs in this one session; docs/PERFORMANCE.md says how to read them.
+//! This module is a measuring tool: it reports, it never asserts a speed.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde::Serialize;
+
+use crate::client::{Client, NewTask};
+use crate::config::Config;
+use crate::redis_server::{Listen, RedisServer};
+
+/// What to measure and how.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Tasks per drain run.
+    pub tasks: usize,
+    /// Runs per figure (the median is reported).
+    pub runs: usize,
+    /// Daemon process counts for the drain runs.
+    pub daemons: Vec<usize>,
+    /// Scenarios: push, drain, wakeup, lateness, memory.
+    pub only: Vec<String>,
+    /// Handler threads per daemon.
+    pub workers: usize,
+    /// Claim batch.
+    pub batch: usize,
+    /// Prefetch per daemon.
+    pub prefetch: usize,
+    /// Where libkmq_testkit.so is (default: next to the kmqd binary).
+    pub plugins_dir: Option<PathBuf>,
+    /// The backlog for the memory-under-load figure.
+    pub backlog: usize,
+}
+
+pub const SCENARIOS: [&str; 5] = ["push", "drain", "wakeup", "lateness", "memory"];
+
+/// One reported figure.
+#[derive(Clone, Debug, Serialize)]
+pub struct Figure {
+    pub scenario: String,
+    pub name: String,
+    pub unit: String,
+    pub median: f64,
+    pub runs: Vec<f64>,
+    /// Extra figures measured in the same runs (medians), e.g. CPU per task.
+    pub extra: Vec<(String, f64)>,
+}
+
+/// Everything one `kmqd bench` measured.
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub redis_version: String,
+    pub host: String,
+    pub tasks: usize,
+    pub runs: usize,
+    pub workers: usize,
+    pub batch: usize,
+    pub prefetch: usize,
+    pub figures: Vec<Figure>,
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    match sorted.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => sorted[n / 2],
+        n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
+    }
+}
+
+/// The `p`-th percentile (0..=100) of `values`, nearest rank.
+pub fn percentile(values: &[f64], p: f64) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil().max(1.0) as usize;
+    sorted[rank.min(sorted.len()) - 1]
+}
+
+fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+/// CPU time (user + system) of a process, µs.
+fn cpu_us(pid: u32) -> u64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0;
+    };
+    // Fields after the command name, which is in parentheses and may contain spaces.
+    let Some(rest) = stat.rsplit_once(')').map(|(_, rest)| rest) else {
+        return 0;
+    };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = fields.get(11).and_then(|f| f.parse().ok()).unwrap_or(0)
+        + fields.get(12).and_then(|f| f.parse().ok()).unwrap_or(0);
+    // Linux reports 100 ticks per second (USER_HZ) on every platform kmqd runs on.
+    ticks * 10_000
+}
+
+/// Resident memory of a process, kB.
+fn rss_kb(pid: u32) -> u64 {
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return 0;
+    };
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|value| value.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// The bench's workspace: a redis-server, a plugins dir with testkit, configs.
+struct Bench {
+    options: Options,
+    server: RedisServer,
+    dir: tempfile::TempDir,
+    kmqd: PathBuf,
+}
+
+/// A daemon process started by the bench.
+struct Daemon {
+    child: Child,
+}
+
+impl Daemon {
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// SIGTERM, then wait (at most 30 s) for a graceful exit.
+    fn stop(mut self) {
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(self.child.id().to_string())
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+impl Bench {
+    fn new(options: Options) -> Result<Bench, String> {
+        let kmqd = std::env::current_exe().map_err(|e| format!("current exe: {e}"))?;
+        let source = options
+            .plugins_dir
+            .clone()
+            .or_else(|| kmqd.parent().map(Path::to_path_buf))
+            .ok_or("cannot tell where the plugins are; pass --plugins-dir")?;
+        let testkit = source.join("libkmq_testkit.so");
+        if !testkit.is_file() {
+            return Err(format!(
+                "{} not found: build the workspace (cargo build --release --workspace) or pass --plugins-dir",
+                testkit.display()
+            ));
+        }
+        let dir = tempfile::Builder::new()
+            .prefix("kmqd-bench-")
+            .tempdir()
+            .map_err(|e| format!("temp dir: {e}"))?;
+        let plugins = dir.path().join("plugins");
+        std::fs::create_dir(&plugins).map_err(|e| e.to_string())?;
+        // A private copy with safe permissions: the daemon refuses plugins writable by others.
+        std::fs::copy(&testkit, plugins.join("libkmq_testkit.so"))
+            .map_err(|e| format!("copy testkit: {e}"))?;
+        for path in [&plugins, &plugins.join("libkmq_testkit.so")] {
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))
+                .map_err(|e| e.to_string())?;
+        }
+        let server = RedisServer::start(Listen::Loopback)?;
+        Ok(Bench {
+            options,
+            server,
+            dir,
+            kmqd,
+        })
+    }
+
+    fn redis(&self) -> Result<redis::Connection, String> {
+        self.server.connection().map_err(|e| format!("redis: {e}"))
+    }
+
+    fn flush(&self) -> Result<(), String> {
+        redis::cmd("FLUSHALL")
+            .exec(&mut self.redis()?)
+            .map_err(|e| format!("FLUSHALL: {e}"))
+    }
+
+    /// Writes a config for one queue `q` in `mode`; `record` makes the testkit write a line per run.
+    fn config(&self, name: &str, mode: &str, record: Option<&Path>) -> Result<PathBuf, String> {
+        let record = record.map_or(String::new(), |path| {
+            format!("config = {{ record = \"{}\" }}", path.display())
+        });
+        let o = &self.options;
+        let text = format!(
+            "[redis]\nurl = \"{url}\"\n\n[daemon]\nplugins_dir = \"{plugins}\"\nshutdown_grace = \"5s\"\nlog_level = \"warn\"\n\n\
+             [[queues]]\nname = \"q\"\nmode = \"{mode}\"\nworkers = {workers}\nbatch = {batch}\nprefetch = {prefetch}\n\
+             lease_timeout = \"30s\"\n\n[plugins.testkit]\nfile = \"libkmq_testkit.so\"\n{record}\n",
+            url = self.server.url(),
+            plugins = self.dir.path().join("plugins").display(),
+            workers = o.workers,
+            batch = o.batch,
+            prefetch = o.prefetch,
+        );
+        let path = self.dir.path().join(format!("{name}.toml"));
+        std::fs::write(&path, text).map_err(|e| e.to_string())?;
+        Ok(path)
+    }
+
+    fn client(&self, config: &Path) -> Result<Client, String> {
+        let config = Config::load(config).map_err(|e| e.to_string())?;
+        Client::new(&config).map_err(|e| e.to_string())
+    }
+
+    fn daemon(&self, config: &Path) -> Result<Daemon, String> {
+        let log =
+            std::fs::File::create(self.dir.path().join("daemon.log")).map_err(|e| e.to_string())?;
+        let child = Command::new(&self.kmqd)
+            .arg("--config")
+            .arg(config)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .map_err(|e| format!("start kmqd: {e}"))?;
+        Ok(Daemon { child })
+    }
+
+    /// Pushes `n` no-op tasks (data `1`) with the library, in batches.
+    fn fill(&self, client: &Client, n: usize) -> Result<(), String> {
+        let one = crate::task::data_from_str("1").expect("1 is JSON");
+        let mut left = n;
+        while left > 0 {
+            let chunk = left.min(10_000);
+            let tasks = (0..chunk).map(|_| NewTask::with_data("test", one.clone()));
+            client.push_batch("q", tasks).map_err(|e| e.to_string())?;
+            left -= chunk;
+        }
+        Ok(())
+    }
+}
+
+/// Runs the benchmark and returns its report.
+pub fn run(options: Options, progress: &mut dyn Write) -> Result<Report, String> {
+    let bench = Bench::new(options)?;
+    let info: String = redis::cmd("INFO")
+        .arg("server")
+        .query(&mut bench.redis()?)
+        .map_err(|e| e.to_string())?;
+    let redis_version = info
+        .lines()
+        .find_map(|l| l.strip_prefix("redis_version:"))
+        .unwrap_or("?")
+        .trim()
+        .to_string();
+    let host = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|cpu| {
+            cpu.lines()
+                .find_map(|l| l.strip_prefix("model name"))
+                .map(|m| m.trim_start_matches([' ', '\t', ':']).to_string())
+        })
+        .unwrap_or_default();
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let mut figures = Vec::new();
+    let o = bench.options.clone();
+    let wants = |scenario: &str| o.only.is_empty() || o.only.iter().any(|s| s == scenario);
+    let mut say = |line: String| {
+        let _ = writeln!(progress, "{line}");
+    };
+    if wants("push") {
+        say("push rates...".into());
+        figures.extend(push_rates(&bench)?);
+    }
+    if wants("drain") {
+        for mode in ["safe", "default"] {
+            for &daemons in &o.daemons {
+                say(format!(
+                    "drain: {mode} mode, {daemons} daemon(s), {} runs of {} tasks...",
+                    o.runs, o.tasks
+                ));
+                figures.push(drain(&bench, mode, daemons)?);
+            }
+        }
+    }
+    if wants("wakeup") {
+        for mode in ["safe", "default"] {
+            say(format!("idle wake-up latency: {mode} mode..."));
+            figures.push(wake_up(&bench, mode)?);
+        }
+    }
+    if wants("lateness") {
+        say("delayed-task lateness at 10k due tasks per second...".into());
+        figures.push(lateness(&bench)?);
+    }
+    if wants("memory") {
+        say("memory...".into());
+        figures.extend(memory(&bench)?);
+    }
+    Ok(Report {
+        redis_version,
+        host: format!("{host} ({cores} cores)"),
+        tasks: o.tasks,
+        runs: o.runs,
+        workers: o.workers,
+        batch: o.batch,
+        prefetch: o.prefetch,
+        figures,
+    })
+}
+
+fn figure(
+    scenario: &str,
+    name: impl Into<String>,
+    unit: &str,
+    runs: Vec<f64>,
+    extra: Vec<(String, Vec<f64>)>,
+) -> Figure {
+    Figure {
+        scenario: scenario.to_string(),
+        name: name.into(),
+        unit: unit.to_string(),
+        median: median(&runs),
+        runs,
+        extra: extra
+            .into_iter()
+            .map(|(name, values)| (name, median(&values)))
+            .collect(),
+    }
+}
+
+fn push_rates(bench: &Bench) -> Result<Vec<Figure>, String> {
+    let config = bench.config("push", "safe", None)?;
+    let client = bench.client(&config)?;
+    let n = bench.options.tasks;
+    let single_n = n.min(20_000);
+    let (mut single, mut stdin, mut batch) = (Vec::new(), Vec::new(), Vec::new());
+    let one = crate::task::data_from_str("1").expect("1 is JSON");
+    for _ in 0..bench.options.runs {
+        bench.flush()?;
+        let start = Instant::now();
+        for _ in 0..single_n {
+            client
+                .push("q", NewTask::with_data("test", one.clone()))
+                .map_err(|e| e.to_string())?;
+        }
+        single.push(single_n as f64 / start.elapsed().as_secs_f64());
+
+        bench.flush()?;
+        let start = Instant::now();
+        bench.fill(&client, n)?;
+        batch.push(n as f64 / start.elapsed().as_secs_f64());
+
+        bench.flush()?;
+        let lines = "1\n".repeat(n);
+        let start = Instant::now();
+        let mut child = Command::new(&bench.kmqd)
+            .arg("--config")
+            .arg(&config)
+            .args(["push", "q", "test", "--stdin"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .spawn()
+            .map_err(|e| e.to_string())?;
+        child
+            .stdin
+            .take()
+            .expect("piped")
+            .write_all(lines.as_bytes())
+            .map_err(|e| e.to_string())?;
+        let status = child.wait().map_err(|e| e.to_string())?;
+        if !status.success() {
+            return Err(format!("kmqd push --stdin failed: {status}"));
+        }
+        stdin.push(n as f64 / start.elapsed().as_secs_f64());
+    }
+    Ok(vec![
+        figure(
+            "push",
+            "Client::push, one task per round trip",
+            "tasks/s",
+            single,
+            vec![],
+        ),
+        figure(
+            "push",
+            format!("kmqd push --stdin ({n} lines, process start included)"),
+            "tasks/s",
+            stdin,
+            vec![],
+        ),
+        figure("push", "Client::push_batch", "tasks/s", batch, vec![]),
+    ])
+}
+
+/// Tasks pushed and not yet finished (done or dead), from the queue's counters.
+fn remaining(client: &Client) -> Result<(u64, u64), String> {
+    let stats = client.stats("q").map_err(|e| e.to_string())?;
+    Ok((
+        stats
+            .pushed
+            .saturating_sub(stats.done + stats.dead_lettered),
+        stats.pushed,
+    ))
+}
+
+fn drain(bench: &Bench, mode: &str, daemons: usize) -> Result<Figure, String> {
+    let config = bench.config(&format!("drain-{mode}"), mode, None)?;
+    let client = bench.client(&config)?;
+    let n = bench.options.tasks;
+    let (mut rates, mut daemon_cpu, mut redis_cpu, mut rss) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..bench.options.runs {
+        bench.flush()?;
+        bench.fill(&client, n)?;
+        let processes: Vec<Daemon> = (0..daemons)
+            .map(|_| bench.daemon(&config))
+            .collect::<Result<_, _>>()?;
+        let pids: Vec<u32> = processes.iter().map(Daemon::pid).collect();
+        let cpu = |pids: &[u32]| pids.iter().map(|pid| cpu_us(*pid)).sum::<u64>();
+        let deadline = Instant::now() + Duration::from_secs(300);
+        let mut first: Option<(Instant, u64, u64, u64)> = None;
+        let mut peak_rss = 0;
+        let end = loop {
+            let (left, _) = remaining(&client)?;
+            peak_rss = peak_rss.max(pids.iter().map(|pid| rss_kb(*pid)).sum::<u64>());
+            if first.is_none() && left < n as u64 {
+                first = Some((Instant::now(), left, cpu(&pids), cpu_us(bench.server.pid())));
+            }
+            if left == 0 {
+                break (Instant::now(), cpu(&pids), cpu_us(bench.server.pid()));
+            }
+            if Instant::now() > deadline {
+                return Err(format!("drain did not finish within 300 s ({left} left)"));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        for daemon in processes {
+            daemon.stop();
+        }
+        let (t0, left0, daemon0, redis0) = first.expect("progress was seen before the end");
+        let seconds = end.0.duration_since(t0).as_secs_f64().max(1e-6);
+        rates.push(left0 as f64 / seconds);
+        daemon_cpu.push((end.1 - daemon0) as f64 / left0 as f64);
+        redis_cpu.push((end.2 - redis0) as f64 / left0 as f64);
+        rss.push(peak_rss as f64 / 1024.0);
+    }
+    Ok(figure(
+        "drain",
+        format!("{mode} mode, {daemons} daemon(s)"),
+        "tasks/s",
+        rates,
+        vec![
+            ("daemon CPU µs/task".into(), daemon_cpu),
+            ("redis CPU µs/task".into(), redis_cpu),
+            ("peak daemon RSS MB".into(), rss),
+        ],
+    ))
+}
+
+/// Reads the testkit record file from `offset` on; returns start times (µs) by task id and the new offset.
+fn read_starts(path: &Path, offset: u64, starts: &mut HashMap<String, u64>) -> Result<u64, String> {
+    let Ok(mut file) = std::fs::File::open(path) else {
+        return Ok(offset);
+    };
+    file.seek(SeekFrom::Start(offset))
+        .map_err(|e| e.to_string())?;
+    let mut text = String::new();
+    file.read_to_string(&mut text).map_err(|e| e.to_string())?;
+    // Only whole lines: a line being written is read next time.
+    let complete = text.rfind('\n').map_or(0, |i| i + 1);
+    for line in text[..complete].lines() {
+        let mut parts = line.split(' ');
+        if parts.next() == Some("start") {
+            if let (Some(id), Some(time)) = (parts.next(), parts.nth(2)) {
+                starts.insert(id.to_string(), time.parse().unwrap_or(0));
+            }
+        }
+    }
+    Ok(offset + complete as u64)
+}
+
+/// Waits until a fetcher of the daemon blocks in Redis (it has gone idle).
+fn wait_idle(bench: &Bench, mode: &str) -> Result<(), String> {
+    let command = if mode == "safe" {
+        "cmd=blpop"
+    } else {
+        "cmd=blmpop"
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut connection = bench.redis()?;
+    loop {
+        let clients: String = redis::cmd("CLIENT")
+            .arg("LIST")
+            .query(&mut connection)
+            .map_err(|e| e.to_string())?;
+        if clients.contains(command) {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err("the daemon's fetcher never went idle".into());
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn wake_up(bench: &Bench, mode: &str) -> Result<Figure, String> {
+    let record = bench.dir.path().join(format!("wakeup-{mode}.log"));
+    let _ = std::fs::remove_file(&record);
+    let config = bench.config(&format!("wakeup-{mode}"), mode, Some(&record))?;
+    let client = bench.client(&config)?;
+    bench.flush()?;
+    let daemon = bench.daemon(&config)?;
+    let (mut p50, mut p99) = (Vec::new(), Vec::new());
+    let mut starts = HashMap::new();
+    let mut offset = 0;
+    for run in 0..bench.options.runs {
+        let mut latencies = Vec::new();
+        for sample in 0..200 {
+            wait_idle(bench, mode)?;
+            let id = format!("w{run}-{sample}");
+            let pushed = now_us();
+            client
+                .push(
+                    "q",
+                    NewTask::new("test", "{}")
+                        .map_err(|e| e.to_string())?
+                        .id(&id),
+                )
+                .map_err(|e| e.to_string())?;
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let started = loop {
+                offset = read_starts(&record, offset, &mut starts)?;
+                if let Some(started) = starts.get(&id) {
+                    break *started;
+                }
+                if Instant::now() > deadline {
+                    return Err(format!("task {id} did not start within 10 s"));
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            };
+            latencies.push(started.saturating_sub(pushed) as f64);
+        }
+        p50.push(percentile(&latencies, 50.0));
+        p99.push(percentile(&latencies, 99.0));
+    }
+    daemon.stop();
+    Ok(figure(
+        "wakeup",
+        format!("{mode} mode, idle daemon: push to handler start, p50"),
+        "µs",
+        p50,
+        vec![("p99 µs".into(), p99)],
+    ))
+}
+
+fn lateness(bench: &Bench) -> Result<Figure, String> {
+    const RATE: u64 = 10_000;
+    const SECONDS: u64 = 3;
+    let record = bench.dir.path().join("lateness.log");
+    let (mut p50, mut p99) = (Vec::new(), Vec::new());
+    for run in 0..bench.options.runs {
+        let _ = std::fs::remove_file(&record);
+        let config = bench.config("lateness", "safe", Some(&record))?;
+        let client = bench.client(&config)?;
+        bench.flush()?;
+        let daemon = bench.daemon(&config)?;
+        wait_idle(bench, "safe")?;
+        let (seconds, micros): (i64, i64) = redis::cmd("TIME")
+            .query(&mut bench.redis()?)
+            .map_err(|e| e.to_string())?;
+        // Due times start two seconds ahead, so that the push is over before the first one is due.
+        let base_ms = seconds * 1000 + micros / 1000 + 2000;
+        let total = RATE * SECONDS;
+        let mut due_by_id = HashMap::with_capacity(total as usize);
+        let tasks: Vec<NewTask> = (0..total)
+            .map(|i| {
+                let due = base_ms + (i * 1000 / RATE) as i64;
+                let id = format!("l{run}-{i}");
+                due_by_id.insert(id.clone(), due);
+                NewTask::with_data("test", crate::task::data_from_str("{}").expect("JSON"))
+                    .id(id)
+                    .at(due)
+            })
+            .collect();
+        client.push_batch("q", tasks).map_err(|e| e.to_string())?;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while client.stats("q").map_err(|e| e.to_string())?.done < total {
+            if Instant::now() > deadline {
+                return Err("the delayed tasks did not all run within 60 s".into());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        daemon.stop();
+        let mut starts = HashMap::new();
+        read_starts(&record, 0, &mut starts)?;
+        let late: Vec<f64> = starts
+            .iter()
+            .filter_map(|(id, started)| Some(*started as f64 / 1000.0 - *due_by_id.get(id)? as f64))
+            .collect();
+        p50.push(percentile(&late, 50.0));
+        p99.push(percentile(&late, 99.0));
+    }
+    Ok(figure(
+        "lateness",
+        "delayed tasks, 10,000 due per second for 3 s: handler start minus due time, p50",
+        "ms",
+        p50,
+        vec![("p99 ms".into(), p99)],
+    ))
+}
+
+fn memory(bench: &Bench) -> Result<Vec<Figure>, String> {
+    let config = bench.config("memory", "safe", None)?;
+    let client = bench.client(&config)?;
+    let mut figures = Vec::new();
+
+    bench.flush()?;
+    let daemon = bench.daemon(&config)?;
+    wait_idle(bench, "safe")?;
+    std::thread::sleep(Duration::from_millis(500));
+    let idle = rss_kb(daemon.pid()) as f64 / 1024.0;
+    daemon.stop();
+    figures.push(figure(
+        "memory",
+        "daemon RSS, idle (one queue)",
+        "MB",
+        vec![idle],
+        vec![],
+    ));
+
+    // Redis memory per queued task with 100 bytes of data.
+    bench.flush()?;
+    let used = |bench: &Bench| -> Result<f64, String> {
+        let info: String = redis::cmd("INFO")
+            .arg("memory")
+            .query(&mut bench.redis()?)
+            .map_err(|e| e.to_string())?;
+        Ok(info
+            .lines()
+            .find_map(|l| l.strip_prefix("used_memory:"))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0.0))
+    };
+    let before = used(bench)?;
+    let data = format!("{{\"payload\":\"{}\"}}", "x".repeat(100 - 14));
+    let n = 100_000;
+    let data = crate::task::data_from_str(&data).expect("JSON");
+    for _ in 0..n / 10_000 {
+        client
+            .push_batch(
+                "q",
+                (0..10_000).map(|_| NewTask::with_data("test", data.clone())),
+            )
+            .map_err(|e| e.to_string())?;
+    }
+    let per_task = (used(bench)? - before) / n as f64;
+    figures.push(figure(
+        "memory",
+        "redis memory per queued task with 100 bytes of data",
+        "bytes",
+        vec![per_task],
+        vec![],
+    ));
+
+    // Daemon RSS while it drains a large backlog.
+    bench.flush()?;
+    bench.fill(&client, bench.options.backlog)?;
+    let daemon = bench.daemon(&config)?;
+    let mut peak = 0;
+    let deadline = Instant::now() + Duration::from_secs(600);
+    loop {
+        peak = peak.max(rss_kb(daemon.pid()));
+        let (left, _) = remaining(&client)?;
+        if left == 0 || Instant::now() > deadline {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    daemon.stop();
+    figures.push(figure(
+        "memory",
+        format!(
+            "daemon peak RSS draining a backlog of {}",
+            bench.options.backlog
+        ),
+        "MB",
+        vec![peak as f64 / 1024.0],
+        vec![],
+    ));
+    Ok(figures)
+}
+
+/// The report as a text table.
+pub fn render(report: &Report) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "kmqd bench: redis-server {} on 127.0.0.1, {}; {} tasks per drain run; workers {}, batch {}, prefetch {}; \
+         median of {} run(s)\n",
+        report.redis_version,
+        report.host,
+        report.tasks,
+        report.workers,
+        report.batch,
+        report.prefetch,
+        report.runs
+    );
+    let _ = writeln!(
+        out,
+        "| scenario | what | median | runs | also measured (medians) |\n|---|---|---:|---|---|"
+    );
+    for f in &report.figures {
+        let fmt = |v: f64| {
+            if v >= 100.0 {
+                format!("{v:.0}")
+            } else {
+                format!("{v:.2}")
+            }
+        };
+        let runs: Vec<String> = f.runs.iter().map(|v| fmt(*v)).collect();
+        let extra: Vec<String> = f
+            .extra
+            .iter()
+            .map(|(name, v)| format!("{name}: {}", fmt(*v)))
+            .collect();
+        let _ = writeln!(
+            out,
+            "| {} | {} | **{} {}** | {} | {} |",
+            f.scenario,
+            f.name,
+            fmt(f.median),
+            f.unit,
+            runs.join(" / "),
+            extra.join(", ")
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_and_medians() {
+        let values: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(
+            (
+                percentile(&values, 50.0),
+                percentile(&values, 99.0),
+                percentile(&values, 100.0)
+            ),
+            (50.0, 99.0, 100.0)
+        );
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert!(median(&[]).is_nan());
+    }
+}

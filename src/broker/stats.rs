@@ -1,0 +1,158 @@
+//! A queue's depths and counters, and the protocol-version check.
+
+use std::collections::HashMap;
+
+use redis::{ConnectionLike, Value};
+use serde::Serialize;
+
+use super::{BrokerError, PROTOCOL_VERSION, QueueKeys, Result, reply_error};
+use crate::task::Envelope;
+
+/// Records the protocol version in the queue's meta hash, or refuses keys written by another version.
+pub fn check_protocol(conn: &mut dyn ConnectionLike, keys: &QueueKeys, queue: &str) -> Result<()> {
+    let (_, found): (i64, String) = redis::pipe()
+        .cmd("HSETNX")
+        .arg(&keys.meta)
+        .arg("protocol")
+        .arg(PROTOCOL_VERSION)
+        .cmd("HGET")
+        .arg(&keys.meta)
+        .arg("protocol")
+        .query(conn)?;
+    if found != PROTOCOL_VERSION.to_string() {
+        return Err(BrokerError::ProtocolVersion {
+            queue: queue.to_string(),
+            found,
+            expected: PROTOCOL_VERSION,
+        });
+    }
+    Ok(())
+}
+
+/// A queue's depth and counters, as `kmqd stats` shows them.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct QueueStats {
+    /// Tasks waiting in the ready lists.
+    pub ready: u64,
+    /// Ready tasks per level, highest first (a JSON object in level order).
+    #[serde(serialize_with = "pairs_as_map")]
+    pub ready_by_level: Vec<(String, u64)>,
+    /// Safe mode: tasks claimed and not yet settled.
+    pub processing: u64,
+    /// Tasks waiting for their due time, retries in backoff included.
+    pub delayed: u64,
+    /// Of `delayed`, the retries waiting out their backoff.
+    pub retrying: u64,
+    /// Records in the dead-letter list (bounded by `dead_max`).
+    pub dead: u64,
+    /// Tasks accepted by the enqueue script (plain RPUSH producers are not counted).
+    pub pushed: u64,
+    /// Tasks acknowledged.
+    pub done: u64,
+    /// Tasks queued again for another attempt.
+    pub retried: u64,
+    /// Runs that failed (handler error, panic, timeout, lost lease).
+    pub failed: u64,
+    /// Tasks moved to the dead-letter list.
+    pub dead_lettered: u64,
+    /// Waiting tasks removed by `task cancel` (or `Client::cancel`).
+    pub cancelled: u64,
+    /// Age of the oldest task at the head of a ready list, ms; `None` when nothing is ready.
+    pub lag_ms: Option<i64>,
+}
+
+fn pairs_as_map<S: serde::Serializer>(
+    pairs: &[(String, u64)],
+    serializer: S,
+) -> std::result::Result<S::Ok, S::Error> {
+    serializer.collect_map(pairs.iter().map(|(k, v)| (k, v)))
+}
+
+/// Reads a queue's depth and counters in one round trip.
+pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueStats> {
+    let levels = &keys.levels;
+    let mut pipe = redis::pipe();
+    pipe.cmd("TIME");
+    for key in &keys.ready {
+        pipe.cmd("LLEN").arg(key);
+    }
+    for key in &keys.ready {
+        pipe.cmd("LINDEX").arg(key).arg(0);
+    }
+    for key in keys.delayed.iter().chain(&keys.retry) {
+        pipe.cmd("ZCARD").arg(key);
+    }
+    pipe.cmd("HLEN").arg(&keys.processing);
+    pipe.cmd("LLEN").arg(&keys.dead);
+    pipe.cmd("HGETALL").arg(&keys.stats);
+    type Reply = (
+        (i64, i64),
+        Vec<u64>,
+        Vec<Option<Vec<u8>>>,
+        Vec<u64>,
+        u64,
+        u64,
+        HashMap<String, u64>,
+    );
+    // The pipeline's replies in order, grouped as the commands above.
+    let mut replies: Vec<Value> = pipe.query(conn)?;
+    let level_count = levels.len();
+    let mut take = |n: usize| -> Value {
+        let group: Vec<Value> = replies.drain(..n.min(replies.len())).collect();
+        if n == 1 {
+            group.into_iter().next().unwrap_or(Value::Nil)
+        } else {
+            Value::Array(group)
+        }
+    };
+    let reply: Reply = (
+        parse(take(1), "stats")?,
+        parse(list(take(level_count)), "stats")?,
+        parse(list(take(level_count)), "stats")?,
+        parse(list(take(2 * level_count)), "stats")?,
+        parse(take(1), "stats")?,
+        parse(take(1), "stats")?,
+        parse(take(1), "stats")?,
+    );
+    let ((seconds, micros), ready_counts, heads, zset_counts, processing, dead, counters) = reply;
+    let now_ms = seconds * 1000 + micros / 1000;
+    let lag_ms = heads
+        .into_iter()
+        .flatten()
+        .filter_map(|head| {
+            Envelope::decode(&String::from_utf8_lossy(&head))
+                .ok()?
+                .created_at
+        })
+        .map(|created_at| (now_ms - created_at).max(0))
+        .max();
+    let counter = |name: &str| counters.get(name).copied().unwrap_or(0);
+    let retrying: u64 = zset_counts[level_count..].iter().sum();
+    Ok(QueueStats {
+        ready: ready_counts.iter().sum(),
+        ready_by_level: levels.iter().cloned().zip(ready_counts).collect(),
+        processing,
+        delayed: zset_counts.iter().sum(),
+        retrying,
+        dead,
+        pushed: counter("pushed"),
+        done: counter("done"),
+        retried: counter("retried"),
+        failed: counter("failed"),
+        dead_lettered: counter("dead_lettered"),
+        cancelled: counter("cancelled"),
+        lag_ms,
+    })
+}
+
+/// A group of pipelined replies that is a list even when it has one element.
+fn list(value: Value) -> Value {
+    match value {
+        Value::Array(items) => Value::Array(items),
+        single => Value::Array(vec![single]),
+    }
+}
+
+fn parse<T: redis::FromRedisValue>(value: Value, what: &'static str) -> Result<T> {
+    redis::from_redis_value(value).map_err(|error| reply_error(what, error.to_string()))
+}

@@ -1,0 +1,398 @@
+//! A task's life in Redis: push, claim (safe) or pop (default), settle, renew, expire, promote.
+
+use std::time::Duration;
+
+use redis::{Connection, ConnectionLike, Value};
+
+use super::{BrokerError, IO_TIMEOUT, QueueKeys, Result, SCRIPTS, Token, int, reply_error, text};
+
+/// When a pushed task becomes ready.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Due {
+    /// Ready at once.
+    #[default]
+    Now,
+    /// Ready this long after the push, on Redis's clock.
+    After(Duration),
+    /// Ready at this time, ms since the epoch (in the past: ready at once).
+    At(i64),
+}
+
+/// One task to enqueue.
+pub struct PushItem<'a> {
+    /// The task id (the envelope's `id`): needed for delayed and unique tasks.
+    pub id: &'a str,
+    /// Hold the id while the task is live, refusing other pushes of it.
+    pub unique: bool,
+    pub envelope: &'a str,
+}
+
+/// Runs the enqueue script for tasks of one level. Returns, per task, whether it was accepted.
+pub fn push(
+    conn: &mut dyn ConnectionLike,
+    keys: &QueueKeys,
+    level: usize,
+    due: Due,
+    items: &[PushItem<'_>],
+) -> Result<Vec<bool>> {
+    let (after_ms, at_ms) = match due {
+        Due::Now => (0, 0),
+        Due::After(after) => (after.as_millis().max(1) as i64, 0),
+        Due::At(at) => (0, at.max(1)),
+    };
+    let mut invocation = SCRIPTS.push.prepare_invoke();
+    invocation
+        .key(&keys.ready[level])
+        .key(&keys.delayed[level])
+        .key(&keys.delayed_tasks)
+        .key(&keys.wake)
+        .key(&keys.unique)
+        .key(&keys.stats)
+        .arg(after_ms)
+        .arg(at_ms)
+        .arg(&keys.delay_channel);
+    for item in items {
+        invocation
+            .arg(item.id)
+            .arg(if item.unique { "1" } else { "0" })
+            .arg(item.envelope);
+    }
+    let accepted: Vec<i64> = invocation.invoke(conn)?;
+    if accepted.len() != items.len() {
+        return Err(BrokerError::Reply {
+            what: "push",
+            detail: format!("{} results for {} tasks", accepted.len(), items.len()),
+        });
+    }
+    Ok(accepted.into_iter().map(|ok| ok == 1).collect())
+}
+
+/// A task taken from a ready list.
+#[derive(Debug)]
+pub struct Taken {
+    /// Safe mode: the claim token that fences its settlement; `None` in default mode.
+    pub token: Option<Token>,
+    /// Index of the level it came from.
+    pub level: usize,
+    /// The envelope as stored (not yet decoded).
+    pub payload: String,
+}
+
+/// The result of one claim or pop.
+#[derive(Debug, Default)]
+pub struct Batch {
+    /// Redis's clock when the tasks were taken, ms since the epoch.
+    pub now_ms: i64,
+    pub tasks: Vec<Taken>,
+}
+
+/// Safe mode: claims up to `max` tasks, highest level first, into the processing area under a lease.
+pub fn claim(
+    conn: &mut dyn ConnectionLike,
+    keys: &QueueKeys,
+    max: usize,
+    lease: Duration,
+) -> Result<Batch> {
+    let mut invocation = SCRIPTS.claim.prepare_invoke();
+    invocation
+        .key(&keys.processing)
+        .key(&keys.leases)
+        .key(&keys.seq)
+        .key(&keys.wake);
+    for ready in &keys.ready {
+        invocation.key(ready);
+    }
+    invocation.arg(max).arg(lease.as_millis() as u64);
+    for level in &keys.levels {
+        invocation.arg(level);
+    }
+    let reply: Vec<Value> = invocation.invoke(conn)?;
+    if reply.len() != 2 + keys.levels() {
+        return Err(reply_error("claim", format!("{} elements", reply.len())));
+    }
+    let mut reply = reply.into_iter();
+    let now_ms = int(&reply.next().unwrap_or(Value::Nil), "claim")?;
+    let mut seq = int(&reply.next().unwrap_or(Value::Nil), "claim")? as u64;
+    let mut tasks = Vec::new();
+    for (level, envelopes) in reply.enumerate() {
+        let Value::Array(envelopes) = envelopes else {
+            return Err(reply_error(
+                "claim",
+                format!("level {level}: expected a list, got {envelopes:?}"),
+            ));
+        };
+        tasks.reserve(envelopes.len());
+        for envelope in envelopes {
+            tasks.push(Taken {
+                token: Some(Token::Claim { seq, level }),
+                level,
+                payload: text(envelope, "claim")?,
+            });
+            seq += 1;
+        }
+    }
+    Ok(Batch { now_ms, tasks })
+}
+
+/// Default mode: pops up to `max` tasks from the highest non-empty level. With `block`, waits that long for a
+/// task when all levels are empty (BLMPOP, which a plain RPUSH by any producer wakes at once).
+pub fn pop(
+    conn: &mut Connection,
+    keys: &QueueKeys,
+    max: usize,
+    block: Option<Duration>,
+) -> Result<Batch> {
+    let mut pipe = redis::pipe();
+    match block {
+        Some(timeout) => {
+            // Redis rounds blocking timeouts up to its 100 ms tick; the read timeout must outlast that.
+            conn.set_read_timeout(Some(timeout + IO_TIMEOUT))?;
+            pipe.cmd("BLMPOP").arg(timeout.as_secs_f64());
+        }
+        None => {
+            pipe.cmd("LMPOP");
+        }
+    }
+    pipe.arg(keys.levels())
+        .arg(&keys.ready)
+        .arg("LEFT")
+        .arg("COUNT")
+        .arg(max);
+    // TIME runs after the pop returns, so it is Redis's clock when the tasks were taken.
+    pipe.cmd("TIME");
+    let result: redis::RedisResult<(Value, (i64, i64))> = pipe.query(conn);
+    if block.is_some() {
+        conn.set_read_timeout(Some(IO_TIMEOUT))?;
+    }
+    let (popped, (seconds, micros)) = result?;
+    let now_ms = seconds * 1000 + micros / 1000;
+    let mut tasks = Vec::new();
+    if let Value::Array(mut parts) = popped {
+        if parts.len() != 2 {
+            return Err(reply_error("pop", format!("{} elements", parts.len())));
+        }
+        let items = parts.pop().unwrap_or(Value::Nil);
+        let key = text(parts.pop().unwrap_or(Value::Nil), "pop")?;
+        let level = keys
+            .ready
+            .iter()
+            .position(|k| *k == key)
+            .ok_or_else(|| reply_error("pop", format!("unknown key {key}")))?;
+        if let Value::Array(items) = items {
+            for item in items {
+                tasks.push(Taken {
+                    token: None,
+                    level,
+                    payload: text(item, "pop")?,
+                });
+            }
+        }
+    }
+    Ok(Batch { now_ms, tasks })
+}
+
+/// Safe mode: waits up to `timeout` for a wake-up marker. Returns whether one came.
+pub fn wait_wake(conn: &mut Connection, keys: &QueueKeys, timeout: Duration) -> Result<bool> {
+    conn.set_read_timeout(Some(timeout + IO_TIMEOUT))?;
+    let result: redis::RedisResult<Option<(String, String)>> = redis::cmd("BLPOP")
+        .arg(&keys.wake)
+        .arg(timeout.as_secs_f64())
+        .query(conn);
+    conn.set_read_timeout(Some(IO_TIMEOUT))?;
+    Ok(result?.is_some())
+}
+
+/// What happens to a settled task; see settle.lua.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SettleOp {
+    Ack,
+    Retry { delay: Duration },
+    Back,
+    Dead,
+}
+
+/// One outcome to apply to Redis.
+#[derive(Clone, Debug)]
+pub struct Settlement {
+    pub op: SettleOp,
+    /// Safe mode: the claim token; `None` in default mode.
+    pub token: Option<Token>,
+    /// Released on ack or dead-letter when the task is unique.
+    pub unique_id: Option<String>,
+    pub level: usize,
+    /// Retry/back: the envelope to queue; dead: the dead record (a JSON object); ack: unused.
+    pub payload: String,
+    /// Whether this run counts as a failed attempt.
+    pub failed: bool,
+}
+
+impl Settlement {
+    /// A plain acknowledgement: sent as its bare token (or only counted, in default mode), not as a record.
+    fn is_plain_ack(&self) -> bool {
+        self.op == SettleOp::Ack && self.unique_id.is_none() && !self.failed
+    }
+}
+
+/// Who is settling: the owner of the claim, or a monitor recovering an expired lease.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fence {
+    Owner,
+    Expired,
+}
+
+/// What a settle call did.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Settled {
+    /// Per settlement: whether it applied (false: stale, its task was recovered meanwhile); `None` for plain
+    /// acknowledgements, which are applied in bulk and counted in `stale_acks` instead.
+    pub applied: Vec<Option<bool>>,
+    /// Plain acknowledgements whose token was no longer in the processing area.
+    pub stale_acks: usize,
+}
+
+/// Applies many outcomes in one round trip (`settle.lua`). Plain acknowledgements, the bulk of the traffic, go
+/// as bare tokens that the script removes with one HDEL and one ZREM; everything else goes as a record checked
+/// one by one.
+pub fn settle<'a>(
+    conn: &mut dyn ConnectionLike,
+    keys: &QueueKeys,
+    fence: Fence,
+    dead_max: usize,
+    settlements: impl IntoIterator<Item = &'a Settlement> + Clone,
+) -> Result<Settled> {
+    let mut invocation = SCRIPTS.settle.prepare_invoke();
+    invocation
+        .key(&keys.processing)
+        .key(&keys.leases)
+        .key(&keys.stats)
+        .key(&keys.dead)
+        .key(&keys.unique)
+        .key(&keys.wake);
+    for key in keys.ready.iter().chain(&keys.retry) {
+        invocation.key(key);
+    }
+    invocation
+        .arg(match fence {
+            Fence::Owner => "owner",
+            Fence::Expired => "expired",
+        })
+        .arg(dead_max)
+        .arg(keys.levels())
+        .arg(&keys.delay_channel);
+    // Bulk sections only for the owner: a monitor's settlements must each re-check their lease.
+    let bulk = |s: &Settlement| fence == Fence::Owner && s.is_plain_ack();
+    let tokens: Vec<&Token> = settlements
+        .clone()
+        .into_iter()
+        .filter(|s| bulk(s))
+        .filter_map(|s| s.token.as_ref())
+        .collect();
+    invocation.arg(tokens.len());
+    for token in &tokens {
+        invocation.arg(token.render(&keys.levels));
+    }
+    let counted = settlements
+        .clone()
+        .into_iter()
+        .filter(|s| bulk(s) && s.token.is_none())
+        .count();
+    invocation.arg(counted);
+    let mut records = 0;
+    for s in settlements.clone().into_iter().filter(|s| !bulk(s)) {
+        let (op, delay_ms) = match &s.op {
+            SettleOp::Ack => ("ack", 0),
+            SettleOp::Retry { delay } => ("retry", delay.as_millis() as u64),
+            SettleOp::Back => ("back", 0),
+            SettleOp::Dead => ("dead", 0),
+        };
+        match &s.token {
+            Some(token) => invocation.arg(op).arg(token.render(&keys.levels)),
+            None => invocation.arg(op).arg(""),
+        };
+        invocation
+            .arg(s.unique_id.as_deref().unwrap_or(""))
+            .arg(s.level + 1)
+            .arg(delay_ms)
+            .arg(&s.payload)
+            .arg(if s.failed { "1" } else { "0" });
+        records += 1;
+    }
+    let reply: Vec<i64> = invocation.invoke(conn)?;
+    if reply.len() != records + 1 {
+        return Err(reply_error(
+            "settle",
+            format!("{} results for {records} records", reply.len()),
+        ));
+    }
+    let mut flags = reply[1..].iter().map(|ok| *ok == 1);
+    let applied = settlements
+        .into_iter()
+        .map(|s| if bulk(s) { None } else { flags.next() })
+        .collect();
+    Ok(Settled {
+        applied,
+        stale_acks: reply[0] as usize,
+    })
+}
+
+/// Safe mode: renews the leases of `tokens`. Returns the tokens whose lease was already gone (recovered by a
+/// monitor because this daemon was silent too long).
+pub fn renew(
+    conn: &mut dyn ConnectionLike,
+    keys: &QueueKeys,
+    lease: Duration,
+    tokens: &[Token],
+) -> Result<Vec<String>> {
+    if tokens.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut invocation = SCRIPTS.renew.prepare_invoke();
+    invocation.key(&keys.leases).arg(lease.as_millis() as u64);
+    for token in tokens {
+        invocation.arg(token.render(&keys.levels));
+    }
+    Ok(invocation.invoke(conn)?)
+}
+
+/// Safe mode: up to `max` tasks whose lease ran out, with Redis's clock.
+pub fn expired(
+    conn: &mut dyn ConnectionLike,
+    keys: &QueueKeys,
+    max: usize,
+) -> Result<(i64, Vec<(String, String)>)> {
+    let reply: Vec<Value> = SCRIPTS
+        .expired
+        .key(&keys.leases)
+        .key(&keys.processing)
+        .arg(max)
+        .invoke(conn)?;
+    let mut reply = reply.into_iter();
+    let now_ms = int(&reply.next().unwrap_or(Value::Nil), "expired")?;
+    let mut found = Vec::new();
+    while let Some(token) = reply.next() {
+        let envelope = reply
+            .next()
+            .ok_or_else(|| reply_error("expired", "token without envelope"))?;
+        found.push((text(token, "expired")?, text(envelope, "expired")?));
+    }
+    Ok((now_ms, found))
+}
+
+/// Moves up to `max` due tasks to their ready lists. Returns how many moved and how long until the next one is
+/// due (`None`: nothing is delayed).
+pub fn promote(
+    conn: &mut dyn ConnectionLike,
+    keys: &QueueKeys,
+    max: usize,
+) -> Result<(usize, Option<Duration>)> {
+    let mut invocation = SCRIPTS.promote.prepare_invoke();
+    invocation.key(&keys.wake).key(&keys.delayed_tasks);
+    for key in keys.ready.iter().chain(&keys.delayed).chain(&keys.retry) {
+        invocation.key(key);
+    }
+    let (moved, next_ms): (i64, i64) = invocation.arg(max).invoke(conn)?;
+    Ok((
+        moved as usize,
+        (next_ms >= 0).then(|| Duration::from_millis(next_ms as u64)),
+    ))
+}
