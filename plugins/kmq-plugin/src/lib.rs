@@ -26,6 +26,7 @@ pub mod abi;
 #[doc(hidden)]
 pub mod export;
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::de::DeserializeOwned;
@@ -172,8 +173,13 @@ impl<'a> Task<'a> {
         if self.raw.cancel.is_null() {
             return false;
         }
-        // SAFETY: the host keeps the flag alive during the call; it writes it from another thread, hence volatile.
-        unsafe { std::ptr::read_volatile(self.raw.cancel) != 0 }
+        // The host writes the flag from another thread while this one reads it, so the read must be atomic: a
+        // plain (or volatile) read racing with a write is undefined behaviour in Rust. C declares the flag
+        // `const volatile uint32_t *`; an `AtomicU32` has the size and alignment of a `uint32_t`.
+        // SAFETY: the host keeps the flag alive and aligned during the call, and only ever writes it atomically
+        // (kmqd's is an `AtomicU32`); this side only loads it.
+        let flag = unsafe { AtomicU32::from_ptr(self.raw.cancel.cast_mut()) };
+        flag.load(Ordering::Relaxed) != 0
     }
 }
 
