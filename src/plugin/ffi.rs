@@ -14,17 +14,14 @@ use std::sync::atomic::AtomicU32;
 use std::time::Duration;
 
 use kmq_plugin::abi::{
-    self, EntryFn, HandleFn, KMQ_ABI_VERSION, KmqBuf, KmqPlugin, KmqStr, KmqTask, OnDeadFn,
-    PLUGIN_SYMBOL, ShutdownFn,
+    self, EntryFn, HandleFn, KMQ_ABI_VERSION, KmqBuf, KmqPlugin, KmqStr, KmqTask, MIN_STRUCT_SIZE,
+    OnDeadFn, PLUGIN_SYMBOL, ShutdownFn,
 };
 
 use super::PluginError;
 
-/// The smallest descriptor the host accepts: the v1 fields up to and including `handle`, the last one it needs.
-const MIN_STRUCT_SIZE: usize = offset_of!(KmqPlugin, handle) + size_of::<Option<HandleFn>>();
-
 /// How many bytes of message a plugin may return; longer messages are cut.
-pub const MESSAGE_CAPACITY: usize = 1024;
+pub const MESSAGE_CAPACITY: usize = abi::MESSAGE_CAPACITY;
 
 /// A loaded, initialised plugin.
 pub struct LoadedPlugin {

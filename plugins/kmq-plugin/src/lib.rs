@@ -2,7 +2,7 @@
 //!
 //! A plugin is a `cdylib` crate that implements [`Handler`] and exports it with [`export!`]:
 //!
-//! ```ignore
+//! ```
 //! use kmq_plugin::{Handler, Outcome, Task};
 //!
 //! struct Mail;
@@ -21,10 +21,13 @@
 //! The macro generates every `extern "C"` function of the ABI (`plugins/include/kmq_plugin.h`) and wraps each in
 //! `catch_unwind`: a panic never crosses the boundary (it would abort the daemon). A panic in `handle` becomes a
 //! failed attempt (`KMQ_RETRY`, message `panic: ...`), which the queue's `on_handler_error` then decides about.
+//!
+//! [`testing::Harness`] drives a plugin through its exported symbol, as kmqd does, for the plugin's own tests.
 
 pub mod abi;
 #[doc(hidden)]
 pub mod export;
+pub mod testing;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
