@@ -6,6 +6,7 @@ mod support;
 mod cli;
 mod crash;
 mod default_mode;
+mod plugins;
 mod protocol;
 mod safe_mode;
 mod shutdown;

@@ -24,6 +24,9 @@
 //!
 //! [`testing::Harness`] drives a plugin through its exported symbol, as kmqd does, for the plugin's own tests.
 
+// Every unsafe block says why it is sound (STYLE.md); the lint keeps it so.
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 pub mod abi;
 #[doc(hidden)]
 pub mod export;

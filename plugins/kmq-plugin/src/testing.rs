@@ -147,8 +147,8 @@ unsafe impl Sync for Harness {}
 /// # Safety
 /// `ptr` must be null or point at a NUL-terminated string that outlives the call.
 unsafe fn c_string(ptr: *const c_char) -> Option<String> {
-    // SAFETY: the caller's contract.
     (!ptr.is_null()).then(|| {
+        // SAFETY: not null, and the caller guarantees a NUL-terminated string that outlives the call.
         unsafe { CStr::from_ptr(ptr) }
             .to_string_lossy()
             .into_owned()

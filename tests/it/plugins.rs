@@ -1,0 +1,358 @@
+//! Plugins (docs/PLUGINS.md): every refusal of the loader names the file and says what to fix; a misbehaving
+//! plugin fails its task, never the daemon; `handle` runs on many threads at once; the C example, the exec plugin
+//! and the C snippet of docs/PLUGINS.md run tasks end to end.
+//!
+//! The C plugins are compiled by the tests with the system C compiler; the Rust ones are this workspace's crates.
+
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use crate::support::*;
+
+/// The loader's test plugin: correct as is, each `-D` flag breaks one rule (see the file's header).
+fn configurable_c() -> PathBuf {
+    workspace_dir().join("tests/it/c/configurable.c")
+}
+
+fn hello_c() -> PathBuf {
+    workspace_dir().join("plugins/c-example/kmq_hello.c")
+}
+
+const QUEUE: &str = "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\n";
+
+/// A config for `check-config`, which needs no Redis: the test's plugins dir, one queue, then `plugins` (TOML
+/// `[plugins.NAME]` sections).
+fn offline_config(dir: &TestDir, plugins: &str) -> PathBuf {
+    let text = format!(
+        "[redis]\nurl = \"unix://{}\"\n\n[daemon]\nplugins_dir = \"{}\"\n\n{QUEUE}\n{plugins}\n",
+        dir.path("no-redis.sock").display(),
+        dir.plugins_dir().display(),
+    );
+    let path = dir.path("kmqd.toml");
+    fs::write(&path, text).unwrap();
+    path
+}
+
+/// Runs `kmqd check-config` on `config`; asserts it refuses with exit code 2 and returns standard error.
+fn refused(config: &Path) -> String {
+    let (code, out, err) = kmqd(
+        &["--config", config.to_str().unwrap(), "check-config"],
+        None,
+    );
+    assert_eq!(
+        code, 2,
+        "check-config must refuse; stdout:\n{out}\nstderr:\n{err}"
+    );
+    assert!(
+        err.starts_with(&format!("kmqd: {}: plugin", config.display())),
+        "the message names the config file: {err}"
+    );
+    err
+}
+
+fn canonical(path: &Path) -> String {
+    path.canonicalize().unwrap().display().to_string()
+}
+
+#[test]
+fn check_config_refuses_each_broken_c_plugin_naming_the_file_and_the_fix() {
+    struct Case {
+        what: &'static str,
+        defines: &'static [&'static str],
+        expected: &'static [&'static str],
+    }
+    let cases = [
+        Case {
+            what: "another ABI version in the descriptor",
+            defines: &["PLUGIN_ABI_VERSION=2"],
+            expected: &[
+                "built for ABI version 2, but this kmqd speaks version 1",
+                "rebuild the plugin against this kmqd's kmq_plugin.h",
+            ],
+        },
+        Case {
+            what: "only the entry point of another ABI version",
+            defines: &["PLUGIN_SYMBOL=kmq_plugin_v2", "PLUGIN_ABI_VERSION=2"],
+            expected: &["built for ABI version 2, but this kmqd speaks version 1"],
+        },
+        Case {
+            what: "no entry point at all",
+            defines: &["PLUGIN_SYMBOL=not_a_kmq_plugin"],
+            expected: &[
+                "no kmq_plugin_v1 symbol, so it is not a kmqd plugin",
+                "export `const kmq_plugin *kmq_plugin_v1(void)`",
+            ],
+        },
+        Case {
+            what: "a descriptor smaller than v1's",
+            defines: &["PLUGIN_STRUCT_SIZE=16"],
+            expected: &[
+                "struct_size is 16 bytes, smaller than the 40 bytes of ABI v1",
+                "set struct_size = sizeof(kmq_plugin)",
+            ],
+        },
+        Case {
+            what: "no handle function",
+            defines: &["PLUGIN_NO_HANDLE"],
+            expected: &[
+                "bad descriptor: its handle is NULL; set it to the function that runs a task",
+            ],
+        },
+        Case {
+            what: "an init that fails",
+            defines: &["PLUGIN_INIT_FAILS"],
+            expected: &[
+                "(configurable): init failed: cannot reach the license server at 10.0.0.1:7000",
+                "its config is the table plugins.bad.config",
+            ],
+        },
+        Case {
+            what: "no task types",
+            defines: &["PLUGIN_NO_TYPES"],
+            expected: &["it handles no task types; list them"],
+        },
+    ];
+    for case in cases {
+        let dir = TestDir::new();
+        let library = dir.plugins_dir().join("libbad.so");
+        compile_c_plugin(&configurable_c(), case.defines, &library);
+        let config = offline_config(&dir, "[plugins.bad]\nfile = \"libbad.so\"\n");
+        let err = refused(&config);
+        assert!(
+            err.contains(&format!("plugin {}", canonical(&library))),
+            "{}: the message names the library: {err}",
+            case.what
+        );
+        for expected in case.expected {
+            assert!(
+                err.contains(expected),
+                "{}: expected {expected:?} in: {err}",
+                case.what
+            );
+        }
+    }
+}
+
+#[test]
+fn the_configurable_c_plugin_is_accepted_when_nothing_is_broken() {
+    // The control for the test above: the refusals come from the flags, not from the plugin.
+    let dir = TestDir::new();
+    let library = dir.plugins_dir().join("libgood.so");
+    compile_c_plugin(&configurable_c(), &[], &library);
+    let config = offline_config(&dir, "[plugins.good]\nfile = \"libgood.so\"\n");
+    let (code, out, err) = kmqd(
+        &["--config", config.to_str().unwrap(), "check-config"],
+        None,
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains(&format!(
+            "plugin configurable ({}): types [\"c.test\"]",
+            canonical(&library)
+        )),
+        "{out}"
+    );
+}
+
+#[test]
+fn a_missing_plugin_file_is_refused_with_what_to_fix() {
+    let dir = TestDir::new();
+    let config = offline_config(&dir, "[plugins.gone]\nfile = \"libgone.so\"\n");
+    let err = refused(&config);
+    assert!(
+        err.contains(&format!(
+            "plugin {}: no such file; build the plugin and copy it there, or fix plugins.gone.file",
+            dir.plugins_dir().join("libgone.so").display()
+        )),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_file_that_is_not_a_shared_library_is_refused() {
+    let dir = TestDir::new();
+    let fake = dir.plugins_dir().join("libfake.so");
+    fs::write(&fake, "#!/bin/sh\necho not a library\n").unwrap();
+    fs::set_permissions(&fake, fs::Permissions::from_mode(0o755)).unwrap();
+    let err = refused(&offline_config(
+        &dir,
+        "[plugins.fake]\nfile = \"libfake.so\"\n",
+    ));
+    assert!(
+        err.contains(&format!("plugin {}: cannot load:", canonical(&fake)))
+            && err.contains("it must be a shared library (.so) built for this machine"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_task_type_claimed_by_two_plugins_is_refused_naming_both_files() {
+    let dir = TestDir::new();
+    let rival = dir.plugins_dir().join("librival.so");
+    compile_c_plugin(&configurable_c(), &["PLUGIN_TYPE=\"test\""], &rival);
+    let err = refused(&offline_config(
+        &dir,
+        "[plugins.rival]\nfile = \"librival.so\"\n[plugins.testkit]\nfile = \"libkmq_testkit.so\"\n",
+    ));
+    let testkit = dir.plugins_dir().join("libkmq_testkit.so");
+    assert!(
+        err.contains(&format!(
+            "plugins {} and {} both handle task type \"test\"; a type must belong to one plugin",
+            canonical(&rival),
+            canonical(&testkit)
+        )),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_file_named_twice_is_refused_whatever_the_path_that_reaches_it() {
+    let dir = TestDir::new();
+    let testkit = dir.plugins_dir().join("libkmq_testkit.so");
+    std::os::unix::fs::symlink(&testkit, dir.plugins_dir().join("libsymlink.so")).unwrap();
+    fs::hard_link(&testkit, dir.plugins_dir().join("libhardlink.so")).unwrap();
+    for (other, reached_as) in [
+        ("libkmq_testkit.so", None),
+        ("libsymlink.so", None),
+        (
+            "libhardlink.so",
+            Some(dir.plugins_dir().join("libhardlink.so")),
+        ),
+    ] {
+        let config = offline_config(
+            &dir,
+            &format!(
+                "[plugins.first]\nfile = \"libkmq_testkit.so\"\n[plugins.second]\nfile = \"{other}\"\n"
+            ),
+        );
+        let err = refused(&config);
+        let mut expected = format!(
+            "plugins.first and plugins.second name the same file {}",
+            canonical(&testkit)
+        );
+        if let Some(path) = reached_as {
+            expected.push_str(&format!(" (also reached as {})", canonical(&path)));
+        }
+        expected.push_str("; a plugin is loaded once: remove one of them");
+        assert!(
+            err.contains(&expected),
+            "{other}: expected {expected:?} in: {err}"
+        );
+    }
+}
+
+#[test]
+fn a_plugin_or_its_directory_writable_by_group_or_others_is_refused() {
+    let dir = TestDir::new();
+    let config = offline_config(&dir, "[plugins.testkit]\nfile = \"libkmq_testkit.so\"\n");
+    let plugin = dir.plugins_dir().join("libkmq_testkit.so");
+    fs::set_permissions(&plugin, fs::Permissions::from_mode(0o775)).unwrap();
+    let err = refused(&config);
+    assert!(
+        err.contains(&format!(
+            "plugin {0}: refused: its file {0} is writable by group or others (mode 775); run chmod go-w on it",
+            canonical(&plugin)
+        )),
+        "{err}"
+    );
+    fs::set_permissions(&plugin, fs::Permissions::from_mode(0o755)).unwrap();
+    fs::set_permissions(dir.plugins_dir(), fs::Permissions::from_mode(0o777)).unwrap();
+    let err = refused(&config);
+    assert!(
+        err.contains(&format!(
+            "refused: its directory {} is writable by group or others (mode 777); run chmod go-w on it",
+            canonical(&dir.plugins_dir())
+        )),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_symlink_in_a_writable_plugins_dir_is_refused_though_its_target_is_safe() {
+    // The target's own directory is fine, but whoever can write plugins_dir can point the link elsewhere.
+    let dir = TestDir::new();
+    let elsewhere = dir.path("elsewhere");
+    fs::create_dir(&elsewhere).unwrap();
+    fs::set_permissions(&elsewhere, fs::Permissions::from_mode(0o755)).unwrap();
+    let target = elsewhere.join("libkmq_testkit.so");
+    fs::rename(dir.plugins_dir().join("libkmq_testkit.so"), &target).unwrap();
+    std::os::unix::fs::symlink(&target, dir.plugins_dir().join("libkmq_testkit.so")).unwrap();
+    let config = offline_config(&dir, "[plugins.testkit]\nfile = \"libkmq_testkit.so\"\n");
+    let (code, _, err) = kmqd(
+        &["--config", config.to_str().unwrap(), "check-config"],
+        None,
+    );
+    assert_eq!(
+        code, 0,
+        "a safe link into a safe directory is accepted: {err}"
+    );
+    fs::set_permissions(dir.plugins_dir(), fs::Permissions::from_mode(0o757)).unwrap();
+    let err = refused(&config);
+    assert!(
+        err.contains(&format!(
+            "plugin {}: refused: its directory {} is writable by group or others (mode 757)",
+            canonical(&target),
+            canonical(&dir.plugins_dir())
+        )),
+        "{err}"
+    );
+}
+
+/// The owner check needs a file owned by someone who is neither root nor us, which only root can make. These
+/// tests run as root (here and in CI); anyone else gets this failure rather than a silent skip.
+fn assert_running_as_root() {
+    let probe = tempfile::NamedTempFile::new().unwrap();
+    let uid = std::os::unix::fs::MetadataExt::uid(&probe.as_file().metadata().unwrap());
+    assert_eq!(
+        uid, 0,
+        "this test chowns a plugin to another user, which needs root; run the test suite as root (CI does)"
+    );
+}
+
+#[test]
+fn a_plugin_or_directory_owned_by_another_user_is_refused() {
+    assert_running_as_root();
+    const NOBODY: u32 = 65534;
+    let dir = TestDir::new();
+    let config = offline_config(&dir, "[plugins.testkit]\nfile = \"libkmq_testkit.so\"\n");
+    let plugin = dir.plugins_dir().join("libkmq_testkit.so");
+    std::os::unix::fs::chown(&plugin, Some(NOBODY), None).unwrap();
+    let err = refused(&config);
+    assert!(
+        err.contains(&format!(
+            "refused: its file {} is owned by uid 65534, which is neither root nor the daemon's user (uid 0); run chown root on it",
+            canonical(&plugin)
+        )),
+        "{err}"
+    );
+    std::os::unix::fs::chown(&plugin, Some(0), None).unwrap();
+    std::os::unix::fs::chown(dir.plugins_dir(), Some(NOBODY), None).unwrap();
+    let err = refused(&config);
+    assert!(
+        err.contains(&format!(
+            "refused: its directory {} is owned by uid 65534",
+            canonical(&dir.plugins_dir())
+        )),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_c_example_refuses_a_config_table_with_its_own_message() {
+    let dir = TestDir::new();
+    let library = dir.plugins_dir().join("libkmq_hello.so");
+    compile_c_plugin(&hello_c(), &[], &library);
+    let config = offline_config(
+        &dir,
+        "[plugins.hello]\nfile = \"libkmq_hello.so\"\nconfig = { greeting = \"hi\" }\n",
+    );
+    let err = refused(&config);
+    assert!(
+        err.contains(&format!(
+            "plugin {} (hello): init failed: kmq_hello takes no config: remove the config table of its [plugins.NAME] section",
+            canonical(&library)
+        )),
+        "{err}"
+    );
+}
