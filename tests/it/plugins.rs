@@ -7,6 +7,9 @@
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use kmqd::NewTask;
 
 use crate::support::*;
 
@@ -355,4 +358,253 @@ fn the_c_example_refuses_a_config_table_with_its_own_message() {
         )),
         "{err}"
     );
+}
+
+fn dead_records(redis: &RedisServer, queue: &str) -> Vec<serde_json::Value> {
+    let dead: Vec<String> = redis.cmd(&["LRANGE", &format!("kmq:{{{queue}}}:dead"), "0", "-1"]);
+    dead.iter()
+        .map(|record| serde_json::from_str(record).unwrap())
+        .collect()
+}
+
+fn reason_of(records: &[serde_json::Value], id: &str) -> String {
+    records
+        .iter()
+        .find(|record| record["id"] == id)
+        .and_then(|record| record["reason"].as_str())
+        .unwrap_or_else(|| panic!("no dead letter for {id} in {records:?}"))
+        .to_string()
+}
+
+fn push(config: &Path, queue: &str, kind: &str, id: &str, data: &str) {
+    let pushed = client(config)
+        .push(queue, NewTask::new(kind, data).unwrap().id(id))
+        .unwrap();
+    assert!(pushed.is_accepted(), "{id}");
+}
+
+#[test]
+fn the_c_example_runs_tasks_end_to_end_through_the_real_daemon() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    compile_c_plugin(&hello_c(), &[], &dir.plugins_dir().join("libkmq_hello.so"));
+    let config = dir.config(
+        &redis,
+        "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\nworkers = 4\nbackoff = \"10ms\"\nretry_times = 1\n\
+         execution_timeout = \"300ms\"\n\n[plugins.hello]\nfile = \"libkmq_hello.so\"\n",
+    );
+    let mut daemon = Process::start(&config, dir.path("kmqd.log"));
+    for i in 0..5 {
+        push(&config, "jobs", "hello", &format!("greet-{i}"), "\"world\"");
+    }
+    push(&config, "jobs", "hello", "fails", "\"fail\"");
+    push(&config, "jobs", "hello", "no-data", "null");
+    push(&config, "jobs", "hello", "retries", "\"retry\"");
+    push(&config, "jobs", "hello", "waits", "\"wait\"");
+    let s = eventually(Duration::from_secs(30), "every task to end", || {
+        let s = stats(&config, "jobs");
+        (s.done + s.dead == 9, s)
+    });
+    assert_eq!((s.done, s.dead, s.retried), (5, 4, 2), "{s:?}");
+    let dead = dead_records(&redis, "jobs");
+    assert_eq!(reason_of(&dead, "fails"), "hello: asked to fail");
+    assert_eq!(
+        reason_of(&dead, "no-data"),
+        "hello: no data, nobody to greet"
+    );
+    assert_eq!(
+        reason_of(&dead, "retries"),
+        "hello: asked to retry; no retries left after 2 runs"
+    );
+    assert!(
+        reason_of(&dead, "waits").starts_with("execution timeout: still running after 300ms"),
+        "{dead:?}"
+    );
+    // on_dead runs after the dead letter is stored, from the acker or the monitor: poll the log for it.
+    let log = eventually(
+        Duration::from_secs(10),
+        "on_dead for every dead task",
+        || {
+            let log = daemon.log_text();
+            (log.matches("kmq_hello: task ").count() == 4, log)
+        },
+    );
+    assert!(
+        log.contains("kmq_hello: hello, \"world\"! (task greet-3, attempt 0)"),
+        "{log}"
+    );
+    assert!(
+        log.contains("kmq_hello: task fails is dead: hello: asked to fail"),
+        "{log}"
+    );
+    assert!(
+        log.contains("kmq_hello: task retries is dead: hello: asked to retry"),
+        "{log}"
+    );
+
+    daemon.signal(15);
+    assert_eq!(
+        daemon.wait_within(Duration::from_secs(30)),
+        Some(0),
+        "{}",
+        daemon.log_text()
+    );
+    // shutdown ran once, after every handle returned: 5 greetings, fail, null, retry twice, wait twice.
+    let log = daemon.log_text();
+    assert!(log.contains("kmq_hello: handled 11 tasks"), "{log}");
+}
+
+#[test]
+fn a_status_outside_the_abi_is_a_handler_error_not_a_crash() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    compile_c_plugin(
+        &configurable_c(),
+        &["PLUGIN_STATUS=7"],
+        &dir.plugins_dir().join("libodd.so"),
+    );
+    let config = dir.config(
+        &redis,
+        "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\non_handler_error = \"dead\"\n\n\
+         [plugins.odd]\nfile = \"libodd.so\"\n",
+    );
+    let daemon = TestDaemon::start(&config);
+    push(&config, "jobs", "c.test", "odd", "{}");
+    push(&config, "jobs", "test", "normal", "{}");
+    let dead = eventually(
+        Duration::from_secs(10),
+        "the odd task's dead letter",
+        || {
+            let dead = dead_records(&redis, "jobs");
+            (dead.len() == 1, dead)
+        },
+    );
+    assert_eq!(
+        reason_of(&dead, "odd"),
+        "plugin configurable returned status 7, which is not a kmq_status"
+    );
+    eventually(
+        Duration::from_secs(10),
+        "the other plugin's task to be done",
+        || (stats(&config, "jobs").done == 1, ()),
+    );
+    daemon.stop();
+}
+
+#[test]
+fn handle_is_called_on_many_worker_threads_at_once() {
+    const WORKERS: usize = 8;
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(
+        &redis,
+        &format!("[[queues]]\nname = \"jobs\"\nmode = \"safe\"\nworkers = {WORKERS}\n"),
+    );
+    let daemon = TestDaemon::start(&config);
+    let gate = dir.path("gate");
+    let data = serde_json::json!({ "wait_for_file": gate }).to_string();
+    for i in 0..WORKERS {
+        push(&config, "jobs", "test", &format!("t{i}"), &data);
+    }
+    // No run can return before the gate exists, so seeing every run started means they are all inside `handle`
+    // at the same time, each on its own worker thread.
+    let records = eventually(Duration::from_secs(10), "every run to start", || {
+        let records = dir.records();
+        (records.starts.len() == WORKERS, records)
+    });
+    assert!(
+        records.ends.is_empty(),
+        "none returned before the gate opened: {records:?}"
+    );
+    fs::write(&gate, "").unwrap();
+    eventually(Duration::from_secs(10), "every task to be done", || {
+        let s = stats(&config, "jobs");
+        (s.done == WORKERS as u64, s)
+    });
+    daemon.stop();
+}
+
+#[test]
+fn a_plugin_panicking_on_every_tenth_task_under_load_fails_only_those_tasks() {
+    const TASKS: usize = 1000;
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    // Two queues, both 16 workers: panics follow each queue's on_handler_error (docs/PLUGINS.md).
+    let config = dir.config(
+        &redis,
+        "[[queues]]\nname = \"retrying\"\nmode = \"safe\"\nworkers = 16\nretry_times = 2\nbackoff = \"10ms\"\n\n\
+         [[queues]]\nname = \"dying\"\nmode = \"safe\"\nworkers = 16\non_handler_error = \"dead\"\n",
+    );
+    let daemon = TestDaemon::start(&config);
+    let client = client(&config);
+    for queue in ["retrying", "dying"] {
+        let tasks: Vec<NewTask> = (0..TASKS)
+            .map(|i| {
+                let data = if i % 10 == 0 {
+                    r#"{"outcome":"panic"}"#
+                } else {
+                    "{}"
+                };
+                NewTask::new("test", data)
+                    .unwrap()
+                    .id(format!("{queue}-{i}"))
+            })
+            .collect();
+        assert!(
+            client
+                .push_batch(queue, tasks)
+                .unwrap()
+                .iter()
+                .all(|p| p.is_accepted())
+        );
+    }
+    for queue in ["retrying", "dying"] {
+        let s = eventually(Duration::from_secs(60), "the queue to drain", || {
+            let s = stats(&config, queue);
+            (
+                s.ready + s.processing + s.delayed == 0 && s.done + s.dead == TASKS as u64,
+                s,
+            )
+        });
+        assert_eq!((s.done, s.dead), (900, 100), "{queue}: {s:?}");
+        let dead = dead_records(&redis, queue);
+        assert_eq!(dead.len(), 100, "{queue}");
+        for record in &dead {
+            let id = record["id"].as_str().unwrap();
+            let n: usize = id.rsplit('-').next().unwrap().parse().unwrap();
+            assert_eq!(
+                n % 10,
+                0,
+                "{queue}: only the panicking tasks are dead, not {id}"
+            );
+            let reason = record["reason"].as_str().unwrap();
+            assert!(
+                reason.starts_with(&format!("panic: testkit: asked to panic (task {id})")),
+                "{queue}: {reason}"
+            );
+        }
+    }
+    let records = dir.records();
+    for i in 0..TASKS {
+        let runs = if i % 10 == 0 { (3, 1) } else { (1, 1) };
+        assert_eq!(
+            (
+                records.runs_of(&format!("retrying-{i}")),
+                records.runs_of(&format!("dying-{i}"))
+            ),
+            runs,
+            "task {i}: a panicking task runs retry_times + 1 times on a retrying queue, once on a dying one"
+        );
+    }
+    // The daemon kept running through 400 panics: it still takes new work.
+    push(&config, "dying", "test", "after", "{}");
+    eventually(
+        Duration::from_secs(10),
+        "a task pushed after the panics to be done",
+        || {
+            let s = stats(&config, "dying");
+            (s.done == 901, s)
+        },
+    );
+    daemon.stop();
 }
