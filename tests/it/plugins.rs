@@ -608,3 +608,142 @@ fn a_plugin_panicking_on_every_tenth_task_under_load_fails_only_those_tasks() {
     );
     daemon.stop();
 }
+
+/// The exec plugin's test handler: what it does depends on the task's data, read from standard input.
+const SHELL_HANDLER: &str = r#"#!/bin/sh
+data=$(cat)
+case "$data" in
+    '"done"') exit 0 ;;
+    '"retry"') echo "try again later" >&2; exit 75 ;;
+    '"fail"') echo "reading customer $KMQ_TASK_ID" >&2; echo "no such customer" >&2; exit 3 ;;
+    '"hang"')
+        sleep 600 &
+        echo $! > "$1/$KMQ_TASK_ID-$KMQ_ATTEMPT.background"
+        echo $$ > "$1/$KMQ_TASK_ID-$KMQ_ATTEMPT.command"
+        wait ;;
+    *) echo "unexpected data: $data" >&2; exit 64 ;;
+esac
+"#;
+
+/// Whether `pid` is a live process; a zombie is not (killed, waiting for whoever inherited it to reap it).
+fn is_alive(pid: u32) -> bool {
+    match fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => false,
+        Ok(stat) => {
+            stat.rsplit(')')
+                .next()
+                .and_then(|rest| rest.split_whitespace().next())
+                != Some("Z")
+        }
+    }
+}
+
+/// The process ids a "hang" run of the shell handler wrote: (command, background).
+fn hung_pids(dir: &TestDir, id: &str, attempt: u32) -> (u32, u32) {
+    let read = |suffix: &str| -> u32 {
+        let path = dir.path(&format!("{id}-{attempt}.{suffix}"));
+        let text = eventually(Duration::from_secs(10), "the handler's pid file", || {
+            let text = fs::read_to_string(&path).unwrap_or_default();
+            (text.ends_with('\n'), text)
+        });
+        text.trim().parse().unwrap()
+    };
+    (read("command"), read("background"))
+}
+
+#[test]
+fn the_exec_plugin_runs_a_shell_script_end_to_end() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let exec = built_plugin("kmq-exec");
+    dir.install_plugin(&exec, "libkmq_exec.so");
+    // The same plugin a second time, as a copy: another file, so another instance with its own config.
+    dir.install_plugin(&exec, "libkmq_exec_slow.so");
+    let handler = dir.path("handler.sh");
+    fs::write(&handler, SHELL_HANDLER).unwrap();
+    fs::set_permissions(&handler, fs::Permissions::from_mode(0o755)).unwrap();
+    let plugin = |name: &str, file: &str, timeout: &str, kind: &str| {
+        format!(
+            "[plugins.{name}]\nfile = \"{file}\"\nconfig = {{ command = \"{}\", args = [\"{}\"], timeout = \"{timeout}\", types = [\"{kind}\"] }}\n",
+            handler.display(),
+            dir.path("").display()
+        )
+    };
+    let config = dir.config(
+        &redis,
+        &format!(
+            "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\nworkers = 4\nretry_times = 1\nbackoff = \"10ms\"\n\n\
+             [[queues]]\nname = \"slow\"\nmode = \"safe\"\nexecution_timeout = \"300ms\"\nretry_times = 0\n\n{}{}",
+            plugin("shell", "libkmq_exec.so", "500ms", "shell"),
+            plugin("slow", "libkmq_exec_slow.so", "1h", "shell.slow"),
+        ),
+    );
+    let daemon = TestDaemon::start(&config);
+    for i in 0..3 {
+        push(&config, "jobs", "shell", &format!("ok-{i}"), "\"done\"");
+    }
+    push(&config, "jobs", "shell", "flaky", "\"retry\"");
+    push(&config, "jobs", "shell", "broken", "\"fail\"");
+    push(&config, "jobs", "shell", "stuck", "\"hang\"");
+    push(&config, "slow", "shell.slow", "cancelled", "\"hang\"");
+
+    let s = eventually(Duration::from_secs(30), "every task of jobs to end", || {
+        let s = stats(&config, "jobs");
+        (s.done + s.dead == 6, s)
+    });
+    assert_eq!((s.done, s.dead), (3, 3), "{s:?}");
+    let dead = dead_records(&redis, "jobs");
+    assert_eq!(
+        reason_of(&dead, "flaky"),
+        "exit status 75 (retry): try again later; no retries left after 2 runs"
+    );
+    assert_eq!(
+        reason_of(&dead, "broken"),
+        "exit status 3: reading customer broken\nno such customer"
+    );
+    assert_eq!(
+        reason_of(&dead, "stuck"),
+        "exec: timed out after 500ms; killed; no retries left after 2 runs"
+    );
+    for attempt in 0..2 {
+        let (command, background) = hung_pids(&dir, "stuck", attempt);
+        // SIGKILL takes effect a moment after it is sent.
+        eventually(
+            Duration::from_secs(10),
+            "the timed-out command and its child to be dead",
+            || {
+                (
+                    !is_alive(command) && !is_alive(background),
+                    (attempt, command, background),
+                )
+            },
+        );
+    }
+
+    // The daemon cancels the run at the queue's execution_timeout, long before the plugin's own timeout; the
+    // plugin kills the command and everything it started.
+    let dead = eventually(
+        Duration::from_secs(10),
+        "the cancelled task's dead letter",
+        || {
+            let dead = dead_records(&redis, "slow");
+            (dead.len() == 1, dead)
+        },
+    );
+    assert!(
+        reason_of(&dead, "cancelled").starts_with("execution timeout: still running after 300ms"),
+        "{dead:?}"
+    );
+    let (command, background) = hung_pids(&dir, "cancelled", 0);
+    eventually(
+        Duration::from_secs(10),
+        "the cancelled command and its child to be killed",
+        || {
+            (
+                !is_alive(command) && !is_alive(background),
+                (command, background),
+            )
+        },
+    );
+    daemon.stop();
+}
