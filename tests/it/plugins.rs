@@ -535,7 +535,9 @@ fn a_plugin_panicking_on_every_tenth_task_under_load_fails_only_those_tasks() {
         "[[queues]]\nname = \"retrying\"\nmode = \"safe\"\nworkers = 16\nretry_times = 2\nbackoff = \"10ms\"\n\n\
          [[queues]]\nname = \"dying\"\nmode = \"safe\"\nworkers = 16\non_handler_error = \"dead\"\n",
     );
-    let daemon = TestDaemon::start(&config);
+    // The real binary, so that "the daemon keeps running" means the process; its panic messages go to its log.
+    let mut daemon =
+        Process::start_with_env(&config, dir.path("kmqd.log"), &[("RUST_BACKTRACE", "0")]);
     let client = client(&config);
     for queue in ["retrying", "dying"] {
         let tasks: Vec<NewTask> = (0..TASKS)
@@ -596,7 +598,12 @@ fn a_plugin_panicking_on_every_tenth_task_under_load_fails_only_those_tasks() {
             "task {i}: a panicking task runs retry_times + 1 times on a retrying queue, once on a dying one"
         );
     }
-    // The daemon kept running through 400 panics: it still takes new work.
+    // The daemon kept running through 400 panics: it still takes new work, and stops cleanly.
+    assert!(
+        daemon.child.try_wait().unwrap().is_none(),
+        "{}",
+        daemon.log_text()
+    );
     push(&config, "dying", "test", "after", "{}");
     eventually(
         Duration::from_secs(10),
@@ -606,7 +613,19 @@ fn a_plugin_panicking_on_every_tenth_task_under_load_fails_only_those_tasks() {
             (s.done == 901, s)
         },
     );
-    daemon.stop();
+    daemon.signal(15);
+    assert_eq!(
+        daemon.wait_within(Duration::from_secs(30)),
+        Some(0),
+        "{}",
+        daemon.log_text()
+    );
+    let log = daemon.log_text();
+    assert_eq!(
+        log.matches(" panicked at ").count(),
+        400,
+        "the panic hook reported every panic in the log"
+    );
 }
 
 /// The exec plugin's test handler: what it does depends on the task's data, read from standard input.
@@ -746,4 +765,124 @@ fn the_exec_plugin_runs_a_shell_script_end_to_end() {
         },
     );
     daemon.stop();
+}
+
+/// The contents of every fenced block of `markdown` whose info string is `language`, unindented by the fence's
+/// own indentation (blocks inside list items are indented).
+fn fenced_blocks(markdown: &str, language: &str) -> Vec<String> {
+    let mut blocks = Vec::new();
+    let mut current: Option<(usize, String)> = None;
+    for line in markdown.lines() {
+        let trimmed = line.trim_start();
+        let indent = line.len() - trimmed.len();
+        match &mut current {
+            None if trimmed.starts_with("```")
+                && trimmed.trim_start_matches('`').trim() == language =>
+            {
+                current = Some((indent, String::new()));
+            }
+            Some((_, block)) if trimmed.starts_with("```") => {
+                blocks.push(std::mem::take(block));
+                current = None;
+            }
+            Some((indent, block)) => {
+                block.push_str(line.get(*indent..).unwrap_or(trimmed));
+                block.push('\n');
+            }
+            None => {}
+        }
+    }
+    blocks
+}
+
+fn guide() -> String {
+    fs::read_to_string(workspace_dir().join("docs/PLUGINS.md")).unwrap()
+}
+
+#[test]
+fn the_c_plugin_of_the_guide_runs_tasks_through_the_daemon() {
+    let blocks = fenced_blocks(&guide(), "c");
+    assert_eq!(blocks.len(), 1, "docs/PLUGINS.md has one C plugin");
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let source = dir.path("greet.c");
+    fs::write(&source, &blocks[0]).unwrap();
+    compile_c_plugin(&source, &[], &dir.plugins_dir().join("libgreet.so"));
+    let config = dir.config(
+        &redis,
+        "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\nretry_times = 1\nbackoff = \"10ms\"\n\n\
+         [plugins.greet]\nfile = \"libgreet.so\"\n",
+    );
+    let daemon = TestDaemon::start(&config);
+    push(&config, "jobs", "greet", "ada", "\"Ada\"");
+    push(&config, "jobs", "greet", "nobody", "null");
+    push(&config, "jobs", "greet", "later", "\"later\"");
+    let s = eventually(Duration::from_secs(20), "every task to end", || {
+        let s = stats(&config, "jobs");
+        (s.done + s.dead == 3, s)
+    });
+    assert_eq!((s.done, s.dead, s.retried), (1, 2, 1), "{s:?}");
+    let dead = dead_records(&redis, "jobs");
+    assert_eq!(reason_of(&dead, "nobody"), "nobody to greet");
+    assert_eq!(
+        reason_of(&dead, "later"),
+        "not now; no retries left after 2 runs"
+    );
+    daemon.stop();
+}
+
+#[test]
+fn the_rust_plugin_of_the_guide_runs_tasks_as_the_guide_deploys_it() {
+    // plugins/guide-example is the guide's Rust block, compiled; the config is the guide's deploy section.
+    let deploy = fenced_blocks(&guide(), "toml")
+        .into_iter()
+        .find(|block| block.contains("[plugins.images]"))
+        .expect("docs/PLUGINS.md shows how to deploy the images plugin");
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    dir.install_plugin(&built_plugin("kmq-guide-example"), "libkmq_images.so");
+    let config = dir.config(&redis, &format!("{QUEUE}\n{deploy}"));
+    let daemon = TestDaemon::start(&config);
+    push(
+        &config,
+        "jobs",
+        "image.resize",
+        "small",
+        r#"{"path": "a.png", "width": 640}"#,
+    );
+    push(
+        &config,
+        "jobs",
+        "image.resize",
+        "large",
+        r#"{"path": "b.png", "width": 4000}"#,
+    );
+    let s = eventually(Duration::from_secs(20), "both tasks to end", || {
+        let s = stats(&config, "jobs");
+        (s.done + s.dead == 2, s)
+    });
+    assert_eq!((s.done, s.dead), (1, 1), "{s:?}");
+    assert_eq!(
+        reason_of(&dead_records(&redis, "jobs"), "large"),
+        "b.png: width 4000 is over max_width 1920"
+    );
+    daemon.stop();
+}
+
+#[test]
+fn every_plugin_section_of_the_guide_is_a_valid_config() {
+    let sections: Vec<String> = fenced_blocks(&guide(), "toml")
+        .into_iter()
+        .filter(|block| block.contains("[plugins."))
+        .collect();
+    assert!(
+        sections.len() >= 2,
+        "the exec and the deploy sections: {sections:?}"
+    );
+    let dir = TestDir::new();
+    for section in sections {
+        let path = offline_config(&dir, &section);
+        let config = kmqd::Config::load(&path).unwrap_or_else(|error| panic!("{error}\n{section}"));
+        assert_eq!(config.plugins.len(), 1, "{section}");
+    }
 }

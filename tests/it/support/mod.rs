@@ -332,6 +332,22 @@ impl Process {
         Process { child, log }
     }
 
+    /// As [`Process::start`], with extra environment variables for the daemon (for example `RUST_BACKTRACE=0`
+    /// for a test whose plugins panic by the hundred: the panic hook's backtraces would flood the log).
+    pub fn start_with_env(config_path: &Path, log: PathBuf, env: &[(&str, &str)]) -> Process {
+        let out = fs::File::create(&log).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_kmqd"))
+            .arg("--config")
+            .arg(config_path)
+            .env("RUST_LOG", "kmqd=debug")
+            .envs(env.iter().copied())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .expect("start kmqd");
+        Process { child, log }
+    }
+
     pub fn log_text(&self) -> String {
         fs::read_to_string(&self.log).unwrap_or_default()
     }
