@@ -177,7 +177,18 @@ impl Exec {
                 return Outcome::retry(format!("exec: cannot start a pipe thread: {error}"));
             }
         };
-        let end = running.wait(task, Instant::now() + self.timeout);
+        let end = match running.wait(task, Instant::now() + self.timeout) {
+            Ok(end) => end,
+            Err(error) => {
+                // Someone else reaped the command (a host that ignores SIGCHLD does that): its process id may
+                // belong to another process by now, so nothing may be killed through it.
+                running.abandon();
+                let output = output.collect(DRAIN_BOUND);
+                return Outcome::retry(
+                    output.reason(format!("exec: lost track of the command: {error}")),
+                );
+            }
+        };
         let status = running.finish();
         let output = output.collect(DRAIN_BOUND);
         let head = match (end, status) {
@@ -232,23 +243,28 @@ impl Running {
     /// Waits until the command exits, the task is cancelled or `deadline` passes. Polls: the cancel flag is a
     /// plain word the daemon writes, with nothing to block on. The pause grows from 1 ms to [`MAX_POLL`], so short
     /// commands are noticed at once and long ones cost little.
-    fn wait(&mut self, task: &Task<'_>, deadline: Instant) -> End {
+    /// An error means the command cannot be waited for: it is not (or no longer) a child of this process.
+    fn wait(&mut self, task: &Task<'_>, deadline: Instant) -> io::Result<End> {
         let mut pause = Duration::from_millis(1);
         loop {
-            // An error (which would mean the child is not ours to wait for) ends the wait too: `finish` reports it.
-            if process::has_exited(self.group).unwrap_or(true) {
-                return End::Exited;
+            if process::has_exited(self.group)? {
+                return Ok(End::Exited);
             }
             if task.is_cancelled() {
-                return End::Cancelled;
+                return Ok(End::Cancelled);
             }
             let now = Instant::now();
             if now >= deadline {
-                return End::TimedOut;
+                return Ok(End::TimedOut);
             }
             std::thread::sleep(pause.min(deadline - now));
             pause = (pause * 2).min(MAX_POLL);
         }
+    }
+
+    /// Gives up on the command without killing or waiting: see the caller.
+    fn abandon(&mut self) {
+        self.reaped = true;
     }
 
     /// Kills what is left of the process group (everything, when the command is still running), then reaps the
@@ -341,7 +357,8 @@ impl Output {
                 .name("kmq-exec-stdin".into())
                 .spawn(move || {
                     // A command that exits without reading its input makes this fail (EPIPE): not an error of
-                    // the task, which its exit status decides.
+                    // the task, which its exit status decides. (EPIPE rather than death by SIGPIPE, because Rust
+                    // programs such as kmqd ignore SIGPIPE.)
                     let _ = stdin.write_all(&data);
                     drop(stdin);
                     let _ = report.send(Stream::Stdin);
