@@ -20,4 +20,22 @@ ensure_cargo() {
         echo "cargo not found: install Rust first (https://rustup.rs), then run this again" >&2
         exit 1
     fi
+    # Cargo needs a C compiler as its linker, and scripts/test's plugin tests compile C: both callers need one.
+    ensure_cc
+}
+
+# Installs Debian's gcc package when there is no C compiler: cargo links with `cc`, and the plugin tests compile C
+# plugins (and the ABI layout check) with it.
+ensure_cc() {
+    if command -v cc >/dev/null 2>&1; then
+        return
+    fi
+    echo "cc not found: installing Debian's gcc package" >&2
+    local sudo=""
+    if [ "$(id -u)" -ne 0 ]; then
+        sudo="sudo"
+    fi
+    $sudo apt-get update -qq
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc libc6-dev >/dev/null
+    command -v cc >/dev/null 2>&1 || { echo "installing gcc failed" >&2; exit 1; }
 }

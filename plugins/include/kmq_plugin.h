@@ -41,8 +41,10 @@ typedef struct {
     kmq_str data;                        /* the task's `data` as JSON text ("null" when the producer gave none) */
     uint32_t attempt;                    /* 0 on the first run, 1 on the first retry, ... */
     int64_t created_at_ms;               /* when the task was enqueued, ms since the epoch on Redis's clock (0: unknown) */
-    int64_t deadline_ms;                 /* when the execution timeout ends, ms since the epoch (0: none) */
-    const volatile uint32_t *cancel;     /* becomes non-zero when the host wants the handler to stop early */
+    int64_t deadline_ms;                 /* when the execution timeout ends, ms since the epoch on Redis's clock (0: none) */
+    /* Becomes non-zero when the host wants the handler to stop early: the execution timeout passed, or the daemon
+     * is stopping and its shutdown grace ran out. Written by another thread; the plugin only reads it. */
+    const volatile uint32_t *cancel;
     /* Out-parameter for KMQ_RETRY: the delay before the next attempt, in ms. The host sets it to -1 before the
      * call, which means "use the queue's backoff". Ignored for KMQ_DONE and KMQ_FAIL. */
     int64_t *retry_after_ms;

@@ -5,26 +5,24 @@
 //! A library is never unloaded (its threads or thread-locals may outlive a call), so every pointer into it stays
 //! valid until the process exits.
 #![allow(unsafe_code)]
+// Every unsafe block says why it is sound; the lint keeps it so.
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 use std::ffi::{CStr, c_char, c_void};
 use std::mem::{ManuallyDrop, offset_of};
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU32;
 use std::time::Duration;
 
 use kmq_plugin::abi::{
-    self, EntryFn, HandleFn, KMQ_ABI_VERSION, KmqBuf, KmqPlugin, KmqStr, KmqTask, OnDeadFn,
-    PLUGIN_SYMBOL, ShutdownFn,
+    self, EntryFn, HandleFn, KMQ_ABI_VERSION, KmqBuf, KmqPlugin, KmqStr, KmqTask, MIN_STRUCT_SIZE,
+    OnDeadFn, PLUGIN_SYMBOL, ShutdownFn,
 };
 
 use super::PluginError;
 
-/// The smallest descriptor the host accepts: the v1 fields up to and including `handle`, the last one it needs.
-const MIN_STRUCT_SIZE: usize = offset_of!(KmqPlugin, handle) + size_of::<Option<HandleFn>>();
-
 /// How many bytes of message a plugin may return; longer messages are cut.
-pub const MESSAGE_CAPACITY: usize = 1024;
+pub const MESSAGE_CAPACITY: usize = abi::MESSAGE_CAPACITY;
 
 /// A loaded, initialised plugin.
 pub struct LoadedPlugin {
@@ -76,79 +74,60 @@ pub enum Status {
     Unknown(i32),
 }
 
-/// Refuses a plugin file (or its directory) that someone else could have replaced: loading a library runs its
-/// code with the daemon's rights.
-fn check_trusted(path: &Path) -> Result<(), PluginError> {
+/// The daemon's effective user id: the one user besides root whose plugin files are trusted.
+pub fn effective_uid() -> u32 {
     // SAFETY: geteuid has no preconditions and cannot fail.
-    let euid = unsafe { libc::geteuid() };
-    let directory = path.parent().unwrap_or(Path::new("/"));
-    for (what, candidate) in [("file", path), ("directory", directory)] {
-        let metadata = std::fs::metadata(candidate).map_err(|error| PluginError::Open {
-            path: path.to_owned(),
-            message: format!("{}: {error}", candidate.display()),
-        })?;
-        let reason = if metadata.mode() & 0o022 != 0 {
-            Some(format!(
-                "its {what} {} is writable by group or others (mode {:o}); run chmod go-w on it",
-                candidate.display(),
-                metadata.mode() & 0o7777
-            ))
-        } else if metadata.uid() != 0 && metadata.uid() != euid {
-            Some(format!(
-                "its {what} {} is owned by uid {}, which is neither root nor the daemon's user (uid {euid})",
-                candidate.display(),
-                metadata.uid()
-            ))
-        } else {
-            None
-        };
-        if let Some(reason) = reason {
-            return Err(PluginError::Untrusted {
-                path: path.to_owned(),
-                reason,
-            });
-        }
-    }
-    Ok(())
+    unsafe { libc::geteuid() }
 }
+
+/// The highest ABI version a refusal message names when a plugin exports no `kmq_plugin_v1`.
+const NEWEST_VERSION_PROBED: u32 = 16;
 
 /// Reads a NUL-terminated string owned by the plugin.
 ///
 /// # Safety
 /// `ptr` must be null or point at a NUL-terminated string that lives as long as the library.
 unsafe fn c_string(ptr: *const c_char) -> Option<String> {
-    // SAFETY: the caller's contract.
     (!ptr.is_null()).then(|| {
+        // SAFETY: not null, and the caller guarantees a NUL-terminated string that outlives the call.
         unsafe { CStr::from_ptr(ptr) }
             .to_string_lossy()
             .into_owned()
     })
 }
 
-/// Loads the library at `path` (already canonical), checks its descriptor and runs `init` with `config_json`.
-pub fn load(path: &Path, config_json: &str) -> Result<LoadedPlugin, PluginError> {
-    check_trusted(path)?;
+/// Loads the library at `path` (canonical, and checked for trust by the caller), checks its descriptor and runs
+/// `init` with `config_json`, the table of `[plugins.SECTION] config`.
+pub fn load(path: &Path, section: &str, config_json: &str) -> Result<LoadedPlugin, PluginError> {
     let open = |message: String| PluginError::Open {
         path: path.to_owned(),
         message,
     };
-    // SAFETY: loading a library runs its initialisers. That is the point of a plugin; check_trusted above made
-    // sure only root or the daemon's own user could have put this file there.
-    let library =
-        unsafe { libloading::Library::new(path) }.map_err(|error| open(error.to_string()))?;
+    let bad_descriptor = |problem: &str| PluginError::Descriptor {
+        path: path.to_owned(),
+        problem: problem.to_string(),
+    };
+    // SAFETY: loading a library runs its initialisers. That is the point of a plugin; the caller made sure only
+    // root or the daemon's own user could have put this file there.
+    let library = unsafe { libloading::Library::new(path) }.map_err(|error| {
+        open(format!(
+            "{error}; it must be a shared library (.so) built for this machine"
+        ))
+    })?;
+    // Never unloaded, not even when refused below: its initialisers ran, and may have started threads or
+    // registered thread-locals whose code must stay mapped.
+    let library = ManuallyDrop::new(library);
     // SAFETY: the symbol's type is fixed by the ABI (`const kmq_plugin *kmq_plugin_v1(void)`).
     let entry: EntryFn = match unsafe { library.get::<EntryFn>(PLUGIN_SYMBOL) } {
         Ok(symbol) => *symbol,
-        Err(_) => {
-            return Err(PluginError::MissingSymbol {
-                path: path.to_owned(),
-            });
-        }
+        Err(_) => return Err(missing_symbol(path, &library)),
     };
     // SAFETY: calling the entry point is what the ABI prescribes; it returns a pointer into the library.
     let descriptor = unsafe { entry() };
     if descriptor.is_null() {
-        return Err(open("kmq_plugin_v1() returned NULL".to_string()));
+        return Err(bad_descriptor(
+            "kmq_plugin_v1() returned NULL; it must return a pointer to its kmq_plugin descriptor",
+        ));
     }
     // SAFETY: `abi_version` is the first field of every version of the descriptor, so reading it alone is valid
     // whatever the plugin's version.
@@ -174,27 +153,31 @@ pub fn load(path: &Path, config_json: &str) -> Result<LoadedPlugin, PluginError>
     let (name, init, handle) =
         unsafe { ((*descriptor).name, (*descriptor).init, (*descriptor).handle) };
     let covers = |offset: usize, size: usize| offset + size <= struct_size;
-    // SAFETY: each optional field is read only when struct_size covers it.
     let on_dead = if covers(
         offset_of!(KmqPlugin, on_dead),
         size_of::<Option<OnDeadFn>>(),
     ) {
+        // SAFETY: struct_size covers the field.
         unsafe { (*descriptor).on_dead }
     } else {
         None
     };
-    // SAFETY: as above.
     let shutdown = if covers(
         offset_of!(KmqPlugin, shutdown),
         size_of::<Option<ShutdownFn>>(),
     ) {
+        // SAFETY: struct_size covers the field.
         unsafe { (*descriptor).shutdown }
     } else {
         None
     };
     // SAFETY: the ABI makes `name` a NUL-terminated string owned by the library.
     let name = unsafe { c_string(name) }.unwrap_or_else(|| path.display().to_string());
-    let handle = handle.ok_or_else(|| open(format!("plugin {name} has no handle function")))?;
+    let handle = handle.ok_or_else(|| {
+        bad_descriptor(
+            "its handle is NULL; set it to the function that runs a task (kmq_plugin.h, `handle`)",
+        )
+    })?;
 
     let mut state = std::ptr::null_mut();
     if let Some(init) = init {
@@ -208,16 +191,22 @@ pub fn load(path: &Path, config_json: &str) -> Result<LoadedPlugin, PluginError>
         state = unsafe { init(KmqStr::borrow(config_json), &mut err) };
         if state.is_null() {
             let len = err.len.min(message.len());
+            let message = String::from_utf8_lossy(&message[..len]).into_owned();
             return Err(PluginError::InitFailed {
                 path: path.to_owned(),
                 name,
-                message: String::from_utf8_lossy(&message[..len]).into_owned(),
+                section: section.to_string(),
+                message: if message.is_empty() {
+                    "init returned NULL without a message".to_string()
+                } else {
+                    message
+                },
             });
         }
     }
     // `types` is read after init, which may have filled it from its config.
-    // SAFETY: within struct_size (checked above); the list is NULL-terminated and lives as long as the library.
     let mut types = Vec::new();
+    // SAFETY: within struct_size (checked above); the list is NULL-terminated and lives as long as the library.
     let mut cursor = unsafe { (*descriptor).types };
     if !cursor.is_null() {
         // SAFETY: as above; the loop stops at the terminating NULL.
@@ -235,8 +224,30 @@ pub fn load(path: &Path, config_json: &str) -> Result<LoadedPlugin, PluginError>
         on_dead,
         shutdown,
         state,
-        _library: ManuallyDrop::new(library),
+        _library: library,
     })
+}
+
+/// The refusal for a library without `kmq_plugin_v1`: when it exports the entry point of another ABI version, the
+/// message says which, so "built for another kmqd" is told apart from "not a kmqd plugin".
+fn missing_symbol(path: &Path, library: &libloading::Library) -> PluginError {
+    let other = (0..=NEWEST_VERSION_PROBED)
+        .filter(|&version| version != KMQ_ABI_VERSION)
+        .find(|version| {
+            let symbol = format!("kmq_plugin_v{version}\0");
+            // SAFETY: only looked up, never called: the type does not matter.
+            unsafe { library.get::<*const c_void>(symbol.as_bytes()) }.is_ok()
+        });
+    match other {
+        Some(found) => PluginError::AbiVersion {
+            path: path.to_owned(),
+            found,
+            expected: KMQ_ABI_VERSION,
+        },
+        None => PluginError::MissingSymbol {
+            path: path.to_owned(),
+        },
+    }
 }
 
 fn task_view<'a>(run: &'a Run<'a>, retry_after_ms: &'a mut i64) -> KmqTask {

@@ -69,3 +69,46 @@ impl Handler for Echo {
 }
 
 kmq_plugin::export!(Echo);
+
+#[cfg(test)]
+mod tests {
+    use kmq_plugin::testing::{Harness, Status, TestTask};
+
+    #[test]
+    fn claims_echo_unless_the_config_names_types() {
+        let plain = Harness::new(crate::kmq_plugin_v1, "{}").unwrap();
+        assert_eq!(
+            (plain.name(), plain.types()),
+            ("echo", &["echo".to_string()][..])
+        );
+        let mail = Harness::new(
+            crate::kmq_plugin_v1,
+            r#"{"prefix": "[mail] ", "types": ["mail.send"]}"#,
+        )
+        .unwrap();
+        assert_eq!(mail.types(), ["mail.send"]);
+    }
+
+    #[test]
+    fn every_task_is_done_whatever_its_data() {
+        let harness = Harness::new(crate::kmq_plugin_v1, "{}").unwrap();
+        for data in ["null", "{}", r#"{"to":"ada@example.com"}"#, "[1,2]"] {
+            let result = harness.run(TestTask::new("echo", data));
+            assert_eq!(
+                (result.status, result.message.as_str()),
+                (Status::Done, ""),
+                "data {data}"
+            );
+        }
+        harness.on_dead(TestTask::new("echo", "{}"), "a reason");
+        harness.shutdown();
+    }
+
+    #[test]
+    fn an_unknown_config_key_is_refused() {
+        let error = Harness::new(crate::kmq_plugin_v1, r#"{"prefx": ">"}"#)
+            .err()
+            .unwrap();
+        assert!(error.contains("unknown field `prefx`"), "{error}");
+    }
+}

@@ -12,6 +12,15 @@ pub const KMQ_ABI_VERSION: u32 = 1;
 /// The exported symbol every plugin provides, with its trailing NUL as `libloading` wants it.
 pub const PLUGIN_SYMBOL: &[u8] = b"kmq_plugin_v1\0";
 
+/// The smallest descriptor a host accepts: the v1 fields up to and including `handle`, the last one it needs.
+/// `on_dead` and `shutdown` may lie beyond a plugin's `struct_size`; the host then treats them as NULL.
+pub const MIN_STRUCT_SIZE: usize =
+    std::mem::offset_of!(KmqPlugin, handle) + size_of::<Option<HandleFn>>();
+
+/// How many bytes the message buffers of kmqd (and of [`crate::testing::Harness`]) hold. Not part of the ABI: a
+/// plugin must honour the `cap` it is given; longer messages are cut.
+pub const MESSAGE_CAPACITY: usize = 1024;
+
 /// `kmq_str`: UTF-8 text that is not NUL-terminated, valid only during the call it is passed to.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]

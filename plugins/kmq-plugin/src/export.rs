@@ -63,7 +63,12 @@ fn panic_message(panic: &(dyn Any + Send)) -> String {
     }
 }
 
+/// Writes `text` into the host's buffer, if it passed one.
+///
+/// # Safety
+/// `buf` must be null or point at a host-owned `kmq_buf` whose `ptr` has `cap` writable bytes.
 unsafe fn write_buf(buf: *mut KmqBuf, text: &str) {
+    // SAFETY: the caller's contract: null (then nothing is written) or a valid, exclusive buffer for the call.
     if let Some(buf) = unsafe { buf.as_mut() } {
         // SAFETY: the host hands a buffer with `cap` writable bytes.
         unsafe { buf.write(text) };

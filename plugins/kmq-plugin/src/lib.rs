@@ -2,7 +2,7 @@
 //!
 //! A plugin is a `cdylib` crate that implements [`Handler`] and exports it with [`export!`]:
 //!
-//! ```ignore
+//! ```
 //! use kmq_plugin::{Handler, Outcome, Task};
 //!
 //! struct Mail;
@@ -21,11 +21,18 @@
 //! The macro generates every `extern "C"` function of the ABI (`plugins/include/kmq_plugin.h`) and wraps each in
 //! `catch_unwind`: a panic never crosses the boundary (it would abort the daemon). A panic in `handle` becomes a
 //! failed attempt (`KMQ_RETRY`, message `panic: ...`), which the queue's `on_handler_error` then decides about.
+//!
+//! [`testing::Harness`] drives a plugin through its exported symbol, as kmqd does, for the plugin's own tests.
+
+// Every unsafe block says why it is sound (STYLE.md); the lint keeps it so.
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod abi;
 #[doc(hidden)]
 pub mod export;
+pub mod testing;
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::de::DeserializeOwned;
@@ -172,8 +179,13 @@ impl<'a> Task<'a> {
         if self.raw.cancel.is_null() {
             return false;
         }
-        // SAFETY: the host keeps the flag alive during the call; it writes it from another thread, hence volatile.
-        unsafe { std::ptr::read_volatile(self.raw.cancel) != 0 }
+        // The host writes the flag from another thread while this one reads it, so the read must be atomic: a
+        // plain (or volatile) read racing with a write is undefined behaviour in Rust. C declares the flag
+        // `const volatile uint32_t *`; an `AtomicU32` has the size and alignment of a `uint32_t`.
+        // SAFETY: the host keeps the flag alive and aligned during the call, and only ever writes it atomically
+        // (kmqd's is an `AtomicU32`); this side only loads it.
+        let flag = unsafe { AtomicU32::from_ptr(self.raw.cancel.cast_mut()) };
+        flag.load(Ordering::Relaxed) != 0
     }
 }
 

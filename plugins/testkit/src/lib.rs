@@ -179,3 +179,196 @@ impl Handler for Testkit {
 }
 
 kmq_plugin::export!(Testkit);
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use kmq_plugin::testing::{Harness, RunResult, Status, TestTask};
+
+    /// A harness around this crate's exported symbol, recording into a file of `dir`.
+    fn harness(dir: &tempfile::TempDir) -> Harness {
+        let config = serde_json::json!({ "record": dir.path().join("runs.log") }).to_string();
+        Harness::new(crate::kmq_plugin_v1, &config).expect("testkit loads")
+    }
+
+    fn records(dir: &tempfile::TempDir) -> String {
+        std::fs::read_to_string(dir.path().join("runs.log")).unwrap_or_default()
+    }
+
+    /// Polls the record file until `condition` holds; panics after 10 s with what it last read.
+    fn wait_for_records(dir: &tempfile::TempDir, what: &str, condition: impl Fn(&str) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let text = records(dir);
+            if condition(&text) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for {what}; records:\n{text}"
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    fn run(harness: &Harness, data: &str) -> RunResult {
+        harness.run(TestTask::new("test", data))
+    }
+
+    #[test]
+    fn types_default_to_test_and_come_from_the_config() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(harness(&dir).types(), ["test"]);
+        let custom = Harness::new(crate::kmq_plugin_v1, r#"{"types": ["a.b", "c"]}"#).unwrap();
+        assert_eq!(
+            (custom.name(), custom.types()),
+            ("testkit", &["a.b".to_string(), "c".to_string()][..])
+        );
+    }
+
+    #[test]
+    fn an_unknown_config_key_fails_init_with_the_plugin_name() {
+        let error = Harness::new(crate::kmq_plugin_v1, r#"{"recrod": "/tmp/x"}"#)
+            .err()
+            .expect("refused");
+        assert!(
+            error.starts_with(
+                "init failed: invalid config for plugin testkit: unknown field `recrod`"
+            ),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn each_outcome_crosses_the_abi_with_its_message() {
+        let dir = tempfile::tempdir().unwrap();
+        let harness = harness(&dir);
+        let check = |data: &str, status: Status, message: &str, retry_after: Option<u64>| {
+            let result = run(&harness, data);
+            assert_eq!(
+                result,
+                RunResult {
+                    status,
+                    message: message.to_string(),
+                    retry_after: retry_after.map(Duration::from_millis),
+                },
+                "data {data}"
+            );
+        };
+        check("{}", Status::Done, "", None);
+        check("42", Status::Done, "", None);
+        check(
+            r#"{"outcome":"retry"}"#,
+            Status::Retry,
+            "testkit: asked to retry",
+            None,
+        );
+        check(
+            r#"{"outcome":"retry","retry_after_ms":250}"#,
+            Status::Retry,
+            "testkit: asked to retry",
+            Some(250),
+        );
+        check(
+            r#"{"outcome":"fail"}"#,
+            Status::Fail,
+            "testkit: asked to fail",
+            None,
+        );
+        check(
+            r#"{"outcome":"sideways"}"#,
+            Status::Fail,
+            "testkit: unknown outcome \"sideways\"",
+            None,
+        );
+    }
+
+    #[test]
+    fn a_panic_comes_back_as_a_retry_with_the_panic_message() {
+        let dir = tempfile::tempdir().unwrap();
+        let harness = harness(&dir);
+        let mut task = TestTask::new("test", r#"{"outcome":"panic"}"#);
+        task.id = "p1".to_string();
+        let result = harness.run(task);
+        assert_eq!(result.status, Status::Retry);
+        assert_eq!(result.message, "panic: testkit: asked to panic (task p1)");
+        // The plugin is still usable after a panic.
+        assert_eq!(run(&harness, "{}").status, Status::Done);
+        assert!(records(&dir).contains("end p1 0 panic\n"));
+    }
+
+    #[test]
+    fn fail_attempts_retries_until_that_attempt() {
+        let dir = tempfile::tempdir().unwrap();
+        let harness = harness(&dir);
+        let statuses: Vec<Status> = (0..3)
+            .map(|attempt| {
+                let mut task = TestTask::new("test", r#"{"fail_attempts":2}"#);
+                task.attempt = attempt;
+                harness.run(task).status
+            })
+            .collect();
+        assert_eq!(statuses, [Status::Retry, Status::Retry, Status::Done]);
+    }
+
+    #[test]
+    fn a_blocked_run_returns_once_cancelled() {
+        let dir = tempfile::tempdir().unwrap();
+        let harness = harness(&dir);
+        let mut task = TestTask::new("test", r#"{"until_cancelled":true}"#);
+        task.id = "stuck".to_string();
+        let cancel = task.cancel.clone();
+        std::thread::scope(|scope| {
+            let running = scope.spawn(|| harness.run(task));
+            wait_for_records(&dir, "the run to start", |text| {
+                text.contains("start stuck 0 test")
+            });
+            assert!(!running.is_finished(), "blocks until cancelled");
+            cancel.cancel();
+            assert_eq!(running.join().unwrap().status, Status::Done);
+        });
+    }
+
+    #[test]
+    fn handle_runs_on_many_threads_at_once() {
+        const RUNS: usize = 8;
+        let dir = tempfile::tempdir().unwrap();
+        let harness = harness(&dir);
+        let gate = dir.path().join("gate");
+        let data = serde_json::json!({ "wait_for_file": gate }).to_string();
+        std::thread::scope(|scope| {
+            let runs: Vec<_> = (0..RUNS)
+                .map(|i| {
+                    let mut task = TestTask::new("test", &data);
+                    task.id = format!("t{i}");
+                    let harness = &harness;
+                    scope.spawn(move || harness.run(task))
+                })
+                .collect();
+            // Every run is inside `handle` at the same time: none can return before the gate exists.
+            wait_for_records(&dir, "every run to start", |text| {
+                text.matches("start ").count() == RUNS
+            });
+            assert!(
+                !records(&dir).contains("end "),
+                "none returned before the gate opened"
+            );
+            std::fs::write(&gate, "").unwrap();
+            for run in runs {
+                assert_eq!(run.join().unwrap().status, Status::Done);
+            }
+        });
+    }
+
+    #[test]
+    fn on_dead_records_the_task_and_its_reason() {
+        let dir = tempfile::tempdir().unwrap();
+        let harness = harness(&dir);
+        let mut task = TestTask::new("test", "{}");
+        task.id = "gone".to_string();
+        task.attempt = 3;
+        harness.on_dead(task, "retries\nexhausted");
+        assert_eq!(records(&dir), "dead gone 3 retries exhausted\n");
+    }
+}

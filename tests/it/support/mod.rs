@@ -343,6 +343,22 @@ impl Process {
         Process { child, log }
     }
 
+    /// As [`Process::start`], with extra environment variables for the daemon (for example `RUST_BACKTRACE=0`
+    /// for a test whose plugins panic by the hundred: the panic hook's backtraces would flood the log).
+    pub fn start_with_env(config_path: &Path, log: PathBuf, env: &[(&str, &str)]) -> Process {
+        let out = fs::File::create(&log).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_kmqd"))
+            .arg("--config")
+            .arg(config_path)
+            .env("RUST_LOG", "kmqd=debug")
+            .envs(env.iter().copied())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .expect("start kmqd");
+        Process { child, log }
+    }
+
     pub fn log_text(&self) -> String {
         fs::read_to_string(&self.log).unwrap_or_default()
     }
@@ -413,4 +429,67 @@ pub fn stats(config_path: &Path, queue: &str) -> QueueStats {
 /// A producer for a config.
 pub fn client(config_path: &Path) -> kmqd::Client {
     kmqd::Client::new(&Config::load(config_path).unwrap()).unwrap()
+}
+
+/// The workspace's root directory.
+pub fn workspace_dir() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Builds the workspace's plugin crate `package` (e.g. `kmq-exec`) once per test run; returns the path of its
+/// library in the target directory.
+pub fn built_plugin(package: &str) -> PathBuf {
+    static BUILT: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let dir = profile_dir();
+    let mut built = BUILT
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    if !built.iter().any(|p| p == package) {
+        let mut command = Command::new(env!("CARGO"));
+        command
+            .current_dir(workspace_dir())
+            .args(["build", "--quiet", "-p", package]);
+        if dir.ends_with("release") {
+            command.arg("--release");
+        }
+        let status = command.status().expect("run cargo build for a plugin");
+        assert!(status.success(), "building the plugin {package} failed");
+        built.push(package.to_string());
+    }
+    dir.join(format!("lib{}.so", package.replace('-', "_")))
+}
+
+/// Compiles the C plugin `source` into the shared library `output` the way docs/PLUGINS.md tells plugin authors
+/// to (`cc -shared -fPIC`, against `plugins/include/kmq_plugin.h`), with warnings as errors; `defines` become `-D`
+/// flags. The library gets the mode kmqd accepts (0755). Panics with the compiler's output when it fails.
+pub fn compile_c_plugin(source: &Path, defines: &[&str], output: &Path) {
+    let compiled = Command::new("cc")
+        .args(["-shared", "-fPIC", "-O1", "-std=c11", "-Wall", "-Wextra", "-Werror"])
+        .arg("-I")
+        .arg(workspace_dir().join("plugins/include"))
+        .args(defines.iter().map(|define| format!("-D{define}")))
+        .arg("-o")
+        .arg(output)
+        .arg(source)
+        .output()
+        .unwrap_or_else(|error| {
+            panic!("cannot run the C compiler `cc` ({error}): the plugin tests need one; scripts/test installs gcc")
+        });
+    assert!(
+        compiled.status.success(),
+        "cc could not compile {} with {defines:?}:\n{}",
+        source.display(),
+        String::from_utf8_lossy(&compiled.stderr)
+    );
+    fs::set_permissions(output, fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+impl TestDir {
+    /// Copies the library `from` into this dir's plugins directory as `file_name`, with the mode kmqd accepts.
+    pub fn install_plugin(&self, from: &Path, file_name: &str) -> PathBuf {
+        let target = self.plugins_dir().join(file_name);
+        fs::copy(from, &target).unwrap_or_else(|e| panic!("copy {}: {e}", from.display()));
+        fs::set_permissions(&target, fs::Permissions::from_mode(0o755)).unwrap();
+        target
+    }
 }

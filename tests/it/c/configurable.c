@@ -1,0 +1,84 @@
+/*
+ * A plugin for the loader's tests. Built as is, it is a correct plugin for the type "c.test" that finishes every
+ * task; each -D flag breaks one rule of the ABI, so the tests can check that kmqd refuses it and says why:
+ *
+ *   -DPLUGIN_SYMBOL=name       export the descriptor under another name (no kmq_plugin_v1)
+ *   -DPLUGIN_ABI_VERSION=n     claim another ABI version
+ *   -DPLUGIN_STRUCT_SIZE=n     claim a descriptor of n bytes
+ *   -DPLUGIN_NO_HANDLE         leave handle NULL
+ *   -DPLUGIN_NO_TYPES          claim no task types
+ *   -DPLUGIN_TYPE='"t"'        claim the task type t instead of "c.test"
+ *   -DPLUGIN_INIT_FAILS        fail init with a message
+ *   -DPLUGIN_STATUS=n          return n from handle, whatever the task
+ */
+#include <string.h>
+
+#include "kmq_plugin.h"
+
+#ifndef PLUGIN_SYMBOL
+#define PLUGIN_SYMBOL kmq_plugin_v1
+#endif
+#ifndef PLUGIN_ABI_VERSION
+#define PLUGIN_ABI_VERSION KMQ_ABI_VERSION
+#endif
+#ifndef PLUGIN_STRUCT_SIZE
+#define PLUGIN_STRUCT_SIZE sizeof(kmq_plugin)
+#endif
+#ifndef PLUGIN_TYPE
+#define PLUGIN_TYPE "c.test"
+#endif
+#ifndef PLUGIN_STATUS
+#define PLUGIN_STATUS KMQ_DONE
+#endif
+
+#ifdef PLUGIN_NO_TYPES
+static const char *const TYPES[] = {NULL};
+#else
+static const char *const TYPES[] = {PLUGIN_TYPE, NULL};
+#endif
+
+static void *init(kmq_str config, kmq_buf *err) {
+    static int state;
+    (void)config;
+#ifdef PLUGIN_INIT_FAILS
+    static const char message[] = "cannot reach the license server at 10.0.0.1:7000";
+    size_t n = sizeof message - 1 < err->cap ? sizeof message - 1 : err->cap;
+    memcpy(err->ptr, message, n);
+    err->len = n;
+    (void)state;
+    return NULL;
+#else
+    (void)err;
+    return &state;
+#endif
+}
+
+#ifndef PLUGIN_NO_HANDLE
+static kmq_status handle(void *state, const kmq_task *task, kmq_buf *msg) {
+    (void)state;
+    (void)task;
+    (void)msg;
+    return (kmq_status)PLUGIN_STATUS;
+}
+#endif
+
+static const kmq_plugin PLUGIN = {
+    .abi_version = PLUGIN_ABI_VERSION,
+    .struct_size = PLUGIN_STRUCT_SIZE,
+    .name = "configurable",
+    .types = TYPES,
+    .init = init,
+#ifdef PLUGIN_NO_HANDLE
+    .handle = NULL,
+#else
+    .handle = handle,
+#endif
+    .on_dead = NULL,
+    .shutdown = NULL,
+};
+
+const kmq_plugin *PLUGIN_SYMBOL(void);
+
+const kmq_plugin *PLUGIN_SYMBOL(void) {
+    return &PLUGIN;
+}
