@@ -52,7 +52,32 @@ impl Acker {
         tracing::debug!(queue = %self.queue.config.name, "acker stopped");
     }
 
+    /// Settles a batch, one script call per owner (nearly always one: a daemon claims under a new owner only
+    /// after losing its lease).
     fn settle(&mut self, batch: &[Outcome]) {
+        fn owner_of(outcome: &Outcome) -> Option<&str> {
+            outcome.settlement.token.as_ref().map(|token| &*token.owner)
+        }
+        let mut owners: Vec<Option<&str>> = Vec::with_capacity(1);
+        for outcome in batch {
+            if !owners.contains(&owner_of(outcome)) {
+                owners.push(owner_of(outcome));
+            }
+        }
+        if owners.len() == 1 {
+            self.settle_owned(owners[0], &batch.iter().collect::<Vec<_>>());
+            return;
+        }
+        for owner in owners {
+            let group: Vec<&Outcome> = batch
+                .iter()
+                .filter(|outcome| owner_of(outcome) == owner)
+                .collect();
+            self.settle_owned(owner, &group);
+        }
+    }
+
+    fn settle_owned(&mut self, owner: Option<&str>, batch: &[&Outcome]) {
         let queue = &self.queue;
         let mut backoff = Backoff::new();
         let settled = loop {
@@ -62,6 +87,7 @@ impl Acker {
                     &queue.keys,
                     Fence::Owner,
                     queue.config.dead_max,
+                    owner,
                     batch.iter().map(|o| &o.settlement),
                 )
             });

@@ -477,12 +477,13 @@ fn run_task(config: &Config, command: TaskCommand) -> Result<(), Failure> {
                         envelope,
                     ),
                     Found::Processing {
+                        owner,
                         token,
                         lease_left_ms,
                         envelope,
                     } => (
                         format!(
-                            "processing (claim {token}), lease ends in {}",
+                            "processing (owner {owner}, token {token}), lease ends in {}",
                             ms(*lease_left_ms)
                         ),
                         envelope,

@@ -9,6 +9,7 @@
 //! # Ok(()) }
 //! ```
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -202,7 +203,7 @@ impl Client {
             }
             let id = task.id.unwrap_or_else(task::new_id);
             let mut envelope = Envelope::new(id.clone(), task.kind, task.data);
-            envelope.priority = task.priority;
+            envelope.priority = task.priority.map(Cow::Owned);
             envelope.unique = task.unique;
             prepared.push((level, task.due, task.unique, envelope.encode(), id));
         }

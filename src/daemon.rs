@@ -26,7 +26,7 @@ use crate::config::{Config, Mode, QueueConfig};
 use crate::delay::{DelayListener, DelayPoller};
 use crate::fetcher::Fetcher;
 use crate::heartbeat::Heartbeat;
-use crate::inflight::{InFlight, JobId, JobState, Slots};
+use crate::inflight::{InFlight, JobId, JobState, Ownership, Slots};
 use crate::metrics::Metrics;
 use crate::monitor::Monitor;
 use crate::plugin::Registry;
@@ -51,12 +51,14 @@ pub struct QueueContext {
     pub policy: Policy,
     pub inflight: InFlight,
     pub slots: Slots,
+    /// Safe mode: this daemon's owner on the queue.
+    pub ownership: Ownership,
 }
 
 impl QueueContext {
     /// Decodes a payload of this queue: an envelope, or a foreign payload when the queue accepts them. A task
     /// without an id gets a fresh one, which retries and dead letters then carry.
-    pub fn decode(&self, payload: &str) -> Result<Envelope, EnvelopeError> {
+    pub fn decode<'a>(&self, payload: &'a str) -> Result<Envelope<'a>, EnvelopeError> {
         let mut envelope = match &self.config.foreign_type_field {
             Some(field) => Envelope::decode_foreign(payload, field)?,
             None => Envelope::decode(payload)?,
@@ -247,6 +249,7 @@ pub fn run(
                 policy: Policy::for_queue(queue),
                 inflight: InFlight::default(),
                 slots: Slots::new(queue.workers + queue.prefetch, fetch_threshold(queue)),
+                ownership: Ownership::default(),
             })
         })
         .collect();
@@ -416,6 +419,7 @@ pub fn run(
             "outcomes still unsettled after {SETTLE_DEADLINE:?}; safe-mode tasks run again once their leases expire"
         );
     }
+    release_owners(&queues, &pool);
     background.fire();
     let background_deadline = Instant::now() + BACKGROUND_DEADLINE;
     threads.wait_for(&events, Role::Other, background_deadline);
@@ -452,6 +456,33 @@ fn hand_back_running(queues: &[Arc<QueueContext>], ackers: &[Sender<Outcome>]) {
                 settlement,
                 dead_hook: None,
             });
+        }
+    }
+}
+
+/// Forgets this daemon's owners, now that every outcome is settled. An owner that still holds tasks (Redis
+/// failed while settling) is kept: its lease runs out and the monitors return its tasks to the queue.
+fn release_owners(queues: &[Arc<QueueContext>], pool: &broker::Pool) {
+    for queue in queues {
+        let Some(owner) = queue.ownership.current() else {
+            continue;
+        };
+        let released = pool
+            .get()
+            .map_err(BrokerError::from)
+            .and_then(|mut connection| {
+                broker::release(&mut **connection, &queue.keys, &owner, false)
+            });
+        match released {
+            Ok(true) => tracing::debug!(queue = %queue.config.name, %owner, "owner released"),
+            Ok(false) => tracing::warn!(
+                queue = %queue.config.name,
+                %owner,
+                "still holds tasks; they return to the queue when its lease runs out"
+            ),
+            Err(error) => {
+                tracing::error!(queue = %queue.config.name, %owner, %error, "cannot release the owner")
+            }
         }
     }
 }

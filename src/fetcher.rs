@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
 
-use crate::broker::{self, Batch, Session};
+use crate::broker::{self, Batch, BrokerError, Session};
 use crate::config::Mode;
 use crate::daemon::{Job, QueueContext};
 use crate::inflight::JobState;
@@ -45,7 +45,12 @@ impl Fetcher {
                 Ok(batch) => {
                     backoff.reset();
                     let taken = batch.tasks.len();
-                    self.queue.slots.release(free - taken);
+                    if taken > free {
+                        // The scripts never return more than asked; if Redis did, run them all anyway (they are
+                        // claimed) and let the slot count recover as they finish.
+                        tracing::error!(queue = %self.queue.config.name, taken, free, "claim returned more tasks than asked");
+                    }
+                    self.queue.slots.release(free.saturating_sub(taken));
                     self.dispatch(batch);
                 }
                 Err(error) => {
@@ -65,8 +70,27 @@ impl Fetcher {
         let connection = self.connection.get()?;
         match queue.config.mode {
             Mode::Safe => {
-                let batch =
-                    broker::claim(connection, &queue.keys, free, queue.config.lease_timeout)?;
+                let owner = match queue.ownership.current() {
+                    Some(owner) => owner,
+                    None => {
+                        let owner =
+                            broker::register(connection, &queue.keys, queue.config.lease_timeout)?;
+                        tracing::info!(queue = %queue.config.name, %owner, "claiming as a new owner");
+                        queue.ownership.set(Arc::clone(&owner));
+                        owner
+                    }
+                };
+                let first_token = queue.ownership.tokens(free);
+                let batch = match broker::claim(connection, &queue.keys, &owner, first_token, free)
+                {
+                    Err(BrokerError::LeaseLost { owner }) => {
+                        // The tasks it held go back through the monitors; claim under a new owner from now on.
+                        tracing::warn!(queue = %queue.config.name, %owner, "lease lost; registering a new owner");
+                        queue.ownership.lose(&owner);
+                        return Ok(Batch::default());
+                    }
+                    other => other?,
+                };
                 if batch.tasks.is_empty() {
                     // A marker means "something was pushed": the next round claims it. No marker within
                     // idle_poll: the next round looks anyway, which picks up producers that push no marker.

@@ -1,9 +1,9 @@
-//! The heartbeat: one thread per daemon that renews the leases of every task the daemon holds (safe mode) and
-//! enforces execution timeouts (both modes).
+//! The heartbeat: one thread per daemon that renews the daemon's lease on each safe-mode queue (one lease covers
+//! every task the daemon holds there) and enforces execution timeouts (both modes).
 //!
 //! It runs on its own thread and connection, so busy or stuck handlers can never starve lease renewal (the
 //! cause of BullMQ's "could not renew lock"). Leases are renewed every third of `lease_timeout`, one script call
-//! per queue for all held tasks.
+//! per queue whatever the number of tasks held.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -50,28 +50,33 @@ impl Heartbeat {
         tracing::debug!("heartbeat stopped");
     }
 
-    /// Renews the queue's leases; returns when to renew next.
+    /// Renews the lease of this daemon's owner on the queue; returns when to renew next.
     fn renew(&mut self, index: usize) -> Duration {
         let queue = Arc::clone(&self.queues[index].0);
-        let tokens = queue.inflight.tokens();
+        let Some(owner) = queue.ownership.current() else {
+            return TICK;
+        };
         let lease = queue.config.lease_timeout;
         let result = self
             .connection
             .get()
-            .and_then(|connection| broker::renew(connection, &queue.keys, lease, &tokens));
+            .and_then(|connection| broker::renew(connection, &queue.keys, &owner, lease));
         match result {
-            Ok(lost) => {
-                if !lost.is_empty() {
+            Ok(true) => lease / 3,
+            Ok(false) => {
+                if queue.ownership.lose(&owner) {
                     tracing::warn!(
                         queue = %queue.config.name,
-                        lost = lost.len(),
-                        "leases expired before renewal (was this daemon paused?); a monitor queued those tasks again"
+                        %owner,
+                        held = queue.inflight.len(),
+                        "lease ran out before renewal (was this daemon paused?); the monitors return the tasks it \
+                         held to the queue, and the fetcher claims under a new owner"
                     );
                 }
-                lease / 3
+                TICK
             }
             Err(error) => {
-                tracing::error!(queue = %queue.config.name, %error, "cannot renew leases; retrying");
+                tracing::error!(queue = %queue.config.name, %error, "cannot renew the lease; retrying");
                 self.connection.reset();
                 // Try again soon: the lease is running out.
                 TICK * 5

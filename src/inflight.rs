@@ -175,6 +175,52 @@ impl InFlight {
     }
 }
 
+/// Safe mode: this daemon's owner on the queue (its claim identity, with one lease for every task it holds) and
+/// the counter its claim tokens come from.
+///
+/// The fetcher registers an owner on its first claim; when the lease is lost (the daemon was silent longer than
+/// `lease_timeout`), the heartbeat or the fetcher drops it and the fetcher registers a new one. Tasks claimed
+/// under the old owner keep their tokens, so their late outcomes are fenced against the monitors.
+#[derive(Debug, Default)]
+pub struct Ownership {
+    current: Mutex<Option<Arc<str>>>,
+    next_token: AtomicU64,
+}
+
+impl Ownership {
+    fn lock(&self) -> MutexGuard<'_, Option<Arc<str>>> {
+        // Holds an Option only; a poisoned lock still holds a valid one.
+        self.current
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The owner to claim under, if one is registered.
+    pub fn current(&self) -> Option<Arc<str>> {
+        self.lock().clone()
+    }
+
+    /// Records a newly registered owner.
+    pub fn set(&self, owner: Arc<str>) {
+        *self.lock() = Some(owner);
+    }
+
+    /// Forgets `owner` after its lease was lost (unless a newer one replaced it already); true if it was current.
+    pub fn lose(&self, owner: &str) -> bool {
+        let mut current = self.lock();
+        if current.as_deref() == Some(owner) {
+            *current = None;
+            return true;
+        }
+        false
+    }
+
+    /// Reserves `n` claim tokens; returns the first.
+    pub fn tokens(&self, n: usize) -> u64 {
+        self.next_token.fetch_add(n as u64, Ordering::Relaxed)
+    }
+}
+
 /// Free worker capacity of one queue (`workers + prefetch` slots): the fetcher claims only as many tasks as there
 /// are free slots, so no claimed task waits in memory longer than the configured prefetch allows.
 ///
@@ -254,6 +300,13 @@ impl Slots {
 mod tests {
     use super::*;
 
+    fn claimed(seq: u64) -> Option<Token> {
+        Some(Token {
+            owner: Arc::from("o1"),
+            id: crate::broker::TokenId::Seq(seq),
+        })
+    }
+
     fn job(table: &InFlight, token: Option<Token>) -> (JobId, Arc<JobState>) {
         table
             .insert([JobState::new(token, 0, "{}".to_string())])
@@ -263,7 +316,7 @@ mod tests {
     #[test]
     fn exactly_one_party_resolves_a_task() {
         let table = InFlight::default();
-        let (id, state) = job(&table, Some(Token::Claim { seq: 1, level: 0 }));
+        let (id, state) = job(&table, claimed(1));
         assert!(state.start());
         assert_eq!(
             table.take_unresolved().len(),
@@ -304,6 +357,18 @@ mod tests {
         assert_eq!(overdue.iter().map(|r| r.id).collect::<Vec<_>>(), [running]);
         assert!(waiting.start());
         assert!(waiting.resolve());
+    }
+
+    #[test]
+    fn a_lost_owner_is_forgotten_only_if_still_current() {
+        let ownership = Ownership::default();
+        ownership.set(Arc::from("o1"));
+        ownership.set(Arc::from("o2"));
+        assert!(!ownership.lose("o1"), "o2 replaced it");
+        assert_eq!(ownership.current().as_deref(), Some("o2"));
+        assert!(ownership.lose("o2"));
+        assert_eq!(ownership.current(), None);
+        assert_eq!((ownership.tokens(10), ownership.tokens(5)), (0, 10));
     }
 
     #[test]

@@ -1,21 +1,23 @@
-//! The monitor: one thread per daemon that recovers safe-mode tasks whose lease expired, because the daemon
-//! holding them died or hung. Each such task goes back to the front of its level with `attempt + 1`, or to the
-//! dead-letter list when it is out of retries or older than `alive_timeout`.
+//! The monitor: one thread per daemon that recovers the safe-mode tasks of owners whose lease ran out, because
+//! the daemon holding them died or hung. Each such task goes back to the front of its level with `attempt + 1`,
+//! or to the dead-letter list when it is out of retries or older than `alive_timeout`. An owner with nothing
+//! left is forgotten.
 //!
-//! Every daemon runs a monitor and no lock is taken: the settle script re-checks each lease inside Redis
-//! (fence "expired"), so when two monitors find the same task, exactly one moves it.
+//! Every daemon runs a monitor and no lock is taken: an owner whose lease ran out never renews it again, and
+//! the settle script takes each task out of the owner's processing hash in the same step that queues it, so when
+//! two monitors find the same task, exactly one moves it.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::broker::{self, Fence, Session, Settlement, Token};
+use crate::broker::{self, Fence, Session, Settlement, Token, TokenId};
 use crate::daemon::QueueContext;
 use crate::plugin::Registry;
 use crate::policy::Verdict;
 use crate::settlement::{self, DeadHook, Origin};
 use crate::shutdown::Listener;
 
-/// The most expired leases handled per script call.
+/// The most tasks handled per round trip.
 const BATCH: usize = 100;
 
 pub struct Monitor {
@@ -54,48 +56,66 @@ impl Monitor {
         let mut recovered = 0;
         for index in 0..self.queues.len() {
             let queue = Arc::clone(&self.queues[index]);
-            loop {
-                match self.recover(&queue) {
-                    Ok((found, applied)) => {
-                        recovered += applied;
-                        if found < BATCH {
-                            break;
-                        }
-                    }
-                    Err(error) => {
-                        tracing::error!(queue = %queue.config.name, %error, "cannot recover expired leases; retrying");
-                        self.connection.reset();
-                        break;
-                    }
+            match self.recover_queue(&queue) {
+                Ok(count) => recovered += count,
+                Err(error) => {
+                    tracing::error!(queue = %queue.config.name, %error, "cannot recover expired leases; retrying");
+                    self.connection.reset();
                 }
             }
         }
         recovered
     }
 
-    /// Handles up to BATCH expired leases of `queue`; returns how many it found and how many it recovered (the
-    /// rest were recovered by another monitor, or renewed, in between).
-    fn recover(&mut self, queue: &QueueContext) -> broker::Result<(usize, usize)> {
+    fn recover_queue(&mut self, queue: &QueueContext) -> broker::Result<usize> {
+        let (now_ms, owners) = broker::owners(self.connection.get()?, &queue.keys)?;
+        let mut recovered = 0;
+        for (owner, deadline) in owners {
+            if deadline > now_ms {
+                continue;
+            }
+            let owner: Arc<str> = Arc::from(owner);
+            for level in 0..queue.keys.levels() {
+                loop {
+                    let (found, applied) = self.recover_batch(queue, &owner, level, now_ms)?;
+                    recovered += applied;
+                    // Nothing left, or another monitor is moving the same tasks: leave them to it.
+                    if found == 0 || applied == 0 {
+                        break;
+                    }
+                }
+            }
+            if broker::release(self.connection.get()?, &queue.keys, &owner, true)? {
+                tracing::info!(queue = %queue.config.name, %owner, "forgot an owner whose lease ran out");
+            }
+        }
+        if recovered > 0 {
+            tracing::warn!(queue = %queue.config.name, recovered, "recovered tasks whose lease ran out");
+        }
+        Ok(recovered)
+    }
+
+    /// Handles up to BATCH tasks of an expired owner at one level; returns how many it found and how many it
+    /// recovered.
+    fn recover_batch(
+        &mut self,
+        queue: &QueueContext,
+        owner: &Arc<str>,
+        level: usize,
+        now_ms: i64,
+    ) -> broker::Result<(usize, usize)> {
         let connection = self.connection.get()?;
-        let (now_ms, expired) = broker::expired(connection, &queue.keys, BATCH)?;
+        let (_, held) = broker::scan_processing(connection, &queue.keys, owner, level, 0, BATCH)?;
+        if held.is_empty() {
+            return Ok((0, 0));
+        }
         let origin = Origin {
             queue: &queue.config.name,
             daemon: &self.daemon_id,
         };
-        let mut settlements: Vec<Settlement> = Vec::with_capacity(expired.len());
-        let mut hooks: Vec<Option<DeadHook>> = Vec::with_capacity(expired.len());
-        for (token, payload) in &expired {
-            if payload.is_empty() {
-                // A lease without a task cannot come from kmqd's scripts (they write both at once); drop it so
-                // it is not found again.
-                redis::cmd("ZREM")
-                    .arg(&queue.keys.leases)
-                    .arg(token)
-                    .exec(connection)?;
-                continue;
-            }
-            let level =
-                level_of(token, &queue.config.priorities).unwrap_or(queue.config.default_priority);
+        let mut settlements: Vec<Settlement> = Vec::with_capacity(held.len());
+        let mut hooks: Vec<Option<DeadHook>> = Vec::with_capacity(held.len());
+        for (token, payload) in &held {
             let (verdict, envelope) = match queue.decode(payload) {
                 Err(error) => (
                     Verdict::Unrunnable {
@@ -111,11 +131,15 @@ impl Monitor {
                     (verdict, Some(envelope))
                 }
             };
+            let token = Token {
+                owner: Arc::clone(owner),
+                id: TokenId::Text(token.clone()),
+            };
             let (settlement, hook) = settlement::decide(
                 &queue.policy,
                 &origin,
                 verdict,
-                Some(Token::Text(token.clone())),
+                Some(token),
                 level,
                 payload,
                 envelope.as_ref(),
@@ -123,14 +147,12 @@ impl Monitor {
             settlements.push(settlement);
             hooks.push(hook);
         }
-        if settlements.is_empty() {
-            return Ok((expired.len(), 0));
-        }
         let settled = broker::settle(
             connection,
             &queue.keys,
             Fence::Expired,
             queue.config.dead_max,
+            Some(owner),
             &settlements,
         )?;
         let recovered = settled
@@ -138,33 +160,11 @@ impl Monitor {
             .iter()
             .filter(|ok| **ok == Some(true))
             .count();
-        if recovered > 0 {
-            tracing::warn!(queue = %queue.config.name, recovered, "recovered tasks whose lease expired");
-        }
         for (hook, applied) in hooks.iter().zip(settled.applied) {
             if let (Some(hook), Some(true)) = (hook, applied) {
                 settlement::run_dead_hook(&self.registry, &queue.config.name, hook);
             }
         }
-        Ok((expired.len(), recovered))
-    }
-}
-
-/// The level a claim token names (`SEQ:LEVEL`), as an index into `levels`.
-pub fn level_of(token: &str, levels: &[String]) -> Option<usize> {
-    let (_, level) = token.split_once(':')?;
-    levels.iter().position(|l| l == level)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn token_names_its_level() {
-        let levels = ["high".to_string(), "low".to_string()];
-        assert_eq!(level_of("17:low", &levels), Some(1));
-        assert_eq!(level_of("17:gone", &levels), None);
-        assert_eq!(level_of("17", &levels), None);
+        Ok((held.len(), recovered))
     }
 }

@@ -24,7 +24,7 @@ pub struct Outcome {
 /// What `on_dead` is told.
 #[derive(Debug)]
 pub struct DeadHook {
-    pub envelope: Envelope,
+    pub envelope: Envelope<'static>,
     pub reason: String,
 }
 
@@ -70,7 +70,9 @@ pub fn settlement(
     payload: &str,
     envelope: Option<&Envelope>,
 ) -> (Settlement, Option<DeadHook>) {
-    let unique_id = envelope.filter(|e| e.unique).and_then(|e| e.id.clone());
+    let unique_id = envelope
+        .filter(|e| e.unique)
+        .and_then(|e| e.id.as_deref().map(str::to_string));
     // Called once, whichever the branch.
     let base = move |op, payload: String| Settlement {
         op,
@@ -86,14 +88,14 @@ pub fn settlement(
             let mut next = envelope.clone();
             next.ensure_id(new_id);
             next.attempt += 1;
-            next.last_error = Some(reason.clone());
+            next.last_error = Some(reason.clone().into());
             (base(SettleOp::Retry { delay: *delay }, next.encode()), None)
         }
         (Action::Dead { reason }, _) | (Action::Retry { reason, .. }, None) => {
             let record = DeadRecord {
                 queue: origin.queue,
                 id: envelope.map_or("", Envelope::id_str),
-                kind: envelope.map_or("", |e| e.kind.as_str()),
+                kind: envelope.map_or("", |e| &*e.kind),
                 attempt: envelope.map_or(0, |e| e.attempt),
                 reason,
                 daemon: origin.daemon,
@@ -102,7 +104,7 @@ pub fn settlement(
             // Strings and integers always serialize.
             let record = serde_json::to_string(&record).expect("dead record serializes");
             let hook = envelope.map(|e| DeadHook {
-                envelope: e.clone(),
+                envelope: e.clone().into_owned(),
                 reason: reason.clone(),
             });
             (base(SettleOp::Dead, record), hook)
@@ -180,6 +182,13 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
+    fn token() -> Token {
+        Token {
+            owner: std::sync::Arc::from("o1"),
+            id: crate::broker::TokenId::Seq(7),
+        }
+    }
+
     fn origin() -> Origin<'static> {
         Origin {
             queue: "mail",
@@ -200,7 +209,7 @@ mod tests {
             &origin(),
             &action,
             true,
-            Some(Token::Claim { seq: 7, level: 0 }),
+            Some(token()),
             0,
             "",
             Some(&envelope),
@@ -211,7 +220,7 @@ mod tests {
                 delay: Duration::from_secs(2)
             }
         );
-        assert_eq!(s.token, Some(Token::Claim { seq: 7, level: 0 }));
+        assert_eq!(s.token, Some(token()));
         assert_eq!(
             s.unique_id.as_deref(),
             Some("a"),

@@ -3,7 +3,11 @@
 //! An envelope is a JSON object. kmqd reads the fields it knows and keeps every other field byte for byte, so a
 //! task that is retried or dead-lettered comes back with whatever its producer put in it. `data` is never
 //! decoded by the daemon: it goes to the plugin as the JSON text the producer wrote.
+//!
+//! Decoding borrows from the payload (an [`Envelope<'a>`] points into the text it was read from), so running a
+//! task allocates nothing for its id, type or data; [`Envelope::into_owned`] detaches one that must outlive it.
 
+use std::borrow::Cow;
 use std::fmt;
 
 use serde::de::{self, Deserializer, MapAccess, Visitor};
@@ -13,33 +17,33 @@ use serde_json::value::RawValue;
 /// The envelope version this build speaks. An envelope without `v` is version 1.
 pub const ENVELOPE_VERSION: u32 = 1;
 
-/// A decoded task envelope.
+/// A decoded task envelope, borrowing from the payload it was read from where it can.
 #[derive(Clone, Debug)]
-pub struct Envelope {
+pub struct Envelope<'a> {
     /// Absent only in envelopes written by hand; the daemon then assigns one (see [`Envelope::ensure_id`]).
-    pub id: Option<String>,
+    pub id: Option<Cow<'a, str>>,
     /// Selects the handler.
-    pub kind: String,
+    pub kind: Cow<'a, str>,
     /// The task's payload as JSON text (`null` when absent).
-    pub data: Box<RawValue>,
+    pub data: Cow<'a, RawValue>,
     /// Enqueue time in ms on Redis's clock, stamped by the enqueue script when the producer gave none.
     pub created_at: Option<i64>,
     /// 0 on the first run.
     pub attempt: u32,
     /// The level the producer asked for; informational once the task is in a list.
-    pub priority: Option<String>,
+    pub priority: Option<Cow<'a, str>>,
     /// Set when the task was pushed as unique: its id is held until the task is done or dead.
     pub unique: bool,
     /// Why the previous attempt failed.
-    pub last_error: Option<String>,
+    pub last_error: Option<Cow<'a, str>>,
     /// The envelope version, 1 when absent.
     pub version: u32,
     /// Every field kmqd does not know, kept as the producer wrote it.
-    pub extra: Vec<(String, Box<RawValue>)>,
+    pub extra: Vec<(Cow<'a, str>, Cow<'a, RawValue>)>,
 }
 
-impl PartialEq for Envelope {
-    fn eq(&self, other: &Envelope) -> bool {
+impl PartialEq for Envelope<'_> {
+    fn eq(&self, other: &Envelope<'_>) -> bool {
         // RawValue has no PartialEq: raw JSON is compared as text, which is what kmqd preserves.
         let raw_eq = |a: &RawValue, b: &RawValue| a.get() == b.get();
         self.id == other.id
@@ -65,13 +69,19 @@ impl PartialEq for Envelope {
 #[error("malformed task: {0}")]
 pub struct EnvelopeError(pub String);
 
-impl Envelope {
+/// The JSON `null`, for a task without `data`.
+fn null() -> &'static RawValue {
+    // "null" is valid JSON.
+    serde_json::from_str("null").expect("null is JSON")
+}
+
+impl<'a> Envelope<'a> {
     /// A new envelope as a producer makes it: attempt 0, no `created_at` (the enqueue script stamps it).
-    pub fn new(id: String, kind: String, data: Box<RawValue>) -> Envelope {
+    pub fn new(id: String, kind: String, data: Box<RawValue>) -> Envelope<'static> {
         Envelope {
-            id: Some(id),
-            kind,
-            data,
+            id: Some(Cow::Owned(id)),
+            kind: Cow::Owned(kind),
+            data: Cow::Owned(data),
             created_at: None,
             attempt: 0,
             priority: None,
@@ -82,9 +92,9 @@ impl Envelope {
         }
     }
 
-    /// Decodes a payload taken from Redis.
-    pub fn decode(payload: &str) -> Result<Envelope, EnvelopeError> {
-        let envelope: Envelope =
+    /// Decodes a payload taken from Redis, borrowing from it.
+    pub fn decode(payload: &'a str) -> Result<Envelope<'a>, EnvelopeError> {
+        let envelope: Envelope<'a> =
             serde_json::from_str(payload).map_err(|error| EnvelopeError(error.to_string()))?;
         if envelope.version > ENVELOPE_VERSION {
             return Err(EnvelopeError(format!(
@@ -98,11 +108,14 @@ impl Envelope {
     /// Decodes a payload of a queue that also accepts *foreign* payloads: plain JSON objects that are not
     /// envelopes (no `type`), whose task type is the string in `type_field`. Such a payload becomes the `data` of
     /// a new envelope, whole; its `id` field, when a string, becomes the task id. Envelopes decode as usual.
-    pub fn decode_foreign(payload: &str, type_field: &str) -> Result<Envelope, EnvelopeError> {
+    pub fn decode_foreign(
+        payload: &'a str,
+        type_field: &str,
+    ) -> Result<Envelope<'a>, EnvelopeError> {
         let strict = Envelope::decode(payload);
         let Err(error) = &strict else { return strict };
         let Ok(fields) =
-            serde_json::from_str::<std::collections::HashMap<&str, &RawValue>>(payload)
+            serde_json::from_str::<std::collections::HashMap<Cow<'_, str>, &RawValue>>(payload)
         else {
             return strict;
         };
@@ -127,9 +140,11 @@ impl Envelope {
             .get("id")
             .and_then(|id| serde_json::from_str::<String>(id.get()).ok())
             .unwrap_or_else(new_id);
-        let data = RawValue::from_string(payload.to_string())
-            .map_err(|error| EnvelopeError(error.to_string()))?;
-        Ok(Envelope::new(id, kind, data))
+        let data: &RawValue =
+            serde_json::from_str(payload).map_err(|error| EnvelopeError(error.to_string()))?;
+        let mut envelope = Envelope::new(id, kind, Box::default());
+        envelope.data = Cow::Borrowed(data);
+        Ok(envelope)
     }
 
     /// Encodes the envelope: known fields first, in a fixed order, then the producer's extra fields.
@@ -141,16 +156,38 @@ impl Envelope {
     /// The id, or `fallback` for a hand-written envelope without one. Retries and dead records write the id
     /// back, so a task keeps the id it was first given.
     pub fn ensure_id(&mut self, fallback: impl FnOnce() -> String) -> &str {
-        self.id.get_or_insert_with(fallback)
+        self.id.get_or_insert_with(|| Cow::Owned(fallback()))
     }
 
     /// The id for logs and records: the empty string when the envelope has none.
     pub fn id_str(&self) -> &str {
         self.id.as_deref().unwrap_or("")
     }
+
+    /// The same envelope, owning its text.
+    pub fn into_owned(self) -> Envelope<'static> {
+        let owned = |text: Cow<'_, str>| Cow::Owned(text.into_owned());
+        let raw = |value: Cow<'_, RawValue>| Cow::Owned(value.into_owned());
+        Envelope {
+            id: self.id.map(owned),
+            kind: owned(self.kind),
+            data: raw(self.data),
+            created_at: self.created_at,
+            attempt: self.attempt,
+            priority: self.priority.map(owned),
+            unique: self.unique,
+            last_error: self.last_error.map(owned),
+            version: self.version,
+            extra: self
+                .extra
+                .into_iter()
+                .map(|(key, value)| (owned(key), raw(value)))
+                .collect(),
+        }
+    }
 }
 
-impl Serialize for Envelope {
+impl Serialize for Envelope<'_> {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         let mut map = serializer.serialize_map(None)?;
         if let Some(id) = &self.id {
@@ -181,8 +218,44 @@ impl Serialize for Envelope {
     }
 }
 
+/// A string that borrows from the input when it holds no escapes.
+struct Text<'a>(Cow<'a, str>);
+
+impl<'de> Deserialize<'de> for Text<'de> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Text<'de>, D::Error> {
+        struct TextVisitor;
+        impl<'de> Visitor<'de> for TextVisitor {
+            type Value = Text<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E: de::Error>(self, text: &'de str) -> Result<Text<'de>, E> {
+                Ok(Text(Cow::Borrowed(text)))
+            }
+            fn visit_str<E: de::Error>(self, text: &str) -> Result<Text<'de>, E> {
+                Ok(Text(Cow::Owned(text.to_string())))
+            }
+            fn visit_string<E: de::Error>(self, text: String) -> Result<Text<'de>, E> {
+                Ok(Text(Cow::Owned(text)))
+            }
+        }
+        deserializer.deserialize_str(TextVisitor)
+    }
+}
+
+/// An optional string: `null` reads as absent.
+struct OptionalText<'a>(Option<Cow<'a, str>>);
+
+impl<'de> Deserialize<'de> for OptionalText<'de> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<OptionalText<'de>, D::Error> {
+        Ok(OptionalText(
+            Option::<Text<'de>>::deserialize(deserializer)?.map(|text| text.0),
+        ))
+    }
+}
+
 /// The envelope's known keys; anything else is kept in `extra`.
-enum Field {
+enum Field<'a> {
     Id,
     Type,
     Data,
@@ -192,38 +265,29 @@ enum Field {
     Unique,
     LastError,
     Version,
-    Other(String),
+    Other(Cow<'a, str>),
 }
 
-impl<'de> Deserialize<'de> for Field {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Field, D::Error> {
-        struct FieldVisitor;
-        impl Visitor<'_> for FieldVisitor {
-            type Value = Field;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a field name")
-            }
-            fn visit_str<E: de::Error>(self, key: &str) -> Result<Field, E> {
-                Ok(match key {
-                    "id" => Field::Id,
-                    "type" => Field::Type,
-                    "data" => Field::Data,
-                    "created_at" => Field::CreatedAt,
-                    "attempt" => Field::Attempt,
-                    "priority" => Field::Priority,
-                    "unique" => Field::Unique,
-                    "last_error" => Field::LastError,
-                    "v" => Field::Version,
-                    other => Field::Other(other.to_string()),
-                })
-            }
-        }
-        deserializer.deserialize_identifier(FieldVisitor)
+impl<'de> Deserialize<'de> for Field<'de> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Field<'de>, D::Error> {
+        let key = Text::deserialize(deserializer)?.0;
+        Ok(match &*key {
+            "id" => Field::Id,
+            "type" => Field::Type,
+            "data" => Field::Data,
+            "created_at" => Field::CreatedAt,
+            "attempt" => Field::Attempt,
+            "priority" => Field::Priority,
+            "unique" => Field::Unique,
+            "last_error" => Field::LastError,
+            "v" => Field::Version,
+            _ => Field::Other(key),
+        })
     }
 }
 
-impl<'de> Deserialize<'de> for Envelope {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Envelope, D::Error> {
+impl<'de> Deserialize<'de> for Envelope<'de> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Envelope<'de>, D::Error> {
         struct EnvelopeVisitor;
 
         fn set<T, E: de::Error>(
@@ -238,23 +302,23 @@ impl<'de> Deserialize<'de> for Envelope {
         }
 
         impl<'de> Visitor<'de> for EnvelopeVisitor {
-            type Value = Envelope;
+            type Value = Envelope<'de>;
 
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str("a task envelope: a JSON object with at least \"type\"")
             }
 
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Envelope, A::Error> {
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Envelope<'de>, A::Error> {
                 let (mut id, mut kind, mut data, mut created_at, mut attempt) =
                     (None, None, None, None, None);
                 let (mut priority, mut unique, mut last_error, mut version) =
                     (None, None, None, None);
                 let mut extra = Vec::new();
-                while let Some(field) = map.next_key::<Field>()? {
+                while let Some(field) = map.next_key::<Field<'de>>()? {
                     match field {
-                        Field::Id => set(&mut id, map.next_value::<String>()?, "id")?,
-                        Field::Type => set(&mut kind, map.next_value::<String>()?, "type")?,
-                        Field::Data => set(&mut data, map.next_value::<Box<RawValue>>()?, "data")?,
+                        Field::Id => set(&mut id, map.next_value::<Text<'de>>()?.0, "id")?,
+                        Field::Type => set(&mut kind, map.next_value::<Text<'de>>()?.0, "type")?,
+                        Field::Data => set(&mut data, map.next_value::<&'de RawValue>()?, "data")?,
                         Field::CreatedAt => set(
                             &mut created_at,
                             map.next_value::<Option<i64>>()?,
@@ -263,20 +327,22 @@ impl<'de> Deserialize<'de> for Envelope {
                         Field::Attempt => set(&mut attempt, map.next_value::<u32>()?, "attempt")?,
                         Field::Priority => set(
                             &mut priority,
-                            map.next_value::<Option<String>>()?,
+                            map.next_value::<OptionalText<'de>>()?.0,
                             "priority",
                         )?,
                         Field::Unique => set(&mut unique, map.next_value::<bool>()?, "unique")?,
                         Field::LastError => set(
                             &mut last_error,
-                            map.next_value::<Option<String>>()?,
+                            map.next_value::<OptionalText<'de>>()?.0,
                             "last_error",
                         )?,
                         Field::Version => set(&mut version, map.next_value::<u32>()?, "v")?,
-                        Field::Other(key) => extra.push((key, map.next_value::<Box<RawValue>>()?)),
+                        Field::Other(key) => {
+                            extra.push((key, Cow::Borrowed(map.next_value::<&'de RawValue>()?)))
+                        }
                     }
                 }
-                let kind: String = kind.ok_or_else(|| de::Error::missing_field("type"))?;
+                let kind = kind.ok_or_else(|| de::Error::missing_field("type"))?;
                 if kind.is_empty() {
                     return Err(de::Error::invalid_value(
                         de::Unexpected::Str(""),
@@ -286,10 +352,7 @@ impl<'de> Deserialize<'de> for Envelope {
                 Ok(Envelope {
                     id,
                     kind,
-                    // "null" is valid JSON, so the conversion cannot fail.
-                    data: data.unwrap_or_else(|| {
-                        RawValue::from_string("null".into()).expect("null is JSON")
-                    }),
+                    data: Cow::Borrowed(data.unwrap_or_else(|| null())),
                     created_at: created_at.flatten(),
                     attempt: attempt.unwrap_or(0),
                     priority: priority.flatten(),
@@ -355,7 +418,7 @@ mod tests {
         let payload = r#"{"callback": "send_mail", "args": [1, 2], "id": "f1"}"#;
         let envelope = Envelope::decode_foreign(payload, "callback").unwrap();
         assert_eq!(
-            (envelope.id.as_deref(), envelope.kind.as_str()),
+            (envelope.id.as_deref(), &*envelope.kind),
             (Some("f1"), "send_mail")
         );
         assert_eq!(
@@ -363,7 +426,8 @@ mod tests {
             payload,
             "the whole payload is the data"
         );
-        let retried = Envelope::decode_foreign(&envelope.encode(), "callback").unwrap();
+        let encoded = envelope.encode();
+        let retried = Envelope::decode_foreign(&encoded, "callback").unwrap();
         assert_eq!(retried, envelope, "once wrapped, it is an envelope");
         let plain = Envelope::decode_foreign(r#"{"type":"t","data":1}"#, "callback").unwrap();
         assert_eq!(plain.kind, "t", "envelopes still decode as envelopes");

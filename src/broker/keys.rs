@@ -8,7 +8,9 @@ use crate::config::QueueConfig;
 /// The keys (and the one pub/sub channel) of one queue.
 #[derive(Clone, Debug)]
 pub struct QueueKeys {
-    /// The priority levels, highest first (claim tokens and level keys are named after them).
+    /// `PREFIX:{QUEUE}`, the start of every key.
+    base: String,
+    /// The priority levels, highest first (level keys are named after them).
     pub levels: Vec<String>,
     /// Ready lists, one per priority level, highest first.
     pub ready: Vec<String>,
@@ -19,11 +21,10 @@ pub struct QueueKeys {
     pub delayed_tasks: String,
     /// Retries waiting out their backoff per level: zset envelope -> due ms; they go to the front when due.
     pub retry: Vec<String>,
-    /// Safe mode: hash token -> envelope of every claimed, unsettled task.
-    pub processing: String,
-    /// Safe mode: zset token -> lease deadline ms.
-    pub leases: String,
-    /// Counter that makes claim tokens unique.
+    /// Safe mode: zset owner -> lease deadline ms. An owner is one daemon's claim identity on this queue; the
+    /// tasks it claimed live in its [`QueueKeys::processing`] hashes, and stay its own while its lease is renewed.
+    pub owners: String,
+    /// Counter that makes owner ids unique (they are never reused).
     pub seq: String,
     /// Dead-letter list of JSON records, newest first, bounded by `dead_max`.
     pub dead: String,
@@ -57,17 +58,16 @@ impl QueueKeys {
             delayed: per_level("delayed"),
             delayed_tasks: format!("{base}:delayed-tasks"),
             retry: per_level("retry"),
-            processing: format!("{base}:processing"),
-            leases: format!("{base}:leases"),
+            owners: format!("{base}:owners"),
             seq: format!("{base}:seq"),
             dead: format!("{base}:dead"),
             unique: format!("{base}:unique"),
             stats: format!("{base}:stats"),
             wake: format!("{base}:wake"),
-            meta: format!("{base}:meta"),
             schedules: format!("{base}:schedules"),
-
+            meta: format!("{base}:meta"),
             delay_channel: format!("{base}:delay-wake"),
+            base,
         }
     }
 
@@ -79,6 +79,18 @@ impl QueueKeys {
     /// Number of priority levels.
     pub fn levels(&self) -> usize {
         self.ready.len()
+    }
+
+    /// Safe mode: the hash of the tasks `owner` claimed from one level, token -> envelope.
+    pub fn processing(&self, owner: &str, level: usize) -> String {
+        format!("{}:processing:{owner}:{}", self.base, self.levels[level])
+    }
+
+    /// The processing hashes of `owner`, one per level.
+    pub fn processing_all(&self, owner: &str) -> Vec<String> {
+        (0..self.levels())
+            .map(|level| self.processing(owner, level))
+            .collect()
     }
 }
 
@@ -94,11 +106,11 @@ mod tests {
             ["kmq:{mail}:ready:high", "kmq:{mail}:ready:low"]
         );
         assert_eq!(keys.retry[1], "kmq:{mail}:retry:low");
-        assert_eq!(keys.processing, "kmq:{mail}:processing");
+        assert_eq!(keys.processing("o7", 1), "kmq:{mail}:processing:o7:low");
         let all = [
             &keys.ready[0],
             &keys.delayed[0],
-            &keys.leases,
+            &keys.owners,
             &keys.dead,
             &keys.unique,
             &keys.stats,

@@ -39,8 +39,10 @@ pub enum Found {
         position: u64,
         envelope: String,
     },
-    /// Claimed by a daemon (safe mode); `lease_left_ms` until a monitor takes it back if nobody renews it.
+    /// Claimed by a daemon (safe mode): the daemon's owner id and the task's token in its processing hash;
+    /// `lease_left_ms` until a monitor takes it back if the owner stops renewing its lease.
     Processing {
+        owner: String,
         token: String,
         lease_left_ms: i64,
         envelope: String,
@@ -112,7 +114,7 @@ impl<'a> Wanted<'a> {
             return None;
         }
         let id = Envelope::decode(payload).ok()?.id?;
-        self.ids.contains(id.as_str()).then_some(id)
+        self.ids.contains(&*id).then(|| id.into_owned())
     }
 }
 
@@ -230,7 +232,7 @@ pub fn locate(
     }
 
     if scope == Scope::Everywhere {
-        locate_processing(conn, keys, &wanted, now, &mut found)?;
+        locate_processing(conn, keys, &wanted, &mut found)?;
         locate_dead(conn, keys, &wanted, &mut found)?;
     }
     Ok(found)
@@ -240,39 +242,34 @@ fn locate_processing(
     conn: &mut Connection,
     keys: &QueueKeys,
     wanted: &Wanted<'_>,
-    now: i64,
     found: &mut Vec<(String, Found)>,
 ) -> Result<()> {
-    let mut cursor = 0u64;
-    loop {
-        let (next, items): (u64, Vec<(String, String)>) = redis::cmd("HSCAN")
-            .arg(&keys.processing)
-            .arg(cursor)
-            .arg("COUNT")
-            .arg(CHUNK)
-            .query(conn)?;
-        for (token, payload) in items {
-            if let Some(id) = wanted.matching(&payload) {
-                let lease: Option<f64> = redis::cmd("ZSCORE")
-                    .arg(&keys.leases)
-                    .arg(&token)
-                    .query(conn)?;
-                let lease_left_ms = lease.map_or(0, |deadline| deadline as i64 - now);
-                found.push((
-                    id,
-                    Found::Processing {
-                        token,
-                        lease_left_ms,
-                        envelope: payload,
-                    },
-                ));
+    let (now, owners) = super::owners(conn, keys)?;
+    for (owner, deadline) in owners {
+        for level in 0..keys.levels() {
+            let mut cursor = 0u64;
+            loop {
+                let (next, items) =
+                    super::scan_processing(conn, keys, &owner, level, cursor, CHUNK)?;
+                for (token, payload) in items {
+                    if let Some(id) = wanted.matching(&payload) {
+                        let place = Found::Processing {
+                            owner: owner.clone(),
+                            token,
+                            lease_left_ms: deadline - now,
+                            envelope: payload,
+                        };
+                        found.push((id, place));
+                    }
+                }
+                cursor = next;
+                if cursor == 0 {
+                    break;
+                }
             }
         }
-        cursor = next;
-        if cursor == 0 {
-            return Ok(());
-        }
     }
+    Ok(())
 }
 
 fn locate_dead(
@@ -416,7 +413,8 @@ mod tests {
             envelope: String::new(),
         };
         let running = Found::Processing {
-            token: "1:normal".into(),
+            owner: "o1".into(),
+            token: "1".into(),
             lease_left_ms: 0,
             envelope: String::new(),
         };

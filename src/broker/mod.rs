@@ -5,7 +5,7 @@
 //! that call them own their connection for as long as they run, so a blocking call never starves anyone else.
 //!
 //! - [`connection`]: connecting, the pool, a thread's own [`Session`];
-//! - [`tasks`]: a task's life: push, claim or pop, settle, renew, expire, promote;
+//! - [`tasks`]: a task's life: push, claim or pop, settle, leases, promote;
 //! - [`lookup`]: finding and cancelling tasks by id;
 //! - [`schedule`]: firing periodic tasks;
 //! - [`stats`]: depths and counters, and the protocol-version check.
@@ -18,7 +18,7 @@ pub mod stats;
 pub mod tasks;
 
 use std::fmt;
-use std::sync::LazyLock;
+use std::sync::{Arc, LazyLock};
 
 use redis::{RedisWrite, ToRedisArgs, Value};
 
@@ -28,8 +28,8 @@ pub use lookup::{Found, Scope};
 pub use schedule::{Fired, fire, schedule_state};
 pub use stats::{QueueStats, check_protocol, stats};
 pub use tasks::{
-    Batch, Due, Fence, PushItem, SettleOp, Settled, Settlement, Taken, claim, expired, pop,
-    promote, push, renew, settle, wait_wake,
+    Batch, Due, Fence, PushItem, SettleOp, Settled, Settlement, Taken, claim, owners, pop, promote,
+    push, register, release, renew, scan_processing, settle, wait_wake,
 };
 
 /// A Redis failure, with what was being done.
@@ -50,6 +50,10 @@ pub enum BrokerError {
         found: String,
         expected: u32,
     },
+    #[error(
+        "owner {owner}: its lease ran out (was this daemon paused?); the monitors return its tasks to the queue"
+    )]
+    LeaseLost { owner: String },
 }
 
 pub type Result<T> = std::result::Result<T, BrokerError>;
@@ -63,8 +67,9 @@ struct Scripts {
     push: redis::Script,
     claim: redis::Script,
     settle: redis::Script,
-    expired: redis::Script,
     renew: redis::Script,
+    register: redis::Script,
+    release: redis::Script,
     promote: redis::Script,
     remove: redis::Script,
     fire: redis::Script,
@@ -74,8 +79,9 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     push: redis::Script::new(PUSH_SCRIPT),
     claim: redis::Script::new(include_str!("scripts/claim.lua")),
     settle: redis::Script::new(include_str!("scripts/settle.lua")),
-    expired: redis::Script::new(include_str!("scripts/expired.lua")),
     renew: redis::Script::new(include_str!("scripts/renew.lua")),
+    register: redis::Script::new(include_str!("scripts/register.lua")),
+    release: redis::Script::new(include_str!("scripts/release.lua")),
     promote: redis::Script::new(include_str!("scripts/promote.lua")),
     remove: redis::Script::new(include_str!("scripts/remove.lua")),
     fire: redis::Script::new(include_str!("scripts/fire.lua")),
@@ -84,57 +90,35 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
 /// The published enqueue script (docs/PROTOCOL.md shows how to call it from any language).
 pub const PUSH_SCRIPT: &str = include_str!("scripts/push.lua");
 
-/// A claim token, `SEQ:LEVEL` in Redis. Tokens this daemon claimed are kept as numbers and rendered only when
-/// sent, so the hot path allocates no string per task; tokens read back from Redis (the monitor's) stay text.
+/// Where a claimed task is: its owner (one daemon's claim identity on the queue) and its token, the field of the
+/// owner's processing hash that holds it. Tokens this daemon made are numbers until they are written; tokens
+/// read back from Redis (the monitor's) stay text.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Token {
-    /// Claimed by this daemon: the claim's sequence number and the index of its level.
-    Claim { seq: u64, level: usize },
-    /// As stored in Redis.
+pub struct Token {
+    pub owner: Arc<str>,
+    pub id: TokenId,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TokenId {
+    Seq(u64),
     Text(String),
 }
 
-impl Token {
-    /// The token as Redis stores it, given the queue's level names.
-    pub fn render<'a>(&'a self, levels: &'a [String]) -> TokenArg<'a> {
-        TokenArg {
-            token: self,
-            levels,
-        }
-    }
-}
-
-/// A token with its queue's level names: what is written to Redis (and shown in logs).
-pub struct TokenArg<'a> {
-    token: &'a Token,
-    levels: &'a [String],
-}
-
-impl fmt::Display for TokenArg<'_> {
+impl fmt::Display for TokenId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.token {
-            Token::Claim { seq, level } => write!(
-                f,
-                "{seq}:{}",
-                self.levels.get(*level).map_or("?", String::as_str)
-            ),
-            Token::Text(text) => f.write_str(text),
+        match self {
+            TokenId::Seq(seq) => write!(f, "{seq}"),
+            TokenId::Text(text) => f.write_str(text),
         }
     }
 }
 
-impl ToRedisArgs for TokenArg<'_> {
+impl ToRedisArgs for TokenId {
     fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
-        match self.token {
-            Token::Text(text) => out.write_arg(text.as_bytes()),
-            Token::Claim { .. } => {
-                // A u64, a colon and a level name (at most 64 bytes) fit the stack buffer.
-                let mut buffer = [0u8; 96];
-                let mut cursor = std::io::Cursor::new(&mut buffer[..]);
-                let _ = std::io::Write::write_fmt(&mut cursor, format_args!("{self}"));
-                let len = cursor.position() as usize;
-                out.write_arg(&buffer[..len]);
-            }
+        match self {
+            TokenId::Seq(seq) => seq.write_redis_args(out),
+            TokenId::Text(text) => out.write_arg(text.as_bytes()),
         }
     }
 }
@@ -160,9 +144,7 @@ fn int(value: &Value, what: &'static str) -> Result<i64> {
 /// makes the payload fail to decode as an envelope, so it is dead-lettered rather than run with altered data.
 fn text(value: Value, what: &'static str) -> Result<String> {
     match value {
-        Value::BulkString(bytes) => Ok(String::from_utf8(bytes).unwrap_or_else(|error| {
-            format!("\u{fffd}{}", String::from_utf8_lossy(error.as_bytes()))
-        })),
+        Value::BulkString(bytes) => Ok(lossy(bytes)),
         Value::SimpleString(text) => Ok(text),
         other => Err(reply_error(
             what,
@@ -171,23 +153,20 @@ fn text(value: Value, what: &'static str) -> Result<String> {
     }
 }
 
+/// Bytes as text: invalid UTF-8 is replaced (U+FFFD) and marked with a leading U+FFFD, which no envelope starts
+/// with, so it is dead-lettered as malformed.
+fn lossy(bytes: Vec<u8>) -> String {
+    String::from_utf8(bytes)
+        .unwrap_or_else(|error| format!("\u{fffd}{}", String::from_utf8_lossy(error.as_bytes())))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn tokens_render_as_redis_stores_them() {
-        let levels = ["high".to_string(), "low".to_string()];
-        let claimed = Token::Claim {
-            seq: 18_342,
-            level: 1,
-        };
-        assert_eq!(claimed.render(&levels).to_string(), "18342:low");
-        assert_eq!(
-            claimed.render(&levels).to_redis_args(),
-            [b"18342:low".to_vec()]
-        );
-        let read = Token::Text("7:high".into());
-        assert_eq!(read.render(&levels).to_redis_args(), [b"7:high".to_vec()]);
+    fn tokens_are_written_as_their_text() {
+        assert_eq!(TokenId::Seq(18_342).to_redis_args(), [b"18342".to_vec()]);
+        assert_eq!(TokenId::Text("7".into()).to_redis_args(), [b"7".to_vec()]);
     }
 }

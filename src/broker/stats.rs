@@ -71,6 +71,16 @@ fn pairs_as_map<S: serde::Serializer>(
 /// Reads a queue's depth and counters in one round trip.
 pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueStats> {
     let levels = &keys.levels;
+    // Safe mode's processing area is one hash per owner and level: the owners first, then their sizes below.
+    let owners: Vec<String> = redis::cmd("ZRANGE")
+        .arg(&keys.owners)
+        .arg(0)
+        .arg(-1)
+        .query(conn)?;
+    let processing_keys: Vec<String> = owners
+        .iter()
+        .flat_map(|owner| keys.processing_all(owner))
+        .collect();
     let mut pipe = redis::pipe();
     pipe.cmd("TIME");
     for key in &keys.ready {
@@ -82,7 +92,9 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
     for key in keys.delayed.iter().chain(&keys.retry) {
         pipe.cmd("ZCARD").arg(key);
     }
-    pipe.cmd("HLEN").arg(&keys.processing);
+    for key in &processing_keys {
+        pipe.cmd("HLEN").arg(key);
+    }
     pipe.cmd("LLEN").arg(&keys.dead);
     pipe.cmd("HGETALL").arg(&keys.stats);
     type Reply = (
@@ -90,7 +102,7 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
         Vec<u64>,
         Vec<Option<Vec<u8>>>,
         Vec<u64>,
-        u64,
+        Vec<u64>,
         u64,
         HashMap<String, u64>,
     );
@@ -110,11 +122,12 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
         parse(list(take(level_count)), "stats")?,
         parse(list(take(level_count)), "stats")?,
         parse(list(take(2 * level_count)), "stats")?,
-        parse(take(1), "stats")?,
+        parse(list(take(processing_keys.len())), "stats")?,
         parse(take(1), "stats")?,
         parse(take(1), "stats")?,
     );
     let ((seconds, micros), ready_counts, heads, zset_counts, processing, dead, counters) = reply;
+    let processing = processing.iter().sum();
     let now_ms = seconds * 1000 + micros / 1000;
     let lag_ms = heads
         .into_iter()

@@ -1,10 +1,13 @@
 //! A task's life in Redis: push, claim (safe) or pop (default), settle, renew, expire, promote.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use redis::{Connection, ConnectionLike, Value};
 
-use super::{BrokerError, IO_TIMEOUT, QueueKeys, Result, SCRIPTS, Token, int, reply_error, text};
+use super::{
+    BrokerError, IO_TIMEOUT, QueueKeys, Result, SCRIPTS, Token, TokenId, int, reply_error, text,
+};
 
 /// When a pushed task becomes ready.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -86,33 +89,58 @@ pub struct Batch {
     pub tasks: Vec<Taken>,
 }
 
-/// Safe mode: claims up to `max` tasks, highest level first, into the processing area under a lease.
+/// Safe mode: registers a new owner (this daemon's claim identity on the queue) with a lease.
+pub fn register(
+    conn: &mut dyn ConnectionLike,
+    keys: &QueueKeys,
+    lease: Duration,
+) -> Result<Arc<str>> {
+    let owner: String = SCRIPTS
+        .register
+        .key(&keys.owners)
+        .key(&keys.seq)
+        .arg(lease.as_millis() as u64)
+        .invoke(conn)?;
+    Ok(Arc::from(owner))
+}
+
+/// Safe mode: claims up to `max` tasks, highest level first, into `owner`'s processing hashes. The tasks get the
+/// tokens `first_token`, `first_token + 1`, ...; the caller must not reuse any of the `max` numbers from
+/// `first_token` on, taken or not.
 pub fn claim(
     conn: &mut dyn ConnectionLike,
     keys: &QueueKeys,
+    owner: &Arc<str>,
+    first_token: u64,
     max: usize,
-    lease: Duration,
 ) -> Result<Batch> {
     let mut invocation = SCRIPTS.claim.prepare_invoke();
-    invocation
-        .key(&keys.processing)
-        .key(&keys.leases)
-        .key(&keys.seq)
-        .key(&keys.wake);
+    invocation.key(&keys.owners).key(&keys.wake);
     for ready in &keys.ready {
         invocation.key(ready);
     }
-    invocation.arg(max).arg(lease.as_millis() as u64);
-    for level in &keys.levels {
-        invocation.arg(level);
+    for level in 0..keys.levels() {
+        invocation.key(keys.processing(owner, level));
     }
-    let reply: Vec<Value> = invocation.invoke(conn)?;
-    if reply.len() != 2 + keys.levels() {
+    invocation.arg(&**owner).arg(max);
+    for token in first_token..first_token + max as u64 {
+        invocation.arg(token);
+    }
+    let reply: Vec<Value> = match invocation.invoke(conn) {
+        Ok(reply) => reply,
+        Err(error) if error.code() == Some("LEASELOST") => {
+            return Err(BrokerError::LeaseLost {
+                owner: owner.to_string(),
+            });
+        }
+        Err(error) => return Err(error.into()),
+    };
+    if reply.len() != 1 + keys.levels() {
         return Err(reply_error("claim", format!("{} elements", reply.len())));
     }
     let mut reply = reply.into_iter();
     let now_ms = int(&reply.next().unwrap_or(Value::Nil), "claim")?;
-    let mut seq = int(&reply.next().unwrap_or(Value::Nil), "claim")? as u64;
+    let mut token = first_token;
     let mut tasks = Vec::new();
     for (level, envelopes) in reply.enumerate() {
         let Value::Array(envelopes) = envelopes else {
@@ -123,12 +151,16 @@ pub fn claim(
         };
         tasks.reserve(envelopes.len());
         for envelope in envelopes {
+            let id = Token {
+                owner: Arc::clone(owner),
+                id: TokenId::Seq(token),
+            };
             tasks.push(Taken {
-                token: Some(Token::Claim { seq, level }),
+                token: Some(id),
                 level,
                 payload: text(envelope, "claim")?,
             });
-            seq += 1;
+            token += 1;
         }
     }
     Ok(Batch { now_ms, tasks })
@@ -215,7 +247,7 @@ pub enum SettleOp {
 #[derive(Clone, Debug)]
 pub struct Settlement {
     pub op: SettleOp,
-    /// Safe mode: the claim token; `None` in default mode.
+    /// Safe mode: where the task is held; `None` in default mode.
     pub token: Option<Token>,
     /// Released on ack or dead-letter when the task is unique.
     pub unique_id: Option<String>,
@@ -233,7 +265,7 @@ impl Settlement {
     }
 }
 
-/// Who is settling: the owner of the claim, or a monitor recovering an expired lease.
+/// Who is settling: the owner of the tasks, or a monitor recovering the tasks of an owner whose lease ran out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fence {
     Owner,
@@ -250,26 +282,31 @@ pub struct Settled {
     pub stale_acks: usize,
 }
 
-/// Applies many outcomes in one round trip (`settle.lua`). Plain acknowledgements, the bulk of the traffic, go
-/// as bare tokens that the script removes with one HDEL and one ZREM; everything else goes as a record checked
-/// one by one.
+/// Applies many outcomes in one round trip (`settle.lua`). In safe mode every settlement must be of `owner`'s
+/// tasks (their tokens name it). Plain acknowledgements, the bulk of the traffic, go as bare tokens that the
+/// script removes with one HDEL per level; everything else goes as a record checked one by one.
 pub fn settle<'a>(
     conn: &mut dyn ConnectionLike,
     keys: &QueueKeys,
     fence: Fence,
     dead_max: usize,
+    owner: Option<&str>,
     settlements: impl IntoIterator<Item = &'a Settlement> + Clone,
 ) -> Result<Settled> {
     let mut invocation = SCRIPTS.settle.prepare_invoke();
     invocation
-        .key(&keys.processing)
-        .key(&keys.leases)
+        .key(&keys.owners)
         .key(&keys.stats)
         .key(&keys.dead)
         .key(&keys.unique)
         .key(&keys.wake);
     for key in keys.ready.iter().chain(&keys.retry) {
         invocation.key(key);
+    }
+    if let Some(owner) = owner {
+        for level in 0..keys.levels() {
+            invocation.key(keys.processing(owner, level));
+        }
     }
     invocation
         .arg(match fence {
@@ -278,18 +315,21 @@ pub fn settle<'a>(
         })
         .arg(dead_max)
         .arg(keys.levels())
-        .arg(&keys.delay_channel);
-    // Bulk sections only for the owner: a monitor's settlements must each re-check their lease.
+        .arg(&keys.delay_channel)
+        .arg(owner.unwrap_or(""));
+    // Bulk sections only for the owner: a monitor's settlements go through the lease check one by one.
     let bulk = |s: &Settlement| fence == Fence::Owner && s.is_plain_ack();
-    let tokens: Vec<&Token> = settlements
-        .clone()
-        .into_iter()
-        .filter(|s| bulk(s))
-        .filter_map(|s| s.token.as_ref())
-        .collect();
-    invocation.arg(tokens.len());
-    for token in &tokens {
-        invocation.arg(token.render(&keys.levels));
+    for level in 0..keys.levels() {
+        let tokens: Vec<&TokenId> = settlements
+            .clone()
+            .into_iter()
+            .filter(|s| bulk(s) && s.level == level)
+            .filter_map(|s| s.token.as_ref().map(|t| &t.id))
+            .collect();
+        invocation.arg(tokens.len());
+        for token in tokens {
+            invocation.arg(token);
+        }
     }
     let counted = settlements
         .clone()
@@ -305,9 +345,10 @@ pub fn settle<'a>(
             SettleOp::Back => ("back", 0),
             SettleOp::Dead => ("dead", 0),
         };
+        invocation.arg(op);
         match &s.token {
-            Some(token) => invocation.arg(op).arg(token.render(&keys.levels)),
-            None => invocation.arg(op).arg(""),
+            Some(token) => invocation.arg(&token.id),
+            None => invocation.arg(""),
         };
         invocation
             .arg(s.unique_id.as_deref().unwrap_or(""))
@@ -335,47 +376,86 @@ pub fn settle<'a>(
     })
 }
 
-/// Safe mode: renews the leases of `tokens`. Returns the tokens whose lease was already gone (recovered by a
-/// monitor because this daemon was silent too long).
+/// Safe mode: renews `owner`'s lease. Returns false when it was lost (it had run out: this daemon was silent
+/// too long, and the monitors take its tasks back).
 pub fn renew(
     conn: &mut dyn ConnectionLike,
     keys: &QueueKeys,
+    owner: &str,
     lease: Duration,
-    tokens: &[Token],
-) -> Result<Vec<String>> {
-    if tokens.is_empty() {
-        return Ok(Vec::new());
-    }
-    let mut invocation = SCRIPTS.renew.prepare_invoke();
-    invocation.key(&keys.leases).arg(lease.as_millis() as u64);
-    for token in tokens {
-        invocation.arg(token.render(&keys.levels));
-    }
-    Ok(invocation.invoke(conn)?)
+) -> Result<bool> {
+    let renewed: i64 = SCRIPTS
+        .renew
+        .key(&keys.owners)
+        .arg(owner)
+        .arg(lease.as_millis() as u64)
+        .invoke(conn)?;
+    Ok(renewed == 1)
 }
 
-/// Safe mode: up to `max` tasks whose lease ran out, with Redis's clock.
-pub fn expired(
+/// Safe mode: forgets `owner` if it holds no task any more; `by_monitor` only if its lease has run out. Returns
+/// whether it was released.
+pub fn release(
     conn: &mut dyn ConnectionLike,
     keys: &QueueKeys,
-    max: usize,
-) -> Result<(i64, Vec<(String, String)>)> {
-    let reply: Vec<Value> = SCRIPTS
-        .expired
-        .key(&keys.leases)
-        .key(&keys.processing)
-        .arg(max)
-        .invoke(conn)?;
-    let mut reply = reply.into_iter();
-    let now_ms = int(&reply.next().unwrap_or(Value::Nil), "expired")?;
-    let mut found = Vec::new();
-    while let Some(token) = reply.next() {
-        let envelope = reply
-            .next()
-            .ok_or_else(|| reply_error("expired", "token without envelope"))?;
-        found.push((text(token, "expired")?, text(envelope, "expired")?));
+    owner: &str,
+    by_monitor: bool,
+) -> Result<bool> {
+    let mut invocation = SCRIPTS.release.prepare_invoke();
+    invocation.key(&keys.owners);
+    for key in keys.processing_all(owner) {
+        invocation.key(key);
     }
-    Ok((now_ms, found))
+    let released: i64 = invocation
+        .arg(owner)
+        .arg(if by_monitor { "expired" } else { "owner" })
+        .invoke(conn)?;
+    Ok(released == 1)
+}
+
+/// Safe mode: every owner of the queue with its lease deadline (ms), and Redis's clock.
+pub fn owners(
+    conn: &mut dyn ConnectionLike,
+    keys: &QueueKeys,
+) -> Result<(i64, Vec<(String, i64)>)> {
+    let ((seconds, micros), owners): ((i64, i64), Vec<(String, f64)>) = redis::pipe()
+        .cmd("TIME")
+        .cmd("ZRANGE")
+        .arg(&keys.owners)
+        .arg(0)
+        .arg(-1)
+        .arg("WITHSCORES")
+        .query(conn)?;
+    Ok((
+        seconds * 1000 + micros / 1000,
+        owners
+            .into_iter()
+            .map(|(owner, deadline)| (owner, deadline as i64))
+            .collect(),
+    ))
+}
+
+/// Safe mode: up to about `count` tasks (token, envelope) held by `owner` at `level`, in no particular order.
+pub fn scan_processing(
+    conn: &mut dyn ConnectionLike,
+    keys: &QueueKeys,
+    owner: &str,
+    level: usize,
+    cursor: u64,
+    count: usize,
+) -> Result<(u64, Vec<(String, String)>)> {
+    let (next, items): (u64, Vec<Value>) = redis::cmd("HSCAN")
+        .arg(keys.processing(owner, level))
+        .arg(cursor)
+        .arg("COUNT")
+        .arg(count)
+        .query(conn)?;
+    let mut pairs = Vec::with_capacity(items.len() / 2);
+    let mut items = items.into_iter();
+    while let (Some(token), Some(envelope)) = (items.next(), items.next()) {
+        pairs.push((text(token, "hscan")?, text(envelope, "hscan")?));
+    }
+    Ok((next, pairs))
 }
 
 /// Moves up to `max` due tasks to their ready lists. Returns how many moved and how long until the next one is

@@ -130,7 +130,11 @@ impl Scheduler {
         let data =
             RawValue::from_string(entry.config.data_json.clone()).expect("schedule data is JSON");
         let mut envelope = Envelope::new(id.clone(), entry.config.kind.clone(), data);
-        envelope.priority = Some(entry.queue.config.priorities[entry.config.level].clone());
+        envelope.priority = Some(
+            entry.queue.config.priorities[entry.config.level]
+                .clone()
+                .into(),
+        );
         let connection = self.connection.get()?;
         let (fired, redis_now) = broker::fire(
             connection,

@@ -239,7 +239,13 @@ fn due_retries_go_to_the_front_and_due_delayed_tasks_to_the_back() {
     let ready: Vec<String> = redis.cmd(&["LRANGE", "kmq:{jobs}:ready:normal", "0", "-1"]);
     let ids: Vec<String> = ready
         .iter()
-        .map(|p| kmqd::task::Envelope::decode(p).unwrap().id.unwrap())
+        .map(|p| {
+            kmqd::task::Envelope::decode(p)
+                .unwrap()
+                .id
+                .unwrap()
+                .into_owned()
+        })
         .collect();
     assert_eq!(ids, ["retry", "waiting", "delayed", "late"]);
     let index: i64 = redis.cmd(&["HLEN", "kmq:{jobs}:delayed-tasks"]);

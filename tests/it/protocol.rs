@@ -152,3 +152,57 @@ fn unknown_envelope_fields_survive_a_retry_into_the_dead_letter_record() {
     );
     daemon.stop();
 }
+
+/// A payload that is not UTF-8 (here: with a 0xFF byte) taken in the middle of a batch must come back whole, be
+/// dead-lettered, and leave its neighbours intact.
+#[test]
+fn a_payload_that_is_not_utf8_is_dead_lettered_and_its_neighbours_run() {
+    for mode in ["safe", "default"] {
+        let redis = RedisServer::start();
+        let dir = TestDir::new();
+        let queue =
+            format!("[[queues]]\nname = \"jobs\"\nmode = \"{mode}\"\nworkers = 2\nbatch = 10\n");
+        let config = dir.config(&redis, &queue);
+        let mut connection = redis.connection();
+        let mut pipe = redis::pipe();
+        for i in 0..5 {
+            pipe.cmd("RPUSH")
+                .arg("kmq:{jobs}:ready:normal")
+                .arg(format!(r#"{{"id":"n{i}","type":"test"}}"#));
+        }
+        pipe.cmd("RPUSH")
+            .arg("kmq:{jobs}:ready:normal")
+            .arg(&b"{\"id\":\"bad\",\"type\":\"t\xff\"}"[..]);
+        for i in 5..10 {
+            pipe.cmd("RPUSH")
+                .arg("kmq:{jobs}:ready:normal")
+                .arg(format!(r#"{{"id":"n{i}","type":"test"}}"#));
+        }
+        pipe.exec(&mut connection).unwrap();
+        let daemon = TestDaemon::start(&config);
+        let s = eventually(Duration::from_secs(10), "the batch to be settled", || {
+            let s = stats(&config, "jobs");
+            (s.done + s.dead_lettered == 11, s)
+        });
+        daemon.stop();
+        assert_eq!((s.done, s.dead_lettered), (10, 1), "{mode}: {s:?}");
+        let dead: Vec<String> = redis.cmd(&["LRANGE", "kmq:{jobs}:dead", "0", "-1"]);
+        let record: serde_json::Value = serde_json::from_str(&dead[0]).unwrap();
+        assert!(
+            record["reason"]
+                .as_str()
+                .unwrap()
+                .starts_with("malformed task"),
+            "{mode}: {record}"
+        );
+        assert!(
+            record["task"].as_str().unwrap().contains(r#""id":"bad""#),
+            "{mode}: kept whole: {record}"
+        );
+        let records = dir.records();
+        assert!(
+            (0..10).all(|i| records.runs_of(&format!("n{i}")) == 1),
+            "{mode}: {records:?}"
+        );
+    }
+}

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use kmqd::broker::{self, Fence, SettleOp, Settlement};
 use kmqd::daemon::QueueContext;
-use kmqd::inflight::{InFlight, Slots};
+use kmqd::inflight::{InFlight, Ownership, Slots};
 use kmqd::monitor::Monitor;
 use kmqd::plugin::Registry;
 use kmqd::policy::Policy;
@@ -368,6 +368,7 @@ fn context(config: &Config) -> Arc<QueueContext> {
         policy: Policy::for_queue(&queue),
         inflight: InFlight::default(),
         slots: Slots::new(1, 1),
+        ownership: Ownership::default(),
         config: queue,
     })
 }
@@ -393,10 +394,10 @@ fn expired_lease_is_retried_at_the_front_with_attempt_plus_one() {
     client
         .push("jobs", NewTask::new("test", "{}").unwrap().id("claimed"))
         .unwrap();
-    // A daemon claims the task, then dies: nobody renews the lease.
+    // A daemon claims the task, then dies: nobody renews its lease.
     let mut connection = redis.connection();
-    let batch =
-        broker::claim(&mut connection, &queue.keys, 10, Duration::from_millis(300)).unwrap();
+    let owner = broker::register(&mut connection, &queue.keys, Duration::from_millis(300)).unwrap();
+    let batch = broker::claim(&mut connection, &queue.keys, &owner, 0, 10).unwrap();
     assert_eq!(batch.tasks.len(), 1);
     client
         .push("jobs", NewTask::new("test", "{}").unwrap().id("behind"))
@@ -429,9 +430,33 @@ fn expired_lease_is_retried_at_the_front_with_attempt_plus_one() {
         payload: String::new(),
         failed: false,
     };
-    let settled = broker::settle(&mut connection, &queue.keys, Fence::Owner, 100, &[late]).unwrap();
+    let settled = broker::settle(
+        &mut connection,
+        &queue.keys,
+        Fence::Owner,
+        100,
+        Some(&owner),
+        &[late],
+    )
+    .unwrap();
     assert_eq!((settled.stale_acks, settled.applied), (1, vec![None]));
     assert_eq!(stats(&path, "jobs").done, 0);
+    // An owner whose lease ran out is gone for good: it can neither renew nor claim, and the monitor forgot it.
+    assert!(
+        !broker::renew(
+            &mut connection,
+            &queue.keys,
+            &owner,
+            Duration::from_secs(30)
+        )
+        .unwrap()
+    );
+    match broker::claim(&mut connection, &queue.keys, &owner, 10, 10) {
+        Err(broker::BrokerError::LeaseLost { .. }) => {}
+        other => panic!("claim under a dead owner: {other:?}"),
+    }
+    let owners: i64 = redis.cmd(&["ZCARD", "kmq:{jobs}:owners"]);
+    assert_eq!(owners, 0);
 }
 
 #[test]
@@ -445,26 +470,19 @@ fn monitors_racing_on_the_same_leases_recover_each_task_once() {
         .map(|i| NewTask::new("test", "{}").unwrap().id(format!("t{i}")))
         .collect();
     client(&path).push_batch("jobs", tasks).unwrap();
+    // Five daemons claim a hundred tasks each, then all die.
     let mut connection = redis.connection();
     for _ in 0..5 {
-        broker::claim(
-            &mut connection,
-            &queue.keys,
-            100,
-            Duration::from_millis(300),
-        )
-        .unwrap();
+        let owner =
+            broker::register(&mut connection, &queue.keys, Duration::from_millis(300)).unwrap();
+        broker::claim(&mut connection, &queue.keys, &owner, 0, 100).unwrap();
     }
-    eventually(Duration::from_secs(5), "the leases to expire", || {
-        let expired: i64 = redis.cmd(&["ZCOUNT", "kmq:{jobs}:leases", "-inf", "+inf"]);
-        let (now, _): (i64, i64) = redis.cmd(&["TIME"]);
-        let live: i64 = redis.cmd(&[
-            "ZCOUNT",
-            "kmq:{jobs}:leases",
-            &format!("{}", now * 1000),
-            "+inf",
-        ]);
-        (expired == 500 && live == 0, (expired, live))
+    eventually(Duration::from_secs(5), "the leases to run out", || {
+        let (now, owners) = broker::owners(&mut connection, &queue.keys).unwrap();
+        (
+            owners.len() == 5 && owners.iter().all(|(_, deadline)| *deadline <= now),
+            owners,
+        )
     });
     let recovered: usize = std::thread::scope(|scope| {
         let racers: Vec<_> = (0..4)
@@ -482,7 +500,13 @@ fn monitors_racing_on_the_same_leases_recover_each_task_once() {
     let ready: Vec<String> = redis.cmd(&["LRANGE", "kmq:{jobs}:ready:normal", "0", "-1"]);
     let mut ids: Vec<String> = ready
         .iter()
-        .map(|p| kmqd::task::Envelope::decode(p).unwrap().id.unwrap())
+        .map(|p| {
+            kmqd::task::Envelope::decode(p)
+                .unwrap()
+                .id
+                .unwrap()
+                .into_owned()
+        })
         .collect();
     ids.sort();
     ids.dedup();
@@ -493,4 +517,6 @@ fn monitors_racing_on_the_same_leases_recover_each_task_once() {
     );
     let s = stats(&path, "jobs");
     assert_eq!((s.processing, s.retried), (0, 500), "{s:?}");
+    let owners: i64 = redis.cmd(&["ZCARD", "kmq:{jobs}:owners"]);
+    assert_eq!(owners, 0, "every dead owner forgotten");
 }

@@ -1,22 +1,13 @@
--- renew.lua: extend the leases of the tasks a daemon holds, in one call per queue (the heartbeat).
+-- renew.lua: the heartbeat of one owner (a daemon's claim identity on a queue): push its lease deadline forward.
 --
--- KEYS[1] leases zset; ARGV[1] lease length in ms; ARGV[2..] tokens
--- Only tokens that still have a lease are renewed (ZADD XX): a token the monitor already recovered stays gone.
--- Returns the tokens that had no lease any more.
+-- KEYS[1] owners zset; ARGV[1] owner; ARGV[2] lease length in ms
+-- Only a live lease is renewed: once an owner's lease has run out it never comes back, so a monitor that sees it
+-- expired may recover its tasks without racing the owner. Returns 1 renewed, 0 lost.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local deadline = now + tonumber(ARGV[1])
-local lost, args = {}, {}
-local scores = redis.call('ZMSCORE', KEYS[1], unpack(ARGV, 2))
-for i = 2, #ARGV do
-  if scores[i - 1] then
-    args[#args + 1] = deadline
-    args[#args + 1] = ARGV[i]
-  else
-    lost[#lost + 1] = ARGV[i]
-  end
+local lease = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not lease or tonumber(lease) <= now then
+  return 0
 end
-if #args > 0 then
-  redis.call('ZADD', KEYS[1], 'XX', unpack(args))
-end
-return lost
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+return 1

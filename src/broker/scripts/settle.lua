@@ -1,11 +1,13 @@
 -- settle.lua: apply the outcomes of many runs at once (acknowledge, retry, hand back, dead-letter).
 --
--- KEYS[1] processing hash, KEYS[2] leases zset, KEYS[3] stats hash, KEYS[4] dead list, KEYS[5] unique hash,
--- KEYS[6] wake list, KEYS[7 .. 6+L] ready lists, KEYS[7+L .. 6+2L] retry zsets (both in level order)
--- ARGV[1] fence: "owner" (the claimer settles its own token) or "expired" (a monitor settles a token whose lease
---         has run out; skipped when the lease was renewed meanwhile)
--- ARGV[2] dead list bound; ARGV[3] number of levels L; ARGV[4] the delay poller's channel
--- ARGV[5] A, then A tokens: plain acknowledgements (safe mode, fence "owner"), applied in bulk: one HDEL, one ZREM
+-- KEYS[1] owners zset, KEYS[2] stats hash, KEYS[3] dead list, KEYS[4] unique hash, KEYS[5] wake list,
+-- KEYS[6 .. 5+L] ready lists, KEYS[6+L .. 5+2L] retry zsets, and in safe mode KEYS[6+2L .. 5+3L] the
+-- processing hashes of the owner whose tasks these are (all in level order)
+-- ARGV[1] fence: "owner" (the owner settles its own tasks) or "expired" (a monitor settles the tasks of an owner
+--         whose lease ran out; nothing is applied unless it has)
+-- ARGV[2] dead list bound; ARGV[3] number of levels L; ARGV[4] the delay poller's channel; ARGV[5] the owner
+--         ("" in default mode)
+-- then, for each level, A and A tokens: plain acknowledgements, applied in bulk (one HDEL per level)
 -- then C: plain acknowledgements without a token (default mode), only counted
 -- then records of 7: op, token, unique id, level (1-based), delay ms, payload, failed ("1" or "0")
 --   op "ack":   done; the token leaves the processing area
@@ -13,47 +15,48 @@
 --               to the level's retry zset, due in delay ms
 --   op "back":  handed back at shutdown: payload goes to the front of its ready list, attempt unchanged
 --   op "dead":  payload (a dead record, a JSON object) is pushed on the dead list with "dead_at" stamped
--- A record whose token is not (or no longer) in the processing area is stale and changes nothing: this fences a
+-- A task whose token is not (or no longer) in its processing hash is stale and changes nothing: this fences a
 -- slow owner against a monitor that already recovered its task, and two monitors against each other.
 -- Default-mode records have an empty token and are never stale.
 -- Returns {number of stale plain acknowledgements, then one integer per record: 1 applied, 0 stale}.
-local proc, leases, stats, dead, uniq, wake = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local fence, dead_max, levels, channel = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local owners, stats, dead, uniq, wake = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local fence, dead_max, levels, channel, owner = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local done, retried, failed, dead_lettered = 0, 0, 0, 0
 local wake_fetchers, wake_poller = false, false
-local acks = tonumber(ARGV[5])
-local stale = 0
-if acks > 0 then
-  local tokens = {}
-  for i = 6, 5 + acks do
-    tokens[#tokens + 1] = ARGV[i]
-  end
-  local removed = redis.call('HDEL', proc, unpack(tokens))
-  -- A stale token's lease went with its processing entry, so removing every token's lease is exact.
-  redis.call('ZREM', leases, unpack(tokens))
-  done = done + removed
-  stale = acks - removed
+local live = true
+if fence == 'expired' then
+  local lease = redis.call('ZSCORE', owners, owner)
+  live = lease ~= false and tonumber(lease) <= now
 end
-done = done + tonumber(ARGV[6 + acks])
+local stale = 0
+local i = 6
+for level = 1, levels do
+  local acks = tonumber(ARGV[i])
+  if acks > 0 then
+    local tokens = {}
+    for k = 1, acks do
+      tokens[k] = ARGV[i + k]
+    end
+    local removed = redis.call('HDEL', KEYS[5 + 2 * levels + level], unpack(tokens))
+    done = done + removed
+    stale = stale + acks - removed
+  end
+  i = i + 1 + acks
+end
+done = done + tonumber(ARGV[i])
+i = i + 1
 local result = {stale}
-for i = 7 + acks, #ARGV, 7 do
+while i <= #ARGV do
   local op, token, uid = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   local level, delay, payload = tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4]), ARGV[i + 5]
   local ok = 1
   if token ~= '' then
-    if fence == 'expired' then
-      local score = redis.call('ZSCORE', leases, token)
-      if not score or tonumber(score) > now then
-        ok = 0
-      end
-    end
-    if ok == 1 then
-      ok = redis.call('HDEL', proc, token)
-      if ok == 1 then
-        redis.call('ZREM', leases, token)
-      end
+    if live then
+      ok = redis.call('HDEL', KEYS[5 + 2 * levels + level], token)
+    else
+      ok = 0
     end
   end
   if ok == 1 then
@@ -70,10 +73,10 @@ for i = 7 + acks, #ARGV, 7 do
         retried = retried + 1
       end
       if delay <= 0 then
-        redis.call('LPUSH', KEYS[6 + level], payload)
+        redis.call('LPUSH', KEYS[5 + level], payload)
         wake_fetchers = true
       else
-        local zset = KEYS[6 + levels + level]
+        local zset = KEYS[5 + levels + level]
         redis.call('ZADD', zset, now + delay, payload)
         local head = redis.call('ZRANGE', zset, 0, 0)
         if head[1] == payload then
@@ -91,6 +94,7 @@ for i = 7 + acks, #ARGV, 7 do
     end
   end
   result[#result + 1] = ok
+  i = i + 7
 end
 if dead_lettered > 0 then
   redis.call('LTRIM', dead, 0, dead_max - 1)

@@ -1,0 +1,19 @@
+-- release.lua: forget an owner that holds no task any more.
+--
+-- KEYS[1] owners zset, KEYS[2 ..] the owner's processing hashes
+-- ARGV[1] owner; ARGV[2] "expired" (a monitor: only if the lease has run out) or "owner" (its daemon, stopping)
+-- Returns 1 released, 0 kept (it still holds tasks, or its lease is live and the caller is a monitor).
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+for i = 2, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 then
+    return 0
+  end
+end
+if ARGV[2] == 'expired' then
+  local lease = redis.call('ZSCORE', KEYS[1], ARGV[1])
+  if lease and tonumber(lease) > now then
+    return 0
+  end
+end
+return redis.call('ZREM', KEYS[1], ARGV[1])
