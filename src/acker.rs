@@ -110,6 +110,9 @@ impl Acker {
         queue
             .inflight
             .remove(batch.iter().map(|outcome| outcome.job));
+        // The tasks are settled: their slots may be claimed again. Releasing only now bounds what the daemon
+        // holds, outcomes waiting for Redis included, by `workers + prefetch`.
+        queue.slots.release(batch.len());
         let stale = settled.stale_acks
             + settled
                 .applied

@@ -258,7 +258,9 @@ pub fn run(
     let mut delay_channels = HashMap::new();
     for queue in &queues {
         let name = &queue.config.name;
-        let (outcomes_tx, outcomes_rx) = crossbeam_channel::unbounded();
+        // One outcome per held task at most: the acker frees a task's slot only once its outcome is settled.
+        let (outcomes_tx, outcomes_rx) =
+            crossbeam_channel::bounded(queue.config.workers + queue.config.prefetch);
         let (jobs_tx, jobs_rx) =
             crossbeam_channel::bounded(queue.config.workers + queue.config.prefetch);
         let acker = Acker {
@@ -451,11 +453,17 @@ fn hand_back_running(queues: &[Arc<QueueContext>], ackers: &[Sender<Outcome>]) {
             }
             let state = &task.state;
             let settlement = settlement::handback(state.token.clone(), state.level, &state.payload);
-            let _ = acker.send(Outcome {
-                job: task.id,
-                settlement,
-                dead_hook: None,
-            });
+            // try_send: the channel has room for every held task, and shutdown must not wait on a stuck acker.
+            if acker
+                .try_send(Outcome {
+                    job: task.id,
+                    settlement,
+                    dead_hook: None,
+                })
+                .is_err()
+            {
+                tracing::error!(queue = %queue.config.name, "cannot hand a task back; it returns when the lease runs out");
+            }
         }
     }
 }

@@ -114,13 +114,17 @@ impl Heartbeat {
                 &state.payload,
                 envelope.as_ref(),
             );
-            // Sent before the ackers drain (checked by the caller); a send that still fails leaves the task to
-            // its lease.
-            let _ = outcomes.send(Outcome {
-                job: overdue.id,
-                settlement,
-                dead_hook,
-            });
+            // The channel has room for one outcome per slot, so this waits only if the acker is stuck; the bound
+            // keeps the heartbeat (and so the lease) alive even then. A dropped outcome leaves the task held until
+            // the daemon stops, then to the monitors.
+            let _ = outcomes.send_timeout(
+                Outcome {
+                    job: overdue.id,
+                    settlement,
+                    dead_hook,
+                },
+                Duration::from_secs(1),
+            );
         }
     }
 }

@@ -221,8 +221,9 @@ impl Ownership {
     }
 }
 
-/// Free worker capacity of one queue (`workers + prefetch` slots): the fetcher claims only as many tasks as there
-/// are free slots, so no claimed task waits in memory longer than the configured prefetch allows.
+/// What one queue may hold (`workers + prefetch` slots): a slot is taken when a task is claimed and freed when its
+/// outcome is settled in Redis, so claimed tasks waiting for a worker, running, or waiting for their settlement
+/// together never exceed it, and the daemon's memory stays bounded however far Redis or the acker fall behind.
 ///
 /// To claim in batches rather than one task per freed slot, the fetcher waits until `threshold` slots are free,
 /// unless the workers run dry first (a worker that finds no job [`Slots::nudge`]s it). Releasing a slot is an

@@ -114,7 +114,7 @@ impl Monitor {
             daemon: &self.daemon_id,
         };
         let mut settlements: Vec<Settlement> = Vec::with_capacity(held.len());
-        let mut hooks: Vec<Option<DeadHook>> = Vec::with_capacity(held.len());
+        let mut hooks: Vec<Option<Box<DeadHook>>> = Vec::with_capacity(held.len());
         for (token, payload) in &held {
             let (verdict, envelope) = match queue.decode(payload) {
                 Err(error) => (

@@ -18,7 +18,8 @@ pub struct Outcome {
     pub job: JobId,
     pub settlement: Settlement,
     /// Set for dead letters of a decodable task: the plugin's `on_dead` runs after the record landed.
-    pub dead_hook: Option<DeadHook>,
+    /// Boxed: an envelope is large, and outcomes travel through channels by value.
+    pub dead_hook: Option<Box<DeadHook>>,
 }
 
 /// What `on_dead` is told.
@@ -69,7 +70,7 @@ pub fn settlement(
     level: usize,
     payload: &str,
     envelope: Option<&Envelope>,
-) -> (Settlement, Option<DeadHook>) {
+) -> (Settlement, Option<Box<DeadHook>>) {
     let unique_id = envelope
         .filter(|e| e.unique)
         .and_then(|e| e.id.as_deref().map(str::to_string));
@@ -103,9 +104,11 @@ pub fn settlement(
             };
             // Strings and integers always serialize.
             let record = serde_json::to_string(&record).expect("dead record serializes");
-            let hook = envelope.map(|e| DeadHook {
-                envelope: e.clone().into_owned(),
-                reason: reason.clone(),
+            let hook = envelope.map(|e| {
+                Box::new(DeadHook {
+                    envelope: e.clone().into_owned(),
+                    reason: reason.clone(),
+                })
             });
             (base(SettleOp::Dead, record), hook)
         }
@@ -122,7 +125,7 @@ pub fn decide(
     level: usize,
     payload: &str,
     envelope: Option<&Envelope>,
-) -> (Settlement, Option<DeadHook>) {
+) -> (Settlement, Option<Box<DeadHook>>) {
     let attempt = envelope.map_or(0, |e| e.attempt);
     let failed = verdict.is_failed_run();
     let action = policy::decide(policy, attempt, verdict, envelope.map_or(0, seed));

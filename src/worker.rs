@@ -50,7 +50,6 @@ impl Worker {
                     tracing::error!(queue = %self.queue.config.name, "acker is gone; outcome dropped");
                 }
             }
-            self.queue.slots.release(1);
         }
     }
 
