@@ -75,8 +75,9 @@ pub struct BenchArgs {
     /// Claim batch.
     #[arg(long, default_value_t = 1000)]
     pub batch: usize,
-    /// Claimed tasks that may wait for a worker, per daemon.
-    #[arg(long, default_value_t = 1000)]
+    /// Claimed tasks that may wait for a worker, per daemon (a deep prefetch keeps a no-op drain busy; see
+    /// docs/PERFORMANCE.md).
+    #[arg(long, default_value_t = 4000)]
     pub prefetch: usize,
     /// Where libkmq_testkit.so is (default: next to the kmqd binary).
     #[arg(long)]
@@ -87,6 +88,10 @@ pub struct BenchArgs {
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Compare with the peers: a results directory of ../shared/bench/peers/run.sh from this session (see
+    /// scripts/bench-peers).
+    #[arg(long, value_name = "RESULTS_DIR")]
+    pub peers: Option<PathBuf>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -535,6 +540,7 @@ fn run_bench(args: BenchArgs) -> Result<(), Failure> {
         prefetch: args.prefetch,
         plugins_dir: args.plugins_dir,
         backlog: args.backlog,
+        peers: args.peers,
     };
     let report = crate::bench::run(options, &mut std::io::stderr()).map_err(Failure::Runtime)?;
     if args.json {

@@ -8,16 +8,17 @@
 // Every unsafe block says why it is sound; the lint keeps it so.
 #![deny(clippy::undocumented_unsafe_blocks)]
 
-use std::ffi::{CStr, c_char, c_void};
-use std::mem::{ManuallyDrop, offset_of};
+use std::ffi::{c_char, c_void};
+use std::mem::ManuallyDrop;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU32;
 use std::time::Duration;
 
 use kmq_plugin::abi::{
-    self, EntryFn, HandleFn, KMQ_ABI_VERSION, KmqBuf, KmqPlugin, KmqStr, KmqTask, MIN_STRUCT_SIZE,
-    OnDeadFn, PLUGIN_SYMBOL, ShutdownFn,
+    self, EntryFn, HandleFn, KMQ_ABI_VERSION, KmqBuf, KmqStr, KmqTask, MIN_STRUCT_SIZE, OnDeadFn,
+    PLUGIN_SYMBOL, ShutdownFn,
 };
+use kmq_plugin::host::{self, Refusal};
 
 use super::PluginError;
 
@@ -83,19 +84,6 @@ pub fn effective_uid() -> u32 {
 /// The highest ABI version a refusal message names when a plugin exports no `kmq_plugin_v1`.
 const NEWEST_VERSION_PROBED: u32 = 16;
 
-/// Reads a NUL-terminated string owned by the plugin.
-///
-/// # Safety
-/// `ptr` must be null or point at a NUL-terminated string that lives as long as the library.
-unsafe fn c_string(ptr: *const c_char) -> Option<String> {
-    (!ptr.is_null()).then(|| {
-        // SAFETY: not null, and the caller guarantees a NUL-terminated string that outlives the call.
-        unsafe { CStr::from_ptr(ptr) }
-            .to_string_lossy()
-            .into_owned()
-    })
-}
-
 /// Loads the library at `path` (canonical, and checked for trust by the caller), checks its descriptor and runs
 /// `init` with `config_json`, the table of `[plugins.SECTION] config`.
 pub fn load(path: &Path, section: &str, config_json: &str) -> Result<LoadedPlugin, PluginError> {
@@ -122,100 +110,46 @@ pub fn load(path: &Path, section: &str, config_json: &str) -> Result<LoadedPlugi
         Ok(symbol) => *symbol,
         Err(_) => return Err(missing_symbol(path, &library)),
     };
-    // SAFETY: calling the entry point is what the ABI prescribes; it returns a pointer into the library.
-    let descriptor = unsafe { entry() };
-    if descriptor.is_null() {
-        return Err(bad_descriptor(
+    // SAFETY: calling the entry point is what the ABI prescribes; it returns null or a pointer to a descriptor
+    // that lives as long as the library, which is never unloaded.
+    let descriptor = unsafe { host::read(entry()) }.map_err(|refusal| match refusal {
+        Refusal::Null => bad_descriptor(
             "kmq_plugin_v1() returned NULL; it must return a pointer to its kmq_plugin descriptor",
-        ));
-    }
-    // SAFETY: `abi_version` is the first field of every version of the descriptor, so reading it alone is valid
-    // whatever the plugin's version.
-    let abi_version = unsafe { std::ptr::read(descriptor.cast::<u32>()) };
-    if abi_version != KMQ_ABI_VERSION {
-        return Err(PluginError::AbiVersion {
+        ),
+        Refusal::Version { found } => PluginError::AbiVersion {
             path: path.to_owned(),
-            found: abi_version,
+            found,
             expected: KMQ_ABI_VERSION,
-        });
-    }
-    // SAFETY: version 1 guarantees `struct_size` as the second u32.
-    let struct_size = unsafe { std::ptr::read(descriptor.cast::<u32>().add(1)) } as usize;
-    if struct_size < MIN_STRUCT_SIZE {
-        return Err(PluginError::StructSize {
+        },
+        Refusal::TooSmall { found } => PluginError::StructSize {
             path: path.to_owned(),
-            found: struct_size,
+            found,
             minimum: MIN_STRUCT_SIZE,
-        });
-    }
-    // Read only the fields `struct_size` covers; later ones keep their defaults (None).
-    // SAFETY: the descriptor is at least MIN_STRUCT_SIZE bytes, which covers every field up to `handle`.
-    let (name, init, handle) =
-        unsafe { ((*descriptor).name, (*descriptor).init, (*descriptor).handle) };
-    let covers = |offset: usize, size: usize| offset + size <= struct_size;
-    let on_dead = if covers(
-        offset_of!(KmqPlugin, on_dead),
-        size_of::<Option<OnDeadFn>>(),
-    ) {
-        // SAFETY: struct_size covers the field.
-        unsafe { (*descriptor).on_dead }
-    } else {
-        None
-    };
-    let shutdown = if covers(
-        offset_of!(KmqPlugin, shutdown),
-        size_of::<Option<ShutdownFn>>(),
-    ) {
-        // SAFETY: struct_size covers the field.
-        unsafe { (*descriptor).shutdown }
-    } else {
-        None
-    };
-    // SAFETY: the ABI makes `name` a NUL-terminated string owned by the library.
-    let name = unsafe { c_string(name) }.unwrap_or_else(|| path.display().to_string());
-    let handle = handle.ok_or_else(|| {
-        bad_descriptor(
+        },
+        Refusal::NoHandle => bad_descriptor(
             "its handle is NULL; set it to the function that runs a task (kmq_plugin.h, `handle`)",
-        )
+        ),
     })?;
-
-    let mut state = std::ptr::null_mut();
-    if let Some(init) = init {
-        let mut message = vec![0u8; MESSAGE_CAPACITY];
-        let mut err = KmqBuf {
-            ptr: message.as_mut_ptr().cast::<c_char>(),
-            cap: message.len(),
-            len: 0,
-        };
-        // SAFETY: init gets a borrowed config string and a host-owned buffer, both valid for the call.
-        state = unsafe { init(KmqStr::borrow(config_json), &mut err) };
-        if state.is_null() {
-            let len = err.len.min(message.len());
-            let message = String::from_utf8_lossy(&message[..len]).into_owned();
-            return Err(PluginError::InitFailed {
-                path: path.to_owned(),
-                name,
-                section: section.to_string(),
-                message: if message.is_empty() {
-                    "init returned NULL without a message".to_string()
-                } else {
-                    message
-                },
-            });
-        }
-    }
-    // `types` is read after init, which may have filled it from its config.
-    let mut types = Vec::new();
-    // SAFETY: within struct_size (checked above); the list is NULL-terminated and lives as long as the library.
-    let mut cursor = unsafe { (*descriptor).types };
-    if !cursor.is_null() {
-        // SAFETY: as above; the loop stops at the terminating NULL.
-        while let Some(kind) = unsafe { c_string(*cursor) } {
-            types.push(kind);
-            // SAFETY: not past the NULL terminator yet.
-            cursor = unsafe { cursor.add(1) };
-        }
-    }
+    let name = descriptor
+        .name
+        .clone()
+        .unwrap_or_else(|| path.display().to_string());
+    // SAFETY: the library is loaded (and stays so), and this is the one call of init for this library: the
+    // registry loads each file once.
+    let state =
+        unsafe { descriptor.init(config_json) }.map_err(|failure| PluginError::InitFailed {
+            path: path.to_owned(),
+            name: name.clone(),
+            section: section.to_string(),
+            message: if failure.message.is_empty() {
+                "init returned NULL without a message".to_string()
+            } else {
+                failure.message
+            },
+        })?;
+    // SAFETY: the library is loaded; read after init, as the ABI says.
+    let types = unsafe { descriptor.types() };
+    let (handle, on_dead, shutdown) = (descriptor.handle, descriptor.on_dead, descriptor.shutdown);
     Ok(LoadedPlugin {
         name,
         path: path.to_owned(),

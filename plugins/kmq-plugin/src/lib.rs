@@ -30,6 +30,7 @@
 pub mod abi;
 #[doc(hidden)]
 pub mod export;
+pub mod host;
 pub mod testing;
 
 use std::sync::atomic::{AtomicU32, Ordering};

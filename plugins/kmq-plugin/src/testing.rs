@@ -41,16 +41,16 @@
 //! The harness is stricter than kmqd where kmqd would quietly cope: a plugin that sets a message length beyond
 //! the buffer's capacity, or returns a NULL descriptor, fails the test with a message saying so.
 
-use std::ffi::{CStr, c_char, c_void};
-use std::mem::offset_of;
+use std::ffi::{c_char, c_void};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::abi::{
-    self, EntryFn, HandleFn, KMQ_ABI_VERSION, KmqBuf, KmqPlugin, KmqStr, KmqTask, MESSAGE_CAPACITY,
+    self, EntryFn, HandleFn, KMQ_ABI_VERSION, KmqBuf, KmqStr, KmqTask, MESSAGE_CAPACITY,
     MIN_STRUCT_SIZE, OnDeadFn, ShutdownFn,
 };
+use crate::host::{self, Refusal};
 
 /// Serialises `Harness::new`. A Rust plugin's `init` fills in its descriptor's `types`, and the harness reads them
 /// right after; in a test binary several tests may build harnesses of the same plugin at once. kmqd loads plugins
@@ -142,19 +142,6 @@ unsafe impl Send for Harness {}
 // SAFETY: as above.
 unsafe impl Sync for Harness {}
 
-/// Reads a NUL-terminated string of the plugin.
-///
-/// # Safety
-/// `ptr` must be null or point at a NUL-terminated string that outlives the call.
-unsafe fn c_string(ptr: *const c_char) -> Option<String> {
-    (!ptr.is_null()).then(|| {
-        // SAFETY: not null, and the caller guarantees a NUL-terminated string that outlives the call.
-        unsafe { CStr::from_ptr(ptr) }
-            .to_string_lossy()
-            .into_owned()
-    })
-}
-
 /// Reads what a plugin wrote into a host buffer; panics when it claims more than the capacity.
 fn written(buf: &KmqBuf, bytes: &[u8], call: &str) -> String {
     assert!(
@@ -178,77 +165,32 @@ impl Harness {
         let _loading = LOADING
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        // SAFETY: the entry point takes no arguments and returns a pointer to a descriptor that lives as long as
-        // the library (this trust is `new`'s documented contract).
-        let descriptor = unsafe { entry() };
-        if descriptor.is_null() {
-            return Err("kmq_plugin_v1() returned NULL; it must return its descriptor".to_string());
-        }
-        // SAFETY: `abi_version` is the first field of every version of the descriptor.
-        let abi_version = unsafe { std::ptr::read(descriptor.cast::<u32>()) };
-        if abi_version != KMQ_ABI_VERSION {
-            return Err(format!(
-                "ABI version {abi_version}, but this harness speaks version {KMQ_ABI_VERSION}"
-            ));
-        }
-        // SAFETY: version 1 guarantees `struct_size` as the second u32.
-        let struct_size = unsafe { std::ptr::read(descriptor.cast::<u32>().add(1)) } as usize;
-        if struct_size < MIN_STRUCT_SIZE {
-            return Err(format!(
-                "its descriptor is {struct_size} bytes, smaller than the {MIN_STRUCT_SIZE} bytes of ABI v1"
-            ));
-        }
-        // SAFETY: the descriptor covers every field up to `handle` (checked above).
-        let (name, init, handle) =
-            unsafe { ((*descriptor).name, (*descriptor).init, (*descriptor).handle) };
-        let covers = |offset: usize, size: usize| offset + size <= struct_size;
-        let on_dead = if covers(
-            offset_of!(KmqPlugin, on_dead),
-            size_of::<Option<OnDeadFn>>(),
-        ) {
-            // SAFETY: within struct_size.
-            unsafe { (*descriptor).on_dead }
-        } else {
-            None
-        };
-        let shutdown = if covers(
-            offset_of!(KmqPlugin, shutdown),
-            size_of::<Option<ShutdownFn>>(),
-        ) {
-            // SAFETY: within struct_size.
-            unsafe { (*descriptor).shutdown }
-        } else {
-            None
-        };
-        // SAFETY: the ABI makes `name` a NUL-terminated string that lives as long as the library.
-        let name = unsafe { c_string(name) }.unwrap_or_default();
-        let handle = handle.ok_or("its descriptor has no handle function")?;
-        let mut state = std::ptr::null_mut();
-        if let Some(init) = init {
-            let mut message = vec![0u8; MESSAGE_CAPACITY];
-            let mut err = KmqBuf {
-                ptr: message.as_mut_ptr().cast::<c_char>(),
-                cap: message.len(),
-                len: 0,
-            };
-            // SAFETY: a borrowed config string and a harness-owned buffer, both valid for the call.
-            state = unsafe { init(KmqStr::borrow(config_json), &mut err) };
-            if state.is_null() {
-                return Err(format!("init failed: {}", written(&err, &message, "init")));
+        // SAFETY: the entry point takes no arguments and returns null or a pointer to a descriptor that lives as
+        // long as the library (this trust is `new`'s documented contract).
+        let descriptor = unsafe { host::read(entry()) }.map_err(|refusal| match refusal {
+            Refusal::Null => "kmq_plugin_v1() returned NULL; it must return its descriptor".to_string(),
+            Refusal::Version { found } => {
+                format!("ABI version {found}, but this harness speaks version {KMQ_ABI_VERSION}")
             }
-        }
-        // SAFETY: within struct_size; a NULL-terminated list that lives as long as the library. Read after init,
-        // which may fill it from its config.
-        let mut cursor = unsafe { (*descriptor).types };
-        let mut types = Vec::new();
-        if !cursor.is_null() {
-            // SAFETY: as above; the loop stops at the terminating NULL.
-            while let Some(kind) = unsafe { c_string(*cursor) } {
-                types.push(kind);
-                // SAFETY: not past the terminator yet.
-                cursor = unsafe { cursor.add(1) };
+            Refusal::TooSmall { found } => {
+                format!("its descriptor is {found} bytes, smaller than the {MIN_STRUCT_SIZE} bytes of ABI v1")
             }
-        }
+            Refusal::NoHandle => "its descriptor has no handle function".to_string(),
+        })?;
+        // SAFETY: the library is linked into the test (or loaded) and stays so; `LOADING` serialises calls of
+        // `new`, so init runs once at a time.
+        let state = unsafe { descriptor.init(config_json) }.map_err(|failure| match failure.claimed_len {
+            Some(len) => format!(
+                "the plugin's init set the message length to {len}, beyond the buffer's capacity of {MESSAGE_CAPACITY}; \
+                 write at most cap bytes"
+            ),
+            None => format!("init failed: {}", failure.message),
+        })?;
+        // SAFETY: as above; read after init, as the ABI says.
+        let types = unsafe { descriptor.types() };
+        let name = descriptor.name.clone().unwrap_or_default();
+        let (handle, on_dead, shutdown) =
+            (descriptor.handle, descriptor.on_dead, descriptor.shutdown);
         Ok(Harness {
             name,
             types,
@@ -347,6 +289,7 @@ fn raw_task<'a>(task: &'a TestTask, retry_after_ms: &'a mut i64) -> KmqTask {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::abi::KmqPlugin;
 
     /// A descriptor with every field NULL but the two header fields, leaked (descriptors live forever).
     fn descriptor(abi_version: u32, struct_size: usize) -> *const KmqPlugin {

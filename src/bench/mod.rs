@@ -5,6 +5,8 @@
 //! Every figure is the median of `--runs` runs in this one session; docs/PERFORMANCE.md says how to read them.
 //! This module is a measuring tool: it reports, it never asserts a speed.
 
+pub mod peers;
+
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -40,6 +42,8 @@ pub struct Options {
     pub plugins_dir: Option<PathBuf>,
     /// The backlog for the memory-under-load figure.
     pub backlog: usize,
+    /// A results directory of `../shared/bench/peers/run.sh` (its summary.csv) to compare with.
+    pub peers: Option<PathBuf>,
 }
 
 pub const SCENARIOS: [&str; 5] = ["push", "drain", "wakeup", "lateness", "memory"];
@@ -67,6 +71,8 @@ pub struct Report {
     pub batch: usize,
     pub prefetch: usize,
     pub figures: Vec<Figure>,
+    /// The peers' figures from the same session, when given.
+    pub peers: Vec<peers::PeerRow>,
 }
 
 fn median(values: &[f64]) -> f64 {
@@ -271,6 +277,11 @@ impl Bench {
 
 /// Runs the benchmark and returns its report.
 pub fn run(options: Options, progress: &mut dyn Write) -> Result<Report, String> {
+    // Read the peers' results first: a wrong path should fail before minutes of measuring.
+    let peer_rows = match &options.peers {
+        Some(dir) => peers::load(dir)?,
+        None => Vec::new(),
+    };
     let bench = Bench::new(options)?;
     let info: String = redis::cmd("INFO")
         .arg("server")
@@ -335,6 +346,7 @@ pub fn run(options: Options, progress: &mut dyn Write) -> Result<Report, String>
         batch: o.batch,
         prefetch: o.prefetch,
         figures,
+        peers: peer_rows,
     })
 }
 
@@ -763,6 +775,9 @@ pub fn render(report: &Report) -> String {
             runs.join(" / "),
             extra.join(", ")
         );
+    }
+    if !report.peers.is_empty() {
+        out.push_str(&peers::render(&report.figures, &report.peers));
     }
     out
 }
