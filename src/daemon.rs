@@ -294,6 +294,7 @@ pub fn run(
             connection: Session::new(pool.clone()),
             claiming: claiming.listener(),
             jobs: jobs_tx,
+            claim_size: queue.config.batch,
         };
         threads.spawn(format!("kmqd-fetcher-{name}"), Role::Other, move || {
             fetcher.run()

@@ -17,6 +17,9 @@ use crate::daemon::{Job, QueueContext};
 use crate::inflight::JobState;
 use crate::shutdown::{Backoff, Listener};
 
+/// The smallest claim (tokens sent) after an empty or small one.
+const MIN_CLAIM: usize = 16;
+
 /// How long the fetcher waits for a free slot before it looks at the shutdown flag again.
 const SLOT_WAIT: Duration = Duration::from_millis(200);
 
@@ -27,6 +30,8 @@ pub struct Fetcher {
     pub claiming: Listener,
     /// To the queue's workers. Dropped when this thread ends, which is how workers learn no more work comes.
     pub jobs: Sender<Job>,
+    /// How many tasks the next safe-mode claim asks for at most (see `fetch`).
+    pub claim_size: usize,
 }
 
 impl Fetcher {
@@ -80,8 +85,12 @@ impl Fetcher {
                         owner
                     }
                 };
-                let first_token = queue.ownership.tokens(free);
-                let batch = match broker::claim(connection, &queue.keys, &owner, first_token, free)
+                // Each claim carries a token per task it may take, which costs Redis a little per token: ask for
+                // twice what the last claim got (at least MIN_CLAIM), so an idle queue's claims stay small and a
+                // backlog's double up to the free slots within a few round trips.
+                let want = free.min(self.claim_size);
+                let first_token = queue.ownership.tokens(want);
+                let batch = match broker::claim(connection, &queue.keys, &owner, first_token, want)
                 {
                     Err(BrokerError::LeaseLost { owner }) => {
                         // The tasks it held go back through the monitors; claim under a new owner from now on.
@@ -91,6 +100,9 @@ impl Fetcher {
                     }
                     other => other?,
                 };
+                self.claim_size = (batch.tasks.len() * 2)
+                    .max(MIN_CLAIM)
+                    .min(queue.config.batch);
                 if batch.tasks.is_empty() {
                     // A marker means "something was pushed": the next round claims it. No marker within
                     // idle_poll: the next round looks anyway, which picks up producers that push no marker.

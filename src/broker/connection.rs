@@ -109,6 +109,9 @@ pub fn pool(config: &RedisConfig) -> Result<Pool> {
         .max_size(config.pool_size)
         .min_idle(Some(0))
         .connection_timeout(config.connect_timeout)
+        // No PING before every use: a broken connection shows up as an error on use, which every caller handles
+        // (and a PING per checkout doubled the round trips of a single push).
+        .test_on_check_out(false)
         .build_unchecked(connector))
 }
 
