@@ -148,6 +148,11 @@ impl Daemon {
         self.child.id()
     }
 
+    /// The exit status, if the daemon has stopped.
+    fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
     /// SIGTERM, then wait (at most 30 s) for a graceful exit.
     fn stop(mut self) {
         let _ = Command::new("kill")
@@ -248,9 +253,17 @@ impl Bench {
         Client::new(&config).map_err(|e| e.to_string())
     }
 
+    /// Where the daemons' standard error goes (kept with the bench's temp dir until it ends).
+    fn log(&self) -> PathBuf {
+        self.dir.path().join("daemon.log")
+    }
+
     fn daemon(&self, config: &Path) -> Result<Daemon, String> {
-        let log =
-            std::fs::File::create(self.dir.path().join("daemon.log")).map_err(|e| e.to_string())?;
+        let log = std::fs::File::options()
+            .create(true)
+            .append(true)
+            .open(self.log())
+            .map_err(|e| e.to_string())?;
         let child = Command::new(&self.kmqd)
             .arg("--config")
             .arg(config)
@@ -454,7 +467,7 @@ fn drain(bench: &Bench, mode: &str, daemons: usize) -> Result<Figure, String> {
     for _ in 0..bench.options.runs {
         bench.flush()?;
         bench.fill(&client, n)?;
-        let processes: Vec<Daemon> = (0..daemons)
+        let mut processes: Vec<Daemon> = (0..daemons)
             .map(|_| bench.daemon(&config))
             .collect::<Result<_, _>>()?;
         let pids: Vec<u32> = processes.iter().map(Daemon::pid).collect();
@@ -473,6 +486,12 @@ fn drain(bench: &Bench, mode: &str, daemons: usize) -> Result<Figure, String> {
             }
             if Instant::now() > deadline {
                 return Err(format!("drain did not finish within 300 s ({left} left)"));
+            }
+            if let Some(status) = processes.iter_mut().find_map(Daemon::exited) {
+                return Err(format!(
+                    "a daemon exited ({status}) with {left} tasks left; its log: {}",
+                    bench.log().display()
+                ));
             }
             std::thread::sleep(Duration::from_millis(5));
         };
