@@ -99,7 +99,7 @@ impl RedisServer {
         self.child.id()
     }
 
-    /// The server's private directory.
+    /// The server's private directory (its unix socket is `redis.sock` there).
     pub fn dir(&self) -> &Path {
         self.dir.path()
     }

@@ -52,14 +52,7 @@ fn any_producer_wakes_an_idle_default_queue_at_once() {
         &QUEUE.replace("workers = 4", "workers = 1\nidle_poll = \"1s\""),
     );
     let daemon = TestDaemon::start(&config);
-    eventually(
-        Duration::from_secs(10),
-        "the fetcher to block on the ready list",
-        || {
-            let clients: String = redis.cmd(&["CLIENT", "LIST"]);
-            (clients.contains("cmd=blmpop"), clients)
-        },
-    );
+    redis.wait_blocked_in("blmpop");
     // A plain RPUSH, no marker: BLMPOP on the ready lists sees it at once.
     let _: i64 = redis.cmd(&[
         "RPUSH",

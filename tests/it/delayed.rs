@@ -236,17 +236,7 @@ fn due_retries_go_to_the_front_and_due_delayed_tasks_to_the_back() {
         (2, None),
         "the past --at task went straight to ready; the other two moved"
     );
-    let ready: Vec<String> = redis.cmd(&["LRANGE", "kmq:{jobs}:ready:normal", "0", "-1"]);
-    let ids: Vec<String> = ready
-        .iter()
-        .map(|p| {
-            kmqd::task::Envelope::decode(p)
-                .unwrap()
-                .id
-                .unwrap()
-                .into_owned()
-        })
-        .collect();
+    let ids = redis.ids_in("kmq:{jobs}:ready:normal");
     assert_eq!(ids, ["retry", "waiting", "delayed", "late"]);
     let index: i64 = redis.cmd(&["HLEN", "kmq:{jobs}:delayed-tasks"]);
     assert_eq!(index, 0, "moved tasks leave the id index");

@@ -163,14 +163,7 @@ fn an_idle_daemon_takes_a_pushed_task_without_waiting_for_its_poll() {
     let queue = "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\nidle_poll = \"5s\"\n";
     let config = dir.config(&redis, queue);
     let daemon = TestDaemon::start(&config);
-    eventually(
-        Duration::from_secs(10),
-        "the fetcher to block on the wake list",
-        || {
-            let clients: String = redis.cmd(&["CLIENT", "LIST"]);
-            (clients.contains("cmd=blpop"), clients)
-        },
-    );
+    redis.wait_blocked_in("blpop");
     let client = client(&config);
     for round in 0..3 {
         let pushed = Instant::now();
@@ -190,10 +183,7 @@ fn an_idle_daemon_takes_a_pushed_task_without_waiting_for_its_poll() {
             "round {round}: {:?}",
             pushed.elapsed()
         );
-        eventually(Duration::from_secs(5), "the fetcher to block again", || {
-            let clients: String = redis.cmd(&["CLIENT", "LIST"]);
-            (clients.contains("cmd=blpop"), ())
-        });
+        redis.wait_blocked_in("blpop");
     }
     daemon.stop();
 }

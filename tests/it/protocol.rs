@@ -88,14 +88,7 @@ fn plain_rpush_without_a_wake_marker_is_picked_up_within_idle_poll() {
     let config = dir.config(&redis, SAFE_QUEUE);
     let daemon = TestDaemon::start(&config);
     // Let the fetchers go idle (blocked on the wake list) first.
-    eventually(
-        Duration::from_secs(10),
-        "the fetcher to block on the wake list",
-        || {
-            let clients: String = redis.cmd(&["CLIENT", "LIST"]);
-            (clients.contains("cmd=blpop"), clients)
-        },
-    );
+    redis.wait_blocked_in("blpop");
     let pushed = Instant::now();
     let _: i64 = redis.cmd(&[
         "RPUSH",

@@ -497,21 +497,12 @@ fn monitors_racing_on_the_same_leases_recover_each_task_once() {
         recovered, 500,
         "each expired lease recovered by exactly one monitor"
     );
-    let ready: Vec<String> = redis.cmd(&["LRANGE", "kmq:{jobs}:ready:normal", "0", "-1"]);
-    let mut ids: Vec<String> = ready
-        .iter()
-        .map(|p| {
-            kmqd::task::Envelope::decode(p)
-                .unwrap()
-                .id
-                .unwrap()
-                .into_owned()
-        })
-        .collect();
+    let mut ids = redis.ids_in("kmq:{jobs}:ready:normal");
+    let ready = ids.len();
     ids.sort();
     ids.dedup();
     assert_eq!(
-        (ready.len(), ids.len()),
+        (ready, ids.len()),
         (500, 500),
         "no task duplicated, none lost"
     );

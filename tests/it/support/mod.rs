@@ -36,80 +36,28 @@ pub fn eventually<T: std::fmt::Debug>(
     }
 }
 
-fn redis_server_binary() -> PathBuf {
-    let found = std::env::var_os("PATH")
-        .into_iter()
-        .flat_map(|paths| std::env::split_paths(&paths).collect::<Vec<_>>())
-        .chain([PathBuf::from("/usr/bin"), PathBuf::from("/usr/sbin")])
-        .map(|dir| dir.join("redis-server"))
-        .find(|path| path.is_file());
-    found.unwrap_or_else(|| {
-        panic!("redis-server not found: the tests need it. Run scripts/test, which installs it, or apt-get install redis-server")
-    })
-}
-
-/// A redis-server of the test's own: unix socket in a temp dir, no persistence, killed on drop.
+/// A redis-server of the test's own (`kmqd::redis_server`): unix socket in a temp dir, no persistence, killed on
+/// drop. The tests fail loudly, never skip, when redis-server is missing.
 pub struct RedisServer {
-    child: Child,
-    pub dir: tempfile::TempDir,
+    server: kmqd::redis_server::RedisServer,
     pub socket: PathBuf,
 }
 
 impl RedisServer {
     pub fn start() -> RedisServer {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let socket = dir.path().join("redis.sock");
-        let log = dir.path().join("redis.log");
-        let child = Command::new(redis_server_binary())
-            .args([
-                "--port",
-                "0",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--unixsocketperm",
-                "700",
-            ])
-            .arg("--unixsocket")
-            .arg(&socket)
-            .arg("--dir")
-            .arg(dir.path())
-            .arg("--logfile")
-            .arg(&log)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start redis-server");
-        let server = RedisServer { child, dir, socket };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Ok(mut connection) = server.try_connect() {
-                if redis::cmd("PING").query::<String>(&mut connection).is_ok() {
-                    break;
-                }
-            }
-            if Instant::now() > deadline {
-                panic!(
-                    "redis-server did not answer PING within 10 s; its log:\n{}",
-                    fs::read_to_string(&log).unwrap_or_default()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        server
+        let server = kmqd::redis_server::RedisServer::start(kmqd::redis_server::Listen::UnixSocket)
+            .unwrap_or_else(|error| panic!("{error} (scripts/test installs redis-server)"));
+        let socket = server.dir().join("redis.sock");
+        RedisServer { server, socket }
     }
 
     pub fn url(&self) -> String {
-        format!("unix://{}", self.socket.display())
-    }
-
-    fn try_connect(&self) -> redis::RedisResult<redis::Connection> {
-        redis::Client::open(self.url())?.get_connection()
+        self.server.url().to_string()
     }
 
     pub fn connection(&self) -> redis::Connection {
-        self.try_connect()
+        self.server
+            .connection()
             .expect("connect to the test's redis-server")
     }
 
@@ -122,13 +70,6 @@ impl RedisServer {
         command
             .query(&mut self.connection())
             .unwrap_or_else(|error| panic!("{args:?}: {error}"))
-    }
-}
-
-impl Drop for RedisServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -278,6 +219,37 @@ impl Records {
     /// How many runs of `id` started.
     pub fn runs_of(&self, id: &str) -> usize {
         self.starts.iter().filter(|(i, _)| i == id).count()
+    }
+}
+
+impl RedisServer {
+    /// Waits until a client of this server is blocked in `command` (`blpop`: an idle safe-mode fetcher waiting
+    /// for a wake-up marker; `blmpop`: an idle default-mode fetcher waiting on its ready lists).
+    pub fn wait_blocked_in(&self, command: &str) {
+        let wanted = format!("cmd={command}");
+        eventually(
+            Duration::from_secs(10),
+            &format!("a client blocked in {command}"),
+            || {
+                let clients: String = self.cmd(&["CLIENT", "LIST"]);
+                (clients.contains(&wanted), clients)
+            },
+        );
+    }
+
+    /// The ids of the envelopes in a list, head first.
+    pub fn ids_in(&self, list: &str) -> Vec<String> {
+        let payloads: Vec<String> = self.cmd(&["LRANGE", list, "0", "-1"]);
+        payloads
+            .iter()
+            .map(|p| {
+                kmqd::task::Envelope::decode(p)
+                    .unwrap()
+                    .id
+                    .unwrap()
+                    .into_owned()
+            })
+            .collect()
     }
 }
 
