@@ -30,7 +30,7 @@ pub struct Config {
 
 #[derive(Clone)]
 pub struct RedisConfig {
-    /// `redis://`, `rediss://` or `unix://` URL, without the password when it came from `password_env`/`_file`.
+    /// `redis://` or `unix://` URL, without the password when it came from `password_env`/`_file`.
     pub url: String,
     /// Kept out of `url` (and out of `Debug`) so it is never logged.
     pub password: Option<String>,
@@ -571,16 +571,24 @@ impl RawRedis {
             .as_ref()
             .map_or(defaults::REDIS_URL.to_string(), |u| u.get_ref().clone());
         if let Some(url) = &url {
-            let scheme_ok = ["redis://", "rediss://", "unix://", "redis+unix://"]
+            let text = url.get_ref();
+            if text.starts_with("rediss://") {
+                // Refused here rather than at the first connection: this build has no TLS (see docs/CONFIG.md).
+                return Err(source.error(
+                    url.span(),
+                    "redis.url: rediss:// (TLS) is not supported by this build of kmqd; reach Redis over a private \
+                     network or a unix socket, or through a TLS tunnel (stunnel) on localhost",
+                ));
+            }
+            let scheme_ok = ["redis://", "unix://", "redis+unix://"]
                 .iter()
-                .any(|s| url.get_ref().starts_with(s));
+                .any(|s| text.starts_with(s));
             if !scheme_ok {
                 return Err(source.error(
                     url.span(),
                     format!(
-                        "redis.url: {:?} is not a Redis URL; write redis://HOST:PORT/DB, rediss://... for TLS or \
-                         unix:///path/to/redis.sock",
-                        redact_url(url.get_ref())
+                        "redis.url: {:?} is not a Redis URL; write redis://HOST:PORT/DB or unix:///path/to/redis.sock",
+                        redact_url(text)
                     ),
                 ));
             }
@@ -1161,6 +1169,11 @@ mod tests {
                 "[redis]\nurl = \"http://x\"\n",
                 "queues.toml:2:7",
                 &["redis.url", "redis://"],
+            ),
+            (
+                "[redis]\nurl = \"rediss://cache:6380/0\"\n",
+                "queues.toml:2:7",
+                &["redis.url", "TLS) is not supported", "stunnel"],
             ),
             (
                 "[daemon]\nshutdown_grace = \"30 parsecs\"\n",
