@@ -2,7 +2,8 @@
 //! [`MAX_BATCH`] outcomes), then forgets the tasks and runs the final-failure hooks of what was dead-lettered.
 //!
 //! An outcome is kept until Redis has accepted it: on a Redis error the same batch is retried with backoff. In
-//! the meantime the heartbeat keeps renewing the tasks' leases, because they stay in the in-flight table.
+//! the meantime the tasks stay in the in-flight table and hold their slots (so the fetcher claims no more), and
+//! the heartbeat keeps the owner's lease alive. Only once settled are their slots freed.
 
 use std::sync::Arc;
 

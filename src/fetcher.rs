@@ -1,10 +1,11 @@
 //! The fetcher: one thread per queue that takes tasks from Redis for the queue's workers.
 //!
-//! It claims only as many tasks as there are free slots (idle workers plus the configured prefetch), so a task
-//! never waits in this daemon's memory longer than that; and it claims in batches: it waits until `batch` slots
-//! (or half of them all) are free, unless the workers run out of work first. When the queue is empty it blocks in Redis (safe mode:
-//! on the wake-up list that every enqueue path touches; default mode: on the ready lists themselves) for at
-//! most `idle_poll`, which also bounds how long shutdown waits for it.
+//! It claims only as many tasks as there are free slots (`workers + prefetch`, each held from claim to
+//! settlement), so what the daemon holds stays bounded; and it claims in batches: it waits until `batch` slots (or
+//! half of them all) are free, unless the workers run out of work first. In safe mode it claims under this
+//! daemon's owner (registered on the first claim, and again after a lost lease). When the queue is empty it blocks
+//! in Redis (safe mode: on the wake-up list that every enqueue path touches; default mode: on the ready lists
+//! themselves) for at most `idle_poll`, which also bounds how long shutdown waits for it.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -1,8 +1,9 @@
 //! What a daemon holds of one queue: the tasks it claimed and has not settled yet, and the worker capacity the
 //! fetcher may claim for.
 //!
-//! Architecture Invariant: a task's entry exists from the moment the fetcher takes it until the acker has
-//! settled it in Redis, so the heartbeat renews its lease for exactly that long. Exactly one party *resolves*
+//! Architecture Invariant: a task's entry (and its slot) exists from the moment the fetcher takes it until the
+//! acker has settled it in Redis; all that time the task sits in its owner's processing hash, covered by the
+//! owner's lease, which the heartbeat renews while the daemon lives. Exactly one party *resolves*
 //! a task (decides its outcome): the worker that ran it, the heartbeat when the execution timeout passes, or
 //! the supervisor handing it back at shutdown. A later outcome for a resolved task is dropped.
 //!
