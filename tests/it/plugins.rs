@@ -54,6 +54,12 @@ fn refused(config: &Path) -> String {
     err
 }
 
+/// [`refused`], and the message contains `expected`.
+fn assert_refused_with(config: &Path, expected: &str) {
+    let err = refused(config);
+    assert!(err.contains(expected), "expected {expected:?} in: {err}");
+}
+
 fn canonical(path: &Path) -> String {
     path.canonicalize().unwrap().display().to_string()
 }
@@ -162,13 +168,12 @@ fn the_configurable_c_plugin_is_accepted_when_nothing_is_broken() {
 fn a_missing_plugin_file_is_refused_with_what_to_fix() {
     let dir = TestDir::new();
     let config = offline_config(&dir, "[plugins.gone]\nfile = \"libgone.so\"\n");
-    let err = refused(&config);
-    assert!(
-        err.contains(&format!(
+    assert_refused_with(
+        &config,
+        &format!(
             "plugin {}: no such file; build the plugin and copy it there, or fix plugins.gone.file",
             dir.plugins_dir().join("libgone.so").display()
-        )),
-        "{err}"
+        ),
     );
 }
 
@@ -251,23 +256,21 @@ fn a_plugin_or_its_directory_writable_by_group_or_others_is_refused() {
     let config = offline_config(&dir, "[plugins.testkit]\nfile = \"libkmq_testkit.so\"\n");
     let plugin = dir.plugins_dir().join("libkmq_testkit.so");
     fs::set_permissions(&plugin, fs::Permissions::from_mode(0o775)).unwrap();
-    let err = refused(&config);
-    assert!(
-        err.contains(&format!(
+    assert_refused_with(
+        &config,
+        &format!(
             "plugin {0}: refused: its file {0} is writable by group or others (mode 775); run chmod go-w on it",
             canonical(&plugin)
-        )),
-        "{err}"
+        ),
     );
     fs::set_permissions(&plugin, fs::Permissions::from_mode(0o755)).unwrap();
     fs::set_permissions(dir.plugins_dir(), fs::Permissions::from_mode(0o777)).unwrap();
-    let err = refused(&config);
-    assert!(
-        err.contains(&format!(
+    assert_refused_with(
+        &config,
+        &format!(
             "refused: its directory {} is writable by group or others (mode 777); run chmod go-w on it",
             canonical(&dir.plugins_dir())
-        )),
-        "{err}"
+        ),
     );
 }
 
@@ -291,14 +294,13 @@ fn a_symlink_in_a_writable_plugins_dir_is_refused_though_its_target_is_safe() {
         "a safe link into a safe directory is accepted: {err}"
     );
     fs::set_permissions(dir.plugins_dir(), fs::Permissions::from_mode(0o757)).unwrap();
-    let err = refused(&config);
-    assert!(
-        err.contains(&format!(
+    assert_refused_with(
+        &config,
+        &format!(
             "plugin {}: refused: its directory {} is writable by group or others (mode 757)",
             canonical(&target),
             canonical(&dir.plugins_dir())
-        )),
-        "{err}"
+        ),
     );
 }
 
@@ -321,23 +323,21 @@ fn a_plugin_or_directory_owned_by_another_user_is_refused() {
     let config = offline_config(&dir, "[plugins.testkit]\nfile = \"libkmq_testkit.so\"\n");
     let plugin = dir.plugins_dir().join("libkmq_testkit.so");
     std::os::unix::fs::chown(&plugin, Some(NOBODY), None).unwrap();
-    let err = refused(&config);
-    assert!(
-        err.contains(&format!(
+    assert_refused_with(
+        &config,
+        &format!(
             "refused: its file {} is owned by uid 65534, which is neither root nor the daemon's user (uid 0); run chown root on it",
             canonical(&plugin)
-        )),
-        "{err}"
+        ),
     );
     std::os::unix::fs::chown(&plugin, Some(0), None).unwrap();
     std::os::unix::fs::chown(dir.plugins_dir(), Some(NOBODY), None).unwrap();
-    let err = refused(&config);
-    assert!(
-        err.contains(&format!(
+    assert_refused_with(
+        &config,
+        &format!(
             "refused: its directory {} is owned by uid 65534",
             canonical(&dir.plugins_dir())
-        )),
-        "{err}"
+        ),
     );
 }
 
@@ -350,13 +350,12 @@ fn the_c_example_refuses_a_config_table_with_its_own_message() {
         &dir,
         "[plugins.hello]\nfile = \"libkmq_hello.so\"\nconfig = { greeting = \"hi\" }\n",
     );
-    let err = refused(&config);
-    assert!(
-        err.contains(&format!(
+    assert_refused_with(
+        &config,
+        &format!(
             "plugin {} (hello): init failed: kmq_hello takes no config: remove the config table of its [plugins.NAME] section",
             canonical(&library)
-        )),
-        "{err}"
+        ),
     );
 }
 
