@@ -30,7 +30,7 @@ use crate::inflight::{InFlight, JobId, JobState, Ownership, Slots};
 use crate::metrics::Metrics;
 use crate::monitor::Monitor;
 use crate::plugin::Registry;
-use crate::policy::Policy;
+use crate::policy::{Policy, Verdict};
 use crate::schedule::Scheduler;
 
 use crate::settlement::{self, Outcome};
@@ -65,6 +65,24 @@ impl QueueContext {
         };
         envelope.ensure_id(new_id);
         Ok(envelope)
+    }
+
+    /// The verdict on a held task: `verdict_of` judges one that decodes; one that does not is unrunnable (and
+    /// so dead-lettered with the decode error as its reason). Returns the envelope too, for the settlement.
+    pub fn judge<'a>(
+        &self,
+        payload: &'a str,
+        verdict_of: impl FnOnce(&Envelope<'a>) -> Verdict,
+    ) -> (Verdict, Option<Envelope<'a>>) {
+        match self.decode(payload) {
+            Ok(envelope) => (verdict_of(&envelope), Some(envelope)),
+            Err(error) => (
+                Verdict::Unrunnable {
+                    reason: error.to_string(),
+                },
+                None,
+            ),
+        }
     }
 }
 

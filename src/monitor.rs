@@ -116,21 +116,12 @@ impl Monitor {
         let mut settlements: Vec<Settlement> = Vec::with_capacity(held.len());
         let mut hooks: Vec<Option<Box<DeadHook>>> = Vec::with_capacity(held.len());
         for (token, payload) in &held {
-            let (verdict, envelope) = match queue.decode(payload) {
-                Err(error) => (
-                    Verdict::Unrunnable {
-                        reason: error.to_string(),
-                    },
-                    None,
-                ),
-                Ok(envelope) => {
-                    let verdict = match queue.policy.too_old(envelope.created_at, now_ms) {
-                        Some(reason) => Verdict::Unrunnable { reason },
-                        None => Verdict::LeaseExpired,
-                    };
-                    (verdict, Some(envelope))
+            let (verdict, envelope) = queue.judge(payload, |envelope| {
+                match queue.policy.too_old(envelope.created_at, now_ms) {
+                    Some(reason) => Verdict::Unrunnable { reason },
+                    None => Verdict::LeaseExpired,
                 }
-            };
+            });
             let token = Token {
                 owner: Arc::clone(owner),
                 id: TokenId::Text(token.clone()),

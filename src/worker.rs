@@ -72,15 +72,9 @@ impl Worker {
         if !state.start() {
             return None;
         }
-        let (verdict, envelope) = match queue.decode(&state.payload) {
-            Err(error) => (
-                Verdict::Unrunnable {
-                    reason: error.to_string(),
-                },
-                None,
-            ),
-            Ok(envelope) => (self.verdict(&job, &envelope, message), Some(envelope)),
-        };
+        let (verdict, envelope) = queue.judge(&state.payload, |envelope| {
+            self.verdict(&job, envelope, message)
+        });
         if !state.resolve() {
             let id = envelope.as_ref().map_or("", Envelope::id_str);
             tracing::warn!(queue = %queue.config.name, id, "outcome after the execution timeout or shutdown is ignored");
