@@ -1,18 +1,26 @@
-# Shared by scripts/test and scripts/demo: make sure the tools they need are here.
+# Shared by scripts/test, scripts/demo and the bench scripts: make sure the tools they need are here.
 
-# Installs Debian's redis-server package when redis-server is missing (a fresh Debian machine has none).
-ensure_redis_server() {
-    if command -v redis-server >/dev/null 2>&1; then
+# ensure_command COMMAND PACKAGE...: installs the Debian packages when COMMAND is missing (a fresh Debian
+# machine has neither redis-server nor a C compiler), with sudo when not root; exits 1 if it is still missing.
+ensure_command() {
+    local command="$1"
+    shift
+    if command -v "$command" >/dev/null 2>&1; then
         return
     fi
-    echo "redis-server not found: installing Debian's redis-server package" >&2
+    echo "$command not found: installing Debian's $* package(s)" >&2
     local sudo=""
     if [ "$(id -u)" -ne 0 ]; then
         sudo="sudo"
     fi
     $sudo apt-get update -qq
-    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
-    command -v redis-server >/dev/null 2>&1 || { echo "installing redis-server failed" >&2; exit 1; }
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+    command -v "$command" >/dev/null 2>&1 || { echo "installing $* failed" >&2; exit 1; }
+}
+
+# The package also brings redis-cli, which the tests and the demo use.
+ensure_redis_server() {
+    ensure_command redis-server redis-server
 }
 
 ensure_cargo() {
@@ -20,22 +28,6 @@ ensure_cargo() {
         echo "cargo not found: install Rust first (https://rustup.rs), then run this again" >&2
         exit 1
     fi
-    # Cargo needs a C compiler as its linker, and scripts/test's plugin tests compile C: both callers need one.
-    ensure_cc
-}
-
-# Installs Debian's gcc package when there is no C compiler: cargo links with `cc`, and the plugin tests compile C
-# plugins (and the ABI layout check) with it.
-ensure_cc() {
-    if command -v cc >/dev/null 2>&1; then
-        return
-    fi
-    echo "cc not found: installing Debian's gcc package" >&2
-    local sudo=""
-    if [ "$(id -u)" -ne 0 ]; then
-        sudo="sudo"
-    fi
-    $sudo apt-get update -qq
-    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc libc6-dev >/dev/null
-    command -v cc >/dev/null 2>&1 || { echo "installing gcc failed" >&2; exit 1; }
+    # Cargo links with `cc`, and scripts/test's plugin tests compile C plugins (and the ABI layout check) with it.
+    ensure_command cc gcc libc6-dev
 }

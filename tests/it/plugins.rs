@@ -9,6 +9,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use kmq_plugin::testing::process_is_alive;
 use kmqd::NewTask;
 
 use crate::support::*;
@@ -643,19 +644,6 @@ case "$data" in
 esac
 "#;
 
-/// Whether `pid` is a live process; a zombie is not (killed, waiting for whoever inherited it to reap it).
-fn is_alive(pid: u32) -> bool {
-    match fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Err(_) => false,
-        Ok(stat) => {
-            stat.rsplit(')')
-                .next()
-                .and_then(|rest| rest.split_whitespace().next())
-                != Some("Z")
-        }
-    }
-}
-
 /// The process ids a "hang" run of the shell handler wrote: (command, background).
 fn hung_pids(dir: &TestDir, id: &str, attempt: u32) -> (u32, u32) {
     let read = |suffix: &str| -> u32 {
@@ -731,7 +719,7 @@ fn the_exec_plugin_runs_a_shell_script_end_to_end() {
             "the timed-out command and its child to be dead",
             || {
                 (
-                    !is_alive(command) && !is_alive(background),
+                    !process_is_alive(command) && !process_is_alive(background),
                     (attempt, command, background),
                 )
             },
@@ -758,7 +746,7 @@ fn the_exec_plugin_runs_a_shell_script_end_to_end() {
         "the cancelled command and its child to be killed",
         || {
             (
-                !is_alive(command) && !is_alive(background),
+                !process_is_alive(command) && !process_is_alive(background),
                 (command, background),
             )
         },

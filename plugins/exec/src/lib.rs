@@ -470,7 +470,7 @@ mod tests {
     use std::path::{Path, PathBuf};
     use std::time::{Duration, Instant};
 
-    use kmq_plugin::testing::{Harness, RunResult, Status, TestTask};
+    use kmq_plugin::testing::{Harness, RunResult, Status, TestTask, process_is_alive};
 
     /// Writes an executable shell script.
     fn script(dir: &Path, body: &str) -> PathBuf {
@@ -497,25 +497,11 @@ mod tests {
         harness.run(TestTask::new("exec.test", data))
     }
 
-    /// Whether `pid` is a live process: a zombie (killed, waiting for whoever inherited it to reap it) is not.
-    fn is_alive(pid: u32) -> bool {
-        match fs::read_to_string(format!("/proc/{pid}/stat")) {
-            Err(_) => false,
-            // "pid (comm) STATE ...": the state follows the last parenthesis.
-            Ok(stat) => {
-                stat.rsplit(')')
-                    .next()
-                    .and_then(|rest| rest.split_whitespace().next())
-                    != Some("Z")
-            }
-        }
-    }
-
     /// Polls until `pid` is no longer alive; panics after 10 s. SIGKILL takes effect asynchronously: a killed
     /// process closes its files (which ends the run's pipes) a moment before it turns into a zombie.
     fn wait_until_dead(pid: u32, what: &str) {
         let deadline = Instant::now() + Duration::from_secs(10);
-        while is_alive(pid) {
+        while process_is_alive(pid) {
             assert!(
                 Instant::now() < deadline,
                 "{what} ({pid}) is still alive after 10 s"

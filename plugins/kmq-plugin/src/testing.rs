@@ -272,6 +272,21 @@ impl Drop for Harness {
     }
 }
 
+/// Whether process `pid` is alive, for tests of plugins that start processes and must not leave them behind. A
+/// zombie (killed, waiting for whoever inherited it to reap it) is not alive. Reads `/proc`, so Linux only.
+pub fn process_is_alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => false,
+        // "pid (comm) STATE ...": the state follows the last parenthesis.
+        Ok(stat) => {
+            stat.rsplit(')')
+                .next()
+                .and_then(|rest| rest.split_whitespace().next())
+                != Some("Z")
+        }
+    }
+}
+
 fn raw_task<'a>(task: &'a TestTask, retry_after_ms: &'a mut i64) -> KmqTask {
     KmqTask {
         id: KmqStr::borrow(&task.id),
