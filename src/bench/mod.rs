@@ -17,6 +17,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
 
+use crate::broker;
 use crate::client::{Client, NewTask};
 use crate::config::Config;
 use crate::redis_server::{Listen, RedisServer};
@@ -626,11 +627,9 @@ fn lateness(bench: &Bench) -> Result<Figure, String> {
         bench.flush()?;
         let daemon = bench.daemon(&config)?;
         wait_idle(bench, "safe")?;
-        let (seconds, micros): (i64, i64) = redis::cmd("TIME")
-            .query(&mut bench.redis()?)
-            .map_err(|e| e.to_string())?;
+        let now_ms = broker::redis_now(&mut bench.redis()?).map_err(|e| e.to_string())?;
         // Due times start two seconds ahead, so that the push is over before the first one is due.
-        let base_ms = seconds * 1000 + micros / 1000 + 2000;
+        let base_ms = now_ms + 2000;
         let total = RATE * SECONDS;
         let mut due_by_id = HashMap::with_capacity(total as usize);
         let tasks: Vec<NewTask> = (0..total)

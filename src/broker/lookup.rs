@@ -11,7 +11,7 @@ use std::collections::{HashMap, HashSet};
 use redis::{Connection, Value};
 use serde::Serialize;
 
-use super::{QueueKeys, Result, SCRIPTS, text};
+use super::{QueueKeys, Result, SCRIPTS, redis_now, text};
 use crate::task::Envelope;
 
 /// Elements read per command while scanning.
@@ -118,11 +118,6 @@ impl<'a> Wanted<'a> {
     }
 }
 
-fn redis_now(conn: &mut Connection) -> Result<i64> {
-    let (seconds, micros): (i64, i64) = redis::cmd("TIME").query(conn)?;
-    Ok(seconds * 1000 + micros / 1000)
-}
-
 /// Finds every place the tasks with these ids are in. A non-unique id may be in several.
 pub fn locate(
     conn: &mut Connection,
@@ -134,11 +129,26 @@ pub fn locate(
     if ids.is_empty() {
         return Ok(found);
     }
-    let levels = &keys.levels;
     let wanted = Wanted::new(ids);
     let now = redis_now(conn)?;
+    locate_delayed(conn, keys, ids, now, &mut found)?;
+    locate_retrying(conn, keys, &wanted, now, &mut found)?;
+    locate_ready(conn, keys, &wanted, &mut found)?;
+    if scope == Scope::Everywhere {
+        locate_processing(conn, keys, &wanted, &mut found)?;
+        locate_dead(conn, keys, &wanted, &mut found)?;
+    }
+    Ok(found)
+}
 
-    // Delayed: by id, through the index.
+/// Delayed: by id, through the index.
+fn locate_delayed(
+    conn: &mut Connection,
+    keys: &QueueKeys,
+    ids: &[&str],
+    now: i64,
+    found: &mut Vec<(String, Found)>,
+) -> Result<()> {
     let envelopes: Vec<Option<String>> = redis::cmd("HMGET")
         .arg(&keys.delayed_tasks)
         .arg(ids)
@@ -155,19 +165,27 @@ pub fn locate(
             .enumerate()
             .find_map(|(l, s)| s.map(|due| (l, due)))
         {
-            let due_in_ms = due as i64 - now;
             found.push((
                 id.to_string(),
                 Found::Delayed {
-                    level: levels[level].clone(),
-                    due_in_ms,
+                    level: keys.levels[level].clone(),
+                    due_in_ms: due as i64 - now,
                     envelope,
                 },
             ));
         }
     }
+    Ok(())
+}
 
-    // Retrying: scan each level's zset for members that contain one of the ids.
+/// Retrying: scans each level's zset for members that contain one of the ids.
+fn locate_retrying(
+    conn: &mut Connection,
+    keys: &QueueKeys,
+    wanted: &Wanted<'_>,
+    now: i64,
+    found: &mut Vec<(String, Found)>,
+) -> Result<()> {
     for (level, zset) in keys.retry.iter().enumerate() {
         for needle in &wanted.escaped {
             let mut cursor = 0u64;
@@ -183,10 +201,11 @@ pub fn locate(
                 for (payload, due) in items {
                     if let Some(id) = wanted.matching(&payload) {
                         let entry = Found::Retrying {
-                            level: levels[level].clone(),
+                            level: keys.levels[level].clone(),
                             due_in_ms: due as i64 - now,
                             envelope: payload,
                         };
+                        // A member that contains two of the ids is matched by both scans.
                         if !found.iter().any(|(i, f)| *i == id && *f == entry) {
                             found.push((id, entry));
                         }
@@ -199,43 +218,49 @@ pub fn locate(
             }
         }
     }
+    Ok(())
+}
 
-    // Ready: read each list in chunks.
+/// Ready: reads each list in chunks.
+fn locate_ready(
+    conn: &mut Connection,
+    keys: &QueueKeys,
+    wanted: &Wanted<'_>,
+    found: &mut Vec<(String, Found)>,
+) -> Result<()> {
     for (level, list) in keys.ready.iter().enumerate() {
-        let mut start = 0usize;
-        loop {
-            let chunk: Vec<Value> = redis::cmd("LRANGE")
-                .arg(list)
-                .arg(start)
-                .arg(start + CHUNK - 1)
-                .query(conn)?;
-            let count = chunk.len();
-            for (offset, value) in chunk.into_iter().enumerate() {
-                let payload = text(value, "lookup")?;
-                if let Some(id) = wanted.matching(&payload) {
-                    let position = (start + offset) as u64;
-                    found.push((
-                        id,
-                        Found::Ready {
-                            level: levels[level].clone(),
-                            position,
-                            envelope: payload,
-                        },
-                    ));
-                }
+        scan_list(conn, list, |position, payload| {
+            if let Some(id) = wanted.matching(&payload) {
+                let place = Found::Ready {
+                    level: keys.levels[level].clone(),
+                    position,
+                    envelope: payload,
+                };
+                found.push((id, place));
             }
-            if count < CHUNK {
-                break;
-            }
-            start += CHUNK;
-        }
+        })?;
     }
+    Ok(())
+}
 
-    if scope == Scope::Everywhere {
-        locate_processing(conn, keys, &wanted, &mut found)?;
-        locate_dead(conn, keys, &wanted, &mut found)?;
+/// Calls `visit` with each element of the list `key` and its position, reading [`CHUNK`] elements per command.
+fn scan_list(conn: &mut Connection, key: &str, mut visit: impl FnMut(u64, String)) -> Result<()> {
+    let mut start = 0usize;
+    loop {
+        let chunk: Vec<Value> = redis::cmd("LRANGE")
+            .arg(key)
+            .arg(start)
+            .arg(start + CHUNK - 1)
+            .query(conn)?;
+        let count = chunk.len();
+        for (offset, value) in chunk.into_iter().enumerate() {
+            visit((start + offset) as u64, text(value, "lookup")?);
+        }
+        if count < CHUNK {
+            return Ok(());
+        }
+        start += CHUNK;
     }
-    Ok(found)
 }
 
 fn locate_processing(
@@ -278,30 +303,17 @@ fn locate_dead(
     wanted: &Wanted<'_>,
     found: &mut Vec<(String, Found)>,
 ) -> Result<()> {
-    let mut start = 0usize;
-    loop {
-        let chunk: Vec<String> = redis::cmd("LRANGE")
-            .arg(&keys.dead)
-            .arg(start)
-            .arg(start + CHUNK - 1)
-            .query(conn)?;
-        let count = chunk.len();
-        for record in chunk {
-            #[derive(serde::Deserialize)]
-            struct Head {
-                id: String,
-            }
-            if let Ok(head) = serde_json::from_str::<Head>(&record) {
-                if wanted.ids.contains(head.id.as_str()) {
-                    found.push((head.id, Found::Dead { record }));
-                }
-            }
-        }
-        if count < CHUNK {
-            return Ok(());
-        }
-        start += CHUNK;
+    #[derive(serde::Deserialize)]
+    struct Head {
+        id: String,
     }
+    scan_list(conn, &keys.dead, |_, record| {
+        if let Ok(head) = serde_json::from_str::<Head>(&record) {
+            if wanted.ids.contains(head.id.as_str()) {
+                found.push((head.id, Found::Dead { record }));
+            }
+        }
+    })
 }
 
 /// Cancels every waiting copy (delayed, retrying, ready) of the tasks with these ids. Returns, per id, how many

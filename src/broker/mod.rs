@@ -20,7 +20,7 @@ pub mod tasks;
 use std::fmt;
 use std::sync::{Arc, LazyLock};
 
-use redis::{RedisWrite, ToRedisArgs, Value};
+use redis::{ConnectionLike, RedisWrite, ToRedisArgs, Value};
 
 pub use connection::{Connector, IO_TIMEOUT, Pool, PooledConnection, Session, pool};
 pub use keys::QueueKeys;
@@ -121,6 +121,17 @@ impl ToRedisArgs for TokenId {
             TokenId::Text(text) => out.write_arg(text.as_bytes()),
         }
     }
+}
+
+/// Redis's `TIME` reply (seconds, microseconds) as ms since the epoch. Deadlines and due times are all on
+/// Redis's clock, so that daemons on hosts whose clocks disagree still agree on them.
+fn time_ms((seconds, micros): (i64, i64)) -> i64 {
+    seconds * 1000 + micros / 1000
+}
+
+/// Redis's clock now, ms since the epoch.
+pub fn redis_now(conn: &mut dyn ConnectionLike) -> Result<i64> {
+    Ok(time_ms(redis::cmd("TIME").query(conn)?))
 }
 
 fn reply_error(what: &'static str, detail: impl Into<String>) -> BrokerError {

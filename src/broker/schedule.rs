@@ -2,7 +2,7 @@
 
 use redis::ConnectionLike;
 
-use super::{QueueKeys, Result, SCRIPTS};
+use super::{QueueKeys, Result, SCRIPTS, time_ms};
 
 /// What became of an attempt to fire a periodic task's slot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,11 +49,11 @@ pub fn schedule_state(
     keys: &QueueKeys,
     name: &str,
 ) -> Result<(Option<i64>, i64)> {
-    let (last, (seconds, micros)): (Option<i64>, (i64, i64)) = redis::pipe()
+    let (last, time): (Option<i64>, (i64, i64)) = redis::pipe()
         .cmd("HGET")
         .arg(&keys.schedules)
         .arg(name)
         .cmd("TIME")
         .query(conn)?;
-    Ok((last, seconds * 1000 + micros / 1000))
+    Ok((last, time_ms(time)))
 }

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use redis::{ConnectionLike, Value};
 use serde::Serialize;
 
-use super::{BrokerError, PROTOCOL_VERSION, QueueKeys, Result, reply_error};
+use super::{BrokerError, PROTOCOL_VERSION, QueueKeys, Result, reply_error, time_ms};
 use crate::task::Envelope;
 
 /// Records the protocol version in the queue's meta hash, or refuses keys written by another version.
@@ -68,7 +68,7 @@ fn pairs_as_map<S: serde::Serializer>(
     serializer.collect_map(pairs.iter().map(|(k, v)| (k, v)))
 }
 
-/// Reads a queue's depth and counters in one round trip.
+/// Reads a queue's depth and counters in two round trips: the owners, then everything else.
 pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueStats> {
     let levels = &keys.levels;
     // Safe mode's processing area is one hash per owner and level: the owners first, then their sizes below.
@@ -97,38 +97,17 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
     }
     pipe.cmd("LLEN").arg(&keys.dead);
     pipe.cmd("HGETALL").arg(&keys.stats);
-    type Reply = (
-        (i64, i64),
-        Vec<u64>,
-        Vec<Option<Vec<u8>>>,
-        Vec<u64>,
-        Vec<u64>,
-        u64,
-        HashMap<String, u64>,
-    );
-    // The pipeline's replies in order, grouped as the commands above.
-    let mut replies: Vec<Value> = pipe.query(conn)?;
+    let mut replies = Replies(pipe.query::<Vec<Value>>(conn)?.into_iter());
     let level_count = levels.len();
-    let mut take = |n: usize| -> Value {
-        let group: Vec<Value> = replies.drain(..n.min(replies.len())).collect();
-        if n == 1 {
-            group.into_iter().next().unwrap_or(Value::Nil)
-        } else {
-            Value::Array(group)
-        }
-    };
-    let reply: Reply = (
-        parse(take(1), "stats")?,
-        parse(list(take(level_count)), "stats")?,
-        parse(list(take(level_count)), "stats")?,
-        parse(list(take(2 * level_count)), "stats")?,
-        parse(list(take(processing_keys.len())), "stats")?,
-        parse(take(1), "stats")?,
-        parse(take(1), "stats")?,
-    );
-    let ((seconds, micros), ready_counts, heads, zset_counts, processing, dead, counters) = reply;
+    let time: (i64, i64) = replies.one()?;
+    let ready_counts: Vec<u64> = replies.many(level_count)?;
+    let heads: Vec<Option<Vec<u8>>> = replies.many(level_count)?;
+    let zset_counts: Vec<u64> = replies.many(2 * level_count)?;
+    let processing: Vec<u64> = replies.many(processing_keys.len())?;
+    let dead: u64 = replies.one()?;
+    let counters: HashMap<String, u64> = replies.one()?;
     let processing = processing.iter().sum();
-    let now_ms = seconds * 1000 + micros / 1000;
+    let now_ms = time_ms(time);
     let lag_ms = heads
         .into_iter()
         .flatten()
@@ -158,14 +137,19 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
     })
 }
 
-/// A group of pipelined replies that is a list even when it has one element.
-fn list(value: Value) -> Value {
-    match value {
-        Value::Array(items) => Value::Array(items),
-        single => Value::Array(vec![single]),
-    }
-}
+/// A pipeline's replies, read in the order of its commands.
+struct Replies(std::vec::IntoIter<Value>);
 
-fn parse<T: redis::FromRedisValue>(value: Value, what: &'static str) -> Result<T> {
-    redis::from_redis_value(value).map_err(|error| reply_error(what, error.to_string()))
+impl Replies {
+    fn one<T: redis::FromRedisValue>(&mut self) -> Result<T> {
+        let value = self
+            .0
+            .next()
+            .ok_or_else(|| reply_error("stats", "fewer replies than commands"))?;
+        redis::from_redis_value(value).map_err(|error| reply_error("stats", error.to_string()))
+    }
+
+    fn many<T: redis::FromRedisValue>(&mut self, n: usize) -> Result<Vec<T>> {
+        (0..n).map(|_| self.one()).collect()
+    }
 }

@@ -1,4 +1,4 @@
-//! A task's life in Redis: push, claim (safe) or pop (default), settle, renew, expire, promote.
+//! A task's life in Redis: push, claim (safe) or pop (default), settle, owners and their leases, promote.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -7,6 +7,7 @@ use redis::{Connection, ConnectionLike, Value};
 
 use super::{
     BrokerError, IO_TIMEOUT, QueueKeys, Result, SCRIPTS, Token, TokenId, int, reply_error, text,
+    time_ms,
 };
 
 /// When a pushed task becomes ready.
@@ -62,10 +63,10 @@ pub fn push(
     }
     let accepted: Vec<i64> = invocation.invoke(conn)?;
     if accepted.len() != items.len() {
-        return Err(BrokerError::Reply {
-            what: "push",
-            detail: format!("{} results for {} tasks", accepted.len(), items.len()),
-        });
+        return Err(reply_error(
+            "push",
+            format!("{} results for {} tasks", accepted.len(), items.len()),
+        ));
     }
     Ok(accepted.into_iter().map(|ok| ok == 1).collect())
 }
@@ -196,8 +197,8 @@ pub fn pop(
     if block.is_some() {
         conn.set_read_timeout(Some(IO_TIMEOUT))?;
     }
-    let (popped, (seconds, micros)) = result?;
-    let now_ms = seconds * 1000 + micros / 1000;
+    let (popped, time) = result?;
+    let now_ms = time_ms(time);
     let mut tasks = Vec::new();
     if let Value::Array(mut parts) = popped {
         if parts.len() != 2 {
@@ -418,7 +419,7 @@ pub fn owners(
     conn: &mut dyn ConnectionLike,
     keys: &QueueKeys,
 ) -> Result<(i64, Vec<(String, i64)>)> {
-    let ((seconds, micros), owners): ((i64, i64), Vec<(String, f64)>) = redis::pipe()
+    let (time, owners): ((i64, i64), Vec<(String, f64)>) = redis::pipe()
         .cmd("TIME")
         .cmd("ZRANGE")
         .arg(&keys.owners)
@@ -427,7 +428,7 @@ pub fn owners(
         .arg("WITHSCORES")
         .query(conn)?;
     Ok((
-        seconds * 1000 + micros / 1000,
+        time_ms(time),
         owners
             .into_iter()
             .map(|(owner, deadline)| (owner, deadline as i64))
