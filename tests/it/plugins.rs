@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use kmq_plugin::testing::process_is_alive;
 use kmqd::NewTask;
+use kmqd::broker::QueueStats;
 
 use crate::support::*;
 
@@ -360,6 +361,15 @@ fn the_c_example_refuses_a_config_table_with_its_own_message() {
     );
 }
 
+/// Waits (up to `within`) until `count` tasks of queue "jobs" have ended, done or dead-lettered; returns the
+/// stats then.
+fn all_ended(config: &Path, count: u64, within: Duration) -> QueueStats {
+    eventually(within, &format!("{count} tasks of jobs to end"), || {
+        let s = stats(config, "jobs");
+        (s.done + s.dead == count, s)
+    })
+}
+
 fn dead_records(redis: &RedisServer, queue: &str) -> Vec<serde_json::Value> {
     let dead: Vec<String> = redis.cmd(&["LRANGE", &format!("kmq:{{{queue}}}:dead"), "0", "-1"]);
     dead.iter()
@@ -401,10 +411,7 @@ fn the_c_example_runs_tasks_end_to_end_through_the_real_daemon() {
     push(&config, "jobs", "hello", "no-data", "null");
     push(&config, "jobs", "hello", "retries", "\"retry\"");
     push(&config, "jobs", "hello", "waits", "\"wait\"");
-    let s = eventually(Duration::from_secs(30), "every task to end", || {
-        let s = stats(&config, "jobs");
-        (s.done + s.dead == 9, s)
-    });
+    let s = all_ended(&config, 9, Duration::from_secs(30));
     assert_eq!((s.done, s.dead, s.retried), (5, 4, 2), "{s:?}");
     let dead = dead_records(&redis, "jobs");
     assert_eq!(reason_of(&dead, "fails"), "hello: asked to fail");
@@ -693,10 +700,7 @@ fn the_exec_plugin_runs_a_shell_script_end_to_end() {
     push(&config, "jobs", "shell", "stuck", "\"hang\"");
     push(&config, "slow", "shell.slow", "cancelled", "\"hang\"");
 
-    let s = eventually(Duration::from_secs(30), "every task of jobs to end", || {
-        let s = stats(&config, "jobs");
-        (s.done + s.dead == 6, s)
-    });
+    let s = all_ended(&config, 6, Duration::from_secs(30));
     assert_eq!((s.done, s.dead), (3, 3), "{s:?}");
     let dead = dead_records(&redis, "jobs");
     assert_eq!(
@@ -804,10 +808,7 @@ fn the_c_plugin_of_the_guide_runs_tasks_through_the_daemon() {
     push(&config, "jobs", "greet", "ada", "\"Ada\"");
     push(&config, "jobs", "greet", "nobody", "null");
     push(&config, "jobs", "greet", "later", "\"later\"");
-    let s = eventually(Duration::from_secs(20), "every task to end", || {
-        let s = stats(&config, "jobs");
-        (s.done + s.dead == 3, s)
-    });
+    let s = all_ended(&config, 3, Duration::from_secs(20));
     assert_eq!((s.done, s.dead, s.retried), (1, 2, 1), "{s:?}");
     let dead = dead_records(&redis, "jobs");
     assert_eq!(reason_of(&dead, "nobody"), "nobody to greet");
@@ -844,10 +845,7 @@ fn the_rust_plugin_of_the_guide_runs_tasks_as_the_guide_deploys_it() {
         "large",
         r#"{"path": "b.png", "width": 4000}"#,
     );
-    let s = eventually(Duration::from_secs(20), "both tasks to end", || {
-        let s = stats(&config, "jobs");
-        (s.done + s.dead == 2, s)
-    });
+    let s = all_ended(&config, 2, Duration::from_secs(20));
     assert_eq!((s.done, s.dead), (1, 1), "{s:?}");
     assert_eq!(
         reason_of(&dead_records(&redis, "jobs"), "large"),
