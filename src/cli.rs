@@ -259,7 +259,7 @@ fn load_plugins(config: &Config) -> Result<Registry, Failure> {
 fn run_daemon(config: &Config) -> Result<(), Failure> {
     let registry = Arc::new(load_plugins(config)?);
     let (stop_tx, stop_rx) = crossbeam_channel::bounded(1);
-    crate::signals::forward(stop_tx)
+    crate::daemon::signals::forward(stop_tx)
         .map_err(|error| Failure::Runtime(format!("cannot install signal handlers: {error}")))?;
     crate::daemon::run(config, registry, stop_rx)
         .map_err(|error| Failure::Runtime(error.to_string()))

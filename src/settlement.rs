@@ -5,22 +5,12 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 
 use serde::Serialize;
 
+use base64::Engine as _;
+
 use crate::broker::{SettleOp, Settlement, Token};
-use crate::inflight::JobId;
 use crate::plugin::{Registry, Run};
 use crate::policy::{self, Action, Policy, Verdict};
-use crate::task::{Envelope, new_id};
-
-/// An outcome on its way to the acker.
-#[derive(Debug)]
-pub struct Outcome {
-    /// The in-flight entry to forget once settled.
-    pub job: JobId,
-    pub settlement: Settlement,
-    /// Set for dead letters of a decodable task: the plugin's `on_dead` runs after the record landed.
-    /// Boxed: an envelope is large, and outcomes travel through channels by value.
-    pub dead_hook: Option<Box<DeadHook>>,
-}
+use crate::task::{Envelope, LOGGED_PAYLOAD_BYTES, capped, new_id};
 
 /// What `on_dead` is told.
 #[derive(Debug)]
@@ -39,8 +29,12 @@ struct DeadRecord<'a> {
     attempt: u32,
     reason: &'a str,
     daemon: &'a str,
-    /// The payload exactly as it was stored, so a malformed task is kept too.
-    task: &'a str,
+    /// The payload exactly as it was stored, so a malformed task is kept too: as text when it is UTF-8...
+    #[serde(skip_serializing_if = "Option::is_none")]
+    task: Option<&'a str>,
+    /// ... and as base64 of its bytes when it is not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    task_base64: Option<String>,
 }
 
 /// Where a settlement comes from, for the records it writes.
@@ -68,14 +62,14 @@ pub fn settlement(
     failed: bool,
     token: Option<Token>,
     level: usize,
-    payload: &str,
+    payload: &[u8],
     envelope: Option<&Envelope>,
 ) -> (Settlement, Option<Box<DeadHook>>) {
     let unique_id = envelope
         .filter(|e| e.unique)
         .and_then(|e| e.id.as_deref().map(str::to_string));
     // Called once, whichever the branch.
-    let base = move |op, payload: String| Settlement {
+    let base = move |op, payload: Vec<u8>| Settlement {
         op,
         token,
         unique_id,
@@ -84,26 +78,42 @@ pub fn settlement(
         failed,
     };
     match (action, envelope) {
-        (Action::Ack, _) => (base(SettleOp::Ack, String::new()), None),
+        (Action::Ack, _) => (base(SettleOp::Ack, Vec::new()), None),
         (Action::Retry { delay, reason }, Some(envelope)) => {
             let mut next = envelope.clone();
             next.ensure_id(new_id);
             next.attempt += 1;
             next.last_error = Some(reason.clone().into());
-            (base(SettleOp::Retry { delay: *delay }, next.encode()), None)
+            (
+                base(
+                    SettleOp::Retry { delay: *delay },
+                    next.encode().into_bytes(),
+                ),
+                None,
+            )
         }
         (Action::Dead { reason }, _) | (Action::Retry { reason, .. }, None) => {
+            // A payload that is a JSON object but not an envelope still has its id found, for `task show`.
+            let salvaged = match envelope {
+                Some(_) => None,
+                None => crate::task::salvage_id(payload),
+            };
+            let text = std::str::from_utf8(payload).ok();
             let record = DeadRecord {
                 queue: origin.queue,
-                id: envelope.map_or("", Envelope::id_str),
+                id: envelope.map_or(salvaged.as_deref().unwrap_or(""), Envelope::id_str),
                 kind: envelope.map_or("", |e| &*e.kind),
                 attempt: envelope.map_or(0, |e| e.attempt),
                 reason,
                 daemon: origin.daemon,
-                task: payload,
+                task: text,
+                task_base64: match text {
+                    Some(_) => None,
+                    None => Some(base64::engine::general_purpose::STANDARD.encode(payload)),
+                },
             };
             // Strings and integers always serialize.
-            let record = serde_json::to_string(&record).expect("dead record serializes");
+            let record = serde_json::to_vec(&record).expect("dead record serializes");
             let hook = envelope.map(|e| {
                 Box::new(DeadHook {
                     envelope: e.clone().into_owned(),
@@ -123,13 +133,16 @@ pub fn decide(
     verdict: Verdict,
     token: Option<Token>,
     level: usize,
-    payload: &str,
+    payload: &[u8],
     envelope: Option<&Envelope>,
 ) -> (Settlement, Option<Box<DeadHook>>) {
     let attempt = envelope.map_or(0, |e| e.attempt);
     let failed = verdict.is_failed_run();
     let action = policy::decide(policy, attempt, verdict, envelope.map_or(0, seed));
-    let (queue, id) = (origin.queue, envelope.map_or("", Envelope::id_str));
+    let queue = origin.queue;
+    // Ids and reasons come from producers and plugins: cap them, so one huge one cannot flood the log.
+    let id = &*capped(envelope.map_or("", Envelope::id_str), LOGGED_PAYLOAD_BYTES);
+    let capped_reason = |reason: &str| capped(reason, LOGGED_PAYLOAD_BYTES);
     match &action {
         Action::Ack if !failed => tracing::debug!(queue, id, attempt, "task done"),
         Action::Ack => tracing::warn!(
@@ -139,9 +152,11 @@ pub fn decide(
             "task failed; counted as done (on_handler_error = \"finish\")"
         ),
         Action::Retry { delay, reason } => {
+            let reason = capped_reason(reason);
             tracing::warn!(queue, id, attempt, %reason, retry_in = ?delay, "task failed; will retry")
         }
         Action::Dead { reason } => {
+            let reason = capped_reason(reason);
             tracing::warn!(queue, id, attempt, %reason, "task dead-lettered")
         }
     }
@@ -149,13 +164,13 @@ pub fn decide(
 }
 
 /// A hand-back at shutdown: the task goes to the front of its level unchanged.
-pub fn handback(token: Option<Token>, level: usize, payload: &str) -> Settlement {
+pub fn handback(token: Option<Token>, level: usize, payload: &[u8]) -> Settlement {
     Settlement {
         op: SettleOp::Back,
         token,
         unique_id: None,
         level,
-        payload: payload.to_string(),
+        payload: payload.to_vec(),
         failed: false,
     }
 }
@@ -214,7 +229,7 @@ mod tests {
             true,
             Some(token()),
             0,
-            "",
+            b"",
             Some(&envelope),
         );
         assert_eq!(
@@ -231,7 +246,7 @@ mod tests {
         );
         assert_eq!(
             s.payload,
-            r#"{"id":"a","type":"t","data":[1],"attempt":2,"unique":true,"last_error":"boom","x":2}"#
+            br#"{"id":"a","type":"t","data":[1],"attempt":2,"unique":true,"last_error":"boom","x":2}"#
         );
         assert!(hook.is_none());
     }
@@ -242,16 +257,50 @@ mod tests {
             delay: Duration::ZERO,
             reason: "malformed task: x".into(),
         };
-        let (s, hook) = settlement(&origin(), &action, false, None, 0, "not json", None);
+        let (s, hook) = settlement(&origin(), &action, false, None, 0, b"not json", None);
         assert_eq!(s.op, SettleOp::Dead);
-        let record: serde_json::Value = serde_json::from_str(&s.payload).unwrap();
+        let record: serde_json::Value = serde_json::from_slice(&s.payload).unwrap();
         assert_eq!(record["task"], "not json");
+        assert!(record.get("task_base64").is_none());
         assert_eq!(record["reason"], "malformed task: x");
         assert_eq!(record["queue"], "mail");
         assert!(
             hook.is_none(),
             "no plugin can be told about a task without a type"
         );
+    }
+
+    #[test]
+    fn a_payload_that_is_not_utf8_keeps_its_bytes_as_base64() {
+        let action = Action::Dead {
+            reason: "malformed task: not UTF-8".into(),
+        };
+        let payload = b"{\"id\":\"x\",\"type\":\"t\",\"data\":\"\xff\xfe\"}";
+        let (s, _) = settlement(&origin(), &action, false, None, 0, payload, None);
+        let record: serde_json::Value = serde_json::from_slice(&s.payload).unwrap();
+        assert!(record.get("task").is_none());
+        let kept = base64::engine::general_purpose::STANDARD
+            .decode(record["task_base64"].as_str().unwrap())
+            .unwrap();
+        assert_eq!(kept, payload, "the exact bytes");
+    }
+
+    #[test]
+    fn a_malformed_object_keeps_its_string_id_in_the_dead_record() {
+        let action = Action::Dead {
+            reason: "malformed task: missing field `type`".into(),
+        };
+        let (s, _) = settlement(
+            &origin(),
+            &action,
+            false,
+            None,
+            0,
+            br#"{"id":"lost-1"}"#,
+            None,
+        );
+        let record: serde_json::Value = serde_json::from_slice(&s.payload).unwrap();
+        assert_eq!(record["id"], "lost-1");
     }
 
     #[test]
@@ -266,10 +315,10 @@ mod tests {
             true,
             None,
             0,
-            r#"{"id":"a","type":"t"}"#,
+            br#"{"id":"a","type":"t"}"#,
             Some(&envelope),
         );
-        let record: serde_json::Value = serde_json::from_str(&s.payload).unwrap();
+        let record: serde_json::Value = serde_json::from_slice(&s.payload).unwrap();
         assert_eq!(
             (record["id"].as_str(), record["type"].as_str()),
             (Some("a"), Some("t"))

@@ -73,38 +73,6 @@ impl Listener {
     }
 }
 
-/// A doubling retry delay for Redis failures: 100 ms up to 5 s, reset by a success.
-#[derive(Debug)]
-pub struct Backoff {
-    next: Duration,
-}
-
-impl Backoff {
-    const FIRST: Duration = Duration::from_millis(100);
-    const MAX: Duration = Duration::from_secs(5);
-
-    pub fn new() -> Backoff {
-        Backoff { next: Self::FIRST }
-    }
-
-    /// Waits before the next try; returns `true` when `stop` fired meanwhile.
-    pub fn wait(&mut self, stop: &Listener) -> bool {
-        let delay = self.next;
-        self.next = (self.next * 2).min(Self::MAX);
-        stop.wait(delay)
-    }
-
-    pub fn reset(&mut self) {
-        self.next = Self::FIRST;
-    }
-}
-
-impl Default for Backoff {
-    fn default() -> Backoff {
-        Backoff::new()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

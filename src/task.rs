@@ -368,10 +368,49 @@ impl<'de> Deserialize<'de> for Envelope<'de> {
     }
 }
 
+/// A payload as text: envelopes are UTF-8 JSON. The error names the first invalid byte, so a dead-letter reason
+/// tells a producer what to fix (its bytes are kept in the record, see `settlement`).
+pub fn utf8(payload: &[u8]) -> Result<&str, EnvelopeError> {
+    std::str::from_utf8(payload).map_err(|error| {
+        EnvelopeError(format!(
+            "not UTF-8 text (invalid byte 0x{:02x} at offset {}); an envelope is a UTF-8 JSON object",
+            payload[error.valid_up_to()],
+            error.valid_up_to()
+        ))
+    })
+}
+
+/// The string `id` of a payload that is a JSON object but not a valid envelope (a missing `type`, a field of the
+/// wrong type), so that its dead-letter record can still be found by id. `None` for anything else.
+pub fn salvage_id(payload: &[u8]) -> Option<String> {
+    // Read leniently: a payload that is malformed because of a bad byte elsewhere still has a good id.
+    let text = String::from_utf8_lossy(payload);
+    let object: std::collections::HashMap<String, Box<RawValue>> =
+        serde_json::from_str(&text).ok()?;
+    let id: String = serde_json::from_str(object.get("id")?.get()).ok()?;
+    (!id.contains('\u{fffd}')).then_some(id)
+}
+
 /// Parses `text` as JSON for a task's `data`, with an error that says what was wrong.
 pub fn data_from_str(text: &str) -> Result<Box<RawValue>, String> {
     RawValue::from_string(text.to_string())
         .map_err(|error| format!("data is not valid JSON: {error}"))
+}
+
+/// How much of a payload a log line shows.
+pub const LOGGED_PAYLOAD_BYTES: usize = 256;
+
+/// `text` cut to at most `max` bytes (at a character boundary), saying how long it was when cut: log fields must
+/// not let one huge task or handler message flood the log.
+pub fn capped(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_string();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} bytes in all)", &text[..end], text.len())
 }
 
 /// A new random task id.
@@ -442,6 +481,45 @@ mod tests {
                 .to_string();
             assert!(error.contains(expected), "{payload}: {error}");
         }
+    }
+
+    #[test]
+    fn a_payload_that_is_not_utf8_names_the_bad_byte() {
+        let error = utf8(b"{\"type\":\"t\",\"data\":\"\xff\"}")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            error,
+            "malformed task: not UTF-8 text (invalid byte 0xff at offset 20); an envelope is a UTF-8 JSON object"
+        );
+        assert_eq!(utf8(b"{}").unwrap(), "{}");
+    }
+
+    #[test]
+    fn long_log_fields_are_capped_at_a_character_boundary() {
+        assert_eq!(capped("short", 10), "short");
+        assert_eq!(capped("ééé", 3), "é… (6 bytes in all)");
+    }
+
+    #[test]
+    fn the_id_of_a_malformed_object_is_salvaged() {
+        assert_eq!(
+            salvage_id(br#"{"id":"x1","data":1}"#).as_deref(),
+            Some("x1")
+        );
+        assert_eq!(salvage_id(br#"{"id":7,"type":"t"}"#), None);
+        assert_eq!(salvage_id(b"not json"), None);
+        assert_eq!(salvage_id(br#"["id"]"#), None);
+        assert_eq!(
+            salvage_id(b"{\"id\":\"ok\",\"type\":\"\xff\"}").as_deref(),
+            Some("ok"),
+            "a bad byte elsewhere"
+        );
+        assert_eq!(
+            salvage_id(b"{\"id\":\"\xff\"}"),
+            None,
+            "a bad byte in the id"
+        );
     }
 
     #[test]

@@ -35,11 +35,16 @@ impl Connector {
 
     /// A new connection, outside any pool (the pub/sub listener needs one of its own).
     pub fn connect(&self) -> Result<Connection> {
+        self.connect_with_timeout(IO_TIMEOUT)
+    }
+
+    /// A new connection whose replies must come within `timeout` (the heartbeat's is shorter than a lease).
+    pub fn connect_with_timeout(&self, timeout: Duration) -> Result<Connection> {
         let connection = self
             .client
-            .get_connection_with_timeout(self.connect_timeout)?;
-        connection.set_read_timeout(Some(IO_TIMEOUT))?;
-        connection.set_write_timeout(Some(IO_TIMEOUT))?;
+            .get_connection_with_timeout(self.connect_timeout.min(timeout))?;
+        connection.set_read_timeout(Some(timeout))?;
+        connection.set_write_timeout(Some(timeout))?;
         Ok(connection)
     }
 
@@ -112,6 +117,9 @@ pub fn pool(config: &RedisConfig) -> Result<Pool> {
         // No PING before every use: a broken connection shows up as an error on use, which every caller handles
         // (and a PING per checkout doubled the round trips of a single push).
         .test_on_check_out(false)
+        // The pool would log every failed connection attempt (several a second while Redis is down); the threads
+        // that asked for a connection report their failures instead, rate-limited (`retry::Trouble`).
+        .error_handler(Box::new(r2d2::NopErrorHandler))
         .build_unchecked(connector))
 }
 

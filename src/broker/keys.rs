@@ -86,6 +86,12 @@ impl QueueKeys {
         format!("{}:processing:{owner}:{}", self.base, self.levels[level])
     }
 
+    /// The result of the last settle call of one settling party (an acker or a monitor of one daemon's run), so
+    /// that a call sent again after a lost reply is answered instead of applied twice.
+    pub fn settled(&self, settler: &str) -> String {
+        format!("{}:settled:{settler}", self.base)
+    }
+
     /// The processing hashes of `owner`, one per level.
     pub fn processing_all(&self, owner: &str) -> Vec<String> {
         (0..self.levels())

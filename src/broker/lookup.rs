@@ -277,12 +277,13 @@ fn locate_processing(
                 let (next, items) =
                     super::scan_processing(conn, keys, &owner, level, cursor, CHUNK)?;
                 for (token, payload) in items {
+                    let payload = String::from_utf8_lossy(&payload);
                     if let Some(id) = wanted.matching(&payload) {
                         let place = Found::Processing {
                             owner: owner.clone(),
                             token,
                             lease_left_ms: deadline - now,
-                            envelope: payload,
+                            envelope: payload.into_owned(),
                         };
                         found.push((id, place));
                     }

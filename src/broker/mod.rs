@@ -28,8 +28,8 @@ pub use lookup::{Found, Scope};
 pub use schedule::{Fired, fire, schedule_state};
 pub use stats::{QueueStats, check_protocol, stats};
 pub use tasks::{
-    Batch, Due, Fence, PushItem, SettleOp, Settled, Settlement, Taken, claim, owners, pop, promote,
-    push, register, release, renew, scan_processing, settle, wait_wake,
+    Batch, Call, Due, Fence, PushItem, SettleOp, Settled, Settlement, Taken, claim, owners, pop,
+    promote, push, register, release, renew, scan_processing, settle, wait_wake,
 };
 
 /// A Redis failure, with what was being done.
@@ -123,6 +123,44 @@ impl ToRedisArgs for TokenId {
     }
 }
 
+/// This host's name, kept to the characters that are safe in key names (`[A-Za-z0-9._-]`, others become `_`).
+pub fn hostname() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let host: String = host
+        .trim()
+        .chars()
+        .take(64)
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    if host.is_empty() {
+        "unknown".to_string()
+    } else {
+        host
+    }
+}
+
+/// A new id that no other daemon run anywhere shares, made without asking Redis: host, pid, time and 32 random
+/// bits. Each run of the daemon makes one (tests run several daemons in one process); owner ids and settling
+/// parties are made from it, so that a Redis that lost its data (a restart without persistence, a restored
+/// backup, a failover to a replica that lagged) can never hand two live daemons the same identity.
+pub fn instance_id() -> String {
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_millis());
+    let random = uuid::Uuid::new_v4().as_u128() as u32;
+    format!(
+        "{}-{}-{now_ms}-{random:08x}",
+        hostname(),
+        std::process::id()
+    )
+}
+
 /// Redis's `TIME` reply (seconds, microseconds) as ms since the epoch. Deadlines and due times are all on
 /// Redis's clock, so that daemons on hosts whose clocks disagree still agree on them.
 fn time_ms((seconds, micros): (i64, i64)) -> i64 {
@@ -151,12 +189,12 @@ fn int(value: &Value, what: &'static str) -> Result<i64> {
     }
 }
 
-/// A payload as text. A producer may have pushed bytes that are not UTF-8; they are replaced (U+FFFD), which
-/// makes the payload fail to decode as an envelope, so it is dead-lettered rather than run with altered data.
-fn text(value: Value, what: &'static str) -> Result<String> {
+/// A payload exactly as stored: producers may push bytes that are not UTF-8, and such a task is dead-lettered
+/// with its bytes intact, never altered.
+fn bytes(value: Value, what: &'static str) -> Result<Box<[u8]>> {
     match value {
-        Value::BulkString(bytes) => Ok(lossy(bytes)),
-        Value::SimpleString(text) => Ok(text),
+        Value::BulkString(bytes) => Ok(bytes.into_boxed_slice()),
+        Value::SimpleString(text) => Ok(text.into_bytes().into_boxed_slice()),
         other => Err(reply_error(
             what,
             format!("expected a string, got {other:?}"),
@@ -164,11 +202,12 @@ fn text(value: Value, what: &'static str) -> Result<String> {
     }
 }
 
-/// Bytes as text: invalid UTF-8 is replaced (U+FFFD) and marked with a leading U+FFFD, which no envelope starts
-/// with, so it is dead-lettered as malformed.
-fn lossy(bytes: Vec<u8>) -> String {
-    String::from_utf8(bytes)
-        .unwrap_or_else(|error| format!("\u{fffd}{}", String::from_utf8_lossy(error.as_bytes())))
+/// A reply that is text (a key name, an owner id, a token); bytes that are not UTF-8 are replaced (U+FFFD), which
+/// only ever happens with keys or members kmqd did not write.
+fn text(value: Value, what: &'static str) -> Result<String> {
+    let bytes = bytes(value, what)?;
+    Ok(String::from_utf8(bytes.into_vec())
+        .unwrap_or_else(|error| String::from_utf8_lossy(error.as_bytes()).into_owned()))
 }
 
 #[cfg(test)]

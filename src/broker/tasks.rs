@@ -6,8 +6,8 @@ use std::time::Duration;
 use redis::{Connection, ConnectionLike, Value};
 
 use super::{
-    BrokerError, IO_TIMEOUT, QueueKeys, Result, SCRIPTS, Token, TokenId, int, reply_error, text,
-    time_ms,
+    BrokerError, IO_TIMEOUT, QueueKeys, Result, SCRIPTS, Token, TokenId, bytes, int, reply_error,
+    text, time_ms,
 };
 
 /// When a pushed task becomes ready.
@@ -78,8 +78,8 @@ pub struct Taken {
     pub token: Option<Token>,
     /// Index of the level it came from.
     pub level: usize,
-    /// The envelope as stored (not yet decoded).
-    pub payload: String,
+    /// The envelope as stored (not yet decoded; not necessarily UTF-8).
+    pub payload: Box<[u8]>,
 }
 
 /// The result of one claim or pop.
@@ -159,7 +159,7 @@ pub fn claim(
             tasks.push(Taken {
                 token: Some(id),
                 level,
-                payload: text(envelope, "claim")?,
+                payload: bytes(envelope, "claim")?,
             });
             token += 1;
         }
@@ -216,7 +216,7 @@ pub fn pop(
                 tasks.push(Taken {
                     token: None,
                     level,
-                    payload: text(item, "pop")?,
+                    payload: bytes(item, "pop")?,
                 });
             }
         }
@@ -254,7 +254,7 @@ pub struct Settlement {
     pub unique_id: Option<String>,
     pub level: usize,
     /// Retry/back: the envelope to queue; dead: the dead record (a JSON object); ack: unused.
-    pub payload: String,
+    pub payload: Vec<u8>,
     /// Whether this run counts as a failed attempt.
     pub failed: bool,
 }
@@ -283,12 +283,24 @@ pub struct Settled {
     pub stale_acks: usize,
 }
 
+/// One settle call of one settling party (an acker, a monitor): sent again as the same call after a lost reply,
+/// so that Redis applies it once (see settle.lua, "Calls").
+#[derive(Clone, Copy, Debug)]
+pub struct Call<'a> {
+    /// The settling party, unique to a daemon's run and role.
+    pub settler: &'a str,
+    /// Its calls' counter: a new number for each new call.
+    pub number: u64,
+}
+
 /// Applies many outcomes in one round trip (`settle.lua`). In safe mode every settlement must be of `owner`'s
 /// tasks (their tokens name it). Plain acknowledgements, the bulk of the traffic, go as bare tokens that the
-/// script removes with one HDEL per level; everything else goes as a record checked one by one.
+/// script removes with one HDEL per level; everything else goes as a record checked one by one. Sending the same
+/// `call` again returns what the first one did, without applying it twice.
 pub fn settle<'a>(
     conn: &mut dyn ConnectionLike,
     keys: &QueueKeys,
+    call: &Call<'_>,
     fence: Fence,
     dead_max: usize,
     owner: Option<&str>,
@@ -300,7 +312,8 @@ pub fn settle<'a>(
         .key(&keys.stats)
         .key(&keys.dead)
         .key(&keys.unique)
-        .key(&keys.wake);
+        .key(&keys.wake)
+        .key(keys.settled(call.settler));
     for key in keys.ready.iter().chain(&keys.retry) {
         invocation.key(key);
     }
@@ -317,7 +330,8 @@ pub fn settle<'a>(
         .arg(dead_max)
         .arg(keys.levels())
         .arg(&keys.delay_channel)
-        .arg(owner.unwrap_or(""));
+        .arg(owner.unwrap_or(""))
+        .arg(call.number);
     // Bulk sections only for the owner: a monitor's settlements go through the lease check one by one.
     let bulk = |s: &Settlement| fence == Fence::Owner && s.is_plain_ack();
     for level in 0..keys.levels() {
@@ -436,6 +450,9 @@ pub fn owners(
     ))
 }
 
+/// A page of a processing hash: the cursor to go on from (0: done) and the (token, envelope) pairs read.
+pub type ProcessingPage = (u64, Vec<(String, Box<[u8]>)>);
+
 /// Safe mode: up to about `count` tasks (token, envelope) held by `owner` at `level`, in no particular order.
 pub fn scan_processing(
     conn: &mut dyn ConnectionLike,
@@ -444,7 +461,7 @@ pub fn scan_processing(
     level: usize,
     cursor: u64,
     count: usize,
-) -> Result<(u64, Vec<(String, String)>)> {
+) -> Result<ProcessingPage> {
     let (next, items): (u64, Vec<Value>) = redis::cmd("HSCAN")
         .arg(keys.processing(owner, level))
         .arg(cursor)
@@ -454,7 +471,7 @@ pub fn scan_processing(
     let mut pairs = Vec::with_capacity(items.len() / 2);
     let mut items = items.into_iter();
     while let (Some(token), Some(envelope)) = (items.next(), items.next()) {
-        pairs.push((text(token, "hscan")?, text(envelope, "hscan")?));
+        pairs.push((text(token, "hscan")?, bytes(envelope, "hscan")?));
     }
     Ok((next, pairs))
 }

@@ -5,11 +5,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kmqd::broker::{self, Fence, SettleOp, Settlement};
-use kmqd::daemon::QueueContext;
-use kmqd::inflight::{InFlight, Ownership, Slots};
-use kmqd::monitor::Monitor;
+use kmqd::daemon::monitor::{Monitor, Watched};
+use kmqd::daemon::settler::Settler;
 use kmqd::plugin::Registry;
-use kmqd::policy::Policy;
+use kmqd::queue::QueueContext;
 use kmqd::{Config, NewTask};
 
 use crate::support::*;
@@ -362,23 +361,17 @@ fn unique_id_is_refused_while_live_and_accepted_once_done() {
 
 /// A queue context like the daemon builds, for driving one component directly.
 fn context(config: &Config) -> Arc<QueueContext> {
-    let queue = config.queues[0].clone();
-    Arc::new(QueueContext {
-        keys: broker::QueueKeys::for_queue(&config.redis.key_prefix, &queue),
-        policy: Policy::for_queue(&queue),
-        inflight: InFlight::default(),
-        slots: Slots::new(1, 1),
-        ownership: Ownership::default(),
-        config: queue,
-    })
+    Arc::new(QueueContext::new(config, &config.queues[0], "test:0"))
 }
 
-fn monitor(config: &Config, queue: &Arc<QueueContext>) -> Monitor {
+fn monitor(config: &Config, queue: &Arc<QueueContext>, name: &str) -> Monitor {
     Monitor {
-        queues: vec![Arc::clone(queue)],
+        queues: vec![Watched::new(
+            Arc::clone(queue),
+            Settler::new(format!("test-{name}:monitor")),
+        )],
         connection: broker::Session::new(broker::pool(&config.redis).unwrap()),
         registry: Arc::new(Registry::empty()),
-        daemon_id: Arc::from("test:0"),
         background: kmqd::shutdown::Trigger::new().listener(),
     }
 }
@@ -402,7 +395,7 @@ fn expired_lease_is_retried_at_the_front_with_attempt_plus_one() {
     client
         .push("jobs", NewTask::new("test", "{}").unwrap().id("behind"))
         .unwrap();
-    let mut monitor = monitor(&config, &queue);
+    let mut monitor = monitor(&config, &queue, "one");
     assert_eq!(monitor.recover_now(), 0, "the lease has not expired yet");
     eventually(
         Duration::from_secs(5),
@@ -427,12 +420,17 @@ fn expired_lease_is_retried_at_the_front_with_attempt_plus_one() {
         token,
         unique_id: None,
         level: 0,
-        payload: String::new(),
+        payload: Vec::new(),
         failed: false,
+    };
+    let call = broker::Call {
+        settler: "test-late:acker",
+        number: 1,
     };
     let settled = broker::settle(
         &mut connection,
         &queue.keys,
+        &call,
         Fence::Owner,
         100,
         Some(&owner),
@@ -486,8 +484,8 @@ fn monitors_racing_on_the_same_leases_recover_each_task_once() {
     });
     let recovered: usize = std::thread::scope(|scope| {
         let racers: Vec<_> = (0..4)
-            .map(|_| {
-                let mut monitor = monitor(&config, &queue);
+            .map(|index| {
+                let mut monitor = monitor(&config, &queue, &format!("racer{index}"));
                 scope.spawn(move || (0..20).map(|_| monitor.recover_now()).sum::<usize>())
             })
             .collect();

@@ -1,12 +1,14 @@
--- settle.lua: apply the outcomes of many runs at once (acknowledge, retry, hand back, dead-letter).
+#!lua
+-- settle.lua: apply the outcomes of many runs at once (acknowledge, retry, hand back, dead-letter), exactly once.
 --
 -- KEYS[1] owners zset, KEYS[2] stats hash, KEYS[3] dead list, KEYS[4] unique hash, KEYS[5] wake list,
--- KEYS[6 .. 5+L] ready lists, KEYS[6+L .. 5+2L] retry zsets, and in safe mode KEYS[6+2L .. 5+3L] the
+-- KEYS[6] the settling party's last call (a string, see "Calls" below),
+-- KEYS[7 .. 6+L] ready lists, KEYS[7+L .. 6+2L] retry zsets, and in safe mode KEYS[7+2L .. 6+3L] the
 -- processing hashes of the owner whose tasks these are (all in level order)
 -- ARGV[1] fence: "owner" (the owner settles its own tasks) or "expired" (a monitor settles the tasks of an owner
 --         whose lease ran out; nothing is applied unless it has)
 -- ARGV[2] dead list bound; ARGV[3] number of levels L; ARGV[4] the delay poller's channel; ARGV[5] the owner
---         ("" in default mode)
+--         ("" in default mode); ARGV[6] the call's number (unique for the settling party)
 -- then, for each level, A and A tokens: plain acknowledgements, applied in bulk (one HDEL per level)
 -- then C: plain acknowledgements without a token (default mode), only counted
 -- then records of 7: op, token, unique id, level (1-based), delay ms, payload, failed ("1" or "0")
@@ -19,8 +21,57 @@
 -- slow owner against a monitor that already recovered its task, and two monitors against each other.
 -- Default-mode records have an empty token and are never stale.
 -- Returns {number of stale plain acknowledgements, then one integer per record: 1 applied, 0 stale}.
-local owners, stats, dead, uniq, wake = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+--
+-- Calls. A caller whose reply was lost sends the same call again (same KEYS[6], same ARGV[6]): the script then
+-- returns the first call's result, stored in KEYS[6], without applying anything, so nothing is applied twice (a
+-- default-mode retry queued twice, a dead letter recorded twice) and the caller learns what was applied. Each
+-- settling party has its own KEYS[6] and makes one call at a time, so one stored result per party is enough.
+--
+-- Atomic: every key is checked for its type before anything is written, and the shebang makes Redis refuse the
+-- whole script up front when it is out of memory, so the script applies all or nothing.
+local owners, stats, dead, uniq, wake, last_call = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local fence, dead_max, levels, channel, owner = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], ARGV[5]
+local call = ARGV[6]
+local READY, RETRY, PROCESSING = 6, 6 + levels, 6 + 2 * levels
+
+local prior = redis.call('GET', last_call)
+if prior then
+  local bar = string.find(prior, '|', 1, true)
+  if bar and string.sub(prior, 1, bar - 1) == call then
+    local result = {}
+    for n in string.gmatch(string.sub(prior, bar + 1), '[^,]+') do
+      result[#result + 1] = tonumber(n)
+    end
+    return result
+  end
+end
+
+local expected = {[owners] = 'zset', [stats] = 'hash', [dead] = 'list', [uniq] = 'hash', [wake] = 'list',
+  [last_call] = 'string'}
+for level = 1, levels do
+  expected[KEYS[READY + level]] = 'list'
+  expected[KEYS[RETRY + level]] = 'zset'
+  if KEYS[PROCESSING + level] then expected[KEYS[PROCESSING + level]] = 'hash' end
+end
+for key, kind in pairs(expected) do
+  local found = redis.call('TYPE', key).ok
+  if found ~= 'none' and found ~= kind then
+    return redis.error_reply('WRONGTYPE settle.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
+      '; nothing was applied')
+  end
+end
+local records = 7
+for level = 1, levels do
+  records = records + 1 + tonumber(ARGV[records])
+end
+records = records + 1
+for j = records, #ARGV, 7 do
+  local op = ARGV[j]
+  if op ~= 'ack' and op ~= 'retry' and op ~= 'back' and op ~= 'dead' then
+    return redis.error_reply('settle.lua: unknown op ' .. op .. '; nothing was applied')
+  end
+end
+
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local done, retried, failed, dead_lettered = 0, 0, 0, 0
@@ -31,7 +82,7 @@ if fence == 'expired' then
   live = lease ~= false and tonumber(lease) <= now
 end
 local stale = 0
-local i = 6
+local i = 7
 for level = 1, levels do
   local acks = tonumber(ARGV[i])
   if acks > 0 then
@@ -39,7 +90,7 @@ for level = 1, levels do
     for k = 1, acks do
       tokens[k] = ARGV[i + k]
     end
-    local removed = redis.call('HDEL', KEYS[5 + 2 * levels + level], unpack(tokens))
+    local removed = redis.call('HDEL', KEYS[PROCESSING + level], unpack(tokens))
     done = done + removed
     stale = stale + acks - removed
   end
@@ -54,7 +105,7 @@ while i <= #ARGV do
   local ok = 1
   if token ~= '' then
     if live then
-      ok = redis.call('HDEL', KEYS[5 + 2 * levels + level], token)
+      ok = redis.call('HDEL', KEYS[PROCESSING + level], token)
     else
       ok = 0
     end
@@ -73,24 +124,26 @@ while i <= #ARGV do
         retried = retried + 1
       end
       if delay <= 0 then
-        redis.call('LPUSH', KEYS[5 + level], payload)
+        redis.call('LPUSH', KEYS[READY + level], payload)
         wake_fetchers = true
       else
-        local zset = KEYS[5 + levels + level]
-        redis.call('ZADD', zset, now + delay, payload)
+        local zset = KEYS[RETRY + level]
+        -- Members of a sorted set are unique, and two tasks can have the very same retry envelope (a producer
+        -- pushed one envelope twice): trailing spaces, which JSON ignores, keep each a member of its own.
+        while redis.call('ZADD', zset, 'NX', now + delay, payload) == 0 do
+          payload = payload .. ' '
+        end
         local head = redis.call('ZRANGE', zset, 0, 0)
         if head[1] == payload then
           wake_poller = true
         end
       end
-    elseif op == 'dead' then
+    else
       dead_lettered = dead_lettered + 1
       redis.call('LPUSH', dead, '{"dead_at":' .. string.format('%d', now) .. ',' .. string.sub(payload, 2))
       if uid ~= '' then
         redis.call('HDEL', uniq, uid)
       end
-    else
-      return redis.error_reply('settle.lua: unknown op ' .. op)
     end
   end
   result[#result + 1] = ok
@@ -110,4 +163,7 @@ end
 if wake_poller then
   redis.call('PUBLISH', channel, now)
 end
+-- Kept a day: long enough for any retry (a caller retries until Redis answers), then it cleans itself up
+-- after a daemon that died.
+redis.call('SET', last_call, call .. '|' .. table.concat(result, ','), 'PX', 86400000)
 return result

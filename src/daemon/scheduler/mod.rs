@@ -16,7 +16,7 @@ use serde_json::value::RawValue;
 
 use crate::broker::{self, Fired, Session};
 use crate::config::{Missed, ScheduleConfig};
-use crate::daemon::QueueContext;
+use crate::queue::QueueContext;
 use crate::shutdown::Listener;
 use crate::task::Envelope;
 

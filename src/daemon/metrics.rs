@@ -11,8 +11,8 @@ use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::lane::Lane;
 use crate::broker::{self, QueueStats, Session};
-use crate::daemon::QueueContext;
 use crate::shutdown::Listener;
 
 /// How long a client may take to send its request line.
@@ -87,7 +87,7 @@ const PER_QUEUE: [PerQueue; 9] = [
 
 pub struct Metrics {
     pub listener: TcpListener,
-    pub queues: Vec<Arc<QueueContext>>,
+    pub lanes: Vec<Arc<Lane>>,
     pub connection: Session,
     pub background: Listener,
 }
@@ -144,10 +144,10 @@ impl Metrics {
 
     /// The metrics page.
     pub fn render(&mut self) -> broker::Result<String> {
-        let mut stats = Vec::with_capacity(self.queues.len());
-        for queue in &self.queues {
+        let mut stats = Vec::with_capacity(self.lanes.len());
+        for lane in &self.lanes {
             let connection = self.connection.get()?;
-            stats.push(broker::stats(connection, &queue.keys)?);
+            stats.push(broker::stats(connection, &lane.queue.keys)?);
         }
         let mut out = String::new();
         let mut family =
@@ -160,8 +160,8 @@ impl Metrics {
                     let _ = writeln!(out, "{name}{{{labels}}} {value}");
                 }
             };
-        let queue_label = |queue: &QueueContext| format!("queue=\"{}\"", queue.config.name);
-        let pairs = || self.queues.iter().zip(&stats);
+        let queue_label = |lane: &Lane| format!("queue=\"{}\"", lane.name());
+        let pairs = || self.lanes.iter().zip(&stats);
         family(
             "kmqd_queue_ready",
             "gauge",
@@ -185,9 +185,18 @@ impl Metrics {
             "gauge",
             "Tasks this daemon holds (claimed, running or being settled).",
             &mut self
-                .queues
+                .lanes
                 .iter()
-                .map(|q| (queue_label(q), q.inflight.len() as f64)),
+                .map(|lane| (queue_label(lane), lane.held.len() as f64)),
+        );
+        family(
+            "kmqd_daemon_stuck_workers",
+            "gauge",
+            "Workers stuck in a handler that kept running after its task was taken (it ignores its cancel flag).",
+            &mut self
+                .lanes
+                .iter()
+                .map(|lane| (queue_label(lane), lane.capacity.stuck_workers() as f64)),
         );
         Ok(out)
     }

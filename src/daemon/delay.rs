@@ -15,8 +15,9 @@ use crossbeam_channel::{Receiver, Sender, select};
 
 use crate::broker::{self, Connector, Session};
 
-use crate::daemon::QueueContext;
-use crate::shutdown::{Backoff, Listener};
+use crate::queue::QueueContext;
+use crate::retry::Backoff;
+use crate::shutdown::Listener;
 
 /// The longest a poller sleeps without looking.
 pub const MAX_WAIT: Duration = Duration::from_secs(1);

@@ -1,20 +1,23 @@
 //! Workers: `workers` threads per queue that run tasks through their plugin and send the outcome to the acker.
+//!
+//! A worker resolves its task only if nobody took it meanwhile (see `resolve`): a late outcome after an
+//! execution timeout or a hand-back is dropped. A worker ends when the fetcher has gone and the jobs channel is
+//! empty; after the daemon stops claiming it hands back, unstarted, whatever job it still receives.
 
 use std::sync::Arc;
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 
-use crate::daemon::{Job, QueueContext};
+use super::Lane;
+use super::resolve::{Finished, Job, Outcome, Taken};
 use crate::plugin::{MESSAGE_CAPACITY, Registry, Run, Status};
 use crate::policy::Verdict;
-use crate::settlement::{self, Origin, Outcome};
 use crate::shutdown::Listener;
-use crate::task::Envelope;
+use crate::task::{Envelope, LOGGED_PAYLOAD_BYTES, capped};
 
 pub struct Worker {
-    pub queue: Arc<QueueContext>,
+    pub lane: Arc<Lane>,
     pub registry: Arc<Registry>,
-    pub daemon_id: Arc<str>,
     /// Fires when the daemon stops claiming: jobs still in the channel are handed back, not started.
     pub claiming: Listener,
     pub jobs: Receiver<Job>,
@@ -29,8 +32,8 @@ impl Worker {
             let job = match self.jobs.try_recv() {
                 Ok(job) => job,
                 Err(TryRecvError::Empty) => {
-                    // Nothing waiting: let the fetcher claim now rather than wait for a full batch of slots.
-                    self.queue.slots.nudge();
+                    // Nothing waiting: let the fetcher claim now rather than wait for a full batch.
+                    self.lane.capacity.nudge();
                     match self.jobs.recv() {
                         Ok(job) => job,
                         Err(_) => break,
@@ -39,35 +42,23 @@ impl Worker {
                 Err(TryRecvError::Disconnected) => break,
             };
             let outcome = if self.claiming.is_triggered() {
-                self.hand_back(job)
+                (job.state.take() == Some(Taken::Waiting))
+                    .then(|| self.lane.hand_back(job.id, &job.state))
             } else {
                 self.run_job(job, &mut message)
             };
             if let Some(outcome) = outcome {
-                // The acker outlives every worker (the supervisor stops it after them), so this fails only if
-                // the acker thread died, which the supervisor reports; the task is then recovered by its lease.
+                // The acker stops only once every held task is settled, this one included, so it is there to
+                // receive; a send fails only if the acker thread died, which the supervisor reports.
                 if self.outcomes.send(outcome).is_err() {
-                    tracing::error!(queue = %self.queue.config.name, "acker is gone; outcome dropped");
+                    tracing::error!(queue = %self.lane.name(), "acker is gone; outcome dropped");
                 }
             }
         }
     }
 
-    fn hand_back(&self, job: Job) -> Option<Outcome> {
-        if !job.state.resolve() {
-            return None;
-        }
-        let settlement =
-            settlement::handback(job.state.token.clone(), job.state.level, &job.state.payload);
-        Some(Outcome {
-            job: job.id,
-            settlement,
-            dead_hook: None,
-        })
-    }
-
     fn run_job(&self, job: Job, message: &mut Vec<u8>) -> Option<Outcome> {
-        let queue = &self.queue;
+        let queue = &self.lane.queue;
         let state = &job.state;
         if !state.start() {
             return None;
@@ -75,41 +66,41 @@ impl Worker {
         let (verdict, envelope) = queue.judge(&state.payload, |envelope| {
             self.verdict(&job, envelope, message)
         });
-        if !state.resolve() {
-            let id = envelope.as_ref().map_or("", Envelope::id_str);
-            tracing::warn!(queue = %queue.config.name, id, "outcome after the execution timeout or shutdown is ignored");
-            return None;
+        match state.finish() {
+            Finished::Resolved => {}
+            finished => {
+                let id = envelope.as_ref().map_or("", Envelope::id_str);
+                if finished == Finished::WasStuck {
+                    self.lane.capacity.unstuck();
+                    tracing::warn!(queue = %queue.config.name, id, "a stuck handler returned at last; its worker is back");
+                }
+                tracing::warn!(queue = %queue.config.name, id, "outcome after the execution timeout, a lost lease or the shutdown is ignored");
+                return None;
+            }
         }
-        let origin = Origin {
-            queue: &queue.config.name,
-            daemon: &self.daemon_id,
-        };
-        let (settlement, dead_hook) = settlement::decide(
-            &queue.policy,
-            &origin,
+        let (settlement, dead_hook) = queue.settle_verdict(
             verdict,
             state.token.clone(),
             state.level,
             &state.payload,
             envelope.as_ref(),
         );
-        Some(Outcome {
-            job: job.id,
-            settlement,
-            dead_hook,
-        })
+        Some(Outcome::settle(job.id, settlement, dead_hook))
     }
 
     /// Checks whether the task may run, runs it, and says how it went.
     fn verdict(&self, job: &Job, envelope: &Envelope, message: &mut Vec<u8>) -> Verdict {
-        let queue = &self.queue;
+        let queue = &self.lane.queue;
         let now_ms = job.claimed_at_ms + job.claimed_at.elapsed().as_millis() as i64;
         if let Some(reason) = queue.policy.too_old(envelope.created_at, now_ms) {
             return Verdict::Unrunnable { reason };
         }
         let Some(plugin) = self.registry.for_type(&envelope.kind) else {
             return Verdict::Unrunnable {
-                reason: format!("no plugin handles task type {:?}", envelope.kind),
+                reason: format!(
+                    "no plugin handles task type {:?}",
+                    capped(&envelope.kind, LOGGED_PAYLOAD_BYTES)
+                ),
             };
         };
         let run = Run {

@@ -1,0 +1,114 @@
+//! The heartbeat: one thread per daemon that renews the daemon's lease on each queue (one lease covers every
+//! task the daemon holds there), every third of the queue's `lease_timeout`.
+//!
+//! It has its own thread and its own connection, outside the pool, so busy or stuck handlers, a slow acker or a
+//! fetcher blocked in Redis never starve lease renewal (the cause of BullMQ's "could not renew lock"). That
+//! connection's read timeout is a quarter of the shortest lease (at most [`IO_TIMEOUT`], at least
+//! [`MIN_TIMEOUT`]): one slow reply costs a retry, not the lease. When a lease is lost anyway (the daemon was
+//! paused, or Redis lost its data), the tasks it covered are forgotten and their running handlers asked to stop:
+//! the monitors return those tasks to the queue, and the fetcher claims under a new owner.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use redis::Connection;
+
+use super::lane::Lane;
+use crate::broker::{self, Connector, IO_TIMEOUT};
+use crate::retry::Trouble;
+use crate::shutdown::Listener;
+
+/// How soon a failed renewal is tried again.
+const RETRY: Duration = Duration::from_millis(100);
+/// The shortest read timeout: below this a loaded but healthy Redis would look dead.
+pub const MIN_TIMEOUT: Duration = Duration::from_millis(50);
+
+pub struct Heartbeat {
+    pub lanes: Vec<Arc<Lane>>,
+    pub connector: Arc<Connector>,
+    /// Fires last: stop renewing.
+    pub background: Listener,
+}
+
+/// The heartbeat connection's read timeout for these lanes: a quarter of the shortest lease.
+pub fn read_timeout(lanes: &[Arc<Lane>]) -> Duration {
+    let shortest = lanes
+        .iter()
+        .map(|lane| lane.queue.config.lease_timeout)
+        .min()
+        .unwrap_or(IO_TIMEOUT);
+    (shortest / 4).clamp(MIN_TIMEOUT, IO_TIMEOUT)
+}
+
+impl Heartbeat {
+    pub fn run(self) {
+        let timeout = read_timeout(&self.lanes);
+        let mut connection: Option<Connection> = None;
+        let mut next_renewal: Vec<Instant> = vec![Instant::now(); self.lanes.len()];
+        let mut troubles: Vec<Trouble> = self
+            .lanes
+            .iter()
+            .map(|lane| Trouble::new("renewing the lease", Some(lane.name())))
+            .collect();
+        loop {
+            let mut wait = IO_TIMEOUT;
+            for ((lane, next), trouble) in
+                self.lanes.iter().zip(&mut next_renewal).zip(&mut troubles)
+            {
+                if Instant::now() >= *next {
+                    *next = Instant::now()
+                        + renew(lane, &self.connector, &mut connection, timeout, trouble);
+                }
+                wait = wait.min(next.saturating_duration_since(Instant::now()));
+            }
+            if self.background.wait(wait.max(Duration::from_millis(1))) {
+                break;
+            }
+        }
+        tracing::debug!("heartbeat stopped");
+    }
+}
+
+/// Renews the lane's owner, if it has one; returns when to renew next.
+fn renew(
+    lane: &Lane,
+    connector: &Connector,
+    connection: &mut Option<Connection>,
+    timeout: Duration,
+    trouble: &mut Trouble,
+) -> Duration {
+    let Some(owner) = lane.ownership.current() else {
+        return RETRY;
+    };
+    let lease = lane.queue.config.lease_timeout;
+    let result = match connection {
+        Some(connection) => broker::renew(connection, &lane.queue.keys, &owner, lease),
+        None => connector.connect_with_timeout(timeout).and_then(|fresh| {
+            broker::renew(connection.insert(fresh), &lane.queue.keys, &owner, lease)
+        }),
+    };
+    if result.is_ok() {
+        trouble.recovered();
+    }
+    match result {
+        Ok(true) => lease / 3,
+        Ok(false) => {
+            if lane.ownership.lose(&owner) {
+                let forgotten = lane.forget_owner(&owner);
+                tracing::warn!(
+                    queue = %lane.name(),
+                    %owner,
+                    forgotten,
+                    "lease ran out before renewal (was this daemon paused, or did Redis lose its data?); the \
+                     monitors return the tasks it held to the queue, and the fetcher claims under a new owner"
+                );
+            }
+            RETRY
+        }
+        Err(error) => {
+            trouble.failed(&error);
+            *connection = None;
+            RETRY
+        }
+    }
+}

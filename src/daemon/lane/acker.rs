@@ -1,0 +1,152 @@
+//! The acker: one thread per queue that applies outcomes to Redis in batches (one settle script call for up to
+//! [`MAX_BATCH`] outcomes), then forgets the tasks, frees their capacity, and runs the final-failure hooks of
+//! what was dead-lettered.
+//!
+//! An outcome is kept until Redis has answered for it: on a Redis error the same batch is sent again, as the same
+//! call (see [`Settler`]), so a batch whose reply was lost is applied once and its hooks run once. Meanwhile the
+//! tasks stay held (so the fetcher claims no more) and the heartbeat keeps the owner's lease alive.
+//!
+//! The acker stops once the lane is drained: the fetcher has stopped and every task it claimed is settled. Every
+//! held task is resolved exactly once (by its worker, a timeout, a hand-back or a lost lease), so every held task
+//! sends the outcome the acker waits for; a worker stuck in a handler does not hold it up.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, RecvTimeoutError};
+
+use super::Lane;
+use super::resolve::{Outcome, Resolution};
+use crate::broker::{Fence, Session, Settlement};
+use crate::daemon::settler::Settler;
+use crate::plugin::Registry;
+use crate::settlement;
+use crate::shutdown::Listener;
+
+/// The most outcomes settled in one script call.
+pub const MAX_BATCH: usize = 1000;
+
+/// How often an idle acker looks whether the lane is drained.
+const IDLE_CHECK: Duration = Duration::from_millis(50);
+
+pub struct Acker {
+    pub lane: Arc<Lane>,
+    pub registry: Arc<Registry>,
+    pub connection: Session,
+    pub outcomes: Receiver<Outcome>,
+    pub settler: Settler,
+    /// Fires when the daemon gives up waiting: the acker stops even if Redis keeps failing.
+    pub background: Listener,
+}
+
+impl Acker {
+    pub fn run(mut self) {
+        let mut batch = Vec::with_capacity(64);
+        loop {
+            match self.outcomes.recv_timeout(IDLE_CHECK) {
+                Ok(first) => {
+                    batch.push(first);
+                    batch.extend(self.outcomes.try_iter().take(MAX_BATCH - 1));
+                    if !self.settle(&mut batch) {
+                        break;
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+                // Every sender is gone (the lane itself holds one), so nothing more can come.
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+            if self.lane.drained() {
+                break;
+            }
+        }
+        let left = self.lane.capacity.held();
+        if left > 0 {
+            tracing::error!(
+                queue = %self.lane.name(),
+                left,
+                "stopping with unsettled outcomes: safe-mode tasks run again once their lease expires"
+            );
+        } else {
+            tracing::debug!(queue = %self.lane.name(), "acker stopped");
+        }
+    }
+
+    /// Applies a batch and empties it; false when the daemon gave up on Redis before it was applied.
+    fn settle(&mut self, batch: &mut Vec<Outcome>) -> bool {
+        // One script call per owner (nearly always one: a daemon claims under a new owner only after losing its
+        // lease); forgotten tasks need no call at all.
+        let mut owners: Vec<Option<Arc<str>>> = Vec::with_capacity(1);
+        for settlement in batch.iter().filter_map(Outcome::settlement) {
+            let owner = owner_of(settlement);
+            if !owners.contains(&owner) {
+                owners.push(owner);
+            }
+        }
+        for owner in owners {
+            let group: Vec<&Outcome> = batch
+                .iter()
+                .filter(|o| o.settlement().is_some_and(|s| owner_of(s) == owner))
+                .collect();
+            if !self.settle_owned(owner.as_deref(), &group) {
+                return false;
+            }
+        }
+        let lane = &self.lane;
+        lane.held.remove(batch.iter().map(|outcome| outcome.job));
+        // The tasks are settled: their capacity may be claimed again. Releasing only now bounds what the daemon
+        // holds, outcomes waiting for Redis included.
+        lane.capacity.release(batch.len());
+        batch.clear();
+        true
+    }
+
+    fn settle_owned(&mut self, owner: Option<&str>, group: &[&Outcome]) -> bool {
+        let lane = &self.lane;
+        let queue = &lane.queue;
+        let settlements: Vec<&Settlement> = group.iter().filter_map(|o| o.settlement()).collect();
+        let Some(settled) = self.settler.settle(
+            &mut self.connection,
+            &queue.keys,
+            Fence::Owner,
+            queue.config.dead_max,
+            owner,
+            &settlements,
+            &self.background,
+        ) else {
+            return false;
+        };
+        let stale = settled.stale_acks
+            + settled
+                .applied
+                .iter()
+                .filter(|ok| **ok == Some(false))
+                .count();
+        if stale > 0 {
+            tracing::warn!(
+                queue = %queue.config.name,
+                stale,
+                "outcomes arrived after their lease expired; a monitor had already queued those tasks again"
+            );
+        }
+        for (outcome, applied) in group.iter().zip(settled.applied) {
+            if let (
+                Resolution::Settle {
+                    dead_hook: Some(hook),
+                    ..
+                },
+                Some(true),
+            ) = (&outcome.resolution, applied)
+            {
+                settlement::run_dead_hook(&self.registry, &queue.config.name, hook);
+            }
+        }
+        true
+    }
+}
+
+fn owner_of(settlement: &Settlement) -> Option<Arc<str>> {
+    settlement
+        .token
+        .as_ref()
+        .map(|token| Arc::clone(&token.owner))
+}

@@ -1,0 +1,229 @@
+//! How many tasks a lane may hold, and so how many the fetcher may claim: the one owner of that number.
+//!
+//! A lane holds a task from the claim until the acker has settled it in Redis, whether it waits for a worker, runs,
+//! or waits for its settlement; what it may hold at once is bounded, so the daemon's memory stays bounded however
+//! far Redis or the acker fall behind. The bound counts *live* workers: a worker stuck inside a handler that
+//! ignored its cancel flag (see `resolve`) can start nothing, so it takes its share of the bound with it:
+//!
+//! ```text
+//! limit = live + ceil(prefetch * live / workers)      live = workers - stuck      (0 when every worker is stuck)
+//! ```
+//!
+//! With no stuck worker that is `workers + prefetch`, as configured. The fetcher claims at most `limit - held`;
+//! when stuck workers shrink the limit below what is held, the lane claims nothing until it falls back, and the
+//! timeouts thread hands back tasks that wait behind workers that are all stuck (so another daemon runs them).
+//!
+//! To claim in batches rather than one task per freed slot, the fetcher waits until `threshold` tasks may be
+//! claimed, unless the workers run dry first (a worker that finds no job [`Capacity::nudge`]s it). Releasing is
+//! an atomic subtraction; the fetcher is woken only when the free count crosses the threshold.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+#[derive(Debug)]
+pub struct Capacity {
+    workers: usize,
+    prefetch: usize,
+    threshold: usize,
+    /// Tasks claimed and not yet settled (or forgotten). Only the fetcher adds to it.
+    held: AtomicUsize,
+    /// Workers inside a handler whose task was taken from them more than STUCK_AFTER ago.
+    stuck: AtomicUsize,
+    lock: Mutex<()>,
+    wake: Condvar,
+}
+
+impl Capacity {
+    /// `workers` and `prefetch` as configured; the fetcher wakes when `threshold` (at least 1) may be claimed.
+    pub fn new(workers: usize, prefetch: usize, threshold: usize) -> Capacity {
+        Capacity {
+            workers: workers.max(1),
+            prefetch,
+            threshold: threshold.clamp(1, (workers + prefetch).max(1)),
+            held: AtomicUsize::new(0),
+            stuck: AtomicUsize::new(0),
+            lock: Mutex::new(()),
+            wake: Condvar::new(),
+        }
+    }
+
+    fn guard(&self) -> MutexGuard<'_, ()> {
+        // The mutex guards no data, only the wait; a poisoned one is as good.
+        self.lock
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Workers not stuck in a handler.
+    pub fn live_workers(&self) -> usize {
+        self.workers
+            .saturating_sub(self.stuck.load(Ordering::Acquire))
+    }
+
+    /// Workers stuck in a handler that ignored its cancel flag.
+    pub fn stuck_workers(&self) -> usize {
+        self.stuck.load(Ordering::Acquire)
+    }
+
+    /// Tasks held: claimed and not yet settled.
+    pub fn held(&self) -> usize {
+        self.held.load(Ordering::Acquire)
+    }
+
+    /// The most tasks the lane may hold now.
+    pub fn limit(&self) -> usize {
+        let live = self.live_workers();
+        if live == 0 {
+            return 0;
+        }
+        live + (self.prefetch * live).div_ceil(self.workers)
+    }
+
+    /// How many more tasks may be claimed now.
+    pub fn free(&self) -> usize {
+        self.limit().saturating_sub(self.held())
+    }
+
+    /// Waits up to `timeout` until the threshold may be claimed, or until something may and `starving()` says the
+    /// workers have nothing to do; then reserves up to `max`. Returns how many it reserved (0 on timeout); the
+    /// caller gives back what it did not claim with [`Capacity::release`].
+    pub fn acquire(&self, max: usize, timeout: Duration, starving: impl Fn() -> bool) -> usize {
+        let deadline = Instant::now() + timeout;
+        let mut guard = self.guard();
+        loop {
+            let free = self.free();
+            if free >= self.threshold || (free > 0 && starving()) {
+                // Only the fetcher adds to `held`, so `free` cannot shrink below this between the check and the add
+                // but for stuck workers, which only delays the next claim.
+                let taken = free.min(max);
+                self.held.fetch_add(taken, Ordering::AcqRel);
+                return taken;
+            }
+            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                return 0;
+            };
+            guard = self
+                .wake
+                .wait_timeout(guard, left)
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .0;
+        }
+    }
+
+    /// Gives back `n` reserved or held tasks (settled, forgotten, or never claimed).
+    pub fn release(&self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let before = self.free();
+        let previous = self.held.fetch_sub(n, Ordering::AcqRel);
+        debug_assert!(previous >= n, "released more than held");
+        self.wake_if_crossed(before);
+    }
+
+    /// A worker is stuck in a handler: it no longer counts as live.
+    pub fn stuck(&self) {
+        self.stuck.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A stuck worker's handler returned: it is live again.
+    pub fn unstuck(&self) {
+        let before = self.free();
+        self.stuck.fetch_sub(1, Ordering::AcqRel);
+        self.wake_if_crossed(before);
+    }
+
+    fn wake_if_crossed(&self, before: usize) {
+        if before < self.threshold && self.free() >= self.threshold {
+            let _guard = self.guard();
+            self.wake.notify_one();
+        }
+    }
+
+    /// A worker found no job waiting: wake the fetcher even below the threshold.
+    pub fn nudge(&self) {
+        let _guard = self.guard();
+        self.wake.notify_one();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn claims_batch_up_to_the_threshold_unless_workers_starve() {
+        let capacity = Capacity::new(4, 6, 4);
+        assert_eq!(capacity.acquire(100, Duration::ZERO, || false), 10);
+        capacity.release(2);
+        assert_eq!(
+            capacity.acquire(100, Duration::from_millis(1), || false),
+            0,
+            "2 free, below the threshold"
+        );
+        assert_eq!(
+            capacity.acquire(100, Duration::ZERO, || true),
+            2,
+            "starving workers get what is free"
+        );
+        capacity.release(5);
+        assert_eq!(
+            capacity.acquire(3, Duration::ZERO, || false),
+            3,
+            "at most max"
+        );
+        assert_eq!(capacity.acquire(100, Duration::ZERO, || true), 2);
+        assert_eq!(capacity.held(), 10);
+    }
+
+    #[test]
+    fn stuck_workers_take_their_share_of_the_prefetch_with_them() {
+        let capacity = Capacity::new(4, 4, 1);
+        assert_eq!(capacity.limit(), 8);
+        capacity.stuck();
+        assert_eq!(capacity.limit(), 3 + 3);
+        capacity.stuck();
+        capacity.stuck();
+        assert_eq!(capacity.limit(), 1 + 1);
+        capacity.stuck();
+        assert_eq!(
+            capacity.limit(),
+            0,
+            "nothing is claimed when every worker is stuck"
+        );
+        assert_eq!(capacity.acquire(10, Duration::ZERO, || true), 0);
+        capacity.unstuck();
+        assert_eq!(capacity.acquire(10, Duration::ZERO, || true), 2);
+    }
+
+    #[test]
+    fn crossing_the_threshold_wakes_a_waiting_fetcher() {
+        let capacity = Arc::new(Capacity::new(2, 2, 2));
+        assert_eq!(capacity.acquire(4, Duration::ZERO, || false), 4);
+        let waiter = {
+            let capacity = Arc::clone(&capacity);
+            std::thread::spawn(move || capacity.acquire(4, Duration::from_secs(60), || false))
+        };
+        capacity.release(1);
+        capacity.release(1);
+        assert_eq!(
+            waiter.join().unwrap(),
+            2,
+            "woken by the release that reached the threshold, not the timeout"
+        );
+    }
+
+    #[test]
+    fn a_stuck_worker_returning_wakes_a_waiting_fetcher() {
+        let capacity = Arc::new(Capacity::new(1, 0, 1));
+        capacity.stuck();
+        let waiter = {
+            let capacity = Arc::clone(&capacity);
+            std::thread::spawn(move || capacity.acquire(4, Duration::from_secs(60), || false))
+        };
+        capacity.unstuck();
+        assert_eq!(waiter.join().unwrap(), 1);
+    }
+}

@@ -1,0 +1,250 @@
+//! A lane: the pipeline of one queue, in the order a task flows through it.
+//!
+//! ```text
+//!  Redis ──claim/pop──▶ fetcher ──jobs (bounded)──▶ workers ──outcomes (bounded)──▶ acker ──settle──▶ Redis
+//!                          │                           │                             ▲
+//!                          └──── held tasks, capacity ─┴── timeouts, heartbeat, shutdown (resolve.rs) ──┘
+//! ```
+//!
+//! - [`fetcher`]: takes tasks from Redis, never more than [`capacity`] allows;
+//! - [`worker`]: `workers` threads that run tasks through their plugin;
+//! - [`acker`]: applies outcomes to Redis in batches, then forgets the tasks and frees their capacity;
+//! - [`resolve`]: who decides a held task's outcome (exactly one party), with the state diagram;
+//! - [`capacity`]: how many tasks the lane may hold, counting workers stuck in a handler as used.
+//!
+//! Each stage ends when its upstream is done: the workers when the fetcher has dropped the jobs channel and it
+//! is empty; the acker when the fetcher is gone and every task it claimed is settled (held reaches zero). The
+//! acker counts held tasks rather than waiting for every outcome sender to drop, because a worker stuck in a
+//! handler that ignores its cancel flag never returns, so its sender would never drop; its task was resolved by
+//! someone else, whose outcome the acker does wait for. The supervisor (`daemon`) joins the stages in that order,
+//! each with a bounded wait.
+
+pub mod acker;
+pub mod capacity;
+pub mod fetcher;
+pub mod resolve;
+pub mod worker;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use crossbeam_channel::{Receiver, Sender, TrySendError};
+
+use crate::config::QueueConfig;
+use crate::queue::QueueContext;
+use capacity::Capacity;
+use resolve::{JobId, JobState, Outcome};
+
+/// How many tasks may be claimed before the fetcher claims again (unless the workers run dry first): a full batch,
+/// or half of the lane's bound when that is smaller, so that claims stay large and workers never wait on a round
+/// trip.
+pub fn fetch_threshold(queue: &QueueConfig) -> usize {
+    queue.batch.min((queue.workers + queue.prefetch) / 2).max(1)
+}
+
+/// What the threads of one lane, and the per-daemon threads that act on it, share.
+#[derive(Debug)]
+pub struct Lane {
+    pub queue: Arc<QueueContext>,
+    pub capacity: Capacity,
+    /// The tasks this daemon holds for the queue: claimed and not yet settled.
+    pub held: Held,
+    /// This daemon's claim identity on the queue.
+    pub ownership: Ownership,
+    /// Tasks taken from their worker while it ran them, whose handler has not returned yet (the timeouts thread
+    /// declares their workers stuck after a while, and forgets them when the handler returns).
+    orphans: Mutex<Vec<(Arc<JobState>, Instant)>>,
+    /// Set by the fetcher when it stops: nothing will be claimed any more.
+    fetcher_done: AtomicBool,
+    /// To the acker, for resolutions made outside the workers (timeouts, hand-backs, lost leases). Bounded by the
+    /// most tasks the lane may hold, since each held task is resolved once: a send never waits for room.
+    outcomes: Sender<Outcome>,
+    /// The reference point for the times kept in atomics.
+    pub epoch: Instant,
+}
+
+impl Lane {
+    /// A lane for `queue`, and the receiving end of its outcomes channel (the acker's).
+    pub fn new(queue: Arc<QueueContext>, epoch: Instant) -> (Lane, Receiver<Outcome>) {
+        let config = &queue.config;
+        let bound = config.workers + config.prefetch;
+        let (outcomes, receiver) = crossbeam_channel::bounded(bound);
+        let lane = Lane {
+            capacity: Capacity::new(config.workers, config.prefetch, fetch_threshold(config)),
+            held: Held::default(),
+            ownership: Ownership::default(),
+            orphans: Mutex::new(Vec::new()),
+            fetcher_done: AtomicBool::new(false),
+            outcomes,
+            epoch,
+            queue,
+        };
+        (lane, receiver)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.queue.config.name
+    }
+
+    /// A sender for the lane's outcomes (one per worker).
+    pub fn outcome_sender(&self) -> Sender<Outcome> {
+        self.outcomes.clone()
+    }
+
+    /// Sends an outcome decided outside the workers.
+    pub fn send(&self, outcome: Outcome) {
+        match self.outcomes.try_send(outcome) {
+            Ok(()) => {}
+            // The channel has room for every held task, and each is resolved once; a full channel is a bug, and
+            // the task then stays held until shutdown, its lease keeping it safe in Redis.
+            Err(TrySendError::Full(outcome)) => {
+                tracing::error!(queue = %self.name(), job = outcome.job, "outcome channel full; the task stays held")
+            }
+            Err(TrySendError::Disconnected(_)) => {
+                tracing::error!(queue = %self.name(), "the acker is gone; outcome dropped")
+            }
+        }
+    }
+
+    /// Records a task taken from its worker while it ran.
+    pub fn orphaned(&self, state: Arc<JobState>) {
+        lock(&self.orphans).push((state, Instant::now()));
+    }
+
+    /// The orphans whose handler has not returned, with when they were orphaned; forgets the others.
+    pub fn orphans(&self) -> Vec<(Arc<JobState>, Instant)> {
+        let mut orphans = lock(&self.orphans);
+        orphans.retain(|(state, _)| state.is_orphaned());
+        orphans.clone()
+    }
+
+    pub fn fetcher_stopped(&self) {
+        self.fetcher_done.store(true, Ordering::Release);
+    }
+
+    /// Whether the lane is done: the fetcher stopped and every task it claimed is settled or forgotten.
+    pub fn drained(&self) -> bool {
+        self.fetcher_done.load(Ordering::Acquire) && self.capacity.held() == 0
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every lock here guards plain collections whose operations do not panic midway; a poisoned one is consistent.
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The table of the tasks a lane holds. The hot path takes its lock once per claimed batch (insert) and once per
+/// settled batch (remove); a task's phase is an atomic in its [`JobState`], shared with the worker.
+#[derive(Debug, Default)]
+pub struct Held {
+    entries: Mutex<HashMap<JobId, Arc<JobState>>>,
+    next_id: AtomicU64,
+}
+
+impl Held {
+    /// Records newly taken tasks, under one lock.
+    pub fn insert(&self, tasks: impl IntoIterator<Item = JobState>) -> Vec<(JobId, Arc<JobState>)> {
+        let tasks: Vec<(JobId, Arc<JobState>)> = tasks
+            .into_iter()
+            .map(|state| {
+                (
+                    self.next_id.fetch_add(1, Ordering::Relaxed),
+                    Arc::new(state),
+                )
+            })
+            .collect();
+        let mut entries = lock(&self.entries);
+        for (id, state) in &tasks {
+            entries.insert(*id, Arc::clone(state));
+        }
+        tasks
+    }
+
+    /// Forgets settled tasks.
+    pub fn remove(&self, ids: impl IntoIterator<Item = JobId>) {
+        let mut entries = lock(&self.entries);
+        for id in ids {
+            entries.remove(&id);
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        lock(&self.entries).len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The held tasks `matches` selects, for a resolver to take.
+    pub fn select(
+        &self,
+        mut matches: impl FnMut(&JobState) -> bool,
+    ) -> Vec<(JobId, Arc<JobState>)> {
+        lock(&self.entries)
+            .iter()
+            .filter(|(_, state)| matches(state))
+            .map(|(id, state)| (*id, Arc::clone(state)))
+            .collect()
+    }
+}
+
+/// This daemon's owner on the queue (its claim identity, with one lease for every task it holds) and the counter
+/// its claim tokens come from.
+///
+/// The fetcher registers an owner on its first claim; when the lease is lost (the daemon was silent longer than
+/// `lease_timeout`), the heartbeat or the fetcher drops it and the fetcher registers a new one. Tasks claimed
+/// under the old owner keep their tokens, so their late outcomes are fenced against the monitors.
+#[derive(Debug, Default)]
+pub struct Ownership {
+    current: Mutex<Option<Arc<str>>>,
+    next_token: AtomicU64,
+}
+
+impl Ownership {
+    /// The owner to claim under, if one is registered.
+    pub fn current(&self) -> Option<Arc<str>> {
+        lock(&self.current).clone()
+    }
+
+    /// Records a newly registered owner.
+    pub fn set(&self, owner: Arc<str>) {
+        *lock(&self.current) = Some(owner);
+    }
+
+    /// Forgets `owner` after its lease was lost (unless a newer one replaced it already); true if it was current.
+    pub fn lose(&self, owner: &str) -> bool {
+        let mut current = lock(&self.current);
+        if current.as_deref() == Some(owner) {
+            *current = None;
+            return true;
+        }
+        false
+    }
+
+    /// Reserves `n` claim tokens; returns the first.
+    pub fn tokens(&self, n: usize) -> u64 {
+        self.next_token.fetch_add(n as u64, Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lost_owner_is_forgotten_only_if_still_current() {
+        let ownership = Ownership::default();
+        ownership.set(Arc::from("o1"));
+        ownership.set(Arc::from("o2"));
+        assert!(!ownership.lose("o1"), "o2 replaced it");
+        assert_eq!(ownership.current().as_deref(), Some("o2"));
+        assert!(ownership.lose("o2"));
+        assert_eq!(ownership.current(), None);
+        assert_eq!((ownership.tokens(10), ownership.tokens(5)), (0, 10));
+    }
+}

@@ -1,0 +1,516 @@
+//! Who decides a held task's outcome: the one place that says it, for every party that could.
+//!
+//! A task the fetcher took from Redis is *held* until the acker has settled its outcome there. While it is held,
+//! exactly one party *resolves* it, that is, decides the outcome the acker will apply:
+//!
+//! - the **worker** that ran it, when the handler returned in time;
+//! - the **execution timeout** (the `kmqd-timeouts` thread), when the handler ran too long;
+//! - the **shutdown**, which hands back what did not finish within `shutdown_grace`;
+//! - the **capacity guard**, which hands back tasks waiting behind workers that are all stuck;
+//! - the **heartbeat**, when the owner's lease was lost: the monitors recover the task, this daemon forgets it.
+//!
+//! Every resolution sends exactly one [`Outcome`] to the lane's acker, which is the only party that forgets a
+//! held task and frees its capacity. The phases, one atomic per task ([`JobState`]):
+//!
+//! ```text
+//!             start (worker)                 finish (worker): its outcome counts
+//!   WAITING ───────────────────▶ RUNNING ─────────────────────────────────────────▶ RESOLVED
+//!      │                            │                                                  ▲  ▲
+//!      │ take (anyone else):        │ take (anyone else): cancel raised,               │  │
+//!      │ nobody runs it             ▼ the taker's outcome counts                       │  │
+//!      └─────────────────────▶ RESOLVED   ORPHANED ── finish (worker): outcome dropped ─┘  │
+//!                                            │                                             │
+//!                                            │ still running STUCK_AFTER later (timeouts)  │
+//!                                            ▼                                             │
+//!                                          STUCK ──── finish (worker): outcome dropped, ───┘
+//!                                                     its capacity given back
+//! ```
+//!
+//! Every arrow is one compare-and-swap on the phase, so two parties can never both win a task: `take` reports
+//! whether it found the task waiting or running (a waiting task nobody will run; a running one whose handler is
+//! still inside the plugin). A worker that stays inside a handler after its task was taken counts as *stuck*
+//! once STUCK_AFTER has passed: its thread is busy although it holds no task, and the lane's capacity shrinks by
+//! one until the handler returns.
+//!
+//! The loom tests at the end check these claims under every interleaving loom explores
+//! (`RUSTFLAGS="--cfg loom" cargo test --release --lib loom`, which `scripts/test` runs).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+// Only the phase is what the loom tests model; the cancel flag (read by plugins through the C ABI) and the start
+// time stay std atomics in every build.
+#[cfg(loom)]
+use loom::sync::atomic::AtomicU8;
+#[cfg(not(loom))]
+use std::sync::atomic::AtomicU8;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use super::Lane;
+use crate::broker::{Settlement, Token};
+use crate::config::Mode;
+use crate::policy::Verdict;
+use crate::settlement::{self, DeadHook};
+
+/// A local handle for a task held by this daemon (unique within the process).
+pub type JobId = u64;
+
+const WAITING: u8 = 0;
+const RUNNING: u8 = 1;
+const RESOLVED: u8 = 2;
+const ORPHANED: u8 = 3;
+const STUCK: u8 = 4;
+
+/// One task held by the daemon, shared by the lane's table of held tasks and the worker that runs it.
+#[derive(Debug)]
+pub struct JobState {
+    /// Safe mode: the claim that fences the task's settlement.
+    pub token: Option<Token>,
+    /// The priority level it came from.
+    pub level: usize,
+    /// The payload exactly as taken from Redis (not necessarily UTF-8: a bad one is dead-lettered as it is).
+    pub payload: Box<[u8]>,
+    /// Raised (non-zero) to ask the handler to stop; the ABI points plugins at it.
+    pub cancel: AtomicU32,
+    phase: AtomicU8,
+    /// When a worker started it, ns since `epoch`.
+    started_ns: AtomicU64,
+    /// The lane's reference point for times kept in atomics.
+    epoch: Instant,
+}
+
+/// What `take` found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Taken {
+    /// No worker had started it: nobody will.
+    Waiting,
+    /// A worker is running it; its cancel flag is now raised, and whatever the handler returns is dropped.
+    Running,
+}
+
+/// What `finish` found, for the worker whose handler returned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finished {
+    /// The worker resolves the task: its outcome is the one applied.
+    Resolved,
+    /// Someone took the task while it ran: the outcome is dropped.
+    Orphaned,
+    /// As `Orphaned`, and the worker had been counted stuck: its capacity is to be given back.
+    WasStuck,
+}
+
+impl JobState {
+    pub fn new(token: Option<Token>, level: usize, payload: Box<[u8]>, epoch: Instant) -> JobState {
+        JobState {
+            token,
+            level,
+            payload,
+            cancel: AtomicU32::new(0),
+            phase: AtomicU8::new(WAITING),
+            started_ns: AtomicU64::new(0),
+            epoch,
+        }
+    }
+
+    /// A worker is about to run the task; false when someone took it first (it must not run).
+    pub fn start(&self) -> bool {
+        self.started_ns
+            .store(self.epoch.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        self.phase
+            .compare_exchange(WAITING, RUNNING, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    /// The worker's handler returned: resolves the task unless someone took it meanwhile.
+    pub fn finish(&self) -> Finished {
+        match self.phase.swap(RESOLVED, Ordering::AcqRel) {
+            RUNNING => Finished::Resolved,
+            STUCK => Finished::WasStuck,
+            // ORPHANED; RESOLVED and WAITING cannot be seen by the worker that started the task.
+            _ => Finished::Orphaned,
+        }
+    }
+
+    /// Someone other than the worker resolves the task; `None` when it was resolved already (by its worker or
+    /// another taker). A running task gets its cancel flag raised.
+    pub fn take(&self) -> Option<Taken> {
+        let mut phase = self.phase.load(Ordering::Acquire);
+        loop {
+            let (next, taken) = match phase {
+                WAITING => (RESOLVED, Taken::Waiting),
+                RUNNING => (ORPHANED, Taken::Running),
+                _ => return None,
+            };
+            match self
+                .phase
+                .compare_exchange(phase, next, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => {
+                    if taken == Taken::Running {
+                        self.cancel.store(1, Ordering::SeqCst);
+                    }
+                    return Some(taken);
+                }
+                Err(current) => phase = current,
+            }
+        }
+    }
+
+    /// A taken task whose handler has not returned yet is declared stuck; true if this call did it (so the
+    /// caller counts the worker out of the lane's capacity exactly once).
+    pub fn mark_stuck(&self) -> bool {
+        self.phase
+            .compare_exchange(ORPHANED, STUCK, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    /// Whether the task was taken while running and its handler has not returned yet.
+    pub fn is_orphaned(&self) -> bool {
+        matches!(self.phase.load(Ordering::Acquire), ORPHANED | STUCK)
+    }
+
+    /// Whether no worker has started it and nobody took it.
+    pub fn is_waiting(&self) -> bool {
+        self.phase.load(Ordering::Acquire) == WAITING
+    }
+
+    /// How long it has been running, if it is.
+    pub fn running_for(&self) -> Option<Duration> {
+        (self.phase.load(Ordering::Acquire) == RUNNING).then(|| {
+            let started = Duration::from_nanos(self.started_ns.load(Ordering::Relaxed));
+            self.epoch.elapsed().saturating_sub(started)
+        })
+    }
+}
+
+/// A task handed from the fetcher to a worker.
+#[derive(Debug)]
+pub struct Job {
+    pub id: JobId,
+    /// Shared with the table of held tasks.
+    pub state: Arc<JobState>,
+    /// Redis's clock when the task was taken, ms.
+    pub claimed_at_ms: i64,
+    /// The local clock at the same moment, to advance `claimed_at_ms` without asking Redis.
+    pub claimed_at: Instant,
+}
+
+/// A resolved task on its way to the acker.
+#[derive(Debug)]
+pub struct Outcome {
+    /// The held task to forget once this is applied.
+    pub job: JobId,
+    pub resolution: Resolution,
+}
+
+#[derive(Debug)]
+pub enum Resolution {
+    /// Apply this to Redis; then, for a dead letter of a decodable task, call the plugin's `on_dead`.
+    /// Boxed: an envelope is large, and outcomes travel through channels by value.
+    Settle {
+        settlement: Settlement,
+        dead_hook: Option<Box<DeadHook>>,
+    },
+    /// Nothing to apply: the task is no longer this daemon's (its lease was lost, or a default-mode task whose
+    /// handler outlived the shutdown). Only forget it.
+    Forget,
+}
+
+impl Outcome {
+    pub fn settle(job: JobId, settlement: Settlement, dead_hook: Option<Box<DeadHook>>) -> Outcome {
+        Outcome {
+            job,
+            resolution: Resolution::Settle {
+                settlement,
+                dead_hook,
+            },
+        }
+    }
+
+    pub fn forget(job: JobId) -> Outcome {
+        Outcome {
+            job,
+            resolution: Resolution::Forget,
+        }
+    }
+
+    /// The settlement, unless the task is only forgotten.
+    pub fn settlement(&self) -> Option<&Settlement> {
+        match &self.resolution {
+            Resolution::Settle { settlement, .. } => Some(settlement),
+            Resolution::Forget => None,
+        }
+    }
+}
+
+/// The resolutions made outside the workers: each takes tasks with [`JobState::take`] and sends exactly one
+/// outcome for each task it won.
+impl Lane {
+    /// Execution timeouts: every run of the queue past `timeout` is taken (its cancel flag raised) and counted as
+    /// a failed attempt; whatever the handler returns later is dropped.
+    pub fn time_out_overdue(&self, timeout: Duration) {
+        let overdue = self
+            .held
+            .select(|state| state.running_for().is_some_and(|running| running > timeout));
+        for (job, state) in overdue {
+            if state.take() != Some(Taken::Running) {
+                continue;
+            }
+            self.orphaned(Arc::clone(&state));
+            let queue = &self.queue;
+            let envelope = queue.decode(&state.payload).ok();
+            let verdict = Verdict::HandlerError {
+                reason: format!(
+                    "execution timeout: still running after {}",
+                    humantime::format_duration(timeout)
+                ),
+                after: None,
+            };
+            let (settlement, dead_hook) = queue.settle_verdict(
+                verdict,
+                state.token.clone(),
+                state.level,
+                &state.payload,
+                envelope.as_ref(),
+            );
+            self.send(Outcome::settle(job, settlement, dead_hook));
+        }
+    }
+
+    /// The outcome of a task taken back before it ran (or, in safe mode, while it ran): it goes to the front of
+    /// its level unchanged.
+    pub fn hand_back(&self, job: JobId, state: &JobState) -> Outcome {
+        let settlement = settlement::handback(state.token.clone(), state.level, &state.payload);
+        Outcome::settle(job, settlement, None)
+    }
+
+    /// Shutdown, once `shutdown_grace` is over: takes every task not resolved yet. Waiting ones are handed back;
+    /// running ones are handed back too in safe mode (they may run twice: at least once), and in default mode are
+    /// reported lost (handing them back could run them twice while they still run).
+    pub fn hand_back_unresolved(&self) {
+        for (job, state) in self.held.select(|_| true) {
+            match state.take() {
+                None => {}
+                Some(Taken::Waiting) => self.send(self.hand_back(job, &state)),
+                Some(Taken::Running) => {
+                    self.orphaned(Arc::clone(&state));
+                    if self.queue.config.mode == Mode::Safe {
+                        self.send(self.hand_back(job, &state));
+                    } else {
+                        tracing::warn!(
+                            queue = %self.name(),
+                            payload = %capped_payload(&state.payload),
+                            "handler still running after shutdown_grace; default mode cannot hand it back, the task is lost"
+                        );
+                        self.send(Outcome::forget(job));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Every worker is stuck: hands back the tasks waiting for one, so another daemon runs them. Returns how many.
+    pub fn hand_back_waiting(&self) -> usize {
+        let mut handed_back = 0;
+        for (job, state) in self.held.select(JobState::is_waiting) {
+            if state.take() == Some(Taken::Waiting) {
+                self.send(self.hand_back(job, &state));
+                handed_back += 1;
+            }
+        }
+        handed_back
+    }
+
+    /// `owner`'s lease was lost: the monitors return its tasks to the queue, so this daemon forgets them. Running
+    /// ones get their cancel flag raised (another daemon will run them). Returns how many it forgot.
+    pub fn forget_owner(&self, owner: &str) -> usize {
+        let mut forgotten = 0;
+        let owned = self.held.select(|state| {
+            state
+                .token
+                .as_ref()
+                .is_some_and(|token| &*token.owner == owner)
+        });
+        for (job, state) in owned {
+            match state.take() {
+                None => continue,
+                Some(Taken::Waiting) => {}
+                Some(Taken::Running) => self.orphaned(Arc::clone(&state)),
+            }
+            self.send(Outcome::forget(job));
+            forgotten += 1;
+        }
+        forgotten
+    }
+}
+
+/// A payload for a log line: at most a few hundred bytes of it, so one huge task cannot flood the log.
+pub fn capped_payload(payload: &[u8]) -> String {
+    crate::task::capped(
+        &String::from_utf8_lossy(payload),
+        crate::task::LOGGED_PAYLOAD_BYTES,
+    )
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    fn job() -> JobState {
+        JobState::new(None, 0, Box::default(), Instant::now())
+    }
+
+    #[test]
+    fn a_waiting_task_taken_is_never_started() {
+        let state = job();
+        assert_eq!(state.take(), Some(Taken::Waiting));
+        assert!(!state.start(), "the worker skips it");
+        assert_eq!(state.take(), None, "and nobody takes it twice");
+        assert_eq!(state.cancel.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn a_running_task_taken_drops_the_workers_outcome_and_raises_cancel() {
+        let state = job();
+        assert!(state.start());
+        assert!(state.running_for().is_some());
+        assert_eq!(state.take(), Some(Taken::Running));
+        assert_eq!(state.cancel.load(Ordering::SeqCst), 1);
+        assert!(state.is_orphaned());
+        assert_eq!(state.finish(), Finished::Orphaned);
+        assert!(!state.is_orphaned());
+    }
+
+    #[test]
+    fn a_stuck_worker_is_counted_once_and_given_back_when_it_returns() {
+        let state = job();
+        assert!(state.start());
+        assert_eq!(state.take(), Some(Taken::Running));
+        assert!(state.mark_stuck());
+        assert!(!state.mark_stuck(), "counted once");
+        assert_eq!(state.take(), None);
+        assert_eq!(state.finish(), Finished::WasStuck);
+    }
+
+    #[test]
+    fn a_worker_that_finishes_first_wins() {
+        let state = job();
+        assert!(state.start());
+        assert_eq!(state.finish(), Finished::Resolved);
+        assert_eq!(state.take(), None, "the timeout comes too late");
+        assert!(!state.mark_stuck());
+    }
+}
+
+/// Under every interleaving loom explores: exactly one party resolves a task; a task taken while waiting never
+/// runs; a worker is counted stuck at most once and given back exactly when it was counted.
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use loom::sync::atomic::AtomicUsize;
+    use loom::thread;
+
+    /// The worker's side: start, (run), finish. Returns whether it resolved the task, and whether it gave back a
+    /// stuck count.
+    fn worker(state: &JobState) -> (bool, bool) {
+        if !state.start() {
+            return (false, false);
+        }
+        match state.finish() {
+            Finished::Resolved => (true, false),
+            Finished::Orphaned => (false, false),
+            Finished::WasStuck => (false, true),
+        }
+    }
+
+    #[test]
+    fn exactly_one_of_worker_timeout_and_shutdown_resolves() {
+        loom::model(|| {
+            let state = Arc::new(JobState::new(None, 0, Box::default(), Instant::now()));
+            let resolved = Arc::new(AtomicUsize::new(0));
+            let stuck = Arc::new(AtomicUsize::new(0));
+            let given_back = Arc::new(AtomicUsize::new(0));
+            let ran = Arc::new(AtomicUsize::new(0));
+            let w = {
+                let (state, resolved, given_back, ran) = (
+                    Arc::clone(&state),
+                    Arc::clone(&resolved),
+                    Arc::clone(&given_back),
+                    Arc::clone(&ran),
+                );
+                thread::spawn(move || {
+                    let started = state.start();
+                    if started {
+                        ran.fetch_add(1, Ordering::SeqCst);
+                        match state.finish() {
+                            Finished::Resolved => {
+                                resolved.fetch_add(1, Ordering::SeqCst);
+                            }
+                            Finished::Orphaned => {}
+                            Finished::WasStuck => {
+                                given_back.fetch_add(1, Ordering::SeqCst);
+                            }
+                        }
+                    }
+                })
+            };
+            // The execution timeout: takes a running task, later declares its worker stuck.
+            let t = {
+                let (state, resolved, stuck) = (
+                    Arc::clone(&state),
+                    Arc::clone(&resolved),
+                    Arc::clone(&stuck),
+                );
+                thread::spawn(move || {
+                    if state.running_for().is_some() && state.take().is_some() {
+                        resolved.fetch_add(1, Ordering::SeqCst);
+                    }
+                    if state.mark_stuck() {
+                        stuck.fetch_add(1, Ordering::SeqCst);
+                    }
+                })
+            };
+            // The shutdown: takes whatever is not resolved yet.
+            let taken_waiting = match state.take() {
+                Some(taken) => {
+                    resolved.fetch_add(1, Ordering::SeqCst);
+                    taken == Taken::Waiting
+                }
+                None => false,
+            };
+            w.join().unwrap();
+            t.join().unwrap();
+            assert_eq!(resolved.load(Ordering::SeqCst), 1, "exactly one resolver");
+            if taken_waiting {
+                assert_eq!(
+                    ran.load(Ordering::SeqCst),
+                    0,
+                    "taken while waiting: never ran"
+                );
+            }
+            assert_eq!(
+                stuck.load(Ordering::SeqCst),
+                given_back.load(Ordering::SeqCst),
+                "a worker counted stuck is given back exactly once, when its handler returns"
+            );
+        });
+    }
+
+    #[test]
+    fn two_takers_never_both_win() {
+        loom::model(|| {
+            let state = Arc::new(JobState::new(None, 0, Box::default(), Instant::now()));
+            let other = {
+                let state = Arc::clone(&state);
+                thread::spawn(move || state.take().is_some())
+            };
+            let (started, _) = worker(&state);
+            let mine = state.take().is_some();
+            let theirs = other.join().unwrap();
+            assert!(!(mine && theirs), "two takers won");
+            if !started {
+                assert!(mine || theirs, "a task that never started was taken");
+            }
+        });
+    }
+}

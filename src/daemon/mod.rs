@@ -1,0 +1,443 @@
+//! The supervisor: starts every thread of the daemon, watches them, and runs the shutdown sequence.
+//!
+//! Per queue a [`lane`] (fetcher, `workers` workers, acker) and a delay poller; per daemon the [`heartbeat`],
+//! the [`monitor`], the [`timeouts`] thread, the delay listener, the [`scheduler`] (when there are schedules) and
+//! the [`metrics`] endpoint (when configured). Each thread is named after its module (`kmqd-worker-mail-3`) and
+//! reports its end on the event channel, so the supervisor's loop is one `select!` over a closed set of events.
+//!
+//! Shutdown (docs/OPERATIONS.md, "Stopping"), stage by stage, each wait bounded:
+//! 1. *claiming* fires: fetchers stop (what a claim in flight still brings is handed back at once); workers hand
+//!    back the jobs they have not started;
+//! 2. running handlers get `shutdown_grace` to finish; the supervisor waits for the workers and the fetchers;
+//! 3. whatever is still unresolved is taken: handed back (in default mode, a task still running is reported lost);
+//! 4. the ackers settle what they hold and stop once their lane is drained (at most [`SETTLE_DEADLINE`]);
+//! 5. owners are released; *background* fires: heartbeat, monitor, timeouts, delay threads and the rest stop;
+//! 6. plugins' `shutdown` runs, only if no thread that may call into a plugin is still alive.
+
+pub mod delay;
+pub mod heartbeat;
+pub mod lane;
+pub mod metrics;
+pub mod monitor;
+pub mod scheduler;
+pub mod settler;
+pub mod signals;
+pub mod timeouts;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender, select};
+
+use crate::broker::{self, BrokerError, Connector, Session};
+use crate::config::Config;
+use crate::plugin::Registry;
+use crate::queue::QueueContext;
+use crate::shutdown::Trigger;
+use delay::{DelayListener, DelayPoller};
+use heartbeat::Heartbeat;
+use lane::Lane;
+use lane::acker::Acker;
+use lane::fetcher::Fetcher;
+use lane::worker::Worker;
+use metrics::Metrics;
+use monitor::{Monitor, Watched};
+use scheduler::Scheduler;
+use settler::Settler;
+use timeouts::Timeouts;
+
+/// How long the ackers get to apply what they hold once every task is resolved.
+pub const SETTLE_DEADLINE: Duration = Duration::from_secs(10);
+/// How long the background threads get to notice the last phase (their blocking calls time out within ~1 s, or
+/// within the heartbeat's read timeout).
+pub const BACKGROUND_DEADLINE: Duration = Duration::from_secs(15);
+/// How long a fetcher gets, beyond `idle_poll`, to come back from Redis once claiming stopped.
+pub const FETCHER_DEADLINE: Duration = Duration::from_secs(11);
+
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error(transparent)]
+    Broker(#[from] BrokerError),
+    #[error("cannot listen on metrics_addr {addr}: {source}")]
+    Metrics {
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("cannot start thread {name}: {source}")]
+    Spawn {
+        name: String,
+        source: std::io::Error,
+    },
+    #[error("thread {name} {how}; the daemon stopped so that it does not run with a part missing")]
+    ThreadDied { name: String, how: &'static str },
+}
+
+/// What the supervisor reacts to.
+enum Event {
+    /// A thread ended (its closure returned or panicked).
+    Exited { name: String, panicked: bool },
+}
+
+/// What a thread is to the shutdown sequence, which waits for each role in turn.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Role {
+    Fetcher,
+    Worker,
+    Acker,
+    /// The monitor: it calls plugins' `on_dead`, so plugins are not shut down while it lives.
+    Monitor,
+    Other,
+}
+
+/// Sends `Event::Exited` when the thread ends, however it ends.
+struct ExitGuard {
+    name: String,
+    events: Sender<Event>,
+}
+
+impl Drop for ExitGuard {
+    fn drop(&mut self) {
+        let name = std::mem::take(&mut self.name);
+        // The supervisor may have stopped listening at the very end; nothing is left to tell then.
+        let _ = self.events.send(Event::Exited {
+            name,
+            panicked: std::thread::panicking(),
+        });
+    }
+}
+
+/// The threads the supervisor started and has not seen end.
+struct Threads {
+    events: Sender<Event>,
+    live: HashMap<String, (Role, JoinHandle<()>)>,
+}
+
+impl Threads {
+    fn spawn(
+        &mut self,
+        name: String,
+        role: Role,
+        body: impl FnOnce() + Send + 'static,
+    ) -> Result<(), DaemonError> {
+        let guard = ExitGuard {
+            name: name.clone(),
+            events: self.events.clone(),
+        };
+        let handle = std::thread::Builder::new()
+            .name(name.clone())
+            .spawn(move || {
+                let _guard = guard;
+                body();
+            })
+            .map_err(|source| DaemonError::Spawn {
+                name: name.clone(),
+                source,
+            })?;
+        self.live.insert(name, (role, handle));
+        Ok(())
+    }
+
+    /// Joins a thread that reported its end.
+    fn exited(&mut self, name: &str) -> Option<Role> {
+        let (role, handle) = self.live.remove(name)?;
+        // The thread has already ended, so this does not block; a panic was reported through the event.
+        let _ = handle.join();
+        Some(role)
+    }
+
+    fn count(&self, roles: &[Role]) -> usize {
+        self.live
+            .values()
+            .filter(|(role, _)| roles.contains(role))
+            .count()
+    }
+
+    /// Handles exit events until no thread of `roles` is left or `deadline` passes. Returns whether none is left.
+    fn wait_for(&mut self, events: &Receiver<Event>, roles: &[Role], deadline: Instant) -> bool {
+        while self.count(roles) > 0 {
+            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                return false;
+            };
+            match events.recv_timeout(left) {
+                Ok(Event::Exited { name, panicked }) => {
+                    if panicked {
+                        tracing::error!(thread = %name, "thread panicked during shutdown");
+                    }
+                    self.exited(&name);
+                }
+                Err(_) => return false,
+            }
+        }
+        true
+    }
+}
+
+/// `host:pid`, written into dead-letter records so an operator knows where a task died.
+pub fn daemon_id() -> String {
+    format!("{}:{}", crate::broker::hostname(), std::process::id())
+}
+
+/// Runs the daemon until `stop` receives a message (or is disconnected), then shuts down gracefully.
+///
+/// The caller owns signal handling: `main` forwards the first SIGTERM/SIGINT here; tests send directly.
+pub fn run(
+    config: &Config,
+    registry: Arc<Registry>,
+    stop: Receiver<()>,
+) -> Result<(), DaemonError> {
+    let connector = Arc::new(Connector::new(&config.redis)?);
+    let pool = broker::pool(&config.redis)?;
+    {
+        // Refuse keys of another protocol version before anything runs.
+        let mut connection = pool.get().map_err(BrokerError::from)?;
+        for queue in &config.queues {
+            broker::check_protocol(
+                &mut **connection,
+                &broker::QueueKeys::for_queue(&config.redis.key_prefix, queue),
+                &queue.name,
+            )?;
+        }
+    }
+    let daemon_id = daemon_id();
+    let instance = broker::instance_id();
+    let (claiming, background) = (Trigger::new(), Trigger::new());
+    let (events_tx, events) = crossbeam_channel::unbounded();
+    let mut threads = Threads {
+        events: events_tx,
+        live: HashMap::new(),
+    };
+    let epoch = Instant::now();
+
+    let contexts: Vec<Arc<QueueContext>> = config
+        .queues
+        .iter()
+        .map(|queue| Arc::new(QueueContext::new(config, queue, &daemon_id)))
+        .collect();
+    let mut lanes: Vec<Arc<Lane>> = Vec::with_capacity(contexts.len());
+    let mut delay_channels = HashMap::new();
+    for queue in &contexts {
+        let name = queue.config.name.clone();
+        let (lane, outcomes) = Lane::new(Arc::clone(queue), epoch);
+        let lane = Arc::new(lane);
+        let acker = Acker {
+            lane: Arc::clone(&lane),
+            registry: Arc::clone(&registry),
+            connection: Session::new(pool.clone()),
+            outcomes,
+            settler: Settler::new(format!("{instance}:acker")),
+            background: background.listener(),
+        };
+        threads.spawn(format!("kmqd-acker-{name}"), Role::Acker, move || {
+            acker.run()
+        })?;
+        let bound = queue.config.workers + queue.config.prefetch;
+        let (jobs_tx, jobs_rx) = crossbeam_channel::bounded(bound);
+        for index in 0..queue.config.workers {
+            let worker = Worker {
+                lane: Arc::clone(&lane),
+                registry: Arc::clone(&registry),
+                claiming: claiming.listener(),
+                jobs: jobs_rx.clone(),
+                outcomes: lane.outcome_sender(),
+            };
+            threads.spawn(
+                format!("kmqd-worker-{name}-{index}"),
+                Role::Worker,
+                move || worker.run(),
+            )?;
+        }
+        let fetcher = Fetcher::new(
+            Arc::clone(&lane),
+            Session::new(pool.clone()),
+            claiming.listener(),
+            jobs_tx,
+        );
+        threads.spawn(format!("kmqd-fetcher-{name}"), Role::Fetcher, move || {
+            fetcher.run()
+        })?;
+        let (nudge_tx, nudge_rx) = crossbeam_channel::bounded(1);
+        delay_channels.insert(queue.keys.delay_channel.clone(), nudge_tx);
+        let poller = DelayPoller {
+            queue: Arc::clone(queue),
+            connection: Session::new(pool.clone()),
+            nudges: nudge_rx,
+            background: background.listener(),
+        };
+        threads.spawn(format!("kmqd-delay-{name}"), Role::Other, move || {
+            poller.run()
+        })?;
+        lanes.push(lane);
+    }
+
+    let heartbeat = Heartbeat {
+        lanes: lanes.clone(),
+        connector: Arc::clone(&connector),
+        background: background.listener(),
+    };
+    threads.spawn("kmqd-heartbeat".to_string(), Role::Other, move || {
+        heartbeat.run()
+    })?;
+    let timeouts = Timeouts {
+        lanes: lanes.clone(),
+        stop: background.listener(),
+    };
+    threads.spawn("kmqd-timeouts".to_string(), Role::Other, move || {
+        timeouts.run()
+    })?;
+    let monitor = Monitor {
+        queues: contexts
+            .iter()
+            .map(|queue| {
+                Watched::new(
+                    Arc::clone(queue),
+                    Settler::new(format!("{instance}:monitor")),
+                )
+            })
+            .collect(),
+        connection: Session::new(pool.clone()),
+        registry: Arc::clone(&registry),
+        background: background.listener(),
+    };
+    threads.spawn("kmqd-monitor".to_string(), Role::Monitor, move || {
+        monitor.run()
+    })?;
+    let listener = DelayListener {
+        connector,
+        pollers: delay_channels,
+        background: background.listener(),
+    };
+    threads.spawn("kmqd-delay-listener".to_string(), Role::Other, move || {
+        listener.run()
+    })?;
+    if !config.schedules.is_empty() {
+        let schedules = config
+            .schedules
+            .iter()
+            .map(|schedule| {
+                // Validation made sure every schedule names a configured queue.
+                let queue = contexts
+                    .iter()
+                    .find(|q| q.config.name == schedule.queue)
+                    .expect("schedule's queue exists");
+                (schedule.clone(), Arc::clone(queue))
+            })
+            .collect();
+        let scheduler =
+            Scheduler::new(schedules, Session::new(pool.clone()), background.listener());
+        threads.spawn("kmqd-scheduler".to_string(), Role::Other, move || {
+            scheduler.run()
+        })?;
+    }
+    if let Some(addr) = config.daemon.metrics_addr {
+        let listener = std::net::TcpListener::bind(addr)
+            .map_err(|source| DaemonError::Metrics { addr, source })?;
+        let metrics = Metrics {
+            listener,
+            lanes: lanes.clone(),
+            connection: Session::new(pool.clone()),
+            background: background.listener(),
+        };
+        tracing::info!("metrics on http://{addr}/metrics");
+        threads.spawn("kmqd-metrics".to_string(), Role::Other, move || {
+            metrics.run()
+        })?;
+    }
+
+    tracing::info!(
+        redis = %crate::config::redact_url(&config.redis.url),
+        queues = ?config.queues.iter().map(|q| q.name.as_str()).collect::<Vec<_>>(),
+        daemon = %daemon_id,
+        "kmqd started"
+    );
+
+    // Run until told to stop, or until a thread ends on its own (a bug: stop rather than run crippled).
+    let failure = select! {
+        recv(stop) -> _ => None,
+        recv(events) -> event => match event {
+            Ok(Event::Exited { name, panicked }) => {
+                threads.exited(&name);
+                let how = if panicked { "panicked" } else { "ended unexpectedly" };
+                tracing::error!(thread = %name, "{how}; shutting down");
+                Some(DaemonError::ThreadDied { name, how })
+            }
+            // `threads` holds a sender, so the channel cannot disconnect here.
+            Err(_) => None,
+        },
+    };
+
+    tracing::info!(grace = ?config.daemon.shutdown_grace, "stopping: no new tasks are taken");
+    claiming.fire();
+    let stopping_at = Instant::now();
+    let workers_done = threads.wait_for(
+        &events,
+        &[Role::Worker],
+        stopping_at + config.daemon.shutdown_grace,
+    );
+    // A fetcher still in Redis hands back what it brings; wait for it before taking what is left, so that no task
+    // is claimed after the last look.
+    let longest_poll = config.queues.iter().map(|q| q.idle_poll).max();
+    let fetchers_deadline = stopping_at + longest_poll.unwrap_or_default() + FETCHER_DEADLINE;
+    if !threads.wait_for(&events, &[Role::Fetcher], fetchers_deadline) {
+        tracing::error!(
+            "a fetcher is still waiting for Redis; what it claims returns through its lease"
+        );
+    }
+    if !workers_done {
+        for lane in &lanes {
+            lane.hand_back_unresolved();
+        }
+    }
+    if !threads.wait_for(&events, &[Role::Acker], Instant::now() + SETTLE_DEADLINE) {
+        tracing::error!(
+            "outcomes still unsettled after {SETTLE_DEADLINE:?}; safe-mode tasks run again once their leases expire"
+        );
+    }
+    release_owners(&lanes, &pool);
+    background.fire();
+    let background_deadline = Instant::now() + BACKGROUND_DEADLINE;
+    threads.wait_for(
+        &events,
+        &[Role::Acker, Role::Monitor, Role::Other],
+        background_deadline,
+    );
+    let in_plugins = threads.count(&[Role::Worker, Role::Acker, Role::Monitor]);
+    if in_plugins == 0 {
+        registry.shutdown();
+    } else {
+        tracing::warn!(
+            handlers = threads.count(&[Role::Worker]),
+            "handlers still running after shutdown_grace ignored their cancel flag; plugin shutdown skipped"
+        );
+    }
+    tracing::info!("kmqd stopped");
+    failure.map_or(Ok(()), Err)
+}
+
+/// Forgets this daemon's owners, now that every outcome is settled. An owner that still holds tasks (Redis
+/// failed while settling) is kept: its lease runs out and the monitors return its tasks to the queue.
+fn release_owners(lanes: &[Arc<Lane>], pool: &broker::Pool) {
+    for lane in lanes {
+        let Some(owner) = lane.ownership.current() else {
+            continue;
+        };
+        let released = pool
+            .get()
+            .map_err(BrokerError::from)
+            .and_then(|mut connection| {
+                broker::release(&mut **connection, &lane.queue.keys, &owner, false)
+            });
+        match released {
+            Ok(true) => tracing::debug!(queue = %lane.name(), %owner, "owner released"),
+            Ok(false) => tracing::warn!(
+                queue = %lane.name(),
+                %owner,
+                "still holds tasks; they return to the queue when its lease runs out"
+            ),
+            Err(error) => {
+                tracing::error!(queue = %lane.name(), %owner, %error, "cannot release the owner")
+            }
+        }
+    }
+}

@@ -1,0 +1,87 @@
+//! Settling a batch until Redis has answered for it: the acker's and the monitor's shared way to apply outcomes.
+//!
+//! A settle call whose reply is lost (a reset, a stall past the read timeout) is ambiguous: Redis may have applied
+//! it. The call is then sent again as the same call, and Redis answers with what the first one did instead of
+//! applying it twice (see `broker::settle`): so a dead letter is recorded once, its hook runs once, and a
+//! default-mode retry is queued once.
+
+use crate::broker::{self, Fence, QueueKeys, Session, Settled, Settlement};
+use crate::retry::Backoff;
+use crate::shutdown::Listener;
+
+/// One settling party (a lane's acker, or a monitor on one queue), and the calls it made.
+#[derive(Debug)]
+pub struct Settler {
+    /// Identifies this party's calls in Redis: unique to this daemon's run and role.
+    identity: String,
+    calls: u64,
+}
+
+impl Settler {
+    pub fn new(identity: String) -> Settler {
+        Settler { identity, calls: 0 }
+    }
+
+    /// Applies `settlements` (all of `owner`'s tasks, in safe mode), sending the same call again after each
+    /// failure, with backoff, until Redis answers. `None` when `stop` fired first (the batch may or may not have
+    /// been applied: safe-mode tasks are recovered through their lease either way).
+    #[allow(clippy::too_many_arguments)]
+    pub fn settle(
+        &mut self,
+        session: &mut Session,
+        keys: &QueueKeys,
+        fence: Fence,
+        dead_max: usize,
+        owner: Option<&str>,
+        settlements: &[&Settlement],
+        stop: &Listener,
+    ) -> Option<Settled> {
+        self.calls += 1;
+        let call = broker::Call {
+            settler: &self.identity,
+            number: self.calls,
+        };
+        let mut backoff = Backoff::new();
+        let mut failures = 0u32;
+        loop {
+            let result = session.get().and_then(|connection| {
+                broker::settle(
+                    connection,
+                    keys,
+                    &call,
+                    fence,
+                    dead_max,
+                    owner,
+                    settlements.iter().copied(),
+                )
+            });
+            match result {
+                Ok(settled) => {
+                    if failures > 0 {
+                        tracing::info!(
+                            outcomes = settlements.len(),
+                            failures,
+                            "settled after retrying"
+                        );
+                    }
+                    return Some(settled);
+                }
+                Err(error) => {
+                    failures += 1;
+                    session.reset();
+                    // The first failure is most often one dropped connection: try a new one at once.
+                    if failures == 1 {
+                        tracing::warn!(%error, outcomes = settlements.len(), "cannot settle outcomes; retrying");
+                        continue;
+                    }
+                    if failures == 2 || failures.is_power_of_two() {
+                        tracing::error!(%error, outcomes = settlements.len(), failures, "cannot settle outcomes; retrying with backoff");
+                    }
+                    if backoff.wait(stop) {
+                        return None;
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,87 @@
+//! What every thread of one queue shares, whatever its role: the queue's config, its Redis keys, its retry
+//! policy, and the one way a payload becomes a verdict and a verdict becomes a settlement.
+//!
+//! This module sits below the daemon: the lane's stages (`daemon::lane`), the per-daemon threads (`daemon::*`)
+//! and the producer API all import it, and it imports none of them.
+
+use crate::broker::{QueueKeys, Settlement, Token};
+use crate::config::{Config, QueueConfig};
+use crate::policy::{Policy, Verdict};
+use crate::settlement::{self, DeadHook, Origin};
+use crate::task::{Envelope, EnvelopeError, new_id};
+
+/// One configured queue, as every thread serving it sees it.
+#[derive(Debug)]
+pub struct QueueContext {
+    pub config: QueueConfig,
+    pub keys: QueueKeys,
+    pub policy: Policy,
+    /// `host:pid` of this daemon, written into the dead-letter records it makes.
+    pub daemon_id: String,
+}
+
+impl QueueContext {
+    pub fn new(config: &Config, queue: &QueueConfig, daemon_id: &str) -> QueueContext {
+        QueueContext {
+            config: queue.clone(),
+            keys: QueueKeys::for_queue(&config.redis.key_prefix, queue),
+            policy: Policy::for_queue(queue),
+            daemon_id: daemon_id.to_string(),
+        }
+    }
+
+    /// Decodes a payload of this queue: an envelope, or a foreign payload when the queue accepts them. A task
+    /// without an id gets a fresh one, which retries and dead letters then carry.
+    pub fn decode<'a>(&self, payload: &'a [u8]) -> Result<Envelope<'a>, EnvelopeError> {
+        let text = crate::task::utf8(payload)?;
+        let mut envelope = match &self.config.foreign_type_field {
+            Some(field) => Envelope::decode_foreign(text, field)?,
+            None => Envelope::decode(text)?,
+        };
+        envelope.ensure_id(new_id);
+        Ok(envelope)
+    }
+
+    /// The verdict on a held task: `verdict_of` judges one that decodes; one that does not is unrunnable (and
+    /// so dead-lettered with the decode error as its reason). Returns the envelope too, for the settlement.
+    pub fn judge<'a>(
+        &self,
+        payload: &'a [u8],
+        verdict_of: impl FnOnce(&Envelope<'a>) -> Verdict,
+    ) -> (Verdict, Option<Envelope<'a>>) {
+        match self.decode(payload) {
+            Ok(envelope) => (verdict_of(&envelope), Some(envelope)),
+            Err(error) => (
+                Verdict::Unrunnable {
+                    reason: error.to_string(),
+                },
+                None,
+            ),
+        }
+    }
+
+    /// Decides a held task's fate from `verdict` and builds the settlement that applies it: the one path every
+    /// outcome takes, from a worker, an execution timeout or a monitor.
+    pub fn settle_verdict(
+        &self,
+        verdict: Verdict,
+        token: Option<Token>,
+        level: usize,
+        payload: &[u8],
+        envelope: Option<&Envelope>,
+    ) -> (Settlement, Option<Box<DeadHook>>) {
+        let origin = Origin {
+            queue: &self.config.name,
+            daemon: &self.daemon_id,
+        };
+        settlement::decide(
+            &self.policy,
+            &origin,
+            verdict,
+            token,
+            level,
+            payload,
+            envelope,
+        )
+    }
+}
