@@ -261,8 +261,13 @@ fn run_daemon(config: &Config) -> Result<(), Failure> {
     let (stop_tx, stop_rx) = crossbeam_channel::bounded(1);
     crate::daemon::signals::forward(stop_tx)
         .map_err(|error| Failure::Runtime(format!("cannot install signal handlers: {error}")))?;
-    crate::daemon::run(config, registry, stop_rx)
-        .map_err(|error| Failure::Runtime(error.to_string()))
+    crate::daemon::run(config, registry, stop_rx).map_err(|error| {
+        if error.is_config_error() {
+            Failure::Usage(error.to_string())
+        } else {
+            Failure::Runtime(error.to_string())
+        }
+    })
 }
 
 fn check_config(config: &Config) -> Result<(), Failure> {

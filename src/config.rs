@@ -90,6 +90,16 @@ pub enum Mode {
     Safe,
 }
 
+impl Mode {
+    /// The name in the config (and in an owner's registration).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Default => "default",
+            Mode::Safe => "safe",
+        }
+    }
+}
+
 /// What a handler error (`KMQ_RETRY`, a panic, an execution timeout) does to a task.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OnHandlerError {
@@ -126,6 +136,8 @@ pub struct QueueConfig {
     pub foreign_type_field: Option<String>,
     /// The most due tasks one call of the delay poller moves.
     pub delay_batch: usize,
+    /// A task payload longer than this is dead-lettered without being run (safe mode: without leaving Redis).
+    pub max_task_bytes: usize,
     /// The longest an idle fetcher waits before looking at the ready lists on its own, and so the bound on how
     /// late a task pushed without a wake-up marker (a plain RPUSH) is picked up.
     pub idle_poll: Duration,
@@ -339,6 +351,7 @@ struct RawQueue {
     idle_poll: Option<Spanned<String>>,
     foreign_type_field: Option<Spanned<String>>,
     delay_batch: Option<Spanned<i64>>,
+    max_task_bytes: Option<Spanned<i64>>,
 }
 
 #[derive(Deserialize)]
@@ -368,6 +381,9 @@ pub mod defaults {
     pub const BACKOFF_MAX: Duration = Duration::from_secs(10 * 60);
     pub const DEAD_MAX: usize = 10_000;
     pub const IDLE_POLL: Duration = Duration::from_secs(1);
+    pub const MAX_TASK_BYTES: usize = 16 << 20;
+    /// Redis's own limit for a string.
+    pub const MAX_TASK_BYTES_LIMIT: usize = 512 << 20;
 }
 
 /// The largest claim batch: Lua's `unpack` fails past ~8,000 values and a claim passes two per task.
@@ -716,6 +732,7 @@ impl RawQueue {
             idle_poll,
             foreign_type_field,
             delay_batch,
+            max_task_bytes,
         } = self;
 
         let key = |field: &str| format!("queues[{index}].{field}");
@@ -884,6 +901,16 @@ impl RawQueue {
             None => MAX_BATCH,
         };
 
+        let max_task_bytes = match &max_task_bytes {
+            Some(b) => ranged(
+                source,
+                &key("max_task_bytes"),
+                b,
+                1024..defaults::MAX_TASK_BYTES_LIMIT as i64 + 1,
+            )? as usize,
+            None => defaults::MAX_TASK_BYTES,
+        };
+
         Ok(QueueConfig {
             name: name.into_inner(),
 
@@ -904,6 +931,7 @@ impl RawQueue {
             idle_poll,
             foreign_type_field,
             delay_batch,
+            max_task_bytes,
         })
     }
 }

@@ -64,8 +64,11 @@ pub enum Verdict {
     },
     /// `KMQ_FAIL`: the handler says the task can never succeed.
     Fail { reason: String },
-    /// Safe mode: the daemon holding the task stopped renewing its lease (it died or hung).
-    LeaseExpired,
+    /// Safe mode: the daemon holding the task stopped renewing its lease (it died or hung). `ran_alone`: the task
+    /// was the one quarantined task its owner ran (see docs/RELIABILITY.md, "Poison pills"), so the crash is
+    /// charged to it; otherwise it was merely held alongside whatever crashed, and `recoveries` says how often
+    /// that happened to it before.
+    LeaseExpired { ran_alone: bool, recoveries: u32 },
     /// The task could not be run at all (malformed, no handler, too old).
     Unrunnable { reason: String },
 }
@@ -75,7 +78,12 @@ impl Verdict {
     pub fn is_failed_run(&self) -> bool {
         matches!(
             self,
-            Verdict::HandlerError { .. } | Verdict::Fail { .. } | Verdict::LeaseExpired
+            Verdict::HandlerError { .. }
+                | Verdict::Fail { .. }
+                | Verdict::LeaseExpired {
+                    ran_alone: true,
+                    ..
+                }
         )
     }
 }
@@ -85,8 +93,16 @@ impl Verdict {
 pub enum Action {
     /// Acknowledge it: it is done (also after a handler error under `on_handler_error = "finish"`).
     Ack,
-    /// Queue it again with `attempt + 1` after `delay` (zero: at the front of its level at once).
-    Retry { delay: Duration, reason: String },
+    /// Queue it again with `attempt + 1` after `delay` (zero: at the front of its level at once), or, `isolated`,
+    /// at the front of its level's quarantine.
+    Retry {
+        delay: Duration,
+        reason: String,
+        isolated: bool,
+    },
+    /// Queue it again as it is, uncharged (`recovered + 1`): at the front of its level, or, `isolated`, of its
+    /// level's quarantine, to run alone.
+    Recover { isolated: bool },
     /// Move it to the dead-letter list.
     Dead { reason: String },
 }
@@ -98,19 +114,32 @@ pub fn decide(policy: &Policy, attempt: u32, verdict: Verdict, seed: u64) -> Act
         Verdict::Done => Action::Ack,
         Verdict::Fail { reason } => Action::Dead { reason },
         Verdict::Unrunnable { reason } => Action::Dead { reason },
-        Verdict::LeaseExpired => {
-            let reason = "lease expired: the daemon running it stopped heart-beating".to_string();
+        Verdict::LeaseExpired {
+            ran_alone: true, ..
+        } => {
             if out_of_retries {
                 Action::Dead {
-                    reason: format!("{reason}; no retries left after {} runs", attempt + 1),
+                    reason: format!(
+                        "crashed the daemon {} times (its daemon's lease expired each time it ran alone); no \
+                         retries left",
+                        attempt + 1
+                    ),
                 }
             } else {
                 Action::Retry {
                     delay: Duration::ZERO,
-                    reason,
+                    reason: "lease expired while it ran alone: it crashed or hung its daemon"
+                        .to_string(),
+                    isolated: true,
                 }
             }
         }
+        Verdict::LeaseExpired {
+            ran_alone: false,
+            recoveries,
+        } => Action::Recover {
+            isolated: recoveries >= 1,
+        },
         Verdict::HandlerError { reason, after } => match policy.on_handler_error {
             OnHandlerError::Finish => Action::Ack,
             OnHandlerError::Dead => Action::Dead { reason },
@@ -120,6 +149,7 @@ pub fn decide(policy: &Policy, attempt: u32, verdict: Verdict, seed: u64) -> Act
             OnHandlerError::Retry => Action::Retry {
                 delay: after.unwrap_or_else(|| policy.backoff_for(attempt, seed)),
                 reason,
+                isolated: false,
             },
         },
     }
@@ -150,13 +180,21 @@ mod tests {
         Action::Retry {
             delay: Duration::from_millis(ms),
             reason: "boom".into(),
+            isolated: false,
+        }
+    }
+
+    fn lease(ran_alone: bool, recoveries: u32) -> Verdict {
+        Verdict::LeaseExpired {
+            ran_alone,
+            recoveries,
         }
     }
 
     #[test]
     fn decisions() {
         use OnHandlerError::*;
-        let lease_reason = "lease expired: the daemon running it stopped heart-beating";
+        let alone = "lease expired while it ran alone: it crashed or hung its daemon";
         let cases: Vec<(OnHandlerError, u32, Verdict, Action)> = vec![
             (Retry, 0, Verdict::Done, Action::Ack),
             (Retry, 0, error(None), retry(1000)),
@@ -199,21 +237,27 @@ mod tests {
                     reason: "bad".into(),
                 },
             ),
+            (Retry, 0, lease(false, 0), Action::Recover { isolated: false }),
+            (Retry, 2, lease(false, 1), Action::Recover { isolated: true }),
+            (Dead, 2, lease(false, 7), Action::Recover { isolated: true }),
             (
                 Finish,
                 0,
-                Verdict::LeaseExpired,
+                lease(true, 2),
                 Action::Retry {
                     delay: Duration::ZERO,
-                    reason: lease_reason.into(),
+                    reason: alone.into(),
+                    isolated: true,
                 },
             ),
             (
                 Retry,
                 2,
-                Verdict::LeaseExpired,
+                lease(true, 2),
                 Action::Dead {
-                    reason: format!("{lease_reason}; no retries left after 3 runs"),
+                    reason: "crashed the daemon 3 times (its daemon's lease expired each time it ran alone); \
+                             no retries left"
+                        .into(),
                 },
             ),
             (

@@ -18,6 +18,8 @@ pub const SUMMARY_EVERY: Duration = Duration::from_secs(30);
 #[derive(Debug)]
 pub struct Backoff {
     next: Duration,
+    /// No failure since the last success.
+    first: bool,
 }
 
 impl Backoff {
@@ -25,18 +27,33 @@ impl Backoff {
     const MAX: Duration = Duration::from_secs(5);
 
     pub fn new() -> Backoff {
-        Backoff { next: Self::FIRST }
+        Backoff {
+            next: Self::FIRST,
+            first: true,
+        }
     }
 
     /// Waits before the next try; returns `true` when `stop` fired meanwhile.
     pub fn wait(&mut self, stop: &Listener) -> bool {
+        self.first = false;
         let delay = self.next;
         self.next = (self.next * 2).min(Self::MAX);
         stop.wait(delay)
     }
 
+    /// As [`Backoff::wait`], but the first failure after a success is tried again at once: it is most often one
+    /// dropped connection (a `CLIENT KILL`, a proxy's idle timeout), which a new connection fixes.
+    pub fn wait_unless_first(&mut self, stop: &Listener) -> bool {
+        if self.first {
+            self.first = false;
+            return stop.is_triggered();
+        }
+        self.wait(stop)
+    }
+
     pub fn reset(&mut self) {
         self.next = Self::FIRST;
+        self.first = true;
     }
 }
 

@@ -65,6 +65,14 @@ pub fn settlement(
     payload: &[u8],
     envelope: Option<&Envelope>,
 ) -> (Settlement, Option<Box<DeadHook>>) {
+    // A malformed payload has no envelope to queue again: it can only be dead-lettered.
+    let malformed = Action::Dead {
+        reason: "malformed task".to_string(),
+    };
+    let action = match (action, envelope) {
+        (Action::Recover { .. }, None) => &malformed,
+        _ => action,
+    };
     let unique_id = envelope
         .filter(|e| e.unique)
         .and_then(|e| e.id.as_deref().map(str::to_string));
@@ -79,19 +87,34 @@ pub fn settlement(
     };
     match (action, envelope) {
         (Action::Ack, _) => (base(SettleOp::Ack, Vec::new()), None),
-        (Action::Retry { delay, reason }, Some(envelope)) => {
+        (
+            Action::Retry {
+                delay,
+                reason,
+                isolated,
+            },
+            Some(envelope),
+        ) => {
             let mut next = envelope.clone();
             next.ensure_id(new_id);
             next.attempt += 1;
             next.last_error = Some(reason.clone().into());
-            (
-                base(
-                    SettleOp::Retry { delay: *delay },
-                    next.encode().into_bytes(),
-                ),
-                None,
-            )
+            let op = SettleOp::Retry {
+                delay: *delay,
+                isolated: *isolated,
+            };
+            (base(op, next.encode().into_bytes()), None)
         }
+        (Action::Recover { isolated }, Some(envelope)) => {
+            let mut next = envelope.clone();
+            next.ensure_id(new_id);
+            next.recovered += 1;
+            let op = SettleOp::Recover {
+                isolated: *isolated,
+            };
+            (base(op, next.encode().into_bytes()), None)
+        }
+        (Action::Recover { .. }, None) => unreachable!("replaced by a dead letter above"),
         (Action::Dead { reason }, _) | (Action::Retry { reason, .. }, None) => {
             // A payload that is a JSON object but not an envelope still has its id found, for `task show`.
             let salvaged = match envelope {
@@ -151,7 +174,14 @@ pub fn decide(
             attempt,
             "task failed; counted as done (on_handler_error = \"finish\")"
         ),
-        Action::Retry { delay, reason } => {
+        Action::Recover { isolated } => tracing::info!(
+            queue,
+            id,
+            attempt,
+            isolated,
+            "task held by a daemon whose lease expired goes back, uncharged"
+        ),
+        Action::Retry { delay, reason, .. } => {
             let reason = capped_reason(reason);
             tracing::warn!(queue, id, attempt, %reason, retry_in = ?delay, "task failed; will retry")
         }
@@ -222,6 +252,7 @@ mod tests {
         let action = Action::Retry {
             delay: Duration::from_secs(2),
             reason: "boom".into(),
+            isolated: false,
         };
         let (s, hook) = settlement(
             &origin(),
@@ -235,7 +266,8 @@ mod tests {
         assert_eq!(
             s.op,
             SettleOp::Retry {
-                delay: Duration::from_secs(2)
+                delay: Duration::from_secs(2),
+                isolated: false,
             }
         );
         assert_eq!(s.token, Some(token()));
@@ -256,6 +288,7 @@ mod tests {
         let action = Action::Retry {
             delay: Duration::ZERO,
             reason: "malformed task: x".into(),
+            isolated: false,
         };
         let (s, hook) = settlement(&origin(), &action, false, None, 0, b"not json", None);
         assert_eq!(s.op, SettleOp::Dead);
@@ -268,6 +301,27 @@ mod tests {
             hook.is_none(),
             "no plugin can be told about a task without a type"
         );
+    }
+
+    #[test]
+    fn an_uncharged_recovery_keeps_the_attempt_and_counts_the_recovery() {
+        let envelope = Envelope::decode(r#"{"id":"a","type":"t","attempt":1}"#).unwrap();
+        let action = Action::Recover { isolated: true };
+        let (s, hook) = settlement(
+            &origin(),
+            &action,
+            false,
+            Some(token()),
+            0,
+            b"",
+            Some(&envelope),
+        );
+        assert_eq!(s.op, SettleOp::Recover { isolated: true });
+        assert_eq!(
+            s.payload,
+            br#"{"id":"a","type":"t","data":null,"attempt":1,"recovered":1}"#
+        );
+        assert!(!s.failed && hook.is_none());
     }
 
     #[test]

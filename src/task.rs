@@ -36,6 +36,9 @@ pub struct Envelope<'a> {
     pub unique: bool,
     /// Why the previous attempt failed.
     pub last_error: Option<Cow<'a, str>>,
+    /// How many times the task came back, uncharged, from a daemon whose lease expired while it held the task
+    /// (it may not even have started it). Written by kmqd; a task recovered more than once runs in isolation.
+    pub recovered: u32,
     /// The envelope version, 1 when absent.
     pub version: u32,
     /// Every field kmqd does not know, kept as the producer wrote it.
@@ -54,6 +57,7 @@ impl PartialEq for Envelope<'_> {
             && self.priority == other.priority
             && self.unique == other.unique
             && self.last_error == other.last_error
+            && self.recovered == other.recovered
             && self.version == other.version
             && self.extra.len() == other.extra.len()
             && self
@@ -87,6 +91,7 @@ impl<'a> Envelope<'a> {
             priority: None,
             unique: false,
             last_error: None,
+            recovered: 0,
             version: ENVELOPE_VERSION,
             extra: Vec::new(),
         }
@@ -177,6 +182,7 @@ impl<'a> Envelope<'a> {
             priority: self.priority.map(owned),
             unique: self.unique,
             last_error: self.last_error.map(owned),
+            recovered: self.recovered,
             version: self.version,
             extra: self
                 .extra
@@ -207,6 +213,9 @@ impl Serialize for Envelope<'_> {
         }
         if let Some(last_error) = &self.last_error {
             map.serialize_entry("last_error", last_error)?;
+        }
+        if self.recovered > 0 {
+            map.serialize_entry("recovered", &self.recovered)?;
         }
         if self.version != ENVELOPE_VERSION {
             map.serialize_entry("v", &self.version)?;
@@ -264,6 +273,7 @@ enum Field<'a> {
     Priority,
     Unique,
     LastError,
+    Recovered,
     Version,
     Other(Cow<'a, str>),
 }
@@ -280,6 +290,7 @@ impl<'de> Deserialize<'de> for Field<'de> {
             "priority" => Field::Priority,
             "unique" => Field::Unique,
             "last_error" => Field::LastError,
+            "recovered" => Field::Recovered,
             "v" => Field::Version,
             _ => Field::Other(key),
         })
@@ -311,8 +322,8 @@ impl<'de> Deserialize<'de> for Envelope<'de> {
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Envelope<'de>, A::Error> {
                 let (mut id, mut kind, mut data, mut created_at, mut attempt) =
                     (None, None, None, None, None);
-                let (mut priority, mut unique, mut last_error, mut version) =
-                    (None, None, None, None);
+                let (mut priority, mut unique, mut last_error, mut recovered, mut version) =
+                    (None, None, None, None, None);
                 let mut extra = Vec::new();
                 while let Some(field) = map.next_key::<Field<'de>>()? {
                     match field {
@@ -336,6 +347,9 @@ impl<'de> Deserialize<'de> for Envelope<'de> {
                             map.next_value::<OptionalText<'de>>()?.0,
                             "last_error",
                         )?,
+                        Field::Recovered => {
+                            set(&mut recovered, map.next_value::<u32>()?, "recovered")?
+                        }
                         Field::Version => set(&mut version, map.next_value::<u32>()?, "v")?,
                         Field::Other(key) => {
                             extra.push((key, Cow::Borrowed(map.next_value::<&'de RawValue>()?)))
@@ -358,6 +372,7 @@ impl<'de> Deserialize<'de> for Envelope<'de> {
                     priority: priority.flatten(),
                     unique: unique.unwrap_or(false),
                     last_error: last_error.flatten(),
+                    recovered: recovered.unwrap_or(0),
                     version: version.unwrap_or(ENVELOPE_VERSION),
                     extra,
                 })

@@ -21,10 +21,14 @@ pub struct QueueKeys {
     pub delayed_tasks: String,
     /// Retries waiting out their backoff per level: zset envelope -> due ms; they go to the front when due.
     pub retry: Vec<String>,
+    /// Tasks recovered more than once from an expired lease per level, waiting to run in isolation (a claim takes
+    /// at most one, while its owner holds no other; see `claim.lua`): how a poison pill is found without taking
+    /// the tasks claimed alongside it down with it.
+    pub quarantine: Vec<String>,
     /// Safe mode: zset owner -> lease deadline ms. An owner is one daemon's claim identity on this queue; the
     /// tasks it claimed live in its [`QueueKeys::processing`] hashes, and stay its own while its lease is renewed.
     pub owners: String,
-    /// Counter that makes owner ids unique (they are never reused).
+    /// Counter that made owner ids unique before they were made by the daemons themselves; no longer written.
     pub seq: String,
     /// Dead-letter list of JSON records, newest first, bounded by `dead_max`.
     pub dead: String,
@@ -58,6 +62,7 @@ impl QueueKeys {
             delayed: per_level("delayed"),
             delayed_tasks: format!("{base}:delayed-tasks"),
             retry: per_level("retry"),
+            quarantine: per_level("quarantine"),
             owners: format!("{base}:owners"),
             seq: format!("{base}:seq"),
             dead: format!("{base}:dead"),
@@ -69,6 +74,23 @@ impl QueueKeys {
             delay_channel: format!("{base}:delay-wake"),
             base,
         }
+    }
+
+    /// The same queue's keys for other priority levels (an owner registered with levels this daemon does not
+    /// serve: a rolling config change).
+    pub fn with_levels(&self, levels: &[String]) -> QueueKeys {
+        let (prefix, queue) = self.prefix_and_queue();
+        QueueKeys::new(prefix, queue, levels)
+    }
+
+    /// The prefix and queue name `base` was made of.
+    fn prefix_and_queue(&self) -> (&str, &str) {
+        // `base` is `PREFIX:{QUEUE}`; neither part contains a brace (config validation).
+        let open = self.base.find(":{").expect("base has a hash tag");
+        (
+            &self.base[..open],
+            &self.base[open + 2..self.base.len() - 1],
+        )
     }
 
     /// The keys of a configured queue.
@@ -84,6 +106,12 @@ impl QueueKeys {
     /// Safe mode: the hash of the tasks `owner` claimed from one level, token -> envelope.
     pub fn processing(&self, owner: &str, level: usize) -> String {
         format!("{}:processing:{owner}:{}", self.base, self.levels[level])
+    }
+
+    /// An owner's registration: hash of its mode, levels, host, pid, start time, kmqd version, the lowest claim
+    /// token it may still use (`floor`) and the token of the quarantined task it runs (`isolated`).
+    pub fn owner_info(&self, owner: &str) -> String {
+        format!("{}:owner:{owner}", self.base)
     }
 
     /// The result of the last settle call of one settling party (an acker or a monitor of one daemon's run), so
@@ -113,6 +141,10 @@ mod tests {
         );
         assert_eq!(keys.retry[1], "kmq:{mail}:retry:low");
         assert_eq!(keys.processing("o7", 1), "kmq:{mail}:processing:o7:low");
+        assert_eq!(keys.owner_info("o7"), "kmq:{mail}:owner:o7");
+        let other = keys.with_levels(&["urgent".into()]);
+        assert_eq!(other.ready, ["kmq:{mail}:ready:urgent"]);
+        assert_eq!(other.quarantine, ["kmq:{mail}:quarantine:urgent"]);
         let all = [
             &keys.ready[0],
             &keys.delayed[0],

@@ -13,6 +13,7 @@
 pub mod connection;
 pub mod keys;
 pub mod lookup;
+pub mod owners;
 pub mod schedule;
 pub mod stats;
 pub mod tasks;
@@ -25,11 +26,12 @@ use redis::{ConnectionLike, RedisWrite, ToRedisArgs, Value};
 pub use connection::{Connector, IO_TIMEOUT, Pool, PooledConnection, Session, pool};
 pub use keys::QueueKeys;
 pub use lookup::{Found, Scope};
+pub use owners::{OwnerInfo, owner_info, owners, register, release, renew};
 pub use schedule::{Fired, fire, schedule_state};
 pub use stats::{QueueStats, check_protocol, stats};
 pub use tasks::{
-    Batch, Call, Due, Fence, PushItem, SettleOp, Settled, Settlement, Taken, claim, owners, pop,
-    promote, push, register, release, renew, scan_processing, settle, wait_wake,
+    Batch, Call, ClaimLimits, Due, Fence, PushItem, SettleOp, Settled, Settlement, Taken, adopt,
+    claim, pop, promote, push, scan_processing, settle, wait_wake,
 };
 
 /// A Redis failure, with what was being done.
@@ -54,18 +56,41 @@ pub enum BrokerError {
         "owner {owner}: its lease ran out (was this daemon paused?); the monitors return its tasks to the queue"
     )]
     LeaseLost { owner: String },
+    #[error("owner {owner}: the claim was fenced off after its reply was given up for lost")]
+    Fenced { owner: String },
+}
+
+impl BrokerError {
+    /// Whether the command may have run although no reply came (a lost reply: a reset, a timeout): its caller
+    /// must then find out what it did rather than assume either way. An error reply, or a connection that was
+    /// never made, says the command did not run (the scripts check everything before they write).
+    pub fn may_have_run(&self) -> bool {
+        match self {
+            BrokerError::Redis(error) => {
+                error.is_io_error() || error.is_timeout() || error.is_connection_dropped()
+            }
+            _ => false,
+        }
+    }
 }
 
 pub type Result<T> = std::result::Result<T, BrokerError>;
 
+/// Whether Redis refused the credentials or the ACL user's rights: a config error that no retry fixes.
+pub fn is_auth_error(error: &redis::RedisError) -> bool {
+    error.kind() == redis::ErrorKind::AuthenticationFailed
+        || matches!(error.code(), Some("NOAUTH" | "WRONGPASS" | "NOPERM"))
+}
+
 /// The version of the key layout and scripts in docs/PROTOCOL.md.
 pub const PROTOCOL_VERSION: u32 = 1;
 
-/// The Lua scripts, loaded once per process; `redis::Script` sends EVALSHA and falls back to EVAL when the server
-/// lost its script cache (a restart, SCRIPT FLUSH).
+/// The Lua scripts, loaded once per process; `redis::Script` sends EVALSHA and, when the server lost its script
+/// cache (a restart, a failover, SCRIPT FLUSH), loads the script (SCRIPT LOAD) and sends EVALSHA again.
 struct Scripts {
     push: redis::Script,
     claim: redis::Script,
+    adopt: redis::Script,
     settle: redis::Script,
     renew: redis::Script,
     register: redis::Script,
@@ -78,6 +103,7 @@ struct Scripts {
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     push: redis::Script::new(PUSH_SCRIPT),
     claim: redis::Script::new(include_str!("scripts/claim.lua")),
+    adopt: redis::Script::new(include_str!("scripts/adopt.lua")),
     settle: redis::Script::new(include_str!("scripts/settle.lua")),
     renew: redis::Script::new(include_str!("scripts/renew.lua")),
     register: redis::Script::new(include_str!("scripts/register.lua")),

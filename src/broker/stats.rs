@@ -32,11 +32,15 @@ pub fn check_protocol(conn: &mut dyn ConnectionLike, keys: &QueueKeys, queue: &s
 /// A queue's depth and counters, as `kmqd stats` shows them.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct QueueStats {
-    /// Tasks waiting in the ready lists.
+    /// Tasks waiting in the ready lists (quarantined ones included).
     pub ready: u64,
-    /// Ready tasks per level, highest first (a JSON object in level order).
+    /// Ready tasks per level, highest first (a JSON object in level order): the configured levels, then any
+    /// other level a registered owner claims from.
     #[serde(serialize_with = "pairs_as_map")]
     pub ready_by_level: Vec<(String, u64)>,
+    /// Of `ready`, the tasks in quarantine: recovered more than once from an expired lease, they are claimed
+    /// one at a time, to run alone (docs/RELIABILITY.md, "Poison pills").
+    pub quarantined: u64,
     /// Safe mode: tasks claimed and not yet settled.
     pub processing: u64,
     /// Tasks waiting for their due time, retries in backoff included.
@@ -51,6 +55,8 @@ pub struct QueueStats {
     pub done: u64,
     /// Tasks queued again for another attempt.
     pub retried: u64,
+    /// Tasks returned to the queue, uncharged, from a daemon whose lease expired while it held them.
+    pub recovered: u64,
     /// Runs that failed (handler error, panic, timeout, lost lease).
     pub failed: u64,
     /// Tasks moved to the dead-letter list.
@@ -68,22 +74,44 @@ fn pairs_as_map<S: serde::Serializer>(
     serializer.collect_map(pairs.iter().map(|(k, v)| (k, v)))
 }
 
-/// Reads a queue's depth and counters in two round trips: the owners, then everything else.
+/// Reads a queue's depth and counters in three round trips: the owners, their levels, then everything else.
+///
+/// The levels are the queue's configured ones and any other a registered owner claims from (a rolling config
+/// change: another daemon serves a level this config does not name), so tasks there are counted too.
 pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueStats> {
-    let levels = &keys.levels;
-    // Safe mode's processing area is one hash per owner and level: the owners first, then their sizes below.
+    // Safe mode's processing area is one hash per owner and level: the owners and their levels first.
     let owners: Vec<String> = redis::cmd("ZRANGE")
         .arg(&keys.owners)
         .arg(0)
         .arg(-1)
         .query(conn)?;
-    let processing_keys: Vec<String> = owners
-        .iter()
-        .flat_map(|owner| keys.processing_all(owner))
-        .collect();
+    let owner_levels: Vec<Option<String>> = if owners.is_empty() {
+        Vec::new()
+    } else {
+        let mut pipe = redis::pipe();
+        for owner in &owners {
+            pipe.cmd("HGET").arg(keys.owner_info(owner)).arg("levels");
+        }
+        pipe.query(conn)?
+    };
+    let mut levels = keys.levels.clone();
+    let mut processing_keys = Vec::new();
+    for (owner, recorded) in owners.iter().zip(&owner_levels) {
+        let owned: Vec<String> = match recorded {
+            Some(list) => list.split(',').map(str::to_string).collect(),
+            None => keys.levels.clone(),
+        };
+        for level in &owned {
+            if !levels.contains(level) {
+                levels.push(level.clone());
+            }
+        }
+        processing_keys.extend(keys.with_levels(&owned).processing_all(owner));
+    }
+    let keys = &keys.with_levels(&levels);
     let mut pipe = redis::pipe();
     pipe.cmd("TIME");
-    for key in &keys.ready {
+    for key in keys.ready.iter().chain(&keys.quarantine) {
         pipe.cmd("LLEN").arg(key);
     }
     for key in &keys.ready {
@@ -101,6 +129,7 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
     let level_count = levels.len();
     let time: (i64, i64) = replies.one()?;
     let ready_counts: Vec<u64> = replies.many(level_count)?;
+    let quarantined: Vec<u64> = replies.many(level_count)?;
     let heads: Vec<Option<Vec<u8>>> = replies.many(level_count)?;
     let zset_counts: Vec<u64> = replies.many(2 * level_count)?;
     let processing: Vec<u64> = replies.many(processing_keys.len())?;
@@ -120,9 +149,15 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
         .max();
     let counter = |name: &str| counters.get(name).copied().unwrap_or(0);
     let retrying: u64 = zset_counts[level_count..].iter().sum();
+    let ready_by_level: Vec<(String, u64)> = levels
+        .iter()
+        .cloned()
+        .zip(ready_counts.iter().zip(&quarantined).map(|(r, q)| r + q))
+        .collect();
     Ok(QueueStats {
-        ready: ready_counts.iter().sum(),
-        ready_by_level: levels.iter().cloned().zip(ready_counts).collect(),
+        ready: ready_by_level.iter().map(|(_, n)| n).sum(),
+        ready_by_level,
+        quarantined: quarantined.iter().sum(),
         processing,
         delayed: zset_counts.iter().sum(),
         retrying,
@@ -130,6 +165,7 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
         pushed: counter("pushed"),
         done: counter("done"),
         retried: counter("retried"),
+        recovered: counter("recovered"),
         failed: counter("failed"),
         dead_lettered: counter("dead_lettered"),
         cancelled: counter("cancelled"),

@@ -90,59 +90,79 @@ pub struct Batch {
     pub tasks: Vec<Taken>,
 }
 
-/// Safe mode: registers a new owner (this daemon's claim identity on the queue) with a lease.
-pub fn register(
-    conn: &mut dyn ConnectionLike,
-    keys: &QueueKeys,
-    lease: Duration,
-) -> Result<Arc<str>> {
-    let owner: String = SCRIPTS
-        .register
-        .key(&keys.owners)
-        .key(&keys.seq)
-        .arg(lease.as_millis() as u64)
-        .invoke(conn)?;
-    Ok(Arc::from(owner))
+/// What a claim needs beyond the owner and its tokens: how a payload that is too large is dead-lettered.
+#[derive(Clone, Copy, Debug)]
+pub struct ClaimLimits<'a> {
+    /// A payload longer than this is dead-lettered by the claim itself, never handed to the daemon.
+    pub max_task_bytes: usize,
+    pub dead_max: usize,
+    /// For the dead record: the queue's name and `host:pid` of the daemon.
+    pub queue: &'a str,
+    pub daemon: &'a str,
 }
 
-/// Safe mode: claims up to `max` tasks, highest level first, into `owner`'s processing hashes. The tasks get the
-/// tokens `first_token`, `first_token + 1`, ...; the caller must not reuse any of the `max` numbers from
-/// `first_token` on, taken or not.
+/// Safe mode: claims up to `max` tasks into `owner`'s processing hashes: first, when the owner runs no
+/// quarantined task, one from the quarantine, then ready tasks, highest level first. The tasks get the tokens
+/// `first_token`, `first_token + 1`, ...; the caller must not reuse any of the `max` numbers from `first_token`
+/// on, taken or not. When this call fails without a reply, [`adopt`] with the same tokens says what it took.
 pub fn claim(
     conn: &mut dyn ConnectionLike,
     keys: &QueueKeys,
     owner: &Arc<str>,
     first_token: u64,
     max: usize,
+    limits: &ClaimLimits<'_>,
 ) -> Result<Batch> {
     let mut invocation = SCRIPTS.claim.prepare_invoke();
-    invocation.key(&keys.owners).key(&keys.wake);
-    for ready in &keys.ready {
-        invocation.key(ready);
+    invocation
+        .key(&keys.owners)
+        .key(&keys.wake)
+        .key(keys.owner_info(owner))
+        .key(&keys.dead)
+        .key(&keys.stats);
+    for key in keys.ready.iter().chain(&keys.quarantine) {
+        invocation.key(key);
     }
     for level in 0..keys.levels() {
         invocation.key(keys.processing(owner, level));
     }
-    invocation.arg(&**owner).arg(max);
+    invocation
+        .arg(&**owner)
+        .arg(max)
+        .arg(limits.max_task_bytes)
+        .arg(limits.dead_max)
+        .arg(limits.queue)
+        .arg(limits.daemon);
     for token in first_token..first_token + max as u64 {
         invocation.arg(token);
     }
-    let reply: Vec<Value> = match invocation.invoke(conn) {
-        Ok(reply) => reply,
-        Err(error) if error.code() == Some("LEASELOST") => {
-            return Err(BrokerError::LeaseLost {
-                owner: owner.to_string(),
-            });
-        }
-        Err(error) => return Err(error.into()),
-    };
-    if reply.len() != 1 + keys.levels() {
+    let reply: Vec<Value> = invocation
+        .invoke(conn)
+        .map_err(|error| owner_error(error, owner))?;
+    if reply.len() != 3 + keys.levels() {
         return Err(reply_error("claim", format!("{} elements", reply.len())));
     }
     let mut reply = reply.into_iter();
     let now_ms = int(&reply.next().unwrap_or(Value::Nil), "claim")?;
+    let isolated_level = int(&reply.next().unwrap_or(Value::Nil), "claim")?;
+    let isolated = reply.next().unwrap_or(Value::Nil);
     let mut token = first_token;
     let mut tasks = Vec::new();
+    let mut take = |level: usize, envelope: Value| -> Result<()> {
+        tasks.push(Taken {
+            token: Some(Token {
+                owner: Arc::clone(owner),
+                id: TokenId::Seq(token),
+            }),
+            level,
+            payload: bytes(envelope, "claim")?,
+        });
+        token += 1;
+        Ok(())
+    };
+    if isolated_level > 0 {
+        take(isolated_level as usize - 1, isolated)?;
+    }
     for (level, envelopes) in reply.enumerate() {
         let Value::Array(envelopes) = envelopes else {
             return Err(reply_error(
@@ -150,21 +170,73 @@ pub fn claim(
                 format!("level {level}: expected a list, got {envelopes:?}"),
             ));
         };
-        tasks.reserve(envelopes.len());
         for envelope in envelopes {
-            let id = Token {
-                owner: Arc::clone(owner),
-                id: TokenId::Seq(token),
-            };
-            tasks.push(Taken {
-                token: Some(id),
-                level,
-                payload: bytes(envelope, "claim")?,
-            });
-            token += 1;
+            take(level, envelope)?;
         }
     }
     Ok(Batch { now_ms, tasks })
+}
+
+/// Safe mode: what a claim whose reply was lost took, given the tokens it carried (`first_token` and `count`):
+/// the tasks stored under them, which the caller now holds. The lost claim, if Redis has not run it yet, will
+/// take nothing (`adopt.lua` fences it off).
+pub fn adopt(
+    conn: &mut dyn ConnectionLike,
+    keys: &QueueKeys,
+    owner: &Arc<str>,
+    first_token: u64,
+    count: usize,
+) -> Result<Batch> {
+    let mut invocation = SCRIPTS.adopt.prepare_invoke();
+    invocation.key(&keys.owners).key(keys.owner_info(owner));
+    for level in 0..keys.levels() {
+        invocation.key(keys.processing(owner, level));
+    }
+    invocation.arg(&**owner);
+    for token in first_token..first_token + count as u64 {
+        invocation.arg(token);
+    }
+    let reply: Vec<Value> = invocation
+        .invoke(conn)
+        .map_err(|error| owner_error(error, owner))?;
+    if reply.len() != 1 + keys.levels() {
+        return Err(reply_error("adopt", format!("{} elements", reply.len())));
+    }
+    let mut reply = reply.into_iter();
+    let now_ms = int(&reply.next().unwrap_or(Value::Nil), "adopt")?;
+    let mut tasks = Vec::new();
+    for (level, found) in reply.enumerate() {
+        let Value::Array(found) = found else {
+            return Err(reply_error("adopt", format!("level {level}: {found:?}")));
+        };
+        for (offset, envelope) in found.into_iter().enumerate() {
+            if envelope == Value::Nil {
+                continue;
+            }
+            tasks.push(Taken {
+                token: Some(Token {
+                    owner: Arc::clone(owner),
+                    id: TokenId::Seq(first_token + offset as u64),
+                }),
+                level,
+                payload: bytes(envelope, "adopt")?,
+            });
+        }
+    }
+    Ok(Batch { now_ms, tasks })
+}
+
+/// The errors a script acting for an owner replies with, as [`BrokerError`]s the caller can act on.
+fn owner_error(error: redis::RedisError, owner: &str) -> BrokerError {
+    match error.code() {
+        Some("LEASELOST") => BrokerError::LeaseLost {
+            owner: owner.to_string(),
+        },
+        Some("FENCED") => BrokerError::Fenced {
+            owner: owner.to_string(),
+        },
+        _ => error.into(),
+    }
 }
 
 /// Default mode: pops up to `max` tasks from the highest non-empty level. With `block`, waits that long for a
@@ -186,8 +258,16 @@ pub fn pop(
             pipe.cmd("LMPOP");
         }
     }
-    pipe.arg(keys.levels())
-        .arg(&keys.ready)
+    // Each level's quarantine before its ready list: a queue served in safe mode before (its recovered tasks
+    // wait there) is drained too, at most once, as default mode runs everything.
+    let lists: Vec<&String> = keys
+        .quarantine
+        .iter()
+        .zip(&keys.ready)
+        .flat_map(|(quarantine, ready)| [quarantine, ready])
+        .collect();
+    pipe.arg(lists.len())
+        .arg(&lists)
         .arg("LEFT")
         .arg("COUNT")
         .arg(max);
@@ -206,10 +286,10 @@ pub fn pop(
         }
         let items = parts.pop().unwrap_or(Value::Nil);
         let key = text(parts.pop().unwrap_or(Value::Nil), "pop")?;
-        let level = keys
-            .ready
+        let level = lists
             .iter()
-            .position(|k| *k == key)
+            .position(|k| **k == key)
+            .map(|index| index / 2)
             .ok_or_else(|| reply_error("pop", format!("unknown key {key}")))?;
         if let Value::Array(items) = items {
             for item in items {
@@ -239,8 +319,19 @@ pub fn wait_wake(conn: &mut Connection, keys: &QueueKeys, timeout: Duration) -> 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SettleOp {
     Ack,
-    Retry { delay: Duration },
+    /// A charged retry (the payload carries `attempt + 1`): after `delay`, or at once to the front of the level,
+    /// or (`isolated`) to the front of the level's quarantine.
+    Retry {
+        delay: Duration,
+        isolated: bool,
+    },
+    /// Handed back at shutdown: to the front of its level, unchanged and uncounted.
     Back,
+    /// Back from an expired lease, uncharged (the payload carries `recovered + 1`): to the front of the level, or
+    /// (`isolated`) of its quarantine.
+    Recover {
+        isolated: bool,
+    },
     Dead,
 }
 
@@ -314,7 +405,7 @@ pub fn settle<'a>(
         .key(&keys.unique)
         .key(&keys.wake)
         .key(keys.settled(call.settler));
-    for key in keys.ready.iter().chain(&keys.retry) {
+    for key in keys.ready.iter().chain(&keys.retry).chain(&keys.quarantine) {
         invocation.key(key);
     }
     if let Some(owner) = owner {
@@ -356,8 +447,11 @@ pub fn settle<'a>(
     for s in settlements.clone().into_iter().filter(|s| !bulk(s)) {
         let (op, delay_ms) = match &s.op {
             SettleOp::Ack => ("ack", 0),
-            SettleOp::Retry { delay } => ("retry", delay.as_millis() as u64),
+            SettleOp::Retry { isolated: true, .. } => ("retry_isolated", 0),
+            SettleOp::Retry { delay, .. } => ("retry", delay.as_millis() as u64),
             SettleOp::Back => ("back", 0),
+            SettleOp::Recover { isolated: false } => ("recover", 0),
+            SettleOp::Recover { isolated: true } => ("recover_isolated", 0),
             SettleOp::Dead => ("dead", 0),
         };
         invocation.arg(op);
@@ -389,65 +483,6 @@ pub fn settle<'a>(
         applied,
         stale_acks: reply[0] as usize,
     })
-}
-
-/// Safe mode: renews `owner`'s lease. Returns false when it was lost (it had run out: this daemon was silent
-/// too long, and the monitors take its tasks back).
-pub fn renew(
-    conn: &mut dyn ConnectionLike,
-    keys: &QueueKeys,
-    owner: &str,
-    lease: Duration,
-) -> Result<bool> {
-    let renewed: i64 = SCRIPTS
-        .renew
-        .key(&keys.owners)
-        .arg(owner)
-        .arg(lease.as_millis() as u64)
-        .invoke(conn)?;
-    Ok(renewed == 1)
-}
-
-/// Safe mode: forgets `owner` if it holds no task any more; `by_monitor` only if its lease has run out. Returns
-/// whether it was released.
-pub fn release(
-    conn: &mut dyn ConnectionLike,
-    keys: &QueueKeys,
-    owner: &str,
-    by_monitor: bool,
-) -> Result<bool> {
-    let mut invocation = SCRIPTS.release.prepare_invoke();
-    invocation.key(&keys.owners);
-    for key in keys.processing_all(owner) {
-        invocation.key(key);
-    }
-    let released: i64 = invocation
-        .arg(owner)
-        .arg(if by_monitor { "expired" } else { "owner" })
-        .invoke(conn)?;
-    Ok(released == 1)
-}
-
-/// Safe mode: every owner of the queue with its lease deadline (ms), and Redis's clock.
-pub fn owners(
-    conn: &mut dyn ConnectionLike,
-    keys: &QueueKeys,
-) -> Result<(i64, Vec<(String, i64)>)> {
-    let (time, owners): ((i64, i64), Vec<(String, f64)>) = redis::pipe()
-        .cmd("TIME")
-        .cmd("ZRANGE")
-        .arg(&keys.owners)
-        .arg(0)
-        .arg(-1)
-        .arg("WITHSCORES")
-        .query(conn)?;
-    Ok((
-        time_ms(time),
-        owners
-            .into_iter()
-            .map(|(owner, deadline)| (owner, deadline as i64))
-            .collect(),
-    ))
 }
 
 /// A page of a processing hash: the cursor to go on from (0: done) and the (token, envelope) pairs read.

@@ -16,7 +16,7 @@ use crossbeam_channel::{Receiver, Sender, select};
 use crate::broker::{self, Connector, Session};
 
 use crate::queue::QueueContext;
-use crate::retry::Backoff;
+use crate::retry::{Backoff, Trouble};
 use crate::shutdown::Listener;
 
 /// The longest a poller sleeps without looking.
@@ -33,6 +33,7 @@ pub struct DelayPoller {
 impl DelayPoller {
     pub fn run(mut self) {
         let mut backoff = Backoff::new();
+        let mut trouble = Trouble::new("moving due tasks", Some(&self.queue.config.name));
         loop {
             let queue = &self.queue;
             let batch = queue.config.delay_batch;
@@ -40,19 +41,17 @@ impl DelayPoller {
                 .connection
                 .get()
                 .and_then(|connection| broker::promote(connection, &queue.keys, batch));
+            if result.is_ok() {
+                backoff.reset();
+                trouble.recovered();
+            }
             let wait = match result {
-                Ok((moved, _)) if moved == batch => {
-                    backoff.reset();
-                    continue;
-                }
-                Ok((_, next_due)) => {
-                    backoff.reset();
-                    next_due.unwrap_or(MAX_WAIT).min(MAX_WAIT)
-                }
+                Ok((moved, _)) if moved == batch => continue,
+                Ok((_, next_due)) => next_due.unwrap_or(MAX_WAIT).min(MAX_WAIT),
                 Err(error) => {
-                    tracing::error!(queue = %queue.config.name, %error, "cannot move due tasks; retrying");
+                    trouble.failed(&error);
                     self.connection.reset();
-                    if backoff.wait(&self.background) {
+                    if backoff.wait_unless_first(&self.background) {
                         break;
                     }
                     continue;
@@ -82,10 +81,11 @@ pub struct DelayListener {
 impl DelayListener {
     pub fn run(self) {
         let mut backoff = Backoff::new();
+        let mut trouble = Trouble::new("listening for delayed tasks", None);
         while !self.background.is_triggered() {
-            if let Err(error) = self.listen() {
-                tracing::error!(%error, "delay listener lost its connection; reconnecting");
-                if backoff.wait(&self.background) {
+            if let Err(error) = self.listen(&mut trouble) {
+                trouble.failed(&error);
+                if backoff.wait_unless_first(&self.background) {
                     break;
                 }
             } else {
@@ -102,13 +102,14 @@ impl DelayListener {
     }
 
     /// Listens until shutdown (Ok) or a connection error (Err).
-    fn listen(&self) -> broker::Result<()> {
+    fn listen(&self, trouble: &mut Trouble) -> broker::Result<()> {
         let mut connection = self.connector.connect()?;
         let mut pubsub = connection.as_pubsub();
         for channel in self.pollers.keys() {
             pubsub.subscribe(channel)?;
         }
         pubsub.set_read_timeout(Some(Duration::from_millis(500)))?;
+        trouble.recovered();
         // Whatever was published while we were not subscribed is lost: let every poller look once.
         self.nudge_all();
         while !self.background.is_triggered() {

@@ -72,6 +72,62 @@ pub enum DaemonError {
     },
     #[error("thread {name} {how}; the daemon stopped so that it does not run with a part missing")]
     ThreadDied { name: String, how: &'static str },
+    #[error(
+        "redis refused kmqd's credentials: {0}; check [redis] username, password_env or password_file, and the \
+         ACL rules of that user"
+    )]
+    Auth(redis::RedisError),
+}
+
+impl DaemonError {
+    /// Whether the failure is the config's (wrong credentials, keys of another protocol version): retrying
+    /// cannot help, so `kmqd` exits 2 rather than 1.
+    pub fn is_config_error(&self) -> bool {
+        matches!(
+            self,
+            DaemonError::Auth(_) | DaemonError::Broker(BrokerError::ProtocolVersion { .. })
+        )
+    }
+}
+
+/// Waits until Redis answers and every queue's keys are of this protocol version, however long Redis is down
+/// (one log line, then a summary every 30 s); a stop request ends the wait (returns false). Wrong credentials and
+/// keys of another protocol version end it too, as errors: waiting would not fix them.
+fn wait_for_redis(
+    config: &Config,
+    connector: &Connector,
+    stop: &Receiver<()>,
+) -> Result<bool, DaemonError> {
+    let mut trouble = crate::retry::Trouble::new("connecting to Redis at start", None);
+    let mut delay = Duration::from_millis(100);
+    loop {
+        let checked = connector.connect().and_then(|mut connection| {
+            for queue in &config.queues {
+                broker::check_protocol(
+                    &mut connection,
+                    &broker::QueueKeys::for_queue(&config.redis.key_prefix, queue),
+                    &queue.name,
+                )?;
+            }
+            Ok(())
+        });
+        match checked {
+            Ok(()) => {
+                trouble.recovered();
+                return Ok(true);
+            }
+            Err(BrokerError::Redis(error)) if broker::is_auth_error(&error) => {
+                return Err(DaemonError::Auth(error));
+            }
+            Err(error @ BrokerError::ProtocolVersion { .. }) => return Err(error.into()),
+            Err(error) => trouble.failed(&error),
+        }
+        match stop.recv_timeout(delay) {
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
+            _ => return Ok(false),
+        }
+        delay = (delay * 2).min(Duration::from_secs(5));
+    }
 }
 
 /// What the supervisor reacts to.
@@ -189,16 +245,9 @@ pub fn run(
 ) -> Result<(), DaemonError> {
     let connector = Arc::new(Connector::new(&config.redis)?);
     let pool = broker::pool(&config.redis)?;
-    {
-        // Refuse keys of another protocol version before anything runs.
-        let mut connection = pool.get().map_err(BrokerError::from)?;
-        for queue in &config.queues {
-            broker::check_protocol(
-                &mut **connection,
-                &broker::QueueKeys::for_queue(&config.redis.key_prefix, queue),
-                &queue.name,
-            )?;
-        }
+    if !wait_for_redis(config, &connector, &stop)? {
+        tracing::info!("stopped before Redis answered");
+        return Ok(());
     }
     let daemon_id = daemon_id();
     let instance = broker::instance_id();
@@ -219,7 +268,7 @@ pub fn run(
     let mut delay_channels = HashMap::new();
     for queue in &contexts {
         let name = queue.config.name.clone();
-        let (lane, outcomes) = Lane::new(Arc::clone(queue), epoch);
+        let (lane, outcomes) = Lane::new(Arc::clone(queue), &instance, epoch);
         let lane = Arc::new(lane);
         let acker = Acker {
             lane: Arc::clone(&lane),

@@ -42,6 +42,17 @@ impl Watched {
     }
 }
 
+/// An owner whose lease ran out, as its tasks are recovered.
+struct Expired {
+    owner: Arc<str>,
+    /// The queue's keys at the levels the owner registered with.
+    keys: broker::QueueKeys,
+    /// Its quarantined task, if it ran one: (level, token).
+    isolated: Option<(usize, String)>,
+    /// Redis's clock when its lease was seen expired.
+    now_ms: i64,
+}
+
 pub struct Monitor {
     pub queues: Vec<Watched>,
     pub connection: Session,
@@ -97,11 +108,25 @@ impl Monitor {
             if deadline > now_ms {
                 continue;
             }
-            let owner: Arc<str> = Arc::from(owner);
-            for level in 0..queue.keys.levels() {
+            // The owner's own levels, whatever this daemon's config says (a rolling config change); an owner
+            // registered by a kmqd that recorded none is taken to have this daemon's levels.
+            let info = broker::owner_info(self.connection.get()?, &queue.keys, &owner)?;
+            let keys = match &info {
+                Some(info) if info.levels != queue.keys.levels => {
+                    queue.keys.with_levels(&info.levels)
+                }
+                _ => queue.keys.clone(),
+            };
+            let expired = Expired {
+                owner: Arc::from(owner),
+                keys,
+                isolated: info.and_then(|info| info.isolated),
+                now_ms,
+            };
+            for level in 0..expired.keys.levels() {
                 loop {
                     let Some((found, applied)) =
-                        self.recover_batch(index, &queue, &owner, level, now_ms)?
+                        self.recover_batch(index, &queue, &expired, level)?
                     else {
                         return Ok(recovered);
                     };
@@ -112,8 +137,8 @@ impl Monitor {
                     }
                 }
             }
-            if broker::release(self.connection.get()?, &queue.keys, &owner, true)? {
-                tracing::info!(queue = %queue.config.name, %owner, "forgot an owner whose lease ran out");
+            if broker::release(self.connection.get()?, &expired.keys, &expired.owner, true)? {
+                tracing::info!(queue = %queue.config.name, owner = %expired.owner, "forgot an owner whose lease ran out");
             }
         }
         if recovered > 0 {
@@ -128,26 +153,36 @@ impl Monitor {
         &mut self,
         index: usize,
         queue: &QueueContext,
-        owner: &Arc<str>,
+        expired: &Expired,
         level: usize,
-        now_ms: i64,
     ) -> broker::Result<Option<(usize, usize)>> {
+        let keys = &expired.keys;
         let connection = self.connection.get()?;
-        let (_, held) = broker::scan_processing(connection, &queue.keys, owner, level, 0, BATCH)?;
+        let (_, held) = broker::scan_processing(connection, keys, &expired.owner, level, 0, BATCH)?;
         if held.is_empty() {
             return Ok(Some((0, 0)));
         }
         let mut settlements: Vec<Settlement> = Vec::with_capacity(held.len());
         let mut hooks: Vec<Option<Box<DeadHook>>> = Vec::with_capacity(held.len());
         for (token, payload) in &held {
+            // The owner's quarantined task ran while the owner ran no other: the crash is charged to it.
+            let ran_alone = expired
+                .isolated
+                .as_ref()
+                .is_some_and(|(isolated_level, isolated)| {
+                    *isolated_level == level && isolated == token
+                });
             let (verdict, envelope) = queue.judge(payload, |envelope| {
-                match queue.policy.too_old(envelope.created_at, now_ms) {
+                match queue.policy.too_old(envelope.created_at, expired.now_ms) {
                     Some(reason) => Verdict::Unrunnable { reason },
-                    None => Verdict::LeaseExpired,
+                    None => Verdict::LeaseExpired {
+                        ran_alone,
+                        recoveries: envelope.recovered,
+                    },
                 }
             });
             let token = Token {
-                owner: Arc::clone(owner),
+                owner: Arc::clone(&expired.owner),
                 id: TokenId::Text(token.clone()),
             };
             let (settlement, hook) =
@@ -158,10 +193,10 @@ impl Monitor {
         let watched = &mut self.queues[index];
         let Some(settled) = watched.settler.settle(
             &mut self.connection,
-            &queue.keys,
+            keys,
             Fence::Expired,
             queue.config.dead_max,
-            Some(owner),
+            Some(&expired.owner),
             &settlements.iter().collect::<Vec<_>>(),
             &self.background,
         ) else {

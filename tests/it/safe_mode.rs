@@ -376,8 +376,50 @@ fn monitor(config: &Config, queue: &Arc<QueueContext>, name: &str) -> Monitor {
     }
 }
 
+/// Registers an owner the way a daemon does, with the queue's levels, and claims up to `max` tasks under it
+/// (tokens from `first_token`): a daemon that then dies.
+fn dead_daemon_claims(
+    connection: &mut redis::Connection,
+    queue: &QueueContext,
+    owner: &str,
+    first_token: u64,
+    max: usize,
+    lease: Duration,
+) -> broker::Batch {
+    let info = broker::OwnerInfo {
+        mode: "safe".into(),
+        levels: queue.config.priorities.clone(),
+        ..broker::OwnerInfo::default()
+    };
+    assert!(broker::register(connection, &queue.keys, owner, lease, &info).unwrap());
+    claim_as(connection, queue, owner, first_token, max).unwrap()
+}
+
+fn claim_as(
+    connection: &mut redis::Connection,
+    queue: &QueueContext,
+    owner: &str,
+    first_token: u64,
+    max: usize,
+) -> broker::Result<broker::Batch> {
+    let limits = broker::ClaimLimits {
+        max_task_bytes: queue.config.max_task_bytes,
+        dead_max: queue.config.dead_max,
+        queue: &queue.config.name,
+        daemon: "test:0",
+    };
+    broker::claim(
+        connection,
+        &queue.keys,
+        &Arc::from(owner),
+        first_token,
+        max,
+        &limits,
+    )
+}
+
 #[test]
-fn expired_lease_is_retried_at_the_front_with_attempt_plus_one() {
+fn expired_lease_returns_its_tasks_to_the_front_uncharged() {
     let redis = RedisServer::start();
     let dir = TestDir::new();
     let path = dir.config(&redis, &safe("lease_timeout = \"300ms\""));
@@ -389,8 +431,15 @@ fn expired_lease_is_retried_at_the_front_with_attempt_plus_one() {
         .unwrap();
     // A daemon claims the task, then dies: nobody renews its lease.
     let mut connection = redis.connection();
-    let owner = broker::register(&mut connection, &queue.keys, Duration::from_millis(300)).unwrap();
-    let batch = broker::claim(&mut connection, &queue.keys, &owner, 0, 10).unwrap();
+    let owner = "dead-daemon.1";
+    let batch = dead_daemon_claims(
+        &mut connection,
+        &queue,
+        owner,
+        0,
+        10,
+        Duration::from_millis(300),
+    );
     assert_eq!(batch.tasks.len(), 1);
     client
         .push("jobs", NewTask::new("test", "{}").unwrap().id("behind"))
@@ -406,13 +455,16 @@ fn expired_lease_is_retried_at_the_front_with_attempt_plus_one() {
     assert_eq!(ready.len(), 2);
     let first = kmqd::task::Envelope::decode(&ready[0]).unwrap();
     assert_eq!(
-        (first.id.as_deref(), first.attempt),
-        (Some("claimed"), 1),
-        "recovered task is first in line"
+        (first.id.as_deref(), first.attempt, first.recovered),
+        (Some("claimed"), 0, 1),
+        "recovered task is first in line, not charged a run (it may never have started)"
     );
-    assert!(first.last_error.unwrap().starts_with("lease expired"));
     let s = stats(&path, "jobs");
-    assert_eq!((s.processing, s.retried, s.failed), (0, 1, 1), "{s:?}");
+    assert_eq!(
+        (s.processing, s.recovered, s.retried, s.failed),
+        (0, 1, 0, 0),
+        "{s:?}"
+    );
     // The dead daemon's acknowledgement, arriving late, is fenced off.
     let token = batch.tasks[0].token.clone();
     let late = Settlement {
@@ -433,23 +485,15 @@ fn expired_lease_is_retried_at_the_front_with_attempt_plus_one() {
         &call,
         Fence::Owner,
         100,
-        Some(&owner),
+        Some(owner),
         &[late],
     )
     .unwrap();
     assert_eq!((settled.stale_acks, settled.applied), (1, vec![None]));
     assert_eq!(stats(&path, "jobs").done, 0);
     // An owner whose lease ran out is gone for good: it can neither renew nor claim, and the monitor forgot it.
-    assert!(
-        !broker::renew(
-            &mut connection,
-            &queue.keys,
-            &owner,
-            Duration::from_secs(30)
-        )
-        .unwrap()
-    );
-    match broker::claim(&mut connection, &queue.keys, &owner, 10, 10) {
+    assert!(!broker::renew(&mut connection, &queue.keys, owner, Duration::from_secs(30)).unwrap());
+    match claim_as(&mut connection, &queue, owner, 10, 10) {
         Err(broker::BrokerError::LeaseLost { .. }) => {}
         other => panic!("claim under a dead owner: {other:?}"),
     }
@@ -470,10 +514,10 @@ fn monitors_racing_on_the_same_leases_recover_each_task_once() {
     client(&path).push_batch("jobs", tasks).unwrap();
     // Five daemons claim a hundred tasks each, then all die.
     let mut connection = redis.connection();
-    for _ in 0..5 {
-        let owner =
-            broker::register(&mut connection, &queue.keys, Duration::from_millis(300)).unwrap();
-        broker::claim(&mut connection, &queue.keys, &owner, 0, 100).unwrap();
+    for daemon in 0..5 {
+        let owner = format!("dead-daemon-{daemon}.1");
+        let lease = Duration::from_millis(300);
+        dead_daemon_claims(&mut connection, &queue, &owner, 0, 100, lease);
     }
     eventually(Duration::from_secs(5), "the leases to run out", || {
         let (now, owners) = broker::owners(&mut connection, &queue.keys).unwrap();
@@ -505,7 +549,7 @@ fn monitors_racing_on_the_same_leases_recover_each_task_once() {
         "no task duplicated, none lost"
     );
     let s = stats(&path, "jobs");
-    assert_eq!((s.processing, s.retried), (0, 500), "{s:?}");
+    assert_eq!((s.processing, s.recovered), (0, 500), "{s:?}");
     let owners: i64 = redis.cmd(&["ZCARD", "kmq:{jobs}:owners"]);
     assert_eq!(owners, 0, "every dead owner forgotten");
 }

@@ -1,9 +1,30 @@
--- register.lua: a new owner (a daemon's claim identity on a queue), with a lease.
+#!lua
+-- register.lua: a new owner (a daemon's claim identity on a queue), with a lease and a description of itself.
 --
--- KEYS[1] owners zset, KEYS[2] seq counter; ARGV[1] lease length in ms
--- Returns the owner id, "o" and a number never used before on this queue.
+-- KEYS[1] owners zset, KEYS[2] the owner's info hash
+-- ARGV[1] owner id (made by the daemon: unique without Redis's help); ARGV[2] lease length in ms;
+-- ARGV[3 ..] field, value pairs for the info hash: mode, levels (comma-separated, highest first), host, pid,
+-- version, started_at (ms)
+-- Returns 1 registered (also when this very owner is already registered with a live lease: a retry after a lost
+-- reply), 0 refused: the id is known and its lease ran out (the daemon must pick another id).
+-- The monitors read the info hash to recover an expired owner's tasks from the levels it had, whatever their own
+-- config says (a rolling config change).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local owner = 'o' .. redis.call('INCR', KEYS[2])
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), owner)
-return owner
+local lease = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if lease then
+  if tonumber(lease) > now then
+    return 1
+  end
+  return 0
+end
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  return 0
+end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+local fields = {'registered_at', string.format('%d', now)}
+for i = 3, #ARGV do
+  fields[#fields + 1] = ARGV[i]
+end
+redis.call('HSET', KEYS[2], unpack(fields))
+return 1

@@ -1,11 +1,13 @@
--- release.lua: forget an owner that holds no task any more.
+#!lua
+-- release.lua: forget an owner that holds no task any more, and its registration.
 --
--- KEYS[1] owners zset, KEYS[2 ..] the owner's processing hashes
+-- KEYS[1] owners zset, KEYS[2] the owner's info hash, KEYS[3 ..] the owner's processing hashes (every level it
+-- registered with)
 -- ARGV[1] owner; ARGV[2] "expired" (a monitor: only if the lease has run out) or "owner" (its daemon, stopping)
 -- Returns 1 released, 0 kept (it still holds tasks, or its lease is live and the caller is a monitor).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-for i = 2, #KEYS do
+for i = 3, #KEYS do
   if redis.call('EXISTS', KEYS[i]) == 1 then
     return 0
   end
@@ -16,4 +18,5 @@ if ARGV[2] == 'expired' then
     return 0
   end
 end
+redis.call('DEL', KEYS[2])
 return redis.call('ZREM', KEYS[1], ARGV[1])

@@ -1,10 +1,11 @@
 #!lua
--- settle.lua: apply the outcomes of many runs at once (acknowledge, retry, hand back, dead-letter), exactly once.
+-- settle.lua: apply the outcomes of many runs at once (acknowledge, retry, recover, hand back, dead-letter),
+-- exactly once.
 --
 -- KEYS[1] owners zset, KEYS[2] stats hash, KEYS[3] dead list, KEYS[4] unique hash, KEYS[5] wake list,
 -- KEYS[6] the settling party's last call (a string, see "Calls" below),
--- KEYS[7 .. 6+L] ready lists, KEYS[7+L .. 6+2L] retry zsets, and in safe mode KEYS[7+2L .. 6+3L] the
--- processing hashes of the owner whose tasks these are (all in level order)
+-- KEYS[7 .. 6+L] ready lists, KEYS[7+L .. 6+2L] retry zsets, KEYS[7+2L .. 6+3L] quarantine lists, and in safe
+-- mode KEYS[7+3L .. 6+4L] the processing hashes of the owner whose tasks these are (all in level order)
 -- ARGV[1] fence: "owner" (the owner settles its own tasks) or "expired" (a monitor settles the tasks of an owner
 --         whose lease ran out; nothing is applied unless it has)
 -- ARGV[2] dead list bound; ARGV[3] number of levels L; ARGV[4] the delay poller's channel; ARGV[5] the owner
@@ -14,7 +15,11 @@
 -- then records of 7: op, token, unique id, level (1-based), delay ms, payload, failed ("1" or "0")
 --   op "ack":   done; the token leaves the processing area
 --   op "retry": payload (the envelope with attempt + 1) goes to the front of its ready list now (delay 0) or
---               to the level's retry zset, due in delay ms
+--               to the level's retry zset, due in delay ms; counted in "retried"
+--   op "retry_isolated": as "retry" with no delay, to the front of the level's quarantine list
+--   op "recover": an expired lease's task, uncharged: payload (recovered + 1) to the front of its ready list;
+--               counted in "recovered"
+--   op "recover_isolated": as "recover", to the front of the level's quarantine list
 --   op "back":  handed back at shutdown: payload goes to the front of its ready list, attempt unchanged
 --   op "dead":  payload (a dead record, a JSON object) is pushed on the dead list with "dead_at" stamped
 -- A task whose token is not (or no longer) in its processing hash is stale and changes nothing: this fences a
@@ -32,7 +37,9 @@
 local owners, stats, dead, uniq, wake, last_call = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local fence, dead_max, levels, channel, owner = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local call = ARGV[6]
-local READY, RETRY, PROCESSING = 6, 6 + levels, 6 + 2 * levels
+local READY, RETRY, QUARANTINE, PROCESSING = 6, 6 + levels, 6 + 2 * levels, 6 + 3 * levels
+local OPS = {ack = true, retry = true, retry_isolated = true, recover = true, recover_isolated = true,
+  back = true, dead = true}
 
 local prior = redis.call('GET', last_call)
 if prior then
@@ -51,6 +58,7 @@ local expected = {[owners] = 'zset', [stats] = 'hash', [dead] = 'list', [uniq] =
 for level = 1, levels do
   expected[KEYS[READY + level]] = 'list'
   expected[KEYS[RETRY + level]] = 'zset'
+  expected[KEYS[QUARANTINE + level]] = 'list'
   if KEYS[PROCESSING + level] then expected[KEYS[PROCESSING + level]] = 'hash' end
 end
 for key, kind in pairs(expected) do
@@ -66,15 +74,14 @@ for level = 1, levels do
 end
 records = records + 1
 for j = records, #ARGV, 7 do
-  local op = ARGV[j]
-  if op ~= 'ack' and op ~= 'retry' and op ~= 'back' and op ~= 'dead' then
-    return redis.error_reply('settle.lua: unknown op ' .. op .. '; nothing was applied')
+  if not OPS[ARGV[j]] then
+    return redis.error_reply('settle.lua: unknown op ' .. ARGV[j] .. '; nothing was applied')
   end
 end
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local done, retried, failed, dead_lettered = 0, 0, 0, 0
+local done, retried, recovered, failed, dead_lettered = 0, 0, 0, 0, 0
 local wake_fetchers, wake_poller = false, false
 local live = true
 if fence == 'expired' then
@@ -119,9 +126,15 @@ while i <= #ARGV do
       if uid ~= '' then
         redis.call('HDEL', uniq, uid)
       end
-    elseif op == 'retry' or op == 'back' then
+    elseif op == 'retry_isolated' or op == 'recover_isolated' then
+      if op == 'retry_isolated' then retried = retried + 1 else recovered = recovered + 1 end
+      redis.call('LPUSH', KEYS[QUARANTINE + level], payload)
+      wake_fetchers = true
+    elseif op == 'retry' or op == 'back' or op == 'recover' then
       if op == 'retry' then
         retried = retried + 1
+      elseif op == 'recover' then
+        recovered = recovered + 1
       end
       if delay <= 0 then
         redis.call('LPUSH', KEYS[READY + level], payload)
@@ -155,6 +168,7 @@ if dead_lettered > 0 then
 end
 if done > 0 then redis.call('HINCRBY', stats, 'done', done) end
 if retried > 0 then redis.call('HINCRBY', stats, 'retried', retried) end
+if recovered > 0 then redis.call('HINCRBY', stats, 'recovered', recovered) end
 if failed > 0 then redis.call('HINCRBY', stats, 'failed', failed) end
 if wake_fetchers then
   redis.call('LPUSH', wake, 1)

@@ -7,6 +7,10 @@
 //! list that every enqueue path touches; default mode: on the ready lists themselves) for at most `idle_poll`,
 //! which also bounds how long shutdown waits for it.
 //!
+//! A safe-mode claim whose reply is lost (a reset, a stall past the read timeout) is resolved, not guessed: the
+//! fetcher knows its owner and tokens, and [`broker::adopt`] hands it what the claim took, or fences the claim
+//! off if it has not run yet, so no task is left claimed by nobody. Until then the claim's capacity stays taken.
+//!
 //! Once the daemon stops claiming, whatever a claim still in flight brings back is handed back at once, never
 //! given to a worker; then the fetcher marks the lane so and drops the jobs channel, which is how the workers
 //! learn that no more work comes.
@@ -18,9 +22,9 @@ use crossbeam_channel::Sender;
 
 use super::Lane;
 use super::resolve::{Job, JobState, Taken};
-use crate::broker::{self, Batch, BrokerError, Session};
+use crate::broker::{self, Batch, BrokerError, ClaimLimits, OwnerInfo, Session};
 use crate::config::Mode;
-use crate::retry::Backoff;
+use crate::retry::{Backoff, Trouble};
 use crate::shutdown::Listener;
 
 /// The smallest claim (tokens sent) after an empty or small one.
@@ -30,14 +34,30 @@ const MIN_CLAIM: usize = 16;
 const CAPACITY_WAIT: Duration = Duration::from_millis(200);
 
 pub struct Fetcher {
-    pub lane: Arc<Lane>,
-    pub connection: Session,
+    lane: Arc<Lane>,
+    connection: Session,
     /// Fires when the daemon stops claiming.
-    pub claiming: Listener,
+    claiming: Listener,
     /// To the queue's workers. Dropped when this thread ends, which is how workers learn no more work comes.
-    pub jobs: Sender<Job>,
-    /// How many tasks the next safe-mode claim asks for at most (see `fetch`).
-    pub claim_size: usize,
+    jobs: Sender<Job>,
+    /// How many tasks the next safe-mode claim asks for at most (see `claim`).
+    claim_size: usize,
+    /// Safe mode: an owner id chosen but not yet known to be registered (a register whose reply was lost is sent
+    /// again with the same id, and registers it once).
+    registering: Option<Arc<str>>,
+    /// Safe mode: a claim whose reply was lost. Its capacity stays reserved until adopted.
+    lost_claim: Option<LostClaim>,
+    /// What this daemon registers about each of its owners.
+    info: OwnerInfo,
+    trouble: Trouble,
+}
+
+/// The owner and the tokens of a claim whose reply never came.
+#[derive(Debug)]
+struct LostClaim {
+    owner: Arc<str>,
+    first_token: u64,
+    count: usize,
 }
 
 impl Fetcher {
@@ -47,19 +67,41 @@ impl Fetcher {
         claiming: Listener,
         jobs: Sender<Job>,
     ) -> Fetcher {
-        let claim_size = lane.queue.config.batch;
+        let config = &lane.queue.config;
+        let info = OwnerInfo {
+            mode: config.mode.as_str().to_string(),
+            levels: config.priorities.clone(),
+            host: broker::hostname(),
+            pid: std::process::id(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            started_at_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |since| since.as_millis() as i64),
+            isolated: None,
+        };
+        let trouble = Trouble::new("fetching tasks", Some(&config.name));
         Fetcher {
+            claim_size: config.batch,
             lane,
             connection,
             claiming,
             jobs,
-            claim_size,
+            registering: None,
+            lost_claim: None,
+            info,
+            trouble,
         }
     }
 
     pub fn run(mut self) {
         let mut backoff = Backoff::new();
         while !self.claiming.is_triggered() {
+            if self.lost_claim.is_some() {
+                if !self.adopt_lost_claim() && backoff.wait(&self.claiming) {
+                    break;
+                }
+                continue;
+            }
             let lane = Arc::clone(&self.lane);
             // Claim a batch's worth at once, or whatever is free when the workers run dry.
             let free = lane
@@ -73,6 +115,7 @@ impl Fetcher {
             match self.fetch(free) {
                 Ok(batch) => {
                     backoff.reset();
+                    self.trouble.recovered();
                     let taken = batch.tasks.len();
                     if taken > free {
                         // The scripts never return more than asked; if Redis did, run them all anyway (they are
@@ -83,12 +126,20 @@ impl Fetcher {
                     self.dispatch(batch);
                 }
                 Err(error) => {
-                    lane.capacity.release(free);
-                    tracing::error!(queue = %lane.name(), %error, "cannot fetch tasks; retrying");
+                    // A claim whose reply was lost keeps its capacity until adopted.
+                    let kept = self.lost_claim.as_ref().map_or(0, |lost| lost.count);
+                    lane.capacity.release(free - kept);
+                    self.trouble.failed(&error);
                     self.connection.reset();
-                    backoff.wait(&self.claiming);
+                    if backoff.wait_unless_first(&self.claiming) {
+                        break;
+                    }
                 }
             }
+        }
+        if let Some(lost) = self.lost_claim.take() {
+            // Stopping while Redis fails: the lost claim's tasks, if it took any, return through the lease.
+            self.lane.capacity.release(lost.count);
         }
         self.lane.fetcher_stopped();
         tracing::debug!(queue = %self.lane.name(), "fetcher stopped");
@@ -96,60 +147,148 @@ impl Fetcher {
 
     /// Takes up to `free` tasks; when none is ready, waits up to `idle_poll` for one.
     fn fetch(&mut self, free: usize) -> broker::Result<Batch> {
+        if self.lane.queue.config.mode == Mode::Safe {
+            return self.claim(free);
+        }
         let lane = &self.lane;
         let queue = &lane.queue;
         let connection = self.connection.get()?;
-        match queue.config.mode {
-            Mode::Safe => {
-                let owner = match lane.ownership.current() {
-                    Some(owner) => owner,
-                    None => {
-                        let owner =
-                            broker::register(connection, &queue.keys, queue.config.lease_timeout)?;
-                        tracing::info!(queue = %queue.config.name, %owner, "claiming as a new owner");
-                        lane.ownership.set(Arc::clone(&owner));
-                        owner
-                    }
-                };
-                // Each claim carries a token per task it may take, which costs Redis a little per token: ask for
-                // twice what the last claim got (at least MIN_CLAIM), so an idle queue's claims stay small and a
-                // backlog's double up to the free capacity within a few round trips.
-                let want = free.min(self.claim_size);
-                let first_token = lane.ownership.tokens(want);
-                let batch = match broker::claim(connection, &queue.keys, &owner, first_token, want)
-                {
-                    Err(BrokerError::LeaseLost { owner }) => {
-                        // The tasks it held go back through the monitors; claim under a new owner from now on.
-                        tracing::warn!(queue = %queue.config.name, %owner, "lease lost; registering a new owner");
-                        if lane.ownership.lose(&owner) {
-                            lane.forget_owner(&owner);
-                        }
-                        return Ok(Batch::default());
-                    }
-                    other => other?,
-                };
-                self.claim_size = (batch.tasks.len() * 2)
-                    .max(MIN_CLAIM)
-                    .min(queue.config.batch);
-                if batch.tasks.is_empty() && !self.claiming.is_triggered() {
-                    // A marker means "something was pushed": the next round claims it. No marker within
-                    // idle_poll: the next round looks anyway, which picks up producers that push no marker.
-                    broker::wait_wake(connection, &queue.keys, queue.config.idle_poll)?;
-                }
-                Ok(batch)
+        let popped = match broker::pop(connection, &queue.keys, free, None) {
+            Ok(batch) if batch.tasks.is_empty() && !self.claiming.is_triggered() => {
+                broker::pop(connection, &queue.keys, free, Some(queue.config.idle_poll))
             }
-            Mode::Default => {
-                let batch = broker::pop(connection, &queue.keys, free, None)?;
-                if batch.tasks.is_empty() && !self.claiming.is_triggered() {
-                    return broker::pop(
-                        connection,
-                        &queue.keys,
-                        free,
-                        Some(queue.config.idle_poll),
-                    );
-                }
-                Ok(batch)
+            other => other,
+        };
+        if let Err(error) = &popped {
+            if error.may_have_run() {
+                tracing::error!(
+                    queue = %lane.name(),
+                    %error,
+                    "a pop's reply was lost: the tasks it took, if any, are lost (default mode is at most once)"
+                );
             }
+        }
+        popped
+    }
+
+    /// Safe mode: registers an owner if there is none, then claims up to `free` tasks under it; when none is ready,
+    /// waits up to `idle_poll` for a wake-up marker.
+    fn claim(&mut self, free: usize) -> broker::Result<Batch> {
+        let lane = Arc::clone(&self.lane);
+        let queue = &lane.queue;
+        let connection = self.connection.get()?;
+        let owner = match lane.ownership.current() {
+            Some(owner) => owner,
+            None => {
+                let owner = self
+                    .registering
+                    .get_or_insert_with(|| lane.ownership.new_id())
+                    .clone();
+                let lease = queue.config.lease_timeout;
+                let registered =
+                    broker::register(connection, &queue.keys, &owner, lease, &self.info)?;
+                // Refused: its first registration went through and its lease ran out before this retry.
+                self.registering = None;
+                if !registered {
+                    return Ok(Batch::default());
+                }
+                tracing::info!(queue = %queue.config.name, %owner, "claiming as a new owner");
+                lane.ownership.set(Arc::clone(&owner));
+                owner
+            }
+        };
+        // Each claim carries a token per task it may take, which costs Redis a little per token: ask for twice
+        // what the last claim got (at least MIN_CLAIM), so an idle queue's claims stay small and a backlog's
+        // double up to the free capacity within a few round trips.
+        let want = free.min(self.claim_size);
+        let first_token = lane.ownership.tokens(want);
+        let limits = ClaimLimits {
+            max_task_bytes: queue.config.max_task_bytes,
+            dead_max: queue.config.dead_max,
+            queue: &queue.config.name,
+            daemon: &queue.daemon_id,
+        };
+        let batch = match broker::claim(connection, &queue.keys, &owner, first_token, want, &limits)
+        {
+            Ok(batch) => batch,
+            Err(BrokerError::LeaseLost { owner }) => {
+                self.lost_lease(&owner);
+                return Ok(Batch::default());
+            }
+            Err(error) => {
+                if error.may_have_run() {
+                    self.lost_claim = Some(LostClaim {
+                        owner,
+                        first_token,
+                        count: want,
+                    });
+                }
+                return Err(error);
+            }
+        };
+        self.claim_size = (batch.tasks.len() * 2)
+            .max(MIN_CLAIM)
+            .min(queue.config.batch);
+        if batch.tasks.is_empty() && !self.claiming.is_triggered() {
+            // A marker means "something was pushed": the next round claims it. No marker within idle_poll: the
+            // next round looks anyway, which picks up producers that push no marker.
+            broker::wait_wake(connection, &queue.keys, queue.config.idle_poll)?;
+        }
+        Ok(batch)
+    }
+
+    /// A claim's reply was lost: asks Redis what it took (and fences it off if it has not run yet), and holds
+    /// that. Returns false when Redis failed again (try later).
+    fn adopt_lost_claim(&mut self) -> bool {
+        let lane = Arc::clone(&self.lane);
+        let Some(lost) = self.lost_claim.as_ref() else {
+            return true;
+        };
+        let adopted = self.connection.get().and_then(|connection| {
+            broker::adopt(
+                connection,
+                &lane.queue.keys,
+                &lost.owner,
+                lost.first_token,
+                lost.count,
+            )
+        });
+        match adopted {
+            Ok(batch) => {
+                self.trouble.recovered();
+                tracing::warn!(
+                    queue = %lane.name(),
+                    owner = %lost.owner,
+                    adopted = batch.tasks.len(),
+                    "a claim's reply was lost; the tasks it took are held now, and it can take no more"
+                );
+                lane.capacity
+                    .release(lost.count.saturating_sub(batch.tasks.len()));
+                self.lost_claim = None;
+                self.dispatch(batch);
+                true
+            }
+            Err(BrokerError::LeaseLost { owner }) => {
+                // Its tasks belong to the monitors now.
+                lane.capacity.release(lost.count);
+                self.lost_claim = None;
+                self.lost_lease(&owner);
+                true
+            }
+            Err(error) => {
+                self.trouble.failed(&error);
+                self.connection.reset();
+                false
+            }
+        }
+    }
+
+    /// The owner's lease ran out: the tasks it held go back through the monitors; claim under a new owner.
+    fn lost_lease(&self, owner: &str) {
+        let lane = &self.lane;
+        if lane.ownership.lose(owner) {
+            let forgotten = lane.forget_owner(owner);
+            tracing::warn!(queue = %lane.name(), %owner, forgotten, "lease lost; registering a new owner");
         }
     }
 

@@ -67,14 +67,18 @@ pub struct Lane {
 
 impl Lane {
     /// A lane for `queue`, and the receiving end of its outcomes channel (the acker's).
-    pub fn new(queue: Arc<QueueContext>, epoch: Instant) -> (Lane, Receiver<Outcome>) {
+    pub fn new(
+        queue: Arc<QueueContext>,
+        instance: &str,
+        epoch: Instant,
+    ) -> (Lane, Receiver<Outcome>) {
         let config = &queue.config;
         let bound = config.workers + config.prefetch;
         let (outcomes, receiver) = crossbeam_channel::bounded(bound);
         let lane = Lane {
             capacity: Capacity::new(config.workers, config.prefetch, fetch_threshold(config)),
             held: Held::default(),
-            ownership: Ownership::default(),
+            ownership: Ownership::new(instance),
             orphans: Mutex::new(Vec::new()),
             fetcher_done: AtomicBool::new(false),
             outcomes,
@@ -197,18 +201,36 @@ impl Held {
 /// its claim tokens come from.
 ///
 /// The fetcher registers an owner on its first claim; when the lease is lost (the daemon was silent longer than
-/// `lease_timeout`), the heartbeat or the fetcher drops it and the fetcher registers a new one. Tasks claimed
-/// under the old owner keep their tokens, so their late outcomes are fenced against the monitors.
-#[derive(Debug, Default)]
+/// `lease_timeout`, or Redis lost it), the heartbeat or the fetcher drops it and the fetcher registers a new one.
+/// Tasks claimed under the old owner keep their tokens, so their late outcomes are fenced against the monitors.
+/// Owner ids are this daemon run's instance id and a generation: unique without asking Redis.
+#[derive(Debug)]
 pub struct Ownership {
+    instance: String,
     current: Mutex<Option<Arc<str>>>,
+    generation: AtomicU64,
     next_token: AtomicU64,
 }
 
 impl Ownership {
+    pub fn new(instance: &str) -> Ownership {
+        Ownership {
+            instance: instance.to_string(),
+            current: Mutex::new(None),
+            generation: AtomicU64::new(0),
+            next_token: AtomicU64::new(0),
+        }
+    }
+
     /// The owner to claim under, if one is registered.
     pub fn current(&self) -> Option<Arc<str>> {
         lock(&self.current).clone()
+    }
+
+    /// An owner id never used before, to register.
+    pub fn new_id(&self) -> Arc<str> {
+        let generation = self.generation.fetch_add(1, Ordering::Relaxed) + 1;
+        Arc::from(format!("{}.{generation}", self.instance))
     }
 
     /// Records a newly registered owner.
@@ -238,7 +260,9 @@ mod tests {
 
     #[test]
     fn a_lost_owner_is_forgotten_only_if_still_current() {
-        let ownership = Ownership::default();
+        let ownership = Ownership::new("host-1-2-ab");
+        let (first, second) = (ownership.new_id(), ownership.new_id());
+        assert_eq!((&*first, &*second), ("host-1-2-ab.1", "host-1-2-ab.2"));
         ownership.set(Arc::from("o1"));
         ownership.set(Arc::from("o2"));
         assert!(!ownership.lose("o1"), "o2 replaced it");

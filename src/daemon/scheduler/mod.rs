@@ -17,6 +17,7 @@ use serde_json::value::RawValue;
 use crate::broker::{self, Fired, Session};
 use crate::config::{Missed, ScheduleConfig};
 use crate::queue::QueueContext;
+use crate::retry::Trouble;
 use crate::shutdown::Listener;
 use crate::task::Envelope;
 
@@ -76,11 +77,15 @@ impl Scheduler {
     }
 
     pub fn run(mut self) {
+        let mut trouble = Trouble::new("firing schedules", None);
         loop {
             let sleep = match self.tick() {
-                Ok(sleep) => sleep,
+                Ok(sleep) => {
+                    trouble.recovered();
+                    sleep
+                }
                 Err(error) => {
-                    tracing::error!(%error, "scheduler cannot reach redis; retrying");
+                    trouble.failed(&error);
                     self.connection.reset();
                     MAX_SLEEP
                 }

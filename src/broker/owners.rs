@@ -1,0 +1,168 @@
+//! Owners: a daemon's claim identity on a queue, with its one lease and its registration (mode, levels, host...).
+//!
+//! An owner id is made by the daemon ([`super::instance_id`] and a generation), never by a counter in Redis, so
+//! a Redis that lost its data cannot hand out an id a live daemon still uses. Its registration
+//! (`P:{Q}:owner:ID`) records the levels and mode it claimed with, so that every monitor recovers whatever it
+//! held, whatever the monitor's own config says.
+
+use std::time::Duration;
+
+use redis::{ConnectionLike, Value};
+
+use super::{QueueKeys, Result, SCRIPTS, reply_error, text, time_ms};
+
+/// What an owner registers about itself.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct OwnerInfo {
+    /// `safe` or `default`.
+    pub mode: String,
+    /// The priority levels it claims from, highest first.
+    pub levels: Vec<String>,
+    pub host: String,
+    pub pid: u32,
+    /// The kmqd version that registered it.
+    pub version: String,
+    /// When its daemon started, ms since the epoch (the daemon's clock).
+    pub started_at_ms: i64,
+    /// The quarantined task it runs alone, if any: level index and token.
+    pub isolated: Option<(usize, String)>,
+}
+
+/// Registers `owner` with a lease, describing itself with `info`. Returns false when the id is known and its
+/// lease ran out (pick another id); registering a live owner again (a retry after a lost reply) is a success.
+pub fn register(
+    conn: &mut dyn ConnectionLike,
+    keys: &QueueKeys,
+    owner: &str,
+    lease: Duration,
+    info: &OwnerInfo,
+) -> Result<bool> {
+    let registered: i64 = SCRIPTS
+        .register
+        .key(&keys.owners)
+        .key(keys.owner_info(owner))
+        .arg(owner)
+        .arg(lease.as_millis() as u64)
+        .arg("mode")
+        .arg(&info.mode)
+        .arg("levels")
+        .arg(info.levels.join(","))
+        .arg("host")
+        .arg(&info.host)
+        .arg("pid")
+        .arg(info.pid)
+        .arg("version")
+        .arg(&info.version)
+        .arg("started_at")
+        .arg(info.started_at_ms)
+        .invoke(conn)?;
+    Ok(registered == 1)
+}
+
+/// Renews `owner`'s lease. Returns false when it was lost (it had run out: this daemon was silent too long, or
+/// Redis lost it), and the monitors take its tasks back.
+pub fn renew(
+    conn: &mut dyn ConnectionLike,
+    keys: &QueueKeys,
+    owner: &str,
+    lease: Duration,
+) -> Result<bool> {
+    let renewed: i64 = SCRIPTS
+        .renew
+        .key(&keys.owners)
+        .arg(owner)
+        .arg(lease.as_millis() as u64)
+        .invoke(conn)?;
+    Ok(renewed == 1)
+}
+
+/// Forgets `owner` and its registration if it holds no task any more at the levels of `keys` (its own levels);
+/// `by_monitor`: only if its lease has run out. Returns whether it was released.
+pub fn release(
+    conn: &mut dyn ConnectionLike,
+    keys: &QueueKeys,
+    owner: &str,
+    by_monitor: bool,
+) -> Result<bool> {
+    let mut invocation = SCRIPTS.release.prepare_invoke();
+    invocation.key(&keys.owners).key(keys.owner_info(owner));
+    for key in keys.processing_all(owner) {
+        invocation.key(key);
+    }
+    let released: i64 = invocation
+        .arg(owner)
+        .arg(if by_monitor { "expired" } else { "owner" })
+        .invoke(conn)?;
+    Ok(released == 1)
+}
+
+/// Every owner of the queue with its lease deadline (ms), and Redis's clock.
+pub fn owners(
+    conn: &mut dyn ConnectionLike,
+    keys: &QueueKeys,
+) -> Result<(i64, Vec<(String, i64)>)> {
+    let (time, owners): ((i64, i64), Vec<(String, f64)>) = redis::pipe()
+        .cmd("TIME")
+        .cmd("ZRANGE")
+        .arg(&keys.owners)
+        .arg(0)
+        .arg(-1)
+        .arg("WITHSCORES")
+        .query(conn)?;
+    Ok((
+        time_ms(time),
+        owners
+            .into_iter()
+            .map(|(owner, deadline)| (owner, deadline as i64))
+            .collect(),
+    ))
+}
+
+/// `owner`'s registration; `None` for an owner registered by a kmqd that wrote none (before this version).
+pub fn owner_info(
+    conn: &mut dyn ConnectionLike,
+    keys: &QueueKeys,
+    owner: &str,
+) -> Result<Option<OwnerInfo>> {
+    let fields: Vec<Value> = redis::cmd("HGETALL")
+        .arg(keys.owner_info(owner))
+        .query(conn)?;
+    if fields.is_empty() {
+        return Ok(None);
+    }
+    let mut info = OwnerInfo::default();
+    let mut fields = fields.into_iter();
+    while let (Some(name), Some(value)) = (fields.next(), fields.next()) {
+        let (name, value) = (text(name, "owner info")?, text(value, "owner info")?);
+        match name.as_str() {
+            "mode" => info.mode = value,
+            "levels" => {
+                info.levels = value
+                    .split(',')
+                    .filter(|level| !level.is_empty())
+                    .map(str::to_string)
+                    .collect()
+            }
+            "host" => info.host = value,
+            "pid" => info.pid = value.parse().unwrap_or(0),
+            "version" => info.version = value,
+            "started_at" => info.started_at_ms = value.parse().unwrap_or(0),
+            "isolated" => {
+                let (level, token) = value
+                    .split_once(':')
+                    .ok_or_else(|| reply_error("owner info", format!("isolated = {value:?}")))?;
+                let level: usize = level
+                    .parse()
+                    .map_err(|_| reply_error("owner info", format!("isolated = {value:?}")))?;
+                // Stored 1-based, as the scripts count levels.
+                info.isolated = Some((level.saturating_sub(1), token.to_string()));
+            }
+            _ => {}
+        }
+    }
+    // An owner always has at least one level; an info hash without any is not one kmqd wrote.
+    if info.levels.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(info))
+}
