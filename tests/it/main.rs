@@ -7,6 +7,7 @@ mod cli;
 mod crash;
 mod default_mode;
 mod delayed;
+mod fault_proxy;
 mod plugins;
 mod priorities;
 mod protocol;

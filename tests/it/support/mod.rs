@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod proxy;
+
 use std::fs;
 use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
@@ -36,8 +38,11 @@ pub fn eventually<T: std::fmt::Debug>(
     }
 }
 
-/// A redis-server of the test's own (`kmqd::redis_server`): unix socket in a temp dir, no persistence, killed on
-/// drop. The tests fail loudly, never skip, when redis-server is missing.
+pub use kmqd::redis_server::{Fsync, Options as RedisOptions, Signal};
+
+/// A redis-server of the test's own (`kmqd::redis_server`): unix socket in a temp dir, no persistence (unless
+/// started with [`RedisServer::start_with`]), killed on drop. The tests fail loudly, never skip, when
+/// redis-server is missing.
 pub struct RedisServer {
     server: kmqd::redis_server::RedisServer,
     pub socket: PathBuf,
@@ -45,10 +50,69 @@ pub struct RedisServer {
 
 impl RedisServer {
     pub fn start() -> RedisServer {
-        let server = kmqd::redis_server::RedisServer::start(kmqd::redis_server::Listen::UnixSocket)
+        RedisServer::start_with(RedisOptions::default())
+    }
+
+    /// A server with other options (the append-only file, DEBUG); always on a unix socket, which the proxy
+    /// and `socket` rely on.
+    pub fn start_with(options: RedisOptions) -> RedisServer {
+        assert_eq!(
+            options.listen,
+            kmqd::redis_server::Listen::UnixSocket,
+            "the tests' redis-servers listen on a unix socket"
+        );
+        let server = kmqd::redis_server::RedisServer::start_with(options)
             .unwrap_or_else(|error| panic!("{error} (scripts/test installs redis-server)"));
         let socket = server.dir().join("redis.sock");
         RedisServer { server, socket }
+    }
+
+    /// As [`RedisServer::start_with`], with the append-only file on.
+    pub fn with_aof(fsync: Fsync) -> RedisServer {
+        RedisServer::start_with(RedisOptions {
+            appendonly: Some(fsync),
+            ..RedisOptions::default()
+        })
+    }
+
+    /// Ends redis-server with SIGTERM (a clean shutdown) or SIGKILL (a crash) and waits for it to exit.
+    pub fn stop(&mut self, signal: Signal) {
+        self.server
+            .stop(signal)
+            .unwrap_or_else(|error| panic!("stop redis-server: {error}"));
+    }
+
+    /// A new redis-server process on the same dir, socket and persistence settings (a running one is first
+    /// stopped with SIGTERM), once it answers PING: the data survives with the append-only file on, and is gone
+    /// without it.
+    pub fn restart(&mut self) {
+        self.server
+            .restart()
+            .unwrap_or_else(|error| panic!("restart redis-server: {error}"));
+    }
+
+    /// SIGSTOP: Redis stalls (clients connect and send, replies do not come) until [`RedisServer::resume`].
+    pub fn pause(&self) {
+        self.server
+            .pause()
+            .unwrap_or_else(|error| panic!("pause redis-server: {error}"));
+    }
+
+    /// SIGCONT: a paused Redis answers what it was sent meanwhile.
+    pub fn resume(&self) {
+        self.server
+            .resume()
+            .unwrap_or_else(|error| panic!("resume redis-server: {error}"));
+    }
+
+    /// The pid of the redis-server process (the last one, once stopped).
+    pub fn pid(&self) -> u32 {
+        self.server.pid()
+    }
+
+    /// What redis-server logged (for a failing test's message).
+    pub fn log_text(&self) -> String {
+        self.server.log_text()
     }
 
     pub fn url(&self) -> String {
@@ -147,10 +211,14 @@ impl TestDir {
 
     /// As [`TestDir::config`], with extra `[daemon]` keys.
     pub fn config_with(&self, redis: &RedisServer, daemon: &str, queues: &str) -> PathBuf {
+        self.config_for_url(&redis.url(), daemon, queues)
+    }
+
+    /// As [`TestDir::config_with`], with any Redis URL (a `proxy::FaultProxy`'s, for example).
+    pub fn config_for_url(&self, url: &str, daemon: &str, queues: &str) -> PathBuf {
         let text = format!(
             "[redis]\nurl = \"{url}\"\n\n[daemon]\nplugins_dir = \"{plugins}\"\n{daemon}\n\n{queues}\n\n\
              [plugins.testkit]\nfile = \"libkmq_testkit.so\"\nconfig = {{ record = \"{record}\" }}\n",
-            url = redis.url(),
             plugins = self.plugins_dir().display(),
             record = self.record_file().display(),
         );
