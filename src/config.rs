@@ -37,6 +37,9 @@ pub struct RedisConfig {
     pub pool_size: u32,
     pub key_prefix: String,
     pub connect_timeout: Duration,
+    /// How long a reply may take before the call is given up for lost (then retried, or resolved when it may
+    /// have run). Blocking calls wait this much beyond their own timeout.
+    pub io_timeout: Duration,
 }
 
 impl fmt::Debug for RedisConfig {
@@ -47,6 +50,7 @@ impl fmt::Debug for RedisConfig {
             .field("pool_size", &self.pool_size)
             .field("key_prefix", &self.key_prefix)
             .field("connect_timeout", &self.connect_timeout)
+            .field("io_timeout", &self.io_timeout)
             .finish()
     }
 }
@@ -319,6 +323,7 @@ struct RawRedis {
     pool_size: Option<Spanned<u32>>,
     key_prefix: Option<Spanned<String>>,
     connect_timeout: Option<Spanned<String>>,
+    io_timeout: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize, Default)]
@@ -368,6 +373,7 @@ pub mod defaults {
     pub const REDIS_URL: &str = "redis://127.0.0.1:6379/0";
     pub const KEY_PREFIX: &str = "kmq";
     pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+    pub const IO_TIMEOUT: Duration = Duration::from_secs(10);
     pub const PLUGINS_DIR: &str = "/usr/lib/kmqd/plugins";
     pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
     pub const LOG_LEVEL: &str = "info";
@@ -582,6 +588,7 @@ impl RawRedis {
             pool_size,
             key_prefix,
             connect_timeout,
+            io_timeout,
         } = self;
         let url_text = url
             .as_ref()
@@ -661,12 +668,30 @@ impl RawRedis {
             &connect_timeout,
             defaults::CONNECT_TIMEOUT,
         )?;
+        let io_timeout_value = duration_or(
+            source,
+            "redis.io_timeout",
+            &io_timeout,
+            defaults::IO_TIMEOUT,
+        )?;
+        if let Some(value) = &io_timeout {
+            if io_timeout_value < Duration::from_millis(100)
+                || io_timeout_value > Duration::from_secs(300)
+            {
+                return Err(source.error(
+                    value.span(),
+                    "redis.io_timeout: must be between 100ms and 5m; it should outlast the slowest command your \
+                     Redis runs, and bounds how long a stalled Redis holds a call",
+                ));
+            }
+        }
         Ok(RedisConfig {
             url: url_text,
             password,
             pool_size,
             key_prefix,
             connect_timeout,
+            io_timeout: io_timeout_value,
         })
     }
 }

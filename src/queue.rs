@@ -18,6 +18,8 @@ pub struct QueueContext {
     pub policy: Policy,
     /// `host:pid` of this daemon, written into the dead-letter records it makes.
     pub daemon_id: String,
+    /// `[redis] io_timeout`: what a blocking call waits beyond its own timeout.
+    pub io_timeout: std::time::Duration,
 }
 
 impl QueueContext {
@@ -27,6 +29,7 @@ impl QueueContext {
             keys: QueueKeys::for_queue(&config.redis.key_prefix, queue),
             policy: Policy::for_queue(queue),
             daemon_id: daemon_id.to_string(),
+            io_timeout: config.redis.io_timeout,
         }
     }
 

@@ -12,12 +12,11 @@ use crate::config::{RedisConfig, redact_url};
 pub struct Connector {
     client: redis::Client,
     connect_timeout: Duration,
+    /// The read timeout outside blocking calls (`[redis] io_timeout`): a healthy Redis answers in microseconds, a
+    /// stuck one is noticed after this.
+    io_timeout: Duration,
     display_url: String,
 }
-
-/// The read timeout of a connection outside blocking calls: a healthy Redis answers in microseconds, a stuck
-/// one is noticed after this.
-pub const IO_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Connector {
     pub fn new(config: &RedisConfig) -> Result<Connector> {
@@ -29,13 +28,14 @@ impl Connector {
         Ok(Connector {
             client: redis::Client::open(info)?,
             connect_timeout: config.connect_timeout,
+            io_timeout: config.io_timeout,
             display_url: redact_url(&config.url),
         })
     }
 
     /// A new connection, outside any pool (the pub/sub listener needs one of its own).
     pub fn connect(&self) -> Result<Connection> {
-        self.connect_with_timeout(IO_TIMEOUT)
+        self.connect_with_timeout(self.io_timeout)
     }
 
     /// A new connection whose replies must come within `timeout` (the heartbeat's is shorter than a lease).

@@ -23,7 +23,7 @@ use std::sync::{Arc, LazyLock};
 
 use redis::{ConnectionLike, RedisWrite, ToRedisArgs, Value};
 
-pub use connection::{Connector, IO_TIMEOUT, Pool, PooledConnection, Session, pool};
+pub use connection::{Connector, Pool, PooledConnection, Session, pool};
 pub use keys::QueueKeys;
 pub use lookup::{Found, Scope};
 pub use owners::{OwnerInfo, owner_info, owners, register, release, renew};
@@ -100,17 +100,30 @@ struct Scripts {
     fire: redis::Script,
 }
 
+/// The scripts' sources, for tests that pick out one script's calls (a fault-injecting proxy matches them).
+pub mod sources {
+    pub const CLAIM: &str = include_str!("scripts/claim.lua");
+    pub const ADOPT: &str = include_str!("scripts/adopt.lua");
+    pub const SETTLE: &str = include_str!("scripts/settle.lua");
+    pub const RENEW: &str = include_str!("scripts/renew.lua");
+    pub const REGISTER: &str = include_str!("scripts/register.lua");
+    pub const RELEASE: &str = include_str!("scripts/release.lua");
+    pub const PROMOTE: &str = include_str!("scripts/promote.lua");
+    pub const REMOVE: &str = include_str!("scripts/remove.lua");
+    pub const FIRE: &str = include_str!("scripts/fire.lua");
+}
+
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     push: redis::Script::new(PUSH_SCRIPT),
-    claim: redis::Script::new(include_str!("scripts/claim.lua")),
-    adopt: redis::Script::new(include_str!("scripts/adopt.lua")),
-    settle: redis::Script::new(include_str!("scripts/settle.lua")),
-    renew: redis::Script::new(include_str!("scripts/renew.lua")),
-    register: redis::Script::new(include_str!("scripts/register.lua")),
-    release: redis::Script::new(include_str!("scripts/release.lua")),
-    promote: redis::Script::new(include_str!("scripts/promote.lua")),
-    remove: redis::Script::new(include_str!("scripts/remove.lua")),
-    fire: redis::Script::new(include_str!("scripts/fire.lua")),
+    claim: redis::Script::new(sources::CLAIM),
+    adopt: redis::Script::new(sources::ADOPT),
+    settle: redis::Script::new(sources::SETTLE),
+    renew: redis::Script::new(sources::RENEW),
+    register: redis::Script::new(sources::REGISTER),
+    release: redis::Script::new(sources::RELEASE),
+    promote: redis::Script::new(sources::PROMOTE),
+    remove: redis::Script::new(sources::REMOVE),
+    fire: redis::Script::new(sources::FIRE),
 });
 
 /// The published enqueue script (docs/PROTOCOL.md shows how to call it from any language).

@@ -6,8 +6,7 @@ use std::time::Duration;
 use redis::{Connection, ConnectionLike, Value};
 
 use super::{
-    BrokerError, IO_TIMEOUT, QueueKeys, Result, SCRIPTS, Token, TokenId, bytes, int, reply_error,
-    text, time_ms,
+    BrokerError, QueueKeys, Result, SCRIPTS, Token, TokenId, bytes, int, reply_error, text, time_ms,
 };
 
 /// When a pushed task becomes ready.
@@ -240,18 +239,20 @@ fn owner_error(error: redis::RedisError, owner: &str) -> BrokerError {
 }
 
 /// Default mode: pops up to `max` tasks from the highest non-empty level. With `block`, waits that long for a
-/// task when all levels are empty (BLMPOP, which a plain RPUSH by any producer wakes at once).
+/// task when all levels are empty (BLMPOP, which a plain RPUSH by any producer wakes at once); the reply may
+/// then take `io_timeout` more.
 pub fn pop(
     conn: &mut Connection,
     keys: &QueueKeys,
     max: usize,
     block: Option<Duration>,
+    io_timeout: Duration,
 ) -> Result<Batch> {
     let mut pipe = redis::pipe();
     match block {
         Some(timeout) => {
             // Redis rounds blocking timeouts up to its 100 ms tick; the read timeout must outlast that.
-            conn.set_read_timeout(Some(timeout + IO_TIMEOUT))?;
+            conn.set_read_timeout(Some(timeout + io_timeout))?;
             pipe.cmd("BLMPOP").arg(timeout.as_secs_f64());
         }
         None => {
@@ -275,7 +276,7 @@ pub fn pop(
     pipe.cmd("TIME");
     let result: redis::RedisResult<(Value, (i64, i64))> = pipe.query(conn);
     if block.is_some() {
-        conn.set_read_timeout(Some(IO_TIMEOUT))?;
+        conn.set_read_timeout(Some(io_timeout))?;
     }
     let (popped, time) = result?;
     let now_ms = time_ms(time);
@@ -304,14 +305,20 @@ pub fn pop(
     Ok(Batch { now_ms, tasks })
 }
 
-/// Safe mode: waits up to `timeout` for a wake-up marker. Returns whether one came.
-pub fn wait_wake(conn: &mut Connection, keys: &QueueKeys, timeout: Duration) -> Result<bool> {
-    conn.set_read_timeout(Some(timeout + IO_TIMEOUT))?;
+/// Safe mode: waits up to `timeout` for a wake-up marker (the reply may take `io_timeout` more). Returns whether
+/// one came.
+pub fn wait_wake(
+    conn: &mut Connection,
+    keys: &QueueKeys,
+    timeout: Duration,
+    io_timeout: Duration,
+) -> Result<bool> {
+    conn.set_read_timeout(Some(timeout + io_timeout))?;
     let result: redis::RedisResult<Option<(String, String)>> = redis::cmd("BLPOP")
         .arg(&keys.wake)
         .arg(timeout.as_secs_f64())
         .query(conn);
-    conn.set_read_timeout(Some(IO_TIMEOUT))?;
+    conn.set_read_timeout(Some(io_timeout))?;
     Ok(result?.is_some())
 }
 

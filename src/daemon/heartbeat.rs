@@ -3,7 +3,7 @@
 //!
 //! It has its own thread and its own connection, outside the pool, so busy or stuck handlers, a slow acker or a
 //! fetcher blocked in Redis never starve lease renewal (the cause of BullMQ's "could not renew lock"). That
-//! connection's read timeout is a quarter of the shortest lease (at most [`IO_TIMEOUT`], at least
+//! connection's read timeout is a quarter of the shortest lease (at most `[redis] io_timeout`, at least
 //! [`MIN_TIMEOUT`]): one slow reply costs a retry, not the lease. When a lease is lost anyway (the daemon was
 //! paused, or Redis lost its data), the tasks it covered are forgotten and their running handlers asked to stop:
 //! the monitors return those tasks to the queue, and the fetcher claims under a new owner.
@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use redis::Connection;
 
 use super::lane::Lane;
-use crate::broker::{self, Connector, IO_TIMEOUT};
+use crate::broker::{self, Connector};
 use crate::retry::Trouble;
 use crate::shutdown::Listener;
 
@@ -30,14 +30,21 @@ pub struct Heartbeat {
     pub background: Listener,
 }
 
-/// The heartbeat connection's read timeout for these lanes: a quarter of the shortest lease.
+/// The most the heartbeat sleeps between two looks.
+const MAX_SLEEP: Duration = Duration::from_secs(1);
+
+/// The heartbeat connection's read timeout for these lanes: a quarter of the shortest lease, at most the
+/// configured `io_timeout`.
 pub fn read_timeout(lanes: &[Arc<Lane>]) -> Duration {
+    let io_timeout = lanes
+        .first()
+        .map_or(MIN_TIMEOUT, |lane| lane.queue.io_timeout);
     let shortest = lanes
         .iter()
         .map(|lane| lane.queue.config.lease_timeout)
         .min()
-        .unwrap_or(IO_TIMEOUT);
-    (shortest / 4).clamp(MIN_TIMEOUT, IO_TIMEOUT)
+        .unwrap_or(io_timeout * 4);
+    (shortest / 4).clamp(MIN_TIMEOUT, io_timeout.max(MIN_TIMEOUT))
 }
 
 impl Heartbeat {
@@ -51,7 +58,7 @@ impl Heartbeat {
             .map(|lane| Trouble::new("renewing the lease", Some(lane.name())))
             .collect();
         loop {
-            let mut wait = IO_TIMEOUT;
+            let mut wait = MAX_SLEEP;
             for ((lane, next), trouble) in
                 self.lanes.iter().zip(&mut next_renewal).zip(&mut troubles)
             {

@@ -8,8 +8,9 @@
 //! Shutdown (docs/OPERATIONS.md, "Stopping"), stage by stage, each wait bounded:
 //! 1. *claiming* fires: fetchers stop (what a claim in flight still brings is handed back at once); workers hand
 //!    back the jobs they have not started;
-//! 2. running handlers get `shutdown_grace` to finish; the supervisor waits for the workers and the fetchers;
+//! 2. running handlers get `shutdown_grace` to finish;
 //! 3. whatever is still unresolved is taken: handed back (in default mode, a task still running is reported lost);
+//!    the supervisor waits for the fetchers (a claim in flight is handed back by its fetcher);
 //! 4. the ackers settle what they hold and stop once their lane is drained (at most [`SETTLE_DEADLINE`]);
 //! 5. owners are released; *background* fires: heartbeat, monitor, timeouts, delay threads and the rest stop;
 //! 6. plugins' `shutdown` runs, only if no thread that may call into a plugin is still alive.
@@ -424,19 +425,19 @@ pub fn run(
         &[Role::Worker],
         stopping_at + config.daemon.shutdown_grace,
     );
-    // A fetcher still in Redis hands back what it brings; wait for it before taking what is left, so that no task
-    // is claimed after the last look.
+    if !workers_done {
+        for lane in &lanes {
+            lane.hand_back_unresolved();
+        }
+    }
+    // A fetcher still in Redis (a blocked pop, a claim) hands back what it brings itself; the ackers wait for it
+    // (a lane is drained only once its fetcher stopped), so nothing it takes is lost.
     let longest_poll = config.queues.iter().map(|q| q.idle_poll).max();
     let fetchers_deadline = stopping_at + longest_poll.unwrap_or_default() + FETCHER_DEADLINE;
     if !threads.wait_for(&events, &[Role::Fetcher], fetchers_deadline) {
         tracing::error!(
             "a fetcher is still waiting for Redis; what it claims returns through its lease"
         );
-    }
-    if !workers_done {
-        for lane in &lanes {
-            lane.hand_back_unresolved();
-        }
     }
     if !threads.wait_for(&events, &[Role::Acker], Instant::now() + SETTLE_DEADLINE) {
         tracing::error!(

@@ -8,6 +8,7 @@ mod crash;
 mod default_mode;
 mod delayed;
 mod fault_proxy;
+mod faults;
 mod plugins;
 mod priorities;
 mod protocol;

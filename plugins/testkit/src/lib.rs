@@ -5,12 +5,15 @@
 //! - `wait_for_file`: block until this path exists, or until the run is cancelled;
 //! - `until_cancelled`: block until the host cancels the run (execution timeout, shutdown);
 //! - `ignore_cancel`: make the blocking behaviours above ignore the cancel flag (a misbehaving handler);
-//! - `outcome`: `"done"` (default), `"retry"`, `"fail"` or `"panic"`;
+//! - `outcome`: `"done"` (default), `"retry"`, `"fail"`, `"panic"`, or `"abort"` (the whole daemon process
+//!   aborts: a poison pill);
 //! - `fail_attempts`: answer `retry` while `attempt < fail_attempts`, then `outcome`;
-//! - `retry_after_ms`: the delay a `retry` asks for.
+//! - `retry_after_ms`: the delay a `retry` asks for;
+//! - `dead_sleep_ms`: `on_dead` sleeps this long before it records the dead letter (a slow final-failure hook).
 //!
 //! Config: `record` (a file path): every run appends `start <id> <attempt> <type> <unix µs>` when it begins and
-//! `end <id> <attempt> <outcome>` when it returns, one `write` per line so concurrent lines never interleave.
+//! `end <id> <attempt> <outcome>` when it returns, `dead <id> <attempt> <reason>` from `on_dead`, and `shutdown`
+//! from the plugin's shutdown, one `write` per line so concurrent lines never interleave.
 //! `types` (default `["test"]`): the task types to claim.
 
 use std::fs::File;
@@ -40,6 +43,7 @@ struct Behaviour {
     outcome: Option<String>,
     fail_attempts: u32,
     retry_after_ms: Option<u64>,
+    dead_sleep_ms: u64,
 }
 
 struct Testkit {
@@ -97,6 +101,10 @@ impl Testkit {
             "retry" => retry(&behaviour, "testkit: asked to retry".to_string()),
             "fail" => Outcome::fail("testkit: asked to fail"),
             "panic" => panic!("testkit: asked to panic (task {})", task.id()),
+            "abort" => {
+                self.record(|| format!("end {} {} abort\n", task.id(), task.attempt()));
+                std::process::abort()
+            }
             other => Outcome::fail(format!("testkit: unknown outcome {other:?}")),
         }
     }
@@ -167,6 +175,11 @@ impl Handler for Testkit {
     }
 
     fn on_dead(&self, task: &Task<'_>, reason: &str) {
+        if task.data_json().starts_with('{') {
+            if let Ok(behaviour) = task.data::<Behaviour>() {
+                std::thread::sleep(Duration::from_millis(behaviour.dead_sleep_ms));
+            }
+        }
         self.record(|| {
             format!(
                 "dead {} {} {}\n",
@@ -175,6 +188,10 @@ impl Handler for Testkit {
                 reason.replace('\n', " ")
             )
         });
+    }
+
+    fn shutdown(&self) {
+        self.record(|| "shutdown\n".to_string());
     }
 }
 

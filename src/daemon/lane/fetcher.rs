@@ -153,9 +153,11 @@ impl Fetcher {
         let lane = &self.lane;
         let queue = &lane.queue;
         let connection = self.connection.get()?;
-        let popped = match broker::pop(connection, &queue.keys, free, None) {
+        let io_timeout = queue.io_timeout;
+        let popped = match broker::pop(connection, &queue.keys, free, None, io_timeout) {
             Ok(batch) if batch.tasks.is_empty() && !self.claiming.is_triggered() => {
-                broker::pop(connection, &queue.keys, free, Some(queue.config.idle_poll))
+                let idle = Some(queue.config.idle_poll);
+                broker::pop(connection, &queue.keys, free, idle, io_timeout)
             }
             other => other,
         };
@@ -232,7 +234,12 @@ impl Fetcher {
         if batch.tasks.is_empty() && !self.claiming.is_triggered() {
             // A marker means "something was pushed": the next round claims it. No marker within idle_poll: the
             // next round looks anyway, which picks up producers that push no marker.
-            broker::wait_wake(connection, &queue.keys, queue.config.idle_poll)?;
+            broker::wait_wake(
+                connection,
+                &queue.keys,
+                queue.config.idle_poll,
+                queue.io_timeout,
+            )?;
         }
         Ok(batch)
     }

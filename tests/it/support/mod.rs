@@ -216,8 +216,13 @@ impl TestDir {
 
     /// As [`TestDir::config_with`], with any Redis URL (a `proxy::FaultProxy`'s, for example).
     pub fn config_for_url(&self, url: &str, daemon: &str, queues: &str) -> PathBuf {
+        self.config_raw(&format!("url = \"{url}\""), daemon, queues)
+    }
+
+    /// As [`TestDir::config_for_url`], with the whole `[redis]` section's keys given (`io_timeout`, ...).
+    pub fn config_raw(&self, redis: &str, daemon: &str, queues: &str) -> PathBuf {
         let text = format!(
-            "[redis]\nurl = \"{url}\"\n\n[daemon]\nplugins_dir = \"{plugins}\"\n{daemon}\n\n{queues}\n\n\
+            "[redis]\n{redis}\n\n[daemon]\nplugins_dir = \"{plugins}\"\n{daemon}\n\n{queues}\n\n\
              [plugins.testkit]\nfile = \"libkmq_testkit.so\"\nconfig = {{ record = \"{record}\" }}\n",
             plugins = self.plugins_dir().display(),
             record = self.record_file().display(),
@@ -244,12 +249,15 @@ pub struct Records {
     pub ends: Vec<(String, u32, String)>,
     /// (id, attempt, reason) of every on_dead call.
     pub deads: Vec<(String, u32, String)>,
+    /// Every line, in the order written (`shutdown` is the plugin's shutdown).
+    pub lines: Vec<String>,
 }
 
 impl Records {
     fn parse(text: &str) -> Records {
         let mut records = Records::default();
         for line in text.lines() {
+            records.lines.push(line.to_string());
             let mut parts = line.splitn(4, ' ');
             let (kind, id, attempt, rest) = (
                 parts.next(),

@@ -44,7 +44,7 @@
 //! - After a read timeout the redis crate keeps the connection and skips the late reply when it comes; after an
 //!   EOF it marks the connection closed (a pool then replaces it). A hung connection (after
 //!   [`AfterDrop::Hang`]) stays hung: every later command on it times out too. A Hang costs the client its
-//!   whole read timeout: kmqd's is `broker::connection::IO_TIMEOUT` (10 s) outside blocking calls.
+//!   whole read timeout: kmqd's is `[redis] io_timeout` (10 s by default; tests set it lower) outside blocking calls.
 //! - A connection that sends SUBSCRIBE, PSUBSCRIBE, SSUBSCRIBE, their UNSUBSCRIBE counterparts, MONITOR or
 //!   `CLIENT REPLY` no longer gets one reply per command; from then on its replies are forwarded without pairing
 //!   (faults on its requests still act), and RESP3 push frames (`>`) are never paired on any connection.

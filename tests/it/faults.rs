@@ -1,0 +1,523 @@
+//! Every guarantee under the fault that would break it: lost replies, cut connections, stalls, data loss in
+//! Redis, handlers that ignore cancel, poison pills, rolling config changes. Each test is named for the
+//! behaviour it pins and fails without the fix it guards (docs/RELIABILITY.md lists them by fault).
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use kmqd::NewTask;
+use kmqd::broker::sources;
+
+use crate::support::proxy::{AfterDrop, Fault, FaultProxy, Matcher};
+use crate::support::*;
+
+/// A `[redis]` section through `proxy`, with a short read timeout so that a hung reply costs a second.
+fn through(proxy: &FaultProxy) -> String {
+    format!("url = \"{}\"\nio_timeout = \"1s\"", proxy.url())
+}
+
+fn safe_queue(extra: &str) -> String {
+    format!("[[queues]]\nname = \"jobs\"\nmode = \"safe\"\n{extra}\n")
+}
+
+fn default_queue(extra: &str) -> String {
+    format!("[[queues]]\nname = \"jobs\"\nmode = \"default\"\n{extra}\n")
+}
+
+fn push_many(config: &std::path::Path, prefix: &str, count: usize, data: &str) {
+    let tasks: Vec<NewTask> = (0..count)
+        .map(|i| {
+            NewTask::new("test", data)
+                .unwrap()
+                .id(format!("{prefix}{i}"))
+        })
+        .collect();
+    client(config).push_batch("jobs", tasks).unwrap();
+}
+
+fn wait_done(config: &std::path::Path, done: u64, within: Duration) -> kmqd::broker::QueueStats {
+    eventually(within, &format!("{done} tasks done"), || {
+        let s = stats(config, "jobs");
+        (s.done >= done, s)
+    })
+}
+
+/// Keeps a written config under its own name (the next `TestDir::config` overwrites `kmqd.toml`).
+fn keep_as(path: std::path::PathBuf, name: &str) -> std::path::PathBuf {
+    let kept = path.with_file_name(name);
+    std::fs::rename(&path, &kept).unwrap();
+    kept
+}
+
+/// Every id `prefix0..prefix{count}` ran exactly `runs` times.
+fn assert_runs(dir: &TestDir, prefix: &str, count: usize, runs: usize) {
+    let records = dir.records();
+    for i in 0..count {
+        let id = format!("{prefix}{i}");
+        assert_eq!(records.runs_of(&id), runs, "{id}: {:?}", records.starts);
+    }
+}
+
+#[test]
+fn a_claim_whose_reply_is_lost_is_adopted_not_stranded_under_a_live_lease() {
+    for then in [AfterDrop::Close, AfterDrop::Hang] {
+        let redis = RedisServer::start();
+        let proxy = FaultProxy::start(&redis);
+        let dir = TestDir::new();
+        // A lease far longer than the test: a stranded task would wait for it.
+        let queue = safe_queue("workers = 4\nlease_timeout = \"60s\"");
+        let config = dir.config_raw(&through(&proxy), "shutdown_grace = \"5s\"", &queue);
+        let daemon = TestDaemon::start(&config);
+        redis.wait_blocked_in("blpop");
+        let rule = proxy.add(Fault::DropReply {
+            matching: Matcher::script(sources::CLAIM),
+            nth: 1,
+            then,
+        });
+        push_many(&config, "t", 20, "{}");
+        let s = wait_done(&config, 20, Duration::from_secs(15));
+        assert_eq!(rule.fired(), 1, "{then:?}: the claim's reply was dropped");
+        assert_eq!(
+            (s.done, s.processing, s.ready),
+            (20, 0, 0),
+            "{then:?}: {s:?}"
+        );
+        assert_runs(&dir, "t", 20, 1);
+        daemon.stop();
+    }
+}
+
+#[test]
+fn a_settle_whose_reply_is_lost_is_applied_once_in_default_mode() {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let queue = default_queue("workers = 2\nbatch = 10\nbackoff = \"100ms\"");
+    let config = dir.config_raw(&through(&proxy), "shutdown_grace = \"5s\"", &queue);
+    // Each task fails its first run: the first settle carries retries, which a replay would queue twice.
+    push_many(&config, "r", 10, r#"{"fail_attempts":1}"#);
+    let rule = proxy.add(Fault::DropReply {
+        matching: Matcher::script(sources::SETTLE),
+        nth: 1,
+        then: AfterDrop::Close,
+    });
+    let daemon = TestDaemon::start(&config);
+    let s = wait_done(&config, 10, Duration::from_secs(15));
+    daemon.stop();
+    assert_eq!(rule.fired(), 1);
+    let s2 = stats(&config, "jobs");
+    assert_eq!(s2, s, "nothing ran after the last expected run");
+    assert_eq!((s.done, s.retried, s.dead), (10, 10, 0), "{s:?}");
+    assert_runs(&dir, "r", 10, 2);
+}
+
+#[test]
+fn a_settle_whose_reply_is_lost_runs_the_final_failure_hook_once() {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let config = dir.config_raw(&through(&proxy), "shutdown_grace = \"5s\"", &safe_queue(""));
+    client(&config)
+        .push(
+            "jobs",
+            NewTask::new("test", r#"{"outcome":"fail"}"#)
+                .unwrap()
+                .id("doomed"),
+        )
+        .unwrap();
+    let rule = proxy.add(Fault::DropReply {
+        matching: Matcher::script(sources::SETTLE),
+        nth: 1,
+        then: AfterDrop::Hang,
+    });
+    let daemon = TestDaemon::start(&config);
+    eventually(Duration::from_secs(15), "the hook to run", || {
+        (!dir.records().deads.is_empty(), ())
+    });
+    daemon.stop();
+    assert_eq!(rule.fired(), 1);
+    let records = dir.records();
+    assert_eq!(records.deads.len(), 1, "{records:?}");
+    let s = stats(&config, "jobs");
+    assert_eq!((s.dead, s.dead_lettered, s.processing), (1, 1, 0), "{s:?}");
+}
+
+#[test]
+fn handlers_that_ignore_cancel_do_not_wedge_the_queue() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let queue = safe_queue(
+        "workers = 2\nprefetch = 2\nexecution_timeout = \"1s\"\nretry_times = 0\nlease_timeout = \"5s\"",
+    );
+    let config = dir.config(&redis, &queue);
+    let release = dir.path("release");
+    let stuck = format!(
+        r#"{{"wait_for_file":"{}","ignore_cancel":true}}"#,
+        release.display()
+    );
+    push_many(&config, "stuck", 2, &stuck);
+    let first = TestDaemon::start(&config);
+    eventually(Duration::from_secs(10), "both workers to be stuck", || {
+        (dir.records().starts.len() == 2, ())
+    });
+    let second = TestDaemon::start(&config);
+    push_many(&config, "n", 20, r#"{"sleep_ms":20}"#);
+    // The first daemon's workers are stuck well before this: what it prefetched goes back to the second.
+    let s = eventually(Duration::from_secs(15), "the other tasks to run", || {
+        let s = stats(&config, "jobs");
+        (s.done == 20, s)
+    });
+    assert_eq!(s.dead, 2, "the stuck runs timed out: {s:?}");
+    assert_runs(&dir, "n", 20, 1);
+    std::fs::write(&release, "").unwrap();
+    first.stop();
+    second.stop();
+}
+
+#[test]
+fn a_task_popped_by_a_blocked_pop_after_the_grace_is_handed_back_not_lost() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let queue = default_queue("workers = 1\nprefetch = 1\nidle_poll = \"5s\"");
+    let config = dir.config_with(&redis, "shutdown_grace = \"1s\"", &queue);
+    client(&config)
+        .push(
+            "jobs",
+            NewTask::new("test", r#"{"sleep_ms":30000}"#)
+                .unwrap()
+                .id("long"),
+        )
+        .unwrap();
+    let daemon = TestDaemon::start(&config);
+    eventually(Duration::from_secs(10), "the long run to start", || {
+        (dir.records().runs_of("long") == 1, ())
+    });
+    redis.wait_blocked_in("blmpop");
+    let stopping = std::thread::spawn(move || daemon.stop_within(Duration::from_secs(30)));
+    // The grace is over once the long run is cancelled; the fetcher's pop is still blocked.
+    eventually(Duration::from_secs(10), "the grace to end", || {
+        let records = dir.records();
+        (records.ends.iter().any(|(id, _, _)| id == "long"), ())
+    });
+    let _: i64 = redis.cmd(&[
+        "RPUSH",
+        "kmq:{jobs}:ready:normal",
+        r#"{"id":"late","type":"test"}"#,
+    ]);
+    stopping.join().unwrap().unwrap();
+    let ready = redis.ids_in("kmq:{jobs}:ready:normal");
+    assert_eq!(ready, ["late"], "handed back to the front, never run");
+    assert_eq!(dir.records().runs_of("late"), 0);
+}
+
+#[test]
+fn a_rolling_priority_change_recovers_the_levels_a_dead_daemon_had() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let release = dir.path("release");
+    let held = format!(r#"{{"wait_for_file":"{}"}}"#, release.display());
+    // Daemon A serves high and normal, holds high tasks, and dies.
+    let a = safe_queue(
+        "priorities = [\"high\", \"normal\"]\nworkers = 2\nprefetch = 6\nlease_timeout = \"1s\"",
+    );
+    let config_a = keep_as(dir.config(&redis, &a), "a.toml");
+    let tasks: Vec<NewTask> = (0..8)
+        .map(|i| {
+            let mut task = NewTask::new("test", &held).unwrap().id(format!("h{i}"));
+            task.priority = Some("high".to_string());
+            task
+        })
+        .collect();
+    client(&config_a).push_batch("jobs", tasks).unwrap();
+    let mut first = Process::start(&config_a, dir.path("a.log"));
+    eventually(Duration::from_secs(10), "A to hold every task", || {
+        let s = stats(&config_a, "jobs");
+        (s.processing == 8, s)
+    });
+    first.kill9();
+    // Daemon B knows one level only.
+    let config_b = keep_as(
+        dir.config(&redis, &safe_queue("lease_timeout = \"1s\"")),
+        "b.toml",
+    );
+    let b = TestDaemon::start(&config_b);
+    let ready = eventually(Duration::from_secs(10), "A's tasks to be recovered", || {
+        let ready = redis.ids_in("kmq:{jobs}:ready:high");
+        (ready.len() == 8, ready)
+    });
+    let ids: HashSet<String> = ready.into_iter().collect();
+    assert_eq!(ids.len(), 8);
+    let processing: Vec<String> = redis.cmd(&["KEYS", "kmq:{jobs}:processing:*"]);
+    assert!(processing.is_empty(), "{processing:?}");
+    let owners: i64 = redis.cmd(&["ZCARD", "kmq:{jobs}:owners"]);
+    assert!(owners <= 1, "A was forgotten");
+    b.stop();
+    // Back on A's config, the tasks run.
+    std::fs::write(&release, "").unwrap();
+    let again = TestDaemon::start(&config_a);
+    wait_done(&config_a, 8, Duration::from_secs(10));
+    again.stop();
+}
+
+#[test]
+fn a_queue_switched_from_safe_to_default_recovers_what_a_dead_safe_daemon_held() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let release = dir.path("release");
+    let held = format!(r#"{{"wait_for_file":"{}"}}"#, release.display());
+    let config_safe = keep_as(
+        dir.config(
+            &redis,
+            &safe_queue("workers = 2\nprefetch = 2\nlease_timeout = \"1s\""),
+        ),
+        "safe.toml",
+    );
+    push_many(&config_safe, "s", 4, &held);
+    let mut first = Process::start(&config_safe, dir.path("safe.log"));
+    eventually(
+        Duration::from_secs(10),
+        "the safe daemon to hold them",
+        || (stats(&config_safe, "jobs").processing == 4, ()),
+    );
+    first.kill9();
+    std::fs::write(&release, "").unwrap();
+    let config_default = dir.config(&redis, &default_queue("lease_timeout = \"1s\""));
+    let second = TestDaemon::start(&config_default);
+    let s = wait_done(&config_default, 4, Duration::from_secs(15));
+    second.stop();
+    assert_eq!((s.processing, s.ready), (0, 0), "{s:?}");
+}
+
+#[test]
+fn owner_ids_are_never_reused_after_redis_loses_its_data() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &safe_queue("workers = 4\nlease_timeout = \"1s\""));
+    let daemons = [TestDaemon::start(&config), TestDaemon::start(&config)];
+    push_many(&config, "before", 100, "{}");
+    wait_done(&config, 100, Duration::from_secs(10));
+    let owners_before: HashSet<String> = eventually(Duration::from_secs(5), "two owners", || {
+        let owners: Vec<String> = redis.cmd(&["ZRANGE", "kmq:{jobs}:owners", "0", "-1"]);
+        (owners.len() == 2, owners.into_iter().collect())
+    });
+    // Redis restarted without persistence, or restored from a backup that predates these daemons.
+    let _: String = redis.cmd(&["FLUSHALL"]);
+    push_many(&config, "after", 1000, "{}");
+    let s = wait_done(&config, 1000, Duration::from_secs(20));
+    let owners_after: HashSet<String> =
+        eventually(Duration::from_secs(5), "two owners again", || {
+            let owners: Vec<String> = redis.cmd(&["ZRANGE", "kmq:{jobs}:owners", "0", "-1"]);
+            (owners.len() == 2, owners.into_iter().collect())
+        });
+    for daemon in daemons {
+        daemon.stop();
+    }
+    assert!(
+        owners_before.is_disjoint(&owners_after),
+        "{owners_before:?} {owners_after:?}"
+    );
+    assert_eq!(stats(&config, "jobs").done, s.done);
+    assert_eq!(s.done, 1000, "each task counted once: {s:?}");
+    assert_runs(&dir, "after", 1000, 1);
+}
+
+#[test]
+fn a_lost_lease_cancels_the_runs_it_covered() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &safe_queue("lease_timeout = \"1s\""));
+    client(&config)
+        .push(
+            "jobs",
+            NewTask::new("test", r#"{"until_cancelled":true}"#)
+                .unwrap()
+                .id("long"),
+        )
+        .unwrap();
+    let daemon = TestDaemon::start(&config);
+    eventually(Duration::from_secs(10), "the run to start", || {
+        (dir.records().runs_of("long") == 1, ())
+    });
+    // Redis loses the lease (a failover to a replica that never saw it, a restore, a flush).
+    let _: i64 = redis.cmd(&["DEL", "kmq:{jobs}:owners"]);
+    eventually(Duration::from_secs(5), "the run to be cancelled", || {
+        let records = dir.records();
+        (records.ends.iter().any(|(id, _, _)| id == "long"), records)
+    });
+    daemon.stop();
+}
+
+#[test]
+fn one_slow_heartbeat_reply_does_not_cost_the_lease() {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    // The default io_timeout (10 s), far past the lease: only the heartbeat's own timeout can save it.
+    let redis_section = format!("url = \"{}\"", proxy.url());
+    let config = dir.config_raw(
+        &redis_section,
+        "shutdown_grace = \"5s\"",
+        &safe_queue("lease_timeout = \"2s\""),
+    );
+    client(&config)
+        .push(
+            "jobs",
+            NewTask::new("test", r#"{"sleep_ms":5000}"#)
+                .unwrap()
+                .id("long"),
+        )
+        .unwrap();
+    let daemon = TestDaemon::start(&config);
+    eventually(Duration::from_secs(10), "the run to start", || {
+        (dir.records().runs_of("long") == 1, ())
+    });
+    let rule = proxy.add(Fault::DropReply {
+        matching: Matcher::script(sources::RENEW),
+        nth: 1,
+        then: AfterDrop::Hang,
+    });
+    wait_done(&config, 1, Duration::from_secs(15));
+    daemon.stop();
+    assert_eq!(rule.fired(), 1);
+    let s = stats(&config, "jobs");
+    assert_eq!((s.done, s.recovered, s.retried), (1, 0, 0), "{s:?}");
+    assert_eq!(dir.records().runs_of("long"), 1);
+}
+
+#[test]
+fn a_settle_batch_that_cannot_apply_applies_nothing_and_applies_once_when_it_can() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let path = dir.config(&redis, &default_queue(""));
+    let config = kmqd::Config::load(&path).unwrap();
+    let keys = kmqd::broker::QueueKeys::for_queue("kmq", &config.queues[0]);
+    // Nine acknowledgements and a dead letter, in one call, as the acker sends them.
+    let mut batch: Vec<kmqd::broker::Settlement> = (0..9)
+        .map(|_| kmqd::broker::Settlement {
+            op: kmqd::broker::SettleOp::Ack,
+            token: None,
+            unique_id: None,
+            level: 0,
+            payload: Vec::new(),
+            failed: false,
+        })
+        .collect();
+    batch.push(kmqd::broker::Settlement {
+        op: kmqd::broker::SettleOp::Dead,
+        token: None,
+        unique_id: None,
+        level: 0,
+        payload: br#"{"queue":"jobs","reason":"bad"}"#.to_vec(),
+        failed: true,
+    });
+    let call = kmqd::broker::Call {
+        settler: "test:acker",
+        number: 1,
+    };
+    let settle = |connection: &mut redis::Connection| {
+        kmqd::broker::settle(
+            connection,
+            &keys,
+            &call,
+            kmqd::broker::Fence::Owner,
+            100,
+            None,
+            &batch,
+        )
+    };
+    // The dead list is not a list: the dead letter cannot be written, so nothing may be.
+    let _: String = redis.cmd(&["SET", "kmq:{jobs}:dead", "not a list"]);
+    let mut connection = redis.connection();
+    for _ in 0..3 {
+        let error = settle(&mut connection).unwrap_err();
+        assert!(error.to_string().contains("WRONGTYPE"), "{error}");
+    }
+    let counters: std::collections::HashMap<String, u64> =
+        redis.cmd(&["HGETALL", "kmq:{jobs}:stats"]);
+    assert!(counters.is_empty(), "nothing applied: {counters:?}");
+    let _: i64 = redis.cmd(&["DEL", "kmq:{jobs}:dead"]);
+    settle(&mut connection).unwrap();
+    settle(&mut connection).unwrap();
+    let s = stats(&path, "jobs");
+    assert_eq!(
+        (s.done, s.dead_lettered, s.dead, s.failed),
+        (9, 1, 1, 1),
+        "applied once, sent again or not: {s:?}"
+    );
+}
+
+#[test]
+fn identical_envelopes_waiting_to_retry_are_both_kept() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &safe_queue("workers = 2"));
+    let twin = r#"{"id":"twin","type":"test","data":{"fail_attempts":1,"retry_after_ms":300}}"#;
+    for _ in 0..2 {
+        let _: i64 = redis.cmd(&["RPUSH", "kmq:{jobs}:ready:normal", twin]);
+    }
+    let daemon = TestDaemon::start(&config);
+    let s = wait_done(&config, 2, Duration::from_secs(10));
+    daemon.stop();
+    assert_eq!((s.done, s.retried), (2, 2), "{s:?}");
+    assert_eq!(dir.records().runs_of("twin"), 4);
+}
+
+#[test]
+fn a_poison_pill_is_dead_lettered_alone_and_its_neighbours_complete() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let queue = safe_queue("workers = 8\nprefetch = 8\nlease_timeout = \"1s\"\nretry_times = 3");
+    let config = dir.config(&redis, &queue);
+    push_many(&config, "n", 10, r#"{"sleep_ms":300}"#);
+    client(&config)
+        .push(
+            "jobs",
+            NewTask::new("test", r#"{"outcome":"abort"}"#)
+                .unwrap()
+                .id("pill"),
+        )
+        .unwrap();
+    push_many(&config, "m", 10, r#"{"sleep_ms":300}"#);
+    // A supervisor (systemd) that restarts the daemon whenever it dies.
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let mut restarts = 0;
+    let mut daemon =
+        Process::start_with_env(&config, dir.path("kmqd-0.log"), &[("RUST_BACKTRACE", "0")]);
+    let s = loop {
+        let s = stats(&config, "jobs");
+        if s.done + s.dead == 21 && s.processing == 0 {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "timed out: {s:?}");
+        if daemon.child.try_wait().unwrap().is_some() {
+            restarts += 1;
+            daemon = Process::start_with_env(
+                &config,
+                dir.path(&format!("kmqd-{restarts}.log")),
+                &[("RUST_BACKTRACE", "0")],
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    daemon.signal(15);
+    assert_eq!(daemon.wait_within(Duration::from_secs(30)), Some(0));
+    assert_eq!((s.done, s.dead), (20, 1), "{s:?}");
+    let dead: Vec<String> = redis.cmd(&["LRANGE", "kmq:{jobs}:dead", "0", "-1"]);
+    let record: serde_json::Value = serde_json::from_str(&dead[0]).unwrap();
+    assert_eq!(record["id"], "pill", "{record}");
+    assert!(
+        record["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("crashed the daemon 4 times"),
+        "{record}"
+    );
+    assert_eq!(
+        s.failed, 4,
+        "only the pill's runs alone count as failed: {s:?}"
+    );
+    assert!(
+        restarts >= 6,
+        "two crashes in company, four alone: {restarts}"
+    );
+}
