@@ -248,6 +248,9 @@ fn init_logging(default_level: &str) {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(ansi)
+        // A closed standard error (`kmqd 2>&1 | head`) must not stop the daemon: by default the subscriber
+        // reports a failed write with eprintln!, which panics when standard error is gone.
+        .log_internal_errors(false)
         .try_init();
 }
 

@@ -1,6 +1,7 @@
 //! `kmqd`: parses the command line and hands over to the library; exit codes are mapped in one place
 //! ([`kmqd::cli::Failure::exit_code`]).
 
+use std::io::Write;
 use std::process::ExitCode;
 
 use clap::Parser;
@@ -10,7 +11,8 @@ fn main() -> ExitCode {
     match kmqd::cli::run(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(failure) => {
-            eprintln!("kmqd: {failure}");
+            // Not eprintln!, which panics when standard error is closed: the exit code still tells.
+            let _ = writeln!(std::io::stderr(), "kmqd: {failure}");
             ExitCode::from(failure.exit_code())
         }
     }

@@ -10,12 +10,14 @@ use crate::task::Envelope;
 
 /// Records the protocol version in the queue's meta hash, or refuses keys written by another version.
 pub fn check_protocol(conn: &mut dyn ConnectionLike, keys: &QueueKeys, queue: &str) -> Result<()> {
-    let (_, found): (i64, String) = redis::pipe()
-        .cmd("HSETNX")
+    // Two commands rather than a pipeline, so that a refusal (NOAUTH, an ACL's NOPERM) comes back as itself and
+    // not inside a pipeline's list of failures.
+    let _: i64 = redis::cmd("HSETNX")
         .arg(&keys.meta)
         .arg("protocol")
         .arg(PROTOCOL_VERSION)
-        .cmd("HGET")
+        .query(conn)?;
+    let found: String = redis::cmd("HGET")
         .arg(&keys.meta)
         .arg("protocol")
         .query(conn)?;

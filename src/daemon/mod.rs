@@ -74,8 +74,8 @@ pub enum DaemonError {
     #[error("thread {name} {how}; the daemon stopped so that it does not run with a part missing")]
     ThreadDied { name: String, how: &'static str },
     #[error(
-        "redis refused kmqd's credentials: {0}; check [redis] username, password_env or password_file, and the \
-         ACL rules of that user"
+        "redis refused kmqd's credentials: {0}; check the user and password in [redis] url, password_env or \
+         password_file, and that user's ACL rules"
     )]
     Auth(redis::RedisError),
 }

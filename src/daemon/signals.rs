@@ -1,28 +1,38 @@
-//! SIGTERM and SIGINT: the first asks the daemon to stop gracefully, the second exits at once.
+//! Signals: SIGTERM and SIGINT ask the daemon to stop gracefully (a second one exits at once); SIGHUP is logged and
+//! ignored, so that a `systemctl reload` or a closed terminal cannot kill a daemon that does not reload yet.
 
 use crossbeam_channel::Sender;
-use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 
-/// Starts the `kmqd-signals` thread. The first signal is forwarded to `stop`; a second one exits the process
-/// immediately with 128 + its number (safe-mode tasks in flight are recovered when their leases expire).
+/// Starts the `kmqd-signals` thread. The first SIGTERM or SIGINT is forwarded to `stop`; a second one exits the
+/// process immediately with 128 + its number (safe-mode tasks in flight are recovered when their leases expire).
 ///
 /// The thread blocks in the signal iterator for the life of the process and is never joined: nothing waits for
 /// it, and the process exits from `main` when the daemon has stopped.
 pub fn forward(stop: Sender<()>) -> std::io::Result<()> {
-    let mut signals = Signals::new([SIGTERM, SIGINT])?;
-    std::thread::Builder::new().name("kmqd-signals".to_string()).spawn(move || {
-        let mut seen = 0;
-        for signal in signals.forever() {
-            seen += 1;
-            if seen == 1 {
-                tracing::info!(signal, "signal received; shutting down gracefully (send it again to exit at once)");
-                let _ = stop.send(());
-            } else {
-                tracing::warn!(signal, "second signal: exiting now; in-flight safe-mode tasks return when their leases expire");
-                std::process::exit(128 + signal);
+    let mut signals = Signals::new([SIGTERM, SIGINT, SIGHUP])?;
+    std::thread::Builder::new()
+        .name("kmqd-signals".to_string())
+        .spawn(move || {
+            let mut seen = 0;
+            for signal in signals.forever() {
+                if signal == SIGHUP {
+                    tracing::warn!(
+                        signal,
+                        "SIGHUP: this kmqd does not reload its config; ignored (restart it to apply a new one)"
+                    );
+                    continue;
+                }
+                seen += 1;
+                if seen == 1 {
+                    tracing::info!(signal, "signal received; shutting down gracefully (send it again to exit at once)");
+                    let _ = stop.send(());
+                } else {
+                    tracing::warn!(signal, "second signal: exiting now; in-flight safe-mode tasks return when their leases expire");
+                    std::process::exit(128 + signal);
+                }
             }
-        }
-    })?;
+        })?;
     Ok(())
 }

@@ -12,6 +12,7 @@ mod faults;
 mod plugins;
 mod priorities;
 mod protocol;
+mod redis_faults;
 mod safe_mode;
 mod schedules;
 mod shutdown;

@@ -9,6 +9,7 @@ use crate::support::*;
 
 const SIGINT: i32 = 2;
 const SIGTERM: i32 = 15;
+const SIGHUP: i32 = 1;
 
 fn queue(extra: &str) -> String {
     format!("[[queues]]\nname = \"jobs\"\nmode = \"safe\"\nworkers = 1\nprefetch = 5\n{extra}\n")
@@ -168,4 +169,103 @@ fn a_second_signal_exits_at_once() {
     );
     // The task stays in the processing area; its lease brings it back.
     assert_eq!(stats(&config, "jobs").processing, 1);
+}
+
+#[test]
+fn sighup_is_logged_and_the_daemon_keeps_running() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &queue(""));
+    let mut daemon = Process::start(&config, dir.path("kmqd.log"));
+    eventually(Duration::from_secs(10), "the daemon to start", || {
+        (daemon.log_text().contains("kmqd started"), ())
+    });
+    daemon.signal(SIGHUP);
+    eventually(Duration::from_secs(10), "SIGHUP to be logged", || {
+        (daemon.log_text().contains("SIGHUP"), daemon.log_text())
+    });
+    client(&config)
+        .push("jobs", NewTask::new("test", "{}").unwrap().id("after"))
+        .unwrap();
+    wait_started(&dir, "after");
+    assert!(daemon.child.try_wait().unwrap().is_none(), "still running");
+    daemon.signal(SIGTERM);
+    assert_eq!(daemon.wait_within(Duration::from_secs(20)), Some(0));
+}
+
+#[test]
+fn a_closed_standard_error_does_not_stop_the_daemon() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &queue(""));
+    // `kmqd 2>&1 | head`: whoever reads the log goes away while the daemon keeps logging.
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kmqd"))
+        .arg("--config")
+        .arg(&config)
+        .env("RUST_LOG", "kmqd=debug")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first_line = [0u8; 1];
+    std::io::Read::read_exact(child.stderr.as_mut().unwrap(), &mut first_line).unwrap();
+    drop(child.stderr.take());
+    client(&config)
+        .push_batch(
+            "jobs",
+            (0..20).map(|i| NewTask::new("test", "{}").unwrap().id(format!("t{i}"))),
+        )
+        .unwrap();
+    eventually(Duration::from_secs(10), "the tasks to run", || {
+        let s = stats(&config, "jobs");
+        (s.done == 20, s)
+    });
+    assert!(child.try_wait().unwrap().is_none(), "still running");
+    let kill = std::process::Command::new("kill")
+        .arg(format!("-{SIGTERM}"))
+        .arg(child.id().to_string())
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let status = eventually(Duration::from_secs(20), "kmqd to exit", || {
+        let status = child.try_wait().unwrap();
+        (status.is_some(), status)
+    });
+    assert_eq!(status.and_then(|s| s.code()), Some(0));
+}
+
+#[test]
+fn plugins_are_shut_down_only_after_their_last_final_failure_hook_returned() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &queue(""));
+    // The hook outlasts the time the ackers get to settle: shutdown must still wait for it.
+    let data = r#"{"outcome":"fail","dead_sleep_ms":12000}"#;
+    client(&config)
+        .push("jobs", NewTask::new("test", data).unwrap().id("doomed"))
+        .unwrap();
+    let mut daemon = Process::start(&config, dir.path("kmqd.log"));
+    eventually(Duration::from_secs(10), "the run to fail", || {
+        let records = dir.records();
+        (records.ends.iter().any(|(id, _, _)| id == "doomed"), ())
+    });
+    eventually(Duration::from_secs(10), "the dead letter to land", || {
+        (stats(&config, "jobs").dead == 1, ())
+    });
+    daemon.signal(SIGTERM);
+    assert_eq!(
+        daemon.wait_within(Duration::from_secs(40)),
+        Some(0),
+        "{}",
+        daemon.log_text()
+    );
+    let lines = dir.records().lines;
+    let dead = lines
+        .iter()
+        .position(|line| line.starts_with("dead doomed"));
+    let shutdown = lines.iter().position(|line| line == "shutdown");
+    assert!(
+        dead.is_some() && (shutdown.is_none() || shutdown > dead),
+        "the hook returned before the plugin was shut down: {lines:?}"
+    );
 }

@@ -1,0 +1,238 @@
+//! Redis itself failing: down at start, refusing the credentials, gone mid-run, connections killed, restarted
+//! (with and without its data), stalled past the read timeout. The daemon waits and reconnects, never exits for
+//! it, never floods the log, and loses nothing safe mode promises.
+
+use std::time::{Duration, Instant};
+
+use kmqd::NewTask;
+
+use crate::support::proxy::{Fault, FaultProxy};
+use crate::support::*;
+
+fn safe_queue(extra: &str) -> String {
+    format!("[[queues]]\nname = \"jobs\"\nmode = \"safe\"\n{extra}\n")
+}
+
+fn push_many(config: &std::path::Path, prefix: &str, count: usize, data: &str) {
+    let tasks: Vec<NewTask> = (0..count)
+        .map(|i| {
+            NewTask::new("test", data)
+                .unwrap()
+                .id(format!("{prefix}{i}"))
+        })
+        .collect();
+    client(config).push_batch("jobs", tasks).unwrap();
+}
+
+fn lines_containing(text: &str, needle: &str) -> usize {
+    text.lines().filter(|line| line.contains(needle)).count()
+}
+
+/// Every pushed task ran at least once and is counted done exactly once.
+fn assert_all_done_once(dir: &TestDir, config: &std::path::Path, prefix: &str, count: usize) {
+    let s = stats(config, "jobs");
+    assert_eq!(
+        (s.done, s.dead, s.ready, s.processing),
+        (count as u64, 0, 0, 0),
+        "{s:?}"
+    );
+    let records = dir.records();
+    for i in 0..count {
+        let id = format!("{prefix}{i}");
+        assert!(records.runs_of(&id) >= 1, "{id} never ran");
+    }
+}
+
+#[test]
+fn redis_down_at_start_is_waited_for_with_one_log_line() {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    proxy.refuse(true);
+    let dir = TestDir::new();
+    let config = dir.config_for_url(&proxy.url(), "shutdown_grace = \"5s\"", &safe_queue(""));
+    let mut daemon = Process::start(&config, dir.path("kmqd.log"));
+    eventually(
+        Duration::from_secs(10),
+        "the first failure to be logged",
+        || {
+            (
+                daemon
+                    .log_text()
+                    .contains("connecting to Redis at start failed"),
+                (),
+            )
+        },
+    );
+    // Several seconds of refused connections: the daemon waits, and says so once.
+    let waiting_since = Instant::now();
+    while waiting_since.elapsed() < Duration::from_secs(3) {
+        assert!(
+            daemon.child.try_wait().unwrap().is_none(),
+            "exited: {}",
+            daemon.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let log = daemon.log_text();
+    assert_eq!(lines_containing(&log, "failed; retrying"), 1, "{log}");
+    proxy.refuse(false);
+    push_many(&config, "t", 5, "{}");
+    eventually(
+        Duration::from_secs(15),
+        "the tasks to run once Redis is up",
+        || {
+            let s = stats(&config, "jobs");
+            (s.done == 5, s)
+        },
+    );
+    assert!(
+        daemon.log_text().contains("works again"),
+        "{}",
+        daemon.log_text()
+    );
+    daemon.signal(15);
+    assert_eq!(daemon.wait_within(Duration::from_secs(20)), Some(0));
+}
+
+#[test]
+fn wrong_credentials_exit_2_with_the_reason() {
+    let redis = RedisServer::start();
+    let _: String = redis.cmd(&["CONFIG", "SET", "requirepass", "s3cret"]);
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &safe_queue(""));
+    let (code, _, stderr) = kmqd(&["--config", config.to_str().unwrap()], None);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("redis refused kmqd's credentials"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn redis_gone_mid_run_is_reconnected_to_without_a_log_line_per_attempt() {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let config = dir.config_for_url(&proxy.url(), "shutdown_grace = \"5s\"", &safe_queue(""));
+    let mut daemon = Process::start(&config, dir.path("kmqd.log"));
+    eventually(Duration::from_secs(10), "the daemon to start", || {
+        (daemon.log_text().contains("kmqd started"), ())
+    });
+    let before = daemon.log_text().lines().count();
+    proxy.refuse(true);
+    let down_since = Instant::now();
+    while down_since.elapsed() < Duration::from_secs(4) {
+        assert!(
+            daemon.child.try_wait().unwrap().is_none(),
+            "exited: {}",
+            daemon.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    proxy.refuse(false);
+    let log = daemon.log_text();
+    let during: Vec<&str> = log.lines().skip(before).collect();
+    // One line per kind of call that failed (fetch, settle, renew, recover, delay, listener), not one per
+    // attempt (40 a second across the threads before).
+    let failures = during.iter().filter(|l| l.contains("failed")).count();
+    assert!(
+        failures <= 8,
+        "{failures} failure lines in 4 s:\n{}",
+        during.join("\n")
+    );
+    push_many(&config, "t", 10, "{}");
+    eventually(Duration::from_secs(15), "the tasks to run after", || {
+        let s = stats(&config, "jobs");
+        (s.done == 10, s)
+    });
+    daemon.signal(15);
+    assert_eq!(daemon.wait_within(Duration::from_secs(20)), Some(0));
+}
+
+#[test]
+fn a_drain_under_client_kill_loses_nothing_and_keeps_going() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(
+        &redis,
+        &safe_queue("workers = 4\nbatch = 100\nprefetch = 200"),
+    );
+    push_many(&config, "k", 5000, "{}");
+    let daemon = TestDaemon::start(&config);
+    let mut kills = 0;
+    let s = eventually(Duration::from_secs(60), "the drain to end", || {
+        // Every 50 ms every client but this one is disconnected.
+        let _: i64 = redis.cmd(&["CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes"]);
+        kills += 1;
+        std::thread::sleep(Duration::from_millis(50));
+        let s = stats(&config, "jobs");
+        (s.done == 5000, s)
+    });
+    daemon.stop();
+    assert!(kills > 3, "the drain outlasted several kills: {kills}");
+    assert_eq!((s.dead, s.processing, s.ready), (0, 0, 0), "{s:?}");
+    assert_all_done_once(&dir, &config, "k", 5000);
+}
+
+#[test]
+fn a_redis_restarted_with_its_append_only_file_loses_nothing() {
+    for signal in [Signal::Term, Signal::Kill] {
+        let mut redis = RedisServer::with_aof(Fsync::Always);
+        let dir = TestDir::new();
+        let config = dir.config_raw(
+            &format!("url = \"{}\"\nio_timeout = \"1s\"", redis.url()),
+            "shutdown_grace = \"5s\"",
+            &safe_queue("workers = 4\nlease_timeout = \"2s\""),
+        );
+        push_many(&config, "a", 1000, r#"{"sleep_ms":2}"#);
+        let daemon = TestDaemon::start(&config);
+        eventually(Duration::from_secs(30), "progress", || {
+            let s = stats(&config, "jobs");
+            (s.done >= 200, s)
+        });
+        redis.stop(signal);
+        redis.restart();
+        let s = eventually(Duration::from_secs(60), "the drain to end", || {
+            let s = stats(&config, "jobs");
+            (s.done >= 1000 && s.processing == 0, s)
+        });
+        daemon.stop();
+        assert_eq!((s.done, s.dead, s.ready), (1000, 0, 0), "{signal:?}: {s:?}");
+        assert_all_done_once(&dir, &config, "a", 1000);
+    }
+}
+
+#[test]
+fn a_redis_stalled_past_the_read_timeout_loses_nothing() {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let config = dir.config_raw(
+        &format!("url = \"{}\"\nio_timeout = \"500ms\"", proxy.url()),
+        "shutdown_grace = \"5s\"",
+        &safe_queue("workers = 4\nlease_timeout = \"10s\""),
+    );
+    push_many(&config, "s", 1000, r#"{"sleep_ms":1}"#);
+    let daemon = TestDaemon::start(&config);
+    for _ in 0..3 {
+        eventually(Duration::from_secs(30), "progress between stalls", || {
+            let s = stats(&config, "jobs");
+            (s.done > 0, s)
+        });
+        let rule = proxy.add(Fault::Stall {
+            duration: Duration::from_millis(1500),
+        });
+        eventually(
+            Duration::from_secs(10),
+            "the stall to hold something",
+            || (rule.fired() > 0, ()),
+        );
+    }
+    let s = eventually(Duration::from_secs(60), "the drain to end", || {
+        let s = stats(&config, "jobs");
+        (s.done >= 1000 && s.processing == 0, s)
+    });
+    daemon.stop();
+    assert_eq!((s.done, s.dead), (1000, 0), "{s:?}");
+    assert_all_done_once(&dir, &config, "s", 1000);
+}
