@@ -4,7 +4,7 @@
 //! This module sits below the daemon: the lane's stages (`daemon::lane`), the per-daemon threads (`daemon::*`)
 //! and the producer API all import it, and it imports none of them.
 
-use crate::broker::{QueueKeys, Settlement, Token};
+use crate::broker::{ClaimLimits, QueueKeys, Settlement, Token};
 use crate::config::{Config, QueueConfig};
 use crate::policy::{Policy, Verdict};
 use crate::settlement::{self, DeadHook, Origin};
@@ -30,6 +30,16 @@ impl QueueContext {
             policy: Policy::for_queue(queue),
             daemon_id: daemon_id.to_string(),
             io_timeout: config.redis.io_timeout,
+        }
+    }
+
+    /// How a claim or pop of this queue dead-letters a payload that is too large.
+    pub fn claim_limits(&self) -> ClaimLimits<'_> {
+        ClaimLimits {
+            max_task_bytes: self.config.max_task_bytes,
+            dead_max: self.config.dead_max,
+            queue: &self.config.name,
+            daemon: &self.daemon_id,
         }
     }
 

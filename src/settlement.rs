@@ -193,12 +193,17 @@ pub fn decide(
     settlement(origin, &action, failed, token, level, payload, envelope)
 }
 
-/// A hand-back at shutdown: the task goes to the front of its level unchanged.
-pub fn handback(token: Option<Token>, level: usize, payload: &[u8]) -> Settlement {
+/// A hand-back at shutdown: the task goes to the front of its level unchanged (a unique one keeps its id held).
+pub fn handback(
+    token: Option<Token>,
+    level: usize,
+    payload: &[u8],
+    unique_id: Option<String>,
+) -> Settlement {
     Settlement {
         op: SettleOp::Back,
         token,
-        unique_id: None,
+        unique_id,
         level,
         payload: payload.to_vec(),
         failed: false,

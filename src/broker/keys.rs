@@ -34,7 +34,10 @@ pub struct QueueKeys {
     pub dead: String,
     /// Hash unique id -> ms it was taken, for unique tasks that are delayed, ready or processing.
     pub unique: String,
-    /// Hash of counters: pushed, done, retried, failed, dead_lettered, cancelled.
+    /// Default mode: hash unique id -> the owner that popped the task, for unique tasks taken from Redis and not yet
+    /// settled (a monitor releases the ids of an owner that died with them).
+    pub unique_popped: String,
+    /// Hash of counters: pushed, done, retried, recovered, failed, dead_lettered, cancelled.
     pub stats: String,
     /// Wake-up markers for idle fetchers (at most one element).
     pub wake: String,
@@ -67,6 +70,7 @@ impl QueueKeys {
             seq: format!("{base}:seq"),
             dead: format!("{base}:dead"),
             unique: format!("{base}:unique"),
+            unique_popped: format!("{base}:unique-popped"),
             stats: format!("{base}:stats"),
             wake: format!("{base}:wake"),
             schedules: format!("{base}:schedules"),

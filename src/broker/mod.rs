@@ -31,7 +31,7 @@ pub use schedule::{Fired, fire, schedule_state};
 pub use stats::{QueueStats, check_protocol, stats};
 pub use tasks::{
     Batch, Call, ClaimLimits, Due, Fence, PushItem, SettleOp, Settled, Settlement, Taken, adopt,
-    claim, pop, promote, push, scan_processing, settle, wait_wake,
+    claim, pop, promote, push, release_unique, scan_processing, settle, wait_idle, wait_wake,
 };
 
 /// A Redis failure, with what was being done.
@@ -91,6 +91,8 @@ struct Scripts {
     push: redis::Script,
     claim: redis::Script,
     adopt: redis::Script,
+    pop: redis::Script,
+    release_unique: redis::Script,
     settle: redis::Script,
     renew: redis::Script,
     register: redis::Script,
@@ -104,6 +106,8 @@ struct Scripts {
 pub mod sources {
     pub const CLAIM: &str = include_str!("scripts/claim.lua");
     pub const ADOPT: &str = include_str!("scripts/adopt.lua");
+    pub const POP: &str = include_str!("scripts/pop.lua");
+    pub const RELEASE_UNIQUE: &str = include_str!("scripts/release_unique.lua");
     pub const SETTLE: &str = include_str!("scripts/settle.lua");
     pub const RENEW: &str = include_str!("scripts/renew.lua");
     pub const REGISTER: &str = include_str!("scripts/register.lua");
@@ -117,6 +121,8 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     push: redis::Script::new(PUSH_SCRIPT),
     claim: redis::Script::new(sources::CLAIM),
     adopt: redis::Script::new(sources::ADOPT),
+    pop: redis::Script::new(sources::POP),
+    release_unique: redis::Script::new(sources::RELEASE_UNIQUE),
     settle: redis::Script::new(sources::SETTLE),
     renew: redis::Script::new(sources::RENEW),
     register: redis::Script::new(sources::REGISTER),

@@ -6,7 +6,7 @@ use std::time::Duration;
 use redis::{Connection, ConnectionLike, Value};
 
 use super::{
-    BrokerError, QueueKeys, Result, SCRIPTS, Token, TokenId, bytes, int, reply_error, text, time_ms,
+    BrokerError, QueueKeys, Result, SCRIPTS, Token, TokenId, bytes, int, reply_error, text,
 };
 
 /// When a pushed task becomes ready.
@@ -238,71 +238,110 @@ fn owner_error(error: redis::RedisError, owner: &str) -> BrokerError {
     }
 }
 
-/// Default mode: pops up to `max` tasks from the highest non-empty level. With `block`, waits that long for a
-/// task when all levels are empty (BLMPOP, which a plain RPUSH by any producer wakes at once); the reply may
-/// then take `io_timeout` more.
+/// Default mode: pops up to `max` tasks from the highest non-empty level (each level's quarantine first: a queue
+/// served in safe mode before keeps its recovered tasks there). The tasks leave Redis; unique ones keep their id
+/// held under `owner` until settled (see pop.lua).
 pub fn pop(
-    conn: &mut Connection,
+    conn: &mut dyn ConnectionLike,
     keys: &QueueKeys,
+    owner: &str,
     max: usize,
-    block: Option<Duration>,
-    io_timeout: Duration,
+    limits: &ClaimLimits<'_>,
 ) -> Result<Batch> {
-    let mut pipe = redis::pipe();
-    match block {
-        Some(timeout) => {
-            // Redis rounds blocking timeouts up to its 100 ms tick; the read timeout must outlast that.
-            conn.set_read_timeout(Some(timeout + io_timeout))?;
-            pipe.cmd("BLMPOP").arg(timeout.as_secs_f64());
-        }
-        None => {
-            pipe.cmd("LMPOP");
-        }
+    let mut invocation = SCRIPTS.pop.prepare_invoke();
+    invocation
+        .key(&keys.unique)
+        .key(&keys.unique_popped)
+        .key(&keys.dead)
+        .key(&keys.stats);
+    for (quarantine, ready) in keys.quarantine.iter().zip(&keys.ready) {
+        invocation.key(quarantine).key(ready);
     }
-    // Each level's quarantine before its ready list: a queue served in safe mode before (its recovered tasks
-    // wait there) is drained too, at most once, as default mode runs everything.
-    let lists: Vec<&String> = keys
-        .quarantine
-        .iter()
-        .zip(&keys.ready)
-        .flat_map(|(quarantine, ready)| [quarantine, ready])
-        .collect();
-    pipe.arg(lists.len())
-        .arg(&lists)
-        .arg("LEFT")
-        .arg("COUNT")
-        .arg(max);
-    // TIME runs after the pop returns, so it is Redis's clock when the tasks were taken.
-    pipe.cmd("TIME");
-    let result: redis::RedisResult<(Value, (i64, i64))> = pipe.query(conn);
-    if block.is_some() {
-        conn.set_read_timeout(Some(io_timeout))?;
-    }
-    let (popped, time) = result?;
-    let now_ms = time_ms(time);
-    let mut tasks = Vec::new();
-    if let Value::Array(mut parts) = popped {
-        if parts.len() != 2 {
-            return Err(reply_error("pop", format!("{} elements", parts.len())));
-        }
-        let items = parts.pop().unwrap_or(Value::Nil);
-        let key = text(parts.pop().unwrap_or(Value::Nil), "pop")?;
-        let level = lists
-            .iter()
-            .position(|k| **k == key)
-            .map(|index| index / 2)
-            .ok_or_else(|| reply_error("pop", format!("unknown key {key}")))?;
-        if let Value::Array(items) = items {
-            for item in items {
-                tasks.push(Taken {
-                    token: None,
-                    level,
-                    payload: bytes(item, "pop")?,
-                });
-            }
+    invocation
+        .arg(owner)
+        .arg(max)
+        .arg(limits.max_task_bytes)
+        .arg(limits.dead_max)
+        .arg(limits.queue)
+        .arg(limits.daemon);
+    let (now_ms, list, items): (i64, usize, Vec<Value>) = invocation.invoke(conn)?;
+    let mut tasks = Vec::with_capacity(items.len());
+    if list > 0 {
+        let level = (list - 1) / 2;
+        for item in items {
+            tasks.push(Taken {
+                token: None,
+                level,
+                payload: bytes(item, "pop")?,
+            });
         }
     }
     Ok(Batch { now_ms, tasks })
+}
+
+/// Default mode: waits up to `timeout` for something to pop, taking nothing itself (the reply may take
+/// `io_timeout` more). A queue with one level waits on its ready list, so that a plain RPUSH by any producer
+/// wakes it at once (`BLMOVE` of the list onto itself, head to head: the list is left as it was); a queue with
+/// several levels waits for a wake-up marker, as safe mode does (plain-RPUSH producers should push one).
+pub fn wait_idle(
+    conn: &mut Connection,
+    keys: &QueueKeys,
+    timeout: Duration,
+    io_timeout: Duration,
+) -> Result<()> {
+    if keys.levels() > 1 {
+        return wait_wake(conn, keys, timeout, io_timeout).map(drop);
+    }
+    conn.set_read_timeout(Some(timeout + io_timeout))?;
+    let result: redis::RedisResult<Option<Vec<u8>>> = redis::cmd("BLMOVE")
+        .arg(&keys.ready[0])
+        .arg(&keys.ready[0])
+        .arg("LEFT")
+        .arg("LEFT")
+        .arg(timeout.as_secs_f64())
+        .query(conn);
+    conn.set_read_timeout(Some(io_timeout))?;
+    result.map(drop).map_err(Into::into)
+}
+
+/// Default mode: releases the unique ids `owner` popped and never settled (read from the unique-popped hash):
+/// its daemon died with those tasks, or stopped without being able to hand them back. Returns how many.
+pub fn release_unique(
+    conn: &mut dyn ConnectionLike,
+    keys: &QueueKeys,
+    owner: &str,
+) -> Result<usize> {
+    let mut released = 0;
+    let mut cursor = 0u64;
+    loop {
+        let (next, pairs): (u64, Vec<(String, String)>) = redis::cmd("HSCAN")
+            .arg(&keys.unique_popped)
+            .arg(cursor)
+            .arg("COUNT")
+            .arg(1000)
+            .query(conn)?;
+        let ids: Vec<&str> = pairs
+            .iter()
+            .filter(|(_, by)| by == owner)
+            .map(|(id, _)| id.as_str())
+            .collect();
+        if !ids.is_empty() {
+            let mut invocation = SCRIPTS.release_unique.prepare_invoke();
+            invocation
+                .key(&keys.unique)
+                .key(&keys.unique_popped)
+                .arg(owner);
+            for id in ids {
+                invocation.arg(id);
+            }
+            let count: usize = invocation.invoke(conn)?;
+            released += count;
+        }
+        cursor = next;
+        if cursor == 0 {
+            return Ok(released);
+        }
+    }
 }
 
 /// Safe mode: waits up to `timeout` for a wake-up marker (the reply may take `io_timeout` more). Returns whether
@@ -411,7 +450,8 @@ pub fn settle<'a>(
         .key(&keys.dead)
         .key(&keys.unique)
         .key(&keys.wake)
-        .key(keys.settled(call.settler));
+        .key(keys.settled(call.settler))
+        .key(&keys.unique_popped);
     for key in keys.ready.iter().chain(&keys.retry).chain(&keys.quarantine) {
         invocation.key(key);
     }

@@ -476,6 +476,8 @@ fn release_owners(lanes: &[Arc<Lane>], pool: &broker::Pool) {
             .get()
             .map_err(BrokerError::from)
             .and_then(|mut connection| {
+                // Default mode: the ids of tasks that could not be handed back (lost) are free again.
+                broker::release_unique(&mut **connection, &lane.queue.keys, &owner)?;
                 broker::release(&mut **connection, &lane.queue.keys, &owner, false)
             });
         match released {

@@ -137,6 +137,12 @@ impl Monitor {
                     }
                 }
             }
+            // A default-mode owner that died with unique tasks: their ids must not stay held for ever.
+            let released =
+                broker::release_unique(self.connection.get()?, &queue.keys, &expired.owner)?;
+            if released > 0 {
+                tracing::warn!(queue = %queue.config.name, owner = %expired.owner, released, "released the unique ids of tasks lost with a default-mode daemon");
+            }
             if broker::release(self.connection.get()?, &expired.keys, &expired.owner, true)? {
                 tracing::info!(queue = %queue.config.name, owner = %expired.owner, "forgot an owner whose lease ran out");
             }

@@ -52,8 +52,8 @@ fn any_producer_wakes_an_idle_default_queue_at_once() {
         &QUEUE.replace("workers = 4", "workers = 1\nidle_poll = \"1s\""),
     );
     let daemon = TestDaemon::start(&config);
-    redis.wait_blocked_in("blmpop");
-    // A plain RPUSH, no marker: BLMPOP on the ready lists sees it at once.
+    redis.wait_blocked_in("blmove");
+    // A plain RPUSH, no marker: the idle fetcher, blocked on the ready list itself, sees it at once.
     let _: i64 = redis.cmd(&[
         "RPUSH",
         "kmq:{fast}:ready:normal",

@@ -175,7 +175,7 @@ fn handlers_that_ignore_cancel_do_not_wedge_the_queue() {
 }
 
 #[test]
-fn a_task_popped_by_a_blocked_pop_after_the_grace_is_handed_back_not_lost() {
+fn a_task_pushed_while_an_idle_default_queue_stops_stays_queued() {
     let redis = RedisServer::start();
     let dir = TestDir::new();
     let queue = default_queue("workers = 1\nprefetch = 1\nidle_poll = \"5s\"");
@@ -192,9 +192,10 @@ fn a_task_popped_by_a_blocked_pop_after_the_grace_is_handed_back_not_lost() {
     eventually(Duration::from_secs(10), "the long run to start", || {
         (dir.records().runs_of("long") == 1, ())
     });
-    redis.wait_blocked_in("blmpop");
+    redis.wait_blocked_in("blmove");
     let stopping = std::thread::spawn(move || daemon.stop_within(Duration::from_secs(30)));
-    // The grace is over once the long run is cancelled; the fetcher's pop is still blocked.
+    // The grace is over once the long run is cancelled; the fetcher still waits in Redis (it used to pop there,
+    // after the acker had gone, and the task was lost).
     eventually(Duration::from_secs(10), "the grace to end", || {
         let records = dir.records();
         (records.ends.iter().any(|(id, _, _)| id == "long"), ())
@@ -520,4 +521,55 @@ fn a_poison_pill_is_dead_lettered_alone_and_its_neighbours_complete() {
         restarts >= 6,
         "two crashes in company, four alone: {restarts}"
     );
+}
+
+fn push_unique(config: &std::path::Path, id: &str, data: &str) -> bool {
+    let mut task = NewTask::new("test", data).unwrap().id(id);
+    task.unique = true;
+    client(config).push("jobs", task).unwrap().is_accepted()
+}
+
+#[test]
+fn a_default_mode_unique_id_is_held_while_its_task_runs_and_freed_when_it_ends() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &default_queue(""));
+    let release = dir.path("release");
+    let held = format!(r#"{{"wait_for_file":"{}"}}"#, release.display());
+    assert!(push_unique(&config, "u", &held));
+    let daemon = TestDaemon::start(&config);
+    eventually(Duration::from_secs(10), "the run to start", || {
+        (dir.records().runs_of("u") == 1, ())
+    });
+    assert!(!push_unique(&config, "u", "{}"), "held while it runs");
+    std::fs::write(&release, "").unwrap();
+    wait_done(&config, 1, Duration::from_secs(10));
+    assert!(push_unique(&config, "u", "{}"), "free once done");
+    daemon.stop();
+}
+
+#[test]
+fn a_unique_id_lost_with_a_default_mode_daemon_is_freed_after_its_lease() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &default_queue("lease_timeout = \"1s\""));
+    let release = dir.path("never");
+    let held = format!(r#"{{"wait_for_file":"{}"}}"#, release.display());
+    assert!(push_unique(&config, "lost", &held));
+    let mut first = Process::start(&config, dir.path("kmqd.log"));
+    eventually(Duration::from_secs(10), "the run to start", || {
+        (dir.records().runs_of("lost") == 1, ())
+    });
+    first.kill9();
+    assert!(
+        !push_unique(&config, "lost", "{}"),
+        "held until the lease says otherwise"
+    );
+    // Another daemon's monitor finds the dead owner and frees the id of the task it lost.
+    let second = TestDaemon::start(&config);
+    eventually(Duration::from_secs(10), "the id to be freed", || {
+        let accepted = push_unique(&config, "lost", "{}");
+        (accepted, ())
+    });
+    second.stop();
 }

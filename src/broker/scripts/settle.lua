@@ -3,9 +3,10 @@
 -- exactly once.
 --
 -- KEYS[1] owners zset, KEYS[2] stats hash, KEYS[3] dead list, KEYS[4] unique hash, KEYS[5] wake list,
--- KEYS[6] the settling party's last call (a string, see "Calls" below),
--- KEYS[7 .. 6+L] ready lists, KEYS[7+L .. 6+2L] retry zsets, KEYS[7+2L .. 6+3L] quarantine lists, and in safe
--- mode KEYS[7+3L .. 6+4L] the processing hashes of the owner whose tasks these are (all in level order)
+-- KEYS[6] the settling party's last call (a string, see "Calls" below), KEYS[7] the unique-popped hash (default
+-- mode: unique id -> the owner that popped it),
+-- KEYS[8 .. 7+L] ready lists, KEYS[8+L .. 7+2L] retry zsets, KEYS[8+2L .. 7+3L] quarantine lists, and in safe
+-- mode KEYS[8+3L .. 7+4L] the processing hashes of the owner whose tasks these are (all in level order)
 -- ARGV[1] fence: "owner" (the owner settles its own tasks) or "expired" (a monitor settles the tasks of an owner
 --         whose lease ran out; nothing is applied unless it has)
 -- ARGV[2] dead list bound; ARGV[3] number of levels L; ARGV[4] the delay poller's channel; ARGV[5] the owner
@@ -20,7 +21,8 @@
 --   op "recover": an expired lease's task, uncharged: payload (recovered + 1) to the front of its ready list;
 --               counted in "recovered"
 --   op "recover_isolated": as "recover", to the front of the level's quarantine list
---   op "back":  handed back at shutdown: payload goes to the front of its ready list, attempt unchanged
+--   op "back":  handed back at shutdown: payload goes to the front of its ready list, attempt unchanged; its
+--               unique id, if any, stays held (the task waits again) but no longer by the popping owner
 --   op "dead":  payload (a dead record, a JSON object) is pushed on the dead list with "dead_at" stamped
 -- A task whose token is not (or no longer) in its processing hash is stale and changes nothing: this fences a
 -- slow owner against a monitor that already recovered its task, and two monitors against each other.
@@ -35,9 +37,10 @@
 -- Atomic: every key is checked for its type before anything is written, and the shebang makes Redis refuse the
 -- whole script up front when it is out of memory, so the script applies all or nothing.
 local owners, stats, dead, uniq, wake, last_call = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local popped = KEYS[7]
 local fence, dead_max, levels, channel, owner = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local call = ARGV[6]
-local READY, RETRY, QUARANTINE, PROCESSING = 6, 6 + levels, 6 + 2 * levels, 6 + 3 * levels
+local READY, RETRY, QUARANTINE, PROCESSING = 7, 7 + levels, 7 + 2 * levels, 7 + 3 * levels
 local OPS = {ack = true, retry = true, retry_isolated = true, recover = true, recover_isolated = true,
   back = true, dead = true}
 
@@ -54,7 +57,7 @@ if prior then
 end
 
 local expected = {[owners] = 'zset', [stats] = 'hash', [dead] = 'list', [uniq] = 'hash', [wake] = 'list',
-  [last_call] = 'string'}
+  [last_call] = 'string', [popped] = 'hash'}
 for level = 1, levels do
   expected[KEYS[READY + level]] = 'list'
   expected[KEYS[RETRY + level]] = 'zset'
@@ -120,6 +123,9 @@ while i <= #ARGV do
   if ok == 1 then
     if ARGV[i + 6] == '1' then
       failed = failed + 1
+    end
+    if uid ~= '' then
+      redis.call('HDEL', popped, uid)
     end
     if op == 'ack' then
       done = done + 1

@@ -22,7 +22,7 @@ use crossbeam_channel::Sender;
 
 use super::Lane;
 use super::resolve::{Job, JobState, Taken};
-use crate::broker::{self, Batch, BrokerError, ClaimLimits, OwnerInfo, Session};
+use crate::broker::{self, Batch, BrokerError, OwnerInfo, Session};
 use crate::config::Mode;
 use crate::retry::{Backoff, Trouble};
 use crate::shutdown::Listener;
@@ -147,69 +147,80 @@ impl Fetcher {
 
     /// Takes up to `free` tasks; when none is ready, waits up to `idle_poll` for one.
     fn fetch(&mut self, free: usize) -> broker::Result<Batch> {
-        if self.lane.queue.config.mode == Mode::Safe {
-            return self.claim(free);
-        }
-        let lane = &self.lane;
-        let queue = &lane.queue;
-        let connection = self.connection.get()?;
-        let io_timeout = queue.io_timeout;
-        let popped = match broker::pop(connection, &queue.keys, free, None, io_timeout) {
-            Ok(batch) if batch.tasks.is_empty() && !self.claiming.is_triggered() => {
-                let idle = Some(queue.config.idle_poll);
-                broker::pop(connection, &queue.keys, free, idle, io_timeout)
-            }
-            other => other,
+        let Some(owner) = self.owner()? else {
+            return Ok(Batch::default());
         };
-        if let Err(error) = &popped {
-            if error.may_have_run() {
-                tracing::error!(
-                    queue = %lane.name(),
-                    %error,
-                    "a pop's reply was lost: the tasks it took, if any, are lost (default mode is at most once)"
-                );
+        match self.lane.queue.config.mode {
+            Mode::Safe => self.claim(owner, free),
+            Mode::Default => self.pop(owner, free),
+        }
+    }
+
+    /// This daemon's owner on the queue, registered first if there is none (`None`: a registration refused, try
+    /// again with a new id).
+    fn owner(&mut self) -> broker::Result<Option<Arc<str>>> {
+        let lane = Arc::clone(&self.lane);
+        if let Some(owner) = lane.ownership.current() {
+            return Ok(Some(owner));
+        }
+        let queue = &lane.queue;
+        let owner = self
+            .registering
+            .get_or_insert_with(|| lane.ownership.new_id())
+            .clone();
+        let lease = queue.config.lease_timeout;
+        let registered = broker::register(
+            self.connection.get()?,
+            &queue.keys,
+            &owner,
+            lease,
+            &self.info,
+        )?;
+        // Refused: its first registration went through and its lease ran out before this retry.
+        self.registering = None;
+        if !registered {
+            return Ok(None);
+        }
+        tracing::info!(queue = %queue.config.name, %owner, "serving as a new owner");
+        lane.ownership.set(Arc::clone(&owner));
+        Ok(Some(owner))
+    }
+
+    /// Default mode: pops up to `free` tasks; when none is ready, waits up to `idle_poll` for a push (and takes
+    /// it on the next round).
+    fn pop(&mut self, owner: Arc<str>, free: usize) -> broker::Result<Batch> {
+        let lane = Arc::clone(&self.lane);
+        let queue = &lane.queue;
+        let limits = queue.claim_limits();
+        let connection = self.connection.get()?;
+        let popped = broker::pop(connection, &queue.keys, &owner, free, &limits);
+        match &popped {
+            Ok(batch) if batch.tasks.is_empty() && !self.claiming.is_triggered() => {
+                let idle = queue.config.idle_poll;
+                broker::wait_idle(connection, &queue.keys, idle, queue.io_timeout)?;
             }
+            Err(error) if error.may_have_run() => tracing::error!(
+                queue = %lane.name(),
+                %error,
+                "a pop's reply was lost: the tasks it took, if any, are lost (default mode is at most once)"
+            ),
+            _ => {}
         }
         popped
     }
 
-    /// Safe mode: registers an owner if there is none, then claims up to `free` tasks under it; when none is ready,
-    /// waits up to `idle_poll` for a wake-up marker.
-    fn claim(&mut self, free: usize) -> broker::Result<Batch> {
+    /// Safe mode: claims up to `free` tasks under `owner`; when none is ready, waits up to `idle_poll` for a
+    /// wake-up marker.
+    fn claim(&mut self, owner: Arc<str>, free: usize) -> broker::Result<Batch> {
         let lane = Arc::clone(&self.lane);
         let queue = &lane.queue;
-        let connection = self.connection.get()?;
-        let owner = match lane.ownership.current() {
-            Some(owner) => owner,
-            None => {
-                let owner = self
-                    .registering
-                    .get_or_insert_with(|| lane.ownership.new_id())
-                    .clone();
-                let lease = queue.config.lease_timeout;
-                let registered =
-                    broker::register(connection, &queue.keys, &owner, lease, &self.info)?;
-                // Refused: its first registration went through and its lease ran out before this retry.
-                self.registering = None;
-                if !registered {
-                    return Ok(Batch::default());
-                }
-                tracing::info!(queue = %queue.config.name, %owner, "claiming as a new owner");
-                lane.ownership.set(Arc::clone(&owner));
-                owner
-            }
-        };
         // Each claim carries a token per task it may take, which costs Redis a little per token: ask for twice
         // what the last claim got (at least MIN_CLAIM), so an idle queue's claims stay small and a backlog's
         // double up to the free capacity within a few round trips.
         let want = free.min(self.claim_size);
         let first_token = lane.ownership.tokens(want);
-        let limits = ClaimLimits {
-            max_task_bytes: queue.config.max_task_bytes,
-            dead_max: queue.config.dead_max,
-            queue: &queue.config.name,
-            daemon: &queue.daemon_id,
-        };
+        let limits = queue.claim_limits();
+        let connection = self.connection.get()?;
         let batch = match broker::claim(connection, &queue.keys, &owner, first_token, want, &limits)
         {
             Ok(batch) => batch,

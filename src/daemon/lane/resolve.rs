@@ -280,7 +280,15 @@ impl Lane {
     /// The outcome of a task taken back before it ran (or, in safe mode, while it ran): it goes to the front of
     /// its level unchanged.
     pub fn hand_back(&self, job: JobId, state: &JobState) -> Outcome {
-        let settlement = settlement::handback(state.token.clone(), state.level, &state.payload);
+        // A unique task keeps its id held, as a waiting task again (default mode: no longer by the popping owner).
+        let unique_id = self
+            .queue
+            .decode(&state.payload)
+            .ok()
+            .filter(|envelope| envelope.unique)
+            .and_then(|envelope| envelope.id.map(|id| id.into_owned()));
+        let settlement =
+            settlement::handback(state.token.clone(), state.level, &state.payload, unique_id);
         Outcome::settle(job, settlement, None)
     }
 

@@ -1,0 +1,16 @@
+#!lua
+-- release_unique.lua: default mode. Release the unique ids an owner popped and never settled: it died (found by
+-- a monitor after its lease expired), or it stopped with tasks it could not hand back.
+--
+-- KEYS[1] unique hash, KEYS[2] unique-popped hash (id -> owner)
+-- ARGV[1] owner, ARGV[2 ..] candidate ids (read from KEYS[2] by the caller; each is checked again here)
+-- Returns how many ids were released.
+local released = 0
+for i = 2, #ARGV do
+  if redis.call('HGET', KEYS[2], ARGV[i]) == ARGV[1] then
+    redis.call('HDEL', KEYS[2], ARGV[i])
+    redis.call('HDEL', KEYS[1], ARGV[i])
+    released = released + 1
+  end
+end
+return released
