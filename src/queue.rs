@@ -62,6 +62,15 @@ impl QueueContext {
         payload: &'a [u8],
         verdict_of: impl FnOnce(&Envelope<'a>) -> Verdict,
     ) -> (Verdict, Option<Envelope<'a>>) {
+        // Safe mode's claim keeps such payloads in Redis; default mode's pop has read them, but they never run.
+        if payload.len() > self.config.max_task_bytes {
+            let reason = format!(
+                "task is {} bytes, more than max_task_bytes ({}); it was not run",
+                payload.len(),
+                self.config.max_task_bytes
+            );
+            return (Verdict::Unrunnable { reason }, None);
+        }
         match self.decode(payload) {
             Ok(envelope) => (verdict_of(&envelope), Some(envelope)),
             Err(error) => (

@@ -246,24 +246,13 @@ pub fn pop(
     keys: &QueueKeys,
     owner: &str,
     max: usize,
-    limits: &ClaimLimits<'_>,
 ) -> Result<Batch> {
     let mut invocation = SCRIPTS.pop.prepare_invoke();
-    invocation
-        .key(&keys.unique)
-        .key(&keys.unique_popped)
-        .key(&keys.dead)
-        .key(&keys.stats);
+    invocation.key(&keys.unique).key(&keys.unique_popped);
     for (quarantine, ready) in keys.quarantine.iter().zip(&keys.ready) {
         invocation.key(quarantine).key(ready);
     }
-    invocation
-        .arg(owner)
-        .arg(max)
-        .arg(limits.max_task_bytes)
-        .arg(limits.dead_max)
-        .arg(limits.queue)
-        .arg(limits.daemon);
+    invocation.arg(owner).arg(max);
     let (now_ms, list, items): (i64, usize, Vec<Value>) = invocation.invoke(conn)?;
     let mut tasks = Vec::with_capacity(items.len());
     if list > 0 {

@@ -203,3 +203,50 @@ fn a_payload_that_is_not_utf8_is_dead_lettered_and_its_neighbours_run() {
         );
     }
 }
+
+/// A payload over `max_task_bytes` is dead-lettered unrun, kept whole with its size; in safe mode it never even
+/// leaves Redis (the claim dead-letters it).
+#[test]
+fn a_task_over_max_task_bytes_is_dead_lettered_unrun_with_its_size() {
+    for mode in ["safe", "default"] {
+        let redis = RedisServer::start();
+        let dir = TestDir::new();
+        let queue =
+            format!("[[queues]]\nname = \"jobs\"\nmode = \"{mode}\"\nmax_task_bytes = 1024\n");
+        let config = dir.config(&redis, &queue);
+        let big = format!(
+            r#"{{"id":"big","type":"test","data":"{}"}}"#,
+            "x".repeat(2000)
+        );
+        let _: i64 = redis.cmd(&["RPUSH", "kmq:{jobs}:ready:normal", &big]);
+        let _: i64 = redis.cmd(&[
+            "RPUSH",
+            "kmq:{jobs}:ready:normal",
+            r#"{"id":"small","type":"test"}"#,
+        ]);
+        let daemon = TestDaemon::start(&config);
+        let s = eventually(Duration::from_secs(10), "both to be settled", || {
+            let s = stats(&config, "jobs");
+            (s.done == 1 && s.dead == 1, s)
+        });
+        daemon.stop();
+        assert_eq!(s.dead_lettered, 1, "{mode}: {s:?}");
+        let dead: Vec<String> = redis.cmd(&["LRANGE", "kmq:{jobs}:dead", "0", "-1"]);
+        let record: serde_json::Value = serde_json::from_str(&dead[0]).unwrap();
+        let reason = record["reason"].as_str().unwrap();
+        assert!(
+            reason.starts_with(&format!(
+                "task is {} bytes, more than max_task_bytes (1024)",
+                big.len()
+            )),
+            "{mode}: {record}"
+        );
+        assert_eq!(record["task"], big.as_str(), "{mode}: kept whole");
+        let records = dir.records();
+        assert_eq!(
+            (records.runs_of("big"), records.runs_of("small")),
+            (0, 1),
+            "{mode}"
+        );
+    }
+}

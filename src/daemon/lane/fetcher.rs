@@ -191,9 +191,8 @@ impl Fetcher {
     fn pop(&mut self, owner: Arc<str>, free: usize) -> broker::Result<Batch> {
         let lane = Arc::clone(&self.lane);
         let queue = &lane.queue;
-        let limits = queue.claim_limits();
         let connection = self.connection.get()?;
-        let popped = broker::pop(connection, &queue.keys, &owner, free, &limits);
+        let popped = broker::pop(connection, &queue.keys, &owner, free);
         match &popped {
             Ok(batch) if batch.tasks.is_empty() && !self.claiming.is_triggered() => {
                 let idle = queue.config.idle_poll;
