@@ -1,7 +1,9 @@
 //! The monitor: one thread per daemon that recovers the tasks of owners whose lease ran out, because the daemon
-//! holding them died or hung. Each such task goes back to the front of its level with `attempt + 1`, or to the
-//! dead-letter list when it is out of retries or older than `alive_timeout`. An owner with nothing left is
-//! forgotten.
+//! holding them died or hung. Each such task goes back uncharged (`recovered + 1`: it was merely held, maybe never
+//! started) to the front of its level, or, recovered before, to its level's quarantine, where it will run alone;
+//! the one task the owner ran alone is charged the crash (`attempt + 1`, or the dead-letter list when out of
+//! retries: a poison pill). A task older than `alive_timeout` is dead-lettered. An owner with nothing left is
+//! forgotten, and the unique ids a default-mode owner died with are freed.
 //!
 //! Every daemon runs a monitor, over every queue it serves whatever the queue's mode here (another daemon may
 //! serve it in safe mode), and no lock is taken: an owner whose lease ran out never renews it again, and the
