@@ -92,6 +92,9 @@ pub struct BenchArgs {
     /// scripts/bench-peers).
     #[arg(long, value_name = "RESULTS_DIR")]
     pub peers: Option<PathBuf>,
+    /// Run this kmqd binary as the daemon (default: this one): two builds measured in one session.
+    #[arg(long, value_name = "KMQD")]
+    pub daemon: Option<PathBuf>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -549,6 +552,7 @@ fn run_bench(args: BenchArgs) -> Result<(), Failure> {
         plugins_dir: args.plugins_dir,
         backlog: args.backlog,
         peers: args.peers,
+        daemon: args.daemon,
     };
     let report = crate::bench::run(options, &mut std::io::stderr()).map_err(Failure::Runtime)?;
     if args.json {

@@ -45,9 +45,14 @@ pub struct Options {
     pub backlog: usize,
     /// A results directory of `../shared/bench/peers/run.sh` (its summary.csv) to compare with.
     pub peers: Option<PathBuf>,
+    /// The kmqd binary to run as the daemon (default: this one), to compare two builds in one session.
+    pub daemon: Option<PathBuf>,
 }
 
-pub const SCENARIOS: [&str; 5] = ["push", "drain", "wakeup", "lateness", "memory"];
+pub const SCENARIOS: [&str; 6] = ["push", "drain", "kill", "wakeup", "lateness", "memory"];
+
+/// How often the `kill` scenario disconnects every client of Redis (`CLIENT KILL TYPE normal`).
+const KILL_EVERY: Duration = Duration::from_millis(100);
 
 /// One reported figure.
 #[derive(Clone, Debug, Serialize)]
@@ -183,7 +188,10 @@ impl Drop for Daemon {
 
 impl Bench {
     fn new(options: Options) -> Result<Bench, String> {
-        let kmqd = std::env::current_exe().map_err(|e| format!("current exe: {e}"))?;
+        let kmqd = match &options.daemon {
+            Some(path) => path.clone(),
+            None => std::env::current_exe().map_err(|e| format!("current exe: {e}"))?,
+        };
         let source = options
             .plugins_dir
             .clone()
@@ -337,6 +345,13 @@ pub fn run(options: Options, progress: &mut dyn Write) -> Result<Report, String>
             }
         }
     }
+    if wants("kill") {
+        say(format!(
+            "drain under CLIENT KILL every {KILL_EVERY:?}: safe mode, 1 daemon, {} runs of {} tasks...",
+            o.runs, o.tasks
+        ));
+        figures.push(drain_with(&bench, "safe", 1, Some(KILL_EVERY))?);
+    }
     if wants("wakeup") {
         for mode in ["safe", "default"] {
             say(format!("idle wake-up latency: {mode} mode..."));
@@ -448,9 +463,14 @@ fn push_rates(bench: &Bench) -> Result<Vec<Figure>, String> {
     ])
 }
 
-/// Tasks pushed and not yet finished (done or dead), from the queue's counters.
+/// Tasks pushed and not yet finished (done or dead), from the queue's counters. Tried again on a dropped
+/// connection (the `kill` scenario drops the bench's own too).
 fn remaining(client: &Client) -> Result<(u64, u64), String> {
-    let stats = client.stats("q").map_err(|e| e.to_string())?;
+    let stats = client
+        .stats("q")
+        .or_else(|_| client.stats("q"))
+        .or_else(|_| client.stats("q"))
+        .map_err(|e| e.to_string())?;
     Ok((
         stats
             .pushed
@@ -460,6 +480,17 @@ fn remaining(client: &Client) -> Result<(u64, u64), String> {
 }
 
 fn drain(bench: &Bench, mode: &str, daemons: usize) -> Result<Figure, String> {
+    drain_with(bench, mode, daemons, None)
+}
+
+/// A drain; with `kill_every`, every client of Redis is disconnected that often meanwhile, which a daemon must
+/// take as a blip (reconnect at once), not as an outage.
+fn drain_with(
+    bench: &Bench,
+    mode: &str,
+    daemons: usize,
+    kill_every: Option<Duration>,
+) -> Result<Figure, String> {
     let config = bench.config(&format!("drain-{mode}"), mode, None)?;
     let client = bench.client(&config)?;
     let n = bench.options.tasks;
@@ -476,7 +507,17 @@ fn drain(bench: &Bench, mode: &str, daemons: usize) -> Result<Figure, String> {
         let deadline = Instant::now() + Duration::from_secs(300);
         let mut first: Option<(Instant, u64, u64, u64)> = None;
         let mut peak_rss = 0;
+        let mut killer = bench.redis()?;
+        let mut last_kill = Instant::now();
         let end = loop {
+            if let Some(every) = kill_every {
+                if last_kill.elapsed() >= every {
+                    last_kill = Instant::now();
+                    let _: redis::RedisResult<i64> = redis::cmd("CLIENT")
+                        .arg(&["KILL", "TYPE", "normal", "SKIPME", "yes"][..])
+                        .query(&mut killer);
+                }
+            }
             let (left, _) = remaining(&client)?;
             peak_rss = peak_rss.max(pids.iter().map(|pid| rss_kb(*pid)).sum::<u64>());
             if first.is_none() && left < n as u64 {
@@ -506,9 +547,17 @@ fn drain(bench: &Bench, mode: &str, daemons: usize) -> Result<Figure, String> {
         redis_cpu.push((end.2 - redis0) as f64 / left0 as f64);
         rss.push(peak_rss as f64 / 1024.0);
     }
+    let name = match kill_every {
+        Some(every) => format!("{mode} mode, {daemons} daemon(s), CLIENT KILL every {every:?}"),
+        None => format!("{mode} mode, {daemons} daemon(s)"),
+    };
     Ok(figure(
-        "drain",
-        format!("{mode} mode, {daemons} daemon(s)"),
+        if kill_every.is_some() {
+            "kill"
+        } else {
+            "drain"
+        },
+        name,
         "tasks/s",
         rates,
         vec![
