@@ -16,32 +16,6 @@ fn through(proxy: &FaultProxy) -> String {
     format!("url = \"{}\"\nio_timeout = \"1s\"", proxy.url())
 }
 
-fn safe_queue(extra: &str) -> String {
-    format!("[[queues]]\nname = \"jobs\"\nmode = \"safe\"\n{extra}\n")
-}
-
-fn default_queue(extra: &str) -> String {
-    format!("[[queues]]\nname = \"jobs\"\nmode = \"default\"\n{extra}\n")
-}
-
-fn push_many(config: &std::path::Path, prefix: &str, count: usize, data: &str) {
-    let tasks: Vec<NewTask> = (0..count)
-        .map(|i| {
-            NewTask::new("test", data)
-                .unwrap()
-                .id(format!("{prefix}{i}"))
-        })
-        .collect();
-    client(config).push_batch("jobs", tasks).unwrap();
-}
-
-fn wait_done(config: &std::path::Path, done: u64, within: Duration) -> kmqd::broker::QueueStats {
-    eventually(within, &format!("{done} tasks done"), || {
-        let s = stats(config, "jobs");
-        (s.done >= done, s)
-    })
-}
-
 /// Keeps a written config under its own name (the next `TestDir::config` overwrites `kmqd.toml`).
 fn keep_as(path: std::path::PathBuf, name: &str) -> std::path::PathBuf {
     let kept = path.with_file_name(name);

@@ -4,25 +4,8 @@
 
 use std::time::{Duration, Instant};
 
-use kmqd::NewTask;
-
 use crate::support::proxy::{Fault, FaultProxy};
 use crate::support::*;
-
-fn safe_queue(extra: &str) -> String {
-    format!("[[queues]]\nname = \"jobs\"\nmode = \"safe\"\n{extra}\n")
-}
-
-fn push_many(config: &std::path::Path, prefix: &str, count: usize, data: &str) {
-    let tasks: Vec<NewTask> = (0..count)
-        .map(|i| {
-            NewTask::new("test", data)
-                .unwrap()
-                .id(format!("{prefix}{i}"))
-        })
-        .collect();
-    client(config).push_batch("jobs", tasks).unwrap();
-}
 
 fn lines_containing(text: &str, needle: &str) -> usize {
     text.lines().filter(|line| line.contains(needle)).count()

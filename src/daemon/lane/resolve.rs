@@ -51,6 +51,7 @@ use crate::broker::{Settlement, Token};
 use crate::config::Mode;
 use crate::policy::Verdict;
 use crate::settlement::{self, DeadHook};
+use crate::task::Envelope;
 
 /// A local handle for a task held by this daemon (unique within the process).
 pub type JobId = u64;
@@ -257,8 +258,7 @@ impl Lane {
                 continue;
             }
             self.orphaned(Arc::clone(&state));
-            let queue = &self.queue;
-            let envelope = queue.decode(&state.payload).ok();
+            let envelope = self.queue.decode(&state.payload).ok();
             let verdict = Verdict::HandlerError {
                 reason: format!(
                     "execution timeout: still running after {}",
@@ -266,15 +266,26 @@ impl Lane {
                 ),
                 after: None,
             };
-            let (settlement, dead_hook) = queue.settle_verdict(
-                verdict,
-                state.token.clone(),
-                state.level,
-                &state.payload,
-                envelope.as_ref(),
-            );
-            self.send(Outcome::settle(job, settlement, dead_hook));
+            self.send(self.outcome(job, &state, verdict, envelope.as_ref()));
         }
+    }
+
+    /// The outcome of a resolved task whose fate `verdict` decides (its worker's, or a timeout's).
+    pub fn outcome(
+        &self,
+        job: JobId,
+        state: &JobState,
+        verdict: Verdict,
+        envelope: Option<&Envelope>,
+    ) -> Outcome {
+        let (settlement, dead_hook) = self.queue.settle_verdict(
+            verdict,
+            state.token.clone(),
+            state.level,
+            &state.payload,
+            envelope,
+        );
+        Outcome::settle(job, settlement, dead_hook)
     }
 
     /// The outcome of a task taken back before it ran (or, in safe mode, while it ran): it goes to the front of

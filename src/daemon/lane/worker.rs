@@ -78,14 +78,7 @@ impl Worker {
                 return None;
             }
         }
-        let (settlement, dead_hook) = queue.settle_verdict(
-            verdict,
-            state.token.clone(),
-            state.level,
-            &state.payload,
-            envelope.as_ref(),
-        );
-        Some(Outcome::settle(job.id, settlement, dead_hook))
+        Some(self.lane.outcome(job.id, state, verdict, envelope.as_ref()))
     }
 
     /// Checks whether the task may run, runs it, and says how it went.

@@ -541,3 +541,33 @@ impl TestDir {
         target
     }
 }
+
+/// A `[[queues]]` entry for the queue `jobs` in safe mode, with `extra` keys.
+pub fn safe_queue(extra: &str) -> String {
+    format!("[[queues]]\nname = \"jobs\"\nmode = \"safe\"\n{extra}\n")
+}
+
+/// A `[[queues]]` entry for the queue `jobs` in default mode, with `extra` keys.
+pub fn default_queue(extra: &str) -> String {
+    format!("[[queues]]\nname = \"jobs\"\nmode = \"default\"\n{extra}\n")
+}
+
+/// Pushes `count` testkit tasks with `data` to `jobs`, ids `prefix0` to `prefix{count - 1}`.
+pub fn push_many(config: &Path, prefix: &str, count: usize, data: &str) {
+    let tasks: Vec<kmqd::NewTask> = (0..count)
+        .map(|i| {
+            kmqd::NewTask::new("test", data)
+                .unwrap()
+                .id(format!("{prefix}{i}"))
+        })
+        .collect();
+    client(config).push_batch("jobs", tasks).unwrap();
+}
+
+/// Waits until `jobs` counts at least `done` tasks done.
+pub fn wait_done(config: &Path, done: u64, within: Duration) -> QueueStats {
+    eventually(within, &format!("{done} tasks done"), || {
+        let s = stats(config, "jobs");
+        (s.done >= done, s)
+    })
+}
