@@ -36,7 +36,7 @@ use crate::broker::{self, BrokerError, Connector, Session};
 use crate::config::Config;
 use crate::plugin::Registry;
 use crate::queue::QueueContext;
-use crate::shutdown::Trigger;
+use crate::shutdown::{Listener, Trigger};
 use delay::{DelayListener, DelayPoller};
 use heartbeat::Heartbeat;
 use lane::Lane;
@@ -267,57 +267,17 @@ pub fn run(
         .collect();
     let mut lanes: Vec<Arc<Lane>> = Vec::with_capacity(contexts.len());
     let mut delay_channels = HashMap::new();
+    let parts = Parts {
+        pool: pool.clone(),
+        registry: Arc::clone(&registry),
+        instance: instance.clone(),
+        epoch,
+        claiming: claiming.listener(),
+        background: background.listener(),
+    };
     for queue in &contexts {
-        let name = queue.config.name.clone();
-        let (lane, outcomes) = Lane::new(Arc::clone(queue), &instance, epoch);
-        let lane = Arc::new(lane);
-        let acker = Acker {
-            lane: Arc::clone(&lane),
-            registry: Arc::clone(&registry),
-            connection: Session::new(pool.clone()),
-            outcomes,
-            settler: Settler::new(format!("{instance}:acker")),
-            background: background.listener(),
-        };
-        threads.spawn(format!("kmqd-acker-{name}"), Role::Acker, move || {
-            acker.run()
-        })?;
-        let bound = queue.config.workers + queue.config.prefetch;
-        let (jobs_tx, jobs_rx) = crossbeam_channel::bounded(bound);
-        for index in 0..queue.config.workers {
-            let worker = Worker {
-                lane: Arc::clone(&lane),
-                registry: Arc::clone(&registry),
-                claiming: claiming.listener(),
-                jobs: jobs_rx.clone(),
-                outcomes: lane.outcome_sender(),
-            };
-            threads.spawn(
-                format!("kmqd-worker-{name}-{index}"),
-                Role::Worker,
-                move || worker.run(),
-            )?;
-        }
-        let fetcher = Fetcher::new(
-            Arc::clone(&lane),
-            Session::new(pool.clone()),
-            claiming.listener(),
-            jobs_tx,
-        );
-        threads.spawn(format!("kmqd-fetcher-{name}"), Role::Fetcher, move || {
-            fetcher.run()
-        })?;
-        let (nudge_tx, nudge_rx) = crossbeam_channel::bounded(1);
-        delay_channels.insert(queue.keys.delay_channel.clone(), nudge_tx);
-        let poller = DelayPoller {
-            queue: Arc::clone(queue),
-            connection: Session::new(pool.clone()),
-            nudges: nudge_rx,
-            background: background.listener(),
-        };
-        threads.spawn(format!("kmqd-delay-{name}"), Role::Other, move || {
-            poller.run()
-        })?;
+        let (lane, nudges) = start_lane(&mut threads, queue, &parts)?;
+        delay_channels.insert(queue.keys.delay_channel.clone(), nudges);
         lanes.push(lane);
     }
 
@@ -452,17 +412,94 @@ pub fn run(
         &[Role::Acker, Role::Monitor, Role::Other],
         background_deadline,
     );
-    let in_plugins = threads.count(&[Role::Worker, Role::Acker, Role::Monitor]);
-    if in_plugins == 0 {
-        registry.shutdown();
-    } else {
+    let handlers = threads.count(&[Role::Worker]);
+    let hooks = threads.count(&[Role::Acker, Role::Monitor]);
+    if handlers > 0 {
         tracing::warn!(
-            handlers = threads.count(&[Role::Worker]),
+            handlers,
             "handlers still running after shutdown_grace ignored their cancel flag; plugin shutdown skipped"
         );
+    } else if hooks > 0 {
+        tracing::warn!(
+            threads = hooks,
+            "an acker or the monitor is still in a final-failure hook or waiting for Redis; plugin shutdown skipped"
+        );
+    } else {
+        registry.shutdown();
     }
     tracing::info!("kmqd stopped");
     failure.map_or(Ok(()), Err)
+}
+
+/// What every lane's threads are made with.
+struct Parts {
+    pool: broker::Pool,
+    registry: Arc<Registry>,
+    /// This daemon run's instance id: owners and settling parties are named after it.
+    instance: String,
+    epoch: Instant,
+    claiming: Listener,
+    background: Listener,
+}
+
+/// Starts one queue's lane (acker, workers, fetcher) and its delay poller; returns the lane and the poller's
+/// nudge sender, for the delay listener.
+fn start_lane(
+    threads: &mut Threads,
+    queue: &Arc<QueueContext>,
+    parts: &Parts,
+) -> Result<(Arc<Lane>, Sender<()>), DaemonError> {
+    let name = &queue.config.name;
+    let (lane, outcomes) = Lane::new(Arc::clone(queue), &parts.instance, parts.epoch);
+    let lane = Arc::new(lane);
+    let acker = Acker {
+        lane: Arc::clone(&lane),
+        registry: Arc::clone(&parts.registry),
+        connection: Session::new(parts.pool.clone()),
+        outcomes,
+        settler: Settler::new(format!("{}:acker", parts.instance)),
+        background: parts.background.clone(),
+    };
+    threads.spawn(format!("kmqd-acker-{name}"), Role::Acker, move || {
+        acker.run()
+    })?;
+    // As many jobs as the lane may hold tasks: a send to a worker never waits for room.
+    let (jobs_tx, jobs_rx) =
+        crossbeam_channel::bounded(queue.config.workers + queue.config.prefetch);
+    for index in 0..queue.config.workers {
+        let worker = Worker {
+            lane: Arc::clone(&lane),
+            registry: Arc::clone(&parts.registry),
+            claiming: parts.claiming.clone(),
+            jobs: jobs_rx.clone(),
+            outcomes: lane.outcome_sender(),
+        };
+        threads.spawn(
+            format!("kmqd-worker-{name}-{index}"),
+            Role::Worker,
+            move || worker.run(),
+        )?;
+    }
+    let fetcher = Fetcher::new(
+        Arc::clone(&lane),
+        Session::new(parts.pool.clone()),
+        parts.claiming.clone(),
+        jobs_tx,
+    );
+    threads.spawn(format!("kmqd-fetcher-{name}"), Role::Fetcher, move || {
+        fetcher.run()
+    })?;
+    let (nudge_tx, nudge_rx) = crossbeam_channel::bounded(1);
+    let poller = DelayPoller {
+        queue: Arc::clone(queue),
+        connection: Session::new(parts.pool.clone()),
+        nudges: nudge_rx,
+        background: parts.background.clone(),
+    };
+    threads.spawn(format!("kmqd-delay-{name}"), Role::Other, move || {
+        poller.run()
+    })?;
+    Ok((lane, nudge_tx))
 }
 
 /// Forgets this daemon's owners, now that every outcome is settled. An owner that still holds tasks (Redis
