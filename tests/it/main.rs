@@ -13,3 +13,4 @@ mod protocol;
 mod safe_mode;
 mod schedules;
 mod shutdown;
+mod splice;
