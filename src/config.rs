@@ -177,13 +177,13 @@ pub enum When {
 }
 
 impl When {
-    /// The first slot strictly after `after_ms`.
+    /// The first slot strictly after `after_ms`; `None` when there is none the clock (i64 ms) can hold.
     pub fn next_after(&self, after_ms: i64) -> Option<i64> {
         match self {
             When::Cron(cron) => cron.next_after(after_ms),
             When::Every(every) => {
-                let every = every.as_millis() as i64;
-                Some((after_ms.div_euclid(every) + 1) * every)
+                let every = i64::try_from(every.as_millis()).ok()?;
+                (after_ms.div_euclid(every).checked_add(1)?).checked_mul(every)
             }
         }
     }
@@ -1348,6 +1348,40 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn every_longer_than_the_clock_holds_has_no_next_slot() {
+        // Found by fuzz/fuzz_targets/config_values.rs: these validate (whole seconds, at least 1s), but their
+        // length in ms does not fit an i64, and the next slot came out before `after_ms` (negative), or the
+        // division by the truncated period panicked (2^61 s is 0 ms once truncated to 64 bits).
+        for every in [
+            "9223372036854776s",
+            "2305843009213693952s",
+            "18446744073709551615s",
+        ] {
+            let text = format!(
+                "{MINIMAL}[[schedules]]\nname = \"s\"\nqueue = \"mail\"\ntype = \"t\"\nevery = \"{every}\"\n"
+            );
+            let config = parse(&text).unwrap();
+            for after in [0, 1_795_997_223_121, i64::MAX - 1] {
+                assert_eq!(
+                    config.schedules[0].when.next_after(after),
+                    None,
+                    "{every} after {after}"
+                );
+            }
+        }
+        let longest = When::Every(Duration::from_millis(i64::MAX as u64));
+        assert_eq!(longest.next_after(0), Some(i64::MAX));
+        assert_eq!(
+            longest.next_after(i64::MAX),
+            None,
+            "the slot after it overflows"
+        );
+        let hourly = When::Every(Duration::from_secs(3600));
+        assert_eq!(hourly.next_after(3_600_000), Some(7_200_000));
+        assert_eq!(hourly.next_after(-1), Some(0));
     }
 
     #[test]

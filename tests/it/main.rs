@@ -16,3 +16,4 @@ mod redis_faults;
 mod safe_mode;
 mod schedules;
 mod shutdown;
+mod splice;

@@ -12,8 +12,61 @@
 -- ARGV[4..] triples: task id, unique ("1" or "0"), envelope JSON (whose "id" should be the same id)
 -- A delayed task and a unique task need an id. Returns one integer per task: 1 accepted, 0 refused (its unique
 -- id is live, or a delayed task with its id is already waiting).
+-- An envelope that is a JSON object without a top-level "created_at" gets "created_at":NOW_MS (Redis's clock)
+-- written right after its opening brace, the rest kept byte for byte. Anything else is stored as it came: an
+-- envelope with a top-level "created_at", and a payload that is not a JSON object (the daemon dead-letters it
+-- with its exact bytes). Only a payload with the text "created_at" in it is decoded, to keep pushes cheap, so
+-- text shaped like an object ({" ... }) that is not JSON gets the stamp too, and so does an object whose
+-- "created_at" key is written with \u escapes (docs/PROTOCOL.md).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local stamp = '"created_at":' .. string.format('%d', now)
+local function stamped(envelope)
+  -- An object starts at the first byte that is not JSON whitespace (almost always the first byte)...
+  local open = 1
+  if string.byte(envelope, 1) ~= 123 then
+    open = string.find(envelope, '[^ \t\n\r]')
+    if open == nil or string.byte(envelope, open) ~= 123 then
+      return envelope
+    end
+  end
+  -- ... and ends at the last one.
+  local close = #envelope
+  local last = string.byte(envelope, close)
+  while last == 32 or last == 9 or last == 10 or last == 13 do
+    close = close - 1
+    last = string.byte(envelope, close)
+  end
+  if last ~= 125 then
+    return envelope
+  end
+  -- Then comes its first key, or its end: {} and { } take the stamp without a comma.
+  local first = open + 1
+  if string.byte(envelope, first) ~= 34 then
+    first = string.find(envelope, '[^ \t\n\r]', first)
+  end
+  local comma = ','
+  if first == close then
+    comma = ''
+  elseif string.byte(envelope, first) ~= 34 then
+    return envelope
+  elseif string.find(envelope, '"created_at"', first, true) then
+    -- Only decoding tells a top-level "created_at" from one in data, in a string or in a longer key; decoding
+    -- only then keeps pushes cheap. cjson.decode stops at a NUL byte, which JSON never holds unescaped (it also
+    -- takes a few things kmqd's decoder refuses, such as the numbers 01 and nan: those are stamped).
+    if string.find(envelope, '\0', first, true) then
+      return envelope
+    end
+    local decoded, object = pcall(cjson.decode, envelope)
+    if not decoded or object['created_at'] ~= nil then
+      return envelope
+    end
+  end
+  if open == 1 then
+    return '{' .. stamp .. comma .. string.sub(envelope, 2)
+  end
+  return string.sub(envelope, 1, open) .. stamp .. comma .. string.sub(envelope, open + 1)
+end
 local due = tonumber(ARGV[2])
 if due <= 0 and tonumber(ARGV[1]) > 0 then
   due = now + tonumber(ARGV[1])
@@ -39,9 +92,7 @@ for i = 4, #ARGV, 3 do
   end
   if ok == 1 then
     -- Stamp the enqueue time on Redis's clock unless the producer set one.
-    if not string.find(envelope, '"created_at"', 1, true) then
-      envelope = '{"created_at":' .. string.format('%d', now) .. ',' .. string.sub(envelope, 2)
-    end
+    envelope = stamped(envelope)
     if delayed then
       ok = redis.call('HSETNX', KEYS[3], id, envelope)
       if ok == 1 then
