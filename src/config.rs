@@ -400,12 +400,44 @@ fn parse_duration(
     key: &str,
     value: &Spanned<String>,
 ) -> Result<Duration, ConfigError> {
-    humantime::parse_duration(value.get_ref()).map_err(|error| {
+    let duration = humantime::parse_duration(value.get_ref()).map_err(|error| {
         source.error(
             value.span(),
             format!("{key}: {:?} is not a duration ({error}); write it like \"250ms\", \"30s\", \"5m\" or \"1h\"", value.get_ref()),
         )
-    })
+    })?;
+    // Every duration ends up added to a clock or turned into milliseconds: bound it far beyond any use, well
+    // within what that arithmetic holds.
+    if duration > MAX_DURATION {
+        return Err(source.error(
+            value.span(),
+            format!(
+                "{key}: {:?} is too long; durations are at most 10 years (\"3650days\")",
+                value.get_ref(),
+            ),
+        ));
+    }
+    Ok(duration)
+}
+
+/// The longest duration a config may hold: ten years.
+const MAX_DURATION: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+
+/// A small regular file's text: a password file is a line, and reading a device (`/dev/zero`) or a FIFO would
+/// never end.
+fn read_small_file(path: &Path) -> std::io::Result<String> {
+    use std::io::Read;
+    const LIMIT: u64 = 64 * 1024;
+    let file = std::fs::File::open(path)?;
+    let metadata = file.metadata()?;
+    if !metadata.is_file() || metadata.len() > LIMIT {
+        return Err(std::io::Error::other(format!(
+            "not a regular file of at most {LIMIT} bytes"
+        )));
+    }
+    let mut text = String::new();
+    file.take(LIMIT).read_to_string(&mut text)?;
+    Ok(text)
 }
 
 fn duration_or(
@@ -634,7 +666,7 @@ impl RawRedis {
             })?),
             (None, Some(file)) => {
                 let path = base.join(file.get_ref());
-                let text = std::fs::read_to_string(&path).map_err(|error| {
+                let text = read_small_file(&path).map_err(|error| {
                     source.error(
                         file.span(),
                         format!(
@@ -1234,6 +1266,21 @@ mod tests {
                 &["daemon.shutdown_grace", "\"30s\""],
             ),
             (
+                "[daemon]\nshutdown_grace = \"300000000000y\"\n",
+                "queues.toml:2:18",
+                &["daemon.shutdown_grace", "too long", "at most 10 years"],
+            ),
+            (
+                "[redis]\nio_timeout = \"50ms\"\n",
+                "queues.toml:2:14",
+                &["redis.io_timeout", "between 100ms and 5m"],
+            ),
+            (
+                "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nmax_task_bytes = 10\n",
+                "queues.toml:4:18",
+                &["queues[0].max_task_bytes", "between 1024 and 536870912"],
+            ),
+            (
                 "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nworkers = 0\n",
                 "queues.toml:4:11",
                 &["queues[0].workers", "between 1 and 1024"],
@@ -1355,6 +1402,7 @@ mod tests {
         // Found by fuzz/fuzz_targets/config_values.rs: these validate (whole seconds, at least 1s), but their
         // length in ms does not fit an i64, and the next slot came out before `after_ms` (negative), or the
         // division by the truncated period panicked (2^61 s is 0 ms once truncated to 64 bits).
+        // The config now refuses durations past ten years; the arithmetic stays safe on its own.
         for every in [
             "9223372036854776s",
             "2305843009213693952s",
@@ -1363,13 +1411,11 @@ mod tests {
             let text = format!(
                 "{MINIMAL}[[schedules]]\nname = \"s\"\nqueue = \"mail\"\ntype = \"t\"\nevery = \"{every}\"\n"
             );
-            let config = parse(&text).unwrap();
+            let error = parse(&text).unwrap_err();
+            assert!(error.contains("is too long"), "{every}: {error}");
+            let when = When::Every(humantime::parse_duration(every).unwrap());
             for after in [0, 1_795_997_223_121, i64::MAX - 1] {
-                assert_eq!(
-                    config.schedules[0].when.next_after(after),
-                    None,
-                    "{every} after {after}"
-                );
+                assert_eq!(when.next_after(after), None, "{every} after {after}");
             }
         }
         let longest = When::Every(Duration::from_millis(i64::MAX as u64));

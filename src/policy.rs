@@ -29,7 +29,8 @@ impl Policy {
     /// Whether a task created at `created_at_ms` is past its alive timeout at `now_ms` (both Redis's clock).
     pub fn too_old(&self, created_at_ms: Option<i64>, now_ms: i64) -> Option<String> {
         let (alive, created_at) = (self.alive_timeout?, created_at_ms?);
-        let age = Duration::from_millis((now_ms - created_at).max(0) as u64);
+        // `created_at` is the producer's: saturate rather than overflow on absurd values.
+        let age = Duration::from_millis(now_ms.saturating_sub(created_at).max(0) as u64);
         (age > alive).then(|| {
             format!(
                 "older than alive_timeout: {} > {}",
@@ -122,7 +123,7 @@ pub fn decide(policy: &Policy, attempt: u32, verdict: Verdict, seed: u64) -> Act
                     reason: format!(
                         "crashed the daemon {} times (its daemon's lease expired each time it ran alone); no \
                          retries left",
-                        attempt + 1
+                        attempt.saturating_add(1)
                     ),
                 }
             } else {
@@ -144,7 +145,10 @@ pub fn decide(policy: &Policy, attempt: u32, verdict: Verdict, seed: u64) -> Act
             OnHandlerError::Finish => Action::Ack,
             OnHandlerError::Dead => Action::Dead { reason },
             OnHandlerError::Retry if out_of_retries => Action::Dead {
-                reason: format!("{reason}; no retries left after {} runs", attempt + 1),
+                reason: format!(
+                    "{reason}; no retries left after {} runs",
+                    attempt.saturating_add(1)
+                ),
             },
             OnHandlerError::Retry => Action::Retry {
                 delay: after.unwrap_or_else(|| policy.backoff_for(attempt, seed)),
@@ -289,6 +293,19 @@ mod tests {
             policy.backoff_for(1, 999),
             Duration::from_micros(2_000_000 + 499_500),
             "999/4000 of the base"
+        );
+    }
+
+    #[test]
+    fn absurd_producer_values_saturate_instead_of_overflowing() {
+        let policy = policy(OnHandlerError::Retry);
+        assert!(policy.too_old(Some(i64::MIN), i64::MAX).is_some());
+        assert_eq!(policy.too_old(Some(i64::MAX), i64::MIN), None);
+        assert_eq!(
+            decide(&policy, u32::MAX, error(None), 0),
+            Action::Dead {
+                reason: format!("boom; no retries left after {} runs", u32::MAX),
+            }
         );
     }
 

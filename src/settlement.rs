@@ -97,7 +97,8 @@ pub fn settlement(
         ) => {
             let mut next = envelope.clone();
             next.ensure_id(new_id);
-            next.attempt += 1;
+            // The attempt count is the producer's to begin with: saturate rather than overflow.
+            next.attempt = next.attempt.saturating_add(1);
             next.last_error = Some(reason.clone().into());
             let op = SettleOp::Retry {
                 delay: *delay,
@@ -108,7 +109,7 @@ pub fn settlement(
         (Action::Recover { isolated }, Some(envelope)) => {
             let mut next = envelope.clone();
             next.ensure_id(new_id);
-            next.recovered += 1;
+            next.recovered = next.recovered.saturating_add(1);
             let op = SettleOp::Recover {
                 isolated: *isolated,
             };

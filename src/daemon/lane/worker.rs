@@ -103,10 +103,9 @@ impl Worker {
             data: envelope.data.get(),
             attempt: envelope.attempt,
             created_at_ms: envelope.created_at.unwrap_or(0),
-            deadline_ms: queue
-                .config
-                .execution_timeout
-                .map_or(0, |timeout| now_ms + timeout.as_millis() as i64),
+            deadline_ms: queue.config.execution_timeout.map_or(0, |timeout| {
+                now_ms.saturating_add(i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX))
+            }),
             cancel: &job.state.cancel,
         };
         match plugin.handle(&run, message) {
