@@ -1,6 +1,6 @@
 //! `Envelope::decode` and `Envelope::decode_foreign` on arbitrary payloads (docs/PROTOCOL.md, "The envelope").
 //!
-//! Properties, for every UTF-8 input:
+//! Properties: `task::utf8` and `task::salvage_id` never panic on any bytes; and for every UTF-8 input:
 //! - neither decoder panics;
 //! - when a decoder succeeds, `encode()` is JSON (JSON that serde_json's own `Value` parser accepts whenever it
 //!   accepts the input), and decodes again to an equal envelope;
@@ -23,6 +23,10 @@ fn payload(bytes: &[u8]) -> Option<&str> { std::str::from_utf8(bytes).ok() }
 const FOREIGN_TYPE_FIELD: &str = "callback";
 
 fuzz_target!(|bytes: &[u8]| {
+    // What the daemon does with any payload it takes before decoding it (and with one that does not decode):
+    // neither may panic, whatever the bytes.
+    let _ = kmqd::task::utf8(bytes);
+    let _ = kmqd::task::salvage_id(bytes);
     let Some(input) = payload(bytes) else { return };
     let strict = Envelope::decode(input);
     if let Ok(envelope) = &strict {
