@@ -171,7 +171,7 @@ pub struct ScheduleConfig {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum When {
     /// A five-field cron expression, in UTC.
-    Cron(crate::daemon::scheduler::cron::Cron),
+    Cron(crate::cron::Cron),
     /// Every multiple of this duration since the epoch (so "5m" fires at :00, :05, ...).
     Every(Duration),
 }

@@ -2,7 +2,8 @@
 //! ABI of `plugins/include/kmq_plugin.h`).
 //!
 //! Module map, from the bottom up (ARCHITECTURE.md has the data flow and the invariants):
-//! - [`config`]: the TOML config, parsed then validated, with errors that name file, line and key;
+//! - [`config`]: the TOML config, parsed then validated, with errors that name file, line and key; [`cron`], the
+//!   5-field UTC cron expressions it holds;
 //! - [`task`]: the task envelope, the only module that knows the wire format of a task;
 //! - [`broker`]: the only module that talks to Redis (key layout, Lua scripts);
 //! - [`policy`] and [`settlement`]: pure decisions (retry, dead-letter, backoff) and the records that apply them;
@@ -21,6 +22,7 @@ pub mod broker;
 pub mod cli;
 pub mod client;
 pub mod config;
+pub mod cron;
 pub mod daemon;
 pub mod plugin;
 pub mod policy;

@@ -6,8 +6,6 @@
 //! with `missed = "skip"` it is not fired; with `missed = "catch_up"` it is, oldest first, at most `catch_up_max`
 //! of them. A schedule that never fired starts from now.
 
-pub mod cron;
-
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
