@@ -70,6 +70,7 @@ pub fn renew(
     let renewed: i64 = SCRIPTS
         .renew
         .key(&keys.owners)
+        .key(keys.owner_info(owner))
         .arg(owner)
         .arg(lease.as_millis() as u64)
         .invoke(conn)?;

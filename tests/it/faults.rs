@@ -319,6 +319,12 @@ fn a_lost_lease_cancels_the_runs_it_covered() {
         let records = dir.records();
         (records.ends.iter().any(|(id, _, _)| id == "long"), records)
     });
+    // And the task it held is not stranded: the owner came back as expired, and a monitor recovered it.
+    eventually(Duration::from_secs(10), "the task to run again", || {
+        (dir.records().runs_of("long") == 2, ())
+    });
+    let s = stats(&config, "jobs");
+    assert_eq!(s.recovered, 1, "{s:?}");
     daemon.stop();
 }
 
