@@ -3,6 +3,7 @@
 
 mod support;
 
+mod chaos;
 mod cli;
 mod crash;
 mod default_mode;

@@ -110,6 +110,13 @@ impl RedisServer {
         self.server.pid()
     }
 
+    /// The server's private directory: its unix socket `redis.sock`, its log `redis.log` and, with the
+    /// append-only file on, `appendonlydir` (delete that between [`RedisServer::stop`] and
+    /// [`RedisServer::restart`] for a Redis that comes back empty).
+    pub fn dir(&self) -> &Path {
+        self.server.dir()
+    }
+
     /// What redis-server logged (for a failing test's message).
     pub fn log_text(&self) -> String {
         self.server.log_text()
@@ -221,13 +228,27 @@ impl TestDir {
 
     /// As [`TestDir::config_for_url`], with the whole `[redis]` section's keys given (`io_timeout`, ...).
     pub fn config_raw(&self, redis: &str, daemon: &str, queues: &str) -> PathBuf {
+        self.config_named("kmqd.toml", redis, daemon, queues, &self.record_file())
+    }
+
+    /// As [`TestDir::config_raw`], written to the file `name` of this dir (so that several configs live side
+    /// by side) with the testkit plugin recording to `record` (one record file per daemon process, for
+    /// example). Returns the config's path.
+    pub fn config_named(
+        &self,
+        name: &str,
+        redis: &str,
+        daemon: &str,
+        queues: &str,
+        record: &Path,
+    ) -> PathBuf {
         let text = format!(
             "[redis]\n{redis}\n\n[daemon]\nplugins_dir = \"{plugins}\"\n{daemon}\n\n{queues}\n\n\
              [plugins.testkit]\nfile = \"libkmq_testkit.so\"\nconfig = {{ record = \"{record}\" }}\n",
             plugins = self.plugins_dir().display(),
-            record = self.record_file().display(),
+            record = record.display(),
         );
-        let path = self.path("kmqd.toml");
+        let path = self.path(name);
         fs::write(&path, text).unwrap();
         path
     }
