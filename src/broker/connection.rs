@@ -61,6 +61,13 @@ pub struct PoolConnection {
     broken: bool,
 }
 
+impl PoolConnection {
+    /// Closes the connection instead of returning it to the pool (it failed: it may hold a stale reply).
+    pub fn mark_broken(&mut self) {
+        self.broken = true;
+    }
+}
+
 impl std::ops::Deref for PoolConnection {
     type Target = Connection;
     fn deref(&self) -> &Connection {

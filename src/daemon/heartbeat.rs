@@ -88,6 +88,7 @@ fn renew(
         return RETRY;
     };
     let lease = lane.queue.config.lease_timeout;
+    let sent = Instant::now();
     let result = match connection {
         Some(connection) => broker::renew(connection, &lane.queue.keys, &owner, lease),
         None => connector.connect_with_timeout(timeout).and_then(|fresh| {
@@ -98,7 +99,10 @@ fn renew(
         trouble.recovered();
     }
     match result {
-        Ok(true) => lease / 3,
+        Ok(true) => {
+            lane.ownership.renewed(&owner, sent, lease);
+            lease / 3
+        }
         Ok(false) => {
             if lane.ownership.lose(&owner) {
                 let forgotten = lane.forget_owner(&owner);

@@ -505,18 +505,38 @@ fn start_lane(
 /// Forgets this daemon's owners, now that every outcome is settled. An owner that still holds tasks (Redis
 /// failed while settling) is kept: its lease runs out and the monitors return its tasks to the queue.
 fn release_owners(lanes: &[Arc<Lane>], pool: &broker::Pool) {
+    /// A pooled connection may have died in the meantime (a `CLIENT KILL`, an idle timeout): try a fresh one.
+    const ATTEMPTS: usize = 3;
     for lane in lanes {
         let Some(owner) = lane.ownership.current() else {
             continue;
         };
-        let released = pool
-            .get()
-            .map_err(BrokerError::from)
-            .and_then(|mut connection| {
-                // Default mode: the ids of tasks that could not be handed back (lost) are free again.
-                broker::release_unique(&mut **connection, &lane.queue.keys, &owner)?;
-                broker::release(&mut **connection, &lane.queue.keys, &owner, false)
-            });
+        // Forgotten here first, so that the heartbeat neither renews it again nor takes its disappearance for a
+        // lost lease.
+        lane.ownership.lose(&owner);
+        let mut released = Err(BrokerError::Reply {
+            what: "release",
+            detail: "not tried".to_string(),
+        });
+        for _ in 0..ATTEMPTS {
+            released = pool
+                .get()
+                .map_err(BrokerError::from)
+                .and_then(|mut connection| {
+                    let result =
+                        broker::release_unique(&mut **connection, &lane.queue.keys, &owner)
+                            .and_then(|_| {
+                                broker::release(&mut **connection, &lane.queue.keys, &owner, false)
+                            });
+                    if result.is_err() {
+                        connection.mark_broken();
+                    }
+                    result
+                });
+            if released.is_ok() {
+                break;
+            }
+        }
         match released {
             Ok(true) => tracing::debug!(queue = %lane.name(), %owner, "owner released"),
             Ok(false) => tracing::warn!(
@@ -525,7 +545,7 @@ fn release_owners(lanes: &[Arc<Lane>], pool: &broker::Pool) {
                 "still holds tasks; they return to the queue when its lease runs out"
             ),
             Err(error) => {
-                tracing::error!(queue = %lane.name(), %owner, %error, "cannot release the owner")
+                tracing::error!(queue = %lane.name(), %owner, %error, "cannot release the owner; its lease runs out")
             }
         }
     }

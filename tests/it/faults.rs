@@ -553,3 +553,92 @@ fn a_unique_id_lost_with_a_default_mode_daemon_is_freed_after_its_lease() {
     });
     second.stop();
 }
+
+const SIGSTOP: i32 = 19;
+const SIGCONT: i32 = 18;
+
+#[test]
+fn a_daemon_woken_from_a_pause_past_its_lease_starts_none_of_the_tasks_it_lost() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let queue = safe_queue("workers = 1\nprefetch = 4\nlease_timeout = \"2s\"");
+    let section = format!("url = \"{}\"", redis.url());
+    let (record_a, record_b) = (dir.path("runs-a.log"), dir.path("runs-b.log"));
+    let config_a = dir.config_named("a.toml", &section, "", &queue, &record_a);
+    let config_b = dir.config_named("b.toml", &section, "", &queue, &record_b);
+    let read = |path: &std::path::Path| std::fs::read_to_string(path).unwrap_or_default();
+    client(&config_a)
+        .push(
+            "jobs",
+            NewTask::new("test", r#"{"sleep_ms":3000}"#)
+                .unwrap()
+                .id("long"),
+        )
+        .unwrap();
+    let mut a = Process::start(&config_a, dir.path("a.log"));
+    eventually(Duration::from_secs(10), "A to run the long task", || {
+        (read(&record_a).contains("start long"), ())
+    });
+    push_many(&config_a, "s", 3, r#"{"sleep_ms":1}"#);
+    eventually(Duration::from_secs(10), "A to hold all four", || {
+        let s = stats(&config_a, "jobs");
+        (s.processing == 4, s)
+    });
+    // A stops (a stopped VM, a debugger) with three tasks waiting behind the long one; B gets them.
+    a.signal(SIGSTOP);
+    let stopped = Instant::now();
+    let mut b = Process::start(&config_b, dir.path("b.log"));
+    eventually(Duration::from_secs(20), "B to run the three", || {
+        let text = read(&record_b);
+        (
+            (0..3).all(|i| text.contains(&format!("end s{i} 0 done"))),
+            text,
+        )
+    });
+    // A wakes after its long task would have ended: its one worker is free at once.
+    while stopped.elapsed() < Duration::from_millis(3500) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    a.signal(SIGCONT);
+    eventually(Duration::from_secs(10), "A to find its lease gone", || {
+        (a.log_text().contains("lease ran out before renewal"), ())
+    });
+    a.signal(15);
+    b.signal(15);
+    assert_eq!(a.wait_within(Duration::from_secs(20)), Some(0));
+    assert_eq!(b.wait_within(Duration::from_secs(20)), Some(0));
+    let text_a = read(&record_a);
+    let started: Vec<String> = (0..3)
+        .map(|i| format!("s{i}"))
+        .filter(|id| text_a.contains(&format!("start {id} ")))
+        .collect();
+    assert!(
+        started.is_empty(),
+        "the woken daemon started tasks it no longer owned: {started:?}\n{text_a}"
+    );
+}
+
+#[test]
+fn a_graceful_stop_after_a_connection_blip_still_releases_its_owner() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &safe_queue("lease_timeout = \"30s\""));
+    let mut daemon = Process::start(&config, dir.path("kmqd.log"));
+    push_many(&config, "t", 20, "{}");
+    wait_done(&config, 20, Duration::from_secs(10));
+    // Every idle pooled connection dies; the daemon's own threads reconnect, the pool's spare one does not know.
+    let _: i64 = redis.cmd(&["CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes"]);
+    daemon.signal(15);
+    assert_eq!(daemon.wait_within(Duration::from_secs(20)), Some(0));
+    let owners: Vec<String> = redis.cmd(&["ZRANGE", "kmq:{jobs}:owners", "0", "-1"]);
+    assert!(
+        owners.is_empty(),
+        "released, not left to expire: {owners:?}\n{}",
+        daemon.log_text()
+    );
+    let log = daemon.log_text();
+    assert!(
+        !log.contains("lease ran out"),
+        "a clean stop is not a lost lease:\n{log}"
+    );
+}

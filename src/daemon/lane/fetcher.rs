@@ -169,6 +169,7 @@ impl Fetcher {
             .get_or_insert_with(|| lane.ownership.new_id())
             .clone();
         let lease = queue.config.lease_timeout;
+        let sent = Instant::now();
         let registered = broker::register(
             self.connection.get()?,
             &queue.keys,
@@ -182,7 +183,7 @@ impl Fetcher {
             return Ok(None);
         }
         tracing::info!(queue = %queue.config.name, %owner, "serving as a new owner");
-        lane.ownership.set(Arc::clone(&owner));
+        lane.ownership.set(Arc::clone(&owner), sent, lease);
         Ok(Some(owner))
     }
 

@@ -28,7 +28,7 @@ pub mod worker;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, TrySendError};
 
@@ -197,19 +197,31 @@ impl Held {
     }
 }
 
-/// This daemon's owner on the queue (its claim identity, with one lease for every task it holds) and the counter
-/// its claim tokens come from.
+/// This daemon's owner on the queue (its identity, with one lease for every task it holds), what this daemon
+/// knows of that lease, and the counter its claim tokens come from.
 ///
-/// The fetcher registers an owner on its first claim; when the lease is lost (the daemon was silent longer than
+/// The fetcher registers an owner on its first fetch; when the lease is lost (the daemon was silent longer than
 /// `lease_timeout`, or Redis lost it), the heartbeat or the fetcher drops it and the fetcher registers a new one.
 /// Tasks claimed under the old owner keep their tokens, so their late outcomes are fenced against the monitors.
 /// Owner ids are this daemon run's instance id and a generation: unique without asking Redis.
+///
+/// The lease is known good until `lease_timeout` after the last registration or renewal was *sent* (Redis
+/// counts from when it ran, a little later), by the local monotonic clock, which also runs while the process is
+/// stopped: a worker starts a task only while that holds ([`Ownership::may_start`]), so a daemon woken from a
+/// pause longer than its lease starts nothing the monitors may have handed to another daemon meanwhile.
 #[derive(Debug)]
 pub struct Ownership {
     instance: String,
-    current: Mutex<Option<Arc<str>>>,
+    current: Mutex<Option<Current>>,
     generation: AtomicU64,
     next_token: AtomicU64,
+}
+
+#[derive(Debug)]
+struct Current {
+    owner: Arc<str>,
+    /// Until when the lease is surely live.
+    good_until: Instant,
 }
 
 impl Ownership {
@@ -224,7 +236,9 @@ impl Ownership {
 
     /// The owner to claim under, if one is registered.
     pub fn current(&self) -> Option<Arc<str>> {
-        lock(&self.current).clone()
+        lock(&self.current)
+            .as_ref()
+            .map(|current| Arc::clone(&current.owner))
     }
 
     /// An owner id never used before, to register.
@@ -233,15 +247,35 @@ impl Ownership {
         Arc::from(format!("{}.{generation}", self.instance))
     }
 
-    /// Records a newly registered owner.
-    pub fn set(&self, owner: Arc<str>) {
-        *lock(&self.current) = Some(owner);
+    /// Records a newly registered owner whose registration was sent at `sent` with a lease of `lease`.
+    pub fn set(&self, owner: Arc<str>, sent: Instant, lease: Duration) {
+        *lock(&self.current) = Some(Current {
+            owner,
+            good_until: sent + lease,
+        });
+    }
+
+    /// `owner`'s lease was renewed by a call sent at `sent`.
+    pub fn renewed(&self, owner: &str, sent: Instant, lease: Duration) {
+        if let Some(current) = lock(&self.current).as_mut() {
+            if &*current.owner == owner {
+                current.good_until = current.good_until.max(sent + lease);
+            }
+        }
+    }
+
+    /// Whether a task claimed under `owner` may start now: it is the current owner and its lease is surely live.
+    pub fn may_start(&self, owner: &Arc<str>) -> bool {
+        lock(&self.current).as_ref().is_some_and(|current| {
+            (Arc::ptr_eq(&current.owner, owner) || current.owner == *owner)
+                && Instant::now() < current.good_until
+        })
     }
 
     /// Forgets `owner` after its lease was lost (unless a newer one replaced it already); true if it was current.
     pub fn lose(&self, owner: &str) -> bool {
         let mut current = lock(&self.current);
-        if current.as_deref() == Some(owner) {
+        if current.as_ref().is_some_and(|c| &*c.owner == owner) {
             *current = None;
             return true;
         }
@@ -259,12 +293,33 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_task_starts_only_while_its_owner_is_current_and_its_lease_surely_live() {
+        let ownership = Ownership::new("h-1-2-ab");
+        let owner = ownership.new_id();
+        assert!(!ownership.may_start(&owner), "not registered yet");
+        let lease = Duration::from_millis(50);
+        ownership.set(Arc::clone(&owner), Instant::now(), lease);
+        assert!(ownership.may_start(&owner));
+        assert!(!ownership.may_start(&Arc::from("someone-else.1")));
+        std::thread::sleep(lease);
+        assert!(
+            !ownership.may_start(&owner),
+            "past the lease, as after a pause"
+        );
+        ownership.renewed(&owner, Instant::now(), lease);
+        assert!(ownership.may_start(&owner), "renewed");
+        assert!(ownership.lose(&owner));
+        assert!(!ownership.may_start(&owner));
+    }
+
+    #[test]
     fn a_lost_owner_is_forgotten_only_if_still_current() {
         let ownership = Ownership::new("host-1-2-ab");
         let (first, second) = (ownership.new_id(), ownership.new_id());
         assert_eq!((&*first, &*second), ("host-1-2-ab.1", "host-1-2-ab.2"));
-        ownership.set(Arc::from("o1"));
-        ownership.set(Arc::from("o2"));
+        let lease = Duration::from_secs(30);
+        ownership.set(Arc::from("o1"), Instant::now(), lease);
+        ownership.set(Arc::from("o2"), Instant::now(), lease);
         assert!(!ownership.lose("o1"), "o2 replaced it");
         assert_eq!(ownership.current().as_deref(), Some("o2"));
         assert!(ownership.lose("o2"));

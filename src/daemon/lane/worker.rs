@@ -5,6 +5,7 @@
 //! empty; after the daemon stops claiming it hands back, unstarted, whatever job it still receives.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 
@@ -14,6 +15,9 @@ use crate::plugin::{MESSAGE_CAPACITY, Registry, Run, Status};
 use crate::policy::Verdict;
 use crate::shutdown::Listener;
 use crate::task::{Envelope, LOGGED_PAYLOAD_BYTES, capped};
+
+/// How often a worker whose task's lease is in doubt looks again (the heartbeat settles the doubt).
+const LEASE_POLL: Duration = Duration::from_millis(5);
 
 pub struct Worker {
     pub lane: Arc<Lane>,
@@ -41,7 +45,7 @@ impl Worker {
                 }
                 Err(TryRecvError::Disconnected) => break,
             };
-            let outcome = if self.claiming.is_triggered() {
+            let outcome = if !self.lease_allows(&job) || self.claiming.is_triggered() {
                 (job.state.take() == Some(Taken::Waiting))
                     .then(|| self.lane.hand_back(job.id, &job.state))
             } else {
@@ -55,6 +59,26 @@ impl Worker {
                 }
             }
         }
+    }
+
+    /// Safe mode: waits, if need be, until the task's owner holds a lease that is surely live, so that a daemon
+    /// woken from a pause past its lease never starts a task the monitors may have given to another daemon. Returns
+    /// false when the daemon stops meanwhile (the task is handed back); a task forgotten meanwhile (its lease was
+    /// lost) is then skipped by `start`.
+    fn lease_allows(&self, job: &Job) -> bool {
+        let Some(token) = &job.state.token else {
+            return true;
+        };
+        let ownership = &self.lane.ownership;
+        while !ownership.may_start(&token.owner) {
+            if !job.state.is_waiting() {
+                return true;
+            }
+            if self.claiming.wait(LEASE_POLL) {
+                return false;
+            }
+        }
+        true
     }
 
     fn run_job(&self, job: Job, message: &mut Vec<u8>) -> Option<Outcome> {

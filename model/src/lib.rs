@@ -1,0 +1,20 @@
+//! A model of kmqd's Redis-side protocol, checked exhaustively with [stateright](https://docs.rs/stateright):
+//! "a task is never lost or applied twice" as a checked claim over every interleaving of the scripts, the
+//! daemons' steps that call them, crashes, stalls and lost replies, within small bounds.
+//!
+//! - [`redis`]: what Redis holds for one queue, and each script of `src/broker/scripts/` as a function on it;
+//! - [`model`]: each daemon's memory, the actions (one per script call or daemon step), and the properties;
+//! - [`canon`]: canonical forms (renumbering, the daemons' symmetry), so that equivalent states count once;
+//! - [`setup`]: the bounds, the scenarios the CI check runs, and the mutations that break the protocol on
+//!   purpose;
+//! - [`run`]: running a check, and the search for the shortest counterexample.
+//!
+//! See `model/README.md` for what the model covers, what it leaves out, and what the checker found.
+
+pub mod canon;
+pub mod model;
+pub mod redis;
+pub mod run;
+pub mod setup;
+
+pub use model::{Action, Protocol, State};

@@ -1,0 +1,140 @@
+//! Runs the model's checks by hand: `cargo run -p kmq-model --release -- [ci | large | break | SCENARIO...]`.
+//!
+//! - `ci` (the default): the scenarios the test runs;
+//! - `large`: larger bounds (three tasks, more faults), minutes rather than seconds;
+//! - `break`: the "break it on purpose" experiments, each printing its counterexample;
+//! - a scenario name (see `setup.rs`: `pill`, `pill-alone`, `stall`, `lost-replies`, `rolling`, `mixed-modes`,
+//!   and the larger `lost-replies-large`, `rolling-large`, `pill-large`, `pill-large-alone`),
+//!   optionally with `--mutation NAME` (`no-floor-check`, `no-adopt`, `no-idempotent-settle`,
+//!   `monitor-own-levels`), `--alone` for the proposed fix of the quarantine, `--progress` to print the
+//!   checker's progress, `--trace` to print every counterexample in full, or `--find PROPERTY` to search
+//!   for the shortest counterexample of one property (breadth first, one thread, daemons keep their names).
+//!
+//! `KMQ_CRASHES`, `KMQ_STALLS`, `KMQ_LOST`, `KMQ_SHUTDOWNS`, `KMQ_RETRY_TIMES` and `KMQ_SLOTS` override a
+//! scenario's bounds for one run; `KMQ_MODEL_CAP` stops after about that many states (for sizing only).
+
+use kmq_model::run::{self, Report};
+use kmq_model::setup::{self, Mutation, Setup};
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let trace = args.iter().any(|a| a == "--trace");
+    let cap = std::env::var("KMQ_MODEL_CAP")
+        .ok()
+        .and_then(|cap| cap.parse().ok());
+    let mutation = args
+        .iter()
+        .position(|a| a == "--mutation")
+        .and_then(|at| args.get(at + 1))
+        .map(|name| parse_mutation(name));
+    let find = args
+        .iter()
+        .position(|a| a == "--find")
+        .and_then(|at| args.get(at + 1))
+        .cloned();
+    let words: Vec<&str> = args
+        .iter()
+        .map(String::as_str)
+        .filter(|a| {
+            !a.starts_with("--") && parse_mutation_opt(a).is_none() && Some(*a) != find.as_deref()
+        })
+        .collect();
+    let mut setups: Vec<Setup> = Vec::new();
+    let mut experiments = false;
+    for word in if words.is_empty() { vec!["ci"] } else { words } {
+        match word {
+            "ci" => setups.extend(setup::ci()),
+            "large" => setups.extend(setup::large()),
+            "break" => experiments = true,
+            name => setups.push(
+                setup::ci()
+                    .into_iter()
+                    .chain(setup::large())
+                    .find(|s| s.name == name)
+                    .unwrap_or_else(|| panic!("no scenario {name:?}")),
+            ),
+        }
+    }
+    if experiments {
+        for (setup, property) in setup::experiments() {
+            let (name, mutation) = (setup.name, setup.mutation);
+            let (path, visited, elapsed) = run::shortest(setup, property);
+            println!("{name} with {mutation:?}: {visited} states searched in {elapsed:.1?}");
+            print_path(property, path.as_deref());
+        }
+    }
+    for mut setup in setups {
+        if let Some(mutation) = mutation {
+            setup.mutation = Some(mutation);
+        }
+        if args.iter().any(|a| a == "--alone") {
+            setup.alone = true;
+        }
+        for (key, field) in [
+            ("KMQ_CRASHES", &mut setup.crashes),
+            ("KMQ_STALLS", &mut setup.stalls),
+            ("KMQ_LOST", &mut setup.lost_replies),
+            ("KMQ_SHUTDOWNS", &mut setup.shutdowns),
+            ("KMQ_RETRY_TIMES", &mut setup.retry_times),
+            ("KMQ_SLOTS", &mut setup.slots),
+        ] {
+            if let Some(value) = std::env::var(key).ok().and_then(|v| v.parse().ok()) {
+                *field = value;
+            }
+        }
+        if let Some(property) = &find {
+            let name = setup.name;
+            let (path, visited, elapsed) = run::shortest(setup, property);
+            println!("{name}: {visited} states searched in {elapsed:.1?}");
+            print_path(property, path.as_deref());
+            continue;
+        }
+        let progress = args.iter().any(|a| a == "--progress");
+        let report = run::check_with(setup, threads, cap, progress);
+        print_report(&report, trace);
+    }
+}
+
+fn print_path(property: &str, path: Option<&[(kmq_model::Action, kmq_model::State)]>) {
+    match path {
+        Some(path) => {
+            println!("  \"{property}\" violated in {} steps:", path.len());
+            print!("{}", run::describe(path));
+        }
+        None => println!("  \"{property}\" holds"),
+    }
+}
+
+fn print_report(report: &Report, trace: bool) {
+    println!("{}", report.summary());
+    for (name, path) in &report.violated {
+        println!(
+            "  VIOLATED \"{name}\" in {} steps",
+            path.clone().into_actions().len()
+        );
+        if trace {
+            for (step, action) in path.clone().into_actions().iter().enumerate() {
+                println!("  {:>2}. {action:?}", step + 1);
+            }
+            println!("  final state: {:#?}", path.last_state());
+        }
+    }
+    for name in &report.never {
+        println!("  never seen: \"{name}\"");
+    }
+}
+
+fn parse_mutation_opt(name: &str) -> Option<Mutation> {
+    match name {
+        "no-floor-check" => Some(Mutation::NoFloorCheck),
+        "no-adopt" => Some(Mutation::NoAdopt),
+        "no-idempotent-settle" => Some(Mutation::NoIdempotentSettle),
+        "monitor-own-levels" => Some(Mutation::MonitorOwnLevels),
+        _ => None,
+    }
+}
+
+fn parse_mutation(name: &str) -> Mutation {
+    parse_mutation_opt(name).unwrap_or_else(|| panic!("no mutation {name:?}"))
+}

@@ -1,0 +1,1198 @@
+//! The state (Redis plus each daemon's memory), the actions (one per script call or daemon step), and the
+//! properties, as a [`stateright::Model`].
+
+use stateright::{Model, Property};
+
+use crate::redis::{
+    ClaimCall, Claimed, Env, Fence, Lease, List, Op, OwnerId, Record, Redis, Settler,
+};
+use crate::setup::{Behaviour, Config, Levels, Mode, Mutation, Setup, UNFAIR_CHARGE, UNFAIR_DEAD};
+
+/// Everything that decides what can happen next.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct State {
+    pub redis: Redis,
+    pub daemons: [Daemon; 2],
+    /// Claim calls sent whose reply the fetcher gave up for lost, and that Redis has not run yet (a slow link, a
+    /// request queued behind a stall): they run later, or never.
+    pub in_flight: List<ClaimCall>,
+    pub ghost: Ghost,
+}
+
+/// One daemon's memory for the queue: the fetcher's, the workers', the acker's, the monitor's, the heartbeat's.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Daemon {
+    /// Index into [`Setup::configs`].
+    pub config: u8,
+    /// Which run of the daemon (a restart is a new instance: new owner ids, new settler identities).
+    pub run: u8,
+    /// `Ownership::generation`: owner ids made so far in this run.
+    pub generation: u8,
+    /// `Ownership::current`: the owner it claims under and whose lease its heartbeat renews.
+    pub owner: Option<OwnerId>,
+    /// `Fetcher::registering`: an owner id sent to register.lua whose reply was lost (sent again as is).
+    pub registering: Option<OwnerId>,
+    /// `Ownership::next_token`: tokens are unique within the run, increasing from claim to claim.
+    pub next_token: u8,
+    /// `lane.held`: the tasks claimed (or popped) and not yet settled, in a canonical order.
+    pub held: List<Held>,
+    /// `Fetcher::lost_claim`: a claim whose reply was lost; its capacity stays taken until adopted.
+    pub lost_claim: Option<ClaimCall>,
+    pub acker: Calls,
+    pub monitor: Calls,
+    /// The monitor's call whose reply was lost: the owner and the records, sent again as they are.
+    pub monitor_call: Option<(OwnerId, List<Record>)>,
+    /// SIGTERM received: no more claims or runs; hand back, settle, release, restart.
+    pub stopping: bool,
+}
+
+/// A settling party's calls (`Settler`): one at a time, sent again as the same call after a lost reply.
+///
+/// The call's number is not kept: settle.lua only ever compares the number it is sent with the one stored for
+/// the same party, and a party's numbers never repeat, so a record of an earlier call can never match again.
+/// The model numbers every call [`CALL`] and drops the party's stored record when it starts a new call: the
+/// same answers as numbering them 1, 2, 3..., with a finite state space.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Calls {
+    /// Its reply was lost: the same call is to be sent again.
+    pub lost: bool,
+    /// Ghost: Redis has applied it (the reply was lost after the script ran).
+    pub applied: bool,
+}
+
+/// A task a daemon holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Held {
+    /// Safe mode: the owner it was claimed under and its token; default mode: none.
+    pub owner: Option<OwnerId>,
+    pub token: Option<u8>,
+    pub level: u8,
+    pub env: Env,
+    pub phase: Phase,
+}
+
+/// A held task's phase (resolve.rs, reduced to what reaches Redis).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Phase {
+    /// Claimed, waiting for a worker.
+    Waiting,
+    /// A worker runs it.
+    Running,
+    /// Its outcome is decided (settle op and payload), not yet sent to Redis.
+    Resolved(Op, Env),
+    /// In the acker's current call.
+    Settling(Op, Env),
+}
+
+/// What the properties need of the past (nothing here is read by the protocol), and the budgets spent.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Ghost {
+    /// Tasks pushed (bit per task).
+    pub pushed: u8,
+    /// Tasks for which some worker decided "done" (an ack settlement was made).
+    pub acked: u8,
+    /// Per task: how often a default-mode daemon lost it (documented at-most-once).
+    pub lost: [u8; 3],
+    /// Tasks charged by a monitor for a crash while their owner held other tasks too.
+    pub unfair: u8,
+    /// What the step into this state did (the `EVENT_*` bits), for the `sometimes` properties. Only the last
+    /// step's: bits kept for the whole history would multiply the states by every combination of past events.
+    pub events: u8,
+    pub crashes: u8,
+    pub stalls: u8,
+    pub lost_replies: u8,
+    pub shutdowns: u8,
+}
+
+/// The number of the call a settling party is making (see [`Calls`]).
+pub const CALL: u8 = 1;
+
+/// A lost claim's tasks were adopted.
+pub const EVENT_ADOPTED: u8 = 1 << 0;
+/// A claim that ran late was refused with FENCED.
+pub const EVENT_FENCED: u8 = 1 << 1;
+/// A settle call sent again was answered from its stored last call.
+pub const EVENT_ANSWERED: u8 = 1 << 2;
+/// An owner's settlement was stale (a monitor had recovered the task first).
+pub const EVENT_STALE: u8 = 1 << 3;
+/// A monitor recovered a task at a level its own config does not have.
+pub const EVENT_RECOVERED_UNSERVED: u8 = 1 << 4;
+/// A monitor released an expired owner.
+pub const EVENT_RELEASED: u8 = 1 << 5;
+/// A default-mode settlement was applied.
+pub const EVENT_DEFAULT_SETTLED: u8 = 1 << 6;
+
+/// How a call's reply fares.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Reply {
+    Delivered,
+    /// The script ran; its reply was lost (a reset, a stall past the read timeout).
+    Lost,
+    /// The request never reached Redis (for a claim: it is still on its way and may run later).
+    Unsent,
+}
+
+/// One step: a script call (named by its script) or a daemon's local step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Action {
+    /// push.lua: a producer enqueues task N.
+    Push(u8),
+    /// register.lua: the fetcher registers a new owner (or sends a lost registration again).
+    Register { daemon: u8, reply: Reply },
+    /// claim.lua: the fetcher claims up to `max` tasks under its owner.
+    Claim { daemon: u8, max: u8, reply: Reply },
+    /// claim.lua: a claim sent earlier (reply given up for lost) finally runs in Redis.
+    ClaimArrives(ClaimCall),
+    /// adopt.lua: the fetcher learns what its lost claim took, and fences it off.
+    Adopt(u8),
+    /// LMPOP (default mode): the fetcher pops up to `max` tasks.
+    Pop { daemon: u8, max: u8 },
+    /// A worker starts task N; a pill's run crashes the daemon (which restarts with the same config). In safe
+    /// mode the handler of any other task returns in the same step (see `step`).
+    StartRun { daemon: u8, task: u8 },
+    /// Default mode: a worker's handler returns for task N, and the policy decides the settlement.
+    FinishRun { daemon: u8, task: u8 },
+    /// settle.lua (fence "owner"): the acker applies the resolved tasks of one owner (none: default mode).
+    Settle {
+        daemon: u8,
+        owner: Option<OwnerId>,
+        reply: Reply,
+    },
+    /// settle.lua: the acker sends its lost call again, as the same call.
+    Resend { daemon: u8, reply: Reply },
+    /// renew.lua answers 0: the heartbeat (or a claim's LEASELOST) finds the lease lost; the daemon forgets the
+    /// owner's unresolved tasks and registers a new owner.
+    RenewLost(u8),
+    /// An owner's lease runs out: its daemon crashed, was restarted, is paused or failed to renew.
+    Expire(OwnerId),
+    /// kill -9, and a restart (possibly with another config: a rolling change).
+    Crash { daemon: u8, config: u8 },
+    /// The monitor: reads an expired owner's processing hash at one level, decides per task (policy.rs), and
+    /// applies it with settle.lua (fence "expired").
+    MonitorRecover {
+        daemon: u8,
+        owner: OwnerId,
+        level: u8,
+        reply: Reply,
+    },
+    /// settle.lua: the monitor sends its lost call again, as the same call.
+    MonitorResend { daemon: u8, reply: Reply },
+    /// release.lua (fence "expired"): the monitor forgets an expired owner that holds nothing.
+    Release { daemon: u8, owner: OwnerId },
+    /// promote.lua: a retry is due and goes to the front of its ready list.
+    Promote { level: u8, task: u8 },
+    /// SIGTERM: stop claiming; every unresolved task is handed back (settle op "back").
+    Shutdown(u8),
+    /// release.lua (fence "owner") once everything is settled, then the daemon starts again (with `config`).
+    ReleaseOwn { daemon: u8, config: u8 },
+}
+
+/// The model of one [`Setup`].
+pub struct Protocol {
+    pub setup: Setup,
+    /// Explore each state once up to renumbering and the daemons' symmetry ([`crate::canon`]). Off for
+    /// counterexamples meant to be read: ids and daemons would otherwise be renamed midway through a trace.
+    pub reduce: bool,
+}
+
+impl Protocol {
+    pub fn new(setup: Setup) -> Protocol {
+        Protocol {
+            setup,
+            reduce: true,
+        }
+    }
+
+    fn config(&self, daemon: &Daemon) -> Config {
+        self.setup.configs[daemon.config as usize]
+    }
+
+    fn behaviour(&self, task: u8) -> Behaviour {
+        self.setup.tasks[task as usize].0
+    }
+
+    fn free(&self, daemon: &Daemon) -> u8 {
+        let reserved = daemon.lost_claim.map_or(0, |claim| claim.max);
+        self.setup
+            .slots
+            .saturating_sub(daemon.held.len() as u8 + reserved)
+    }
+
+    /// The reply outcomes a call may have: lost ones only while the budget lasts.
+    fn replies(&self, state: &State) -> &'static [Reply] {
+        if state.ghost.lost_replies < self.setup.lost_replies {
+            &[Reply::Delivered, Reply::Lost, Reply::Unsent]
+        } else {
+            &[Reply::Delivered]
+        }
+    }
+
+    /// The levels a monitor recovers an expired owner at: the ones it registered (monitor.rs: "The owner's own
+    /// levels, whatever this daemon's config says").
+    fn recovery_levels(&self, state: &State, monitor: &Daemon, owner: OwnerId) -> Levels {
+        if self.setup.mutation == Some(Mutation::MonitorOwnLevels) {
+            return self.config(monitor).levels;
+        }
+        state
+            .redis
+            .owner(owner)
+            .map_or(self.config(monitor).levels, |owner| owner.levels)
+    }
+
+    /// Whether some running daemon claims under `owner` (its heartbeat renews it).
+    fn is_current(state: &State, owner: OwnerId) -> bool {
+        state.daemons.iter().any(|d| d.owner == Some(owner))
+    }
+
+    /// policy::decide for a task whose handler returned (the worker's verdict).
+    fn finish(&self, env: Env) -> (Op, Env) {
+        let charged = Env {
+            attempt: env.attempt + 1,
+            ..env
+        };
+        match self.behaviour(env.task) {
+            Behaviour::Flaky if env.attempt == 0 => {
+                // HandlerError: out of retries -> dead; else retry after the backoff (to the retry zset).
+                if env.attempt >= self.setup.retry_times {
+                    (Op::Dead, env)
+                } else {
+                    (Op::Retry, charged)
+                }
+            }
+            // Done -> ack. (A pill never returns: its run crashes the daemon.)
+            _ => (Op::Ack, env),
+        }
+    }
+
+    /// The monitor's decision for one task of an expired owner (monitor.rs `recover_batch`, policy.rs
+    /// `LeaseExpired`): the owner's isolated task ran alone and is charged; any other is recovered uncharged.
+    fn recover(&self, isolated: Option<(u8, u8)>, level: u8, token: u8, env: Env) -> Record {
+        let ran_alone = isolated == Some((level, token));
+        let (op, payload) = if ran_alone {
+            if env.attempt >= self.setup.retry_times {
+                (Op::Dead, env)
+            } else {
+                let charged = Env {
+                    attempt: env.attempt + 1,
+                    ..env
+                };
+                (Op::RetryIsolated, charged)
+            }
+        } else {
+            let recovered = Env {
+                recovered: (env.recovered + 1).min(2),
+                ..env
+            };
+            let op = if env.recovered >= 1 {
+                Op::RecoverIsolated
+            } else {
+                Op::Recover
+            };
+            (op, recovered)
+        };
+        Record {
+            op,
+            token: Some(token),
+            level,
+            payload,
+            charged: ran_alone,
+        }
+    }
+
+    /// `Fetcher::lost_lease` / the heartbeat: forgets `owner` if it is still current, with its unresolved
+    /// tasks (`Lane::forget_owner`); resolved ones are still settled, fenced by their tokens.
+    fn lost_lease(daemon: &mut Daemon, owner: OwnerId) {
+        if daemon.owner == Some(owner) {
+            daemon.owner = None;
+            daemon.held.retain(|held| {
+                held.owner != Some(owner) || !matches!(held.phase, Phase::Waiting | Phase::Running)
+            });
+        }
+    }
+
+    /// A daemon process ends (crash or graceful stop) and a new one starts with `config`. What it held in
+    /// memory is gone: in safe mode it is still in Redis; in default mode it is lost.
+    fn restart(state: &mut State, index: usize, config: u8) {
+        let daemon = &state.daemons[index];
+        for held in &daemon.held {
+            let in_redis = matches!(held.phase, Phase::Settling(..)) && daemon.acker.applied;
+            if held.token.is_none() && !in_redis {
+                state.ghost.lost[held.env.task as usize] += 1;
+            }
+        }
+        let run = daemon.run;
+        // That run's settle records can never be read again (see `Redis::settled`).
+        state
+            .redis
+            .settled
+            .retain(|(settler, _)| !(settler.daemon == index as u8 && settler.run == run));
+        state.daemons[index] = Daemon {
+            config,
+            run: run + 1,
+            ..fresh_daemon(config)
+        };
+    }
+
+    /// The acker's current call: its records (the held tasks in `Settling`) and their owner.
+    fn acker_call(daemon: &Daemon) -> (Option<OwnerId>, List<Record>) {
+        let mut owner = None;
+        let records = daemon
+            .held
+            .iter()
+            .filter_map(|held| match held.phase {
+                Phase::Settling(op, payload) => {
+                    owner = held.owner;
+                    Some(Record {
+                        op,
+                        token: held.token,
+                        level: held.level,
+                        payload,
+                        charged: false,
+                    })
+                }
+                _ => None,
+            })
+            .collect();
+        (owner, records)
+    }
+
+    /// Sends the acker's current call (a new one, or the lost one again), and takes in the reply if it comes.
+    fn send_acker_call(&self, state: &mut State, index: usize, reply: Reply) {
+        let daemon = &state.daemons[index];
+        let (owner, records) = Self::acker_call(daemon);
+        let settler = Settler {
+            daemon: index as u8,
+            run: daemon.run,
+            monitor: false,
+        };
+        let call = CALL;
+        if reply != Reply::Unsent {
+            let answer = state.redis.settle(
+                settler,
+                call,
+                Fence::Owner,
+                owner,
+                &records,
+                self.setup.mutation,
+            );
+            state.ghost.unfair |= answer.unfair;
+            if answer.answered_from_record {
+                state.ghost.events |= EVENT_ANSWERED;
+            }
+            if answer.applied.iter().any(|ok| !ok) {
+                state.ghost.events |= EVENT_STALE;
+            }
+            if owner.is_none() && answer.applied.iter().any(|ok| *ok) {
+                state.ghost.events |= EVENT_DEFAULT_SETTLED;
+            }
+            if !answer.answered_from_record {
+                state.daemons[index].acker.applied = true;
+            }
+        }
+        if reply == Reply::Delivered {
+            // The party has its answer and never sends this call again: its record is dead data (see `Calls`).
+            state.redis.new_call(settler);
+        }
+        let daemon = &mut state.daemons[index];
+        if reply == Reply::Delivered {
+            // Settled (applied or stale): forgotten, its capacity free again.
+            daemon
+                .held
+                .retain(|held| !matches!(held.phase, Phase::Settling(..)));
+            daemon.acker.lost = false;
+            daemon.acker.applied = false;
+        } else {
+            daemon.acker.lost = true;
+            state.ghost.lost_replies += 1;
+        }
+    }
+
+    /// Sends the monitor's call for `owner` (a new one, or the lost one again).
+    fn send_monitor_call(
+        &self,
+        state: &mut State,
+        index: usize,
+        owner: OwnerId,
+        records: List<Record>,
+        reply: Reply,
+    ) {
+        let daemon = &state.daemons[index];
+        let settler = Settler {
+            daemon: index as u8,
+            run: daemon.run,
+            monitor: true,
+        };
+        let own_levels = self.config(daemon).levels;
+        let call = CALL;
+        if reply != Reply::Unsent {
+            let answer = state.redis.settle(
+                settler,
+                call,
+                Fence::Expired,
+                Some(owner),
+                &records,
+                self.setup.mutation,
+            );
+            state.ghost.unfair |= answer.unfair;
+            if answer.answered_from_record {
+                state.ghost.events |= EVENT_ANSWERED;
+            }
+            let unserved = records
+                .iter()
+                .zip(&answer.applied)
+                .any(|(record, ok)| *ok && !own_levels.contains(record.level));
+            if unserved {
+                state.ghost.events |= EVENT_RECOVERED_UNSERVED;
+            }
+        }
+        if reply == Reply::Delivered {
+            state.redis.new_call(settler);
+        }
+        let daemon = &mut state.daemons[index];
+        if reply == Reply::Delivered {
+            daemon.monitor.lost = false;
+            daemon.monitor_call = None;
+        } else {
+            daemon.monitor.lost = true;
+            daemon.monitor_call = Some((owner, records));
+            state.ghost.lost_replies += 1;
+        }
+    }
+
+    /// The held task `task` that is waiting (or, `running`, running), for StartRun / FinishRun.
+    fn find(daemon: &Daemon, task: u8, running: bool) -> Option<usize> {
+        daemon.held.iter().position(|held| {
+            held.env.task == task
+                && if running {
+                    held.phase == Phase::Running
+                } else {
+                    held.phase == Phase::Waiting
+                }
+        })
+    }
+
+    /// A worker's handler returned for held task `at`: the policy decides its settlement.
+    fn resolve(&self, state: &mut State, index: usize, at: usize) {
+        let held = &mut state.daemons[index].held[at];
+        let (op, payload) = self.finish(held.env);
+        if op == Op::Ack {
+            state.ghost.acked |= 1 << held.env.task;
+        }
+        held.phase = Phase::Resolved(op, payload);
+        state.daemons[index].held.sort();
+    }
+
+    fn hold(daemon: &mut Daemon, owner: Option<OwnerId>, took: &[(u8, u8, Env)]) {
+        for &(level, token, env) in took {
+            daemon.held.push(Held {
+                owner,
+                token: owner.map(|_| token),
+                level,
+                env,
+                phase: Phase::Waiting,
+            });
+        }
+        daemon.held.sort();
+    }
+
+    /// Whether no action is possible. Cheap necessary conditions first (a spare crash, a task still to push or
+    /// held, a call still to answer each leave something to do): this runs on every state.
+    pub fn is_terminal(&self, state: &State) -> bool {
+        let ghost = &state.ghost;
+        let busy = ghost.crashes < self.setup.crashes
+            || ghost.shutdowns < self.setup.shutdowns
+            || ghost.pushed.count_ones() < self.setup.tasks.len() as u32
+            || !state.in_flight.is_empty()
+            || state.daemons.iter().any(|d| {
+                !d.held.is_empty() || d.lost_claim.is_some() || d.acker.lost || d.monitor.lost
+            });
+        if busy {
+            return false;
+        }
+        let mut actions = Vec::new();
+        self.actions(state, &mut actions);
+        actions
+            .into_iter()
+            .all(|action| self.next_state(state, action).is_none())
+    }
+
+    /// How many places task `task` is in (it must be exactly one once pushed).
+    pub fn places(state: &State, task: u8) -> usize {
+        let redis = &state.redis;
+        let is = |env: &Env| env.task == task;
+        let lists: usize = (0..2)
+            .map(|l| {
+                redis.ready[l].iter().filter(|e| is(e)).count()
+                    + redis.quarantine[l].iter().filter(|e| is(e)).count()
+                    + redis.retry[l].iter().filter(|e| is(e)).count()
+            })
+            .sum();
+        let processing = redis.processing.iter().filter(|p| is(&p.env)).count();
+        let dead = redis.dead.iter().filter(|e| is(e)).count();
+        // A default-mode task exists only in its daemon's memory until its settlement is applied.
+        let memory: usize = state
+            .daemons
+            .iter()
+            .map(|daemon| {
+                daemon
+                    .held
+                    .iter()
+                    .filter(|held| {
+                        held.token.is_none()
+                            && is(&held.env)
+                            && !(matches!(held.phase, Phase::Settling(..)) && daemon.acker.applied)
+                    })
+                    .count()
+            })
+            .sum();
+        lists
+            + processing
+            + dead
+            + memory
+            + redis.done[task as usize] as usize
+            + state.ghost.lost[task as usize] as usize
+    }
+}
+
+fn fresh_daemon(config: u8) -> Daemon {
+    Daemon {
+        config,
+        run: 0,
+        generation: 0,
+        owner: None,
+        registering: None,
+        next_token: 0,
+        held: List::new(),
+        lost_claim: None,
+        acker: Calls::default(),
+        monitor: Calls::default(),
+        monitor_call: None,
+        stopping: false,
+    }
+}
+
+impl Model for Protocol {
+    type State = State;
+    type Action = Action;
+
+    fn init_states(&self) -> Vec<State> {
+        let [a, b] = self.setup.initial;
+        vec![State {
+            redis: Redis::default(),
+            daemons: [fresh_daemon(a), fresh_daemon(b)],
+            in_flight: List::new(),
+            ghost: Ghost::default(),
+        }]
+    }
+
+    fn actions(&self, state: &State, actions: &mut Vec<Action>) {
+        let setup = &self.setup;
+        let ghost = &state.ghost;
+        for task in 0..setup.tasks.len() as u8 {
+            if ghost.pushed & (1 << task) == 0 {
+                actions.push(Action::Push(task));
+            }
+        }
+        for (index, daemon) in state.daemons.iter().enumerate() {
+            let d = index as u8;
+            let config = self.config(daemon);
+            let free = self.free(daemon);
+            if !daemon.stopping {
+                match config.mode {
+                    Mode::Safe => {
+                        if daemon.lost_claim.is_some() {
+                            actions.push(Action::Adopt(d));
+                        } else if daemon.owner.is_none() {
+                            for &reply in self.replies(state) {
+                                if reply != Reply::Unsent {
+                                    actions.push(Action::Register { daemon: d, reply });
+                                }
+                            }
+                        } else if free > 0
+                            && daemon.owner.is_some_and(|owner| state.redis.is_live(owner))
+                        {
+                            // A claim under an owner whose lease ran out is refused with LEASELOST, which
+                            // RenewLost covers. It asks for every free slot (the fetcher's `want`).
+                            for &reply in self.replies(state) {
+                                actions.push(Action::Claim {
+                                    daemon: d,
+                                    max: free,
+                                    reply,
+                                });
+                            }
+                        }
+                    }
+                    Mode::Default => {
+                        if free > 0 {
+                            actions.push(Action::Pop {
+                                daemon: d,
+                                max: free,
+                            });
+                        }
+                    }
+                }
+                for held in &daemon.held {
+                    match held.phase {
+                        Phase::Waiting => actions.push(Action::StartRun {
+                            daemon: d,
+                            task: held.env.task,
+                        }),
+                        Phase::Running => actions.push(Action::FinishRun {
+                            daemon: d,
+                            task: held.env.task,
+                        }),
+                        _ => {}
+                    }
+                }
+                if ghost.shutdowns < setup.shutdowns {
+                    actions.push(Action::Shutdown(d));
+                }
+            }
+            // The acker.
+            if daemon.acker.lost {
+                for &reply in self.replies(state) {
+                    actions.push(Action::Resend { daemon: d, reply });
+                }
+            } else {
+                let mut owners: Vec<Option<OwnerId>> = Vec::new();
+                for held in &daemon.held {
+                    if matches!(held.phase, Phase::Resolved(..)) && !owners.contains(&held.owner) {
+                        owners.push(held.owner);
+                    }
+                }
+                for owner in owners {
+                    for &reply in self.replies(state) {
+                        actions.push(Action::Settle {
+                            daemon: d,
+                            owner,
+                            reply,
+                        });
+                    }
+                }
+            }
+            // The heartbeat.
+            if daemon
+                .owner
+                .is_some_and(|owner| !state.redis.is_live(owner))
+            {
+                actions.push(Action::RenewLost(d));
+            }
+            // The monitor.
+            if daemon.monitor.lost {
+                for &reply in self.replies(state) {
+                    actions.push(Action::MonitorResend { daemon: d, reply });
+                }
+            } else {
+                for owner in &state.redis.owners {
+                    if owner.lease != Lease::Expired {
+                        continue;
+                    }
+                    let levels = self.recovery_levels(state, daemon, owner.id);
+                    for level in levels.iter() {
+                        if state.redis.held_by(owner.id, level).next().is_some() {
+                            for &reply in self.replies(state) {
+                                actions.push(Action::MonitorRecover {
+                                    daemon: d,
+                                    owner: owner.id,
+                                    level,
+                                    reply,
+                                });
+                            }
+                        }
+                    }
+                    actions.push(Action::Release {
+                        daemon: d,
+                        owner: owner.id,
+                    });
+                }
+            }
+            if ghost.crashes < setup.crashes {
+                for config in 0..setup.configs.len() as u8 {
+                    actions.push(Action::Crash { daemon: d, config });
+                }
+            }
+            if daemon.stopping && daemon.held.is_empty() && !daemon.acker.lost {
+                for config in 0..setup.configs.len() as u8 {
+                    actions.push(Action::ReleaseOwn { daemon: d, config });
+                }
+            }
+        }
+        for call in &state.in_flight {
+            actions.push(Action::ClaimArrives(*call));
+        }
+        for owner in &state.redis.owners {
+            if owner.lease == Lease::Live
+                && (!Self::is_current(state, owner.id) || ghost.stalls < setup.stalls)
+            {
+                actions.push(Action::Expire(owner.id));
+            }
+        }
+        for level in 0..2u8 {
+            for env in &state.redis.retry[level as usize] {
+                actions.push(Action::Promote {
+                    level,
+                    task: env.task,
+                });
+            }
+        }
+    }
+
+    fn next_state(&self, last: &State, action: Action) -> Option<State> {
+        let mut state = last.clone();
+        state.ghost.events = 0;
+        let state = self.step(state, action)?;
+        Some(if self.reduce {
+            crate::canon::canonical(state)
+        } else {
+            state
+        })
+    }
+
+    fn properties(&self) -> Vec<Property<Self>> {
+        let setup = &self.setup;
+        let mut properties = vec![
+            Property::always("conservation", conservation),
+            Property::always("held tasks are in Redis", held_in_redis),
+            Property::always("no stranded task", no_stranded_task),
+            Property::always("settled once", settled_once),
+            Property::always("drained at rest", drained_at_rest),
+            Property::always(UNFAIR_CHARGE, charged_only_alone),
+            Property::always(UNFAIR_DEAD, never_dead_for_a_neighbour),
+            Property::sometimes("every task that can finish is done", all_done),
+            Property::sometimes("everything comes to rest", |model, state| {
+                model.is_terminal(state)
+            }),
+        ];
+        let has = |behaviour| setup.tasks.iter().any(|(b, _)| *b == behaviour);
+        if has(Behaviour::Pill) {
+            properties.push(Property::sometimes(
+                "the pill is dead-lettered and the others are done",
+                pill_dead_others_done,
+            ));
+        }
+        if setup.lost_replies > 0 {
+            properties.push(Property::sometimes(
+                "a settle call sent again is answered from its record",
+                happened::<EVENT_ANSWERED>,
+            ));
+            if setup.configs.iter().any(|c| c.mode == Mode::Safe) {
+                properties.push(Property::sometimes(
+                    "a lost claim's tasks are adopted",
+                    happened::<EVENT_ADOPTED>,
+                ));
+                properties.push(Property::sometimes(
+                    "a claim that runs late is fenced",
+                    happened::<EVENT_FENCED>,
+                ));
+            }
+        }
+        if setup.stalls > 0 {
+            properties.push(Property::sometimes(
+                "a late settlement is stale",
+                happened::<EVENT_STALE>,
+            ));
+        }
+        properties.push(Property::sometimes(
+            "a monitor releases an expired owner",
+            happened::<EVENT_RELEASED>,
+        ));
+        let levels: Vec<Levels> = setup.configs.iter().map(|c| c.levels).collect();
+        if levels.iter().any(|l| *l != levels[0]) {
+            properties.push(Property::sometimes(
+                "a monitor recovers a task at a level its own config lacks",
+                happened::<EVENT_RECOVERED_UNSERVED>,
+            ));
+        }
+        if setup.configs.iter().any(|c| c.mode == Mode::Default) {
+            properties.push(Property::sometimes(
+                "a default-mode settlement is applied",
+                happened::<EVENT_DEFAULT_SETTLED>,
+            ));
+        }
+        properties
+    }
+}
+
+impl Protocol {
+    /// One action's effect, on a copy of the state.
+    fn step(&self, mut state: State, action: Action) -> Option<State> {
+        let setup = &self.setup;
+        match action {
+            Action::Push(task) => {
+                state.ghost.pushed |= 1 << task;
+                let level = setup.tasks[task as usize].1;
+                state.redis.push(level, Env::new(task));
+            }
+            Action::Register { daemon, reply } => {
+                let index = daemon as usize;
+                let levels = self.config(&state.daemons[index]).levels;
+                let d = &mut state.daemons[index];
+                let id = match d.registering {
+                    Some(id) => id,
+                    None => {
+                        d.generation += 1;
+                        OwnerId {
+                            daemon,
+                            run: d.run,
+                            generation: d.generation,
+                        }
+                    }
+                };
+                let registered = state.redis.register(id, levels);
+                let d = &mut state.daemons[index];
+                if reply == Reply::Lost {
+                    d.registering = Some(id);
+                    state.ghost.lost_replies += 1;
+                } else {
+                    d.registering = None;
+                    if registered {
+                        d.owner = Some(id);
+                    }
+                }
+            }
+            Action::Claim { daemon, max, reply } => {
+                let index = daemon as usize;
+                let levels = self.config(&state.daemons[index]).levels;
+                let d = &mut state.daemons[index];
+                let call = ClaimCall {
+                    owner: d.owner?,
+                    first: d.next_token,
+                    max,
+                    levels,
+                };
+                d.next_token += max;
+                match reply {
+                    Reply::Delivered => match state.redis.claim(&call, setup.mutation, setup.alone)
+                    {
+                        Claimed::Took(took) if !took.is_empty() => {
+                            Self::hold(&mut state.daemons[index], Some(call.owner), &took);
+                        }
+                        // An empty claim changes nothing but the token counter: not worth a state.
+                        _ => return None,
+                    },
+                    Reply::Lost | Reply::Unsent => {
+                        if reply == Reply::Lost {
+                            state.redis.claim(&call, setup.mutation, setup.alone);
+                        } else {
+                            state.in_flight.push(call);
+                            state.in_flight.sort();
+                        }
+                        state.daemons[index].lost_claim = Some(call);
+                        state.ghost.lost_replies += 1;
+                    }
+                }
+            }
+            Action::ClaimArrives(call) => {
+                let at = state.in_flight.iter().position(|c| *c == call)?;
+                state.in_flight.remove(at);
+                if state.redis.claim(&call, setup.mutation, setup.alone) == Claimed::Fenced {
+                    state.ghost.events |= EVENT_FENCED;
+                }
+            }
+            Action::Adopt(daemon) => {
+                let index = daemon as usize;
+                let lost = state.daemons[index].lost_claim.take()?;
+                if setup.mutation == Some(Mutation::NoAdopt) {
+                    // The broken fetcher gives the claim up: its capacity is released, its tokens forgotten.
+                    return Some(state);
+                }
+                let levels = self.config(&state.daemons[index]).levels;
+                match state.redis.adopt(lost.owner, lost.first, lost.max, levels) {
+                    None => Self::lost_lease(&mut state.daemons[index], lost.owner),
+                    Some(took) => {
+                        if !took.is_empty() {
+                            state.ghost.events |= EVENT_ADOPTED;
+                        }
+                        Self::hold(&mut state.daemons[index], Some(lost.owner), &took);
+                    }
+                }
+            }
+            Action::Pop { daemon, max } => {
+                let index = daemon as usize;
+                let levels = self.config(&state.daemons[index]).levels;
+                let popped = state.redis.pop(levels, max);
+                if popped.is_empty() {
+                    return None;
+                }
+                let took: List<(u8, u8, Env)> = popped
+                    .into_iter()
+                    .map(|(level, env)| (level, 0, env))
+                    .collect();
+                Self::hold(&mut state.daemons[index], None, &took);
+            }
+            Action::StartRun { daemon, task } => {
+                let index = daemon as usize;
+                let at = Self::find(&state.daemons[index], task, false)?;
+                let held = &mut state.daemons[index].held[at];
+                if self.behaviour(task) == Behaviour::Pill {
+                    let config = state.daemons[index].config;
+                    Self::restart(&mut state, index, config);
+                } else if held.token.is_some() {
+                    // Safe mode: nothing tells a waiting task from a running one in Redis, or to the daemon's
+                    // other parties (a lost lease forgets both, a graceful stop hands both back), so the run
+                    // is one step: the handler returns at once.
+                    Self::resolve(self, &mut state, index, at);
+                } else {
+                    held.phase = Phase::Running;
+                    state.daemons[index].held.sort();
+                }
+            }
+            Action::FinishRun { daemon, task } => {
+                let index = daemon as usize;
+                let at = Self::find(&state.daemons[index], task, true)?;
+                Self::resolve(self, &mut state, index, at);
+            }
+            Action::Settle {
+                daemon,
+                owner,
+                reply,
+            } => {
+                let index = daemon as usize;
+                let d = &mut state.daemons[index];
+                for held in d.held.iter_mut() {
+                    if let Phase::Resolved(op, payload) = held.phase {
+                        if held.owner == owner {
+                            held.phase = Phase::Settling(op, payload);
+                        }
+                    }
+                }
+                d.held.sort();
+                let settler = Settler {
+                    daemon,
+                    run: d.run,
+                    monitor: false,
+                };
+                state.redis.new_call(settler);
+                self.send_acker_call(&mut state, index, reply);
+            }
+            Action::Resend { daemon, reply } => {
+                self.send_acker_call(&mut state, daemon as usize, reply);
+            }
+            Action::RenewLost(daemon) => {
+                let d = &mut state.daemons[daemon as usize];
+                let owner = d.owner?;
+                Self::lost_lease(d, owner);
+            }
+            Action::Expire(owner) => {
+                if Self::is_current(&state, owner) {
+                    state.ghost.stalls += 1;
+                }
+                state.redis.expire(owner);
+            }
+            Action::Crash { daemon, config } => {
+                state.ghost.crashes += 1;
+                Self::restart(&mut state, daemon as usize, config);
+            }
+            Action::MonitorRecover {
+                daemon,
+                owner,
+                level,
+                reply,
+            } => {
+                let index = daemon as usize;
+                let isolated = state.redis.owner(owner)?.isolated;
+                let records: List<Record> = state
+                    .redis
+                    .held_by(owner, level)
+                    .map(|p| self.recover(isolated, level, p.token, p.env))
+                    .collect();
+                state.redis.new_call(Settler {
+                    daemon,
+                    run: state.daemons[index].run,
+                    monitor: true,
+                });
+                self.send_monitor_call(&mut state, index, owner, records, reply);
+            }
+            Action::MonitorResend { daemon, reply } => {
+                let index = daemon as usize;
+                let (owner, records) = state.daemons[index].monitor_call.clone()?;
+                self.send_monitor_call(&mut state, index, owner, records, reply);
+            }
+            Action::Release { daemon, owner } => {
+                let levels = self.recovery_levels(&state, &state.daemons[daemon as usize], owner);
+                if !state.redis.release(owner, levels, true) {
+                    return None;
+                }
+                state.ghost.events |= EVENT_RELEASED;
+            }
+            Action::Promote { level, task } => {
+                let at = state.redis.retry[level as usize]
+                    .iter()
+                    .position(|env| env.task == task)?;
+                state.redis.promote(level, at);
+            }
+            Action::Shutdown(daemon) => {
+                state.ghost.shutdowns += 1;
+                let index = daemon as usize;
+                let d = &mut state.daemons[index];
+                d.stopping = true;
+                // The fetcher stops: a lost claim's tasks, if it took any, come back through the lease.
+                d.lost_claim = None;
+                let mut lost = Vec::new();
+                d.held.retain(|held| {
+                    match held.phase {
+                        // Safe mode hands back running tasks too (at least once); default mode cannot (they
+                        // might run twice at once) and reports them lost.
+                        Phase::Running if held.token.is_none() => {
+                            lost.push(held.env.task);
+                            return false;
+                        }
+                        Phase::Waiting | Phase::Running => {
+                            held.phase = Phase::Resolved(Op::Back, held.env);
+                        }
+                        _ => {}
+                    }
+                    true
+                });
+                d.held.sort();
+                for task in lost {
+                    state.ghost.lost[task as usize] += 1;
+                }
+            }
+            Action::ReleaseOwn { daemon, config } => {
+                let index = daemon as usize;
+                let d = &state.daemons[index];
+                if let Some(owner) = d.owner {
+                    let levels = self.config(d).levels;
+                    state.redis.release(owner, levels, false);
+                }
+                Self::restart(&mut state, index, config);
+            }
+        }
+        Some(state)
+    }
+}
+
+/// Every pushed task is in exactly one place: a ready, quarantine or retry list, some owner's processing hash,
+/// the dead list, `done`, a default-mode daemon's memory, or lost by a default-mode daemon (at most once is that
+/// mode's documented promise). Unpushed tasks are nowhere.
+fn conservation(model: &Protocol, state: &State) -> bool {
+    (0..model.setup.tasks.len() as u8).all(|task| {
+        let expected = usize::from(state.ghost.pushed & (1 << task) != 0);
+        Protocol::places(state, task) == expected
+    })
+}
+
+/// A task a safe-mode daemon holds under a live lease is in that owner's processing hash (unless its
+/// settlement was applied and the reply is on its way).
+fn held_in_redis(_: &Protocol, state: &State) -> bool {
+    state.daemons.iter().all(|daemon| {
+        daemon.held.iter().all(|held| {
+            let (Some(owner), Some(token)) = (held.owner, held.token) else {
+                return true;
+            };
+            let settled = matches!(held.phase, Phase::Settling(..)) && daemon.acker.applied;
+            settled
+                || !state.redis.is_live(owner)
+                || state
+                    .redis
+                    .held_by(owner, held.level)
+                    .any(|p| p.token == token && p.env == held.env)
+        })
+    })
+}
+
+/// Every task in a processing hash belongs to a registered owner (so a monitor finds it once the lease runs
+/// out), and a live owner's daemon holds every one of its tasks (or is about to adopt it): no task sits under a
+/// token nobody holds while the lease that covers it is renewed.
+fn no_stranded_task(_: &Protocol, state: &State) -> bool {
+    let redis = &state.redis;
+    let registered = redis
+        .processing
+        .iter()
+        .all(|p| redis.owner(p.owner).is_some());
+    let held = redis.processing.iter().all(|p| {
+        if !redis.is_live(p.owner) {
+            return true;
+        }
+        state.daemons.iter().all(|daemon| {
+            // A stopping daemon drops its lost claim on purpose: those tasks come back through the lease.
+            if daemon.owner != Some(p.owner) || daemon.stopping {
+                return true;
+            }
+            let holds = daemon.held.iter().any(|h| {
+                h.owner == Some(p.owner) && h.level == p.level && h.token == Some(p.token)
+            });
+            let adopting = daemon.lost_claim.is_some_and(|claim| {
+                claim.owner == p.owner && (claim.first..claim.first + claim.max).contains(&p.token)
+            });
+            holds || adopting
+        })
+    });
+    registered && held
+}
+
+/// `done` never exceeds the number of tasks some worker finished, and each task has at most one dead record.
+fn settled_once(model: &Protocol, state: &State) -> bool {
+    let done: u32 = state.redis.done.iter().map(|n| u32::from(*n)).sum();
+    let dead_once = (0..model.setup.tasks.len() as u8)
+        .all(|task| state.redis.dead.iter().filter(|e| e.task == task).count() <= 1);
+    done <= state.ghost.acked.count_ones() && dead_once
+}
+
+/// When nothing more can happen, every task is done, dead, lost by a default-mode daemon, or waiting at a level
+/// that no running daemon serves.
+fn drained_at_rest(model: &Protocol, state: &State) -> bool {
+    if !model.is_terminal(state) {
+        return true;
+    }
+    let served = |level: u8| {
+        state
+            .daemons
+            .iter()
+            .any(|d| model.config(d).levels.contains(level))
+    };
+    let redis = &state.redis;
+    let waiting = (0..2u8).all(|level| {
+        !served(level)
+            || (redis.ready[level as usize].is_empty()
+                && redis.quarantine[level as usize].is_empty())
+    });
+    waiting && redis.processing.is_empty() && (0..2).all(|level| redis.retry[level].is_empty())
+}
+
+/// A task that never crashes anything is charged for a crash only when its owner held nothing else.
+fn charged_only_alone(model: &Protocol, state: &State) -> bool {
+    model
+        .setup
+        .tasks
+        .iter()
+        .enumerate()
+        .all(|(task, (behaviour, _))| {
+            *behaviour == Behaviour::Pill || state.ghost.unfair & (1 << task) == 0
+        })
+}
+
+/// Whether the event `BIT` happened on the way to this state.
+fn happened<const BIT: u8>(_: &Protocol, state: &State) -> bool {
+    state.ghost.events & BIT != 0
+}
+
+/// The consequence that matters of an unfair charge: a task that never crashed anything, dead-lettered as
+/// "crashed the daemon N times".
+fn never_dead_for_a_neighbour(model: &Protocol, state: &State) -> bool {
+    state.redis.dead.iter().all(|env| {
+        model.behaviour(env.task) == Behaviour::Pill || state.ghost.unfair & (1 << env.task) == 0
+    })
+}
+
+fn all_done(model: &Protocol, state: &State) -> bool {
+    model
+        .setup
+        .tasks
+        .iter()
+        .enumerate()
+        .all(|(task, (behaviour, _))| *behaviour == Behaviour::Pill || state.redis.done[task] == 1)
+}
+
+fn pill_dead_others_done(model: &Protocol, state: &State) -> bool {
+    model
+        .setup
+        .tasks
+        .iter()
+        .enumerate()
+        .all(|(task, (behaviour, _))| match behaviour {
+            Behaviour::Pill => state.redis.dead.iter().any(|e| e.task as usize == task),
+            _ => state.redis.done[task] == 1,
+        })
+}
