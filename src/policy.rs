@@ -65,11 +65,15 @@ pub enum Verdict {
     },
     /// `KMQ_FAIL`: the handler says the task can never succeed.
     Fail { reason: String },
-    /// Safe mode: the daemon holding the task stopped renewing its lease (it died or hung). `ran_alone`: the task
-    /// was the one quarantined task its owner ran (see docs/RELIABILITY.md, "Poison pills"), so the crash is
-    /// charged to it; otherwise it was merely held alongside whatever crashed, and `recoveries` says how often
-    /// that happened to it before.
-    LeaseExpired { ran_alone: bool, recoveries: u32 },
+    /// Safe mode: the daemon holding the task stopped renewing its lease (it died or hung). `ran_alone`: its owner
+    /// ran it from the quarantine with nothing else (see docs/RELIABILITY.md, "Poison pills"), so the crash is
+    /// charged to it (`crashes` before this one); otherwise it was merely held with whatever crashed, and
+    /// `recoveries` says how often that happened to it before.
+    LeaseExpired {
+        ran_alone: bool,
+        recoveries: u32,
+        crashes: u32,
+    },
     /// The task could not be run at all (malformed, no handler, too old).
     Unrunnable { reason: String },
 }
@@ -101,9 +105,10 @@ pub enum Action {
         reason: String,
         isolated: bool,
     },
-    /// Queue it again as it is, uncharged (`recovered + 1`): at the front of its level, or, `isolated`, of its
-    /// level's quarantine, to run alone.
-    Recover { isolated: bool },
+    /// Queue it again as it is, uncharged (`recovered + 1`): at the front of its level, or of the level's
+    /// quarantine list of stage `quarantine` (an index into `broker::keys::QUARANTINE_GROUPS`: the more often a
+    /// task came back, the smaller the group it runs in, down to alone).
+    Recover { quarantine: Option<usize> },
     /// Move it to the dead-letter list.
     Dead { reason: String },
 }
@@ -116,13 +121,16 @@ pub fn decide(policy: &Policy, attempt: u32, verdict: Verdict, seed: u64) -> Act
         Verdict::Fail { reason } => Action::Dead { reason },
         Verdict::Unrunnable { reason } => Action::Dead { reason },
         Verdict::LeaseExpired {
-            ran_alone: true, ..
+            ran_alone: true,
+            crashes,
+            ..
         } => {
             if out_of_retries {
                 Action::Dead {
                     reason: format!(
-                        "crashed the daemon {} times (its daemon's lease expired each time it ran alone); no \
-                         retries left",
+                        "crashed the daemon {} times while it ran alone (its lease expired each time); no \
+                         retries left after {} runs",
+                        crashes.saturating_add(1),
                         attempt.saturating_add(1)
                     ),
                 }
@@ -138,8 +146,9 @@ pub fn decide(policy: &Policy, attempt: u32, verdict: Verdict, seed: u64) -> Act
         Verdict::LeaseExpired {
             ran_alone: false,
             recoveries,
+            ..
         } => Action::Recover {
-            isolated: recoveries >= 1,
+            quarantine: crate::broker::keys::quarantine_stage(recoveries.saturating_add(1)),
         },
         Verdict::HandlerError { reason, after } => match policy.on_handler_error {
             OnHandlerError::Finish => Action::Ack,
@@ -192,6 +201,7 @@ mod tests {
         Verdict::LeaseExpired {
             ran_alone,
             recoveries,
+            crashes: 1,
         }
     }
 
@@ -241,9 +251,31 @@ mod tests {
                     reason: "bad".into(),
                 },
             ),
-            (Retry, 0, lease(false, 0), Action::Recover { isolated: false }),
-            (Retry, 2, lease(false, 1), Action::Recover { isolated: true }),
-            (Dead, 2, lease(false, 7), Action::Recover { isolated: true }),
+            (Retry, 0, lease(false, 0), Action::Recover { quarantine: None }),
+            (
+                Retry,
+                2,
+                lease(false, 1),
+                Action::Recover {
+                    quarantine: Some(2),
+                },
+            ),
+            (
+                Retry,
+                2,
+                lease(false, 2),
+                Action::Recover {
+                    quarantine: Some(1),
+                },
+            ),
+            (
+                Dead,
+                2,
+                lease(false, 7),
+                Action::Recover {
+                    quarantine: Some(0),
+                },
+            ),
             (
                 Finish,
                 0,
@@ -259,8 +291,8 @@ mod tests {
                 2,
                 lease(true, 2),
                 Action::Dead {
-                    reason: "crashed the daemon 3 times (its daemon's lease expired each time it ran alone); \
-                             no retries left"
+                    reason: "crashed the daemon 2 times while it ran alone (its lease expired each time); no \
+                             retries left after 3 runs"
                         .into(),
                 },
             ),

@@ -99,6 +99,9 @@ pub fn settlement(
             next.ensure_id(new_id);
             // The attempt count is the producer's to begin with: saturate rather than overflow.
             next.attempt = next.attempt.saturating_add(1);
+            if *isolated {
+                next.crashes = next.crashes.saturating_add(1);
+            }
             next.last_error = Some(reason.clone().into());
             let op = SettleOp::Retry {
                 delay: *delay,
@@ -106,12 +109,12 @@ pub fn settlement(
             };
             (base(op, next.encode().into_bytes()), None)
         }
-        (Action::Recover { isolated }, Some(envelope)) => {
+        (Action::Recover { quarantine }, Some(envelope)) => {
             let mut next = envelope.clone();
             next.ensure_id(new_id);
             next.recovered = next.recovered.saturating_add(1);
             let op = SettleOp::Recover {
-                isolated: *isolated,
+                quarantine: *quarantine,
             };
             (base(op, next.encode().into_bytes()), None)
         }
@@ -175,11 +178,11 @@ pub fn decide(
             attempt,
             "task failed; counted as done (on_handler_error = \"finish\")"
         ),
-        Action::Recover { isolated } => tracing::info!(
+        Action::Recover { quarantine } => tracing::info!(
             queue,
             id,
             attempt,
-            isolated,
+            group = quarantine.map(|stage| crate::broker::keys::QUARANTINE_GROUPS[stage]),
             "task held by a daemon whose lease expired goes back, uncharged"
         ),
         Action::Retry { delay, reason, .. } => {
@@ -312,7 +315,9 @@ mod tests {
     #[test]
     fn an_uncharged_recovery_keeps_the_attempt_and_counts_the_recovery() {
         let envelope = Envelope::decode(r#"{"id":"a","type":"t","attempt":1}"#).unwrap();
-        let action = Action::Recover { isolated: true };
+        let action = Action::Recover {
+            quarantine: Some(2),
+        };
         let (s, hook) = settlement(
             &origin(),
             &action,
@@ -322,7 +327,12 @@ mod tests {
             b"",
             Some(&envelope),
         );
-        assert_eq!(s.op, SettleOp::Recover { isolated: true });
+        assert_eq!(
+            s.op,
+            SettleOp::Recover {
+                quarantine: Some(2)
+            }
+        );
         assert_eq!(
             s.payload,
             br#"{"id":"a","type":"t","data":null,"attempt":1,"recovered":1}"#

@@ -39,6 +39,9 @@ pub struct Envelope<'a> {
     /// How many times the task came back, uncharged, from a daemon whose lease expired while it held the task
     /// (it may not even have started it). Written by kmqd; a task recovered more than once runs in isolation.
     pub recovered: u32,
+    /// How many times the task crashed (or hung) its daemon while it ran alone, each charged as a failed attempt.
+    /// Written by kmqd.
+    pub crashes: u32,
     /// The envelope version, 1 when absent.
     pub version: u32,
     /// Every field kmqd does not know, kept as the producer wrote it.
@@ -58,6 +61,7 @@ impl PartialEq for Envelope<'_> {
             && self.unique == other.unique
             && self.last_error == other.last_error
             && self.recovered == other.recovered
+            && self.crashes == other.crashes
             && self.version == other.version
             && self.extra.len() == other.extra.len()
             && self
@@ -92,6 +96,7 @@ impl<'a> Envelope<'a> {
             unique: false,
             last_error: None,
             recovered: 0,
+            crashes: 0,
             version: ENVELOPE_VERSION,
             extra: Vec::new(),
         }
@@ -183,6 +188,7 @@ impl<'a> Envelope<'a> {
             unique: self.unique,
             last_error: self.last_error.map(owned),
             recovered: self.recovered,
+            crashes: self.crashes,
             version: self.version,
             extra: self
                 .extra
@@ -216,6 +222,9 @@ impl Serialize for Envelope<'_> {
         }
         if self.recovered > 0 {
             map.serialize_entry("recovered", &self.recovered)?;
+        }
+        if self.crashes > 0 {
+            map.serialize_entry("crashes", &self.crashes)?;
         }
         if self.version != ENVELOPE_VERSION {
             map.serialize_entry("v", &self.version)?;
@@ -274,6 +283,7 @@ enum Field<'a> {
     Unique,
     LastError,
     Recovered,
+    Crashes,
     Version,
     Other(Cow<'a, str>),
 }
@@ -291,6 +301,7 @@ impl<'de> Deserialize<'de> for Field<'de> {
             "unique" => Field::Unique,
             "last_error" => Field::LastError,
             "recovered" => Field::Recovered,
+            "crashes" => Field::Crashes,
             "v" => Field::Version,
             _ => Field::Other(key),
         })
@@ -324,6 +335,7 @@ impl<'de> Deserialize<'de> for Envelope<'de> {
                     (None, None, None, None, None);
                 let (mut priority, mut unique, mut last_error, mut recovered, mut version) =
                     (None, None, None, None, None);
+                let mut crashes = None;
                 let mut extra = Vec::new();
                 while let Some(field) = map.next_key::<Field<'de>>()? {
                     match field {
@@ -350,6 +362,7 @@ impl<'de> Deserialize<'de> for Envelope<'de> {
                         Field::Recovered => {
                             set(&mut recovered, map.next_value::<u32>()?, "recovered")?
                         }
+                        Field::Crashes => set(&mut crashes, map.next_value::<u32>()?, "crashes")?,
                         Field::Version => set(&mut version, map.next_value::<u32>()?, "v")?,
                         Field::Other(key) => {
                             extra.push((key, Cow::Borrowed(map.next_value::<&'de RawValue>()?)))
@@ -373,6 +386,7 @@ impl<'de> Deserialize<'de> for Envelope<'de> {
                     unique: unique.unwrap_or(false),
                     last_error: last_error.flatten(),
                     recovered: recovered.unwrap_or(0),
+                    crashes: crashes.unwrap_or(0),
                     version: version.unwrap_or(ENVELOPE_VERSION),
                     extra,
                 })

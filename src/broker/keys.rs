@@ -5,6 +5,22 @@
 
 use crate::config::QueueConfig;
 
+/// The group sizes of the quarantine, most suspect first: a task recovered from an expired lease for the second
+/// time runs in a group of 64 (and nothing else), the third time in a group of 8, from then on alone, and only a
+/// crash while it runs alone is charged to it.
+pub const QUARANTINE_GROUPS: [usize; 3] = [1, 8, 64];
+
+/// The stage (index into [`QUARANTINE_GROUPS`]) of a task recovered `recovered` times, uncharged; `None` for the
+/// first recovery, which goes back to the front of the ready list.
+pub fn quarantine_stage(recovered: u32) -> Option<usize> {
+    match recovered {
+        0 | 1 => None,
+        2 => Some(2),
+        3 => Some(1),
+        _ => Some(0),
+    }
+}
+
 /// The keys (and the one pub/sub channel) of one queue.
 #[derive(Clone, Debug)]
 pub struct QueueKeys {
@@ -21,9 +37,12 @@ pub struct QueueKeys {
     pub delayed_tasks: String,
     /// Retries waiting out their backoff per level: zset envelope -> due ms; they go to the front when due.
     pub retry: Vec<String>,
-    /// Tasks recovered more than once from an expired lease per level, waiting to run in isolation (a claim takes
-    /// at most one, while its owner holds no other; see `claim.lua`): how a poison pill is found without taking
-    /// the tasks claimed alongside it down with it.
+    /// Tasks recovered more than once from an expired lease, waiting to run in isolation: one list per group size
+    /// of [`QUARANTINE_GROUPS`] and level (`quarantine_list`), stage-major. A claim takes one group from the most
+    /// suspect non-empty list and nothing else, and its owner claims nothing more until the group is settled
+    /// (`claim.lua`): a crash meanwhile is the group's, and its tasks come back in smaller groups, until a task
+    /// that crashes its daemon running alone is charged for it. How a poison pill is found without taking the
+    /// tasks claimed alongside it down with it.
     pub quarantine: Vec<String>,
     /// Safe mode: zset owner -> lease deadline ms. An owner is one daemon's claim identity on this queue; the
     /// tasks it claimed live in its [`QueueKeys::processing`] hashes, and stay its own while its lease is renewed.
@@ -65,7 +84,15 @@ impl QueueKeys {
             delayed: per_level("delayed"),
             delayed_tasks: format!("{base}:delayed-tasks"),
             retry: per_level("retry"),
-            quarantine: per_level("quarantine"),
+            quarantine: QUARANTINE_GROUPS
+                .iter()
+                .flat_map(|size| {
+                    let base = &base;
+                    levels
+                        .iter()
+                        .map(move |level| format!("{base}:quarantine:{size}:{level}"))
+                })
+                .collect(),
             owners: format!("{base}:owners"),
             seq: format!("{base}:seq"),
             dead: format!("{base}:dead"),
@@ -102,6 +129,11 @@ impl QueueKeys {
         QueueKeys::new(prefix, &queue.name, &queue.priorities)
     }
 
+    /// The quarantine list of group size `QUARANTINE_GROUPS[stage]` at `level`.
+    pub fn quarantine_list(&self, stage: usize, level: usize) -> &str {
+        &self.quarantine[stage * self.levels() + level]
+    }
+
     /// Number of priority levels.
     pub fn levels(&self) -> usize {
         self.ready.len()
@@ -113,7 +145,7 @@ impl QueueKeys {
     }
 
     /// An owner's registration: hash of its mode, levels, host, pid, start time, kmqd version, the lowest claim
-    /// token it may still use (`floor`) and the token of the quarantined task it runs (`isolated`).
+    /// token it may still use (`floor`) and the size of the quarantined group it runs alone (`group`).
     pub fn owner_info(&self, owner: &str) -> String {
         format!("{}:owner:{owner}", self.base)
     }
@@ -148,7 +180,19 @@ mod tests {
         assert_eq!(keys.owner_info("o7"), "kmq:{mail}:owner:o7");
         let other = keys.with_levels(&["urgent".into()]);
         assert_eq!(other.ready, ["kmq:{mail}:ready:urgent"]);
-        assert_eq!(other.quarantine, ["kmq:{mail}:quarantine:urgent"]);
+        assert_eq!(
+            other.quarantine,
+            [
+                "kmq:{mail}:quarantine:1:urgent",
+                "kmq:{mail}:quarantine:8:urgent",
+                "kmq:{mail}:quarantine:64:urgent"
+            ]
+        );
+        assert_eq!(keys.quarantine_list(1, 1), "kmq:{mail}:quarantine:8:low");
+        assert_eq!(
+            (2..6).map(quarantine_stage).collect::<Vec<_>>(),
+            [Some(2), Some(1), Some(0), Some(0)]
+        );
         let all = [
             &keys.ready[0],
             &keys.delayed[0],

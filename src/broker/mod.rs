@@ -30,8 +30,9 @@ pub use owners::{OwnerInfo, owner_info, owners, register, release, renew};
 pub use schedule::{Fired, fire, schedule_state};
 pub use stats::{QueueStats, check_protocol, stats};
 pub use tasks::{
-    Batch, Call, ClaimLimits, Due, Fence, PushItem, SettleOp, Settled, Settlement, Taken, adopt,
-    claim, pop, promote, push, release_unique, scan_processing, settle, wait_idle, wait_wake,
+    Batch, Call, ClaimLimits, Due, Fence, Isolation, PushItem, SettleOp, Settled, Settlement,
+    Taken, adopt, claim, pop, promote, push, release_unique, scan_processing, settle, wait_idle,
+    wait_wake,
 };
 
 /// A Redis failure, with what was being done.

@@ -24,8 +24,8 @@ pub struct OwnerInfo {
     pub version: String,
     /// When its daemon started, ms since the epoch (the daemon's clock).
     pub started_at_ms: i64,
-    /// The quarantined task it runs alone, if any: level index and token.
-    pub isolated: Option<(usize, String)>,
+    /// The size of the quarantined group it runs with nothing else, if it runs one (claim.lua).
+    pub group: Option<usize>,
 }
 
 /// Registers `owner` with a lease, describing itself with `info`. Returns false when the id is known and its
@@ -148,15 +148,12 @@ pub fn owner_info(
             "pid" => info.pid = value.parse().unwrap_or(0),
             "version" => info.version = value,
             "started_at" => info.started_at_ms = value.parse().unwrap_or(0),
-            "isolated" => {
-                let (level, token) = value
-                    .split_once(':')
-                    .ok_or_else(|| reply_error("owner info", format!("isolated = {value:?}")))?;
-                let level: usize = level
-                    .parse()
-                    .map_err(|_| reply_error("owner info", format!("isolated = {value:?}")))?;
-                // Stored 1-based, as the scripts count levels.
-                info.isolated = Some((level.saturating_sub(1), token.to_string()));
+            "group" => {
+                info.group = Some(
+                    value
+                        .parse()
+                        .map_err(|_| reply_error("owner info", format!("group = {value:?}")))?,
+                );
             }
             _ => {}
         }

@@ -131,7 +131,17 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
     let level_count = levels.len();
     let time: (i64, i64) = replies.one()?;
     let ready_counts: Vec<u64> = replies.many(level_count)?;
-    let quarantined: Vec<u64> = replies.many(level_count)?;
+    // Stage-major: each stage's lists over the levels; summed per level.
+    let quarantine_counts: Vec<u64> = replies.many(keys.quarantine.len())?;
+    let quarantined: Vec<u64> = (0..level_count)
+        .map(|level| {
+            quarantine_counts
+                .iter()
+                .skip(level)
+                .step_by(level_count)
+                .sum()
+        })
+        .collect();
     let heads: Vec<Option<Vec<u8>>> = replies.many(level_count)?;
     let zset_counts: Vec<u64> = replies.many(2 * level_count)?;
     let processing: Vec<u64> = replies.many(processing_keys.len())?;

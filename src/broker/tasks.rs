@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use redis::{Connection, ConnectionLike, Value};
 
+use super::keys::QUARANTINE_GROUPS;
 use super::{
     BrokerError, QueueKeys, Result, SCRIPTS, Token, TokenId, bytes, int, reply_error, text,
 };
@@ -87,6 +88,20 @@ pub struct Batch {
     /// Redis's clock when the tasks were taken, ms since the epoch.
     pub now_ms: i64,
     pub tasks: Vec<Taken>,
+    /// Safe mode: whether the claim ran into the quarantine (see claim.lua).
+    pub isolation: Isolation,
+}
+
+/// What a claim's quarantine rule did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Isolation {
+    /// Ready tasks, or nothing, as usual.
+    #[default]
+    None,
+    /// The tasks are one quarantined group, to run with nothing else.
+    Group,
+    /// Nothing was claimed: quarantined tasks wait to run alone, and this owner must first settle what it holds.
+    Waiting,
 }
 
 /// What a claim needs beyond the owner and its tokens: how a payload that is too large is dead-lettered.
@@ -100,10 +115,11 @@ pub struct ClaimLimits<'a> {
     pub daemon: &'a str,
 }
 
-/// Safe mode: claims up to `max` tasks into `owner`'s processing hashes: first, when the owner runs no
-/// quarantined task, one from the quarantine, then ready tasks, highest level first. The tasks get the tokens
-/// `first_token`, `first_token + 1`, ...; the caller must not reuse any of the `max` numbers from `first_token`
-/// on, taken or not. When this call fails without a reply, [`adopt`] with the same tokens says what it took.
+/// Safe mode: claims up to `max` tasks into `owner`'s processing hashes: a quarantined group, alone, when there is
+/// one and the owner holds nothing; otherwise ready tasks, highest level first (see claim.lua). The tasks get the
+/// tokens `first_token`, `first_token + 1`, ...; the caller must not reuse any of the `max` numbers from
+/// `first_token` on, taken or not. When this call fails without a reply, [`adopt`] with the same tokens says what
+/// it took.
 pub fn claim(
     conn: &mut dyn ConnectionLike,
     keys: &QueueKeys,
@@ -138,31 +154,17 @@ pub fn claim(
     let reply: Vec<Value> = invocation
         .invoke(conn)
         .map_err(|error| owner_error(error, owner))?;
-    if reply.len() != 3 + keys.levels() {
+    if reply.len() != 4 + keys.levels() {
         return Err(reply_error("claim", format!("{} elements", reply.len())));
     }
     let mut reply = reply.into_iter();
-    let now_ms = int(&reply.next().unwrap_or(Value::Nil), "claim")?;
-    let isolated_level = int(&reply.next().unwrap_or(Value::Nil), "claim")?;
-    let isolated = reply.next().unwrap_or(Value::Nil);
+    let mut next_int = || int(&reply.next().unwrap_or(Value::Nil), "claim");
+    let now_ms = next_int()?;
+    let state = next_int()?;
+    let group_level = next_int()?;
     let mut token = first_token;
     let mut tasks = Vec::new();
-    let mut take = |level: usize, envelope: Value| -> Result<()> {
-        tasks.push(Taken {
-            token: Some(Token {
-                owner: Arc::clone(owner),
-                id: TokenId::Seq(token),
-            }),
-            level,
-            payload: bytes(envelope, "claim")?,
-        });
-        token += 1;
-        Ok(())
-    };
-    if isolated_level > 0 {
-        take(isolated_level as usize - 1, isolated)?;
-    }
-    for (level, envelopes) in reply.enumerate() {
+    let mut take = |level: usize, envelopes: Value| -> Result<()> {
         let Value::Array(envelopes) = envelopes else {
             return Err(reply_error(
                 "claim",
@@ -170,10 +172,34 @@ pub fn claim(
             ));
         };
         for envelope in envelopes {
-            take(level, envelope)?;
+            tasks.push(Taken {
+                token: Some(Token {
+                    owner: Arc::clone(owner),
+                    id: TokenId::Seq(token),
+                }),
+                level,
+                payload: bytes(envelope, "claim")?,
+            });
+            token += 1;
         }
+        Ok(())
+    };
+    let group = reply.next().unwrap_or(Value::Nil);
+    if group_level > 0 {
+        take(group_level as usize - 1, group)?;
     }
-    Ok(Batch { now_ms, tasks })
+    for (level, envelopes) in reply.enumerate() {
+        take(level, envelopes)?;
+    }
+    Ok(Batch {
+        now_ms,
+        tasks,
+        isolation: match state {
+            1 => Isolation::Group,
+            2 => Isolation::Waiting,
+            _ => Isolation::None,
+        },
+    })
 }
 
 /// Safe mode: what a claim whose reply was lost took, given the tokens it carried (`first_token` and `count`):
@@ -222,7 +248,11 @@ pub fn adopt(
             });
         }
     }
-    Ok(Batch { now_ms, tasks })
+    Ok(Batch {
+        now_ms,
+        tasks,
+        isolation: Isolation::None,
+    })
 }
 
 /// The errors a script acting for an owner replies with, as [`BrokerError`]s the caller can act on.
@@ -249,14 +279,18 @@ pub fn pop(
 ) -> Result<Batch> {
     let mut invocation = SCRIPTS.pop.prepare_invoke();
     invocation.key(&keys.unique).key(&keys.unique_popped);
-    for (quarantine, ready) in keys.quarantine.iter().zip(&keys.ready) {
-        invocation.key(quarantine).key(ready);
+    // Per level, the quarantine lists (most suspect first) before the ready list.
+    for level in 0..keys.levels() {
+        for stage in 0..QUARANTINE_GROUPS.len() {
+            invocation.key(keys.quarantine_list(stage, level));
+        }
+        invocation.key(&keys.ready[level]);
     }
     invocation.arg(owner).arg(max);
     let (now_ms, list, items): (i64, usize, Vec<Value>) = invocation.invoke(conn)?;
     let mut tasks = Vec::with_capacity(items.len());
     if list > 0 {
-        let level = (list - 1) / 2;
+        let level = (list - 1) / (QUARANTINE_GROUPS.len() + 1);
         for item in items {
             tasks.push(Taken {
                 token: None,
@@ -265,7 +299,11 @@ pub fn pop(
             });
         }
     }
-    Ok(Batch { now_ms, tasks })
+    Ok(Batch {
+        now_ms,
+        tasks,
+        isolation: Isolation::None,
+    })
 }
 
 /// Default mode: waits up to `timeout` for something to pop, taking nothing itself (the reply may take
@@ -355,7 +393,7 @@ pub fn wait_wake(
 pub enum SettleOp {
     Ack,
     /// A charged retry (the payload carries `attempt + 1`): after `delay`, or at once to the front of the level,
-    /// or (`isolated`) to the front of the level's quarantine.
+    /// or (`isolated`: a crash while it ran alone) to the front of the level's quarantine for tasks that run alone.
     Retry {
         delay: Duration,
         isolated: bool,
@@ -363,9 +401,9 @@ pub enum SettleOp {
     /// Handed back at shutdown: to the front of its level, unchanged and uncounted.
     Back,
     /// Back from an expired lease, uncharged (the payload carries `recovered + 1`): to the front of the level, or
-    /// (`isolated`) of its quarantine.
+    /// to the front of the quarantine list of stage `quarantine` (an index into `QUARANTINE_GROUPS`).
     Recover {
-        isolated: bool,
+        quarantine: Option<usize>,
     },
     Dead,
 }
@@ -483,11 +521,14 @@ pub fn settle<'a>(
     for s in settlements.clone().into_iter().filter(|s| !bulk(s)) {
         let (op, delay_ms) = match &s.op {
             SettleOp::Ack => ("ack", 0),
-            SettleOp::Retry { isolated: true, .. } => ("retry_isolated", 0),
+            // For the quarantine ops, the delay field carries the quarantine stage (1-based).
+            SettleOp::Retry { isolated: true, .. } => ("retry_isolated", 1),
             SettleOp::Retry { delay, .. } => ("retry", delay.as_millis() as u64),
             SettleOp::Back => ("back", 0),
-            SettleOp::Recover { isolated: false } => ("recover", 0),
-            SettleOp::Recover { isolated: true } => ("recover_isolated", 0),
+            SettleOp::Recover { quarantine: None } => ("recover", 0),
+            SettleOp::Recover {
+                quarantine: Some(stage),
+            } => ("recover_isolated", *stage as u64 + 1),
             SettleOp::Dead => ("dead", 0),
         };
         invocation.arg(op);

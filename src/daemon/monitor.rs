@@ -1,8 +1,8 @@
 //! The monitor: one thread per daemon that recovers the tasks of owners whose lease ran out, because the daemon
 //! holding them died or hung. Each such task goes back uncharged (`recovered + 1`: it was merely held, maybe never
-//! started) to the front of its level, or, recovered before, to its level's quarantine, where it will run alone;
-//! the one task the owner ran alone is charged the crash (`attempt + 1`, or the dead-letter list when out of
-//! retries: a poison pill). A task older than `alive_timeout` is dead-lettered. An owner with nothing left is
+//! started) to the front of its level, or, recovered before, to the quarantine, to run in a group of 64, then 8,
+//! then alone, with nothing else; a task the owner ran alone is charged the crash (`attempt + 1`, `crashes + 1`,
+//! or the dead-letter list when out of retries: a poison pill). A task older than `alive_timeout` is dead-lettered. An owner with nothing left is
 //! forgotten, and the unique ids a default-mode owner died with are freed.
 //!
 //! Every daemon runs a monitor, over every queue it serves whatever the queue's mode here (another daemon may
@@ -49,8 +49,8 @@ struct Expired {
     owner: Arc<str>,
     /// The queue's keys at the levels the owner registered with.
     keys: broker::QueueKeys,
-    /// Its quarantined task, if it ran one: (level, token).
-    isolated: Option<(usize, String)>,
+    /// The size of the quarantined group it ran with nothing else, if it ran one.
+    group: Option<usize>,
     /// Redis's clock when its lease was seen expired.
     now_ms: i64,
 }
@@ -122,7 +122,7 @@ impl Monitor {
             let expired = Expired {
                 owner: Arc::from(owner),
                 keys,
-                isolated: info.and_then(|info| info.isolated),
+                group: info.and_then(|info| info.group),
                 now_ms,
             };
             for level in 0..expired.keys.levels() {
@@ -173,19 +173,15 @@ impl Monitor {
         let mut settlements: Vec<Settlement> = Vec::with_capacity(held.len());
         let mut hooks: Vec<Option<Box<DeadHook>>> = Vec::with_capacity(held.len());
         for (token, payload) in &held {
-            // The owner's quarantined task ran while the owner ran no other: the crash is charged to it.
-            let ran_alone = expired
-                .isolated
-                .as_ref()
-                .is_some_and(|(isolated_level, isolated)| {
-                    *isolated_level == level && isolated == token
-                });
+            // The owner ran a quarantined task alone (claim.lua let it hold nothing else): the crash was its doing.
+            let ran_alone = expired.group == Some(1);
             let (verdict, envelope) = queue.judge(payload, |envelope| {
                 match queue.policy.too_old(envelope.created_at, expired.now_ms) {
                     Some(reason) => Verdict::Unrunnable { reason },
                     None => Verdict::LeaseExpired {
                         ran_alone,
                         recoveries: envelope.recovered,
+                        crashes: envelope.crashes,
                     },
                 }
             });

@@ -13,8 +13,6 @@
 //!   they do between any two runs on a shared machine;
 //! - `KMQD_CHAOS_KEEP`: when set, keep the run's directory (daemon logs, record files, configs, `timeline.txt`)
 //!   even when it passes; a failing run always keeps it;
-//! - `KMQD_CHAOS_STRICT`: when set, runs explained only by a known kmqd defect ([`zombie_wake_up`]) fail the run
-//!   instead of being reported.
 //!
 //! Topology: one private redis-server with the append-only file on and `appendfsync always` (with `everysec` a
 //! SIGKILL may lose acknowledged writes, which is Redis's documented behaviour, not kmqd's). The daemons and the
@@ -1307,12 +1305,11 @@ fn check_runs(
 
 /// Whether `run` started on a daemon in the second after it woke from a pause past its lease (a zombie).
 ///
-/// A **kmqd defect** (found by this suite, not fixed here): a daemon woken after its lease ran out can start
-/// tasks it had claimed before the pause and that were waiting for a worker, in the few milliseconds before its
-/// heartbeat finds the lease gone and forgets them, although the monitors have already handed them to other
-/// daemons, which may be running them at that moment. docs/RELIABILITY.md says such a daemon forgets its tasks
-/// when it wakes; it starts some of them first. Such runs are reported (`zombie wake-ups`), and fail the run only
-/// with `KMQD_CHAOS_STRICT` set, so that the suite guards everything else meanwhile.
+/// Such a run is a violation: a daemon woken after its lease ran out must not start the tasks it had claimed
+/// before the pause and that were waiting for a worker (the monitors handed them to other daemons meanwhile). This
+/// suite found kmqd doing it, in the milliseconds before its heartbeat found the lease gone; workers now start a
+/// safe-mode task only while its lease is surely live (`Ownership::may_start`), and
+/// `faults::a_daemon_woken_from_a_pause_past_its_lease_starts_none_of_the_tasks_it_lost` pins it.
 fn zombie_wake_up(events: &[Event], run: Run) -> bool {
     events.iter().any(|event| {
         event.what == What::Fault(Kind::Zombie)
@@ -1784,13 +1781,8 @@ fn report(
     for text in check.over_runs.iter().chain(&check.over_attempts) {
         world.violation(format!("over-run: {text}"));
     }
-    let strict = std::env::var_os("KMQD_CHAOS_STRICT").is_some_and(|v| !v.is_empty());
     for text in &check.zombie_wake_ups {
-        if strict {
-            world.violation(format!("zombie wake-up (known kmqd defect): {text}"));
-        } else {
-            world.say(&format!("known kmqd defect, zombie wake-up: {text}"));
-        }
+        world.violation(format!("zombie wake-up: {text}"));
     }
 
     // Final states.
@@ -2036,13 +2028,8 @@ fn report(
     let _ = writeln!(out, "  lost          {}", lost.len());
     let _ = writeln!(
         out,
-        "  known defect  {} runs started by a zombie as it woke, of tasks already handed to other daemons{}",
+        "  zombie starts {} runs started by a daemon as it woke, of tasks already handed to other daemons",
         check.zombie_wake_ups.len(),
-        if strict {
-            " (KMQD_CHAOS_STRICT: violations)"
-        } else {
-            " (reported, not failed; KMQD_CHAOS_STRICT=1 fails on them)"
-        }
     );
     let _ = writeln!(
         out,

@@ -497,10 +497,8 @@ fn a_poison_pill_is_dead_lettered_alone_and_its_neighbours_complete() {
         s.failed, 4,
         "only the pill's runs alone count as failed: {s:?}"
     );
-    assert!(
-        restarts >= 6,
-        "two crashes in company, four alone: {restarts}"
-    );
+    // Two crashes in company, one in a quarantined group of 64, one in a group of 8, four alone.
+    assert!(restarts >= 8, "{restarts}");
 }
 
 fn push_unique(config: &std::path::Path, id: &str, data: &str) -> bool {

@@ -140,7 +140,8 @@ fn a_drain_under_client_kill_loses_nothing_and_keeps_going() {
         &redis,
         &safe_queue("workers = 4\nbatch = 100\nprefetch = 200"),
     );
-    push_many(&config, "k", 5000, "{}");
+    // Each task takes a millisecond: the drain outlasts many kills.
+    push_many(&config, "k", 5000, r#"{"sleep_ms":1}"#);
     let daemon = TestDaemon::start(&config);
     let mut kills = 0;
     let s = eventually(Duration::from_secs(60), "the drain to end", || {

@@ -553,3 +553,75 @@ fn monitors_racing_on_the_same_leases_recover_each_task_once() {
     let owners: i64 = redis.cmd(&["ZCARD", "kmq:{jobs}:owners"]);
     assert_eq!(owners, 0, "every dead owner forgotten");
 }
+
+#[test]
+fn a_quarantined_group_is_claimed_alone_and_nothing_is_claimed_beside_it() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let path = dir.config(&redis, &safe("prefetch = 8"));
+    let config = Config::load(&path).unwrap();
+    let queue = context(&config);
+    // A task that came back four times (it runs alone) and two in the ready list.
+    let suspect = r#"{"id":"suspect","type":"test","recovered":4}"#;
+    let _: i64 = redis.cmd(&["RPUSH", "kmq:{jobs}:quarantine:1:normal", suspect]);
+    client(&path)
+        .push_batch(
+            "jobs",
+            ["r1", "r2"].map(|id| NewTask::new("test", "{}").unwrap().id(id)),
+        )
+        .unwrap();
+    let mut connection = redis.connection();
+    let lease = Duration::from_secs(30);
+    let batch = dead_daemon_claims(&mut connection, &queue, "d.1", 0, 10, lease);
+    let ids = |batch: &broker::Batch| -> Vec<String> {
+        batch
+            .tasks
+            .iter()
+            .map(|t| {
+                kmqd::task::Envelope::decode(std::str::from_utf8(&t.payload).unwrap())
+                    .unwrap()
+                    .id
+                    .unwrap()
+                    .into_owned()
+            })
+            .collect()
+    };
+    assert_eq!(
+        ids(&batch),
+        ["suspect"],
+        "the group alone, nothing beside it"
+    );
+    assert_eq!(batch.isolation, broker::Isolation::Group);
+    let waiting = claim_as(&mut connection, &queue, "d.1", 10, 10).unwrap();
+    assert_eq!(
+        (waiting.tasks.len(), waiting.isolation),
+        (0, broker::Isolation::Waiting),
+        "nothing more while the group is held"
+    );
+    // Settled: the next claim takes the ready tasks.
+    let ack = Settlement {
+        op: SettleOp::Ack,
+        token: batch.tasks[0].token.clone(),
+        unique_id: None,
+        level: 0,
+        payload: Vec::new(),
+        failed: false,
+    };
+    let call = broker::Call {
+        settler: "test:acker",
+        number: 1,
+    };
+    broker::settle(
+        &mut connection,
+        &queue.keys,
+        &call,
+        Fence::Owner,
+        100,
+        Some("d.1"),
+        &[ack],
+    )
+    .unwrap();
+    let next = claim_as(&mut connection, &queue, "d.1", 20, 10).unwrap();
+    assert_eq!(ids(&next), ["r1", "r2"]);
+    assert_eq!(next.isolation, broker::Isolation::None);
+}

@@ -1,22 +1,31 @@
 #!lua
--- claim.lua: safe mode. Atomically take up to ARGV[2] tasks into the owner's processing hashes: first, when the
--- owner runs no quarantined task, one quarantined task (to run alone), then ready tasks, highest priority first.
--- The owner's lease (one per daemon, renewed by its heartbeat) covers all of them.
+-- claim.lua: safe mode. Atomically take up to ARGV[2] tasks into the owner's processing hashes, under the owner's
+-- lease (one per daemon, renewed by its heartbeat).
 --
 -- KEYS[1] owners zset (owner -> lease deadline ms), KEYS[2] wake list, KEYS[3] the owner's info hash,
 -- KEYS[4] dead list, KEYS[5] stats hash,
--- KEYS[6 .. 5+L] ready lists, KEYS[6+L .. 5+2L] quarantine lists, KEYS[6+2L .. 5+3L] the owner's processing
--- hashes (token -> envelope), all in level order
+-- KEYS[6 .. 5+L] ready lists, KEYS[6+L .. 5+4L] quarantine lists (group sizes 1, 8, 64, each over the levels),
+-- KEYS[6+4L .. 5+5L] the owner's processing hashes (token -> envelope), levels in order
 -- ARGV[1] owner; ARGV[2] the most tasks to take; ARGV[3] max_task_bytes; ARGV[4] dead list bound;
 -- ARGV[5] queue name; ARGV[6] daemon (host:pid, for dead records); ARGV[7 ..] at least ARGV[2] tokens, unique
 -- within the owner and increasing from call to call
--- Returns {now_ms, isolated level (0: none), isolated envelope (or false), {envelopes of level 1}, ...,
--- {envelopes of level L}}: the isolated task, if any, was stored under token ARGV[7], and the k-th envelope of
--- the level lists overall under the next tokens in order.
+-- Returns {now_ms, state, group level, {group envelopes}, {envelopes of level 1}, ..., {envelopes of level L}}:
+--   state 0: ready tasks were claimed (level lists), highest level first;
+--   state 1: a quarantined group was claimed, alone (group envelopes, all of `group level`);
+--   state 2: nothing was claimed, because this owner must hold nothing while it runs a quarantined group, and
+--            it still holds tasks (the caller waits for them to be settled, then claims again);
+-- the k-th envelope returned overall (group first) was stored under token ARGV[6 + k].
 -- Fails with "LEASELOST ..." when the owner's lease is gone or past: its tasks then belong to the monitors, and
--- the daemon must register a new owner; with "FENCED ..." when ARGV[7] is below the owner's floor, which adopt.lua
--- raised after this call's reply was given up for lost: the call then takes nothing, so its tokens cannot
--- strand tasks.
+-- the daemon must register a new owner; with "FENCED ..." when ARGV[7] is below the owner's floor, which
+-- adopt.lua raised after this call's reply was given up for lost: the call then takes nothing, so its tokens
+-- cannot strand tasks.
+--
+-- Quarantine. A task that came back twice from an expired lease waits in a quarantine list. An owner takes a
+-- group from the most suspect non-empty list (alone first, then groups of 8, then of 64) only when it holds
+-- nothing, and claims nothing else until that group is settled (the info hash's `group` records its size): if
+-- the daemon dies meanwhile, the crash is the group's. Its tasks then come back in smaller groups, and a task
+-- that crashes its daemon running alone is charged for it (monitor.rs). While quarantined tasks wait, an owner
+-- claims no ready task: it finishes what it holds, then runs a group.
 --
 -- A payload longer than max_task_bytes is never handed to a daemon: it goes straight to the dead list, kept
 -- whole (as a JSON string) with its size in the reason.
@@ -25,8 +34,9 @@
 -- here), no table is made per task unless a payload is too large, and counters replace `#t` (which is O(log n)
 -- in Lua 5.1). Returning the envelopes joined into one string would spare the client's parser, but costs Redis
 -- more than it saves (measured: docs/PERFORMANCE.md).
-local levels = (#KEYS - 5) / 3
-local READY, QUARANTINE, PROCESSING = 5, 5 + levels, 5 + 2 * levels
+local levels = (#KEYS - 5) / 5
+local READY, QUARANTINE, PROCESSING = 5, 5 + levels, 5 + 4 * levels
+local GROUPS = {1, 8, 64}
 local owner, max, max_bytes = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -34,17 +44,16 @@ local lease = redis.call('ZSCORE', KEYS[1], owner)
 if not lease or tonumber(lease) <= now then
   return redis.error_reply('LEASELOST owner ' .. owner .. ' has no live lease')
 end
-local info = redis.call('HMGET', KEYS[3], 'floor', 'isolated')
+local info = redis.call('HMGET', KEYS[3], 'floor', 'group')
 if info[1] and tonumber(ARGV[7]) < tonumber(info[1]) then
   return redis.error_reply('FENCED claim with token ' .. ARGV[7] .. ' below the floor ' .. info[1])
 end
-for i = 1, levels do
-  local expected = {[KEYS[READY + i]] = 'list', [KEYS[QUARANTINE + i]] = 'list', [KEYS[PROCESSING + i]] = 'hash'}
-  for key, kind in pairs(expected) do
-    local found = redis.call('TYPE', key).ok
-    if found ~= 'none' and found ~= kind then
-      return redis.error_reply('WRONGTYPE claim.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind)
-    end
+for i = 6, #KEYS do
+  local found = redis.call('TYPE', KEYS[i]).ok
+  local kind = 'list'
+  if i > PROCESSING then kind = 'hash' end
+  if found ~= 'none' and found ~= kind then
+    return redis.error_reply('WRONGTYPE claim.lua: ' .. KEYS[i] .. ' is a ' .. found .. ', not a ' .. kind)
   end
 end
 
@@ -57,89 +66,100 @@ local function dead_oversized(payload)
     string.format('%d', #payload) .. ',"daemon":' .. cjson.encode(ARGV[6]) .. ',"task":' .. cjson.encode(payload) ..
     '}')
 end
-
-local result = {now, 0, false}
-local taken = 0
-if max > 0 then
-  -- One quarantined task at a time per owner: it runs while the owner runs no other, so if the daemon dies
-  -- meanwhile, the monitors know which task to charge (monitor: LeaseExpired { ran_alone }).
-  local busy = false
-  if info[2] then
-    local colon = string.find(info[2], ':', 1, true)
-    local level = tonumber(string.sub(info[2], 1, colon - 1))
-    if level and level <= levels then
-      busy = redis.call('HEXISTS', KEYS[PROCESSING + level], string.sub(info[2], colon + 1)) == 1
+local function finish(result)
+  if dead_lettered > 0 then
+    redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[4]) - 1)
+    redis.call('HINCRBY', KEYS[5], 'dead_lettered', dead_lettered)
+  end
+  return result
+end
+-- Drops the payloads over max_task_bytes from a popped list (copying it only when there is one).
+local function keep_small(got)
+  for k = 1, #got do
+    if #got[k] > max_bytes then
+      local kept = {}
+      for j = 1, #got do
+        if #got[j] > max_bytes then dead_oversized(got[j]) else kept[#kept + 1] = got[j] end
+      end
+      return kept
     end
   end
-  local i = 1
-  while not busy and i <= levels do
-    local payload = false
-    if redis.call('LLEN', KEYS[QUARANTINE + i]) > 0 then
-      payload = redis.call('LPOP', KEYS[QUARANTINE + i])
-    end
-    if payload and #payload > max_bytes then
-      dead_oversized(payload)
-    elseif payload then
-      redis.call('HSET', KEYS[PROCESSING + i], ARGV[7], payload)
-      redis.call('HSET', KEYS[3], 'isolated', i .. ':' .. ARGV[7])
-      result[2], result[3] = i, payload
-      taken = 1
-      busy = true
-    else
-      i = i + 1
+  return got
+end
+local function empty(state, level, group)
+  local result = {now, state, level, group}
+  for i = 1, levels do result[4 + i] = {} end
+  return result
+end
+-- Stores `got` under the tokens from the `taken`-th on.
+local function store(level, got, taken)
+  local fields = {}
+  for k = 1, #got do
+    fields[2 * k - 1] = ARGV[6 + taken + k]
+    fields[2 * k] = got[k]
+  end
+  redis.call('HSET', KEYS[PROCESSING + level], unpack(fields))
+end
+
+local holds = false
+for i = 1, levels do
+  if redis.call('HLEN', KEYS[PROCESSING + i]) > 0 then
+    holds = true
+    break
+  end
+end
+if info[2] then
+  if holds then
+    return empty(2, 0, {})
+  end
+  redis.call('HDEL', KEYS[3], 'group')
+end
+for stage = 1, 3 do
+  for i = 1, levels do
+    local list = KEYS[QUARANTINE + (stage - 1) * levels + i]
+    if redis.call('LLEN', list) > 0 then
+      if holds then
+        return finish(empty(2, 0, {}))
+      end
+      local got = false
+      if max > 0 then got = redis.call('LPOP', list, math.min(GROUPS[stage], max)) end
+      got = keep_small(got or {})
+      if #got == 0 then
+        return finish(empty(0, 0, {}))
+      end
+      store(i, got, 0)
+      redis.call('HSET', KEYS[3], 'group', GROUPS[stage])
+      return finish(empty(1, i, got))
     end
   end
 end
+
+local result = {now, 0, 0, {}}
+local taken = 0
 for i = 1, levels do
   local got = false
   if taken < max then
     got = redis.call('LPOP', KEYS[READY + i], max - taken)
   end
   if got then
-    local oversized = false
-    for k = 1, #got do
-      if #got[k] > max_bytes then
-        oversized = true
-        break
-      end
-    end
-    if oversized then
-      local kept = {}
-      for k = 1, #got do
-        if #got[k] > max_bytes then
-          dead_oversized(got[k])
-        else
-          kept[#kept + 1] = got[k]
-        end
-      end
-      got = kept
-    end
+    got = keep_small(got)
     if #got > 0 then
-      local fields = {}
-      for k = 1, #got do
-        fields[2 * k - 1] = ARGV[6 + taken + k]
-        fields[2 * k] = got[k]
-      end
-      redis.call('HSET', KEYS[PROCESSING + i], unpack(fields))
+      store(i, got, taken)
       taken = taken + #got
     end
-    result[3 + i] = got
+    result[4 + i] = got
   else
-    result[3 + i] = {}
+    result[4 + i] = {}
   end
-end
-if dead_lettered > 0 then
-  redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[4]) - 1)
-  redis.call('HINCRBY', KEYS[5], 'dead_lettered', dead_lettered)
 end
 if taken == max then
   -- The queue may hold more than this fetcher can take: pass the wake-up on to another idle fetcher.
   for i = 1, levels do
-    if redis.call('LLEN', KEYS[READY + i]) > 0 or redis.call('LLEN', KEYS[QUARANTINE + i]) > 0 then
+    if redis.call('LLEN', KEYS[READY + i]) > 0 then
       redis.call('LPUSH', KEYS[2], 1)
       redis.call('LTRIM', KEYS[2], 0, 0)
       break
     end
   end
 end
-return result
+return finish(result)

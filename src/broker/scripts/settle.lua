@@ -5,8 +5,9 @@
 -- KEYS[1] owners zset, KEYS[2] stats hash, KEYS[3] dead list, KEYS[4] unique hash, KEYS[5] wake list,
 -- KEYS[6] the settling party's last call (a string, see "Calls" below), KEYS[7] the unique-popped hash (default
 -- mode: unique id -> the owner that popped it),
--- KEYS[8 .. 7+L] ready lists, KEYS[8+L .. 7+2L] retry zsets, KEYS[8+2L .. 7+3L] quarantine lists, and in safe
--- mode KEYS[8+3L .. 7+4L] the processing hashes of the owner whose tasks these are (all in level order)
+-- KEYS[8 .. 7+L] ready lists, KEYS[8+L .. 7+2L] retry zsets, KEYS[8+2L .. 7+5L] quarantine lists (stages 1, 2, 3
+-- for groups of 1, 8 and 64, each over the levels), and in safe mode KEYS[8+5L .. 7+6L] the processing hashes of
+-- the owner whose tasks these are (all in level order)
 -- ARGV[1] fence: "owner" (the owner settles its own tasks) or "expired" (a monitor settles the tasks of an owner
 --         whose lease ran out; nothing is applied unless it has)
 -- ARGV[2] dead list bound; ARGV[3] number of levels L; ARGV[4] the delay poller's channel; ARGV[5] the owner
@@ -17,10 +18,11 @@
 --   op "ack":   done; the token leaves the processing area
 --   op "retry": payload (the envelope with attempt + 1) goes to the front of its ready list now (delay 0) or
 --               to the level's retry zset, due in delay ms; counted in "retried"
---   op "retry_isolated": as "retry" with no delay, to the front of the level's quarantine list
+--   op "retry_isolated": as "retry" with no delay, to the front of the level's quarantine list of stage
+--               "delay" (a crash while the task ran alone: stage 1)
 --   op "recover": an expired lease's task, uncharged: payload (recovered + 1) to the front of its ready list;
 --               counted in "recovered"
---   op "recover_isolated": as "recover", to the front of the level's quarantine list
+--   op "recover_isolated": as "recover", to the front of the level's quarantine list of stage "delay"
 --   op "back":  handed back at shutdown: payload goes to the front of its ready list, attempt unchanged; its
 --               unique id, if any, stays held (the task waits again) but no longer by the popping owner
 --   op "dead":  payload (a dead record, a JSON object) is pushed on the dead list with "dead_at" stamped
@@ -40,7 +42,7 @@ local owners, stats, dead, uniq, wake, last_call = KEYS[1], KEYS[2], KEYS[3], KE
 local popped = KEYS[7]
 local fence, dead_max, levels, channel, owner = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local call = ARGV[6]
-local READY, RETRY, QUARANTINE, PROCESSING = 7, 7 + levels, 7 + 2 * levels, 7 + 3 * levels
+local READY, RETRY, QUARANTINE, PROCESSING = 7, 7 + levels, 7 + 2 * levels, 7 + 5 * levels
 local OPS = {ack = true, retry = true, retry_isolated = true, recover = true, recover_isolated = true,
   back = true, dead = true}
 
@@ -61,7 +63,9 @@ local expected = {[owners] = 'zset', [stats] = 'hash', [dead] = 'list', [uniq] =
 for level = 1, levels do
   expected[KEYS[READY + level]] = 'list'
   expected[KEYS[RETRY + level]] = 'zset'
-  expected[KEYS[QUARANTINE + level]] = 'list'
+  for stage = 0, 2 do
+    expected[KEYS[QUARANTINE + stage * levels + level]] = 'list'
+  end
   if KEYS[PROCESSING + level] then expected[KEYS[PROCESSING + level]] = 'hash' end
 end
 for key, kind in pairs(expected) do
@@ -134,7 +138,7 @@ while i <= #ARGV do
       end
     elseif op == 'retry_isolated' or op == 'recover_isolated' then
       if op == 'retry_isolated' then retried = retried + 1 else recovered = recovered + 1 end
-      redis.call('LPUSH', KEYS[QUARANTINE + level], payload)
+      redis.call('LPUSH', KEYS[QUARANTINE + (delay - 1) * levels + level], payload)
       wake_fetchers = true
     elseif op == 'retry' or op == 'back' or op == 'recover' then
       if op == 'retry' then

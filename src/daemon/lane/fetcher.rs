@@ -22,13 +22,16 @@ use crossbeam_channel::Sender;
 
 use super::Lane;
 use super::resolve::{Job, JobState, Taken};
-use crate::broker::{self, Batch, BrokerError, OwnerInfo, Session};
+use crate::broker::{self, Batch, BrokerError, Isolation, OwnerInfo, Session};
 use crate::config::Mode;
 use crate::retry::{Backoff, Trouble};
 use crate::shutdown::Listener;
 
 /// The smallest claim (tokens sent) after an empty or small one.
 const MIN_CLAIM: usize = 16;
+
+/// How often a fetcher waiting to run a quarantined group looks whether its lane holds nothing any more.
+const ISOLATION_POLL: Duration = Duration::from_millis(5);
 
 /// How long the fetcher waits for capacity before it looks at the shutdown flag again.
 const CAPACITY_WAIT: Duration = Duration::from_millis(200);
@@ -77,7 +80,7 @@ impl Fetcher {
             started_at_ms: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |since| since.as_millis() as i64),
-            isolated: None,
+            group: None,
         };
         let trouble = Trouble::new("fetching tasks", Some(&config.name));
         Fetcher {
@@ -242,6 +245,17 @@ impl Fetcher {
         self.claim_size = (batch.tasks.len() * 2)
             .max(MIN_CLAIM)
             .min(queue.config.batch);
+        if batch.isolation == Isolation::Waiting {
+            // Quarantined tasks wait to run in a group with nothing else: settle what this lane holds first (no Redis
+            // call meanwhile).
+            let until = Instant::now() + queue.config.idle_poll;
+            while !lane.held.is_empty() && Instant::now() < until {
+                if self.claiming.wait(ISOLATION_POLL) {
+                    break;
+                }
+            }
+            return Ok(batch);
+        }
         if batch.tasks.is_empty() && !self.claiming.is_triggered() {
             // A marker means "something was pushed": the next round claims it. No marker within idle_poll: the
             // next round looks anyway, which picks up producers that push no marker.
