@@ -592,10 +592,12 @@ fn read_starts(path: &Path, offset: u64, starts: &mut HashMap<String, u64>) -> R
 
 /// Waits until a fetcher of the daemon blocks in Redis (it has gone idle).
 fn wait_idle(bench: &Bench, mode: &str) -> Result<(), String> {
-    let command = if mode == "safe" {
-        "cmd=blpop"
+    // Safe mode blocks on the wake-up list; default mode on its one ready list (BLMOVE; builds before
+    // 2026-12 used BLMPOP, which `--daemon` may still run).
+    let commands: &[&str] = if mode == "safe" {
+        &["cmd=blpop"]
     } else {
-        "cmd=blmpop"
+        &["cmd=blmove", "cmd=blmpop"]
     };
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut connection = bench.redis()?;
@@ -604,7 +606,7 @@ fn wait_idle(bench: &Bench, mode: &str) -> Result<(), String> {
             .arg("LIST")
             .query(&mut connection)
             .map_err(|e| e.to_string())?;
-        if clients.contains(command) {
+        if commands.iter().any(|command| clients.contains(command)) {
             return Ok(());
         }
         if Instant::now() > deadline {

@@ -30,9 +30,9 @@ pub use owners::{OwnerInfo, owner_info, owners, register, release, renew};
 pub use schedule::{Fired, fire, schedule_state};
 pub use stats::{QueueStats, check_protocol, stats};
 pub use tasks::{
-    Batch, Call, ClaimLimits, Due, Fence, Isolation, PushItem, SettleOp, Settled, Settlement,
-    Taken, adopt, claim, pop, promote, push, release_unique, scan_processing, settle, wait_idle,
-    wait_wake,
+    Batch, Call, ClaimLimits, Due, Fence, Isolation, Popper, PushItem, SettleOp, Settled,
+    Settlement, Taken, adopt, claim, promote, push, release_unique, scan_processing, settle,
+    wait_idle, wait_wake,
 };
 
 /// A Redis failure, with what was being done.
@@ -264,5 +264,24 @@ mod tests {
     fn tokens_are_written_as_their_text() {
         assert_eq!(TokenId::Seq(18_342).to_redis_args(), [b"18342".to_vec()]);
         assert_eq!(TokenId::Text("7".into()).to_redis_args(), [b"7".to_vec()]);
+    }
+
+    /// The body of a script's `local function NAME` (up to its closing `end` at the start of a line).
+    fn lua_function<'a>(script: &'a str, name: &str) -> &'a str {
+        let start = script
+            .find(&format!("local function {name}("))
+            .unwrap_or_else(|| panic!("no function {name}"));
+        let end = script[start..].find("\nend\n").expect("its end") + start;
+        &script[start..end]
+    }
+
+    /// push.lua is published whole (producers EVAL the file), so fire.lua cannot include its `created_at`
+    /// splice and carries a copy; the copy must stay the same function.
+    #[test]
+    fn push_and_fire_stamp_created_at_with_the_same_function() {
+        assert_eq!(
+            lua_function(PUSH_SCRIPT, "stamped"),
+            lua_function(sources::FIRE, "stamped")
+        );
     }
 }

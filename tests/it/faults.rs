@@ -552,6 +552,96 @@ fn a_unique_id_lost_with_a_default_mode_daemon_is_freed_after_its_lease() {
     second.stop();
 }
 
+/// Who holds the popped unique id `id` (the unique-popped hash), if anyone.
+fn unique_popper(redis: &RedisServer, id: &str) -> Option<String> {
+    redis.cmd(&["HGET", "kmq:{jobs}:unique-popped", id])
+}
+
+/// A default queue of one worker whose first pop takes 100 slow tasks (the daemon pops plainly after a big
+/// batch, while the queue holds no unique id), a unique task's data that runs until `release` exists, and the
+/// config's path.
+fn busy_default_queue(
+    dir: &TestDir,
+    redis: &str,
+) -> (std::path::PathBuf, String, std::path::PathBuf) {
+    let queue = default_queue("workers = 1\nbatch = 100\nprefetch = 100");
+    let config = dir.config_raw(redis, "shutdown_grace = \"5s\"", &queue);
+    push_many(&config, "slow", 100, r#"{"sleep_ms":10}"#);
+    let release = dir.path("release");
+    let held = format!(r#"{{"wait_for_file":"{}"}}"#, release.display());
+    (config, held, release)
+}
+
+#[test]
+fn a_unique_task_pushed_to_a_busy_default_queue_is_popped_with_its_id_recorded() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let (config, held, release) = busy_default_queue(&dir, &format!("url = \"{}\"", redis.url()));
+    let daemon = TestDaemon::start(&config);
+    eventually(Duration::from_secs(10), "the first batch to run", || {
+        (dir.records().runs_of("slow0") == 1, ())
+    });
+    assert!(push_unique(&config, "u", &held));
+    eventually(Duration::from_secs(20), "the run to start", || {
+        (dir.records().runs_of("u") == 1, ())
+    });
+    assert!(
+        unique_popper(&redis, "u").is_some_and(|owner| !owner.is_empty()),
+        "popped without its id recorded: a daemon lost with the task would leak it"
+    );
+    std::fs::write(&release, "").unwrap();
+    wait_done(&config, 101, Duration::from_secs(20));
+    assert_eq!(unique_popper(&redis, "u"), None, "forgotten once settled");
+    daemon.stop();
+}
+
+#[test]
+fn a_unique_task_pushed_between_a_plain_pops_check_and_its_pop_is_popped_with_its_id_recorded() {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let (config, held, release) = busy_default_queue(&dir, &through(&proxy));
+    let direct = dir.config_named(
+        "direct.toml",
+        &format!("url = \"{}\"", redis.url()),
+        "",
+        &default_queue(""),
+        &dir.record_file(),
+    );
+    // The push lands when the proxy reads the first plain pop's EXEC, before it reaches Redis: after the pop's
+    // WATCH and HLEN (which found no unique id) and before its LMPOP runs. (A matcher that never matches, for
+    // its side effect; the push goes straight to Redis, not through the proxy, whose lock the matcher holds.)
+    let armed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let fired = std::sync::Arc::clone(&armed);
+    let _rule = proxy.add(Fault::DropReply {
+        matching: Matcher::new(move |args| {
+            if args[0].eq_ignore_ascii_case(b"EXEC")
+                && fired.swap(false, std::sync::atomic::Ordering::SeqCst)
+            {
+                assert!(push_unique(&direct, "u", &held));
+            }
+            false
+        }),
+        nth: 1,
+        then: AfterDrop::Close,
+    });
+    let daemon = TestDaemon::start(&config);
+    eventually(Duration::from_secs(20), "the run to start", || {
+        (dir.records().runs_of("u") == 1, ())
+    });
+    assert!(
+        !armed.load(std::sync::atomic::Ordering::SeqCst),
+        "the push landed inside a plain pop"
+    );
+    assert!(
+        unique_popper(&redis, "u").is_some_and(|owner| !owner.is_empty()),
+        "popped without its id recorded: a daemon lost with the task would leak it"
+    );
+    std::fs::write(&release, "").unwrap();
+    wait_done(&config, 101, Duration::from_secs(20));
+    daemon.stop();
+}
+
 const SIGSTOP: i32 = 19;
 const SIGCONT: i32 = 18;
 

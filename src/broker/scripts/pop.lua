@@ -7,11 +7,13 @@
 -- KEYS[1] unique hash, KEYS[2] unique-popped hash (id -> owner), KEYS[3 ..] the lists to pop from, in order
 -- (quarantine then ready, per level)
 -- ARGV[1] owner; ARGV[2] the most tasks to take
--- Returns {now_ms, index of the list popped (1-based among KEYS[3 ..], 0: all empty), {payloads}}.
+-- Returns {now_ms, index of the list popped (1-based among KEYS[3 ..], 0: all empty), {payloads}, the number of
+-- unique ids held in the queue}.
 --
--- This is default mode's hot path: with no unique id held in the queue the payloads are passed through
--- untouched. (Payloads over max_task_bytes are dead-lettered by the daemon: in default mode a pop has read them
--- anyway.)
+-- The daemon calls this only while unique ids are held in the queue; otherwise it pops with a plain LMPOP in a
+-- transaction guarded by WATCH on the unique hash (Popper in src/broker/tasks.rs), which spares Redis converting
+-- every payload into a Lua string and back. (Payloads over max_task_bytes are dead-lettered by the daemon: in
+-- default mode a pop has read them anyway.)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local args = {#KEYS - 2}
@@ -20,8 +22,9 @@ for i = 3, #KEYS do
 end
 args[#args + 1], args[#args + 2], args[#args + 3] = 'LEFT', 'COUNT', ARGV[2]
 local popped = redis.call('LMPOP', unpack(args))
+local held = redis.call('HLEN', KEYS[1])
 if not popped then
-  return {now, 0, {}}
+  return {now, 0, {}, held}
 end
 local index = 0
 for i = 3, #KEYS do
@@ -31,7 +34,7 @@ for i = 3, #KEYS do
   end
 end
 local items = popped[2]
-if redis.call('HLEN', KEYS[1]) > 0 then
+if held > 0 then
   for k = 1, #items do
     -- Decoding costs, so only where a unique id may be held and the payload says "unique".
     if string.find(items[k], '"unique"', 1, true) then
@@ -43,4 +46,4 @@ if redis.call('HLEN', KEYS[1]) > 0 then
     end
   end
 end
-return {now, index, items}
+return {now, index, items, held}

@@ -50,6 +50,8 @@ pub struct Fetcher {
     registering: Option<Arc<str>>,
     /// Safe mode: a claim whose reply was lost. Its capacity stays reserved until adopted.
     lost_claim: Option<LostClaim>,
+    /// Default mode: pops, plain or through pop.lua (whichever the queue's unique ids allow).
+    popper: broker::Popper,
     /// What this daemon registers about each of its owners.
     info: OwnerInfo,
     trouble: Trouble,
@@ -91,6 +93,7 @@ impl Fetcher {
             jobs,
             registering: None,
             lost_claim: None,
+            popper: broker::Popper::default(),
             info,
             trouble,
         }
@@ -196,7 +199,7 @@ impl Fetcher {
         let lane = Arc::clone(&self.lane);
         let queue = &lane.queue;
         let connection = self.connection.get()?;
-        let popped = broker::pop(connection, &queue.keys, &owner, free);
+        let popped = self.popper.pop(connection, &queue.keys, &owner, free);
         match &popped {
             Ok(batch) if batch.tasks.is_empty() && !self.claiming.is_triggered() => {
                 let idle = queue.config.idle_poll;

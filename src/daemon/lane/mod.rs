@@ -25,12 +25,12 @@ pub mod fetcher;
 pub mod resolve;
 pub mod worker;
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, TrySendError};
+use rustc_hash::FxHashMap;
 
 use crate::config::QueueConfig;
 use crate::queue::QueueContext;
@@ -145,7 +145,7 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 /// settled batch (remove); a task's phase is an atomic in its [`JobState`], shared with the worker.
 #[derive(Debug, Default)]
 pub struct Held {
-    entries: Mutex<HashMap<JobId, Arc<JobState>>>,
+    entries: Mutex<FxHashMap<JobId, Arc<JobState>>>,
     next_id: AtomicU64,
 }
 
@@ -264,11 +264,11 @@ impl Ownership {
         }
     }
 
-    /// Whether a task claimed under `owner` may start now: it is the current owner and its lease is surely live.
-    pub fn may_start(&self, owner: &Arc<str>) -> bool {
+    /// Whether a task claimed under `owner` may start at `now`: it is the current owner and its lease is surely live.
+    pub fn may_start(&self, owner: &Arc<str>, now: Instant) -> bool {
         lock(&self.current).as_ref().is_some_and(|current| {
             (Arc::ptr_eq(&current.owner, owner) || current.owner == *owner)
-                && Instant::now() < current.good_until
+                && now < current.good_until
         })
     }
 
@@ -296,20 +296,21 @@ mod tests {
     fn a_task_starts_only_while_its_owner_is_current_and_its_lease_surely_live() {
         let ownership = Ownership::new("h-1-2-ab");
         let owner = ownership.new_id();
-        assert!(!ownership.may_start(&owner), "not registered yet");
+        let t0 = Instant::now();
+        assert!(!ownership.may_start(&owner, t0), "not registered yet");
         let lease = Duration::from_millis(50);
-        ownership.set(Arc::clone(&owner), Instant::now(), lease);
-        assert!(ownership.may_start(&owner));
-        assert!(!ownership.may_start(&Arc::from("someone-else.1")));
-        std::thread::sleep(lease);
+        ownership.set(Arc::clone(&owner), t0, lease);
+        assert!(ownership.may_start(&owner, t0));
+        assert!(!ownership.may_start(&Arc::from("someone-else.1"), t0));
+        let later = t0 + lease;
         assert!(
-            !ownership.may_start(&owner),
+            !ownership.may_start(&owner, later),
             "past the lease, as after a pause"
         );
-        ownership.renewed(&owner, Instant::now(), lease);
-        assert!(ownership.may_start(&owner), "renewed");
+        ownership.renewed(&owner, later, lease);
+        assert!(ownership.may_start(&owner, later), "renewed");
         assert!(ownership.lose(&owner));
-        assert!(!ownership.may_start(&owner));
+        assert!(!ownership.may_start(&owner, later));
     }
 
     #[test]

@@ -114,9 +114,11 @@ impl JobState {
     }
 
     /// A worker is about to run the task; false when someone took it first (it must not run).
-    pub fn start(&self) -> bool {
-        self.started_ns
-            .store(self.epoch.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    pub fn start(&self, now: Instant) -> bool {
+        self.started_ns.store(
+            now.saturating_duration_since(self.epoch).as_nanos() as u64,
+            Ordering::Relaxed,
+        );
         self.phase
             .compare_exchange(WAITING, RUNNING, Ordering::AcqRel, Ordering::Acquire)
             .is_ok()
@@ -383,7 +385,7 @@ mod tests {
     fn a_waiting_task_taken_is_never_started() {
         let state = job();
         assert_eq!(state.take(), Some(Taken::Waiting));
-        assert!(!state.start(), "the worker skips it");
+        assert!(!state.start(Instant::now()), "the worker skips it");
         assert_eq!(state.take(), None, "and nobody takes it twice");
         assert_eq!(state.cancel.load(Ordering::SeqCst), 0);
     }
@@ -391,7 +393,7 @@ mod tests {
     #[test]
     fn a_running_task_taken_drops_the_workers_outcome_and_raises_cancel() {
         let state = job();
-        assert!(state.start());
+        assert!(state.start(Instant::now()));
         assert!(state.running_for().is_some());
         assert_eq!(state.take(), Some(Taken::Running));
         assert_eq!(state.cancel.load(Ordering::SeqCst), 1);
@@ -403,7 +405,7 @@ mod tests {
     #[test]
     fn a_stuck_worker_is_counted_once_and_given_back_when_it_returns() {
         let state = job();
-        assert!(state.start());
+        assert!(state.start(Instant::now()));
         assert_eq!(state.take(), Some(Taken::Running));
         assert!(state.mark_stuck());
         assert!(!state.mark_stuck(), "counted once");
@@ -414,7 +416,7 @@ mod tests {
     #[test]
     fn a_worker_that_finishes_first_wins() {
         let state = job();
-        assert!(state.start());
+        assert!(state.start(Instant::now()));
         assert_eq!(state.finish(), Finished::Resolved);
         assert_eq!(state.take(), None, "the timeout comes too late");
         assert!(!state.mark_stuck());
@@ -432,7 +434,7 @@ mod loom_tests {
     /// The worker's side: start, (run), finish. Returns whether it resolved the task, and whether it gave back a
     /// stuck count.
     fn worker(state: &JobState) -> (bool, bool) {
-        if !state.start() {
+        if !state.start(Instant::now()) {
             return (false, false);
         }
         match state.finish() {
@@ -458,7 +460,7 @@ mod loom_tests {
                     Arc::clone(&ran),
                 );
                 thread::spawn(move || {
-                    let started = state.start();
+                    let started = state.start(Instant::now());
                     if started {
                         ran.fetch_add(1, Ordering::SeqCst);
                         match state.finish() {

@@ -5,7 +5,7 @@
 //! empty; after the daemon stops claiming it hands back, unstarted, whatever job it still receives.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 
@@ -45,11 +45,13 @@ impl Worker {
                 }
                 Err(TryRecvError::Disconnected) => break,
             };
-            let outcome = if !self.lease_allows(&job) || self.claiming.is_triggered() {
+            // One clock read per task: the lease check, the start time and the task's age all use it.
+            let now = Instant::now();
+            let outcome = if !self.lease_allows(&job, now) || self.claiming.is_triggered() {
                 (job.state.take() == Some(Taken::Waiting))
                     .then(|| self.lane.hand_back(job.id, &job.state))
             } else {
-                self.run_job(job, &mut message)
+                self.run_job(job, now, &mut message)
             };
             if let Some(outcome) = outcome {
                 // The acker stops only once every held task is settled, this one included, so it is there to
@@ -65,30 +67,32 @@ impl Worker {
     /// woken from a pause past its lease never starts a task the monitors may have given to another daemon. Returns
     /// false when the daemon stops meanwhile (the task is handed back); a task forgotten meanwhile (its lease was
     /// lost) is then skipped by `start`.
-    fn lease_allows(&self, job: &Job) -> bool {
+    fn lease_allows(&self, job: &Job, now: Instant) -> bool {
         let Some(token) = &job.state.token else {
             return true;
         };
         let ownership = &self.lane.ownership;
-        while !ownership.may_start(&token.owner) {
+        let mut now = now;
+        while !ownership.may_start(&token.owner, now) {
             if !job.state.is_waiting() {
                 return true;
             }
             if self.claiming.wait(LEASE_POLL) {
                 return false;
             }
+            now = Instant::now();
         }
         true
     }
 
-    fn run_job(&self, job: Job, message: &mut Vec<u8>) -> Option<Outcome> {
+    fn run_job(&self, job: Job, now: Instant, message: &mut Vec<u8>) -> Option<Outcome> {
         let queue = &self.lane.queue;
         let state = &job.state;
-        if !state.start() {
+        if !state.start(now) {
             return None;
         }
         let (verdict, envelope) = queue.judge(&state.payload, |envelope| {
-            self.verdict(&job, envelope, message)
+            self.verdict(&job, envelope, now, message)
         });
         match state.finish() {
             Finished::Resolved => {}
@@ -106,9 +110,16 @@ impl Worker {
     }
 
     /// Checks whether the task may run, runs it, and says how it went.
-    fn verdict(&self, job: &Job, envelope: &Envelope, message: &mut Vec<u8>) -> Verdict {
+    fn verdict(
+        &self,
+        job: &Job,
+        envelope: &Envelope,
+        now: Instant,
+        message: &mut Vec<u8>,
+    ) -> Verdict {
         let queue = &self.lane.queue;
-        let now_ms = job.claimed_at_ms + job.claimed_at.elapsed().as_millis() as i64;
+        let now_ms =
+            job.claimed_at_ms + now.saturating_duration_since(job.claimed_at).as_millis() as i64;
         if let Some(reason) = queue.policy.too_old(envelope.created_at, now_ms) {
             return Verdict::Unrunnable { reason };
         }
