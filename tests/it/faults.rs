@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use kmqd::NewTask;
-use kmqd::broker::sources;
+use kmqd::broker::{self, sources};
 
 use crate::support::proxy::{AfterDrop, Fault, FaultProxy, Matcher};
 use crate::support::*;
@@ -640,6 +640,40 @@ fn a_unique_task_pushed_between_a_plain_pops_check_and_its_pop_is_popped_with_it
     std::fs::write(&release, "").unwrap();
     wait_done(&config, 101, Duration::from_secs(20));
     daemon.stop();
+}
+
+/// Redis's clock, ms.
+fn redis_now_ms(redis: &RedisServer) -> i64 {
+    let (seconds, micros): (i64, i64) = redis.cmd(&["TIME"]);
+    seconds * 1000 + micros / 1000
+}
+
+#[test]
+fn a_registration_sent_again_after_a_lost_reply_renews_the_lease_from_then() {
+    // The fetcher counts a new owner's lease from when it sent the registration that succeeded: after a lost
+    // reply, from the retry. Were the lease still counted from the first send, a daemon woken from a pause
+    // could believe it live after it ran out and start tasks a monitor gave to another daemon.
+    let redis = RedisServer::start();
+    let keys = broker::QueueKeys::new("kmq", "jobs", &["default".to_string()]);
+    let mut connection = redis.connection();
+    let lease = Duration::from_secs(30);
+    let info = broker::OwnerInfo::default();
+    assert!(broker::register(&mut connection, &keys, "o.1", lease, &info).unwrap());
+    let first: i64 = redis.cmd(&["ZSCORE", "kmq:{jobs}:owners", "o.1"]);
+    eventually(Duration::from_secs(5), "Redis's clock to move on", || {
+        (
+            redis_now_ms(&redis) > first - lease.as_millis() as i64 + 10,
+            (),
+        )
+    });
+    // The retry of a registration whose reply was lost: same id, lease still live.
+    let sent = redis_now_ms(&redis);
+    assert!(broker::register(&mut connection, &keys, "o.1", lease, &info).unwrap());
+    let renewed: i64 = redis.cmd(&["ZSCORE", "kmq:{jobs}:owners", "o.1"]);
+    assert!(
+        renewed >= sent + lease.as_millis() as i64,
+        "the lease ends at {renewed}, before {sent} + the lease"
+    );
 }
 
 const SIGSTOP: i32 = 19;

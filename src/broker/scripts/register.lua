@@ -6,7 +6,8 @@
 -- ARGV[3 ..] field, value pairs for the info hash: mode, levels (comma-separated, highest first), host, pid,
 -- version, started_at (ms)
 -- Returns 1 registered (also when this very owner is already registered with a live lease: a retry after a lost
--- reply), 0 refused: the id is known and its lease ran out (the daemon must pick another id).
+-- reply, which renews the lease from now, since the daemon counts its lease from when it sent the retry), 0
+-- refused: the id is known and its lease ran out (the daemon must pick another id).
 -- The monitors read the info hash to recover an expired owner's tasks from the levels it had, whatever their own
 -- config says (a rolling config change).
 local t = redis.call('TIME')
@@ -14,6 +15,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lease = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if lease then
   if tonumber(lease) > now then
+    redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
     return 1
   end
   return 0
