@@ -563,8 +563,10 @@ impl Redis {
     }
 
     /// pop.lua (default mode): LMPOP over, per level (highest first), the quarantine lists (groups of 1, 8, 64)
-    /// then the ready list, in the order `broker::pop` passes them: up to `max` from the first non-empty list.
-    /// Groups mean nothing here: a pop takes up to `max` of a quarantine list, like any other list.
+    /// then the ready list, in the order `broker::Popper` passes them (`pop_lists`): up to `max` from the first
+    /// non-empty list. Groups mean nothing here: a pop takes up to `max` of a quarantine list, like any other.
+    /// While the queue holds no unique id, `Popper` pops the same lists with a plain LMPOP in MULTI after WATCH of
+    /// the unique hash instead; without unique ids (not modelled) the two are the same step.
     /// [`Mutation::PopReadyOnly`] passes the ready lists alone.
     pub fn pop(&mut self, levels: Levels, max: u8, mutation: Option<Mutation>) -> List<(u8, Env)> {
         let quarantine = mutation != Some(Mutation::PopReadyOnly);
