@@ -6,17 +6,20 @@
 //! - **runs** of a daemon are only compared for equality (owner ids, settler identities), and a restart makes
 //!   `run + 1`: renumbered densely in order, the current run stays the largest, so `run + 1` stays fresh;
 //! - **generations** of one run likewise (owner ids), with the daemon's counter kept the largest;
-//! - **tokens** of one run are compared for equality (processing hashes, `isolated`), order (`floor`) and ranges
-//!   (a claim's or adoption's `first .. first + max`): shifted together by their minimum, which keeps all three.
+//! - **tokens** of one run are compared for equality (processing hashes), order (`floor`) and ranges (a claim's
+//!   or adoption's `first .. first + max`): shifted together by their minimum, which keeps all three.
 //!
 //! Without them, a state reached after three pill crashes and the same state after four would differ only in
 //! their numbers. Then the **symmetry** of the two daemons: see [`canonical`].
+//!
+//! One piece of dead data is dropped first: an owner's `group` while it holds nothing (see `Owner::group`).
 
 use crate::model::{Daemon, State};
 use crate::redis::OwnerId;
 
 /// The canonical form of `state`: renumbered, then the smaller of it and its daemon-swapped twin.
-pub fn canonical(state: State) -> State {
+pub fn canonical(mut state: State) -> State {
+    forget_idle_groups(&mut state);
     let state = renumber(state);
     // Most pairs are told apart by what each daemon holds and does, which names no daemon: only when those
     // are alike is the swapped twin built and compared. (Renumbering is per daemon, so the twin of a
@@ -28,6 +31,18 @@ pub fn canonical(state: State) -> State {
         std::cmp::Ordering::Equal => {
             let swapped = swap_daemons(&state);
             if swapped < state { swapped } else { state }
+        }
+    }
+}
+
+/// claim.lua deletes an owner's `group` before it reads it when the owner holds nothing, and the monitor reads
+/// it only for tasks the owner holds; only a claim adds to what an owner holds. So while its processing hashes
+/// are empty, `group` set and unset are the same state.
+fn forget_idle_groups(state: &mut State) {
+    let redis = &mut state.redis;
+    for owner in redis.owners.iter_mut() {
+        if owner.group.is_some() && !redis.processing.iter().any(|p| p.owner == owner.id) {
+            owner.group = None;
         }
     }
 }
@@ -48,7 +63,10 @@ fn label_free(d: &Daemon) -> impl Ord {
         })
         .collect();
     (
-        (d.config, d.run, d.generation, d.next_token, d.stopping),
+        (
+            (d.config, d.run, d.generation, d.next_token),
+            (d.stopping, d.outliving, d.orphan),
+        ),
         (
             d.owner.map(|o| (o.run, o.generation)),
             d.registering.is_some(),
@@ -73,9 +91,6 @@ fn visit(state: &mut State, v: &mut impl Visit) {
         let id = owner.id;
         if let Some(floor) = &mut owner.floor {
             v.token(id.daemon, id.run, floor);
-        }
-        if let Some((_, token)) = &mut owner.isolated {
-            v.token(id.daemon, id.run, token);
         }
         v.owner(&mut owner.id);
     }

@@ -3,15 +3,17 @@
 //! - `ci` (the default): the scenarios the test runs;
 //! - `large`: larger bounds (three tasks, more faults), minutes rather than seconds;
 //! - `break`: the "break it on purpose" experiments, each printing its counterexample;
-//! - a scenario name (see `setup.rs`: `pill`, `pill-alone`, `stall`, `lost-replies`, `rolling`, `mixed-modes`,
-//!   and the larger `lost-replies-large`, `rolling-large`, `pill-large`, `pill-large-alone`),
-//!   optionally with `--mutation NAME` (`no-floor-check`, `no-adopt`, `no-idempotent-settle`,
-//!   `monitor-own-levels`), `--alone` for the proposed fix of the quarantine, `--progress` to print the
-//!   checker's progress, `--trace` to print every counterexample in full, or `--find PROPERTY` to search
-//!   for the shortest counterexample of one property (breadth first, one thread, daemons keep their names).
+//! - a scenario name (see `setup.rs`: `pill`, `stall`, `lost-replies`, `rolling`, `mixed-modes`, `recovered`,
+//!   `zombie`, `zombie-fixed`, the finding `orphan`, and the larger `lost-replies-large`, `rolling-large`,
+//!   `pill-large`, `zombie-large`), optionally with `--mutation NAME` (`no-floor-check`, `no-adopt`,
+//!   `no-idempotent-settle`, `monitor-own-levels`, `group-beside-others`, `no-lease-check`, `renew-expired`,
+//!   `pop-ready-only`), `--first-sent` for the proposed fix of the fetcher's registration, `--progress` to print
+//!   the checker's progress, `--trace` to print every counterexample in full, or `--find PROPERTY` to search for
+//!   the shortest counterexample of one property (breadth first, one thread, daemons keep their names).
 //!
-//! `KMQ_CRASHES`, `KMQ_STALLS`, `KMQ_LOST`, `KMQ_SHUTDOWNS`, `KMQ_RETRY_TIMES` and `KMQ_SLOTS` override a
-//! scenario's bounds for one run; `KMQ_MODEL_CAP` stops after about that many states (for sizing only).
+//! `KMQ_CRASHES`, `KMQ_STALLS`, `KMQ_LOST`, `KMQ_SHUTDOWNS`, `KMQ_RETRY_TIMES`, `KMQ_SLOTS` and `KMQ_RECOVERED`
+//! override a scenario's bounds for one run; `KMQ_MODEL_CAP` stops after about that many states (for sizing
+//! only).
 
 use kmq_model::run::{self, Report};
 use kmq_model::setup::{self, Mutation, Setup};
@@ -51,6 +53,7 @@ fn main() {
                 setup::ci()
                     .into_iter()
                     .chain(setup::large())
+                    .chain([setup::orphan()])
                     .find(|s| s.name == name)
                     .unwrap_or_else(|| panic!("no scenario {name:?}")),
             ),
@@ -68,8 +71,8 @@ fn main() {
         if let Some(mutation) = mutation {
             setup.mutation = Some(mutation);
         }
-        if args.iter().any(|a| a == "--alone") {
-            setup.alone = true;
+        if args.iter().any(|a| a == "--first-sent") {
+            setup.first_sent = true;
         }
         for (key, field) in [
             ("KMQ_CRASHES", &mut setup.crashes),
@@ -78,6 +81,7 @@ fn main() {
             ("KMQ_SHUTDOWNS", &mut setup.shutdowns),
             ("KMQ_RETRY_TIMES", &mut setup.retry_times),
             ("KMQ_SLOTS", &mut setup.slots),
+            ("KMQ_RECOVERED", &mut setup.recovered),
         ] {
             if let Some(value) = std::env::var(key).ok().and_then(|v| v.parse().ok()) {
                 *field = value;
@@ -131,6 +135,10 @@ fn parse_mutation_opt(name: &str) -> Option<Mutation> {
         "no-adopt" => Some(Mutation::NoAdopt),
         "no-idempotent-settle" => Some(Mutation::NoIdempotentSettle),
         "monitor-own-levels" => Some(Mutation::MonitorOwnLevels),
+        "group-beside-others" => Some(Mutation::GroupBesideOthers),
+        "no-lease-check" => Some(Mutation::NoLeaseCheck),
+        "renew-expired" => Some(Mutation::RenewExpired),
+        "pop-ready-only" => Some(Mutation::PopReadyOnly),
         _ => None,
     }
 }

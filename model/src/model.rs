@@ -4,9 +4,12 @@
 use stateright::{Model, Property};
 
 use crate::redis::{
-    ClaimCall, Claimed, Env, Fence, Lease, List, Op, OwnerId, Record, Redis, Settler,
+    ClaimCall, Claimed, Env, Fence, Lease, List, Op, OwnerId, RECOVERED_MAX, Record, Redis,
+    Settler, quarantine_stage,
 };
-use crate::setup::{Behaviour, Config, Levels, Mode, Mutation, Setup, UNFAIR_CHARGE, UNFAIR_DEAD};
+use crate::setup::{
+    Behaviour, Config, Levels, Mode, Mutation, Setup, UNFAIR_CHARGE, UNFAIR_DEAD, ZOMBIE_START,
+};
 
 /// Everything that decides what can happen next.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -30,6 +33,13 @@ pub struct Daemon {
     pub generation: u8,
     /// `Ownership::current`: the owner it claims under and whose lease its heartbeat renews.
     pub owner: Option<OwnerId>,
+    /// `Ownership::good_until` may lie past the owner's deadline in Redis: the owner was registered by a
+    /// register.lua sent again after a lost reply, which found it registered and did not extend the lease, while
+    /// the fetcher counts the lease from when it sent the second call. Until the heartbeat's next renewal (which
+    /// runs later than that, so its deadline is later than `good_until`), or until `good_until` passes.
+    /// Otherwise `good_until` is never later than the deadline (each is `lease_timeout` after a call, the daemon's
+    /// from when it sent it, Redis's from when it ran), so "believed good" implies "live in Redis".
+    pub outliving: bool,
     /// `Fetcher::registering`: an owner id sent to register.lua whose reply was lost (sent again as is).
     pub registering: Option<OwnerId>,
     /// `Ownership::next_token`: tokens are unique within the run, increasing from claim to claim.
@@ -44,6 +54,10 @@ pub struct Daemon {
     pub monitor_call: Option<(OwnerId, List<Record>)>,
     /// SIGTERM received: no more claims or runs; hand back, settle, release, restart.
     pub stopping: bool,
+    /// A pill's handler still runs although its task was taken from it (its lease was lost, or the daemon is
+    /// stopping): an orphan (`Lane::orphaned`; its cancel flag is raised, which a crashing handler ignores). It
+    /// crashes the daemon when it does. Only with [`Setup::orphans`].
+    pub orphan: bool,
 }
 
 /// A settling party's calls (`Settler`): one at a time, sent again as the same call after a lost reply.
@@ -95,9 +109,12 @@ pub struct Ghost {
     pub lost: [u8; 3],
     /// Tasks charged by a monitor for a crash while their owner held other tasks too.
     pub unfair: u8,
+    /// A worker started a task whose token was no longer in its owner's processing hash (a monitor had recovered
+    /// it: another daemon may be running it).
+    pub zombie: bool,
     /// What the step into this state did (the `EVENT_*` bits), for the `sometimes` properties. Only the last
     /// step's: bits kept for the whole history would multiply the states by every combination of past events.
-    pub events: u8,
+    pub events: u16,
     pub crashes: u8,
     pub stalls: u8,
     pub lost_replies: u8,
@@ -108,19 +125,27 @@ pub struct Ghost {
 pub const CALL: u8 = 1;
 
 /// A lost claim's tasks were adopted.
-pub const EVENT_ADOPTED: u8 = 1 << 0;
+pub const EVENT_ADOPTED: u16 = 1 << 0;
 /// A claim that ran late was refused with FENCED.
-pub const EVENT_FENCED: u8 = 1 << 1;
+pub const EVENT_FENCED: u16 = 1 << 1;
 /// A settle call sent again was answered from its stored last call.
-pub const EVENT_ANSWERED: u8 = 1 << 2;
+pub const EVENT_ANSWERED: u16 = 1 << 2;
 /// An owner's settlement was stale (a monitor had recovered the task first).
-pub const EVENT_STALE: u8 = 1 << 3;
+pub const EVENT_STALE: u16 = 1 << 3;
 /// A monitor recovered a task at a level its own config does not have.
-pub const EVENT_RECOVERED_UNSERVED: u8 = 1 << 4;
+pub const EVENT_RECOVERED_UNSERVED: u16 = 1 << 4;
 /// A monitor released an expired owner.
-pub const EVENT_RELEASED: u8 = 1 << 5;
+pub const EVENT_RELEASED: u16 = 1 << 5;
 /// A default-mode settlement was applied.
-pub const EVENT_DEFAULT_SETTLED: u8 = 1 << 6;
+pub const EVENT_DEFAULT_SETTLED: u16 = 1 << 6;
+/// A claim took a quarantined group of more than one task.
+pub const EVENT_GROUP: u16 = 1 << 7;
+/// A claim took a task from `quarantine:1`, to run alone.
+pub const EVENT_ALONE: u16 = 1 << 8;
+/// A monitor charged a task its owner ran alone (retry_isolated or dead).
+pub const EVENT_CHARGED: u16 = 1 << 9;
+/// A default-mode pop took quarantined tasks.
+pub const EVENT_POPPED_QUARANTINE: u16 = 1 << 10;
 
 /// How a call's reply fares.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -148,10 +173,14 @@ pub enum Action {
     /// LMPOP (default mode): the fetcher pops up to `max` tasks.
     Pop { daemon: u8, max: u8 },
     /// A worker starts task N; a pill's run crashes the daemon (which restarts with the same config). In safe
-    /// mode the handler of any other task returns in the same step (see `step`).
+    /// mode the handler of any other task returns in the same step (see `step`), and the worker starts it only
+    /// while the lease of the task's owner is believed good (worker.rs `lease_allows`).
     StartRun { daemon: u8, task: u8 },
-    /// Default mode: a worker's handler returns for task N, and the policy decides the settlement.
+    /// Default mode: a worker's handler returns for task N, and the policy decides the settlement. (With
+    /// [`Setup::orphans`], also a safe-mode pill's handler, which crashes the daemon.)
     FinishRun { daemon: u8, task: u8 },
+    /// An orphaned pill's handler crashes its daemon (which restarts with the same config).
+    OrphanCrash(u8),
     /// settle.lua (fence "owner"): the acker applies the resolved tasks of one owner (none: default mode).
     Settle {
         daemon: u8,
@@ -163,6 +192,13 @@ pub enum Action {
     /// renew.lua answers 0: the heartbeat (or a claim's LEASELOST) finds the lease lost; the daemon forgets the
     /// owner's unresolved tasks and registers a new owner.
     RenewLost(u8),
+    /// renew.lua answers 1 while the daemon's belief outlives the deadline (see [`Daemon::outliving`]): the
+    /// heartbeat's renewal runs after the registration was sent, so the belief is within the lease again. (Any
+    /// other renewal of a live lease changes nothing this model keeps.)
+    Renew(u8),
+    /// `good_until` passes (time) while the daemon's belief outlives an expired deadline: workers start nothing
+    /// more under that owner.
+    Lapse(u8),
     /// An owner's lease runs out: its daemon crashed, was restarted, is paused or failed to renew.
     Expire(OwnerId),
     /// kill -9, and a restart (possibly with another config: a rolling change).
@@ -265,9 +301,11 @@ impl Protocol {
     }
 
     /// The monitor's decision for one task of an expired owner (monitor.rs `recover_batch`, policy.rs
-    /// `LeaseExpired`): the owner's isolated task ran alone and is charged; any other is recovered uncharged.
-    fn recover(&self, isolated: Option<(u8, u8)>, level: u8, token: u8, env: Env) -> Record {
-        let ran_alone = isolated == Some((level, token));
+    /// `LeaseExpired`): the owner ran a quarantined group of 1 (`group == Some(1)`), so its task ran alone and is
+    /// charged; any other is recovered uncharged, to the ready front or the quarantine stage of
+    /// `quarantine_stage(recovered + 1)`.
+    fn recover(&self, group: Option<u8>, level: u8, token: u8, env: Env) -> Record {
+        let ran_alone = group == Some(1);
         let (op, payload) = if ran_alone {
             if env.attempt >= self.setup.retry_times {
                 (Op::Dead, env)
@@ -280,13 +318,12 @@ impl Protocol {
             }
         } else {
             let recovered = Env {
-                recovered: (env.recovered + 1).min(2),
+                recovered: (env.recovered + 1).min(RECOVERED_MAX),
                 ..env
             };
-            let op = if env.recovered >= 1 {
-                Op::RecoverIsolated
-            } else {
-                Op::Recover
+            let op = match quarantine_stage(env.recovered + 1) {
+                Some(stage) => Op::RecoverIsolated(stage),
+                None => Op::Recover,
             };
             (op, recovered)
         };
@@ -304,9 +341,16 @@ impl Protocol {
     fn lost_lease(daemon: &mut Daemon, owner: OwnerId) {
         if daemon.owner == Some(owner) {
             daemon.owner = None;
+            daemon.outliving = false;
+            let mut orphan = false;
             daemon.held.retain(|held| {
-                held.owner != Some(owner) || !matches!(held.phase, Phase::Waiting | Phase::Running)
+                let forgotten = held.owner == Some(owner)
+                    && matches!(held.phase, Phase::Waiting | Phase::Running);
+                // Only a pill is ever Running in safe mode (with `Setup::orphans`).
+                orphan |= forgotten && held.phase == Phase::Running;
+                !forgotten
             });
+            daemon.orphan |= orphan;
         }
     }
 
@@ -321,6 +365,12 @@ impl Protocol {
             }
         }
         let run = daemon.run;
+        if let Some(owner) = daemon.owner {
+            // Ghost: what ended this owner's lease was a crash of a task it did not hold.
+            if daemon.orphan {
+                state.redis.crashed_by_orphan(owner);
+            }
+        }
         // That run's settle records can never be read again (see `Redis::settled`).
         state
             .redis
@@ -437,6 +487,13 @@ impl Protocol {
             if answer.answered_from_record {
                 state.ghost.events |= EVENT_ANSWERED;
             }
+            let charged = records
+                .iter()
+                .zip(&answer.applied)
+                .any(|(record, ok)| *ok && record.charged);
+            if charged {
+                state.ghost.events |= EVENT_CHARGED;
+            }
             let unserved = records
                 .iter()
                 .zip(&answer.applied)
@@ -482,6 +539,31 @@ impl Protocol {
         state.daemons[index].held.sort();
     }
 
+    /// The events of a claim's answer: a quarantined group of more than one task, or a group of 1.
+    fn claim_events(claimed: &Claimed) -> u16 {
+        match claimed {
+            Claimed::Group(1, _) => EVENT_ALONE,
+            Claimed::Group(_, took) if took.len() > 1 => EVENT_GROUP,
+            _ => 0,
+        }
+    }
+
+    /// Whether a worker may start a task held under `owner` (worker.rs `lease_allows`, `Ownership::may_start`):
+    /// the owner is the daemon's current one and its lease believed good. The model keeps no clock: believed good
+    /// is "live in Redis" (what `good_until` implies, see [`Daemon::outliving`]) or, while the belief outlives the
+    /// deadline, also once the deadline has passed. (A belief that lapses while Redis's lease is live only delays
+    /// a start, which the interleavings cover.)
+    fn may_start(&self, state: &State, daemon: &Daemon, owner: Option<OwnerId>) -> bool {
+        let Some(owner) = owner else {
+            // Default mode: no lease to check.
+            return true;
+        };
+        if self.setup.mutation == Some(Mutation::NoLeaseCheck) {
+            return true;
+        }
+        daemon.owner == Some(owner) && (state.redis.is_live(owner) || daemon.outliving)
+    }
+
     fn hold(daemon: &mut Daemon, owner: Option<OwnerId>, took: &[(u8, u8, Env)]) {
         for &(level, token, env) in took {
             daemon.held.push(Held {
@@ -523,7 +605,9 @@ impl Protocol {
         let lists: usize = (0..2)
             .map(|l| {
                 redis.ready[l].iter().filter(|e| is(e)).count()
-                    + redis.quarantine[l].iter().filter(|e| is(e)).count()
+                    + (0..3)
+                        .map(|stage| redis.quarantine[stage][l].iter().filter(|e| is(e)).count())
+                        .sum::<usize>()
                     + redis.retry[l].iter().filter(|e| is(e)).count()
             })
             .sum();
@@ -560,6 +644,7 @@ fn fresh_daemon(config: u8) -> Daemon {
         run: 0,
         generation: 0,
         owner: None,
+        outliving: false,
         registering: None,
         next_token: 0,
         held: List::new(),
@@ -568,6 +653,7 @@ fn fresh_daemon(config: u8) -> Daemon {
         monitor: Calls::default(),
         monitor_call: None,
         stopping: false,
+        orphan: false,
     }
 }
 
@@ -633,10 +719,11 @@ impl Model for Protocol {
                 }
                 for held in &daemon.held {
                     match held.phase {
-                        Phase::Waiting => actions.push(Action::StartRun {
-                            daemon: d,
-                            task: held.env.task,
-                        }),
+                        Phase::Waiting if self.may_start(state, daemon, held.owner) => actions
+                            .push(Action::StartRun {
+                                daemon: d,
+                                task: held.env.task,
+                            }),
                         Phase::Running => actions.push(Action::FinishRun {
                             daemon: d,
                             task: held.env.task,
@@ -670,12 +757,22 @@ impl Model for Protocol {
                     }
                 }
             }
-            // The heartbeat.
-            if daemon
-                .owner
-                .is_some_and(|owner| !state.redis.is_live(owner))
-            {
-                actions.push(Action::RenewLost(d));
+            // The heartbeat, and the belief in the lease.
+            if let Some(owner) = daemon.owner {
+                let live = state.redis.is_live(owner);
+                if !live {
+                    actions.push(Action::RenewLost(d));
+                }
+                if daemon.outliving {
+                    actions.push(if live {
+                        Action::Renew(d)
+                    } else {
+                        Action::Lapse(d)
+                    });
+                }
+                if !live && self.setup.mutation == Some(Mutation::RenewExpired) {
+                    actions.push(Action::Renew(d));
+                }
             }
             // The monitor.
             if daemon.monitor.lost {
@@ -705,6 +802,9 @@ impl Model for Protocol {
                         owner: owner.id,
                     });
                 }
+            }
+            if daemon.orphan {
+                actions.push(Action::OrphanCrash(d));
             }
             if ghost.crashes < setup.crashes {
                 for config in 0..setup.configs.len() as u8 {
@@ -758,6 +858,7 @@ impl Model for Protocol {
             Property::always("drained at rest", drained_at_rest),
             Property::always(UNFAIR_CHARGE, charged_only_alone),
             Property::always(UNFAIR_DEAD, never_dead_for_a_neighbour),
+            Property::always(ZOMBIE_START, no_zombie_start),
             Property::sometimes("every task that can finish is done", all_done),
             Property::sometimes("everything comes to rest", |model, state| {
                 model.is_terminal(state)
@@ -768,6 +869,21 @@ impl Model for Protocol {
             properties.push(Property::sometimes(
                 "the pill is dead-lettered and the others are done",
                 pill_dead_others_done,
+            ));
+            if setup.recovered < 3 {
+                // (Tasks pushed as recovered three times go to `quarantine:1` when they come back.)
+                properties.push(Property::sometimes(
+                    "a quarantined group of more than one task is claimed",
+                    happened::<EVENT_GROUP>,
+                ));
+            }
+            properties.push(Property::sometimes(
+                "a quarantined task is claimed to run alone",
+                happened::<EVENT_ALONE>,
+            ));
+            properties.push(Property::sometimes(
+                "a crash while a task ran alone is charged to it",
+                happened::<EVENT_CHARGED>,
             ));
         }
         if setup.lost_replies > 0 {
@@ -808,6 +924,12 @@ impl Model for Protocol {
                 "a default-mode settlement is applied",
                 happened::<EVENT_DEFAULT_SETTLED>,
             ));
+            if setup.recovered > 0 {
+                properties.push(Property::sometimes(
+                    "a default-mode pop takes quarantined tasks",
+                    happened::<EVENT_POPPED_QUARANTINE>,
+                ));
+            }
         }
         properties
     }
@@ -821,7 +943,11 @@ impl Protocol {
             Action::Push(task) => {
                 state.ghost.pushed |= 1 << task;
                 let level = setup.tasks[task as usize].1;
-                state.redis.push(level, Env::new(task));
+                let env = Env {
+                    recovered: setup.recovered,
+                    ..Env::new(task)
+                };
+                state.redis.push(level, env);
             }
             Action::Register { daemon, reply } => {
                 let index = daemon as usize;
@@ -838,7 +964,7 @@ impl Protocol {
                         }
                     }
                 };
-                let registered = state.redis.register(id, levels);
+                let (registered, fresh) = state.redis.register(id, levels);
                 let d = &mut state.daemons[index];
                 if reply == Reply::Lost {
                     d.registering = Some(id);
@@ -846,7 +972,11 @@ impl Protocol {
                 } else {
                     d.registering = None;
                     if registered {
+                        // Fetcher::owner: `ownership.set(owner, sent, lease)`, `sent` being this call's. A retry
+                        // that found the owner registered by the first call left that call's deadline, which
+                        // runs from when the first call ran, before this one was sent.
                         d.owner = Some(id);
+                        d.outliving = !fresh && !setup.first_sent;
                     }
                 }
             }
@@ -862,17 +992,21 @@ impl Protocol {
                 };
                 d.next_token += max;
                 match reply {
-                    Reply::Delivered => match state.redis.claim(&call, setup.mutation, setup.alone)
-                    {
-                        Claimed::Took(took) if !took.is_empty() => {
-                            Self::hold(&mut state.daemons[index], Some(call.owner), &took);
+                    Reply::Delivered => {
+                        let claimed = state.redis.claim(&call, setup.mutation);
+                        if claimed.tasks().is_empty() {
+                            // An empty claim (nothing ready, or Waiting: the fetcher waits for its lane to be
+                            // empty) changes nothing but the token counter: not worth a state. (It may delete a
+                            // `group` the owner no longer runs, which is dead data: see `Owner::group`.)
+                            return None;
                         }
-                        // An empty claim changes nothing but the token counter: not worth a state.
-                        _ => return None,
-                    },
+                        state.ghost.events |= Self::claim_events(&claimed);
+                        Self::hold(&mut state.daemons[index], Some(call.owner), claimed.tasks());
+                    }
                     Reply::Lost | Reply::Unsent => {
                         if reply == Reply::Lost {
-                            state.redis.claim(&call, setup.mutation, setup.alone);
+                            let claimed = state.redis.claim(&call, setup.mutation);
+                            state.ghost.events |= Self::claim_events(&claimed);
                         } else {
                             state.in_flight.push(call);
                             state.in_flight.sort();
@@ -885,9 +1019,11 @@ impl Protocol {
             Action::ClaimArrives(call) => {
                 let at = state.in_flight.iter().position(|c| *c == call)?;
                 state.in_flight.remove(at);
-                if state.redis.claim(&call, setup.mutation, setup.alone) == Claimed::Fenced {
+                let claimed = state.redis.claim(&call, setup.mutation);
+                if claimed == Claimed::Fenced {
                     state.ghost.events |= EVENT_FENCED;
                 }
+                state.ghost.events |= Self::claim_events(&claimed);
             }
             Action::Adopt(daemon) => {
                 let index = daemon as usize;
@@ -910,9 +1046,17 @@ impl Protocol {
             Action::Pop { daemon, max } => {
                 let index = daemon as usize;
                 let levels = self.config(&state.daemons[index]).levels;
-                let popped = state.redis.pop(levels, max);
+                let quarantined = (0..3).any(|stage| {
+                    levels
+                        .iter()
+                        .any(|level| !state.redis.quarantine[stage][level as usize].is_empty())
+                });
+                let popped = state.redis.pop(levels, max, setup.mutation);
                 if popped.is_empty() {
                     return None;
+                }
+                if quarantined && setup.mutation != Some(Mutation::PopReadyOnly) {
+                    state.ghost.events |= EVENT_POPPED_QUARANTINE;
                 }
                 let took: List<(u8, u8, Env)> = popped
                     .into_iter()
@@ -923,11 +1067,23 @@ impl Protocol {
             Action::StartRun { daemon, task } => {
                 let index = daemon as usize;
                 let at = Self::find(&state.daemons[index], task, false)?;
+                let held = state.daemons[index].held[at];
+                if !self.may_start(&state, &state.daemons[index], held.owner) {
+                    return None;
+                }
+                if let (Some(owner), Some(token)) = (held.owner, held.token) {
+                    // Ghost: a run of a task its owner no longer holds in Redis.
+                    if !state.redis.hexists(owner, held.level, token) {
+                        state.ghost.zombie = true;
+                    }
+                }
                 let held = &mut state.daemons[index].held[at];
-                if self.behaviour(task) == Behaviour::Pill {
+                if self.behaviour(task) == Behaviour::Pill
+                    && !(setup.orphans && held.token.is_some())
+                {
                     let config = state.daemons[index].config;
                     Self::restart(&mut state, index, config);
-                } else if held.token.is_some() {
+                } else if held.token.is_some() && self.behaviour(task) != Behaviour::Pill {
                     // Safe mode: nothing tells a waiting task from a running one in Redis, or to the daemon's
                     // other parties (a lost lease forgets both, a graceful stop hands both back), so the run
                     // is one step: the handler returns at once.
@@ -940,7 +1096,20 @@ impl Protocol {
             Action::FinishRun { daemon, task } => {
                 let index = daemon as usize;
                 let at = Self::find(&state.daemons[index], task, true)?;
-                Self::resolve(self, &mut state, index, at);
+                if self.behaviour(task) == Behaviour::Pill {
+                    let config = state.daemons[index].config;
+                    Self::restart(&mut state, index, config);
+                } else {
+                    Self::resolve(self, &mut state, index, at);
+                }
+            }
+            Action::OrphanCrash(daemon) => {
+                let index = daemon as usize;
+                if !state.daemons[index].orphan {
+                    return None;
+                }
+                let config = state.daemons[index].config;
+                Self::restart(&mut state, index, config);
             }
             Action::Settle {
                 daemon,
@@ -973,6 +1142,21 @@ impl Protocol {
                 let owner = d.owner?;
                 Self::lost_lease(d, owner);
             }
+            Action::Renew(daemon) => {
+                let index = daemon as usize;
+                let owner = state.daemons[index].owner?;
+                if !state.redis.renew(owner, setup.mutation) {
+                    return None;
+                }
+                state.daemons[index].outliving = false;
+            }
+            Action::Lapse(daemon) => {
+                let d = &mut state.daemons[daemon as usize];
+                if !d.outliving {
+                    return None;
+                }
+                d.outliving = false;
+            }
             Action::Expire(owner) => {
                 if Self::is_current(&state, owner) {
                     state.ghost.stalls += 1;
@@ -990,11 +1174,11 @@ impl Protocol {
                 reply,
             } => {
                 let index = daemon as usize;
-                let isolated = state.redis.owner(owner)?.isolated;
+                let group = state.redis.owner(owner)?.group;
                 let records: List<Record> = state
                     .redis
                     .held_by(owner, level)
-                    .map(|p| self.recover(isolated, level, p.token, p.env))
+                    .map(|p| self.recover(group, level, p.token, p.env))
                     .collect();
                 state.redis.new_call(Settler {
                     daemon,
@@ -1029,6 +1213,7 @@ impl Protocol {
                 // The fetcher stops: a lost claim's tasks, if it took any, come back through the lease.
                 d.lost_claim = None;
                 let mut lost = Vec::new();
+                let mut orphan = false;
                 d.held.retain(|held| {
                     match held.phase {
                         // Safe mode hands back running tasks too (at least once); default mode cannot (they
@@ -1038,12 +1223,15 @@ impl Protocol {
                             return false;
                         }
                         Phase::Waiting | Phase::Running => {
+                            // A safe-mode pill handed back while it runs (`Setup::orphans`) runs on.
+                            orphan |= held.phase == Phase::Running;
                             held.phase = Phase::Resolved(Op::Back, held.env);
                         }
                         _ => {}
                     }
                     true
                 });
+                d.orphan |= orphan;
                 d.held.sort();
                 for task in lost {
                     state.ghost.lost[task as usize] += 1;
@@ -1146,7 +1334,7 @@ fn drained_at_rest(model: &Protocol, state: &State) -> bool {
     let waiting = (0..2u8).all(|level| {
         !served(level)
             || (redis.ready[level as usize].is_empty()
-                && redis.quarantine[level as usize].is_empty())
+                && (0..3).all(|stage| redis.quarantine[stage][level as usize].is_empty()))
     });
     waiting && redis.processing.is_empty() && (0..2).all(|level| redis.retry[level].is_empty())
 }
@@ -1163,8 +1351,13 @@ fn charged_only_alone(model: &Protocol, state: &State) -> bool {
         })
 }
 
+/// No worker started a task its owner no longer held in Redis.
+fn no_zombie_start(_: &Protocol, state: &State) -> bool {
+    !state.ghost.zombie
+}
+
 /// Whether the event `BIT` happened on the way to this state.
-fn happened<const BIT: u8>(_: &Protocol, state: &State) -> bool {
+fn happened<const BIT: u16>(_: &Protocol, state: &State) -> bool {
     state.ghost.events & BIT != 0
 }
 

@@ -3,7 +3,8 @@
 //! Each function below is one script, applied atomically as Redis applies it; each names the script and follows
 //! its steps in order, so that a reader can hold the two side by side. Payloads are reduced to what a decision
 //! reads ([`Env`]: the task id, `attempt`, `recovered`); everything a script does that no decision reads (the
-//! wake-up list, counters other than `done`, unique ids, `created_at`, the dead record's text) is left out.
+//! wake-up list, counters other than `done`, unique ids, `created_at`, `crashes`, the dead record's text) is left
+//! out.
 
 use arrayvec::ArrayVec;
 
@@ -14,8 +15,30 @@ use crate::setup::{Levels, Mutation};
 pub type List<T> = ArrayVec<T, 6>;
 
 /// Owners pile up: every crash or restart registers a new one, and the old ones stay until a monitor releases
-/// them (a pill alone crashes its daemons up to five times with `retry_times = 1`).
-pub type Owners = ArrayVec<Owner, 10>;
+/// them (a pill crashes its daemons up to six times with `retry_times = 1`: four times uncharged, in company and
+/// in the groups of 64 and 8, then twice alone).
+pub type Owners = ArrayVec<Owner, 16>;
+
+/// The quarantine's group sizes, most suspect first (`keys.rs`, `QUARANTINE_GROUPS`; claim.lua's `GROUPS`). A
+/// claim takes `min(G, max)` tasks of a group, and `max` is at most the daemon's slots (three here), so a group of
+/// 8 and one of 64 are both "every task the claim asks for" in this model, exactly as they would be in kmqd with
+/// so few slots; they still are two lists, claimed in this order, and a task passes through both.
+pub const GROUPS: [u8; 3] = [1, 8, 64];
+
+/// `keys::quarantine_stage`: the quarantine stage (index into [`GROUPS`]) of a task recovered `recovered` times,
+/// uncharged (the count after this recovery); `None`: the first recovery, to the front of the ready list.
+pub fn quarantine_stage(recovered: u8) -> Option<u8> {
+    match recovered {
+        0 | 1 => None,
+        2 => Some(2),
+        3 => Some(1),
+        _ => Some(0),
+    }
+}
+
+/// `recovered` saturates here: [`quarantine_stage`] of `recovered + 1` is its only reader, and tells 0, 1, 2 and
+/// "3 or more" apart.
+pub const RECOVERED_MAX: u8 = 3;
 
 /// A task's envelope as far as any decision reads it. Ordered so that collections of them have one canonical
 /// form (states that differ only in the order of a set are the same state).
@@ -24,8 +47,8 @@ pub struct Env {
     pub task: u8,
     /// Runs charged to the task (handler retries, crashes while it ran alone).
     pub attempt: u8,
-    /// How often it came back uncharged from an expired lease. Only `recovered >= 1` is ever read (policy.rs:
-    /// `Recover { isolated: recoveries >= 1 }`), so it saturates at 2 to keep the state space small.
+    /// How often it came back uncharged from an expired lease. Only `quarantine_stage(recovered + 1)` reads it
+    /// (policy.rs, `LeaseExpired { ran_alone: false }`), so it saturates at [`RECOVERED_MAX`].
     pub recovered: u8,
 }
 
@@ -66,11 +89,15 @@ pub struct Owner {
     pub levels: Levels,
     /// `floor`: the lowest first token a claim may carry (raised by adopt.lua).
     pub floor: Option<u8>,
-    /// `isolated`: the quarantined task it runs alone, as (level, token).
-    pub isolated: Option<(u8, u8)>,
+    /// `group`: the size of the quarantined group it runs with nothing else (claim.lua), one of [`GROUPS`]. Dead
+    /// data while the owner holds nothing (the next claim deletes it before anything reads it, and the monitor
+    /// reads it only for the tasks it finds held): [`crate::canon`] drops it then.
+    pub group: Option<u8>,
     /// Ghost (not in Redis): the one task its processing hashes held when its lease ran out, if they held exactly
-    /// one. A charge for a crash is fair only to that task.
+    /// one and its daemon was not crashed by an orphaned handler. A charge for a crash is fair only to that task.
     pub alone_at_expiry: Option<u8>,
+    /// Ghost: its daemon was crashed by an orphaned handler (a task this owner did not hold) while it was current.
+    pub crashed_by_orphan: bool,
 }
 
 /// One field of a processing hash `P:{Q}:processing:OWNER:LEVEL`: token -> envelope.
@@ -95,8 +122,8 @@ pub struct Settler {
 pub struct Redis {
     /// `ready:L`, head (left, the next claimed) first.
     pub ready: [List<Env>; 2],
-    /// `quarantine:L`, head first.
-    pub quarantine: [List<Env>; 2],
+    /// `quarantine:G:L`, head first, by stage (index into [`GROUPS`]: groups of 1, 8, 64), then level.
+    pub quarantine: [[List<Env>; 2]; 3],
     /// `retry:L`, a sorted set whose scores (due times) are abstracted away: kept sorted by envelope, any member
     /// may be the next one due.
     pub retry: [List<Env>; 2],
@@ -132,8 +159,25 @@ pub enum Claimed {
     LeaseLost,
     /// `FENCED`: the first token is below the owner's floor; nothing was taken.
     Fenced,
-    /// What it took: (level, token, envelope), the isolated task (if any) first.
+    /// State 2: nothing, because quarantined tasks wait (or the owner runs a group) and the owner still holds
+    /// tasks: it settles them first.
+    Waiting,
+    /// State 1: one quarantined group, with nothing else: its size (one of [`GROUPS`]), and (level, token,
+    /// envelope) of each of its tasks.
+    Group(u8, List<(u8, u8, Env)>),
+    /// State 0: ready tasks (level, token, envelope), highest level first; possibly none. (With
+    /// [`Mutation::GroupBesideOthers`], a group first and ready tasks beside it.)
     Took(List<(u8, u8, Env)>),
+}
+
+impl Claimed {
+    /// The tasks it took, if any.
+    pub fn tasks(&self) -> &[(u8, u8, Env)] {
+        match self {
+            Claimed::Group(_, took) | Claimed::Took(took) => took,
+            _ => &[],
+        }
+    }
 }
 
 /// A settle.lua record (or a plain acknowledgement: the model does not tell the two apart, the script applies
@@ -146,8 +190,8 @@ pub struct Record {
     pub level: u8,
     /// The payload: the envelope to queue (retry / recover / back), or the dead record's task and attempt.
     pub payload: Env,
-    /// Ghost: a monitor's charge (retry_isolated or dead of the owner's isolated task), for the fairness
-    /// property.
+    /// Ghost: a monitor's charge (retry_isolated or dead of a task its owner ran in a group of 1), for the
+    /// fairness property.
     pub charged: bool,
 }
 
@@ -157,9 +201,13 @@ pub enum Op {
     Ack,
     /// A handler retry: to the retry zset (the policy's backoff is never zero).
     Retry,
+    /// A crash while the task ran alone, charged: to the front of the level's `quarantine:1` (stage 1 in
+    /// settle.lua's counting, index 0 here).
     RetryIsolated,
+    /// An uncharged recovery, to the front of the ready list.
     Recover,
-    RecoverIsolated,
+    /// An uncharged recovery, to the front of the quarantine list of this stage (index into [`GROUPS`]).
+    RecoverIsolated(u8),
     Back,
     Dead,
 }
@@ -208,7 +256,8 @@ impl Redis {
             .filter(move |p| p.owner == owner && p.level == level)
     }
 
-    fn hexists(&self, owner: OwnerId, level: u8, token: u8) -> bool {
+    /// HEXISTS of one token in `owner`'s processing hash at `level`.
+    pub fn hexists(&self, owner: OwnerId, level: u8, token: u8) -> bool {
         self.processing
             .iter()
             .any(|p| p.owner == owner && p.level == level && p.token == token)
@@ -244,33 +293,39 @@ impl Redis {
     }
 
     /// register.lua. Returns 1 (registered, or already registered with a live lease: a retry after a lost reply)
-    /// or 0 (the id is known and its lease ran out).
-    pub fn register(&mut self, id: OwnerId, levels: Levels) -> bool {
+    /// or 0 (the id is known and its lease ran out), and whether it wrote the lease now (false when it answered 1
+    /// for an owner a first call registered: it leaves that call's deadline as it is).
+    pub fn register(&mut self, id: OwnerId, levels: Levels) -> (bool, bool) {
         // local lease = ZSCORE owners id; live -> 1, past -> 0
         if let Some(owner) = self.owner(id) {
-            return owner.lease == Lease::Live;
+            return (owner.lease == Lease::Live, false);
         }
         // (EXISTS info -> 0: the info hash never outlives the zset entry here, release.lua deletes both.)
+        // ZADD owners now + lease id; HSET info ...
         self.owners.push(Owner {
             id,
             lease: Lease::Live,
             levels,
             floor: None,
-            isolated: None,
+            group: None,
             alone_at_expiry: None,
+            crashed_by_orphan: false,
         });
         self.owners.sort_by_key(|owner| owner.id);
-        true
+        (true, true)
     }
 
-    /// claim.lua. `alone`: the proposed fix of the quarantine (not kmqd's script; see `Setup::alone`).
-    pub fn claim(&mut self, call: &ClaimCall, mutation: Option<Mutation>, alone: bool) -> Claimed {
+    /// claim.lua. With [`Mutation::GroupBesideOthers`], the quarantine rule before kmqd's bisecting one: a
+    /// group is taken while the owner holds other tasks (unless it runs a group already), and ready tasks fill
+    /// the rest of the claim beside it.
+    pub fn claim(&mut self, call: &ClaimCall, mutation: Option<Mutation>) -> Claimed {
         let ClaimCall {
             owner: id,
             first,
             max,
             levels,
         } = *call;
+        let old_rule = mutation == Some(Mutation::GroupBesideOthers);
         // if not lease or lease <= now: LEASELOST
         let Some(owner) = self.owner(id) else {
             return Claimed::LeaseLost;
@@ -284,44 +339,63 @@ impl Redis {
         {
             return Claimed::Fenced;
         }
-        let tokens = first..first + max;
+        // holds: one of the owner's processing hashes (at these KEYS' levels) is not empty
+        let holds = self
+            .processing
+            .iter()
+            .any(|p| p.owner == id && levels.contains(p.level));
+        // if info.group: holding -> state 2; else HDEL group
+        let mut runs_group = false;
+        if owner.group.is_some() {
+            if holds {
+                if !old_rule {
+                    return Claimed::Waiting;
+                }
+                runs_group = true;
+            } else if let Some(owner) = self.owner_mut(id) {
+                owner.group = None;
+            }
+        }
         let mut took = List::new();
-        if max > 0 {
-            // busy: the isolated token is still in its processing hash (and its level is one of these KEYS)
-            let mut busy = owner.isolated.is_some_and(|(level, token)| {
-                levels.contains(level) && self.hexists(id, level, token)
-            });
-            if alone {
-                // The fix: an owner running its quarantined task takes nothing else, and takes one only when it
-                // holds nothing at all.
-                if busy {
+        // for stage = 1, 3 (groups of 1, 8, 64): for each level, the first non-empty quarantine list
+        'stages: for (stage, &size) in GROUPS.iter().enumerate() {
+            if runs_group {
+                break;
+            }
+            for level in levels.iter() {
+                let list = &mut self.quarantine[stage][level as usize];
+                if list.is_empty() {
+                    continue;
+                }
+                if holds && !old_rule {
+                    return Claimed::Waiting;
+                }
+                // LPOP list min(GROUPS[stage], max); stored under the first tokens; HSET info group GROUPS[stage]
+                let count = size.min(max) as usize;
+                if count == 0 {
                     return Claimed::Took(took);
                 }
-                busy = self.processing.iter().any(|p| p.owner == id);
-            }
-            // One quarantined task, from the highest level that has one, under ARGV[7].
-            for level in levels.iter() {
-                if busy {
-                    break;
+                let count = count.min(list.len());
+                let got: List<Env> = list.drain(..count).collect();
+                for (k, env) in got.into_iter().enumerate() {
+                    let token = first + k as u8;
+                    self.hset(id, level, token, env);
+                    took.push((level, token, env));
                 }
-                if !self.quarantine[level as usize].is_empty() {
-                    let env = self.quarantine[level as usize].remove(0);
-                    self.hset(id, level, first, env);
-                    if let Some(owner) = self.owner_mut(id) {
-                        owner.isolated = Some((level, first));
-                    }
-                    took.push((level, first, env));
-                    busy = true;
+                if let Some(owner) = self.owner_mut(id) {
+                    owner.group = Some(size);
                 }
+                if !old_rule {
+                    return Claimed::Group(size, took);
+                }
+                break 'stages;
             }
-        }
-        if alone && !took.is_empty() {
-            return Claimed::Took(took);
         }
         // Then ready tasks, highest level first, LPOP up to max - taken, under the next tokens in order.
-        let mut next = tokens.start + took.len() as u8;
+        let end = first + max;
+        let mut next = first + took.len() as u8;
         for level in levels.iter() {
-            while next < tokens.end && !self.ready[level as usize].is_empty() {
+            while next < end && !self.ready[level as usize].is_empty() {
                 let env = self.ready[level as usize].remove(0);
                 self.hset(id, level, next, env);
                 took.push((level, next, env));
@@ -434,7 +508,10 @@ impl Redis {
                 self.retry[level].push(payload);
                 self.retry[level].sort();
             }
-            Op::RetryIsolated | Op::RecoverIsolated => self.quarantine[level].insert(0, payload),
+            // retry_isolated: LPUSH to the quarantine list of stage "delay" (1: groups of 1); recover_isolated: of
+            // the stage the policy chose.
+            Op::RetryIsolated => self.quarantine[0][level].insert(0, payload),
+            Op::RecoverIsolated(stage) => self.quarantine[stage as usize][level].insert(0, payload),
             Op::Recover | Op::Back => self.ready[level].insert(0, payload),
             Op::Dead => {
                 self.dead.push(payload);
@@ -442,6 +519,23 @@ impl Redis {
             }
         }
         unfair
+    }
+
+    /// renew.lua: pushes a live lease's deadline forward; an expired one is never renewed ("once an owner's lease
+    /// has run out it never comes back"). Returns 1 (true) or 0. [`Mutation::RenewExpired`] renews it anyway.
+    pub fn renew(&mut self, id: OwnerId, mutation: Option<Mutation>) -> bool {
+        // local lease = ZSCORE owners owner; (none: put back as expired if registered; a registration never
+        // outlives its lease entry here)
+        let Some(owner) = self.owner_mut(id) else {
+            return false;
+        };
+        // if lease <= now: return 0
+        if owner.lease != Lease::Live && mutation != Some(Mutation::RenewExpired) {
+            return false;
+        }
+        // ZADD owners now + lease owner
+        owner.lease = Lease::Live;
+        true
     }
 
     /// release.lua: forgets `id` if its processing hashes at `levels` (the KEYS the caller passed) are empty
@@ -468,12 +562,23 @@ impl Redis {
         self.ready[level as usize].insert(0, env);
     }
 
-    /// The default mode's LMPOP over each level's quarantine then ready list: up to `max` from the first
-    /// non-empty list (fetcher.rs `broker::pop`).
-    pub fn pop(&mut self, levels: Levels, max: u8) -> List<(u8, Env)> {
+    /// pop.lua (default mode): LMPOP over, per level (highest first), the quarantine lists (groups of 1, 8, 64)
+    /// then the ready list, in the order `broker::Popper` passes them (`pop_lists`): up to `max` from the first
+    /// non-empty list. Groups mean nothing here: a pop takes up to `max` of a quarantine list, like any other.
+    /// While the queue holds no unique id, `Popper` pops the same lists with a plain LMPOP in MULTI after WATCH of
+    /// the unique hash instead; without unique ids (not modelled) the two are the same step.
+    /// [`Mutation::PopReadyOnly`] passes the ready lists alone.
+    pub fn pop(&mut self, levels: Levels, max: u8, mutation: Option<Mutation>) -> List<(u8, Env)> {
+        let quarantine = mutation != Some(Mutation::PopReadyOnly);
         for level in levels.iter() {
-            for list in [&mut self.quarantine, &mut self.ready] {
-                let list = &mut list[level as usize];
+            let l = level as usize;
+            let [q1, q8, q64] = &mut self.quarantine;
+            let lists: [&mut List<Env>; 4] =
+                [&mut q1[l], &mut q8[l], &mut q64[l], &mut self.ready[l]];
+            for (index, list) in lists.into_iter().enumerate() {
+                if index < 3 && !quarantine {
+                    continue;
+                }
                 if !list.is_empty() {
                     let n = list.len().min(max as usize);
                     return list.drain(..n).map(|env| (level, env)).collect();
@@ -493,7 +598,14 @@ impl Redis {
         };
         if let Some(owner) = self.owner_mut(id) {
             owner.lease = Lease::Expired;
-            owner.alone_at_expiry = alone;
+            owner.alone_at_expiry = alone.filter(|_| !owner.crashed_by_orphan);
+        }
+    }
+
+    /// Ghost: `id`'s daemon was crashed by a handler of a task `id` does not hold.
+    pub fn crashed_by_orphan(&mut self, id: OwnerId) {
+        if let Some(owner) = self.owner_mut(id) {
+            owner.crashed_by_orphan = true;
         }
     }
 }
@@ -510,7 +622,8 @@ mod tests {
 
     fn registered() -> Redis {
         let mut redis = Redis::default();
-        assert!(redis.register(OWNER, Levels::BOTH));
+        assert_eq!(redis.register(OWNER, Levels::BOTH), (true, true));
+        assert_eq!(redis.register(OWNER, Levels::BOTH), (true, false));
         redis
     }
 
@@ -523,26 +636,104 @@ mod tests {
         }
     }
 
+    fn order(claimed: &Claimed) -> Vec<(u8, u8, u8)> {
+        claimed
+            .tasks()
+            .iter()
+            .map(|(l, t, e)| (*l, *t, e.task))
+            .collect()
+    }
+
     #[test]
-    fn a_claim_takes_one_quarantined_task_then_ready_ones_highest_level_first() {
+    fn a_claim_takes_a_quarantined_group_alone_and_nothing_more_until_it_is_settled() {
         let mut redis = registered();
         redis.push(1, Env::new(0));
         redis.push(0, Env::new(1));
-        redis.quarantine[1].push(Env::new(2));
-        let Claimed::Took(took) = redis.claim(&call(0, 3), None, false) else {
-            panic!("refused");
+        // A group of 8 at the low level, and one of 64 at the high level: the smaller group first.
+        redis.quarantine[1][1].push(Env::new(2));
+        redis.quarantine[2][0].push(Env::new(3));
+        let claimed = redis.claim(&call(0, 3), None);
+        assert!(matches!(claimed, Claimed::Group(8, _)), "{claimed:?}");
+        assert_eq!(order(&claimed), [(1, 0, 2)]);
+        assert_eq!(redis.owner(OWNER).unwrap().group, Some(8));
+        // While it holds the group, it claims nothing, not even from the ready lists.
+        assert_eq!(redis.claim(&call(3, 3), None), Claimed::Waiting);
+        // Settled: the next claim takes the next group (min(64, max) tasks), again alone.
+        let settler = Settler {
+            daemon: 0,
+            run: 0,
+            monitor: false,
         };
-        let order: Vec<(u8, u8, u8)> = took.iter().map(|(l, t, e)| (*l, *t, e.task)).collect();
-        assert_eq!(order, [(1, 0, 2), (0, 1, 1), (1, 2, 0)]);
-        assert_eq!(redis.owner(OWNER).unwrap().isolated, Some((1, 0)));
-        // The proposed fix takes the quarantined task alone.
+        let ack = Record {
+            op: Op::Ack,
+            token: Some(0),
+            level: 1,
+            payload: Env::new(2),
+            charged: false,
+        };
+        redis.settle(settler, 1, Fence::Owner, Some(OWNER), &[ack], None);
+        redis.quarantine[2][0].push(Env::new(4));
+        let claimed = redis.claim(&call(6, 1), None);
+        assert_eq!(order(&claimed), [(0, 6, 3)]);
+        assert_eq!(redis.owner(OWNER).unwrap().group, Some(64));
+        // Holding tasks while quarantined ones wait: nothing.
+        assert_eq!(redis.claim(&call(7, 3), None), Claimed::Waiting);
+    }
+
+    #[test]
+    fn a_claim_takes_ready_tasks_highest_level_first_when_nothing_is_quarantined() {
         let mut redis = registered();
+        redis.push(1, Env::new(0));
         redis.push(0, Env::new(1));
-        redis.quarantine[1].push(Env::new(2));
-        let Claimed::Took(took) = redis.claim(&call(0, 3), None, true) else {
-            panic!("refused");
-        };
-        assert_eq!(took.len(), 1);
+        let claimed = redis.claim(&call(0, 3), None);
+        assert_eq!(order(&claimed), [(0, 0, 1), (1, 1, 0)]);
+        assert_eq!(redis.owner(OWNER).unwrap().group, None);
+        // A claim while it holds them, with a task quarantined meanwhile: it must settle first.
+        redis.quarantine[0][0].push(Env::new(2));
+        assert_eq!(redis.claim(&call(3, 3), None), Claimed::Waiting);
+    }
+
+    #[test]
+    fn the_old_rule_claims_a_group_beside_ready_tasks_and_beside_what_the_owner_holds() {
+        let old = Some(Mutation::GroupBesideOthers);
+        let mut redis = registered();
+        redis.push(0, Env::new(0));
+        let claimed = redis.claim(&call(0, 1), old);
+        assert_eq!(order(&claimed), [(0, 0, 0)]);
+        redis.quarantine[0][0].push(Env::new(1));
+        redis.quarantine[0][0].push(Env::new(2));
+        redis.push(0, Env::new(3));
+        let claimed = redis.claim(&call(1, 3), old);
+        assert_eq!(order(&claimed), [(0, 1, 1), (0, 2, 3)]);
+        assert_eq!(redis.owner(OWNER).unwrap().group, Some(1));
+        // Running a group, it takes no other group, but ready tasks still.
+        redis.push(0, Env::new(4));
+        let claimed = redis.claim(&call(4, 3), old);
+        assert_eq!(order(&claimed), [(0, 4, 4)]);
+    }
+
+    #[test]
+    fn a_pop_takes_the_quarantine_lists_before_the_ready_list_of_each_level() {
+        let mut redis = Redis::default();
+        redis.push(0, Env::new(0));
+        redis.quarantine[2][0].push(Env::new(1));
+        redis.quarantine[0][1].push(Env::new(2));
+        redis.quarantine[0][0].push(Env::new(3));
+        redis.quarantine[0][0].push(Env::new(4));
+        let tasks =
+            |popped: List<(u8, Env)>| -> Vec<u8> { popped.iter().map(|(_, e)| e.task).collect() };
+        assert_eq!(tasks(redis.pop(Levels::BOTH, 3, None)), [3, 4]);
+        assert_eq!(tasks(redis.pop(Levels::BOTH, 3, None)), [1]);
+        assert_eq!(tasks(redis.pop(Levels::BOTH, 3, None)), [0]);
+        assert_eq!(tasks(redis.pop(Levels::BOTH, 3, None)), [2]);
+        assert!(redis.pop(Levels::BOTH, 3, None).is_empty());
+    }
+
+    #[test]
+    fn the_quarantine_stage_follows_keys_rs() {
+        let stages: Vec<Option<u8>> = (1..=5).map(quarantine_stage).collect();
+        assert_eq!(stages, [None, Some(2), Some(1), Some(0), Some(0)]);
+        assert_eq!(GROUPS, [1, 8, 64]);
     }
 
     #[test]
@@ -553,13 +744,13 @@ mod tests {
             redis.adopt(OWNER, 0, 2, Levels::BOTH).map(|t| t.len()),
             Some(0)
         );
-        assert_eq!(redis.claim(&call(0, 2), None, false), Claimed::Fenced);
+        assert_eq!(redis.claim(&call(0, 2), None), Claimed::Fenced);
         assert_eq!(
-            redis.claim(&call(0, 2), Some(Mutation::NoFloorCheck), false),
+            redis.claim(&call(0, 2), Some(Mutation::NoFloorCheck)),
             Claimed::Took([(0, 0, Env::new(0))].into_iter().collect())
         );
         redis.expire(OWNER);
-        assert_eq!(redis.claim(&call(2, 2), None, false), Claimed::LeaseLost);
+        assert_eq!(redis.claim(&call(2, 2), None), Claimed::LeaseLost);
     }
 
     #[test]
@@ -593,7 +784,7 @@ mod tests {
     fn a_monitor_settles_only_expired_owners_and_releases_only_empty_ones() {
         let mut redis = registered();
         redis.push(1, Env::new(0));
-        redis.claim(&call(0, 1), None, false);
+        redis.claim(&call(0, 1), None);
         let settler = Settler {
             daemon: 1,
             run: 0,

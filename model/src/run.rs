@@ -53,7 +53,7 @@ impl Report {
 
 /// Explores every state of `setup` and checks every property: the checker goes on until every property has a
 /// discovery (a counterexample of an `always`, an example of a `sometimes`) or every state is visited.
-/// Counterexamples found this way are not the shortest: [`counterexample`] finds those.
+/// Counterexamples found this way are not the shortest: [`shortest`] finds those.
 pub fn check(setup: Setup, threads: usize) -> Report {
     check_at_most(setup, threads, None)
 }

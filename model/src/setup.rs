@@ -66,6 +66,16 @@ pub enum Mutation {
     /// The monitor recovers (and releases) an expired owner at the levels of its own config, not the levels
     /// the owner registered.
     MonitorOwnLevels,
+    /// claim.lua's quarantine rule before the bisecting one (446e653): a quarantined group is taken while the
+    /// owner holds other tasks (unless it runs a group already), and ready tasks fill the rest of the claim
+    /// beside it. The monitor still charges every task of an owner that ran a group of 1.
+    GroupBesideOthers,
+    /// The worker starts a waiting task without `lease_allows` (as before 368df51).
+    NoLeaseCheck,
+    /// renew.lua without `if lease <= now: return 0`: an expired lease is renewed.
+    RenewExpired,
+    /// pop.lua is passed the ready lists only, not the quarantine lists.
+    PopReadyOnly,
 }
 
 /// One bounded check.
@@ -93,10 +103,19 @@ pub struct Setup {
     /// Graceful stops (SIGTERM: hand back, settle, release the owner, restart).
     pub shutdowns: u8,
     pub mutation: Option<Mutation>,
-    /// Not kmqd's claim.lua but a proposed fix, to show that it restores the fairness properties: an owner
-    /// takes a quarantined task only when it holds nothing, takes nothing else with it, and takes nothing while
-    /// it runs. kmqd's script takes ready tasks alongside (see README, "What the checker found").
-    pub alone: bool,
+    /// The `recovered` count tasks are pushed with, as if they had come back that often already (a producer may
+    /// write the field; earlier crashes would too). Zero in every CI scenario but `recovered`; the experiments use
+    /// it to reach the quarantine in few steps.
+    pub recovered: u8,
+    /// Not kmqd's fetcher but a proposed fix (see README, "What the checker found"): a registration sent again
+    /// after a lost reply counts the lease from when the first call was sent, so the daemon never believes a
+    /// lease good past its deadline in Redis.
+    pub first_sent: bool,
+    /// A safe-mode pill's handler runs a while (two steps: start, crash) and outlives a lost lease or a hand-back:
+    /// an orphan that crashes its daemon later, whatever the daemon holds by then. Off in the CI scenarios (the
+    /// model then forgets a task's handler with its task, and a `kill -9` stands for what an orphan would do);
+    /// see README, "What the checker found".
+    pub orphans: bool,
     /// The `always` properties known to fail in this scenario, because kmqd as it is breaks them (the test
     /// asserts that exactly these fail, so a fix, or a new failure, shows).
     pub known: &'static [&'static str],
@@ -122,11 +141,17 @@ const DEFAULT_HIGH: Config = Config {
     mode: Mode::Default,
 };
 
-/// The property kmqd's claim.lua breaks (see README, "What the checker found"): a quarantined task is claimed
-/// together with ready tasks, so a neighbour's crash is charged to it.
+/// A monitor charges a task for a crash only if its owner held nothing else when its lease ran out. kmqd broke it
+/// before 446e653 (a quarantined task was claimed together with ready tasks; [`Mutation::GroupBesideOthers`]
+/// shows it); it breaks it still when an orphaned handler crashes the daemon ([`orphan`]; see README, "What the
+/// checker found").
 pub const UNFAIR_CHARGE: &str = "ok tasks are charged only for crashes they were alone for";
 /// Its consequence with `retry_times = 0`: an ok task dead-lettered as "crashed the daemon 1 times".
 pub const UNFAIR_DEAD: &str = "no ok task is dead-lettered for a neighbour's crash";
+/// A worker starts a task only while its owner still holds it: never one a monitor has recovered (and another
+/// daemon may be running). kmqd breaks it after a registration sent again (see README, "What the checker
+/// found").
+pub const ZOMBIE_START: &str = "no daemon starts a task it lost";
 
 fn base(name: &'static str, tasks: Vec<(Behaviour, u8)>) -> Setup {
     Setup {
@@ -141,36 +166,28 @@ fn base(name: &'static str, tasks: Vec<(Behaviour, u8)>) -> Setup {
         lost_replies: 0,
         shutdowns: 0,
         mutation: None,
-        alone: false,
+        recovered: 0,
+        first_sent: false,
+        orphans: false,
         known: &[],
     }
 }
 
-/// Safe mode, one level: a pill and an ok task, the pill's own crashes and one `kill -9`.
+/// Safe mode, one level: a pill and an ok task, the pill's own crashes (through every quarantine stage) and one
+/// `kill -9`.
 pub fn pill() -> Setup {
     Setup {
         crashes: 1,
-        known: &[UNFAIR_CHARGE],
         ..base("pill", vec![(Behaviour::Pill, 0), (Behaviour::Ok, 0)])
     }
 }
 
-/// [`pill`] with the proposed claim.lua (a quarantined task runs alone): every property holds.
-pub fn pill_alone() -> Setup {
-    Setup {
-        name: "pill-alone",
-        alone: true,
-        known: &[],
-        ..pill()
-    }
-}
-
 /// A pill and an ok task, and a daemon that stalls past its lease (paused, or its renewals fail) and carries
-/// on: late settlements fenced by their tokens, claims refused by LEASELOST, a new owner.
+/// on: late settlements fenced by their tokens, claims refused by LEASELOST, a new owner; a woken daemon starts
+/// nothing it lost.
 pub fn stall() -> Setup {
     Setup {
         stalls: 1,
-        known: &[UNFAIR_CHARGE],
         ..base("stall", vec![(Behaviour::Pill, 0), (Behaviour::Ok, 0)])
     }
 }
@@ -216,15 +233,49 @@ pub fn mixed_modes() -> Setup {
     }
 }
 
+/// [`mixed_modes`] with tasks that already came back once (`recovered = 1`): the next recovery sends them to
+/// the quarantine (groups of 64), where a default-mode daemon pops them too (pop.lua reads the quarantine lists
+/// before the ready list), and a safe one claims them as a group.
+pub fn recovered() -> Setup {
+    Setup {
+        name: "recovered",
+        recovered: 1,
+        ..mixed_modes()
+    }
+}
+
+/// A register reply lost and a stall: the daemon registers again (the retry finds its owner registered), and
+/// its lease runs out while it holds a task. Safe mode, an ok and a flaky task.
+pub fn zombie() -> Setup {
+    Setup {
+        stalls: 1,
+        lost_replies: 1,
+        known: &[ZOMBIE_START],
+        ..base("zombie", vec![(Behaviour::Ok, 0), (Behaviour::Flaky, 0)])
+    }
+}
+
+/// [`zombie`] with the proposed fix of the fetcher (`Setup::first_sent`): every property holds.
+pub fn zombie_fixed() -> Setup {
+    Setup {
+        name: "zombie-fixed",
+        first_sent: true,
+        known: &[],
+        ..zombie()
+    }
+}
+
 /// The scenarios the CI check runs exhaustively.
 pub fn ci() -> Vec<Setup> {
     vec![
         pill(),
-        pill_alone(),
         stall(),
         lost_replies(),
         rolling(),
         mixed_modes(),
+        recovered(),
+        zombie(),
+        zombie_fixed(),
     ]
 }
 
@@ -245,24 +296,44 @@ pub fn large() -> Vec<Setup> {
         Setup {
             name: "rolling-large",
             crashes: 2,
-            // Two kill -9s are enough for the unfair charge without any pill.
-            known: &[UNFAIR_CHARGE],
             ..rolling()
         },
         Setup {
             name: "pill-large",
-            tasks: three.clone(),
+            tasks: three,
             slots: 3,
-            known: &[UNFAIR_CHARGE, UNFAIR_DEAD],
             ..pill()
         },
         Setup {
-            name: "pill-large-alone",
-            tasks: three,
-            slots: 3,
-            ..pill_alone()
+            name: "zombie-large",
+            tasks: vec![(Behaviour::Pill, 0), (Behaviour::Ok, 0)],
+            ..zombie()
         },
     ]
+}
+
+/// A pill whose handler outlives its lease (`Setup::orphans`), an ok task, both already recovered three times,
+/// and a stall: kmqd charges the ok task, run alone, for the orphaned pill's crash (see README, "What the checker
+/// found"). Not in the CI list: the finding's test checks it.
+pub fn orphan() -> Setup {
+    Setup {
+        name: "orphan",
+        recovered: 3,
+        stalls: 1,
+        orphans: true,
+        known: &[UNFAIR_CHARGE],
+        ..base("orphan", vec![(Behaviour::Pill, 0), (Behaviour::Ok, 0)])
+    }
+}
+
+/// A pill and an ok task pushed as if they had come back three times already (`recovered = 3`): the next
+/// recovery puts them in `quarantine:1`. For the experiments on the quarantine rule.
+fn pill_quarantined() -> Setup {
+    Setup {
+        name: "pill-quarantined",
+        recovered: 3,
+        ..pill()
+    }
 }
 
 /// The "break it on purpose" experiments: a mutated setup and the property it must break.
@@ -281,8 +352,37 @@ pub fn experiments() -> Vec<(Setup, &'static str)> {
             "settled once",
         ),
         (
+            mixed_modes().with_mutation(Mutation::NoIdempotentSettle),
+            "conservation",
+        ),
+        (
             rolling().with_mutation(Mutation::MonitorOwnLevels),
             "no stranded task",
+        ),
+        (
+            pill_quarantined().with_mutation(Mutation::GroupBesideOthers),
+            UNFAIR_CHARGE,
+        ),
+        (
+            Setup {
+                retry_times: 0,
+                ..pill_quarantined()
+            }
+            .with_mutation(Mutation::GroupBesideOthers),
+            UNFAIR_DEAD,
+        ),
+        (stall().with_mutation(Mutation::NoLeaseCheck), ZOMBIE_START),
+        (
+            stall().with_mutation(Mutation::RenewExpired),
+            "held tasks are in Redis",
+        ),
+        (
+            Setup {
+                lost_replies: 0,
+                ..recovered()
+            }
+            .with_mutation(Mutation::PopReadyOnly),
+            "drained at rest",
         ),
     ]
 }
