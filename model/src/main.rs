@@ -4,12 +4,12 @@
 //! - `large`: larger bounds (three tasks, more faults), minutes rather than seconds;
 //! - `break`: the "break it on purpose" experiments, each printing its counterexample;
 //! - a scenario name (see `setup.rs`: `pill`, `stall`, `lost-replies`, `rolling`, `mixed-modes`, `recovered`,
-//!   `zombie`, `zombie-fixed`, the finding `orphan`, and the larger `lost-replies-large`, `rolling-large`,
-//!   `pill-large`, `zombie-large`), optionally with `--mutation NAME` (`no-floor-check`, `no-adopt`,
-//!   `no-idempotent-settle`, `monitor-own-levels`, `group-beside-others`, `no-lease-check`, `renew-expired`,
-//!   `pop-ready-only`), `--first-sent` for the proposed fix of the fetcher's registration, `--progress` to print
-//!   the checker's progress, `--trace` to print every counterexample in full, or `--find PROPERTY` to search for
-//!   the shortest counterexample of one property (breadth first, one thread, daemons keep their names).
+//!   `zombie`, the finding `orphan`, and the larger `lost-replies-large`, `rolling-large`, `pill-large`,
+//!   `zombie-large`), optionally with `--mutation NAME` (`no-floor-check`, `no-adopt`, `no-idempotent-settle`,
+//!   `monitor-own-levels`, `group-beside-others`, `no-lease-check`, `renew-expired`, `pop-ready-only`,
+//!   `register-retry-keeps-lease`), `--progress` to print the checker's progress, `--trace` to print every
+//!   counterexample in full, or `--find PROPERTY` to search for the shortest counterexample of one property
+//!   (breadth first, one thread, daemons keep their names).
 //!
 //! `KMQ_CRASHES`, `KMQ_STALLS`, `KMQ_LOST`, `KMQ_SHUTDOWNS`, `KMQ_RETRY_TIMES`, `KMQ_SLOTS` and `KMQ_RECOVERED`
 //! override a scenario's bounds for one run; `KMQ_MODEL_CAP` stops after about that many states (for sizing
@@ -70,9 +70,6 @@ fn main() {
     for mut setup in setups {
         if let Some(mutation) = mutation {
             setup.mutation = Some(mutation);
-        }
-        if args.iter().any(|a| a == "--first-sent") {
-            setup.first_sent = true;
         }
         for (key, field) in [
             ("KMQ_CRASHES", &mut setup.crashes),
@@ -139,6 +136,7 @@ fn parse_mutation_opt(name: &str) -> Option<Mutation> {
         "no-lease-check" => Some(Mutation::NoLeaseCheck),
         "renew-expired" => Some(Mutation::RenewExpired),
         "pop-ready-only" => Some(Mutation::PopReadyOnly),
+        "register-retry-keeps-lease" => Some(Mutation::RegisterRetryKeepsLease),
         _ => None,
     }
 }

@@ -33,12 +33,15 @@ pub struct Daemon {
     pub generation: u8,
     /// `Ownership::current`: the owner it claims under and whose lease its heartbeat renews.
     pub owner: Option<OwnerId>,
-    /// `Ownership::good_until` may lie past the owner's deadline in Redis: the owner was registered by a
-    /// register.lua sent again after a lost reply, which found it registered and did not extend the lease, while
-    /// the fetcher counts the lease from when it sent the second call. Until the heartbeat's next renewal (which
-    /// runs later than that, so its deadline is later than `good_until`), or until `good_until` passes.
-    /// Otherwise `good_until` is never later than the deadline (each is `lease_timeout` after a call, the daemon's
-    /// from when it sent it, Redis's from when it ran), so "believed good" implies "live in Redis".
+    /// `Ownership::good_until` may lie past the owner's deadline in Redis. Only with
+    /// [`Mutation::RegisterRetryKeepsLease`] (register.lua before it renewed a live lease on a retry): the owner
+    /// was registered by a register.lua sent again after a lost reply, which found it registered and did not
+    /// extend the lease, while the fetcher counts the lease from when it sent the second call; until the
+    /// heartbeat's next renewal (which runs later than that, so its deadline is later than `good_until`), or until
+    /// `good_until` passes. Otherwise, and always with kmqd's register.lua, `good_until` is never later than the
+    /// deadline (each is `lease_timeout` after a call, the daemon's from when it sent it, Redis's from when it ran:
+    /// a register.lua retry for a live owner renews the lease from when it runs), so "believed good" implies "live
+    /// in Redis".
     pub outliving: bool,
     /// `Fetcher::registering`: an owner id sent to register.lua whose reply was lost (sent again as is).
     pub registering: Option<OwnerId>,
@@ -192,12 +195,12 @@ pub enum Action {
     /// renew.lua answers 0: the heartbeat (or a claim's LEASELOST) finds the lease lost; the daemon forgets the
     /// owner's unresolved tasks and registers a new owner.
     RenewLost(u8),
-    /// renew.lua answers 1 while the daemon's belief outlives the deadline (see [`Daemon::outliving`]): the
-    /// heartbeat's renewal runs after the registration was sent, so the belief is within the lease again. (Any
-    /// other renewal of a live lease changes nothing this model keeps.)
+    /// renew.lua answers 1 while the daemon's belief outlives the deadline (see [`Daemon::outliving`]: only with
+    /// [`Mutation::RegisterRetryKeepsLease`]): the heartbeat's renewal runs after the registration was sent, so
+    /// the belief is within the lease again. (Any other renewal of a live lease changes nothing this model keeps.)
     Renew(u8),
-    /// `good_until` passes (time) while the daemon's belief outlives an expired deadline: workers start nothing
-    /// more under that owner.
+    /// `good_until` passes (time) while the daemon's belief outlives an expired deadline (only with
+    /// [`Mutation::RegisterRetryKeepsLease`]): workers start nothing more under that owner.
     Lapse(u8),
     /// An owner's lease runs out: its daemon crashed, was restarted, is paused or failed to renew.
     Expire(OwnerId),
@@ -551,8 +554,8 @@ impl Protocol {
     /// Whether a worker may start a task held under `owner` (worker.rs `lease_allows`, `Ownership::may_start`):
     /// the owner is the daemon's current one and its lease believed good. The model keeps no clock: believed good
     /// is "live in Redis" (what `good_until` implies, see [`Daemon::outliving`]) or, while the belief outlives the
-    /// deadline, also once the deadline has passed. (A belief that lapses while Redis's lease is live only delays
-    /// a start, which the interleavings cover.)
+    /// deadline (only with [`Mutation::RegisterRetryKeepsLease`]), also once the deadline has passed. (A belief
+    /// that lapses while Redis's lease is live only delays a start, which the interleavings cover.)
     fn may_start(&self, state: &State, daemon: &Daemon, owner: Option<OwnerId>) -> bool {
         let Some(owner) = owner else {
             // Default mode: no lease to check.
@@ -964,7 +967,7 @@ impl Protocol {
                         }
                     }
                 };
-                let (registered, fresh) = state.redis.register(id, levels);
+                let (registered, renewed) = state.redis.register(id, levels, setup.mutation);
                 let d = &mut state.daemons[index];
                 if reply == Reply::Lost {
                     d.registering = Some(id);
@@ -973,10 +976,11 @@ impl Protocol {
                     d.registering = None;
                     if registered {
                         // Fetcher::owner: `ownership.set(owner, sent, lease)`, `sent` being this call's. A retry
-                        // that found the owner registered by the first call left that call's deadline, which
-                        // runs from when the first call ran, before this one was sent.
+                        // that found the owner registered by the first call renewed the lease from when it ran,
+                        // after it was sent: the belief is within the lease. (With RegisterRetryKeepsLease it
+                        // left the first call's deadline, which runs from before this call was sent.)
                         d.owner = Some(id);
-                        d.outliving = !fresh && !setup.first_sent;
+                        d.outliving = !renewed;
                     }
                 }
             }

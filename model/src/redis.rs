@@ -293,12 +293,24 @@ impl Redis {
     }
 
     /// register.lua. Returns 1 (registered, or already registered with a live lease: a retry after a lost reply)
-    /// or 0 (the id is known and its lease ran out), and whether it wrote the lease now (false when it answered 1
-    /// for an owner a first call registered: it leaves that call's deadline as it is).
-    pub fn register(&mut self, id: OwnerId, levels: Levels) -> (bool, bool) {
-        // local lease = ZSCORE owners id; live -> 1, past -> 0
-        if let Some(owner) = self.owner(id) {
-            return (owner.lease == Lease::Live, false);
+    /// or 0 (the id is known and its lease ran out), and whether it wrote the lease now: true whenever it answers
+    /// 1, since a retry for a live owner renews the lease from now, as renew.lua does (the fetcher counts its
+    /// lease from when it sent the retry, which is before the retry ran). [`Mutation::RegisterRetryKeepsLease`]
+    /// answers 1 to a retry and leaves the first call's deadline as it is (register.lua before that fix).
+    pub fn register(
+        &mut self,
+        id: OwnerId,
+        levels: Levels,
+        mutation: Option<Mutation>,
+    ) -> (bool, bool) {
+        // local lease = ZSCORE owners id
+        if let Some(owner) = self.owner_mut(id) {
+            // if lease > now: ZADD owners now + lease id; return 1 (else: return 0)
+            let live = owner.lease == Lease::Live;
+            return (
+                live,
+                live && mutation != Some(Mutation::RegisterRetryKeepsLease),
+            );
         }
         // (EXISTS info -> 0: the info hash never outlives the zset entry here, release.lua deletes both.)
         // ZADD owners now + lease id; HSET info ...
@@ -622,8 +634,9 @@ mod tests {
 
     fn registered() -> Redis {
         let mut redis = Redis::default();
-        assert_eq!(redis.register(OWNER, Levels::BOTH), (true, true));
-        assert_eq!(redis.register(OWNER, Levels::BOTH), (true, false));
+        assert_eq!(redis.register(OWNER, Levels::BOTH, None), (true, true));
+        // A retry after a lost reply: registered, and the lease renewed from now.
+        assert_eq!(redis.register(OWNER, Levels::BOTH, None), (true, true));
         redis
     }
 
@@ -642,6 +655,17 @@ mod tests {
             .iter()
             .map(|(l, t, e)| (*l, *t, e.task))
             .collect()
+    }
+
+    #[test]
+    fn a_registration_sent_again_renews_a_live_lease_and_is_refused_once_it_ran_out() {
+        let mut redis = registered();
+        let keeps = Some(Mutation::RegisterRetryKeepsLease);
+        // register.lua before the fix: 1, the first call's deadline left as it is.
+        assert_eq!(redis.register(OWNER, Levels::BOTH, keeps), (true, false));
+        redis.expire(OWNER);
+        assert_eq!(redis.register(OWNER, Levels::BOTH, None), (false, false));
+        assert_eq!(redis.owner(OWNER).unwrap().lease, Lease::Expired);
     }
 
     #[test]

@@ -1,12 +1,12 @@
 //! The model's checks: the bounded exhaustive check CI runs, the "break it on purpose" experiments, and the two
-//! findings (a retried registration; an orphaned handler's crash). `scripts/test` runs them in release (`cargo
-//! test -p kmq-model --release`): the exhaustive check visits millions of states, which a debug build does about
-//! ten times slower.
+//! findings (a retried registration, fixed; an orphaned handler's crash, open). `scripts/test` runs them in
+//! release (`cargo test -p kmq-model --release`): the exhaustive check visits millions of states, which a debug
+//! build does about ten times slower.
 
 use std::time::Instant;
 
 use kmq_model::run::{self, Report};
-use kmq_model::setup::{self, Setup, UNFAIR_CHARGE, UNFAIR_DEAD, ZOMBIE_START};
+use kmq_model::setup::{self, Mutation, Setup, UNFAIR_CHARGE, UNFAIR_DEAD, ZOMBIE_START};
 
 /// Checks `setups` exhaustively: every `always` property holds except each scenario's known failures (which
 /// must fail), and every `sometimes` property is seen. Returns the reports.
@@ -99,26 +99,29 @@ fn removing_a_safeguard_breaks_the_property_it_keeps() {
     }
 }
 
-/// What the checker found in kmqd as it is: a registration sent again after a lost reply makes the fetcher
-/// believe the lease good for longer than Redis keeps it (register.lua does not extend a live lease on a retry,
-/// and `Ownership::set` counts from the retry's send time), so a daemon whose lease ran out in that window starts
-/// a task a monitor has already recovered. The exhaustive check asserts it (`known` of `zombie`) and that the
-/// proposed fix (`zombie-fixed`) restores the property; here, a small bound of the fix, for debug builds too.
+/// The first finding, fixed: a registration sent again after a lost reply made the fetcher believe the lease good
+/// for longer than Redis kept it (register.lua answered 1 to a retry for a live owner without extending its
+/// lease, while `Ownership::set` counts from the retry's send time), so a daemon whose lease ran out in that
+/// window started a task a monitor had already recovered. register.lua now renews a live lease on a retry, from
+/// when it runs: the exhaustive check of `zombie` (in release) finds every property holding, and the experiment
+/// `RegisterRetryKeepsLease` (the old register.lua) still breaks it. Here, a small bound of `zombie` for debug
+/// builds too, and the old register.lua's shortest counterexample.
 #[test]
-fn a_retried_registration_lets_a_zombie_start_a_task_it_lost() {
-    let (path, visited, _) = run::shortest(setup::zombie(), ZOMBIE_START);
-    let path = path.expect("the zombie start is found");
+fn a_registration_sent_again_renews_the_lease_so_no_zombie_starts_a_task_it_lost() {
+    let small = Setup {
+        name: "zombie-small",
+        tasks: setup::zombie().tasks[..1].to_vec(),
+        ..setup::zombie()
+    };
+    check_all(vec![small]);
+    let old = setup::zombie().with_mutation(Mutation::RegisterRetryKeepsLease);
+    let (path, visited, _) = run::shortest(old, ZOMBIE_START);
+    let path = path.expect("the old register.lua lets a zombie start a task it lost");
     println!(
-        "\"{ZOMBIE_START}\" violated in {} steps ({visited} states)\n{}",
+        "with the old register.lua, \"{ZOMBIE_START}\" violated in {} steps ({visited} states)\n{}",
         path.len(),
         run::describe(&path)
     );
-    let small_fixed = Setup {
-        name: "zombie-fixed-small",
-        tasks: setup::zombie().tasks[..1].to_vec(),
-        ..setup::zombie_fixed()
-    };
-    check_all(vec![small_fixed]);
 }
 
 /// What the checker found in kmqd as it is, once a pill's handler may outlive its task (`Setup::orphans`): claim.lua
