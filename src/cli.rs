@@ -263,10 +263,12 @@ fn load_plugins(config: &Config) -> Result<Registry, Failure> {
 }
 
 fn run_daemon(config: &Config) -> Result<(), Failure> {
-    let registry = Arc::new(load_plugins(config)?);
+    // Before the plugins load (their init may take a while): a SIGTERM meanwhile is a graceful stop, not death
+    // by the default action.
     let (stop_tx, stop_rx) = crossbeam_channel::bounded(1);
     crate::daemon::signals::forward(stop_tx)
         .map_err(|error| Failure::Runtime(format!("cannot install signal handlers: {error}")))?;
+    let registry = Arc::new(load_plugins(config)?);
     crate::daemon::run(config, registry, stop_rx).map_err(|error| {
         if error.is_config_error() {
             Failure::Usage(error.to_string())
