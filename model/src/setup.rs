@@ -269,7 +269,7 @@ pub fn ci() -> Vec<Setup> {
 }
 
 /// Larger bounds, for a run by hand (`cargo run -p kmq-model --release -- large`, or the ignored test):
-/// minutes, not seconds.
+/// minutes, not seconds (`zombie-large` did not finish in 17 minutes: see README, "Larger bounds").
 pub fn large() -> Vec<Setup> {
     let three = vec![
         (Behaviour::Pill, 0),
