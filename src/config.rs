@@ -32,6 +32,9 @@ pub struct Config {
 pub struct RedisConfig {
     /// `redis://` or `unix://` URL, without the password when it came from `password_env`/`_file`.
     pub url: String,
+    /// The ACL user to log in as (`[redis] username`); `None`: the user named in `url`, if any, else Redis's
+    /// `default` user. Kept apart from `url` so that a URL without credentials can still name one.
+    pub username: Option<String>,
     /// Kept out of `url` (and out of `Debug`) so it is never logged.
     pub password: Option<String>,
     pub pool_size: u32,
@@ -46,6 +49,7 @@ impl fmt::Debug for RedisConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisConfig")
             .field("url", &redact_url(&self.url))
+            .field("username", &self.username)
             .field("password", &self.password.as_ref().map(|_| "<redacted>"))
             .field("pool_size", &self.pool_size)
             .field("key_prefix", &self.key_prefix)
@@ -74,6 +78,15 @@ pub fn redact_url(url: &str) -> String {
         },
         None => url.to_string(),
     }
+}
+
+/// The user name of a `scheme://user[:password]@host` URL, if it names one.
+fn url_username(url: &str) -> Option<&str> {
+    let rest = &url[url.find("://")? + 3..];
+    let authority = &rest[..rest.find('/').unwrap_or(rest.len())];
+    let userinfo = &authority[..authority.rfind('@')?];
+    let user = userinfo.split(':').next().unwrap_or("");
+    (!user.is_empty()).then_some(user)
 }
 
 #[derive(Clone, Debug)]
@@ -318,6 +331,7 @@ struct RawSchedule {
 #[serde(deny_unknown_fields)]
 struct RawRedis {
     url: Option<Spanned<String>>,
+    username: Option<Spanned<String>>,
     password_env: Option<Spanned<String>>,
     password_file: Option<Spanned<String>>,
     pool_size: Option<Spanned<u32>>,
@@ -615,6 +629,7 @@ impl RawRedis {
     fn validate(self, source: &Source<'_>, base: &Path) -> Result<RedisConfig, ConfigError> {
         let RawRedis {
             url,
+            username,
             password_env,
             password_file,
             pool_size,
@@ -648,6 +663,25 @@ impl RawRedis {
                 ));
             }
         }
+        let username = match username {
+            Some(name) => {
+                let text = name.get_ref();
+                if text.is_empty() || text.chars().any(|c| c.is_whitespace() || c.is_control()) {
+                    return Err(source.error(
+                        name.span(),
+                        format!("redis.username: {text:?} is not a Redis user name; it must be non-empty, without spaces"),
+                    ));
+                }
+                if url_username(&url_text).is_some() {
+                    return Err(source.error(
+                        name.span(),
+                        "redis.username: the url names a user already; set the user in one of url and username, not both",
+                    ));
+                }
+                Some(name.into_inner())
+            }
+            None => None,
+        };
         let password = match (&password_env, &password_file) {
             (Some(_), Some(file)) => {
                 return Err(source.error(
@@ -719,6 +753,7 @@ impl RawRedis {
         }
         Ok(RedisConfig {
             url: url_text,
+            username,
             password,
             pool_size,
             key_prefix,
@@ -1261,6 +1296,16 @@ mod tests {
                 &["redis.url", "TLS) is not supported", "stunnel"],
             ),
             (
+                "[redis]\nurl = \"redis://app:pw@cache:6379/0\"\nusername = \"kmqd\"\n",
+                "queues.toml:3:12",
+                &["redis.username", "not both"],
+            ),
+            (
+                "[redis]\nusername = \"two words\"\n",
+                "queues.toml:2:12",
+                &["redis.username", "without spaces"],
+            ),
+            (
                 "[daemon]\nshutdown_grace = \"30 parsecs\"\n",
                 "queues.toml:2:18",
                 &["daemon.shutdown_grace", "\"30s\""],
@@ -1428,6 +1473,16 @@ mod tests {
         let hourly = When::Every(Duration::from_secs(3600));
         assert_eq!(hourly.next_after(3_600_000), Some(7_200_000));
         assert_eq!(hourly.next_after(-1), Some(0));
+    }
+
+    #[test]
+    fn the_user_is_named_in_the_url_or_in_username() {
+        let config = parse(&format!("[redis]\nusername = \"kmqd\"\n{MINIMAL}")).unwrap();
+        assert_eq!(config.redis.username.as_deref(), Some("kmqd"));
+        assert_eq!(url_username("redis://kmqd:pw@host:6379/0"), Some("kmqd"));
+        assert_eq!(url_username("redis://kmqd@host/0"), Some("kmqd"));
+        assert_eq!(url_username("redis://:pw@host/0"), None);
+        assert_eq!(url_username("unix:///run/redis.sock"), None);
     }
 
     #[test]

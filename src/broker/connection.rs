@@ -16,16 +16,28 @@ pub struct Connector {
     /// stuck one is noticed after this.
     io_timeout: Duration,
     display_url: String,
+    /// The ACL user the connections log in as, for messages (`default` when none is named).
+    username: String,
 }
 
 impl Connector {
     pub fn new(config: &RedisConfig) -> Result<Connector> {
         let mut info = config.url.as_str().into_connection_info()?;
+        if let Some(username) = &config.username {
+            let settings = info.redis_settings().clone().set_username(username);
+            info = info.set_redis_settings(settings);
+        }
         if let Some(password) = &config.password {
             let settings = info.redis_settings().clone().set_password(password);
             info = info.set_redis_settings(settings);
         }
+        let username = info
+            .redis_settings()
+            .username()
+            .unwrap_or("default")
+            .to_string();
         Ok(Connector {
+            username,
             client: redis::Client::open(info)?,
             connect_timeout: config.connect_timeout,
             io_timeout: config.io_timeout,
@@ -51,6 +63,11 @@ impl Connector {
     /// The URL with any password replaced, for logs.
     pub fn display_url(&self) -> &str {
         &self.display_url
+    }
+
+    /// The ACL user the connections log in as (`default`: Redis's own, when the config names none).
+    pub fn username(&self) -> &str {
+        &self.username
     }
 }
 
