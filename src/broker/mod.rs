@@ -4,12 +4,14 @@
 //! (docs/PROTOCOL.md describes them). Functions here take a connection and a queue's [`QueueKeys`]; the threads
 //! that call them own their connection for as long as they run, so a blocking call never starves anyone else.
 //!
+//! - [`access`]: the ACL rules each kind of kmqd process needs, and the check at start that its user has them;
 //! - [`connection`]: connecting, the pool, a thread's own [`Session`];
 //! - [`tasks`]: a task's life: push, claim or pop, settle, leases, promote;
 //! - [`lookup`]: finding and cancelling tasks by id;
 //! - [`schedule`]: firing periodic tasks;
 //! - [`stats`]: depths and counters, and the protocol-version check.
 
+pub mod access;
 pub mod connection;
 pub mod keys;
 pub mod lookup;
@@ -59,6 +61,23 @@ pub enum BrokerError {
     LeaseLost { owner: String },
     #[error("owner {owner}: the claim was fenced off after its reply was given up for lost")]
     Fenced { owner: String },
+    /// The Redis user lacks ACL rules its role needs (found by [`access::check`] at start).
+    #[error("{}", access::describe(.user.as_deref(), *.role, .refused, .hint))]
+    Permission {
+        /// The ACL user, once the caller has said which ([`BrokerError::for_user`]).
+        user: Option<String>,
+        /// The role whose rules it lacks.
+        role: access::Role,
+        /// Every refused pair, the first one named in the message.
+        refused: Vec<access::Refusal>,
+        /// The rules to add, as `ACL SETUSER` takes them: `+blmove ~kmq:*`.
+        hint: String,
+    },
+    #[error(
+        "this Redis does not know the command {command}, which kmqd sends (renamed or disabled with \
+         rename-command? kmqd needs Redis 7.0 or newer)"
+    )]
+    UnknownCommand { command: String },
 }
 
 impl BrokerError {
@@ -70,6 +89,38 @@ impl BrokerError {
             BrokerError::Redis(error) => {
                 error.is_io_error() || error.is_timeout() || error.is_connection_dropped()
             }
+            _ => false,
+        }
+    }
+}
+
+impl BrokerError {
+    /// Names the ACL user in a [`BrokerError::Permission`] (the check only has the connection).
+    pub fn for_user(self, name: &str) -> BrokerError {
+        match self {
+            BrokerError::Permission {
+                role,
+                refused,
+                hint,
+                ..
+            } => BrokerError::Permission {
+                user: Some(name.to_string()),
+                role,
+                refused,
+                hint,
+            },
+            other => other,
+        }
+    }
+
+    /// Whether the failure is the setup's, which no retry fixes: wrong credentials, missing ACL rules, keys of
+    /// another protocol version, a command this Redis lacks. `kmqd` exits 2 on these, not 1.
+    pub fn is_config_error(&self) -> bool {
+        match self {
+            BrokerError::Redis(error) => is_auth_error(error),
+            BrokerError::Permission { .. }
+            | BrokerError::UnknownCommand { .. }
+            | BrokerError::ProtocolVersion { .. } => true,
             _ => false,
         }
     }
@@ -101,6 +152,7 @@ struct Scripts {
     promote: redis::Script,
     remove: redis::Script,
     fire: redis::Script,
+    access: redis::Script,
 }
 
 /// The scripts' sources, for tests that pick out one script's calls (a fault-injecting proxy matches them).
@@ -116,6 +168,7 @@ pub mod sources {
     pub const PROMOTE: &str = include_str!("scripts/promote.lua");
     pub const REMOVE: &str = include_str!("scripts/remove.lua");
     pub const FIRE: &str = include_str!("scripts/fire.lua");
+    pub const ACCESS: &str = include_str!("scripts/access.lua");
 }
 
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
@@ -131,6 +184,7 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     promote: redis::Script::new(sources::PROMOTE),
     remove: redis::Script::new(sources::REMOVE),
     fire: redis::Script::new(sources::FIRE),
+    access: redis::Script::new(sources::ACCESS),
 });
 
 /// The published enqueue script (docs/PROTOCOL.md shows how to call it from any language).

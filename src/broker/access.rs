@@ -1,0 +1,1265 @@
+//! The Redis ACL rules kmqd needs, and the check at start that the user it logs in as has them.
+//!
+//! Operators run Redis with ACL users (docs/OPERATIONS.md, "ACL rules"). A user that lacks one rule would
+//! otherwise fail later and far from the cause: the first delayed task (a PUBLISH inside push.lua), the first
+//! retry, the first lease recovery. So each kmqd process asks Redis once, at start, whether its user may send
+//! every (command, key or channel) pair it is about to send, with `redis.acl_check_cmd` (Redis 7.0+) inside
+//! `scripts/access.lua`: nothing is run, only the rules are consulted, with the queue's real key names. The
+//! first refusal is reported with the rule to add.
+//!
+//! The rules are written here once: [`setuser_line`] renders the `ACL SETUSER` lines that docs/OPERATIONS.md
+//! quotes (a unit test keeps the two equal), and the tests create their users from the same lines.
+
+use redis::{ConnectionLike, Value};
+
+use super::{BrokerError, QueueKeys, Result, SCRIPTS, sources};
+
+/// A user of docs/OPERATIONS.md, "ACL rules": the rules one kind of kmqd process needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// The daemon (`kmqd --config FILE`): claims, settles, leases, delays, schedules, metrics.
+    Daemon,
+    /// `kmqd push`, `Client::push`, and producers in other languages that run the enqueue script.
+    Producer,
+    /// `kmqd stats`, `kmqd task show`, `Client::stats` and `Client::find`: they read and write nothing.
+    Reader,
+    /// An operator's tools: everything a reader does, and `kmqd task cancel` (which removes waiting tasks).
+    Operator,
+}
+
+impl Role {
+    pub const ALL: [Role; 4] = [Role::Daemon, Role::Producer, Role::Reader, Role::Operator];
+
+    /// The user name docs/OPERATIONS.md gives this role's user.
+    pub fn user(self) -> &'static str {
+        match self {
+            Role::Daemon => "kmqd",
+            Role::Producer => "kmqd-producer",
+            Role::Reader => "kmqd-reader",
+            Role::Operator => "kmqd-operator",
+        }
+    }
+
+    /// Whose rules these are, in a message: "the producers' rules".
+    fn whose(self) -> &'static str {
+        match self {
+            Role::Daemon => "the daemons'",
+            Role::Producer => "the producers'",
+            Role::Reader => "the read-only tools'",
+            Role::Operator => "the operators'",
+        }
+    }
+
+    /// What a user with this role's rules may do: every action whose rules these are.
+    #[cfg(test)]
+    fn actions(self) -> &'static [Action] {
+        match self {
+            Role::Daemon => &[Action::Serve],
+            Role::Producer => &[Action::Push],
+            Role::Reader => &[Action::Stats, Action::Show],
+            Role::Operator => &[Action::Stats, Action::Show, Action::Cancel],
+        }
+    }
+
+    /// The (command, what it touches) pairs of all this role's actions.
+    #[cfg(test)]
+    fn needs(self) -> Vec<(&'static str, On)> {
+        self.actions()
+            .iter()
+            .flat_map(|action| action.needs())
+            .copied()
+            .collect()
+    }
+
+    /// The key patterns of this role's rules: (`~` read and write, or `%R~` read only; the pattern after
+    /// `PREFIX:`).
+    fn key_patterns(self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            Role::Daemon => &[("~", "*")],
+            Role::Producer => &[
+                ("~", "{*}:ready:*"),
+                ("~", "{*}:delayed:*"),
+                ("~", "{*}:delayed-tasks"),
+                ("~", "{*}:wake"),
+                ("~", "{*}:unique"),
+                ("~", "{*}:stats"),
+            ],
+            Role::Reader => &[("%R~", "*")],
+            Role::Operator => &[
+                ("%R~", "*"),
+                ("~", "{*}:ready:*"),
+                ("~", "{*}:delayed:*"),
+                ("~", "{*}:retry:*"),
+                ("~", "{*}:delayed-tasks"),
+                ("~", "{*}:unique"),
+                ("~", "{*}:stats"),
+            ],
+        }
+    }
+
+    /// The channel patterns of this role's rules (after `PREFIX:`).
+    fn channel_patterns(self) -> &'static [&'static str] {
+        match self {
+            Role::Daemon => &["*"],
+            Role::Producer => &["{*}:delay-wake"],
+            Role::Reader | Role::Operator => &[],
+        }
+    }
+}
+
+/// What a kmqd process is about to do with a queue: what the check at start asks for. Each is covered by one
+/// role's rules ([`Action::role`]), and each asks only for what it sends, so that a user with more rules (the
+/// daemon's user, running `kmqd stats` with the daemon's config) passes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Action {
+    /// Run the daemon.
+    Serve,
+    /// `kmqd push`, `Client::push`.
+    Push,
+    /// `kmqd stats`, `Client::stats`.
+    Stats,
+    /// `kmqd task show`, `Client::find`.
+    Show,
+    /// `kmqd task cancel`, `Client::cancel`.
+    Cancel,
+}
+
+impl Action {
+    /// The role whose rules docs/OPERATIONS.md gives for this action.
+    pub fn role(self) -> Role {
+        match self {
+            Action::Serve => Role::Daemon,
+            Action::Push => Role::Producer,
+            Action::Stats | Action::Show => Role::Reader,
+            Action::Cancel => Role::Operator,
+        }
+    }
+
+    /// The (command, what it touches) pairs this action sends.
+    fn needs(self) -> &'static [(&'static str, On)] {
+        match self {
+            Action::Serve => DAEMON,
+            Action::Push => PRODUCER,
+            Action::Stats => STATS,
+            Action::Show => SHOW,
+            Action::Cancel => CANCEL,
+        }
+    }
+
+    /// Whether the check passes a key of the queue (so that a cluster routes it to the queue's node). Not for
+    /// the read-only actions: Redis refuses EVALSHA on a key the user may not write, and a reader's keys are
+    /// read-only (`%R~`); EVALSHA_RO would take one, but a user with more rules (the daemon's) has no reason to
+    /// be allowed it. Without a key, the check runs on any node, whose ACL rules are the same.
+    fn keyed(self) -> bool {
+        !matches!(self, Action::Stats | Action::Show)
+    }
+}
+
+/// One command of the rules: its ACL name (`script|load` for a subcommand), the roles that need it, and why.
+#[derive(Debug)]
+pub struct Command {
+    pub name: &'static str,
+    pub roles: &'static [Role],
+    pub why: &'static str,
+}
+
+use Role::{Daemon as D, Operator as O, Producer as P, Reader as R};
+
+/// Every command of the rules, in the order the `ACL SETUSER` lines list them.
+pub const COMMANDS: &[Command] = &[
+    Command {
+        name: "evalsha",
+        roles: &[D, P, R, O],
+        why: "runs kmqd's scripts (src/broker/scripts/*.lua), each an atomic step; Redis checks each command a \
+              script runs against the same rules, hence the commands below. A script has its caller's rights: \
+              the read-only tools run only the check at start (access.lua), and cannot write through it",
+    },
+    Command {
+        name: "eval",
+        roles: &[P],
+        why: "producers in other languages run the enqueue script push.lua (docs/PROTOCOL.md); kmqd itself sends \
+              EVALSHA",
+    },
+    Command {
+        name: "script|load",
+        roles: &[D, P, R, O],
+        why: "loads a script into Redis's cache when EVALSHA answers NOSCRIPT (the first time, after a restart or \
+              a SCRIPT FLUSH)",
+    },
+    Command {
+        name: "time",
+        roles: &[D, P, R, O],
+        why: "Redis's clock decides leases, due times and task ages",
+    },
+    Command {
+        name: "blmove",
+        roles: &[D],
+        why: "an idle default-mode fetcher of a one-level queue waits on its ready list (moved onto itself, \
+              unchanged), so that a plain RPUSH wakes it at once",
+    },
+    Command {
+        name: "blpop",
+        roles: &[D],
+        why: "an idle fetcher (safe mode, or several levels) waits for a wake-up marker",
+    },
+    Command {
+        name: "lmpop",
+        roles: &[D],
+        why: "default mode pops tasks from the first non-empty list (pop.lua, or plain in a transaction)",
+    },
+    Command {
+        name: "lpop",
+        roles: &[D],
+        why: "safe mode claims tasks from the ready and quarantine lists (claim.lua)",
+    },
+    Command {
+        name: "rpush",
+        roles: &[D, P],
+        why: "a new task joins the back of its ready list (push.lua, fire.lua; due delayed tasks: promote.lua)",
+    },
+    Command {
+        name: "lpush",
+        roles: &[D, P],
+        why: "wake-up markers; retried, recovered and handed-back tasks go to the front of their list; dead \
+              letters",
+    },
+    Command {
+        name: "ltrim",
+        roles: &[D, P],
+        why: "keeps the wake list at one marker and the dead-letter list at `dead_max`",
+    },
+    Command {
+        name: "llen",
+        roles: &[D, R, O],
+        why: "claims look for quarantined tasks; stats count ready and dead tasks",
+    },
+    Command {
+        name: "lindex",
+        roles: &[D, R, O],
+        why: "stats read the oldest ready task, for the lag",
+    },
+    Command {
+        name: "lrange",
+        roles: &[R, O],
+        why: "`task show` and `task cancel` read the ready lists (and `task show` the dead letters) in chunks",
+    },
+    Command {
+        name: "lrem",
+        roles: &[O],
+        why: "`task cancel` removes a ready task (remove.lua)",
+    },
+    Command {
+        name: "hget",
+        roles: &[D, R, O],
+        why: "owners' registrations, schedules' last slots, the protocol version; `task cancel` rereads a delayed \
+              task",
+    },
+    Command {
+        name: "hmget",
+        roles: &[D, R, O],
+        why: "claims read an owner's registration, adopt.lua its tasks; promote.lua and `task show` read delayed \
+              tasks by id",
+    },
+    Command {
+        name: "hset",
+        roles: &[D],
+        why: "claimed tasks (the processing hashes), owners' registrations, schedules' last slots, unique ids \
+              popped in default mode",
+    },
+    Command {
+        name: "hsetnx",
+        roles: &[D, P],
+        why: "records the protocol version; push.lua stores a delayed task and takes a unique id",
+    },
+    Command {
+        name: "hdel",
+        roles: &[D, P, O],
+        why: "settling a claimed task, releasing a unique id, moving or cancelling a delayed task",
+    },
+    Command {
+        name: "hexists",
+        roles: &[D],
+        why: "a pop checks whether a task's unique id is held",
+    },
+    Command {
+        name: "hlen",
+        roles: &[D, R, O],
+        why: "claims and pops check what is held; stats count processing tasks",
+    },
+    Command {
+        name: "hincrby",
+        roles: &[D, P, O],
+        why: "the queue's counters (pushed, done, retried, dead_lettered, cancelled...)",
+    },
+    Command {
+        name: "hgetall",
+        roles: &[D, R, O],
+        why: "owners' registrations; the counters, for stats and metrics",
+    },
+    Command {
+        name: "hscan",
+        roles: &[D, R, O],
+        why: "the monitor reads the tasks and unique ids of an owner whose lease ran out; `task show` reads \
+              processing tasks",
+    },
+    Command {
+        name: "zadd",
+        roles: &[D, P],
+        why: "leases (the owners sorted set), delayed tasks, retries",
+    },
+    Command {
+        name: "zrem",
+        roles: &[D, O],
+        why: "releasing an owner, moving due tasks; `task cancel` removes delayed and retrying tasks",
+    },
+    Command {
+        name: "zrange",
+        roles: &[D, P, R, O],
+        why: "the owners and their leases, due tasks, the next due time",
+    },
+    Command {
+        name: "zscore",
+        roles: &[D, R, O],
+        why: "an owner's lease; `task show` reads a delayed task's due time",
+    },
+    Command {
+        name: "zcard",
+        roles: &[D, R, O],
+        why: "stats count delayed and retrying tasks",
+    },
+    Command {
+        name: "zscan",
+        roles: &[R, O],
+        why: "`task show` and `task cancel` look for retrying tasks",
+    },
+    Command {
+        name: "get",
+        roles: &[D],
+        why: "settle.lua answers a call sent again after a lost reply with the first call's result",
+    },
+    Command {
+        name: "set",
+        roles: &[D],
+        why: "settle.lua stores each call's result (for a day)",
+    },
+    Command {
+        name: "del",
+        roles: &[D],
+        why: "forgets a released owner's registration",
+    },
+    Command {
+        name: "exists",
+        roles: &[D],
+        why: "registering, renewing and releasing an owner check its registration and tasks",
+    },
+    Command {
+        name: "type",
+        roles: &[D],
+        why: "claims and settlements check every key's type before they write, so they apply all or nothing",
+    },
+    Command {
+        name: "watch",
+        roles: &[D],
+        why: "default mode's plain pop runs only while no unique id is held",
+    },
+    Command {
+        name: "unwatch",
+        roles: &[D],
+        why: "ends that watch when a unique id is held",
+    },
+    Command {
+        name: "multi",
+        roles: &[D],
+        why: "the plain pop's transaction (the clock and LMPOP)",
+    },
+    Command {
+        name: "exec",
+        roles: &[D],
+        why: "runs that transaction",
+    },
+    Command {
+        name: "publish",
+        roles: &[D, P],
+        why: "tells the delay pollers that a task became due sooner than they planned (push.lua, settle.lua)",
+    },
+    Command {
+        name: "subscribe",
+        roles: &[D],
+        why: "each daemon listens for those",
+    },
+    Command {
+        name: "unsubscribe",
+        roles: &[D],
+        why: "the Redis client library sends it when that listener stops or reconnects (refused, it would only \
+              fill `ACL LOG`)",
+    },
+    Command {
+        name: "punsubscribe",
+        roles: &[D],
+        why: "the same",
+    },
+];
+
+/// The kinds of keys of a queue (see [`QueueKeys`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Ready,
+    Quarantine,
+    Delayed,
+    DelayedTasks,
+    Retry,
+    Owners,
+    OwnerInfo,
+    Processing,
+    Settled,
+    Dead,
+    Unique,
+    UniquePopped,
+    Stats,
+    Wake,
+    Schedules,
+    Meta,
+}
+
+/// What a command touches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum On {
+    /// No key, no channel (TIME, EXEC).
+    Nothing,
+    /// Every key of this kind (every level's).
+    Key(Kind),
+    /// The queue's pub/sub channel, `PREFIX:{QUEUE}:delay-wake`.
+    Channel,
+}
+
+const NOTHING: On = On::Nothing;
+const CHANNEL: On = On::Channel;
+
+const fn key(kind: Kind) -> On {
+    On::Key(kind)
+}
+
+use Kind as K;
+
+/// The daemon's commands: sent from Rust (the broker, the listener) and run inside its scripts.
+const DAEMON: &[(&str, On)] = &[
+    // Sent from Rust: start, owners, stats (metrics), default mode's plain pop and waits, the monitor, the
+    // delay listener.
+    ("hsetnx", key(K::Meta)),
+    ("hget", key(K::Meta)),
+    ("time", NOTHING),
+    ("zrange", key(K::Owners)),
+    ("hget", key(K::Schedules)),
+    ("hgetall", key(K::OwnerInfo)),
+    ("hget", key(K::OwnerInfo)),
+    ("llen", key(K::Ready)),
+    ("llen", key(K::Quarantine)),
+    ("llen", key(K::Dead)),
+    ("lindex", key(K::Ready)),
+    ("zcard", key(K::Delayed)),
+    ("zcard", key(K::Retry)),
+    ("hlen", key(K::Processing)),
+    ("hgetall", key(K::Stats)),
+    ("watch", key(K::Unique)),
+    ("hlen", key(K::Unique)),
+    ("unwatch", NOTHING),
+    ("multi", NOTHING),
+    ("lmpop", key(K::Quarantine)),
+    ("lmpop", key(K::Ready)),
+    ("exec", NOTHING),
+    ("blmove", key(K::Ready)),
+    ("blpop", key(K::Wake)),
+    ("hscan", key(K::UniquePopped)),
+    ("hscan", key(K::Processing)),
+    ("subscribe", CHANNEL),
+    ("unsubscribe", NOTHING),
+    ("punsubscribe", NOTHING),
+    // The scripts, with every kind of key they are given in KEYS (EVALSHA needs read and write on each).
+    ("script|load", NOTHING),
+    ("evalsha", key(K::Ready)),
+    ("evalsha", key(K::Quarantine)),
+    ("evalsha", key(K::Delayed)),
+    ("evalsha", key(K::DelayedTasks)),
+    ("evalsha", key(K::Retry)),
+    ("evalsha", key(K::Owners)),
+    ("evalsha", key(K::OwnerInfo)),
+    ("evalsha", key(K::Processing)),
+    ("evalsha", key(K::Settled)),
+    ("evalsha", key(K::Dead)),
+    ("evalsha", key(K::Unique)),
+    ("evalsha", key(K::UniquePopped)),
+    ("evalsha", key(K::Stats)),
+    ("evalsha", key(K::Wake)),
+    ("evalsha", key(K::Schedules)),
+    // Inside claim.lua and adopt.lua.
+    ("zscore", key(K::Owners)),
+    ("hmget", key(K::OwnerInfo)),
+    ("hget", key(K::OwnerInfo)),
+    ("hset", key(K::OwnerInfo)),
+    ("hdel", key(K::OwnerInfo)),
+    ("type", key(K::Ready)),
+    ("type", key(K::Quarantine)),
+    ("type", key(K::Processing)),
+    ("llen", key(K::Ready)),
+    ("llen", key(K::Quarantine)),
+    ("lpop", key(K::Ready)),
+    ("lpop", key(K::Quarantine)),
+    ("hset", key(K::Processing)),
+    ("hlen", key(K::Processing)),
+    ("hmget", key(K::Processing)),
+    ("lpush", key(K::Dead)),
+    ("ltrim", key(K::Dead)),
+    ("hincrby", key(K::Stats)),
+    ("lpush", key(K::Wake)),
+    ("ltrim", key(K::Wake)),
+    // pop.lua.
+    ("hlen", key(K::Unique)),
+    ("hexists", key(K::Unique)),
+    ("hset", key(K::UniquePopped)),
+    // settle.lua.
+    ("get", key(K::Settled)),
+    ("set", key(K::Settled)),
+    ("type", key(K::Owners)),
+    ("type", key(K::Stats)),
+    ("type", key(K::Dead)),
+    ("type", key(K::Unique)),
+    ("type", key(K::Wake)),
+    ("type", key(K::Settled)),
+    ("type", key(K::UniquePopped)),
+    ("type", key(K::Retry)),
+    ("hdel", key(K::Processing)),
+    ("hdel", key(K::UniquePopped)),
+    ("hdel", key(K::Unique)),
+    ("lpush", key(K::Ready)),
+    ("lpush", key(K::Quarantine)),
+    ("zadd", key(K::Retry)),
+    ("zrange", key(K::Retry)),
+    ("publish", CHANNEL),
+    // release_unique.lua.
+    ("hget", key(K::UniquePopped)),
+    // register.lua, renew.lua, release.lua.
+    ("zadd", key(K::Owners)),
+    ("zrem", key(K::Owners)),
+    ("exists", key(K::OwnerInfo)),
+    ("exists", key(K::Processing)),
+    ("del", key(K::OwnerInfo)),
+    // promote.lua.
+    ("zrange", key(K::Delayed)),
+    ("zrem", key(K::Delayed)),
+    ("zrem", key(K::Retry)),
+    ("hmget", key(K::DelayedTasks)),
+    ("hdel", key(K::DelayedTasks)),
+    ("rpush", key(K::Ready)),
+    // fire.lua.
+    ("hset", key(K::Schedules)),
+];
+
+/// `kmqd push`: the enqueue script, push.lua.
+const PRODUCER: &[(&str, On)] = &[
+    ("script|load", NOTHING),
+    ("evalsha", key(K::Ready)),
+    ("evalsha", key(K::Delayed)),
+    ("evalsha", key(K::DelayedTasks)),
+    ("evalsha", key(K::Wake)),
+    ("evalsha", key(K::Unique)),
+    ("evalsha", key(K::Stats)),
+    ("time", NOTHING),
+    ("zrange", key(K::Delayed)),
+    ("hsetnx", key(K::Unique)),
+    ("hsetnx", key(K::DelayedTasks)),
+    ("zadd", key(K::Delayed)),
+    ("hdel", key(K::Unique)),
+    ("rpush", key(K::Ready)),
+    ("lpush", key(K::Wake)),
+    ("ltrim", key(K::Wake)),
+    ("publish", CHANNEL),
+    ("hincrby", key(K::Stats)),
+];
+
+/// `kmqd stats` (and the daemon's metrics): plain reads.
+const STATS: &[(&str, On)] = &[
+    ("evalsha", NOTHING),
+    ("script|load", NOTHING),
+    ("zrange", key(K::Owners)),
+    ("hget", key(K::OwnerInfo)),
+    ("time", NOTHING),
+    ("llen", key(K::Ready)),
+    ("llen", key(K::Quarantine)),
+    ("llen", key(K::Dead)),
+    ("lindex", key(K::Ready)),
+    ("zcard", key(K::Delayed)),
+    ("zcard", key(K::Retry)),
+    ("hlen", key(K::Processing)),
+    ("hgetall", key(K::Stats)),
+];
+
+/// `kmqd task show`: plain reads, everywhere a task can be.
+const SHOW: &[(&str, On)] = &[
+    ("evalsha", NOTHING),
+    ("script|load", NOTHING),
+    ("time", NOTHING),
+    ("hmget", key(K::DelayedTasks)),
+    ("zscore", key(K::Delayed)),
+    ("zscan", key(K::Retry)),
+    ("lrange", key(K::Ready)),
+    ("zrange", key(K::Owners)),
+    ("hscan", key(K::Processing)),
+    ("lrange", key(K::Dead)),
+];
+
+/// `kmqd task cancel`: finding the waiting copies (as `task show` does), then remove.lua.
+const CANCEL: &[(&str, On)] = &[
+    ("time", NOTHING),
+    ("hmget", key(K::DelayedTasks)),
+    ("zscore", key(K::Delayed)),
+    ("zscan", key(K::Retry)),
+    ("lrange", key(K::Ready)),
+    ("script|load", NOTHING),
+    ("evalsha", key(K::Ready)),
+    ("evalsha", key(K::Retry)),
+    ("evalsha", key(K::Delayed)),
+    ("evalsha", key(K::DelayedTasks)),
+    ("evalsha", key(K::Unique)),
+    ("evalsha", key(K::Stats)),
+    ("lrem", key(K::Ready)),
+    ("zrem", key(K::Retry)),
+    ("zrem", key(K::Delayed)),
+    ("hget", key(K::DelayedTasks)),
+    ("hdel", key(K::DelayedTasks)),
+    ("hdel", key(K::Unique)),
+    ("hincrby", key(K::Stats)),
+];
+
+/// The rules of `role` for keys under `prefix`: `+command`s, then key patterns, then channel patterns.
+pub fn rules(role: Role, prefix: &str) -> Vec<String> {
+    let commands = COMMANDS
+        .iter()
+        .filter(|command| command.roles.contains(&role))
+        .map(|command| format!("+{}", command.name));
+    let keys = role
+        .key_patterns()
+        .iter()
+        .map(|(access, pattern)| format!("{access}{prefix}:{pattern}"));
+    let channels = role
+        .channel_patterns()
+        .iter()
+        .map(|pattern| format!("&{prefix}:{pattern}"));
+    commands.chain(keys).chain(channels).collect()
+}
+
+/// The `ACL SETUSER` line of docs/OPERATIONS.md for `role`, with the password left as `>PASSWORD`. `reset`
+/// first, so that the line gives the user exactly these rules whatever it had before.
+pub fn setuser_line(role: Role, prefix: &str) -> String {
+    format!(
+        "ACL SETUSER {} reset on >PASSWORD {}",
+        role.user(),
+        rules(role, prefix).join(" ")
+    )
+}
+
+/// One (command, key or channel) pair a user may not use.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    /// As Redis names it in messages: `BLMOVE`, `SCRIPT LOAD`.
+    pub command: String,
+    /// `key NAME` or `channel NAME`, when the command has one.
+    pub target: Option<String>,
+}
+
+/// The message of [`BrokerError::Permission`].
+pub(super) fn describe(user: Option<&str>, role: Role, refused: &[Refusal], hint: &str) -> String {
+    let who = match user {
+        Some(user) => format!("Redis user {user:?}"),
+        None => "the Redis user".to_string(),
+    };
+    let whose = role.whose();
+    let Some(first) = refused.first() else {
+        return format!(
+            "{who} lacks ACL rules: add \"{hint}\" ({whose} rules: docs/OPERATIONS.md, \"ACL rules\")"
+        );
+    };
+    let on = first
+        .target
+        .as_deref()
+        .map_or(String::new(), |target| format!(" on {target}"));
+    let mut others: Vec<&str> = Vec::new();
+    for refusal in &refused[1..] {
+        if refusal.command != first.command && !others.contains(&refusal.command.as_str()) {
+            others.push(&refusal.command);
+        }
+    }
+    let also = match others.len() {
+        0 => String::new(),
+        1..=8 => format!(" (also refused: {})", others.join(", ")),
+        n => format!(
+            " (also refused: {} and {} more)",
+            others[..8].join(", "),
+            n - 8
+        ),
+    };
+    format!(
+        "{who} may not run {}{on}{also}: add \"{hint}\" to its ACL rules ({whose} rules: docs/OPERATIONS.md, \
+         \"ACL rules\")",
+        first.command
+    )
+}
+
+/// One check the script makes: the command as it would be sent, and what a refusal is reported as.
+struct Check {
+    /// The ACL name of the command (`script|load`).
+    acl: &'static str,
+    argv: Vec<String>,
+    on: Target,
+}
+
+/// A check's key or channel, by name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Target {
+    Nothing,
+    Key(String),
+    Channel(String),
+}
+
+/// The owner id and settling party named in the checks' keys: any id matches the rules' patterns, as kmqd's own
+/// ids (`host-pid-time-random.N`) do.
+const SOME_OWNER: &str = "access-check";
+
+/// The names of the keys of `kind`.
+fn names(keys: &QueueKeys, kind: Kind) -> Vec<String> {
+    let levels = 0..keys.levels();
+    match kind {
+        Kind::Ready => keys.ready.clone(),
+        Kind::Quarantine => keys.quarantine.clone(),
+        Kind::Delayed => keys.delayed.clone(),
+        Kind::DelayedTasks => vec![keys.delayed_tasks.clone()],
+        Kind::Retry => keys.retry.clone(),
+        Kind::Owners => vec![keys.owners.clone()],
+        Kind::OwnerInfo => vec![keys.owner_info(SOME_OWNER)],
+        Kind::Processing => levels
+            .map(|level| keys.processing(SOME_OWNER, level))
+            .collect(),
+        Kind::Settled => vec![keys.settled(SOME_OWNER)],
+        Kind::Dead => vec![keys.dead.clone()],
+        Kind::Unique => vec![keys.unique.clone()],
+        Kind::UniquePopped => vec![keys.unique_popped.clone()],
+        Kind::Stats => vec![keys.stats.clone()],
+        Kind::Wake => vec![keys.wake.clone()],
+        Kind::Schedules => vec![keys.schedules.clone()],
+        Kind::Meta => vec![keys.meta.clone()],
+    }
+}
+
+/// `command` as kmqd sends it, on `target` (a key or a channel), with realistic other arguments: Redis finds
+/// the keys and channels among the arguments by the command's key specs, so their places must be right.
+fn argv(command: &str, target: Option<&str>) -> Vec<String> {
+    let t = || target.expect("a command on a key or channel").to_string();
+    let name = command.to_ascii_uppercase();
+    match command {
+        "time" | "multi" | "exec" | "unwatch" | "unsubscribe" | "punsubscribe" => vec![name],
+        "script|load" => vec!["SCRIPT".into(), "LOAD".into(), "return 1".into()],
+        // A check with no key is EVALSHA without one (the read-only tools' check itself).
+        "evalsha" => match target {
+            Some(key) => vec![name, "0".repeat(40), "1".into(), key.to_string()],
+            None => vec![name, "0".repeat(40), "0".into()],
+        },
+        "eval" => vec![name, "return 1".into(), "1".into(), t()],
+        "zcard" | "hlen" | "hgetall" | "llen" | "lpop" | "type" | "exists" | "del" | "get"
+        | "watch" | "subscribe" => vec![name, t()],
+        "zscore" | "zrem" | "hget" | "hdel" | "hmget" | "hexists" | "lpush" | "rpush" | "set"
+        | "lindex" => vec![name, t(), "1".into()],
+        "zscan" | "hscan" => vec![name, t(), "0".into()],
+        "publish" => vec![name, t(), "1".into()],
+        "zadd" | "hset" | "hsetnx" | "hincrby" | "zrange" | "ltrim" | "lrange" | "lrem" => {
+            vec![name, t(), "0".into(), "1".into()]
+        }
+        "lmpop" => vec![name, "1".into(), t(), "LEFT".into()],
+        "blmove" => vec![name, t(), t(), "LEFT".into(), "LEFT".into(), "1".into()],
+        "blpop" => vec![name, t(), "1".into()],
+        other => unreachable!("no arguments known for {other}: add them to access::argv"),
+    }
+}
+
+/// Every check of `needs` on the queue of `keys`, each pair once.
+fn checks(keys: &QueueKeys, needs: &[(&'static str, On)]) -> Vec<Check> {
+    let mut checks: Vec<Check> = Vec::new();
+    for &(command, on) in needs {
+        let targets = match on {
+            On::Nothing => vec![Target::Nothing],
+            On::Key(kind) => names(keys, kind).into_iter().map(Target::Key).collect(),
+            On::Channel => vec![Target::Channel(keys.delay_channel.clone())],
+        };
+        for target in targets {
+            if checks.iter().any(|c| c.acl == command && c.on == target) {
+                continue;
+            }
+            let argv = argv(
+                command,
+                match &target {
+                    Target::Nothing => None,
+                    Target::Key(name) | Target::Channel(name) => Some(name),
+                },
+            );
+            checks.push(Check {
+                acl: command,
+                argv,
+                on: target,
+            });
+        }
+    }
+    checks
+}
+
+/// Whether `text` matches the glob `pattern`, whose only special character is `*` (the rules' patterns).
+fn glob_matches(pattern: &str, text: &str) -> bool {
+    let parts: Vec<&str> = pattern.split('*').collect();
+    let (first, rest) = parts.split_first().expect("split yields one part at least");
+    let Some(mut text) = text.strip_prefix(first) else {
+        return false;
+    };
+    let Some((last, middle)) = rest.split_last() else {
+        return text.is_empty();
+    };
+    for part in middle {
+        match text.find(part) {
+            Some(at) => text = &text[at + part.len()..],
+            None => return false,
+        }
+    }
+    text.len() >= last.len() && text.ends_with(last)
+}
+
+/// The rule to add for a refused command on `target`: `+command`, and the pattern of the role's rules that
+/// covers the key or channel (the most specific one).
+fn rule_for(role: Role, prefix: &str, acl: &str, target: &Target) -> Vec<String> {
+    let mut rule = vec![format!("+{acl}")];
+    let pattern = match target {
+        Target::Nothing => None,
+        Target::Key(name) => role
+            .key_patterns()
+            .iter()
+            .map(|(access, pattern)| (format!("{access}{prefix}:{pattern}"), pattern))
+            .filter(|(_, pattern)| glob_matches(&format!("{prefix}:{pattern}"), name))
+            .max_by_key(|(_, pattern)| pattern.len())
+            .map(|(rule, _)| rule),
+        Target::Channel(name) => role
+            .channel_patterns()
+            .iter()
+            .filter(|pattern| glob_matches(&format!("{prefix}:{pattern}"), name))
+            .max_by_key(|pattern| pattern.len())
+            .map(|pattern| format!("&{prefix}:{pattern}")),
+    };
+    rule.extend(pattern);
+    rule
+}
+
+/// How Redis names a command in messages: `SCRIPT LOAD` for `script|load`.
+fn display_name(acl: &str) -> String {
+    acl.replace('|', " ").to_ascii_uppercase()
+}
+
+fn refusal(check_acl: &str, target: &Target) -> Refusal {
+    Refusal {
+        command: display_name(check_acl),
+        target: match target {
+            Target::Nothing => None,
+            Target::Key(name) => Some(format!("key {name}")),
+            Target::Channel(name) => Some(format!("channel {name}")),
+        },
+    }
+}
+
+/// The prefix the keys were made with (`kmq` of `kmq:{mail}:ready:normal`).
+fn prefix_of(keys: &QueueKeys) -> &str {
+    let ready = &keys.ready[0];
+    &ready[..ready.find(":{").unwrap_or(0)]
+}
+
+/// Checks that the connection's user may send everything `action` sends for the queue of `keys`: one call to
+/// access.lua (EVALSHA, and SCRIPT LOAD the first time). A refusal is [`BrokerError::Permission`] naming the
+/// first refused command, its key or channel, and the rules to add (its `user` is unset: see
+/// [`BrokerError::for_user`]); a Redis older than 7.0, which cannot tell, passes with a debug log.
+pub fn check(conn: &mut impl ConnectionLike, keys: &QueueKeys, action: Action) -> Result<()> {
+    let role = action.role();
+    let checks = checks(keys, action.needs());
+    let counts: Vec<String> = checks.iter().map(|c| c.argv.len().to_string()).collect();
+    let mut args: Vec<&str> = Vec::new();
+    for (check, count) in checks.iter().zip(&counts) {
+        args.push(count);
+        args.extend(check.argv.iter().map(String::as_str));
+    }
+    // A key of the queue, for a cluster's routing; one every role that writes may write.
+    let routing = action.keyed().then_some(keys.ready[0].as_str());
+    let mut call = redis::cmd("EVALSHA");
+    call.arg(SCRIPTS.access.get_hash());
+    match routing {
+        Some(key) => call.arg(1).arg(key),
+        None => call.arg(0),
+    };
+    call.arg(&args);
+    let mut reply = call.query::<Value>(conn);
+    if matches!(&reply, Err(error) if error.code() == Some("NOSCRIPT")) {
+        reply = redis::cmd("SCRIPT")
+            .arg("LOAD")
+            .arg(sources::ACCESS)
+            .query::<String>(conn)
+            .and_then(|_| call.query::<Value>(conn));
+    }
+    let prefix = prefix_of(keys);
+    let refused: Vec<i64> = match reply {
+        Err(error) if error.code() == Some("NOPERM") => {
+            return Err(refused_check(&error, role, prefix, routing));
+        }
+        // A client that has not logged in gets a protocol error, not NOAUTH, for a command of more than 10
+        // arguments (Redis 6.2.6+), and is disconnected: it is the missing password all the same.
+        Err(error) if error.to_string().contains("unauthenticated") => {
+            return Err(redis::RedisError::from((
+                redis::ErrorKind::AuthenticationFailed,
+                "NOAUTH",
+                format!("authentication required ({error})"),
+            ))
+            .into());
+        }
+        Err(error) => return Err(error.into()),
+        Ok(Value::Int(-1)) => {
+            tracing::debug!(
+                "this Redis has no redis.acl_check_cmd (older than 7.0): the ACL check at start is skipped"
+            );
+            return Ok(());
+        }
+        Ok(Value::Array(items)) => items
+            .iter()
+            .map(|item| super::int(item, "access"))
+            .collect::<Result<_>>()?,
+        Ok(other) => {
+            return Err(super::reply_error(
+                "access",
+                format!("expected a list, got {other:?}"),
+            ));
+        }
+    };
+    let check_at = |number: i64| {
+        checks
+            .get((number.unsigned_abs() as usize).wrapping_sub(1))
+            .ok_or_else(|| super::reply_error("access", format!("no check {number}")))
+    };
+    if let Some(&unknown) = refused.iter().find(|number| **number < 0) {
+        return Err(BrokerError::UnknownCommand {
+            command: display_name(check_at(unknown)?.acl),
+        });
+    }
+    if refused.is_empty() {
+        return Ok(());
+    }
+    let mut hint: Vec<String> = Vec::new();
+    let mut refusals = Vec::new();
+    for number in refused {
+        let check = check_at(number)?;
+        for rule in rule_for(role, prefix, check.acl, &check.on) {
+            if !hint.contains(&rule) {
+                hint.push(rule);
+            }
+        }
+        refusals.push(refusal(check.acl, &check.on));
+    }
+    // Commands first, then patterns, as the rules are written.
+    hint.sort_by_key(|rule| !rule.starts_with('+'));
+    Err(BrokerError::Permission {
+        user: None,
+        role,
+        refused: refusals,
+        hint: hint.join(" "),
+    })
+}
+
+/// A NOPERM reply to the check itself: the user may not run EVALSHA or SCRIPT LOAD, or not on the queue's key
+/// it was sent with. Redis 7.0 says "this user has no permissions to run the 'evalsha' command" or "... to
+/// access one of the keys used as arguments"; 7.2 "User U has no permissions to run the 'evalsha' command" or
+/// "No permissions to access a key".
+fn refused_check(
+    error: &redis::RedisError,
+    role: Role,
+    prefix: &str,
+    routing: Option<&str>,
+) -> BrokerError {
+    let detail = error.detail().unwrap_or_default();
+    let quoted = detail.split('\'').nth(1).filter(|_| detail.contains("run"));
+    let (acl, target) = match (quoted, routing) {
+        (Some(command), _) if command.eq_ignore_ascii_case("script|load") => {
+            ("script|load", Target::Nothing)
+        }
+        (None, Some(key)) if detail.contains("key") => ("evalsha", Target::Key(key.to_string())),
+        _ => ("evalsha", Target::Nothing),
+    };
+    BrokerError::Permission {
+        user: None,
+        role,
+        refused: vec![refusal(acl, &target)],
+        hint: rule_for(role, prefix, acl, &target).join(" "),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn queue() -> QueueKeys {
+        QueueKeys::new("kmq", "mail", &["high".into(), "low".into()])
+    }
+
+    #[test]
+    fn the_rules_render_as_one_setuser_line_per_role() {
+        let line = setuser_line(Role::Producer, "kmq");
+        assert!(
+            line.starts_with("ACL SETUSER kmqd-producer reset on >PASSWORD +evalsha +eval "),
+            "{line}"
+        );
+        assert!(
+            line.ends_with("~kmq:{*}:unique ~kmq:{*}:stats &kmq:{*}:delay-wake"),
+            "{line}"
+        );
+        assert!(setuser_line(Role::Reader, "jobs").ends_with(" %R~jobs:*"));
+        assert!(setuser_line(Role::Daemon, "kmq").ends_with(" ~kmq:* &kmq:*"));
+    }
+
+    #[test]
+    fn each_action_is_one_of_its_role_s() {
+        for action in [
+            Action::Serve,
+            Action::Push,
+            Action::Stats,
+            Action::Show,
+            Action::Cancel,
+        ] {
+            assert!(action.role().actions().contains(&action), "{action:?}");
+        }
+    }
+
+    /// Each role's rules name exactly the commands it is checked for: nothing checked is missing from the
+    /// docs, nothing in the docs goes unchecked (but the check's own call, and EVAL for other languages).
+    #[test]
+    fn the_rules_and_the_checks_name_the_same_commands() {
+        for role in Role::ALL {
+            let mut documented: Vec<&str> = COMMANDS
+                .iter()
+                .filter(|c| c.roles.contains(&role))
+                .map(|c| c.name)
+                .collect();
+            documented.retain(|name| !matches!((role, *name), (Role::Producer, "eval")));
+            let mut checked: Vec<&str> = role.needs().iter().map(|(name, _)| *name).collect();
+            checked.sort_unstable();
+            checked.dedup();
+            documented.sort_unstable();
+            assert_eq!(documented, checked, "{role:?}");
+        }
+    }
+
+    /// Every key and channel a role is checked on is covered by its own patterns, so the documented rules pass
+    /// the check (the integration tests prove it on a real Redis).
+    #[test]
+    fn every_checked_key_and_channel_is_covered_by_the_role_s_patterns() {
+        let keys = queue();
+        for role in Role::ALL {
+            for check in checks(&keys, &role.needs()) {
+                let rule = rule_for(role, "kmq", check.acl, &check.on);
+                let wanted = if check.on == Target::Nothing { 1 } else { 2 };
+                assert_eq!(
+                    rule.len(),
+                    wanted,
+                    "{role:?}: {:?} on {:?}",
+                    check.acl,
+                    check.on
+                );
+            }
+        }
+        assert_eq!(
+            rule_for(
+                Role::Operator,
+                "kmq",
+                "lrem",
+                &Target::Key(keys.ready[1].clone())
+            ),
+            ["+lrem", "~kmq:{*}:ready:*"],
+            "the most specific pattern"
+        );
+        assert_eq!(
+            rule_for(
+                Role::Producer,
+                "kmq",
+                "hincrby",
+                &Target::Key(keys.dead.clone())
+            ),
+            ["+hincrby"],
+            "a producer has no pattern for the dead list"
+        );
+    }
+
+    #[test]
+    fn globs_match_as_redis_does_for_stars() {
+        assert!(glob_matches("kmq:*", "kmq:{a}:ready:x"));
+        assert!(glob_matches("kmq:{*}:ready:*", "kmq:{a}:ready:normal"));
+        assert!(!glob_matches(
+            "kmq:{*}:ready:*",
+            "kmq:{a}:processing:o:ready"
+        ));
+        assert!(glob_matches("kmq:{*}:wake", "kmq:{a}:wake"));
+        assert!(!glob_matches("kmq:{*}:wake", "kmq:{a}:wake:x"));
+        assert!(!glob_matches("kmq:{*}:delayed:*", "kmq:{a}:delayed-tasks"));
+        assert!(glob_matches("a*a", "aa") && !glob_matches("a*a", "a"));
+    }
+
+    /// The commands each script runs, from its source.
+    fn script_commands(source: &str) -> Vec<String> {
+        let mut found: Vec<String> = source
+            .split("redis.call('")
+            .skip(1)
+            .map(|rest| rest[..rest.find('\'').expect("a quoted name")].to_ascii_lowercase())
+            .collect();
+        found.sort_unstable();
+        found.dedup();
+        found
+    }
+
+    /// A command added to a script without a rule would fail only when that script runs: caught here.
+    #[test]
+    fn every_command_a_role_s_scripts_run_is_checked() {
+        let daemon = [
+            sources::CLAIM,
+            sources::ADOPT,
+            sources::POP,
+            sources::RELEASE_UNIQUE,
+            sources::SETTLE,
+            sources::RENEW,
+            sources::REGISTER,
+            sources::RELEASE,
+            sources::PROMOTE,
+            sources::FIRE,
+        ];
+        let cases: [(Role, &[&str]); 3] = [
+            (Role::Daemon, &daemon),
+            (Role::Producer, &[super::super::PUSH_SCRIPT]),
+            (Role::Operator, &[sources::REMOVE]),
+        ];
+        for (role, scripts) in cases {
+            let needs = role.needs();
+            for script in scripts {
+                assert!(!script.contains("redis.pcall("), "pcall is not looked for");
+                for command in script_commands(script) {
+                    assert!(
+                        needs.iter().any(|(name, _)| *name == command),
+                        "{role:?} runs {command} in a script but is not checked for it"
+                    );
+                }
+            }
+        }
+    }
+
+    /// The same for the commands sent from Rust (but PING, which only the pool's validity test would send, and
+    /// it never runs one: `test_on_check_out(false)`).
+    #[test]
+    fn every_command_sent_from_rust_has_a_rule() {
+        let sources = [
+            include_str!("tasks.rs"),
+            include_str!("owners.rs"),
+            include_str!("stats.rs"),
+            include_str!("lookup.rs"),
+            include_str!("schedule.rs"),
+            include_str!("mod.rs"),
+            include_str!("connection.rs"),
+        ];
+        for source in sources {
+            for rest in source.split("cmd(\"").skip(1) {
+                let command = rest[..rest.find('"').expect("a quoted name")].to_ascii_lowercase();
+                if command == "ping" {
+                    continue;
+                }
+                assert!(
+                    COMMANDS.iter().any(|c| c.name == command),
+                    "{command} is sent from Rust but has no rule"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn every_check_has_its_arguments() {
+        let keys = queue();
+        for role in Role::ALL {
+            let checks = checks(&keys, &role.needs());
+            assert!(checks.iter().all(|c| !c.argv.is_empty()));
+        }
+        let daemon = checks(&keys, Action::Serve.needs());
+        let blmove = daemon.iter().find(|c| c.acl == "blmove").unwrap();
+        assert_eq!(
+            blmove.argv,
+            [
+                "BLMOVE",
+                "kmq:{mail}:ready:high",
+                "kmq:{mail}:ready:high",
+                "LEFT",
+                "LEFT",
+                "1"
+            ]
+        );
+        assert_eq!(prefix_of(&keys), "kmq");
+    }
+
+    #[test]
+    fn a_refusal_names_the_command_its_key_and_what_to_add() {
+        let message = describe(
+            Some("kmqd"),
+            Role::Daemon,
+            &[
+                refusal("blmove", &Target::Key("kmq:{emails}:ready:normal".into())),
+                refusal("lmpop", &Target::Key("kmq:{emails}:ready:normal".into())),
+                refusal("script|load", &Target::Nothing),
+            ],
+            "+blmove +lmpop +script|load ~kmq:*",
+        );
+        assert_eq!(
+            message,
+            "Redis user \"kmqd\" may not run BLMOVE on key kmq:{emails}:ready:normal (also refused: LMPOP, \
+             SCRIPT LOAD): add \"+blmove +lmpop +script|load ~kmq:*\" to its ACL rules (the daemons' rules: \
+             docs/OPERATIONS.md, \"ACL rules\")"
+        );
+    }
+
+    /// docs/OPERATIONS.md quotes the rules: each role's line and each command's row, word for word.
+    #[test]
+    fn the_docs_quote_the_rules() {
+        let docs = include_str!("../../docs/OPERATIONS.md");
+        for role in Role::ALL {
+            let line = setuser_line(role, "kmq");
+            assert!(
+                docs.lines().any(|l| l == line),
+                "docs/OPERATIONS.md, \"ACL rules\", must have the line\n{line}"
+            );
+        }
+        for row in doc_rows() {
+            assert!(
+                docs.lines().any(|l| l == row),
+                "docs/OPERATIONS.md, \"ACL rules\", must have the row\n{row}"
+            );
+        }
+    }
+
+    /// The rows of the docs' table of commands: `| command | roles | why |`.
+    fn doc_rows() -> Vec<String> {
+        COMMANDS
+            .iter()
+            .map(|command| {
+                let roles: Vec<&str> = Role::ALL
+                    .iter()
+                    .filter(|role| command.roles.contains(role))
+                    .map(|role| role.user())
+                    .collect();
+                // A `|` inside a code span still ends a table cell unless escaped.
+                format!(
+                    "| `{}` | {} | {} |",
+                    command.name.replace('|', "\\|"),
+                    roles.join(", "),
+                    command.why.split_whitespace().collect::<Vec<_>>().join(" ")
+                )
+            })
+            .collect()
+    }
+}
