@@ -1,7 +1,7 @@
 //! The `kmqd` command line: `kmqd --config FILE [run|check-config|push|stats|task]`.
 //!
 //! Exit codes, everywhere: 0 success, 1 runtime error (Redis unreachable, a thread died), 2 usage or config
-//! error (including a refused plugin), 3 a push refused because its unique id is live, 4 a task id not found
+//! error (including a refused plugin, wrong credentials and missing ACL rules), 3 a push refused because its unique id is live, 4 a task id not found
 //! where `task show` or `task cancel` needs it.
 
 use std::fmt;
@@ -13,6 +13,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 
+use crate::broker::access::Action;
 use crate::broker::{Due, Found, QueueStats};
 use crate::client::{Client, ClientError, NewTask, PUSH_CHUNK, Pushed};
 use crate::config::Config;
@@ -194,6 +195,10 @@ impl fmt::Display for Failure {
 impl From<ClientError> for Failure {
     fn from(error: ClientError) -> Failure {
         match error {
+            // Wrong credentials, missing ACL rules: the setup's to fix, as a config error is.
+            ClientError::Broker(error) if error.is_config_error() => {
+                Failure::Usage(error.to_string())
+            }
             ClientError::Broker(error) => Failure::Runtime(error.to_string()),
             other => Failure::Usage(other.to_string()),
         }
@@ -307,6 +312,7 @@ fn check_config(config: &Config) -> Result<(), Failure> {
 
 fn run_push(config: &Config, args: PushArgs) -> Result<(), Failure> {
     let client = Client::new(config)?;
+    client.check_access(&args.queue, Action::Push)?;
     let due = match (args.delay, args.at) {
         (Some(delay), _) => Due::After(delay),
         (None, Some(at)) => Due::At(at),
@@ -389,6 +395,9 @@ fn push_lines(
 
 fn run_stats(config: &Config, json: bool) -> Result<(), Failure> {
     let client = Client::new(config)?;
+    for queue in &config.queues {
+        client.check_access(&queue.name, Action::Stats)?;
+    }
     let mut all: Vec<(&str, &'static str, QueueStats)> = Vec::new();
     for queue in &config.queues {
         let mode = match queue.mode {
@@ -450,6 +459,7 @@ fn run_task(config: &Config, command: TaskCommand) -> Result<(), Failure> {
     let client = Client::new(config)?;
     match command {
         TaskCommand::Show { queue, id, json } => {
+            client.check_access(&queue, Action::Show)?;
             let found = client.find(&queue, &id)?;
             if found.is_empty() {
                 return Err(Failure::NotFound(format!(
@@ -513,6 +523,7 @@ fn run_task(config: &Config, command: TaskCommand) -> Result<(), Failure> {
             Ok(())
         }
         TaskCommand::Cancel { queue, ids } => {
+            client.check_access(&queue, Action::Cancel)?;
             let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
             let removed = client.cancel_batch(&queue, &refs)?;
             let mut missing = Vec::new();

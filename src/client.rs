@@ -16,7 +16,7 @@ use std::time::Duration;
 use serde_json::value::RawValue;
 
 use crate::broker::{
-    self, BrokerError, Due, Found, Pool, PushItem, QueueKeys, QueueStats, Scope, lookup,
+    self, BrokerError, Due, Found, Pool, PushItem, QueueKeys, QueueStats, Scope, access, lookup,
 };
 use crate::config::Config;
 use crate::task::{self, Envelope};
@@ -135,6 +135,8 @@ struct QueueInfo {
 pub struct Client {
     pool: Pool,
     queues: HashMap<String, QueueInfo>,
+    /// The ACL user the connections log in as, for [`Client::check_access`]'s message.
+    username: String,
 }
 
 impl Client {
@@ -153,6 +155,9 @@ impl Client {
         Ok(Client {
             pool: broker::pool(&config.redis)?,
             queues,
+            username: broker::Connector::new(&config.redis)?
+                .username()
+                .to_string(),
         })
     }
 
@@ -165,6 +170,18 @@ impl Client {
                 known: known.join(", "),
             }
         })
+    }
+
+    /// Checks that the Redis user may do what `action` does on `queue` (one call; see
+    /// docs/OPERATIONS.md, "ACL rules"), so that a missing rule is reported by name before anything is done:
+    /// [`BrokerError::Permission`] names the refused command and the rule to add. A Redis older than 7.0 cannot
+    /// tell and passes. The other methods do not check: call this once, before them.
+    pub fn check_access(&self, queue: &str, action: access::Action) -> Result<(), ClientError> {
+        let info = self.queue(queue)?;
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        access::check(&mut **connection, &info.keys, action)
+            .map_err(|error| error.for_user(&self.username))?;
+        Ok(())
     }
 
     /// Enqueues one task.

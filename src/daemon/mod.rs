@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, select};
 
-use crate::broker::{self, BrokerError, Connector, Session};
+use crate::broker::{self, BrokerError, Connector, Session, access};
 use crate::config::Config;
 use crate::plugin::Registry;
 use crate::queue::QueueContext;
@@ -81,19 +81,21 @@ pub enum DaemonError {
 }
 
 impl DaemonError {
-    /// Whether the failure is the config's (wrong credentials, keys of another protocol version): retrying
-    /// cannot help, so `kmqd` exits 2 rather than 1.
+    /// Whether the failure is the config's (wrong credentials, missing ACL rules, keys of another protocol
+    /// version): retrying cannot help, so `kmqd` exits 2 rather than 1.
     pub fn is_config_error(&self) -> bool {
-        matches!(
-            self,
-            DaemonError::Auth(_) | DaemonError::Broker(BrokerError::ProtocolVersion { .. })
-        )
+        match self {
+            DaemonError::Auth(_) => true,
+            DaemonError::Broker(error) => error.is_config_error(),
+            _ => false,
+        }
     }
 }
 
-/// Waits until Redis answers and every queue's keys are of this protocol version, however long Redis is down
-/// (one log line, then a summary every 30 s); a stop request ends the wait (returns false). Wrong credentials and
-/// keys of another protocol version end it too, as errors: waiting would not fix them.
+/// Waits until Redis answers, its ACL user may do all the daemon does on every queue (one check per queue,
+/// `broker::access`) and every queue's keys are of this protocol version, however long Redis is down (one log
+/// line, then a summary every 30 s); a stop request ends the wait (returns false). Wrong credentials, missing ACL
+/// rules and keys of another protocol version end it too, as errors: waiting would not fix them.
 fn wait_for_redis(
     config: &Config,
     connector: &Connector,
@@ -104,11 +106,11 @@ fn wait_for_redis(
     loop {
         let checked = connector.connect().and_then(|mut connection| {
             for queue in &config.queues {
-                broker::check_protocol(
-                    &mut connection,
-                    &broker::QueueKeys::for_queue(&config.redis.key_prefix, queue),
-                    &queue.name,
-                )?;
+                let keys = broker::QueueKeys::for_queue(&config.redis.key_prefix, queue);
+                // First, so that a missing ACL rule is reported by name, not as the NOPERM of whatever
+                // command happens to come first (or of a script, at the first task that needs it).
+                access::check(&mut connection, &keys, access::Action::Serve)?;
+                broker::check_protocol(&mut connection, &keys, &queue.name)?;
             }
             Ok(())
         });
@@ -120,7 +122,9 @@ fn wait_for_redis(
             Err(BrokerError::Redis(error)) if broker::is_auth_error(&error) => {
                 return Err(DaemonError::Auth(error));
             }
-            Err(error @ BrokerError::ProtocolVersion { .. }) => return Err(error.into()),
+            Err(error) if error.is_config_error() => {
+                return Err(error.for_user(connector.username()).into());
+            }
             Err(error) => trouble.failed(&error),
         }
         match stop.recv_timeout(delay) {

@@ -3,6 +3,7 @@
 
 mod support;
 
+mod acl;
 mod chaos;
 mod cli;
 mod crash;

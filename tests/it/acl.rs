@@ -1,0 +1,407 @@
+//! ACL users (docs/OPERATIONS.md, "ACL rules"): the documented rules are enough for every kmqd process, and a
+//! user that lacks one is refused at start, exit 2, with the command it lacks named.
+//!
+//! The users are made from the very lines the docs quote (`access::setuser_line`, checked against the docs by a
+//! unit test), and every test ends by reading Redis's `ACL LOG`: a refusal anywhere (inside a script, at a
+//! retry, at shutdown) is recorded there even when kmqd copes with it.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use kmqd::broker::access::{self, Role};
+
+use crate::support::*;
+
+const PASSWORD: &str = "acl-test-password";
+
+/// Creates (or resets) the documented user of `role`, keeping only the rules `keep` accepts.
+fn create_user(redis: &RedisServer, role: Role, keep: impl Fn(&str) -> bool) {
+    let line = access::setuser_line(role, "kmq").replace(">PASSWORD", &format!(">{PASSWORD}"));
+    let args: Vec<&str> = line.split(' ').filter(|rule| keep(rule)).collect();
+    let _: String = redis.cmd(&args);
+}
+
+/// Every documented user, as documented.
+fn create_users(redis: &RedisServer) {
+    for role in Role::ALL {
+        create_user(redis, role, |_| true);
+    }
+}
+
+/// A config `as-USER.toml` that logs in as `user`, with its password in a file (`TestDir::config` writes
+/// `kmqd.toml`, the default user's).
+fn config_as(
+    dir: &TestDir,
+    redis: &RedisServer,
+    user: &str,
+    daemon: &str,
+    queues: &str,
+) -> PathBuf {
+    let password = dir.path("redis.password");
+    std::fs::write(&password, format!("{PASSWORD}\n")).unwrap();
+    let redis_keys = format!(
+        "url = \"{}\"\nusername = \"{user}\"\npassword_file = \"{}\"",
+        redis.url(),
+        password.display()
+    );
+    dir.config_named(
+        &format!("as-{user}.toml"),
+        &redis_keys,
+        daemon,
+        queues,
+        &dir.record_file(),
+    )
+}
+
+/// What Redis refused since it started (`ACL LOG`), for the end of a test: nothing.
+fn acl_log(redis: &RedisServer) -> Vec<String> {
+    let entries: Vec<redis::Value> = redis.cmd(&["ACL", "LOG"]);
+    entries.iter().map(|entry| format!("{entry:?}")).collect()
+}
+
+/// `kmqd -c CONFIG ARGS...`, asserting the exit code; returns (stdout, stderr).
+fn run(config: &Path, args: &[&str], stdin: Option<&str>, code: i32) -> (String, String) {
+    let mut all = vec!["-c", config.to_str().unwrap()];
+    all.extend_from_slice(args);
+    let (exit, out, err) = kmqd(&all, stdin);
+    assert_eq!(exit, code, "kmqd {args:?}: {out}{err}");
+    (out, err)
+}
+
+const QUEUES: &str = "[[queues]]\nname = \"mail\"\nmode = \"safe\"\npriorities = [\"high\", \"low\"]\n\
+    workers = 2\nbackoff = \"10ms\"\nretry_times = 1\nlease_timeout = \"1s\"\n\n\
+    [[queues]]\nname = \"jobs\"\nmode = \"default\"\nworkers = 2\nprefetch = 200\nbatch = 100\n\
+    backoff = \"10ms\"\nretry_times = 1\nlease_timeout = \"1s\"\n";
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn scrape(port: u16) -> String {
+    use std::io::{Read, Write};
+    let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return String::new();
+    };
+    stream.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut page = String::new();
+    let _ = stream.read_to_string(&mut page);
+    page
+}
+
+/// A daemon as the documented daemon user drains a safe queue (two levels, a schedule) and a default queue
+/// (the plain pop's transaction included) through delays, retries, unique ids and dead letters, while the
+/// producer user pushes with `kmqd push`, the reader user reads with `kmqd stats` and `task show`, and the
+/// operator user cancels a delayed task; the metrics are served. Redis refuses nothing to any of them.
+#[test]
+fn the_documented_users_run_a_daemon_producers_and_readers_side_by_side() {
+    let redis = RedisServer::start();
+    create_users(&redis);
+    let dir = TestDir::new();
+    let port = free_port();
+    let schedule =
+        "\n[[schedules]]\nname = \"tick\"\nqueue = \"mail\"\ntype = \"test\"\nevery = \"1s\"\n";
+    let queues = format!("{QUEUES}{schedule}");
+    let daemon_keys = format!("shutdown_grace = \"5s\"\nmetrics_addr = \"127.0.0.1:{port}\"");
+    let daemon_config = config_as(&dir, &redis, "kmqd", &daemon_keys, &queues);
+    let producer = config_as(&dir, &redis, "kmqd-producer", "", &queues);
+    let reader = config_as(&dir, &redis, "kmqd-reader", "", &queues);
+    let operator = config_as(&dir, &redis, "kmqd-operator", "", &queues);
+    let admin = dir.config(&redis, &queues);
+
+    let mut daemon = Process::start(&daemon_config, dir.path("daemon.log"));
+    eventually(Duration::from_secs(20), "the daemon to start", || {
+        let log = daemon.log_text();
+        (log.contains("kmqd started"), log)
+    });
+    // Many at once first, so that default mode's next pop is the plain one (WATCH, MULTI, LMPOP, EXEC).
+    let lines = "{}\n".repeat(150);
+    run(
+        &producer,
+        &["push", "jobs", "test", "--stdin"],
+        Some(&lines),
+        0,
+    );
+    for queue in ["mail", "jobs"] {
+        run(
+            &producer,
+            &["push", queue, "test", "{\"fail_attempts\":1}"],
+            None,
+            0,
+        );
+        let dead_id = format!("dead-{queue}");
+        run(
+            &producer,
+            &[
+                "push",
+                queue,
+                "test",
+                "{\"outcome\":\"fail\"}",
+                "--id",
+                &dead_id,
+            ],
+            None,
+            0,
+        );
+        run(
+            &producer,
+            &["push", queue, "test", "{}", "--delay", "1s"],
+            None,
+            0,
+        );
+        let unique_id = format!("u-{queue}");
+        run(
+            &producer,
+            &["push", queue, "test", "{}", "--unique", "--id", &unique_id],
+            None,
+            0,
+        );
+    }
+    run(
+        &producer,
+        &["push", "mail", "test", "{}", "--priority", "high"],
+        None,
+        0,
+    );
+    run(
+        &producer,
+        &[
+            "push",
+            "mail",
+            "test",
+            "{}",
+            "--delay",
+            "1h",
+            "--id",
+            "cancel-me",
+        ],
+        None,
+        0,
+    );
+
+    let (shown, _) = run(&operator, &["task", "show", "mail", "cancel-me"], None, 0);
+    assert!(shown.contains("delayed"), "{shown}");
+    let (cancelled, _) = run(&operator, &["task", "cancel", "mail", "cancel-me"], None, 0);
+    assert!(cancelled.contains("cancelled cancel-me"), "{cancelled}");
+    let (table, _) = run(&reader, &["stats"], None, 0);
+    assert!(table.contains("mail") && table.contains("jobs"), "{table}");
+
+    let mail = eventually(Duration::from_secs(30), "mail to drain", || {
+        let s = stats(&admin, "mail");
+        let ticked = dir
+            .records()
+            .starts
+            .iter()
+            .any(|(id, _)| id.starts_with("tick@"));
+        let drained = s.ready + s.processing + s.delayed == 0;
+        (
+            drained && s.done >= 5 && s.dead == 1 && s.retried == 1 && ticked,
+            s,
+        )
+    });
+    assert_eq!(mail.cancelled, 1, "{mail:?}");
+    let jobs = eventually(Duration::from_secs(30), "jobs to drain", || {
+        let s = stats(&admin, "jobs");
+        (s.done == 153 && s.dead == 1 && s.delayed == 0, s)
+    });
+    assert_eq!(jobs.retried, 1, "{jobs:?}");
+    let (dead, _) = run(&reader, &["task", "show", "jobs", "dead-jobs"], None, 0);
+    assert!(dead.contains("dead"), "{dead}");
+    let page = eventually(Duration::from_secs(10), "the metrics", || {
+        let page = scrape(port);
+        (
+            page.contains("kmqd_tasks_done_total{queue=\"jobs\"} 153"),
+            page,
+        )
+    });
+    assert!(page.starts_with("HTTP/1.0 200 OK"), "{page}");
+
+    daemon.signal(15);
+    assert_eq!(
+        daemon.wait_within(Duration::from_secs(30)),
+        Some(0),
+        "{}",
+        daemon.log_text()
+    );
+    assert_eq!(
+        acl_log(&redis),
+        Vec::<String>::new(),
+        "{}",
+        daemon.log_text()
+    );
+}
+
+/// The daemon user's rules also cover what only a crash needs: the monitor of another daemon takes back a safe
+/// task and frees the unique id of a default-mode task that its killed daemon held.
+#[test]
+fn the_documented_daemon_user_recovers_what_a_killed_daemon_held() {
+    let redis = RedisServer::start();
+    create_users(&redis);
+    let dir = TestDir::new();
+    let daemon_config = config_as(&dir, &redis, "kmqd", "shutdown_grace = \"5s\"", QUEUES);
+    let producer = config_as(&dir, &redis, "kmqd-producer", "", QUEUES);
+    let admin = dir.config(&redis, QUEUES);
+    let gate = dir.path("gate");
+    let data = format!("{{\"wait_for_file\":\"{}\"}}", gate.display());
+    run(
+        &producer,
+        &["push", "mail", "test", &data, "--id", "held-mail"],
+        None,
+        0,
+    );
+    run(
+        &producer,
+        &[
+            "push", "jobs", "test", &data, "--unique", "--id", "held-job",
+        ],
+        None,
+        0,
+    );
+
+    let mut first = Process::start(&daemon_config, dir.path("first.log"));
+    eventually(Duration::from_secs(20), "both tasks to start", || {
+        let starts = dir.records().starts;
+        (starts.len() == 2, starts)
+    });
+    first.kill9();
+    std::fs::write(&gate, "").unwrap();
+    let mut second = Process::start(&daemon_config, dir.path("second.log"));
+    let mail = eventually(
+        Duration::from_secs(30),
+        "the safe task to run again",
+        || {
+            let s = stats(&admin, "mail");
+            (s.done == 1, s)
+        },
+    );
+    assert_eq!(mail.recovered, 1, "{mail:?}");
+    // Lost with its daemon (default mode), but its unique id is free again once the lease runs out.
+    eventually(Duration::from_secs(30), "the unique id to be freed", || {
+        let held: i64 = redis.cmd(&["HEXISTS", "kmq:{jobs}:unique", "held-job"]);
+        (held == 0, held)
+    });
+    run(
+        &producer,
+        &["push", "jobs", "test", "{}", "--unique", "--id", "held-job"],
+        None,
+        0,
+    );
+    eventually(Duration::from_secs(30), "the new push to run", || {
+        let s = stats(&admin, "jobs");
+        (s.done == 1, s)
+    });
+    second.signal(15);
+    assert_eq!(
+        second.wait_within(Duration::from_secs(30)),
+        Some(0),
+        "{}",
+        second.log_text()
+    );
+    assert_eq!(
+        acl_log(&redis),
+        Vec::<String>::new(),
+        "{}",
+        second.log_text()
+    );
+}
+
+/// A daemon whose user lacks one rule (a command; the channel pattern) stops at start, exit 2, naming the
+/// command, its key or channel, and the rule to add; it takes nothing meanwhile.
+#[test]
+fn a_daemon_whose_user_lacks_a_rule_exits_2_at_start_naming_it() {
+    let queue = "[[queues]]\nname = \"jobs\"\nmode = \"default\"\n";
+    let cases = [
+        (
+            "+blmove",
+            "Redis user \"kmqd\" may not run BLMOVE on key kmq:{jobs}:ready:normal",
+            "add \"+blmove ~kmq:*\"",
+        ),
+        (
+            "&kmq:*",
+            "Redis user \"kmqd\" may not run SUBSCRIBE on channel kmq:{jobs}:delay-wake",
+            "&kmq:*\" to its ACL rules",
+        ),
+    ];
+    for (missing, named, hint) in cases {
+        let redis = RedisServer::start();
+        create_user(&redis, Role::Daemon, |rule| rule != missing);
+        let dir = TestDir::new();
+        let config = config_as(&dir, &redis, "kmqd", "", queue);
+        push_many(&dir.config(&redis, queue), "t", 3, "{}");
+        let mut daemon = Process::start(&config, dir.path("daemon.log"));
+        let code = daemon.wait_within(Duration::from_secs(20));
+        let log = daemon.log_text();
+        assert_eq!(code, Some(2), "without {missing}: {log}");
+        assert!(
+            log.contains(named) && log.contains(hint),
+            "without {missing}: {log}"
+        );
+        assert!(!log.contains("kmqd started"), "{log}");
+        let ready: i64 = redis.cmd(&["LLEN", "kmq:{jobs}:ready:normal"]);
+        assert_eq!(ready, 3, "nothing taken");
+    }
+}
+
+/// `kmqd push` as the read-only user is refused before it pushes anything, exit 2, naming the command and key.
+#[test]
+fn kmqd_push_as_the_reader_exits_2_naming_the_command() {
+    let redis = RedisServer::start();
+    create_users(&redis);
+    let dir = TestDir::new();
+    let reader = config_as(&dir, &redis, "kmqd-reader", "", QUEUES);
+    let (out, err) = run(&reader, &["push", "jobs", "test", "{}"], None, 2);
+    assert!(out.is_empty(), "{out}");
+    assert!(
+        err.contains(
+            "Redis user \"kmqd-reader\" may not run EVALSHA on key kmq:{jobs}:ready:normal: add \
+             \"+evalsha ~kmq:{*}:ready:*\" to its ACL rules (the producers' rules"
+        ),
+        "{err}"
+    );
+    let ready: i64 = redis.cmd(&["LLEN", "kmq:{jobs}:ready:normal"]);
+    assert_eq!(ready, 0);
+}
+
+/// Each command-line tool asks only for what it sends: the daemon's user runs `push` and `stats` (the README
+/// runs them with the daemon's config), while a producer may not read the stats, and a reader may not cancel.
+#[test]
+fn each_command_line_tool_checks_the_rules_of_what_it_does() {
+    let redis = RedisServer::start();
+    create_users(&redis);
+    let dir = TestDir::new();
+    let daemon = config_as(&dir, &redis, "kmqd", "", QUEUES);
+    let producer = config_as(&dir, &redis, "kmqd-producer", "", QUEUES);
+    let reader = config_as(&dir, &redis, "kmqd-reader", "", QUEUES);
+    run(
+        &daemon,
+        &["push", "mail", "test", "{}", "--id", "t1"],
+        None,
+        0,
+    );
+    run(&daemon, &["stats", "--json"], None, 0);
+    let (_, err) = run(&daemon, &["task", "show", "mail", "t1"], None, 2);
+    assert!(err.contains("add \"+zscan +lrange %R~kmq:*\""), "{err}");
+
+    let (_, err) = run(&producer, &["stats"], None, 2);
+    assert!(
+        err.contains("Redis user \"kmqd-producer\" may not run ZRANGE on key kmq:{mail}:owners"),
+        "{err}"
+    );
+    let (_, err) = run(&reader, &["task", "cancel", "mail", "t1"], None, 2);
+    assert!(
+        err.contains("Redis user \"kmqd-reader\" may not run EVALSHA on key kmq:{mail}:ready:high"),
+        "{err}"
+    );
+    let (shown, _) = run(&reader, &["task", "show", "mail", "t1"], None, 0);
+    assert!(shown.contains("ready"), "{shown}");
+    // What Redis refused was the checks' own calls (the checks inside them refuse nothing, they ask), never
+    // a command a tool went on to send.
+    let log = acl_log(&redis);
+    assert!(
+        log.iter().all(|entry| entry.contains("cmd=evalsha ")),
+        "{log:#?}"
+    );
+}
