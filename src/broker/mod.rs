@@ -23,7 +23,7 @@ use std::sync::{Arc, LazyLock};
 
 use redis::{ConnectionLike, RedisWrite, ToRedisArgs, Value};
 
-pub use connection::{Connector, Pool, PooledConnection, Session, pool};
+pub use connection::{Conn, Connector, Pool, PooledConnection, Session, pool};
 pub use keys::QueueKeys;
 pub use lookup::{Found, Scope};
 pub use owners::{OwnerInfo, owner_info, owners, register, release, renew};
@@ -59,6 +59,11 @@ pub enum BrokerError {
     LeaseLost { owner: String },
     #[error("owner {owner}: the claim was fenced off after its reply was given up for lost")]
     Fenced { owner: String },
+    #[error(
+        "only {acknowledged} of the {wanted} replicas ([redis] wait_replicas) acknowledged a change within \
+         [redis] wait_timeout; it is made on the master, but a failover now could undo it"
+    )]
+    NotReplicated { acknowledged: u32, wanted: u32 },
 }
 
 impl BrokerError {
@@ -68,8 +73,14 @@ impl BrokerError {
     pub fn may_have_run(&self) -> bool {
         match self {
             BrokerError::Redis(error) => {
-                error.is_io_error() || error.is_timeout() || error.is_connection_dropped()
+                error.is_io_error()
+                    || error.is_timeout()
+                    || error.is_connection_dropped()
+                    || (error.kind() == redis::ErrorKind::Client
+                        && error.to_string().contains(connection::LOST_REPLY))
             }
+            // It ran on the master; whether it survives a failover is what is unknown.
+            BrokerError::NotReplicated { .. } => true,
             _ => false,
         }
     }

@@ -102,13 +102,14 @@ pub fn owners(
     conn: &mut dyn ConnectionLike,
     keys: &QueueKeys,
 ) -> Result<(i64, Vec<(String, i64)>)> {
-    let (time, owners): ((i64, i64), Vec<(String, f64)>) = redis::pipe()
-        .cmd("TIME")
+    // The keyed command first: in a cluster a pipeline goes to its first key's node (`broker::Conn`).
+    let (owners, time): (Vec<(String, f64)>, (i64, i64)) = redis::pipe()
         .cmd("ZRANGE")
         .arg(&keys.owners)
         .arg(0)
         .arg(-1)
         .arg("WITHSCORES")
+        .cmd("TIME")
         .query(conn)?;
     Ok((
         time_ms(time),

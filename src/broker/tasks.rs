@@ -3,7 +3,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use redis::{Connection, ConnectionLike, Value};
+use redis::{ConnectionLike, Value};
+
+use super::Conn;
 
 use super::keys::QUARANTINE_GROUPS;
 use super::{
@@ -33,7 +35,7 @@ pub struct PushItem<'a> {
 
 /// Runs the enqueue script for tasks of one level. Returns, per task, whether it was accepted.
 pub fn push(
-    conn: &mut dyn ConnectionLike,
+    conn: &mut Conn,
     keys: &QueueKeys,
     level: usize,
     due: Due,
@@ -62,6 +64,7 @@ pub fn push(
             .arg(item.envelope);
     }
     let accepted: Vec<i64> = invocation.invoke(conn)?;
+    conn.replicated(&keys.stats)?;
     if accepted.len() != items.len() {
         return Err(reply_error(
             "push",
@@ -121,7 +124,7 @@ pub struct ClaimLimits<'a> {
 /// `first_token` on, taken or not. When this call fails without a reply, [`adopt`] with the same tokens says what
 /// it took.
 pub fn claim(
-    conn: &mut dyn ConnectionLike,
+    conn: &mut Conn,
     keys: &QueueKeys,
     owner: &Arc<str>,
     first_token: u64,
@@ -154,6 +157,8 @@ pub fn claim(
     let reply: Vec<Value> = invocation
         .invoke(conn)
         .map_err(|error| owner_error(error, owner))?;
+    // Not replicated: a may-have-run error, which the fetcher resolves with adopt() as a lost reply.
+    conn.replicated(&keys.stats)?;
     if reply.len() != 4 + keys.levels() {
         return Err(reply_error("claim", format!("{} elements", reply.len())));
     }
@@ -206,7 +211,7 @@ pub fn claim(
 /// the tasks stored under them, which the caller now holds. The lost claim, if Redis has not run it yet, will
 /// take nothing (`adopt.lua` fences it off).
 pub fn adopt(
-    conn: &mut dyn ConnectionLike,
+    conn: &mut Conn,
     keys: &QueueKeys,
     owner: &Arc<str>,
     first_token: u64,
@@ -224,6 +229,7 @@ pub fn adopt(
     let reply: Vec<Value> = invocation
         .invoke(conn)
         .map_err(|error| owner_error(error, owner))?;
+    conn.replicated(&keys.stats)?;
     if reply.len() != 1 + keys.levels() {
         return Err(reply_error("adopt", format!("{} elements", reply.len())));
     }
@@ -292,7 +298,7 @@ impl Popper {
     /// through pop.lua, docs/PERFORMANCE.md); otherwise pop.lua.
     pub fn pop(
         &mut self,
-        conn: &mut dyn ConnectionLike,
+        conn: &mut Conn,
         keys: &QueueKeys,
         owner: &str,
         max: usize,
@@ -337,7 +343,7 @@ type Popped = (String, Vec<Value>);
 /// `LMPOP` in a transaction that runs only if the unique hash stayed empty since it was read (`WATCH`): a task
 /// popped this way can hold no unique id. `None`: the hash is not empty (or was written meanwhile), nothing
 /// was popped, use pop.lua.
-fn pop_plain(conn: &mut dyn ConnectionLike, keys: &QueueKeys, max: usize) -> Result<Option<Batch>> {
+fn pop_plain(conn: &mut Conn, keys: &QueueKeys, max: usize) -> Result<Option<Batch>> {
     let (held,): (usize,) = redis::pipe()
         .cmd("WATCH")
         .arg(&keys.unique)
@@ -346,19 +352,21 @@ fn pop_plain(conn: &mut dyn ConnectionLike, keys: &QueueKeys, max: usize) -> Res
         .arg(&keys.unique)
         .query(conn)?;
     if held > 0 {
-        redis::cmd("UNWATCH").query::<()>(conn)?;
+        // To the node of the WATCH: in a cluster, UNWATCH alone would go to any node.
+        conn.query_at::<()>(&keys.unique, &redis::cmd("UNWATCH"))?;
         return Ok(None);
     }
     let lists: Vec<&str> = pop_lists(keys).collect();
     let mut pipe = redis::pipe();
-    pipe.atomic().cmd("TIME").cmd("LMPOP").arg(lists.len());
+    // LMPOP first: in a cluster a transaction goes to its first key's node (`broker::Conn`).
+    pipe.atomic().cmd("LMPOP").arg(lists.len());
     for list in &lists {
         pipe.arg(list);
     }
-    pipe.arg("LEFT").arg("COUNT").arg(max);
+    pipe.arg("LEFT").arg("COUNT").arg(max).cmd("TIME");
     // A nil EXEC (the unique hash was written after WATCH) reads as None.
-    let reply: Option<(RedisTime, Option<Popped>)> = pipe.query(conn)?;
-    let Some(((seconds, micros), popped)) = reply else {
+    let reply: Option<(Option<Popped>, RedisTime)> = pipe.query(conn)?;
+    let Some((popped, (seconds, micros))) = reply else {
         return Ok(None);
     };
     let now_ms = seconds * 1000 + micros / 1000;
@@ -421,7 +429,7 @@ fn pop_script(
 /// wakes it at once (`BLMOVE` of the list onto itself, head to head: the list is left as it was); a queue with
 /// several levels waits for a wake-up marker, as safe mode does (plain-RPUSH producers should push one).
 pub fn wait_idle(
-    conn: &mut Connection,
+    conn: &mut Conn,
     keys: &QueueKeys,
     timeout: Duration,
     io_timeout: Duration,
@@ -484,7 +492,7 @@ pub fn release_unique(
 /// Safe mode: waits up to `timeout` for a wake-up marker (the reply may take `io_timeout` more). Returns whether
 /// one came.
 pub fn wait_wake(
-    conn: &mut Connection,
+    conn: &mut Conn,
     keys: &QueueKeys,
     timeout: Duration,
     io_timeout: Duration,
@@ -572,7 +580,7 @@ pub struct Call<'a> {
 /// script removes with one HDEL per level; everything else goes as a record checked one by one. Sending the same
 /// `call` again returns what the first one did, without applying it twice.
 pub fn settle<'a>(
-    conn: &mut dyn ConnectionLike,
+    conn: &mut Conn,
     keys: &QueueKeys,
     call: &Call<'_>,
     fence: Fence,
@@ -655,6 +663,8 @@ pub fn settle<'a>(
         records += 1;
     }
     let reply: Vec<i64> = invocation.invoke(conn)?;
+    // Not replicated: a may-have-run error; the settler sends the same call again, which applies nothing twice.
+    conn.replicated(&keys.stats)?;
     if reply.len() != records + 1 {
         return Err(reply_error(
             "settle",
@@ -700,17 +710,14 @@ pub fn scan_processing(
 
 /// Moves up to `max` due tasks to their ready lists. Returns how many moved and how long until the next one is
 /// due (`None`: nothing is delayed).
-pub fn promote(
-    conn: &mut dyn ConnectionLike,
-    keys: &QueueKeys,
-    max: usize,
-) -> Result<(usize, Option<Duration>)> {
+pub fn promote(conn: &mut Conn, keys: &QueueKeys, max: usize) -> Result<(usize, Option<Duration>)> {
     let mut invocation = SCRIPTS.promote.prepare_invoke();
     invocation.key(&keys.wake).key(&keys.delayed_tasks);
     for key in keys.ready.iter().chain(&keys.delayed).chain(&keys.retry) {
         invocation.key(key);
     }
     let (moved, next_ms): (i64, i64) = invocation.arg(max).invoke(conn)?;
+    conn.replicated(&keys.stats)?;
     Ok((
         moved as usize,
         (next_ms >= 0).then(|| Duration::from_millis(next_ms as u64)),

@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use redis::Connection;
+use crate::broker::Conn;
 
 use super::lane::Lane;
 use crate::broker::{self, Connector};
@@ -50,7 +50,7 @@ pub fn read_timeout(lanes: &[Arc<Lane>]) -> Duration {
 impl Heartbeat {
     pub fn run(self) {
         let timeout = read_timeout(&self.lanes);
-        let mut connection: Option<Connection> = None;
+        let mut connection: Option<Conn> = None;
         let mut next_renewal: Vec<Instant> = vec![Instant::now(); self.lanes.len()];
         let mut troubles: Vec<Trouble> = self
             .lanes
@@ -80,7 +80,7 @@ impl Heartbeat {
 fn renew(
     lane: &Lane,
     connector: &Connector,
-    connection: &mut Option<Connection>,
+    connection: &mut Option<Conn>,
     timeout: Duration,
     trouble: &mut Trouble,
 ) -> Duration {

@@ -356,7 +356,7 @@ pub fn run(
     }
 
     tracing::info!(
-        redis = %crate::config::redact_url(&config.redis.url),
+        redis = %config.redis.describe(),
         queues = ?config.queues.iter().map(|q| q.name.as_str()).collect::<Vec<_>>(),
         daemon = %daemon_id,
         "kmqd started"

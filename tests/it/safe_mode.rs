@@ -379,7 +379,7 @@ fn monitor(config: &Config, queue: &Arc<QueueContext>, name: &str) -> Monitor {
 /// Registers an owner the way a daemon does, with the queue's levels, and claims up to `max` tasks under it
 /// (tokens from `first_token`): a daemon that then dies.
 fn dead_daemon_claims(
-    connection: &mut redis::Connection,
+    connection: &mut kmqd::broker::Conn,
     queue: &QueueContext,
     owner: &str,
     first_token: u64,
@@ -396,7 +396,7 @@ fn dead_daemon_claims(
 }
 
 fn claim_as(
-    connection: &mut redis::Connection,
+    connection: &mut kmqd::broker::Conn,
     queue: &QueueContext,
     owner: &str,
     first_token: u64,
