@@ -194,7 +194,11 @@ impl fmt::Display for Failure {
 impl From<ClientError> for Failure {
     fn from(error: ClientError) -> Failure {
         match error {
-            ClientError::Broker(error) => Failure::Runtime(error.to_string()),
+            ClientError::Broker(error) => match crate::broker::tls_refusal(&error) {
+                // The certificates' or the config's to fix: retrying would not help.
+                Some(refusal) => Failure::Usage(refusal),
+                None => Failure::Runtime(error.to_string()),
+            },
             other => Failure::Usage(other.to_string()),
         }
     }

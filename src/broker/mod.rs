@@ -17,6 +17,7 @@ pub mod owners;
 pub mod schedule;
 pub mod stats;
 pub mod tasks;
+mod tls;
 
 use std::fmt;
 use std::sync::{Arc, LazyLock};
@@ -26,6 +27,7 @@ use redis::{ConnectionLike, RedisWrite, ToRedisArgs, Value};
 pub use connection::{Conn, Connector, Pool, PooledConnection, Session, pool};
 pub use keys::QueueKeys;
 pub use lookup::{Found, Scope};
+pub use tls::tls_refusal;
 pub use owners::{OwnerInfo, owner_info, owners, register, release, renew};
 pub use schedule::{Fired, fire, schedule_state};
 pub use stats::{QueueStats, check_protocol, stats};

@@ -78,6 +78,8 @@ pub enum DaemonError {
          password_file, and that user's ACL rules"
     )]
     Auth(redis::RedisError),
+    #[error("{0}")]
+    Tls(String),
 }
 
 impl DaemonError {
@@ -86,7 +88,9 @@ impl DaemonError {
     pub fn is_config_error(&self) -> bool {
         matches!(
             self,
-            DaemonError::Auth(_) | DaemonError::Broker(BrokerError::ProtocolVersion { .. })
+            DaemonError::Auth(_)
+                | DaemonError::Tls(_)
+                | DaemonError::Broker(BrokerError::ProtocolVersion { .. })
         )
     }
 }
@@ -121,7 +125,12 @@ fn wait_for_redis(
                 return Err(DaemonError::Auth(error));
             }
             Err(error @ BrokerError::ProtocolVersion { .. }) => return Err(error.into()),
-            Err(error) => trouble.failed(&error),
+            Err(error) => {
+                if let Some(refusal) = broker::tls_refusal(&error) {
+                    return Err(DaemonError::Tls(refusal));
+                }
+                trouble.failed(&error);
+            }
         }
         match stop.recv_timeout(delay) {
             Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
