@@ -13,12 +13,14 @@
 //! - [`tls`] makes the certificates, and [`Options::tls`] starts a server that speaks only TLS (its
 //!   [`RedisServer::url`] is then `rediss://localhost:PORT`, the name its certificate is for);
 //! - [`cluster`] starts a Redis Cluster of such servers, kills and restarts its nodes and migrates a slot;
+//! - [`sentinel`] starts a master, its replica and three sentinels, and fails the master over.
 //!
 //! The harness's own commands go through [`RedisServer::query`]: redis-rs for a plain server, `redis-cli` for a
 //! TLS one (kmqd's redis-rs is built without TLS, on purpose: the daemon's TLS client is its own work).
 //! Every wait is a poll with a deadline whose error carries the tail of the logs of the servers concerned.
 
 pub mod cluster;
+pub mod sentinel;
 pub mod tls;
 
 use std::ffi::OsString;
