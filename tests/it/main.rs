@@ -18,3 +18,4 @@ mod safe_mode;
 mod schedules;
 mod shutdown;
 mod splice;
+mod topology;
