@@ -595,3 +595,29 @@ fn tls_sentinels_fail_a_tls_master_over() {
     assert_ne!(new, old);
     eprintln!("TLS sentinel failover in {:?}", started.elapsed());
 }
+
+#[test]
+fn query_keeps_one_connection_and_reconnects_after_a_restart() {
+    let mut server = RedisServer::start(Listen::UnixSocket).unwrap();
+    let clients = |server: &RedisServer| {
+        let list: String = server.query_as(&["CLIENT", "LIST"]).unwrap();
+        list.lines().count()
+    };
+    assert_eq!(
+        clients(&server),
+        1,
+        "the readiness PING's connection is closed"
+    );
+    assert_eq!(clients(&server), 1, "query keeps its one connection");
+    let error = server.query(&["NOSUCHCOMMAND"]).unwrap_err();
+    assert!(error.contains("unknown command"), "{error}");
+    assert_eq!(clients(&server), 1, "an error reply keeps the connection");
+    // The server closes the kept connection: the next query notices and takes a new one.
+    let _ = server.query(&["CLIENT", "KILL", "TYPE", "normal", "SKIPME", "no"]);
+    assert_eq!(clients(&server), 1);
+    server.stop(Signal::Kill).unwrap();
+    assert!(server.query(&["PING"]).is_err());
+    server.restart().unwrap();
+    let pong: String = server.query_as(&["PING"]).unwrap();
+    assert_eq!(pong, "PONG");
+}
