@@ -16,7 +16,7 @@
 //! - [`sentinel`] starts a master, its replica and three sentinels, and fails the master over.
 //!
 //! The harness's own commands go through [`RedisServer::query`]: redis-rs for a plain server, `redis-cli` for a
-//! TLS one (kmqd's redis-rs is built without TLS, on purpose: the daemon's TLS client is its own work).
+//! TLS one, so that the harness never depends on the TLS client it is there to test (redis-cli's is OpenSSL's).
 //! Every wait is a poll with a deadline whose error carries the tail of the logs of the servers concerned.
 
 pub mod cluster;
@@ -352,6 +352,9 @@ impl RedisServer {
     /// `CLIENT LIST`) come back as one bulk string, as over redis-rs. To a plain server, it keeps one
     /// connection open for the next call (which `CLIENT LIST` shows); a TLS server sees a redis-cli per call.
     pub fn query(&self, args: &[&str]) -> Result<redis::Value, String> {
+        if args.is_empty() {
+            return Err(format!("{}: an empty command", self.name()));
+        }
         let what = || format!("{} `{}`", self.name(), args.join(" "));
         let Some(tls) = &self.tls else {
             return self
@@ -479,8 +482,8 @@ impl RedisServer {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
-    /// A new connection. Plain servers only: kmqd's redis-rs has no TLS (use [`RedisServer::query`], or the
-    /// client under test, for a TLS server).
+    /// A new redis-rs connection to a plain server. For a TLS server use [`RedisServer::query`], or the client
+    /// under test: this URL's `localhost` certificate is signed by the test CA, which redis-rs does not trust.
     pub fn connection(&self) -> redis::RedisResult<redis::Connection> {
         redis::Client::open(self.url.as_str())?.get_connection()
     }
