@@ -6,14 +6,17 @@
 //! several masters, a master that dies and is replaced by its replica, a queue's slot that migrates while the
 //! queue is busy. [`Cluster::start`] forms a cluster (masters, each with its replicas) and returns once every
 //! node agrees on it; [`Cluster::kill_master`] and [`Cluster::wait_failover`] fail a master over;
-//! [`Cluster::restart_node`] brings a node back; [`Cluster::migrate_slot`] moves one chosen slot, keys and
+//! [`Cluster::restart_node`] brings a node back; [`Cluster::reshard_slot`] moves one chosen slot, keys and
 //! all, and can run in a thread while clients keep writing to that slot (it is a `&self` method; put the
 //! cluster in [`std::thread::scope`]). [`queue_names_on_distinct_masters`](Cluster::queue_names_on_distinct_masters)
 //! and [`key_slot`] say where a queue lands.
 //!
 //! The cluster is formed by hand (`CLUSTER ADDSLOTSRANGE`, `SET-CONFIG-EPOCH`, `MEET`, `REPLICATE`) rather
 //! than with `redis-cli --cluster create`, which sleeps a whole second between its checks: every step here is
-//! a poll with a deadline, and the cluster of 3 masters and 3 replicas is up in about a second.
+//! a poll with a deadline, and the cluster of 3 masters and 3 replicas is up in about two seconds. Those two
+//! seconds are Redis's own: a master does not report `cluster_state:ok` until 2 s after it started
+//! (`CLUSTER_WRITABLE_DELAY`, so that a restarted master gets a chance to learn it was replaced). With TLS it
+//! takes a few seconds more, every check of the harness being a `redis-cli` process and a TLS handshake.
 //!
 //! Each node's bus port is its port + 10000 (Redis's default): the nodes' ports are picked below the kernel's
 //! ephemeral range by 10000 or more, so that neither the port nor the bus port is a port the kernel may hand
@@ -35,7 +38,7 @@ pub const SLOTS: u16 = 16384;
 /// more before it asks for votes).
 const PATIENCE: Duration = Duration::from_secs(15);
 
-/// How many keys one `MIGRATE` of [`Cluster::migrate_slot`] moves.
+/// How many keys one `MIGRATE` of [`Cluster::reshard_slot`] moves.
 const MIGRATE_BATCH: usize = 100;
 
 /// Who serves which slots, as one node sees it: the first slot of each range, to its last slot and the
@@ -222,7 +225,14 @@ impl Cluster {
             let info = server.query_as::<String>(&["CLUSTER", "INFO"])?;
             for wanted in ["cluster_state:ok", "cluster_slots_ok:16384"] {
                 if !info.lines().any(|line| line.trim() == wanted) {
-                    return Err(format!("{me} does not report {wanted}: {info}"));
+                    let state: Vec<&str> = info
+                        .lines()
+                        .map(str::trim)
+                        .filter(|line| {
+                            line.starts_with("cluster_state:") || line.starts_with("cluster_slots_")
+                        })
+                        .collect();
+                    return Err(format!("{me} reports {}", state.join(", ")));
                 }
             }
             let nodes = self.view(server)?;
@@ -508,7 +518,7 @@ impl Cluster {
     /// and every other master; returns once every running node sees `to` serving the slot, with the number of
     /// keys moved. Meanwhile clients that follow `ASK` and `MOVED` redirections keep working: a key not yet
     /// moved is served by the source, a new or moved one by the target. Keys must be UTF-8 (kmqd's are).
-    pub fn migrate_slot(&self, slot: u16, to: &str) -> Result<usize, String> {
+    pub fn reshard_slot(&self, slot: u16, to: &str) -> Result<usize, String> {
         if slot >= SLOTS {
             return Err(format!("slot {slot} is not below {SLOTS}"));
         }

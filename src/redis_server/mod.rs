@@ -16,7 +16,7 @@
 //! - [`sentinel`] starts a master, its replica and three sentinels, and fails the master over.
 //!
 //! The harness's own commands go through [`RedisServer::query`]: redis-rs for a plain server, `redis-cli` for a
-//! TLS one (kmqd's redis-rs is built without TLS, on purpose: the daemon's TLS client is its own work).
+//! TLS one, so that the harness never depends on the TLS client it is there to test (redis-cli's is OpenSSL's).
 //! Every wait is a poll with a deadline whose error carries the tail of the logs of the servers concerned.
 
 pub mod cluster;
@@ -27,6 +27,7 @@ use std::ffi::OsString;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -128,6 +129,10 @@ pub struct RedisServer {
     port: Option<u16>,
     /// A TLS server's settings: the harness reaches it with `redis-cli --tls` instead of redis-rs.
     tls: Option<ServerTls>,
+    /// The connection [`RedisServer::query`] keeps to a plain server: the harness polls several servers every
+    /// few milliseconds, and a connection per poll would fill the port range with TIME_WAIT sockets. Dropped
+    /// when the server stops; shared (one command at a time) by the threads that query the server.
+    control: Mutex<Option<redis::Connection>>,
 }
 
 /// Finds `redis-server` on the PATH (or in /usr/bin, /usr/sbin).
@@ -276,6 +281,7 @@ impl RedisServer {
             url,
             port,
             tls: options.tls,
+            control: Mutex::new(None),
         };
         server.spawn()?;
         Ok(server)
@@ -319,9 +325,19 @@ impl RedisServer {
         }
     }
 
-    /// One PING: `Ok` once the server answers PONG.
+    /// One PING: `Ok` once the server answers PONG. Over a connection of its own, closed at once: a test that
+    /// counts a server's clients counts only its own.
     fn ping(&self) -> Result<(), String> {
-        let reply = self.query(&["PING"])?;
+        let reply = match &self.tls {
+            None => redis::Client::open(self.url.as_str())
+                .and_then(|client| client.get_connection_with_timeout(Duration::from_secs(1)))
+                .and_then(|mut connection| {
+                    connection.set_read_timeout(Some(QUERY_TIMEOUT))?;
+                    redis::cmd("PING").query(&mut connection)
+                })
+                .map_err(|error| format!("{}: PING: {error}", self.name()))?,
+            Some(_) => self.query(&["PING"])?,
+        };
         match redis::from_redis_value_ref::<String>(&reply) {
             Ok(pong) if pong == "PONG" => Ok(()),
             _ => Err(format!("PING answered {reply:?}")),
@@ -333,8 +349,12 @@ impl RedisServer {
     /// TLS one (see [`tls::ServerTls::client_cert_file`]). Gives up after 5 s, so a paused server fails the
     /// call rather than hanging it. A redis-cli reply is rebuilt from its `--json` output (strings, integers,
     /// arrays, nil); the few commands redis-cli prints raw even then (`INFO`, `CLUSTER NODES`, `CLUSTER INFO`,
-    /// `CLIENT LIST`) come back as one bulk string, as over redis-rs.
+    /// `CLIENT LIST`) come back as one bulk string, as over redis-rs. To a plain server, it keeps one
+    /// connection open for the next call (which `CLIENT LIST` shows); a TLS server sees a redis-cli per call.
     pub fn query(&self, args: &[&str]) -> Result<redis::Value, String> {
+        if args.is_empty() {
+            return Err(format!("{}: an empty command", self.name()));
+        }
         let what = || format!("{} `{}`", self.name(), args.join(" "));
         let Some(tls) = &self.tls else {
             return self
@@ -359,16 +379,49 @@ impl RedisServer {
         })
     }
 
+    /// A command over the kept connection ([`RedisServer::control`]), or over a new one when there is none or
+    /// the kept one turns out broken (the server restarted since, say).
     fn plain_query(&self, args: &[&str]) -> redis::RedisResult<redis::Value> {
-        let mut connection = redis::Client::open(self.url.as_str())?
-            .get_connection_with_timeout(Duration::from_secs(1))?;
-        connection.set_read_timeout(Some(QUERY_TIMEOUT))?;
-        connection.set_write_timeout(Some(QUERY_TIMEOUT))?;
         let mut command = redis::cmd(args[0]);
         for arg in &args[1..] {
             command.arg(*arg);
         }
-        command.query(&mut connection)
+        // An error reply leaves the connection as good as before; anything else (a timeout, a reset) may leave
+        // a reply in flight or nothing to talk to.
+        let reusable = |result: &redis::RedisResult<redis::Value>| match result {
+            Ok(_) => true,
+            Err(error) => matches!(
+                error.kind(),
+                redis::ErrorKind::Server(_) | redis::ErrorKind::Extension
+            ),
+        };
+        let mut control = self
+            .control
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(mut connection) = control.take() {
+            let result = command.query(&mut connection);
+            match &result {
+                _ if reusable(&result) => {
+                    *control = Some(connection);
+                    return result;
+                }
+                // A timeout: the command may have run, so it is not sent again.
+                Err(error) if error.is_timeout() => return result,
+                // The server closed the kept connection (it restarted, or timed the client out) before it read
+                // the command: once more on a new connection.
+                _ => {}
+            }
+        }
+        let mut connection = redis::Client::open(self.url.as_str())?
+            .get_connection_with_timeout(Duration::from_secs(1))?;
+        connection.set_read_timeout(Some(QUERY_TIMEOUT))?;
+        connection.set_write_timeout(Some(QUERY_TIMEOUT))?;
+        let result = command.query(&mut connection);
+        if reusable(&result) {
+            *control = Some(connection);
+        }
+        result
     }
 
     /// How errors name this server: its address, or its directory for a unix socket.
@@ -429,8 +482,8 @@ impl RedisServer {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
-    /// A new connection. Plain servers only: kmqd's redis-rs has no TLS (use [`RedisServer::query`], or the
-    /// client under test, for a TLS server).
+    /// A new redis-rs connection to a plain server. For a TLS server use [`RedisServer::query`], or the client
+    /// under test: this URL's `localhost` certificate is signed by the test CA, which redis-rs does not trust.
     pub fn connection(&self) -> redis::RedisResult<redis::Connection> {
         redis::Client::open(self.url.as_str())?.get_connection()
     }
@@ -441,6 +494,10 @@ impl RedisServer {
         let Some(mut child) = self.child.take() else {
             return Ok(());
         };
+        *self
+            .control
+            .get_mut()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = None;
         match signal {
             Signal::Kill => {
                 // SIGKILL ends a stopped (paused) process too.
