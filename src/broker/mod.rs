@@ -27,8 +27,7 @@ use redis::{ConnectionLike, RedisWrite, ToRedisArgs, Value};
 pub use connection::{Conn, Connector, Pool, PooledConnection, Session, pool};
 pub use keys::QueueKeys;
 pub use lookup::{Found, Scope};
-pub use tls::tls_refusal;
-pub use owners::{OwnerInfo, owner_info, owners, register, release, renew};
+pub use owners::{OwnerInfo, Renewal, owner_info, owners, register, release, renew};
 pub use schedule::{Fired, fire, schedule_state};
 pub use stats::{QueueStats, check_protocol, stats};
 pub use tasks::{
@@ -36,6 +35,7 @@ pub use tasks::{
     Settlement, Taken, adopt, claim, promote, push, release_unique, scan_processing, settle,
     wait_idle, wait_wake,
 };
+pub use tls::tls_refusal;
 
 /// A Redis failure, with what was being done.
 #[derive(Debug, thiserror::Error)]

@@ -91,8 +91,15 @@ pub struct Batch {
     /// Redis's clock when the tasks were taken, ms since the epoch.
     pub now_ms: i64,
     pub tasks: Vec<Taken>,
+    /// Safe mode: the owner's journal after the claim, which the heartbeat checks Redis still has (renew.lua).
+    pub journal: u64,
     /// Safe mode: whether the claim ran into the quarantine (see claim.lua).
     pub isolation: Isolation,
+}
+
+/// The journal that ends a claim's, an adoption's or a settle's reply.
+fn journal(value: Option<Value>, what: &'static str) -> Result<u64> {
+    Ok(int(&value.unwrap_or(Value::Nil), what)?.max(0) as u64)
 }
 
 /// What a claim's quarantine rule did.
@@ -159,10 +166,11 @@ pub fn claim(
         .map_err(|error| owner_error(error, owner))?;
     // Not replicated: a may-have-run error, which the fetcher resolves with adopt() as a lost reply.
     conn.replicated(&keys.stats)?;
-    if reply.len() != 4 + keys.levels() {
+    if reply.len() != 5 + keys.levels() {
         return Err(reply_error("claim", format!("{} elements", reply.len())));
     }
     let mut reply = reply.into_iter();
+    let journal = journal(reply.next_back(), "claim")?;
     let mut next_int = || int(&reply.next().unwrap_or(Value::Nil), "claim");
     let now_ms = next_int()?;
     let state = next_int()?;
@@ -199,6 +207,7 @@ pub fn claim(
     Ok(Batch {
         now_ms,
         tasks,
+        journal,
         isolation: match state {
             1 => Isolation::Group,
             2 => Isolation::Waiting,
@@ -230,10 +239,11 @@ pub fn adopt(
         .invoke(conn)
         .map_err(|error| owner_error(error, owner))?;
     conn.replicated(&keys.stats)?;
-    if reply.len() != 1 + keys.levels() {
+    if reply.len() != 2 + keys.levels() {
         return Err(reply_error("adopt", format!("{} elements", reply.len())));
     }
     let mut reply = reply.into_iter();
+    let journal = journal(reply.next_back(), "adopt")?;
     let now_ms = int(&reply.next().unwrap_or(Value::Nil), "adopt")?;
     let mut tasks = Vec::new();
     for (level, found) in reply.enumerate() {
@@ -257,6 +267,7 @@ pub fn adopt(
     Ok(Batch {
         now_ms,
         tasks,
+        journal,
         isolation: Isolation::None,
     })
 }
@@ -388,7 +399,7 @@ fn pop_plain(conn: &mut Conn, keys: &QueueKeys, max: usize) -> Result<Option<Bat
     Ok(Some(Batch {
         now_ms,
         tasks,
-        isolation: Isolation::None,
+        ..Batch::default()
     }))
 }
 
@@ -419,7 +430,7 @@ fn pop_script(
     let batch = Batch {
         now_ms,
         tasks,
-        isolation: Isolation::None,
+        ..Batch::default()
     };
     Ok((batch, held > 0))
 }
@@ -563,6 +574,8 @@ pub struct Settled {
     pub applied: Vec<Option<bool>>,
     /// Plain acknowledgements whose token was no longer in the processing area.
     pub stale_acks: usize,
+    /// The settling owner's journal after the call (0 when no owner settled), as in [`Batch::journal`].
+    pub journal: u64,
 }
 
 /// One settle call of one settling party (an acker, a monitor): sent again as the same call after a lost reply,
@@ -603,6 +616,9 @@ pub fn settle<'a>(
     if let Some(owner) = owner {
         for level in 0..keys.levels() {
             invocation.key(keys.processing(owner, level));
+        }
+        if fence == Fence::Owner {
+            invocation.key(keys.owner_info(owner));
         }
     }
     invocation
@@ -665,13 +681,13 @@ pub fn settle<'a>(
     let reply: Vec<i64> = invocation.invoke(conn)?;
     // Not replicated: a may-have-run error; the settler sends the same call again, which applies nothing twice.
     conn.replicated(&keys.stats)?;
-    if reply.len() != records + 1 {
+    if reply.len() != records + 2 {
         return Err(reply_error(
             "settle",
             format!("{} results for {records} records", reply.len()),
         ));
     }
-    let mut flags = reply[1..].iter().map(|ok| *ok == 1);
+    let mut flags = reply[1..=records].iter().map(|ok| *ok == 1);
     let applied = settlements
         .into_iter()
         .map(|s| if bulk(s) { None } else { flags.next() })
@@ -679,6 +695,7 @@ pub fn settle<'a>(
     Ok(Settled {
         applied,
         stale_acks: reply[0] as usize,
+        journal: reply[records + 1].max(0) as u64,
     })
 }
 

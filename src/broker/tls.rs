@@ -24,7 +24,9 @@ fn explain(text: &str) -> Option<String> {
             "it has expired: renew the server's certificate"
         } else if why.starts_with("NotValidYet") || why.starts_with("certificate not valid yet") {
             "it is not valid yet: check the clocks of this host and of the CA"
-        } else if why.starts_with("certificate not valid for name") || why.starts_with("NotValidForName") {
+        } else if why.starts_with("certificate not valid for name")
+            || why.starts_with("NotValidForName")
+        {
             "it does not name the host in the URL: connect by a name the certificate lists (its subjectAltName)"
         } else if why.starts_with("Revoked") {
             "it is revoked"
@@ -47,7 +49,9 @@ fn explain(text: &str) -> Option<String> {
         } else {
             "check [redis] tls_cert_file and tls_key_file against Redis's tls-* settings"
         };
-        return Some(format!("TLS: Redis refused the connection ({alert}); {hint}"));
+        return Some(format!(
+            "TLS: Redis refused the connection ({alert}); {hint}"
+        ));
     }
     None
 }

@@ -5,6 +5,7 @@ mod support;
 
 mod chaos;
 mod cli;
+mod cluster;
 mod crash;
 mod default_mode;
 mod delayed;
@@ -16,6 +17,8 @@ mod protocol;
 mod redis_faults;
 mod safe_mode;
 mod schedules;
+mod sentinel;
 mod shutdown;
 mod splice;
+mod tls;
 mod topology;

@@ -492,7 +492,17 @@ fn expired_lease_returns_its_tasks_to_the_front_uncharged() {
     assert_eq!((settled.stale_acks, settled.applied), (1, vec![None]));
     assert_eq!(stats(&path, "jobs").done, 0);
     // An owner whose lease ran out is gone for good: it can neither renew nor claim, and the monitor forgot it.
-    assert!(!broker::renew(&mut connection, &queue.keys, owner, Duration::from_secs(30)).unwrap());
+    assert_eq!(
+        broker::renew(
+            &mut connection,
+            &queue.keys,
+            owner,
+            Duration::from_secs(30),
+            0
+        )
+        .unwrap(),
+        broker::Renewal::Lost
+    );
     match claim_as(&mut connection, &queue, owner, 10, 10) {
         Err(broker::BrokerError::LeaseLost { .. }) => {}
         other => panic!("claim under a dead owner: {other:?}"),

@@ -2,6 +2,7 @@
 //! failover mid-drain.
 
 use std::collections::HashSet;
+use std::sync::atomic::AtomicUsize;
 use std::time::Duration;
 
 use kmqd::redis_server::Signal;
@@ -32,7 +33,9 @@ fn a_sentinel_failover_mid_drain_loses_no_acknowledged_task_with_wait_replicas()
     let daemon = TestDaemon::start(&config);
     let producer = {
         let config = config.clone();
-        std::thread::spawn(move || push_acknowledged(&config, "jobs", "s", 2000))
+        std::thread::spawn(move || {
+            push_acknowledged(&config, "jobs", ("s", 2000, "{}"), &AtomicUsize::new(0))
+        })
     };
     let watcher = client(&config);
     eventually(Duration::from_secs(20), "a drain under way", || {
@@ -47,7 +50,7 @@ fn a_sentinel_failover_mid_drain_loses_no_acknowledged_task_with_wait_replicas()
     setup.server_mut(&old).unwrap().restart().unwrap();
     let acknowledged = producer.join().unwrap();
     assert_eq!(acknowledged.len(), 2000);
-    eventually(Duration::from_secs(60), "the queue drained", || {
+    let _ = eventually(Duration::from_secs(60), "the queue drained", || {
         let stats = watcher.stats("jobs");
         let idle = stats
             .as_ref()
@@ -56,6 +59,9 @@ fn a_sentinel_failover_mid_drain_loses_no_acknowledged_task_with_wait_replicas()
     });
     daemon.stop();
     let ran: HashSet<String> = dir.records().starts.into_iter().map(|(id, _)| id).collect();
-    let lost: Vec<&String> = acknowledged.iter().filter(|id| !ran.contains(*id)).collect();
+    let lost: Vec<&String> = acknowledged
+        .iter()
+        .filter(|id| !ran.contains(*id))
+        .collect();
     assert!(lost.is_empty(), "{} never ran: {lost:?}", lost.len());
 }

@@ -4,9 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use kmqd::redis_server::{
-    AuthClients, Listen, Options, RedisServer, ServerCert, TlsFiles,
-};
+use kmqd::redis_server::{AuthClients, Listen, Options, RedisServer, ServerCert, TlsFiles};
 
 use crate::support::{Process, TestDir, client, kmqd, safe_queue, wait_done};
 
@@ -77,7 +75,10 @@ fn refused(dir: &TestDir, name: &str, redis: &str, words: &[&str]) {
     let (code, _, err) = kmqd(&["-c", c, "stats"], None);
     assert_eq!(code, 2, "{name}: kmqd stats: {err}");
     for word in words {
-        assert!(err.contains(word), "{name}: kmqd stats said {err:?}, not {word:?}");
+        assert!(
+            err.contains(word),
+            "{name}: kmqd stats said {err:?}, not {word:?}"
+        );
     }
     let mut daemon = Process::start(&config, dir.path(&format!("{name}.log")));
     assert_eq!(
@@ -88,7 +89,10 @@ fn refused(dir: &TestDir, name: &str, redis: &str, words: &[&str]) {
     );
     let log = daemon.log_text();
     for word in words {
-        assert!(log.contains(word), "{name}: the daemon said {log:?}, not {word:?}");
+        assert!(
+            log.contains(word),
+            "{name}: the daemon said {log:?}, not {word:?}"
+        );
     }
 }
 
