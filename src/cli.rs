@@ -199,7 +199,11 @@ impl From<ClientError> for Failure {
             ClientError::Broker(error) if error.is_config_error() => {
                 Failure::Usage(error.to_string())
             }
-            ClientError::Broker(error) => Failure::Runtime(error.to_string()),
+            ClientError::Broker(error) => match crate::broker::tls_refusal(&error) {
+                // The certificates' or the config's to fix: retrying would not help.
+                Some(refusal) => Failure::Usage(refusal),
+                None => Failure::Runtime(error.to_string()),
+            },
             other => Failure::Usage(other.to_string()),
         }
     }

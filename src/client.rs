@@ -238,7 +238,7 @@ impl Client {
                     })
                     .collect();
                 let (level, due) = (chunk[0].0, chunk[0].1);
-                let accepted = broker::push(&mut **connection, &info.keys, level, due, &items)?;
+                let accepted = broker::push(&mut connection, &info.keys, level, due, &items)?;
                 for ((.., id), ok) in chunk.iter().zip(accepted) {
                     results.push(if ok {
                         Pushed::Accepted(id.clone())

@@ -30,13 +30,21 @@ pub struct Config {
 
 #[derive(Clone)]
 pub struct RedisConfig {
-    /// `redis://` or `unix://` URL, without the password when it came from `password_env`/`_file`.
+    /// `redis://`, `rediss://` or `unix://` URL of a single Redis, without the password when it came from
+    /// `password_env`/`_file`; with `cluster` or `sentinel` set, unused.
     pub url: String,
-    /// The ACL user to log in as (`[redis] username`); `None`: the user named in `url`, if any, else Redis's
-    /// `default` user. Kept apart from `url` so that a URL without credentials can still name one.
+    /// Which Redis deployment the URL or seeds name.
+    pub deployment: Deployment,
+    /// The ACL user, when not in the URL.
     pub username: Option<String>,
     /// Kept out of `url` (and out of `Debug`) so it is never logged.
     pub password: Option<String>,
+    /// The CAs and client certificate of `rediss://` connections, read at start.
+    pub tls: TlsFiles,
+    /// How many replicas must have each state change of a task before kmqd counts it done (`WAIT`); 0: none.
+    pub wait_replicas: u32,
+    /// How long a `WAIT` may take before the change counts as not replicated (an error the caller retries).
+    pub wait_timeout: Duration,
     pub pool_size: u32,
     pub key_prefix: String,
     pub connect_timeout: Duration,
@@ -45,12 +53,67 @@ pub struct RedisConfig {
     pub io_timeout: Duration,
 }
 
+/// The Redis deployment a config names (docs/OPERATIONS.md, "Deployments").
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Deployment {
+    /// One Redis at `url`.
+    Single,
+    /// A Redis Cluster found through these seed nodes (`redis://` or `rediss://`, all alike).
+    Cluster { seeds: Vec<String> },
+    /// A master that these Sentinels watch under `master`; `rediss://` seeds mean TLS to the Sentinels and
+    /// to the master.
+    Sentinel { seeds: Vec<String>, master: String },
+}
+
+/// PEM files of `tls_ca_file`, `tls_cert_file` and `tls_key_file`, read when the config is.
+#[derive(Clone, Default)]
+pub struct TlsFiles {
+    /// Trust these CAs instead of the system's.
+    pub ca: Option<Vec<u8>>,
+    /// A client certificate and its key, for mutual TLS.
+    pub client: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl RedisConfig {
+    /// Whether connections use TLS (`rediss://` URL or seeds).
+    pub fn uses_tls(&self) -> bool {
+        match &self.deployment {
+            Deployment::Single => self.url.starts_with("rediss://"),
+            Deployment::Cluster { seeds } | Deployment::Sentinel { seeds, .. } => {
+                seeds.iter().any(|seed| seed.starts_with("rediss://"))
+            }
+        }
+    }
+
+    /// Where Redis is, for logs: the URL, or the seeds, without passwords.
+    pub fn describe(&self) -> String {
+        let list = |seeds: &[String]| {
+            seeds
+                .iter()
+                .map(|seed| redact_url(seed))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        match &self.deployment {
+            Deployment::Single => redact_url(&self.url),
+            Deployment::Cluster { seeds } => format!("cluster {}", list(seeds)),
+            Deployment::Sentinel { seeds, master } => {
+                format!("master {master:?} of sentinels {}", list(seeds))
+            }
+        }
+    }
+}
+
 impl fmt::Debug for RedisConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisConfig")
-            .field("url", &redact_url(&self.url))
+            .field("redis", &self.describe())
             .field("username", &self.username)
             .field("password", &self.password.as_ref().map(|_| "<redacted>"))
+            .field("tls_ca", &self.tls.ca.is_some())
+            .field("tls_client_cert", &self.tls.client.is_some())
+            .field("wait_replicas", &self.wait_replicas)
+            .field("wait_timeout", &self.wait_timeout)
             .field("pool_size", &self.pool_size)
             .field("key_prefix", &self.key_prefix)
             .field("connect_timeout", &self.connect_timeout)
@@ -78,15 +141,6 @@ pub fn redact_url(url: &str) -> String {
         },
         None => url.to_string(),
     }
-}
-
-/// The user name of a `scheme://user[:password]@host` URL, if it names one.
-fn url_username(url: &str) -> Option<&str> {
-    let rest = &url[url.find("://")? + 3..];
-    let authority = &rest[..rest.find('/').unwrap_or(rest.len())];
-    let userinfo = &authority[..authority.rfind('@')?];
-    let user = userinfo.split(':').next().unwrap_or("");
-    (!user.is_empty()).then_some(user)
 }
 
 #[derive(Clone, Debug)]
@@ -331,7 +385,15 @@ struct RawSchedule {
 #[serde(deny_unknown_fields)]
 struct RawRedis {
     url: Option<Spanned<String>>,
+    cluster: Option<Spanned<Vec<Spanned<String>>>>,
+    sentinel: Option<Spanned<Vec<Spanned<String>>>>,
+    sentinel_master: Option<Spanned<String>>,
     username: Option<Spanned<String>>,
+    tls_ca_file: Option<Spanned<String>>,
+    tls_cert_file: Option<Spanned<String>>,
+    tls_key_file: Option<Spanned<String>>,
+    wait_replicas: Option<Spanned<u32>>,
+    wait_timeout: Option<Spanned<String>>,
     password_env: Option<Spanned<String>>,
     password_file: Option<Spanned<String>>,
     pool_size: Option<Spanned<u32>>,
@@ -388,6 +450,7 @@ pub mod defaults {
     pub const KEY_PREFIX: &str = "kmq";
     pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
     pub const IO_TIMEOUT: Duration = Duration::from_secs(10);
+    pub const WAIT_TIMEOUT: Duration = Duration::from_millis(100);
     pub const PLUGINS_DIR: &str = "/usr/lib/kmqd/plugins";
     pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
     pub const LOG_LEVEL: &str = "info";
@@ -629,7 +692,15 @@ impl RawRedis {
     fn validate(self, source: &Source<'_>, base: &Path) -> Result<RedisConfig, ConfigError> {
         let RawRedis {
             url,
+            cluster,
+            sentinel,
+            sentinel_master,
             username,
+            tls_ca_file,
+            tls_cert_file,
+            tls_key_file,
+            wait_replicas,
+            wait_timeout,
             password_env,
             password_file,
             pool_size,
@@ -641,47 +712,48 @@ impl RawRedis {
             .as_ref()
             .map_or(defaults::REDIS_URL.to_string(), |u| u.get_ref().clone());
         if let Some(url) = &url {
-            let text = url.get_ref();
-            if text.starts_with("rediss://") {
-                // Refused here rather than at the first connection: this build has no TLS (see docs/CONFIG.md).
-                return Err(source.error(
-                    url.span(),
-                    "redis.url: rediss:// (TLS) is not supported by this build of kmqd; reach Redis over a private \
-                     network or a unix socket, or through a TLS tunnel (stunnel) on localhost",
-                ));
-            }
-            let scheme_ok = ["redis://", "unix://", "redis+unix://"]
+            let scheme_ok = ["redis://", "rediss://", "unix://", "redis+unix://"]
                 .iter()
-                .any(|s| text.starts_with(s));
+                .any(|s| url.get_ref().starts_with(s));
             if !scheme_ok {
                 return Err(source.error(
                     url.span(),
                     format!(
-                        "redis.url: {:?} is not a Redis URL; write redis://HOST:PORT/DB or unix:///path/to/redis.sock",
-                        redact_url(text)
+                        "redis.url: {:?} is not a Redis URL; write redis://HOST:PORT/DB, rediss://HOST:PORT/DB (TLS) \
+                         or unix:///path/to/redis.sock",
+                        redact_url(url.get_ref())
                     ),
                 ));
             }
         }
+        let deployment = deployment(source, &url, cluster, sentinel, sentinel_master)?;
         let username = match username {
-            Some(name) => {
-                let text = name.get_ref();
-                if text.is_empty() || text.chars().any(|c| c.is_whitespace() || c.is_control()) {
-                    return Err(source.error(
-                        name.span(),
-                        format!("redis.username: {text:?} is not a Redis user name; it must be non-empty, without spaces"),
-                    ));
-                }
-                if url_username(&url_text).is_some() {
-                    return Err(source.error(
-                        name.span(),
-                        "redis.username: the url names a user already; set the user in one of url and username, not both",
-                    ));
-                }
-                Some(name.into_inner())
+            Some(name) if name.get_ref().is_empty() => {
+                return Err(source.error(
+                    name.span(),
+                    "redis.username: is empty; leave it out for the default user",
+                ));
             }
-            None => None,
+            other => other.map(Spanned::into_inner),
         };
+        let tls = tls_files(source, base, tls_ca_file, tls_cert_file, tls_key_file)?;
+        let wait_timeout_value = duration_or(
+            source,
+            "redis.wait_timeout",
+            &wait_timeout,
+            defaults::WAIT_TIMEOUT,
+        )?;
+        if let Some(value) = &wait_timeout
+            && (wait_timeout_value.is_zero() || wait_timeout_value > Duration::from_secs(60))
+        {
+            // WAIT's 0 means forever: a replica that is down would stop every claim and settle.
+            return Err(source.error(
+                value.span(),
+                "redis.wait_timeout: must be between 1ms and 1m; a change that no replica has by then counts \
+                 as not replicated, and is retried",
+            ));
+        }
+        let wait_replicas = wait_replicas.map_or(0, Spanned::into_inner);
         let password = match (&password_env, &password_file) {
             (Some(_), Some(file)) => {
                 return Err(source.error(
@@ -751,16 +823,199 @@ impl RawRedis {
                 ));
             }
         }
-        Ok(RedisConfig {
+        let tls_span = tls.1;
+        let config = RedisConfig {
             url: url_text,
+            deployment,
             username,
+            tls: tls.0,
+            wait_replicas,
+            wait_timeout: wait_timeout_value,
             password,
             pool_size,
             key_prefix,
             connect_timeout,
             io_timeout: io_timeout_value,
-        })
+        };
+        if let Some(span) = tls_span
+            && !config.uses_tls()
+        {
+            return Err(source.error(
+                span,
+                "redis: TLS files are set but no URL is rediss://; write rediss://HOST:PORT to reach Redis over TLS",
+            ));
+        }
+        Ok(config)
     }
+}
+
+/// Which deployment `url`, `cluster` and `sentinel` name: at most one of them, with `sentinel_master` exactly
+/// when `sentinel`.
+fn deployment(
+    source: &Source<'_>,
+    url: &Option<Spanned<String>>,
+    cluster: Option<Spanned<Vec<Spanned<String>>>>,
+    sentinel: Option<Spanned<Vec<Spanned<String>>>>,
+    sentinel_master: Option<Spanned<String>>,
+) -> Result<Deployment, ConfigError> {
+    if let (Some(_), Some(cluster)) = (url, &cluster) {
+        return Err(source.error(
+            cluster.span(),
+            "redis.cluster: set url (one Redis) or cluster (seed nodes of a Redis Cluster), not both",
+        ));
+    }
+    if let (Some(_), Some(sentinel)) = (url, &sentinel) {
+        return Err(source.error(
+            sentinel.span(),
+            "redis.sentinel: set url (one Redis) or sentinel (the Sentinels of a master), not both",
+        ));
+    }
+    if let (Some(_), Some(sentinel)) = (&cluster, &sentinel) {
+        return Err(source.error(
+            sentinel.span(),
+            "redis.sentinel: set cluster or sentinel, not both (a Redis Cluster fails over by itself)",
+        ));
+    }
+    if let (None, Some(master)) = (&sentinel, &sentinel_master) {
+        return Err(source.error(
+            master.span(),
+            "redis.sentinel_master: only with sentinel = [\"redis://HOST:26379\", ...], the Sentinels to ask",
+        ));
+    }
+    let seeds = |key: &str,
+                 list: Spanned<Vec<Spanned<String>>>|
+     -> Result<Vec<String>, ConfigError> {
+        if list.get_ref().is_empty() {
+            return Err(source.error(
+                list.span(),
+                format!("redis.{key}: lists no node; write [\"redis://HOST:PORT\", ...]"),
+            ));
+        }
+        let tls = list.get_ref()[0].get_ref().starts_with("rediss://");
+        for seed in list.get_ref() {
+            let text = seed.get_ref();
+            let scheme = if text.starts_with("rediss://") {
+                Some(true)
+            } else if text.starts_with("redis://") {
+                Some(false)
+            } else {
+                None
+            };
+            match scheme {
+                None => {
+                    return Err(source.error(
+                        seed.span(),
+                        format!(
+                            "redis.{key}: {:?} is not a node URL; write redis://HOST:PORT or rediss://HOST:PORT (TLS)",
+                            redact_url(text)
+                        ),
+                    ));
+                }
+                Some(seed_tls) if seed_tls != tls => {
+                    return Err(source.error(
+                        seed.span(),
+                        format!("redis.{key}: mixes redis:// and rediss:// seeds; TLS is for every node or none"),
+                    ));
+                }
+                Some(_) => {}
+            }
+            let db = text
+                .split_once("://")
+                .and_then(|(_, rest)| rest.split_once('/'))
+                .map(|(_, db)| db);
+            if key == "cluster" && db.is_some_and(|db| !db.is_empty() && db != "0") {
+                return Err(source.error(
+                    seed.span(),
+                    "redis.cluster: a Redis Cluster has database 0 only; drop the /DB of the URL",
+                ));
+            }
+        }
+        Ok(list
+            .into_inner()
+            .into_iter()
+            .map(Spanned::into_inner)
+            .collect())
+    };
+    match (cluster, sentinel) {
+        (Some(cluster), _) => Ok(Deployment::Cluster {
+            seeds: seeds("cluster", cluster)?,
+        }),
+        (None, Some(sentinel)) => {
+            let span = sentinel.span();
+            let seeds = seeds("sentinel", sentinel)?;
+            match sentinel_master {
+                Some(master) if !master.get_ref().is_empty() => Ok(Deployment::Sentinel {
+                    seeds,
+                    master: master.into_inner(),
+                }),
+                _ => Err(source.error(
+                    span,
+                    "redis.sentinel: needs sentinel_master = \"NAME\", the master's name in the Sentinels' config",
+                )),
+            }
+        }
+        (None, None) => Ok(Deployment::Single),
+    }
+}
+
+/// Reads the TLS files (PEM, relative to the config's directory); also returns where the first of them was set,
+/// for the error of TLS files without a `rediss://` URL.
+fn tls_files(
+    source: &Source<'_>,
+    base: &Path,
+    ca_file: Option<Spanned<String>>,
+    cert_file: Option<Spanned<String>>,
+    key_file: Option<Spanned<String>>,
+) -> Result<(TlsFiles, Option<std::ops::Range<usize>>), ConfigError> {
+    let first = [&ca_file, &cert_file, &key_file]
+        .into_iter()
+        .flatten()
+        .map(Spanned::span)
+        .next();
+    let read = |key: &str, file: &Spanned<String>, marker: &str| -> Result<Vec<u8>, ConfigError> {
+        let path = base.join(file.get_ref());
+        let text = read_small_file(&path).map_err(|error| {
+            source.error(
+                file.span(),
+                format!("redis.{key}: cannot read {}: {error}", path.display()),
+            )
+        })?;
+        if !text.contains("-----BEGIN ") || !text.contains(marker) {
+            return Err(source.error(
+                file.span(),
+                format!(
+                    "redis.{key}: {} holds no PEM {}; give the PEM file (-----BEGIN ...-----)",
+                    path.display(),
+                    marker.trim_end_matches('-')
+                ),
+            ));
+        }
+        Ok(text.into_bytes())
+    };
+    let ca = ca_file
+        .as_ref()
+        .map(|file| read("tls_ca_file", file, "CERTIFICATE-"))
+        .transpose()?;
+    let client = match (&cert_file, &key_file) {
+        (Some(cert), Some(key)) => Some((
+            read("tls_cert_file", cert, "CERTIFICATE-")?,
+            read("tls_key_file", key, "PRIVATE KEY-")?,
+        )),
+        (Some(cert), None) => {
+            return Err(source.error(
+                cert.span(),
+                "redis.tls_cert_file: needs tls_key_file too (a client certificate and its key, both or neither)",
+            ));
+        }
+        (None, Some(key)) => {
+            return Err(source.error(
+                key.span(),
+                "redis.tls_key_file: needs tls_cert_file too (a client certificate and its key, both or neither)",
+            ));
+        }
+        (None, None) => None,
+    };
+    Ok((TlsFiles { ca, client }, first))
 }
 
 impl RawDaemon {
@@ -1291,19 +1546,49 @@ mod tests {
                 &["redis.url", "redis://"],
             ),
             (
-                "[redis]\nurl = \"rediss://cache:6380/0\"\n",
-                "queues.toml:2:7",
-                &["redis.url", "TLS) is not supported", "stunnel"],
+                "[redis]\nurl = \"redis://a:1\"\ncluster = [\"redis://b:2\"]\n",
+                "queues.toml:3:11",
+                &["redis.cluster", "not both"],
             ),
             (
-                "[redis]\nurl = \"redis://app:pw@cache:6379/0\"\nusername = \"kmqd\"\n",
-                "queues.toml:3:12",
-                &["redis.username", "not both"],
-            ),
-            (
-                "[redis]\nusername = \"two words\"\n",
+                "[redis]\nsentinel = [\"redis://s:26379\"]\n",
                 "queues.toml:2:12",
-                &["redis.username", "without spaces"],
+                &["redis.sentinel", "sentinel_master"],
+            ),
+            (
+                "[redis]\nsentinel_master = \"main\"\n",
+                "queues.toml:2:19",
+                &["redis.sentinel_master", "only with sentinel"],
+            ),
+            (
+                "[redis]\ncluster = [\"redis://a:1\", \"rediss://b:2\"]\n",
+                "queues.toml:2:27",
+                &["redis.cluster", "mixes redis:// and rediss://"],
+            ),
+            (
+                "[redis]\ncluster = [\"redis://a:1/3\"]\n",
+                "queues.toml:2:12",
+                &["redis.cluster", "database 0 only"],
+            ),
+            (
+                "[redis]\ncluster = []\n",
+                "queues.toml:2:11",
+                &["redis.cluster", "lists no node"],
+            ),
+            (
+                "[redis]\nurl = \"rediss://cache:6380\"\ntls_cert_file = \"/etc/client.pem\"\n",
+                "queues.toml:3:17",
+                &["redis.tls_cert_file", "tls_key_file too"],
+            ),
+            (
+                "[redis]\nurl = \"rediss://cache:6380\"\ntls_ca_file = \"/nonexistent/ca.pem\"\n",
+                "queues.toml:3:15",
+                &["redis.tls_ca_file", "cannot read /nonexistent/ca.pem"],
+            ),
+            (
+                "[redis]\nwait_timeout = \"0s\"\n",
+                "queues.toml:2:16",
+                &["redis.wait_timeout", "between 1ms and 1m"],
             ),
             (
                 "[daemon]\nshutdown_grace = \"30 parsecs\"\n",
@@ -1473,16 +1758,6 @@ mod tests {
         let hourly = When::Every(Duration::from_secs(3600));
         assert_eq!(hourly.next_after(3_600_000), Some(7_200_000));
         assert_eq!(hourly.next_after(-1), Some(0));
-    }
-
-    #[test]
-    fn the_user_is_named_in_the_url_or_in_username() {
-        let config = parse(&format!("[redis]\nusername = \"kmqd\"\n{MINIMAL}")).unwrap();
-        assert_eq!(config.redis.username.as_deref(), Some("kmqd"));
-        assert_eq!(url_username("redis://kmqd:pw@host:6379/0"), Some("kmqd"));
-        assert_eq!(url_username("redis://kmqd@host/0"), Some("kmqd"));
-        assert_eq!(url_username("redis://:pw@host/0"), None);
-        assert_eq!(url_username("unix:///run/redis.sock"), None);
     }
 
     #[test]

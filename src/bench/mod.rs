@@ -49,7 +49,15 @@ pub struct Options {
     pub daemon: Option<PathBuf>,
 }
 
-pub const SCENARIOS: [&str; 6] = ["push", "drain", "kill", "wakeup", "lateness", "memory"];
+pub const SCENARIOS: [&str; 7] = [
+    "push",
+    "drain",
+    "kill",
+    "wakeup",
+    "lateness",
+    "memory",
+    "deployments",
+];
 
 /// How often the `kill` scenario disconnects every client of Redis (`CLIENT KILL TYPE normal`).
 const KILL_EVERY: Duration = Duration::from_millis(100);
@@ -236,17 +244,38 @@ impl Bench {
             .map_err(|e| format!("FLUSHALL: {e}"))
     }
 
-    /// Writes a config for one queue `q` in `mode`; `record` makes the testkit write a line per run.
+    /// The bench's own Redis, as a drain target.
+    fn own(&self) -> Target<'_> {
+        Target {
+            label: None,
+            section: format!("url = \"{}\"", self.server.url()),
+            masters: vec![&self.server],
+            holder: &self.server,
+        }
+    }
+
+    /// Writes a config for one queue `q` in `mode` on the bench's own Redis; `record` makes the testkit write a
+    /// line per run.
     fn config(&self, name: &str, mode: &str, record: Option<&Path>) -> Result<PathBuf, String> {
+        self.config_on(&self.own().section, name, mode, record)
+    }
+
+    /// As [`Bench::config`], with the `[redis]` keys given.
+    fn config_on(
+        &self,
+        redis: &str,
+        name: &str,
+        mode: &str,
+        record: Option<&Path>,
+    ) -> Result<PathBuf, String> {
         let record = record.map_or(String::new(), |path| {
             format!("config = {{ record = \"{}\" }}", path.display())
         });
         let o = &self.options;
         let text = format!(
-            "[redis]\nurl = \"{url}\"\n\n[daemon]\nplugins_dir = \"{plugins}\"\nshutdown_grace = \"5s\"\nlog_level = \"warn\"\n\n\
+            "[redis]\n{redis}\n\n[daemon]\nplugins_dir = \"{plugins}\"\nshutdown_grace = \"5s\"\nlog_level = \"warn\"\n\n\
              [[queues]]\nname = \"q\"\nmode = \"{mode}\"\nworkers = {workers}\nbatch = {batch}\nprefetch = {prefetch}\n\
              lease_timeout = \"30s\"\n\n[plugins.testkit]\nfile = \"libkmq_testkit.so\"\n{record}\n",
-            url = self.server.url(),
             plugins = self.dir.path().join("plugins").display(),
             workers = o.workers,
             batch = o.batch,
@@ -350,7 +379,13 @@ pub fn run(options: Options, progress: &mut dyn Write) -> Result<Report, String>
             "drain under CLIENT KILL every {KILL_EVERY:?}: safe mode, 1 daemon, {} runs of {} tasks...",
             o.runs, o.tasks
         ));
-        figures.push(drain_with(&bench, "safe", 1, Some(KILL_EVERY))?);
+        figures.push(drain_with(
+            &bench,
+            &bench.own(),
+            "safe",
+            1,
+            Some(KILL_EVERY),
+        )?);
     }
     if wants("wakeup") {
         for mode in ["safe", "default"] {
@@ -365,6 +400,13 @@ pub fn run(options: Options, progress: &mut dyn Write) -> Result<Report, String>
     if wants("memory") {
         say("memory...".into());
         figures.extend(memory(&bench)?);
+    }
+    if wants("deployments") {
+        say(format!(
+            "deployments: one Redis, with a replica (wait_replicas 0 and 1), a 3-master cluster; {} runs of {} tasks...",
+            o.runs, o.tasks
+        ));
+        figures.extend(deployments(&bench)?);
     }
     Ok(Report {
         redis_version,
@@ -480,24 +522,49 @@ fn remaining(client: &Client) -> Result<(u64, u64), String> {
 }
 
 fn drain(bench: &Bench, mode: &str, daemons: usize) -> Result<Figure, String> {
-    drain_with(bench, mode, daemons, None)
+    drain_with(bench, &bench.own(), mode, daemons, None)
+}
+
+/// Where a drain runs: the bench's own Redis, or a deployment the `deployments` scenario started.
+struct Target<'a> {
+    /// What the figure calls it (`None`: the bench's own Redis, in the `drain` and `kill` scenarios).
+    label: Option<String>,
+    /// The `[redis]` keys of the daemons' config.
+    section: String,
+    /// Every master, flushed before each run.
+    masters: Vec<&'a RedisServer>,
+    /// The master that holds the queue: its CPU is Redis's.
+    holder: &'a RedisServer,
+}
+
+impl Target<'_> {
+    fn flush(&self) -> Result<(), String> {
+        for master in &self.masters {
+            let mut connection = master.connection().map_err(|e| format!("redis: {e}"))?;
+            redis::cmd("FLUSHALL")
+                .exec(&mut connection)
+                .map_err(|e| format!("FLUSHALL: {e}"))?;
+        }
+        Ok(())
+    }
 }
 
 /// A drain; with `kill_every`, every client of Redis is disconnected that often meanwhile, which a daemon must
 /// take as a blip (reconnect at once), not as an outage.
 fn drain_with(
     bench: &Bench,
+    target: &Target<'_>,
     mode: &str,
     daemons: usize,
     kill_every: Option<Duration>,
 ) -> Result<Figure, String> {
-    let config = bench.config(&format!("drain-{mode}"), mode, None)?;
+    let config = bench.config_on(&target.section, &format!("drain-{mode}"), mode, None)?;
     let client = bench.client(&config)?;
     let n = bench.options.tasks;
     let (mut rates, mut daemon_cpu, mut redis_cpu, mut rss) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..bench.options.runs {
-        bench.flush()?;
+        target.flush()?;
         bench.fill(&client, n)?;
         let mut processes: Vec<Daemon> = (0..daemons)
             .map(|_| bench.daemon(&config))
@@ -507,7 +574,10 @@ fn drain_with(
         let deadline = Instant::now() + Duration::from_secs(300);
         let mut first: Option<(Instant, u64, u64, u64)> = None;
         let mut peak_rss = 0;
-        let mut killer = bench.redis()?;
+        let mut killer = target
+            .holder
+            .connection()
+            .map_err(|e| format!("redis: {e}"))?;
         let mut last_kill = Instant::now();
         let end = loop {
             if let Some(every) = kill_every {
@@ -521,10 +591,15 @@ fn drain_with(
             let (left, _) = remaining(&client)?;
             peak_rss = peak_rss.max(pids.iter().map(|pid| rss_kb(*pid)).sum::<u64>());
             if first.is_none() && left < n as u64 {
-                first = Some((Instant::now(), left, cpu(&pids), cpu_us(bench.server.pid())));
+                first = Some((
+                    Instant::now(),
+                    left,
+                    cpu(&pids),
+                    cpu_us(target.holder.pid()),
+                ));
             }
             if left == 0 {
-                break (Instant::now(), cpu(&pids), cpu_us(bench.server.pid()));
+                break (Instant::now(), cpu(&pids), cpu_us(target.holder.pid()));
             }
             if Instant::now() > deadline {
                 return Err(format!("drain did not finish within 300 s ({left} left)"));
@@ -547,15 +622,18 @@ fn drain_with(
         redis_cpu.push((end.2 - redis0) as f64 / left0 as f64);
         rss.push(peak_rss as f64 / 1024.0);
     }
-    let name = match kill_every {
-        Some(every) => format!("{mode} mode, {daemons} daemon(s), CLIENT KILL every {every:?}"),
-        None => format!("{mode} mode, {daemons} daemon(s)"),
+    let name = match (&target.label, kill_every) {
+        (_, Some(every)) => {
+            format!("{mode} mode, {daemons} daemon(s), CLIENT KILL every {every:?}")
+        }
+        (Some(label), None) => format!("{label}: {mode} mode, {daemons} daemon(s)"),
+        (None, None) => format!("{mode} mode, {daemons} daemon(s)"),
     };
     Ok(figure(
-        if kill_every.is_some() {
-            "kill"
-        } else {
-            "drain"
+        match (&target.label, kill_every) {
+            (_, Some(_)) => "kill",
+            (Some(_), None) => "deployments",
+            (None, None) => "drain",
         },
         name,
         "tasks/s",
@@ -870,4 +948,116 @@ mod tests {
         assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
         assert!(median(&[]).is_nan());
     }
+}
+
+/// The same drain (1 daemon, safe and default mode) and single pushes on the bench's own Redis, then with a
+/// replica attached (`wait_replicas` 0 and 1: what replication and `WAIT` cost per task), then on a Redis Cluster
+/// of three masters (what the cluster client costs), in one session.
+fn deployments(bench: &Bench) -> Result<Vec<Figure>, String> {
+    let mut figures = Vec::new();
+    let own = bench.own();
+    let labelled = |label: &str, section: String| Target {
+        label: Some(label.to_string()),
+        section,
+        masters: vec![&bench.server],
+        holder: &bench.server,
+    };
+    let single = labelled("one Redis", own.section.clone());
+    for mode in ["safe", "default"] {
+        figures.push(drain_with(bench, &single, mode, 1, None)?);
+    }
+    figures.push(single_pushes(bench, &single)?);
+
+    let port = bench
+        .server
+        .port()
+        .ok_or("the bench's Redis listens on TCP")?
+        .to_string();
+    let mut options = crate::redis_server::Options::new(Listen::Loopback);
+    options.extra_args = ["--replicaof", "127.0.0.1", port.as_str()]
+        .map(String::from)
+        .to_vec();
+    let replica = RedisServer::start_with(options)?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !replica
+        .query_as::<String>(&["INFO", "replication"])?
+        .contains("master_link_status:up")
+    {
+        if Instant::now() > deadline {
+            return Err("the replica did not sync within 30 s".into());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for wait in [0, 1] {
+        let target = labelled(
+            &format!("one Redis + 1 replica, wait_replicas = {wait}"),
+            format!(
+                "{}\nwait_replicas = {wait}\nwait_timeout = \"1s\"",
+                own.section
+            ),
+        );
+        for mode in ["safe", "default"] {
+            figures.push(drain_with(bench, &target, mode, 1, None)?);
+        }
+        figures.push(single_pushes(bench, &target)?);
+    }
+    drop(replica);
+
+    let cluster = crate::redis_server::cluster::Cluster::start(
+        crate::redis_server::cluster::ClusterOptions {
+            replicas_per_master: 0,
+            ..Default::default()
+        },
+    )?;
+    let seeds: Vec<String> = cluster
+        .seeds()?
+        .iter()
+        .map(|seed| format!("\"{seed}\""))
+        .collect();
+    let holder = cluster.master_for_key("{q}")?;
+    let target = Target {
+        label: Some("Redis Cluster, 3 masters".to_string()),
+        section: format!("cluster = [{}]", seeds.join(", ")),
+        masters: cluster
+            .masters()?
+            .iter()
+            .filter_map(|node| cluster.server(&node.addr))
+            .collect(),
+        holder: cluster
+            .server(&holder.addr)
+            .ok_or("the queue's master is ours")?,
+    };
+    for mode in ["safe", "default"] {
+        figures.push(drain_with(bench, &target, mode, 1, None)?);
+    }
+    figures.push(single_pushes(bench, &target)?);
+    Ok(figures)
+}
+
+/// `Client::push`, one task per round trip (5,000 of them), on `target`.
+fn single_pushes(bench: &Bench, target: &Target<'_>) -> Result<Figure, String> {
+    let config = bench.config_on(&target.section, "single-pushes", "safe", None)?;
+    let client = bench.client(&config)?;
+    let one = crate::task::data_from_str("1").expect("1 is JSON");
+    let mut rates = Vec::new();
+    for _ in 0..bench.options.runs {
+        target.flush()?;
+        let start = Instant::now();
+        for _ in 0..5_000 {
+            client
+                .push("q", NewTask::with_data("test", one.clone()))
+                .map_err(|e| e.to_string())?;
+        }
+        rates.push(5_000.0 / start.elapsed().as_secs_f64());
+    }
+    Ok(figure(
+        "deployments",
+        format!(
+            "{}: Client::push, one task per round trip",
+            target.label.as_deref().unwrap_or("one Redis")
+        ),
+        "tasks/s",
+        rates,
+        vec![],
+    ))
 }

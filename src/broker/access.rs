@@ -192,6 +192,11 @@ pub const COMMANDS: &[Command] = &[
         why: "Redis's clock decides leases, due times and task ages",
     },
     Command {
+        name: "wait",
+        roles: &[D, P],
+        why: "with `[redis] wait_replicas`, each change of a task waits for the replicas to have it",
+    },
+    Command {
         name: "blmove",
         roles: &[D],
         why: "an idle default-mode fetcher of a one-level queue waits on its ready list (moved onto itself, \
@@ -448,6 +453,7 @@ const DAEMON: &[(&str, On)] = &[
     ("hsetnx", key(K::Meta)),
     ("hget", key(K::Meta)),
     ("time", NOTHING),
+    ("wait", NOTHING),
     ("zrange", key(K::Owners)),
     ("hget", key(K::Schedules)),
     ("hgetall", key(K::OwnerInfo)),
@@ -512,6 +518,9 @@ const DAEMON: &[(&str, On)] = &[
     ("hincrby", key(K::Stats)),
     ("lpush", key(K::Wake)),
     ("ltrim", key(K::Wake)),
+    // The owner's journal, in claim.lua, adopt.lua, renew.lua and settle.lua.
+    ("hincrby", key(K::OwnerInfo)),
+    ("type", key(K::OwnerInfo)),
     // pop.lua.
     ("hlen", key(K::Unique)),
     ("hexists", key(K::Unique)),
@@ -556,6 +565,7 @@ const DAEMON: &[(&str, On)] = &[
 
 /// `kmqd push`: the enqueue script, push.lua.
 const PRODUCER: &[(&str, On)] = &[
+    ("wait", NOTHING),
     ("script|load", NOTHING),
     ("evalsha", key(K::Ready)),
     ("evalsha", key(K::Delayed)),
@@ -756,6 +766,7 @@ fn argv(command: &str, target: Option<&str>) -> Vec<String> {
     let name = command.to_ascii_uppercase();
     match command {
         "time" | "multi" | "exec" | "unwatch" | "unsubscribe" | "punsubscribe" => vec![name],
+        "wait" => vec![name, "1".into(), "1000".into()],
         "script|load" => vec!["SCRIPT".into(), "LOAD".into(), "return 1".into()],
         // A check with no key is EVALSHA without one (the read-only tools' check itself).
         "evalsha" => match target {

@@ -1,68 +1,214 @@
-//! Connecting to Redis: a connector with timeouts, the pool, and a thread's own [`Session`].
+//! Connecting to Redis: a connector for each deployment (one Redis, a Sentinel-managed master, a Redis Cluster;
+//! each with or without TLS), the pool, and a thread's own [`Session`].
+//!
+//! Every caller talks through [`Conn`], one type for a node connection and a cluster connection, so the daemon and
+//! the CLI have one code path: each call of kmqd touches one queue, whose keys share one hash tag, so in a cluster
+//! each call goes to the master of that queue's slot (the redis crate routes it by its first key, and follows
+//! MOVED and ASK).
 
+use std::sync::Mutex;
 use std::time::Duration;
 
-use redis::{Connection, ConnectionLike, IntoConnectionInfo};
+use redis::cluster::{ClusterClient, ClusterClientBuilder, ClusterConnection};
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
+use redis::{
+    Cmd, Connection, ConnectionAddr, ConnectionInfo, ConnectionLike, IntoConnectionInfo,
+    RedisError, RedisResult, TlsCertificates, Value,
+};
 
 use super::{BrokerError, Result};
-use crate::config::{RedisConfig, redact_url};
+use crate::config::{Deployment, RedisConfig, TlsFiles};
 
 /// Opens connections with a connect timeout and read/write timeouts, so no Redis call can hang a thread forever.
-#[derive(Debug)]
 pub struct Connector {
-    client: redis::Client,
+    target: Target,
     connect_timeout: Duration,
     /// The read timeout outside blocking calls (`[redis] io_timeout`): a healthy Redis answers in microseconds, a
     /// stuck one is noticed after this.
     io_timeout: Duration,
-    display_url: String,
+    wait: Option<Wait>,
+    display: String,
     /// The ACL user the connections log in as, for messages (`default` when none is named).
     username: String,
 }
 
+impl std::fmt::Debug for Connector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connector")
+            .field("redis", &self.display)
+            .finish_non_exhaustive()
+    }
+}
+
+enum Target {
+    Single(redis::Client),
+    /// Asks a Sentinel for the master at every new connection, so a connection made after a failover reaches
+    /// the new master (the old connections fail, and their callers reconnect).
+    Sentinel(Mutex<SentinelClient>),
+    /// The cluster client, and one client per seed for the pub/sub listener: kmqd's wake-ups are plain
+    /// `PUBLISH`es, which a Redis Cluster forwards to every node, so one subscription on any node hears all.
+    Cluster {
+        client: ClusterClient,
+        seeds: Vec<redis::Client>,
+    },
+}
+
 impl Connector {
     pub fn new(config: &RedisConfig) -> Result<Connector> {
-        let mut info = config.url.as_str().into_connection_info()?;
-        if let Some(username) = &config.username {
-            let settings = info.redis_settings().clone().set_username(username);
-            info = info.set_redis_settings(settings);
-        }
-        if let Some(password) = &config.password {
-            let settings = info.redis_settings().clone().set_password(password);
-            info = info.set_redis_settings(settings);
-        }
-        let username = info
-            .redis_settings()
-            .username()
-            .unwrap_or("default")
-            .to_string();
+        let certificates = || certificates(&config.tls);
+        let target = match &config.deployment {
+            Deployment::Single => {
+                let info = with_credentials(config.url.as_str().into_connection_info()?, config);
+                Target::Single(open_client(info, config)?)
+            }
+            Deployment::Sentinel { seeds, master } => {
+                let mut addrs = Vec::new();
+                let mut db = 0;
+                for seed in seeds {
+                    let info = seed.as_str().into_connection_info()?;
+                    db = info.redis_settings().db();
+                    addrs.push(info.addr().clone());
+                }
+                let tls = addrs
+                    .iter()
+                    .any(|addr| matches!(addr, ConnectionAddr::TcpTls { .. }));
+                let mut builder =
+                    SentinelClientBuilder::new(addrs, master, SentinelServerType::Master)?
+                        .set_client_to_redis_db(db);
+                if let Some(username) = &config.username {
+                    builder = builder
+                        .set_client_to_redis_username(username)
+                        .set_client_to_sentinel_username(username);
+                }
+                if let Some(password) = &config.password {
+                    builder = builder
+                        .set_client_to_redis_password(password)
+                        .set_client_to_sentinel_password(password);
+                }
+                if tls {
+                    builder = builder
+                        .set_client_to_redis_tls_mode(redis::TlsMode::Secure)
+                        .set_client_to_sentinel_tls_mode(redis::TlsMode::Secure)
+                        .set_client_to_redis_certificates(certificates())
+                        .set_client_to_sentinel_certificates(certificates());
+                }
+                Target::Sentinel(Mutex::new(builder.build()?))
+            }
+            Deployment::Cluster { seeds } => {
+                let infos = seeds
+                    .iter()
+                    .map(|seed| {
+                        Ok(with_credentials(
+                            seed.as_str().into_connection_info()?,
+                            config,
+                        ))
+                    })
+                    .collect::<RedisResult<Vec<ConnectionInfo>>>()?;
+                let mut builder = ClusterClientBuilder::new(infos.clone())
+                    .connection_timeout(config.connect_timeout)
+                    .response_timeout(config.io_timeout);
+                if let Some(username) = &config.username {
+                    builder = builder.username(username);
+                }
+                if let Some(password) = &config.password {
+                    builder = builder.password(password);
+                }
+                if config.uses_tls() {
+                    builder = builder.tls(redis::TlsMode::Secure).certs(certificates());
+                }
+                let seeds = infos
+                    .into_iter()
+                    .map(|info| open_client(info, config))
+                    .collect::<Result<Vec<_>>>()?;
+                Target::Cluster {
+                    client: builder.build()?,
+                    seeds,
+                }
+            }
+        };
+        let username = config
+            .username
+            .clone()
+            .or_else(|| {
+                let info = config.url.as_str().into_connection_info().ok()?;
+                info.redis_settings().username().map(str::to_string)
+            })
+            .unwrap_or_else(|| "default".to_string());
         Ok(Connector {
             username,
-            client: redis::Client::open(info)?,
+            target,
             connect_timeout: config.connect_timeout,
             io_timeout: config.io_timeout,
-            display_url: redact_url(&config.url),
+            wait: (config.wait_replicas > 0).then(|| Wait {
+                replicas: config.wait_replicas,
+                timeout_ms: config.wait_timeout.as_millis().max(1) as u64,
+            }),
+            display: config.describe(),
         })
     }
 
-    /// A new connection, outside any pool (the pub/sub listener needs one of its own).
-    pub fn connect(&self) -> Result<Connection> {
+    /// A new connection, outside any pool.
+    pub fn connect(&self) -> Result<Conn> {
         self.connect_with_timeout(self.io_timeout)
     }
 
     /// A new connection whose replies must come within `timeout` (the heartbeat's is shorter than a lease).
-    pub fn connect_with_timeout(&self, timeout: Duration) -> Result<Connection> {
-        let connection = self
-            .client
-            .get_connection_with_timeout(self.connect_timeout.min(timeout))?;
+    pub fn connect_with_timeout(&self, timeout: Duration) -> Result<Conn> {
+        let connect_timeout = self.connect_timeout.min(timeout);
+        let link = match &self.target {
+            Target::Single(client) => {
+                Link::Node(client.get_connection_with_timeout(connect_timeout)?)
+            }
+            Target::Sentinel(sentinel) => {
+                let client = sentinel
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .get_client()?;
+                Link::Node(client.get_connection_with_timeout(connect_timeout)?)
+            }
+            Target::Cluster { client, .. } => {
+                Link::Cluster(Box::new(client.get_generic_connection::<NodeConnection>()?))
+            }
+        };
+        let connection = Conn {
+            link,
+            wait: self.wait,
+        };
         connection.set_read_timeout(Some(timeout))?;
         connection.set_write_timeout(Some(timeout))?;
         Ok(connection)
     }
 
-    /// The URL with any password replaced, for logs.
+    /// A connection for `SUBSCRIBE`: to the one Redis or the master, or in a cluster to the first seed that
+    /// answers (a plain `PUBLISH` reaches every node of a cluster).
+    pub fn subscriber(&self) -> Result<Connection> {
+        match &self.target {
+            Target::Cluster { seeds, .. } => {
+                let mut last = None;
+                for seed in seeds {
+                    match seed.get_connection_with_timeout(self.connect_timeout) {
+                        Ok(connection) => {
+                            connection.set_write_timeout(Some(self.io_timeout))?;
+                            return Ok(connection);
+                        }
+                        Err(error) => last = Some(error),
+                    }
+                }
+                Err(BrokerError::Redis(
+                    last.expect("a cluster has at least one seed"),
+                ))
+            }
+            _ => match self.connect()?.link {
+                Link::Node(connection) => Ok(connection),
+                Link::Cluster(_) => unreachable!("only a cluster target makes cluster connections"),
+            },
+        }
+    }
+
+    /// Where Redis is, without passwords, for logs.
     pub fn display_url(&self) -> &str {
-        &self.display_url
+        &self.display
     }
 
     /// The ACL user the connections log in as (`default`: Redis's own, when the config names none).
@@ -71,10 +217,258 @@ impl Connector {
     }
 }
 
+/// The URL's connection info with the config's user and password (a URL's own stay when the config has none).
+fn with_credentials(info: ConnectionInfo, config: &RedisConfig) -> ConnectionInfo {
+    let mut settings = info.redis_settings().clone();
+    if let Some(username) = &config.username {
+        settings = settings.set_username(username);
+    }
+    if let Some(password) = &config.password {
+        settings = settings.set_password(password);
+    }
+    info.set_redis_settings(settings)
+}
+
+/// A client for one node; with `rediss://`, it trusts the config's CA (or the system's) and presents its client
+/// certificate.
+fn open_client(info: ConnectionInfo, config: &RedisConfig) -> Result<redis::Client> {
+    let tls = matches!(info.addr(), ConnectionAddr::TcpTls { .. });
+    Ok(if tls {
+        redis::Client::build_with_tls(info, certificates(&config.tls))?
+    } else {
+        redis::Client::open(info)?
+    })
+}
+
+fn certificates(tls: &TlsFiles) -> TlsCertificates {
+    TlsCertificates {
+        client_tls: tls
+            .client
+            .as_ref()
+            .map(|(cert, key)| redis::ClientTlsConfig {
+                client_cert: cert.clone(),
+                client_key: key.clone(),
+            }),
+        root_cert: tls.ca.clone(),
+    }
+}
+
+/// A connection to one Redis (or the Sentinels' master), or to a Redis Cluster; with the deployment's
+/// `wait_replicas`, which the calls that change a task's state wait for ([`Conn::replicated`]).
+pub struct Conn {
+    link: Link,
+    wait: Option<Wait>,
+}
+
+enum Link {
+    Node(Connection),
+    /// Boxed: it holds a connection per node and the slot map.
+    Cluster(Box<ClusterConnection<NodeConnection>>),
+}
+
+/// `WAIT replicas timeout_ms` after each state change of a task.
+#[derive(Clone, Copy, Debug)]
+struct Wait {
+    replicas: u32,
+    timeout_ms: u64,
+}
+
+/// A node connection made elsewhere (the tests' and the benchmark's own), without `wait_replicas`.
+impl From<Connection> for Conn {
+    fn from(connection: Connection) -> Conn {
+        Conn {
+            link: Link::Node(connection),
+            wait: None,
+        }
+    }
+}
+
+impl Conn {
+    pub fn set_read_timeout(&self, timeout: Option<Duration>) -> RedisResult<()> {
+        match &self.link {
+            Link::Node(connection) => connection.set_read_timeout(timeout),
+            Link::Cluster(connection) => connection.set_read_timeout(timeout),
+        }
+    }
+
+    pub fn set_write_timeout(&self, timeout: Option<Duration>) -> RedisResult<()> {
+        match &self.link {
+            Link::Node(connection) => connection.set_write_timeout(timeout),
+            Link::Cluster(connection) => connection.set_write_timeout(timeout),
+        }
+    }
+
+    /// Sends a command that names no key (`WAIT`, `UNWATCH`, `TIME`) to the master that holds `key`: where the
+    /// calls before it on this key went.
+    pub fn query_at<T: redis::FromRedisValue>(
+        &mut self,
+        key: &str,
+        command: &Cmd,
+    ) -> RedisResult<T> {
+        match &mut self.link {
+            Link::Node(connection) => command.query(connection),
+            Link::Cluster(connection) => {
+                let route = Route::with_key(key, SlotAddr::Master);
+                let value = connection.route_command(
+                    command,
+                    RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)),
+                )?;
+                Ok(redis::from_redis_value(value)?)
+            }
+        }
+    }
+
+    /// With `[redis] wait_replicas` set, waits until that many replicas of the master holding `key` have every
+    /// write made so far on this connection (`WAIT`); a failover to one of them then cannot undo the change.
+    /// Fewer acknowledgements within `wait_timeout` is [`BrokerError::NotReplicated`]: the change was made on
+    /// the master, and its caller treats the call as one whose reply was lost (the calls are safe to repeat).
+    pub fn replicated(&mut self, key: &str) -> Result<()> {
+        let Some(wait) = self.wait else {
+            return Ok(());
+        };
+        let acknowledged: u32 = self.query_at(
+            key,
+            redis::cmd("WAIT").arg(wait.replicas).arg(wait.timeout_ms),
+        )?;
+        if acknowledged < wait.replicas {
+            return Err(BrokerError::NotReplicated {
+                acknowledged,
+                wanted: wait.replicas,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command(&mut self, cmd: &[u8]) -> RedisResult<Value> {
+        match &mut self.link {
+            Link::Node(connection) => connection.req_packed_command(cmd),
+            Link::Cluster(connection) => connection.req_packed_command(cmd),
+        }
+    }
+
+    /// In a cluster, a pipeline goes to the node of its first command's key: each pipeline kmqd sends is one
+    /// queue's and starts with a command that names a key of it (`MULTI` aside).
+    fn req_packed_commands(
+        &mut self,
+        cmd: &[u8],
+        offset: usize,
+        count: usize,
+    ) -> RedisResult<Vec<Value>> {
+        match &mut self.link {
+            Link::Node(connection) => connection.req_packed_commands(cmd, offset, count),
+            Link::Cluster(connection) => connection.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn req_command(&mut self, cmd: &Cmd) -> RedisResult<Value> {
+        match &mut self.link {
+            Link::Node(connection) => connection.req_command(cmd),
+            Link::Cluster(connection) => connection.req_command(cmd),
+        }
+    }
+
+    fn supports_pipelining(&self) -> bool {
+        true
+    }
+
+    fn get_db(&self) -> i64 {
+        match &self.link {
+            Link::Node(connection) => connection.get_db(),
+            Link::Cluster(connection) => connection.get_db(),
+        }
+    }
+
+    fn check_connection(&mut self) -> bool {
+        match &mut self.link {
+            Link::Node(connection) => connection.check_connection(),
+            Link::Cluster(connection) => connection.check_connection(),
+        }
+    }
+
+    fn is_open(&self) -> bool {
+        match &self.link {
+            Link::Node(connection) => connection.is_open(),
+            Link::Cluster(connection) => connection.is_open(),
+        }
+    }
+}
+
+/// The message of the error a cluster node's connection turns a lost reply into; [`BrokerError::may_have_run`]
+/// recognises it.
+pub(super) const LOST_REPLY: &str = "kmqd: the reply was lost; the command may have run";
+
+/// A cluster node's connection that does not let the cluster client send a command again after its reply was
+/// lost. The redis crate's cluster connection resends a command after an I/O error or a timeout (up to 16
+/// times), which is right for a read but not for kmqd's writes: a claim or a pop whose reply was lost has run,
+/// and kmqd resolves such a call itself (the claim's floor and adopt.lua, the settler's idempotent settle), which
+/// it can only do when it sees the loss. So an I/O error after a command was sent becomes an error the cluster
+/// client does not retry (`ErrorKind::Client`, [`LOST_REPLY`]); redirects (MOVED, ASK) and refusals (TRYAGAIN,
+/// CLUSTERDOWN, READONLY), where the command did not run, are still followed and retried by the crate.
+pub struct NodeConnection(Connection);
+
+fn lost(error: RedisError) -> RedisError {
+    if error.is_io_error() || error.is_timeout() || error.is_connection_dropped() {
+        RedisError::from((redis::ErrorKind::Client, LOST_REPLY, error.to_string()))
+    } else {
+        error
+    }
+}
+
+impl ConnectionLike for NodeConnection {
+    fn req_packed_command(&mut self, cmd: &[u8]) -> RedisResult<Value> {
+        self.0.req_packed_command(cmd).map_err(lost)
+    }
+
+    fn req_packed_commands(
+        &mut self,
+        cmd: &[u8],
+        offset: usize,
+        count: usize,
+    ) -> RedisResult<Vec<Value>> {
+        self.0.req_packed_commands(cmd, offset, count).map_err(lost)
+    }
+
+    fn get_db(&self) -> i64 {
+        self.0.get_db()
+    }
+
+    fn check_connection(&mut self) -> bool {
+        self.0.check_connection()
+    }
+
+    fn is_open(&self) -> bool {
+        self.0.is_open()
+    }
+}
+
+impl redis::cluster::Connect for NodeConnection {
+    fn connect<T: IntoConnectionInfo>(info: T, timeout: Option<Duration>) -> RedisResult<Self> {
+        <Connection as redis::cluster::Connect>::connect(info, timeout).map(NodeConnection)
+    }
+
+    fn send_packed_command(&mut self, cmd: &[u8]) -> RedisResult<()> {
+        self.0.send_packed_command(cmd).map_err(lost)
+    }
+
+    fn set_write_timeout(&self, dur: Option<Duration>) -> RedisResult<()> {
+        self.0.set_write_timeout(dur)
+    }
+
+    fn set_read_timeout(&self, dur: Option<Duration>) -> RedisResult<()> {
+        self.0.set_read_timeout(dur)
+    }
+
+    fn recv_response(&mut self) -> RedisResult<Value> {
+        self.0.recv_response().map_err(lost)
+    }
+}
+
 /// A pooled connection that can be marked broken, so that one which failed mid-reply (a timeout leaves the
 /// unread reply in the socket) is closed instead of going back to the pool.
 pub struct PoolConnection {
-    inner: Connection,
+    inner: Conn,
     broken: bool,
 }
 
@@ -86,14 +480,14 @@ impl PoolConnection {
 }
 
 impl std::ops::Deref for PoolConnection {
-    type Target = Connection;
-    fn deref(&self) -> &Connection {
+    type Target = Conn;
+    fn deref(&self) -> &Conn {
         &self.inner
     }
 }
 
 impl std::ops::DerefMut for PoolConnection {
-    fn deref_mut(&mut self) -> &mut Connection {
+    fn deref_mut(&mut self) -> &mut Conn {
         &mut self.inner
     }
 }
@@ -160,7 +554,7 @@ impl Session {
     }
 
     /// The connection, connecting first if needed.
-    pub fn get(&mut self) -> Result<&mut Connection> {
+    pub fn get(&mut self) -> Result<&mut Conn> {
         if self.held.is_none() {
             self.held = Some(self.pool.get()?);
         }

@@ -8,10 +8,12 @@
 
 use std::collections::{HashMap, HashSet};
 
-use redis::{Connection, Value};
+use redis::Value;
+
+use crate::broker::Conn;
 use serde::Serialize;
 
-use super::{QueueKeys, Result, SCRIPTS, redis_now, text};
+use super::{QueueKeys, Result, SCRIPTS, text, time_ms};
 use crate::task::Envelope;
 
 /// Elements read per command while scanning.
@@ -120,7 +122,7 @@ impl<'a> Wanted<'a> {
 
 /// Finds every place the tasks with these ids are in. A non-unique id may be in several.
 pub fn locate(
-    conn: &mut Connection,
+    conn: &mut Conn,
     keys: &QueueKeys,
     ids: &[&str],
     scope: Scope,
@@ -130,7 +132,8 @@ pub fn locate(
         return Ok(found);
     }
     let wanted = Wanted::new(ids);
-    let now = redis_now(conn)?;
+    // The clock of the queue's node: in a cluster, TIME alone would go to any node.
+    let now = time_ms(conn.query_at(&keys.meta, &redis::cmd("TIME"))?);
     locate_delayed(conn, keys, ids, now, &mut found)?;
     locate_retrying(conn, keys, &wanted, now, &mut found)?;
     locate_ready(conn, keys, &wanted, &mut found)?;
@@ -143,7 +146,7 @@ pub fn locate(
 
 /// Delayed: by id, through the index.
 fn locate_delayed(
-    conn: &mut Connection,
+    conn: &mut Conn,
     keys: &QueueKeys,
     ids: &[&str],
     now: i64,
@@ -180,7 +183,7 @@ fn locate_delayed(
 
 /// Retrying: scans each level's zset for members that contain one of the ids.
 fn locate_retrying(
-    conn: &mut Connection,
+    conn: &mut Conn,
     keys: &QueueKeys,
     wanted: &Wanted<'_>,
     now: i64,
@@ -223,7 +226,7 @@ fn locate_retrying(
 
 /// Ready: reads each list in chunks.
 fn locate_ready(
-    conn: &mut Connection,
+    conn: &mut Conn,
     keys: &QueueKeys,
     wanted: &Wanted<'_>,
     found: &mut Vec<(String, Found)>,
@@ -244,7 +247,7 @@ fn locate_ready(
 }
 
 /// Calls `visit` with each element of the list `key` and its position, reading [`CHUNK`] elements per command.
-fn scan_list(conn: &mut Connection, key: &str, mut visit: impl FnMut(u64, String)) -> Result<()> {
+fn scan_list(conn: &mut Conn, key: &str, mut visit: impl FnMut(u64, String)) -> Result<()> {
     let mut start = 0usize;
     loop {
         let chunk: Vec<Value> = redis::cmd("LRANGE")
@@ -264,7 +267,7 @@ fn scan_list(conn: &mut Connection, key: &str, mut visit: impl FnMut(u64, String
 }
 
 fn locate_processing(
-    conn: &mut Connection,
+    conn: &mut Conn,
     keys: &QueueKeys,
     wanted: &Wanted<'_>,
     found: &mut Vec<(String, Found)>,
@@ -299,7 +302,7 @@ fn locate_processing(
 }
 
 fn locate_dead(
-    conn: &mut Connection,
+    conn: &mut Conn,
     keys: &QueueKeys,
     wanted: &Wanted<'_>,
     found: &mut Vec<(String, Found)>,
@@ -319,11 +322,7 @@ fn locate_dead(
 
 /// Cancels every waiting copy (delayed, retrying, ready) of the tasks with these ids. Returns, per id, how many
 /// copies were removed (0: none was waiting: unknown, running, done, or dead). Unique ids are released.
-pub fn cancel(
-    conn: &mut Connection,
-    keys: &QueueKeys,
-    ids: &[&str],
-) -> Result<HashMap<String, usize>> {
+pub fn cancel(conn: &mut Conn, keys: &QueueKeys, ids: &[&str]) -> Result<HashMap<String, usize>> {
     let levels = &keys.levels;
     let mut removed: HashMap<String, usize> = ids.iter().map(|id| (id.to_string(), 0)).collect();
     for (id, found) in locate(conn, keys, ids, Scope::Waiting)? {
@@ -380,7 +379,7 @@ pub fn cancel(
 }
 
 /// How long until the delayed or retrying task `id` is due (`None`: it is not waiting for a due time).
-pub fn remaining_delay(conn: &mut Connection, keys: &QueueKeys, id: &str) -> Result<Option<i64>> {
+pub fn remaining_delay(conn: &mut Conn, keys: &QueueKeys, id: &str) -> Result<Option<i64>> {
     let found = locate(conn, keys, &[id], Scope::Waiting)?;
     Ok(found.into_iter().find_map(|(_, f)| match f {
         Found::Delayed { due_in_ms, .. } | Found::Retrying { due_in_ms, .. } => {

@@ -19,16 +19,17 @@ pub mod owners;
 pub mod schedule;
 pub mod stats;
 pub mod tasks;
+mod tls;
 
 use std::fmt;
 use std::sync::{Arc, LazyLock};
 
 use redis::{ConnectionLike, RedisWrite, ToRedisArgs, Value};
 
-pub use connection::{Connector, Pool, PooledConnection, Session, pool};
+pub use connection::{Conn, Connector, Pool, PooledConnection, Session, pool};
 pub use keys::QueueKeys;
 pub use lookup::{Found, Scope};
-pub use owners::{OwnerInfo, owner_info, owners, register, release, renew};
+pub use owners::{OwnerInfo, Renewal, owner_info, owners, register, release, renew};
 pub use schedule::{Fired, fire, schedule_state};
 pub use stats::{QueueStats, check_protocol, stats};
 pub use tasks::{
@@ -36,6 +37,7 @@ pub use tasks::{
     Settlement, Taken, adopt, claim, promote, push, release_unique, scan_processing, settle,
     wait_idle, wait_wake,
 };
+pub use tls::tls_refusal;
 
 /// A Redis failure, with what was being done.
 #[derive(Debug, thiserror::Error)]
@@ -78,6 +80,11 @@ pub enum BrokerError {
          rename-command? kmqd needs Redis 7.0 or newer)"
     )]
     UnknownCommand { command: String },
+    #[error(
+        "only {acknowledged} of the {wanted} replicas ([redis] wait_replicas) acknowledged a change within \
+         [redis] wait_timeout; it is made on the master, but a failover now could undo it"
+    )]
+    NotReplicated { acknowledged: u32, wanted: u32 },
 }
 
 impl BrokerError {
@@ -87,8 +94,14 @@ impl BrokerError {
     pub fn may_have_run(&self) -> bool {
         match self {
             BrokerError::Redis(error) => {
-                error.is_io_error() || error.is_timeout() || error.is_connection_dropped()
+                error.is_io_error()
+                    || error.is_timeout()
+                    || error.is_connection_dropped()
+                    || (error.kind() == redis::ErrorKind::Client
+                        && error.to_string().contains(connection::LOST_REPLY))
             }
+            // It ran on the master; whether it survives a failover is what is unknown.
+            BrokerError::NotReplicated { .. } => true,
             _ => false,
         }
     }

@@ -59,22 +59,39 @@ pub fn register(
     Ok(registered == 1)
 }
 
-/// Renews `owner`'s lease. Returns false when it was lost (it had run out: this daemon was silent too long, or
-/// Redis lost it), and the monitors take its tasks back.
+/// What a renewal found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Renewal {
+    Renewed,
+    /// The lease had run out (this daemon was silent too long, or Redis lost it); the monitors take its tasks
+    /// back.
+    Lost,
+    /// Redis lost writes of this owner it had acknowledged (its journal is behind `journal`: a failover to a
+    /// replica that lagged, a restored backup); the owner was expired, and the monitors take its tasks back.
+    WentBack,
+}
+
+/// Renews `owner`'s lease, if Redis still has the owner's `journal` (the highest it acknowledged, renew.lua).
 pub fn renew(
     conn: &mut dyn ConnectionLike,
     keys: &QueueKeys,
     owner: &str,
     lease: Duration,
-) -> Result<bool> {
+    journal: u64,
+) -> Result<Renewal> {
     let renewed: i64 = SCRIPTS
         .renew
         .key(&keys.owners)
         .key(keys.owner_info(owner))
         .arg(owner)
         .arg(lease.as_millis() as u64)
+        .arg(journal)
         .invoke(conn)?;
-    Ok(renewed == 1)
+    Ok(match renewed {
+        1 => Renewal::Renewed,
+        -1 => Renewal::WentBack,
+        _ => Renewal::Lost,
+    })
 }
 
 /// Forgets `owner` and its registration if it holds no task any more at the levels of `keys` (its own levels);
@@ -102,13 +119,14 @@ pub fn owners(
     conn: &mut dyn ConnectionLike,
     keys: &QueueKeys,
 ) -> Result<(i64, Vec<(String, i64)>)> {
-    let (time, owners): ((i64, i64), Vec<(String, f64)>) = redis::pipe()
-        .cmd("TIME")
+    // The keyed command first: in a cluster a pipeline goes to its first key's node (`broker::Conn`).
+    let (owners, time): (Vec<(String, f64)>, (i64, i64)) = redis::pipe()
         .cmd("ZRANGE")
         .arg(&keys.owners)
         .arg(0)
         .arg(-1)
         .arg("WITHSCORES")
+        .cmd("TIME")
         .query(conn)?;
     Ok((
         time_ms(time),

@@ -2,7 +2,7 @@
 
 use redis::ConnectionLike;
 
-use super::{QueueKeys, Result, SCRIPTS, time_ms};
+use super::{Conn, QueueKeys, Result, SCRIPTS, time_ms};
 
 /// What became of an attempt to fire a periodic task's slot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -18,7 +18,7 @@ pub enum Fired {
 /// Fires `slot` of the schedule `name`: queues `envelope` on `level` unless the slot was fired already.
 /// Returns what happened and Redis's clock.
 pub fn fire(
-    conn: &mut dyn ConnectionLike,
+    conn: &mut Conn,
     keys: &QueueKeys,
     level: usize,
     name: &str,
@@ -35,6 +35,7 @@ pub fn fire(
         .arg(slot_ms)
         .arg(envelope)
         .invoke(conn)?;
+    conn.replicated(&keys.stats)?;
     let fired = match result {
         1 => Fired::Now,
         0 => Fired::Already,

@@ -112,7 +112,6 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
     }
     let keys = &keys.with_levels(&levels);
     let mut pipe = redis::pipe();
-    pipe.cmd("TIME");
     for key in keys.ready.iter().chain(&keys.quarantine) {
         pipe.cmd("LLEN").arg(key);
     }
@@ -127,9 +126,10 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
     }
     pipe.cmd("LLEN").arg(&keys.dead);
     pipe.cmd("HGETALL").arg(&keys.stats);
+    // Last: in a cluster a pipeline goes to its first key's node (`broker::Conn`), which must be the queue's.
+    pipe.cmd("TIME");
     let mut replies = Replies(pipe.query::<Vec<Value>>(conn)?.into_iter());
     let level_count = levels.len();
-    let time: (i64, i64) = replies.one()?;
     let ready_counts: Vec<u64> = replies.many(level_count)?;
     // Stage-major: each stage's lists over the levels; summed per level.
     let quarantine_counts: Vec<u64> = replies.many(keys.quarantine.len())?;
@@ -147,6 +147,7 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
     let processing: Vec<u64> = replies.many(processing_keys.len())?;
     let dead: u64 = replies.one()?;
     let counters: HashMap<String, u64> = replies.one()?;
+    let time: (i64, i64) = replies.one()?;
     let processing = processing.iter().sum();
     let now_ms = time_ms(time);
     let lag_ms = heads

@@ -3,7 +3,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use redis::{Connection, ConnectionLike, Value};
+use redis::{ConnectionLike, Value};
+
+use super::Conn;
 
 use super::keys::QUARANTINE_GROUPS;
 use super::{
@@ -33,7 +35,7 @@ pub struct PushItem<'a> {
 
 /// Runs the enqueue script for tasks of one level. Returns, per task, whether it was accepted.
 pub fn push(
-    conn: &mut dyn ConnectionLike,
+    conn: &mut Conn,
     keys: &QueueKeys,
     level: usize,
     due: Due,
@@ -62,6 +64,7 @@ pub fn push(
             .arg(item.envelope);
     }
     let accepted: Vec<i64> = invocation.invoke(conn)?;
+    conn.replicated(&keys.stats)?;
     if accepted.len() != items.len() {
         return Err(reply_error(
             "push",
@@ -88,8 +91,15 @@ pub struct Batch {
     /// Redis's clock when the tasks were taken, ms since the epoch.
     pub now_ms: i64,
     pub tasks: Vec<Taken>,
+    /// Safe mode: the owner's journal after the claim, which the heartbeat checks Redis still has (renew.lua).
+    pub journal: u64,
     /// Safe mode: whether the claim ran into the quarantine (see claim.lua).
     pub isolation: Isolation,
+}
+
+/// The journal that ends a claim's, an adoption's or a settle's reply.
+fn journal(value: Option<Value>, what: &'static str) -> Result<u64> {
+    Ok(int(&value.unwrap_or(Value::Nil), what)?.max(0) as u64)
 }
 
 /// What a claim's quarantine rule did.
@@ -121,7 +131,7 @@ pub struct ClaimLimits<'a> {
 /// `first_token` on, taken or not. When this call fails without a reply, [`adopt`] with the same tokens says what
 /// it took.
 pub fn claim(
-    conn: &mut dyn ConnectionLike,
+    conn: &mut Conn,
     keys: &QueueKeys,
     owner: &Arc<str>,
     first_token: u64,
@@ -154,10 +164,13 @@ pub fn claim(
     let reply: Vec<Value> = invocation
         .invoke(conn)
         .map_err(|error| owner_error(error, owner))?;
-    if reply.len() != 4 + keys.levels() {
+    // Not replicated: a may-have-run error, which the fetcher resolves with adopt() as a lost reply.
+    conn.replicated(&keys.stats)?;
+    if reply.len() != 5 + keys.levels() {
         return Err(reply_error("claim", format!("{} elements", reply.len())));
     }
     let mut reply = reply.into_iter();
+    let journal = journal(reply.next_back(), "claim")?;
     let mut next_int = || int(&reply.next().unwrap_or(Value::Nil), "claim");
     let now_ms = next_int()?;
     let state = next_int()?;
@@ -194,6 +207,7 @@ pub fn claim(
     Ok(Batch {
         now_ms,
         tasks,
+        journal,
         isolation: match state {
             1 => Isolation::Group,
             2 => Isolation::Waiting,
@@ -206,7 +220,7 @@ pub fn claim(
 /// the tasks stored under them, which the caller now holds. The lost claim, if Redis has not run it yet, will
 /// take nothing (`adopt.lua` fences it off).
 pub fn adopt(
-    conn: &mut dyn ConnectionLike,
+    conn: &mut Conn,
     keys: &QueueKeys,
     owner: &Arc<str>,
     first_token: u64,
@@ -224,10 +238,12 @@ pub fn adopt(
     let reply: Vec<Value> = invocation
         .invoke(conn)
         .map_err(|error| owner_error(error, owner))?;
-    if reply.len() != 1 + keys.levels() {
+    conn.replicated(&keys.stats)?;
+    if reply.len() != 2 + keys.levels() {
         return Err(reply_error("adopt", format!("{} elements", reply.len())));
     }
     let mut reply = reply.into_iter();
+    let journal = journal(reply.next_back(), "adopt")?;
     let now_ms = int(&reply.next().unwrap_or(Value::Nil), "adopt")?;
     let mut tasks = Vec::new();
     for (level, found) in reply.enumerate() {
@@ -251,6 +267,7 @@ pub fn adopt(
     Ok(Batch {
         now_ms,
         tasks,
+        journal,
         isolation: Isolation::None,
     })
 }
@@ -292,7 +309,7 @@ impl Popper {
     /// through pop.lua, docs/PERFORMANCE.md); otherwise pop.lua.
     pub fn pop(
         &mut self,
-        conn: &mut dyn ConnectionLike,
+        conn: &mut Conn,
         keys: &QueueKeys,
         owner: &str,
         max: usize,
@@ -337,7 +354,7 @@ type Popped = (String, Vec<Value>);
 /// `LMPOP` in a transaction that runs only if the unique hash stayed empty since it was read (`WATCH`): a task
 /// popped this way can hold no unique id. `None`: the hash is not empty (or was written meanwhile), nothing
 /// was popped, use pop.lua.
-fn pop_plain(conn: &mut dyn ConnectionLike, keys: &QueueKeys, max: usize) -> Result<Option<Batch>> {
+fn pop_plain(conn: &mut Conn, keys: &QueueKeys, max: usize) -> Result<Option<Batch>> {
     let (held,): (usize,) = redis::pipe()
         .cmd("WATCH")
         .arg(&keys.unique)
@@ -346,19 +363,21 @@ fn pop_plain(conn: &mut dyn ConnectionLike, keys: &QueueKeys, max: usize) -> Res
         .arg(&keys.unique)
         .query(conn)?;
     if held > 0 {
-        redis::cmd("UNWATCH").query::<()>(conn)?;
+        // To the node of the WATCH: in a cluster, UNWATCH alone would go to any node.
+        conn.query_at::<()>(&keys.unique, &redis::cmd("UNWATCH"))?;
         return Ok(None);
     }
     let lists: Vec<&str> = pop_lists(keys).collect();
     let mut pipe = redis::pipe();
-    pipe.atomic().cmd("TIME").cmd("LMPOP").arg(lists.len());
+    // LMPOP first: in a cluster a transaction goes to its first key's node (`broker::Conn`).
+    pipe.atomic().cmd("LMPOP").arg(lists.len());
     for list in &lists {
         pipe.arg(list);
     }
-    pipe.arg("LEFT").arg("COUNT").arg(max);
+    pipe.arg("LEFT").arg("COUNT").arg(max).cmd("TIME");
     // A nil EXEC (the unique hash was written after WATCH) reads as None.
-    let reply: Option<(RedisTime, Option<Popped>)> = pipe.query(conn)?;
-    let Some(((seconds, micros), popped)) = reply else {
+    let reply: Option<(Option<Popped>, RedisTime)> = pipe.query(conn)?;
+    let Some((popped, (seconds, micros))) = reply else {
         return Ok(None);
     };
     let now_ms = seconds * 1000 + micros / 1000;
@@ -380,7 +399,7 @@ fn pop_plain(conn: &mut dyn ConnectionLike, keys: &QueueKeys, max: usize) -> Res
     Ok(Some(Batch {
         now_ms,
         tasks,
-        isolation: Isolation::None,
+        ..Batch::default()
     }))
 }
 
@@ -411,7 +430,7 @@ fn pop_script(
     let batch = Batch {
         now_ms,
         tasks,
-        isolation: Isolation::None,
+        ..Batch::default()
     };
     Ok((batch, held > 0))
 }
@@ -421,7 +440,7 @@ fn pop_script(
 /// wakes it at once (`BLMOVE` of the list onto itself, head to head: the list is left as it was); a queue with
 /// several levels waits for a wake-up marker, as safe mode does (plain-RPUSH producers should push one).
 pub fn wait_idle(
-    conn: &mut Connection,
+    conn: &mut Conn,
     keys: &QueueKeys,
     timeout: Duration,
     io_timeout: Duration,
@@ -484,7 +503,7 @@ pub fn release_unique(
 /// Safe mode: waits up to `timeout` for a wake-up marker (the reply may take `io_timeout` more). Returns whether
 /// one came.
 pub fn wait_wake(
-    conn: &mut Connection,
+    conn: &mut Conn,
     keys: &QueueKeys,
     timeout: Duration,
     io_timeout: Duration,
@@ -555,6 +574,8 @@ pub struct Settled {
     pub applied: Vec<Option<bool>>,
     /// Plain acknowledgements whose token was no longer in the processing area.
     pub stale_acks: usize,
+    /// The settling owner's journal after the call (0 when no owner settled), as in [`Batch::journal`].
+    pub journal: u64,
 }
 
 /// One settle call of one settling party (an acker, a monitor): sent again as the same call after a lost reply,
@@ -572,7 +593,7 @@ pub struct Call<'a> {
 /// script removes with one HDEL per level; everything else goes as a record checked one by one. Sending the same
 /// `call` again returns what the first one did, without applying it twice.
 pub fn settle<'a>(
-    conn: &mut dyn ConnectionLike,
+    conn: &mut Conn,
     keys: &QueueKeys,
     call: &Call<'_>,
     fence: Fence,
@@ -595,6 +616,9 @@ pub fn settle<'a>(
     if let Some(owner) = owner {
         for level in 0..keys.levels() {
             invocation.key(keys.processing(owner, level));
+        }
+        if fence == Fence::Owner {
+            invocation.key(keys.owner_info(owner));
         }
     }
     invocation
@@ -655,13 +679,15 @@ pub fn settle<'a>(
         records += 1;
     }
     let reply: Vec<i64> = invocation.invoke(conn)?;
-    if reply.len() != records + 1 {
+    // Not replicated: a may-have-run error; the settler sends the same call again, which applies nothing twice.
+    conn.replicated(&keys.stats)?;
+    if reply.len() != records + 2 {
         return Err(reply_error(
             "settle",
             format!("{} results for {records} records", reply.len()),
         ));
     }
-    let mut flags = reply[1..].iter().map(|ok| *ok == 1);
+    let mut flags = reply[1..=records].iter().map(|ok| *ok == 1);
     let applied = settlements
         .into_iter()
         .map(|s| if bulk(s) { None } else { flags.next() })
@@ -669,6 +695,7 @@ pub fn settle<'a>(
     Ok(Settled {
         applied,
         stale_acks: reply[0] as usize,
+        journal: reply[records + 1].max(0) as u64,
     })
 }
 
@@ -700,17 +727,14 @@ pub fn scan_processing(
 
 /// Moves up to `max` due tasks to their ready lists. Returns how many moved and how long until the next one is
 /// due (`None`: nothing is delayed).
-pub fn promote(
-    conn: &mut dyn ConnectionLike,
-    keys: &QueueKeys,
-    max: usize,
-) -> Result<(usize, Option<Duration>)> {
+pub fn promote(conn: &mut Conn, keys: &QueueKeys, max: usize) -> Result<(usize, Option<Duration>)> {
     let mut invocation = SCRIPTS.promote.prepare_invoke();
     invocation.key(&keys.wake).key(&keys.delayed_tasks);
     for key in keys.ready.iter().chain(&keys.delayed).chain(&keys.retry) {
         invocation.key(key);
     }
     let (moved, next_ms): (i64, i64) = invocation.arg(max).invoke(conn)?;
+    conn.replicated(&keys.stats)?;
     Ok((
         moved as usize,
         (next_ms >= 0).then(|| Duration::from_millis(next_ms as u64)),

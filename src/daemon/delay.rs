@@ -103,7 +103,7 @@ impl DelayListener {
 
     /// Listens until shutdown (Ok) or a connection error (Err).
     fn listen(&self, trouble: &mut Trouble) -> broker::Result<()> {
-        let mut connection = self.connector.connect()?;
+        let mut connection = self.connector.subscriber()?;
         let mut pubsub = connection.as_pubsub();
         for channel in self.pollers.keys() {
             pubsub.subscribe(channel)?;

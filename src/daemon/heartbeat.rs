@@ -11,10 +11,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use redis::Connection;
+use crate::broker::Conn;
 
 use super::lane::Lane;
-use crate::broker::{self, Connector};
+use crate::broker::{self, Connector, Renewal};
 use crate::retry::Trouble;
 use crate::shutdown::Listener;
 
@@ -50,7 +50,7 @@ pub fn read_timeout(lanes: &[Arc<Lane>]) -> Duration {
 impl Heartbeat {
     pub fn run(self) {
         let timeout = read_timeout(&self.lanes);
-        let mut connection: Option<Connection> = None;
+        let mut connection: Option<Conn> = None;
         let mut next_renewal: Vec<Instant> = vec![Instant::now(); self.lanes.len()];
         let mut troubles: Vec<Trouble> = self
             .lanes
@@ -80,7 +80,7 @@ impl Heartbeat {
 fn renew(
     lane: &Lane,
     connector: &Connector,
-    connection: &mut Option<Connection>,
+    connection: &mut Option<Conn>,
     timeout: Duration,
     trouble: &mut Trouble,
 ) -> Duration {
@@ -88,22 +88,29 @@ fn renew(
         return RETRY;
     };
     let lease = lane.queue.config.lease_timeout;
+    let journal = lane.ownership.journal(&owner);
     let sent = Instant::now();
     let result = match connection {
-        Some(connection) => broker::renew(connection, &lane.queue.keys, &owner, lease),
+        Some(connection) => broker::renew(connection, &lane.queue.keys, &owner, lease, journal),
         None => connector.connect_with_timeout(timeout).and_then(|fresh| {
-            broker::renew(connection.insert(fresh), &lane.queue.keys, &owner, lease)
+            broker::renew(
+                connection.insert(fresh),
+                &lane.queue.keys,
+                &owner,
+                lease,
+                journal,
+            )
         }),
     };
     if result.is_ok() {
         trouble.recovered();
     }
     match result {
-        Ok(true) => {
+        Ok(Renewal::Renewed) => {
             lane.ownership.renewed(&owner, sent, lease);
             lease / 3
         }
-        Ok(false) => {
+        Ok(Renewal::Lost) => {
             if lane.ownership.lose(&owner) {
                 let forgotten = lane.forget_owner(&owner);
                 tracing::warn!(
@@ -112,6 +119,21 @@ fn renew(
                     forgotten,
                     "lease ran out before renewal (was this daemon paused, or did Redis lose its data?); the \
                      monitors return the tasks it held to the queue, and the fetcher claims under a new owner"
+                );
+            }
+            RETRY
+        }
+        Ok(Renewal::WentBack) => {
+            if lane.ownership.lose(&owner) {
+                let forgotten = lane.forget_owner(&owner);
+                tracing::warn!(
+                    queue = %lane.name(),
+                    %owner,
+                    forgotten,
+                    journal,
+                    "Redis lost claims or settlements it had acknowledged (a failover to a replica that lagged, \
+                     or a restore?); the owner is given up: the monitors return the tasks Redis says it holds to \
+                     the queue (they run again), and the fetcher claims under a new owner"
                 );
             }
             RETRY

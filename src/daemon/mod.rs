@@ -78,6 +78,8 @@ pub enum DaemonError {
          password_file, and that user's ACL rules"
     )]
     Auth(redis::RedisError),
+    #[error("{0}")]
+    Tls(String),
 }
 
 impl DaemonError {
@@ -85,7 +87,7 @@ impl DaemonError {
     /// version): retrying cannot help, so `kmqd` exits 2 rather than 1.
     pub fn is_config_error(&self) -> bool {
         match self {
-            DaemonError::Auth(_) => true,
+            DaemonError::Auth(_) | DaemonError::Tls(_) => true,
             DaemonError::Broker(error) => error.is_config_error(),
             _ => false,
         }
@@ -125,7 +127,12 @@ fn wait_for_redis(
             Err(error) if error.is_config_error() => {
                 return Err(error.for_user(connector.username()).into());
             }
-            Err(error) => trouble.failed(&error),
+            Err(error) => {
+                if let Some(refusal) = broker::tls_refusal(&error) {
+                    return Err(DaemonError::Tls(refusal));
+                }
+                trouble.failed(&error);
+            }
         }
         match stop.recv_timeout(delay) {
             Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
@@ -360,7 +367,7 @@ pub fn run(
     }
 
     tracing::info!(
-        redis = %crate::config::redact_url(&config.redis.url),
+        redis = %config.redis.describe(),
         queues = ?config.queues.iter().map(|q| q.name.as_str()).collect::<Vec<_>>(),
         daemon = %daemon_id,
         "kmqd started"

@@ -30,7 +30,7 @@ fn through_with_timeout(proxy: &FaultProxy, timeout: Duration) -> redis::Connect
     connection
 }
 
-fn incr(connection: &mut redis::Connection, key: &str) -> RedisResult<i64> {
+fn incr(connection: &mut dyn redis::ConnectionLike, key: &str) -> RedisResult<i64> {
     redis::cmd("INCR").arg(key).query(connection)
 }
 

@@ -398,7 +398,7 @@ fn a_settle_batch_that_cannot_apply_applies_nothing_and_applies_once_when_it_can
         settler: "test:acker",
         number: 1,
     };
-    let settle = |connection: &mut redis::Connection| {
+    let settle = |connection: &mut kmqd::broker::Conn| {
         kmqd::broker::settle(
             connection,
             &keys,

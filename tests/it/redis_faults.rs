@@ -220,3 +220,41 @@ fn a_redis_stalled_past_the_read_timeout_loses_nothing() {
     assert_eq!((s.done, s.dead), (1000, 0), "{s:?}");
     assert_all_done_once(&dir, &config, "s", 1000);
 }
+
+/// Redis going back in time (a failover to a replica that lagged, a restart that lost the last second of an
+/// `appendfsync everysec` file, a restored backup) leaves the owner's processing hash as it was back then:
+/// tasks the daemon settled long ago, which it will never settle again, under a lease it keeps renewing. The
+/// owner's journal (renew.lua) finds it out: the owner is given up, and the monitor runs those tasks again.
+#[test]
+fn a_redis_that_went_back_in_time_gives_up_the_owner_so_the_tasks_it_forgot_run_again() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &safe_queue("lease_timeout = \"1s\""));
+    let daemon = TestDaemon::start(&config);
+    push_many(&config, "t", 3, "{}");
+    wait_done(&config, 3, Duration::from_secs(10));
+    let owners: Vec<String> = redis.cmd(&["ZRANGE", "kmq:{jobs}:owners", "0", "-1"]);
+    let [owner] = &owners[..] else {
+        panic!("one owner: {owners:?}")
+    };
+    let info = format!("kmq:{{jobs}}:owner:{owner}");
+    let journal: i64 = redis.cmd(&["HGET", &info, "journal"]);
+    assert!(journal >= 2, "a claim and a settle at least: {journal}");
+    // What Redis held before the last writes: a task still claimed, and the journal of then.
+    let envelope = r#"{"id":"forgotten","type":"test","data":{},"attempt":0}"#;
+    let processing = format!("kmq:{{jobs}}:processing:{owner}:normal");
+    let _: i64 = redis.cmd(&["HSET", &processing, "424242", envelope]);
+    let _: i64 = redis.cmd(&["HSET", &info, "journal", "1"]);
+    eventually(Duration::from_secs(15), "the forgotten task ran", || {
+        let runs = dir.records().runs_of("forgotten");
+        (runs == 1, runs)
+    });
+    let s = wait_done(&config, 4, Duration::from_secs(10));
+    assert_eq!((s.processing, s.recovered), (0, 1), "{s:?}");
+    let owners: Vec<String> = redis.cmd(&["ZRANGE", "kmq:{jobs}:owners", "0", "-1"]);
+    assert!(
+        !owners.contains(owner),
+        "the owner was given up: {owners:?}"
+    );
+    daemon.stop();
+}

@@ -379,7 +379,7 @@ fn monitor(config: &Config, queue: &Arc<QueueContext>, name: &str) -> Monitor {
 /// Registers an owner the way a daemon does, with the queue's levels, and claims up to `max` tasks under it
 /// (tokens from `first_token`): a daemon that then dies.
 fn dead_daemon_claims(
-    connection: &mut redis::Connection,
+    connection: &mut kmqd::broker::Conn,
     queue: &QueueContext,
     owner: &str,
     first_token: u64,
@@ -396,7 +396,7 @@ fn dead_daemon_claims(
 }
 
 fn claim_as(
-    connection: &mut redis::Connection,
+    connection: &mut kmqd::broker::Conn,
     queue: &QueueContext,
     owner: &str,
     first_token: u64,
@@ -492,7 +492,17 @@ fn expired_lease_returns_its_tasks_to_the_front_uncharged() {
     assert_eq!((settled.stale_acks, settled.applied), (1, vec![None]));
     assert_eq!(stats(&path, "jobs").done, 0);
     // An owner whose lease ran out is gone for good: it can neither renew nor claim, and the monitor forgot it.
-    assert!(!broker::renew(&mut connection, &queue.keys, owner, Duration::from_secs(30)).unwrap());
+    assert_eq!(
+        broker::renew(
+            &mut connection,
+            &queue.keys,
+            owner,
+            Duration::from_secs(30),
+            0
+        )
+        .unwrap(),
+        broker::Renewal::Lost
+    );
     match claim_as(&mut connection, &queue, owner, 10, 10) {
         Err(broker::BrokerError::LeaseLost { .. }) => {}
         other => panic!("claim under a dead owner: {other:?}"),

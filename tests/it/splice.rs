@@ -422,14 +422,14 @@ fn check(sent: &Payload, stored: &[u8], window: (i64, i64)) -> Result<&'static s
     Ok(rule)
 }
 
-fn redis_ms(connection: &mut redis::Connection) -> i64 {
+fn redis_ms(connection: &mut kmqd::broker::Conn) -> i64 {
     let (seconds, micros): (i64, i64) = redis::cmd("TIME").query(connection).unwrap();
     seconds * 1000 + micros / 1000
 }
 
 /// Runs `store` (which stores a batch of payloads in `kmq:{q}:ready:normal`) on generated batches, and checks
 /// what it stored, in order.
-fn stores_only_what_it_may(store: impl Fn(&mut redis::Connection, &[Payload])) {
+fn stores_only_what_it_may(store: impl Fn(&mut kmqd::broker::Conn, &[Payload])) {
     let redis = RedisServer::start();
     let connection = RefCell::new(redis.connection());
     let counts = RefCell::new(std::collections::BTreeMap::<&str, usize>::new());

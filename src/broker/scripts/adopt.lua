@@ -6,7 +6,8 @@
 --
 -- KEYS[1] owners zset, KEYS[2] the owner's info hash, KEYS[3 .. 2+L] the owner's processing hashes (level order)
 -- ARGV[1] owner; ARGV[2 ..] every token the lost claim carried, in order
--- Returns {now_ms, {level 1: per token, its envelope or false}, ..., {level L: ...}}; fails with "LEASELOST ..."
+-- Returns {now_ms, {level 1: per token, its envelope or false}, ..., {level L: ...}, the owner's journal (see
+-- renew.lua)}; fails with "LEASELOST ..."
 -- when the owner's lease is gone (its tasks belong to the monitors).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -27,4 +28,5 @@ local result = {now}
 for i = 3, #KEYS do
   result[#result + 1] = redis.call('HMGET', KEYS[i], unpack(tokens))
 end
+result[#result + 1] = tonumber(redis.call('HGET', KEYS[2], 'journal') or '0')
 return result

@@ -9,7 +9,8 @@
 -- ARGV[1] owner; ARGV[2] the most tasks to take; ARGV[3] max_task_bytes; ARGV[4] dead list bound;
 -- ARGV[5] queue name; ARGV[6] daemon (host:pid, for dead records); ARGV[7 ..] at least ARGV[2] tokens, unique
 -- within the owner and increasing from call to call
--- Returns {now_ms, state, group level, {group envelopes}, {envelopes of level 1}, ..., {envelopes of level L}}:
+-- Returns {now_ms, state, group level, {group envelopes}, {envelopes of level 1}, ..., {envelopes of level L},
+-- the owner's journal (see renew.lua)}:
 --   state 0: ready tasks were claimed (level lists), highest level first;
 --   state 1: a quarantined group was claimed, alone (group envelopes, all of `group level`);
 --   state 2: nothing was claimed, because this owner must hold nothing while it runs a quarantined group, and
@@ -66,10 +67,17 @@ local function dead_oversized(payload)
     string.format('%d', #payload) .. ',"daemon":' .. cjson.encode(ARGV[6]) .. ',"task":' .. cjson.encode(payload) ..
     '}')
 end
+local stored = false
+-- The owner's journal: one more for a claim that took something; its value ends the reply (see renew.lua).
 local function finish(result)
   if dead_lettered > 0 then
     redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[4]) - 1)
     redis.call('HINCRBY', KEYS[5], 'dead_lettered', dead_lettered)
+  end
+  if stored then
+    result[#result + 1] = redis.call('HINCRBY', KEYS[3], 'journal', 1)
+  else
+    result[#result + 1] = tonumber(redis.call('HGET', KEYS[3], 'journal') or '0')
   end
   return result
 end
@@ -99,6 +107,7 @@ local function store(level, got, taken)
     fields[2 * k] = got[k]
   end
   redis.call('HSET', KEYS[PROCESSING + level], unpack(fields))
+  stored = true
 end
 
 local holds = false
@@ -110,7 +119,7 @@ for i = 1, levels do
 end
 if info[2] then
   if holds then
-    return empty(2, 0, {})
+    return finish(empty(2, 0, {}))
   end
   redis.call('HDEL', KEYS[3], 'group')
 end

@@ -1,9 +1,19 @@
 #!lua
 -- renew.lua: the heartbeat of one owner (a daemon's identity on a queue): push its lease deadline forward.
 --
--- KEYS[1] owners zset, KEYS[2] the owner's info hash; ARGV[1] owner; ARGV[2] lease length in ms
+-- KEYS[1] owners zset, KEYS[2] the owner's info hash; ARGV[1] owner; ARGV[2] lease length in ms; ARGV[3] the
+-- owner's journal as its daemon last saw it acknowledged
 -- Only a live lease is renewed: once an owner's lease has run out it never comes back, so a monitor that sees it
--- expired may recover its tasks without racing the owner. Returns 1 renewed, 0 lost.
+-- expired may recover its tasks without racing the owner. Returns 1 renewed, 0 lost, -1 lost because Redis went
+-- back in time.
+--
+-- The journal. Every claim that took tasks and every settle of the owner adds one to the `journal` field of its
+-- info hash and returns it; the daemon remembers the highest value acknowledged. A journal here below that
+-- value means Redis lost writes it had acknowledged: a failover to a replica that lagged, a restart that lost
+-- the last second of an `appendfsync everysec` file, a restored backup. The owner's processing hashes then hold
+-- what they held back then, tasks the daemon has long settled and will never settle again, which would stay
+-- there under a live lease forever. So the owner is expired on the spot: the monitors recover those tasks (they
+-- run again: at least once), and the daemon, told it lost the lease, claims under a new owner.
 -- An owner whose registration is there but whose lease entry is gone (removed by hand, or lost by Redis while
 -- the rest survived) is put back as expired, so that the monitors find it and recover what it holds.
 local t = redis.call('TIME')
@@ -17,6 +27,10 @@ if not lease then
 end
 if tonumber(lease) <= now then
   return 0
+end
+if tonumber(redis.call('HGET', KEYS[2], 'journal') or '0') < tonumber(ARGV[3]) then
+  redis.call('ZADD', KEYS[1], 0, ARGV[1])
+  return -1
 end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
 return 1

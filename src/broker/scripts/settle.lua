@@ -7,7 +7,7 @@
 -- mode: unique id -> the owner that popped it),
 -- KEYS[8 .. 7+L] ready lists, KEYS[8+L .. 7+2L] retry zsets, KEYS[8+2L .. 7+5L] quarantine lists (stages 1, 2, 3
 -- for groups of 1, 8 and 64, each over the levels), and in safe mode KEYS[8+5L .. 7+6L] the processing hashes of
--- the owner whose tasks these are (all in level order)
+-- the owner whose tasks these are (all in level order), then with fence "owner" KEYS[8+6L] that owner's info hash
 -- ARGV[1] fence: "owner" (the owner settles its own tasks) or "expired" (a monitor settles the tasks of an owner
 --         whose lease ran out; nothing is applied unless it has)
 -- ARGV[2] dead list bound; ARGV[3] number of levels L; ARGV[4] the delay poller's channel; ARGV[5] the owner
@@ -29,7 +29,8 @@
 -- A task whose token is not (or no longer) in its processing hash is stale and changes nothing: this fences a
 -- slow owner against a monitor that already recovered its task, and two monitors against each other.
 -- Default-mode records have an empty token and are never stale.
--- Returns {number of stale plain acknowledgements, then one integer per record: 1 applied, 0 stale}.
+-- Returns {number of stale plain acknowledgements, then one integer per record: 1 applied, 0 stale, then the
+-- owner's journal after this call (0 without an info hash)}.
 --
 -- Calls. A caller whose reply was lost sends the same call again (same KEYS[6], same ARGV[6]): the script then
 -- returns the first call's result, stored in KEYS[6], without applying anything, so nothing is applied twice (a
@@ -68,6 +69,9 @@ for level = 1, levels do
   end
   if KEYS[PROCESSING + level] then expected[KEYS[PROCESSING + level]] = 'hash' end
 end
+-- The settling owner's info hash, whose journal counts its claims and settles (see renew.lua).
+local info = KEYS[PROCESSING + levels + 1]
+if info then expected[info] = 'hash' end
 for key, kind in pairs(expected) do
   local found = redis.call('TYPE', key).ok
   if found ~= 'none' and found ~= kind then
@@ -186,6 +190,13 @@ if wake_fetchers then
 end
 if wake_poller then
   redis.call('PUBLISH', channel, now)
+end
+-- Only a registered owner has a journal: a late settle after the monitors forgot the owner must not bring its
+-- info hash back.
+if info and redis.call('EXISTS', info) == 1 then
+  result[#result + 1] = redis.call('HINCRBY', info, 'journal', 1)
+else
+  result[#result + 1] = 0
 end
 -- Kept a day: long enough for any retry (a caller retries until Redis answers), then it cleans itself up
 -- after a daemon that died.

@@ -115,6 +115,9 @@ impl Acker {
         ) else {
             return false;
         };
+        if let Some(owner) = owner {
+            lane.ownership.confirm(owner, settled.journal);
+        }
         let stale = settled.stale_acks
             + settled
                 .applied

@@ -229,7 +229,10 @@ impl Fetcher {
         let connection = self.connection.get()?;
         let batch = match broker::claim(connection, &queue.keys, &owner, first_token, want, &limits)
         {
-            Ok(batch) => batch,
+            Ok(batch) => {
+                lane.ownership.confirm(&owner, batch.journal);
+                batch
+            }
             Err(BrokerError::LeaseLost { owner }) => {
                 self.lost_lease(&owner);
                 return Ok(Batch::default());
@@ -290,6 +293,7 @@ impl Fetcher {
         });
         match adopted {
             Ok(batch) => {
+                lane.ownership.confirm(&lost.owner, batch.journal);
                 self.trouble.recovered();
                 tracing::warn!(
                     queue = %lane.name(),

@@ -222,6 +222,8 @@ struct Current {
     owner: Arc<str>,
     /// Until when the lease is surely live.
     good_until: Instant,
+    /// The highest journal Redis acknowledged for the owner (claims and settles: renew.lua).
+    journal: u64,
 }
 
 impl Ownership {
@@ -252,7 +254,25 @@ impl Ownership {
         *lock(&self.current) = Some(Current {
             owner,
             good_until: sent + lease,
+            journal: 0,
         });
+    }
+
+    /// Redis acknowledged a claim or a settle of `owner` that left its journal at `journal`.
+    pub fn confirm(&self, owner: &str, journal: u64) {
+        if let Some(current) = lock(&self.current).as_mut()
+            && &*current.owner == owner
+        {
+            current.journal = current.journal.max(journal);
+        }
+    }
+
+    /// The highest journal Redis acknowledged for `owner` (0 if it is not current).
+    pub fn journal(&self, owner: &str) -> u64 {
+        lock(&self.current)
+            .as_ref()
+            .filter(|current| &*current.owner == owner)
+            .map_or(0, |current| current.journal)
     }
 
     /// `owner`'s lease was renewed by a call sent at `sent`.

@@ -126,10 +126,11 @@ impl RedisServer {
         self.server.url().to_string()
     }
 
-    pub fn connection(&self) -> redis::Connection {
+    pub fn connection(&self) -> kmqd::broker::Conn {
         self.server
             .connection()
             .expect("connect to the test's redis-server")
+            .into()
     }
 
     /// Runs one command.
