@@ -316,7 +316,7 @@ fn check_config(config: &Config) -> Result<(), Failure> {
 
 fn run_push(config: &Config, args: PushArgs) -> Result<(), Failure> {
     let client = Client::new(config)?;
-    client.check_access(&args.queue, Action::Push)?;
+    client.check_access(&[&args.queue], Action::Push)?;
     let due = match (args.delay, args.at) {
         (Some(delay), _) => Due::After(delay),
         (None, Some(at)) => Due::At(at),
@@ -399,9 +399,12 @@ fn push_lines(
 
 fn run_stats(config: &Config, json: bool) -> Result<(), Failure> {
     let client = Client::new(config)?;
-    for queue in &config.queues {
-        client.check_access(&queue.name, Action::Stats)?;
-    }
+    let names: Vec<&str> = config
+        .queues
+        .iter()
+        .map(|queue| queue.name.as_str())
+        .collect();
+    client.check_access(&names, Action::Stats)?;
     let mut all: Vec<(&str, &'static str, QueueStats)> = Vec::new();
     for queue in &config.queues {
         let mode = match queue.mode {
@@ -463,7 +466,7 @@ fn run_task(config: &Config, command: TaskCommand) -> Result<(), Failure> {
     let client = Client::new(config)?;
     match command {
         TaskCommand::Show { queue, id, json } => {
-            client.check_access(&queue, Action::Show)?;
+            client.check_access(&[&queue], Action::Show)?;
             let found = client.find(&queue, &id)?;
             if found.is_empty() {
                 return Err(Failure::NotFound(format!(
@@ -527,7 +530,7 @@ fn run_task(config: &Config, command: TaskCommand) -> Result<(), Failure> {
             Ok(())
         }
         TaskCommand::Cancel { queue, ids } => {
-            client.check_access(&queue, Action::Cancel)?;
+            client.check_access(&[&queue], Action::Cancel)?;
             let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
             let removed = client.cancel_batch(&queue, &refs)?;
             let mut missing = Vec::new();

@@ -135,8 +135,9 @@ struct QueueInfo {
 pub struct Client {
     pool: Pool,
     queues: HashMap<String, QueueInfo>,
-    /// The ACL user the connections log in as, for [`Client::check_access`]'s message.
-    username: String,
+    /// For [`Client::check_access`], which connects outside the pool: a refusal at connection time (wrong
+    /// credentials, a cluster client's own command refused) comes back as itself, not as the pool's timeout.
+    connector: broker::Connector,
 }
 
 impl Client {
@@ -155,9 +156,7 @@ impl Client {
         Ok(Client {
             pool: broker::pool(&config.redis)?,
             queues,
-            username: broker::Connector::new(&config.redis)?
-                .username()
-                .to_string(),
+            connector: broker::Connector::new(&config.redis)?,
         })
     }
 
@@ -172,16 +171,31 @@ impl Client {
         })
     }
 
-    /// Checks that the Redis user may do what `action` does on `queue` (one call; see
-    /// docs/OPERATIONS.md, "ACL rules"), so that a missing rule is reported by name before anything is done:
-    /// [`BrokerError::Permission`] names the refused command and the rule to add. A Redis older than 7.0 cannot
-    /// tell and passes. The other methods do not check: call this once, before them.
-    pub fn check_access(&self, queue: &str, action: access::Action) -> Result<(), ClientError> {
-        let info = self.queue(queue)?;
-        let mut connection = self.pool.get().map_err(BrokerError::from)?;
-        access::check(&mut **connection, &info.keys, action)
-            .map_err(|error| error.for_user(&self.username))?;
-        Ok(())
+    /// Checks that the Redis user may do what `action` does on each of `queues` (one call per queue, on one
+    /// connection; see docs/OPERATIONS.md, "ACL rules"), so that a missing rule is reported by name before
+    /// anything is done: [`BrokerError::Permission`] names the refused command and the rule to add. A Redis
+    /// older than 7.0 cannot tell and passes. The other methods do not check: call this once, before them.
+    pub fn check_access(&self, queues: &[&str], action: access::Action) -> Result<(), ClientError> {
+        let keys: Vec<&QueueKeys> = queues
+            .iter()
+            .map(|queue| self.queue(queue).map(|info| &info.keys))
+            .collect::<Result<_, _>>()?;
+        let checked = self.connector.connect().and_then(|mut connection| {
+            keys.into_iter()
+                .try_for_each(|keys| access::check(&mut connection, keys, action))
+        });
+        match checked {
+            Ok(()) => Ok(()),
+            Err(error) if error.is_config_error() => {
+                Err(error.for_user(self.connector.username()).into())
+            }
+            // A cluster client's own commands refused read as a cluster that is down: ask its seeds.
+            Err(error) => Err(self
+                .connector
+                .refusal()
+                .map_or(error, BrokerError::from)
+                .into()),
+        }
     }
 
     /// Enqueues one task.

@@ -667,6 +667,24 @@ pub fn setuser_line(role: Role, prefix: &str) -> String {
     )
 }
 
+/// What every line needs more in a Redis Cluster, on every node (its ACL users are per node): the cluster
+/// client's own commands. It PINGs each node and reads the slot map (CLUSTER SLOTS) when it connects and after
+/// a MOVED redirection, and follows an ASK redirection while a slot migrates.
+pub const CLUSTER_RULES: &[&str] = &["+ping", "+cluster|slots", "+asking"];
+
+/// What every line needs more behind Sentinel, on the master and its replicas: the client asks the server it
+/// was sent to for its ROLE, to be sure it reached the master.
+pub const SENTINEL_MASTER_RULES: &[&str] = &["+role"];
+
+/// The line for each user on each sentinel, which kmqd logs in to with the same user and password: it asks
+/// the sentinels for the masters (SENTINEL MASTERS) and checks each is one (ROLE). No key, no channel.
+pub fn sentinel_setuser_line(role: Role) -> String {
+    format!(
+        "ACL SETUSER {} reset on >PASSWORD +role +sentinel|masters",
+        role.user()
+    )
+}
+
 /// One (command, key or channel) pair a user may not use.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Refusal {
@@ -1164,8 +1182,9 @@ mod tests {
         }
     }
 
-    /// The same for the commands sent from Rust (but PING, which only the pool's validity test would send, and
-    /// it never runs one: `test_on_check_out(false)`).
+    /// The same for the commands sent from Rust: each has a rule of the roles', or of a Redis Cluster's
+    /// additions (PING and CLUSTER SLOTS ask the seeds why a cluster client could not connect; the pool's PING
+    /// never runs, `test_on_check_out(false)`).
     #[test]
     fn every_command_sent_from_rust_has_a_rule() {
         let sources = [
@@ -1180,11 +1199,11 @@ mod tests {
         for source in sources {
             for rest in source.split("cmd(\"").skip(1) {
                 let command = rest[..rest.find('"').expect("a quoted name")].to_ascii_lowercase();
-                if command == "ping" {
-                    continue;
-                }
+                let in_cluster_rules = CLUSTER_RULES
+                    .iter()
+                    .any(|rule| rule[1..].split('|').next() == Some(command.as_str()));
                 assert!(
-                    COMMANDS.iter().any(|c| c.name == command),
+                    COMMANDS.iter().any(|c| c.name == command) || in_cluster_rules,
                     "{command} is sent from Rust but has no rule"
                 );
             }
@@ -1243,6 +1262,20 @@ mod tests {
             assert!(
                 docs.lines().any(|l| l == line),
                 "docs/OPERATIONS.md, \"ACL rules\", must have the line\n{line}"
+            );
+        }
+        for role in Role::ALL {
+            let line = sentinel_setuser_line(role);
+            assert!(
+                docs.lines().any(|l| l == line),
+                "docs/OPERATIONS.md, \"ACL rules\", must have the line\n{line}"
+            );
+        }
+        for additions in [CLUSTER_RULES, SENTINEL_MASTER_RULES] {
+            let quoted = format!("`{}`", additions.join(" "));
+            assert!(
+                docs.contains(&quoted),
+                "docs/OPERATIONS.md, \"ACL rules\", must quote {quoted}"
             );
         }
         for row in doc_rows() {

@@ -215,6 +215,42 @@ impl Connector {
     pub fn username(&self) -> &str {
         &self.username
     }
+
+    /// After a failure that reads as a Redis that is down: whether it is the ACL user's instead. A cluster
+    /// client turns a refusal of its own commands (PING each node, CLUSTER SLOTS) into an I/O error or "no
+    /// connections found", so the seeds are asked directly; elsewhere a refusal comes back as itself (`None`).
+    pub fn refusal(&self) -> Option<redis::RedisError> {
+        match &self.target {
+            Target::Cluster { seeds, .. } => refusal_at_seeds(seeds, self.connect_timeout),
+            Target::Single(_) | Target::Sentinel(_) => None,
+        }
+    }
+}
+
+/// The first NOAUTH, WRONGPASS or NOPERM that the seeds give the cluster client's own commands, asked of each
+/// directly ([`Connector::refusal`]): the daemon would otherwise wait for ever for a cluster that is up, and
+/// the command line time out; both report it as a config error naming the command (docs/OPERATIONS.md, "ACL
+/// rules").
+fn refusal_at_seeds(seeds: &[redis::Client], timeout: Duration) -> Option<redis::RedisError> {
+    for seed in seeds {
+        let mut connection = match seed.get_connection_with_timeout(timeout) {
+            Ok(connection) => connection,
+            Err(error) if super::is_auth_error(&error) => return Some(error),
+            Err(_) => continue,
+        };
+        let _ = connection.set_read_timeout(Some(timeout));
+        for command in [
+            redis::cmd("PING"),
+            redis::cmd("CLUSTER").arg("SLOTS").clone(),
+        ] {
+            if let Err(error) = command.query::<Value>(&mut connection)
+                && super::is_auth_error(&error)
+            {
+                return Some(error);
+            }
+        }
+    }
+    None
 }
 
 /// The URL's connection info with the config's user and password (a URL's own stay when the config has none).

@@ -131,6 +131,9 @@ fn wait_for_redis(
                 if let Some(refusal) = broker::tls_refusal(&error) {
                     return Err(DaemonError::Tls(refusal));
                 }
+                if let Some(refused) = connector.refusal() {
+                    return Err(DaemonError::Auth(refused));
+                }
                 trouble.failed(&error);
             }
         }

@@ -405,3 +405,174 @@ fn each_command_line_tool_checks_the_rules_of_what_it_does() {
         "{log:#?}"
     );
 }
+
+/// Every documented user on `server` (a node of a cluster, a master or replica), its line's rules that `keep`
+/// accepts and `extra` added.
+fn create_users_on(
+    server: &kmqd::redis_server::RedisServer,
+    extra: &[&str],
+    keep: impl Fn(&str) -> bool,
+) {
+    for role in Role::ALL {
+        let line = access::setuser_line(role, "kmq").replace(">PASSWORD", &format!(">{PASSWORD}"));
+        let mut args: Vec<&str> = line.split(' ').filter(|rule| keep(rule)).collect();
+        args.extend(extra);
+        let _: String = server.query_as(&args).unwrap();
+    }
+}
+
+/// A daemon, a producer and a reader, as the documented users, on the `[redis]` keys `deployment` (cluster or
+/// sentinel seeds): a safe and a default queue with a retry after a delay and a dead letter each.
+fn drain_as_the_documented_users(dir: &TestDir, deployment: &str) -> String {
+    let password = dir.path("redis.password");
+    std::fs::write(&password, PASSWORD).unwrap();
+    let queues = "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nbackoff = \"10ms\"\nretry_times = 1\n\n\
+        [[queues]]\nname = \"jobs\"\nmode = \"default\"\nbackoff = \"10ms\"\nretry_times = 1\n";
+    let config_for = |user: &str| {
+        let redis = format!(
+            "{deployment}\nusername = \"{user}\"\npassword_file = \"{}\"",
+            password.display()
+        );
+        dir.config_named(
+            &format!("as-{user}.toml"),
+            &redis,
+            "shutdown_grace = \"5s\"",
+            queues,
+            &dir.record_file(),
+        )
+    };
+    let (daemon_config, producer, reader) = (
+        config_for("kmqd"),
+        config_for("kmqd-producer"),
+        config_for("kmqd-reader"),
+    );
+    let mut daemon = Process::start(&daemon_config, dir.path("daemon.log"));
+    eventually(Duration::from_secs(20), "the daemon to start", || {
+        let log = daemon.log_text();
+        (log.contains("kmqd started"), log)
+    });
+    for queue in ["mail", "jobs"] {
+        run(&producer, &["push", queue, "test", "{}"], None, 0);
+        let retried = [
+            "push",
+            queue,
+            "test",
+            "{\"fail_attempts\":1}",
+            "--delay",
+            "1s",
+        ];
+        run(&producer, &retried, None, 0);
+        run(
+            &producer,
+            &["push", queue, "test", "{\"outcome\":\"fail\"}"],
+            None,
+            0,
+        );
+    }
+    eventually(Duration::from_secs(30), "both queues to drain", || {
+        let (out, _) = run(&reader, &["stats", "--json"], None, 0);
+        let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+        let drained = |queue: &str| {
+            let counts = &json["queues"][queue];
+            counts["done"].as_u64() == Some(2) && counts["dead"].as_u64() == Some(1)
+        };
+        (drained("mail") && drained("jobs"), out)
+    });
+    daemon.signal(15);
+    assert_eq!(
+        daemon.wait_within(Duration::from_secs(30)),
+        Some(0),
+        "{}",
+        daemon.log_text()
+    );
+    daemon.log_text()
+}
+
+/// On a Redis Cluster, with the users on every node and the cluster's additions: a user without one of them
+/// is refused at start, exit 2, naming the command (not taken for a cluster that is down); with them, everything
+/// runs and no node refused anything.
+#[test]
+fn the_documented_users_run_on_a_redis_cluster_with_its_additions() {
+    use kmqd::redis_server::cluster::{Cluster, ClusterOptions};
+    let cluster = Cluster::start(ClusterOptions::default()).expect("start a Redis Cluster");
+    let seeds: Vec<String> = cluster
+        .seeds()
+        .unwrap()
+        .iter()
+        .map(|seed| format!("\"{seed}\""))
+        .collect();
+    let deployment = format!("cluster = [{}]", seeds.join(", "));
+    let dir = TestDir::new();
+
+    let without_slots: Vec<&str> = access::CLUSTER_RULES
+        .iter()
+        .copied()
+        .filter(|rule| *rule != "+cluster|slots")
+        .collect();
+    for server in cluster.servers() {
+        create_users_on(server, &without_slots, |_| true);
+    }
+    let password = dir.path("redis.password");
+    std::fs::write(&password, PASSWORD).unwrap();
+    let redis = format!(
+        "{deployment}\nusername = \"kmqd\"\npassword_file = \"{}\"",
+        password.display()
+    );
+    let refused = dir.config_named(
+        "refused.toml",
+        &redis,
+        "",
+        &safe_queue(""),
+        &dir.record_file(),
+    );
+    let mut daemon = Process::start(&refused, dir.path("refused.log"));
+    let code = daemon.wait_within(Duration::from_secs(20));
+    let log = daemon.log_text();
+    assert_eq!(code, Some(2), "{log}");
+    assert!(log.contains("'cluster|slots'"), "{log}");
+
+    for server in cluster.servers() {
+        let _: String = server.query_as(&["ACL", "LOG", "RESET"]).unwrap();
+        create_users_on(server, access::CLUSTER_RULES, |_| true);
+    }
+    let log = drain_as_the_documented_users(&dir, &deployment);
+    for server in cluster.servers() {
+        let refused: Vec<redis::Value> = server.query_as(&["ACL", "LOG"]).unwrap();
+        assert!(refused.is_empty(), "{refused:?}\n{log}");
+    }
+}
+
+/// With Sentinel (and `wait_replicas`): the documented users on the master and replica with the additions, and
+/// on the sentinels the sentinels' lines: everything runs and no server refused anything.
+#[test]
+fn the_documented_users_run_behind_sentinels_with_their_additions() {
+    use kmqd::redis_server::sentinel::{SentinelOptions, SentinelSetup};
+    let setup = SentinelSetup::start(SentinelOptions::default()).expect("start sentinels");
+    for server in setup.servers() {
+        create_users_on(server, access::SENTINEL_MASTER_RULES, |_| true);
+    }
+    for sentinel in setup.sentinels() {
+        for role in Role::ALL {
+            let line =
+                access::sentinel_setuser_line(role).replace(">PASSWORD", &format!(">{PASSWORD}"));
+            let args: Vec<&str> = line.split(' ').collect();
+            let _: String = sentinel.query_as(&args).unwrap();
+        }
+    }
+    let seeds: Vec<String> = setup
+        .sentinel_urls()
+        .iter()
+        .map(|url| format!("\"{url}\""))
+        .collect();
+    let deployment = format!(
+        "sentinel = [{}]\nsentinel_master = \"{}\"\nwait_replicas = 1",
+        seeds.join(", "),
+        setup.master_name()
+    );
+    let dir = TestDir::new();
+    let log = drain_as_the_documented_users(&dir, &deployment);
+    for server in setup.servers().iter().chain(setup.sentinels()) {
+        let refused: Vec<redis::Value> = server.query_as(&["ACL", "LOG"]).unwrap();
+        assert!(refused.is_empty(), "{refused:?}\n{log}");
+    }
+}
