@@ -18,9 +18,15 @@ ensure_command() {
     command -v "$command" >/dev/null 2>&1 || { echo "installing $* failed" >&2; exit 1; }
 }
 
-# The package also brings redis-cli, which the tests and the demo use.
+# The package also brings redis-cli, which the tests and the demo use (and the Cluster and Sentinel harness of
+# src/redis_server/: Debian's redis-server is built with TLS and runs as a Sentinel with --sentinel).
 ensure_redis_server() {
     ensure_command redis-server redis-server
+}
+
+# The TLS tests make their own CA and certificates with the openssl command (src/redis_server/tls.rs).
+ensure_openssl() {
+    ensure_command openssl openssl
 }
 
 ensure_cargo() {

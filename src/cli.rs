@@ -67,7 +67,7 @@ pub struct BenchArgs {
     /// Daemon process counts for the drain runs.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
     pub daemons: Vec<usize>,
-    /// Only these scenarios (push, drain, wakeup, lateness, memory).
+    /// Only these scenarios.
     #[arg(long, value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(crate::bench::SCENARIOS))]
     pub only: Vec<String>,
     /// Handler threads per daemon.

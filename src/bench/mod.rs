@@ -929,27 +929,6 @@ pub fn render(report: &Report) -> String {
     out
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn percentiles_and_medians() {
-        let values: Vec<f64> = (1..=100).map(f64::from).collect();
-        assert_eq!(
-            (
-                percentile(&values, 50.0),
-                percentile(&values, 99.0),
-                percentile(&values, 100.0)
-            ),
-            (50.0, 99.0, 100.0)
-        );
-        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
-        assert!(median(&[]).is_nan());
-    }
-}
-
 /// The same drain (1 daemon, safe and default mode) and single pushes on the bench's own Redis, then with a
 /// replica attached (`wait_replicas` 0 and 1: what replication and `WAIT` cost per task), then on a Redis Cluster
 /// of three masters (what the cluster client costs), in one session.
@@ -1060,4 +1039,25 @@ fn single_pushes(bench: &Bench, target: &Target<'_>) -> Result<Figure, String> {
         rates,
         vec![],
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_and_medians() {
+        let values: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(
+            (
+                percentile(&values, 50.0),
+                percentile(&values, 99.0),
+                percentile(&values, 100.0)
+            ),
+            (50.0, 99.0, 100.0)
+        );
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert!(median(&[]).is_nan());
+    }
 }

@@ -110,30 +110,22 @@ fn renew(
             lane.ownership.renewed(&owner, sent, lease);
             lease / 3
         }
-        Ok(Renewal::Lost) => {
+        Ok(lost) => {
             if lane.ownership.lose(&owner) {
                 let forgotten = lane.forget_owner(&owner);
-                tracing::warn!(
-                    queue = %lane.name(),
-                    %owner,
-                    forgotten,
-                    "lease ran out before renewal (was this daemon paused, or did Redis lose its data?); the \
-                     monitors return the tasks it held to the queue, and the fetcher claims under a new owner"
-                );
-            }
-            RETRY
-        }
-        Ok(Renewal::WentBack) => {
-            if lane.ownership.lose(&owner) {
-                let forgotten = lane.forget_owner(&owner);
+                let why = if lost == Renewal::WentBack {
+                    "Redis lost claims or settlements it had acknowledged (a failover to a replica that lagged, or \
+                     a restore?); the owner is given up"
+                } else {
+                    "lease ran out before renewal (was this daemon paused, or did Redis lose its data?)"
+                };
                 tracing::warn!(
                     queue = %lane.name(),
                     %owner,
                     forgotten,
                     journal,
-                    "Redis lost claims or settlements it had acknowledged (a failover to a replica that lagged, \
-                     or a restore?); the owner is given up: the monitors return the tasks Redis says it holds to \
-                     the queue (they run again), and the fetcher claims under a new owner"
+                    "{why}; the monitors return the tasks it held to the queue, and the fetcher claims under a new \
+                     owner"
                 );
             }
             RETRY

@@ -196,6 +196,18 @@ pub fn push_acknowledged(
     acknowledged
 }
 
+/// Waits until `queue` holds nothing ready, processing or delayed: everything still in Redis ran (nothing is
+/// stranded under a live owner).
+pub fn wait_drained(watcher: &kmqd::Client, queue: &str) {
+    let _ = eventually(Duration::from_secs(60), "the queue drained", || {
+        let stats = watcher.stats(queue);
+        let idle = stats
+            .as_ref()
+            .is_ok_and(|s| s.ready == 0 && s.processing == 0 && s.delayed == 0);
+        (idle, stats.map_err(|e| e.to_string()))
+    });
+}
+
 /// A master killed (SIGKILL) while its replica lags (stopped with SIGSTOP and its link cut: as a replica behind
 /// a broken link), a producer pushes to a queue on it and a daemon drains it; the replica then takes over.
 /// Returns (acknowledged pushes, of them never run).
@@ -250,13 +262,7 @@ fn kill_master_mid_drain(wait_replicas: u32) -> (usize, usize) {
     cluster.restart_node(&master.addr).unwrap();
     let acknowledged = producer.join().unwrap();
     // Every acknowledged task still in Redis runs; what is neither run nor in Redis is lost.
-    let _ = eventually(Duration::from_secs(60), "the queue drained", || {
-        let stats = watcher.stats(&queue);
-        let idle = stats
-            .as_ref()
-            .is_ok_and(|s| s.ready == 0 && s.processing == 0 && s.delayed == 0);
-        (idle, stats.map_err(|e| e.to_string()))
-    });
+    wait_drained(&watcher, &queue);
     daemon.stop();
     let ran: HashSet<String> = dir.records().starts.into_iter().map(|(id, _)| id).collect();
     let lost = acknowledged.iter().filter(|id| !ran.contains(*id)).count();

@@ -8,7 +8,7 @@ use std::time::Duration;
 use kmqd::redis_server::Signal;
 use kmqd::redis_server::sentinel::{SentinelOptions, SentinelSetup};
 
-use crate::cluster::push_acknowledged;
+use crate::cluster::{push_acknowledged, wait_drained};
 use crate::support::{TestDaemon, TestDir, client, eventually};
 
 #[test]
@@ -50,13 +50,7 @@ fn a_sentinel_failover_mid_drain_loses_no_acknowledged_task_with_wait_replicas()
     setup.server_mut(&old).unwrap().restart().unwrap();
     let acknowledged = producer.join().unwrap();
     assert_eq!(acknowledged.len(), 2000);
-    let _ = eventually(Duration::from_secs(60), "the queue drained", || {
-        let stats = watcher.stats("jobs");
-        let idle = stats
-            .as_ref()
-            .is_ok_and(|s| s.ready == 0 && s.processing == 0 && s.delayed == 0);
-        (idle, stats.map_err(|e| e.to_string()))
-    });
+    wait_drained(&watcher, "jobs");
     daemon.stop();
     let ran: HashSet<String> = dir.records().starts.into_iter().map(|(id, _)| id).collect();
     let lost: Vec<&String> = acknowledged

@@ -143,3 +143,65 @@ fn refused_certificates_stop_the_daemon_and_the_cli_at_start_saying_what_to_fix(
     );
     assert_eq!(client(&config).stats("jobs").unwrap().done, 0);
 }
+
+/// A drain through `seeds` (rediss://) with the test CA: pushes from the CLI, a daemon runs them.
+fn drains_through(dir: &TestDir, files: &TlsFiles, redis: &str) {
+    let config = dir.config_raw(
+        &format!("{redis}\ntls_ca_file = \"{}\"", files.ca_cert.display()),
+        "shutdown_grace = \"5s\"",
+        &safe_queue("workers = 2"),
+    );
+    let c = config.to_str().unwrap();
+    let (code, _, err) = kmqd(&["-c", c, "push", "jobs", "test", "--id", "over-tls"], None);
+    assert_eq!(code, 0, "{err}");
+    crate::support::push_many(&config, "t", 20, "{}");
+    let mut daemon = Process::start(&config, dir.path("daemon.log"));
+    wait_done(&config, 21, Duration::from_secs(30));
+    daemon.signal(libc::SIGTERM);
+    assert_eq!(daemon.wait_within(Duration::from_secs(10)), Some(0));
+    assert_eq!(dir.records().runs_of("over-tls"), 1);
+}
+
+fn seed_list(urls: &[String]) -> String {
+    let quoted: Vec<String> = urls.iter().map(|url| format!("\"{url}\"")).collect();
+    format!("[{}]", quoted.join(", "))
+}
+
+#[test]
+fn rediss_cluster_seeds_mean_tls_to_every_node() {
+    use kmqd::redis_server::cluster::{Cluster, ClusterOptions};
+    let dir = TestDir::new();
+    let files = certificates(&dir);
+    let cluster = Cluster::start(ClusterOptions {
+        replicas_per_master: 0,
+        tls: Some(files.server(AuthClients::No)),
+        ..ClusterOptions::default()
+    })
+    .expect("start a TLS cluster");
+    let seeds = cluster.seeds().unwrap();
+    assert!(seeds.iter().all(|seed| seed.starts_with("rediss://")));
+    drains_through(&dir, &files, &format!("cluster = {}", seed_list(&seeds)));
+}
+
+#[test]
+fn rediss_sentinel_seeds_mean_tls_to_the_sentinels_and_the_master() {
+    use kmqd::redis_server::sentinel::{SentinelOptions, SentinelSetup};
+    let dir = TestDir::new();
+    let files = certificates(&dir);
+    let setup = SentinelSetup::start(SentinelOptions {
+        tls: Some(files.server(AuthClients::No)),
+        ..SentinelOptions::default()
+    })
+    .expect("start TLS sentinels");
+    let seeds = setup.sentinel_urls();
+    assert!(seeds.iter().all(|seed| seed.starts_with("rediss://")));
+    drains_through(
+        &dir,
+        &files,
+        &format!(
+            "sentinel = {}\nsentinel_master = \"{}\"",
+            seed_list(&seeds),
+            setup.master_name()
+        ),
+    );
+}
