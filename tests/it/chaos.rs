@@ -945,7 +945,7 @@ fn change_config(world: &World, slot: usize, shape: Shape, what: What) -> String
     let mut how = String::from("was not running");
     if let Some(mut process) = process {
         // A process meets SIGTERM's default action until it installs its handlers; kmqd does so before its
-        // first log line (src/cli.rs, run_daemon), so wait for that line, as an operator's stop would not race
+        // first log line (src/cli/daemon.rs, run_daemon), so wait for that line, as an operator's stop would not race
         // the exec either.
         let started = Instant::now() + Duration::from_secs(10);
         while process.log_text().is_empty()

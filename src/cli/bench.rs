@@ -1,0 +1,74 @@
+//! `kmqd bench`: the benchmark's command line (the benchmark itself is `crate::bench`).
+
+use std::path::PathBuf;
+
+use super::{Failure, init_logging};
+
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    /// Tasks per drain run.
+    #[arg(long, default_value_t = 200_000)]
+    pub tasks: usize,
+    /// Runs per figure; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+    /// Daemon process counts for the drain runs.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    pub daemons: Vec<usize>,
+    /// Only these scenarios.
+    #[arg(long, value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(crate::bench::SCENARIOS))]
+    pub only: Vec<String>,
+    /// Handler threads per daemon.
+    #[arg(long, default_value_t = 4)]
+    pub workers: usize,
+    /// Claim batch.
+    #[arg(long, default_value_t = 1000)]
+    pub batch: usize,
+    /// Claimed tasks that may wait for a worker, per daemon (a deep prefetch keeps a no-op drain busy; see
+    /// docs/PERFORMANCE.md).
+    #[arg(long, default_value_t = 4000)]
+    pub prefetch: usize,
+    /// Where libkmq_testkit.so is (default: next to the kmqd binary).
+    #[arg(long)]
+    pub plugins_dir: Option<PathBuf>,
+    /// The backlog whose drain the peak-RSS figure measures.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub backlog: usize,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Compare with the peers: a results directory of ../shared/bench/peers/run.sh from this session (see
+    /// scripts/bench-peers).
+    #[arg(long, value_name = "RESULTS_DIR")]
+    pub peers: Option<PathBuf>,
+    /// Run this kmqd binary as the daemon (default: this one): two builds measured in one session.
+    #[arg(long, value_name = "KMQD")]
+    pub daemon: Option<PathBuf>,
+}
+
+pub(super) fn run_bench(args: BenchArgs) -> Result<(), Failure> {
+    init_logging("warn");
+    let options = crate::bench::Options {
+        tasks: args.tasks,
+        runs: args.runs.max(1),
+        daemons: args.daemons,
+        only: args.only,
+        workers: args.workers,
+        batch: args.batch,
+        prefetch: args.prefetch,
+        plugins_dir: args.plugins_dir,
+        backlog: args.backlog,
+        peers: args.peers,
+        daemon: args.daemon,
+    };
+    let report = crate::bench::run(options, &mut std::io::stderr()).map_err(Failure::Runtime)?;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).expect("report serializes")
+        );
+    } else {
+        print!("{}", crate::bench::render(&report));
+    }
+    Ok(())
+}

@@ -1,0 +1,57 @@
+//! `kmqd run` (the daemon, the default) and `kmqd check-config`.
+
+use std::io::Write;
+use std::sync::Arc;
+
+use crate::config::Config;
+use crate::plugin::Registry;
+
+use super::Failure;
+
+pub(super) fn load_plugins(config: &Config) -> Result<Registry, Failure> {
+    Registry::load(config)
+        .map_err(|error| Failure::Usage(format!("{}: {error}", config.path.display())))
+}
+
+pub(super) fn run_daemon(config: &Config) -> Result<(), Failure> {
+    // Before the plugins load (their init may take a while): a SIGTERM meanwhile is a graceful stop, not death
+    // by the default action.
+    let (stop_tx, stop_rx) = crossbeam_channel::bounded(1);
+    crate::daemon::signals::forward(stop_tx)
+        .map_err(|error| Failure::Runtime(format!("cannot install signal handlers: {error}")))?;
+    let registry = Arc::new(load_plugins(config)?);
+    crate::daemon::run(config, registry, stop_rx).map_err(|error| {
+        if error.is_config_error() {
+            Failure::Usage(error.to_string())
+        } else {
+            Failure::Runtime(error.to_string())
+        }
+    })
+}
+
+pub(super) fn check_config(config: &Config) -> Result<(), Failure> {
+    let registry = load_plugins(config)?;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{}: ok", config.path.display());
+    for queue in &config.queues {
+        let mode = match queue.mode {
+            crate::config::Mode::Default => "default",
+            crate::config::Mode::Safe => "safe",
+        };
+        let _ = writeln!(
+            out,
+            "  queue {}: {mode} mode, {} workers, priorities {:?}",
+            queue.name, queue.workers, queue.priorities
+        );
+    }
+    for plugin in registry.plugins() {
+        let _ = writeln!(
+            out,
+            "  plugin {} ({}): types {:?}",
+            plugin.name,
+            plugin.path.display(),
+            plugin.types
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,170 @@
+//! The `kmqd` command line: `kmqd --config FILE [run|check-config|push|stats|task|bench]`, one module per
+//! command.
+//!
+//! Exit codes, everywhere: 0 success, 1 runtime error (Redis unreachable, a thread died), 2 usage or config
+//! error (including a refused plugin, wrong credentials and missing ACL rules), 3 a push refused because its
+//! unique id is live, 4 a task id not found where `task show` or `task cancel` needs it.
+
+use std::fmt;
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+use tracing_subscriber::EnvFilter;
+
+use crate::client::ClientError;
+use crate::config::Config;
+
+mod bench;
+mod daemon;
+mod push;
+mod stats;
+mod task;
+
+pub use bench::BenchArgs;
+pub use push::PushArgs;
+pub use task::TaskCommand;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "kmqd",
+    version,
+    about = "A task-queue worker daemon: Redis queues, handlers in plugins"
+)]
+pub struct Args {
+    /// The TOML config file.
+    #[arg(long, short = 'c', env = "KMQD_CONFIG", global = true)]
+    pub config: Option<PathBuf>,
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Run the daemon in the foreground (the default).
+    Run,
+    /// Validate the config and load the plugins without consuming anything.
+    CheckConfig,
+    /// Enqueue a task (or, with --stdin, one task per input line).
+    Push(PushArgs),
+    /// Show each queue's depth and counters.
+    Stats {
+        /// Print JSON: {"queues": {"NAME": {"ready": 0, ...}}}.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Find or cancel tasks by id.
+    #[command(subcommand)]
+    Task(TaskCommand),
+    /// Measure kmqd against a private redis-server (needs no config): push rates, drain rates in both modes with
+    /// 1, 2 and 4 daemons, idle wake-up latency, delayed-task lateness, memory. See docs/PERFORMANCE.md.
+    Bench(BenchArgs),
+}
+
+/// A command that did not succeed, with the exit code it maps to.
+#[derive(Debug)]
+pub enum Failure {
+    /// Bad usage or config: exit 2.
+    Usage(String),
+    /// Redis, threads, I/O: exit 1.
+    Runtime(String),
+    /// A unique push refused: exit 3.
+    Refused(String),
+    /// A task id that is not where the command needs it: exit 4.
+    NotFound(String),
+}
+
+impl Failure {
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            Failure::Runtime(_) => 1,
+            Failure::Usage(_) => 2,
+            Failure::Refused(_) => 3,
+            Failure::NotFound(_) => 4,
+        }
+    }
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Failure::Usage(message)
+            | Failure::Runtime(message)
+            | Failure::Refused(message)
+            | Failure::NotFound(message) => f.write_str(message),
+        }
+    }
+}
+
+impl From<ClientError> for Failure {
+    fn from(error: ClientError) -> Failure {
+        match error {
+            // Wrong credentials, missing ACL rules: the setup's to fix, as a config error is.
+            ClientError::Broker(error) if error.is_config_error() => {
+                Failure::Usage(error.to_string())
+            }
+            ClientError::Broker(error) => match crate::broker::tls_refusal(&error) {
+                // The certificates' or the config's to fix: retrying would not help.
+                Some(refusal) => Failure::Usage(refusal),
+                None => Failure::Runtime(error.to_string()),
+            },
+            other => Failure::Usage(other.to_string()),
+        }
+    }
+}
+
+/// Runs a parsed command line.
+pub fn run(args: Args) -> Result<(), Failure> {
+    if let Some(Command::Bench(bench)) = args.command {
+        return bench::run_bench(bench);
+    }
+    let path = args.config.ok_or_else(|| {
+        Failure::Usage(
+            "no config file: pass --config FILE (or set KMQD_CONFIG); see config/ for examples"
+                .to_string(),
+        )
+    })?;
+    let config = Config::load(&path).map_err(|error| Failure::Usage(error.to_string()))?;
+    match args.command.unwrap_or(Command::Run) {
+        Command::Run => {
+            init_logging(&config.daemon.log_level);
+            daemon::run_daemon(&config)
+        }
+        Command::CheckConfig => {
+            init_logging("warn");
+            daemon::check_config(&config)
+        }
+        Command::Push(push) => {
+            init_logging("warn");
+            push::run_push(&config, push)
+        }
+        Command::Stats { json } => {
+            init_logging("warn");
+            stats::run_stats(&config, json)
+        }
+        Command::Task(task) => {
+            init_logging("warn");
+            task::run_task(&config, task)
+        }
+        Command::Bench(_) => unreachable!("handled before the config is read"),
+    }
+}
+
+/// Human-readable logs on standard error (the journal under systemd); `RUST_LOG` overrides the config's level.
+pub(super) fn init_logging(default_level: &str) {
+    let from_env = std::env::var("RUST_LOG")
+        .ok()
+        .filter(|value| !value.trim().is_empty());
+    let filter = from_env
+        .and_then(|value| EnvFilter::try_new(value).ok())
+        .unwrap_or_else(|| EnvFilter::new(default_level));
+    // Fails only when a subscriber is already set (tests calling `run` twice); the first one stays.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi)
+        // A closed standard error (`kmqd 2>&1 | head`) must not stop the daemon: by default the subscriber
+        // reports a failed write with eprintln!, which panics when standard error is gone.
+        .log_internal_errors(false)
+        .try_init();
+}

@@ -1,0 +1,76 @@
+//! `kmqd stats`: each queue's depth and counters, as a table or JSON.
+
+use std::io::Write;
+use std::time::Duration;
+
+use crate::broker::QueueStats;
+use crate::broker::access::Action;
+use crate::client::Client;
+use crate::config::Config;
+
+use super::Failure;
+
+pub(super) fn run_stats(config: &Config, json: bool) -> Result<(), Failure> {
+    let client = Client::new(config)?;
+    let names: Vec<&str> = config
+        .queues
+        .iter()
+        .map(|queue| queue.name.as_str())
+        .collect();
+    client.check_access(&names, Action::Stats)?;
+    let mut all: Vec<(&str, &'static str, QueueStats)> = Vec::new();
+    for queue in &config.queues {
+        let mode = match queue.mode {
+            crate::config::Mode::Default => "default",
+            crate::config::Mode::Safe => "safe",
+        };
+        all.push((&queue.name, mode, client.stats(&queue.name)?));
+    }
+    let mut out = std::io::stdout().lock();
+    if json {
+        let queues: serde_json::Map<String, serde_json::Value> = all
+            .iter()
+            .map(|(name, mode, stats)| {
+                let mut value = serde_json::to_value(stats).expect("stats serialize");
+                value["mode"] = serde_json::Value::from(*mode);
+                (name.to_string(), value)
+            })
+            .collect();
+        let _ = writeln!(out, "{}", serde_json::json!({ "queues": queues }));
+        return Ok(());
+    }
+    let _ = writeln!(
+        out,
+        "{:<16} {:<7} {:>9} {:>10} {:>9} {:>7} {:>11} {:>9} {:>9} {:>13} {:>9}",
+        "QUEUE",
+        "MODE",
+        "READY",
+        "PROCESSING",
+        "DELAYED",
+        "DEAD",
+        "DONE",
+        "RETRIED",
+        "FAILED",
+        "DEAD_LETTERED",
+        "LAG"
+    );
+    for (name, mode, s) in &all {
+        let lag = s.lag_ms.map_or("-".to_string(), |ms| {
+            humantime::format_duration(Duration::from_millis(ms as u64)).to_string()
+        });
+        let _ = writeln!(
+            out,
+            "{name:<16} {mode:<7} {:>9} {:>10} {:>9} {:>7} {:>11} {:>9} {:>9} {:>13} {:>9}",
+            s.ready,
+            s.processing,
+            s.delayed,
+            s.dead,
+            s.done,
+            s.retried,
+            s.failed,
+            s.dead_lettered,
+            lag
+        );
+    }
+    Ok(())
+}
