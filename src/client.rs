@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use serde_json::value::RawValue;
 
+use crate::broker::dead::{self, DeadRecord, Outcome, RequeueItem};
 use crate::broker::{
     self, BrokerError, Due, Found, Pool, PushItem, QueueKeys, QueueStats, Scope, access, lookup,
 };
@@ -129,6 +130,8 @@ pub enum ClientError {
 struct QueueInfo {
     keys: QueueKeys,
     default_priority: usize,
+    /// How the daemons read the queue's payloads, so that a requeue reads a dead task the same way.
+    foreign_type_field: Option<String>,
 }
 
 /// A producer (and inspector) for the queues of one config. Cheap to share: it holds a connection pool.
@@ -149,6 +152,7 @@ impl Client {
                 let info = QueueInfo {
                     keys: QueueKeys::for_queue(&config.redis.key_prefix, queue),
                     default_priority: queue.default_priority,
+                    foreign_type_field: queue.foreign_type_field.clone(),
                 };
                 (queue.name.clone(), info)
             })
@@ -313,4 +317,214 @@ impl Client {
         let mut connection = self.pool.get().map_err(BrokerError::from)?;
         Ok(broker::stats(&mut **connection, &info.keys)?)
     }
+
+    /// Redis's clock, ms since the epoch: what a dead record's `dead_at` is measured on.
+    pub fn redis_now(&self, queue: &str) -> Result<i64, ClientError> {
+        self.queue(queue)?;
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        Ok(broker::redis_now(&mut **connection)?)
+    }
+
+    /// The newest `limit` dead-letter records of `queue`, newest first.
+    pub fn dead_list(&self, queue: &str, limit: usize) -> Result<Vec<DeadRecord>, ClientError> {
+        let info = self.queue(queue)?;
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        Ok(dead::range(
+            &mut connection,
+            &info.keys,
+            0,
+            limit as i64 - 1,
+        )?)
+    }
+
+    /// Every dead-letter record of the task `id` (a non-unique id may have several), newest first. Records of
+    /// malformed payloads carry the payload's `id` when it had a string one, and are found by it.
+    pub fn dead_show(&self, queue: &str, id: &str) -> Result<Vec<DeadRecord>, ClientError> {
+        let info = self.queue(queue)?;
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        let mut found = Vec::new();
+        dead::walk(&mut connection, &info.keys, |_, page| {
+            found.extend(page.into_iter().filter(|record| record.id() == id));
+            Ok(0)
+        })?;
+        // The walk goes oldest first.
+        found.reverse();
+        Ok(found)
+    }
+
+    /// Moves dead tasks back to the back of their level's ready list: the records of these ids, or all of them
+    /// (those present when the call began, oldest first). Each record is removed and its task pushed in one
+    /// step (dead_requeue.lua), [`dead::PAGE`] records per script call, while daemons keep dead-lettering. A
+    /// task goes to the level its record names, else to the level its envelope asked for (`priority`), else to
+    /// the queue's default level. With `reset_attempts` its `attempt` starts again at 0 (the full retry budget).
+    /// A unique task takes its id again, and stays dead while the id is held by a live task ([`Requeued::held`]);
+    /// a record without a readable task (a malformed payload) cannot be requeued ([`Requeued::malformed`]).
+    pub fn dead_requeue(
+        &self,
+        queue: &str,
+        which: DeadSelection<'_>,
+        reset_attempts: bool,
+    ) -> Result<Requeued, ClientError> {
+        let info = self.queue(queue)?;
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        let mut report = Requeued::default();
+        let mut matched = std::collections::HashSet::new();
+        dead::walk(&mut connection, &info.keys, |conn, page| {
+            // (record, level, unique id, envelope)
+            let mut items: Vec<(&DeadRecord, usize, Option<String>, Vec<u8>)> = Vec::new();
+            for record in page.iter().filter(|record| which.wants(record.id())) {
+                matched.insert(record.id().to_string());
+                match requeue_plan(info, record, reset_attempts) {
+                    Some((level, unique_id, envelope)) => {
+                        items.push((record, level, unique_id, envelope))
+                    }
+                    None => report.malformed.push(record.id().to_string()),
+                }
+            }
+            let calls: Vec<RequeueItem<'_>> = items
+                .iter()
+                .map(|(record, level, unique_id, envelope)| RequeueItem {
+                    record: &record.raw,
+                    level: *level,
+                    unique_id: unique_id.as_deref(),
+                    envelope,
+                })
+                .collect();
+            let outcomes = dead::requeue(conn, &info.keys, &calls)?;
+            let mut removed = 0;
+            for ((record, ..), outcome) in items.iter().zip(outcomes) {
+                let id = record.id().to_string();
+                match outcome {
+                    Outcome::Done => report.requeued.push(id),
+                    Outcome::NotFound => report.not_found.push(id),
+                    Outcome::Held => report.held.push(id),
+                }
+                // A record gone meanwhile no longer holds its place in the list either.
+                removed += usize::from(outcome != Outcome::Held);
+            }
+            Ok(removed)
+        })?;
+        report.not_found.extend(which.unmatched(&matched));
+        Ok(report)
+    }
+
+    /// Removes dead-letter records: those of these ids, or all of them (those present when the call began),
+    /// each by its exact bytes (dead_purge.lua), [`dead::PAGE`] per script call, while daemons keep
+    /// dead-lettering.
+    pub fn dead_purge(&self, queue: &str, which: DeadSelection<'_>) -> Result<Purged, ClientError> {
+        let info = self.queue(queue)?;
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        let mut report = Purged::default();
+        let mut matched = std::collections::HashSet::new();
+        dead::walk(&mut connection, &info.keys, |conn, page| {
+            let chosen: Vec<&DeadRecord> = page
+                .iter()
+                .filter(|record| which.wants(record.id()))
+                .collect();
+            matched.extend(chosen.iter().map(|record| record.id().to_string()));
+            let raw: Vec<&[u8]> = chosen.iter().map(|record| &record.raw[..]).collect();
+            let outcomes = dead::purge(conn, &info.keys, &raw)?;
+            for (record, outcome) in chosen.iter().zip(&outcomes) {
+                let id = record.id().to_string();
+                match outcome {
+                    Outcome::Done => report.purged.push(id),
+                    _ => report.not_found.push(id),
+                }
+            }
+            Ok(chosen.len())
+        })?;
+        report.not_found.extend(which.unmatched(&matched));
+        Ok(report)
+    }
+}
+
+/// Which dead-letter records [`Client::dead_requeue`] and [`Client::dead_purge`] work on.
+#[derive(Clone, Copy, Debug)]
+pub enum DeadSelection<'a> {
+    /// Every record of these task ids.
+    Ids(&'a [&'a str]),
+    /// Every record in the list when the call began (not those dead-lettered while it runs).
+    All,
+}
+
+impl DeadSelection<'_> {
+    fn wants(&self, id: &str) -> bool {
+        match self {
+            DeadSelection::Ids(ids) => ids.contains(&id),
+            DeadSelection::All => true,
+        }
+    }
+
+    /// The ids asked for that no record had.
+    fn unmatched(&self, matched: &std::collections::HashSet<String>) -> Vec<String> {
+        match self {
+            DeadSelection::Ids(ids) => ids
+                .iter()
+                .filter(|id| !matched.contains(**id))
+                .map(|id| id.to_string())
+                .collect(),
+            DeadSelection::All => Vec::new(),
+        }
+    }
+}
+
+/// What [`Client::dead_requeue`] did, by task id (one entry per record; "" for a record without an id).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Requeued {
+    /// Records whose task is ready again.
+    pub requeued: Vec<String>,
+    /// Ids asked for that had no record, and records gone before their turn (requeued or purged by someone
+    /// else, or trimmed by `dead_max`).
+    pub not_found: Vec<String>,
+    /// Unique tasks whose id a live task holds: left dead.
+    pub held: Vec<String>,
+    /// Records without a task to queue (the payload was not an envelope, or not UTF-8): left dead.
+    pub malformed: Vec<String>,
+}
+
+/// What [`Client::dead_purge`] did, by task id (one entry per record).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Purged {
+    pub purged: Vec<String>,
+    /// Ids asked for that had no record, and records gone before their turn.
+    pub not_found: Vec<String>,
+}
+
+/// Where and what a dead record's task is queued as: (level, unique id to take again, envelope); `None` when the
+/// record holds no task that decodes, as the daemons read the queue's payloads.
+fn requeue_plan(
+    info: &QueueInfo,
+    record: &DeadRecord,
+    reset_attempts: bool,
+) -> Option<(usize, Option<String>, Vec<u8>)> {
+    let text = record.task()?;
+    let mut envelope = match &info.foreign_type_field {
+        Some(field) => Envelope::decode_foreign(text, field),
+        None => Envelope::decode(text),
+    }
+    .ok()?;
+    if envelope.kind.is_empty() {
+        return None;
+    }
+    let level_named = |name: &str| info.keys.levels.iter().position(|level| level == name);
+    let level = record
+        .text("level")
+        .and_then(level_named)
+        .or_else(|| envelope.priority.as_deref().and_then(level_named))
+        .unwrap_or(info.default_priority);
+    let unique_id = envelope
+        .unique
+        .then(|| envelope.id.as_deref().map(str::to_string))
+        .flatten();
+    // Unchanged, the payload goes back byte for byte (a foreign payload stays foreign).
+    let payload = if reset_attempts && envelope.attempt != 0 {
+        envelope.attempt = 0;
+        envelope.encode().into_bytes()
+    } else {
+        text.as_bytes().to_vec()
+    };
+    Some((level, unique_id, payload))
 }

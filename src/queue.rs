@@ -95,6 +95,7 @@ impl QueueContext {
         let origin = Origin {
             queue: &self.config.name,
             daemon: &self.daemon_id,
+            levels: &self.keys.levels,
         };
         settlement::decide(
             &self.policy,

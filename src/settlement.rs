@@ -26,6 +26,10 @@ struct DeadRecord<'a> {
     id: &'a str,
     #[serde(rename = "type")]
     kind: &'a str,
+    /// The priority level the task was taken from, so that `kmqd dead requeue` puts it back there (records
+    /// written before this field, and claim.lua's records of oversized payloads, have none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    level: Option<&'a str>,
     attempt: u32,
     reason: &'a str,
     daemon: &'a str,
@@ -42,6 +46,8 @@ pub struct Origin<'a> {
     pub queue: &'a str,
     /// `host:pid` of the daemon writing the record.
     pub daemon: &'a str,
+    /// The queue's priority levels, highest first: a record names its task's level.
+    pub levels: &'a [String],
 }
 
 /// A reproducible jitter seed for a task's backoff.
@@ -130,6 +136,7 @@ pub fn settlement(
                 queue: origin.queue,
                 id: envelope.map_or(salvaged.as_deref().unwrap_or(""), Envelope::id_str),
                 kind: envelope.map_or("", |e| &*e.kind),
+                level: origin.levels.get(level).map(String::as_str),
                 attempt: envelope.map_or(0, |e| e.attempt),
                 reason,
                 daemon: origin.daemon,
@@ -250,6 +257,7 @@ mod tests {
         Origin {
             queue: "mail",
             daemon: "host:1",
+            levels: &[],
         }
     }
 
@@ -395,5 +403,26 @@ mod tests {
         );
         assert_eq!(hook.unwrap().reason, "bad");
         assert!(s.failed);
+    }
+
+    /// `kmqd dead requeue` puts a task back at the level it was taken from, which only the record can say.
+    #[test]
+    fn a_dead_record_names_the_task_s_level() {
+        let levels = ["high".to_string(), "low".to_string()];
+        let origin = Origin {
+            levels: &levels,
+            ..origin()
+        };
+        let envelope = Envelope::decode(r#"{"id":"a","type":"t"}"#).unwrap();
+        let action = Action::Dead {
+            reason: "bad".into(),
+        };
+        let payload = br#"{"id":"a","type":"t"}"#;
+        let (s, _) = settlement(&origin, &action, true, None, 1, payload, Some(&envelope));
+        let record: serde_json::Value = serde_json::from_slice(&s.payload).unwrap();
+        assert_eq!(record["level"], "low");
+        let (s, _) = settlement(&origin, &action, true, None, 0, b"not json", None);
+        let record: serde_json::Value = serde_json::from_slice(&s.payload).unwrap();
+        assert_eq!(record["level"], "high", "a malformed payload's level too");
     }
 }

@@ -21,9 +21,11 @@ pub enum Role {
     Daemon,
     /// `kmqd push`, `Client::push`, and producers in other languages that run the enqueue script.
     Producer,
-    /// `kmqd stats`, `kmqd task show`, `Client::stats` and `Client::find`: they read and write nothing.
+    /// `kmqd stats`, `kmqd task show`, `kmqd dead list` and `kmqd dead show` (`Client::stats`, `Client::find`,
+    /// `Client::dead_list`, `Client::dead_show`): they read and write nothing.
     Reader,
-    /// An operator's tools: everything a reader does, and `kmqd task cancel` (which removes waiting tasks).
+    /// An operator's tools: everything a reader does, `kmqd task cancel` (which removes waiting tasks), and
+    /// `kmqd dead requeue` and `kmqd dead purge` (which move dead tasks back to the queue, or remove them).
     Operator,
 }
 
@@ -56,8 +58,15 @@ impl Role {
         match self {
             Role::Daemon => &[Action::Serve],
             Role::Producer => &[Action::Push],
-            Role::Reader => &[Action::Stats, Action::Show],
-            Role::Operator => &[Action::Stats, Action::Show, Action::Cancel],
+            Role::Reader => &[Action::Stats, Action::Show, Action::DeadRead],
+            Role::Operator => &[
+                Action::Stats,
+                Action::Show,
+                Action::Cancel,
+                Action::DeadRead,
+                Action::DeadRequeue,
+                Action::DeadPurge,
+            ],
         }
     }
 
@@ -93,6 +102,8 @@ impl Role {
                 ("~", "{*}:delayed-tasks"),
                 ("~", "{*}:unique"),
                 ("~", "{*}:stats"),
+                ("~", "{*}:dead"),
+                ("~", "{*}:wake"),
             ],
         }
     }
@@ -122,6 +133,12 @@ pub enum Action {
     Show,
     /// `kmqd task cancel`, `Client::cancel`.
     Cancel,
+    /// `kmqd dead list` and `kmqd dead show`, `Client::dead_list` and `Client::dead_show`.
+    DeadRead,
+    /// `kmqd dead requeue`, `Client::dead_requeue`.
+    DeadRequeue,
+    /// `kmqd dead purge`, `Client::dead_purge`.
+    DeadPurge,
 }
 
 impl Action {
@@ -130,8 +147,8 @@ impl Action {
         match self {
             Action::Serve => Role::Daemon,
             Action::Push => Role::Producer,
-            Action::Stats | Action::Show => Role::Reader,
-            Action::Cancel => Role::Operator,
+            Action::Stats | Action::Show | Action::DeadRead => Role::Reader,
+            Action::Cancel | Action::DeadRequeue | Action::DeadPurge => Role::Operator,
         }
     }
 
@@ -143,6 +160,9 @@ impl Action {
             Action::Stats => STATS,
             Action::Show => SHOW,
             Action::Cancel => CANCEL,
+            Action::DeadRead => DEAD_READ,
+            Action::DeadRequeue => DEAD_REQUEUE,
+            Action::DeadPurge => DEAD_PURGE,
         }
     }
 
@@ -151,7 +171,7 @@ impl Action {
     /// read-only (`%R~`); EVALSHA_RO would take one, but a user with more rules (the daemon's) has no reason to
     /// be allowed it. Without a key, the check runs on any node, whose ACL rules are the same.
     fn keyed(self) -> bool {
-        !matches!(self, Action::Stats | Action::Show)
+        !matches!(self, Action::Stats | Action::Show | Action::DeadRead)
     }
 }
 
@@ -219,24 +239,26 @@ pub const COMMANDS: &[Command] = &[
     },
     Command {
         name: "rpush",
-        roles: &[D, P],
-        why: "a new task joins the back of its ready list (push.lua, fire.lua; due delayed tasks: promote.lua)",
+        roles: &[D, P, O],
+        why: "a new task joins the back of its ready list (push.lua, fire.lua; due delayed tasks: promote.lua; a \
+              requeued dead task: dead_requeue.lua)",
     },
     Command {
         name: "lpush",
-        roles: &[D, P],
+        roles: &[D, P, O],
         why: "wake-up markers; retried, recovered and handed-back tasks go to the front of their list; dead \
               letters",
     },
     Command {
         name: "ltrim",
-        roles: &[D, P],
+        roles: &[D, P, O],
         why: "keeps the wake list at one marker and the dead-letter list at `dead_max`",
     },
     Command {
         name: "llen",
         roles: &[D, R, O],
-        why: "claims look for quarantined tasks; stats count ready and dead tasks",
+        why: "claims look for quarantined tasks; stats count ready and dead tasks; `dead` commands measure the \
+              dead-letter list",
     },
     Command {
         name: "lindex",
@@ -246,12 +268,14 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "lrange",
         roles: &[R, O],
-        why: "`task show` and `task cancel` read the ready lists (and `task show` the dead letters) in chunks",
+        why: "`task show` and `task cancel` read the ready lists (and `task show` and the `dead` commands the dead \
+              letters) in chunks",
     },
     Command {
         name: "lrem",
         roles: &[O],
-        why: "`task cancel` removes a ready task (remove.lua)",
+        why: "`task cancel` removes a ready task (remove.lua); `dead requeue` and `dead purge` remove a dead letter \
+              (dead_requeue.lua, dead_purge.lua)",
     },
     Command {
         name: "hget",
@@ -273,8 +297,9 @@ pub const COMMANDS: &[Command] = &[
     },
     Command {
         name: "hsetnx",
-        roles: &[D, P],
-        why: "records the protocol version; push.lua stores a delayed task and takes a unique id",
+        roles: &[D, P, O],
+        why: "records the protocol version; push.lua stores a delayed task and takes a unique id (and \
+              dead_requeue.lua takes it again)",
     },
     Command {
         name: "hdel",
@@ -637,6 +662,46 @@ const CANCEL: &[(&str, On)] = &[
     ("hget", key(K::DelayedTasks)),
     ("hdel", key(K::DelayedTasks)),
     ("hdel", key(K::Unique)),
+    ("hincrby", key(K::Stats)),
+];
+
+/// `kmqd dead list` and `kmqd dead show`: plain reads of the dead-letter list (and the clock, for the ages).
+const DEAD_READ: &[(&str, On)] = &[
+    ("evalsha", NOTHING),
+    ("script|load", NOTHING),
+    ("time", NOTHING),
+    ("llen", key(K::Dead)),
+    ("lrange", key(K::Dead)),
+];
+
+/// `kmqd dead requeue`: reading the dead list, then dead_requeue.lua.
+const DEAD_REQUEUE: &[(&str, On)] = &[
+    ("llen", key(K::Dead)),
+    ("lrange", key(K::Dead)),
+    ("script|load", NOTHING),
+    ("evalsha", key(K::Dead)),
+    ("evalsha", key(K::Unique)),
+    ("evalsha", key(K::Wake)),
+    ("evalsha", key(K::Stats)),
+    ("evalsha", key(K::Ready)),
+    ("time", NOTHING),
+    ("hsetnx", key(K::Unique)),
+    ("lrem", key(K::Dead)),
+    ("hdel", key(K::Unique)),
+    ("rpush", key(K::Ready)),
+    ("hincrby", key(K::Stats)),
+    ("lpush", key(K::Wake)),
+    ("ltrim", key(K::Wake)),
+];
+
+/// `kmqd dead purge`: reading the dead list, then dead_purge.lua.
+const DEAD_PURGE: &[(&str, On)] = &[
+    ("llen", key(K::Dead)),
+    ("lrange", key(K::Dead)),
+    ("script|load", NOTHING),
+    ("evalsha", key(K::Dead)),
+    ("evalsha", key(K::Stats)),
+    ("lrem", key(K::Dead)),
     ("hincrby", key(K::Stats)),
 ];
 
@@ -1058,6 +1123,9 @@ mod tests {
             Action::Stats,
             Action::Show,
             Action::Cancel,
+            Action::DeadRead,
+            Action::DeadRequeue,
+            Action::DeadPurge,
         ] {
             assert!(action.role().actions().contains(&action), "{action:?}");
         }
@@ -1166,7 +1234,10 @@ mod tests {
         let cases: [(Role, &[&str]); 3] = [
             (Role::Daemon, &daemon),
             (Role::Producer, &[super::super::PUSH_SCRIPT]),
-            (Role::Operator, &[sources::REMOVE]),
+            (
+                Role::Operator,
+                &[sources::REMOVE, sources::DEAD_REQUEUE, sources::DEAD_PURGE],
+            ),
         ];
         for (role, scripts) in cases {
             let needs = role.needs();
@@ -1192,6 +1263,7 @@ mod tests {
             include_str!("owners.rs"),
             include_str!("stats.rs"),
             include_str!("lookup.rs"),
+            include_str!("dead.rs"),
             include_str!("schedule.rs"),
             include_str!("mod.rs"),
             include_str!("connection.rs"),

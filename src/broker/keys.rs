@@ -56,7 +56,8 @@ pub struct QueueKeys {
     /// Default mode: hash unique id -> the owner that popped the task, for unique tasks taken from Redis and not yet
     /// settled (a monitor releases the ids of an owner that died with them).
     pub unique_popped: String,
-    /// Hash of counters: pushed, done, retried, recovered, failed, dead_lettered, cancelled.
+    /// Hash of counters: pushed, done, retried, recovered, failed, dead_lettered, cancelled, requeued,
+    /// purged.
     pub stats: String,
     /// Wake-up markers for idle fetchers (at most one element).
     pub wake: String,

@@ -8,11 +8,13 @@
 //! - [`connection`]: connecting, the pool, a thread's own [`Session`];
 //! - [`tasks`]: a task's life: push, claim or pop, settle, leases, promote;
 //! - [`lookup`]: finding and cancelling tasks by id;
+//! - [`dead`]: the dead-letter list: reading, requeueing and purging records;
 //! - [`schedule`]: firing periodic tasks;
 //! - [`stats`]: depths and counters, and the protocol-version check.
 
 pub mod access;
 pub mod connection;
+pub mod dead;
 pub mod keys;
 pub mod lookup;
 pub mod owners;
@@ -166,6 +168,8 @@ struct Scripts {
     remove: redis::Script,
     fire: redis::Script,
     access: redis::Script,
+    dead_requeue: redis::Script,
+    dead_purge: redis::Script,
 }
 
 /// The scripts' sources, for tests that pick out one script's calls (a fault-injecting proxy matches them).
@@ -182,6 +186,8 @@ pub mod sources {
     pub const REMOVE: &str = include_str!("scripts/remove.lua");
     pub const FIRE: &str = include_str!("scripts/fire.lua");
     pub const ACCESS: &str = include_str!("scripts/access.lua");
+    pub const DEAD_REQUEUE: &str = include_str!("scripts/dead_requeue.lua");
+    pub const DEAD_PURGE: &str = include_str!("scripts/dead_purge.lua");
 }
 
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
@@ -198,6 +204,8 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     remove: redis::Script::new(sources::REMOVE),
     fire: redis::Script::new(sources::FIRE),
     access: redis::Script::new(sources::ACCESS),
+    dead_requeue: redis::Script::new(sources::DEAD_REQUEUE),
+    dead_purge: redis::Script::new(sources::DEAD_PURGE),
 });
 
 /// The published enqueue script (docs/PROTOCOL.md shows how to call it from any language).

@@ -65,6 +65,10 @@ pub struct QueueStats {
     pub dead_lettered: u64,
     /// Waiting tasks removed by `task cancel` (or `Client::cancel`).
     pub cancelled: u64,
+    /// Dead-letter records moved back to a ready list by `kmqd dead requeue` (`Client::dead_requeue`).
+    pub requeued: u64,
+    /// Dead-letter records removed by `kmqd dead purge` (`Client::dead_purge`).
+    pub purged: u64,
     /// Age of the oldest task at the head of a ready list, ms; `None` when nothing is ready.
     pub lag_ms: Option<i64>,
 }
@@ -182,6 +186,8 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
         failed: counter("failed"),
         dead_lettered: counter("dead_lettered"),
         cancelled: counter("cancelled"),
+        requeued: counter("requeued"),
+        purged: counter("purged"),
         lag_ms,
     })
 }

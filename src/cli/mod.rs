@@ -1,9 +1,9 @@
-//! The `kmqd` command line: `kmqd --config FILE [run|check-config|push|stats|task|bench]`, one module per
+//! The `kmqd` command line: `kmqd --config FILE [run|check-config|push|stats|task|dead|bench]`, one module per
 //! command.
 //!
 //! Exit codes, everywhere: 0 success, 1 runtime error (Redis unreachable, a thread died), 2 usage or config
 //! error (including a refused plugin, wrong credentials and missing ACL rules), 3 a push refused because its
-//! unique id is live, 4 a task id not found where `task show` or `task cancel` needs it.
+//! unique id is live, 4 a task id not found where `task show`, `task cancel` or a `dead` command needs it.
 
 use std::fmt;
 use std::path::PathBuf;
@@ -16,11 +16,13 @@ use crate::config::Config;
 
 mod bench;
 mod daemon;
+mod dead;
 mod push;
 mod stats;
 mod task;
 
 pub use bench::BenchArgs;
+pub use dead::DeadCommand;
 pub use push::PushArgs;
 pub use task::TaskCommand;
 
@@ -55,6 +57,9 @@ pub enum Command {
     /// Find or cancel tasks by id.
     #[command(subcommand)]
     Task(TaskCommand),
+    /// List, show, requeue or purge dead-letter records.
+    #[command(subcommand)]
+    Dead(DeadCommand),
     /// Measure kmqd against a private redis-server (needs no config): push rates, drain rates in both modes with
     /// 1, 2 and 4 daemons, idle wake-up latency, delayed-task lateness, memory. See docs/PERFORMANCE.md.
     Bench(BenchArgs),
@@ -144,6 +149,10 @@ pub fn run(args: Args) -> Result<(), Failure> {
         Command::Task(task) => {
             init_logging("warn");
             task::run_task(&config, task)
+        }
+        Command::Dead(dead) => {
+            init_logging("warn");
+            dead::run_dead(&config, dead)
         }
         Command::Bench(_) => unreachable!("handled before the config is read"),
     }

@@ -1,0 +1,49 @@
+#!lua
+-- dead_requeue.lua: move dead-letter records' tasks back to a ready list, each record atomically (kmqd dead
+-- requeue).
+--
+-- KEYS[1] dead list, KEYS[2] unique hash, KEYS[3] wake list, KEYS[4] stats hash, KEYS[5 .. 4+L] ready lists
+-- ARGV quadruples: the record (its exact bytes, as LRANGE read it), the level to queue the task at (1-based),
+-- the task's unique id (or ""), the envelope to queue (the record's task, its attempt reset if asked)
+-- Returns one integer per record: 1 requeued, 0 not found (the record left the dead list since it was read: a
+-- concurrent requeue or purge, or dead_max trimmed it), 2 held (its unique id is held by a live task; the record
+-- stays where it is).
+--
+-- Daemons LPUSH records onto the dead list all the while, so records are addressed by their bytes, never by
+-- their index: LREM of the exact value, count 1 (two identical records are two records, removed one per call).
+-- The removal and the push are one step: a record is never both requeued and kept, and never lost.
+-- The task joins the back of its level, as a new push does; the unique id is taken as push.lua takes it.
+local dead, uniq, wake, stats = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local result, requeued = {}, 0
+for i = 1, #ARGV, 4 do
+  local record, level, uid, envelope = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2], ARGV[i + 3]
+  local ready = KEYS[4 + level]
+  if ready == nil then
+    return redis.error_reply('dead_requeue.lua: no ready list for level ' .. ARGV[i + 1])
+  end
+  local ok = 1
+  if uid ~= '' and redis.call('HSETNX', uniq, uid, now) == 0 then
+    ok = 2
+  end
+  if ok == 1 and redis.call('LREM', dead, 1, record) == 0 then
+    ok = 0
+    if uid ~= '' then
+      -- Taken above for a record that is gone: give it back.
+      redis.call('HDEL', uniq, uid)
+    end
+  end
+  if ok == 1 then
+    redis.call('RPUSH', ready, envelope)
+    requeued = requeued + 1
+  end
+  result[#result + 1] = ok
+end
+if requeued > 0 then
+  redis.call('HINCRBY', stats, 'requeued', requeued)
+  -- One marker wakes one idle fetcher, as push.lua's does.
+  redis.call('LPUSH', wake, 1)
+  redis.call('LTRIM', wake, 0, 0)
+end
+return result
