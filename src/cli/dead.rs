@@ -320,11 +320,20 @@ fn show(record: &DeadRecord, now_ms: i64) -> String {
             String::from_utf8_lossy(&record.raw)
         );
     }
-    for (name, value) in &record.fields {
-        if matches!(name.as_str(), "task" | "task_base64") {
+    // The fields kmqd writes in the order it writes them, then any others.
+    let known = [
+        "dead_at", "queue", "id", "type", "level", "attempt", "reason", "size", "daemon",
+    ];
+    let others = record
+        .fields
+        .keys()
+        .map(String::as_str)
+        .filter(|name| !known.contains(name) && !matches!(*name, "task" | "task_base64"));
+    for name in known.into_iter().chain(others) {
+        let Some(value) = record.fields.get(name) else {
             continue;
-        }
-        let shown = match (name.as_str(), value) {
+        };
+        let shown = match (name, value) {
             ("dead_at", Json::Number(n)) => format!("{n} ({})", when(n.as_i64(), now_ms)),
             (_, Json::String(s)) => s.clone(),
             (_, other) => other.to_string(),
@@ -332,11 +341,8 @@ fn show(record: &DeadRecord, now_ms: i64) -> String {
         text.push_str(&format!("{name}: {shown}\n"));
     }
     match (record.task(), record.text("task_base64")) {
-        (Some(task), _) => match serde_json::from_str::<Json>(task) {
-            Ok(parsed) => text.push_str(&format!(
-                "task:\n{}\n",
-                serde_json::to_string_pretty(&parsed).expect("JSON values serialize")
-            )),
+        (Some(task), _) => match serde_json::from_str::<&serde_json::value::RawValue>(task) {
+            Ok(_) => text.push_str(&format!("task:\n{}\n", pretty(task))),
             Err(_) => text.push_str(&format!("task (not JSON, as stored):\n{task}\n")),
         },
         (None, Some(base64)) => text.push_str(&format!(
@@ -345,6 +351,63 @@ fn show(record: &DeadRecord, now_ms: i64) -> String {
         (None, None) => text.push_str("task: (none in the record)\n"),
     }
     text
+}
+
+/// Valid JSON `text` indented by two spaces, its members in their stored order (a parsed `Value` would sort
+/// them) and its strings and numbers byte for byte.
+fn pretty(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() * 2);
+    let mut depth = 0usize;
+    let (mut in_string, mut escaped) = (false, false);
+    let mut chars = text.chars().peekable();
+    let newline = |out: &mut String, depth: usize| {
+        out.push('\n');
+        out.push_str(&"  ".repeat(depth));
+    };
+    while let Some(c) = chars.next() {
+        if in_string {
+            out.push(c);
+            match (escaped, c) {
+                (true, _) => escaped = false,
+                (false, '\\') => escaped = true,
+                (false, '"') => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match c {
+            ' ' | '\t' | '\n' | '\r' => {}
+            '"' => {
+                in_string = true;
+                out.push(c);
+            }
+            '{' | '[' => {
+                out.push(c);
+                // An empty object or array stays on its line.
+                while chars.peek().is_some_and(|c| c.is_ascii_whitespace()) {
+                    chars.next();
+                }
+                if matches!(chars.peek(), Some('}' | ']')) {
+                    out.push(chars.next().expect("peeked"));
+                } else {
+                    depth += 1;
+                    newline(&mut out, depth);
+                }
+            }
+            '}' | ']' => {
+                depth = depth.saturating_sub(1);
+                newline(&mut out, depth);
+                out.push(c);
+            }
+            ',' => {
+                out.push(c);
+                newline(&mut out, depth);
+            }
+            ':' => out.push_str(": "),
+            other => out.push(other),
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -389,6 +452,14 @@ mod tests {
         assert!(
             text.contains("task_base64 (the payload was not UTF-8):\n/w=="),
             "{text}"
+        );
+    }
+
+    #[test]
+    fn pretty_keeps_the_members_order_and_the_strings() {
+        assert_eq!(
+            pretty(r#"{"z":1,"a":{"s":"x, {y}: \"q\"","e":[],"o":{ }},"l":[1,2]}"#),
+            "{\n  \"z\": 1,\n  \"a\": {\n    \"s\": \"x, {y}: \\\"q\\\"\",\n    \"e\": [],\n    \"o\": {}\n  },\n  \"l\": [\n    1,\n    2\n  ]\n}"
         );
     }
 
