@@ -46,8 +46,8 @@ fn wait_dead(redis: &RedisServer, count: usize) -> Vec<serde_json::Value> {
         Duration::from_secs(30),
         &format!("{count} dead letters"),
         || {
-            let records = records(redis);
-            (records.len() == count, ids(&records))
+            let found = records(redis).len();
+            (found == count, found)
         },
     );
     records(redis)
