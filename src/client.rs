@@ -325,19 +325,28 @@ impl Client {
         Ok(broker::redis_now(&mut **connection)?)
     }
 
-    /// The newest `limit` dead-letter records of `queue`, newest first.
+    /// The newest `limit` dead-letter records of `queue`, newest first, read [`dead::PAGE`] per command (so a
+    /// large limit does not hold Redis for long; records dead-lettered meanwhile may shift a page by as many).
     pub fn dead_list(&self, queue: &str, limit: usize) -> Result<Vec<DeadRecord>, ClientError> {
         let info = self.queue(queue)?;
-        if limit == 0 {
-            return Ok(Vec::new());
-        }
         let mut connection = self.pool.get().map_err(BrokerError::from)?;
-        Ok(dead::range(
-            &mut connection,
-            &info.keys,
-            0,
-            limit as i64 - 1,
-        )?)
+        let mut records = Vec::new();
+        while records.len() < limit {
+            let start = records.len();
+            let count = dead::PAGE.min(limit - start);
+            let page = dead::range(
+                &mut connection,
+                &info.keys,
+                start as i64,
+                (start + count) as i64 - 1,
+            )?;
+            let done = page.len() < count;
+            records.extend(page);
+            if done {
+                break;
+            }
+        }
+        Ok(records)
     }
 
     /// Every dead-letter record of the task `id` (a non-unique id may have several), newest first. Records of

@@ -237,6 +237,15 @@ fn requeue_by_id_and_all_while_a_daemon_dead_letters_more() {
     assert_eq!(s.dead_lettered, 600 + requeued, "{s:?}");
     assert_eq!(s.dead, 600, "{s:?}");
     daemon.stop();
+
+    // A limit past one page of 100 is read in pages, in order.
+    let listed: serde_json::Value = serde_json::from_str(&run(
+        &config,
+        &["dead", "list", "jobs", "--json", "--limit", "250"],
+        0,
+    ))
+    .unwrap();
+    assert_eq!(ids(listed.as_array().unwrap()), ids(&all)[..250]);
 }
 
 #[test]
