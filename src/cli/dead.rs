@@ -49,6 +49,7 @@ pub enum DeadCommand {
 /// The records a requeue or purge works on.
 #[derive(Args, Debug)]
 pub struct Which {
+    /// The queue, as the config names it.
     queue: String,
     /// The task ids whose records to work on (every record of each id).
     #[arg(required_unless_present = "all", conflicts_with = "all")]
@@ -334,7 +335,7 @@ fn show(record: &DeadRecord, now_ms: i64) -> String {
             continue;
         };
         let shown = match (name, value) {
-            ("dead_at", Json::Number(n)) => format!("{n} ({})", when(n.as_i64(), now_ms)),
+            ("dead_at", Json::Number(n)) => format!("{n}, {}", when(n.as_i64(), now_ms)),
             (_, Json::String(s)) => s.clone(),
             (_, other) => other.to_string(),
         };
