@@ -21,5 +21,6 @@ mod schedules;
 mod sentinel;
 mod shutdown;
 mod splice;
+mod systemd;
 mod tls;
 mod topology;

@@ -1,0 +1,300 @@
+//! Under systemd: the notify protocol as the real binary speaks it to a `NOTIFY_SOCKET` of the test's own (what
+//! systemd would read), and the unit file as `systemd-analyze` judges it.
+
+use std::os::unix::net::UnixDatagram;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use crate::support::proxy::FaultProxy;
+use crate::support::*;
+
+/// The lines the daemon sent to the test's notify socket, each with when it arrived.
+struct NotifySocket {
+    socket: UnixDatagram,
+    lines: Vec<(Instant, String)>,
+}
+
+impl NotifySocket {
+    fn bind(path: &Path) -> NotifySocket {
+        let socket = UnixDatagram::bind(path).unwrap();
+        socket
+            .set_read_timeout(Some(Duration::from_millis(20)))
+            .unwrap();
+        NotifySocket {
+            socket,
+            lines: Vec::new(),
+        }
+    }
+
+    /// Reads what arrived (waiting at most 20 ms); returns the new lines.
+    fn poll(&mut self) -> Vec<String> {
+        let mut buf = [0u8; 4096];
+        let mut new = Vec::new();
+        while let Ok(n) = self.socket.recv(&mut buf) {
+            let at = Instant::now();
+            for line in String::from_utf8_lossy(&buf[..n]).lines() {
+                self.lines.push((at, line.to_string()));
+                new.push(line.to_string());
+            }
+            self.socket
+                .set_read_timeout(Some(Duration::from_millis(1)))
+                .unwrap();
+        }
+        self.socket
+            .set_read_timeout(Some(Duration::from_millis(20)))
+            .unwrap();
+        new
+    }
+
+    /// Reads until a line satisfies `wanted` (returns it) or `within` passes (panics, with every line seen).
+    fn wait_for(&mut self, within: Duration, what: &str, wanted: impl Fn(&str) -> bool) -> String {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if let Some(line) = self.poll().into_iter().find(|line| wanted(line)) {
+                return line;
+            }
+        }
+        panic!("no {what} within {within:?}; seen: {:?}", self.texts());
+    }
+
+    /// Reads for `window`; returns the lines that arrived meanwhile.
+    fn read_for(&mut self, window: Duration) -> Vec<String> {
+        let until = Instant::now() + window;
+        let mut lines = Vec::new();
+        while Instant::now() < until {
+            lines.extend(self.poll());
+        }
+        lines
+    }
+
+    fn texts(&self) -> Vec<&str> {
+        self.lines.iter().map(|(_, line)| line.as_str()).collect()
+    }
+}
+
+fn pings(lines: &[String]) -> usize {
+    lines.iter().filter(|line| *line == "WATCHDOG=1").count()
+}
+
+#[test]
+fn notify_says_ready_only_once_redis_answers_pings_while_healthy_and_stops_when_every_worker_is_stuck()
+ {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    proxy.refuse(true);
+    let dir = TestDir::new();
+    let config = dir.config_for_url(
+        &proxy.url(),
+        "shutdown_grace = \"1s\"",
+        &safe_queue(
+            "workers = 1\nexecution_timeout = \"300ms\"\nretry_times = 0\nlease_timeout = \"5s\"",
+        ),
+    );
+    let socket_path = dir.path("notify.sock");
+    let mut notify = NotifySocket::bind(&socket_path);
+    let mut daemon = Process::start_with_env(
+        &config,
+        dir.path("kmqd.log"),
+        &[
+            ("NOTIFY_SOCKET", socket_path.to_str().unwrap()),
+            // 400 ms: a ping every 200 ms.
+            ("WATCHDOG_USEC", "400000"),
+        ],
+    );
+
+    // Redis down: the daemon says what it waits for, and is not ready.
+    let waiting = notify.wait_for(Duration::from_secs(10), "waiting status", |line| {
+        line.starts_with("STATUS=waiting for Redis at ")
+    });
+    assert!(waiting.contains(&proxy.url()), "{waiting}");
+    let meanwhile = notify.read_for(Duration::from_secs(1));
+    assert!(
+        !notify.texts().contains(&"READY=1"),
+        "ready while Redis refuses every connection: {:?}; log: {}",
+        notify.texts(),
+        daemon.log_text()
+    );
+    assert_eq!(pings(&meanwhile), 0, "no watchdog before it is ready");
+
+    proxy.refuse(false);
+    let redis_up = Instant::now();
+    notify.wait_for(Duration::from_secs(15), "READY=1", |line| line == "READY=1");
+    // READY=1 comes with the first serving status, in the same message.
+    notify.poll();
+    let ready_at = notify
+        .lines
+        .iter()
+        .position(|(at, line)| line == "READY=1" && *at >= redis_up)
+        .expect("READY=1 after Redis came up");
+    let status = &notify.lines[ready_at + 1].1;
+    assert_eq!(status, "STATUS=serving 1 queue, 0 tasks held");
+
+    // Idle and healthy: a ping every 200 ms.
+    let healthy = notify.read_for(Duration::from_secs(2));
+    assert!(pings(&healthy) >= 5, "pings while idle: {healthy:?}");
+
+    // A handler that ignores its cancel flag: past execution_timeout (and a second more) its worker is stuck, and
+    // with one worker the queue is wedged.
+    push_many(
+        &config,
+        "stuck",
+        1,
+        r#"{"until_cancelled":true,"ignore_cancel":true}"#,
+    );
+    let wedged = notify.wait_for(Duration::from_secs(10), "wedged status", |line| {
+        line.starts_with("STATUS=wedged")
+    });
+    assert!(
+        wedged.contains("every worker (1) is stuck in a handler"),
+        "{wedged}"
+    );
+    let after = notify.read_for(Duration::from_secs(2));
+    assert_eq!(
+        pings(&after),
+        0,
+        "pings while every worker is stuck: {after:?}"
+    );
+    let log = daemon.log_text();
+    assert_eq!(
+        log.matches("watchdog: the daemon is wedged").count(),
+        1,
+        "said once: {log}"
+    );
+
+    daemon.signal(15);
+    let stopping = notify.wait_for(Duration::from_secs(10), "STOPPING=1", |line| {
+        line == "STOPPING=1"
+    });
+    assert_eq!(stopping, "STOPPING=1");
+    assert_eq!(daemon.wait_within(Duration::from_secs(30)), Some(0));
+    notify.poll();
+    eprintln!("notify messages seen: {:?}", dedup_pings(&notify.texts()));
+}
+
+/// The lines seen, runs of WATCHDOG=1 shown as one with their count (for the test's output).
+fn dedup_pings(lines: &[&str]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    let mut run = 0;
+    for line in lines {
+        if *line == "WATCHDOG=1" {
+            run += 1;
+            continue;
+        }
+        if run > 0 {
+            out.push(format!("WATCHDOG=1 x{run}"));
+            run = 0;
+        }
+        out.push(line.to_string());
+    }
+    if run > 0 {
+        out.push(format!("WATCHDOG=1 x{run}"));
+    }
+    out
+}
+
+/// `systemd-analyze`, or why it is missing (scripts/test installs it: scripts/common.sh `ensure_systemd_analyze`).
+fn systemd_analyze() -> Option<Command> {
+    let found = Command::new("systemd-analyze")
+        .arg("--version")
+        .output()
+        .is_ok_and(|output| output.status.success());
+    if found {
+        return Some(Command::new("systemd-analyze"));
+    }
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "systemd-analyze is missing in CI: scripts/test installs it (Debian's systemd package)"
+    );
+    eprintln!(
+        "SKIPPED: systemd-analyze not found; `apt-get install systemd` (scripts/test does) to check the unit"
+    );
+    None
+}
+
+/// "→ Overall exposure level for kmqd.service: 1.4 OK 🙂" → 1.4.
+fn exposure(report: &str) -> Option<f64> {
+    let line = report
+        .lines()
+        .find(|line| line.contains("Overall exposure level for kmqd.service:"))?;
+    line.split(':')
+        .nth(1)?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+#[test]
+fn the_unit_file_verifies_and_its_exposure_is_at_most_2() {
+    let Some(_) = systemd_analyze() else {
+        return;
+    };
+    let unit = workspace_dir().join("systemd/kmqd.service");
+    let text = std::fs::read_to_string(&unit).unwrap();
+    for line in [
+        "Type=notify",
+        "NotifyAccess=main",
+        "WatchdogSec=30s",
+        "RestartPreventExitStatus=2",
+        "EnvironmentFile=-/etc/default/kmqd",
+        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6",
+    ] {
+        assert!(
+            text.lines().any(|l| l == line),
+            "{line} missing from the unit"
+        );
+    }
+
+    // `verify` checks that ExecStart's binary exists and is executable: a copy of the unit that runs the
+    // binary these tests built, named kmqd.service (verify takes the unit's name from the file's).
+    let dir = tempfile::tempdir().unwrap();
+    let copy = dir.path().join("kmqd.service");
+    std::fs::write(
+        &copy,
+        text.replace("/usr/bin/kmqd", env!("CARGO_BIN_EXE_kmqd")),
+    )
+    .unwrap();
+    let verified = systemd_analyze()
+        .unwrap()
+        .arg("verify")
+        .arg(&copy)
+        .output()
+        .unwrap();
+    let complaints = String::from_utf8_lossy(&verified.stderr);
+    assert!(
+        verified.status.success() && complaints.trim().is_empty(),
+        "systemd-analyze verify: {}\n{complaints}",
+        verified.status
+    );
+
+    // `security --offline=true` rates the unit file itself, with no running systemd (a container).
+    let rated = systemd_analyze()
+        .unwrap()
+        .args(["security", "--offline=true", "--no-pager"])
+        .arg(&unit)
+        .output()
+        .unwrap();
+    let report = String::from_utf8_lossy(&rated.stdout);
+    let score = exposure(&report).unwrap_or_else(|| {
+        panic!(
+            "no exposure level in: {report}{}",
+            String::from_utf8_lossy(&rated.stderr)
+        )
+    });
+    assert!(score <= 2.0, "exposure {score} above 2.0:\n{report}");
+    eprintln!("systemd-analyze security --offline=true systemd/kmqd.service: {score}");
+}
+
+#[test]
+fn the_exposure_line_parses() {
+    assert_eq!(
+        exposure("  x\n→ Overall exposure level for kmqd.service: 1.4 OK 🙂\n"),
+        Some(1.4)
+    );
+    assert_eq!(
+        exposure("→ Overall exposure level for kmqd.service: 8.0 EXPOSED 🙁"),
+        Some(8.0)
+    );
+    assert_eq!(exposure("nothing"), None);
+}
