@@ -172,6 +172,66 @@ fn notify_says_ready_only_once_redis_answers_pings_while_healthy_and_stops_when_
     eprintln!("notify messages seen: {:?}", dedup_pings(&notify.texts()));
 }
 
+#[test]
+fn the_watchdog_keeps_pinging_through_a_redis_outage_longer_than_every_bound() {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    // Short timeouts, so that the outage below outlasts both bounds (fetcher 11.3 s, acker 8.15 s: see
+    // `lane::stall_bounds`): waiting for Redis must never count as wedged, or systemd would restart a daemon
+    // that is right to wait.
+    let config = dir.config_raw(
+        &format!(
+            "url = \"{}\"\nio_timeout = \"1s\"\nconnect_timeout = \"1s\"",
+            proxy.url()
+        ),
+        "shutdown_grace = \"5s\"",
+        &safe_queue("workers = 1\nlease_timeout = \"60s\""),
+    );
+    let socket_path = dir.path("notify.sock");
+    let mut notify = NotifySocket::bind(&socket_path);
+    let mut daemon = Process::start_with_env(
+        &config,
+        dir.path("kmqd.log"),
+        &[
+            ("NOTIFY_SOCKET", socket_path.to_str().unwrap()),
+            ("WATCHDOG_USEC", "400000"),
+        ],
+    );
+    notify.wait_for(Duration::from_secs(15), "READY=1", |line| line == "READY=1");
+    // A run that ends during the outage: its outcome waits for Redis in the acker, which retries.
+    push_many(&config, "t", 1, r#"{"sleep_ms":1000}"#);
+    eventually(Duration::from_secs(10), "the run to start", || {
+        (dir.records().starts.len() == 1, ())
+    });
+    proxy.refuse(true);
+    let outage = Duration::from_secs(14);
+    let started = Instant::now();
+    let mut last_ping = Instant::now();
+    let mut longest_gap = Duration::ZERO;
+    while started.elapsed() < outage {
+        if notify.poll().iter().any(|line| line == "WATCHDOG=1") {
+            longest_gap = longest_gap.max(last_ping.elapsed());
+            last_ping = Instant::now();
+        }
+    }
+    longest_gap = longest_gap.max(last_ping.elapsed());
+    let log = daemon.log_text();
+    assert!(
+        log.contains("cannot settle outcomes") && log.contains("fetching tasks failed"),
+        "both the acker and the fetcher met the outage: {log}"
+    );
+    assert!(!log.contains("wedged"), "{log}");
+    assert!(
+        longest_gap < Duration::from_secs(2),
+        "pings stopped for {longest_gap:?} while Redis was down"
+    );
+    proxy.refuse(false);
+    wait_done(&config, 1, Duration::from_secs(20));
+    daemon.signal(15);
+    assert_eq!(daemon.wait_within(Duration::from_secs(30)), Some(0));
+}
+
 /// The lines seen, runs of WATCHDOG=1 shown as one with their count (for the test's output).
 fn dedup_pings(lines: &[&str]) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
