@@ -232,6 +232,105 @@ fn the_watchdog_keeps_pinging_through_a_redis_outage_longer_than_every_bound() {
     assert_eq!(daemon.wait_within(Duration::from_secs(30)), Some(0));
 }
 
+/// Runs a program under the kernel's refusal of writable-and-executable memory (`prctl(PR_SET_MDWE,
+/// PR_MDWE_REFUSE_EXEC_GAIN)`, Linux 6.3+: what `MemoryDenyWriteExecute=yes` applies, and which a child inherits
+/// across fork and exec), without a running systemd. python3 does the prctl, so the tests stay free of unsafe code.
+const MDWE_WRAPPER: &str = r#"
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.prctl(65, 1, 0, 0, 0) != 0:
+    sys.exit("prctl(PR_SET_MDWE) refused: errno %d" % ctypes.get_errno())
+os.execv(sys.argv[1], sys.argv[1:])
+"#;
+
+/// An exec handler: "plain" succeeds; "wx" asks for a writable and executable page, as a JIT does.
+const WX_HANDLER: &str = r#"
+import json, mmap, sys
+if json.load(sys.stdin) == "wx":
+    mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+"#;
+
+#[test]
+fn plugins_load_and_exec_handlers_run_under_memory_deny_write_execute() {
+    let Some(python) = ["/usr/bin/python3", "/usr/local/bin/python3"]
+        .into_iter()
+        .find(|path| Path::new(path).exists())
+    else {
+        eprintln!("SKIPPED: no python3 to apply PR_SET_MDWE with");
+        return;
+    };
+    let dir = TestDir::new();
+    let wrapper = dir.path("mdwe.py");
+    std::fs::write(&wrapper, MDWE_WRAPPER).unwrap();
+    let probe = Command::new(python)
+        .arg(&wrapper)
+        .arg("/bin/true")
+        .output()
+        .unwrap();
+    if !probe.status.success() {
+        eprintln!(
+            "SKIPPED: this kernel has no PR_SET_MDWE (Linux 6.3+): {}",
+            String::from_utf8_lossy(&probe.stderr)
+        );
+        return;
+    }
+    let redis = RedisServer::start();
+    dir.install_plugin(&built_plugin("kmq-exec"), "libkmq_exec.so");
+    let handler = dir.path("handler.py");
+    std::fs::write(&handler, WX_HANDLER).unwrap();
+    let config = dir.config(
+        &redis,
+        &format!(
+            "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\nretry_times = 0\n\n\
+             [plugins.exec]\nfile = \"libkmq_exec.so\"\n\
+             config = {{ command = \"{python}\", args = [\"{}\"], timeout = \"30s\", types = [\"py\"] }}\n",
+            handler.display()
+        ),
+    );
+    // The real binary, as systemd would start it with MemoryDenyWriteExecute=yes: the testkit and exec plugins
+    // load (dlopen maps no page both writable and executable), and the exec plugin's commands inherit the rule.
+    let log = dir.path("kmqd.log");
+    let out = std::fs::File::create(&log).unwrap();
+    let child = Command::new(python)
+        .arg(&wrapper)
+        .arg(env!("CARGO_BIN_EXE_kmqd"))
+        .arg("--config")
+        .arg(&config)
+        .env("RUST_LOG", "kmqd=debug")
+        .stdout(out.try_clone().unwrap())
+        .stderr(out)
+        .spawn()
+        .unwrap();
+    let mut daemon = Process { child, log };
+    let client = client(&config);
+    for (id, kind, data) in [
+        ("testkit", "test", "{}"),
+        ("plain", "py", r#""plain""#),
+        ("wx", "py", r#""wx""#),
+    ] {
+        client
+            .push("jobs", kmqd::NewTask::new(kind, data).unwrap().id(id))
+            .unwrap();
+    }
+    let s = eventually(Duration::from_secs(30), "the three tasks to end", || {
+        let s = stats(&config, "jobs");
+        (s.done + s.dead == 3, s)
+    });
+    assert_eq!(
+        (s.done, s.dead),
+        (2, 1),
+        "only the handler that wants W+X memory fails: {s:?}\n{}",
+        daemon.log_text()
+    );
+    let dead: Vec<String> = redis.cmd(&["LRANGE", "kmq:{jobs}:dead", "0", "-1"]);
+    assert!(
+        dead.len() == 1 && dead[0].contains(r#""id":"wx""#) && dead[0].contains("PermissionError"),
+        "the W+X request was refused, so the rule was in force: {dead:?}"
+    );
+    daemon.signal(15);
+    assert_eq!(daemon.wait_within(Duration::from_secs(30)), Some(0));
+}
+
 /// The lines seen, runs of WATCHDOG=1 shown as one with their count (for the test's output).
 fn dedup_pings(lines: &[&str]) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
