@@ -29,6 +29,12 @@ ensure_openssl() {
     ensure_command openssl openssl
 }
 
+# tests/it/systemd.rs checks systemd/kmqd.service with `systemd-analyze verify` and `security --offline=true`,
+# which need no running systemd (a container has none): Debian's systemd package brings the command.
+ensure_systemd_analyze() {
+    ensure_command systemd-analyze systemd
+}
+
 ensure_cargo() {
     if ! command -v cargo >/dev/null 2>&1; then
         echo "cargo not found: install Rust first (https://rustup.rs), then run this again" >&2

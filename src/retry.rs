@@ -24,7 +24,8 @@ pub struct Backoff {
 
 impl Backoff {
     const FIRST: Duration = Duration::from_millis(100);
-    const MAX: Duration = Duration::from_secs(5);
+    /// The longest wait between two tries (the watchdog's bounds count it).
+    pub const MAX: Duration = Duration::from_secs(5);
 
     pub fn new() -> Backoff {
         Backoff {

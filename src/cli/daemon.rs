@@ -19,6 +19,7 @@ pub(super) fn run_daemon(config: &Config) -> Result<(), Failure> {
     let (stop_tx, stop_rx) = crossbeam_channel::bounded(1);
     crate::daemon::signals::forward(stop_tx)
         .map_err(|error| Failure::Runtime(format!("cannot install signal handlers: {error}")))?;
+    crate::daemon::notify::status("loading plugins");
     let registry = Arc::new(load_plugins(config)?);
     crate::daemon::run(config, registry, stop_rx).map_err(|error| {
         if error.is_config_error() {

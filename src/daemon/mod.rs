@@ -1,9 +1,10 @@
 //! The supervisor: starts every thread of the daemon, watches them, and runs the shutdown sequence.
 //!
 //! Per queue a [`lane`] (fetcher, `workers` workers, acker) and a delay poller; per daemon the [`heartbeat`],
-//! the [`monitor`], the [`timeouts`] thread, the delay listener, the [`scheduler`] (when there are schedules) and
-//! the [`metrics`] endpoint (when configured). Each thread is named after its module (`kmqd-worker-mail-3`) and
-//! reports its end on the event channel, so the supervisor's loop is one `select!` over a closed set of events.
+//! the [`monitor`], the [`timeouts`] thread, the delay listener, the [`scheduler`] (when there are schedules),
+//! the [`metrics`] endpoint (when configured) and, under systemd, [`notify`] (status lines and the
+//! [`watchdog`]). Each thread is named after its module (`kmqd-worker-mail-3`) and reports its end on the event
+//! channel, so the supervisor's loop is one `select!` over a closed set of events.
 //!
 //! Shutdown (docs/OPERATIONS.md, "Stopping"), stage by stage, each wait bounded:
 //! 1. *claiming* fires: fetchers stop (what a claim in flight still brings is handed back at once); workers hand
@@ -20,10 +21,12 @@ pub mod heartbeat;
 pub mod lane;
 pub mod metrics;
 pub mod monitor;
+pub mod notify;
 pub mod scheduler;
 pub mod settler;
 pub mod signals;
 pub mod timeouts;
+pub mod watchdog;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -105,6 +108,10 @@ fn wait_for_redis(
 ) -> Result<bool, DaemonError> {
     let mut trouble = crate::retry::Trouble::new("connecting to Redis at start", None);
     let mut delay = Duration::from_millis(100);
+    let redis = config.redis.describe();
+    notify::status(&format!("connecting to Redis at {redis}"));
+    // What the status line last said went wrong, so that it is sent again only when that changes.
+    let mut shown = String::new();
     loop {
         let checked = connector.connect().and_then(|mut connection| {
             for queue in &config.queues {
@@ -135,11 +142,19 @@ fn wait_for_redis(
                     return Err(DaemonError::Auth(refused));
                 }
                 trouble.failed(&error);
+                let text = error.to_string();
+                if text != shown {
+                    notify::status(&format!("waiting for Redis at {redis}: {text}"));
+                    shown = text;
+                }
             }
         }
         match stop.recv_timeout(delay) {
             Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
-            _ => return Ok(false),
+            _ => {
+                notify::stopping("stopping before Redis answered");
+                return Ok(false);
+            }
         }
         delay = (delay * 2).min(Duration::from_secs(5));
     }
@@ -375,6 +390,21 @@ pub fn run(
         daemon = %daemon_id,
         "kmqd started"
     );
+    // Every lane runs, Redis answered and let this user do all the daemon does: ready (Type=notify).
+    notify::ready(&notify::summary(&lanes));
+    if notify::enabled() {
+        let notifier = notify::Notifier {
+            bounds: lanes
+                .iter()
+                .map(|lane| lane::stall_bounds(&config.redis, &lane.queue.config))
+                .collect(),
+            lanes: lanes.clone(),
+            stop: claiming.listener(),
+        };
+        threads.spawn("kmqd-notify".to_string(), Role::Other, move || {
+            notifier.run()
+        })?;
+    }
 
     // Run until told to stop, or until a thread ends on its own (a bug: stop rather than run crippled).
     let failure = select! {
@@ -392,6 +422,10 @@ pub fn run(
     };
 
     tracing::info!(grace = ?config.daemon.shutdown_grace, "stopping: no new tasks are taken");
+    notify::stopping(&format!(
+        "stopping: no new tasks are taken; running ones get shutdown_grace ({})",
+        humantime::format_duration(config.daemon.shutdown_grace)
+    ));
     claiming.fire();
     let stopping_at = Instant::now();
     let workers_done = threads.wait_for(
@@ -471,7 +505,8 @@ fn start_lane(
         registry: Arc::clone(&parts.registry),
         connection: Session::new(parts.pool.clone()),
         outcomes,
-        settler: Settler::new(format!("{}:acker", parts.instance)),
+        settler: Settler::new(format!("{}:acker", parts.instance))
+            .with_pulse(lane.acker_pulse.clone()),
         background: parts.background.clone(),
     };
     threads.spawn(format!("kmqd-acker-{name}"), Role::Acker, move || {

@@ -5,6 +5,7 @@
 //! applying it twice (see `broker::settle`): so a dead letter is recorded once, its hook runs once, and a
 //! default-mode retry is queued once.
 
+use super::watchdog::Pulse;
 use crate::broker::{self, Fence, QueueKeys, Session, Settled, Settlement};
 use crate::retry::Backoff;
 use crate::shutdown::Listener;
@@ -15,11 +16,24 @@ pub struct Settler {
     /// Identifies this party's calls in Redis: unique to this daemon's run and role.
     identity: String,
     calls: u64,
+    /// Beaten every attempt (the acker's), so that the watchdog sees an acker retrying through a Redis outage
+    /// as alive: retrying is bounded, each attempt by the `[redis]` timeouts.
+    pulse: Option<Pulse>,
 }
 
 impl Settler {
     pub fn new(identity: String) -> Settler {
-        Settler { identity, calls: 0 }
+        Settler {
+            identity,
+            calls: 0,
+            pulse: None,
+        }
+    }
+
+    /// Beats `pulse` at every attempt.
+    pub fn with_pulse(mut self, pulse: Pulse) -> Settler {
+        self.pulse = Some(pulse);
+        self
     }
 
     /// Applies `settlements` (all of `owner`'s tasks, in safe mode), sending the same call again after each
@@ -44,6 +58,9 @@ impl Settler {
         let mut backoff = Backoff::new();
         let mut failures = 0u32;
         loop {
+            if let Some(pulse) = &self.pulse {
+                pulse.beat();
+            }
             let result = session.get().and_then(|connection| {
                 broker::settle(
                     connection,

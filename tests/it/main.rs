@@ -22,5 +22,6 @@ mod schedules;
 mod sentinel;
 mod shutdown;
 mod splice;
+mod systemd;
 mod tls;
 mod topology;

@@ -26,8 +26,8 @@ use crate::shutdown::Listener;
 /// The most outcomes settled in one script call.
 pub const MAX_BATCH: usize = 1000;
 
-/// How often an idle acker looks whether the lane is drained.
-const IDLE_CHECK: Duration = Duration::from_millis(50);
+/// How often an idle acker looks whether the lane is drained (and beats its pulse).
+pub const IDLE_CHECK: Duration = Duration::from_millis(50);
 
 pub struct Acker {
     pub lane: Arc<Lane>,
@@ -43,6 +43,7 @@ impl Acker {
     pub fn run(mut self) {
         let mut batch = Vec::with_capacity(64);
         loop {
+            self.lane.acker_pulse.beat();
             match self.outcomes.recv_timeout(IDLE_CHECK) {
                 Ok(first) => {
                     batch.push(first);
@@ -141,6 +142,8 @@ impl Acker {
             ) = (&outcome.resolution, applied)
             {
                 settlement::run_dead_hook(&self.registry, &queue.config.name, hook);
+                // A batch may dead-letter many tasks, each hook a plugin call: only one that never returns is a hang.
+                lane.acker_pulse.beat();
             }
         }
         true

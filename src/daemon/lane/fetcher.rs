@@ -33,8 +33,8 @@ const MIN_CLAIM: usize = 16;
 /// How often a fetcher waiting to run a quarantined group looks whether its lane holds nothing any more.
 const ISOLATION_POLL: Duration = Duration::from_millis(5);
 
-/// How long the fetcher waits for capacity before it looks at the shutdown flag again.
-const CAPACITY_WAIT: Duration = Duration::from_millis(200);
+/// How long the fetcher waits for capacity before it looks at the shutdown flag again (and beats its pulse).
+pub const CAPACITY_WAIT: Duration = Duration::from_millis(200);
 
 pub struct Fetcher {
     lane: Arc<Lane>,
@@ -102,6 +102,7 @@ impl Fetcher {
     pub fn run(mut self) {
         let mut backoff = Backoff::new();
         while !self.claiming.is_triggered() {
+            self.lane.fetcher_pulse.beat();
             if self.lost_claim.is_some() {
                 if !self.adopt_lost_claim() && backoff.wait(&self.claiming) {
                     break;

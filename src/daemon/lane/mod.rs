@@ -32,7 +32,8 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender, TrySendError};
 use rustc_hash::FxHashMap;
 
-use crate::config::QueueConfig;
+use crate::config::{QueueConfig, RedisConfig};
+use crate::daemon::watchdog::{Bounds, Pulse};
 use crate::queue::QueueContext;
 use capacity::Capacity;
 use resolve::{JobId, JobState, Outcome};
@@ -42,6 +43,24 @@ use resolve::{JobId, JobState, Outcome};
 /// trip.
 pub fn fetch_threshold(queue: &QueueConfig) -> usize {
     queue.batch.min((queue.workers + queue.prefetch) / 2).max(1)
+}
+
+/// How long a lane's fetcher and acker may go without a beat of their pulse before the watchdog counts them as
+/// wedged: everything one turn of each loop may wait, added up, so that a Redis that is down, slow or failing
+/// over never counts (the daemon is right to wait for it) and only a hang nothing bounds does. With the
+/// defaults (`idle_poll` 1 s, `connect_timeout` 5 s, `io_timeout` 10 s, `wait_timeout` 100 ms): 51.3 s for the
+/// fetcher, 30.15 s for the acker.
+pub fn stall_bounds(redis: &RedisConfig, queue: &QueueConfig) -> Bounds {
+    // Every Redis call of a turn is bounded by these: a pooled connection within `connect_timeout`, a reply
+    // within `io_timeout`, a `WAIT` for replicas within `wait_timeout`.
+    let call = |calls: u32| redis.connect_timeout + redis.wait_timeout + redis.io_timeout * calls;
+    Bounds {
+        // Waiting for capacity, then register + claim (or pop) + the idle wait in Redis (`idle_poll` beyond its
+        // read timeout), one more reply for a cluster's redirect, then the retry backoff after a failure.
+        fetcher: fetcher::CAPACITY_WAIT + queue.idle_poll + call(4) + crate::retry::Backoff::MAX,
+        // Waiting for an outcome, then one settle attempt (and a redirect), then the backoff before the next.
+        acker: acker::IDLE_CHECK + call(2) + crate::retry::Backoff::MAX,
+    }
 }
 
 /// What the threads of one lane, and the per-daemon threads that act on it, share.
@@ -63,6 +82,10 @@ pub struct Lane {
     outcomes: Sender<Outcome>,
     /// The reference point for the times kept in atomics.
     pub epoch: Instant,
+    /// Bumped by the fetcher every turn of its loop, and by the acker every turn and every settle attempt: the
+    /// watchdog's sign that they are not hung (`daemon::watchdog`).
+    pub fetcher_pulse: Pulse,
+    pub acker_pulse: Pulse,
 }
 
 impl Lane {
@@ -83,6 +106,8 @@ impl Lane {
             fetcher_done: AtomicBool::new(false),
             outcomes,
             epoch,
+            fetcher_pulse: Pulse::default(),
+            acker_pulse: Pulse::default(),
             queue,
         };
         (lane, receiver)
@@ -311,6 +336,34 @@ impl Ownership {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_stall_bounds_add_up_every_wait_of_a_turn() {
+        let parse = |text: &str| {
+            crate::config::Config::parse(std::path::Path::new("kmqd.toml"), text).unwrap()
+        };
+        let config = parse("[[queues]]\nname = \"mail\"\nmode = \"safe\"\n");
+        let bounds = stall_bounds(&config.redis, &config.queues[0]);
+        let ms = Duration::from_millis;
+        assert_eq!(
+            bounds,
+            Bounds {
+                fetcher: ms(51_300),
+                acker: ms(30_150)
+            },
+            "the defaults the doc comment gives"
+        );
+        let config = parse(
+            "[redis]\nio_timeout = \"1s\"\nconnect_timeout = \"1s\"\n\
+             [[queues]]\nname = \"mail\"\nmode = \"safe\"\nidle_poll = \"5s\"\n",
+        );
+        let bounds = stall_bounds(&config.redis, &config.queues[0]);
+        assert_eq!(
+            bounds.fetcher,
+            ms(200 + 5_000 + 1_000 + 100 + 4_000 + 5_000)
+        );
+        assert_eq!(bounds.acker, ms(50 + 1_000 + 100 + 2_000 + 5_000));
+    }
 
     #[test]
     fn a_task_starts_only_while_its_owner_is_current_and_its_lease_surely_live() {

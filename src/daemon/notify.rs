@@ -1,0 +1,170 @@
+//! systemd's notify protocol (sd_notify(3), `Type=notify` in systemd/kmqd.service), through the `sd-notify`
+//! crate: `READY=1` once the daemon serves (plugins loaded, Redis answered, the ACL and protocol checks passed,
+//! every lane started), `STATUS=` lines for `systemctl status`, `STOPPING=1` when the graceful shutdown begins,
+//! and, when systemd asks for it (`WatchdogSec=`, which sets `WATCHDOG_USEC`), `WATCHDOG=1` at half that interval
+//! for as long as [`super::watchdog`] finds nothing wedged.
+//!
+//! Without `NOTIFY_SOCKET` (not under systemd, or `Type=exec`) every function here is a no-op and no thread is
+//! started. A message that cannot be sent is reported once: the daemon runs on, and systemd's own timeouts (a
+//! start that never got `READY=1`, a watchdog that got no ping) then say what went wrong.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use sd_notify::NotifyState;
+
+use super::lane::Lane;
+use super::watchdog::{Bounds, Sample, Watchdog, Wedge};
+use crate::shutdown::Listener;
+
+/// How often `STATUS=` is refreshed while the daemon serves (at once when something becomes wedged or recovers).
+pub const STATUS_EVERY: Duration = Duration::from_secs(5);
+
+/// The longest the notify thread sleeps between two looks: a look later than [`super::watchdog::PAUSE_GAP`]
+/// must mean the process was paused, not that this thread dawdled.
+const LOOK_EVERY: Duration = Duration::from_secs(1);
+
+/// Whether a service manager listens: without a `NOTIFY_SOCKET` nothing is sent and the notify thread is not
+/// started.
+pub fn enabled() -> bool {
+    std::env::var_os("NOTIFY_SOCKET").is_some()
+}
+
+fn send(states: &[NotifyState]) {
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    if let Err(error) = sd_notify::notify(states) {
+        if !WARNED.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                %error,
+                "cannot send to systemd's NOTIFY_SOCKET; under Type=notify systemd then thinks kmqd never got ready"
+            );
+        }
+    }
+}
+
+/// `STATUS=text`: what `systemctl status kmqd` shows.
+pub fn status(text: &str) {
+    send(&[NotifyState::Status(text)]);
+}
+
+/// `READY=1`, with a status line.
+pub fn ready(text: &str) {
+    send(&[NotifyState::Ready, NotifyState::Status(text)]);
+}
+
+/// `STOPPING=1`, with a status line: systemd shows the unit as deactivating from here on.
+pub fn stopping(text: &str) {
+    send(&[NotifyState::Stopping, NotifyState::Status(text)]);
+}
+
+/// "serving 3 queues, 12 tasks held" (", 1 worker stuck" when some are).
+pub fn summary(lanes: &[Arc<Lane>]) -> String {
+    // The table of held tasks, not `Capacity::held`, which also counts what an idle fetcher reserved for the
+    // claim it waits in.
+    let held: usize = lanes.iter().map(|lane| lane.held.len()).sum();
+    let stuck: usize = lanes.iter().map(|lane| lane.capacity.stuck_workers()).sum();
+    let plural =
+        |n: usize, one: &str, many: &str| format!("{n} {}", if n == 1 { one } else { many });
+    let mut text = format!(
+        "serving {}, {} held",
+        plural(lanes.len(), "queue", "queues"),
+        plural(held, "task", "tasks")
+    );
+    if stuck > 0 {
+        text.push_str(&format!(
+            ", {} stuck in handlers",
+            plural(stuck, "worker", "workers")
+        ));
+    }
+    text
+}
+
+/// The `kmqd-notify` thread: refreshes `STATUS=` and, when systemd set a watchdog interval, pings it while the
+/// daemon makes progress or is idle. It stops when the daemon stops claiming: `STOPPING=1` has been sent then,
+/// and systemd's watchdog no longer applies to a stopping unit.
+pub struct Notifier {
+    pub lanes: Vec<Arc<Lane>>,
+    /// Each lane's bounds, in the order of `lanes`.
+    pub bounds: Vec<Bounds>,
+    pub stop: Listener,
+}
+
+impl Notifier {
+    pub fn run(self) {
+        // WATCHDOG_USEC, set by systemd for WatchdogSec= (and WATCHDOG_PID, which must be ours).
+        let interval = sd_notify::watchdog_enabled();
+        let start = Instant::now();
+        let mut watchdog = interval.map(|_| {
+            Watchdog::new(
+                self.lanes
+                    .iter()
+                    .zip(&self.bounds)
+                    .map(|(lane, bounds)| (lane.name().to_string(), *bounds)),
+                start,
+            )
+        });
+        let ping_every = interval.map(|interval| interval / 2);
+        if let Some(interval) = interval {
+            tracing::info!(
+                ?interval,
+                "systemd watchdog: pinging while the daemon makes progress"
+            );
+        }
+        let look_every = ping_every.map_or(LOOK_EVERY, |every| every.min(LOOK_EVERY));
+        let mut last_ping: Option<Instant> = None;
+        let mut last_status = start;
+        let mut wedged: Vec<Wedge> = Vec::new();
+        loop {
+            let now = Instant::now();
+            let mut changed = false;
+            if let (Some(watchdog), Some(ping_every)) = (watchdog.as_mut(), ping_every) {
+                let samples: Vec<Sample> = self.lanes.iter().map(|lane| sample(lane)).collect();
+                let wedges = watchdog.look(now, &samples);
+                changed = wedges.is_empty() != wedged.is_empty();
+                if changed {
+                    report(&wedges);
+                }
+                wedged = wedges;
+                if wedged.is_empty() && last_ping.is_none_or(|at| now >= at + ping_every) {
+                    send(&[NotifyState::Watchdog]);
+                    last_ping = Some(now);
+                }
+            }
+            if changed || now >= last_status + STATUS_EVERY {
+                last_status = now;
+                match wedged.first() {
+                    None => status(&summary(&self.lanes)),
+                    Some(wedge) => status(&format!("wedged, not pinging the watchdog: {wedge}")),
+                }
+            }
+            if self.stop.wait(look_every) {
+                break;
+            }
+        }
+        tracing::debug!("notify stopped");
+    }
+}
+
+fn sample(lane: &Lane) -> Sample {
+    Sample {
+        fetcher: lane.fetcher_pulse.count(),
+        acker: lane.acker_pulse.count(),
+        workers: lane.queue.config.workers,
+        stuck_workers: lane.capacity.stuck_workers(),
+    }
+}
+
+/// Logs a change between wedged and not, once per change.
+fn report(wedges: &[Wedge]) {
+    if wedges.is_empty() {
+        tracing::info!("watchdog: every lane moves again; pinging systemd again");
+        return;
+    }
+    let why: Vec<String> = wedges.iter().map(Wedge::to_string).collect();
+    tracing::warn!(
+        why = %why.join("; "),
+        "watchdog: the daemon is wedged; no more WATCHDOG=1 to systemd, which restarts kmqd after WatchdogSec \
+         unless this clears first"
+    );
+}

@@ -1,0 +1,320 @@
+//! The watchdog's decision: is every lane making progress, or idle, rather than wedged? The `kmqd-notify`
+//! thread ([`super::notify`]) tells systemd `WATCHDOG=1` only while it is, so that systemd restarts a daemon that
+//! hangs (after `WatchdogSec`) instead of leaving it to hold its tasks' leases while doing nothing.
+//!
+//! "Wedged" is defined by what each stage of a lane does even when it has nothing to do, so that an idle daemon
+//! is never mistaken for a hung one:
+//!
+//! - the fetcher and the acker loop at least every few seconds however idle (the fetcher waits at most
+//!   `idle_poll` in Redis, the acker 50 ms for an outcome), and every call they make to Redis is bounded by the
+//!   `[redis]` timeouts; each bumps a [`Pulse`] every turn (the acker also every settle attempt and every
+//!   final-failure hook it runs). One whose pulse did not move for longer than its own [`Bounds`] (all its waits
+//!   and timeouts added up, so that a Redis that is down or slow does not count: waiting for it is what the
+//!   daemon should do) is stuck somewhere nothing bounds: a deadlock, a plugin hook that never returns;
+//! - the workers are wedged when every one of them is stuck in a handler that ignored its cancel flag past
+//!   `execution_timeout` (the timeouts thread counts them, `Capacity::stuck_workers`): the queue can run
+//!   nothing until one returns, and only a restart ends a handler that never does. Busy workers are not
+//!   wedged, however long their handlers run within their timeout.
+//!
+//! The decision is pure (times come in as arguments), so the tests below drive it through every case.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// A counter a loop bumps every turn, which the watchdog reads to tell a looping thread from a hung one. Cheap
+/// to bump (one relaxed add) and to clone (the clones share the count).
+#[derive(Debug, Clone, Default)]
+pub struct Pulse(Arc<AtomicU64>);
+
+impl Pulse {
+    pub fn beat(&self) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn count(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// How long a lane's fetcher and acker may go without a beat before they count as wedged (see
+/// `lane::stall_bounds`, which adds up what one turn of each loop may wait).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bounds {
+    pub fetcher: Duration,
+    pub acker: Duration,
+}
+
+/// What the watchdog reads of one lane at one look.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sample {
+    pub fetcher: u64,
+    pub acker: u64,
+    pub workers: usize,
+    pub stuck_workers: usize,
+}
+
+/// Why a lane counts as wedged.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Wedge {
+    /// The fetcher's or acker's pulse has not moved for `silent`, longer than its bound.
+    Stage {
+        queue: String,
+        stage: &'static str,
+        silent: Duration,
+        bound: Duration,
+    },
+    /// Every one of the queue's `workers` is stuck in a handler that ignored its cancel flag.
+    Workers { queue: String, workers: usize },
+}
+
+impl fmt::Display for Wedge {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Wedge::Stage {
+                queue,
+                stage,
+                silent,
+                bound,
+            } => write!(
+                f,
+                "queue {queue}: the {stage} has not moved for {}s (bound {}s)",
+                silent.as_secs(),
+                bound.as_secs()
+            ),
+            Wedge::Workers { queue, workers } => write!(
+                f,
+                "queue {queue}: every worker ({workers}) is stuck in a handler that ignores its cancel flag"
+            ),
+        }
+    }
+}
+
+/// A look that comes this long after the previous one means the whole process was not running (stopped with
+/// SIGSTOP, a paused VM, a host swapping hard): the other threads were not either, so their silence over that
+/// gap proves nothing, and their clocks start again. The notify thread looks at least every second.
+pub const PAUSE_GAP: Duration = Duration::from_secs(5);
+
+/// The watchdog's memory: when each pulse was last seen to move.
+#[derive(Debug)]
+pub struct Watchdog {
+    lanes: Vec<Watched>,
+    last_look: Instant,
+}
+
+#[derive(Debug)]
+struct Watched {
+    queue: String,
+    bounds: Bounds,
+    fetcher: Seen,
+    acker: Seen,
+}
+
+/// A pulse's count when it last moved, and when that was seen.
+#[derive(Debug, Clone, Copy)]
+struct Seen {
+    count: u64,
+    since: Instant,
+}
+
+impl Seen {
+    /// Records `count`; returns how long the pulse has been still.
+    fn update(&mut self, count: u64, now: Instant) -> Duration {
+        if count != self.count {
+            *self = Seen { count, since: now };
+        }
+        now.saturating_duration_since(self.since)
+    }
+}
+
+impl Watchdog {
+    /// Watches lanes (queue name, bounds); every pulse counts as having just moved at `now`.
+    pub fn new(lanes: impl IntoIterator<Item = (String, Bounds)>, now: Instant) -> Watchdog {
+        let fresh = Seen {
+            count: 0,
+            since: now,
+        };
+        Watchdog {
+            lanes: lanes
+                .into_iter()
+                .map(|(queue, bounds)| Watched {
+                    queue,
+                    bounds,
+                    fetcher: fresh,
+                    acker: fresh,
+                })
+                .collect(),
+            last_look: now,
+        }
+    }
+
+    /// One look at every lane, `samples` in the order the lanes were given: what is wedged (nothing: the
+    /// daemon makes progress or is idle, and systemd may be told so).
+    pub fn look(&mut self, now: Instant, samples: &[Sample]) -> Vec<Wedge> {
+        let paused = now.saturating_duration_since(self.last_look) > PAUSE_GAP;
+        self.last_look = now;
+        let mut wedges = Vec::new();
+        for (lane, sample) in self.lanes.iter_mut().zip(samples) {
+            if paused {
+                lane.fetcher.since = now;
+                lane.acker.since = now;
+            }
+            let stages = [
+                (
+                    "fetcher",
+                    &mut lane.fetcher,
+                    sample.fetcher,
+                    lane.bounds.fetcher,
+                ),
+                ("acker", &mut lane.acker, sample.acker, lane.bounds.acker),
+            ];
+            for (stage, seen, count, bound) in stages {
+                let silent = seen.update(count, now);
+                if silent > bound {
+                    wedges.push(Wedge::Stage {
+                        queue: lane.queue.clone(),
+                        stage,
+                        silent,
+                        bound,
+                    });
+                }
+            }
+            if sample.workers > 0 && sample.stuck_workers >= sample.workers {
+                wedges.push(Wedge::Workers {
+                    queue: lane.queue.clone(),
+                    workers: sample.workers,
+                });
+            }
+        }
+        wedges
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: Duration = Duration::from_secs(1);
+
+    fn watchdog(t0: Instant) -> Watchdog {
+        let bounds = Bounds {
+            fetcher: 10 * S,
+            acker: 5 * S,
+        };
+        Watchdog::new(
+            [("mail".to_string(), bounds), ("img".to_string(), bounds)],
+            t0,
+        )
+    }
+
+    fn sample(fetcher: u64, acker: u64) -> Sample {
+        Sample {
+            fetcher,
+            acker,
+            workers: 2,
+            stuck_workers: 0,
+        }
+    }
+
+    /// Looks every second from `from` to `to` seconds after `t0`, the pulses given by `at(second)`; returns the
+    /// last look's wedges.
+    fn looks(
+        watchdog: &mut Watchdog,
+        t0: Instant,
+        seconds: std::ops::RangeInclusive<u64>,
+        at: impl Fn(u64) -> [Sample; 2],
+    ) -> Vec<Wedge> {
+        let mut last = Vec::new();
+        for second in seconds {
+            last = watchdog.look(t0 + S * second as u32, &at(second));
+        }
+        last
+    }
+
+    #[test]
+    fn beating_pulses_are_healthy_however_long() {
+        let t0 = Instant::now();
+        let mut dog = watchdog(t0);
+        let wedges = looks(&mut dog, t0, 1..=120, |s| {
+            [sample(s, s), sample(s / 3, s * 7)]
+        });
+        assert_eq!(wedges, []);
+    }
+
+    #[test]
+    fn a_pulse_still_for_longer_than_its_bound_is_a_wedge() {
+        let t0 = Instant::now();
+        let mut dog = watchdog(t0);
+        // The second lane's acker stops at second 20; its bound is 5 s.
+        let at = |s: u64| [sample(s, s), sample(s, s.min(20))];
+        assert_eq!(looks(&mut dog, t0, 1..=25, at), [], "exactly at its bound");
+        let wedges = looks(&mut dog, t0, 26..=26, at);
+        assert_eq!(
+            wedges,
+            [Wedge::Stage {
+                queue: "img".to_string(),
+                stage: "acker",
+                silent: 6 * S,
+                bound: 5 * S
+            }]
+        );
+        assert_eq!(
+            wedges[0].to_string(),
+            "queue img: the acker has not moved for 6s (bound 5s)"
+        );
+        // It moves again: healthy at once.
+        assert_eq!(looks(&mut dog, t0, 27..=27, |s| [sample(s, s); 2]), []);
+    }
+
+    #[test]
+    fn each_stage_has_its_own_bound() {
+        let t0 = Instant::now();
+        let mut dog = watchdog(t0);
+        // The first lane's fetcher is still from the start: within its 10 s bound at second 10, wedged at 11.
+        let at = |s: u64| [sample(0, s), sample(s, s)];
+        assert_eq!(looks(&mut dog, t0, 1..=10, at), []);
+        let wedges = looks(&mut dog, t0, 11..=11, at);
+        assert!(
+            matches!(&wedges[..], [Wedge::Stage { queue, stage: "fetcher", .. }] if queue == "mail"),
+            "{wedges:?}"
+        );
+    }
+
+    #[test]
+    fn a_queue_whose_every_worker_is_stuck_is_a_wedge_and_some_stuck_is_not() {
+        let t0 = Instant::now();
+        let mut dog = watchdog(t0);
+        let stuck = |n: usize| Sample {
+            stuck_workers: n,
+            ..sample(1, 1)
+        };
+        assert_eq!(dog.look(t0 + S, &[stuck(1), sample(1, 1)]), []);
+        assert_eq!(
+            dog.look(t0 + 2 * S, &[sample(2, 2), stuck(2)]),
+            [Wedge::Workers {
+                queue: "img".to_string(),
+                workers: 2
+            }]
+        );
+        assert_eq!(
+            dog.look(t0 + 3 * S, &[sample(3, 3), stuck(1)]),
+            [],
+            "a handler returned"
+        );
+    }
+
+    #[test]
+    fn a_late_look_after_a_pause_restarts_every_clock() {
+        let t0 = Instant::now();
+        let mut dog = watchdog(t0);
+        // The whole process was stopped for a minute: nothing moved, the watchdog did not look either.
+        assert_eq!(dog.look(t0 + 60 * S, &[sample(0, 0); 2]), []);
+        // From then on, silence counts again.
+        assert_eq!(looks(&mut dog, t0, 61..=65, |_| [sample(0, 0); 2]), []);
+        let wedges = looks(&mut dog, t0, 66..=66, |_| [sample(0, 0); 2]);
+        assert_eq!(wedges.len(), 2, "both ackers (5 s): {wedges:?}");
+        let wedges = looks(&mut dog, t0, 67..=71, |_| [sample(0, 0); 2]);
+        assert_eq!(wedges.len(), 4, "and both fetchers (10 s): {wedges:?}");
+    }
+}
