@@ -9,7 +9,7 @@
 //! - [`policy`] and [`settlement`]: pure decisions (retry, dead-letter, backoff) and the records that apply them;
 //! - [`queue`]: what every thread of a queue shares (config, keys, policy, verdicts);
 //! - [`client`]: the producer API ([`Client::push`], [`Client::push_batch`]);
-//! - [`plugin`]: the plugin registry and the FFI (the only unsafe code, but `localtime_r` in `kmqd dead list`);
+//! - [`plugin`]: the plugin registry and the FFI (the only unsafe code);
 //! - [`daemon`]: the supervisor on top; below it each queue's [`daemon::lane`] (fetcher, workers, acker) and the
 //!   per-daemon threads (heartbeat, monitor, timeouts, delay, scheduler, metrics, signals);
 //! - [`retry`] and [`shutdown`]: backoff, rate-limited failure reports, and the shutdown broadcasts;

@@ -220,27 +220,15 @@ fn when(dead_at_ms: Option<i64>, now_ms: i64) -> String {
     format!("{} ({age})", local_time(at))
 }
 
-/// `at_ms` as local time, `YYYY-MM-DD HH:MM:SS` (the C library's idea of the local zone: `TZ`, /etc/localtime).
-/// The one unsafe call outside the plugin FFI: std has no local time, and a time-zone crate for one column of
-/// one command would weigh more than localtime_r.
-#[allow(unsafe_code)]
+/// `at_ms` as local time, `YYYY-MM-DD HH:MM:SS`, in the system's zone (`TZ`, /etc/localtime).
 fn local_time(at_ms: i64) -> String {
-    let seconds = at_ms.div_euclid(1000) as libc::time_t;
-    // SAFETY: localtime_r writes only into `tm`, which lives on this stack frame; `seconds` is a valid time_t.
-    let mut tm: libc::tm = unsafe { std::mem::zeroed() };
-    let ok = unsafe { !libc::localtime_r(&seconds, &mut tm).is_null() };
-    if !ok {
-        return format!("{at_ms} ms");
+    match jiff::Timestamp::from_millisecond(at_ms) {
+        Ok(at) => at
+            .to_zoned(jiff::tz::TimeZone::system())
+            .strftime("%Y-%m-%d %H:%M:%S")
+            .to_string(),
+        Err(_) => format!("{at_ms} ms"),
     }
-    format!(
-        "{:04}-{:02}-{:02} {:02}:{:02}:{:02}",
-        tm.tm_year + 1900,
-        tm.tm_mon + 1,
-        tm.tm_mday,
-        tm.tm_hour,
-        tm.tm_min,
-        tm.tm_sec
-    )
 }
 
 /// The table of `dead list`, fitted to `width` columns by shortening the reasons.
