@@ -21,9 +21,11 @@ pub enum Role {
     Daemon,
     /// `kmqd push`, `Client::push`, and producers in other languages that run the enqueue script.
     Producer,
-    /// `kmqd stats`, `kmqd task show`, `Client::stats` and `Client::find`: they read and write nothing.
+    /// `kmqd stats`, `kmqd task show`, `kmqd workers`, `Client::stats`, `Client::find` and `Client::workers`:
+    /// they read and write nothing.
     Reader,
-    /// An operator's tools: everything a reader does, and `kmqd task cancel` (which removes waiting tasks).
+    /// An operator's tools: everything a reader does, `kmqd task cancel` (which removes waiting tasks) and
+    /// `kmqd queue pause`/`resume`.
     Operator,
 }
 
@@ -56,8 +58,15 @@ impl Role {
         match self {
             Role::Daemon => &[Action::Serve],
             Role::Producer => &[Action::Push],
-            Role::Reader => &[Action::Stats, Action::Show],
-            Role::Operator => &[Action::Stats, Action::Show, Action::Cancel],
+            Role::Reader => &[Action::Stats, Action::Show, Action::Workers],
+            Role::Operator => &[
+                Action::Stats,
+                Action::Show,
+                Action::Workers,
+                Action::Cancel,
+                Action::Pause,
+                Action::Resume,
+            ],
         }
     }
 
@@ -93,6 +102,7 @@ impl Role {
                 ("~", "{*}:delayed-tasks"),
                 ("~", "{*}:unique"),
                 ("~", "{*}:stats"),
+                ("~", "{*}:paused"),
             ],
         }
     }
@@ -122,6 +132,12 @@ pub enum Action {
     Show,
     /// `kmqd task cancel`, `Client::cancel`.
     Cancel,
+    /// `kmqd queue pause`, `Client::pause`.
+    Pause,
+    /// `kmqd queue resume`, `Client::resume`.
+    Resume,
+    /// `kmqd workers`, `Client::workers`.
+    Workers,
 }
 
 impl Action {
@@ -130,8 +146,8 @@ impl Action {
         match self {
             Action::Serve => Role::Daemon,
             Action::Push => Role::Producer,
-            Action::Stats | Action::Show => Role::Reader,
-            Action::Cancel => Role::Operator,
+            Action::Stats | Action::Show | Action::Workers => Role::Reader,
+            Action::Cancel | Action::Pause | Action::Resume => Role::Operator,
         }
     }
 
@@ -143,6 +159,9 @@ impl Action {
             Action::Stats => STATS,
             Action::Show => SHOW,
             Action::Cancel => CANCEL,
+            Action::Pause => PAUSE,
+            Action::Resume => RESUME,
+            Action::Workers => WORKERS,
         }
     }
 
@@ -151,7 +170,7 @@ impl Action {
     /// read-only (`%R~`); EVALSHA_RO would take one, but a user with more rules (the daemon's) has no reason to
     /// be allowed it. Without a key, the check runs on any node, whose ACL rules are the same.
     fn keyed(self) -> bool {
-        !matches!(self, Action::Stats | Action::Show)
+        !matches!(self, Action::Stats | Action::Show | Action::Workers)
     }
 }
 
@@ -190,6 +209,11 @@ pub const COMMANDS: &[Command] = &[
         name: "time",
         roles: &[D, P, R, O],
         why: "Redis's clock decides leases, due times and task ages",
+    },
+    Command {
+        name: "client|setname",
+        roles: &[D],
+        why: "names each of the daemon's connections `kmqd:HOST:PID:ROLE`, for `CLIENT LIST`",
     },
     Command {
         name: "wait",
@@ -344,18 +368,19 @@ pub const COMMANDS: &[Command] = &[
     },
     Command {
         name: "set",
-        roles: &[D],
-        why: "settle.lua stores each call's result (for a day)",
+        roles: &[D, O],
+        why: "settle.lua stores each call's result (for a day); `queue pause` sets the queue's paused key",
     },
     Command {
         name: "del",
-        roles: &[D],
-        why: "forgets a released owner's registration",
+        roles: &[D, O],
+        why: "forgets a released owner's registration; `queue resume` deletes the paused key",
     },
     Command {
         name: "exists",
-        roles: &[D],
-        why: "registering, renewing and releasing an owner check its registration and tasks",
+        roles: &[D, R, O],
+        why: "registering, renewing and releasing an owner check its registration and tasks; claims, pops, stats \
+              and `workers` check whether the queue is paused",
     },
     Command {
         name: "type",
@@ -365,7 +390,7 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "watch",
         roles: &[D],
-        why: "default mode's plain pop runs only while no unique id is held",
+        why: "default mode's plain pop runs only while no unique id is held and the queue is not paused",
     },
     Command {
         name: "unwatch",
@@ -424,6 +449,7 @@ enum Kind {
     Wake,
     Schedules,
     Meta,
+    Paused,
 }
 
 /// What a command touches.
@@ -467,6 +493,8 @@ const DAEMON: &[(&str, On)] = &[
     ("hlen", key(K::Processing)),
     ("hgetall", key(K::Stats)),
     ("watch", key(K::Unique)),
+    ("watch", key(K::Paused)),
+    ("exists", key(K::Paused)),
     ("hlen", key(K::Unique)),
     ("unwatch", NOTHING),
     ("multi", NOTHING),
@@ -480,6 +508,7 @@ const DAEMON: &[(&str, On)] = &[
     ("subscribe", CHANNEL),
     ("unsubscribe", NOTHING),
     ("punsubscribe", NOTHING),
+    ("client|setname", NOTHING),
     // The scripts, with every kind of key they are given in KEYS (EVALSHA needs read and write on each).
     ("script|load", NOTHING),
     ("evalsha", key(K::Ready)),
@@ -497,7 +526,8 @@ const DAEMON: &[(&str, On)] = &[
     ("evalsha", key(K::Stats)),
     ("evalsha", key(K::Wake)),
     ("evalsha", key(K::Schedules)),
-    // Inside claim.lua and adopt.lua.
+    ("evalsha", key(K::Paused)),
+    // Inside claim.lua and adopt.lua (and pop.lua's check of the paused key, above).
     ("zscore", key(K::Owners)),
     ("hmget", key(K::OwnerInfo)),
     ("hget", key(K::OwnerInfo)),
@@ -601,6 +631,32 @@ const STATS: &[(&str, On)] = &[
     ("zcard", key(K::Retry)),
     ("hlen", key(K::Processing)),
     ("hgetall", key(K::Stats)),
+    ("exists", key(K::Paused)),
+];
+
+/// `kmqd workers`: the owners, their registrations and what they hold.
+const WORKERS: &[(&str, On)] = &[
+    ("evalsha", NOTHING),
+    ("script|load", NOTHING),
+    ("zrange", key(K::Owners)),
+    ("time", NOTHING),
+    ("exists", key(K::Paused)),
+    ("hgetall", key(K::OwnerInfo)),
+    ("hlen", key(K::Processing)),
+];
+
+/// `kmqd queue pause`: one SET of the paused key.
+const PAUSE: &[(&str, On)] = &[
+    ("evalsha", NOTHING),
+    ("script|load", NOTHING),
+    ("set", key(K::Paused)),
+];
+
+/// `kmqd queue resume`: one DEL of the paused key.
+const RESUME: &[(&str, On)] = &[
+    ("evalsha", NOTHING),
+    ("script|load", NOTHING),
+    ("del", key(K::Paused)),
 ];
 
 /// `kmqd task show`: plain reads, everywhere a task can be.
@@ -774,6 +830,7 @@ fn names(keys: &QueueKeys, kind: Kind) -> Vec<String> {
         Kind::Wake => vec![keys.wake.clone()],
         Kind::Schedules => vec![keys.schedules.clone()],
         Kind::Meta => vec![keys.meta.clone()],
+        Kind::Paused => vec![keys.paused.clone()],
     }
 }
 
@@ -786,6 +843,7 @@ fn argv(command: &str, target: Option<&str>) -> Vec<String> {
         "time" | "multi" | "exec" | "unwatch" | "unsubscribe" | "punsubscribe" => vec![name],
         "wait" => vec![name, "1".into(), "1000".into()],
         "script|load" => vec!["SCRIPT".into(), "LOAD".into(), "return 1".into()],
+        "client|setname" => vec!["CLIENT".into(), "SETNAME".into(), "kmqd".into()],
         // A check with no key is EVALSHA without one (the read-only tools' check itself).
         "evalsha" => match target {
             Some(key) => vec![name, "0".repeat(40), "1".into(), key.to_string()],
@@ -1058,6 +1116,9 @@ mod tests {
             Action::Stats,
             Action::Show,
             Action::Cancel,
+            Action::Pause,
+            Action::Resume,
+            Action::Workers,
         ] {
             assert!(action.role().actions().contains(&action), "{action:?}");
         }
@@ -1162,6 +1223,7 @@ mod tests {
             sources::RELEASE,
             sources::PROMOTE,
             sources::FIRE,
+            sources::DRAIN,
         ];
         let cases: [(Role, &[&str]); 3] = [
             (Role::Daemon, &daemon),
@@ -1195,6 +1257,7 @@ mod tests {
             include_str!("schedule.rs"),
             include_str!("mod.rs"),
             include_str!("connection.rs"),
+            include_str!("admin.rs"),
         ];
         for source in sources {
             for rest in source.split("cmd(\"").skip(1) {
@@ -1203,7 +1266,10 @@ mod tests {
                     .iter()
                     .any(|rule| rule[1..].split('|').next() == Some(command.as_str()));
                 assert!(
-                    COMMANDS.iter().any(|c| c.name == command) || in_cluster_rules,
+                    COMMANDS
+                        .iter()
+                        .any(|c| c.name.split('|').next() == Some(command.as_str()))
+                        || in_cluster_rules,
                     "{command} is sent from Rust but has no rule"
                 );
             }

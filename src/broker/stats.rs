@@ -67,6 +67,8 @@ pub struct QueueStats {
     pub cancelled: u64,
     /// Age of the oldest task at the head of a ready list, ms; `None` when nothing is ready.
     pub lag_ms: Option<i64>,
+    /// The queue is paused (`kmqd queue pause`): no daemon takes its tasks until it is resumed.
+    pub paused: bool,
 }
 
 fn pairs_as_map<S: serde::Serializer>(
@@ -126,6 +128,7 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
     }
     pipe.cmd("LLEN").arg(&keys.dead);
     pipe.cmd("HGETALL").arg(&keys.stats);
+    pipe.cmd("EXISTS").arg(&keys.paused);
     // Last: in a cluster a pipeline goes to its first key's node (`broker::Conn`), which must be the queue's.
     pipe.cmd("TIME");
     let mut replies = Replies(pipe.query::<Vec<Value>>(conn)?.into_iter());
@@ -147,6 +150,7 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
     let processing: Vec<u64> = replies.many(processing_keys.len())?;
     let dead: u64 = replies.one()?;
     let counters: HashMap<String, u64> = replies.one()?;
+    let paused: bool = replies.one()?;
     let time: (i64, i64) = replies.one()?;
     let processing = processing.iter().sum();
     let now_ms = time_ms(time);
@@ -183,6 +187,7 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
         dead_lettered: counter("dead_lettered"),
         cancelled: counter("cancelled"),
         lag_ms,
+        paused,
     })
 }
 

@@ -1,5 +1,5 @@
-//! The `kmqd` command line: `kmqd --config FILE [run|check-config|push|stats|task|bench]`, one module per
-//! command.
+//! The `kmqd` command line: `kmqd --config FILE [run|check-config|push|stats|task|queue|workers|bench]`, one
+//! module per command.
 //!
 //! Exit codes, everywhere: 0 success, 1 runtime error (Redis unreachable, a thread died), 2 usage or config
 //! error (including a refused plugin, wrong credentials and missing ACL rules), 3 a push refused because its
@@ -17,11 +17,14 @@ use crate::config::Config;
 mod bench;
 mod daemon;
 mod push;
+mod queue;
 mod stats;
 mod task;
+mod workers;
 
 pub use bench::BenchArgs;
 pub use push::PushArgs;
+pub use queue::QueueCommand;
 pub use task::TaskCommand;
 
 #[derive(Parser, Debug)]
@@ -55,6 +58,15 @@ pub enum Command {
     /// Find or cancel tasks by id.
     #[command(subcommand)]
     Task(TaskCommand),
+    /// Pause or resume a queue on every daemon.
+    #[command(subcommand)]
+    Queue(QueueCommand),
+    /// List the daemons alive on each queue: host, pid, version, lease left, tasks held, state.
+    Workers {
+        /// Print JSON: {"workers": [{"queue": ..., "host": ..., ...}]}.
+        #[arg(long)]
+        json: bool,
+    },
     /// Measure kmqd against a private redis-server (needs no config): push rates, drain rates in both modes with
     /// 1, 2 and 4 daemons, idle wake-up latency, delayed-task lateness, memory. See docs/PERFORMANCE.md.
     Bench(BenchArgs),
@@ -144,6 +156,14 @@ pub fn run(args: Args) -> Result<(), Failure> {
         Command::Task(task) => {
             init_logging("warn");
             task::run_task(&config, task)
+        }
+        Command::Queue(queue) => {
+            init_logging("warn");
+            queue::run_queue(&config, queue)
+        }
+        Command::Workers { json } => {
+            init_logging("warn");
+            workers::run_workers(&config, json)
         }
         Command::Bench(_) => unreachable!("handled before the config is read"),
     }

@@ -258,8 +258,11 @@ pub fn run(
     registry: Arc<Registry>,
     stop: Receiver<()>,
 ) -> Result<(), DaemonError> {
-    let connector = Arc::new(Connector::new(&config.redis)?);
-    let pool = broker::pool(&config.redis)?;
+    // Every connection is named `kmqd:HOST:PID:ROLE` (`CLIENT LIST` tells whose it is).
+    let client_name = format!("kmqd:{}:{}", broker::hostname(), std::process::id());
+    let connector = Arc::new(Connector::new(&config.redis)?.with_client_name(&client_name));
+    let pool = broker::named_pool(&config.redis, &client_name)?;
+    let named = |role: &str| Session::named(pool.clone(), format!("{client_name}:{role}"));
     if !wait_for_redis(config, &connector, &stop)? {
         tracing::info!("stopped before Redis answered");
         return Ok(());
@@ -288,6 +291,7 @@ pub fn run(
         epoch,
         claiming: claiming.listener(),
         background: background.listener(),
+        client_name: client_name.clone(),
     };
     for queue in &contexts {
         let (lane, nudges) = start_lane(&mut threads, queue, &parts)?;
@@ -320,7 +324,7 @@ pub fn run(
                 )
             })
             .collect(),
-        connection: Session::new(pool.clone()),
+        connection: named("monitor"),
         registry: Arc::clone(&registry),
         background: background.listener(),
     };
@@ -348,8 +352,7 @@ pub fn run(
                 (schedule.clone(), Arc::clone(queue))
             })
             .collect();
-        let scheduler =
-            Scheduler::new(schedules, Session::new(pool.clone()), background.listener());
+        let scheduler = Scheduler::new(schedules, named("scheduler"), background.listener());
         threads.spawn("kmqd-scheduler".to_string(), Role::Other, move || {
             scheduler.run()
         })?;
@@ -360,7 +363,7 @@ pub fn run(
         let metrics = Metrics {
             listener,
             lanes: lanes.clone(),
-            connection: Session::new(pool.clone()),
+            connection: named("metrics"),
             background: background.listener(),
         };
         tracing::info!("metrics on http://{addr}/metrics");
@@ -394,6 +397,8 @@ pub fn run(
     tracing::info!(grace = ?config.daemon.shutdown_grace, "stopping: no new tasks are taken");
     claiming.fire();
     let stopping_at = Instant::now();
+    // After `stopping_at`: a Redis that is slow to answer must not stretch the handlers' grace.
+    mark_draining(&lanes, &pool);
     let workers_done = threads.wait_for(
         &events,
         &[Role::Worker],
@@ -454,6 +459,15 @@ struct Parts {
     epoch: Instant,
     claiming: Listener,
     background: Listener,
+    /// `kmqd:HOST:PID`, the start of every connection's name.
+    client_name: String,
+}
+
+impl Parts {
+    /// A session whose connections are named `kmqd:HOST:PID:role`.
+    fn session(&self, role: &str) -> Session {
+        Session::named(self.pool.clone(), format!("{}:{role}", self.client_name))
+    }
 }
 
 /// Starts one queue's lane (acker, workers, fetcher) and its delay poller; returns the lane and the poller's
@@ -469,7 +483,7 @@ fn start_lane(
     let acker = Acker {
         lane: Arc::clone(&lane),
         registry: Arc::clone(&parts.registry),
-        connection: Session::new(parts.pool.clone()),
+        connection: parts.session(&format!("acker-{name}")),
         outcomes,
         settler: Settler::new(format!("{}:acker", parts.instance)),
         background: parts.background.clone(),
@@ -496,7 +510,7 @@ fn start_lane(
     }
     let fetcher = Fetcher::new(
         Arc::clone(&lane),
-        Session::new(parts.pool.clone()),
+        parts.session(&format!("fetcher-{name}")),
         parts.claiming.clone(),
         jobs_tx,
     );
@@ -506,7 +520,7 @@ fn start_lane(
     let (nudge_tx, nudge_rx) = crossbeam_channel::bounded(1);
     let poller = DelayPoller {
         queue: Arc::clone(queue),
-        connection: Session::new(parts.pool.clone()),
+        connection: parts.session(&format!("delay-{name}")),
         nudges: nudge_rx,
         background: parts.background.clone(),
     };
@@ -514,6 +528,38 @@ fn start_lane(
         poller.run()
     })?;
     Ok((lane, nudge_tx))
+}
+
+/// Marks this daemon's owners as draining (`kmqd workers` shows it) as its graceful stop begins. Best effort,
+/// one try each: a daemon that cannot reach Redis is stopping all the same, and its registration goes when its
+/// owner is released.
+fn mark_draining(lanes: &[Arc<Lane>], pool: &broker::Pool) {
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_millis() as i64);
+    for lane in lanes {
+        let Some(owner) = lane.ownership.current() else {
+            continue;
+        };
+        let marked = pool
+            .get()
+            .map_err(BrokerError::from)
+            .and_then(|mut connection| {
+                let result = broker::admin::mark_draining(
+                    &mut **connection,
+                    &lane.queue.keys,
+                    &owner,
+                    now_ms,
+                );
+                if result.is_err() {
+                    connection.mark_broken();
+                }
+                result
+            });
+        if let Err(error) = marked {
+            tracing::debug!(queue = %lane.name(), %owner, %error, "cannot mark the owner draining");
+        }
+    }
 }
 
 /// Forgets this daemon's owners, now that every outcome is settled. An owner that still holds tasks (Redis
