@@ -29,7 +29,7 @@ pub(super) fn run_workers(config: &Config, json: bool) -> Result<(), Failure> {
     }
     let _ = writeln!(
         out,
-        "{:<16} {:<24} {:>8} {:<8} {:>6} {:>6} {:<20} {:<8} OWNER",
+        "{:<16} {:<24} {:>8} {:<8} {:>9} {:>6} {:<20} {:<8} OWNER",
         "QUEUE", "HOST", "PID", "VERSION", "LEASE", "HELD", "STARTED", "STATE"
     );
     for w in &all {
@@ -49,7 +49,7 @@ pub(super) fn run_workers(config: &Config, json: bool) -> Result<(), Failure> {
         };
         let _ = writeln!(
             out,
-            "{:<16} {:<24} {:>8} {:<8} {:>6} {:>6} {:<20} {:<8} {}",
+            "{:<16} {:<24} {:>8} {:<8} {:>9} {:>6} {:<20} {:<8} {}",
             w.queue, w.host, w.pid, w.version, lease, held, started, state, w.owner
         );
     }

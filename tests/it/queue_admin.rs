@@ -116,6 +116,7 @@ fn pause_holds_new_tasks_and_lets_running_ones_finish(mode: &str) {
     let json = stats_json(&config);
     assert_eq!(json["paused"], true, "{json}");
     let (_, table, _) = cli(&config, &["stats"]);
+    println!("kmqd stats:\n{table}kmqd stats --json: {json}");
     let row = table.lines().nth(1).unwrap();
     assert!(row.split_whitespace().nth(2) == Some("paused"), "{table}");
     let scrape = || -> String {
@@ -194,7 +195,16 @@ fn pause_stops_default_mode_plain_pops_of_a_backlog() {
             (first == then, then)
         },
     );
-    assert!(ready > 0, "the backlog was drained before the pause");
+    assert!(
+        ready > 0,
+        "the backlog was drained: before the pause, or by pops after it"
+    );
+    // The pops were plain ones (LMPOP in MULTI/EXEC), the path this test is about.
+    let commandstats: String = redis.cmd(&["INFO", "commandstats"]);
+    assert!(
+        commandstats.contains("cmdstat_exec:"),
+        "no plain pop ran:\n{commandstats}"
+    );
     std::thread::sleep(Duration::from_millis(5 * IDLE_POLL_MS));
     assert_eq!(stats(&config, "jobs").ready, ready);
     assert_eq!(cli(&config, &["queue", "resume", "jobs"]).0, 0);
@@ -309,6 +319,7 @@ fn workers_lists_the_live_daemons_and_drops_one_after_its_graceful_stop() {
         assert!(w["started_at_ms"].as_i64().unwrap() > 0, "{w}");
     }
     let (code, table, _) = cli(&config, &["workers"]);
+    println!("kmqd workers:\n{table}");
     assert_eq!(code, 0);
     assert_eq!(table.lines().count(), 3, "{table}");
     assert!(
@@ -334,6 +345,7 @@ fn workers_lists_the_live_daemons_and_drops_one_after_its_graceful_stop() {
         },
     );
     let (_, table, _) = cli(&config, &["workers"]);
+    println!("kmqd workers, one stopping:\n{table}");
     assert!(table.contains("draining"), "{table}");
     assert_eq!(
         one.wait_within(Duration::from_secs(20)),
