@@ -1,4 +1,5 @@
-//! The producer API: push tasks to the queues a config names.
+//! The producer API: push tasks to the queues a config names; and an operator's: stats, find and cancel tasks,
+//! pause and resume queues, list the daemons serving them.
 //!
 //! ```no_run
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -447,6 +448,41 @@ impl Client {
         })?;
         report.not_found.extend(which.unmatched(&matched));
         Ok(report)
+    }
+
+    /// Pauses `queue` for every daemon: it still accepts pushes and delayed tasks still become ready, but no
+    /// daemon takes a task from it until [`Client::resume`] (running tasks finish and are settled). Every claim
+    /// and pop checks the pause in the same atomic step as its take, so a daemon takes nothing once the pause
+    /// is in Redis: only a fetch that Redis ran before it may still bring tasks. Returns false when the queue
+    /// was paused already.
+    pub fn pause(&self, queue: &str) -> Result<bool, ClientError> {
+        let info = self.queue(queue)?;
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        // The pauser's clock: the value is only for people looking at the key.
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |since| since.as_millis() as i64);
+        Ok(broker::admin::pause(&mut **connection, &info.keys, now_ms)?)
+    }
+
+    /// Resumes a paused `queue`; the daemons take its tasks again within their `idle_poll`. Returns false when
+    /// it was not paused.
+    pub fn resume(&self, queue: &str) -> Result<bool, ClientError> {
+        let info = self.queue(queue)?;
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        Ok(broker::admin::resume(&mut **connection, &info.keys)?)
+    }
+
+    /// The daemons alive on `queue` (owners with a live lease): host, pid, version, what they hold, whether
+    /// they are draining (stopping gracefully) and whether the queue is paused.
+    pub fn workers(&self, queue: &str) -> Result<Vec<broker::admin::Worker>, ClientError> {
+        let info = self.queue(queue)?;
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        Ok(broker::admin::workers(
+            &mut **connection,
+            &info.keys,
+            queue,
+        )?)
     }
 }
 

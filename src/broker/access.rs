@@ -21,11 +21,12 @@ pub enum Role {
     Daemon,
     /// `kmqd push`, `Client::push`, and producers in other languages that run the enqueue script.
     Producer,
-    /// `kmqd stats`, `kmqd task show`, `kmqd dead list` and `kmqd dead show` (`Client::stats`, `Client::find`,
-    /// `Client::dead_list`, `Client::dead_show`): they read and write nothing.
+    /// `kmqd stats`, `kmqd task show`, `kmqd dead list`, `kmqd dead show` and `kmqd workers` (`Client::stats`,
+    /// `Client::find`, `Client::dead_list`, `Client::dead_show`, `Client::workers`): they read and write nothing.
     Reader,
-    /// An operator's tools: everything a reader does, `kmqd task cancel` (which removes waiting tasks), and
-    /// `kmqd dead requeue` and `kmqd dead purge` (which move dead tasks back to the queue, or remove them).
+    /// An operator's tools: everything a reader does, `kmqd task cancel` (which removes waiting tasks),
+    /// `kmqd dead requeue` and `kmqd dead purge` (which move dead tasks back to the queue, or remove them), and
+    /// `kmqd queue pause`/`resume`.
     Operator,
 }
 
@@ -58,14 +59,22 @@ impl Role {
         match self {
             Role::Daemon => &[Action::Serve],
             Role::Producer => &[Action::Push],
-            Role::Reader => &[Action::Stats, Action::Show, Action::DeadRead],
+            Role::Reader => &[
+                Action::Stats,
+                Action::Show,
+                Action::DeadRead,
+                Action::Workers,
+            ],
             Role::Operator => &[
                 Action::Stats,
                 Action::Show,
+                Action::Workers,
                 Action::Cancel,
                 Action::DeadRead,
                 Action::DeadRequeue,
                 Action::DeadPurge,
+                Action::Pause,
+                Action::Resume,
             ],
         }
     }
@@ -104,6 +113,7 @@ impl Role {
                 ("~", "{*}:stats"),
                 ("~", "{*}:dead"),
                 ("~", "{*}:wake"),
+                ("~", "{*}:paused"),
             ],
         }
     }
@@ -139,6 +149,12 @@ pub enum Action {
     DeadRequeue,
     /// `kmqd dead purge`, `Client::dead_purge`.
     DeadPurge,
+    /// `kmqd queue pause`, `Client::pause`.
+    Pause,
+    /// `kmqd queue resume`, `Client::resume`.
+    Resume,
+    /// `kmqd workers`, `Client::workers`.
+    Workers,
 }
 
 impl Action {
@@ -147,8 +163,12 @@ impl Action {
         match self {
             Action::Serve => Role::Daemon,
             Action::Push => Role::Producer,
-            Action::Stats | Action::Show | Action::DeadRead => Role::Reader,
-            Action::Cancel | Action::DeadRequeue | Action::DeadPurge => Role::Operator,
+            Action::Stats | Action::Show | Action::DeadRead | Action::Workers => Role::Reader,
+            Action::Cancel
+            | Action::DeadRequeue
+            | Action::DeadPurge
+            | Action::Pause
+            | Action::Resume => Role::Operator,
         }
     }
 
@@ -163,6 +183,9 @@ impl Action {
             Action::DeadRead => DEAD_READ,
             Action::DeadRequeue => DEAD_REQUEUE,
             Action::DeadPurge => DEAD_PURGE,
+            Action::Pause => PAUSE,
+            Action::Resume => RESUME,
+            Action::Workers => WORKERS,
         }
     }
 
@@ -171,7 +194,10 @@ impl Action {
     /// read-only (`%R~`); EVALSHA_RO would take one, but a user with more rules (the daemon's) has no reason to
     /// be allowed it. Without a key, the check runs on any node, whose ACL rules are the same.
     fn keyed(self) -> bool {
-        !matches!(self, Action::Stats | Action::Show | Action::DeadRead)
+        !matches!(
+            self,
+            Action::Stats | Action::Show | Action::DeadRead | Action::Workers
+        )
     }
 }
 
@@ -210,6 +236,11 @@ pub const COMMANDS: &[Command] = &[
         name: "time",
         roles: &[D, P, R, O],
         why: "Redis's clock decides leases, due times and task ages",
+    },
+    Command {
+        name: "client|setname",
+        roles: &[D],
+        why: "names each of the daemon's connections `kmqd:HOST:PID:ROLE`, for `CLIENT LIST`",
     },
     Command {
         name: "wait",
@@ -369,18 +400,19 @@ pub const COMMANDS: &[Command] = &[
     },
     Command {
         name: "set",
-        roles: &[D],
-        why: "settle.lua stores each call's result (for a day)",
+        roles: &[D, O],
+        why: "settle.lua stores each call's result (for a day); `queue pause` sets the queue's paused key",
     },
     Command {
         name: "del",
-        roles: &[D],
-        why: "forgets a released owner's registration",
+        roles: &[D, O],
+        why: "forgets a released owner's registration; `queue resume` deletes the paused key",
     },
     Command {
         name: "exists",
-        roles: &[D],
-        why: "registering, renewing and releasing an owner check its registration and tasks",
+        roles: &[D, R, O],
+        why: "registering, renewing and releasing an owner check its registration and tasks; claims, pops, stats \
+              and `workers` check whether the queue is paused",
     },
     Command {
         name: "type",
@@ -390,7 +422,7 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "watch",
         roles: &[D],
-        why: "default mode's plain pop runs only while no unique id is held",
+        why: "default mode's plain pop runs only while no unique id is held and the queue is not paused",
     },
     Command {
         name: "unwatch",
@@ -449,6 +481,7 @@ enum Kind {
     Wake,
     Schedules,
     Meta,
+    Paused,
 }
 
 /// What a command touches.
@@ -492,6 +525,8 @@ const DAEMON: &[(&str, On)] = &[
     ("hlen", key(K::Processing)),
     ("hgetall", key(K::Stats)),
     ("watch", key(K::Unique)),
+    ("watch", key(K::Paused)),
+    ("exists", key(K::Paused)),
     ("hlen", key(K::Unique)),
     ("unwatch", NOTHING),
     ("multi", NOTHING),
@@ -505,6 +540,7 @@ const DAEMON: &[(&str, On)] = &[
     ("subscribe", CHANNEL),
     ("unsubscribe", NOTHING),
     ("punsubscribe", NOTHING),
+    ("client|setname", NOTHING),
     // The scripts, with every kind of key they are given in KEYS (EVALSHA needs read and write on each).
     ("script|load", NOTHING),
     ("evalsha", key(K::Ready)),
@@ -522,7 +558,8 @@ const DAEMON: &[(&str, On)] = &[
     ("evalsha", key(K::Stats)),
     ("evalsha", key(K::Wake)),
     ("evalsha", key(K::Schedules)),
-    // Inside claim.lua and adopt.lua.
+    ("evalsha", key(K::Paused)),
+    // Inside claim.lua and adopt.lua (and pop.lua's check of the paused key, above).
     ("zscore", key(K::Owners)),
     ("hmget", key(K::OwnerInfo)),
     ("hget", key(K::OwnerInfo)),
@@ -626,6 +663,32 @@ const STATS: &[(&str, On)] = &[
     ("zcard", key(K::Retry)),
     ("hlen", key(K::Processing)),
     ("hgetall", key(K::Stats)),
+    ("exists", key(K::Paused)),
+];
+
+/// `kmqd workers`: the owners, their registrations and what they hold.
+const WORKERS: &[(&str, On)] = &[
+    ("evalsha", NOTHING),
+    ("script|load", NOTHING),
+    ("zrange", key(K::Owners)),
+    ("time", NOTHING),
+    ("exists", key(K::Paused)),
+    ("hgetall", key(K::OwnerInfo)),
+    ("hlen", key(K::Processing)),
+];
+
+/// `kmqd queue pause`: one SET of the paused key.
+const PAUSE: &[(&str, On)] = &[
+    ("evalsha", NOTHING),
+    ("script|load", NOTHING),
+    ("set", key(K::Paused)),
+];
+
+/// `kmqd queue resume`: one DEL of the paused key.
+const RESUME: &[(&str, On)] = &[
+    ("evalsha", NOTHING),
+    ("script|load", NOTHING),
+    ("del", key(K::Paused)),
 ];
 
 /// `kmqd task show`: plain reads, everywhere a task can be.
@@ -839,6 +902,7 @@ fn names(keys: &QueueKeys, kind: Kind) -> Vec<String> {
         Kind::Wake => vec![keys.wake.clone()],
         Kind::Schedules => vec![keys.schedules.clone()],
         Kind::Meta => vec![keys.meta.clone()],
+        Kind::Paused => vec![keys.paused.clone()],
     }
 }
 
@@ -851,6 +915,7 @@ fn argv(command: &str, target: Option<&str>) -> Vec<String> {
         "time" | "multi" | "exec" | "unwatch" | "unsubscribe" | "punsubscribe" => vec![name],
         "wait" => vec![name, "1".into(), "1000".into()],
         "script|load" => vec!["SCRIPT".into(), "LOAD".into(), "return 1".into()],
+        "client|setname" => vec!["CLIENT".into(), "SETNAME".into(), "kmqd".into()],
         // A check with no key is EVALSHA without one (the read-only tools' check itself).
         "evalsha" => match target {
             Some(key) => vec![name, "0".repeat(40), "1".into(), key.to_string()],
@@ -1126,6 +1191,9 @@ mod tests {
             Action::DeadRead,
             Action::DeadRequeue,
             Action::DeadPurge,
+            Action::Pause,
+            Action::Resume,
+            Action::Workers,
         ] {
             assert!(action.role().actions().contains(&action), "{action:?}");
         }
@@ -1230,6 +1298,7 @@ mod tests {
             sources::RELEASE,
             sources::PROMOTE,
             sources::FIRE,
+            sources::DRAIN,
         ];
         let cases: [(Role, &[&str]); 3] = [
             (Role::Daemon, &daemon),
@@ -1267,6 +1336,7 @@ mod tests {
             include_str!("schedule.rs"),
             include_str!("mod.rs"),
             include_str!("connection.rs"),
+            include_str!("admin.rs"),
         ];
         for source in sources {
             for rest in source.split("cmd(\"").skip(1) {
@@ -1275,7 +1345,10 @@ mod tests {
                     .iter()
                     .any(|rule| rule[1..].split('|').next() == Some(command.as_str()));
                 assert!(
-                    COMMANDS.iter().any(|c| c.name == command) || in_cluster_rules,
+                    COMMANDS
+                        .iter()
+                        .any(|c| c.name.split('|').next() == Some(command.as_str()))
+                        || in_cluster_rules,
                     "{command} is sent from Rust but has no rule"
                 );
             }

@@ -31,6 +31,9 @@ pub struct Connector {
     display: String,
     /// The ACL user the connections log in as, for messages (`default` when none is named).
     username: String,
+    /// The daemon's `kmqd:HOST:PID`: its connections are named `kmqd:HOST:PID:ROLE` (`CLIENT SETNAME`), so that
+    /// `CLIENT LIST` tells which daemon and thread each one is. `None` for the command line and the library.
+    client_name: Option<String>,
 }
 
 impl std::fmt::Debug for Connector {
@@ -136,6 +139,7 @@ impl Connector {
             })
             .unwrap_or_else(|| "default".to_string());
         Ok(Connector {
+            client_name: None,
             username,
             target,
             connect_timeout: config.connect_timeout,
@@ -148,13 +152,33 @@ impl Connector {
         })
     }
 
+    /// Names every connection this connector makes `BASE:ROLE` (`CLIENT SETNAME`; ROLE is `pool` unless
+    /// [`Connector::connect_as`] says otherwise): the daemon's, `kmqd:HOST:PID`.
+    pub fn with_client_name(mut self, base: impl Into<String>) -> Connector {
+        self.client_name = Some(base.into());
+        self
+    }
+
     /// A new connection, outside any pool.
     pub fn connect(&self) -> Result<Conn> {
-        self.connect_with_timeout(self.io_timeout)
+        self.connect_as(self.io_timeout, "pool")
     }
 
     /// A new connection whose replies must come within `timeout` (the heartbeat's is shorter than a lease).
     pub fn connect_with_timeout(&self, timeout: Duration) -> Result<Conn> {
+        self.connect_as(timeout, "pool")
+    }
+
+    /// As [`Connector::connect_with_timeout`], named `BASE:role` when the connector names its connections.
+    pub fn connect_as(&self, timeout: Duration, role: &str) -> Result<Conn> {
+        let mut connection = self.open(timeout)?;
+        if let Some(base) = &self.client_name {
+            set_name(&mut connection, &format!("{base}:{role}"));
+        }
+        Ok(connection)
+    }
+
+    fn open(&self, timeout: Duration) -> Result<Conn> {
         let connect_timeout = self.connect_timeout.min(timeout);
         let link = match &self.target {
             Target::Single(client) => {
@@ -188,8 +212,9 @@ impl Connector {
                 let mut last = None;
                 for seed in seeds {
                     match seed.get_connection_with_timeout(self.connect_timeout) {
-                        Ok(connection) => {
+                        Ok(mut connection) => {
                             connection.set_write_timeout(Some(self.io_timeout))?;
+                            self.name_subscriber(&mut connection);
                             return Ok(connection);
                         }
                         Err(error) => last = Some(error),
@@ -199,10 +224,20 @@ impl Connector {
                     last.expect("a cluster has at least one seed"),
                 ))
             }
-            _ => match self.connect()?.link {
-                Link::Node(connection) => Ok(connection),
+            _ => match self.open(self.io_timeout)?.link {
+                Link::Node(mut connection) => {
+                    self.name_subscriber(&mut connection);
+                    Ok(connection)
+                }
                 Link::Cluster(_) => unreachable!("only a cluster target makes cluster connections"),
             },
+        }
+    }
+
+    /// Names the delay listener's connection, as [`Connector::connect_as`] does the others.
+    fn name_subscriber(&self, connection: &mut Connection) {
+        if let Some(base) = &self.client_name {
+            set_name(connection, &format!("{base}:delay-listener"));
         }
     }
 
@@ -251,6 +286,21 @@ fn refusal_at_seeds(seeds: &[redis::Client], timeout: Duration) -> Option<redis:
         }
     }
     None
+}
+
+/// Names a connection for `CLIENT LIST`, best effort: a refusal (a user without `+client|setname`, which the
+/// daemon's check at start reports by name) or a failure leaves it unnamed, and a broken connection shows on its
+/// next use, where every caller handles it. Through a cluster connection the name goes to every node it is
+/// connected to; a node connection the cluster client makes later (after a failover, a slot migration) stays
+/// unnamed until its thread reconnects.
+pub fn set_name(connection: &mut impl ConnectionLike, name: &str) {
+    if let Err(error) = redis::cmd("CLIENT")
+        .arg("SETNAME")
+        .arg(name)
+        .query::<()>(connection)
+    {
+        tracing::debug!(%error, name, "CLIENT SETNAME failed; the connection stays unnamed");
+    }
 }
 
 /// The URL's connection info with the config's user and password (a URL's own stay when the config has none).
@@ -563,7 +613,15 @@ pub type PooledConnection = r2d2::PooledConnection<Connector>;
 /// Builds the connection pool. Connections are made lazily, so this succeeds while Redis is down; the first
 /// `get()` reports the failure.
 pub fn pool(config: &RedisConfig) -> Result<Pool> {
-    let connector = Connector::new(config)?;
+    pool_of(Connector::new(config)?, config)
+}
+
+/// [`pool`] with connections named `BASE:pool` until a [`Session`] renames its own (the daemon's).
+pub fn named_pool(config: &RedisConfig, base: &str) -> Result<Pool> {
+    pool_of(Connector::new(config)?.with_client_name(base), config)
+}
+
+fn pool_of(connector: Connector, config: &RedisConfig) -> Result<Pool> {
     Ok(r2d2::Pool::builder()
         .max_size(config.pool_size)
         .min_idle(Some(0))
@@ -582,17 +640,36 @@ pub fn pool(config: &RedisConfig) -> Result<Pool> {
 pub struct Session {
     pool: Pool,
     held: Option<PooledConnection>,
+    /// `kmqd:HOST:PID:ROLE`, given to each connection it takes (`CLIENT SETNAME`).
+    name: Option<String>,
 }
 
 impl Session {
     pub fn new(pool: Pool) -> Session {
-        Session { pool, held: None }
+        Session {
+            pool,
+            held: None,
+            name: None,
+        }
+    }
+
+    /// A session whose connections are named `name` (the daemon's threads: `kmqd:HOST:PID:fetcher-mail`).
+    pub fn named(pool: Pool, name: String) -> Session {
+        Session {
+            pool,
+            held: None,
+            name: Some(name),
+        }
     }
 
     /// The connection, connecting first if needed.
     pub fn get(&mut self) -> Result<&mut Conn> {
         if self.held.is_none() {
-            self.held = Some(self.pool.get()?);
+            let mut connection = self.pool.get()?;
+            if let Some(name) = &self.name {
+                set_name(&mut **connection, name);
+            }
+            self.held = Some(connection);
         }
         // Just filled above.
         Ok(self.held.as_mut().expect("connection present"))

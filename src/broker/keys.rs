@@ -61,6 +61,10 @@ pub struct QueueKeys {
     pub stats: String,
     /// Wake-up markers for idle fetchers (at most one element).
     pub wake: String,
+    /// String whose existence pauses the queue (`kmqd queue pause`): claims and pops take nothing while it
+    /// exists (claim.lua, pop.lua and the plain pop check it in the same atomic step as the take), pushes and
+    /// promotions go on. Its value (the ms it was paused, by the pauser's clock) is only informational.
+    pub paused: String,
     /// Periodic tasks: hash schedule name -> the last slot fired (ms).
     pub schedules: String,
     /// Hash with the protocol version of the queue's keys.
@@ -101,6 +105,7 @@ impl QueueKeys {
             unique_popped: format!("{base}:unique-popped"),
             stats: format!("{base}:stats"),
             wake: format!("{base}:wake"),
+            paused: format!("{base}:paused"),
             schedules: format!("{base}:schedules"),
             meta: format!("{base}:meta"),
             delay_channel: format!("{base}:delay-wake"),
@@ -179,6 +184,7 @@ mod tests {
         assert_eq!(keys.retry[1], "kmq:{mail}:retry:low");
         assert_eq!(keys.processing("o7", 1), "kmq:{mail}:processing:o7:low");
         assert_eq!(keys.owner_info("o7"), "kmq:{mail}:owner:o7");
+        assert_eq!(keys.paused, "kmq:{mail}:paused");
         let other = keys.with_levels(&["urgent".into()]);
         assert_eq!(other.ready, ["kmq:{mail}:ready:urgent"]);
         assert_eq!(
@@ -202,6 +208,7 @@ mod tests {
             &keys.unique,
             &keys.stats,
             &keys.wake,
+            &keys.paused,
         ];
         assert!(all.iter().all(|key| key.starts_with("kmq:{mail}:")));
     }

@@ -5,6 +5,7 @@
 //! that call them own their connection for as long as they run, so a blocking call never starves anyone else.
 //!
 //! - [`access`]: the ACL rules each kind of kmqd process needs, and the check at start that its user has them;
+//! - [`admin`]: pausing and resuming a queue, and the daemons serving it;
 //! - [`connection`]: connecting, the pool, a thread's own [`Session`];
 //! - [`tasks`]: a task's life: push, claim or pop, settle, leases, promote;
 //! - [`lookup`]: finding and cancelling tasks by id;
@@ -13,6 +14,7 @@
 //! - [`stats`]: depths and counters, and the protocol-version check.
 
 pub mod access;
+pub mod admin;
 pub mod connection;
 pub mod dead;
 pub mod keys;
@@ -28,7 +30,7 @@ use std::sync::{Arc, LazyLock};
 
 use redis::{ConnectionLike, RedisWrite, ToRedisArgs, Value};
 
-pub use connection::{Conn, Connector, Pool, PooledConnection, Session, pool};
+pub use connection::{Conn, Connector, Pool, PooledConnection, Session, named_pool, pool};
 pub use keys::QueueKeys;
 pub use lookup::{Found, Scope};
 pub use owners::{OwnerInfo, Renewal, owner_info, owners, register, release, renew};
@@ -170,6 +172,7 @@ struct Scripts {
     access: redis::Script,
     dead_requeue: redis::Script,
     dead_purge: redis::Script,
+    drain: redis::Script,
 }
 
 /// The scripts' sources, for tests that pick out one script's calls (a fault-injecting proxy matches them).
@@ -188,6 +191,7 @@ pub mod sources {
     pub const ACCESS: &str = include_str!("scripts/access.lua");
     pub const DEAD_REQUEUE: &str = include_str!("scripts/dead_requeue.lua");
     pub const DEAD_PURGE: &str = include_str!("scripts/dead_purge.lua");
+    pub const DRAIN: &str = include_str!("scripts/drain.lua");
 }
 
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
@@ -206,6 +210,7 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     access: redis::Script::new(sources::ACCESS),
     dead_requeue: redis::Script::new(sources::DEAD_REQUEUE),
     dead_purge: redis::Script::new(sources::DEAD_PURGE),
+    drain: redis::Script::new(sources::DRAIN),
 });
 
 /// The published enqueue script (docs/PROTOCOL.md shows how to call it from any language).

@@ -26,6 +26,8 @@ pub struct OwnerInfo {
     pub started_at_ms: i64,
     /// The size of the quarantined group it runs with nothing else, if it runs one (claim.lua).
     pub group: Option<usize>,
+    /// Its daemon began a graceful stop (drain.lua): read for `kmqd workers`, never registered.
+    pub draining: bool,
 }
 
 /// Registers `owner` with a lease, describing itself with `info`. Returns false when the id is known and its
@@ -166,6 +168,7 @@ pub fn owner_info(
             "pid" => info.pid = value.parse().unwrap_or(0),
             "version" => info.version = value,
             "started_at" => info.started_at_ms = value.parse().unwrap_or(0),
+            "draining" => info.draining = true,
             "group" => {
                 info.group = Some(
                     value

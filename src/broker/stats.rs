@@ -71,6 +71,8 @@ pub struct QueueStats {
     pub purged: u64,
     /// Age of the oldest task at the head of a ready list, ms; `None` when nothing is ready.
     pub lag_ms: Option<i64>,
+    /// The queue is paused (`kmqd queue pause`): no daemon takes its tasks until it is resumed.
+    pub paused: bool,
 }
 
 fn pairs_as_map<S: serde::Serializer>(
@@ -130,6 +132,7 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
     }
     pipe.cmd("LLEN").arg(&keys.dead);
     pipe.cmd("HGETALL").arg(&keys.stats);
+    pipe.cmd("EXISTS").arg(&keys.paused);
     // Last: in a cluster a pipeline goes to its first key's node (`broker::Conn`), which must be the queue's.
     pipe.cmd("TIME");
     let mut replies = Replies(pipe.query::<Vec<Value>>(conn)?.into_iter());
@@ -151,6 +154,7 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
     let processing: Vec<u64> = replies.many(processing_keys.len())?;
     let dead: u64 = replies.one()?;
     let counters: HashMap<String, u64> = replies.one()?;
+    let paused: bool = replies.one()?;
     let time: (i64, i64) = replies.one()?;
     let processing = processing.iter().sum();
     let now_ms = time_ms(time);
@@ -189,6 +193,7 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
         requeued: counter("requeued"),
         purged: counter("purged"),
         lag_ms,
+        paused,
     })
 }
 

@@ -95,6 +95,9 @@ pub struct Batch {
     pub journal: u64,
     /// Safe mode: whether the claim ran into the quarantine (see claim.lua).
     pub isolation: Isolation,
+    /// The queue is paused (`kmqd queue pause`): nothing was taken, and the fetcher waits `idle_poll` before it
+    /// looks again, instead of blocking on a list that may well hold tasks.
+    pub paused: bool,
 }
 
 /// The journal that ends a claim's, an adoption's or a settle's reply.
@@ -144,7 +147,8 @@ pub fn claim(
         .key(&keys.wake)
         .key(keys.owner_info(owner))
         .key(&keys.dead)
-        .key(&keys.stats);
+        .key(&keys.stats)
+        .key(&keys.paused);
     for key in keys.ready.iter().chain(&keys.quarantine) {
         invocation.key(key);
     }
@@ -213,6 +217,7 @@ pub fn claim(
             2 => Isolation::Waiting,
             _ => Isolation::None,
         },
+        paused: state == 3,
     })
 }
 
@@ -269,6 +274,7 @@ pub fn adopt(
         tasks,
         journal,
         isolation: Isolation::None,
+        paused: false,
     })
 }
 
@@ -316,6 +322,8 @@ impl Popper {
     ) -> Result<Batch> {
         if self.no_unique_held && self.last_taken >= PLAIN_POP_AFTER {
             match pop_plain(conn, keys, max)? {
+                // Paused: keep what was learnt, so that the first pop after the resume is plain again.
+                Some(batch) if batch.paused => return Ok(batch),
                 Some(batch) => {
                     self.last_taken = batch.tasks.len();
                     return Ok(batch);
@@ -325,7 +333,9 @@ impl Popper {
         }
         let (batch, held) = pop_script(conn, keys, owner, max)?;
         self.no_unique_held = !held;
-        self.last_taken = batch.tasks.len();
+        if !batch.paused {
+            self.last_taken = batch.tasks.len();
+        }
         Ok(batch)
     }
 }
@@ -351,21 +361,28 @@ type RedisTime = (i64, i64);
 /// `LMPOP`'s reply: the list popped from and what it gave.
 type Popped = (String, Vec<Value>);
 
-/// `LMPOP` in a transaction that runs only if the unique hash stayed empty since it was read (`WATCH`): a task
-/// popped this way can hold no unique id. `None`: the hash is not empty (or was written meanwhile), nothing
-/// was popped, use pop.lua.
+/// `LMPOP` in a transaction that runs only if the unique hash stayed empty and the queue unpaused since they
+/// were read (`WATCH` on both): a task popped this way can hold no unique id, and none is popped after a pause.
+/// `None`: the hash is not empty (or one of the two keys was written meanwhile), nothing was popped, use
+/// pop.lua (which checks both itself). A paused queue is a batch marked `paused`.
 fn pop_plain(conn: &mut Conn, keys: &QueueKeys, max: usize) -> Result<Option<Batch>> {
-    let (held,): (usize,) = redis::pipe()
+    let (held, paused): (usize, bool) = redis::pipe()
         .cmd("WATCH")
         .arg(&keys.unique)
+        .arg(&keys.paused)
         .ignore()
         .cmd("HLEN")
         .arg(&keys.unique)
+        .cmd("EXISTS")
+        .arg(&keys.paused)
         .query(conn)?;
-    if held > 0 {
+    if held > 0 || paused {
         // To the node of the WATCH: in a cluster, UNWATCH alone would go to any node.
         conn.query_at::<()>(&keys.unique, &redis::cmd("UNWATCH"))?;
-        return Ok(None);
+        return Ok(paused.then(|| Batch {
+            paused: true,
+            ..Batch::default()
+        }));
     }
     let lists: Vec<&str> = pop_lists(keys).collect();
     let mut pipe = redis::pipe();
@@ -411,12 +428,16 @@ fn pop_script(
     max: usize,
 ) -> Result<(Batch, bool)> {
     let mut invocation = SCRIPTS.pop.prepare_invoke();
-    invocation.key(&keys.unique).key(&keys.unique_popped);
+    invocation
+        .key(&keys.unique)
+        .key(&keys.unique_popped)
+        .key(&keys.paused);
     for list in pop_lists(keys) {
         invocation.key(list);
     }
     invocation.arg(owner).arg(max);
-    let (now_ms, list, items, held): (i64, usize, Vec<Value>, i64) = invocation.invoke(conn)?;
+    let (now_ms, list, items, held, paused): (i64, usize, Vec<Value>, i64, i64) =
+        invocation.invoke(conn)?;
     let mut tasks = Vec::with_capacity(items.len());
     if list > 0 {
         for item in items {
@@ -430,6 +451,7 @@ fn pop_script(
     let batch = Batch {
         now_ms,
         tasks,
+        paused: paused == 1,
         ..Batch::default()
     };
     Ok((batch, held > 0))

@@ -1,5 +1,5 @@
-//! The `kmqd` command line: `kmqd --config FILE [run|check-config|push|stats|task|dead|bench]`, one module per
-//! command.
+//! The `kmqd` command line: `kmqd --config FILE [run|check-config|push|stats|task|dead|queue|workers|bench]`,
+//! one module per command.
 //!
 //! Exit codes, everywhere: 0 success, 1 runtime error (Redis unreachable, a thread died), 2 usage or config
 //! error (including a refused plugin, wrong credentials and missing ACL rules), 3 a push refused because its
@@ -18,12 +18,15 @@ mod bench;
 mod daemon;
 mod dead;
 mod push;
+mod queue;
 mod stats;
 mod task;
+mod workers;
 
 pub use bench::BenchArgs;
 pub use dead::DeadCommand;
 pub use push::PushArgs;
+pub use queue::QueueCommand;
 pub use task::TaskCommand;
 
 #[derive(Parser, Debug)]
@@ -60,6 +63,15 @@ pub enum Command {
     /// List, show, requeue or purge dead-letter records.
     #[command(subcommand)]
     Dead(DeadCommand),
+    /// Pause or resume a queue on every daemon.
+    #[command(subcommand)]
+    Queue(QueueCommand),
+    /// List the daemons alive on each queue: host, pid, version, lease left, tasks held, state.
+    Workers {
+        /// Print JSON: {"workers": [{"queue": ..., "host": ..., ...}]}.
+        #[arg(long)]
+        json: bool,
+    },
     /// Measure kmqd against a private redis-server (needs no config): push rates, drain rates in both modes with
     /// 1, 2 and 4 daemons, idle wake-up latency, delayed-task lateness, memory. See docs/PERFORMANCE.md.
     Bench(BenchArgs),
@@ -153,6 +165,14 @@ pub fn run(args: Args) -> Result<(), Failure> {
         Command::Dead(dead) => {
             init_logging("warn");
             dead::run_dead(&config, dead)
+        }
+        Command::Queue(queue) => {
+            init_logging("warn");
+            queue::run_queue(&config, queue)
+        }
+        Command::Workers { json } => {
+            init_logging("warn");
+            workers::run_workers(&config, json)
         }
         Command::Bench(_) => unreachable!("handled before the config is read"),
     }

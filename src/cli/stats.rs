@@ -41,9 +41,10 @@ pub(super) fn run_stats(config: &Config, json: bool) -> Result<(), Failure> {
     }
     let _ = writeln!(
         out,
-        "{:<16} {:<7} {:>9} {:>10} {:>9} {:>7} {:>11} {:>9} {:>9} {:>13} {:>9}",
+        "{:<16} {:<7} {:<7} {:>9} {:>10} {:>9} {:>7} {:>11} {:>9} {:>9} {:>13} {:>9}",
         "QUEUE",
         "MODE",
+        "STATE",
         "READY",
         "PROCESSING",
         "DELAYED",
@@ -60,7 +61,8 @@ pub(super) fn run_stats(config: &Config, json: bool) -> Result<(), Failure> {
         });
         let _ = writeln!(
             out,
-            "{name:<16} {mode:<7} {:>9} {:>10} {:>9} {:>7} {:>11} {:>9} {:>9} {:>13} {:>9}",
+            "{name:<16} {mode:<7} {:<7} {:>9} {:>10} {:>9} {:>7} {:>11} {:>9} {:>9} {:>13} {:>9}",
+            if s.paused { "paused" } else { "active" },
             s.ready,
             s.processing,
             s.delayed,

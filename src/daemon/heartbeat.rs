@@ -92,15 +92,17 @@ fn renew(
     let sent = Instant::now();
     let result = match connection {
         Some(connection) => broker::renew(connection, &lane.queue.keys, &owner, lease, journal),
-        None => connector.connect_with_timeout(timeout).and_then(|fresh| {
-            broker::renew(
-                connection.insert(fresh),
-                &lane.queue.keys,
-                &owner,
-                lease,
-                journal,
-            )
-        }),
+        None => connector
+            .connect_as(timeout, "heartbeat")
+            .and_then(|fresh| {
+                broker::renew(
+                    connection.insert(fresh),
+                    &lane.queue.keys,
+                    &owner,
+                    lease,
+                    journal,
+                )
+            }),
     };
     if result.is_ok() {
         trouble.recovered();

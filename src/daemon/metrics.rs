@@ -28,7 +28,7 @@ type PerQueue = (
     fn(&QueueStats) -> f64,
 );
 
-const PER_QUEUE: [PerQueue; 9] = [
+const PER_QUEUE: [PerQueue; 10] = [
     (
         "kmqd_queue_processing",
         "gauge",
@@ -46,6 +46,12 @@ const PER_QUEUE: [PerQueue; 9] = [
         "gauge",
         "Records in the dead-letter list.",
         |s| s.dead as f64,
+    ),
+    (
+        "kmqd_queue_paused",
+        "gauge",
+        "1 while the queue is paused (kmqd queue pause): no daemon takes its tasks.",
+        |s| if s.paused { 1.0 } else { 0.0 },
     ),
     (
         "kmqd_queue_lag_seconds",

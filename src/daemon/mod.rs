@@ -273,8 +273,11 @@ pub fn run(
     registry: Arc<Registry>,
     stop: Receiver<()>,
 ) -> Result<(), DaemonError> {
-    let connector = Arc::new(Connector::new(&config.redis)?);
-    let pool = broker::pool(&config.redis)?;
+    // Every connection is named `kmqd:HOST:PID:ROLE` (`CLIENT LIST` tells whose it is).
+    let client_name = format!("kmqd:{}:{}", broker::hostname(), std::process::id());
+    let connector = Arc::new(Connector::new(&config.redis)?.with_client_name(&client_name));
+    let pool = broker::named_pool(&config.redis, &client_name)?;
+    let named = |role: &str| Session::named(pool.clone(), format!("{client_name}:{role}"));
     if !wait_for_redis(config, &connector, &stop)? {
         tracing::info!("stopped before Redis answered");
         return Ok(());
@@ -303,6 +306,7 @@ pub fn run(
         epoch,
         claiming: claiming.listener(),
         background: background.listener(),
+        client_name: client_name.clone(),
     };
     for queue in &contexts {
         let (lane, nudges) = start_lane(&mut threads, queue, &parts)?;
@@ -335,7 +339,7 @@ pub fn run(
                 )
             })
             .collect(),
-        connection: Session::new(pool.clone()),
+        connection: named("monitor"),
         registry: Arc::clone(&registry),
         background: background.listener(),
     };
@@ -363,8 +367,7 @@ pub fn run(
                 (schedule.clone(), Arc::clone(queue))
             })
             .collect();
-        let scheduler =
-            Scheduler::new(schedules, Session::new(pool.clone()), background.listener());
+        let scheduler = Scheduler::new(schedules, named("scheduler"), background.listener());
         threads.spawn("kmqd-scheduler".to_string(), Role::Other, move || {
             scheduler.run()
         })?;
@@ -375,7 +378,7 @@ pub fn run(
         let metrics = Metrics {
             listener,
             lanes: lanes.clone(),
-            connection: Session::new(pool.clone()),
+            connection: named("metrics"),
             background: background.listener(),
         };
         tracing::info!("metrics on http://{addr}/metrics");
@@ -428,6 +431,8 @@ pub fn run(
     ));
     claiming.fire();
     let stopping_at = Instant::now();
+    // After `stopping_at`: a Redis that is slow to answer must not stretch the handlers' grace.
+    mark_draining(&lanes, &pool);
     let workers_done = threads.wait_for(
         &events,
         &[Role::Worker],
@@ -488,6 +493,15 @@ struct Parts {
     epoch: Instant,
     claiming: Listener,
     background: Listener,
+    /// `kmqd:HOST:PID`, the start of every connection's name.
+    client_name: String,
+}
+
+impl Parts {
+    /// A session whose connections are named `kmqd:HOST:PID:role`.
+    fn session(&self, role: &str) -> Session {
+        Session::named(self.pool.clone(), format!("{}:{role}", self.client_name))
+    }
 }
 
 /// Starts one queue's lane (acker, workers, fetcher) and its delay poller; returns the lane and the poller's
@@ -503,7 +517,7 @@ fn start_lane(
     let acker = Acker {
         lane: Arc::clone(&lane),
         registry: Arc::clone(&parts.registry),
-        connection: Session::new(parts.pool.clone()),
+        connection: parts.session(&format!("acker-{name}")),
         outcomes,
         settler: Settler::new(format!("{}:acker", parts.instance))
             .with_pulse(lane.acker_pulse.clone()),
@@ -531,7 +545,7 @@ fn start_lane(
     }
     let fetcher = Fetcher::new(
         Arc::clone(&lane),
-        Session::new(parts.pool.clone()),
+        parts.session(&format!("fetcher-{name}")),
         parts.claiming.clone(),
         jobs_tx,
     );
@@ -541,7 +555,7 @@ fn start_lane(
     let (nudge_tx, nudge_rx) = crossbeam_channel::bounded(1);
     let poller = DelayPoller {
         queue: Arc::clone(queue),
-        connection: Session::new(parts.pool.clone()),
+        connection: parts.session(&format!("delay-{name}")),
         nudges: nudge_rx,
         background: parts.background.clone(),
     };
@@ -549,6 +563,38 @@ fn start_lane(
         poller.run()
     })?;
     Ok((lane, nudge_tx))
+}
+
+/// Marks this daemon's owners as draining (`kmqd workers` shows it) as its graceful stop begins. Best effort,
+/// one try each: a daemon that cannot reach Redis is stopping all the same, and its registration goes when its
+/// owner is released.
+fn mark_draining(lanes: &[Arc<Lane>], pool: &broker::Pool) {
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_millis() as i64);
+    for lane in lanes {
+        let Some(owner) = lane.ownership.current() else {
+            continue;
+        };
+        let marked = pool
+            .get()
+            .map_err(BrokerError::from)
+            .and_then(|mut connection| {
+                let result = broker::admin::mark_draining(
+                    &mut **connection,
+                    &lane.queue.keys,
+                    &owner,
+                    now_ms,
+                );
+                if result.is_err() {
+                    connection.mark_broken();
+                }
+                result
+            });
+        if let Err(error) = marked {
+            tracing::debug!(queue = %lane.name(), %owner, %error, "cannot mark the owner draining");
+        }
+    }
 }
 
 /// Forgets this daemon's owners, now that every outcome is settled. An owner that still holds tasks (Redis

@@ -576,3 +576,55 @@ fn the_documented_users_run_behind_sentinels_with_their_additions() {
         assert!(refused.is_empty(), "{refused:?}\n{log}");
     }
 }
+
+/// `kmqd queue pause` and `resume` as the documented operator user, `kmqd workers` as the reader, against a
+/// daemon as the documented daemon user (whose connections are named: `+client|setname`): Redis refuses none of
+/// them, and a reader that tries to pause is told the rule it lacks.
+#[test]
+fn the_documented_users_pause_resume_and_list_workers() {
+    let redis = RedisServer::start();
+    create_users(&redis);
+    let dir = TestDir::new();
+    let queues = "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nidle_poll = \"100ms\"\n\n\
+        [[queues]]\nname = \"jobs\"\nmode = \"default\"\nidle_poll = \"100ms\"\n";
+    let daemon_config = config_as(&dir, &redis, "kmqd", "shutdown_grace = \"5s\"", queues);
+    let operator = config_as(&dir, &redis, "kmqd-operator", "", queues);
+    let reader = config_as(&dir, &redis, "kmqd-reader", "", queues);
+    let daemon = TestDaemon::start(&daemon_config);
+    let workers = eventually(Duration::from_secs(10), "both queues served", || {
+        let (out, _) = run(&reader, &["workers", "--json"], None, 0);
+        let value: serde_json::Value = serde_json::from_str(&out).unwrap();
+        let count = value["workers"].as_array().unwrap().len();
+        (count == 2, out)
+    });
+    assert!(workers.contains("\"queue\":\"mail\""), "{workers}");
+    let (_, err) = run(&reader, &["queue", "pause", "mail"], None, 2);
+    assert!(
+        err.contains("Redis user \"kmqd-reader\" may not run"),
+        "{err}"
+    );
+    for queue in ["mail", "jobs"] {
+        let (out, _) = run(&operator, &["queue", "pause", queue], None, 0);
+        assert_eq!(out, format!("paused {queue}\n"));
+    }
+    let (table, _) = run(&reader, &["workers"], None, 0);
+    assert_eq!(table.matches(" paused ").count(), 2, "{table}");
+    for queue in ["mail", "jobs"] {
+        let (out, _) = run(&operator, &["queue", "resume", queue], None, 0);
+        assert_eq!(out, format!("resumed {queue}\n"));
+    }
+    let clients: String = redis.cmd(&["CLIENT", "LIST"]);
+    let name = format!(
+        "name=kmqd:{}:{}:fetcher-mail ",
+        kmqd::broker::hostname(),
+        std::process::id()
+    );
+    assert!(clients.contains(&name), "{clients}");
+    daemon.stop();
+    // The reader's refused pause was its check's own call; nothing else was refused.
+    let log = acl_log(&redis);
+    assert!(
+        log.iter().all(|entry| entry.contains("cmd=evalsha ")),
+        "{log:#?}"
+    );
+}

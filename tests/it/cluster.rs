@@ -139,6 +139,37 @@ fn queues_on_three_masters_serve_every_feature_and_the_admin_commands() {
         );
         (s.done == 3 && d.done == 2, (s, d))
     });
+    // Pause and resume on a cluster: the paused key is in the queue's slot, in claim.lua's and pop.lua's KEYS.
+    for queue in [safe, default] {
+        let (code, out, err) = kmqd(&["-c", c, "queue", "pause", queue], None);
+        assert_eq!((code, out), (0, format!("paused {queue}\n")), "{err}");
+    }
+    let (code, out, err) = kmqd(&["-c", c, "workers", "--json"], None);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.matches("\"paused\":true").count() >= 2, "{out}");
+    for queue in [safe, default] {
+        producer
+            .push(
+                queue,
+                kmqd::NewTask::new("test", "{}").unwrap().id("paused-1"),
+            )
+            .unwrap();
+    }
+    // Longer than the idle_poll (1 s) of a fetcher that was blocked when the pause came.
+    std::thread::sleep(Duration::from_millis(1500));
+    for queue in [safe, default] {
+        let s = producer.stats(queue).unwrap();
+        assert_eq!((s.ready, s.paused), (1, true), "{queue}: {s:?}");
+        let (code, _, err) = kmqd(&["-c", c, "queue", "resume", queue], None);
+        assert_eq!(code, 0, "{err}");
+    }
+    eventually(Duration::from_secs(20), "the paused tasks done", || {
+        let (s, d) = (
+            producer.stats(safe).unwrap(),
+            producer.stats(default).unwrap(),
+        );
+        (s.done == 4 && d.done == 3, (s, d))
+    });
     let ticks = eventually(Duration::from_secs(20), "the schedule fired", || {
         let ticks = producer.stats(sched).unwrap().done;
         (ticks >= 1, ticks)

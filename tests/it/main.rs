@@ -16,6 +16,7 @@ mod faults;
 mod plugins;
 mod priorities;
 mod protocol;
+mod queue_admin;
 mod redis_faults;
 mod safe_mode;
 mod schedules;

@@ -3,9 +3,9 @@
 -- lease (one per daemon, renewed by its heartbeat).
 --
 -- KEYS[1] owners zset (owner -> lease deadline ms), KEYS[2] wake list, KEYS[3] the owner's info hash,
--- KEYS[4] dead list, KEYS[5] stats hash,
--- KEYS[6 .. 5+L] ready lists, KEYS[6+L .. 5+4L] quarantine lists (group sizes 1, 8, 64, each over the levels),
--- KEYS[6+4L .. 5+5L] the owner's processing hashes (token -> envelope), levels in order
+-- KEYS[4] dead list, KEYS[5] stats hash, KEYS[6] the queue's paused key (claims take nothing while it exists),
+-- KEYS[7 .. 6+L] ready lists, KEYS[7+L .. 6+4L] quarantine lists (group sizes 1, 8, 64, each over the levels),
+-- KEYS[7+4L .. 6+5L] the owner's processing hashes (token -> envelope), levels in order
 -- ARGV[1] owner; ARGV[2] the most tasks to take; ARGV[3] max_task_bytes; ARGV[4] dead list bound;
 -- ARGV[5] queue name; ARGV[6] daemon (host:pid, for dead records); ARGV[7 ..] at least ARGV[2] tokens, unique
 -- within the owner and increasing from call to call
@@ -15,6 +15,9 @@
 --   state 1: a quarantined group was claimed, alone (group envelopes, all of `group level`);
 --   state 2: nothing was claimed, because this owner must hold nothing while it runs a quarantined group, and
 --            it still holds tasks (the caller waits for them to be settled, then claims again);
+--   state 3: nothing was claimed, because the queue is paused (`kmqd queue pause`): the caller waits idle_poll
+--            and claims again. Checked here, in the claim itself, so that no claim that runs after the pause
+--            takes anything, whatever the daemon last saw;
 -- the k-th envelope returned overall (group first) was stored under token ARGV[6 + k].
 -- Fails with "LEASELOST ..." when the owner's lease is gone or past: its tasks then belong to the monitors, and
 -- the daemon must register a new owner; with "FENCED ..." when ARGV[7] is below the owner's floor, which
@@ -35,8 +38,8 @@
 -- here), no table is made per task unless a payload is too large, and counters replace `#t` (which is O(log n)
 -- in Lua 5.1). Returning the envelopes joined into one string would spare the client's parser, but costs Redis
 -- more than it saves (measured: docs/PERFORMANCE.md).
-local levels = (#KEYS - 5) / 5
-local READY, QUARANTINE, PROCESSING = 5, 5 + levels, 5 + 4 * levels
+local levels = (#KEYS - 6) / 5
+local READY, QUARANTINE, PROCESSING = 6, 6 + levels, 6 + 4 * levels
 local GROUPS = {1, 8, 64}
 local owner, max, max_bytes = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local t = redis.call('TIME')
@@ -49,7 +52,7 @@ local info = redis.call('HMGET', KEYS[3], 'floor', 'group')
 if info[1] and tonumber(ARGV[7]) < tonumber(info[1]) then
   return redis.error_reply('FENCED claim with token ' .. ARGV[7] .. ' below the floor ' .. info[1])
 end
-for i = 6, #KEYS do
+for i = 7, #KEYS do
   local found = redis.call('TYPE', KEYS[i]).ok
   local kind = 'list'
   if i > PROCESSING then kind = 'hash' end
@@ -108,6 +111,11 @@ local function store(level, got, taken)
   end
   redis.call('HSET', KEYS[PROCESSING + level], unpack(fields))
   stored = true
+end
+
+-- After the lease and floor checks, so that a paused queue still tells a lost lease or a fenced claim.
+if redis.call('EXISTS', KEYS[6]) == 1 then
+  return finish(empty(3, 0, {}))
 end
 
 local holds = false

@@ -4,11 +4,11 @@
 -- by the popping owner (recorded in the unique-popped hash), until its outcome is settled, or until a monitor
 -- finds that owner's lease expired (a daemon that died with it: the task is lost, and its id must not be).
 --
--- KEYS[1] unique hash, KEYS[2] unique-popped hash (id -> owner), KEYS[3 ..] the lists to pop from, in order
--- (quarantine then ready, per level)
+-- KEYS[1] unique hash, KEYS[2] unique-popped hash (id -> owner), KEYS[3] the queue's paused key (nothing is
+-- popped while it exists), KEYS[4 ..] the lists to pop from, in order (quarantine then ready, per level)
 -- ARGV[1] owner; ARGV[2] the most tasks to take
--- Returns {now_ms, index of the list popped (1-based among KEYS[3 ..], 0: all empty), {payloads}, the number of
--- unique ids held in the queue}.
+-- Returns {now_ms, index of the list popped (1-based among KEYS[4 ..], 0: all empty or paused), {payloads}, the
+-- number of unique ids held in the queue, 1 if the queue is paused (nothing was popped) else 0}.
 --
 -- The daemon calls this only while unique ids are held in the queue; otherwise it pops with a plain LMPOP in a
 -- transaction guarded by WATCH on the unique hash (Popper in src/broker/tasks.rs), which spares Redis converting
@@ -16,20 +16,23 @@
 -- default mode a pop has read them anyway.)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local args = {#KEYS - 2}
-for i = 3, #KEYS do
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  return {now, 0, {}, redis.call('HLEN', KEYS[1]), 1}
+end
+local args = {#KEYS - 3}
+for i = 4, #KEYS do
   args[#args + 1] = KEYS[i]
 end
 args[#args + 1], args[#args + 2], args[#args + 3] = 'LEFT', 'COUNT', ARGV[2]
 local popped = redis.call('LMPOP', unpack(args))
 local held = redis.call('HLEN', KEYS[1])
 if not popped then
-  return {now, 0, {}, held}
+  return {now, 0, {}, held, 0}
 end
 local index = 0
-for i = 3, #KEYS do
+for i = 4, #KEYS do
   if KEYS[i] == popped[1] then
-    index = i - 2
+    index = i - 3
     break
   end
 end
@@ -46,4 +49,4 @@ if held > 0 then
     end
   end
 end
-return {now, index, items, held}
+return {now, index, items, held, 0}

@@ -7,6 +7,12 @@
 //! list that every enqueue path touches; default mode: on the ready lists themselves) for at most `idle_poll`,
 //! which also bounds how long shutdown waits for it.
 //!
+//! A paused queue (`kmqd queue pause`, the key `PREFIX:{Q}:paused`) is checked by the claim or pop itself, in
+//! the same atomic step as the take: a claim that runs after the pause takes nothing. The fetcher then sleeps
+//! `idle_poll` in-process before it looks again (a blocking wait would return at once on a queue whose lists
+//! hold tasks, and spin), so a resume is noticed within `idle_poll`, and a pause within one fetch (a claim or
+//! pop that Redis ran before the pause may still bring tasks, which run and settle normally).
+//!
 //! A safe-mode claim whose reply is lost (a reset, a stall past the read timeout) is resolved, not guessed: the
 //! fetcher knows its owner and tokens, and [`broker::adopt`] hands it what the claim took, or fences the claim
 //! off if it has not run yet, so no task is left claimed by nobody. Until then the claim's capacity stays taken.
@@ -55,6 +61,8 @@ pub struct Fetcher {
     /// What this daemon registers about each of its owners.
     info: OwnerInfo,
     trouble: Trouble,
+    /// Whether the last fetch found the queue paused (to log the change once, not every `idle_poll`).
+    paused: bool,
 }
 
 /// The owner and the tokens of a claim whose reply never came.
@@ -83,6 +91,7 @@ impl Fetcher {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |since| since.as_millis() as i64),
             group: None,
+            draining: false,
         };
         let trouble = Trouble::new("fetching tasks", Some(&config.name));
         Fetcher {
@@ -96,6 +105,7 @@ impl Fetcher {
             popper: broker::Popper::default(),
             info,
             trouble,
+            paused: false,
         }
     }
 
@@ -157,10 +167,24 @@ impl Fetcher {
         let Some(owner) = self.owner()? else {
             return Ok(Batch::default());
         };
-        match self.lane.queue.config.mode {
-            Mode::Safe => self.claim(owner, free),
-            Mode::Default => self.pop(owner, free),
+        let batch = match self.lane.queue.config.mode {
+            Mode::Safe => self.claim(owner, free)?,
+            Mode::Default => self.pop(owner, free)?,
+        };
+        if batch.paused != self.paused {
+            self.paused = batch.paused;
+            let queue = self.lane.name();
+            if batch.paused {
+                tracing::info!(%queue, "queue paused: taking no task until it is resumed");
+            } else {
+                tracing::info!(%queue, "queue resumed");
+            }
         }
+        if batch.paused {
+            // Not a blocking wait in Redis: the lists may hold tasks, and BLMOVE would return at once.
+            self.claiming.wait(self.lane.queue.config.idle_poll);
+        }
+        Ok(batch)
     }
 
     /// This daemon's owner on the queue, registered first if there is none (`None`: a registration refused, try
@@ -202,7 +226,9 @@ impl Fetcher {
         let connection = self.connection.get()?;
         let popped = self.popper.pop(connection, &queue.keys, &owner, free);
         match &popped {
-            Ok(batch) if batch.tasks.is_empty() && !self.claiming.is_triggered() => {
+            Ok(batch)
+                if batch.tasks.is_empty() && !batch.paused && !self.claiming.is_triggered() =>
+            {
                 let idle = queue.config.idle_poll;
                 broker::wait_idle(connection, &queue.keys, idle, queue.io_timeout)?;
             }
@@ -249,6 +275,9 @@ impl Fetcher {
                 return Err(error);
             }
         };
+        if batch.paused {
+            return Ok(batch);
+        }
         self.claim_size = (batch.tasks.len() * 2)
             .max(MIN_CLAIM)
             .min(queue.config.batch);
