@@ -173,7 +173,7 @@ impl Connector {
     pub fn connect_as(&self, timeout: Duration, role: &str) -> Result<Conn> {
         let mut connection = self.open(timeout)?;
         if let Some(base) = &self.client_name {
-            set_name(&mut connection, &format!("{base}:{role}"));
+            set_name(&mut connection, &format!("{base}:{role}"))?;
         }
         Ok(connection)
     }
@@ -214,7 +214,7 @@ impl Connector {
                     match seed.get_connection_with_timeout(self.connect_timeout) {
                         Ok(mut connection) => {
                             connection.set_write_timeout(Some(self.io_timeout))?;
-                            self.name_subscriber(&mut connection);
+                            self.name_subscriber(&mut connection)?;
                             return Ok(connection);
                         }
                         Err(error) => last = Some(error),
@@ -226,7 +226,7 @@ impl Connector {
             }
             _ => match self.open(self.io_timeout)?.link {
                 Link::Node(mut connection) => {
-                    self.name_subscriber(&mut connection);
+                    self.name_subscriber(&mut connection)?;
                     Ok(connection)
                 }
                 Link::Cluster(_) => unreachable!("only a cluster target makes cluster connections"),
@@ -235,9 +235,10 @@ impl Connector {
     }
 
     /// Names the delay listener's connection, as [`Connector::connect_as`] does the others.
-    fn name_subscriber(&self, connection: &mut Connection) {
-        if let Some(base) = &self.client_name {
-            set_name(connection, &format!("{base}:delay-listener"));
+    fn name_subscriber(&self, connection: &mut Connection) -> RedisResult<()> {
+        match &self.client_name {
+            Some(base) => set_name(connection, &format!("{base}:delay-listener")),
+            None => Ok(()),
         }
     }
 
@@ -288,18 +289,27 @@ fn refusal_at_seeds(seeds: &[redis::Client], timeout: Duration) -> Option<redis:
     None
 }
 
-/// Names a connection for `CLIENT LIST`, best effort: a refusal (a user without `+client|setname`, which the
-/// daemon's check at start reports by name) or a failure leaves it unnamed, and a broken connection shows on its
-/// next use, where every caller handles it. Through a cluster connection the name goes to every node it is
-/// connected to; a node connection the cluster client makes later (after a failover, a slot migration) stays
-/// unnamed until its thread reconnects.
-pub fn set_name(connection: &mut impl ConnectionLike, name: &str) {
-    if let Err(error) = redis::cmd("CLIENT")
+/// Names a connection for `CLIENT LIST`. A refusal (a user without `+client|setname`, which the daemon's check
+/// at start reports by name; a proxy without CLIENT) leaves it unnamed, quietly; an I/O error is returned, since
+/// the connection is broken and its caller's retry, rate-limited and logged once, handles it. Through a cluster
+/// connection the name goes to every node it is connected to; a node connection the cluster client makes later
+/// (after a failover, a slot migration) stays unnamed until its thread reconnects.
+pub fn set_name(connection: &mut impl ConnectionLike, name: &str) -> RedisResult<()> {
+    match redis::cmd("CLIENT")
         .arg("SETNAME")
         .arg(name)
         .query::<()>(connection)
     {
-        tracing::debug!(%error, name, "CLIENT SETNAME failed; the connection stays unnamed");
+        Err(error)
+            if error.is_io_error() || error.is_timeout() || error.is_connection_dropped() =>
+        {
+            Err(error)
+        }
+        Err(error) => {
+            tracing::debug!(%error, name, "CLIENT SETNAME refused; the connection stays unnamed");
+            Ok(())
+        }
+        Ok(()) => Ok(()),
     }
 }
 
@@ -666,8 +676,11 @@ impl Session {
     pub fn get(&mut self) -> Result<&mut Conn> {
         if self.held.is_none() {
             let mut connection = self.pool.get()?;
-            if let Some(name) = &self.name {
-                set_name(&mut **connection, name);
+            if let Some(name) = &self.name
+                && let Err(error) = set_name(&mut **connection, name)
+            {
+                connection.broken = true;
+                return Err(error.into());
             }
             self.held = Some(connection);
         }

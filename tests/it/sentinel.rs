@@ -13,7 +13,14 @@ use crate::support::{TestDaemon, TestDir, client, eventually};
 
 #[test]
 fn a_sentinel_failover_mid_drain_loses_no_acknowledged_task_with_wait_replicas() {
-    let mut setup = SentinelSetup::start(SentinelOptions::default()).expect("start sentinels");
+    // Two replicas: after the failover the new master still has one, so wait_replicas = 1 goes on acknowledging
+    // (docs/OPERATIONS.md: run N + 1 replicas). Restarting the killed master instead, empty (no persistence), once
+    // lost the data of the promoted replica in 1 of 8 runs: an empty master coming back is a hazard of its own.
+    let mut setup = SentinelSetup::start(SentinelOptions {
+        replicas: 2,
+        ..SentinelOptions::default()
+    })
+    .expect("start sentinels");
     let seeds: Vec<String> = setup
         .sentinel_urls()
         .iter()
@@ -45,9 +52,6 @@ fn a_sentinel_failover_mid_drain_loses_no_acknowledged_task_with_wait_replicas()
     let old = setup.kill_master(Signal::Kill).unwrap();
     let new = setup.wait_failover().unwrap();
     assert_ne!(old, new);
-    // With wait_replicas = 1 the new master, alone, acknowledges nothing: the old one comes back as its replica
-    // (the sentinels reconfigure it), and the drain goes on.
-    setup.server_mut(&old).unwrap().restart().unwrap();
     let acknowledged = producer.join().unwrap();
     assert_eq!(acknowledged.len(), 2000);
     wait_drained(&watcher, "jobs");
@@ -57,5 +61,11 @@ fn a_sentinel_failover_mid_drain_loses_no_acknowledged_task_with_wait_replicas()
         .iter()
         .filter(|id| !ran.contains(*id))
         .collect();
-    assert!(lost.is_empty(), "{} never ran: {lost:?}", lost.len());
+    assert!(lost.is_empty(), "{} never ran: {lost:?}; {}", lost.len(), {
+        // What the master holds now, to tell a lost push from a task lost later.
+        let master = setup.master().unwrap();
+        let stats: redis::Value = master.query(&["HGETALL", "kmq:{jobs}:stats"]).unwrap();
+        let keys: redis::Value = master.query(&["KEYS", "*"]).unwrap();
+        format!("the master's stats {stats:?}, its keys {keys:?}")
+    });
 }
