@@ -145,13 +145,20 @@ fn killed_master_is_replaced_by_its_replica_which_kept_the_acknowledged_write() 
         .restart_node(&master.addr)
         .unwrap_or_else(|error| panic!("{error}"));
     eprintln!("rejoined in {:?}", started.elapsed());
-    let back = cluster
-        .nodes()
-        .unwrap()
-        .into_iter()
-        .find(|n| n.addr == master.addr)
-        .unwrap();
-    assert_eq!(back.role, Role::Replica, "{back:?}");
+    // It learns it was replaced from the cluster bus: a moment after it answers (a master without slots first).
+    let back = eventually(
+        Duration::from_secs(20),
+        "the old master to rejoin as a replica",
+        || {
+            let back = cluster
+                .nodes()
+                .unwrap()
+                .into_iter()
+                .find(|n| n.addr == master.addr)
+                .unwrap();
+            (back.role == Role::Replica, back)
+        },
+    );
     assert_eq!(back.master_id.as_deref(), Some(promoted.id.as_str()));
 }
 
