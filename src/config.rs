@@ -150,6 +150,46 @@ pub struct DaemonConfig {
     pub metrics_addr: Option<SocketAddr>,
     /// A tracing filter such as `info` or `kmqd=debug`; `RUST_LOG` takes precedence.
     pub log_level: String,
+    /// How log events are written to standard error.
+    pub log_format: LogFormat,
+}
+
+/// `[daemon] log_format`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFormat {
+    /// Human-readable lines (the journal's usual fare).
+    Text,
+    /// One JSON object per event, per line: a multi-line message is one escaped field, never split.
+    Json,
+}
+
+/// Checks a tracing filter (`log_level`, `RUST_LOG`): comma-separated directives, each a level or
+/// `TARGET=LEVEL`. tracing's own parser takes a bare word that is no level for a target, so `"warning"` would
+/// silently enable nothing of kmqd's: here it is an error, with the level meant.
+pub fn check_log_filter(filter: &str) -> Result<(), String> {
+    const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
+    for directive in filter.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+        let level = directive
+            .rsplit_once('=')
+            .map_or(directive, |(_, level)| level);
+        if !LEVELS.contains(&level.to_ascii_lowercase().as_str()) {
+            let meant = match level.to_ascii_lowercase().as_str() {
+                "warning" => Some("warn"),
+                "err" | "fatal" | "critical" => Some("error"),
+                "verbose" | "all" => Some("trace"),
+                "none" | "quiet" => Some("off"),
+                _ => None,
+            };
+            let hint = meant.map_or(String::new(), |m| format!(" (did you mean \"{m}\"?)"));
+            return Err(format!(
+                "{level:?} in {directive:?} is not a level{hint}; write one of off, error, warn, info, debug, trace, \
+                 or TARGET=LEVEL (\"kmqd=debug,warn\")"
+            ));
+        }
+    }
+    tracing_subscriber::EnvFilter::try_new(filter)
+        .map(drop)
+        .map_err(|error| format!("{filter:?} is not a log filter: {error}"))
 }
 
 /// A queue's delivery guarantee; see docs/PROTOCOL.md, "Guarantees".
@@ -408,7 +448,8 @@ struct RawDaemon {
     plugins_dir: Option<Spanned<String>>,
     shutdown_grace: Option<Spanned<String>>,
     metrics_addr: Option<Spanned<String>>,
-    log_level: Option<String>,
+    log_level: Option<Spanned<String>>,
+    log_format: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -1025,6 +1066,7 @@ impl RawDaemon {
             shutdown_grace,
             metrics_addr,
             log_level,
+            log_format,
         } = self;
         let plugins_dir =
             base.join(plugins_dir.map_or(defaults::PLUGINS_DIR.to_string(), Spanned::into_inner));
@@ -1043,12 +1085,33 @@ impl RawDaemon {
             })?),
             None => None,
         };
-        let log_level = log_level.unwrap_or_else(|| defaults::LOG_LEVEL.to_string());
+        let log_level = match log_level {
+            Some(level) => {
+                check_log_filter(level.get_ref()).map_err(|why| {
+                    source.error(level.span(), format!("daemon.log_level: {why}"))
+                })?;
+                level.into_inner()
+            }
+            None => defaults::LOG_LEVEL.to_string(),
+        };
+        let log_format = match log_format.as_ref().map(|f| (f, f.get_ref().as_str())) {
+            None | Some((_, "text")) => LogFormat::Text,
+            Some((_, "json")) => LogFormat::Json,
+            Some((format, other)) => {
+                return Err(source.error(
+                    format.span(),
+                    format!(
+                        "daemon.log_format: {other:?} is not a format; write \"text\" or \"json\""
+                    ),
+                ));
+            }
+        };
         Ok(DaemonConfig {
             plugins_dir,
             shutdown_grace,
             metrics_addr,
             log_level,
+            log_format,
         })
     }
 }
@@ -1584,6 +1647,21 @@ mod tests {
                 "[redis]\nurl = \"rediss://cache:6380\"\ntls_ca_file = \"/nonexistent/ca.pem\"\n",
                 "queues.toml:3:15",
                 &["redis.tls_ca_file", "cannot read /nonexistent/ca.pem"],
+            ),
+            (
+                "[daemon]\nlog_level = \"warning\"\n",
+                "queues.toml:2:13",
+                &["daemon.log_level", "did you mean \"warn\""],
+            ),
+            (
+                "[daemon]\nlog_level = \"kmqd=verbose,info\"\n",
+                "queues.toml:2:13",
+                &["daemon.log_level", "\"verbose\"", "TARGET=LEVEL"],
+            ),
+            (
+                "[daemon]\nlog_format = \"yaml\"\n",
+                "queues.toml:2:14",
+                &["daemon.log_format", "\"json\""],
             ),
             (
                 "[redis]\nwait_timeout = \"0s\"\n",

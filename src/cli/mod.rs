@@ -12,7 +12,7 @@ use clap::{Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 
 use crate::client::ClientError;
-use crate::config::Config;
+use crate::config::{Config, LogFormat};
 
 mod bench;
 mod daemon;
@@ -141,9 +141,14 @@ pub fn run(args: Args) -> Result<(), Failure> {
         )
     })?;
     let config = Config::load(&path).map_err(|error| Failure::Usage(error.to_string()))?;
+    if let Some(filter) = rust_log() {
+        crate::config::check_log_filter(&filter)
+            .map_err(|why| Failure::Usage(format!("RUST_LOG: {why}")))?;
+    }
+    let format = config.daemon.log_format;
     match args.command.unwrap_or(Command::Run) {
         Command::Run => {
-            init_logging(&config.daemon.log_level);
+            init_logging_as(&config.daemon.log_level, format);
             daemon::run_daemon(&config)
         }
         Command::CheckConfig => {
@@ -178,22 +183,35 @@ pub fn run(args: Args) -> Result<(), Failure> {
     }
 }
 
+/// `RUST_LOG`, when set to something.
+fn rust_log() -> Option<String> {
+    std::env::var("RUST_LOG")
+        .ok()
+        .filter(|value| !value.trim().is_empty())
+}
+
 /// Human-readable logs on standard error (the journal under systemd); `RUST_LOG` overrides the config's level.
 pub(super) fn init_logging(default_level: &str) {
-    let from_env = std::env::var("RUST_LOG")
-        .ok()
-        .filter(|value| !value.trim().is_empty());
-    let filter = from_env
+    init_logging_as(default_level, LogFormat::Text);
+}
+
+/// Logs on standard error, as text or one JSON object per line (`[daemon] log_format`); `RUST_LOG` (checked by
+/// [`run`]) overrides the level.
+fn init_logging_as(default_level: &str, format: LogFormat) {
+    let filter = rust_log()
         .and_then(|value| EnvFilter::try_new(value).ok())
         .unwrap_or_else(|| EnvFilter::new(default_level));
-    // Fails only when a subscriber is already set (tests calling `run` twice); the first one stays.
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let _ = tracing_subscriber::fmt()
+    let ansi = format == LogFormat::Text && std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(ansi)
         // A closed standard error (`kmqd 2>&1 | head`) must not stop the daemon: by default the subscriber
         // reports a failed write with eprintln!, which panics when standard error is gone.
-        .log_internal_errors(false)
-        .try_init();
+        .log_internal_errors(false);
+    // Fails only when a subscriber is already set (tests calling `run` twice); the first one stays.
+    let _ = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+    };
 }

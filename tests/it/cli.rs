@@ -293,3 +293,78 @@ fn metrics_endpoint_serves_queue_depths_and_counters() {
     );
     daemon.stop();
 }
+
+/// `log_format = "json"`: every line the daemon writes is one JSON object with a level and a message, a task's
+/// failure included. (A Rust plugin's panic is still printed by its own panic hook, as text: not covered yet.)
+#[test]
+fn json_logs_are_one_object_per_line() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config_with(
+        &redis,
+        "shutdown_grace = \"5s\"\nlog_format = \"json\"",
+        &safe_queue("retry_times = 0"),
+    );
+    let mut daemon = Process::start(&config, dir.path("kmqd.log"));
+    push_many(&config, "p", 1, r#"{"outcome":"fail"}"#);
+    eventually(
+        std::time::Duration::from_secs(20),
+        "the failing task dead-lettered",
+        || {
+            let s = stats(&config, "jobs");
+            (s.dead_lettered == 1, s)
+        },
+    );
+    daemon.signal(libc::SIGTERM);
+    assert_eq!(
+        daemon.wait_within(std::time::Duration::from_secs(20)),
+        Some(0)
+    );
+    let log = daemon.log_text();
+    let mut levels = std::collections::BTreeSet::new();
+    for line in log.lines() {
+        let event: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|error| {
+            panic!("not a JSON object ({error}): {line:?}\nthe whole log:\n{log}")
+        });
+        assert!(event["message"].is_string(), "{line}");
+        levels.insert(event["level"].as_str().unwrap_or("?").to_string());
+    }
+    assert!(
+        levels.contains("INFO") && levels.contains("WARN"),
+        "{levels:?}\n{log}"
+    );
+}
+
+/// A misspelled level silenced every log line before (tracing takes `warning` for a target): now the config and
+/// `RUST_LOG` are checked, exit 2 with the level meant.
+#[test]
+fn a_misspelled_log_level_is_a_config_error() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config_with(&redis, "log_level = \"warning\"", QUEUE);
+    let c = config.to_str().unwrap();
+    let (code, _, err) = kmqd(&["-c", c, "check-config"], None);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("daemon.log_level") && err.contains("did you mean \"warn\""),
+        "{err}"
+    );
+    let good = dir.config_named(
+        "good.toml",
+        &format!("url = \"{}\"", redis.url()),
+        "",
+        QUEUE,
+        &dir.record_file(),
+    );
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_kmqd"))
+        .args(["-c", good.to_str().unwrap(), "check-config"])
+        .env("RUST_LOG", "kmqd=verbose")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("RUST_LOG") && err.contains("did you mean \"trace\""),
+        "{err}"
+    );
+}
