@@ -183,6 +183,22 @@ pub fn run(args: Args) -> Result<(), Failure> {
     }
 }
 
+/// A client for the config's queues, whose Redis user was checked for `action` on every one of them (the
+/// commands that report on all queues: `stats`, `workers`).
+fn client_for_every_queue(
+    config: &Config,
+    action: crate::broker::access::Action,
+) -> Result<crate::client::Client, Failure> {
+    let client = crate::client::Client::new(config)?;
+    let names: Vec<&str> = config
+        .queues
+        .iter()
+        .map(|queue| queue.name.as_str())
+        .collect();
+    client.check_access(&names, action)?;
+    Ok(client)
+}
+
 /// `RUST_LOG`, when set to something.
 fn rust_log() -> Option<String> {
     std::env::var("RUST_LOG")

@@ -5,19 +5,12 @@ use std::time::Duration;
 
 use crate::broker::QueueStats;
 use crate::broker::access::Action;
-use crate::client::Client;
 use crate::config::Config;
 
 use super::Failure;
 
 pub(super) fn run_stats(config: &Config, json: bool) -> Result<(), Failure> {
-    let client = Client::new(config)?;
-    let names: Vec<&str> = config
-        .queues
-        .iter()
-        .map(|queue| queue.name.as_str())
-        .collect();
-    client.check_access(&names, Action::Stats)?;
+    let client = super::client_for_every_queue(config, Action::Stats)?;
     let mut all: Vec<(&str, &'static str, QueueStats)> = Vec::new();
     for queue in &config.queues {
         let mode = match queue.mode {

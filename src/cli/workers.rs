@@ -5,22 +5,15 @@ use std::time::Duration;
 
 use crate::broker::access::Action;
 use crate::broker::admin::Worker;
-use crate::client::Client;
 use crate::config::Config;
 
 use super::Failure;
 
 pub(super) fn run_workers(config: &Config, json: bool) -> Result<(), Failure> {
-    let client = Client::new(config)?;
-    let names: Vec<&str> = config
-        .queues
-        .iter()
-        .map(|queue| queue.name.as_str())
-        .collect();
-    client.check_access(&names, Action::Workers)?;
+    let client = super::client_for_every_queue(config, Action::Workers)?;
     let mut all: Vec<Worker> = Vec::new();
-    for name in &names {
-        all.extend(client.workers(name)?);
+    for queue in &config.queues {
+        all.extend(client.workers(&queue.name)?);
     }
     let mut out = std::io::stdout().lock();
     if json {
