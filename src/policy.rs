@@ -74,8 +74,12 @@ pub enum Verdict {
         recoveries: u32,
         crashes: u32,
     },
-    /// The task could not be run at all (malformed, no handler, too old).
+    /// The task could not be run at all (malformed, too old).
     Unrunnable { reason: String },
+    /// No loaded plugin handles the task's type. What a rolling deploy makes (a producer or a newer daemon knows a
+    /// type this daemon does not yet), so it is retried with the queue's backoff whatever `on_handler_error` says,
+    /// and dead-lettered only after `retry_times`; nothing ran, so it does not count as failed.
+    NoHandler { reason: String },
 }
 
 impl Verdict {
@@ -120,6 +124,17 @@ pub fn decide(policy: &Policy, attempt: u32, verdict: Verdict, seed: u64) -> Act
         Verdict::Done => Action::Ack,
         Verdict::Fail { reason } => Action::Dead { reason },
         Verdict::Unrunnable { reason } => Action::Dead { reason },
+        Verdict::NoHandler { reason } if out_of_retries => Action::Dead {
+            reason: format!(
+                "{reason}; no retries left after {} attempts",
+                attempt.saturating_add(1)
+            ),
+        },
+        Verdict::NoHandler { reason } => Action::Retry {
+            delay: policy.backoff_for(attempt, seed),
+            reason,
+            isolated: false,
+        },
         Verdict::LeaseExpired {
             ran_alone: true,
             crashes,
@@ -190,10 +205,20 @@ mod tests {
     }
 
     fn retry(ms: u64) -> Action {
+        retry_with(ms, "boom")
+    }
+
+    fn retry_with(ms: u64, reason: &str) -> Action {
         Action::Retry {
             delay: Duration::from_millis(ms),
-            reason: "boom".into(),
+            reason: reason.into(),
             isolated: false,
+        }
+    }
+
+    fn no_handler() -> Verdict {
+        Verdict::NoHandler {
+            reason: "none".into(),
         }
     }
 
@@ -301,6 +326,17 @@ mod tests {
                 0,
                 Verdict::Unrunnable { reason: "x".into() },
                 Action::Dead { reason: "x".into() },
+            ),
+            // An unknown type waits for a daemon that knows it, whatever on_handler_error says.
+            (Finish, 1, no_handler(), retry_with(2000, "none")),
+            (Dead, 0, no_handler(), retry_with(1000, "none")),
+            (
+                Retry,
+                2,
+                no_handler(),
+                Action::Dead {
+                    reason: "none; no retries left after 3 attempts".into(),
+                },
             ),
         ];
         for (mode, attempt, verdict, expected) in cases {

@@ -172,6 +172,8 @@ pub fn decide(
 ) -> (Settlement, Option<Box<DeadHook>>) {
     let attempt = envelope.map_or(0, |e| e.attempt);
     let failed = verdict.is_failed_run();
+    // The worker warned once for the type; a retry per task would flood the log during a rolling deploy.
+    let quiet_retry = matches!(verdict, Verdict::NoHandler { .. });
     let action = policy::decide(policy, attempt, verdict, envelope.map_or(0, seed));
     let queue = origin.queue;
     // Ids and reasons come from producers and plugins: cap them, so one huge one cannot flood the log.
@@ -192,6 +194,10 @@ pub fn decide(
             group = quarantine.map(|stage| crate::broker::keys::QUARANTINE_GROUPS[stage]),
             "task held by a daemon whose lease expired goes back, uncharged"
         ),
+        Action::Retry { delay, reason, .. } if quiet_retry => {
+            let reason = capped_reason(reason);
+            tracing::debug!(queue, id, attempt, %reason, retry_in = ?delay, "task not run; will retry")
+        }
         Action::Retry { delay, reason, .. } => {
             let reason = capped_reason(reason);
             tracing::warn!(queue, id, attempt, %reason, retry_in = ?delay, "task failed; will retry")

@@ -21,6 +21,9 @@ pub(super) fn run_daemon(config: &Config) -> Result<(), Failure> {
         .map_err(|error| Failure::Runtime(format!("cannot install signal handlers: {error}")))?;
     crate::daemon::notify::status("loading plugins");
     let registry = Arc::new(load_plugins(config)?);
+    for warning in unhandled_schedules(config, &registry) {
+        tracing::warn!("{warning}");
+    }
     crate::daemon::run(config, registry, stop_rx).map_err(|error| {
         if error.is_config_error() {
             Failure::Usage(error.to_string())
@@ -54,5 +57,26 @@ pub(super) fn check_config(config: &Config) -> Result<(), Failure> {
             plugin.types
         );
     }
+    // Not an error: another daemon, or this one after a plugin is installed, may handle the type.
+    for warning in unhandled_schedules(config, &registry) {
+        let _ = writeln!(out, "  warning: {warning}");
+    }
     Ok(())
+}
+
+/// A line for each schedule whose task type no loaded plugin handles: its tasks would wait through their retries
+/// and then be dead-lettered, unless another daemon handles the type.
+fn unhandled_schedules(config: &Config, registry: &Registry) -> Vec<String> {
+    config
+        .schedules
+        .iter()
+        .filter(|schedule| registry.for_type(&schedule.kind).is_none())
+        .map(|schedule| {
+            format!(
+                "schedule {:?} fires type {:?} on queue {:?}, which no plugin here handles: its tasks are retried \
+                 (retry_times) for a daemon that does, then dead-lettered",
+                schedule.name, schedule.kind, schedule.queue
+            )
+        })
+        .collect()
 }

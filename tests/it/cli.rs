@@ -20,6 +20,29 @@ fn check_config_accepts_a_good_config_and_loads_its_plugins() {
 }
 
 #[test]
+fn check_config_warns_about_schedules_no_plugin_handles() {
+    let dir = TestDir::new();
+    let schedules = "[[schedules]]\nname = \"nightly\"\nqueue = \"jobs\"\ntype = \"report.build\"\nevery = \"1h\"\n\n\
+                     [[schedules]]\nname = \"tick\"\nqueue = \"jobs\"\ntype = \"test\"\nevery = \"1m\"\n";
+    let config = dir.config_raw(
+        "url = \"redis://127.0.0.1:1\"",
+        "",
+        &format!("{QUEUE}\n{schedules}"),
+    );
+    let (code, out, err) = kmqd(
+        &["--config", config.to_str().unwrap(), "check-config"],
+        None,
+    );
+    assert_eq!(code, 0, "a warning, not an error: {err}");
+    let warnings: Vec<&str> = out.lines().filter(|l| l.contains("warning:")).collect();
+    assert_eq!(warnings.len(), 1, "only the unhandled schedule: {out}");
+    assert!(
+        warnings[0].contains("schedule \"nightly\" fires type \"report.build\""),
+        "{out}"
+    );
+}
+
+#[test]
 fn check_config_names_file_line_and_key_and_exits_2() {
     let dir = TestDir::new();
     let path = dir.path("bad.toml");

@@ -26,3 +26,4 @@ mod splice;
 mod systemd;
 mod tls;
 mod topology;
+mod unknown_types;

@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, TrySendError};
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::config::{QueueConfig, RedisConfig};
 use crate::daemon::watchdog::{Bounds, Pulse};
@@ -86,6 +86,8 @@ pub struct Lane {
     /// watchdog's sign that they are not hung (`daemon::watchdog`).
     pub fetcher_pulse: Pulse,
     pub acker_pulse: Pulse,
+    /// Task types that came with no plugin to handle them, so that each is warned about once, not per task.
+    unhandled_types: Mutex<FxHashSet<String>>,
 }
 
 impl Lane {
@@ -108,6 +110,7 @@ impl Lane {
             epoch,
             fetcher_pulse: Pulse::default(),
             acker_pulse: Pulse::default(),
+            unhandled_types: Mutex::default(),
             queue,
         };
         (lane, receiver)
@@ -147,6 +150,12 @@ impl Lane {
         let mut orphans = lock(&self.orphans);
         orphans.retain(|(state, _)| state.is_orphaned());
         orphans.clone()
+    }
+
+    /// Whether `kind` is a type this lane meets without a handler for the first time (the caller warns).
+    pub fn first_unhandled(&self, kind: &str) -> bool {
+        let mut seen = lock(&self.unhandled_types);
+        !seen.contains(kind) && seen.insert(kind.to_string())
     }
 
     pub fn fetcher_stopped(&self) {

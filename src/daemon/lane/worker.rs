@@ -124,11 +124,18 @@ impl Worker {
             return Verdict::Unrunnable { reason };
         }
         let Some(plugin) = self.registry.for_type(&envelope.kind) else {
-            return Verdict::Unrunnable {
-                reason: format!(
-                    "no plugin handles task type {:?}",
-                    capped(&envelope.kind, LOGGED_PAYLOAD_BYTES)
-                ),
+            let kind = capped(&envelope.kind, LOGGED_PAYLOAD_BYTES);
+            if self.lane.first_unhandled(&envelope.kind) {
+                tracing::warn!(
+                    queue = %queue.config.name,
+                    %kind,
+                    retry_times = queue.policy.retry_times,
+                    "no plugin handles this task type; its tasks are retried with backoff (a daemon that \
+                     handles it may take them) and dead-lettered after retry_times (warned once per type)"
+                );
+            }
+            return Verdict::NoHandler {
+                reason: format!("no plugin handles task type {kind:?}"),
             };
         };
         let run = Run {
