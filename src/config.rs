@@ -341,9 +341,17 @@ impl Config {
     /// Parses and validates config text; `path` names it in errors and anchors relative paths.
     pub fn parse(path: &Path, text: &str) -> Result<Config, ConfigError> {
         let source = Source { path, text };
-        let raw: RawConfig = toml::from_str(text).map_err(|error| {
+        let syntax = |error: toml::de::Error| {
             let message = error.message().trim_end().to_string();
             source.error(error.span().unwrap_or(0..0), message)
+        };
+        let deserializer = toml::Deserializer::parse(text).map_err(syntax)?;
+        let raw: RawConfig = serde_path_to_error::deserialize(deserializer).map_err(|error| {
+            let path = error.path().to_string();
+            let error = error.into_inner();
+            let span = error.span().unwrap_or(0..0);
+            let key = key_path(&path, &source.text[..span.start.min(source.text.len())]);
+            source.error(span, shape_message(&key, error.message().trim_end()))
         })?;
         raw.validate(&source)
     }
@@ -358,6 +366,128 @@ impl Config {
     pub fn connections_needed(&self) -> u32 {
         3 * self.queues.len() as u32 + 4
     }
+}
+
+/// The config key a shape error is at, from serde_path_to_error's path: without the segments `toml::Spanned`
+/// adds, and with a plugin's name (a map key that is itself spanned, so the path only has `?` for it) read from
+/// the nearest `[plugins.NAME]` header before the error.
+fn key_path(path: &str, before: &str) -> String {
+    let path = path.replace(".$__serde_spanned_private_value", "");
+    if !path.starts_with("plugins.?") {
+        return path;
+    }
+    let name = before.lines().rev().find_map(|line| {
+        let header = line.trim().strip_prefix("[plugins.")?;
+        Some(header.split(']').next()?.trim().to_string())
+    });
+    match name {
+        Some(name) => path.replacen('?', &name, 1),
+        None => path.replacen(".?", "", 1),
+    }
+}
+
+/// A serde shape error in words an operator reads: the key path first ("queues[0].workers: ..."), Rust's type
+/// names as TOML's ("an integer", not "i64"), and for a misspelled key the valid one it most resembles.
+fn shape_message(key: &str, message: &str) -> String {
+    let (key, message) = match message.strip_prefix("unknown field `") {
+        // The path ends with the unknown key itself: name the table that holds it.
+        Some(rest) => (
+            key.rsplit_once('.').map_or("", |(table, _)| table),
+            unknown_key(rest).unwrap_or_else(|| message.to_string()),
+        ),
+        None if is_duration_key(key) && message.ends_with("expected a string") => (
+            key,
+            format!(
+                "{}; a duration is a string with a unit, such as \"30s\", \"5m\" or \"250ms\"",
+                toml_words(message)
+            ),
+        ),
+        None => (key, toml_words(message)),
+    };
+    match key {
+        "" | "." => message,
+        key => format!("{key}: {message}"),
+    }
+}
+
+/// Whether the key at `path` holds a duration ("30s"), for the hint on a number given instead.
+fn is_duration_key(path: &str) -> bool {
+    const DURATIONS: [&str; 14] = [
+        "connect_timeout",
+        "io_timeout",
+        "wait_timeout",
+        "shutdown_grace",
+        "report_interval",
+        "lease_timeout",
+        "execution_timeout",
+        "alive_timeout",
+        "backoff",
+        "backoff_max",
+        "idle_poll",
+        "lag_warn",
+        "every",
+        "misfire_grace",
+    ];
+    let key = path.rsplit('.').next().unwrap_or(path);
+    DURATIONS.contains(&key)
+}
+
+/// "unknown field `worker`, expected one of `name`, `workers`, ..." (the text after "unknown field `") as
+/// "unknown key `worker`; did you mean `workers`? (valid keys: ...)".
+fn unknown_key(rest: &str) -> Option<String> {
+    let (unknown, rest) = rest.split_once('`')?;
+    let valid: Vec<&str> = rest
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .filter(|name| !name.is_empty())
+        .collect();
+    let listed = valid
+        .iter()
+        .map(|name| format!("`{name}`"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    Some(match did_you_mean(unknown, &valid) {
+        Some(near) => {
+            format!("unknown key `{unknown}`; did you mean `{near}`? (valid keys: {listed})")
+        }
+        None => format!("unknown key `{unknown}` (valid keys: {listed})"),
+    })
+}
+
+/// The candidate closest to `word`, when it is close enough to be a typo of it: a few edits apart for its
+/// length, whatever the case (`Workers`, `retries_times`, `wokrers`).
+fn did_you_mean<'a>(word: &str, candidates: &[&'a str]) -> Option<&'a str> {
+    let word = word.to_ascii_lowercase();
+    candidates
+        .iter()
+        .map(|candidate| (strsim::damerau_levenshtein(&word, candidate), *candidate))
+        .filter(|(distance, candidate)| *distance <= (candidate.len().max(word.len()) / 3).max(1))
+        .min_by_key(|(distance, _)| *distance)
+        .map(|(_, candidate)| candidate)
+}
+
+/// Rust's names for what serde expected, as a TOML user would say them.
+fn toml_words(message: &str) -> String {
+    const WORDS: [(&str, &str); 12] = [
+        ("expected i64", "expected an integer"),
+        ("expected u64", "expected an integer"),
+        ("expected u32", "expected an integer"),
+        ("expected u16", "expected an integer"),
+        ("expected usize", "expected an integer"),
+        ("expected a sequence", "expected an array"),
+        ("expected a map", "expected a table"),
+        ("expected struct", "expected a table, for"),
+        ("invalid type: sequence", "invalid type: array"),
+        ("invalid type: map", "invalid type: table"),
+        ("expected a boolean", "expected true or false"),
+        ("invalid type: floating point", "invalid type: float"),
+    ];
+    let mut message = message.to_string();
+    for (rust, toml) in WORDS {
+        message = message.replace(rust, toml);
+    }
+    message
 }
 
 /// The config text and its file, to turn byte spans into "file:line:column".
@@ -629,10 +759,13 @@ fn one_of<T: Copy>(
                 .iter()
                 .map(|(name, _)| format!("{name:?}"))
                 .collect();
+            let valid: Vec<&str> = choices.iter().map(|(name, _)| *name).collect();
+            let hint = did_you_mean(value.get_ref(), &valid)
+                .map_or(String::new(), |near| format!("; did you mean {near:?}?"));
             source.error(
                 value.span(),
                 format!(
-                    "{key}: {:?} is not one of {}",
+                    "{key}: {:?} is not one of {}{hint}",
                     value.get_ref(),
                     names.join(", ")
                 ),
@@ -651,6 +784,7 @@ impl RawConfig {
         } = self;
 
         let base = source.base_dir();
+        let pool_size_span = redis.pool_size.as_ref().map_or(0..0, Spanned::span);
         let redis = redis.validate(source, &base)?;
         let daemon = daemon.validate(source, &base)?;
 
@@ -658,15 +792,20 @@ impl RawConfig {
         let mut validated_queues = Vec::with_capacity(queues.len());
         for (index, queue) in queues.into_iter().enumerate() {
             let span = queue.span();
+            let name_span = queue
+                .get_ref()
+                .name
+                .as_ref()
+                .map_or(span.clone(), Spanned::span);
             let queue = queue.into_inner().validate(source, index, span)?;
             if !seen.insert(queue.name.clone()) {
-                return Err(ConfigError::Invalid {
-                    location: source.path.display().to_string(),
-                    message: format!(
-                        "queues[{index}].name: queue {:?} is defined twice",
+                return Err(source.error(
+                    name_span,
+                    format!(
+                        "queues[{index}].name: queue {:?} is defined twice; give each [[queues]] its own name",
                         queue.name
                     ),
-                });
+                ));
             }
             validated_queues.push(queue);
         }
@@ -714,16 +853,16 @@ impl RawConfig {
             // Two more than the daemon holds, for `stats` and short-lived commands.
             config.redis.pool_size = config.connections_needed() + 2;
         } else if config.redis.pool_size < config.connections_needed() {
-            return Err(ConfigError::Invalid {
-                location: source.path.display().to_string(),
-                message: format!(
+            return Err(source.error(
+                pool_size_span,
+                format!(
                     "redis.pool_size: {} is too small for {} queue(s): the daemon holds 3 connections per queue and 4 \
                      more, so set pool_size to at least {}",
                     config.redis.pool_size,
                     config.queues.len(),
                     config.connections_needed()
                 ),
-            });
+            ));
         }
         Ok(config)
     }
@@ -1711,7 +1850,55 @@ mod tests {
             (
                 "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nwrkers = 3\n",
                 "queues.toml:4:1",
-                &["unknown field `wrkers`", "`workers`"],
+                &["queues[0]: unknown key `wrkers`; did you mean `workers`?"],
+            ),
+            (
+                "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nworkers = \"4\"\n",
+                "queues.toml:4:11",
+                &["queues[0].workers: invalid type: string \"4\", expected an integer"],
+            ),
+            (
+                "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nbackoff = 5\n",
+                "queues.toml:4:11",
+                &[
+                    "queues[0].backoff: invalid type: integer `5`",
+                    "such as \"30s\"",
+                ],
+            ),
+            (
+                "[[queues]]\nname = \"mail\"\nmode = \"safe\"\npriorities = [\"high\", 1]\n",
+                "queues.toml:4:23",
+                &["queues[0].priorities[1]: invalid type: integer `1`, expected a string"],
+            ),
+            (
+                "[[queues]]\nname = \"mail\"\nmode = \"sfe\"\n",
+                "queues.toml:3:8",
+                &["queues[0].mode", "did you mean \"safe\"?"],
+            ),
+            (
+                "[deamon]\nplugins_dir = \"/x\"\n",
+                "queues.toml:1:2",
+                &["unknown key `deamon`; did you mean `daemon`?"],
+            ),
+            (
+                "[plugins.mail]\nfile = \"a.so\"\nconfig = 5\n",
+                "queues.toml:3:10",
+                &["plugins.mail.config: invalid type: integer `5`, expected a table"],
+            ),
+            (
+                "[plugins.mail]\nfiles = \"a.so\"\n",
+                "queues.toml:2:1",
+                &["plugins.mail: unknown key `files`; did you mean `file`?"],
+            ),
+            (
+                "[[queues]]\nname = \"a\"\nmode = \"safe\"\n[[queues]]\nname = \"a\"\nmode = \"safe\"\n",
+                "queues.toml:5:8",
+                &["queues[1].name: queue \"a\" is defined twice"],
+            ),
+            (
+                "[redis]\npool_size = 2\n[[queues]]\nname = \"a\"\nmode = \"safe\"\n",
+                "queues.toml:2:13",
+                &["redis.pool_size: 2 is too small"],
             ),
             (
                 "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nworkers = \"many\"\n",
