@@ -4,6 +4,8 @@
 //! This module sits below the daemon: the lane's stages (`daemon::lane`), the per-daemon threads (`daemon::*`)
 //! and the producer API all import it, and it imports none of them.
 
+use std::time::Duration;
+
 use crate::broker::{ClaimLimits, QueueKeys, Settlement, Token};
 use crate::config::{Config, QueueConfig};
 use crate::policy::{Policy, Verdict};
@@ -83,10 +85,12 @@ impl QueueContext {
     }
 
     /// Decides a held task's fate from `verdict` and builds the settlement that applies it: the one path every
-    /// outcome takes, from a worker, an execution timeout or a monitor.
+    /// outcome takes, from a worker, an execution timeout or a monitor. `ran_for`: how long its handler ran, when
+    /// one did (for the log).
     pub fn settle_verdict(
         &self,
         verdict: Verdict,
+        ran_for: Option<Duration>,
         token: Option<Token>,
         level: usize,
         payload: &[u8],
@@ -101,6 +105,7 @@ impl QueueContext {
             &self.policy,
             &origin,
             verdict,
+            ran_for,
             token,
             level,
             payload,

@@ -2,6 +2,7 @@
 //! plugin's final-failure hook needs once the record landed.
 
 use std::hash::{DefaultHasher, Hash, Hasher};
+use std::time::Duration;
 
 use serde::Serialize;
 
@@ -161,10 +162,13 @@ pub fn settlement(
 
 /// Decides a task's fate from `verdict`, logs it, and builds the settlement: the one path every outcome takes,
 /// whether it comes from a worker, an execution timeout or a monitor.
+// The task's parts as the lane holds them: bundling them would only move the list into a struct built per call.
+#[allow(clippy::too_many_arguments)]
 pub fn decide(
     policy: &Policy,
     origin: &Origin<'_>,
     verdict: Verdict,
+    ran_for: Option<Duration>,
     token: Option<Token>,
     level: usize,
     payload: &[u8],
@@ -178,33 +182,40 @@ pub fn decide(
     let queue = origin.queue;
     // Ids and reasons come from producers and plugins: cap them, so one huge one cannot flood the log.
     let id = &*capped(envelope.map_or("", Envelope::id_str), LOGGED_PAYLOAD_BYTES);
+    // Every state change is an event with the task's queue, id, type, attempt and, when a handler ran, how long
+    // (seconds): at debug for the ordinary ones, so a production log at info stays quiet.
+    let kind = &*capped(envelope.map_or("", |e| &*e.kind), LOGGED_PAYLOAD_BYTES);
+    let duration = ran_for.map(|ran| ran.as_secs_f64());
     let capped_reason = |reason: &str| capped(reason, LOGGED_PAYLOAD_BYTES);
     match &action {
-        Action::Ack if !failed => tracing::debug!(queue, id, attempt, "task done"),
+        Action::Ack if !failed => tracing::debug!(queue, id, kind, attempt, duration, "task done"),
         Action::Ack => tracing::warn!(
             queue,
             id,
+            kind,
             attempt,
+            duration,
             "task failed; counted as done (on_handler_error = \"finish\")"
         ),
         Action::Recover { quarantine } => tracing::info!(
             queue,
             id,
+            kind,
             attempt,
             group = quarantine.map(|stage| crate::broker::keys::QUARANTINE_GROUPS[stage]),
             "task held by a daemon whose lease expired goes back, uncharged"
         ),
         Action::Retry { delay, reason, .. } if quiet_retry => {
             let reason = capped_reason(reason);
-            tracing::debug!(queue, id, attempt, %reason, retry_in = ?delay, "task not run; will retry")
+            tracing::debug!(queue, id, kind, attempt, %reason, retry_in = ?delay, "task not run; will retry")
         }
         Action::Retry { delay, reason, .. } => {
             let reason = capped_reason(reason);
-            tracing::warn!(queue, id, attempt, %reason, retry_in = ?delay, "task failed; will retry")
+            tracing::warn!(queue, id, kind, attempt, duration, %reason, retry_in = ?delay, "task failed; will retry")
         }
         Action::Dead { reason } => {
             let reason = capped_reason(reason);
-            tracing::warn!(queue, id, attempt, %reason, "task dead-lettered")
+            tracing::warn!(queue, id, kind, attempt, duration, %reason, "task dead-lettered")
         }
     }
     settlement(origin, &action, failed, token, level, payload, envelope)

@@ -230,4 +230,30 @@ fn init_logging_as(default_level: &str, format: LogFormat) {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder.json().flatten_event(true).try_init(),
     };
+    log_panics();
+}
+
+/// A panic of one of kmqd's threads becomes one error event (thread, location, message, and the backtrace when
+/// `RUST_BACKTRACE` asks for one) instead of std's lines on standard error, which would split a JSON log. The
+/// supervisor then reports the thread's end as usual. Plugins' panics never get here: see kmq-plugin's hook.
+fn log_panics() {
+    std::panic::set_hook(Box::new(|info| {
+        let payload = info.payload();
+        let message = payload
+            .downcast_ref::<&str>()
+            .copied()
+            .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+            .unwrap_or("non-string panic payload");
+        let thread = std::thread::current();
+        let location = info.location().map(ToString::to_string);
+        let backtrace = std::backtrace::Backtrace::capture();
+        let backtrace = (backtrace.status() == std::backtrace::BacktraceStatus::Captured)
+            .then(|| backtrace.to_string());
+        tracing::error!(
+            thread = thread.name().unwrap_or("?"),
+            location,
+            backtrace,
+            "panic: {message}"
+        );
+    }));
 }

@@ -189,8 +189,14 @@ impl Monitor {
                 owner: Arc::clone(&expired.owner),
                 id: TokenId::Text(token.clone()),
             };
-            let (settlement, hook) =
-                queue.settle_verdict(verdict, Some(token), level, payload, envelope.as_ref());
+            let (settlement, hook) = queue.settle_verdict(
+                verdict,
+                None,
+                Some(token),
+                level,
+                payload,
+                envelope.as_ref(),
+            );
             settlements.push(settlement);
             hooks.push(hook);
         }

@@ -318,7 +318,8 @@ fn metrics_endpoint_serves_queue_depths_and_counters() {
 }
 
 /// `log_format = "json"`: every line the daemon writes is one JSON object with a level and a message, a task's
-/// failure included. (A Rust plugin's panic is still printed by its own panic hook, as text: not covered yet.)
+/// failure and a plugin's panic included (the SDK's panic hook prints nothing; the reason carries it), and every
+/// task state change is a debug event with the task's queue, id, type, attempt and handler duration.
 #[test]
 fn json_logs_are_one_object_per_line() {
     let redis = RedisServer::start();
@@ -329,13 +330,21 @@ fn json_logs_are_one_object_per_line() {
         &safe_queue("retry_times = 0"),
     );
     let mut daemon = Process::start(&config, dir.path("kmqd.log"));
-    push_many(&config, "p", 1, r#"{"outcome":"fail"}"#);
+    let client = client(&config);
+    for (id, data) in [
+        ("fails", r#"{"outcome":"fail"}"#),
+        ("panics", r#"{"outcome":"panic"}"#),
+        ("works", "{}"),
+    ] {
+        let task = kmqd::NewTask::new("test", data).unwrap().id(id);
+        assert!(client.push("jobs", task).unwrap().is_accepted());
+    }
     eventually(
         std::time::Duration::from_secs(20),
-        "the failing task dead-lettered",
+        "two tasks dead-lettered, one done",
         || {
             let s = stats(&config, "jobs");
-            (s.dead_lettered == 1, s)
+            (s.dead_lettered == 2 && s.done == 1, s)
         },
     );
     daemon.signal(libc::SIGTERM);
@@ -345,16 +354,41 @@ fn json_logs_are_one_object_per_line() {
     );
     let log = daemon.log_text();
     let mut levels = std::collections::BTreeSet::new();
+    let mut events = Vec::new();
     for line in log.lines() {
         let event: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|error| {
             panic!("not a JSON object ({error}): {line:?}\nthe whole log:\n{log}")
         });
         assert!(event["message"].is_string(), "{line}");
         levels.insert(event["level"].as_str().unwrap_or("?").to_string());
+        events.push(event);
     }
     assert!(
-        levels.contains("INFO") && levels.contains("WARN"),
+        levels.contains("INFO") && levels.contains("WARN") && levels.contains("DEBUG"),
         "{levels:?}\n{log}"
+    );
+    let event = |id: &str, message: &str| {
+        events
+            .iter()
+            .find(|e| e["id"] == id && e["message"] == message)
+            .unwrap_or_else(|| panic!("no {message:?} event for {id}:\n{log}"))
+    };
+    let started = event("works", "task started");
+    assert_eq!(
+        (&started["queue"], &started["kind"], &started["attempt"]),
+        (&"jobs".into(), &"test".into(), &0.into()),
+        "{started}"
+    );
+    let done = event("works", "task done");
+    assert_eq!(done["kind"], "test", "{done}");
+    assert!(done["duration"].as_f64().is_some(), "seconds: {done}");
+    let panicked = event("panics", "task dead-lettered");
+    let reason = panicked["reason"].as_str().unwrap();
+    assert!(
+        reason.starts_with(
+            "panic: testkit: asked to panic (task panics) at plugins/testkit/src/lib.rs:"
+        ),
+        "{panicked}"
     );
 }
 

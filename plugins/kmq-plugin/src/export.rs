@@ -4,7 +4,7 @@
 //! aborts the process, and the host cannot catch it. This module is the only unsafe code of the SDK.
 
 use std::any::Any;
-use std::cell::UnsafeCell;
+use std::cell::{Cell, RefCell, UnsafeCell};
 use std::ffi::{CString, c_char, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
@@ -53,6 +53,65 @@ fn leak_type_list<'a>(types: impl Iterator<Item = &'a str>) -> *const *const c_c
     Box::leak(list.into_boxed_slice()).as_ptr()
 }
 
+/// What a panic on this thread is for, so that the panic hook knows whether to print it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Scope {
+    /// Not inside an SDK entry point (a thread the plugin spawned, say): std's own report, or the plugin's hook.
+    Outside,
+    /// Inside `init` or `handle`: the panic becomes the call's result (the host logs it with the task, as one
+    /// event), so the hook prints nothing and keeps where it happened for that result.
+    Result,
+    /// Inside `on_dead` or `shutdown`, which have no result: one line on stderr, never several (a host logging
+    /// JSON lines would have them split).
+    Report,
+}
+
+thread_local! {
+    static SCOPE: Cell<Scope> = const { Cell::new(Scope::Outside) };
+    /// Where the last panic in a [`Scope::Result`] happened: `file:line`.
+    static LOCATION: RefCell<Option<String>> = const { RefCell::new(None) };
+}
+
+/// Installs, once per library, a panic hook that reports panics in the SDK's entry points as described by
+/// [`Scope`] and hands every other panic to the hook that was there before (std's, or the plugin's own). The hook
+/// is the library's: a cdylib has its own copy of std, so the host's hook and other plugins' are not touched.
+fn install_panic_hook() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let location = info
+                .location()
+                .map(|l| format!("{}:{}", l.file(), l.line()));
+            match SCOPE.with(Cell::get) {
+                Scope::Outside => previous(info),
+                Scope::Result => LOCATION.with(|last| *last.borrow_mut() = location),
+                Scope::Report => {
+                    let message = panic_message(info.payload()).replace('\n', "\\n");
+                    let at = location.unwrap_or_default();
+                    eprintln!("kmq plugin: panicked at {at}: {message}");
+                }
+            }
+        }));
+    });
+}
+
+/// Runs `f` with panics caught and reported as `scope` says; a caught panic comes back as its message, with where
+/// it happened for a [`Scope::Result`] (`boom at src/lib.rs:12`).
+fn caught<R>(scope: Scope, f: impl FnOnce() -> R) -> Result<R, String> {
+    install_panic_hook();
+    let before = SCOPE.with(|current| current.replace(scope));
+    let result = catch_unwind(AssertUnwindSafe(f));
+    SCOPE.with(|current| current.set(before));
+    result.map_err(|panic| {
+        let message = panic_message(&*panic);
+        match LOCATION.with(|last| last.borrow_mut().take()) {
+            Some(location) if scope == Scope::Result => format!("{message} at {location}"),
+            _ => message,
+        }
+    })
+}
+
 fn panic_message(panic: &(dyn Any + Send)) -> String {
     if let Some(text) = panic.downcast_ref::<&str>() {
         (*text).to_string()
@@ -76,7 +135,7 @@ unsafe fn write_buf(buf: *mut KmqBuf, text: &str) {
 }
 
 unsafe extern "C" fn init<H: Handler>(config: KmqStr, err: *mut KmqBuf) -> *mut c_void {
-    let result = catch_unwind(|| {
+    let result = caught(Scope::Result, || {
         // SAFETY: the host passes valid bytes for the duration of the call.
         let json = unsafe { config.as_bytes() };
         let config: H::Config = serde_json::from_slice(json)
@@ -94,7 +153,7 @@ unsafe extern "C" fn init<H: Handler>(config: KmqStr, err: *mut KmqBuf) -> *mut 
     let message = match result {
         Ok(Ok(state)) => return state,
         Ok(Err(message)) => message,
-        Err(panic) => format!("init panicked: {}", panic_message(&*panic)),
+        Err(panic) => format!("init panicked: {panic}"),
     };
     // SAFETY: host-owned buffer with `cap` bytes.
     unsafe { write_buf(err, &message) };
@@ -106,13 +165,13 @@ unsafe extern "C" fn handle<H: Handler>(
     task: *const KmqTask,
     msg: *mut KmqBuf,
 ) -> KmqStatus {
-    let result = catch_unwind(AssertUnwindSafe(|| {
+    let result = caught(Scope::Result, || {
         // SAFETY: `state` came from `init::<H>` and lives until `shutdown`; `task` is valid for the call.
         let (handler, task) = unsafe { (&*state.cast::<H>(), &*task) };
         // SAFETY: as above.
         let view = unsafe { Task::from_raw(task) };
         (handler.handle(&view), task.retry_after_ms)
-    }));
+    });
     match result {
         Ok((Outcome::Done, _)) => abi::KMQ_DONE,
         Ok((Outcome::Retry { after, reason }, retry_after_ms)) => {
@@ -131,15 +190,15 @@ unsafe extern "C" fn handle<H: Handler>(
         }
         Err(panic) => {
             // SAFETY: host-owned buffer.
-            unsafe { write_buf(msg, &format!("panic: {}", panic_message(&*panic))) };
+            unsafe { write_buf(msg, &format!("panic: {panic}")) };
             abi::KMQ_RETRY
         }
     }
 }
 
 unsafe extern "C" fn on_dead<H: Handler>(state: *mut c_void, task: *const KmqTask, reason: KmqStr) {
-    // A panicking final-failure hook has nobody to report to but stderr, which the panic hook already wrote.
-    let _ = catch_unwind(AssertUnwindSafe(|| {
+    // A panicking final-failure hook has nobody to report to but stderr: one line there (`Scope::Report`).
+    let _ = caught(Scope::Report, || {
         // SAFETY: as in `handle`.
         let (handler, task) = unsafe { (&*state.cast::<H>(), &*task) };
         // SAFETY: valid for the call.
@@ -147,16 +206,16 @@ unsafe extern "C" fn on_dead<H: Handler>(state: *mut c_void, task: *const KmqTas
         // SAFETY: valid for the call.
         let reason = String::from_utf8_lossy(unsafe { reason.as_bytes() });
         handler.on_dead(&view, &reason);
-    }));
+    });
 }
 
 unsafe extern "C" fn shutdown<H: Handler>(state: *mut c_void) {
-    let _ = catch_unwind(AssertUnwindSafe(|| {
+    let _ = caught(Scope::Report, || {
         // SAFETY: `state` came from `init::<H>`; the host calls shutdown once, after the last handle returned,
         // so taking the box back (and dropping the handler) is sound.
         let handler = unsafe { Box::from_raw(state.cast::<H>()) };
         handler.shutdown();
-    }));
+    });
 }
 
 /// Exports a [`Handler`] as the plugin's `kmq_plugin_v1` symbol.

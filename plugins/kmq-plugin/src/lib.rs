@@ -20,7 +20,7 @@
 //!
 //! The macro generates every `extern "C"` function of the ABI (`plugins/include/kmq_plugin.h`) and wraps each in
 //! `catch_unwind`: a panic never crosses the boundary (it would abort the daemon). A panic in `handle` becomes a
-//! failed attempt (`KMQ_RETRY`, message `panic: ...`), which the queue's `on_handler_error` then decides about.
+//! failed attempt (`KMQ_RETRY`, message `panic: MESSAGE at FILE:LINE`, not printed by the panic hook), which the queue's `on_handler_error` then decides about.
 //!
 //! [`testing::Harness`] drives a plugin through its exported symbol, as kmqd does, for the plugin's own tests.
 

@@ -268,7 +268,7 @@ impl Lane {
                 ),
                 after: None,
             };
-            self.send(self.outcome(job, &state, verdict, envelope.as_ref()));
+            self.send(self.outcome(job, &state, verdict, Some(timeout), envelope.as_ref()));
         }
     }
 
@@ -278,10 +278,12 @@ impl Lane {
         job: JobId,
         state: &JobState,
         verdict: Verdict,
+        ran_for: Option<Duration>,
         envelope: Option<&Envelope>,
     ) -> Outcome {
         let (settlement, dead_hook) = self.queue.settle_verdict(
             verdict,
+            ran_for,
             state.token.clone(),
             state.level,
             &state.payload,

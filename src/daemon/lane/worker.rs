@@ -91,8 +91,9 @@ impl Worker {
         if !state.start(now) {
             return None;
         }
+        let mut ran_for = None;
         let (verdict, envelope) = queue.judge(&state.payload, |envelope| {
-            self.verdict(&job, envelope, now, message)
+            self.verdict(&job, envelope, now, message, &mut ran_for)
         });
         match state.finish() {
             Finished::Resolved => {}
@@ -106,16 +107,20 @@ impl Worker {
                 return None;
             }
         }
-        Some(self.lane.outcome(job.id, state, verdict, envelope.as_ref()))
+        Some(
+            self.lane
+                .outcome(job.id, state, verdict, ran_for, envelope.as_ref()),
+        )
     }
 
-    /// Checks whether the task may run, runs it, and says how it went.
+    /// Checks whether the task may run, runs it, and says how it went; `ran_for` gets how long its handler ran.
     fn verdict(
         &self,
         job: &Job,
         envelope: &Envelope,
         now: Instant,
         message: &mut Vec<u8>,
+        ran_for: &mut Option<Duration>,
     ) -> Verdict {
         let queue = &self.lane.queue;
         let now_ms =
@@ -150,7 +155,16 @@ impl Worker {
             }),
             cancel: &job.state.cancel,
         };
-        match plugin.handle(&run, message) {
+        tracing::debug!(
+            queue = %queue.config.name,
+            id = %capped(run.id, LOGGED_PAYLOAD_BYTES),
+            kind = %capped(run.kind, LOGGED_PAYLOAD_BYTES),
+            attempt = run.attempt,
+            "task started"
+        );
+        let status = plugin.handle(&run, message);
+        *ran_for = Some(now.elapsed());
+        match status {
             Status::Done => Verdict::Done,
             Status::Retry { after, message } => Verdict::HandlerError {
                 reason: non_empty(message, "handler asked to retry"),
