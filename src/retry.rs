@@ -2,13 +2,16 @@
 //! without flooding the log ([`Trouble`]).
 //!
 //! Every long-lived thread retries what failed for as long as the daemon runs: a Redis that is down, restarting
-//! or failing over is waited for, never a reason to exit. What the operator sees is one line when a thread's
-//! calls start failing, a summary every [`SUMMARY_EVERY`] while they keep failing, and one line when they work
-//! again.
+//! or failing over is waited for, never a reason to exit. What the operator sees of a Redis that cannot be
+//! reached is the daemon's, not each thread's: one warning naming the server when the first thread's calls fail,
+//! a summary every [`SUMMARY_EVERY`] while they keep failing, one line when a call reaches it again ([`Outage`]).
+//! Other failures (an error reply, a reply of the wrong shape) are each thread's: one line when its calls start
+//! failing, summaries, and one when they work again.
 
-use std::fmt::Display;
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use crate::broker::BrokerError;
 use crate::shutdown::Listener;
 
 /// How often a thread whose calls keep failing says so again.
@@ -64,7 +67,96 @@ impl Default for Backoff {
     }
 }
 
-/// The failures of one kind of call of one thread, reported as one line, then summaries.
+/// Redis as every thread of this process sees it: whether calls fail because it cannot be reached, and since
+/// when. One per process, since the log it writes is the process's. The outage ends with the first call that
+/// reaches Redis again (threads still waiting out their backoff then find it up).
+struct Outage {
+    /// The server as the config names it (`[redis]`'s `describe`), for the first line.
+    server: String,
+    since: Option<Instant>,
+    failures: u64,
+    last_report: Instant,
+}
+
+impl Outage {
+    fn new(server: String) -> Outage {
+        Outage {
+            server,
+            since: None,
+            failures: 0,
+            last_report: Instant::now(),
+        }
+    }
+}
+
+static OUTAGE: Mutex<Option<Outage>> = Mutex::new(None);
+
+fn outage() -> MutexGuard<'static, Option<Outage>> {
+    OUTAGE
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Names the Redis deployment in the outage lines (the daemon calls it at start).
+pub fn name_server(server: String) {
+    outage()
+        .get_or_insert_with(|| Outage::new(String::new()))
+        .server = server;
+}
+
+/// A thread's call (`what`) could not reach Redis.
+fn unreachable(what: &str, error: &BrokerError) {
+    let mut guard = outage();
+    let outage = guard.get_or_insert_with(|| Outage::new("Redis".to_string()));
+    outage.failures += 1;
+    let Some(since) = outage.since else {
+        outage.since = Some(Instant::now());
+        outage.last_report = Instant::now();
+        tracing::warn!(server = %outage.server, %error, first = what, "Redis unreachable; every thread waits for it and retries");
+        return;
+    };
+    if outage.last_report.elapsed() >= SUMMARY_EVERY {
+        outage.last_report = Instant::now();
+        tracing::error!(
+            server = %outage.server,
+            %error,
+            for_s = since.elapsed().as_secs(),
+            failures = outage.failures,
+            "Redis still unreachable; retrying"
+        );
+    }
+}
+
+/// A thread that could not reach Redis did: the outage, if it still lasts, is over.
+fn reached() {
+    let mut guard = outage();
+    if let Some(outage) = guard.as_mut()
+        && let Some(since) = outage.since.take()
+    {
+        tracing::info!(
+            server = %outage.server,
+            failures = outage.failures,
+            after_ms = since.elapsed().as_millis() as u64,
+            "Redis reachable again"
+        );
+        outage.failures = 0;
+    }
+}
+
+/// Whether `error` says Redis could not be reached (refused, reset, timed out, no connection in the pool), as
+/// opposed to an answer the call did not want.
+fn is_unreachable(error: &BrokerError) -> bool {
+    match error {
+        // A lost reply (`may_have_run`) covers the cluster client's wrapped I/O errors too.
+        BrokerError::Redis(redis) => redis.is_connection_refusal() || error.may_have_run(),
+        BrokerError::Pool(_) => true,
+        // Not replicated in time, a reply of the wrong shape, ...: Redis answered.
+        _ => false,
+    }
+}
+
+/// The failures of one kind of call of one thread: Redis being unreachable goes to the process's [`Outage`];
+/// anything else is reported as one line, then summaries.
 #[derive(Debug)]
 pub struct Trouble {
     /// What fails, for the log: "fetching tasks", "renewing the lease".
@@ -75,6 +167,8 @@ pub struct Trouble {
     since: Option<Instant>,
     failures: u64,
     last_report: Instant,
+    /// The last call failed to reach Redis (reported by the [`Outage`]).
+    unreachable: bool,
 }
 
 impl Trouble {
@@ -85,13 +179,26 @@ impl Trouble {
             since: None,
             failures: 0,
             last_report: Instant::now(),
+            unreachable: false,
         }
     }
 
-    /// Records a failure; logs the first of a run, then a summary every [`SUMMARY_EVERY`].
-    pub fn failed(&mut self, error: &dyn Display) {
+    /// Records a failure; logs the first of a run, then a summary every [`SUMMARY_EVERY`] (the process's, for
+    /// a Redis that cannot be reached).
+    pub fn failed(&mut self, error: &BrokerError) {
         self.failures += 1;
         let queue = self.queue.as_deref().unwrap_or("-");
+        if is_unreachable(error) {
+            unreachable(self.what, error);
+            self.unreachable = true;
+            self.since.get_or_insert_with(Instant::now);
+            return;
+        }
+        if std::mem::take(&mut self.unreachable) {
+            // Reached, but refused: the outage is over for this thread; the refusal is reported as its own.
+            reached();
+            self.since = None;
+        }
         let Some(since) = self.since else {
             self.since = Some(Instant::now());
             self.last_report = Instant::now();
@@ -113,6 +220,12 @@ impl Trouble {
 
     /// Records a success; logs the end of a run of failures.
     pub fn recovered(&mut self) {
+        if std::mem::take(&mut self.unreachable) {
+            reached();
+            self.since = None;
+            self.failures = 0;
+            return;
+        }
         if let Some(since) = self.since.take() {
             let queue = self.queue.as_deref().unwrap_or("-");
             tracing::info!(

@@ -106,9 +106,10 @@ fn wait_for_redis(
     connector: &Connector,
     stop: &Receiver<()>,
 ) -> Result<bool, DaemonError> {
+    let redis = config.redis.describe();
+    crate::retry::name_server(redis.clone());
     let mut trouble = crate::retry::Trouble::new("connecting to Redis at start", None);
     let mut delay = Duration::from_millis(100);
-    let redis = config.redis.describe();
     notify::status(&format!("connecting to Redis at {redis}"));
     // What the status line last said went wrong, so that it is sent again only when that changes.
     let mut shown = String::new();
