@@ -114,8 +114,15 @@ pub(super) fn run_dead(config: &Config, command: DeadCommand) -> Result<(), Fail
         } => {
             client.check_access(&[&which.queue], Action::DeadRequeue)?;
             let ids: Vec<&str> = which.ids.iter().map(String::as_str).collect();
-            let report =
-                client.dead_requeue(&which.queue, which.selection(&ids), reset_attempts)?;
+            let report = client
+                .dead_requeue(&which.queue, which.selection(&ids), reset_attempts)
+                .map_err(|error| {
+                    super::change_failed(error, "the requeue", &format!(
+                        "see `kmqd dead list {}`; running it again is safe (each record moves once, and one \
+                         already requeued is not found)",
+                        which.queue
+                    ))
+                })?;
             let _ = writeln!(
                 out,
                 "requeued {}, not found {}, held {}, malformed {}",
@@ -143,7 +150,18 @@ pub(super) fn run_dead(config: &Config, command: DeadCommand) -> Result<(), Fail
         DeadCommand::Purge { which } => {
             client.check_access(&[&which.queue], Action::DeadPurge)?;
             let ids: Vec<&str> = which.ids.iter().map(String::as_str).collect();
-            let report = client.dead_purge(&which.queue, which.selection(&ids))?;
+            let report = client
+                .dead_purge(&which.queue, which.selection(&ids))
+                .map_err(|error| {
+                    super::change_failed(
+                        error,
+                        "the purge",
+                        &format!(
+                            "see `kmqd dead list {}`; running it again is safe",
+                            which.queue
+                        ),
+                    )
+                })?;
             let _ = writeln!(
                 out,
                 "purged {}, not found {}",

@@ -129,6 +129,17 @@ impl From<ClientError> for Failure {
     }
 }
 
+/// The failure of a command that changes something (`what`), where a lost reply leaves it unknown whether the
+/// change was made: the error says so, and how to see (`check`), rather than only "unexpected end of file".
+pub(super) fn change_failed(error: ClientError, what: &str, check: &str) -> Failure {
+    match error {
+        ClientError::Broker(error) if error.may_have_run() => Failure::Runtime(format!(
+            "{error}; the reply was lost, so {what} may have been applied, in part or whole: {check}"
+        )),
+        other => other.into(),
+    }
+}
+
 /// Runs a parsed command line.
 pub fn run(args: Args) -> Result<(), Failure> {
     if let Some(Command::Bench(bench)) = args.command {

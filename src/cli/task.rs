@@ -102,7 +102,13 @@ pub(super) fn run_task(config: &Config, command: TaskCommand) -> Result<(), Fail
         TaskCommand::Cancel { queue, ids } => {
             client.check_access(&[&queue], Action::Cancel)?;
             let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
-            let removed = client.cancel_batch(&queue, &refs)?;
+            let removed = client.cancel_batch(&queue, &refs).map_err(|error| {
+                super::change_failed(
+                    error,
+                    "the cancel",
+                    &format!("see `kmqd task show {queue} ID`; running it again is safe"),
+                )
+            })?;
             let mut missing = Vec::new();
             for id in &ids {
                 match removed.get(id).copied().unwrap_or(0) {

@@ -499,3 +499,63 @@ fn the_operator_s_rules_suffice_and_the_reader_cannot_requeue() {
     assert_eq!(ready(&redis, "low").len(), 2);
     assert_eq!(ready(&redis, "high").len(), 1);
 }
+
+/// A requeue whose reply is lost (the script ran, the connection closed before its answer came) says so, exit 1,
+/// and running it again requeues what is left: every record ends in the ready list exactly once, none twice and
+/// none lost, since each record moves in one step of the script.
+#[test]
+fn a_requeue_whose_reply_is_lost_is_finished_by_running_it_again_with_no_task_twice() {
+    use crate::support::proxy::{AfterDrop, Fault, FaultProxy, Matcher};
+    use kmqd::broker::sources;
+
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, QUEUE);
+    let daemon = TestDaemon::start(&config);
+    let all: Vec<String> = (0..250).map(|i| format!("r{i}")).collect();
+    let all_refs: Vec<&str> = all.iter().map(String::as_str).collect();
+    dead_letter(&redis, &config, &all_refs, "low");
+    daemon.stop();
+
+    let proxy = FaultProxy::start(&redis);
+    let through = dir.config_named(
+        "through.toml",
+        &format!("url = \"{}\"\nio_timeout = \"2s\"", proxy.url()),
+        "",
+        QUEUE,
+        &dir.record_file(),
+    );
+    // The second page's call: the first page is requeued and answered, the second runs but its answer is lost.
+    let rule = proxy.add(Fault::DropReply {
+        matching: Matcher::script(sources::DEAD_REQUEUE),
+        nth: 2,
+        then: AfterDrop::Close,
+    });
+    let mut args = vec!["-c", through.to_str().unwrap()];
+    args.extend_from_slice(&["dead", "requeue", "jobs", "--all"]);
+    let (code, out, err) = kmqd(&args, None);
+    assert_eq!(rule.fired(), 1, "{out}{err}");
+    assert_eq!(code, 1, "a runtime failure: {out}{err}");
+    assert!(
+        err.contains("may have been applied") && err.contains("kmqd dead list"),
+        "says what may have happened and how to see: {err}"
+    );
+    let left = records(&redis).len();
+    assert!(left < 250 - 100, "two pages ran in Redis: {left} left");
+
+    let out = run(&through, &["dead", "requeue", "jobs", "--all"], 0);
+    assert_eq!(
+        out.lines().next(),
+        Some(format!("requeued {left}, not found 0, held 0, malformed 0").as_str()),
+        "{out}"
+    );
+    assert!(records(&redis).is_empty());
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    for envelope in ready(&redis, "low") {
+        *seen
+            .entry(envelope["id"].as_str().unwrap().to_string())
+            .or_default() += 1;
+    }
+    assert_eq!(seen.len(), 250, "every task is back");
+    assert!(seen.values().all(|n| *n == 1), "and only once: {seen:?}");
+}
