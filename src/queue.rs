@@ -4,12 +4,10 @@
 //! This module sits below the daemon: the lane's stages (`daemon::lane`), the per-daemon threads (`daemon::*`)
 //! and the producer API all import it, and it imports none of them.
 
-use std::time::Duration;
-
 use crate::broker::{ClaimLimits, QueueKeys, Settlement, Token};
 use crate::config::{Config, QueueConfig};
 use crate::policy::{Policy, Verdict};
-use crate::settlement::{self, DeadHook, Origin};
+use crate::settlement::{self, DeadHook, Origin, Ran};
 use crate::task::{Envelope, EnvelopeError, new_id};
 
 /// One configured queue, as every thread serving it sees it.
@@ -85,12 +83,12 @@ impl QueueContext {
     }
 
     /// Decides a held task's fate from `verdict` and builds the settlement that applies it: the one path every
-    /// outcome takes, from a worker, an execution timeout or a monitor. `ran_for`: how long its handler ran, when
-    /// one did (for the log).
+    /// outcome takes, from a worker, an execution timeout or a monitor. `ran`: what its handler's run left (how
+    /// long, its output), when one ran, for the log.
     pub fn settle_verdict(
         &self,
         verdict: Verdict,
-        ran_for: Option<Duration>,
+        ran: Option<Ran>,
         token: Option<Token>,
         level: usize,
         payload: &[u8],
@@ -105,7 +103,7 @@ impl QueueContext {
             &self.policy,
             &origin,
             verdict,
-            ran_for,
+            ran,
             token,
             level,
             payload,

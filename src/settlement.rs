@@ -160,6 +160,16 @@ pub fn settlement(
     }
 }
 
+/// What a run of a handler left besides its verdict, for the task's log event.
+#[derive(Debug, Default)]
+pub struct Ran {
+    /// How long the handler ran.
+    pub duration: Duration,
+    /// What a handler that finished the task had to show for it (`Outcome::DoneWithOutput`; the exec plugin's
+    /// output); empty when nothing. A failure's output is in its reason.
+    pub output: String,
+}
+
 /// Decides a task's fate from `verdict`, logs it, and builds the settlement: the one path every outcome takes,
 /// whether it comes from a worker, an execution timeout or a monitor.
 // The task's parts as the lane holds them: bundling them would only move the list into a struct built per call.
@@ -168,7 +178,7 @@ pub fn decide(
     policy: &Policy,
     origin: &Origin<'_>,
     verdict: Verdict,
-    ran_for: Option<Duration>,
+    ran: Option<Ran>,
     token: Option<Token>,
     level: usize,
     payload: &[u8],
@@ -185,10 +195,16 @@ pub fn decide(
     // Every state change is an event with the task's queue, id, type, attempt and, when a handler ran, how long
     // (seconds): at debug for the ordinary ones, so a production log at info stays quiet.
     let kind = &*capped(envelope.map_or("", |e| &*e.kind), LOGGED_PAYLOAD_BYTES);
-    let duration = ran_for.map(|ran| ran.as_secs_f64());
+    let duration = ran.as_ref().map(|ran| ran.duration.as_secs_f64());
+    let output = ran
+        .as_ref()
+        .map(|ran| ran.output.as_str())
+        .filter(|output| !output.is_empty());
     let capped_reason = |reason: &str| capped(reason, LOGGED_PAYLOAD_BYTES);
     match &action {
-        Action::Ack if !failed => tracing::debug!(queue, id, kind, attempt, duration, "task done"),
+        Action::Ack if !failed => {
+            tracing::debug!(queue, id, kind, attempt, duration, output, "task done")
+        }
         Action::Ack => tracing::warn!(
             queue,
             id,

@@ -75,7 +75,9 @@ typedef struct {
      * May be NULL: the state is then NULL. */
     void *(*init)(kmq_str config, kmq_buf *err);
     /* Runs one attempt of a task. Called from many threads at once: must be thread-safe. msg: a short reason for
-     * KMQ_RETRY or KMQ_FAIL (shown in logs, the dead-letter list and the task's last_error). */
+     * KMQ_RETRY or KMQ_FAIL (shown in logs, the dead-letter list and the task's last_error); with KMQ_DONE,
+     * optional output (the exec plugin's: the tail of what the command printed), logged with the task's `task done`
+     * debug event. Leave it empty for nothing. */
     kmq_status (*handle)(void *state, const kmq_task *task, kmq_buf *msg);
     /* Optional (may be NULL): a task of one of this plugin's types was dead-lettered; reason says why. Called after
      * the task is safely in the dead-letter list: the final-failure pipeline (persist it, alert, ...). Must be quick. */

@@ -63,7 +63,10 @@ pub struct Run<'a> {
 /// What `handle` returned.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Status {
-    Done,
+    /// `output`: what the handler put in the message buffer (empty when nothing), for the log.
+    Done {
+        output: String,
+    },
     Retry {
         after: Option<Duration>,
         message: String,
@@ -219,7 +222,7 @@ impl LoadedPlugin {
         let len = buf.len.min(MESSAGE_CAPACITY);
         let text = || String::from_utf8_lossy(&message[..len]).into_owned();
         match status {
-            abi::KMQ_DONE => Status::Done,
+            abi::KMQ_DONE => Status::Done { output: text() },
             abi::KMQ_RETRY => Status::Retry {
                 after: (retry_after_ms >= 0).then(|| Duration::from_millis(retry_after_ms as u64)),
                 message: text(),

@@ -334,7 +334,7 @@ fn json_logs_are_one_object_per_line() {
     for (id, data) in [
         ("fails", r#"{"outcome":"fail"}"#),
         ("panics", r#"{"outcome":"panic"}"#),
-        ("works", "{}"),
+        ("works", r#"{"output":"3 rows\nwritten"}"#),
     ] {
         let task = kmqd::NewTask::new("test", data).unwrap().id(id);
         assert!(client.push("jobs", task).unwrap().is_accepted());
@@ -382,6 +382,10 @@ fn json_logs_are_one_object_per_line() {
     let done = event("works", "task done");
     assert_eq!(done["kind"], "test", "{done}");
     assert!(done["duration"].as_f64().is_some(), "seconds: {done}");
+    assert_eq!(
+        done["output"], "3 rows\nwritten",
+        "the handler's output, one field: {done}"
+    );
     let panicked = event("panics", "task dead-lettered");
     let reason = panicked["reason"].as_str().unwrap();
     assert!(

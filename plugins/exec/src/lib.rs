@@ -199,7 +199,7 @@ impl Exec {
             (End::Cancelled, _) => "exec: cancelled by the daemon; killed".to_string(),
             (End::Exited, Err(error)) => format!("exec: cannot wait for the command: {error}"),
             (End::Exited, Ok(status)) => match (status.code(), status.signal()) {
-                (Some(0), _) => return Outcome::Done,
+                (Some(0), _) => return Outcome::done_with_output(output.output()),
                 (Some(EXIT_RETRY), _) => format!("exit status {EXIT_RETRY} (retry)"),
                 (Some(code), _) => {
                     return Outcome::fail(output.reason(format!("exit status {code}")));
@@ -412,6 +412,17 @@ impl Output {
 }
 
 impl Collected {
+    /// What a command that succeeded printed, for the daemon's `task done` event: the tail of standard output,
+    /// then of standard error.
+    fn output(&self) -> String {
+        let (stdout, stderr) = (self.stdout.text(), self.stderr.text());
+        match (stdout.is_empty(), stderr.is_empty()) {
+            (_, true) => stdout,
+            (true, false) => format!("stderr: {stderr}"),
+            (false, false) => format!("{stdout}\nstderr: {stderr}"),
+        }
+    }
+
     /// `head`, then the tail of standard error (or of standard output when standard error is empty).
     fn reason(&self, head: String) -> String {
         let tail = match self.stderr.text() {
@@ -534,6 +545,20 @@ mod tests {
             );
             std::thread::sleep(Duration::from_millis(2));
         }
+    }
+
+    #[test]
+    fn exit_0_is_done_with_what_the_command_printed_as_its_output() {
+        let dir = tempfile::tempdir().unwrap();
+        let result = run(
+            dir.path(),
+            "echo 'processed 3 rows'; echo 'slow disk' >&2",
+            "{}",
+        );
+        assert_eq!(
+            (result.status, result.message.as_str()),
+            (Status::Done, "processed 3 rows\nstderr: slow disk")
+        );
     }
 
     #[test]

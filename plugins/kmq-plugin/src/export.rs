@@ -174,6 +174,11 @@ unsafe extern "C" fn handle<H: Handler>(
     });
     match result {
         Ok((Outcome::Done, _)) => abi::KMQ_DONE,
+        Ok((Outcome::DoneWithOutput { output }, _)) => {
+            // SAFETY: host-owned buffer.
+            unsafe { write_buf(msg, &output) };
+            abi::KMQ_DONE
+        }
         Ok((Outcome::Retry { after, reason }, retry_after_ms)) => {
             if let (Some(after), false) = (after, retry_after_ms.is_null()) {
                 // SAFETY: the host passes a valid out-pointer (checked non-null) for the call.

@@ -77,6 +77,9 @@ pub struct NoConfig {}
 pub enum Outcome {
     /// The task is finished.
     Done,
+    /// The task is finished, and the handler has something to show for it (a command's output, a summary): the
+    /// daemon logs it with the task's `task done` debug event. At most 1024 bytes reach the daemon.
+    DoneWithOutput { output: String },
     /// This attempt failed; the queue's `on_handler_error` decides (by default: retry after `after`, or after the
     /// queue's backoff when `None`, until `retry_times` is used up).
     Retry {
@@ -88,6 +91,16 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// The task is finished, with `output` to log (see [`Outcome::DoneWithOutput`]); empty is [`Outcome::Done`].
+    pub fn done_with_output(output: impl Into<String>) -> Outcome {
+        let output = output.into();
+        if output.is_empty() {
+            Outcome::Done
+        } else {
+            Outcome::DoneWithOutput { output }
+        }
+    }
+
     /// A failed attempt, retried after the queue's backoff.
     pub fn retry(reason: impl Into<String>) -> Outcome {
         Outcome::Retry {

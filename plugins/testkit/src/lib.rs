@@ -9,7 +9,8 @@
 //!   aborts: a poison pill);
 //! - `fail_attempts`: answer `retry` while `attempt < fail_attempts`, then `outcome`;
 //! - `retry_after_ms`: the delay a `retry` asks for;
-//! - `dead_sleep_ms`: `on_dead` sleeps this long before it records the dead letter (a slow final-failure hook).
+//! - `dead_sleep_ms`: `on_dead` sleeps this long before it records the dead letter (a slow final-failure hook);
+//! - `output`: a `"done"` outcome comes with this output (`Outcome::DoneWithOutput`).
 //!
 //! Config: `record` (a file path): every run appends `start <id> <attempt> <type> <unix µs>` when it begins and
 //! `end <id> <attempt> <outcome>` when it returns, `dead <id> <attempt> <reason>` from `on_dead`, and `shutdown`
@@ -44,6 +45,7 @@ struct Behaviour {
     fail_attempts: u32,
     retry_after_ms: Option<u64>,
     dead_sleep_ms: u64,
+    output: Option<String>,
 }
 
 struct Testkit {
@@ -97,7 +99,7 @@ impl Testkit {
             );
         }
         match behaviour.outcome.as_deref().unwrap_or("done") {
-            "done" => Outcome::Done,
+            "done" => Outcome::done_with_output(behaviour.output.clone().unwrap_or_default()),
             "retry" => retry(&behaviour, "testkit: asked to retry".to_string()),
             "fail" => Outcome::fail("testkit: asked to fail"),
             "panic" => panic!("testkit: asked to panic (task {})", task.id()),
@@ -166,7 +168,7 @@ impl Handler for Testkit {
                 }
             };
         let label = match &outcome {
-            Outcome::Done => "done",
+            Outcome::Done | Outcome::DoneWithOutput { .. } => "done",
             Outcome::Retry { .. } => "retry",
             Outcome::Fail { .. } => "fail",
         };

@@ -50,7 +50,7 @@ use super::Lane;
 use crate::broker::{Settlement, Token};
 use crate::config::Mode;
 use crate::policy::Verdict;
-use crate::settlement::{self, DeadHook};
+use crate::settlement::{self, DeadHook, Ran};
 use crate::task::Envelope;
 
 /// A local handle for a task held by this daemon (unique within the process).
@@ -268,7 +268,11 @@ impl Lane {
                 ),
                 after: None,
             };
-            self.send(self.outcome(job, &state, verdict, Some(timeout), envelope.as_ref()));
+            let ran = Ran {
+                duration: timeout,
+                output: String::new(),
+            };
+            self.send(self.outcome(job, &state, verdict, Some(ran), envelope.as_ref()));
         }
     }
 
@@ -278,12 +282,12 @@ impl Lane {
         job: JobId,
         state: &JobState,
         verdict: Verdict,
-        ran_for: Option<Duration>,
+        ran: Option<Ran>,
         envelope: Option<&Envelope>,
     ) -> Outcome {
         let (settlement, dead_hook) = self.queue.settle_verdict(
             verdict,
-            ran_for,
+            ran,
             state.token.clone(),
             state.level,
             &state.payload,

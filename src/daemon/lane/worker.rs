@@ -13,6 +13,7 @@ use super::Lane;
 use super::resolve::{Finished, Job, Outcome, Taken};
 use crate::plugin::{MESSAGE_CAPACITY, Registry, Run, Status};
 use crate::policy::Verdict;
+use crate::settlement::Ran;
 use crate::shutdown::Listener;
 use crate::task::{Envelope, LOGGED_PAYLOAD_BYTES, capped};
 
@@ -91,9 +92,9 @@ impl Worker {
         if !state.start(now) {
             return None;
         }
-        let mut ran_for = None;
+        let mut ran = None;
         let (verdict, envelope) = queue.judge(&state.payload, |envelope| {
-            self.verdict(&job, envelope, now, message, &mut ran_for)
+            self.verdict(&job, envelope, now, message, &mut ran)
         });
         match state.finish() {
             Finished::Resolved => {}
@@ -109,18 +110,19 @@ impl Worker {
         }
         Some(
             self.lane
-                .outcome(job.id, state, verdict, ran_for, envelope.as_ref()),
+                .outcome(job.id, state, verdict, ran, envelope.as_ref()),
         )
     }
 
-    /// Checks whether the task may run, runs it, and says how it went; `ran_for` gets how long its handler ran.
+    /// Checks whether the task may run, runs it, and says how it went; `ran` gets how long its handler ran and
+    /// the output of a run that finished it.
     fn verdict(
         &self,
         job: &Job,
         envelope: &Envelope,
         now: Instant,
         message: &mut Vec<u8>,
-        ran_for: &mut Option<Duration>,
+        ran: &mut Option<Ran>,
     ) -> Verdict {
         let queue = &self.lane.queue;
         let now_ms =
@@ -163,24 +165,35 @@ impl Worker {
             "task started"
         );
         let status = plugin.handle(&run, message);
-        *ran_for = Some(now.elapsed());
-        match status {
-            Status::Done => Verdict::Done,
-            Status::Retry { after, message } => Verdict::HandlerError {
-                reason: non_empty(message, "handler asked to retry"),
-                after,
-            },
-            Status::Fail { message } => Verdict::Fail {
-                reason: non_empty(message, "handler failed the task"),
-            },
-            Status::Unknown(status) => Verdict::HandlerError {
-                reason: format!(
-                    "plugin {} returned status {status}, which is not a kmq_status",
-                    plugin.name
-                ),
-                after: None,
-            },
-        }
+        let duration = now.elapsed();
+        let (verdict, output) = match status {
+            Status::Done { output } => (Verdict::Done, output),
+            Status::Retry { after, message } => (
+                Verdict::HandlerError {
+                    reason: non_empty(message, "handler asked to retry"),
+                    after,
+                },
+                String::new(),
+            ),
+            Status::Fail { message } => (
+                Verdict::Fail {
+                    reason: non_empty(message, "handler failed the task"),
+                },
+                String::new(),
+            ),
+            Status::Unknown(status) => (
+                Verdict::HandlerError {
+                    reason: format!(
+                        "plugin {} returned status {status}, which is not a kmq_status",
+                        plugin.name
+                    ),
+                    after: None,
+                },
+                String::new(),
+            ),
+        };
+        *ran = Some(Ran { duration, output });
+        verdict
     }
 }
 
