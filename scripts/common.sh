@@ -43,3 +43,14 @@ ensure_cargo() {
     # Cargo links with `cc`, and scripts/test's plugin tests compile C plugins (and the ABI layout check) with it.
     ensure_command cc gcc libc6-dev
 }
+
+# Whether a script may print colour on standard output: only to a terminal, and never when NO_COLOR is set to
+# anything (https://no-color.org), the rule kmqd itself follows (src/cli/colour.rs). Sets BOLD and RESET once;
+# print escape codes only through them.
+use_colour() {
+    if [ -t 1 ] && [ -z "${NO_COLOR:-}" ]; then
+        BOLD=$'\033[1m' RESET=$'\033[0m'
+    else
+        BOLD='' RESET=''
+    fi
+}
