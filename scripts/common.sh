@@ -35,6 +35,12 @@ ensure_systemd_analyze() {
     ensure_command systemd-analyze systemd
 }
 
+# tests/it/watch.rs runs `kmqd stats --watch` under a real pty with script(1), from util-linux (Debian's bsdutils,
+# essential, so normally there).
+ensure_script() {
+    ensure_command script bsdutils
+}
+
 ensure_cargo() {
     if ! command -v cargo >/dev/null 2>&1; then
         echo "cargo not found: install Rust first (https://rustup.rs), then run this again" >&2
