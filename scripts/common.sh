@@ -35,8 +35,8 @@ ensure_systemd_analyze() {
     ensure_command systemd-analyze systemd
 }
 
-# tests/it/watch.rs runs `kmqd stats --watch` under a real pty with script(1), from util-linux (Debian's bsdutils,
-# essential, so normally there).
+# tests/it/watch.rs runs `kmqd stats --watch` under a real pty with script(1), from util-linux: Debian's bsdutils
+# package, essential, so normally there already.
 ensure_script() {
     ensure_command script bsdutils
 }
