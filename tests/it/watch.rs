@@ -194,7 +194,7 @@ fn plain_lines_wait_out_a_redis_that_is_down() {
         (watch.lines_of("jobs").len() > before, watch.out())
     });
     println!("{}", watch.err());
-    assert!(watch.err().starts_with("kmqd: redis: "), "{}", watch.err());
+    assert!(watch.err().starts_with("kmqd: "), "{}", watch.err());
 }
 
 /// The full-screen view under a real pty: it takes the alternate screen and draws the table (in colour: the

@@ -144,7 +144,7 @@ fn poll_forever(client: &Client, queues: &[String], interval: Duration, polls: &
                 Ok(Read { at, stats, daemons })
             })
             .collect::<Result<Vec<Read>, ClientError>>()
-            .map_err(|error| format!("redis: {error}"));
+            .map_err(|error| error.to_string());
         let poll = Poll {
             wall: SystemTime::now(),
             reads,
