@@ -64,7 +64,7 @@ pub fn render(frame: &Frame<'_>, width: usize, height: usize) -> Vec<(Style, Str
         ),
     ));
     lines.push(match frame.error {
-        Some(error) => (Style::Bad, format!("{error} (retrying)")),
+        Some(error) => (Style::Bad, format!("retrying: {error}")),
         None if frame.updated.is_none() => (Style::Dim, "reading the queues...".to_string()),
         None => (Style::Plain, String::new()),
     });
@@ -341,7 +341,7 @@ mod tests {
             lines[1],
             (
                 Style::Bad,
-                "redis: connection refused (retrying)".to_string()
+                "retrying: redis: connection refused".to_string()
             )
         );
         assert_eq!(lines[3].0, Style::Warn);
