@@ -15,7 +15,7 @@ use crate::client::ClientError;
 use crate::config::{Config, LogFormat};
 
 mod bench;
-pub mod colour;
+mod colour;
 mod daemon;
 mod dead;
 mod push;

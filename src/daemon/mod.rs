@@ -2,9 +2,9 @@
 //!
 //! Per queue a [`lane`] (fetcher, `workers` workers, acker) and a delay poller; per daemon the [`heartbeat`],
 //! the [`monitor`], the [`timeouts`] thread, the delay listener, the [`scheduler`] (when there are schedules),
-//! the [`metrics`] endpoint and the queue [`report`]er (when configured) and, under systemd, [`notify`] (status lines and the
-//! [`watchdog`]). Each thread is named after its module (`kmqd-worker-mail-3`) and reports its end on the event
-//! channel, so the supervisor's loop is one `select!` over a closed set of events.
+//! the [`metrics`] endpoint and the queue [`report`]er (when configured) and, under systemd, [`notify`] (status
+//! lines and the [`watchdog`]). Each thread is named after its module (`kmqd-worker-mail-3`) and reports its end
+//! on the event channel, so the supervisor's loop is one `select!` over a closed set of events.
 //!
 //! Shutdown (docs/OPERATIONS.md, "Stopping"), stage by stage, each wait bounded:
 //! 1. *claiming* fires: fetchers stop (what a claim in flight still brings is handed back at once); workers hand
