@@ -1,7 +1,7 @@
 //! `kmqd stats --watch [--interval 1s]`: each queue's depths, rates and daemons, polled every interval.
 //!
 //! On a terminal, a full-screen view redrawn after every poll ([`screen`]); otherwise (a pipe, a log file) one
-//! plain `key=value` line per queue per poll ([`view::line`]). A poller thread reads Redis, so that the screen
+//! plain `key=value` line per queue per poll ([`view::line()`]). A poller thread reads Redis, so that the screen
 //! keeps answering keys while Redis is slow or down: a failed poll is shown (on the screen, or on standard error
 //! in plain mode) and tried again next interval, never a reason to exit. done/s and failed/s are the growth of
 //! the queue's Redis counters between two polls divided by the real time between the two reads, so they are the

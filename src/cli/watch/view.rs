@@ -1,5 +1,5 @@
 //! What `kmqd stats --watch` shows, as text: the full-screen table fitted to the terminal ([`render`]) and the
-//! one line per queue of the plain mode ([`line`]). Pure functions of the rows, so the tests below pin both.
+//! one line per queue of the plain mode ([`line()`]). Pure functions of the rows, so the tests below pin both.
 
 use std::time::Duration;
 
