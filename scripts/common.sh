@@ -35,6 +35,12 @@ ensure_systemd_analyze() {
     ensure_command systemd-analyze systemd
 }
 
+# tests/it/watch.rs runs `kmqd stats --watch` under a real pty with script(1), from util-linux: Debian's bsdutils
+# package, essential, so normally there already.
+ensure_script() {
+    ensure_command script bsdutils
+}
+
 ensure_cargo() {
     if ! command -v cargo >/dev/null 2>&1; then
         echo "cargo not found: install Rust first (https://rustup.rs), then run this again" >&2
@@ -42,4 +48,15 @@ ensure_cargo() {
     fi
     # Cargo links with `cc`, and scripts/test's plugin tests compile C plugins (and the ABI layout check) with it.
     ensure_command cc gcc libc6-dev
+}
+
+# Whether a script may print colour on standard output: only to a terminal, and never when NO_COLOR is set to
+# anything (https://no-color.org), the rule kmqd itself follows (src/cli/colour.rs). Sets BOLD and RESET once;
+# print escape codes only through them.
+use_colour() {
+    if [ -t 1 ] && [ -z "${NO_COLOR:-}" ]; then
+        BOLD=$'\033[1m' RESET=$'\033[0m'
+    else
+        BOLD='' RESET=''
+    fi
 }

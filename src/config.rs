@@ -152,6 +152,8 @@ pub struct DaemonConfig {
     pub log_level: String,
     /// How log events are written to standard error.
     pub log_format: LogFormat,
+    /// How often the daemon logs one `queue report` event per queue (`src/daemon/report.rs`); `None`: never.
+    pub report_interval: Option<Duration>,
 }
 
 /// `[daemon] log_format`.
@@ -252,6 +254,9 @@ pub struct QueueConfig {
     /// The longest an idle fetcher waits before looking at the ready lists on its own, and so the bound on how
     /// late a task pushed without a wake-up marker (a plain RPUSH) is picked up.
     pub idle_poll: Duration,
+    /// A lag (age of the oldest ready task) above this logs a warning, and its return below it one line more
+    /// (`src/daemon/report.rs`); `None`: not watched.
+    pub lag_warn: Option<Duration>,
 }
 
 /// A periodic task: queued once per slot across every daemon.
@@ -362,9 +367,14 @@ impl Config {
     }
 
     /// Redis connections the daemon holds at once: per queue a fetcher, an acker and a delay poller; per daemon
-    /// the monitor, the heartbeat, the scheduler and the metrics endpoint.
+    /// the monitor, the heartbeat, the scheduler, the metrics endpoint and, when it runs, the queue reporter.
     pub fn connections_needed(&self) -> u32 {
-        3 * self.queues.len() as u32 + 4
+        3 * self.queues.len() as u32 + 4 + u32::from(self.reports())
+    }
+
+    /// Whether the daemon runs its queue reporter: `[daemon] report_interval` is set or a queue has `lag_warn`.
+    pub fn reports(&self) -> bool {
+        self.daemon.report_interval.is_some() || self.queues.iter().any(|q| q.lag_warn.is_some())
     }
 }
 
@@ -580,6 +590,7 @@ struct RawDaemon {
     metrics_addr: Option<Spanned<String>>,
     log_level: Option<Spanned<String>>,
     log_format: Option<Spanned<String>>,
+    report_interval: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -604,6 +615,7 @@ struct RawQueue {
     foreign_type_field: Option<Spanned<String>>,
     delay_batch: Option<Spanned<i64>>,
     max_task_bytes: Option<Spanned<i64>>,
+    lag_warn: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -667,6 +679,30 @@ fn parse_duration(
     }
     Ok(duration)
 }
+
+/// A duration of at least `min` (a period the daemon polls Redis at: a zero or tiny one would spin).
+fn at_least(
+    source: &Source<'_>,
+    key: &str,
+    value: &Spanned<String>,
+    min: Duration,
+) -> Result<Duration, ConfigError> {
+    let duration = parse_duration(source, key, value)?;
+    if duration < min {
+        return Err(source.error(
+            value.span(),
+            format!(
+                "{key}: {:?} is too short; use at least {}",
+                value.get_ref(),
+                humantime::format_duration(min)
+            ),
+        ));
+    }
+    Ok(duration)
+}
+
+/// The shortest `report_interval` and `lag_warn`: each costs a stats read of every queue per period.
+pub const MIN_WATCH_INTERVAL: Duration = Duration::from_millis(100);
 
 /// The longest duration a config may hold: ten years.
 const MAX_DURATION: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
@@ -1206,6 +1242,7 @@ impl RawDaemon {
             metrics_addr,
             log_level,
             log_format,
+            report_interval,
         } = self;
         let plugins_dir =
             base.join(plugins_dir.map_or(defaults::PLUGINS_DIR.to_string(), Spanned::into_inner));
@@ -1245,12 +1282,22 @@ impl RawDaemon {
                 ));
             }
         };
+        let report_interval = match &report_interval {
+            Some(value) => Some(at_least(
+                source,
+                "daemon.report_interval",
+                value,
+                MIN_WATCH_INTERVAL,
+            )?),
+            None => None,
+        };
         Ok(DaemonConfig {
             plugins_dir,
             shutdown_grace,
             metrics_addr,
             log_level,
             log_format,
+            report_interval,
         })
     }
 }
@@ -1282,6 +1329,7 @@ impl RawQueue {
             foreign_type_field,
             delay_batch,
             max_task_bytes,
+            lag_warn,
         } = self;
 
         let key = |field: &str| format!("queues[{index}].{field}");
@@ -1459,6 +1507,15 @@ impl RawQueue {
             )? as usize,
             None => defaults::MAX_TASK_BYTES,
         };
+        let lag_warn = match &lag_warn {
+            Some(value) => Some(at_least(
+                source,
+                &key("lag_warn"),
+                value,
+                MIN_WATCH_INTERVAL,
+            )?),
+            None => None,
+        };
 
         Ok(QueueConfig {
             name: name.into_inner(),
@@ -1481,6 +1538,7 @@ impl RawQueue {
             foreign_type_field,
             delay_batch,
             max_task_bytes,
+            lag_warn,
         })
     }
 }
@@ -1686,6 +1744,9 @@ mod tests {
         assert_eq!(queue.lease_timeout, defaults::LEASE_TIMEOUT);
         assert_eq!(queue.execution_timeout, Some(defaults::EXECUTION_TIMEOUT));
         assert_eq!(queue.alive_timeout, None);
+        assert_eq!(queue.lag_warn, None);
+        assert_eq!(config.daemon.report_interval, None);
+        assert!(!config.reports(), "no reporter unless asked for");
         assert_eq!(config.redis.key_prefix, "kmq");
         assert_eq!(
             config.redis.pool_size,
@@ -1796,6 +1857,21 @@ mod tests {
                 "[daemon]\nlog_level = \"kmqd=verbose,info\"\n",
                 "queues.toml:2:13",
                 &["daemon.log_level", "\"verbose\"", "TARGET=LEVEL"],
+            ),
+            (
+                "[daemon]\nreport_interval = \"often\"\n",
+                "queues.toml:2:19",
+                &["daemon.report_interval", "not a duration", "\"30s\""],
+            ),
+            (
+                "[daemon]\nreport_interval = \"10ms\"\n",
+                "queues.toml:2:19",
+                &["daemon.report_interval", "too short", "100ms"],
+            ),
+            (
+                "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nlag_warn = \"0s\"\n",
+                "queues.toml:4:12",
+                &["queues[0].lag_warn", "too short", "100ms"],
             ),
             (
                 "[daemon]\nlog_format = \"yaml\"\n",

@@ -35,7 +35,7 @@ pub use keys::QueueKeys;
 pub use lookup::{Found, Scope};
 pub use owners::{OwnerInfo, Renewal, owner_info, owners, register, release, renew};
 pub use schedule::{Fired, fire, schedule_state};
-pub use stats::{QueueStats, check_protocol, stats};
+pub use stats::{QueueStats, Rates, check_protocol, stats};
 pub use tasks::{
     Batch, Call, ClaimLimits, Due, Fence, Isolation, Popper, PushItem, SettleOp, Settled,
     Settlement, Taken, adopt, claim, promote, push, release_unique, scan_processing, settle,

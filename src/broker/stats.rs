@@ -75,6 +75,42 @@ pub struct QueueStats {
     pub paused: bool,
 }
 
+/// Runs finished per second between two reads of a queue's counters: what `kmqd stats --watch` and the daemon's
+/// queue report show.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Rates {
+    /// Tasks acknowledged per second.
+    pub done: f64,
+    /// Runs failed per second (each failed run counts, retried or not).
+    pub failed: f64,
+}
+
+impl QueueStats {
+    /// The counters' growth since `earlier` over `elapsed`, the real time between the two reads. A counter that
+    /// went down (its keys were deleted) counts as no growth; a zero `elapsed`, as no time to measure over.
+    pub fn rates_since(&self, earlier: &QueueStats, elapsed: std::time::Duration) -> Rates {
+        let seconds = elapsed.as_secs_f64();
+        if seconds <= 0.0 {
+            return Rates::default();
+        }
+        let per_second = |now: u64, then: u64| now.saturating_sub(then) as f64 / seconds;
+        Rates {
+            done: per_second(self.done, earlier.done),
+            failed: per_second(self.failed, earlier.failed),
+        }
+    }
+
+    /// The ready tasks per level as one word, highest level first: `high:0,normal:12`.
+    pub fn levels_text(&self) -> String {
+        let levels: Vec<String> = self
+            .ready_by_level
+            .iter()
+            .map(|(level, n)| format!("{level}:{n}"))
+            .collect();
+        levels.join(",")
+    }
+}
+
 fn pairs_as_map<S: serde::Serializer>(
     pairs: &[(String, u64)],
     serializer: S,
@@ -211,5 +247,43 @@ impl Replies {
 
     fn many<T: redis::FromRedisValue>(&mut self, n: usize) -> Result<Vec<T>> {
         (0..n).map(|_| self.one()).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn rates_are_counter_growth_over_real_time() {
+        let before = QueueStats {
+            done: 100,
+            failed: 7,
+            ..QueueStats::default()
+        };
+        let after = QueueStats {
+            done: 350,
+            failed: 8,
+            ..QueueStats::default()
+        };
+        let rates = after.rates_since(&before, Duration::from_millis(500));
+        assert_eq!((rates.done, rates.failed), (500.0, 2.0));
+        // Counters that went down (keys deleted) and a zero interval measure nothing.
+        assert_eq!(
+            before.rates_since(&after, Duration::from_secs(1)),
+            Rates::default()
+        );
+        assert_eq!(after.rates_since(&before, Duration::ZERO), Rates::default());
+    }
+
+    #[test]
+    fn levels_text_lists_levels_in_order() {
+        let stats = QueueStats {
+            ready_by_level: vec![("high".into(), 0), ("normal".into(), 12)],
+            ..QueueStats::default()
+        };
+        assert_eq!(stats.levels_text(), "high:0,normal:12");
     }
 }

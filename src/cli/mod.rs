@@ -15,12 +15,14 @@ use crate::client::ClientError;
 use crate::config::{Config, LogFormat};
 
 mod bench;
+mod colour;
 mod daemon;
 mod dead;
 mod push;
 mod queue;
 mod stats;
 mod task;
+mod watch;
 mod workers;
 
 pub use bench::BenchArgs;
@@ -54,8 +56,15 @@ pub enum Command {
     /// Show each queue's depth and counters.
     Stats {
         /// Print JSON: {"queues": {"NAME": {"ready": 0, ...}}}.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "watch")]
         json: bool,
+        /// Poll every --interval: a full-screen view on a terminal (q quits), else one `key=value` line per
+        /// queue per poll (docs/OPERATIONS.md, "Watching the queues").
+        #[arg(long)]
+        watch: bool,
+        /// How often --watch polls (at least 100ms).
+        #[arg(long, default_value = "1s", value_parser = parse_interval, requires = "watch")]
+        interval: std::time::Duration,
     },
     /// Find or cancel tasks by id.
     #[command(subcommand)]
@@ -170,7 +179,15 @@ pub fn run(args: Args) -> Result<(), Failure> {
             init_logging("warn");
             push::run_push(&config, push)
         }
-        Command::Stats { json } => {
+        Command::Stats {
+            watch: true,
+            interval,
+            ..
+        } => {
+            init_logging("warn");
+            watch::run_watch(&config, interval)
+        }
+        Command::Stats { json, .. } => {
             init_logging("warn");
             stats::run_stats(&config, json)
         }
@@ -210,6 +227,17 @@ fn client_for_every_queue(
     Ok(client)
 }
 
+/// `--interval`: a duration of at least [`crate::config::MIN_WATCH_INTERVAL`].
+fn parse_interval(text: &str) -> Result<std::time::Duration, String> {
+    let interval = humantime::parse_duration(text).map_err(|error| {
+        format!("{text:?} is not a duration ({error}); write it like \"1s\" or \"500ms\"")
+    })?;
+    if interval < crate::config::MIN_WATCH_INTERVAL {
+        return Err(format!("{text:?} is too short; use at least 100ms"));
+    }
+    Ok(interval)
+}
+
 /// `RUST_LOG`, when set to something.
 fn rust_log() -> Option<String> {
     std::env::var("RUST_LOG")
@@ -228,7 +256,7 @@ fn init_logging_as(default_level: &str, format: LogFormat) {
     let filter = rust_log()
         .and_then(|value| EnvFilter::try_new(value).ok())
         .unwrap_or_else(|| EnvFilter::new(default_level));
-    let ansi = format == LogFormat::Text && std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let ansi = format == LogFormat::Text && colour::Colour::stderr().enabled();
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

@@ -2,9 +2,9 @@
 //!
 //! Per queue a [`lane`] (fetcher, `workers` workers, acker) and a delay poller; per daemon the [`heartbeat`],
 //! the [`monitor`], the [`timeouts`] thread, the delay listener, the [`scheduler`] (when there are schedules),
-//! the [`metrics`] endpoint (when configured) and, under systemd, [`notify`] (status lines and the
-//! [`watchdog`]). Each thread is named after its module (`kmqd-worker-mail-3`) and reports its end on the event
-//! channel, so the supervisor's loop is one `select!` over a closed set of events.
+//! the [`metrics`] endpoint and the queue [`report`]er (when configured) and, under systemd, [`notify`] (status
+//! lines and the [`watchdog`]). Each thread is named after its module (`kmqd-worker-mail-3`) and reports its end
+//! on the event channel, so the supervisor's loop is one `select!` over a closed set of events.
 //!
 //! Shutdown (docs/OPERATIONS.md, "Stopping"), stage by stage, each wait bounded:
 //! 1. *claiming* fires: fetchers stop (what a claim in flight still brings is handed back at once); workers hand
@@ -22,6 +22,7 @@ pub mod lane;
 pub mod metrics;
 pub mod monitor;
 pub mod notify;
+pub mod report;
 pub mod scheduler;
 pub mod settler;
 pub mod signals;
@@ -385,6 +386,17 @@ pub fn run(
         tracing::info!("metrics on http://{addr}/metrics");
         threads.spawn("kmqd-metrics".to_string(), Role::Other, move || {
             metrics.run()
+        })?;
+    }
+    if config.reports() {
+        let reporter = report::Reporter::new(
+            contexts.clone(),
+            named("report"),
+            config.daemon.report_interval,
+            background.listener(),
+        );
+        threads.spawn("kmqd-report".to_string(), Role::Other, move || {
+            reporter.run()
         })?;
     }
 
