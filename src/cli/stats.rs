@@ -34,7 +34,7 @@ pub(super) fn run_stats(config: &Config, json: bool) -> Result<(), Failure> {
     }
     let _ = writeln!(
         out,
-        "{:<16} {:<7} {:<7} {:>9} {:>10} {:>9} {:>7} {:>11} {:>9} {:>9} {:>13} {:>9}",
+        "{:<16} {:<7} {:<7} {:>9} {:>10} {:>9} {:>7} {:>11} {:>9} {:>9} {:>13} {:>8} {:>7} {:>9}",
         "QUEUE",
         "MODE",
         "STATE",
@@ -46,6 +46,8 @@ pub(super) fn run_stats(config: &Config, json: bool) -> Result<(), Failure> {
         "RETRIED",
         "FAILED",
         "DEAD_LETTERED",
+        "REQUEUED",
+        "PURGED",
         "LAG"
     );
     for (name, mode, s) in &all {
@@ -54,7 +56,7 @@ pub(super) fn run_stats(config: &Config, json: bool) -> Result<(), Failure> {
         });
         let _ = writeln!(
             out,
-            "{name:<16} {mode:<7} {:<7} {:>9} {:>10} {:>9} {:>7} {:>11} {:>9} {:>9} {:>13} {:>9}",
+            "{name:<16} {mode:<7} {:<7} {:>9} {:>10} {:>9} {:>7} {:>11} {:>9} {:>9} {:>13} {:>8} {:>7} {:>9}",
             if s.paused { "paused" } else { "active" },
             s.ready,
             s.processing,
@@ -64,6 +66,8 @@ pub(super) fn run_stats(config: &Config, json: bool) -> Result<(), Failure> {
             s.retried,
             s.failed,
             s.dead_lettered,
+            s.requeued,
+            s.purged,
             lag
         );
     }
