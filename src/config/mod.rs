@@ -1,0 +1,417 @@
+//! The TOML config: parsed into `Raw*` structs ([`raw`]), then validated into [`Config`] ([`validate`]).
+//!
+//! Parsing and validating are separate steps (ripgrep's LowArgs -> HiArgs, sccache's raw config): serde checks
+//! shapes and rejects unknown keys, then `RawConfig::validate` checks meaning. Every raw struct is destructured
+//! there, so a new key cannot be forgotten. [`errors`] locates and words what is wrong. Every error names the file, line, column and key, and says what would
+//! be valid. Relative paths are resolved against the config file's directory, not the working directory, so a
+//! config means the same thing whoever starts the daemon.
+
+mod errors;
+mod raw;
+mod validate;
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use errors::{Source, key_path, shape_message};
+use raw::RawConfig;
+
+/// The validated config of one daemon (or of one `kmqd push`/`stats` invocation).
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// The file the config was read from.
+    pub path: PathBuf,
+    pub redis: RedisConfig,
+    pub daemon: DaemonConfig,
+    pub queues: Vec<QueueConfig>,
+    pub plugins: Vec<PluginConfig>,
+    pub schedules: Vec<ScheduleConfig>,
+}
+
+#[derive(Clone)]
+pub struct RedisConfig {
+    /// `redis://`, `rediss://` or `unix://` URL of a single Redis, without the password when it came from
+    /// `password_env`/`_file`; with `cluster` or `sentinel` set, unused.
+    pub url: String,
+    /// Which Redis deployment the URL or seeds name.
+    pub deployment: Deployment,
+    /// The ACL user, when not in the URL.
+    pub username: Option<String>,
+    /// Kept out of `url` (and out of `Debug`) so it is never logged.
+    pub password: Option<String>,
+    /// The CAs and client certificate of `rediss://` connections, read at start.
+    pub tls: TlsFiles,
+    /// How many replicas must have each state change of a task before kmqd counts it done (`WAIT`); 0: none.
+    pub wait_replicas: u32,
+    /// How long a `WAIT` may take before the change counts as not replicated (an error the caller retries).
+    pub wait_timeout: Duration,
+    pub pool_size: u32,
+    pub key_prefix: String,
+    pub connect_timeout: Duration,
+    /// How long a reply may take before the call is given up for lost (then retried, or resolved when it may
+    /// have run). Blocking calls wait this much beyond their own timeout.
+    pub io_timeout: Duration,
+}
+
+/// The Redis deployment a config names (docs/OPERATIONS.md, "Deployments").
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Deployment {
+    /// One Redis at `url`.
+    Single,
+    /// A Redis Cluster found through these seed nodes (`redis://` or `rediss://`, all alike).
+    Cluster { seeds: Vec<String> },
+    /// A master that these Sentinels watch under `master`; `rediss://` seeds mean TLS to the Sentinels and
+    /// to the master.
+    Sentinel { seeds: Vec<String>, master: String },
+}
+
+/// PEM files of `tls_ca_file`, `tls_cert_file` and `tls_key_file`, read when the config is.
+#[derive(Clone, Default)]
+pub struct TlsFiles {
+    /// Trust these CAs instead of the system's.
+    pub ca: Option<Vec<u8>>,
+    /// A client certificate and its key, for mutual TLS.
+    pub client: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl RedisConfig {
+    /// Whether connections use TLS (`rediss://` URL or seeds).
+    pub fn uses_tls(&self) -> bool {
+        match &self.deployment {
+            Deployment::Single => self.url.starts_with("rediss://"),
+            Deployment::Cluster { seeds } | Deployment::Sentinel { seeds, .. } => {
+                seeds.iter().any(|seed| seed.starts_with("rediss://"))
+            }
+        }
+    }
+
+    /// Where Redis is, for logs: the URL, or the seeds, without passwords.
+    pub fn describe(&self) -> String {
+        let list = |seeds: &[String]| {
+            seeds
+                .iter()
+                .map(|seed| redact_url(seed))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        match &self.deployment {
+            Deployment::Single => redact_url(&self.url),
+            Deployment::Cluster { seeds } => format!("cluster {}", list(seeds)),
+            Deployment::Sentinel { seeds, master } => {
+                format!("master {master:?} of sentinels {}", list(seeds))
+            }
+        }
+    }
+}
+
+impl fmt::Debug for RedisConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisConfig")
+            .field("redis", &self.describe())
+            .field("username", &self.username)
+            .field("password", &self.password.as_ref().map(|_| "<redacted>"))
+            .field("tls_ca", &self.tls.ca.is_some())
+            .field("tls_client_cert", &self.tls.client.is_some())
+            .field("wait_replicas", &self.wait_replicas)
+            .field("wait_timeout", &self.wait_timeout)
+            .field("pool_size", &self.pool_size)
+            .field("key_prefix", &self.key_prefix)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("io_timeout", &self.io_timeout)
+            .finish()
+    }
+}
+
+/// Replaces the password of a `scheme://user:password@host` URL with `***`, for logs and error messages.
+pub fn redact_url(url: &str) -> String {
+    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
+        return url.to_string();
+    };
+    let rest = &url[scheme_end..];
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    match rest[..authority_end].rfind('@') {
+        Some(at) => match rest[..at].find(':') {
+            Some(colon) => format!(
+                "{}{}:***{}",
+                &url[..scheme_end],
+                &rest[..colon],
+                &rest[at..]
+            ),
+            None => url.to_string(),
+        },
+        None => url.to_string(),
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct DaemonConfig {
+    pub plugins_dir: PathBuf,
+    pub shutdown_grace: Duration,
+    pub metrics_addr: Option<SocketAddr>,
+    /// A tracing filter such as `info` or `kmqd=debug`; `RUST_LOG` takes precedence.
+    pub log_level: String,
+    /// How log events are written to standard error.
+    pub log_format: LogFormat,
+    /// How often the daemon logs one `queue report` event per queue (`src/daemon/report.rs`); `None`: never.
+    pub report_interval: Option<Duration>,
+}
+
+/// `[daemon] log_format`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFormat {
+    /// Human-readable lines (the journal's usual fare).
+    Text,
+    /// One JSON object per event, per line: a multi-line message is one escaped field, never split.
+    Json,
+}
+
+/// Checks a tracing filter (`log_level`, `RUST_LOG`): comma-separated directives, each a level or
+/// `TARGET=LEVEL`. tracing's own parser takes a bare word that is no level for a target, so `"warning"` would
+/// silently enable nothing of kmqd's: here it is an error, with the level meant.
+pub fn check_log_filter(filter: &str) -> Result<(), String> {
+    const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
+    for directive in filter.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+        let level = directive
+            .rsplit_once('=')
+            .map_or(directive, |(_, level)| level);
+        if !LEVELS.contains(&level.to_ascii_lowercase().as_str()) {
+            let meant = match level.to_ascii_lowercase().as_str() {
+                "warning" => Some("warn"),
+                "err" | "fatal" | "critical" => Some("error"),
+                "verbose" | "all" => Some("trace"),
+                "none" | "quiet" => Some("off"),
+                _ => None,
+            };
+            let hint = meant.map_or(String::new(), |m| format!(" (did you mean \"{m}\"?)"));
+            return Err(format!(
+                "{level:?} in {directive:?} is not a level{hint}; write one of off, error, warn, info, debug, trace, \
+                 or TARGET=LEVEL (\"kmqd=debug,warn\")"
+            ));
+        }
+    }
+    tracing_subscriber::EnvFilter::try_new(filter)
+        .map(drop)
+        .map_err(|error| format!("{filter:?} is not a log filter: {error}"))
+}
+
+/// A queue's delivery guarantee; see docs/PROTOCOL.md, "Guarantees".
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Plain pop: fast; a task whose daemon dies while holding it is lost.
+    Default,
+    /// At-least-once: claimed tasks stay in the processing area under a lease until acknowledged.
+    Safe,
+}
+
+impl Mode {
+    /// The name in the config (and in an owner's registration).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Default => "default",
+            Mode::Safe => "safe",
+        }
+    }
+}
+
+/// What a handler error (`KMQ_RETRY`, a panic, an execution timeout) does to a task.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnHandlerError {
+    /// Retry with exponential backoff until `retry_times` is used up, then dead-letter.
+    Retry,
+    /// Count the task as done (KMQueue's rule): it is acknowledged and not run again.
+    Finish,
+    /// Dead-letter at once.
+    Dead,
+}
+
+#[derive(Clone, Debug)]
+pub struct QueueConfig {
+    pub name: String,
+    pub mode: Mode,
+    /// Priority levels, highest first. A queue without `priorities` has one level, `normal`.
+    pub priorities: Vec<String>,
+    /// Index into `priorities` of the level a push without `--priority` goes to.
+    pub default_priority: usize,
+    pub workers: usize,
+    /// The most tasks one claim takes.
+    pub batch: usize,
+    /// How many claimed tasks may wait for a worker, beyond one per idle worker.
+    pub prefetch: usize,
+    pub lease_timeout: Duration,
+    pub execution_timeout: Option<Duration>,
+    pub alive_timeout: Option<Duration>,
+    pub retry_times: u32,
+    pub on_handler_error: OnHandlerError,
+    pub backoff: Duration,
+    pub backoff_max: Duration,
+    pub dead_max: usize,
+    /// Accept plain JSON objects that are not envelopes, taking the task type from this field.
+    pub foreign_type_field: Option<String>,
+    /// The most due tasks one call of the delay poller moves.
+    pub delay_batch: usize,
+    /// A task payload longer than this is dead-lettered without being run (safe mode: without leaving Redis).
+    pub max_task_bytes: usize,
+    /// The longest an idle fetcher waits before looking at the ready lists on its own, and so the bound on how
+    /// late a task pushed without a wake-up marker (a plain RPUSH) is picked up.
+    pub idle_poll: Duration,
+    /// A lag (age of the oldest ready task) above this logs a warning, and its return below it one line more
+    /// (`src/daemon/report.rs`); `None`: not watched.
+    pub lag_warn: Option<Duration>,
+}
+
+/// A periodic task: queued once per slot across every daemon.
+#[derive(Clone, Debug)]
+pub struct ScheduleConfig {
+    pub name: String,
+    /// The queue, as named in `[[queues]]`.
+    pub queue: String,
+    /// The task type.
+    pub kind: String,
+    /// The task's `data` as JSON text.
+    pub data_json: String,
+    pub when: When,
+    /// Index into the queue's priorities.
+    pub level: usize,
+    pub missed: Missed,
+    /// A slot later than this when a daemon gets to it counts as missed.
+    pub misfire_grace: Duration,
+    /// With `missed = "catch_up"`, the most missed slots fired (the newest ones).
+    pub catch_up_max: usize,
+}
+
+/// When a schedule's slots are.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum When {
+    /// A five-field cron expression, in UTC.
+    Cron(crate::cron::Cron),
+    /// Every multiple of this duration since the epoch (so "5m" fires at :00, :05, ...).
+    Every(Duration),
+}
+
+impl When {
+    /// The first slot strictly after `after_ms`; `None` when there is none the clock (i64 ms) can hold.
+    pub fn next_after(&self, after_ms: i64) -> Option<i64> {
+        match self {
+            When::Cron(cron) => cron.next_after(after_ms),
+            When::Every(every) => {
+                let every = i64::try_from(every.as_millis()).ok()?;
+                (after_ms.div_euclid(every).checked_add(1)?).checked_mul(every)
+            }
+        }
+    }
+}
+
+/// What to do with slots that passed while no daemon ran.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Missed {
+    /// Do not fire them; go on with the next slot.
+    Skip,
+    /// Fire them, oldest first (at most `catch_up_max`).
+    CatchUp,
+}
+
+#[derive(Clone, Debug)]
+pub struct PluginConfig {
+    pub name: String,
+    /// Absolute path (resolved against `plugins_dir`); canonicalised by the loader.
+    pub file: PathBuf,
+    /// The `config` table as JSON text, handed to the plugin's `init`.
+    pub config_json: String,
+    /// Where `[plugins.NAME]` stands in the config, for error messages.
+    pub location: String,
+}
+
+/// A config that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{location}: {message}")]
+    Invalid { location: String, message: String },
+}
+
+impl Config {
+    /// Reads, parses and validates a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Config::parse(path, &text)
+    }
+
+    /// Parses and validates config text; `path` names it in errors and anchors relative paths.
+    pub fn parse(path: &Path, text: &str) -> Result<Config, ConfigError> {
+        let source = Source { path, text };
+        let syntax = |error: toml::de::Error| {
+            let message = error.message().trim_end().to_string();
+            source.error(error.span().unwrap_or(0..0), message)
+        };
+        let deserializer = toml::Deserializer::parse(text).map_err(syntax)?;
+        let raw: RawConfig = serde_path_to_error::deserialize(deserializer).map_err(|error| {
+            let path = error.path().to_string();
+            let error = error.into_inner();
+            let span = error.span().unwrap_or(0..0);
+            let key = key_path(&path, &source.text[..span.start.min(source.text.len())]);
+            source.error(span, shape_message(&key, error.message().trim_end()))
+        })?;
+        raw.validate(&source)
+    }
+
+    /// The queue named `name`.
+    pub fn queue(&self, name: &str) -> Option<&QueueConfig> {
+        self.queues.iter().find(|queue| queue.name == name)
+    }
+
+    /// Redis connections the daemon holds at once: per queue a fetcher, an acker and a delay poller; per daemon
+    /// the monitor, the heartbeat, the scheduler, the metrics endpoint and, when it runs, the queue reporter.
+    pub fn connections_needed(&self) -> u32 {
+        3 * self.queues.len() as u32 + 4 + u32::from(self.reports())
+    }
+
+    /// Whether the daemon runs its queue reporter: `[daemon] report_interval` is set or a queue has `lag_warn`.
+    pub fn reports(&self) -> bool {
+        self.daemon.report_interval.is_some() || self.queues.iter().any(|q| q.lag_warn.is_some())
+    }
+}
+
+/// Default values, in one place so docs/CONFIG.md can be checked against them.
+pub mod defaults {
+    use std::time::Duration;
+
+    pub const REDIS_URL: &str = "redis://127.0.0.1:6379/0";
+    pub const KEY_PREFIX: &str = "kmq";
+    pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+    pub const IO_TIMEOUT: Duration = Duration::from_secs(10);
+    pub const WAIT_TIMEOUT: Duration = Duration::from_millis(100);
+    pub const PLUGINS_DIR: &str = "/usr/lib/kmqd/plugins";
+    pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+    pub const LOG_LEVEL: &str = "info";
+    pub const PRIORITY: &str = "normal";
+    pub const WORKERS: usize = 8;
+    pub const BATCH: usize = 100;
+    pub const LEASE_TIMEOUT: Duration = Duration::from_secs(30);
+    pub const EXECUTION_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+    pub const RETRY_TIMES: u32 = 3;
+    pub const BACKOFF: Duration = Duration::from_secs(1);
+    pub const BACKOFF_MAX: Duration = Duration::from_secs(10 * 60);
+    pub const DEAD_MAX: usize = 10_000;
+    pub const IDLE_POLL: Duration = Duration::from_secs(1);
+    pub const MAX_TASK_BYTES: usize = 16 << 20;
+    /// Redis's own limit for a string.
+    pub const MAX_TASK_BYTES_LIMIT: usize = 512 << 20;
+}
+
+/// The largest claim batch: Lua's `unpack` fails past ~8,000 values and a claim passes two per task.
+pub const MAX_BATCH: usize = 1000;
+
+/// The shortest `report_interval` and `lag_warn`: each costs a stats read of every queue per period.
+pub const MIN_WATCH_INTERVAL: Duration = Duration::from_millis(100);
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,389 @@
+//! Parsing and validating configs: defaults, paths, and every error's location and words.
+
+use super::*;
+
+fn parse(text: &str) -> Result<Config, String> {
+    Config::parse(Path::new("/etc/kmqd/queues.toml"), text).map_err(|e| e.to_string())
+}
+
+const MINIMAL: &str = "[[queues]]\nname = \"mail\"\nmode = \"safe\"\n";
+
+#[test]
+fn minimal_config_gets_documented_defaults() {
+    let config = parse(MINIMAL).unwrap();
+    let queue = &config.queues[0];
+    assert_eq!(queue.priorities, ["normal"]);
+    assert_eq!(queue.workers, defaults::WORKERS);
+    assert_eq!(queue.prefetch, queue.workers);
+    assert_eq!(queue.lease_timeout, defaults::LEASE_TIMEOUT);
+    assert_eq!(queue.execution_timeout, Some(defaults::EXECUTION_TIMEOUT));
+    assert_eq!(queue.alive_timeout, None);
+    assert_eq!(queue.lag_warn, None);
+    assert_eq!(config.daemon.report_interval, None);
+    assert!(!config.reports(), "no reporter unless asked for");
+    assert_eq!(config.redis.key_prefix, "kmq");
+    assert_eq!(
+        config.redis.pool_size,
+        config.connections_needed() + 2,
+        "sized from the queues when not set"
+    );
+    assert_eq!(
+        config.daemon.plugins_dir,
+        PathBuf::from("/usr/lib/kmqd/plugins")
+    );
+}
+
+#[test]
+fn relative_paths_are_resolved_against_the_config_file() {
+    let config =
+        parse("[daemon]\nplugins_dir = \"plugins\"\n[plugins.echo]\nfile = \"libkmq_echo.so\"\n")
+            .unwrap();
+    assert_eq!(
+        config.daemon.plugins_dir,
+        PathBuf::from("/etc/kmqd/plugins")
+    );
+    assert_eq!(
+        config.plugins[0].file,
+        PathBuf::from("/etc/kmqd/plugins/libkmq_echo.so")
+    );
+    assert_eq!(config.plugins[0].config_json, "{}");
+}
+
+#[test]
+fn default_priority_is_the_middle_or_first_level() {
+    for (levels, expected) in [
+        ("[\"a\"]", 0),
+        ("[\"a\", \"b\"]", 0),
+        ("[\"a\", \"b\", \"c\"]", 1),
+        ("[\"a\", \"b\", \"c\", \"d\"]", 1),
+    ] {
+        let config = parse(&format!("{MINIMAL}priorities = {levels}\n")).unwrap();
+        assert_eq!(config.queues[0].default_priority, expected, "for {levels}");
+    }
+}
+
+#[test]
+fn plugin_config_table_becomes_json() {
+    let config = parse("[plugins.mail]\nfile = \"/opt/libmail.so\"\nconfig = { smtp = \"127.0.0.1:25\", tries = 2, when = 1979-05-27T07:32:00Z }\n").unwrap();
+    let json: serde_json::Value = serde_json::from_str(&config.plugins[0].config_json).unwrap();
+    assert_eq!(
+        json,
+        serde_json::json!({"smtp": "127.0.0.1:25", "tries": 2, "when": "1979-05-27T07:32:00Z"})
+    );
+}
+
+/// Each bad config, and the location and words its error must contain.
+#[test]
+fn bad_configs_name_file_line_key_and_fix() {
+    let cases: &[(&str, &str, &[&str])] = &[
+        (
+            "[redis]\nurl = \"http://x\"\n",
+            "queues.toml:2:7",
+            &["redis.url", "redis://"],
+        ),
+        (
+            "[redis]\nurl = \"redis://a:1\"\ncluster = [\"redis://b:2\"]\n",
+            "queues.toml:3:11",
+            &["redis.cluster", "not both"],
+        ),
+        (
+            "[redis]\nsentinel = [\"redis://s:26379\"]\n",
+            "queues.toml:2:12",
+            &["redis.sentinel", "sentinel_master"],
+        ),
+        (
+            "[redis]\nsentinel_master = \"main\"\n",
+            "queues.toml:2:19",
+            &["redis.sentinel_master", "only with sentinel"],
+        ),
+        (
+            "[redis]\ncluster = [\"redis://a:1\", \"rediss://b:2\"]\n",
+            "queues.toml:2:27",
+            &["redis.cluster", "mixes redis:// and rediss://"],
+        ),
+        (
+            "[redis]\ncluster = [\"redis://a:1/3\"]\n",
+            "queues.toml:2:12",
+            &["redis.cluster", "database 0 only"],
+        ),
+        (
+            "[redis]\ncluster = []\n",
+            "queues.toml:2:11",
+            &["redis.cluster", "lists no node"],
+        ),
+        (
+            "[redis]\nurl = \"rediss://cache:6380\"\ntls_cert_file = \"/etc/client.pem\"\n",
+            "queues.toml:3:17",
+            &["redis.tls_cert_file", "tls_key_file too"],
+        ),
+        (
+            "[redis]\nurl = \"rediss://cache:6380\"\ntls_ca_file = \"/nonexistent/ca.pem\"\n",
+            "queues.toml:3:15",
+            &["redis.tls_ca_file", "cannot read /nonexistent/ca.pem"],
+        ),
+        (
+            "[daemon]\nlog_level = \"warning\"\n",
+            "queues.toml:2:13",
+            &["daemon.log_level", "did you mean \"warn\""],
+        ),
+        (
+            "[daemon]\nlog_level = \"kmqd=verbose,info\"\n",
+            "queues.toml:2:13",
+            &["daemon.log_level", "\"verbose\"", "TARGET=LEVEL"],
+        ),
+        (
+            "[daemon]\nreport_interval = \"often\"\n",
+            "queues.toml:2:19",
+            &["daemon.report_interval", "not a duration", "\"30s\""],
+        ),
+        (
+            "[daemon]\nreport_interval = \"10ms\"\n",
+            "queues.toml:2:19",
+            &["daemon.report_interval", "too short", "100ms"],
+        ),
+        (
+            "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nlag_warn = \"0s\"\n",
+            "queues.toml:4:12",
+            &["queues[0].lag_warn", "too short", "100ms"],
+        ),
+        (
+            "[daemon]\nlog_format = \"yaml\"\n",
+            "queues.toml:2:14",
+            &["daemon.log_format", "\"json\""],
+        ),
+        (
+            "[redis]\nwait_timeout = \"0s\"\n",
+            "queues.toml:2:16",
+            &["redis.wait_timeout", "between 1ms and 1m"],
+        ),
+        (
+            "[daemon]\nshutdown_grace = \"30 parsecs\"\n",
+            "queues.toml:2:18",
+            &["daemon.shutdown_grace", "\"30s\""],
+        ),
+        (
+            "[daemon]\nshutdown_grace = \"300000000000y\"\n",
+            "queues.toml:2:18",
+            &["daemon.shutdown_grace", "too long", "at most 10 years"],
+        ),
+        (
+            "[redis]\nio_timeout = \"50ms\"\n",
+            "queues.toml:2:14",
+            &["redis.io_timeout", "between 100ms and 5m"],
+        ),
+        (
+            "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nmax_task_bytes = 10\n",
+            "queues.toml:4:18",
+            &["queues[0].max_task_bytes", "between 1024 and 536870912"],
+        ),
+        (
+            "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nworkers = 0\n",
+            "queues.toml:4:11",
+            &["queues[0].workers", "between 1 and 1024"],
+        ),
+        (
+            "[[queues]]\nname = \"mail\"\nmode = \"fast\"\n",
+            "queues.toml:3:8",
+            &["queues[0].mode", "\"default\", \"safe\""],
+        ),
+        (
+            "[[queues]]\nname = \"mail\"\n",
+            "queues.toml:1:1",
+            &["queues[0].mode", "mode = \"safe\""],
+        ),
+        (
+            "[[queues]]\nname = \"ma il\"\nmode = \"safe\"\n",
+            "queues.toml:2:8",
+            &["queues[0].name", "a-z"],
+        ),
+        (
+            "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nwrkers = 3\n",
+            "queues.toml:4:1",
+            &["queues[0]: unknown key `wrkers`; did you mean `workers`?"],
+        ),
+        (
+            "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nworkers = \"4\"\n",
+            "queues.toml:4:11",
+            &["queues[0].workers: invalid type: string \"4\", expected an integer"],
+        ),
+        (
+            "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nbackoff = 5\n",
+            "queues.toml:4:11",
+            &[
+                "queues[0].backoff: invalid type: integer `5`",
+                "such as \"30s\"",
+            ],
+        ),
+        (
+            "[[queues]]\nname = \"mail\"\nmode = \"safe\"\npriorities = [\"high\", 1]\n",
+            "queues.toml:4:23",
+            &["queues[0].priorities[1]: invalid type: integer `1`, expected a string"],
+        ),
+        (
+            "[[queues]]\nname = \"mail\"\nmode = \"sfe\"\n",
+            "queues.toml:3:8",
+            &["queues[0].mode", "did you mean \"safe\"?"],
+        ),
+        (
+            "[deamon]\nplugins_dir = \"/x\"\n",
+            "queues.toml:1:2",
+            &["unknown key `deamon`; did you mean `daemon`?"],
+        ),
+        (
+            "[plugins.mail]\nfile = \"a.so\"\nconfig = 5\n",
+            "queues.toml:3:10",
+            &["plugins.mail.config: invalid type: integer `5`, expected a table"],
+        ),
+        (
+            "[plugins.mail]\nfiles = \"a.so\"\n",
+            "queues.toml:2:1",
+            &["plugins.mail: unknown key `files`; did you mean `file`?"],
+        ),
+        (
+            "[[queues]]\nname = \"a\"\nmode = \"safe\"\n[[queues]]\nname = \"a\"\nmode = \"safe\"\n",
+            "queues.toml:5:8",
+            &["queues[1].name: queue \"a\" is defined twice"],
+        ),
+        (
+            "[redis]\npool_size = 2\n[[queues]]\nname = \"a\"\nmode = \"safe\"\n",
+            "queues.toml:2:13",
+            &["redis.pool_size: 2 is too small"],
+        ),
+        (
+            "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nworkers = \"many\"\n",
+            "queues.toml:4:11",
+            &["invalid type"],
+        ),
+        (
+            "[[queues]]\nname = \"m\"\nmode = \"safe\"\nbatch = 5000\n",
+            "queues.toml:4:9",
+            &["queues[0].batch", "between 1 and 1000"],
+        ),
+        (
+            "[[queues]]\nname = \"m\"\nmode = \"safe\"\non_handler_error = \"ignore\"\n",
+            "queues.toml:4:20",
+            &["on_handler_error", "\"finish\""],
+        ),
+        (
+            "[[queues]]\nname = \"m\"\nmode = \"safe\"\npriorities = [\"hi\", \"hi\"]\n",
+            "queues.toml:4:14",
+            &["listed twice"],
+        ),
+        (
+            "[[queues]]\nname = \"m\"\nmode = \"safe\"\ndefault_priority = \"x\"\n",
+            "queues.toml:4:20",
+            &["not one of the queue's priorities"],
+        ),
+        (
+            "[[queues]]\nname = \"m\"\nmode = \"safe\"\n[[queues]]\nname = \"m\"\nmode = \"safe\"\n",
+            "queues.toml",
+            &["defined twice"],
+        ),
+        (
+            "[redis]\npool_size = 2\n[[queues]]\nname = \"m\"\nmode = \"safe\"\n",
+            "queues.toml",
+            &["redis.pool_size", "at least 7"],
+        ),
+        (
+            "[plugins.mail]\nconfig = {}\n",
+            "queues.toml:1:1",
+            &["plugins.mail.file", "libkmq_mail.so"],
+        ),
+        (
+            "[redis]\npassword_env = \"KMQD_TEST_SURELY_UNSET_VARIABLE\"\n",
+            "queues.toml:2:16",
+            &["is not set"],
+        ),
+        (
+            "[daemon]\nmetrics_addr = \"localhost\"\n",
+            "queues.toml:2:16",
+            &["daemon.metrics_addr", "127.0.0.1:9464"],
+        ),
+        (
+            "[[queues]]\nname = \"m\"\nmode = \"safe\"\nforeign_type_field = \"type\"\n",
+            "queues.toml:4:22",
+            &["queues[0].foreign_type_field", "\"callback\""],
+        ),
+        (
+            "[[schedules]]\nname = \"s\"\nqueue = \"nope\"\ntype = \"t\"\nevery = \"1m\"\n",
+            "queues.toml:3:9",
+            &["schedules[0].queue", "no queue \"nope\""],
+        ),
+        (
+            "[[queues]]\nname = \"m\"\nmode = \"safe\"\n[[schedules]]\nname = \"s\"\nqueue = \"m\"\ntype = \"t\"\ncron = \"0 25 * * *\"\n",
+            "queues.toml:8:8",
+            &["schedules[0].cron", "hour: 25 is outside 0-23"],
+        ),
+        (
+            "[[queues]]\nname = \"m\"\nmode = \"safe\"\n[[schedules]]\nname = \"s\"\nqueue = \"m\"\ntype = \"t\"\ncron = \"* * * * *\"\nevery = \"1m\"\n",
+            "queues.toml:4:1",
+            &["exactly one of cron"],
+        ),
+        (
+            "[[queues]]\nname = \"m\"\nmode = \"safe\"\n[[schedules]]\nname = \"s\"\nqueue = \"m\"\ntype = \"t\"\nevery = \"1500ms\"\n",
+            "queues.toml:8:9",
+            &["schedules[0].every", "whole seconds"],
+        ),
+    ];
+
+    for (text, location, words) in cases {
+        let error = parse(text).expect_err(text);
+        assert!(
+            error.starts_with(&format!("/etc/kmqd/{location}")),
+            "{text:?}\n gave: {error}"
+        );
+        for word in *words {
+            assert!(
+                error.contains(word),
+                "{text:?}\n gave: {error}\n missing: {word}"
+            );
+        }
+    }
+}
+
+#[test]
+fn every_longer_than_the_clock_holds_has_no_next_slot() {
+    // Found by fuzz/fuzz_targets/config_values.rs: these validate (whole seconds, at least 1s), but their
+    // length in ms does not fit an i64, and the next slot came out before `after_ms` (negative), or the
+    // division by the truncated period panicked (2^61 s is 0 ms once truncated to 64 bits).
+    // The config now refuses durations past ten years; the arithmetic stays safe on its own.
+    for every in [
+        "9223372036854776s",
+        "2305843009213693952s",
+        "18446744073709551615s",
+    ] {
+        let text = format!(
+            "{MINIMAL}[[schedules]]\nname = \"s\"\nqueue = \"mail\"\ntype = \"t\"\nevery = \"{every}\"\n"
+        );
+        let error = parse(&text).unwrap_err();
+        assert!(error.contains("is too long"), "{every}: {error}");
+        let when = When::Every(humantime::parse_duration(every).unwrap());
+        for after in [0, 1_795_997_223_121, i64::MAX - 1] {
+            assert_eq!(when.next_after(after), None, "{every} after {after}");
+        }
+    }
+    let longest = When::Every(Duration::from_millis(i64::MAX as u64));
+    assert_eq!(longest.next_after(0), Some(i64::MAX));
+    assert_eq!(
+        longest.next_after(i64::MAX),
+        None,
+        "the slot after it overflows"
+    );
+    let hourly = When::Every(Duration::from_secs(3600));
+    assert_eq!(hourly.next_after(3_600_000), Some(7_200_000));
+    assert_eq!(hourly.next_after(-1), Some(0));
+}
+
+#[test]
+fn passwords_are_redacted() {
+    assert_eq!(
+        redact_url("redis://user:secret@host:6379/0"),
+        "redis://user:***@host:6379/0"
+    );
+    assert_eq!(redact_url("redis://:secret@host/0"), "redis://:***@host/0");
+    assert_eq!(redact_url("redis://host:6379/0"), "redis://host:6379/0");
+    assert_eq!(
+        redact_url("unix:///run/redis.sock"),
+        "unix:///run/redis.sock"
+    );
+}
