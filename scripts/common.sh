@@ -48,8 +48,11 @@ ensure_cargo() {
 # debug build) is warned about in 3.x and may become an error in a later release. Installing it on a fresh
 # 2-core machine took 6.4 min wall, 2.0 min CPU, measured 2026-12-01 while other builds kept the machine busy
 # (load 7-10): about a minute quiet.
+# cargo-deb needs dpkg-shlibdeps (dpkg-dev) for the package's Depends on libc6, and strip (binutils, which gcc
+# brings).
 CARGO_DEB_VERSION=3.8.0
 ensure_cargo_deb() {
+    ensure_command dpkg-shlibdeps dpkg-dev
     if cargo deb --version 2>/dev/null | grep -qF "$CARGO_DEB_VERSION"; then
         return
     fi
