@@ -88,9 +88,11 @@ impl Trouble {
         }
     }
 
-    /// Records a failure; logs the first of a run, then a summary every [`SUMMARY_EVERY`].
+    /// Records a failure (counted in `kmqd_redis_errors_total` under `what`); logs the first of a run, then a
+    /// summary every [`SUMMARY_EVERY`].
     pub fn failed(&mut self, error: &dyn Display) {
         self.failures += 1;
+        crate::daemon::metrics::observed::redis_error(self.what);
         let queue = self.queue.as_deref().unwrap_or("-");
         let Some(since) = self.since else {
             self.since = Some(Instant::now());

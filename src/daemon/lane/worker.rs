@@ -11,6 +11,7 @@ use crossbeam_channel::{Receiver, Sender, TryRecvError};
 
 use super::Lane;
 use super::resolve::{Finished, Job, Outcome, Taken};
+use crate::daemon::metrics::observed::{TaskOutcome, TypeCache};
 use crate::plugin::{MESSAGE_CAPACITY, Registry, Run, Status};
 use crate::policy::Verdict;
 use crate::shutdown::Listener;
@@ -32,6 +33,7 @@ impl Worker {
     /// Runs jobs until the fetcher is gone and the channel is empty.
     pub fn run(self) {
         let mut message = Vec::with_capacity(MESSAGE_CAPACITY);
+        let mut types = TypeCache::new(self.lane.name());
         loop {
             let job = match self.jobs.try_recv() {
                 Ok(job) => job,
@@ -51,7 +53,7 @@ impl Worker {
                 (job.state.take() == Some(Taken::Waiting))
                     .then(|| self.lane.hand_back(job.id, &job.state))
             } else {
-                self.run_job(job, now, &mut message)
+                self.run_job(job, now, &mut message, &mut types)
             };
             if let Some(outcome) = outcome {
                 // The acker stops only once every held task is settled, this one included, so it is there to
@@ -85,14 +87,20 @@ impl Worker {
         true
     }
 
-    fn run_job(&self, job: Job, now: Instant, message: &mut Vec<u8>) -> Option<Outcome> {
+    fn run_job(
+        &self,
+        job: Job,
+        now: Instant,
+        message: &mut Vec<u8>,
+        types: &mut TypeCache,
+    ) -> Option<Outcome> {
         let queue = &self.lane.queue;
         let state = &job.state;
         if !state.start(now) {
             return None;
         }
         let (verdict, envelope) = queue.judge(&state.payload, |envelope| {
-            self.verdict(&job, envelope, now, message)
+            self.verdict(&job, envelope, now, message, types)
         });
         match state.finish() {
             Finished::Resolved => {}
@@ -106,7 +114,14 @@ impl Worker {
                 return None;
             }
         }
-        Some(self.lane.outcome(job.id, state, verdict, envelope.as_ref()))
+        let outcome = self.lane.outcome(job.id, state, verdict, envelope.as_ref());
+        if let Some(settlement) = outcome.settlement() {
+            let kind = envelope.as_ref().map(|envelope| &*envelope.kind);
+            types
+                .get(kind, |kind| self.registry.for_type(kind).is_some())
+                .count(TaskOutcome::of(settlement));
+        }
+        Some(outcome)
     }
 
     /// Checks whether the task may run, runs it, and says how it went.
@@ -116,6 +131,7 @@ impl Worker {
         envelope: &Envelope,
         now: Instant,
         message: &mut Vec<u8>,
+        types: &mut TypeCache,
     ) -> Verdict {
         let queue = &self.lane.queue;
         let now_ms =
@@ -143,7 +159,11 @@ impl Worker {
             }),
             cancel: &job.state.cancel,
         };
-        match plugin.handle(&run, message) {
+        let duration = &types.get(Some(&envelope.kind), |_| true).duration;
+        let started = Instant::now();
+        let status = plugin.handle(&run, message);
+        duration.observe(started.elapsed().as_secs_f64());
+        match status {
             Status::Done => Verdict::Done,
             Status::Retry { after, message } => Verdict::HandlerError {
                 reason: non_empty(message, "handler asked to retry"),
