@@ -153,12 +153,14 @@ fn a_scrape_after_tasks_ran_passes_promtool_and_shows_every_family() {
     );
 }
 
+/// A stalled Redis (SIGSTOP) holds the metrics' reads for all of `io_timeout`, longer than the scraper waits: the
+/// page must come without them. A Redis that is down refuses at once; its failed reads are counted.
 #[test]
 fn with_redis_stalled_or_down_a_scrape_answers_and_says_redis_up_0() {
     let mut redis = RedisServer::start();
     let dir = TestDir::new();
     let config = dir.config_raw(
-        &format!("url = \"{}\"\nio_timeout = \"2s\"", redis.url()),
+        &format!("url = \"{}\"\nio_timeout = \"60s\"", redis.url()),
         "shutdown_grace = \"5s\"\nmetrics_addr = \"127.0.0.1:0\"",
         &safe_queue(""),
     );
@@ -169,10 +171,12 @@ fn with_redis_stalled_or_down_a_scrape_answers_and_says_redis_up_0() {
         (has(&text, "kmqd_redis_up 1"), text)
     });
 
-    // Stalled: connections open, nothing answers; the scrape must not wait for the reads' timeouts.
     redis.pause();
     let stalled = scrape_with(addr, None, SCRAPE_TIMEOUT);
-    assert!(stalled.status.ends_with("200 OK"), "{stalled:?}");
+    assert!(
+        stalled.status.ends_with("200 OK"),
+        "answered before the scraper gave up: {stalled:?}"
+    );
     assert!(has(&stalled.body, "kmqd_redis_up 0"), "{stalled:?}");
     assert!(
         has(&stalled.body, "kmqd_daemon_held_tasks{queue=\"jobs\"} 0"),
@@ -184,26 +188,24 @@ fn with_redis_stalled_or_down_a_scrape_answers_and_says_redis_up_0() {
     );
     let (ok, printed) = promtool(&["check", "metrics"], &stalled.body);
     assert!(ok, "promtool check metrics: {printed}");
-    // Once its `io_timeout` is over, the stalled read is counted, on a page still served without Redis.
-    eventually(Duration::from_secs(30), "the stalled read counted", || {
-        let text = page(addr);
-        let errors = text.lines().any(|line| {
-            line.starts_with(
-                "kmqd_redis_errors_total{operation=\"reading queues for the metrics\"}",
-            )
-        });
-        (errors, text)
-    });
     redis.resume();
     eventually(Duration::from_secs(30), "Redis up again", || {
         let text = page(addr);
         (has(&text, "kmqd_redis_up 1"), text)
     });
 
-    // Down: connections refused.
     redis.stop(Signal::Term);
     let down = scrape_with(addr, None, SCRAPE_TIMEOUT);
     assert!(has(&down.body, "kmqd_redis_up 0"), "{down:?}");
+    eventually(Duration::from_secs(30), "the failed reads counted", || {
+        let text = page(addr);
+        let errors = text.lines().any(|line| {
+            line.starts_with(
+                "kmqd_redis_errors_total{operation=\"reading queues for the metrics\"} ",
+            )
+        });
+        (errors, text)
+    });
 }
 
 #[test]

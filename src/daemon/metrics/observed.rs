@@ -6,13 +6,16 @@
 //! and a scrape clones its families (`Arc`s) into the page's registry.
 //!
 //! The per-task path is a worker's: it keeps a [`TypeCache`] of the histogram and counters of each task type it
-//! ran, so a task costs a string compare (the same type as the last task) or one FxHash lookup, the histogram's
-//! uncontended lock and one atomic add; never the families' label hash and read lock. Only types a plugin
+//! ran, so a task costs no clock read of its own (the run's start and end are the reads the worker makes anyway
+//! for this task and the next, see [`TypeCache::ran`]), a string compare (the same type as the last task) or one FxHash lookup, the histogram's lock (shared by the queue's
+//! workers: held for a bucket search of 17) and one atomic add; never the families' label hash and read lock.
+//! docs/PERFORMANCE.md, "What the metrics cost", has the measured figure. Only types a plugin
 //! handles get their own label value: the type comes from the producer, and a label per unknown string would
 //! let any producer grow the page without bound.
 
 use std::fmt::Write as _;
 use std::sync::{Arc, LazyLock};
+use std::time::Instant;
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
@@ -167,7 +170,8 @@ pub fn count_outcome(queue: &str, kind: Option<&str>, outcome: TaskOutcome) {
 /// The metric handles of one (queue, type): resolved once, then used without a lookup.
 #[derive(Clone, Debug)]
 pub struct TypeHandles {
-    pub duration: Histogram,
+    /// `None` for [`UNKNOWN_TYPE`], which never reaches a handler (no empty histogram on the page).
+    duration: Option<Histogram>,
     outcomes: [Counter; TaskOutcome::ALL.len()],
 }
 
@@ -175,9 +179,11 @@ impl TypeHandles {
     fn resolve(queue: &Arc<str>, kind: &str) -> TypeHandles {
         let observed = observed();
         let kind: Arc<str> = Arc::from(kind);
-        let duration = observed.durations.get_or_create_owned(&TypeLabels {
-            queue: Arc::clone(queue),
-            r#type: Arc::clone(&kind),
+        let duration = (&*kind != UNKNOWN_TYPE).then(|| {
+            observed.durations.get_or_create_owned(&TypeLabels {
+                queue: Arc::clone(queue),
+                r#type: Arc::clone(&kind),
+            })
         });
         let outcomes = TaskOutcome::ALL.map(|outcome| {
             observed.outcomes.get_or_create_owned(&OutcomeLabels {
@@ -189,27 +195,56 @@ impl TypeHandles {
         TypeHandles { duration, outcomes }
     }
 
+    /// Records a handler's run time.
+    fn observe(&self, seconds: f64) {
+        if let Some(duration) = &self.duration {
+            duration.observe(seconds);
+        }
+    }
+
     pub fn count(&self, outcome: TaskOutcome) {
         self.outcomes[outcome as usize].inc();
     }
 }
 
-/// A worker's handles per task type of its queue (see the module doc).
+/// A worker's handles per task type of its queue (see the module doc): the same type as the last task is a string
+/// compare, another type seen before one FxHash lookup; nothing is cloned or allocated once a type was seen.
 #[derive(Debug)]
 pub struct TypeCache {
     queue: Arc<str>,
-    last: Option<(Box<str>, TypeHandles)>,
-    handled: FxHashMap<Box<str>, TypeHandles>,
+    types: Vec<(Box<str>, TypeHandles)>,
+    index: FxHashMap<Box<str>, usize>,
+    last: usize,
     unknown: Option<TypeHandles>,
+    /// A handler that returned, whose end is the worker's next clock read: its type's index and its start.
+    running: Option<(usize, Instant)>,
 }
 
 impl TypeCache {
     pub fn new(queue: &str) -> TypeCache {
         TypeCache {
             queue: Arc::from(queue),
-            last: None,
-            handled: FxHashMap::default(),
+            types: Vec::new(),
+            index: FxHashMap::default(),
+            last: 0,
             unknown: None,
+            running: None,
+        }
+    }
+
+    /// The handler of the type of the last [`TypeCache::get`] (a handled one), started at `started`, returned:
+    /// its duration is recorded at the worker's next clock read ([`TypeCache::ended`]), which the worker makes
+    /// anyway for its next task, so the histogram costs no clock read of its own.
+    pub fn ran(&mut self, started: Instant) {
+        self.running = Some((self.last, started));
+    }
+
+    /// The clock read after the last run: records its duration, if one is waiting.
+    pub fn ended(&mut self, now: Instant) {
+        if let Some((at, started)) = self.running.take() {
+            self.types[at]
+                .1
+                .observe(now.saturating_duration_since(started).as_secs_f64());
         }
     }
 
@@ -223,19 +258,24 @@ impl TypeCache {
         let Some(kind) = kind else {
             return self.unknown();
         };
-        if self.last.as_ref().is_some_and(|(last, _)| **last == *kind) {
-            return &self.last.as_ref().expect("checked").1;
+        if self
+            .types
+            .get(self.last)
+            .is_some_and(|(last, _)| **last == *kind)
+        {
+            return &self.types[self.last].1;
         }
-        let handles = match self.handled.get(kind) {
-            Some(handles) => handles.clone(),
+        match self.index.get(kind) {
+            Some(&at) => self.last = at,
             None if is_handled(kind) => {
-                let handles = TypeHandles::resolve(&self.queue, kind);
-                self.handled.insert(Box::from(kind), handles.clone());
-                handles
+                self.last = self.types.len();
+                self.types
+                    .push((Box::from(kind), TypeHandles::resolve(&self.queue, kind)));
+                self.index.insert(Box::from(kind), self.last);
             }
             None => return self.unknown(),
-        };
-        &self.last.insert((Box::from(kind), handles)).1
+        }
+        &self.types[self.last].1
     }
 
     fn unknown(&mut self) -> &TypeHandles {
@@ -288,6 +328,42 @@ mod tests {
             count("cache-test", UNKNOWN_TYPE, TaskOutcome::HandedBack),
             1
         );
+    }
+
+    #[test]
+    fn a_run_is_observed_at_the_next_clock_read() {
+        let mut cache = TypeCache::new("run-test");
+        let histogram = |kind: &str| {
+            observed()
+                .durations
+                .get(&TypeLabels {
+                    queue: Arc::from("run-test"),
+                    r#type: Arc::from(kind),
+                })
+                .map(|histogram| histogram.clone())
+        };
+        let t0 = Instant::now();
+        cache.get(Some("mail"), |_| true);
+        cache.ran(t0);
+        cache.get(Some("mail"), |_| true).count(TaskOutcome::Done);
+        let mut page = String::new();
+        let encode = |page: &mut String| {
+            let mut registry = prometheus_client::registry::Registry::default();
+            registry.register("d", "d", histogram("mail").unwrap());
+            page.clear();
+            prometheus_client::encoding::text::encode(page, &registry).unwrap();
+        };
+        encode(&mut page);
+        assert!(
+            page.contains("d_count 0"),
+            "not before its end is read: {page}"
+        );
+        cache.ended(t0 + std::time::Duration::from_millis(3));
+        cache.ended(t0 + std::time::Duration::from_secs(9));
+        encode(&mut page);
+        assert!(page.contains("d_count 1"), "once: {page}");
+        assert!(page.contains("d_bucket{le=\"0.005\"} 1"), "3 ms: {page}");
+        assert!(histogram(UNKNOWN_TYPE).is_none());
     }
 
     #[test]
