@@ -86,9 +86,9 @@ impl RedisView {
 
 /// The `kmqd-metrics-redis` thread.
 pub struct Refresher {
-    pub queues: Vec<QueueKeys>,
-    pub connection: Session,
-    pub background: Listener,
+    queues: Vec<QueueKeys>,
+    connection: Session,
+    background: Listener,
     shared: Arc<Shared>,
     wake: Receiver<()>,
 }
