@@ -56,11 +56,12 @@ fn a_scrape_after_tasks_ran_passes_promtool_and_shows_every_family() {
     let config = dir.config_with(
         &redis,
         "shutdown_grace = \"5s\"\nmetrics_addr = \"127.0.0.1:0\"",
-        &safe_queue("retry_times = 3\nbackoff = \"10ms\""),
+        &safe_queue("retry_times = 1\nbackoff = \"10ms\"\nexecution_timeout = \"300ms\""),
     );
     push_many(&config, "ok", 2, "{}");
     push_many(&config, "fail", 1, r#"{"outcome": "fail"}"#);
     push_many(&config, "again", 1, r#"{"fail_attempts": 1}"#);
+    push_many(&config, "slow", 1, r#"{"until_cancelled": true}"#);
     client(&config)
         .push_batch(
             "jobs",
@@ -81,30 +82,32 @@ fn a_scrape_after_tasks_ran_passes_promtool_and_shows_every_family() {
             && has(&text, &outcome("test", "retried", 1))
             && has(&text, &outcome("test", "dead", 1))
             && has(&text, &outcome("(unknown)", "dead", 1))
-            && has(&text, "kmqd_tasks_done_total{queue=\"jobs\"} 3");
+            && has(&text, &outcome("test", "timed_out", 2))
+            && has(&text, "kmqd_tasks_done_total{queue=\"jobs\"} 3")
+            && has(&text, "kmqd_queue_dead{queue=\"jobs\"} 3");
         (all, text)
     });
     println!("{text}");
-    // Five runs of type test: two done, one failed, one retried then done.
+    // Seven runs of type test: two done, one failed, one retried then done, one timed out twice (retried, then
+    // dead-lettered: counted as timed out each time); the timed-out ones ran 300 ms or more.
+    let runs = |le: &str, n: u64| {
+        format!("kmqd_task_duration_seconds_bucket{{queue=\"jobs\",type=\"test\",le=\"{le}\"}} {n}")
+    };
+    // A timed-out handler returns after its outcome was settled (once it sees its cancel flag).
+    let text = eventually(Duration::from_secs(10), "every run timed", || {
+        let text = page(addr);
+        let timed = "kmqd_task_duration_seconds_count{queue=\"jobs\",type=\"test\"} 7";
+        (has(&text, timed), text)
+    });
     assert!(
-        has(
-            &text,
-            "kmqd_task_duration_seconds_count{queue=\"jobs\",type=\"test\"} 5"
-        ),
-        "{text}"
-    );
-    assert!(
-        has(
-            &text,
-            "kmqd_task_duration_seconds_bucket{queue=\"jobs\",type=\"test\",le=\"300\"} 5"
-        ),
+        has(&text, &runs("0.25", 5)) && has(&text, &runs("300", 7)),
         "{text}"
     );
     for sample in [
         "kmqd_redis_up 1",
         "kmqd_queue_daemons{queue=\"jobs\"} 1",
         "kmqd_queue_paused{queue=\"jobs\"} 0",
-        "kmqd_queue_dead{queue=\"jobs\"} 2",
+        "kmqd_queue_dead{queue=\"jobs\"} 3",
         "kmqd_queue_ready{queue=\"jobs\",level=\"normal\"} 0",
         "kmqd_tasks_cancelled_total{queue=\"jobs\"} 0",
         "kmqd_daemon_workers{queue=\"jobs\"} 8",
