@@ -41,6 +41,12 @@ ensure_script() {
     ensure_command script bsdutils
 }
 
+# tests/it/metrics.rs checks a real scrape with `promtool check metrics` and docs/alerts.yml with `promtool check
+# rules`: Debian's prometheus package brings promtool (2.42 on Debian 12; the server it also installs is not run).
+ensure_promtool() {
+    ensure_command promtool prometheus
+}
+
 ensure_cargo() {
     if ! command -v cargo >/dev/null 2>&1; then
         echo "cargo not found: install Rust first (https://rustup.rs), then run this again" >&2

@@ -155,6 +155,16 @@ fn is_unreachable(error: &BrokerError) -> bool {
     }
 }
 
+/// A call got an answer from Redis after a run (`streak`) of calls of its thread that did not reach it: Redis is
+/// back, so the process's outage, if one is on, is over. Returns whether there was such a run.
+fn end_streak(streak: &mut u32) -> bool {
+    let calls = std::mem::take(streak);
+    if calls > 0 {
+        reached();
+    }
+    calls > 0
+}
+
 /// The failures of one kind of call of one thread: Redis being unreachable goes to the process's [`Outage`];
 /// anything else is reported as one line, then summaries.
 #[derive(Debug)]
@@ -167,8 +177,11 @@ pub struct Trouble {
     since: Option<Instant>,
     failures: u64,
     last_report: Instant,
-    /// The last call failed to reach Redis (reported by the [`Outage`]).
-    unreachable: bool,
+    /// How many calls in a row failed to reach Redis. The first is most often one dropped connection (a `CLIENT
+    /// KILL`, a pooled connection that broke while idle), tried again at once ([`Backoff::wait_unless_first`]):
+    /// only the second counts as the [`Outage`], so such a blip is no warning, and a stale connection found just
+    /// after an outage does not start another.
+    unreachable: u32,
 }
 
 impl Trouble {
@@ -179,24 +192,28 @@ impl Trouble {
             since: None,
             failures: 0,
             last_report: Instant::now(),
-            unreachable: false,
+            unreachable: 0,
         }
     }
 
-    /// Records a failure; logs the first of a run, then a summary every [`SUMMARY_EVERY`] (the process's, for
-    /// a Redis that cannot be reached).
+    /// Records a failure (counted in `kmqd_redis_errors_total` under `what`); logs the first of a run, then a
+    /// summary every [`SUMMARY_EVERY`] (the process's, for a Redis that cannot be reached).
     pub fn failed(&mut self, error: &BrokerError) {
         self.failures += 1;
+        crate::daemon::metrics::observed::redis_error(self.what);
         let queue = self.queue.as_deref().unwrap_or("-");
         if is_unreachable(error) {
-            unreachable(self.what, error);
-            self.unreachable = true;
+            self.unreachable += 1;
+            if self.unreachable >= 2 {
+                unreachable(self.what, error);
+            } else {
+                tracing::debug!(queue, %error, "{}: Redis not reached; trying again at once", self.what);
+            }
             self.since.get_or_insert_with(Instant::now);
             return;
         }
-        if std::mem::take(&mut self.unreachable) {
+        if end_streak(&mut self.unreachable) {
             // Reached, but refused: the outage is over for this thread; the refusal is reported as its own.
-            reached();
             self.since = None;
         }
         let Some(since) = self.since else {
@@ -220,8 +237,7 @@ impl Trouble {
 
     /// Records a success; logs the end of a run of failures.
     pub fn recovered(&mut self) {
-        if std::mem::take(&mut self.unreachable) {
-            reached();
+        if end_streak(&mut self.unreachable) {
             self.since = None;
             self.failures = 0;
             return;

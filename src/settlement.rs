@@ -163,8 +163,9 @@ pub fn settlement(
 /// What a run of a handler left besides its verdict, for the task's log event.
 #[derive(Debug, Default)]
 pub struct Ran {
-    /// How long the handler ran.
-    pub duration: Duration,
+    /// How long the handler ran, when measured: for every run whose event is logged (kmqd reads the clock for
+    /// it only then; the duration histogram has its own, cheaper timing).
+    pub duration: Option<Duration>,
     /// What a handler that finished the task had to show for it (`Outcome::DoneWithOutput`; the exec plugin's
     /// output); empty when nothing. A failure's output is in its reason.
     pub output: String,
@@ -195,7 +196,10 @@ pub fn decide(
     // Every state change is an event with the task's queue, id, type, attempt and, when a handler ran, how long
     // (seconds): at debug for the ordinary ones, so a production log at info stays quiet.
     let kind = &*capped(envelope.map_or("", |e| &*e.kind), LOGGED_PAYLOAD_BYTES);
-    let duration = ran.as_ref().map(|ran| ran.duration.as_secs_f64());
+    let duration = ran
+        .as_ref()
+        .and_then(|ran| ran.duration)
+        .map(|ran| ran.as_secs_f64());
     let output = ran
         .as_ref()
         .map(|ran| ran.output.as_str())

@@ -41,6 +41,10 @@ pub struct Args {
     /// The TOML config file.
     #[arg(long, short = 'c', env = "KMQD_CONFIG", global = true)]
     pub config: Option<PathBuf>,
+    /// Serve the metrics on ADDR, overriding the config's `daemon.metrics_addr` (one config file for several
+    /// daemons on a host: give each its own port, or port 0 for a free one, logged at start).
+    #[arg(long, value_name = "ADDR", global = true)]
+    pub metrics_addr: Option<std::net::SocketAddr>,
     #[command(subcommand)]
     pub command: Option<Command>,
 }
@@ -160,7 +164,10 @@ pub fn run(args: Args) -> Result<(), Failure> {
                 .to_string(),
         )
     })?;
-    let config = Config::load(&path).map_err(|error| Failure::Usage(error.to_string()))?;
+    let mut config = Config::load(&path).map_err(|error| Failure::Usage(error.to_string()))?;
+    if let Some(addr) = args.metrics_addr {
+        config.daemon.metrics_addr = Some(addr);
+    }
     if let Some(filter) = rust_log() {
         crate::config::check_log_filter(&filter)
             .map_err(|why| Failure::Usage(format!("RUST_LOG: {why}")))?;

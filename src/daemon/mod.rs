@@ -375,15 +375,20 @@ pub fn run(
         })?;
     }
     if let Some(addr) = config.daemon.metrics_addr {
-        let listener = std::net::TcpListener::bind(addr)
+        let (listener, bound) =
+            metrics::bind(addr).map_err(|source| DaemonError::Metrics { addr, source })?;
+        let (view, refresher) = metrics::snapshot::refresher(
+            contexts.iter().map(|queue| queue.keys.clone()).collect(),
+            named("metrics"),
+            background.listener(),
+        );
+        let metrics = Metrics::new(listener, lanes.clone(), view, background.listener())
             .map_err(|source| DaemonError::Metrics { addr, source })?;
-        let metrics = Metrics {
-            listener,
-            lanes: lanes.clone(),
-            connection: named("metrics"),
-            background: background.listener(),
-        };
-        tracing::info!("metrics on http://{addr}/metrics");
+        // The bound address, not the configured one: with port 0 this line is how to find the endpoint.
+        tracing::info!(addr = %bound, "metrics on http://{bound}/metrics");
+        threads.spawn("kmqd-metrics-redis".to_string(), Role::Other, move || {
+            refresher.run()
+        })?;
         threads.spawn("kmqd-metrics".to_string(), Role::Other, move || {
             metrics.run()
         })?;

@@ -85,6 +85,7 @@ impl Settler {
                 }
                 Err(error) => {
                     failures += 1;
+                    crate::daemon::metrics::observed::redis_error("settling outcomes");
                     session.reset();
                     // The first failure is most often one dropped connection: try a new one at once.
                     if failures == 1 {

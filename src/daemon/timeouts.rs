@@ -3,7 +3,7 @@
 //!
 //! - A run past `execution_timeout` is taken from its worker (cancel flag raised) and counted as a failed attempt.
 //! - A handler still running [`STUCK_AFTER`] after its task was taken (it ignores its cancel flag) makes its
-//!   worker *stuck*: logged once, counted in the `kmqd_stuck_workers` gauge, and left out of the lane's capacity
+//!   worker *stuck*: logged once, counted in the `kmqd_daemon_stuck_workers` gauge, and left out of the lane's capacity
 //!   until it returns, so the fetcher claims nothing for a worker that cannot start it.
 //! - When every worker of a lane is stuck, the tasks waiting for one are handed back at once (front of their
 //!   level), so another daemon runs them instead of leaving them behind handlers that may never return.

@@ -13,6 +13,7 @@ mod default_mode;
 mod delayed;
 mod fault_proxy;
 mod faults;
+mod metrics;
 mod plugins;
 mod priorities;
 mod protocol;

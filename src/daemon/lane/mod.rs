@@ -218,6 +218,14 @@ impl Held {
         self.len() == 0
     }
 
+    /// How many held tasks `matches` selects (for the metrics).
+    pub fn count(&self, mut matches: impl FnMut(&JobState) -> bool) -> usize {
+        lock(&self.entries)
+            .values()
+            .filter(|state| matches(state))
+            .count()
+    }
+
     /// The held tasks `matches` selects, for a resolver to take.
     pub fn select(
         &self,

@@ -49,6 +49,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use super::Lane;
 use crate::broker::{Settlement, Token};
 use crate::config::Mode;
+use crate::daemon::metrics::observed::{self, TaskOutcome};
 use crate::policy::Verdict;
 use crate::settlement::{self, DeadHook, Ran};
 use crate::task::Envelope;
@@ -261,6 +262,7 @@ impl Lane {
             }
             self.orphaned(Arc::clone(&state));
             let envelope = self.queue.decode(&state.payload).ok();
+            self.count(envelope.as_ref(), TaskOutcome::TimedOut);
             let verdict = Verdict::HandlerError {
                 reason: format!(
                     "execution timeout: still running after {}",
@@ -269,7 +271,7 @@ impl Lane {
                 after: None,
             };
             let ran = Ran {
-                duration: timeout,
+                duration: Some(timeout),
                 output: String::new(),
             };
             self.send(self.outcome(job, &state, verdict, Some(ran), envelope.as_ref()));
@@ -299,11 +301,10 @@ impl Lane {
     /// The outcome of a task taken back before it ran (or, in safe mode, while it ran): it goes to the front of
     /// its level unchanged.
     pub fn hand_back(&self, job: JobId, state: &JobState) -> Outcome {
+        let envelope = self.queue.decode(&state.payload).ok();
+        self.count(envelope.as_ref(), TaskOutcome::HandedBack);
         // A unique task keeps its id held, as a waiting task again (default mode: no longer by the popping owner).
-        let unique_id = self
-            .queue
-            .decode(&state.payload)
-            .ok()
+        let unique_id = envelope
             .filter(|envelope| envelope.unique)
             .and_then(|envelope| envelope.id.map(|id| id.into_owned()));
         let settlement =
@@ -329,6 +330,7 @@ impl Lane {
                             payload = %capped_payload(&state.payload),
                             "handler still running after shutdown_grace; default mode cannot hand it back, the task is lost"
                         );
+                        self.count_payload(&state.payload, TaskOutcome::Lost);
                         self.send(Outcome::forget(job));
                     }
                 }
@@ -364,10 +366,26 @@ impl Lane {
                 Some(Taken::Waiting) => {}
                 Some(Taken::Running) => self.orphaned(Arc::clone(&state)),
             }
+            self.count_payload(&state.payload, TaskOutcome::Lost);
             self.send(Outcome::forget(job));
             forgotten += 1;
         }
         forgotten
+    }
+}
+
+/// The outcome counters of resolutions made outside the workers (cold paths: a family lookup each).
+impl Lane {
+    fn count(&self, envelope: Option<&Envelope>, outcome: TaskOutcome) {
+        observed::count_outcome(
+            self.name(),
+            envelope.map(|envelope| &*envelope.kind),
+            outcome,
+        );
+    }
+
+    fn count_payload(&self, payload: &[u8], outcome: TaskOutcome) {
+        self.count(self.queue.decode(payload).ok().as_ref(), outcome);
     }
 }
 

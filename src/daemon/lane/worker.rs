@@ -11,6 +11,7 @@ use crossbeam_channel::{Receiver, Sender, TryRecvError};
 
 use super::Lane;
 use super::resolve::{Finished, Job, Outcome, Taken};
+use crate::daemon::metrics::observed::{TaskOutcome, TypeCache};
 use crate::plugin::{MESSAGE_CAPACITY, Registry, Run, Status};
 use crate::policy::Verdict;
 use crate::settlement::Ran;
@@ -33,12 +34,14 @@ impl Worker {
     /// Runs jobs until the fetcher is gone and the channel is empty.
     pub fn run(self) {
         let mut message = Vec::with_capacity(MESSAGE_CAPACITY);
+        let mut types = TypeCache::new(self.lane.name());
         loop {
             let job = match self.jobs.try_recv() {
                 Ok(job) => job,
                 Err(TryRecvError::Empty) => {
                     // Nothing waiting: let the fetcher claim now rather than wait for a full batch.
                     self.lane.capacity.nudge();
+                    types.ended(Instant::now());
                     match self.jobs.recv() {
                         Ok(job) => job,
                         Err(_) => break,
@@ -46,13 +49,15 @@ impl Worker {
                 }
                 Err(TryRecvError::Disconnected) => break,
             };
-            // One clock read per task: the lease check, the start time and the task's age all use it.
+            // One clock read per task: the lease check, the start time, the task's age and the end of the last
+            // task's run (for its duration histogram) all use it.
             let now = Instant::now();
+            types.ended(now);
             let outcome = if !self.lease_allows(&job, now) || self.claiming.is_triggered() {
                 (job.state.take() == Some(Taken::Waiting))
                     .then(|| self.lane.hand_back(job.id, &job.state))
             } else {
-                self.run_job(job, now, &mut message)
+                self.run_job(job, now, &mut message, &mut types)
             };
             if let Some(outcome) = outcome {
                 // The acker stops only once every held task is settled, this one included, so it is there to
@@ -62,6 +67,7 @@ impl Worker {
                 }
             }
         }
+        types.ended(Instant::now());
     }
 
     /// Safe mode: waits, if need be, until the task's owner holds a lease that is surely live, so that a daemon
@@ -86,7 +92,13 @@ impl Worker {
         true
     }
 
-    fn run_job(&self, job: Job, now: Instant, message: &mut Vec<u8>) -> Option<Outcome> {
+    fn run_job(
+        &self,
+        job: Job,
+        now: Instant,
+        message: &mut Vec<u8>,
+        types: &mut TypeCache,
+    ) -> Option<Outcome> {
         let queue = &self.lane.queue;
         let state = &job.state;
         if !state.start(now) {
@@ -94,7 +106,7 @@ impl Worker {
         }
         let mut ran = None;
         let (verdict, envelope) = queue.judge(&state.payload, |envelope| {
-            self.verdict(&job, envelope, now, message, &mut ran)
+            self.verdict(&job, envelope, now, message, &mut ran, types)
         });
         match state.finish() {
             Finished::Resolved => {}
@@ -108,10 +120,16 @@ impl Worker {
                 return None;
             }
         }
-        Some(
-            self.lane
-                .outcome(job.id, state, verdict, ran, envelope.as_ref()),
-        )
+        let outcome = self
+            .lane
+            .outcome(job.id, state, verdict, ran, envelope.as_ref());
+        if let Some(settlement) = outcome.settlement() {
+            let kind = envelope.as_ref().map(|envelope| &*envelope.kind);
+            types
+                .get(kind, |kind| self.registry.for_type(kind).is_some())
+                .count(TaskOutcome::of(settlement));
+        }
+        Some(outcome)
     }
 
     /// Checks whether the task may run, runs it, and says how it went; `ran` gets how long its handler ran and
@@ -123,6 +141,7 @@ impl Worker {
         now: Instant,
         message: &mut Vec<u8>,
         ran: &mut Option<Ran>,
+        types: &mut TypeCache,
     ) -> Verdict {
         let queue = &self.lane.queue;
         let now_ms =
@@ -164,8 +183,16 @@ impl Worker {
             attempt = run.attempt,
             "task started"
         );
+        types.get(Some(&envelope.kind), |_| true);
         let status = plugin.handle(&run, message);
-        let duration = now.elapsed();
+        // The histogram's run is timed from this task's clock read to the next task's (the lease check, the
+        // envelope's decoding and the outcome's sending included, microseconds against buckets that start at
+        // 1 ms): no read of its own. The log's duration takes one only when an event will carry it: a run that
+        // did not finish the task (its event is a warning), or `task done` at debug.
+        types.ran(now);
+        let logged =
+            !matches!(status, Status::Done { .. }) || tracing::enabled!(tracing::Level::DEBUG);
+        let duration = logged.then(|| now.elapsed());
         let (verdict, output) = match status {
             Status::Done { output } => (Verdict::Done, output),
             Status::Retry { after, message } => (

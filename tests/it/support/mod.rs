@@ -393,6 +393,44 @@ impl Drop for TestDaemon {
     }
 }
 
+/// A scrape of a metrics endpoint, as a scraper sees it.
+#[derive(Debug, Default)]
+pub struct Scrape {
+    /// The status line, `HTTP/1.1 200 OK`; empty when nothing answered.
+    pub status: String,
+    pub content_type: String,
+    pub body: String,
+}
+
+/// `GET /metrics` with an `Accept` header (or none), waiting up to `timeout` for the whole answer.
+pub fn scrape_with(addr: std::net::SocketAddr, accept: Option<&str>, timeout: Duration) -> Scrape {
+    use std::io::Read;
+    let Ok(mut stream) = std::net::TcpStream::connect_timeout(&addr, timeout) else {
+        return Scrape::default();
+    };
+    stream.set_read_timeout(Some(timeout)).unwrap();
+    let accept = accept.map_or(String::new(), |accept| format!("Accept: {accept}\r\n"));
+    let request =
+        format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\n{accept}Connection: close\r\n\r\n");
+    if stream.write_all(request.as_bytes()).is_err() {
+        return Scrape::default();
+    }
+    let mut answer = String::new();
+    let _ = stream.read_to_string(&mut answer);
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
+    let mut lines = head.lines();
+    let status = lines.next().unwrap_or("").to_string();
+    let content_type = lines
+        .filter_map(|line| line.split_once(':'))
+        .find(|(name, _)| name.eq_ignore_ascii_case("content-type"))
+        .map_or(String::new(), |(_, value)| value.trim().to_string());
+    Scrape {
+        status,
+        content_type,
+        body: body.to_string(),
+    }
+}
+
 /// The real `kmqd` binary as a child process, with its output in a log file.
 pub struct Process {
     pub child: Child,
@@ -411,6 +449,39 @@ impl Process {
             .spawn()
             .expect("start kmqd");
         Process { child, log }
+    }
+
+    /// As [`Process::start`], with extra arguments after `--config FILE` (`--metrics-addr ADDR`).
+    pub fn start_with_args(config_path: &Path, log: PathBuf, args: &[&str]) -> Process {
+        let out = fs::File::create(&log).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_kmqd"))
+            .arg("--config")
+            .arg(config_path)
+            .args(args)
+            .env("RUST_LOG", "kmqd=debug")
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .expect("start kmqd");
+        Process { child, log }
+    }
+
+    /// The address the metrics endpoint says it bound (its "metrics on http://ADDR/metrics" line), once logged.
+    pub fn metrics_addr(&self) -> std::net::SocketAddr {
+        eventually(
+            Duration::from_secs(30),
+            "the metrics address in the log",
+            || {
+                let log = self.log_text();
+                let addr = log
+                    .split("metrics on http://")
+                    .nth(1)
+                    .and_then(|rest| rest.split("/metrics").next())
+                    .and_then(|addr| addr.parse().ok());
+                (addr.is_some(), addr.ok_or(log))
+            },
+        )
+        .unwrap()
     }
 
     /// As [`Process::start`], with extra environment variables for the daemon (for example `RUST_BACKTRACE=0`

@@ -1,0 +1,444 @@
+//! One scrape's page: a registry built for the scrape from what the lanes know now, the Redis snapshot (when
+//! Redis answered) and the families of what this daemon saw, encoded in the format the scraper asked for.
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::encoding::{EncodeLabelSet, prometheus_text, text};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+use super::observed::observed;
+use super::snapshot::Snapshot;
+use crate::broker::QueueStats;
+
+/// The classic Prometheus text format, version 0.0.4.
+pub const PROMETHEUS_TEXT: &str = prometheus_text::CONTENT_TYPE;
+/// OpenMetrics 1.0.0 text.
+pub const OPENMETRICS_TEXT: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// The two exposition formats.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    Prometheus,
+    OpenMetrics,
+}
+
+impl Format {
+    /// The format an `Accept` header prefers: OpenMetrics when it asks for `application/openmetrics-text` at
+    /// least as strongly (`q`) as for `text/plain` or anything else; the classic text otherwise, and without the
+    /// header.
+    pub fn negotiate(accept: Option<&str>) -> Format {
+        let Some(accept) = accept else {
+            return Format::Prometheus;
+        };
+        let (mut openmetrics, mut other) = (0.0f64, 0.0f64);
+        for range in accept.split(',') {
+            let mut parts = range.split(';').map(str::trim);
+            let media = parts.next().unwrap_or("").to_ascii_lowercase();
+            let q = parts
+                .filter_map(|param| param.strip_prefix("q="))
+                .find_map(|q| q.trim().parse::<f64>().ok())
+                .unwrap_or(1.0);
+            if media == "application/openmetrics-text" {
+                openmetrics = openmetrics.max(q);
+            } else {
+                other = other.max(q);
+            }
+        }
+        if openmetrics > 0.0 && openmetrics >= other {
+            Format::OpenMetrics
+        } else {
+            Format::Prometheus
+        }
+    }
+
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Format::Prometheus => PROMETHEUS_TEXT,
+            Format::OpenMetrics => OPENMETRICS_TEXT,
+        }
+    }
+}
+
+/// What one lane knows now, read at the scrape.
+#[derive(Clone, Debug)]
+pub struct LaneNumbers {
+    pub queue: Arc<str>,
+    pub workers: usize,
+    /// Workers running a handler whose task is still theirs.
+    pub busy: usize,
+    /// Workers stuck in a handler that ignored its cancel flag.
+    pub stuck: usize,
+    pub held: usize,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct QueueLabel {
+    queue: Arc<str>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LevelLabels {
+    queue: Arc<str>,
+    level: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct VersionLabel {
+    version: &'static str,
+}
+
+#[derive(Clone, Copy)]
+enum Kind {
+    /// A count: an integer gauge.
+    Gauge,
+    /// A time in seconds: a float gauge.
+    Seconds,
+    Counter,
+}
+
+/// A metric with one sample per queue read from Redis: its name as the samples have it, kind, help (the encoder
+/// ends it with a period), value.
+type PerQueue = (&'static str, Kind, &'static str, fn(&QueueStats) -> f64);
+
+const PER_QUEUE: [PerQueue; 11] = [
+    (
+        "kmqd_queue_processing",
+        Kind::Gauge,
+        "Tasks claimed and not settled (safe mode)",
+        |s| s.processing as f64,
+    ),
+    (
+        "kmqd_queue_delayed",
+        Kind::Gauge,
+        "Tasks waiting for their due time, retries included",
+        |s| s.delayed as f64,
+    ),
+    (
+        "kmqd_queue_dead",
+        Kind::Gauge,
+        "Records in the dead-letter list",
+        |s| s.dead as f64,
+    ),
+    (
+        "kmqd_queue_paused",
+        Kind::Gauge,
+        "1 while the queue is paused (kmqd queue pause): no daemon takes its tasks",
+        |s| if s.paused { 1.0 } else { 0.0 },
+    ),
+    (
+        "kmqd_queue_lag_seconds",
+        Kind::Seconds,
+        "Age of the oldest task at the head of a ready list (0 when none is ready)",
+        |s| s.lag_ms.unwrap_or(0) as f64 / 1000.0,
+    ),
+    (
+        "kmqd_tasks_pushed_total",
+        Kind::Counter,
+        "Tasks accepted by the enqueue script",
+        |s| s.pushed as f64,
+    ),
+    (
+        "kmqd_tasks_done_total",
+        Kind::Counter,
+        "Tasks acknowledged",
+        |s| s.done as f64,
+    ),
+    (
+        "kmqd_tasks_retried_total",
+        Kind::Counter,
+        "Tasks queued again for another attempt",
+        |s| s.retried as f64,
+    ),
+    (
+        "kmqd_task_runs_failed_total",
+        Kind::Counter,
+        "Runs that failed",
+        |s| s.failed as f64,
+    ),
+    (
+        "kmqd_tasks_dead_lettered_total",
+        Kind::Counter,
+        "Tasks moved to the dead-letter list",
+        |s| s.dead_lettered as f64,
+    ),
+    (
+        "kmqd_tasks_cancelled_total",
+        Kind::Counter,
+        "Waiting tasks removed by kmqd task cancel",
+        |s| s.cancelled as f64,
+    ),
+];
+
+/// A gauge with one sample per lane: name, help, value.
+type LaneGauge = (&'static str, &'static str, fn(&LaneNumbers) -> usize);
+
+/// The page for `lanes`, with the Redis-derived families when `redis` is there.
+pub fn render(format: Format, lanes: &[LaneNumbers], redis: Option<&Snapshot>) -> String {
+    let registry = registry(lanes, redis);
+    let mut page = String::new();
+    // Writing into a String cannot fail, and every value encodes.
+    let _ = match format {
+        Format::Prometheus => prometheus_text::encode(&mut page, &registry),
+        Format::OpenMetrics => text::encode(&mut page, &registry),
+    };
+    page
+}
+
+/// A family with one sample per queue, of counts (`Gauge<i64>`) or seconds (`Gauge<f64>`), or a counter.
+fn per_queue<'a>(
+    registry: &mut Registry,
+    (name, kind, help): (&str, Kind, &str),
+    samples: impl IntoIterator<Item = (&'a Arc<str>, f64)>,
+) {
+    let label = |queue: &Arc<str>| QueueLabel {
+        queue: Arc::clone(queue),
+    };
+    match kind {
+        Kind::Gauge => {
+            let family = Family::<QueueLabel, Gauge>::default();
+            for (queue, value) in samples {
+                family.get_or_create(&label(queue)).set(value as i64);
+            }
+            registry.register(name, help, family);
+        }
+        Kind::Seconds => {
+            let family = Family::<QueueLabel, Gauge<f64, AtomicU64>>::default();
+            for (queue, value) in samples {
+                family.get_or_create(&label(queue)).set(value);
+            }
+            registry.register(name, help, family);
+        }
+        Kind::Counter => {
+            let family = Family::<QueueLabel, Counter>::default();
+            for (queue, value) in samples {
+                family.get_or_create(&label(queue)).inc_by(value as u64);
+            }
+            // The encoders add the `_total` the table's names carry.
+            registry.register(name.strip_suffix("_total").unwrap_or(name), help, family);
+        }
+    }
+}
+
+fn registry(lanes: &[LaneNumbers], redis: Option<&Snapshot>) -> Registry {
+    let mut registry = Registry::default();
+    let build = Family::<VersionLabel, Gauge>::default();
+    build
+        .get_or_create(&VersionLabel {
+            version: env!("CARGO_PKG_VERSION"),
+        })
+        .set(1);
+    registry.register(
+        "kmqd_build_info",
+        "The kmqd version that serves this page (always 1)",
+        build,
+    );
+    let up = Gauge::<i64>::default();
+    up.set(i64::from(redis.is_some()));
+    registry.register(
+        "kmqd_redis_up",
+        "1 when Redis answered this scrape's reads in time; 0 when it did not (the queue-wide families are then \
+         left out)",
+        up,
+    );
+    if let Some(snapshot) = redis {
+        let queues = || lanes.iter().map(|lane| &lane.queue).zip(snapshot);
+        let ready = Family::<LevelLabels, Gauge>::default();
+        for (queue, read) in queues() {
+            for (level, n) in &read.stats.ready_by_level {
+                ready
+                    .get_or_create(&LevelLabels {
+                        queue: Arc::clone(queue),
+                        level: level.clone(),
+                    })
+                    .set(i64::try_from(*n).unwrap_or(i64::MAX));
+            }
+        }
+        registry.register("kmqd_queue_ready", "Tasks waiting in a ready list", ready);
+        for (name, kind, help, value) in PER_QUEUE {
+            let samples = queues().map(|(queue, read)| (queue, value(&read.stats)));
+            per_queue(&mut registry, (name, kind, help), samples);
+        }
+        per_queue(
+            &mut registry,
+            (
+                "kmqd_queue_daemons",
+                Kind::Gauge,
+                "Daemons whose lease on the queue is live (what kmqd workers lists)",
+            ),
+            queues().map(|(queue, read)| (queue, read.daemons as f64)),
+        );
+    }
+    let lane_gauges: [LaneGauge; 4] = [
+        (
+            "kmqd_daemon_held_tasks",
+            "Tasks this daemon holds (claimed, running or being settled)",
+            |l| l.held,
+        ),
+        (
+            "kmqd_daemon_workers",
+            "Workers this daemon runs for the queue (its config's workers)",
+            |l| l.workers,
+        ),
+        (
+            "kmqd_daemon_busy_workers",
+            "Workers of this daemon running a handler (stuck ones not included)",
+            |l| l.busy,
+        ),
+        (
+            "kmqd_daemon_stuck_workers",
+            "Workers stuck in a handler that kept running after its task was taken (it ignores its cancel flag)",
+            |l| l.stuck,
+        ),
+    ];
+    for (name, help, value) in lane_gauges {
+        per_queue(
+            &mut registry,
+            (name, Kind::Gauge, help),
+            lanes.iter().map(|lane| (&lane.queue, value(lane) as f64)),
+        );
+    }
+    let observed = observed();
+    registry.register(
+        "kmqd_task_duration_seconds",
+        "How long this daemon's handlers ran, per queue and task type (tasks no plugin handles: type \"(unknown)\")",
+        observed.durations.clone(),
+    );
+    registry.register(
+        "kmqd_task_outcomes",
+        "What became of the tasks this daemon held, per queue, type and outcome",
+        observed.outcomes.clone(),
+    );
+    registry.register(
+        "kmqd_redis_errors",
+        "Redis calls of this daemon that failed, per operation (each is retried)",
+        observed.redis_errors.clone(),
+    );
+    registry
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lanes() -> Vec<LaneNumbers> {
+        vec![LaneNumbers {
+            queue: Arc::from("page-test"),
+            workers: 4,
+            busy: 1,
+            stuck: 0,
+            held: 3,
+        }]
+    }
+
+    fn snapshot() -> Snapshot {
+        vec![super::super::snapshot::QueueSnapshot {
+            stats: QueueStats {
+                ready_by_level: vec![("high".into(), 2), ("low".into(), 0)],
+                done: 7,
+                cancelled: 1,
+                lag_ms: Some(1500),
+                ..QueueStats::default()
+            },
+            daemons: 2,
+        }]
+    }
+
+    #[test]
+    fn the_accept_header_picks_the_format() {
+        let prometheus_2 = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;\
+                            q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+        assert_eq!(Format::negotiate(Some(prometheus_2)), Format::OpenMetrics);
+        assert_eq!(Format::negotiate(None), Format::Prometheus);
+        assert_eq!(Format::negotiate(Some("text/plain")), Format::Prometheus);
+        assert_eq!(Format::negotiate(Some("*/*")), Format::Prometheus);
+        assert_eq!(
+            Format::negotiate(Some(
+                "text/plain;version=0.0.4,application/openmetrics-text;q=0.5"
+            )),
+            Format::Prometheus
+        );
+        assert_eq!(
+            Format::negotiate(Some("application/openmetrics-text;q=0")),
+            Format::Prometheus,
+            "q=0 refuses it"
+        );
+    }
+
+    #[test]
+    fn the_classic_page_has_help_and_type_on_every_family_named_as_its_samples() {
+        let page = render(Format::Prometheus, &lanes(), Some(&snapshot()));
+        assert!(page.contains("kmqd_build_info{version=\""), "{page}");
+        assert!(page.contains("# TYPE kmqd_build_info gauge"), "{page}");
+        assert!(page.contains("kmqd_redis_up 1"), "{page}");
+        assert!(
+            page.contains("kmqd_queue_ready{queue=\"page-test\",level=\"high\"} 2"),
+            "{page}"
+        );
+        assert!(
+            page.contains("# TYPE kmqd_tasks_done_total counter"),
+            "{page}"
+        );
+        assert!(
+            page.contains("kmqd_tasks_done_total{queue=\"page-test\"} 7"),
+            "{page}"
+        );
+        assert!(
+            page.contains("kmqd_tasks_cancelled_total{queue=\"page-test\"} 1"),
+            "{page}"
+        );
+        assert!(
+            page.contains("kmqd_queue_lag_seconds{queue=\"page-test\"} 1.5"),
+            "{page}"
+        );
+        assert!(
+            page.contains("kmqd_queue_daemons{queue=\"page-test\"} 2"),
+            "{page}"
+        );
+        assert!(
+            page.contains("kmqd_daemon_busy_workers{queue=\"page-test\"} 1"),
+            "{page}"
+        );
+        assert!(!page.contains("# EOF"), "{page}");
+        // Every sample's family has HELP and TYPE lines before it, under the name its samples carry.
+        let mut family = String::new();
+        for line in page.lines() {
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                family = rest.split(' ').next().unwrap().to_string();
+            } else if !line.starts_with('#') {
+                let name = line.split(['{', ' ']).next().unwrap();
+                let base = ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .find_map(|suffix| name.strip_suffix(suffix).filter(|base| *base == family))
+                    .unwrap_or(name);
+                assert_eq!(base, family, "{line} under # TYPE {family}");
+                assert!(page.contains(&format!("# HELP {family} ")), "{family}");
+            }
+        }
+    }
+
+    #[test]
+    fn without_redis_the_page_says_so_and_keeps_what_the_daemon_knows() {
+        let page = render(Format::Prometheus, &lanes(), None);
+        assert!(page.contains("kmqd_redis_up 0"), "{page}");
+        assert!(
+            page.contains("kmqd_daemon_held_tasks{queue=\"page-test\"} 3"),
+            "{page}"
+        );
+        assert!(!page.contains("kmqd_queue_ready"), "{page}");
+    }
+
+    #[test]
+    fn openmetrics_names_counter_families_without_total_and_ends_with_eof() {
+        let page = render(Format::OpenMetrics, &lanes(), Some(&snapshot()));
+        assert!(page.contains("# TYPE kmqd_tasks_done counter"), "{page}");
+        assert!(
+            page.contains("kmqd_tasks_done_total{queue=\"page-test\"} 7"),
+            "{page}"
+        );
+        assert!(page.ends_with("# EOF\n"), "{page}");
+    }
+}
