@@ -226,8 +226,29 @@ fn init_logging_as(default_level: &str, format: LogFormat) {
         // reports a failed write with eprintln!, which panics when standard error is gone.
         .log_internal_errors(false);
     // Fails only when a subscriber is already set (tests calling `run` twice); the first one stays.
+    // Each with the reload layer: a reload may change `log_level` (crate::daemon::log_filter).
     let _ = match format {
-        LogFormat::Text => builder.try_init(),
-        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+        LogFormat::Text => {
+            let builder = builder.with_filter_reloading();
+            let handle = builder.reload_handle();
+            install_filter_setter(move |filter| handle.reload(filter));
+            builder.try_init()
+        }
+        LogFormat::Json => {
+            let builder = builder.json().flatten_event(true).with_filter_reloading();
+            let handle = builder.reload_handle();
+            install_filter_setter(move |filter| handle.reload(filter));
+            builder.try_init()
+        }
     };
+}
+
+/// Hands the reload layer's handle to the daemon, as a function from a (checked) filter to its installation.
+fn install_filter_setter(
+    reload: impl Fn(EnvFilter) -> Result<(), tracing_subscriber::reload::Error> + Send + Sync + 'static,
+) {
+    crate::daemon::log_filter::install(move |level| {
+        let filter = EnvFilter::try_new(level).map_err(|error| error.to_string())?;
+        reload(filter).map_err(|error| error.to_string())
+    });
 }

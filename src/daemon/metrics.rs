@@ -11,7 +11,7 @@ use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::lane::Lane;
+use super::lane::{Lane, LaneSet};
 use crate::broker::{self, QueueStats, Session};
 use crate::shutdown::Listener;
 
@@ -93,7 +93,7 @@ const PER_QUEUE: [PerQueue; 10] = [
 
 pub struct Metrics {
     pub listener: TcpListener,
-    pub lanes: Vec<Arc<Lane>>,
+    pub lanes: Arc<LaneSet>,
     pub connection: Session,
     pub background: Listener,
 }
@@ -150,8 +150,9 @@ impl Metrics {
 
     /// The metrics page.
     pub fn render(&mut self) -> broker::Result<String> {
-        let mut stats = Vec::with_capacity(self.lanes.len());
-        for lane in &self.lanes {
+        let lanes = self.lanes.newest();
+        let mut stats = Vec::with_capacity(lanes.len());
+        for lane in &lanes {
             let connection = self.connection.get()?;
             stats.push(broker::stats(connection, &lane.queue.keys)?);
         }
@@ -167,7 +168,7 @@ impl Metrics {
                 }
             };
         let queue_label = |lane: &Lane| format!("queue=\"{}\"", lane.name());
-        let pairs = || self.lanes.iter().zip(&stats);
+        let pairs = || lanes.iter().zip(&stats);
         family(
             "kmqd_queue_ready",
             "gauge",
@@ -190,8 +191,7 @@ impl Metrics {
             "kmqd_daemon_held_tasks",
             "gauge",
             "Tasks this daemon holds (claimed, running or being settled).",
-            &mut self
-                .lanes
+            &mut lanes
                 .iter()
                 .map(|lane| (queue_label(lane), lane.held.len() as f64)),
         );
@@ -199,8 +199,7 @@ impl Metrics {
             "kmqd_daemon_stuck_workers",
             "gauge",
             "Workers stuck in a handler that kept running after its task was taken (it ignores its cancel flag).",
-            &mut self
-                .lanes
+            &mut lanes
                 .iter()
                 .map(|lane| (queue_label(lane), lane.capacity.stuck_workers() as f64)),
         );

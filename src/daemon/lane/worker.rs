@@ -11,7 +11,7 @@ use crossbeam_channel::{Receiver, Sender, TryRecvError};
 
 use super::Lane;
 use super::resolve::{Finished, Job, Outcome, Taken};
-use crate::plugin::{MESSAGE_CAPACITY, Registry, Run, Status};
+use crate::plugin::{MESSAGE_CAPACITY, Plugins, Run, Status};
 use crate::policy::Verdict;
 use crate::shutdown::Listener;
 use crate::task::{Envelope, LOGGED_PAYLOAD_BYTES, capped};
@@ -21,7 +21,8 @@ const LEASE_POLL: Duration = Duration::from_millis(5);
 
 pub struct Worker {
     pub lane: Arc<Lane>,
-    pub registry: Arc<Registry>,
+    /// Read once per task: a reload's new plugins serve the tasks that start after it.
+    pub plugins: Arc<Plugins>,
     /// Fires when the daemon stops claiming: jobs still in the channel are handed back, not started.
     pub claiming: Listener,
     pub jobs: Receiver<Job>,
@@ -123,7 +124,8 @@ impl Worker {
         if let Some(reason) = queue.policy.too_old(envelope.created_at, now_ms) {
             return Verdict::Unrunnable { reason };
         }
-        let Some(plugin) = self.registry.for_type(&envelope.kind) else {
+        let registry = self.plugins.current();
+        let Some(plugin) = registry.for_type(&envelope.kind) else {
             return Verdict::Unrunnable {
                 reason: format!(
                     "no plugin handles task type {:?}",
