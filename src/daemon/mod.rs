@@ -519,15 +519,17 @@ impl Supervisor {
         self.next_group
     }
 
-    /// Starts one queue's lane (acker, workers, fetcher) and its delay poller. The first lane of each queue has
-    /// the names a daemon without reloads always had; a reload's lanes add the group to their owner and settler
-    /// identities, which must be unique to this daemon run.
+    /// Starts one queue's lane (acker, workers, fetcher) and its delay poller. The lanes started with the daemon
+    /// have the names a daemon without reloads always had; a reload's lanes add their group to their owner and
+    /// settler identities, which must never be used twice in this daemon run (a queue's old lane may still
+    /// finish beside its new one, and a queue removed and added again must not reuse an owner id).
     fn start_lane(&mut self, queue: &QueueConfig) -> Result<(), DaemonError> {
         let group = self.new_group();
         let parts = &self.parts;
         let context = Arc::new(QueueContext::new(&self.config, queue, &parts.daemon_id));
-        let first = !self.serving.iter().any(|s| s.lane.name() == queue.name);
-        let instance = if first {
+        // The helpers start after the first lanes: none yet means the daemon is starting.
+        let at_start = self.helpers.is_none();
+        let instance = if at_start {
             parts.instance.clone()
         } else {
             format!("{}-r{group}", parts.instance)

@@ -75,9 +75,13 @@ pub fn summary(lanes: &[Arc<Lane>]) -> String {
     let stuck: usize = lanes.iter().map(|lane| lane.capacity.stuck_workers()).sum();
     let plural =
         |n: usize, one: &str, many: &str| format!("{n} {}", if n == 1 { one } else { many });
+    // A queue whose lane a reload replaced has two for a moment: it is still one queue.
+    let mut queues: Vec<&str> = lanes.iter().map(|lane| lane.name()).collect();
+    queues.sort_unstable();
+    queues.dedup();
     let mut text = format!(
         "serving {}, {} held",
-        plural(lanes.len(), "queue", "queues"),
+        plural(queues.len(), "queue", "queues"),
         plural(held, "task", "tasks")
     );
     if stuck > 0 {

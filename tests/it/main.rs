@@ -18,6 +18,7 @@ mod priorities;
 mod protocol;
 mod queue_admin;
 mod redis_faults;
+mod reload;
 mod safe_mode;
 mod schedules;
 mod sentinel;
