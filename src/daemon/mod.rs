@@ -15,6 +15,16 @@
 //! 4. the ackers settle what they hold and stop once their lane is drained (at most [`SETTLE_DEADLINE`]);
 //! 5. owners are released; *background* fires: heartbeat, monitor, timeouts, delay threads and the rest stop;
 //! 6. plugins' `shutdown` runs, only if no thread that may call into a plugin is still alive.
+//!
+//! Reload (SIGHUP; docs/OPERATIONS.md, "Reloading"; what may change live is [`reload`]'s): the new config and its
+//! plugins are checked whole first, and a refusal changes nothing. Then the new plugin snapshot is swapped in
+//! ([`Plugins`]: tasks starting from then on use it), and a queue whose settings changed gets a new lane at once,
+//! while its old lane runs stages 1 and 4 of the shutdown on its own (no deadline, so no task is handed back
+//! running, none lost): it claims nothing more, hands back what it has not started, lets its running tasks finish,
+//! settles, and once its fetcher and acker ended its owner is released and it leaves the [`LaneSet`] the
+//! per-daemon threads read. The threads holding the set of queues (monitor, delay listener, scheduler) start again
+//! on the new set. Every thread is known by a serial number and a [`Group`], so a queue's old and new lanes may
+//! run side by side under the same thread names, and the end of a group a reload stopped is expected.
 
 pub mod delay;
 pub mod heartbeat;

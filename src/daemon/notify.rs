@@ -1,6 +1,7 @@
 //! systemd's notify protocol (sd_notify(3), `Type=notify` in systemd/kmqd.service), through the `sd-notify`
 //! crate: `READY=1` once the daemon serves (plugins loaded, Redis answered, the ACL and protocol checks passed,
-//! every lane started), `STATUS=` lines for `systemctl status`, `STOPPING=1` when the graceful shutdown begins,
+//! every lane started), `STATUS=` lines for `systemctl status`, `RELOADING=1` (with `MONOTONIC_USEC=`) and
+//! `READY=1` around a reload, `STOPPING=1` when the graceful shutdown begins,
 //! and, when systemd asks for it (`WatchdogSec=`, which sets `WATCHDOG_USEC`), `WATCHDOG=1` at half that interval
 //! for as long as [`super::watchdog`] finds nothing wedged.
 //!

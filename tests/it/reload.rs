@@ -286,3 +286,35 @@ fn a_new_queue_starts_and_a_removed_one_stops_at_the_reload() {
     assert_eq!(serving("other"), 1);
     stop(daemon);
 }
+
+#[test]
+fn log_level_changes_at_the_reload() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config_with(
+        &redis,
+        "shutdown_grace = \"5s\"\nlog_level = \"warn\"",
+        &safe_queue("workers = 1"),
+    );
+    let text = fs::read_to_string(&config).unwrap();
+    // RUST_LOG empty: the config's log_level decides (the harness sets kmqd=debug otherwise).
+    let daemon = Process::start_with_env(&config, dir.path("kmqd.log"), &[("RUST_LOG", "")]);
+    // Serving (its fetcher waits in Redis), and at warn nothing of that was logged.
+    redis.wait_blocked_in("blpop");
+    assert!(
+        !daemon.log_text().contains("kmqd started"),
+        "{}",
+        daemon.log_text()
+    );
+    fs::write(
+        &config,
+        text.replace("log_level = \"warn\"", "log_level = \"info\""),
+    )
+    .unwrap();
+    let log = reload(&daemon, 1);
+    assert!(
+        log.contains("config reloaded: daemon.log_level warn → info"),
+        "{log}"
+    );
+    stop(daemon);
+}
