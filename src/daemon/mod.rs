@@ -49,7 +49,7 @@ use crossbeam_channel::{Receiver, Sender, select};
 
 use crate::broker::{self, BrokerError, Connector, Session, access};
 use crate::config::{Config, QueueConfig};
-use crate::plugin::{Plugins, Registry};
+use crate::plugin::{Plugins, Reader, Registry};
 use crate::queue::QueueContext;
 use crate::shutdown::Trigger;
 use delay::{DelayListener, DelayPoller};
@@ -567,7 +567,7 @@ impl Supervisor {
         for index in 0..queue.workers {
             let worker = Worker {
                 lane: Arc::clone(&lane),
-                plugins: Arc::clone(&parts.plugins),
+                plugins: Reader::new(Arc::clone(&parts.plugins)),
                 claiming: claiming.listener(),
                 jobs: jobs_rx.clone(),
                 outcomes: lane.outcome_sender(),

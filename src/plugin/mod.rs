@@ -3,9 +3,11 @@
 
 mod ffi;
 
+use std::cell::{Ref, RefCell};
 use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 pub use ffi::{LoadedPlugin, MESSAGE_CAPACITY, Run, Status};
@@ -249,16 +251,19 @@ impl Registry {
 /// reload. A task that started on a snapshot finishes on it, so a replaced plugin's old instance serves its
 /// running tasks to the end, and is shut down when its last reference goes (`LoadedPlugin`'s `Drop`).
 ///
-/// A `RwLock` around an `Arc`: a task pays one uncontended read lock and one reference count (docs/PERFORMANCE.md,
-/// "Reloadable plugins"); the lock is written once per reload.
+/// A `RwLock` around an `Arc`, written once per reload; the acker and the monitor read it once per hook. Workers,
+/// once per task, go through a [`Reader`]: one atomic load while nothing changed.
 pub struct Plugins {
     current: RwLock<Arc<Registry>>,
+    /// Bumped by every [`Plugins::replace`]: a [`Reader`]'s cached snapshot is current while this is unchanged.
+    generation: AtomicU64,
 }
 
 impl Plugins {
     pub fn new(registry: Arc<Registry>) -> Arc<Plugins> {
         Arc::new(Plugins {
             current: RwLock::new(registry),
+            generation: AtomicU64::new(0),
         })
     }
 
@@ -278,7 +283,46 @@ impl Plugins {
             .current
             .write()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        std::mem::replace(&mut current, Arc::new(registry))
+        let old = std::mem::replace(&mut *current, Arc::new(registry));
+        // Under the lock, after the swap: a reader that sees the new generation reads the new registry.
+        self.generation.fetch_add(1, Ordering::Release);
+        old
+    }
+}
+
+/// One worker's view of [`Plugins`]: the snapshot it read last, kept while the generation is unchanged, so that a
+/// task costs one atomic load of a line nobody writes, instead of a read lock and a reference count every worker
+/// would bounce between cores (docs/PERFORMANCE.md, "Reloadable plugins"). A task that starts after a reload sees
+/// its generation and reads the new snapshot. The worker [`Reader::forget`]s its snapshot when it goes idle, so
+/// that an idle worker does not keep a replaced plugin from its shutdown.
+pub struct Reader {
+    plugins: Arc<Plugins>,
+    cached: RefCell<Option<(u64, Arc<Registry>)>>,
+}
+
+impl Reader {
+    pub fn new(plugins: Arc<Plugins>) -> Reader {
+        Reader {
+            plugins,
+            cached: RefCell::new(None),
+        }
+    }
+
+    /// The registry a task starting now runs on (held for the task: the snapshot cannot change under it).
+    pub fn current(&self) -> Ref<'_, Arc<Registry>> {
+        let generation = self.plugins.generation.load(Ordering::Acquire);
+        let stale = !matches!(&*self.cached.borrow(), Some((seen, _)) if *seen == generation);
+        if stale {
+            *self.cached.borrow_mut() = Some((generation, self.plugins.current()));
+        }
+        Ref::map(self.cached.borrow(), |cached| {
+            &cached.as_ref().expect("filled above").1
+        })
+    }
+
+    /// Drops the cached snapshot (the next task reads the current one).
+    pub fn forget(&self) {
+        self.cached.borrow_mut().take();
     }
 }
 
@@ -383,4 +427,33 @@ fn check_trusted(path: &Path, configured: &Path) -> Result<(), PluginError> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reader_sees_a_replaced_registry_at_its_next_task_and_lets_go_of_the_old_one_when_idle() {
+        let plugins = Plugins::new(Arc::new(Registry::empty()));
+        let reader = Reader::new(Arc::clone(&plugins));
+        let first = Arc::clone(&reader.current());
+        assert!(Arc::ptr_eq(&first, &reader.current()), "cached");
+        let old = plugins.replace(Registry::empty());
+        assert!(Arc::ptr_eq(&first, &old));
+        let second = Arc::clone(&reader.current());
+        assert!(
+            !Arc::ptr_eq(&first, &second),
+            "the next task runs on the new one"
+        );
+        assert!(Arc::ptr_eq(&second, &plugins.current()));
+        drop(old);
+        assert_eq!(
+            Arc::strong_count(&first),
+            1,
+            "nobody else holds the old one"
+        );
+        reader.forget();
+        assert_eq!(Arc::strong_count(&second), 2, "the Plugins and this test");
+    }
 }

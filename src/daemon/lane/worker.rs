@@ -11,7 +11,7 @@ use crossbeam_channel::{Receiver, Sender, TryRecvError};
 
 use super::Lane;
 use super::resolve::{Finished, Job, Outcome, Taken};
-use crate::plugin::{MESSAGE_CAPACITY, Plugins, Run, Status};
+use crate::plugin::{MESSAGE_CAPACITY, Reader, Run, Status};
 use crate::policy::Verdict;
 use crate::shutdown::Listener;
 use crate::task::{Envelope, LOGGED_PAYLOAD_BYTES, capped};
@@ -22,7 +22,7 @@ const LEASE_POLL: Duration = Duration::from_millis(5);
 pub struct Worker {
     pub lane: Arc<Lane>,
     /// Read once per task: a reload's new plugins serve the tasks that start after it.
-    pub plugins: Arc<Plugins>,
+    pub plugins: Reader,
     /// Fires when the daemon stops claiming: jobs still in the channel are handed back, not started.
     pub claiming: Listener,
     pub jobs: Receiver<Job>,
@@ -37,8 +37,10 @@ impl Worker {
             let job = match self.jobs.try_recv() {
                 Ok(job) => job,
                 Err(TryRecvError::Empty) => {
-                    // Nothing waiting: let the fetcher claim now rather than wait for a full batch.
+                    // Nothing waiting: let the fetcher claim now rather than wait for a full batch. Idle, the
+                    // worker keeps no plugin alive that a reload replaced.
                     self.lane.capacity.nudge();
+                    self.plugins.forget();
                     match self.jobs.recv() {
                         Ok(job) => job,
                         Err(_) => break,
