@@ -318,3 +318,58 @@ fn log_level_changes_at_the_reload() {
     );
     stop(daemon);
 }
+
+#[test]
+fn a_replaced_plugins_old_instance_is_shut_down_only_after_its_last_task_returned() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &safe_queue("workers = 2"));
+    let daemon = start(&dir, &config);
+    let gate = dir.path("gate");
+    let data = format!(r#"{{"wait_for_file":"{}"}}"#, gate.display());
+    push_many(&config, "held", 1, &data);
+    eventually(Duration::from_secs(20), "the run to start", || {
+        (dir.records().starts.len() == 1, ())
+    });
+    // A new build of the same plugin (a new inode at the same path), then the reload.
+    let staged = dir.plugins_dir().join(".libkmq_testkit.so.new");
+    fs::copy(built_plugins().join("libkmq_testkit.so"), &staged).unwrap();
+    fs::rename(&staged, dir.plugins_dir().join("libkmq_testkit.so")).unwrap();
+    let log = reload(&daemon, 1);
+    assert!(log.contains("plugin loaded: "), "{log}");
+    // The new instance serves the tasks that start now; the old one still runs `held`: no shutdown yet.
+    push_many(&config, "new", 1, "{}");
+    eventually(Duration::from_secs(20), "new to run", || {
+        let records = dir.records();
+        (records.ends.iter().any(|(id, _, _)| id == "new0"), records)
+    });
+    assert!(
+        !dir.records().lines.iter().any(|l| l == "shutdown"),
+        "the old instance still runs a task: {:?}",
+        dir.records().lines
+    );
+    fs::write(&gate, "").unwrap();
+    let records = eventually(
+        Duration::from_secs(20),
+        "the old instance's shutdown",
+        || {
+            let records = dir.records();
+            (records.lines.iter().any(|l| l == "shutdown"), records)
+        },
+    );
+    let end = records
+        .lines
+        .iter()
+        .position(|l| l.starts_with("end held0"));
+    let shutdown = records.lines.iter().position(|l| l == "shutdown");
+    assert!(end.is_some() && end < shutdown, "{records:?}");
+    stop(daemon);
+    // The new instance's own shutdown, at the daemon's stop.
+    let shutdowns = dir
+        .records()
+        .lines
+        .iter()
+        .filter(|l| *l == "shutdown")
+        .count();
+    assert_eq!(shutdowns, 2, "{:?}", dir.records().lines);
+}
