@@ -373,3 +373,28 @@ fn a_replaced_plugins_old_instance_is_shut_down_only_after_its_last_task_returne
         .count();
     assert_eq!(shutdowns, 2, "{:?}", dir.records().lines);
 }
+
+#[test]
+fn a_refused_plugin_section_refuses_the_reload_and_the_old_plugins_serve_on() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &safe_queue("workers = 1"));
+    let text = fs::read_to_string(&config).unwrap();
+    let daemon = start(&dir, &config);
+    // Beside a change that would apply on its own: a reload is all or nothing.
+    let broken = format!(
+        "{}\n[plugins.gone]\nfile = \"libgone.so\"\n",
+        text.replace("workers = 1", "workers = 2")
+    );
+    fs::write(&config, broken).unwrap();
+    let log = reload(&daemon, 1);
+    assert!(
+        log.contains("reload refused, still serving the config loaded before: ")
+            && log.contains("libgone.so: no such file"),
+        "{log}"
+    );
+    assert!(!log.contains("workers 1 → 2"), "{log}");
+    push_many(&config, "after", 2, "{}");
+    wait_done(&config, 2, Duration::from_secs(20));
+    stop(daemon);
+}
