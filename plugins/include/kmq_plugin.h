@@ -14,6 +14,9 @@
  *     only the fields that `struct_size` covers, so fields added later within v1 go at the end of `kmq_plugin`.
  *     An incompatible change is a new symbol, `kmq_plugin_v2`.
  *   - The host never unloads a plugin (no dlclose): threads and thread-locals of the plugin may outlive a call.
+ *   - A reload may load a new version of the file (a new inode at the same path) while the old one still runs
+ *     tasks: two instances, each loaded as its own library (its own globals), each with its own init and state.
+ *     The old one's shutdown runs once its last call returned, on whichever host thread made that call.
  */
 #ifndef KMQ_PLUGIN_H
 #define KMQ_PLUGIN_H
@@ -82,7 +85,8 @@ typedef struct {
     /* Optional (may be NULL): a task of one of this plugin's types was dead-lettered; reason says why. Called after
      * the task is safely in the dead-letter list: the final-failure pipeline (persist it, alert, ...). Must be quick. */
     void (*on_dead)(void *state, const kmq_task *task, kmq_str reason);
-    /* Optional (may be NULL): called once, after the last handle() returned. */
+    /* Optional (may be NULL): called once, after the last handle() (and on_dead()) returned: when the daemon stops,
+     * or when a reload replaced this instance and its last task finished; from any thread. */
     void (*shutdown)(void *state);
 } kmq_plugin;
 

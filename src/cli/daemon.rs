@@ -15,16 +15,22 @@ pub(super) fn load_plugins(config: &Config) -> Result<Registry, Failure> {
 
 pub(super) fn run_daemon(config: &Config) -> Result<(), Failure> {
     // Before the plugins load (their init may take a while): a SIGTERM meanwhile is a graceful stop, not death
-    // by the default action.
+    // by the default action. A SIGHUP meanwhile waits for the daemon to serve, then reloads.
     let (stop_tx, stop_rx) = crossbeam_channel::bounded(1);
-    crate::daemon::signals::forward(stop_tx)
+    let (reload_tx, reload_rx) = crossbeam_channel::bounded(1);
+    crate::daemon::signals::forward(stop_tx, reload_tx)
         .map_err(|error| Failure::Runtime(format!("cannot install signal handlers: {error}")))?;
     crate::daemon::notify::status("loading plugins");
-    let registry = Arc::new(load_plugins(config)?);
+    let registry = load_plugins(config)?;
+    for refused in registry.refused() {
+        // Not fatal: the other handlers serve; `check-config` (and so `systemctl reload`) fails on it.
+        tracing::error!("{}: {refused}; the file is skipped", config.path.display());
+    }
     for warning in unhandled_schedules(config, &registry) {
         tracing::warn!("{warning}");
     }
-    crate::daemon::run(config, registry, stop_rx).map_err(|error| {
+    let plugins = crate::plugin::Plugins::new(Arc::new(registry));
+    crate::daemon::serve(config, plugins, stop_rx, reload_rx).map_err(|error| {
         if error.is_config_error() {
             Failure::Usage(error.to_string())
         } else {
@@ -33,8 +39,19 @@ pub(super) fn run_daemon(config: &Config) -> Result<(), Failure> {
     })
 }
 
+/// Checks the config and loads its plugins as the daemon would. A refused drop-in file, which the daemon skips,
+/// fails the check here, so that `systemctl reload` (which runs this first) shows it.
 pub(super) fn check_config(config: &Config) -> Result<(), Failure> {
     let registry = load_plugins(config)?;
+    if !registry.refused().is_empty() {
+        let path = config.path.display();
+        let refusals: Vec<String> = registry
+            .refused()
+            .iter()
+            .map(|refused| format!("{path}: {refused}"))
+            .collect();
+        return Err(Failure::Usage(refusals.join("\nkmqd: ")));
+    }
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{}: ok", config.path.display());
     for queue in &config.queues {

@@ -167,6 +167,7 @@ pub fn run(args: Args) -> Result<(), Failure> {
     let mut config = Config::load(&path).map_err(|error| Failure::Usage(error.to_string()))?;
     if let Some(addr) = args.metrics_addr {
         config.daemon.metrics_addr = Some(addr);
+        config.daemon.metrics_addr_overridden = true;
     }
     if let Some(filter) = rust_log() {
         crate::config::check_log_filter(&filter)
@@ -272,9 +273,20 @@ fn init_logging_as(default_level: &str, format: LogFormat) {
         // reports a failed write with eprintln!, which panics when standard error is gone.
         .log_internal_errors(false);
     // Fails only when a subscriber is already set (tests calling `run` twice); the first one stays.
+    // Each with the reload layer: a reload may change `log_level` (crate::daemon::log_filter).
     let _ = match format {
-        LogFormat::Text => builder.try_init(),
-        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+        LogFormat::Text => {
+            let builder = builder.with_filter_reloading();
+            let handle = builder.reload_handle();
+            install_filter_setter(move |filter| handle.reload(filter));
+            builder.try_init()
+        }
+        LogFormat::Json => {
+            let builder = builder.json().flatten_event(true).with_filter_reloading();
+            let handle = builder.reload_handle();
+            install_filter_setter(move |filter| handle.reload(filter));
+            builder.try_init()
+        }
     };
     log_panics();
 }
@@ -302,4 +314,14 @@ fn log_panics() {
             "panic: {message}"
         );
     }));
+}
+
+/// Hands the reload layer's handle to the daemon, as a function from a (checked) filter to its installation.
+fn install_filter_setter(
+    reload: impl Fn(EnvFilter) -> Result<(), tracing_subscriber::reload::Error> + Send + Sync + 'static,
+) {
+    crate::daemon::log_filter::install(move |level| {
+        let filter = EnvFilter::try_new(level).map_err(|error| error.to_string())?;
+        reload(filter).map_err(|error| error.to_string())
+    });
 }

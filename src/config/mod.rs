@@ -150,6 +150,9 @@ pub struct DaemonConfig {
     pub plugins_dir: PathBuf,
     pub shutdown_grace: Duration,
     pub metrics_addr: Option<SocketAddr>,
+    /// `metrics_addr` came from the command line (`--metrics-addr`), not the file: a reload keeps it without
+    /// calling the file's value a change.
+    pub metrics_addr_overridden: bool,
     /// A tracing filter such as `info` or `kmqd=debug`; `RUST_LOG` takes precedence.
     pub log_level: String,
     /// How log events are written to standard error.

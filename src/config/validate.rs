@@ -650,6 +650,7 @@ impl RawDaemon {
             plugins_dir,
             shutdown_grace,
             metrics_addr,
+            metrics_addr_overridden: false,
             log_level,
             log_format,
             report_interval,

@@ -8,12 +8,13 @@
 //! paused, or Redis lost its data), the tasks it covered are forgotten and their running handlers asked to stop:
 //! the monitors return those tasks to the queue, and the fetcher claims under a new owner.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::broker::Conn;
 
-use super::lane::Lane;
+use super::lane::{Lane, LaneSet};
 use crate::broker::{self, Connector, Renewal};
 use crate::retry::Trouble;
 use crate::shutdown::Listener;
@@ -24,7 +25,7 @@ const RETRY: Duration = Duration::from_millis(100);
 pub const MIN_TIMEOUT: Duration = Duration::from_millis(50);
 
 pub struct Heartbeat {
-    pub lanes: Vec<Arc<Lane>>,
+    pub lanes: Arc<LaneSet>,
     pub connector: Arc<Connector>,
     /// Fires last: stop renewing.
     pub background: Listener,
@@ -49,19 +50,27 @@ pub fn read_timeout(lanes: &[Arc<Lane>]) -> Duration {
 
 impl Heartbeat {
     pub fn run(self) {
-        let timeout = read_timeout(&self.lanes);
+        let mut timeout = read_timeout(&self.lanes.snapshot());
         let mut connection: Option<Conn> = None;
-        let mut next_renewal: Vec<Instant> = vec![Instant::now(); self.lanes.len()];
-        let mut troubles: Vec<Trouble> = self
-            .lanes
-            .iter()
-            .map(|lane| Trouble::new("renewing the lease", Some(lane.name())))
-            .collect();
+        // Per lane (by its address: a reload adds and removes lanes): when to renew next, and its troubles.
+        let mut renewals: HashMap<*const Lane, (Instant, Trouble)> = HashMap::new();
         loop {
+            let lanes = self.lanes.snapshot();
+            let wanted = read_timeout(&lanes);
+            if wanted != timeout {
+                // A reload brought a shorter (or longer) lease: reconnect with the matching read timeout.
+                timeout = wanted;
+                connection = None;
+            }
+            renewals.retain(|lane, _| lanes.iter().any(|l| Arc::as_ptr(l) == *lane));
             let mut wait = MAX_SLEEP;
-            for ((lane, next), trouble) in
-                self.lanes.iter().zip(&mut next_renewal).zip(&mut troubles)
-            {
+            for lane in lanes.iter() {
+                let (next, trouble) = renewals.entry(Arc::as_ptr(lane)).or_insert_with(|| {
+                    (
+                        Instant::now(),
+                        Trouble::new("renewing the lease", Some(lane.name())),
+                    )
+                });
                 if Instant::now() >= *next {
                     *next = Instant::now()
                         + renew(lane, &self.connector, &mut connection, timeout, trouble);

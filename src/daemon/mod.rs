@@ -15,13 +15,25 @@
 //! 4. the ackers settle what they hold and stop once their lane is drained (at most [`SETTLE_DEADLINE`]);
 //! 5. owners are released; *background* fires: heartbeat, monitor, timeouts, delay threads and the rest stop;
 //! 6. plugins' `shutdown` runs, only if no thread that may call into a plugin is still alive.
+//!
+//! Reload (SIGHUP; docs/OPERATIONS.md, "Reloading"; what may change live is [`reload`]'s): the new config and its
+//! plugins are checked whole first, and a refusal changes nothing. Then the new plugin snapshot is swapped in
+//! ([`Plugins`]: tasks starting from then on use it), and a queue whose settings changed gets a new lane at once,
+//! while its old lane runs stages 1 and 4 of the shutdown on its own (no deadline, so no task is handed back
+//! running, none lost): it claims nothing more, hands back what it has not started, lets its running tasks finish,
+//! settles, and once its fetcher and acker ended its owner is released and it leaves the [`LaneSet`] the
+//! per-daemon threads read. The threads holding the set of queues (monitor, delay listener, scheduler) start again
+//! on the new set. Every thread is known by a serial number and a [`Group`], so a queue's old and new lanes may
+//! run side by side under the same thread names, and the end of a group a reload stopped is expected.
 
 pub mod delay;
 pub mod heartbeat;
 pub mod lane;
+pub mod log_filter;
 pub mod metrics;
 pub mod monitor;
 pub mod notify;
+pub mod reload;
 pub mod report;
 pub mod scheduler;
 pub mod settler;
@@ -29,7 +41,7 @@ pub mod signals;
 pub mod timeouts;
 pub mod watchdog;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -37,16 +49,16 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender, select};
 
 use crate::broker::{self, BrokerError, Connector, Session, access};
-use crate::config::Config;
-use crate::plugin::Registry;
+use crate::config::{Config, QueueConfig};
+use crate::plugin::{Plugins, Reader, Registry};
 use crate::queue::QueueContext;
-use crate::shutdown::{Listener, Trigger};
+use crate::shutdown::Trigger;
 use delay::{DelayListener, DelayPoller};
 use heartbeat::Heartbeat;
-use lane::Lane;
 use lane::acker::Acker;
 use lane::fetcher::Fetcher;
 use lane::worker::Worker;
+use lane::{Lane, LaneSet};
 use metrics::Metrics;
 use monitor::{Monitor, Watched};
 use scheduler::Scheduler;
@@ -165,7 +177,7 @@ fn wait_for_redis(
 /// What the supervisor reacts to.
 enum Event {
     /// A thread ended (its closure returned or panicked).
-    Exited { name: String, panicked: bool },
+    Exited { id: u64, panicked: bool },
 }
 
 /// What a thread is to the shutdown sequence, which waits for each role in turn.
@@ -181,25 +193,40 @@ enum Role {
 
 /// Sends `Event::Exited` when the thread ends, however it ends.
 struct ExitGuard {
-    name: String,
+    id: u64,
     events: Sender<Event>,
 }
 
 impl Drop for ExitGuard {
     fn drop(&mut self) {
-        let name = std::mem::take(&mut self.name);
         // The supervisor may have stopped listening at the very end; nothing is left to tell then.
         let _ = self.events.send(Event::Exited {
-            name,
+            id: self.id,
             panicked: std::thread::panicking(),
         });
     }
 }
 
-/// The threads the supervisor started and has not seen end.
+/// A thread the supervisor started.
+struct Thread {
+    name: String,
+    role: Role,
+    /// What it was started as part of: a lane incarnation, or a per-daemon thread a reload starts again
+    /// ([`Group`]); a reload that stops a group expects its threads to end.
+    group: Group,
+    handle: JoinHandle<()>,
+}
+
+/// Threads started together and stopped together: 0 is the daemon's own (heartbeat, timeouts, notify,
+/// metrics), which only the shutdown stops.
+type Group = u64;
+
+/// The threads the supervisor started and has not seen end, by a serial number (a reload starts threads under
+/// names already in use: a queue's new lane while its old one finishes).
 struct Threads {
     events: Sender<Event>,
-    live: HashMap<String, (Role, JoinHandle<()>)>,
+    live: HashMap<u64, Thread>,
+    next_id: u64,
 }
 
 impl Threads {
@@ -207,10 +234,13 @@ impl Threads {
         &mut self,
         name: String,
         role: Role,
+        group: Group,
         body: impl FnOnce() + Send + 'static,
     ) -> Result<(), DaemonError> {
+        self.next_id += 1;
+        let id = self.next_id;
         let guard = ExitGuard {
-            name: name.clone(),
+            id,
             events: self.events.clone(),
         };
         let handle = std::thread::Builder::new()
@@ -223,22 +253,37 @@ impl Threads {
                 name: name.clone(),
                 source,
             })?;
-        self.live.insert(name, (role, handle));
+        self.live.insert(
+            id,
+            Thread {
+                name,
+                role,
+                group,
+                handle,
+            },
+        );
         Ok(())
     }
 
-    /// Joins a thread that reported its end.
-    fn exited(&mut self, name: &str) -> Option<Role> {
-        let (role, handle) = self.live.remove(name)?;
+    /// Joins a thread that reported its end; returns its name and group.
+    fn exited(&mut self, id: u64) -> Option<(String, Group)> {
+        let thread = self.live.remove(&id)?;
         // The thread has already ended, so this does not block; a panic was reported through the event.
-        let _ = handle.join();
-        Some(role)
+        let _ = thread.handle.join();
+        Some((thread.name, thread.group))
     }
 
     fn count(&self, roles: &[Role]) -> usize {
         self.live
             .values()
-            .filter(|(role, _)| roles.contains(role))
+            .filter(|thread| roles.contains(&thread.role))
+            .count()
+    }
+
+    fn count_in(&self, group: Group, roles: &[Role]) -> usize {
+        self.live
+            .values()
+            .filter(|thread| thread.group == group && roles.contains(&thread.role))
             .count()
     }
 
@@ -249,11 +294,12 @@ impl Threads {
                 return false;
             };
             match events.recv_timeout(left) {
-                Ok(Event::Exited { name, panicked }) => {
-                    if panicked {
-                        tracing::error!(thread = %name, "thread panicked during shutdown");
+                Ok(Event::Exited { id, panicked }) => {
+                    if let Some((name, _)) = self.exited(id) {
+                        if panicked {
+                            tracing::error!(thread = %name, "thread panicked during shutdown");
+                        }
                     }
-                    self.exited(&name);
                 }
                 Err(_) => return false,
             }
@@ -267,252 +313,83 @@ pub fn daemon_id() -> String {
     format!("{}:{}", crate::broker::hostname(), std::process::id())
 }
 
-/// Runs the daemon until `stop` receives a message (or is disconnected), then shuts down gracefully.
-///
-/// The caller owns signal handling: `main` forwards the first SIGTERM/SIGINT here; tests send directly.
+/// Runs the daemon until `stop` receives a message (or is disconnected), then shuts down gracefully; without
+/// reloads (the tests' and the benchmarks' entry point).
 pub fn run(
     config: &Config,
     registry: Arc<Registry>,
     stop: Receiver<()>,
 ) -> Result<(), DaemonError> {
+    serve(
+        config,
+        Plugins::new(registry),
+        stop,
+        crossbeam_channel::never(),
+    )
+}
+
+/// Runs the daemon until `stop` receives a message (or is disconnected), then shuts down gracefully; each
+/// message on `reload` re-reads the config file ([`reload`], docs/OPERATIONS.md "Reloading").
+///
+/// The caller owns signal handling: `main` forwards the first SIGTERM/SIGINT to `stop` and SIGHUP to `reload`.
+pub fn serve(
+    config: &Config,
+    plugins: Arc<Plugins>,
+    stop: Receiver<()>,
+    reload: Receiver<()>,
+) -> Result<(), DaemonError> {
     // Every connection is named `kmqd:HOST:PID:ROLE` (`CLIENT LIST` tells whose it is).
     let client_name = format!("kmqd:{}:{}", broker::hostname(), std::process::id());
     let connector = Arc::new(Connector::new(&config.redis)?.with_client_name(&client_name));
     let pool = broker::named_pool(&config.redis, &client_name)?;
-    let named = |role: &str| Session::named(pool.clone(), format!("{client_name}:{role}"));
     if !wait_for_redis(config, &connector, &stop)? {
         tracing::info!("stopped before Redis answered");
         return Ok(());
     }
-    let daemon_id = daemon_id();
-    let instance = broker::instance_id();
-    let (claiming, background) = (Trigger::new(), Trigger::new());
     let (events_tx, events) = crossbeam_channel::unbounded();
-    let mut threads = Threads {
-        events: events_tx,
-        live: HashMap::new(),
-    };
-    let epoch = Instant::now();
-
-    let contexts: Vec<Arc<QueueContext>> = config
-        .queues
-        .iter()
-        .map(|queue| Arc::new(QueueContext::new(config, queue, &daemon_id)))
-        .collect();
-    let mut lanes: Vec<Arc<Lane>> = Vec::with_capacity(contexts.len());
-    let mut delay_channels = HashMap::new();
-    let parts = Parts {
-        pool: pool.clone(),
-        registry: Arc::clone(&registry),
-        instance: instance.clone(),
-        epoch,
-        claiming: claiming.listener(),
-        background: background.listener(),
-        client_name: client_name.clone(),
-    };
-    for queue in &contexts {
-        let (lane, nudges) = start_lane(&mut threads, queue, &parts)?;
-        delay_channels.insert(queue.keys.delay_channel.clone(), nudges);
-        lanes.push(lane);
-    }
-
-    let heartbeat = Heartbeat {
-        lanes: lanes.clone(),
-        connector: Arc::clone(&connector),
-        background: background.listener(),
-    };
-    threads.spawn("kmqd-heartbeat".to_string(), Role::Other, move || {
-        heartbeat.run()
-    })?;
-    let timeouts = Timeouts {
-        lanes: lanes.clone(),
-        stop: background.listener(),
-    };
-    threads.spawn("kmqd-timeouts".to_string(), Role::Other, move || {
-        timeouts.run()
-    })?;
-    let monitor = Monitor {
-        queues: contexts
-            .iter()
-            .map(|queue| {
-                Watched::new(
-                    Arc::clone(queue),
-                    Settler::new(format!("{instance}:monitor")),
-                )
-            })
-            .collect(),
-        connection: named("monitor"),
-        registry: Arc::clone(&registry),
-        background: background.listener(),
-    };
-    threads.spawn("kmqd-monitor".to_string(), Role::Monitor, move || {
-        monitor.run()
-    })?;
-    let listener = DelayListener {
-        connector,
-        pollers: delay_channels,
-        background: background.listener(),
-    };
-    threads.spawn("kmqd-delay-listener".to_string(), Role::Other, move || {
-        listener.run()
-    })?;
-    if !config.schedules.is_empty() {
-        let schedules = config
-            .schedules
-            .iter()
-            .map(|schedule| {
-                // Validation made sure every schedule names a configured queue.
-                let queue = contexts
-                    .iter()
-                    .find(|q| q.config.name == schedule.queue)
-                    .expect("schedule's queue exists");
-                (schedule.clone(), Arc::clone(queue))
-            })
-            .collect();
-        let scheduler = Scheduler::new(schedules, named("scheduler"), background.listener());
-        threads.spawn("kmqd-scheduler".to_string(), Role::Other, move || {
-            scheduler.run()
-        })?;
-    }
-    if let Some(addr) = config.daemon.metrics_addr {
-        let (listener, bound) =
-            metrics::bind(addr).map_err(|source| DaemonError::Metrics { addr, source })?;
-        let (view, refresher) = metrics::snapshot::refresher(
-            contexts.iter().map(|queue| queue.keys.clone()).collect(),
-            named("metrics"),
-            background.listener(),
-        );
-        let metrics = Metrics::new(listener, lanes.clone(), view, background.listener())
-            .map_err(|source| DaemonError::Metrics { addr, source })?;
-        // The bound address, not the configured one: with port 0 this line is how to find the endpoint.
-        tracing::info!(addr = %bound, "metrics on http://{bound}/metrics");
-        threads.spawn("kmqd-metrics-redis".to_string(), Role::Other, move || {
-            refresher.run()
-        })?;
-        threads.spawn("kmqd-metrics".to_string(), Role::Other, move || {
-            metrics.run()
-        })?;
-    }
-    if config.reports() {
-        let reporter = report::Reporter::new(
-            contexts.clone(),
-            named("report"),
-            config.daemon.report_interval,
-            background.listener(),
-        );
-        threads.spawn("kmqd-report".to_string(), Role::Other, move || {
-            reporter.run()
-        })?;
-    }
-
-    tracing::info!(
-        redis = %config.redis.describe(),
-        queues = ?config.queues.iter().map(|q| q.name.as_str()).collect::<Vec<_>>(),
-        daemon = %daemon_id,
-        "kmqd started"
-    );
-    // Every lane runs, Redis answered and let this user do all the daemon does: ready (Type=notify).
-    notify::ready(&notify::summary(&lanes));
-    if notify::enabled() {
-        let notifier = notify::Notifier {
-            bounds: lanes
-                .iter()
-                .map(|lane| lane::stall_bounds(&config.redis, &lane.queue.config))
-                .collect(),
-            lanes: lanes.clone(),
-            stop: claiming.listener(),
-        };
-        threads.spawn("kmqd-notify".to_string(), Role::Other, move || {
-            notifier.run()
-        })?;
-    }
-
-    // Run until told to stop, or until a thread ends on its own (a bug: stop rather than run crippled).
-    let failure = select! {
-        recv(stop) -> _ => None,
-        recv(events) -> event => match event {
-            Ok(Event::Exited { name, panicked }) => {
-                threads.exited(&name);
-                let how = if panicked { "panicked" } else { "ended unexpectedly" };
-                tracing::error!(thread = %name, "{how}; shutting down");
-                Some(DaemonError::ThreadDied { name, how })
-            }
-            // `threads` holds a sender, so the channel cannot disconnect here.
-            Err(_) => None,
+    let mut supervisor = Supervisor {
+        config: config.clone(),
+        threads: Threads {
+            events: events_tx,
+            live: HashMap::new(),
+            next_id: 0,
         },
+        parts: Parts {
+            pool,
+            plugins,
+            instance: broker::instance_id(),
+            epoch: Instant::now(),
+            claiming: Trigger::new(),
+            background: Trigger::new(),
+            client_name,
+            daemon_id: daemon_id(),
+        },
+        connector,
+        lanes: LaneSet::new(Vec::new()),
+        serving: Vec::new(),
+        helpers: None,
+        stopping: HashSet::new(),
+        next_group: 0,
     };
-
-    tracing::info!(grace = ?config.daemon.shutdown_grace, "stopping: no new tasks are taken");
-    notify::stopping(&format!(
-        "stopping: no new tasks are taken; running ones get shutdown_grace ({})",
-        humantime::format_duration(config.daemon.shutdown_grace)
-    ));
-    claiming.fire();
-    let stopping_at = Instant::now();
-    // After `stopping_at`: a Redis that is slow to answer must not stretch the handlers' grace.
-    mark_draining(&lanes, &pool);
-    let workers_done = threads.wait_for(
-        &events,
-        &[Role::Worker],
-        stopping_at + config.daemon.shutdown_grace,
-    );
-    if !workers_done {
-        for lane in &lanes {
-            lane.hand_back_unresolved();
-        }
-    }
-    // A fetcher still in Redis (a blocked pop, a claim) hands back what it brings itself; the ackers wait for it
-    // (a lane is drained only once its fetcher stopped), so nothing it takes is lost.
-    let longest_poll = config.queues.iter().map(|q| q.idle_poll).max();
-    let fetchers_deadline = stopping_at + longest_poll.unwrap_or_default() + FETCHER_DEADLINE;
-    if !threads.wait_for(&events, &[Role::Fetcher], fetchers_deadline) {
-        tracing::error!(
-            "a fetcher is still waiting for Redis; what it claims returns through its lease"
-        );
-    }
-    if !threads.wait_for(&events, &[Role::Acker], Instant::now() + SETTLE_DEADLINE) {
-        tracing::error!(
-            "outcomes still unsettled after {SETTLE_DEADLINE:?}; safe-mode tasks run again once their leases expire"
-        );
-    }
-    release_owners(&lanes, &pool);
-    background.fire();
-    let background_deadline = Instant::now() + BACKGROUND_DEADLINE;
-    threads.wait_for(
-        &events,
-        &[Role::Acker, Role::Monitor, Role::Other],
-        background_deadline,
-    );
-    let handlers = threads.count(&[Role::Worker]);
-    let hooks = threads.count(&[Role::Acker, Role::Monitor]);
-    if handlers > 0 {
-        tracing::warn!(
-            handlers,
-            "handlers still running after shutdown_grace ignored their cancel flag; plugin shutdown skipped"
-        );
-    } else if hooks > 0 {
-        tracing::warn!(
-            threads = hooks,
-            "an acker or the monitor is still in a final-failure hook or waiting for Redis; plugin shutdown skipped"
-        );
-    } else {
-        registry.shutdown();
-    }
-    tracing::info!("kmqd stopped");
-    failure.map_or(Ok(()), Err)
+    let result = supervisor.run(&stop, &reload, &events);
+    supervisor.shut_down(&events);
+    result.map_or(Ok(()), Err)
 }
 
 /// What every lane's threads are made with.
 struct Parts {
     pool: broker::Pool,
-    registry: Arc<Registry>,
+    plugins: Arc<Plugins>,
     /// This daemon run's instance id: owners and settling parties are named after it.
     instance: String,
     epoch: Instant,
-    claiming: Listener,
-    background: Listener,
+    /// Fires when the shutdown begins (every lane's own claiming trigger fires with it).
+    claiming: Trigger,
+    /// Fires last, for the per-daemon threads (and each group's own trigger with it).
+    background: Trigger,
     /// `kmqd:HOST:PID`, the start of every connection's name.
     client_name: String,
+    daemon_id: String,
 }
 
 impl Parts {
@@ -522,65 +399,545 @@ impl Parts {
     }
 }
 
-/// Starts one queue's lane (acker, workers, fetcher) and its delay poller; returns the lane and the poller's
-/// nudge sender, for the delay listener.
-fn start_lane(
-    threads: &mut Threads,
-    queue: &Arc<QueueContext>,
-    parts: &Parts,
-) -> Result<(Arc<Lane>, Sender<()>), DaemonError> {
-    let name = &queue.config.name;
-    let (lane, outcomes) = Lane::new(Arc::clone(queue), &parts.instance, parts.epoch);
-    let lane = Arc::new(lane);
-    let acker = Acker {
-        lane: Arc::clone(&lane),
-        registry: Arc::clone(&parts.registry),
-        connection: parts.session(&format!("acker-{name}")),
-        outcomes,
-        settler: Settler::new(format!("{}:acker", parts.instance))
-            .with_pulse(lane.acker_pulse.clone()),
-        background: parts.background.clone(),
-    };
-    threads.spawn(format!("kmqd-acker-{name}"), Role::Acker, move || {
-        acker.run()
-    })?;
-    // As many jobs as the lane may hold tasks: a send to a worker never waits for room.
-    let (jobs_tx, jobs_rx) =
-        crossbeam_channel::bounded(queue.config.workers + queue.config.prefetch);
-    for index in 0..queue.config.workers {
-        let worker = Worker {
-            lane: Arc::clone(&lane),
-            registry: Arc::clone(&parts.registry),
-            claiming: parts.claiming.clone(),
-            jobs: jobs_rx.clone(),
-            outcomes: lane.outcome_sender(),
-        };
-        threads.spawn(
-            format!("kmqd-worker-{name}-{index}"),
-            Role::Worker,
-            move || worker.run(),
-        )?;
+/// One lane as the supervisor runs it.
+struct Serving {
+    lane: Arc<Lane>,
+    group: Group,
+    /// Stops the lane's fetcher and workers (a reload that replaces or removes it, or the shutdown).
+    claiming: Trigger,
+    /// Stops its delay poller.
+    stop: Trigger,
+    /// The delay poller's nudges, for the delay listener.
+    nudges: Sender<()>,
+    /// A reload stopped it: it finishes its running tasks, settles, and goes.
+    retiring: bool,
+}
+
+/// The per-daemon threads that hold the set of queues, started again by a reload that changes it: the monitor,
+/// the delay listener, the scheduler, the queue reporter. Two of each may run side by side for a moment, which is safe: two monitors
+/// never both recover a task, a schedule's slot fires once (fire.lua), and a nudge is only a nudge.
+struct Helpers {
+    group: Group,
+    stop: Trigger,
+}
+
+struct Supervisor {
+    /// The config the daemon runs on (a reload's, with what cannot change live kept from the start).
+    config: Config,
+    threads: Threads,
+    parts: Parts,
+    connector: Arc<Connector>,
+    lanes: Arc<LaneSet>,
+    serving: Vec<Serving>,
+    helpers: Option<Helpers>,
+    /// Groups a reload stopped: their threads' ends are expected.
+    stopping: HashSet<Group>,
+    next_group: Group,
+}
+
+impl Supervisor {
+    /// Starts everything, then serves until `stop` (returns `None`) or a thread's unexpected end (its error).
+    fn run(
+        &mut self,
+        stop: &Receiver<()>,
+        reload: &Receiver<()>,
+        events: &Receiver<Event>,
+    ) -> Option<DaemonError> {
+        if let Err(error) = self.start() {
+            return Some(error);
+        }
+        tracing::info!(
+            redis = %self.config.redis.describe(),
+            queues = ?self.config.queues.iter().map(|q| q.name.as_str()).collect::<Vec<_>>(),
+            daemon = %self.parts.daemon_id,
+            "kmqd started"
+        );
+        // Every lane runs, Redis answered and let this user do all the daemon does: ready (Type=notify).
+        notify::ready(&notify::summary(&self.lanes.snapshot()));
+        // Run until told to stop, or until a thread ends on its own (a bug: stop rather than run crippled).
+        loop {
+            select! {
+                recv(stop) -> _ => return None,
+                recv(reload) -> message => {
+                    if message.is_ok() {
+                        self.reload();
+                    }
+                }
+                recv(events) -> event => {
+                    // `threads` holds a sender, so the channel cannot disconnect here.
+                    let Ok(Event::Exited { id, panicked }) = event else { continue };
+                    if let Some(error) = self.exited(id, panicked) {
+                        return Some(error);
+                    }
+                }
+            }
+        }
     }
-    let fetcher = Fetcher::new(
-        Arc::clone(&lane),
-        parts.session(&format!("fetcher-{name}")),
-        parts.claiming.clone(),
-        jobs_tx,
-    );
-    threads.spawn(format!("kmqd-fetcher-{name}"), Role::Fetcher, move || {
-        fetcher.run()
-    })?;
-    let (nudge_tx, nudge_rx) = crossbeam_channel::bounded(1);
-    let poller = DelayPoller {
-        queue: Arc::clone(queue),
-        connection: parts.session(&format!("delay-{name}")),
-        nudges: nudge_rx,
-        background: parts.background.clone(),
-    };
-    threads.spawn(format!("kmqd-delay-{name}"), Role::Other, move || {
-        poller.run()
-    })?;
-    Ok((lane, nudge_tx))
+
+    /// Starts every lane and the per-daemon threads.
+    fn start(&mut self) -> Result<(), DaemonError> {
+        for queue in self.config.queues.clone() {
+            self.start_lane(&queue)?;
+        }
+        let heartbeat = Heartbeat {
+            lanes: Arc::clone(&self.lanes),
+            connector: Arc::clone(&self.connector),
+            background: self.parts.background.listener(),
+        };
+        self.threads
+            .spawn("kmqd-heartbeat".to_string(), Role::Other, 0, move || {
+                heartbeat.run()
+            })?;
+        let timeouts = Timeouts {
+            lanes: Arc::clone(&self.lanes),
+            stop: self.parts.background.listener(),
+        };
+        self.threads
+            .spawn("kmqd-timeouts".to_string(), Role::Other, 0, move || {
+                timeouts.run()
+            })?;
+        self.start_helpers()?;
+        if let Some(addr) = self.config.daemon.metrics_addr {
+            let (listener, bound) =
+                metrics::bind(addr).map_err(|source| DaemonError::Metrics { addr, source })?;
+            let (view, refresher) = metrics::snapshot::refresher(
+                Arc::clone(&self.lanes),
+                self.parts.session("metrics"),
+                self.parts.background.listener(),
+            );
+            let metrics = Metrics::new(
+                listener,
+                Arc::clone(&self.lanes),
+                view,
+                self.parts.background.listener(),
+            )
+            .map_err(|source| DaemonError::Metrics { addr, source })?;
+            // The bound address, not the configured one: with port 0 this line is how to find the endpoint.
+            tracing::info!(addr = %bound, "metrics on http://{bound}/metrics");
+            self.threads.spawn(
+                "kmqd-metrics-redis".to_string(),
+                Role::Other,
+                0,
+                move || refresher.run(),
+            )?;
+            self.threads
+                .spawn("kmqd-metrics".to_string(), Role::Other, 0, move || {
+                    metrics.run()
+                })?;
+        }
+        if notify::enabled() {
+            let notifier = notify::Notifier {
+                lanes: Arc::clone(&self.lanes),
+                redis: self.config.redis.clone(),
+                stop: self.parts.claiming.listener(),
+            };
+            self.threads
+                .spawn("kmqd-notify".to_string(), Role::Other, 0, move || {
+                    notifier.run()
+                })?;
+        }
+        Ok(())
+    }
+
+    fn new_group(&mut self) -> Group {
+        self.next_group += 1;
+        self.next_group
+    }
+
+    /// Starts one queue's lane (acker, workers, fetcher) and its delay poller. The lanes started with the daemon
+    /// have the names a daemon without reloads always had; a reload's lanes add their group to their owner and
+    /// settler identities, which must never be used twice in this daemon run (a queue's old lane may still
+    /// finish beside its new one, and a queue removed and added again must not reuse an owner id).
+    fn start_lane(&mut self, queue: &QueueConfig) -> Result<(), DaemonError> {
+        let group = self.new_group();
+        let parts = &self.parts;
+        let context = Arc::new(QueueContext::new(&self.config, queue, &parts.daemon_id));
+        // The helpers start after the first lanes: none yet means the daemon is starting.
+        let at_start = self.helpers.is_none();
+        let instance = if at_start {
+            parts.instance.clone()
+        } else {
+            format!("{}-r{group}", parts.instance)
+        };
+        let name = &queue.name;
+        let (lane, outcomes) = Lane::new(Arc::clone(&context), &instance, parts.epoch);
+        let lane = Arc::new(lane);
+        let (claiming, stop) = (Trigger::new(), Trigger::new());
+        let acker = Acker {
+            lane: Arc::clone(&lane),
+            plugins: Arc::clone(&parts.plugins),
+            connection: parts.session(&format!("acker-{name}")),
+            outcomes,
+            settler: Settler::new(format!("{instance}:acker")).with_pulse(lane.acker_pulse.clone()),
+            background: parts.background.listener(),
+        };
+        self.threads.spawn(
+            format!("kmqd-acker-{name}"),
+            Role::Acker,
+            group,
+            move || acker.run(),
+        )?;
+        // As many jobs as the lane may hold tasks: a send to a worker never waits for room.
+        let (jobs_tx, jobs_rx) = crossbeam_channel::bounded(queue.workers + queue.prefetch);
+        for index in 0..queue.workers {
+            let worker = Worker {
+                lane: Arc::clone(&lane),
+                plugins: Reader::new(Arc::clone(&parts.plugins)),
+                claiming: claiming.listener(),
+                jobs: jobs_rx.clone(),
+                outcomes: lane.outcome_sender(),
+            };
+            self.threads.spawn(
+                format!("kmqd-worker-{name}-{index}"),
+                Role::Worker,
+                group,
+                move || worker.run(),
+            )?;
+        }
+        let fetcher = Fetcher::new(
+            Arc::clone(&lane),
+            parts.session(&format!("fetcher-{name}")),
+            claiming.listener(),
+            jobs_tx,
+        );
+        self.threads.spawn(
+            format!("kmqd-fetcher-{name}"),
+            Role::Fetcher,
+            group,
+            move || fetcher.run(),
+        )?;
+        let (nudges, nudge_rx) = crossbeam_channel::bounded(1);
+        let poller = DelayPoller {
+            queue: context,
+            connection: parts.session(&format!("delay-{name}")),
+            nudges: nudge_rx,
+            background: stop.listener(),
+        };
+        self.threads.spawn(
+            format!("kmqd-delay-{name}"),
+            Role::Other,
+            group,
+            move || poller.run(),
+        )?;
+        self.lanes.add(Arc::clone(&lane));
+        self.serving.push(Serving {
+            lane,
+            group,
+            claiming,
+            stop,
+            nudges,
+            retiring: false,
+        });
+        Ok(())
+    }
+
+    /// Starts the monitor, the delay listener and the scheduler on the lanes now served, and stops the ones a
+    /// previous call started.
+    fn start_helpers(&mut self) -> Result<(), DaemonError> {
+        let first = self.helpers.is_none();
+        if let Some(old) = self.helpers.take() {
+            old.stop.fire();
+            self.stopping.insert(old.group);
+        }
+        let group = self.new_group();
+        let stop = Trigger::new();
+        let serving: Vec<&Serving> = self.serving.iter().filter(|s| !s.retiring).collect();
+        let contexts: Vec<Arc<QueueContext>> =
+            serving.iter().map(|s| Arc::clone(&s.lane.queue)).collect();
+        let instance = &self.parts.instance;
+        // The first monitor's settling identity is the one a daemon without reloads always had.
+        let settler = if first {
+            format!("{instance}:monitor")
+        } else {
+            format!("{instance}:monitor-r{group}")
+        };
+        let monitor = Monitor {
+            queues: contexts
+                .iter()
+                .map(|queue| Watched::new(Arc::clone(queue), Settler::new(settler.clone())))
+                .collect(),
+            connection: self.parts.session("monitor"),
+            plugins: Arc::clone(&self.parts.plugins),
+            background: stop.listener(),
+        };
+        self.threads.spawn(
+            "kmqd-monitor".to_string(),
+            Role::Monitor,
+            group,
+            move || monitor.run(),
+        )?;
+        let listener = DelayListener {
+            connector: Arc::clone(&self.connector),
+            pollers: serving
+                .iter()
+                .map(|s| (s.lane.queue.keys.delay_channel.clone(), s.nudges.clone()))
+                .collect(),
+            background: stop.listener(),
+        };
+        self.threads.spawn(
+            "kmqd-delay-listener".to_string(),
+            Role::Other,
+            group,
+            move || listener.run(),
+        )?;
+        if !self.config.schedules.is_empty() {
+            let schedules = self
+                .config
+                .schedules
+                .iter()
+                .map(|schedule| {
+                    // Validation made sure every schedule names a configured queue.
+                    let queue = contexts
+                        .iter()
+                        .find(|q| q.config.name == schedule.queue)
+                        .expect("schedule's queue exists");
+                    (schedule.clone(), Arc::clone(queue))
+                })
+                .collect();
+            let scheduler =
+                Scheduler::new(schedules, self.parts.session("scheduler"), stop.listener());
+            self.threads.spawn(
+                "kmqd-scheduler".to_string(),
+                Role::Other,
+                group,
+                move || scheduler.run(),
+            )?;
+        }
+        if self.config.reports() {
+            let reporter = report::Reporter::new(
+                contexts.clone(),
+                self.parts.session("report"),
+                self.config.daemon.report_interval,
+                stop.listener(),
+            );
+            self.threads
+                .spawn("kmqd-report".to_string(), Role::Other, group, move || {
+                    reporter.run()
+                })?;
+        }
+        self.helpers = Some(Helpers { group, stop });
+        Ok(())
+    }
+
+    /// A thread ended while the daemon serves: expected when a reload stopped its group (a replaced lane that
+    /// has settled everything then releases its owner), an error otherwise.
+    fn exited(&mut self, id: u64, panicked: bool) -> Option<DaemonError> {
+        let (name, group) = self.threads.exited(id)?;
+        if !self.stopping.contains(&group) {
+            let how = if panicked {
+                "panicked"
+            } else {
+                "ended unexpectedly"
+            };
+            tracing::error!(thread = %name, "{how}; shutting down");
+            return Some(DaemonError::ThreadDied { name, how });
+        }
+        if panicked {
+            tracing::error!(thread = %name, "panicked while a reload stopped it");
+        }
+        let Some(index) = self.serving.iter().position(|s| s.group == group) else {
+            if self.threads.count_in(group, &[Role::Monitor, Role::Other]) == 0 {
+                self.stopping.remove(&group);
+            }
+            return None;
+        };
+        // A lane is done once its fetcher stopped and its acker settled all it held (workers stuck in a handler
+        // may live on: they hold nothing).
+        if self.threads.count_in(group, &[Role::Fetcher, Role::Acker]) == 0 {
+            let serving = self.serving.remove(index);
+            release_owners(std::slice::from_ref(&serving.lane), &self.parts.pool);
+            self.lanes.remove(&serving.lane);
+            serving.stop.fire();
+            tracing::info!(queue = %serving.lane.name(), "the replaced lane settled everything and stopped");
+        }
+        None
+    }
+
+    /// Stops a lane the way the shutdown stops every lane, without a deadline: no new tasks, jobs not started
+    /// handed back, running ones finish and are settled; then its owner is released ([`Supervisor::exited`]).
+    fn retire(&mut self, index: usize) {
+        let serving = &mut self.serving[index];
+        serving.retiring = true;
+        serving.claiming.fire();
+        self.stopping.insert(serving.group);
+        mark_draining(std::slice::from_ref(&serving.lane), &self.parts.pool);
+    }
+
+    /// Re-reads the config file and applies it, or refuses it and keeps the running one.
+    fn reload(&mut self) {
+        tracing::info!(config = %self.config.path.display(), "SIGHUP: reloading the config");
+        notify::reloading("reloading the config");
+        match self.try_reload() {
+            Ok(summary) => tracing::info!("config reloaded: {summary}"),
+            Err(why) => {
+                tracing::error!("reload refused, still serving the config loaded before: {why}")
+            }
+        }
+        notify::ready(&notify::summary(&self.lanes.snapshot()));
+    }
+
+    /// The reload itself; the error is what `kmqd check-config` would print.
+    fn try_reload(&mut self) -> Result<String, String> {
+        let new = Config::load(&self.config.path).map_err(|error| error.to_string())?;
+        let (registry, plugin_changes) = Registry::reload(&new, &self.parts.plugins.current())
+            .map_err(|error| format!("{}: {error}", new.path.display()))?;
+        let plan = reload::plan(&self.config, &new);
+        self.check_new_queues(&plan)?;
+        for refused in registry.refused() {
+            tracing::error!("{}: {refused}; the file is skipped", new.path.display());
+        }
+        let needs_restart: Vec<&String> = plan
+            .needs_restart
+            .iter()
+            .chain(&plugin_changes.needs_restart)
+            .collect();
+        for key in &needs_restart {
+            tracing::warn!("needs a restart: {key}; kept as it runs");
+        }
+        // Tasks that start from now on run on the new plugins; running ones finish on the old, whose instances
+        // no longer referenced are shut down when their last task returns.
+        drop(self.parts.plugins.replace(registry));
+        if new.daemon.log_level != self.config.daemon.log_level {
+            crate::daemon::log_filter::set(&new.daemon.log_level);
+        }
+        let queues_changed = plan.queues_changed();
+        self.config = plan.config.clone();
+        for name in plan.changed.iter().chain(&plan.removed) {
+            if let Some(index) = self
+                .serving
+                .iter()
+                .position(|s| !s.retiring && s.lane.name() == name)
+            {
+                self.retire(index);
+            }
+        }
+        for name in plan.changed.iter().chain(&plan.added) {
+            let queue = self.config.queue(name).expect("planned from it").clone();
+            if let Err(error) = self.start_lane(&queue) {
+                tracing::error!(queue = %name, %error, "cannot start the new lane");
+            }
+        }
+        if queues_changed {
+            if let Err(error) = self.start_helpers() {
+                tracing::error!(%error, "cannot start the monitor, delay listener or scheduler again");
+            }
+        }
+        let mut summary: Vec<String> = plan.changes.clone();
+        let list = |what: &str, names: &[String]| format!("{what} {}", names.join(", "));
+        if !plan.added.is_empty() {
+            summary.push(list("queues started:", &plan.added));
+        }
+        if !plan.removed.is_empty() {
+            summary.push(list("queues stopped:", &plan.removed));
+        }
+        if plan.schedules_changed {
+            summary.push("schedules replaced".to_string());
+        }
+        for path in &plugin_changes.loaded {
+            summary.push(format!("plugin loaded: {}", path.display()));
+        }
+        if !needs_restart.is_empty() {
+            let keys: Vec<&str> = needs_restart.iter().map(|k| k.as_str()).collect();
+            summary.push(format!("needs a restart: {}", keys.join(", ")));
+        }
+        if summary.is_empty() {
+            summary.push("nothing changed".to_string());
+        }
+        Ok(summary.join("; "))
+    }
+
+    /// The checks the start makes on every queue, for the queues a reload adds: the ACL user may serve them and
+    /// their keys are of this protocol version. Redis down refuses the reload too: it cannot be checked.
+    fn check_new_queues(&self, plan: &reload::Plan) -> Result<(), String> {
+        if plan.added.is_empty() {
+            return Ok(());
+        }
+        let mut connection = self
+            .connector
+            .connect()
+            .map_err(|error| format!("cannot check the new queues in Redis: {error}"))?;
+        for name in &plan.added {
+            let queue = plan.config.queue(name).expect("planned from it");
+            let keys = broker::QueueKeys::for_queue(&plan.config.redis.key_prefix, queue);
+            access::check(&mut connection, &keys, access::Action::Serve)
+                .and_then(|()| broker::check_protocol(&mut connection, &keys, name))
+                .map_err(|error| format!("queue {name}: {error}"))?;
+        }
+        Ok(())
+    }
+
+    /// The staged shutdown (the module's doc), over every lane, replaced ones still finishing included.
+    fn shut_down(&mut self, events: &Receiver<Event>) {
+        let config = &self.config;
+        tracing::info!(grace = ?config.daemon.shutdown_grace, "stopping: no new tasks are taken");
+        notify::stopping(&format!(
+            "stopping: no new tasks are taken; running ones get shutdown_grace ({})",
+            humantime::format_duration(config.daemon.shutdown_grace)
+        ));
+        self.parts.claiming.fire();
+        for serving in &self.serving {
+            serving.claiming.fire();
+        }
+        let lanes: Vec<Arc<Lane>> = self.serving.iter().map(|s| Arc::clone(&s.lane)).collect();
+        let stopping_at = Instant::now();
+        // After `stopping_at`: a Redis that is slow to answer must not stretch the handlers' grace.
+        mark_draining(&lanes, &self.parts.pool);
+        let threads = &mut self.threads;
+        let workers_done = threads.wait_for(
+            events,
+            &[Role::Worker],
+            stopping_at + config.daemon.shutdown_grace,
+        );
+        if !workers_done {
+            for lane in &lanes {
+                lane.hand_back_unresolved();
+            }
+        }
+        // A fetcher still in Redis (a blocked pop, a claim) hands back what it brings itself; the ackers wait for
+        // it (a lane is drained only once its fetcher stopped), so nothing it takes is lost.
+        let longest_poll = lanes.iter().map(|l| l.queue.config.idle_poll).max();
+        let fetchers_deadline = stopping_at + longest_poll.unwrap_or_default() + FETCHER_DEADLINE;
+        if !threads.wait_for(events, &[Role::Fetcher], fetchers_deadline) {
+            tracing::error!(
+                "a fetcher is still waiting for Redis; what it claims returns through its lease"
+            );
+        }
+        if !threads.wait_for(events, &[Role::Acker], Instant::now() + SETTLE_DEADLINE) {
+            tracing::error!(
+                "outcomes still unsettled after {SETTLE_DEADLINE:?}; safe-mode tasks run again once their leases expire"
+            );
+        }
+        release_owners(&lanes, &self.parts.pool);
+        self.parts.background.fire();
+        for serving in &self.serving {
+            serving.stop.fire();
+        }
+        if let Some(helpers) = &self.helpers {
+            helpers.stop.fire();
+        }
+        let background_deadline = Instant::now() + BACKGROUND_DEADLINE;
+        threads.wait_for(
+            events,
+            &[Role::Acker, Role::Monitor, Role::Other],
+            background_deadline,
+        );
+        let handlers = threads.count(&[Role::Worker]);
+        let hooks = threads.count(&[Role::Acker, Role::Monitor]);
+        if handlers > 0 {
+            tracing::warn!(
+                handlers,
+                "handlers still running after shutdown_grace ignored their cancel flag; plugin shutdown skipped"
+            );
+        } else if hooks > 0 {
+            tracing::warn!(
+                threads = hooks,
+                "an acker or the monitor is still in a final-failure hook or waiting for Redis; plugin shutdown skipped"
+            );
+        } else {
+            self.parts.plugins.current().shutdown();
+        }
+        tracing::info!("kmqd stopped");
+    }
 }
 
 /// Marks this daemon's owners as draining (`kmqd workers` shows it) as its graceful stop begins. Best effort,

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use crate::broker::{self, Fence, Session, Settlement, Token, TokenId};
 use crate::daemon::settler::Settler;
-use crate::plugin::Registry;
+use crate::plugin::Plugins;
 use crate::policy::Verdict;
 use crate::queue::QueueContext;
 use crate::retry::Trouble;
@@ -58,7 +58,7 @@ struct Expired {
 pub struct Monitor {
     pub queues: Vec<Watched>,
     pub connection: Session,
-    pub registry: Arc<Registry>,
+    pub plugins: Arc<Plugins>,
     pub background: Listener,
 }
 
@@ -219,7 +219,7 @@ impl Monitor {
             .count();
         for (hook, applied) in hooks.iter().zip(settled.applied) {
             if let (Some(hook), Some(true)) = (hook, applied) {
-                settlement::run_dead_hook(&self.registry, &queue.config.name, hook);
+                settlement::run_dead_hook(&self.plugins.current(), &queue.config.name, hook);
             }
         }
         Ok(Some((held.len(), recovered)))

@@ -1,6 +1,7 @@
 //! systemd's notify protocol (sd_notify(3), `Type=notify` in systemd/kmqd.service), through the `sd-notify`
 //! crate: `READY=1` once the daemon serves (plugins loaded, Redis answered, the ACL and protocol checks passed,
-//! every lane started), `STATUS=` lines for `systemctl status`, `STOPPING=1` when the graceful shutdown begins,
+//! every lane started), `STATUS=` lines for `systemctl status`, `RELOADING=1` (with `MONOTONIC_USEC=`) and
+//! `READY=1` around a reload, `STOPPING=1` when the graceful shutdown begins,
 //! and, when systemd asks for it (`WatchdogSec=`, which sets `WATCHDOG_USEC`), `WATCHDOG=1` at half that interval
 //! for as long as [`super::watchdog`] finds nothing wedged.
 //!
@@ -14,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use sd_notify::NotifyState;
 
-use super::lane::Lane;
+use super::lane::{self, Lane, LaneSet};
 use super::watchdog::{Bounds, Sample, Watchdog, Wedge};
 use crate::shutdown::Listener;
 
@@ -58,6 +59,15 @@ pub fn stopping(text: &str) {
     send(&[NotifyState::Stopping, NotifyState::Status(text)]);
 }
 
+/// `RELOADING=1` with `MONOTONIC_USEC=` (sd_notify(3): systemd matches the reload's end, `READY=1`, to it), and a
+/// status line.
+pub fn reloading(text: &str) {
+    match NotifyState::monotonic_usec_now() {
+        Ok(now) => send(&[NotifyState::Reloading, now, NotifyState::Status(text)]),
+        Err(_) => send(&[NotifyState::Reloading, NotifyState::Status(text)]),
+    }
+}
+
 /// "serving 3 queues, 12 tasks held" (", 1 worker stuck" when some are).
 pub fn summary(lanes: &[Arc<Lane>]) -> String {
     // The table of held tasks, not `Capacity::held`, which also counts what an idle fetcher reserved for the
@@ -66,9 +76,13 @@ pub fn summary(lanes: &[Arc<Lane>]) -> String {
     let stuck: usize = lanes.iter().map(|lane| lane.capacity.stuck_workers()).sum();
     let plural =
         |n: usize, one: &str, many: &str| format!("{n} {}", if n == 1 { one } else { many });
+    // A queue whose lane a reload replaced has two for a moment: it is still one queue.
+    let mut queues: Vec<&str> = lanes.iter().map(|lane| lane.name()).collect();
+    queues.sort_unstable();
+    queues.dedup();
     let mut text = format!(
         "serving {}, {} held",
-        plural(lanes.len(), "queue", "queues"),
+        plural(queues.len(), "queue", "queues"),
         plural(held, "task", "tasks")
     );
     if stuck > 0 {
@@ -84,9 +98,9 @@ pub fn summary(lanes: &[Arc<Lane>]) -> String {
 /// daemon makes progress or is idle. It stops when the daemon stops claiming: `STOPPING=1` has been sent then,
 /// and systemd's watchdog no longer applies to a stopping unit.
 pub struct Notifier {
-    pub lanes: Vec<Arc<Lane>>,
-    /// Each lane's bounds, in the order of `lanes`.
-    pub bounds: Vec<Bounds>,
+    pub lanes: Arc<LaneSet>,
+    /// For each lane's bounds (`lane::stall_bounds`); `[redis]` does not change while the daemon runs.
+    pub redis: crate::config::RedisConfig,
     pub stop: Listener,
 }
 
@@ -95,15 +109,19 @@ impl Notifier {
         // WATCHDOG_USEC, set by systemd for WatchdogSec= (and WATCHDOG_PID, which must be ours).
         let interval = sd_notify::watchdog_enabled();
         let start = Instant::now();
-        let mut watchdog = interval.map(|_| {
-            Watchdog::new(
-                self.lanes
-                    .iter()
-                    .zip(&self.bounds)
-                    .map(|(lane, bounds)| (lane.name().to_string(), *bounds)),
-                start,
-            )
-        });
+        let watch = |lanes: &[Arc<Lane>], now: Instant| {
+            interval.map(|_| {
+                Watchdog::new(
+                    lanes.iter().map(|lane| {
+                        let bounds: Bounds = lane::stall_bounds(&self.redis, &lane.queue.config);
+                        (lane.name().to_string(), bounds)
+                    }),
+                    now,
+                )
+            })
+        };
+        let mut lanes = self.lanes.snapshot();
+        let mut watchdog = watch(&lanes, start);
         let ping_every = interval.map(|interval| interval / 2);
         if let Some(interval) = interval {
             tracing::info!(
@@ -117,9 +135,15 @@ impl Notifier {
         let mut wedged: Vec<Wedge> = Vec::new();
         loop {
             let now = Instant::now();
+            let current = self.lanes.snapshot();
+            if !Arc::ptr_eq(&current, &lanes) {
+                // A reload replaced lanes: watch the new set from now on.
+                lanes = current;
+                watchdog = watch(&lanes, now);
+            }
             let mut changed = false;
             if let (Some(watchdog), Some(ping_every)) = (watchdog.as_mut(), ping_every) {
-                let samples: Vec<Sample> = self.lanes.iter().map(|lane| sample(lane)).collect();
+                let samples: Vec<Sample> = lanes.iter().map(|lane| sample(lane)).collect();
                 let wedges = watchdog.look(now, &samples);
                 changed = wedges.is_empty() != wedged.is_empty();
                 if changed {
@@ -134,7 +158,7 @@ impl Notifier {
             if changed || now >= last_status + STATUS_EVERY {
                 last_status = now;
                 match wedged.first() {
-                    None => status(&summary(&self.lanes)),
+                    None => status(&summary(&lanes)),
                     Some(wedge) => status(&format!("wedged, not pinging the watchdog: {wedge}")),
                 }
             }

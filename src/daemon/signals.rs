@@ -1,5 +1,5 @@
-//! Signals: SIGTERM and SIGINT ask the daemon to stop gracefully (a second one exits at once); SIGHUP is logged and
-//! ignored, so that a `systemctl reload` or a closed terminal cannot kill a daemon that does not reload yet.
+//! Signals: SIGTERM and SIGINT ask the daemon to stop gracefully (a second one exits at once); SIGHUP asks it to
+//! re-read its config (`daemon::reload`; several SIGHUPs before the reload ran are one reload).
 
 use crossbeam_channel::Sender;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
@@ -8,9 +8,11 @@ use signal_hook::iterator::Signals;
 /// Starts the `kmqd-signals` thread. The first SIGTERM or SIGINT is forwarded to `stop`; a second one exits the
 /// process immediately with 128 + its number (safe-mode tasks in flight are recovered when their leases expire).
 ///
+/// Every SIGHUP is forwarded to `reload` (a bounded channel: one waiting reload covers the SIGHUPs after it).
+///
 /// The thread blocks in the signal iterator for the life of the process and is never joined: nothing waits for
 /// it, and the process exits from `main` when the daemon has stopped.
-pub fn forward(stop: Sender<()>) -> std::io::Result<()> {
+pub fn forward(stop: Sender<()>, reload: Sender<()>) -> std::io::Result<()> {
     let mut signals = Signals::new([SIGTERM, SIGINT, SIGHUP])?;
     std::thread::Builder::new()
         .name("kmqd-signals".to_string())
@@ -18,10 +20,8 @@ pub fn forward(stop: Sender<()>) -> std::io::Result<()> {
             let mut seen = 0;
             for signal in signals.forever() {
                 if signal == SIGHUP {
-                    tracing::warn!(
-                        signal,
-                        "SIGHUP: this kmqd does not reload its config; ignored (restart it to apply a new one)"
-                    );
+                    // Full: a reload is already waiting, and it reads the file as it is by then.
+                    let _ = reload.try_send(());
                     continue;
                 }
                 seen += 1;

@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::lane::Lane;
+use super::lane::{Lane, LaneSet};
 use crate::shutdown::Listener;
 
 /// How often timeouts are checked; a run is cancelled at most this late.
@@ -22,7 +22,7 @@ const TICK: Duration = Duration::from_millis(100);
 pub const STUCK_AFTER: Duration = Duration::from_secs(1);
 
 pub struct Timeouts {
-    pub lanes: Vec<Arc<Lane>>,
+    pub lanes: Arc<LaneSet>,
     /// Fires when the ackers stop taking outcomes: timeouts are no longer enforced after that.
     pub stop: Listener,
 }
@@ -30,7 +30,7 @@ pub struct Timeouts {
 impl Timeouts {
     pub fn run(self) {
         loop {
-            for lane in &self.lanes {
+            for lane in self.lanes.snapshot().iter() {
                 check(lane);
             }
             if self.stop.wait(TICK) {

@@ -4,14 +4,22 @@
 //! long as the library, `handle` is thread-safe, buffers are host-owned, and nothing unwinds across the boundary.
 //! A library is never unloaded (its threads or thread-locals may outlive a call), so every pointer into it stays
 //! valid until the process exits.
+//!
+//! A library is opened through a file descriptor that is never closed (`/proc/self/fd/N`): the dynamic loader
+//! hands back an already-loaded library when the *name* matches, so loading a replaced file (a new inode at the
+//! same path, `install` or `mv`) by its path would silently return the old code. A descriptor number that is never
+//! closed is never reused, so each load has a name of its own; the descriptor also pins the inode that was
+//! checked, so the library loaded is the file whose identity the registry recorded.
 #![allow(unsafe_code)]
 // Every unsafe block says why it is sound; the lint keeps it so.
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 use std::ffi::{c_char, c_void};
 use std::mem::ManuallyDrop;
+use std::os::fd::IntoRawFd;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicU32;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
 use kmq_plugin::abi::{
@@ -33,11 +41,17 @@ pub struct LoadedPlugin {
     pub path: PathBuf,
     /// The task types it handles.
     pub types: Vec<String>,
+    /// The device and inode of the file that was loaded: a file replaced at the same path is another plugin.
+    pub identity: (u64, u64),
+    /// The `config` table its `init` was given, as JSON text.
+    pub config_json: String,
     handle: HandleFn,
     on_dead: Option<OnDeadFn>,
     shutdown: Option<ShutdownFn>,
     /// Whatever `init` returned; only ever passed back to the plugin.
     state: *mut c_void,
+    /// Whether `shutdown` has run: it runs once, from [`LoadedPlugin::shutdown`] or when the last reference goes.
+    shut_down: AtomicBool,
     /// Never dropped: unloading a library that may still have threads or thread-locals alive is undefined.
     _library: ManuallyDrop<libloading::Library>,
 }
@@ -98,13 +112,20 @@ pub fn load(path: &Path, section: &str, config_json: &str) -> Result<LoadedPlugi
         path: path.to_owned(),
         problem: problem.to_string(),
     };
+    let file = std::fs::File::open(path).map_err(|error| open(error.to_string()))?;
+    let metadata = file.metadata().map_err(|error| open(error.to_string()))?;
+    let identity = (metadata.dev(), metadata.ino());
+    let by_descriptor = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&file));
     // SAFETY: loading a library runs its initialisers. That is the point of a plugin; the caller made sure only
     // root or the daemon's own user could have put this file there.
-    let library = unsafe { libloading::Library::new(path) }.map_err(|error| {
+    let library = unsafe { libloading::Library::new(&by_descriptor) }.map_err(|error| {
         open(format!(
             "{error}; it must be a shared library (.so) built for this machine"
         ))
     })?;
+    // Loaded under the descriptor's name: it stays open for the life of the process (see the module's doc), one
+    // descriptor per library ever loaded.
+    let _ = file.into_raw_fd();
     // Never unloaded, not even when refused below: its initialisers ran, and may have started threads or
     // registered thread-locals whose code must stay mapped.
     let library = ManuallyDrop::new(library);
@@ -157,10 +178,13 @@ pub fn load(path: &Path, section: &str, config_json: &str) -> Result<LoadedPlugi
         name,
         path: path.to_owned(),
         types,
+        identity,
+        config_json: config_json.to_string(),
         handle,
         on_dead,
         shutdown,
         state,
+        shut_down: AtomicBool::new(false),
         _library: library,
     })
 }
@@ -242,11 +266,24 @@ impl LoadedPlugin {
         }
     }
 
-    /// Calls the plugin's shutdown. The caller guarantees no `handle` is running or will run.
+    /// Calls the plugin's shutdown, once. The caller guarantees no `handle` is running or will run.
     pub fn shutdown(&self) {
+        if self.shut_down.swap(true, Ordering::SeqCst) {
+            return;
+        }
         if let Some(shutdown) = self.shutdown {
-            // SAFETY: called once, after the last handle returned (the daemon's shutdown sequence).
+            // SAFETY: called once (the flag above), after the last handle returned (the daemon's shutdown
+            // sequence, or the last reference going: see `Drop`).
             unsafe { shutdown(self.state) };
         }
+    }
+}
+
+/// The last reference to a plugin went: nothing can call into it any more (every caller, a worker's task, an
+/// acker's or the monitor's hook, holds a reference for the call), so its `shutdown` runs now, if it has not. This
+/// is how a plugin replaced by a reload is shut down once its last task finished; the library stays mapped.
+impl Drop for LoadedPlugin {
+    fn drop(&mut self) {
+        self.shutdown();
     }
 }

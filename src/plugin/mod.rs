@@ -1,12 +1,14 @@
-//! The plugin registry: loads every `[plugins.NAME]` of the config and maps each task type to its plugin.
+//! The plugin registry: loads every `[plugins.NAME]` of the config and every drop-in `.so` of `plugins_dir`, and
+//! maps each task type to its plugin; [`Plugins`] is the snapshot a reload swaps.
 
 mod ffi;
 
+use std::cell::{Ref, RefCell};
 use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 
 pub use ffi::{LoadedPlugin, MESSAGE_CAPACITY, Run, Status};
 
@@ -70,11 +72,32 @@ fn same_as(path: &Path, other: &Path) -> String {
     }
 }
 
-/// The loaded plugins, by task type.
+/// The loaded plugins, by task type: one snapshot. A reload builds a new one (reusing every plugin whose file did
+/// not change) and swaps it into [`Plugins`]; a task runs on the snapshot its worker took when it started.
 pub struct Registry {
     plugins: Vec<Arc<LoadedPlugin>>,
     by_type: HashMap<String, Arc<LoadedPlugin>>,
-    shut_down: AtomicBool,
+    /// Drop-in files that were refused (and so skipped): reported by their file name.
+    refused: Vec<PluginError>,
+}
+
+/// What a reload found out about the plugins besides the new set.
+#[derive(Debug, Default)]
+pub struct Changes {
+    /// Plugins loaded afresh (new files, or files replaced by a new inode), by their file's path.
+    pub loaded: Vec<PathBuf>,
+    /// `plugins.NAME.config` keys whose table changed for a plugin already loaded from the same file: the running
+    /// instance keeps its config until a restart.
+    pub needs_restart: Vec<String>,
+}
+
+/// Where a plugin comes from: a `[plugins.NAME]` section, or a drop-in file of `plugins_dir` no section names.
+struct Source<'a> {
+    section: String,
+    path: PathBuf,
+    configured: PathBuf,
+    config_json: &'a str,
+    drop_in: bool,
 }
 
 impl Registry {
@@ -83,52 +106,122 @@ impl Registry {
         Registry {
             plugins: Vec::new(),
             by_type: HashMap::new(),
-            shut_down: AtomicBool::new(false),
+            refused: Vec::new(),
         }
     }
 
-    /// Loads every plugin the config names. The first refusal stops the load: a daemon with a missing handler
-    /// would dead-letter that handler's tasks.
+    /// Loads every plugin the config names, then every other `.so` of `plugins_dir` (a drop-in, with an empty
+    /// config). A refused `[plugins.NAME]` stops the load: a daemon with a missing handler would dead-letter that
+    /// handler's tasks. A refused drop-in is skipped and kept in [`Registry::refused`]: one bad file copied into
+    /// the directory does not keep every other handler from serving.
     pub fn load(config: &Config) -> Result<Registry, PluginError> {
+        Registry::reload(config, &Registry::empty()).map(|(registry, _)| registry)
+    }
+
+    /// As [`Registry::load`], reusing every plugin of `old` whose file (device and inode) is the same: its
+    /// instance keeps serving, with the config it was given (a changed config is reported in
+    /// [`Changes::needs_restart`]). A file replaced by a new inode is loaded afresh. A drop-in refused here while
+    /// `old` had its file loaded under the same path keeps the old instance.
+    pub fn reload(config: &Config, old: &Registry) -> Result<(Registry, Changes), PluginError> {
         let mut registry = Registry::empty();
+        let mut changes = Changes::default();
         // Each file once: by canonical path (symbolic links) and by device and inode (hard links), since the
         // dynamic loader would hand back the already-loaded library and `init` would run twice on it.
         let mut files: HashMap<(u64, u64), (String, PathBuf)> = HashMap::new();
+        let mut sources = Vec::new();
         for plugin in &config.plugins {
-            let path = canonical(plugin)?;
-            let identity = identity(&path)?;
-            check_trusted(&path, &plugin.file)?;
-            if let Some((first, first_path)) = files.get(&identity) {
-                return Err(PluginError::DuplicateFile {
-                    first: first.clone(),
-                    second: plugin.name.clone(),
-                    path: first_path.clone(),
-                    other_path: path,
-                });
-            }
-            files.insert(identity, (plugin.name.clone(), path.clone()));
-            let loaded = Arc::new(ffi::load(&path, &plugin.name, &plugin.config_json)?);
-            if loaded.types.is_empty() {
-                return Err(PluginError::NoTypes { path });
-            }
-            for kind in &loaded.types {
-                if let Some(first) = registry.by_type.get(kind) {
-                    if Arc::ptr_eq(first, &loaded) {
-                        // The plugin listed the type twice; it is still one owner.
-                        continue;
+            sources.push(Source {
+                section: plugin.name.clone(),
+                path: canonical(plugin)?,
+                configured: plugin.file.clone(),
+                config_json: &plugin.config_json,
+                drop_in: false,
+            });
+        }
+        sources.extend(drop_ins(&config.daemon.plugins_dir));
+        for source in sources {
+            match registry.add(&source, old, &mut files, &mut changes) {
+                Ok(()) => {}
+                Err(error) if source.drop_in => {
+                    // The instance loaded from this path before, if any, keeps serving its types.
+                    if let Some(previous) = old.plugins.iter().find(|p| p.path == source.path) {
+                        // Unless its types went to another plugin meanwhile: then nothing of it is kept.
+                        let _ = registry.insert(previous);
                     }
+                    registry.refused.push(error);
+                }
+                Err(error) => return Err(error),
+            }
+        }
+        Ok((registry, changes))
+    }
+
+    /// Loads (or reuses from `old`) the plugin of `source` and maps its types.
+    fn add(
+        &mut self,
+        source: &Source<'_>,
+        old: &Registry,
+        files: &mut HashMap<(u64, u64), (String, PathBuf)>,
+        changes: &mut Changes,
+    ) -> Result<(), PluginError> {
+        let path = source.path.clone();
+        let identity = identity(&path)?;
+        if let Some((first, first_path)) = files.get(&identity) {
+            if source.drop_in {
+                // A drop-in that a section names (or a link to it): loaded once, under its section.
+                return Ok(());
+            }
+            return Err(PluginError::DuplicateFile {
+                first: first.clone(),
+                second: source.section.clone(),
+                path: first_path.clone(),
+                other_path: path,
+            });
+        }
+        check_trusted(&path, &source.configured)?;
+        files.insert(identity, (source.section.clone(), path.clone()));
+        let reused = old.plugins.iter().find(|p| p.identity == identity);
+        let loaded = match reused {
+            Some(previous) => {
+                if previous.config_json != source.config_json {
+                    changes
+                        .needs_restart
+                        .push(format!("plugins.{}.config", source.section));
+                }
+                Arc::clone(previous)
+            }
+            None => {
+                let loaded = Arc::new(ffi::load(&path, &source.section, source.config_json)?);
+                if loaded.types.is_empty() {
+                    return Err(PluginError::NoTypes { path });
+                }
+                changes.loaded.push(path.clone());
+                tracing::info!(plugin = %loaded.name, path = %path.display(), types = ?loaded.types, "plugin loaded");
+                loaded
+            }
+        };
+        self.insert(&loaded)
+    }
+
+    /// Maps the plugin's types to it, unless one already belongs to another plugin.
+    fn insert(&mut self, loaded: &Arc<LoadedPlugin>) -> Result<(), PluginError> {
+        for kind in &loaded.types {
+            if let Some(first) = self.by_type.get(kind) {
+                if !Arc::ptr_eq(first, loaded) {
                     return Err(PluginError::DuplicateType {
                         kind: kind.clone(),
                         first: first.path.clone(),
-                        second: path,
+                        second: loaded.path.clone(),
                     });
                 }
-                registry.by_type.insert(kind.clone(), Arc::clone(&loaded));
             }
-            tracing::info!(plugin = %loaded.name, path = %path.display(), types = ?loaded.types, "plugin loaded");
-            registry.plugins.push(loaded);
         }
-        Ok(registry)
+        for kind in &loaded.types {
+            // A type listed twice by one plugin is still one owner.
+            self.by_type.insert(kind.clone(), Arc::clone(loaded));
+        }
+        self.plugins.push(Arc::clone(loaded));
+        Ok(())
     }
 
     /// The plugin that handles `kind`.
@@ -136,20 +229,135 @@ impl Registry {
         self.by_type.get(kind).map(Arc::as_ref)
     }
 
-    /// The loaded plugins, in the order of their names in the config.
+    /// The loaded plugins: the config's sections in order, then the drop-ins by file name.
     pub fn plugins(&self) -> &[Arc<LoadedPlugin>] {
         &self.plugins
     }
 
-    /// Calls every plugin's shutdown, once. The caller guarantees that no handler runs any more.
+    /// The drop-in files that were refused, each error naming its file.
+    pub fn refused(&self) -> &[PluginError] {
+        &self.refused
+    }
+
+    /// Calls every plugin's shutdown (each runs once). The caller guarantees that no handler runs any more.
     pub fn shutdown(&self) {
-        if self.shut_down.swap(true, Ordering::SeqCst) {
-            return;
-        }
         for plugin in &self.plugins {
             plugin.shutdown();
         }
     }
+}
+
+/// The registry every worker, acker and the monitor read: one snapshot per task (or hook), swapped whole by a
+/// reload. A task that started on a snapshot finishes on it, so a replaced plugin's old instance serves its
+/// running tasks to the end, and is shut down when its last reference goes (`LoadedPlugin`'s `Drop`).
+///
+/// A `RwLock` around an `Arc`, written once per reload; the acker and the monitor read it once per hook. Workers,
+/// once per task, go through a [`Reader`]: one atomic load while nothing changed.
+pub struct Plugins {
+    current: RwLock<Arc<Registry>>,
+    /// Bumped by every [`Plugins::replace`]: a [`Reader`]'s cached snapshot is current while this is unchanged.
+    generation: AtomicU64,
+}
+
+impl Plugins {
+    pub fn new(registry: Arc<Registry>) -> Arc<Plugins> {
+        Arc::new(Plugins {
+            current: RwLock::new(registry),
+            generation: AtomicU64::new(0),
+        })
+    }
+
+    /// The registry now: the one a task starting now runs on.
+    pub fn current(&self) -> Arc<Registry> {
+        Arc::clone(
+            &self
+                .current
+                .read()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()),
+        )
+    }
+
+    /// Serves `registry` from now on; returns the one it replaces.
+    pub fn replace(&self, registry: Registry) -> Arc<Registry> {
+        let mut current = self
+            .current
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let old = std::mem::replace(&mut *current, Arc::new(registry));
+        // Under the lock, after the swap: a reader that sees the new generation reads the new registry.
+        self.generation.fetch_add(1, Ordering::Release);
+        old
+    }
+}
+
+/// One worker's view of [`Plugins`]: the snapshot it read last, kept while the generation is unchanged, so that a
+/// task costs one atomic load of a line nobody writes, instead of a read lock and a reference count every worker
+/// would bounce between cores (docs/PERFORMANCE.md, "Reloadable plugins"). A task that starts after a reload sees
+/// its generation and reads the new snapshot. The worker [`Reader::forget`]s its snapshot when it goes idle, so
+/// that an idle worker does not keep a replaced plugin from its shutdown.
+pub struct Reader {
+    plugins: Arc<Plugins>,
+    cached: RefCell<Option<(u64, Arc<Registry>)>>,
+}
+
+impl Reader {
+    pub fn new(plugins: Arc<Plugins>) -> Reader {
+        Reader {
+            plugins,
+            cached: RefCell::new(None),
+        }
+    }
+
+    /// The registry a task starting now runs on (held for the task: the snapshot cannot change under it).
+    pub fn current(&self) -> Ref<'_, Arc<Registry>> {
+        let generation = self.plugins.generation.load(Ordering::Acquire);
+        let stale = !matches!(&*self.cached.borrow(), Some((seen, _)) if *seen == generation);
+        if stale {
+            *self.cached.borrow_mut() = Some((generation, self.plugins.current()));
+        }
+        Ref::map(self.cached.borrow(), |cached| {
+            &cached.as_ref().expect("filled above").1
+        })
+    }
+
+    /// Drops the cached snapshot (the next task reads the current one).
+    pub fn forget(&self) {
+        self.cached.borrow_mut().take();
+    }
+}
+
+/// The drop-in files of `plugins_dir`: every `*.so` file (not a directory, not a hidden `.name.so`, which is how
+/// a copy in progress is best named), by file name. A directory that cannot be read has none.
+fn drop_ins(plugins_dir: &Path) -> Vec<Source<'static>> {
+    let Ok(entries) = std::fs::read_dir(plugins_dir) else {
+        return Vec::new();
+    };
+    let mut files: Vec<PathBuf> = entries
+        .filter_map(Result::ok)
+        .map(|entry| entry.path())
+        .filter(|path| {
+            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            name.ends_with(".so") && !name.starts_with('.') && path.is_file()
+        })
+        .collect();
+    files.sort();
+    files
+        .into_iter()
+        .map(|configured| {
+            let section = configured
+                .file_stem()
+                .map_or_else(String::new, |stem| stem.to_string_lossy().into_owned());
+            Source {
+                section,
+                path: configured
+                    .canonicalize()
+                    .unwrap_or_else(|_| configured.clone()),
+                configured,
+                config_json: "{}",
+                drop_in: true,
+            }
+        })
+        .collect()
 }
 
 fn canonical(plugin: &PluginConfig) -> Result<PathBuf, PluginError> {
@@ -219,4 +427,33 @@ fn check_trusted(path: &Path, configured: &Path) -> Result<(), PluginError> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reader_sees_a_replaced_registry_at_its_next_task_and_lets_go_of_the_old_one_when_idle() {
+        let plugins = Plugins::new(Arc::new(Registry::empty()));
+        let reader = Reader::new(Arc::clone(&plugins));
+        let first = Arc::clone(&reader.current());
+        assert!(Arc::ptr_eq(&first, &reader.current()), "cached");
+        let old = plugins.replace(Registry::empty());
+        assert!(Arc::ptr_eq(&first, &old));
+        let second = Arc::clone(&reader.current());
+        assert!(
+            !Arc::ptr_eq(&first, &second),
+            "the next task runs on the new one"
+        );
+        assert!(Arc::ptr_eq(&second, &plugins.current()));
+        drop(old);
+        assert_eq!(
+            Arc::strong_count(&first),
+            1,
+            "nobody else holds the old one"
+        );
+        reader.forget();
+        assert_eq!(Arc::strong_count(&second), 2, "the Plugins and this test");
+    }
 }

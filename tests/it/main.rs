@@ -19,6 +19,7 @@ mod priorities;
 mod protocol;
 mod queue_admin;
 mod redis_faults;
+mod reload;
 mod report;
 mod safe_mode;
 mod schedules;

@@ -7,7 +7,7 @@ use std::time::Duration;
 use kmqd::broker::{self, Fence, SettleOp, Settlement};
 use kmqd::daemon::monitor::{Monitor, Watched};
 use kmqd::daemon::settler::Settler;
-use kmqd::plugin::Registry;
+use kmqd::plugin::{Plugins, Registry};
 use kmqd::queue::QueueContext;
 use kmqd::{Config, NewTask};
 
@@ -363,7 +363,7 @@ fn monitor(config: &Config, queue: &Arc<QueueContext>, name: &str) -> Monitor {
             Settler::new(format!("test-{name}:monitor")),
         )],
         connection: broker::Session::new(broker::pool(&config.redis).unwrap()),
-        registry: Arc::new(Registry::empty()),
+        plugins: Plugins::new(Arc::new(Registry::empty())),
         background: kmqd::shutdown::Trigger::new().listener(),
     }
 }

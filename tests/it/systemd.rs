@@ -457,3 +457,45 @@ fn the_exposure_line_parses() {
     );
     assert_eq!(exposure("nothing"), None);
 }
+
+#[test]
+fn a_reload_says_reloading_with_its_monotonic_time_then_ready() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &safe_queue("workers = 1"));
+    let socket_path = dir.path("notify.sock");
+    let mut notify = NotifySocket::bind(&socket_path);
+    let mut daemon = Process::start_with_env(
+        &config,
+        dir.path("kmqd.log"),
+        &[("NOTIFY_SOCKET", socket_path.to_str().unwrap())],
+    );
+    notify.wait_for(Duration::from_secs(15), "READY=1", |line| line == "READY=1");
+    assert!(!notify.texts().contains(&"RELOADING=1"));
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, text.replace("workers = 1", "workers = 2")).unwrap();
+    daemon.signal(1);
+    eventually(Duration::from_secs(15), "RELOADING=1, then READY=1", || {
+        notify.poll();
+        let lines = notify.texts();
+        let reloading = lines.iter().position(|l| *l == "RELOADING=1");
+        let ready_after = reloading.is_some_and(|at| lines[at..].contains(&"READY=1"));
+        (ready_after, format!("{lines:?}"))
+    });
+    notify.read_for(Duration::from_millis(100));
+    let lines = notify.texts();
+    let reloading = lines.iter().position(|l| *l == "RELOADING=1").unwrap();
+    // Sent with RELOADING=1, in the same message (sd_notify(3)): the clock systemd compares it with.
+    let usec = lines[reloading + 1]
+        .strip_prefix("MONOTONIC_USEC=")
+        .unwrap_or_else(|| panic!("MONOTONIC_USEC= follows RELOADING=1: {lines:?}"));
+    assert!(usec.parse::<u64>().unwrap() > 0);
+    assert!(
+        lines[reloading..].contains(&"STATUS=serving 1 queue, 0 tasks held"),
+        "the old lane finishing is not another queue: {lines:?}"
+    );
+    assert!(!lines.iter().any(|l| l.contains("2 queues")), "{lines:?}");
+    assert!(daemon.log_text().contains("queues.jobs.workers 1 → 2"));
+    daemon.signal(15);
+    assert_eq!(daemon.wait_within(Duration::from_secs(30)), Some(0));
+}

@@ -64,10 +64,11 @@ fn a_task_of_an_unknown_type_is_retried_then_dead_lettered_after_retry_times_wit
 fn a_task_of_a_type_only_a_newer_daemon_handles_waits_for_it_and_runs_there() {
     let redis = RedisServer::start();
     let dir = TestDir::new();
-    // The old daemon: the testkit plugin only; it could retry the task for a long while.
+    // The old daemon: the testkit plugin and the echo drop-in, for type `echo` only; it could retry the task for
+    // a long while.
     let old = dir.config(&redis, &queue("safe", "retry_times = 1000"));
     let mut old_daemon = Process::start(&old, dir.path("old.log"));
-    let task = NewTask::new("echo", "{}").unwrap().id("new-type");
+    let task = NewTask::new("report.build", "{}").unwrap().id("new-type");
     assert!(client(&old).push("jobs", task).unwrap().is_accepted());
     eventually(
         Duration::from_secs(20),
@@ -78,10 +79,10 @@ fn a_task_of_a_type_only_a_newer_daemon_handles_waits_for_it_and_runs_there() {
         },
     );
     assert!(old_daemon.log_text().contains(WARNING));
-    // The newer daemon also loads the echo plugin, which handles the type.
+    // The newer daemon's echo plugin also handles the new type.
     let newer = dir.path("newer.toml");
-    let text =
-        std::fs::read_to_string(&old).unwrap() + "\n[plugins.echo]\nfile = \"libkmq_echo.so\"\n";
+    let text = std::fs::read_to_string(&old).unwrap()
+        + "\n[plugins.echo]\nfile = \"libkmq_echo.so\"\nconfig = { types = [\"echo\", \"report.build\"] }\n";
     std::fs::write(&newer, text).unwrap();
     let new_daemon = TestDaemon::start(&newer);
     let s = eventually(Duration::from_secs(20), "the task done", || {

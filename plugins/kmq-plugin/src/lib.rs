@@ -63,7 +63,8 @@ pub trait Handler: Send + Sync + Sized + 'static {
     /// A task of one of this plugin's types was dead-lettered (after it is safely in the dead-letter list).
     fn on_dead(&self, _task: &Task<'_>, _reason: &str) {}
 
-    /// Called once, after the last `handle` returned.
+    /// Called once, after the last `handle` (and `on_dead`) returned: when the daemon stops, or when a reload
+    /// replaced this instance by a new version of the file and its last task finished; from any thread.
     fn shutdown(&self) {}
 }
 

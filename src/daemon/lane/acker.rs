@@ -19,7 +19,7 @@ use super::Lane;
 use super::resolve::{Outcome, Resolution};
 use crate::broker::{Fence, Session, Settlement};
 use crate::daemon::settler::Settler;
-use crate::plugin::Registry;
+use crate::plugin::Plugins;
 use crate::settlement;
 use crate::shutdown::Listener;
 
@@ -31,7 +31,7 @@ pub const IDLE_CHECK: Duration = Duration::from_millis(50);
 
 pub struct Acker {
     pub lane: Arc<Lane>,
-    pub registry: Arc<Registry>,
+    pub plugins: Arc<Plugins>,
     pub connection: Session,
     pub outcomes: Receiver<Outcome>,
     pub settler: Settler,
@@ -141,7 +141,7 @@ impl Acker {
                 Some(true),
             ) = (&outcome.resolution, applied)
             {
-                settlement::run_dead_hook(&self.registry, &queue.config.name, hook);
+                settlement::run_dead_hook(&self.plugins.current(), &queue.config.name, hook);
                 // A batch may dead-letter many tasks, each hook a plugin call: only one that never returns is a hang.
                 lane.acker_pulse.beat();
             }

@@ -26,7 +26,7 @@ pub mod resolve;
 pub mod worker;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, TrySendError};
@@ -165,6 +165,58 @@ impl Lane {
     /// Whether the lane is done: the fetcher stopped and every task it claimed is settled or forgotten.
     pub fn drained(&self) -> bool {
         self.fetcher_done.load(Ordering::Acquire) && self.capacity.held() == 0
+    }
+}
+
+/// The lanes the daemon runs, as the per-daemon threads that act on every lane (heartbeat, timeouts, notify,
+/// metrics) see them: a reload adds a queue's new lane and, once a replaced or removed lane has settled
+/// everything and released its owner, takes the old one out. Each reader takes a snapshot per turn.
+#[derive(Debug, Default)]
+pub struct LaneSet {
+    lanes: RwLock<Arc<Vec<Arc<Lane>>>>,
+}
+
+impl LaneSet {
+    pub fn new(lanes: Vec<Arc<Lane>>) -> Arc<LaneSet> {
+        Arc::new(LaneSet {
+            lanes: RwLock::new(Arc::new(lanes)),
+        })
+    }
+
+    /// The lanes now, in the order they were started.
+    pub fn snapshot(&self) -> Arc<Vec<Arc<Lane>>> {
+        Arc::clone(&self.lanes.read().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// One lane per queue, the newest: while a reload replaces a queue's lane, the old one (finishing its running
+    /// tasks) is left out.
+    pub fn newest(&self) -> Vec<Arc<Lane>> {
+        let lanes = self.snapshot();
+        let mut newest: Vec<Arc<Lane>> = Vec::with_capacity(lanes.len());
+        for lane in lanes.iter() {
+            match newest.iter_mut().find(|l| l.name() == lane.name()) {
+                Some(slot) => *slot = Arc::clone(lane),
+                None => newest.push(Arc::clone(lane)),
+            }
+        }
+        newest
+    }
+
+    pub fn add(&self, lane: Arc<Lane>) {
+        let mut lanes = self.lanes.write().unwrap_or_else(|p| p.into_inner());
+        let mut next = Vec::clone(&lanes);
+        next.push(lane);
+        *lanes = Arc::new(next);
+    }
+
+    pub fn remove(&self, lane: &Arc<Lane>) {
+        let mut lanes = self.lanes.write().unwrap_or_else(|p| p.into_inner());
+        let next = lanes
+            .iter()
+            .filter(|l| !Arc::ptr_eq(l, lane))
+            .cloned()
+            .collect();
+        *lanes = Arc::new(next);
     }
 }
 

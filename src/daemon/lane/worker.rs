@@ -12,7 +12,7 @@ use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use super::Lane;
 use super::resolve::{Finished, Job, Outcome, Taken};
 use crate::daemon::metrics::observed::{TaskOutcome, TypeCache};
-use crate::plugin::{MESSAGE_CAPACITY, Registry, Run, Status};
+use crate::plugin::{MESSAGE_CAPACITY, Reader, Run, Status};
 use crate::policy::Verdict;
 use crate::settlement::Ran;
 use crate::shutdown::Listener;
@@ -23,7 +23,8 @@ const LEASE_POLL: Duration = Duration::from_millis(5);
 
 pub struct Worker {
     pub lane: Arc<Lane>,
-    pub registry: Arc<Registry>,
+    /// Read once per task: a reload's new plugins serve the tasks that start after it.
+    pub plugins: Reader,
     /// Fires when the daemon stops claiming: jobs still in the channel are handed back, not started.
     pub claiming: Listener,
     pub jobs: Receiver<Job>,
@@ -39,9 +40,11 @@ impl Worker {
             let job = match self.jobs.try_recv() {
                 Ok(job) => job,
                 Err(TryRecvError::Empty) => {
-                    // Nothing waiting: let the fetcher claim now rather than wait for a full batch.
+                    // Nothing waiting: let the fetcher claim now rather than wait for a full batch. Idle, the
+                    // worker keeps no plugin alive that a reload replaced.
                     self.lane.capacity.nudge();
                     types.ended(Instant::now());
+                    self.plugins.forget();
                     match self.jobs.recv() {
                         Ok(job) => job,
                         Err(_) => break,
@@ -126,7 +129,7 @@ impl Worker {
         if let Some(settlement) = outcome.settlement() {
             let kind = envelope.as_ref().map(|envelope| &*envelope.kind);
             types
-                .get(kind, |kind| self.registry.for_type(kind).is_some())
+                .get(kind, |kind| self.plugins.current().for_type(kind).is_some())
                 .count(TaskOutcome::of(settlement));
         }
         Some(outcome)
@@ -149,7 +152,8 @@ impl Worker {
         if let Some(reason) = queue.policy.too_old(envelope.created_at, now_ms) {
             return Verdict::Unrunnable { reason };
         }
-        let Some(plugin) = self.registry.for_type(&envelope.kind) else {
+        let registry = self.plugins.current();
+        let Some(plugin) = registry.for_type(&envelope.kind) else {
             let kind = capped(&envelope.kind, LOGGED_PAYLOAD_BYTES);
             if self.lane.first_unhandled(&envelope.kind) {
                 tracing::warn!(

@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use tiny_http::{Header, Method, Request, Response, Server};
 
-use super::lane::Lane;
+use super::lane::LaneSet;
 use crate::shutdown::Listener;
 use page::{Format, LaneNumbers};
 use snapshot::RedisView;
@@ -46,7 +46,7 @@ pub fn bind(addr: SocketAddr) -> std::io::Result<(TcpListener, SocketAddr)> {
 /// The `kmqd-metrics` thread.
 pub struct Metrics {
     server: Server,
-    lanes: Vec<Arc<Lane>>,
+    lanes: Arc<LaneSet>,
     redis: RedisView,
     background: Listener,
 }
@@ -55,7 +55,7 @@ impl Metrics {
     /// Serves on `listener` (tiny_http starts its connection threads now).
     pub fn new(
         listener: TcpListener,
-        lanes: Vec<Arc<Lane>>,
+        lanes: Arc<LaneSet>,
         redis: RedisView,
         background: Listener,
     ) -> std::io::Result<Metrics> {
@@ -107,6 +107,7 @@ impl Metrics {
     /// What the lanes know now.
     fn numbers(&self) -> Vec<LaneNumbers> {
         self.lanes
+            .newest()
             .iter()
             .map(|lane| LaneNumbers {
                 queue: Arc::from(lane.name()),

@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender, select};
 
 use super::observed::redis_error;
-use crate::broker::{self, QueueKeys, QueueStats, Session};
+use crate::broker::{self, QueueStats, Session};
+use crate::daemon::lane::LaneSet;
 use crate::shutdown::Listener;
 
 /// How long a scrape waits for Redis before it is answered without the Redis-derived part.
@@ -86,16 +87,17 @@ impl RedisView {
 
 /// The `kmqd-metrics-redis` thread.
 pub struct Refresher {
-    queues: Vec<QueueKeys>,
+    /// The queues are the lanes' (one per queue, the newest), read at every refresh: a reload adds or removes some.
+    lanes: Arc<LaneSet>,
     connection: Session,
     background: Listener,
     shared: Arc<Shared>,
     wake: Receiver<()>,
 }
 
-/// A refresher for `queues` and the view that asks it.
+/// A refresher for the queues of `lanes` and the view that asks it.
 pub fn refresher(
-    queues: Vec<QueueKeys>,
+    lanes: Arc<LaneSet>,
     connection: Session,
     background: Listener,
 ) -> (RedisView, Refresher) {
@@ -106,7 +108,7 @@ pub fn refresher(
         wake: wake_tx,
     };
     let refresher = Refresher {
-        queues,
+        lanes,
         connection,
         background,
         shared,
@@ -141,8 +143,9 @@ impl Refresher {
     }
 
     fn read(&mut self) -> broker::Result<Snapshot> {
-        let mut snapshot = Vec::with_capacity(self.queues.len());
-        for keys in &self.queues {
+        let lanes = self.lanes.newest();
+        let mut snapshot = Vec::with_capacity(lanes.len());
+        for keys in lanes.iter().map(|lane| &lane.queue.keys) {
             let connection = self.connection.get()?;
             let stats = broker::stats(connection, keys)?;
             let (now_ms, leases) = broker::owners(connection, keys)?;

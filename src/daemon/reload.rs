@@ -1,0 +1,286 @@
+//! What a reload (SIGHUP, `systemctl reload kmqd`) changes: the pure comparison of the running config with the
+//! new one. The supervisor (`daemon`) applies the [`Plan`]; docs/OPERATIONS.md ("Reloading") is the operator's
+//! view.
+//!
+//! Live: every queue setting but its mode (a queue whose settings changed gets a new lane: the old one stops the
+//! way a graceful shutdown stops it, finishing its running tasks, while the new one starts at once), new and
+//! removed queues, schedules, `shutdown_grace`, `plugins_dir`, `log_level`, and plugins (new files, replaced
+//! files). Not live, kept as they run and reported as "needs a restart: KEY": everything in `[redis]` (the
+//! connections, the pool, the key prefix are made at start), `metrics_addr`, `log_format`, a queue's `mode` (an
+//! owner registers its mode; a queue switching mode under its own tasks is a restart's job), and the config of a
+//! plugin already loaded from the same file (its `init` ran once; see `plugin::Registry::reload`).
+
+use crate::config::{Config, QueueConfig, RedisConfig};
+
+/// What to do with a new config, and the config that results (the new one, with what cannot change live kept
+/// from the running one).
+#[derive(Debug)]
+pub struct Plan {
+    pub config: Config,
+    /// Keys that changed but need a restart.
+    pub needs_restart: Vec<String>,
+    /// Queues in both configs whose settings changed: their lanes are replaced.
+    pub changed: Vec<String>,
+    /// Queues only in the new config: their lanes start.
+    pub added: Vec<String>,
+    /// Queues only in the running config: their lanes stop.
+    pub removed: Vec<String>,
+    /// What changed, one `KEY OLD → NEW` per key (for the summary line).
+    pub changes: Vec<String>,
+    /// Whether the `[[schedules]]` changed.
+    pub schedules_changed: bool,
+    /// Whether `[daemon] report_interval` changed (the reporter starts again with it).
+    pub reports_changed: bool,
+}
+
+impl Plan {
+    /// Whether the lanes, the queues' contexts, the schedules or the reports change: the per-daemon threads
+    /// that hold them (monitor, delay listener, scheduler, reporter) start again on the new set.
+    pub fn queues_changed(&self) -> bool {
+        !(self.changed.is_empty() && self.added.is_empty() && self.removed.is_empty())
+            || self.schedules_changed
+            || self.reports_changed
+    }
+}
+
+/// Compares the running config with a new one.
+pub fn plan(running: &Config, new: &Config) -> Plan {
+    let mut config = new.clone();
+    let mut needs_restart = redis_changes(&running.redis, &new.redis);
+    // The pool cannot grow: a reload that needs more connections than it holds (more queues, the reporter) says
+    // so. A pool_size the file changes otherwise (or the default computed from the queues) waits for a restart.
+    if new.connections_needed() > running.redis.pool_size {
+        needs_restart.push(format!(
+            "redis.pool_size (the new config needs {} connections, the pool holds {}; until a restart, threads \
+             wait for connections)",
+            new.connections_needed(),
+            running.redis.pool_size
+        ));
+    }
+    // Kept whole: the connections, pool and key names were made from it.
+    config.redis = running.redis.clone();
+    // `--metrics-addr` overrides the file, at a reload too.
+    if !running.daemon.metrics_addr_overridden
+        && running.daemon.metrics_addr != new.daemon.metrics_addr
+    {
+        needs_restart.push("daemon.metrics_addr".to_string());
+    }
+    config.daemon.metrics_addr = running.daemon.metrics_addr;
+    config.daemon.metrics_addr_overridden = running.daemon.metrics_addr_overridden;
+    if running.daemon.log_format != new.daemon.log_format {
+        needs_restart.push("daemon.log_format".to_string());
+        config.daemon.log_format = running.daemon.log_format;
+    }
+    let mut changes = Vec::new();
+    let mut daemon = |key: &str, old: String, new: String| {
+        if old != new {
+            changes.push(format!("daemon.{key} {old} → {new}"));
+        }
+    };
+    daemon(
+        "shutdown_grace",
+        humantime::format_duration(running.daemon.shutdown_grace).to_string(),
+        humantime::format_duration(new.daemon.shutdown_grace).to_string(),
+    );
+    daemon(
+        "plugins_dir",
+        running.daemon.plugins_dir.display().to_string(),
+        new.daemon.plugins_dir.display().to_string(),
+    );
+    daemon(
+        "log_level",
+        running.daemon.log_level.clone(),
+        new.daemon.log_level.clone(),
+    );
+    let interval = |config: &Config| {
+        config
+            .daemon
+            .report_interval
+            .map_or("off".to_string(), |every| {
+                humantime::format_duration(every).to_string()
+            })
+    };
+    let reports_changed = interval(running) != interval(new);
+    daemon("report_interval", interval(running), interval(new));
+    let (mut changed, mut added) = (Vec::new(), Vec::new());
+    for queue in &mut config.queues {
+        let Some(old) = running.queue(&queue.name) else {
+            added.push(queue.name.clone());
+            continue;
+        };
+        if old.mode != queue.mode {
+            needs_restart.push(format!("queues.{}.mode", queue.name));
+            queue.mode = old.mode;
+        }
+        let differences = queue_changes(old, queue);
+        if !differences.is_empty() {
+            changed.push(queue.name.clone());
+            changes.extend(differences);
+        }
+    }
+    let removed: Vec<String> = running
+        .queues
+        .iter()
+        .filter(|queue| new.queue(&queue.name).is_none())
+        .map(|queue| queue.name.clone())
+        .collect();
+    let schedules_changed = format!("{:?}", running.schedules) != format!("{:?}", new.schedules);
+    Plan {
+        config,
+        needs_restart,
+        changed,
+        added,
+        removed,
+        changes,
+        schedules_changed,
+        reports_changed,
+    }
+}
+
+/// `queues.NAME.KEY OLD → NEW` for every setting that differs (Debug forms: durations read `1s`, `250ms`).
+fn queue_changes(old: &QueueConfig, new: &QueueConfig) -> Vec<String> {
+    let mut out = Vec::new();
+    macro_rules! compare {
+        ($($field:ident),* $(,)?) => {
+            $(
+                let (before, after) = (format!("{:?}", old.$field), format!("{:?}", new.$field));
+                if before != after {
+                    out.push(format!("queues.{}.{} {before} → {after}", new.name, stringify!($field)));
+                }
+            )*
+        };
+    }
+    // Every field but `name` (the key) and `mode` (not live): a field added to QueueConfig must be added here,
+    // or a change of it would go unnoticed (the test below lists them).
+    compare!(
+        priorities,
+        default_priority,
+        workers,
+        batch,
+        prefetch,
+        lease_timeout,
+        execution_timeout,
+        alive_timeout,
+        retry_times,
+        on_handler_error,
+        backoff,
+        backoff_max,
+        dead_max,
+        foreign_type_field,
+        delay_batch,
+        max_task_bytes,
+        idle_poll,
+        lag_warn,
+    );
+    out
+}
+
+/// The `[redis]` keys that differ (none of them can change live).
+fn redis_changes(old: &RedisConfig, new: &RedisConfig) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut differs = |key: &str, differs: bool| {
+        if differs {
+            out.push(format!("redis.{key}"));
+        }
+    };
+    differs("url", old.url != new.url);
+    differs("deployment", old.deployment != new.deployment);
+    differs("username", old.username != new.username);
+    differs("password", old.password != new.password);
+    differs(
+        "tls",
+        old.tls.ca != new.tls.ca || old.tls.client != new.tls.client,
+    );
+    differs("wait_replicas", old.wait_replicas != new.wait_replicas);
+    differs("wait_timeout", old.wait_timeout != new.wait_timeout);
+    differs("key_prefix", old.key_prefix != new.key_prefix);
+    differs(
+        "connect_timeout",
+        old.connect_timeout != new.connect_timeout,
+    );
+    differs("io_timeout", old.io_timeout != new.io_timeout);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Config {
+        Config::parse(std::path::Path::new("kmqd.toml"), text).unwrap()
+    }
+
+    const BASE: &str = "[redis]\nurl = \"redis://127.0.0.1:7000\"\n[[queues]]\nname = \"mail\"\nmode = \"safe\"\n\
+                        workers = 2\n[[queues]]\nname = \"old\"\nmode = \"default\"\n";
+
+    #[test]
+    fn an_unchanged_config_changes_nothing() {
+        let plan = plan(&parse(BASE), &parse(BASE));
+        assert!(plan.needs_restart.is_empty() && plan.changes.is_empty());
+        assert!(!plan.queues_changed());
+    }
+
+    #[test]
+    fn queue_settings_change_live_and_the_mode_and_redis_need_a_restart() {
+        let new = parse(
+            "[redis]\nurl = \"redis://127.0.0.1:7001\"\nkey_prefix = \"other\"\n[[queues]]\nname = \"mail\"\n\
+             mode = \"default\"\nworkers = 8\n[[queues]]\nname = \"new\"\nmode = \"safe\"\n",
+        );
+        let plan = plan(&parse(BASE), &new);
+        assert_eq!(
+            plan.needs_restart,
+            ["redis.url", "redis.key_prefix", "queues.mail.mode"]
+        );
+        assert_eq!(plan.changed, ["mail"]);
+        assert_eq!(plan.added, ["new"]);
+        assert_eq!(plan.removed, ["old"]);
+        assert_eq!(
+            plan.changes,
+            ["queues.mail.workers 2 → 8", "queues.mail.prefetch 2 → 8",],
+            "prefetch defaults to workers"
+        );
+        let mail = plan.config.queue("mail").unwrap();
+        assert_eq!(
+            (mail.mode, mail.workers),
+            (crate::config::Mode::Safe, 8),
+            "the mode kept, the rest applied"
+        );
+        assert_eq!(plan.config.redis.url, "redis://127.0.0.1:7000");
+        assert_eq!(plan.config.redis.key_prefix, parse(BASE).redis.key_prefix);
+    }
+
+    #[test]
+    fn a_new_report_interval_restarts_the_reporter_and_the_cli_s_metrics_addr_is_kept() {
+        let mut running = parse(BASE);
+        running.daemon.metrics_addr = Some("127.0.0.1:9999".parse().unwrap());
+        running.daemon.metrics_addr_overridden = true;
+        let new = parse(&BASE.replace(
+            "[[queues]]\nname = \"mail\"",
+            "[daemon]\nreport_interval = \"1m\"\n[[queues]]\nname = \"mail\"",
+        ));
+        let plan = plan(&running, &new);
+        assert!(plan.reports_changed && plan.queues_changed());
+        assert_eq!(plan.changes, ["daemon.report_interval off → 1m"]);
+        assert!(
+            plan.needs_restart.is_empty(),
+            "--metrics-addr is not the file's to change: {:?}",
+            plan.needs_restart
+        );
+        assert_eq!(plan.config.daemon.metrics_addr, running.daemon.metrics_addr);
+    }
+
+    #[test]
+    fn every_queue_setting_is_compared() {
+        // Each field of QueueConfig but name and mode, changed alone, is reported (the Debug form names them).
+        let old = parse(BASE).queues[0].clone();
+        let fields = format!("{old:?}");
+        let compared = queue_changes(&old, &old);
+        assert!(compared.is_empty());
+        let listed = fields.matches(": ").count();
+        assert_eq!(
+            listed,
+            18 + 2,
+            "QueueConfig has a new field: compare it in queue_changes ({fields})"
+        );
+    }
+}
