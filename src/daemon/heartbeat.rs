@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use crate::broker::Conn;
 
 use super::lane::{Lane, LaneSet};
+use super::watchdog::Pulse;
 use crate::broker::{self, Connector, Renewal};
 use crate::retry::Trouble;
 use crate::shutdown::Listener;
@@ -27,12 +28,14 @@ pub const MIN_TIMEOUT: Duration = Duration::from_millis(50);
 pub struct Heartbeat {
     pub lanes: Arc<LaneSet>,
     pub connector: Arc<Connector>,
+    /// Beaten every turn: the watchdog's sign that the heartbeat is not hung (`daemon::watchdog`).
+    pub pulse: Pulse,
     /// Fires last: stop renewing.
     pub background: Listener,
 }
 
 /// The most the heartbeat sleeps between two looks.
-const MAX_SLEEP: Duration = Duration::from_secs(1);
+pub const MAX_SLEEP: Duration = Duration::from_secs(1);
 
 /// The heartbeat connection's read timeout for these lanes: a quarter of the shortest lease, at most the
 /// configured `io_timeout`.
@@ -55,6 +58,7 @@ impl Heartbeat {
         // Per lane (by its address: a reload adds and removes lanes): when to renew next, and its troubles.
         let mut renewals: HashMap<*const Lane, (Instant, Trouble)> = HashMap::new();
         loop {
+            self.pulse.beat();
             let lanes = self.lanes.snapshot();
             let wanted = read_timeout(&lanes);
             if wanted != timeout {

@@ -479,9 +479,11 @@ impl Supervisor {
         for queue in self.config.queues.clone() {
             self.start_lane(&queue)?;
         }
+        let heartbeat_pulse = watchdog::Pulse::default();
         let heartbeat = Heartbeat {
             lanes: Arc::clone(&self.lanes),
             connector: Arc::clone(&self.connector),
+            pulse: heartbeat_pulse.clone(),
             background: self.parts.background.listener(),
         };
         self.threads
@@ -528,6 +530,7 @@ impl Supervisor {
         if notify::enabled() {
             let notifier = notify::Notifier {
                 lanes: Arc::clone(&self.lanes),
+                heartbeat: heartbeat_pulse,
                 redis: self.config.redis.clone(),
                 stop: self.parts.claiming.listener(),
             };

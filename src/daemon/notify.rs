@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use sd_notify::NotifyState;
 
 use super::lane::{self, Lane, LaneSet};
-use super::watchdog::{Bounds, Sample, Watchdog, Wedge};
+use super::watchdog::{self, Bounds, Pulse, Sample, ThreadSample, Watchdog, Wedge};
 use crate::shutdown::Listener;
 
 /// How often `STATUS=` is refreshed while the daemon serves (at once when something becomes wedged or recovers).
@@ -99,6 +99,8 @@ pub fn summary(lanes: &[Arc<Lane>]) -> String {
 /// and systemd's watchdog no longer applies to a stopping unit.
 pub struct Notifier {
     pub lanes: Arc<LaneSet>,
+    /// The heartbeat's pulse: a hung heartbeat is a wedge too (its leases would run out).
+    pub heartbeat: Pulse,
     /// For each lane's bounds (`lane::stall_bounds`); `[redis]` does not change while the daemon runs.
     pub redis: crate::config::RedisConfig,
     pub stop: Listener,
@@ -144,7 +146,12 @@ impl Notifier {
             let mut changed = false;
             if let (Some(watchdog), Some(ping_every)) = (watchdog.as_mut(), ping_every) {
                 let samples: Vec<Sample> = lanes.iter().map(|lane| sample(lane)).collect();
-                let wedges = watchdog.look(now, &samples);
+                let heartbeat = ThreadSample {
+                    thread: "heartbeat",
+                    count: self.heartbeat.count(),
+                    bound: watchdog::heartbeat_bound(&self.redis, lanes.len()),
+                };
+                let wedges = watchdog.look(now, &samples, &[heartbeat]);
                 changed = wedges.is_empty() != wedged.is_empty();
                 if changed {
                     report(&wedges);

@@ -11,6 +11,9 @@
 //!   final-failure hook it runs). One whose pulse did not move for longer than its own [`Bounds`] (all its waits
 //!   and timeouts added up, so that a Redis that is down or slow does not count: waiting for it is what the
 //!   daemon should do) is stuck somewhere nothing bounds: a deadlock, a plugin hook that never returns;
+//! - the heartbeat (one per daemon, which renews every lane's lease) loops at least every second, each renewal
+//!   bounded by the same timeouts; it beats a [`Pulse`] every turn, and one silent for longer than
+//!   [`heartbeat_bound`] is wedged: its leases would run out while the daemon looks alive;
 //! - the workers are wedged when every one of them is stuck in a handler that ignored its cancel flag past
 //!   `execution_timeout` (the timeouts thread counts them, `Capacity::stuck_workers`): the queue can run
 //!   nothing until one returns, and only a restart ends a handler that never does. Busy workers are not
@@ -67,6 +70,12 @@ pub enum Wedge {
     },
     /// Every one of the queue's `workers` is stuck in a handler that ignored its cancel flag.
     Workers { queue: String, workers: usize },
+    /// A per-daemon thread (the heartbeat) whose pulse has not moved for `silent`, longer than its bound.
+    Thread {
+        thread: &'static str,
+        silent: Duration,
+        bound: Duration,
+    },
 }
 
 impl fmt::Display for Wedge {
@@ -87,6 +96,16 @@ impl fmt::Display for Wedge {
                 f,
                 "queue {queue}: every worker ({workers}) is stuck in a handler that ignores its cancel flag"
             ),
+            Wedge::Thread {
+                thread,
+                silent,
+                bound,
+            } => write!(
+                f,
+                "the {thread} has not moved for {}s (bound {}s)",
+                silent.as_secs(),
+                bound.as_secs()
+            ),
         }
     }
 }
@@ -96,10 +115,28 @@ impl fmt::Display for Wedge {
 /// gap proves nothing, and their clocks start again. The notify thread looks at least every second.
 pub const PAUSE_GAP: Duration = Duration::from_secs(5);
 
+/// How long the heartbeat may go without a beat: a turn's sleep (at most a second), then a renewal per lane,
+/// each a connection (`connect_timeout`), the script and its `WAIT` (`io_timeout` each, the read timeout being at
+/// most that, and `wait_timeout`). With the defaults and one queue: 26.1 s.
+pub fn heartbeat_bound(redis: &crate::config::RedisConfig, lanes: usize) -> Duration {
+    let renewal = redis.connect_timeout + redis.io_timeout * 2 + redis.wait_timeout;
+    super::heartbeat::MAX_SLEEP + renewal * lanes.max(1) as u32
+}
+
+/// A per-daemon thread at one look: its name, its pulse's count, and how long it may be silent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ThreadSample {
+    pub thread: &'static str,
+    pub count: u64,
+    pub bound: Duration,
+}
+
 /// The watchdog's memory: when each pulse was last seen to move.
 #[derive(Debug)]
 pub struct Watchdog {
     lanes: Vec<Watched>,
+    /// The per-daemon threads' pulses, in the order their samples come.
+    threads: Vec<Seen>,
     last_look: Instant,
 }
 
@@ -145,16 +182,44 @@ impl Watchdog {
                     acker: fresh,
                 })
                 .collect(),
+            threads: Vec::new(),
             last_look: now,
         }
     }
 
-    /// One look at every lane, `samples` in the order the lanes were given: what is wedged (nothing: the
-    /// daemon makes progress or is idle, and systemd may be told so).
-    pub fn look(&mut self, now: Instant, samples: &[Sample]) -> Vec<Wedge> {
+    /// One look at every lane, `samples` in the order the lanes were given, and at the per-daemon `threads`
+    /// (always given in the same order): what is wedged (nothing: the daemon makes progress or is idle, and
+    /// systemd may be told so).
+    pub fn look(
+        &mut self,
+        now: Instant,
+        samples: &[Sample],
+        threads: &[ThreadSample],
+    ) -> Vec<Wedge> {
         let paused = now.saturating_duration_since(self.last_look) > PAUSE_GAP;
         self.last_look = now;
         let mut wedges = Vec::new();
+        for (index, sample) in threads.iter().enumerate() {
+            if self.threads.len() <= index {
+                // First seen now: it counts as having just moved.
+                self.threads.push(Seen {
+                    count: sample.count,
+                    since: now,
+                });
+            }
+            let seen = &mut self.threads[index];
+            if paused {
+                seen.since = now;
+            }
+            let silent = seen.update(sample.count, now);
+            if silent > sample.bound {
+                wedges.push(Wedge::Thread {
+                    thread: sample.thread,
+                    silent,
+                    bound: sample.bound,
+                });
+            }
+        }
         for (lane, sample) in self.lanes.iter_mut().zip(samples) {
             if paused {
                 lane.fetcher.since = now;
@@ -227,7 +292,7 @@ mod tests {
     ) -> Vec<Wedge> {
         let mut last = Vec::new();
         for second in seconds {
-            last = watchdog.look(t0 + S * second as u32, &at(second));
+            last = watchdog.look(t0 + S * second as u32, &at(second), &[]);
         }
         last
     }
@@ -289,16 +354,16 @@ mod tests {
             stuck_workers: n,
             ..sample(1, 1)
         };
-        assert_eq!(dog.look(t0 + S, &[stuck(1), sample(1, 1)]), []);
+        assert_eq!(dog.look(t0 + S, &[stuck(1), sample(1, 1)], &[]), []);
         assert_eq!(
-            dog.look(t0 + 2 * S, &[sample(2, 2), stuck(2)]),
+            dog.look(t0 + 2 * S, &[sample(2, 2), stuck(2)], &[]),
             [Wedge::Workers {
                 queue: "img".to_string(),
                 workers: 2
             }]
         );
         assert_eq!(
-            dog.look(t0 + 3 * S, &[sample(3, 3), stuck(1)]),
+            dog.look(t0 + 3 * S, &[sample(3, 3), stuck(1)], &[]),
             [],
             "a handler returned"
         );
@@ -309,12 +374,66 @@ mod tests {
         let t0 = Instant::now();
         let mut dog = watchdog(t0);
         // The whole process was stopped for a minute: nothing moved, the watchdog did not look either.
-        assert_eq!(dog.look(t0 + 60 * S, &[sample(0, 0); 2]), []);
+        assert_eq!(dog.look(t0 + 60 * S, &[sample(0, 0); 2], &[]), []);
         // From then on, silence counts again.
         assert_eq!(looks(&mut dog, t0, 61..=65, |_| [sample(0, 0); 2]), []);
         let wedges = looks(&mut dog, t0, 66..=66, |_| [sample(0, 0); 2]);
         assert_eq!(wedges.len(), 2, "both ackers (5 s): {wedges:?}");
         let wedges = looks(&mut dog, t0, 67..=71, |_| [sample(0, 0); 2]);
         assert_eq!(wedges.len(), 4, "and both fetchers (10 s): {wedges:?}");
+    }
+
+    #[test]
+    fn a_silent_heartbeat_is_a_wedge_after_its_bound_and_a_beating_one_never() {
+        let t0 = Instant::now();
+        let mut dog = watchdog(t0);
+        let heartbeat = |count: u64| ThreadSample {
+            thread: "heartbeat",
+            count,
+            bound: 3 * S,
+        };
+        for second in 1..=30 {
+            let at = t0 + S * second;
+            let wedges = dog.look(
+                at,
+                &[sample(second as u64, second as u64); 2],
+                &[heartbeat(second as u64)],
+            );
+            assert_eq!(wedges, [], "beating, second {second}");
+        }
+        // It stops at 30: within its bound at 33, wedged at 34; the lanes are fine all along.
+        let lanes = |s: u64| [sample(s, s); 2];
+        assert_eq!(dog.look(t0 + 33 * S, &lanes(33), &[heartbeat(30)]), []);
+        let wedges = dog.look(t0 + 34 * S, &lanes(34), &[heartbeat(30)]);
+        assert_eq!(
+            wedges,
+            [Wedge::Thread {
+                thread: "heartbeat",
+                silent: 4 * S,
+                bound: 3 * S
+            }]
+        );
+        assert_eq!(
+            wedges[0].to_string(),
+            "the heartbeat has not moved for 4s (bound 3s)"
+        );
+        assert_eq!(
+            dog.look(t0 + 35 * S, &lanes(35), &[heartbeat(31)]),
+            [],
+            "it moves again"
+        );
+    }
+
+    #[test]
+    fn the_heartbeat_bound_adds_a_renewal_per_lane_to_a_turn() {
+        let config = crate::config::Config::parse(std::path::Path::new("k.toml"), "").unwrap();
+        assert_eq!(
+            heartbeat_bound(&config.redis, 1),
+            Duration::from_millis(26_100)
+        );
+        assert_eq!(
+            heartbeat_bound(&config.redis, 3),
+            Duration::from_millis(76_300)
+        );
     }
 }
