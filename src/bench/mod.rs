@@ -1,6 +1,7 @@
 //! `kmqd bench`: measures kmqd against a private redis-server it starts itself, with the real binary as daemon
-//! processes and the `testkit` plugin as a no-op handler, the way `../shared/bench/peers` measures the peers
-//! (enqueue first, then drain; drain rate = tasks left at the first poll that saw progress / time to empty).
+//! processes and the `testkit` plugin as a no-op handler (in the `handlers` scenario, one that sleeps or spins),
+//! the way `../shared/bench/peers` measures the peers (enqueue first, then drain; drain rate = tasks left at the
+//! first poll that saw progress / time to empty).
 //!
 //! Every figure is the median of `--runs` runs in this one session; docs/PERFORMANCE.md says how to read them.
 //! This module is a measuring tool: it reports, it never asserts a speed.
@@ -1146,6 +1147,17 @@ fn single_pushes(bench: &Bench, target: &Target<'_>) -> Result<Figure, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_shape_leaves_unset_keys_to_the_daemon() {
+        assert_eq!(Shape::out_of_the_box(64).keys(), "workers = 64\n");
+        let flags = Shape {
+            workers: 4,
+            batch: Some(1000),
+            prefetch: Some(4000),
+        };
+        assert_eq!(flags.keys(), "workers = 4\nbatch = 1000\nprefetch = 4000\n");
+    }
 
     #[test]
     fn percentiles_and_medians() {
