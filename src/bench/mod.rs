@@ -1,10 +1,12 @@
 //! `kmqd bench`: measures kmqd against a private redis-server it starts itself, with the real binary as daemon
-//! processes and the `testkit` plugin as a no-op handler, the way `../shared/bench/peers` measures the peers
-//! (enqueue first, then drain; drain rate = tasks left at the first poll that saw progress / time to empty).
+//! processes and the `testkit` plugin as a no-op handler (in the `handlers` scenario, one that sleeps or spins),
+//! the way `../shared/bench/peers` measures the peers (enqueue first, then drain; drain rate = tasks left at the
+//! first poll that saw progress / time to empty).
 //!
 //! Every figure is the median of `--runs` runs in this one session; docs/PERFORMANCE.md says how to read them.
 //! This module is a measuring tool: it reports, it never asserts a speed.
 
+mod handlers;
 pub mod peers;
 
 use std::collections::HashMap;
@@ -31,7 +33,7 @@ pub struct Options {
     pub runs: usize,
     /// Daemon process counts for the drain runs.
     pub daemons: Vec<usize>,
-    /// Scenarios: push, drain, wakeup, lateness, memory.
+    /// Scenarios (all when empty): see [`SCENARIOS`].
     pub only: Vec<String>,
     /// Handler threads per daemon.
     pub workers: usize,
@@ -49,7 +51,7 @@ pub struct Options {
     pub daemon: Option<PathBuf>,
 }
 
-pub const SCENARIOS: [&str; 7] = [
+pub const SCENARIOS: [&str; 8] = [
     "push",
     "drain",
     "kill",
@@ -57,6 +59,7 @@ pub const SCENARIOS: [&str; 7] = [
     "lateness",
     "memory",
     "deployments",
+    "handlers",
 ];
 
 /// How often the `kill` scenario disconnects every client of Redis (`CLIENT KILL TYPE normal`).
@@ -142,6 +145,38 @@ fn rss_kb(pid: u32) -> u64 {
         .find_map(|line| line.strip_prefix("VmRSS:"))
         .and_then(|value| value.split_whitespace().next()?.parse().ok())
         .unwrap_or(0)
+}
+
+/// A queue's `workers`, `batch` and `prefetch` in the daemons' config; `None` leaves a key at the daemon's
+/// default (the `handlers` scenario measures kmqd out of the box).
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    workers: usize,
+    batch: Option<usize>,
+    prefetch: Option<usize>,
+}
+
+impl Shape {
+    /// `workers` handler threads, `batch` and `prefetch` at the daemon's defaults.
+    fn out_of_the_box(workers: usize) -> Shape {
+        Shape {
+            workers,
+            batch: None,
+            prefetch: None,
+        }
+    }
+
+    /// The `[[queues]]` lines for these keys.
+    fn keys(&self) -> String {
+        let mut keys = format!("workers = {}\n", self.workers);
+        if let Some(batch) = self.batch {
+            let _ = writeln!(keys, "batch = {batch}");
+        }
+        if let Some(prefetch) = self.prefetch {
+            let _ = writeln!(keys, "prefetch = {prefetch}");
+        }
+        keys
+    }
 }
 
 /// The bench's workspace: a redis-server, a plugins dir with testkit, configs.
@@ -254,32 +289,39 @@ impl Bench {
         }
     }
 
-    /// Writes a config for one queue `q` in `mode` on the bench's own Redis; `record` makes the testkit write a
-    /// line per run.
-    fn config(&self, name: &str, mode: &str, record: Option<&Path>) -> Result<PathBuf, String> {
-        self.config_on(&self.own().section, name, mode, record)
+    /// The queue shape of the bench's flags (`--workers`, `--batch`, `--prefetch`).
+    fn shape(&self) -> Shape {
+        Shape {
+            workers: self.options.workers,
+            batch: Some(self.options.batch),
+            prefetch: Some(self.options.prefetch),
+        }
     }
 
-    /// As [`Bench::config`], with the `[redis]` keys given.
+    /// Writes a config for one queue `q` in `mode` on the bench's own Redis, shaped by the bench's flags;
+    /// `record` makes the testkit write a line per run.
+    fn config(&self, name: &str, mode: &str, record: Option<&Path>) -> Result<PathBuf, String> {
+        self.config_on(&self.own().section, name, mode, record, self.shape())
+    }
+
+    /// As [`Bench::config`], with the `[redis]` keys and the queue's shape given.
     fn config_on(
         &self,
         redis: &str,
         name: &str,
         mode: &str,
         record: Option<&Path>,
+        shape: Shape,
     ) -> Result<PathBuf, String> {
         let record = record.map_or(String::new(), |path| {
             format!("config = {{ record = \"{}\" }}", path.display())
         });
-        let o = &self.options;
         let text = format!(
             "[redis]\n{redis}\n\n[daemon]\nplugins_dir = \"{plugins}\"\nshutdown_grace = \"5s\"\nlog_level = \"warn\"\n\n\
-             [[queues]]\nname = \"q\"\nmode = \"{mode}\"\nworkers = {workers}\nbatch = {batch}\nprefetch = {prefetch}\n\
+             [[queues]]\nname = \"q\"\nmode = \"{mode}\"\n{shape}\
              lease_timeout = \"30s\"\n\n[plugins.testkit]\nfile = \"libkmq_testkit.so\"\n{record}\n",
             plugins = self.dir.path().join("plugins").display(),
-            workers = o.workers,
-            batch = o.batch,
-            prefetch = o.prefetch,
+            shape = shape.keys(),
         );
         let path = self.dir.path().join(format!("{name}.toml"));
         std::fs::write(&path, text).map_err(|e| e.to_string())?;
@@ -314,11 +356,16 @@ impl Bench {
 
     /// Pushes `n` no-op tasks (data `1`) with the library, in batches.
     fn fill(&self, client: &Client, n: usize) -> Result<(), String> {
-        let one = crate::task::data_from_str("1").expect("1 is JSON");
+        self.fill_with(client, n, "1")
+    }
+
+    /// Pushes `n` tasks with `data` (JSON: the testkit's behaviour) with the library, in batches.
+    fn fill_with(&self, client: &Client, n: usize, data: &str) -> Result<(), String> {
+        let data = crate::task::data_from_str(data).map_err(|e| format!("{data}: {e}"))?;
         let mut left = n;
         while left > 0 {
             let chunk = left.min(10_000);
-            let tasks = (0..chunk).map(|_| NewTask::with_data("test", one.clone()));
+            let tasks = (0..chunk).map(|_| NewTask::with_data("test", data.clone()));
             client.push_batch("q", tasks).map_err(|e| e.to_string())?;
             left -= chunk;
         }
@@ -407,6 +454,14 @@ pub fn run(options: Options, progress: &mut dyn Write) -> Result<Report, String>
             o.runs, o.tasks
         ));
         figures.extend(deployments(&bench)?);
+    }
+    if wants("handlers") {
+        say(format!(
+            "real handlers: sleeping (1, 10, 100 ms; 64 and 512 workers), spinning (50 µs; {cores} workers), \
+             a mix of fast and slow; both modes, {} runs...",
+            o.runs
+        ));
+        figures.extend(handlers::handlers(&bench, cores)?);
     }
     Ok(Report {
         redis_version,
@@ -549,6 +604,89 @@ impl Target<'_> {
     }
 }
 
+/// What one drain measured.
+struct DrainRun {
+    /// Tasks left at the first poll that saw progress ÷ the time from that poll until none was left.
+    rate: f64,
+    /// Daemon and Redis CPU over that window, µs per task.
+    daemon_cpu: f64,
+    redis_cpu: f64,
+    /// Peak RSS of all the daemons, MB.
+    rss_mb: f64,
+}
+
+/// One drain of `tasks.0` tasks with data `tasks.1` by `daemons` daemons started with `config`, once they are all
+/// pushed; with `kill_every`, every client of Redis is disconnected that often meanwhile.
+fn drain_once(
+    bench: &Bench,
+    target: &Target<'_>,
+    config: &Path,
+    daemons: usize,
+    (n, data): (usize, &str),
+    kill_every: Option<Duration>,
+) -> Result<DrainRun, String> {
+    let client = bench.client(config)?;
+    target.flush()?;
+    bench.fill_with(&client, n, data)?;
+    let mut processes: Vec<Daemon> = (0..daemons)
+        .map(|_| bench.daemon(config))
+        .collect::<Result<_, _>>()?;
+    let pids: Vec<u32> = processes.iter().map(Daemon::pid).collect();
+    let cpu = |pids: &[u32]| pids.iter().map(|pid| cpu_us(*pid)).sum::<u64>();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let mut first: Option<(Instant, u64, u64, u64)> = None;
+    let mut peak_rss = 0;
+    let mut killer = target
+        .holder
+        .connection()
+        .map_err(|e| format!("redis: {e}"))?;
+    let mut last_kill = Instant::now();
+    let end = loop {
+        if let Some(every) = kill_every {
+            if last_kill.elapsed() >= every {
+                last_kill = Instant::now();
+                let _: redis::RedisResult<i64> = redis::cmd("CLIENT")
+                    .arg(&["KILL", "TYPE", "normal", "SKIPME", "yes"][..])
+                    .query(&mut killer);
+            }
+        }
+        let (left, _) = remaining(&client)?;
+        peak_rss = peak_rss.max(pids.iter().map(|pid| rss_kb(*pid)).sum::<u64>());
+        if first.is_none() && left < n as u64 {
+            first = Some((
+                Instant::now(),
+                left,
+                cpu(&pids),
+                cpu_us(target.holder.pid()),
+            ));
+        }
+        if left == 0 {
+            break (Instant::now(), cpu(&pids), cpu_us(target.holder.pid()));
+        }
+        if Instant::now() > deadline {
+            return Err(format!("drain did not finish within 300 s ({left} left)"));
+        }
+        if let Some(status) = processes.iter_mut().find_map(Daemon::exited) {
+            return Err(format!(
+                "a daemon exited ({status}) with {left} tasks left; its log: {}",
+                bench.log().display()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    for daemon in processes {
+        daemon.stop();
+    }
+    let (t0, left0, daemon0, redis0) = first.expect("progress was seen before the end");
+    let seconds = end.0.duration_since(t0).as_secs_f64().max(1e-6);
+    Ok(DrainRun {
+        rate: left0 as f64 / seconds,
+        daemon_cpu: (end.1 - daemon0) as f64 / left0 as f64,
+        redis_cpu: (end.2 - redis0) as f64 / left0 as f64,
+        rss_mb: peak_rss as f64 / 1024.0,
+    })
+}
+
 /// A drain; with `kill_every`, every client of Redis is disconnected that often meanwhile, which a daemon must
 /// take as a blip (reconnect at once), not as an outage.
 fn drain_with(
@@ -558,69 +696,28 @@ fn drain_with(
     daemons: usize,
     kill_every: Option<Duration>,
 ) -> Result<Figure, String> {
-    let config = bench.config_on(&target.section, &format!("drain-{mode}"), mode, None)?;
-    let client = bench.client(&config)?;
-    let n = bench.options.tasks;
+    let config = bench.config_on(
+        &target.section,
+        &format!("drain-{mode}"),
+        mode,
+        None,
+        bench.shape(),
+    )?;
     let (mut rates, mut daemon_cpu, mut redis_cpu, mut rss) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..bench.options.runs {
-        target.flush()?;
-        bench.fill(&client, n)?;
-        let mut processes: Vec<Daemon> = (0..daemons)
-            .map(|_| bench.daemon(&config))
-            .collect::<Result<_, _>>()?;
-        let pids: Vec<u32> = processes.iter().map(Daemon::pid).collect();
-        let cpu = |pids: &[u32]| pids.iter().map(|pid| cpu_us(*pid)).sum::<u64>();
-        let deadline = Instant::now() + Duration::from_secs(300);
-        let mut first: Option<(Instant, u64, u64, u64)> = None;
-        let mut peak_rss = 0;
-        let mut killer = target
-            .holder
-            .connection()
-            .map_err(|e| format!("redis: {e}"))?;
-        let mut last_kill = Instant::now();
-        let end = loop {
-            if let Some(every) = kill_every {
-                if last_kill.elapsed() >= every {
-                    last_kill = Instant::now();
-                    let _: redis::RedisResult<i64> = redis::cmd("CLIENT")
-                        .arg(&["KILL", "TYPE", "normal", "SKIPME", "yes"][..])
-                        .query(&mut killer);
-                }
-            }
-            let (left, _) = remaining(&client)?;
-            peak_rss = peak_rss.max(pids.iter().map(|pid| rss_kb(*pid)).sum::<u64>());
-            if first.is_none() && left < n as u64 {
-                first = Some((
-                    Instant::now(),
-                    left,
-                    cpu(&pids),
-                    cpu_us(target.holder.pid()),
-                ));
-            }
-            if left == 0 {
-                break (Instant::now(), cpu(&pids), cpu_us(target.holder.pid()));
-            }
-            if Instant::now() > deadline {
-                return Err(format!("drain did not finish within 300 s ({left} left)"));
-            }
-            if let Some(status) = processes.iter_mut().find_map(Daemon::exited) {
-                return Err(format!(
-                    "a daemon exited ({status}) with {left} tasks left; its log: {}",
-                    bench.log().display()
-                ));
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        };
-        for daemon in processes {
-            daemon.stop();
-        }
-        let (t0, left0, daemon0, redis0) = first.expect("progress was seen before the end");
-        let seconds = end.0.duration_since(t0).as_secs_f64().max(1e-6);
-        rates.push(left0 as f64 / seconds);
-        daemon_cpu.push((end.1 - daemon0) as f64 / left0 as f64);
-        redis_cpu.push((end.2 - redis0) as f64 / left0 as f64);
-        rss.push(peak_rss as f64 / 1024.0);
+        let run = drain_once(
+            bench,
+            target,
+            &config,
+            daemons,
+            (bench.options.tasks, "1"),
+            kill_every,
+        )?;
+        rates.push(run.rate);
+        daemon_cpu.push(run.daemon_cpu);
+        redis_cpu.push(run.redis_cpu);
+        rss.push(run.rss_mb);
     }
     let name = match (&target.label, kill_every) {
         (_, Some(every)) => {
@@ -1015,7 +1112,13 @@ fn deployments(bench: &Bench) -> Result<Vec<Figure>, String> {
 
 /// `Client::push`, one task per round trip (5,000 of them), on `target`.
 fn single_pushes(bench: &Bench, target: &Target<'_>) -> Result<Figure, String> {
-    let config = bench.config_on(&target.section, "single-pushes", "safe", None)?;
+    let config = bench.config_on(
+        &target.section,
+        "single-pushes",
+        "safe",
+        None,
+        bench.shape(),
+    )?;
     let client = bench.client(&config)?;
     let one = crate::task::data_from_str("1").expect("1 is JSON");
     let mut rates = Vec::new();
@@ -1044,6 +1147,17 @@ fn single_pushes(bench: &Bench, target: &Target<'_>) -> Result<Figure, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_shape_leaves_unset_keys_to_the_daemon() {
+        assert_eq!(Shape::out_of_the_box(64).keys(), "workers = 64\n");
+        let flags = Shape {
+            workers: 4,
+            batch: Some(1000),
+            prefetch: Some(4000),
+        };
+        assert_eq!(flags.keys(), "workers = 4\nbatch = 1000\nprefetch = 4000\n");
+    }
 
     #[test]
     fn percentiles_and_medians() {

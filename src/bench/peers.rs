@@ -109,7 +109,38 @@ fn extra(figure: &Figure, name: &str) -> Option<f64> {
         .map(|(_, v)| *v)
 }
 
-/// The side-by-side table: kmqd's drain figures, every peer's, and Redis's own ceilings, with ratios.
+/// Peers that, like kmqd's default mode, lose a task in flight when their process dies: Sidekiq OSS fetches with
+/// `BRPOP` (the peers' README). Their like-for-like comparison is kmqd's default mode, in a table of its own.
+const AT_MOST_ONCE: [&str; 1] = ["sidekiq"];
+
+/// A kmqd drain figure as a table row's first six cells.
+fn kmqd_cells(figure: &Figure) -> String {
+    format!(
+        "| **kmqd** | {} | **{}** | {} | {} | {} |",
+        figure.name,
+        fmt(Some(figure.median)),
+        fmt(extra(figure, "daemon CPU µs/task")),
+        fmt(extra(figure, "redis CPU µs/task")),
+        fmt(extra(figure, "peak daemon RSS MB")),
+    )
+}
+
+/// A peer's drain row as a table row's first six cells.
+fn peer_cells(row: &PeerRow, rate: f64) -> String {
+    format!(
+        "| {} {} | {} | {} | {} | {} | {} |",
+        row.peer,
+        row.version.split_whitespace().next().unwrap_or(""),
+        row.config,
+        fmt(Some(rate)),
+        fmt(per_task(row.worker_cpu_pct, rate)),
+        fmt(per_task(row.redis_cpu_pct, rate)),
+        fmt(row.worker_rss_mb),
+    )
+}
+
+/// The side-by-side table: kmqd's drain figures, every peer's, and Redis's own ceilings, with ratios; then kmqd's
+/// default mode beside the at-most-once peers ([`AT_MOST_ONCE`]), when the peers' results have them.
 pub fn render(figures: &[Figure], peers: &[PeerRow]) -> String {
     let drains: Vec<&Figure> = figures.iter().filter(|f| f.scenario == "drain").collect();
     let best = |mode: &str| {
@@ -130,31 +161,44 @@ pub fn render(figures: &[Figure], peers: &[PeerRow]) -> String {
         "| system | configuration | drain tasks/s | worker CPU µs/task | Redis CPU µs/task | worker peak RSS MB | kmqd safe ÷ this | kmqd default ÷ this |\n|---|---|---:|---:|---:|---:|---:|---:|"
     );
     for figure in &drains {
-        let _ = writeln!(
-            out,
-            "| **kmqd** | {} | **{}** | {} | {} | {} | | |",
-            figure.name,
-            fmt(Some(figure.median)),
-            fmt(extra(figure, "daemon CPU µs/task")),
-            fmt(extra(figure, "redis CPU µs/task")),
-            fmt(extra(figure, "peak daemon RSS MB")),
-        );
+        let _ = writeln!(out, "{} | |", kmqd_cells(figure));
     }
     for row in peers.iter().filter(|row| row.drain.is_some()) {
         let rate = row.drain.unwrap_or(f64::NAN);
         let _ = writeln!(
             out,
-            "| {} {} | {} | {} | {} | {} | {} | {:.1}× | {:.1}× |",
-            row.peer,
-            row.version.split_whitespace().next().unwrap_or(""),
-            row.config,
-            fmt(Some(rate)),
-            fmt(per_task(row.worker_cpu_pct, rate)),
-            fmt(per_task(row.redis_cpu_pct, rate)),
-            fmt(row.worker_rss_mb),
+            "{} {:.1}× | {:.1}× |",
+            peer_cells(row, rate),
             best_safe / rate,
             best_default / rate,
         );
+    }
+    let at_most_once: Vec<&PeerRow> = peers
+        .iter()
+        .filter(|row| row.drain.is_some() && AT_MOST_ONCE.contains(&row.peer.as_str()))
+        .collect();
+    if !at_most_once.is_empty() {
+        let _ = writeln!(
+            out,
+            "\n## At-most-once: kmqd default mode and {}, this session\n",
+            AT_MOST_ONCE.join(", ")
+        );
+        let _ = writeln!(
+            out,
+            "| system | configuration | drain tasks/s | worker CPU µs/task | Redis CPU µs/task | worker peak RSS MB | kmqd default ÷ this |\n|---|---|---:|---:|---:|---:|---:|"
+        );
+        for figure in drains.iter().filter(|f| f.name.starts_with("default")) {
+            let _ = writeln!(out, "{} |", kmqd_cells(figure));
+        }
+        for row in at_most_once {
+            let rate = row.drain.unwrap_or(f64::NAN);
+            let _ = writeln!(
+                out,
+                "{} {:.1}× |",
+                peer_cells(row, rate),
+                best_default / rate
+            );
+        }
     }
     let ceilings: Vec<&PeerRow> = peers.iter().filter(|row| row.ops.is_some()).collect();
     if !ceilings.is_empty() {
@@ -204,11 +248,12 @@ mod tests {
             dir.path().join("summary.csv"),
             "peer,version,mode,N,runs,enqueue_jobs_per_s,process_jobs_per_s,worker_peak_rss_mb,worker_peak_pss_mb,worker_cpu_pct,redis_cpu_pct,redis_cmds_per_job,handler_calls,failed,startup_s,ops_per_s\n\
              redis-benchmark,redis-server 7.0.15,RPOP -P 32 -c 50,2000000,2,,,,,100,99,,,,,1940000\n\
-             bee-queue,\"2.0.0 (node_redis 3, node v20)\",\"process(50), 2 processes\",300000,2,152020,46080,172,130,120,47,9,300000,0,0.1,\n",
+             bee-queue,\"2.0.0 (node_redis 3, node v20)\",\"process(50), 2 processes\",300000,2,152020,46080,172,130,120,47,9,300000,0,0.1,\n\
+             sidekiq,\"6.4.1 (redis-rb 4.8.0, ruby 3.1.2)\",\"sidekiq -c 10, 2 processes\",180000,2,187700,31906.5,105.5,91.3,136.5,39.0,1.0,180000,0,0.1,\n",
         )
         .unwrap();
         let rows = load(dir.path()).unwrap();
-        assert_eq!(rows.len(), 2);
+        assert_eq!(rows.len(), 3);
         assert_eq!((rows[0].ops, rows[0].drain), (Some(1_940_000.0), None));
         assert_eq!(
             (
@@ -226,5 +271,63 @@ mod tests {
             "{table}"
         );
         assert!(table.contains("| RPOP -P 32 -c 50 | 1940000 |"), "{table}");
+        // No kmqd figures: no ratios to speak of, but Sidekiq's own table is there.
+        assert!(
+            table.contains("## At-most-once: kmqd default mode and sidekiq"),
+            "{table}"
+        );
+    }
+
+    #[test]
+    fn kmqd_default_mode_stands_beside_sidekiq() {
+        let rows = vec![
+            PeerRow {
+                peer: "sidekiq".into(),
+                version: "6.4.1 (redis-rb 4.8.0)".into(),
+                config: "sidekiq -c 10, 2 processes".into(),
+                drain: Some(32_000.0),
+                worker_cpu_pct: Some(136.0),
+                redis_cpu_pct: Some(40.0),
+                worker_rss_mb: Some(105.0),
+                ops: None,
+            },
+            PeerRow {
+                peer: "bee-queue".into(),
+                version: "2.0.0".into(),
+                config: "process(50), 2 processes".into(),
+                drain: Some(40_000.0),
+                worker_cpu_pct: None,
+                redis_cpu_pct: None,
+                worker_rss_mb: None,
+                ops: None,
+            },
+        ];
+        let drain = |name: &str, median: f64| Figure {
+            scenario: "drain".into(),
+            name: name.into(),
+            unit: "tasks/s".into(),
+            median,
+            runs: vec![median],
+            extra: vec![("daemon CPU µs/task".into(), 1.5)],
+        };
+        let figures = [
+            drain("safe mode, 1 daemon(s)", 400_000.0),
+            drain("default mode, 1 daemon(s)", 800_000.0),
+            drain("default mode, 2 daemon(s)", 960_000.0),
+        ];
+        let table = render(&figures, &rows);
+        let (_, at_most_once) = table
+            .split_once("## At-most-once: kmqd default mode and sidekiq, this session")
+            .expect(&table);
+        // kmqd's default-mode drains and Sidekiq only, the ratio against kmqd's best default-mode figure.
+        assert_eq!(
+            at_most_once.trim().lines().skip(2).collect::<Vec<_>>(),
+            [
+                "| **kmqd** | default mode, 1 daemon(s) | **800000** | 1.50 | - | - | |",
+                "| **kmqd** | default mode, 2 daemon(s) | **960000** | 1.50 | - | - | |",
+                "| sidekiq 6.4.1 | sidekiq -c 10, 2 processes | 32000 | 42.50 | 12.50 | 105 | 30.0× |",
+            ],
+            "{table}"
+        );
     }
 }

@@ -6,7 +6,7 @@ use super::{Failure, init_logging};
 
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
-    /// Tasks per drain run.
+    /// Tasks per drain run of no-op tasks (the handlers scenario sizes its own runs: about 3 s each).
     #[arg(long, default_value_t = 200_000)]
     pub tasks: usize,
     /// Runs per figure; the median is reported.

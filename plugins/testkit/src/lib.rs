@@ -1,7 +1,10 @@
 //! `testkit`: a plugin whose behaviour each task chooses through its `data`. Used by kmqd's tests and benchmarks.
 //!
 //! `data` is any JSON; when it is an object these keys are read (all optional):
-//! - `sleep_ms`: sleep this long first (in steps, stopping early when the host cancels the run);
+//! - `sleep_ms`: sleep this long first, in steps of at most 2 ms (the last one only as long as what is left, so
+//!   that a 1 ms sleep takes 1 ms, not 2), stopping early when the host cancels the run;
+//! - `sleep_us`: as `sleep_ms`, in microseconds (added to it): benchmarks of I/O-bound handlers;
+//! - `spin_us`: then keep the CPU busy this long (a CPU-bound handler), stopping early when cancelled;
 //! - `wait_for_file`: block until this path exists, or until the run is cancelled;
 //! - `until_cancelled`: block until the host cancels the run (execution timeout, shutdown);
 //! - `ignore_cancel`: make the blocking behaviours above ignore the cancel flag (a misbehaving handler);
@@ -38,6 +41,8 @@ struct Config {
 #[serde(default)]
 struct Behaviour {
     sleep_ms: u64,
+    sleep_us: u64,
+    spin_us: u64,
     wait_for_file: Option<String>,
     until_cancelled: bool,
     ignore_cancel: bool,
@@ -82,9 +87,16 @@ impl Testkit {
             Ok(behaviour) => behaviour,
             Err(error) => return Outcome::fail(format!("testkit: bad data: {error}")),
         };
-        if behaviour.sleep_ms > 0 {
-            let until = Instant::now() + Duration::from_millis(behaviour.sleep_ms);
-            self.block_until(task, &behaviour, || Instant::now() >= until);
+        let sleep =
+            Duration::from_millis(behaviour.sleep_ms) + Duration::from_micros(behaviour.sleep_us);
+        if !sleep.is_zero() {
+            sleep_until(task, &behaviour, Instant::now() + sleep);
+        }
+        if behaviour.spin_us > 0 {
+            let until = Instant::now() + Duration::from_micros(behaviour.spin_us);
+            while Instant::now() < until && (behaviour.ignore_cancel || !task.is_cancelled()) {
+                std::hint::spin_loop();
+            }
         }
         if let Some(path) = &behaviour.wait_for_file {
             self.block_until(task, &behaviour, || Path::new(path).exists());
@@ -109,6 +121,18 @@ impl Testkit {
             }
             other => Outcome::fail(format!("testkit: unknown outcome {other:?}")),
         }
+    }
+}
+
+/// Sleeps until `until` in steps of at most [`POLL`], looking at the cancel flag between steps; the last step
+/// sleeps only what is left, so a sleep shorter than a step is as precise as the OS's timer.
+fn sleep_until(task: &Task<'_>, behaviour: &Behaviour, until: Instant) {
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() || (!behaviour.ignore_cancel && task.is_cancelled()) {
+            return;
+        }
+        std::thread::sleep(left.min(POLL));
     }
 }
 
@@ -354,6 +378,46 @@ mod tests {
             cancel.cancel();
             assert_eq!(running.join().unwrap().status, Status::Done);
         });
+    }
+
+    #[test]
+    fn sleep_us_and_spin_us_take_at_least_their_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let harness = harness(&dir);
+        for (data, at_least) in [
+            (r#"{"sleep_us":3500}"#, Duration::from_micros(3500)),
+            (
+                r#"{"sleep_ms":1,"sleep_us":500}"#,
+                Duration::from_micros(1500),
+            ),
+            (r#"{"spin_us":2500}"#, Duration::from_micros(2500)),
+        ] {
+            let start = Instant::now();
+            assert_eq!(run(&harness, data).status, Status::Done, "{data}");
+            assert!(start.elapsed() >= at_least, "{data}: {:?}", start.elapsed());
+        }
+    }
+
+    #[test]
+    fn a_long_sleep_or_spin_returns_once_cancelled() {
+        let dir = tempfile::tempdir().unwrap();
+        let harness = harness(&dir);
+        for (i, data) in [r#"{"sleep_us":600000000}"#, r#"{"spin_us":600000000}"#]
+            .into_iter()
+            .enumerate()
+        {
+            let mut task = TestTask::new("test", data);
+            task.id = format!("long{i}");
+            let cancel = task.cancel.clone();
+            std::thread::scope(|scope| {
+                let running = scope.spawn(|| harness.run(task));
+                wait_for_records(&dir, "the run to start", |text| {
+                    text.contains(&format!("start long{i} 0 test"))
+                });
+                cancel.cancel();
+                assert_eq!(running.join().unwrap().status, Status::Done, "{data}");
+            });
+        }
     }
 
     #[test]
