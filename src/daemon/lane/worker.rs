@@ -44,6 +44,7 @@ impl Worker {
                     // worker keeps no plugin alive that a reload replaced.
                     self.lane.capacity.nudge();
                     types.ended(Instant::now());
+                    types.flush();
                     self.plugins.forget();
                     match self.jobs.recv() {
                         Ok(job) => job,
@@ -71,6 +72,7 @@ impl Worker {
             }
         }
         types.ended(Instant::now());
+        types.flush();
     }
 
     /// Safe mode: waits, if need be, until the task's owner holds a lease that is surely live, so that a daemon

@@ -14,13 +14,15 @@
 //! let any producer grow the page without bound.
 
 use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
+use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::{MetricType, TypedMetric};
 use rustc_hash::FxHashMap;
 
 use crate::broker::{SettleOp, Settlement};
@@ -116,18 +118,97 @@ pub struct ErrorLabels {
     pub operation: &'static str,
 }
 
-type Constructor = fn() -> Histogram;
+/// A handler-duration histogram of one (queue, type) whose buckets are atomics, added to in batches by each
+/// worker's [`TypeHandles`]: prometheus-client's `Histogram` takes a lock per observation, which the workers of a
+/// queue contended for (18 % of a worker's CPU in a no-op drain, measured with perf: docs/PERFORMANCE.md).
+#[derive(Debug, Default, Clone)]
+pub struct Durations(Arc<DurationsInner>);
+
+#[derive(Debug, Default)]
+struct DurationsInner {
+    /// Per bucket of [`DURATION_BUCKETS`], then +Inf; not cumulative (the encoder adds them up).
+    buckets: [AtomicU64; BUCKETS],
+    count: AtomicU64,
+    sum_ns: AtomicU64,
+}
+
+/// The histogram's buckets, +Inf included.
+const BUCKETS: usize = DURATION_BUCKETS.len() + 1;
+
+/// The bucket of a run of `seconds`.
+fn bucket_of(seconds: f64) -> usize {
+    DURATION_BUCKETS.partition_point(|upper| *upper < seconds)
+}
+
+impl Durations {
+    fn add(&self, batch: &Batch) {
+        let inner = &self.0;
+        for (bucket, count) in inner.buckets.iter().zip(&batch.buckets) {
+            if *count > 0 {
+                bucket.fetch_add(u64::from(*count), Ordering::Relaxed);
+            }
+        }
+        inner
+            .count
+            .fetch_add(u64::from(batch.runs), Ordering::Relaxed);
+        inner.sum_ns.fetch_add(batch.sum_ns, Ordering::Relaxed);
+    }
+}
+
+impl TypedMetric for Durations {
+    const TYPE: MetricType = MetricType::Histogram;
+}
+
+impl EncodeMetric for Durations {
+    fn encode(&self, mut encoder: MetricEncoder) -> std::fmt::Result {
+        let inner = &self.0;
+        let buckets: Vec<(f64, u64)> = DURATION_BUCKETS
+            .iter()
+            .copied()
+            .chain(std::iter::once(f64::MAX))
+            .zip(&inner.buckets)
+            .map(|(upper, count)| (upper, count.load(Ordering::Relaxed)))
+            .collect();
+        let sum = inner.sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
+        encoder.encode_histogram::<NoLabelSet>(
+            sum,
+            inner.count.load(Ordering::Relaxed),
+            &buckets,
+            None,
+        )
+    }
+
+    fn metric_type(&self) -> MetricType {
+        Self::TYPE
+    }
+}
+
+/// What a worker saw of one (queue, type) since it last added it to the shared metrics.
+#[derive(Debug, Default)]
+struct Batch {
+    buckets: [u32; BUCKETS],
+    runs: u32,
+    sum_ns: u64,
+    outcomes: [u32; TaskOutcome::ALL.len()],
+    /// Observations in the batch (runs and outcomes).
+    pending: u32,
+}
+
+/// A worker adds its batch to the shared metrics after this many observations, after [`FLUSH_AFTER`], and
+/// whenever it runs out of work: a scrape lags a busy worker by at most that much, an idle one not at all.
+const FLUSH_EVERY: u32 = 64;
+const FLUSH_AFTER: Duration = Duration::from_secs(1);
 
 /// The families of what this daemon saw.
 #[derive(Debug)]
 pub struct Observed {
-    pub durations: Family<TypeLabels, Histogram, Constructor>,
+    pub durations: Family<TypeLabels, Durations>,
     pub outcomes: Family<OutcomeLabels, Counter>,
     pub redis_errors: Family<ErrorLabels, Counter>,
 }
 
 static OBSERVED: LazyLock<Observed> = LazyLock::new(|| Observed {
-    durations: Family::new_with_constructor(|| Histogram::new(DURATION_BUCKETS)),
+    durations: Family::default(),
     outcomes: Family::default(),
     redis_errors: Family::default(),
 });
@@ -167,12 +248,15 @@ pub fn count_outcome(queue: &str, kind: Option<&str>, outcome: TaskOutcome) {
         .inc();
 }
 
-/// The metric handles of one (queue, type): resolved once, then used without a lookup.
-#[derive(Clone, Debug)]
+/// The metric handles of one (queue, type), resolved once, and what the worker saw of them since it last added
+/// that to them (its [`Batch`]: plain integers, no atomics or locks per task).
+#[derive(Debug)]
 pub struct TypeHandles {
     /// `None` for [`UNKNOWN_TYPE`], which never reaches a handler (no empty histogram on the page).
-    duration: Option<Histogram>,
+    duration: Option<Durations>,
     outcomes: [Counter; TaskOutcome::ALL.len()],
+    batch: Batch,
+    flushed: Instant,
 }
 
 impl TypeHandles {
@@ -192,18 +276,52 @@ impl TypeHandles {
                 outcome,
             })
         });
-        TypeHandles { duration, outcomes }
-    }
-
-    /// Records a handler's run time.
-    fn observe(&self, seconds: f64) {
-        if let Some(duration) = &self.duration {
-            duration.observe(seconds);
+        TypeHandles {
+            duration,
+            outcomes,
+            batch: Batch::default(),
+            flushed: Instant::now(),
         }
     }
 
-    pub fn count(&self, outcome: TaskOutcome) {
-        self.outcomes[outcome as usize].inc();
+    /// Records a handler's run time, `now` being the worker's clock read after it.
+    fn observe(&mut self, ran: Duration, now: Instant) {
+        if self.duration.is_some() {
+            let batch = &mut self.batch;
+            batch.buckets[bucket_of(ran.as_secs_f64())] += 1;
+            batch.runs += 1;
+            batch.sum_ns = batch
+                .sum_ns
+                .saturating_add(u64::try_from(ran.as_nanos()).unwrap_or(u64::MAX));
+            batch.pending += 1;
+        }
+        if self.batch.pending >= FLUSH_EVERY
+            || now.saturating_duration_since(self.flushed) >= FLUSH_AFTER
+        {
+            self.flush(now);
+        }
+    }
+
+    pub fn count(&mut self, outcome: TaskOutcome) {
+        self.batch.outcomes[outcome as usize] += 1;
+        self.batch.pending += 1;
+    }
+
+    /// Adds the batch to the shared metrics.
+    fn flush(&mut self, now: Instant) {
+        self.flushed = now;
+        if self.batch.pending == 0 {
+            return;
+        }
+        let batch = std::mem::take(&mut self.batch);
+        if let Some(duration) = &self.duration {
+            duration.add(&batch);
+        }
+        for (counter, count) in self.outcomes.iter().zip(batch.outcomes) {
+            if count > 0 {
+                counter.inc_by(u64::from(count));
+            }
+        }
     }
 }
 
@@ -244,7 +362,18 @@ impl TypeCache {
         if let Some((at, started)) = self.running.take() {
             self.types[at]
                 .1
-                .observe(now.saturating_duration_since(started).as_secs_f64());
+                .observe(now.saturating_duration_since(started), now);
+        }
+    }
+
+    /// Adds every type's batch to the shared metrics: the worker is out of work (or stops).
+    pub fn flush(&mut self) {
+        let now = Instant::now();
+        for (_, handles) in &mut self.types {
+            handles.flush(now);
+        }
+        if let Some(unknown) = &mut self.unknown {
+            unknown.flush(now);
         }
     }
 
@@ -254,7 +383,7 @@ impl TypeCache {
         &mut self,
         kind: Option<&str>,
         is_handled: impl FnOnce(&str) -> bool,
-    ) -> &TypeHandles {
+    ) -> &mut TypeHandles {
         let Some(kind) = kind else {
             return self.unknown();
         };
@@ -263,7 +392,7 @@ impl TypeCache {
             .get(self.last)
             .is_some_and(|(last, _)| **last == *kind)
         {
-            return &self.types[self.last].1;
+            return &mut self.types[self.last].1;
         }
         match self.index.get(kind) {
             Some(&at) => self.last = at,
@@ -275,10 +404,10 @@ impl TypeCache {
             }
             None => return self.unknown(),
         }
-        &self.types[self.last].1
+        &mut self.types[self.last].1
     }
 
-    fn unknown(&mut self) -> &TypeHandles {
+    fn unknown(&mut self) -> &mut TypeHandles {
         let queue = &self.queue;
         self.unknown
             .get_or_insert_with(|| TypeHandles::resolve(queue, UNKNOWN_TYPE))
@@ -313,6 +442,12 @@ mod tests {
             .get(Some("random-junk"), |_| false)
             .count(TaskOutcome::Dead);
         cache.get(None, |_| true).count(TaskOutcome::Dead);
+        assert_eq!(
+            count("cache-test", "mail", TaskOutcome::Done),
+            0,
+            "batched until the worker flushes"
+        );
+        cache.flush();
         assert_eq!(count("cache-test", "mail", TaskOutcome::Done), 2);
         assert_eq!(count("cache-test", "sms", TaskOutcome::Retried), 1);
         assert_eq!(count("cache-test", UNKNOWN_TYPE, TaskOutcome::Dead), 2);
@@ -327,6 +462,37 @@ mod tests {
         assert_eq!(
             count("cache-test", UNKNOWN_TYPE, TaskOutcome::HandedBack),
             1
+        );
+    }
+
+    #[test]
+    fn a_busy_worker_s_batch_is_added_every_64_observations_or_after_a_second() {
+        let mut cache = TypeCache::new("batch-test");
+        let t0 = Instant::now();
+        for i in 0..FLUSH_EVERY / 2 - 1 {
+            cache.get(Some("mail"), |_| true);
+            cache.ran(t0);
+            cache.get(Some("mail"), |_| true).count(TaskOutcome::Done);
+            cache.ended(t0 + Duration::from_millis(u64::from(i)));
+        }
+        assert_eq!(count("batch-test", "mail", TaskOutcome::Done), 0);
+        cache.get(Some("mail"), |_| true);
+        cache.ran(t0);
+        cache.get(Some("mail"), |_| true).count(TaskOutcome::Done);
+        cache.ended(t0 + Duration::from_millis(40));
+        assert_eq!(
+            count("batch-test", "mail", TaskOutcome::Done),
+            u64::from(FLUSH_EVERY / 2),
+            "64 observations: a run and an outcome per task"
+        );
+        cache.get(Some("mail"), |_| true);
+        cache.ran(t0);
+        cache.get(Some("mail"), |_| true).count(TaskOutcome::Done);
+        cache.ended(t0 + Duration::from_millis(40) + FLUSH_AFTER);
+        assert_eq!(
+            count("batch-test", "mail", TaskOutcome::Done),
+            u64::from(FLUSH_EVERY / 2) + 1,
+            "a slow task's outcome is added within a second"
         );
     }
 
@@ -360,6 +526,7 @@ mod tests {
         );
         cache.ended(t0 + std::time::Duration::from_millis(3));
         cache.ended(t0 + std::time::Duration::from_secs(9));
+        cache.flush();
         encode(&mut page);
         assert!(page.contains("d_count 1"), "once: {page}");
         assert!(page.contains("d_bucket{le=\"0.005\"} 1"), "3 ms: {page}");
