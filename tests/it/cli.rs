@@ -260,7 +260,6 @@ fn every_example_config_parses() {
 
 #[test]
 fn metrics_endpoint_serves_queue_depths_and_counters() {
-    use std::io::{Read, Write};
     let redis = RedisServer::start();
     let dir = TestDir::new();
     // A port the OS just handed out; released before the daemon binds it.
@@ -281,27 +280,21 @@ fn metrics_endpoint_serves_queue_depths_and_counters() {
         0
     );
     let daemon = TestDaemon::start(&config);
-    let scrape = || -> String {
-        let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
-            return String::new();
-        };
-        stream.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
-        let mut page = String::new();
-        stream.read_to_string(&mut page).unwrap();
-        page
-    };
-    let page = eventually(
+    let scraped = eventually(
         std::time::Duration::from_secs(10),
         "the task to show as done",
         || {
-            let page = scrape();
+            let scraped = scrape(port);
             (
-                page.contains("kmqd_tasks_done_total{queue=\"jobs\"} 1"),
-                page,
+                scraped
+                    .body
+                    .contains("kmqd_tasks_done_total{queue=\"jobs\"} 1"),
+                scraped,
             )
         },
     );
-    assert!(page.starts_with("HTTP/1.0 200 OK"), "{page}");
+    assert!(scraped.status.ends_with("200 OK"), "{scraped:?}");
+    let page = scraped.body;
     assert!(
         page.contains("kmqd_queue_ready{queue=\"jobs\",level=\"high\"} 0"),
         "{page}"

@@ -1,7 +1,6 @@
 //! What an operator does without redis-cli: pause and resume a queue on every daemon (`kmqd queue`), and see
 //! who serves it (`kmqd workers`, `CLIENT LIST`). docs/OPERATIONS.md, "Pausing a queue" and "Who is serving".
 
-use std::io::{Read, Write};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -119,17 +118,8 @@ fn pause_holds_new_tasks_and_lets_running_ones_finish(mode: &str) {
     println!("kmqd stats:\n{table}kmqd stats --json: {json}");
     let row = table.lines().nth(1).unwrap();
     assert!(row.split_whitespace().nth(2) == Some("paused"), "{table}");
-    let scrape = || -> String {
-        let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
-            return String::new();
-        };
-        stream.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
-        let mut page = String::new();
-        let _ = stream.read_to_string(&mut page);
-        page
-    };
     eventually(Duration::from_secs(10), "the paused gauge", || {
-        let page = scrape();
+        let page = scrape(port).body;
         (page.contains("kmqd_queue_paused{queue=\"jobs\"} 1"), page)
     });
 
@@ -151,7 +141,7 @@ fn pause_holds_new_tasks_and_lets_running_ones_finish(mode: &str) {
     }
     assert_eq!(stats_json(&config)["paused"], false);
     eventually(Duration::from_secs(10), "the gauge back to 0", || {
-        let page = scrape();
+        let page = scrape(port).body;
         (page.contains("kmqd_queue_paused{queue=\"jobs\"} 0"), page)
     });
     a.stop();

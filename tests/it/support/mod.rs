@@ -402,6 +402,15 @@ pub struct Scrape {
     pub body: String,
 }
 
+/// `GET /metrics` of the endpoint on 127.0.0.1:`port`, as a plain scraper asks (no `Accept`), waiting up to 10 s.
+pub fn scrape(port: u16) -> Scrape {
+    scrape_with(
+        std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+        None,
+        Duration::from_secs(10),
+    )
+}
+
 /// `GET /metrics` with an `Accept` header (or none), waiting up to `timeout` for the whole answer.
 pub fn scrape_with(addr: std::net::SocketAddr, accept: Option<&str>, timeout: Duration) -> Scrape {
     use std::io::Read;
@@ -439,31 +448,12 @@ pub struct Process {
 
 impl Process {
     pub fn start(config_path: &Path, log: PathBuf) -> Process {
-        let out = fs::File::create(&log).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_kmqd"))
-            .arg("--config")
-            .arg(config_path)
-            .env("RUST_LOG", "kmqd=debug")
-            .stdout(out.try_clone().unwrap())
-            .stderr(out)
-            .spawn()
-            .expect("start kmqd");
-        Process { child, log }
+        Process::spawn(config_path, log, &[], &[])
     }
 
     /// As [`Process::start`], with extra arguments after `--config FILE` (`--metrics-addr ADDR`).
     pub fn start_with_args(config_path: &Path, log: PathBuf, args: &[&str]) -> Process {
-        let out = fs::File::create(&log).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_kmqd"))
-            .arg("--config")
-            .arg(config_path)
-            .args(args)
-            .env("RUST_LOG", "kmqd=debug")
-            .stdout(out.try_clone().unwrap())
-            .stderr(out)
-            .spawn()
-            .expect("start kmqd");
-        Process { child, log }
+        Process::spawn(config_path, log, args, &[])
     }
 
     /// The address the metrics endpoint says it bound (its "metrics on http://ADDR/metrics" line), once logged.
@@ -487,10 +477,16 @@ impl Process {
     /// As [`Process::start`], with extra environment variables for the daemon (for example `RUST_BACKTRACE=0`
     /// for a test whose plugins panic by the hundred: the panic hook's backtraces would flood the log).
     pub fn start_with_env(config_path: &Path, log: PathBuf, env: &[(&str, &str)]) -> Process {
+        Process::spawn(config_path, log, &[], env)
+    }
+
+    /// `kmqd --config FILE ARGS...` at debug level (and `env`), its standard output and error in `log`.
+    fn spawn(config_path: &Path, log: PathBuf, args: &[&str], env: &[(&str, &str)]) -> Process {
         let out = fs::File::create(&log).unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_kmqd"))
             .arg("--config")
             .arg(config_path)
+            .args(args)
             .env("RUST_LOG", "kmqd=debug")
             .envs(env.iter().copied())
             .stdout(out.try_clone().unwrap())
