@@ -9,8 +9,7 @@ use crate::plugin::Registry;
 use super::Failure;
 
 pub(super) fn load_plugins(config: &Config) -> Result<Registry, Failure> {
-    Registry::load(config)
-        .map_err(|error| Failure::Usage(format!("{}: {error}", config.path.display())))
+    Registry::load(config).map_err(|error| Failure::Usage(error.located(&config.path)))
 }
 
 pub(super) fn run_daemon(config: &Config) -> Result<(), Failure> {

@@ -783,7 +783,7 @@ impl Supervisor {
     fn try_reload(&mut self) -> Result<String, String> {
         let new = Config::load(&self.config.path).map_err(|error| error.to_string())?;
         let (registry, plugin_changes) = Registry::reload(&new, &self.parts.plugins.current())
-            .map_err(|error| format!("{}: {error}", new.path.display()))?;
+            .map_err(|error| error.located(&new.path))?;
         let plan = reload::plan(&self.config, &new);
         self.check_new_queues(&plan)?;
         for refused in registry.refused() {

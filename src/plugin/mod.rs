@@ -17,6 +17,12 @@ use crate::config::{Config, PluginConfig};
 /// Why a plugin was refused. Every variant names the file and says what to do about it.
 #[derive(Debug, thiserror::Error)]
 pub enum PluginError {
+    /// A refusal of a plugin the config names, with where its `[plugins.NAME]` section stands.
+    #[error("{location}: {error}")]
+    At {
+        location: String,
+        error: Box<PluginError>,
+    },
     #[error("plugin {}: no such file; build the plugin and copy it there, or fix plugins.{section}.file (relative names are looked up in plugins_dir)", path.display())]
     Missing { path: PathBuf, section: String },
     #[error("plugin {}: cannot load: {message}", path.display())]
@@ -93,11 +99,35 @@ pub struct Changes {
 
 /// Where a plugin comes from: a `[plugins.NAME]` section, or a drop-in file of `plugins_dir` no section names.
 struct Source<'a> {
+    /// Where its `[plugins.NAME]` stands in the config (`file:line:column`); `None` for a drop-in.
+    location: Option<&'a str>,
     section: String,
     path: PathBuf,
     configured: PathBuf,
     config_json: &'a str,
     drop_in: bool,
+}
+
+impl PluginError {
+    /// The refusal as the operator reads it: at its `[plugins.NAME]` line, or at the config file `config` for a
+    /// drop-in of `plugins_dir`.
+    pub fn located(&self, config: &Path) -> String {
+        match self {
+            PluginError::At { .. } => self.to_string(),
+            _ => format!("{}: {self}", config.display()),
+        }
+    }
+
+    /// The refusal, located at a plugin's `[plugins.NAME]` section.
+    fn at(self, location: &str) -> PluginError {
+        match self {
+            located @ PluginError::At { .. } => located,
+            error => PluginError::At {
+                location: location.to_string(),
+                error: Box::new(error),
+            },
+        }
+    }
 }
 
 impl Registry {
@@ -131,8 +161,9 @@ impl Registry {
         let mut sources = Vec::new();
         for plugin in &config.plugins {
             sources.push(Source {
+                location: Some(&plugin.location),
                 section: plugin.name.clone(),
-                path: canonical(plugin)?,
+                path: canonical(plugin).map_err(|error| error.at(&plugin.location))?,
                 configured: plugin.file.clone(),
                 config_json: &plugin.config_json,
                 drop_in: false,
@@ -150,7 +181,7 @@ impl Registry {
                     }
                     registry.refused.push(error);
                 }
-                Err(error) => return Err(error),
+                Err(error) => return Err(error.at(source.location.unwrap_or_default())),
             }
         }
         Ok((registry, changes))
@@ -348,6 +379,7 @@ fn drop_ins(plugins_dir: &Path) -> Vec<Source<'static>> {
                 .file_stem()
                 .map_or_else(String::new, |stem| stem.to_string_lossy().into_owned());
             Source {
+                location: None,
                 section,
                 path: configured
                     .canonicalize()

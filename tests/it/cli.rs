@@ -76,6 +76,17 @@ fn a_missing_plugin_file_is_refused_by_name() {
     );
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("libgone.so"), "{err}");
+    // At the line of its [plugins.gone] section.
+    let line = std::fs::read_to_string(&config)
+        .unwrap()
+        .lines()
+        .position(|l| l == "[plugins.gone]")
+        .unwrap()
+        + 1;
+    assert!(
+        err.contains(&format!("{}:{line}:1: plugin ", config.display())),
+        "{err}"
+    );
 }
 
 #[test]

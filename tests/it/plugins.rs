@@ -49,9 +49,15 @@ fn refused(config: &Path) -> String {
         code, 2,
         "check-config must refuse; stdout:\n{out}\nstderr:\n{err}"
     );
+    // `kmqd: FILE:LINE:COLUMN: plugin...`: the line of the `[plugins.NAME]` section refused.
+    let at = err
+        .strip_prefix(&format!("kmqd: {}:", config.display()))
+        .and_then(|rest| rest.split_once(": plugin"))
+        .map(|(at, _)| at.to_string());
     assert!(
-        err.starts_with(&format!("kmqd: {}: plugin", config.display())),
-        "the message names the config file: {err}"
+        at.as_deref()
+            .is_some_and(|at| at.split(':').all(|n| n.parse::<u32>().is_ok()) && at.contains(':')),
+        "the message names the config file and the section's line: {err}"
     );
     err
 }
