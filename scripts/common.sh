@@ -76,7 +76,8 @@ use_colour() {
 CARGO_DEB_VERSION=3.8.0
 ensure_cargo_deb() {
     ensure_command dpkg-shlibdeps dpkg-dev
-    if cargo deb --version 2>/dev/null | grep -qF "$CARGO_DEB_VERSION"; then
+    # Read whole, then matched: `cargo deb --version | grep -q` can fail on SIGPIPE under pipefail.
+    if grep -qF "$CARGO_DEB_VERSION" <<<"$(cargo deb --version 2>/dev/null)"; then
         return
     fi
     echo "cargo-deb $CARGO_DEB_VERSION not found: installing it (cargo install)" >&2
