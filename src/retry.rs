@@ -71,27 +71,33 @@ impl Default for Backoff {
 /// when. One per process, since the log it writes is the process's. The outage ends with the first call that
 /// reaches Redis again (threads still waiting out their backoff then find it up).
 struct Outage {
-    /// The server as the config names it (`[redis]`'s `describe`), for the first line.
+    /// The server as the config names it (`[redis]`'s `describe`), for the first line; empty: not named yet.
     server: String,
-    since: Option<Instant>,
+    /// While it lasts: since when, and when it was last reported.
+    lasting: Option<(Instant, Instant)>,
+    /// When the last one ended: a thread whose failing call began before that (it waited out a timeout while
+    /// Redis came back) has not yet seen Redis back, and starts no new outage.
+    ended: Option<Instant>,
     failures: u64,
-    last_report: Instant,
 }
 
 impl Outage {
-    fn new(server: String) -> Outage {
-        Outage {
-            server,
-            since: None,
-            failures: 0,
-            last_report: Instant::now(),
+    fn server(&self) -> &str {
+        match self.server.as_str() {
+            "" => "Redis",
+            named => named,
         }
     }
 }
 
-static OUTAGE: Mutex<Option<Outage>> = Mutex::new(None);
+static OUTAGE: Mutex<Outage> = Mutex::new(Outage {
+    server: String::new(),
+    lasting: None,
+    ended: None,
+    failures: 0,
+});
 
-fn outage() -> MutexGuard<'static, Option<Outage>> {
+fn outage() -> MutexGuard<'static, Outage> {
     OUTAGE
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -99,42 +105,41 @@ fn outage() -> MutexGuard<'static, Option<Outage>> {
 
 /// Names the Redis deployment in the outage lines (the daemon calls it at start).
 pub fn name_server(server: String) {
-    outage()
-        .get_or_insert_with(|| Outage::new(String::new()))
-        .server = server;
+    outage().server = server;
 }
 
-/// A thread's call (`what`) could not reach Redis.
-fn unreachable(what: &str, error: &BrokerError) {
-    let mut guard = outage();
-    let outage = guard.get_or_insert_with(|| Outage::new("Redis".to_string()));
+/// A thread's call (`what`), in a run of failures that began at `run_began`, could not reach Redis.
+fn unreachable(what: &str, error: &BrokerError, run_began: Instant) {
+    let mut outage = outage();
+    if outage.lasting.is_none() && outage.ended.is_some_and(|ended| run_began < ended) {
+        tracing::debug!(%error, "{what}: Redis not reached by a call from before it came back; trying again");
+        return;
+    }
     outage.failures += 1;
-    let Some(since) = outage.since else {
-        outage.since = Some(Instant::now());
-        outage.last_report = Instant::now();
-        tracing::warn!(server = %outage.server, %error, first = what, "Redis unreachable; every thread waits for it and retries");
+    let Some((since, last_report)) = outage.lasting else {
+        tracing::warn!(server = %outage.server(), %error, first = what, "Redis unreachable; every thread waits for it and retries");
+        outage.lasting = Some((Instant::now(), Instant::now()));
         return;
     };
-    if outage.last_report.elapsed() >= SUMMARY_EVERY {
-        outage.last_report = Instant::now();
+    if last_report.elapsed() >= SUMMARY_EVERY {
         tracing::error!(
-            server = %outage.server,
+            server = %outage.server(),
             %error,
             for_s = since.elapsed().as_secs(),
             failures = outage.failures,
             "Redis still unreachable; retrying"
         );
+        outage.lasting = Some((since, Instant::now()));
     }
 }
 
 /// A thread that could not reach Redis did: the outage, if it still lasts, is over.
 fn reached() {
-    let mut guard = outage();
-    if let Some(outage) = guard.as_mut()
-        && let Some(since) = outage.since.take()
-    {
+    let mut outage = outage();
+    if let Some((since, _)) = outage.lasting.take() {
+        outage.ended = Some(Instant::now());
         tracing::info!(
-            server = %outage.server,
+            server = %outage.server(),
             failures = outage.failures,
             after_ms = since.elapsed().as_millis() as u64,
             "Redis reachable again"
@@ -204,12 +209,12 @@ impl Trouble {
         let queue = self.queue.as_deref().unwrap_or("-");
         if is_unreachable(error) {
             self.unreachable += 1;
+            let run_began = *self.since.get_or_insert_with(Instant::now);
             if self.unreachable >= 2 {
-                unreachable(self.what, error);
+                unreachable(self.what, error, run_began);
             } else {
                 tracing::debug!(queue, %error, "{}: Redis not reached; trying again at once", self.what);
             }
-            self.since.get_or_insert_with(Instant::now);
             return;
         }
         if end_streak(&mut self.unreachable) {
