@@ -73,14 +73,6 @@ const QUEUES: &str = "[[queues]]\nname = \"mail\"\nmode = \"safe\"\npriorities =
     [[queues]]\nname = \"jobs\"\nmode = \"default\"\nworkers = 2\nprefetch = 200\nbatch = 100\n\
     backoff = \"10ms\"\nretry_times = 1\nlease_timeout = \"1s\"\n";
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// A daemon as the documented daemon user drains a safe queue (two levels, a schedule) and a default queue
 /// (the plain pop's transaction included) through delays, retries, unique ids and dead letters, while the
 /// producer user pushes with `kmqd push`, the reader user reads with `kmqd stats` and `task show`, and the

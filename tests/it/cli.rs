@@ -273,12 +273,7 @@ fn every_example_config_parses() {
 fn metrics_endpoint_serves_queue_depths_and_counters() {
     let redis = RedisServer::start();
     let dir = TestDir::new();
-    // A port the OS just handed out; released before the daemon binds it.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let daemon_keys = format!("metrics_addr = \"127.0.0.1:{port}\"");
     let config = dir.config_with(&redis, &daemon_keys, QUEUE);
     let c = config.to_str().unwrap();

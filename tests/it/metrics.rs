@@ -220,11 +220,7 @@ fn port_0_and_metrics_addr_give_each_daemon_of_one_config_its_own_endpoint() {
         "shutdown_grace = \"5s\"\nmetrics_addr = \"127.0.0.1:0\"",
         &safe_queue(""),
     );
-    let free_port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let free_port = free_port();
     let chosen = format!("127.0.0.1:{free_port}");
     let daemons = [
         Process::start(&config, dir.path("a.log")),

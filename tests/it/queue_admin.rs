@@ -45,11 +45,7 @@ fn commands_processed(redis: &RedisServer) -> u64 {
 fn pause_holds_new_tasks_and_lets_running_ones_finish(mode: &str) {
     let redis = RedisServer::start();
     let dir = TestDir::new();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let config = dir.config_with(
         &redis,
         &format!("shutdown_grace = \"5s\"\nmetrics_addr = \"127.0.0.1:{port}\""),

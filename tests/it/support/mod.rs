@@ -402,6 +402,15 @@ pub struct Scrape {
     pub body: String,
 }
 
+/// A loopback port the OS just handed out, released before the caller's daemon binds it.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 /// `GET /metrics` of the endpoint on 127.0.0.1:`port`, as a plain scraper asks (no `Accept`), waiting up to 10 s.
 pub fn scrape(port: u16) -> Scrape {
     scrape_with(
