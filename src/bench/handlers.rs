@@ -29,7 +29,7 @@ const SLEEPS_MS: [u64; 3] = [1, 10, 100];
 const IO_WORKERS: [usize; 2] = [64, 512];
 /// The CPU-bound handler's spin.
 const SPIN: Duration = Duration::from_micros(50);
-/// The CPU-bound handler's second run: a prefetch of the default claim batch (100).
+/// The CPU-bound handler's second run: a fixed prefetch of 100 (what the adaptive one is compared with).
 const SPIN_PREFETCH: usize = 100;
 
 /// The mix: every `MIX_SLOW_EVERY`-th task sleeps `MIX_SLOW` (5 %), the others are no-ops.

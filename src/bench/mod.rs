@@ -6,6 +6,7 @@
 //! Every figure is the median of `--runs` runs in this one session; docs/PERFORMANCE.md says how to read them.
 //! This module is a measuring tool: it reports, it never asserts a speed.
 
+mod defaults;
 mod handlers;
 pub mod peers;
 
@@ -51,9 +52,10 @@ pub struct Options {
     pub daemon: Option<PathBuf>,
 }
 
-pub const SCENARIOS: [&str; 8] = [
+pub const SCENARIOS: [&str; 9] = [
     "push",
     "drain",
+    "defaults",
     "kill",
     "wakeup",
     "lateness",
@@ -420,6 +422,13 @@ pub fn run(options: Options, progress: &mut dyn Write) -> Result<Report, String>
                 figures.push(drain(&bench, mode, daemons)?);
             }
         }
+    }
+    if wants("defaults") {
+        say(format!(
+            "defaults: workers = 16 and nothing else against the tuned shape, both modes, {} runs of {} tasks...",
+            o.runs, o.tasks
+        ));
+        figures.extend(defaults::defaults(&bench)?);
     }
     if wants("kill") {
         say(format!(

@@ -241,7 +241,10 @@ pub struct QueueConfig {
     /// The most tasks one claim takes.
     pub batch: usize,
     /// How many claimed tasks may wait for a worker, beyond one per idle worker.
-    pub prefetch: usize,
+    pub prefetch: Prefetch,
+    /// The most tasks the lane holds at once (running, waiting for a worker, or waiting for their settlement):
+    /// `workers + prefetch` never exceeds it, so the daemon's memory stays bounded.
+    pub max_held: usize,
     pub lease_timeout: Duration,
     pub execution_timeout: Option<Duration>,
     pub alive_timeout: Option<Duration>,
@@ -262,6 +265,36 @@ pub struct QueueConfig {
     /// A lag (age of the oldest ready task) above this logs a warning, and its return below it one line more
     /// (`src/daemon/report.rs`); `None`: not watched.
     pub lag_warn: Option<Duration>,
+}
+
+/// How many claimed tasks may wait for a worker beyond one per worker.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Prefetch {
+    /// Set in the config: that many, always.
+    Fixed(usize),
+    /// Not set: the lane adapts it to what it measures, between 1 and `max_held - workers`
+    /// (`src/daemon/lane/depth.rs`).
+    Auto,
+}
+
+impl Prefetch {
+    /// What a lane starts with.
+    pub fn initial(self, workers: usize) -> usize {
+        match self {
+            Prefetch::Fixed(prefetch) => prefetch,
+            Prefetch::Auto => workers,
+        }
+    }
+}
+
+impl std::fmt::Debug for Prefetch {
+    /// As the config spells it (the reload's change list prints it): `auto` or the number.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Prefetch::Fixed(prefetch) => write!(f, "{prefetch}"),
+            Prefetch::Auto => f.write_str("auto"),
+        }
+    }
 }
 
 /// A periodic task: queued once per slot across every daemon.
@@ -397,7 +430,12 @@ pub mod defaults {
     pub const LOG_LEVEL: &str = "info";
     pub const PRIORITY: &str = "normal";
     pub const WORKERS: usize = 8;
-    pub const BATCH: usize = 100;
+    /// The most a claim takes when `batch` is not set: the largest claim (claims start at 16 tasks and double
+    /// while the backlog lasts, and never take more than the free slots, so only a deep backlog sees it).
+    pub const BATCH: usize = super::MAX_BATCH;
+    /// How many tasks beyond one per worker a queue with neither `prefetch` nor `max_held` may hold: enough for
+    /// no-op tasks to drain at full speed (docs/PERFORMANCE.md, "Defaults that find the speed").
+    pub const HELD_BEYOND_WORKERS: usize = 4096;
     pub const LEASE_TIMEOUT: Duration = Duration::from_secs(30);
     pub const EXECUTION_TIMEOUT: Duration = Duration::from_secs(30 * 60);
     pub const RETRY_TIMES: u32 = 3;

@@ -14,7 +14,12 @@ fn minimal_config_gets_documented_defaults() {
     let queue = &config.queues[0];
     assert_eq!(queue.priorities, ["normal"]);
     assert_eq!(queue.workers, defaults::WORKERS);
-    assert_eq!(queue.prefetch, queue.workers);
+    assert_eq!(queue.prefetch, Prefetch::Auto);
+    assert_eq!(queue.batch, MAX_BATCH);
+    assert_eq!(
+        queue.max_held,
+        queue.workers + defaults::HELD_BEYOND_WORKERS
+    );
     assert_eq!(queue.lease_timeout, defaults::LEASE_TIMEOUT);
     assert_eq!(queue.execution_timeout, Some(defaults::EXECUTION_TIMEOUT));
     assert_eq!(queue.alive_timeout, None);
@@ -385,5 +390,28 @@ fn passwords_are_redacted() {
     assert_eq!(
         redact_url("unix:///run/redis.sock"),
         "unix:///run/redis.sock"
+    );
+}
+
+#[test]
+fn max_held_defaults_to_what_the_queue_may_hold_and_refuses_less() {
+    let queue = |keys: &str| {
+        parse(&format!("{MINIMAL}workers = 4\n{keys}")).map(|config| config.queues[0].clone())
+    };
+    let fixed = queue("prefetch = 10\n").unwrap();
+    assert_eq!((fixed.prefetch, fixed.max_held), (Prefetch::Fixed(10), 14));
+    let auto = queue("max_held = 100\n").unwrap();
+    assert_eq!((auto.prefetch, auto.max_held), (Prefetch::Auto, 100));
+    let error = queue("prefetch = 10\nmax_held = 12\n").unwrap_err();
+    for words in [
+        "queues[0].max_held: 12 is less than workers + prefetch (4 + 10)",
+        "queues.toml:6:",
+    ] {
+        assert!(error.contains(words), "{words:?} in {error}");
+    }
+    let error = queue("max_held = 3\n").unwrap_err();
+    assert!(
+        error.contains("queues[0].max_held: 3 is less than workers (4)"),
+        "{error}"
     );
 }

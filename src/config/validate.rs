@@ -673,6 +673,7 @@ impl RawQueue {
             workers,
             batch,
             prefetch,
+            max_held,
             lease_timeout,
             execution_timeout,
             alive_timeout,
@@ -767,8 +768,31 @@ impl RawQueue {
             None => defaults::BATCH,
         };
         let prefetch = match &prefetch {
-            Some(p) => ranged(source, &key("prefetch"), p, 0..100_001)? as usize,
-            None => workers,
+            Some(p) => Prefetch::Fixed(ranged(source, &key("prefetch"), p, 0..100_001)? as usize),
+            None => Prefetch::Auto,
+        };
+        let max_held = match (&max_held, prefetch) {
+            (Some(m), prefetch) => {
+                let least = workers + prefetch.initial(0);
+                let max_held = ranged(source, &key("max_held"), m, 1..200_001)? as usize;
+                if max_held < least {
+                    let what = match prefetch {
+                        Prefetch::Fixed(p) => format!("workers + prefetch ({workers} + {p})"),
+                        Prefetch::Auto => format!("workers ({workers})"),
+                    };
+                    return Err(source.error(
+                        m.span(),
+                        format!(
+                            "{}: {max_held} is less than {what}, which the queue may hold: raise max_held, or \
+                             lower workers or prefetch",
+                            key("max_held")
+                        ),
+                    ));
+                }
+                max_held
+            }
+            (None, Prefetch::Fixed(p)) => workers + p,
+            (None, Prefetch::Auto) => workers + defaults::HELD_BEYOND_WORKERS,
         };
         let lease_timeout = duration_or(
             source,
@@ -882,6 +906,7 @@ impl RawQueue {
             workers,
             batch,
             prefetch,
+            max_held,
             lease_timeout,
             execution_timeout,
             alive_timeout,

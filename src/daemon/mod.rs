@@ -581,7 +581,7 @@ impl Supervisor {
             move || acker.run(),
         )?;
         // As many jobs as the lane may hold tasks: a send to a worker never waits for room.
-        let (jobs_tx, jobs_rx) = crossbeam_channel::bounded(queue.workers + queue.prefetch);
+        let (jobs_tx, jobs_rx) = crossbeam_channel::bounded(queue.max_held);
         for index in 0..queue.workers {
             let worker = Worker {
                 lane: Arc::clone(&lane),

@@ -158,6 +158,7 @@ fn queue_changes(old: &QueueConfig, new: &QueueConfig) -> Vec<String> {
         workers,
         batch,
         prefetch,
+        max_held,
         lease_timeout,
         execution_timeout,
         alive_timeout,
@@ -236,8 +237,11 @@ mod tests {
         assert_eq!(plan.removed, ["old"]);
         assert_eq!(
             plan.changes,
-            ["queues.mail.workers 2 → 8", "queues.mail.prefetch 2 → 8",],
-            "prefetch defaults to workers"
+            [
+                "queues.mail.workers 2 → 8",
+                "queues.mail.max_held 4098 → 4104"
+            ],
+            "max_held defaults to workers + 4096"
         );
         let mail = plan.config.queue("mail").unwrap();
         assert_eq!(
@@ -279,7 +283,7 @@ mod tests {
         let listed = fields.matches(": ").count();
         assert_eq!(
             listed,
-            18 + 2,
+            19 + 2,
             "QueueConfig has a new field: compare it in queue_changes ({fields})"
         );
     }

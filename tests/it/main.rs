@@ -15,6 +15,7 @@ mod fault_proxy;
 mod faults;
 mod metrics;
 mod plugins;
+mod prefetch;
 mod priorities;
 mod protocol;
 mod queue_admin;

@@ -9,40 +9,47 @@
 //! limit = live + ceil(prefetch * live / workers)      live = workers - stuck      (0 when every worker is stuck)
 //! ```
 //!
-//! With no stuck worker that is `workers + prefetch`, as configured. The fetcher claims at most `limit - held`;
+//! With no stuck worker that is `workers + prefetch`. `prefetch` is the configured one, or, when the config leaves
+//! it out, what the fetcher's [`Depth`](super::depth::Depth) sets it to as it measures the lane; never more than
+//! `max_held - workers`, which the channels are sized for. The fetcher claims at most `limit - held`;
 //! when stuck workers shrink the limit below what is held, the lane claims nothing until it falls back, and the
 //! timeouts thread hands back tasks that wait behind workers that are all stuck (so another daemon runs them).
 //!
 //! To claim in batches rather than one task per freed slot, the fetcher waits until `threshold` tasks may be
-//! claimed, unless the workers run dry first (a worker that finds no job [`Capacity::nudge`]s it). Releasing is
-//! an atomic subtraction; the fetcher is woken only when the free count crosses the threshold.
+//! claimed (half the prefetch, at most `batch`: the other half still waiting for workers covers the claim's round
+//! trip), unless the workers run dry first (a worker that finds no job [`Capacity::nudge`]s it). Releasing is an
+//! atomic subtraction; the fetcher is woken only when the free count crosses the threshold.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 #[derive(Debug)]
 pub struct Capacity {
     workers: usize,
-    prefetch: usize,
-    threshold: usize,
+    /// Set by the fetcher only (`set_prefetch`), read by everyone.
+    prefetch: AtomicUsize,
+    batch: usize,
     /// Tasks claimed and not yet settled (or forgotten). Only the fetcher adds to it.
     held: AtomicUsize,
     /// Workers inside a handler whose task was taken from them more than STUCK_AFTER ago.
     stuck: AtomicUsize,
+    /// A worker found no job waiting since the fetcher last looked (`take_starved`).
+    starved: AtomicBool,
     lock: Mutex<()>,
     wake: Condvar,
 }
 
 impl Capacity {
-    /// `workers` and `prefetch` as configured; the fetcher wakes when `threshold` (at least 1) may be claimed.
-    pub fn new(workers: usize, prefetch: usize, threshold: usize) -> Capacity {
+    /// `workers`, the first `prefetch`, and `batch`, the most one claim takes.
+    pub fn new(workers: usize, prefetch: usize, batch: usize) -> Capacity {
         Capacity {
             workers: workers.max(1),
-            prefetch,
-            threshold: threshold.clamp(1, (workers + prefetch).max(1)),
+            prefetch: AtomicUsize::new(prefetch),
+            batch: batch.max(1),
             held: AtomicUsize::new(0),
             stuck: AtomicUsize::new(0),
+            starved: AtomicBool::new(false),
             lock: Mutex::new(()),
             wake: Condvar::new(),
         }
@@ -71,13 +78,30 @@ impl Capacity {
         self.held.load(Ordering::Acquire)
     }
 
+    /// The prefetch now: tasks that may wait for a worker beyond one per worker.
+    pub fn prefetch(&self) -> usize {
+        self.prefetch.load(Ordering::Acquire)
+    }
+
+    /// Changes the prefetch (the fetcher's `Depth`, within what the channels were sized for).
+    pub fn set_prefetch(&self, prefetch: usize) {
+        let before = self.free();
+        self.prefetch.store(prefetch, Ordering::Release);
+        self.wake_if_crossed(before);
+    }
+
+    /// How many free slots make the fetcher claim without waiting for the workers to run dry.
+    fn threshold(&self) -> usize {
+        self.batch.min(self.prefetch().div_ceil(2)).max(1)
+    }
+
     /// The most tasks the lane may hold now.
     pub fn limit(&self) -> usize {
         let live = self.live_workers();
         if live == 0 {
             return 0;
         }
-        live + (self.prefetch * live).div_ceil(self.workers)
+        live + (self.prefetch() * live).div_ceil(self.workers)
     }
 
     /// How many more tasks may be claimed now.
@@ -93,7 +117,7 @@ impl Capacity {
         let mut guard = self.guard();
         loop {
             let free = self.free();
-            if free >= self.threshold || (free > 0 && starving()) {
+            if free >= self.threshold() || (free > 0 && starving()) {
                 // Only the fetcher adds to `held`, so `free` cannot shrink below this between the check and the add
                 // but for stuck workers, which only delays the next claim.
                 let taken = free.min(max);
@@ -135,7 +159,8 @@ impl Capacity {
     }
 
     fn wake_if_crossed(&self, before: usize) {
-        if before < self.threshold && self.free() >= self.threshold {
+        let threshold = self.threshold();
+        if before < threshold && self.free() >= threshold {
             let _guard = self.guard();
             self.wake.notify_one();
         }
@@ -143,8 +168,14 @@ impl Capacity {
 
     /// A worker found no job waiting: wake the fetcher even below the threshold.
     pub fn nudge(&self) {
+        self.starved.store(true, Ordering::Release);
         let _guard = self.guard();
         self.wake.notify_one();
+    }
+
+    /// Whether a worker found no job waiting since the last call.
+    pub fn take_starved(&self) -> bool {
+        self.starved.swap(false, Ordering::AcqRel)
     }
 }
 
@@ -155,13 +186,14 @@ mod tests {
 
     #[test]
     fn claims_batch_up_to_the_threshold_unless_workers_starve() {
-        let capacity = Capacity::new(4, 6, 4);
+        // Threshold: half the prefetch of 6.
+        let capacity = Capacity::new(4, 6, 1000);
         assert_eq!(capacity.acquire(100, Duration::ZERO, || false), 10);
         capacity.release(2);
         assert_eq!(
             capacity.acquire(100, Duration::from_millis(1), || false),
             0,
-            "2 free, below the threshold"
+            "2 free, below the threshold of 3"
         );
         assert_eq!(
             capacity.acquire(100, Duration::ZERO, || true),
@@ -200,11 +232,12 @@ mod tests {
 
     #[test]
     fn crossing_the_threshold_wakes_a_waiting_fetcher() {
-        let capacity = Arc::new(Capacity::new(2, 2, 2));
-        assert_eq!(capacity.acquire(4, Duration::ZERO, || false), 4);
+        // Threshold: half the prefetch of 4.
+        let capacity = Arc::new(Capacity::new(2, 4, 1000));
+        assert_eq!(capacity.acquire(6, Duration::ZERO, || false), 6);
         let waiter = {
             let capacity = Arc::clone(&capacity);
-            std::thread::spawn(move || capacity.acquire(4, Duration::from_secs(60), || false))
+            std::thread::spawn(move || capacity.acquire(6, Duration::from_secs(60), || false))
         };
         capacity.release(1);
         capacity.release(1);

@@ -27,9 +27,10 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::Sender;
 
 use super::Lane;
+use super::depth::Depth;
 use super::resolve::{Job, JobState, Taken};
 use crate::broker::{self, Batch, BrokerError, Isolation, OwnerInfo, Session};
-use crate::config::Mode;
+use crate::config::{Mode, Prefetch};
 use crate::retry::{Backoff, Trouble};
 use crate::shutdown::Listener;
 
@@ -51,6 +52,8 @@ pub struct Fetcher {
     jobs: Sender<Job>,
     /// How many tasks the next safe-mode claim asks for at most (see `claim`).
     claim_size: usize,
+    /// The prefetch's controller, when the config leaves `prefetch` to the lane.
+    depth: Option<Depth>,
     /// Safe mode: an owner id chosen but not yet known to be registered (a register whose reply was lost is sent
     /// again with the same id, and registers it once).
     registering: Option<Arc<str>>,
@@ -94,8 +97,11 @@ impl Fetcher {
             draining: false,
         };
         let trouble = Trouble::new("fetching tasks", Some(&config.name));
+        let depth = (config.prefetch == Prefetch::Auto)
+            .then(|| Depth::new(config.max_held - config.workers, &lane.idle, Instant::now()));
         Fetcher {
             claim_size: config.batch,
+            depth,
             lane,
             connection,
             claiming,
@@ -129,11 +135,19 @@ impl Fetcher {
             if free == 0 {
                 continue;
             }
+            let waiting = self.jobs.len();
+            let asked = match lane.queue.config.mode {
+                Mode::Safe => free.min(self.claim_size),
+                Mode::Default => free,
+            };
             match self.fetch(free) {
                 Ok(batch) => {
                     backoff.reset();
                     self.trouble.recovered();
                     let taken = batch.tasks.len();
+                    if !batch.paused {
+                        self.adapt((waiting, asked, taken));
+                    }
                     if taken > free {
                         // The scripts never return more than asked; if Redis did, run them all anyway (they are
                         // claimed) and let the count recover as they are settled.
@@ -160,6 +174,24 @@ impl Fetcher {
         }
         self.lane.fetcher_stopped();
         tracing::debug!(queue = %self.lane.name(), "fetcher stopped");
+    }
+
+    /// An adaptive prefetch watches each fetch (`waiting` for a worker when it began, `asked`, `taken`).
+    fn adapt(&mut self, fetch: (usize, usize, usize)) {
+        let Some(depth) = &mut self.depth else {
+            return;
+        };
+        let lane = &self.lane;
+        if let Some(change) = depth.fetched(&lane.capacity, &lane.idle, fetch, Instant::now()) {
+            tracing::debug!(
+                queue = %lane.name(),
+                from = change.from,
+                to = change.to,
+                idle = format!("{:.1}%", change.idle * 100.0),
+                low_water = change.low_water,
+                "prefetch adapted"
+            );
+        }
     }
 
     /// Takes up to `free` tasks; when none is ready, waits up to `idle_poll` for one.

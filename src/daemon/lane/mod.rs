@@ -10,7 +10,8 @@
 //! - [`worker`]: `workers` threads that run tasks through their plugin;
 //! - [`acker`]: applies outcomes to Redis in batches, then forgets the tasks and frees their capacity;
 //! - [`resolve`]: who decides a held task's outcome (exactly one party), with the state diagram;
-//! - [`capacity`]: how many tasks the lane may hold, counting workers stuck in a handler as used.
+//! - [`capacity`]: how many tasks the lane may hold, counting workers stuck in a handler as used;
+//! - [`depth`]: the prefetch, adapted to what the lane measures when the config does not set it.
 //!
 //! Each stage ends when its upstream is done: the workers when the fetcher has dropped the jobs channel and it
 //! is empty; the acker when the fetcher is gone and every task it claimed is settled (held reaches zero). The
@@ -21,6 +22,7 @@
 
 pub mod acker;
 pub mod capacity;
+pub mod depth;
 pub mod fetcher;
 pub mod resolve;
 pub mod worker;
@@ -36,14 +38,8 @@ use crate::config::{QueueConfig, RedisConfig};
 use crate::daemon::watchdog::{Bounds, Pulse};
 use crate::queue::QueueContext;
 use capacity::Capacity;
+use depth::IdleTime;
 use resolve::{JobId, JobState, Outcome};
-
-/// How many tasks may be claimed before the fetcher claims again (unless the workers run dry first): a full batch,
-/// or half of the lane's bound when that is smaller, so that claims stay large and workers never wait on a round
-/// trip.
-pub fn fetch_threshold(queue: &QueueConfig) -> usize {
-    queue.batch.min((queue.workers + queue.prefetch) / 2).max(1)
-}
 
 /// How long a lane's fetcher and acker may go without a beat of their pulse before the watchdog counts them as
 /// wedged: everything one turn of each loop may wait, added up, so that a Redis that is down, slow or failing
@@ -68,6 +64,8 @@ pub fn stall_bounds(redis: &RedisConfig, queue: &QueueConfig) -> Bounds {
 pub struct Lane {
     pub queue: Arc<QueueContext>,
     pub capacity: Capacity,
+    /// The time the workers spent waiting for a task (what an adaptive prefetch watches).
+    pub idle: IdleTime,
     /// The tasks this daemon holds for the queue: claimed and not yet settled.
     pub held: Held,
     /// This daemon's claim identity on the queue.
@@ -98,10 +96,11 @@ impl Lane {
         epoch: Instant,
     ) -> (Lane, Receiver<Outcome>) {
         let config = &queue.config;
-        let bound = config.workers + config.prefetch;
-        let (outcomes, receiver) = crossbeam_channel::bounded(bound);
+        let (outcomes, receiver) = crossbeam_channel::bounded(config.max_held);
+        let prefetch = config.prefetch.initial(config.workers);
         let lane = Lane {
-            capacity: Capacity::new(config.workers, config.prefetch, fetch_threshold(config)),
+            capacity: Capacity::new(config.workers, prefetch, config.batch),
+            idle: IdleTime::default(),
             held: Held::default(),
             ownership: Ownership::new(instance),
             orphans: Mutex::new(Vec::new()),

@@ -43,10 +43,13 @@ impl Worker {
                     // Nothing waiting: let the fetcher claim now rather than wait for a full batch. Idle, the
                     // worker keeps no plugin alive that a reload replaced.
                     self.lane.capacity.nudge();
-                    types.ended(Instant::now());
+                    let idle_since = Instant::now();
+                    types.ended(idle_since);
                     types.flush();
                     self.plugins.forget();
-                    match self.jobs.recv() {
+                    let job = self.jobs.recv();
+                    self.lane.idle.add(idle_since.elapsed());
+                    match job {
                         Ok(job) => job,
                         Err(_) => break,
                     }

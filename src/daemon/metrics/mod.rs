@@ -115,6 +115,7 @@ impl Metrics {
                 busy: lane.held.count(|state| state.running_for().is_some()),
                 stuck: lane.capacity.stuck_workers(),
                 held: lane.held.len(),
+                prefetch: lane.capacity.prefetch(),
             })
             .collect()
     }

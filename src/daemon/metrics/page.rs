@@ -73,6 +73,8 @@ pub struct LaneNumbers {
     /// Workers stuck in a handler that ignored its cancel flag.
     pub stuck: usize,
     pub held: usize,
+    /// The prefetch now (adapted by the lane unless the config sets it).
+    pub prefetch: usize,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -272,7 +274,7 @@ fn registry(lanes: &[LaneNumbers], redis: Option<&Snapshot>) -> Registry {
             queues().map(|(queue, read)| (queue, read.daemons as f64)),
         );
     }
-    let lane_gauges: [LaneGauge; 4] = [
+    let lane_gauges: [LaneGauge; 5] = [
         (
             "kmqd_daemon_held_tasks",
             "Tasks this daemon holds (claimed, running or being settled)",
@@ -292,6 +294,11 @@ fn registry(lanes: &[LaneNumbers], redis: Option<&Snapshot>) -> Registry {
             "kmqd_daemon_stuck_workers",
             "Workers stuck in a handler that kept running after its task was taken (it ignores its cancel flag)",
             |l| l.stuck,
+        ),
+        (
+            "kmqd_daemon_prefetch",
+            "Tasks this daemon may claim beyond one per worker: the config's prefetch, or what the lane adapted it to",
+            |l| l.prefetch,
         ),
     ];
     for (name, help, value) in lane_gauges {
@@ -331,6 +338,7 @@ mod tests {
             busy: 1,
             stuck: 0,
             held: 3,
+            prefetch: 12,
         }]
     }
 
@@ -425,7 +433,8 @@ mod tests {
         let page = render(Format::Prometheus, &lanes(), None);
         assert!(page.contains("kmqd_redis_up 0"), "{page}");
         assert!(
-            page.contains("kmqd_daemon_held_tasks{queue=\"page-test\"} 3"),
+            page.contains("kmqd_daemon_held_tasks{queue=\"page-test\"} 3")
+                && page.contains("kmqd_daemon_prefetch{queue=\"page-test\"} 12"),
             "{page}"
         );
         assert!(!page.contains("kmqd_queue_ready"), "{page}");

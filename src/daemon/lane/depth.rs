@@ -1,0 +1,311 @@
+//! How deep a lane's prefetch is when the config leaves `prefetch` out: adapted to what the lane measures.
+//!
+//! Little's law says what keeps the workers busy: the tasks waiting for them must last while a freed slot comes
+//! back as a waiting task (its settle, then the claim's round trip), so the prefetch must be about the workers'
+//! throughput times that lead time. No-op handlers on a busy Redis need thousands; 100 ms handlers a handful,
+//! and holding more would only keep tasks from other daemons that have idle workers. Both factors move with the
+//! handlers, the host's load and Redis's, so rather than estimate them the fetcher watches their effects, over
+//! windows of [`WINDOW`] (and at least one fetch):
+//!
+//! - **grow**: the live workers spent more than [`IDLE_GROW`] of the window waiting for a task, while Redis had
+//!   more (every fetch of the window came back with all it asked for): the prefetch grows by what the idle share
+//!   says was missing, `1 / (1 - idle)`, at least doubling and at most [`MAX_GROWTH`]-fold, so that a backlog of
+//!   no-op tasks reaches the bound within a few windows, a small part of a one-second drain;
+//! - **shrink**: otherwise, the fewest tasks that waited for a worker when a fetch began (the standing queue, as
+//!   CoDel calls it: tasks that were claimed early for nothing) comes off, by half.
+//!
+//! The prefetch stays between 1 and `max_held - workers`; it starts at `workers` (the old fixed default). With a
+//! deep backlog of no-op tasks it reaches the bound within a few windows (docs/PERFORMANCE.md, "Defaults that
+//! find the speed"). A configured `prefetch` is never changed: the fetcher then has no `Depth`.
+//!
+//! The cost per task is nothing: the workers add their idle time to one atomic when they find no job (not per
+//! task), and the fetcher reads the clock once per fetch.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use super::capacity::Capacity;
+
+/// How long the fetcher watches before it changes the prefetch.
+pub const WINDOW: Duration = Duration::from_millis(50);
+
+/// The most one window multiplies the prefetch by.
+pub const MAX_GROWTH: f64 = 8.0;
+
+/// The share of the workers' time spent waiting for a task, with a backlog in Redis, that makes the prefetch grow.
+pub const IDLE_GROW: f64 = 0.02;
+
+/// Time the workers spent waiting for a task, added up (nanoseconds).
+#[derive(Debug, Default)]
+pub struct IdleTime(AtomicU64);
+
+impl IdleTime {
+    /// A worker waited `idle` for a task.
+    pub fn add(&self, idle: Duration) {
+        self.0.fetch_add(
+            u64::try_from(idle.as_nanos()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+    }
+
+    fn total(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// The fetcher's controller of an adaptive prefetch.
+#[derive(Debug)]
+pub struct Depth {
+    max: usize,
+    /// When the window began, and the workers' idle total then.
+    since: Instant,
+    idle_at_start: u64,
+    /// Fetches in the window; whether each took all it asked for; the fewest tasks waiting when one began.
+    fetches: usize,
+    backlog: bool,
+    low_water: usize,
+}
+
+/// What a window decided: the prefetch before and after, and why (for the debug log).
+#[derive(Debug, PartialEq)]
+pub struct Change {
+    pub from: usize,
+    pub to: usize,
+    /// The workers' idle share of the window.
+    pub idle: f64,
+    pub low_water: usize,
+}
+
+impl Depth {
+    /// A controller that keeps the prefetch at most `max`.
+    pub fn new(max: usize, idle: &IdleTime, now: Instant) -> Depth {
+        Depth {
+            max: max.max(1),
+            since: now,
+            idle_at_start: idle.total(),
+            fetches: 0,
+            backlog: true,
+            low_water: usize::MAX,
+        }
+    }
+
+    /// One fetch: `waiting` tasks waited for a worker when it began, it asked for `asked` and took `taken`. At the
+    /// end of a window, sets the capacity's prefetch and says what changed.
+    pub fn fetched(
+        &mut self,
+        capacity: &Capacity,
+        idle: &IdleTime,
+        (waiting, asked, taken): (usize, usize, usize),
+        now: Instant,
+    ) -> Option<Change> {
+        self.fetches += 1;
+        self.backlog &= asked > 0 && taken >= asked;
+        self.low_water = self.low_water.min(waiting);
+        let elapsed = now.saturating_duration_since(self.since);
+        if elapsed < WINDOW {
+            return None;
+        }
+        let idle_ns = idle.total();
+        let live = capacity.live_workers().max(1);
+        let share = idle_ns.saturating_sub(self.idle_at_start) as f64
+            / (live as f64 * elapsed.as_nanos().max(1) as f64);
+        let from = capacity.prefetch();
+        let to = if self.backlog && share > IDLE_GROW {
+            let growth = (1.0 / (1.0 - share).max(1.0 / MAX_GROWTH)).max(2.0);
+            ((from.max(1) as f64 * growth).ceil() as usize).clamp(1, self.max)
+        } else {
+            from.saturating_sub(self.low_water.div_ceil(2))
+                .clamp(1, self.max)
+        };
+        let change = Change {
+            from,
+            to,
+            idle: share,
+            low_water: self.low_water,
+        };
+        *self = Depth {
+            max: self.max,
+            since: now,
+            idle_at_start: idle_ns,
+            fetches: 0,
+            backlog: true,
+            low_water: usize::MAX,
+        };
+        if to == from {
+            return None;
+        }
+        capacity.set_prefetch(to);
+        Some(change)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A window of `fetches` fetches ending `WINDOW` after `start`, with the workers idle for `idle` meanwhile.
+    fn window(
+        depth: &mut Depth,
+        capacity: &Capacity,
+        clock: &IdleTime,
+        start: Instant,
+        idle: Duration,
+        fetches: &[(usize, usize, usize)],
+    ) -> Option<Change> {
+        clock.add(idle);
+        let mut last = None;
+        for (i, fetch) in fetches.iter().enumerate() {
+            let at = if i + 1 == fetches.len() {
+                start + WINDOW
+            } else {
+                start
+            };
+            last = depth.fetched(capacity, clock, *fetch, at);
+        }
+        last
+    }
+
+    #[test]
+    fn idle_workers_with_a_backlog_grow_the_prefetch_by_what_was_missing_up_to_the_bound() {
+        let (capacity, clock, start) = (
+            Capacity::new(4, 4, 1000),
+            IdleTime::default(),
+            Instant::now(),
+        );
+        let mut depth = Depth::new(200, &clock, start);
+        // 4 workers, each idle for half the window: 50 % idle, every fetch full: at least double.
+        let change = window(
+            &mut depth,
+            &capacity,
+            &clock,
+            start,
+            WINDOW * 2,
+            &[(0, 8, 8), (0, 8, 8)],
+        );
+        assert_eq!(change.map(|c| (c.from, c.to)), Some((4, 8)));
+        assert_eq!(capacity.prefetch(), 8);
+        // 75 % idle: four times as much was needed.
+        let start = start + WINDOW;
+        window(
+            &mut depth,
+            &capacity,
+            &clock,
+            start,
+            WINDOW * 3,
+            &[(0, 8, 8)],
+        );
+        assert_eq!(capacity.prefetch(), 32);
+        // Idle throughout: at most MAX_GROWTH, and never beyond max_held - workers.
+        let start = start + WINDOW;
+        window(
+            &mut depth,
+            &capacity,
+            &clock,
+            start,
+            WINDOW * 4,
+            &[(0, 8, 8)],
+        );
+        assert_eq!(capacity.prefetch(), 200);
+    }
+
+    #[test]
+    fn idle_workers_on_a_drained_queue_do_not_grow_it() {
+        let (capacity, clock, start) = (
+            Capacity::new(4, 4, 1000),
+            IdleTime::default(),
+            Instant::now(),
+        );
+        let mut depth = Depth::new(20, &clock, start);
+        let idle = Duration::from_millis(400);
+        // One fetch of the window took less than it asked for: Redis had no more, prefetching more would not help.
+        let change = window(
+            &mut depth,
+            &capacity,
+            &clock,
+            start,
+            idle,
+            &[(0, 8, 8), (0, 8, 3)],
+        );
+        assert_eq!(change, None);
+        assert_eq!(capacity.prefetch(), 4);
+    }
+
+    #[test]
+    fn a_standing_queue_of_waiting_tasks_is_halved_off_down_to_one() {
+        let (capacity, clock, start) = (
+            Capacity::new(4, 64, 1000),
+            IdleTime::default(),
+            Instant::now(),
+        );
+        let mut depth = Depth::new(1000, &clock, start);
+        // Busy workers (no idle time), and at least 40 tasks waited at every fetch: 20 come off.
+        let change = window(
+            &mut depth,
+            &capacity,
+            &clock,
+            start,
+            Duration::ZERO,
+            &[(50, 32, 32), (40, 32, 32)],
+        );
+        assert_eq!(
+            change.map(|c| (c.from, c.to, c.low_water)),
+            Some((64, 44, 40))
+        );
+        let mut start = start + WINDOW;
+        for _ in 0..20 {
+            window(
+                &mut depth,
+                &capacity,
+                &clock,
+                start,
+                Duration::ZERO,
+                &[(capacity.prefetch(), 1, 1)],
+            );
+            start += WINDOW;
+        }
+        assert_eq!(capacity.prefetch(), 1, "never below one");
+    }
+
+    #[test]
+    fn little_idle_time_does_not_grow_it() {
+        let (capacity, clock, start) = (
+            Capacity::new(100, 4, 1000),
+            IdleTime::default(),
+            Instant::now(),
+        );
+        let mut depth = Depth::new(1000, &clock, start);
+        // 100 workers idle for 100 ms in all: 1 % of their time, under IDLE_GROW.
+        let change = window(
+            &mut depth,
+            &capacity,
+            &clock,
+            start,
+            Duration::from_millis(100),
+            &[(0, 4, 4)],
+        );
+        assert_eq!(change, None);
+        assert_eq!(capacity.prefetch(), 4);
+    }
+
+    #[test]
+    fn a_window_ends_only_after_its_time() {
+        let (capacity, clock, start) = (
+            Capacity::new(4, 4, 1000),
+            IdleTime::default(),
+            Instant::now(),
+        );
+        let mut depth = Depth::new(20, &clock, start);
+        clock.add(Duration::from_secs(1));
+        for _ in 0..100 {
+            assert_eq!(
+                depth.fetched(&capacity, &clock, (0, 8, 8), start + WINDOW / 2),
+                None
+            );
+        }
+        assert!(
+            depth
+                .fetched(&capacity, &clock, (0, 8, 8), start + WINDOW)
+                .is_some()
+        );
+    }
+}
