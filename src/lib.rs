@@ -13,11 +13,10 @@
 //! - [`daemon`]: the supervisor on top; below it each queue's [`daemon::lane`] (fetcher, workers, acker) and the
 //!   per-daemon threads (heartbeat, monitor, timeouts, delay, scheduler, metrics, signals);
 //! - [`retry`] and [`shutdown`]: backoff, rate-limited failure reports, and the shutdown broadcasts;
-//! - [`cli`]: the `kmqd` command line; [`bench`]: `kmqd bench`, which measures kmqd against a private
-//!   [`redis_server`].
+//! - [`cli`]: the `kmqd` command line; [`redis_server`]: the private redis-server of the tests and of
+//!   `kmqd-bench` (bench/, a binary of its own that runs the `kmqd` binary as its daemons).
 #![deny(unsafe_code)]
 
-pub mod bench;
 pub mod broker;
 pub mod cli;
 pub mod client;
