@@ -13,8 +13,11 @@
 //! - [`daemon`]: the supervisor on top; below it each queue's [`daemon::lane`] (fetcher, workers, acker) and the
 //!   per-daemon threads (heartbeat, monitor, timeouts, delay, scheduler, metrics, signals);
 //! - [`retry`] and [`shutdown`]: backoff, rate-limited failure reports, and the shutdown broadcasts;
-//! - [`cli`]: the `kmqd` command line; [`redis_server`]: the private redis-server of the tests and of
-//!   `kmqd-bench` (bench/, a binary of its own that runs the `kmqd` binary as its daemons).
+//! - [`cli`]: the `kmqd` command line.
+//!
+//! Not in this crate, since a worker host runs none of it: the benchmark, `kmqd-bench` (bench/, a binary of its
+//! own that runs the `kmqd` binary as its daemons), and the private redis-servers it and the tests start
+//! (`kmqd-harness`, harness/).
 #![deny(unsafe_code)]
 
 pub mod broker;
@@ -26,7 +29,6 @@ pub mod daemon;
 pub mod plugin;
 pub mod policy;
 pub mod queue;
-pub mod redis_server;
 pub mod retry;
 pub mod settlement;
 pub mod shutdown;

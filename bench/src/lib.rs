@@ -22,9 +22,11 @@ use serde::Serialize;
 use kmqd::broker;
 use kmqd::client::{Client, NewTask};
 use kmqd::config::Config;
-use kmqd::redis_server::{Listen, RedisServer};
+use kmqd_harness::{Listen, RedisServer};
+
 // `crate::task::...` and `crate::redis_server::...` read as they did when this was kmqd's `bench` module.
-use kmqd::{redis_server, task};
+use kmqd::task;
+use kmqd_harness as redis_server;
 
 /// What to measure and how.
 #[derive(Clone, Debug)]
