@@ -234,6 +234,22 @@ impl Drop for Daemon {
     }
 }
 
+/// The daemon when `--daemon` names none: the `kmqd` binary beside this executable, where cargo builds both
+/// (target/release/kmqd-bench runs target/release/kmqd). The bench is a binary of its own so that the daemon's
+/// does not carry it; what it measures is always a real `kmqd` process.
+pub fn default_daemon() -> Result<PathBuf, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("current exe: {e}"))?;
+    let kmqd = exe.with_file_name("kmqd");
+    if !kmqd.is_file() {
+        return Err(format!(
+            "{} not found: kmqd-bench runs the kmqd beside it; build both (cargo build --release --workspace) \
+             or pass --daemon PATH",
+            kmqd.display()
+        ));
+    }
+    Ok(kmqd)
+}
+
 impl Bench {
     fn new(options: Options) -> Result<Bench, String> {
         let kmqd = match &options.daemon {
@@ -377,22 +393,6 @@ impl Bench {
         }
         Ok(())
     }
-}
-
-/// The daemon when `--daemon` names none: the `kmqd` binary beside this executable, where cargo builds both
-/// (target/release/kmqd-bench runs target/release/kmqd). The bench is a binary of its own so that the daemon's
-/// does not carry it; what it measures is always a real `kmqd` process.
-pub fn default_daemon() -> Result<PathBuf, String> {
-    let exe = std::env::current_exe().map_err(|e| format!("current exe: {e}"))?;
-    let kmqd = exe.with_file_name("kmqd");
-    if !kmqd.is_file() {
-        return Err(format!(
-            "{} not found: kmqd-bench runs the kmqd beside it; build both (cargo build --release --workspace) \
-             or pass --daemon PATH",
-            kmqd.display()
-        ));
-    }
-    Ok(kmqd)
 }
 
 /// Runs the benchmark and returns its report.
