@@ -19,12 +19,12 @@ ensure_command() {
 }
 
 # The package also brings redis-cli, which the tests and the demo use (and the Cluster and Sentinel harness of
-# src/redis_server/: Debian's redis-server is built with TLS and runs as a Sentinel with --sentinel).
+# harness/: Debian's redis-server is built with TLS and runs as a Sentinel with --sentinel).
 ensure_redis_server() {
     ensure_command redis-server redis-server
 }
 
-# The TLS tests make their own CA and certificates with the openssl command (src/redis_server/tls.rs).
+# The TLS tests make their own CA and certificates with the openssl command (harness/src/tls.rs).
 ensure_openssl() {
     ensure_command openssl openssl
 }

@@ -13,11 +13,13 @@
 //! - [`daemon`]: the supervisor on top; below it each queue's [`daemon::lane`] (fetcher, workers, acker) and the
 //!   per-daemon threads (heartbeat, monitor, timeouts, delay, scheduler, metrics, signals);
 //! - [`retry`] and [`shutdown`]: backoff, rate-limited failure reports, and the shutdown broadcasts;
-//! - [`cli`]: the `kmqd` command line; [`bench`]: `kmqd bench`, which measures kmqd against a private
-//!   [`redis_server`].
+//! - [`cli`]: the `kmqd` command line.
+//!
+//! Not in this crate, since a worker host runs none of it: the benchmark, `kmqd-bench` (bench/, a binary of its
+//! own that runs the `kmqd` binary as its daemons), and the private redis-servers it and the tests start
+//! (`kmqd-harness`, harness/).
 #![deny(unsafe_code)]
 
-pub mod bench;
 pub mod broker;
 pub mod cli;
 pub mod client;
@@ -27,7 +29,6 @@ pub mod daemon;
 pub mod plugin;
 pub mod policy;
 pub mod queue;
-pub mod redis_server;
 pub mod retry;
 pub mod settlement;
 pub mod shutdown;

@@ -1,5 +1,5 @@
-//! The `kmqd` command line: `kmqd --config FILE [run|check-config|push|stats|task|dead|queue|workers|bench]`,
-//! one module per command.
+//! The `kmqd` command line: `kmqd --config FILE [run|check-config|push|stats|task|dead|queue|workers]`, one
+//! module per command. (The benchmark is a binary of its own, `kmqd-bench`, in bench/.)
 //!
 //! Exit codes, everywhere: 0 success, 1 runtime error (Redis unreachable, a thread died), 2 usage or config
 //! error (including a refused plugin, wrong credentials and missing ACL rules), 3 a push refused because its
@@ -14,7 +14,6 @@ use tracing_subscriber::EnvFilter;
 use crate::client::ClientError;
 use crate::config::{Config, LogFormat};
 
-mod bench;
 mod colour;
 mod daemon;
 mod dead;
@@ -25,7 +24,6 @@ mod task;
 mod watch;
 mod workers;
 
-pub use bench::BenchArgs;
 pub use dead::DeadCommand;
 pub use push::PushArgs;
 pub use queue::QueueCommand;
@@ -85,9 +83,6 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Measure kmqd against a private redis-server (needs no config): push rates, drain rates in both modes with
-    /// 1, 2 and 4 daemons, idle wake-up latency, delayed-task lateness, memory. See docs/PERFORMANCE.md.
-    Bench(BenchArgs),
 }
 
 /// A command that did not succeed, with the exit code it maps to.
@@ -155,9 +150,6 @@ pub(super) fn change_failed(error: ClientError, what: &str, check: &str) -> Fail
 
 /// Runs a parsed command line.
 pub fn run(args: Args) -> Result<(), Failure> {
-    if let Some(Command::Bench(bench)) = args.command {
-        return bench::run_bench(bench);
-    }
     let path = args.config.ok_or_else(|| {
         Failure::Usage(
             "no config file: pass --config FILE (or set KMQD_CONFIG); see config/ for examples"
@@ -215,7 +207,6 @@ pub fn run(args: Args) -> Result<(), Failure> {
             init_logging("warn");
             workers::run_workers(&config, json)
         }
-        Command::Bench(_) => unreachable!("handled before the config is read"),
     }
 }
 
@@ -254,7 +245,8 @@ fn rust_log() -> Option<String> {
 }
 
 /// Human-readable logs on standard error (the journal under systemd); `RUST_LOG` overrides the config's level.
-pub(super) fn init_logging(default_level: &str) {
+/// Public for `kmqd-bench`, which logs as kmqd's commands do.
+pub fn init_logging(default_level: &str) {
     init_logging_as(default_level, LogFormat::Text);
 }
 

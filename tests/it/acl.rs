@@ -391,7 +391,7 @@ fn each_command_line_tool_checks_the_rules_of_what_it_does() {
 /// Every documented user on `server` (a node of a cluster, a master or replica), its line's rules that `keep`
 /// accepts and `extra` added.
 fn create_users_on(
-    server: &kmqd::redis_server::RedisServer,
+    server: &kmqd_harness::RedisServer,
     extra: &[&str],
     keep: impl Fn(&str) -> bool,
 ) {
@@ -475,7 +475,7 @@ fn drain_as_the_documented_users(dir: &TestDir, deployment: &str) -> String {
 /// runs and no node refused anything.
 #[test]
 fn the_documented_users_run_on_a_redis_cluster_with_its_additions() {
-    use kmqd::redis_server::cluster::{Cluster, ClusterOptions};
+    use kmqd_harness::cluster::{Cluster, ClusterOptions};
     let cluster = Cluster::start(ClusterOptions::default()).expect("start a Redis Cluster");
     let seeds: Vec<String> = cluster
         .seeds()
@@ -528,7 +528,7 @@ fn the_documented_users_run_on_a_redis_cluster_with_its_additions() {
 /// on the sentinels the sentinels' lines: everything runs and no server refused anything.
 #[test]
 fn the_documented_users_run_behind_sentinels_with_their_additions() {
-    use kmqd::redis_server::sentinel::{SentinelOptions, SentinelSetup};
+    use kmqd_harness::sentinel::{SentinelOptions, SentinelSetup};
     let setup = SentinelSetup::start(SentinelOptions::default()).expect("start sentinels");
     for server in setup.servers() {
         create_users_on(server, access::SENTINEL_MASTER_RULES, |_| true);

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use kmqd::redis_server::Signal;
-use kmqd::redis_server::cluster::{Cluster, ClusterOptions, key_slot};
+use kmqd_harness::Signal;
+use kmqd_harness::cluster::{Cluster, ClusterOptions, key_slot};
 
 use crate::support::{TestDaemon, TestDir, client, eventually, kmqd};
 

@@ -50,7 +50,7 @@ fn a_delayed_task_never_runs_early_and_runs_soon_after_it_is_due() {
         let started_ms = (started_us / 1000) as i64;
         let due = due_ms[&id];
         assert!(started_ms >= due, "{id} ran {} ms early", due - started_ms);
-        // Functional bound only (the measured lateness is in `kmqd bench`): a poller wakes for the due time, it
+        // Functional bound only (the measured lateness is in `kmqd-bench`): a poller wakes for the due time, it
         // does not wait for a polling interval.
         assert!(
             started_ms - due < 1000,

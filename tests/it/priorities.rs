@@ -177,7 +177,7 @@ fn an_idle_daemon_takes_a_pushed_task_without_waiting_for_its_poll() {
             (dir.records().runs_of(&format!("w{round}")) == 1, ())
         });
         // The bound is idle_poll (5 s) for a push without a marker; with one it is a round trip. Generous slack:
-        // `kmqd bench` measures the real figure.
+        // `kmqd-bench` measures the real figure.
         assert!(
             pushed.elapsed() < Duration::from_secs(2),
             "round {round}: {:?}",

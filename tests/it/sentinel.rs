@@ -5,8 +5,8 @@ use std::collections::HashSet;
 use std::sync::atomic::AtomicUsize;
 use std::time::Duration;
 
-use kmqd::redis_server::Signal;
-use kmqd::redis_server::sentinel::{SentinelOptions, SentinelSetup};
+use kmqd_harness::Signal;
+use kmqd_harness::sentinel::{SentinelOptions, SentinelSetup};
 
 use crate::cluster::{push_acknowledged, wait_drained};
 use crate::support::{TestDaemon, TestDir, client, eventually};

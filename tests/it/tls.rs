@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use kmqd::redis_server::{AuthClients, Listen, Options, RedisServer, ServerCert, TlsFiles};
+use kmqd_harness::{AuthClients, Listen, Options, RedisServer, ServerCert, TlsFiles};
 
 use crate::support::{Process, TestDir, client, kmqd, safe_queue, wait_done};
 
@@ -169,7 +169,7 @@ fn seed_list(urls: &[String]) -> String {
 
 #[test]
 fn rediss_cluster_seeds_mean_tls_to_every_node() {
-    use kmqd::redis_server::cluster::{Cluster, ClusterOptions};
+    use kmqd_harness::cluster::{Cluster, ClusterOptions};
     let dir = TestDir::new();
     let files = certificates(&dir);
     let cluster = Cluster::start(ClusterOptions {
@@ -185,7 +185,7 @@ fn rediss_cluster_seeds_mean_tls_to_every_node() {
 
 #[test]
 fn rediss_sentinel_seeds_mean_tls_to_the_sentinels_and_the_master() {
-    use kmqd::redis_server::sentinel::{SentinelOptions, SentinelSetup};
+    use kmqd_harness::sentinel::{SentinelOptions, SentinelSetup};
     let dir = TestDir::new();
     let files = certificates(&dir);
     let setup = SentinelSetup::start(SentinelOptions {

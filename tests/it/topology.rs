@@ -1,4 +1,4 @@
-//! The harness for deployments beyond one server (`kmqd::redis_server::{cluster, sentinel, tls}`), tested
+//! The harness for deployments beyond one server (`kmqd_harness::{cluster, sentinel, tls}`), tested
 //! against the real thing: what the tests of kmqd's cluster, sentinel and TLS support will stand on.
 
 use std::collections::HashMap;
@@ -8,16 +8,16 @@ use std::time::{Duration, Instant};
 
 use crate::support::eventually;
 
-use kmqd::redis_server::cluster::{Cluster, ClusterOptions, Role, key_slot};
-use kmqd::redis_server::sentinel::{SentinelOptions, SentinelSetup};
-use kmqd::redis_server::{
+use kmqd_harness::cluster::{Cluster, ClusterOptions, Role, key_slot};
+use kmqd_harness::sentinel::{SentinelOptions, SentinelSetup};
+use kmqd_harness::{
     AuthClients, Listen, Options as RedisOptions, RedisServer, ServerCert, ServerTls, Signal,
     TlsFiles,
 };
 
 /// Runs redis-cli with `args`. Panics when it cannot run.
 fn redis_cli(args: &[&str]) -> std::process::Output {
-    Command::new(kmqd::redis_server::cli_binary().expect("redis-cli is installed"))
+    Command::new(kmqd_harness::cli_binary().expect("redis-cli is installed"))
         .args(args)
         .output()
         .expect("run redis-cli")

@@ -38,13 +38,13 @@ pub fn eventually<T: std::fmt::Debug>(
     }
 }
 
-pub use kmqd::redis_server::{Fsync, Options as RedisOptions, Signal};
+pub use kmqd_harness::{Fsync, Options as RedisOptions, Signal};
 
-/// A redis-server of the test's own (`kmqd::redis_server`): unix socket in a temp dir, no persistence (unless
+/// A redis-server of the test's own (`kmqd_harness`): unix socket in a temp dir, no persistence (unless
 /// started with [`RedisServer::start_with`]), killed on drop. The tests fail loudly, never skip, when
 /// redis-server is missing.
 pub struct RedisServer {
-    server: kmqd::redis_server::RedisServer,
+    server: kmqd_harness::RedisServer,
     pub socket: PathBuf,
 }
 
@@ -58,10 +58,10 @@ impl RedisServer {
     pub fn start_with(options: RedisOptions) -> RedisServer {
         assert_eq!(
             options.listen,
-            kmqd::redis_server::Listen::UnixSocket,
+            kmqd_harness::Listen::UnixSocket,
             "the tests' redis-servers listen on a unix socket"
         );
-        let server = kmqd::redis_server::RedisServer::start_with(options)
+        let server = kmqd_harness::RedisServer::start_with(options)
             .unwrap_or_else(|error| panic!("{error} (scripts/test installs redis-server)"));
         let socket = server.dir().join("redis.sock");
         RedisServer { server, socket }

@@ -1,4 +1,5 @@
-//! A private `redis-server` for benchmarks and tests: its own port or unix socket, its own temp dir, killed when
+//! A private `redis-server` for benchmarks and tests (kmqd's integration tests, whose dev-dependency this crate
+//! is, and `kmqd-bench`; never part of the daemon): its own port or unix socket, its own temp dir, killed when
 //! dropped. Never the user's Redis.
 //!
 //! By default it keeps nothing on disk (`--save "" --appendonly no`): a restart starts empty. The tests of what
@@ -7,7 +8,7 @@
 //! process on the same directory, socket or port and settings, as systemd would start it again) and
 //! [`RedisServer::pause`] / [`RedisServer::resume`] (SIGSTOP / SIGCONT: a Redis that stalls, for example in a
 //! long fork or a swapped-out page, while its sockets stay open). Signals go through `kill(1)`, as in the
-//! integration tests, so this module needs no unsafe code.
+//! integration tests, so this crate needs no unsafe code.
 //!
 //! Beyond one plain server, for the work on TLS, Redis Cluster and Sentinel:
 //! - [`tls`] makes the certificates, and [`Options::tls`] starts a server that speaks only TLS (its
@@ -18,6 +19,7 @@
 //! The harness's own commands go through [`RedisServer::query`]: redis-rs for a plain server, `redis-cli` for a
 //! TLS one, so that the harness never depends on the TLS client it is there to test (redis-cli's is OpenSSL's).
 //! Every wait is a poll with a deadline whose error carries the tail of the logs of the servers concerned.
+#![deny(unsafe_code)]
 
 pub mod cluster;
 pub mod sentinel;

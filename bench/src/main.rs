@@ -1,10 +1,19 @@
-//! `kmqd bench`: the benchmark's command line (the benchmark itself is `crate::bench`).
+//! `kmqd-bench`: the benchmark's command line (the benchmark itself is the library, `kmqd_bench`); exit codes
+//! as kmqd's ([`kmqd::cli::Failure::exit_code`]).
 
+use std::io::Write;
 use std::path::PathBuf;
+use std::process::ExitCode;
 
-use super::{Failure, init_logging};
+use clap::Parser;
+use kmqd::cli::{Failure, init_logging};
+// `crate::bench::...` reads as it did when this was `kmqd bench`.
+use kmqd_bench as bench;
 
-#[derive(clap::Args, Debug)]
+/// Measure kmqd against a private redis-server (needs no config): push rates, drain rates in both modes with 1, 2
+/// and 4 daemons, idle wake-up latency, delayed-task lateness, memory. See docs/PERFORMANCE.md.
+#[derive(Parser, Debug)]
+#[command(name = "kmqd-bench", version)]
 pub struct BenchArgs {
     /// Tasks per drain run of no-op tasks (the handlers scenario sizes its own runs: about 3 s each).
     #[arg(long, default_value_t = 200_000)]
@@ -41,12 +50,24 @@ pub struct BenchArgs {
     /// scripts/bench-peers).
     #[arg(long, value_name = "RESULTS_DIR")]
     pub peers: Option<PathBuf>,
-    /// Run this kmqd binary as the daemon (default: this one): two builds measured in one session.
+    /// Run this kmqd binary as the daemon (default: the kmqd next to kmqd-bench): two builds measured in one
+    /// session.
     #[arg(long, value_name = "KMQD")]
     pub daemon: Option<PathBuf>,
 }
 
-pub(super) fn run_bench(args: BenchArgs) -> Result<(), Failure> {
+fn main() -> ExitCode {
+    match run_bench(BenchArgs::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(failure) => {
+            // Not eprintln!, which panics when standard error is closed: the exit code still tells.
+            let _ = writeln!(std::io::stderr(), "kmqd-bench: {failure}");
+            ExitCode::from(failure.exit_code())
+        }
+    }
+}
+
+fn run_bench(args: BenchArgs) -> Result<(), Failure> {
     init_logging("warn");
     let options = crate::bench::Options {
         tasks: args.tasks,

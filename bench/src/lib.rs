@@ -1,4 +1,4 @@
-//! `kmqd bench`: measures kmqd against a private redis-server it starts itself, with the real binary as daemon
+//! `kmqd-bench`: measures kmqd against a private redis-server it starts itself, with the real binary as daemon
 //! processes and the `testkit` plugin as a no-op handler (in the `handlers` scenario, one that sleeps or spins),
 //! the way `../shared/bench/peers` measures the peers (enqueue first, then drain; drain rate = tasks left at the
 //! first poll that saw progress / time to empty).
@@ -20,10 +20,14 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
 
-use crate::broker;
-use crate::client::{Client, NewTask};
-use crate::config::Config;
-use crate::redis_server::{Listen, RedisServer};
+use kmqd::broker;
+use kmqd::client::{Client, NewTask};
+use kmqd::config::Config;
+use kmqd_harness::{Listen, RedisServer};
+
+// `crate::task::...` and `crate::redis_server::...` read as they did when this was kmqd's `bench` module.
+use kmqd::task;
+use kmqd_harness as redis_server;
 
 /// What to measure and how.
 #[derive(Clone, Debug)]
@@ -48,7 +52,8 @@ pub struct Options {
     pub backlog: usize,
     /// A results directory of `../shared/bench/peers/run.sh` (its summary.csv) to compare with.
     pub peers: Option<PathBuf>,
-    /// The kmqd binary to run as the daemon (default: this one), to compare two builds in one session.
+    /// The kmqd binary to run as the daemon (default: the `kmqd` next to this executable, see
+    /// [`default_daemon`]), to compare two builds in one session.
     pub daemon: Option<PathBuf>,
 }
 
@@ -231,11 +236,28 @@ impl Drop for Daemon {
     }
 }
 
+/// The daemon when `--daemon` names none: the `kmqd` binary beside this executable, where cargo builds both
+/// (target/release/kmqd-bench runs target/release/kmqd). The bench is a binary of its own so that the daemon's
+/// does not carry it; what it measures is always a real `kmqd` process.
+pub fn default_daemon() -> Result<PathBuf, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("current exe: {e}"))?;
+    let kmqd = exe.with_file_name("kmqd");
+    if !kmqd.is_file() {
+        return Err(format!(
+            "{} not found: kmqd-bench runs the kmqd beside it; build both (cargo build --release --workspace) \
+             or pass --daemon PATH",
+            kmqd.display()
+        ));
+    }
+    Ok(kmqd)
+}
+
 impl Bench {
     fn new(options: Options) -> Result<Bench, String> {
         let kmqd = match &options.daemon {
-            Some(path) => path.clone(),
-            None => std::env::current_exe().map_err(|e| format!("current exe: {e}"))?,
+            Some(path) if path.is_file() => path.clone(),
+            Some(path) => return Err(format!("--daemon {}: no such file", path.display())),
+            None => default_daemon()?,
         };
         let source = options
             .plugins_dir
