@@ -207,8 +207,8 @@ fn mix(bench: &Bench, mode: &str, workers: usize) -> Result<Figure, String> {
         Shape::out_of_the_box(workers),
     )?;
     let client = bench.client(&config)?;
-    let no_op = crate::task::data_from_str("1").expect("JSON");
-    let slow = crate::task::data_from_str(&format!("{{\"sleep_ms\":{}}}", MIX_SLOW.as_millis()))
+    let no_op = kmqd::task::data_from_str("1").expect("JSON");
+    let slow = kmqd::task::data_from_str(&format!("{{\"sleep_ms\":{}}}", MIX_SLOW.as_millis()))
         .expect("JSON");
     let (mut fast_p99, mut fast_p50, mut slow_p99) = (Vec::new(), Vec::new(), Vec::new());
     for run in 0..bench.options.runs {

@@ -25,10 +25,6 @@ use kmqd::client::{Client, NewTask};
 use kmqd::config::Config;
 use kmqd_harness::{Listen, RedisServer};
 
-// `crate::task::...` and `crate::redis_server::...` read as they did when this was kmqd's `bench` module.
-use kmqd::task;
-use kmqd_harness as redis_server;
-
 /// What to measure and how.
 #[derive(Clone, Debug)]
 pub struct Options {
@@ -84,7 +80,7 @@ pub struct Figure {
     pub extra: Vec<(String, f64)>,
 }
 
-/// Everything one `kmqd bench` measured.
+/// Everything one `kmqd-bench` measured.
 #[derive(Debug, Serialize)]
 pub struct Report {
     pub redis_version: String,
@@ -385,7 +381,7 @@ impl Bench {
 
     /// Pushes `n` tasks with `data` (JSON: the testkit's behaviour) with the library, in batches.
     fn fill_with(&self, client: &Client, n: usize, data: &str) -> Result<(), String> {
-        let data = crate::task::data_from_str(data).map_err(|e| format!("{data}: {e}"))?;
+        let data = kmqd::task::data_from_str(data).map_err(|e| format!("{data}: {e}"))?;
         let mut left = n;
         while left > 0 {
             let chunk = left.min(10_000);
@@ -533,7 +529,7 @@ fn push_rates(bench: &Bench) -> Result<Vec<Figure>, String> {
     let n = bench.options.tasks;
     let single_n = n.min(20_000);
     let (mut single, mut stdin, mut batch) = (Vec::new(), Vec::new(), Vec::new());
-    let one = crate::task::data_from_str("1").expect("1 is JSON");
+    let one = kmqd::task::data_from_str("1").expect("1 is JSON");
     for _ in 0..bench.options.runs {
         bench.flush()?;
         let start = Instant::now();
@@ -894,7 +890,7 @@ fn lateness(bench: &Bench) -> Result<Figure, String> {
                 let due = base_ms + (i * 1000 / RATE) as i64;
                 let id = format!("l{run}-{i}");
                 due_by_id.insert(id.clone(), due);
-                NewTask::with_data("test", crate::task::data_from_str("{}").expect("JSON"))
+                NewTask::with_data("test", kmqd::task::data_from_str("{}").expect("JSON"))
                     .id(id)
                     .at(due)
             })
@@ -961,7 +957,7 @@ fn memory(bench: &Bench) -> Result<Vec<Figure>, String> {
     let before = used(bench)?;
     let data = format!("{{\"payload\":\"{}\"}}", "x".repeat(100 - 14));
     let n = 100_000;
-    let data = crate::task::data_from_str(&data).expect("JSON");
+    let data = kmqd::task::data_from_str(&data).expect("JSON");
     for _ in 0..n / 10_000 {
         client
             .push_batch(
@@ -1012,7 +1008,7 @@ pub fn render(report: &Report) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "kmqd bench: redis-server {} on 127.0.0.1, {}; {} tasks per drain run; workers {}, batch {}, prefetch {}; \
+        "kmqd-bench: redis-server {} on 127.0.0.1, {}; {} tasks per drain run; workers {}, batch {}, prefetch {}; \
          median of {} run(s)\n",
         report.redis_version,
         report.host,
@@ -1080,7 +1076,7 @@ fn deployments(bench: &Bench) -> Result<Vec<Figure>, String> {
         .port()
         .ok_or("the bench's Redis listens on TCP")?
         .to_string();
-    let mut options = crate::redis_server::Options::new(Listen::Loopback);
+    let mut options = kmqd_harness::Options::new(Listen::Loopback);
     options.extra_args = ["--replicaof", "127.0.0.1", port.as_str()]
         .map(String::from)
         .to_vec();
@@ -1110,12 +1106,10 @@ fn deployments(bench: &Bench) -> Result<Vec<Figure>, String> {
     }
     drop(replica);
 
-    let cluster = crate::redis_server::cluster::Cluster::start(
-        crate::redis_server::cluster::ClusterOptions {
-            replicas_per_master: 0,
-            ..Default::default()
-        },
-    )?;
+    let cluster = kmqd_harness::cluster::Cluster::start(kmqd_harness::cluster::ClusterOptions {
+        replicas_per_master: 0,
+        ..Default::default()
+    })?;
     let seeds: Vec<String> = cluster
         .seeds()?
         .iter()
@@ -1151,7 +1145,7 @@ fn single_pushes(bench: &Bench, target: &Target<'_>) -> Result<Figure, String> {
         bench.shape(),
     )?;
     let client = bench.client(&config)?;
-    let one = crate::task::data_from_str("1").expect("1 is JSON");
+    let one = kmqd::task::data_from_str("1").expect("1 is JSON");
     let mut rates = Vec::new();
     for _ in 0..bench.options.runs {
         target.flush()?;

@@ -7,8 +7,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use kmqd::cli::{Failure, init_logging};
-// `crate::bench::...` reads as it did when this was `kmqd bench`.
-use kmqd_bench as bench;
+// `kmqd_bench::...` reads as it did when this was `kmqd bench`.
 
 /// Measure kmqd against a private redis-server (needs no config): push rates, drain rates in both modes with 1, 2
 /// and 4 daemons, idle wake-up latency, delayed-task lateness, memory. See docs/PERFORMANCE.md.
@@ -25,7 +24,7 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
     pub daemons: Vec<usize>,
     /// Only these scenarios.
-    #[arg(long, value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(crate::bench::SCENARIOS))]
+    #[arg(long, value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(kmqd_bench::SCENARIOS))]
     pub only: Vec<String>,
     /// Handler threads per daemon.
     #[arg(long, default_value_t = 4)]
@@ -69,7 +68,7 @@ fn main() -> ExitCode {
 
 fn run_bench(args: BenchArgs) -> Result<(), Failure> {
     init_logging("warn");
-    let options = crate::bench::Options {
+    let options = kmqd_bench::Options {
         tasks: args.tasks,
         runs: args.runs.max(1),
         daemons: args.daemons,
@@ -82,14 +81,14 @@ fn run_bench(args: BenchArgs) -> Result<(), Failure> {
         peers: args.peers,
         daemon: args.daemon,
     };
-    let report = crate::bench::run(options, &mut std::io::stderr()).map_err(Failure::Runtime)?;
+    let report = kmqd_bench::run(options, &mut std::io::stderr()).map_err(Failure::Runtime)?;
     if args.json {
         println!(
             "{}",
             serde_json::to_string_pretty(&report).expect("report serializes")
         );
     } else {
-        print!("{}", crate::bench::render(&report));
+        print!("{}", kmqd_bench::render(&report));
     }
     Ok(())
 }
