@@ -36,7 +36,7 @@ fn a_backlog_of_quick_tasks_deepens_the_prefetch_up_to_max_held() {
     push_many(&config, "quick", n, "{}");
     let daemon = Process::start(&config, dir.path("kmqd.log"));
     let addr = daemon.metrics_addr();
-    // It starts at `workers` (4); idle workers with a backlog grow it within a few 50 ms windows.
+    // It starts at `workers` (4); idle workers with a backlog grow it within a few 25 ms windows.
     let deepest = eventually(Duration::from_secs(60), "a deeper prefetch", || {
         let now = prefetch(addr);
         (now.is_some_and(|p| p > 100), now)

@@ -20,7 +20,7 @@
 //! trip), unless the workers run dry first (a worker that finds no job [`Capacity::nudge`]s it). Releasing is an
 //! atomic subtraction; the fetcher is woken only when the free count crosses the threshold.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -34,8 +34,6 @@ pub struct Capacity {
     held: AtomicUsize,
     /// Workers inside a handler whose task was taken from them more than STUCK_AFTER ago.
     stuck: AtomicUsize,
-    /// A worker found no job waiting since the fetcher last looked (`take_starved`).
-    starved: AtomicBool,
     lock: Mutex<()>,
     wake: Condvar,
 }
@@ -49,7 +47,6 @@ impl Capacity {
             batch: batch.max(1),
             held: AtomicUsize::new(0),
             stuck: AtomicUsize::new(0),
-            starved: AtomicBool::new(false),
             lock: Mutex::new(()),
             wake: Condvar::new(),
         }
@@ -168,15 +165,10 @@ impl Capacity {
 
     /// A worker found no job waiting: wake the fetcher even below the threshold.
     pub fn nudge(&self) {
-        self.starved.store(true, Ordering::Release);
         let _guard = self.guard();
         self.wake.notify_one();
     }
 
-    /// Whether a worker found no job waiting since the last call.
-    pub fn take_starved(&self) -> bool {
-        self.starved.swap(false, Ordering::AcqRel)
-    }
 }
 
 #[cfg(test)]

@@ -8,9 +8,10 @@
 //! windows of [`WINDOW`] (and at least one fetch):
 //!
 //! - **grow**: the live workers spent more than [`IDLE_GROW`] of the window waiting for a task, while Redis had
-//!   more (every fetch of the window came back with all it asked for): the prefetch grows by what the idle share
-//!   says was missing, `1 / (1 - idle)`, at least doubling and at most [`MAX_GROWTH`]-fold, so that a backlog of
-//!   no-op tasks reaches the bound within a few windows, a small part of a one-second drain;
+//!   more (every fetch of the window came back with all it asked for): the prefetch doubles; it grows
+//!   [`MAX_GROWTH`]-fold when the workers were idle more than half the time (the pipeline is far too shallow then,
+//!   and the share undercounts: a worker still waiting when the window ends adds its wait later), so that a
+//!   backlog of no-op tasks reaches the bound within two or three windows, a small part of a one-second drain;
 //! - **shrink**: otherwise, the fewest tasks that waited for a worker when a fetch began (the standing queue, as
 //!   CoDel calls it: tasks that were claimed early for nothing) comes off, by half.
 //!
@@ -27,10 +28,10 @@ use std::time::{Duration, Instant};
 use super::capacity::Capacity;
 
 /// How long the fetcher watches before it changes the prefetch.
-pub const WINDOW: Duration = Duration::from_millis(50);
+pub const WINDOW: Duration = Duration::from_millis(25);
 
-/// The most one window multiplies the prefetch by.
-pub const MAX_GROWTH: f64 = 8.0;
+/// What one window multiplies the prefetch by when the workers were idle more than half of it.
+pub const MAX_GROWTH: usize = 16;
 
 /// The share of the workers' time spent waiting for a task, with a backlog in Redis, that makes the prefetch grow.
 pub const IDLE_GROW: f64 = 0.02;
@@ -111,8 +112,8 @@ impl Depth {
             / (live as f64 * elapsed.as_nanos().max(1) as f64);
         let from = capacity.prefetch();
         let to = if self.backlog && share > IDLE_GROW {
-            let growth = (1.0 / (1.0 - share).max(1.0 / MAX_GROWTH)).max(2.0);
-            ((from.max(1) as f64 * growth).ceil() as usize).clamp(1, self.max)
+            let growth = if share > 0.5 { MAX_GROWTH } else { 2 };
+            from.max(1).saturating_mul(growth).clamp(1, self.max)
         } else {
             from.saturating_sub(self.low_water.div_ceil(2))
                 .clamp(1, self.max)
@@ -166,14 +167,14 @@ mod tests {
     }
 
     #[test]
-    fn idle_workers_with_a_backlog_grow_the_prefetch_by_what_was_missing_up_to_the_bound() {
+    fn idle_workers_with_a_backlog_grow_the_prefetch_up_to_the_bound() {
         let (capacity, clock, start) = (
             Capacity::new(4, 4, 1000),
             IdleTime::default(),
             Instant::now(),
         );
         let mut depth = Depth::new(200, &clock, start);
-        // 4 workers, each idle for half the window: 50 % idle, every fetch full: at least double.
+        // 4 workers, each idle for half the window: 50 % idle, every fetch full: double.
         let change = window(
             &mut depth,
             &capacity,
@@ -184,7 +185,7 @@ mod tests {
         );
         assert_eq!(change.map(|c| (c.from, c.to)), Some((4, 8)));
         assert_eq!(capacity.prefetch(), 8);
-        // 75 % idle: four times as much was needed.
+        // 75 % idle: far too shallow.
         let start = start + WINDOW;
         window(
             &mut depth,
@@ -194,8 +195,8 @@ mod tests {
             WINDOW * 3,
             &[(0, 8, 8)],
         );
-        assert_eq!(capacity.prefetch(), 32);
-        // Idle throughout: at most MAX_GROWTH, and never beyond max_held - workers.
+        assert_eq!(capacity.prefetch(), 8 * MAX_GROWTH);
+        // Idle throughout: never beyond max_held - workers.
         let start = start + WINDOW;
         window(
             &mut depth,
@@ -274,15 +275,8 @@ mod tests {
             Instant::now(),
         );
         let mut depth = Depth::new(1000, &clock, start);
-        // 100 workers idle for 100 ms in all: 1 % of their time, under IDLE_GROW.
-        let change = window(
-            &mut depth,
-            &capacity,
-            &clock,
-            start,
-            Duration::from_millis(100),
-            &[(0, 4, 4)],
-        );
+        // 100 workers idle for one window in all: 1 % of their time, under IDLE_GROW.
+        let change = window(&mut depth, &capacity, &clock, start, WINDOW, &[(0, 4, 4)]);
         assert_eq!(change, None);
         assert_eq!(capacity.prefetch(), 4);
     }
