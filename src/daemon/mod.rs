@@ -287,6 +287,11 @@ impl Threads {
             .count()
     }
 
+    /// Whether a thread of `group` is still alive.
+    fn any_in(&self, group: Group) -> bool {
+        self.live.values().any(|thread| thread.group == group)
+    }
+
     /// Handles exit events until no thread of `roles` is left or `deadline` passes. Returns whether none is left.
     fn wait_for(&mut self, events: &Receiver<Event>, roles: &[Role], deadline: Instant) -> bool {
         while self.count(roles) > 0 {
@@ -739,7 +744,9 @@ impl Supervisor {
             tracing::error!(thread = %name, "panicked while a reload stopped it");
         }
         let Some(index) = self.serving.iter().position(|s| s.group == group) else {
-            if self.threads.count_in(group, &[Role::Monitor, Role::Other]) == 0 {
+            // Every thread of the group, a replaced lane's workers too: one stuck in a handler may return, and
+            // end, long after its lane went.
+            if !self.threads.any_in(group) {
                 self.stopping.remove(&group);
             }
             return None;
