@@ -20,8 +20,9 @@
 //! plugins are checked whole first, and a refusal changes nothing. Then the new plugin snapshot is swapped in
 //! ([`Plugins`]: tasks starting from then on use it), and a queue whose settings changed gets a new lane at once,
 //! while its old lane runs stages 1 and 4 of the shutdown on its own (no deadline, so no task is handed back
-//! running, none lost): it claims nothing more, hands back what it has not started, lets its running tasks finish,
-//! settles, and once its fetcher and acker ended its owner is released and it leaves the [`LaneSet`] the
+//! running, none lost): it claims nothing more, hands back at once what it has not started (and what a claim whose
+//! reply was lost took, once adopted: `lane::fetcher`), lets its running tasks finish, settles, retrying through
+//! any Redis fault, and once its fetcher and acker ended its owner is released and it leaves the [`LaneSet`] the
 //! per-daemon threads read. The threads holding the set of queues (monitor, delay listener, scheduler) start again
 //! on the new set. Every thread is known by a serial number and a [`Group`], so a queue's old and new lanes may
 //! run side by side under the same thread names, and the end of a group a reload stopped is expected.
@@ -285,6 +286,11 @@ impl Threads {
             .values()
             .filter(|thread| thread.group == group && roles.contains(&thread.role))
             .count()
+    }
+
+    /// Whether a thread of `group` is still alive.
+    fn any_in(&self, group: Group) -> bool {
+        self.live.values().any(|thread| thread.group == group)
     }
 
     /// Handles exit events until no thread of `roles` is left or `deadline` passes. Returns whether none is left.
@@ -601,6 +607,7 @@ impl Supervisor {
             Arc::clone(&lane),
             parts.session(&format!("fetcher-{name}")),
             claiming.listener(),
+            parts.claiming.listener(),
             jobs_tx,
         );
         self.threads.spawn(
@@ -739,7 +746,9 @@ impl Supervisor {
             tracing::error!(thread = %name, "panicked while a reload stopped it");
         }
         let Some(index) = self.serving.iter().position(|s| s.group == group) else {
-            if self.threads.count_in(group, &[Role::Monitor, Role::Other]) == 0 {
+            // Every thread of the group, a replaced lane's workers too: one stuck in a handler may return, and
+            // end, long after its lane went.
+            if !self.threads.any_in(group) {
                 self.stopping.remove(&group);
             }
             return None;
@@ -758,10 +767,13 @@ impl Supervisor {
 
     /// Stops a lane the way the shutdown stops every lane, without a deadline: no new tasks, jobs not started
     /// handed back, running ones finish and are settled; then its owner is released ([`Supervisor::exited`]).
+    /// The jobs waiting for a worker are handed back at once, for the new lane: a worker hands back the jobs it
+    /// receives once claiming stopped, but the lane's workers may be busy for as long as their handlers run.
     fn retire(&mut self, index: usize) {
         let serving = &mut self.serving[index];
         serving.retiring = true;
         serving.claiming.fire();
+        serving.lane.hand_back_waiting();
         self.stopping.insert(serving.group);
         mark_draining(std::slice::from_ref(&serving.lane), &self.parts.pool);
     }

@@ -21,6 +21,7 @@ mod protocol;
 mod queue_admin;
 mod redis_faults;
 mod reload;
+mod reload_faults;
 mod report;
 mod safe_mode;
 mod schedules;

@@ -20,14 +20,14 @@ fn configurable_c() -> PathBuf {
 }
 
 /// Starts the real daemon on `config` and waits until it serves.
-fn start(dir: &TestDir, config: &Path) -> Process {
+pub(crate) fn start(dir: &TestDir, config: &Path) -> Process {
     let daemon = Process::start(config, dir.path("kmqd.log"));
     wait_logged(&daemon, "kmqd started", 1);
     daemon
 }
 
 /// Waits until `needle` is in the daemon's log at least `times` times; returns the log.
-fn wait_logged(daemon: &Process, needle: &str, times: usize) -> String {
+pub(crate) fn wait_logged(daemon: &Process, needle: &str, times: usize) -> String {
     eventually(
         Duration::from_secs(20),
         &format!("{needle:?} logged {times} times"),
@@ -39,7 +39,7 @@ fn wait_logged(daemon: &Process, needle: &str, times: usize) -> String {
 }
 
 /// Sends SIGHUP and waits for the reload's outcome (the n-th reload of this daemon): applied or refused.
-fn reload(daemon: &Process, n: usize) -> String {
+pub(crate) fn reload(daemon: &Process, n: usize) -> String {
     daemon.signal(SIGHUP);
     eventually(Duration::from_secs(20), "the reload to finish", || {
         let log = daemon.log_text();
@@ -49,7 +49,8 @@ fn reload(daemon: &Process, n: usize) -> String {
     })
 }
 
-fn stop(mut daemon: Process) {
+/// SIGTERM, and the daemon exits 0 within 30 s.
+pub(crate) fn stop(mut daemon: Process) {
     daemon.signal(SIGTERM);
     assert_eq!(
         daemon.wait_within(Duration::from_secs(30)),
@@ -162,6 +163,47 @@ fn a_reload_while_tasks_run_loses_and_reruns_none_of_them() {
         2,
         "{log}"
     );
+    stop(daemon);
+}
+
+#[test]
+fn a_worker_that_outlives_its_replaced_lane_does_not_stop_the_daemon() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let queue = "workers = 1\nexecution_timeout = \"1s\"\nretry_times = 0";
+    let config = dir.config(&redis, &safe_queue(queue));
+    let text = fs::read_to_string(&config).unwrap();
+    let daemon = start(&dir, &config);
+    // A handler that ignores its cancel flag: its task is resolved by the execution timeout (dead-lettered),
+    // while its worker stays inside the handler until the gate opens.
+    let gate = dir.path("gate");
+    let data = format!(
+        r#"{{"wait_for_file":"{}","ignore_cancel":true}}"#,
+        gate.display()
+    );
+    push_many(&config, "stuck", 1, &data);
+    eventually(Duration::from_secs(20), "the timeout to settle it", || {
+        let stats = stats(&config, "jobs");
+        (stats.dead == 1, stats)
+    });
+    fs::write(&config, text.replace("workers = 1", "workers = 2")).unwrap();
+    reload(&daemon, 1);
+    // The replaced lane holds nothing: it goes, its delay poller too, while its worker is still in the handler.
+    wait_logged(
+        &daemon,
+        "the replaced lane settled everything and stopped",
+        1,
+    );
+    wait_logged(&daemon, "delay poller stopped", 1);
+    fs::write(&gate, "").unwrap();
+    wait_logged(&daemon, "is ignored", 1);
+    // Its end is expected: the daemon serves on.
+    push_many(&config, "after", 1, "{}");
+    eventually(Duration::from_secs(20), "the next task done", || {
+        (stats(&config, "jobs").done == 1, daemon.log_text())
+    });
+    let log = daemon.log_text();
+    assert!(!log.contains("ended unexpectedly"), "{log}");
     stop(daemon);
 }
 

@@ -19,7 +19,11 @@
 //!
 //! Once the daemon stops claiming, whatever a claim still in flight brings back is handed back at once, never
 //! given to a worker; then the fetcher marks the lane so and drops the jobs channel, which is how the workers
-//! learn that no more work comes.
+//! learn that no more work comes. A lane a reload retired (the daemon goes on) first adopts a claim whose reply
+//! was lost, however long Redis takes to answer, and hands back what it took: nothing bounds a retired lane's
+//! end, and once it ended its owner's lease is renewed no more, so those tasks would otherwise wait a whole
+//! `lease_timeout` in the processing area, then run as recovered. A stopping daemon does not wait for that: they
+//! come back through the lease.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -46,8 +50,10 @@ pub const CAPACITY_WAIT: Duration = Duration::from_millis(200);
 pub struct Fetcher {
     lane: Arc<Lane>,
     connection: Session,
-    /// Fires when the daemon stops claiming.
+    /// Fires when the lane stops claiming (the shutdown, or a reload that retires the lane).
     claiming: Listener,
+    /// Fires when the daemon shuts down: a claim whose reply was lost is no longer adopted.
+    shutdown: Listener,
     /// To the queue's workers. Dropped when this thread ends, which is how workers learn no more work comes.
     jobs: Sender<Job>,
     /// How many tasks the next safe-mode claim asks for at most (see `claim`).
@@ -81,6 +87,7 @@ impl Fetcher {
         lane: Arc<Lane>,
         connection: Session,
         claiming: Listener,
+        shutdown: Listener,
         jobs: Sender<Job>,
     ) -> Fetcher {
         let config = &lane.queue.config;
@@ -105,6 +112,7 @@ impl Fetcher {
             lane,
             connection,
             claiming,
+            shutdown,
             jobs,
             registering: None,
             lost_claim: None,
@@ -166,6 +174,14 @@ impl Fetcher {
                         break;
                     }
                 }
+            }
+        }
+        // Retired by a reload: what the lost claim took is adopted, and handed back (`dispatch`, stopping).
+        let mut backoff = Backoff::new();
+        while self.lost_claim.is_some() && !self.shutdown.is_triggered() {
+            self.lane.fetcher_pulse.beat();
+            if !self.adopt_lost_claim() && backoff.wait(&self.shutdown) {
+                break;
             }
         }
         if let Some(lost) = self.lost_claim.take() {

@@ -338,7 +338,8 @@ impl Lane {
         }
     }
 
-    /// Every worker is stuck: hands back the tasks waiting for one, so another daemon runs them. Returns how many.
+    /// Hands back the tasks waiting for a worker, so that another lane or daemon runs them: every worker is
+    /// stuck, or a reload retires the lane. Returns how many.
     pub fn hand_back_waiting(&self) -> usize {
         let mut handed_back = 0;
         for (job, state) in self.held.select(JobState::is_waiting) {
