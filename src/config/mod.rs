@@ -278,10 +278,10 @@ pub enum Prefetch {
 }
 
 impl Prefetch {
-    /// What a lane starts with.
-    pub fn initial(self, workers: usize) -> usize {
+    /// The least a queue with `workers` may hold with this prefetch (an adaptive one may come down to 0).
+    pub fn least_held(self, workers: usize) -> usize {
         match self {
-            Prefetch::Fixed(prefetch) => prefetch,
+            Prefetch::Fixed(prefetch) => workers + prefetch,
             Prefetch::Auto => workers,
         }
     }
@@ -293,6 +293,17 @@ impl std::fmt::Debug for Prefetch {
         match self {
             Prefetch::Fixed(prefetch) => write!(f, "{prefetch}"),
             Prefetch::Auto => f.write_str("auto"),
+        }
+    }
+}
+
+impl QueueConfig {
+    /// The prefetch a lane starts with: the configured one, or for an adaptive one `workers` (the old fixed
+    /// default), within what `max_held` leaves.
+    pub fn initial_prefetch(&self) -> usize {
+        match self.prefetch {
+            Prefetch::Fixed(prefetch) => prefetch,
+            Prefetch::Auto => self.workers.min(self.max_held - self.workers),
         }
     }
 }

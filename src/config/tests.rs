@@ -402,6 +402,9 @@ fn max_held_defaults_to_what_the_queue_may_hold_and_refuses_less() {
     assert_eq!((fixed.prefetch, fixed.max_held), (Prefetch::Fixed(10), 14));
     let auto = queue("max_held = 100\n").unwrap();
     assert_eq!((auto.prefetch, auto.max_held), (Prefetch::Auto, 100));
+    assert_eq!(auto.initial_prefetch(), 4, "starts at workers");
+    let tight = queue("max_held = 6\n").unwrap();
+    assert_eq!(tight.initial_prefetch(), 2, "within what max_held leaves");
     let error = queue("prefetch = 10\nmax_held = 12\n").unwrap_err();
     for words in [
         "queues[0].max_held: 12 is less than workers + prefetch (4 + 10)",

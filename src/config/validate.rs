@@ -773,7 +773,7 @@ impl RawQueue {
         };
         let max_held = match (&max_held, prefetch) {
             (Some(m), prefetch) => {
-                let least = workers + prefetch.initial(0);
+                let least = prefetch.least_held(workers);
                 let max_held = ranged(source, &key("max_held"), m, 1..200_001)? as usize;
                 if max_held < least {
                     let what = match prefetch {

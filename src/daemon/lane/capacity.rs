@@ -168,7 +168,6 @@ impl Capacity {
         let _guard = self.guard();
         self.wake.notify_one();
     }
-
 }
 
 #[cfg(test)]

@@ -15,7 +15,8 @@
 //! - **shrink**: otherwise, the fewest tasks that waited for a worker when a fetch began (the standing queue, as
 //!   CoDel calls it: tasks that were claimed early for nothing) comes off, by half.
 //!
-//! The prefetch stays between 1 and `max_held - workers`; it starts at `workers` (the old fixed default). With a
+//! The prefetch stays between 1 and `max_held - workers` (0 when `max_held = workers`: the channels are sized for
+//! `max_held`); it starts at `workers` (the old fixed default), or lower if `max_held` says so. With a
 //! deep backlog of no-op tasks it reaches the bound within a few windows (docs/PERFORMANCE.md, "Defaults that
 //! find the speed"). A configured `prefetch` is never changed: the fetcher then has no `Depth`.
 //!
@@ -81,7 +82,7 @@ impl Depth {
     /// A controller that keeps the prefetch at most `max`.
     pub fn new(max: usize, idle: &IdleTime, now: Instant) -> Depth {
         Depth {
-            max: max.max(1),
+            max,
             since: now,
             idle_at_start: idle.total(),
             fetches: 0,
@@ -111,12 +112,13 @@ impl Depth {
         let share = idle_ns.saturating_sub(self.idle_at_start) as f64
             / (live as f64 * elapsed.as_nanos().max(1) as f64);
         let from = capacity.prefetch();
+        let floor = self.max.min(1);
         let to = if self.backlog && share > IDLE_GROW {
             let growth = if share > 0.5 { MAX_GROWTH } else { 2 };
-            from.max(1).saturating_mul(growth).clamp(1, self.max)
+            from.max(1).saturating_mul(growth).clamp(floor, self.max)
         } else {
             from.saturating_sub(self.low_water.div_ceil(2))
-                .clamp(1, self.max)
+                .clamp(floor, self.max)
         };
         let change = Change {
             from,
@@ -279,6 +281,25 @@ mod tests {
         let change = window(&mut depth, &capacity, &clock, start, WINDOW, &[(0, 4, 4)]);
         assert_eq!(change, None);
         assert_eq!(capacity.prefetch(), 4);
+    }
+
+    #[test]
+    fn max_held_equal_to_workers_keeps_it_at_zero() {
+        let (capacity, clock, start) = (
+            Capacity::new(4, 0, 1000),
+            IdleTime::default(),
+            Instant::now(),
+        );
+        let mut depth = Depth::new(0, &clock, start);
+        window(
+            &mut depth,
+            &capacity,
+            &clock,
+            start,
+            WINDOW * 4,
+            &[(0, 4, 4)],
+        );
+        assert_eq!(capacity.prefetch(), 0);
     }
 
     #[test]

@@ -97,7 +97,7 @@ impl Lane {
     ) -> (Lane, Receiver<Outcome>) {
         let config = &queue.config;
         let (outcomes, receiver) = crossbeam_channel::bounded(config.max_held);
-        let prefetch = config.prefetch.initial(config.workers);
+        let prefetch = config.initial_prefetch();
         let lane = Lane {
             capacity: Capacity::new(config.workers, prefetch, config.batch),
             idle: IdleTime::default(),
