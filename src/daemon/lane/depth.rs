@@ -146,180 +146,118 @@ impl Depth {
 mod tests {
     use super::*;
 
-    /// A window of `fetches` fetches ending `WINDOW` after `start`, with the workers idle for `idle` meanwhile.
-    fn window(
-        depth: &mut Depth,
-        capacity: &Capacity,
-        clock: &IdleTime,
+    /// A lane's capacity, its workers' idle clock and a controller, on a clock of its own.
+    struct Rig {
+        capacity: Capacity,
+        clock: IdleTime,
+        depth: Depth,
         start: Instant,
-        idle: Duration,
-        fetches: &[(usize, usize, usize)],
-    ) -> Option<Change> {
-        clock.add(idle);
-        let mut last = None;
-        for (i, fetch) in fetches.iter().enumerate() {
-            let at = if i + 1 == fetches.len() {
-                start + WINDOW
-            } else {
-                start
-            };
-            last = depth.fetched(capacity, clock, *fetch, at);
+    }
+
+    impl Rig {
+        fn new(workers: usize, prefetch: usize, max: usize) -> Rig {
+            let (clock, start) = (IdleTime::default(), Instant::now());
+            let depth = Depth::new(max, &clock, start);
+            let capacity = Capacity::new(workers, prefetch, 1000);
+            Rig {
+                capacity,
+                clock,
+                depth,
+                start,
+            }
         }
-        last
+
+        /// The next window: the workers idle for `idle` in all, and `fetches` (the last one at its end).
+        fn window(&mut self, idle: Duration, fetches: &[(usize, usize, usize)]) -> Option<Change> {
+            self.clock.add(idle);
+            let mut last = None;
+            for (i, fetch) in fetches.iter().enumerate() {
+                let at = self.start
+                    + if i + 1 == fetches.len() {
+                        WINDOW
+                    } else {
+                        Duration::ZERO
+                    };
+                last = self.depth.fetched(&self.capacity, &self.clock, *fetch, at);
+            }
+            self.start += WINDOW;
+            last
+        }
+
+        fn prefetch(&self) -> usize {
+            self.capacity.prefetch()
+        }
     }
 
     #[test]
     fn idle_workers_with_a_backlog_grow_the_prefetch_up_to_the_bound() {
-        let (capacity, clock, start) = (
-            Capacity::new(4, 4, 1000),
-            IdleTime::default(),
-            Instant::now(),
-        );
-        let mut depth = Depth::new(200, &clock, start);
+        let mut rig = Rig::new(4, 4, 200);
         // 4 workers, each idle for half the window: 50 % idle, every fetch full: double.
-        let change = window(
-            &mut depth,
-            &capacity,
-            &clock,
-            start,
-            WINDOW * 2,
-            &[(0, 8, 8), (0, 8, 8)],
-        );
+        let change = rig.window(WINDOW * 2, &[(0, 8, 8), (0, 8, 8)]);
         assert_eq!(change.map(|c| (c.from, c.to)), Some((4, 8)));
-        assert_eq!(capacity.prefetch(), 8);
         // 75 % idle: far too shallow.
-        let start = start + WINDOW;
-        window(
-            &mut depth,
-            &capacity,
-            &clock,
-            start,
-            WINDOW * 3,
-            &[(0, 8, 8)],
-        );
-        assert_eq!(capacity.prefetch(), 8 * MAX_GROWTH);
+        rig.window(WINDOW * 3, &[(0, 8, 8)]);
+        assert_eq!(rig.prefetch(), 8 * MAX_GROWTH);
         // Idle throughout: never beyond max_held - workers.
-        let start = start + WINDOW;
-        window(
-            &mut depth,
-            &capacity,
-            &clock,
-            start,
-            WINDOW * 4,
-            &[(0, 8, 8)],
-        );
-        assert_eq!(capacity.prefetch(), 200);
+        rig.window(WINDOW * 4, &[(0, 8, 8)]);
+        assert_eq!(rig.prefetch(), 200);
     }
 
     #[test]
     fn idle_workers_on_a_drained_queue_do_not_grow_it() {
-        let (capacity, clock, start) = (
-            Capacity::new(4, 4, 1000),
-            IdleTime::default(),
-            Instant::now(),
-        );
-        let mut depth = Depth::new(20, &clock, start);
-        let idle = Duration::from_millis(400);
+        let mut rig = Rig::new(4, 4, 20);
         // One fetch of the window took less than it asked for: Redis had no more, prefetching more would not help.
-        let change = window(
-            &mut depth,
-            &capacity,
-            &clock,
-            start,
-            idle,
-            &[(0, 8, 8), (0, 8, 3)],
-        );
-        assert_eq!(change, None);
-        assert_eq!(capacity.prefetch(), 4);
+        assert_eq!(rig.window(WINDOW * 4, &[(0, 8, 8), (0, 8, 3)]), None);
+        assert_eq!(rig.prefetch(), 4);
     }
 
     #[test]
     fn a_standing_queue_of_waiting_tasks_is_halved_off_down_to_one() {
-        let (capacity, clock, start) = (
-            Capacity::new(4, 64, 1000),
-            IdleTime::default(),
-            Instant::now(),
-        );
-        let mut depth = Depth::new(1000, &clock, start);
+        let mut rig = Rig::new(4, 64, 1000);
         // Busy workers (no idle time), and at least 40 tasks waited at every fetch: 20 come off.
-        let change = window(
-            &mut depth,
-            &capacity,
-            &clock,
-            start,
-            Duration::ZERO,
-            &[(50, 32, 32), (40, 32, 32)],
-        );
+        let change = rig.window(Duration::ZERO, &[(50, 32, 32), (40, 32, 32)]);
         assert_eq!(
             change.map(|c| (c.from, c.to, c.low_water)),
             Some((64, 44, 40))
         );
-        let mut start = start + WINDOW;
         for _ in 0..20 {
-            window(
-                &mut depth,
-                &capacity,
-                &clock,
-                start,
-                Duration::ZERO,
-                &[(capacity.prefetch(), 1, 1)],
-            );
-            start += WINDOW;
+            let waiting = rig.prefetch();
+            rig.window(Duration::ZERO, &[(waiting, 1, 1)]);
         }
-        assert_eq!(capacity.prefetch(), 1, "never below one");
+        assert_eq!(rig.prefetch(), 1, "never below one");
     }
 
     #[test]
     fn little_idle_time_does_not_grow_it() {
-        let (capacity, clock, start) = (
-            Capacity::new(100, 4, 1000),
-            IdleTime::default(),
-            Instant::now(),
-        );
-        let mut depth = Depth::new(1000, &clock, start);
+        let mut rig = Rig::new(100, 4, 1000);
         // 100 workers idle for one window in all: 1 % of their time, under IDLE_GROW.
-        let change = window(&mut depth, &capacity, &clock, start, WINDOW, &[(0, 4, 4)]);
-        assert_eq!(change, None);
-        assert_eq!(capacity.prefetch(), 4);
+        assert_eq!(rig.window(WINDOW, &[(0, 4, 4)]), None);
+        assert_eq!(rig.prefetch(), 4);
     }
 
     #[test]
     fn max_held_equal_to_workers_keeps_it_at_zero() {
-        let (capacity, clock, start) = (
-            Capacity::new(4, 0, 1000),
-            IdleTime::default(),
-            Instant::now(),
-        );
-        let mut depth = Depth::new(0, &clock, start);
-        window(
-            &mut depth,
-            &capacity,
-            &clock,
-            start,
-            WINDOW * 4,
-            &[(0, 4, 4)],
-        );
-        assert_eq!(capacity.prefetch(), 0);
+        let mut rig = Rig::new(4, 0, 0);
+        rig.window(WINDOW * 4, &[(0, 4, 4)]);
+        assert_eq!(rig.prefetch(), 0);
     }
 
     #[test]
     fn a_window_ends_only_after_its_time() {
-        let (capacity, clock, start) = (
-            Capacity::new(4, 4, 1000),
-            IdleTime::default(),
-            Instant::now(),
-        );
-        let mut depth = Depth::new(20, &clock, start);
-        clock.add(Duration::from_secs(1));
+        let mut rig = Rig::new(4, 4, 20);
+        rig.clock.add(Duration::from_secs(1));
+        let half = rig.start + WINDOW / 2;
         for _ in 0..100 {
             assert_eq!(
-                depth.fetched(&capacity, &clock, (0, 8, 8), start + WINDOW / 2),
+                rig.depth
+                    .fetched(&rig.capacity, &rig.clock, (0, 8, 8), half),
                 None
             );
         }
+        let end = rig.start + WINDOW;
         assert!(
-            depth
-                .fetched(&capacity, &clock, (0, 8, 8), start + WINDOW)
+            rig.depth
+                .fetched(&rig.capacity, &rig.clock, (0, 8, 8), end)
                 .is_some()
         );
     }
