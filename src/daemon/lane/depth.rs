@@ -8,12 +8,15 @@
 //! windows of [`WINDOW`] (and at least one fetch):
 //!
 //! - **grow**: the live workers spent more than [`IDLE_GROW`] of the window waiting for a task, while Redis had
-//!   more (every fetch of the window came back with all it asked for): the prefetch doubles; it grows
+//!   more (every fetch of the window came back with all it asked for) and the workers had run out (some fetch
+//!   came back to find no task left waiting; with tasks left at every one, the idle time was the host's
+//!   scheduling, which a deeper prefetch does not cure): the prefetch doubles; it grows
 //!   [`MAX_GROWTH`]-fold when the workers were idle more than half the time (the pipeline is far too shallow then,
 //!   and the share undercounts: a worker still waiting when the window ends adds its wait later), so that a
 //!   backlog of no-op tasks reaches the bound within two or three windows, a small part of a one-second drain;
-//! - **shrink**: otherwise, the fewest tasks that waited for a worker when a fetch began (the standing queue, as
-//!   CoDel calls it: tasks that were claimed early for nothing) comes off, by half.
+//! - **shrink**: otherwise, the fewest tasks still waiting for a worker when a fetch came back (the low point of
+//!   each cycle; over the window, the standing queue, as CoDel calls it: tasks that were claimed early for
+//!   nothing) comes off, by half.
 //!
 //! The prefetch stays between 1 and `max_held - workers` (0 when `max_held = workers`: the channels are sized for
 //! `max_held`); it starts at `workers` (the old fixed default), or lower if `max_held` says so. With a
@@ -91,7 +94,7 @@ impl Depth {
         }
     }
 
-    /// One fetch: `waiting` tasks waited for a worker when it began, it asked for `asked` and took `taken`. At the
+    /// One fetch: `waiting` tasks still waited for a worker when it came back, it asked for `asked` and took `taken`. At the
     /// end of a window, sets the capacity's prefetch and says what changed.
     pub fn fetched(
         &mut self,
@@ -113,7 +116,7 @@ impl Depth {
             / (live as f64 * elapsed.as_nanos().max(1) as f64);
         let from = capacity.prefetch();
         let floor = self.max.min(1);
-        let to = if self.backlog && share > IDLE_GROW {
+        let to = if self.backlog && self.low_water == 0 && share > IDLE_GROW {
             let growth = if share > 0.5 { MAX_GROWTH } else { 2 };
             from.max(1).saturating_mul(growth).clamp(floor, self.max)
         } else {
@@ -225,6 +228,14 @@ mod tests {
             rig.window(Duration::ZERO, &[(waiting, 1, 1)]);
         }
         assert_eq!(rig.prefetch(), 1, "never below one");
+    }
+
+    #[test]
+    fn idle_workers_that_always_had_tasks_waiting_do_not_grow_it() {
+        let mut rig = Rig::new(4, 64, 1000);
+        // Idle a third of the time, yet 10 tasks were left at every fetch: the wait was not for want of tasks.
+        let change = rig.window(WINDOW * 4 / 3, &[(10, 32, 32), (12, 32, 32)]);
+        assert_eq!(change.map(|c| (c.from, c.to)), Some((64, 59)));
     }
 
     #[test]

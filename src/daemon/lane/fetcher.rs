@@ -143,7 +143,6 @@ impl Fetcher {
             if free == 0 {
                 continue;
             }
-            let waiting = self.jobs.len();
             let asked = match lane.queue.config.mode {
                 Mode::Safe => free.min(self.claim_size),
                 Mode::Default => free,
@@ -154,7 +153,8 @@ impl Fetcher {
                     self.trouble.recovered();
                     let taken = batch.tasks.len();
                     if !batch.paused {
-                        self.adapt((waiting, asked, taken));
+                        // What is left for the workers as the claim's tasks arrive: the low point of the cycle.
+                        self.adapt((self.jobs.len(), asked, taken));
                     }
                     if taken > free {
                         // The scripts never return more than asked; if Redis did, run them all anyway (they are
@@ -192,7 +192,8 @@ impl Fetcher {
         tracing::debug!(queue = %self.lane.name(), "fetcher stopped");
     }
 
-    /// An adaptive prefetch watches each fetch (`waiting` for a worker when it began, `asked`, `taken`).
+    /// An adaptive prefetch watches each fetch (tasks still waiting for a worker when it returned, `asked`,
+    /// `taken`).
     fn adapt(&mut self, fetch: (usize, usize, usize)) {
         let Some(depth) = &mut self.depth else {
             return;
