@@ -7,7 +7,6 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use kmqd::cli::{Failure, init_logging};
-// `kmqd_bench::...` reads as it did when this was `kmqd bench`.
 
 /// Measure kmqd against a private redis-server (needs no config): push rates, drain rates in both modes with 1, 2
 /// and 4 daemons, idle wake-up latency, delayed-task lateness, memory. See docs/PERFORMANCE.md.

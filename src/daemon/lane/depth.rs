@@ -65,8 +65,7 @@ pub struct Depth {
     /// When the window began, and the workers' idle total then.
     since: Instant,
     idle_at_start: u64,
-    /// Fetches in the window; whether each took all it asked for; the fewest tasks waiting when one began.
-    fetches: usize,
+    /// Whether every fetch of the window took all it asked for; the fewest tasks left waiting when one came back.
     backlog: bool,
     low_water: usize,
 }
@@ -84,18 +83,22 @@ pub struct Change {
 impl Depth {
     /// A controller that keeps the prefetch at most `max`.
     pub fn new(max: usize, idle: &IdleTime, now: Instant) -> Depth {
+        Depth::window(max, now, idle.total())
+    }
+
+    /// A window that begins at `since`, when the workers' idle total was `idle_at_start`.
+    fn window(max: usize, since: Instant, idle_at_start: u64) -> Depth {
         Depth {
             max,
-            since: now,
-            idle_at_start: idle.total(),
-            fetches: 0,
+            since,
+            idle_at_start,
             backlog: true,
             low_water: usize::MAX,
         }
     }
 
-    /// One fetch: `waiting` tasks still waited for a worker when it came back, it asked for `asked` and took `taken`. At the
-    /// end of a window, sets the capacity's prefetch and says what changed.
+    /// One fetch: `waiting` tasks still waited for a worker when it came back, it asked for `asked` and took
+    /// `taken`. At the end of a window, sets the capacity's prefetch and says what changed.
     pub fn fetched(
         &mut self,
         capacity: &Capacity,
@@ -103,7 +106,6 @@ impl Depth {
         (waiting, asked, taken): (usize, usize, usize),
         now: Instant,
     ) -> Option<Change> {
-        self.fetches += 1;
         self.backlog &= asked > 0 && taken >= asked;
         self.low_water = self.low_water.min(waiting);
         let elapsed = now.saturating_duration_since(self.since);
@@ -129,14 +131,7 @@ impl Depth {
             idle: share,
             low_water: self.low_water,
         };
-        *self = Depth {
-            max: self.max,
-            since: now,
-            idle_at_start: idle_ns,
-            fetches: 0,
-            backlog: true,
-            low_water: usize::MAX,
-        };
+        *self = Depth::window(self.max, now, idle_ns);
         if to == from {
             return None;
         }

@@ -143,10 +143,7 @@ impl Fetcher {
             if free == 0 {
                 continue;
             }
-            let asked = match lane.queue.config.mode {
-                Mode::Safe => free.min(self.claim_size),
-                Mode::Default => free,
-            };
+            let asked = self.asks_for(free);
             match self.fetch(free) {
                 Ok(batch) => {
                     backoff.reset();
@@ -208,6 +205,15 @@ impl Fetcher {
                 low_water = change.low_water,
                 "prefetch adapted"
             );
+        }
+    }
+
+    /// How many tasks a fetch asks for when `free` may be claimed: all of them for a pop, at most `claim_size`
+    /// for a safe-mode claim.
+    fn asks_for(&self, free: usize) -> usize {
+        match self.lane.queue.config.mode {
+            Mode::Safe => free.min(self.claim_size),
+            Mode::Default => free,
         }
     }
 
@@ -299,7 +305,7 @@ impl Fetcher {
         // Each claim carries a token per task it may take, which costs Redis a little per token: ask for twice
         // what the last claim got (at least MIN_CLAIM), so an idle queue's claims stay small and a backlog's
         // double up to the free capacity within a few round trips.
-        let want = free.min(self.claim_size);
+        let want = self.asks_for(free);
         let first_token = lane.ownership.tokens(want);
         let limits = queue.claim_limits();
         let connection = self.connection.get()?;
