@@ -9,6 +9,7 @@
 mod defaults;
 mod handlers;
 pub mod peers;
+mod redis_cost;
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -53,7 +54,7 @@ pub struct Options {
     pub daemon: Option<PathBuf>,
 }
 
-pub const SCENARIOS: [&str; 9] = [
+pub const SCENARIOS: [&str; 10] = [
     "push",
     "drain",
     "defaults",
@@ -63,6 +64,7 @@ pub const SCENARIOS: [&str; 9] = [
     "memory",
     "deployments",
     "handlers",
+    "redis-cost",
 ];
 
 /// How often the `kill` scenario disconnects every client of Redis (`CLIENT KILL TYPE normal`).
@@ -489,6 +491,13 @@ pub fn run(options: Options, progress: &mut dyn Write) -> Result<Report, String>
             o.runs
         ));
         figures.extend(handlers::handlers(&bench, cores)?);
+    }
+    if wants("redis-cost") {
+        say(format!(
+            "redis-cost: Redis CPU per task of a claim and its settle, today's scripts and the candidates, {} runs...",
+            o.runs
+        ));
+        figures.extend(redis_cost::redis_cost(&bench)?);
     }
     Ok(Report {
         redis_version,

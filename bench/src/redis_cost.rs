@@ -1,0 +1,318 @@
+//! The `redis-cost` scenario: what taking a task and settling it costs Redis's one thread, for today's scripts
+//! and for the shapes a cheaper safe mode could take (docs/PERFORMANCE.md, "What at-least-once costs Redis").
+//! No daemon runs: each shape is one round of Redis commands on a backlog of [`BATCH`] envelopes of about 100
+//! bytes, the size of a no-op task, and the figure is Redis's CPU time (`INFO cpu`, microsecond resolution) per
+//! task over [`ROUNDS`] rounds, median of `--runs`.
+//!
+//! The shapes:
+//! - **native LMPOP**: default mode's pop (a plain `LMPOP ... COUNT`): the floor, nothing kept;
+//! - **Lua LPOP, returned**: the same pop inside a script, whose payloads cross into Lua strings and back: the
+//!   floor of any claim that handles its payloads in Lua;
+//! - **claim.lua + settle.lua**: safe mode as it is, the daemon's own scripts with the daemon's keys and
+//!   arguments (a token per task into a processing hash, then one `HDEL` per task when acknowledged);
+//! - **per-claim list, moved in Lua**: the claim `LPOP`s into Lua and `RPUSH`es the batch onto a list of its own
+//!   (one key per claim, no token per task), the settle deletes the list;
+//! - **per-claim list, SORT ... STORE**: the claim copies the head of the ready list onto the claim's list
+//!   natively (`SORT ready BY nosort LIMIT 0 N STORE claim`, which keeps the order), trims it off the ready list,
+//!   and the transaction around the script reads the batch with `LRANGE`: no payload ever becomes a Lua string;
+//!   the settle deletes the list.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use super::{Bench, Figure, figure};
+
+/// Tasks per claim: the daemon's largest claim, which today's scripts are at their cheapest per task with.
+const BATCH: usize = 1000;
+/// Claims (and settles) per run.
+const ROUNDS: usize = 100;
+/// A no-op task's envelope, as the daemon writes it (about 100 bytes).
+const ENVELOPE: &str = r#"{"id":"0b6c8e0e-3c1f-4b0a-9c55-6a3d2f1e7b90","type":"test","queue":"q","data":{},"attempt":0}"#;
+
+const CLAIM: &str = include_str!("../../src/broker/scripts/claim.lua");
+const SETTLE: &str = include_str!("../../src/broker/scripts/settle.lua");
+const LUA_POP: &str = "return redis.call('LPOP', KEYS[1], ARGV[1])";
+const LUA_MOVE: &str = "local got = redis.call('LPOP', KEYS[1], ARGV[1])\n\
+                        redis.call('RPUSH', KEYS[2], unpack(got))\n\
+                        return got";
+const SORT_MOVE: &str = "local n = redis.call('SORT', KEYS[1], 'BY', 'nosort', 'LIMIT', 0, ARGV[1], 'STORE', KEYS[2])\n\
+     redis.call('LTRIM', KEYS[1], n, -1)\n\
+     return n";
+
+/// The keys of one queue `q` with one level, as src/broker/keys.rs names them for owner `o`.
+const READY: &str = "kmq:{q}:ready:normal";
+const OWNER: &str = "o";
+
+#[derive(Clone, Copy)]
+enum Shape {
+    NativePop,
+    LuaPop,
+    Today,
+    LuaMove,
+    SortStore,
+}
+
+impl Shape {
+    const ALL: [Shape; 5] = [
+        Shape::NativePop,
+        Shape::LuaPop,
+        Shape::Today,
+        Shape::LuaMove,
+        Shape::SortStore,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Shape::NativePop => "native LMPOP (default mode's pop), nothing kept",
+            Shape::LuaPop => "LPOP in Lua, returned, nothing kept",
+            Shape::Today => "claim.lua + settle.lua (safe mode today)",
+            Shape::LuaMove => "per-claim list moved in Lua, returned; settle DEL",
+            Shape::SortStore => "per-claim list by SORT BY nosort STORE, LRANGE; settle DEL",
+        }
+    }
+}
+
+pub(super) fn redis_cost(bench: &Bench) -> Result<Vec<Figure>, String> {
+    let mut conn = bench.redis()?;
+    let scripts = Scripts {
+        claim: redis::Script::new(CLAIM),
+        settle: redis::Script::new(SETTLE),
+        lua_pop: redis::Script::new(LUA_POP),
+        lua_move: redis::Script::new(LUA_MOVE),
+        sort_move: redis::Script::new(SORT_MOVE),
+    };
+    let mut runs: Vec<Vec<f64>> = vec![Vec::new(); Shape::ALL.len()];
+    // The shapes alternate within each run, so that a noisy neighbour weighs on all of them alike.
+    for _ in 0..bench.options.runs {
+        for (i, shape) in Shape::ALL.into_iter().enumerate() {
+            bench.flush()?;
+            let mut spent = 0.0;
+            for round in 0..ROUNDS {
+                fill(&mut conn)?;
+                let before = redis_cpu_us(&mut conn)?;
+                one_round(&mut conn, &scripts, shape, round)?;
+                spent += redis_cpu_us(&mut conn)? - before;
+            }
+            runs[i].push(spent / (ROUNDS * BATCH) as f64);
+        }
+    }
+    Ok(Shape::ALL
+        .into_iter()
+        .zip(runs)
+        .map(|(shape, runs)| {
+            figure(
+                "redis-cost",
+                format!("{}, {BATCH} per call", shape.name()),
+                "Redis CPU µs/task",
+                runs,
+                vec![],
+            )
+        })
+        .collect())
+}
+
+struct Scripts {
+    claim: redis::Script,
+    settle: redis::Script,
+    lua_pop: redis::Script,
+    lua_move: redis::Script,
+    sort_move: redis::Script,
+}
+
+/// One claim of [`BATCH`] tasks, then the settle of all of them, in `shape`; checks that all were taken.
+fn one_round(
+    conn: &mut redis::Connection,
+    scripts: &Scripts,
+    shape: Shape,
+    round: usize,
+) -> Result<(), String> {
+    let claim_key = format!("kmq:{{q}}:processing:{OWNER}:normal:{round}");
+    let taken = match shape {
+        Shape::NativePop => {
+            let (_, got): (String, Vec<Vec<u8>>) = redis::cmd("LMPOP")
+                .arg(1)
+                .arg(READY)
+                .arg("LEFT")
+                .arg("COUNT")
+                .arg(BATCH)
+                .query(conn)
+                .map_err(|e| format!("LMPOP: {e}"))?;
+            got.len()
+        }
+        Shape::LuaPop => {
+            let got: Vec<Vec<u8>> = scripts
+                .lua_pop
+                .key(READY)
+                .arg(BATCH)
+                .invoke(conn)
+                .map_err(|e| format!("Lua LPOP: {e}"))?;
+            got.len()
+        }
+        Shape::Today => today(conn, scripts, round)?,
+        Shape::LuaMove => {
+            let got: Vec<Vec<u8>> = scripts
+                .lua_move
+                .key(READY)
+                .key(&claim_key)
+                .arg(BATCH)
+                .invoke(conn)
+                .map_err(|e| format!("Lua move: {e}"))?;
+            delete(conn, &claim_key)?;
+            got.len()
+        }
+        Shape::SortStore => {
+            // The script must be loaded for EVALSHA inside the transaction.
+            let _: String = scripts
+                .sort_move
+                .prepare_invoke()
+                .load(conn)
+                .map_err(|e| format!("SCRIPT LOAD: {e}"))?;
+            let (_, got): (usize, Vec<Vec<u8>>) = redis::pipe()
+                .atomic()
+                .cmd("EVALSHA")
+                .arg(scripts.sort_move.get_hash())
+                .arg(2)
+                .arg(READY)
+                .arg(&claim_key)
+                .arg(BATCH)
+                .cmd("LRANGE")
+                .arg(&claim_key)
+                .arg(0)
+                .arg(-1)
+                .query(conn)
+                .map_err(|e| format!("SORT STORE: {e}"))?;
+            delete(conn, &claim_key)?;
+            got.len()
+        }
+    };
+    if taken != BATCH {
+        return Err(format!(
+            "redis-cost: {} took {taken} of {BATCH} tasks",
+            shape.name()
+        ));
+    }
+    Ok(())
+}
+
+/// Safe mode as the daemon runs it: claim.lua under a live lease with a token per task, then settle.lua
+/// acknowledging every token (the argument layouts of src/broker/tasks.rs, for one level).
+fn today(conn: &mut redis::Connection, scripts: &Scripts, round: usize) -> Result<usize, String> {
+    let p = |suffix: &str| format!("kmq:{{q}}:{suffix}");
+    let info = p(&format!("owner:{OWNER}"));
+    let processing = p(&format!("processing:{OWNER}:normal"));
+    let now_ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    redis::cmd("ZADD")
+        .arg(p("owners"))
+        .arg(now_ms + 3_600_000)
+        .arg(OWNER)
+        .exec(conn)
+        .map_err(|e| format!("ZADD: {e}"))?;
+    let first = (round * BATCH) as u64 + 1;
+    let mut claim = scripts.claim.prepare_invoke();
+    for key in [
+        p("owners"),
+        p("wake"),
+        info.clone(),
+        p("dead"),
+        p("stats"),
+        p("paused"),
+        READY.to_string(),
+        p("quarantine:1:normal"),
+        p("quarantine:8:normal"),
+        p("quarantine:64:normal"),
+        processing.clone(),
+    ] {
+        claim.key(key);
+    }
+    claim
+        .arg(OWNER)
+        .arg(BATCH)
+        .arg(16 << 20)
+        .arg(1000)
+        .arg("q")
+        .arg("bench:1");
+    for token in first..first + BATCH as u64 {
+        claim.arg(token);
+    }
+    let reply: Vec<redis::Value> = claim.invoke(conn).map_err(|e| format!("claim.lua: {e}"))?;
+    let taken = match reply.get(4) {
+        Some(redis::Value::Array(got)) => got.len(),
+        other => return Err(format!("claim.lua: unexpected reply {other:?}")),
+    };
+    let mut settle = scripts.settle.prepare_invoke();
+    for key in [
+        p("owners"),
+        p("stats"),
+        p("dead"),
+        p("unique"),
+        p("wake"),
+        p(&format!("settled:{OWNER}:acker")),
+        p("unique_popped"),
+        READY.to_string(),
+        p("retry:normal"),
+        p("quarantine:1:normal"),
+        p("quarantine:8:normal"),
+        p("quarantine:64:normal"),
+        processing,
+        info,
+    ] {
+        settle.key(key);
+    }
+    settle
+        .arg("owner")
+        .arg(1000)
+        .arg(1)
+        .arg("kmq:{q}:due")
+        .arg(OWNER)
+        .arg(round)
+        .arg(taken);
+    for token in first..first + taken as u64 {
+        settle.arg(token);
+    }
+    settle.arg(0);
+    let result: Vec<i64> = settle
+        .invoke(conn)
+        .map_err(|e| format!("settle.lua: {e}"))?;
+    if result.first() != Some(&0) {
+        return Err(format!(
+            "settle.lua: {result:?} (stale acknowledgements: the claim stored other tokens)"
+        ));
+    }
+    Ok(taken)
+}
+
+/// A backlog of [`BATCH`] envelopes on the ready list.
+fn fill(conn: &mut redis::Connection) -> Result<(), String> {
+    redis::cmd("RPUSH")
+        .arg(READY)
+        .arg(vec![ENVELOPE; BATCH])
+        .exec(conn)
+        .map_err(|e| format!("RPUSH: {e}"))
+}
+
+fn delete(conn: &mut redis::Connection, key: &str) -> Result<(), String> {
+    redis::cmd("DEL")
+        .arg(key)
+        .exec(conn)
+        .map_err(|e| format!("DEL: {e}"))
+}
+
+/// Redis's CPU time so far (user and system), in microseconds, from `INFO cpu`.
+fn redis_cpu_us(conn: &mut redis::Connection) -> Result<f64, String> {
+    let info: String = redis::cmd("INFO")
+        .arg("cpu")
+        .query(conn)
+        .map_err(|e| format!("INFO cpu: {e}"))?;
+    let field = |name: &str| {
+        info.lines()
+            .find_map(|line| line.strip_prefix(name))
+            .and_then(|value| value.trim().parse::<f64>().ok())
+    };
+    match (field("used_cpu_user:"), field("used_cpu_sys:")) {
+        (Some(user), Some(sys)) => Ok((user + sys) * 1e6),
+        _ => Err(format!(
+            "INFO cpu: no used_cpu_user/used_cpu_sys in {info:?}"
+        )),
+    }
+}
