@@ -127,7 +127,7 @@ pub(super) fn handlers(bench: &Bench, cores: usize) -> Result<Vec<Figure>, Strin
     Ok(figures)
 }
 
-/// What a 1 ms handler really takes on this machine: the testkit sleeps a remainder shorter than its 2 ms
+/// What a 1 ms handler really takes on this machine: the testkit sleeps a remainder shorter than its 20 ms
 /// step in one `thread::sleep`, whose overshoot (timer slack, wake-up) sets how close a 1 ms drain can get.
 fn sleep_precision() -> Figure {
     let samples: Vec<f64> = (0..200)

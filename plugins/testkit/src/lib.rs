@@ -1,8 +1,8 @@
 //! `testkit`: a plugin whose behaviour each task chooses through its `data`. Used by kmqd's tests and benchmarks.
 //!
 //! `data` is any JSON; when it is an object these keys are read (all optional):
-//! - `sleep_ms`: sleep this long first, in steps of at most 2 ms (the last one only as long as what is left, so
-//!   that a 1 ms sleep takes 1 ms, not 2), stopping early when the host cancels the run;
+//! - `sleep_ms`: sleep this long first, in steps of at most 20 ms (the last one only as long as what is left, so
+//!   that a 1 ms sleep takes 1 ms), stopping early when the host cancels the run;
 //! - `sleep_us`: as `sleep_ms`, in microseconds (added to it): benchmarks of I/O-bound handlers;
 //! - `spin_us`: then keep the CPU busy this long (a CPU-bound handler), stopping early when cancelled;
 //! - `wait_for_file`: block until this path exists, or until the run is cancelled;
@@ -60,6 +60,12 @@ struct Testkit {
 
 /// How often blocking behaviours look at the cancel flag.
 const POLL: Duration = Duration::from_millis(2);
+
+/// The longest step of a sleep between two looks at the cancel flag. A sleep models an I/O-bound handler, which
+/// wakes once when its I/O completes: with 2 ms steps a 10 ms task woke five times, and 512 such workers spent
+/// more CPU on those wake-ups than the daemon on their tasks (docs/PERFORMANCE.md, "Real handlers"). A
+/// cancelled sleep still ends within one step.
+const SLEEP_STEP: Duration = Duration::from_millis(20);
 
 impl Testkit {
     /// Appends a line to the record file, if there is one; `line` is only formatted then, so that a testkit
@@ -124,7 +130,7 @@ impl Testkit {
     }
 }
 
-/// Sleeps until `until` in steps of at most [`POLL`], looking at the cancel flag between steps; the last step
+/// Sleeps until `until` in steps of at most [`SLEEP_STEP`], looking at the cancel flag between steps; the last step
 /// sleeps only what is left, so a sleep shorter than a step is as precise as the OS's timer.
 fn sleep_until(task: &Task<'_>, behaviour: &Behaviour, until: Instant) {
     loop {
@@ -132,7 +138,7 @@ fn sleep_until(task: &Task<'_>, behaviour: &Behaviour, until: Instant) {
         if left.is_zero() || (!behaviour.ignore_cancel && task.is_cancelled()) {
             return;
         }
-        std::thread::sleep(left.min(POLL));
+        std::thread::sleep(left.min(SLEEP_STEP));
     }
 }
 
