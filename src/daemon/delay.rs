@@ -13,7 +13,9 @@ use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender, select};
 
+use super::watchdog::{Pulse, redis_calls};
 use crate::broker::{self, Connector, Session};
+use crate::config::RedisConfig;
 
 use crate::queue::QueueContext;
 use crate::retry::{Backoff, Trouble};
@@ -27,6 +29,8 @@ pub struct DelayPoller {
     pub connection: Session,
     /// Wake-ups from the listener.
     pub nudges: Receiver<()>,
+    /// Beaten every turn, for the watchdog (a stage of the queue's lane: `lane::stall_bounds`).
+    pub pulse: Pulse,
     pub background: Listener,
 }
 
@@ -35,6 +39,7 @@ impl DelayPoller {
         let mut backoff = Backoff::new();
         let mut trouble = Trouble::new("moving due tasks", Some(&self.queue.config.name));
         loop {
+            self.pulse.beat();
             let queue = &self.queue;
             let batch = queue.config.delay_batch;
             let result = self
@@ -75,7 +80,18 @@ pub struct DelayListener {
     pub connector: Arc<Connector>,
     /// Channel name -> the poller's nudge sender (capacity 1: one pending nudge is enough).
     pub pollers: HashMap<String, Sender<()>>,
+    /// Beaten every read (at least every [`READ_TIMEOUT`]), subscription and attempt, for the watchdog.
+    pub pulse: Pulse,
     pub background: Listener,
+}
+
+/// How long the listener waits for a message before it looks at the shutdown flag again.
+const READ_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// How long the delay listener may go without a beat: a read, or a connection and one subscription, then the
+/// backoff after a failure. With the defaults: 20.6 s.
+pub fn listener_bound(redis: &RedisConfig) -> Duration {
+    READ_TIMEOUT + redis_calls(redis, 1) + Backoff::MAX
 }
 
 impl DelayListener {
@@ -83,6 +99,7 @@ impl DelayListener {
         let mut backoff = Backoff::new();
         let mut trouble = Trouble::new("listening for delayed tasks", None);
         while !self.background.is_triggered() {
+            self.pulse.beat();
             if let Err(error) = self.listen(&mut trouble) {
                 trouble.failed(&error);
                 if backoff.wait_unless_first(&self.background) {
@@ -106,13 +123,15 @@ impl DelayListener {
         let mut connection = self.connector.subscriber()?;
         let mut pubsub = connection.as_pubsub();
         for channel in self.pollers.keys() {
+            self.pulse.beat();
             pubsub.subscribe(channel)?;
         }
-        pubsub.set_read_timeout(Some(Duration::from_millis(500)))?;
+        pubsub.set_read_timeout(Some(READ_TIMEOUT))?;
         trouble.recovered();
         // Whatever was published while we were not subscribed is lost: let every poller look once.
         self.nudge_all();
         while !self.background.is_triggered() {
+            self.pulse.beat();
             match pubsub.get_message() {
                 Ok(message) => {
                     if let Some(poller) = self.pollers.get(message.get_channel_name()) {

@@ -374,6 +374,7 @@ pub fn serve(
         lanes: LaneSet::new(Vec::new()),
         serving: Vec::new(),
         helpers: None,
+        thread_pulses: Arc::default(),
         stopping: HashSet::new(),
         next_group: 0,
     };
@@ -436,6 +437,8 @@ struct Supervisor {
     lanes: Arc<LaneSet>,
     serving: Vec<Serving>,
     helpers: Option<Helpers>,
+    /// What the watchdog watches of the helpers now running.
+    thread_pulses: Arc<watchdog::ThreadPulses>,
     /// Groups a reload stopped: their threads' ends are expected.
     stopping: HashSet<Group>,
     next_group: Group,
@@ -537,6 +540,7 @@ impl Supervisor {
             let notifier = notify::Notifier {
                 lanes: Arc::clone(&self.lanes),
                 heartbeat: heartbeat_pulse,
+                helpers: Arc::clone(&self.thread_pulses),
                 redis: self.config.redis.clone(),
                 stop: self.parts.claiming.listener(),
             };
@@ -621,6 +625,7 @@ impl Supervisor {
             queue: context,
             connection: parts.session(&format!("delay-{name}")),
             nudges: nudge_rx,
+            pulse: lane.delay_pulse.clone(),
             background: stop.listener(),
         };
         self.threads.spawn(
@@ -661,15 +666,36 @@ impl Supervisor {
         } else {
             format!("{instance}:monitor-r{group}")
         };
+        // Fresh pulses for the threads started here, watched from now on in place of the previous set.
+        let redis = &self.config.redis;
+        let monitor_pulse = watchdog::Pulse::default();
+        let listener_pulse = watchdog::Pulse::default();
+        let scheduler_pulse = watchdog::Pulse::default();
         let monitor = Monitor {
             queues: contexts
                 .iter()
-                .map(|queue| Watched::new(Arc::clone(queue), Settler::new(settler.clone())))
+                .map(|queue| {
+                    let settler = Settler::new(settler.clone()).with_pulse(monitor_pulse.clone());
+                    Watched::new(Arc::clone(queue), settler)
+                })
                 .collect(),
             connection: self.parts.session("monitor"),
+            pulse: monitor_pulse.clone(),
             plugins: Arc::clone(&self.parts.plugins),
             background: stop.listener(),
         };
+        let mut watched = vec![
+            (
+                "monitor",
+                monitor_pulse,
+                Monitor::bound(redis, Monitor::interval(&monitor.queues)),
+            ),
+            (
+                "delay listener",
+                listener_pulse.clone(),
+                delay::listener_bound(redis),
+            ),
+        ];
         self.threads.spawn(
             "kmqd-monitor".to_string(),
             Role::Monitor,
@@ -682,6 +708,7 @@ impl Supervisor {
                 .iter()
                 .map(|s| (s.lane.queue.keys.delay_channel.clone(), s.nudges.clone()))
                 .collect(),
+            pulse: listener_pulse,
             background: stop.listener(),
         };
         self.threads.spawn(
@@ -704,8 +731,17 @@ impl Supervisor {
                     (schedule.clone(), Arc::clone(queue))
                 })
                 .collect();
-            let scheduler =
-                Scheduler::new(schedules, self.parts.session("scheduler"), stop.listener());
+            watched.push((
+                "scheduler",
+                scheduler_pulse.clone(),
+                scheduler::bound(redis),
+            ));
+            let scheduler = Scheduler::new(
+                schedules,
+                self.parts.session("scheduler"),
+                scheduler_pulse,
+                stop.listener(),
+            );
             self.threads.spawn(
                 "kmqd-scheduler".to_string(),
                 Role::Other,
@@ -725,6 +761,7 @@ impl Supervisor {
                     reporter.run()
                 })?;
         }
+        self.thread_pulses.replace(watched);
         self.helpers = Some(Helpers { group, stop });
         Ok(())
     }

@@ -14,7 +14,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::broker::{self, Fence, Session, Settlement, Token, TokenId};
+use crate::config::RedisConfig;
 use crate::daemon::settler::Settler;
+use crate::daemon::watchdog::{Pulse, redis_calls};
 use crate::plugin::Plugins;
 use crate::policy::Verdict;
 use crate::queue::QueueContext;
@@ -58,6 +60,9 @@ struct Expired {
 pub struct Monitor {
     pub queues: Vec<Watched>,
     pub connection: Session,
+    /// Beaten every pass, before every Redis call that may start a step (its settlers beat every attempt) and
+    /// before every final-failure hook, for the watchdog: a hook that never returns leaves it still.
+    pub pulse: Pulse,
     pub plugins: Arc<Plugins>,
     pub background: Listener,
 }
@@ -73,9 +78,18 @@ impl Monitor {
         (shortest / 4).clamp(Duration::from_millis(50), Duration::from_secs(5))
     }
 
+    /// How long the monitor may go without a beat: its wait between passes, then the steps between two beats
+    /// (reading an owner's registration and a page of its tasks, or one settle attempt, each with a redirect),
+    /// then the settler's backoff after a failure; or one final-failure hook. With the defaults (a pass every 5
+    /// s): 50.1 s.
+    pub fn bound(redis: &RedisConfig, interval: Duration) -> Duration {
+        interval + redis_calls(redis, 4) + crate::retry::Backoff::MAX
+    }
+
     pub fn run(mut self) {
         let interval = Monitor::interval(&self.queues);
         loop {
+            self.pulse.beat();
             self.recover_now();
             if self.background.wait(interval) {
                 break;
@@ -110,6 +124,7 @@ impl Monitor {
             if deadline > now_ms {
                 continue;
             }
+            self.pulse.beat();
             // The owner's own levels, whatever this daemon's config says (a rolling config change); an owner
             // registered by a kmqd that recorded none is taken to have this daemon's levels.
             let info = broker::owner_info(self.connection.get()?, &queue.keys, &owner)?;
@@ -165,6 +180,7 @@ impl Monitor {
         level: usize,
     ) -> broker::Result<Option<(usize, usize)>> {
         let keys = &expired.keys;
+        self.pulse.beat();
         let connection = self.connection.get()?;
         let (_, held) = broker::scan_processing(connection, keys, &expired.owner, level, 0, BATCH)?;
         if held.is_empty() {
@@ -219,6 +235,7 @@ impl Monitor {
             .count();
         for (hook, applied) in hooks.iter().zip(settled.applied) {
             if let (Some(hook), Some(true)) = (hook, applied) {
+                self.pulse.beat();
                 settlement::run_dead_hook(&self.plugins.current(), &queue.config.name, hook);
             }
         }

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use sd_notify::NotifyState;
 
 use super::lane::{self, Lane, LaneSet};
-use super::watchdog::{self, Bounds, Pulse, Sample, ThreadSample, Watchdog, Wedge};
+use super::watchdog::{self, Bounds, Pulse, Sample, ThreadPulses, ThreadSample, Watchdog, Wedge};
 use crate::shutdown::Listener;
 
 /// How often `STATUS=` is refreshed while the daemon serves (at once when something becomes wedged or recovers).
@@ -101,6 +101,8 @@ pub struct Notifier {
     pub lanes: Arc<LaneSet>,
     /// The heartbeat's pulse: a hung heartbeat is a wedge too (its leases would run out).
     pub heartbeat: Pulse,
+    /// The monitor's, the delay listener's and the scheduler's, as the last reload (re)started them.
+    pub helpers: Arc<ThreadPulses>,
     /// For each lane's bounds (`lane::stall_bounds`); `[redis]` does not change while the daemon runs.
     pub redis: crate::config::RedisConfig,
     pub stop: Listener,
@@ -151,7 +153,9 @@ impl Notifier {
                     count: self.heartbeat.count(),
                     bound: watchdog::heartbeat_bound(&self.redis, lanes.len()),
                 };
-                let wedges = watchdog.look(now, &samples, &[heartbeat]);
+                let mut threads = vec![heartbeat];
+                threads.extend(self.helpers.samples());
+                let wedges = watchdog.look(now, &samples, &threads);
                 changed = wedges.is_empty() != wedged.is_empty();
                 if changed {
                     report(&wedges);
@@ -181,6 +185,7 @@ fn sample(lane: &Lane) -> Sample {
     Sample {
         fetcher: lane.fetcher_pulse.count(),
         acker: lane.acker_pulse.count(),
+        delay: lane.delay_pulse.count(),
         workers: lane.queue.config.workers,
         stuck_workers: lane.capacity.stuck_workers(),
     }

@@ -12,8 +12,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde_json::value::RawValue;
 
+use super::watchdog::{Pulse, redis_calls};
 use crate::broker::{self, Fired, Session};
-use crate::config::{Missed, ScheduleConfig};
+use crate::config::{Missed, RedisConfig, ScheduleConfig};
 use crate::queue::QueueContext;
 use crate::retry::Trouble;
 use crate::shutdown::Listener;
@@ -21,6 +22,12 @@ use crate::task::Envelope;
 
 /// The longest the scheduler sleeps without looking (also its reaction time to shutdown).
 const MAX_SLEEP: Duration = Duration::from_secs(1);
+/// How long the scheduler may go without a beat: its longest sleep (also what it waits after a failure), then one
+/// Redis call (reading a schedule's state, or firing a slot) and its redirect. With the defaults: 26.1 s.
+pub fn bound(redis: &RedisConfig) -> Duration {
+    MAX_SLEEP + redis_calls(redis, 2)
+}
+
 /// How many slots a catch-up looks through before giving up on counting (a schedule every second, down for a year).
 const MAX_SCAN: usize = 1_000_000;
 
@@ -35,6 +42,8 @@ struct Entry {
 pub struct Scheduler {
     entries: Vec<Entry>,
     connection: Session,
+    /// Beaten every turn and before every Redis call, for the watchdog.
+    pulse: Pulse,
     background: Listener,
     /// Redis's clock minus the local clock, ms, as last measured.
     offset_ms: i64,
@@ -56,6 +65,7 @@ impl Scheduler {
     pub fn new(
         schedules: Vec<(ScheduleConfig, Arc<QueueContext>)>,
         connection: Session,
+        pulse: Pulse,
         background: Listener,
     ) -> Scheduler {
         let entries = schedules
@@ -69,6 +79,7 @@ impl Scheduler {
         Scheduler {
             entries,
             connection,
+            pulse,
             background,
             offset_ms: 0,
         }
@@ -77,6 +88,7 @@ impl Scheduler {
     pub fn run(mut self) {
         let mut trouble = Trouble::new("firing schedules", None);
         loop {
+            self.pulse.beat();
             let sleep = match self.tick() {
                 Ok(sleep) => {
                     trouble.recovered();
@@ -127,6 +139,7 @@ impl Scheduler {
 
     /// Fires one slot; false when it is not due yet on Redis's clock.
     fn fire(&mut self, index: usize, slot: i64) -> broker::Result<bool> {
+        self.pulse.beat();
         let entry = &self.entries[index];
         let id = slot_id(&entry.config.name, slot);
         // The config's data is JSON it produced itself.
@@ -162,6 +175,7 @@ impl Scheduler {
 
     /// Reads the schedule's last fired slot and lines up the slots to fire, applying the missed-slot rule.
     fn plan(&mut self, index: usize) -> broker::Result<()> {
+        self.pulse.beat();
         let entry = &self.entries[index];
         let connection = self.connection.get()?;
         let (last, now) =

@@ -14,6 +14,11 @@
 //! - the heartbeat (one per daemon, which renews every lane's lease) loops at least every second, each renewal
 //!   bounded by the same timeouts; it beats a [`Pulse`] every turn, and one silent for longer than
 //!   [`heartbeat_bound`] is wedged: its leases would run out while the daemon looks alive;
+//! - the per-daemon threads a reload restarts ([`ThreadPulses`]) are watched the same way, each against the bound
+//!   of its own loop: the monitor (which also runs the final-failure hooks of the tasks it dead-letters: a hook
+//!   that never returns wedges it, and then no expired lease is recovered by this daemon), the delay listener
+//!   and the scheduler; each queue's delay poller is a stage of its lane, beside the fetcher and the acker (a
+//!   hung poller leaves that queue's delayed tasks and retries waiting forever);
 //! - the workers are wedged when every one of them is stuck in a handler that ignored its cancel flag past
 //!   `execution_timeout` (the timeouts thread counts them, `Capacity::stuck_workers`): the queue can run
 //!   nothing until one returns, and only a restart ends a handler that never does. Busy workers are not
@@ -22,8 +27,8 @@
 //! The decision is pure (times come in as arguments), so the tests below drive it through every case.
 
 use std::fmt;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// A counter a loop bumps every turn, which the watchdog reads to tell a looping thread from a hung one. Cheap
@@ -47,6 +52,8 @@ impl Pulse {
 pub struct Bounds {
     pub fetcher: Duration,
     pub acker: Duration,
+    /// The queue's delay poller.
+    pub delay: Duration,
 }
 
 /// What the watchdog reads of one lane at one look.
@@ -54,6 +61,7 @@ pub struct Bounds {
 pub struct Sample {
     pub fetcher: u64,
     pub acker: u64,
+    pub delay: u64,
     pub workers: usize,
     pub stuck_workers: usize,
 }
@@ -70,7 +78,7 @@ pub enum Wedge {
     },
     /// Every one of the queue's `workers` is stuck in a handler that ignored its cancel flag.
     Workers { queue: String, workers: usize },
-    /// A per-daemon thread (the heartbeat) whose pulse has not moved for `silent`, longer than its bound.
+    /// A per-daemon thread (the heartbeat, the monitor, ...) whose pulse has not moved for `silent`, longer than its bound.
     Thread {
         thread: &'static str,
         silent: Duration,
@@ -115,12 +123,43 @@ impl fmt::Display for Wedge {
 /// gap proves nothing, and their clocks start again. The notify thread looks at least every second.
 pub const PAUSE_GAP: Duration = Duration::from_secs(5);
 
+/// The longest `calls` Redis calls on one connection may take, each bounded by the `[redis]` timeouts: a pooled
+/// connection within `connect_timeout`, a reply within `io_timeout`, a `WAIT` for replicas within
+/// `wait_timeout`. With the defaults, one call: 15.1 s.
+pub fn redis_calls(redis: &crate::config::RedisConfig, calls: u32) -> Duration {
+    redis.connect_timeout + redis.wait_timeout + redis.io_timeout * calls
+}
+
 /// How long the heartbeat may go without a beat: a turn's sleep (at most a second), then a renewal per lane,
 /// each a connection (`connect_timeout`), the script and its `WAIT` (`io_timeout` each, the read timeout being at
 /// most that, and `wait_timeout`). With the defaults and one queue: 26.1 s.
 pub fn heartbeat_bound(redis: &crate::config::RedisConfig, lanes: usize) -> Duration {
-    let renewal = redis.connect_timeout + redis.io_timeout * 2 + redis.wait_timeout;
-    super::heartbeat::MAX_SLEEP + renewal * lanes.max(1) as u32
+    super::heartbeat::MAX_SLEEP + redis_calls(redis, 2) * lanes.max(1) as u32
+}
+
+/// The per-daemon threads that a reload restarts, with their pulses and bounds: the supervisor replaces the set
+/// each time it starts them, and the notify thread samples whatever set is current.
+#[derive(Debug, Default)]
+pub struct ThreadPulses(Mutex<Vec<(&'static str, Pulse, Duration)>>);
+
+impl ThreadPulses {
+    /// From now on, watch these threads (name, pulse, bound) instead of the previous set.
+    pub fn replace(&self, threads: Vec<(&'static str, Pulse, Duration)>) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = threads;
+    }
+
+    pub fn samples(&self) -> Vec<ThreadSample> {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(thread, pulse, bound)| ThreadSample {
+                thread,
+                count: pulse.count(),
+                bound: *bound,
+            })
+            .collect()
+    }
 }
 
 /// A per-daemon thread at one look: its name, its pulse's count, and how long it may be silent.
@@ -135,8 +174,8 @@ pub struct ThreadSample {
 #[derive(Debug)]
 pub struct Watchdog {
     lanes: Vec<Watched>,
-    /// The per-daemon threads' pulses, in the order their samples come.
-    threads: Vec<Seen>,
+    /// The per-daemon threads' pulses, by name: a reload may add or drop one (the scheduler).
+    threads: Vec<(&'static str, Seen)>,
     last_look: Instant,
 }
 
@@ -146,6 +185,7 @@ struct Watched {
     bounds: Bounds,
     fetcher: Seen,
     acker: Seen,
+    delay: Seen,
 }
 
 /// A pulse's count when it last moved, and when that was seen.
@@ -180,6 +220,7 @@ impl Watchdog {
                     bounds,
                     fetcher: fresh,
                     acker: fresh,
+                    delay: fresh,
                 })
                 .collect(),
             threads: Vec::new(),
@@ -188,8 +229,8 @@ impl Watchdog {
     }
 
     /// One look at every lane, `samples` in the order the lanes were given, and at the per-daemon `threads`
-    /// (always given in the same order): what is wedged (nothing: the daemon makes progress or is idle, and
-    /// systemd may be told so).
+    /// (a thread first sampled now counts as having just moved, and one no longer sampled is forgotten): what is
+    /// wedged (nothing: the daemon makes progress or is idle, and systemd may be told so).
     pub fn look(
         &mut self,
         now: Instant,
@@ -199,15 +240,27 @@ impl Watchdog {
         let paused = now.saturating_duration_since(self.last_look) > PAUSE_GAP;
         self.last_look = now;
         let mut wedges = Vec::new();
-        for (index, sample) in threads.iter().enumerate() {
-            if self.threads.len() <= index {
-                // First seen now: it counts as having just moved.
-                self.threads.push(Seen {
-                    count: sample.count,
-                    since: now,
-                });
-            }
-            let seen = &mut self.threads[index];
+        self.threads
+            .retain(|(name, _)| threads.iter().any(|t| t.thread == *name));
+        for sample in threads {
+            let index = match self
+                .threads
+                .iter()
+                .position(|(name, _)| *name == sample.thread)
+            {
+                Some(index) => index,
+                None => {
+                    self.threads.push((
+                        sample.thread,
+                        Seen {
+                            count: sample.count,
+                            since: now,
+                        },
+                    ));
+                    self.threads.len() - 1
+                }
+            };
+            let seen = &mut self.threads[index].1;
             if paused {
                 seen.since = now;
             }
@@ -224,6 +277,7 @@ impl Watchdog {
             if paused {
                 lane.fetcher.since = now;
                 lane.acker.since = now;
+                lane.delay.since = now;
             }
             let stages = [
                 (
@@ -233,6 +287,12 @@ impl Watchdog {
                     lane.bounds.fetcher,
                 ),
                 ("acker", &mut lane.acker, sample.acker, lane.bounds.acker),
+                (
+                    "delay poller",
+                    &mut lane.delay,
+                    sample.delay,
+                    lane.bounds.delay,
+                ),
             ];
             for (stage, seen, count, bound) in stages {
                 let silent = seen.update(count, now);
@@ -266,6 +326,7 @@ mod tests {
         let bounds = Bounds {
             fetcher: 10 * S,
             acker: 5 * S,
+            delay: 20 * S,
         };
         Watchdog::new(
             [("mail".to_string(), bounds), ("img".to_string(), bounds)],
@@ -277,6 +338,8 @@ mod tests {
         Sample {
             fetcher,
             acker,
+            // The delay pollers beat with the fetchers, unless a test says otherwise.
+            delay: fetcher,
             workers: 2,
             stuck_workers: 0,
         }
@@ -421,6 +484,84 @@ mod tests {
             dog.look(t0 + 35 * S, &lanes(35), &[heartbeat(31)]),
             [],
             "it moves again"
+        );
+    }
+
+    #[test]
+    fn a_silent_delay_poller_is_a_wedge_of_its_lane() {
+        let t0 = Instant::now();
+        let mut dog = watchdog(t0);
+        // The first lane's poller stops at second 1 while its fetcher and acker go on; its bound is 20 s.
+        let at = |s: u64| {
+            [
+                Sample {
+                    delay: s.min(1),
+                    ..sample(s, s)
+                },
+                sample(s, s),
+            ]
+        };
+        assert_eq!(looks(&mut dog, t0, 1..=21, at), []);
+        let wedges = looks(&mut dog, t0, 22..=22, at);
+        assert_eq!(
+            wedges.iter().map(Wedge::to_string).collect::<Vec<_>>(),
+            ["queue mail: the delay poller has not moved for 21s (bound 20s)"]
+        );
+    }
+
+    #[test]
+    fn threads_are_watched_by_name_as_a_reload_changes_their_set() {
+        let t0 = Instant::now();
+        let mut dog = watchdog(t0);
+        let thread = |thread: &'static str, count: u64| ThreadSample {
+            thread,
+            count,
+            bound: 3 * S,
+        };
+        let lanes = |s: u64| [sample(s, s); 2];
+        assert_eq!(
+            dog.look(
+                t0 + S,
+                &lanes(1),
+                &[thread("monitor", 1), thread("scheduler", 1)]
+            ),
+            []
+        );
+        // A reload dropped the scheduler and restarted the monitor (a new pulse, counting from 0); the monitor
+        // then hangs at once.
+        assert_eq!(dog.look(t0 + 2 * S, &lanes(2), &[thread("monitor", 0)]), []);
+        assert_eq!(dog.look(t0 + 5 * S, &lanes(5), &[thread("monitor", 0)]), []);
+        let wedges = dog.look(t0 + 6 * S, &lanes(6), &[thread("monitor", 0)]);
+        assert_eq!(
+            wedges.iter().map(Wedge::to_string).collect::<Vec<_>>(),
+            ["the monitor has not moved for 4s (bound 3s)"]
+        );
+        // A scheduler that comes back counts as having just moved, whatever its count was before.
+        assert_eq!(
+            dog.look(
+                t0 + 7 * S,
+                &lanes(7),
+                &[thread("monitor", 1), thread("scheduler", 1)]
+            ),
+            []
+        );
+        assert_eq!(
+            dog.look(
+                t0 + 10 * S,
+                &lanes(10),
+                &[thread("monitor", 2), thread("scheduler", 1)]
+            ),
+            []
+        );
+        assert_eq!(
+            dog.look(
+                t0 + 11 * S,
+                &lanes(11),
+                &[thread("monitor", 3), thread("scheduler", 1)]
+            )
+            .len(),
+            1,
+            "the scheduler, silent past its bound since it came back"
         );
     }
 

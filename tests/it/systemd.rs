@@ -232,6 +232,59 @@ fn the_watchdog_keeps_pinging_through_a_redis_outage_longer_than_every_bound() {
     assert_eq!(daemon.wait_within(Duration::from_secs(30)), Some(0));
 }
 
+/// The monitor runs the final-failure hooks of the tasks it dead-letters. One that never returns leaves it still,
+/// and then no lease that runs out is recovered by this daemon: the watchdog sees it (the monitor's bound), and
+/// stops pinging while the queue's own stages go on.
+#[test]
+fn a_final_failure_hook_that_never_returns_wedges_the_monitor_and_the_watchdog_sees_it() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    // Short timeouts and lease, so that the monitor's bound is short: a pass every 250 ms (a quarter of the
+    // lease), four calls of 1 s + 100 ms, and the 5 s backoff: 9.35 s.
+    let config = dir.config_raw(
+        &format!(
+            "url = \"{}\"\nio_timeout = \"1s\"\nconnect_timeout = \"1s\"",
+            redis.url()
+        ),
+        "shutdown_grace = \"2s\"",
+        &safe_queue("workers = 1\nlease_timeout = \"1s\"\nalive_timeout = \"1m\""),
+    );
+    let socket_path = dir.path("notify.sock");
+    let mut notify = NotifySocket::bind(&socket_path);
+    let mut daemon = Process::start_with_env(
+        &config,
+        dir.path("kmqd.log"),
+        &[
+            ("NOTIFY_SOCKET", socket_path.to_str().unwrap()),
+            ("WATCHDOG_USEC", "400000"),
+        ],
+    );
+    notify.wait_for(Duration::from_secs(15), "READY=1", |line| line == "READY=1");
+    let healthy = notify.read_for(Duration::from_secs(1));
+    assert!(pings(&healthy) >= 3, "pings while idle: {healthy:?}");
+    // What a daemon that died would leave: an owner whose lease ran out, holding a task older than
+    // alive_timeout, which the monitor dead-letters; its final-failure hook then sleeps for ten minutes.
+    let envelope = r#"{"id":"old","type":"test","data":{"dead_sleep_ms":600000},"attempt":0,"created_at":1000}"#;
+    let _: i64 = redis.cmd(&["HSET", "kmq:{jobs}:processing:ghost:normal", "1", envelope]);
+    let _: i64 = redis.cmd(&["ZADD", "kmq:{jobs}:owners", "1", "ghost"]);
+    let wedged = notify.wait_for(Duration::from_secs(30), "wedged status", |line| {
+        line.starts_with("STATUS=wedged")
+    });
+    assert!(wedged.contains("the monitor has not moved for"), "{wedged}");
+    let after = notify.read_for(Duration::from_secs(1));
+    assert_eq!(pings(&after), 0, "pings while the monitor hangs: {after:?}");
+    let log = daemon.log_text();
+    assert_eq!(
+        log.matches("watchdog: the daemon is wedged").count(),
+        1,
+        "said once: {log}"
+    );
+    assert!(log.contains("the monitor has not moved"), "{log}");
+    // The hook would hold a graceful shutdown for its ten minutes (plugins are shut down after their last
+    // hook): what systemd does after WatchdogSec, a kill.
+    daemon.kill9();
+}
+
 /// Runs a program under the kernel's refusal of writable-and-executable memory (`prctl(PR_SET_MDWE,
 /// PR_MDWE_REFUSE_EXEC_GAIN)`, Linux 6.3+: what `MemoryDenyWriteExecute=yes` applies, and which a child inherits
 /// across fork and exec), without a running systemd. python3 does the prctl, so the tests stay free of unsafe code.

@@ -45,17 +45,17 @@ use resolve::{JobId, JobState, Outcome};
 /// wedged: everything one turn of each loop may wait, added up, so that a Redis that is down, slow or failing
 /// over never counts (the daemon is right to wait for it) and only a hang nothing bounds does. With the
 /// defaults (`idle_poll` 1 s, `connect_timeout` 5 s, `io_timeout` 10 s, `wait_timeout` 100 ms): 51.3 s for the
-/// fetcher, 30.15 s for the acker.
+/// fetcher, 30.15 s for the acker, 31.1 s for the delay poller.
 pub fn stall_bounds(redis: &RedisConfig, queue: &QueueConfig) -> Bounds {
-    // Every Redis call of a turn is bounded by these: a pooled connection within `connect_timeout`, a reply
-    // within `io_timeout`, a `WAIT` for replicas within `wait_timeout`.
-    let call = |calls: u32| redis.connect_timeout + redis.wait_timeout + redis.io_timeout * calls;
+    let call = |calls: u32| crate::daemon::watchdog::redis_calls(redis, calls);
     Bounds {
         // Waiting for capacity, then register + claim (or pop) + the idle wait in Redis (`idle_poll` beyond its
         // read timeout), one more reply for a cluster's redirect, then the retry backoff after a failure.
         fetcher: fetcher::CAPACITY_WAIT + queue.idle_poll + call(4) + crate::retry::Backoff::MAX,
         // Waiting for an outcome, then one settle attempt (and a redirect), then the backoff before the next.
         acker: acker::IDLE_CHECK + call(2) + crate::retry::Backoff::MAX,
+        // Its longest sleep, one promote (and a redirect), then the backoff after a failure.
+        delay: crate::daemon::delay::MAX_WAIT + call(2) + crate::retry::Backoff::MAX,
     }
 }
 
@@ -84,6 +84,8 @@ pub struct Lane {
     /// watchdog's sign that they are not hung (`daemon::watchdog`).
     pub fetcher_pulse: Pulse,
     pub acker_pulse: Pulse,
+    /// Bumped by the queue's delay poller every turn.
+    pub delay_pulse: Pulse,
     /// Task types that came with no plugin to handle them, so that each is warned about once, not per task.
     unhandled_types: Mutex<FxHashSet<String>>,
 }
@@ -109,6 +111,7 @@ impl Lane {
             epoch,
             fetcher_pulse: Pulse::default(),
             acker_pulse: Pulse::default(),
+            delay_pulse: Pulse::default(),
             unhandled_types: Mutex::default(),
             queue,
         };
@@ -417,7 +420,8 @@ mod tests {
             bounds,
             Bounds {
                 fetcher: ms(51_300),
-                acker: ms(30_150)
+                acker: ms(30_150),
+                delay: ms(31_100),
             },
             "the defaults the doc comment gives"
         );
@@ -431,6 +435,7 @@ mod tests {
             ms(200 + 5_000 + 1_000 + 100 + 4_000 + 5_000)
         );
         assert_eq!(bounds.acker, ms(50 + 1_000 + 100 + 2_000 + 5_000));
+        assert_eq!(bounds.delay, ms(1_000 + 1_000 + 100 + 2_000 + 5_000));
     }
 
     #[test]
