@@ -63,6 +63,13 @@ pub(super) fn check_config(config: &Config) -> Result<(), Failure> {
             "  queue {}: {mode} mode, {} workers, priorities {:?}",
             queue.name, queue.workers, queue.priorities
         );
+        if !queue.source_lists.is_empty() {
+            let _ = writeln!(
+                out,
+                "    moves tasks from {:?} to level {:?}",
+                queue.source_lists, queue.priorities[queue.default_priority]
+            );
+        }
     }
     for plugin in registry.plugins() {
         let _ = writeln!(

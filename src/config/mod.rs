@@ -265,6 +265,9 @@ pub struct QueueConfig {
     /// A lag (age of the oldest ready task) above this logs a warning, and its return below it one line more
     /// (`src/daemon/report.rs`); `None`: not watched.
     pub lag_warn: Option<Duration>,
+    /// Lists that producers push tasks to with their own key names (`RPUSH queue:email ...`): the daemon moves
+    /// what they hold into the ready list of `default_priority`, byte for byte (`src/daemon/sources.rs`).
+    pub source_lists: Vec<String>,
 }
 
 /// How many claimed tasks may wait for a worker beyond one per worker.
@@ -415,10 +418,16 @@ impl Config {
         self.queues.iter().find(|queue| queue.name == name)
     }
 
-    /// Redis connections the daemon holds at once: per queue a fetcher, an acker and a delay poller; per daemon
-    /// the monitor, the heartbeat, the scheduler, the metrics endpoint and, when it runs, the queue reporter.
+    /// Redis connections the daemon holds at once: per queue a fetcher, an acker, a delay poller and, with
+    /// `source_lists`, a source mover; per daemon the monitor, the heartbeat, the scheduler, the metrics endpoint
+    /// and, when it runs, the queue reporter.
     pub fn connections_needed(&self) -> u32 {
-        3 * self.queues.len() as u32 + 4 + u32::from(self.reports())
+        let movers = self
+            .queues
+            .iter()
+            .filter(|q| !q.source_lists.is_empty())
+            .count();
+        3 * self.queues.len() as u32 + movers as u32 + 4 + u32::from(self.reports())
     }
 
     /// Whether the daemon runs its queue reporter: `[daemon] report_interval` is set or a queue has `lag_warn`.

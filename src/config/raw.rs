@@ -93,6 +93,7 @@ pub(super) struct RawQueue {
     pub(super) delay_batch: Option<Spanned<i64>>,
     pub(super) max_task_bytes: Option<Spanned<i64>>,
     pub(super) lag_warn: Option<Spanned<String>>,
+    pub(super) source_lists: Option<Spanned<Vec<Spanned<String>>>>,
 }
 
 #[derive(Deserialize)]

@@ -7,6 +7,7 @@ use std::ops::Range;
 use std::path::Path;
 use std::time::Duration;
 
+use redis::cluster_routing::Slot;
 use toml::Spanned;
 
 use super::errors::{Source, did_you_mean};
@@ -180,6 +181,8 @@ impl RawConfig {
         let daemon = daemon.validate(source, &base)?;
 
         let mut seen = HashSet::new();
+        // Source list -> the queue it feeds.
+        let mut sources = std::collections::HashMap::new();
         let mut validated_queues = Vec::with_capacity(queues.len());
         for (index, queue) in queues.into_iter().enumerate() {
             let span = queue.span();
@@ -188,7 +191,25 @@ impl RawConfig {
                 .name
                 .as_ref()
                 .map_or(span.clone(), Spanned::span);
-            let queue = queue.into_inner().validate(source, index, span)?;
+            let source_spans: Vec<Range<usize>> = queue
+                .get_ref()
+                .source_lists
+                .as_ref()
+                .map_or(Vec::new(), |list| {
+                    list.get_ref().iter().map(Spanned::span).collect()
+                });
+            let queue = queue.into_inner().validate(source, index, span, &redis)?;
+            for (list, span) in queue.source_lists.iter().zip(source_spans) {
+                if let Some(other) = sources.insert(list.clone(), queue.name.clone()) {
+                    return Err(source.error(
+                        span,
+                        format!(
+                            "queues[{index}].source_lists: {list:?} is a source of queue {other:?} too; a list \
+                             feeds one queue (two would split its tasks at random): remove it from one of them"
+                        ),
+                    ));
+                }
+            }
             if !seen.insert(queue.name.clone()) {
                 return Err(source.error(
                     name_span,
@@ -247,8 +268,8 @@ impl RawConfig {
             return Err(source.error(
                 pool_size_span,
                 format!(
-                    "redis.pool_size: {} is too small for {} queue(s): the daemon holds 3 connections per queue and 4 \
-                     more, so set pool_size to at least {}",
+                    "redis.pool_size: {} is too small for {} queue(s): the daemon holds 3 connections per queue (4 with \
+                     source_lists) and 4 more, so set pool_size to at least {}",
                     config.redis.pool_size,
                     config.queues.len(),
                     config.connections_needed()
@@ -664,6 +685,7 @@ impl RawQueue {
         source: &Source<'_>,
         index: usize,
         span: Range<usize>,
+        redis: &RedisConfig,
     ) -> Result<QueueConfig, ConfigError> {
         let RawQueue {
             name,
@@ -687,6 +709,7 @@ impl RawQueue {
             delay_batch,
             max_task_bytes,
             lag_warn,
+            source_lists,
         } = self;
 
         let key = |field: &str| format!("queues[{index}].{field}");
@@ -897,6 +920,13 @@ impl RawQueue {
             None => None,
         };
 
+        let source_lists = match source_lists {
+            Some(lists) => {
+                check_source_lists(source, &key("source_lists"), name.get_ref(), lists, redis)?
+            }
+            None => Vec::new(),
+        };
+
         Ok(QueueConfig {
             name: name.into_inner(),
 
@@ -920,7 +950,75 @@ impl RawQueue {
             delay_batch,
             max_task_bytes,
             lag_warn,
+            source_lists,
         })
+    }
+}
+
+/// A queue's `source_lists`: Redis keys of lists, each named once, none of them kmqd's own, and on a Redis
+/// Cluster each in the queue's slot: a task moves atomically only within one slot (one script, one node).
+fn check_source_lists(
+    source: &Source<'_>,
+    key: &str,
+    queue: &str,
+    lists: Spanned<Vec<Spanned<String>>>,
+    redis: &RedisConfig,
+) -> Result<Vec<String>, ConfigError> {
+    let own = format!("{}:{{", redis.key_prefix);
+    let queue_key = format!("{}:{{{queue}}}", redis.key_prefix);
+    let mut seen = HashSet::new();
+    for list in lists.get_ref() {
+        let name = list.get_ref();
+        if name.trim().is_empty() || name.chars().any(char::is_control) {
+            return Err(source.error(
+                list.span(),
+                format!(
+                    "{key}: {name:?} is not a list name; name the Redis list your producers push to, e.g. \
+                     \"queue:{queue}\""
+                ),
+            ));
+        }
+        if name.starts_with(&own) {
+            return Err(source.error(
+                list.span(),
+                format!(
+                    "{key}: {name:?} is one of kmqd's own keys (every key under \"{own}\" is); name the list your \
+                     producers push to, e.g. \"queue:{queue}\" (producers that can push to kmqd's ready list need \
+                     no source list: docs/PROTOCOL.md)"
+                ),
+            ));
+        }
+        if !seen.insert(name) {
+            return Err(source.error(list.span(), format!("{key}: {name:?} is listed twice")));
+        }
+        if matches!(redis.deployment, Deployment::Cluster { .. })
+            && Slot::for_key(name) != Slot::for_key(&queue_key)
+        {
+            return Err(source.error(
+                list.span(),
+                format!(
+                    "{key}: {name:?} is in another Redis Cluster slot than queue {queue:?}'s keys \
+                     ({queue_key}:...), and a task moves atomically only within one slot: give the list the \
+                     queue's hash tag, e.g. \"{}\", and have the producers push there",
+                    tagged(name, queue)
+                ),
+            ));
+        }
+    }
+    Ok(lists
+        .into_inner()
+        .into_iter()
+        .map(Spanned::into_inner)
+        .collect())
+}
+
+/// `name` with the hash tag `{queue}`, for the cluster's error: `queue:email` -> `queue:{email}` when the name
+/// ends with the queue's name, else `NAME:{queue}`.
+pub(super) fn tagged(name: &str, queue: &str) -> String {
+    let untagged: String = name.chars().filter(|c| !matches!(c, '{' | '}')).collect();
+    match untagged.strip_suffix(queue) {
+        Some(start) if !start.is_empty() => format!("{start}{{{queue}}}"),
+        _ => format!("{untagged}:{{{queue}}}"),
     }
 }
 

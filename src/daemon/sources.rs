@@ -1,0 +1,96 @@
+//! The source mover: per queue with `source_lists`, a thread that moves what producers push to their own lists
+//! (Redis in Action's `RPUSH queue:email ...`) into the queue's ready list, so that they work unchanged.
+//!
+//! Each move is one call of move.lua, which pops up to [`BATCH`] tasks from the heads of the sources and pushes
+//! them onto the back of the ready list of the queue's default level in the same atomic step, with a wake-up
+//! marker: a task is at every instant in its source or in the ready list, whatever fails, however many daemons
+//! move the same sources. When the sources are empty the mover blocks in Redis on one of them (`BLMOVE` of the
+//! list onto itself, which takes nothing and returns as soon as a producer pushes), for at most the queue's
+//! `idle_poll`, then moves; with several sources it blocks on each in turn, so a push to another source waits at
+//! most `idle_poll`. A full batch is followed at once by the next, so a backlog drains at script speed and the
+//! mover's memory stays one batch, in Redis.
+//!
+//! Moving is not taking: a paused queue (`kmqd queue pause`) keeps its mover, and its tasks gather in the ready
+//! list, where `kmqd stats` counts them. The mover stops with its lane's claiming (a reload that replaces the
+//! lane, the shutdown's first stage): what is pushed after that waits in the source for the next mover.
+
+use std::sync::Arc;
+
+use crate::broker::{self, Session};
+use crate::queue::QueueContext;
+use crate::retry::{Backoff, Trouble};
+use crate::shutdown::Listener;
+
+/// The most tasks one call of move.lua moves: Lua's `unpack` takes them all at once.
+pub const BATCH: usize = crate::config::MAX_BATCH;
+
+pub struct SourceMover {
+    pub queue: Arc<QueueContext>,
+    pub connection: Session,
+    pub stop: Listener,
+}
+
+impl SourceMover {
+    pub fn run(mut self) {
+        let queue = Arc::clone(&self.queue);
+        let keys = &queue.keys;
+        tracing::info!(
+            queue = %queue.config.name,
+            sources = ?keys.sources,
+            ready = %keys.ready[keys.source_level],
+            "moving what producers push to the source lists into the queue"
+        );
+        let mut backoff = Backoff::new();
+        let mut moving = Trouble::new("moving tasks from source lists", Some(&queue.config.name));
+        let mut waiting = Trouble::new("waiting on source lists", Some(&queue.config.name));
+        // The source the next call starts with, and the next wait blocks on.
+        let mut turn = 0usize;
+        while !self.stop.is_triggered() {
+            let moved = self
+                .connection
+                .get()
+                .and_then(|connection| broker::move_sources(connection, keys, BATCH, turn));
+            turn = turn.wrapping_add(1);
+            match moved {
+                Ok(moved) => {
+                    moving.recovered();
+                    if moved > 0 {
+                        tracing::debug!(queue = %queue.config.name, moved, "moved tasks from source lists");
+                    }
+                    if moved == BATCH {
+                        backoff.reset();
+                        continue;
+                    }
+                }
+                Err(error) => {
+                    moving.failed(&error);
+                    self.connection.reset();
+                    if backoff.wait_unless_first(&self.stop) {
+                        break;
+                    }
+                    continue;
+                }
+            }
+            let source = &keys.sources[turn % keys.sources.len()];
+            let waited = self.connection.get().and_then(|connection| {
+                broker::wait_list(connection, source, queue.config.idle_poll, queue.io_timeout)
+            });
+            match waited {
+                // The backoff is reset only by a whole round, so that a wait that keeps failing after moves
+                // that work still backs off.
+                Ok(_) => {
+                    waiting.recovered();
+                    backoff.reset();
+                }
+                Err(error) => {
+                    waiting.failed(&error);
+                    self.connection.reset();
+                    if backoff.wait_unless_first(&self.stop) {
+                        break;
+                    }
+                }
+            }
+        }
+        tracing::debug!(queue = %queue.config.name, "source mover stopped");
+    }
+}
