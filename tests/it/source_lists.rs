@@ -356,3 +356,30 @@ fn a_reload_starts_and_stops_moving_a_source_list() {
     crate::reload::stop(daemon);
     assert_each_ran_once_among(&dir, 0..20, 1);
 }
+
+/// A source that is not a list (a producer's typo, a key reused) makes every move refuse before it writes,
+/// loudly, naming the key, and retried with backoff; once the key is fixed the tasks waiting in the other
+/// source move. Catches a move that pops from one source and then fails on the next (tasks half-moved, or lost
+/// in between), and a refusal that goes unsaid.
+#[test]
+fn a_source_that_is_not_a_list_stops_the_moves_whole_and_says_so() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let queue = "[[queues]]\nname = \"email\"\nmode = \"safe\"\nforeign_type_field = \"callback\"\n\
+                 source_lists = [\"queue:email\", \"queue:broken\"]\n";
+    let config = dir.config(&redis, queue);
+    let _: String = redis.cmd(&["SET", "queue:broken", "not a list"]);
+    produce(&redis, SOURCE, 0..30);
+    let daemon = crate::reload::start(&dir, &config);
+    crate::reload::wait_logged(&daemon, "queue:broken holds a string, not a list", 1);
+    let left: i64 = redis.cmd(&["LLEN", SOURCE]);
+    assert_eq!(left, 30, "a refused move writes nothing");
+    let _: i64 = redis.cmd(&["DEL", "queue:broken"]);
+    eventually(Duration::from_secs(20), "the tasks moved and done", || {
+        let s = stats(&config, "email");
+        (s.done >= 30, s)
+    });
+    crate::reload::stop(daemon);
+    assert_eq!(stats(&config, "email").moved, 30);
+    assert_each_ran_once(&dir, 0..30);
+}
