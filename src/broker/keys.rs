@@ -73,10 +73,10 @@ pub struct QueueKeys {
     pub delay_channel: String,
     /// The queue's `source_lists`: lists under the producers' own names, not kmqd's (no prefix, no hash tag of
     /// kmqd's making; on a cluster the config checked they are in the queue's slot), whose tasks the source
-    /// mover moves into the ready list of the default level. Empty for keys made without a queue's config.
+    /// mover moves into the queue. Empty for keys made without a queue's config.
     pub sources: Vec<String>,
-    /// Index into the levels of the level moved tasks join (the queue's `default_priority`).
-    pub source_level: usize,
+    /// For each of [`QueueKeys::sources`], the index of the level its tasks join.
+    pub source_levels: Vec<usize>,
 }
 
 impl QueueKeys {
@@ -116,7 +116,7 @@ impl QueueKeys {
             meta: format!("{base}:meta"),
             delay_channel: format!("{base}:delay-wake"),
             sources: Vec::new(),
-            source_level: 0,
+            source_levels: Vec::new(),
             base,
         }
     }
@@ -141,8 +141,8 @@ impl QueueKeys {
     /// The keys of a configured queue.
     pub fn for_queue(prefix: &str, queue: &QueueConfig) -> QueueKeys {
         QueueKeys {
-            sources: queue.source_lists.clone(),
-            source_level: queue.default_priority,
+            sources: queue.source_lists.iter().map(|s| s.key.clone()).collect(),
+            source_levels: queue.source_lists.iter().map(|s| s.level).collect(),
             ..QueueKeys::new(prefix, &queue.name, &queue.priorities)
         }
     }

@@ -494,19 +494,20 @@ pub fn wait_list(
     Ok(result?.is_some())
 }
 
-/// Moves up to `max` tasks from the queue's source lists to the back of the ready list of its default level
-/// (move.lua), starting with source `first` (an index into `keys.sources`, taken modulo their number). Returns
+/// Moves up to `max` tasks from the queue's source lists to the back of their levels' ready lists (move.lua),
+/// starting with source `first` (an index into `keys.sources`, taken modulo their number). Returns
 /// how many moved; fewer than `max` means every source was empty. A lost reply needs no resolving: the script
 /// ran whole or not at all, and each task is in its source or in the ready list, so the next call moves
 /// whatever is left.
 pub fn move_sources(conn: &mut Conn, keys: &QueueKeys, max: usize, first: usize) -> Result<usize> {
     let mut invocation = SCRIPTS.moves.prepare_invoke();
-    invocation
-        .key(&keys.ready[keys.source_level])
-        .key(&keys.wake)
-        .key(&keys.stats);
+    // The wake list first: a cluster routes the call by its first key, which must be one of the queue's.
+    invocation.key(&keys.wake).key(&keys.stats);
     for source in &keys.sources {
         invocation.key(source);
+    }
+    for &level in &keys.source_levels {
+        invocation.key(&keys.ready[level]);
     }
     let first = first % keys.sources.len().max(1) + 1;
     let moved: usize = invocation.arg(max).arg(first).invoke(conn)?;

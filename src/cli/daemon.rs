@@ -63,11 +63,11 @@ pub(super) fn check_config(config: &Config) -> Result<(), Failure> {
             "  queue {}: {mode} mode, {} workers, priorities {:?}",
             queue.name, queue.workers, queue.priorities
         );
-        if !queue.source_lists.is_empty() {
+        for list in &queue.source_lists {
             let _ = writeln!(
                 out,
-                "    moves tasks from {:?} to level {:?}",
-                queue.source_lists, queue.priorities[queue.default_priority]
+                "    source list {:?}: its tasks join level {:?}",
+                list.key, list.priority
             );
         }
     }

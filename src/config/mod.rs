@@ -266,8 +266,27 @@ pub struct QueueConfig {
     /// (`src/daemon/report.rs`); `None`: not watched.
     pub lag_warn: Option<Duration>,
     /// Lists that producers push tasks to with their own key names (`RPUSH queue:email ...`): the daemon moves
-    /// what they hold into the ready list of `default_priority`, byte for byte (`src/daemon/sources.rs`).
-    pub source_lists: Vec<String>,
+    /// what they hold into the queue, byte for byte (`src/daemon/sources.rs`).
+    pub source_lists: Vec<SourceList>,
+}
+
+/// One of a queue's `source_lists`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct SourceList {
+    /// The list's key, as its producers name it.
+    pub key: String,
+    /// Index into the queue's priorities of the level its tasks join: `default_priority` unless the config
+    /// gives one (`{ list = "queue:email", priority = "high" }`).
+    pub level: usize,
+    /// That level's name, for logs.
+    pub priority: String,
+}
+
+impl std::fmt::Debug for SourceList {
+    /// `"queue:email" (high)`, as the reload's change list prints it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?} ({})", self.key, self.priority)
+    }
 }
 
 /// How many claimed tasks may wait for a worker beyond one per worker.

@@ -424,12 +424,24 @@ fn max_held_defaults_to_what_the_queue_may_hold_and_refuses_less() {
 #[test]
 fn source_lists_are_checked_where_they_are_written() {
     let config = parse(
-        "[[queues]]\nname = \"email\"\nmode = \"safe\"\npriorities = [\"high\", \"low\"]\n\
-         source_lists = [\"queue:email\", \"legacy:mail\"]\n",
+        "[[queues]]\nname = \"email\"\nmode = \"safe\"\npriorities = [\"high\", \"normal\", \"low\"]\n\
+         source_lists = [\"queue:email\", { list = \"queue:urgent\", priority = \"high\" }, { list = \"x\" }]\n",
     )
     .unwrap();
     let queue = &config.queues[0];
-    assert_eq!(queue.source_lists, ["queue:email", "legacy:mail"]);
+    assert_eq!(
+        format!("{:?}", queue.source_lists),
+        r#"["queue:email" (normal), "queue:urgent" (high), "x" (normal)]"#,
+        "the default level unless the table names one"
+    );
+    assert_eq!(
+        queue
+            .source_lists
+            .iter()
+            .map(|s| s.level)
+            .collect::<Vec<_>>(),
+        [1, 0, 1]
+    );
     assert_eq!(
         config.redis.pool_size,
         3 + 1 + 4 + 2,
@@ -445,10 +457,39 @@ fn source_lists_are_checked_where_they_are_written() {
             queue("[\"\"]"),
             "queues.toml:4:17",
             &[
-                "queues[0].source_lists",
+                "queues[0].source_lists[0]",
                 "not a list name",
                 "\"queue:email\"",
             ][..],
+        ),
+        (
+            queue("[7]"),
+            "queues.toml:4:17",
+            &[
+                "queues[0].source_lists[0]",
+                "write a list's name",
+                "{ list = \"queue:email\", priority = \"normal\" }",
+            ][..],
+        ),
+        (
+            queue("[{ list = \"a\", level = \"high\" }]"),
+            "queues.toml:4:17",
+            &["unknown key \"level\""][..],
+        ),
+        (
+            queue("[{ priority = \"normal\" }]"),
+            "queues.toml:4:17",
+            &["the table has no list"][..],
+        ),
+        (
+            queue("[{ list = 1 }]"),
+            "queues.toml:4:17",
+            &["list must be a string"][..],
+        ),
+        (
+            queue("[{ list = \"a\", priority = \"high\" }]"),
+            "queues.toml:4:17",
+            &["\"high\" is not one of the queue's priorities [\"normal\"]"][..],
         ),
         (
             queue("[\"a\", \"a\"]"),
@@ -466,7 +507,10 @@ fn source_lists_are_checked_where_they_are_written() {
                 queue("[\"queue:email\"]")
             ),
             "queues.toml:8:22",
-            &["queues[1].source_lists", "a source of queue \"email\" too"][..],
+            &[
+                "queues[1].source_lists[1]",
+                "a source of queue \"email\" too",
+            ][..],
         ),
         (
             format!("{cluster}{}", queue("[\"queue:email\"]")),
@@ -490,7 +534,7 @@ fn source_lists_are_checked_where_they_are_written() {
         queue("[\"queue:{email}\", \"{email}\"]")
     ))
     .unwrap();
-    assert_eq!(tagged.queues[0].source_lists, ["queue:{email}", "{email}"]);
+    assert_eq!(tagged.queues[0].source_lists.len(), 2);
     let sentinel = "[redis]\nsentinel = [\"redis://127.0.0.1:26379\"]\nsentinel_master = \"m\"\n";
     assert!(parse(&format!("{sentinel}{}", queue("[\"queue:email\"]"))).is_ok());
 }

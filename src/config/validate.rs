@@ -199,12 +199,13 @@ impl RawConfig {
                     list.get_ref().iter().map(Spanned::span).collect()
                 });
             let queue = queue.into_inner().validate(source, index, span, &redis)?;
-            for (list, span) in queue.source_lists.iter().zip(source_spans) {
+            for (at, (list, span)) in queue.source_lists.iter().zip(source_spans).enumerate() {
+                let list = &list.key;
                 if let Some(other) = sources.insert(list.clone(), queue.name.clone()) {
                     return Err(source.error(
                         span,
                         format!(
-                            "queues[{index}].source_lists: {list:?} is a source of queue {other:?} too; a list \
+                            "queues[{index}].source_lists[{at}]: {list:?} is a source of queue {other:?} too; a list \
                              feeds one queue (two would split its tasks at random): remove it from one of them"
                         ),
                     ));
@@ -921,9 +922,14 @@ impl RawQueue {
         };
 
         let source_lists = match source_lists {
-            Some(lists) => {
-                check_source_lists(source, &key("source_lists"), name.get_ref(), lists, redis)?
-            }
+            Some(lists) => check_source_lists(
+                source,
+                &key("source_lists"),
+                name.get_ref(),
+                lists,
+                (&priorities, default_priority),
+                redis,
+            )?,
             None => Vec::new(),
         };
 
@@ -955,61 +961,93 @@ impl RawQueue {
     }
 }
 
-/// A queue's `source_lists`: Redis keys of lists, each named once, none of them kmqd's own, and on a Redis
-/// Cluster each in the queue's slot: a task moves atomically only within one slot (one script, one node).
+/// A queue's `source_lists`: Redis keys of lists, each a name or `{ list = NAME, priority = LEVEL }`, each named
+/// once, none of them kmqd's own, and on a Redis Cluster each in the queue's slot: a task moves atomically only
+/// within one slot (one script, one node).
 fn check_source_lists(
     source: &Source<'_>,
     key: &str,
     queue: &str,
-    lists: Spanned<Vec<Spanned<String>>>,
+    lists: Spanned<Vec<Spanned<toml::Value>>>,
+    (priorities, default_priority): (&[String], usize),
     redis: &RedisConfig,
-) -> Result<Vec<String>, ConfigError> {
+) -> Result<Vec<SourceList>, ConfigError> {
     let own = format!("{}:{{", redis.key_prefix);
     let queue_key = format!("{}:{{{queue}}}", redis.key_prefix);
+    let shape = format!(
+        "write a list's name (\"queue:{queue}\") or a table naming it and the level its tasks join \
+         ({{ list = \"queue:{queue}\", priority = \"{}\" }})",
+        priorities[0]
+    );
     let mut seen = HashSet::new();
-    for list in lists.get_ref() {
-        let name = list.get_ref();
+    let mut checked = Vec::new();
+    for (index, list) in lists.get_ref().iter().enumerate() {
+        let key = format!("{key}[{index}]");
+        let error = |message: String| source.error(list.span(), format!("{key}: {message}"));
+        let (name, priority) = match list.get_ref() {
+            toml::Value::String(name) => (name.as_str(), None),
+            toml::Value::Table(table) => {
+                if let Some(unknown) = table
+                    .keys()
+                    .find(|k| !matches!(k.as_str(), "list" | "priority"))
+                {
+                    return Err(error(format!("unknown key {unknown:?}; {shape}")));
+                }
+                let text = |field: &str| match table.get(field) {
+                    None => Ok(None),
+                    Some(toml::Value::String(text)) => Ok(Some(text.as_str())),
+                    Some(_) => Err(error(format!("{field} must be a string; {shape}"))),
+                };
+                let Some(name) = text("list")? else {
+                    return Err(error(format!("the table has no list; {shape}")));
+                };
+                (name, text("priority")?)
+            }
+            _ => return Err(error(shape.clone())),
+        };
+        let level = match priority {
+            None => default_priority,
+            Some(priority) => priorities
+                .iter()
+                .position(|p| p == priority)
+                .ok_or_else(|| {
+                    error(format!(
+                        "{priority:?} is not one of the queue's priorities {priorities:?}"
+                    ))
+                })?,
+        };
         if name.trim().is_empty() || name.chars().any(char::is_control) {
-            return Err(source.error(
-                list.span(),
-                format!(
-                    "{key}: {name:?} is not a list name; name the Redis list your producers push to, e.g. \
-                     \"queue:{queue}\""
-                ),
-            ));
+            return Err(error(format!(
+                "{name:?} is not a list name; name the Redis list your producers push to, e.g. \"queue:{queue}\""
+            )));
         }
         if name.starts_with(&own) {
-            return Err(source.error(
-                list.span(),
-                format!(
-                    "{key}: {name:?} is one of kmqd's own keys (every key under \"{own}\" is); name the list your \
-                     producers push to, e.g. \"queue:{queue}\" (producers that can push to kmqd's ready list need \
-                     no source list: docs/PROTOCOL.md)"
-                ),
-            ));
+            return Err(error(format!(
+                "{name:?} is one of kmqd's own keys (every key under \"{own}\" is); name the list your producers \
+                 push to, e.g. \"queue:{queue}\" (producers that can push to kmqd's ready list need no source \
+                 list: docs/PROTOCOL.md)"
+            )));
         }
         if !seen.insert(name) {
-            return Err(source.error(list.span(), format!("{key}: {name:?} is listed twice")));
+            return Err(error(format!("{name:?} is listed twice")));
         }
         if matches!(redis.deployment, Deployment::Cluster { .. })
             && Slot::for_key(name) != Slot::for_key(&queue_key)
         {
-            return Err(source.error(
-                list.span(),
-                format!(
-                    "{key}: {name:?} is in another Redis Cluster slot than queue {queue:?}'s keys \
-                     ({queue_key}:...), and a task moves atomically only within one slot: give the list the \
-                     queue's hash tag, e.g. \"{}\", and have the producers push there",
-                    tagged(name, queue)
-                ),
-            ));
+            return Err(error(format!(
+                "{name:?} is in another Redis Cluster slot than queue {queue:?}'s keys ({queue_key}:...), and a \
+                 task moves atomically only within one slot: give the list the queue's hash tag, e.g. \"{}\", and \
+                 have the producers push there",
+                tagged(name, queue)
+            )));
         }
+        checked.push(SourceList {
+            key: name.to_string(),
+            level,
+            priority: priorities[level].clone(),
+        });
     }
-    Ok(lists
-        .into_inner()
-        .into_iter()
-        .map(Spanned::into_inner)
-        .collect())
+    Ok(checked)
 }
 
 /// `name` with the hash tag `{queue}`, for the cluster's error: `queue:email` -> `queue:{email}` when the name

@@ -2,7 +2,8 @@
 //! (Redis in Action's `RPUSH queue:email ...`) into the queue's ready list, so that they work unchanged.
 //!
 //! Each move is one call of move.lua, which pops up to [`BATCH`] tasks from the heads of the sources and pushes
-//! them onto the back of the ready list of the queue's default level in the same atomic step, with a wake-up
+//! them onto the back of their levels' ready lists (the queue's default level unless the source names another)
+//! in the same atomic step, with a wake-up
 //! marker: a task is at every instant in its source or in the ready list, whatever fails, however many daemons
 //! move the same sources. When the sources are empty the mover blocks in Redis on one of them (`BLMOVE` of the
 //! list onto itself, which takes nothing and returns as soon as a producer pushes), for at most the queue's
@@ -36,9 +37,8 @@ impl SourceMover {
         let keys = &queue.keys;
         tracing::info!(
             queue = %queue.config.name,
-            sources = ?keys.sources,
-            ready = %keys.ready[keys.source_level],
-            "moving what producers push to the source lists into the queue"
+            sources = ?queue.config.source_lists,
+            "moving what producers push to the source lists into the queue (each to its level)"
         );
         let mut backoff = Backoff::new();
         let mut moving = Trouble::new("moving tasks from source lists", Some(&queue.config.name));

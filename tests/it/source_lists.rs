@@ -166,24 +166,34 @@ fn a_payload_that_cannot_be_decoded_is_dead_lettered_with_the_producer_s_bytes()
     assert_eq!(dir.records().runs_of("good"), 1);
 }
 
-/// Moving is not taking: a paused queue's tasks are moved into its ready list, where `stats` counts them, and
-/// run only once it is resumed. Catches a mover that stops on a pause (tasks stuck out of sight in the source)
-/// and a pause that the moved tasks slip through.
+/// Moving is not taking: a paused queue's tasks are moved into its ready lists, each source's to its level
+/// (the default one, or the one its table names), where `stats` counts them, and run only once the queue is
+/// resumed. Catches a mover that stops on a pause (tasks stuck out of sight in the source), a pause that moved
+/// tasks slip through, and a source's tasks joining the wrong level.
 #[test]
-fn a_paused_queue_keeps_moving_and_runs_nothing_until_resumed() {
+fn a_paused_queue_keeps_moving_each_source_to_its_level_and_runs_nothing_until_resumed() {
     let redis = RedisServer::start();
     let dir = TestDir::new();
-    let config = dir.config(&redis, &queue("default", SOURCE, ""));
+    let queue = "[[queues]]\nname = \"email\"\nmode = \"default\"\nforeign_type_field = \"callback\"\n\
+                 priorities = [\"high\", \"normal\", \"low\"]\n\
+                 source_lists = [\"queue:email\", { list = \"queue:urgent\", priority = \"high\" }]\n";
+    let config = dir.config(&redis, queue);
     assert!(client(&config).pause("email").unwrap());
     let daemon = TestDaemon::start(&config);
     produce(&redis, SOURCE, 0..50);
-    eventually(
+    produce(&redis, "queue:urgent", 50..60);
+    let s = eventually(
         Duration::from_secs(20),
         "the tasks moved while paused",
         || {
             let s = stats(&config, "email");
-            (s.ready == 50 && s.moved == 50, s)
+            (s.ready == 60 && s.moved == 60, s)
         },
+    );
+    assert_eq!(
+        s.levels_text(),
+        "high:10,normal:50,low:0",
+        "each source's tasks at its level"
     );
     assert!(dir.records().starts.is_empty(), "nothing ran while paused");
     assert!(client(&config).resume("email").unwrap());
@@ -192,11 +202,11 @@ fn a_paused_queue_keeps_moving_and_runs_nothing_until_resumed() {
         "the tasks done once resumed",
         || {
             let s = stats(&config, "email");
-            (s.done == 50, s)
+            (s.done >= 60, s)
         },
     );
     daemon.stop();
-    assert_each_ran_once(&dir, 0..50);
+    assert_each_ran_once(&dir, 0..60);
 }
 
 /// The mover's calls lose their replies (the connection closed, or gone silent past `io_timeout`), its
@@ -273,7 +283,7 @@ fn on_a_redis_cluster_a_source_list_must_share_the_queue_s_slot() {
     );
     assert_eq!(code, 2, "{err}");
     for words in [
-        "queues[0].source_lists: \"queue:email\" is in another Redis Cluster slot",
+        "queues[0].source_lists[0]: \"queue:email\" is in another Redis Cluster slot",
         "\"queue:{email}\"",
     ] {
         assert!(err.contains(words), "{words:?} in {err}");
@@ -290,7 +300,7 @@ fn on_a_redis_cluster_a_source_list_must_share_the_queue_s_slot() {
     );
     assert_eq!(code, 0, "{err}");
     assert!(
-        out.contains("    moves tasks from [\"queue:{email}\"] to level \"normal\""),
+        out.contains("    source list \"queue:{email}\": its tasks join level \"normal\""),
         "{out}"
     );
     let daemon = TestDaemon::start(&config);
@@ -323,7 +333,7 @@ fn a_reload_starts_and_stops_moving_a_source_list() {
     dir.config(&redis, &queue("safe", SOURCE, ""));
     let log = crate::reload::reload(&daemon, 1);
     assert!(
-        log.contains("queues.email.source_lists [] → [\"queue:email\"]"),
+        log.contains("queues.email.source_lists [] → [\"queue:email\" (normal)]"),
         "{log}"
     );
     assert!(!log.contains("needs a restart"), "{log}");
