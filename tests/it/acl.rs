@@ -650,3 +650,46 @@ fn a_daemon_user_without_its_source_list_is_refused_at_start_naming_the_key() {
     assert_eq!(daemon.wait_within(Duration::from_secs(20)), Some(0));
     assert!(acl_log(&redis).is_empty(), "{:?}", acl_log(&redis));
 }
+
+/// A reload that adds a source list the daemon's user may not use is refused, naming the key, and the daemon
+/// serves on with the sources it had. Catches a reload that starts a mover bound to fail at every call.
+#[test]
+fn a_reload_adding_a_source_list_the_user_lacks_is_refused_naming_the_key() {
+    let redis = RedisServer::start();
+    create_users(&redis);
+    let _: String = redis.cmd(&["ACL", "SETUSER", "kmqd", "~queue:email"]);
+    let dir = TestDir::new();
+    let queue = |lists: &str| {
+        format!(
+            "[[queues]]\nname = \"email\"\nmode = \"safe\"\nforeign_type_field = \"callback\"\n\
+             source_lists = {lists}\n"
+        )
+    };
+    let config = config_as(&dir, &redis, "kmqd", "", &queue("[\"queue:email\"]"));
+    let daemon = crate::reload::start(&dir, &config);
+    config_as(
+        &dir,
+        &redis,
+        "kmqd",
+        "",
+        &queue("[\"queue:email\", \"queue:other\"]"),
+    );
+    let log = crate::reload::reload(&daemon, 1);
+    assert!(
+        log.contains("reload refused")
+            && log.contains("may not run BLMOVE on key queue:other")
+            && log.contains("~queue:other"),
+        "{log}"
+    );
+    let _: i64 = redis.cmd(&[
+        "RPUSH",
+        "queue:email",
+        r#"{"callback": "test", "id": "ria-1"}"#,
+    ]);
+    eventually(Duration::from_secs(20), "the task moved and done", || {
+        let s = stats(&dir.config(&redis, &queue("[\"queue:email\"]")), "email");
+        (s.done == 1, s)
+    });
+    crate::reload::stop(daemon);
+    assert!(acl_log(&redis).is_empty(), "{:?}", acl_log(&redis));
+}
