@@ -547,3 +547,10 @@ fn the_cluster_s_hint_gives_the_name_the_queue_s_hash_tag() {
     assert_eq!(tagged("{other}:email", "email"), "other:{email}");
     assert_eq!(tagged("email", "email"), "email:{email}");
 }
+
+/// The fuzz target's config of every key stays valid (the fuzzer mutates it from there).
+#[test]
+fn the_fuzz_config_of_every_key_is_valid() {
+    let config = parse(include_str!("../../fuzz/src/every-key.toml")).unwrap();
+    assert_eq!(config.queues[0].source_lists.len(), 2);
+}

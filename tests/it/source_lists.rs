@@ -10,6 +10,7 @@ use std::time::Duration;
 use base64::Engine;
 use kmqd::broker::sources;
 use kmqd_harness::cluster::{Cluster, ClusterOptions};
+use kmqd_harness::sentinel::{SentinelOptions, SentinelSetup};
 
 use crate::support::proxy::{AfterDrop, Fault, FaultProxy, Matcher};
 use crate::support::*;
@@ -392,4 +393,35 @@ fn a_source_that_is_not_a_list_stops_the_moves_whole_and_says_so() {
     crate::reload::stop(daemon);
     assert_eq!(stats(&config, "email").moved, 30);
     assert_each_ran_once(&dir, 0..30);
+}
+
+/// Behind Sentinel a source list may have any name (one master holds every key): the daemon finds the master
+/// through the sentinels and moves what the producers push there.
+#[test]
+fn behind_sentinel_a_source_list_of_any_name_is_moved() {
+    let setup = SentinelSetup::start(SentinelOptions::default()).expect("start sentinels");
+    let seeds: Vec<String> = setup
+        .sentinel_urls()
+        .iter()
+        .map(|url| format!("\"{url}\""))
+        .collect();
+    let dir = TestDir::new();
+    let redis = format!(
+        "sentinel = [{}]\nsentinel_master = \"{}\"",
+        seeds.join(", "),
+        setup.master_name()
+    );
+    let config = dir.config_raw(&redis, "", &queue("safe", SOURCE, ""));
+    let daemon = TestDaemon::start(&config);
+    let master = setup.master().unwrap();
+    for payload in payloads(0..100) {
+        let _: i64 = master.query_as(&["RPUSH", SOURCE, &payload]).unwrap();
+    }
+    let s = eventually(Duration::from_secs(30), "every task done", || {
+        let s = stats(&config, "email");
+        (s.done >= 100, s)
+    });
+    daemon.stop();
+    assert_eq!((s.done, s.moved), (100, 100), "{s:?}");
+    assert_each_ran_once(&dir, 0..100);
 }
