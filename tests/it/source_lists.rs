@@ -425,3 +425,38 @@ fn behind_sentinel_a_source_list_of_any_name_is_moved() {
     assert_eq!((s.done, s.moved), (100, 100), "{s:?}");
     assert_each_ran_once(&dir, 0..100);
 }
+
+/// Redis killed and restarted (from its append-only file) under a moving daemon: the mover reconnects, loads
+/// its script again (the restarted Redis has none cached), and moves what producers push afterwards; nothing
+/// moved before is lost or moved twice. Catches a mover that gives up on a restart, or stays on a dead
+/// connection.
+#[test]
+fn a_redis_restarted_under_the_mover_loses_and_duplicates_nothing() {
+    let mut redis = RedisServer::with_aof(Fsync::Always);
+    let dir = TestDir::new();
+    let config = dir.config_raw(
+        &format!("url = \"{}\"\nio_timeout = \"1s\"", redis.url()),
+        "shutdown_grace = \"5s\"",
+        &queue("safe", SOURCE, "workers = 4\nlease_timeout = \"2s\""),
+    );
+    let daemon = TestDaemon::start(&config);
+    produce(&redis, SOURCE, 0..500);
+    eventually(Duration::from_secs(20), "the first tasks moved", || {
+        let s = stats(&config, "email");
+        (s.moved >= 500, s)
+    });
+    redis.stop(Signal::Kill);
+    redis.restart();
+    produce(&redis, SOURCE, 500..1000);
+    let s = eventually(Duration::from_secs(60), "every task done", || {
+        let s = stats(&config, "email");
+        (s.done >= 1000 && s.processing == 0, s)
+    });
+    daemon.stop();
+    assert_eq!(
+        (s.done, s.moved, s.dead, s.ready),
+        (1000, 1000, 0, 0),
+        "{s:?}"
+    );
+    assert_each_ran_once(&dir, 0..1000);
+}
