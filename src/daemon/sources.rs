@@ -1,18 +1,17 @@
 //! The source mover: per queue with `source_lists`, a thread that moves what producers push to their own lists
-//! (Redis in Action's `RPUSH queue:email ...`) into the queue's ready list, so that they work unchanged.
+//! (Redis in Action's `RPUSH queue:email ...`) into the queue's ready lists, so that they work unchanged.
 //!
 //! Each move is one call of move.lua, which pops up to [`BATCH`] tasks from the heads of the sources and pushes
 //! them onto the back of their levels' ready lists (the queue's default level unless the source names another)
-//! in the same atomic step, with a wake-up
-//! marker: a task is at every instant in its source or in the ready list, whatever fails, however many daemons
-//! move the same sources. When the sources are empty the mover blocks in Redis on one of them (`BLMOVE` of the
+//! in the same atomic step, with a wake-up marker: a task is at every instant in its source or in a ready list,
+//! whatever fails, however many daemons move the same sources. When the sources are empty the mover blocks in Redis on one of them (`BLMOVE` of the
 //! list onto itself, which takes nothing and returns as soon as a producer pushes), for at most the queue's
 //! `idle_poll`, then moves; with several sources it blocks on each in turn, so a push to another source waits at
 //! most `idle_poll`. A full batch is followed at once by the next, so a backlog drains at script speed and the
 //! mover's memory stays one batch, in Redis.
 //!
 //! Moving is not taking: a paused queue (`kmqd queue pause`) keeps its mover, and its tasks gather in the ready
-//! list, where `kmqd stats` counts them. The mover stops with its lane's claiming (a reload that replaces the
+//! lists, where `kmqd stats` counts them. The mover stops with its lane's claiming (a reload that replaces the
 //! lane, the shutdown's first stage): what is pushed after that waits in the source for the next mover.
 
 use std::sync::Arc;
