@@ -1,10 +1,9 @@
 //! The supervisor: starts every thread of the daemon, watches them, and runs the shutdown sequence.
 //!
 //! Per queue a [`lane`] (fetcher, `workers` workers, acker), a delay poller and, with `source_lists`, a
-//! [`sources`] mover; per daemon the [`heartbeat`],
-//! the [`monitor`], the [`timeouts`] thread, the delay listener, the [`scheduler`] (when there are schedules),
-//! the [`metrics`] endpoint and the queue [`report`]er (when configured) and, under systemd, [`notify`] (status
-//! lines and the [`watchdog`]). Each thread is named after its module (`kmqd-worker-mail-3`) and reports its end
+//! [`sources`] mover; per daemon the [`heartbeat`], the [`monitor`], the [`timeouts`] thread, the delay listener,
+//! the [`scheduler`] (when there are schedules), the [`metrics`] endpoint and the queue [`report`]er (when
+//! configured) and, under systemd, [`notify`] (status lines and the [`watchdog`]). Each thread is named after its module (`kmqd-worker-mail-3`) and reports its end
 //! on the event channel, so the supervisor's loop is one `select!` over a closed set of events.
 //!
 //! Shutdown (docs/OPERATIONS.md, "Stopping"), stage by stage, each wait bounded:
