@@ -7,7 +7,9 @@
 //! whatever fails, however many daemons move the same sources. When the sources are empty the mover blocks in Redis on one of them (`BLMOVE` of the
 //! list onto itself, which takes nothing and returns as soon as a producer pushes), for at most the queue's
 //! `idle_poll`, then moves; with several sources it blocks on each in turn, so a push to another source waits at
-//! most `idle_poll`. A full batch is followed at once by the next, so a backlog drains at script speed and the
+//! most `idle_poll`. The wait takes nothing (rather than `BLMOVE source ready`, which would move one task by
+//! itself): every move then goes through move.lua, so each is counted and wakes a fetcher, and a wait whose reply
+//! is lost leaves nothing to account for. A full batch is followed at once by the next, so a backlog drains at script speed and the
 //! mover's memory stays one batch, in Redis.
 //!
 //! Moving is not taking: a paused queue (`kmqd queue pause`) keeps its mover, and its tasks gather in the ready
