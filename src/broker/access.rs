@@ -251,7 +251,8 @@ pub const COMMANDS: &[Command] = &[
         name: "blmove",
         roles: &[D],
         why: "an idle default-mode fetcher of a one-level queue waits on its ready list (moved onto itself, \
-              unchanged), so that a plain RPUSH wakes it at once",
+              unchanged), so that a plain RPUSH wakes it at once; the source mover waits on a source list the \
+              same way",
     },
     Command {
         name: "blpop",
@@ -266,13 +267,14 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "lpop",
         roles: &[D],
-        why: "safe mode claims tasks from the ready and quarantine lists (claim.lua)",
+        why: "safe mode claims tasks from the ready and quarantine lists (claim.lua); the source mover takes \
+              tasks from the source lists (move.lua)",
     },
     Command {
         name: "rpush",
         roles: &[D, P, O],
         why: "a new task joins the back of its ready list (push.lua, fire.lua; due delayed tasks: promote.lua; a \
-              requeued dead task: dead_requeue.lua)",
+              requeued dead task: dead_requeue.lua; a task from a source list: move.lua)",
     },
     Command {
         name: "lpush",
@@ -417,7 +419,8 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "type",
         roles: &[D],
-        why: "claims and settlements check every key's type before they write, so they apply all or nothing",
+        why: "claims, settlements and moves from source lists check every key's type before they write, so \
+              they apply all or nothing",
     },
     Command {
         name: "watch",
@@ -482,6 +485,8 @@ enum Kind {
     Schedules,
     Meta,
     Paused,
+    /// The queue's `source_lists`: named by its producers, outside kmqd's prefix.
+    Source,
 }
 
 /// What a command touches.
@@ -623,6 +628,11 @@ const DAEMON: &[(&str, On)] = &[
     ("rpush", key(K::Ready)),
     // fire.lua.
     ("hset", key(K::Schedules)),
+    // The source mover: its wait (sent from Rust) and move.lua.
+    ("blmove", key(K::Source)),
+    ("evalsha", key(K::Source)),
+    ("type", key(K::Source)),
+    ("lpop", key(K::Source)),
 ];
 
 /// `kmqd push`: the enqueue script, push.lua.
@@ -903,6 +913,7 @@ fn names(keys: &QueueKeys, kind: Kind) -> Vec<String> {
         Kind::Schedules => vec![keys.schedules.clone()],
         Kind::Meta => vec![keys.meta.clone()],
         Kind::Paused => vec![keys.paused.clone()],
+        Kind::Source => keys.sources.clone(),
     }
 }
 
@@ -1007,7 +1018,13 @@ fn rule_for(role: Role, prefix: &str, acl: &str, target: &Target) -> Vec<String>
             .max_by_key(|pattern| pattern.len())
             .map(|pattern| format!("&{prefix}:{pattern}")),
     };
-    rule.extend(pattern);
+    // A key outside kmqd's prefix (a source list, named by its producers) has no pattern of the roles': the rule
+    // names the key itself.
+    let outside = match target {
+        Target::Key(name) if !name.starts_with(&format!("{prefix}:")) => Some(format!("~{name}")),
+        _ => None,
+    };
+    rule.extend(pattern.or(outside));
     rule
 }
 
@@ -1299,6 +1316,7 @@ mod tests {
             sources::PROMOTE,
             sources::FIRE,
             sources::DRAIN,
+            sources::MOVE,
         ];
         let cases: [(Role, &[&str]); 3] = [
             (Role::Daemon, &daemon),
@@ -1376,6 +1394,35 @@ mod tests {
             ]
         );
         assert_eq!(prefix_of(&keys), "kmq");
+    }
+
+    /// A daemon's user needs its source lists too, which its documented line (`~kmq:*`) does not cover: the
+    /// check asks for every command the mover sends on each of them, and the rule to add names the key.
+    #[test]
+    fn source_lists_are_checked_and_their_rule_names_the_key() {
+        let mut keys = queue();
+        keys.sources = vec!["queue:email".into()];
+        let on_source: Vec<&str> = checks(&keys, Action::Serve.needs())
+            .into_iter()
+            .filter(|check| check.on == Target::Key("queue:email".into()))
+            .map(|check| check.acl)
+            .collect();
+        assert_eq!(on_source, ["blmove", "evalsha", "type", "lpop"]);
+        assert_eq!(
+            rule_for(
+                Role::Daemon,
+                "kmq",
+                "lpop",
+                &Target::Key("queue:email".into())
+            ),
+            ["+lpop", "~queue:email"]
+        );
+        assert!(
+            checks(&queue(), Action::Serve.needs())
+                .iter()
+                .all(|check| check.on != Target::Key("queue:email".into())),
+            "no source, no check"
+        );
     }
 
     #[test]

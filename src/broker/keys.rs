@@ -71,6 +71,12 @@ pub struct QueueKeys {
     pub meta: String,
     /// Pub/sub channel that tells delay pollers a task became due sooner than they planned.
     pub delay_channel: String,
+    /// The queue's `source_lists`: lists under the producers' own names, not kmqd's (no prefix, no hash tag of
+    /// kmqd's making; on a cluster the config checked they are in the queue's slot), whose tasks the source
+    /// mover moves into the queue. Empty for keys made without a queue's config.
+    pub sources: Vec<String>,
+    /// For each of [`QueueKeys::sources`], the index of the level its tasks join.
+    pub source_levels: Vec<usize>,
 }
 
 impl QueueKeys {
@@ -109,6 +115,8 @@ impl QueueKeys {
             schedules: format!("{base}:schedules"),
             meta: format!("{base}:meta"),
             delay_channel: format!("{base}:delay-wake"),
+            sources: Vec::new(),
+            source_levels: Vec::new(),
             base,
         }
     }
@@ -132,7 +140,11 @@ impl QueueKeys {
 
     /// The keys of a configured queue.
     pub fn for_queue(prefix: &str, queue: &QueueConfig) -> QueueKeys {
-        QueueKeys::new(prefix, &queue.name, &queue.priorities)
+        QueueKeys {
+            sources: queue.source_lists.iter().map(|s| s.key.clone()).collect(),
+            source_levels: queue.source_lists.iter().map(|s| s.level).collect(),
+            ..QueueKeys::new(prefix, &queue.name, &queue.priorities)
+        }
     }
 
     /// The quarantine list of group size `QUARANTINE_GROUPS[stage]` at `level`.

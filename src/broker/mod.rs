@@ -7,7 +7,7 @@
 //! - [`access`]: the ACL rules each kind of kmqd process needs, and the check at start that its user has them;
 //! - [`admin`]: pausing and resuming a queue, and the daemons serving it;
 //! - [`connection`]: connecting, the pool, a thread's own [`Session`];
-//! - [`tasks`]: a task's life: push, claim or pop, settle, leases, promote;
+//! - [`tasks`]: a task's life: push, claim or pop, settle, leases, promote, the move from source lists;
 //! - [`lookup`]: finding and cancelling tasks by id;
 //! - [`dead`]: the dead-letter list: reading, requeueing and purging records;
 //! - [`schedule`]: firing periodic tasks;
@@ -38,8 +38,8 @@ pub use schedule::{Fired, fire, schedule_state};
 pub use stats::{QueueStats, Rates, check_protocol, stats};
 pub use tasks::{
     Batch, Call, ClaimLimits, Due, Fence, Isolation, Popper, PushItem, SettleOp, Settled,
-    Settlement, Taken, adopt, claim, promote, push, release_unique, scan_processing, settle,
-    wait_idle, wait_wake,
+    Settlement, Taken, adopt, claim, move_sources, promote, push, release_unique, scan_processing,
+    settle, wait_idle, wait_list, wait_wake,
 };
 pub use tls::tls_refusal;
 
@@ -173,6 +173,7 @@ struct Scripts {
     dead_requeue: redis::Script,
     dead_purge: redis::Script,
     drain: redis::Script,
+    moves: redis::Script,
 }
 
 /// The scripts' sources, for tests that pick out one script's calls (a fault-injecting proxy matches them).
@@ -192,6 +193,7 @@ pub mod sources {
     pub const DEAD_REQUEUE: &str = include_str!("scripts/dead_requeue.lua");
     pub const DEAD_PURGE: &str = include_str!("scripts/dead_purge.lua");
     pub const DRAIN: &str = include_str!("scripts/drain.lua");
+    pub const MOVE: &str = include_str!("scripts/move.lua");
 }
 
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
@@ -211,6 +213,7 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     dead_requeue: redis::Script::new(sources::DEAD_REQUEUE),
     dead_purge: redis::Script::new(sources::DEAD_PURGE),
     drain: redis::Script::new(sources::DRAIN),
+    moves: redis::Script::new(sources::MOVE),
 });
 
 /// The published enqueue script (docs/PROTOCOL.md shows how to call it from any language).

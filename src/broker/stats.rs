@@ -51,8 +51,11 @@ pub struct QueueStats {
     pub retrying: u64,
     /// Records in the dead-letter list (bounded by `dead_max`).
     pub dead: u64,
-    /// Tasks accepted by the enqueue script (plain RPUSH producers are not counted).
+    /// Tasks accepted by the enqueue script or moved from a source list (plain RPUSH producers onto a ready list
+    /// are not counted).
     pub pushed: u64,
+    /// Of `pushed`, the tasks moved from the queue's `source_lists` (move.lua).
+    pub moved: u64,
     /// Tasks acknowledged.
     pub done: u64,
     /// Tasks queued again for another attempt.
@@ -220,6 +223,7 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
         retrying,
         dead,
         pushed: counter("pushed"),
+        moved: counter("moved"),
         done: counter("done"),
         retried: counter("retried"),
         recovered: counter("recovered"),

@@ -470,16 +470,49 @@ pub fn wait_idle(
     if keys.levels() > 1 {
         return wait_wake(conn, keys, timeout, io_timeout).map(drop);
     }
+    wait_list(conn, &keys.ready[0], timeout, io_timeout).map(drop)
+}
+
+/// Waits up to `timeout` for the list `key` to hold something, taking nothing (`BLMOVE` of the list onto itself,
+/// head to head: the list is left as it was, and a push wakes the wait at once). Returns whether it holds
+/// something. The reply may take `io_timeout` more.
+pub fn wait_list(
+    conn: &mut Conn,
+    key: &str,
+    timeout: Duration,
+    io_timeout: Duration,
+) -> Result<bool> {
     conn.set_read_timeout(Some(timeout + io_timeout))?;
     let result: redis::RedisResult<Option<Vec<u8>>> = redis::cmd("BLMOVE")
-        .arg(&keys.ready[0])
-        .arg(&keys.ready[0])
+        .arg(key)
+        .arg(key)
         .arg("LEFT")
         .arg("LEFT")
         .arg(timeout.as_secs_f64())
         .query(conn);
     conn.set_read_timeout(Some(io_timeout))?;
-    result.map(drop).map_err(Into::into)
+    Ok(result?.is_some())
+}
+
+/// Moves up to `max` tasks from the queue's source lists to the back of their levels' ready lists (move.lua),
+/// starting with source `first` (an index into `keys.sources`, taken modulo their number). Returns
+/// how many moved; fewer than `max` means every source was empty. A lost reply needs no resolving: the script
+/// ran whole or not at all, and each task is in its source or in the ready list, so the next call moves
+/// whatever is left.
+pub fn move_sources(conn: &mut Conn, keys: &QueueKeys, max: usize, first: usize) -> Result<usize> {
+    let mut invocation = SCRIPTS.moves.prepare_invoke();
+    // The wake list first: a cluster routes the call by its first key, which must be one of the queue's.
+    invocation.key(&keys.wake).key(&keys.stats);
+    for source in &keys.sources {
+        invocation.key(source);
+    }
+    for &level in &keys.source_levels {
+        invocation.key(&keys.ready[level]);
+    }
+    let first = first % keys.sources.len().max(1) + 1;
+    let moved: usize = invocation.arg(max).arg(first).invoke(conn)?;
+    conn.replicated(&keys.stats)?;
+    Ok(moved)
 }
 
 /// Default mode: releases the unique ids `owner` popped and never settled (read from the unique-popped hash):

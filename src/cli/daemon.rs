@@ -63,6 +63,13 @@ pub(super) fn check_config(config: &Config) -> Result<(), Failure> {
             "  queue {}: {mode} mode, {} workers, priorities {:?}",
             queue.name, queue.workers, queue.priorities
         );
+        for list in &queue.source_lists {
+            let _ = writeln!(
+                out,
+                "    source list {:?}: its tasks join level {:?}",
+                list.key, list.priority
+            );
+        }
     }
     for plugin in registry.plugins() {
         let _ = writeln!(

@@ -265,6 +265,28 @@ pub struct QueueConfig {
     /// A lag (age of the oldest ready task) above this logs a warning, and its return below it one line more
     /// (`src/daemon/report.rs`); `None`: not watched.
     pub lag_warn: Option<Duration>,
+    /// Lists that producers push tasks to with their own key names (`RPUSH queue:email ...`): the daemon moves
+    /// what they hold into the queue, byte for byte (`src/daemon/sources.rs`).
+    pub source_lists: Vec<SourceList>,
+}
+
+/// One of a queue's `source_lists`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct SourceList {
+    /// The list's key, as its producers name it.
+    pub key: String,
+    /// Index into the queue's priorities of the level its tasks join: `default_priority` unless the config
+    /// gives one (`{ list = "queue:email", priority = "high" }`).
+    pub level: usize,
+    /// That level's name, for logs.
+    pub priority: String,
+}
+
+impl std::fmt::Debug for SourceList {
+    /// `"queue:email" (high)`, as the reload's change list prints it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?} ({})", self.key, self.priority)
+    }
 }
 
 /// How many claimed tasks may wait for a worker beyond one per worker.
@@ -415,10 +437,16 @@ impl Config {
         self.queues.iter().find(|queue| queue.name == name)
     }
 
-    /// Redis connections the daemon holds at once: per queue a fetcher, an acker and a delay poller; per daemon
-    /// the monitor, the heartbeat, the scheduler, the metrics endpoint and, when it runs, the queue reporter.
+    /// Redis connections the daemon holds at once: per queue a fetcher, an acker, a delay poller and, with
+    /// `source_lists`, a source mover; per daemon the monitor, the heartbeat, the scheduler, the metrics endpoint
+    /// and, when it runs, the queue reporter.
     pub fn connections_needed(&self) -> u32 {
-        3 * self.queues.len() as u32 + 4 + u32::from(self.reports())
+        let movers = self
+            .queues
+            .iter()
+            .filter(|q| !q.source_lists.is_empty())
+            .count();
+        3 * self.queues.len() as u32 + movers as u32 + 4 + u32::from(self.reports())
     }
 
     /// Whether the daemon runs its queue reporter: `[daemon] report_interval` is set or a queue has `lag_warn`.

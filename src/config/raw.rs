@@ -93,6 +93,8 @@ pub(super) struct RawQueue {
     pub(super) delay_batch: Option<Spanned<i64>>,
     pub(super) max_task_bytes: Option<Spanned<i64>>,
     pub(super) lag_warn: Option<Spanned<String>>,
+    /// Each a list's name, or a table `{ list = NAME, priority = LEVEL }` (checked by hand in `validate`).
+    pub(super) source_lists: Option<Spanned<Vec<Spanned<toml::Value>>>>,
 }
 
 #[derive(Deserialize)]

@@ -418,3 +418,139 @@ fn max_held_defaults_to_what_the_queue_may_hold_and_refuses_less() {
         "{error}"
     );
 }
+
+/// `source_lists`: plain key names, each feeding one queue, never kmqd's own keys; on a Redis Cluster only in
+/// the queue's slot (a task moves atomically only within one), with the name to give instead.
+#[test]
+fn source_lists_are_checked_where_they_are_written() {
+    let config = parse(
+        "[[queues]]\nname = \"email\"\nmode = \"safe\"\npriorities = [\"high\", \"normal\", \"low\"]\n\
+         source_lists = [\"queue:email\", { list = \"queue:urgent\", priority = \"high\" }, { list = \"x\" }]\n",
+    )
+    .unwrap();
+    let queue = &config.queues[0];
+    assert_eq!(
+        format!("{:?}", queue.source_lists),
+        r#"["queue:email" (normal), "queue:urgent" (high), "x" (normal)]"#,
+        "the default level unless the table names one"
+    );
+    assert_eq!(
+        queue
+            .source_lists
+            .iter()
+            .map(|s| s.level)
+            .collect::<Vec<_>>(),
+        [1, 0, 1]
+    );
+    assert_eq!(
+        config.redis.pool_size,
+        3 + 1 + 4 + 2,
+        "the mover holds a connection of its own"
+    );
+    assert!(parse(MINIMAL).unwrap().queues[0].source_lists.is_empty());
+    let queue = |lists: &str| {
+        format!("[[queues]]\nname = \"email\"\nmode = \"safe\"\nsource_lists = {lists}\n")
+    };
+    let cluster = "[redis]\ncluster = [\"redis://127.0.0.1:7000\"]\n";
+    for (text, location, words) in [
+        (
+            queue("[\"\"]"),
+            "queues.toml:4:17",
+            &[
+                "queues[0].source_lists[0]",
+                "not a list name",
+                "\"queue:email\"",
+            ][..],
+        ),
+        (
+            queue("[7]"),
+            "queues.toml:4:17",
+            &[
+                "queues[0].source_lists[0]",
+                "write a list's name",
+                "{ list = \"queue:email\", priority = \"normal\" }",
+            ][..],
+        ),
+        (
+            queue("[{ list = \"a\", level = \"high\" }]"),
+            "queues.toml:4:17",
+            &["unknown key \"level\""][..],
+        ),
+        (
+            queue("[{ priority = \"normal\" }]"),
+            "queues.toml:4:17",
+            &["the table has no list"][..],
+        ),
+        (
+            queue("[{ list = 1 }]"),
+            "queues.toml:4:17",
+            &["list must be a string"][..],
+        ),
+        (
+            queue("[{ list = \"a\", priority = \"high\" }]"),
+            "queues.toml:4:17",
+            &["\"high\" is not one of the queue's priorities [\"normal\"]"][..],
+        ),
+        (
+            queue("[\"a\", \"a\"]"),
+            "queues.toml:4:22",
+            &["\"a\" is listed twice"][..],
+        ),
+        (
+            queue("[\"kmq:{email}:ready:normal\"]"),
+            "queues.toml:4:17",
+            &["one of kmqd's own keys", "\"kmq:{\""][..],
+        ),
+        (
+            format!(
+                "{}[[queues]]\nname = \"other\"\nmode = \"safe\"\nsource_lists = [\"b\", \"queue:email\"]\n",
+                queue("[\"queue:email\"]")
+            ),
+            "queues.toml:8:22",
+            &[
+                "queues[1].source_lists[1]",
+                "a source of queue \"email\" too",
+            ][..],
+        ),
+        (
+            format!("{cluster}{}", queue("[\"queue:email\"]")),
+            "queues.toml:6:17",
+            &[
+                "another Redis Cluster slot",
+                "kmq:{email}:...",
+                "\"queue:{email}\"",
+            ][..],
+        ),
+    ] {
+        let error = parse(&text).unwrap_err();
+        assert!(error.contains(location), "{location} in {error}");
+        for word in words {
+            assert!(error.contains(word), "{word:?} in {error}");
+        }
+    }
+    // In the queue's slot: its hash tag, or any name that happens to hash there; Sentinel and one Redis take any.
+    let tagged = parse(&format!(
+        "{cluster}{}",
+        queue("[\"queue:{email}\", \"{email}\"]")
+    ))
+    .unwrap();
+    assert_eq!(tagged.queues[0].source_lists.len(), 2);
+    let sentinel = "[redis]\nsentinel = [\"redis://127.0.0.1:26379\"]\nsentinel_master = \"m\"\n";
+    assert!(parse(&format!("{sentinel}{}", queue("[\"queue:email\"]"))).is_ok());
+}
+
+#[test]
+fn the_cluster_s_hint_gives_the_name_the_queue_s_hash_tag() {
+    use super::validate::tagged;
+    assert_eq!(tagged("queue:email", "email"), "queue:{email}");
+    assert_eq!(tagged("legacy", "email"), "legacy:{email}");
+    assert_eq!(tagged("{other}:email", "email"), "other:{email}");
+    assert_eq!(tagged("email", "email"), "email:{email}");
+}
+
+/// The fuzz target's config of every key stays valid (the fuzzer mutates it from there).
+#[test]
+fn the_fuzz_config_of_every_key_is_valid() {
+    let config = parse(include_str!("../../fuzz/src/every-key.toml")).unwrap();
+    assert_eq!(config.queues[0].source_lists.len(), 2);
+}

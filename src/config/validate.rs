@@ -7,6 +7,7 @@ use std::ops::Range;
 use std::path::Path;
 use std::time::Duration;
 
+use redis::cluster_routing::Slot;
 use toml::Spanned;
 
 use super::errors::{Source, did_you_mean};
@@ -180,6 +181,8 @@ impl RawConfig {
         let daemon = daemon.validate(source, &base)?;
 
         let mut seen = HashSet::new();
+        // Source list -> the queue it feeds.
+        let mut sources = std::collections::HashMap::new();
         let mut validated_queues = Vec::with_capacity(queues.len());
         for (index, queue) in queues.into_iter().enumerate() {
             let span = queue.span();
@@ -188,7 +191,26 @@ impl RawConfig {
                 .name
                 .as_ref()
                 .map_or(span.clone(), Spanned::span);
-            let queue = queue.into_inner().validate(source, index, span)?;
+            let source_spans: Vec<Range<usize>> = queue
+                .get_ref()
+                .source_lists
+                .as_ref()
+                .map_or(Vec::new(), |list| {
+                    list.get_ref().iter().map(Spanned::span).collect()
+                });
+            let queue = queue.into_inner().validate(source, index, span, &redis)?;
+            for (at, (list, span)) in queue.source_lists.iter().zip(source_spans).enumerate() {
+                let list = &list.key;
+                if let Some(other) = sources.insert(list.clone(), queue.name.clone()) {
+                    return Err(source.error(
+                        span,
+                        format!(
+                            "queues[{index}].source_lists[{at}]: {list:?} is a source of queue {other:?} too; a list \
+                             feeds one queue (two would split its tasks at random): remove it from one of them"
+                        ),
+                    ));
+                }
+            }
             if !seen.insert(queue.name.clone()) {
                 return Err(source.error(
                     name_span,
@@ -247,8 +269,8 @@ impl RawConfig {
             return Err(source.error(
                 pool_size_span,
                 format!(
-                    "redis.pool_size: {} is too small for {} queue(s): the daemon holds 3 connections per queue and 4 \
-                     more, so set pool_size to at least {}",
+                    "redis.pool_size: {} is too small for {} queue(s): the daemon holds 3 connections per queue (4 with \
+                     source_lists) and 4 more, so set pool_size to at least {}",
                     config.redis.pool_size,
                     config.queues.len(),
                     config.connections_needed()
@@ -664,6 +686,7 @@ impl RawQueue {
         source: &Source<'_>,
         index: usize,
         span: Range<usize>,
+        redis: &RedisConfig,
     ) -> Result<QueueConfig, ConfigError> {
         let RawQueue {
             name,
@@ -687,6 +710,7 @@ impl RawQueue {
             delay_batch,
             max_task_bytes,
             lag_warn,
+            source_lists,
         } = self;
 
         let key = |field: &str| format!("queues[{index}].{field}");
@@ -897,6 +921,18 @@ impl RawQueue {
             None => None,
         };
 
+        let source_lists = match source_lists {
+            Some(lists) => check_source_lists(
+                source,
+                &key("source_lists"),
+                name.get_ref(),
+                lists,
+                (&priorities, default_priority),
+                redis,
+            )?,
+            None => Vec::new(),
+        };
+
         Ok(QueueConfig {
             name: name.into_inner(),
 
@@ -920,7 +956,107 @@ impl RawQueue {
             delay_batch,
             max_task_bytes,
             lag_warn,
+            source_lists,
         })
+    }
+}
+
+/// A queue's `source_lists`: Redis keys of lists, each a name or `{ list = NAME, priority = LEVEL }`, each named
+/// once, none of them kmqd's own, and on a Redis Cluster each in the queue's slot: a task moves atomically only
+/// within one slot (one script, one node).
+fn check_source_lists(
+    source: &Source<'_>,
+    key: &str,
+    queue: &str,
+    lists: Spanned<Vec<Spanned<toml::Value>>>,
+    (priorities, default_priority): (&[String], usize),
+    redis: &RedisConfig,
+) -> Result<Vec<SourceList>, ConfigError> {
+    let own = format!("{}:{{", redis.key_prefix);
+    let queue_key = format!("{}:{{{queue}}}", redis.key_prefix);
+    let shape = format!(
+        "write a list's name (\"queue:{queue}\") or a table naming it and the level its tasks join \
+         ({{ list = \"queue:{queue}\", priority = \"{}\" }})",
+        priorities[0]
+    );
+    let mut seen = HashSet::new();
+    let mut checked = Vec::new();
+    for (index, list) in lists.get_ref().iter().enumerate() {
+        let key = format!("{key}[{index}]");
+        let error = |message: String| source.error(list.span(), format!("{key}: {message}"));
+        let (name, priority) = match list.get_ref() {
+            toml::Value::String(name) => (name.as_str(), None),
+            toml::Value::Table(table) => {
+                if let Some(unknown) = table
+                    .keys()
+                    .find(|k| !matches!(k.as_str(), "list" | "priority"))
+                {
+                    return Err(error(format!("unknown key {unknown:?}; {shape}")));
+                }
+                let text = |field: &str| match table.get(field) {
+                    None => Ok(None),
+                    Some(toml::Value::String(text)) => Ok(Some(text.as_str())),
+                    Some(_) => Err(error(format!("{field} must be a string; {shape}"))),
+                };
+                let Some(name) = text("list")? else {
+                    return Err(error(format!("the table has no list; {shape}")));
+                };
+                (name, text("priority")?)
+            }
+            _ => return Err(error(shape.clone())),
+        };
+        let level = match priority {
+            None => default_priority,
+            Some(priority) => priorities
+                .iter()
+                .position(|p| p == priority)
+                .ok_or_else(|| {
+                    error(format!(
+                        "{priority:?} is not one of the queue's priorities {priorities:?}"
+                    ))
+                })?,
+        };
+        if name.trim().is_empty() || name.chars().any(char::is_control) {
+            return Err(error(format!(
+                "{name:?} is not a list name; name the Redis list your producers push to, e.g. \"queue:{queue}\""
+            )));
+        }
+        if name.starts_with(&own) {
+            return Err(error(format!(
+                "{name:?} is one of kmqd's own keys (every key under \"{own}\" is); name the list your producers \
+                 push to, e.g. \"queue:{queue}\" (producers that can push to kmqd's ready list need no source \
+                 list: docs/PROTOCOL.md)"
+            )));
+        }
+        if !seen.insert(name) {
+            return Err(error(format!("{name:?} is listed twice")));
+        }
+        if matches!(redis.deployment, Deployment::Cluster { .. })
+            && Slot::for_key(name) != Slot::for_key(&queue_key)
+        {
+            return Err(error(format!(
+                "{name:?} is in another Redis Cluster slot than queue {queue:?}'s keys ({queue_key}:...), and a \
+                 task moves atomically only within one slot: give the list the queue's hash tag, e.g. \"{}\", and \
+                 have the producers push there",
+                tagged(name, queue)
+            )));
+        }
+        checked.push(SourceList {
+            key: name.to_string(),
+            level,
+            priority: priorities[level].clone(),
+        });
+    }
+    Ok(checked)
+}
+
+/// `name` with the hash tag `{queue}`, for the cluster's error: `queue:email` -> `queue:{email}` when the name
+/// ends with the queue's name, else `NAME:{queue}`.
+pub(super) fn tagged(name: &str, queue: &str) -> String {
+    let untagged: String = name.chars().filter(|c| !matches!(c, '{' | '}')).collect();
+    match untagged.strip_suffix(queue) {
+        Some(start) if !start.is_empty() => format!("{start}{{{queue}}}"),
+        _ => format!("{untagged}:{{{queue}}}"),
     }
 }
 

@@ -1,9 +1,9 @@
 //! The supervisor: starts every thread of the daemon, watches them, and runs the shutdown sequence.
 //!
-//! Per queue a [`lane`] (fetcher, `workers` workers, acker) and a delay poller; per daemon the [`heartbeat`],
-//! the [`monitor`], the [`timeouts`] thread, the delay listener, the [`scheduler`] (when there are schedules),
-//! the [`metrics`] endpoint and the queue [`report`]er (when configured) and, under systemd, [`notify`] (status
-//! lines and the [`watchdog`]). Each thread is named after its module (`kmqd-worker-mail-3`) and reports its end
+//! Per queue a [`lane`] (fetcher, `workers` workers, acker), a delay poller and, with `source_lists`, a
+//! [`sources`] mover; per daemon the [`heartbeat`], the [`monitor`], the [`timeouts`] thread, the delay listener,
+//! the [`scheduler`] (when there are schedules), the [`metrics`] endpoint and the queue [`report`]er (when
+//! configured) and, under systemd, [`notify`] (status lines and the [`watchdog`]). Each thread is named after its module (`kmqd-worker-mail-3`) and reports its end
 //! on the event channel, so the supervisor's loop is one `select!` over a closed set of events.
 //!
 //! Shutdown (docs/OPERATIONS.md, "Stopping"), stage by stage, each wait bounded:
@@ -39,6 +39,7 @@ pub mod report;
 pub mod scheduler;
 pub mod settler;
 pub mod signals;
+pub mod sources;
 pub mod timeouts;
 pub mod watchdog;
 
@@ -64,6 +65,7 @@ use metrics::Metrics;
 use monitor::{Monitor, Watched};
 use scheduler::Scheduler;
 use settler::Settler;
+use sources::SourceMover;
 use timeouts::Timeouts;
 
 /// How long the ackers get to apply what they hold once every task is resolved.
@@ -620,6 +622,21 @@ impl Supervisor {
             group,
             move || fetcher.run(),
         )?;
+        if !queue.source_lists.is_empty() {
+            let mover = SourceMover {
+                queue: Arc::clone(&context),
+                connection: parts.session(&format!("sources-{name}")),
+                // Moving is not taking: a pause goes on moving; a reload that replaces the lane, and the
+                // shutdown, stop it with the lane's claiming.
+                stop: claiming.listener(),
+            };
+            self.threads.spawn(
+                format!("kmqd-sources-{name}"),
+                Role::Other,
+                group,
+                move || mover.run(),
+            )?;
+        }
         let (nudges, nudge_rx) = crossbeam_channel::bounded(1);
         let poller = DelayPoller {
             queue: context,
@@ -898,17 +915,23 @@ impl Supervisor {
         Ok(summary.join("; "))
     }
 
-    /// The checks the start makes on every queue, for the queues a reload adds: the ACL user may serve them and
-    /// their keys are of this protocol version. Redis down refuses the reload too: it cannot be checked.
+    /// The checks the start makes on every queue, for the queues a reload adds and those whose `source_lists`
+    /// it changes: the ACL user may serve them (their new sources too) and their keys are of this protocol
+    /// version. Redis down refuses the reload too: it cannot be checked.
     fn check_new_queues(&self, plan: &reload::Plan) -> Result<(), String> {
-        if plan.added.is_empty() {
+        let new_sources = plan.changed.iter().filter(|name| {
+            let lists = |config: &Config| config.queue(name).map(|q| q.source_lists.clone());
+            lists(&self.config) != lists(&plan.config)
+        });
+        let to_check: Vec<&String> = plan.added.iter().chain(new_sources).collect();
+        if to_check.is_empty() {
             return Ok(());
         }
         let mut connection = self
             .connector
             .connect()
             .map_err(|error| format!("cannot check the new queues in Redis: {error}"))?;
-        for name in &plan.added {
+        for name in to_check {
             let queue = plan.config.queue(name).expect("planned from it");
             let keys = broker::QueueKeys::for_queue(&plan.config.redis.key_prefix, queue);
             access::check(&mut connection, &keys, access::Action::Serve)

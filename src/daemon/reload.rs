@@ -172,6 +172,7 @@ fn queue_changes(old: &QueueConfig, new: &QueueConfig) -> Vec<String> {
         max_task_bytes,
         idle_poll,
         lag_warn,
+        source_lists,
     );
     out
 }
@@ -283,7 +284,7 @@ mod tests {
         let listed = fields.matches(": ").count();
         assert_eq!(
             listed,
-            19 + 2,
+            20 + 2,
             "QueueConfig has a new field: compare it in queue_changes ({fields})"
         );
     }

@@ -610,3 +610,86 @@ fn the_documented_users_pause_resume_and_list_workers() {
         "{log:#?}"
     );
 }
+
+/// A queue's `source_lists` are named by its producers, outside `kmq:`: the documented daemon line does not
+/// cover them, and the daemon stops at start naming the list and the rule to add (it moves nothing meanwhile);
+/// with `~queue:email` added it runs, and Redis refuses it nothing.
+#[test]
+fn a_daemon_user_without_its_source_list_is_refused_at_start_naming_the_key() {
+    let redis = RedisServer::start();
+    create_users(&redis);
+    let dir = TestDir::new();
+    let queue = "[[queues]]\nname = \"email\"\nmode = \"safe\"\nforeign_type_field = \"callback\"\n\
+                 source_lists = [\"queue:email\"]\n";
+    let config = config_as(&dir, &redis, "kmqd", "", queue);
+    let _: i64 = redis.cmd(&[
+        "RPUSH",
+        "queue:email",
+        r#"{"callback": "test", "id": "ria-1"}"#,
+    ]);
+    let mut daemon = Process::start(&config, dir.path("refused.log"));
+    let code = daemon.wait_within(Duration::from_secs(20));
+    let log = daemon.log_text();
+    assert_eq!(code, Some(2), "{log}");
+    assert!(
+        log.contains("Redis user \"kmqd\" may not run BLMOVE on key queue:email")
+            && log.contains("~queue:email\" to its ACL rules"),
+        "{log}"
+    );
+    let left: i64 = redis.cmd(&["LLEN", "queue:email"]);
+    assert_eq!(left, 1, "nothing moved");
+
+    let _: String = redis.cmd(&["ACL", "SETUSER", "kmqd", "~queue:email"]);
+    let _: String = redis.cmd(&["ACL", "LOG", "RESET"]);
+    let mut daemon = Process::start(&config, dir.path("daemon.log"));
+    eventually(Duration::from_secs(20), "the moved task done", || {
+        let s = stats(&dir.config(&redis, queue), "email");
+        (s.done == 1, s)
+    });
+    daemon.signal(15);
+    assert_eq!(daemon.wait_within(Duration::from_secs(20)), Some(0));
+    assert!(acl_log(&redis).is_empty(), "{:?}", acl_log(&redis));
+}
+
+/// A reload that adds a source list the daemon's user may not use is refused, naming the key, and the daemon
+/// serves on with the sources it had. Catches a reload that starts a mover bound to fail at every call.
+#[test]
+fn a_reload_adding_a_source_list_the_user_lacks_is_refused_naming_the_key() {
+    let redis = RedisServer::start();
+    create_users(&redis);
+    let _: String = redis.cmd(&["ACL", "SETUSER", "kmqd", "~queue:email"]);
+    let dir = TestDir::new();
+    let queue = |lists: &str| {
+        format!(
+            "[[queues]]\nname = \"email\"\nmode = \"safe\"\nforeign_type_field = \"callback\"\n\
+             source_lists = {lists}\n"
+        )
+    };
+    let config = config_as(&dir, &redis, "kmqd", "", &queue("[\"queue:email\"]"));
+    let daemon = crate::reload::start(&dir, &config);
+    config_as(
+        &dir,
+        &redis,
+        "kmqd",
+        "",
+        &queue("[\"queue:email\", \"queue:other\"]"),
+    );
+    let log = crate::reload::reload(&daemon, 1);
+    assert!(
+        log.contains("reload refused")
+            && log.contains("may not run BLMOVE on key queue:other")
+            && log.contains("~queue:other"),
+        "{log}"
+    );
+    let _: i64 = redis.cmd(&[
+        "RPUSH",
+        "queue:email",
+        r#"{"callback": "test", "id": "ria-1"}"#,
+    ]);
+    eventually(Duration::from_secs(20), "the task moved and done", || {
+        let s = stats(&dir.config(&redis, &queue("[\"queue:email\"]")), "email");
+        (s.done == 1, s)
+    });
+    crate::reload::stop(daemon);
+    assert!(acl_log(&redis).is_empty(), "{:?}", acl_log(&redis));
+}

@@ -17,7 +17,7 @@ fn cluster() -> Cluster {
 }
 
 /// The `[redis]` keys for `cluster`, plus `extra`.
-fn redis_section(cluster: &Cluster, extra: &str) -> String {
+pub(crate) fn redis_section(cluster: &Cluster, extra: &str) -> String {
     let seeds: Vec<String> = cluster
         .seeds()
         .unwrap()

@@ -27,6 +27,7 @@ mod safe_mode;
 mod schedules;
 mod sentinel;
 mod shutdown;
+mod source_lists;
 mod splice;
 mod systemd;
 mod tls;

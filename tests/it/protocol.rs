@@ -45,6 +45,28 @@ fn run_documented(block: &str, redis: &RedisServer) {
 
 const MAIL: &str = "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nworkers = 2\n";
 
+/// A producer that pushes to its own list, as documented under "To a list of your own", gets its task run.
+#[test]
+fn task_pushed_to_a_source_list_as_documented_runs() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let queue = "[[queues]]\nname = \"email\"\nmode = \"safe\"\nforeign_type_field = \"callback\"\n\
+                 source_lists = [\"queue:email\"]\n";
+    let config = dir.config(&redis, queue);
+    let daemon = TestDaemon::start(&config);
+    run_documented(&documented_block(2), &redis);
+    eventually(
+        Duration::from_secs(10),
+        "the task to be acknowledged",
+        || {
+            let stats = stats(&config, "email");
+            (stats.done == 1 && stats.moved == 1, stats)
+        },
+    );
+    daemon.stop();
+    assert_eq!(dir.records().runs_of("ria-7"), 1);
+}
+
 #[test]
 fn task_pushed_with_plain_rpush_as_documented_runs() {
     let redis = RedisServer::start();

@@ -106,7 +106,7 @@ enum Kind {
 /// ends it with a period), value.
 type PerQueue = (&'static str, Kind, &'static str, fn(&QueueStats) -> f64);
 
-const PER_QUEUE: [PerQueue; 11] = [
+const PER_QUEUE: [PerQueue; 12] = [
     (
         "kmqd_queue_processing",
         Kind::Gauge,
@@ -140,8 +140,14 @@ const PER_QUEUE: [PerQueue; 11] = [
     (
         "kmqd_tasks_pushed_total",
         Kind::Counter,
-        "Tasks accepted by the enqueue script",
+        "Tasks accepted by the enqueue script or moved from a source list",
         |s| s.pushed as f64,
+    ),
+    (
+        "kmqd_tasks_moved_total",
+        Kind::Counter,
+        "Tasks moved from the queue's source_lists (counted in pushed too)",
+        |s| s.moved as f64,
     ),
     (
         "kmqd_tasks_done_total",
