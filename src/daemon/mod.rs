@@ -626,6 +626,7 @@ impl Supervisor {
             let mover = SourceMover {
                 queue: Arc::clone(&context),
                 connection: parts.session(&format!("sources-{name}")),
+                pulse: lane.sources_pulse.clone(),
                 // Moving is not taking: a pause goes on moving; a reload that replaces the lane, and the
                 // shutdown, stop it with the lane's claiming.
                 stop: claiming.listener(),

@@ -186,6 +186,7 @@ fn sample(lane: &Lane) -> Sample {
         fetcher: lane.fetcher_pulse.count(),
         acker: lane.acker_pulse.count(),
         delay: lane.delay_pulse.count(),
+        sources: lane.sources_pulse.count(),
         workers: lane.queue.config.workers,
         stuck_workers: lane.capacity.stuck_workers(),
     }

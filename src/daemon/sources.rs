@@ -18,6 +18,7 @@
 
 use std::sync::Arc;
 
+use super::watchdog::Pulse;
 use crate::broker::{self, Session};
 use crate::queue::QueueContext;
 use crate::retry::{Backoff, Trouble};
@@ -29,6 +30,8 @@ pub const BATCH: usize = crate::config::MAX_BATCH;
 pub struct SourceMover {
     pub queue: Arc<QueueContext>,
     pub connection: Session,
+    /// Beaten every turn, for the watchdog (a stage of the queue's lane: `lane::stall_bounds`).
+    pub pulse: Pulse,
     pub stop: Listener,
 }
 
@@ -47,6 +50,7 @@ impl SourceMover {
         // The source the next call starts with, and the next wait blocks on.
         let mut turn = 0usize;
         while !self.stop.is_triggered() {
+            self.pulse.beat();
             let moved = self
                 .connection
                 .get()

@@ -18,7 +18,8 @@
 //!   of its own loop: the monitor (which also runs the final-failure hooks of the tasks it dead-letters: a hook
 //!   that never returns wedges it, and then no expired lease is recovered by this daemon), the delay listener
 //!   and the scheduler; each queue's delay poller is a stage of its lane, beside the fetcher and the acker (a
-//!   hung poller leaves that queue's delayed tasks and retries waiting forever);
+//!   hung poller leaves that queue's delayed tasks and retries waiting forever), and so is its source mover when
+//!   it has `source_lists`;
 //! - the workers are wedged when every one of them is stuck in a handler that ignored its cancel flag past
 //!   `execution_timeout` (the timeouts thread counts them, `Capacity::stuck_workers`): the queue can run
 //!   nothing until one returns, and only a restart ends a handler that never does. Busy workers are not
@@ -54,6 +55,8 @@ pub struct Bounds {
     pub acker: Duration,
     /// The queue's delay poller.
     pub delay: Duration,
+    /// The queue's source mover, when it has `source_lists`.
+    pub sources: Option<Duration>,
 }
 
 /// What the watchdog reads of one lane at one look.
@@ -62,6 +65,7 @@ pub struct Sample {
     pub fetcher: u64,
     pub acker: u64,
     pub delay: u64,
+    pub sources: u64,
     pub workers: usize,
     pub stuck_workers: usize,
 }
@@ -186,6 +190,7 @@ struct Watched {
     fetcher: Seen,
     acker: Seen,
     delay: Seen,
+    sources: Seen,
 }
 
 /// A pulse's count when it last moved, and when that was seen.
@@ -221,6 +226,7 @@ impl Watchdog {
                     fetcher: fresh,
                     acker: fresh,
                     delay: fresh,
+                    sources: fresh,
                 })
                 .collect(),
             threads: Vec::new(),
@@ -278,23 +284,37 @@ impl Watchdog {
                 lane.fetcher.since = now;
                 lane.acker.since = now;
                 lane.delay.since = now;
+                lane.sources.since = now;
             }
             let stages = [
                 (
                     "fetcher",
                     &mut lane.fetcher,
                     sample.fetcher,
-                    lane.bounds.fetcher,
+                    Some(lane.bounds.fetcher),
                 ),
-                ("acker", &mut lane.acker, sample.acker, lane.bounds.acker),
+                (
+                    "acker",
+                    &mut lane.acker,
+                    sample.acker,
+                    Some(lane.bounds.acker),
+                ),
                 (
                     "delay poller",
                     &mut lane.delay,
                     sample.delay,
-                    lane.bounds.delay,
+                    Some(lane.bounds.delay),
+                ),
+                (
+                    "source mover",
+                    &mut lane.sources,
+                    sample.sources,
+                    lane.bounds.sources,
                 ),
             ];
             for (stage, seen, count, bound) in stages {
+                // A stage the lane does not run (no source lists) is not watched.
+                let Some(bound) = bound else { continue };
                 let silent = seen.update(count, now);
                 if silent > bound {
                     wedges.push(Wedge::Stage {
@@ -327,6 +347,7 @@ mod tests {
             fetcher: 10 * S,
             acker: 5 * S,
             delay: 20 * S,
+            sources: None,
         };
         Watchdog::new(
             [("mail".to_string(), bounds), ("img".to_string(), bounds)],
@@ -338,8 +359,9 @@ mod tests {
         Sample {
             fetcher,
             acker,
-            // The delay pollers beat with the fetchers, unless a test says otherwise.
+            // The delay pollers beat with the fetchers, unless a test says otherwise; no source mover runs.
             delay: fetcher,
+            sources: 0,
             workers: 2,
             stuck_workers: 0,
         }

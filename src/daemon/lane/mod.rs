@@ -56,6 +56,10 @@ pub fn stall_bounds(redis: &RedisConfig, queue: &QueueConfig) -> Bounds {
         acker: acker::IDLE_CHECK + call(2) + crate::retry::Backoff::MAX,
         // Its longest sleep, one promote (and a redirect), then the backoff after a failure.
         delay: crate::daemon::delay::MAX_WAIT + call(2) + crate::retry::Backoff::MAX,
+        // A move, then the wait on a source (`idle_poll` beyond its read timeout), each with a redirect, then the
+        // backoff after a failure.
+        sources: (!queue.source_lists.is_empty())
+            .then(|| queue.idle_poll + call(4) + crate::retry::Backoff::MAX),
     }
 }
 
@@ -84,8 +88,9 @@ pub struct Lane {
     /// watchdog's sign that they are not hung (`daemon::watchdog`).
     pub fetcher_pulse: Pulse,
     pub acker_pulse: Pulse,
-    /// Bumped by the queue's delay poller every turn.
+    /// Bumped by the queue's delay poller every turn, and by its source mover (if it has `source_lists`).
     pub delay_pulse: Pulse,
+    pub sources_pulse: Pulse,
     /// Task types that came with no plugin to handle them, so that each is warned about once, not per task.
     unhandled_types: Mutex<FxHashSet<String>>,
 }
@@ -112,6 +117,7 @@ impl Lane {
             fetcher_pulse: Pulse::default(),
             acker_pulse: Pulse::default(),
             delay_pulse: Pulse::default(),
+            sources_pulse: Pulse::default(),
             unhandled_types: Mutex::default(),
             queue,
         };
@@ -422,6 +428,7 @@ mod tests {
                 fetcher: ms(51_300),
                 acker: ms(30_150),
                 delay: ms(31_100),
+                sources: None,
             },
             "the defaults the doc comment gives"
         );
@@ -436,6 +443,14 @@ mod tests {
         );
         assert_eq!(bounds.acker, ms(50 + 1_000 + 100 + 2_000 + 5_000));
         assert_eq!(bounds.delay, ms(1_000 + 1_000 + 100 + 2_000 + 5_000));
+        let config = parse(
+            "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nsource_lists = [\"queue:mail\"]\n",
+        );
+        let bounds = stall_bounds(&config.redis, &config.queues[0]);
+        assert_eq!(
+            bounds.sources,
+            Some(ms(1_000 + 5_000 + 100 + 40_000 + 5_000))
+        );
     }
 
     #[test]
