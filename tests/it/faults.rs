@@ -331,6 +331,52 @@ fn a_lost_lease_cancels_the_runs_it_covered() {
     daemon.stop();
 }
 
+/// When Redis loses an owner's lease entry, whichever of the daemon's threads learns it first must leave the
+/// owner where the monitors look. The heartbeat's renewal always did (renew.lua puts a registered owner back as
+/// expired); a claim did not: with a long lease the fetcher's next claim learns it seconds before the next
+/// renewal, the daemon forgot the owner, nothing renewed it again, and the task it held stayed in its processing
+/// hash for good (seen under load in `a_lost_lease_cancels_the_runs_it_covered`).
+#[test]
+fn a_lease_lost_seen_first_by_a_claim_still_hands_its_tasks_to_the_monitors() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    // Renewals every 10 s; the fetcher claims at least every idle_poll (1 s).
+    let config = dir.config(&redis, &safe_queue("workers = 1\nlease_timeout = \"30s\""));
+    client(&config)
+        .push(
+            "jobs",
+            NewTask::new("test", r#"{"until_cancelled":true}"#)
+                .unwrap()
+                .id("long"),
+        )
+        .unwrap();
+    let daemon = TestDaemon::start(&config);
+    eventually(Duration::from_secs(10), "the run to start", || {
+        (dir.records().runs_of("long") == 1, ())
+    });
+    // Right after a renewal, so that the fetcher's next claim learns of the loss about 10 s before the heartbeat.
+    let deadline = || {
+        let owners: Vec<(String, f64)> =
+            redis.cmd(&["ZRANGE", "kmq:{jobs}:owners", "0", "-1", "WITHSCORES"]);
+        owners.first().map(|(_, score)| *score)
+    };
+    let before = deadline();
+    eventually(Duration::from_secs(15), "a renewal", || {
+        let now = deadline();
+        (now.is_some() && now != before, now)
+    });
+    let _: i64 = redis.cmd(&["DEL", "kmq:{jobs}:owners"]);
+    // The claim learns it, the daemon cancels the run and serves as a new owner; the monitor (every 5 s with
+    // this lease) finds the old one expired and returns its task, which runs again.
+    eventually(Duration::from_secs(30), "the task to run again", || {
+        let runs = dir.records().runs_of("long");
+        (runs == 2, runs)
+    });
+    let s = stats(&config, "jobs");
+    assert_eq!(s.recovered, 1, "{s:?}");
+    daemon.stop();
+}
+
 #[test]
 fn one_slow_heartbeat_reply_does_not_cost_the_lease() {
     let redis = RedisServer::start();

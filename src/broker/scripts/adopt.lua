@@ -13,6 +13,10 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lease = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not lease or tonumber(lease) <= now then
+  -- As in claim.lua: a registered owner missing from the owners zset goes back in it as expired, for the monitors.
+  if not lease and redis.call('EXISTS', KEYS[2]) == 1 then
+    redis.call('ZADD', KEYS[1], 0, ARGV[1])
+  end
   return redis.error_reply('LEASELOST owner ' .. ARGV[1] .. ' has no live lease')
 end
 local tokens = {}

@@ -19,8 +19,9 @@
 --            and claims again. Checked here, in the claim itself, so that no claim that runs after the pause
 --            takes anything, whatever the daemon last saw;
 -- the k-th envelope returned overall (group first) was stored under token ARGV[6 + k].
--- Fails with "LEASELOST ..." when the owner's lease is gone or past: its tasks then belong to the monitors, and
--- the daemon must register a new owner; with "FENCED ..." when ARGV[7] is below the owner's floor, which
+-- Fails with "LEASELOST ..." when the owner's lease is gone or past: its tasks then belong to the monitors (an
+-- owner registered but missing from the owners zset is put back in it as expired, for them), and the daemon must
+-- register a new owner; with "FENCED ..." when ARGV[7] is below the owner's floor, which
 -- adopt.lua raised after this call's reply was given up for lost: the call then takes nothing, so its tokens
 -- cannot strand tasks.
 --
@@ -46,6 +47,12 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lease = redis.call('ZSCORE', KEYS[1], owner)
 if not lease or tonumber(lease) <= now then
+  -- An owner whose lease entry is gone while its registration is there (Redis lost it, or it was removed by hand)
+  -- is put back as expired, as renew.lua does, so that the monitors find what it holds: its daemon, told here,
+  -- forgets it and never renews it again.
+  if not lease and redis.call('EXISTS', KEYS[3]) == 1 then
+    redis.call('ZADD', KEYS[1], 0, owner)
+  end
   return redis.error_reply('LEASELOST owner ' .. owner .. ' has no live lease')
 end
 local info = redis.call('HMGET', KEYS[3], 'floor', 'group')
