@@ -9,6 +9,7 @@
 //! - [`connection`]: connecting, the pool, a thread's own [`Session`];
 //! - [`tasks`]: a task's life: push, claim or pop, settle, leases, promote;
 //! - [`lookup`]: finding and cancelling tasks by id;
+//! - [`peek`]: the heads of a queue's ready lists, delayed tasks and retries (the dashboard's queue page);
 //! - [`dead`]: the dead-letter list: reading, requeueing and purging records;
 //! - [`schedule`]: firing periodic tasks;
 //! - [`stats`]: depths and counters, and the protocol-version check.
@@ -20,6 +21,7 @@ pub mod dead;
 pub mod keys;
 pub mod lookup;
 pub mod owners;
+pub mod peek;
 pub mod schedule;
 pub mod stats;
 pub mod tasks;

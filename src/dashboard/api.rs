@@ -1,0 +1,230 @@
+//! What each `/api/...` route answers (docs/DASHBOARD.md lists them with their JSON). Reads go through
+//! [`Client`](crate::client::Client) and the overview's last poll; actions call the same `Client` methods as
+//! the CLI's commands, so a requeue from a button is a `kmqd dead requeue`.
+
+use std::time::UNIX_EPOCH;
+
+use serde_json::{Value as Json, json};
+
+use super::server::State;
+use crate::broker::dead::DeadRecord;
+use crate::broker::peek::DueTask;
+use crate::client::{ClientError, DeadSelection};
+use crate::task::Envelope;
+
+/// Tasks per list on a queue's page unless `?limit=` says otherwise, and the most it may say.
+pub const DEFAULT_LIMIT: usize = 20;
+pub const MAX_LIMIT: usize = 500;
+
+/// An answer other than 200: its status and what to tell the user.
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: u16,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn new(status: u16, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            message: message.into(),
+        }
+    }
+}
+
+impl From<ClientError> for ApiError {
+    fn from(error: ClientError) -> ApiError {
+        let status = match &error {
+            ClientError::UnknownQueue { .. } => 404,
+            // Redis down, slow or refusing: the dashboard is up, what it stands on is not.
+            ClientError::Broker(_) => 503,
+            _ => 400,
+        };
+        ApiError::new(status, error.to_string())
+    }
+}
+
+/// `GET /api/session`: what a script needs to act (the CSRF token) and what it may do.
+pub fn session(state: &State) -> Json {
+    json!({
+        "csrf": state.csrf(),
+        "read_only": state.read_only,
+        "user": "local",
+    })
+}
+
+/// `GET /api/overview`: every queue's row of the last good poll, when it was read, and the last poll's error.
+pub fn overview(state: &State) -> Json {
+    let overview = state.overview.lock().unwrap_or_else(|e| e.into_inner());
+    json!({
+        "updated_ms": overview.updated.map(|at| at.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)),
+        "error": overview.error,
+        "read_only": state.read_only,
+        "queues": overview.rows,
+    })
+}
+
+/// `GET /api/daemons`: the daemons alive on every queue, as `kmqd workers --json` lists them.
+pub fn daemons(state: &State) -> Result<Json, ApiError> {
+    let mut all = Vec::new();
+    for (queue, _) in &state.queues {
+        all.extend(state.client.workers(queue)?);
+    }
+    Ok(json!({ "daemons": all }))
+}
+
+/// `GET /api/queues/Q?limit=N`: the queue's stats, its daemons, the heads of its ready lists, the delayed tasks
+/// and retries due soonest, and its newest dead-letter records.
+pub fn queue(state: &State, queue: &str, limit: usize) -> Result<Json, ApiError> {
+    let mode = state
+        .queues
+        .iter()
+        .find(|(name, _)| name == queue)
+        .map(|(_, mode)| *mode);
+    let stats = state.client.stats(queue)?;
+    let daemons = state.client.workers(queue)?;
+    let waiting = state.client.peek(queue, limit)?;
+    let dead = state.client.dead_list(queue, limit)?;
+    let now_ms = state.client.redis_now(queue)?;
+    let due = |task: &DueTask| {
+        json!({
+            "level": task.level,
+            "due_at_ms": task.due_at_ms,
+            "due_in_ms": task.due_in_ms,
+            "task": task_view(&task.envelope),
+        })
+    };
+    Ok(json!({
+        "queue": queue,
+        "mode": mode,
+        "now_ms": now_ms,
+        "stats": stats,
+        "daemons": daemons,
+        "ready": waiting.ready.iter().map(|head| json!({
+            "level": head.level,
+            "tasks": head.envelopes.iter().map(|e| task_view(e)).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
+        "delayed": waiting.delayed.iter().map(due).collect::<Vec<_>>(),
+        "retrying": waiting.retrying.iter().map(due).collect::<Vec<_>>(),
+        "dead": dead.iter().map(DeadRecord::with_parsed_task).collect::<Vec<_>>(),
+    }))
+}
+
+/// `GET /api/queues/Q/tasks/ID`: every place the task is in, as `kmqd task show` finds them.
+pub fn task(state: &State, queue: &str, id: &str) -> Result<Json, ApiError> {
+    let found = state.client.find(queue, id)?;
+    Ok(json!({ "queue": queue, "id": id, "found": found }))
+}
+
+/// A task as the pages show it: the envelope's fields decoded, and the envelope itself.
+fn task_view(envelope: &str) -> Json {
+    match Envelope::decode(envelope) {
+        Ok(task) => json!({
+            "id": task.id,
+            "type": task.kind,
+            "attempt": task.attempt,
+            "created_at": task.created_at,
+            "last_error": task.last_error,
+            "envelope": envelope,
+        }),
+        // A payload the daemons will dead-letter as malformed: shown as it is.
+        Err(_) => json!({ "id": null, "envelope": envelope }),
+    }
+}
+
+/// An action of the dashboard's buttons (`POST /api/queues/Q/...`).
+pub enum Action {
+    Pause,
+    Resume,
+    /// Body `{"ids": [...]}` or `{"all": true}`, and `"reset_attempts": true` for the full retry budget.
+    Requeue,
+    /// Body `{"ids": [...]}` or `{"all": true}`.
+    Purge,
+    /// A waiting (delayed, retrying or ready) task, by id.
+    Cancel(String),
+}
+
+impl Action {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Action::Pause => "pause",
+            Action::Resume => "resume",
+            Action::Requeue => "dead requeue",
+            Action::Purge => "dead purge",
+            Action::Cancel(_) => "task cancel",
+        }
+    }
+
+    /// The task id it names, for the log.
+    pub fn target(&self) -> Option<&str> {
+        match self {
+            Action::Cancel(id) => Some(id),
+            _ => None,
+        }
+    }
+}
+
+/// Does `action` on `queue`; answers what came of it.
+pub fn act(state: &State, queue: &str, action: &Action, body: &Json) -> Result<Json, ApiError> {
+    let client = &state.client;
+    Ok(match action {
+        Action::Pause => json!({ "paused": client.pause(queue)? }),
+        Action::Resume => json!({ "resumed": client.resume(queue)? }),
+        Action::Requeue => {
+            let ids = selected_ids(body)?;
+            let refs: Vec<&str> = ids.iter().flatten().map(String::as_str).collect();
+            let reset = body
+                .get("reset_attempts")
+                .and_then(Json::as_bool)
+                .unwrap_or(false);
+            let report = client.dead_requeue(queue, selection(&ids, &refs), reset)?;
+            serde_json::to_value(report).expect("a report serializes")
+        }
+        Action::Purge => {
+            let ids = selected_ids(body)?;
+            let refs: Vec<&str> = ids.iter().flatten().map(String::as_str).collect();
+            let report = client.dead_purge(queue, selection(&ids, &refs))?;
+            serde_json::to_value(report).expect("a report serializes")
+        }
+        Action::Cancel(id) => {
+            let removed = client.cancel(queue, id)?;
+            if removed == 0 {
+                return Err(ApiError::new(
+                    404,
+                    format!(
+                        "task {id} is not waiting in {queue} (unknown, running, done or dead): not cancelled"
+                    ),
+                ));
+            }
+            json!({ "cancelled": removed })
+        }
+    })
+}
+
+/// `{"ids": [...]}` gives `Some(ids)`, `{"all": true}` gives `None`; anything else is refused, so that a
+/// mistyped body never means "all".
+fn selected_ids(body: &Json) -> Result<Option<Vec<String>>, ApiError> {
+    match (body.get("ids"), body.get("all")) {
+        (Some(Json::Array(ids)), None) if !ids.is_empty() => ids
+            .iter()
+            .map(|id| {
+                id.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| ApiError::new(400, "ids: a list of strings"))
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(Some),
+        (None, Some(Json::Bool(true))) => Ok(None),
+        _ => Err(ApiError::new(
+            400,
+            r#"the body names the records: {"ids": ["ID", ...]} or {"all": true}"#,
+        )),
+    }
+}
+
+fn selection<'a>(ids: &Option<Vec<String>>, refs: &'a [&'a str]) -> DeadSelection<'a> {
+    match ids {
+        Some(_) => DeadSelection::Ids(refs),
+        None => DeadSelection::All,
+    }
+}
