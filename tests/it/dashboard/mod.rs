@@ -2,6 +2,7 @@
 //! headless Chromium ([`browser`]), each against a real Redis and real daemons with the testkit plugin.
 
 mod api;
+mod browser;
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -20,9 +21,14 @@ pub struct Dashboard {
 impl Dashboard {
     /// `kmqd --config CONFIG dashboard --listen 127.0.0.1:0 ARGS...`, once it logged the address it got.
     pub fn start(config: &Path, dir: &TestDir, args: &[&str]) -> Dashboard {
+        Dashboard::start_named(config, dir, "dashboard.log", args)
+    }
+
+    /// As [`Dashboard::start`], logging to `log` in `dir` (two dashboards side by side).
+    pub fn start_named(config: &Path, dir: &TestDir, log: &str, args: &[&str]) -> Dashboard {
         let mut all = vec!["dashboard", "--listen", "127.0.0.1:0"];
         all.extend_from_slice(args);
-        let process = Process::start_with_args(config, dir.path("dashboard.log"), &all);
+        let process = Process::start_with_args(config, dir.path(log), &all);
         let addr = eventually(Duration::from_secs(30), "the dashboard's address", || {
             let log = process.log_text();
             let addr: Option<SocketAddr> = log

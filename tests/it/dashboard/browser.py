@@ -1,0 +1,122 @@
+#!/usr/bin/python3
+"""The dashboard's pages in a real headless Chromium (Debian's chromium and chromium-driver, through Debian's
+python3-selenium), started by tests/it/dashboard/browser.rs, which set up Redis, a daemon and two dashboards and
+passes what to expect as JSON in argv[1]. Fails (exit 1, the reason on stderr) when a page does not show what
+Redis holds; prints one JSON line of what it measured. Saves its screenshots into `shots`."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+
+ARGS = json.loads(sys.argv[1])
+
+
+def eventually(within, what, condition):
+    """Polls `condition` (it may raise while the page redraws) until it returns something true."""
+    deadline = time.monotonic() + within
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            value = condition()
+            if value:
+                return value
+        except (StaleElementReferenceException, WebDriverException, ValueError) as error:
+            last = error
+        time.sleep(0.05)
+    raise AssertionError(f"{what}: not within {within}s (last: {last!r})")
+
+
+def cell(driver, queue, field):
+    return driver.find_element(By.CSS_SELECTOR, f'tr[data-queue="{queue}"] [data-field="{field}"]').text
+
+
+def card(driver, field):
+    return int(driver.find_element(By.CSS_SELECTOR, f'.card [data-field="{field}"]').text)
+
+
+def shot(driver, name):
+    driver.save_screenshot(os.path.join(ARGS["shots"], name))
+
+
+def main():
+    options = webdriver.ChromeOptions()
+    options.binary_location = "/usr/bin/chromium"
+    for flag in ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--window-size=1280,720", "--force-prefers-reduced-motion", "--lang=en-US"]:
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
+    measured = {}
+    try:
+        url = ARGS["url"]
+        # The overview lists every queue with the counts Redis holds.
+        driver.get(url + "/")
+        for queue, fields in ARGS["expect"].items():
+            for field, value in fields.items():
+                eventually(10, f"{queue} {field} = {value} on the overview",
+                           lambda: cell(driver, queue, field) == str(value))
+        state = driver.find_element(By.CSS_SELECTOR, 'tr[data-queue="billing"] .badge').text
+        assert state == "paused", f"billing shows {state!r}"
+
+        # A push shows on the page within two seconds.
+        ready = int(cell(driver, "billing", "ready"))
+        started = time.monotonic()
+        subprocess.run([ARGS["kmqd"], "-c", ARGS["config"], "push", "billing", "test", "{}"], check=True,
+                       stdout=subprocess.DEVNULL)
+        eventually(2, "the push on the overview", lambda: cell(driver, "billing", "ready") == str(ready + 1))
+        measured["push_shown_ms"] = round((time.monotonic() - started) * 1000)
+
+        # Rates moving, for the picture.
+        eventually(20, "mail's done/s above 0", lambda: float(cell(driver, "mail", "done_rate")) > 0)
+        shot(driver, "dashboard-overview.png")
+        driver.set_window_size(390, 844)
+        time.sleep(0.3)  # the relayout (no condition to poll: the same elements, narrower)
+        shot(driver, "dashboard-phone.png")
+        driver.set_window_size(1280, 720)
+
+        # Requeueing a dead task from its button makes it run (it fails again: the failed counter moves).
+        driver.get(url + "/queues/jobs")
+        row = '#dead tr[data-id="doomed"]'
+        eventually(10, "doomed in the dead table", lambda: driver.find_elements(By.CSS_SELECTOR, row))
+        failed = card(driver, "failed")
+        shot(driver, "dashboard-queue.png")
+        eventually(5, "a click on doomed's Requeue", lambda: driver.find_element(
+            By.CSS_SELECTOR, row + ' button[data-action="requeue"]').click() or True)
+        eventually(5, "the requeue's answer", lambda: "requeue doomed" in driver.find_element(By.ID, "flash").text)
+        flash = driver.find_element(By.ID, "flash").text
+        assert '"requeued":["doomed"]' in flash, flash
+        eventually(20, "doomed to run again", lambda: card(driver, "failed") == failed + 1)
+
+        # --read-only: no button anywhere, and an action sent anyway is refused.
+        ro = ARGS["read_only_url"]
+        for path in ["/", "/queues/jobs", "/daemons"]:
+            driver.get(ro + path)
+            eventually(10, f"{path} drawn", lambda: driver.find_elements(By.CSS_SELECTOR, "main table"))
+            buttons = driver.find_elements(By.CSS_SELECTOR, "main button")
+            assert not buttons, f"{path} has buttons: {[b.text for b in buttons]}"
+            assert driver.find_element(By.ID, "mode-badge").text == "read-only"
+        refused = driver.execute_async_script("""
+            const done = arguments[arguments.length - 1];
+            const token = document.querySelector('meta[name="kmqd-csrf"]').content;
+            fetch("/api/queues/jobs/pause", {method: "POST", headers: {"X-Kmqd-Csrf": token}})
+              .then((response) => done(response.status), (error) => done(String(error)));
+        """)
+        assert refused == 403, f"a read-only action answered {refused}"
+        measured["read_only_refused"] = refused
+    finally:
+        driver.quit()
+    print(json.dumps(measured))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except AssertionError as error:
+        print(f"browser check failed: {error}", file=sys.stderr)
+        sys.exit(1)
