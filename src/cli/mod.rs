@@ -25,7 +25,7 @@ mod task;
 mod watch;
 mod workers;
 
-pub use dashboard::DashboardArgs;
+pub use dashboard::{DashboardArgs, DashboardCommand};
 pub use dead::DeadCommand;
 pub use push::PushArgs;
 pub use queue::QueueCommand;
@@ -155,6 +155,13 @@ pub(super) fn change_failed(error: ClientError, what: &str, check: &str) -> Fail
 
 /// Runs a parsed command line.
 pub fn run(args: Args) -> Result<(), Failure> {
+    if let Some(Command::Dashboard(DashboardArgs {
+        command: Some(DashboardCommand::HashPassword { name }),
+        ..
+    })) = &args.command
+    {
+        return dashboard::hash_password(name);
+    }
     let path = args.config.ok_or_else(|| {
         Failure::Usage(
             "no config file: pass --config FILE (or set KMQD_CONFIG); see config/ for examples"

@@ -45,11 +45,11 @@ impl From<ClientError> for ApiError {
 }
 
 /// `GET /api/session`: what a script needs to act (the CSRF token) and what it may do.
-pub fn session(state: &State) -> Json {
+pub fn session(state: &State, user: &str) -> Json {
     json!({
         "csrf": state.csrf(),
         "read_only": state.read_only,
-        "user": "local",
+        "user": user,
     })
 }
 

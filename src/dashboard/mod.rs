@@ -1,6 +1,7 @@
 //! `kmqd dashboard`: a web UI and its JSON API for every queue of a config, served from one process that needs
 //! only Redis (docs/DASHBOARD.md). It claims nothing and registers nowhere: run it on any host, as many as wanted.
 //!
+//! - [`auth`]: users (HTTP Basic, Argon2id hashes) and a bearer token, when `[dashboard]` configures them;
 //! - [`server`]: the HTTP side (tiny_http, as the metrics endpoint: synchronous, a few threads of its own, no
 //!   async runtime): routing, the checks every request passes (Host, and for an action the CSRF token, the
 //!   Origin and `--read-only`), the audit log of actions;
@@ -14,6 +15,7 @@
 
 mod api;
 mod assets;
+pub mod auth;
 mod server;
 
 use std::net::{SocketAddr, TcpListener};
@@ -50,13 +52,19 @@ pub struct Dashboard {
 }
 
 impl Dashboard {
-    /// Binds `options.listen` (port 0: a free one, see [`Dashboard::addr`]).
-    pub fn bind(config: &Config, client: Client, options: &Options) -> std::io::Result<Dashboard> {
+    /// Binds `options.listen` (port 0: a free one, see [`Dashboard::addr`]); every request needs `auth`'s
+    /// credentials when there is one.
+    pub fn bind(
+        config: &Config,
+        client: Client,
+        options: &Options,
+        auth: Option<auth::Auth>,
+    ) -> std::io::Result<Dashboard> {
         let listener = TcpListener::bind(options.listen)?;
         let addr = listener.local_addr()?;
         let server =
             tiny_http::Server::from_listener(listener, None).map_err(std::io::Error::other)?;
-        let state = server::State::new(config, client, options, addr);
+        let state = server::State::new(config, client, options, auth, addr);
         Ok(Dashboard {
             server: Arc::new(server),
             state: Arc::new(state),

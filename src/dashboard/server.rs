@@ -1,8 +1,11 @@
 //! Routing and the checks every request passes.
 //!
-//! - Host: the page and the API answer only to the names of the address they listen on (`127.0.0.1:PORT`,
-//!   `localhost:PORT`, `[::1]:PORT`), so a web page elsewhere cannot reach them through DNS rebinding (a name
-//!   of its own that resolves to 127.0.0.1) and read them as same-origin.
+//! - Authentication, when `[dashboard]` configures it ([`super::auth`]): every request, pages and API, needs a
+//!   user's password (HTTP Basic) or the bearer token, else 401.
+//! - Host, without authentication (loopback): the page and the API answer only to the names of the address
+//!   they listen on (`127.0.0.1:PORT`, `localhost:PORT`, `[::1]:PORT`), so a web page elsewhere cannot reach
+//!   them through DNS rebinding (a name of its own that resolves to 127.0.0.1) and read them as same-origin.
+//!   With authentication a rebound name gets nothing either: the browser has no credentials for it.
 //! - Actions (POST) need the process's CSRF token in the `X-Kmqd-Csrf` header (the pages have it from their
 //!   `<meta name="kmqd-csrf">`, scripts from `GET /api/session`), and an `Origin`, when the client sends one,
 //!   of this server; a cross-site form can set neither. `--read-only` refuses every one (403).
@@ -20,6 +23,7 @@ use serde_json::{Value as Json, json};
 use tiny_http::{Header, Method, Request, Response};
 
 use super::api::{self, Action, ApiError};
+use super::auth::Auth;
 use super::{Options, SharedOverview, assets};
 use crate::client::Client;
 use crate::config::Config;
@@ -33,6 +37,8 @@ pub(super) struct State {
     pub client: Client,
     pub overview: SharedOverview,
     pub read_only: bool,
+    /// `None`: no authentication (loopback only).
+    auth: Option<Auth>,
     /// Random per process: a page served by an earlier run no longer acts.
     csrf: String,
     /// The `Host` values the server answers to.
@@ -42,7 +48,13 @@ pub(super) struct State {
 }
 
 impl State {
-    pub fn new(config: &Config, client: Client, options: &Options, addr: SocketAddr) -> State {
+    pub fn new(
+        config: &Config,
+        client: Client,
+        options: &Options,
+        auth: Option<Auth>,
+        addr: SocketAddr,
+    ) -> State {
         let port = addr.port();
         let mut hosts = vec![
             format!("127.0.0.1:{port}"),
@@ -56,6 +68,7 @@ impl State {
             client,
             overview: SharedOverview::new(Overview::new(config)),
             read_only: options.read_only,
+            auth,
             csrf: uuid::Uuid::new_v4().simple().to_string(),
             hosts,
             queues: config
@@ -85,17 +98,26 @@ pub(super) fn handle(state: &State, mut request: Request) {
 }
 
 fn route(state: &State, request: &mut Request) -> Result<Reply, ApiError> {
-    let host = header(request, "Host").unwrap_or_default();
-    if !state
-        .hosts
-        .iter()
-        .any(|allowed| allowed.eq_ignore_ascii_case(&host))
-    {
-        return Err(ApiError::new(
-            421,
-            format!("this dashboard answers to {} only", state.hosts.join(", ")),
-        ));
-    }
+    let user = match &state.auth {
+        Some(auth) => match auth.user(header(request, "Authorization").as_deref()) {
+            Some(user) => user,
+            None => return Ok(unauthorized(auth)),
+        },
+        None => {
+            let host = header(request, "Host").unwrap_or_default();
+            if !state
+                .hosts
+                .iter()
+                .any(|allowed| allowed.eq_ignore_ascii_case(&host))
+            {
+                return Err(ApiError::new(
+                    421,
+                    format!("this dashboard answers to {} only", state.hosts.join(", ")),
+                ));
+            }
+            LOCAL_USER.to_string()
+        }
+    };
     let url = request.url().to_string();
     let (path, query) = url.split_once('?').unwrap_or((&url, ""));
     let segments: Vec<String> = path
@@ -110,7 +132,7 @@ fn route(state: &State, request: &mut Request) -> Result<Reply, ApiError> {
         (Method::Get, ["assets", name]) => assets::file(name)
             .map(|(content_type, body)| reply(200, content_type, body.as_bytes().to_vec()))
             .ok_or_else(|| ApiError::new(404, format!("no asset {name}"))),
-        (Method::Get, ["api", "session"]) => Ok(json_reply(200, &api::session(state))),
+        (Method::Get, ["api", "session"]) => Ok(json_reply(200, &api::session(state, &user))),
         (Method::Get, ["api", "overview"]) => Ok(json_reply(200, &api::overview(state))),
         (Method::Get, ["api", "daemons"]) => Ok(json_reply(200, &api::daemons(state)?)),
         (Method::Get, ["api", "queues", queue]) => {
@@ -135,7 +157,7 @@ fn route(state: &State, request: &mut Request) -> Result<Reply, ApiError> {
                 _ => return Err(ApiError::new(404, format!("no action at {path}"))),
             };
             let queue = queue.to_string();
-            act(state, request, &queue, action)
+            act(state, request, &user, &queue, action)
         }
         (Method::Get | Method::Post, _) => Err(ApiError::new(404, format!("nothing at {path}"))),
         _ => Err(ApiError::new(405, "GET pages and the API, POST actions")),
@@ -146,6 +168,7 @@ fn route(state: &State, request: &mut Request) -> Result<Reply, ApiError> {
 fn act(
     state: &State,
     request: &mut Request,
+    user: &str,
     queue: &str,
     action: Action,
 ) -> Result<Reply, ApiError> {
@@ -162,11 +185,13 @@ fn act(
         ));
     }
     if let Some(origin) = header(request, "Origin") {
-        let ours = state
-            .hosts
+        // The page's own origin: the host it asked for (checked above on loopback), over HTTP, or HTTPS behind
+        // a proxy that terminates TLS.
+        let host = header(request, "Host").unwrap_or_default();
+        let ours = ["http://", "https://"]
             .iter()
-            .any(|host| origin.eq_ignore_ascii_case(&format!("http://{host}")));
-        if !ours {
+            .any(|scheme| origin.eq_ignore_ascii_case(&format!("{scheme}{host}")));
+        if host.is_empty() || !ours {
             return Err(ApiError::new(
                 403,
                 format!("cross-origin action refused (Origin {origin})"),
@@ -184,13 +209,15 @@ fn act(
     } else {
         serde_json::from_str(&body).map_err(|error| ApiError::new(400, format!("body: {error}")))?
     };
-    let who = who(request);
+    let from = request
+        .remote_addr()
+        .map_or("?".to_string(), ToString::to_string);
     let what = action.name();
     let result = api::act(state, queue, &action, &body);
     match &result {
         Ok(outcome) => tracing::info!(
-            user = who.user,
-            from = %who.from,
+            user,
+            from = %from,
             action = what,
             queue,
             target = action.target(),
@@ -198,8 +225,8 @@ fn act(
             "dashboard action"
         ),
         Err(error) => tracing::warn!(
-            user = who.user,
-            from = %who.from,
+            user,
+            from = %from,
             action = what,
             queue,
             target = action.target(),
@@ -211,20 +238,19 @@ fn act(
     result.map(|outcome| json_reply(200, &outcome))
 }
 
-/// Who asked for an action.
-struct Who {
-    user: &'static str,
-    from: String,
-}
+/// Who asks, without authentication: anyone on this host; the peer address says which connection.
+pub const LOCAL_USER: &str = "local";
 
-fn who(request: &Request) -> Who {
-    Who {
-        // Loopback without authentication: anyone on this host; the peer address says which connection.
-        user: "local",
-        from: request
-            .remote_addr()
-            .map_or("?".to_string(), ToString::to_string),
-    }
+/// 401, asking a browser for a password when there are users (a script sends the token).
+fn unauthorized(auth: &Auth) -> Reply {
+    let challenge = if auth.has_users() {
+        r#"Basic realm="kmqd dashboard", charset="UTF-8""#
+    } else {
+        r#"Bearer realm="kmqd dashboard""#
+    };
+    let body = json!({ "error": "authentication required: a dashboard user's password, or the bearer token" });
+    json_reply(401, &body)
+        .with_header(Header::from_bytes("WWW-Authenticate", challenge).expect("a valid header"))
 }
 
 /// The page shell: one HTML document for every page, its script draws the page its path names.

@@ -324,7 +324,7 @@ fn read_only_refuses_every_action() {
 
 /// Without authentication the dashboard listens on loopback only, and says how to reach it from elsewhere.
 #[test]
-fn listening_beyond_loopback_is_refused() {
+fn listening_beyond_loopback_needs_authentication() {
     let redis = RedisServer::start();
     let dir = TestDir::new();
     let config = dir.config(&redis, QUEUES);
@@ -339,5 +339,124 @@ fn listening_beyond_loopback_is_refused() {
         None,
     );
     assert_eq!(code, 2, "{err}");
-    assert!(err.contains("loopback") && err.contains("ssh -L"), "{err}");
+    assert!(
+        err.contains("beyond loopback")
+            && err.contains("[dashboard] users_file")
+            && err.contains("ssh -L"),
+        "{err}"
+    );
+}
+
+/// `[dashboard]` with a users file (made by `kmqd dashboard hash-password`) and a token file: the dashboard
+/// listens beyond loopback, every request needs a user's password or the token (a browser is asked for a
+/// password), any host name is answered, and an action is logged with the user's name.
+#[test]
+fn users_and_the_token_get_in_and_nobody_else() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let (code, line, err) = kmqd(
+        &["dashboard", "hash-password", "ada"],
+        Some("correct horse\n"),
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(line.starts_with("ada:$argon2id$"), "{line}");
+    std::fs::write(dir.path("users"), format!("# dashboard users\n{line}")).unwrap();
+    let token = "3f6c1d0e9b8a7f6e5d4c3b2a1f0e9d8c";
+    std::fs::write(dir.path("token"), format!("{token}\n")).unwrap();
+    let config = dir.config(
+        &redis,
+        &format!("{QUEUES}\n[dashboard]\nusers_file = \"users\"\ntoken_file = \"token\"\n"),
+    );
+    let dashboard = Dashboard::start_on(&config, &dir, "dashboard.log", "0.0.0.0:0", &[]);
+    let basic = |user: &str, password: &str| {
+        use base64::Engine;
+        let pair = format!("{user}:{password}");
+        format!(
+            "Basic {}",
+            base64::engine::general_purpose::STANDARD.encode(pair)
+        )
+    };
+    let ask = |headers: &[(&str, &str)]| dashboard.request("GET", "/api/session", headers, "");
+
+    let refused = ask(&[]);
+    assert_eq!(status(&refused), 401, "{refused:?}");
+    assert!(
+        refused.body.contains("authentication required"),
+        "{refused:?}"
+    );
+    for wrong in [
+        basic("ada", "wrong"),
+        basic("bob", "correct horse"),
+        format!("Bearer {token}x"),
+    ] {
+        assert_eq!(status(&ask(&[("Authorization", &wrong)])), 401, "{wrong}");
+    }
+    let page = dashboard.request("GET", "/", &[], "");
+    assert_eq!(status(&page), 401, "the pages too: {page:?}");
+
+    let ada = basic("ada", "correct horse");
+    let host = "kmqd.example:8080";
+    let session = ask(&[("Authorization", &ada), ("Host", host)]);
+    assert_eq!(
+        status(&session),
+        200,
+        "any host name, with a password: {session:?}"
+    );
+    let session: serde_json::Value = serde_json::from_str(&session.body).unwrap();
+    assert_eq!(session["user"], "ada");
+    let bearer = format!("Bearer {token}");
+    let by_token: serde_json::Value =
+        serde_json::from_str(&ask(&[("Authorization", &bearer)]).body).unwrap();
+    assert_eq!(by_token["user"], "token");
+
+    let csrf = session["csrf"].as_str().unwrap();
+    let origin = format!("http://{host}");
+    let paused = dashboard.request(
+        "POST",
+        "/api/queues/jobs/pause",
+        &[
+            ("Authorization", &ada),
+            ("Host", host),
+            ("Origin", &origin),
+            ("X-Kmqd-Csrf", csrf),
+        ],
+        "",
+    );
+    assert_eq!(status(&paused), 200, "{paused:?}");
+    assert_eq!(redis.cmd::<i64>(&["EXISTS", "kmq:{jobs}:paused"]), 1);
+    let log = dashboard.log();
+    assert!(
+        log.lines()
+            .any(|line| line.contains("dashboard action") && line.contains("user=\"ada\"")),
+        "{log}"
+    );
+}
+
+/// The dashboard reads `[dashboard]`'s secrets when it starts: one that is missing stops it with the file, line
+/// and key to fix, while the other commands, which never read them, run with the same config.
+#[test]
+fn a_missing_secret_names_its_file_line_and_key() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(
+        &redis,
+        &format!("{QUEUES}\n[dashboard]\ntoken_env = \"KMQD_TEST_NO_SUCH_TOKEN\"\n"),
+    );
+    let path = config.to_str().unwrap();
+    let (code, _, err) = kmqd(&["-c", path, "dashboard"], None);
+    assert_eq!(code, 2, "{err}");
+    let line = std::fs::read_to_string(&config)
+        .unwrap()
+        .lines()
+        .position(|line| line.starts_with("token_env"))
+        .unwrap()
+        + 1;
+    assert!(
+        err.contains(&format!(
+            "{path}:{line}:13: dashboard.token_env: environment variable KMQD_TEST_NO_SUCH_TOKEN is not set"
+        )),
+        "{err}"
+    );
+    let (code, _, err) = kmqd(&["-c", path, "stats"], None);
+    assert_eq!(code, 0, "stats does not need the dashboard's token: {err}");
 }

@@ -26,7 +26,19 @@ impl Dashboard {
 
     /// As [`Dashboard::start`], logging to `log` in `dir` (two dashboards side by side).
     pub fn start_named(config: &Path, dir: &TestDir, log: &str, args: &[&str]) -> Dashboard {
-        let mut all = vec!["dashboard", "--listen", "127.0.0.1:0"];
+        Dashboard::start_on(config, dir, log, "127.0.0.1:0", args)
+    }
+
+    /// As [`Dashboard::start_named`], listening on `listen`; [`Dashboard::addr`] is on loopback, whatever
+    /// address it listens on.
+    pub fn start_on(
+        config: &Path,
+        dir: &TestDir,
+        log: &str,
+        listen: &str,
+        args: &[&str],
+    ) -> Dashboard {
+        let mut all = vec!["dashboard", "--listen", listen];
         all.extend_from_slice(args);
         let process = Process::start_with_args(config, dir.path(log), &all);
         let addr = eventually(Duration::from_secs(30), "the dashboard's address", || {
@@ -39,6 +51,10 @@ impl Dashboard {
             (addr.is_some(), addr.ok_or(log))
         })
         .unwrap();
+        let addr = match addr.ip().is_unspecified() {
+            true => SocketAddr::from(([127, 0, 0, 1], addr.port())),
+            false => addr,
+        };
         Dashboard { process, addr }
     }
 
