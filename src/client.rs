@@ -327,6 +327,14 @@ impl Client {
         Ok(broker::peek::peek(&mut connection, &info.keys, limit)?)
     }
 
+    /// The queue's samples a minute (counters and depths) of the last hour, oldest first: the dashboard's charts
+    /// (written by the daemons' monitors, broker/history.rs).
+    pub fn history(&self, queue: &str) -> Result<Vec<broker::history::Sample>, ClientError> {
+        let info = self.queue(queue)?;
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        Ok(broker::history::read(&mut connection, &info.keys)?)
+    }
+
     /// Redis's clock, ms since the epoch: what a dead record's `dead_at` is measured on.
     pub fn redis_now(&self, queue: &str) -> Result<i64, ClientError> {
         self.queue(queue)?;

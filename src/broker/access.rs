@@ -64,11 +64,13 @@ impl Role {
                 Action::Show,
                 Action::DeadRead,
                 Action::Workers,
+                Action::History,
             ],
             Role::Operator => &[
                 Action::Stats,
                 Action::Show,
                 Action::Workers,
+                Action::History,
                 Action::Cancel,
                 Action::DeadRead,
                 Action::DeadRequeue,
@@ -155,6 +157,8 @@ pub enum Action {
     Resume,
     /// `kmqd workers`, `Client::workers`.
     Workers,
+    /// The dashboard's charts, `Client::history`.
+    History,
 }
 
 impl Action {
@@ -163,7 +167,9 @@ impl Action {
         match self {
             Action::Serve => Role::Daemon,
             Action::Push => Role::Producer,
-            Action::Stats | Action::Show | Action::DeadRead | Action::Workers => Role::Reader,
+            Action::Stats | Action::Show | Action::DeadRead | Action::Workers | Action::History => {
+                Role::Reader
+            }
             Action::Cancel
             | Action::DeadRequeue
             | Action::DeadPurge
@@ -186,6 +192,7 @@ impl Action {
             Action::Pause => PAUSE,
             Action::Resume => RESUME,
             Action::Workers => WORKERS,
+            Action::History => HISTORY,
         }
     }
 
@@ -196,7 +203,7 @@ impl Action {
     fn keyed(self) -> bool {
         !matches!(
             self,
-            Action::Stats | Action::Show | Action::DeadRead | Action::Workers
+            Action::Stats | Action::Show | Action::DeadRead | Action::Workers | Action::History
         )
     }
 }
@@ -482,6 +489,7 @@ enum Kind {
     Schedules,
     Meta,
     Paused,
+    History,
 }
 
 /// What a command touches.
@@ -623,6 +631,12 @@ const DAEMON: &[(&str, On)] = &[
     ("rpush", key(K::Ready)),
     // fire.lua.
     ("hset", key(K::Schedules)),
+    // history.lua (the monitor's sample a minute for the dashboard's charts).
+    ("evalsha", key(K::History)),
+    ("zrange", key(K::History)),
+    ("zadd", key(K::History)),
+    ("zrem", key(K::History)),
+    ("hmget", key(K::Stats)),
 ];
 
 /// `kmqd push`: the enqueue script, push.lua.
@@ -675,6 +689,13 @@ const WORKERS: &[(&str, On)] = &[
     ("exists", key(K::Paused)),
     ("hgetall", key(K::OwnerInfo)),
     ("hlen", key(K::Processing)),
+];
+
+/// The dashboard's charts: the history zset, read whole.
+const HISTORY: &[(&str, On)] = &[
+    ("evalsha", NOTHING),
+    ("script|load", NOTHING),
+    ("zrange", key(K::History)),
 ];
 
 /// `kmqd queue pause`: one SET of the paused key.
@@ -903,6 +924,7 @@ fn names(keys: &QueueKeys, kind: Kind) -> Vec<String> {
         Kind::Schedules => vec![keys.schedules.clone()],
         Kind::Meta => vec![keys.meta.clone()],
         Kind::Paused => vec![keys.paused.clone()],
+        Kind::History => vec![keys.history.clone()],
     }
 }
 
@@ -1194,6 +1216,7 @@ mod tests {
             Action::Pause,
             Action::Resume,
             Action::Workers,
+            Action::History,
         ] {
             assert!(action.role().actions().contains(&action), "{action:?}");
         }

@@ -11,6 +11,7 @@
 //! - [`lookup`]: finding and cancelling tasks by id;
 //! - [`peek`]: the heads of a queue's ready lists, delayed tasks and retries (the dashboard's queue page);
 //! - [`dead`]: the dead-letter list: reading, requeueing and purging records;
+//! - [`history`]: a sample a minute of each queue's counters and depths, for the dashboard's charts;
 //! - [`schedule`]: firing periodic tasks;
 //! - [`stats`]: depths and counters, and the protocol-version check.
 
@@ -18,6 +19,7 @@ pub mod access;
 pub mod admin;
 pub mod connection;
 pub mod dead;
+pub mod history;
 pub mod keys;
 pub mod lookup;
 pub mod owners;
@@ -175,6 +177,7 @@ struct Scripts {
     dead_requeue: redis::Script,
     dead_purge: redis::Script,
     drain: redis::Script,
+    history: redis::Script,
 }
 
 /// The scripts' sources, for tests that pick out one script's calls (a fault-injecting proxy matches them).
@@ -194,6 +197,7 @@ pub mod sources {
     pub const DEAD_REQUEUE: &str = include_str!("scripts/dead_requeue.lua");
     pub const DEAD_PURGE: &str = include_str!("scripts/dead_purge.lua");
     pub const DRAIN: &str = include_str!("scripts/drain.lua");
+    pub const HISTORY: &str = include_str!("scripts/history.lua");
 }
 
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
@@ -213,6 +217,7 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     dead_requeue: redis::Script::new(sources::DEAD_REQUEUE),
     dead_purge: redis::Script::new(sources::DEAD_PURGE),
     drain: redis::Script::new(sources::DRAIN),
+    history: redis::Script::new(sources::HISTORY),
 });
 
 /// The published enqueue script (docs/PROTOCOL.md shows how to call it from any language).

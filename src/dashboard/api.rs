@@ -8,6 +8,7 @@ use serde_json::{Value as Json, json};
 
 use super::server::State;
 use crate::broker::dead::DeadRecord;
+use crate::broker::history::Sample;
 use crate::broker::peek::DueTask;
 use crate::client::{ClientError, DeadSelection};
 use crate::task::Envelope;
@@ -62,6 +63,63 @@ pub fn overview(state: &State) -> Json {
         "read_only": state.read_only,
         "queues": overview.rows,
     })
+}
+
+/// `GET /api/history`: per queue, the points of its charts over the last hour, oldest first: one per minute's
+/// sample (broker/history.rs), then the overview's last poll as the newest.
+pub fn history(state: &State) -> Result<Json, ApiError> {
+    let Some((first, _)) = state.queues.first() else {
+        return Ok(json!({ "queues": {} }));
+    };
+    let now_ms = state.client.redis_now(first)?;
+    let rows = state
+        .overview
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .rows
+        .clone();
+    let mut queues = serde_json::Map::new();
+    for (queue, _) in &state.queues {
+        let mut points = points(&state.client.history(queue)?, now_ms);
+        if let Some(row) = rows.iter().find(|row| &row.name == queue) {
+            points.push(json!({
+                "ago_ms": 0,
+                "done": row.rates.map(|r| r.done),
+                "failed": row.rates.map(|r| r.failed),
+                "ready": row.ready,
+                "delayed": row.delayed,
+                "dead": row.dead,
+            }));
+        }
+        queues.insert(queue.clone(), Json::Array(points));
+    }
+    Ok(json!({ "now_ms": now_ms, "minutes": crate::broker::history::MINUTES, "queues": queues }))
+}
+
+/// The charts' points of these samples: how long ago each was taken, its depths, and the rates (per second)
+/// since the sample before (null for the first; a counter that went down, its keys deleted, counts as 0).
+fn points(samples: &[Sample], now_ms: i64) -> Vec<Json> {
+    let mut before: Option<&Sample> = None;
+    samples
+        .iter()
+        .map(|sample| {
+            let rate = |pick: fn(&Sample) -> u64| {
+                before.filter(|b| sample.at > b.at).map(|b| {
+                    pick(sample).saturating_sub(pick(b)) as f64 * 1000.0 / (sample.at - b.at) as f64
+                })
+            };
+            let point = json!({
+                "ago_ms": now_ms - sample.at,
+                "done": rate(|s| s.done),
+                "failed": rate(|s| s.failed),
+                "ready": sample.ready,
+                "delayed": sample.delayed,
+                "dead": sample.dead,
+            });
+            before = Some(sample);
+            point
+        })
+        .collect()
 }
 
 /// `GET /api/daemons`: the daemons alive on every queue, as `kmqd workers --json` lists them.
@@ -226,5 +284,37 @@ fn selection<'a>(ids: &Option<Vec<String>>, refs: &'a [&'a str]) -> DeadSelectio
     match ids {
         Some(_) => DeadSelection::Ids(refs),
         None => DeadSelection::All,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn points_are_rates_between_samples_and_depths_at_each() {
+        let sample = |at: i64, done: u64, failed: u64, ready: u64| Sample {
+            at,
+            done,
+            failed,
+            ready,
+            delayed: 1,
+            dead: 2,
+        };
+        let samples = [
+            sample(60_000, 100, 0, 5),
+            sample(120_000, 700, 30, 7),
+            // The counters' keys were deleted: no growth, not a negative rate.
+            sample(180_000, 10, 0, 0),
+        ];
+        let points = points(&samples, 200_000);
+        assert_eq!(
+            points,
+            [
+                json!({"ago_ms": 140_000, "done": null, "failed": null, "ready": 5, "delayed": 1, "dead": 2}),
+                json!({"ago_ms": 80_000, "done": 10.0, "failed": 0.5, "ready": 7, "delayed": 1, "dead": 2}),
+                json!({"ago_ms": 20_000, "done": 0.0, "failed": 0.0, "ready": 0, "delayed": 1, "dead": 2}),
+            ]
+        );
     }
 }

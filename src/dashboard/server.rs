@@ -135,6 +135,7 @@ fn route(state: &State, request: &mut Request) -> Result<Reply, ApiError> {
         (Method::Get, ["api", "session"]) => Ok(json_reply(200, &api::session(state, &user))),
         (Method::Get, ["api", "overview"]) => Ok(json_reply(200, &api::overview(state))),
         (Method::Get, ["api", "daemons"]) => Ok(json_reply(200, &api::daemons(state)?)),
+        (Method::Get, ["api", "history"]) => Ok(json_reply(200, &api::history(state)?)),
         (Method::Get, ["api", "queues", queue]) => {
             let limit = query_value(query, "limit")
                 .map(|text| text.parse::<usize>())

@@ -93,6 +93,65 @@ function button(label, onclick, danger) {
   return el("button", { class: danger ? "danger" : null, "data-action": label.toLowerCase(), onclick }, label);
 }
 
+// --- charts: hand-drawn SVG, the last hour of /api/history ------------------------------------------------
+
+const SVG_NS = "http://www.w3.org/2000/svg";
+const HISTORY_POLL_MS = 5000;
+let history = null;
+
+function svg(tag, attrs, ...children) {
+  const node = document.createElementNS(SVG_NS, tag);
+  for (const [key, value] of Object.entries(attrs || {})) node.setAttribute(key, value);
+  node.append(...children);
+  return node;
+}
+
+function number(value) {
+  if (value === null || value === undefined) return "-";
+  return value >= 100 || Number.isInteger(value) ? String(Math.round(value)) : value.toFixed(1);
+}
+
+// One chart: `series` are [field, class, label]; x is the last `minutes` minutes, y from 0 to the largest value.
+function chart(title, points, series, minutes) {
+  const W = 300, H = 70, span = minutes * 60000;
+  const shown = points.filter((p) => p.ago_ms <= span);
+  const values = series.flatMap(([field]) => shown.map((p) => p[field] ?? 0));
+  const max = Math.max(...values, 0);
+  const x = (ago) => (W * (1 - ago / span)).toFixed(1);
+  const y = (v) => (H - 3 - (H - 6) * (max > 0 ? v / max : 0)).toFixed(1);
+  const lines = series.map(([field, cls]) => {
+    const xy = shown.filter((p) => p[field] !== null && p[field] !== undefined).map((p) => x(p.ago_ms) + "," + y(p[field]));
+    return xy.length > 1 ? svg("polyline", { class: cls, points: xy.join(" ") })
+      : svg("circle", { class: cls, cx: xy.length ? xy[0].split(",")[0] : W, cy: xy.length ? xy[0].split(",")[1] : H - 3, r: 2 });
+  });
+  const last = shown[shown.length - 1] || {};
+  return el("div", { class: "chart" },
+    el("div", { class: "chart-head" }, el("span", { class: "label" }, title), el("span", { class: "dim" }, "max " + number(max))),
+    svg("svg", { viewBox: `0 0 ${W} ${H}`, preserveAspectRatio: "none", role: "img", "aria-label": title },
+      svg("line", { class: "axis", x1: 0, y1: H - 3, x2: W, y2: H - 3 }), ...lines),
+    el("div", { class: "legend" }, series.map(([field, cls, label]) =>
+      el("span", { class: "key " + cls }, label + " " + number(last[field])))));
+}
+
+function charts(queue) {
+  if (!history || !history.queues[queue]) return el("p", { class: "empty" }, "no history yet");
+  const points = history.queues[queue];
+  return el("div", { class: "charts", "data-queue": queue },
+    chart("rate /s", points, [["done", "s-done", "done"], ["failed", "s-failed", "failed"]], history.minutes),
+    chart("depth", points, [["ready", "s-ready", "ready"], ["delayed", "s-delayed", "delayed"], ["dead", "s-dead", "dead"]],
+      history.minutes));
+}
+
+async function refreshHistory() {
+  try {
+    history = await getJson("/api/history");
+    refresh(true);
+  } catch (_) {
+    // The status line shows Redis's trouble already; the charts keep their last points.
+  }
+  setTimeout(refreshHistory, HISTORY_POLL_MS);
+}
+
 function queueUrl(name) {
   return "/api/queues/" + encodeURIComponent(name);
 }
@@ -125,7 +184,10 @@ const pages = {
       return [el("h1", {}, "Queues"), table([["queue"], ["mode", "hide-narrow"], ["state"], ["ready", "num"],
         ["by level", "hide-narrow"], ["processing", "num"], ["delayed", "num"], ["dead", "num"],
         ["done/s", "num"], ["failed/s", "num"], ["lag", "num"], ["daemons", "num"]], rows,
-        "no queues in the config")];
+        "no queues in the config"),
+        el("h2", {}, "The last hour"),
+        el("div", { class: "chart-grid" }, data.queues.map((q) => el("div", { class: "card" },
+          el("a", { href: "/queues/" + encodeURIComponent(q.name) }, q.name), charts(q.name))))];
     },
   },
 
@@ -171,6 +233,7 @@ const pages = {
           card("delayed", s.delayed - s.retrying, "delayed"), card("retrying", s.retrying, "retrying"),
           card("dead", s.dead, "dead"), card("done", s.done, "done"), card("failed", s.failed, "failed"),
           card("lag", duration(s.lag_ms), "lag")),
+        el("div", { class: "card history" }, charts(name)),
         el("h2", {}, "Ready (the next to run, per level)"),
         el("div", { id: "ready" }, table([["level"], ["#", "num"], ["id"], ["type"], ["attempt", "num"], ["age", "num"], [""]],
           ready, "nothing ready")),
@@ -282,5 +345,7 @@ async function refresh(force) {
 
 document.addEventListener("DOMContentLoaded", () => {
   if (READ_ONLY) document.getElementById("mode-badge").append(el("span", { class: "badge ro" }, "read-only"));
+  const page = currentPage();
+  if (page === pages.overview || page === pages.queue) refreshHistory();
   refresh(true);
 });

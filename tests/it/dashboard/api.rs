@@ -460,3 +460,85 @@ fn a_missing_secret_names_its_file_line_and_key() {
     let (code, _, err) = kmqd(&["-c", path, "stats"], None);
     assert_eq!(code, 0, "stats does not need the dashboard's token: {err}");
 }
+
+/// The charts' history: a daemon's monitor writes one sample a minute of each queue's counters and depths (the
+/// first offer of the minute, on Redis's clock), drops the samples older than an hour, and the dashboard turns
+/// the samples into rates; a dashboard started later reads the same history.
+#[test]
+fn daemons_keep_an_hour_of_samples_and_the_dashboard_charts_them() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, QUEUES);
+    let history = "kmq:{jobs}:history";
+    let (seconds, _): (String, String) = {
+        let time: Vec<String> = redis.cmd(&["TIME"]);
+        (time[0].clone(), time[1].clone())
+    };
+    let minute = seconds.parse::<i64>().unwrap() / 60;
+    // 70 minutes of samples (done growing 60 a minute: 1/s), ten more than the history keeps.
+    for ago in 1..=70 {
+        let at = (minute - ago) * 60_000 + 5_000;
+        let done = (70 - ago) * 60;
+        let sample =
+            format!(r#"{{"at":{at},"done":{done},"failed":0,"ready":{ago},"delayed":0,"dead":0}}"#);
+        let _: i64 = redis.cmd(&["ZADD", history, &(minute - ago).to_string(), &sample]);
+    }
+    let client = client(&config);
+    client.pause("jobs").unwrap();
+    for id in ["a", "b"] {
+        push(&config, "jobs", task(id, "{}"));
+    }
+    push(
+        &config,
+        "jobs",
+        task("later", "{}").delay(Duration::from_secs(3600)),
+    );
+
+    let daemon = TestDaemon::start(&config);
+    let samples = eventually(Duration::from_secs(30), "this minute's sample", || {
+        let members: Vec<String> = redis.cmd(&["ZRANGE", history, "0", "-1"]);
+        let newest: serde_json::Value = serde_json::from_str(members.last().unwrap()).unwrap();
+        (newest["ready"] == 2, members)
+    });
+    let newest: serde_json::Value = serde_json::from_str(samples.last().unwrap()).unwrap();
+    assert_eq!(
+        (newest["delayed"].as_u64(), newest["dead"].as_u64()),
+        (Some(1), Some(0)),
+        "{newest}"
+    );
+    assert_eq!(newest["done"], 0);
+    let scores: Vec<String> = redis.cmd(&["ZRANGE", history, "0", "-1", "WITHSCORES"]);
+    let oldest: i64 = scores[1].parse().unwrap();
+    assert!(
+        oldest >= minute - 60,
+        "an hour is kept, no more: {oldest} vs {minute}"
+    );
+    assert!(samples.len() <= 61, "{}", samples.len());
+
+    let dashboard = Dashboard::start(&config, &dir, &[]);
+    row_when(&dashboard, "jobs", "the first poll", |row| {
+        row["ready"] == 2
+    });
+    let charted = dashboard.json("/api/history");
+    let points = charted["queues"]["jobs"].as_array().unwrap();
+    assert_eq!(
+        points.len(),
+        samples.len() + 1,
+        "each sample, and the last poll: {charted}"
+    );
+    assert_eq!(
+        points[0]["done"],
+        serde_json::Value::Null,
+        "no rate before the first sample"
+    );
+    let rate = points[5]["done"].as_f64().unwrap();
+    assert!((rate - 1.0).abs() < 1e-9, "60 a minute: {rate}");
+    let live = points.last().unwrap();
+    assert_eq!(
+        (live["ago_ms"].as_i64(), live["ready"].as_u64()),
+        (Some(0), Some(2)),
+        "{live}"
+    );
+    assert!(charted["queues"]["mail"].is_array());
+    daemon.stop();
+}

@@ -33,12 +33,19 @@ def eventually(within, what, condition):
     raise AssertionError(f"{what}: not within {within}s (last: {last!r})")
 
 
+def read(what, get):
+    """`get()`, tried again while the page redraws under it (the element it found was replaced)."""
+    return eventually(5, what, lambda: [get()])[0]
+
+
 def cell(driver, queue, field):
-    return driver.find_element(By.CSS_SELECTOR, f'tr[data-queue="{queue}"] [data-field="{field}"]').text
+    return read(f"{queue}'s {field}", lambda: driver.find_element(
+        By.CSS_SELECTOR, f'tr[data-queue="{queue}"] [data-field="{field}"]').text)
 
 
 def card(driver, field):
-    return int(driver.find_element(By.CSS_SELECTOR, f'.card [data-field="{field}"]').text)
+    return int(read(f"the {field} card", lambda: driver.find_element(
+        By.CSS_SELECTOR, f'.card [data-field="{field}"]').text))
 
 
 def shot(driver, name):
@@ -61,7 +68,8 @@ def main():
             for field, value in fields.items():
                 eventually(10, f"{queue} {field} = {value} on the overview",
                            lambda: cell(driver, queue, field) == str(value))
-        state = driver.find_element(By.CSS_SELECTOR, 'tr[data-queue="billing"] .badge').text
+        state = read("billing's state", lambda: driver.find_element(
+            By.CSS_SELECTOR, 'tr[data-queue="billing"] .badge').text)
         assert state == "paused", f"billing shows {state!r}"
 
         # A push shows on the page within two seconds.
@@ -71,25 +79,39 @@ def main():
                        stdout=subprocess.DEVNULL)
         eventually(2, "the push on the overview", lambda: cell(driver, "billing", "ready") == str(ready + 1))
         measured["push_shown_ms"] = round((time.monotonic() - started) * 1000)
+        assert measured["push_shown_ms"] <= 2000, measured
+
+        # The charts draw the hour of history the daemons keep in Redis (seeded for mail), and move with it.
+        def drawn(queue, series):
+            return driver.execute_script(
+                "const line = document.querySelector(arguments[0]);"
+                "return line && line.tagName === 'polyline' ? line.getAttribute('points').split(' ').length : 0;",
+                f'.charts[data-queue="{queue}"] .{series}')
+        eventually(10, "mail's hour of rates on the chart", lambda: drawn("mail", "s-done") >= 60)
+        eventually(10, "mail's hour of depths on the chart", lambda: drawn("mail", "s-ready") >= 60)
+        measured["chart_points"] = drawn("mail", "s-done")
 
         # Rates moving, for the picture.
         eventually(20, "mail's done/s above 0", lambda: float(cell(driver, "mail", "done_rate")) > 0)
+        driver.set_window_size(1280, 620)
+        time.sleep(0.3)  # the relayout (no condition to poll: the same elements, smaller)
         shot(driver, "dashboard-overview.png")
         driver.set_window_size(390, 844)
         time.sleep(0.3)  # the relayout (no condition to poll: the same elements, narrower)
         shot(driver, "dashboard-phone.png")
-        driver.set_window_size(1280, 720)
+        driver.set_window_size(1280, 900)
 
         # Requeueing a dead task from its button makes it run (it fails again: the failed counter moves).
         driver.get(url + "/queues/jobs")
         row = '#dead tr[data-id="doomed"]'
         eventually(10, "doomed in the dead table", lambda: driver.find_elements(By.CSS_SELECTOR, row))
         failed = card(driver, "failed")
+        eventually(10, "the queue's charts", lambda: driver.find_elements(By.CSS_SELECTOR, '.charts[data-queue="jobs"]'))
         shot(driver, "dashboard-queue.png")
         eventually(5, "a click on doomed's Requeue", lambda: driver.find_element(
             By.CSS_SELECTOR, row + ' button[data-action="requeue"]').click() or True)
         eventually(5, "the requeue's answer", lambda: "requeue doomed" in driver.find_element(By.ID, "flash").text)
-        flash = driver.find_element(By.ID, "flash").text
+        flash = read("the flash", lambda: driver.find_element(By.ID, "flash").text)
         assert '"requeued":["doomed"]' in flash, flash
         eventually(20, "doomed to run again", lambda: card(driver, "failed") == failed + 1)
 
@@ -98,9 +120,10 @@ def main():
         for path in ["/", "/queues/jobs", "/daemons"]:
             driver.get(ro + path)
             eventually(10, f"{path} drawn", lambda: driver.find_elements(By.CSS_SELECTOR, "main table"))
-            buttons = driver.find_elements(By.CSS_SELECTOR, "main button")
-            assert not buttons, f"{path} has buttons: {[b.text for b in buttons]}"
-            assert driver.find_element(By.ID, "mode-badge").text == "read-only"
+            buttons = driver.execute_script("return document.querySelectorAll('main button').length")
+            assert buttons == 0, f"{path} has {buttons} buttons"
+            badge = read("the read-only badge", lambda: driver.find_element(By.ID, "mode-badge").text)
+            assert badge == "read-only", badge
         refused = driver.execute_async_script("""
             const done = arguments[arguments.length - 1];
             const token = document.querySelector('meta[name="kmqd-csrf"]').content;

@@ -34,12 +34,46 @@ fn chromium_is_here() {
     );
 }
 
+/// An hour of `queue`'s history as its daemons would have written it (broker/history.rs): a busy hour, a burst
+/// of failures 20 minutes ago; the stats counters set to where the hour ends, so the daemon's own samples go on
+/// from there. The charts' picture, and what the browser checks they draw.
+fn seed_history(redis: &RedisServer, queue: &str) {
+    let time: Vec<String> = redis.cmd(&["TIME"]);
+    let now_ms = time[0].parse::<i64>().unwrap() * 1000;
+    let minute = now_ms / 60_000;
+    let (mut done, mut failed) = (0u64, 0u64);
+    for ago in (1..=60).rev() {
+        let phase = ago as f64 / 7.0;
+        done += (60.0 * (300.0 + 80.0 * phase.sin())) as u64;
+        failed += if (18..=21).contains(&ago) { 1800 } else { 6 };
+        let ready = (2500.0 + 1800.0 * (phase / 2.0).cos()) as u64;
+        let sample = format!(
+            r#"{{"at":{},"done":{done},"failed":{failed},"ready":{ready},"delayed":{},"dead":{}}}"#,
+            (minute - ago) * 60_000 + 2_000,
+            40 + ago % 7,
+            u64::from(ago <= 20),
+        );
+        let key = format!("kmq:{{{queue}}}:history");
+        let _: i64 = redis.cmd(&["ZADD", &key, &(minute - ago).to_string(), &sample]);
+    }
+    let stats = format!("kmq:{{{queue}}}:stats");
+    let _: i64 = redis.cmd(&[
+        "HSET",
+        &stats,
+        "done",
+        &done.to_string(),
+        "failed",
+        &failed.to_string(),
+    ]);
+}
+
 #[test]
 fn the_pages_show_redis_and_their_buttons_act() {
     chromium_is_here();
     let redis = RedisServer::start();
     let dir = TestDir::new();
     let config = dir.config(&redis, QUEUES);
+    seed_history(&redis, "mail");
     let daemon = TestDaemon::start(&config);
     let client = client(&config);
     client
