@@ -298,13 +298,14 @@ function daemonRow(w) {
   return el("tr", { "data-owner": w.owner },
     el("td", {}, w.queue), el("td", {}, w.host), el("td", { class: "num" }, w.pid), el("td", {}, w.version),
     el("td", { class: "num" }, duration(w.lease_left_ms)), el("td", { class: "num" }, w.held ?? "-"),
+    el("td", { class: "num" + (w.stuck ? " bad" : ""), "data-field": "stuck" }, w.stuck ?? "-"),
     el("td", {}, clock(w.started_at_ms)), el("td", {}, el("span", { class: "badge " + state }, state)),
     el("td", { class: "dim" }, w.owner));
 }
 
 function daemonTable(rows) {
   return el("div", { id: "daemons" }, table([["queue"], ["host"], ["pid", "num"], ["version"], ["lease left", "num"],
-    ["held", "num"], ["started"], ["state"], ["owner"]], rows, "no daemon alive on these queues"));
+    ["held", "num"], ["stuck", "num"], ["started"], ["state"], ["owner"]], rows, "no daemon alive on these queues"));
 }
 
 function pretty(text) {

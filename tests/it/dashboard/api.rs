@@ -542,3 +542,43 @@ fn daemons_keep_an_hour_of_samples_and_the_dashboard_charts_them() {
     assert!(charted["queues"]["mail"].is_array());
     daemon.stop();
 }
+
+/// A worker stuck in a handler that ignores its cancel is counted by its daemon's next renewal, and shown on the
+/// daemons page and by `kmqd workers`; once the handler returns, the count goes back to 0.
+#[test]
+fn the_daemons_say_how_many_workers_are_stuck() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(
+        &redis,
+        "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\nworkers = 2\nexecution_timeout = \"1s\"\n\
+         retry_times = 0\nlease_timeout = \"3s\"\n",
+    );
+    let release = dir.path("release");
+    let data = format!(
+        r#"{{"wait_for_file":"{}","ignore_cancel":true}}"#,
+        release.display()
+    );
+    push(&config, "jobs", task("hangs", &data));
+    let daemon = TestDaemon::start(&config);
+    let dashboard = Dashboard::start(&config, &dir, &[]);
+    let stuck = |want: u64| {
+        eventually(Duration::from_secs(15), &format!("{want} stuck"), || {
+            let daemons = dashboard.json("/api/daemons");
+            (daemons["daemons"][0]["stuck"] == want, daemons)
+        })
+    };
+    stuck(1);
+    let (code, out, err) = kmqd(&["-c", config.to_str().unwrap(), "workers"], None);
+    assert_eq!(code, 0, "{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    let column = lines[0].find("STUCK").expect("a STUCK column");
+    assert_eq!(
+        lines[1][..column + 5].trim_end().rsplit(' ').next(),
+        Some("1"),
+        "{out}"
+    );
+    std::fs::write(&release, "").unwrap();
+    stuck(0);
+    daemon.stop();
+}
