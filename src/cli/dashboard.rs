@@ -36,11 +36,12 @@ pub enum DashboardCommand {
 }
 
 /// What the pages read, and what their buttons do.
-const READS: [Action; 4] = [
+const READS: [Action; 5] = [
     Action::Stats,
     Action::Workers,
     Action::Show,
     Action::DeadRead,
+    Action::History,
 ];
 const ACTIONS: [Action; 5] = [
     Action::Pause,
