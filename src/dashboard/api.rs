@@ -225,9 +225,13 @@ impl Action {
 /// Does `action` on `queue`; answers what came of it.
 pub fn act(state: &State, queue: &str, action: &Action, body: &Json) -> Result<Json, ApiError> {
     let client = &state.client;
-    Ok(match action {
-        Action::Pause => json!({ "paused": client.pause(queue)? }),
-        Action::Resume => json!({ "resumed": client.resume(queue)? }),
+    let done = match action {
+        Action::Pause => client
+            .pause(queue)
+            .map(|paused| json!({ "paused": paused })),
+        Action::Resume => client
+            .resume(queue)
+            .map(|resumed| json!({ "resumed": resumed })),
         Action::Requeue => {
             let ids = selected_ids(body)?;
             let refs: Vec<&str> = ids.iter().flatten().map(String::as_str).collect();
@@ -235,18 +239,19 @@ pub fn act(state: &State, queue: &str, action: &Action, body: &Json) -> Result<J
                 .get("reset_attempts")
                 .and_then(Json::as_bool)
                 .unwrap_or(false);
-            let report = client.dead_requeue(queue, selection(&ids, &refs), reset)?;
-            serde_json::to_value(report).expect("a report serializes")
+            client
+                .dead_requeue(queue, selection(&ids, &refs), reset)
+                .map(|report| serde_json::to_value(report).expect("a report serializes"))
         }
         Action::Purge => {
             let ids = selected_ids(body)?;
             let refs: Vec<&str> = ids.iter().flatten().map(String::as_str).collect();
-            let report = client.dead_purge(queue, selection(&ids, &refs))?;
-            serde_json::to_value(report).expect("a report serializes")
+            client
+                .dead_purge(queue, selection(&ids, &refs))
+                .map(|report| serde_json::to_value(report).expect("a report serializes"))
         }
-        Action::Cancel(id) => {
-            let removed = client.cancel(queue, id)?;
-            if removed == 0 {
+        Action::Cancel(id) => match client.cancel(queue, id) {
+            Ok(0) => {
                 return Err(ApiError::new(
                     404,
                     format!(
@@ -254,8 +259,16 @@ pub fn act(state: &State, queue: &str, action: &Action, body: &Json) -> Result<J
                     ),
                 ));
             }
-            json!({ "cancelled": removed })
-        }
+            other => other.map(|removed| json!({ "cancelled": removed })),
+        },
+    };
+    done.map_err(|error| match error {
+        // As the CLI says it (cli::change_failed): a lost reply leaves it unknown whether the change was made.
+        ClientError::Broker(error) if error.may_have_run() => ApiError::new(
+            503,
+            format!("{error}; the reply was lost, so the action may have been applied, in part or whole: the page shows what Redis holds now, and doing it again is safe"),
+        ),
+        other => other.into(),
     })
 }
 
