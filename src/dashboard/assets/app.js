@@ -283,7 +283,7 @@ const pages = {
           f.position !== undefined ? " · " + f.position + " ahead of it" : "", f.owner ? " · owner " + f.owner : ""),
         el("pre", {}, pretty(f.envelope || f.record))));
       return [el("h1", {}, "Find a task"), form,
-        places.length ? places : el("p", { class: "empty" }, "not in " + data.queue + ": unknown, done, or trimmed")];
+        ...(places.length ? places : [el("p", { class: "empty" }, "not in " + data.queue + ": unknown, done, or trimmed")])];
     },
   },
 };

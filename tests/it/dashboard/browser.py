@@ -115,6 +115,20 @@ def main():
         assert '"requeued":["doomed"]' in flash, flash
         eventually(20, "doomed to run again", lambda: card(driver, "failed") == failed + 1)
 
+        # Pause and Resume from the queue's header: the badge follows Redis.
+        for button_name, state in [("pause", "paused"), ("resume", "serving")]:
+            eventually(5, f"a click on {button_name}", lambda: driver.find_element(
+                By.CSS_SELECTOR, f'h1 button[data-action="{button_name}"]').click() or True)
+            eventually(5, f"the queue {state}", lambda: read("the state badge", lambda: driver.find_element(
+                By.ID, "queue-state").text) == state)
+
+        # The daemons page lists the daemon on each queue; a task found by id shows where it is.
+        driver.get(url + "/daemons")
+        eventually(10, "a daemon per queue", lambda: len(driver.find_elements(By.CSS_SELECTOR, "tr[data-owner]")) == 4)
+        driver.get(url + "/task?queue=jobs&id=doomed")
+        eventually(10, "doomed found dead", lambda: read("the place", lambda: driver.find_element(
+            By.CSS_SELECTOR, ".found h2").text).startswith("dead"))
+
         # --read-only: no button anywhere, and an action sent anyway is refused.
         ro = ARGS["read_only_url"]
         for path in ["/", "/queues/jobs", "/daemons"]:

@@ -1,8 +1,10 @@
 //! The pages in a real headless Chromium: tests/it/dashboard/browser.py drives it through Debian's
 //! python3-selenium and chromium-driver (scripts/test installs them: `ensure_chromium`), against the Redis,
 //! daemon and two dashboards (one `--read-only`) this test starts. It checks that the overview lists the queues
-//! with the counts Redis holds, that a push shows on the page within two seconds, that a dead task's Requeue
-//! button makes it run again, and that `--read-only` draws no button and refuses an action sent anyway.
+//! with the counts Redis holds and charts the hour of history in Redis, that a push shows on the page within two
+//! seconds, that a dead task's Requeue button makes it run again, that Pause and Resume change the queue's state,
+//! that the daemons page and a task found by id show what Redis holds, and that `--read-only` draws no button
+//! and refuses an action sent anyway.
 //!
 //! Its screenshots go to the test's directory; with `KMQD_DASHBOARD_SCREENSHOTS=DIR` they are copied there
 //! (`KMQD_DASHBOARD_SCREENSHOTS=docs` refreshes the pictures of docs/DASHBOARD.md and the README).
@@ -138,8 +140,17 @@ fn the_pages_show_redis_and_their_buttons_act() {
 
     // What the button did, seen from Redis: doomed ran a second time; the read-only refusal changed nothing.
     assert_eq!(dir.records().runs_of("doomed"), 2);
-    assert_eq!(redis.cmd::<i64>(&["EXISTS", "kmq:{jobs}:paused"]), 0);
-    assert!(dashboard.log().contains(r#"action="dead requeue""#));
+    assert_eq!(
+        redis.cmd::<i64>(&["EXISTS", "kmq:{jobs}:paused"]),
+        0,
+        "paused, then resumed"
+    );
+    for action in ["dead requeue", "pause", "resume"] {
+        assert!(
+            dashboard.log().contains(&format!(r#"action="{action}""#)),
+            "{action}"
+        );
+    }
     assert!(
         !read_only.log().contains("dashboard action"),
         "{}",
