@@ -319,6 +319,22 @@ impl Client {
         Ok(broker::stats(&mut **connection, &info.keys)?)
     }
 
+    /// At most `limit` tasks from the head of each ready list, and the `limit` delayed tasks and retries due
+    /// soonest: what the dashboard's queue page shows.
+    pub fn peek(&self, queue: &str, limit: usize) -> Result<broker::peek::Waiting, ClientError> {
+        let info = self.queue(queue)?;
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        Ok(broker::peek::peek(&mut connection, &info.keys, limit)?)
+    }
+
+    /// The queue's samples a minute (counters and depths) of the last hour, oldest first: the dashboard's charts
+    /// (written by the daemons' monitors, broker/history.rs).
+    pub fn history(&self, queue: &str) -> Result<Vec<broker::history::Sample>, ClientError> {
+        let info = self.queue(queue)?;
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        Ok(broker::history::read(&mut connection, &info.keys)?)
+    }
+
     /// Redis's clock, ms since the epoch: what a dead record's `dead_at` is measured on.
     pub fn redis_now(&self, queue: &str) -> Result<i64, ClientError> {
         self.queue(queue)?;
@@ -517,7 +533,7 @@ impl DeadSelection<'_> {
 }
 
 /// What [`Client::dead_requeue`] did, by task id (one entry per record; "" for a record without an id).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Requeued {
     /// Records whose task is ready again.
     pub requeued: Vec<String>,
@@ -531,7 +547,7 @@ pub struct Requeued {
 }
 
 /// What [`Client::dead_purge`] did, by task id (one entry per record).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Purged {
     pub purged: Vec<String>,
     /// Ids asked for that had no record, and records gone before their turn.

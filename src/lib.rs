@@ -8,11 +8,13 @@
 //! - [`broker`]: the only module that talks to Redis (key layout, Lua scripts);
 //! - [`policy`] and [`settlement`]: pure decisions (retry, dead-letter, backoff) and the records that apply them;
 //! - [`queue`]: what every thread of a queue shares (config, keys, policy, verdicts);
-//! - [`client`]: the producer API ([`Client::push`], [`Client::push_batch`]);
+//! - [`client`]: the producer API ([`Client::push`], [`Client::push_batch`]) and an operator's;
+//! - [`overview`]: every queue polled, the rows `stats --watch` and the dashboard show;
 //! - [`plugin`]: the plugin registry and the FFI (the only unsafe code);
 //! - [`daemon`]: the supervisor on top; below it each queue's [`daemon::lane`] (fetcher, workers, acker) and the
 //!   per-daemon threads (heartbeat, monitor, timeouts, delay, scheduler, metrics, signals);
 //! - [`retry`] and [`shutdown`]: backoff, rate-limited failure reports, and the shutdown broadcasts;
+//! - [`dashboard`]: `kmqd dashboard`, the web UI and its JSON API;
 //! - [`cli`]: the `kmqd` command line.
 //!
 //! Not in this crate, since a worker host runs none of it: the benchmark, `kmqd-bench` (bench/, a binary of its
@@ -26,6 +28,8 @@ pub mod client;
 pub mod config;
 pub mod cron;
 pub mod daemon;
+pub mod dashboard;
+pub mod overview;
 pub mod plugin;
 pub mod policy;
 pub mod queue;

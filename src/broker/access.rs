@@ -64,11 +64,13 @@ impl Role {
                 Action::Show,
                 Action::DeadRead,
                 Action::Workers,
+                Action::History,
             ],
             Role::Operator => &[
                 Action::Stats,
                 Action::Show,
                 Action::Workers,
+                Action::History,
                 Action::Cancel,
                 Action::DeadRead,
                 Action::DeadRequeue,
@@ -155,6 +157,8 @@ pub enum Action {
     Resume,
     /// `kmqd workers`, `Client::workers`.
     Workers,
+    /// The dashboard's charts, `Client::history`.
+    History,
 }
 
 impl Action {
@@ -163,7 +167,9 @@ impl Action {
         match self {
             Action::Serve => Role::Daemon,
             Action::Push => Role::Producer,
-            Action::Stats | Action::Show | Action::DeadRead | Action::Workers => Role::Reader,
+            Action::Stats | Action::Show | Action::DeadRead | Action::Workers | Action::History => {
+                Role::Reader
+            }
             Action::Cancel
             | Action::DeadRequeue
             | Action::DeadPurge
@@ -186,6 +192,7 @@ impl Action {
             Action::Pause => PAUSE,
             Action::Resume => RESUME,
             Action::Workers => WORKERS,
+            Action::History => HISTORY,
         }
     }
 
@@ -196,7 +203,7 @@ impl Action {
     fn keyed(self) -> bool {
         !matches!(
             self,
-            Action::Stats | Action::Show | Action::DeadRead | Action::Workers
+            Action::Stats | Action::Show | Action::DeadRead | Action::Workers | Action::History
         )
     }
 }
@@ -487,6 +494,7 @@ enum Kind {
     Paused,
     /// The queue's `source_lists`: named by its producers, outside kmqd's prefix.
     Source,
+    History,
 }
 
 /// What a command touches.
@@ -633,6 +641,12 @@ const DAEMON: &[(&str, On)] = &[
     ("evalsha", key(K::Source)),
     ("type", key(K::Source)),
     ("lpop", key(K::Source)),
+    // history.lua (the monitor's sample a minute for the dashboard's charts).
+    ("evalsha", key(K::History)),
+    ("zrange", key(K::History)),
+    ("zadd", key(K::History)),
+    ("zrem", key(K::History)),
+    ("hmget", key(K::Stats)),
 ];
 
 /// `kmqd push`: the enqueue script, push.lua.
@@ -685,6 +699,13 @@ const WORKERS: &[(&str, On)] = &[
     ("exists", key(K::Paused)),
     ("hgetall", key(K::OwnerInfo)),
     ("hlen", key(K::Processing)),
+];
+
+/// The dashboard's charts: the history zset, read whole.
+const HISTORY: &[(&str, On)] = &[
+    ("evalsha", NOTHING),
+    ("script|load", NOTHING),
+    ("zrange", key(K::History)),
 ];
 
 /// `kmqd queue pause`: one SET of the paused key.
@@ -914,6 +935,7 @@ fn names(keys: &QueueKeys, kind: Kind) -> Vec<String> {
         Kind::Meta => vec![keys.meta.clone()],
         Kind::Paused => vec![keys.paused.clone()],
         Kind::Source => keys.sources.clone(),
+        Kind::History => vec![keys.history.clone()],
     }
 }
 
@@ -1211,6 +1233,7 @@ mod tests {
             Action::Pause,
             Action::Resume,
             Action::Workers,
+            Action::History,
         ] {
             assert!(action.role().actions().contains(&action), "{action:?}");
         }

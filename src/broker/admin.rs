@@ -68,6 +68,9 @@ pub struct Worker {
     /// Safe mode: the tasks it holds (claimed, not yet settled: the size of its processing hashes). `None` in
     /// default mode, whose popped tasks are no longer in Redis.
     pub held: Option<u64>,
+    /// Its workers stuck in a handler that ignored its cancel (an execution timeout, a lost lease), as of its last
+    /// renewal; `None` from a kmqd that does not say.
+    pub stuck: Option<u64>,
     /// Its daemon began a graceful stop: it takes nothing more and finishes what it holds.
     pub draining: bool,
     /// The queue is paused (`kmqd queue pause`): the daemon takes nothing until it is resumed.
@@ -110,6 +113,7 @@ pub fn workers(
             started_at_ms: info.started_at_ms,
             lease_left_ms: deadline - now_ms,
             held,
+            stuck: info.stuck,
             draining: info.draining,
             paused,
         });

@@ -50,6 +50,18 @@ impl DeadRecord {
     pub fn task(&self) -> Option<&str> {
         self.text("task")
     }
+
+    /// The record's fields as stored, with `parsed_task` beside them: the task as JSON, or null when it is not
+    /// JSON (`kmqd dead list --json`, the dashboard's API).
+    pub fn with_parsed_task(&self) -> Json {
+        let mut fields = self.fields.clone();
+        let parsed = self
+            .task()
+            .and_then(|task| serde_json::from_str::<Json>(task).ok())
+            .unwrap_or(Json::Null);
+        fields.insert("parsed_task".to_string(), parsed);
+        Json::Object(fields)
+    }
 }
 
 /// How many records the dead list holds.

@@ -69,6 +69,9 @@ pub struct QueueKeys {
     pub schedules: String,
     /// Hash with the protocol version of the queue's keys.
     pub meta: String,
+    /// The dashboard's charts: zset minute -> a sample of the counters and depths (JSON), the last hour's
+    /// (history.rs).
+    pub history: String,
     /// Pub/sub channel that tells delay pollers a task became due sooner than they planned.
     pub delay_channel: String,
     /// The queue's `source_lists`: lists under the producers' own names, not kmqd's (no prefix, no hash tag of
@@ -114,6 +117,7 @@ impl QueueKeys {
             paused: format!("{base}:paused"),
             schedules: format!("{base}:schedules"),
             meta: format!("{base}:meta"),
+            history: format!("{base}:history"),
             delay_channel: format!("{base}:delay-wake"),
             sources: Vec::new(),
             source_levels: Vec::new(),

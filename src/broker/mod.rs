@@ -9,7 +9,9 @@
 //! - [`connection`]: connecting, the pool, a thread's own [`Session`];
 //! - [`tasks`]: a task's life: push, claim or pop, settle, leases, promote, the move from source lists;
 //! - [`lookup`]: finding and cancelling tasks by id;
+//! - [`peek`]: the heads of a queue's ready lists, delayed tasks and retries (the dashboard's queue page);
 //! - [`dead`]: the dead-letter list: reading, requeueing and purging records;
+//! - [`history`]: a sample a minute of each queue's counters and depths, for the dashboard's charts;
 //! - [`schedule`]: firing periodic tasks;
 //! - [`stats`]: depths and counters, and the protocol-version check.
 
@@ -17,9 +19,11 @@ pub mod access;
 pub mod admin;
 pub mod connection;
 pub mod dead;
+pub mod history;
 pub mod keys;
 pub mod lookup;
 pub mod owners;
+pub mod peek;
 pub mod schedule;
 pub mod stats;
 pub mod tasks;
@@ -174,6 +178,7 @@ struct Scripts {
     dead_purge: redis::Script,
     drain: redis::Script,
     moves: redis::Script,
+    history: redis::Script,
 }
 
 /// The scripts' sources, for tests that pick out one script's calls (a fault-injecting proxy matches them).
@@ -194,6 +199,7 @@ pub mod sources {
     pub const DEAD_PURGE: &str = include_str!("scripts/dead_purge.lua");
     pub const DRAIN: &str = include_str!("scripts/drain.lua");
     pub const MOVE: &str = include_str!("scripts/move.lua");
+    pub const HISTORY: &str = include_str!("scripts/history.lua");
 }
 
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
@@ -214,6 +220,7 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     dead_purge: redis::Script::new(sources::DEAD_PURGE),
     drain: redis::Script::new(sources::DRAIN),
     moves: redis::Script::new(sources::MOVE),
+    history: redis::Script::new(sources::HISTORY),
 });
 
 /// The published enqueue script (docs/PROTOCOL.md shows how to call it from any language).

@@ -28,6 +28,9 @@ pub struct OwnerInfo {
     pub group: Option<usize>,
     /// Its daemon began a graceful stop (drain.lua): read for `kmqd workers`, never registered.
     pub draining: bool,
+    /// Its workers stuck in a handler that ignored its cancel, as of its last renewal (renew.lua); `None` from a
+    /// kmqd that does not say. Read for `kmqd workers`, never registered.
+    pub stuck: Option<u64>,
 }
 
 /// Registers `owner` with a lease, describing itself with `info`. Returns false when the id is known and its
@@ -73,13 +76,15 @@ pub enum Renewal {
     WentBack,
 }
 
-/// Renews `owner`'s lease, if Redis still has the owner's `journal` (the highest it acknowledged, renew.lua).
+/// Renews `owner`'s lease, if Redis still has the owner's `journal` (the highest it acknowledged, renew.lua), and
+/// records how many of its workers are `stuck` (for `kmqd workers`).
 pub fn renew(
     conn: &mut dyn ConnectionLike,
     keys: &QueueKeys,
     owner: &str,
     lease: Duration,
     journal: u64,
+    stuck: usize,
 ) -> Result<Renewal> {
     let renewed: i64 = SCRIPTS
         .renew
@@ -88,6 +93,7 @@ pub fn renew(
         .arg(owner)
         .arg(lease.as_millis() as u64)
         .arg(journal)
+        .arg(stuck)
         .invoke(conn)?;
     Ok(match renewed {
         1 => Renewal::Renewed,
@@ -169,6 +175,7 @@ pub fn owner_info(
             "version" => info.version = value,
             "started_at" => info.started_at_ms = value.parse().unwrap_or(0),
             "draining" => info.draining = true,
+            "stuck" => info.stuck = value.parse().ok(),
             "group" => {
                 info.group = Some(
                     value

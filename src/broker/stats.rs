@@ -80,7 +80,7 @@ pub struct QueueStats {
 
 /// Runs finished per second between two reads of a queue's counters: what `kmqd stats --watch` and the daemon's
 /// queue report show.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct Rates {
     /// Tasks acknowledged per second.
     pub done: f64,

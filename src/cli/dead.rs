@@ -86,7 +86,7 @@ pub(super) fn run_dead(config: &Config, command: DeadCommand) -> Result<(), Fail
             client.check_access(&[&queue], Action::DeadRead)?;
             let records = client.dead_list(&queue, limit)?;
             if json {
-                let all: Vec<Json> = records.iter().map(with_parsed_task).collect();
+                let all: Vec<Json> = records.iter().map(DeadRecord::with_parsed_task).collect();
                 let _ = writeln!(out, "{}", Json::Array(all));
                 return Ok(());
             }
@@ -192,17 +192,6 @@ fn not_found(which: &Which, missing: &[String]) -> Result<(), Failure> {
         which.queue,
         named(missing)
     )))
-}
-
-/// The record's fields as stored, with the task parsed beside them.
-fn with_parsed_task(record: &DeadRecord) -> Json {
-    let mut fields = record.fields.clone();
-    let parsed = record
-        .task()
-        .and_then(|task| serde_json::from_str::<Json>(task).ok())
-        .unwrap_or(Json::Null);
-    fields.insert("parsed_task".to_string(), parsed);
-    Json::Object(fields)
 }
 
 /// `text` cut to `max` characters, the cut marked with `…`.

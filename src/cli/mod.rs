@@ -1,4 +1,4 @@
-//! The `kmqd` command line: `kmqd --config FILE [run|check-config|push|stats|task|dead|queue|workers]`, one
+//! The `kmqd` command line: `kmqd --config FILE [run|check-config|push|stats|task|dead|queue|workers|dashboard]`, one
 //! module per command. (The benchmark is a binary of its own, `kmqd-bench`, in bench/.)
 //!
 //! Exit codes, everywhere: 0 success, 1 runtime error (Redis unreachable, a thread died), 2 usage or config
@@ -16,6 +16,7 @@ use crate::config::{Config, LogFormat};
 
 mod colour;
 mod daemon;
+mod dashboard;
 mod dead;
 mod push;
 mod queue;
@@ -24,6 +25,7 @@ mod task;
 mod watch;
 mod workers;
 
+pub use dashboard::{DashboardArgs, DashboardCommand};
 pub use dead::DeadCommand;
 pub use push::PushArgs;
 pub use queue::QueueCommand;
@@ -83,6 +85,9 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Serve the web dashboard and its JSON API (docs/DASHBOARD.md): every queue, its tasks, its dead letters,
+    /// the daemons; pause, resume, requeue, purge and cancel from the page.
+    Dashboard(DashboardArgs),
 }
 
 /// A command that did not succeed, with the exit code it maps to.
@@ -150,6 +155,13 @@ pub(super) fn change_failed(error: ClientError, what: &str, check: &str) -> Fail
 
 /// Runs a parsed command line.
 pub fn run(args: Args) -> Result<(), Failure> {
+    if let Some(Command::Dashboard(DashboardArgs {
+        command: Some(DashboardCommand::HashPassword { name }),
+        ..
+    })) = &args.command
+    {
+        return dashboard::hash_password(name);
+    }
     let path = args.config.ok_or_else(|| {
         Failure::Usage(
             "no config file: pass --config FILE (or set KMQD_CONFIG); see config/ for examples"
@@ -206,6 +218,11 @@ pub fn run(args: Args) -> Result<(), Failure> {
         Command::Workers { json } => {
             init_logging("warn");
             workers::run_workers(&config, json)
+        }
+        Command::Dashboard(dashboard) => {
+            // At the daemon's level and format: its actions are logged, with who asked.
+            init_logging_as(&config.daemon.log_level, format);
+            dashboard::run_dashboard(&config, dashboard)
         }
     }
 }

@@ -22,8 +22,8 @@ pub(super) fn run_workers(config: &Config, json: bool) -> Result<(), Failure> {
     }
     let _ = writeln!(
         out,
-        "{:<16} {:<24} {:>8} {:<8} {:>9} {:>6} {:<20} {:<8} OWNER",
-        "QUEUE", "HOST", "PID", "VERSION", "LEASE", "HELD", "STARTED", "STATE"
+        "{:<16} {:<24} {:>8} {:<8} {:>9} {:>6} {:>5} {:<20} {:<8} OWNER",
+        "QUEUE", "HOST", "PID", "VERSION", "LEASE", "HELD", "STUCK", "STARTED", "STATE"
     );
     for w in &all {
         let lease = humantime::format_duration(Duration::from_millis(
@@ -31,6 +31,7 @@ pub(super) fn run_workers(config: &Config, json: bool) -> Result<(), Failure> {
         ))
         .to_string();
         let held = w.held.map_or("-".to_string(), |n| n.to_string());
+        let stuck = w.stuck.map_or("-".to_string(), |n| n.to_string());
         let started = started_at(w.started_at_ms);
         // Draining wins: a stopping daemon takes nothing whether or not the queue is paused.
         let state = if w.draining {
@@ -42,8 +43,8 @@ pub(super) fn run_workers(config: &Config, json: bool) -> Result<(), Failure> {
         };
         let _ = writeln!(
             out,
-            "{:<16} {:<24} {:>8} {:<8} {:>9} {:>6} {:<20} {:<8} {}",
-            w.queue, w.host, w.pid, w.version, lease, held, started, state, w.owner
+            "{:<16} {:<24} {:>8} {:<8} {:>9} {:>6} {:>5} {:<20} {:<8} {}",
+            w.queue, w.host, w.pid, w.version, lease, held, stuck, started, state, w.owner
         );
     }
     Ok(())

@@ -28,6 +28,59 @@ pub struct Config {
     pub queues: Vec<QueueConfig>,
     pub plugins: Vec<PluginConfig>,
     pub schedules: Vec<ScheduleConfig>,
+    pub dashboard: DashboardConfig,
+}
+
+/// `[dashboard]`: how `kmqd dashboard` authenticates (docs/DASHBOARD.md, "Authentication"). Only the
+/// dashboard reads the files and the variable, when it starts: a daemon sharing the config needs neither.
+#[derive(Clone, Debug, Default)]
+pub struct DashboardConfig {
+    /// Lines `NAME:ARGON2_PHC_HASH` (`kmqd dashboard hash-password NAME`): HTTP Basic users.
+    pub users_file: Option<Located<PathBuf>>,
+    /// A bearer token, from this environment variable...
+    pub token_env: Option<Located<String>>,
+    /// ... or from this file (one line).
+    pub token_file: Option<Located<PathBuf>>,
+}
+
+impl DashboardConfig {
+    /// Whether any way to authenticate is configured.
+    pub fn has_authentication(&self) -> bool {
+        self.users_file.is_some() || self.token_env.is_some() || self.token_file.is_some()
+    }
+}
+
+/// A config value with where it was written (`FILE:LINE:COLUMN: KEY`), for errors found after loading, such as a
+/// file it names that cannot be read when the dashboard starts.
+#[derive(Clone, Debug)]
+pub struct Located<T> {
+    pub value: T,
+    /// `/etc/kmqd/kmqd.toml:31:14: dashboard.token_env`.
+    pub at: String,
+}
+
+impl<T> Located<T> {
+    /// An error about this value: `FILE:LINE:COLUMN: KEY: WHY`.
+    pub fn error(&self, why: impl fmt::Display) -> String {
+        format!("{}: {why}", self.at)
+    }
+}
+
+/// Reads a small regular file's text (a password or token file is a line; a users file a few): reading a
+/// device (`/dev/zero`) or a FIFO would never end.
+pub fn read_small_file(path: &Path) -> std::io::Result<String> {
+    use std::io::Read;
+    const LIMIT: u64 = 64 * 1024;
+    let file = std::fs::File::open(path)?;
+    let metadata = file.metadata()?;
+    if !metadata.is_file() || metadata.len() > LIMIT {
+        return Err(std::io::Error::other(format!(
+            "not a regular file of at most {LIMIT} bytes"
+        )));
+    }
+    let mut text = String::new();
+    file.take(LIMIT).read_to_string(&mut text)?;
+    Ok(text)
 }
 
 #[derive(Clone)]

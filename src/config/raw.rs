@@ -19,6 +19,16 @@ pub(super) struct RawConfig {
     pub(super) plugins: BTreeMap<Spanned<String>, Spanned<RawPlugin>>,
     #[serde(default)]
     pub(super) schedules: Vec<Spanned<RawSchedule>>,
+    #[serde(default)]
+    pub(super) dashboard: RawDashboard,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawDashboard {
+    pub(super) users_file: Option<Spanned<String>>,
+    pub(super) token_env: Option<Spanned<String>>,
+    pub(super) token_file: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]

@@ -554,3 +554,43 @@ fn the_fuzz_config_of_every_key_is_valid() {
     let config = parse(include_str!("../../fuzz/src/every-key.toml")).unwrap();
     assert_eq!(config.queues[0].source_lists.len(), 2);
 }
+
+#[test]
+fn the_dashboard_section_is_checked_at_load_and_read_by_the_dashboard() {
+    // Paths resolved against the config's directory; where each key is written, for the dashboard's errors.
+    let config = parse(&format!(
+        "{MINIMAL}\n[dashboard]\nusers_file = \"dashboard-users\"\ntoken_env = \"KMQD_DASHBOARD_TOKEN_UNSET\"\n"
+    ))
+    .unwrap();
+    let users = config.dashboard.users_file.as_ref().unwrap();
+    assert_eq!(users.value, PathBuf::from("/etc/kmqd/dashboard-users"));
+    assert_eq!(users.at, "/etc/kmqd/queues.toml:6:14: dashboard.users_file");
+    assert_eq!(
+        config
+            .dashboard
+            .token_env
+            .as_ref()
+            .unwrap()
+            .error("environment variable X is not set"),
+        "/etc/kmqd/queues.toml:7:13: dashboard.token_env: environment variable X is not set"
+    );
+    assert!(config.dashboard.has_authentication());
+    assert!(!parse(MINIMAL).unwrap().dashboard.has_authentication());
+    for (section, error) in [
+        (
+            "users_files = \"u\"",
+            "/etc/kmqd/queues.toml:6:1: dashboard: unknown key `users_files`; did you mean `users_file`?",
+        ),
+        (
+            "token_env = \"A\"\ntoken_file = \"t\"",
+            "/etc/kmqd/queues.toml:7:14: dashboard.token_file: set token_env or token_file, not both",
+        ),
+        (
+            "token_file = \" \"",
+            "/etc/kmqd/queues.toml:6:14: dashboard.token_file: is empty; leave it out or name one",
+        ),
+    ] {
+        let got = parse(&format!("{MINIMAL}\n[dashboard]\n{section}\n")).unwrap_err();
+        assert!(got.starts_with(error), "{section}:\n{got}\nwanted {error}");
+    }
+}

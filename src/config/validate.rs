@@ -63,23 +63,6 @@ fn at_least(
 /// The longest duration a config may hold: ten years.
 const MAX_DURATION: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 
-/// A small regular file's text: a password file is a line, and reading a device (`/dev/zero`) or a FIFO would
-/// never end.
-fn read_small_file(path: &Path) -> std::io::Result<String> {
-    use std::io::Read;
-    const LIMIT: u64 = 64 * 1024;
-    let file = std::fs::File::open(path)?;
-    let metadata = file.metadata()?;
-    if !metadata.is_file() || metadata.len() > LIMIT {
-        return Err(std::io::Error::other(format!(
-            "not a regular file of at most {LIMIT} bytes"
-        )));
-    }
-    let mut text = String::new();
-    file.take(LIMIT).read_to_string(&mut text)?;
-    Ok(text)
-}
-
 fn duration_or(
     source: &Source<'_>,
     key: &str,
@@ -173,9 +156,11 @@ impl RawConfig {
             queues,
             plugins,
             schedules,
+            dashboard,
         } = self;
 
         let base = source.base_dir();
+        let dashboard = dashboard.validate(source, &base)?;
         let pool_size_span = redis.pool_size.as_ref().map_or(0..0, Spanned::span);
         let redis = redis.validate(source, &base)?;
         let daemon = daemon.validate(source, &base)?;
@@ -261,6 +246,7 @@ impl RawConfig {
             queues: validated_queues,
             plugins: validated_plugins,
             schedules: validated_schedules,
+            dashboard,
         };
         if config.redis.pool_size == 0 {
             // Two more than the daemon holds, for `stats` and short-lived commands.
@@ -609,6 +595,57 @@ fn tls_files(
         (None, None) => None,
     };
     Ok((TlsFiles { ca, client }, first))
+}
+
+impl RawDashboard {
+    /// Only the shape: the files are read, and the variable looked up, when the dashboard starts.
+    fn validate(self, source: &Source<'_>, base: &Path) -> Result<DashboardConfig, ConfigError> {
+        let RawDashboard {
+            users_file,
+            token_env,
+            token_file,
+        } = self;
+        let located = |key: &str, value: &Spanned<String>| -> Result<String, ConfigError> {
+            if value.get_ref().trim().is_empty() {
+                return Err(source.error(
+                    value.span(),
+                    format!("dashboard.{key}: is empty; leave it out or name one"),
+                ));
+            }
+            Ok(format!(
+                "{}: dashboard.{key}",
+                source.location(&value.span())
+            ))
+        };
+        if let (Some(_), Some(file)) = (&token_env, &token_file) {
+            return Err(source.error(
+                file.span(),
+                "dashboard.token_file: set token_env or token_file, not both",
+            ));
+        }
+        let path = |key: &str, value: Option<Spanned<String>>| -> Result<_, ConfigError> {
+            value
+                .map(|value| {
+                    Ok(Located {
+                        at: located(key, &value)?,
+                        value: base.join(value.get_ref()),
+                    })
+                })
+                .transpose()
+        };
+        Ok(DashboardConfig {
+            users_file: path("users_file", users_file)?,
+            token_env: token_env
+                .map(|var| {
+                    Ok::<_, ConfigError>(Located {
+                        at: located("token_env", &var)?,
+                        value: var.into_inner(),
+                    })
+                })
+                .transpose()?,
+            token_file: path("token_file", token_file)?,
+        })
+    }
 }
 
 impl RawDaemon {

@@ -102,9 +102,12 @@ fn renew(
     };
     let lease = lane.queue.config.lease_timeout;
     let journal = lane.ownership.journal(&owner);
+    let stuck = lane.capacity.stuck_workers();
     let sent = Instant::now();
     let result = match connection {
-        Some(connection) => broker::renew(connection, &lane.queue.keys, &owner, lease, journal),
+        Some(connection) => {
+            broker::renew(connection, &lane.queue.keys, &owner, lease, journal, stuck)
+        }
         None => connector
             .connect_as(timeout, "heartbeat")
             .and_then(|fresh| {
@@ -114,6 +117,7 @@ fn renew(
                     &owner,
                     lease,
                     journal,
+                    stuck,
                 )
             }),
     };

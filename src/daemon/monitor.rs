@@ -9,11 +9,14 @@
 //! serve it in safe mode), and no lock is taken: an owner whose lease ran out never renews it again, and the
 //! settle script takes each task out of the owner's processing hash in the same step that queues it, so when two
 //! monitors find the same task, exactly one moves it.
+//!
+//! Beside that, every [`history::SAMPLE_EVERY`] the monitor offers each queue's sample a minute for the
+//! dashboard's charts (broker/history.rs): one short script call, off every task's path.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use crate::broker::{self, Fence, Session, Settlement, Token, TokenId};
+use crate::broker::{self, Fence, Session, Settlement, Token, TokenId, history};
 use crate::config::RedisConfig;
 use crate::daemon::settler::Settler;
 use crate::daemon::watchdog::{Pulse, redis_calls};
@@ -33,15 +36,22 @@ pub struct Watched {
     /// This monitor's settling identity on the queue (its calls are answered, not re-applied, after a lost reply).
     pub settler: Settler,
     trouble: Trouble,
+    /// When the queue's history sample was last offered; `None` before the first.
+    sampled: Option<Instant>,
+    history_trouble: Trouble,
 }
 
 impl Watched {
     pub fn new(queue: Arc<QueueContext>, settler: Settler) -> Watched {
         let trouble = Trouble::new("recovering expired leases", Some(&queue.config.name));
+        let history_trouble =
+            Trouble::new("writing the dashboard's history", Some(&queue.config.name));
         Watched {
             queue,
             settler,
             trouble,
+            sampled: None,
+            history_trouble,
         }
     }
 }
@@ -91,6 +101,7 @@ impl Monitor {
         loop {
             self.pulse.beat();
             self.recover_now();
+            self.sample_history();
             if self.background.wait(interval) {
                 break;
             }
@@ -116,7 +127,33 @@ impl Monitor {
         recovered
     }
 
+    /// Offers the history sample of each queue whose last offer is [`history::SAMPLE_EVERY`] old.
+    fn sample_history(&mut self) {
+        for watched in &mut self.queues {
+            if watched
+                .sampled
+                .is_some_and(|at| at.elapsed() < history::SAMPLE_EVERY)
+            {
+                continue;
+            }
+            watched.sampled = Some(Instant::now());
+            self.pulse.beat();
+            let recorded = self
+                .connection
+                .get()
+                .and_then(|conn| history::record(conn, &watched.queue.keys));
+            match recorded {
+                Ok(_) => watched.history_trouble.recovered(),
+                Err(error) => {
+                    watched.history_trouble.failed(&error);
+                    self.connection.reset();
+                }
+            }
+        }
+    }
+
     fn recover_queue(&mut self, index: usize) -> broker::Result<usize> {
+        self.pulse.beat();
         let queue = Arc::clone(&self.queues[index].queue);
         let (now_ms, owners) = broker::owners(self.connection.get()?, &queue.keys)?;
         let mut recovered = 0;

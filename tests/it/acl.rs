@@ -693,3 +693,53 @@ fn a_reload_adding_a_source_list_the_user_lacks_is_refused_naming_the_key() {
     crate::reload::stop(daemon);
     assert!(acl_log(&redis).is_empty(), "{:?}", acl_log(&redis));
 }
+
+/// The dashboard as the documented users: the reader serves it `--read-only` (every page's reads allowed), is
+/// told the rule its buttons would need without it, and the operator's rules run the buttons; a daemon as the
+/// documented daemon user writes the charts' history. Redis refuses nothing but the checks' own calls.
+#[test]
+fn the_documented_readers_and_operators_run_the_dashboard() {
+    use crate::dashboard::{Dashboard, status};
+    let redis = RedisServer::start();
+    create_users(&redis);
+    let dir = TestDir::new();
+    let daemon = TestDaemon::start(&config_as(&dir, &redis, "kmqd", "", QUEUES));
+    let reader = config_as(&dir, &redis, "kmqd-reader", "", QUEUES);
+    let (_, err) = run(&reader, &["dashboard", "--listen", "127.0.0.1:0"], None, 2);
+    assert!(
+        err.contains("Redis user \"kmqd-reader\" may not run")
+            && err.contains("with --read-only they are off"),
+        "{err}"
+    );
+    let read_only = Dashboard::start_named(&reader, &dir, "reader.log", &["--read-only"]);
+    eventually(
+        Duration::from_secs(30),
+        "the daemon's history sample",
+        || {
+            let samples: i64 = redis.cmd(&["ZCARD", "kmq:{mail}:history"]);
+            (samples > 0, samples)
+        },
+    );
+    for path in [
+        "/api/overview",
+        "/api/queues/mail",
+        "/api/daemons",
+        "/api/history",
+        "/api/queues/mail/tasks/x",
+    ] {
+        let answer = read_only.get(path);
+        assert_eq!(status(&answer), 200, "{path}: {answer:?}");
+    }
+    let operator = config_as(&dir, &redis, "kmqd-operator", "", QUEUES);
+    let dashboard = Dashboard::start_named(&operator, &dir, "operator.log", &[]);
+    let (code, answer) = dashboard.act("/api/queues/mail/pause", "");
+    assert_eq!(code, 200, "{answer}");
+    let (code, answer) = dashboard.act("/api/queues/mail/dead/requeue", r#"{"all": true}"#);
+    assert_eq!(code, 200, "{answer}");
+    daemon.stop();
+    let log = acl_log(&redis);
+    assert!(
+        log.iter().all(|entry| entry.contains("cmd=evalsha ")),
+        "{log:#?}"
+    );
+}

@@ -8,6 +8,7 @@ mod chaos;
 mod cli;
 mod cluster;
 mod crash;
+mod dashboard;
 mod dead;
 mod default_mode;
 mod delayed;

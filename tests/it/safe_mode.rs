@@ -491,6 +491,7 @@ fn expired_lease_returns_its_tasks_to_the_front_uncharged() {
             &queue.keys,
             owner,
             Duration::from_secs(30),
+            0,
             0
         )
         .unwrap(),

@@ -2,7 +2,8 @@
 -- renew.lua: the heartbeat of one owner (a daemon's identity on a queue): push its lease deadline forward.
 --
 -- KEYS[1] owners zset, KEYS[2] the owner's info hash; ARGV[1] owner; ARGV[2] lease length in ms; ARGV[3] the
--- owner's journal as its daemon last saw it acknowledged
+-- owner's journal as its daemon last saw it acknowledged; ARGV[4] (optional) how many of its workers are stuck in
+-- a handler that ignored its cancel, written into the info hash (`stuck`) for `kmqd workers` and the dashboard
 -- Only a live lease is renewed: once an owner's lease has run out it never comes back, so a monitor that sees it
 -- expired may recover its tasks without racing the owner. Returns 1 renewed, 0 lost, -1 lost because Redis went
 -- back in time.
@@ -33,4 +34,7 @@ if tonumber(redis.call('HGET', KEYS[2], 'journal') or '0') < tonumber(ARGV[3]) t
   return -1
 end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+if ARGV[4] and redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('HSET', KEYS[2], 'stuck', ARGV[4])
+end
 return 1

@@ -119,7 +119,7 @@ pub(super) fn run(
                     Key::Scroll(by) => {
                         scroll = scroll
                             .saturating_add_signed(by)
-                            .min(watch.rows.len().saturating_sub(1));
+                            .min(watch.rows().len().saturating_sub(1));
                         dirty = true;
                     }
                     Key::Other => {}
@@ -146,10 +146,10 @@ pub(super) fn run(
 fn draw(watch: &Watch, scroll: usize, interval: Duration, colour: Colour) -> std::io::Result<()> {
     let (width, height) = terminal::size()?;
     let frame = view::Frame {
-        rows: &watch.rows,
+        rows: watch.rows(),
         interval,
         updated: watch.updated_local.as_deref(),
-        error: watch.error.as_deref(),
+        error: watch.error(),
         scroll,
     };
     let mut out = std::io::stdout().lock();

@@ -3,27 +3,8 @@
 
 use std::time::Duration;
 
-use crate::broker::Rates;
 use crate::cli::colour::Style;
-
-/// One queue at one poll.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Row {
-    pub name: String,
-    pub mode: &'static str,
-    pub paused: bool,
-    pub ready: u64,
-    /// Ready tasks per level, highest first.
-    pub ready_by_level: Vec<(String, u64)>,
-    pub processing: u64,
-    pub delayed: u64,
-    pub dead: u64,
-    /// Since the poll before; `None` at the first poll.
-    pub rates: Option<Rates>,
-    pub lag_ms: Option<i64>,
-    /// Daemons alive on the queue (what `kmqd workers` lists).
-    pub daemons: usize,
-}
+pub use crate::overview::Row;
 
 /// What the screen shows besides the rows.
 pub struct Frame<'a> {
@@ -252,6 +233,7 @@ pub fn line(row: &Row, at: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::broker::Rates;
 
     fn row(name: &str, levels: &[(&str, u64)]) -> Row {
         Row {

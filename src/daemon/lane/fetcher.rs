@@ -102,6 +102,7 @@ impl Fetcher {
                 .map_or(0, |since| since.as_millis() as i64),
             group: None,
             draining: false,
+            stuck: None,
         };
         let trouble = Trouble::new("fetching tasks", Some(&config.name));
         let depth = (config.prefetch == Prefetch::Auto)

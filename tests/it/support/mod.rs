@@ -393,7 +393,7 @@ impl Drop for TestDaemon {
     }
 }
 
-/// A scrape of a metrics endpoint, as a scraper sees it.
+/// An HTTP answer (a scrape of a metrics endpoint, a dashboard's page or API call).
 #[derive(Debug, Default)]
 pub struct Scrape {
     /// The status line, `HTTP/1.1 200 OK`; empty when nothing answered.
@@ -422,14 +422,43 @@ pub fn scrape(port: u16) -> Scrape {
 
 /// `GET /metrics` with an `Accept` header (or none), waiting up to `timeout` for the whole answer.
 pub fn scrape_with(addr: std::net::SocketAddr, accept: Option<&str>, timeout: Duration) -> Scrape {
+    let headers: Vec<(&str, &str)> = accept
+        .map(|accept| ("Accept", accept))
+        .into_iter()
+        .collect();
+    http(addr, "GET", "/metrics", &headers, "", timeout)
+}
+
+/// One HTTP/1.1 request (`Host: ADDR` and `Connection: close` added, and `Content-Length` when there is a
+/// body), waiting up to `timeout` for the whole answer; an empty status when nothing answered.
+pub fn http(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+    timeout: Duration,
+) -> Scrape {
     use std::io::Read;
     let Ok(mut stream) = std::net::TcpStream::connect_timeout(&addr, timeout) else {
         return Scrape::default();
     };
     stream.set_read_timeout(Some(timeout)).unwrap();
-    let accept = accept.map_or(String::new(), |accept| format!("Accept: {accept}\r\n"));
-    let request =
-        format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\n{accept}Connection: close\r\n\r\n");
+    let mut request = format!("{method} {path} HTTP/1.1\r\n");
+    if !headers
+        .iter()
+        .any(|(name, _)| name.eq_ignore_ascii_case("host"))
+    {
+        request.push_str(&format!("Host: {addr}\r\n"));
+    }
+    for (name, value) in headers {
+        request.push_str(&format!("{name}: {value}\r\n"));
+    }
+    if !body.is_empty() {
+        request.push_str(&format!("Content-Length: {}\r\n", body.len()));
+    }
+    request.push_str("Connection: close\r\n\r\n");
+    request.push_str(body);
     if stream.write_all(request.as_bytes()).is_err() {
         return Scrape::default();
     }

@@ -1,0 +1,352 @@
+// kmqd dashboard: draws the page the path names from the JSON API (docs/DASHBOARD.md), asking again every
+// second. Everything shown is put in with textContent, never as HTML: task data and error messages are
+// whatever producers and handlers wrote.
+"use strict";
+
+const CSRF = document.querySelector('meta[name="kmqd-csrf"]').content;
+const READ_ONLY = document.querySelector('meta[name="kmqd-read-only"]').content === "true";
+// How often a page asks again: the overview reads the dashboard's last poll (no Redis call), so twice per poll
+// of Redis (once a second), and a change shows within 1.5 s; the other pages ask Redis, once a second.
+const POLL_MS = 1000;
+const OVERVIEW_POLL_MS = 500;
+
+// el("td", {class: "num"}, "12", otherNode): an element with attributes and children (strings become text).
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs || {})) {
+    if (value === undefined || value === null || value === false) continue;
+    if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
+    else node.setAttribute(key, value === true ? "" : value);
+  }
+  for (const child of children.flat()) {
+    if (child === null || child === undefined) continue;
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+function table(columns, rows, empty) {
+  if (!rows.length) return el("div", { class: "scroll" }, el("div", { class: "empty" }, empty));
+  const head = el("tr", {}, columns.map(([title, cls]) => el("th", { class: cls }, title)));
+  return el("div", { class: "scroll" }, el("table", {}, el("thead", {}, head), el("tbody", {}, rows)));
+}
+
+// 1234 -> "1.2s", 95000 -> "1m 35s", 7300000 -> "2h 1m".
+function duration(ms) {
+  if (ms === null || ms === undefined) return "-";
+  const sign = ms < 0 ? "-" : "";
+  ms = Math.abs(ms);
+  if (ms < 1000) return sign + ms + "ms";
+  if (ms < 60000) return sign + (ms / 1000).toFixed(1) + "s";
+  const s = Math.floor(ms / 1000);
+  if (s < 3600) return sign + Math.floor(s / 60) + "m " + (s % 60) + "s";
+  return sign + Math.floor(s / 3600) + "h " + Math.floor((s % 3600) / 60) + "m";
+}
+
+function clock(ms) {
+  return ms ? new Date(ms).toLocaleString() : "-";
+}
+
+function rate(value) {
+  return value === undefined || value === null ? "-" : value.toFixed(1);
+}
+
+function status(text, bad) {
+  const node = document.getElementById("status");
+  node.textContent = text;
+  node.className = bad ? "status bad" : "status";
+}
+
+function flash(text, bad) {
+  const node = document.getElementById("flash");
+  node.textContent = text;
+  node.className = bad ? "bad" : "";
+  node.hidden = false;
+}
+
+async function getJson(url) {
+  const response = await fetch(url, { headers: { Accept: "application/json" } });
+  const body = await response.json();
+  if (!response.ok) throw new Error(body.error || response.statusText);
+  return body;
+}
+
+// An action: a POST with the CSRF token; the answer is shown, the page redrawn at once.
+async function act(url, body, label) {
+  try {
+    const response = await fetch(url, {
+      method: "POST",
+      headers: { "Content-Type": "application/json", "X-Kmqd-Csrf": CSRF },
+      body: JSON.stringify(body || {}),
+    });
+    const answer = await response.json();
+    if (!response.ok) throw new Error(answer.error || response.statusText);
+    flash(label + ": " + JSON.stringify(answer));
+  } catch (error) {
+    flash(label + " failed: " + error.message, true);
+  }
+  refresh(true);
+}
+
+function button(label, onclick, danger) {
+  if (READ_ONLY) return null;
+  return el("button", { class: danger ? "danger" : null, "data-action": label.toLowerCase(), onclick }, label);
+}
+
+// --- charts: hand-drawn SVG, the last hour of /api/history ------------------------------------------------
+
+const SVG_NS = "http://www.w3.org/2000/svg";
+const HISTORY_POLL_MS = 5000;
+let history = null;
+
+function svg(tag, attrs, ...children) {
+  const node = document.createElementNS(SVG_NS, tag);
+  for (const [key, value] of Object.entries(attrs || {})) node.setAttribute(key, value);
+  node.append(...children);
+  return node;
+}
+
+function number(value) {
+  if (value === null || value === undefined) return "-";
+  return value >= 100 || Number.isInteger(value) ? String(Math.round(value)) : value.toFixed(1);
+}
+
+// One chart: `series` are [field, class, label]; x is the last `minutes` minutes, y from 0 to the largest value.
+function chart(title, points, series, minutes) {
+  const W = 300, H = 70, span = minutes * 60000;
+  const shown = points.filter((p) => p.ago_ms <= span);
+  const values = series.flatMap(([field]) => shown.map((p) => p[field] ?? 0));
+  const max = Math.max(...values, 0);
+  const x = (ago) => (W * (1 - ago / span)).toFixed(1);
+  const y = (v) => (H - 3 - (H - 6) * (max > 0 ? v / max : 0)).toFixed(1);
+  const lines = series.map(([field, cls]) => {
+    const xy = shown.filter((p) => p[field] !== null && p[field] !== undefined).map((p) => x(p.ago_ms) + "," + y(p[field]));
+    return xy.length > 1 ? svg("polyline", { class: cls, points: xy.join(" ") })
+      : svg("circle", { class: cls, cx: xy.length ? xy[0].split(",")[0] : W, cy: xy.length ? xy[0].split(",")[1] : H - 3, r: 2 });
+  });
+  const last = shown[shown.length - 1] || {};
+  return el("div", { class: "chart" },
+    el("div", { class: "chart-head" }, el("span", { class: "label" }, title), el("span", { class: "dim" }, "max " + number(max))),
+    svg("svg", { viewBox: `0 0 ${W} ${H}`, preserveAspectRatio: "none", role: "img", "aria-label": title },
+      svg("line", { class: "axis", x1: 0, y1: H - 3, x2: W, y2: H - 3 }), ...lines),
+    el("div", { class: "legend" }, series.map(([field, cls, label]) =>
+      el("span", { class: "key " + cls }, label + " " + number(last[field])))));
+}
+
+function charts(queue) {
+  if (!history || !history.queues[queue]) return el("p", { class: "empty" }, "no history yet");
+  const points = history.queues[queue];
+  return el("div", { class: "charts", "data-queue": queue },
+    chart("rate /s", points, [["done", "s-done", "done"], ["failed", "s-failed", "failed"]], history.minutes),
+    chart("depth", points, [["ready", "s-ready", "ready"], ["delayed", "s-delayed", "delayed"], ["dead", "s-dead", "dead"]],
+      history.minutes));
+}
+
+async function refreshHistory() {
+  try {
+    history = await getJson("/api/history");
+    refresh(true);
+  } catch (_) {
+    // The status line shows Redis's trouble already; the charts keep their last points.
+  }
+  setTimeout(refreshHistory, HISTORY_POLL_MS);
+}
+
+function queueUrl(name) {
+  return "/api/queues/" + encodeURIComponent(name);
+}
+
+// --- the pages ---------------------------------------------------------------------------------------------
+
+const pages = {
+  overview: {
+    every: OVERVIEW_POLL_MS,
+    url: () => "/api/overview",
+    draw(data) {
+      if (data.error) status("Redis: " + data.error + " (retrying; the numbers are the last good poll's)", true);
+      else status("updated " + (data.updated_ms ? new Date(data.updated_ms).toLocaleTimeString() : "-"));
+      const rows = data.queues.map((q) => el("tr", { "data-queue": q.name },
+        el("td", {}, el("a", { href: "/queues/" + encodeURIComponent(q.name) }, q.name)),
+        el("td", { class: "hide-narrow" }, q.mode),
+        el("td", {}, el("span", { class: "badge " + (q.paused ? "paused" : "serving") }, q.paused ? "paused" : "serving")),
+        el("td", { class: "num", "data-field": "ready",
+          title: q.ready_by_level.map(([level, n]) => level + " " + n).join(", ") }, q.ready),
+        el("td", { class: "hide-narrow dim" }, q.ready_by_level.length > 1
+          ? q.ready_by_level.map(([level, n]) => level + " " + n).join(" · ") : ""),
+        el("td", { class: "num", "data-field": "processing" }, q.processing),
+        el("td", { class: "num", "data-field": "delayed" }, q.delayed),
+        el("td", { class: "num" + (q.dead ? " bad" : ""), "data-field": "dead" }, q.dead),
+        el("td", { class: "num", "data-field": "done_rate" }, rate(q.rates && q.rates.done)),
+        el("td", { class: "num" + (q.rates && q.rates.failed > 0 ? " bad" : ""), "data-field": "failed_rate" },
+          rate(q.rates && q.rates.failed)),
+        el("td", { class: "num" }, duration(q.lag_ms)),
+        el("td", { class: "num", "data-field": "daemons" }, q.daemons)));
+      return [el("h1", {}, "Queues"), table([["queue"], ["mode", "hide-narrow"], ["state"], ["ready", "num"],
+        ["by level", "hide-narrow"], ["processing", "num"], ["delayed", "num"], ["dead", "num"],
+        ["done/s", "num"], ["failed/s", "num"], ["lag", "num"], ["daemons", "num"]], rows,
+        "no queues in the config"),
+        el("h2", {}, "The last hour"),
+        el("div", { class: "chart-grid" }, data.queues.map((q) => el("div", { class: "card" },
+          el("a", { href: "/queues/" + encodeURIComponent(q.name) }, q.name), charts(q.name))))];
+    },
+  },
+
+  queue: {
+    name: () => decodeURIComponent(location.pathname.split("/")[2] || ""),
+    url() { return queueUrl(this.name()) + "?limit=20"; },
+    draw(data) {
+      status("updated " + new Date().toLocaleTimeString());
+      const name = data.queue, s = data.stats, base = queueUrl(name);
+      const cancel = (task) => task.id === null ? null
+        : button("Cancel", () => act(base + "/tasks/" + encodeURIComponent(task.id) + "/cancel", {}, "cancel " + task.id), true);
+      const card = (label, value, field) => el("div", { class: "card" },
+        el("div", { class: "label" }, label), el("div", { class: "value", "data-field": field }, value));
+      const ready = data.ready.flatMap((head) => head.tasks.map((task, position) =>
+        el("tr", { "data-id": task.id },
+          el("td", {}, head.level), el("td", { class: "num" }, position), taskLink(name, task.id),
+          el("td", {}, task.type || "-"), el("td", { class: "num" }, task.attempt ?? "-"),
+          el("td", { class: "num" }, task.created_at ? duration(data.now_ms - task.created_at) : "-"),
+          el("td", {}, cancel(task)))));
+      const delayed = data.delayed.map((d) => el("tr", { "data-id": d.task.id },
+        taskLink(name, d.task.id), el("td", {}, d.task.type || "-"), el("td", {}, d.level),
+        el("td", {}, clock(d.due_at_ms)), el("td", { class: "num" }, duration(d.due_in_ms)), el("td", {}, cancel(d.task))));
+      const retrying = data.retrying.map((d) => el("tr", { "data-id": d.task.id },
+        taskLink(name, d.task.id), el("td", {}, d.task.type || "-"), el("td", { class: "num" }, d.task.attempt ?? "-"),
+        el("td", { class: "wrap bad" }, d.task.last_error || ""), el("td", { class: "num" }, duration(d.due_in_ms)),
+        el("td", {}, cancel(d.task))));
+      const dead = data.dead.map((r) => el("tr", { "data-id": r.id },
+        taskLink(name, r.id), el("td", {}, r.type || "-"), el("td", { class: "num" }, r.attempt ?? "-"),
+        el("td", { class: "wrap bad" }, r.reason || ""),
+        el("td", { class: "num" }, r.dead_at ? duration(data.now_ms - r.dead_at) + " ago" : "-"),
+        el("td", {}, el("div", { class: "actions" },
+          button("Requeue", () => act(base + "/dead/requeue", { ids: [r.id] }, "requeue " + r.id)),
+          button("Purge", () => confirm("Purge the dead record of " + r.id + "?")
+            && act(base + "/dead/purge", { ids: [r.id] }, "purge " + r.id), true)))));
+      const daemons = data.daemons.map(daemonRow);
+      return [
+        el("h1", {}, name, el("span", { class: "dim" }, data.mode || ""),
+          el("span", { class: "badge " + (s.paused ? "paused" : "serving"), id: "queue-state" }, s.paused ? "paused" : "serving"),
+          s.paused ? button("Resume", () => act(base + "/resume", {}, "resume " + name))
+            : button("Pause", () => act(base + "/pause", {}, "pause " + name))),
+        el("div", { class: "cards" },
+          card("ready", s.ready, "ready"), card("processing", s.processing, "processing"),
+          card("delayed", s.delayed - s.retrying, "delayed"), card("retrying", s.retrying, "retrying"),
+          card("dead", s.dead, "dead"), card("done", s.done, "done"), card("failed", s.failed, "failed"),
+          card("lag", duration(s.lag_ms), "lag")),
+        el("div", { class: "card history" }, charts(name)),
+        el("h2", {}, "Ready (the next to run, per level)"),
+        el("div", { id: "ready" }, table([["level"], ["#", "num"], ["id"], ["type"], ["attempt", "num"], ["age", "num"], [""]],
+          ready, "nothing ready")),
+        el("h2", {}, "Delayed"),
+        el("div", { id: "delayed" }, table([["id"], ["type"], ["level"], ["due"], ["in", "num"], [""]], delayed, "nothing delayed")),
+        el("h2", {}, "Retrying"),
+        el("div", { id: "retrying" }, table([["id"], ["type"], ["attempt", "num"], ["last error"], ["in", "num"], [""]],
+          retrying, "nothing waiting to retry")),
+        el("h2", {}, "Dead ", s.dead ? el("span", { class: "actions" },
+          button("Requeue all", () => confirm("Requeue all " + s.dead + " dead tasks of " + name + "?")
+            && act(base + "/dead/requeue", { all: true }, "requeue all")),
+          button("Purge all", () => confirm("Purge all " + s.dead + " dead records of " + name + "?")
+            && act(base + "/dead/purge", { all: true }, "purge all"), true)) : null),
+        el("div", { id: "dead" }, table([["id"], ["type"], ["attempt", "num"], ["reason"], ["dead", "num"], [""]], dead,
+          "no dead tasks")),
+        el("h2", {}, "Daemons"),
+        daemonTable(daemons),
+      ];
+    },
+  },
+
+  daemons: {
+    url: () => "/api/daemons",
+    draw(data) {
+      status("updated " + new Date().toLocaleTimeString());
+      return [el("h1", {}, "Daemons"), daemonTable(data.daemons.map(daemonRow))];
+    },
+  },
+
+  task: {
+    params: () => new URLSearchParams(location.search),
+    url() {
+      const p = this.params();
+      return p.get("queue") && p.get("id")
+        ? queueUrl(p.get("queue")) + "/tasks/" + encodeURIComponent(p.get("id")) : null;
+    },
+    draw(data) {
+      const p = this.params();
+      const form = el("form", { class: "find", method: "get", action: "/task" },
+        el("input", { name: "queue", placeholder: "queue", value: p.get("queue") || "", required: true }),
+        el("input", { name: "id", placeholder: "task id", value: p.get("id") || "", required: true, size: 36 }),
+        el("button", { type: "submit" }, "Find"));
+      if (!data) { status(""); return [el("h1", {}, "Find a task"), form]; }
+      status("updated " + new Date().toLocaleTimeString());
+      const places = data.found.map((f) => el("div", { class: "found" },
+        el("h2", {}, f.state, f.level ? " · level " + f.level : "", f.due_in_ms !== undefined ? " · due in " + duration(f.due_in_ms) : "",
+          f.position !== undefined ? " · " + f.position + " ahead of it" : "", f.owner ? " · owner " + f.owner : ""),
+        el("pre", {}, pretty(f.envelope || f.record))));
+      return [el("h1", {}, "Find a task"), form,
+        ...(places.length ? places : [el("p", { class: "empty" }, "not in " + data.queue + ": unknown, done, or trimmed")])];
+    },
+  },
+};
+
+function taskLink(queue, id) {
+  if (id === null || id === undefined || id === "") return el("td", { class: "dim" }, "(no id)");
+  return el("td", {}, el("a", { href: "/task?queue=" + encodeURIComponent(queue) + "&id=" + encodeURIComponent(id) }, id));
+}
+
+function daemonRow(w) {
+  const state = w.draining ? "draining" : w.paused ? "paused" : "serving";
+  return el("tr", { "data-owner": w.owner },
+    el("td", {}, w.queue), el("td", {}, w.host), el("td", { class: "num" }, w.pid), el("td", {}, w.version),
+    el("td", { class: "num" }, duration(w.lease_left_ms)), el("td", { class: "num" }, w.held ?? "-"),
+    el("td", { class: "num" + (w.stuck ? " bad" : ""), "data-field": "stuck" }, w.stuck ?? "-"),
+    el("td", {}, clock(w.started_at_ms)), el("td", {}, el("span", { class: "badge " + state }, state)),
+    el("td", { class: "dim" }, w.owner));
+}
+
+function daemonTable(rows) {
+  return el("div", { id: "daemons" }, table([["queue"], ["host"], ["pid", "num"], ["version"], ["lease left", "num"],
+    ["held", "num"], ["stuck", "num"], ["started"], ["state"], ["owner"]], rows, "no daemon alive on these queues"));
+}
+
+function pretty(text) {
+  try { return JSON.stringify(JSON.parse(text), null, 2); } catch (_) { return text; }
+}
+
+// --- the loop ----------------------------------------------------------------------------------------------
+
+function currentPage() {
+  const path = location.pathname;
+  if (path.startsWith("/queues/")) return pages.queue;
+  if (path === "/daemons") return pages.daemons;
+  if (path === "/task") return pages.task;
+  return pages.overview;
+}
+
+let last = null;
+let timer = null;
+
+// Asks the page's URL and redraws when the answer changed (an unchanged page keeps its buttons under the
+// pointer); `force` redraws anyway, right after an action.
+async function refresh(force) {
+  clearTimeout(timer);
+  const page = currentPage();
+  const url = page.url();
+  try {
+    const data = url ? await getJson(url) : null;
+    const text = JSON.stringify(data);
+    if (force || text !== last) {
+      last = text;
+      document.getElementById("main").replaceChildren(...page.draw(data));
+    }
+  } catch (error) {
+    status(error.message + " (retrying)", true);
+  }
+  if (url) timer = setTimeout(refresh, page.every || POLL_MS);
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  if (READ_ONLY) document.getElementById("mode-badge").append(el("span", { class: "badge ro" }, "read-only"));
+  const page = currentPage();
+  if (page === pages.overview || page === pages.queue) refreshHistory();
+  refresh(true);
+});

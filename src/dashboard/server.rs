@@ -1,0 +1,306 @@
+//! Routing and the checks every request passes.
+//!
+//! - Authentication, when `[dashboard]` configures it ([`super::auth`]): every request, pages and API, needs a
+//!   user's password (HTTP Basic) or the bearer token, else 401.
+//! - Host, without authentication (loopback): the page and the API answer only to the names of the address
+//!   they listen on (`127.0.0.1:PORT`, `localhost:PORT`, `[::1]:PORT`), so a web page elsewhere cannot reach
+//!   them through DNS rebinding (a name of its own that resolves to 127.0.0.1) and read them as same-origin.
+//!   With authentication a rebound name gets nothing either: the browser has no credentials for it.
+//! - Actions (POST) need the process's CSRF token in the `X-Kmqd-Csrf` header (the pages have it from their
+//!   `<meta name="kmqd-csrf">`, scripts from `GET /api/session`), and an `Origin`, when the client sends one,
+//!   of this server; a cross-site form can set neither. `--read-only` refuses every one (403).
+//! - Every action is logged (info, `dashboard action`) with who asked, from where, what and the outcome.
+//!
+//! Responses carry a Content-Security-Policy that allows only this server's own scripts and styles (the pages
+//! have no inline script), `X-Frame-Options: DENY` (no clickjacking of the buttons) and `Cache-Control:
+//! no-store`.
+
+use std::io::{Cursor, Read};
+use std::net::SocketAddr;
+
+use percent_encoding::percent_decode_str;
+use serde_json::{Value as Json, json};
+use tiny_http::{Header, Method, Request, Response};
+
+use super::api::{self, Action, ApiError};
+use super::auth::Auth;
+use super::{Options, SharedOverview, assets};
+use crate::client::Client;
+use crate::config::Config;
+use crate::overview::Overview;
+
+/// The most bytes an action's body may have (a list of ids to requeue).
+const MAX_BODY: u64 = 1 << 20;
+
+/// What every request thread shares.
+pub(super) struct State {
+    pub client: Client,
+    pub overview: SharedOverview,
+    pub read_only: bool,
+    /// `None`: no authentication (loopback only).
+    auth: Option<Auth>,
+    /// Random per process: a page served by an earlier run no longer acts.
+    csrf: String,
+    /// The `Host` values the server answers to.
+    hosts: Vec<String>,
+    /// Queue names and modes, in config order.
+    pub queues: Vec<(String, &'static str)>,
+}
+
+impl State {
+    pub fn new(
+        config: &Config,
+        client: Client,
+        options: &Options,
+        auth: Option<Auth>,
+        addr: SocketAddr,
+    ) -> State {
+        let port = addr.port();
+        let mut hosts = vec![
+            format!("127.0.0.1:{port}"),
+            format!("localhost:{port}"),
+            format!("[::1]:{port}"),
+        ];
+        if !hosts.contains(&addr.to_string()) {
+            hosts.push(addr.to_string());
+        }
+        State {
+            client,
+            overview: SharedOverview::new(Overview::new(config)),
+            read_only: options.read_only,
+            auth,
+            csrf: uuid::Uuid::new_v4().simple().to_string(),
+            hosts,
+            queues: config
+                .queues
+                .iter()
+                .map(|q| (q.name.clone(), q.mode.as_str()))
+                .collect(),
+        }
+    }
+
+    pub fn csrf(&self) -> &str {
+        &self.csrf
+    }
+}
+
+type Reply = Response<Cursor<Vec<u8>>>;
+
+/// Answers one request.
+pub(super) fn handle(state: &State, mut request: Request) {
+    let reply = match route(state, &mut request) {
+        Ok(reply) => reply,
+        Err(error) => json_reply(error.status, &json!({ "error": error.message })),
+    };
+    if let Err(error) = request.respond(reply) {
+        tracing::debug!(%error, "dashboard: the reply could not be sent");
+    }
+}
+
+fn route(state: &State, request: &mut Request) -> Result<Reply, ApiError> {
+    let user = match &state.auth {
+        Some(auth) => match auth.user(header(request, "Authorization").as_deref()) {
+            Some(user) => user,
+            None => return Ok(unauthorized(auth)),
+        },
+        None => {
+            let host = header(request, "Host").unwrap_or_default();
+            if !state
+                .hosts
+                .iter()
+                .any(|allowed| allowed.eq_ignore_ascii_case(&host))
+            {
+                return Err(ApiError::new(
+                    421,
+                    format!("this dashboard answers to {} only", state.hosts.join(", ")),
+                ));
+            }
+            LOCAL_USER.to_string()
+        }
+    };
+    let url = request.url().to_string();
+    let (path, query) = url.split_once('?').unwrap_or((&url, ""));
+    let segments: Vec<String> = path
+        .split('/')
+        .skip(1)
+        .map(|segment| percent_decode_str(segment).decode_utf8_lossy().into_owned())
+        .collect();
+    let segments: Vec<&str> = segments.iter().map(String::as_str).collect();
+    let method = request.method().clone();
+    match (&method, segments.as_slice()) {
+        (Method::Get, [""] | ["daemons"] | ["task"] | ["queues", _]) => Ok(page(state)),
+        (Method::Get, ["assets", name]) => assets::file(name)
+            .map(|(content_type, body)| reply(200, content_type, body.as_bytes().to_vec()))
+            .ok_or_else(|| ApiError::new(404, format!("no asset {name}"))),
+        (Method::Get, ["api", "session"]) => Ok(json_reply(200, &api::session(state, &user))),
+        (Method::Get, ["api", "overview"]) => Ok(json_reply(200, &api::overview(state))),
+        (Method::Get, ["api", "daemons"]) => Ok(json_reply(200, &api::daemons(state)?)),
+        (Method::Get, ["api", "history"]) => Ok(json_reply(200, &api::history(state)?)),
+        (Method::Get, ["api", "queues", queue]) => {
+            let limit = query_value(query, "limit")
+                .map(|text| text.parse::<usize>())
+                .transpose()
+                .map_err(|_| ApiError::new(400, "limit: not a number"))?
+                .unwrap_or(api::DEFAULT_LIMIT)
+                .min(api::MAX_LIMIT);
+            Ok(json_reply(200, &api::queue(state, queue, limit)?))
+        }
+        (Method::Get, ["api", "queues", queue, "tasks", id]) => {
+            Ok(json_reply(200, &api::task(state, queue, id)?))
+        }
+        (Method::Post, ["api", "queues", queue, rest @ ..]) => {
+            let action = match rest {
+                ["pause"] => Action::Pause,
+                ["resume"] => Action::Resume,
+                ["dead", "requeue"] => Action::Requeue,
+                ["dead", "purge"] => Action::Purge,
+                ["tasks", id, "cancel"] => Action::Cancel(id.to_string()),
+                _ => return Err(ApiError::new(404, format!("no action at {path}"))),
+            };
+            let queue = queue.to_string();
+            act(state, request, &user, &queue, action)
+        }
+        (Method::Get | Method::Post, _) => Err(ApiError::new(404, format!("nothing at {path}"))),
+        _ => Err(ApiError::new(405, "GET pages and the API, POST actions")),
+    }
+}
+
+/// The checks of an action, then the action, logged with who asked and what came of it.
+fn act(
+    state: &State,
+    request: &mut Request,
+    user: &str,
+    queue: &str,
+    action: Action,
+) -> Result<Reply, ApiError> {
+    if state.read_only {
+        return Err(ApiError::new(
+            403,
+            "this dashboard is read-only (--read-only): actions are off",
+        ));
+    }
+    if header(request, "X-Kmqd-Csrf").as_deref() != Some(state.csrf()) {
+        return Err(ApiError::new(
+            403,
+            "missing or stale CSRF token (X-Kmqd-Csrf): reload the page, or read it from GET /api/session",
+        ));
+    }
+    if let Some(origin) = header(request, "Origin") {
+        // The page's own origin: the host it asked for (checked above on loopback), over HTTP, or HTTPS behind
+        // a proxy that terminates TLS.
+        let host = header(request, "Host").unwrap_or_default();
+        let ours = ["http://", "https://"]
+            .iter()
+            .any(|scheme| origin.eq_ignore_ascii_case(&format!("{scheme}{host}")));
+        if host.is_empty() || !ours {
+            return Err(ApiError::new(
+                403,
+                format!("cross-origin action refused (Origin {origin})"),
+            ));
+        }
+    }
+    let mut body = String::new();
+    request
+        .as_reader()
+        .take(MAX_BODY)
+        .read_to_string(&mut body)
+        .map_err(|error| ApiError::new(400, format!("cannot read the body: {error}")))?;
+    let body: Json = if body.trim().is_empty() {
+        json!({})
+    } else {
+        serde_json::from_str(&body).map_err(|error| ApiError::new(400, format!("body: {error}")))?
+    };
+    let from = request
+        .remote_addr()
+        .map_or("?".to_string(), ToString::to_string);
+    let what = action.name();
+    let result = api::act(state, queue, &action, &body);
+    match &result {
+        Ok(outcome) => tracing::info!(
+            user,
+            from = %from,
+            action = what,
+            queue,
+            target = action.target(),
+            outcome = %outcome,
+            "dashboard action"
+        ),
+        Err(error) => tracing::warn!(
+            user,
+            from = %from,
+            action = what,
+            queue,
+            target = action.target(),
+            status = error.status,
+            error = %error.message,
+            "dashboard action failed"
+        ),
+    }
+    result.map(|outcome| json_reply(200, &outcome))
+}
+
+/// Who asks, without authentication: anyone on this host; the peer address says which connection.
+pub const LOCAL_USER: &str = "local";
+
+/// 401, asking a browser for a password when there are users (a script sends the token).
+fn unauthorized(auth: &Auth) -> Reply {
+    let challenge = if auth.has_users() {
+        r#"Basic realm="kmqd dashboard", charset="UTF-8""#
+    } else {
+        r#"Bearer realm="kmqd dashboard""#
+    };
+    let body = json!({ "error": "authentication required: a dashboard user's password, or the bearer token" });
+    json_reply(401, &body)
+        .with_header(Header::from_bytes("WWW-Authenticate", challenge).expect("a valid header"))
+}
+
+/// The page shell: one HTML document for every page, its script draws the page its path names.
+fn page(state: &State) -> Reply {
+    reply(
+        200,
+        "text/html; charset=utf-8",
+        assets::page(state.csrf(), state.read_only).into_bytes(),
+    )
+}
+
+fn header(request: &Request, name: &'static str) -> Option<String> {
+    request
+        .headers()
+        .iter()
+        .find(|header| header.field.equiv(name))
+        .map(|header| header.value.as_str().to_string())
+}
+
+/// The value of `name` in a query string (`limit=20&x=y`), percent-decoded.
+fn query_value(query: &str, name: &str) -> Option<String> {
+    query
+        .split('&')
+        .filter_map(|pair| pair.split_once('='))
+        .find(|(key, _)| *key == name)
+        .map(|(_, value)| percent_decode_str(value).decode_utf8_lossy().into_owned())
+}
+
+fn json_reply(status: u16, body: &Json) -> Reply {
+    reply(status, "application/json", body.to_string().into_bytes())
+}
+
+fn reply(status: u16, content_type: &str, body: Vec<u8>) -> Reply {
+    let headers = [
+        ("Content-Type", content_type),
+        ("Cache-Control", "no-store"),
+        ("X-Content-Type-Options", "nosniff"),
+        ("X-Frame-Options", "DENY"),
+        ("Referrer-Policy", "no-referrer"),
+        (
+            "Content-Security-Policy",
+            "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; \
+             connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+        ),
+    ];
+    headers.into_iter().fold(
+        Response::from_data(body).with_status_code(status),
+        |response, (name, value)| {
+            response.with_header(Header::from_bytes(name, value).expect("a valid header"))
+        },
+    )
+}

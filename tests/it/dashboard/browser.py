@@ -1,0 +1,159 @@
+#!/usr/bin/python3
+"""The dashboard's pages in a real headless Chromium (Debian's chromium and chromium-driver, through Debian's
+python3-selenium), started by tests/it/dashboard/browser.rs, which set up Redis, a daemon and two dashboards and
+passes what to expect as JSON in argv[1]. Fails (exit 1, the reason on stderr) when a page does not show what
+Redis holds; prints one JSON line of what it measured. Saves its screenshots into `shots`."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+
+ARGS = json.loads(sys.argv[1])
+
+
+def eventually(within, what, condition):
+    """Polls `condition` (it may raise while the page redraws) until it returns something true."""
+    deadline = time.monotonic() + within
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            value = condition()
+            if value:
+                return value
+        except (StaleElementReferenceException, WebDriverException, ValueError) as error:
+            last = error
+        time.sleep(0.05)
+    raise AssertionError(f"{what}: not within {within}s (last: {last!r})")
+
+
+def read(what, get):
+    """`get()`, tried again while the page redraws under it (the element it found was replaced)."""
+    return eventually(5, what, lambda: [get()])[0]
+
+
+def cell(driver, queue, field):
+    return read(f"{queue}'s {field}", lambda: driver.find_element(
+        By.CSS_SELECTOR, f'tr[data-queue="{queue}"] [data-field="{field}"]').text)
+
+
+def card(driver, field):
+    return int(read(f"the {field} card", lambda: driver.find_element(
+        By.CSS_SELECTOR, f'.card [data-field="{field}"]').text))
+
+
+def shot(driver, name):
+    driver.save_screenshot(os.path.join(ARGS["shots"], name))
+
+
+def main():
+    options = webdriver.ChromeOptions()
+    options.binary_location = "/usr/bin/chromium"
+    for flag in ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--window-size=1280,720", "--force-prefers-reduced-motion", "--lang=en-US"]:
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
+    measured = {}
+    try:
+        url = ARGS["url"]
+        # The overview lists every queue with the counts Redis holds.
+        driver.get(url + "/")
+        for queue, fields in ARGS["expect"].items():
+            for field, value in fields.items():
+                eventually(10, f"{queue} {field} = {value} on the overview",
+                           lambda: cell(driver, queue, field) == str(value))
+        state = read("billing's state", lambda: driver.find_element(
+            By.CSS_SELECTOR, 'tr[data-queue="billing"] .badge').text)
+        assert state == "paused", f"billing shows {state!r}"
+
+        # A push shows on the page within two seconds.
+        ready = int(cell(driver, "billing", "ready"))
+        started = time.monotonic()
+        subprocess.run([ARGS["kmqd"], "-c", ARGS["config"], "push", "billing", "test", "{}"], check=True,
+                       stdout=subprocess.DEVNULL)
+        eventually(2, "the push on the overview", lambda: cell(driver, "billing", "ready") == str(ready + 1))
+        measured["push_shown_ms"] = round((time.monotonic() - started) * 1000)
+        assert measured["push_shown_ms"] <= 2000, measured
+
+        # The charts draw the hour of history the daemons keep in Redis (seeded for mail), and move with it.
+        def drawn(queue, series):
+            return driver.execute_script(
+                "const line = document.querySelector(arguments[0]);"
+                "return line && line.tagName === 'polyline' ? line.getAttribute('points').split(' ').length : 0;",
+                f'.charts[data-queue="{queue}"] .{series}')
+        eventually(10, "mail's hour of rates on the chart", lambda: drawn("mail", "s-done") >= 60)
+        eventually(10, "mail's hour of depths on the chart", lambda: drawn("mail", "s-ready") >= 60)
+        measured["chart_points"] = drawn("mail", "s-done")
+
+        # Rates moving, for the picture.
+        eventually(20, "mail's done/s above 0", lambda: float(cell(driver, "mail", "done_rate")) > 0)
+        driver.set_window_size(1280, 620)
+        time.sleep(0.3)  # the relayout (no condition to poll: the same elements, smaller)
+        shot(driver, "dashboard-overview.png")
+        driver.set_window_size(390, 844)
+        time.sleep(0.3)  # the relayout (no condition to poll: the same elements, narrower)
+        shot(driver, "dashboard-phone.png")
+        driver.set_window_size(1280, 900)
+
+        # Requeueing a dead task from its button makes it run (it fails again: the failed counter moves).
+        driver.get(url + "/queues/jobs")
+        row = '#dead tr[data-id="doomed"]'
+        eventually(10, "doomed in the dead table", lambda: driver.find_elements(By.CSS_SELECTOR, row))
+        failed = card(driver, "failed")
+        eventually(10, "the queue's charts", lambda: driver.find_elements(By.CSS_SELECTOR, '.charts[data-queue="jobs"]'))
+        shot(driver, "dashboard-queue.png")
+        eventually(5, "a click on doomed's Requeue", lambda: driver.find_element(
+            By.CSS_SELECTOR, row + ' button[data-action="requeue"]').click() or True)
+        eventually(5, "the requeue's answer", lambda: "requeue doomed" in driver.find_element(By.ID, "flash").text)
+        flash = read("the flash", lambda: driver.find_element(By.ID, "flash").text)
+        assert '"requeued":["doomed"]' in flash, flash
+        eventually(20, "doomed to run again", lambda: card(driver, "failed") == failed + 1)
+
+        # Pause and Resume from the queue's header: the badge follows Redis.
+        for button_name, state in [("pause", "paused"), ("resume", "serving")]:
+            eventually(5, f"a click on {button_name}", lambda: driver.find_element(
+                By.CSS_SELECTOR, f'h1 button[data-action="{button_name}"]').click() or True)
+            eventually(5, f"the queue {state}", lambda: read("the state badge", lambda: driver.find_element(
+                By.ID, "queue-state").text) == state)
+
+        # The daemons page lists the daemon on each queue; a task found by id shows where it is.
+        driver.get(url + "/daemons")
+        eventually(10, "a daemon per queue", lambda: len(driver.find_elements(By.CSS_SELECTOR, "tr[data-owner]")) == 4)
+        driver.get(url + "/task?queue=jobs&id=doomed")
+        eventually(10, "doomed found dead", lambda: read("the place", lambda: driver.find_element(
+            By.CSS_SELECTOR, ".found h2").text).startswith("dead"))
+
+        # --read-only: no button anywhere, and an action sent anyway is refused.
+        ro = ARGS["read_only_url"]
+        for path in ["/", "/queues/jobs", "/daemons"]:
+            driver.get(ro + path)
+            eventually(10, f"{path} drawn", lambda: driver.find_elements(By.CSS_SELECTOR, "main table"))
+            buttons = driver.execute_script("return document.querySelectorAll('main button').length")
+            assert buttons == 0, f"{path} has {buttons} buttons"
+            badge = read("the read-only badge", lambda: driver.find_element(By.ID, "mode-badge").text)
+            assert badge == "read-only", badge
+        refused = driver.execute_async_script("""
+            const done = arguments[arguments.length - 1];
+            const token = document.querySelector('meta[name="kmqd-csrf"]').content;
+            fetch("/api/queues/jobs/pause", {method: "POST", headers: {"X-Kmqd-Csrf": token}})
+              .then((response) => done(response.status), (error) => done(String(error)));
+        """)
+        assert refused == 403, f"a read-only action answered {refused}"
+        measured["read_only_refused"] = refused
+    finally:
+        driver.quit()
+    print(json.dumps(measured))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except AssertionError as error:
+        print(f"browser check failed: {error}", file=sys.stderr)
+        sys.exit(1)
