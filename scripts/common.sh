@@ -47,6 +47,12 @@ ensure_promtool() {
     ensure_command promtool prometheus
 }
 
+# tests/it/exec_persistent.rs runs its handler processes, and the Python SDK's tests, with python3 (standard
+# library only).
+ensure_python3() {
+    ensure_command python3 python3
+}
+
 ensure_cargo() {
     if ! command -v cargo >/dev/null 2>&1; then
         echo "cargo not found: install Rust first (https://rustup.rs), then run this again" >&2

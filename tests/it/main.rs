@@ -11,6 +11,7 @@ mod crash;
 mod dead;
 mod default_mode;
 mod delayed;
+mod exec_persistent;
 mod fault_proxy;
 mod faults;
 mod metrics;
