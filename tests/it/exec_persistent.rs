@@ -82,20 +82,19 @@ struct Rig {
 }
 
 /// A daemon config with the queue `jobs` (`queue` keys) and one `[plugins.NAME]` per `(name, type, start mode,
-/// extra config)`: each a copy of the exec plugin (one file per section) running [`HANDLER`] persistently.
+/// extra config)`, each running [`HANDLER`] persistently: sections of one file, the exec plugin, each an instance
+/// with a pool of its own.
 fn rig(queue: &str, daemon: &str, sections: &[(&str, &str, &str, &str)]) -> Rig {
     let redis = RedisServer::start();
     let dir = TestDir::new();
     let handler = dir.path("handler.py");
     fs::write(&handler, HANDLER).unwrap();
     fs::set_permissions(&handler, fs::Permissions::from_mode(0o755)).unwrap();
-    let exec = built_plugin("kmq-exec");
+    dir.install_plugin(&built_plugin("kmq-exec"), "libkmq_exec.so");
     let mut plugins = String::new();
     for (name, kind, start, extra) in sections {
-        let file = format!("libkmq_exec_{name}.so");
-        dir.install_plugin(&exec, &file);
         plugins.push_str(&format!(
-            "[plugins.{name}]\nfile = \"{file}\"\nconfig = {{ command = \"{python}\", args = [\"{handler}\", \"{start}\", \"{dir}\"], types = [\"{kind}\"], mode = \"persistent\"{extra} }}\n\n",
+            "[plugins.{name}]\nfile = \"libkmq_exec.so\"\nconfig = {{ command = \"{python}\", args = [\"{handler}\", \"{start}\", \"{dir}\"], types = [\"{kind}\"], mode = \"persistent\"{extra} }}\n\n",
             python = python3().display(),
             handler = handler.display(),
             dir = dir.path("").display(),
