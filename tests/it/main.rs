@@ -26,6 +26,7 @@ mod reload_faults;
 mod report;
 mod safe_mode;
 mod schedules;
+mod sdk;
 mod sentinel;
 mod shutdown;
 mod splice;

@@ -58,3 +58,31 @@ pub fn die_with_parent(command: &mut std::process::Command) {
         });
     }
 }
+
+/// Blocks until `fd` has something to read, or its other end closed (or an error: the caller's read says which).
+pub fn wait_readable(fd: std::os::fd::RawFd) {
+    let mut poll = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    loop {
+        // SAFETY: `poll` is one valid, writable pollfd, and the count says one; -1 waits without a timeout.
+        let result = unsafe { libc::poll(&mut poll, 1, -1) };
+        if result >= 0 || io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+            return;
+        }
+    }
+}
+
+/// How many bytes wait unread in the pipe `fd` (FIONREAD); 0 when it cannot say.
+pub fn unread_bytes(fd: std::os::fd::RawFd) -> usize {
+    let mut count: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one c_int through the pointer, which points at `count`.
+    let result = unsafe { libc::ioctl(fd, libc::FIONREAD, &mut count) };
+    if result == -1 {
+        0
+    } else {
+        usize::try_from(count).unwrap_or(0)
+    }
+}

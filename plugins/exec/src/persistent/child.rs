@@ -5,13 +5,16 @@
 //!   child that reads slowly (the worker only waits for its answer, and can be cancelled meanwhile);
 //! - `kmq-exec-output` reads the hello, then the answers, and hands each to the worker waiting for it;
 //! - `kmq-exec-stderr` copies standard error, line by line, to the daemon's standard error (its log) naming the
-//!   tasks the child held at the time, and keeps its tail for the reason of a crash.
+//!   tasks the child held at the time, and keeps its tail for the reason of a crash. Before an answer is handed
+//!   over, the output thread lets it catch up with what the child wrote to standard error before that answer
+//!   ([`Child::catch_up_stderr`]), so a handler's last lines are named after the task that wrote them.
 //!
 //! The child is reaped by [`Child::end`] only, which runs once, under the lock the exit checks take: nothing is
 //! ever signalled or waited for through a process id after it was reaped (and could be reused).
 
 use std::collections::HashMap;
 use std::io::{self, BufRead, BufReader, Read, Write};
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -39,6 +42,9 @@ pub enum Event {
 }
 
 pub type Events = Box<dyn Fn(u32, Event) + Send + Sync>;
+
+/// The longest an answer waits for the stderr thread to catch up (see [`Child::catch_up_stderr`]).
+const CATCH_UP_BOUND: Duration = Duration::from_millis(50);
 
 /// Why a child ends.
 pub enum Cause {
@@ -76,6 +82,9 @@ pub struct Child {
     held: Mutex<Held>,
     process: Mutex<Reaped>,
     stderr_tail: Arc<Mutex<Tail>>,
+    /// Held while the stderr thread reads and copies a chunk: with it held and nothing unread in the pipe,
+    /// everything the child wrote so far has been copied. `None` once the pipe is closed.
+    stderr_reading: Mutex<Option<RawFd>>,
     stderr_closed: Mutex<mpsc::Receiver<()>>,
     events: Events,
 }
@@ -135,6 +144,7 @@ impl Child {
                 status: None,
             }),
             stderr_tail: Arc::new(Mutex::new(Tail::default())),
+            stderr_reading: Mutex::new(Some(stderr.as_raw_fd())),
             stderr_closed: Mutex::new(stderr_closed),
             events,
         });
@@ -344,6 +354,7 @@ impl Child {
                 }
                 continue;
             }
+            self.catch_up_stderr();
             match protocol::parse_answer(&line) {
                 Line::Answer { id, outcome } => self.deliver(&id, outcome),
                 Line::Bad { id, problem } => self.deliver(
@@ -374,33 +385,81 @@ impl Child {
         }
     }
 
+    /// Waits until the stderr thread has copied everything the child wrote to standard error so far: what it
+    /// wrote before an answer is then logged while the answer's task is still held. Bounded: a child that writes
+    /// standard error without pause delays its answers by at most [`CATCH_UP_BOUND`].
+    fn catch_up_stderr(&self) {
+        let deadline = Instant::now() + CATCH_UP_BOUND;
+        loop {
+            {
+                let reading = lock(&self.stderr_reading);
+                match *reading {
+                    Some(fd) if process::unread_bytes(fd) > 0 => {}
+                    _ => return,
+                }
+            }
+            if Instant::now() >= deadline {
+                return;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+
     /// The `kmq-exec-stderr` thread: each line to the daemon's standard error, naming the tasks held.
-    fn copy_stderr(&self, stderr: impl Read) {
-        let mut reader = BufReader::new(stderr);
-        let mut line = Vec::new();
+    fn copy_stderr(&self, mut stderr: impl Read + AsRawFd) {
+        let fd = stderr.as_raw_fd();
+        let mut chunk = [0u8; 8192];
+        let mut partial = Vec::new();
         let err = io::stderr();
         loop {
-            line.clear();
-            match reader.read_until(b'\n', &mut line) {
-                Ok(0) | Err(_) => return,
-                Ok(_) => {}
-            }
-            lock(&self.stderr_tail).push(&line);
-            let text = String::from_utf8_lossy(&line);
-            let text = text.trim_end();
-            let tasks: Vec<String> = lock(&self.held).tasks.keys().cloned().collect();
-            let during = match tasks.as_slice() {
-                [] => String::new(),
-                [one] => format!(" task {one}"),
-                many => format!(" tasks {}", many.join(", ")),
+            process::wait_readable(fd);
+            let mut reading = lock(&self.stderr_reading);
+            let n = match stderr.read(&mut chunk) {
+                Ok(0) => 0,
+                Ok(n) => n,
+                Err(error) if error.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => 0,
             };
-            let _ = writeln!(
-                err.lock(),
-                "kmq-exec: {}[{}]{during}: {text}",
-                self.name,
-                self.pid
-            );
+            if n == 0 {
+                // Closed before the pipe is dropped (on return): nobody asks about its descriptor any more.
+                *reading = None;
+                if !partial.is_empty() {
+                    self.copy_line(&err, &partial);
+                }
+                return;
+            }
+            lock(&self.stderr_tail).push(&chunk[..n]);
+            partial.extend_from_slice(&chunk[..n]);
+            let mut start = 0;
+            while let Some(end) = partial[start..].iter().position(|b| *b == b'\n') {
+                self.copy_line(&err, &partial[start..start + end]);
+                start += end + 1;
+            }
+            partial.drain(..start);
+            if partial.len() > 64 << 10 {
+                // A "line" this long without a newline: copy it as it is, rather than hold it.
+                self.copy_line(&err, &partial);
+                partial.clear();
+            }
+            drop(reading);
         }
+    }
+
+    fn copy_line(&self, err: &io::Stderr, line: &[u8]) {
+        let text = String::from_utf8_lossy(line);
+        let text = text.trim_end();
+        let tasks: Vec<String> = lock(&self.held).tasks.keys().cloned().collect();
+        let during = match tasks.as_slice() {
+            [] => String::new(),
+            [one] => format!(" task {one}"),
+            many => format!(" tasks {}", many.join(", ")),
+        };
+        let _ = writeln!(
+            err.lock(),
+            "kmq-exec: {}[{}]{during}: {text}",
+            self.name,
+            self.pid
+        );
     }
 }
 
