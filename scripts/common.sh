@@ -53,6 +53,11 @@ ensure_python3() {
     ensure_command python3 python3
 }
 
+# The Node SDK's tests (sdk/node, and tests/it/sdk.rs) run with node: Debian's nodejs package (18 on Debian 12).
+ensure_node() {
+    ensure_command node nodejs
+}
+
 ensure_cargo() {
     if ! command -v cargo >/dev/null 2>&1; then
         echo "cargo not found: install Rust first (https://rustup.rs), then run this again" >&2

@@ -163,3 +163,63 @@ fn the_sdk_free_python_handler_of_handlers_md_runs_a_task_through_the_daemon() {
     daemon.signal(15);
     assert_eq!(daemon.wait_within(Duration::from_secs(30)), Some(0));
 }
+
+#[test]
+fn the_node_sdks_example_handler_settles_sync_and_async_tasks_through_the_daemon() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let node = interpreter(&["/usr/bin/node", "/usr/local/bin/node", "/usr/bin/nodejs"]);
+    let script = workspace_dir().join("sdk/node/example-handler.js");
+    let (config, mut daemon) = start(
+        &redis,
+        &dir,
+        &node,
+        &script,
+        &["report.build", "report.mail"],
+        ", processes = 2, concurrency = 4",
+    );
+    push(&config, "report.build", "built", r#"{"rows": 3}"#);
+    push(&config, "report.build", "negative", r#"{"rows": -1}"#);
+    push(&config, "report.build", "no-rows", "{}");
+    push(
+        &config,
+        "report.mail",
+        "sent",
+        r#"{"to": "ada@example.com"}"#,
+    );
+    push(
+        &config,
+        "report.mail",
+        "busy",
+        r#"{"to": "busy@example.com"}"#,
+    );
+    push(&config, "report.mail", "nobody", r#"{"to": "nobody"}"#);
+    wait_ended(&config, 2, 4);
+    let dead = dead_reasons(&redis);
+    assert_eq!(dead["negative"], "rows must be 0 or more, not -1");
+    assert_eq!(
+        dead["no-rows"],
+        "TypeError: data has no rows; no retries left after 2 runs"
+    );
+    assert_eq!(dead["busy"], "mailbox busy; no retries left after 2 runs");
+    assert_eq!(dead["nobody"], "\"nobody\" is not an address");
+    let line = eventually(
+        Duration::from_secs(10),
+        "the handler's console.log in the log",
+        || {
+            let log = daemon.log_text();
+            let line = log
+                .lines()
+                .find(|line| line.ends_with(": building 3 rows"))
+                .map(str::to_string);
+            (line.is_some(), line.unwrap_or(log))
+        },
+    );
+    assert!(
+        line.split_once(": building")
+            .is_some_and(|(during, _)| during.contains("built")),
+        "{line}"
+    );
+    daemon.signal(15);
+    assert_eq!(daemon.wait_within(Duration::from_secs(30)), Some(0));
+}
