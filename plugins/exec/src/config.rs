@@ -247,3 +247,18 @@ impl Config {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::bytes;
+
+    #[test]
+    fn sizes_read_decimal_and_binary_units() {
+        assert_eq!(bytes("512MiB"), Ok(512 << 20));
+        assert_eq!(bytes("1GB"), Ok(1_000_000_000));
+        assert_eq!(bytes("800 kB"), Ok(800_000));
+        assert_eq!(bytes("4096"), Ok(4096));
+        assert!(bytes("0MiB").is_err());
+        assert!(bytes("1TB").is_err());
+    }
+}

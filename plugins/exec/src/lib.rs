@@ -367,6 +367,35 @@ mod tests {
                 serde_json::json!({ "command": good, "types": ["t"] }).to_string(),
                 "missing field `timeout`",
             ),
+            (
+                serde_json::json!({ "command": good, "timeout": "1s", "types": ["t"], "processes": 2 })
+                    .to_string(),
+                "exec: processes applies to long-lived handler processes only; add mode = \"persistent\" or remove it",
+            ),
+            (
+                serde_json::json!({ "command": good, "types": ["t"], "mode": "forever" }).to_string(),
+                "unknown variant `forever`, expected `per_task` or `persistent`",
+            ),
+            (
+                serde_json::json!({ "command": good, "types": ["t"], "mode": "persistent", "processes": 0 })
+                    .to_string(),
+                "exec: processes is 0",
+            ),
+            (
+                serde_json::json!({ "command": good, "types": ["t"], "mode": "persistent", "concurrency": 0 })
+                    .to_string(),
+                "exec: concurrency is 0",
+            ),
+            (
+                serde_json::json!({ "command": good, "types": ["t"], "mode": "persistent", "max_rss": "lots" })
+                    .to_string(),
+                "exec: max_rss \"lots\" is not a size; write one like \"512MiB\" or \"1GB\"",
+            ),
+            (
+                serde_json::json!({ "command": good, "types": ["t"], "mode": "persistent", "kill_grace": "0s" })
+                    .to_string(),
+                "exec: kill_grace is 0",
+            ),
         ];
         for (config, expected) in cases {
             let error = Harness::new(crate::kmq_plugin_v1, &config)
@@ -383,5 +412,12 @@ mod tests {
             (accepted.name(), accepted.types()),
             ("exec", &["a".to_string(), "b".to_string()][..])
         );
+        let persistent = serde_json::json!({
+            "command": good, "types": ["p"], "mode": "persistent", "processes": 1, "concurrency": 4,
+            "max_tasks_per_process": 100, "max_rss": "512MiB", "timeout": "1m", "start_timeout": "5s",
+            "kill_grace": "1s",
+        });
+        let accepted = Harness::new(crate::kmq_plugin_v1, &persistent.to_string()).unwrap();
+        assert_eq!(accepted.types(), ["p"], "every key of the persistent mode");
     }
 }

@@ -143,6 +143,13 @@ impl Shared {
     /// Waits for a free slot of a ready child and takes it; an outcome instead when the task cannot run now.
     fn take_slot(&self, task: &Task<'_>, deadline: Option<Instant>) -> Result<Arc<Child>, Outcome> {
         let mut state = lock(&self.state);
+        // The common case, a free slot: no one else to wake.
+        if !state.stopping {
+            if let Some(child) = self.pick(&mut state, task.id()) {
+                return Ok(child);
+            }
+        }
+        // The pool thread may start a child for it (without `processes`, one per running task).
         state.waiting += 1;
         self.changed.notify_all();
         let result = loop {
@@ -288,12 +295,17 @@ impl Shared {
             .max_rss
             .is_some_and(|max| child.rss().is_some_and(|rss| rss > max));
         let mut state = lock(&self.state);
+        let mut wake = state.waiting > 0;
         if let Some(member) = state.members.iter_mut().find(|m| m.child.pid == child.pid) {
             member.held = member.held.saturating_sub(1);
             member.retiring |= over_rss;
+            // A retiring child that is now idle is the pool thread's to stop.
+            wake |= member.retiring && member.held == 0;
         }
         drop(state);
-        self.changed.notify_all();
+        if wake {
+            self.changed.notify_all();
+        }
     }
 
     fn timeout_text(&self) -> String {
@@ -387,10 +399,15 @@ fn keep(shared: &Arc<Shared>) {
                         child.end(Cause::NoHello(within));
                     }
                     Action::Stop(child) => {
-                        // Up to twice kill_grace: not on this thread, which keeps the others.
-                        let _ = std::thread::Builder::new()
+                        // Up to twice kill_grace: not on this thread, which keeps the others (unless no thread
+                        // can be started).
+                        let stopping = Arc::clone(&child);
+                        let spawned = std::thread::Builder::new()
                             .name("kmq-exec-stop".into())
-                            .spawn(move || child.end(Cause::Stop));
+                            .spawn(move || stopping.end(Cause::Stop));
+                        if spawned.is_err() {
+                            child.end(Cause::Stop);
+                        }
                     }
                 }
             }
