@@ -139,6 +139,13 @@ impl Pool {
     }
 }
 
+/// A pool dropped without its shutdown still stops its children: no handler process outlives its instance.
+impl Drop for Pool {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
 impl Shared {
     /// Waits for a free slot of a ready child and takes it; an outcome instead when the task cannot run now.
     fn take_slot(&self, task: &Task<'_>, deadline: Option<Instant>) -> Result<Arc<Child>, Outcome> {
