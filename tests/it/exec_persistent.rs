@@ -24,11 +24,13 @@ def note(name, text):
     with open(os.path.join(directory, name), "a") as f:
         f.write(text + "\n")
 note("starts", str(os.getpid()))
-if start == "crash":
+if start == "crash" and not os.path.exists(os.path.join(directory, "fixed")):
     print("ImportError: no module named handlers", file=sys.stderr, flush=True)
     sys.exit(3)
 if start == "silent":
     time.sleep(3600)
+if start == "banner":
+    print("handlers v2.3 starting", flush=True)
 if start == "ignore_term":
     signal.signal(signal.SIGTERM, lambda signum, frame: note("terms", str(os.getpid())))
 
@@ -330,7 +332,7 @@ fn a_task_past_its_timeout_kills_its_child_and_the_next_task_gets_a_new_one() {
 }
 
 #[test]
-fn a_command_that_fails_at_start_is_reported_once_and_its_tasks_retry_instead_of_dying() {
+fn a_command_that_fails_at_start_is_reported_once_and_its_tasks_retry_until_it_starts() {
     let rig = rig(
         "workers = 2\nretry_times = 1000\nbackoff = \"20ms\"",
         "shutdown_grace = \"5s\"",
@@ -342,24 +344,30 @@ fn a_command_that_fails_at_start_is_reported_once_and_its_tasks_retry_instead_of
                 "silent",
                 ", processes = 1, start_timeout = \"200ms\"",
             ),
+            ("banner", "py.banner", "banner", ", processes = 1"),
         ],
     );
     let mut daemon = Process::start(&rig.config, rig.dir.path("kmqd.log"));
     rig.push("py.crash", "waits-for-crashing", r#"{"do": "done"}"#);
     rig.push("py.silent", "waits-for-silent", r#"{"do": "done"}"#);
+    rig.push("py.banner", "waits-for-banner", r#"{"do": "done"}"#);
     // Three failures make the report; by six (the backoff doubles from 100 ms), a second report would be there.
     eventually(
         Duration::from_secs(30),
         "six starts of each command",
         || {
             let starts = rig.starts().len();
-            (starts >= 12, starts)
+            (starts >= 18, starts)
         },
     );
     let log = daemon.log_text();
     for (kind, why) in [
         ("crashing", "exit status 3"),
         ("silent", "wrote no hello line within 200ms; killed"),
+        (
+            "banner",
+            "is not ready: its first line is not the hello {\"hello\": 1} but \"handlers v2.3 starting\"; killed",
+        ),
     ] {
         let reports: Vec<&str> = log
             .lines()
@@ -377,7 +385,19 @@ fn a_command_that_fails_at_start_is_reported_once_and_its_tasks_retry_instead_of
     );
     let s = stats(&rig.config, "jobs");
     assert_eq!((s.done, s.dead), (0, 0), "{s:?}");
-    assert!(s.retried >= 2, "the tasks are retried: {s:?}");
+    assert!(s.retried >= 3, "the tasks are retried: {s:?}");
+    // The crashing command is fixed: its next start serves the task that waited, and that is logged once.
+    fs::write(rig.dir.path("fixed"), "").unwrap();
+    rig.wait_ended(1, 0);
+    let log = daemon.log_text();
+    assert_eq!(
+        log.lines()
+            .filter(|line| line.starts_with("kmq-exec: ")
+                && line.ends_with("started again; its tasks run again"))
+            .count(),
+        1,
+        "{log}"
+    );
     daemon.signal(15);
     assert_eq!(daemon.wait_within(Duration::from_secs(30)), Some(0));
     for pid in rig.starts() {

@@ -52,6 +52,8 @@ pub enum Cause {
     Exited,
     /// It wrote a line that is neither a hello (first) nor an answer naming a task.
     Protocol(String),
+    /// Its first line is not a hello this kmqd speaks.
+    BadHello(String),
     /// It wrote no hello within `start_timeout`.
     NoHello(Duration),
     /// kmqd kills it: a task it held timed out or was cancelled. SIGTERM, then SIGKILL after `kill_grace`.
@@ -251,7 +253,7 @@ impl Child {
                     process::terminate_group(self.pid);
                     self.exits_within(self.kill_grace);
                 }
-                Cause::Exited | Cause::Protocol(_) | Cause::NoHello(_) => {}
+                Cause::Exited | Cause::Protocol(_) | Cause::BadHello(_) | Cause::NoHello(_) => {}
             }
             // Whatever is left of the group: the child itself, or what it started.
             process::kill_group(self.pid);
@@ -268,6 +270,9 @@ impl Child {
             Cause::Protocol(problem) => format!(
                 "exec: handler process {pid} wrote a line that is not an answer ({problem}); restarted"
             ),
+            Cause::BadHello(problem) => {
+                format!("exec: handler process {pid} is not ready: {problem}; killed")
+            }
             Cause::NoHello(within) => format!(
                 "exec: handler process {pid} wrote no hello line within {}; killed",
                 humantime::format_duration(*within)
@@ -348,7 +353,7 @@ impl Child {
                         (self.events)(self.pid, Event::Ready);
                     }
                     Err(problem) => {
-                        self.end(Cause::Protocol(problem));
+                        self.end(Cause::BadHello(problem));
                         return;
                     }
                 }
