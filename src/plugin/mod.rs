@@ -52,16 +52,15 @@ pub enum PluginError {
         section: String,
         message: String,
     },
-    #[error(
-        "{}",
-        duplicate_type(kind, first, first_section, second, second_section)
-    )]
+    #[error("{}", duplicate_type(kind, (first, first_section), (second, second_section), *same_file))]
     DuplicateType {
         kind: String,
         first: PathBuf,
         first_section: String,
         second: PathBuf,
         second_section: String,
+        /// Both are sections of one file (the paths differ for a hard link).
+        same_file: bool,
     },
     #[error("plugin {}: it handles no task types; list them in its descriptor's `types` (or in its config, if it reads them from there)", path.display())]
     NoTypes { path: PathBuf },
@@ -70,14 +69,10 @@ pub enum PluginError {
 /// The refusal of a type two plugins claim: by their files, or by their sections when one file serves both.
 fn duplicate_type(
     kind: &str,
-    first: &Path,
-    first_section: &str,
-    second: &Path,
-    second_section: &str,
+    (first, first_section): (&Path, &str),
+    (second, second_section): (&Path, &str),
+    same_file: bool,
 ) -> String {
-    let same_file = identity(first)
-        .ok()
-        .is_some_and(|a| identity(second).ok() == Some(a));
     if same_file {
         let also = if first == second {
             String::new()
@@ -281,6 +276,7 @@ impl Registry {
                         first_section: first.section.clone(),
                         second: loaded.path.clone(),
                         second_section: loaded.section.clone(),
+                        same_file: first.identity == loaded.identity,
                     });
                 }
             }
