@@ -39,6 +39,8 @@ def send(answer):
     sys.stdout.flush()
 
 send({"hello": 1})
+if start == "hello_then_exit":
+    sys.exit(1)
 held = {}  # task id -> the id of the task whose arrival answers it
 for line in sys.stdin:
     task = json.loads(line)
@@ -494,4 +496,28 @@ fn at_shutdown_a_busy_child_gets_the_grace_then_sigterm_then_sigkill() {
         (0, 0),
         "the task waits for another run: {s:?}"
     );
+}
+
+#[test]
+fn a_child_that_dies_right_after_its_hello_is_restarted_with_a_growing_backoff() {
+    let rig = rig(
+        "workers = 1",
+        "shutdown_grace = \"5s\"",
+        &[("py", "py", "hello_then_exit", ", processes = 1")],
+    );
+    let daemon = TestDaemon::start(&rig.config);
+    let first = eventually(Duration::from_secs(30), "a first start", || {
+        (!rig.starts().is_empty(), std::time::Instant::now())
+    });
+    eventually(Duration::from_secs(30), "six starts", || {
+        let starts = rig.starts().len();
+        (starts >= 6, starts)
+    });
+    // The second start follows the first crash at once; then 100 ms, 200 ms, 400 ms, 800 ms: a lower bound.
+    let elapsed = first.elapsed();
+    assert!(
+        elapsed >= Duration::from_millis(1500),
+        "six starts in {elapsed:?}: no backoff"
+    );
+    daemon.stop();
 }

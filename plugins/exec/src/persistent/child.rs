@@ -78,6 +78,8 @@ pub struct Child {
     name: String,
     kill_grace: Duration,
     ready: AtomicBool,
+    /// It answered at least one task.
+    answered: AtomicBool,
     /// Held through [`Child::end`]: a second call waits for the first to be over.
     ending: Mutex<()>,
     input: Mutex<Option<mpsc::Sender<Vec<u8>>>>,
@@ -135,6 +137,7 @@ impl Child {
             name: program.name(),
             kill_grace,
             ready: AtomicBool::new(false),
+            answered: AtomicBool::new(false),
             ending: Mutex::new(()),
             input: Mutex::new(Some(input)),
             held: Mutex::new(Held {
@@ -200,6 +203,11 @@ impl Child {
     /// Takes a task back before its answer came; false when its outcome is already on its way.
     pub fn withdraw(&self, id: &str) -> bool {
         lock(&self.held).tasks.remove(id).is_some()
+    }
+
+    /// Whether it ever answered a task (a malformed answer too: it read the task and wrote back).
+    pub fn has_answered(&self) -> bool {
+        self.answered.load(Ordering::SeqCst)
     }
 
     /// Whether it holds the task `id` now.
@@ -380,6 +388,7 @@ impl Child {
         let answer = lock(&self.held).tasks.remove(id);
         match answer {
             Some(answer) => {
+                self.answered.store(true, Ordering::SeqCst);
                 let _ = answer.send(outcome);
             }
             // A task it does not hold (already cancelled, or never given): nothing to settle.

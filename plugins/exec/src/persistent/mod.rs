@@ -59,6 +59,9 @@ struct State {
     waiting: usize,
     /// Children that failed at start (ended before their hello, or could not be started) in a row.
     start_failures: u32,
+    /// Ready children that ended unasked (a crash) in a row, with no answer from any child since: from the second,
+    /// restarts back off too, so a command that dies right after its hello does not spin.
+    crashes: u32,
     /// When the next child may be started (the backoff after a failure at start).
     next_start: Option<Instant>,
     /// Why the command counts as broken (see [`BROKEN_AFTER`]), while it does.
@@ -302,6 +305,9 @@ impl Shared {
             .max_rss
             .is_some_and(|max| child.rss().is_some_and(|rss| rss > max));
         let mut state = lock(&self.state);
+        if child.has_answered() {
+            state.crashes = 0;
+        }
         let mut wake = state.waiting > 0;
         if let Some(member) = state.members.iter_mut().find(|m| m.child.pid == child.pid) {
             member.held = member.held.saturating_sub(1);
@@ -345,8 +351,15 @@ impl Shared {
                 reason,
             } => {
                 state.members.retain(|m| m.child.pid != pid);
-                if !ready && !planned && !state.stopping {
-                    self.failed_at_start(&mut state, reason);
+                if !planned && !state.stopping {
+                    if ready {
+                        state.crashes += 1;
+                        if state.crashes > 1 {
+                            state.next_start = Some(Instant::now() + backoff(state.crashes - 1));
+                        }
+                    } else {
+                        self.failed_at_start(&mut state, reason);
+                    }
                 }
             }
         }
@@ -357,10 +370,7 @@ impl Shared {
     /// Counts a failure at start: backs off, and reports the command broken (once) after [`BROKEN_AFTER`].
     fn failed_at_start(&self, state: &mut State, reason: String) {
         state.start_failures += 1;
-        let backoff = FIRST_BACKOFF
-            .saturating_mul(1 << state.start_failures.min(16).saturating_sub(1))
-            .min(MAX_BACKOFF);
-        state.next_start = Some(Instant::now() + backoff);
+        state.next_start = Some(Instant::now() + backoff(state.start_failures));
         if state.start_failures >= BROKEN_AFTER && state.broken.is_none() {
             let report = format!(
                 "{} fails at start ({} times in a row; the last: {reason}); its tasks are retried until it starts",
@@ -371,6 +381,14 @@ impl Shared {
             state.broken = Some(format!("exec: {report}"));
         }
     }
+}
+
+/// The pause before the next start after `failures` (1 or more) in a row: [`FIRST_BACKOFF`], doubling, at most
+/// [`MAX_BACKOFF`].
+fn backoff(failures: u32) -> Duration {
+    FIRST_BACKOFF
+        .saturating_mul(1 << (failures.clamp(1, 16) - 1))
+        .min(MAX_BACKOFF)
 }
 
 /// What the pool thread does outside the lock.
