@@ -293,7 +293,7 @@ fn a_child_that_dies_or_breaks_the_protocol_costs_only_its_task_and_is_restarted
 #[test]
 fn a_task_past_its_timeout_kills_its_child_and_the_next_task_gets_a_new_one() {
     let rig = rig(
-        "workers = 2\nretry_times = 0\nexecution_timeout = \"400ms\"",
+        "workers = 3\nretry_times = 0\nexecution_timeout = \"2s\"",
         "shutdown_grace = \"5s\"",
         &[
             ("py", "py", "ok", ", processes = 1, kill_grace = \"200ms\""),
@@ -301,17 +301,23 @@ fn a_task_past_its_timeout_kills_its_child_and_the_next_task_gets_a_new_one() {
                 "own",
                 "py.own",
                 "ok",
-                ", processes = 1, timeout = \"300ms\", kill_grace = \"200ms\"",
+                ", processes = 1, concurrency = 2, timeout = \"1s\", kill_grace = \"200ms\"",
             ),
         ],
     );
     let daemon = TestDaemon::start(&rig.config);
     rig.push("py", "hung", r#"{"do": "hang"}"#);
     rig.push("py.own", "hung-own", r#"{"do": "hang"}"#);
-    rig.wait_ended(0, 2);
+    // Handed to the same child (a second slot) while it hangs: it never reads it, and the kill costs it too.
+    eventually(Duration::from_secs(10), "hung-own on its child", || {
+        let runs = rig.runs();
+        (runs.iter().any(|(id, _)| id == "hung-own"), runs)
+    });
+    rig.push("py.own", "bystander", r#"{"do": "done"}"#);
+    rig.wait_ended(0, 3);
     let dead = rig.dead_reasons();
     assert!(
-        dead["hung"].starts_with("execution timeout: still running after 400ms"),
+        dead["hung"].starts_with("execution timeout: still running after 2s"),
         "{}",
         dead["hung"]
     );
@@ -319,7 +325,13 @@ fn a_task_past_its_timeout_kills_its_child_and_the_next_task_gets_a_new_one() {
     assert_eq!(
         dead["hung-own"],
         format!(
-            "exec: timed out after 300ms; handler process {own} killed: hanging on hung-own; no retries left after 1 runs"
+            "exec: timed out after 1s; handler process {own} killed: hanging on hung-own; no retries left after 1 runs"
+        )
+    );
+    assert_eq!(
+        dead["bystander"],
+        format!(
+            "exec: handler process {own} was killed: task hung-own timed out after 1s: hanging on hung-own; no retries left after 1 runs"
         )
     );
     for id in ["hung", "hung-own"] {
@@ -327,7 +339,7 @@ fn a_task_past_its_timeout_kills_its_child_and_the_next_task_gets_a_new_one() {
     }
     rig.push("py", "next", r#"{"do": "done"}"#);
     rig.push("py.own", "next-own", r#"{"do": "done"}"#);
-    rig.wait_ended(2, 2);
+    rig.wait_ended(2, 3);
     assert_ne!(rig.pid_of("next"), rig.pid_of("hung"));
     assert_ne!(rig.pid_of("next-own"), own);
     daemon.stop();

@@ -9,7 +9,7 @@
 //!
 //! One `kmq-exec-pool` thread per instance keeps the children: it starts `processes` of them (or, without
 //! `processes`, as many as the tasks running at once need), restarts those that end, with a backoff while they
-//! fail at start, kills the ones that say no hello within `start_timeout`, stops the ones recycled (after
+//! fail at start or crash in a row without answering, kills the ones that say no hello within `start_timeout`, stops the ones recycled (after
 //! `max_tasks_per_process` tasks, or past `max_rss`) once idle, and stops all at shutdown. A command that fails
 //! at start [`BROKEN_AFTER`] times in a row is reported once on standard error, and its tasks are retried at once
 //! (not dead-lettered) until a child starts again.
