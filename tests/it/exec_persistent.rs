@@ -14,7 +14,7 @@ use kmqd::NewTask;
 use crate::support::*;
 
 /// The test handler: a protocol-v1 child in plain Python. `argv[1]` picks how it starts, `argv[2]` is the test's
-/// directory: every start appends its pid to `starts`, every task `ID PID` to `runs`. A task's data picks what
+/// directory: every start appends `PID MODE` to `starts`, every task `ID PID` to `runs`. A task's data picks what
 /// it does.
 const HANDLER: &str = r#"#!/usr/bin/env python3
 import json, os, signal, sys, time
@@ -23,7 +23,7 @@ start, directory = sys.argv[1], sys.argv[2]
 def note(name, text):
     with open(os.path.join(directory, name), "a") as f:
         f.write(text + "\n")
-note("starts", str(os.getpid()))
+note("starts", f"{os.getpid()} {start}")
 if start == "crash" and not os.path.exists(os.path.join(directory, "fixed")):
     print("ImportError: no module named handlers", file=sys.stderr, flush=True)
     sys.exit(3)
@@ -171,11 +171,20 @@ impl Rig {
             .1
     }
 
+    /// The pids of the children started so far.
     fn starts(&self) -> Vec<u32> {
         read_lines(&self.dir.path("starts"))
             .iter()
-            .map(|pid| pid.parse().unwrap())
+            .map(|line| line.split(' ').next().unwrap().parse().unwrap())
             .collect()
+    }
+
+    /// How many children of the start mode `mode` started so far.
+    fn starts_of(&self, mode: &str) -> usize {
+        read_lines(&self.dir.path("starts"))
+            .iter()
+            .filter(|line| line.ends_with(&format!(" {mode}")))
+            .count()
     }
 }
 
@@ -348,7 +357,7 @@ fn a_task_past_its_timeout_kills_its_child_and_the_next_task_gets_a_new_one() {
 #[test]
 fn a_command_that_fails_at_start_is_reported_once_and_its_tasks_retry_until_it_starts() {
     let rig = rig(
-        "workers = 2\nretry_times = 1000\nbackoff = \"20ms\"",
+        "workers = 3\nretry_times = 1000\nbackoff = \"20ms\"",
         "shutdown_grace = \"5s\"",
         &[
             ("crashing", "py.crash", "crash", ", processes = 1"),
@@ -370,8 +379,8 @@ fn a_command_that_fails_at_start_is_reported_once_and_its_tasks_retry_until_it_s
         Duration::from_secs(30),
         "six starts of each command",
         || {
-            let starts = rig.starts().len();
-            (starts >= 18, starts)
+            let starts = ["crash", "silent", "banner"].map(|mode| rig.starts_of(mode));
+            (starts.iter().all(|n| *n >= 6), starts)
         },
     );
     let log = daemon.log_text();
@@ -518,6 +527,8 @@ fn a_child_that_dies_right_after_its_hello_is_restarted_with_a_growing_backoff()
         &[("py", "py", "hello_then_exit", ", processes = 1")],
     );
     let daemon = TestDaemon::start(&rig.config);
+    // Its children start with the first task.
+    rig.push("py", "starter", r#"{"do": "done"}"#);
     let first = eventually(Duration::from_secs(30), "a first start", || {
         (!rig.starts().is_empty(), std::time::Instant::now())
     });
@@ -531,5 +542,31 @@ fn a_child_that_dies_right_after_its_hello_is_restarted_with_a_growing_backoff()
         elapsed >= Duration::from_millis(1500),
         "six starts in {elapsed:?}: no backoff"
     );
+    daemon.stop();
+}
+
+#[test]
+fn check_config_and_an_idle_daemon_start_no_handler_process() {
+    let rig = rig(
+        "workers = 2",
+        "shutdown_grace = \"5s\"",
+        &[("py", "py", "ok", ", processes = 2")],
+    );
+    let (code, out, err) = kmqd(
+        &["--config", rig.config.to_str().unwrap(), "check-config"],
+        None,
+    );
+    assert_eq!(code, 0, "{out}\n{err}");
+    let daemon = TestDaemon::start(&rig.config);
+    eventually(Duration::from_secs(10), "the daemon serving", || {
+        (stats(&rig.config, "jobs").ready == 0, ())
+    });
+    assert_eq!(rig.starts(), Vec::<u32>::new(), "no task yet, no child");
+    rig.push("py", "first", r#"{"do": "done"}"#);
+    rig.wait_ended(1, 0);
+    eventually(Duration::from_secs(10), "both children", || {
+        let starts = rig.starts();
+        (starts.len() == 2, starts)
+    });
     daemon.stop();
 }

@@ -7,8 +7,8 @@
 //! tasks it held (retry), with its exit status and the tail of its standard error; one a task times out on, or is
 //! cancelled on, is killed (SIGTERM, then SIGKILL) and the other tasks it held are retried.
 //!
-//! One `kmq-exec-pool` thread per instance keeps the children: it starts `processes` of them (or, without
-//! `processes`, as many as the tasks running at once need), restarts those that end, with a backoff while they
+//! One `kmq-exec-pool` thread per instance keeps the children: from the first task on, it starts `processes` of
+//! them (or, without `processes`, as many as the tasks running at once need), restarts those that end, with a backoff while they
 //! fail at start or crash in a row without answering, kills the ones that say no hello within `start_timeout`, stops the ones recycled (after
 //! `max_tasks_per_process` tasks, or past `max_rss`) once idle, and stops all at shutdown. A command that fails
 //! at start [`BROKEN_AFTER`] times in a row is reported once on standard error, and its tasks are retried at once
@@ -57,6 +57,9 @@ struct State {
     members: Vec<Member>,
     /// Workers waiting for a free slot.
     waiting: usize,
+    /// A first task came: the pool thread starts children from then on. Not at `init`, which `kmqd check-config`
+    /// runs too, and which must not start a handler's imports and connections for nothing.
+    active: bool,
     /// Children that failed at start (ended before their hello, or could not be started) in a row.
     start_failures: u32,
     /// Ready children that ended unasked (a crash) in a row, with no answer from any child since: from the second,
@@ -90,8 +93,9 @@ fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
 }
 
 impl Pool {
-    /// Starts the pool thread, which starts the children; `init` does not wait for their hello (a command that
-    /// fails at start is reported then, and its tasks retried).
+    /// Starts the pool thread, which starts the children once the first task comes (see [`State::active`]); no
+    /// task waits for a hello longer than its own cancel allows (a command that fails at start is reported then,
+    /// and its tasks retried).
     pub fn start(program: Program, settings: Persistent) -> Result<Pool, String> {
         let shared = Arc::new(Shared {
             program,
@@ -153,6 +157,7 @@ impl Shared {
     /// Waits for a free slot of a ready child and takes it; an outcome instead when the task cannot run now.
     fn take_slot(&self, task: &Task<'_>, deadline: Option<Instant>) -> Result<Arc<Child>, Outcome> {
         let mut state = lock(&self.state);
+        state.active = true;
         // The common case, a free slot: no one else to wake.
         if !state.stopping {
             if let Some(child) = self.pick(&mut state, task.id()) {
@@ -444,10 +449,14 @@ fn keep(shared: &Arc<Shared>) {
             .iter()
             .filter(|m| !m.retiring && !m.ending)
             .collect();
-        let wanted = settings.processes.unwrap_or_else(|| {
-            let busy = live.iter().map(|m| m.held).sum::<usize>() + state.waiting;
-            busy.div_ceil(settings.concurrency)
-        });
+        let wanted = match settings.processes {
+            _ if !state.active => 0,
+            Some(processes) => processes,
+            None => {
+                let busy = live.iter().map(|m| m.held).sum::<usize>() + state.waiting;
+                busy.div_ceil(settings.concurrency)
+            }
+        };
         let may_start = state.next_start.is_none_or(|at| now >= at);
         if live.len() < wanted && may_start {
             let weak = Arc::downgrade(shared);
