@@ -15,9 +15,9 @@
  *     An incompatible change is a new symbol, `kmq_plugin_v2`.
  *   - The host never unloads a plugin (no dlclose): threads and thread-locals of the plugin may outlive a call.
  *   - One file may be named by several [plugins.NAME] sections: the library is loaded once, and `init` runs once
- *     per section, with that section's config, one call after another from one thread. Each call returns a state
- *     of its own, which the host passes back to that instance's calls only; the host reads `types` right after
- *     each `init` returns, before the next one. Keep per-instance data in the state, not in globals. A type
+ *     per section, with that section's config, one call after another (never two at once). Each call returns a
+ *     state of its own, which the host passes back to that instance's calls only; the host reads `types` right
+ *     after each `init` returns, before the next one. Keep per-instance data in the state, not in globals. A type
  *     claimed by two sections is refused, as one claimed by two plugins is.
  *   - A reload may load a new version of the file (a new inode at the same path) while the old one still runs
  *     tasks: two instances, each loaded as its own library (its own globals), each with its own init and state.

@@ -18,7 +18,7 @@ use crate::{Handler, Outcome, Task};
 /// the `Box` its `init` returns, so instances share nothing.
 pub struct Descriptor(UnsafeCell<KmqPlugin>);
 
-// SAFETY: see the type's doc: the one write (in `init`) happens-before every read by the host.
+// SAFETY: see the type's doc: each write (in an `init`) happens-before the host's reads that follow it.
 unsafe impl Sync for Descriptor {}
 // SAFETY: the pointers inside point at leaked, immutable strings, valid from any thread.
 unsafe impl Send for Descriptor {}

@@ -50,7 +50,7 @@ const CATCH_UP_BOUND: Duration = Duration::from_millis(50);
 pub enum Cause {
     /// Its standard output closed, or it exited.
     Exited,
-    /// It wrote a line that is neither a hello (first) nor an answer naming a task.
+    /// After its hello, it wrote a line that names no task (or one longer than the protocol allows).
     Protocol(String),
     /// Its first line is not a hello this kmqd speaks.
     BadHello(String),

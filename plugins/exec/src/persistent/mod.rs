@@ -281,8 +281,6 @@ impl Shared {
             format!("exec: {what}; handler process {pid} killed"),
             &child.stderr_tail(),
         );
-        // SIGTERM now; the wait for it to exit (up to kill_grace), the SIGKILL and the reap on a thread of their
-        // own: the worker returns at once, as a cancelled handler should. The pool's shutdown waits for them.
         // No task goes to it any more, even before its end begins on the other thread.
         if let Some(member) = lock(&self.state)
             .members
@@ -291,6 +289,9 @@ impl Shared {
         {
             member.ending = true;
         }
+        // The SIGTERM, the wait for it to exit (up to kill_grace), the SIGKILL and the reap, on a thread of their
+        // own: the worker returns at once, as a cancelled handler should. The pool's shutdown waits for them
+        // (`Child::end` runs once; a second call waits for the first).
         let why = format!("task {id} {what}");
         let ending = Arc::clone(child);
         let why_there = why.clone();
