@@ -570,3 +570,22 @@ fn check_config_and_an_idle_daemon_start_no_handler_process() {
     });
     daemon.stop();
 }
+
+#[test]
+fn a_daemon_killed_with_sigkill_leaves_no_handler_process_behind() {
+    let rig = rig(
+        "workers = 2",
+        "shutdown_grace = \"5s\"",
+        &[("py", "py", "ok", ", processes = 2")],
+    );
+    let mut daemon = Process::start(&rig.config, rig.dir.path("kmqd.log"));
+    rig.push("py", "hung", r#"{"do": "hang"}"#);
+    let children = eventually(Duration::from_secs(30), "both children", || {
+        let starts = rig.starts();
+        (starts.len() == 2 && !rig.runs().is_empty(), starts)
+    });
+    daemon.kill9();
+    for pid in children {
+        wait_dead(pid, "a child of the killed daemon (parent-death signal)");
+    }
+}
