@@ -210,9 +210,11 @@ impl Child {
         self.answered.load(Ordering::SeqCst)
     }
 
-    /// Whether it holds the task `id` now.
-    pub fn holds(&self, id: &str) -> bool {
-        lock(&self.held).tasks.contains_key(id)
+    /// Whether it may be handed the task `id`: it has not ended, and holds no task of that id (the protocol
+    /// names tasks by id).
+    pub fn can_take(&self, id: &str) -> bool {
+        let held = lock(&self.held);
+        !held.ended && !held.tasks.contains_key(id)
     }
 
     /// Whether the process has exited (or was reaped by [`Child::end`]).
@@ -293,17 +295,18 @@ impl Child {
         if !planned && self.ready.load(Ordering::SeqCst) {
             eprintln!("kmq-exec: {}[{pid}]: {reason}", self.name);
         }
-        for (_, answer) in tasks {
-            let _ = answer.send(Outcome::retry(reason.clone()));
-        }
+        // The pool first: once a task's worker has its outcome, this child is no longer among the pool's.
         (self.events)(
             pid,
             Event::Ended {
                 ready: self.ready.load(Ordering::SeqCst),
                 planned,
-                reason,
+                reason: reason.clone(),
             },
         );
+        for (_, answer) in tasks {
+            let _ = answer.send(Outcome::retry(reason.clone()));
+        }
         Some((status, tail))
     }
 

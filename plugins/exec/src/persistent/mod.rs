@@ -122,13 +122,18 @@ impl Pool {
         let started = Instant::now();
         let timeout = shared.settings.timeout;
         let deadline = timeout.map(|timeout| started + timeout);
-        let child = match shared.take_slot(task, deadline) {
-            Ok(child) => child,
-            Err(outcome) => return outcome,
-        };
-        let outcome = shared.exchange(&child, task, deadline);
-        shared.settle(&child);
-        outcome
+        loop {
+            let child = match shared.take_slot(task, deadline) {
+                Ok(child) => child,
+                Err(outcome) => return outcome,
+            };
+            let outcome = shared.exchange(&child, task, deadline);
+            shared.settle(&child);
+            // A child that ended between the pick and the hand-over never saw the task: another slot takes it.
+            if let Some(outcome) = outcome {
+                return outcome;
+            }
+        }
     }
 
     /// Stops every child (input closed, then SIGTERM, then SIGKILL, `kill_grace` apart) and the pool thread.
@@ -205,8 +210,7 @@ impl Shared {
             .members
             .iter_mut()
             .filter(|m| m.ready && !m.retiring && !m.ending && m.held < concurrency)
-            // The protocol names tasks by id: one child never holds the same id twice.
-            .filter(|m| !m.child.holds(id))
+            .filter(|m| m.child.can_take(id))
             .min_by_key(|m| m.held)?;
         member.held += 1;
         member.served += 1;
@@ -220,8 +224,14 @@ impl Shared {
         Some(Arc::clone(&member.child))
     }
 
-    /// Hands the task to `child` and waits for its answer, the task's cancel, the timeout or the child's end.
-    fn exchange(&self, child: &Arc<Child>, task: &Task<'_>, deadline: Option<Instant>) -> Outcome {
+    /// Hands the task to `child` and waits for its answer, the task's cancel, the timeout or the child's end;
+    /// `None` when the child had ended before the task reached it.
+    fn exchange(
+        &self,
+        child: &Arc<Child>,
+        task: &Task<'_>,
+        deadline: Option<Instant>,
+    ) -> Option<Outcome> {
         let wall_deadline = {
             let local = self.settings.timeout.map(|t| SystemTime::now() + t);
             match (task.deadline(), local) {
@@ -230,27 +240,25 @@ impl Shared {
             }
         };
         let line = protocol::task_line(task, wall_deadline);
-        let Some(answer) = child.submit(task.id(), line) else {
-            return Outcome::retry(format!(
-                "exec: handler process {} ended before the task reached it",
-                child.pid
-            ));
-        };
+        let answer = child.submit(task.id(), line)?;
         let mut pause = Duration::from_millis(1);
         loop {
             match answer.recv_timeout(pause) {
-                Ok(outcome) => return outcome,
+                Ok(outcome) => return Some(outcome),
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    return Outcome::retry("exec: the handler process's answer was lost");
+                    return Some(Outcome::retry(
+                        "exec: the handler process's answer was lost",
+                    ));
                 }
             }
             if task.is_cancelled() {
-                return self.abandon(child, task.id(), "cancelled by the daemon".into(), &answer);
+                let what = "cancelled by the daemon".to_string();
+                return Some(self.abandon(child, task.id(), what, &answer));
             }
             if deadline.is_some_and(|deadline| Instant::now() >= deadline) {
                 let what = format!("timed out after {}", self.timeout_text());
-                return self.abandon(child, task.id(), what, &answer);
+                return Some(self.abandon(child, task.id(), what, &answer));
             }
             if child.has_exited() {
                 // Its output may stay open (a process it started holds it): end it from here. The answer, or
