@@ -481,7 +481,7 @@ fn at_shutdown_a_busy_child_gets_the_grace_then_sigterm_then_sigkill() {
             "py",
             "py",
             "ignore_term",
-            ", processes = 2, kill_grace = \"300ms\"",
+            ", processes = 2, kill_grace = \"1s\"",
         )],
     );
     let mut daemon = Process::start(&rig.config, rig.dir.path("kmqd.log"));
@@ -546,11 +546,15 @@ fn a_child_that_dies_right_after_its_hello_is_restarted_with_a_growing_backoff()
 }
 
 #[test]
-fn check_config_and_an_idle_daemon_start_no_handler_process() {
+fn check_config_starts_no_handler_process_and_the_first_task_starts_them_all() {
     let rig = rig(
         "workers = 2",
         "shutdown_grace = \"5s\"",
-        &[("py", "py", "ok", ", processes = 2")],
+        &[
+            ("py", "py", "ok", ", processes = 2"),
+            // Its child runs, answers and writes its start while a pool started at init would have had longer.
+            ("witness", "py.witness", "witness", ", processes = 1"),
+        ],
     );
     let (code, out, err) = kmqd(
         &["--config", rig.config.to_str().unwrap(), "check-config"],
@@ -558,15 +562,18 @@ fn check_config_and_an_idle_daemon_start_no_handler_process() {
     );
     assert_eq!(code, 0, "{out}\n{err}");
     let daemon = TestDaemon::start(&rig.config);
-    eventually(Duration::from_secs(10), "the daemon serving", || {
-        (stats(&rig.config, "jobs").ready == 0, ())
-    });
-    assert_eq!(rig.starts(), Vec::<u32>::new(), "no task yet, no child");
-    rig.push("py", "first", r#"{"do": "done"}"#);
+    rig.push("py.witness", "witnessed", r#"{"do": "done"}"#);
     rig.wait_ended(1, 0);
-    eventually(Duration::from_secs(10), "both children", || {
-        let starts = rig.starts();
-        (starts.len() == 2, starts)
+    assert_eq!(
+        (rig.starts_of("witness"), rig.starts_of("ok")),
+        (1, 0),
+        "neither check-config nor the daemon's start started py's children"
+    );
+    rig.push("py", "first", r#"{"do": "done"}"#);
+    rig.wait_ended(2, 0);
+    eventually(Duration::from_secs(10), "both of py's children", || {
+        let starts = rig.starts_of("ok");
+        (starts == 2, starts)
     });
     daemon.stop();
 }
