@@ -214,7 +214,12 @@ fn done_retry_and_fail_answers_settle_their_tasks_and_one_child_serves_them_all(
     rig.push("py", "flaky", r#"{"do": "retry"}"#);
     rig.push("py", "broken", r#"{"do": "fail"}"#);
     // Held until `second` arrives, then answered after it: two tasks at once on one child, answers out of order.
+    // `second` is pushed once `first` is on the child, so that it arrives after it.
     rig.push("py", "first", r#"{"do": "hold", "until": "second"}"#);
+    eventually(Duration::from_secs(10), "first on the child", || {
+        let runs = rig.runs();
+        (runs.iter().any(|(id, _)| id == "first"), runs)
+    });
     rig.push("py", "second", r#"{"do": "done"}"#);
     // Pretty-printed data: its line breaks must not cut the task's line.
     rig.push("py", "pretty", "{\n  \"do\": \"done\"\n}");
