@@ -65,6 +65,17 @@ ensure_chromium() {
     fi
 }
 
+# tests/it/exec_persistent.rs runs its handler processes, and the Python SDK's tests, with python3 (standard
+# library only).
+ensure_python3() {
+    ensure_command python3 python3
+}
+
+# The Node SDK's tests (sdk/node, and tests/it/sdk.rs) run with node: Debian's nodejs package (18 on Debian 12).
+ensure_node() {
+    ensure_command node nodejs
+}
+
 ensure_cargo() {
     if ! command -v cargo >/dev/null 2>&1; then
         echo "cargo not found: install Rust first (https://rustup.rs), then run this again" >&2

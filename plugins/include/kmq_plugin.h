@@ -14,9 +14,15 @@
  *     only the fields that `struct_size` covers, so fields added later within v1 go at the end of `kmq_plugin`.
  *     An incompatible change is a new symbol, `kmq_plugin_v2`.
  *   - The host never unloads a plugin (no dlclose): threads and thread-locals of the plugin may outlive a call.
+ *   - One file may be named by several [plugins.NAME] sections: the library is loaded once, and `init` runs once
+ *     per section, with that section's config, one call after another (never two at once). Each call returns a
+ *     state of its own, which the host passes back to that instance's calls only; the host reads `types` right
+ *     after each `init` returns, before the next one. Keep per-instance data in the state, not in globals. A type
+ *     claimed by two sections is refused, as one claimed by two plugins is.
  *   - A reload may load a new version of the file (a new inode at the same path) while the old one still runs
  *     tasks: two instances, each loaded as its own library (its own globals), each with its own init and state.
- *     The old one's shutdown runs once its last call returned, on whichever host thread made that call.
+ *     The old one's shutdown runs once its last call returned, on whichever host thread made that call. A
+ *     section kept (same file, same section name) keeps its instance; a section added is one more `init`.
  */
 #ifndef KMQ_PLUGIN_H
 #define KMQ_PLUGIN_H
@@ -73,9 +79,10 @@ typedef struct {
     /* NULL-terminated list of the task types the plugin handles. The host reads it after `init` returns, so a
      * plugin may fill it from its config. A type claimed by two plugins is refused at start. */
     const char *const *types;
-    /* Called once, before anything else; config is the plugin's [plugins.NAME] `config` table as JSON ("{}" when
-     * absent). Returns the plugin's state, passed back to every other call, or NULL on failure with a message in err.
-     * May be NULL: the state is then NULL. */
+    /* Called once per instance (per [plugins.NAME] section naming the file), before anything else of that
+     * instance; config is the section's `config` table as JSON ("{}" when absent). Returns the instance's state,
+     * passed back to every other call of that instance, or NULL on failure with a message in err. May be NULL:
+     * the state is then NULL. */
     void *(*init)(kmq_str config, kmq_buf *err);
     /* Runs one attempt of a task. Called from many threads at once: must be thread-safe. msg: a short reason for
      * KMQ_RETRY or KMQ_FAIL (shown in logs, the dead-letter list and the task's last_error); with KMQ_DONE,
@@ -85,8 +92,8 @@ typedef struct {
     /* Optional (may be NULL): a task of one of this plugin's types was dead-lettered; reason says why. Called after
      * the task is safely in the dead-letter list: the final-failure pipeline (persist it, alert, ...). Must be quick. */
     void (*on_dead)(void *state, const kmq_task *task, kmq_str reason);
-    /* Optional (may be NULL): called once, after the last handle() (and on_dead()) returned: when the daemon stops,
-     * or when a reload replaced this instance and its last task finished; from any thread. */
+    /* Optional (may be NULL): called once per instance, after its last handle() (and on_dead()) returned: when the
+     * daemon stops, or when a reload replaced this instance and its last task finished; from any thread. */
     void (*shutdown)(void *state);
 } kmq_plugin;
 

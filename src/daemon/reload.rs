@@ -8,7 +8,8 @@
 //! files). Not live, kept as they run and reported as "needs a restart: KEY": everything in `[redis]` (the
 //! connections, the pool, the key prefix are made at start), `metrics_addr`, `log_format`, a queue's `mode` (an
 //! owner registers its mode; a queue switching mode under its own tasks is a restart's job), and the config of a
-//! plugin already loaded from the same file (its `init` ran once; see `plugin::Registry::reload`).
+//! plugin section already loaded from the same file (its `init` ran once; see `plugin::Registry::reload`). A
+//! section added for a loaded file is live: one more `init` on it.
 
 use crate::config::{Config, QueueConfig, RedisConfig};
 

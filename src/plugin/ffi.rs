@@ -19,6 +19,7 @@ use std::mem::ManuallyDrop;
 use std::os::fd::IntoRawFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
@@ -33,18 +34,41 @@ use super::PluginError;
 /// How many bytes of message a plugin may return; longer messages are cut.
 pub const MESSAGE_CAPACITY: usize = abi::MESSAGE_CAPACITY;
 
-/// A loaded, initialised plugin.
+/// A loaded library and its checked descriptor: loaded once per file (by identity), whatever the number of
+/// `[plugins.NAME]` sections that name it; each section is an instance of its own ([`Library::init`]).
+pub struct Library {
+    /// The name the plugin gives itself.
+    pub name: String,
+    /// The device and inode of the file that was loaded: a file replaced at the same path is another library.
+    pub identity: (u64, u64),
+    descriptor: host::Descriptor,
+    /// Never dropped: unloading a library that may still have threads or thread-locals alive is undefined.
+    _library: ManuallyDrop<libloading::Library>,
+}
+
+// SAFETY: the descriptor points into the library, which is never unloaded; the host calls `init` from one thread
+// at a time (the registry loads plugins from one thread), and the other entry points are documented as callable
+// from any thread.
+unsafe impl Send for Library {}
+// SAFETY: as above.
+unsafe impl Sync for Library {}
+
+/// A loaded, initialised plugin: one `init` of a library, for one `[plugins.NAME]` section (or a drop-in).
 pub struct LoadedPlugin {
     /// The name the plugin gives itself.
     pub name: String,
-    /// The canonical path of its library.
+    /// The canonical path of its file, as its section reaches it.
     pub path: PathBuf,
+    /// The `[plugins.NAME]` section it was initialised for (a drop-in's: its file name's stem).
+    pub section: String,
     /// The task types it handles.
     pub types: Vec<String>,
     /// The device and inode of the file that was loaded: a file replaced at the same path is another plugin.
     pub identity: (u64, u64),
     /// The `config` table its `init` was given, as JSON text.
     pub config_json: String,
+    /// The library it is an instance of (shared with the file's other sections).
+    pub library: Arc<Library>,
     handle: HandleFn,
     on_dead: Option<OnDeadFn>,
     shutdown: Option<ShutdownFn>,
@@ -52,8 +76,6 @@ pub struct LoadedPlugin {
     state: *mut c_void,
     /// Whether `shutdown` has run: it runs once, from [`LoadedPlugin::shutdown`] or when the last reference goes.
     shut_down: AtomicBool,
-    /// Never dropped: unloading a library that may still have threads or thread-locals alive is undefined.
-    _library: ManuallyDrop<libloading::Library>,
 }
 
 // SAFETY: the ABI requires `handle` to be thread-safe, and the host passes `state` back untouched; the other
@@ -101,9 +123,9 @@ pub fn effective_uid() -> u32 {
 /// The highest ABI version a refusal message names when a plugin exports no `kmq_plugin_v1`.
 const NEWEST_VERSION_PROBED: u32 = 16;
 
-/// Loads the library at `path` (canonical, and checked for trust by the caller), checks its descriptor and runs
-/// `init` with `config_json`, the table of `[plugins.SECTION] config`.
-pub fn load(path: &Path, section: &str, config_json: &str) -> Result<LoadedPlugin, PluginError> {
+/// Loads the library at `path` (canonical, and checked for trust by the caller) and checks its descriptor; its
+/// instances come from [`Library::init`].
+pub fn load(path: &Path) -> Result<Library, PluginError> {
     let open = |message: String| PluginError::Open {
         path: path.to_owned(),
         message,
@@ -158,35 +180,55 @@ pub fn load(path: &Path, section: &str, config_json: &str) -> Result<LoadedPlugi
         .name
         .clone()
         .unwrap_or_else(|| path.display().to_string());
-    // SAFETY: the library is loaded (and stays so), and this is the one call of init for this library: the
-    // registry loads each file once.
-    let state =
-        unsafe { descriptor.init(config_json) }.map_err(|failure| PluginError::InitFailed {
-            path: path.to_owned(),
-            name: name.clone(),
-            section: section.to_string(),
-            message: if failure.message.is_empty() {
-                "init returned NULL without a message".to_string()
-            } else {
-                failure.message
-            },
-        })?;
-    // SAFETY: the library is loaded; read after init, as the ABI says.
-    let types = unsafe { descriptor.types() };
-    let (handle, on_dead, shutdown) = (descriptor.handle, descriptor.on_dead, descriptor.shutdown);
-    Ok(LoadedPlugin {
+    Ok(Library {
         name,
-        path: path.to_owned(),
-        types,
         identity,
-        config_json: config_json.to_string(),
-        handle,
-        on_dead,
-        shutdown,
-        state,
-        shut_down: AtomicBool::new(false),
+        descriptor,
         _library: library,
     })
+}
+
+impl Library {
+    /// Runs `init` with `config_json`, the table of `[plugins.SECTION] config`: one instance, with its own state
+    /// and types. Called once per section that names the file, one after another. `path`: the file as the section
+    /// reaches it (canonical; a hard link is another path to the same library).
+    pub fn init(
+        self: &Arc<Library>,
+        path: &Path,
+        section: &str,
+        config_json: &str,
+    ) -> Result<LoadedPlugin, PluginError> {
+        let descriptor = &self.descriptor;
+        // SAFETY: the library is loaded (and stays so); the registry calls init from one thread, once per
+        // section, and reads the types it filled in before the next call (kmq_plugin.h).
+        let state =
+            unsafe { descriptor.init(config_json) }.map_err(|failure| PluginError::InitFailed {
+                path: path.to_owned(),
+                name: self.name.clone(),
+                section: section.to_string(),
+                message: if failure.message.is_empty() {
+                    "init returned NULL without a message".to_string()
+                } else {
+                    failure.message
+                },
+            })?;
+        // SAFETY: the library is loaded; read after this init, as the ABI says.
+        let types = unsafe { descriptor.types() };
+        Ok(LoadedPlugin {
+            name: self.name.clone(),
+            path: path.to_owned(),
+            section: section.to_string(),
+            types,
+            identity: self.identity,
+            config_json: config_json.to_string(),
+            library: Arc::clone(self),
+            handle: descriptor.handle,
+            on_dead: descriptor.on_dead,
+            shutdown: descriptor.shutdown,
+            state,
+            shut_down: AtomicBool::new(false),
+        })
+    }
 }
 
 /// The refusal for a library without `kmq_plugin_v1`: when it exports the entry point of another ABI version, the

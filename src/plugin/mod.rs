@@ -4,7 +4,7 @@
 mod ffi;
 
 use std::cell::{Ref, RefCell};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -52,29 +52,43 @@ pub enum PluginError {
         section: String,
         message: String,
     },
-    #[error("plugins {} and {} both handle task type {kind:?}; a type must belong to one plugin: remove it from one of them", first.display(), second.display())]
+    #[error("{}", duplicate_type(kind, (first, first_section), (second, second_section), *same_file))]
     DuplicateType {
         kind: String,
         first: PathBuf,
+        first_section: String,
         second: PathBuf,
-    },
-    #[error("plugins.{first} and plugins.{second} name the same file {}{}; a plugin is loaded once: remove one of them", path.display(), same_as(path, other_path))]
-    DuplicateFile {
-        first: String,
-        second: String,
-        path: PathBuf,
-        /// The second name's path, when it differs (a hard link to the same file).
-        other_path: PathBuf,
+        second_section: String,
+        /// Both are sections of one file (the paths differ for a hard link).
+        same_file: bool,
     },
     #[error("plugin {}: it handles no task types; list them in its descriptor's `types` (or in its config, if it reads them from there)", path.display())]
     NoTypes { path: PathBuf },
 }
 
-fn same_as(path: &Path, other: &Path) -> String {
-    if path == other {
-        String::new()
+/// The refusal of a type two plugins claim: by their files, or by their sections when one file serves both.
+fn duplicate_type(
+    kind: &str,
+    (first, first_section): (&Path, &str),
+    (second, second_section): (&Path, &str),
+    same_file: bool,
+) -> String {
+    if same_file {
+        let also = if first == second {
+            String::new()
+        } else {
+            format!(" (also reached as {})", second.display())
+        };
+        format!(
+            "plugins.{first_section} and plugins.{second_section}, two sections of the same file {}{also}, both handle task type {kind:?}; a type must belong to one plugin: give each section its own types",
+            first.display()
+        )
     } else {
-        format!(" (also reached as {})", other.display())
+        format!(
+            "plugins {} and {} both handle task type {kind:?}; a type must belong to one plugin: remove it from one of them",
+            first.display(),
+            second.display()
+        )
     }
 }
 
@@ -95,6 +109,12 @@ pub struct Changes {
     /// `plugins.NAME.config` keys whose table changed for a plugin already loaded from the same file: the running
     /// instance keeps its config until a restart.
     pub needs_restart: Vec<String>,
+}
+
+/// The files a reload has met: each one's library, loaded once, and the files the config's sections name.
+struct Files {
+    libraries: HashMap<(u64, u64), Arc<ffi::Library>>,
+    named: HashSet<(u64, u64)>,
 }
 
 /// Where a plugin comes from: a `[plugins.NAME]` section, or a drop-in file of `plugins_dir` no section names.
@@ -148,16 +168,24 @@ impl Registry {
         Registry::reload(config, &Registry::empty()).map(|(registry, _)| registry)
     }
 
-    /// As [`Registry::load`], reusing every plugin of `old` whose file (device and inode) is the same: its
-    /// instance keeps serving, with the config it was given (a changed config is reported in
+    /// As [`Registry::load`], reusing every plugin of `old` whose file (device and inode) and section are the
+    /// same: its instance keeps serving, with the config it was given (a changed config is reported in
     /// [`Changes::needs_restart`]). A file replaced by a new inode is loaded afresh. A drop-in refused here while
     /// `old` had its file loaded under the same path keeps the old instance.
     pub fn reload(config: &Config, old: &Registry) -> Result<(Registry, Changes), PluginError> {
         let mut registry = Registry::empty();
         let mut changes = Changes::default();
-        // Each file once: by canonical path (symbolic links) and by device and inode (hard links), since the
-        // dynamic loader would hand back the already-loaded library and `init` would run twice on it.
-        let mut files: HashMap<(u64, u64), (String, PathBuf)> = HashMap::new();
+        let mut files = Files {
+            // Each file's library is loaded once, by device and inode (a symbolic or hard link reaches the same
+            // file): the dynamic loader would hand back the library already loaded anyway. The old snapshot's
+            // libraries count as loaded: a section added to a loaded file is one more `init` on it.
+            libraries: old
+                .plugins
+                .iter()
+                .map(|p| (p.identity, Arc::clone(&p.library)))
+                .collect(),
+            named: HashSet::new(),
+        };
         let mut sources = Vec::new();
         for plugin in &config.plugins {
             sources.push(Source {
@@ -187,31 +215,26 @@ impl Registry {
         Ok((registry, changes))
     }
 
-    /// Loads (or reuses from `old`) the plugin of `source` and maps its types.
+    /// Initialises (or reuses from `old`) the plugin of `source` and maps its types.
     fn add(
         &mut self,
         source: &Source<'_>,
         old: &Registry,
-        files: &mut HashMap<(u64, u64), (String, PathBuf)>,
+        files: &mut Files,
         changes: &mut Changes,
     ) -> Result<(), PluginError> {
         let path = source.path.clone();
         let identity = identity(&path)?;
-        if let Some((first, first_path)) = files.get(&identity) {
-            if source.drop_in {
-                // A drop-in that a section names (or a link to it): loaded once, under its section.
-                return Ok(());
-            }
-            return Err(PluginError::DuplicateFile {
-                first: first.clone(),
-                second: source.section.clone(),
-                path: first_path.clone(),
-                other_path: path,
-            });
+        if source.drop_in && files.named.contains(&identity) {
+            // A drop-in that a section names (or a link to it): it serves under its sections only.
+            return Ok(());
         }
         check_trusted(&path, &source.configured)?;
-        files.insert(identity, (source.section.clone(), path.clone()));
-        let reused = old.plugins.iter().find(|p| p.identity == identity);
+        files.named.insert(identity);
+        let reused = old
+            .plugins
+            .iter()
+            .find(|p| p.identity == identity && p.section == source.section);
         let loaded = match reused {
             Some(previous) => {
                 if previous.config_json != source.config_json {
@@ -222,12 +245,20 @@ impl Registry {
                 Arc::clone(previous)
             }
             None => {
-                let loaded = Arc::new(ffi::load(&path, &source.section, source.config_json)?);
+                let library = match files.libraries.get(&identity) {
+                    Some(library) => Arc::clone(library),
+                    None => {
+                        let library = Arc::new(ffi::load(&path)?);
+                        files.libraries.insert(identity, Arc::clone(&library));
+                        library
+                    }
+                };
+                let loaded = Arc::new(library.init(&path, &source.section, source.config_json)?);
                 if loaded.types.is_empty() {
                     return Err(PluginError::NoTypes { path });
                 }
                 changes.loaded.push(path.clone());
-                tracing::info!(plugin = %loaded.name, path = %path.display(), types = ?loaded.types, "plugin loaded");
+                tracing::info!(plugin = %loaded.name, section = %source.section, path = %path.display(), types = ?loaded.types, "plugin loaded");
                 loaded
             }
         };
@@ -242,7 +273,10 @@ impl Registry {
                     return Err(PluginError::DuplicateType {
                         kind: kind.clone(),
                         first: first.path.clone(),
+                        first_section: first.section.clone(),
                         second: loaded.path.clone(),
+                        second_section: loaded.section.clone(),
+                        same_file: first.identity == loaded.identity,
                     });
                 }
             }

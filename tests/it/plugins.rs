@@ -7,11 +7,13 @@
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use kmq_plugin::testing::process_is_alive;
 use kmqd::NewTask;
 use kmqd::broker::QueueStats;
+use kmqd::plugin::Registry;
 
 use crate::support::*;
 
@@ -223,7 +225,9 @@ fn a_task_type_claimed_by_two_plugins_is_refused_naming_both_files() {
 }
 
 #[test]
-fn a_file_named_twice_is_refused_whatever_the_path_that_reaches_it() {
+fn two_sections_of_one_file_that_claim_the_same_type_are_refused_naming_both_whatever_the_path() {
+    // One file may serve several sections (each its own init and config), but a type still has one owner: the
+    // testkit plugin claims "test" whatever its config.
     let dir = TestDir::new();
     let testkit = dir.plugins_dir().join("libkmq_testkit.so");
     std::os::unix::fs::symlink(&testkit, dir.plugins_dir().join("libsymlink.so")).unwrap();
@@ -244,13 +248,13 @@ fn a_file_named_twice_is_refused_whatever_the_path_that_reaches_it() {
         );
         let err = refused(&config);
         let mut expected = format!(
-            "plugins.first and plugins.second name the same file {}",
+            "plugins.first and plugins.second, two sections of the same file {}",
             canonical(&testkit)
         );
         if let Some(path) = reached_as {
             expected.push_str(&format!(" (also reached as {})", canonical(&path)));
         }
-        expected.push_str("; a plugin is loaded once: remove one of them");
+        expected.push_str(", both handle task type \"test\"; a type must belong to one plugin: give each section its own types");
         assert!(
             err.contains(&expected),
             "{other}: expected {expected:?} in: {err}"
@@ -680,9 +684,8 @@ fn the_exec_plugin_runs_a_shell_script_end_to_end() {
     let redis = RedisServer::start();
     let dir = TestDir::new();
     let exec = built_plugin("kmq-exec");
+    // One file, two sections: two instances, each with its own init, config and types.
     dir.install_plugin(&exec, "libkmq_exec.so");
-    // The same plugin a second time, as a copy: another file, so another instance with its own config.
-    dir.install_plugin(&exec, "libkmq_exec_slow.so");
     let handler = dir.path("handler.sh");
     fs::write(&handler, SHELL_HANDLER).unwrap();
     fs::set_permissions(&handler, fs::Permissions::from_mode(0o755)).unwrap();
@@ -699,7 +702,7 @@ fn the_exec_plugin_runs_a_shell_script_end_to_end() {
             "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\nworkers = 4\nretry_times = 1\nbackoff = \"10ms\"\n\n\
              [[queues]]\nname = \"slow\"\nmode = \"safe\"\nexecution_timeout = \"300ms\"\nretry_times = 0\n\n{}{}",
             plugin("shell", "libkmq_exec.so", "500ms", "shell"),
-            plugin("slow", "libkmq_exec_slow.so", "1h", "shell.slow"),
+            plugin("slow", "libkmq_exec.so", "1h", "shell.slow"),
         ),
     );
     let daemon = TestDaemon::start(&config);
@@ -879,6 +882,68 @@ fn every_plugin_section_of_the_guide_is_a_valid_config() {
     for section in sections {
         let path = offline_config(&dir, &section);
         let config = kmqd::Config::load(&path).unwrap_or_else(|error| panic!("{error}\n{section}"));
-        assert_eq!(config.plugins.len(), 1, "{section}");
+        assert_eq!(
+            config.plugins.len(),
+            section.matches("[plugins.").count(),
+            "{section}"
+        );
     }
+}
+
+#[test]
+fn one_file_serves_several_sections_and_a_reload_keeps_each_instance_by_file_and_section() {
+    let dir = TestDir::new();
+    dir.install_plugin(&built_plugin("kmq-exec"), "libkmq_exec.so");
+    let handler = dir.path("handler.sh");
+    fs::write(&handler, "#!/bin/sh\nexit 0\n").unwrap();
+    fs::set_permissions(&handler, fs::Permissions::from_mode(0o755)).unwrap();
+    let section = |name: &str, timeout: &str| {
+        format!(
+            "[plugins.{name}]\nfile = \"libkmq_exec.so\"\nconfig = {{ command = \"{}\", timeout = \"{timeout}\", types = [\"{name}.run\"] }}\n",
+            handler.display()
+        )
+    };
+    let config = |sections: &[String]| {
+        kmqd::Config::load(&offline_config(&dir, &sections.concat())).unwrap()
+    };
+    // The plugins dir's drop-ins (testkit, echo) come after the sections.
+    let first = Registry::load(&config(&[section("a", "1s"), section("b", "1s")])).unwrap();
+    let [a, b, ..] = first.plugins() else {
+        panic!("two instances: {:?}", first.plugins().len());
+    };
+    assert_eq!(
+        (a.section.as_str(), &a.types[..]),
+        ("a", &["a.run".to_string()][..])
+    );
+    assert_eq!(
+        (b.section.as_str(), &b.types[..]),
+        ("b", &["b.run".to_string()][..])
+    );
+    assert!(
+        Arc::ptr_eq(&a.library, &b.library),
+        "the file is loaded once"
+    );
+
+    // b's config changes, c is added: a and b keep their instances (b's config needs a restart), c is one more
+    // init on the library already loaded.
+    let (second, changes) = Registry::reload(
+        &config(&[section("a", "1s"), section("b", "2s"), section("c", "1s")]),
+        &first,
+    )
+    .unwrap();
+    let [a2, b2, c, ..] = second.plugins() else {
+        panic!("three instances: {:?}", second.plugins().len());
+    };
+    assert!(
+        Arc::ptr_eq(a, a2) && Arc::ptr_eq(b, b2),
+        "reused by file and section"
+    );
+    assert_eq!(c.types, ["c.run"]);
+    assert!(Arc::ptr_eq(&c.library, &a.library));
+    assert_eq!(changes.needs_restart, ["plugins.b.config"]);
+    assert_eq!(changes.loaded.len(), 1, "{:?}", changes.loaded);
+    assert_eq!(
+        second.for_type("b.run").map(|p| p.section.as_str()),
+        Some("b")
+    );
 }

@@ -1,458 +1,45 @@
-//! `exec`: runs a configured command for each task, so handlers can be written in any language and run isolated
-//! in their own process.
+//! `exec`: runs a configured command for tasks, so handlers can be written in any language and run isolated in
+//! processes of their own. Two modes (the config's `mode`):
+//! - `"per_task"` (the default): one process per task, the task's `data` on its standard input, its exit status
+//!   the outcome ([`per_task`]);
+//! - `"persistent"`: long-lived handler processes that tasks are streamed to, one JSON line each, and that answer
+//!   with one JSON line per task ([`persistent`]; the line protocol is docs/HANDLERS.md).
 //!
-//! The command gets the task's `data` (JSON text) on standard input. Its exit status is the outcome:
-//! - `0`: done;
-//! - `75` (`EX_TEMPFAIL` of sysexits.h): this attempt failed, retry (the queue's `on_handler_error` decides);
-//! - anything else, or death by a signal: the task can never succeed, dead-letter it.
-//!
-//! The reason of a retry or a failure is the tail of the command's standard error (of its standard output when
-//! it wrote nothing to standard error). A run that passes `timeout`, or that the daemon cancels (the queue's
-//! `execution_timeout`, the end of the shutdown grace), is killed and counts as a failed attempt (retry).
-//!
-//! The command runs in a process group of its own. When it ends, for whatever reason, everything left in that
-//! group (background processes it started) is killed with SIGKILL and the command is reaped: a task leaves no
-//! zombies and no orphans behind. A process that leaves the group on purpose (`setsid`) is beyond this reach.
-//!
-//! The environment is clean, so the daemon's (Redis password variables, for one) never leaks into a handler:
-//! `PATH=/usr/local/bin:/usr/bin:/bin`, then the config's `env`, then `KMQ_TASK_ID`, `KMQ_TASK_TYPE`,
-//! `KMQ_QUEUE` and `KMQ_ATTEMPT` (0 on the first run).
+//! Either way a handler process runs in a process group of its own that it leads, so one kill reaches everything
+//! it started, and its environment is clean, so the daemon's (Redis password variables, for one) never leaks into
+//! a handler: `PATH=/usr/local/bin:/usr/bin:/bin`, then the config's `env`, then what the mode adds.
 //!
 //! Config (`[plugins.NAME] config`):
 //! - `command` (required): the absolute path of an executable file;
 //! - `args` (default none): its arguments;
-//! - `timeout` (required): the longest a run may take, as kmqd writes durations (`"30s"`, `"5m"`, `"250ms"`);
 //! - `types` (required): the task types to claim;
-//! - `env` (default none): a table of extra environment variables.
-//!
-//! Standard input, output and error are pipes, served by three short-lived threads per run (`kmq-exec-stdin`,
-//! `kmq-exec-stdout`, `kmq-exec-stderr`), so a command that writes a lot before it reads, or never reads, cannot
-//! deadlock with the plugin.
+//! - `env` (default none): a table of extra environment variables;
+//! - `mode` (default `"per_task"`): `"per_task"` or `"persistent"`;
+//! - `timeout` (required per task, optional when persistent): the longest a run may take, as kmqd writes
+//!   durations (`"30s"`, `"5m"`, `"250ms"`);
+//! - persistent mode only: `processes`, `concurrency`, `max_tasks_per_process`, `max_rss`, `start_timeout`,
+//!   `kill_grace` (docs/HANDLERS.md, "Configuration").
 #![deny(unsafe_code)]
 
+mod config;
+mod per_task;
+mod persistent;
 mod process;
-
-use std::collections::BTreeMap;
-use std::io::{self, Read, Write};
-use std::os::unix::fs::PermissionsExt;
-use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::path::PathBuf;
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc;
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+mod tail;
 
 use kmq_plugin::{Handler, Outcome, Task};
-use serde::Deserialize;
 
-/// The exit status that asks for a retry: `EX_TEMPFAIL` of sysexits.h.
-const EXIT_RETRY: i32 = 75;
+use config::{Config, RawConfig, Run};
 
-/// The `PATH` a command gets unless the config's `env` sets one.
-const DEFAULT_PATH: &str = "/usr/local/bin:/usr/bin:/bin";
-
-/// How many bytes of standard error (or output) a reason quotes: the end, where the error usually is. Shorter than
-/// kmqd's 1024-byte message buffer, so the head of the reason and the tail both fit.
-const TAIL_BYTES: usize = 768;
-
-/// How long the plugin waits for the command's pipes to close once its process group is dead. Only a process that
-/// escaped the group (setsid) can keep them open; its pipe threads are then left to end when it closes them.
-const DRAIN_BOUND: Duration = Duration::from_secs(1);
-
-/// The longest pause between two looks at the command, the cancel flag and the timeout.
-const MAX_POLL: Duration = Duration::from_millis(10);
-
-/// The `[plugins.NAME] config` table, as written.
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawConfig {
-    command: String,
-    #[serde(default)]
-    args: Vec<String>,
-    timeout: String,
-    types: Vec<String>,
-    #[serde(default)]
-    env: BTreeMap<String, String>,
-}
-
-/// The validated config: the plugin's state, shared by every worker thread.
+/// One configured instance: a `[plugins.NAME]` section's command, in its mode.
 struct Exec {
-    command: PathBuf,
-    args: Vec<String>,
-    timeout: Duration,
     types: Vec<String>,
-    env: BTreeMap<String, String>,
+    runner: Runner,
 }
 
-impl Exec {
-    fn from_raw(raw: RawConfig) -> Result<Exec, String> {
-        let RawConfig {
-            command,
-            args,
-            timeout,
-            types,
-            env,
-        } = raw;
-        let command = PathBuf::from(command);
-        if !command.is_absolute() {
-            return Err(format!(
-                "exec: command {:?} is not an absolute path; write the full path of the executable",
-                command.display().to_string()
-            ));
-        }
-        let metadata = std::fs::metadata(&command)
-            .map_err(|error| format!("exec: command {}: {error}", command.display()))?;
-        if !metadata.is_file() || metadata.permissions().mode() & 0o111 == 0 {
-            return Err(format!(
-                "exec: command {} is not an executable file; chmod +x it or name another",
-                command.display()
-            ));
-        }
-        let timeout = humantime::parse_duration(&timeout).map_err(|error| {
-            format!("exec: timeout {timeout:?}: {error}; write a duration like \"30s\" or \"5m\"")
-        })?;
-        if timeout.is_zero() {
-            return Err("exec: timeout is 0; give the command some time, e.g. \"30s\"".to_string());
-        }
-        if types.is_empty() || types.iter().any(String::is_empty) {
-            return Err(
-                "exec: types must list the task types to run the command for, e.g. types = [\"report.build\"]"
-                    .to_string(),
-            );
-        }
-        if let Some(key) = env
-            .keys()
-            .find(|key| key.is_empty() || key.contains('=') || key.contains('\0'))
-        {
-            return Err(format!(
-                "exec: env key {key:?} is not a variable name; it must be non-empty, without '=' or NUL"
-            ));
-        }
-        if let Some((key, _)) = env.iter().find(|(_, value)| value.contains('\0')) {
-            return Err(format!("exec: env value of {key} contains a NUL byte"));
-        }
-        Ok(Exec {
-            command,
-            args,
-            timeout,
-            types,
-            env,
-        })
-    }
-
-    fn command(&self, task: &Task<'_>) -> Command {
-        let mut command = Command::new(&self.command);
-        command
-            .args(&self.args)
-            .env_clear()
-            .env("PATH", DEFAULT_PATH)
-            .envs(&self.env)
-            .env("KMQ_TASK_ID", task.id())
-            .env("KMQ_TASK_TYPE", task.kind())
-            .env("KMQ_QUEUE", task.queue())
-            .env("KMQ_ATTEMPT", task.attempt().to_string())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            // A group of its own, led by the command: one kill reaches everything it started.
-            .process_group(0);
-        command
-    }
-
-    fn run(&self, task: &Task<'_>) -> Outcome {
-        let child = match self.command(task).spawn() {
-            Ok(child) => child,
-            Err(error) => {
-                return Outcome::retry(format!(
-                    "exec: cannot start {}: {error}",
-                    self.command.display()
-                ));
-            }
-        };
-        let mut running = Running::new(child);
-        let output = match Output::serve(&mut running.child, task.data_json().as_bytes()) {
-            Ok(output) => output,
-            // Dropping `running` kills and reaps the command.
-            Err(error) => {
-                return Outcome::retry(format!("exec: cannot start a pipe thread: {error}"));
-            }
-        };
-        let end = match running.wait(task, Instant::now() + self.timeout) {
-            Ok(end) => end,
-            Err(error) => {
-                // Someone else reaped the command (a host that ignores SIGCHLD does that): its process id may
-                // belong to another process by now, so nothing may be killed through it.
-                running.abandon();
-                let output = output.collect(DRAIN_BOUND);
-                return Outcome::retry(
-                    output.reason(format!("exec: lost track of the command: {error}")),
-                );
-            }
-        };
-        let status = running.finish();
-        let output = output.collect(DRAIN_BOUND);
-        let head = match (end, status) {
-            (End::TimedOut, _) => format!(
-                "exec: timed out after {}; killed",
-                humantime::format_duration(self.timeout)
-            ),
-            (End::Cancelled, _) => "exec: cancelled by the daemon; killed".to_string(),
-            (End::Exited, Err(error)) => format!("exec: cannot wait for the command: {error}"),
-            (End::Exited, Ok(status)) => match (status.code(), status.signal()) {
-                (Some(0), _) => return Outcome::done_with_output(output.output()),
-                (Some(EXIT_RETRY), _) => format!("exit status {EXIT_RETRY} (retry)"),
-                (Some(code), _) => {
-                    return Outcome::fail(output.reason(format!("exit status {code}")));
-                }
-                (None, Some(signal)) => {
-                    return Outcome::fail(output.reason(format!("killed by signal {signal}")));
-                }
-                (None, None) => format!("exec: unknown exit status {status:?}"),
-            },
-        };
-        Outcome::retry(output.reason(head))
-    }
-}
-
-/// How the wait for the command ended.
-#[derive(Clone, Copy, Debug)]
-enum End {
-    Exited,
-    TimedOut,
-    Cancelled,
-}
-
-/// A started command. Dropping it without `finish` (an early return, a panic) still kills and reaps it.
-struct Running {
-    child: Child,
-    /// The command's process id, which is also its process group's id.
-    group: u32,
-    reaped: bool,
-}
-
-impl Running {
-    fn new(child: Child) -> Running {
-        let group = child.id();
-        Running {
-            child,
-            group,
-            reaped: false,
-        }
-    }
-
-    /// Waits until the command exits, the task is cancelled or `deadline` passes. Polls: the cancel flag is a
-    /// plain word the daemon writes, with nothing to block on. The pause grows from 1 ms to [`MAX_POLL`], so short
-    /// commands are noticed at once and long ones cost little.
-    /// An error means the command cannot be waited for: it is not (or no longer) a child of this process.
-    fn wait(&mut self, task: &Task<'_>, deadline: Instant) -> io::Result<End> {
-        let mut pause = Duration::from_millis(1);
-        loop {
-            if process::has_exited(self.group)? {
-                return Ok(End::Exited);
-            }
-            if task.is_cancelled() {
-                return Ok(End::Cancelled);
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Ok(End::TimedOut);
-            }
-            std::thread::sleep(pause.min(deadline - now));
-            pause = (pause * 2).min(MAX_POLL);
-        }
-    }
-
-    /// Gives up on the command without killing or waiting: see the caller.
-    fn abandon(&mut self) {
-        self.reaped = true;
-    }
-
-    /// Kills what is left of the process group (everything, when the command is still running), then reaps the
-    /// command. The group id stays reserved until the reap, so the kill cannot reach another process.
-    fn finish(&mut self) -> io::Result<ExitStatus> {
-        process::kill_group(self.group);
-        self.reaped = true;
-        self.child.wait()
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        if !self.reaped {
-            let _ = self.finish();
-        }
-    }
-}
-
-/// The end of a stream: its last [`TAIL_BYTES`] bytes.
-#[derive(Default)]
-struct Tail {
-    bytes: Vec<u8>,
-    cut: bool,
-}
-
-impl Tail {
-    fn push(&mut self, chunk: &[u8]) {
-        self.bytes.extend_from_slice(chunk);
-        if self.bytes.len() > TAIL_BYTES {
-            let excess = self.bytes.len() - TAIL_BYTES;
-            self.bytes.drain(..excess);
-            self.cut = true;
-        }
-    }
-
-    fn text(&self) -> String {
-        // A cut may fall inside a UTF-8 character: skip its continuation bytes.
-        let start = if self.cut {
-            self.bytes
-                .iter()
-                .position(|byte| byte & 0b1100_0000 != 0b1000_0000)
-                .unwrap_or(self.bytes.len())
-        } else {
-            0
-        };
-        let text = String::from_utf8_lossy(&self.bytes[start..]);
-        let text = text.trim();
-        if self.cut && !text.is_empty() {
-            format!("...{text}")
-        } else {
-            text.to_string()
-        }
-    }
-}
-
-enum Stream {
-    Stdin,
-    Stdout(Tail),
-    Stderr(Tail),
-}
-
-/// The three threads that serve a command's pipes, and the channel they report on when their pipe is done.
-struct Output {
-    done: mpsc::Receiver<Stream>,
-    threads: Vec<JoinHandle<()>>,
-}
-
-/// What the pipes carried.
-#[derive(Default)]
-struct Collected {
-    stdout: Tail,
-    stderr: Tail,
-    /// A pipe was still open [`DRAIN_BOUND`] after the command's group died.
-    still_open: bool,
-}
-
-impl Output {
-    fn serve(child: &mut Child, data: &[u8]) -> io::Result<Output> {
-        // The pipes were requested in `Exec::command`, so they are there.
-        let mut stdin = child.stdin.take().expect("stdin is piped");
-        let stdout = child.stdout.take().expect("stdout is piped");
-        let stderr = child.stderr.take().expect("stderr is piped");
-        let (sender, done) = mpsc::channel();
-        let mut threads = Vec::with_capacity(3);
-        let data = data.to_vec();
-        let report = sender.clone();
-        threads.push(
-            std::thread::Builder::new()
-                .name("kmq-exec-stdin".into())
-                .spawn(move || {
-                    // A command that exits without reading its input makes this fail (EPIPE): not an error of
-                    // the task, which its exit status decides. (EPIPE rather than death by SIGPIPE, because Rust
-                    // programs such as kmqd ignore SIGPIPE.)
-                    let _ = stdin.write_all(&data);
-                    drop(stdin);
-                    let _ = report.send(Stream::Stdin);
-                })?,
-        );
-        let report = sender.clone();
-        threads.push(
-            std::thread::Builder::new()
-                .name("kmq-exec-stdout".into())
-                .spawn(move || {
-                    let _ = report.send(Stream::Stdout(drain(stdout)));
-                })?,
-        );
-        threads.push(
-            std::thread::Builder::new()
-                .name("kmq-exec-stderr".into())
-                .spawn(move || {
-                    let _ = sender.send(Stream::Stderr(drain(stderr)));
-                })?,
-        );
-        Ok(Output { done, threads })
-    }
-
-    /// Gathers the tails once the command is dead, waiting at most `within` for its pipes to close. Threads
-    /// whose pipe closed are joined; a thread whose pipe an escaped process still holds is left to end with it.
-    fn collect(self, within: Duration) -> Collected {
-        let deadline = Instant::now() + within;
-        let mut collected = Collected::default();
-        let mut pending = self.threads.len();
-        while pending > 0 {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.done.recv_timeout(left) {
-                Ok(Stream::Stdin) => {}
-                Ok(Stream::Stdout(tail)) => collected.stdout = tail,
-                Ok(Stream::Stderr(tail)) => collected.stderr = tail,
-                Err(_) => {
-                    collected.still_open = true;
-                    break;
-                }
-            }
-            pending -= 1;
-        }
-        if !collected.still_open {
-            for thread in self.threads {
-                // Each thread reported, which is the last thing it does; a panic in one has nothing left to spoil.
-                let _ = thread.join();
-            }
-        }
-        collected
-    }
-}
-
-impl Collected {
-    /// What a command that succeeded printed, for the daemon's `task done` event: the tail of standard output,
-    /// then of standard error.
-    fn output(&self) -> String {
-        let (stdout, stderr) = (self.stdout.text(), self.stderr.text());
-        match (stdout.is_empty(), stderr.is_empty()) {
-            (_, true) => stdout,
-            (true, false) => format!("stderr: {stderr}"),
-            (false, false) => format!("{stdout}\nstderr: {stderr}"),
-        }
-    }
-
-    /// `head`, then the tail of standard error (or of standard output when standard error is empty).
-    fn reason(&self, head: String) -> String {
-        let tail = match self.stderr.text() {
-            text if text.is_empty() => self.stdout.text(),
-            text => text,
-        };
-        let mut reason = head;
-        if !tail.is_empty() {
-            reason.push_str(": ");
-            reason.push_str(&tail);
-        }
-        if self.still_open {
-            reason.push_str(" (a process that left the command's group kept its output open)");
-        }
-        reason
-    }
-}
-
-/// Reads a pipe to its end, keeping the tail.
-fn drain<R: Read>(mut pipe: R) -> Tail {
-    let mut tail = Tail::default();
-    let mut chunk = [0u8; 8192];
-    loop {
-        match pipe.read(&mut chunk) {
-            Ok(0) => return tail,
-            Ok(n) => tail.push(&chunk[..n]),
-            Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
-            Err(_) => return tail,
-        }
-    }
+enum Runner {
+    PerTask(per_task::PerTask),
+    Persistent(persistent::Pool),
 }
 
 impl Handler for Exec {
@@ -460,7 +47,18 @@ impl Handler for Exec {
     type Config = RawConfig;
 
     fn init(config: RawConfig) -> Result<Exec, String> {
-        Exec::from_raw(config)
+        let Config {
+            program,
+            types,
+            run,
+        } = Config::from_raw(config)?;
+        let runner = match run {
+            Run::PerTask { timeout } => Runner::PerTask(per_task::PerTask { program, timeout }),
+            Run::Persistent(settings) => {
+                Runner::Persistent(persistent::Pool::start(program, settings)?)
+            }
+        };
+        Ok(Exec { types, runner })
     }
 
     fn types(&self) -> Vec<String> {
@@ -468,7 +66,16 @@ impl Handler for Exec {
     }
 
     fn handle(&self, task: &Task<'_>) -> Outcome {
-        self.run(task)
+        match &self.runner {
+            Runner::PerTask(per_task) => per_task.run(task),
+            Runner::Persistent(pool) => pool.run(task),
+        }
+    }
+
+    fn shutdown(&self) {
+        if let Runner::Persistent(pool) = &self.runner {
+            pool.shutdown();
+        }
     }
 }
 
@@ -760,6 +367,35 @@ mod tests {
                 serde_json::json!({ "command": good, "types": ["t"] }).to_string(),
                 "missing field `timeout`",
             ),
+            (
+                serde_json::json!({ "command": good, "timeout": "1s", "types": ["t"], "processes": 2 })
+                    .to_string(),
+                "exec: processes applies to long-lived handler processes only; add mode = \"persistent\" or remove it",
+            ),
+            (
+                serde_json::json!({ "command": good, "types": ["t"], "mode": "forever" }).to_string(),
+                "unknown variant `forever`, expected `per_task` or `persistent`",
+            ),
+            (
+                serde_json::json!({ "command": good, "types": ["t"], "mode": "persistent", "processes": 0 })
+                    .to_string(),
+                "exec: processes is 0",
+            ),
+            (
+                serde_json::json!({ "command": good, "types": ["t"], "mode": "persistent", "concurrency": 0 })
+                    .to_string(),
+                "exec: concurrency is 0",
+            ),
+            (
+                serde_json::json!({ "command": good, "types": ["t"], "mode": "persistent", "max_rss": "lots" })
+                    .to_string(),
+                "exec: max_rss \"lots\" is not a size; write one like \"512MiB\" or \"1GB\"",
+            ),
+            (
+                serde_json::json!({ "command": good, "types": ["t"], "mode": "persistent", "kill_grace": "0s" })
+                    .to_string(),
+                "exec: kill_grace is 0",
+            ),
         ];
         for (config, expected) in cases {
             let error = Harness::new(crate::kmq_plugin_v1, &config)
@@ -776,5 +412,12 @@ mod tests {
             (accepted.name(), accepted.types()),
             ("exec", &["a".to_string(), "b".to_string()][..])
         );
+        let persistent = serde_json::json!({
+            "command": good, "types": ["p"], "mode": "persistent", "processes": 1, "concurrency": 4,
+            "max_tasks_per_process": 100, "max_rss": "512MiB", "timeout": "1m", "start_timeout": "5s",
+            "kill_grace": "1s",
+        });
+        let accepted = Harness::new(crate::kmq_plugin_v1, &persistent.to_string()).unwrap();
+        assert_eq!(accepted.types(), ["p"], "every key of the persistent mode");
     }
 }

@@ -1,4 +1,4 @@
-//! The two process calls std lacks; the only unsafe code of this plugin.
+//! The process calls std lacks; the only unsafe code of this plugin.
 #![allow(unsafe_code)]
 // Every unsafe block says why it is sound; the lint keeps it so.
 #![deny(clippy::undocumented_unsafe_blocks)]
@@ -26,10 +26,63 @@ pub fn has_exited(pid: u32) -> io::Result<bool> {
 /// Sends SIGKILL to every process in the process group `group`. An empty group (ESRCH) is not an error: there is
 /// nothing left to kill.
 pub fn kill_group(group: u32) {
+    signal_group(group, libc::SIGKILL);
+}
+
+/// Sends SIGTERM to every process in the process group `group`: the polite request to stop before a SIGKILL.
+pub fn terminate_group(group: u32) {
+    signal_group(group, libc::SIGTERM);
+}
+
+fn signal_group(group: u32, signal: libc::c_int) {
     let Ok(group) = libc::pid_t::try_from(group) else {
         return;
     };
     // SAFETY: kill takes no pointers; a negative pid addresses the process group. The group id is a child of
     // ours that has not been reaped yet (see `has_exited`), so it names our child's group and no other.
-    let _ = unsafe { libc::kill(-group, libc::SIGKILL) };
+    let _ = unsafe { libc::kill(-group, signal) };
+}
+
+/// Makes the command's process get SIGKILL when the thread that starts it ends (`PR_SET_PDEATHSIG`): a handler
+/// process never outlives the pool thread that keeps it, not even when kmqd itself is killed with SIGKILL.
+pub fn die_with_parent(command: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure runs in the child between fork and exec, where only async-signal-safe calls are
+    // allowed: prctl is a plain system call, and the closure allocates nothing.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) == -1 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Blocks until `fd` has something to read, or its other end closed (or an error: the caller's read says which).
+pub fn wait_readable(fd: std::os::fd::RawFd) {
+    let mut poll = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    loop {
+        // SAFETY: `poll` is one valid, writable pollfd, and the count says one; -1 waits without a timeout.
+        let result = unsafe { libc::poll(&mut poll, 1, -1) };
+        if result >= 0 || io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+            return;
+        }
+    }
+}
+
+/// How many bytes wait unread in the pipe `fd` (FIONREAD); 0 when it cannot say.
+pub fn unread_bytes(fd: std::os::fd::RawFd) -> usize {
+    let mut count: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one c_int through the pointer, which points at `count`.
+    let result = unsafe { libc::ioctl(fd, libc::FIONREAD, &mut count) };
+    if result == -1 {
+        0
+    } else {
+        usize::try_from(count).unwrap_or(0)
+    }
 }

@@ -12,10 +12,13 @@ use crate::abi::{self, KMQ_ABI_VERSION, KmqBuf, KmqPlugin, KmqStatus, KmqStr, Km
 use crate::{Handler, Outcome, Task};
 
 /// The plugin's descriptor. `init` fills in `types` before it returns; the host reads the descriptor only from the
-/// thread that called `init`, after it returned, so there is no data race.
+/// thread that called `init`, after it returned, so there is no data race. A file named by several
+/// `[plugins.NAME]` sections gets one `init` per section, one after another: each rewrites `types` with its
+/// instance's, which the host reads before the next `init` (kmq_plugin.h). Everything else of an instance is in
+/// the `Box` its `init` returns, so instances share nothing.
 pub struct Descriptor(UnsafeCell<KmqPlugin>);
 
-// SAFETY: see the type's doc: the one write (in `init`) happens-before every read by the host.
+// SAFETY: see the type's doc: each write (in an `init`) happens-before the host's reads that follow it.
 unsafe impl Sync for Descriptor {}
 // SAFETY: the pointers inside point at leaked, immutable strings, valid from any thread.
 unsafe impl Send for Descriptor {}

@@ -40,7 +40,8 @@ use serde::de::DeserializeOwned;
 
 pub use serde_json;
 
-/// A task handler. One value is created by `init` and shared by every worker thread of the daemon.
+/// A task handler. One value is created by `init` per `[plugins.NAME]` section naming the file (an instance) and
+/// shared by every worker thread of the daemon.
 pub trait Handler: Send + Sync + Sized + 'static {
     /// The plugin's name, as the config and the logs show it.
     const NAME: &'static str;

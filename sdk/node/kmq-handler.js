@@ -1,0 +1,135 @@
+'use strict';
+/**
+ * Handlers for kmqd in Node.js: long-lived handler processes of the exec plugin (mode = "persistent").
+ *
+ * One file, no dependencies (Node 18 or later): copy it next to your handlers. The protocol it speaks is
+ * docs/HANDLERS.md (version 1): a hello line, then one JSON task per line on standard input, one JSON answer per
+ * task on standard output.
+ *
+ *     const { handle, run, Retry, Fail } = require('./kmq-handler');
+ *
+ *     handle('report.mail', async (task) => {
+ *       if (!task.data.to.includes('@')) throw new Fail('not an address');  // dead-lettered, no retries
+ *       await send(task.data.to);                                            // resolves: done
+ *       return `sent to ${task.data.to}`;                                    // logged with the task
+ *     });
+ *
+ *     run();
+ *
+ * A handler returns (or resolves: done; a string is the outcome's message), or throws `Retry` (this attempt
+ * failed) or `Fail` (the task can never succeed). Any other error is a failed attempt: retried with
+ * `Name: message` as the reason, its stack on standard error. A task type with no handler fails. With
+ * `concurrency` in the config, that many tasks run at once (async handlers; a sync one blocks the event loop).
+ *
+ * Standard output carries the protocol, so `run()` sends console.log (and info, debug) to standard error: a log
+ * line in a handler lands in kmqd's log, attributed to the task, instead of breaking the protocol.
+ */
+
+const readline = require('node:readline');
+
+const PROTOCOL = 1;
+
+/** This attempt failed: retried after `afterMs` milliseconds, or the queue's backoff. */
+class Retry extends Error {
+  constructor(message = '', { afterMs } = {}) {
+    super(message);
+    this.name = 'Retry';
+    this.afterMs = afterMs;
+  }
+}
+
+/** The task can never succeed: kmqd dead-letters it at once. */
+class Fail extends Error {
+  constructor(message = '') {
+    super(message);
+    this.name = 'Fail';
+  }
+}
+
+const handlers = new Map();
+
+/** Registers `fn(task)` (sync or async) as the handler of `type`. */
+function handle(type, fn) {
+  if (handlers.has(type)) throw new Error(`a handler for ${JSON.stringify(type)} is registered already`);
+  handlers.set(type, fn);
+}
+
+/** One run of a task: what kmqd's task line says. */
+function taskOf(line) {
+  const deadline = line.deadline_ms ?? null;
+  const created = line.created_at_ms ?? null;
+  return {
+    id: line.id,
+    type: line.type,
+    queue: line.queue ?? '',
+    attempt: line.attempt ?? 0,
+    data: line.data ?? null,
+    deadline: deadline === null ? null : new Date(deadline),
+    createdAt: created === null ? null : new Date(created),
+    /** Milliseconds left before the deadline (the execution timeout), or null without one. */
+    remainingMs() {
+      return deadline === null ? null : deadline - Date.now();
+    },
+  };
+}
+
+function outcome(id, result, error) {
+  if (error === undefined) {
+    const answer = { id, outcome: 'done' };
+    if (typeof result === 'string' && result) answer.message = result;
+    return answer;
+  }
+  if (error instanceof Fail) return { id, outcome: 'fail', message: error.message || 'failed' };
+  if (error instanceof Retry) {
+    const answer = { id, outcome: 'retry', message: error.message };
+    if (error.afterMs !== undefined) answer.retry_after_ms = Math.max(0, Math.round(error.afterMs));
+    return answer;
+  }
+  const name = error && error.name ? error.name : 'Error';
+  const message = error && error.message !== undefined ? error.message : String(error);
+  return { id, outcome: 'retry', message: `${name}: ${message}` };
+}
+
+/** Speaks the protocol on standard input and output until standard input ends; then the process exits. */
+function run() {
+  const out = process.stdout;
+  const send = (answer) => out.write(`${JSON.stringify(answer)}\n`);
+  // Handler logs go to standard error (kmqd's log), never into the protocol.
+  console.log = console.error;
+  console.info = console.error;
+  console.debug = console.error;
+
+  const settle = async (task) => {
+    const fn = handlers.get(task.type);
+    if (!fn) {
+      send({ id: task.id, outcome: 'fail', message: `no handler for task type ${JSON.stringify(task.type)}` });
+      return;
+    }
+    try {
+      send(outcome(task.id, await fn(task)));
+    } catch (error) {
+      if (!(error instanceof Retry) && !(error instanceof Fail)) {
+        process.stderr.write(`${error && error.stack ? error.stack : String(error)}\n`);
+      }
+      send(outcome(task.id, undefined, error));
+    }
+  };
+
+  send({ hello: PROTOCOL, sdk: 'node/1' });
+  const lines = readline.createInterface({ input: process.stdin, crlfDelay: Infinity });
+  lines.on('line', (line) => {
+    if (!line.trim()) return;
+    let task;
+    try {
+      task = taskOf(JSON.parse(line));
+    } catch (error) {
+      process.stderr.write(`kmq-handler: not a task line (${error.message}): ${line}\n`);
+      return;
+    }
+    settle(task);
+  });
+  // At the end of standard input the process exits once its running tasks are answered: nothing else keeps the
+  // event loop alive.
+}
+
+module.exports = { Fail, PROTOCOL, Retry, handle, run };

@@ -1,0 +1,68 @@
+'use strict';
+// Tests of kmq-handler.js without a daemon: handler processes fed task lines on a pipe, as kmqd feeds them.
+// Run: node --test sdk/node/kmq-handler.test.js (scripts/test does). Through a real daemon: tests/it/sdk.rs.
+
+const { test } = require('node:test');
+const assert = require('node:assert/strict');
+const { spawnSync } = require('node:child_process');
+const fs = require('node:fs');
+const os = require('node:os');
+const path = require('node:path');
+
+const task = (id, type, data) => ({ id, type, queue: 'q', attempt: 0, data, deadline_ms: null });
+
+function serve(script, tasks, concurrency = 1) {
+  const done = spawnSync(process.execPath, [script], {
+    input: tasks.map((t) => `${JSON.stringify(t)}\n`).join(''),
+    env: { PATH: process.env.PATH, KMQ_PROTOCOL: '1', KMQ_CONCURRENCY: String(concurrency) },
+    encoding: 'utf8',
+    timeout: 60000,
+  });
+  assert.equal(done.status, 0, done.stderr);
+  const [hello, ...answers] = done.stdout.trim().split('\n').map((line) => JSON.parse(line));
+  return { hello, answers, byId: Object.fromEntries(answers.map((a) => [a.id, a])), stderr: done.stderr };
+}
+
+test('every outcome of the example handler', () => {
+  const { hello, byId, stderr } = serve(path.join(__dirname, 'example-handler.js'), [
+    task('built', 'report.build', { rows: 3 }),
+    task('negative', 'report.build', { rows: -1 }),
+    task('no-rows', 'report.build', {}),
+    task('sent', 'report.mail', { to: 'ada@example.com' }),
+    task('busy', 'report.mail', { to: 'busy@example.com' }),
+    task('nobody', 'report.mail', { to: 'nobody' }),
+    task('unknown', 'report.unknown', null),
+  ], 4);
+  assert.equal(hello.hello, 1);
+  assert.deepEqual(byId.built, { id: 'built', outcome: 'done', message: 'built 3 rows' });
+  assert.deepEqual(byId.negative, { id: 'negative', outcome: 'fail', message: 'rows must be 0 or more, not -1' });
+  assert.deepEqual(byId['no-rows'], { id: 'no-rows', outcome: 'retry', message: 'TypeError: data has no rows' });
+  assert.equal(byId.sent.outcome, 'done');
+  assert.deepEqual(byId.busy, { id: 'busy', outcome: 'retry', message: 'mailbox busy', retry_after_ms: 50 });
+  assert.deepEqual(byId.nobody, { id: 'nobody', outcome: 'fail', message: '"nobody" is not an address' });
+  assert.equal(byId.unknown.outcome, 'fail');
+  assert.match(stderr, /building 3 rows/, 'console.log goes to standard error');
+  assert.match(stderr, /TypeError: data has no rows\n {4}at /, 'an unexpected error has its stack on stderr');
+});
+
+test('async handlers run at once and answer out of order', () => {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'kmq-handler-'));
+  const script = path.join(dir, 'handler.js');
+  // Each task waits until all three arrived: only concurrency finishes them; the last one is answered first.
+  fs.writeFileSync(script, `
+    const { handle, run } = require(${JSON.stringify(path.join(__dirname, 'kmq-handler.js'))});
+    const arrived = [];
+    let release;
+    const everyone = new Promise((resolve) => { release = resolve; });
+    handle('wait', async (task) => {
+      arrived.push(task.id);
+      if (arrived.length === 3) release();
+      await everyone;
+      await new Promise((resolve) => setTimeout(resolve, 50 * (3 - arrived.indexOf(task.id))));
+    });
+    run();
+  `);
+  const { answers } = serve(script, [0, 1, 2].map((i) => task(`t${i}`, 'wait', null)), 3);
+  assert.deepEqual(answers.map((a) => a.id), ['t2', 't1', 't0']);
+  assert.ok(answers.every((a) => a.outcome === 'done'));
+});

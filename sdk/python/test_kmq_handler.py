@@ -1,0 +1,126 @@
+"""Tests of kmq_handler without a daemon: handler processes fed task lines on a pipe, as kmqd feeds them.
+Run: python3 -m unittest discover -s sdk/python (scripts/test does). The tests through a real daemon are
+tests/it/sdk.rs."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def serve(script, tasks, concurrency=1):
+    """Runs `script` (a path) as kmqd would, writes `tasks` (dicts) and closes its input; returns (answers by
+    id, the hello, stderr)."""
+    lines = "".join(json.dumps(task) + "\n" for task in tasks)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "KMQ_PROTOCOL": "1", "KMQ_CONCURRENCY": str(concurrency)}
+    done = subprocess.run(
+        [sys.executable, script], input=lines, capture_output=True, text=True, timeout=60, env=env, cwd=HERE
+    )
+    assert done.returncode == 0, done.stderr
+    out = [json.loads(line) for line in done.stdout.splitlines()]
+    return {answer["id"]: answer for answer in out[1:]}, out[0], done.stderr
+
+
+def task(task_id, task_type, data):
+    return {"id": task_id, "type": task_type, "queue": "q", "attempt": 0, "data": data, "deadline_ms": None}
+
+
+class ExampleHandler(unittest.TestCase):
+    def test_every_outcome_of_the_example(self):
+        answers, hello, stderr = serve(
+            os.path.join(HERE, "example_handler.py"),
+            [
+                task("built", "report.build", {"rows": 3}),
+                task("negative", "report.build", {"rows": -1}),
+                task("no-rows", "report.build", {}),
+                task("sent", "report.mail", {"to": "ada@example.com"}),
+                task("busy", "report.mail", {"to": "busy@example.com"}),
+                task("nobody", "report.mail", {"to": "nobody"}),
+                task("unknown", "report.unknown", None),
+            ],
+            concurrency=4,
+        )
+        self.assertEqual(hello["hello"], 1)
+        self.assertEqual(answers["built"], {"id": "built", "outcome": "done", "message": "built 3 rows"})
+        self.assertEqual(answers["negative"]["outcome"], "fail")
+        self.assertEqual(answers["negative"]["message"], "rows must be 0 or more, not -1")
+        self.assertEqual(answers["no-rows"], {"id": "no-rows", "outcome": "retry", "message": "KeyError: 'rows'"})
+        self.assertEqual(answers["sent"]["outcome"], "done")
+        self.assertEqual(
+            answers["busy"], {"id": "busy", "outcome": "retry", "message": "mailbox busy", "retry_after_ms": 50}
+        )
+        self.assertEqual(answers["nobody"]["outcome"], "fail")
+        self.assertEqual(answers["unknown"]["outcome"], "fail")
+        self.assertIn("building 3 rows", stderr, "a print goes to standard error")
+        self.assertIn("Traceback", stderr, "an unexpected exception's traceback goes to standard error")
+
+
+class Concurrency(unittest.TestCase):
+    def handler_file(self, body):
+        directory = tempfile.mkdtemp()
+        path = os.path.join(directory, "handler.py")
+        with open(path, "w") as f:
+            f.write(f"import sys\nsys.path.insert(0, {HERE!r})\n" + textwrap.dedent(body))
+        return path
+
+    def test_async_handlers_run_at_once_and_answer_out_of_order(self):
+        # Each task waits until all three arrived: only true concurrency finishes them; the last one is answered
+        # first.
+        path = self.handler_file(
+            """
+            import asyncio
+            from kmq_handler import handler, run
+            arrived = []
+            everyone = None
+
+            @handler("wait")
+            async def wait(task):
+                global everyone
+                everyone = everyone or asyncio.Event()
+                arrived.append(task.id)
+                if len(arrived) == 3:
+                    everyone.set()
+                await asyncio.wait_for(everyone.wait(), 10)
+                await asyncio.sleep(0.05 * (3 - arrived.index(task.id)))
+
+            run()
+            """
+        )
+        tasks = [task(f"t{i}", "wait", None) for i in range(3)]
+        done = subprocess.run(
+            [sys.executable, path],
+            input="".join(json.dumps(t) + "\n" for t in tasks),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={"PATH": "/usr/bin:/bin", "KMQ_CONCURRENCY": "3"},
+        )
+        self.assertEqual(done.returncode, 0, done.stderr)
+        ids = [json.loads(line).get("id") for line in done.stdout.splitlines()[1:]]
+        self.assertEqual(ids, ["t2", "t1", "t0"])
+
+    def test_sync_handlers_run_on_concurrency_threads(self):
+        path = self.handler_file(
+            """
+            import threading
+            from kmq_handler import handler, run
+            barrier = threading.Barrier(3, timeout=10)
+
+            @handler("wait")
+            def wait(task):
+                barrier.wait()
+
+            run()
+            """
+        )
+        answers, _, stderr = serve(path, [task(f"t{i}", "wait", None) for i in range(3)], concurrency=3)
+        self.assertEqual({a["outcome"] for a in answers.values()}, {"done"}, stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()

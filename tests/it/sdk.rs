@@ -1,0 +1,225 @@
+//! The handler SDKs (sdk/, docs/HANDLERS.md) through the real daemon: their example handlers, run by the exec
+//! plugin's persistent mode, settle real tasks.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use kmqd::NewTask;
+
+use crate::support::*;
+
+/// The first of `candidates` that exists (scripts/test installs the interpreters where missing).
+fn interpreter(candidates: &[&str]) -> PathBuf {
+    candidates
+        .iter()
+        .map(PathBuf::from)
+        .find(|path| path.exists())
+        .unwrap_or_else(|| {
+            panic!("none of {candidates:?} is installed; scripts/test installs them")
+        })
+}
+
+/// A daemon running `script` with `interpreter` for `types`, persistently, with `extra` config keys; `queue`
+/// the keys of the queue `jobs`.
+fn start(
+    redis: &RedisServer,
+    dir: &TestDir,
+    interpreter: &Path,
+    script: &Path,
+    types: &[&str],
+    extra: &str,
+) -> (PathBuf, Process) {
+    dir.install_plugin(&built_plugin("kmq-exec"), "libkmq_exec.so");
+    let types = types
+        .iter()
+        .map(|t| format!("\"{t}\""))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let config = dir.config(
+        redis,
+        &format!(
+            "{}\n[plugins.handlers]\nfile = \"libkmq_exec.so\"\nconfig = {{ command = \"{}\", args = [\"{}\"], types = [{types}], mode = \"persistent\"{extra} }}\n",
+            safe_queue("workers = 8\nretry_times = 1\nbackoff = \"10ms\""),
+            interpreter.display(),
+            script.display(),
+        ),
+    );
+    let daemon = Process::start(&config, dir.path("kmqd.log"));
+    (config, daemon)
+}
+
+fn push(config: &Path, kind: &str, id: &str, data: &str) {
+    let pushed = client(config)
+        .push("jobs", NewTask::new(kind, data).unwrap().id(id))
+        .unwrap();
+    assert!(pushed.is_accepted(), "{id}");
+}
+
+fn dead_reasons(redis: &RedisServer) -> BTreeMap<String, String> {
+    let dead: Vec<String> = redis.cmd(&["LRANGE", "kmq:{jobs}:dead", "0", "-1"]);
+    dead.iter()
+        .map(|record| {
+            let record: serde_json::Value = serde_json::from_str(record).unwrap();
+            (
+                record["id"].as_str().unwrap().to_string(),
+                record["reason"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+fn wait_ended(config: &Path, done: u64, dead: u64) {
+    eventually(
+        Duration::from_secs(60),
+        &format!("{done} done and {dead} dead"),
+        || {
+            let s = stats(config, "jobs");
+            (s.done == done && s.dead == dead, s)
+        },
+    );
+}
+
+#[test]
+fn the_python_sdks_example_handler_settles_sync_and_async_tasks_through_the_daemon() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let python = interpreter(&["/usr/bin/python3", "/usr/local/bin/python3"]);
+    let script = workspace_dir().join("sdk/python/example_handler.py");
+    // No `processes`: the pool starts one per running task, as they come.
+    let (config, mut daemon) = start(
+        &redis,
+        &dir,
+        &python,
+        &script,
+        &["report.build", "report.mail"],
+        ", concurrency = 4",
+    );
+    push(&config, "report.build", "built", r#"{"rows": 3}"#);
+    push(&config, "report.build", "negative", r#"{"rows": -1}"#);
+    push(&config, "report.build", "no-rows", "{}");
+    push(
+        &config,
+        "report.mail",
+        "sent",
+        r#"{"to": "ada@example.com"}"#,
+    );
+    push(
+        &config,
+        "report.mail",
+        "busy",
+        r#"{"to": "busy@example.com"}"#,
+    );
+    push(&config, "report.mail", "nobody", r#"{"to": "nobody"}"#);
+    wait_ended(&config, 2, 4);
+    let dead = dead_reasons(&redis);
+    assert_eq!(dead["negative"], "rows must be 0 or more, not -1");
+    assert_eq!(
+        dead["no-rows"],
+        "KeyError: 'rows'; no retries left after 2 runs"
+    );
+    assert_eq!(dead["busy"], "mailbox busy; no retries left after 2 runs");
+    assert_eq!(dead["nobody"], "'nobody' is not an address");
+    // A print goes to standard error, which kmqd logs naming the handler process and the tasks it held then.
+    let line = eventually(
+        Duration::from_secs(10),
+        "the handler's print in the log",
+        || {
+            let log = daemon.log_text();
+            let line = log
+                .lines()
+                .find(|line| line.ends_with(": building 3 rows"))
+                .map(str::to_string);
+            (line.is_some(), line.unwrap_or(log))
+        },
+    );
+    assert!(
+        line.starts_with("kmq-exec: python3[")
+            && line
+                .split_once(": building")
+                .is_some_and(|(during, _)| during.contains("built")),
+        "{line}"
+    );
+    daemon.signal(15);
+    assert_eq!(daemon.wait_within(Duration::from_secs(30)), Some(0));
+}
+
+#[test]
+fn the_sdk_free_python_handler_of_handlers_md_runs_a_task_through_the_daemon() {
+    let guide = std::fs::read_to_string(workspace_dir().join("docs/HANDLERS.md")).unwrap();
+    let (_, rest) = guide
+        .split_once("```python\n")
+        .expect("docs/HANDLERS.md has a Python handler");
+    let (code, _) = rest.split_once("```").unwrap();
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let script = dir.path("minimal.py");
+    std::fs::write(&script, code).unwrap();
+    let python = interpreter(&["/usr/bin/python3", "/usr/local/bin/python3"]);
+    let (config, mut daemon) = start(&redis, &dir, &python, &script, &["minimal"], "");
+    push(&config, "minimal", "m1", "{}");
+    push(&config, "minimal", "m2", "[1, 2]");
+    wait_ended(&config, 2, 0);
+    daemon.signal(15);
+    assert_eq!(daemon.wait_within(Duration::from_secs(30)), Some(0));
+}
+
+#[test]
+fn the_node_sdks_example_handler_settles_sync_and_async_tasks_through_the_daemon() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let node = interpreter(&["/usr/bin/node", "/usr/local/bin/node", "/usr/bin/nodejs"]);
+    let script = workspace_dir().join("sdk/node/example-handler.js");
+    let (config, mut daemon) = start(
+        &redis,
+        &dir,
+        &node,
+        &script,
+        &["report.build", "report.mail"],
+        ", processes = 2, concurrency = 4",
+    );
+    push(&config, "report.build", "built", r#"{"rows": 3}"#);
+    push(&config, "report.build", "negative", r#"{"rows": -1}"#);
+    push(&config, "report.build", "no-rows", "{}");
+    push(
+        &config,
+        "report.mail",
+        "sent",
+        r#"{"to": "ada@example.com"}"#,
+    );
+    push(
+        &config,
+        "report.mail",
+        "busy",
+        r#"{"to": "busy@example.com"}"#,
+    );
+    push(&config, "report.mail", "nobody", r#"{"to": "nobody"}"#);
+    wait_ended(&config, 2, 4);
+    let dead = dead_reasons(&redis);
+    assert_eq!(dead["negative"], "rows must be 0 or more, not -1");
+    assert_eq!(
+        dead["no-rows"],
+        "TypeError: data has no rows; no retries left after 2 runs"
+    );
+    assert_eq!(dead["busy"], "mailbox busy; no retries left after 2 runs");
+    assert_eq!(dead["nobody"], "\"nobody\" is not an address");
+    let line = eventually(
+        Duration::from_secs(10),
+        "the handler's console.log in the log",
+        || {
+            let log = daemon.log_text();
+            let line = log
+                .lines()
+                .find(|line| line.ends_with(": building 3 rows"))
+                .map(str::to_string);
+            (line.is_some(), line.unwrap_or(log))
+        },
+    );
+    assert!(
+        line.split_once(": building")
+            .is_some_and(|(during, _)| during.contains("built")),
+        "{line}"
+    );
+    daemon.signal(15);
+    assert_eq!(daemon.wait_within(Duration::from_secs(30)), Some(0));
+}
