@@ -8,6 +8,7 @@
 
 mod defaults;
 mod handlers;
+mod languages;
 pub mod peers;
 mod redis_cost;
 
@@ -54,7 +55,7 @@ pub struct Options {
     pub daemon: Option<PathBuf>,
 }
 
-pub const SCENARIOS: [&str; 10] = [
+pub const SCENARIOS: [&str; 11] = [
     "push",
     "drain",
     "defaults",
@@ -65,6 +66,7 @@ pub const SCENARIOS: [&str; 10] = [
     "deployments",
     "handlers",
     "redis-cost",
+    "languages",
 ];
 
 /// How often the `kill` scenario disconnects every client of Redis (`CLIENT KILL TYPE normal`).
@@ -124,20 +126,33 @@ fn now_us() -> u64 {
         .map_or(0, |d| d.as_micros() as u64)
 }
 
+/// CPU time (user + system) of a process and of every process under it (live, or ended and reaped), µs: a
+/// daemon's includes the handler processes its exec plugin runs.
+fn tree_cpu_us(pid: u32) -> u64 {
+    let children: Vec<u32> = std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|child| stat_field(*child, 1) == Some(u64::from(pid)))
+        .collect();
+    // Fields 13 and 14 after the name: the CPU of the children it reaped.
+    let reaped = (stat_field(pid, 13).unwrap_or(0) + stat_field(pid, 14).unwrap_or(0)) * 10_000;
+    cpu_us(pid) + reaped + children.into_iter().map(tree_cpu_us).sum::<u64>()
+}
+
+/// Field `index` of /proc/PID/stat, counted from the one after the command name (0: the state).
+fn stat_field(pid: u32, index: usize) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // After the command name, which is in parentheses and may contain spaces.
+    let (_, rest) = stat.rsplit_once(')')?;
+    rest.split_whitespace().nth(index)?.parse().ok()
+}
+
 /// CPU time (user + system) of a process, µs.
 fn cpu_us(pid: u32) -> u64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return 0;
-    };
-    // Fields after the command name, which is in parentheses and may contain spaces.
-    let Some(rest) = stat.rsplit_once(')').map(|(_, rest)| rest) else {
-        return 0;
-    };
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: u64 = fields.get(11).and_then(|f| f.parse().ok()).unwrap_or(0)
-        + fields.get(12).and_then(|f| f.parse().ok()).unwrap_or(0);
     // Linux reports 100 ticks per second (USER_HZ) on every platform kmqd runs on.
-    ticks * 10_000
+    (stat_field(pid, 11).unwrap_or(0) + stat_field(pid, 12).unwrap_or(0)) * 10_000
 }
 
 /// Resident memory of a process, kB.
@@ -189,6 +204,8 @@ struct Bench {
     options: Options,
     server: RedisServer,
     dir: tempfile::TempDir,
+    /// Where the plugins were built (next to the kmqd binary, or `--plugins-dir`).
+    source: PathBuf,
     kmqd: PathBuf,
 }
 
@@ -250,7 +267,31 @@ pub fn default_daemon() -> Result<PathBuf, String> {
     Ok(kmqd)
 }
 
+/// Copies plugin `name` from `source` into `into` (made if need be), with the permissions the daemon accepts (it
+/// refuses plugins writable by others).
+fn copy_plugin(source: &Path, name: &str, into: &Path) -> Result<(), String> {
+    let from = source.join(name);
+    if !from.is_file() {
+        return Err(format!(
+            "{} not found: build the workspace (cargo build --release --workspace) or pass --plugins-dir",
+            from.display()
+        ));
+    }
+    std::fs::create_dir_all(into).map_err(|e| format!("{}: {e}", into.display()))?;
+    std::fs::copy(&from, into.join(name)).map_err(|e| format!("copy {name}: {e}"))?;
+    for path in [into, &into.join(name)] {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
 impl Bench {
+    /// Copies plugin `name` from where the plugins were built into the directory `into`.
+    fn copy_plugin(&self, name: &str, into: &Path) -> Result<(), String> {
+        copy_plugin(&self.source, name, into)
+    }
+
     fn new(options: Options) -> Result<Bench, String> {
         let kmqd = match &options.daemon {
             Some(path) if path.is_file() => path.clone(),
@@ -262,31 +303,17 @@ impl Bench {
             .clone()
             .or_else(|| kmqd.parent().map(Path::to_path_buf))
             .ok_or("cannot tell where the plugins are; pass --plugins-dir")?;
-        let testkit = source.join("libkmq_testkit.so");
-        if !testkit.is_file() {
-            return Err(format!(
-                "{} not found: build the workspace (cargo build --release --workspace) or pass --plugins-dir",
-                testkit.display()
-            ));
-        }
         let dir = tempfile::Builder::new()
             .prefix("kmqd-bench-")
             .tempdir()
             .map_err(|e| format!("temp dir: {e}"))?;
-        let plugins = dir.path().join("plugins");
-        std::fs::create_dir(&plugins).map_err(|e| e.to_string())?;
-        // A private copy with safe permissions: the daemon refuses plugins writable by others.
-        std::fs::copy(&testkit, plugins.join("libkmq_testkit.so"))
-            .map_err(|e| format!("copy testkit: {e}"))?;
-        for path in [&plugins, &plugins.join("libkmq_testkit.so")] {
-            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))
-                .map_err(|e| e.to_string())?;
-        }
+        copy_plugin(&source, "libkmq_testkit.so", &dir.path().join("plugins"))?;
         let server = RedisServer::start(Listen::Loopback)?;
         Ok(Bench {
             options,
             server,
             dir,
+            source,
             kmqd,
         })
     }
@@ -492,6 +519,13 @@ pub fn run(options: Options, progress: &mut dyn Write) -> Result<Report, String>
         ));
         figures.extend(handlers::handlers(&bench, cores)?);
     }
+    if wants("languages") {
+        say(format!(
+            "languages: no-op handlers in Python and Node (the SDKs, exec persistent) against the native plugin, {} runs...",
+            o.runs
+        ));
+        figures.extend(languages::languages(&bench, &peer_rows)?);
+    }
     if wants("redis-cost") {
         say(format!(
             "redis-cost: Redis CPU per task of a claim and its settle, today's scripts and the candidates, {} runs...",
@@ -668,7 +702,7 @@ fn drain_once(
         .map(|_| bench.daemon(config))
         .collect::<Result<_, _>>()?;
     let pids: Vec<u32> = processes.iter().map(Daemon::pid).collect();
-    let cpu = |pids: &[u32]| pids.iter().map(|pid| cpu_us(*pid)).sum::<u64>();
+    let cpu = |pids: &[u32]| pids.iter().map(|pid| tree_cpu_us(*pid)).sum::<u64>();
     let deadline = Instant::now() + Duration::from_secs(300);
     let mut first: Option<(Instant, u64, u64, u64)> = None;
     let mut peak_rss = 0;

@@ -143,12 +143,18 @@ fn peer_cells(row: &PeerRow, rate: f64) -> String {
 /// default mode beside the at-most-once peers ([`AT_MOST_ONCE`]), when the peers' results have them.
 pub fn render(figures: &[Figure], peers: &[PeerRow]) -> String {
     let drains: Vec<&Figure> = figures.iter().filter(|f| f.scenario == "drain").collect();
+    // None when this run measured no drain of that mode (`--only` left it out): its ratios then read "—".
     let best = |mode: &str| {
         drains
             .iter()
             .filter(|f| f.name.starts_with(mode))
             .map(|f| f.median)
-            .fold(0.0, f64::max)
+            .max_by(f64::total_cmp)
+    };
+    let ratio = |best: Option<f64>, rate: f64, digits: usize| {
+        best.map_or("—".to_string(), |best| {
+            format!("{:.digits$}×", best / rate)
+        })
     };
     let (best_safe, best_default) = (best("safe"), best("default"));
     let mut out = String::new();
@@ -167,10 +173,10 @@ pub fn render(figures: &[Figure], peers: &[PeerRow]) -> String {
         let rate = row.drain.unwrap_or(f64::NAN);
         let _ = writeln!(
             out,
-            "{} {:.1}× | {:.1}× |",
+            "{} {} | {} |",
             peer_cells(row, rate),
-            best_safe / rate,
-            best_default / rate,
+            ratio(best_safe, rate, 1),
+            ratio(best_default, rate, 1),
         );
     }
     let at_most_once: Vec<&PeerRow> = peers
@@ -194,9 +200,9 @@ pub fn render(figures: &[Figure], peers: &[PeerRow]) -> String {
             let rate = row.drain.unwrap_or(f64::NAN);
             let _ = writeln!(
                 out,
-                "{} {:.1}× |",
+                "{} {} |",
                 peer_cells(row, rate),
-                best_default / rate
+                ratio(best_default, rate, 1)
             );
         }
     }
@@ -211,11 +217,11 @@ pub fn render(figures: &[Figure], peers: &[PeerRow]) -> String {
             let ops = row.ops.unwrap_or(f64::NAN);
             let _ = writeln!(
                 out,
-                "| {} | {} | {:.2}× | {:.2}× |",
+                "| {} | {} | {} | {} |",
                 row.config,
                 fmt(Some(ops)),
-                best_safe / ops,
-                best_default / ops
+                ratio(best_safe, ops, 2),
+                ratio(best_default, ops, 2)
             );
         }
     }
