@@ -3,6 +3,7 @@
 //! behaviour it pins and fails without the fix it guards (docs/RELIABILITY.md lists them by fault).
 
 use std::collections::HashSet;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use kmqd::NewTask;
@@ -299,12 +300,9 @@ fn owner_ids_are_never_reused_after_redis_loses_its_data() {
     assert_runs(&dir, "after", 1000, 1);
 }
 
-#[test]
-fn a_lost_lease_cancels_the_runs_it_covered() {
-    let redis = RedisServer::start();
-    let dir = TestDir::new();
-    let config = dir.config(&redis, &safe_queue("lease_timeout = \"1s\""));
-    client(&config)
+/// Pushes the task `long`, which runs until cancelled, starts a daemon on `config` and waits for the run to start.
+fn a_long_run(dir: &TestDir, config: &Path) -> TestDaemon {
+    client(config)
         .push(
             "jobs",
             NewTask::new("test", r#"{"until_cancelled":true}"#)
@@ -312,10 +310,19 @@ fn a_lost_lease_cancels_the_runs_it_covered() {
                 .id("long"),
         )
         .unwrap();
-    let daemon = TestDaemon::start(&config);
+    let daemon = TestDaemon::start(config);
     eventually(Duration::from_secs(10), "the run to start", || {
         (dir.records().runs_of("long") == 1, ())
     });
+    daemon
+}
+
+#[test]
+fn a_lost_lease_cancels_the_runs_it_covered() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &safe_queue("lease_timeout = \"1s\""));
+    let daemon = a_long_run(&dir, &config);
     // Redis loses the lease (a failover to a replica that never saw it, a restore, a flush).
     let _: i64 = redis.cmd(&["DEL", "kmq:{jobs}:owners"]);
     eventually(Duration::from_secs(5), "the run to be cancelled", || {
@@ -342,18 +349,7 @@ fn a_lease_lost_seen_first_by_a_claim_still_hands_its_tasks_to_the_monitors() {
     let dir = TestDir::new();
     // Renewals every 10 s; the fetcher claims at least every idle_poll (1 s).
     let config = dir.config(&redis, &safe_queue("workers = 1\nlease_timeout = \"30s\""));
-    client(&config)
-        .push(
-            "jobs",
-            NewTask::new("test", r#"{"until_cancelled":true}"#)
-                .unwrap()
-                .id("long"),
-        )
-        .unwrap();
-    let daemon = TestDaemon::start(&config);
-    eventually(Duration::from_secs(10), "the run to start", || {
-        (dir.records().runs_of("long") == 1, ())
-    });
+    let daemon = a_long_run(&dir, &config);
     // Right after a renewal, so that the fetcher's next claim learns of the loss about 10 s before the heartbeat.
     let deadline = || {
         let owners: Vec<(String, f64)> =

@@ -77,6 +77,22 @@ fn pings(lines: &[String]) -> usize {
     lines.iter().filter(|line| *line == "WATCHDOG=1").count()
 }
 
+/// Starts kmqd on `config` as systemd would with `WatchdogSec` (400 ms: a ping every 200 ms), its notify
+/// messages going to a socket of the test's own.
+fn under_a_watchdog(dir: &TestDir, config: &Path) -> (NotifySocket, Process) {
+    let socket_path = dir.path("notify.sock");
+    let notify = NotifySocket::bind(&socket_path);
+    let daemon = Process::start_with_env(
+        config,
+        dir.path("kmqd.log"),
+        &[
+            ("NOTIFY_SOCKET", socket_path.to_str().unwrap()),
+            ("WATCHDOG_USEC", "400000"),
+        ],
+    );
+    (notify, daemon)
+}
+
 #[test]
 fn notify_says_ready_only_once_redis_answers_pings_while_healthy_and_stops_when_every_worker_is_stuck()
  {
@@ -91,17 +107,7 @@ fn notify_says_ready_only_once_redis_answers_pings_while_healthy_and_stops_when_
             "workers = 1\nexecution_timeout = \"300ms\"\nretry_times = 0\nlease_timeout = \"5s\"",
         ),
     );
-    let socket_path = dir.path("notify.sock");
-    let mut notify = NotifySocket::bind(&socket_path);
-    let mut daemon = Process::start_with_env(
-        &config,
-        dir.path("kmqd.log"),
-        &[
-            ("NOTIFY_SOCKET", socket_path.to_str().unwrap()),
-            // 400 ms: a ping every 200 ms.
-            ("WATCHDOG_USEC", "400000"),
-        ],
-    );
+    let (mut notify, mut daemon) = under_a_watchdog(&dir, &config);
 
     // Redis down: the daemon says what it waits for, and is not ready.
     let waiting = notify.wait_for(Duration::from_secs(10), "waiting status", |line| {
@@ -188,16 +194,7 @@ fn the_watchdog_keeps_pinging_through_a_redis_outage_longer_than_every_bound() {
         "shutdown_grace = \"5s\"",
         &safe_queue("workers = 1\nlease_timeout = \"60s\""),
     );
-    let socket_path = dir.path("notify.sock");
-    let mut notify = NotifySocket::bind(&socket_path);
-    let mut daemon = Process::start_with_env(
-        &config,
-        dir.path("kmqd.log"),
-        &[
-            ("NOTIFY_SOCKET", socket_path.to_str().unwrap()),
-            ("WATCHDOG_USEC", "400000"),
-        ],
-    );
+    let (mut notify, mut daemon) = under_a_watchdog(&dir, &config);
     notify.wait_for(Duration::from_secs(15), "READY=1", |line| line == "READY=1");
     // A run that ends during the outage: its outcome waits for Redis in the acker, which retries.
     push_many(&config, "t", 1, r#"{"sleep_ms":1000}"#);
@@ -249,16 +246,7 @@ fn a_final_failure_hook_that_never_returns_wedges_the_monitor_and_the_watchdog_s
         "shutdown_grace = \"2s\"",
         &safe_queue("workers = 1\nlease_timeout = \"1s\"\nalive_timeout = \"1m\""),
     );
-    let socket_path = dir.path("notify.sock");
-    let mut notify = NotifySocket::bind(&socket_path);
-    let mut daemon = Process::start_with_env(
-        &config,
-        dir.path("kmqd.log"),
-        &[
-            ("NOTIFY_SOCKET", socket_path.to_str().unwrap()),
-            ("WATCHDOG_USEC", "400000"),
-        ],
-    );
+    let (mut notify, mut daemon) = under_a_watchdog(&dir, &config);
     notify.wait_for(Duration::from_secs(15), "READY=1", |line| line == "READY=1");
     let healthy = notify.read_for(Duration::from_secs(1));
     assert!(pings(&healthy) >= 3, "pings while idle: {healthy:?}");
