@@ -13,7 +13,7 @@
 //! - [`dead`]: the dead-letter list: reading, requeueing and purging records;
 //! - [`history`]: a sample a minute of each queue's counters and depths, for the dashboard's charts;
 //! - [`schedule`]: firing periodic tasks;
-//! - [`stats`]: depths and counters, and the protocol-version check.
+//! - [`stats`](mod@stats): depths and counters, and the protocol-version check.
 
 pub mod access;
 pub mod admin;
