@@ -80,6 +80,43 @@ fn wait_ended(config: &Path, done: u64, dead: u64) {
     );
 }
 
+/// The tasks both examples are given: a build, two builds that fail (bad data, missing data), a mail sent, one
+/// that retries until it runs out, one that fails.
+fn push_the_examples_tasks(config: &Path) {
+    push(config, "report.build", "built", r#"{"rows": 3}"#);
+    push(config, "report.build", "negative", r#"{"rows": -1}"#);
+    push(config, "report.build", "no-rows", "{}");
+    push(
+        config,
+        "report.mail",
+        "sent",
+        r#"{"to": "ada@example.com"}"#,
+    );
+    push(
+        config,
+        "report.mail",
+        "busy",
+        r#"{"to": "busy@example.com"}"#,
+    );
+    push(config, "report.mail", "nobody", r#"{"to": "nobody"}"#);
+}
+
+/// The log line of the example's "building 3 rows" (a print, or console.log, on the handler's standard error).
+fn building_line(daemon: &Process) -> String {
+    eventually(
+        Duration::from_secs(10),
+        "the handler's log line in kmqd's log",
+        || {
+            let log = daemon.log_text();
+            let line = log
+                .lines()
+                .find(|line| line.ends_with(": building 3 rows"))
+                .map(str::to_string);
+            (line.is_some(), line.unwrap_or(log))
+        },
+    )
+}
+
 #[test]
 fn the_python_sdks_example_handler_settles_sync_and_async_tasks_through_the_daemon() {
     let redis = RedisServer::start();
@@ -95,22 +132,7 @@ fn the_python_sdks_example_handler_settles_sync_and_async_tasks_through_the_daem
         &["report.build", "report.mail"],
         ", concurrency = 4",
     );
-    push(&config, "report.build", "built", r#"{"rows": 3}"#);
-    push(&config, "report.build", "negative", r#"{"rows": -1}"#);
-    push(&config, "report.build", "no-rows", "{}");
-    push(
-        &config,
-        "report.mail",
-        "sent",
-        r#"{"to": "ada@example.com"}"#,
-    );
-    push(
-        &config,
-        "report.mail",
-        "busy",
-        r#"{"to": "busy@example.com"}"#,
-    );
-    push(&config, "report.mail", "nobody", r#"{"to": "nobody"}"#);
+    push_the_examples_tasks(&config);
     wait_ended(&config, 2, 4);
     let dead = dead_reasons(&redis);
     assert_eq!(dead["negative"], "rows must be 0 or more, not -1");
@@ -121,18 +143,7 @@ fn the_python_sdks_example_handler_settles_sync_and_async_tasks_through_the_daem
     assert_eq!(dead["busy"], "mailbox busy; no retries left after 2 runs");
     assert_eq!(dead["nobody"], "'nobody' is not an address");
     // A print goes to standard error, which kmqd logs naming the handler process and the tasks it held then.
-    let line = eventually(
-        Duration::from_secs(10),
-        "the handler's print in the log",
-        || {
-            let log = daemon.log_text();
-            let line = log
-                .lines()
-                .find(|line| line.ends_with(": building 3 rows"))
-                .map(str::to_string);
-            (line.is_some(), line.unwrap_or(log))
-        },
-    );
+    let line = building_line(&daemon);
     assert!(
         line.starts_with("kmq-exec: python3[")
             && line
@@ -178,22 +189,7 @@ fn the_node_sdks_example_handler_settles_sync_and_async_tasks_through_the_daemon
         &["report.build", "report.mail"],
         ", processes = 2, concurrency = 4",
     );
-    push(&config, "report.build", "built", r#"{"rows": 3}"#);
-    push(&config, "report.build", "negative", r#"{"rows": -1}"#);
-    push(&config, "report.build", "no-rows", "{}");
-    push(
-        &config,
-        "report.mail",
-        "sent",
-        r#"{"to": "ada@example.com"}"#,
-    );
-    push(
-        &config,
-        "report.mail",
-        "busy",
-        r#"{"to": "busy@example.com"}"#,
-    );
-    push(&config, "report.mail", "nobody", r#"{"to": "nobody"}"#);
+    push_the_examples_tasks(&config);
     wait_ended(&config, 2, 4);
     let dead = dead_reasons(&redis);
     assert_eq!(dead["negative"], "rows must be 0 or more, not -1");
@@ -203,18 +199,7 @@ fn the_node_sdks_example_handler_settles_sync_and_async_tasks_through_the_daemon
     );
     assert_eq!(dead["busy"], "mailbox busy; no retries left after 2 runs");
     assert_eq!(dead["nobody"], "\"nobody\" is not an address");
-    let line = eventually(
-        Duration::from_secs(10),
-        "the handler's console.log in the log",
-        || {
-            let log = daemon.log_text();
-            let line = log
-                .lines()
-                .find(|line| line.ends_with(": building 3 rows"))
-                .map(str::to_string);
-            (line.is_some(), line.unwrap_or(log))
-        },
-    );
+    let line = building_line(&daemon);
     assert!(
         line.split_once(": building")
             .is_some_and(|(during, _)| during.contains("built")),
