@@ -139,16 +139,7 @@ impl Rig {
 
     /// The dead-letter reasons by task id.
     fn dead_reasons(&self) -> BTreeMap<String, String> {
-        let dead: Vec<String> = self.redis.cmd(&["LRANGE", "kmq:{jobs}:dead", "0", "-1"]);
-        dead.iter()
-            .map(|record| {
-                let record: serde_json::Value = serde_json::from_str(record).unwrap();
-                (
-                    record["id"].as_str().unwrap().to_string(),
-                    record["reason"].as_str().unwrap().to_string(),
-                )
-            })
-            .collect()
+        dead_reasons(&self.redis, "jobs")
     }
 
     /// The `(task id, pid)` of every task line a child read, in order.

@@ -380,13 +380,6 @@ fn all_ended(config: &Path, count: u64, within: Duration) -> QueueStats {
     })
 }
 
-fn dead_records(redis: &RedisServer, queue: &str) -> Vec<serde_json::Value> {
-    let dead: Vec<String> = redis.cmd(&["LRANGE", &format!("kmq:{{{queue}}}:dead"), "0", "-1"]);
-    dead.iter()
-        .map(|record| serde_json::from_str(record).unwrap())
-        .collect()
-}
-
 fn reason_of(records: &[serde_json::Value], id: &str) -> String {
     records
         .iter()

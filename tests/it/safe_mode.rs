@@ -19,13 +19,6 @@ fn safe(extra: &str) -> String {
     )
 }
 
-fn dead_records(redis: &RedisServer) -> Vec<serde_json::Value> {
-    let dead: Vec<String> = redis.cmd(&["LRANGE", "kmq:{jobs}:dead", "0", "-1"]);
-    dead.iter()
-        .map(|r| serde_json::from_str(r).unwrap())
-        .collect()
-}
-
 fn wait_drained(config: &std::path::Path) -> kmqd::broker::QueueStats {
     eventually(Duration::from_secs(30), "the queue to drain", || {
         let s = stats(config, "jobs");
@@ -111,7 +104,7 @@ fn fail_dead_letters_at_once_with_the_handler_reason() {
         )
         .unwrap();
     let records = eventually(Duration::from_secs(10), "the dead letter", || {
-        let dead = dead_records(&redis);
+        let dead = dead_records(&redis, "jobs");
         (dead.len() == 1, dead)
     });
     assert_eq!(records[0]["reason"], "testkit: asked to fail");
@@ -162,7 +155,7 @@ fn on_handler_error_dead_skips_retries() {
         )
         .unwrap();
     let records = eventually(Duration::from_secs(10), "the dead letter", || {
-        let dead = dead_records(&redis);
+        let dead = dead_records(&redis, "jobs");
         (dead.len() == 1, dead)
     });
     assert!(
@@ -196,7 +189,7 @@ fn handler_panics_fail_their_task_and_the_daemon_keeps_working() {
     client.push_batch("jobs", tasks).unwrap();
     let s = wait_drained(&config);
     assert_eq!((s.done, s.dead), (90, 10), "{s:?}");
-    for record in dead_records(&redis) {
+    for record in dead_records(&redis, "jobs") {
         let id = record["id"].as_str().unwrap();
         assert!(
             id.trim_start_matches('t').parse::<u32>().unwrap() % 10 == 0,
@@ -227,7 +220,7 @@ fn execution_timeout_cancels_the_run_and_counts_it_failed() {
         Duration::from_secs(20),
         "the timed-out task to be dead-lettered",
         || {
-            let dead = dead_records(&redis);
+            let dead = dead_records(&redis, "jobs");
             (dead.len() == 1, dead)
         },
     );
@@ -269,7 +262,7 @@ fn task_older_than_alive_timeout_is_dead_lettered_unrun() {
         Duration::from_secs(10),
         "the old task to be dead-lettered",
         || {
-            let dead = dead_records(&redis);
+            let dead = dead_records(&redis, "jobs");
             (dead.len() == 1, dead)
         },
     );
@@ -299,7 +292,7 @@ fn malformed_tasks_are_dead_lettered_with_a_reason() {
     }
     let _: i64 = redis.cmd(&["LPUSH", "kmq:{jobs}:wake", "1"]);
     let records = eventually(Duration::from_secs(10), "two dead letters", || {
-        let dead = dead_records(&redis);
+        let dead = dead_records(&redis, "jobs");
         (dead.len() == 2, dead)
     });
     let reason_of = |task: &str| {

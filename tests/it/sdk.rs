@@ -1,7 +1,6 @@
 //! The handler SDKs (sdk/, docs/HANDLERS.md) through the real daemon: their example handlers, run by the exec
 //! plugin's persistent mode, settle real tasks.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -54,19 +53,6 @@ fn push(config: &Path, kind: &str, id: &str, data: &str) {
         .push("jobs", NewTask::new(kind, data).unwrap().id(id))
         .unwrap();
     assert!(pushed.is_accepted(), "{id}");
-}
-
-fn dead_reasons(redis: &RedisServer) -> BTreeMap<String, String> {
-    let dead: Vec<String> = redis.cmd(&["LRANGE", "kmq:{jobs}:dead", "0", "-1"]);
-    dead.iter()
-        .map(|record| {
-            let record: serde_json::Value = serde_json::from_str(record).unwrap();
-            (
-                record["id"].as_str().unwrap().to_string(),
-                record["reason"].as_str().unwrap().to_string(),
-            )
-        })
-        .collect()
 }
 
 fn wait_ended(config: &Path, done: u64, dead: u64) {
@@ -134,7 +120,7 @@ fn the_python_sdks_example_handler_settles_sync_and_async_tasks_through_the_daem
     );
     push_the_examples_tasks(&config);
     wait_ended(&config, 2, 4);
-    let dead = dead_reasons(&redis);
+    let dead = dead_reasons(&redis, "jobs");
     assert_eq!(dead["negative"], "rows must be 0 or more, not -1");
     assert_eq!(
         dead["no-rows"],
@@ -191,7 +177,7 @@ fn the_node_sdks_example_handler_settles_sync_and_async_tasks_through_the_daemon
     );
     push_the_examples_tasks(&config);
     wait_ended(&config, 2, 4);
-    let dead = dead_reasons(&redis);
+    let dead = dead_reasons(&redis, "jobs");
     assert_eq!(dead["negative"], "rows must be 0 or more, not -1");
     assert_eq!(
         dead["no-rows"],

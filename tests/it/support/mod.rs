@@ -698,3 +698,27 @@ pub fn wait_done(config: &Path, done: u64, within: Duration) -> QueueStats {
         (s.done >= done, s)
     })
 }
+
+/// The dead-letter records of `queue`, newest first, as JSON.
+pub fn dead_records(redis: &RedisServer, queue: &str) -> Vec<serde_json::Value> {
+    let dead: Vec<String> = redis.cmd(&["LRANGE", &format!("kmq:{{{queue}}}:dead"), "0", "-1"]);
+    dead.iter()
+        .map(|record| serde_json::from_str(record).unwrap())
+        .collect()
+}
+
+/// The dead-letter reasons of `queue`, by task id.
+pub fn dead_reasons(
+    redis: &RedisServer,
+    queue: &str,
+) -> std::collections::BTreeMap<String, String> {
+    dead_records(redis, queue)
+        .iter()
+        .map(|record| {
+            (
+                record["id"].as_str().unwrap().to_string(),
+                record["reason"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
