@@ -286,7 +286,10 @@ mod tests {
     fn token() -> Token {
         Token {
             owner: std::sync::Arc::from("o1"),
-            id: crate::broker::TokenId::Seq(7),
+            id: crate::broker::TokenId::Listed {
+                claim: 7,
+                position: 0,
+            },
         }
     }
 

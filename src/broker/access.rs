@@ -307,8 +307,9 @@ pub const COMMANDS: &[Command] = &[
     },
     Command {
         name: "lrange",
-        roles: &[R, O],
-        why: "`task show` and `task cancel` read the ready lists (and `task show` and the `dead` commands the dead \
+        roles: &[D, R, O],
+        why: "a claim reads its tasks back from its lists, and the monitor an expired owner's; `task show` and \
+              `task cancel` read the ready lists (and `task show` the claim lists, and the `dead` commands the dead \
               letters) in chunks",
     },
     Command {
@@ -332,7 +333,7 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "hset",
         roles: &[D],
-        why: "claimed tasks (the processing hashes), owners' registrations, schedules' last slots, unique ids \
+        why: "owners' registrations, schedules' last slots, unique ids \
               popped in default mode",
     },
     Command {
@@ -375,12 +376,12 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "zadd",
         roles: &[D, P],
-        why: "leases (the owners sorted set), delayed tasks, retries",
+        why: "leases (the owners sorted set), owners' claim sets, delayed tasks, retries",
     },
     Command {
         name: "zrem",
         roles: &[D, O],
-        why: "releasing an owner, moving due tasks; `task cancel` removes delayed and retrying tasks",
+        why: "releasing an owner, forgetting a settled claim, moving due tasks; `task cancel` removes delayed and retrying tasks",
     },
     Command {
         name: "zrange",
@@ -404,8 +405,9 @@ pub const COMMANDS: &[Command] = &[
     },
     Command {
         name: "get",
-        roles: &[D],
-        why: "settle.lua answers a call sent again after a lost reply with the first call's result",
+        roles: &[D, R, O],
+        why: "settle.lua answers a call sent again after a lost reply with the first call's result, and merges \
+              a claim's settled positions; the monitor and `task show` read them",
     },
     Command {
         name: "set",
@@ -425,9 +427,36 @@ pub const COMMANDS: &[Command] = &[
     },
     Command {
         name: "type",
-        roles: &[D],
+        roles: &[D, R, O],
         why: "claims, settlements and moves from source lists check every key's type before they write, so \
-              they apply all or nothing",
+              they apply all or nothing; the monitor, stats, `workers` and `task show` tell an owner's claim sets \
+              from a kmqd 0.1 owner's processing hashes",
+    },
+    Command {
+        name: "sort",
+        roles: &[D],
+        why: "a claim copies the head of a ready list onto its claim list natively (`SORT ... BY nosort LIMIT 0 N \
+              STORE`, no payload through Lua), then trims it off",
+    },
+    Command {
+        name: "memory|usage",
+        roles: &[D],
+        why: "a claim bounds its tasks' size by max_task_bytes at once",
+    },
+    Command {
+        name: "bitcount",
+        roles: &[D],
+        why: "settle.lua counts a claim's settled positions",
+    },
+    Command {
+        name: "getbit",
+        roles: &[D],
+        why: "settle.lua checks a task's settled bit, so that a task is settled once",
+    },
+    Command {
+        name: "setbit",
+        roles: &[D],
+        why: "settle.lua sets a task's settled bit",
     },
     Command {
         name: "watch",
@@ -483,6 +512,10 @@ enum Kind {
     Owners,
     OwnerInfo,
     Processing,
+    /// A claim's list of tasks (`processing:OWNER:LEVEL:CLAIM`).
+    ClaimList,
+    /// A claim's settled bitmap.
+    ClaimSettled,
     Settled,
     Dead,
     Unique,
@@ -535,7 +568,9 @@ const DAEMON: &[(&str, On)] = &[
     ("lindex", key(K::Ready)),
     ("zcard", key(K::Delayed)),
     ("zcard", key(K::Retry)),
+    ("type", key(K::Processing)),
     ("hlen", key(K::Processing)),
+    ("zrange", key(K::Processing)),
     ("hgetall", key(K::Stats)),
     ("watch", key(K::Unique)),
     ("watch", key(K::Paused)),
@@ -550,6 +585,8 @@ const DAEMON: &[(&str, On)] = &[
     ("blpop", key(K::Wake)),
     ("hscan", key(K::UniquePopped)),
     ("hscan", key(K::Processing)),
+    ("lrange", key(K::ClaimList)),
+    ("get", key(K::ClaimSettled)),
     ("subscribe", CHANNEL),
     ("unsubscribe", NOTHING),
     ("punsubscribe", NOTHING),
@@ -564,6 +601,8 @@ const DAEMON: &[(&str, On)] = &[
     ("evalsha", key(K::Owners)),
     ("evalsha", key(K::OwnerInfo)),
     ("evalsha", key(K::Processing)),
+    ("evalsha", key(K::ClaimList)),
+    ("evalsha", key(K::ClaimSettled)),
     ("evalsha", key(K::Settled)),
     ("evalsha", key(K::Dead)),
     ("evalsha", key(K::Unique)),
@@ -572,7 +611,8 @@ const DAEMON: &[(&str, On)] = &[
     ("evalsha", key(K::Wake)),
     ("evalsha", key(K::Schedules)),
     ("evalsha", key(K::Paused)),
-    // Inside claim.lua and adopt.lua (and pop.lua's check of the paused key, above).
+    // Inside claim.lua and adopt.lua (and pop.lua's check of the paused key, above); the claim's transaction
+    // reads its lists back (LRANGE, above).
     ("zscore", key(K::Owners)),
     ("hmget", key(K::OwnerInfo)),
     ("hget", key(K::OwnerInfo)),
@@ -580,14 +620,18 @@ const DAEMON: &[(&str, On)] = &[
     ("hdel", key(K::OwnerInfo)),
     ("type", key(K::Ready)),
     ("type", key(K::Quarantine)),
-    ("type", key(K::Processing)),
+    ("type", key(K::ClaimList)),
+    ("exists", key(K::ClaimList)),
     ("llen", key(K::Ready)),
     ("llen", key(K::Quarantine)),
-    ("lpop", key(K::Ready)),
+    ("sort", key(K::Ready)),
+    ("sort", key(K::ClaimList)),
+    ("ltrim", key(K::Ready)),
+    ("memory|usage", key(K::ClaimList)),
     ("lpop", key(K::Quarantine)),
-    ("hset", key(K::Processing)),
-    ("hlen", key(K::Processing)),
-    ("hmget", key(K::Processing)),
+    ("rpush", key(K::ClaimList)),
+    ("del", key(K::ClaimList)),
+    ("zadd", key(K::Processing)),
     ("lpush", key(K::Dead)),
     ("ltrim", key(K::Dead)),
     ("hincrby", key(K::Stats)),
@@ -611,6 +655,14 @@ const DAEMON: &[(&str, On)] = &[
     ("type", key(K::Settled)),
     ("type", key(K::UniquePopped)),
     ("type", key(K::Retry)),
+    ("type", key(K::ClaimSettled)),
+    ("llen", key(K::ClaimList)),
+    ("set", key(K::ClaimSettled)),
+    ("bitcount", key(K::ClaimSettled)),
+    ("getbit", key(K::ClaimSettled)),
+    ("setbit", key(K::ClaimSettled)),
+    ("del", key(K::ClaimSettled)),
+    ("zrem", key(K::Processing)),
     ("hdel", key(K::Processing)),
     ("hdel", key(K::UniquePopped)),
     ("hdel", key(K::Unique)),
@@ -685,7 +737,9 @@ const STATS: &[(&str, On)] = &[
     ("lindex", key(K::Ready)),
     ("zcard", key(K::Delayed)),
     ("zcard", key(K::Retry)),
+    ("type", key(K::Processing)),
     ("hlen", key(K::Processing)),
+    ("zrange", key(K::Processing)),
     ("hgetall", key(K::Stats)),
     ("exists", key(K::Paused)),
 ];
@@ -698,7 +752,9 @@ const WORKERS: &[(&str, On)] = &[
     ("time", NOTHING),
     ("exists", key(K::Paused)),
     ("hgetall", key(K::OwnerInfo)),
+    ("type", key(K::Processing)),
     ("hlen", key(K::Processing)),
+    ("zrange", key(K::Processing)),
 ];
 
 /// The dashboard's charts: the history zset, read whole.
@@ -732,7 +788,11 @@ const SHOW: &[(&str, On)] = &[
     ("zscan", key(K::Retry)),
     ("lrange", key(K::Ready)),
     ("zrange", key(K::Owners)),
+    ("type", key(K::Processing)),
     ("hscan", key(K::Processing)),
+    ("zrange", key(K::Processing)),
+    ("lrange", key(K::ClaimList)),
+    ("get", key(K::ClaimSettled)),
     ("lrange", key(K::Dead)),
 ];
 
@@ -925,6 +985,12 @@ fn names(keys: &QueueKeys, kind: Kind) -> Vec<String> {
         Kind::Processing => levels
             .map(|level| keys.processing(SOME_OWNER, level))
             .collect(),
+        Kind::ClaimList => levels
+            .map(|level| keys.claim_list(SOME_OWNER, level, 0))
+            .collect(),
+        Kind::ClaimSettled => levels
+            .map(|level| keys.claim_settled(SOME_OWNER, level, 0))
+            .collect(),
         Kind::Settled => vec![keys.settled(SOME_OWNER)],
         Kind::Dead => vec![keys.dead.clone()],
         Kind::Unique => vec![keys.unique.clone()],
@@ -956,7 +1022,12 @@ fn argv(command: &str, target: Option<&str>) -> Vec<String> {
         },
         "eval" => vec![name, "return 1".into(), "1".into(), t()],
         "zcard" | "hlen" | "hgetall" | "llen" | "lpop" | "type" | "exists" | "del" | "get"
-        | "watch" | "subscribe" => vec![name, t()],
+        | "watch" | "subscribe" | "bitcount" => vec![name, t()],
+        "getbit" => vec![name, t(), "0".into()],
+        "setbit" => vec![name, t(), "0".into(), "1".into()],
+        // The key as the source and as the destination: the check asks for both reading and writing it.
+        "sort" => vec![name, t(), "BY".into(), "nosort".into(), "STORE".into(), t()],
+        "memory|usage" => vec!["MEMORY".into(), "USAGE".into(), t()],
         "zscore" | "zrem" | "hget" | "hdel" | "hmget" | "hexists" | "lpush" | "rpush" | "set"
         | "lindex" => vec![name, t(), "1".into()],
         "zscan" | "hscan" => vec![name, t(), "0".into()],
@@ -1317,7 +1388,17 @@ mod tests {
         let mut found: Vec<String> = source
             .split("redis.call('")
             .skip(1)
-            .map(|rest| rest[..rest.find('\'').expect("a quoted name")].to_ascii_lowercase())
+            .map(|rest| {
+                let name = rest[..rest.find('\'').expect("a quoted name")].to_ascii_lowercase();
+                // A container command's rule names its subcommand, as ACL does: `memory|usage`.
+                match rest[name.len()..].strip_prefix("', '") {
+                    Some(sub) if name == "memory" => {
+                        let sub = &sub[..sub.find('\'').expect("a quoted subcommand")];
+                        format!("{name}|{}", sub.to_ascii_lowercase())
+                    }
+                    _ => name,
+                }
+            })
             .collect();
         found.sort_unstable();
         found.dedup();

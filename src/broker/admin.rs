@@ -65,7 +65,7 @@ pub struct Worker {
     pub started_at_ms: i64,
     /// How long its lease has left, ms (on Redis's clock); it is renewed every `lease_timeout / 3`.
     pub lease_left_ms: i64,
-    /// Safe mode: the tasks it holds (claimed, not yet settled: the size of its processing hashes). `None` in
+    /// Safe mode: the tasks it holds (claimed, not yet settled). `None` in
     /// default mode, whose popped tasks are no longer in Redis.
     pub held: Option<u64>,
     /// Its workers stuck in a handler that ignored its cancel (an execution timeout, a lost lease), as of its last
@@ -94,11 +94,7 @@ pub fn workers(
         let info = owner_info(conn, keys, &owner)?.unwrap_or_default();
         let held = if info.mode == "safe" {
             let levels = keys.with_levels(&info.levels);
-            let mut pipe = redis::pipe();
-            for key in levels.processing_all(&owner) {
-                pipe.cmd("HLEN").arg(key);
-            }
-            let counts: Vec<u64> = pipe.query(conn)?;
+            let counts = super::processing::counts(conn, &levels.processing_all(&owner))?;
             Some(counts.iter().sum())
         } else {
             None

@@ -45,7 +45,7 @@ pub struct QueueKeys {
     /// tasks claimed alongside it down with it.
     pub quarantine: Vec<String>,
     /// Safe mode: zset owner -> lease deadline ms. An owner is one daemon's claim identity on this queue; the
-    /// tasks it claimed live in its [`QueueKeys::processing`] hashes, and stay its own while its lease is renewed.
+    /// tasks it claimed live in its claim lists, listed in its [`QueueKeys::processing`] sets, and stay its own while its lease is renewed.
     pub owners: String,
     /// Counter that made owner ids unique before they were made by the daemons themselves; no longer written.
     pub seq: String,
@@ -161,9 +161,21 @@ impl QueueKeys {
         self.ready.len()
     }
 
-    /// Safe mode: the hash of the tasks `owner` claimed from one level, token -> envelope.
+    /// Safe mode: the claims `owner` holds tasks of at one level, a zset claim -> how many of its tasks are not
+    /// yet settled (claim.lua, settle.lua); a hash token -> envelope for an owner registered by kmqd 0.1.
     pub fn processing(&self, owner: &str, level: usize) -> String {
         format!("{}:processing:{owner}:{}", self.base, self.levels[level])
+    }
+
+    /// Safe mode: the tasks one claim of `owner` took from one level, in the order they were taken (a task's
+    /// token is its position here).
+    pub fn claim_list(&self, owner: &str, level: usize, claim: u64) -> String {
+        format!("{}:{claim}", self.processing(owner, level))
+    }
+
+    /// Safe mode: the bitmap of the settled positions of a claim list (bit p, in `GETBIT`'s order).
+    pub fn claim_settled(&self, owner: &str, level: usize, claim: u64) -> String {
+        format!("{}:{claim}:settled", self.processing(owner, level))
     }
 
     /// An owner's registration: hash of its mode, levels, host, pid, start time, kmqd version, the lowest claim
@@ -178,7 +190,7 @@ impl QueueKeys {
         format!("{}:settled:{settler}", self.base)
     }
 
-    /// The processing hashes of `owner`, one per level.
+    /// The claim sets of `owner`, one per level.
     pub fn processing_all(&self, owner: &str) -> Vec<String> {
         (0..self.levels())
             .map(|level| self.processing(owner, level))
@@ -199,6 +211,14 @@ mod tests {
         );
         assert_eq!(keys.retry[1], "kmq:{mail}:retry:low");
         assert_eq!(keys.processing("o7", 1), "kmq:{mail}:processing:o7:low");
+        assert_eq!(
+            keys.claim_list("o7", 1, 40),
+            "kmq:{mail}:processing:o7:low:40"
+        );
+        assert_eq!(
+            keys.claim_settled("o7", 1, 40),
+            "kmq:{mail}:processing:o7:low:40:settled"
+        );
         assert_eq!(keys.owner_info("o7"), "kmq:{mail}:owner:o7");
         assert_eq!(keys.paused, "kmq:{mail}:paused");
         let other = keys.with_levels(&["urgent".into()]);

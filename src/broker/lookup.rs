@@ -41,7 +41,7 @@ pub enum Found {
         position: u64,
         envelope: String,
     },
-    /// Claimed by a daemon (safe mode): the daemon's owner id and the task's token in its processing hash;
+    /// Claimed by a daemon (safe mode): the daemon's owner id and the task's token (claim.position);
     /// `lease_left_ms` until a monitor takes it back if the owner stops renewing its lease.
     Processing {
         owner: String,
@@ -275,25 +275,24 @@ fn locate_processing(
     let (now, owners) = super::owners(conn, keys)?;
     for (owner, deadline) in owners {
         for level in 0..keys.levels() {
-            let mut cursor = 0u64;
+            let mut cursor = super::processing::Cursor::Start;
             loop {
-                let (next, items) =
-                    super::scan_processing(conn, keys, &owner, level, cursor, CHUNK)?;
-                for (token, payload) in items {
+                let page = super::processing::held(conn, keys, &owner, level, cursor, CHUNK)?;
+                for (token, payload) in page.tasks {
                     let payload = String::from_utf8_lossy(&payload);
                     if let Some(id) = wanted.matching(&payload) {
                         let place = Found::Processing {
                             owner: owner.clone(),
-                            token,
+                            token: token.to_string(),
                             lease_left_ms: deadline - now,
                             envelope: payload.into_owned(),
                         };
                         found.push((id, place));
                     }
                 }
-                cursor = next;
-                if cursor == 0 {
-                    break;
+                match page.next {
+                    Some(next) => cursor = next,
+                    None => break,
                 }
             }
         }

@@ -9,6 +9,7 @@
 //! - [`connection`]: connecting, the pool, a thread's own [`Session`];
 //! - [`tasks`]: a task's life: push, claim or pop, settle, leases, promote, the move from source lists;
 //! - [`lookup`]: finding and cancelling tasks by id;
+//! - [`processing`]: what an owner holds (the monitors' recovery, `task show`, the counts);
 //! - [`peek`]: the heads of a queue's ready lists, delayed tasks and retries (the dashboard's queue page);
 //! - [`dead`]: the dead-letter list: reading, requeueing and purging records;
 //! - [`history`]: a sample a minute of each queue's counters and depths, for the dashboard's charts;
@@ -24,6 +25,7 @@ pub mod keys;
 pub mod lookup;
 pub mod owners;
 pub mod peek;
+pub mod processing;
 pub mod schedule;
 pub mod stats;
 pub mod tasks;
@@ -32,7 +34,7 @@ mod tls;
 use std::fmt;
 use std::sync::{Arc, LazyLock};
 
-use redis::{ConnectionLike, RedisWrite, ToRedisArgs, Value};
+use redis::{ConnectionLike, Value};
 
 pub use connection::{Conn, Connector, Pool, PooledConnection, Session, named_pool, pool};
 pub use keys::QueueKeys;
@@ -42,8 +44,8 @@ pub use schedule::{Fired, fire, schedule_state};
 pub use stats::{QueueStats, Rates, check_protocol, stats};
 pub use tasks::{
     Batch, Call, ClaimLimits, Due, Fence, Isolation, Popper, PushItem, SettleOp, Settled,
-    Settlement, Taken, adopt, claim, move_sources, promote, push, release_unique, scan_processing,
-    settle, wait_idle, wait_list, wait_wake,
+    Settlement, Taken, adopt, claim, move_sources, promote, push, release_unique, settle,
+    wait_idle, wait_list, wait_wake,
 };
 pub use tls::tls_refusal;
 
@@ -226,35 +228,29 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
 /// The published enqueue script (docs/PROTOCOL.md shows how to call it from any language).
 pub const PUSH_SCRIPT: &str = include_str!("scripts/push.lua");
 
-/// Where a claimed task is: its owner (one daemon's claim identity on the queue) and its token, the field of the
-/// owner's processing hash that holds it. Tokens this daemon made are numbers until they are written; tokens
-/// read back from Redis (the monitor's) stay text.
+/// Where a claimed task is: its owner (one daemon's claim identity on the queue) and where in the owner's
+/// processing area it is held.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Token {
     pub owner: Arc<str>,
     pub id: TokenId,
 }
 
+/// A claimed task's place in its owner's processing area (at the task's level, which the settlement carries).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TokenId {
-    Seq(u64),
-    Text(String),
+    /// Position `position` of the list of claim `claim` (claim.lua).
+    Listed { claim: u64, position: u32 },
+    /// A field of the processing hash of an owner registered by a kmqd that kept one (0.1, docs/PROTOCOL.md
+    /// "Versions"): read back by a monitor that recovers its tasks.
+    Field(String),
 }
 
 impl fmt::Display for TokenId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            TokenId::Seq(seq) => write!(f, "{seq}"),
-            TokenId::Text(text) => f.write_str(text),
-        }
-    }
-}
-
-impl ToRedisArgs for TokenId {
-    fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
-        match self {
-            TokenId::Seq(seq) => seq.write_redis_args(out),
-            TokenId::Text(text) => out.write_arg(text.as_bytes()),
+            TokenId::Listed { claim, position } => write!(f, "{claim}.{position}"),
+            TokenId::Field(field) => f.write_str(field),
         }
     }
 }
@@ -351,9 +347,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn tokens_are_written_as_their_text() {
-        assert_eq!(TokenId::Seq(18_342).to_redis_args(), [b"18342".to_vec()]);
-        assert_eq!(TokenId::Text("7".into()).to_redis_args(), [b"7".to_vec()]);
+    fn tokens_show_their_claim_and_position() {
+        let listed = TokenId::Listed {
+            claim: 18_342,
+            position: 7,
+        };
+        assert_eq!(listed.to_string(), "18342.7");
+        assert_eq!(TokenId::Field("7".into()).to_string(), "7");
     }
 
     /// The body of a script's `local function NAME` (up to its closing `end` at the start of a line).

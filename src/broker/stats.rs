@@ -126,7 +126,7 @@ fn pairs_as_map<S: serde::Serializer>(
 /// The levels are the queue's configured ones and any other a registered owner claims from (a rolling config
 /// change: another daemon serves a level this config does not name), so tasks there are counted too.
 pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueStats> {
-    // Safe mode's processing area is one hash per owner and level: the owners and their levels first.
+    // Safe mode's processing area is one claim set per owner and level: the owners and their levels first.
     let owners: Vec<String> = redis::cmd("ZRANGE")
         .arg(&keys.owners)
         .arg(0)
@@ -166,9 +166,6 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
     for key in keys.delayed.iter().chain(&keys.retry) {
         pipe.cmd("ZCARD").arg(key);
     }
-    for key in &processing_keys {
-        pipe.cmd("HLEN").arg(key);
-    }
     pipe.cmd("LLEN").arg(&keys.dead);
     pipe.cmd("HGETALL").arg(&keys.stats);
     pipe.cmd("EXISTS").arg(&keys.paused);
@@ -190,12 +187,13 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
         .collect();
     let heads: Vec<Option<Vec<u8>>> = replies.many(level_count)?;
     let zset_counts: Vec<u64> = replies.many(2 * level_count)?;
-    let processing: Vec<u64> = replies.many(processing_keys.len())?;
     let dead: u64 = replies.one()?;
     let counters: HashMap<String, u64> = replies.one()?;
     let paused: bool = replies.one()?;
     let time: (i64, i64) = replies.one()?;
-    let processing = processing.iter().sum();
+    let processing = super::processing::counts(conn, &processing_keys)?
+        .iter()
+        .sum();
     let now_ms = time_ms(time);
     let lag_ms = heads
         .into_iter()

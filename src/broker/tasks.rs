@@ -8,9 +8,7 @@ use redis::{ConnectionLike, Value};
 use super::Conn;
 
 use super::keys::QUARANTINE_GROUPS;
-use super::{
-    BrokerError, QueueKeys, Result, SCRIPTS, Token, TokenId, bytes, int, reply_error, text,
-};
+use super::{BrokerError, QueueKeys, Result, SCRIPTS, Token, TokenId, bytes, int, reply_error};
 
 /// When a pushed task becomes ready.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -128,49 +126,46 @@ pub struct ClaimLimits<'a> {
     pub daemon: &'a str,
 }
 
-/// Safe mode: claims up to `max` tasks into `owner`'s processing hashes: a quarantined group, alone, when there is
-/// one and the owner holds nothing; otherwise ready tasks, highest level first (see claim.lua). The tasks get the
-/// tokens `first_token`, `first_token + 1`, ...; the caller must not reuse any of the `max` numbers from
-/// `first_token` on, taken or not. When this call fails without a reply, [`adopt`] with the same tokens says what
-/// it took.
+/// Safe mode: claims up to `max` tasks into `owner`'s claim lists: a quarantined group, alone, when there is one
+/// and the owner holds nothing; otherwise ready tasks, highest level first (see claim.lua). `claim` names the
+/// claim; the caller must not reuse any of the `max` numbers from `claim` on. When this call fails without a
+/// reply, [`adopt`] with the same numbers says what it took.
 pub fn claim(
     conn: &mut Conn,
     keys: &QueueKeys,
     owner: &Arc<str>,
-    first_token: u64,
+    claim: u64,
     max: usize,
     limits: &ClaimLimits<'_>,
 ) -> Result<Batch> {
-    let mut invocation = SCRIPTS.claim.prepare_invoke();
-    invocation
-        .key(&keys.owners)
-        .key(&keys.wake)
-        .key(keys.owner_info(owner))
-        .key(&keys.dead)
-        .key(&keys.stats)
-        .key(&keys.paused);
-    for key in keys.ready.iter().chain(&keys.quarantine) {
-        invocation.key(key);
-    }
-    for level in 0..keys.levels() {
-        invocation.key(keys.processing(owner, level));
-    }
-    invocation
-        .arg(&**owner)
+    let lists: Vec<String> = (0..keys.levels())
+        .map(|level| keys.claim_list(owner, level, claim))
+        .collect();
+    let mut script_keys = vec![
+        keys.owners.clone(),
+        keys.wake.clone(),
+        keys.owner_info(owner),
+        keys.dead.clone(),
+        keys.stats.clone(),
+        keys.paused.clone(),
+    ];
+    script_keys.extend(keys.ready.iter().chain(&keys.quarantine).cloned());
+    script_keys.extend(keys.processing_all(owner));
+    script_keys.extend(lists.iter().cloned());
+    let mut eval = evalsha(&SCRIPTS.claim, &script_keys);
+    eval.arg(&**owner)
         .arg(max)
         .arg(limits.max_task_bytes)
         .arg(limits.dead_max)
         .arg(limits.queue)
-        .arg(limits.daemon);
-    for token in first_token..first_token + max as u64 {
-        invocation.arg(token);
-    }
-    let reply: Vec<Value> = invocation
-        .invoke(conn)
+        .arg(limits.daemon)
+        .arg(claim);
+    let (reply, taken) = script_then_lists(conn, super::sources::CLAIM, &eval, &lists)
         .map_err(|error| owner_error(error, owner))?;
     // Not replicated: a may-have-run error, which the fetcher resolves with adopt() as a lost reply.
     conn.replicated(&keys.stats)?;
-    if reply.len() != 5 + keys.levels() {
+    let reply: Vec<Value> = redis::from_redis_value(reply).map_err(redis::RedisError::from)?;
+    if reply.len() != 4 + keys.levels() {
         return Err(reply_error("claim", format!("{} elements", reply.len())));
     }
     let mut reply = reply.into_iter();
@@ -178,39 +173,9 @@ pub fn claim(
     let mut next_int = || int(&reply.next().unwrap_or(Value::Nil), "claim");
     let now_ms = next_int()?;
     let state = next_int()?;
-    let group_level = next_int()?;
-    let mut token = first_token;
-    let mut tasks = Vec::new();
-    let mut take = |level: usize, envelopes: Value| -> Result<()> {
-        let Value::Array(envelopes) = envelopes else {
-            return Err(reply_error(
-                "claim",
-                format!("level {level}: expected a list, got {envelopes:?}"),
-            ));
-        };
-        for envelope in envelopes {
-            tasks.push(Taken {
-                token: Some(Token {
-                    owner: Arc::clone(owner),
-                    id: TokenId::Seq(token),
-                }),
-                level,
-                payload: bytes(envelope, "claim")?,
-            });
-            token += 1;
-        }
-        Ok(())
-    };
-    let group = reply.next().unwrap_or(Value::Nil);
-    if group_level > 0 {
-        take(group_level as usize - 1, group)?;
-    }
-    for (level, envelopes) in reply.enumerate() {
-        take(level, envelopes)?;
-    }
     Ok(Batch {
         now_ms,
-        tasks,
+        tasks: claimed(owner, claim, taken, "claim")?,
         journal,
         isolation: match state {
             1 => Isolation::Group,
@@ -221,58 +186,116 @@ pub fn claim(
     })
 }
 
-/// Safe mode: what a claim whose reply was lost took, given the tokens it carried (`first_token` and `count`):
-/// the tasks stored under them, which the caller now holds. The lost claim, if Redis has not run it yet, will
-/// take nothing (`adopt.lua` fences it off).
+/// `EVALSHA` of `script` with `keys`, for a transaction (the arguments follow).
+fn evalsha(script: &redis::Script, keys: &[String]) -> redis::Cmd {
+    let mut eval = redis::cmd("EVALSHA");
+    eval.arg(script.get_hash()).arg(keys.len()).arg(keys);
+    eval
+}
+
+/// Runs `eval` (an [`evalsha`] of `script`, whose source is `source`), then reads each of `lists` whole, in one
+/// transaction: the claim's tasks come back from Redis as list elements, never as Lua strings
+/// (docs/PERFORMANCE.md, "What at-least-once costs Redis"). Returns the script's reply and each list. A server
+/// that lost its script cache (a restart, a failover) gets the script loaded (on the node of the lists, in a
+/// cluster) and the transaction again: the script did not run, so the lists it would have filled are empty and
+/// nothing was taken.
+fn script_then_lists(
+    conn: &mut Conn,
+    source: &str,
+    eval: &redis::Cmd,
+    lists: &[String],
+) -> redis::RedisResult<(Value, Vec<Value>)> {
+    let no_script = |error: &redis::RedisError| {
+        error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
+    };
+    let mut loaded = false;
+    loop {
+        let mut pipe = redis::pipe();
+        pipe.atomic().ignore_errors().add_command(eval.clone());
+        for list in lists {
+            pipe.cmd("LRANGE").arg(list).arg(0).arg(-1);
+        }
+        // A cluster connection reports an error inside the transaction as the call's error; a node's leaves it
+        // in its place among the replies.
+        let outcome = pipe.query::<Vec<Value>>(conn).and_then(|replies| {
+            let mut replies = replies.into_iter();
+            let reply = replies.next().unwrap_or(Value::Nil).extract_error()?;
+            let lists = replies
+                .map(Value::extract_error)
+                .collect::<redis::RedisResult<Vec<Value>>>()?;
+            Ok((reply, lists))
+        });
+        match outcome {
+            Err(error) if !loaded && no_script(&error) => {
+                let load = redis::cmd("SCRIPT").arg("LOAD").arg(source).clone();
+                let key = lists.first().map_or("", String::as_str);
+                let _: String = conn.query_at(key, &load)?;
+                loaded = true;
+            }
+            outcome => return outcome,
+        }
+    }
+}
+
+/// The tasks of claim `claim`, read back from its lists (one per level, in level order).
+fn claimed(
+    owner: &Arc<str>,
+    claim: u64,
+    lists: Vec<Value>,
+    what: &'static str,
+) -> Result<Vec<Taken>> {
+    let mut tasks = Vec::new();
+    for (level, list) in lists.into_iter().enumerate() {
+        let Value::Array(envelopes) = list else {
+            return Err(reply_error(
+                what,
+                format!("level {level}: expected a list, got {list:?}"),
+            ));
+        };
+        tasks.reserve(envelopes.len());
+        for (position, envelope) in envelopes.into_iter().enumerate() {
+            tasks.push(Taken {
+                token: Some(Token {
+                    owner: Arc::clone(owner),
+                    id: TokenId::Listed {
+                        claim,
+                        position: position as u32,
+                    },
+                }),
+                level,
+                payload: bytes(envelope, what)?,
+            });
+        }
+    }
+    Ok(tasks)
+}
+
+/// Safe mode: what a claim whose reply was lost took, given its number and how many numbers it reserved: the
+/// tasks in its lists, which the caller now holds. The lost claim, if Redis has not run it yet, will take nothing
+/// (`adopt.lua` fences it off).
 pub fn adopt(
     conn: &mut Conn,
     keys: &QueueKeys,
     owner: &Arc<str>,
-    first_token: u64,
+    claim: u64,
     count: usize,
 ) -> Result<Batch> {
-    let mut invocation = SCRIPTS.adopt.prepare_invoke();
-    invocation.key(&keys.owners).key(keys.owner_info(owner));
-    for level in 0..keys.levels() {
-        invocation.key(keys.processing(owner, level));
-    }
-    invocation.arg(&**owner);
-    for token in first_token..first_token + count as u64 {
-        invocation.arg(token);
-    }
-    let reply: Vec<Value> = invocation
-        .invoke(conn)
+    let lists: Vec<String> = (0..keys.levels())
+        .map(|level| keys.claim_list(owner, level, claim))
+        .collect();
+    let mut script_keys = vec![keys.owners.clone(), keys.owner_info(owner)];
+    script_keys.extend(lists.iter().cloned());
+    let mut eval = evalsha(&SCRIPTS.adopt, &script_keys);
+    eval.arg(&**owner).arg(claim).arg(count);
+    let (reply, found) = script_then_lists(conn, super::sources::ADOPT, &eval, &lists)
         .map_err(|error| owner_error(error, owner))?;
     conn.replicated(&keys.stats)?;
-    if reply.len() != 2 + keys.levels() {
-        return Err(reply_error("adopt", format!("{} elements", reply.len())));
-    }
-    let mut reply = reply.into_iter();
-    let journal = journal(reply.next_back(), "adopt")?;
-    let now_ms = int(&reply.next().unwrap_or(Value::Nil), "adopt")?;
-    let mut tasks = Vec::new();
-    for (level, found) in reply.enumerate() {
-        let Value::Array(found) = found else {
-            return Err(reply_error("adopt", format!("level {level}: {found:?}")));
-        };
-        for (offset, envelope) in found.into_iter().enumerate() {
-            if envelope == Value::Nil {
-                continue;
-            }
-            tasks.push(Taken {
-                token: Some(Token {
-                    owner: Arc::clone(owner),
-                    id: TokenId::Seq(first_token + offset as u64),
-                }),
-                level,
-                payload: bytes(envelope, "adopt")?,
-            });
-        }
-    }
+    let (now_ms, journal): (i64, i64) =
+        redis::from_redis_value(reply).map_err(redis::RedisError::from)?;
     Ok(Batch {
         now_ms,
-        tasks,
-        journal,
+        tasks: claimed(owner, claim, found, "adopt")?,
+        journal: journal.max(0) as u64,
         isolation: Isolation::None,
         paused: false,
     })
@@ -643,9 +666,46 @@ pub struct Call<'a> {
     pub number: u64,
 }
 
+/// The claims one settle call touches, each with the bitmap of its plain acknowledgements (settle.lua).
+#[derive(Default)]
+struct Touched {
+    /// (level, claim, bitmap of acknowledged positions in `GETBIT`'s order, how many bits are set).
+    claims: Vec<(usize, u64, Vec<u8>, usize)>,
+}
+
+impl Touched {
+    /// The 1-based index of (level, claim) among the claims touched, added if new. A call touches a handful of
+    /// claims, so a scan of them costs less than a map.
+    fn index(&mut self, level: usize, claim: u64) -> usize {
+        if let Some(at) = self
+            .claims
+            .iter()
+            .rposition(|(l, c, ..)| *l == level && *c == claim)
+        {
+            return at + 1;
+        }
+        self.claims.push((level, claim, Vec::new(), 0));
+        self.claims.len()
+    }
+
+    fn acknowledge(&mut self, level: usize, claim: u64, position: u32) {
+        let at = self.index(level, claim) - 1;
+        let (_, _, bits, count) = &mut self.claims[at];
+        let byte = position as usize / 8;
+        if bits.len() <= byte {
+            bits.resize(byte + 1, 0);
+        }
+        let mask = 0x80 >> (position % 8);
+        if bits[byte] & mask == 0 {
+            bits[byte] |= mask;
+            *count += 1;
+        }
+    }
+}
+
 /// Applies many outcomes in one round trip (`settle.lua`). In safe mode every settlement must be of `owner`'s
-/// tasks (their tokens name it). Plain acknowledgements, the bulk of the traffic, go as bare tokens that the
-/// script removes with one HDEL per level; everything else goes as a record checked one by one. Sending the same
+/// tasks (their tokens name it). Plain acknowledgements, the bulk of the traffic, go as a bitmap per claim that
+/// the script merges into the claim's own; everything else goes as a record checked one by one. Sending the same
 /// `call` again returns what the first one did, without applying it twice.
 pub fn settle<'a>(
     conn: &mut Conn,
@@ -656,6 +716,32 @@ pub fn settle<'a>(
     owner: Option<&str>,
     settlements: impl IntoIterator<Item = &'a Settlement> + Clone,
 ) -> Result<Settled> {
+    // Bulk sections only for the owner: a monitor's settlements go through the lease check one by one.
+    let bulk = |s: &Settlement| {
+        fence == Fence::Owner
+            && s.is_plain_ack()
+            && !matches!(
+                &s.token,
+                Some(Token {
+                    id: TokenId::Field(_),
+                    ..
+                })
+            )
+    };
+    let mut touched = Touched::default();
+    let mut counted = 0;
+    for s in settlements.clone() {
+        match s.token.as_ref().map(|token| &token.id) {
+            Some(TokenId::Listed { claim, position }) if bulk(s) => {
+                touched.acknowledge(s.level, *claim, *position)
+            }
+            Some(TokenId::Listed { claim, .. }) => {
+                touched.index(s.level, *claim);
+            }
+            None if bulk(s) => counted += 1,
+            _ => {}
+        }
+    }
     let mut invocation = SCRIPTS.settle.prepare_invoke();
     invocation
         .key(&keys.owners)
@@ -672,8 +758,11 @@ pub fn settle<'a>(
         for level in 0..keys.levels() {
             invocation.key(keys.processing(owner, level));
         }
-        if fence == Fence::Owner {
-            invocation.key(keys.owner_info(owner));
+        invocation.key(keys.owner_info(owner));
+        for (level, claim, ..) in &touched.claims {
+            invocation
+                .key(keys.claim_list(owner, *level, *claim))
+                .key(keys.claim_settled(owner, *level, *claim));
         }
     }
     invocation
@@ -685,26 +774,15 @@ pub fn settle<'a>(
         .arg(keys.levels())
         .arg(&keys.delay_channel)
         .arg(owner.unwrap_or(""))
-        .arg(call.number);
-    // Bulk sections only for the owner: a monitor's settlements go through the lease check one by one.
-    let bulk = |s: &Settlement| fence == Fence::Owner && s.is_plain_ack();
-    for level in 0..keys.levels() {
-        let tokens: Vec<&TokenId> = settlements
-            .clone()
-            .into_iter()
-            .filter(|s| bulk(s) && s.level == level)
-            .filter_map(|s| s.token.as_ref().map(|t| &t.id))
-            .collect();
-        invocation.arg(tokens.len());
-        for token in tokens {
-            invocation.arg(token);
-        }
+        .arg(call.number)
+        .arg(touched.claims.len());
+    for (level, claim, bits, count) in &touched.claims {
+        invocation
+            .arg(level + 1)
+            .arg(claim)
+            .arg(bits.as_slice())
+            .arg(count);
     }
-    let counted = settlements
-        .clone()
-        .into_iter()
-        .filter(|s| bulk(s) && s.token.is_none())
-        .count();
     invocation.arg(counted);
     let mut records = 0;
     for s in settlements.clone().into_iter().filter(|s| !bulk(s)) {
@@ -721,9 +799,12 @@ pub fn settle<'a>(
             SettleOp::Dead => ("dead", 0),
         };
         invocation.arg(op);
-        match &s.token {
-            Some(token) => invocation.arg(&token.id),
-            None => invocation.arg(""),
+        match s.token.as_ref().map(|token| &token.id) {
+            Some(TokenId::Listed { claim, position }) => {
+                invocation.arg(touched.index(s.level, *claim)).arg(position)
+            }
+            Some(TokenId::Field(field)) => invocation.arg(0).arg(field),
+            None => invocation.arg(0).arg(""),
         };
         invocation
             .arg(s.unique_id.as_deref().unwrap_or(""))
@@ -752,32 +833,6 @@ pub fn settle<'a>(
         stale_acks: reply[0] as usize,
         journal: reply[records + 1].max(0) as u64,
     })
-}
-
-/// A page of a processing hash: the cursor to go on from (0: done) and the (token, envelope) pairs read.
-pub type ProcessingPage = (u64, Vec<(String, Box<[u8]>)>);
-
-/// Safe mode: up to about `count` tasks (token, envelope) held by `owner` at `level`, in no particular order.
-pub fn scan_processing(
-    conn: &mut dyn ConnectionLike,
-    keys: &QueueKeys,
-    owner: &str,
-    level: usize,
-    cursor: u64,
-    count: usize,
-) -> Result<ProcessingPage> {
-    let (next, items): (u64, Vec<Value>) = redis::cmd("HSCAN")
-        .arg(keys.processing(owner, level))
-        .arg(cursor)
-        .arg("COUNT")
-        .arg(count)
-        .query(conn)?;
-    let mut pairs = Vec::with_capacity(items.len() / 2);
-    let mut items = items.into_iter();
-    while let (Some(token), Some(envelope)) = (items.next(), items.next()) {
-        pairs.push((text(token, "hscan")?, bytes(envelope, "hscan")?));
-    }
-    Ok((next, pairs))
 }
 
 /// Moves up to `max` due tasks to their ready lists. Returns how many moved and how long until the next one is

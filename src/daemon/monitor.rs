@@ -16,7 +16,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::broker::{self, Fence, Session, Settlement, Token, TokenId, history};
+use crate::broker::{self, Fence, Session, Settlement, Token, history};
 use crate::config::RedisConfig;
 use crate::daemon::settler::Settler;
 use crate::daemon::watchdog::{Pulse, redis_calls};
@@ -219,7 +219,16 @@ impl Monitor {
         let keys = &expired.keys;
         self.pulse.beat();
         let connection = self.connection.get()?;
-        let (_, held) = broker::scan_processing(connection, keys, &expired.owner, level, 0, BATCH)?;
+        // From the start each time: what the last page recovered left the processing area.
+        let held = broker::processing::held(
+            connection,
+            keys,
+            &expired.owner,
+            level,
+            broker::processing::Cursor::Start,
+            BATCH,
+        )?
+        .tasks;
         if held.is_empty() {
             return Ok(Some((0, 0)));
         }
@@ -240,7 +249,7 @@ impl Monitor {
             });
             let token = Token {
                 owner: Arc::clone(&expired.owner),
-                id: TokenId::Text(token.clone()),
+                id: token.clone(),
             };
             let (settlement, hook) = queue.settle_verdict(
                 verdict,

@@ -365,7 +365,7 @@ fn each_command_line_tool_checks_the_rules_of_what_it_does() {
     );
     run(&daemon, &["stats", "--json"], None, 0);
     let (_, err) = run(&daemon, &["task", "show", "mail", "t1"], None, 2);
-    assert!(err.contains("add \"+zscan +lrange %R~kmq:*\""), "{err}");
+    assert!(err.contains("add \"+zscan %R~kmq:*\""), "{err}");
 
     let (_, err) = run(&producer, &["stats"], None, 2);
     assert!(

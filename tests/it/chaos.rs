@@ -152,11 +152,23 @@ local function sum(pattern, command)
   end
   return n
 end
+-- What the owners hold: each claim set's scores (a claim's tasks not yet settled); claim lists and their bitmaps,
+-- which match the same pattern, are counted through their set.
+local function held()
+  local n = 0
+  for _, key in ipairs(redis.call('KEYS', base .. ':processing:*')) do
+    if redis.call('TYPE', key).ok == 'zset' then
+      local scored = redis.call('ZRANGE', key, 0, -1, 'WITHSCORES')
+      for j = 2, #scored, 2 do n = n + tonumber(scored[j]) end
+    end
+  end
+  return n
+end
 local function counter(name)
   return tonumber(redis.call('HGET', base .. ':stats', name) or '0')
 end
 return {
-  sum(base .. ':ready:*', 'LLEN'), sum(base .. ':quarantine:*', 'LLEN'), sum(base .. ':processing:*', 'HLEN'),
+  sum(base .. ':ready:*', 'LLEN'), sum(base .. ':quarantine:*', 'LLEN'), held(),
   sum(base .. ':delayed:*', 'ZCARD'), sum(base .. ':retry:*', 'ZCARD'), redis.call('LLEN', base .. ':dead'),
   counter('pushed'), counter('done'), counter('cancelled')
 }

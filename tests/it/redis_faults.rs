@@ -233,7 +233,7 @@ fn a_redis_stalled_past_the_read_timeout_loses_nothing() {
 }
 
 /// Redis going back in time (a failover to a replica that lagged, a restart that lost the last second of an
-/// `appendfsync everysec` file, a restored backup) leaves the owner's processing hash as it was back then:
+/// `appendfsync everysec` file, a restored backup) leaves the owner's claims as they were back then:
 /// tasks the daemon settled long ago, which it will never settle again, under a lease it keeps renewing. The
 /// owner's journal (renew.lua) finds it out: the owner is given up, and the monitor runs those tasks again.
 #[test]
@@ -253,8 +253,9 @@ fn a_redis_that_went_back_in_time_gives_up_the_owner_so_the_tasks_it_forgot_run_
     assert!(journal >= 2, "a claim and a settle at least: {journal}");
     // What Redis held before the last writes: a task still claimed, and the journal of then.
     let envelope = r#"{"id":"forgotten","type":"test","data":{},"attempt":0}"#;
-    let processing = format!("kmq:{{jobs}}:processing:{owner}:normal");
-    let _: i64 = redis.cmd(&["HSET", &processing, "424242", envelope]);
+    let claims = format!("kmq:{{jobs}}:processing:{owner}:normal");
+    let _: i64 = redis.cmd(&["RPUSH", &format!("{claims}:424242"), envelope]);
+    let _: i64 = redis.cmd(&["ZADD", &claims, "1", "424242"]);
     let _: i64 = redis.cmd(&["HSET", &info, "journal", "1"]);
     eventually(Duration::from_secs(15), "the forgotten task ran", || {
         let runs = dir.records().runs_of("forgotten");

@@ -1,29 +1,31 @@
 #!lua
--- claim.lua: safe mode. Atomically take up to ARGV[2] tasks into the owner's processing hashes, under the owner's
+-- claim.lua: safe mode. Atomically move up to ARGV[2] tasks into the owner's claim lists, under the owner's
 -- lease (one per daemon, renewed by its heartbeat).
 --
 -- KEYS[1] owners zset (owner -> lease deadline ms), KEYS[2] wake list, KEYS[3] the owner's info hash,
 -- KEYS[4] dead list, KEYS[5] stats hash, KEYS[6] the queue's paused key (claims take nothing while it exists),
 -- KEYS[7 .. 6+L] ready lists, KEYS[7+L .. 6+4L] quarantine lists (group sizes 1, 8, 64, each over the levels),
--- KEYS[7+4L .. 6+5L] the owner's processing hashes (token -> envelope), levels in order
+-- KEYS[7+4L .. 6+5L] the owner's claim sets (`processing:OWNER:LEVEL`, zset claim -> tasks not yet settled),
+-- KEYS[7+5L .. 6+6L] this claim's lists (`processing:OWNER:LEVEL:CLAIM`), levels in order
 -- ARGV[1] owner; ARGV[2] the most tasks to take; ARGV[3] max_task_bytes; ARGV[4] dead list bound;
--- ARGV[5] queue name; ARGV[6] daemon (host:pid, for dead records); ARGV[7 ..] at least ARGV[2] tokens, unique
--- within the owner and increasing from call to call
--- Returns {now_ms, state, group level, {group envelopes}, {envelopes of level 1}, ..., {envelopes of level L},
--- the owner's journal (see renew.lua)}:
---   state 0: ready tasks were claimed (level lists), highest level first;
---   state 1: a quarantined group was claimed, alone (group envelopes, all of `group level`);
+-- ARGV[5] queue name; ARGV[6] daemon (host:pid, for dead records); ARGV[7] the claim: a number unique within the
+-- owner and increasing from call to call (the caller reserves ARGV[2] numbers from it on; see adopt.lua)
+-- Returns {now_ms, state, group level, tasks taken at level 1, ..., at level L, the owner's journal (see
+-- renew.lua)}: the tasks themselves are in this claim's lists, which the caller reads in the same transaction
+-- (`MULTI`, this script, `LRANGE` of each list, `EXEC`: src/broker/tasks.rs), position p of a list being the
+-- task with token (claim, p):
+--   state 0: ready tasks were claimed, highest level first;
+--   state 1: a quarantined group was claimed, alone (all of `group level`);
 --   state 2: nothing was claimed, because this owner must hold nothing while it runs a quarantined group, and
 --            it still holds tasks (the caller waits for them to be settled, then claims again);
 --   state 3: nothing was claimed, because the queue is paused (`kmqd queue pause`): the caller waits idle_poll
 --            and claims again. Checked here, in the claim itself, so that no claim that runs after the pause
---            takes anything, whatever the daemon last saw;
--- the k-th envelope returned overall (group first) was stored under token ARGV[6 + k].
+--            takes anything, whatever the daemon last saw.
 -- Fails with "LEASELOST ..." when the owner's lease is gone or past: its tasks then belong to the monitors (an
 -- owner registered but missing from the owners zset is put back in it as expired, for them), and the daemon must
 -- register a new owner; with "FENCED ..." when ARGV[7] is below the owner's floor, which
--- adopt.lua raised after this call's reply was given up for lost: the call then takes nothing, so its tokens
--- cannot strand tasks.
+-- adopt.lua raised after this call's reply was given up for lost: the call then takes nothing, so it cannot
+-- strand tasks.
 --
 -- Quarantine. A task that came back twice from an expired lease waits in a quarantine list. An owner takes a
 -- group from the most suspect non-empty list (alone first, then groups of 8, then of 64) only when it holds
@@ -35,14 +37,15 @@
 -- A payload longer than max_task_bytes is never handed to a daemon: it goes straight to the dead list, kept
 -- whole (as a JSON string) with its size in the reason.
 --
--- This is the hot path: tokens come from the caller (formatting numbers in Lua costs more than everything else
--- here), no table is made per task unless a payload is too large, and counters replace `#t` (which is O(log n)
--- in Lua 5.1). Returning the envelopes joined into one string would spare the client's parser, but costs Redis
--- more than it saves (measured: docs/PERFORMANCE.md).
-local levels = (#KEYS - 6) / 5
-local READY, QUARANTINE, PROCESSING = 6, 6 + levels, 6 + 4 * levels
+-- This is the hot path, and no payload becomes a Lua string on it: `SORT list BY nosort LIMIT 0 N STORE claim`
+-- copies the head of a ready list onto the claim's list natively and in order, `LTRIM` takes it off, and
+-- `MEMORY USAGE` of the claim's list bounds every payload in it by max_task_bytes at once (only a batch larger
+-- than that in all has its payloads checked one by one). A claim costs Redis a fifth of what a hash field per
+-- task did (docs/PERFORMANCE.md, "What at-least-once costs Redis").
+local levels = (#KEYS - 6) / 6
+local READY, QUARANTINE, CLAIMS, LISTS = 6, 6 + levels, 6 + 4 * levels, 6 + 5 * levels
 local GROUPS = {1, 8, 64}
-local owner, max, max_bytes = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local owner, max, max_bytes, claim = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[7]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lease = redis.call('ZSCORE', KEYS[1], owner)
@@ -56,15 +59,20 @@ if not lease or tonumber(lease) <= now then
   return redis.error_reply('LEASELOST owner ' .. owner .. ' has no live lease')
 end
 local info = redis.call('HMGET', KEYS[3], 'floor', 'group')
-if info[1] and tonumber(ARGV[7]) < tonumber(info[1]) then
-  return redis.error_reply('FENCED claim with token ' .. ARGV[7] .. ' below the floor ' .. info[1])
+if info[1] and tonumber(claim) < tonumber(info[1]) then
+  return redis.error_reply('FENCED claim ' .. claim .. ' below the floor ' .. info[1])
 end
 for i = 7, #KEYS do
   local found = redis.call('TYPE', KEYS[i]).ok
   local kind = 'list'
-  if i > PROCESSING then kind = 'hash' end
+  if i > CLAIMS and i <= LISTS then kind = 'zset' end
   if found ~= 'none' and found ~= kind then
     return redis.error_reply('WRONGTYPE claim.lua: ' .. KEYS[i] .. ' is a ' .. found .. ', not a ' .. kind)
+  end
+end
+for i = LISTS + 1, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 then
+    return redis.error_reply('FENCED claim ' .. claim .. ' was already made')
   end
 end
 
@@ -91,50 +99,51 @@ local function finish(result)
   end
   return result
 end
--- Drops the payloads over max_task_bytes from a popped list (copying it only when there is one).
-local function keep_small(got)
-  for k = 1, #got do
-    if #got[k] > max_bytes then
-      local kept = {}
-      for j = 1, #got do
-        if #got[j] > max_bytes then dead_oversized(got[j]) else kept[#kept + 1] = got[j] end
-      end
-      return kept
-    end
-  end
-  return got
-end
-local function empty(state, level, group)
-  local result = {now, state, level, group}
-  for i = 1, levels do result[4 + i] = {} end
+local function empty(state, level)
+  local result = {now, state, level}
+  for i = 1, levels do result[3 + i] = 0 end
   return result
 end
--- Stores `got` under the tokens from the `taken`-th on.
-local function store(level, got, taken)
-  local fields = {}
+-- Pushes `got` (payloads as Lua strings: a quarantined group, or a batch checked one by one) onto the claim's
+-- list at `level`, in chunks (unpack's stack is bounded), dropping the payloads over max_task_bytes.
+local function push_small(level, got)
+  local kept, n = {}, 0
   for k = 1, #got do
-    fields[2 * k - 1] = ARGV[6 + taken + k]
-    fields[2 * k] = got[k]
+    if #got[k] > max_bytes then
+      dead_oversized(got[k])
+    else
+      n = n + 1
+      kept[#kept + 1] = got[k]
+      if #kept == 1000 then
+        redis.call('RPUSH', KEYS[LISTS + level], unpack(kept))
+        kept = {}
+      end
+    end
   end
-  redis.call('HSET', KEYS[PROCESSING + level], unpack(fields))
+  if #kept > 0 then redis.call('RPUSH', KEYS[LISTS + level], unpack(kept)) end
+  return n
+end
+-- Records a non-empty claim list in the owner's claim set: its score counts its tasks not yet settled.
+local function record(level, n)
+  redis.call('ZADD', KEYS[CLAIMS + level], n, claim)
   stored = true
 end
 
 -- After the lease and floor checks, so that a paused queue still tells a lost lease or a fenced claim.
 if redis.call('EXISTS', KEYS[6]) == 1 then
-  return finish(empty(3, 0, {}))
+  return finish(empty(3, 0))
 end
 
 local holds = false
 for i = 1, levels do
-  if redis.call('HLEN', KEYS[PROCESSING + i]) > 0 then
+  if redis.call('EXISTS', KEYS[CLAIMS + i]) == 1 then
     holds = true
     break
   end
 end
 if info[2] then
   if holds then
-    return finish(empty(2, 0, {}))
+    return finish(empty(2, 0))
   end
   redis.call('HDEL', KEYS[3], 'group')
 end
@@ -143,38 +152,43 @@ for stage = 1, 3 do
     local list = KEYS[QUARANTINE + (stage - 1) * levels + i]
     if redis.call('LLEN', list) > 0 then
       if holds then
-        return finish(empty(2, 0, {}))
+        return finish(empty(2, 0))
       end
       local got = false
       if max > 0 then got = redis.call('LPOP', list, math.min(GROUPS[stage], max)) end
-      got = keep_small(got or {})
-      if #got == 0 then
-        return finish(empty(0, 0, {}))
+      local n = push_small(i, got or {})
+      if n == 0 then
+        return finish(empty(0, 0))
       end
-      store(i, got, 0)
+      record(i, n)
       redis.call('HSET', KEYS[3], 'group', GROUPS[stage])
-      return finish(empty(1, i, got))
+      local result = empty(1, i)
+      result[3 + i] = n
+      return finish(result)
     end
   end
 end
 
-local result = {now, 0, 0, {}}
+local result = empty(0, 0)
 local taken = 0
 for i = 1, levels do
-  local got = false
+  local ready = KEYS[READY + i]
+  local n = 0
   if taken < max then
-    got = redis.call('LPOP', KEYS[READY + i], max - taken)
+    n = redis.call('SORT', ready, 'BY', 'nosort', 'LIMIT', 0, max - taken, 'STORE', KEYS[LISTS + i])
   end
-  if got then
-    got = keep_small(got)
-    if #got > 0 then
-      store(i, got, taken)
-      taken = taken + #got
+  if n > 0 then
+    redis.call('LTRIM', ready, n, -1)
+    taken = taken + n
+    if redis.call('MEMORY', 'USAGE', KEYS[LISTS + i], 'SAMPLES', 0) > max_bytes then
+      -- Perhaps one payload is too large: check them one by one.
+      local got = redis.call('LRANGE', KEYS[LISTS + i], 0, -1)
+      redis.call('DEL', KEYS[LISTS + i])
+      n = push_small(i, got)
     end
-    result[4 + i] = got
-  else
-    result[4 + i] = {}
+    if n > 0 then record(i, n) end
   end
+  result[3 + i] = n
 end
 if taken == max then
   -- The queue may hold more than this fetcher can take: pass the wake-up on to another idle fetcher.

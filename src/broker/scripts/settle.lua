@@ -6,16 +6,23 @@
 -- KEYS[6] the settling party's last call (a string, see "Calls" below), KEYS[7] the unique-popped hash (default
 -- mode: unique id -> the owner that popped it),
 -- KEYS[8 .. 7+L] ready lists, KEYS[8+L .. 7+2L] retry zsets, KEYS[8+2L .. 7+5L] quarantine lists (stages 1, 2, 3
--- for groups of 1, 8 and 64, each over the levels), and in safe mode KEYS[8+5L .. 7+6L] the processing hashes of
--- the owner whose tasks these are (all in level order), then with fence "owner" KEYS[8+6L] that owner's info hash
+-- for groups of 1, 8 and 64, each over the levels), and in safe mode: KEYS[8+5L .. 7+6L] the claim sets of the
+-- owner whose tasks these are (`processing:OWNER:LEVEL`, zset claim -> tasks not yet settled; a hash token ->
+-- envelope for an owner of a kmqd before protocol 4, see "Older owners"), all in level order, KEYS[8+6L] that
+-- owner's info hash, then for each claim the call touches, its list and its settled bitmap
+-- (`processing:OWNER:LEVEL:CLAIM` and `...:CLAIM:settled`)
 -- ARGV[1] fence: "owner" (the owner settles its own tasks) or "expired" (a monitor settles the tasks of an owner
 --         whose lease ran out; nothing is applied unless it has)
 -- ARGV[2] dead list bound; ARGV[3] number of levels L; ARGV[4] the delay poller's channel; ARGV[5] the owner
 --         ("" in default mode); ARGV[6] the call's number (unique for the settling party)
--- then, for each level, A and A tokens: plain acknowledgements, applied in bulk (one HDEL per level)
+-- ARGV[7] K, the claims touched, then K groups of 4: level (1-based), claim, the positions of its plain
+--         acknowledgements as a bitmap (bit p, in GETBIT's order, for the task at position p; "" for none), and
+--         how many bits it sets: the bulk of the traffic, applied with a handful of commands per claim
 -- then C: plain acknowledgements without a token (default mode), only counted
--- then records of 7: op, token, unique id, level (1-based), delay ms, payload, failed ("1" or "0")
---   op "ack":   done; the token leaves the processing area
+-- then records of 8: op, claim (its index among the K, 1-based; 0 for none), token (the task's position in the
+--         claim's list; a field of an older owner's hash with claim 0; "" in default mode), unique id, level
+--         (1-based), delay ms, payload, failed ("1" or "0")
+--   op "ack":   done; the task leaves the processing area
 --   op "retry": payload (the envelope with attempt + 1) goes to the front of its ready list now (delay 0) or
 --               to the level's retry zset, due in delay ms; counted in "retried"
 --   op "retry_isolated": as "retry" with no delay, to the front of the level's quarantine list of stage
@@ -26,11 +33,17 @@
 --   op "back":  handed back at shutdown: payload goes to the front of its ready list, attempt unchanged; its
 --               unique id, if any, stays held (the task waits again) but no longer by the popping owner
 --   op "dead":  payload (a dead record, a JSON object) is pushed on the dead list with "dead_at" stamped
--- A task whose token is not (or no longer) in its processing hash is stale and changes nothing: this fences a
--- slow owner against a monitor that already recovered its task, and two monitors against each other.
--- Default-mode records have an empty token and are never stale.
+-- A task whose bit is already set (or whose claim list is gone) is stale and changes nothing: this fences a slow
+-- owner against a monitor that already recovered its task, and two monitors against each other. Bits are only
+-- ever merged in, never overwritten (a bitmap is OR-ed in, and its new bits counted), so that two settles of the
+-- same claim cannot undo each other. A claim list whose every task is settled goes, with its bitmap and its entry
+-- in the claim set. Default-mode records have no token and are never stale.
 -- Returns {number of stale plain acknowledgements, then one integer per record: 1 applied, 0 stale, then the
--- owner's journal after this call (0 without an info hash)}.
+-- owner's journal after this call (0 without an info hash, or when a monitor settles)}.
+--
+-- Older owners. An owner registered by a kmqd before protocol 4 kept its tasks in a hash per level (token ->
+-- envelope); a monitor of this version recovers them with records of claim 0 whose token is the hash's field,
+-- removed with HDEL, so that a rolling upgrade strands nothing.
 --
 -- Calls. A caller whose reply was lost sends the same call again (same KEYS[6], same ARGV[6]): the script then
 -- returns the first call's result, stored in KEYS[6], without applying anything, so nothing is applied twice (a
@@ -44,6 +57,9 @@ local popped = KEYS[7]
 local fence, dead_max, levels, channel, owner = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local call = ARGV[6]
 local READY, RETRY, QUARANTINE, PROCESSING = 7, 7 + levels, 7 + 2 * levels, 7 + 5 * levels
+local safe = #KEYS > PROCESSING
+local info, CLAIM_KEYS = false, PROCESSING + levels + 1
+if safe then info = KEYS[PROCESSING + levels + 1] end
 local OPS = {ack = true, retry = true, retry_isolated = true, recover = true, recover_isolated = true,
   back = true, dead = true}
 
@@ -59,6 +75,17 @@ if prior then
   end
 end
 
+-- The claims touched: level, number, list, bitmap.
+local claims = tonumber(ARGV[7])
+local claim = {}
+for k = 1, claims do
+  local at = 8 + (k - 1) * 4
+  claim[k] = {level = tonumber(ARGV[at]), number = ARGV[at + 1], acks = ARGV[at + 2], count = tonumber(ARGV[at + 3]),
+    list = KEYS[CLAIM_KEYS + 2 * k - 1], bits = KEYS[CLAIM_KEYS + 2 * k]}
+end
+local counted_at = 8 + claims * 4
+local records = counted_at + 1
+
 local expected = {[owners] = 'zset', [stats] = 'hash', [dead] = 'list', [uniq] = 'hash', [wake] = 'list',
   [last_call] = 'string', [popped] = 'hash'}
 for level = 1, levels do
@@ -67,26 +94,44 @@ for level = 1, levels do
   for stage = 0, 2 do
     expected[KEYS[QUARANTINE + stage * levels + level]] = 'list'
   end
-  if KEYS[PROCESSING + level] then expected[KEYS[PROCESSING + level]] = 'hash' end
 end
--- The settling owner's info hash, whose journal counts its claims and settles (see renew.lua).
-local info = KEYS[PROCESSING + levels + 1]
 if info then expected[info] = 'hash' end
+local function expect(key, kind)
+  if expected[key] and expected[key] ~= kind then
+    return redis.error_reply('settle.lua: ' .. key .. ' is both a ' .. expected[key] .. ' and a ' .. kind ..
+      ' in this call; nothing was applied')
+  end
+  expected[key] = kind
+end
+for k = 1, claims do
+  if not safe or not claim[k].list or claim[k].level < 1 or claim[k].level > levels then
+    return redis.error_reply('settle.lua: claim ' .. k .. ' has no keys; nothing was applied')
+  end
+  local refused = expect(KEYS[PROCESSING + claim[k].level], 'zset') or expect(claim[k].list, 'list') or
+    expect(claim[k].bits, 'string')
+  if refused then return refused end
+end
+for j = records, #ARGV, 8 do
+  if not OPS[ARGV[j]] then
+    return redis.error_reply('settle.lua: unknown op ' .. ARGV[j] .. '; nothing was applied')
+  end
+  local k = tonumber(ARGV[j + 1])
+  if k > claims then
+    return redis.error_reply('settle.lua: record of claim ' .. k .. ' of ' .. claims .. '; nothing was applied')
+  end
+  if k == 0 and ARGV[j + 2] ~= '' then
+    if not safe then
+      return redis.error_reply('settle.lua: a token without an owner; nothing was applied')
+    end
+    local refused = expect(KEYS[PROCESSING + tonumber(ARGV[j + 4])], 'hash')
+    if refused then return refused end
+  end
+end
 for key, kind in pairs(expected) do
   local found = redis.call('TYPE', key).ok
   if found ~= 'none' and found ~= kind then
     return redis.error_reply('WRONGTYPE settle.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
       '; nothing was applied')
-  end
-end
-local records = 7
-for level = 1, levels do
-  records = records + 1 + tonumber(ARGV[records])
-end
-records = records + 1
-for j = records, #ARGV, 7 do
-  if not OPS[ARGV[j]] then
-    return redis.error_reply('settle.lua: unknown op ' .. ARGV[j] .. '; nothing was applied')
   end
 end
 
@@ -99,29 +144,58 @@ if fence == 'expired' then
   local lease = redis.call('ZSCORE', owners, owner)
   live = lease ~= false and tonumber(lease) <= now
 end
-local stale = 0
-local i = 7
-for level = 1, levels do
-  local acks = tonumber(ARGV[i])
-  if acks > 0 then
-    local tokens = {}
-    for k = 1, acks do
-      tokens[k] = ARGV[i + k]
-    end
-    local removed = redis.call('HDEL', KEYS[PROCESSING + level], unpack(tokens))
-    done = done + removed
-    stale = stale + acks - removed
+
+-- Merges the bitmap `new` into the string `old` (bit-wise OR), byte by byte.
+local function merged(old, new)
+  local out = {}
+  for i = 1, math.max(#old, #new) do
+    out[i] = string.char(bit.bor(string.byte(old, i) or 0, string.byte(new, i) or 0))
   end
-  i = i + 1 + acks
+  return table.concat(out)
 end
-done = done + tonumber(ARGV[i])
-i = i + 1
+local stale = 0
+for k = 1, claims do
+  local c = claim[k]
+  c.length = redis.call('LLEN', c.list)
+  if c.count > 0 then
+    if c.length == 0 then
+      -- The claim is gone: a monitor recovered all of it.
+      stale = stale + c.count
+    else
+      local old = redis.call('GET', c.bits)
+      if not old and c.count == c.length then
+        -- The whole claim at once, the common case: nothing to merge.
+        done = done + c.count
+        c.finished = true
+      elseif not old then
+        redis.call('SET', c.bits, c.acks)
+        done = done + c.count
+      else
+        local before = redis.call('BITCOUNT', c.bits)
+        redis.call('SET', c.bits, merged(old, c.acks))
+        local fresh = redis.call('BITCOUNT', c.bits) - before
+        done = done + fresh
+        stale = stale + c.count - fresh
+      end
+    end
+  end
+end
+done = done + tonumber(ARGV[counted_at])
 local result = {stale}
+local i = records
 while i <= #ARGV do
-  local op, token, uid = ARGV[i], ARGV[i + 1], ARGV[i + 2]
-  local level, delay, payload = tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4]), ARGV[i + 5]
+  local op, k, token, uid = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2], ARGV[i + 3]
+  local level, delay, payload = tonumber(ARGV[i + 4]), tonumber(ARGV[i + 5]), ARGV[i + 6]
   local ok = 1
-  if token ~= '' then
+  if k > 0 then
+    local c = claim[k]
+    local position = tonumber(token)
+    ok = 0
+    if live and not c.finished and position < c.length and redis.call('GETBIT', c.bits, position) == 0 then
+      redis.call('SETBIT', c.bits, position, 1)
+      ok = 1
+    end
+  elseif token ~= '' then
     if live then
       ok = redis.call('HDEL', KEYS[PROCESSING + level], token)
     else
@@ -129,7 +203,7 @@ while i <= #ARGV do
     end
   end
   if ok == 1 then
-    if ARGV[i + 6] == '1' then
+    if ARGV[i + 7] == '1' then
       failed = failed + 1
     end
     if uid ~= '' then
@@ -174,7 +248,24 @@ while i <= #ARGV do
     end
   end
   result[#result + 1] = ok
-  i = i + 7
+  i = i + 8
+end
+-- A claim whose every task is settled goes; the others' scores count what they still hold.
+for k = 1, claims do
+  local c = claim[k]
+  local set = KEYS[PROCESSING + c.level]
+  if c.length == 0 then
+    redis.call('ZREM', set, c.number)
+  else
+    local settled = c.length
+    if not c.finished then settled = redis.call('BITCOUNT', c.bits) end
+    if settled >= c.length then
+      redis.call('DEL', c.list, c.bits)
+      redis.call('ZREM', set, c.number)
+    else
+      redis.call('ZADD', set, 'XX', c.length - settled, c.number)
+    end
+  end
 end
 if dead_lettered > 0 then
   redis.call('LTRIM', dead, 0, dead_max - 1)
@@ -191,9 +282,9 @@ end
 if wake_poller then
   redis.call('PUBLISH', channel, now)
 end
--- Only a registered owner has a journal: a late settle after the monitors forgot the owner must not bring its
--- info hash back.
-if info and redis.call('EXISTS', info) == 1 then
+-- Only a registered owner settling its own tasks adds to its journal: a late settle after the monitors forgot
+-- the owner must not bring its info hash back.
+if info and fence == 'owner' and redis.call('EXISTS', info) == 1 then
   result[#result + 1] = redis.call('HINCRBY', info, 'journal', 1)
 else
   result[#result + 1] = 0

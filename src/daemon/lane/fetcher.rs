@@ -303,9 +303,9 @@ impl Fetcher {
     fn claim(&mut self, owner: Arc<str>, free: usize) -> broker::Result<Batch> {
         let lane = Arc::clone(&self.lane);
         let queue = &lane.queue;
-        // Each claim carries a token per task it may take, which costs Redis a little per token: ask for twice
-        // what the last claim got (at least MIN_CLAIM), so an idle queue's claims stay small and a backlog's
-        // double up to the free capacity within a few round trips.
+        // Ask for twice what the last claim got (at least MIN_CLAIM), so an idle queue's claims stay small and a
+        // backlog's double up to the free capacity within a few round trips. The claim is numbered by the first
+        // of the `want` numbers it reserves (its tasks' tokens are positions in its lists).
         let want = self.asks_for(free);
         let first_token = lane.ownership.tokens(want);
         let limits = queue.claim_limits();
