@@ -8,8 +8,11 @@
 //! - **native LMPOP**: default mode's pop (a plain `LMPOP ... COUNT`): the floor, nothing kept;
 //! - **Lua LPOP, returned**: the same pop inside a script, whose payloads cross into Lua strings and back: the
 //!   floor of any claim that handles its payloads in Lua;
+//! - **kmqd 0.1's claim.lua + settle.lua** (copied into `scripts/`): a token per task into a processing hash,
+//!   then one `HDEL` per task when acknowledged;
 //! - **claim.lua + settle.lua**: safe mode as it is, the daemon's own scripts with the daemon's keys and
-//!   arguments (a token per task into a processing hash, then one `HDEL` per task when acknowledged);
+//!   arguments (a list per claim filled by `SORT ... STORE` and read back in the claim's transaction, settled
+//!   with a bitmap), the batch acknowledged in one settle call, or in four (the bitmaps merged);
 //! - **per-claim list, moved in Lua**: the claim `LPOP`s into Lua and `RPUSH`es the batch onto a list of its own
 //!   (one key per claim, no token per task), the settle deletes the list;
 //! - **per-claim list, SORT ... STORE**: the claim copies the head of the ready list onto the claim's list
@@ -30,6 +33,8 @@ const ENVELOPE: &str = r#"{"id":"0b6c8e0e-3c1f-4b0a-9c55-6a3d2f1e7b90","type":"t
 
 const CLAIM: &str = include_str!("../../src/broker/scripts/claim.lua");
 const SETTLE: &str = include_str!("../../src/broker/scripts/settle.lua");
+const HASH_CLAIM: &str = include_str!("scripts/hash_claim.lua");
+const HASH_SETTLE: &str = include_str!("scripts/hash_settle.lua");
 const LUA_POP: &str = "return redis.call('LPOP', KEYS[1], ARGV[1])";
 const LUA_MOVE: &str = "local got = redis.call('LPOP', KEYS[1], ARGV[1])\n\
                         redis.call('RPUSH', KEYS[2], unpack(got))\n\
@@ -46,16 +51,20 @@ const OWNER: &str = "o";
 enum Shape {
     NativePop,
     LuaPop,
+    Hash,
     Today,
+    TodaySplit,
     LuaMove,
     SortStore,
 }
 
 impl Shape {
-    const ALL: [Shape; 5] = [
+    const ALL: [Shape; 7] = [
         Shape::NativePop,
         Shape::LuaPop,
+        Shape::Hash,
         Shape::Today,
+        Shape::TodaySplit,
         Shape::LuaMove,
         Shape::SortStore,
     ];
@@ -64,7 +73,9 @@ impl Shape {
         match self {
             Shape::NativePop => "native LMPOP (default mode's pop), nothing kept",
             Shape::LuaPop => "LPOP in Lua, returned, nothing kept",
-            Shape::Today => "claim.lua + settle.lua (safe mode today)",
+            Shape::Hash => "kmqd 0.1's claim.lua + settle.lua (a hash field per task)",
+            Shape::Today => "claim.lua + settle.lua (safe mode today), one settle",
+            Shape::TodaySplit => "claim.lua + settle.lua (safe mode today), four settles",
             Shape::LuaMove => "per-claim list moved in Lua, returned; settle DEL",
             Shape::SortStore => "per-claim list by SORT BY nosort STORE, LRANGE; settle DEL",
         }
@@ -76,6 +87,8 @@ pub(super) fn redis_cost(bench: &Bench) -> Result<Vec<Figure>, String> {
     let scripts = Scripts {
         claim: redis::Script::new(CLAIM),
         settle: redis::Script::new(SETTLE),
+        hash_claim: redis::Script::new(HASH_CLAIM),
+        hash_settle: redis::Script::new(HASH_SETTLE),
         lua_pop: redis::Script::new(LUA_POP),
         lua_move: redis::Script::new(LUA_MOVE),
         sort_move: redis::Script::new(SORT_MOVE),
@@ -113,6 +126,8 @@ pub(super) fn redis_cost(bench: &Bench) -> Result<Vec<Figure>, String> {
 struct Scripts {
     claim: redis::Script,
     settle: redis::Script,
+    hash_claim: redis::Script,
+    hash_settle: redis::Script,
     lua_pop: redis::Script,
     lua_move: redis::Script,
     sort_move: redis::Script,
@@ -147,7 +162,9 @@ fn one_round(
                 .map_err(|e| format!("Lua LPOP: {e}"))?;
             got.len()
         }
-        Shape::Today => today(conn, scripts, round)?,
+        Shape::Hash => hash(conn, scripts, round)?,
+        Shape::Today => today(conn, scripts, round, 1)?,
+        Shape::TodaySplit => today(conn, scripts, round, 4)?,
         Shape::LuaMove => {
             let got: Vec<Vec<u8>> = scripts
                 .lua_move
@@ -193,23 +210,141 @@ fn one_round(
     Ok(())
 }
 
-/// Safe mode as the daemon runs it: claim.lua under a live lease with a token per task, then settle.lua
-/// acknowledging every token (the argument layouts of src/broker/tasks.rs, for one level).
-fn today(conn: &mut redis::Connection, scripts: &Scripts, round: usize) -> Result<usize, String> {
-    let p = |suffix: &str| format!("kmq:{{q}}:{suffix}");
-    let info = p(&format!("owner:{OWNER}"));
-    let processing = p(&format!("processing:{OWNER}:normal"));
+/// A live lease for the bench's owner.
+fn lease(conn: &mut redis::Connection) -> Result<(), String> {
     let now_ms = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64);
     redis::cmd("ZADD")
-        .arg(p("owners"))
+        .arg("kmq:{q}:owners")
         .arg(now_ms + 3_600_000)
         .arg(OWNER)
         .exec(conn)
-        .map_err(|e| format!("ZADD: {e}"))?;
+        .map_err(|e| format!("ZADD: {e}"))
+}
+
+/// Safe mode as the daemon runs it: claim.lua under a live lease in its transaction (the script, then `LRANGE`
+/// of the claim's list), then settle.lua acknowledging every position in `settles` calls (the argument layouts
+/// of src/broker/tasks.rs, for one level).
+fn today(
+    conn: &mut redis::Connection,
+    scripts: &Scripts,
+    round: usize,
+    settles: usize,
+) -> Result<usize, String> {
+    let p = |suffix: &str| format!("kmq:{{q}}:{suffix}");
+    let info = p(&format!("owner:{OWNER}"));
+    let claims = p(&format!("processing:{OWNER}:normal"));
+    let number = (round * BATCH) as u64 + 1;
+    let list = format!("{claims}:{number}");
+    let bits = format!("{list}:settled");
+    lease(conn)?;
+    let _: String = scripts
+        .claim
+        .prepare_invoke()
+        .load(conn)
+        .map_err(|e| format!("SCRIPT LOAD: {e}"))?;
+    let keys = [
+        p("owners"),
+        p("wake"),
+        info.clone(),
+        p("dead"),
+        p("stats"),
+        p("paused"),
+        READY.to_string(),
+        p("quarantine:1:normal"),
+        p("quarantine:8:normal"),
+        p("quarantine:64:normal"),
+        claims.clone(),
+        list.clone(),
+    ];
+    let (_, got): (redis::Value, Vec<redis::Value>) = redis::pipe()
+        .atomic()
+        .cmd("EVALSHA")
+        .arg(scripts.claim.get_hash())
+        .arg(keys.len())
+        .arg(&keys)
+        .arg(OWNER)
+        .arg(BATCH)
+        .arg(16 << 20)
+        .arg(1000)
+        .arg("q")
+        .arg("bench:1")
+        .arg(number)
+        .cmd("LRANGE")
+        .arg(&list)
+        .arg(0)
+        .arg(-1)
+        .query(conn)
+        .map_err(|e| format!("claim.lua: {e}"))?;
+    let taken = got.len();
+    let per_call = taken.div_ceil(settles);
+    for call in 0..settles {
+        let positions = call * per_call..((call + 1) * per_call).min(taken);
+        let mut bitmap = vec![0u8; taken.div_ceil(8)];
+        for position in positions.clone() {
+            bitmap[position / 8] |= 0x80 >> (position % 8);
+        }
+        let mut settle = scripts.settle.prepare_invoke();
+        for key in [
+            p("owners"),
+            p("stats"),
+            p("dead"),
+            p("unique"),
+            p("wake"),
+            p(&format!("settled:{OWNER}:acker")),
+            p("unique_popped"),
+            READY.to_string(),
+            p("retry:normal"),
+            p("quarantine:1:normal"),
+            p("quarantine:8:normal"),
+            p("quarantine:64:normal"),
+            claims.clone(),
+            info.clone(),
+            list.clone(),
+            bits.clone(),
+        ] {
+            settle.key(key);
+        }
+        settle
+            .arg("owner")
+            .arg(1000)
+            .arg(1)
+            .arg("kmq:{q}:due")
+            .arg(OWNER)
+            .arg(round * settles + call)
+            .arg(1)
+            .arg(1)
+            .arg(number)
+            .arg(bitmap)
+            .arg(positions.len())
+            .arg(0);
+        let result: Vec<i64> = settle
+            .invoke(conn)
+            .map_err(|e| format!("settle.lua: {e}"))?;
+        if result.first() != Some(&0) {
+            return Err(format!("settle.lua: {result:?} (stale acknowledgements)"));
+        }
+    }
+    let left: bool = redis::cmd("EXISTS")
+        .arg(&list)
+        .query(conn)
+        .map_err(|e| format!("EXISTS: {e}"))?;
+    if left {
+        return Err("settle.lua left a fully settled claim list behind".into());
+    }
+    Ok(taken)
+}
+
+/// Safe mode as kmqd 0.1 ran it: claim.lua under a live lease with a token per task, then settle.lua
+/// acknowledging every token.
+fn hash(conn: &mut redis::Connection, scripts: &Scripts, round: usize) -> Result<usize, String> {
+    let p = |suffix: &str| format!("kmq:{{q}}:{suffix}");
+    let info = p(&format!("owner:{OWNER}"));
+    let processing = p(&format!("processing:{OWNER}:hash"));
+    lease(conn)?;
     let first = (round * BATCH) as u64 + 1;
-    let mut claim = scripts.claim.prepare_invoke();
+    let mut claim = scripts.hash_claim.prepare_invoke();
     for key in [
         p("owners"),
         p("wake"),
@@ -240,7 +375,7 @@ fn today(conn: &mut redis::Connection, scripts: &Scripts, round: usize) -> Resul
         Some(redis::Value::Array(got)) => got.len(),
         other => return Err(format!("claim.lua: unexpected reply {other:?}")),
     };
-    let mut settle = scripts.settle.prepare_invoke();
+    let mut settle = scripts.hash_settle.prepare_invoke();
     for key in [
         p("owners"),
         p("stats"),

@@ -7,7 +7,7 @@
 //!
 //! Every daemon runs a monitor, over every queue it serves whatever the queue's mode here (another daemon may
 //! serve it in safe mode), and no lock is taken: an owner whose lease ran out never renews it again, and the
-//! settle script takes each task out of the owner's processing hash in the same step that queues it, so when two
+//! settle script marks each task settled in its claim (its bit) in the same step that queues it, so when two
 //! monitors find the same task, exactly one moves it.
 //!
 //! Beside that, every [`history::SAMPLE_EVERY`] the monitor offers each queue's sample a minute for the

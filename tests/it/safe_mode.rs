@@ -622,3 +622,126 @@ fn a_quarantined_group_is_claimed_alone_and_nothing_is_claimed_beside_it() {
     assert_eq!(ids(&next), ["r1", "r2"]);
     assert_eq!(next.isolation, broker::Isolation::None);
 }
+
+/// A claim whose tasks are settled in several calls (the acker settles what is done, the rest still runs) keeps
+/// only its unsettled positions for the monitors: after the owner dies, exactly those come back, each once; the
+/// owner's late outcomes for them are stale; and the claim list, its bitmap and its entry go once all is settled.
+#[test]
+fn a_claim_settled_in_parts_gives_back_only_its_unsettled_tasks_and_fences_late_outcomes() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let path = dir.config(&redis, &safe("lease_timeout = \"300ms\""));
+    let config = Config::load(&path).unwrap();
+    let queue = context(&config);
+    let tasks: Vec<NewTask> = (0..100)
+        .map(|i| NewTask::new("test", "{}").unwrap().id(format!("t{i}")))
+        .collect();
+    client(&path).push_batch("jobs", tasks).unwrap();
+    let mut connection = redis.connection();
+    let owner = "part.1";
+    let lease = Duration::from_millis(300);
+    let batch = dead_daemon_claims(&mut connection, &queue, owner, 0, 100, lease);
+    assert_eq!(batch.tasks.len(), 100);
+    let settlement = |index: usize, op: SettleOp| Settlement {
+        op,
+        token: batch.tasks[index].token.clone(),
+        unique_id: None,
+        level: 0,
+        payload: batch.tasks[index].payload.to_vec(),
+        failed: false,
+    };
+    let mut number = 0;
+    let mut settle = |connection: &mut broker::Conn, settlements: &[Settlement]| {
+        number += 1;
+        let call = broker::Call {
+            settler: "part-acker",
+            number,
+        };
+        broker::settle(
+            connection,
+            &queue.keys,
+            &call,
+            Fence::Owner,
+            queue.config.dead_max,
+            Some(owner),
+            settlements,
+        )
+        .unwrap()
+    };
+    // Two calls of plain acknowledgements (the bitmaps merged), then a retry (a record: its own bit).
+    for range in [0..30, 30..60] {
+        let acks: Vec<Settlement> = range.map(|i| settlement(i, SettleOp::Ack)).collect();
+        assert_eq!(settle(&mut connection, &acks).stale_acks, 0);
+    }
+    let retry = SettleOp::Retry {
+        delay: Duration::from_secs(3600),
+        isolated: false,
+    };
+    let settled = settle(&mut connection, &[settlement(60, retry.clone())]);
+    assert_eq!(settled.applied, [Some(true)]);
+    assert_eq!(stats(&path, "jobs").processing, 39);
+    let settled_bits: Vec<String> = redis.cmd(&["KEYS", "kmq:{jobs}:processing:*:settled"]);
+    assert_eq!(settled_bits.len(), 1, "one partly settled claim");
+
+    eventually(Duration::from_secs(5), "the lease to run out", || {
+        let (now, owners) = broker::owners(&mut connection, &queue.keys).unwrap();
+        (owners.iter().all(|(_, deadline)| *deadline <= now), owners)
+    });
+    let recovered = monitor(&config, &queue, "parts").recover_now();
+    assert_eq!(recovered, 39, "the unsettled positions, and only them");
+    let mut ids = redis.ids_in("kmq:{jobs}:ready:normal");
+    ids.sort_by_key(|id| id[1..].parse::<usize>().unwrap());
+    let expected: Vec<String> = (61..100).map(|i| format!("t{i}")).collect();
+    assert_eq!(ids, expected);
+
+    // The owner's late outcomes for what the monitor took back change nothing.
+    let late: Vec<Settlement> = (61..71).map(|i| settlement(i, SettleOp::Ack)).collect();
+    assert_eq!(settle(&mut connection, &late).stale_acks, 10);
+    let settled = settle(&mut connection, &[settlement(71, retry)]);
+    assert_eq!(settled.applied, [Some(false)]);
+    let s = stats(&path, "jobs");
+    assert_eq!(
+        (s.done, s.retrying, s.recovered, s.ready, s.processing),
+        (60, 1, 39, 39, 0),
+        "{s:?}"
+    );
+    let left: Vec<String> = redis.cmd(&["KEYS", "kmq:{jobs}:processing:*"]);
+    assert!(left.is_empty(), "the settled claim is gone: {left:?}");
+}
+
+/// A rolling upgrade from kmqd 0.1, whose owners kept their tasks in a hash per level: what a crashed 0.1 daemon
+/// held comes back through this version's monitor, each task once.
+#[test]
+fn a_monitor_recovers_what_a_kmqd_0_1_owner_left_in_its_processing_hash() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let path = dir.config(&redis, &safe(""));
+    let _: i64 = redis.cmd(&[
+        "HSET",
+        "kmq:{jobs}:owner:old-host-1-2-3.1",
+        "mode",
+        "safe",
+        "levels",
+        "normal",
+    ]);
+    let _: i64 = redis.cmd(&["ZADD", "kmq:{jobs}:owners", "1", "old-host-1-2-3.1"]);
+    let _: i64 = redis.cmd(&[
+        "HSET",
+        "kmq:{jobs}:processing:old-host-1-2-3.1:normal",
+        "17",
+        r#"{"id":"a","type":"test","data":{},"attempt":0}"#,
+        "18",
+        r#"{"id":"b","type":"test","data":{},"attempt":0}"#,
+    ]);
+    let daemon = TestDaemon::start(&path);
+    let s = wait_done(&path, 2, Duration::from_secs(15));
+    daemon.stop();
+    assert_eq!((s.recovered, s.processing), (2, 0), "{s:?}");
+    let records = dir.records();
+    assert_eq!((records.runs_of("a"), records.runs_of("b")), (1, 1));
+    let owners: Vec<String> = redis.cmd(&["ZRANGE", "kmq:{jobs}:owners", "0", "-1"]);
+    assert!(
+        !owners.contains(&"old-host-1-2-3.1".to_string()),
+        "the old owner is forgotten: {owners:?}"
+    );
+}

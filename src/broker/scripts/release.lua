@@ -1,7 +1,7 @@
 #!lua
 -- release.lua: forget an owner that holds no task any more, and its registration.
 --
--- KEYS[1] owners zset, KEYS[2] the owner's info hash, KEYS[3 ..] the owner's processing hashes (every level it
+-- KEYS[1] owners zset, KEYS[2] the owner's info hash, KEYS[3 ..] the owner's claim sets (every level it
 -- registered with)
 -- ARGV[1] owner; ARGV[2] "expired" (a monitor: only if the lease has run out) or "owner" (its daemon, stopping)
 -- Returns 1 released, 0 kept (it still holds tasks, or its lease is live and the caller is a monitor).

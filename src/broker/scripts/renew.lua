@@ -11,7 +11,7 @@
 -- The journal. Every claim that took tasks and every settle of the owner adds one to the `journal` field of its
 -- info hash and returns it; the daemon remembers the highest value acknowledged. A journal here below that
 -- value means Redis lost writes it had acknowledged: a failover to a replica that lagged, a restart that lost
--- the last second of an `appendfsync everysec` file, a restored backup. The owner's processing hashes then hold
+-- the last second of an `appendfsync everysec` file, a restored backup. The owner's claims then hold
 -- what they held back then, tasks the daemon has long settled and will never settle again, which would stay
 -- there under a live lease forever. So the owner is expired on the spot: the monitors recover those tasks (they
 -- run again: at least once), and the daemon, told it lost the lease, claims under a new owner.

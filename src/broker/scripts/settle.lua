@@ -8,7 +8,7 @@
 -- KEYS[8 .. 7+L] ready lists, KEYS[8+L .. 7+2L] retry zsets, KEYS[8+2L .. 7+5L] quarantine lists (stages 1, 2, 3
 -- for groups of 1, 8 and 64, each over the levels), and in safe mode: KEYS[8+5L .. 7+6L] the claim sets of the
 -- owner whose tasks these are (`processing:OWNER:LEVEL`, zset claim -> tasks not yet settled; a hash token ->
--- envelope for an owner of a kmqd before protocol 4, see "Older owners"), all in level order, KEYS[8+6L] that
+-- envelope for an owner of kmqd 0.1, see "Older owners"), all in level order, KEYS[8+6L] that
 -- owner's info hash, then for each claim the call touches, its list and its settled bitmap
 -- (`processing:OWNER:LEVEL:CLAIM` and `...:CLAIM:settled`)
 -- ARGV[1] fence: "owner" (the owner settles its own tasks) or "expired" (a monitor settles the tasks of an owner
@@ -41,7 +41,7 @@
 -- Returns {number of stale plain acknowledgements, then one integer per record: 1 applied, 0 stale, then the
 -- owner's journal after this call (0 without an info hash, or when a monitor settles)}.
 --
--- Older owners. An owner registered by a kmqd before protocol 4 kept its tasks in a hash per level (token ->
+-- Older owners. An owner registered by kmqd 0.1 kept its tasks in a hash per level (token ->
 -- envelope); a monitor of this version recovers them with records of claim 0 whose token is the hash's field,
 -- removed with HDEL, so that a rolling upgrade strands nothing.
 --
@@ -86,13 +86,18 @@ end
 local counted_at = 8 + claims * 4
 local records = counted_at + 1
 
-local expected = {[owners] = 'zset', [stats] = 'hash', [dead] = 'list', [uniq] = 'hash', [wake] = 'list',
-  [last_call] = 'string', [popped] = 'hash'}
-for level = 1, levels do
-  expected[KEYS[READY + level]] = 'list'
-  expected[KEYS[RETRY + level]] = 'zset'
-  for stage = 0, 2 do
-    expected[KEYS[QUARANTINE + stage * levels + level]] = 'list'
+-- Only the keys this call may write (a read of a key of the wrong type fails before anything is written): a
+-- call of plain acknowledgements, the hot path, checks a handful.
+local expected = {[stats] = 'hash', [last_call] = 'string'}
+if fence == 'expired' then expected[owners] = 'zset' end
+if #ARGV >= records then
+  expected[dead], expected[uniq], expected[wake], expected[popped] = 'list', 'hash', 'list', 'hash'
+  for level = 1, levels do
+    expected[KEYS[READY + level]] = 'list'
+    expected[KEYS[RETRY + level]] = 'zset'
+    for stage = 0, 2 do
+      expected[KEYS[QUARANTINE + stage * levels + level]] = 'list'
+    end
   end
 end
 if info then expected[info] = 'hash' end
