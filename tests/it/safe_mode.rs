@@ -673,13 +673,16 @@ fn a_claim_settled_in_parts_gives_back_only_its_unsettled_tasks_and_fences_late_
         let acks: Vec<Settlement> = range.map(|i| settlement(i, SettleOp::Ack)).collect();
         assert_eq!(settle(&mut connection, &acks).stale_acks, 0);
     }
+    // Sent again (a duplicate outcome), those already settled are stale, and the one new among them is not.
+    let again: Vec<Settlement> = (55..61).map(|i| settlement(i, SettleOp::Ack)).collect();
+    assert_eq!(settle(&mut connection, &again).stale_acks, 5);
     let retry = SettleOp::Retry {
         delay: Duration::from_secs(3600),
         isolated: false,
     };
-    let settled = settle(&mut connection, &[settlement(60, retry.clone())]);
+    let settled = settle(&mut connection, &[settlement(61, retry.clone())]);
     assert_eq!(settled.applied, [Some(true)]);
-    assert_eq!(stats(&path, "jobs").processing, 39);
+    assert_eq!(stats(&path, "jobs").processing, 38);
     let settled_bits: Vec<String> = redis.cmd(&["KEYS", "kmq:{jobs}:processing:*:settled"]);
     assert_eq!(settled_bits.len(), 1, "one partly settled claim");
 
@@ -688,21 +691,21 @@ fn a_claim_settled_in_parts_gives_back_only_its_unsettled_tasks_and_fences_late_
         (owners.iter().all(|(_, deadline)| *deadline <= now), owners)
     });
     let recovered = monitor(&config, &queue, "parts").recover_now();
-    assert_eq!(recovered, 39, "the unsettled positions, and only them");
+    assert_eq!(recovered, 38, "the unsettled positions, and only them");
     let mut ids = redis.ids_in("kmq:{jobs}:ready:normal");
     ids.sort_by_key(|id| id[1..].parse::<usize>().unwrap());
-    let expected: Vec<String> = (61..100).map(|i| format!("t{i}")).collect();
+    let expected: Vec<String> = (62..100).map(|i| format!("t{i}")).collect();
     assert_eq!(ids, expected);
 
     // The owner's late outcomes for what the monitor took back change nothing.
-    let late: Vec<Settlement> = (61..71).map(|i| settlement(i, SettleOp::Ack)).collect();
+    let late: Vec<Settlement> = (62..72).map(|i| settlement(i, SettleOp::Ack)).collect();
     assert_eq!(settle(&mut connection, &late).stale_acks, 10);
-    let settled = settle(&mut connection, &[settlement(71, retry)]);
+    let settled = settle(&mut connection, &[settlement(72, retry)]);
     assert_eq!(settled.applied, [Some(false)]);
     let s = stats(&path, "jobs");
     assert_eq!(
         (s.done, s.retrying, s.recovered, s.ready, s.processing),
-        (60, 1, 39, 39, 0),
+        (61, 1, 38, 38, 0),
         "{s:?}"
     );
     let left: Vec<String> = redis.cmd(&["KEYS", "kmq:{jobs}:processing:*"]);
