@@ -81,15 +81,20 @@ pub fn held(
                 .collect::<Result<_>>()?;
             claims.retain(|claim| after.is_none_or(|after| *claim > after));
             claims.sort_unstable();
-            let Some(&claim) = claims.first() else {
-                return Ok(Page {
-                    tasks: Vec::new(),
-                    next: None,
-                });
-            };
+            // The first claim that still holds a task: a member whose list is gone (evicted, deleted by hand)
+            // must not hide the claims after it from the monitors.
+            for (at, &claim) in claims.iter().enumerate() {
+                let tasks = unsettled(conn, keys, owner, level, claim)?;
+                if !tasks.is_empty() {
+                    return Ok(Page {
+                        tasks,
+                        next: (at + 1 < claims.len()).then_some(Cursor::After(claim)),
+                    });
+                }
+            }
             Ok(Page {
-                tasks: unsettled(conn, keys, owner, level, claim)?,
-                next: (claims.len() > 1).then_some(Cursor::After(claim)),
+                tasks: Vec::new(),
+                next: None,
             })
         }
         // Gone (or of another type than a cursor said: the key was replaced meanwhile): nothing more here.
