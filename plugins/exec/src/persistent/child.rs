@@ -70,7 +70,8 @@ pub enum Cause {
 struct Held {
     /// Set, with `tasks` taken, when the child ends: nothing is handed to it afterwards.
     ended: bool,
-    tasks: HashMap<String, mpsc::Sender<Outcome>>,
+    /// One answer each: a one-slot channel (an unbounded one allocates a block of slots per task).
+    tasks: HashMap<String, mpsc::SyncSender<Outcome>>,
 }
 
 /// The child's standard input (see the module's doc).
@@ -217,7 +218,7 @@ impl Child {
 
     /// Hands a task line over; `None` when the child has ended (nothing is handed to it any more).
     pub fn submit(&self, id: &str, line: Vec<u8>) -> Option<mpsc::Receiver<Outcome>> {
-        let (answer, receiver) = mpsc::channel();
+        let (answer, receiver) = mpsc::sync_channel(1);
         {
             let mut held = lock(&self.held);
             if held.ended {
