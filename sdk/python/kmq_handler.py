@@ -28,7 +28,9 @@ lands in kmqd's log, attributed to the task, instead of breaking the protocol.
 """
 
 import asyncio
+import codecs
 import inspect
+import itertools
 import json
 import os
 import stat
@@ -43,6 +45,12 @@ __all__ = ["Fail", "Retry", "Task", "handler", "run"]
 PROTOCOL = 1
 
 _handlers = {}
+
+# json.loads and json.dumps without their per-call handling of keyword arguments; _quote is the C string encoder
+# json.dumps uses (ASCII, as json.dumps writes by default).
+_decode = json.JSONDecoder().decode
+_encode = json.JSONEncoder().encode
+_quote = json.encoder.encode_basestring_ascii
 
 
 class Retry(Exception):
@@ -135,7 +143,10 @@ async def _serve(table, out, concurrency):
     # Whether each handler is `async def`, asked once rather than per task.
     table = {task_type: (function, inspect.iscoroutinefunction(function)) for task_type, function in table.items()}
     ended = loop.create_future()
-    running = set()
+    # The tasks running, by number: strong references (the event loop keeps only weak ones), each dropped by its
+    # own task at its end (cheaper than a done callback, which costs a turn of the loop per task).
+    running = {}
+    numbers = itertools.count()
     # Answers not yet written: those settled in one turn of the event loop go out in one write (the protocol's
     # lines unchanged, fewer system calls per task).
     answers = []
@@ -150,14 +161,25 @@ async def _serve(table, out, concurrency):
         # Only the event loop's thread writes, whole lines: never interleaved.
         if not answers:
             loop.call_soon(flush)
-        answers.append(json.dumps(answer) + "\n")
+        answers.append(_encode(answer) + "\n")
 
-    async def settle(line):
+    def done(task_id):
+        # The common answer, without building a dict and encoding it: the same line json.dumps writes.
+        if not answers:
+            loop.call_soon(flush)
+        answers.append(f'{{"id": {_quote(task_id)}, "outcome": "done"}}\n')
+
+    async def settle(line, number):
         try:
-            task = Task(json.loads(line))
+            await run_one(line)
+        finally:
+            del running[number]
+
+    async def run_one(line):
+        try:
+            task = Task(_decode(line))
         except (ValueError, KeyError, TypeError) as error:
-            text = line.decode("utf-8", "replace") if isinstance(line, bytes) else line
-            print(f"kmq_handler: not a task line ({error}): {text!r}", file=sys.stderr, flush=True)
+            print(f"kmq_handler: not a task line ({error}): {line!r}", file=sys.stderr, flush=True)
             return
         function, is_async = table.get(task.type, (None, False))
         if function is None:
@@ -174,14 +196,16 @@ async def _serve(table, out, concurrency):
                 sys.stderr.flush()
             send(_outcome(task.id, error=error))
         else:
-            send(_outcome(task.id, result=result))
+            if (result is None or result.__class__ is str and not result) and isinstance(task.id, str):
+                done(task.id)
+            else:
+                send(_outcome(task.id, result=result))
 
     def take(line):
         if not line.strip():
             return
-        job = loop.create_task(settle(line))
-        running.add(job)
-        job.add_done_callback(running.discard)
+        number = next(numbers)
+        running[number] = loop.create_task(settle(line, number))
 
     def end():
         if not ended.done():
@@ -204,7 +228,7 @@ async def _serve(table, out, concurrency):
     await ended
     # Standard input ended: kmqd wants this process to exit; it holds no task then, but finish any left.
     if running:
-        await asyncio.gather(*running)
+        await asyncio.gather(*running.values())
     if answers:
         flush()
     threads.shutdown(wait=True)
@@ -226,10 +250,12 @@ class _Lines(asyncio.Protocol):
     def __init__(self, take, end):
         self.take = take
         self.end = end
-        self.partial = b""
+        self.partial = ""
+        # UTF-8 as it comes: a character may be cut between two reads.
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
 
     def data_received(self, data):
-        *lines, self.partial = (self.partial + data).split(b"\n")
+        *lines, self.partial = (self.partial + self.decoder.decode(data)).split("\n")
         for line in lines:
             self.take(line)
 
@@ -237,7 +263,8 @@ class _Lines(asyncio.Protocol):
         return False
 
     def connection_lost(self, exc):
-        if self.partial:
-            self.take(self.partial)
-            self.partial = b""
+        rest = self.partial + self.decoder.decode(b"", final=True)
+        self.partial = ""
+        if rest:
+            self.take(rest)
         self.end()
