@@ -48,6 +48,10 @@ pub enum Event {
 
 pub type Events = Box<dyn Fn(u32, Event) + Send + Sync>;
 
+/// How many times a worker writes, besides its own line, the lines other workers appended meanwhile, before it
+/// leaves the rest to the `kmq-exec-input` thread.
+const WRITE_ROUNDS: u32 = 4;
+
 /// The longest an answer waits for the stderr thread to catch up (see [`Child::catch_up_stderr`]).
 const CATCH_UP_BOUND: Duration = Duration::from_millis(50);
 
@@ -83,6 +87,8 @@ struct Input {
     /// From a line the pipe did not take whole until the `kmq-exec-input` thread has written all that is pending:
     /// lines go to `pending` behind it, never straight into the pipe, so that they stay in order and whole.
     behind: bool,
+    /// A worker is writing what it took from `pending` (outside the lock): the others append behind it.
+    writing: bool,
     /// The child ends: its input closes once what is pending is written.
     closing: bool,
 }
@@ -165,6 +171,7 @@ impl Child {
                 pipe: Some(Arc::clone(&stdin)),
                 pending: Vec::new(),
                 behind: false,
+                writing: false,
                 closing: false,
             }),
             input_waiting: Condvar::new(),
@@ -237,28 +244,51 @@ impl Child {
         let Some(pipe) = input.pipe.clone() else {
             return;
         };
-        if input.behind {
-            input.pending.extend_from_slice(line);
+        input.pending.extend_from_slice(line);
+        if input.behind || input.writing {
+            // Whoever writes takes this line along with its own.
             return;
         }
-        let mut written = 0;
-        while written < line.len() {
-            match (&*pipe).write(&line[written..]) {
-                Ok(n) if n > 0 => written += n,
-                Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
-                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
-                    input.pending.extend_from_slice(&line[written..]);
-                    input.behind = true;
-                    self.input_waiting.notify_one();
-                    return;
+        // This worker writes, outside the lock: the others append behind it meanwhile and go on, rather than
+        // wait for the lock through a system call (which wakes the child, which may take this core).
+        input.writing = true;
+        let mut chunk = Vec::new();
+        for round in 1.. {
+            if round > WRITE_ROUNDS {
+                // Others keep appending: the `kmq-exec-input` thread takes over, and this worker waits for its
+                // answer (and its cancel) again.
+                input.behind = true;
+                break;
+            }
+            std::mem::swap(&mut chunk, &mut input.pending);
+            drop(input);
+            let written = write_some(&pipe, &chunk);
+            input = lock(&self.input);
+            match written {
+                Ok(n) if n == chunk.len() => {
+                    chunk.clear();
+                    if input.pending.is_empty() {
+                        break;
+                    }
                 }
-                Ok(_) | Err(_) => {
+                Ok(n) => {
+                    // The pipe is full: the rest, then what came meanwhile, for the `kmq-exec-input` thread.
+                    chunk.drain(..n);
+                    chunk.extend_from_slice(&input.pending);
+                    input.pending = chunk;
+                    input.behind = true;
+                    break;
+                }
+                Err(_) => {
                     input.pipe = None;
                     input.pending.clear();
-                    self.input_waiting.notify_one();
-                    return;
+                    break;
                 }
             }
+        }
+        input.writing = false;
+        if input.behind || input.closing || input.pipe.is_none() {
+            self.input_waiting.notify_one();
         }
     }
 
@@ -269,7 +299,7 @@ impl Child {
     }
 
     /// The `kmq-exec-input` thread: writes what the pipe did not take at once, blocking, until the input is to
-    /// close (then closes it: the last reference to the pipe is this thread's) or breaks.
+    /// close (then closes it once no worker writes: the last reference to the pipe is this thread's) or breaks.
     fn write_pending(&self, pipe: &File) {
         let mut chunk = Vec::new();
         let mut input = lock(&self.input);
@@ -277,28 +307,28 @@ impl Child {
             if input.pipe.is_none() {
                 return;
             }
-            if input.pending.is_empty() {
-                input.behind = false;
-                if input.closing {
+            if input.behind && !input.pending.is_empty() {
+                std::mem::swap(&mut chunk, &mut input.pending);
+                drop(input);
+                let written = write_waiting(pipe, &chunk);
+                chunk.clear();
+                input = lock(&self.input);
+                if !written {
                     input.pipe = None;
+                    input.pending.clear();
                     return;
                 }
-                input = self
-                    .input_waiting
-                    .wait(input)
-                    .unwrap_or_else(|poisoned| poisoned.into_inner());
                 continue;
             }
-            std::mem::swap(&mut chunk, &mut input.pending);
-            drop(input);
-            let written = write_waiting(pipe, &chunk);
-            chunk.clear();
-            input = lock(&self.input);
-            if !written {
+            input.behind = false;
+            if input.closing && !input.writing && input.pending.is_empty() {
                 input.pipe = None;
-                input.pending.clear();
                 return;
             }
+            input = self
+                .input_waiting
+                .wait(input)
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
         }
     }
 
@@ -613,6 +643,21 @@ pub fn with_tail(head: String, tail: &str) -> String {
     } else {
         format!("{head}: {tail}")
     }
+}
+
+/// Writes what the non-blocking `pipe` takes of `bytes` without waiting: all of it, or less when it is full.
+fn write_some(pipe: &File, bytes: &[u8]) -> io::Result<usize> {
+    let mut written = 0;
+    while written < bytes.len() {
+        match (&*pipe).write(&bytes[written..]) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => written += n,
+            Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+            Err(error) if error.kind() == io::ErrorKind::WouldBlock => break,
+            Err(error) => return Err(error),
+        }
+    }
+    Ok(written)
 }
 
 /// Writes all of `bytes` into the non-blocking `pipe`, waiting while it is full; false when it broke.
