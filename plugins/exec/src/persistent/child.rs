@@ -1,8 +1,9 @@
 //! One long-lived handler process: its three pipes, each served by a thread of its own, the tasks it holds, and
 //! its end, which fails those tasks with why it ended.
 //!
-//! - the task lines: each worker writes its own line into the child's standard input, under a lock, without
-//!   waiting (the pipe is non-blocking; the pipe is the queue, and a task costs no hand-off to another thread).
+//! - the task lines: the worker that hands a task over writes its line into the child's standard input itself,
+//!   without waiting (the pipe is non-blocking; the pipe is the queue, and a task costs no hand-off to another
+//!   thread). One worker writes at a time, outside the lock, taking along the lines others appended meanwhile.
 //!   What a full pipe does not take waits in order, and `kmq-exec-input` writes it, blocking, while the workers
 //!   go on appending theirs behind it: a worker never blocks on a child that reads slowly (it only waits for its
 //!   answer, and can be cancelled meanwhile). Decided after a profile of the daemon showed half its time in
