@@ -245,7 +245,7 @@ def _is_pipe(stream):
 
 
 class _Lines(asyncio.Protocol):
-    """Standard input as lines: `take(line)` for each (bytes, without its newline), `end()` at its end."""
+    """Standard input as lines: `take(line)` for each (text, without its newline), `end()` at its end."""
 
     def __init__(self, take, end):
         self.take = take
