@@ -25,8 +25,6 @@
  * line in a handler lands in kmqd's log, attributed to the task, instead of breaking the protocol.
  */
 
-const readline = require('node:readline');
-
 const PROTOCOL = 1;
 
 /** This attempt failed: retried after `afterMs` milliseconds, or the queue's backoff. */
@@ -93,7 +91,18 @@ function outcome(id, result, error) {
 /** Speaks the protocol on standard input and output until standard input ends; then the process exits. */
 function run() {
   const out = process.stdout;
-  const send = (answer) => out.write(`${JSON.stringify(answer)}\n`);
+  // Answers settled in one turn of the event loop go out in one write (the protocol's lines unchanged, fewer
+  // system calls per task): the first schedules the write, the others join it.
+  let answers = [];
+  const flush = () => {
+    const text = answers.join('');
+    answers = [];
+    out.write(text);
+  };
+  const send = (answer) => {
+    if (answers.length === 0) setImmediate(flush);
+    answers.push(`${JSON.stringify(answer)}\n`);
+  };
   // Handler logs go to standard error (kmqd's log), never into the protocol.
   console.log = console.error;
   console.info = console.error;
@@ -115,9 +124,8 @@ function run() {
     }
   };
 
-  send({ hello: PROTOCOL, sdk: 'node/1' });
-  const lines = readline.createInterface({ input: process.stdin, crlfDelay: Infinity });
-  lines.on('line', (line) => {
+  out.write(`${JSON.stringify({ hello: PROTOCOL, sdk: 'node/1' })}\n`);
+  const take = (line) => {
     if (!line.trim()) return;
     let task;
     try {
@@ -127,6 +135,18 @@ function run() {
       return;
     }
     settle(task);
+  };
+  // Every line a read brought, at once (no readline: its events per line cost more than the split).
+  let partial = '';
+  process.stdin.setEncoding('utf8');
+  process.stdin.on('data', (chunk) => {
+    const lines = (partial + chunk).split('\n');
+    partial = lines.pop();
+    for (const line of lines) take(line);
+  });
+  process.stdin.on('end', () => {
+    if (partial) take(partial);
+    partial = '';
   });
   // At the end of standard input the process exits once its running tasks are answered: nothing else keeps the
   // event loop alive.

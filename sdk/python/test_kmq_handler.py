@@ -60,6 +60,24 @@ class ExampleHandler(unittest.TestCase):
         self.assertIn("Traceback", stderr, "an unexpected exception's traceback goes to standard error")
 
 
+class Input(unittest.TestCase):
+    def test_a_file_on_standard_input_is_read_too(self):
+        # kmqd gives a pipe, which the event loop reads; a file (trying a handler by hand) gets a reader thread.
+        tasks = [task("built", "report.build", {"rows": 3}), task("é", "report.build", {"rows": 1})]
+        with tempfile.TemporaryFile("w+") as lines:
+            lines.write("".join(json.dumps(t) + "\n" for t in tasks) + "\n")
+            lines.seek(0)
+            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "KMQ_CONCURRENCY": "2"}
+            done = subprocess.run(
+                [sys.executable, os.path.join(HERE, "example_handler.py")],
+                stdin=lines, capture_output=True, text=True, timeout=60, env=env, cwd=HERE,
+            )
+        self.assertEqual(done.returncode, 0, done.stderr)
+        answers = {a["id"]: a for a in map(json.loads, done.stdout.splitlines()[1:])}
+        self.assertEqual(answers["built"], {"id": "built", "outcome": "done", "message": "built 3 rows"})
+        self.assertEqual(answers["é"], {"id": "é", "outcome": "done", "message": "built 1 rows"})
+
+
 class Concurrency(unittest.TestCase):
     def handler_file(self, body):
         directory = tempfile.mkdtemp()

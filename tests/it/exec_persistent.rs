@@ -17,7 +17,7 @@ use crate::support::*;
 /// directory: every start appends `PID MODE` to `starts`, every task `ID PID` to `runs`. A task's data picks what
 /// it does.
 const HANDLER: &str = r#"#!/usr/bin/env python3
-import json, os, signal, sys, time
+import fcntl, json, os, signal, struct, sys, termios, time
 
 start, directory = sys.argv[1], sys.argv[2]
 def note(name, text):
@@ -41,6 +41,17 @@ def send(answer):
 send({"hello": 1})
 if start == "hello_then_exit":
     sys.exit(1)
+def unread():
+    return struct.unpack("i", fcntl.ioctl(0, termios.FIONREAD, b"\0\0\0\0"))[0]
+if start == "deaf":
+    note("deaf", str(os.getpid()))
+    while True:
+        time.sleep(3600)
+if start == "full_first":
+    # Reads nothing until its input pipe is full (64 KiB): the daemon queues the lines it did not take.
+    while unread() < 60000:
+        time.sleep(0.01)
+    note("full", str(os.getpid()))
 held = {}  # task id -> the id of the task whose arrival answers it
 for line in sys.stdin:
     task = json.loads(line)
@@ -347,6 +358,68 @@ fn a_task_past_its_timeout_kills_its_child_and_the_next_task_gets_a_new_one() {
     rig.wait_ended(2, 3);
     assert_ne!(rig.pid_of("next"), rig.pid_of("hung"));
     assert_ne!(rig.pid_of("next-own"), own);
+    daemon.stop();
+}
+
+#[test]
+fn lines_a_full_input_pipe_does_not_take_wait_whole_and_hold_up_no_worker() {
+    // 8 tasks of 30 kB lines: 240 kB, past the 64 KiB a pipe holds. The workers write what the pipe takes and
+    // queue the rest (plugins/exec/src/persistent/child.rs): a child that reads late gets every line whole; one
+    // that never reads times its tasks out, each worker free to see its timeout.
+    let rig = rig(
+        "workers = 16\nretry_times = 0",
+        "shutdown_grace = \"5s\"",
+        &[
+            (
+                "late",
+                "py.late",
+                "full_first",
+                ", processes = 1, concurrency = 8",
+            ),
+            (
+                "deaf",
+                "py.deaf",
+                "deaf",
+                ", processes = 1, concurrency = 8, timeout = \"1s\", kill_grace = \"200ms\"",
+            ),
+        ],
+    );
+    let daemon = TestDaemon::start(&rig.config);
+    let pad = "x".repeat(30_000);
+    for i in 0..8 {
+        rig.push(
+            "py.late",
+            &format!("late-{i}"),
+            &format!(r#"{{"do": "done", "pad": "{pad}"}}"#),
+        );
+    }
+    rig.wait_ended(8, 0);
+    assert_eq!(
+        read_lines(&rig.dir.path("full")).len(),
+        1,
+        "its input was full before it read"
+    );
+    let runs: Vec<String> = rig.runs().into_iter().map(|(id, _)| id).collect();
+    assert_eq!(runs.len(), 8, "{runs:?}");
+    for i in 0..8 {
+        rig.push(
+            "py.deaf",
+            &format!("deaf-{i}"),
+            &format!(r#"{{"do": "done", "pad": "{pad}"}}"#),
+        );
+    }
+    rig.wait_ended(8, 8);
+    let deaf: u32 = read_lines(&rig.dir.path("deaf"))[0].parse().unwrap();
+    for (id, reason) in rig.dead_reasons() {
+        assert!(
+            reason.starts_with("exec: timed out after 1s; handler process")
+                || reason.starts_with(&format!(
+                    "exec: handler process {deaf} was killed: task deaf-"
+                )),
+            "{id}: {reason}"
+        );
+    }
+    wait_dead(deaf, "the deaf child, killed");
     daemon.stop();
 }
 

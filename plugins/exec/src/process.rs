@@ -75,6 +75,35 @@ pub fn wait_readable(fd: std::os::fd::RawFd) {
     }
 }
 
+/// Blocks until `fd` can take more bytes, or its other end closed (the caller's write says which).
+pub fn wait_writable(fd: std::os::fd::RawFd) {
+    let mut poll = libc::pollfd {
+        fd,
+        events: libc::POLLOUT,
+        revents: 0,
+    };
+    loop {
+        // SAFETY: `poll` is one valid, writable pollfd, and the count says one; -1 waits without a timeout.
+        let result = unsafe { libc::poll(&mut poll, 1, -1) };
+        if result >= 0 || io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+            return;
+        }
+    }
+}
+
+/// Makes writes to `fd` return `WouldBlock` instead of waiting when it is full (O_NONBLOCK on its open file
+/// description: for a pipe kmqd made, the write end, which only kmqd holds).
+pub fn set_nonblocking(fd: std::os::fd::RawFd) -> io::Result<()> {
+    // SAFETY: F_GETFL and F_SETFL take and return plain integers; a bad descriptor is an error, not UB.
+    unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        if flags == -1 || libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) == -1 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
 /// How many bytes wait unread in the pipe `fd` (FIONREAD); 0 when it cannot say.
 pub fn unread_bytes(fd: std::os::fd::RawFd) -> usize {
     let mut count: libc::c_int = 0;

@@ -1,8 +1,13 @@
 //! One long-lived handler process: its three pipes, each served by a thread of its own, the tasks it holds, and
 //! its end, which fails those tasks with why it ended.
 //!
-//! - `kmq-exec-input` writes the task lines, in the order they were handed over, so a worker never blocks on a
-//!   child that reads slowly (the worker only waits for its answer, and can be cancelled meanwhile);
+//! - the task lines: the worker that hands a task over writes its line into the child's standard input itself,
+//!   without waiting (the pipe is non-blocking; the pipe is the queue, and a task costs no hand-off to another
+//!   thread). One worker writes at a time, outside the lock, taking along the lines others appended meanwhile.
+//!   What a full pipe does not take waits in order, and `kmq-exec-input` writes it, blocking, while the workers
+//!   go on appending theirs behind it: a worker never blocks on a child that reads slowly (it only waits for its
+//!   answer, and can be cancelled meanwhile). Decided after a profile of the daemon showed half its time in
+//!   context switches, a writer thread woken per task among them (docs/PERFORMANCE.md);
 //! - `kmq-exec-output` reads the hello, then the answers, and hands each to the worker waiting for it;
 //! - `kmq-exec-stderr` copies standard error, line by line, to the daemon's standard error (its log) naming the
 //!   tasks the child held at the time, and keeps its tail for the reason of a crash. Before an answer is handed
@@ -13,12 +18,13 @@
 //! ever signalled or waited for through a process id after it was reaped (and could be reused).
 
 use std::collections::HashMap;
+use std::fs::File;
 use std::io::{self, BufRead, BufReader, Read, Write};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, mpsc};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, mpsc};
 use std::time::{Duration, Instant};
 
 use kmq_plugin::Outcome;
@@ -43,6 +49,10 @@ pub enum Event {
 
 pub type Events = Box<dyn Fn(u32, Event) + Send + Sync>;
 
+/// How many times a worker writes, besides its own line, the lines other workers appended meanwhile, before it
+/// leaves the rest to the `kmq-exec-input` thread.
+const WRITE_ROUNDS: u32 = 4;
+
 /// The longest an answer waits for the stderr thread to catch up (see [`Child::catch_up_stderr`]).
 const CATCH_UP_BOUND: Duration = Duration::from_millis(50);
 
@@ -65,7 +75,23 @@ pub enum Cause {
 struct Held {
     /// Set, with `tasks` taken, when the child ends: nothing is handed to it afterwards.
     ended: bool,
-    tasks: HashMap<String, mpsc::Sender<Outcome>>,
+    /// One answer each: a one-slot channel (an unbounded one allocates a block of slots per task).
+    tasks: HashMap<String, mpsc::SyncSender<Outcome>>,
+}
+
+/// The child's standard input (see the module's doc).
+struct Input {
+    /// `None` once it is closed, or broke (the child's end fails its tasks then).
+    pipe: Option<Arc<File>>,
+    /// Bytes the pipe did not take yet, in order, for the `kmq-exec-input` thread to write.
+    pending: Vec<u8>,
+    /// From a line the pipe did not take whole until the `kmq-exec-input` thread has written all that is pending:
+    /// lines go to `pending` behind it, never straight into the pipe, so that they stay in order and whole.
+    behind: bool,
+    /// A worker is writing what it took from `pending` (outside the lock): the others append behind it.
+    writing: bool,
+    /// The child ends: its input closes once what is pending is written.
+    closing: bool,
 }
 
 struct Reaped {
@@ -82,7 +108,9 @@ pub struct Child {
     answered: AtomicBool,
     /// Held through [`Child::end`]: a second call waits for the first to be over.
     ending: Mutex<()>,
-    input: Mutex<Option<mpsc::Sender<Vec<u8>>>>,
+    input: Mutex<Input>,
+    /// Signalled when `pending` fills, or the input is to close.
+    input_waiting: Condvar,
     held: Mutex<Held>,
     process: Mutex<Reaped>,
     stderr_tail: Arc<Mutex<Tail>>,
@@ -130,7 +158,8 @@ impl Child {
         let stdin = process.stdin.take().expect("stdin is piped");
         let stdout = process.stdout.take().expect("stdout is piped");
         let stderr = process.stderr.take().expect("stderr is piped");
-        let (input, lines) = mpsc::channel::<Vec<u8>>();
+        let stdin = Arc::new(File::from(OwnedFd::from(stdin)));
+        let nonblocking = process::set_nonblocking(stdin.as_raw_fd());
         let (closed, stderr_closed) = mpsc::channel();
         let child = Arc::new(Child {
             pid,
@@ -139,7 +168,14 @@ impl Child {
             ready: AtomicBool::new(false),
             answered: AtomicBool::new(false),
             ending: Mutex::new(()),
-            input: Mutex::new(Some(input)),
+            input: Mutex::new(Input {
+                pipe: Some(Arc::clone(&stdin)),
+                pending: Vec::new(),
+                behind: false,
+                writing: false,
+                closing: false,
+            }),
+            input_waiting: Condvar::new(),
             held: Mutex::new(Held {
                 ended: false,
                 tasks: HashMap::new(),
@@ -153,9 +189,13 @@ impl Child {
             stderr_closed: Mutex::new(stderr_closed),
             events,
         });
-        let started = std::thread::Builder::new()
-            .name("kmq-exec-input".into())
-            .spawn(move || write_lines(stdin, lines))
+        let started = nonblocking
+            .and_then(|()| {
+                let writer = Arc::clone(&child);
+                std::thread::Builder::new()
+                    .name("kmq-exec-input".into())
+                    .spawn(move || writer.write_pending(&stdin))
+            })
             .and_then(|_| {
                 let reader = Arc::clone(&child);
                 std::thread::Builder::new()
@@ -174,7 +214,8 @@ impl Child {
         if let Err(error) = started {
             // Not through `end`: the pool is not told about a child it never had (and holds its lock now).
             lock(&child.held).ended = true;
-            lock(&child.input).take();
+            lock(&child.input).pipe = None;
+            child.input_waiting.notify_one();
             let mut reaped = lock(&child.process);
             process::kill_group(pid);
             reaped.status = Some(reaped.process.wait());
@@ -185,7 +226,7 @@ impl Child {
 
     /// Hands a task line over; `None` when the child has ended (nothing is handed to it any more).
     pub fn submit(&self, id: &str, line: Vec<u8>) -> Option<mpsc::Receiver<Outcome>> {
-        let (answer, receiver) = mpsc::channel();
+        let (answer, receiver) = mpsc::sync_channel(1);
         {
             let mut held = lock(&self.held);
             if held.ended {
@@ -193,11 +234,103 @@ impl Child {
             }
             held.tasks.insert(id.to_string(), answer);
         }
-        if let Some(input) = &*lock(&self.input) {
-            // A closed channel means the writer stopped (the child's input broke): its end fails the task.
-            let _ = input.send(line);
-        }
+        self.write_line(&line);
         Some(receiver)
+    }
+
+    /// Writes `line` into the child's input, or queues what the pipe does not take for the `kmq-exec-input`
+    /// thread; never waits for the child to read. An input that broke drops it: the child's end fails the task.
+    fn write_line(&self, line: &[u8]) {
+        let mut input = lock(&self.input);
+        let Some(pipe) = input.pipe.clone() else {
+            return;
+        };
+        input.pending.extend_from_slice(line);
+        if input.behind || input.writing {
+            // Whoever writes takes this line along with its own.
+            return;
+        }
+        // This worker writes, outside the lock: the others append behind it meanwhile and go on, rather than
+        // wait for the lock through a system call (which wakes the child, which may take this core).
+        input.writing = true;
+        let mut chunk = Vec::new();
+        for round in 1.. {
+            if round > WRITE_ROUNDS {
+                // Others keep appending: the `kmq-exec-input` thread takes over, and this worker waits for its
+                // answer (and its cancel) again.
+                input.behind = true;
+                break;
+            }
+            std::mem::swap(&mut chunk, &mut input.pending);
+            drop(input);
+            let written = write_some(&pipe, &chunk);
+            input = lock(&self.input);
+            match written {
+                Ok(n) if n == chunk.len() => {
+                    chunk.clear();
+                    if input.pending.is_empty() {
+                        break;
+                    }
+                }
+                Ok(n) => {
+                    // The pipe is full: the rest, then what came meanwhile, for the `kmq-exec-input` thread.
+                    chunk.drain(..n);
+                    chunk.extend_from_slice(&input.pending);
+                    input.pending = chunk;
+                    input.behind = true;
+                    break;
+                }
+                Err(_) => {
+                    input.pipe = None;
+                    input.pending.clear();
+                    break;
+                }
+            }
+        }
+        input.writing = false;
+        if input.behind || input.closing || input.pipe.is_none() {
+            self.input_waiting.notify_one();
+        }
+    }
+
+    /// Closes the child's input once what is pending is written (the `kmq-exec-input` thread closes it).
+    fn close_input(&self) {
+        lock(&self.input).closing = true;
+        self.input_waiting.notify_one();
+    }
+
+    /// The `kmq-exec-input` thread: writes what the pipe did not take at once, blocking, until the input is to
+    /// close (then closes it once no worker writes: the last reference to the pipe is this thread's) or breaks.
+    fn write_pending(&self, pipe: &File) {
+        let mut chunk = Vec::new();
+        let mut input = lock(&self.input);
+        loop {
+            if input.pipe.is_none() {
+                return;
+            }
+            if input.behind && !input.pending.is_empty() {
+                std::mem::swap(&mut chunk, &mut input.pending);
+                drop(input);
+                let written = write_waiting(pipe, &chunk);
+                chunk.clear();
+                input = lock(&self.input);
+                if !written {
+                    input.pipe = None;
+                    input.pending.clear();
+                    return;
+                }
+                continue;
+            }
+            input.behind = false;
+            if input.closing && !input.writing && input.pending.is_empty() {
+                input.pipe = None;
+                return;
+            }
+            input = self
+                .input_waiting
+                .wait(input)
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+        }
     }
 
     /// Takes a task back before its answer came; false when its outcome is already on its way.
@@ -249,7 +382,7 @@ impl Child {
             std::mem::take(&mut held.tasks)
         };
         // The writer thread ends once it has written what was queued, closing the child's standard input.
-        lock(&self.input).take();
+        self.close_input();
         let status = {
             let mut reaped = lock(&self.process);
             match &cause {
@@ -332,10 +465,11 @@ impl Child {
     /// The `kmq-exec-output` thread: the hello, then answers, until the child's output ends or breaks the
     /// protocol.
     fn read_output(&self, stdout: impl Read) {
-        let mut reader = BufReader::new(stdout);
+        let mut reader = BufReader::with_capacity(64 << 10, Counted::new(stdout));
         let mut line = Vec::new();
         loop {
             line.clear();
+            let reads = reader.get_ref().reads;
             match reader
                 .by_ref()
                 .take(protocol::MAX_LINE)
@@ -370,7 +504,11 @@ impl Child {
                 }
                 continue;
             }
-            self.catch_up_stderr();
+            // Once per read from the pipe, not per answer: the answers a read brought were all written after
+            // whatever standard error had before that read.
+            if reader.get_ref().reads != reads {
+                self.catch_up_stderr();
+            }
             match protocol::parse_answer(&line) {
                 Line::Answer { id, outcome } => self.deliver(&id, outcome),
                 Line::Bad { id, problem } => self.deliver(
@@ -480,6 +618,25 @@ impl Child {
     }
 }
 
+/// A reader that counts its reads, so that its [`BufReader`] tells when a line took a read from the pipe.
+struct Counted<R> {
+    inner: R,
+    reads: u64,
+}
+
+impl<R> Counted<R> {
+    fn new(inner: R) -> Counted<R> {
+        Counted { inner, reads: 0 }
+    }
+}
+
+impl<R: Read> Read for Counted<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.reads += 1;
+        self.inner.read(buf)
+    }
+}
+
 /// `head: tail`, or `head` when the tail is empty.
 pub fn with_tail(head: String, tail: &str) -> String {
     if tail.is_empty() {
@@ -489,12 +646,32 @@ pub fn with_tail(head: String, tail: &str) -> String {
     }
 }
 
-/// The `kmq-exec-input` thread: writes each line as it comes, until the child's input breaks or the channel
-/// closes (the child ends), then closes the input.
-fn write_lines(mut stdin: impl Write, lines: mpsc::Receiver<Vec<u8>>) {
-    for line in lines {
-        if stdin.write_all(&line).and_then(|()| stdin.flush()).is_err() {
-            return;
+/// Writes what the non-blocking `pipe` takes of `bytes` without waiting: all of it, or less when it is full.
+fn write_some(pipe: &File, bytes: &[u8]) -> io::Result<usize> {
+    let mut written = 0;
+    while written < bytes.len() {
+        match (&*pipe).write(&bytes[written..]) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => written += n,
+            Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+            Err(error) if error.kind() == io::ErrorKind::WouldBlock => break,
+            Err(error) => return Err(error),
         }
     }
+    Ok(written)
+}
+
+/// Writes all of `bytes` into the non-blocking `pipe`, waiting while it is full; false when it broke.
+fn write_waiting(pipe: &File, mut bytes: &[u8]) -> bool {
+    while !bytes.is_empty() {
+        match (&*pipe).write(bytes) {
+            Ok(n) if n > 0 => bytes = &bytes[n..],
+            Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+            Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
+                process::wait_writable(pipe.as_raw_fd());
+            }
+            Ok(_) | Err(_) => return false,
+        }
+    }
+    true
 }

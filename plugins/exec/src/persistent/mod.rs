@@ -241,8 +241,16 @@ impl Shared {
         };
         let line = protocol::task_line(task, wall_deadline);
         let answer = child.submit(task.id(), line)?;
-        let mut pause = Duration::from_millis(1);
         loop {
+            // The answer wakes the worker at once; the pause only bounds how late the cancel flag, the timeout and
+            // the child's exit are seen. A fixed MAX_POLL, not one growing from 1 ms as the per-task mode's: a
+            // round trip through a busy child takes a few ms, and each early wake-up was a context switch more
+            // per task (docs/PERFORMANCE.md, "Handlers in other languages").
+            let pause = deadline.map_or(MAX_POLL, |deadline| {
+                deadline
+                    .saturating_duration_since(Instant::now())
+                    .clamp(Duration::from_millis(1), MAX_POLL)
+            });
             match answer.recv_timeout(pause) {
                 Ok(outcome) => return Some(outcome),
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
@@ -265,7 +273,6 @@ impl Shared {
                 // the end's reason, comes on `answer`.
                 child.end(Cause::Exited);
             }
-            pause = (pause * 2).min(MAX_POLL);
         }
     }
 
