@@ -301,6 +301,7 @@ fn today(
             p("quarantine:64:normal"),
             claims.clone(),
             info.clone(),
+            p(&format!("settled:{OWNER}:acker:bits")),
             list.clone(),
             bits.clone(),
         ] {

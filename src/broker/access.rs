@@ -449,6 +449,11 @@ pub const COMMANDS: &[Command] = &[
         why: "settle.lua counts a claim's settled positions",
     },
     Command {
+        name: "bitop",
+        roles: &[D],
+        why: "settle.lua ORs a call's settled positions into a claim's bitmap",
+    },
+    Command {
         name: "getbit",
         roles: &[D],
         why: "settle.lua checks a task's settled bit, so that a task is settled once",
@@ -516,6 +521,8 @@ enum Kind {
     ClaimList,
     /// A claim's settled bitmap.
     ClaimSettled,
+    /// A settling party's scratch string in settle.lua.
+    SettleScratch,
     Settled,
     Dead,
     Unique,
@@ -603,6 +610,7 @@ const DAEMON: &[(&str, On)] = &[
     ("evalsha", key(K::Processing)),
     ("evalsha", key(K::ClaimList)),
     ("evalsha", key(K::ClaimSettled)),
+    ("evalsha", key(K::SettleScratch)),
     ("evalsha", key(K::Settled)),
     ("evalsha", key(K::Dead)),
     ("evalsha", key(K::Unique)),
@@ -661,6 +669,11 @@ const DAEMON: &[(&str, On)] = &[
     ("bitcount", key(K::ClaimSettled)),
     ("getbit", key(K::ClaimSettled)),
     ("setbit", key(K::ClaimSettled)),
+    ("bitop", key(K::ClaimSettled)),
+    ("bitop", key(K::SettleScratch)),
+    ("type", key(K::SettleScratch)),
+    ("set", key(K::SettleScratch)),
+    ("del", key(K::SettleScratch)),
     ("del", key(K::ClaimSettled)),
     ("zrem", key(K::Processing)),
     ("hdel", key(K::Processing)),
@@ -992,6 +1005,7 @@ fn names(keys: &QueueKeys, kind: Kind) -> Vec<String> {
             .map(|level| keys.claim_settled(SOME_OWNER, level, 0))
             .collect(),
         Kind::Settled => vec![keys.settled(SOME_OWNER)],
+        Kind::SettleScratch => vec![keys.settle_scratch(SOME_OWNER)],
         Kind::Dead => vec![keys.dead.clone()],
         Kind::Unique => vec![keys.unique.clone()],
         Kind::UniquePopped => vec![keys.unique_popped.clone()],
@@ -1024,6 +1038,7 @@ fn argv(command: &str, target: Option<&str>) -> Vec<String> {
         "zcard" | "hlen" | "hgetall" | "llen" | "lpop" | "type" | "exists" | "del" | "get"
         | "watch" | "subscribe" | "bitcount" => vec![name, t()],
         "getbit" => vec![name, t(), "0".into()],
+        "bitop" => vec![name, "OR".into(), t(), t(), t()],
         "setbit" => vec![name, t(), "0".into(), "1".into()],
         // The key as the source and as the destination: the check asks for both reading and writing it.
         "sort" => vec![name, t(), "BY".into(), "nosort".into(), "STORE".into(), t()],

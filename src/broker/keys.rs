@@ -190,6 +190,12 @@ impl QueueKeys {
         format!("{}:settled:{settler}", self.base)
     }
 
+    /// A settling party's scratch string inside settle.lua (a claim's new settled bits, merged with BITOP);
+    /// never left behind.
+    pub fn settle_scratch(&self, settler: &str) -> String {
+        format!("{}:bits", self.settled(settler))
+    }
+
     /// The claim sets of `owner`, one per level.
     pub fn processing_all(&self, owner: &str) -> Vec<String> {
         (0..self.levels())

@@ -758,7 +758,9 @@ pub fn settle<'a>(
         for level in 0..keys.levels() {
             invocation.key(keys.processing(owner, level));
         }
-        invocation.key(keys.owner_info(owner));
+        invocation
+            .key(keys.owner_info(owner))
+            .key(keys.settle_scratch(call.settler));
         for (level, claim, ..) in &touched.claims {
             invocation
                 .key(keys.claim_list(owner, *level, *claim))

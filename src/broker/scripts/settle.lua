@@ -9,8 +9,9 @@
 -- for groups of 1, 8 and 64, each over the levels), and in safe mode: KEYS[8+5L .. 7+6L] the claim sets of the
 -- owner whose tasks these are (`processing:OWNER:LEVEL`, zset claim -> tasks not yet settled; a hash token ->
 -- envelope for an owner of kmqd 0.1, see "Older owners"), all in level order, KEYS[8+6L] that
--- owner's info hash, then for each claim the call touches, its list and its settled bitmap
--- (`processing:OWNER:LEVEL:CLAIM` and `...:CLAIM:settled`)
+-- owner's info hash, KEYS[9+6L] the settling party's scratch string (`settled:SETTLER:bits`: each claim's new
+-- bits, for BITOP; deleted before the script ends), then for each claim the call touches, its list and its
+-- settled bitmap (`processing:OWNER:LEVEL:CLAIM` and `...:CLAIM:settled`)
 -- ARGV[1] fence: "owner" (the owner settles its own tasks) or "expired" (a monitor settles the tasks of an owner
 --         whose lease ran out; nothing is applied unless it has)
 -- ARGV[2] dead list bound; ARGV[3] number of levels L; ARGV[4] the delay poller's channel; ARGV[5] the owner
@@ -58,8 +59,8 @@ local fence, dead_max, levels, channel, owner = ARGV[1], tonumber(ARGV[2]), tonu
 local call = ARGV[6]
 local READY, RETRY, QUARANTINE, PROCESSING = 7, 7 + levels, 7 + 2 * levels, 7 + 5 * levels
 local safe = #KEYS > PROCESSING
-local info, CLAIM_KEYS = false, PROCESSING + levels + 1
-if safe then info = KEYS[PROCESSING + levels + 1] end
+local info, scratch, CLAIM_KEYS = false, false, PROCESSING + levels + 2
+if safe then info, scratch = KEYS[PROCESSING + levels + 1], KEYS[PROCESSING + levels + 2] end
 local OPS = {ack = true, retry = true, retry_isolated = true, recover = true, recover_isolated = true,
   back = true, dead = true}
 
@@ -100,7 +101,7 @@ if #ARGV >= records then
     end
   end
 end
-if info then expected[info] = 'hash' end
+if info then expected[info], expected[scratch] = 'hash', 'string' end
 local function expect(key, kind)
   if expected[key] and expected[key] ~= kind then
     return redis.error_reply('settle.lua: ' .. key .. ' is both a ' .. expected[key] .. ' and a ' .. kind ..
@@ -150,20 +151,8 @@ if fence == 'expired' then
   live = lease ~= false and tonumber(lease) <= now
 end
 
--- Merges the bitmap `new` into the string `old` (bit-wise OR), in chunks of bytes taken and made in one call
--- each (a byte at a time costs several times more; unpack's stack bounds a chunk).
-local function merged(old, new)
-  local out = {}
-  for at = 1, math.max(#old, #new), 4096 do
-    local last = at + 4095
-    local a, b = {string.byte(old, at, last)}, {string.byte(new, at, last)}
-    for i = #a + 1, #b do a[i] = 0 end
-    for i = 1, #b do a[i] = bit.bor(a[i], b[i]) end
-    out[#out + 1] = string.char(unpack(a))
-  end
-  return table.concat(out)
-end
 local stale = 0
+local used_scratch = false
 for k = 1, claims do
   local c = claim[k]
   c.length = redis.call('LLEN', c.list)
@@ -181,8 +170,11 @@ for k = 1, claims do
         redis.call('SET', c.bits, c.acks)
         done = done + c.count
       else
+        -- Merged natively: OR-ing the bytes in Lua costs more than ten times as much.
+        redis.call('SET', scratch, c.acks)
         local before = redis.call('BITCOUNT', c.bits)
-        redis.call('SET', c.bits, merged(old, c.acks))
+        redis.call('BITOP', 'OR', c.bits, c.bits, scratch)
+        used_scratch = true
         local fresh = redis.call('BITCOUNT', c.bits) - before
         done = done + fresh
         stale = stale + c.count - fresh
@@ -260,6 +252,7 @@ while i <= #ARGV do
   result[#result + 1] = ok
   i = i + 8
 end
+if used_scratch then redis.call('DEL', scratch) end
 -- A claim whose every task is settled goes; the others' scores count what they still hold.
 for k = 1, claims do
   local c = claim[k]
