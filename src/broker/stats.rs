@@ -121,7 +121,8 @@ fn pairs_as_map<S: serde::Serializer>(
     serializer.collect_map(pairs.iter().map(|(k, v)| (k, v)))
 }
 
-/// Reads a queue's depth and counters in three round trips: the owners, their levels, then everything else.
+/// Reads a queue's depth and counters in five round trips: the owners, their levels, everything else, then the
+/// types and the contents of the owners' processing keys ([`super::processing::counts`]).
 ///
 /// The levels are the queue's configured ones and any other a registered owner claims from (a rolling config
 /// change: another daemon serves a level this config does not name), so tasks there are counted too.
