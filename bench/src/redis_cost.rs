@@ -286,25 +286,13 @@ fn today(
             bitmap[position / 8] |= 0x80 >> (position % 8);
         }
         let mut settle = scripts.settle.prepare_invoke();
-        for key in [
-            p("owners"),
-            p("stats"),
-            p("dead"),
-            p("unique"),
-            p("wake"),
-            p(&format!("settled:{OWNER}:acker")),
-            p("unique_popped"),
-            READY.to_string(),
-            p("retry:normal"),
-            p("quarantine:1:normal"),
-            p("quarantine:8:normal"),
-            p("quarantine:64:normal"),
+        for key in settle_keys().into_iter().chain([
             claims.clone(),
             info.clone(),
             p(&format!("settled:{OWNER}:acker:bits")),
             list.clone(),
             bits.clone(),
-        ] {
+        ]) {
             settle.key(key);
         }
         settle
@@ -377,22 +365,7 @@ fn hash(conn: &mut redis::Connection, scripts: &Scripts, round: usize) -> Result
         other => return Err(format!("claim.lua: unexpected reply {other:?}")),
     };
     let mut settle = scripts.hash_settle.prepare_invoke();
-    for key in [
-        p("owners"),
-        p("stats"),
-        p("dead"),
-        p("unique"),
-        p("wake"),
-        p(&format!("settled:{OWNER}:acker")),
-        p("unique_popped"),
-        READY.to_string(),
-        p("retry:normal"),
-        p("quarantine:1:normal"),
-        p("quarantine:8:normal"),
-        p("quarantine:64:normal"),
-        processing,
-        info,
-    ] {
+    for key in settle_keys().into_iter().chain([processing, info]) {
         settle.key(key);
     }
     settle
@@ -416,6 +389,25 @@ fn hash(conn: &mut redis::Connection, scripts: &Scripts, round: usize) -> Result
         ));
     }
     Ok(taken)
+}
+
+/// The keys settle.lua takes before the owner's (both versions, one level), as src/broker/tasks.rs names them.
+fn settle_keys() -> [String; 12] {
+    let p = |suffix: &str| format!("kmq:{{q}}:{suffix}");
+    [
+        p("owners"),
+        p("stats"),
+        p("dead"),
+        p("unique"),
+        p("wake"),
+        p(&format!("settled:{OWNER}:acker")),
+        p("unique_popped"),
+        READY.to_string(),
+        p("retry:normal"),
+        p("quarantine:1:normal"),
+        p("quarantine:8:normal"),
+        p("quarantine:64:normal"),
+    ]
 }
 
 /// A backlog of [`BATCH`] envelopes on the ready list.
