@@ -244,20 +244,10 @@ fn today(
         .prepare_invoke()
         .load(conn)
         .map_err(|e| format!("SCRIPT LOAD: {e}"))?;
-    let keys = [
-        p("owners"),
-        p("wake"),
-        info.clone(),
-        p("dead"),
-        p("stats"),
-        p("paused"),
-        READY.to_string(),
-        p("quarantine:1:normal"),
-        p("quarantine:8:normal"),
-        p("quarantine:64:normal"),
-        claims.clone(),
-        list.clone(),
-    ];
+    let keys: Vec<String> = claim_keys()
+        .into_iter()
+        .chain([claims.clone(), list.clone()])
+        .collect();
     let (_, got): (redis::Value, Vec<redis::Value>) = redis::pipe()
         .atomic()
         .cmd("EVALSHA")
@@ -334,19 +324,7 @@ fn hash(conn: &mut redis::Connection, scripts: &Scripts, round: usize) -> Result
     lease(conn)?;
     let first = (round * BATCH) as u64 + 1;
     let mut claim = scripts.hash_claim.prepare_invoke();
-    for key in [
-        p("owners"),
-        p("wake"),
-        info.clone(),
-        p("dead"),
-        p("stats"),
-        p("paused"),
-        READY.to_string(),
-        p("quarantine:1:normal"),
-        p("quarantine:8:normal"),
-        p("quarantine:64:normal"),
-        processing.clone(),
-    ] {
+    for key in claim_keys().into_iter().chain([processing.clone()]) {
         claim.key(key);
     }
     claim
@@ -389,6 +367,23 @@ fn hash(conn: &mut redis::Connection, scripts: &Scripts, round: usize) -> Result
         ));
     }
     Ok(taken)
+}
+
+/// The keys claim.lua takes before the owner's (both versions, one level), as src/broker/tasks.rs names them.
+fn claim_keys() -> [String; 10] {
+    let p = |suffix: &str| format!("kmq:{{q}}:{suffix}");
+    [
+        p("owners"),
+        p("wake"),
+        p(&format!("owner:{OWNER}")),
+        p("dead"),
+        p("stats"),
+        p("paused"),
+        READY.to_string(),
+        p("quarantine:1:normal"),
+        p("quarantine:8:normal"),
+        p("quarantine:64:normal"),
+    ]
 }
 
 /// The keys settle.lua takes before the owner's (both versions, one level), as src/broker/tasks.rs names them.
