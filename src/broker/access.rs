@@ -998,9 +998,7 @@ fn names(keys: &QueueKeys, kind: Kind) -> Vec<String> {
         Kind::Processing => levels
             .map(|level| keys.processing(SOME_OWNER, level))
             .collect(),
-        Kind::ClaimList => levels
-            .map(|level| keys.claim_list(SOME_OWNER, level, 0))
-            .collect(),
+        Kind::ClaimList => keys.claim_lists(SOME_OWNER, 0),
         Kind::ClaimSettled => levels
             .map(|level| keys.claim_settled(SOME_OWNER, level, 0))
             .collect(),

@@ -173,6 +173,13 @@ impl QueueKeys {
         format!("{}:{claim}", self.processing(owner, level))
     }
 
+    /// Safe mode: the lists of one claim of `owner`, one per level, in level order.
+    pub fn claim_lists(&self, owner: &str, claim: u64) -> Vec<String> {
+        (0..self.levels())
+            .map(|level| self.claim_list(owner, level, claim))
+            .collect()
+    }
+
     /// Safe mode: the bitmap of the settled positions of a claim list (bit p, in `GETBIT`'s order).
     pub fn claim_settled(&self, owner: &str, level: usize, claim: u64) -> String {
         format!("{}:{claim}:settled", self.processing(owner, level))

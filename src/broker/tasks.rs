@@ -138,9 +138,7 @@ pub fn claim(
     max: usize,
     limits: &ClaimLimits<'_>,
 ) -> Result<Batch> {
-    let lists: Vec<String> = (0..keys.levels())
-        .map(|level| keys.claim_list(owner, level, claim))
-        .collect();
+    let lists = keys.claim_lists(owner, claim);
     let mut script_keys = vec![
         keys.owners.clone(),
         keys.wake.clone(),
@@ -280,9 +278,7 @@ pub fn adopt(
     claim: u64,
     count: usize,
 ) -> Result<Batch> {
-    let lists: Vec<String> = (0..keys.levels())
-        .map(|level| keys.claim_list(owner, level, claim))
-        .collect();
+    let lists = keys.claim_lists(owner, claim);
     let mut script_keys = vec![keys.owners.clone(), keys.owner_info(owner)];
     script_keys.extend(lists.iter().cloned());
     let mut eval = evalsha(&SCRIPTS.adopt, &script_keys);
@@ -669,8 +665,8 @@ pub struct Call<'a> {
 /// The claims one settle call touches, each with the bitmap of its plain acknowledgements (settle.lua).
 #[derive(Default)]
 struct Touched {
-    /// (level, claim, bitmap of acknowledged positions in `GETBIT`'s order, how many bits are set).
-    claims: Vec<(usize, u64, Vec<u8>, usize)>,
+    /// (level, claim, bitmap of acknowledged positions in `GETBIT`'s order).
+    claims: Vec<(usize, u64, Vec<u8>)>,
 }
 
 impl Touched {
@@ -684,22 +680,18 @@ impl Touched {
         {
             return at + 1;
         }
-        self.claims.push((level, claim, Vec::new(), 0));
+        self.claims.push((level, claim, Vec::new()));
         self.claims.len()
     }
 
     fn acknowledge(&mut self, level: usize, claim: u64, position: u32) {
         let at = self.index(level, claim) - 1;
-        let (_, _, bits, count) = &mut self.claims[at];
+        let bits = &mut self.claims[at].2;
         let byte = position as usize / 8;
         if bits.len() <= byte {
             bits.resize(byte + 1, 0);
         }
-        let mask = 0x80 >> (position % 8);
-        if bits[byte] & mask == 0 {
-            bits[byte] |= mask;
-            *count += 1;
-        }
+        bits[byte] |= 0x80 >> (position % 8);
     }
 }
 
@@ -778,7 +770,8 @@ pub fn settle<'a>(
         .arg(owner.unwrap_or(""))
         .arg(call.number)
         .arg(touched.claims.len());
-    for (level, claim, bits, count) in &touched.claims {
+    for (level, claim, bits) in &touched.claims {
+        let count: u32 = bits.iter().map(|byte| byte.count_ones()).sum();
         invocation
             .arg(level + 1)
             .arg(claim)
