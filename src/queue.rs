@@ -62,6 +62,14 @@ impl QueueContext {
         payload: &'a [u8],
         verdict_of: impl FnOnce(&Envelope<'a>) -> Verdict,
     ) -> (Verdict, Option<Envelope<'a>>) {
+        match self.runnable(payload) {
+            Ok(envelope) => (verdict_of(&envelope), Some(envelope)),
+            Err(verdict) => (verdict, None),
+        }
+    }
+
+    /// A held task's envelope, or, when it cannot run (too large, or not an envelope), the verdict on it.
+    pub fn runnable<'a>(&self, payload: &'a [u8]) -> Result<Envelope<'a>, Verdict> {
         // Safe mode's claim keeps such payloads in Redis; default mode's pop has read them, but they never run.
         if payload.len() > self.config.max_task_bytes {
             let reason = format!(
@@ -69,17 +77,11 @@ impl QueueContext {
                 payload.len(),
                 self.config.max_task_bytes
             );
-            return (Verdict::Unrunnable { reason }, None);
+            return Err(Verdict::Unrunnable { reason });
         }
-        match self.decode(payload) {
-            Ok(envelope) => (verdict_of(&envelope), Some(envelope)),
-            Err(error) => (
-                Verdict::Unrunnable {
-                    reason: error.to_string(),
-                },
-                None,
-            ),
-        }
+        self.decode(payload).map_err(|error| Verdict::Unrunnable {
+            reason: error.to_string(),
+        })
     }
 
     /// Decides a held task's fate from `verdict` and builds the settlement that applies it: the one path every

@@ -23,6 +23,10 @@
  *     tasks: two instances, each loaded as its own library (its own globals), each with its own init and state.
  *     The old one's shutdown runs once its last call returned, on whichever host thread made that call. A
  *     section kept (same file, same section name) keeps its instance; a section added is one more `init`.
+ *   - A plugin that runs tasks elsewhere (other processes, an event loop) may set `start`: the host then hands it
+ *     a task and goes on, and the plugin reports the outcome later through the `complete` callback, so that no
+ *     host thread waits per task in flight. A plugin without `start` (or whose `start` declines) is called
+ *     through `handle`, as before; both count against the queue's `workers`, the most tasks run at once.
  */
 #ifndef KMQ_PLUGIN_H
 #define KMQ_PLUGIN_H
@@ -72,6 +76,14 @@ typedef struct {
     size_t len;
 } kmq_buf;
 
+/* The host's callback for a task a plugin accepted in `start`: called by the plugin exactly once per accepted
+ * task, from any thread, when the attempt is over (possibly before `start` returns). `ticket` is what `start` was
+ * given; `status` and `msg` mean what `handle`'s return value and message mean (the host copies msg during the
+ * call); `retry_after_ms` is `handle`'s out-parameter (-1: the queue's backoff; ignored unless KMQ_RETRY). Quick:
+ * it decides the task's settlement and queues it, and never waits for Redis. After it, the task's `cancel` flag
+ * may be freed. */
+typedef void (*kmq_complete_fn)(void *ticket, int32_t status, kmq_str msg, int64_t retry_after_ms);
+
 typedef struct {
     uint32_t abi_version;                /* KMQ_ABI_VERSION; first, and never moves */
     uint32_t struct_size;                /* sizeof(kmq_plugin) as the plugin was built: later v1 fields are appended */
@@ -95,6 +107,19 @@ typedef struct {
     /* Optional (may be NULL): called once per instance, after its last handle() (and on_dead()) returned: when the
      * daemon stops, or when a reload replaced this instance and its last task finished; from any thread. */
     void (*shutdown)(void *state);
+    /* Optional (may be NULL, and absent from a plugin built before it: the host reads it only when struct_size
+     * covers it): starts one attempt of a task without waiting for it. Returns 0 when the plugin took the task:
+     * it then calls complete(ticket, ...) exactly once, later or before returning, from any thread. Returns
+     * non-zero to decline (then it must not call complete): the host runs the task through `handle` instead, so
+     * an instance that runs tasks in place (the exec plugin's per_task mode) declines each. Called from many
+     * threads at once. It may block while the plugin has no room for the task (the host never starts more than
+     * the queue's `workers` at once), but should not run the task itself. The task's strings are valid only
+     * during the call (copy what you keep); its `cancel` flag stays valid until complete is called (a plugin
+     * watches it as `handle` does, and should complete a cancelled task soon: a task cancelled and never
+     * completed holds one of the queue's `workers` until the daemon exits, as a handler that never returns
+     * does); its `retry_after_ms` is unused (complete takes the delay). The host calls `shutdown` only once
+     * every accepted task was completed. */
+    int32_t (*start)(void *state, const kmq_task *task, kmq_complete_fn complete, void *ticket);
 } kmq_plugin;
 
 /* The exported symbol; v1 is the ABI version. */

@@ -24,8 +24,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
 use kmq_plugin::abi::{
-    self, EntryFn, HandleFn, KMQ_ABI_VERSION, KmqBuf, KmqStr, KmqTask, MIN_STRUCT_SIZE, OnDeadFn,
-    PLUGIN_SYMBOL, ShutdownFn,
+    self, EntryFn, HandleFn, KMQ_ABI_VERSION, KmqBuf, KmqStatus, KmqStr, KmqTask, MIN_STRUCT_SIZE,
+    OnDeadFn, PLUGIN_SYMBOL, ShutdownFn, StartFn,
 };
 use kmq_plugin::host::{self, Refusal};
 
@@ -72,6 +72,7 @@ pub struct LoadedPlugin {
     handle: HandleFn,
     on_dead: Option<OnDeadFn>,
     shutdown: Option<ShutdownFn>,
+    start: Option<StartFn>,
     /// Whatever `init` returned; only ever passed back to the plugin.
     state: *mut c_void,
     /// Whether `shutdown` has run: it runs once, from [`LoadedPlugin::shutdown`] or when the last reference goes.
@@ -225,9 +226,47 @@ impl Library {
             handle: descriptor.handle,
             on_dead: descriptor.on_dead,
             shutdown: descriptor.shutdown,
+            start: descriptor.start,
             state,
             shut_down: AtomicBool::new(false),
         })
+    }
+}
+
+/// What runs when a task a plugin took in `start` completes: on the plugin's thread, once.
+pub type Completion = Box<dyn FnOnce(Status) + Send>;
+
+/// The host's `kmq_complete_fn`: the ticket is a boxed [`Completion`].
+unsafe extern "C" fn completed(
+    ticket: *mut c_void,
+    status: KmqStatus,
+    msg: KmqStr,
+    retry_after_ms: i64,
+) {
+    // SAFETY: `ticket` is the box `LoadedPlugin::start` leaked for this task, and the ABI has the plugin call this
+    // once per task it took, so the box is taken back once.
+    let completion = unsafe { Box::from_raw(ticket.cast::<Completion>()) };
+    // SAFETY: the message is valid for the call; it is copied here.
+    let bytes = unsafe { msg.as_bytes() };
+    let text = || String::from_utf8_lossy(&bytes[..bytes.len().min(MESSAGE_CAPACITY)]).into_owned();
+    let status = status_of(status, text, retry_after_ms);
+    // Nothing may unwind into the plugin: a panic here is the daemon's bug, logged, and the task stays held until
+    // the daemon stops (its lease keeps it safe in Redis).
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || completion(status))).is_err() {
+        tracing::error!("a started task's completion panicked; the task stays held");
+    }
+}
+
+/// A `kmq_status` (with its message and retry delay) as the daemon reads it.
+fn status_of(status: KmqStatus, text: impl FnOnce() -> String, retry_after_ms: i64) -> Status {
+    match status {
+        abi::KMQ_DONE => Status::Done { output: text() },
+        abi::KMQ_RETRY => Status::Retry {
+            after: (retry_after_ms >= 0).then(|| Duration::from_millis(retry_after_ms as u64)),
+            message: text(),
+        },
+        abi::KMQ_FAIL => Status::Fail { message: text() },
+        other => Status::Unknown(other),
     }
 }
 
@@ -286,16 +325,38 @@ impl LoadedPlugin {
         // returned, and `handle` is thread-safe by contract.
         let status = unsafe { (self.handle)(self.state, &task, &mut buf) };
         let len = buf.len.min(MESSAGE_CAPACITY);
-        let text = || String::from_utf8_lossy(&message[..len]).into_owned();
-        match status {
-            abi::KMQ_DONE => Status::Done { output: text() },
-            abi::KMQ_RETRY => Status::Retry {
-                after: (retry_after_ms >= 0).then(|| Duration::from_millis(retry_after_ms as u64)),
-                message: text(),
-            },
-            abi::KMQ_FAIL => Status::Fail { message: text() },
-            other => Status::Unknown(other),
+        status_of(
+            status,
+            || String::from_utf8_lossy(&message[..len]).into_owned(),
+            retry_after_ms,
+        )
+    }
+
+    /// Whether the plugin may take tasks without a thread waiting for each (`start`).
+    pub fn starts(&self) -> bool {
+        self.start.is_some()
+    }
+
+    /// Starts one attempt without waiting for it: `Ok` when the plugin took it (`completion` then runs once, on
+    /// whichever thread the plugin completes it from, possibly before this returns), `Err(completion)` when the
+    /// plugin has no `start` or declined (run it through [`LoadedPlugin::handle`]). `run.cancel` must stay valid
+    /// until `completion` runs.
+    pub fn start(&self, run: &Run<'_>, completion: Completion) -> Result<(), Completion> {
+        let Some(start) = self.start else {
+            return Err(completion);
+        };
+        let mut retry_after_ms: i64 = -1;
+        let task = task_view(run, &mut retry_after_ms);
+        let ticket = Box::into_raw(Box::new(completion));
+        // SAFETY: the ABI call: `task`'s strings are valid until it returns and its cancel flag until the
+        // completion runs (the caller's contract); `ticket` is passed back to `completed` once if the plugin
+        // takes the task, never if it declines; `start` is thread-safe by contract.
+        let declined = unsafe { start(self.state, &task, completed, ticket.cast::<c_void>()) } != 0;
+        if declined {
+            // SAFETY: a declining start never calls complete: the box is still ours.
+            return Err(*unsafe { Box::from_raw(ticket) });
         }
+        Ok(())
     }
 
     /// Tells the plugin a task of its types was dead-lettered.

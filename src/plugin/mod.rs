@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
-pub use ffi::{LoadedPlugin, MESSAGE_CAPACITY, Run, Status};
+pub use ffi::{Completion, LoadedPlugin, MESSAGE_CAPACITY, Run, Status};
 
 use crate::config::{Config, PluginConfig};
 
@@ -290,8 +290,8 @@ impl Registry {
     }
 
     /// The plugin that handles `kind`.
-    pub fn for_type(&self, kind: &str) -> Option<&LoadedPlugin> {
-        self.by_type.get(kind).map(Arc::as_ref)
+    pub fn for_type(&self, kind: &str) -> Option<&Arc<LoadedPlugin>> {
+        self.by_type.get(kind)
     }
 
     /// The loaded plugins: the config's sections in order, then the drop-ins by file name.

@@ -665,3 +665,37 @@ fn a_daemon_killed_with_sigkill_leaves_no_handler_process_behind() {
         wait_dead(pid, "a child of the killed daemon (parent-death signal)");
     }
 }
+
+#[test]
+fn a_plugin_that_starts_tasks_runs_no_more_at_once_than_the_queues_workers() {
+    // The exec plugin takes tasks through `start` (kmq_plugin.h): no worker thread waits per task, so the
+    // lane's slots alone keep it to `workers` at once. Its child could hold 20.
+    let rig = rig(
+        "workers = 3",
+        "shutdown_grace = \"1s\"",
+        &[("py", "py", "ok", ", processes = 1, concurrency = 20")],
+    );
+    let daemon = TestDaemon::start(&rig.config);
+    // Each is answered only when the task three places after it reaches the child: with three at once, none
+    // ever is; with a fourth slot, they all would be, one after another.
+    for i in 1..=6 {
+        rig.push(
+            "py",
+            &format!("h{i}"),
+            &format!(r#"{{"do": "hold", "until": "h{}"}}"#, i + 3),
+        );
+    }
+    eventually(Duration::from_secs(10), "three tasks on the child", || {
+        let runs = rig.runs();
+        (runs.len() >= 3, runs)
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let runs = rig.runs();
+    assert_eq!(
+        runs.len(),
+        3,
+        "no more than `workers` tasks reach the child: {runs:?}"
+    );
+    assert_eq!(stats(&rig.config, "jobs").done, 0);
+    daemon.stop();
+}

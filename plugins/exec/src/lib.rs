@@ -27,7 +27,7 @@ mod persistent;
 mod process;
 mod tail;
 
-use kmq_plugin::{Handler, Outcome, Task};
+use kmq_plugin::{Completion, Handler, Outcome, Task};
 
 use config::{Config, RawConfig, Run};
 
@@ -69,6 +69,20 @@ impl Handler for Exec {
         match &self.runner {
             Runner::PerTask(per_task) => per_task.run(task),
             Runner::Persistent(pool) => pool.run(task),
+        }
+    }
+
+    /// Persistent children take tasks without a daemon thread waiting for each; a process per task is run in
+    /// place (`handle`).
+    const STARTS: bool = true;
+
+    fn start(&self, task: &Task<'_>, done: Completion) -> Result<(), Completion> {
+        match &self.runner {
+            Runner::PerTask(_) => Err(done),
+            Runner::Persistent(pool) => {
+                pool.start_task(task, done);
+                Ok(())
+            }
         }
     }
 

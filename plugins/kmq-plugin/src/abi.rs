@@ -108,6 +108,16 @@ pub type HandleFn =
     unsafe extern "C" fn(state: *mut c_void, task: *const KmqTask, msg: *mut KmqBuf) -> KmqStatus;
 pub type OnDeadFn = unsafe extern "C" fn(state: *mut c_void, task: *const KmqTask, reason: KmqStr);
 pub type ShutdownFn = unsafe extern "C" fn(state: *mut c_void);
+/// `kmq_complete_fn`: the host's callback for a task a plugin took in `start`.
+pub type CompleteFn =
+    unsafe extern "C" fn(ticket: *mut c_void, status: KmqStatus, msg: KmqStr, retry_after_ms: i64);
+/// `start`: 0 when the plugin took the task (it calls `complete` once), non-zero when it declines.
+pub type StartFn = unsafe extern "C" fn(
+    state: *mut c_void,
+    task: *const KmqTask,
+    complete: CompleteFn,
+    ticket: *mut c_void,
+) -> i32;
 
 /// `kmq_plugin`: the descriptor `kmq_plugin_v1()` returns.
 #[repr(C)]
@@ -121,6 +131,8 @@ pub struct KmqPlugin {
     pub handle: Option<HandleFn>,
     pub on_dead: Option<OnDeadFn>,
     pub shutdown: Option<ShutdownFn>,
+    /// Appended within v1: beyond an older plugin's `struct_size`, read as NULL.
+    pub start: Option<StartFn>,
 }
 
 /// The signature of the exported `kmq_plugin_v1` symbol.

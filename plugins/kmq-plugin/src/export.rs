@@ -8,8 +8,11 @@ use std::cell::{Cell, RefCell, UnsafeCell};
 use std::ffi::{CString, c_char, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-use crate::abi::{self, KMQ_ABI_VERSION, KmqBuf, KmqPlugin, KmqStatus, KmqStr, KmqTask};
-use crate::{Handler, Outcome, Task};
+use crate::abi::{
+    self, CompleteFn, KMQ_ABI_VERSION, KmqBuf, KmqPlugin, KmqStatus, KmqStr, KmqTask, StartFn,
+};
+use crate::completion::{Completion, abi_parts};
+use crate::{Handler, Task};
 
 /// The plugin's descriptor. `init` fills in `types` before it returns; the host reads the descriptor only from the
 /// thread that called `init`, after it returned, so there is no data race. A file named by several
@@ -38,6 +41,7 @@ pub fn descriptor<H: Handler>() -> *const KmqPlugin {
             handle: Some(handle::<H>),
             on_dead: Some(on_dead::<H>),
             shutdown: Some(shutdown::<H>),
+            start: H::STARTS.then_some(start::<H> as StartFn),
         }))
     });
     descriptor.0.get()
@@ -176,31 +180,47 @@ unsafe extern "C" fn handle<H: Handler>(
         (handler.handle(&view), task.retry_after_ms)
     });
     match result {
-        Ok((Outcome::Done, _)) => abi::KMQ_DONE,
-        Ok((Outcome::DoneWithOutput { output }, _)) => {
-            // SAFETY: host-owned buffer.
-            unsafe { write_buf(msg, &output) };
-            abi::KMQ_DONE
-        }
-        Ok((Outcome::Retry { after, reason }, retry_after_ms)) => {
-            if let (Some(after), false) = (after, retry_after_ms.is_null()) {
+        Ok((outcome, retry_after_ms)) => {
+            let (status, message, after) = abi_parts(&outcome);
+            if status == abi::KMQ_RETRY && after >= 0 && !retry_after_ms.is_null() {
                 // SAFETY: the host passes a valid out-pointer (checked non-null) for the call.
-                unsafe { *retry_after_ms = i64::try_from(after.as_millis()).unwrap_or(i64::MAX) };
+                unsafe { *retry_after_ms = after };
             }
             // SAFETY: host-owned buffer.
-            unsafe { write_buf(msg, &reason) };
-            abi::KMQ_RETRY
-        }
-        Ok((Outcome::Fail { reason }, _)) => {
-            // SAFETY: host-owned buffer.
-            unsafe { write_buf(msg, &reason) };
-            abi::KMQ_FAIL
+            unsafe { write_buf(msg, message) };
+            status
         }
         Err(panic) => {
             // SAFETY: host-owned buffer.
             unsafe { write_buf(msg, &format!("panic: {panic}")) };
             abi::KMQ_RETRY
         }
+    }
+}
+
+unsafe extern "C" fn start<H: Handler>(
+    state: *mut c_void,
+    task: *const KmqTask,
+    complete: CompleteFn,
+    ticket: *mut c_void,
+) -> i32 {
+    // SAFETY: the host's arguments of one `start` call; the task (and so its cancel pointer) is valid for it.
+    let done = unsafe { Completion::from_raw(complete, ticket, (*task).cancel) };
+    let result = caught(Scope::Result, || {
+        // SAFETY: as in `handle`.
+        let (handler, task) = unsafe { (&*state.cast::<H>(), &*task) };
+        // SAFETY: as in `handle`.
+        let view = unsafe { Task::from_raw(task) };
+        handler.start(&view, done)
+    });
+    match result {
+        Ok(Ok(())) => 0,
+        Ok(Err(declined)) => {
+            declined.decline();
+            1
+        }
+        // The completion was dropped while unwinding, which completed the task (as a retry saying so): taken.
+        Err(_) => 0,
     }
 }
 

@@ -7,7 +7,7 @@ use std::mem::offset_of;
 
 use crate::abi::{
     HandleFn, InitFn, KMQ_ABI_VERSION, KmqBuf, KmqPlugin, KmqStr, MESSAGE_CAPACITY,
-    MIN_STRUCT_SIZE, OnDeadFn, ShutdownFn,
+    MIN_STRUCT_SIZE, OnDeadFn, ShutdownFn, StartFn,
 };
 
 /// Why a descriptor is refused.
@@ -33,6 +33,7 @@ pub struct Descriptor {
     pub handle: HandleFn,
     pub on_dead: Option<OnDeadFn>,
     pub shutdown: Option<ShutdownFn>,
+    pub start: Option<StartFn>,
 }
 
 /// Reads a NUL-terminated string owned by the plugin.
@@ -89,6 +90,12 @@ pub unsafe fn read(raw: *const KmqPlugin) -> Result<Descriptor, Refusal> {
     } else {
         None
     };
+    let start = if covers(offset_of!(KmqPlugin, start), size_of::<Option<StartFn>>()) {
+        // SAFETY: struct_size covers the field.
+        unsafe { (*raw).start }
+    } else {
+        None
+    };
     // SAFETY: the ABI makes `name` a NUL-terminated string that lives as long as the library.
     let name = unsafe { c_string(name) };
     let handle = handle.ok_or(Refusal::NoHandle)?;
@@ -99,6 +106,7 @@ pub unsafe fn read(raw: *const KmqPlugin) -> Result<Descriptor, Refusal> {
         handle,
         on_dead,
         shutdown,
+        start,
     })
 }
 

@@ -28,6 +28,7 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod abi;
+mod completion;
 #[doc(hidden)]
 pub mod export;
 pub mod host;
@@ -38,6 +39,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::de::DeserializeOwned;
 
+pub use completion::Completion;
 pub use serde_json;
 
 /// A task handler. One value is created by `init` per `[plugins.NAME]` section naming the file (an instance) and
@@ -60,6 +62,20 @@ pub trait Handler: Send + Sync + Sized + 'static {
 
     /// Runs one attempt of a task. Called from many threads at once.
     fn handle(&self, task: &Task<'_>) -> Outcome;
+
+    /// Whether the plugin exports [`Handler::start`]: set it to `true` in a handler that runs its tasks
+    /// elsewhere (other processes, an event loop), so that the daemon does not keep a thread waiting per task in
+    /// flight. With `false` (the default) every task goes through [`Handler::handle`].
+    const STARTS: bool = false;
+
+    /// Starts one attempt of a task and returns without waiting for it: the outcome goes to `done` later, from
+    /// any thread ([`Completion::complete`]; dropping it completes the task as a retry). `Err(done)` declines
+    /// the task: the daemon then runs it through [`Handler::handle`], on the thread that called this. Called
+    /// only when [`Handler::STARTS`] is true; may block while the plugin has no room for the task, but should
+    /// not run it. The task's text is borrowed for this call only; `done` tells whether it was cancelled.
+    fn start(&self, _task: &Task<'_>, done: Completion) -> Result<(), Completion> {
+        Err(done)
+    }
 
     /// A task of one of this plugin's types was dead-lettered (after it is safely in the dead-letter list).
     fn on_dead(&self, _task: &Task<'_>, _reason: &str) {}

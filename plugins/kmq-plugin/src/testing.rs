@@ -43,12 +43,12 @@
 
 use std::ffi::{c_char, c_void};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, mpsc};
 use std::time::Duration;
 
 use crate::abi::{
     self, EntryFn, HandleFn, KMQ_ABI_VERSION, KmqBuf, KmqStr, KmqTask, MESSAGE_CAPACITY,
-    MIN_STRUCT_SIZE, OnDeadFn, ShutdownFn,
+    MIN_STRUCT_SIZE, OnDeadFn, ShutdownFn, StartFn,
 };
 use crate::host::{self, Refusal};
 
@@ -131,6 +131,7 @@ pub struct Harness {
     handle: HandleFn,
     on_dead: Option<OnDeadFn>,
     shutdown: Option<ShutdownFn>,
+    start: Option<StartFn>,
     /// What `init` returned, passed back to every call; invalid once `shutdown` ran.
     state: *mut c_void,
     shut_down: bool,
@@ -189,14 +190,19 @@ impl Harness {
         // SAFETY: as above; read after init, as the ABI says.
         let types = unsafe { descriptor.types() };
         let name = descriptor.name.clone().unwrap_or_default();
-        let (handle, on_dead, shutdown) =
-            (descriptor.handle, descriptor.on_dead, descriptor.shutdown);
+        let (handle, on_dead, shutdown, start) = (
+            descriptor.handle,
+            descriptor.on_dead,
+            descriptor.shutdown,
+            descriptor.start,
+        );
         Ok(Harness {
             name,
             types,
             handle,
             on_dead,
             shutdown,
+            start,
             state,
             shut_down: false,
         })
@@ -212,8 +218,25 @@ impl Harness {
         &self.types
     }
 
-    /// Runs one attempt of `task` through the plugin's `handle`. May be called from many threads at once.
+    /// Runs one attempt of `task` as kmqd does: through the plugin's `start` when it has one and takes the task
+    /// (waiting for its completion), else through `handle`. May be called from many threads at once.
     pub fn run(&self, task: TestTask) -> RunResult {
+        if let Some(start) = self.start {
+            let (sender, receiver) = mpsc::sync_channel(1);
+            let ticket = Box::into_raw(Box::new(sender)).cast::<c_void>();
+            let mut retry_after_ms: i64 = -1;
+            let raw = raw_task(&task, &mut retry_after_ms);
+            // SAFETY: as in `handle` below; `ticket` is ours until `completed` takes it back, and the task's
+            // cancel flag lives in `task`, which outlives the wait below.
+            let declined = unsafe { start(self.state, &raw, completed, ticket) } != 0;
+            if !declined {
+                return receiver.recv().expect(
+                    "the plugin called complete (kmq_plugin.h: exactly once per task it took)",
+                );
+            }
+            // SAFETY: a declining start never calls complete, so the ticket is still ours.
+            drop(unsafe { Box::from_raw(ticket.cast::<mpsc::SyncSender<RunResult>>()) });
+        }
         let mut message = vec![0u8; MESSAGE_CAPACITY];
         let mut retry_after_ms: i64 = -1;
         let raw = raw_task(&task, &mut retry_after_ms);
@@ -225,12 +248,7 @@ impl Harness {
         // SAFETY: every pointer in `raw` and `buf` is valid until the call returns, `state` is what init
         // returned (shutdown has not run: it takes `self` or runs on drop), and `handle` is thread-safe by contract.
         let status = unsafe { (self.handle)(self.state, &raw, &mut buf) };
-        let status = match status {
-            abi::KMQ_DONE => Status::Done,
-            abi::KMQ_RETRY => Status::Retry,
-            abi::KMQ_FAIL => Status::Fail,
-            other => Status::Other(other),
-        };
+        let status = status_of(status);
         RunResult {
             status,
             message: written(&buf, &message, "handle"),
@@ -270,6 +288,35 @@ impl Drop for Harness {
     fn drop(&mut self) {
         self.shut_down_once();
     }
+}
+
+fn status_of(status: abi::KmqStatus) -> Status {
+    match status {
+        abi::KMQ_DONE => Status::Done,
+        abi::KMQ_RETRY => Status::Retry,
+        abi::KMQ_FAIL => Status::Fail,
+        other => Status::Other(other),
+    }
+}
+
+/// The harness's `kmq_complete_fn`: hands the outcome to the `run` waiting for it.
+unsafe extern "C" fn completed(
+    ticket: *mut c_void,
+    status: abi::KmqStatus,
+    msg: KmqStr,
+    retry_after_ms: i64,
+) {
+    // SAFETY: `ticket` is the box `run` made for this task, taken back once (the ABI's exactly-once rule).
+    let sender = unsafe { Box::from_raw(ticket.cast::<mpsc::SyncSender<RunResult>>()) };
+    // SAFETY: the message is valid for the call.
+    let message = String::from_utf8_lossy(unsafe { msg.as_bytes() }).into_owned();
+    let status = status_of(status);
+    let _ = sender.send(RunResult {
+        status,
+        message,
+        retry_after: (status == Status::Retry && retry_after_ms >= 0)
+            .then(|| Duration::from_millis(retry_after_ms as u64)),
+    });
 }
 
 /// Whether process `pid` is alive, for tests of plugins that start processes and must not leave them behind. A
@@ -317,6 +364,7 @@ mod tests {
             handle: None,
             on_dead: None,
             shutdown: None,
+            start: None,
         }))
     }
 

@@ -8,8 +8,8 @@ use std::path::Path;
 use std::process::Command;
 
 use kmq_plugin::abi::{
-    self, EntryFn, HandleFn, InitFn, KmqBuf, KmqPlugin, KmqStatus, KmqStr, KmqTask, OnDeadFn,
-    ShutdownFn,
+    self, CompleteFn, EntryFn, HandleFn, InitFn, KmqBuf, KmqPlugin, KmqStatus, KmqStr, KmqTask,
+    OnDeadFn, ShutdownFn, StartFn,
 };
 
 /// One fact about the layout: the C expression that computes it, and what Rust says it is.
@@ -88,6 +88,7 @@ fn facts() -> Vec<Fact> {
         offset("kmq_plugin", "handle", offset_of!(KmqPlugin, handle)),
         offset("kmq_plugin", "on_dead", offset_of!(KmqPlugin, on_dead)),
         offset("kmq_plugin", "shutdown", offset_of!(KmqPlugin, shutdown)),
+        offset("kmq_plugin", "start", offset_of!(KmqPlugin, start)),
         // The function pointers are nullable in C, so the Rust side wraps them in Option: same size, NULL is None.
         size("((kmq_plugin *)0)->init", size_of::<Option<InitFn>>()),
         size("((kmq_plugin *)0)->handle", size_of::<Option<HandleFn>>()),
@@ -96,6 +97,8 @@ fn facts() -> Vec<Fact> {
             "((kmq_plugin *)0)->shutdown",
             size_of::<Option<ShutdownFn>>(),
         ),
+        size("((kmq_plugin *)0)->start", size_of::<Option<StartFn>>()),
+        size("kmq_complete_fn", size_of::<CompleteFn>()),
         size("&kmq_plugin_v1", size_of::<EntryFn>()),
         constant("KMQ_ABI_VERSION", abi::KMQ_ABI_VERSION.into()),
     ]

@@ -25,6 +25,8 @@ pub mod capacity;
 pub mod depth;
 pub mod fetcher;
 pub mod resolve;
+pub mod slots;
+pub mod started;
 pub mod worker;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -68,6 +70,10 @@ pub fn stall_bounds(redis: &RedisConfig, queue: &QueueConfig) -> Bounds {
 pub struct Lane {
     pub queue: Arc<QueueContext>,
     pub capacity: Capacity,
+    /// How many of its tasks run at once (the queue's `workers`), in worker threads or started in a plugin.
+    pub slots: slots::Slots,
+    /// What its tasks started in a plugin share.
+    pub started: started::StartedTasks,
     /// The time the workers spent waiting for a task (what an adaptive prefetch watches).
     pub idle: IdleTime,
     /// The tasks this daemon holds for the queue: claimed and not yet settled.
@@ -107,6 +113,8 @@ impl Lane {
         let prefetch = config.initial_prefetch();
         let lane = Lane {
             capacity: Capacity::new(config.workers, prefetch, config.batch),
+            slots: slots::Slots::new(config.workers),
+            started: started::StartedTasks::new(&config.name),
             idle: IdleTime::default(),
             held: Held::default(),
             ownership: Ownership::new(instance),

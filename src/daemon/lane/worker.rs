@@ -1,4 +1,6 @@
 //! Workers: `workers` threads per queue that run tasks through their plugin and send the outcome to the acker.
+//! A plugin that starts tasks (kmq_plugin.h, `start`) completes them on its own thread instead (`started`); a
+//! worker takes one of the lane's `slots` per task either way, so that no more than `workers` run at once.
 //!
 //! A worker resolves its task only if nobody took it meanwhile (see `resolve`): a late outcome after an
 //! execution timeout or a hand-back is dropped. A worker ends when the fetcher has gone and the jobs channel is
@@ -10,7 +12,8 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 
 use super::Lane;
-use super::resolve::{Finished, Job, Outcome, Taken};
+use super::resolve::{Finished, Job, JobId, JobState, Outcome, Taken};
+use super::started::Started;
 use crate::daemon::metrics::observed::{TaskOutcome, TypeCache};
 use crate::plugin::{MESSAGE_CAPACITY, Reader, Run, Status};
 use crate::policy::Verdict;
@@ -36,7 +39,11 @@ impl Worker {
     pub fn run(self) {
         let mut message = Vec::with_capacity(MESSAGE_CAPACITY);
         let mut types = TypeCache::new(self.lane.name());
+        let slots = &self.lane.slots;
+        slots.thread_started();
         loop {
+            // A slot first, then a job: a worker that waits for room holds no job another could run.
+            slots.take();
             let job = match self.jobs.try_recv() {
                 Ok(job) => job,
                 Err(TryRecvError::Empty) => {
@@ -47,20 +54,28 @@ impl Worker {
                     types.ended(idle_since);
                     types.flush();
                     self.plugins.forget();
+                    self.lane.started.release_plugins();
                     let job = self.jobs.recv();
                     self.lane.idle.add(idle_since.elapsed());
                     match job {
                         Ok(job) => job,
-                        Err(_) => break,
+                        Err(_) => {
+                            slots.give_back();
+                            break;
+                        }
                     }
                 }
-                Err(TryRecvError::Disconnected) => break,
+                Err(TryRecvError::Disconnected) => {
+                    slots.give_back();
+                    break;
+                }
             };
             // One clock read per task: the lease check, the start time, the task's age and the end of the last
             // task's run (for its duration histogram) all use it.
             let now = Instant::now();
             types.ended(now);
             let outcome = if !self.lease_allows(&job, now) || self.claiming.is_triggered() {
+                slots.give_back();
                 (job.state.take() == Some(Taken::Waiting))
                     .then(|| self.lane.hand_back(job.id, &job.state))
             } else {
@@ -76,6 +91,9 @@ impl Worker {
         }
         types.ended(Instant::now());
         types.flush();
+        // The lane's last worker waits for the tasks its plugins still run (see `slots`).
+        slots.thread_ending();
+        self.lane.started.release_plugins();
     }
 
     /// Safe mode: waits, if need be, until the task's owner holds a lease that is surely live, so that a daemon
@@ -100,6 +118,7 @@ impl Worker {
         true
     }
 
+    /// Runs a job whose slot this worker holds, and gives the slot back (or hands it to the started task).
     fn run_job(
         &self,
         job: Job,
@@ -110,39 +129,33 @@ impl Worker {
         let queue = &self.lane.queue;
         let state = &job.state;
         if !state.start(now) {
+            self.lane.slots.give_back();
             return None;
         }
         let mut ran = None;
-        let (verdict, envelope) = queue.judge(&state.payload, |envelope| {
-            self.verdict(&job, envelope, now, message, &mut ran, types)
-        });
-        match state.finish() {
-            Finished::Resolved => {}
-            finished => {
-                let id = envelope.as_ref().map_or("", Envelope::id_str);
-                if finished == Finished::WasStuck {
-                    self.lane.capacity.unstuck();
-                    tracing::warn!(queue = %queue.config.name, id, "a stuck handler returned at last; its worker is back");
-                }
-                tracing::warn!(queue = %queue.config.name, id, "outcome after the execution timeout, a lost lease or the shutdown is ignored");
-                return None;
-            }
-        }
-        let outcome = self
-            .lane
-            .outcome(job.id, state, verdict, ran, envelope.as_ref());
-        if let Some(settlement) = outcome.settlement() {
-            let kind = envelope.as_ref().map(|envelope| &*envelope.kind);
-            types
-                .get(kind, |kind| self.plugins.current().for_type(kind).is_some())
-                .count(TaskOutcome::of(settlement));
-        }
-        Some(outcome)
+        let (verdict, envelope) = match queue.runnable(&state.payload) {
+            Err(verdict) => (verdict, None),
+            Ok(envelope) => match self.attempt(&job, &envelope, now, message, &mut ran, types) {
+                Attempt::Over(verdict) => (verdict, Some(envelope)),
+                Attempt::Started => return None,
+            },
+        };
+        self.lane.slots.give_back();
+        resolve(
+            &self.lane,
+            job.id,
+            state,
+            verdict,
+            ran,
+            envelope.as_ref(),
+            types,
+            |kind| self.plugins.current().for_type(kind).is_some(),
+        )
     }
 
-    /// Checks whether the task may run, runs it, and says how it went; `ran` gets how long its handler ran and
-    /// the output of a run that finished it.
-    fn verdict(
+    /// Checks whether the task may run, and runs it (`Over`, with how it went; `ran` gets how long its handler
+    /// ran and the output of a run that finished it), or hands it to a plugin that starts it (`Started`).
+    fn attempt(
         &self,
         job: &Job,
         envelope: &Envelope,
@@ -150,12 +163,12 @@ impl Worker {
         message: &mut Vec<u8>,
         ran: &mut Option<Ran>,
         types: &mut TypeCache,
-    ) -> Verdict {
+    ) -> Attempt {
         let queue = &self.lane.queue;
         let now_ms =
             job.claimed_at_ms + now.saturating_duration_since(job.claimed_at).as_millis() as i64;
         if let Some(reason) = queue.policy.too_old(envelope.created_at, now_ms) {
-            return Verdict::Unrunnable { reason };
+            return Attempt::Over(Verdict::Unrunnable { reason });
         }
         let registry = self.plugins.current();
         let Some(plugin) = registry.for_type(&envelope.kind) else {
@@ -169,9 +182,9 @@ impl Worker {
                      handles it may take them) and dead-lettered after retry_times (warned once per type)"
                 );
             }
-            return Verdict::NoHandler {
+            return Attempt::Over(Verdict::NoHandler {
                 reason: format!("no plugin handles task type {kind:?}"),
-            };
+            });
         };
         let run = Run {
             id: envelope.id_str(),
@@ -192,45 +205,118 @@ impl Worker {
             attempt = run.attempt,
             "task started"
         );
+        if plugin.starts() {
+            let started = Started {
+                lane: Arc::clone(&self.lane),
+                job: job.id,
+                // The cancel flag the plugin watches lives here, as long as the completion.
+                state: Arc::clone(&job.state),
+                at: now,
+                plugin: Arc::clone(plugin),
+                envelope: envelope.clone().into_owned(),
+            };
+            self.lane.slots.starting();
+            match plugin.start(&run, Box::new(move |status| started.complete(status))) {
+                Ok(()) => return Attempt::Started,
+                Err(_declined) => self.lane.slots.declined(),
+            }
+        }
         types.get(Some(&envelope.kind), |_| true);
         let status = plugin.handle(&run, message);
         // The histogram's run is timed from this task's clock read to the next task's (the lease check, the
         // envelope's decoding and the outcome's sending included, microseconds against buckets that start at
-        // 1 ms): no read of its own. The log's duration takes one only when an event will carry it: a run that
-        // did not finish the task (its event is a warning), or `task done` at debug.
+        // 1 ms): no read of its own.
         types.ran(now);
-        let logged =
-            !matches!(status, Status::Done { .. }) || tracing::enabled!(tracing::Level::DEBUG);
-        let duration = logged.then(|| now.elapsed());
-        let (verdict, output) = match status {
-            Status::Done { output } => (Verdict::Done, output),
-            Status::Retry { after, message } => (
-                Verdict::HandlerError {
-                    reason: non_empty(message, "handler asked to retry"),
-                    after,
-                },
-                String::new(),
-            ),
-            Status::Fail { message } => (
-                Verdict::Fail {
-                    reason: non_empty(message, "handler failed the task"),
-                },
-                String::new(),
-            ),
-            Status::Unknown(status) => (
-                Verdict::HandlerError {
-                    reason: format!(
-                        "plugin {} returned status {status}, which is not a kmq_status",
-                        plugin.name
-                    ),
-                    after: None,
-                },
-                String::new(),
-            ),
-        };
-        *ran = Some(Ran { duration, output });
-        verdict
+        let (verdict, outcome_ran) = verdict_of(status, &plugin.name, now);
+        *ran = outcome_ran;
+        Attempt::Over(verdict)
     }
+}
+
+/// What [`Worker::attempt`] came to.
+enum Attempt {
+    /// The task ran, or cannot run: its verdict.
+    Over(Verdict),
+    /// A plugin took it; its completion resolves it (`started`).
+    Started,
+}
+
+/// A handler's status as a verdict, with what its run left for the log: its duration (read only when an event
+/// will carry it: a run that did not finish the task, whose event is a warning, or `task done` at debug) and
+/// its output.
+pub(super) fn verdict_of(status: Status, plugin: &str, started: Instant) -> (Verdict, Option<Ran>) {
+    let logged = !matches!(status, Status::Done { .. }) || tracing::enabled!(tracing::Level::DEBUG);
+    let duration = logged.then(|| started.elapsed());
+    let (verdict, output) = match status {
+        Status::Done { output } => (Verdict::Done, output),
+        Status::Retry { after, message } => (
+            Verdict::HandlerError {
+                reason: non_empty(message, "handler asked to retry"),
+                after,
+            },
+            String::new(),
+        ),
+        Status::Fail { message } => (
+            Verdict::Fail {
+                reason: non_empty(message, "handler failed the task"),
+            },
+            String::new(),
+        ),
+        Status::Unknown(status) => (
+            Verdict::HandlerError {
+                reason: format!(
+                    "plugin {plugin} returned status {status}, which is not a kmq_status"
+                ),
+                after: None,
+            },
+            String::new(),
+        ),
+    };
+    (verdict, Some(Ran { duration, output }))
+}
+
+/// The run of a task is over, with `verdict`: its outcome for the acker, unless someone took the task while it
+/// ran (the outcome is then dropped). Counted in `types`; `is_handled` as [`TypeCache::get`]'s.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn resolve(
+    lane: &Lane,
+    job: JobId,
+    state: &JobState,
+    verdict: Verdict,
+    ran: Option<Ran>,
+    envelope: Option<&Envelope>,
+    types: &mut TypeCache,
+    is_handled: impl FnOnce(&str) -> bool,
+) -> Option<Outcome> {
+    match state.finish() {
+        Finished::Resolved => {}
+        finished => {
+            let id = envelope.map_or("", Envelope::id_str);
+            let queue = lane.name();
+            if finished == Finished::WasStuck {
+                lane.capacity.unstuck();
+                tracing::warn!(
+                    queue,
+                    id,
+                    "a stuck handler returned at last; its worker is back"
+                );
+            }
+            tracing::warn!(
+                queue,
+                id,
+                "outcome after the execution timeout, a lost lease or the shutdown is ignored"
+            );
+            return None;
+        }
+    }
+    let outcome = lane.outcome(job, state, verdict, ran, envelope);
+    if let Some(settlement) = outcome.settlement() {
+        let kind = envelope.map(|envelope| &*envelope.kind);
+        types
+            .get(kind, is_handled)
+            .count(TaskOutcome::of(settlement));
+    }
+    Some(outcome)
 }
 
 fn non_empty(message: String, fallback: &str) -> String {

@@ -8,7 +8,8 @@
 //!   go on appending theirs behind it: a worker never blocks on a child that reads slowly (it only waits for its
 //!   answer, and can be cancelled meanwhile). Decided after a profile of the daemon showed half its time in
 //!   context switches, a writer thread woken per task among them (docs/PERFORMANCE.md);
-//! - `kmq-exec-output` reads the hello, then the answers, and hands each to the worker waiting for it;
+//! - `kmq-exec-output` reads the hello, then the answers, and hands each to where it goes: the daemon's completion of a
+//!   started task, or the worker waiting in `handle`;
 //! - `kmq-exec-stderr` copies standard error, line by line, to the daemon's standard error (its log) naming the
 //!   tasks the child held at the time, and keeps its tail for the reason of a crash. Before an answer is handed
 //!   over, the output thread lets it catch up with what the child wrote to standard error before that answer
@@ -27,7 +28,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, mpsc};
 use std::time::{Duration, Instant};
 
-use kmq_plugin::Outcome;
+use kmq_plugin::{Completion, Outcome};
 
 use super::protocol::{self, Line};
 use crate::config::Program;
@@ -39,6 +40,8 @@ use crate::tail::Tail;
 pub enum Event {
     /// It wrote a valid hello: it takes tasks from now on.
     Ready,
+    /// A task it held is over (answered, given up, or failed by its end): its slot is free.
+    Settled,
     /// It is gone and reaped. `ready`: it had said hello; `planned`: kmqd stopped it (recycling, shutdown).
     Ended {
         ready: bool,
@@ -75,8 +78,29 @@ pub enum Cause {
 struct Held {
     /// Set, with `tasks` taken, when the child ends: nothing is handed to it afterwards.
     ended: bool,
-    /// One answer each: a one-slot channel (an unbounded one allocates a block of slots per task).
-    tasks: HashMap<String, mpsc::SyncSender<Outcome>>,
+    tasks: HashMap<String, Answer>,
+}
+
+/// Where a task's outcome goes, and until when it may run.
+pub struct Answer {
+    pub reply: Reply,
+    /// The plugin's `timeout` for it, watched by the pool thread.
+    pub deadline: Option<Instant>,
+}
+
+pub enum Reply {
+    /// A worker waits in `handle` (a host without `start`): a one-slot channel (an unbounded one allocates a
+    /// block of slots per task). The worker watches its cancel flag itself.
+    Worker(mpsc::SyncSender<Outcome>),
+    /// A task the host started: completed from whichever thread has its outcome. The pool thread watches its
+    /// cancel flag.
+    Started(Completion),
+}
+
+/// Why the pool thread gives up on a task (see [`Child::due`]).
+pub enum Due {
+    TimedOut,
+    Cancelled,
 }
 
 /// The child's standard input (see the module's doc).
@@ -224,18 +248,46 @@ impl Child {
         Ok(child)
     }
 
-    /// Hands a task line over; `None` when the child has ended (nothing is handed to it any more).
-    pub fn submit(&self, id: &str, line: Vec<u8>) -> Option<mpsc::Receiver<Outcome>> {
-        let (answer, receiver) = mpsc::sync_channel(1);
+    /// Hands a task line over; the answer back when the child has ended (nothing is handed to it any more).
+    pub fn submit(&self, id: &str, line: Vec<u8>, answer: Answer) -> Result<(), Answer> {
         {
             let mut held = lock(&self.held);
             if held.ended {
-                return None;
+                return Err(answer);
             }
             held.tasks.insert(id.to_string(), answer);
         }
         self.write_line(&line);
-        Some(receiver)
+        Ok(())
+    }
+
+    /// Sends a task's outcome where it goes, after telling the pool its slot is free. No lock of the child is
+    /// held: a started task's completion runs the daemon's code.
+    pub fn reply(&self, answer: Answer, outcome: Outcome) {
+        (self.events)(self.pid, Event::Settled);
+        match answer.reply {
+            Reply::Worker(sender) => {
+                let _ = sender.send(outcome);
+            }
+            Reply::Started(done) => done.complete(outcome),
+        }
+    }
+
+    /// The tasks it holds that are past their deadline, or started and cancelled by the daemon.
+    pub fn due(&self, now: Instant) -> Vec<(String, Due)> {
+        lock(&self.held)
+            .tasks
+            .iter()
+            .filter_map(|(id, answer)| {
+                if answer.deadline.is_some_and(|deadline| now >= deadline) {
+                    Some((id.clone(), Due::TimedOut))
+                } else if matches!(&answer.reply, Reply::Started(done) if done.is_cancelled()) {
+                    Some((id.clone(), Due::Cancelled))
+                } else {
+                    None
+                }
+            })
+            .collect()
     }
 
     /// Writes `line` into the child's input, or queues what the pipe does not take for the `kmq-exec-input`
@@ -333,9 +385,9 @@ impl Child {
         }
     }
 
-    /// Takes a task back before its answer came; false when its outcome is already on its way.
-    pub fn withdraw(&self, id: &str) -> bool {
-        lock(&self.held).tasks.remove(id).is_some()
+    /// Takes a task back before its answer came; `None` when its outcome is already on its way.
+    pub fn withdraw(&self, id: &str) -> Option<Answer> {
+        lock(&self.held).tasks.remove(id)
     }
 
     /// Whether it ever answered a task (a malformed answer too: it read the task and wrote back).
@@ -438,7 +490,7 @@ impl Child {
             },
         );
         for (_, answer) in tasks {
-            let _ = answer.send(Outcome::retry(reason.clone()));
+            self.reply(answer, Outcome::retry(reason.clone()));
         }
         Some((status, tail))
     }
@@ -530,7 +582,7 @@ impl Child {
         match answer {
             Some(answer) => {
                 self.answered.store(true, Ordering::SeqCst);
-                let _ = answer.send(outcome);
+                self.reply(answer, outcome);
             }
             // A task it does not hold (already cancelled, or never given): nothing to settle.
             None => eprintln!(

@@ -1,9 +1,12 @@
 //! Long-lived handler processes (`mode = "persistent"`): a pool of children per configured command, each reading
 //! task lines on its standard input and answering on its standard output (the protocol: docs/HANDLERS.md).
 //!
-//! A worker thread takes a free slot of a ready child (one that said hello and holds fewer than `concurrency`
-//! tasks), hands it the task line and waits for the answer, polling its cancel flag, the plugin's `timeout` and
-//! whether the child is still alive, as the per-task mode polls its command. A child that exits fails only the
+//! The daemon starts a task (kmq_plugin.h, `start`): its worker thread takes a free slot of a ready child (one
+//! that said hello and holds fewer than `concurrency` tasks), hands it the task line and goes on; the child's
+//! output thread completes the task with its answer. The pool thread watches what the children hold every
+//! [`MAX_POLL`]: the daemon's cancel flags, the plugin's `timeout`, and whether each child is still alive. (A host
+//! without `start` calls `handle`, which does the same and waits for the answer, watching the cancel flag
+//! itself.) A child that exits fails only the
 //! tasks it held (retry), with its exit status and the tail of its standard error; one a task times out on, or is
 //! cancelled on, is killed (SIGTERM, then SIGKILL) and the other tasks it held are retried.
 //!
@@ -20,11 +23,11 @@ mod protocol;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak, mpsc};
 use std::time::{Duration, Instant, SystemTime};
 
-use kmq_plugin::{Outcome, Task};
+use kmq_plugin::{Completion, Outcome, Task};
 
 use crate::config::{Persistent, Program};
 use crate::per_task::MAX_POLL;
-use child::{Cause, Child, Event, with_tail};
+use child::{Answer, Cause, Child, Due, Event, Reply, with_tail};
 
 /// Failures at start in a row after which the command counts as broken: its tasks are retried at once.
 pub const BROKEN_AFTER: u32 = 3;
@@ -116,22 +119,37 @@ impl Pool {
         })
     }
 
-    /// Runs one attempt of `task` on a child.
+    /// Starts one attempt of `task` on a child: the answer (or the reason it has none) completes `done`.
+    pub fn start_task(&self, task: &Task<'_>, done: Completion) {
+        if let Err((outcome, Reply::Started(done))) =
+            self.shared.hand_over(task, Reply::Started(done))
+        {
+            done.complete(outcome);
+        }
+    }
+
+    /// Runs one attempt of `task` on a child and waits for its outcome, for a host that has no `start`.
     pub fn run(&self, task: &Task<'_>) -> Outcome {
-        let shared = &self.shared;
-        let started = Instant::now();
-        let timeout = shared.settings.timeout;
-        let deadline = timeout.map(|timeout| started + timeout);
+        let (sender, answer) = mpsc::sync_channel(1);
+        let child = match self.shared.hand_over(task, Reply::Worker(sender)) {
+            Ok(child) => child,
+            Err((outcome, _)) => return outcome,
+        };
+        let mut abandoned = false;
         loop {
-            let child = match shared.take_slot(task, deadline) {
-                Ok(child) => child,
-                Err(outcome) => return outcome,
-            };
-            let outcome = shared.exchange(&child, task, deadline);
-            shared.settle(&child);
-            // A child that ended between the pick and the hand-over never saw the task: another slot takes it.
-            if let Some(outcome) = outcome {
-                return outcome;
+            // The answer wakes the worker at once; the pause only bounds how late the cancel flag is seen. The
+            // timeout and the child's end are the pool thread's to watch, and come here as an answer.
+            match answer.recv_timeout(MAX_POLL) {
+                Ok(outcome) => return outcome,
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    return Outcome::retry("exec: the handler process's answer was lost");
+                }
+            }
+            if task.is_cancelled() && !abandoned {
+                abandoned = true;
+                self.shared
+                    .abandon(&child, task.id(), "cancelled by the daemon".to_string());
             }
         }
     }
@@ -224,73 +242,43 @@ impl Shared {
         Some(Arc::clone(&member.child))
     }
 
-    /// Hands the task to `child` and waits for its answer, the task's cancel, the timeout or the child's end;
-    /// `None` when the child had ended before the task reached it.
-    fn exchange(
-        &self,
-        child: &Arc<Child>,
-        task: &Task<'_>,
-        deadline: Option<Instant>,
-    ) -> Option<Outcome> {
+    /// Hands the task to a child: the child it went to, or an outcome instead (with the reply back) when it
+    /// cannot run now.
+    fn hand_over(&self, task: &Task<'_>, reply: Reply) -> Result<Arc<Child>, (Outcome, Reply)> {
+        let timeout = self.settings.timeout;
+        let deadline = timeout.map(|timeout| Instant::now() + timeout);
         let wall_deadline = {
-            let local = self.settings.timeout.map(|t| SystemTime::now() + t);
+            let local = timeout.map(|t| SystemTime::now() + t);
             match (task.deadline(), local) {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
             }
         };
-        let line = protocol::task_line(task, wall_deadline);
-        let answer = child.submit(task.id(), line)?;
+        let mut answer = Answer { reply, deadline };
         loop {
-            // The answer wakes the worker at once; the pause only bounds how late the cancel flag, the timeout and
-            // the child's exit are seen. A fixed MAX_POLL, not one growing from 1 ms as the per-task mode's: a
-            // round trip through a busy child takes a few ms, and each early wake-up was a context switch more
-            // per task (docs/PERFORMANCE.md, "Handlers in other languages").
-            let pause = deadline.map_or(MAX_POLL, |deadline| {
-                deadline
-                    .saturating_duration_since(Instant::now())
-                    .clamp(Duration::from_millis(1), MAX_POLL)
-            });
-            match answer.recv_timeout(pause) {
-                Ok(outcome) => return Some(outcome),
-                Err(mpsc::RecvTimeoutError::Timeout) => {}
-                Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    return Some(Outcome::retry(
-                        "exec: the handler process's answer was lost",
-                    ));
+            let child = match self.take_slot(task, deadline) {
+                Ok(child) => child,
+                Err(outcome) => return Err((outcome, answer.reply)),
+            };
+            let line = protocol::task_line(task, wall_deadline);
+            match child.submit(task.id(), line, answer) {
+                Ok(()) => return Ok(child),
+                // The child ended between the pick and the hand-over and never saw the task: another slot
+                // takes it.
+                Err(back) => {
+                    self.settle(&child);
+                    answer = back;
                 }
-            }
-            if task.is_cancelled() {
-                let what = "cancelled by the daemon".to_string();
-                return Some(self.abandon(child, task.id(), what, &answer));
-            }
-            if deadline.is_some_and(|deadline| Instant::now() >= deadline) {
-                let what = format!("timed out after {}", self.timeout_text());
-                return Some(self.abandon(child, task.id(), what, &answer));
-            }
-            if child.has_exited() {
-                // Its output may stay open (a process it started holds it): end it from here. The answer, or
-                // the end's reason, comes on `answer`.
-                child.end(Cause::Exited);
             }
         }
     }
 
-    /// Gives up on a task: kills the child that holds it (the other tasks it held are retried), unless its
-    /// outcome is already on the way.
-    fn abandon(
-        &self,
-        child: &Arc<Child>,
-        id: &str,
-        what: String,
-        answer: &mpsc::Receiver<Outcome>,
-    ) -> Outcome {
-        if !child.withdraw(id) {
-            let bound = crate::per_task::DRAIN_BOUND + self.settings.kill_grace * 2;
-            return answer
-                .recv_timeout(bound)
-                .unwrap_or_else(|_| Outcome::retry(format!("exec: {what}")));
-        }
+    /// Gives up on a task: kills the child that holds it (the other tasks it held are retried) and replies with
+    /// why, unless its outcome is already on the way.
+    fn abandon(&self, child: &Arc<Child>, id: &str, what: String) {
+        let Some(answer) = child.withdraw(id) else {
+            return;
+        };
         let pid = child.pid;
         let reason = with_tail(
             format!("exec: {what}; handler process {pid} killed"),
@@ -305,18 +293,37 @@ impl Shared {
             member.ending = true;
         }
         // The SIGTERM, the wait for it to exit (up to kill_grace), the SIGKILL and the reap, on a thread of their
-        // own: the worker returns at once, as a cancelled handler should. The pool's shutdown waits for them
+        // own: the caller goes on at once, as a cancelled handler should. The pool's shutdown waits for them
         // (`Child::end` runs once; a second call waits for the first).
-        let why = format!("task {id} {what}");
-        let ending = Arc::clone(child);
-        let why_there = why.clone();
-        let spawned = std::thread::Builder::new()
-            .name("kmq-exec-stop".into())
-            .spawn(move || ending.end(Cause::Killed(why_there)));
-        if spawned.is_err() {
-            child.end(Cause::Killed(why));
+        end_elsewhere(child, Cause::Killed(format!("task {id} {what}")));
+        child.reply(answer, Outcome::retry(reason));
+    }
+
+    /// The pool thread's watch over what the children hold (see the module's doc).
+    fn watch(&self, children: Vec<Arc<Child>>) {
+        let now = Instant::now();
+        for child in children {
+            if child.has_exited() {
+                // Its output may stay open (a process it started holds it): end it from here. Its tasks are
+                // retried with the end's reason.
+                let ending = lock(&self.state)
+                    .members
+                    .iter_mut()
+                    .find(|m| m.child.pid == child.pid)
+                    .is_some_and(|m| !std::mem::replace(&mut m.ending, true));
+                if ending {
+                    end_elsewhere(&child, Cause::Exited);
+                }
+                continue;
+            }
+            for (id, due) in child.due(now) {
+                let what = match due {
+                    Due::TimedOut => format!("timed out after {}", self.timeout_text()),
+                    Due::Cancelled => "cancelled by the daemon".to_string(),
+                };
+                self.abandon(&child, &id, what);
+            }
         }
-        Outcome::retry(reason)
     }
 
     /// The task on `child` is over: its slot is free, and the child retires if it is past `max_rss`.
@@ -351,8 +358,20 @@ impl Shared {
 
     /// A child's news.
     fn on_event(&self, pid: u32, event: Event) {
+        if let Event::Settled = event {
+            let child = lock(&self.state)
+                .members
+                .iter()
+                .find(|m| m.child.pid == pid)
+                .map(|m| Arc::clone(&m.child));
+            if let Some(child) = child {
+                self.settle(&child);
+            }
+            return;
+        }
         let mut state = lock(&self.state);
         match event {
+            Event::Settled => {}
             Event::Ready => {
                 if let Some(member) = state.members.iter_mut().find(|m| m.child.pid == pid) {
                     member.ready = true;
@@ -412,6 +431,26 @@ fn backoff(failures: u32) -> Duration {
         .min(MAX_BACKOFF)
 }
 
+/// Ends `child` on a thread of its own (up to twice `kill_grace`), or on this one if no thread can be started.
+fn end_elsewhere(child: &Arc<Child>, cause: Cause) {
+    let ending = Arc::clone(child);
+    let (cause, fallback) = match cause {
+        Cause::Killed(why) => (Cause::Killed(why.clone()), Cause::Killed(why)),
+        Cause::Exited => (Cause::Exited, Cause::Exited),
+        Cause::Stop => (Cause::Stop, Cause::Stop),
+        other => {
+            child.end(other);
+            return;
+        }
+    };
+    let spawned = std::thread::Builder::new()
+        .name("kmq-exec-stop".into())
+        .spawn(move || ending.end(cause));
+    if spawned.is_err() {
+        child.end(fallback);
+    }
+}
+
 /// What the pool thread does outside the lock.
 enum Action {
     Kill(Arc<Child>, Duration),
@@ -422,8 +461,24 @@ enum Action {
 fn keep(shared: &Arc<Shared>) {
     let settings = &shared.settings;
     let mut state = lock(&shared.state);
+    let mut watched = Instant::now();
     while !state.stopping {
-        let now = Instant::now();
+        let mut now = Instant::now();
+        if now >= watched + MAX_POLL {
+            let holding: Vec<Arc<Child>> = state
+                .members
+                .iter()
+                .filter(|m| m.held > 0 && !m.ending)
+                .map(|m| Arc::clone(&m.child))
+                .collect();
+            if !holding.is_empty() {
+                drop(state);
+                shared.watch(holding);
+                state = lock(&shared.state);
+                now = Instant::now();
+            }
+            watched = now;
+        }
         let mut actions = Vec::new();
         for member in state.members.iter_mut().filter(|m| !m.ending) {
             if !member.ready && now >= member.started + settings.start_timeout {
@@ -444,17 +499,8 @@ fn keep(shared: &Arc<Shared>) {
                     Action::Kill(child, within) => {
                         child.end(Cause::NoHello(within));
                     }
-                    Action::Stop(child) => {
-                        // Up to twice kill_grace: not on this thread, which keeps the others (unless no thread
-                        // can be started).
-                        let stopping = Arc::clone(&child);
-                        let spawned = std::thread::Builder::new()
-                            .name("kmq-exec-stop".into())
-                            .spawn(move || stopping.end(Cause::Stop));
-                        if spawned.is_err() {
-                            child.end(Cause::Stop);
-                        }
-                    }
+                    // Not on this thread, which keeps the others.
+                    Action::Stop(child) => end_elsewhere(&child, Cause::Stop),
                 }
             }
             state = lock(&shared.state);
@@ -508,6 +554,9 @@ fn keep(shared: &Arc<Shared>) {
             continue;
         }
         let mut wake = now + IDLE_WAKE;
+        if state.members.iter().any(|m| m.held > 0) {
+            wake = wake.min(watched + MAX_POLL);
+        }
         if live.len() < wanted {
             wake = wake.min(state.next_start.unwrap_or(now));
         }
