@@ -121,8 +121,15 @@ fn pairs_as_map<S: serde::Serializer>(
     serializer.collect_map(pairs.iter().map(|(k, v)| (k, v)))
 }
 
-/// Reads a queue's depth and counters in five round trips: the owners, their levels, everything else, then the
-/// types and the contents of the owners' processing keys ([`super::processing::counts`]).
+/// Reads a queue's depth and counters in six round trips: the owners, their levels, the lists and sets, the types
+/// and the contents of the owners' processing keys ([`super::processing::counts`]), then the dead letters and the
+/// counters.
+///
+/// That order keeps a snapshot from showing a task nowhere on its main path: a claim moves it from ready to
+/// processing and a settle from processing to the dead letters or a counter, each atomically, so reading them in
+/// that order counts a task that moves meanwhile twice, never zero times. A caller that waits for
+/// `ready + processing == 0` then sees `done` with every task that left processing. (A retry's round trip through
+/// the retry set and back to ready has no such order; the reads are not one transaction.)
 ///
 /// The levels are the queue's configured ones and any other a registered owner claims from (a rolling config
 /// change: another daemon serves a level this config does not name), so tasks there are counted too.
@@ -167,8 +174,6 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
     for key in keys.delayed.iter().chain(&keys.retry) {
         pipe.cmd("ZCARD").arg(key);
     }
-    pipe.cmd("LLEN").arg(&keys.dead);
-    pipe.cmd("HGETALL").arg(&keys.stats);
     pipe.cmd("EXISTS").arg(&keys.paused);
     // Last: in a cluster a pipeline goes to its first key's node (`broker::Conn`), which must be the queue's.
     pipe.cmd("TIME");
@@ -188,13 +193,17 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
         .collect();
     let heads: Vec<Option<Vec<u8>>> = replies.many(level_count)?;
     let zset_counts: Vec<u64> = replies.many(2 * level_count)?;
-    let dead: u64 = replies.one()?;
-    let counters: HashMap<String, u64> = replies.one()?;
     let paused: bool = replies.one()?;
     let time: (i64, i64) = replies.one()?;
     let processing = super::processing::counts(conn, &processing_keys)?
         .iter()
         .sum();
+    let (dead, counters): (u64, HashMap<String, u64>) = redis::pipe()
+        .cmd("LLEN")
+        .arg(&keys.dead)
+        .cmd("HGETALL")
+        .arg(&keys.stats)
+        .query(conn)?;
     let now_ms = time_ms(time);
     let lag_ms = heads
         .into_iter()
