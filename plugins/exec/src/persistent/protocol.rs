@@ -1,10 +1,12 @@
 //! The line protocol, version 1 (docs/HANDLERS.md): a child's hello, the task lines kmqd writes, the answers it
 //! reads. One JSON object per line, each way.
 
+use std::io::Write;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use kmq_plugin::serde_json::{self, Value};
 use kmq_plugin::{Outcome, Task};
+use serde::Deserialize;
 
 /// The protocol version this plugin speaks, as the hello line names it.
 pub const VERSION: u64 = 1;
@@ -33,37 +35,48 @@ pub fn check_hello(line: &[u8]) -> Result<(), String> {
     }
 }
 
-/// The line for one task, newline included. `deadline`: when the run must be over, if ever.
+/// The line for one task, newline included. `deadline`: when the run must be over, if ever. Written into one
+/// buffer: this runs once per task on the worker's thread.
 pub fn task_line(task: &Task<'_>, deadline: Option<SystemTime>) -> Vec<u8> {
-    let text = |s: &str| serde_json::to_string(s).expect("a string serializes");
     let data = task.data_json();
+    let mut line = Vec::with_capacity(128 + data.len());
+    let text = |line: &mut Vec<u8>, s: &str| {
+        serde_json::to_writer(line, s).expect("a string serializes into memory")
+    };
+    let millis = |line: &mut Vec<u8>, time: Option<SystemTime>| match time {
+        Some(time) => {
+            let millis = time.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO);
+            let _ = write!(line, "{}", millis.as_millis());
+        }
+        None => line.extend_from_slice(b"null"),
+    };
+    line.extend_from_slice(b"{\"id\":");
+    text(&mut line, task.id());
+    line.extend_from_slice(b",\"type\":");
+    text(&mut line, task.kind());
+    line.extend_from_slice(b",\"queue\":");
+    text(&mut line, task.queue());
+    let _ = write!(line, ",\"attempt\":{},\"data\":", task.attempt());
     // The host passes compact or pretty JSON as the producer wrote it; a line break inside it (whitespace between
     // tokens: inside strings JSON escapes them) would cut the line, so such data is written again, compact.
-    let data = if data.contains(['\n', '\r']) {
-        serde_json::from_str::<Value>(data)
-            .map(|value| value.to_string())
-            .unwrap_or_else(|_| "null".to_string())
+    if data.contains(['\n', '\r']) {
+        match serde_json::from_str::<Value>(data) {
+            Ok(value) => {
+                serde_json::to_writer(&mut line, &value).expect("a value serializes into memory")
+            }
+            Err(_) => line.extend_from_slice(b"null"),
+        }
     } else if data.is_empty() {
-        "null".to_string()
+        line.extend_from_slice(b"null");
     } else {
-        data.to_string()
-    };
-    let millis = |time: SystemTime| {
-        time.duration_since(UNIX_EPOCH)
-            .unwrap_or(Duration::ZERO)
-            .as_millis()
-            .to_string()
-    };
-    let deadline = deadline.map_or_else(|| "null".to_string(), millis);
-    let created = task.created_at().map_or_else(|| "null".to_string(), millis);
-    format!(
-        "{{\"id\":{},\"type\":{},\"queue\":{},\"attempt\":{},\"data\":{data},\"deadline_ms\":{deadline},\"created_at_ms\":{created}}}\n",
-        text(task.id()),
-        text(task.kind()),
-        text(task.queue()),
-        task.attempt(),
-    )
-    .into_bytes()
+        line.extend_from_slice(data.as_bytes());
+    }
+    line.extend_from_slice(b",\"deadline_ms\":");
+    millis(&mut line, deadline);
+    line.extend_from_slice(b",\"created_at_ms\":");
+    millis(&mut line, task.created_at());
+    line.extend_from_slice(b"}\n");
+    line
 }
 
 /// What one line from a child (after its hello) says.
@@ -79,6 +92,60 @@ pub enum Line {
 
 /// Reads one answer line.
 pub fn parse_answer(line: &[u8]) -> Line {
+    match serde_json::from_slice::<Plain>(line) {
+        Ok(plain) => plain.into_line(),
+        Err(_) => parse_any(line),
+    }
+}
+
+/// A well-formed answer, read straight into its fields: no tree of values per line, as [`parse_any`] builds.
+/// Whatever it refuses (a field of the wrong type, a field twice, an outcome it does not know) goes to
+/// [`parse_any`], which says what is wrong.
+#[derive(Deserialize)]
+struct Plain {
+    id: String,
+    outcome: Kind,
+    #[serde(default)]
+    message: Option<String>,
+    #[serde(default)]
+    retry_after_ms: Option<u64>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum Kind {
+    Done,
+    Retry,
+    Fail,
+}
+
+impl Plain {
+    fn into_line(self) -> Line {
+        let message = self.message.unwrap_or_default();
+        let outcome = match (self.outcome, self.retry_after_ms) {
+            (Kind::Done, _) => Outcome::done_with_output(message),
+            (Kind::Retry, None) => Outcome::retry(message),
+            (Kind::Retry, Some(ms)) => Outcome::retry_after(Duration::from_millis(ms), message),
+            (Kind::Fail, _) => fail(message),
+        };
+        Line::Answer {
+            id: self.id,
+            outcome,
+        }
+    }
+}
+
+/// A final failure with the handler's message, or one that says it gave none.
+fn fail(message: String) -> Outcome {
+    if message.is_empty() {
+        Outcome::fail("the handler answered fail")
+    } else {
+        Outcome::fail(message)
+    }
+}
+
+/// Reads any line, as a tree of values: what is wrong with a line [`Plain`] refused.
+fn parse_any(line: &[u8]) -> Line {
     let foreign = |problem: String| Line::Foreign { problem };
     let Ok(value) = serde_json::from_slice::<Value>(line) else {
         return foreign(format!("not a JSON object: {}", quote(line)));
@@ -116,8 +183,7 @@ pub fn parse_answer(line: &[u8]) -> Line {
                 };
             }
         },
-        Some("fail") if message.is_empty() => Outcome::fail("the handler answered fail"),
-        Some("fail") => Outcome::fail(message),
+        Some("fail") => fail(message),
         _ => {
             return Line::Bad {
                 id,
@@ -144,6 +210,7 @@ fn quote(line: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kmq_plugin::abi::KmqStr;
 
     #[test]
     fn the_hello_names_version_1() {
@@ -202,5 +269,67 @@ mod tests {
             parse_answer(br#"{"outcome": "done"}"#),
             Line::Foreign { .. }
         ));
+    }
+
+    #[test]
+    fn the_reading_of_plain_answers_agrees_with_the_general_one() {
+        let lines: [&[u8]; 9] = [
+            br#"{"id": "a", "outcome": "done"}"#,
+            br#"{"id": "a", "outcome": "done", "message": "report.pdf", "extra": [1, {"x": 2}]}"#,
+            br#"{"outcome": "retry", "id": "b\u00e9", "message": null, "retry_after_ms": 5000}"#,
+            br#"{"id": "b", "outcome": "retry", "retry_after_ms": null}"#,
+            br#"{"id": "c", "outcome": "fail"}"#,
+            br#"{"id": "c", "outcome": "fail", "message": "no such customer"}"#,
+            // What the plain reading refuses, the general one reads (or names) the same as before.
+            br#"{"id": "d", "outcome": "done", "retry_after_ms": "soon"}"#,
+            br#"{"id": "d", "id": "e", "outcome": "done"}"#,
+            br#"{"id": "f", "outcome": "retry", "retry_after_ms": -1}"#,
+        ];
+        for line in lines {
+            assert_eq!(
+                parse_answer(line),
+                parse_any(line),
+                "{}",
+                String::from_utf8_lossy(line)
+            );
+        }
+        assert!(serde_json::from_slice::<Plain>(lines[0]).is_ok());
+        assert!(serde_json::from_slice::<Plain>(lines[8]).is_err());
+    }
+
+    #[test]
+    #[allow(unsafe_code)] // A task as the host passes it: built from its ABI struct.
+    fn a_task_line_is_one_json_object_with_its_data_compacted() {
+        let (id, queue, kind) = ("t-\"1\"", "mail", "mail.send");
+        let data = "{\n  \"to\": \"ada@example.com\",\n  \"n\": [1, 2]\n}";
+        let raw = kmq_plugin::abi::KmqTask {
+            id: KmqStr::borrow(id),
+            queue: KmqStr::borrow(queue),
+            type_: KmqStr::borrow(kind),
+            data: KmqStr::borrow(data),
+            attempt: 2,
+            created_at_ms: 1_796_000_000_000,
+            deadline_ms: 0,
+            cancel: std::ptr::null(),
+            retry_after_ms: std::ptr::null_mut(),
+        };
+        // SAFETY: every pointer in `raw` outlives the task.
+        let task = unsafe { Task::from_raw(&raw) };
+        let deadline = UNIX_EPOCH + Duration::from_millis(1_796_000_030_000);
+        let line = task_line(&task, Some(deadline));
+        assert_eq!(line.iter().filter(|&&b| b == b'\n').count(), 1);
+        assert_eq!(line.last(), Some(&b'\n'));
+        let value: Value = serde_json::from_slice(&line).unwrap();
+        assert_eq!(
+            value,
+            serde_json::json!({
+                "id": id, "type": kind, "queue": queue, "attempt": 2,
+                "data": {"to": "ada@example.com", "n": [1, 2]},
+                "deadline_ms": 1_796_000_030_000u64, "created_at_ms": 1_796_000_000_000u64,
+            })
+        );
+        let line = task_line(&task, None);
+        let value: Value = serde_json::from_slice(&line).unwrap();
+        assert_eq!(value["deadline_ms"], Value::Null);
     }
 }
