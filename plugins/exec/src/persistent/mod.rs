@@ -333,26 +333,20 @@ impl Shared {
             .max_rss
             .is_some_and(|max| child.rss().is_some_and(|rss| rss > max));
         let mut state = lock(&self.state);
-        let wake = Self::release(&mut state, child.pid, child.has_answered(), over_rss);
+        if child.has_answered() {
+            state.crashes = 0;
+        }
+        let mut wake = state.waiting > 0;
+        if let Some(member) = state.members.iter_mut().find(|m| m.child.pid == child.pid) {
+            member.held = member.held.saturating_sub(1);
+            member.retiring |= over_rss;
+            // A retiring child that is now idle is the pool thread's to stop.
+            wake |= member.retiring && member.held == 0;
+        }
         drop(state);
         if wake {
             self.changed.notify_all();
         }
-    }
-
-    /// Frees a slot of the child `pid` in `state`; whether the pool must be woken (someone waits for a slot, or a
-    /// retiring child is now idle and the pool thread's to stop).
-    fn release(state: &mut State, pid: u32, answered: bool, over_rss: bool) -> bool {
-        if answered {
-            state.crashes = 0;
-        }
-        let mut wake = state.waiting > 0;
-        if let Some(member) = state.members.iter_mut().find(|m| m.child.pid == pid) {
-            member.held = member.held.saturating_sub(1);
-            member.retiring |= over_rss;
-            wake |= member.retiring && member.held == 0;
-        }
-        wake
     }
 
     fn timeout_text(&self) -> String {
@@ -365,22 +359,13 @@ impl Shared {
     /// A child's news.
     fn on_event(&self, pid: u32, event: Event) {
         if let Event::Settled = event {
-            // Once per answer: without `max_rss` (whose reading of /proc stays outside the lock), one lock.
-            let mut state = lock(&self.state);
-            let Some(member) = state.members.iter().find(|m| m.child.pid == pid) else {
-                return;
-            };
-            if self.settings.max_rss.is_some() {
-                let child = Arc::clone(&member.child);
-                drop(state);
+            let child = lock(&self.state)
+                .members
+                .iter()
+                .find(|m| m.child.pid == pid)
+                .map(|m| Arc::clone(&m.child));
+            if let Some(child) = child {
                 self.settle(&child);
-                return;
-            }
-            let answered = member.child.has_answered();
-            let wake = Self::release(&mut state, pid, answered, false);
-            drop(state);
-            if wake {
-                self.changed.notify_all();
             }
             return;
         }
