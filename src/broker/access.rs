@@ -475,13 +475,14 @@ pub const COMMANDS: &[Command] = &[
     },
     Command {
         name: "multi",
-        roles: &[D],
-        why: "the plain pop's transaction (the clock and LMPOP)",
+        roles: &[D, R, O],
+        why: "the transactions: default mode's plain pop (the clock and LMPOP), safe mode's claim (the script \
+              and its lists), and `kmqd stats`'s snapshot (every depth and counter of a queue read at one instant)",
     },
     Command {
         name: "exec",
-        roles: &[D],
-        why: "runs that transaction",
+        roles: &[D, R, O],
+        why: "runs those transactions",
     },
     Command {
         name: "publish",
@@ -737,12 +738,14 @@ const PRODUCER: &[(&str, On)] = &[
     ("hincrby", key(K::Stats)),
 ];
 
-/// `kmqd stats` (and the daemon's metrics): plain reads.
+/// `kmqd stats` (and the daemon's metrics): plain reads, the snapshot in one transaction.
 const STATS: &[(&str, On)] = &[
     ("evalsha", NOTHING),
     ("script|load", NOTHING),
     ("zrange", key(K::Owners)),
     ("hget", key(K::OwnerInfo)),
+    ("multi", NOTHING),
+    ("exec", NOTHING),
     ("time", NOTHING),
     ("llen", key(K::Ready)),
     ("llen", key(K::Quarantine)),

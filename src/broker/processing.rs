@@ -145,29 +145,45 @@ pub fn counts(conn: &mut dyn ConnectionLike, keys: &[String]) -> Result<Vec<u64>
     if keys.is_empty() {
         return Ok(Vec::new());
     }
+    let kinds = kinds(conn, keys)?;
+    let mut pipe = redis::pipe();
+    add_count_reads(&mut pipe, keys, &kinds);
+    let replies: Vec<Value> = pipe.query(conn)?;
+    replies.into_iter().map(count_of).collect()
+}
+
+/// The types of `keys` (TYPE, one round trip), which decide how [`add_count_reads`] reads each.
+pub fn kinds(conn: &mut dyn ConnectionLike, keys: &[String]) -> Result<Vec<String>> {
+    if keys.is_empty() {
+        return Ok(Vec::new());
+    }
     let mut pipe = redis::pipe();
     for key in keys {
         pipe.cmd("TYPE").arg(key);
     }
-    let kinds: Vec<String> = pipe.query(conn)?;
-    let mut pipe = redis::pipe();
-    for (key, kind) in keys.iter().zip(&kinds) {
+    Ok(pipe.query(conn)?)
+}
+
+/// Adds to `pipe` one read per key of `keys`, of type `kinds`, whose reply [`count_of`] turns into the key's
+/// count of tasks: a hash's HLEN, a claim set's scores.
+pub fn add_count_reads(pipe: &mut redis::Pipeline, keys: &[String], kinds: &[String]) {
+    for (key, kind) in keys.iter().zip(kinds) {
         match kind.as_str() {
             "hash" => pipe.cmd("HLEN").arg(key),
             // Anything else (gone, or not kmqd's) reads as an empty zset.
             _ => pipe.cmd("ZRANGE").arg(key).arg(0).arg(-1).arg("WITHSCORES"),
         };
     }
-    let replies: Vec<Value> = pipe.query(conn)?;
-    replies
-        .into_iter()
-        .map(|reply| match reply {
-            Value::Int(n) => Ok(n.max(0) as u64),
-            other => {
-                let scored: Vec<(String, f64)> =
-                    redis::from_redis_value(other).map_err(redis::RedisError::from)?;
-                Ok(scored.iter().map(|(_, held)| held.max(0.0) as u64).sum())
-            }
-        })
-        .collect()
+}
+
+/// The count of tasks in the reply to one of [`add_count_reads`]'s reads.
+pub fn count_of(reply: Value) -> Result<u64> {
+    match reply.extract_error()? {
+        Value::Int(n) => Ok(n.max(0) as u64),
+        other => {
+            let scored: Vec<(String, f64)> =
+                redis::from_redis_value(other).map_err(redis::RedisError::from)?;
+            Ok(scored.iter().map(|(_, held)| held.max(0.0) as u64).sum())
+        }
+    }
 }

@@ -121,37 +121,75 @@ fn pairs_as_map<S: serde::Serializer>(
     serializer.collect_map(pairs.iter().map(|(k, v)| (k, v)))
 }
 
-/// Reads a queue's depth and counters in six round trips: the owners, their levels, the lists and sets, the types
-/// and the contents of the owners' processing keys ([`super::processing::counts`]), then the dead letters and the
-/// counters.
+/// Reads a queue's depth and counters as one snapshot: every list, set and counter of the queue is read in one
+/// transaction (`MULTI` ... `EXEC`), so a task is counted once wherever it is, even while daemons claim, settle
+/// and retry (a drained queue's snapshot has `done` with every task it settled, and no task both ready and done).
 ///
-/// That order keeps a snapshot from showing a task nowhere on its main path: a claim moves it from ready to
-/// processing and a settle from processing to the dead letters or a counter, each atomically, so reading them in
-/// that order counts a task that moves meanwhile twice, never zero times. A caller that waits for
-/// `ready + processing == 0` then sees `done` with every task that left processing. (A retry's round trip through
-/// the retry set and back to ready has no such order; the reads are not one transaction.)
+/// Safe mode's processing area is one claim set per owner and level, so the snapshot needs the owners, their
+/// levels and the types of their processing keys first: two or three round trips before the transaction, which
+/// reads the owners and their levels again. If they changed meanwhile (a daemon started, stopped or reloaded),
+/// it reads again, up to [`SNAPSHOT_ATTEMPTS`] times; a snapshot of the last try misses at most the claims of an
+/// owner that came in during it.
 ///
 /// The levels are the queue's configured ones and any other a registered owner claims from (a rolling config
 /// change: another daemon serves a level this config does not name), so tasks there are counted too.
 pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueStats> {
-    // Safe mode's processing area is one claim set per owner and level: the owners and their levels first.
-    let owners: Vec<String> = redis::cmd("ZRANGE")
-        .arg(&keys.owners)
-        .arg(0)
-        .arg(-1)
-        .query(conn)?;
-    let owner_levels: Vec<Option<String>> = if owners.is_empty() {
-        Vec::new()
-    } else {
-        let mut pipe = redis::pipe();
-        for owner in &owners {
-            pipe.cmd("HGET").arg(keys.owner_info(owner)).arg("levels");
+    let mut owners = Owners::read(conn, keys)?;
+    let mut attempt = 1;
+    loop {
+        let last = attempt == SNAPSHOT_ATTEMPTS;
+        match snapshot(conn, keys, &owners) {
+            Ok((stats, now)) if now == owners || last => return Ok(stats),
+            Ok(_) => {}
+            // A processing key that was gone when its type was read may have come back as an older owner's hash.
+            Err(BrokerError::Redis(error)) if error.code() == Some("WRONGTYPE") && !last => {}
+            Err(error) => return Err(error),
         }
-        pipe.query(conn)?
-    };
+        owners = Owners::read(conn, keys)?;
+        attempt += 1;
+    }
+}
+
+/// How many times [`stats`] reads when the owners change under it.
+const SNAPSHOT_ATTEMPTS: usize = 4;
+
+/// The registered owners of a queue and the levels each records (`None`: the queue's configured ones).
+#[derive(PartialEq)]
+struct Owners {
+    ids: Vec<String>,
+    levels: Vec<Option<String>>,
+}
+
+impl Owners {
+    fn read(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<Owners> {
+        let ids: Vec<String> = redis::cmd("ZRANGE")
+            .arg(&keys.owners)
+            .arg(0)
+            .arg(-1)
+            .query(conn)?;
+        let levels = if ids.is_empty() {
+            Vec::new()
+        } else {
+            let mut pipe = redis::pipe();
+            for owner in &ids {
+                pipe.cmd("HGET").arg(keys.owner_info(owner)).arg("levels");
+            }
+            pipe.query(conn)?
+        };
+        Ok(Owners { ids, levels })
+    }
+}
+
+/// One transaction's reading of the queue with `owners`' processing keys; returns it with the owners as the
+/// transaction found them, which the caller compares with `owners`.
+fn snapshot(
+    conn: &mut dyn ConnectionLike,
+    keys: &QueueKeys,
+    owners: &Owners,
+) -> Result<(QueueStats, Owners)> {
     let mut levels = keys.levels.clone();
     let mut processing_keys = Vec::new();
-    for (owner, recorded) in owners.iter().zip(&owner_levels) {
+    for (owner, recorded) in owners.ids.iter().zip(&owners.levels) {
         let owned: Vec<String> = match recorded {
             Some(list) => list.split(',').map(str::to_string).collect(),
             None => keys.levels.clone(),
@@ -163,8 +201,15 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
         }
         processing_keys.extend(keys.with_levels(&owned).processing_all(owner));
     }
+    let kinds = super::processing::kinds(conn, &processing_keys)?;
     let keys = &keys.with_levels(&levels);
     let mut pipe = redis::pipe();
+    // First a key of the queue's: in a cluster a pipeline goes to its first key's node (`broker::Conn`).
+    pipe.atomic().ignore_errors();
+    pipe.cmd("ZRANGE").arg(&keys.owners).arg(0).arg(-1);
+    for owner in &owners.ids {
+        pipe.cmd("HGET").arg(keys.owner_info(owner)).arg("levels");
+    }
     for key in keys.ready.iter().chain(&keys.quarantine) {
         pipe.cmd("LLEN").arg(key);
     }
@@ -174,10 +219,16 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
     for key in keys.delayed.iter().chain(&keys.retry) {
         pipe.cmd("ZCARD").arg(key);
     }
+    super::processing::add_count_reads(&mut pipe, &processing_keys, &kinds);
+    pipe.cmd("LLEN").arg(&keys.dead);
+    pipe.cmd("HGETALL").arg(&keys.stats);
     pipe.cmd("EXISTS").arg(&keys.paused);
-    // Last: in a cluster a pipeline goes to its first key's node (`broker::Conn`), which must be the queue's.
     pipe.cmd("TIME");
     let mut replies = Replies(pipe.query::<Vec<Value>>(conn)?.into_iter());
+    let now = Owners {
+        ids: replies.one()?,
+        levels: replies.many(owners.ids.len())?,
+    };
     let level_count = levels.len();
     let ready_counts: Vec<u64> = replies.many(level_count)?;
     // Stage-major: each stage's lists over the levels; summed per level.
@@ -193,17 +244,14 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
         .collect();
     let heads: Vec<Option<Vec<u8>>> = replies.many(level_count)?;
     let zset_counts: Vec<u64> = replies.many(2 * level_count)?;
+    let mut processing = 0;
+    for _ in &processing_keys {
+        processing += super::processing::count_of(replies.next()?)?;
+    }
+    let dead: u64 = replies.one()?;
+    let counters: HashMap<String, u64> = replies.one()?;
     let paused: bool = replies.one()?;
     let time: (i64, i64) = replies.one()?;
-    let processing = super::processing::counts(conn, &processing_keys)?
-        .iter()
-        .sum();
-    let (dead, counters): (u64, HashMap<String, u64>) = redis::pipe()
-        .cmd("LLEN")
-        .arg(&keys.dead)
-        .cmd("HGETALL")
-        .arg(&keys.stats)
-        .query(conn)?;
     let now_ms = time_ms(time);
     let lag_ms = heads
         .into_iter()
@@ -222,7 +270,7 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
         .cloned()
         .zip(ready_counts.iter().zip(&quarantined).map(|(r, q)| r + q))
         .collect();
-    Ok(QueueStats {
+    let stats = QueueStats {
         ready: ready_by_level.iter().map(|(_, n)| n).sum(),
         ready_by_level,
         quarantined: quarantined.iter().sum(),
@@ -242,18 +290,25 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
         purged: counter("purged"),
         lag_ms,
         paused,
-    })
+    };
+    Ok((stats, now))
 }
 
 /// A pipeline's replies, read in the order of its commands.
 struct Replies(std::vec::IntoIter<Value>);
 
 impl Replies {
-    fn one<T: redis::FromRedisValue>(&mut self) -> Result<T> {
+    /// The next reply; a command's error (the transaction's replies keep each in its place) as itself.
+    fn next(&mut self) -> Result<Value> {
         let value = self
             .0
             .next()
             .ok_or_else(|| reply_error("stats", "fewer replies than commands"))?;
+        Ok(value.extract_error()?)
+    }
+
+    fn one<T: redis::FromRedisValue>(&mut self) -> Result<T> {
+        let value = self.next()?;
         redis::from_redis_value(value).map_err(|error| reply_error("stats", error.to_string()))
     }
 

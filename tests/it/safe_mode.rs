@@ -62,6 +62,43 @@ fn every_pushed_task_ends_done_or_dead() {
     daemon.stop();
 }
 
+/// `kmqd stats` reads a queue in one transaction: while a daemon claims, settles and retries, every snapshot has
+/// each task in exactly one place. Read one key after another, a snapshot showed a task that moved meanwhile
+/// twice (ready and done: a drained queue with 4 of 20 tasks still ready) or not at all.
+#[test]
+fn a_stats_snapshot_counts_each_task_once_while_a_daemon_drains() {
+    const TASKS: u64 = 3000;
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &safe("batch = 10"));
+    // Every other task fails once: its retry goes through the retry set and back to ready.
+    let tasks: Vec<NewTask> = (0..TASKS)
+        .map(|i| NewTask::new("test", ["{}", r#"{"fail_attempts":1}"#][i as usize % 2]).unwrap())
+        .collect();
+    client(&config).push_batch("jobs", tasks).unwrap();
+    let daemon = TestDaemon::start(&config);
+    let reader = client(&config);
+    let mut mid_drain = 0;
+    let last = eventually(Duration::from_secs(60), "the queue to drain", || {
+        let s = reader.stats("jobs").unwrap();
+        assert_eq!(
+            s.ready + s.processing + s.delayed + s.done + s.dead,
+            TASKS,
+            "each task once: {s:?}"
+        );
+        if s.done > 0 && s.done < TASKS {
+            mid_drain += 1;
+        }
+        (s.done == TASKS, s)
+    });
+    daemon.stop();
+    assert_eq!(last.retried, TASKS / 2, "{last:?}");
+    assert!(
+        mid_drain >= 3,
+        "only {mid_drain} snapshots while tasks moved"
+    );
+}
+
 #[test]
 fn slow_live_handler_keeps_its_task_past_the_lease() {
     let redis = RedisServer::start();
