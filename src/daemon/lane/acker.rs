@@ -6,6 +6,13 @@
 //! call (see [`Settler`]), so a batch whose reply was lost is applied once and its hooks run once. Meanwhile the
 //! tasks stay held (so the fetcher claims no more) and the heartbeat keeps the owner's lease alive.
 //!
+//! Small settles cost Redis nearly as much as large ones (the script's fixed part), and on a busy host each is a
+//! Redis run that preempts a worker. So after a settle of fewer than [`LINGER_BELOW`] outcomes, while at least
+//! that many claimed tasks wait for a worker (so that holding back the capacity a settle frees starves no
+//! worker), the acker sleeps [`LINGER`] before it takes the next batch. It sleeps rather than waits on the
+//! channel, so the workers' sends do not wake it: one timer wake-up per settle instead of one per outcome
+//! (docs/PERFORMANCE.md, "Real handlers").
+//!
 //! The acker stops once the lane is drained: the fetcher has stopped and every task it claimed is settled. Every
 //! held task is resolved exactly once (by its worker, a timeout, a hand-back or a lost lease), so every held task
 //! sends the outcome the acker waits for; a worker stuck in a handler does not hold it up.
@@ -29,6 +36,12 @@ pub const MAX_BATCH: usize = 1000;
 /// How often an idle acker looks whether the lane is drained (and beats its pulse).
 pub const IDLE_CHECK: Duration = Duration::from_millis(50);
 
+/// A settle of fewer outcomes than this is followed by a [`LINGER`], when as many tasks wait for a worker.
+pub const LINGER_BELOW: usize = 64;
+
+/// How long the acker lets outcomes gather after a small settle.
+pub const LINGER: Duration = Duration::from_micros(500);
+
 pub struct Acker {
     pub lane: Arc<Lane>,
     pub plugins: Arc<Plugins>,
@@ -48,8 +61,12 @@ impl Acker {
                 Ok(first) => {
                     batch.push(first);
                     batch.extend(self.outcomes.try_iter().take(MAX_BATCH - 1));
+                    let small = batch.len() < LINGER_BELOW;
                     if !self.settle(&mut batch) {
                         break;
+                    }
+                    if small && self.waiting() >= LINGER_BELOW {
+                        std::thread::sleep(LINGER);
                     }
                 }
                 Err(RecvTimeoutError::Timeout) => {}
@@ -70,6 +87,13 @@ impl Acker {
         } else {
             tracing::debug!(queue = %self.lane.name(), "acker stopped");
         }
+    }
+
+    /// At least how many claimed tasks wait for a worker: the lane holds each task from its claim to its settle,
+    /// and of those at most one per worker runs, and the outcomes in the channel wait for this acker.
+    fn waiting(&self) -> usize {
+        let held = self.lane.capacity.held();
+        held.saturating_sub(self.lane.queue.config.workers + self.outcomes.len())
     }
 
     /// Applies a batch and empties it; false when the daemon gave up on Redis before it was applied.
