@@ -10,6 +10,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
+use rustc_hash::FxHashMap;
+
 pub use ffi::{Completion, LoadedPlugin, MESSAGE_CAPACITY, Run, Status};
 
 use crate::config::{Config, PluginConfig};
@@ -96,7 +98,8 @@ fn duplicate_type(
 /// not change) and swaps it into [`Plugins`]; a task runs on the snapshot its worker took when it started.
 pub struct Registry {
     plugins: Vec<Arc<LoadedPlugin>>,
-    by_type: HashMap<String, Arc<LoadedPlugin>>,
+    /// Looked up once per task: FxHash, not SipHash (the keys are the config's types, so no producer can fill it).
+    by_type: FxHashMap<String, Arc<LoadedPlugin>>,
     /// Drop-in files that were refused (and so skipped): reported by their file name.
     refused: Vec<PluginError>,
 }
@@ -155,7 +158,7 @@ impl Registry {
     pub fn empty() -> Registry {
         Registry {
             plugins: Vec::new(),
-            by_type: HashMap::new(),
+            by_type: FxHashMap::default(),
             refused: Vec::new(),
         }
     }
