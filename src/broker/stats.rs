@@ -126,7 +126,7 @@ fn pairs_as_map<S: serde::Serializer>(
 /// and retry (a drained queue's snapshot has `done` with every task it settled, and no task both ready and done).
 ///
 /// Safe mode's processing area is one claim set per owner and level, so the snapshot needs the owners, their
-/// levels and the types of their processing keys first: two or three round trips before the transaction, which
+/// levels and the types of their processing keys first: up to three round trips before the transaction, which
 /// reads the owners and their levels again. If they changed meanwhile (a daemon started, stopped or reloaded),
 /// it reads again, up to [`SNAPSHOT_ATTEMPTS`] times; a snapshot of the last try misses at most the claims of an
 /// owner that came in during it.

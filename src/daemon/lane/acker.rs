@@ -11,7 +11,7 @@
 //! that many claimed tasks wait for a worker (so that holding back the capacity a settle frees starves no
 //! worker), the acker sleeps [`LINGER`] before it takes the next batch. It sleeps rather than waits on the
 //! channel, so the workers' sends do not wake it: one timer wake-up per settle instead of one per outcome
-//! (docs/PERFORMANCE.md, "Real handlers").
+//! (docs/PERFORMANCE.md, "Settles gather while workers are busy").
 //!
 //! The acker stops once the lane is drained: the fetcher has stopped and every task it claimed is settled. Every
 //! held task is resolved exactly once (by its worker, a timeout, a hand-back or a lost lease), so every held task
