@@ -20,6 +20,8 @@
 //! - persistent mode only: `processes`, `concurrency`, `max_tasks_per_process`, `max_rss`, `start_timeout`,
 //!   `kill_grace` (docs/HANDLERS.md, "Configuration").
 #![deny(unsafe_code)]
+// Its lines go through `kmq_plugin::log_line`, whole: `eprintln!` splits a line into one write per piece.
+#![deny(clippy::print_stderr)]
 
 mod config;
 mod per_task;

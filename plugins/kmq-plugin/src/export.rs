@@ -96,7 +96,7 @@ fn install_panic_hook() {
                 Scope::Report => {
                     let message = panic_message(info.payload()).replace('\n', "\\n");
                     let at = location.unwrap_or_default();
-                    eprintln!("kmq plugin: panicked at {at}: {message}");
+                    crate::log_line(&format!("kmq plugin: panicked at {at}: {message}"));
                 }
             }
         }));

@@ -26,6 +26,8 @@
 
 // Every unsafe block says why it is sound (STYLE.md); the lint keeps it so.
 #![deny(clippy::undocumented_unsafe_blocks)]
+// A plugin's lines go through `log_line`, whole: `eprintln!` splits a line into one write per piece.
+#![deny(clippy::print_stderr)]
 
 pub mod abi;
 mod completion;
@@ -34,6 +36,7 @@ pub mod export;
 pub mod host;
 pub mod testing;
 
+use std::io::Write;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -223,4 +226,58 @@ impl<'a> Task<'a> {
 
 fn millis_to_time(ms: i64) -> Option<SystemTime> {
     (ms > 0).then(|| UNIX_EPOCH + Duration::from_millis(ms as u64))
+}
+
+/// Writes `line` and a newline to standard error (the daemon's log) in one `write`, so that no other line lands
+/// inside it. A plugin has its own copy of Rust's standard library, so its `eprintln!` does not take the daemon's
+/// lock on standard error, and `eprintln!` writes each piece of its format (`"kmq-exec: "`, the argument, the
+/// newline) with a `write` of its own: another thread's line could then split it.
+pub fn log_line(line: &str) {
+    write_line(&mut std::io::stderr(), line);
+}
+
+fn write_line(out: &mut impl Write, line: &str) {
+    let mut whole = String::with_capacity(line.len() + 1);
+    whole.push_str(line);
+    whole.push('\n');
+    // Standard error has nowhere to report its own failure.
+    let _ = out.write_all(whole.as_bytes());
+}
+
+#[cfg(test)]
+mod log_tests {
+    use std::io::Write;
+
+    /// Records each `write` it is given.
+    #[derive(Default)]
+    struct Writes(Vec<Vec<u8>>);
+
+    impl Write for Writes {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.push(bytes.to_vec());
+            Ok(bytes.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_log_line_reaches_standard_error_in_one_write() {
+        let mut writes = Writes::default();
+        let name = "py";
+        super::write_line(
+            &mut writes,
+            &format!("kmq-exec: {name}[42]: fails at start"),
+        );
+        assert_eq!(
+            writes.0,
+            vec![b"kmq-exec: py[42]: fails at start\n".to_vec()]
+        );
+        // What it replaces: a formatted line written piece by piece, each a `write` another thread can come between.
+        let mut pieces = Writes::default();
+        writeln!(pieces, "kmq-exec: {name}[42]: fails at start").unwrap();
+        assert!(pieces.0.len() > 1, "{:?}", pieces.0);
+    }
 }

@@ -478,7 +478,7 @@ impl Child {
         let reason = with_tail(head, &tail);
         let planned = matches!(cause, Cause::Stop | Cause::Killed(_));
         if !planned && self.ready.load(Ordering::SeqCst) {
-            eprintln!("kmq-exec: {}[{pid}]: {reason}", self.name);
+            kmq_plugin::log_line(&format!("kmq-exec: {}[{pid}]: {reason}", self.name));
         }
         // The pool first: once a task's worker has its outcome, this child is no longer among the pool's.
         (self.events)(
@@ -585,10 +585,10 @@ impl Child {
                 self.reply(answer, outcome);
             }
             // A task it does not hold (already cancelled, or never given): nothing to settle.
-            None => eprintln!(
+            None => kmq_plugin::log_line(&format!(
                 "kmq-exec: {}[{}]: an answer for task {id:?}, which it does not hold; ignored",
                 self.name, self.pid
-            ),
+            )),
         }
     }
 
@@ -617,7 +617,6 @@ impl Child {
         let fd = stderr.as_raw_fd();
         let mut chunk = [0u8; 8192];
         let mut partial = Vec::new();
-        let err = io::stderr();
         loop {
             process::wait_readable(fd);
             let mut reading = lock(&self.stderr_reading);
@@ -631,7 +630,7 @@ impl Child {
                 // Closed before the pipe is dropped (on return): nobody asks about its descriptor any more.
                 *reading = None;
                 if !partial.is_empty() {
-                    self.copy_line(&err, &partial);
+                    self.copy_line(&partial);
                 }
                 return;
             }
@@ -639,20 +638,20 @@ impl Child {
             partial.extend_from_slice(&chunk[..n]);
             let mut start = 0;
             while let Some(end) = partial[start..].iter().position(|b| *b == b'\n') {
-                self.copy_line(&err, &partial[start..start + end]);
+                self.copy_line(&partial[start..start + end]);
                 start += end + 1;
             }
             partial.drain(..start);
             if partial.len() > 64 << 10 {
                 // A "line" this long without a newline: copy it as it is, rather than hold it.
-                self.copy_line(&err, &partial);
+                self.copy_line(&partial);
                 partial.clear();
             }
             drop(reading);
         }
     }
 
-    fn copy_line(&self, err: &io::Stderr, line: &[u8]) {
+    fn copy_line(&self, line: &[u8]) {
         let text = String::from_utf8_lossy(line);
         let text = text.trim_end();
         let tasks: Vec<String> = lock(&self.held).tasks.keys().cloned().collect();
@@ -661,12 +660,10 @@ impl Child {
             [one] => format!(" task {one}"),
             many => format!(" tasks {}", many.join(", ")),
         };
-        let _ = writeln!(
-            err.lock(),
+        kmq_plugin::log_line(&format!(
             "kmq-exec: {}[{}]{during}: {text}",
-            self.name,
-            self.pid
-        );
+            self.name, self.pid
+        ));
     }
 }
 

@@ -379,10 +379,10 @@ impl Shared {
                 state.start_failures = 0;
                 state.next_start = None;
                 if state.broken.take().is_some() {
-                    eprintln!(
+                    kmq_plugin::log_line(&format!(
                         "kmq-exec: {}[{pid}]: started again; its tasks run again",
                         self.program.name()
-                    );
+                    ));
                 }
             }
             Event::Ended {
@@ -417,7 +417,7 @@ impl Shared {
                 self.program.command.display(),
                 state.start_failures
             );
-            eprintln!("kmq-exec: {report}");
+            kmq_plugin::log_line(&format!("kmq-exec: {report}"));
             state.broken = Some(format!("exec: {report}"));
         }
     }
