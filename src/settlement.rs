@@ -189,7 +189,7 @@ pub fn decide(
     let failed = verdict.is_failed_run();
     // The worker warned once for the type; a retry per task would flood the log during a rolling deploy.
     let quiet_retry = matches!(verdict, Verdict::NoHandler { .. });
-    let action = policy::decide(policy, attempt, verdict, envelope.map_or(0, seed));
+    let action = policy::decide(policy, attempt, verdict, || envelope.map_or(0, seed));
     let queue = origin.queue;
     // Ids and reasons come from producers and plugins: cap them, so one huge one cannot flood the log.
     let id = &*capped(envelope.map_or("", Envelope::id_str), LOGGED_PAYLOAD_BYTES);
