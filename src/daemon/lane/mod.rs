@@ -47,15 +47,19 @@ use resolve::{JobId, JobState, Outcome};
 /// wedged: everything one turn of each loop may wait, added up, so that a Redis that is down, slow or failing
 /// over never counts (the daemon is right to wait for it) and only a hang nothing bounds does. With the
 /// defaults (`idle_poll` 1 s, `connect_timeout` 5 s, `io_timeout` 10 s, `wait_timeout` 100 ms): 51.3 s for the
-/// fetcher, 30.15 s for the acker, 31.1 s for the delay poller.
+/// fetcher, 30.152 s for the acker, 31.1 s for the delay poller.
 pub fn stall_bounds(redis: &RedisConfig, queue: &QueueConfig) -> Bounds {
     let call = |calls: u32| crate::daemon::watchdog::redis_calls(redis, calls);
     Bounds {
         // Waiting for capacity, then register + claim (or pop) + the idle wait in Redis (`idle_poll` beyond its
         // read timeout), one more reply for a cluster's redirect, then the retry backoff after a failure.
         fetcher: fetcher::CAPACITY_WAIT + queue.idle_poll + call(4) + crate::retry::Backoff::MAX,
-        // Waiting for an outcome, then one settle attempt (and a redirect), then the backoff before the next.
-        acker: acker::IDLE_CHECK + call(2) + crate::retry::Backoff::MAX,
+        // Waiting for an outcome, then one settle attempt (and a redirect), then its lingers or the backoff before
+        // the next.
+        acker: acker::IDLE_CHECK
+            + call(2)
+            + crate::retry::Backoff::MAX
+            + acker::LINGER * acker::MAX_LINGERS as u32,
         // Its longest sleep, one promote (and a redirect), then the backoff after a failure.
         delay: crate::daemon::delay::MAX_WAIT + call(2) + crate::retry::Backoff::MAX,
         // A move, then the wait on a source (`idle_poll` beyond its read timeout), each with a redirect, then the
@@ -434,7 +438,7 @@ mod tests {
             bounds,
             Bounds {
                 fetcher: ms(51_300),
-                acker: ms(30_150),
+                acker: ms(30_152),
                 delay: ms(31_100),
                 sources: None,
             },
@@ -449,7 +453,7 @@ mod tests {
             bounds.fetcher,
             ms(200 + 5_000 + 1_000 + 100 + 4_000 + 5_000)
         );
-        assert_eq!(bounds.acker, ms(50 + 1_000 + 100 + 2_000 + 5_000));
+        assert_eq!(bounds.acker, ms(50 + 1_000 + 100 + 2_000 + 5_000 + 2));
         assert_eq!(bounds.delay, ms(1_000 + 1_000 + 100 + 2_000 + 5_000));
         let config = parse(
             "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nsource_lists = [\"queue:mail\"]\n",
