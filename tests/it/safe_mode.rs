@@ -749,6 +749,74 @@ fn a_claim_settled_in_parts_gives_back_only_its_unsettled_tasks_and_fences_late_
     assert!(left.is_empty(), "the settled claim is gone: {left:?}");
 }
 
+/// A settle is all or nothing across the claims it touches: a second claim whose bitmap is broken stops it
+/// before it writes the first claim's (settle.lua checks every key it may write before its first write).
+#[test]
+fn a_settle_over_two_claims_whose_second_bitmap_is_no_string_applies_nothing() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let path = dir.config(&redis, &safe(""));
+    let config = Config::load(&path).unwrap();
+    let queue = context(&config);
+    let tasks: Vec<NewTask> = (0..20)
+        .map(|i| NewTask::new("test", "{}").unwrap().id(format!("t{i}")))
+        .collect();
+    client(&path).push_batch("jobs", tasks).unwrap();
+    let mut connection = redis.connection();
+    let owner = "two.1";
+    let first = dead_daemon_claims(&mut connection, &queue, owner, 0, 10, Duration::from_secs(60));
+    let second = claim_as(&mut connection, &queue, owner, 10, 10).unwrap();
+    assert_eq!((first.tasks.len(), second.tasks.len()), (10, 10));
+    let claim_of = |batch: &broker::Batch| match &batch.tasks[0].token.as_ref().unwrap().id {
+        broker::TokenId::Listed { claim, .. } => *claim,
+        other => panic!("a claim's token: {other:?}"),
+    };
+    let (a, b) = (claim_of(&first), claim_of(&second));
+    assert_ne!(a, b);
+    let broken = queue.keys.claim_settled(owner, 0, b);
+    let _: i64 = redis.cmd(&["RPUSH", &broken, "not a bitmap"]);
+    // Part of each claim, plain acknowledgements: the first claim's bitmap would be written first.
+    let acks: Vec<Settlement> = first.tasks[..3]
+        .iter()
+        .chain(&second.tasks[..3])
+        .map(|task| Settlement {
+            op: SettleOp::Ack,
+            token: task.token.clone(),
+            unique_id: None,
+            level: 0,
+            payload: Vec::new(),
+            failed: false,
+        })
+        .collect();
+    let settle = |connection: &mut broker::Conn, number: u64| {
+        let call = broker::Call {
+            settler: "two-acker",
+            number,
+        };
+        broker::settle(
+            connection,
+            &queue.keys,
+            &call,
+            Fence::Owner,
+            queue.config.dead_max,
+            Some(owner),
+            &acks,
+        )
+    };
+    let error = settle(&mut connection, 1).unwrap_err();
+    assert!(error.to_string().contains("WRONGTYPE"), "{error}");
+    let exists: i64 = redis.cmd(&["EXISTS", &queue.keys.claim_settled(owner, 0, a)]);
+    assert_eq!(exists, 0, "the first claim's bitmap was not written");
+    let s = stats(&path, "jobs");
+    assert_eq!((s.done, s.processing), (0, 20), "nothing applied: {s:?}");
+    // Repaired, the same outcomes apply, once.
+    let _: i64 = redis.cmd(&["DEL", &broken]);
+    let settled = settle(&mut connection, 2).unwrap();
+    assert_eq!(settled.stale_acks, 0);
+    let s = stats(&path, "jobs");
+    assert_eq!((s.done, s.processing), (6, 14), "{s:?}");
+}
+
 /// A rolling upgrade from kmqd 0.1, whose owners kept their tasks in a hash per level: what a crashed 0.1 daemon
 /// held comes back through this version's monitor, each task once.
 #[test]
