@@ -120,7 +120,12 @@ pub enum Action {
 /// Decides the fate of a task whose run number `attempt` (0 = first) came to `verdict`. `seed` (see
 /// [`Policy::backoff_for`]) is asked only for a retry's backoff: hashing the id of every task that is simply done
 /// was 1 % of a no-op drain's daemon CPU.
-pub fn decide(policy: &Policy, attempt: u32, verdict: Verdict, seed: impl FnOnce() -> u64) -> Action {
+pub fn decide(
+    policy: &Policy,
+    attempt: u32,
+    verdict: Verdict,
+    seed: impl FnOnce() -> u64,
+) -> Action {
     let out_of_retries = attempt >= policy.retry_times;
     match verdict {
         Verdict::Done => Action::Ack,

@@ -764,7 +764,14 @@ fn a_settle_over_two_claims_whose_second_bitmap_is_no_string_applies_nothing() {
     client(&path).push_batch("jobs", tasks).unwrap();
     let mut connection = redis.connection();
     let owner = "two.1";
-    let first = dead_daemon_claims(&mut connection, &queue, owner, 0, 10, Duration::from_secs(60));
+    let first = dead_daemon_claims(
+        &mut connection,
+        &queue,
+        owner,
+        0,
+        10,
+        Duration::from_secs(60),
+    );
     let second = claim_as(&mut connection, &queue, owner, 10, 10).unwrap();
     assert_eq!((first.tasks.len(), second.tasks.len()), (10, 10));
     let claim_of = |batch: &broker::Batch| match &batch.tasks[0].token.as_ref().unwrap().id {
