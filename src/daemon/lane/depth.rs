@@ -12,8 +12,9 @@
 //!   came back to find no task left waiting; with tasks left at every one, the idle time was the host's
 //!   scheduling, which a deeper prefetch does not cure): the prefetch doubles; it grows
 //!   [`MAX_GROWTH`]-fold when the workers were idle more than half the time (the pipeline is far too shallow then,
-//!   and the share undercounts: a worker still waiting when the window ends adds its wait later), so that a
-//!   backlog of no-op tasks reaches the bound within two or three windows, a small part of a one-second drain;
+//!   and the share undercounts: a worker still waiting when the window ends adds its wait later). Starving
+//!   workers end a window early, after [`STARVING_WINDOW`], so that a backlog of no-op tasks reaches the bound
+//!   within about 10 ms (two windows of 25 ms took a quarter of a 200,000-task drain);
 //! - **shrink**: otherwise, the fewest tasks still waiting for a worker when a fetch came back (the low point of
 //!   each cycle; over the window, the standing queue, as CoDel calls it: tasks that were claimed early for
 //!   nothing) comes off, by half.
@@ -33,6 +34,9 @@ use super::capacity::Capacity;
 
 /// How long the fetcher watches before it changes the prefetch.
 pub const WINDOW: Duration = Duration::from_millis(25);
+
+/// How soon a window may end early, when the workers starve: idle more than half of it, with a backlog.
+pub const STARVING_WINDOW: Duration = Duration::from_millis(5);
 
 /// What one window multiplies the prefetch by when the workers were idle more than half of it.
 pub const MAX_GROWTH: usize = 16;
@@ -109,13 +113,17 @@ impl Depth {
         self.backlog &= asked > 0 && taken >= asked;
         self.low_water = self.low_water.min(waiting);
         let elapsed = now.saturating_duration_since(self.since);
-        if elapsed < WINDOW {
+        if elapsed < STARVING_WINDOW {
             return None;
         }
         let idle_ns = idle.total();
         let live = capacity.live_workers().max(1);
         let share = idle_ns.saturating_sub(self.idle_at_start) as f64
             / (live as f64 * elapsed.as_nanos().max(1) as f64);
+        let starving = self.backlog && self.low_water == 0 && share > 0.5;
+        if elapsed < WINDOW && !starving {
+            return None;
+        }
         let from = capacity.prefetch();
         let floor = self.max.min(1);
         let to = if self.backlog && self.low_water == 0 && share > IDLE_GROW {
@@ -249,9 +257,37 @@ mod tests {
     }
 
     #[test]
+    fn starving_workers_end_a_window_early() {
+        let mut rig = Rig::new(4, 4, 1000);
+        // 4 workers idle for 3 of the first 5 ms each (60 %), every fetch full, none left waiting.
+        rig.clock.add(STARVING_WINDOW * 12 / 5);
+        let early = rig.start + STARVING_WINDOW;
+        let before = rig.start + STARVING_WINDOW / 2;
+        assert_eq!(
+            rig.depth
+                .fetched(&rig.capacity, &rig.clock, (0, 8, 8), before),
+            None,
+            "not before STARVING_WINDOW"
+        );
+        let change = rig
+            .depth
+            .fetched(&rig.capacity, &rig.clock, (0, 8, 8), early);
+        assert_eq!(change.map(|c| (c.from, c.to)), Some((4, 4 * MAX_GROWTH)));
+        // Idle under half the time is not starving: that window waits for its end.
+        rig.clock.add(STARVING_WINDOW * 4 / 5);
+        let soon = early + STARVING_WINDOW;
+        assert_eq!(
+            rig.depth
+                .fetched(&rig.capacity, &rig.clock, (0, 8, 8), soon),
+            None
+        );
+    }
+
+    #[test]
     fn a_window_ends_only_after_its_time() {
         let mut rig = Rig::new(4, 4, 20);
-        rig.clock.add(Duration::from_secs(1));
+        // Idle a quarter of the time by half the window (an eighth by its end): growing, not starving.
+        rig.clock.add(WINDOW / 2);
         let half = rig.start + WINDOW / 2;
         for _ in 0..100 {
             assert_eq!(
