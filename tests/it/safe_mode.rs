@@ -441,6 +441,33 @@ fn claim_as(
     )
 }
 
+/// Pushes `n` tasks of type `test` to `jobs`, with the ids `t0`, `t1`, ...
+fn push_numbered(path: &std::path::Path, n: usize) {
+    let tasks: Vec<NewTask> = (0..n)
+        .map(|i| NewTask::new("test", "{}").unwrap().id(format!("t{i}")))
+        .collect();
+    client(path).push_batch("jobs", tasks).unwrap();
+}
+
+/// Call `number` of the settling party `settler`: `owner`'s outcomes, as its acker sends them.
+fn settle_as(
+    connection: &mut kmqd::broker::Conn,
+    queue: &QueueContext,
+    (owner, settler, number): (&str, &str, u64),
+    settlements: &[Settlement],
+) -> broker::Result<broker::Settled> {
+    let call = broker::Call { settler, number };
+    broker::settle(
+        connection,
+        &queue.keys,
+        &call,
+        Fence::Owner,
+        queue.config.dead_max,
+        Some(owner),
+        settlements,
+    )
+}
+
 #[test]
 fn expired_lease_returns_its_tasks_to_the_front_uncharged() {
     let redis = RedisServer::start();
@@ -670,10 +697,7 @@ fn a_claim_settled_in_parts_gives_back_only_its_unsettled_tasks_and_fences_late_
     let path = dir.config(&redis, &safe("lease_timeout = \"300ms\""));
     let config = Config::load(&path).unwrap();
     let queue = context(&config);
-    let tasks: Vec<NewTask> = (0..100)
-        .map(|i| NewTask::new("test", "{}").unwrap().id(format!("t{i}")))
-        .collect();
-    client(&path).push_batch("jobs", tasks).unwrap();
+    push_numbered(&path, 100);
     let mut connection = redis.connection();
     let owner = "part.1";
     let lease = Duration::from_millis(300);
@@ -690,17 +714,10 @@ fn a_claim_settled_in_parts_gives_back_only_its_unsettled_tasks_and_fences_late_
     let mut number = 0;
     let mut settle = |connection: &mut broker::Conn, settlements: &[Settlement]| {
         number += 1;
-        let call = broker::Call {
-            settler: "part-acker",
-            number,
-        };
-        broker::settle(
+        settle_as(
             connection,
-            &queue.keys,
-            &call,
-            Fence::Owner,
-            queue.config.dead_max,
-            Some(owner),
+            &queue,
+            (owner, "part-acker", number),
             settlements,
         )
         .unwrap()
@@ -758,10 +775,7 @@ fn a_settle_over_two_claims_whose_second_bitmap_is_no_string_applies_nothing() {
     let path = dir.config(&redis, &safe(""));
     let config = Config::load(&path).unwrap();
     let queue = context(&config);
-    let tasks: Vec<NewTask> = (0..20)
-        .map(|i| NewTask::new("test", "{}").unwrap().id(format!("t{i}")))
-        .collect();
-    client(&path).push_batch("jobs", tasks).unwrap();
+    push_numbered(&path, 20);
     let mut connection = redis.connection();
     let owner = "two.1";
     let first = dead_daemon_claims(
@@ -796,19 +810,7 @@ fn a_settle_over_two_claims_whose_second_bitmap_is_no_string_applies_nothing() {
         })
         .collect();
     let settle = |connection: &mut broker::Conn, number: u64| {
-        let call = broker::Call {
-            settler: "two-acker",
-            number,
-        };
-        broker::settle(
-            connection,
-            &queue.keys,
-            &call,
-            Fence::Owner,
-            queue.config.dead_max,
-            Some(owner),
-            &acks,
-        )
+        settle_as(connection, &queue, (owner, "two-acker", number), &acks)
     };
     let error = settle(&mut connection, 1).unwrap_err();
     assert!(error.to_string().contains("WRONGTYPE"), "{error}");
