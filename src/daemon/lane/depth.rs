@@ -120,14 +120,16 @@ impl Depth {
         let live = capacity.live_workers().max(1);
         let share = idle_ns.saturating_sub(self.idle_at_start) as f64
             / (live as f64 * elapsed.as_nanos().max(1) as f64);
-        let starving = self.backlog && self.low_water == 0 && share > 0.5;
+        // The workers ran out while Redis had more: idle time they spent is the prefetch's doing.
+        let ran_dry = self.backlog && self.low_water == 0;
+        let starving = ran_dry && share > 0.5;
         if elapsed < WINDOW && !starving {
             return None;
         }
         let from = capacity.prefetch();
         let floor = self.max.min(1);
-        let to = if self.backlog && self.low_water == 0 && share > IDLE_GROW {
-            let growth = if share > 0.5 { MAX_GROWTH } else { 2 };
+        let to = if ran_dry && share > IDLE_GROW {
+            let growth = if starving { MAX_GROWTH } else { 2 };
             from.max(1).saturating_mul(growth).clamp(floor, self.max)
         } else {
             from.saturating_sub(self.low_water.div_ceil(2))
