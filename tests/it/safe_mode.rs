@@ -449,6 +449,18 @@ fn push_numbered(path: &std::path::Path, n: usize) {
     client(path).push_batch("jobs", tasks).unwrap();
 }
 
+/// A done task's plain acknowledgement (level 0, no unique id), as a worker's outcome makes it.
+fn plain_ack(token: Option<broker::Token>) -> Settlement {
+    Settlement {
+        op: SettleOp::Ack,
+        token,
+        unique_id: None,
+        level: 0,
+        payload: Vec::new(),
+        failed: false,
+    }
+}
+
 /// Call `number` of the settling party `settler`: `owner`'s outcomes, as its acker sends them.
 fn settle_as(
     connection: &mut kmqd::broker::Conn,
@@ -517,14 +529,7 @@ fn expired_lease_returns_its_tasks_to_the_front_uncharged() {
     );
     // The dead daemon's acknowledgement, arriving late, is fenced off.
     let token = batch.tasks[0].token.clone();
-    let late = Settlement {
-        op: SettleOp::Ack,
-        token,
-        unique_id: None,
-        level: 0,
-        payload: Vec::new(),
-        failed: false,
-    };
+    let late = plain_ack(token);
     let call = broker::Call {
         settler: "test-late:acker",
         number: 1,
@@ -660,14 +665,7 @@ fn a_quarantined_group_is_claimed_alone_and_nothing_is_claimed_beside_it() {
         "nothing more while the group is held"
     );
     // Settled: the next claim takes the ready tasks.
-    let ack = Settlement {
-        op: SettleOp::Ack,
-        token: batch.tasks[0].token.clone(),
-        unique_id: None,
-        level: 0,
-        payload: Vec::new(),
-        failed: false,
-    };
+    let ack = plain_ack(batch.tasks[0].token.clone());
     let call = broker::Call {
         settler: "test:acker",
         number: 1,
@@ -800,14 +798,7 @@ fn a_settle_over_two_claims_whose_second_bitmap_is_no_string_applies_nothing() {
     let acks: Vec<Settlement> = first.tasks[..3]
         .iter()
         .chain(&second.tasks[..3])
-        .map(|task| Settlement {
-            op: SettleOp::Ack,
-            token: task.token.clone(),
-            unique_id: None,
-            level: 0,
-            payload: Vec::new(),
-            failed: false,
-        })
+        .map(|task| plain_ack(task.token.clone()))
         .collect();
     let settle = |connection: &mut broker::Conn, number: u64| {
         settle_as(connection, &queue, (owner, "two-acker", number), &acks)
