@@ -7,12 +7,14 @@
 //! tasks stay held (so the fetcher claims no more) and the heartbeat keeps the owner's lease alive.
 //!
 //! Small settles cost Redis nearly as much as large ones (the script's fixed part), and on a busy host each is a
-//! Redis run that preempts a worker. So after a settle of fewer than [`LINGER_BELOW`] outcomes, while at least
-//! that many claimed tasks wait for a worker (so that holding back the capacity a settle frees starves no
-//! worker), the acker sleeps [`LINGER`] before it takes the next batch, and again (up to [`MAX_LINGERS`] times)
-//! while fewer than that many outcomes have gathered and as many tasks still wait. It sleeps rather than waits
-//! on the channel, so the workers' sends do not wake it: a timer wake-up per linger instead of one per outcome
-//! (docs/PERFORMANCE.md, "Settles gather while workers are busy").
+//! Redis run that preempts a worker. So after a settle, while at least [`LINGER_BELOW`] claimed tasks wait for a
+//! worker (so that holding back the capacity a settle frees starves no worker), the acker sleeps [`LINGER`]
+//! before it takes the next batch, and again (up to [`MAX_LINGERS`] times) while fewer outcomes have gathered
+//! than the next settle should carry: [`LINGER_BELOW`], or what lets the fetcher claim its next batch, if more.
+//! A settle that frees less than a claim's worth only makes the next settle come sooner, so with the lingers a
+//! busy lane makes about one settle per claim. The acker sleeps rather than waits on the channel, so the
+//! workers' sends do not wake it: a timer wake-up per linger instead of one per outcome (docs/PERFORMANCE.md,
+//! "Settles gather while workers are busy").
 //!
 //! The acker stops once the lane is drained: the fetcher has stopped and every task it claimed is settled. Every
 //! held task is resolved exactly once (by its worker, a timeout, a hand-back or a lost lease), so every held task
@@ -37,15 +39,15 @@ pub const MAX_BATCH: usize = 1000;
 /// How often an idle acker looks whether the lane is drained (and beats its pulse).
 pub const IDLE_CHECK: Duration = Duration::from_millis(50);
 
-/// A settle of fewer outcomes than this is followed by a [`LINGER`], when as many tasks wait for a worker.
+/// The fewest outcomes a settle gathers while this many tasks wait for a worker; the lingers stop below it.
 pub const LINGER_BELOW: usize = 64;
 
-/// How long the acker lets outcomes gather after a small settle, before it looks again.
+/// How long the acker lets outcomes gather after a settle, before it looks again.
 pub const LINGER: Duration = Duration::from_micros(500);
 
-/// The most lingers after one settle: an outcome waits at most 2 ms longer for its settle. One linger gathered
-/// about 16 outcomes of a 50 µs handler on two workers (a settle per 25 tasks); four gather up to 64.
-pub const MAX_LINGERS: usize = 4;
+/// The most lingers after one settle: an outcome waits at most 10 ms longer for its settle. A claim of a 50 µs
+/// handler's lane on two workers takes about 200 tasks, 5 ms of their work.
+pub const MAX_LINGERS: usize = 20;
 
 pub struct Acker {
     pub lane: Arc<Lane>,
@@ -66,13 +68,10 @@ impl Acker {
                 Ok(first) => {
                     batch.push(first);
                     batch.extend(self.outcomes.try_iter().take(MAX_BATCH - 1));
-                    let small = batch.len() < LINGER_BELOW;
                     if !self.settle(&mut batch) {
                         break;
                     }
-                    if small {
-                        self.linger();
-                    }
+                    self.linger();
                 }
                 Err(RecvTimeoutError::Timeout) => {}
                 // Every sender is gone (the lane itself holds one), so nothing more can come.
@@ -94,16 +93,25 @@ impl Acker {
         }
     }
 
-    /// Lets outcomes gather after a small settle: a [`LINGER`] at a time, up to [`MAX_LINGERS`] of them, while
-    /// fewer than [`LINGER_BELOW`] outcomes are queued and at least as many tasks wait for a worker. Looking
-    /// again after each keeps the workers fed: at most a linger's worth of tasks start meanwhile.
+    /// Lets outcomes gather after a settle: a [`LINGER`] at a time, up to [`MAX_LINGERS`] of them, while fewer
+    /// outcomes are queued than the next settle should carry and at least [`LINGER_BELOW`] tasks wait for a
+    /// worker. Looking again after each keeps the workers fed: at most a linger's worth of tasks start
+    /// meanwhile.
     fn linger(&self) {
         for _ in 0..MAX_LINGERS {
-            if self.outcomes.len() >= LINGER_BELOW || self.waiting() < LINGER_BELOW {
+            if self.outcomes.len() >= self.worth_a_settle() || self.waiting() < LINGER_BELOW {
                 return;
             }
             std::thread::sleep(LINGER);
         }
+    }
+
+    /// How many outcomes the next settle should carry: [`LINGER_BELOW`], or as many as the fetcher still needs
+    /// freed before it claims its next batch, if more (at most what one settle takes).
+    fn worth_a_settle(&self) -> usize {
+        LINGER_BELOW
+            .max(self.lane.capacity.short_of_a_claim())
+            .min(MAX_BATCH)
     }
 
     /// At least how many claimed tasks wait for a worker: the lane holds each task from its claim to its settle,

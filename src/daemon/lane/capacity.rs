@@ -92,6 +92,12 @@ impl Capacity {
         self.batch.min(self.prefetch().div_ceil(2)).max(1)
     }
 
+    /// How many more held tasks must be released before the fetcher claims a batch (0 when it may now): what
+    /// the acker gathers before a settle, so that each settle frees one claim's worth.
+    pub fn short_of_a_claim(&self) -> usize {
+        self.threshold().saturating_sub(self.free())
+    }
+
     /// The most tasks the lane may hold now.
     pub fn limit(&self) -> usize {
         let live = self.live_workers();
@@ -199,6 +205,28 @@ mod tests {
         );
         assert_eq!(capacity.acquire(100, Duration::ZERO, || true), 2);
         assert_eq!(capacity.held(), 10);
+    }
+
+    #[test]
+    fn short_of_a_claim_counts_the_releases_that_let_the_fetcher_claim_its_batch() {
+        // 2 workers, prefetch 400: the limit is 402, the threshold 200.
+        let capacity = Capacity::new(2, 400, 1000);
+        assert_eq!(capacity.short_of_a_claim(), 0, "nothing held: it may claim");
+        assert_eq!(capacity.acquire(1000, Duration::ZERO, || false), 402);
+        assert_eq!(capacity.short_of_a_claim(), 200);
+        capacity.release(150);
+        assert_eq!(capacity.short_of_a_claim(), 50);
+        capacity.release(50);
+        assert_eq!(capacity.short_of_a_claim(), 0);
+        assert_eq!(
+            capacity.acquire(1000, Duration::ZERO, || false),
+            200,
+            "what it reported short is what the claim waited for"
+        );
+        // A claim batch smaller than half the prefetch is the threshold.
+        let capacity = Capacity::new(2, 400, 50);
+        assert_eq!(capacity.acquire(1000, Duration::ZERO, || false), 402);
+        assert_eq!(capacity.short_of_a_claim(), 50);
     }
 
     #[test]

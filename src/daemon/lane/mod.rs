@@ -47,7 +47,7 @@ use resolve::{JobId, JobState, Outcome};
 /// wedged: everything one turn of each loop may wait, added up, so that a Redis that is down, slow or failing
 /// over never counts (the daemon is right to wait for it) and only a hang nothing bounds does. With the
 /// defaults (`idle_poll` 1 s, `connect_timeout` 5 s, `io_timeout` 10 s, `wait_timeout` 100 ms): 51.3 s for the
-/// fetcher, 30.152 s for the acker, 31.1 s for the delay poller.
+/// fetcher, 30.16 s for the acker, 31.1 s for the delay poller.
 pub fn stall_bounds(redis: &RedisConfig, queue: &QueueConfig) -> Bounds {
     let call = |calls: u32| crate::daemon::watchdog::redis_calls(redis, calls);
     Bounds {
@@ -438,7 +438,7 @@ mod tests {
             bounds,
             Bounds {
                 fetcher: ms(51_300),
-                acker: ms(30_152),
+                acker: ms(30_160),
                 delay: ms(31_100),
                 sources: None,
             },
@@ -453,7 +453,7 @@ mod tests {
             bounds.fetcher,
             ms(200 + 5_000 + 1_000 + 100 + 4_000 + 5_000)
         );
-        assert_eq!(bounds.acker, ms(50 + 1_000 + 100 + 2_000 + 5_000 + 2));
+        assert_eq!(bounds.acker, ms(50 + 1_000 + 100 + 2_000 + 5_000 + 10));
         assert_eq!(bounds.delay, ms(1_000 + 1_000 + 100 + 2_000 + 5_000));
         let config = parse(
             "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nsource_lists = [\"queue:mail\"]\n",
