@@ -19,6 +19,10 @@
 //!   each cycle; over the window, the standing queue, as CoDel calls it: tasks that were claimed early for
 //!   nothing) comes off, by half.
 //!
+//! - **floor**: the shrink stops at [`FLOOR_WORK`] of the window's rate (tasks taken per second), so that a lane
+//!   whose workers keep up claims and settles in batches of milliseconds of work rather than whatever its
+//!   shortest standing queue was. The floor raises nothing: only starving workers grow the prefetch.
+//!
 //! The prefetch stays between 1 and `max_held - workers` (0 when `max_held = workers`: the channels are sized for
 //! `max_held`); it starts at `workers` (the old fixed default), or lower if `max_held` says so. With a
 //! deep backlog of no-op tasks it reaches the bound within a few windows (docs/PERFORMANCE.md, "Defaults that
@@ -37,6 +41,13 @@ pub const WINDOW: Duration = Duration::from_millis(25);
 
 /// How soon a window may end early, when the workers starve: idle more than half of it, with a backlog.
 pub const STARVING_WINDOW: Duration = Duration::from_millis(5);
+
+/// The least work a shrinking prefetch keeps, at the rate the lane's fetches took tasks over the window: however
+/// short the standing queue, it does not shrink below this. Each claim then takes at least half of it, and (with the
+/// acker's lingers) each settle frees that much: fewer, larger calls, where a busy lane's small ones cost Redis
+/// and preempt a worker each. 20 ms of work is at most a share of a second of waiting for a task another daemon
+/// could have run.
+pub const FLOOR_WORK: Duration = Duration::from_millis(20);
 
 /// What one window multiplies the prefetch by when the workers were idle more than half of it.
 pub const MAX_GROWTH: usize = 16;
@@ -72,6 +83,8 @@ pub struct Depth {
     /// Whether every fetch of the window took all it asked for; the fewest tasks left waiting when one came back.
     backlog: bool,
     low_water: usize,
+    /// Tasks the window's fetches took: over its length, the lane's rate.
+    taken: usize,
 }
 
 /// What a window decided: the prefetch before and after, and why (for the debug log).
@@ -98,7 +111,14 @@ impl Depth {
             idle_at_start,
             backlog: true,
             low_water: usize::MAX,
+            taken: 0,
         }
+    }
+
+    /// What the window's fetches took in [`FLOOR_WORK`], at the rate they took it over `elapsed`.
+    fn work_floor(&self, elapsed: Duration) -> usize {
+        let rate = self.taken as f64 / elapsed.as_secs_f64().max(f64::EPSILON);
+        (rate * FLOOR_WORK.as_secs_f64()) as usize
     }
 
     /// One fetch: `waiting` tasks still waited for a worker when it came back, it asked for `asked` and took
@@ -112,6 +132,7 @@ impl Depth {
     ) -> Option<Change> {
         self.backlog &= asked > 0 && taken >= asked;
         self.low_water = self.low_water.min(waiting);
+        self.taken = self.taken.saturating_add(taken);
         let elapsed = now.saturating_duration_since(self.since);
         if elapsed < STARVING_WINDOW {
             return None;
@@ -132,7 +153,10 @@ impl Depth {
             let growth = if starving { MAX_GROWTH } else { 2 };
             from.max(1).saturating_mul(growth).clamp(floor, self.max)
         } else {
+            // Never below the floor of work, nor raised to it: only a starving lane grows.
+            let least = from.min(self.work_floor(elapsed));
             from.saturating_sub(self.low_water.div_ceil(2))
+                .max(least)
                 .clamp(floor, self.max)
         };
         let change = Change {
@@ -222,8 +246,9 @@ mod tests {
     #[test]
     fn a_standing_queue_of_waiting_tasks_is_halved_off_down_to_one() {
         let mut rig = Rig::new(4, 64, 1000);
-        // Busy workers (no idle time), and at least 40 tasks waited at every fetch: 20 come off.
-        let change = rig.window(Duration::ZERO, &[(50, 32, 32), (40, 32, 32)]);
+        // Busy workers (no idle time), and at least 40 tasks waited at every fetch: 20 come off (two tasks taken
+        // in the window: 80/s, a floor of work of one task).
+        let change = rig.window(Duration::ZERO, &[(50, 1, 1), (40, 1, 1)]);
         assert_eq!(
             change.map(|c| (c.from, c.to, c.low_water)),
             Some((64, 44, 40))
@@ -233,6 +258,30 @@ mod tests {
             rig.window(Duration::ZERO, &[(waiting, 1, 1)]);
         }
         assert_eq!(rig.prefetch(), 1, "never below one");
+    }
+
+    #[test]
+    fn a_standing_queue_comes_off_only_down_to_the_floor_of_work() {
+        let mut rig = Rig::new(2, 3000, 4000);
+        // Busy workers, 2,000 tasks left waiting at every fetch, 2,000 taken in the window of 25 ms: 80,000/s, of
+        // which FLOOR_WORK (20 ms) is 1,600. Half the standing queue would take it to 2,000; the floor allows that.
+        let change = rig.window(Duration::ZERO, &[(2000, 1000, 1000), (2000, 1000, 1000)]);
+        assert_eq!(change.map(|c| (c.from, c.to)), Some((3000, 2000)));
+        // Half of 1,000 more would take it to 1,500: the floor stops it at 1,600.
+        let change = rig.window(Duration::ZERO, &[(1000, 1000, 1000), (1000, 1000, 1000)]);
+        assert_eq!(change.map(|c| (c.from, c.to)), Some((2000, 1600)));
+        let change = rig.window(Duration::ZERO, &[(1000, 1000, 1000), (1000, 1000, 1000)]);
+        assert_eq!(
+            change, None,
+            "at the floor, the standing queue takes it no lower"
+        );
+        // The lane slows to 40 tasks a window (1,600/s, a floor of 32): the queue comes off again.
+        let change = rig.window(Duration::ZERO, &[(1000, 20, 20), (1000, 20, 20)]);
+        assert_eq!(change.map(|c| (c.from, c.to)), Some((1600, 1100)));
+        // The floor raises nothing: a lane faster than its prefetch's floor keeps it, with tasks to spare.
+        let mut rig = Rig::new(2, 100, 4000);
+        let change = rig.window(Duration::ZERO, &[(10, 1000, 1000), (10, 1000, 1000)]);
+        assert_eq!(change, None);
     }
 
     #[test]
