@@ -43,10 +43,10 @@ pub const WINDOW: Duration = Duration::from_millis(25);
 pub const STARVING_WINDOW: Duration = Duration::from_millis(5);
 
 /// The least work a shrinking prefetch keeps, at the rate the lane's fetches took tasks over the window: however
-/// short the standing queue, it does not shrink below this. Each claim then takes at least half of it, and (with the
-/// acker's lingers) each settle frees that much: fewer, larger calls, where a busy lane's small ones cost Redis
-/// and preempt a worker each. 20 ms of work is at most a share of a second of waiting for a task another daemon
-/// could have run.
+/// short the standing queue, it does not shrink below this. Each claim then takes at least half of it, and (with
+/// the acker's lingers) each settle frees that much: fewer, larger calls, where a busy lane's small ones each cost
+/// Redis a script's fixed part and preempt a worker. The floor itself keeps a task waiting here for a worker
+/// about this long at most, while another daemon may have an idle one.
 pub const FLOOR_WORK: Duration = Duration::from_millis(20);
 
 /// What one window multiplies the prefetch by when the workers were idle more than half of it.
