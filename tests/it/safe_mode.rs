@@ -530,17 +530,10 @@ fn expired_lease_returns_its_tasks_to_the_front_uncharged() {
     // The dead daemon's acknowledgement, arriving late, is fenced off.
     let token = batch.tasks[0].token.clone();
     let late = plain_ack(token);
-    let call = broker::Call {
-        settler: "test-late:acker",
-        number: 1,
-    };
-    let settled = broker::settle(
+    let settled = settle_as(
         &mut connection,
-        &queue.keys,
-        &call,
-        Fence::Owner,
-        100,
-        Some(owner),
+        &queue,
+        (owner, "test-late:acker", 1),
         &[late],
     )
     .unwrap();
@@ -666,20 +659,7 @@ fn a_quarantined_group_is_claimed_alone_and_nothing_is_claimed_beside_it() {
     );
     // Settled: the next claim takes the ready tasks.
     let ack = plain_ack(batch.tasks[0].token.clone());
-    let call = broker::Call {
-        settler: "test:acker",
-        number: 1,
-    };
-    broker::settle(
-        &mut connection,
-        &queue.keys,
-        &call,
-        Fence::Owner,
-        100,
-        Some("d.1"),
-        &[ack],
-    )
-    .unwrap();
+    settle_as(&mut connection, &queue, ("d.1", "test:acker", 1), &[ack]).unwrap();
     let next = claim_as(&mut connection, &queue, "d.1", 20, 10).unwrap();
     assert_eq!(ids(&next), ["r1", "r2"]);
     assert_eq!(next.isolation, broker::Isolation::None);

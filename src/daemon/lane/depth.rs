@@ -17,8 +17,7 @@
 //!   within about 10 ms (two windows of 25 ms took a quarter of a 200,000-task drain);
 //! - **shrink**: otherwise, the fewest tasks still waiting for a worker when a fetch came back (the low point of
 //!   each cycle; over the window, the standing queue, as CoDel calls it: tasks that were claimed early for
-//!   nothing) comes off, by half.
-//!
+//!   nothing) comes off, by half;
 //! - **floor**: the shrink stops at [`FLOOR_WORK`] of the window's rate (tasks taken per second), so that a lane
 //!   whose workers keep up claims and settles in batches of milliseconds of work rather than whatever its
 //!   shortest standing queue was. The floor raises nothing: only starving workers grow the prefetch.
