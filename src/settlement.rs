@@ -72,12 +72,16 @@ pub fn settlement(
     payload: &[u8],
     envelope: Option<&Envelope>,
 ) -> (Settlement, Option<Box<DeadHook>>) {
-    // A malformed payload has no envelope to queue again: it can only be dead-lettered.
-    let malformed = Action::Dead {
-        reason: "malformed task".to_string(),
-    };
+    // A malformed payload has no envelope to queue again: it can only be dead-lettered. Built only then: this
+    // runs once per task.
+    let malformed;
     let action = match (action, envelope) {
-        (Action::Recover { .. }, None) => &malformed,
+        (Action::Recover { .. }, None) => {
+            malformed = Action::Dead {
+                reason: "malformed task".to_string(),
+            };
+            &malformed
+        }
         _ => action,
     };
     let unique_id = envelope
@@ -204,7 +208,6 @@ pub fn decide(
         .as_ref()
         .map(|ran| ran.output.as_str())
         .filter(|output| !output.is_empty());
-    let capped_reason = |reason: &str| capped(reason, LOGGED_PAYLOAD_BYTES);
     match &action {
         Action::Ack if !failed => {
             tracing::debug!(queue, id, kind, attempt, duration, output, "task done")
@@ -226,15 +229,15 @@ pub fn decide(
             "task held by a daemon whose lease expired goes back, uncharged"
         ),
         Action::Retry { delay, reason, .. } if quiet_retry => {
-            let reason = capped_reason(reason);
+            let reason = capped(reason, LOGGED_PAYLOAD_BYTES);
             tracing::debug!(queue, id, kind, attempt, %reason, retry_in = ?delay, "task not run; will retry")
         }
         Action::Retry { delay, reason, .. } => {
-            let reason = capped_reason(reason);
+            let reason = capped(reason, LOGGED_PAYLOAD_BYTES);
             tracing::warn!(queue, id, kind, attempt, duration, %reason, retry_in = ?delay, "task failed; will retry")
         }
         Action::Dead { reason } => {
-            let reason = capped_reason(reason);
+            let reason = capped(reason, LOGGED_PAYLOAD_BYTES);
             tracing::warn!(queue, id, kind, attempt, duration, %reason, "task dead-lettered")
         }
     }

@@ -7,6 +7,8 @@
 //! Decoding borrows from the payload (an [`Envelope<'a>`] points into the text it was read from), so running a
 //! task allocates nothing for its id, type or data; [`Envelope::into_owned`] detaches one that must outlive it.
 
+mod scan;
+
 use std::borrow::Cow;
 use std::fmt;
 
@@ -79,8 +81,10 @@ pub struct EnvelopeError(pub String);
 
 /// The JSON `null`, for a task without `data`.
 fn null() -> &'static RawValue {
-    // "null" is valid JSON.
-    serde_json::from_str("null").expect("null is JSON")
+    static NULL: std::sync::LazyLock<&'static RawValue> =
+        // "null" is valid JSON.
+        std::sync::LazyLock::new(|| serde_json::from_str("null").expect("null is JSON"));
+    &NULL
 }
 
 impl<'a> Envelope<'a> {
@@ -102,17 +106,33 @@ impl<'a> Envelope<'a> {
         }
     }
 
-    /// Decodes a payload taken from Redis, borrowing from it.
+    /// Decodes a payload taken from Redis, borrowing from it: by the fast scan of what producers write
+    /// ([`scan`]), or by serde_json, which defines the result, when the scan gives up.
     pub fn decode(payload: &'a str) -> Result<Envelope<'a>, EnvelopeError> {
-        let envelope: Envelope<'a> =
-            serde_json::from_str(payload).map_err(|error| EnvelopeError(error.to_string()))?;
-        if envelope.version > ENVELOPE_VERSION {
+        match scan::envelope(payload) {
+            Some(envelope) => envelope.spoken(),
+            None => Envelope::decode_with_serde_json(payload),
+        }
+    }
+
+    /// [`Envelope::decode`] without its fast scan: the definition the scan is held to (its tests, the `envelope`
+    /// fuzzer). Not for the daemon's use.
+    #[doc(hidden)]
+    pub fn decode_with_serde_json(payload: &'a str) -> Result<Envelope<'a>, EnvelopeError> {
+        serde_json::from_str::<Envelope<'a>>(payload)
+            .map_err(|error| EnvelopeError(error.to_string()))?
+            .spoken()
+    }
+
+    /// The envelope, unless its version is newer than this build speaks.
+    fn spoken(self) -> Result<Envelope<'a>, EnvelopeError> {
+        if self.version > ENVELOPE_VERSION {
             return Err(EnvelopeError(format!(
                 "envelope version {} is newer than this kmqd speaks ({ENVELOPE_VERSION}); upgrade kmqd",
-                envelope.version
+                self.version
             )));
         }
-        Ok(envelope)
+        Ok(self)
     }
 
     /// Decodes a payload of a queue that also accepts *foreign* payloads: plain JSON objects that are not
@@ -430,16 +450,17 @@ pub fn data_from_str(text: &str) -> Result<Box<RawValue>, String> {
 pub const LOGGED_PAYLOAD_BYTES: usize = 256;
 
 /// `text` cut to at most `max` bytes (at a character boundary), saying how long it was when cut: log fields must
-/// not let one huge task or handler message flood the log.
-pub fn capped(text: &str, max: usize) -> String {
+/// not let one huge task or handler message flood the log. Borrowed when short, as nearly every id and type is:
+/// each settlement caps two of them whether or not its event is logged.
+pub fn capped(text: &str, max: usize) -> Cow<'_, str> {
     if text.len() <= max {
-        return text.to_string();
+        return Cow::Borrowed(text);
     }
     let mut end = max;
     while !text.is_char_boundary(end) {
         end -= 1;
     }
-    format!("{}… ({} bytes in all)", &text[..end], text.len())
+    Cow::Owned(format!("{}… ({} bytes in all)", &text[..end], text.len()))
 }
 
 /// A new random task id.

@@ -6,7 +6,9 @@
 //!   accepts the input), and decodes again to an equal envelope;
 //! - `data` and every unknown field keep their text byte for byte (they are slices of the input, and come back
 //!   unchanged from the re-encoded envelope);
-//! - a second encode of the decoded envelope is identical to the first (encoding is a fixed point).
+//! - a second encode of the decoded envelope is identical to the first (encoding is a fixed point);
+//! - `Envelope::decode`, whose fast scan takes most envelopes, says exactly what serde_json's decoding says
+//!   (`Envelope::decode_with_serde_json`, the definition): the same envelope, or the same error.
 
 #![no_main]
 
@@ -29,6 +31,11 @@ fuzz_target!(|bytes: &[u8]| {
     let _ = kmqd::task::salvage_id(bytes);
     let Some(input) = payload(bytes) else { return };
     let strict = Envelope::decode(input);
+    assert_eq!(
+        strict,
+        Envelope::decode_with_serde_json(input),
+        "the fast scan and serde_json differ"
+    );
     if let Ok(envelope) = &strict {
         check_round_trip(bytes, envelope, false);
     }

@@ -396,6 +396,7 @@ pub fn capped_payload(payload: &[u8]) -> String {
         &String::from_utf8_lossy(payload),
         crate::task::LOGGED_PAYLOAD_BYTES,
     )
+    .into_owned()
 }
 
 #[cfg(all(test, not(loom)))]
