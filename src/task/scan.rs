@@ -110,6 +110,33 @@ impl<'a> Fields<'a> {
     }
 }
 
+/// The offset of the first byte of `bytes` that ends or interrupts a JSON string: a quote, a backslash, or a
+/// control character (below 0x20). Eight bytes at a time: the strings are mostly ids of 36 bytes, and a byte loop
+/// was half of the scan's instructions (callgrind). Each mask below flags, in its byte's top bit, the bytes that
+/// are zero (after an XOR with the byte looked for) or below 0x20; a flag can be wrong only above a byte that is
+/// rightly flagged (the borrow of the subtraction runs upwards), so the lowest flag of a word is exact.
+fn string_end(bytes: &[u8]) -> Option<usize> {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const TOPS: u64 = 0x8080_8080_8080_8080;
+    let below = |word: u64, limit: u8| word.wrapping_sub(ONES * u64::from(limit)) & !word & TOPS;
+    let mut words = bytes.chunks_exact(8);
+    let mut at = 0;
+    for chunk in &mut words {
+        let word = u64::from_le_bytes(chunk.try_into().expect("a chunk of 8"));
+        let flags = below(word ^ (ONES * u64::from(b'"')), 1)
+            | below(word ^ (ONES * u64::from(b'\\')), 1)
+            | below(word, 0x20);
+        if flags != 0 {
+            return Some(at + flags.trailing_zeros() as usize / 8);
+        }
+        at += 8;
+    }
+    let tail = words.remainder();
+    tail.iter()
+        .position(|&byte| byte == b'"' || byte == b'\\' || byte < 0x20)
+        .map(|offset| at + offset)
+}
+
 /// Fills an absent field; `None` (give up) when it is there already: serde_json rejects a repeated field.
 fn once<T>(slot: &mut Option<T>, value: T) -> Option<()> {
     slot.is_none().then(|| *slot = Some(value))
@@ -148,10 +175,7 @@ impl<'a> Scan<'a> {
     fn string(&mut self) -> Option<&'a str> {
         self.expect(b'"')?;
         let rest = &self.text.as_bytes()[self.at..];
-        // One pass over a local slice: the strings are short (keys, ids, types), too short for memchr's setup.
-        let end = rest
-            .iter()
-            .position(|&byte| byte == b'"' || byte == b'\\' || byte < 0x20)?;
+        let end = string_end(rest)?;
         if rest[end] != b'"' {
             return None;
         }
@@ -251,6 +275,17 @@ mod tests {
             ),
         }
         true
+    }
+
+    proptest! {
+        #[test]
+        fn a_string_ends_where_a_byte_loop_says(bytes in prop::collection::vec(
+            prop_oneof![4 => 0x20u8..0x7f, 1 => any::<u8>(), 1 => prop::sample::select(vec![b'"', b'\\', 0, 0x1f, 0x20, 0x80, 0xff])],
+            0..40,
+        )) {
+            let naive = bytes.iter().position(|&byte| byte == b'"' || byte == b'\\' || byte < 0x20);
+            prop_assert_eq!(string_end(&bytes), naive);
+        }
     }
 
     #[test]
