@@ -1,5 +1,5 @@
 //! The envelope's fast path: a scan of the envelopes producers write (the library's, the SDKs', the ones
-//! `docs/PROTOCOL.md` shows), which is most of what a worker does per task besides its handler.
+//! `docs/PROTOCOL.md` shows): the decode was half of a worker's instructions per no-op task.
 //!
 //! serde_json's decoding (`Deserialize for Envelope`) is the definition; this scan is only a shortcut to the
 //! same result. It reads the object's keys, strings, integers and booleans itself and hands each raw JSON value
@@ -10,8 +10,8 @@
 //! So the scan never accepts what serde_json rejects, and what it accepts decodes to the same envelope
 //! (`tests::the_scan_agrees_with_serde_json`, and the `envelope` fuzzer compares both on every input).
 //!
-//! A scan costs about a fifth of serde_json's decode of the same envelope (callgrind, docs/PERFORMANCE.md,
-//! "The envelope's fast path").
+//! A decode by the scan takes about 1,800 instructions for an envelope of 100 bytes, serde_json's 2,800
+//! (callgrind, docs/PERFORMANCE.md, "The envelope's fast path").
 
 use std::borrow::Cow;
 
@@ -26,22 +26,19 @@ pub(super) fn envelope(text: &str) -> Option<Envelope<'_>> {
     scan.skip_space();
     scan.expect(b'{')?;
     scan.skip_space();
-    if scan.peek()? != b'}' {
-        loop {
-            let key = scan.string()?;
-            scan.skip_space();
-            scan.expect(b':')?;
-            scan.skip_space();
-            fields.read(key, &mut scan)?;
-            scan.skip_space();
-            match scan.next()? {
-                b',' => scan.skip_space(),
-                b'}' => break,
-                _ => return None,
-            }
+    // An empty object has no type: `string` gives up on its `}`.
+    loop {
+        let key = scan.string()?;
+        scan.skip_space();
+        scan.expect(b':')?;
+        scan.skip_space();
+        fields.read(key, &mut scan)?;
+        scan.skip_space();
+        match scan.next()? {
+            b',' => scan.skip_space(),
+            b'}' => break,
+            _ => return None,
         }
-    } else {
-        scan.at += 1;
     }
     scan.skip_space();
     if scan.at != text.len() {
