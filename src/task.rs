@@ -328,6 +328,45 @@ impl<'de> Deserialize<'de> for Field<'de> {
     }
 }
 
+/// An envelope's known fields as a decoder reads them, `None` where absent (`Some(None)` for a `null`), and its
+/// unknown ones: what serde_json's visitor and the fast scan both fill, so that the defaults live here once.
+#[derive(Default)]
+struct Fields<'a> {
+    id: Option<Cow<'a, str>>,
+    kind: Option<Cow<'a, str>>,
+    data: Option<&'a RawValue>,
+    created_at: Option<Option<i64>>,
+    attempt: Option<u32>,
+    priority: Option<Option<Cow<'a, str>>>,
+    unique: Option<bool>,
+    last_error: Option<Option<Cow<'a, str>>>,
+    recovered: Option<u32>,
+    crashes: Option<u32>,
+    version: Option<u32>,
+    extra: Vec<(Cow<'a, str>, Cow<'a, RawValue>)>,
+}
+
+impl<'a> Fields<'a> {
+    /// The envelope, with each absent field's default; `None` without a non-empty type.
+    fn envelope(self) -> Option<Envelope<'a>> {
+        let kind = self.kind.filter(|kind| !kind.is_empty())?;
+        Some(Envelope {
+            id: self.id,
+            kind,
+            data: Cow::Borrowed(self.data.unwrap_or(null())),
+            created_at: self.created_at.flatten(),
+            attempt: self.attempt.unwrap_or(0),
+            priority: self.priority.flatten(),
+            unique: self.unique.unwrap_or(false),
+            last_error: self.last_error.flatten(),
+            recovered: self.recovered.unwrap_or(0),
+            crashes: self.crashes.unwrap_or(0),
+            version: self.version.unwrap_or(ENVELOPE_VERSION),
+            extra: self.extra,
+        })
+    }
+}
+
 impl<'de> Deserialize<'de> for Envelope<'de> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Envelope<'de>, D::Error> {
         struct EnvelopeVisitor;
@@ -351,65 +390,57 @@ impl<'de> Deserialize<'de> for Envelope<'de> {
             }
 
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Envelope<'de>, A::Error> {
-                let (mut id, mut kind, mut data, mut created_at, mut attempt) =
-                    (None, None, None, None, None);
-                let (mut priority, mut unique, mut last_error, mut recovered, mut version) =
-                    (None, None, None, None, None);
-                let mut crashes = None;
-                let mut extra = Vec::new();
+                let mut fields = Fields::default();
                 while let Some(field) = map.next_key::<Field<'de>>()? {
                     match field {
-                        Field::Id => set(&mut id, map.next_value::<Text<'de>>()?.0, "id")?,
-                        Field::Type => set(&mut kind, map.next_value::<Text<'de>>()?.0, "type")?,
-                        Field::Data => set(&mut data, map.next_value::<&'de RawValue>()?, "data")?,
+                        Field::Id => set(&mut fields.id, map.next_value::<Text<'de>>()?.0, "id")?,
+                        Field::Type => {
+                            set(&mut fields.kind, map.next_value::<Text<'de>>()?.0, "type")?
+                        }
+                        Field::Data => {
+                            set(&mut fields.data, map.next_value::<&'de RawValue>()?, "data")?
+                        }
                         Field::CreatedAt => set(
-                            &mut created_at,
+                            &mut fields.created_at,
                             map.next_value::<Option<i64>>()?,
                             "created_at",
                         )?,
-                        Field::Attempt => set(&mut attempt, map.next_value::<u32>()?, "attempt")?,
+                        Field::Attempt => {
+                            set(&mut fields.attempt, map.next_value::<u32>()?, "attempt")?
+                        }
                         Field::Priority => set(
-                            &mut priority,
+                            &mut fields.priority,
                             map.next_value::<OptionalText<'de>>()?.0,
                             "priority",
                         )?,
-                        Field::Unique => set(&mut unique, map.next_value::<bool>()?, "unique")?,
+                        Field::Unique => {
+                            set(&mut fields.unique, map.next_value::<bool>()?, "unique")?
+                        }
                         Field::LastError => set(
-                            &mut last_error,
+                            &mut fields.last_error,
                             map.next_value::<OptionalText<'de>>()?.0,
                             "last_error",
                         )?,
                         Field::Recovered => {
-                            set(&mut recovered, map.next_value::<u32>()?, "recovered")?
+                            set(&mut fields.recovered, map.next_value::<u32>()?, "recovered")?
                         }
-                        Field::Crashes => set(&mut crashes, map.next_value::<u32>()?, "crashes")?,
-                        Field::Version => set(&mut version, map.next_value::<u32>()?, "v")?,
-                        Field::Other(key) => {
-                            extra.push((key, Cow::Borrowed(map.next_value::<&'de RawValue>()?)))
+                        Field::Crashes => {
+                            set(&mut fields.crashes, map.next_value::<u32>()?, "crashes")?
                         }
+                        Field::Version => set(&mut fields.version, map.next_value::<u32>()?, "v")?,
+                        Field::Other(key) => fields
+                            .extra
+                            .push((key, Cow::Borrowed(map.next_value::<&'de RawValue>()?))),
                     }
                 }
-                let kind = kind.ok_or_else(|| de::Error::missing_field("type"))?;
-                if kind.is_empty() {
-                    return Err(de::Error::invalid_value(
+                match fields.kind.as_deref() {
+                    None => Err(de::Error::missing_field("type")),
+                    Some("") => Err(de::Error::invalid_value(
                         de::Unexpected::Str(""),
                         &"a non-empty task type",
-                    ));
+                    )),
+                    Some(_) => Ok(fields.envelope().expect("the type was checked")),
                 }
-                Ok(Envelope {
-                    id,
-                    kind,
-                    data: Cow::Borrowed(data.unwrap_or_else(|| null())),
-                    created_at: created_at.flatten(),
-                    attempt: attempt.unwrap_or(0),
-                    priority: priority.flatten(),
-                    unique: unique.unwrap_or(false),
-                    last_error: last_error.flatten(),
-                    recovered: recovered.unwrap_or(0),
-                    crashes: crashes.unwrap_or(0),
-                    version: version.unwrap_or(ENVELOPE_VERSION),
-                    extra,
-                })
             }
         }
 

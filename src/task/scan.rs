@@ -17,9 +17,10 @@ use std::borrow::Cow;
 
 use serde_json::value::RawValue;
 
-use super::{ENVELOPE_VERSION, Envelope, null};
+use super::{Envelope, Fields};
 
-/// The envelope in `text`, or `None` when the scan cannot be sure of it (the caller decodes with serde_json).
+/// The envelope in `text`, or `None` when the scan cannot be sure of it (the caller decodes with serde_json). A
+/// repeated known key ends the scan, as a missing or empty type does (`Fields::envelope`).
 pub(super) fn envelope(text: &str) -> Option<Envelope<'_>> {
     let mut scan = Scan { text, at: 0 };
     let mut fields = Fields::default();
@@ -47,35 +48,19 @@ pub(super) fn envelope(text: &str) -> Option<Envelope<'_>> {
     fields.envelope()
 }
 
-/// The known fields read so far; `None` where absent. A repeated known key ends the scan.
-#[derive(Default)]
-struct Fields<'a> {
-    id: Option<&'a str>,
-    kind: Option<&'a str>,
-    data: Option<&'a RawValue>,
-    created_at: Option<Option<i64>>,
-    attempt: Option<u32>,
-    priority: Option<Option<&'a str>>,
-    unique: Option<bool>,
-    last_error: Option<Option<&'a str>>,
-    recovered: Option<u32>,
-    crashes: Option<u32>,
-    version: Option<u32>,
-    extra: Vec<(Cow<'a, str>, Cow<'a, RawValue>)>,
-}
-
 impl<'a> Fields<'a> {
     /// Reads the value of `key` at the scan's position.
     fn read(&mut self, key: &'a str, scan: &mut Scan<'a>) -> Option<()> {
+        let text = |scan: &mut Scan<'a>| scan.string().map(Cow::Borrowed);
         match key {
-            "id" => once(&mut self.id, scan.string()?),
-            "type" => once(&mut self.kind, scan.string()?),
+            "id" => once(&mut self.id, text(scan)?),
+            "type" => once(&mut self.kind, text(scan)?),
             "data" => once(&mut self.data, scan.raw()?),
             "created_at" => once(&mut self.created_at, scan.nullable(Scan::integer)?),
             "attempt" => once(&mut self.attempt, scan.count()?),
-            "priority" => once(&mut self.priority, scan.nullable(Scan::string)?),
+            "priority" => once(&mut self.priority, scan.nullable(text)?),
             "unique" => once(&mut self.unique, scan.boolean()?),
-            "last_error" => once(&mut self.last_error, scan.nullable(Scan::string)?),
+            "last_error" => once(&mut self.last_error, scan.nullable(text)?),
             "recovered" => once(&mut self.recovered, scan.count()?),
             "crashes" => once(&mut self.crashes, scan.count()?),
             "v" => once(&mut self.version, scan.count()?),
@@ -85,25 +70,6 @@ impl<'a> Fields<'a> {
                 Some(())
             }
         }
-    }
-
-    /// The envelope, as `Deserialize for Envelope` builds it from the same fields.
-    fn envelope(self) -> Option<Envelope<'a>> {
-        let kind = self.kind.filter(|kind| !kind.is_empty())?;
-        Some(Envelope {
-            id: self.id.map(Cow::Borrowed),
-            kind: Cow::Borrowed(kind),
-            data: Cow::Borrowed(self.data.unwrap_or(null())),
-            created_at: self.created_at.flatten(),
-            attempt: self.attempt.unwrap_or(0),
-            priority: self.priority.flatten().map(Cow::Borrowed),
-            unique: self.unique.unwrap_or(false),
-            last_error: self.last_error.flatten().map(Cow::Borrowed),
-            recovered: self.recovered.unwrap_or(0),
-            crashes: self.crashes.unwrap_or(0),
-            version: self.version.unwrap_or(ENVELOPE_VERSION),
-            extra: self.extra,
-        })
     }
 }
 
@@ -267,7 +233,7 @@ mod tests {
             ),
             // A version too new is refused after either decoder; anything else the scan must not accept.
             Err(error) => assert!(
-                scanned.version > ENVELOPE_VERSION,
+                scanned.version > crate::task::ENVELOPE_VERSION,
                 "the scan took {text:?}, which serde_json refuses: {error}"
             ),
         }
