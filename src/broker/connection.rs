@@ -17,6 +17,7 @@ use redis::{
     RedisError, RedisResult, TlsCertificates, Value,
 };
 
+use super::node::Node;
 use super::{BrokerError, Result};
 use crate::config::{Deployment, RedisConfig, TlsFiles};
 
@@ -180,16 +181,19 @@ impl Connector {
 
     fn open(&self, timeout: Duration) -> Result<Conn> {
         let connect_timeout = self.connect_timeout.min(timeout);
+        let node = |client: &redis::Client| {
+            Node::connect(client.get_connection_info(), Some(connect_timeout), || {
+                client.get_connection_with_timeout(connect_timeout)
+            })
+        };
         let link = match &self.target {
-            Target::Single(client) => {
-                Link::Node(client.get_connection_with_timeout(connect_timeout)?)
-            }
+            Target::Single(client) => Link::Node(node(client)?),
             Target::Sentinel(sentinel) => {
                 let client = sentinel
                     .lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner)
                     .get_client()?;
-                Link::Node(client.get_connection_with_timeout(connect_timeout)?)
+                Link::Node(node(&client)?)
             }
             Target::Cluster { client, .. } => {
                 Link::Cluster(Box::new(client.get_generic_connection::<NodeConnection>()?))
@@ -211,27 +215,31 @@ impl Connector {
             Target::Cluster { seeds, .. } => {
                 let mut last = None;
                 for seed in seeds {
-                    match seed.get_connection_with_timeout(self.connect_timeout) {
-                        Ok(mut connection) => {
-                            connection.set_write_timeout(Some(self.io_timeout))?;
-                            self.name_subscriber(&mut connection)?;
-                            return Ok(connection);
-                        }
+                    match self.subscribe_at(seed) {
+                        Ok(connection) => return Ok(connection),
                         Err(error) => last = Some(error),
                     }
                 }
-                Err(BrokerError::Redis(
-                    last.expect("a cluster has at least one seed"),
-                ))
+                Err(last.expect("a cluster has at least one seed"))
             }
-            _ => match self.open(self.io_timeout)?.link {
-                Link::Node(mut connection) => {
-                    self.name_subscriber(&mut connection)?;
-                    Ok(connection)
-                }
-                Link::Cluster(_) => unreachable!("only a cluster target makes cluster connections"),
-            },
+            Target::Single(client) => self.subscribe_at(client),
+            Target::Sentinel(sentinel) => {
+                let client = sentinel
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .get_client()?;
+                self.subscribe_at(&client)
+            }
         }
+    }
+
+    /// A redis-rs connection for `SUBSCRIBE` (its pub/sub reads the messages) to `client`'s node.
+    fn subscribe_at(&self, client: &redis::Client) -> Result<Connection> {
+        let mut connection = client.get_connection_with_timeout(self.connect_timeout)?;
+        connection.set_read_timeout(Some(self.io_timeout))?;
+        connection.set_write_timeout(Some(self.io_timeout))?;
+        self.name_subscriber(&mut connection)?;
+        Ok(connection)
     }
 
     /// Names the delay listener's connection, as [`Connector::connect_as`] does the others.
@@ -357,7 +365,7 @@ pub struct Conn {
 }
 
 enum Link {
-    Node(Connection),
+    Node(Node),
     /// Boxed: it holds a connection per node and the slot map.
     Cluster(Box<ClusterConnection<NodeConnection>>),
 }
@@ -373,13 +381,20 @@ struct Wait {
 impl From<Connection> for Conn {
     fn from(connection: Connection) -> Conn {
         Conn {
-            link: Link::Node(connection),
+            link: Link::Node(Node::Redis(connection)),
             wait: None,
         }
     }
 }
 
 impl Conn {
+    /// Whether kmqd's own connection reads this node's replies (`broker::node`), not redis-rs's: for the tests
+    /// that hold the two to the same results.
+    #[doc(hidden)]
+    pub fn reads_replies_itself(&self) -> bool {
+        matches!(self.link, Link::Node(Node::Plain(_)))
+    }
+
     pub fn set_read_timeout(&self, timeout: Option<Duration>) -> RedisResult<()> {
         match &self.link {
             Link::Node(connection) => connection.set_read_timeout(timeout),
@@ -502,7 +517,7 @@ pub(super) const LOST_REPLY: &str = "kmqd: the reply was lost; the command may h
 /// it can only do when it sees the loss. So an I/O error after a command was sent becomes an error the cluster
 /// client does not retry (`ErrorKind::Client`, [`LOST_REPLY`]); redirects (MOVED, ASK) and refusals (TRYAGAIN,
 /// CLUSTERDOWN, READONLY), where the command did not run, are still followed and retried by the crate.
-pub struct NodeConnection(Connection);
+pub struct NodeConnection(Node);
 
 fn lost(error: RedisError) -> RedisError {
     if error.is_io_error() || error.is_timeout() || error.is_connection_dropped() {
@@ -541,7 +556,11 @@ impl ConnectionLike for NodeConnection {
 
 impl redis::cluster::Connect for NodeConnection {
     fn connect<T: IntoConnectionInfo>(info: T, timeout: Option<Duration>) -> RedisResult<Self> {
-        <Connection as redis::cluster::Connect>::connect(info, timeout).map(NodeConnection)
+        let info = info.into_connection_info()?;
+        Node::connect(&info, timeout, || {
+            <Connection as redis::cluster::Connect>::connect(info.clone(), timeout)
+        })
+        .map(NodeConnection)
     }
 
     fn send_packed_command(&mut self, cmd: &[u8]) -> RedisResult<()> {

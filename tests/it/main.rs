@@ -7,6 +7,7 @@ mod acl;
 mod chaos;
 mod cli;
 mod cluster;
+mod connection;
 mod crash;
 mod dashboard;
 mod dead;

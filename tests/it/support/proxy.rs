@@ -31,8 +31,9 @@
 //!
 //! Things a test writer must know:
 //!
-//! - The redis crate sends a pipeline of its own when it connects (`CLIENT SETINFO LIB-NAME`, `CLIENT SETINFO
-//!   LIB-VER`, and `SELECT` when the db is not 0): a fault on [`Matcher::any`] with `nth: 1` breaks the next
+//! - Every connection sends a pipeline of its own when it connects, the redis crate's and kmqd's own
+//!   (src/broker/node.rs) alike (`AUTH` with a password, `SELECT` when the db is not 0, `CLIENT SETINFO
+//!   LIB-NAME`, `CLIENT SETINFO LIB-VER`): a fault on [`Matcher::any`] with `nth: 1` breaks the next
 //!   *connection*, not the next command. An r2d2 pool with `test_on_check_out` (r2d2's default; kmqd's pool
 //!   turns it off) also sends `PING` on every checkout. Match on the command or script you mean.
 //! - `redis::Script::invoke` (redis 1.8) sends `EVALSHA`; when Redis answers NOSCRIPT it sends `SCRIPT LOAD`
@@ -41,9 +42,9 @@
 //!   count in [`FaultProxy::seen`] (it counts what was forwarded, not what ran).
 //! - Inside MULTI, each command is answered `+QUEUED` and runs at EXEC: to lose the results of a transaction
 //!   that ran, drop the reply of `EXEC`.
-//! - After a read timeout the redis crate keeps the connection and skips the late reply when it comes; after an
-//!   EOF it marks the connection closed (a pool then replaces it). A hung connection (after
-//!   [`AfterDrop::Hang`]) stays hung: every later command on it times out too. A Hang costs the client its
+//! - After a read timeout the redis crate keeps the connection and skips the late reply when it comes, and
+//!   kmqd's own connection closes itself; after an EOF both mark the connection closed (a pool then replaces
+//!   it). A hung connection (after [`AfterDrop::Hang`]) stays hung: every later command on it times out too. A Hang costs the client its
 //!   whole read timeout: kmqd's is `[redis] io_timeout` (10 s by default; tests set it lower) outside blocking calls.
 //! - A connection that sends SUBSCRIBE, PSUBSCRIBE, SSUBSCRIBE, their UNSUBSCRIBE counterparts, MONITOR or
 //!   `CLIENT REPLY` no longer gets one reply per command; from then on its replies are forwarded without pairing
