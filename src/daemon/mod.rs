@@ -575,14 +575,12 @@ impl Supervisor {
             format!("{}-r{group}", parts.instance)
         };
         let name = &queue.name;
-        let (lane, outcomes) = Lane::new(Arc::clone(&context), &instance, parts.epoch);
-        let lane = Arc::new(lane);
+        let lane = Arc::new(Lane::new(Arc::clone(&context), &instance, parts.epoch));
         let (claiming, stop) = (Trigger::new(), Trigger::new());
         let acker = Acker {
             lane: Arc::clone(&lane),
             plugins: Arc::clone(&parts.plugins),
             connection: parts.session(&format!("acker-{name}")),
-            outcomes,
             settler: Settler::new(format!("{instance}:acker")).with_pulse(lane.acker_pulse.clone()),
             background: parts.background.listener(),
         };
@@ -600,7 +598,6 @@ impl Supervisor {
                 plugins: Reader::new(Arc::clone(&parts.plugins)),
                 claiming: claiming.listener(),
                 jobs: jobs_rx.clone(),
-                outcomes: lane.outcome_sender(),
             };
             self.threads.spawn(
                 format!("kmqd-worker-{name}-{index}"),

@@ -12,7 +12,7 @@
 //! before it takes the next batch, and again (up to [`MAX_LINGERS`] times) while fewer outcomes have gathered
 //! than the next settle should carry: [`LINGER_BELOW`], or what lets the fetcher claim its next batch, if more.
 //! A settle that frees less than a claim's worth only makes the next settle come sooner, so with the lingers a
-//! busy lane makes about one settle per claim. The acker sleeps rather than waits on the channel, so the
+//! busy lane makes about one settle per claim. The acker sleeps rather than waits for outcomes, so the
 //! workers' sends do not wake it: a timer wake-up per linger instead of one per outcome (docs/PERFORMANCE.md,
 //! "Settles gather while workers are busy").
 //!
@@ -22,8 +22,6 @@
 
 use std::sync::Arc;
 use std::time::Duration;
-
-use crossbeam_channel::{Receiver, RecvTimeoutError};
 
 use super::Lane;
 use super::resolve::{Outcome, Resolution};
@@ -53,7 +51,6 @@ pub struct Acker {
     pub lane: Arc<Lane>,
     pub plugins: Arc<Plugins>,
     pub connection: Session,
-    pub outcomes: Receiver<Outcome>,
     pub settler: Settler,
     /// Fires when the daemon gives up waiting: the acker stops even if Redis keeps failing.
     pub background: Listener,
@@ -61,21 +58,22 @@ pub struct Acker {
 
 impl Acker {
     pub fn run(mut self) {
-        let mut batch = Vec::with_capacity(64);
-        loop {
+        let mut taken = Vec::with_capacity(64);
+        'lane: loop {
             self.lane.acker_pulse.beat();
-            match self.outcomes.recv_timeout(IDLE_CHECK) {
-                Ok(first) => {
-                    batch.push(first);
-                    batch.extend(self.outcomes.try_iter().take(MAX_BATCH - 1));
-                    if !self.settle(&mut batch) {
-                        break;
+            if self.lane.outcomes.take(&mut taken, IDLE_CHECK) {
+                // At most MAX_BATCH a settle, in the order they came.
+                while taken.len() > MAX_BATCH {
+                    let mut first: Vec<Outcome> = taken.drain(..MAX_BATCH).collect();
+                    if !self.settle(&mut first) {
+                        break 'lane;
                     }
-                    self.linger();
                 }
-                Err(RecvTimeoutError::Timeout) => {}
-                // Every sender is gone (the lane itself holds one), so nothing more can come.
-                Err(RecvTimeoutError::Disconnected) => break,
+                // Emptied by the settle, its allocation is what the next take swaps in.
+                if !self.settle(&mut taken) {
+                    break;
+                }
+                self.linger();
             }
             if self.lane.drained() {
                 break;
@@ -99,7 +97,8 @@ impl Acker {
     /// meanwhile.
     fn linger(&self) {
         for _ in 0..MAX_LINGERS {
-            if self.outcomes.len() >= self.worth_a_settle() || self.waiting() < LINGER_BELOW {
+            if self.lane.outcomes.queued() >= self.worth_a_settle() || self.waiting() < LINGER_BELOW
+            {
                 return;
             }
             std::thread::sleep(LINGER);
@@ -115,10 +114,10 @@ impl Acker {
     }
 
     /// At least how many claimed tasks wait for a worker: the lane holds each task from its claim to its settle,
-    /// and of those at most one per worker runs, and the outcomes in the channel wait for this acker.
+    /// and of those at most one per worker runs, and the queued outcomes wait for this acker.
     fn waiting(&self) -> usize {
         let held = self.lane.capacity.held();
-        held.saturating_sub(self.lane.queue.config.workers + self.outcomes.len())
+        held.saturating_sub(self.lane.queue.config.workers + self.lane.outcomes.queued())
     }
 
     /// Applies a batch and empties it; false when the daemon gave up on Redis before it was applied.

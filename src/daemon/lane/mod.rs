@@ -8,6 +8,7 @@
 //!
 //! - [`fetcher`]: takes tasks from Redis, never more than [`capacity`] allows;
 //! - [`worker`]: `workers` threads that run tasks through their plugin;
+//! - [`outcomes`]: the resolved tasks' outcomes on their way to the acker;
 //! - [`acker`]: applies outcomes to Redis in batches, then forgets the tasks and frees their capacity;
 //! - [`resolve`]: who decides a held task's outcome (exactly one party), with the state diagram;
 //! - [`capacity`]: how many tasks the lane may hold, counting workers stuck in a handler as used;
@@ -24,6 +25,7 @@ pub mod acker;
 pub mod capacity;
 pub mod depth;
 pub mod fetcher;
+pub mod outcomes;
 pub mod resolve;
 pub mod slots;
 pub mod started;
@@ -33,7 +35,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, Sender, TrySendError};
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::config::{QueueConfig, RedisConfig};
@@ -41,7 +42,7 @@ use crate::daemon::watchdog::{Bounds, Pulse};
 use crate::queue::QueueContext;
 use capacity::Capacity;
 use depth::IdleTime;
-use resolve::{JobId, JobState, Outcome};
+use resolve::{JobId, JobState, Outcome, Task};
 
 /// How long a lane's fetcher and acker may go without a beat of their pulse before the watchdog counts them as
 /// wedged: everything one turn of each loop may wait, added up, so that a Redis that is down, slow or failing
@@ -86,12 +87,12 @@ pub struct Lane {
     pub ownership: Ownership,
     /// Tasks taken from their worker while it ran them, whose handler has not returned yet (the timeouts thread
     /// declares their workers stuck after a while, and forgets them when the handler returns).
-    orphans: Mutex<Vec<(Arc<JobState>, Instant)>>,
+    orphans: Mutex<Vec<(Task, Instant)>>,
     /// Set by the fetcher when it stops: nothing will be claimed any more.
     fetcher_done: AtomicBool,
-    /// To the acker, for resolutions made outside the workers (timeouts, hand-backs, lost leases). Bounded by the
-    /// most tasks the lane may hold, since each held task is resolved once: a send never waits for room.
-    outcomes: Sender<Outcome>,
+    /// Every resolution's outcome, for the acker: the workers', and those made outside them (timeouts,
+    /// hand-backs, lost leases, tasks a plugin started).
+    pub outcomes: outcomes::Outcomes,
     /// The reference point for the times kept in atomics.
     pub epoch: Instant,
     /// Bumped by the fetcher every turn of its loop, and by the acker every turn and every settle attempt: the
@@ -106,16 +107,11 @@ pub struct Lane {
 }
 
 impl Lane {
-    /// A lane for `queue`, and the receiving end of its outcomes channel (the acker's).
-    pub fn new(
-        queue: Arc<QueueContext>,
-        instance: &str,
-        epoch: Instant,
-    ) -> (Lane, Receiver<Outcome>) {
+    /// A lane for `queue`.
+    pub fn new(queue: Arc<QueueContext>, instance: &str, epoch: Instant) -> Lane {
         let config = &queue.config;
-        let (outcomes, receiver) = crossbeam_channel::bounded(config.max_held);
         let prefetch = config.initial_prefetch();
-        let lane = Lane {
+        Lane {
             capacity: Capacity::new(config.workers, prefetch, config.batch),
             slots: slots::Slots::new(config.workers),
             started: started::StartedTasks::new(&config.name),
@@ -124,7 +120,7 @@ impl Lane {
             ownership: Ownership::new(instance),
             orphans: Mutex::new(Vec::new()),
             fetcher_done: AtomicBool::new(false),
-            outcomes,
+            outcomes: outcomes::Outcomes::default(),
             epoch,
             fetcher_pulse: Pulse::default(),
             acker_pulse: Pulse::default(),
@@ -132,41 +128,25 @@ impl Lane {
             sources_pulse: Pulse::default(),
             unhandled_types: Mutex::default(),
             queue,
-        };
-        (lane, receiver)
+        }
     }
 
     pub fn name(&self) -> &str {
         &self.queue.config.name
     }
 
-    /// A sender for the lane's outcomes (one per worker).
-    pub fn outcome_sender(&self) -> Sender<Outcome> {
-        self.outcomes.clone()
-    }
-
-    /// Sends an outcome decided outside the workers.
+    /// Sends a resolved task's outcome to the acker.
     pub fn send(&self, outcome: Outcome) {
-        match self.outcomes.try_send(outcome) {
-            Ok(()) => {}
-            // The channel has room for every held task, and each is resolved once; a full channel is a bug, and
-            // the task then stays held until shutdown, its lease keeping it safe in Redis.
-            Err(TrySendError::Full(outcome)) => {
-                tracing::error!(queue = %self.name(), job = outcome.job, "outcome channel full; the task stays held")
-            }
-            Err(TrySendError::Disconnected(_)) => {
-                tracing::error!(queue = %self.name(), "the acker is gone; outcome dropped")
-            }
-        }
+        self.outcomes.push(outcome);
     }
 
     /// Records a task taken from its worker while it ran.
-    pub fn orphaned(&self, state: Arc<JobState>) {
+    pub fn orphaned(&self, state: Task) {
         lock(&self.orphans).push((state, Instant::now()));
     }
 
     /// The orphans whose handler has not returned, with when they were orphaned; forgets the others.
-    pub fn orphans(&self) -> Vec<(Arc<JobState>, Instant)> {
+    pub fn orphans(&self) -> Vec<(Task, Instant)> {
         let mut orphans = lock(&self.orphans);
         orphans.retain(|(state, _)| state.is_orphaned());
         orphans.clone()
@@ -251,25 +231,19 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 /// settled batch (remove); a task's phase is an atomic in its [`JobState`], shared with the worker.
 #[derive(Debug, Default)]
 pub struct Held {
-    entries: Mutex<FxHashMap<JobId, Arc<JobState>>>,
+    entries: Mutex<FxHashMap<JobId, Task>>,
     next_id: AtomicU64,
 }
 
 impl Held {
-    /// Records newly taken tasks, under one lock.
-    pub fn insert(&self, tasks: impl IntoIterator<Item = JobState>) -> Vec<(JobId, Arc<JobState>)> {
-        let tasks: Vec<(JobId, Arc<JobState>)> = tasks
-            .into_iter()
-            .map(|state| {
-                (
-                    self.next_id.fetch_add(1, Ordering::Relaxed),
-                    Arc::new(state),
-                )
-            })
+    /// Records the newly taken tasks of one claim (or pop), under one lock.
+    pub fn insert(&self, claim: impl IntoIterator<Item = JobState>) -> Vec<(JobId, Task)> {
+        let tasks: Vec<(JobId, Task)> = Task::claim(claim)
+            .map(|task| (self.next_id.fetch_add(1, Ordering::Relaxed), task))
             .collect();
         let mut entries = lock(&self.entries);
-        for (id, state) in &tasks {
-            entries.insert(*id, Arc::clone(state));
+        for (id, task) in &tasks {
+            entries.insert(*id, task.clone());
         }
         tasks
     }
@@ -299,14 +273,11 @@ impl Held {
     }
 
     /// The held tasks `matches` selects, for a resolver to take.
-    pub fn select(
-        &self,
-        mut matches: impl FnMut(&JobState) -> bool,
-    ) -> Vec<(JobId, Arc<JobState>)> {
+    pub fn select(&self, mut matches: impl FnMut(&JobState) -> bool) -> Vec<(JobId, Task)> {
         lock(&self.entries)
             .iter()
             .filter(|(_, state)| matches(state))
-            .map(|(id, state)| (*id, Arc::clone(state)))
+            .map(|(id, state)| (*id, state.clone()))
             .collect()
     }
 }

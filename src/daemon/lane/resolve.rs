@@ -187,12 +187,50 @@ impl JobState {
     }
 }
 
+/// A held task's [`JobState`]. The states of one claim's tasks are one allocation, shared by the lane's table of
+/// held tasks, the worker that runs a task and whoever resolves it, and freed when the last of them lets go: one
+/// allocation and one free per claim instead of per task (docs/PERFORMANCE.md, "One allocation per claim"). A
+/// task that outlives its claim's others (a slow handler) keeps their states and payloads in memory until it is
+/// settled, as it keeps their claim list in Redis: at most `batch` of them.
+#[derive(Clone, Debug)]
+pub struct Task {
+    claim: Arc<[JobState]>,
+    index: usize,
+}
+
+impl Task {
+    /// The tasks of one claim, in its order.
+    pub fn claim(states: impl IntoIterator<Item = JobState>) -> impl Iterator<Item = Task> {
+        let claim: Arc<[JobState]> = states.into_iter().collect();
+        (0..claim.len()).map(move |index| Task {
+            claim: Arc::clone(&claim),
+            index,
+        })
+    }
+
+    /// A task claimed alone.
+    pub fn alone(state: JobState) -> Task {
+        Task {
+            claim: Arc::new([state]),
+            index: 0,
+        }
+    }
+}
+
+impl std::ops::Deref for Task {
+    type Target = JobState;
+
+    fn deref(&self) -> &JobState {
+        &self.claim[self.index]
+    }
+}
+
 /// A task handed from the fetcher to a worker.
 #[derive(Debug)]
 pub struct Job {
     pub id: JobId,
     /// Shared with the table of held tasks.
-    pub state: Arc<JobState>,
+    pub state: Task,
     /// Redis's clock when the task was taken, ms.
     pub claimed_at_ms: i64,
     /// The local clock at the same moment, to advance `claimed_at_ms` without asking Redis.
@@ -260,7 +298,7 @@ impl Lane {
             if state.take() != Some(Taken::Running) {
                 continue;
             }
-            self.orphaned(Arc::clone(&state));
+            self.orphaned(state.clone());
             let envelope = self.queue.decode(&state.payload).ok();
             self.count(envelope.as_ref(), TaskOutcome::TimedOut);
             let verdict = Verdict::HandlerError {
@@ -321,7 +359,7 @@ impl Lane {
                 None => {}
                 Some(Taken::Waiting) => self.send(self.hand_back(job, &state)),
                 Some(Taken::Running) => {
-                    self.orphaned(Arc::clone(&state));
+                    self.orphaned(state.clone());
                     if self.queue.config.mode == Mode::Safe {
                         self.send(self.hand_back(job, &state));
                     } else {
@@ -365,7 +403,7 @@ impl Lane {
             match state.take() {
                 None => continue,
                 Some(Taken::Waiting) => {}
-                Some(Taken::Running) => self.orphaned(Arc::clone(&state)),
+                Some(Taken::Running) => self.orphaned(state.clone()),
             }
             self.count_payload(&state.payload, TaskOutcome::Lost);
             self.send(Outcome::forget(job));
@@ -473,14 +511,14 @@ mod loom_tests {
     #[test]
     fn exactly_one_of_worker_timeout_and_shutdown_resolves() {
         loom::model(|| {
-            let state = Arc::new(JobState::new(None, 0, Box::default(), Instant::now()));
+            let state = Task::alone(JobState::new(None, 0, Box::default(), Instant::now()));
             let resolved = Arc::new(AtomicUsize::new(0));
             let stuck = Arc::new(AtomicUsize::new(0));
             let given_back = Arc::new(AtomicUsize::new(0));
             let ran = Arc::new(AtomicUsize::new(0));
             let w = {
                 let (state, resolved, given_back, ran) = (
-                    Arc::clone(&state),
+                    state.clone(),
                     Arc::clone(&resolved),
                     Arc::clone(&given_back),
                     Arc::clone(&ran),
@@ -503,11 +541,8 @@ mod loom_tests {
             };
             // The execution timeout: takes a running task, later declares its worker stuck.
             let t = {
-                let (state, resolved, stuck) = (
-                    Arc::clone(&state),
-                    Arc::clone(&resolved),
-                    Arc::clone(&stuck),
-                );
+                let (state, resolved, stuck) =
+                    (state.clone(), Arc::clone(&resolved), Arc::clone(&stuck));
                 thread::spawn(move || {
                     if state.running_for().is_some() && state.take().is_some() {
                         resolved.fetch_add(1, Ordering::SeqCst);
@@ -546,9 +581,9 @@ mod loom_tests {
     #[test]
     fn two_takers_never_both_win() {
         loom::model(|| {
-            let state = Arc::new(JobState::new(None, 0, Box::default(), Instant::now()));
+            let state = Task::alone(JobState::new(None, 0, Box::default(), Instant::now()));
             let other = {
-                let state = Arc::clone(&state);
+                let state = state.clone();
                 thread::spawn(move || state.take().is_some())
             };
             let (started, _) = worker(&state);

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use super::Lane;
-use super::resolve::{JobId, JobState};
+use super::resolve::{JobId, Task};
 use super::worker::{resolve, verdict_of};
 use crate::daemon::metrics::observed::TypeCache;
 use crate::plugin::{LoadedPlugin, Status};
@@ -70,7 +70,7 @@ impl StartedTasks {
 pub struct Started {
     pub lane: Arc<Lane>,
     pub job: JobId,
-    pub state: Arc<JobState>,
+    pub state: Task,
     /// When the worker started it (the run's duration is counted from here).
     pub at: Instant,
     pub plugin: Arc<LoadedPlugin>,

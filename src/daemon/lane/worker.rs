@@ -9,7 +9,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, Sender, TryRecvError};
+use crossbeam_channel::{Receiver, TryRecvError};
 
 use super::Lane;
 use super::resolve::{Finished, Job, JobId, JobState, Outcome, Taken};
@@ -31,7 +31,6 @@ pub struct Worker {
     /// Fires when the daemon stops claiming: jobs still in the channel are handed back, not started.
     pub claiming: Listener,
     pub jobs: Receiver<Job>,
-    pub outcomes: Sender<Outcome>,
 }
 
 impl Worker {
@@ -82,11 +81,7 @@ impl Worker {
                 self.run_job(job, now, &mut message, &mut types)
             };
             if let Some(outcome) = outcome {
-                // The acker stops only once every held task is settled, this one included, so it is there to
-                // receive; a send fails only if the acker thread died, which the supervisor reports.
-                if self.outcomes.send(outcome).is_err() {
-                    tracing::error!(queue = %self.lane.name(), "acker is gone; outcome dropped");
-                }
+                self.lane.send(outcome);
             }
         }
         types.ended(Instant::now());
@@ -210,7 +205,7 @@ impl Worker {
                 lane: Arc::clone(&self.lane),
                 job: job.id,
                 // The cancel flag the plugin watches lives here, as long as the completion.
-                state: Arc::clone(&job.state),
+                state: job.state.clone(),
                 at: now,
                 plugin: Arc::clone(plugin),
                 envelope: envelope.clone().into_owned(),
