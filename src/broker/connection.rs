@@ -18,6 +18,7 @@ use redis::{
 };
 
 use super::node::Node;
+use super::payloads::Payloads;
 use super::{BrokerError, Result};
 use crate::config::{Deployment, RedisConfig, TlsFiles};
 
@@ -393,6 +394,26 @@ impl Conn {
     #[doc(hidden)]
     pub fn reads_replies_itself(&self) -> bool {
         matches!(self.link, Link::Node(Node::Plain(_)))
+    }
+
+    /// Runs `call`, with the bulk strings at `depth` of the replies it reads (the reply itself is depth 1) read
+    /// into one buffer where kmqd's own connection reads them: each then stands in its reply as `Value::Int` of
+    /// its index there ([`super::payloads::Gather`] takes both forms).
+    pub fn with_payloads<T>(
+        &mut self,
+        depth: usize,
+        call: impl FnOnce(&mut Conn) -> RedisResult<T>,
+    ) -> RedisResult<(T, Payloads)> {
+        let Link::Node(node) = &mut self.link else {
+            return Ok((call(self)?, Payloads::default()));
+        };
+        node.collect_payloads(depth);
+        let result = call(self);
+        let Link::Node(node) = &mut self.link else {
+            unreachable!("a connection's link does not change");
+        };
+        let collected = node.collected();
+        Ok((result?, collected))
     }
 
     pub fn set_read_timeout(&self, timeout: Option<Duration>) -> RedisResult<()> {

@@ -25,6 +25,7 @@ pub mod keys;
 pub mod lookup;
 mod node;
 pub mod owners;
+pub mod payloads;
 pub mod peek;
 pub mod processing;
 mod resp;

@@ -31,6 +31,7 @@ use redis::{
     RedisError, RedisResult, Value,
 };
 
+use super::payloads::Payloads;
 use super::resp;
 
 /// One node's connection (see the module's doc).
@@ -64,6 +65,22 @@ impl Node {
         match self {
             Node::Plain(connection) => connection.set_write_timeout(timeout),
             Node::Redis(connection) => connection.set_write_timeout(timeout),
+        }
+    }
+
+    /// Reads the bulk strings at `depth` of the replies that follow into one buffer, until [`Node::collected`]
+    /// (kmqd's own connection only; see [`resp::Reader::collect_payloads`]).
+    pub fn collect_payloads(&mut self, depth: usize) {
+        if let Node::Plain(connection) = self {
+            connection.reader.collect_payloads(depth);
+        }
+    }
+
+    /// What was collected since [`Node::collect_payloads`] (nothing on redis-rs's connection).
+    pub fn collected(&mut self) -> Payloads {
+        match self {
+            Node::Plain(connection) => connection.reader.collected(),
+            Node::Redis(_) => Payloads::default(),
         }
     }
 

@@ -22,6 +22,8 @@ use std::io::{self, Read};
 
 use redis::{ErrorKind, RedisError, RedisResult, Value};
 
+use super::payloads::Payloads;
+
 /// How much one `read` asks for: a claim of 1,000 tasks of 100 bytes is about 120 KB.
 const READ_SIZE: usize = 64 * 1024;
 
@@ -41,6 +43,9 @@ pub struct Reader {
     buf: Vec<u8>,
     start: usize,
     end: usize,
+    /// While set, the bulk strings at this depth of each reply (the reply itself is depth 1) go into `collected`.
+    collect_at: Option<usize>,
+    collected: Payloads,
 }
 
 impl Default for Reader {
@@ -49,6 +54,8 @@ impl Default for Reader {
             buf: vec![0; READ_SIZE],
             start: 0,
             end: 0,
+            collect_at: None,
+            collected: Payloads::default(),
         }
     }
 }
@@ -89,6 +96,20 @@ fn utf8(text: &[u8]) -> RedisResult<&str> {
 }
 
 impl Reader {
+    /// From now until [`Reader::collected`], the bulk strings at `depth` of the replies read (the reply itself is
+    /// depth 1) are payloads: their bytes go end to end into one buffer, and each stands in its reply as
+    /// `Value::Int` of its index there. A claim's tasks are read so, one allocation for all of them
+    /// ([`super::payloads`]).
+    pub fn collect_payloads(&mut self, depth: usize) {
+        self.collect_at = Some(depth);
+    }
+
+    /// The payloads collected since [`Reader::collect_payloads`], which ends.
+    pub fn collected(&mut self) -> Payloads {
+        self.collect_at = None;
+        std::mem::take(&mut self.collected)
+    }
+
     /// Reads one whole reply from `stream`.
     pub fn value(&mut self, stream: &mut impl Read) -> RedisResult<Value> {
         self.element(stream, 1)
@@ -111,6 +132,9 @@ impl Reader {
                 let length = integer(text)?;
                 if length < 0 {
                     return Ok(Value::Nil);
+                }
+                if self.collect_at == Some(depth) {
+                    return self.collect(stream, length as usize);
                 }
                 self.bulk(stream, length as usize).map(Value::BulkString)
             }
@@ -184,6 +208,31 @@ impl Reader {
         self.start += length;
         self.crlf(stream)?;
         Ok(bytes)
+    }
+
+    /// A bulk string's `length` bytes and its CRLF, as the next collected payload.
+    fn collect(&mut self, stream: &mut impl Read, length: usize) -> RedisResult<Value> {
+        let index = if length > LARGE_BULK {
+            let buffered = (self.end - self.start).min(length);
+            let (buf, start) = (&self.buf, self.start);
+            let index = self.collected.push_with(length, |slot| {
+                slot[..buffered].copy_from_slice(&buf[start..start + buffered]);
+                stream.read_exact(&mut slot[buffered..])
+            })?;
+            self.start += buffered;
+            index
+        } else {
+            while self.end - self.start < length + 2 {
+                self.receive(stream)?;
+            }
+            let index = self
+                .collected
+                .push(&self.buf[self.start..self.start + length]);
+            self.start += length;
+            index
+        };
+        self.crlf(stream)?;
+        Ok(Value::Int(index as i64))
     }
 
     fn crlf(&mut self, stream: &mut impl Read) -> RedisResult<()> {
@@ -367,6 +416,49 @@ mod tests {
                     Value::BulkString(payload.clone()),
                     Value::BulkString(b"ok".to_vec())
                 ]))
+            );
+        }
+    }
+
+    #[test]
+    fn payloads_at_the_collected_depth_are_read_into_one_buffer_whatever_the_pieces() {
+        // A claim's EXEC: the script's reply (integers), then its lists; the payloads are the lists' elements
+        // (depth 3). Every bulk string at that depth is collected: a caller names a depth that holds nothing else.
+        let large: Vec<u8> = (0..LARGE_BULK + 10).map(|i| (i % 256) as u8).collect();
+        let mut reply = b"*3\r\n*2\r\n:17\r\n:-1\r\n*2\r\n$3\r\na\r\n\r\n$0\r\n\r\n".to_vec();
+        reply.extend_from_slice(format!("*1\r\n${}\r\n", large.len()).as_bytes());
+        reply.extend_from_slice(&large);
+        reply.extend_from_slice(b"\r\n");
+        for piece in [1, 5, 4096, usize::MAX] {
+            let mut stream = Pieces {
+                bytes: &reply,
+                piece,
+            };
+            let mut reader = Reader::default();
+            reader.collect_payloads(3);
+            let value = reader.value(&mut stream).unwrap();
+            let payloads = reader.collected();
+            assert_eq!(
+                value,
+                Value::Array(vec![
+                    Value::Array(vec![Value::Int(17), Value::Int(-1)]),
+                    Value::Array(vec![Value::Int(0), Value::Int(1)]),
+                    Value::Array(vec![Value::Int(2)]),
+                ]),
+                "in pieces of {piece}"
+            );
+            assert_eq!(payloads.len(), 3);
+            assert_eq!(payloads.get(0), b"a\r\n");
+            assert_eq!(payloads.get(1), b"");
+            assert_eq!(payloads.get(2), &large[..]);
+            // Collecting ended: the next reply's strings are values again.
+            let mut next = Pieces {
+                bytes: b"*1\r\n*1\r\n$1\r\nz\r\n",
+                piece,
+            };
+            assert_eq!(
+                reader.value(&mut next).unwrap(),
+                Value::Array(vec![Value::Array(vec![Value::BulkString(b"z".to_vec())])])
             );
         }
     }

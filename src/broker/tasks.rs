@@ -8,7 +8,8 @@ use redis::{ConnectionLike, Value};
 use super::Conn;
 
 use super::keys::QUARANTINE_GROUPS;
-use super::{BrokerError, QueueKeys, Result, SCRIPTS, Token, TokenId, bytes, int, reply_error};
+use super::payloads::{Gather, Payloads};
+use super::{BrokerError, QueueKeys, Result, SCRIPTS, Token, TokenId, int, reply_error};
 
 /// When a pushed task becomes ready.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -72,15 +73,13 @@ pub fn push(
     Ok(accepted.into_iter().map(|ok| ok == 1).collect())
 }
 
-/// A task taken from a ready list.
+/// A task taken from a ready list; its payload is the one of the same index in its batch's `payloads`.
 #[derive(Debug)]
 pub struct Taken {
     /// Safe mode: the claim token that fences its settlement; `None` in default mode.
     pub token: Option<Token>,
     /// Index of the level it came from.
     pub level: usize,
-    /// The envelope as stored (not yet decoded; not necessarily UTF-8).
-    pub payload: Box<[u8]>,
 }
 
 /// The result of one claim or pop.
@@ -89,6 +88,8 @@ pub struct Batch {
     /// Redis's clock when the tasks were taken, ms since the epoch.
     pub now_ms: i64,
     pub tasks: Vec<Taken>,
+    /// The tasks' envelopes as stored (not yet decoded; not necessarily UTF-8), in the order of `tasks`.
+    pub payloads: Payloads,
     /// Safe mode: the owner's journal after the claim, which the heartbeat checks Redis still has (renew.lua).
     pub journal: u64,
     /// Safe mode: whether the claim ran into the quarantine (see claim.lua).
@@ -158,7 +159,7 @@ pub fn claim(
         .arg(limits.queue)
         .arg(limits.daemon)
         .arg(claim);
-    let (reply, taken) = script_then_lists(conn, super::sources::CLAIM, &eval, &lists)
+    let (reply, taken, collected) = script_then_lists(conn, super::sources::CLAIM, &eval, &lists)
         .map_err(|error| owner_error(error, owner))?;
     // Not replicated: a may-have-run error, which the fetcher resolves with adopt() as a lost reply.
     conn.replicated(&keys.stats)?;
@@ -171,9 +172,11 @@ pub fn claim(
     let mut next_int = || int(&reply.next().unwrap_or(Value::Nil), "claim");
     let now_ms = next_int()?;
     let state = next_int()?;
+    let (tasks, payloads) = claimed(owner, claim, taken, collected, "claim")?;
     Ok(Batch {
         now_ms,
-        tasks: claimed(owner, claim, taken, "claim")?,
+        tasks,
+        payloads,
         journal,
         isolation: match state {
             1 => Isolation::Group,
@@ -193,16 +196,16 @@ fn evalsha(script: &redis::Script, keys: &[String]) -> redis::Cmd {
 
 /// Runs `eval` (an [`evalsha`] of `script`, whose source is `source`), then reads each of `lists` whole, in one
 /// transaction: the claim's tasks come back from Redis as list elements, never as Lua strings
-/// (docs/PERFORMANCE.md, "What at-least-once costs Redis"). Returns the script's reply and each list. A server
-/// that lost its script cache (a restart, a failover) gets the script loaded (on the node of the lists, in a
-/// cluster) and the transaction again: the script did not run, so the lists it would have filled are empty and
-/// nothing was taken.
+/// (docs/PERFORMANCE.md, "What at-least-once costs Redis"). Returns the script's reply, each list, and the
+/// lists' elements kmqd's own connection read into one buffer (see [`claimed`]). A server that lost its script
+/// cache (a restart, a failover) gets the script loaded (on the node of the lists, in a cluster) and the
+/// transaction again: the script did not run, so the lists it would have filled are empty and nothing was taken.
 fn script_then_lists(
     conn: &mut Conn,
     source: &str,
     eval: &redis::Cmd,
     lists: &[String],
-) -> redis::RedisResult<(Value, Vec<Value>)> {
+) -> redis::RedisResult<(Value, Vec<Value>, Payloads)> {
     let no_script = |error: &redis::RedisError| {
         error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
     };
@@ -213,15 +216,17 @@ fn script_then_lists(
         for list in lists {
             pipe.cmd("LRANGE").arg(list).arg(0).arg(-1);
         }
+        // The EXEC's reply is depth 1, each list depth 2, their elements (the tasks) depth 3.
+        let outcome = conn.with_payloads(3, |conn| pipe.query::<Vec<Value>>(conn));
         // A cluster connection reports an error inside the transaction as the call's error; a node's leaves it
         // in its place among the replies.
-        let outcome = pipe.query::<Vec<Value>>(conn).and_then(|replies| {
+        let outcome = outcome.and_then(|(replies, collected)| {
             let mut replies = replies.into_iter();
             let reply = replies.next().unwrap_or(Value::Nil).extract_error()?;
             let lists = replies
                 .map(Value::extract_error)
                 .collect::<redis::RedisResult<Vec<Value>>>()?;
-            Ok((reply, lists))
+            Ok((reply, lists, collected))
         });
         match outcome {
             Err(error) if !loaded && no_script(&error) => {
@@ -235,14 +240,17 @@ fn script_then_lists(
     }
 }
 
-/// The tasks of claim `claim`, read back from its lists (one per level, in level order).
+/// The tasks of claim `claim`, read back from its lists (one per level, in level order), with their payloads
+/// (`collected`: those kmqd's own connection read, see [`Gather`]).
 fn claimed(
     owner: &Arc<str>,
     claim: u64,
     lists: Vec<Value>,
+    collected: Payloads,
     what: &'static str,
-) -> Result<Vec<Taken>> {
+) -> Result<(Vec<Taken>, Payloads)> {
     let mut tasks = Vec::new();
+    let mut payloads = Gather::new(collected);
     for (level, list) in lists.into_iter().enumerate() {
         let Value::Array(envelopes) = list else {
             return Err(reply_error(
@@ -252,6 +260,7 @@ fn claimed(
         };
         tasks.reserve(envelopes.len());
         for (position, envelope) in envelopes.into_iter().enumerate() {
+            payloads.take(envelope, what)?;
             tasks.push(Taken {
                 token: Some(Token {
                     owner: Arc::clone(owner),
@@ -261,11 +270,10 @@ fn claimed(
                     },
                 }),
                 level,
-                payload: bytes(envelope, what)?,
             });
         }
     }
-    Ok(tasks)
+    Ok((tasks, payloads.finish(what)?))
 }
 
 /// Safe mode: what a claim whose reply was lost took, given its number and how many numbers it reserved: the
@@ -283,14 +291,16 @@ pub fn adopt(
     script_keys.extend(lists.iter().cloned());
     let mut eval = evalsha(&SCRIPTS.adopt, &script_keys);
     eval.arg(&**owner).arg(claim).arg(count);
-    let (reply, found) = script_then_lists(conn, super::sources::ADOPT, &eval, &lists)
+    let (reply, found, collected) = script_then_lists(conn, super::sources::ADOPT, &eval, &lists)
         .map_err(|error| owner_error(error, owner))?;
     conn.replicated(&keys.stats)?;
     let (now_ms, journal): (i64, i64) =
         redis::from_redis_value(reply).map_err(redis::RedisError::from)?;
+    let (tasks, payloads) = claimed(owner, claim, found, collected, "adopt")?;
     Ok(Batch {
         now_ms,
-        tasks: claimed(owner, claim, found, "adopt")?,
+        tasks,
+        payloads,
         journal: journal.max(0) as u64,
         isolation: Isolation::None,
         paused: false,
@@ -411,13 +421,17 @@ fn pop_plain(conn: &mut Conn, keys: &QueueKeys, max: usize) -> Result<Option<Bat
         pipe.arg(list);
     }
     pipe.arg("LEFT").arg("COUNT").arg(max).cmd("TIME");
-    // A nil EXEC (the unique hash was written after WATCH) reads as None.
-    let reply: Option<(Option<Popped>, RedisTime)> = pipe.query(conn)?;
+    // A nil EXEC (the unique hash was written after WATCH) reads as None. The EXEC's reply is depth 1, LMPOP's
+    // depth 2, its list of tasks depth 3, the tasks depth 4.
+    let (reply, collected) = conn.with_payloads(4, |conn| {
+        pipe.query::<Option<(Option<Popped>, RedisTime)>>(conn)
+    })?;
     let Some((popped, (seconds, micros))) = reply else {
         return Ok(None);
     };
     let now_ms = seconds * 1000 + micros / 1000;
     let mut tasks = Vec::new();
+    let mut payloads = Gather::new(collected);
     if let Some((list, items)) = popped {
         let index = lists
             .iter()
@@ -425,27 +439,23 @@ fn pop_plain(conn: &mut Conn, keys: &QueueKeys, max: usize) -> Result<Option<Bat
             .ok_or_else(|| reply_error("pop", format!("LMPOP popped from {list}, not asked")))?;
         tasks.reserve(items.len());
         for item in items {
+            payloads.take(item, "pop")?;
             tasks.push(Taken {
                 token: None,
                 level: pop_level(index),
-                payload: bytes(item, "pop")?,
             });
         }
     }
     Ok(Some(Batch {
         now_ms,
         tasks,
+        payloads: payloads.finish("pop")?,
         ..Batch::default()
     }))
 }
 
 /// pop.lua; also says whether the queue holds unique ids now.
-fn pop_script(
-    conn: &mut dyn ConnectionLike,
-    keys: &QueueKeys,
-    owner: &str,
-    max: usize,
-) -> Result<(Batch, bool)> {
+fn pop_script(conn: &mut Conn, keys: &QueueKeys, owner: &str, max: usize) -> Result<(Batch, bool)> {
     let mut invocation = SCRIPTS.pop.prepare_invoke();
     invocation
         .key(&keys.unique)
@@ -455,21 +465,25 @@ fn pop_script(
         invocation.key(list);
     }
     invocation.arg(owner).arg(max);
-    let (now_ms, list, items, held, paused): (i64, usize, Vec<Value>, i64, i64) =
-        invocation.invoke(conn)?;
+    // The script's reply is depth 1, its list of tasks depth 2, the tasks depth 3.
+    type Reply = (i64, usize, Vec<Value>, i64, i64);
+    let ((now_ms, list, items, held, paused), collected) =
+        conn.with_payloads(3, |conn| invocation.invoke::<Reply>(conn))?;
     let mut tasks = Vec::with_capacity(items.len());
+    let mut payloads = Gather::new(collected);
     if list > 0 {
         for item in items {
+            payloads.take(item, "pop")?;
             tasks.push(Taken {
                 token: None,
                 level: pop_level(list - 1),
-                payload: bytes(item, "pop")?,
             });
         }
     }
     let batch = Batch {
         now_ms,
         tasks,
+        payloads: payloads.finish("pop")?,
         paused: paused == 1,
         ..Batch::default()
     };

@@ -51,7 +51,7 @@ pub fn check(lane: &Lane) {
             lane.capacity.stuck();
             tracing::warn!(
                 queue = %lane.name(),
-                payload = %super::lane::resolve::capped_payload(&state.payload),
+                payload = %super::lane::resolve::capped_payload(state.payload()),
                 stuck = lane.capacity.stuck_workers(),
                 workers = lane.queue.config.workers,
                 "a handler ignores its cancel flag: its worker is stuck until it returns, and claims nothing"

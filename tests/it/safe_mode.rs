@@ -633,15 +633,15 @@ fn a_quarantined_group_is_claimed_alone_and_nothing_is_claimed_beside_it() {
     let lease = Duration::from_secs(30);
     let batch = dead_daemon_claims(&mut connection, &queue, "d.1", 0, 10, lease);
     let ids = |batch: &broker::Batch| -> Vec<String> {
-        batch
-            .tasks
-            .iter()
-            .map(|t| {
-                kmqd::task::Envelope::decode(std::str::from_utf8(&t.payload).unwrap())
-                    .unwrap()
-                    .id
-                    .unwrap()
-                    .into_owned()
+        (0..batch.tasks.len())
+            .map(|index| {
+                kmqd::task::Envelope::decode(
+                    std::str::from_utf8(batch.payloads.get(index)).unwrap(),
+                )
+                .unwrap()
+                .id
+                .unwrap()
+                .into_owned()
             })
             .collect()
     };
@@ -686,7 +686,7 @@ fn a_claim_settled_in_parts_gives_back_only_its_unsettled_tasks_and_fences_late_
         token: batch.tasks[index].token.clone(),
         unique_id: None,
         level: 0,
-        payload: batch.tasks[index].payload.to_vec(),
+        payload: batch.payloads.get(index).to_vec(),
         failed: false,
     };
     let mut number = 0;

@@ -425,9 +425,9 @@ impl Fetcher {
         let states = batch
             .tasks
             .into_iter()
-            .map(|taken| JobState::new(taken.token, taken.level, taken.payload, lane.epoch));
+            .map(|taken| JobState::new(taken.token, taken.level, lane.epoch));
         let stopping = self.claiming.is_triggered();
-        for (id, state) in lane.held.insert(states) {
+        for (id, state) in lane.held.insert(states, batch.payloads) {
             if stopping {
                 if state.take() == Some(Taken::Waiting) {
                     lane.send(lane.hand_back(id, &state));

@@ -37,6 +37,7 @@ use std::time::{Duration, Instant};
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
+use crate::broker::payloads::Payloads;
 use crate::config::{QueueConfig, RedisConfig};
 use crate::daemon::watchdog::{Bounds, Pulse};
 use crate::queue::QueueContext;
@@ -237,8 +238,12 @@ pub struct Held {
 
 impl Held {
     /// Records the newly taken tasks of one claim (or pop), under one lock.
-    pub fn insert(&self, claim: impl IntoIterator<Item = JobState>) -> Vec<(JobId, Task)> {
-        let tasks: Vec<(JobId, Task)> = Task::claim(claim)
+    pub fn insert(
+        &self,
+        claim: impl IntoIterator<Item = JobState>,
+        payloads: Payloads,
+    ) -> Vec<(JobId, Task)> {
+        let tasks: Vec<(JobId, Task)> = Task::claim(claim, payloads)
             .map(|task| (self.next_id.fetch_add(1, Ordering::Relaxed), task))
             .collect();
         let mut entries = lock(&self.entries);

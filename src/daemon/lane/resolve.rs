@@ -47,6 +47,7 @@ use std::sync::atomic::AtomicU8;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use super::Lane;
+use crate::broker::payloads::Payloads;
 use crate::broker::{Settlement, Token};
 use crate::config::Mode;
 use crate::daemon::metrics::observed::{self, TaskOutcome};
@@ -70,8 +71,6 @@ pub struct JobState {
     pub token: Option<Token>,
     /// The priority level it came from.
     pub level: usize,
-    /// The payload exactly as taken from Redis (not necessarily UTF-8: a bad one is dead-lettered as it is).
-    pub payload: Box<[u8]>,
     /// Raised (non-zero) to ask the handler to stop; the ABI points plugins at it.
     pub cancel: AtomicU32,
     phase: AtomicU8,
@@ -102,11 +101,10 @@ pub enum Finished {
 }
 
 impl JobState {
-    pub fn new(token: Option<Token>, level: usize, payload: Box<[u8]>, epoch: Instant) -> JobState {
+    pub fn new(token: Option<Token>, level: usize, epoch: Instant) -> JobState {
         JobState {
             token,
             level,
-            payload,
             cancel: AtomicU32::new(0),
             phase: AtomicU8::new(WAITING),
             started_ns: AtomicU64::new(0),
@@ -187,33 +185,56 @@ impl JobState {
     }
 }
 
-/// A held task's [`JobState`]. The states of one claim's tasks are one allocation, shared by the lane's table of
-/// held tasks, the worker that runs a task and whoever resolves it, and freed when the last of them lets go: one
-/// allocation and one free per claim instead of per task (docs/PERFORMANCE.md, "One allocation per claim"). A
-/// task that outlives its claim's others (a slow handler) keeps their states and payloads in memory until it is
-/// settled, as it keeps their claim list in Redis: at most `batch` of them.
+/// A held task: its [`JobState`] and its payload. The states and payloads of one claim's tasks are one allocation
+/// each, shared by the lane's table of held tasks, the worker that runs a task and whoever resolves it, and freed
+/// when the last of them lets go: a few allocations per claim instead of two per task (docs/PERFORMANCE.md, "One
+/// allocation per claim, one lock per settle"). A task that outlives its claim's others (a slow handler) keeps
+/// their states and payloads in memory until it is settled, as it keeps their claim list in Redis: at most `batch`
+/// of them.
 #[derive(Clone, Debug)]
 pub struct Task {
-    claim: Arc<[JobState]>,
+    claim: Arc<Claim>,
     index: usize,
 }
 
+#[derive(Debug)]
+struct Claim {
+    states: Box<[JobState]>,
+    payloads: Payloads,
+}
+
 impl Task {
-    /// The tasks of one claim, in its order.
-    pub fn claim(states: impl IntoIterator<Item = JobState>) -> impl Iterator<Item = Task> {
-        let claim: Arc<[JobState]> = states.into_iter().collect();
-        (0..claim.len()).map(move |index| Task {
+    /// The tasks of one claim, in its order: `states[i]`'s payload is `payloads`' `i`th.
+    pub fn claim(
+        states: impl IntoIterator<Item = JobState>,
+        payloads: Payloads,
+    ) -> impl Iterator<Item = Task> {
+        let claim = Arc::new(Claim {
+            states: states.into_iter().collect(),
+            payloads,
+        });
+        assert_eq!(
+            claim.states.len(),
+            claim.payloads.len(),
+            "a payload per task"
+        );
+        (0..claim.states.len()).map(move |index| Task {
             claim: Arc::clone(&claim),
             index,
         })
     }
 
+    /// The payload exactly as taken from Redis (not necessarily UTF-8: a bad one is dead-lettered as it is).
+    pub fn payload(&self) -> &[u8] {
+        self.claim.payloads.get(self.index)
+    }
+
     /// A task claimed alone.
-    pub fn alone(state: JobState) -> Task {
-        Task {
-            claim: Arc::new([state]),
-            index: 0,
-        }
+    #[cfg(test)]
+    pub fn alone(state: JobState, payload: &[u8]) -> Task {
+        let mut payloads = Payloads::default();
+        payloads.push(payload);
+        Task::claim([state], payloads).next().expect("one task")
     }
 }
 
@@ -221,7 +242,7 @@ impl std::ops::Deref for Task {
     type Target = JobState;
 
     fn deref(&self) -> &JobState {
-        &self.claim[self.index]
+        &self.claim.states[self.index]
     }
 }
 
@@ -299,7 +320,7 @@ impl Lane {
                 continue;
             }
             self.orphaned(state.clone());
-            let envelope = self.queue.decode(&state.payload).ok();
+            let envelope = self.queue.decode(state.payload()).ok();
             self.count(envelope.as_ref(), TaskOutcome::TimedOut);
             let verdict = Verdict::HandlerError {
                 reason: format!(
@@ -320,7 +341,7 @@ impl Lane {
     pub fn outcome(
         &self,
         job: JobId,
-        state: &JobState,
+        state: &Task,
         verdict: Verdict,
         ran: Option<Ran>,
         envelope: Option<&Envelope>,
@@ -330,7 +351,7 @@ impl Lane {
             ran,
             state.token.clone(),
             state.level,
-            &state.payload,
+            state.payload(),
             envelope,
         );
         Outcome::settle(job, settlement, dead_hook)
@@ -338,15 +359,15 @@ impl Lane {
 
     /// The outcome of a task taken back before it ran (or, in safe mode, while it ran): it goes to the front of
     /// its level unchanged.
-    pub fn hand_back(&self, job: JobId, state: &JobState) -> Outcome {
-        let envelope = self.queue.decode(&state.payload).ok();
+    pub fn hand_back(&self, job: JobId, state: &Task) -> Outcome {
+        let envelope = self.queue.decode(state.payload()).ok();
         self.count(envelope.as_ref(), TaskOutcome::HandedBack);
         // A unique task keeps its id held, as a waiting task again (default mode: no longer by the popping owner).
         let unique_id = envelope
             .filter(|envelope| envelope.unique)
             .and_then(|envelope| envelope.id.map(|id| id.into_owned()));
         let settlement =
-            settlement::handback(state.token.clone(), state.level, &state.payload, unique_id);
+            settlement::handback(state.token.clone(), state.level, state.payload(), unique_id);
         Outcome::settle(job, settlement, None)
     }
 
@@ -365,10 +386,10 @@ impl Lane {
                     } else {
                         tracing::warn!(
                             queue = %self.name(),
-                            payload = %capped_payload(&state.payload),
+                            payload = %capped_payload(state.payload()),
                             "handler still running after shutdown_grace; default mode cannot hand it back, the task is lost"
                         );
-                        self.count_payload(&state.payload, TaskOutcome::Lost);
+                        self.count_payload(state.payload(), TaskOutcome::Lost);
                         self.send(Outcome::forget(job));
                     }
                 }
@@ -405,7 +426,7 @@ impl Lane {
                 Some(Taken::Waiting) => {}
                 Some(Taken::Running) => self.orphaned(state.clone()),
             }
-            self.count_payload(&state.payload, TaskOutcome::Lost);
+            self.count_payload(state.payload(), TaskOutcome::Lost);
             self.send(Outcome::forget(job));
             forgotten += 1;
         }
@@ -442,7 +463,7 @@ mod tests {
     use super::*;
 
     fn job() -> JobState {
-        JobState::new(None, 0, Box::default(), Instant::now())
+        JobState::new(None, 0, Instant::now())
     }
 
     #[test]
@@ -511,7 +532,7 @@ mod loom_tests {
     #[test]
     fn exactly_one_of_worker_timeout_and_shutdown_resolves() {
         loom::model(|| {
-            let state = Task::alone(JobState::new(None, 0, Box::default(), Instant::now()));
+            let state = Task::alone(JobState::new(None, 0, Instant::now()), b"");
             let resolved = Arc::new(AtomicUsize::new(0));
             let stuck = Arc::new(AtomicUsize::new(0));
             let given_back = Arc::new(AtomicUsize::new(0));
@@ -581,7 +602,7 @@ mod loom_tests {
     #[test]
     fn two_takers_never_both_win() {
         loom::model(|| {
-            let state = Task::alone(JobState::new(None, 0, Box::default(), Instant::now()));
+            let state = Task::alone(JobState::new(None, 0, Instant::now()), b"");
             let other = {
                 let state = state.clone();
                 thread::spawn(move || state.take().is_some())

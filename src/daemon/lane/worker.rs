@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, TryRecvError};
 
 use super::Lane;
-use super::resolve::{Finished, Job, JobId, JobState, Outcome, Taken};
+use super::resolve::{Finished, Job, JobId, Outcome, Taken, Task};
 use super::started::Started;
 use crate::daemon::metrics::observed::{TaskOutcome, TypeCache};
 use crate::plugin::{MESSAGE_CAPACITY, Reader, Run, Status};
@@ -128,7 +128,7 @@ impl Worker {
             return None;
         }
         let mut ran = None;
-        let (verdict, envelope) = match queue.runnable(&state.payload) {
+        let (verdict, envelope) = match queue.runnable(state.payload()) {
             Err(verdict) => (verdict, None),
             Ok(envelope) => match self.attempt(&job, &envelope, now, message, &mut ran, types) {
                 Attempt::Over(verdict) => (verdict, Some(envelope)),
@@ -276,7 +276,7 @@ pub(super) fn verdict_of(status: Status, plugin: &str, started: Instant) -> (Ver
 pub(super) fn resolve(
     lane: &Lane,
     job: JobId,
-    state: &JobState,
+    state: &Task,
     verdict: Verdict,
     ran: Option<Ran>,
     envelope: Option<&Envelope>,

@@ -256,7 +256,9 @@ pub struct TypeHandles {
     duration: Option<Durations>,
     outcomes: [Counter; TaskOutcome::ALL.len()],
     batch: Batch,
-    flushed: Instant,
+    /// When the batch is added to the shared metrics at the latest ([`FLUSH_AFTER`] after the last time): an
+    /// `Instant` compared per task, where a duration since the last flush would be a subtraction.
+    flush_at: Instant,
 }
 
 impl TypeHandles {
@@ -280,7 +282,7 @@ impl TypeHandles {
             duration,
             outcomes,
             batch: Batch::default(),
-            flushed: Instant::now(),
+            flush_at: Instant::now() + FLUSH_AFTER,
         }
     }
 
@@ -295,9 +297,7 @@ impl TypeHandles {
                 .saturating_add(u64::try_from(ran.as_nanos()).unwrap_or(u64::MAX));
             batch.pending += 1;
         }
-        if self.batch.pending >= FLUSH_EVERY
-            || now.saturating_duration_since(self.flushed) >= FLUSH_AFTER
-        {
+        if self.batch.pending >= FLUSH_EVERY || now >= self.flush_at {
             self.flush(now);
         }
     }
@@ -309,7 +309,7 @@ impl TypeHandles {
 
     /// Adds the batch to the shared metrics.
     fn flush(&mut self, now: Instant) {
-        self.flushed = now;
+        self.flush_at = now + FLUSH_AFTER;
         if self.batch.pending == 0 {
             return;
         }
