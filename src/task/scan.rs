@@ -22,12 +22,12 @@ use serde::de::value::BorrowedStrDeserializer;
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, Visitor};
 use serde_json::value::RawValue;
 
-use super::{Envelope, Fields};
+use super::Fields;
 
-/// The envelope in `text`, or `None` when the scan cannot be sure of it (the caller decodes with serde_json). A
-/// repeated known key ends the scan, as a missing or empty type does (`Fields::envelope`).
-pub(super) fn envelope(text: &str) -> Option<Envelope<'_>> {
-    let mut fields = Fields::default();
+/// Reads the envelope in `text` into `fields` (empty), or `None` when the scan cannot be sure of it (the caller
+/// decodes with serde_json). A repeated known key ends the scan; a missing or empty type is for the caller to
+/// see (`Envelope::decode`).
+pub(super) fn envelope<'a>(text: &'a str, fields: &mut Fields<'a>) -> Option<()> {
     let mut scan = Scan { text, at: 0 };
     scan.skip_space();
     scan.eat(b'{')?;
@@ -48,10 +48,7 @@ pub(super) fn envelope(text: &str) -> Option<Envelope<'_>> {
         }
     }
     scan.skip_space();
-    if scan.at != text.len() {
-        return None;
-    }
-    fields.envelope()
+    (scan.at == text.len()).then_some(())
 }
 
 /// A key of the envelope: one of the known ones, or another, as its text.
@@ -75,23 +72,27 @@ impl<'a> Fields<'a> {
     fn read(&mut self, key: Key<'a>, scan: &mut Scan<'a>) -> Option<()> {
         let text = |scan: &mut Scan<'a>| scan.string().map(Cow::Borrowed);
         match key {
-            Key::Id => once(&mut self.id, text(scan)?),
-            Key::Type => once(&mut self.kind, text(scan)?),
-            Key::Data => once(&mut self.data, scan.raw()?),
-            Key::CreatedAt => once(&mut self.created_at, scan.nullable(Scan::integer)?),
-            Key::Attempt => once(&mut self.attempt, scan.count()?),
-            Key::Priority => once(&mut self.priority, scan.nullable(text)?),
-            Key::Unique => once(&mut self.unique, scan.boolean()?),
-            Key::LastError => once(&mut self.last_error, scan.nullable(text)?),
-            Key::Recovered => once(&mut self.recovered, scan.count()?),
-            Key::Crashes => once(&mut self.crashes, scan.count()?),
-            Key::Version => once(&mut self.version, scan.count()?),
+            Key::Id => self.once(Fields::ID)?.id = Some(text(scan)?),
+            Key::Type => self.once(Fields::TYPE)?.kind = text(scan)?,
+            Key::Data => self.once(Fields::DATA)?.data = Cow::Borrowed(scan.raw()?),
+            Key::CreatedAt => {
+                self.once(Fields::CREATED_AT)?.created_at = scan.nullable(Scan::integer)?;
+            }
+            Key::Attempt => self.once(Fields::ATTEMPT)?.attempt = scan.count()?,
+            Key::Priority => self.once(Fields::PRIORITY)?.priority = scan.nullable(text)?,
+            Key::Unique => self.once(Fields::UNIQUE)?.unique = scan.boolean()?,
+            Key::LastError => self.once(Fields::LAST_ERROR)?.last_error = scan.nullable(text)?,
+            Key::Recovered => self.once(Fields::RECOVERED)?.recovered = scan.count()?,
+            Key::Crashes => self.once(Fields::CRASHES)?.crashes = scan.count()?,
+            Key::Version => self.once(Fields::VERSION)?.version = scan.count()?,
             Key::Other(key) => {
-                self.extra
-                    .push((Cow::Borrowed(key), Cow::Borrowed(scan.raw()?)));
-                Some(())
+                let value = scan.raw()?;
+                self.envelope
+                    .extra
+                    .push((Cow::Borrowed(key), Cow::Borrowed(value)));
             }
         }
+        Some(())
     }
 }
 
@@ -123,11 +124,6 @@ fn string_end(bytes: &[u8], mut at: usize) -> Option<usize> {
         at += 1;
     }
     None
-}
-
-/// Fills an absent field; `None` (give up) when it is there already: serde_json rejects a repeated field.
-fn once<T>(slot: &mut Option<T>, value: T) -> Option<()> {
-    slot.is_none().then(|| *slot = Some(value))
 }
 
 /// How deep the scan follows arrays and objects in a raw value; serde_json delimits a deeper one.
@@ -460,11 +456,13 @@ mod tests {
     use proptest::test_runner::{Config, TestRunner};
 
     use super::*;
+    use crate::task::Envelope;
 
     /// `Envelope::decode`'s result is serde_json's (the same envelope, or the same error); returns whether the
     /// scan took the payload (read it whole, with a non-empty type).
     fn agrees(text: &str) -> bool {
-        let taken = envelope(text).is_some();
+        let mut fields = Fields::new();
+        let taken = envelope(text, &mut fields).is_some() && !fields.envelope.kind.is_empty();
         // Envelope's equality compares raw JSON as text, byte for byte.
         assert_eq!(
             Envelope::decode(text),
