@@ -216,8 +216,8 @@ impl<'a> Scan<'a> {
     }
 
     /// An integer written plainly: an optional minus, then at most 19 digits (which cannot overflow a `u64`)
-    /// without a leading zero, in the range of an `i64` whatever the sign. A fraction or an exponent (which
-    /// serde_json reads as a float, and rejects for an integer field) gives up.
+    /// without a leading zero, in the range of an `i64` whatever the sign. A fraction or an exponent, and `-0`
+    /// (all of which serde_json reads as a float, and rejects for an integer field) give up.
     fn integer(&mut self) -> Option<i64> {
         let bytes = self.text.as_bytes();
         let negative = self.peek()? == b'-';
@@ -240,6 +240,9 @@ impl<'a> Scan<'a> {
             return None;
         }
         let magnitude = i64::try_from(magnitude).ok()?;
+        if negative && magnitude == 0 {
+            return None;
+        }
         self.at = at;
         Some(if negative { -magnitude } else { magnitude })
     }
@@ -556,6 +559,7 @@ mod tests {
             r#"{"type":"t","attempt":1e2}"#,
             r#"{"type":"t","attempt":01}"#,
             r#"{"type":"t","attempt":-0}"#,
+            r#"{"type":"t","created_at":-0}"#,
             r#"{"type":"t","attempt":4294967296}"#,
             r#"{"type":"t","created_at":-9223372036854775808}"#,
             r#"{"type":"t","created_at":92233720368547758070}"#,
@@ -678,7 +682,8 @@ mod tests {
             "priority" | "last_error" => prop_oneof![text, Just("null".to_string())].boxed(),
             "created_at" => prop_oneof![
                 any::<i64>().prop_map(|n| n.to_string()),
-                Just("null".to_string())
+                Just("null".to_string()),
+                Just("-0".to_string())
             ]
             .boxed(),
             "attempt" | "recovered" | "crashes" => any::<u32>().prop_map(|n| n.to_string()).boxed(),
