@@ -195,50 +195,60 @@ pub fn decide(
     let quiet_retry = matches!(verdict, Verdict::NoHandler { .. });
     let action = policy::decide(policy, attempt, verdict, || envelope.map_or(0, seed));
     let queue = origin.queue;
-    // Ids and reasons come from producers and plugins: cap them, so one huge one cannot flood the log.
-    let id = &*capped(envelope.map_or("", Envelope::id_str), LOGGED_PAYLOAD_BYTES);
-    // Every state change is an event with the task's queue, id, type, attempt and, when a handler ran, how long
-    // (seconds): at debug for the ordinary ones, so a production log at info stays quiet.
-    let kind = &*capped(envelope.map_or("", |e| &*e.kind), LOGGED_PAYLOAD_BYTES);
-    let duration = ran
-        .as_ref()
-        .and_then(|ran| ran.duration)
-        .map(|ran| ran.as_secs_f64());
-    let output = ran
-        .as_ref()
-        .map(|ran| ran.output.as_str())
-        .filter(|output| !output.is_empty());
+    // Ids and reasons come from producers and plugins: cap them, so one huge one cannot flood the log. Every state
+    // change is an event with the task's queue, id, type, attempt and, when a handler ran, how long (seconds): at
+    // debug for the ordinary ones, so a production log at info stays quiet. The fields are made only for an event
+    // that is logged: a plain acknowledgement at info makes none (docs/PERFORMANCE.md, "The daemon's hot path,
+    // cut down").
+    let id = || capped(envelope.map_or("", Envelope::id_str), LOGGED_PAYLOAD_BYTES);
+    let kind = || capped(envelope.map_or("", |e| &*e.kind), LOGGED_PAYLOAD_BYTES);
+    let duration = || {
+        ran.as_ref()
+            .and_then(|ran| ran.duration)
+            .map(|ran| ran.as_secs_f64())
+    };
+    let output = || {
+        ran.as_ref()
+            .map(|ran| ran.output.as_str())
+            .filter(|output| !output.is_empty())
+    };
     match &action {
-        Action::Ack if !failed => {
-            tracing::debug!(queue, id, kind, attempt, duration, output, "task done")
-        }
+        Action::Ack if !failed => tracing::debug!(
+            queue,
+            id = &*id(),
+            kind = &*kind(),
+            attempt,
+            duration = duration(),
+            output = output(),
+            "task done"
+        ),
         Action::Ack => tracing::warn!(
             queue,
-            id,
-            kind,
+            id = &*id(),
+            kind = &*kind(),
             attempt,
-            duration,
+            duration = duration(),
             "task failed; counted as done (on_handler_error = \"finish\")"
         ),
         Action::Recover { quarantine } => tracing::info!(
             queue,
-            id,
-            kind,
+            id = &*id(),
+            kind = &*kind(),
             attempt,
             group = quarantine.map(|stage| crate::broker::keys::QUARANTINE_GROUPS[stage]),
             "task held by a daemon whose lease expired goes back, uncharged"
         ),
         Action::Retry { delay, reason, .. } if quiet_retry => {
             let reason = capped(reason, LOGGED_PAYLOAD_BYTES);
-            tracing::debug!(queue, id, kind, attempt, %reason, retry_in = ?delay, "task not run; will retry")
+            tracing::debug!(queue, id = &*id(), kind = &*kind(), attempt, %reason, retry_in = ?delay, "task not run; will retry")
         }
         Action::Retry { delay, reason, .. } => {
             let reason = capped(reason, LOGGED_PAYLOAD_BYTES);
-            tracing::warn!(queue, id, kind, attempt, duration, %reason, retry_in = ?delay, "task failed; will retry")
+            tracing::warn!(queue, id = &*id(), kind = &*kind(), attempt, duration = duration(), %reason, retry_in = ?delay, "task failed; will retry")
         }
         Action::Dead { reason } => {
             let reason = capped(reason, LOGGED_PAYLOAD_BYTES);
-            tracing::warn!(queue, id, kind, attempt, duration, %reason, "task dead-lettered")
+            tracing::warn!(queue, id = &*id(), kind = &*kind(), attempt, duration = duration(), %reason, "task dead-lettered")
         }
     }
     settlement(origin, &action, failed, token, level, payload, envelope)

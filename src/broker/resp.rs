@@ -79,11 +79,17 @@ fn integer(text: &[u8]) -> RedisResult<i64> {
         Some((b'-', rest)) => (true, rest),
         _ => (false, text),
     };
-    if !digits.is_empty() && digits.len() <= 18 && digits.iter().all(u8::is_ascii_digit) {
-        let magnitude = digits
-            .iter()
-            .fold(0i64, |n, digit| n * 10 + i64::from(digit - b'0'));
-        return Ok(if negative { -magnitude } else { magnitude });
+    if (1..=18).contains(&digits.len()) {
+        let mut magnitude = 0i64;
+        let mut plain = true;
+        for &byte in digits {
+            let digit = byte.wrapping_sub(b'0');
+            plain &= digit <= 9;
+            magnitude = magnitude.wrapping_mul(10).wrapping_add(i64::from(digit));
+        }
+        if plain {
+            return Ok(if negative { -magnitude } else { magnitude });
+        }
     }
     std::str::from_utf8(text)
         .ok()
@@ -166,22 +172,31 @@ impl Reader {
     fn line(&mut self, stream: &mut impl Read) -> RedisResult<Line> {
         let mut searched = self.start;
         loop {
+            // The next CR; a line ends at the first one followed by an LF (redis-rs's `take_until_bytes`).
             let window = &self.buf[searched..self.end];
-            if let Some(found) = window.windows(2).position(|pair| pair == b"\r\n") {
-                let at = self.start;
+            if let Some(found) = window.iter().position(|&byte| byte == b'\r') {
                 let text_end = searched + found;
-                if text_end == at {
-                    return Err(parse_error("an empty line where a reply was expected"));
+                if text_end + 1 < self.end {
+                    if self.buf[text_end + 1] != b'\n' {
+                        searched = text_end + 1;
+                        continue;
+                    }
+                    let at = self.start;
+                    if text_end == at {
+                        return Err(parse_error("an empty line where a reply was expected"));
+                    }
+                    self.start = text_end + 2;
+                    return Ok(Line {
+                        at,
+                        text: at + 1,
+                        text_end,
+                    });
                 }
-                self.start = text_end + 2;
-                return Ok(Line {
-                    at,
-                    text: at + 1,
-                    text_end,
-                });
+                // A CR that ends what was received: the next read says whether an LF follows.
+                searched = text_end;
+            } else {
+                searched = self.end;
             }
-            // The last byte may be the CR of a CRLF that the next read completes.
-            searched = self.end.saturating_sub(1).max(self.start);
             let before = self.start;
             self.receive(stream)?;
             // Receiving may have moved the unread bytes to the front of the buffer.
@@ -342,6 +357,9 @@ mod tests {
             b"-EXECABORT Transaction discarded because of previous errors.\r\n",
             b"$5\r\nhe\r\nl\r\n",
             b"+\xce\xbb\r\n",
+            b"+a\rb\r\n",
+            b"-ERR half\rline\r\n",
+            b"*1\r\n+\r\r\n",
         ];
         for reply in replies {
             for piece in [1, 2, 3, 7, 4096] {
