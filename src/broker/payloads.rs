@@ -39,6 +39,12 @@ impl Payloads {
         Ok(self.ends.len() - 1)
     }
 
+    /// Makes room for `more` payloads of `size` bytes (nothing when there is room already).
+    pub fn reserve(&mut self, more: usize, size: usize) {
+        self.ends.reserve(more);
+        self.bytes.reserve(more.saturating_mul(size));
+    }
+
     pub fn get(&self, index: usize) -> &[u8] {
         let start = index.checked_sub(1).map_or(0, |before| self.ends[before]);
         &self.bytes[start..self.ends[index]]

@@ -46,6 +46,8 @@ pub struct Reader {
     /// While set, the bulk strings at this depth of each reply (the reply itself is depth 1) go into `collected`.
     collect_at: Option<usize>,
     collected: Payloads,
+    /// The payloads left in the array being read: room is made for them at once, each the size of the next.
+    expected: usize,
 }
 
 impl Default for Reader {
@@ -56,6 +58,7 @@ impl Default for Reader {
             end: 0,
             collect_at: None,
             collected: Payloads::default(),
+            expected: 0,
         }
     }
 }
@@ -150,6 +153,10 @@ impl Reader {
                     return Ok(Value::Nil);
                 }
                 let length = length as usize;
+                if self.collect_at == Some(depth + 1) {
+                    // Its elements are payloads: the first makes room for all (see `collect`).
+                    self.expected = length;
+                }
                 let mut elements = Vec::with_capacity(length.min(MAX_PREALLOCATED));
                 for _ in 0..length {
                     elements.push(self.element(stream, depth + 1)?);
@@ -227,6 +234,11 @@ impl Reader {
 
     /// A bulk string's `length` bytes and its CRLF, as the next collected payload.
     fn collect(&mut self, stream: &mut impl Read, length: usize) -> RedisResult<Value> {
+        // One allocation for a claim of payloads of one size, rather than one per doubling; a bound on what a
+        // corrupt length may reserve.
+        self.collected
+            .reserve(self.expected.min(MAX_PREALLOCATED), length.min(LARGE_BULK));
+        self.expected = self.expected.saturating_sub(1);
         let index = if length > LARGE_BULK {
             let buffered = (self.end - self.start).min(length);
             let (buf, start) = (&self.buf, self.start);

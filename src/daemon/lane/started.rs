@@ -92,12 +92,12 @@ impl Started {
             envelope,
         } = self;
         let (verdict, ran) = verdict_of(status, &plugin.name, at);
-        let outcome = {
+        {
             let mut types = lock(&lane.started.types);
             types.get(Some(&envelope.kind), |_| true);
             types.ran(at);
             types.ended(Instant::now());
-            let outcome = resolve(
+            resolve(
                 &lane,
                 job,
                 &state,
@@ -109,10 +109,6 @@ impl Started {
             );
             // No worker flushes this cache when it goes idle: each completion adds its counts at once.
             types.flush();
-            outcome
-        };
-        if let Some(outcome) = outcome {
-            lane.send(outcome);
         }
         lane.started.keep(plugin);
         lane.slots.completed();
