@@ -632,6 +632,52 @@ fn push_rates(bench: &Bench) -> Result<Vec<Figure>, String> {
 
 /// Tasks pushed and not yet finished (done or dead), from the queue's counters. Tried again on a dropped
 /// connection (the `kill` scenario drops the bench's own too).
+/// How often a drain looks how many tasks are left: as the peers' driver (`POLL_S` in
+/// ../shared/bench/peers/driver.py).
+const DRAIN_POLL: Duration = Duration::from_millis(10);
+
+/// What a drain reads to see how many tasks are left: the queue's counters of pushed, done and dead-lettered
+/// tasks, one `HMGET` on a connection of its own. `Client::stats` (a dozen commands in three round trips) polled
+/// every 5 ms took a share of the two cores from the daemon and the Redis it measured: in the spin scenario,
+/// about 2 points of its limit (docs/PERFORMANCE.md, "The drain's poll").
+struct Progress {
+    connection: redis::Connection,
+    stats_key: String,
+}
+
+impl Progress {
+    fn new(config: &Path, connection: redis::Connection) -> Result<Progress, String> {
+        let config = Config::load(config).map_err(|e| e.to_string())?;
+        let queue = config
+            .queues
+            .iter()
+            .find(|queue| queue.name == "q")
+            .ok_or("the bench's queue is q")?;
+        let keys = kmqd::broker::QueueKeys::for_queue(&config.redis.key_prefix, queue);
+        Ok(Progress {
+            connection,
+            stats_key: keys.stats,
+        })
+    }
+
+    /// Tasks pushed and not yet done or dead-lettered.
+    fn left(&mut self) -> Result<u64, String> {
+        let (pushed, done, dead): (Option<u64>, Option<u64>, Option<u64>) = redis::cmd("HMGET")
+            .arg(&self.stats_key)
+            .arg("pushed")
+            .arg("done")
+            .arg("dead_lettered")
+            .query(&mut self.connection)
+            .map_err(|e| format!("redis: {e}"))?;
+        let (pushed, done, dead) = (
+            pushed.unwrap_or(0),
+            done.unwrap_or(0),
+            dead.unwrap_or(0),
+        );
+        Ok(pushed.saturating_sub(done + dead))
+    }
+}
+
 fn remaining(client: &Client) -> Result<(u64, u64), String> {
     let stats = client
         .stats("q")
@@ -698,6 +744,13 @@ fn drain_once(
     let client = bench.client(config)?;
     target.flush()?;
     bench.fill_with(&client, n, data)?;
+    let mut progress = Progress::new(
+        config,
+        target
+            .holder
+            .connection()
+            .map_err(|e| format!("redis: {e}"))?,
+    )?;
     let mut processes: Vec<Daemon> = (0..daemons)
         .map(|_| bench.daemon(config))
         .collect::<Result<_, _>>()?;
@@ -720,7 +773,7 @@ fn drain_once(
                     .query(&mut killer);
             }
         }
-        let (left, _) = remaining(&client)?;
+        let left = progress.left()?;
         peak_rss = peak_rss.max(pids.iter().map(|pid| rss_kb(*pid)).sum::<u64>());
         if first.is_none() && left < n as u64 {
             first = Some((
@@ -742,7 +795,7 @@ fn drain_once(
                 bench.log().display()
             ));
         }
-        std::thread::sleep(Duration::from_millis(5));
+        std::thread::sleep(DRAIN_POLL);
     };
     for daemon in processes {
         daemon.stop();
