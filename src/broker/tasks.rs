@@ -223,8 +223,13 @@ fn script_then_lists(
         let outcome = outcome.and_then(|(replies, collected)| {
             let mut replies = replies.into_iter();
             let reply = replies.next().unwrap_or(Value::Nil).extract_error()?;
+            // A list's reply is an error or the list: its elements are strings (not `extract_error`, which walks
+            // and rebuilds every list, element by element).
             let lists = replies
-                .map(Value::extract_error)
+                .map(|list| match list {
+                    Value::ServerError(error) => Err(error.into()),
+                    list => Ok(list),
+                })
                 .collect::<redis::RedisResult<Vec<Value>>>()?;
             Ok((reply, lists, collected))
         });

@@ -590,14 +590,13 @@ impl Supervisor {
             group,
             move || acker.run(),
         )?;
-        // As many jobs as the lane may hold tasks: a send to a worker never waits for room.
-        let (jobs_tx, jobs_rx) = crossbeam_channel::bounded(queue.max_held);
+        let (jobs_tx, mut jobs_rx) = lane::jobs::queue(queue.workers);
         for index in 0..queue.workers {
             let worker = Worker {
                 lane: Arc::clone(&lane),
                 plugins: Reader::new(Arc::clone(&parts.plugins)),
                 claiming: claiming.listener(),
-                jobs: jobs_rx.clone(),
+                jobs: jobs_rx.pop().expect("a receiver per worker"),
             };
             self.threads.spawn(
                 format!("kmqd-worker-{name}-{index}"),

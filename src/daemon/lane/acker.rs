@@ -124,19 +124,19 @@ impl Acker {
     fn settle(&mut self, batch: &mut Vec<Outcome>) -> bool {
         // One script call per owner (nearly always one: a daemon claims under a new owner only after losing its
         // lease); forgotten tasks need no call at all.
-        let mut owners: Vec<Option<Arc<str>>> = Vec::with_capacity(1);
+        let mut owners: Vec<Option<&Arc<str>>> = Vec::with_capacity(1);
         for settlement in batch.iter().filter_map(Outcome::settlement) {
             let owner = owner_of(settlement);
-            if !owners.contains(&owner) {
+            if !owners.iter().any(|known| same_owner(*known, owner)) {
                 owners.push(owner);
             }
         }
         for owner in owners {
             let group: Vec<&Outcome> = batch
                 .iter()
-                .filter(|o| o.settlement().is_some_and(|s| owner_of(s) == owner))
+                .filter(|o| o.settlement().is_some_and(|s| same_owner(owner_of(s), owner)))
                 .collect();
-            if !self.settle_owned(owner.as_deref(), &group) {
+            if !self.settle_owned(owner.map(|owner| &**owner), &group) {
                 return false;
             }
         }
@@ -198,9 +198,15 @@ impl Acker {
     }
 }
 
-fn owner_of(settlement: &Settlement) -> Option<Arc<str>> {
-    settlement
-        .token
-        .as_ref()
-        .map(|token| Arc::clone(&token.owner))
+fn owner_of(settlement: &Settlement) -> Option<&Arc<str>> {
+    settlement.token.as_ref().map(|token| &token.owner)
+}
+
+/// Whether two settlements are of one owner: the tasks of one claim share its owner's `Arc`, so nearly always by
+/// the pointer alone.
+fn same_owner(a: Option<&Arc<str>>, b: Option<&Arc<str>>) -> bool {
+    match (a, b) {
+        (Some(a), Some(b)) => Arc::ptr_eq(a, b) || a == b,
+        (a, b) => a.is_none() && b.is_none(),
+    }
 }

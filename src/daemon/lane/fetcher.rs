@@ -18,8 +18,8 @@
 //! off if it has not run yet, so no task is left claimed by nobody. Until then the claim's capacity stays taken.
 //!
 //! Once the daemon stops claiming, whatever a claim still in flight brings back is handed back at once, never
-//! given to a worker; then the fetcher marks the lane so and drops the jobs channel, which is how the workers
-//! learn that no more work comes. A lane a reload retired (the daemon goes on) first adopts a claim whose reply
+//! given to a worker; then the fetcher marks the lane so and drops its end of the job queue, which is how the
+//! workers learn that no more work comes. A lane a reload retired (the daemon goes on) first adopts a claim whose reply
 //! was lost, however long Redis takes to answer, and hands back what it took: nothing bounds a retired lane's
 //! end, and once it ended its owner's lease is renewed no more, so those tasks would otherwise wait a whole
 //! `lease_timeout` in the processing area, then run as recovered. A stopping daemon does not wait for that: they
@@ -28,10 +28,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::Sender;
-
 use super::Lane;
 use super::depth::Depth;
+use super::jobs;
 use super::resolve::{Job, JobState, Taken};
 use crate::broker::{self, Batch, BrokerError, Isolation, OwnerInfo, Session};
 use crate::config::{Mode, Prefetch};
@@ -55,7 +54,7 @@ pub struct Fetcher {
     /// Fires when the daemon shuts down: a claim whose reply was lost is no longer adopted.
     shutdown: Listener,
     /// To the queue's workers. Dropped when this thread ends, which is how workers learn no more work comes.
-    jobs: Sender<Job>,
+    jobs: jobs::Sender,
     /// How many tasks the next safe-mode claim asks for at most (see `claim`).
     claim_size: usize,
     /// The prefetch's controller, when the config leaves `prefetch` to the lane.
@@ -88,7 +87,7 @@ impl Fetcher {
         connection: Session,
         claiming: Listener,
         shutdown: Listener,
-        jobs: Sender<Job>,
+        jobs: jobs::Sender,
     ) -> Fetcher {
         let config = &lane.queue.config;
         let info = OwnerInfo {
@@ -427,23 +426,27 @@ impl Fetcher {
             .into_iter()
             .map(|taken| JobState::new(taken.token, taken.level, lane.epoch));
         let stopping = self.claiming.is_triggered();
-        for (id, state) in lane.held.insert(states, batch.payloads) {
-            if stopping {
+        let held = lane.held.insert(states, batch.payloads);
+        if stopping {
+            for (id, state) in held {
                 if state.take() == Some(Taken::Waiting) {
                     lane.send(lane.hand_back(id, &state));
                 }
-                continue;
             }
-            let job = Job {
+            return;
+        }
+        let jobs = held
+            .into_iter()
+            .map(|(id, state)| Job {
                 id,
                 state,
                 claimed_at_ms: batch.now_ms,
                 claimed_at,
-            };
-            // The channel holds as many jobs as the lane may hold tasks, and a job exists only for a held task, so
-            // this send never blocks. It fails only when every worker is gone, which happens after the fetcher.
-            if let Err(error) = self.jobs.send(job) {
-                let job = error.into_inner();
+            })
+            .collect();
+        // Refused only when every worker is gone, which happens after the fetcher.
+        if let Err(jobs) = self.jobs.send(jobs) {
+            for job in jobs {
                 if job.state.take() == Some(Taken::Waiting) {
                     lane.send(lane.hand_back(job.id, &job.state));
                 }

@@ -8,13 +8,14 @@
 //!
 //! - [`fetcher`]: takes tasks from Redis, never more than [`capacity`] allows;
 //! - [`worker`]: `workers` threads that run tasks through their plugin;
+//! - [`jobs`]: the claimed tasks on their way to the workers;
 //! - [`outcomes`]: the resolved tasks' outcomes on their way to the acker;
 //! - [`acker`]: applies outcomes to Redis in batches, then forgets the tasks and frees their capacity;
 //! - [`resolve`]: who decides a held task's outcome (exactly one party), with the state diagram;
 //! - [`capacity`]: how many tasks the lane may hold, counting workers stuck in a handler as used;
 //! - [`depth`]: the prefetch, adapted to what the lane measures when the config does not set it.
 //!
-//! Each stage ends when its upstream is done: the workers when the fetcher has dropped the jobs channel and it
+//! Each stage ends when its upstream is done: the workers when the fetcher has dropped the job queue and it
 //! is empty; the acker when the fetcher is gone and every task it claimed is settled (held reaches zero). The
 //! acker counts held tasks rather than waiting for every outcome sender to drop, because a worker stuck in a
 //! handler that ignores its cancel flag never returns, so its sender would never drop; its task was resolved by
@@ -25,6 +26,7 @@ pub mod acker;
 pub mod capacity;
 pub mod depth;
 pub mod fetcher;
+pub mod jobs;
 pub mod outcomes;
 pub mod resolve;
 pub mod slots;

@@ -3,15 +3,14 @@
 //! worker takes one of the lane's `slots` per task either way, so that no more than `workers` run at once.
 //!
 //! A worker resolves its task only if nobody took it meanwhile (see `resolve`): a late outcome after an
-//! execution timeout or a hand-back is dropped. A worker ends when the fetcher has gone and the jobs channel is
+//! execution timeout or a hand-back is dropped. A worker ends when the fetcher has gone and the job queue is
 //! empty; after the daemon stops claiming it hands back, unstarted, whatever job it still receives.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, TryRecvError};
-
 use super::Lane;
+use super::jobs;
 use super::resolve::{Finished, Job, JobId, Taken, Task};
 use super::started::Started;
 use crate::daemon::metrics::observed::{TaskOutcome, TypeCache};
@@ -28,13 +27,13 @@ pub struct Worker {
     pub lane: Arc<Lane>,
     /// Read once per task: a reload's new plugins serve the tasks that start after it.
     pub plugins: Reader,
-    /// Fires when the daemon stops claiming: jobs still in the channel are handed back, not started.
+    /// Fires when the daemon stops claiming: jobs still in the queue are handed back, not started.
     pub claiming: Listener,
-    pub jobs: Receiver<Job>,
+    pub jobs: jobs::Receiver,
 }
 
 impl Worker {
-    /// Runs jobs until the fetcher is gone and the channel is empty.
+    /// Runs jobs until the fetcher is gone and the queue is empty.
     pub fn run(self) {
         let mut message = Vec::with_capacity(MESSAGE_CAPACITY);
         let mut types = TypeCache::new(self.lane.name());
@@ -43,9 +42,9 @@ impl Worker {
         loop {
             // A slot first, then a job: a worker that waits for room holds no job another could run.
             slots.take();
-            let job = match self.jobs.try_recv() {
-                Ok(job) => job,
-                Err(TryRecvError::Empty) => {
+            let job = match self.jobs.try_take() {
+                jobs::Taken::Job(job) => job,
+                jobs::Taken::Empty => {
                     // Nothing waiting: let the fetcher claim now rather than wait for a full batch. Idle, the
                     // worker keeps no plugin alive that a reload replaced.
                     self.lane.capacity.nudge();
@@ -54,17 +53,17 @@ impl Worker {
                     types.flush();
                     self.plugins.forget();
                     self.lane.started.release_plugins();
-                    let job = self.jobs.recv();
+                    let job = self.jobs.take();
                     self.lane.idle.add(idle_since.elapsed());
                     match job {
-                        Ok(job) => job,
-                        Err(_) => {
+                        Some(job) => job,
+                        None => {
                             slots.give_back();
                             break;
                         }
                     }
                 }
-                Err(TryRecvError::Disconnected) => {
+                jobs::Taken::Closed => {
                     slots.give_back();
                     break;
                 }
