@@ -8,20 +8,20 @@
 //!
 //! Small settles cost Redis nearly as much as large ones (the script's fixed part), and on a busy host each is a
 //! Redis run that preempts a worker. So after a settle, while at least [`LINGER_BELOW`] claimed tasks wait for a
-//! worker (so that holding back the capacity a settle frees starves no worker), the acker sleeps [`LINGER`]
-//! before it takes the next batch, and again (up to [`MAX_LINGERS`] times) while fewer outcomes have gathered
-//! than the next settle should carry: [`LINGER_BELOW`], or what lets the fetcher claim its next batch, if more.
-//! A settle that frees less than a claim's worth only makes the next settle come sooner, so with the lingers a
-//! busy lane makes about one settle per claim. The acker sleeps rather than waits for outcomes, so the
-//! workers' sends do not wake it: a timer wake-up per linger instead of one per outcome (docs/PERFORMANCE.md,
-//! "Settles gather while workers are busy").
+//! worker (so that holding back the capacity a settle frees starves no worker), the acker sleeps before it takes
+//! the next batch (at most [`LINGER`] × [`MAX_LINGERS`]) while fewer outcomes have gathered than the next settle
+//! should carry: [`LINGER_BELOW`], or what lets the fetcher claim its next batch, if more. A settle that frees
+//! less than a claim's worth only makes the next settle come sooner, so with the lingers a busy lane makes about
+//! one settle per claim. The acker sleeps rather than waits for outcomes, so the workers' sends do not wake it,
+//! and it sleeps as long as the outcomes' rate says a settle's worth takes to gather: about two timer wake-ups
+//! per settle (docs/PERFORMANCE.md, "Settles gather while workers are busy" and "The acker's lingers, timed").
 //!
 //! The acker stops once the lane is drained: the fetcher has stopped and every task it claimed is settled. Every
 //! held task is resolved exactly once (by its worker, a timeout, a hand-back or a lost lease), so every held task
 //! sends the outcome the acker waits for; a worker stuck in a handler does not hold it up.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::Lane;
 use super::resolve::{Outcome, Resolution};
@@ -91,17 +91,36 @@ impl Acker {
         }
     }
 
-    /// Lets outcomes gather after a settle: a [`LINGER`] at a time, up to [`MAX_LINGERS`] of them, while fewer
-    /// outcomes are queued than the next settle should carry and at least [`LINGER_BELOW`] tasks wait for a
-    /// worker. Looking again after each keeps the workers fed: at most a linger's worth of tasks start
-    /// meanwhile.
+    /// Lets outcomes gather after a settle, at most [`LINGER`] × [`MAX_LINGERS`] in all, while fewer outcomes are
+    /// queued than the next settle should carry and at least [`LINGER_BELOW`] tasks wait for a worker. The first
+    /// sleep is a [`LINGER`]; each later one lasts until, at the rate outcomes came in during the one before, a
+    /// settle's worth has gathered or the tasks waiting for a worker are down to [`LINGER_BELOW`], whichever
+    /// comes first: so the workers stay fed, and a busy lane's acker wakes about twice per settle rather than
+    /// every [`LINGER`] (each wake-up on a busy host preempts a worker; docs/PERFORMANCE.md, "The acker's
+    /// lingers, timed").
     fn linger(&self) {
-        for _ in 0..MAX_LINGERS {
-            if self.lane.outcomes.queued() >= self.worth_a_settle() || self.waiting() < LINGER_BELOW
-            {
+        let deadline = Instant::now() + LINGER * MAX_LINGERS as u32;
+        let mut last: Option<(usize, Instant)> = None;
+        loop {
+            let (queued, worth, waiting) = (
+                self.lane.outcomes.queued(),
+                self.worth_a_settle(),
+                self.waiting(),
+            );
+            let now = Instant::now();
+            if queued >= worth || waiting < LINGER_BELOW || now >= deadline {
                 return;
             }
-            std::thread::sleep(LINGER);
+            let pause = match last {
+                Some((before, then)) if queued > before && now > then => {
+                    let per_second = (queued - before) as f64 / (now - then).as_secs_f64();
+                    let outcomes = (worth - queued).min(waiting - LINGER_BELOW);
+                    Duration::from_secs_f64(outcomes as f64 / per_second).max(LINGER)
+                }
+                _ => LINGER,
+            };
+            last = Some((queued, now));
+            std::thread::sleep(pause.min(deadline - now));
         }
     }
 
