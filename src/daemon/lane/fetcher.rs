@@ -420,7 +420,7 @@ impl Fetcher {
     /// back at once: no worker may start a task after that.
     fn dispatch(&self, batch: Batch) {
         let lane = &self.lane;
-        let claimed_at = Instant::now();
+        let claimed_ns = lane.since_epoch(Instant::now());
         let states = batch
             .tasks
             .into_iter()
@@ -441,7 +441,7 @@ impl Fetcher {
                 id,
                 state,
                 claimed_at_ms: batch.now_ms,
-                claimed_at,
+                claimed_ns,
             })
             .collect();
         // Refused only when every worker is gone, which happens after the fetcher.

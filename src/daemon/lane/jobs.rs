@@ -159,7 +159,7 @@ mod tests {
             id,
             state: Task::alone(JobState::new(None, 0, Instant::now()), b""),
             claimed_at_ms: 0,
-            claimed_at: Instant::now(),
+            claimed_ns: 0,
         }
     }
 

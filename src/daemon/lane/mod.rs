@@ -117,7 +117,7 @@ impl Lane {
         Lane {
             capacity: Capacity::new(config.workers, prefetch, config.batch),
             slots: slots::Slots::new(config.workers),
-            started: started::StartedTasks::new(&config.name),
+            started: started::StartedTasks::new(&config.name, epoch),
             idle: IdleTime::default(),
             held: Held::default(),
             ownership: Ownership::new(instance),
@@ -136,6 +136,12 @@ impl Lane {
 
     pub fn name(&self) -> &str {
         &self.queue.config.name
+    }
+
+    /// `at` as ns since the lane's epoch: a worker's one clock read per task, in the form its other times take
+    /// (a task's start, its claim, its handler's run).
+    pub fn since_epoch(&self, at: Instant) -> u64 {
+        at.saturating_duration_since(self.epoch).as_nanos() as u64
     }
 
     /// Sends a resolved task's outcome to the acker.

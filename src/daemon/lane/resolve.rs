@@ -112,12 +112,10 @@ impl JobState {
         }
     }
 
-    /// A worker is about to run the task; false when someone took it first (it must not run).
-    pub fn start(&self, now: Instant) -> bool {
-        self.started_ns.store(
-            now.saturating_duration_since(self.epoch).as_nanos() as u64,
-            Ordering::Relaxed,
-        );
+    /// A worker is about to run the task, `now_ns` after the lane's epoch; false when someone took it first (it
+    /// must not run).
+    pub fn start(&self, now_ns: u64) -> bool {
+        self.started_ns.store(now_ns, Ordering::Relaxed);
         self.phase
             .compare_exchange(WAITING, RUNNING, Ordering::AcqRel, Ordering::Acquire)
             .is_ok()
@@ -254,8 +252,9 @@ pub struct Job {
     pub state: Task,
     /// Redis's clock when the task was taken, ms.
     pub claimed_at_ms: i64,
-    /// The local clock at the same moment, to advance `claimed_at_ms` without asking Redis.
-    pub claimed_at: Instant,
+    /// The local clock at the same moment (ns since the lane's epoch), to advance `claimed_at_ms` without asking
+    /// Redis.
+    pub claimed_ns: u64,
 }
 
 /// A resolved task on its way to the acker.
@@ -470,7 +469,7 @@ mod tests {
     fn a_waiting_task_taken_is_never_started() {
         let state = job();
         assert_eq!(state.take(), Some(Taken::Waiting));
-        assert!(!state.start(Instant::now()), "the worker skips it");
+        assert!(!state.start(0), "the worker skips it");
         assert_eq!(state.take(), None, "and nobody takes it twice");
         assert_eq!(state.cancel.load(Ordering::SeqCst), 0);
     }
@@ -478,7 +477,7 @@ mod tests {
     #[test]
     fn a_running_task_taken_drops_the_workers_outcome_and_raises_cancel() {
         let state = job();
-        assert!(state.start(Instant::now()));
+        assert!(state.start(0));
         assert!(state.running_for().is_some());
         assert_eq!(state.take(), Some(Taken::Running));
         assert_eq!(state.cancel.load(Ordering::SeqCst), 1);
@@ -490,7 +489,7 @@ mod tests {
     #[test]
     fn a_stuck_worker_is_counted_once_and_given_back_when_it_returns() {
         let state = job();
-        assert!(state.start(Instant::now()));
+        assert!(state.start(0));
         assert_eq!(state.take(), Some(Taken::Running));
         assert!(state.mark_stuck());
         assert!(!state.mark_stuck(), "counted once");
@@ -501,7 +500,7 @@ mod tests {
     #[test]
     fn a_worker_that_finishes_first_wins() {
         let state = job();
-        assert!(state.start(Instant::now()));
+        assert!(state.start(0));
         assert_eq!(state.finish(), Finished::Resolved);
         assert_eq!(state.take(), None, "the timeout comes too late");
         assert!(!state.mark_stuck());
@@ -519,7 +518,7 @@ mod loom_tests {
     /// The worker's side: start, (run), finish. Returns whether it resolved the task, and whether it gave back a
     /// stuck count.
     fn worker(state: &JobState) -> (bool, bool) {
-        if !state.start(Instant::now()) {
+        if !state.start(0) {
             return (false, false);
         }
         match state.finish() {
@@ -545,7 +544,7 @@ mod loom_tests {
                     Arc::clone(&ran),
                 );
                 thread::spawn(move || {
-                    let started = state.start(Instant::now());
+                    let started = state.start(0);
                     if started {
                         ran.fetch_add(1, Ordering::SeqCst);
                         match state.finish() {

@@ -43,9 +43,9 @@ impl std::fmt::Debug for StartedTasks {
 }
 
 impl StartedTasks {
-    pub fn new(queue: &str) -> StartedTasks {
+    pub fn new(queue: &str, epoch: Instant) -> StartedTasks {
         StartedTasks {
-            types: Mutex::new(TypeCache::new(queue)),
+            types: Mutex::new(TypeCache::new(queue, epoch)),
             plugins: Mutex::new(Vec::new()),
         }
     }
@@ -95,8 +95,8 @@ impl Started {
         {
             let mut types = lock(&lane.started.types);
             types.get(Some(&envelope.kind), |_| true);
-            types.ran(at);
-            types.ended(Instant::now());
+            types.ran(lane.since_epoch(at));
+            types.ended(lane.since_epoch(Instant::now()));
             resolve(
                 &lane,
                 job,

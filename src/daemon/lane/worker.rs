@@ -36,7 +36,7 @@ impl Worker {
     /// Runs jobs until the fetcher is gone and the queue is empty.
     pub fn run(self) {
         let mut message = Vec::with_capacity(MESSAGE_CAPACITY);
-        let mut types = TypeCache::new(self.lane.name());
+        let mut types = TypeCache::new(self.lane.name(), self.lane.epoch);
         let slots = &self.lane.slots;
         slots.thread_started();
         loop {
@@ -49,7 +49,7 @@ impl Worker {
                     // worker keeps no plugin alive that a reload replaced.
                     self.lane.capacity.nudge();
                     let idle_since = Instant::now();
-                    types.ended(idle_since);
+                    types.ended(self.lane.since_epoch(idle_since));
                     types.flush();
                     self.plugins.forget();
                     self.lane.started.release_plugins();
@@ -71,17 +71,18 @@ impl Worker {
             // One clock read per task: the lease check, the start time, the task's age and the end of the last
             // task's run (for its duration histogram) all use it.
             let now = Instant::now();
-            types.ended(now);
+            let now_ns = self.lane.since_epoch(now);
+            types.ended(now_ns);
             if !self.lease_allows(&job, now) || self.claiming.is_triggered() {
                 slots.give_back();
                 if job.state.take() == Some(Taken::Waiting) {
                     self.lane.send(self.lane.hand_back(job.id, &job.state));
                 }
             } else {
-                self.run_job(job, now, &mut message, &mut types);
+                self.run_job(job, (now, now_ns), &mut message, &mut types);
             }
         }
-        types.ended(Instant::now());
+        types.ended(self.lane.since_epoch(Instant::now()));
         types.flush();
         // The lane's last worker waits for the tasks its plugins still run (see `slots`).
         slots.thread_ending();
@@ -112,10 +113,17 @@ impl Worker {
 
     /// Runs a job whose slot this worker holds, gives the slot back (or hands it to the started task), and sends
     /// its outcome to the acker, if it is the one that counts.
-    fn run_job(&self, job: Job, now: Instant, message: &mut Vec<u8>, types: &mut TypeCache) {
+    /// `now`: this task's clock read, as an `Instant` and as ns since the lane's epoch.
+    fn run_job(
+        &self,
+        job: Job,
+        now: (Instant, u64),
+        message: &mut Vec<u8>,
+        types: &mut TypeCache,
+    ) {
         let queue = &self.lane.queue;
         let state = &job.state;
-        if !state.start(now) {
+        if !state.start(now.1) {
             self.lane.slots.give_back();
             return;
         }
@@ -148,14 +156,15 @@ impl Worker {
         &self,
         job: &Job,
         envelope: &Envelope,
-        now: Instant,
+        now: (Instant, u64),
         message: &mut Vec<u8>,
         ran: &mut Option<Ran>,
         types: &mut TypeCache,
     ) -> Attempt {
         let queue = &self.lane.queue;
+        let (now, now_ns) = now;
         let now_ms =
-            job.claimed_at_ms + now.saturating_duration_since(job.claimed_at).as_millis() as i64;
+            job.claimed_at_ms + (now_ns.saturating_sub(job.claimed_ns) / 1_000_000) as i64;
         if let Some(reason) = queue.policy.too_old(envelope.created_at, now_ms) {
             return Attempt::Over(Verdict::Unrunnable { reason });
         }
@@ -215,7 +224,7 @@ impl Worker {
         // The histogram's run is timed from this task's clock read to the next task's (the lease check, the
         // envelope's decoding and the outcome's sending included, microseconds against buckets that start at
         // 1 ms): no read of its own.
-        types.ran(now);
+        types.ran(now_ns);
         let (verdict, outcome_ran) = verdict_of(status, &plugin.name, now);
         *ran = outcome_ran;
         Attempt::Over(verdict)

@@ -256,9 +256,9 @@ pub struct TypeHandles {
     duration: Option<Durations>,
     outcomes: [Counter; TaskOutcome::ALL.len()],
     batch: Batch,
-    /// When the batch is added to the shared metrics at the latest ([`FLUSH_AFTER`] after the last time): an
-    /// `Instant` compared per task, where a duration since the last flush would be a subtraction.
-    flush_at: Instant,
+    /// When the batch is added to the shared metrics at the latest ([`FLUSH_AFTER`] after the last time, or
+    /// after the first observation), ns since the worker's epoch; 0 before the first.
+    flush_at_ns: u64,
 }
 
 impl TypeHandles {
@@ -282,23 +282,24 @@ impl TypeHandles {
             duration,
             outcomes,
             batch: Batch::default(),
-            flush_at: Instant::now() + FLUSH_AFTER,
+            flush_at_ns: 0,
         }
     }
 
-    /// Records a handler's run time, `now` being the worker's clock read after it.
-    fn observe(&mut self, ran: Duration, now: Instant) {
+    /// Records a handler's run time, `now_ns` being the worker's clock read after it.
+    fn observe(&mut self, ran_ns: u64, now_ns: u64) {
         if self.duration.is_some() {
             let batch = &mut self.batch;
-            batch.buckets[bucket_of(ran.as_secs_f64())] += 1;
+            batch.buckets[bucket_of(ran_ns as f64 / 1e9)] += 1;
             batch.runs += 1;
-            batch.sum_ns = batch
-                .sum_ns
-                .saturating_add(u64::try_from(ran.as_nanos()).unwrap_or(u64::MAX));
+            batch.sum_ns = batch.sum_ns.saturating_add(ran_ns);
             batch.pending += 1;
         }
-        if self.batch.pending >= FLUSH_EVERY || now >= self.flush_at {
-            self.flush(now);
+        if self.flush_at_ns == 0 {
+            self.flush_at_ns = now_ns.saturating_add(FLUSH_AFTER.as_nanos() as u64);
+        }
+        if self.batch.pending >= FLUSH_EVERY || now_ns >= self.flush_at_ns {
+            self.flush(now_ns);
         }
     }
 
@@ -308,8 +309,8 @@ impl TypeHandles {
     }
 
     /// Adds the batch to the shared metrics.
-    fn flush(&mut self, now: Instant) {
-        self.flush_at = now + FLUSH_AFTER;
+    fn flush(&mut self, now_ns: u64) {
+        self.flush_at_ns = now_ns.saturating_add(FLUSH_AFTER.as_nanos() as u64);
         if self.batch.pending == 0 {
             return;
         }
@@ -335,11 +336,14 @@ pub struct TypeCache {
     last: usize,
     unknown: Option<TypeHandles>,
     /// A handler that returned, whose end is the worker's next clock read: its type's index and its start.
-    running: Option<(usize, Instant)>,
+    running: Option<(usize, u64)>,
+    /// What the times given in ns count from (the lane's epoch): one subtraction of `Instant`s per task, in the
+    /// worker, rather than one here per run and per flush check.
+    epoch: Instant,
 }
 
 impl TypeCache {
-    pub fn new(queue: &str) -> TypeCache {
+    pub fn new(queue: &str, epoch: Instant) -> TypeCache {
         TypeCache {
             queue: Arc::from(queue),
             types: Vec::new(),
@@ -347,33 +351,34 @@ impl TypeCache {
             last: 0,
             unknown: None,
             running: None,
+            epoch,
         }
     }
 
-    /// The handler of the type of the last [`TypeCache::get`] (a handled one), started at `started`, returned:
-    /// its duration is recorded at the worker's next clock read ([`TypeCache::ended`]), which the worker makes
-    /// anyway for its next task, so the histogram costs no clock read of its own.
-    pub fn ran(&mut self, started: Instant) {
-        self.running = Some((self.last, started));
+    /// The handler of the type of the last [`TypeCache::get`] (a handled one), started at `started_ns` (since the
+    /// epoch), returned: its duration is recorded at the worker's next clock read ([`TypeCache::ended`]), which
+    /// the worker makes anyway for its next task, so the histogram costs no clock read of its own.
+    pub fn ran(&mut self, started_ns: u64) {
+        self.running = Some((self.last, started_ns));
     }
 
-    /// The clock read after the last run: records its duration, if one is waiting.
-    pub fn ended(&mut self, now: Instant) {
-        if let Some((at, started)) = self.running.take() {
+    /// The clock read after the last run, ns since the epoch: records its duration, if one is waiting.
+    pub fn ended(&mut self, now_ns: u64) {
+        if let Some((at, started_ns)) = self.running.take() {
             self.types[at]
                 .1
-                .observe(now.saturating_duration_since(started), now);
+                .observe(now_ns.saturating_sub(started_ns), now_ns);
         }
     }
 
     /// Adds every type's batch to the shared metrics: the worker is out of work (or stops).
     pub fn flush(&mut self) {
-        let now = Instant::now();
+        let now_ns = self.epoch.elapsed().as_nanos() as u64;
         for (_, handles) in &mut self.types {
-            handles.flush(now);
+            handles.flush(now_ns);
         }
         if let Some(unknown) = &mut self.unknown {
-            unknown.flush(now);
+            unknown.flush(now_ns);
         }
     }
 
@@ -431,7 +436,7 @@ mod tests {
 
     #[test]
     fn cached_handles_count_into_the_shared_families() {
-        let mut cache = TypeCache::new("cache-test");
+        let mut cache = TypeCache::new("cache-test", Instant::now());
         cache.get(Some("mail"), |_| true).count(TaskOutcome::Done);
         cache.get(Some("sms"), |_| true).count(TaskOutcome::Retried);
         // Back to a type seen before: from the map, not resolved again (the closure would panic).
@@ -467,19 +472,20 @@ mod tests {
 
     #[test]
     fn a_busy_worker_s_batch_is_added_every_64_observations_or_after_a_second() {
-        let mut cache = TypeCache::new("batch-test");
-        let t0 = Instant::now();
+        let mut cache = TypeCache::new("batch-test", Instant::now());
+        let ms = |ms: u64| ms * 1_000_000;
+        let t0 = ms(1);
         for i in 0..FLUSH_EVERY / 2 - 1 {
             cache.get(Some("mail"), |_| true);
             cache.ran(t0);
             cache.get(Some("mail"), |_| true).count(TaskOutcome::Done);
-            cache.ended(t0 + Duration::from_millis(u64::from(i)));
+            cache.ended(t0 + ms(u64::from(i)));
         }
         assert_eq!(count("batch-test", "mail", TaskOutcome::Done), 0);
         cache.get(Some("mail"), |_| true);
         cache.ran(t0);
         cache.get(Some("mail"), |_| true).count(TaskOutcome::Done);
-        cache.ended(t0 + Duration::from_millis(40));
+        cache.ended(t0 + ms(40));
         assert_eq!(
             count("batch-test", "mail", TaskOutcome::Done),
             u64::from(FLUSH_EVERY / 2),
@@ -488,7 +494,7 @@ mod tests {
         cache.get(Some("mail"), |_| true);
         cache.ran(t0);
         cache.get(Some("mail"), |_| true).count(TaskOutcome::Done);
-        cache.ended(t0 + Duration::from_millis(40) + FLUSH_AFTER);
+        cache.ended(t0 + ms(40) + FLUSH_AFTER.as_nanos() as u64);
         assert_eq!(
             count("batch-test", "mail", TaskOutcome::Done),
             u64::from(FLUSH_EVERY / 2) + 1,
@@ -498,7 +504,7 @@ mod tests {
 
     #[test]
     fn a_run_is_observed_at_the_next_clock_read() {
-        let mut cache = TypeCache::new("run-test");
+        let mut cache = TypeCache::new("run-test", Instant::now());
         let histogram = |kind: &str| {
             observed()
                 .durations
@@ -508,7 +514,7 @@ mod tests {
                 })
                 .map(|histogram| histogram.clone())
         };
-        let t0 = Instant::now();
+        let t0 = 1_000_000;
         cache.get(Some("mail"), |_| true);
         cache.ran(t0);
         cache.get(Some("mail"), |_| true).count(TaskOutcome::Done);
@@ -524,8 +530,8 @@ mod tests {
             page.contains("d_count 0"),
             "not before its end is read: {page}"
         );
-        cache.ended(t0 + std::time::Duration::from_millis(3));
-        cache.ended(t0 + std::time::Duration::from_secs(9));
+        cache.ended(t0 + 3_000_000);
+        cache.ended(t0 + 9_000_000_000);
         cache.flush();
         encode(&mut page);
         assert!(page.contains("d_count 1"), "once: {page}");
