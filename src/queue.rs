@@ -8,7 +8,7 @@ use crate::broker::{ClaimLimits, QueueKeys, Settlement, Token};
 use crate::config::{Config, QueueConfig};
 use crate::policy::{Policy, Verdict};
 use crate::settlement::{self, DeadHook, Origin, Ran};
-use crate::task::{Envelope, EnvelopeError, new_id};
+use crate::task::{Envelope, EnvelopeError, Slot, new_id};
 
 /// One configured queue, as every thread serving it sees it.
 #[derive(Debug)]
@@ -46,17 +46,24 @@ impl QueueContext {
     /// Decodes a payload of this queue: an envelope, or a foreign payload when the queue accepts them. A task
     /// without an id gets a fresh one, which retries and dead letters then carry.
     pub fn decode<'a>(&self, payload: &'a [u8]) -> Result<Envelope<'a>, EnvelopeError> {
+        let mut slot = Slot::new();
+        self.decode_in(payload, &mut slot)?;
+        Ok(slot.into_envelope())
+    }
+
+    /// [`QueueContext::decode`] into `slot`, where the envelope stays (the worker's: see [`Envelope::decode_in`]).
+    pub fn decode_in<'a>(
+        &self,
+        payload: &'a [u8],
+        slot: &mut Slot<'a>,
+    ) -> Result<(), EnvelopeError> {
         let text = crate::task::utf8(payload)?;
-        let mut decoded = match &self.config.foreign_type_field {
-            Some(field) => Envelope::decode_foreign(text, field),
-            None => Envelope::decode(text),
-        };
-        // In place: an envelope is some 200 bytes, and taking it out of the result and putting it back was two
-        // calls of memcpy (callgrind).
-        if let Ok(envelope) = &mut decoded {
-            envelope.ensure_id(new_id);
+        match &self.config.foreign_type_field {
+            Some(field) => slot.set(Envelope::decode_foreign(text, field)?),
+            None => Envelope::decode_in(text, slot)?,
         }
-        decoded
+        slot.envelope_mut().ensure_id(new_id);
+        Ok(())
     }
 
     /// The verdict on a held task: `verdict_of` judges one that decodes; one that does not is unrunnable (and
@@ -74,6 +81,13 @@ impl QueueContext {
 
     /// A held task's envelope, or, when it cannot run (too large, or not an envelope), the verdict on it.
     pub fn runnable<'a>(&self, payload: &'a [u8]) -> Result<Envelope<'a>, Verdict> {
+        let mut slot = Slot::new();
+        self.runnable_in(payload, &mut slot)?;
+        Ok(slot.into_envelope())
+    }
+
+    /// [`QueueContext::runnable`] into `slot`, where the envelope stays (the worker's).
+    pub fn runnable_in<'a>(&self, payload: &'a [u8], slot: &mut Slot<'a>) -> Result<(), Verdict> {
         // Safe mode's claim keeps such payloads in Redis; default mode's pop has read them, but they never run.
         if payload.len() > self.config.max_task_bytes {
             let reason = format!(
@@ -83,9 +97,10 @@ impl QueueContext {
             );
             return Err(Verdict::Unrunnable { reason });
         }
-        self.decode(payload).map_err(|error| Verdict::Unrunnable {
-            reason: error.to_string(),
-        })
+        self.decode_in(payload, slot)
+            .map_err(|error| Verdict::Unrunnable {
+                reason: error.to_string(),
+            })
     }
 
     /// Decides a held task's fate from `verdict` and builds the settlement that applies it: the one path every

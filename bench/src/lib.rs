@@ -669,11 +669,7 @@ impl Progress {
             .arg("dead_lettered")
             .query(&mut self.connection)
             .map_err(|e| format!("redis: {e}"))?;
-        let (pushed, done, dead) = (
-            pushed.unwrap_or(0),
-            done.unwrap_or(0),
-            dead.unwrap_or(0),
-        );
+        let (pushed, done, dead) = (pushed.unwrap_or(0), done.unwrap_or(0), dead.unwrap_or(0));
         Ok(pushed.saturating_sub(done + dead))
     }
 }

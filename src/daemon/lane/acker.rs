@@ -153,7 +153,10 @@ impl Acker {
         for owner in owners {
             let group: Vec<&Outcome> = batch
                 .iter()
-                .filter(|o| o.settlement().is_some_and(|s| same_owner(owner_of(s), owner)))
+                .filter(|o| {
+                    o.settlement()
+                        .is_some_and(|s| same_owner(owner_of(s), owner))
+                })
                 .collect();
             if !self.settle_owned(owner.map(|owner| &**owner), &group) {
                 return false;

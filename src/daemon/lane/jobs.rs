@@ -44,9 +44,7 @@ pub fn queue(workers: usize) -> (Sender, Vec<Receiver>) {
         }),
         arrived: Condvar::new(),
     });
-    let receivers = (0..workers)
-        .map(|_| Receiver(Arc::clone(&jobs)))
-        .collect();
+    let receivers = (0..workers).map(|_| Receiver(Arc::clone(&jobs))).collect();
     (Sender(jobs), receivers)
 }
 

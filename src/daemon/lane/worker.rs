@@ -18,7 +18,7 @@ use crate::plugin::{MESSAGE_CAPACITY, Reader, Run, Status};
 use crate::policy::Verdict;
 use crate::settlement::Ran;
 use crate::shutdown::Listener;
-use crate::task::{Envelope, LOGGED_PAYLOAD_BYTES, capped};
+use crate::task::{Envelope, LOGGED_PAYLOAD_BYTES, Slot, capped};
 
 /// How often a worker whose task's lease is in doubt looks again (the heartbeat settles the doubt).
 const LEASE_POLL: Duration = Duration::from_millis(5);
@@ -114,13 +114,7 @@ impl Worker {
     /// Runs a job whose slot this worker holds, gives the slot back (or hands it to the started task), and sends
     /// its outcome to the acker, if it is the one that counts.
     /// `now`: this task's clock read, as an `Instant` and as ns since the lane's epoch.
-    fn run_job(
-        &self,
-        job: Job,
-        now: (Instant, u64),
-        message: &mut Vec<u8>,
-        types: &mut TypeCache,
-    ) {
+    fn run_job(&self, job: Job, now: (Instant, u64), message: &mut Vec<u8>, types: &mut TypeCache) {
         let queue = &self.lane.queue;
         let state = &job.state;
         if !state.start(now.1) {
@@ -128,14 +122,17 @@ impl Worker {
             return;
         }
         let mut ran = None;
-        // The envelope stays where it was decoded (about 200 bytes: each move was a call of memcpy).
-        let decoded = queue.runnable(state.payload());
-        let (verdict, envelope) = match &decoded {
-            Err(verdict) => (verdict.clone(), None),
-            Ok(envelope) => match self.attempt(&job, envelope, now, message, &mut ran, types) {
-                Attempt::Over(verdict) => (verdict, Some(envelope)),
-                Attempt::Started => return,
-            },
+        // The envelope stays where it is decoded (about 200 bytes: each move was a call of memcpy).
+        let mut slot = Slot::new();
+        let (verdict, envelope) = match queue.runnable_in(state.payload(), &mut slot) {
+            Err(verdict) => (verdict, None),
+            Ok(()) => {
+                let envelope = slot.envelope();
+                match self.attempt(&job, envelope, now, message, &mut ran, types) {
+                    Attempt::Over(verdict) => (verdict, Some(envelope)),
+                    Attempt::Started => return,
+                }
+            }
         };
         self.lane.slots.give_back();
         resolve(
@@ -163,8 +160,7 @@ impl Worker {
     ) -> Attempt {
         let queue = &self.lane.queue;
         let (now, now_ns) = now;
-        let now_ms =
-            job.claimed_at_ms + (now_ns.saturating_sub(job.claimed_ns) / 1_000_000) as i64;
+        let now_ms = job.claimed_at_ms + (now_ns.saturating_sub(job.claimed_ns) / 1_000_000) as i64;
         if let Some(reason) = queue.policy.too_old(envelope.created_at, now_ms) {
             return Attempt::Over(Verdict::Unrunnable { reason });
         }
