@@ -637,16 +637,18 @@ fn push_rates(bench: &Bench) -> Result<Vec<Figure>, String> {
 const DRAIN_POLL: Duration = Duration::from_millis(10);
 
 /// What a drain reads to see how many tasks are left: the queue's counters of pushed, done and dead-lettered
-/// tasks, one `HMGET` on a connection of its own. `Client::stats` (a dozen commands in three round trips) polled
-/// every 5 ms took a share of the two cores from the daemon and the Redis it measured: in the spin scenario,
-/// about 2 points of its limit (docs/PERFORMANCE.md, "The drain's poll").
-struct Progress {
-    connection: redis::Connection,
+/// tasks, one `HMGET` on a connection of its own (made again after a failure, three tries, as the `kill`
+/// scenario disconnects it). `Client::stats` (a dozen commands in three round trips) polled every 5 ms took a
+/// share of the two cores from the daemon and the Redis it measured: in the spin scenario, about 2 points of its
+/// limit (docs/PERFORMANCE.md, "The drain's poll").
+struct Progress<'a> {
+    server: &'a RedisServer,
+    connection: Option<redis::Connection>,
     stats_key: String,
 }
 
-impl Progress {
-    fn new(config: &Path, connection: redis::Connection) -> Result<Progress, String> {
+impl<'a> Progress<'a> {
+    fn new(config: &Path, server: &'a RedisServer) -> Result<Progress<'a>, String> {
         let config = Config::load(config).map_err(|e| e.to_string())?;
         let queue = config
             .queues
@@ -655,20 +657,36 @@ impl Progress {
             .ok_or("the bench's queue is q")?;
         let keys = kmqd::broker::QueueKeys::for_queue(&config.redis.key_prefix, queue);
         Ok(Progress {
-            connection,
+            server,
+            connection: None,
             stats_key: keys.stats,
         })
     }
 
     /// Tasks pushed and not yet done or dead-lettered.
     fn left(&mut self) -> Result<u64, String> {
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match self.read() {
+                Ok(left) => return Ok(left),
+                Err(error) if tries == 3 => return Err(format!("redis: {error}")),
+                Err(_) => self.connection = None,
+            }
+        }
+    }
+
+    fn read(&mut self) -> redis::RedisResult<u64> {
+        let connection = match &mut self.connection {
+            Some(connection) => connection,
+            None => self.connection.insert(self.server.connection()?),
+        };
         let (pushed, done, dead): (Option<u64>, Option<u64>, Option<u64>) = redis::cmd("HMGET")
             .arg(&self.stats_key)
             .arg("pushed")
             .arg("done")
             .arg("dead_lettered")
-            .query(&mut self.connection)
-            .map_err(|e| format!("redis: {e}"))?;
+            .query(connection)?;
         let (pushed, done, dead) = (pushed.unwrap_or(0), done.unwrap_or(0), dead.unwrap_or(0));
         Ok(pushed.saturating_sub(done + dead))
     }
@@ -740,13 +758,7 @@ fn drain_once(
     let client = bench.client(config)?;
     target.flush()?;
     bench.fill_with(&client, n, data)?;
-    let mut progress = Progress::new(
-        config,
-        target
-            .holder
-            .connection()
-            .map_err(|e| format!("redis: {e}"))?,
-    )?;
+    let mut progress = Progress::new(config, target.holder)?;
     let mut processes: Vec<Daemon> = (0..daemons)
         .map(|_| bench.daemon(config))
         .collect::<Result<_, _>>()?;
