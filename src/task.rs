@@ -102,6 +102,16 @@ impl<'a> Envelope<'a> {
             id: Some(Cow::Owned(id)),
             kind: Cow::Owned(kind),
             data: Cow::Owned(data),
+            ..Envelope::blank()
+        }
+    }
+
+    /// Every field at the value an absent one reads as (the type empty, which a decoder refuses).
+    fn blank() -> Envelope<'a> {
+        Envelope {
+            id: None,
+            kind: Cow::Borrowed(""),
+            data: Cow::Borrowed(null()),
             created_at: None,
             attempt: 0,
             priority: None,
@@ -311,7 +321,7 @@ impl<'de> Deserialize<'de> for OptionalText<'de> {
     }
 }
 
-/// The envelope's known keys; anything else is kept in `extra`.
+/// The envelope's known keys; anything else is kept in `extra`. Read by serde_json's visitor and by the scan.
 enum Field<'a> {
     Id,
     Type,
@@ -405,20 +415,7 @@ impl<'a> Fields<'a> {
     /// No field read: every field at the value an absent one reads as (the type empty, which is refused).
     fn new() -> Fields<'a> {
         Fields {
-            envelope: Envelope {
-                id: None,
-                kind: Cow::Borrowed(""),
-                data: Cow::Borrowed(null()),
-                created_at: None,
-                attempt: 0,
-                priority: None,
-                unique: false,
-                last_error: None,
-                recovered: 0,
-                crashes: 0,
-                version: ENVELOPE_VERSION,
-                extra: Vec::new(),
-            },
+            envelope: Envelope::blank(),
             seen: 0,
         }
     }
