@@ -321,7 +321,7 @@ impl<'de> Deserialize<'de> for OptionalText<'de> {
     }
 }
 
-/// The envelope's known keys; anything else is kept in `extra`. Read by serde_json's visitor and by the scan.
+/// The envelope's known keys; anything else is kept in `extra` (serde_json's visitor; the scan has its own, `scan::Key`).
 enum Field<'a> {
     Id,
     Type,
