@@ -321,7 +321,8 @@ impl<'de> Deserialize<'de> for OptionalText<'de> {
     }
 }
 
-/// The envelope's known keys; anything else is kept in `extra` (serde_json's visitor; the scan has its own, `scan::Key`).
+/// The envelope's known keys, as serde_json's visitor reads them (the scan has its own, `scan::Key`); anything else
+/// is kept in `extra`.
 enum Field<'a> {
     Id,
     Type,
