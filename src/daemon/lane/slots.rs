@@ -1,12 +1,15 @@
 //! How many tasks of a lane run at once: at most the queue's `workers`, whether a worker thread waits inside
 //! `handle` for each, or a plugin that starts tasks (kmq_plugin.h, `start`) holds many while the threads go on.
 //!
-//! A worker takes a slot before it takes a job, and gives it back when the run is over: when `handle` returns, or
-//! when a started task completes, on the plugin's thread. With `handle` alone the slots never run out (a thread
-//! holds at most one, and there are `workers` threads); with `start`, one thread can fill them all, and then
-//! waits. It is woken only once [`Slots::refill`] of them are free again, and takes them all (its next jobs find
-//! a slot at once): one wake-up per batch of completions, not per task, which is what `start` is for. The slots a
-//! stuck task holds (one that ignored its cancel flag) stay taken, as a stuck worker thread stays busy.
+//! A worker takes a slot before it takes a job. It keeps that slot for its next job while its tasks run in
+//! `handle` (a slot given back and taken again per task was two atomic writes, on a line every worker shares, per
+//! task), and gives it back when it ends. A task handed to a plugin's `start` takes the worker's slot along: the
+//! task's completion gives it back, on the plugin's thread, and the worker takes a new one for its next job. With
+//! `handle` alone the slots never run out (a thread holds at most one, and there are `workers` threads); with
+//! `start`, one thread can fill them all, and then waits. It is woken only once [`Slots::refill`] of them are
+//! free again, and takes them all (its next jobs find a slot at once): one wake-up per batch of completions, not
+//! per task, which is what `start` is for. The slots a stuck task holds (one that ignored its cancel flag) stay
+//! taken, as a stuck worker thread stays busy.
 //!
 //! A lane's last worker thread to end waits for the tasks it started to complete, so that the daemon's
 //! shutdown, which waits for the worker threads, knows whether a plugin still runs a task (then it skips the

@@ -39,9 +39,17 @@ impl Worker {
         let mut types = TypeCache::new(self.lane.name(), self.lane.epoch);
         let slots = &self.lane.slots;
         slots.thread_started();
+        // Whether this worker holds a slot. It keeps the one it ran a task with for its next task: a slot taken
+        // and given back per task was two atomic writes on a line every worker writes
+        // (docs/PERFORMANCE.md, "Workers that share less"). A task handed to a plugin's `start` takes the slot
+        // along.
+        let mut holding = false;
         loop {
             // A slot first, then a job: a worker that waits for room holds no job another could run.
-            slots.take();
+            if !holding {
+                slots.take();
+                holding = true;
+            }
             let job = match self.jobs.try_take() {
                 jobs::Taken::Job(job) => job,
                 jobs::Taken::Empty => {
@@ -57,16 +65,10 @@ impl Worker {
                     self.lane.idle.add(idle_since.elapsed());
                     match job {
                         Some(job) => job,
-                        None => {
-                            slots.give_back();
-                            break;
-                        }
+                        None => break,
                     }
                 }
-                jobs::Taken::Closed => {
-                    slots.give_back();
-                    break;
-                }
+                jobs::Taken::Closed => break,
             };
             // One clock read per task: the lease check, the start time, the task's age and the end of the last
             // task's run (for its duration histogram) all use it.
@@ -74,13 +76,15 @@ impl Worker {
             let now_ns = self.lane.since_epoch(now);
             types.ended(now_ns);
             if !self.lease_allows(&job, now) || self.claiming.is_triggered() {
-                slots.give_back();
                 if job.state.take() == Some(Taken::Waiting) {
                     self.lane.send(self.lane.hand_back(job.id, &job.state));
                 }
             } else {
-                self.run_job(job, (now, now_ns), &mut message, &mut types);
+                holding = self.run_job(job, (now, now_ns), &mut message, &mut types);
             }
+        }
+        if holding {
+            slots.give_back();
         }
         types.ended(self.lane.since_epoch(Instant::now()));
         types.flush();
@@ -111,15 +115,21 @@ impl Worker {
         true
     }
 
-    /// Runs a job whose slot this worker holds, gives the slot back (or hands it to the started task), and sends
-    /// its outcome to the acker, if it is the one that counts.
+    /// Runs a job with the slot this worker holds, and sends its outcome to the acker, if it is the one that
+    /// counts. Returns whether the worker still holds the slot: not when a plugin's `start` took the task (and
+    /// with it the slot, which its completion gives back).
     /// `now`: this task's clock read, as an `Instant` and as ns since the lane's epoch.
-    fn run_job(&self, job: Job, now: (Instant, u64), message: &mut Vec<u8>, types: &mut TypeCache) {
+    fn run_job(
+        &self,
+        job: Job,
+        now: (Instant, u64),
+        message: &mut Vec<u8>,
+        types: &mut TypeCache,
+    ) -> bool {
         let queue = &self.lane.queue;
         let state = &job.state;
         if !state.start(now.1) {
-            self.lane.slots.give_back();
-            return;
+            return true;
         }
         let mut ran = None;
         // The envelope stays where it is decoded (about 200 bytes: each move was a call of memcpy).
@@ -130,11 +140,10 @@ impl Worker {
                 let envelope = slot.envelope();
                 match self.attempt(&job, envelope, now, message, &mut ran, types) {
                     Attempt::Over(verdict) => (verdict, Some(envelope)),
-                    Attempt::Started => return,
+                    Attempt::Started => return false,
                 }
             }
         };
-        self.lane.slots.give_back();
         resolve(
             &self.lane,
             job.id,
@@ -145,6 +154,7 @@ impl Worker {
             types,
             |kind| self.plugins.current().for_type(kind).is_some(),
         );
+        true
     }
 
     /// Checks whether the task may run, and runs it (`Over`, with how it went; `ran` gets how long its handler
