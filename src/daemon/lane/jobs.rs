@@ -1,10 +1,21 @@
 //! The jobs the fetcher hands to the lane's workers: one queue under a lock, which the fetcher fills a claim at a
-//! time and each worker takes from a job at a time.
+//! time, and beside it each worker's jobs taken ahead.
 //!
 //! Why not a channel: a channel moved each job in and out on its own, about 150 instructions a task with the
 //! wake-up checks, and its receivers spin and yield before they sleep. Here the fetcher takes the lock once per
-//! claim and a worker once per job, and a worker with nothing to do sleeps on a condition variable at once
-//! (docs/PERFORMANCE.md, "The daemon's hot path, cut down").
+//! claim, and a worker with nothing to do sleeps on a condition variable at once (docs/PERFORMANCE.md, "The
+//! daemon's hot path, cut down").
+//!
+//! Why jobs taken ahead: a lock every worker takes for every job moves its line between the cores at every task,
+//! and four workers on two cores paid more for that than for the rest of a no-op task (docs/PERFORMANCE.md,
+//! "Workers that share less"). So when the queue holds at least two jobs per worker, a worker takes its share of
+//! them (at most [`AHEAD`] more than the one it runs) into a list of its own, which it then takes from under a
+//! lock nobody else takes while it has work. A job taken ahead never waits behind a slow task while another
+//! worker idles: a worker looks into the others' lists (oldest job first) before it sleeps, and it does so under
+//! the queue's lock, under which alone jobs are taken ahead; and jobs are taken ahead only from a queue that
+//! holds two per worker, whose arrival woke every sleeping worker. A job taken ahead may run after jobs that came
+//! later (at most `AHEAD` of them per worker): the lane's order is first come, first served only roughly, as with
+//! any pool of workers.
 //!
 //! Bounded without a capacity of its own: a job exists only for a held task, and the lane holds no more than its
 //! capacity allows. The ends behave as a channel's: when the fetcher's [`Sender`] is dropped (it stopped, or its
@@ -16,10 +27,16 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use super::resolve::Job;
 
+/// The most jobs a worker takes ahead of the one it runs.
+pub const AHEAD: usize = 31;
+
 #[derive(Debug)]
 struct Jobs {
     queue: Mutex<Queue>,
     arrived: Condvar,
+    /// Each worker's jobs taken ahead, by its index. Taken ahead under `queue`'s lock (always taken first when
+    /// both are); taken from by their worker, or by another with nothing else to do.
+    ahead: Box<[Mutex<VecDeque<Job>>]>,
 }
 
 #[derive(Debug)]
@@ -43,17 +60,37 @@ pub fn queue(workers: usize) -> (Sender, Vec<Receiver>) {
             receivers: workers,
         }),
         arrived: Condvar::new(),
+        ahead: (0..workers).map(|_| Mutex::default()).collect(),
     });
-    let receivers = (0..workers).map(|_| Receiver(Arc::clone(&jobs))).collect();
+    let receivers = (0..workers)
+        .map(|index| Receiver {
+            jobs: Arc::clone(&jobs),
+            index,
+        })
+        .collect();
     (Sender(jobs), receivers)
+}
+
+/// A lock whose holder cannot leave its data half-changed: a `VecDeque`'s push, pop and drain do not panic midway.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Jobs {
     fn lock(&self) -> MutexGuard<'_, Queue> {
-        // A VecDeque's push and pop do not panic midway: a poisoned lock's queue is consistent.
-        self.queue
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.queue)
+    }
+
+    /// How many jobs wait for a worker, taken ahead or not.
+    fn len(&self) -> usize {
+        self.lock().jobs.len()
+            + self
+                .ahead
+                .iter()
+                .map(|ahead| lock(ahead).len())
+                .sum::<usize>()
     }
 }
 
@@ -79,7 +116,7 @@ impl Sender {
 
     /// How many jobs wait for a worker.
     pub fn len(&self) -> usize {
-        self.0.lock().jobs.len()
+        self.0.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -104,15 +141,23 @@ pub enum Taken {
     Closed,
 }
 
-/// A worker's end; dropping it (the worker ended, or its thread died) counts it gone.
+/// A worker's end; dropping it (the worker ended, or its thread died) counts it gone, and puts the jobs it took
+/// ahead back in the queue.
 #[derive(Debug)]
-pub struct Receiver(Arc<Jobs>);
+pub struct Receiver {
+    jobs: Arc<Jobs>,
+    /// This worker's list in `Jobs::ahead`.
+    index: usize,
+}
 
 impl Receiver {
     /// The next job, without waiting.
     pub fn try_take(&self) -> Taken {
-        let mut queue = self.0.lock();
-        match queue.jobs.pop_front() {
+        if let Some(job) = self.own_next() {
+            return Taken::Job(job);
+        }
+        let mut queue = self.jobs.lock();
+        match self.next(&mut queue) {
             Some(job) => Taken::Job(job),
             None if queue.closed => Taken::Closed,
             None => Taken::Empty,
@@ -121,9 +166,12 @@ impl Receiver {
 
     /// The next job, waiting for one; `None` once the fetcher is gone and every job was taken.
     pub fn take(&self) -> Option<Job> {
-        let mut queue = self.0.lock();
+        if let Some(job) = self.own_next() {
+            return Some(job);
+        }
+        let mut queue = self.jobs.lock();
         loop {
-            if let Some(job) = queue.jobs.pop_front() {
+            if let Some(job) = self.next(&mut queue) {
                 return Some(job);
             }
             if queue.closed {
@@ -131,18 +179,48 @@ impl Receiver {
             }
             queue.waiting += 1;
             queue = self
-                .0
+                .jobs
                 .arrived
                 .wait(queue)
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
             queue.waiting -= 1;
         }
     }
+
+    /// The oldest job this worker took ahead.
+    fn own_next(&self) -> Option<Job> {
+        lock(&self.jobs.ahead[self.index]).pop_front()
+    }
+
+    /// With the queue's lock held and nothing taken ahead: the queue's next job (and this worker's share of the
+    /// rest, taken ahead), or else the oldest job another worker took ahead.
+    fn next(&self, queue: &mut Queue) -> Option<Job> {
+        if let Some(job) = queue.jobs.pop_front() {
+            let share = (queue.jobs.len() + 1) / queue.receivers.max(1);
+            let ahead = share.saturating_sub(1).min(AHEAD);
+            if ahead > 0 {
+                lock(&self.jobs.ahead[self.index]).extend(queue.jobs.drain(..ahead));
+            }
+            return Some(job);
+        }
+        let others = self.jobs.ahead.len();
+        (1..others)
+            .find_map(|step| lock(&self.jobs.ahead[(self.index + step) % others]).pop_front())
+    }
 }
 
 impl Drop for Receiver {
     fn drop(&mut self) {
-        self.0.lock().receivers -= 1;
+        let mut queue = self.jobs.lock();
+        queue.receivers -= 1;
+        let left: Vec<Job> = lock(&self.jobs.ahead[self.index]).drain(..).collect();
+        if !left.is_empty() {
+            for job in left.into_iter().rev() {
+                queue.jobs.push_front(job);
+            }
+            drop(queue);
+            self.jobs.arrived.notify_all();
+        }
     }
 }
 
@@ -192,6 +270,59 @@ mod tests {
         let mut got: Vec<_> = waiting.into_iter().map(|t| t.join().unwrap()).collect();
         got.sort();
         assert_eq!(got, [None, Some(7)]);
+    }
+
+    fn ids(receiver: &Receiver, n: usize) -> Vec<u64> {
+        (0..n)
+            .map(|_| match receiver.try_take() {
+                Taken::Job(job) => job.id,
+                other => panic!("expected a job, got {other:?}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_worker_takes_its_share_ahead_and_an_idle_worker_takes_the_oldest_of_them() {
+        let (sender, mut receivers) = queue(2);
+        let (a, b) = (receivers.remove(0), receivers.remove(0));
+        sender.send((1..=8).map(job).collect()).unwrap();
+        // 8 jobs, 2 workers: a runs 1 and takes 2, 3 and 4 ahead; b runs 5 and takes 6 ahead (of 4 left).
+        assert_eq!(ids(&a, 1), [1]);
+        assert_eq!(sender.len(), 7, "jobs taken ahead still wait for a worker");
+        assert_eq!(ids(&b, 4), [5, 6, 7, 8]);
+        // Nothing left in the queue: b takes what a took ahead, oldest first, as a (busy) would have.
+        assert_eq!(ids(&b, 1), [2]);
+        assert_eq!(b.take().map(|job| job.id), Some(3));
+        assert_eq!(ids(&a, 1), [4]);
+        assert!(matches!(a.try_take(), Taken::Empty));
+        assert!(matches!(b.try_take(), Taken::Empty));
+        assert!(sender.is_empty());
+    }
+
+    #[test]
+    fn a_worker_takes_at_most_ahead_jobs_ahead_and_none_from_a_short_queue() {
+        let (sender, mut receivers) = queue(2);
+        let (a, b) = (receivers.remove(0), receivers.remove(0));
+        sender.send((0..200).map(job).collect()).unwrap();
+        a.try_take();
+        assert_eq!(lock(&a.jobs.ahead[a.index]).len(), AHEAD);
+        assert_eq!(sender.len(), 199);
+        drop(ids(&b, 199));
+        // Three jobs for two workers: less than two each, so none is taken ahead.
+        sender.send((0..3).map(job).collect()).unwrap();
+        a.try_take();
+        assert!(lock(&a.jobs.ahead[a.index]).is_empty());
+    }
+
+    #[test]
+    fn a_worker_gone_gives_back_the_jobs_it_took_ahead_in_their_order() {
+        let (sender, mut receivers) = queue(2);
+        let (a, b) = (receivers.remove(0), receivers.remove(0));
+        sender.send((1..=8).map(job).collect()).unwrap();
+        assert_eq!(ids(&a, 1), [1]);
+        drop(a);
+        assert_eq!(sender.len(), 7);
+        assert_eq!(ids(&b, 7), [2, 3, 4, 5, 6, 7, 8]);
     }
 
     #[test]

@@ -123,7 +123,7 @@ impl Lane {
             ownership: Ownership::new(instance),
             orphans: Mutex::new(Vec::new()),
             fetcher_done: AtomicBool::new(false),
-            outcomes: outcomes::Outcomes::default(),
+            outcomes: outcomes::Outcomes::new(config.workers),
             epoch,
             fetcher_pulse: Pulse::default(),
             acker_pulse: Pulse::default(),

@@ -1,47 +1,84 @@
-//! The lane's outcomes on their way to its acker: a list every resolver appends to and the acker takes whole.
+//! The lane's outcomes on their way to its acker: lists the resolvers append to and the acker takes whole.
 //!
 //! Why not a channel: a channel moves each outcome in and out on its own (its send and receive were about 450
 //! instructions a task together, the outcome copied at each end), while the acker wants them all at once, in
 //! batches of up to a thousand. Here a resolver appends under a lock held for the copy alone, and the acker swaps
-//! the whole list for its own empty one: one lock per batch on its side, no copy (docs/PERFORMANCE.md, "One
+//! each list for its own empty one: one lock per list per batch on its side, no copy (docs/PERFORMANCE.md, "One
 //! allocation per claim, one lock per settle").
 //!
-//! Bounded without a capacity of its own: every held task is resolved once, so the list never holds more
+//! Why a list per worker: a lock every worker takes for every task moves its line between the cores at every
+//! task (docs/PERFORMANCE.md, "Workers that share less"). Each worker appends to a list of its own, whose lock
+//! only the acker's take contends for; the other resolvers (a started task's completion, an execution timeout, a
+//! hand-back) append to the shared list. The acker takes the shared list first, then the workers' in their order:
+//! the outcomes of one worker stay in the order it resolved them.
+//!
+//! Bounded without a capacity of its own: every held task is resolved once, so the lists never hold more
 //! outcomes than the lane may hold tasks. The acker is woken only when it waits for the first outcome (a
 //! resolver that appends while the acker lingers or settles wakes nobody).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 use super::resolve::Outcome;
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Outcomes {
     queued: Mutex<Queued>,
     arrived: Condvar,
+    /// Each worker's own list, by its index.
+    workers: Box<[Mutex<Vec<Outcome>>]>,
+    /// The acker waits on `arrived` for the first outcome: set and cleared under `queued`'s lock, read by the
+    /// workers without it (after their append: see [`Outcomes::push_own`]).
+    waiting: AtomicBool,
 }
 
 #[derive(Debug, Default)]
 struct Queued {
     outcomes: Vec<Outcome>,
-    /// The acker waits on `arrived` for the first outcome.
-    waiting: bool,
+}
+
+/// Appending to and swapping a `Vec` do not panic midway: a poisoned lock's list is consistent.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Outcomes {
-    fn lock(&self) -> MutexGuard<'_, Queued> {
-        // Pushing and swapping a Vec do not panic midway: a poisoned lock's list is consistent.
-        self.queued
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    /// The outcomes of a lane with `workers` worker threads.
+    pub fn new(workers: usize) -> Outcomes {
+        Outcomes {
+            queued: Mutex::default(),
+            arrived: Condvar::new(),
+            workers: (0..workers).map(|_| Mutex::default()).collect(),
+            waiting: AtomicBool::new(false),
+        }
     }
 
-    /// Queues a resolved task's outcome for the acker.
+    /// Queues a resolved task's outcome for the acker, from any thread.
     pub fn push(&self, outcome: Outcome) {
-        let mut queued = self.lock();
+        let mut queued = lock(&self.queued);
         queued.outcomes.push(outcome);
-        let wake = queued.waiting;
-        queued.waiting = false;
+        self.wake(queued);
+    }
+
+    /// Queues an outcome that worker `worker` resolved, in its own list.
+    pub fn push_own(&self, worker: usize, outcome: Outcome) {
+        let Some(own) = self.workers.get(worker) else {
+            return self.push(outcome);
+        };
+        lock(own).push(outcome);
+        // The acker sets `waiting` before it looks at this list, under this list's lock: if it looked before the
+        // append, this load comes after that store (the lock orders them); if after, it took the outcome.
+        if self.waiting.load(Ordering::Relaxed) {
+            self.wake(lock(&self.queued));
+        }
+    }
+
+    /// Wakes the acker if it waits (with `queued`'s lock held, so that it cannot be between its look and its wait).
+    fn wake(&self, queued: MutexGuard<'_, Queued>) {
+        let wake = self.waiting.swap(false, Ordering::Relaxed);
         drop(queued);
         if wake {
             self.arrived.notify_one();
@@ -50,25 +87,50 @@ impl Outcomes {
 
     /// How many outcomes wait for the acker.
     pub fn queued(&self) -> usize {
-        self.lock().outcomes.len()
+        lock(&self.queued).outcomes.len()
+            + self
+                .workers
+                .iter()
+                .map(|own| lock(own).len())
+                .sum::<usize>()
     }
 
     /// The acker's take: every queued outcome, swapped into `batch` (which must be empty; its allocation is
-    /// reused), waiting up to `timeout` for the first one. Returns whether it took any.
+    /// reused) or appended to it, waiting up to `timeout` for the first one. Returns whether it took any.
     pub fn take(&self, batch: &mut Vec<Outcome>, timeout: Duration) -> bool {
         debug_assert!(batch.is_empty());
-        let mut queued = self.lock();
-        if queued.outcomes.is_empty() {
-            queued.waiting = true;
-            queued = self
-                .arrived
-                .wait_timeout(queued, timeout)
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .0;
-            queued.waiting = false;
+        let mut queued = lock(&self.queued);
+        self.take_all(&mut queued, batch);
+        if batch.is_empty() {
+            // Before the look at the workers' lists: a worker that appends after the look sees it (`push_own`).
+            self.waiting.store(true, Ordering::Relaxed);
+            self.take_all(&mut queued, batch);
+            if batch.is_empty() {
+                queued = self
+                    .arrived
+                    .wait_timeout(queued, timeout)
+                    .unwrap_or_else(|poisoned| poisoned.into_inner())
+                    .0;
+                self.take_all(&mut queued, batch);
+            }
+            self.waiting.store(false, Ordering::Relaxed);
         }
-        std::mem::swap(&mut queued.outcomes, batch);
         !batch.is_empty()
+    }
+
+    /// Moves every list's outcomes into `batch`: the shared list's first.
+    fn take_all(&self, queued: &mut Queued, batch: &mut Vec<Outcome>) {
+        if batch.is_empty() {
+            std::mem::swap(&mut queued.outcomes, batch);
+        } else {
+            batch.append(&mut queued.outcomes);
+        }
+        for own in &self.workers {
+            let mut own = lock(own);
+            if !own.is_empty() {
+                batch.append(&mut own);
+            }
+        }
     }
 }
 
@@ -76,10 +138,24 @@ impl Outcomes {
 mod tests {
     use super::*;
     use std::sync::Arc;
+    use std::time::Instant;
+
+    fn jobs(batch: &[Outcome]) -> Vec<u64> {
+        batch.iter().map(|outcome| outcome.job).collect()
+    }
+
+    /// Waits, with a deadline, until the acker waits for its first outcome.
+    fn until_the_acker_waits(outcomes: &Outcomes) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !outcomes.waiting.load(Ordering::Relaxed) {
+            assert!(Instant::now() < deadline, "the acker never waited");
+            std::thread::yield_now();
+        }
+    }
 
     #[test]
     fn the_acker_takes_every_queued_outcome_in_order_and_waits_for_the_first() {
-        let outcomes = Arc::new(Outcomes::default());
+        let outcomes = Arc::new(Outcomes::new(1));
         let mut batch = Vec::new();
         assert!(!outcomes.take(&mut batch, Duration::from_millis(1)));
         for job in 0..3 {
@@ -87,7 +163,7 @@ mod tests {
         }
         assert_eq!(outcomes.queued(), 3);
         assert!(outcomes.take(&mut batch, Duration::from_millis(1)));
-        assert_eq!(batch.iter().map(|o| o.job).collect::<Vec<_>>(), [0, 1, 2]);
+        assert_eq!(jobs(&batch), [0, 1, 2]);
         assert_eq!(outcomes.queued(), 0);
 
         // A waiting acker is woken by the first push, long before its timeout.
@@ -95,14 +171,52 @@ mod tests {
         let pusher = {
             let outcomes = Arc::clone(&outcomes);
             std::thread::spawn(move || {
-                while !outcomes.lock().waiting {
-                    std::thread::yield_now();
-                }
+                until_the_acker_waits(&outcomes);
                 outcomes.push(Outcome::forget(7));
             })
         };
         assert!(outcomes.take(&mut batch, Duration::from_secs(600)));
-        assert_eq!(batch.iter().map(|o| o.job).collect::<Vec<_>>(), [7]);
+        assert_eq!(jobs(&batch), [7]);
+        pusher.join().unwrap();
+    }
+
+    #[test]
+    fn the_acker_takes_the_workers_own_outcomes_each_in_its_order_after_the_shared_ones() {
+        let outcomes = Outcomes::new(2);
+        outcomes.push_own(1, Outcome::forget(10));
+        outcomes.push_own(0, Outcome::forget(20));
+        outcomes.push(Outcome::forget(30));
+        outcomes.push_own(1, Outcome::forget(11));
+        outcomes.push_own(0, Outcome::forget(21));
+        // A worker the lane does not have (none should) still reaches the acker.
+        outcomes.push_own(2, Outcome::forget(40));
+        assert_eq!(outcomes.queued(), 6);
+        let mut batch = Vec::new();
+        assert!(outcomes.take(&mut batch, Duration::from_millis(1)));
+        assert_eq!(jobs(&batch), [30, 40, 20, 21, 10, 11]);
+        assert_eq!(outcomes.queued(), 0);
+    }
+
+    #[test]
+    fn a_waiting_acker_is_woken_by_a_workers_own_outcome() {
+        let outcomes = Arc::new(Outcomes::new(2));
+        let pusher = {
+            let outcomes = Arc::clone(&outcomes);
+            std::thread::spawn(move || {
+                until_the_acker_waits(&outcomes);
+                outcomes.push_own(1, Outcome::forget(7));
+            })
+        };
+        let mut batch = Vec::new();
+        // Unwoken, the take would still return the outcome, at its timeout: a minute, where a wake-up takes
+        // microseconds (half of it allows for any slow machine).
+        let started = Instant::now();
+        assert!(outcomes.take(&mut batch, Duration::from_secs(60)));
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the worker's outcome did not wake the acker"
+        );
+        assert_eq!(jobs(&batch), [7]);
         pusher.join().unwrap();
     }
 }

@@ -99,6 +99,7 @@ impl Started {
             types.ended(lane.since_epoch(Instant::now()));
             resolve(
                 &lane,
+                None,
                 job,
                 &state,
                 verdict,

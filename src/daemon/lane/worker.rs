@@ -30,6 +30,8 @@ pub struct Worker {
     /// Fires when the daemon stops claiming: jobs still in the queue are handed back, not started.
     pub claiming: Listener,
     pub jobs: jobs::Receiver,
+    /// This worker's own list of outcomes (`outcomes::Outcomes::push_own`): 0 to `workers - 1`.
+    pub index: usize,
 }
 
 impl Worker {
@@ -146,6 +148,7 @@ impl Worker {
         };
         resolve(
             &self.lane,
+            Some(self.index),
             job.id,
             state,
             verdict,
@@ -280,10 +283,12 @@ pub(super) fn verdict_of(status: Status, plugin: &str, started: Instant) -> (Ver
 }
 
 /// The run of a task is over, with `verdict`: sends its outcome to the acker, unless someone took the task while
-/// it ran (the outcome is then dropped). Counted in `types`; `is_handled` as [`TypeCache::get`]'s.
+/// it ran (the outcome is then dropped). `worker`: the index of the worker that ran it, whose own list the
+/// outcome goes to (`None` for another thread). Counted in `types`; `is_handled` as [`TypeCache::get`]'s.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn resolve(
     lane: &Lane,
+    worker: Option<usize>,
     job: JobId,
     state: &Task,
     verdict: Verdict,
@@ -320,7 +325,10 @@ pub(super) fn resolve(
             .get(kind, is_handled)
             .count(TaskOutcome::of(settlement));
     }
-    lane.send(outcome);
+    match worker {
+        Some(index) => lane.outcomes.push_own(index, outcome),
+        None => lane.send(outcome),
+    }
 }
 
 fn non_empty(message: String, fallback: &str) -> String {
