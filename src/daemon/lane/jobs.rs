@@ -8,20 +8,21 @@
 //!
 //! Why jobs taken ahead: a lock every worker takes for every job moves its line between the cores at every task,
 //! and four workers on two cores paid more for that than for the rest of a no-op task (docs/PERFORMANCE.md,
-//! "Workers that share less"). So when the queue holds at least two jobs per worker, a worker takes its share of
-//! them (at most [`AHEAD`] more than the one it runs) into a list of its own, which it then takes from under a
-//! lock nobody else takes while it has work. A job taken ahead never waits behind a slow task while another
-//! worker idles: a worker looks into the others' lists (oldest job first) before it sleeps, and it does so under
-//! the queue's lock, under which alone jobs are taken ahead; and jobs are taken ahead only from a queue that
-//! holds two per worker, whose arrival woke every sleeping worker. A job taken ahead may run after jobs that came
-//! later (at most `AHEAD` of them per worker): the lane's order is first come, first served only roughly, as with
-//! any pool of workers.
+//! "Workers that share less"). So when the queue holds at least two jobs per worker, a worker whose tasks are
+//! short (it says so: [`Receiver::take_ahead`]) takes its share of them (at most [`AHEAD`] more than the one it
+//! runs) into a list of its own, which it then takes from under a lock nobody else takes while it has work. A job
+//! taken ahead never waits behind a slow task while another worker idles: a worker looks into the lists of those
+//! that took jobs ahead before it sleeps, and it does so under the queue's lock, under which alone jobs are taken
+//! ahead; and jobs are taken ahead only from a queue that holds two per worker, whose arrival woke every sleeping
+//! worker. A job taken ahead may run after jobs that came later (at most `AHEAD` of them per worker): the lane's
+//! order is first come, first served only roughly, as with any pool of workers.
 //!
 //! Bounded without a capacity of its own: a job exists only for a held task, and the lane holds no more than its
 //! capacity allows. The ends behave as a channel's: when the fetcher's [`Sender`] is dropped (it stopped, or its
 //! thread died) the workers take what is left and then end; when every worker's [`Receiver`] is dropped, the
 //! fetcher's jobs are refused and it hands them back.
 
+use std::cell::Cell;
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
@@ -48,6 +49,10 @@ struct Queue {
     closed: bool,
     /// Workers not gone yet.
     receivers: usize,
+    /// The workers that took jobs ahead and may still hold some (each listed once, flagged in `listed`): a worker
+    /// about to sleep looks into these lists alone, so that a lane of 512 workers does not cost it 511 locks.
+    holders: Vec<usize>,
+    listed: Vec<bool>,
 }
 
 /// A lane's job queue: the fetcher's end and `workers` workers' ends.
@@ -58,6 +63,8 @@ pub fn queue(workers: usize) -> (Sender, Vec<Receiver>) {
             waiting: 0,
             closed: false,
             receivers: workers,
+            holders: Vec::new(),
+            listed: vec![false; workers],
         }),
         arrived: Condvar::new(),
         ahead: (0..workers).map(|_| Mutex::default()).collect(),
@@ -66,6 +73,7 @@ pub fn queue(workers: usize) -> (Sender, Vec<Receiver>) {
         .map(|index| Receiver {
             jobs: Arc::clone(&jobs),
             index,
+            takes_ahead: Cell::new(true),
         })
         .collect();
     (Sender(jobs), receivers)
@@ -85,11 +93,12 @@ impl Jobs {
 
     /// How many jobs wait for a worker, taken ahead or not.
     fn len(&self) -> usize {
-        self.lock().jobs.len()
-            + self
-                .ahead
+        let queue = self.lock();
+        queue.jobs.len()
+            + queue
+                .holders
                 .iter()
-                .map(|ahead| lock(ahead).len())
+                .map(|&holder| lock(&self.ahead[holder]).len())
                 .sum::<usize>()
     }
 }
@@ -148,9 +157,23 @@ pub struct Receiver {
     jobs: Arc<Jobs>,
     /// This worker's list in `Jobs::ahead`.
     index: usize,
+    /// Whether it takes jobs ahead (see [`Receiver::take_ahead`]).
+    takes_ahead: Cell<bool>,
 }
 
 impl Receiver {
+    /// Whether this worker takes jobs ahead from now on: the worker says so while its tasks are short (where a
+    /// lock per job is a share of a task worth saving); with long ones it takes a job at a time, and nothing it
+    /// holds waits for one to end. Yes, to begin with.
+    pub fn take_ahead(&self, yes: bool) {
+        self.takes_ahead.set(yes);
+    }
+
+    /// Whether this worker takes jobs ahead: whether its tasks are short.
+    pub fn takes_ahead(&self) -> bool {
+        self.takes_ahead.get()
+    }
+
     /// The next job, without waiting.
     pub fn try_take(&self) -> Taken {
         if let Some(job) = self.own_next() {
@@ -197,15 +220,36 @@ impl Receiver {
     fn next(&self, queue: &mut Queue) -> Option<Job> {
         if let Some(job) = queue.jobs.pop_front() {
             let share = (queue.jobs.len() + 1) / queue.receivers.max(1);
-            let ahead = share.saturating_sub(1).min(AHEAD);
+            let ahead = if self.takes_ahead.get() {
+                share.saturating_sub(1).min(AHEAD)
+            } else {
+                0
+            };
             if ahead > 0 {
                 lock(&self.jobs.ahead[self.index]).extend(queue.jobs.drain(..ahead));
+                if !std::mem::replace(&mut queue.listed[self.index], true) {
+                    queue.holders.push(self.index);
+                }
             }
             return Some(job);
         }
-        let others = self.jobs.ahead.len();
-        (1..others)
-            .find_map(|step| lock(&self.jobs.ahead[(self.index + step) % others]).pop_front())
+        // The oldest job of the first holder that has one; holders found empty (this worker among them: it looks
+        // here only with its own list empty) are no longer listed.
+        let mut found = None;
+        let Queue {
+            holders, listed, ..
+        } = queue;
+        holders.retain(|&holder| {
+            if found.is_some() {
+                return true;
+            }
+            let mut ahead = lock(&self.jobs.ahead[holder]);
+            found = ahead.pop_front();
+            let keep = !ahead.is_empty();
+            listed[holder] = keep;
+            keep
+        });
+        found
     }
 }
 
@@ -213,7 +257,10 @@ impl Drop for Receiver {
     fn drop(&mut self) {
         let mut queue = self.jobs.lock();
         queue.receivers -= 1;
-        let left: Vec<Job> = lock(&self.jobs.ahead[self.index]).drain(..).collect();
+        let index = self.index;
+        queue.holders.retain(|&holder| holder != index);
+        queue.listed[index] = false;
+        let left: Vec<Job> = lock(&self.jobs.ahead[index]).drain(..).collect();
         if !left.is_empty() {
             for job in left.into_iter().rev() {
                 queue.jobs.push_front(job);
@@ -312,6 +359,23 @@ mod tests {
         sender.send((0..3).map(job).collect()).unwrap();
         a.try_take();
         assert!(lock(&a.jobs.ahead[a.index]).is_empty());
+    }
+
+    #[test]
+    fn a_worker_of_long_tasks_takes_one_job_at_a_time() {
+        let (sender, mut receivers) = queue(2);
+        let a = receivers.remove(0);
+        sender.send((1..=8).map(job).collect()).unwrap();
+        a.take_ahead(false);
+        assert_eq!(ids(&a, 1), [1]);
+        assert!(lock(&a.jobs.ahead[a.index]).is_empty());
+        a.take_ahead(true);
+        assert_eq!(ids(&a, 1), [2]);
+        assert_eq!(
+            lock(&a.jobs.ahead[a.index]).len(),
+            2,
+            "3 and 4, of the 6 left for 2 workers"
+        );
     }
 
     #[test]

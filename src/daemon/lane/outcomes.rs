@@ -7,16 +7,16 @@
 //! allocation per claim, one lock per settle").
 //!
 //! Why a list per worker: a lock every worker takes for every task moves its line between the cores at every
-//! task (docs/PERFORMANCE.md, "Workers that share less"). Each worker appends to a list of its own, whose lock
-//! only the acker's take contends for; the other resolvers (a started task's completion, an execution timeout, a
-//! hand-back) append to the shared list. The acker takes the shared list first, then the workers' in their order:
+//! task (docs/PERFORMANCE.md, "Workers that share less"). A worker of short tasks (the worker decides: see
+//! `jobs`) appends to a list of its own, whose lock only the acker's take contends for, and takes the shared lock
+//! only for its first append after a take, to list itself; the other resolvers (a worker of longer tasks, a
+//! started task's completion, an execution timeout, a hand-back) append to the shared list. The acker takes the shared list first, then the listed workers' in the order they were listed:
 //! the outcomes of one worker stay in the order it resolved them.
 //!
 //! Bounded without a capacity of its own: every held task is resolved once, so the lists never hold more
 //! outcomes than the lane may hold tasks. The acker is woken only when it waits for the first outcome (a
 //! resolver that appends while the acker lingers or settles wakes nobody).
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -27,15 +27,24 @@ pub struct Outcomes {
     queued: Mutex<Queued>,
     arrived: Condvar,
     /// Each worker's own list, by its index.
-    workers: Box<[Mutex<Vec<Outcome>>]>,
-    /// The acker waits on `arrived` for the first outcome: set and cleared under `queued`'s lock, read by the
-    /// workers without it (after their append: see [`Outcomes::push_own`]).
-    waiting: AtomicBool,
+    workers: Box<[Mutex<Own>]>,
 }
 
 #[derive(Debug, Default)]
 struct Queued {
     outcomes: Vec<Outcome>,
+    /// The workers whose own lists hold outcomes (each listed once): the acker looks at these alone, so that a
+    /// lane of 512 workers does not cost it 512 locks a take.
+    listed: Vec<usize>,
+    /// The acker waits on `arrived` for the first outcome.
+    waiting: bool,
+}
+
+#[derive(Debug, Default)]
+struct Own {
+    outcomes: Vec<Outcome>,
+    /// In `Queued::listed`: set by the worker's first append after a take, cleared by the acker's take.
+    listed: bool,
 }
 
 /// Appending to and swapping a `Vec` do not panic midway: a poisoned lock's list is consistent.
@@ -52,7 +61,6 @@ impl Outcomes {
             queued: Mutex::default(),
             arrived: Condvar::new(),
             workers: (0..workers).map(|_| Mutex::default()).collect(),
-            waiting: AtomicBool::new(false),
         }
     }
 
@@ -63,22 +71,27 @@ impl Outcomes {
         self.wake(queued);
     }
 
-    /// Queues an outcome that worker `worker` resolved, in its own list.
+    /// Queues an outcome that worker `worker` resolved, in its own list. Only the first append after the acker's
+    /// take takes the shared lock (to list the worker, and wake the acker if it waits): while the list is listed,
+    /// the acker's next take, which cannot be a wait, takes it.
     pub fn push_own(&self, worker: usize, outcome: Outcome) {
         let Some(own) = self.workers.get(worker) else {
             return self.push(outcome);
         };
-        lock(own).push(outcome);
-        // The acker sets `waiting` before it looks at this list, under this list's lock: if it looked before the
-        // append, this load comes after that store (the lock orders them); if after, it took the outcome.
-        if self.waiting.load(Ordering::Relaxed) {
-            self.wake(lock(&self.queued));
+        let mut own = lock(own);
+        own.outcomes.push(outcome);
+        let first = !std::mem::replace(&mut own.listed, true);
+        drop(own);
+        if first {
+            let mut queued = lock(&self.queued);
+            queued.listed.push(worker);
+            self.wake(queued);
         }
     }
 
     /// Wakes the acker if it waits (with `queued`'s lock held, so that it cannot be between its look and its wait).
-    fn wake(&self, queued: MutexGuard<'_, Queued>) {
-        let wake = self.waiting.swap(false, Ordering::Relaxed);
+    fn wake(&self, mut queued: MutexGuard<'_, Queued>) {
+        let wake = std::mem::take(&mut queued.waiting);
         drop(queued);
         if wake {
             self.arrived.notify_one();
@@ -87,50 +100,36 @@ impl Outcomes {
 
     /// How many outcomes wait for the acker.
     pub fn queued(&self) -> usize {
-        lock(&self.queued).outcomes.len()
-            + self
-                .workers
+        let queued = lock(&self.queued);
+        queued.outcomes.len()
+            + queued
+                .listed
                 .iter()
-                .map(|own| lock(own).len())
+                .map(|&worker| lock(&self.workers[worker]).outcomes.len())
                 .sum::<usize>()
     }
 
-    /// The acker's take: every queued outcome, swapped into `batch` (which must be empty; its allocation is
-    /// reused) or appended to it, waiting up to `timeout` for the first one. Returns whether it took any.
+    /// The acker's take: every queued outcome, moved into `batch` (which must be empty; its allocation is
+    /// reused), waiting up to `timeout` for the first one. Returns whether it took any.
     pub fn take(&self, batch: &mut Vec<Outcome>, timeout: Duration) -> bool {
         debug_assert!(batch.is_empty());
         let mut queued = lock(&self.queued);
-        self.take_all(&mut queued, batch);
-        if batch.is_empty() {
-            // Before the look at the workers' lists: a worker that appends after the look sees it (`push_own`).
-            self.waiting.store(true, Ordering::Relaxed);
-            self.take_all(&mut queued, batch);
-            if batch.is_empty() {
-                queued = self
-                    .arrived
-                    .wait_timeout(queued, timeout)
-                    .unwrap_or_else(|poisoned| poisoned.into_inner())
-                    .0;
-                self.take_all(&mut queued, batch);
-            }
-            self.waiting.store(false, Ordering::Relaxed);
+        if queued.outcomes.is_empty() && queued.listed.is_empty() {
+            queued.waiting = true;
+            queued = self
+                .arrived
+                .wait_timeout(queued, timeout)
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .0;
+            queued.waiting = false;
+        }
+        std::mem::swap(&mut queued.outcomes, batch);
+        for worker in std::mem::take(&mut queued.listed) {
+            let mut own = lock(&self.workers[worker]);
+            batch.append(&mut own.outcomes);
+            own.listed = false;
         }
         !batch.is_empty()
-    }
-
-    /// Moves every list's outcomes into `batch`: the shared list's first.
-    fn take_all(&self, queued: &mut Queued, batch: &mut Vec<Outcome>) {
-        if batch.is_empty() {
-            std::mem::swap(&mut queued.outcomes, batch);
-        } else {
-            batch.append(&mut queued.outcomes);
-        }
-        for own in &self.workers {
-            let mut own = lock(own);
-            if !own.is_empty() {
-                batch.append(&mut own);
-            }
-        }
     }
 }
 
@@ -147,7 +146,7 @@ mod tests {
     /// Waits, with a deadline, until the acker waits for its first outcome.
     fn until_the_acker_waits(outcomes: &Outcomes) {
         let deadline = Instant::now() + Duration::from_secs(10);
-        while !outcomes.waiting.load(Ordering::Relaxed) {
+        while !lock(&outcomes.queued).waiting {
             assert!(Instant::now() < deadline, "the acker never waited");
             std::thread::yield_now();
         }
@@ -193,8 +192,13 @@ mod tests {
         assert_eq!(outcomes.queued(), 6);
         let mut batch = Vec::new();
         assert!(outcomes.take(&mut batch, Duration::from_millis(1)));
-        assert_eq!(jobs(&batch), [30, 40, 20, 21, 10, 11]);
+        assert_eq!(jobs(&batch), [30, 40, 10, 11, 20, 21]);
         assert_eq!(outcomes.queued(), 0);
+        // Taken, a worker's list is listed again by its next append.
+        outcomes.push_own(1, Outcome::forget(50));
+        batch.clear();
+        assert!(outcomes.take(&mut batch, Duration::from_millis(1)));
+        assert_eq!(jobs(&batch), [50]);
     }
 
     #[test]
