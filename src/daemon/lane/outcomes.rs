@@ -2,16 +2,17 @@
 //!
 //! Why not a channel: a channel moves each outcome in and out on its own (its send and receive were about 450
 //! instructions a task together, the outcome copied at each end), while the acker wants them all at once, in
-//! batches of up to a thousand. Here a resolver appends under a lock held for the copy alone, and the acker swaps
-//! each list for its own empty one: one lock per list per batch on its side, no copy (docs/PERFORMANCE.md, "One
-//! allocation per claim, one lock per settle").
+//! batches of up to a thousand. Here a resolver appends under a lock held for the copy alone, and the acker takes
+//! each list whole: one lock per list per batch on its side (docs/PERFORMANCE.md, "One allocation per claim, one
+//! lock per settle").
 //!
-//! Why a list per worker: a lock every worker takes for every task moves its line between the cores at every
-//! task (docs/PERFORMANCE.md, "Workers that share less"). A worker of short tasks (the worker decides: see
-//! `jobs`) appends to a list of its own, whose lock only the acker's take contends for, and takes the shared lock
-//! only for its first append after a take, to list itself; the other resolvers (a worker of longer tasks, a
-//! started task's completion, an execution timeout, a hand-back) append to the shared list. The acker takes the shared list first, then the listed workers' in the order they were listed:
-//! the outcomes of one worker stay in the order it resolved them.
+//! Why a list per worker: a lock every worker takes for every task moves its line between the cores at every task
+//! (docs/PERFORMANCE.md, "Workers that share less"). A worker of short tasks (the worker decides: see `jobs`)
+//! appends to a list of its own, whose lock only the acker's take contends for, and takes the shared lock only for
+//! its first append after a take, to list itself; the other resolvers (a worker of longer tasks, a started task's
+//! completion, an execution timeout, a hand-back) append to the shared list. The acker swaps the shared list for
+//! its batch, then appends the listed workers' lists in the order they were listed (a copy of each outcome, traded
+//! for the shared line): the outcomes of one worker stay in the order it resolved them.
 //!
 //! Bounded without a capacity of its own: every held task is resolved once, so the lists never hold more
 //! outcomes than the lane may hold tasks. The acker is woken only when it waits for the first outcome (a
