@@ -116,6 +116,16 @@ fn redis_gone_mid_run_is_one_line_when_it_goes_and_one_when_it_is_back() {
         let s = stats(&config, "jobs");
         (s.done == 10, s)
     });
+    // The outage ends with the next call of a thread that failed (the delay poller, the monitor, ...), which may
+    // still be waiting out its backoff when the tasks, claimed by a thread that never failed, are done.
+    eventually(
+        Duration::from_secs(15),
+        "the line that Redis is back",
+        || {
+            let log = daemon.log_text();
+            (log.contains("Redis reachable again"), log)
+        },
+    );
     let log = daemon.log_text();
     let during: Vec<&str> = log.lines().skip(before).collect();
     // The daemon's outage, not each thread's (fetch, settle, renew, recover, delay, listener: 6 lines a

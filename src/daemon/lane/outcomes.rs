@@ -11,8 +11,8 @@
 //! appends to a list of its own, whose lock only the acker's take contends for, and takes the shared lock only for
 //! its first append after a take, to list itself; the other resolvers (a worker of longer tasks, a started task's
 //! completion, an execution timeout, a hand-back) append to the shared list. The acker swaps the shared list for
-//! its batch, then appends the listed workers' lists in the order they were listed (a copy of each outcome, traded
-//! for the shared line): the outcomes of one worker stay in the order it resolved them.
+//! its batch, then appends the listed workers' lists in the order they were listed (a copy of each outcome but the
+//! first list's, traded for the shared line): the outcomes of one worker stay in the order it resolved them.
 //!
 //! Bounded without a capacity of its own: every held task is resolved once, so the lists never hold more
 //! outcomes than the lane may hold tasks. The acker is woken only when it waits for the first outcome (a
@@ -127,7 +127,12 @@ impl Outcomes {
         std::mem::swap(&mut queued.outcomes, batch);
         for worker in std::mem::take(&mut queued.listed) {
             let mut own = lock(&self.workers[worker]);
-            batch.append(&mut own.outcomes);
+            // The first list is swapped, not copied, when the shared one was empty (the usual case in a busy lane).
+            if batch.is_empty() {
+                std::mem::swap(&mut own.outcomes, batch);
+            } else {
+                batch.append(&mut own.outcomes);
+            }
             own.listed = false;
         }
         !batch.is_empty()
