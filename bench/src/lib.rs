@@ -630,8 +630,6 @@ fn push_rates(bench: &Bench) -> Result<Vec<Figure>, String> {
     ])
 }
 
-/// Tasks pushed and not yet finished (done or dead), from the queue's counters. Tried again on a dropped
-/// connection (the `kill` scenario drops the bench's own too).
 /// How often a drain looks how many tasks are left: as the peers' driver (`POLL_S` in
 /// ../shared/bench/peers/driver.py).
 const DRAIN_POLL: Duration = Duration::from_millis(10);
@@ -690,20 +688,6 @@ impl<'a> Progress<'a> {
         let (pushed, done, dead) = (pushed.unwrap_or(0), done.unwrap_or(0), dead.unwrap_or(0));
         Ok(pushed.saturating_sub(done + dead))
     }
-}
-
-fn remaining(client: &Client) -> Result<(u64, u64), String> {
-    let stats = client
-        .stats("q")
-        .or_else(|_| client.stats("q"))
-        .or_else(|_| client.stats("q"))
-        .map_err(|e| e.to_string())?;
-    Ok((
-        stats
-            .pushed
-            .saturating_sub(stats.done + stats.dead_lettered),
-        stats.pushed,
-    ))
 }
 
 fn drain(bench: &Bench, mode: &str, daemons: usize) -> Result<Figure, String> {
@@ -1083,11 +1067,12 @@ fn memory(bench: &Bench) -> Result<Vec<Figure>, String> {
     bench.flush()?;
     bench.fill(&client, bench.options.backlog)?;
     let daemon = bench.daemon(&config)?;
+    let mut progress = Progress::new(&config, &bench.server)?;
     let mut peak = 0;
     let deadline = Instant::now() + Duration::from_secs(600);
     loop {
         peak = peak.max(rss_kb(daemon.pid()));
-        let (left, _) = remaining(&client)?;
+        let left = progress.left()?;
         if left == 0 || Instant::now() > deadline {
             break;
         }
