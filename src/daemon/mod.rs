@@ -597,7 +597,6 @@ impl Supervisor {
                 plugins: Reader::new(Arc::clone(&parts.plugins)),
                 claiming: claiming.listener(),
                 jobs: jobs_rx.pop().expect("a receiver per worker"),
-                index,
             };
             self.threads.spawn(
                 format!("kmqd-worker-{name}-{index}"),

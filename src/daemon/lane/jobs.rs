@@ -174,6 +174,12 @@ impl Receiver {
         self.takes_ahead.get()
     }
 
+    /// This worker's index among the lane's, 0 to `workers - 1`: its lists are found by it (here, and its own
+    /// outcomes' in `outcomes`).
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
     /// The next job, without waiting.
     pub fn try_take(&self) -> Taken {
         if let Some(job) = self.own_next() {

@@ -35,8 +35,6 @@ pub struct Worker {
     /// Fires when the daemon stops claiming: jobs still in the queue are handed back, not started.
     pub claiming: Listener,
     pub jobs: jobs::Receiver,
-    /// This worker's own list of outcomes (`outcomes::Outcomes::push_own`): 0 to `workers - 1`.
-    pub index: usize,
 }
 
 impl Worker {
@@ -163,7 +161,7 @@ impl Worker {
         // worker.
         resolve(
             &self.lane,
-            self.jobs.takes_ahead().then_some(self.index),
+            self.jobs.takes_ahead().then(|| self.jobs.index()),
             job.id,
             state,
             verdict,
