@@ -149,6 +149,50 @@ fn handlers_that_ignore_cancel_do_not_wedge_the_queue() {
     second.stop();
 }
 
+/// A worker of short tasks takes jobs ahead (`lane::jobs`); when one of them is a handler that ignores its cancel
+/// flag, the jobs it took behind it run on the other worker, which takes them before it would sleep.
+#[test]
+fn jobs_a_worker_took_ahead_run_elsewhere_while_it_is_stuck_in_a_deaf_handler() {
+    for queue in [safe_queue, default_queue] {
+        let redis = RedisServer::start();
+        let dir = TestDir::new();
+        let config = dir.config(&redis, &queue("workers = 2\nprefetch = 100"));
+        let release = dir.path("release");
+        // Pushed before the daemon starts: its first claim brings them together, and the worker that takes the
+        // first job takes the next ones ahead (half of the claim, at most 31), the deaf one among them.
+        push_many(&config, "a", 3, "1");
+        push_many(
+            &config,
+            "deaf",
+            1,
+            &format!(
+                r#"{{"wait_for_file":"{}","ignore_cancel":true}}"#,
+                release.display()
+            ),
+        );
+        push_many(&config, "b", 60, "1");
+        let daemon = TestDaemon::start(&config);
+        let s = eventually(Duration::from_secs(15), "every other task to run", || {
+            let s = stats(&config, "jobs");
+            (s.done == 63, s)
+        });
+        let records = dir.records();
+        assert_eq!(
+            (
+                records.runs_of("deaf0"),
+                records.ends.iter().filter(|e| e.0 == "deaf0").count()
+            ),
+            (1, 0),
+            "the deaf handler still runs: {s:?}"
+        );
+        assert_runs(&dir, "a", 3, 1);
+        assert_runs(&dir, "b", 60, 1);
+        std::fs::write(&release, "").unwrap();
+        wait_done(&config, 64, Duration::from_secs(15));
+        daemon.stop();
+    }
+}
+
 #[test]
 fn a_task_pushed_while_an_idle_default_queue_stops_stays_queued() {
     let redis = RedisServer::start();
