@@ -26,6 +26,8 @@ use std::cell::Cell;
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
+use crossbeam_utils::CachePadded;
+
 use super::resolve::Job;
 
 /// The most jobs a worker takes ahead of the one it runs.
@@ -33,11 +35,13 @@ pub const AHEAD: usize = 31;
 
 #[derive(Debug)]
 struct Jobs {
-    queue: Mutex<Queue>,
+    /// Padded, as each list in `ahead`: a lock taken on one line moves no other (docs/PERFORMANCE.md, "Workers
+    /// that share less").
+    queue: CachePadded<Mutex<Queue>>,
     arrived: Condvar,
     /// Each worker's jobs taken ahead, by its index. Taken ahead under `queue`'s lock (always taken first when
     /// both are); taken from by their worker, or by another with nothing else to do.
-    ahead: Box<[Mutex<VecDeque<Job>>]>,
+    ahead: Box<[CachePadded<Mutex<VecDeque<Job>>>]>,
 }
 
 #[derive(Debug)]
@@ -58,16 +62,16 @@ struct Queue {
 /// A lane's job queue: the fetcher's end and `workers` workers' ends.
 pub fn queue(workers: usize) -> (Sender, Vec<Receiver>) {
     let jobs = Arc::new(Jobs {
-        queue: Mutex::new(Queue {
+        queue: CachePadded::new(Mutex::new(Queue {
             jobs: VecDeque::new(),
             waiting: 0,
             closed: false,
             receivers: workers,
             holders: Vec::new(),
             listed: vec![false; workers],
-        }),
+        })),
         arrived: Condvar::new(),
-        ahead: (0..workers).map(|_| Mutex::default()).collect(),
+        ahead: (0..workers).map(|_| CachePadded::default()).collect(),
     });
     let receivers = (0..workers)
         .map(|index| Receiver {

@@ -39,6 +39,7 @@ use std::time::{Duration, Instant};
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
+use crate::broker::Token;
 use crate::broker::payloads::Payloads;
 use crate::config::{QueueConfig, RedisConfig};
 use crate::daemon::watchdog::{Bounds, Pulse};
@@ -311,8 +312,58 @@ impl Held {
 pub struct Ownership {
     instance: String,
     current: Mutex<Option<Current>>,
+    /// Bumped under `current`'s lock by every change that [`Ownership::may_start`] reads (a registration, a
+    /// renewal, a loss): a worker's [`LeaseView`] is good while it is unchanged.
+    changes: AtomicU64,
     generation: AtomicU64,
     next_token: AtomicU64,
+}
+
+/// One worker's copy of the current owner and how long its lease is surely live, kept while
+/// [`Ownership`]'s `changes` is unchanged: a task's lease check costs one load of a line written once per
+/// heartbeat, instead of a lock every worker would take for every task and bounce between the cores
+/// (docs/PERFORMANCE.md, "Workers that share less"), as [`crate::plugin::Reader`] does for the plugins.
+#[derive(Debug)]
+pub struct LeaseView {
+    seen: u64,
+    lease: Option<ViewedLease>,
+}
+
+#[derive(Debug)]
+struct ViewedLease {
+    /// The current owner's id, as its tokens share it: compared by pointer first.
+    owner: Arc<str>,
+    /// The same id in an allocation of this view's own, which the settlements of this worker's tasks name (see
+    /// [`LeaseView::token`]).
+    own: Arc<str>,
+    good_until: Instant,
+}
+
+impl LeaseView {
+    /// `token` as a settlement of this worker's carries it: naming its owner by this view's own copy of the id
+    /// when it is the current owner. A copy of the shared `Arc` per task would write its count, a line the
+    /// fetcher, every worker and the acker would write for every task; with its own copy, a worker shares the
+    /// count with the acker alone, which drops a batch of them at once.
+    pub fn token(&self, token: &Token) -> Token {
+        let owner = match &self.lease {
+            Some(lease) if Arc::ptr_eq(&lease.owner, &token.owner) => &lease.own,
+            _ => &token.owner,
+        };
+        Token {
+            owner: Arc::clone(owner),
+            id: token.id.clone(),
+        }
+    }
+}
+
+impl Default for LeaseView {
+    fn default() -> LeaseView {
+        LeaseView {
+            // No count of changes: the first check reads the current owner.
+            seen: u64::MAX,
+            lease: None,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -329,6 +380,7 @@ impl Ownership {
         Ownership {
             instance: instance.to_string(),
             current: Mutex::new(None),
+            changes: AtomicU64::new(0),
             generation: AtomicU64::new(0),
             next_token: AtomicU64::new(0),
         }
@@ -349,11 +401,19 @@ impl Ownership {
 
     /// Records a newly registered owner whose registration was sent at `sent` with a lease of `lease`.
     pub fn set(&self, owner: Arc<str>, sent: Instant, lease: Duration) {
-        *lock(&self.current) = Some(Current {
+        let mut current = lock(&self.current);
+        *current = Some(Current {
             owner,
             good_until: sent + lease,
             journal: 0,
         });
+        self.changed();
+    }
+
+    /// Tells the workers' views that what `may_start` reads changed; called with `current`'s lock held, after the
+    /// change, so that a view that sees the new count reads the new value.
+    fn changed(&self) {
+        self.changes.fetch_add(1, Ordering::Release);
     }
 
     /// Redis acknowledged a claim or a settle of `owner` that left its journal at `journal`.
@@ -378,15 +438,25 @@ impl Ownership {
         if let Some(current) = lock(&self.current).as_mut() {
             if &*current.owner == owner {
                 current.good_until = current.good_until.max(sent + lease);
+                self.changed();
             }
         }
     }
 
     /// Whether a task claimed under `owner` may start at `now`: it is the current owner and its lease is surely live.
-    pub fn may_start(&self, owner: &Arc<str>, now: Instant) -> bool {
-        lock(&self.current).as_ref().is_some_and(|current| {
-            (Arc::ptr_eq(&current.owner, owner) || current.owner == *owner)
-                && now < current.good_until
+    /// `view`: the calling worker's, read again only when something changed since it was.
+    pub fn may_start(&self, view: &mut LeaseView, owner: &Arc<str>, now: Instant) -> bool {
+        if self.changes.load(Ordering::Acquire) != view.seen {
+            let current = lock(&self.current);
+            view.seen = self.changes.load(Ordering::Relaxed);
+            view.lease = current.as_ref().map(|current| ViewedLease {
+                owner: Arc::clone(&current.owner),
+                own: Arc::from(&*current.owner),
+                good_until: current.good_until,
+            });
+        }
+        view.lease.as_ref().is_some_and(|lease| {
+            (Arc::ptr_eq(&lease.owner, owner) || lease.owner == *owner) && now < lease.good_until
         })
     }
 
@@ -395,6 +465,7 @@ impl Ownership {
         let mut current = lock(&self.current);
         if current.as_ref().is_some_and(|c| &*c.owner == owner) {
             *current = None;
+            self.changed();
             return true;
         }
         false
@@ -454,20 +525,57 @@ mod tests {
         let ownership = Ownership::new("h-1-2-ab");
         let owner = ownership.new_id();
         let t0 = Instant::now();
-        assert!(!ownership.may_start(&owner, t0), "not registered yet");
+        // One view throughout, as a worker keeps it: each change below must reach it.
+        let mut view = LeaseView::default();
+        assert!(
+            !ownership.may_start(&mut view, &owner, t0),
+            "not registered yet"
+        );
         let lease = Duration::from_millis(50);
         ownership.set(Arc::clone(&owner), t0, lease);
-        assert!(ownership.may_start(&owner, t0));
-        assert!(!ownership.may_start(&Arc::from("someone-else.1"), t0));
+        assert!(ownership.may_start(&mut view, &owner, t0));
+        assert!(!ownership.may_start(&mut view, &Arc::from("someone-else.1"), t0));
         let later = t0 + lease;
         assert!(
-            !ownership.may_start(&owner, later),
+            !ownership.may_start(&mut view, &owner, later),
             "past the lease, as after a pause"
         );
         ownership.renewed(&owner, later, lease);
-        assert!(ownership.may_start(&owner, later), "renewed");
+        assert!(ownership.may_start(&mut view, &owner, later), "renewed");
         assert!(ownership.lose(&owner));
-        assert!(!ownership.may_start(&owner, later));
+        assert!(!ownership.may_start(&mut view, &owner, later));
+    }
+
+    #[test]
+    fn a_workers_settlements_name_the_current_owner_by_its_own_copy_of_the_id() {
+        let ownership = Ownership::new("h-1-2-ab");
+        let owner = ownership.new_id();
+        let now = Instant::now();
+        ownership.set(Arc::clone(&owner), now, Duration::from_secs(30));
+        let mut view = LeaseView::default();
+        assert!(ownership.may_start(&mut view, &owner, now));
+        let token = Token {
+            owner: Arc::clone(&owner),
+            id: crate::broker::TokenId::Listed {
+                claim: 7,
+                position: 3,
+            },
+        };
+        let named = view.token(&token);
+        assert_eq!(named, token, "the same owner and place");
+        assert!(
+            !Arc::ptr_eq(&named.owner, &owner),
+            "the view's own copy: the shared id's count is not written"
+        );
+        assert!(Arc::ptr_eq(&view.token(&token).owner, &named.owner));
+        let other = Token {
+            owner: Arc::from("h-1-2-ab.0"),
+            ..token
+        };
+        assert!(
+            Arc::ptr_eq(&view.token(&other).owner, &other.owner),
+            "another owner's token is named as it is"
+        );
     }
 
     #[test]

@@ -21,14 +21,18 @@
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
+use crossbeam_utils::CachePadded;
+
 use super::resolve::Outcome;
 
 #[derive(Debug)]
 pub struct Outcomes {
-    queued: Mutex<Queued>,
+    /// Padded, as each worker's list: a lock taken on one line moves no other (docs/PERFORMANCE.md, "Workers that
+    /// share less").
+    queued: CachePadded<Mutex<Queued>>,
     arrived: Condvar,
     /// Each worker's own list, by its index.
-    workers: Box<[Mutex<Own>]>,
+    workers: Box<[CachePadded<Mutex<Own>>]>,
 }
 
 #[derive(Debug, Default)]
@@ -59,9 +63,9 @@ impl Outcomes {
     /// The outcomes of a lane with `workers` worker threads.
     pub fn new(workers: usize) -> Outcomes {
         Outcomes {
-            queued: Mutex::default(),
+            queued: CachePadded::default(),
             arrived: Condvar::new(),
-            workers: (0..workers).map(|_| Mutex::default()).collect(),
+            workers: (0..workers).map(|_| CachePadded::default()).collect(),
         }
     }
 

@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use super::Lane;
 use super::resolve::{JobId, Task};
-use super::worker::{resolve, verdict_of};
+use super::worker::{outcome_of, verdict_of};
 use crate::daemon::metrics::observed::TypeCache;
 use crate::plugin::{LoadedPlugin, Status};
 use crate::task::Envelope;
@@ -97,7 +97,7 @@ impl Started {
             types.get(Some(&envelope.kind), |_| true);
             types.ran(lane.since_epoch(at));
             types.ended(lane.since_epoch(Instant::now()));
-            resolve(
+            if let Some(outcome) = outcome_of(
                 &lane,
                 None,
                 job,
@@ -107,7 +107,9 @@ impl Started {
                 Some(&envelope),
                 &mut types,
                 |_| true,
-            );
+            ) {
+                lane.send(outcome);
+            }
             // No worker flushes this cache when it goes idle: each completion adds its counts at once.
             types.flush();
         }

@@ -9,10 +9,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::Lane;
 use super::jobs;
-use super::resolve::{Finished, Job, JobId, Taken, Task};
+use super::resolve::{Finished, Job, JobId, Outcome, Taken, Task};
 use super::started::Started;
+use super::{Lane, LeaseView};
 use crate::daemon::metrics::observed::{TaskOutcome, TypeCache};
 use crate::plugin::{MESSAGE_CAPACITY, Reader, Run, Status};
 use crate::policy::Verdict;
@@ -51,6 +51,7 @@ impl Worker {
         let mut holding = false;
         // When the last task started (ns since the lane's epoch), unless the worker went idle since.
         let mut last_start: Option<u64> = None;
+        let mut lease = LeaseView::default();
         loop {
             // A slot first, then a job: a worker that waits for room holds no job another could run.
             if !holding {
@@ -87,12 +88,12 @@ impl Worker {
                 self.jobs
                     .take_ahead(now_ns.saturating_sub(last) < SHORT_TASK_NS);
             }
-            if !self.lease_allows(&job, now) || self.claiming.is_triggered() {
+            if !self.lease_allows(&mut lease, &job, now) || self.claiming.is_triggered() {
                 if job.state.take() == Some(Taken::Waiting) {
                     self.lane.send(self.lane.hand_back(job.id, &job.state));
                 }
             } else {
-                holding = self.run_job(job, (now, now_ns), &mut message, &mut types);
+                holding = self.run_job(job, &lease, (now, now_ns), &mut message, &mut types);
             }
         }
         if holding {
@@ -109,13 +110,13 @@ impl Worker {
     /// woken from a pause past its lease never starts a task the monitors may have given to another daemon. Returns
     /// false when the daemon stops meanwhile (the task is handed back); a task forgotten meanwhile (its lease was
     /// lost) is then skipped by `start`.
-    fn lease_allows(&self, job: &Job, now: Instant) -> bool {
+    fn lease_allows(&self, lease: &mut LeaseView, job: &Job, now: Instant) -> bool {
         let Some(token) = &job.state.token else {
             return true;
         };
         let ownership = &self.lane.ownership;
         let mut now = now;
-        while !ownership.may_start(&token.owner, now) {
+        while !ownership.may_start(lease, &token.owner, now) {
             if !job.state.is_waiting() {
                 return true;
             }
@@ -130,10 +131,12 @@ impl Worker {
     /// Runs a job with the slot this worker holds, and sends its outcome to the acker, if it is the one that
     /// counts. Returns whether the worker still holds the slot: not when a plugin's `start` took the task (and
     /// with it the slot, which its completion gives back).
-    /// `now`: this task's clock read, as an `Instant` and as ns since the lane's epoch.
+    /// `lease`: this worker's view, which checked the task's lease. `now`: this task's clock read, as an `Instant`
+    /// and as ns since the lane's epoch.
     fn run_job(
         &self,
         job: Job,
+        lease: &LeaseView,
         now: (Instant, u64),
         message: &mut Vec<u8>,
         types: &mut TypeCache,
@@ -156,12 +159,9 @@ impl Worker {
                 }
             }
         };
-        // A worker of short tasks appends their outcomes to a list of its own (`outcomes`), for the reason it
-        // takes jobs ahead; one of long tasks to the shared list, which the acker looks at without a lock per
-        // worker.
-        resolve(
+        let outcome = outcome_of(
             &self.lane,
-            self.jobs.takes_ahead().then(|| self.jobs.index()),
+            Some(lease),
             job.id,
             state,
             verdict,
@@ -170,6 +170,21 @@ impl Worker {
             types,
             |kind| self.plugins.current().for_type(kind).is_some(),
         );
+        // The envelope borrows the task's payload: it goes before the task does.
+        drop(slot);
+        if let Some(outcome) = outcome {
+            // The worker's reference to the task's claim goes with its outcome, for the acker to drop with the
+            // table's: dropped here, it would write the claim's count, a line every worker shares, at every task.
+            let outcome = outcome.holding(job.state);
+            // A worker of short tasks appends their outcomes to a list of its own (`outcomes`), for the reason it
+            // takes jobs ahead; one of long tasks to the shared list, which the acker looks at without a lock per
+            // worker.
+            if self.jobs.takes_ahead() {
+                self.lane.outcomes.push_own(self.jobs.index(), outcome);
+            } else {
+                self.lane.send(outcome);
+            }
+        }
         true
     }
 
@@ -295,13 +310,14 @@ pub(super) fn verdict_of(status: Status, plugin: &str, started: Instant) -> (Ver
     (verdict, Some(Ran { duration, output }))
 }
 
-/// The run of a task is over, with `verdict`: sends its outcome to the acker, unless someone took the task while
-/// it ran (the outcome is then dropped). `worker`: the index of the worker that ran it, whose own list the
-/// outcome goes to (`None` for another thread). Counted in `types`; `is_handled` as [`TypeCache::get`]'s.
+/// The run of a task is over, with `verdict`: its outcome for the acker, unless someone took the task while it
+/// ran (`None`: the outcome is dropped). `lease`: the view of the worker that ran it, whose copy of the owner's id
+/// the settlement names (see [`LeaseView::token`]; `None` for another thread). Counted in `types`; `is_handled`
+/// as [`TypeCache::get`]'s.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn resolve(
+pub(super) fn outcome_of(
     lane: &Lane,
-    worker: Option<usize>,
+    lease: Option<&LeaseView>,
     job: JobId,
     state: &Task,
     verdict: Verdict,
@@ -309,7 +325,7 @@ pub(super) fn resolve(
     envelope: Option<&Envelope>,
     types: &mut TypeCache,
     is_handled: impl FnOnce(&str) -> bool,
-) {
+) -> Option<Outcome> {
     match state.finish() {
         Finished::Resolved => {}
         finished => {
@@ -328,20 +344,21 @@ pub(super) fn resolve(
                 id,
                 "outcome after the execution timeout, a lost lease or the shutdown is ignored"
             );
-            return;
+            return None;
         }
     }
-    let outcome = lane.outcome(job, state, verdict, ran, envelope);
+    let token = match lease {
+        Some(lease) => state.token.as_ref().map(|token| lease.token(token)),
+        None => state.token.clone(),
+    };
+    let outcome = lane.outcome(job, state, token, verdict, ran, envelope);
     if let Some(settlement) = outcome.settlement() {
         let kind = envelope.map(|envelope| &*envelope.kind);
         types
             .get(kind, is_handled)
             .count(TaskOutcome::of(settlement));
     }
-    match worker {
-        Some(index) => lane.outcomes.push_own(index, outcome),
-        None => lane.send(outcome),
-    }
+    Some(outcome)
 }
 
 fn non_empty(message: String, fallback: &str) -> String {
