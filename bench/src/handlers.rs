@@ -2,7 +2,9 @@
 //! defaults) running handlers shaped like real ones, each figure beside its physical limit:
 //!
 //! - **I/O-bound**: the testkit sleeps 1, 10 or 100 ms per task, with 64 and 512 workers. Nothing but the
-//!   workers bounds such a drain, so the limit is `workers / handler time`.
+//!   workers bounds such a drain, so the limit is `workers / handler time`; and, measured beside it, what as many
+//!   threads sleeping in a loop with no queue at all make on this host ([`threads_alone`]), which at 1 ms is
+//!   less: a sleep overshoots, and 512 threads' wake-ups take most of two cores.
 //! - **CPU-bound**: the testkit spins 50 µs per task with one worker per core; the limit is
 //!   `cores / handler time`, which the daemon's own threads and Redis, on the same cores, can only approach.
 //! - **A mix** on one queue: 95 % no-op tasks, 5 % sleeping 100 ms, pushed at a steady rate that keeps the slow
@@ -13,6 +15,7 @@
 //! drains and does not apply here.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use super::{Bench, Figure, NewTask, Shape, figure, now_us, percentile, read_starts};
@@ -86,6 +89,16 @@ pub(super) fn mix_latencies(pushed: &[u64], started: &[Option<u64>]) -> (Vec<f64
 /// Every figure of the scenario, in both modes; `cores` is the CPU-bound handler's worker count.
 pub(super) fn handlers(bench: &Bench, cores: usize) -> Result<Vec<Figure>, String> {
     let mut figures = vec![sleep_precision()];
+    // Measured once for both modes.
+    let mut alone = HashMap::new();
+    for ms in SLEEPS_MS {
+        for workers in IO_WORKERS {
+            alone.insert(
+                (ms, workers),
+                threads_alone(workers, Duration::from_millis(ms)),
+            );
+        }
+    }
     for mode in ["safe", "default"] {
         for ms in SLEEPS_MS {
             for workers in IO_WORKERS {
@@ -93,7 +106,10 @@ pub(super) fn handlers(bench: &Bench, cores: usize) -> Result<Vec<Figure>, Strin
                     bench,
                     mode,
                     Shape::out_of_the_box(workers),
-                    Duration::from_millis(ms),
+                    (
+                        Duration::from_millis(ms),
+                        alone.get(&(ms, workers)).copied(),
+                    ),
                     &format!("{{\"sleep_ms\":{ms}}}"),
                     &format!("I/O-bound: sleep {ms} ms, {workers} workers"),
                 )?);
@@ -111,7 +127,7 @@ pub(super) fn handlers(bench: &Bench, cores: usize) -> Result<Vec<Figure>, Strin
                 bench,
                 mode,
                 shape,
-                SPIN,
+                (SPIN, None),
                 &format!("{{\"spin_us\":{}}}", SPIN.as_micros()),
                 &format!(
                     "CPU-bound: spin {} µs, {cores} workers (one per core){}",
@@ -146,16 +162,48 @@ fn sleep_precision() -> Figure {
     )
 }
 
-/// A drain of tasks with `data`, each taking `handler`, by one daemon shaped `shape`, against `workers /
-/// handler`.
+/// What `workers` threads that do nothing but `thread::sleep(handler)` in a loop finish per second on this host,
+/// over about [`RUN_SECONDS`]: the limit that the kernel's timers and scheduler set for an I/O-bound row, with no
+/// queue at all. On two cores, 512 threads sleeping 1 ms make about 90 % of `workers / handler`, at about 3 µs of
+/// CPU per sleep (docs/PERFORMANCE.md, "The 1 ms rows").
+fn threads_alone(workers: usize, handler: Duration) -> f64 {
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let threads: Vec<_> = (0..workers)
+            .map(|_| {
+                scope.spawn(|| {
+                    // Each thread's own rate, from the end of its first sleep to the end of its last: no window
+                    // cuts a round of 100 ms sleeps in two.
+                    std::thread::sleep(handler);
+                    let (first, mut sleeps) = (Instant::now(), 0u32);
+                    while !stop.load(Ordering::Relaxed) {
+                        std::thread::sleep(handler);
+                        sleeps += 1;
+                    }
+                    f64::from(sleeps) / first.elapsed().as_secs_f64()
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_secs_f64(RUN_SECONDS));
+        stop.store(true, Ordering::Relaxed);
+        threads
+            .into_iter()
+            .map(|thread| thread.join().unwrap_or(0.0))
+            .sum()
+    })
+}
+
+/// A drain of tasks with `data`, each taking `handler.0`, by one daemon shaped `shape`, against `workers /
+/// handler` and, for a sleeping handler, against `handler.1`: what threads sleeping alone made ([`threads_alone`]).
 fn bounded_drain(
     bench: &Bench,
     mode: &str,
     shape: Shape,
-    handler: Duration,
+    handler: (Duration, Option<f64>),
     data: &str,
     what: &str,
 ) -> Result<Figure, String> {
+    let (handler, alone) = handler;
     let workers = shape.workers;
     let config = bench.config_on(
         &bench.own().section,
@@ -178,17 +226,23 @@ fn bounded_drain(
         daemon_cpu.push(run.daemon_cpu);
         redis_cpu.push(run.redis_cpu);
     }
+    let mut also = vec![
+        ("limit tasks/s".into(), vec![limit]),
+        ("% of limit".into(), ratios),
+    ];
+    if let Some(alone) = alone {
+        let of_alone = rates.iter().map(|rate| 100.0 * rate / alone).collect();
+        also.push(("threads sleeping alone tasks/s".into(), vec![alone]));
+        also.push(("% of threads alone".into(), of_alone));
+    }
+    also.push(("daemon CPU µs/task".into(), daemon_cpu));
+    also.push(("redis CPU µs/task".into(), redis_cpu));
     Ok(figure(
         "handlers",
         format!("{what}, {mode} mode, {n} tasks"),
         "tasks/s",
         rates,
-        vec![
-            ("limit tasks/s".into(), vec![limit]),
-            ("% of limit".into(), ratios),
-            ("daemon CPU µs/task".into(), daemon_cpu),
-            ("redis CPU µs/task".into(), redis_cpu),
-        ],
+        also,
     ))
 }
 
