@@ -291,6 +291,9 @@ pub struct QueueConfig {
     /// Index into `priorities` of the level a push without `--priority` goes to.
     pub default_priority: usize,
     pub workers: usize,
+    /// How much lower than the daemon's other threads the workers run (niceness added, 0 to 19): the lane's one
+    /// fetcher and one acker then get a core when its hundreds of workers want one (docs/CONFIG.md).
+    pub worker_nice: i32,
     /// The most tasks one claim takes.
     pub batch: usize,
     /// How many claimed tasks may wait for a worker, beyond one per idle worker.

@@ -87,6 +87,7 @@ pub(super) struct RawQueue {
     pub(super) priorities: Option<Spanned<Vec<String>>>,
     pub(super) default_priority: Option<Spanned<String>>,
     pub(super) workers: Option<Spanned<i64>>,
+    pub(super) worker_nice: Option<Spanned<i64>>,
     pub(super) batch: Option<Spanned<i64>>,
     pub(super) prefetch: Option<Spanned<i64>>,
     pub(super) max_held: Option<Spanned<i64>>,

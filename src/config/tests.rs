@@ -14,6 +14,7 @@ fn minimal_config_gets_documented_defaults() {
     let queue = &config.queues[0];
     assert_eq!(queue.priorities, ["normal"]);
     assert_eq!(queue.workers, defaults::WORKERS);
+    assert_eq!(queue.worker_nice, 0, "workers at the daemon's priority");
     assert_eq!(queue.prefetch, Prefetch::Auto);
     assert_eq!(queue.batch, MAX_BATCH);
     assert_eq!(
@@ -185,6 +186,11 @@ fn bad_configs_name_file_line_key_and_fix() {
             "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nworkers = 0\n",
             "queues.toml:4:11",
             &["queues[0].workers", "between 1 and 1024"],
+        ),
+        (
+            "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nworker_nice = 20\n",
+            "queues.toml:4:15",
+            &["queues[0].worker_nice", "between 0 and 19"],
         ),
         (
             "[[queues]]\nname = \"mail\"\nmode = \"fast\"\n",

@@ -731,6 +731,7 @@ impl RawQueue {
             priorities,
             default_priority,
             workers,
+            worker_nice,
             batch,
             prefetch,
             max_held,
@@ -938,6 +939,11 @@ impl RawQueue {
             Some(b) => ranged(source, &key("delay_batch"), b, 1..MAX_BATCH as i64 + 1)? as usize,
             None => MAX_BATCH,
         };
+        // Niceness is 0 to 19 on Linux; added to the daemon's, it is capped there.
+        let worker_nice = match &worker_nice {
+            Some(n) => ranged(source, &key("worker_nice"), n, 0..20)? as i32,
+            None => 0,
+        };
 
         let max_task_bytes = match &max_task_bytes {
             Some(b) => ranged(
@@ -977,6 +983,7 @@ impl RawQueue {
             priorities,
             default_priority,
             workers,
+            worker_nice,
             batch,
             prefetch,
             max_held,

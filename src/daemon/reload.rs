@@ -157,6 +157,7 @@ fn queue_changes(old: &QueueConfig, new: &QueueConfig) -> Vec<String> {
         priorities,
         default_priority,
         workers,
+        worker_nice,
         batch,
         prefetch,
         max_held,
@@ -285,7 +286,7 @@ mod tests {
         let listed = fields.matches(": ").count();
         assert_eq!(
             listed,
-            20 + 2,
+            21 + 2,
             "QueueConfig has a new field: compare it in queue_changes ({fields})"
         );
     }

@@ -38,3 +38,4 @@ mod tls;
 mod topology;
 mod unknown_types;
 mod watch;
+mod worker_nice;

@@ -44,6 +44,10 @@ impl Worker {
         let mut types = TypeCache::new(self.lane.name(), self.lane.epoch);
         let slots = &self.lane.slots;
         slots.thread_started();
+        let nice = self.lane.queue.config.worker_nice;
+        if nice > 0 {
+            lower_priority(self.lane.name(), nice);
+        }
         // Whether this worker holds a slot. It keeps the one it ran a task with for its next task: a slot taken
         // and given back per task was two atomic writes on a line every worker writes
         // (docs/PERFORMANCE.md, "Workers that share less"). A task handed to a plugin's `start` takes the slot
@@ -359,6 +363,18 @@ pub(super) fn outcome_of(
             .count(TaskOutcome::of(settlement));
     }
     Some(outcome)
+}
+
+/// Runs this thread `nice` lower than it runs now (niceness added, at most 19), as the queue's `worker_nice` asks
+/// (docs/CONFIG.md): raising one's own niceness needs no privilege. A failure is logged and the worker runs on.
+fn lower_priority(queue: &str, nice: i32) {
+    let thread = rustix::thread::gettid();
+    let lowered = rustix::process::getpriority_process(Some(thread)).and_then(|now| {
+        rustix::process::setpriority_process(Some(thread), now.saturating_add(nice).min(19))
+    });
+    if let Err(error) = lowered {
+        tracing::warn!(queue, %error, "could not lower a worker thread's priority (worker_nice)");
+    }
 }
 
 fn non_empty(message: String, fallback: &str) -> String {
