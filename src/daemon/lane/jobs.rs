@@ -28,6 +28,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use crossbeam_utils::CachePadded;
 
+use super::lock;
 use super::resolve::Job;
 
 /// The most jobs a worker takes ahead of the one it runs.
@@ -81,13 +82,6 @@ pub fn queue(workers: usize) -> (Sender, Vec<Receiver>) {
         })
         .collect();
     (Sender(jobs), receivers)
-}
-
-/// A lock whose holder cannot leave its data half-changed: a `VecDeque`'s push, pop and drain do not panic midway.
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Jobs {
@@ -270,7 +264,7 @@ impl Drop for Receiver {
         let index = self.index;
         queue.holders.retain(|&holder| holder != index);
         queue.listed[index] = false;
-        let left: Vec<Job> = lock(&self.jobs.ahead[index]).drain(..).collect();
+        let left = std::mem::take(&mut *lock(&self.jobs.ahead[index]));
         if !left.is_empty() {
             for job in left.into_iter().rev() {
                 queue.jobs.push_front(job);
@@ -329,6 +323,14 @@ mod tests {
         assert_eq!(got, [None, Some(7)]);
     }
 
+    /// A queue of two workers, and a claim of `jobs` sent to it.
+    fn two_workers(jobs: impl Iterator<Item = u64>) -> (Sender, Receiver, Receiver) {
+        let (sender, mut receivers) = queue(2);
+        let (a, b) = (receivers.remove(0), receivers.remove(0));
+        sender.send(jobs.map(job).collect()).unwrap();
+        (sender, a, b)
+    }
+
     fn ids(receiver: &Receiver, n: usize) -> Vec<u64> {
         (0..n)
             .map(|_| match receiver.try_take() {
@@ -340,9 +342,7 @@ mod tests {
 
     #[test]
     fn a_worker_takes_its_share_ahead_and_an_idle_worker_takes_the_oldest_of_them() {
-        let (sender, mut receivers) = queue(2);
-        let (a, b) = (receivers.remove(0), receivers.remove(0));
-        sender.send((1..=8).map(job).collect()).unwrap();
+        let (sender, a, b) = two_workers(1..=8);
         // 8 jobs, 2 workers: a runs 1 and takes 2, 3 and 4 ahead; b runs 5 and takes 6 ahead (of 4 left).
         assert_eq!(ids(&a, 1), [1]);
         assert_eq!(sender.len(), 7, "jobs taken ahead still wait for a worker");
@@ -358,9 +358,7 @@ mod tests {
 
     #[test]
     fn a_worker_takes_at_most_ahead_jobs_ahead_and_none_from_a_short_queue() {
-        let (sender, mut receivers) = queue(2);
-        let (a, b) = (receivers.remove(0), receivers.remove(0));
-        sender.send((0..200).map(job).collect()).unwrap();
+        let (sender, a, b) = two_workers(0..200);
         a.try_take();
         assert_eq!(lock(&a.jobs.ahead[a.index]).len(), AHEAD);
         assert_eq!(sender.len(), 199);
@@ -373,9 +371,7 @@ mod tests {
 
     #[test]
     fn a_worker_of_long_tasks_takes_one_job_at_a_time() {
-        let (sender, mut receivers) = queue(2);
-        let a = receivers.remove(0);
-        sender.send((1..=8).map(job).collect()).unwrap();
+        let (_sender, a, _b) = two_workers(1..=8);
         a.take_ahead(false);
         assert_eq!(ids(&a, 1), [1]);
         assert!(lock(&a.jobs.ahead[a.index]).is_empty());
@@ -390,9 +386,7 @@ mod tests {
 
     #[test]
     fn a_worker_gone_gives_back_the_jobs_it_took_ahead_in_their_order() {
-        let (sender, mut receivers) = queue(2);
-        let (a, b) = (receivers.remove(0), receivers.remove(0));
-        sender.send((1..=8).map(job).collect()).unwrap();
+        let (sender, a, b) = two_workers(1..=8);
         assert_eq!(ids(&a, 1), [1]);
         drop(a);
         assert_eq!(sender.len(), 7);

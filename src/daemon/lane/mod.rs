@@ -230,8 +230,10 @@ impl LaneSet {
     }
 }
 
+/// A lock of the lane's (here and in its modules: the job and outcome lists, the started tasks' plugins).
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every lock here guards plain collections whose operations do not panic midway; a poisoned one is consistent.
+    // Every lock here guards plain collections whose operations (push, pop, drain, swap) do not panic midway; a
+    // poisoned one is consistent.
     mutex
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())

@@ -23,6 +23,7 @@ use std::time::Duration;
 
 use crossbeam_utils::CachePadded;
 
+use super::lock;
 use super::resolve::Outcome;
 
 #[derive(Debug)]
@@ -50,13 +51,6 @@ struct Own {
     outcomes: Vec<Outcome>,
     /// In `Queued::listed`: set by the worker's first append after a take, cleared by the acker's take.
     listed: bool,
-}
-
-/// Appending to and swapping a `Vec` do not panic midway: a poisoned lock's list is consistent.
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Outcomes {

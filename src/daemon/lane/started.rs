@@ -10,10 +10,11 @@
 //! plugin: that would run the plugin's `shutdown` on the plugin's own thread (one it may be about to join), so
 //! the lane keeps one reference per plugin, dropped by a worker thread once it is idle.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::Lane;
+use super::lock;
 use super::resolve::{JobId, Task};
 use super::worker::{outcome_of, verdict_of};
 use crate::daemon::metrics::observed::TypeCache;
@@ -26,12 +27,6 @@ pub struct StartedTasks {
     types: Mutex<TypeCache>,
     /// One reference to each plugin a completion used, so that a completion never drops the last one.
     plugins: Mutex<Vec<Arc<LoadedPlugin>>>,
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl std::fmt::Debug for StartedTasks {
