@@ -6,7 +6,8 @@
 //!   5-field UTC cron expressions it holds;
 //! - [`task`]: the task envelope, the only module that knows the wire format of a task;
 //! - [`broker`]: the only module that talks to Redis (key layout, Lua scripts);
-//! - [`policy`] and [`settlement`]: pure decisions (retry, dead-letter, backoff) and the records that apply them;
+//! - [`policy`]: pure decisions (retry, dead-letter, backoff); [`settlement`]: the one place a task's outcome is
+//!   decided (a verdict, the policy's action, its log event) and the record that applies it;
 //! - [`queue`]: what every thread of a queue shares (config, keys, policy, verdicts);
 //! - [`client`]: the producer API ([`Client::push`], [`Client::push_batch`]) and an operator's;
 //! - [`overview`]: every queue polled, the rows `stats --watch` and the dashboard show;

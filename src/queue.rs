@@ -4,10 +4,10 @@
 //! This module sits below the daemon: the lane's stages (`daemon::lane`), the per-daemon threads (`daemon::*`)
 //! and the producer API all import it, and it imports none of them.
 
-use crate::broker::{ClaimLimits, QueueKeys, Settlement, Token};
+use crate::broker::{ClaimLimits, QueueKeys, Settlement};
 use crate::config::{Config, QueueConfig};
 use crate::policy::{Policy, Verdict};
-use crate::settlement::{self, DeadHook, Origin, Ran};
+use crate::settlement::{self, DeadHook, Origin, Ran, TaskParts};
 use crate::task::{Envelope, EnvelopeError, Slot, new_id};
 
 /// One configured queue, as every thread serving it sees it.
@@ -103,32 +103,19 @@ impl QueueContext {
             })
     }
 
-    /// Decides a held task's fate from `verdict` and builds the settlement that applies it: the one path every
-    /// outcome takes, from a worker, an execution timeout or a monitor. `ran`: what its handler's run left (how
-    /// long, its output), when one ran, for the log.
-    pub fn settle_verdict(
+    /// Decides a held task's fate from `verdict` and builds the settlement that applies it
+    /// ([`settlement::decide`], with this queue's policy and the origin its records name).
+    pub fn settle(
         &self,
         verdict: Verdict,
         ran: Option<Ran>,
-        token: Option<Token>,
-        level: usize,
-        payload: &[u8],
-        envelope: Option<&Envelope>,
+        task: TaskParts<'_>,
     ) -> (Settlement, Option<Box<DeadHook>>) {
         let origin = Origin {
             queue: &self.config.name,
             daemon: &self.daemon_id,
             levels: &self.keys.levels,
         };
-        settlement::decide(
-            &self.policy,
-            &origin,
-            verdict,
-            ran,
-            token,
-            level,
-            payload,
-            envelope,
-        )
+        settlement::decide(&self.policy, &origin, verdict, ran, task)
     }
 }

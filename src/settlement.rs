@@ -9,7 +9,6 @@ use serde::Serialize;
 use base64::Engine as _;
 
 use crate::broker::{SettleOp, Settlement, Token};
-use crate::plugin::{Registry, Run};
 use crate::policy::{self, Action, Policy, Verdict};
 use crate::task::{Envelope, LOGGED_PAYLOAD_BYTES, capped, new_id};
 
@@ -51,6 +50,29 @@ pub struct Origin<'a> {
     pub levels: &'a [String],
 }
 
+/// The task a settlement is for, as its resolver holds it: everything the record is made of besides the decision.
+#[derive(Debug)]
+pub struct TaskParts<'a> {
+    /// Safe mode: the claim that fences the settlement, as the resolver names it (a worker, by its lease view's
+    /// copy of the owner's id: see `LeaseView::token`).
+    pub token: Option<Token>,
+    /// The priority level the task was taken from.
+    pub level: usize,
+    /// The payload exactly as taken from Redis.
+    pub payload: &'a [u8],
+    /// The payload decoded; `None` when it does not decode (such a task can only be dead-lettered).
+    pub envelope: Option<&'a Envelope<'a>>,
+}
+
+impl TaskParts<'_> {
+    /// The id a unique task holds: a settlement releases it (or keeps it held, for a task queued again).
+    fn unique_id(&self) -> Option<String> {
+        self.envelope
+            .filter(|envelope| envelope.unique)
+            .and_then(|envelope| envelope.id.as_deref().map(str::to_string))
+    }
+}
+
 /// A reproducible jitter seed for a task's backoff.
 pub fn seed(envelope: &Envelope) -> u64 {
     let mut hasher = DefaultHasher::new();
@@ -59,19 +81,23 @@ pub fn seed(envelope: &Envelope) -> u64 {
     hasher.finish()
 }
 
-/// Builds the settlement for `action`; `failed` says whether the run counts as failed
-/// ([`crate::policy::Verdict::is_failed_run`]). `envelope` is `None` when the payload did not decode; such a task can only
-/// be dead-lettered or acknowledged, never retried (there is no attempt count to raise), so a retry becomes a
-/// dead letter.
-pub fn settlement(
+/// Builds the record for `action`; `failed` says whether the run counts as failed
+/// ([`crate::policy::Verdict::is_failed_run`]). A task whose payload did not decode (no `envelope`) can only be
+/// dead-lettered or acknowledged, never retried (there is no attempt count to raise), so a retry becomes a dead
+/// letter.
+pub fn record(
     origin: &Origin<'_>,
     action: &Action,
     failed: bool,
-    token: Option<Token>,
-    level: usize,
-    payload: &[u8],
-    envelope: Option<&Envelope>,
+    task: TaskParts<'_>,
 ) -> (Settlement, Option<Box<DeadHook>>) {
+    let unique_id = task.unique_id();
+    let TaskParts {
+        token,
+        level,
+        payload,
+        envelope,
+    } = task;
     // A malformed payload has no envelope to queue again: it can only be dead-lettered. Built only then: this
     // runs once per task.
     let malformed;
@@ -84,9 +110,6 @@ pub fn settlement(
         }
         _ => action,
     };
-    let unique_id = envelope
-        .filter(|e| e.unique)
-        .and_then(|e| e.id.as_deref().map(str::to_string));
     // Called once, whichever the branch.
     let base = move |op, payload: Vec<u8>| Settlement {
         op,
@@ -175,20 +198,17 @@ pub struct Ran {
     pub output: String,
 }
 
-/// Decides a task's fate from `verdict`, logs it, and builds the settlement: the one path every outcome takes,
-/// whether it comes from a worker, an execution timeout or a monitor.
-// The task's parts as the lane holds them: bundling them would only move the list into a struct built per call.
-#[allow(clippy::too_many_arguments)]
+/// Decides a task's fate from `verdict` ([`policy::decide`]), logs it, and builds the record that applies it:
+/// the one place every outcome is decided, whether it comes from a worker, a plugin's completion, an execution
+/// timeout or a monitor. `ran`: what its handler's run left (how long, its output), when one ran, for the log.
 pub fn decide(
     policy: &Policy,
     origin: &Origin<'_>,
     verdict: Verdict,
     ran: Option<Ran>,
-    token: Option<Token>,
-    level: usize,
-    payload: &[u8],
-    envelope: Option<&Envelope>,
+    task: TaskParts<'_>,
 ) -> (Settlement, Option<Box<DeadHook>>) {
+    let envelope = task.envelope;
     let attempt = envelope.map_or(0, |e| e.attempt);
     let failed = verdict.is_failed_run();
     // The worker warned once for the type; a retry per task would flood the log during a rolling deploy.
@@ -251,44 +271,20 @@ pub fn decide(
             tracing::warn!(queue, id = &*id(), kind = &*kind(), attempt, duration = duration(), %reason, "task dead-lettered")
         }
     }
-    settlement(origin, &action, failed, token, level, payload, envelope)
+    record(origin, &action, failed, task)
 }
 
-/// A hand-back at shutdown: the task goes to the front of its level unchanged (a unique one keeps its id held).
-pub fn handback(
-    token: Option<Token>,
-    level: usize,
-    payload: &[u8],
-    unique_id: Option<String>,
-) -> Settlement {
+/// A hand-back (the shutdown, a reload, stuck workers): the task goes to the front of its level unchanged, and a
+/// unique one keeps its id held, as a waiting task again (default mode: no longer by the popping owner).
+pub fn handback(task: TaskParts<'_>) -> Settlement {
     Settlement {
         op: SettleOp::Back,
-        token,
-        unique_id,
-        level,
-        payload: payload.to_vec(),
+        unique_id: task.unique_id(),
+        token: task.token,
+        level: task.level,
+        payload: task.payload.to_vec(),
         failed: false,
     }
-}
-
-/// Calls the `on_dead` hook of the plugin that handles the task's type, if any.
-pub fn run_dead_hook(registry: &Registry, queue: &str, hook: &DeadHook) {
-    let Some(plugin) = registry.for_type(&hook.envelope.kind) else {
-        return;
-    };
-    let cancel = std::sync::atomic::AtomicU32::new(0);
-    let envelope = &hook.envelope;
-    let run = Run {
-        id: envelope.id_str(),
-        queue,
-        kind: &envelope.kind,
-        data: envelope.data.get(),
-        attempt: envelope.attempt,
-        created_at_ms: envelope.created_at.unwrap_or(0),
-        deadline_ms: 0,
-        cancel: &cancel,
-    };
-    plugin.on_dead(&run, &hook.reason);
 }
 
 #[cfg(test)]
@@ -304,6 +300,25 @@ mod tests {
                 position: 0,
             },
         }
+    }
+
+    /// [`record`] of a task given by its parts.
+    fn record_of(
+        origin: &Origin<'_>,
+        action: &Action,
+        failed: bool,
+        token: Option<Token>,
+        level: usize,
+        payload: &[u8],
+        envelope: Option<&Envelope>,
+    ) -> (Settlement, Option<Box<DeadHook>>) {
+        let task = TaskParts {
+            token,
+            level,
+            payload,
+            envelope,
+        };
+        record(origin, action, failed, task)
     }
 
     fn origin() -> Origin<'static> {
@@ -324,7 +339,7 @@ mod tests {
             reason: "boom".into(),
             isolated: false,
         };
-        let (s, hook) = settlement(
+        let (s, hook) = record_of(
             &origin(),
             &action,
             true,
@@ -360,7 +375,7 @@ mod tests {
             reason: "malformed task: x".into(),
             isolated: false,
         };
-        let (s, hook) = settlement(&origin(), &action, false, None, 0, b"not json", None);
+        let (s, hook) = record_of(&origin(), &action, false, None, 0, b"not json", None);
         assert_eq!(s.op, SettleOp::Dead);
         let record: serde_json::Value = serde_json::from_slice(&s.payload).unwrap();
         assert_eq!(record["task"], "not json");
@@ -379,7 +394,7 @@ mod tests {
         let action = Action::Recover {
             quarantine: Some(2),
         };
-        let (s, hook) = settlement(
+        let (s, hook) = record_of(
             &origin(),
             &action,
             false,
@@ -407,7 +422,7 @@ mod tests {
             reason: "malformed task: not UTF-8".into(),
         };
         let payload = b"{\"id\":\"x\",\"type\":\"t\",\"data\":\"\xff\xfe\"}";
-        let (s, _) = settlement(&origin(), &action, false, None, 0, payload, None);
+        let (s, _) = record_of(&origin(), &action, false, None, 0, payload, None);
         let record: serde_json::Value = serde_json::from_slice(&s.payload).unwrap();
         assert!(record.get("task").is_none());
         let kept = base64::engine::general_purpose::STANDARD
@@ -421,7 +436,7 @@ mod tests {
         let action = Action::Dead {
             reason: "malformed task: missing field `type`".into(),
         };
-        let (s, _) = settlement(
+        let (s, _) = record_of(
             &origin(),
             &action,
             false,
@@ -440,7 +455,7 @@ mod tests {
         let action = Action::Dead {
             reason: "bad".into(),
         };
-        let (s, hook) = settlement(
+        let (s, hook) = record_of(
             &origin(),
             &action,
             true,
@@ -471,10 +486,10 @@ mod tests {
             reason: "bad".into(),
         };
         let payload = br#"{"id":"a","type":"t"}"#;
-        let (s, _) = settlement(&origin, &action, true, None, 1, payload, Some(&envelope));
+        let (s, _) = record_of(&origin, &action, true, None, 1, payload, Some(&envelope));
         let record: serde_json::Value = serde_json::from_slice(&s.payload).unwrap();
         assert_eq!(record["level"], "low");
-        let (s, _) = settlement(&origin, &action, true, None, 0, b"not json", None);
+        let (s, _) = record_of(&origin, &action, true, None, 0, b"not json", None);
         let record: serde_json::Value = serde_json::from_slice(&s.payload).unwrap();
         assert_eq!(record["level"], "high", "a malformed payload's level too");
     }

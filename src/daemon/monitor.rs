@@ -24,7 +24,7 @@ use crate::plugin::Plugins;
 use crate::policy::Verdict;
 use crate::queue::QueueContext;
 use crate::retry::Trouble;
-use crate::settlement::{self, DeadHook};
+use crate::settlement::{DeadHook, TaskParts};
 use crate::shutdown::Listener;
 
 /// The most tasks handled per round trip.
@@ -251,14 +251,13 @@ impl Monitor {
                 owner: Arc::clone(&expired.owner),
                 id: token.clone(),
             };
-            let (settlement, hook) = queue.settle_verdict(
-                verdict,
-                None,
-                Some(token),
+            let task = TaskParts {
+                token: Some(token),
                 level,
                 payload,
-                envelope.as_ref(),
-            );
+                envelope: envelope.as_ref(),
+            };
+            let (settlement, hook) = queue.settle(verdict, None, task);
             settlements.push(settlement);
             hooks.push(hook);
         }
@@ -282,7 +281,9 @@ impl Monitor {
         for (hook, applied) in hooks.iter().zip(settled.applied) {
             if let (Some(hook), Some(true)) = (hook, applied) {
                 self.pulse.beat();
-                settlement::run_dead_hook(&self.plugins.current(), &queue.config.name, hook);
+                self.plugins
+                    .current()
+                    .on_dead(&queue.config.name, &hook.envelope, &hook.reason);
             }
         }
         Ok(Some((held.len(), recovered)))

@@ -7,7 +7,7 @@ use std::cell::{Ref, RefCell};
 use std::collections::{HashMap, HashSet};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 use rustc_hash::FxHashMap;
@@ -15,6 +15,7 @@ use rustc_hash::FxHashMap;
 pub use ffi::{Completion, LoadedPlugin, MESSAGE_CAPACITY, Run, Status};
 
 use crate::config::{Config, PluginConfig};
+use crate::task::Envelope;
 
 /// Why a plugin was refused. Every variant names the file and says what to do about it.
 #[derive(Debug, thiserror::Error)]
@@ -149,6 +150,28 @@ impl PluginError {
                 location: location.to_string(),
                 error: Box::new(error),
             },
+        }
+    }
+}
+
+impl<'a> Run<'a> {
+    /// The run of the task `envelope` of `queue`: `deadline_ms` is Redis's time by which it must be done (0:
+    /// none), `cancel` the flag raised to ask its handler to stop.
+    pub fn of(
+        envelope: &'a Envelope,
+        queue: &'a str,
+        deadline_ms: i64,
+        cancel: &'a AtomicU32,
+    ) -> Run<'a> {
+        Run {
+            id: envelope.id_str(),
+            queue,
+            kind: &envelope.kind,
+            data: envelope.data.get(),
+            attempt: envelope.attempt,
+            created_at_ms: envelope.created_at.unwrap_or(0),
+            deadline_ms,
+            cancel,
         }
     }
 }
@@ -295,6 +318,16 @@ impl Registry {
     /// The plugin that handles `kind`.
     pub fn for_type(&self, kind: &str) -> Option<&Arc<LoadedPlugin>> {
         self.by_type.get(kind)
+    }
+
+    /// Calls the `on_dead` hook of the plugin that handles the task's type, if any: the task was dead-lettered
+    /// for `reason` (the settle that did it is in Redis).
+    pub fn on_dead(&self, queue: &str, envelope: &Envelope, reason: &str) {
+        let Some(plugin) = self.for_type(&envelope.kind) else {
+            return;
+        };
+        let cancel = AtomicU32::new(0);
+        plugin.on_dead(&Run::of(envelope, queue, 0, &cancel), reason);
     }
 
     /// The loaded plugins: the config's sections in order, then the drop-ins by file name.

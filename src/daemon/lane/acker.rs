@@ -28,7 +28,6 @@ use super::resolve::{Outcome, Resolution};
 use crate::broker::{Fence, Session, Settlement};
 use crate::daemon::settler::Settler;
 use crate::plugin::Plugins;
-use crate::settlement;
 use crate::shutdown::Listener;
 
 /// The most outcomes settled in one script call.
@@ -211,7 +210,9 @@ impl Acker {
                 Some(true),
             ) = (&outcome.resolution, applied)
             {
-                settlement::run_dead_hook(&self.plugins.current(), &queue.config.name, hook);
+                self.plugins
+                    .current()
+                    .on_dead(&queue.config.name, &hook.envelope, &hook.reason);
                 // A batch may dead-letter many tasks, each hook a plugin call: only one that never returns is a hang.
                 lane.acker_pulse.beat();
             }

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use super::Lane;
 use super::depth::Depth;
 use super::jobs;
-use super::resolve::{Job, JobState, Taken};
+use super::resolve::{Job, JobState};
 use crate::broker::{self, Batch, BrokerError, Isolation, OwnerInfo, Session};
 use crate::config::{Mode, Prefetch};
 use crate::retry::{Backoff, Trouble};
@@ -429,9 +429,7 @@ impl Fetcher {
         let held = lane.held.insert(states, batch.payloads);
         if stopping {
             for (id, state) in held {
-                if state.take() == Some(Taken::Waiting) {
-                    lane.send(lane.hand_back(id, &state));
-                }
+                lane.hand_back_if_waiting(id, &state);
             }
             return;
         }
@@ -447,9 +445,7 @@ impl Fetcher {
         // Refused only when every worker is gone, which happens after the fetcher.
         if let Err(jobs) = self.jobs.send(jobs) {
             for job in jobs {
-                if job.state.take() == Some(Taken::Waiting) {
-                    lane.send(lane.hand_back(job.id, &job.state));
-                }
+                lane.hand_back_if_waiting(job.id, &job.state);
             }
         }
     }

@@ -3,14 +3,22 @@
 //! A task the fetcher took from Redis is *held* until the acker has settled its outcome there. While it is held,
 //! exactly one party *resolves* it, that is, decides the outcome the acker will apply:
 //!
-//! - the **worker** that ran it, when the handler returned in time;
+//! - the **worker** that ran it, when the handler returned in time ([`Lane::finish`]; for a task a plugin took in
+//!   `start`, the plugin's completion plays the worker's part, on the plugin's thread: `started`);
 //! - the **execution timeout** (the `kmqd-timeouts` thread), when the handler ran too long;
 //! - the **shutdown**, which hands back what did not finish within `shutdown_grace`;
 //! - the **capacity guard**, which hands back tasks waiting behind workers that are all stuck;
-//! - the **heartbeat**, when the owner's lease was lost: the monitors recover the task, this daemon forgets it.
+//! - a **reload** that retires the lane, which hands back the tasks waiting for a worker;
+//! - the **fetcher**, which hands back a claim that lands once claiming stopped, or that no worker is left to
+//!   take;
+//! - the **heartbeat** or the **fetcher**, when the owner's lease was lost: the monitors recover the task, this
+//!   daemon forgets it.
 //!
 //! Every resolution sends exactly one [`Outcome`] to the lane's acker, which is the only party that forgets a
-//! held task and frees its capacity. The phases, one atomic per task ([`JobState`]):
+//! held task and frees its capacity. What the outcome is comes from one place: a verdict (what the run came to)
+//! goes through [`crate::queue::QueueContext::settle`] to `settlement::decide`, which asks the policy for the
+//! action and builds the record; a hand-back or a lost lease has no verdict. The phases, one atomic per task
+//! ([`JobState`]):
 //!
 //! ```text
 //!             start (worker)                 finish (worker): its outcome counts
@@ -51,8 +59,9 @@ use crate::broker::payloads::Payloads;
 use crate::broker::{Settlement, Token};
 use crate::config::Mode;
 use crate::daemon::metrics::observed::{self, TaskOutcome};
+use crate::plugin::Status;
 use crate::policy::Verdict;
-use crate::settlement::{self, DeadHook, Ran};
+use crate::settlement::{self, DeadHook, Ran, TaskParts};
 use crate::task::Envelope;
 
 /// A local handle for a task held by this daemon (unique within the process).
@@ -227,6 +236,21 @@ impl Task {
         self.claim.payloads.get(self.index)
     }
 
+    /// What a settlement of this task is made of: `token` names its claim as the resolver does (a worker by its
+    /// lease view's copy of the owner's id), `envelope` is its payload decoded, if it decodes.
+    pub fn parts<'a>(
+        &'a self,
+        token: Option<Token>,
+        envelope: Option<&'a Envelope<'a>>,
+    ) -> TaskParts<'a> {
+        TaskParts {
+            token,
+            level: self.level,
+            payload: self.payload(),
+            envelope,
+        }
+    }
+
     /// A task claimed alone.
     #[cfg(test)]
     pub fn alone(state: JobState, payload: &[u8]) -> Task {
@@ -319,6 +343,91 @@ impl Outcome {
     }
 }
 
+/// A handler's status as a verdict, with what its run left for the log: its duration (read only when an event
+/// will carry it: a run that did not finish the task, whose event is a warning, or `task done` at debug) and
+/// its output.
+pub fn verdict_of(status: Status, plugin: &str, started: Instant) -> (Verdict, Option<Ran>) {
+    let logged = !matches!(status, Status::Done { .. }) || tracing::enabled!(tracing::Level::DEBUG);
+    let duration = logged.then(|| started.elapsed());
+    let (verdict, output) = match status {
+        Status::Done { output } => (Verdict::Done, output),
+        Status::Retry { after, message } => (
+            Verdict::HandlerError {
+                reason: non_empty(message, "handler asked to retry"),
+                after,
+            },
+            String::new(),
+        ),
+        Status::Fail { message } => (
+            Verdict::Fail {
+                reason: non_empty(message, "handler failed the task"),
+            },
+            String::new(),
+        ),
+        Status::Unknown(status) => (
+            Verdict::HandlerError {
+                reason: format!(
+                    "plugin {plugin} returned status {status}, which is not a kmq_status"
+                ),
+                after: None,
+            },
+            String::new(),
+        ),
+    };
+    (verdict, Some(Ran { duration, output }))
+}
+
+fn non_empty(message: String, fallback: &str) -> String {
+    if message.is_empty() {
+        fallback.to_string()
+    } else {
+        message
+    }
+}
+
+/// The worker's resolution: its task's run is over.
+impl Lane {
+    /// The run of `task` is over with `verdict`: its outcome for the acker, unless someone took the task while it
+    /// ran (`None`: the outcome is dropped, and a worker counted stuck is given back). `token`: the task's, as
+    /// the resolver names it (see [`Task::parts`]); `envelope`: its payload decoded, when it decodes; `ran`: what
+    /// the handler's run left, when one ran.
+    pub fn finish(
+        &self,
+        job: JobId,
+        task: &Task,
+        token: Option<Token>,
+        envelope: Option<&Envelope>,
+        verdict: Verdict,
+        ran: Option<Ran>,
+    ) -> Option<Outcome> {
+        match task.finish() {
+            Finished::Resolved => {
+                let (settlement, dead_hook) =
+                    self.queue.settle(verdict, ran, task.parts(token, envelope));
+                Some(Outcome::settle(job, settlement, dead_hook))
+            }
+            finished => {
+                let id = envelope.map_or("", Envelope::id_str);
+                let queue = self.name();
+                if finished == Finished::WasStuck {
+                    self.capacity.unstuck();
+                    tracing::warn!(
+                        queue,
+                        id,
+                        "a stuck handler returned at last; its worker is back"
+                    );
+                }
+                tracing::warn!(
+                    queue,
+                    id,
+                    "outcome after the execution timeout, a lost lease or the shutdown is ignored"
+                );
+                None
+            }
+        }
+    }
+}
+
 /// The resolutions made outside the workers: each takes tasks with [`JobState::take`] and sends exactly one
 /// outcome for each task it won.
 impl Lane {
@@ -346,40 +455,28 @@ impl Lane {
                 duration: Some(timeout),
                 output: String::new(),
             };
-            let token = state.token.clone();
-            self.send(self.outcome(job, &state, token, verdict, Some(ran), envelope.as_ref()));
+            let task = state.parts(state.token.clone(), envelope.as_ref());
+            let (settlement, dead_hook) = self.queue.settle(verdict, Some(ran), task);
+            self.send(Outcome::settle(job, settlement, dead_hook));
         }
     }
 
-    /// The outcome of a resolved task whose fate `verdict` decides (its worker's, or a timeout's).
-    /// `token`: the task's, as the resolver names it (see `LeaseView::token`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn outcome(
-        &self,
-        job: JobId,
-        state: &Task,
-        token: Option<Token>,
-        verdict: Verdict,
-        ran: Option<Ran>,
-        envelope: Option<&Envelope>,
-    ) -> Outcome {
-        let (settlement, dead_hook) =
-            self.queue
-                .settle_verdict(verdict, ran, token, state.level, state.payload(), envelope);
-        Outcome::settle(job, settlement, dead_hook)
+    /// Takes a task nobody started and hands it back (see [`Lane::hand_back`]); false when it was running or
+    /// resolved already, and so is not this caller's.
+    pub fn hand_back_if_waiting(&self, job: JobId, task: &Task) -> bool {
+        let waiting = task.take() == Some(Taken::Waiting);
+        if waiting {
+            self.send(self.hand_back(job, task));
+        }
+        waiting
     }
 
     /// The outcome of a task taken back before it ran (or, in safe mode, while it ran): it goes to the front of
     /// its level unchanged.
-    pub fn hand_back(&self, job: JobId, state: &Task) -> Outcome {
-        let envelope = self.queue.decode(state.payload()).ok();
+    fn hand_back(&self, job: JobId, task: &Task) -> Outcome {
+        let envelope = self.queue.decode(task.payload()).ok();
         self.count(envelope.as_ref(), TaskOutcome::HandedBack);
-        // A unique task keeps its id held, as a waiting task again (default mode: no longer by the popping owner).
-        let unique_id = envelope
-            .filter(|envelope| envelope.unique)
-            .and_then(|envelope| envelope.id.map(|id| id.into_owned()));
-        let settlement =
-            settlement::handback(state.token.clone(), state.level, state.payload(), unique_id);
+        let settlement = settlement::handback(task.parts(task.token.clone(), envelope.as_ref()));
         Outcome::settle(job, settlement, None)
     }
 
@@ -412,14 +509,11 @@ impl Lane {
     /// Hands back the tasks waiting for a worker, so that another lane or daemon runs them: every worker is
     /// stuck, or a reload retires the lane. Returns how many.
     pub fn hand_back_waiting(&self) -> usize {
-        let mut handed_back = 0;
-        for (job, state) in self.held.select(JobState::is_waiting) {
-            if state.take() == Some(Taken::Waiting) {
-                self.send(self.hand_back(job, &state));
-                handed_back += 1;
-            }
-        }
-        handed_back
+        self.held
+            .select(JobState::is_waiting)
+            .into_iter()
+            .filter(|(job, state)| self.hand_back_if_waiting(*job, state))
+            .count()
     }
 
     /// `owner`'s lease was lost: the monitors return its tasks to the queue, so this daemon forgets them. Running

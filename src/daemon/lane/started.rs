@@ -15,9 +15,8 @@ use std::time::Instant;
 
 use super::Lane;
 use super::lock;
-use super::resolve::{JobId, Task};
-use super::worker::{outcome_of, verdict_of};
-use crate::daemon::metrics::observed::TypeCache;
+use super::resolve::{JobId, Task, verdict_of};
+use crate::daemon::metrics::observed::{TaskOutcome, TypeCache};
 use crate::plugin::{LoadedPlugin, Status};
 use crate::task::Envelope;
 
@@ -92,17 +91,14 @@ impl Started {
             types.get(Some(&envelope.kind), |_| true);
             types.ran(lane.since_epoch(at));
             types.ended(lane.since_epoch(Instant::now()));
-            if let Some(outcome) = outcome_of(
-                &lane,
-                None,
-                job,
-                &state,
-                verdict,
-                ran,
-                Some(&envelope),
-                &mut types,
-                |_| true,
-            ) {
+            let token = state.token.clone();
+            let outcome = lane.finish(job, &state, token, Some(&envelope), verdict, ran);
+            if let Some(outcome) = outcome {
+                if let Some(settlement) = outcome.settlement() {
+                    types
+                        .get(Some(&envelope.kind), |_| true)
+                        .count(TaskOutcome::of(settlement));
+                }
                 lane.send(outcome);
             }
             // No worker flushes this cache when it goes idle: each completion adds its counts at once.

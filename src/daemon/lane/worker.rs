@@ -10,11 +10,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::jobs;
-use super::resolve::{Finished, Job, JobId, Outcome, Taken, Task};
+use super::resolve::{Job, Outcome, verdict_of};
 use super::started::Started;
 use super::{Lane, LeaseView};
 use crate::daemon::metrics::observed::{TaskOutcome, TypeCache};
-use crate::plugin::{MESSAGE_CAPACITY, Reader, Run, Status};
+use crate::plugin::{MESSAGE_CAPACITY, Reader, Run};
 use crate::policy::Verdict;
 use crate::settlement::Ran;
 use crate::shutdown::Listener;
@@ -93,9 +93,7 @@ impl Worker {
                     .take_ahead(now_ns.saturating_sub(last) < SHORT_TASK_NS);
             }
             if !self.lease_allows(&mut lease, &job, now) || self.claiming.is_triggered() {
-                if job.state.take() == Some(Taken::Waiting) {
-                    self.lane.send(self.lane.hand_back(job.id, &job.state));
-                }
+                self.lane.hand_back_if_waiting(job.id, &job.state);
             } else {
                 holding = self.run_job(job, &lease, (now, now_ns), &mut message, &mut types);
             }
@@ -163,17 +161,18 @@ impl Worker {
                 }
             }
         };
-        let outcome = outcome_of(
-            &self.lane,
-            Some(lease),
-            job.id,
-            state,
-            verdict,
-            ran,
-            envelope,
-            types,
-            |kind| self.plugins.current().for_type(kind).is_some(),
-        );
+        // The settlement names the owner by this worker's own copy of its id (see `LeaseView::token`).
+        let token = state.token.as_ref().map(|token| lease.token(token));
+        let outcome = self
+            .lane
+            .finish(job.id, state, token, envelope, verdict, ran);
+        if let Some(settlement) = outcome.as_ref().and_then(Outcome::settlement) {
+            let kind = envelope.map(|envelope| &*envelope.kind);
+            let is_handled = |kind: &str| self.plugins.current().for_type(kind).is_some();
+            types
+                .get(kind, is_handled)
+                .count(TaskOutcome::of(settlement));
+        }
         // The envelope borrows the task's payload: it goes before the task does.
         drop(slot);
         if let Some(outcome) = outcome {
@@ -225,18 +224,10 @@ impl Worker {
                 reason: format!("no plugin handles task type {kind:?}"),
             });
         };
-        let run = Run {
-            id: envelope.id_str(),
-            queue: &queue.config.name,
-            kind: &envelope.kind,
-            data: envelope.data.get(),
-            attempt: envelope.attempt,
-            created_at_ms: envelope.created_at.unwrap_or(0),
-            deadline_ms: queue.config.execution_timeout.map_or(0, |timeout| {
-                now_ms.saturating_add(i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX))
-            }),
-            cancel: &job.state.cancel,
-        };
+        let deadline_ms = queue.config.execution_timeout.map_or(0, |timeout| {
+            now_ms.saturating_add(i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX))
+        });
+        let run = Run::of(envelope, &queue.config.name, deadline_ms, &job.state.cancel);
         tracing::debug!(
             queue = %queue.config.name,
             id = %capped(run.id, LOGGED_PAYLOAD_BYTES),
@@ -280,91 +271,6 @@ enum Attempt {
     Started,
 }
 
-/// A handler's status as a verdict, with what its run left for the log: its duration (read only when an event
-/// will carry it: a run that did not finish the task, whose event is a warning, or `task done` at debug) and
-/// its output.
-pub(super) fn verdict_of(status: Status, plugin: &str, started: Instant) -> (Verdict, Option<Ran>) {
-    let logged = !matches!(status, Status::Done { .. }) || tracing::enabled!(tracing::Level::DEBUG);
-    let duration = logged.then(|| started.elapsed());
-    let (verdict, output) = match status {
-        Status::Done { output } => (Verdict::Done, output),
-        Status::Retry { after, message } => (
-            Verdict::HandlerError {
-                reason: non_empty(message, "handler asked to retry"),
-                after,
-            },
-            String::new(),
-        ),
-        Status::Fail { message } => (
-            Verdict::Fail {
-                reason: non_empty(message, "handler failed the task"),
-            },
-            String::new(),
-        ),
-        Status::Unknown(status) => (
-            Verdict::HandlerError {
-                reason: format!(
-                    "plugin {plugin} returned status {status}, which is not a kmq_status"
-                ),
-                after: None,
-            },
-            String::new(),
-        ),
-    };
-    (verdict, Some(Ran { duration, output }))
-}
-
-/// The run of a task is over, with `verdict`: its outcome for the acker, unless someone took the task while it
-/// ran (`None`: the outcome is dropped). `lease`: the view of the worker that ran it, whose copy of the owner's id
-/// the settlement names (see [`LeaseView::token`]; `None` for another thread). Counted in `types`; `is_handled`
-/// as [`TypeCache::get`]'s.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn outcome_of(
-    lane: &Lane,
-    lease: Option<&LeaseView>,
-    job: JobId,
-    state: &Task,
-    verdict: Verdict,
-    ran: Option<Ran>,
-    envelope: Option<&Envelope>,
-    types: &mut TypeCache,
-    is_handled: impl FnOnce(&str) -> bool,
-) -> Option<Outcome> {
-    match state.finish() {
-        Finished::Resolved => {}
-        finished => {
-            let id = envelope.map_or("", Envelope::id_str);
-            let queue = lane.name();
-            if finished == Finished::WasStuck {
-                lane.capacity.unstuck();
-                tracing::warn!(
-                    queue,
-                    id,
-                    "a stuck handler returned at last; its worker is back"
-                );
-            }
-            tracing::warn!(
-                queue,
-                id,
-                "outcome after the execution timeout, a lost lease or the shutdown is ignored"
-            );
-            return None;
-        }
-    }
-    let token = match lease {
-        Some(lease) => state.token.as_ref().map(|token| lease.token(token)),
-        None => state.token.clone(),
-    };
-    let outcome = lane.outcome(job, state, token, verdict, ran, envelope);
-    if let Some(settlement) = outcome.settlement() {
-        let kind = envelope.map(|envelope| &*envelope.kind);
-        types
-            .get(kind, is_handled)
-            .count(TaskOutcome::of(settlement));
-    }
-    Some(outcome)
-}
-
 /// Runs this thread `nice` lower than it runs now (niceness added, at most 19), as the queue's `worker_nice` asks
 /// (docs/CONFIG.md): raising one's own niceness needs no privilege. A failure is logged and the worker runs on.
 fn lower_priority(queue: &str, nice: i32) {
@@ -374,13 +280,5 @@ fn lower_priority(queue: &str, nice: i32) {
     });
     if let Err(error) = lowered {
         tracing::warn!(queue, %error, "could not lower a worker thread's priority (worker_nice)");
-    }
-}
-
-fn non_empty(message: String, fallback: &str) -> String {
-    if message.is_empty() {
-        fallback.to_string()
-    } else {
-        message
     }
 }
