@@ -18,6 +18,12 @@
 -- with its exact bytes). Only a payload with the text "created_at" in it is decoded, to keep pushes cheap, so
 -- text shaped like an object ({" ... }) that is not JSON gets the stamp too, and so does an object whose
 -- "created_at" key is written with \u escapes (docs/PROTOCOL.md).
+-- Checks before it writes: a call that fails writes nothing, takes no unique id, and can be sent again. It
+-- fails when a key it would write is of another type ("WRONGTYPE push.lua: KEY is a string, not a list"), when
+-- the stats hash's `pushed` is not an integer ("ERR push.lua: KEY field pushed is not an integer"), or when a
+-- delayed or unique task has no id. (The type and counter checks need TYPE and HGET: an ACL user without them,
+-- made from the producers' rules of an older kmqd, pushes as before, unchecked.) Any number of tasks may come in
+-- one call (they are pushed 1,000 at a time).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local stamp = '"created_at":' .. string.format('%d', now)
@@ -78,6 +84,37 @@ for i = 4, #ARGV, 3 do
     return redis.error_reply('push.lua: a delayed or unique task needs an id (task ' .. ((i - 1) / 3) .. ')')
   end
 end
+-- The type of every key this call may write (its kind of tasks decides which), then the counter it increments.
+local expected = {{6, 'hash'}}
+if delayed then
+  expected[2], expected[3] = {2, 'zset'}, {3, 'hash'}
+else
+  expected[2], expected[3] = {1, 'list'}, {4, 'list'}
+end
+for i = 5, #ARGV, 3 do
+  if ARGV[i] == '1' then
+    expected[#expected + 1] = {5, 'hash'}
+    break
+  end
+end
+for _, check in ipairs(expected) do
+  local key, kind = KEYS[check[1]], check[2]
+  if redis.acl_check_cmd('TYPE', key) then
+    local found = redis.call('TYPE', key).ok
+    if found ~= 'none' and found ~= kind then
+      return redis.error_reply('WRONGTYPE push.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
+        '; nothing was written')
+    end
+  end
+end
+if redis.acl_check_cmd('HGET', KEYS[6], 'pushed') then
+  local pushed = redis.call('HGET', KEYS[6], 'pushed')
+  local digits = pushed and string.match(pushed, '^-?([1-9]%d*)$')
+  if pushed and pushed ~= '0' and not (digits and #digits <= 18) then
+    return redis.error_reply('ERR push.lua: ' .. KEYS[6] .. ' field pushed is not an integer (' ..
+      string.sub(pushed, 1, 40) .. '); nothing was written')
+  end
+end
 local result, ready, accepted = {}, {}, 0
 local earliest = nil
 if delayed then
@@ -108,7 +145,10 @@ for i = 4, #ARGV, 3 do
   result[#result + 1] = ok
 end
 if #ready > 0 then
-  redis.call('RPUSH', KEYS[1], unpack(ready))
+  -- In chunks: unpack's stack is bounded (about 8,000 values).
+  for first = 1, #ready, 1000 do
+    redis.call('RPUSH', KEYS[1], unpack(ready, first, math.min(first + 999, #ready)))
+  end
   -- One marker wakes one idle fetcher; a fetcher that finds more than it can take passes the marker on.
   redis.call('LPUSH', KEYS[4], 1)
   redis.call('LTRIM', KEYS[4], 0, 0)

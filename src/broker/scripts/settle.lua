@@ -51,8 +51,12 @@
 -- default-mode retry queued twice, a dead letter recorded twice) and the caller learns what was applied. Each
 -- settling party has its own KEYS[6] and makes one call at a time, so one stored result per party is enough.
 --
--- Atomic: every key is checked for its type before anything is written, and the shebang makes Redis refuse the
--- whole script up front when it is out of memory, so the script applies all or nothing.
+-- Atomic: it checks before it writes. Every key it may write is checked for its type, every counter it may
+-- increment (the stats hash's, the info hash's `journal`) for being an integer, and every record for its op, claim,
+-- position, level and stage, before anything is written ("WRONGTYPE settle.lua: KEY is a string, not a list",
+-- "ERR settle.lua: KEY field F is not an integer"), and the shebang makes Redis refuse the whole script up front
+-- when it is out of memory, so the script applies all or nothing. Its result is stored in KEYS[6] before the
+-- counters are incremented.
 local owners, stats, dead, uniq, wake, last_call = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local popped = KEYS[7]
 local fence, dead_max, levels, channel, owner = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], ARGV[5]
@@ -64,6 +68,11 @@ if safe then info, scratch = KEYS[PROCESSING + levels + 1], KEYS[PROCESSING + le
 local OPS = {ack = true, retry = true, retry_isolated = true, recover = true, recover_isolated = true,
   back = true, dead = true}
 
+local found = redis.call('TYPE', last_call).ok
+if found ~= 'none' and found ~= 'string' then
+  return redis.error_reply('WRONGTYPE settle.lua: ' .. last_call .. ' is a ' .. found .. ', not a string; nothing ' ..
+    'was applied')
+end
 local prior = redis.call('GET', last_call)
 if prior then
   local bar = string.find(prior, '|', 1, true)
@@ -121,9 +130,21 @@ for j = records, #ARGV, 8 do
   if not OPS[ARGV[j]] then
     return redis.error_reply('settle.lua: unknown op ' .. ARGV[j] .. '; nothing was applied')
   end
-  local k = tonumber(ARGV[j + 1])
-  if k > claims then
-    return redis.error_reply('settle.lua: record of claim ' .. k .. ' of ' .. claims .. '; nothing was applied')
+  local k, level = tonumber(ARGV[j + 1]), tonumber(ARGV[j + 4])
+  if not k or k < 0 or k > claims then
+    return redis.error_reply('settle.lua: record of claim ' .. ARGV[j + 1] .. ' of ' .. claims ..
+      '; nothing was applied')
+  end
+  if not level or level < 1 or level > levels or not tonumber(ARGV[j + 5]) then
+    return redis.error_reply('settle.lua: record at level ' .. ARGV[j + 4] .. ' of ' .. levels .. ' (delay ' ..
+      ARGV[j + 5] .. '); nothing was applied')
+  end
+  local stage = tonumber(ARGV[j + 5])
+  if (ARGV[j] == 'retry_isolated' or ARGV[j] == 'recover_isolated') and (stage < 1 or stage > 3) then
+    return redis.error_reply('settle.lua: quarantine stage ' .. ARGV[j + 5] .. '; nothing was applied')
+  end
+  if k > 0 and not tonumber(ARGV[j + 2]) then
+    return redis.error_reply('settle.lua: position ' .. ARGV[j + 2] .. ' in claim ' .. k .. '; nothing was applied')
   end
   if k == 0 and ARGV[j + 2] ~= '' then
     if not safe then
@@ -139,6 +160,24 @@ for key, kind in pairs(expected) do
     return redis.error_reply('WRONGTYPE settle.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
       '; nothing was applied')
   end
+end
+-- The counters it may increment: integers, or absent (HINCRBY fails on anything else).
+local function integer(key, field, value)
+  local digits = value and string.match(value, '^-?([1-9]%d*)$')
+  if value and value ~= '0' and not (digits and #digits <= 18) then
+    return redis.error_reply('ERR settle.lua: ' .. key .. ' field ' .. field .. ' is not an integer (' ..
+      string.sub(value, 1, 40) .. '); nothing was applied')
+  end
+end
+local COUNTERS = {'done', 'retried', 'recovered', 'failed', 'dead_lettered'}
+local counters = redis.call('HMGET', stats, unpack(COUNTERS))
+for n = 1, #COUNTERS do
+  local refused = integer(stats, COUNTERS[n], counters[n])
+  if refused then return refused end
+end
+if info and fence == 'owner' then
+  local refused = integer(info, 'journal', redis.call('HGET', info, 'journal'))
+  if refused then return refused end
 end
 
 local t = redis.call('TIME')
@@ -270,6 +309,16 @@ for k = 1, claims do
     end
   end
 end
+-- Only a registered owner settling its own tasks adds to its journal: a late settle after the monitors forgot
+-- the owner must not bring its info hash back.
+if info and fence == 'owner' and redis.call('EXISTS', info) == 1 then
+  result[#result + 1] = redis.call('HINCRBY', info, 'journal', 1)
+else
+  result[#result + 1] = 0
+end
+-- Kept a day: long enough for any retry (a caller retries until Redis answers), then it cleans itself up
+-- after a daemon that died. Stored before the counters: whatever follows, a call that applied is known as such.
+redis.call('SET', last_call, call .. '|' .. table.concat(result, ','), 'PX', 86400000)
 if dead_lettered > 0 then
   redis.call('LTRIM', dead, 0, dead_max - 1)
   redis.call('HINCRBY', stats, 'dead_lettered', dead_lettered)
@@ -285,14 +334,4 @@ end
 if wake_poller then
   redis.call('PUBLISH', channel, now)
 end
--- Only a registered owner settling its own tasks adds to its journal: a late settle after the monitors forgot
--- the owner must not bring its info hash back.
-if info and fence == 'owner' and redis.call('EXISTS', info) == 1 then
-  result[#result + 1] = redis.call('HINCRBY', info, 'journal', 1)
-else
-  result[#result + 1] = 0
-end
--- Kept a day: long enough for any retry (a caller retries until Redis answers), then it cleans itself up
--- after a daemon that died.
-redis.call('SET', last_call, call .. '|' .. table.concat(result, ','), 'PX', 86400000)
 return result
