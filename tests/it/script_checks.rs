@@ -453,3 +453,272 @@ fn every_script_that_answers_an_error_wrote_nothing() {
         "the replays reached the scripts' checks: {refused:?}"
     );
 }
+
+/// The tasks in `queue`'s claim lists (safe mode's processing area), read with plain commands: `kmqd stats`
+/// refuses a queue whose keys have the wrong type.
+fn claimed(redis: &RedisServer, queue: &str) -> i64 {
+    let lists: Vec<String> = redis.cmd(&["KEYS", &format!("kmq:{{{queue}}}:processing:*:*")]);
+    lists
+        .iter()
+        .filter(|key| !key.ends_with(":settled"))
+        .map(|key| {
+            let kind: String = redis.cmd(&["TYPE", key]);
+            if kind == "list" {
+                redis.cmd::<i64>(&["LLEN", key])
+            } else {
+                0
+            }
+        })
+        .sum()
+}
+
+fn ready(redis: &RedisServer, queue: &str) -> i64 {
+    redis.cmd(&["LLEN", &format!("kmq:{{{queue}}}:ready:normal")])
+}
+
+/// A safe daemon that reaches Redis through `proxy`, which counts its claims and settles; its log in the dir.
+fn daemon_through(
+    dir: &TestDir,
+    proxy: &FaultProxy,
+    queues: &str,
+) -> (std::path::PathBuf, Process) {
+    let config = dir.config_for_url(&proxy.url(), "shutdown_grace = \"5s\"", queues);
+    let daemon = crate::reload::start(dir, &config);
+    (config, daemon)
+}
+
+/// Waits until the proxy forwarded `n` more calls of `script` than `since`.
+fn wait_calls(proxy: &FaultProxy, script: &str, since: usize, n: usize) -> usize {
+    eventually(
+        Duration::from_secs(20),
+        &format!("{n} more calls of a script"),
+        || {
+            let seen = proxy.seen(&Matcher::script(script));
+            (seen >= since + n, seen)
+        },
+    )
+}
+
+/// Review M1: a wake key that is not a list (a third-party producer's SET) under a backlog. Each full claim used
+/// to move its batch into the claim lists of the live, renewing owner, then fail at LPUSH wake; the daemon took
+/// the error for "did not run" and claimed again, until the whole backlog sat under the lease and nothing ran.
+/// Now every claim refuses before it writes, the log names the key, the tasks stay ready, and once the key is
+/// fixed each runs once.
+#[test]
+fn a_wrong_typed_wake_key_strands_no_task_under_a_live_lease() {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let queues = safe_queue("batch = 20\nprefetch = 20\nworkers = 2");
+    let (config, daemon) = {
+        // The backlog first, then the broken key (push.lua would refuse to push beside it).
+        let config = dir.config(&redis, &queues);
+        push_many(&config, "t", 300, "7");
+        let _: i64 = redis.cmd(&["DEL", "kmq:{jobs}:wake"]);
+        let _: String = redis.cmd(&["SET", "kmq:{jobs}:wake", "not a list"]);
+        daemon_through(&dir, &proxy, &queues)
+    };
+    wait_calls(&proxy, sources::CLAIM, 0, 5);
+    assert_eq!(
+        (ready(&redis, "jobs"), claimed(&redis, "jobs")),
+        (300, 0),
+        "refused claims take nothing"
+    );
+    crate::reload::wait_logged(&daemon, "kmq:{jobs}:wake is a string, not a list", 1);
+    assert!(dir.records().starts.is_empty(), "nothing ran");
+    let _: i64 = redis.cmd(&["DEL", "kmq:{jobs}:wake"]);
+    wait_done(&config, 300, Duration::from_secs(30));
+    crate::reload::stop(daemon);
+    let records = dir.records();
+    assert_eq!(records.starts.len(), 300, "each task ran once");
+    for i in 0..300 {
+        assert_eq!(records.runs_of(&format!("t{i}")), 1, "t{i}");
+    }
+}
+
+/// Review M1: a dead key that is not a list, and a payload over max_task_bytes in the batch. The claim used to
+/// take the batch off the ready list, delete its claim list to check the payloads one by one, then fail at
+/// LPUSH dead: the batch was in no list at all. Now the claim refuses before it writes; once the key is fixed,
+/// every small task runs and the oversized one is dead-lettered.
+#[test]
+fn a_wrong_typed_dead_key_with_an_oversized_task_loses_nothing() {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let queues = safe_queue("max_task_bytes = 1024");
+    let config = dir.config(&redis, &queues);
+    push_many(&config, "t", 20, "7");
+    client(&config)
+        .push(
+            "jobs",
+            NewTask::new("test", &format!("\"{}\"", "x".repeat(2000)))
+                .unwrap()
+                .id("big"),
+        )
+        .unwrap();
+    let _: String = redis.cmd(&["SET", "kmq:{jobs}:dead", "not a list"]);
+    let (config, daemon) = daemon_through(&dir, &proxy, &queues);
+    wait_calls(&proxy, sources::CLAIM, 0, 3);
+    assert_eq!(
+        (ready(&redis, "jobs"), claimed(&redis, "jobs")),
+        (21, 0),
+        "refused claims take nothing"
+    );
+    crate::reload::wait_logged(&daemon, "kmq:{jobs}:dead is a string, not a list", 1);
+    let _: i64 = redis.cmd(&["DEL", "kmq:{jobs}:dead"]);
+    let s = eventually(Duration::from_secs(30), "the queue drained", || {
+        let s = stats(&config, "jobs");
+        (s.done == 20 && s.dead == 1, s)
+    });
+    crate::reload::stop(daemon);
+    assert_eq!((s.ready, s.processing), (0, 0), "{s:?}");
+    assert_eq!(dead_records(&redis, "jobs").len(), 1);
+    assert_eq!(dir.records().starts.len(), 20);
+}
+
+/// Review M1: push.lua used to RPUSH the tasks (and take their unique ids) before it failed on a wake or stats
+/// key of the wrong type or a `pushed` counter that is not an integer: every push was stored and answered with an
+/// error, so producers pushed again and duplicated it. Now such a push stores nothing, holds no id, and the same
+/// push succeeds once the key is fixed.
+#[test]
+fn a_push_beside_a_wrong_typed_wake_or_stats_key_stores_nothing_and_can_be_sent_again() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &safe_queue(""));
+    let client = client(&config);
+    let batch = || {
+        (0..3).map(|i| {
+            NewTask::new("test", "7")
+                .unwrap()
+                .id(format!("u{i}"))
+                .unique()
+        })
+    };
+    let breaks: [(&[&str], &str); 3] = [
+        (
+            &["SET", "kmq:{jobs}:wake", "x"],
+            "kmq:{jobs}:wake is a string",
+        ),
+        (
+            &["SET", "kmq:{jobs}:stats", "x"],
+            "kmq:{jobs}:stats is a string",
+        ),
+        (
+            &["HSET", "kmq:{jobs}:stats", "pushed", "1.5"],
+            "kmq:{jobs}:stats field pushed is not an integer",
+        ),
+    ];
+    for (broken, message) in breaks {
+        let _: i64 = redis.cmd(&["DEL", "kmq:{jobs}:wake", "kmq:{jobs}:stats"]);
+        let _: redis::Value = redis.cmd(broken);
+        let errors: Vec<String> = (0..3)
+            .map(|_| match client.push_batch("jobs", batch()) {
+                Err(error) => error.to_string(),
+                Ok(pushed) => format!("answered {pushed:?}"),
+            })
+            .collect();
+        let unique: i64 = redis.cmd(&["HLEN", "kmq:{jobs}:unique"]);
+        assert_eq!(
+            (ready(&redis, "jobs"), unique),
+            (0, 0),
+            "{broken:?}: nothing stored, no id held"
+        );
+        assert!(errors.iter().all(|e| e.contains(message)), "{errors:?}");
+    }
+    let _: i64 = redis.cmd(&["DEL", "kmq:{jobs}:stats"]);
+    let pushed = client.push_batch("jobs", batch()).unwrap();
+    assert!(pushed.iter().all(|p| p.is_accepted()));
+    assert_eq!(ready(&redis, "jobs"), 3, "each task once");
+}
+
+/// Review M1: settle.lua incremented its counters after applying the outcomes and before storing the call's
+/// result, so a counter that is not an integer (`HSET stats retried 1.5`, a monitoring tool's HINCRBYFLOAT)
+/// failed every settle after it applied; the acker sent the same call again and default mode queued the retry
+/// again each time, without end. Now the settle refuses before it writes: the retry is queued once the counter
+/// is fixed, and only then.
+#[test]
+fn a_counter_that_is_not_an_integer_does_not_make_default_mode_settle_apply_again() {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let queues = default_queue("workers = 1\nbackoff = \"10ms\"");
+    let _: i64 = redis.cmd(&["HSET", "kmq:{jobs}:stats", "retried", "1.5"]);
+    let (config, daemon) = daemon_through(&dir, &proxy, &queues);
+    client(&config)
+        .push(
+            "jobs",
+            NewTask::new("test", r#"{"fail_attempts":1}"#)
+                .unwrap()
+                .id("r"),
+        )
+        .unwrap();
+    wait_calls(&proxy, sources::SETTLE, 0, 4);
+    let retry: i64 = redis.cmd(&["ZCARD", "kmq:{jobs}:retry:normal"]);
+    assert_eq!(
+        (ready(&redis, "jobs"), retry, dir.records().runs_of("r")),
+        (0, 0, 1),
+        "the refused settles queued no retry"
+    );
+    crate::reload::wait_logged(
+        &daemon,
+        "kmq:{jobs}:stats field retried is not an integer",
+        1,
+    );
+    let _: i64 = redis.cmd(&["HDEL", "kmq:{jobs}:stats", "retried"]);
+    let s = eventually(Duration::from_secs(20), "the retry done", || {
+        let s = stats(&config, "jobs");
+        (s.done == 1, s)
+    });
+    crate::reload::stop(daemon);
+    assert_eq!((s.retried, s.ready, s.delayed), (1, 0, 0), "{s:?}");
+    assert_eq!(dir.records().runs_of("r"), 2, "run, retried once, run");
+}
+
+/// Review L1: one push.lua call of 10,000 unique tasks used to take every id (HSETNX), then fail in `unpack`
+/// (Lua's stack holds about 8,000 values): no task queued, every id held for ever, each retry refused as a
+/// duplicate. Now it pushes them 1,000 at a time: all queued, each id held once.
+#[test]
+fn a_push_of_10000_tasks_in_one_call_queues_them_all_or_nothing() {
+    let redis = RedisServer::start();
+    let mut connection = redis::Client::open(redis.url())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let mut call = redis::cmd("EVAL");
+    call.arg(PUSH_SCRIPT).arg(6);
+    for key in [
+        "ready:normal",
+        "delayed:normal",
+        "delayed-tasks",
+        "wake",
+        "unique",
+        "stats",
+    ] {
+        call.arg(format!("kmq:{{jobs}}:{key}"));
+    }
+    call.arg(0).arg(0).arg("kmq:{jobs}:delay-wake");
+    for i in 0..10_000 {
+        call.arg(format!("u{i}")).arg(1).arg(format!(
+            r#"{{"id":"u{i}","type":"test","data":7,"unique":true}}"#
+        ));
+    }
+    let reply: redis::RedisResult<Vec<i64>> = call.query(&mut connection);
+    let unique: i64 = redis.cmd(&["HLEN", "kmq:{jobs}:unique"]);
+    match reply {
+        Ok(accepted) => {
+            assert_eq!(accepted, vec![1; 10_000]);
+            assert_eq!((ready(&redis, "jobs"), unique), (10_000, 10_000));
+            let first: String = redis.cmd(&["LINDEX", "kmq:{jobs}:ready:normal", "0"]);
+            let last: String = redis.cmd(&["LINDEX", "kmq:{jobs}:ready:normal", "-1"]);
+            assert!(
+                first.contains("\"u0\"") && last.contains("\"u9999\""),
+                "in order"
+            );
+        }
+        Err(error) => assert_eq!(
+            (ready(&redis, "jobs"), unique),
+            (0, 0),
+            "a refused push stores nothing and holds no id: {error}"
+        ),
+    }
+}
