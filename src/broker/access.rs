@@ -1431,6 +1431,7 @@ mod tests {
     /// The commands each script runs, from its source.
     fn script_commands(source: &str) -> Vec<String> {
         let mut found: Vec<String> = source
+            .replace("redis.pcall('", "redis.call('")
             .split("redis.call('")
             .skip(1)
             .map(|rest| {
@@ -1478,7 +1479,6 @@ mod tests {
         for (role, scripts) in cases {
             let needs = role.needs();
             for script in scripts {
-                assert!(!script.contains("redis.pcall("), "pcall is not looked for");
                 for command in script_commands(script) {
                     if role == Role::Producer && matches!(command.as_str(), "type" | "hget") {
                         assert!(

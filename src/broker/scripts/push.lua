@@ -84,36 +84,43 @@ for i = 4, #ARGV, 3 do
     return redis.error_reply('push.lua: a delayed or unique task needs an id (task ' .. ((i - 1) / 3) .. ')')
   end
 end
--- The type of every key this call may write (its kind of tasks decides which), then the counter it increments.
-local expected = {{6, 'hash'}}
-if delayed then
-  expected[2], expected[3] = {2, 'zset'}, {3, 'hash'}
-else
-  expected[2], expected[3] = {1, 'list'}, {4, 'list'}
+-- The type of every key this call may write, then the counter it increments; the fewest calls for a plain push:
+-- the stats hash's type is only asked when reading `pushed` failed, and the ready list's only when a unique id is
+-- taken before it is written (otherwise its RPUSH is the first write, and its failure is caught below).
+local function refuse(key, kind, found)
+  return redis.error_reply('WRONGTYPE push.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
+    '; nothing was written')
 end
+local function wrong_type(key, kind)
+  local found = redis.call('TYPE', key).ok
+  if found ~= 'none' and found ~= kind then return refuse(key, kind, found) end
+end
+local checked = redis.acl_check_cmd('HGET', KEYS[6], 'pushed') and redis.acl_check_cmd('TYPE', KEYS[6])
+local any_unique = false
 for i = 5, #ARGV, 3 do
   if ARGV[i] == '1' then
-    expected[#expected + 1] = {5, 'hash'}
+    any_unique = true
     break
   end
 end
-for _, check in ipairs(expected) do
-  local key, kind = KEYS[check[1]], check[2]
-  if redis.acl_check_cmd('TYPE', key) then
-    local found = redis.call('TYPE', key).ok
-    if found ~= 'none' and found ~= kind then
-      return redis.error_reply('WRONGTYPE push.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
-        '; nothing was written')
-    end
+if checked then
+  local pushed = redis.pcall('HGET', KEYS[6], 'pushed')
+  if type(pushed) == 'table' then
+    return refuse(KEYS[6], 'hash', redis.call('TYPE', KEYS[6]).ok)
   end
-end
-if redis.acl_check_cmd('HGET', KEYS[6], 'pushed') then
-  local pushed = redis.call('HGET', KEYS[6], 'pushed')
   local digits = pushed and string.match(pushed, '^-?([1-9]%d*)$')
   if pushed and pushed ~= '0' and not (digits and #digits <= 18) then
     return redis.error_reply('ERR push.lua: ' .. KEYS[6] .. ' field pushed is not an integer (' ..
       string.sub(pushed, 1, 40) .. '); nothing was written')
   end
+  local refused
+  if delayed then
+    refused = wrong_type(KEYS[2], 'zset') or wrong_type(KEYS[3], 'hash')
+  else
+    refused = wrong_type(KEYS[4], 'list') or (any_unique and wrong_type(KEYS[1], 'list'))
+  end
+  refused = refused or (any_unique and wrong_type(KEYS[5], 'hash'))
+  if refused then return refused end
 end
 local result, ready, accepted = {}, {}, 0
 local earliest = nil
@@ -147,7 +154,14 @@ end
 if #ready > 0 then
   -- In chunks: unpack's stack is bounded (about 8,000 values).
   for first = 1, #ready, 1000 do
-    redis.call('RPUSH', KEYS[1], unpack(ready, first, math.min(first + 999, #ready)))
+    local pushed = redis.pcall('RPUSH', KEYS[1], unpack(ready, first, math.min(first + 999, #ready)))
+    if type(pushed) == 'table' then
+      -- Only the first write can fail here (the ready list's type, unchecked above when no id was taken).
+      if checked and first == 1 and not any_unique then
+        return refuse(KEYS[1], 'list', redis.call('TYPE', KEYS[1]).ok)
+      end
+      return redis.error_reply(pushed.err)
+    end
   end
   -- One marker wakes one idle fetcher; a fetcher that finds more than it can take passes the marker on.
   redis.call('LPUSH', KEYS[4], 1)

@@ -51,12 +51,12 @@
 -- default-mode retry queued twice, a dead letter recorded twice) and the caller learns what was applied. Each
 -- settling party has its own KEYS[6] and makes one call at a time, so one stored result per party is enough.
 --
--- Atomic: it checks before it writes. Every key it may write is checked for its type, every counter it may
--- increment (the stats hash's, the info hash's `journal`) for being an integer, and every record for its op, claim,
--- position, level and stage, before anything is written ("WRONGTYPE settle.lua: KEY is a string, not a list",
--- "ERR settle.lua: KEY field F is not an integer"), and the shebang makes Redis refuse the whole script up front
--- when it is out of memory, so the script applies all or nothing. Its result is stored in KEYS[6] before the
--- counters are incremented.
+-- Atomic: it checks before it writes. Every key it may write is checked for its type, every counter of the stats
+-- hash it may increment for being an integer, and every record for its op, claim, position, level and stage,
+-- before anything is written ("WRONGTYPE settle.lua: KEY is a string, not a list", "ERR settle.lua: KEY field F
+-- is not an integer"); the owner's journal is incremented first, so that if it is not an integer nothing else is
+-- written. The shebang makes Redis refuse the whole script up front when it is out of memory. So the script
+-- applies all or nothing, and its result is stored in KEYS[6] before the counters are incremented.
 local owners, stats, dead, uniq, wake, last_call = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local popped = KEYS[7]
 local fence, dead_max, levels, channel, owner = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], ARGV[5]
@@ -67,23 +67,6 @@ local info, scratch, CLAIM_KEYS = false, false, PROCESSING + levels + 2
 if safe then info, scratch = KEYS[PROCESSING + levels + 1], KEYS[PROCESSING + levels + 2] end
 local OPS = {ack = true, retry = true, retry_isolated = true, recover = true, recover_isolated = true,
   back = true, dead = true}
-
-local found = redis.call('TYPE', last_call).ok
-if found ~= 'none' and found ~= 'string' then
-  return redis.error_reply('WRONGTYPE settle.lua: ' .. last_call .. ' is a ' .. found .. ', not a string; nothing ' ..
-    'was applied')
-end
-local prior = redis.call('GET', last_call)
-if prior then
-  local bar = string.find(prior, '|', 1, true)
-  if bar and string.sub(prior, 1, bar - 1) == call then
-    local result = {}
-    for n in string.gmatch(string.sub(prior, bar + 1), '[^,]+') do
-      result[#result + 1] = tonumber(n)
-    end
-    return result
-  end
-end
 
 -- The claims touched: level, number, list, bitmap.
 local claims = tonumber(ARGV[7])
@@ -161,6 +144,19 @@ for key, kind in pairs(expected) do
       '; nothing was applied')
   end
 end
+-- A call sent again (its reply was lost) answers the first call's result (checked after the types, so that a
+-- key that went wrong meanwhile is reported, and the call answered once it is fixed).
+local prior = redis.call('GET', last_call)
+if prior then
+  local bar = string.find(prior, '|', 1, true)
+  if bar and string.sub(prior, 1, bar - 1) == call then
+    local result = {}
+    for n in string.gmatch(string.sub(prior, bar + 1), '[^,]+') do
+      result[#result + 1] = tonumber(n)
+    end
+    return result
+  end
+end
 -- The counters it may increment: integers, or absent (HINCRBY fails on anything else).
 local function integer(key, field, value)
   local digits = value and string.match(value, '^-?([1-9]%d*)$')
@@ -175,9 +171,15 @@ for n = 1, #COUNTERS do
   local refused = integer(stats, COUNTERS[n], counters[n])
   if refused then return refused end
 end
-if info and fence == 'owner' then
-  local refused = integer(info, 'journal', redis.call('HGET', info, 'journal'))
-  if refused then return refused end
+-- Only a registered owner settling its own tasks adds to its journal: a late settle after the monitors forgot
+-- the owner must not bring its info hash back. Its increment is the call's first write, so that a journal that is
+-- not an integer fails the call before anything is written.
+local journal = 0
+if info and fence == 'owner' and redis.call('EXISTS', info) == 1 then
+  journal = redis.pcall('HINCRBY', info, 'journal', 1)
+  if type(journal) == 'table' then
+    return redis.error_reply('ERR settle.lua: ' .. info .. ' field journal is not an integer; nothing was applied')
+  end
 end
 
 local t = redis.call('TIME')
@@ -309,13 +311,7 @@ for k = 1, claims do
     end
   end
 end
--- Only a registered owner settling its own tasks adds to its journal: a late settle after the monitors forgot
--- the owner must not bring its info hash back.
-if info and fence == 'owner' and redis.call('EXISTS', info) == 1 then
-  result[#result + 1] = redis.call('HINCRBY', info, 'journal', 1)
-else
-  result[#result + 1] = 0
-end
+result[#result + 1] = journal
 -- Kept a day: long enough for any retry (a caller retries until Redis answers), then it cleans itself up
 -- after a daemon that died. Stored before the counters: whatever follows, a call that applied is known as such.
 redis.call('SET', last_call, call .. '|' .. table.concat(result, ','), 'PX', 86400000)
