@@ -424,6 +424,19 @@ fn every_script_that_answers_an_error_wrote_nothing() {
                 replays += 1;
                 if let Err(error) = reply {
                     *refused.entry(call.script).or_default() += 1;
+                    // A refusal for a key's type or a counter names the script and the key.
+                    let text = error.to_string();
+                    if (text.contains("WRONGTYPE") || text.contains("not an integer"))
+                        && !(text.contains(call.script)
+                            && text.contains(&*String::from_utf8_lossy(key)))
+                    {
+                        failures.push(format!(
+                            "{} with {} made {mutation:?}: answered \"{}\", which names neither",
+                            call.script,
+                            show(key),
+                            show(text.as_bytes())
+                        ));
+                    }
                     let after = snapshot(&mut conn);
                     if after != before {
                         failures.push(format!(
@@ -444,7 +457,8 @@ fn every_script_that_answers_an_error_wrote_nothing() {
     );
     assert!(
         failures.is_empty(),
-        "{} of {replays} replays answered an error after writing:\n{}",
+        "{} of {replays} replays answered an error after writing, or one that does not name the script and \
+         the key:\n{}",
         failures.len(),
         failures.join("\n")
     );

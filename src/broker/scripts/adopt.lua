@@ -10,7 +10,8 @@
 -- Returns {now_ms, the owner's journal (see renew.lua)}; fails with "LEASELOST ..." when the owner's lease is
 -- gone (its tasks belong to the monitors).
 -- Checks before it writes: the keys' types (the claim's lists too, which the caller reads in the transaction) and
--- the info hash's `floor` and `journal` (integers); a call that fails writes nothing.
+-- the info hash's `floor` and `journal` (integers); a call that fails writes nothing (but LEASELOST's putting
+-- back of a lost owner as expired, as in claim.lua, which a second call repeats harmlessly).
 local function wrong_type(key, kind)
   local found = redis.call('TYPE', key).ok
   if found ~= 'none' and found ~= kind then
@@ -29,8 +30,9 @@ local refused = wrong_type(KEYS[1], 'zset') or wrong_type(KEYS[2], 'hash')
 for i = 3, #KEYS do
   refused = refused or wrong_type(KEYS[i], 'list')
 end
+if refused then return refused end
 local numbers = redis.call('HMGET', KEYS[2], 'floor', 'journal')
-refused = refused or integer(KEYS[2], 'floor', numbers[1]) or integer(KEYS[2], 'journal', numbers[2])
+refused = integer(KEYS[2], 'floor', numbers[1]) or integer(KEYS[2], 'journal', numbers[2])
 if refused then return refused end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
