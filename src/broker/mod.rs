@@ -103,7 +103,8 @@ pub enum BrokerError {
 impl BrokerError {
     /// Whether the command may have run although no reply came (a lost reply: a reset, a timeout): its caller
     /// must then find out what it did rather than assume either way. An error reply, or a connection that was
-    /// never made, says the command did not run (the scripts check everything before they write).
+    /// never made, says the command did not run: every script checks everything that could fail (key types,
+    /// counters, arguments) before its first write (ARCHITECTURE.md, "Invariants").
     pub fn may_have_run(&self) -> bool {
         match self {
             BrokerError::Redis(error) => {

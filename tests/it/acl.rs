@@ -743,3 +743,35 @@ fn the_documented_readers_and_operators_run_the_dashboard() {
         "{log:#?}"
     );
 }
+
+/// push.lua checks its keys' types and its counter (TYPE, HGET) only for a user that may run them: a producer
+/// made from the rules of a kmqd before those checks (without `+type +hget`) still pushes, every kind of task,
+/// with nothing refused by Redis or by `kmqd push`'s check at start.
+#[test]
+fn a_producer_made_from_the_rules_before_push_lua_checked_its_keys_still_pushes() {
+    let redis = RedisServer::start();
+    create_user(&redis, Role::Producer, |rule| {
+        rule != "+type" && rule != "+hget"
+    });
+    let dir = TestDir::new();
+    let producer = config_as(&dir, &redis, "kmqd-producer", "", QUEUES);
+    let admin = dir.config(&redis, QUEUES);
+    run(&producer, &["push", "jobs", "test", "{}"], None, 0);
+    run(
+        &producer,
+        &["push", "jobs", "test", "{}", "--unique", "--id", "u"],
+        None,
+        0,
+    );
+    run(
+        &producer,
+        &[
+            "push", "jobs", "test", "{}", "--delay", "1h", "--id", "later",
+        ],
+        None,
+        0,
+    );
+    let s = stats(&admin, "jobs");
+    assert_eq!((s.ready, s.delayed, s.pushed), (2, 1, 3), "{s:?}");
+    assert_eq!(acl_log(&redis), Vec::<String>::new());
+}

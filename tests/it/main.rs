@@ -28,6 +28,7 @@ mod reload_faults;
 mod report;
 mod safe_mode;
 mod schedules;
+mod script_checks;
 mod sdk;
 mod sentinel;
 mod shutdown;

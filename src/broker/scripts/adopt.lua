@@ -9,6 +9,31 @@
 -- ARGV[1] owner; ARGV[2] the lost claim; ARGV[3] how many numbers it reserved (its most tasks)
 -- Returns {now_ms, the owner's journal (see renew.lua)}; fails with "LEASELOST ..." when the owner's lease is
 -- gone (its tasks belong to the monitors).
+-- Checks before it writes: the keys' types (the claim's lists too, which the caller reads in the transaction) and
+-- the info hash's `floor` and `journal` (integers); a call that fails writes nothing (but LEASELOST's putting
+-- back of a lost owner as expired, as in claim.lua, which a second call repeats harmlessly).
+local function wrong_type(key, kind)
+  local found = redis.call('TYPE', key).ok
+  if found ~= 'none' and found ~= kind then
+    return redis.error_reply('WRONGTYPE adopt.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
+      '; nothing was written')
+  end
+end
+local function integer(key, field, value)
+  local digits = value and string.match(value, '^-?([1-9]%d*)$')
+  if value and value ~= '0' and not (digits and #digits <= 18) then
+    return redis.error_reply('ERR adopt.lua: ' .. key .. ' field ' .. field .. ' is not an integer (' ..
+      string.sub(value, 1, 40) .. '); nothing was written')
+  end
+end
+local refused = wrong_type(KEYS[1], 'zset') or wrong_type(KEYS[2], 'hash')
+for i = 3, #KEYS do
+  refused = refused or wrong_type(KEYS[i], 'list')
+end
+if refused then return refused end
+local numbers = redis.call('HMGET', KEYS[2], 'floor', 'journal')
+refused = integer(KEYS[2], 'floor', numbers[1]) or integer(KEYS[2], 'journal', numbers[2])
+if refused then return refused end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lease = redis.call('ZSCORE', KEYS[1], ARGV[1])
@@ -20,8 +45,8 @@ if not lease or tonumber(lease) <= now then
   return redis.error_reply('LEASELOST owner ' .. ARGV[1] .. ' has no live lease')
 end
 local past = tonumber(ARGV[2]) + math.max(tonumber(ARGV[3]), 1)
-local floor = tonumber(redis.call('HGET', KEYS[2], 'floor') or '0')
+local floor = tonumber(numbers[1] or '0')
 if past > floor then
   redis.call('HSET', KEYS[2], 'floor', string.format('%d', past))
 end
-return {now, tonumber(redis.call('HGET', KEYS[2], 'journal') or '0')}
+return {now, tonumber(numbers[2] or '0')}

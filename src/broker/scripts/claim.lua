@@ -37,6 +37,12 @@
 -- A payload longer than max_task_bytes is never handed to a daemon: it goes straight to the dead list, kept
 -- whole (as a JSON string) with its size in the reason.
 --
+-- Checks before it writes: the type of every key it touches (KEYS[6], the paused key, is only tested for
+-- existence), and that the counters it increments (the info hash's `journal`, the stats hash's `dead_lettered`)
+-- are integers, all before its first write; a call that fails writes nothing ("WRONGTYPE claim.lua: KEY is a
+-- string, not a list", "ERR claim.lua: KEY field F is not an integer"). The only exception is LEASELOST's
+-- putting back of a lost owner as expired, which a second call repeats harmlessly.
+--
 -- This is the hot path, and no payload becomes a Lua string on it: `SORT list BY nosort LIMIT 0 N STORE claim`
 -- copies the head of a ready list onto the claim's list natively and in order, `LTRIM` takes it off, and
 -- `MEMORY USAGE` of the claim's list bounds every payload in it by max_task_bytes at once (only a batch larger
@@ -46,6 +52,34 @@ local levels = (#KEYS - 6) / 6
 local READY, QUARANTINE, CLAIMS, LISTS = 6, 6 + levels, 6 + 4 * levels, 6 + 5 * levels
 local GROUPS = {1, 8, 64}
 local owner, max, max_bytes, claim = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[7]
+-- Every key's type first (a handful of calls per claim, none per task).
+for i = 1, #KEYS do
+  if i ~= 6 then
+    local found = redis.call('TYPE', KEYS[i]).ok
+    local kind = 'list'
+    if i == 1 or (i > CLAIMS and i <= LISTS) then
+      kind = 'zset'
+    elseif i == 3 or i == 5 then
+      kind = 'hash'
+    end
+    if found ~= 'none' and found ~= kind then
+      return redis.error_reply('WRONGTYPE claim.lua: ' .. KEYS[i] .. ' is a ' .. found .. ', not a ' .. kind ..
+        '; nothing was written')
+    end
+  end
+end
+-- Then the numbers it reads and the counters it increments: integers, or absent.
+local function integer(key, field, value)
+  local digits = value and string.match(value, '^-?([1-9]%d*)$')
+  if value and value ~= '0' and not (digits and #digits <= 18) then
+    return redis.error_reply('ERR claim.lua: ' .. key .. ' field ' .. field .. ' is not an integer (' ..
+      string.sub(value, 1, 40) .. '); nothing was written')
+  end
+end
+local info = redis.call('HMGET', KEYS[3], 'floor', 'group', 'journal')
+local refused = integer(KEYS[3], 'floor', info[1]) or integer(KEYS[3], 'journal', info[3]) or
+  integer(KEYS[5], 'dead_lettered', redis.call('HGET', KEYS[5], 'dead_lettered'))
+if refused then return refused end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lease = redis.call('ZSCORE', KEYS[1], owner)
@@ -58,17 +92,8 @@ if not lease or tonumber(lease) <= now then
   end
   return redis.error_reply('LEASELOST owner ' .. owner .. ' has no live lease')
 end
-local info = redis.call('HMGET', KEYS[3], 'floor', 'group')
 if info[1] and tonumber(claim) < tonumber(info[1]) then
   return redis.error_reply('FENCED claim ' .. claim .. ' below the floor ' .. info[1])
-end
-for i = 7, #KEYS do
-  local found = redis.call('TYPE', KEYS[i]).ok
-  local kind = 'list'
-  if i > CLAIMS and i <= LISTS then kind = 'zset' end
-  if found ~= 'none' and found ~= kind then
-    return redis.error_reply('WRONGTYPE claim.lua: ' .. KEYS[i] .. ' is a ' .. found .. ', not a ' .. kind)
-  end
 end
 for i = LISTS + 1, #KEYS do
   if redis.call('EXISTS', KEYS[i]) == 1 then
@@ -95,7 +120,7 @@ local function finish(result)
   if stored then
     result[#result + 1] = redis.call('HINCRBY', KEYS[3], 'journal', 1)
   else
-    result[#result + 1] = tonumber(redis.call('HGET', KEYS[3], 'journal') or '0')
+    result[#result + 1] = tonumber(info[3] or '0')
   end
   return result
 end

@@ -7,6 +7,24 @@
 --
 -- Records are addressed by their bytes, never by their index, because daemons LPUSH new ones meanwhile: LREM
 -- of the exact value, count 1.
+-- Checks before it writes: the keys' types and the stats hash's `purged`; a call that fails writes nothing.
+local function wrong_type(key, kind)
+  local found = redis.call('TYPE', key).ok
+  if found ~= 'none' and found ~= kind then
+    return redis.error_reply('WRONGTYPE dead_purge.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
+      '; nothing was written')
+  end
+end
+local function integer(key, field, value)
+  local digits = value and string.match(value, '^-?([1-9]%d*)$')
+  if value and value ~= '0' and not (digits and #digits <= 18) then
+    return redis.error_reply('ERR dead_purge.lua: ' .. key .. ' field ' .. field .. ' is not an integer (' ..
+      string.sub(value, 1, 40) .. '); nothing was written')
+  end
+end
+local refused = wrong_type(KEYS[1], 'list') or wrong_type(KEYS[2], 'hash') or
+  integer(KEYS[2], 'purged', redis.call('HGET', KEYS[2], 'purged'))
+if refused then return refused end
 local removed = 0
 local result = {}
 for i = 1, #ARGV do

@@ -13,16 +13,43 @@
 -- their index: LREM of the exact value, count 1 (two identical records are two records, removed one per call).
 -- The removal and the push are one step: a record is never both requeued and kept, and never lost.
 -- The task joins the back of its level, as a new push does; the unique id is taken as push.lua takes it.
+-- Checks before it writes: every key's type, the stats hash's `requeued` and every record's level, so that a
+-- call that fails ("WRONGTYPE dead_requeue.lua: KEY is a string, not a list") writes nothing.
 local dead, uniq, wake, stats = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local function wrong_type(key, kind)
+  local found = redis.call('TYPE', key).ok
+  if found ~= 'none' and found ~= kind then
+    return redis.error_reply('WRONGTYPE dead_requeue.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
+      '; nothing was written')
+  end
+end
+local function integer(key, field, value)
+  local digits = value and string.match(value, '^-?([1-9]%d*)$')
+  if value and value ~= '0' and not (digits and #digits <= 18) then
+    return redis.error_reply('ERR dead_requeue.lua: ' .. key .. ' field ' .. field .. ' is not an integer (' ..
+      string.sub(value, 1, 40) .. '); nothing was written')
+  end
+end
+local refused = wrong_type(dead, 'list') or wrong_type(uniq, 'hash') or wrong_type(wake, 'list') or
+  wrong_type(stats, 'hash')
+for i = 5, #KEYS do
+  refused = refused or wrong_type(KEYS[i], 'list')
+end
+refused = refused or integer(stats, 'requeued', redis.call('HGET', stats, 'requeued'))
+if refused then return refused end
+for i = 1, #ARGV, 4 do
+  local level = tonumber(ARGV[i + 1])
+  if level == nil or KEYS[4 + level] == nil or level < 1 then
+    return redis.error_reply('dead_requeue.lua: no ready list for level ' .. tostring(ARGV[i + 1]) ..
+      '; nothing was written')
+  end
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local result, requeued = {}, 0
 for i = 1, #ARGV, 4 do
   local record, level, uid, envelope = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2], ARGV[i + 3]
   local ready = KEYS[4 + level]
-  if ready == nil then
-    return redis.error_reply('dead_requeue.lua: no ready list for level ' .. ARGV[i + 1])
-  end
   local ok = 1
   if uid ~= '' and redis.call('HSETNX', uniq, uid, now) == 0 then
     ok = 2

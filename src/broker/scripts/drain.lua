@@ -6,6 +6,12 @@
 -- KEYS[1] the owner's info hash
 -- ARGV[1] when the stop began, ms since the epoch (the daemon's clock; informational)
 -- Returns 1 marked, 0 no such registration.
+-- Checks before it writes: the key's type; a call that fails writes nothing.
+local found = redis.call('TYPE', KEYS[1]).ok
+if found ~= 'none' and found ~= 'hash' then
+  return redis.error_reply('WRONGTYPE drain.lua: ' .. KEYS[1] .. ' is a ' .. found .. ', not a hash; nothing ' ..
+    'was written')
+end
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return 0
 end

@@ -57,11 +57,35 @@ local function stamped(envelope)
   end
   return string.sub(envelope, 1, open) .. stamp .. comma .. string.sub(envelope, open + 1)
 end
+-- Checks before it writes: the keys' types, the schedule's last slot and the stats hash's `pushed` (integers);
+-- a call that fails writes nothing.
+local function wrong_type(key, kind)
+  local found = redis.call('TYPE', key).ok
+  if found ~= 'none' and found ~= kind then
+    return redis.error_reply('WRONGTYPE fire.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
+      '; nothing was written')
+  end
+end
+local function integer(key, field, value)
+  local digits = value and string.match(value, '^-?([1-9]%d*)$')
+  if value and value ~= '0' and not (digits and #digits <= 18) then
+    return redis.error_reply('ERR fire.lua: ' .. key .. ' field ' .. field .. ' is not an integer (' ..
+      string.sub(value, 1, 40) .. '); nothing was written')
+  end
+end
+local refused = wrong_type(KEYS[1], 'hash') or wrong_type(KEYS[2], 'list') or wrong_type(KEYS[3], 'list') or
+  wrong_type(KEYS[4], 'hash')
+local fired = false
+if not refused then
+  fired = redis.call('HGET', KEYS[1], ARGV[1])
+  refused = integer(KEYS[1], ARGV[1], fired) or integer(KEYS[4], 'pushed', redis.call('HGET', KEYS[4], 'pushed'))
+end
+if refused then return refused end
 local slot = tonumber(ARGV[2])
 if slot > now then
   return {-1, now}
 end
-local last = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '-1')
+local last = tonumber(fired or '-1')
 if slot <= last then
   return {0, now}
 end

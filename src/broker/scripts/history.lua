@@ -11,6 +11,20 @@
 -- ARGV[1] how many ready lists
 -- ARGV[2] how many minutes of samples to keep
 -- Returns 1 written, 0 this minute had its sample already.
+-- Checks before it writes: every key's type (the counters are read with tonumber, so any value is taken); a
+-- call that fails writes nothing.
+local function wrong_type(key, kind)
+  local found = redis.call('TYPE', key).ok
+  if found ~= 'none' and found ~= kind then
+    return redis.error_reply('WRONGTYPE history.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
+      '; nothing was written')
+  end
+end
+local refused = wrong_type(KEYS[1], 'zset') or wrong_type(KEYS[2], 'hash') or wrong_type(KEYS[3], 'list')
+for i = 4, #KEYS do
+  refused = refused or wrong_type(KEYS[i], i <= 3 + tonumber(ARGV[1]) and 'list' or 'zset')
+end
+if refused then return refused end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local minute = math.floor(now / 60000)
@@ -30,7 +44,8 @@ redis.call('ZADD', KEYS[1], minute, string.format(
   '{"at":%d,"done":%d,"failed":%d,"ready":%d,"delayed":%d,"dead":%d}',
   now, tonumber(counters[1]) or 0, tonumber(counters[2]) or 0, ready, delayed, redis.call('LLEN', KEYS[3])))
 local old = redis.call('ZRANGE', KEYS[1], '-inf', '(' .. (minute - tonumber(ARGV[2])), 'BYSCORE')
-if #old > 0 then
-  redis.call('ZREM', KEYS[1], unpack(old))
+-- In chunks: unpack's stack is bounded (about 8,000 values), and a shorter history may leave more.
+for at = 1, #old, 1000 do
+  redis.call('ZREM', KEYS[1], unpack(old, at, math.min(at + 999, #old)))
 end
 return 1

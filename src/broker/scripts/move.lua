@@ -16,7 +16,8 @@
 -- Returns how many moved; fewer than ARGV[1] means every source was found empty.
 local max = tonumber(ARGV[1])
 local first = tonumber(ARGV[2])
--- Every key's type first, so that a call that fails writes nothing.
+-- Checks before it writes: every key's type first, then the stats hash's counters, so that a call that fails
+-- writes nothing.
 for i = 1, #KEYS do
   local kind = redis.call('TYPE', KEYS[i])['ok']
   local expected = 'list'
@@ -28,6 +29,15 @@ for i = 1, #KEYS do
       '; a source list must be a list that producers RPUSH tasks to')
   end
 end
+-- Then the counters it increments.
+for _, field in ipairs({'pushed', 'moved'}) do
+  local value = redis.call('HGET', KEYS[2], field)
+  local digits = value and string.match(value, '^-?([1-9]%d*)$')
+  if value and value ~= '0' and not (digits and #digits <= 18) then
+    return redis.error_reply('ERR move.lua: ' .. KEYS[2] .. ' field ' .. field .. ' is not an integer (' ..
+      string.sub(value, 1, 40) .. '); nothing was written')
+  end
+end
 local sources = (#KEYS - 2) / 2
 local moved = 0
 for n = 0, sources - 1 do
@@ -37,7 +47,10 @@ for n = 0, sources - 1 do
   local i = (first - 1 + n) % sources
   local tasks = redis.call('LPOP', KEYS[3 + i], max - moved)
   if tasks then
-    redis.call('RPUSH', KEYS[3 + sources + i], unpack(tasks))
+    -- In chunks: unpack's stack is bounded (about 8,000 values).
+    for at = 1, #tasks, 1000 do
+      redis.call('RPUSH', KEYS[3 + sources + i], unpack(tasks, at, math.min(at + 999, #tasks)))
+    end
     moved = moved + #tasks
   end
 end

@@ -14,6 +14,20 @@
 -- transaction guarded by WATCH on the unique hash (Popper in src/broker/tasks.rs), which spares Redis converting
 -- every payload into a Lua string and back. (Payloads over max_task_bytes are dead-lettered by the daemon: in
 -- default mode a pop has read them anyway.)
+-- Checks before it writes: every key's type (KEYS[3] is only tested for existence); a call that fails writes
+-- nothing (and pops nothing).
+local function wrong_type(key, kind)
+  local found = redis.call('TYPE', key).ok
+  if found ~= 'none' and found ~= kind then
+    return redis.error_reply('WRONGTYPE pop.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
+      '; nothing was written')
+  end
+end
+local refused = wrong_type(KEYS[1], 'hash') or wrong_type(KEYS[2], 'hash')
+for i = 4, #KEYS do
+  refused = refused or wrong_type(KEYS[i], 'list')
+end
+if refused then return refused end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 if redis.call('EXISTS', KEYS[3]) == 1 then

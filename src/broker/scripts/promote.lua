@@ -7,8 +7,25 @@
 -- ARGV[1] the most tasks to move
 -- Retries go to the front of their level (they already waited their turn), delayed tasks to the back.
 -- Returns {moved, ms until the next task is due (-1: none)}.
+-- Checks before it writes: every key's type, and that ARGV[1] is at most 1,000 (the bound of unpack's stack is
+-- about 8,000 values); a call that fails writes nothing.
 local levels = (#KEYS - 2) / 3
 local max = tonumber(ARGV[1])
+local function wrong_type(key, kind)
+  local found = redis.call('TYPE', key).ok
+  if found ~= 'none' and found ~= kind then
+    return redis.error_reply('WRONGTYPE promote.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
+      '; nothing was written')
+  end
+end
+local refused = wrong_type(KEYS[1], 'list') or wrong_type(KEYS[2], 'hash')
+for i = 3, #KEYS do
+  refused = refused or wrong_type(KEYS[i], i <= 2 + levels and 'list' or 'zset')
+end
+if refused then return refused end
+if not max or max > 1000 then
+  return redis.error_reply('promote.lua: at most 1000 tasks a call, not ' .. ARGV[1] .. '; nothing was written')
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local moved = 0

@@ -18,6 +18,12 @@
 -- with its exact bytes). Only a payload with the text "created_at" in it is decoded, to keep pushes cheap, so
 -- text shaped like an object ({" ... }) that is not JSON gets the stamp too, and so does an object whose
 -- "created_at" key is written with \u escapes (docs/PROTOCOL.md).
+-- Checks before it writes: a call that fails writes nothing, takes no unique id, and can be sent again. It
+-- fails when a key it would write is of another type ("WRONGTYPE push.lua: KEY is a string, not a list"), when
+-- the stats hash's `pushed` is not an integer ("ERR push.lua: KEY field pushed is not an integer"), or when a
+-- delayed or unique task has no id. (The type and counter checks need TYPE and HGET: an ACL user without them,
+-- made from the producers' rules of an older kmqd, pushes as before, unchecked.) Any number of tasks may come in
+-- one call (they are pushed 1,000 at a time).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local stamp = '"created_at":' .. string.format('%d', now)
@@ -78,6 +84,44 @@ for i = 4, #ARGV, 3 do
     return redis.error_reply('push.lua: a delayed or unique task needs an id (task ' .. ((i - 1) / 3) .. ')')
   end
 end
+-- The type of every key this call may write, then the counter it increments; the fewest calls for a plain push:
+-- the stats hash's type is only asked when reading `pushed` failed, and the ready list's only when a unique id is
+-- taken before it is written (otherwise its RPUSH is the first write, and its failure is caught below).
+local function refuse(key, kind, found)
+  return redis.error_reply('WRONGTYPE push.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
+    '; nothing was written')
+end
+local function wrong_type(key, kind)
+  local found = redis.call('TYPE', key).ok
+  if found ~= 'none' and found ~= kind then return refuse(key, kind, found) end
+end
+local checked = redis.acl_check_cmd('HGET', KEYS[6], 'pushed') and redis.acl_check_cmd('TYPE', KEYS[6])
+local any_unique = false
+for i = 5, #ARGV, 3 do
+  if ARGV[i] == '1' then
+    any_unique = true
+    break
+  end
+end
+if checked then
+  local pushed = redis.pcall('HGET', KEYS[6], 'pushed')
+  if type(pushed) == 'table' then
+    return refuse(KEYS[6], 'hash', redis.call('TYPE', KEYS[6]).ok)
+  end
+  local digits = pushed and string.match(pushed, '^-?([1-9]%d*)$')
+  if pushed and pushed ~= '0' and not (digits and #digits <= 18) then
+    return redis.error_reply('ERR push.lua: ' .. KEYS[6] .. ' field pushed is not an integer (' ..
+      string.sub(pushed, 1, 40) .. '); nothing was written')
+  end
+  local refused
+  if delayed then
+    refused = wrong_type(KEYS[2], 'zset') or wrong_type(KEYS[3], 'hash')
+  else
+    refused = wrong_type(KEYS[4], 'list') or (any_unique and wrong_type(KEYS[1], 'list'))
+  end
+  refused = refused or (any_unique and wrong_type(KEYS[5], 'hash'))
+  if refused then return refused end
+end
 local result, ready, accepted = {}, {}, 0
 local earliest = nil
 if delayed then
@@ -108,7 +152,17 @@ for i = 4, #ARGV, 3 do
   result[#result + 1] = ok
 end
 if #ready > 0 then
-  redis.call('RPUSH', KEYS[1], unpack(ready))
+  -- In chunks: unpack's stack is bounded (about 8,000 values).
+  for first = 1, #ready, 1000 do
+    local pushed = redis.pcall('RPUSH', KEYS[1], unpack(ready, first, math.min(first + 999, #ready)))
+    if type(pushed) == 'table' then
+      -- Only the first write can fail here (the ready list's type, unchecked above when no id was taken).
+      if checked and first == 1 and not any_unique then
+        return refuse(KEYS[1], 'list', redis.call('TYPE', KEYS[1]).ok)
+      end
+      return redis.error_reply(pushed.err)
+    end
+  end
   -- One marker wakes one idle fetcher; a fetcher that finds more than it can take passes the marker on.
   redis.call('LPUSH', KEYS[4], 1)
   redis.call('LTRIM', KEYS[4], 0, 0)

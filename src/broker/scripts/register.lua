@@ -10,6 +10,16 @@
 -- refused: the id is known and its lease ran out (the daemon must pick another id).
 -- The monitors read the info hash to recover an expired owner's tasks from the levels it had, whatever their own
 -- config says (a rolling config change).
+-- Checks before it writes: the keys' types; a call that fails writes nothing.
+local function wrong_type(key, kind)
+  local found = redis.call('TYPE', key).ok
+  if found ~= 'none' and found ~= kind then
+    return redis.error_reply('WRONGTYPE register.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
+      '; nothing was written')
+  end
+end
+local refused = wrong_type(KEYS[1], 'zset') or wrong_type(KEYS[2], 'hash')
+if refused then return refused end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lease = redis.call('ZSCORE', KEYS[1], ARGV[1])

@@ -5,6 +5,16 @@
 -- KEYS[1] unique hash, KEYS[2] unique-popped hash (id -> owner)
 -- ARGV[1] owner, ARGV[2 ..] candidate ids (read from KEYS[2] by the caller; each is checked again here)
 -- Returns how many ids were released.
+-- Checks before it writes: the keys' types; a call that fails writes nothing.
+local function wrong_type(key, kind)
+  local found = redis.call('TYPE', key).ok
+  if found ~= 'none' and found ~= kind then
+    return redis.error_reply('WRONGTYPE release_unique.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
+      '; nothing was written')
+  end
+end
+local refused = wrong_type(KEYS[1], 'hash') or wrong_type(KEYS[2], 'hash')
+if refused then return refused end
 local released = 0
 for i = 2, #ARGV do
   if redis.call('HGET', KEYS[2], ARGV[i]) == ARGV[1] then

@@ -7,7 +7,27 @@
 -- ARGV[3] delayed: the envelope the caller saw (the removal is skipped if it changed); others: unused
 -- ARGV[4] the unique id to release, or ""
 -- Returns 1 removed, 0 no longer there (it was taken or moved meanwhile).
+-- Checks before it writes: the keys' types and the stats hash's `cancelled`; a call that fails writes nothing.
 local kind, task, unique = ARGV[1], ARGV[2], ARGV[4]
+local function wrong_type(key, kind)
+  local found = redis.call('TYPE', key).ok
+  if found ~= 'none' and found ~= kind then
+    return redis.error_reply('WRONGTYPE remove.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
+      '; nothing was written')
+  end
+end
+local function integer(key, field, value)
+  local digits = value and string.match(value, '^-?([1-9]%d*)$')
+  if value and value ~= '0' and not (digits and #digits <= 18) then
+    return redis.error_reply('ERR remove.lua: ' .. key .. ' field ' .. field .. ' is not an integer (' ..
+      string.sub(value, 1, 40) .. '); nothing was written')
+  end
+end
+local holder = 'zset'
+if kind == 'list' then holder = 'list' end
+local refused = wrong_type(KEYS[1], holder) or wrong_type(KEYS[2], 'hash') or wrong_type(KEYS[3], 'hash') or
+  wrong_type(KEYS[4], 'hash') or integer(KEYS[4], 'cancelled', redis.call('HGET', KEYS[4], 'cancelled'))
+if refused then return refused end
 local removed = 0
 if kind == 'list' then
   removed = redis.call('LREM', KEYS[1], 1, task)

@@ -17,6 +17,29 @@
 -- run again: at least once), and the daemon, told it lost the lease, claims under a new owner.
 -- An owner whose registration is there but whose lease entry is gone (removed by hand, or lost by Redis while
 -- the rest survived) is put back as expired, so that the monitors find it and recover what it holds.
+-- Checks before it writes: the keys' types and the info hash's `journal` (an integer); a call that fails writes
+-- nothing.
+local function wrong_type(key, kind)
+  local found = redis.call('TYPE', key).ok
+  if found ~= 'none' and found ~= kind then
+    return redis.error_reply('WRONGTYPE renew.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
+      '; nothing was written')
+  end
+end
+local function integer(key, field, value)
+  local digits = value and string.match(value, '^-?([1-9]%d*)$')
+  if value and value ~= '0' and not (digits and #digits <= 18) then
+    return redis.error_reply('ERR renew.lua: ' .. key .. ' field ' .. field .. ' is not an integer (' ..
+      string.sub(value, 1, 40) .. '); nothing was written')
+  end
+end
+local journal = false
+local refused = wrong_type(KEYS[1], 'zset') or wrong_type(KEYS[2], 'hash')
+if not refused then
+  journal = redis.call('HGET', KEYS[2], 'journal')
+  refused = integer(KEYS[2], 'journal', journal)
+end
+if refused then return refused end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lease = redis.call('ZSCORE', KEYS[1], ARGV[1])
@@ -29,7 +52,7 @@ end
 if tonumber(lease) <= now then
   return 0
 end
-if tonumber(redis.call('HGET', KEYS[2], 'journal') or '0') < tonumber(ARGV[3]) then
+if tonumber(journal or '0') < tonumber(ARGV[3]) then
   redis.call('ZADD', KEYS[1], 0, ARGV[1])
   return -1
 end

@@ -51,8 +51,12 @@
 -- default-mode retry queued twice, a dead letter recorded twice) and the caller learns what was applied. Each
 -- settling party has its own KEYS[6] and makes one call at a time, so one stored result per party is enough.
 --
--- Atomic: every key is checked for its type before anything is written, and the shebang makes Redis refuse the
--- whole script up front when it is out of memory, so the script applies all or nothing.
+-- Atomic: it checks before it writes. Every key it may write is checked for its type, every counter of the stats
+-- hash it may increment for being an integer, and every record for its op, claim, position, level and stage,
+-- before anything is written ("WRONGTYPE settle.lua: KEY is a string, not a list", "ERR settle.lua: KEY field F
+-- is not an integer"); the owner's journal is incremented first, so that if it is not an integer nothing else is
+-- written. The shebang makes Redis refuse the whole script up front when it is out of memory. So the script
+-- applies all or nothing, and its result is stored in KEYS[6] before the counters are incremented.
 local owners, stats, dead, uniq, wake, last_call = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local popped = KEYS[7]
 local fence, dead_max, levels, channel, owner = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], ARGV[5]
@@ -63,18 +67,6 @@ local info, scratch, CLAIM_KEYS = false, false, PROCESSING + levels + 2
 if safe then info, scratch = KEYS[PROCESSING + levels + 1], KEYS[PROCESSING + levels + 2] end
 local OPS = {ack = true, retry = true, retry_isolated = true, recover = true, recover_isolated = true,
   back = true, dead = true}
-
-local prior = redis.call('GET', last_call)
-if prior then
-  local bar = string.find(prior, '|', 1, true)
-  if bar and string.sub(prior, 1, bar - 1) == call then
-    local result = {}
-    for n in string.gmatch(string.sub(prior, bar + 1), '[^,]+') do
-      result[#result + 1] = tonumber(n)
-    end
-    return result
-  end
-end
 
 -- The claims touched: level, number, list, bitmap.
 local claims = tonumber(ARGV[7])
@@ -121,9 +113,21 @@ for j = records, #ARGV, 8 do
   if not OPS[ARGV[j]] then
     return redis.error_reply('settle.lua: unknown op ' .. ARGV[j] .. '; nothing was applied')
   end
-  local k = tonumber(ARGV[j + 1])
-  if k > claims then
-    return redis.error_reply('settle.lua: record of claim ' .. k .. ' of ' .. claims .. '; nothing was applied')
+  local k, level = tonumber(ARGV[j + 1]), tonumber(ARGV[j + 4])
+  if not k or k < 0 or k > claims then
+    return redis.error_reply('settle.lua: record of claim ' .. ARGV[j + 1] .. ' of ' .. claims ..
+      '; nothing was applied')
+  end
+  if not level or level < 1 or level > levels or not tonumber(ARGV[j + 5]) then
+    return redis.error_reply('settle.lua: record at level ' .. ARGV[j + 4] .. ' of ' .. levels .. ' (delay ' ..
+      ARGV[j + 5] .. '); nothing was applied')
+  end
+  local stage = tonumber(ARGV[j + 5])
+  if (ARGV[j] == 'retry_isolated' or ARGV[j] == 'recover_isolated') and (stage < 1 or stage > 3) then
+    return redis.error_reply('settle.lua: quarantine stage ' .. ARGV[j + 5] .. '; nothing was applied')
+  end
+  if k > 0 and not tonumber(ARGV[j + 2]) then
+    return redis.error_reply('settle.lua: position ' .. ARGV[j + 2] .. ' in claim ' .. k .. '; nothing was applied')
   end
   if k == 0 and ARGV[j + 2] ~= '' then
     if not safe then
@@ -138,6 +142,43 @@ for key, kind in pairs(expected) do
   if found ~= 'none' and found ~= kind then
     return redis.error_reply('WRONGTYPE settle.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
       '; nothing was applied')
+  end
+end
+-- A call sent again (its reply was lost) answers the first call's result (checked after the types, so that a
+-- key that went wrong meanwhile is reported, and the call answered once it is fixed).
+local prior = redis.call('GET', last_call)
+if prior then
+  local bar = string.find(prior, '|', 1, true)
+  if bar and string.sub(prior, 1, bar - 1) == call then
+    local result = {}
+    for n in string.gmatch(string.sub(prior, bar + 1), '[^,]+') do
+      result[#result + 1] = tonumber(n)
+    end
+    return result
+  end
+end
+-- The counters it may increment: integers, or absent (HINCRBY fails on anything else).
+local function integer(key, field, value)
+  local digits = value and string.match(value, '^-?([1-9]%d*)$')
+  if value and value ~= '0' and not (digits and #digits <= 18) then
+    return redis.error_reply('ERR settle.lua: ' .. key .. ' field ' .. field .. ' is not an integer (' ..
+      string.sub(value, 1, 40) .. '); nothing was applied')
+  end
+end
+local COUNTERS = {'done', 'retried', 'recovered', 'failed', 'dead_lettered'}
+local counters = redis.call('HMGET', stats, unpack(COUNTERS))
+for n = 1, #COUNTERS do
+  local refused = integer(stats, COUNTERS[n], counters[n])
+  if refused then return refused end
+end
+-- Only a registered owner settling its own tasks adds to its journal: a late settle after the monitors forgot
+-- the owner must not bring its info hash back. Its increment is the call's first write, so that a journal that is
+-- not an integer fails the call before anything is written.
+local journal = 0
+if info and fence == 'owner' and redis.call('EXISTS', info) == 1 then
+  journal = redis.pcall('HINCRBY', info, 'journal', 1)
+  if type(journal) == 'table' then
+    return redis.error_reply('ERR settle.lua: ' .. info .. ' field journal is not an integer; nothing was applied')
   end
 end
 
@@ -270,6 +311,10 @@ for k = 1, claims do
     end
   end
 end
+result[#result + 1] = journal
+-- Kept a day: long enough for any retry (a caller retries until Redis answers), then it cleans itself up
+-- after a daemon that died. Stored before the counters: whatever follows, a call that applied is known as such.
+redis.call('SET', last_call, call .. '|' .. table.concat(result, ','), 'PX', 86400000)
 if dead_lettered > 0 then
   redis.call('LTRIM', dead, 0, dead_max - 1)
   redis.call('HINCRBY', stats, 'dead_lettered', dead_lettered)
@@ -285,14 +330,4 @@ end
 if wake_poller then
   redis.call('PUBLISH', channel, now)
 end
--- Only a registered owner settling its own tasks adds to its journal: a late settle after the monitors forgot
--- the owner must not bring its info hash back.
-if info and fence == 'owner' and redis.call('EXISTS', info) == 1 then
-  result[#result + 1] = redis.call('HINCRBY', info, 'journal', 1)
-else
-  result[#result + 1] = 0
-end
--- Kept a day: long enough for any retry (a caller retries until Redis answers), then it cleans itself up
--- after a daemon that died.
-redis.call('SET', last_call, call .. '|' .. table.concat(result, ','), 'PX', 86400000)
 return result

@@ -335,6 +335,14 @@ impl FaultProxy {
             .count()
     }
 
+    /// Calls `observer` with every command (name first) on every connection before it is forwarded to Redis, on
+    /// the proxy's thread of that connection, which waits for it: the observer may look at Redis (on a
+    /// connection of its own) as it is before the command runs. Commands that arrive together (a pipeline, a
+    /// transaction) are all observed before the first is forwarded.
+    pub fn observe(&self, observer: impl Fn(&[Vec<u8>]) + Send + Sync + 'static) {
+        self.shared.lock().observers.push(Arc::new(observer));
+    }
+
     /// How many commands matching were forwarded to Redis so far, on all connections (dropped requests are not
     /// counted; commands that Redis then refused, such as an EVALSHA answered NOSCRIPT, are).
     pub fn seen(&self, matcher: &Matcher) -> usize {
@@ -384,7 +392,12 @@ struct State {
     threads: Vec<JoinHandle<()>>,
     /// Every command forwarded, for [`FaultProxy::seen`].
     forwarded: Vec<Vec<Vec<u8>>>,
+    /// Called with each command before it is forwarded ([`FaultProxy::observe`]).
+    observers: Vec<Arc<Observer>>,
 }
+
+/// A test's look at each command before Redis gets it.
+type Observer = dyn Fn(&[Vec<u8>]) + Send + Sync;
 
 impl fmt::Debug for State {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -745,6 +758,14 @@ fn forward_requests(
                         forwarded.push(args);
                         end += len;
                     }
+                }
+            }
+        }
+        if !forwarded.is_empty() {
+            let observers = shared.lock().observers.clone();
+            for observer in &observers {
+                for args in &forwarded {
+                    observer(args);
                 }
             }
         }
