@@ -40,6 +40,7 @@ impl QueueContext {
             dead_max: self.config.dead_max,
             queue: &self.config.name,
             daemon: &self.daemon_id,
+            max_running: self.config.max_running,
         }
     }
 

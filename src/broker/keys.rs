@@ -61,6 +61,10 @@ pub struct QueueKeys {
     pub stats: String,
     /// Wake-up markers for idle fetchers (at most one element).
     pub wake: String,
+    /// Hash scope -> how many of the queue's tasks were taken under that scope's running limit and are not yet
+    /// settled (`q`: the queue's `max_running`): claim.lua adds what it takes, settle.lua subtracts what it
+    /// settles, each in the step that moves the tasks (see [`QueueKeys::claim_scopes`]).
+    pub running: String,
     /// String whose existence pauses the queue (`kmqd queue pause`): claims and pops take nothing while it
     /// exists (claim.lua, pop.lua and the plain pop check it in the same atomic step as the take), pushes and
     /// promotions go on. Its value (the ms it was paused, by the pauser's clock) is only informational.
@@ -114,6 +118,7 @@ impl QueueKeys {
             unique_popped: format!("{base}:unique-popped"),
             stats: format!("{base}:stats"),
             wake: format!("{base}:wake"),
+            running: format!("{base}:running"),
             paused: format!("{base}:paused"),
             schedules: format!("{base}:schedules"),
             meta: format!("{base}:meta"),
@@ -183,6 +188,21 @@ impl QueueKeys {
     /// Safe mode: the bitmap of the settled positions of a claim list (bit p, in `GETBIT`'s order).
     pub fn claim_settled(&self, owner: &str, level: usize, claim: u64) -> String {
         format!("{}:{claim}:settled", self.processing(owner, level))
+    }
+
+    /// Safe mode: the running limits a claim list was counted under (`N q`: its N tasks count in [`QueueKeys::running`]'s
+    /// `q`), written by the claim that made the list when the queue has `max_running`, and deleted with the list:
+    /// settle.lua subtracts what it settles of a list from the scopes its string names, so a claim made without a
+    /// limit is never subtracted from one, whatever the settling daemon's config.
+    pub fn claim_scopes(&self, owner: &str, level: usize, claim: u64) -> String {
+        format!("{}:{claim}:scopes", self.processing(owner, level))
+    }
+
+    /// Safe mode: [`QueueKeys::claim_scopes`] of one claim of `owner`, one per level, in level order.
+    pub fn claim_scopes_all(&self, owner: &str, claim: u64) -> Vec<String> {
+        (0..self.levels())
+            .map(|level| self.claim_scopes(owner, level, claim))
+            .collect()
     }
 
     /// An owner's registration: hash of its mode, levels, host, pid, start time, kmqd version, the lowest claim

@@ -97,6 +97,9 @@ pub struct Batch {
     /// The queue is paused (`kmqd queue pause`): nothing was taken, and the fetcher waits `idle_poll` before it
     /// looks again, instead of blocking on a list that may well hold tasks.
     pub paused: bool,
+    /// Safe mode: nothing was taken, because the queue's `max_running` tasks are taken and not yet settled; a
+    /// settle that frees some pushes a wake-up marker.
+    pub limited: bool,
 }
 
 /// The journal that ends a claim's, an adoption's or a settle's reply.
@@ -125,6 +128,9 @@ pub struct ClaimLimits<'a> {
     /// For the dead record: the queue's name and `host:pid` of the daemon.
     pub queue: &'a str,
     pub daemon: &'a str,
+    /// The queue's `max_running`: the claim takes no more than leaves the queue's count of tasks taken and not yet
+    /// settled, across every daemon, at most this.
+    pub max_running: Option<usize>,
 }
 
 /// Safe mode: claims up to `max` tasks into `owner`'s claim lists: a quarantined group, alone, when there is one
@@ -151,6 +157,8 @@ pub fn claim(
     script_keys.extend(keys.ready.iter().chain(&keys.quarantine).cloned());
     script_keys.extend(keys.processing_all(owner));
     script_keys.extend(lists.iter().cloned());
+    script_keys.extend(keys.claim_scopes_all(owner, claim));
+    script_keys.push(keys.running.clone());
     let mut eval = evalsha(&SCRIPTS.claim, &script_keys);
     eval.arg(&**owner)
         .arg(max)
@@ -158,7 +166,8 @@ pub fn claim(
         .arg(limits.dead_max)
         .arg(limits.queue)
         .arg(limits.daemon)
-        .arg(claim);
+        .arg(claim)
+        .arg(limits.max_running.unwrap_or(0));
     let (reply, taken, collected) = script_then_lists(conn, super::sources::CLAIM, &eval, &lists)
         .map_err(|error| owner_error(error, owner))?;
     // Not replicated: a may-have-run error, which the fetcher resolves with adopt() as a lost reply.
@@ -184,6 +193,7 @@ pub fn claim(
             _ => Isolation::None,
         },
         paused: state == 3,
+        limited: state == 4,
     })
 }
 
@@ -309,6 +319,7 @@ pub fn adopt(
         journal: journal.max(0) as u64,
         isolation: Isolation::None,
         paused: false,
+        limited: false,
     })
 }
 
@@ -771,11 +782,13 @@ pub fn settle<'a>(
         }
         invocation
             .key(keys.owner_info(owner))
-            .key(keys.settle_scratch(call.settler));
+            .key(keys.settle_scratch(call.settler))
+            .key(&keys.running);
         for (level, claim, ..) in &touched.claims {
             invocation
                 .key(keys.claim_list(owner, *level, *claim))
-                .key(keys.claim_settled(owner, *level, *claim));
+                .key(keys.claim_settled(owner, *level, *claim))
+                .key(keys.claim_scopes(owner, *level, *claim));
         }
     }
     invocation

@@ -301,6 +301,9 @@ pub struct QueueConfig {
     /// The most tasks the lane holds at once (running, waiting for a worker, or waiting for their settlement):
     /// `workers + prefetch` never exceeds it, so the daemon's memory stays bounded.
     pub max_held: usize,
+    /// The most of the queue's tasks taken and not yet settled at once, across every daemon (docs/CONFIG.md):
+    /// claim.lua takes no more, counting in Redis; `None`: no limit.
+    pub max_running: Option<usize>,
     pub lease_timeout: Duration,
     pub execution_timeout: Option<Duration>,
     pub alive_timeout: Option<Duration>,
@@ -545,6 +548,9 @@ pub mod defaults {
 
 /// The largest claim batch: Lua's `unpack` fails past ~8,000 values and a claim passes two per task.
 pub const MAX_BATCH: usize = 1000;
+
+/// The largest `max_running`.
+pub const MAX_RUNNING: usize = 1_000_000;
 
 /// The shortest `report_interval` and `lag_warn`: each costs a stats read of every queue per period.
 pub const MIN_WATCH_INTERVAL: Duration = Duration::from_millis(100);

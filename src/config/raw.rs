@@ -91,6 +91,7 @@ pub(super) struct RawQueue {
     pub(super) batch: Option<Spanned<i64>>,
     pub(super) prefetch: Option<Spanned<i64>>,
     pub(super) max_held: Option<Spanned<i64>>,
+    pub(super) max_running: Option<Spanned<i64>>,
     pub(super) lease_timeout: Option<Spanned<String>>,
     pub(super) execution_timeout: Option<Spanned<String>>,
     pub(super) alive_timeout: Option<Spanned<String>>,

@@ -600,3 +600,41 @@ fn the_dashboard_section_is_checked_at_load_and_read_by_the_dashboard() {
         assert!(got.starts_with(error), "{section}:\n{got}\nwanted {error}");
     }
 }
+
+#[test]
+fn max_running_needs_safe_mode_and_no_prefetch() {
+    let queue = |mode: &str, keys: &str| {
+        let text = format!("[[queues]]\nname = \"api\"\nmode = \"{mode}\"\nworkers = 4\n{keys}");
+        parse(&text).map(|config| config.queues[0].clone())
+    };
+    let limited = queue("safe", "max_running = 20\n").unwrap();
+    assert_eq!(limited.max_running, Some(20));
+    assert_eq!(
+        (limited.prefetch, limited.max_held),
+        (Prefetch::Fixed(0), 4),
+        "claims only for idle workers"
+    );
+    assert_eq!(queue("safe", "").unwrap().max_running, None);
+    for (mode, keys, words) in [
+        (
+            "default",
+            "max_running = 2\n",
+            "queues.toml:5:15: queues[0].max_running: max_running needs mode = \"safe\"",
+        ),
+        (
+            "safe",
+            "max_running = 2\nprefetch = 8\n",
+            "queues.toml:6:12: queues[0].prefetch: a queue with max_running claims only for its idle workers",
+        ),
+        (
+            "safe",
+            "max_running = 0\n",
+            "queues[0].max_running: 0 is out of range; it must be between 1 and 1000000",
+        ),
+    ] {
+        let error = queue(mode, keys).unwrap_err();
+        assert!(error.contains(words), "{words:?} in {error}");
+    }
+    queue("safe", "max_running = 2\nprefetch = 0\n")
+        .expect("an explicit prefetch of 0 is what it needs");
+}

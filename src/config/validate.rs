@@ -735,6 +735,7 @@ impl RawQueue {
             batch,
             prefetch,
             max_held,
+            max_running,
             lease_timeout,
             execution_timeout,
             alive_timeout,
@@ -829,8 +830,14 @@ impl RawQueue {
             Some(b) => ranged(source, &key("batch"), b, 1..MAX_BATCH as i64 + 1)? as usize,
             None => defaults::BATCH,
         };
+        let max_running = match &max_running {
+            Some(limit) => Some(running_limit(source, &key, mode, limit, prefetch.as_ref())?),
+            None => None,
+        };
         let prefetch = match &prefetch {
             Some(p) => Prefetch::Fixed(ranged(source, &key("prefetch"), p, 0..100_001)? as usize),
+            // A task claimed ahead would hold a running slot that another daemon's idle worker could use.
+            None if max_running.is_some() => Prefetch::Fixed(0),
             None => Prefetch::Auto,
         };
         let max_held = match (&max_held, prefetch) {
@@ -987,6 +994,7 @@ impl RawQueue {
             batch,
             prefetch,
             max_held,
+            max_running,
             lease_timeout,
             execution_timeout,
             alive_timeout,
@@ -1003,6 +1011,45 @@ impl RawQueue {
             source_lists,
         })
     }
+}
+
+/// A queue's `max_running`: claimed in safe mode only (a default-mode pop leaves nothing in Redis to give the slot
+/// back with when its daemon dies), and with no prefetch (a task claimed ahead holds a slot that another daemon's
+/// idle worker could use).
+fn running_limit(
+    source: &Source<'_>,
+    key: &impl Fn(&str) -> String,
+    mode: Mode,
+    limit: &Spanned<i64>,
+    prefetch: Option<&Spanned<i64>>,
+) -> Result<usize, ConfigError> {
+    let max_running = ranged(
+        source,
+        &key("max_running"),
+        limit,
+        1..MAX_RUNNING as i64 + 1,
+    )? as usize;
+    if mode == Mode::Default {
+        return Err(source.error(
+            limit.span(),
+            format!(
+                "{}: max_running needs mode = \"safe\"; default mode does not support it yet (a popped task \
+                 leaves nothing in Redis to give its slot back with when its daemon dies)",
+                key("max_running")
+            ),
+        ));
+    }
+    if let Some(prefetch) = prefetch.filter(|prefetch| *prefetch.get_ref() != 0) {
+        return Err(source.error(
+            prefetch.span(),
+            format!(
+                "{}: a queue with max_running claims only for its idle workers; remove prefetch or set it to 0 \
+                 (a task claimed ahead holds a running slot that another daemon's idle worker could use)",
+                key("prefetch")
+            ),
+        ));
+    }
+    Ok(max_running)
 }
 
 /// A queue's `source_lists`: Redis keys of lists, each a name or `{ list = NAME, priority = LEVEL }`, each named

@@ -16,6 +16,7 @@ mod delayed;
 mod exec_persistent;
 mod fault_proxy;
 mod faults;
+mod limits;
 mod metrics;
 mod plugins;
 mod prefetch;

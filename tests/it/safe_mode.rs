@@ -430,6 +430,7 @@ fn claim_as(
         dead_max: queue.config.dead_max,
         queue: &queue.config.name,
         daemon: "test:0",
+        max_running: queue.config.max_running,
     };
     broker::claim(
         connection,

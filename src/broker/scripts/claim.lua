@@ -6,10 +6,13 @@
 -- KEYS[4] dead list, KEYS[5] stats hash, KEYS[6] the queue's paused key (claims take nothing while it exists),
 -- KEYS[7 .. 6+L] ready lists, KEYS[7+L .. 6+4L] quarantine lists (group sizes 1, 8, 64, each over the levels),
 -- KEYS[7+4L .. 6+5L] the owner's claim sets (`processing:OWNER:LEVEL`, zset claim -> tasks not yet settled),
--- KEYS[7+5L .. 6+6L] this claim's lists (`processing:OWNER:LEVEL:CLAIM`), levels in order
+-- KEYS[7+5L .. 6+6L] this claim's lists (`processing:OWNER:LEVEL:CLAIM`), KEYS[7+6L .. 6+7L] their running
+-- scopes (`...:CLAIM:scopes`), levels in order; KEYS[7+7L] the running hash (scope -> tasks taken and not yet
+-- settled)
 -- ARGV[1] owner; ARGV[2] the most tasks to take; ARGV[3] max_task_bytes; ARGV[4] dead list bound;
 -- ARGV[5] queue name; ARGV[6] daemon (host:pid, for dead records); ARGV[7] the claim: a number unique within the
--- owner and increasing from call to call (the caller reserves ARGV[2] numbers from it on; see adopt.lua)
+-- owner and increasing from call to call (the caller reserves ARGV[2] numbers from it on; see adopt.lua);
+-- ARGV[8] the queue's max_running (0: none)
 -- Returns {now_ms, state, group level, tasks taken at level 1, ..., at level L, the owner's journal (see
 -- renew.lua)}: the tasks themselves are in this claim's lists, which the caller reads in the same transaction
 -- (`MULTI`, this script, `LRANGE` of each list, `EXEC`: src/broker/tasks.rs), position p of a list being the
@@ -20,7 +23,9 @@
 --            it still holds tasks (the caller waits for them to be settled, then claims again);
 --   state 3: nothing was claimed, because the queue is paused (`kmqd queue pause`): the caller waits idle_poll
 --            and claims again. Checked here, in the claim itself, so that no claim that runs after the pause
---            takes anything, whatever the daemon last saw.
+--            takes anything, whatever the daemon last saw;
+--   state 4: nothing was claimed, because max_running of the queue's tasks are taken and not yet settled, by
+--            any daemon: the caller waits for a wake-up marker, which a settle that frees some pushes.
 -- Fails with "LEASELOST ..." when the owner's lease is gone or past: its tasks then belong to the monitors (an
 -- owner registered but missing from the owners zset is put back in it as expired, for them), and the daemon must
 -- register a new owner; with "FENCED ..." when ARGV[7] is below the owner's floor, which
@@ -33,6 +38,13 @@
 -- the daemon dies meanwhile, the crash is the group's. Its tasks then come back in smaller groups, and a task
 -- that crashes its daemon running alone is charged for it (monitor.rs). While quarantined tasks wait, an owner
 -- claims no ready task: it finishes what it holds, then runs a group.
+--
+-- Running limit. With ARGV[8] > 0 a claim takes at most what leaves the running hash's `q` at or below it (a
+-- quarantined group included), adds what it took to `q`, and writes each non-empty list's scopes string `N q`
+-- beside it; settle.lua subtracts each settled task of a list from the scopes its string names, in the step
+-- that settles it, and deletes the string with the list. So `q` counts exactly the tasks of counted lists not yet
+-- settled, whatever becomes of their owner (the monitors settle an expired owner's tasks the same way), and a
+-- list claimed without a limit (a daemon whose config has none) is never subtracted from it.
 --
 -- A payload longer than max_task_bytes is never handed to a daemon: it goes straight to the dead list, kept
 -- whole (as a JSON string) with its size in the reason.
@@ -48,10 +60,12 @@
 -- `MEMORY USAGE` of the claim's list bounds every payload in it by max_task_bytes at once (only a batch larger
 -- than that in all has its payloads checked one by one). A claim costs Redis a fifth of what a hash field per
 -- task did (docs/PERFORMANCE.md, "What at-least-once costs Redis").
-local levels = (#KEYS - 6) / 6
-local READY, QUARANTINE, CLAIMS, LISTS = 6, 6 + levels, 6 + 4 * levels, 6 + 5 * levels
+local levels = (#KEYS - 7) / 7
+local READY, QUARANTINE, CLAIMS, LISTS, SCOPES = 6, 6 + levels, 6 + 4 * levels, 6 + 5 * levels, 6 + 6 * levels
+local RUNNING = #KEYS
 local GROUPS = {1, 8, 64}
 local owner, max, max_bytes, claim = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[7]
+local max_running = tonumber(ARGV[8]) or 0
 -- Every key's type first (a handful of calls per claim, none per task).
 for i = 1, #KEYS do
   if i ~= 6 then
@@ -59,8 +73,10 @@ for i = 1, #KEYS do
     local kind = 'list'
     if i == 1 or (i > CLAIMS and i <= LISTS) then
       kind = 'zset'
-    elseif i == 3 or i == 5 then
+    elseif i == 3 or i == 5 or i == RUNNING then
       kind = 'hash'
+    elseif i > SCOPES then
+      kind = 'string'
     end
     if found ~= 'none' and found ~= kind then
       return redis.error_reply('WRONGTYPE claim.lua: ' .. KEYS[i] .. ' is a ' .. found .. ', not a ' .. kind ..
@@ -80,6 +96,13 @@ local info = redis.call('HMGET', KEYS[3], 'floor', 'group', 'journal')
 local refused = integer(KEYS[3], 'floor', info[1]) or integer(KEYS[3], 'journal', info[3]) or
   integer(KEYS[5], 'dead_lettered', redis.call('HGET', KEYS[5], 'dead_lettered'))
 if refused then return refused end
+local running = 0
+if max_running > 0 then
+  local value = redis.call('HGET', KEYS[RUNNING], 'q')
+  refused = integer(KEYS[RUNNING], 'q', value)
+  if refused then return refused end
+  running = tonumber(value or '0')
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lease = redis.call('ZSCORE', KEYS[1], owner)
@@ -95,7 +118,7 @@ end
 if info[1] and tonumber(claim) < tonumber(info[1]) then
   return redis.error_reply('FENCED claim ' .. claim .. ' below the floor ' .. info[1])
 end
-for i = LISTS + 1, #KEYS do
+for i = LISTS + 1, LISTS + levels do
   if redis.call('EXISTS', KEYS[i]) == 1 then
     return redis.error_reply('FENCED claim ' .. claim .. ' was already made')
   end
@@ -110,9 +133,10 @@ local function dead_oversized(payload)
     string.format('%d', #payload) .. ',"daemon":' .. cjson.encode(ARGV[6]) .. ',"task":' .. cjson.encode(payload) ..
     '}')
 end
-local stored = false
+local stored, counted = false, 0
 -- The owner's journal: one more for a claim that took something; its value ends the reply (see renew.lua).
 local function finish(result)
+  if counted > 0 then redis.call('HINCRBY', KEYS[RUNNING], 'q', counted) end
   if dead_lettered > 0 then
     redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[4]) - 1)
     redis.call('HINCRBY', KEYS[5], 'dead_lettered', dead_lettered)
@@ -148,15 +172,30 @@ local function push_small(level, got)
   if #kept > 0 then redis.call('RPUSH', KEYS[LISTS + level], unpack(kept)) end
   return n
 end
--- Records a non-empty claim list in the owner's claim set: its score counts its tasks not yet settled.
+-- Records a non-empty claim list in the owner's claim set: its score counts its tasks not yet settled; under a
+-- running limit, its scopes string says they count in `q`.
 local function record(level, n)
   redis.call('ZADD', KEYS[CLAIMS + level], n, claim)
   stored = true
+  if max_running > 0 then
+    redis.call('SET', KEYS[SCOPES + level], n .. ' q')
+    counted = counted + n
+  end
 end
 
 -- After the lease and floor checks, so that a paused queue still tells a lost lease or a fenced claim.
 if redis.call('EXISTS', KEYS[6]) == 1 then
   return finish(empty(3, 0))
+end
+-- Whether the running limit leaves room once this claim took what it may.
+local room = true
+if max_running > 0 then
+  if running >= max_running then
+    return finish(empty(4, 0))
+  end
+  if max >= max_running - running then
+    max, room = max_running - running, false
+  end
 end
 
 local holds = false
@@ -215,7 +254,7 @@ for i = 1, levels do
   end
   result[3 + i] = n
 end
-if taken == max then
+if taken == max and room then
   -- The queue may hold more than this fetcher can take: pass the wake-up on to another idle fetcher.
   for i = 1, levels do
     if redis.call('LLEN', KEYS[READY + i]) > 0 then

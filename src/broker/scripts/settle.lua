@@ -10,8 +10,9 @@
 -- owner whose tasks these are (`processing:OWNER:LEVEL`, zset claim -> tasks not yet settled; a hash token ->
 -- envelope for an owner of kmqd 0.1, see "Older owners"), all in level order, KEYS[8+6L] that
 -- owner's info hash, KEYS[9+6L] the settling party's scratch string (`settled:SETTLER:bits`: each claim's new
--- bits, for BITOP; deleted before the script ends), then for each claim the call touches, its list and its
--- settled bitmap (`processing:OWNER:LEVEL:CLAIM` and `...:CLAIM:settled`)
+-- bits, for BITOP; deleted before the script ends), KEYS[10+6L] the running hash (scope -> tasks taken under
+-- its limit and not yet settled), then for each claim the call touches, its list, its settled bitmap and its
+-- running scopes (`processing:OWNER:LEVEL:CLAIM`, `...:CLAIM:settled` and `...:CLAIM:scopes`)
 -- ARGV[1] fence: "owner" (the owner settles its own tasks) or "expired" (a monitor settles the tasks of an owner
 --         whose lease ran out; nothing is applied unless it has)
 -- ARGV[2] dead list bound; ARGV[3] number of levels L; ARGV[4] the delay poller's channel; ARGV[5] the owner
@@ -34,6 +35,12 @@
 --   op "back":  handed back at shutdown: payload goes to the front of its ready list, attempt unchanged; its
 --               unique id, if any, stays held (the task waits again) but no longer by the popping owner
 --   op "dead":  payload (a dead record, a JSON object) is pushed on the dead list with "dead_at" stamped
+-- Running limits. A claim list counted under a running limit has a scopes string (`N q`: claim.lua); each task of
+-- it whose bit this call sets, by whatever op and whichever settling party (the owner, or a monitor for an
+-- expired owner), is subtracted from the running hash's fields the string names, in this step, and the string
+-- goes with the list. A field is never taken below 0 (that would say the count was wrong: counted in stats as
+-- `running_underflow`) and is deleted at 0. A call that frees running slots wakes an idle fetcher.
+--
 -- A task whose bit is already set (or whose claim list is gone) is stale and changes nothing: this fences a slow
 -- owner against a monitor that already recovered its task, and two monitors against each other. Bits are only
 -- ever merged in, never overwritten (a bitmap is OR-ed in, and its new bits counted), so that two settles of the
@@ -63,18 +70,21 @@ local fence, dead_max, levels, channel, owner = ARGV[1], tonumber(ARGV[2]), tonu
 local call = ARGV[6]
 local READY, RETRY, QUARANTINE, PROCESSING = 7, 7 + levels, 7 + 2 * levels, 7 + 5 * levels
 local safe = #KEYS > PROCESSING
-local info, scratch, CLAIM_KEYS = false, false, PROCESSING + levels + 2
-if safe then info, scratch = KEYS[PROCESSING + levels + 1], KEYS[PROCESSING + levels + 2] end
+local info, scratch, running, CLAIM_KEYS = false, false, false, PROCESSING + levels + 3
+if safe then
+  info, scratch, running = KEYS[PROCESSING + levels + 1], KEYS[PROCESSING + levels + 2], KEYS[PROCESSING + levels + 3]
+end
 local OPS = {ack = true, retry = true, retry_isolated = true, recover = true, recover_isolated = true,
   back = true, dead = true}
 
--- The claims touched: level, number, list, bitmap.
+-- The claims touched: level, number, list, bitmap, running scopes; `fresh` counts the bits this call sets.
 local claims = tonumber(ARGV[7])
 local claim = {}
 for k = 1, claims do
   local at = 8 + (k - 1) * 4
   claim[k] = {level = tonumber(ARGV[at]), number = ARGV[at + 1], acks = ARGV[at + 2], count = tonumber(ARGV[at + 3]),
-    list = KEYS[CLAIM_KEYS + 2 * k - 1], bits = KEYS[CLAIM_KEYS + 2 * k]}
+    list = KEYS[CLAIM_KEYS + 3 * k - 2], bits = KEYS[CLAIM_KEYS + 3 * k - 1], scopes = KEYS[CLAIM_KEYS + 3 * k],
+    fresh = 0}
 end
 local counted_at = 8 + claims * 4
 local records = counted_at + 1
@@ -93,7 +103,7 @@ if #ARGV >= records then
     end
   end
 end
-if info then expected[info], expected[scratch] = 'hash', 'string' end
+if info then expected[info], expected[scratch], expected[running] = 'hash', 'string', 'hash' end
 local function expect(key, kind)
   if expected[key] and expected[key] ~= kind then
     return redis.error_reply('settle.lua: ' .. key .. ' is both a ' .. expected[key] .. ' and a ' .. kind ..
@@ -106,7 +116,7 @@ for k = 1, claims do
     return redis.error_reply('settle.lua: claim ' .. k .. ' has no keys; nothing was applied')
   end
   local refused = expect(KEYS[PROCESSING + claim[k].level], 'zset') or expect(claim[k].list, 'list') or
-    expect(claim[k].bits, 'string')
+    expect(claim[k].bits, 'string') or expect(claim[k].scopes, 'string')
   if refused then return refused end
 end
 for j = records, #ARGV, 8 do
@@ -165,11 +175,29 @@ local function integer(key, field, value)
       string.sub(value, 1, 40) .. '); nothing was applied')
   end
 end
-local COUNTERS = {'done', 'retried', 'recovered', 'failed', 'dead_lettered'}
+local COUNTERS = {'done', 'retried', 'recovered', 'failed', 'dead_lettered', 'running_underflow'}
 local counters = redis.call('HMGET', stats, unpack(COUNTERS))
 for n = 1, #COUNTERS do
   local refused = integer(stats, COUNTERS[n], counters[n])
   if refused then return refused end
+end
+-- The running scopes of the claims touched (`N SCOPE...`: their lists' tasks count in those fields), and those
+-- fields, integers or absent.
+local counts = {}
+for k = 1, claims do
+  local scopes = redis.call('GET', claim[k].scopes)
+  if scopes then
+    claim[k].counted = {}
+    for scope in string.gmatch(string.match(scopes, '^%d+ (.*)$') or '', '%S+') do
+      if not counts[scope] then
+        local value = redis.call('HGET', running, scope)
+        local refused = integer(running, scope, value)
+        if refused then return refused end
+        counts[scope] = tonumber(value or '0')
+      end
+      claim[k].counted[#claim[k].counted + 1] = scope
+    end
+  end
 end
 -- Only a registered owner settling its own tasks adds to its journal: a late settle after the monitors forgot
 -- the owner must not bring its info hash back. Its increment is the call's first write, so that a journal that is
@@ -206,10 +234,12 @@ for k = 1, claims do
       if not old and c.count == c.length then
         -- The whole claim at once, the common case: nothing to merge.
         done = done + c.count
+        c.fresh = c.count
         c.finished = true
       elseif not old then
         redis.call('SET', c.bits, c.acks)
         done = done + c.count
+        c.fresh = c.count
       else
         -- Merged natively: OR-ing the bytes in Lua costs more than ten times as much.
         redis.call('SET', scratch, c.acks)
@@ -218,6 +248,7 @@ for k = 1, claims do
         used_scratch = true
         local fresh = redis.call('BITCOUNT', c.bits) - before
         done = done + fresh
+        c.fresh = fresh
         stale = stale + c.count - fresh
       end
     end
@@ -236,6 +267,7 @@ while i <= #ARGV do
     ok = 0
     if live and not c.finished and position < c.length and redis.call('GETBIT', c.bits, position) == 0 then
       redis.call('SETBIT', c.bits, position, 1)
+      c.fresh = c.fresh + 1
       ok = 1
     end
   elseif token ~= '' then
@@ -294,22 +326,40 @@ while i <= #ARGV do
   i = i + 8
 end
 if used_scratch then redis.call('DEL', scratch) end
--- A claim whose every task is settled goes; the others' scores count what they still hold.
+-- A claim whose every task is settled goes; the others' scores count what they still hold. What a counted claim
+-- settled now leaves the running counts.
+local freed, underflow = {}, 0
 for k = 1, claims do
   local c = claim[k]
   local set = KEYS[PROCESSING + c.level]
   if c.length == 0 then
     redis.call('ZREM', set, c.number)
+    redis.call('DEL', c.scopes)
   else
     local settled = c.length
     if not c.finished then settled = redis.call('BITCOUNT', c.bits) end
     if settled >= c.length then
-      redis.call('DEL', c.list, c.bits)
+      redis.call('DEL', c.list, c.bits, c.scopes)
       redis.call('ZREM', set, c.number)
     else
       redis.call('ZADD', set, 'XX', c.length - settled, c.number)
     end
+    if c.counted and c.fresh > 0 then
+      for _, scope in ipairs(c.counted) do
+        freed[scope] = (freed[scope] or 0) + c.fresh
+      end
+    end
   end
+end
+for scope, n in pairs(freed) do
+  local left = counts[scope] - n
+  if left < 0 then underflow, left = underflow - left, 0 end
+  if left == 0 then
+    redis.call('HDEL', running, scope)
+  else
+    redis.call('HSET', running, scope, left)
+  end
+  wake_fetchers = true
 end
 result[#result + 1] = journal
 -- Kept a day: long enough for any retry (a caller retries until Redis answers), then it cleans itself up
@@ -323,6 +373,7 @@ if done > 0 then redis.call('HINCRBY', stats, 'done', done) end
 if retried > 0 then redis.call('HINCRBY', stats, 'retried', retried) end
 if recovered > 0 then redis.call('HINCRBY', stats, 'recovered', recovered) end
 if failed > 0 then redis.call('HINCRBY', stats, 'failed', failed) end
+if underflow > 0 then redis.call('HINCRBY', stats, 'running_underflow', underflow) end
 if wake_fetchers then
   redis.call('LPUSH', wake, 1)
   redis.call('LTRIM', wake, 0, 0)

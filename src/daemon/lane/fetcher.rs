@@ -71,6 +71,8 @@ pub struct Fetcher {
     trouble: Trouble,
     /// Whether the last fetch found the queue paused (to log the change once, not every `idle_poll`).
     paused: bool,
+    /// Whether the last claim found the queue's `max_running` tasks running (likewise).
+    limited: bool,
 }
 
 /// The owner and the tokens of a claim whose reply never came.
@@ -120,6 +122,7 @@ impl Fetcher {
             info,
             trouble,
             paused: false,
+            limited: false,
         }
     }
 
@@ -238,6 +241,17 @@ impl Fetcher {
         if batch.paused {
             // Not a blocking wait in Redis: the lists may hold tasks, and BLMOVE would return at once.
             self.claiming.wait(self.lane.queue.config.idle_poll);
+        }
+        if batch.limited != self.limited {
+            // At debug: a busy limited queue is held back and let go many times a second.
+            self.limited = batch.limited;
+            let queue = self.lane.name();
+            let max_running = self.lane.queue.config.max_running;
+            if batch.limited {
+                tracing::debug!(%queue, ?max_running, "queue held back: max_running tasks are running");
+            } else {
+                tracing::debug!(%queue, "queue no longer held back by max_running");
+            }
         }
         Ok(batch)
     }

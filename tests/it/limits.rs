@@ -1,0 +1,245 @@
+//! Flow control: a queue's `max_running` across daemons, and its count in Redis under the faults that would leak
+//! it or count it twice (docs/RELIABILITY.md, "Running limits").
+
+use std::path::Path;
+use std::time::Duration;
+
+use kmqd::broker::sources;
+
+use crate::support::proxy::{AfterDrop, Fault, FaultProxy, Matcher};
+use crate::support::*;
+
+/// The queue's count of tasks taken under its `max_running` and not yet settled (0 when the field is absent).
+fn running(redis: &RedisServer) -> u64 {
+    let count: Option<u64> = redis.cmd(&["HGET", "kmq:{jobs}:running", "q"]);
+    count.unwrap_or(0)
+}
+
+/// A stats counter of the queue (0 when absent).
+fn counter(redis: &RedisServer, field: &str) -> u64 {
+    let count: Option<u64> = redis.cmd(&["HGET", "kmq:{jobs}:stats", field]);
+    count.unwrap_or(0)
+}
+
+/// Every id `prefix0..prefix{count}` ran exactly once.
+fn assert_ran_once(dir: &TestDir, prefix: &str, count: usize) {
+    let records = dir.records();
+    for i in 0..count {
+        let id = format!("{prefix}{i}");
+        assert_eq!(records.runs_of(&id), 1, "{id}: {:?}", records.starts);
+    }
+}
+
+/// The most runs that started within any `window` of each other: each run of these tasks lasts at least
+/// `window`, so more than `limit` of them would have run at once.
+fn most_started_within(dir: &TestDir, window: Duration) -> usize {
+    let mut starts: Vec<u64> = dir
+        .records()
+        .start_times
+        .iter()
+        .map(|(_, micros)| *micros)
+        .collect();
+    starts.sort_unstable();
+    let window = window.as_micros() as u64;
+    let mut most = 0;
+    let mut first = 0;
+    for (last, at) in starts.iter().enumerate() {
+        while starts[first] + window <= *at {
+            first += 1;
+        }
+        most = most.max(last + 1 - first);
+    }
+    most
+}
+
+/// Waits until the queue is drained and its count is back to 0, then checks no count went below 0.
+fn assert_drained_to_zero(config: &Path, redis: &RedisServer, done: u64) {
+    let s = eventually(Duration::from_secs(60), "the queue drained", || {
+        let s = stats(config, "jobs");
+        (s.done >= done && s.processing == 0 && s.ready == 0, s)
+    });
+    assert_eq!(s.done, done, "{s:?}");
+    eventually(
+        Duration::from_secs(10),
+        "the running count back to 0",
+        || (running(redis) == 0, running(redis)),
+    );
+    assert_eq!(
+        counter(redis, "running_underflow"),
+        0,
+        "no count went below 0"
+    );
+}
+
+#[test]
+fn max_running_holds_across_daemons_and_every_task_runs_once() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(
+        &redis,
+        &safe_queue("workers = 4\nmax_running = 3\nidle_poll = \"100ms\""),
+    );
+    let (a, b) = (TestDaemon::start(&config), TestDaemon::start(&config));
+    // Every run sleeps at least 50 ms: starts closer than that overlapped.
+    push_many(&config, "t", 30, r#"{"sleep_ms":50}"#);
+    // Redis's count, sampled through the drain.
+    let mut most_counted = 0;
+    eventually(Duration::from_secs(60), "30 tasks done", || {
+        most_counted = most_counted.max(running(&redis));
+        let s = stats(&config, "jobs");
+        (s.done >= 30, s)
+    });
+    assert!(most_counted <= 3, "the count reached {most_counted}");
+    assert_drained_to_zero(&config, &redis, 30);
+    assert_ran_once(&dir, "t", 30);
+    let most = most_started_within(&dir, Duration::from_millis(50));
+    assert!(
+        most <= 3,
+        "{most} runs started within 50 ms of each other: {:?}",
+        dir.records().start_times
+    );
+    assert!(
+        most >= 2,
+        "eight idle workers ran only {most} at once: the limit was not reached"
+    );
+    a.stop();
+    b.stop();
+}
+
+#[test]
+fn a_limited_queue_claims_no_more_than_its_limit_while_the_rest_wait_in_redis() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let gate = dir.path("gate");
+    let config = dir.config(&redis, &safe_queue("workers = 4\nmax_running = 3"));
+    let (a, b) = (TestDaemon::start(&config), TestDaemon::start(&config));
+    let data = serde_json::json!({ "wait_for_file": gate }).to_string();
+    push_many(&config, "t", 10, &data);
+    eventually(Duration::from_secs(15), "three runs started", || {
+        let started = dir.records().starts.len();
+        (started == 3, started)
+    });
+    // Both fetchers idle in Redis, held back: nothing more is claimed until a settle frees a slot.
+    eventually(Duration::from_secs(15), "both fetchers waiting", || {
+        let list: String = redis.cmd(&["CLIENT", "LIST"]);
+        let blocked = list.matches("cmd=blpop").count();
+        (blocked == 2, list)
+    });
+    let s = stats(&config, "jobs");
+    assert_eq!((s.processing, s.ready, running(&redis)), (3, 7, 3), "{s:?}");
+    assert_eq!(dir.records().starts.len(), 3);
+    std::fs::write(&gate, "").unwrap();
+    assert_drained_to_zero(&config, &redis, 10);
+    assert_ran_once(&dir, "t", 10);
+    a.stop();
+    b.stop();
+}
+
+#[test]
+fn a_settle_whose_reply_is_lost_frees_its_running_slots_once() {
+    for then in [AfterDrop::Close, AfterDrop::Hang] {
+        let redis = RedisServer::start();
+        let proxy = FaultProxy::start(&redis);
+        let dir = TestDir::new();
+        let redis_section = format!("url = \"{}\"\nio_timeout = \"1s\"", proxy.url());
+        let config = dir.config_raw(
+            &redis_section,
+            "",
+            &safe_queue("workers = 2\nmax_running = 2"),
+        );
+        let daemon = TestDaemon::start(&config);
+        let rule = proxy.add(Fault::DropReply {
+            matching: Matcher::script(sources::SETTLE),
+            nth: 2,
+            then,
+        });
+        push_many(&config, "t", 20, r#"{"sleep_ms":5}"#);
+        assert_drained_to_zero(&config, &redis, 20);
+        assert_eq!(rule.fired(), 1, "{then:?}: a settle's reply was dropped");
+        assert_ran_once(&dir, "t", 20);
+        daemon.stop();
+    }
+}
+
+#[test]
+fn a_claim_whose_reply_is_lost_is_adopted_with_its_slots_counted_once() {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let redis_section = format!("url = \"{}\"\nio_timeout = \"1s\"", proxy.url());
+    let config = dir.config_raw(
+        &redis_section,
+        "",
+        &safe_queue("workers = 3\nmax_running = 3\nlease_timeout = \"60s\""),
+    );
+    let daemon = TestDaemon::start(&config);
+    redis.wait_blocked_in("blpop");
+    let rule = proxy.add(Fault::DropReply {
+        matching: Matcher::script(sources::CLAIM),
+        nth: 1,
+        then: AfterDrop::Close,
+    });
+    push_many(&config, "t", 12, r#"{"sleep_ms":5}"#);
+    assert_drained_to_zero(&config, &redis, 12);
+    assert_eq!(rule.fired(), 1, "the claim's reply was dropped");
+    assert_ran_once(&dir, "t", 12);
+    daemon.stop();
+}
+
+#[test]
+fn a_daemon_killed_while_it_runs_gives_its_running_slots_back_through_the_monitors() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let gate = dir.path("gate");
+    let config = dir.config(
+        &redis,
+        &safe_queue("workers = 2\nmax_running = 2\nlease_timeout = \"1s\""),
+    );
+    let mut first = Process::start(&config, dir.path("first.log"));
+    let data = serde_json::json!({ "wait_for_file": gate }).to_string();
+    push_many(&config, "t", 6, &data);
+    eventually(Duration::from_secs(15), "both slots taken", || {
+        (running(&redis) == 2, running(&redis))
+    });
+    first.kill9();
+    std::fs::write(&gate, "").unwrap();
+    // The killed daemon's two tasks come back when its lease runs out, and its slots with them.
+    let second = TestDaemon::start(&config);
+    assert_drained_to_zero(&config, &redis, 6);
+    assert_eq!(counter(&redis, "recovered"), 2);
+    second.stop();
+}
+
+#[test]
+fn a_claim_made_without_a_limit_is_never_subtracted_from_one() {
+    // A rolling change that adds max_running: the old daemon's claims were not counted, and the new daemon's
+    // monitor that recovers them must not take them off the new daemons' count.
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let gate = dir.path("gate");
+    let unlimited = dir.config(&redis, &safe_queue("workers = 3\nlease_timeout = \"1s\""));
+    let unlimited = {
+        let kept = unlimited.with_file_name("unlimited.toml");
+        std::fs::rename(&unlimited, &kept).unwrap();
+        kept
+    };
+    let limited = dir.config(
+        &redis,
+        &safe_queue("workers = 3\nmax_running = 1\nlease_timeout = \"1s\""),
+    );
+    let mut old = Process::start(&unlimited, dir.path("old.log"));
+    let data = serde_json::json!({ "wait_for_file": gate }).to_string();
+    push_many(&unlimited, "t", 3, &data);
+    eventually(Duration::from_secs(15), "three runs started", || {
+        let started = dir.records().starts.len();
+        (started == 3, started)
+    });
+    assert_eq!(running(&redis), 0, "claimed without a limit: not counted");
+    old.kill9();
+    push_many(&limited, "u", 3, r#"{"sleep_ms":5}"#);
+    let new = TestDaemon::start(&limited);
+    std::fs::write(&gate, "").unwrap();
+    assert_drained_to_zero(&limited, &redis, 6);
+    assert_ran_once(&dir, "u", 3);
+    new.stop();
+}
