@@ -484,6 +484,56 @@ fn latency_delays_every_reply_in_order_until_removed() {
 }
 
 #[test]
+fn delay_reply_holds_the_nth_reply_and_those_behind_it_after_the_command_ran() {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let mut client = through_with_timeout(&proxy, Duration::from_secs(5));
+    let delay = Duration::from_millis(400);
+    let rule = proxy.add(Fault::DelayReply {
+        matching: Matcher::command("INCR"),
+        nth: 2,
+        delay,
+    });
+    // The first INCR is not the nth: its reply comes at once.
+    let started = Instant::now();
+    assert_eq!(incr(&mut client, "counter").unwrap(), 1);
+    assert!(started.elapsed() < delay, "{:?}", started.elapsed());
+    assert_eq!(rule.fired(), 0);
+
+    // A pipeline of a PING, the 2nd INCR and a GET, in one write: the PING's reply comes at once, the INCR's is
+    // held (the INCR ran in Redis meanwhile), and the GET's waits behind it.
+    let mut raw = TcpStream::connect(("127.0.0.1", proxy.port())).unwrap();
+    let mut pipeline = resp_command(&[b"PING"]);
+    pipeline.extend(resp_command(&[b"INCR", b"counter"]));
+    pipeline.extend(resp_command(&[b"GET", b"counter"]));
+    let started = Instant::now();
+    raw.write_all(&pipeline).unwrap();
+    assert_eq!(read_n_replies(&mut raw, 1), vec![b"+PONG\r\n".to_vec()]);
+    assert!(started.elapsed() < delay, "{:?}", started.elapsed());
+    eventually(Duration::from_secs(2), "the INCR to run in Redis", || {
+        let value = counter(&redis, "counter");
+        (value == 2, value)
+    });
+    assert!(
+        started.elapsed() < delay,
+        "the INCR ran before its reply came: {:?}",
+        started.elapsed()
+    );
+    let rest = read_n_replies(&mut raw, 2);
+    let elapsed = started.elapsed();
+    assert_eq!(rest, vec![b":2\r\n".to_vec(), b"$1\r\n2\r\n".to_vec()]);
+    assert!(elapsed >= delay, "held {delay:?}: {elapsed:?}");
+    assert!(elapsed < delay * 3, "held once: {elapsed:?}");
+    assert_eq!(rule.fired(), 1);
+
+    // One-shot: the next INCR's reply comes at once.
+    let started = Instant::now();
+    assert_eq!(incr(&mut client, "counter").unwrap(), 3);
+    assert!(started.elapsed() < delay, "{:?}", started.elapsed());
+    assert_eq!(rule.fired(), 1);
+}
+
+#[test]
 fn cut_all_closes_every_live_connection_both_sides() {
     let redis = RedisServer::start();
     let proxy = FaultProxy::start(&redis);

@@ -23,6 +23,11 @@
 //!   then delivered in order, so commands sent meanwhile run only after it. Unlike
 //!   `RedisServer::pause`, other clients (direct connections) are not affected.
 //! - [`Fault::Latency`]: **a slow network or a slow Redis**: every reply is delivered `delay` late, in order.
+//! - [`Fault::DelayReply`]: **one reply comes back late, but within the client's read timeout**: the command ran
+//!   in Redis at once, and its reply is held for `delay` before it is delivered (a retransmitted segment, a
+//!   congested link, a `WAIT` that took long, a client thread descheduled between its send and its read). What
+//!   the client does with the reply then may race what other connections did meanwhile: this is the fault that
+//!   finds decisions taken on a reply after the world moved on (a claim that lands after its lease was lost).
 //!
 //! Besides faults: [`FaultProxy::cut_all`] is a network cut (every live connection closed, new ones work),
 //! [`FaultProxy::refuse`] is Redis down (connections accepted and closed at once), [`FaultProxy::seen`] counts
@@ -51,8 +56,8 @@
 //!   (faults on its requests still act), and RESP3 push frames (`>`) are never paired on any connection.
 //!
 //! Each connection has three threads (client to Redis, Redis to the proxy, the proxy to the client: the last one
-//! is where Stall and Latency hold replies, so that a reply's delay counts from when it arrived). Dropping the
-//! proxy stops accepting, closes every connection and joins every thread.
+//! is where Stall, Latency and DelayReply hold replies, so that a reply's delay counts from when it arrived).
+//! Dropping the proxy stops accepting, closes every connection and joins every thread.
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -103,6 +108,15 @@ pub enum Fault {
     /// Delays every reply by `delay` from when it arrived from Redis (replies stay in order) until removed: a
     /// slow Redis or network. Several latencies add up.
     Latency { delay: Duration },
+    /// The reply of the nth command (1 = the next one) matching `matching`, counted from when the fault is added,
+    /// is held `delay` from when it arrived from Redis, then delivered; the replies after it on that connection
+    /// wait behind it, as on a real socket (a latency in force adds up with it). The command itself runs in Redis
+    /// at once. One-shot. A `-NOSCRIPT` reply is not counted (the script did not run; see the module docs).
+    DelayReply {
+        matching: Matcher,
+        nth: usize,
+        delay: Duration,
+    },
 }
 
 /// What the client sees after a dropped reply or request.
@@ -201,7 +215,7 @@ pub struct Rule {
 }
 
 impl Rule {
-    /// How many times the fault acted: 0 or 1 for a drop (it is one-shot); for a stall, how many reads (of
+    /// How many times the fault acted: 0 or 1 for a drop or a delayed reply (they are one-shot); for a stall, how many reads (of
     /// either direction) it held back; for a latency, how many replies it delayed.
     pub fn fired(&self) -> usize {
         self.fired.load(Ordering::SeqCst)
@@ -290,6 +304,16 @@ impl FaultProxy {
                 until: Instant::now() + duration,
             },
             Fault::Latency { delay } => Kind::Latency { delay },
+            Fault::DelayReply {
+                matching,
+                nth,
+                delay,
+            } => Kind::DelayReply {
+                matching,
+                nth: nth.max(1),
+                delay,
+                matched: 0,
+            },
         };
         state.rules.push(ActiveRule {
             id,
@@ -420,6 +444,12 @@ enum Kind {
     Latency {
         delay: Duration,
     },
+    DelayReply {
+        matching: Matcher,
+        nth: usize,
+        delay: Duration,
+        matched: usize,
+    },
 }
 
 impl Shared {
@@ -526,7 +556,7 @@ struct Pending {
 }
 
 enum Entry {
-    /// A command; the ids of the DropReply rules it matched when it was forwarded.
+    /// A command; the ids of the DropReply and DelayReply rules it matched when it was forwarded.
     Command(Vec<u64>),
     /// From here on, replies are not paired.
     Unpaired,
@@ -582,11 +612,13 @@ impl Conn {
 
 /// What the reply thread hands the client writer.
 enum Out {
-    /// Replies (whole ones), as they arrived from Redis at `arrived`.
+    /// Replies (whole ones), as they arrived from Redis at `arrived`, held `held` longer than the latency in force
+    /// holds them (a DelayReply fired on the first of them).
     Data {
         bytes: Vec<u8>,
         replies: usize,
         arrived: Instant,
+        held: Duration,
     },
     /// Close the client side after what came before.
     Close,
@@ -740,7 +772,7 @@ fn forward_requests(
                             unpaired = true;
                         }
                         if !unpaired {
-                            entries.push(Entry::Command(drop_reply_candidates(&state, &args)));
+                            entries.push(Entry::Command(reply_rule_candidates(&state, &args)));
                         }
                         forwarded.push(args);
                         end += len;
@@ -805,14 +837,17 @@ fn drop_request(state: &mut State, args: &[Vec<u8>]) -> Option<AfterDrop> {
     action
 }
 
-/// The DropReply rules a forwarded command matches (their count is taken when its reply arrives).
-fn drop_reply_candidates(state: &State, args: &[Vec<u8>]) -> Vec<u64> {
+/// The DropReply and DelayReply rules a forwarded command matches (their count is taken when its reply arrives).
+fn reply_rule_candidates(state: &State, args: &[Vec<u8>]) -> Vec<u64> {
     state
         .rules
         .iter()
-        .filter(
-            |rule| matches!(&rule.kind, Kind::DropReply { matching, .. } if matching.matches(args)),
-        )
+        .filter(|rule| match &rule.kind {
+            Kind::DropReply { matching, .. } | Kind::DelayReply { matching, .. } => {
+                matching.matches(args)
+            }
+            _ => false,
+        })
         .map(|rule| rule.id)
         .collect()
 }
@@ -861,6 +896,8 @@ fn forward_replies(shared: &Shared, conn: &Conn, mut upstream: UnixStream, out: 
         let mut pending = conn.pending();
         let mut bytes = Vec::new();
         let mut replies = 0;
+        // How long a DelayReply holds `bytes` (from the delayed reply on, which starts them).
+        let mut held = Duration::ZERO;
         let mut at = 0;
         while !raw {
             if pending.hung {
@@ -894,14 +931,26 @@ fn forward_replies(shared: &Shared, conn: &Conn, mut upstream: UnixStream, out: 
                 }
                 continue;
             }
-            let dropped = match command {
+            let (dropped, delay) = match command {
                 Some(Entry::Command(rules))
                     if !rules.is_empty() && !is_noscript(&reply[frame.value_at..]) =>
                 {
-                    take_drop_reply(&mut shared.lock(), &rules)
+                    take_reply_faults(&mut shared.lock(), &rules)
                 }
-                _ => None,
+                _ => (None, Duration::ZERO),
             };
+            if dropped.is_none() && delay > Duration::ZERO {
+                // The replies before it go now; it and those after it wait.
+                if !bytes.is_empty() {
+                    let _ = out.send(Out::Data {
+                        bytes: std::mem::take(&mut bytes),
+                        replies: std::mem::take(&mut replies),
+                        arrived,
+                        held,
+                    });
+                }
+                held = delay;
+            }
             match dropped {
                 None => {
                     bytes.extend_from_slice(reply);
@@ -916,6 +965,7 @@ fn forward_replies(shared: &Shared, conn: &Conn, mut upstream: UnixStream, out: 
                             bytes: std::mem::take(&mut bytes),
                             replies,
                             arrived,
+                            held,
                         });
                     }
                     conn.begin_close(&mut pending, out);
@@ -936,6 +986,7 @@ fn forward_replies(shared: &Shared, conn: &Conn, mut upstream: UnixStream, out: 
                 bytes,
                 replies,
                 arrived,
+                held,
             });
         }
     }
@@ -946,28 +997,37 @@ fn forward_replies(shared: &Shared, conn: &Conn, mut upstream: UnixStream, out: 
     }
 }
 
-/// Counts a reply for the DropReply rules its command matched; the rule whose nth it is fires (and is used up).
-fn take_drop_reply(state: &mut State, rules: &[u64]) -> Option<AfterDrop> {
+/// Counts a reply for the DropReply and DelayReply rules its command matched; a rule whose nth it is fires (and is
+/// used up). Returns what to do with the reply: drop it (and then what), and how long to hold it (the delays of
+/// several rules add up).
+fn take_reply_faults(state: &mut State, rules: &[u64]) -> (Option<AfterDrop>, Duration) {
     let mut action = None;
+    let mut held = Duration::ZERO;
     let mut used = Vec::new();
     for rule in &mut state.rules {
         if !rules.contains(&rule.id) {
             continue;
         }
-        if let Kind::DropReply {
-            nth, then, matched, ..
-        } = &mut rule.kind
-        {
-            *matched += 1;
-            if *matched == *nth {
-                rule.fired.fetch_add(1, Ordering::SeqCst);
-                used.push(rule.id);
-                action = merge(action, *then);
+        let (nth, matched) = match &mut rule.kind {
+            Kind::DropReply { nth, matched, .. } | Kind::DelayReply { nth, matched, .. } => {
+                (*nth, matched)
             }
+            _ => continue,
+        };
+        *matched += 1;
+        if *matched != nth {
+            continue;
+        }
+        rule.fired.fetch_add(1, Ordering::SeqCst);
+        used.push(rule.id);
+        match &rule.kind {
+            Kind::DropReply { then, .. } => action = merge(action, *then),
+            Kind::DelayReply { delay, .. } => held += *delay,
+            _ => {}
         }
     }
     state.rules.retain(|rule| !used.contains(&rule.id));
-    action
+    (action, held)
 }
 
 /// Whether a reply (its top-level value) is Redis's NOSCRIPT error: EVALSHA of a script it does not have, which
@@ -984,13 +1044,15 @@ fn is_noscript(value: &[u8]) -> bool {
             .is_some_and(|i| value[i + 2..].starts_with(b"NOSCRIPT"))
 }
 
-/// The proxy → the client: holds replies during a stall and for the latency in force, then writes them.
+/// The proxy → the client: holds replies during a stall, for the latency in force and a delayed reply's delay,
+/// then writes them (in order: what comes after a held reply waits behind it).
 fn write_replies(shared: &Shared, conn: &Conn, mut client: TcpStream, out: &Receiver<Out>) {
     while let Ok(message) = out.recv() {
         let Out::Data {
             bytes,
             replies,
             arrived,
+            held,
         } = message
         else {
             break;
@@ -1008,7 +1070,7 @@ fn write_replies(shared: &Shared, conn: &Conn, mut client: TcpStream, out: &Rece
                 }
             }
             first = false;
-            stall.max(Some(arrived + latency))
+            stall.max(Some(arrived + latency + held))
         });
         if !go || client.write_all(&bytes).is_err() {
             break;
