@@ -23,6 +23,11 @@
 //!   then delivered in order, so commands sent meanwhile run only after it. Unlike
 //!   `RedisServer::pause`, other clients (direct connections) are not affected.
 //! - [`Fault::Latency`]: **a slow network or a slow Redis**: every reply is delivered `delay` late, in order.
+//! - [`Fault::DelayRequest`]: **one request reaches Redis late**, after a delay in the network: everything the
+//!   client sends after it on that connection waits behind it. With `survive_close`, it still reaches Redis after
+//!   the client gave up and closed the connection, as the kernel goes on retransmitting an orphaned socket's data
+//!   after `close()`, or a buffering proxy or load balancer delivers it: a late duplicate of a call the client
+//!   has meanwhile sent again on another connection. This is the fault that finds a call applied twice.
 //! - [`Fault::DelayReply`]: **one reply comes back late, but within the client's read timeout**: the command ran
 //!   in Redis at once, and its reply is held for `delay` before it is delivered (a retransmitted segment, a
 //!   congested link, a `WAIT` that took long, a client thread descheduled between its send and its read). What
@@ -116,6 +121,18 @@ pub enum Fault {
         matching: Matcher,
         nth: usize,
         delay: Duration,
+    },
+    /// The nth command (1 = the next one) matching `matching`, counted from when the fault is added, is held
+    /// `delay` from when the proxy read it, then forwarded to Redis; what the client sends after it on that
+    /// connection waits behind it, as on a real socket. If the connection closes meanwhile (the client gave up on
+    /// its read timeout, or a Hang or Close cut it), the command is dropped, unless `survive_close`: then it still
+    /// reaches Redis when its delay is over, and runs there, with nobody to read the reply. One-shot. A connection
+    /// cut by [`FaultProxy::cut_all`] or [`FaultProxy::refuse`] loses it either way (its Redis side is closed).
+    DelayRequest {
+        matching: Matcher,
+        nth: usize,
+        delay: Duration,
+        survive_close: bool,
     },
 }
 
@@ -215,7 +232,8 @@ pub struct Rule {
 }
 
 impl Rule {
-    /// How many times the fault acted: 0 or 1 for a drop or a delayed reply (they are one-shot); for a stall, how many reads (of
+    /// How many times the fault acted: 0 or 1 for a drop or a delay of one reply or request (they are one-shot),
+    /// counted when it takes the command; for a stall, how many reads (of
     /// either direction) it held back; for a latency, how many replies it delayed.
     pub fn fired(&self) -> usize {
         self.fired.load(Ordering::SeqCst)
@@ -312,6 +330,18 @@ impl FaultProxy {
                 matching,
                 nth: nth.max(1),
                 delay,
+                matched: 0,
+            },
+            Fault::DelayRequest {
+                matching,
+                nth,
+                delay,
+                survive_close,
+            } => Kind::DelayRequest {
+                matching,
+                nth: nth.max(1),
+                delay,
+                survive_close,
                 matched: 0,
             },
         };
@@ -450,6 +480,13 @@ enum Kind {
         delay: Duration,
         matched: usize,
     },
+    DelayRequest {
+        matching: Matcher,
+        nth: usize,
+        delay: Duration,
+        survive_close: bool,
+        matched: usize,
+    },
 }
 
 impl Shared {
@@ -464,6 +501,26 @@ impl Shared {
         let connections: Vec<Arc<Conn>> = self.lock().connections.values().cloned().collect();
         for conn in connections {
             conn.cut(self);
+        }
+    }
+
+    /// Sleeps until `until`; false when the proxy shuts down meanwhile. Unlike [`Shared::wait_until`], a closed
+    /// connection does not end the wait.
+    fn sleep_until(&self, until: Instant) -> bool {
+        let mut state = self.lock();
+        loop {
+            if state.shutdown {
+                return false;
+            }
+            let now = Instant::now();
+            if until <= now {
+                return true;
+            }
+            state = self
+                .changed
+                .wait_timeout(state, until - now)
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .0;
         }
     }
 
@@ -706,7 +763,8 @@ fn accept_loop(shared: &Arc<Shared>, listener: TcpListener) {
     }
 }
 
-/// Client → Redis: parses commands, applies DropRequest, records DropReply candidates, forwards.
+/// Client → Redis: parses commands, applies DropRequest and DelayRequest, records DropReply and DelayReply
+/// candidates, forwards.
 fn forward_requests(
     shared: &Shared,
     conn: &Conn,
@@ -715,15 +773,41 @@ fn forward_requests(
     out: &Sender<Out>,
 ) {
     let mut chunk = vec![0u8; READ_CHUNK];
-    let mut buf: Vec<u8> = Vec::new();
-    // After a protocol error the rest is forwarded as it comes: Redis answers the error and closes.
-    let mut raw = false;
-    // A subscribe (or similar) was forwarded: no more pairing on this connection.
-    let mut unpaired = false;
+    let mut requests = Requests::default();
+    // A command a DelayRequest holds: nothing after it is forwarded before it, and the client is still read meanwhile
+    // (with a read timeout that ends with the hold), so that a close is seen when it comes.
+    let mut hold: Option<Hold> = None;
     loop {
+        if let Some(held) = &hold {
+            let left = held.until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                let held = hold.take().expect("a hold");
+                let _ = client.set_read_timeout(None);
+                if !held.release(shared, conn, &mut upstream) {
+                    break;
+                }
+                // What the client sent meanwhile goes now.
+                match requests.forward(shared, conn, &mut upstream, out) {
+                    Some(next) => hold = next,
+                    None => break,
+                }
+                continue;
+            }
+            let _ = client.set_read_timeout(Some(left));
+        }
         let n = match client.read(&mut chunk) {
-            Ok(0) | Err(_) => break,
+            Ok(0) => break,
             Ok(n) => n,
+            Err(error)
+                if hold.is_some()
+                    && matches!(
+                        error.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+            {
+                continue;
+            }
+            Err(_) => break,
         };
         let mut counted = false;
         if !shared.wait_until(conn, |state| {
@@ -736,13 +820,86 @@ fn forward_requests(
         if conn.requests_blackholed.load(Ordering::SeqCst) {
             continue;
         }
-        buf.extend_from_slice(&chunk[..n]);
+        requests.buf.extend_from_slice(&chunk[..n]);
+        if hold.is_some() {
+            // It waits behind the held command, as on a real socket.
+            continue;
+        }
+        match requests.forward(shared, conn, &mut upstream, out) {
+            Some(next) => hold = next,
+            None => break,
+        }
+    }
+    // The client went away (or was closed). A command held with `survive_close` still reaches Redis once its
+    // delay is over (the Redis side then closes once it was answered).
+    if let Some(held) = hold.filter(|held| held.survive_close)
+        && shared.sleep_until(held.until)
+        && held.release(shared, conn, &mut upstream)
+    {
+        conn.begin_close(&mut conn.pending(), out);
+    }
+    // After a Close the reply thread closes the Redis side once the forwarded commands were answered; otherwise
+    // close it now.
+    if !conn.pending().draining {
+        conn.cut(shared);
+    }
+}
+
+/// What a connection's client sent and the proxy has not forwarded yet, and how it parses it.
+#[derive(Default)]
+struct Requests {
+    buf: Vec<u8>,
+    /// After a protocol error the rest is forwarded as it comes: Redis answers the error and closes.
+    raw: bool,
+    /// A subscribe (or similar) was forwarded: no more pairing on this connection.
+    unpaired: bool,
+}
+
+/// A command a DelayRequest holds, with what forwarding it takes.
+struct Hold {
+    until: Instant,
+    survive_close: bool,
+    bytes: Vec<u8>,
+    /// Its pairing entries, queued when it is forwarded.
+    entries: Vec<Entry>,
+    /// Its arguments, for `seen`.
+    args: Vec<Vec<u8>>,
+}
+
+impl Hold {
+    /// Forwards the held command; false when the Redis side is gone. Unless it survives a close, it is dropped when
+    /// the connection was cut meanwhile (a Hang or a Close).
+    fn release(self, shared: &Shared, conn: &Conn, upstream: &mut UnixStream) -> bool {
+        {
+            let mut pending = conn.pending();
+            if (pending.hung || pending.draining) && !self.survive_close {
+                return true;
+            }
+            pending.queue.extend(self.entries);
+            shared.lock().forwarded.push(self.args);
+        }
+        upstream.write_all(&self.bytes).is_ok()
+    }
+}
+
+impl Requests {
+    /// Parses what the client sent and forwards every whole command, up to a command a DelayRequest holds, which
+    /// it returns (what follows it stays in `buf`). `None` when the Redis side is gone.
+    fn forward(
+        &mut self,
+        shared: &Shared,
+        conn: &Conn,
+        upstream: &mut UnixStream,
+        out: &Sender<Out>,
+    ) -> Option<Option<Hold>> {
+        let buf = &self.buf;
         // What is forwarded is always a prefix of `buf`: a dropped request blackholes what follows it.
         let mut end = 0;
         let mut entries = Vec::new();
         let mut forwarded = Vec::new();
         let mut cut = None;
-        if raw {
+        let mut hold = None;
+        if self.raw {
             end = buf.len();
         } else {
             let mut state = shared.lock();
@@ -750,11 +907,11 @@ fn forward_requests(
                 match parse_command(&buf[end..]) {
                     Ok(None) => break,
                     Err(_) => {
-                        raw = true;
+                        self.raw = true;
                         end = buf.len();
-                        if !unpaired {
+                        if !self.unpaired {
                             entries.push(Entry::Unpaired);
-                            unpaired = true;
+                            self.unpaired = true;
                         }
                         break;
                     }
@@ -767,13 +924,25 @@ fn forward_requests(
                             cut = Some(then);
                             break;
                         }
-                        if !unpaired && breaks_pairing(&args) {
-                            entries.push(Entry::Unpaired);
-                            unpaired = true;
+                        let mut entry = Vec::new();
+                        if !self.unpaired && breaks_pairing(&args) {
+                            entry.push(Entry::Unpaired);
+                            self.unpaired = true;
                         }
-                        if !unpaired {
-                            entries.push(Entry::Command(reply_rule_candidates(&state, &args)));
+                        if !self.unpaired {
+                            entry.push(Entry::Command(reply_rule_candidates(&state, &args)));
                         }
+                        if let Some((delay, survive_close)) = delay_request(&mut state, &args) {
+                            hold = Some(Hold {
+                                until: Instant::now() + delay,
+                                survive_close,
+                                bytes: buf[end..end + len].to_vec(),
+                                entries: entry,
+                                args,
+                            });
+                            break;
+                        }
+                        entries.extend(entry);
                         forwarded.push(args);
                         end += len;
                     }
@@ -785,9 +954,10 @@ fn forward_requests(
             let mut pending = conn.pending();
             if pending.hung || pending.draining {
                 // The reply side cut the connection meanwhile: nothing more goes to Redis.
-                continue;
+                self.buf.clear();
+                return Some(None);
             }
-            pending.unpaired_requests = unpaired;
+            pending.unpaired_requests = self.unpaired;
             // Queued before the bytes go out, so the reply always finds its command.
             pending.queue.extend(entries);
             shared.lock().forwarded.extend(forwarded);
@@ -797,19 +967,46 @@ fn forward_requests(
                 None => {}
             }
         }
-        if end > 0 && upstream.write_all(&buf[..end]).is_err() {
-            break;
+        if end > 0 && upstream.write_all(&self.buf[..end]).is_err() {
+            return None;
         }
-        buf.drain(..end);
+        if let Some(held) = &hold {
+            end += held.bytes.len();
+        }
+        self.buf.drain(..end);
         if cut.is_some() {
-            buf.clear();
+            self.buf.clear();
+        }
+        Some(hold)
+    }
+}
+
+/// Whether a DelayRequest rule holds this command (and is used up): for how long, and whether it survives a close.
+/// The delays of several rules add up.
+fn delay_request(state: &mut State, args: &[Vec<u8>]) -> Option<(Duration, bool)> {
+    let mut hold: Option<(Duration, bool)> = None;
+    let mut used = Vec::new();
+    for rule in &mut state.rules {
+        if let Kind::DelayRequest {
+            matching,
+            nth,
+            delay,
+            survive_close,
+            matched,
+        } = &mut rule.kind
+            && matching.matches(args)
+        {
+            *matched += 1;
+            if *matched == *nth {
+                rule.fired.fetch_add(1, Ordering::SeqCst);
+                used.push(rule.id);
+                let (before, survives) = hold.unwrap_or_default();
+                hold = Some((before + *delay, survives || *survive_close));
+            }
         }
     }
-    // The client went away (or was closed). After a Close the reply thread closes the Redis side once the
-    // forwarded commands were answered; otherwise close it now.
-    if !conn.pending().draining {
-        conn.cut(shared);
-    }
+    state.rules.retain(|rule| !used.contains(&rule.id));
+    hold
 }
 
 /// Whether a DropRequest rule takes this command (and is used up).
