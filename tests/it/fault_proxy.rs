@@ -484,6 +484,152 @@ fn latency_delays_every_reply_in_order_until_removed() {
 }
 
 #[test]
+fn delay_reply_holds_the_nth_reply_and_those_behind_it_after_the_command_ran() {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let mut client = through_with_timeout(&proxy, Duration::from_secs(5));
+    let delay = Duration::from_millis(400);
+    let rule = proxy.add(Fault::DelayReply {
+        matching: Matcher::command("INCR"),
+        nth: 2,
+        delay,
+    });
+    // The first INCR is not the nth: its reply comes at once.
+    let started = Instant::now();
+    assert_eq!(incr(&mut client, "counter").unwrap(), 1);
+    assert!(started.elapsed() < delay, "{:?}", started.elapsed());
+    assert_eq!(rule.fired(), 0);
+
+    // A pipeline of a PING, the 2nd INCR and a GET, in one write: the PING's reply comes at once, the INCR's is
+    // held (the INCR ran in Redis meanwhile), and the GET's waits behind it.
+    let mut raw = TcpStream::connect(("127.0.0.1", proxy.port())).unwrap();
+    let mut pipeline = resp_command(&[b"PING"]);
+    pipeline.extend(resp_command(&[b"INCR", b"counter"]));
+    pipeline.extend(resp_command(&[b"GET", b"counter"]));
+    let started = Instant::now();
+    raw.write_all(&pipeline).unwrap();
+    assert_eq!(read_n_replies(&mut raw, 1), vec![b"+PONG\r\n".to_vec()]);
+    assert!(started.elapsed() < delay, "{:?}", started.elapsed());
+    eventually(Duration::from_secs(2), "the INCR to run in Redis", || {
+        let value = counter(&redis, "counter");
+        (value == 2, value)
+    });
+    assert!(
+        started.elapsed() < delay,
+        "the INCR ran before its reply came: {:?}",
+        started.elapsed()
+    );
+    let rest = read_n_replies(&mut raw, 2);
+    let elapsed = started.elapsed();
+    assert_eq!(rest, vec![b":2\r\n".to_vec(), b"$1\r\n2\r\n".to_vec()]);
+    assert!(elapsed >= delay, "held {delay:?}: {elapsed:?}");
+    assert!(elapsed < delay * 3, "held once: {elapsed:?}");
+    assert_eq!(rule.fired(), 1);
+
+    // One-shot: the next INCR's reply comes at once.
+    let started = Instant::now();
+    assert_eq!(incr(&mut client, "counter").unwrap(), 3);
+    assert!(started.elapsed() < delay, "{:?}", started.elapsed());
+    assert_eq!(rule.fired(), 1);
+}
+
+#[test]
+fn delay_request_holds_the_nth_command_and_those_behind_it_before_redis_runs_them() {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let delay = Duration::from_millis(400);
+    let rule = proxy.add(Fault::DelayRequest {
+        matching: Matcher::command("INCR"),
+        nth: 1,
+        delay,
+        survive_close: false,
+    });
+    // A PING, the INCR and a SET in one write: the PING goes at once, the INCR is held, the SET waits behind it.
+    let mut raw = TcpStream::connect(("127.0.0.1", proxy.port())).unwrap();
+    let mut pipeline = resp_command(&[b"PING"]);
+    pipeline.extend(resp_command(&[b"INCR", b"counter"]));
+    pipeline.extend(resp_command(&[b"SET", b"after", b"1"]));
+    let started = Instant::now();
+    raw.write_all(&pipeline).unwrap();
+    assert_eq!(read_n_replies(&mut raw, 1), vec![b"+PONG\r\n".to_vec()]);
+    let during = (
+        counter(&redis, "counter"),
+        counter(&redis, "after"),
+        proxy.seen(&Matcher::command("INCR")),
+    );
+    let checked_during_delay = started.elapsed() < delay;
+    let rest = read_n_replies(&mut raw, 2);
+    assert_eq!(rest, vec![b":1\r\n".to_vec(), b"+OK\r\n".to_vec()]);
+    assert!(started.elapsed() >= delay, "{:?}", started.elapsed());
+    if checked_during_delay {
+        assert_eq!(
+            during,
+            (0, 0, 0),
+            "Redis saw neither the INCR nor the SET behind it"
+        );
+    }
+    assert_eq!(rule.fired(), 1);
+    assert_eq!(proxy.seen(&Matcher::command("INCR")), 1);
+
+    // One-shot: the next INCR goes at once.
+    let mut client = through(&proxy);
+    let started = Instant::now();
+    assert_eq!(incr(&mut client, "counter").unwrap(), 2);
+    assert!(started.elapsed() < delay, "{:?}", started.elapsed());
+}
+
+#[test]
+fn a_delayed_request_dies_with_its_connection_unless_it_survives_the_close() {
+    for survive_close in [false, true] {
+        let redis = RedisServer::start();
+        let proxy = FaultProxy::start(&redis);
+        let delay = Duration::from_millis(600);
+        let rule = proxy.add(Fault::DelayRequest {
+            matching: Matcher::command("INCR"),
+            nth: 1,
+            delay,
+            survive_close,
+        });
+        // The client gives up on its read timeout (shorter than the delay), closes, and sends its call again on a
+        // new connection, where it runs.
+        let started = Instant::now();
+        let mut client = through(&proxy);
+        let error = incr(&mut client, "counter").expect_err("no reply within the read timeout");
+        assert!(error.is_timeout(), "{survive_close}: {error:?}");
+        drop(client);
+        let mut again = through(&proxy);
+        assert_eq!(
+            incr(&mut again, "counter").unwrap(),
+            1,
+            "the call sent again"
+        );
+        assert!(started.elapsed() < delay, "{:?}", started.elapsed());
+        assert_eq!(rule.fired(), 1);
+        if survive_close {
+            // The first call reaches Redis late, after the one sent again: a late duplicate.
+            eventually(Duration::from_secs(3), "the late INCR to run", || {
+                let value = counter(&redis, "counter");
+                (value == 2, value)
+            });
+            assert!(started.elapsed() >= delay, "{:?}", started.elapsed());
+        } else {
+            std::thread::sleep(delay * 2);
+            assert_eq!(counter(&redis, "counter"), 1, "dropped with its connection");
+        }
+        // Either way the first connection ends, on both sides: this one and `again` are Redis's clients left.
+        eventually(
+            Duration::from_secs(3),
+            "the closed connection's Redis side to close",
+            || {
+                let clients = redis_clients(&redis);
+                (clients == 2, clients)
+            },
+        );
+        assert_eq!(proxy.connections(), 1);
+    }
+}
+
+#[test]
 fn cut_all_closes_every_live_connection_both_sides() {
     let redis = RedisServer::start();
     let proxy = FaultProxy::start(&redis);

@@ -417,6 +417,70 @@ fn a_lease_lost_seen_first_by_a_claim_still_hands_its_tasks_to_the_monitors() {
     daemon.stop();
 }
 
+/// A claim runs in Redis under the daemon's owner; before its reply is handled, the heartbeat finds the owner's
+/// lease lost and forgets what the owner held, which does not include the claim's tasks yet. Those tasks belong to
+/// the monitors now (they return them to the queue), so the daemon must forget them too when the reply lands: given
+/// to the workers, they would wait forever for a lease that never comes back, and with as many as there are workers
+/// the lane would stop for good, with no log line, no stuck worker and no watchdog to notice (H2 of the 2026-12-06
+/// review).
+#[test]
+fn a_claim_that_lands_after_its_owner_was_lost_is_forgotten_not_run_and_the_lane_goes_on() {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    // A read timeout well past the delay below: the claim's reply comes late, it is not lost.
+    let section = format!("url = \"{}\"\nio_timeout = \"5s\"", proxy.url());
+    let queue = safe_queue("workers = 2\nprefetch = 8\nlease_timeout = \"1s\"");
+    let config = dir.config_raw(&section, "shutdown_grace = \"5s\"", &queue);
+    let mut daemon = Process::start(&config, dir.path("kmqd.log"));
+    push_many(&config, "w", 2, "{}");
+    wait_done(&config, 2, Duration::from_secs(15));
+    let owners: Vec<String> = redis.cmd(&["ZRANGE", "kmq:{jobs}:owners", "0", "-1"]);
+    assert_eq!(owners.len(), 1, "{owners:?}");
+    let owner = &owners[0];
+    redis.wait_blocked_in("blpop");
+    // The claim's reply is held long past the heartbeat's next renewal (a third of the lease), with room to spare
+    // on a loaded host.
+    let delay = Duration::from_millis(2000);
+    let rule = proxy.add(Fault::DelayReply {
+        matching: Matcher::script(sources::CLAIM),
+        nth: 1,
+        delay,
+    });
+    push_many(&config, "t", 8, r#"{"sleep_ms":1}"#);
+    eventually(Duration::from_secs(5), "the claim to run in Redis", || {
+        let s = stats(&config, "jobs");
+        (s.ready == 0 && s.processing == 8, s)
+    });
+    // The owner's lease runs out (as after a pause, or a failover that lost it) while the reply is held.
+    let _: i64 = redis.cmd(&["ZADD", "kmq:{jobs}:owners", "0", owner]);
+    eventually(delay, "the heartbeat to find the lease lost", || {
+        let log = daemon.log_text();
+        (log.contains("lease ran out before renewal"), ())
+    });
+    assert_eq!(rule.fired(), 1, "the claim's reply was held");
+    push_many(&config, "u", 20, "{}");
+    // The lane goes on, and the lost owner's tasks come back through the monitors and run once, under a new owner.
+    let s = wait_done(&config, 30, Duration::from_secs(20));
+    assert_eq!((s.done, s.recovered, s.processing), (30, 8, 0), "{s:?}");
+    assert_runs(&dir, "t", 8, 1);
+    assert_runs(&dir, "u", 20, 1);
+    // The race as intended: the heartbeat forgot the owner before the claim's tasks were held, and the claim,
+    // landing later, was forgotten whole.
+    let log = daemon.log_text();
+    let line = |text: &str| log.lines().find(|line| line.contains(text)).unwrap_or("");
+    assert!(
+        line("lease ran out before renewal").contains("forgotten=0"),
+        "{log}"
+    );
+    assert!(
+        line("a claim landed after its owner's lease was lost").contains("forgotten=8"),
+        "the forgotten claim is logged once, with its count:\n{log}"
+    );
+    daemon.signal(15);
+    assert_eq!(daemon.wait_within(Duration::from_secs(20)), Some(0));
+}
+
 #[test]
 fn one_slow_heartbeat_reply_does_not_cost_the_lease() {
     let redis = RedisServer::start();

@@ -431,7 +431,9 @@ impl Fetcher {
     }
 
     /// Records the tasks as held and gives them to the workers, or, once the daemon stops claiming, hands them
-    /// back at once: no worker may start a task after that.
+    /// back at once: no worker may start a task after that. A claim that lands after its owner's lease was lost
+    /// (the heartbeat found it lost while the reply was on its way, and forgot what the owner held then) is
+    /// forgotten at once instead, never held: its tasks are the monitors' (see [`Lane::hold`]).
     fn dispatch(&self, batch: Batch) {
         let lane = &self.lane;
         let claimed_ns = lane.since_epoch(Instant::now());
@@ -440,7 +442,20 @@ impl Fetcher {
             .into_iter()
             .map(|taken| JobState::new(taken.token, taken.level, lane.epoch));
         let stopping = self.claiming.is_triggered();
-        let held = lane.held.insert(states, batch.payloads);
+        let held = match lane.hold(states, batch.payloads) {
+            Ok(held) => held,
+            Err((owner, tasks)) => {
+                let forgotten = lane.forget_unheld(tasks);
+                tracing::warn!(
+                    queue = %lane.name(),
+                    %owner,
+                    forgotten,
+                    "a claim landed after its owner's lease was lost; its tasks are forgotten, and the monitors \
+                     return them to the queue"
+                );
+                return;
+            }
+        };
         if stopping {
             for (id, state) in held {
                 lane.hand_back_if_waiting(id, &state);

@@ -176,6 +176,42 @@ impl Lane {
     pub fn drained(&self) -> bool {
         self.fetcher_done.load(Ordering::Acquire) && self.capacity.held() == 0
     }
+
+    /// Records the tasks of one claim (or pop) as held, unless they were claimed under an owner whose lease was
+    /// lost meanwhile: those are returned, with their owner, for the caller to forget (no worker may see them;
+    /// the monitors return them to the queue). The look at the owner and the insertion are one step under the
+    /// lock [`Ownership::lose`] takes, so either the tasks are held before the owner is lost, and the resolver
+    /// that lost it ([`Lane::forget_owner`], after `lose`) finds them, or they are never held: a claim whose reply
+    /// is handled after its owner was forgotten cannot leave tasks in the table that nobody will resolve. One
+    /// lock of the ownership's per claim, beside the table's.
+    pub fn hold(
+        &self,
+        claim: impl IntoIterator<Item = JobState>,
+        payloads: Payloads,
+    ) -> Result<Tasks, (Arc<str>, Tasks)> {
+        let tasks = self.held.number(claim, payloads);
+        // A claim's tasks share its owner (default mode's pops have none: no lease covers them).
+        let owner = tasks
+            .first()
+            .and_then(|(_, task)| task.token.as_ref())
+            .map(|token| Arc::clone(&token.owner));
+        debug_assert!(
+            tasks.iter().all(|(_, task)| {
+                task.token.as_ref().map(|token| &token.owner) == owner.as_ref()
+            })
+        );
+        let Some(owner) = owner else {
+            self.held.insert(&tasks);
+            return Ok(tasks);
+        };
+        match self
+            .ownership
+            .while_current(&owner, || self.held.insert(&tasks))
+        {
+            Some(()) => Ok(tasks),
+            None => Err((owner, tasks)),
+        }
+    }
 }
 
 /// The lanes the daemon runs, as the per-daemon threads that act on every lane (heartbeat, timeouts, notify,
@@ -239,6 +275,9 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// The tasks of one claim (or pop), each with its id in the lane's table of held tasks.
+pub type Tasks = Vec<(JobId, Task)>;
+
 /// The table of the tasks a lane holds. The hot path takes its lock once per claimed batch (insert) and once per
 /// settled batch (remove); a task's phase is an atomic in its [`JobState`], shared with the worker.
 #[derive(Debug, Default)]
@@ -248,20 +287,20 @@ pub struct Held {
 }
 
 impl Held {
-    /// Records the newly taken tasks of one claim (or pop), under one lock.
-    pub fn insert(
-        &self,
-        claim: impl IntoIterator<Item = JobState>,
-        payloads: Payloads,
-    ) -> Vec<(JobId, Task)> {
-        let tasks: Vec<(JobId, Task)> = Task::claim(claim, payloads)
+    /// The newly taken tasks of one claim (or pop), each with an id of its own; not held yet (see
+    /// [`Held::insert`]).
+    pub fn number(&self, claim: impl IntoIterator<Item = JobState>, payloads: Payloads) -> Tasks {
+        Task::claim(claim, payloads)
             .map(|task| (self.next_id.fetch_add(1, Ordering::Relaxed), task))
-            .collect();
+            .collect()
+    }
+
+    /// Records the tasks of one claim (or pop) as held, under one lock.
+    pub fn insert(&self, tasks: &[(JobId, Task)]) {
         let mut entries = lock(&self.entries);
-        for (id, task) in &tasks {
+        for (id, task) in tasks {
             entries.insert(*id, task.clone());
         }
-        tasks
     }
 
     /// Forgets settled tasks.
@@ -355,6 +394,16 @@ impl LeaseView {
             owner: Arc::clone(owner),
             id: token.id.clone(),
         }
+    }
+
+    /// Whether `owner`, the owner of a task of this worker's that [`Ownership::may_start`] just refused with this
+    /// view, was lost for good: it is not the current owner (an owner was current before any task of it was
+    /// claimed, and never is again once lost: a new owner has a new id). Otherwise it is only in doubt: current,
+    /// its lease not renewed yet.
+    pub fn is_lost(&self, owner: &Arc<str>) -> bool {
+        self.lease
+            .as_ref()
+            .is_none_or(|lease| !Arc::ptr_eq(&lease.owner, owner) && lease.owner != *owner)
     }
 }
 
@@ -460,6 +509,17 @@ impl Ownership {
         view.lease.as_ref().is_some_and(|lease| {
             (Arc::ptr_eq(&lease.owner, owner) || lease.owner == *owner) && now < lease.good_until
         })
+    }
+
+    /// Runs `f` if `owner` is the current owner, with the lock [`Ownership::lose`] takes held: `owner` cannot be
+    /// lost between the look and the end of `f`. `None` when it is not current: its lease was lost, for good (a
+    /// newer owner has a new id).
+    pub fn while_current<R>(&self, owner: &str, f: impl FnOnce() -> R) -> Option<R> {
+        let current = lock(&self.current);
+        current
+            .as_ref()
+            .is_some_and(|current| &*current.owner == owner)
+            .then(f)
     }
 
     /// Forgets `owner` after its lease was lost (unless a newer one replaced it already); true if it was current.
@@ -578,6 +638,115 @@ mod tests {
             Arc::ptr_eq(&view.token(&other).owner, &other.owner),
             "another owner's token is named as it is"
         );
+    }
+
+    /// A safe-mode lane of its own, its owner registered with a long lease.
+    fn lane_with_owner() -> (Lane, Arc<str>) {
+        let config = crate::config::Config::parse(
+            std::path::Path::new("kmqd.toml"),
+            "[[queues]]\nname = \"mail\"\nmode = \"safe\"\n",
+        )
+        .unwrap();
+        let context = QueueContext::new(&config, &config.queues[0], "daemon");
+        let lane = Lane::new(Arc::new(context), "h-1-2-ab", Instant::now());
+        let owner = lane.ownership.new_id();
+        lane.ownership
+            .set(Arc::clone(&owner), Instant::now(), Duration::from_secs(30));
+        (lane, owner)
+    }
+
+    /// The states and payloads of a claim of `count` tasks under `owner`.
+    fn claim(lane: &Lane, owner: &Arc<str>, count: u32) -> (Vec<JobState>, Payloads) {
+        let mut payloads = Payloads::default();
+        let states = (0..count)
+            .map(|position| {
+                payloads.push(b"{}");
+                let token = Token {
+                    owner: Arc::clone(owner),
+                    id: crate::broker::TokenId::Listed { claim: 0, position },
+                };
+                JobState::new(Some(token), 0, lane.epoch)
+            })
+            .collect();
+        (states, payloads)
+    }
+
+    fn forgotten(lane: &Lane) -> usize {
+        let mut outcomes = Vec::new();
+        lane.outcomes.take(&mut outcomes, Duration::ZERO);
+        assert!(
+            outcomes
+                .iter()
+                .all(|outcome| outcome.settlement().is_none())
+        );
+        outcomes.len()
+    }
+
+    #[test]
+    fn a_claim_held_before_its_owner_is_lost_is_forgotten_with_it_and_one_after_is_never_held() {
+        let (lane, owner) = lane_with_owner();
+        let (states, payloads) = claim(&lane, &owner, 2);
+        let held = lane.hold(states, payloads).expect("the owner is current");
+        assert_eq!((held.len(), lane.held.len()), (2, 2));
+        assert!(lane.ownership.lose(&owner));
+        assert_eq!(
+            lane.forget_owner(&owner),
+            2,
+            "the held ones are the loser's"
+        );
+        // A claim of the lost owner that lands now is not held: its tasks come back for the fetcher to forget.
+        let (states, payloads) = claim(&lane, &owner, 3);
+        let (lost, tasks) = lane.hold(states, payloads).expect_err("the owner was lost");
+        assert_eq!((&*lost, tasks.len(), lane.held.len()), (&*owner, 3, 2));
+        assert_eq!(lane.forget_unheld(tasks), 3);
+        assert_eq!(
+            forgotten(&lane),
+            5,
+            "one outcome each, to free its capacity"
+        );
+    }
+
+    #[test]
+    fn every_task_of_a_claim_racing_its_owners_loss_is_forgotten_once_by_one_side() {
+        for _ in 0..200 {
+            let (lane, owner) = lane_with_owner();
+            let (states, payloads) = claim(&lane, &owner, 4);
+            let (forgotten_by_loser, by_fetcher) = std::thread::scope(|scope| {
+                let loser = scope.spawn(|| {
+                    assert!(lane.ownership.lose(&owner));
+                    lane.forget_owner(&owner)
+                });
+                let by_fetcher = match lane.hold(states, payloads) {
+                    Ok(_) => 0,
+                    Err((_, tasks)) => lane.forget_unheld(tasks),
+                };
+                (loser.join().unwrap(), by_fetcher)
+            });
+            assert_eq!(forgotten_by_loser + by_fetcher, 4);
+            assert!(
+                forgotten_by_loser == 0 || by_fetcher == 0,
+                "a claim is forgotten whole"
+            );
+            assert_eq!(forgotten(&lane), 4);
+        }
+    }
+
+    #[test]
+    fn a_view_tells_a_lost_owner_from_one_in_doubt() {
+        let ownership = Ownership::new("h-1-2-ab");
+        let owner = ownership.new_id();
+        let t0 = Instant::now();
+        let lease = Duration::from_millis(50);
+        ownership.set(Arc::clone(&owner), t0, lease);
+        let mut view = LeaseView::default();
+        assert!(!ownership.may_start(&mut view, &owner, t0 + lease));
+        assert!(!view.is_lost(&owner), "current, not renewed yet: in doubt");
+        assert!(ownership.lose(&owner));
+        assert!(!ownership.may_start(&mut view, &owner, t0));
+        assert!(view.is_lost(&owner), "forgotten");
+        ownership.set(ownership.new_id(), t0, lease);
+        assert!(!ownership.may_start(&mut view, &owner, t0));
+        assert!(view.is_lost(&owner), "replaced by a newer owner");
     }
 
     #[test]

@@ -12,7 +12,9 @@
 //! - the **fetcher**, which hands back a claim that lands once claiming stopped, or that no worker is left to
 //!   take;
 //! - the **heartbeat** or the **fetcher**, when the owner's lease was lost: the monitors recover the task, this
-//!   daemon forgets it.
+//!   daemon forgets it. A claim that lands after its owner was lost is never held: the fetcher forgets it whole
+//!   ([`Lane::hold`], [`Lane::forget_unheld`]); and a worker that finds its task's owner lost forgets the task
+//!   rather than wait for a lease that will not come back ([`Lane::forget_if_waiting`]).
 //!
 //! Every resolution sends exactly one [`Outcome`] to the lane's acker, which is the only party that forgets a
 //! held task and frees its capacity. What the outcome is comes from one place: a verdict (what the run came to)
@@ -537,6 +539,34 @@ impl Lane {
             forgotten += 1;
         }
         forgotten
+    }
+}
+
+/// The resolutions of the tasks of a lost owner that no other party resolved: a claim that landed after its owner
+/// was forgotten, and (in case one ever reaches a worker) a task whose worker finds its owner lost.
+impl Lane {
+    /// The tasks of a claim that landed after its owner's lease was lost, which [`Lane::hold`] did not hold: no
+    /// worker saw them and no other party can take them, and the monitors return them to the queue, so each is
+    /// forgotten (counted lost), its outcome freeing its capacity at the acker as every resolution's does.
+    /// Returns how many.
+    pub fn forget_unheld(&self, tasks: super::Tasks) -> usize {
+        let forgotten = tasks.len();
+        for (job, task) in tasks {
+            self.count_payload(task.payload(), TaskOutcome::Lost);
+            self.send(Outcome::forget(job));
+        }
+        forgotten
+    }
+
+    /// Takes a held task nobody started, whose owner was lost, and forgets it as [`Lane::forget_owner`] would; false
+    /// when it was running or resolved already (by `forget_owner` itself, for one).
+    pub fn forget_if_waiting(&self, job: JobId, task: &Task) -> bool {
+        let waiting = task.take() == Some(Taken::Waiting);
+        if waiting {
+            self.count_payload(task.payload(), TaskOutcome::Lost);
+            self.send(Outcome::forget(job));
+        }
+        waiting
     }
 }
 

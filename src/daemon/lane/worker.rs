@@ -111,7 +111,8 @@ impl Worker {
     /// Safe mode: waits, if need be, until the task's owner holds a lease that is surely live, so that a daemon
     /// woken from a pause past its lease never starts a task the monitors may have given to another daemon. Returns
     /// false when the daemon stops meanwhile (the task is handed back); a task forgotten meanwhile (its lease was
-    /// lost) is then skipped by `start`.
+    /// lost) is then skipped by `start`. A task whose owner is lost for good (not merely unrenewed) is not waited
+    /// for: it is forgotten here, unless its lease's resolver took it first, for no lease will ever cover it again.
     fn lease_allows(&self, lease: &mut LeaseView, job: &Job, now: Instant) -> bool {
         let Some(token) = &job.state.token else {
             return true;
@@ -120,6 +121,17 @@ impl Worker {
         let mut now = now;
         while !ownership.may_start(lease, &token.owner, now) {
             if !job.state.is_waiting() {
+                return true;
+            }
+            if lease.is_lost(&token.owner) {
+                if self.lane.forget_if_waiting(job.id, &job.state) {
+                    tracing::warn!(
+                        queue = %self.lane.name(),
+                        owner = %token.owner,
+                        "a worker took a task whose owner's lease was lost; it is forgotten, and the monitors \
+                         return it to the queue"
+                    );
+                }
                 return true;
             }
             if self.claiming.wait(LEASE_POLL) {

@@ -23,6 +23,16 @@
 //!   then delivered in order, so commands sent meanwhile run only after it. Unlike
 //!   `RedisServer::pause`, other clients (direct connections) are not affected.
 //! - [`Fault::Latency`]: **a slow network or a slow Redis**: every reply is delivered `delay` late, in order.
+//! - [`Fault::DelayRequest`]: **one request reaches Redis late**, after a delay in the network: everything the
+//!   client sends after it on that connection waits behind it. With `survive_close`, it still reaches Redis after
+//!   the client gave up and closed the connection, as the kernel goes on retransmitting an orphaned socket's data
+//!   after `close()`, or a buffering proxy or load balancer delivers it: a late duplicate of a call the client
+//!   has meanwhile sent again on another connection. This is the fault that finds a call applied twice.
+//! - [`Fault::DelayReply`]: **one reply comes back late, but within the client's read timeout**: the command ran
+//!   in Redis at once, and its reply is held for `delay` before it is delivered (a retransmitted segment, a
+//!   congested link, a `WAIT` that took long, a client thread descheduled between its send and its read). What
+//!   the client does with the reply then may race what other connections did meanwhile: this is the fault that
+//!   finds decisions taken on a reply after the world moved on (a claim that lands after its lease was lost).
 //!
 //! Besides faults: [`FaultProxy::cut_all`] is a network cut (every live connection closed, new ones work),
 //! [`FaultProxy::refuse`] is Redis down (connections accepted and closed at once), [`FaultProxy::seen`] counts
@@ -51,8 +61,8 @@
 //!   (faults on its requests still act), and RESP3 push frames (`>`) are never paired on any connection.
 //!
 //! Each connection has three threads (client to Redis, Redis to the proxy, the proxy to the client: the last one
-//! is where Stall and Latency hold replies, so that a reply's delay counts from when it arrived). Dropping the
-//! proxy stops accepting, closes every connection and joins every thread.
+//! is where Stall, Latency and DelayReply hold replies, so that a reply's delay counts from when it arrived).
+//! Dropping the proxy stops accepting, closes every connection and joins every thread.
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -103,6 +113,27 @@ pub enum Fault {
     /// Delays every reply by `delay` from when it arrived from Redis (replies stay in order) until removed: a
     /// slow Redis or network. Several latencies add up.
     Latency { delay: Duration },
+    /// The reply of the nth command (1 = the next one) matching `matching`, counted from when the fault is added,
+    /// is held `delay` from when it arrived from Redis, then delivered; the replies after it on that connection
+    /// wait behind it, as on a real socket (a latency in force adds up with it). The command itself runs in Redis
+    /// at once. One-shot. A `-NOSCRIPT` reply is not counted (the script did not run; see the module docs).
+    DelayReply {
+        matching: Matcher,
+        nth: usize,
+        delay: Duration,
+    },
+    /// The nth command (1 = the next one) matching `matching`, counted from when the fault is added, is held
+    /// `delay` from when the proxy read it, then forwarded to Redis; what the client sends after it on that
+    /// connection waits behind it, as on a real socket. If the connection closes meanwhile (the client gave up on
+    /// its read timeout, or a Hang or Close cut it), the command is dropped, unless `survive_close`: then it still
+    /// reaches Redis when its delay is over, and runs there, with nobody to read the reply. One-shot. A connection
+    /// cut by [`FaultProxy::cut_all`] or [`FaultProxy::refuse`] loses it either way (its Redis side is closed).
+    DelayRequest {
+        matching: Matcher,
+        nth: usize,
+        delay: Duration,
+        survive_close: bool,
+    },
 }
 
 /// What the client sees after a dropped reply or request.
@@ -201,7 +232,8 @@ pub struct Rule {
 }
 
 impl Rule {
-    /// How many times the fault acted: 0 or 1 for a drop (it is one-shot); for a stall, how many reads (of
+    /// How many times the fault acted: 0 or 1 for a drop or a delay of one reply or request (they are one-shot),
+    /// counted when it takes the command; for a stall, how many reads (of
     /// either direction) it held back; for a latency, how many replies it delayed.
     pub fn fired(&self) -> usize {
         self.fired.load(Ordering::SeqCst)
@@ -290,6 +322,28 @@ impl FaultProxy {
                 until: Instant::now() + duration,
             },
             Fault::Latency { delay } => Kind::Latency { delay },
+            Fault::DelayReply {
+                matching,
+                nth,
+                delay,
+            } => Kind::DelayReply {
+                matching,
+                nth: nth.max(1),
+                delay,
+                matched: 0,
+            },
+            Fault::DelayRequest {
+                matching,
+                nth,
+                delay,
+                survive_close,
+            } => Kind::DelayRequest {
+                matching,
+                nth: nth.max(1),
+                delay,
+                survive_close,
+                matched: 0,
+            },
         };
         state.rules.push(ActiveRule {
             id,
@@ -433,6 +487,19 @@ enum Kind {
     Latency {
         delay: Duration,
     },
+    DelayReply {
+        matching: Matcher,
+        nth: usize,
+        delay: Duration,
+        matched: usize,
+    },
+    DelayRequest {
+        matching: Matcher,
+        nth: usize,
+        delay: Duration,
+        survive_close: bool,
+        matched: usize,
+    },
 }
 
 impl Shared {
@@ -447,6 +514,26 @@ impl Shared {
         let connections: Vec<Arc<Conn>> = self.lock().connections.values().cloned().collect();
         for conn in connections {
             conn.cut(self);
+        }
+    }
+
+    /// Sleeps until `until`; false when the proxy shuts down meanwhile. Unlike [`Shared::wait_until`], a closed
+    /// connection does not end the wait.
+    fn sleep_until(&self, until: Instant) -> bool {
+        let mut state = self.lock();
+        loop {
+            if state.shutdown {
+                return false;
+            }
+            let now = Instant::now();
+            if until <= now {
+                return true;
+            }
+            state = self
+                .changed
+                .wait_timeout(state, until - now)
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .0;
         }
     }
 
@@ -539,7 +626,7 @@ struct Pending {
 }
 
 enum Entry {
-    /// A command; the ids of the DropReply rules it matched when it was forwarded.
+    /// A command; the ids of the DropReply and DelayReply rules it matched when it was forwarded.
     Command(Vec<u64>),
     /// From here on, replies are not paired.
     Unpaired,
@@ -595,11 +682,13 @@ impl Conn {
 
 /// What the reply thread hands the client writer.
 enum Out {
-    /// Replies (whole ones), as they arrived from Redis at `arrived`.
+    /// Replies (whole ones), as they arrived from Redis at `arrived`, held `held` longer than the latency in force
+    /// holds them (a DelayReply fired on the first of them).
     Data {
         bytes: Vec<u8>,
         replies: usize,
         arrived: Instant,
+        held: Duration,
     },
     /// Close the client side after what came before.
     Close,
@@ -687,7 +776,8 @@ fn accept_loop(shared: &Arc<Shared>, listener: TcpListener) {
     }
 }
 
-/// Client → Redis: parses commands, applies DropRequest, records DropReply candidates, forwards.
+/// Client → Redis: parses commands, applies DropRequest and DelayRequest, records DropReply and DelayReply
+/// candidates, forwards.
 fn forward_requests(
     shared: &Shared,
     conn: &Conn,
@@ -696,15 +786,41 @@ fn forward_requests(
     out: &Sender<Out>,
 ) {
     let mut chunk = vec![0u8; READ_CHUNK];
-    let mut buf: Vec<u8> = Vec::new();
-    // After a protocol error the rest is forwarded as it comes: Redis answers the error and closes.
-    let mut raw = false;
-    // A subscribe (or similar) was forwarded: no more pairing on this connection.
-    let mut unpaired = false;
+    let mut requests = Requests::default();
+    // A command a DelayRequest holds: nothing after it is forwarded before it, and the client is still read meanwhile
+    // (with a read timeout that ends with the hold), so that a close is seen when it comes.
+    let mut hold: Option<Hold> = None;
     loop {
+        if let Some(held) = &hold {
+            let left = held.until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                let held = hold.take().expect("a hold");
+                let _ = client.set_read_timeout(None);
+                if !held.release(shared, conn, &mut upstream) {
+                    break;
+                }
+                // What the client sent meanwhile goes now.
+                match requests.forward(shared, conn, &mut upstream, out) {
+                    Some(next) => hold = next,
+                    None => break,
+                }
+                continue;
+            }
+            let _ = client.set_read_timeout(Some(left));
+        }
         let n = match client.read(&mut chunk) {
-            Ok(0) | Err(_) => break,
+            Ok(0) => break,
             Ok(n) => n,
+            Err(error)
+                if hold.is_some()
+                    && matches!(
+                        error.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+            {
+                continue;
+            }
+            Err(_) => break,
         };
         let mut counted = false;
         if !shared.wait_until(conn, |state| {
@@ -717,13 +833,86 @@ fn forward_requests(
         if conn.requests_blackholed.load(Ordering::SeqCst) {
             continue;
         }
-        buf.extend_from_slice(&chunk[..n]);
+        requests.buf.extend_from_slice(&chunk[..n]);
+        if hold.is_some() {
+            // It waits behind the held command, as on a real socket.
+            continue;
+        }
+        match requests.forward(shared, conn, &mut upstream, out) {
+            Some(next) => hold = next,
+            None => break,
+        }
+    }
+    // The client went away (or was closed). A command held with `survive_close` still reaches Redis once its
+    // delay is over (the Redis side then closes once it was answered).
+    if let Some(held) = hold.filter(|held| held.survive_close)
+        && shared.sleep_until(held.until)
+        && held.release(shared, conn, &mut upstream)
+    {
+        conn.begin_close(&mut conn.pending(), out);
+    }
+    // After a Close the reply thread closes the Redis side once the forwarded commands were answered; otherwise
+    // close it now.
+    if !conn.pending().draining {
+        conn.cut(shared);
+    }
+}
+
+/// What a connection's client sent and the proxy has not forwarded yet, and how it parses it.
+#[derive(Default)]
+struct Requests {
+    buf: Vec<u8>,
+    /// After a protocol error the rest is forwarded as it comes: Redis answers the error and closes.
+    raw: bool,
+    /// A subscribe (or similar) was forwarded: no more pairing on this connection.
+    unpaired: bool,
+}
+
+/// A command a DelayRequest holds, with what forwarding it takes.
+struct Hold {
+    until: Instant,
+    survive_close: bool,
+    bytes: Vec<u8>,
+    /// Its pairing entries, queued when it is forwarded.
+    entries: Vec<Entry>,
+    /// Its arguments, for `seen`.
+    args: Vec<Vec<u8>>,
+}
+
+impl Hold {
+    /// Forwards the held command; false when the Redis side is gone. Unless it survives a close, it is dropped when
+    /// the connection was cut meanwhile (a Hang or a Close).
+    fn release(self, shared: &Shared, conn: &Conn, upstream: &mut UnixStream) -> bool {
+        {
+            let mut pending = conn.pending();
+            if (pending.hung || pending.draining) && !self.survive_close {
+                return true;
+            }
+            pending.queue.extend(self.entries);
+            shared.lock().forwarded.push(self.args);
+        }
+        upstream.write_all(&self.bytes).is_ok()
+    }
+}
+
+impl Requests {
+    /// Parses what the client sent and forwards every whole command, up to a command a DelayRequest holds, which
+    /// it returns (what follows it stays in `buf`). `None` when the Redis side is gone.
+    fn forward(
+        &mut self,
+        shared: &Shared,
+        conn: &Conn,
+        upstream: &mut UnixStream,
+        out: &Sender<Out>,
+    ) -> Option<Option<Hold>> {
+        let buf = &self.buf;
         // What is forwarded is always a prefix of `buf`: a dropped request blackholes what follows it.
         let mut end = 0;
         let mut entries = Vec::new();
         let mut forwarded = Vec::new();
         let mut cut = None;
-        if raw {
+        let mut hold = None;
+        if self.raw {
             end = buf.len();
         } else {
             let mut state = shared.lock();
@@ -731,11 +920,11 @@ fn forward_requests(
                 match parse_command(&buf[end..]) {
                     Ok(None) => break,
                     Err(_) => {
-                        raw = true;
+                        self.raw = true;
                         end = buf.len();
-                        if !unpaired {
+                        if !self.unpaired {
                             entries.push(Entry::Unpaired);
-                            unpaired = true;
+                            self.unpaired = true;
                         }
                         break;
                     }
@@ -748,13 +937,25 @@ fn forward_requests(
                             cut = Some(then);
                             break;
                         }
-                        if !unpaired && breaks_pairing(&args) {
-                            entries.push(Entry::Unpaired);
-                            unpaired = true;
+                        let mut entry = Vec::new();
+                        if !self.unpaired && breaks_pairing(&args) {
+                            entry.push(Entry::Unpaired);
+                            self.unpaired = true;
                         }
-                        if !unpaired {
-                            entries.push(Entry::Command(drop_reply_candidates(&state, &args)));
+                        if !self.unpaired {
+                            entry.push(Entry::Command(reply_rule_candidates(&state, &args)));
                         }
+                        if let Some((delay, survive_close)) = delay_request(&mut state, &args) {
+                            hold = Some(Hold {
+                                until: Instant::now() + delay,
+                                survive_close,
+                                bytes: buf[end..end + len].to_vec(),
+                                entries: entry,
+                                args,
+                            });
+                            break;
+                        }
+                        entries.extend(entry);
                         forwarded.push(args);
                         end += len;
                     }
@@ -774,9 +975,10 @@ fn forward_requests(
             let mut pending = conn.pending();
             if pending.hung || pending.draining {
                 // The reply side cut the connection meanwhile: nothing more goes to Redis.
-                continue;
+                self.buf.clear();
+                return Some(None);
             }
-            pending.unpaired_requests = unpaired;
+            pending.unpaired_requests = self.unpaired;
             // Queued before the bytes go out, so the reply always finds its command.
             pending.queue.extend(entries);
             shared.lock().forwarded.extend(forwarded);
@@ -786,19 +988,46 @@ fn forward_requests(
                 None => {}
             }
         }
-        if end > 0 && upstream.write_all(&buf[..end]).is_err() {
-            break;
+        if end > 0 && upstream.write_all(&self.buf[..end]).is_err() {
+            return None;
         }
-        buf.drain(..end);
+        if let Some(held) = &hold {
+            end += held.bytes.len();
+        }
+        self.buf.drain(..end);
         if cut.is_some() {
-            buf.clear();
+            self.buf.clear();
+        }
+        Some(hold)
+    }
+}
+
+/// Whether a DelayRequest rule holds this command (and is used up): for how long, and whether it survives a close.
+/// The delays of several rules add up.
+fn delay_request(state: &mut State, args: &[Vec<u8>]) -> Option<(Duration, bool)> {
+    let mut hold: Option<(Duration, bool)> = None;
+    let mut used = Vec::new();
+    for rule in &mut state.rules {
+        if let Kind::DelayRequest {
+            matching,
+            nth,
+            delay,
+            survive_close,
+            matched,
+        } = &mut rule.kind
+            && matching.matches(args)
+        {
+            *matched += 1;
+            if *matched == *nth {
+                rule.fired.fetch_add(1, Ordering::SeqCst);
+                used.push(rule.id);
+                let (before, survives) = hold.unwrap_or_default();
+                hold = Some((before + *delay, survives || *survive_close));
+            }
         }
     }
-    // The client went away (or was closed). After a Close the reply thread closes the Redis side once the
-    // forwarded commands were answered; otherwise close it now.
-    if !conn.pending().draining {
-        conn.cut(shared);
-    }
+    state.rules.retain(|rule| !used.contains(&rule.id));
+    hold
 }
 
 /// Whether a DropRequest rule takes this command (and is used up).
@@ -826,14 +1055,17 @@ fn drop_request(state: &mut State, args: &[Vec<u8>]) -> Option<AfterDrop> {
     action
 }
 
-/// The DropReply rules a forwarded command matches (their count is taken when its reply arrives).
-fn drop_reply_candidates(state: &State, args: &[Vec<u8>]) -> Vec<u64> {
+/// The DropReply and DelayReply rules a forwarded command matches (their count is taken when its reply arrives).
+fn reply_rule_candidates(state: &State, args: &[Vec<u8>]) -> Vec<u64> {
     state
         .rules
         .iter()
-        .filter(
-            |rule| matches!(&rule.kind, Kind::DropReply { matching, .. } if matching.matches(args)),
-        )
+        .filter(|rule| match &rule.kind {
+            Kind::DropReply { matching, .. } | Kind::DelayReply { matching, .. } => {
+                matching.matches(args)
+            }
+            _ => false,
+        })
         .map(|rule| rule.id)
         .collect()
 }
@@ -882,6 +1114,8 @@ fn forward_replies(shared: &Shared, conn: &Conn, mut upstream: UnixStream, out: 
         let mut pending = conn.pending();
         let mut bytes = Vec::new();
         let mut replies = 0;
+        // How long a DelayReply holds `bytes` (from the delayed reply on, which starts them).
+        let mut held = Duration::ZERO;
         let mut at = 0;
         while !raw {
             if pending.hung {
@@ -915,14 +1149,26 @@ fn forward_replies(shared: &Shared, conn: &Conn, mut upstream: UnixStream, out: 
                 }
                 continue;
             }
-            let dropped = match command {
+            let (dropped, delay) = match command {
                 Some(Entry::Command(rules))
                     if !rules.is_empty() && !is_noscript(&reply[frame.value_at..]) =>
                 {
-                    take_drop_reply(&mut shared.lock(), &rules)
+                    take_reply_faults(&mut shared.lock(), &rules)
                 }
-                _ => None,
+                _ => (None, Duration::ZERO),
             };
+            if dropped.is_none() && delay > Duration::ZERO {
+                // The replies before it go now; it and those after it wait.
+                if !bytes.is_empty() {
+                    let _ = out.send(Out::Data {
+                        bytes: std::mem::take(&mut bytes),
+                        replies: std::mem::take(&mut replies),
+                        arrived,
+                        held,
+                    });
+                }
+                held = delay;
+            }
             match dropped {
                 None => {
                     bytes.extend_from_slice(reply);
@@ -937,6 +1183,7 @@ fn forward_replies(shared: &Shared, conn: &Conn, mut upstream: UnixStream, out: 
                             bytes: std::mem::take(&mut bytes),
                             replies,
                             arrived,
+                            held,
                         });
                     }
                     conn.begin_close(&mut pending, out);
@@ -957,6 +1204,7 @@ fn forward_replies(shared: &Shared, conn: &Conn, mut upstream: UnixStream, out: 
                 bytes,
                 replies,
                 arrived,
+                held,
             });
         }
     }
@@ -967,28 +1215,37 @@ fn forward_replies(shared: &Shared, conn: &Conn, mut upstream: UnixStream, out: 
     }
 }
 
-/// Counts a reply for the DropReply rules its command matched; the rule whose nth it is fires (and is used up).
-fn take_drop_reply(state: &mut State, rules: &[u64]) -> Option<AfterDrop> {
+/// Counts a reply for the DropReply and DelayReply rules its command matched; a rule whose nth it is fires (and is
+/// used up). Returns what to do with the reply: drop it (and then what), and how long to hold it (the delays of
+/// several rules add up).
+fn take_reply_faults(state: &mut State, rules: &[u64]) -> (Option<AfterDrop>, Duration) {
     let mut action = None;
+    let mut held = Duration::ZERO;
     let mut used = Vec::new();
     for rule in &mut state.rules {
         if !rules.contains(&rule.id) {
             continue;
         }
-        if let Kind::DropReply {
-            nth, then, matched, ..
-        } = &mut rule.kind
-        {
-            *matched += 1;
-            if *matched == *nth {
-                rule.fired.fetch_add(1, Ordering::SeqCst);
-                used.push(rule.id);
-                action = merge(action, *then);
+        let (nth, matched) = match &mut rule.kind {
+            Kind::DropReply { nth, matched, .. } | Kind::DelayReply { nth, matched, .. } => {
+                (*nth, matched)
             }
+            _ => continue,
+        };
+        *matched += 1;
+        if *matched != nth {
+            continue;
+        }
+        rule.fired.fetch_add(1, Ordering::SeqCst);
+        used.push(rule.id);
+        match &rule.kind {
+            Kind::DropReply { then, .. } => action = merge(action, *then),
+            Kind::DelayReply { delay, .. } => held += *delay,
+            _ => {}
         }
     }
     state.rules.retain(|rule| !used.contains(&rule.id));
-    action
+    (action, held)
 }
 
 /// Whether a reply (its top-level value) is Redis's NOSCRIPT error: EVALSHA of a script it does not have, which
@@ -1005,13 +1262,15 @@ fn is_noscript(value: &[u8]) -> bool {
             .is_some_and(|i| value[i + 2..].starts_with(b"NOSCRIPT"))
 }
 
-/// The proxy → the client: holds replies during a stall and for the latency in force, then writes them.
+/// The proxy → the client: holds replies during a stall, for the latency in force and a delayed reply's delay,
+/// then writes them (in order: what comes after a held reply waits behind it).
 fn write_replies(shared: &Shared, conn: &Conn, mut client: TcpStream, out: &Receiver<Out>) {
     while let Ok(message) = out.recv() {
         let Out::Data {
             bytes,
             replies,
             arrived,
+            held,
         } = message
         else {
             break;
@@ -1029,7 +1288,7 @@ fn write_replies(shared: &Shared, conn: &Conn, mut client: TcpStream, out: &Rece
                 }
             }
             first = false;
-            stall.max(Some(arrived + latency))
+            stall.max(Some(arrived + latency + held))
         });
         if !go || client.write_all(&bytes).is_err() {
             break;
