@@ -45,6 +45,9 @@ pub struct QueueStats {
     pub quarantined: u64,
     /// Safe mode: tasks claimed and not yet settled.
     pub processing: u64,
+    /// Of `processing`, the tasks claimed under the queue's `max_running` and not yet settled, by every daemon
+    /// (0 without the limit; claims of a daemon whose config has none are not counted).
+    pub running: u64,
     /// Tasks waiting for their due time, retries in backoff included.
     pub delayed: u64,
     /// Of `delayed`, the retries waiting out their backoff.
@@ -223,6 +226,7 @@ fn snapshot(
     pipe.cmd("LLEN").arg(&keys.dead);
     pipe.cmd("HGETALL").arg(&keys.stats);
     pipe.cmd("EXISTS").arg(&keys.paused);
+    pipe.cmd("HGET").arg(&keys.running).arg("q");
     pipe.cmd("TIME");
     let mut replies = Replies(pipe.query::<Vec<Value>>(conn)?.into_iter());
     let now = Owners {
@@ -251,6 +255,7 @@ fn snapshot(
     let dead: u64 = replies.one()?;
     let counters: HashMap<String, u64> = replies.one()?;
     let paused: bool = replies.one()?;
+    let running: Option<u64> = replies.one()?;
     let time: (i64, i64) = replies.one()?;
     let now_ms = time_ms(time);
     let lag_ms = heads
@@ -275,6 +280,7 @@ fn snapshot(
         ready_by_level,
         quarantined: quarantined.iter().sum(),
         processing,
+        running: running.unwrap_or(0),
         delayed: zset_counts.iter().sum(),
         retrying,
         dead,

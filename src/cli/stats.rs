@@ -34,12 +34,13 @@ pub(super) fn run_stats(config: &Config, json: bool) -> Result<(), Failure> {
     }
     let _ = writeln!(
         out,
-        "{:<16} {:<7} {:<7} {:>9} {:>10} {:>9} {:>7} {:>11} {:>9} {:>9} {:>13} {:>8} {:>7} {:>9}",
+        "{:<16} {:<7} {:<7} {:>9} {:>10} {:>7} {:>9} {:>7} {:>11} {:>9} {:>9} {:>13} {:>8} {:>7} {:>9}",
         "QUEUE",
         "MODE",
         "STATE",
         "READY",
         "PROCESSING",
+        "RUNNING",
         "DELAYED",
         "DEAD",
         "DONE",
@@ -51,15 +52,21 @@ pub(super) fn run_stats(config: &Config, json: bool) -> Result<(), Failure> {
         "LAG"
     );
     for (name, mode, s) in &all {
+        // Only a queue with a running limit counts: "-" tells the others apart from a limited queue at 0.
+        let running = config
+            .queue(name)
+            .and_then(|queue| queue.max_running)
+            .map_or("-".to_string(), |limit| format!("{}/{limit}", s.running));
         let lag = s.lag_ms.map_or("-".to_string(), |ms| {
             humantime::format_duration(Duration::from_millis(ms as u64)).to_string()
         });
         let _ = writeln!(
             out,
-            "{name:<16} {mode:<7} {:<7} {:>9} {:>10} {:>9} {:>7} {:>11} {:>9} {:>9} {:>13} {:>8} {:>7} {:>9}",
+            "{name:<16} {mode:<7} {:<7} {:>9} {:>10} {:>7} {:>9} {:>7} {:>11} {:>9} {:>9} {:>13} {:>8} {:>7} {:>9}",
             if s.paused { "paused" } else { "active" },
             s.ready,
             s.processing,
+            running,
             s.delayed,
             s.dead,
             s.done,

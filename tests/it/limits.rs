@@ -127,6 +127,7 @@ fn a_limited_queue_claims_no_more_than_its_limit_while_the_rest_wait_in_redis() 
     });
     let s = stats(&config, "jobs");
     assert_eq!((s.processing, s.ready, running(&redis)), (3, 7, 3), "{s:?}");
+    assert_eq!(s.running, 3, "stats show the count");
     assert_eq!(dir.records().starts.len(), 3);
     std::fs::write(&gate, "").unwrap();
     assert_drained_to_zero(&config, &redis, 10);

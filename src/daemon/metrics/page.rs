@@ -106,12 +106,18 @@ enum Kind {
 /// ends it with a period), value.
 type PerQueue = (&'static str, Kind, &'static str, fn(&QueueStats) -> f64);
 
-const PER_QUEUE: [PerQueue; 12] = [
+const PER_QUEUE: [PerQueue; 13] = [
     (
         "kmqd_queue_processing",
         Kind::Gauge,
         "Tasks claimed and not settled (safe mode)",
         |s| s.processing as f64,
+    ),
+    (
+        "kmqd_queue_running",
+        Kind::Gauge,
+        "Tasks claimed under the queue's max_running and not settled, by every daemon (0 without the limit)",
+        |s| s.running as f64,
     ),
     (
         "kmqd_queue_delayed",
