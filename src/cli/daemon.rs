@@ -94,15 +94,16 @@ pub(super) fn check_config(config: &Config) -> Result<(), Failure> {
 }
 
 /// What `check-config` says of Redis: its `maxmemory-policy`, a warning when it is accepted or unreadable, or that
-/// Redis did not answer (not an error: it may be down for now, and the daemon waits for it). A policy that may
-/// evict kmqd's keys, unaccepted, is the daemon's refusal, exit 2.
+/// it was not read because Redis did not answer or refused the connection (not an error here: Redis may be down
+/// for now, and the daemon waits for it, or reports the refusal itself). A policy that may evict kmqd's keys,
+/// unaccepted, is the daemon's refusal, exit 2.
 fn redis_lines(config: &Config) -> Result<Vec<String>, Failure> {
     let redis = config.redis.describe();
     let finding = match crate::client::Client::new(config).and_then(|client| client.eviction()) {
         Ok(finding) => finding,
         Err(error) => {
             return Ok(vec![format!(
-                "redis {redis}: not reached ({error}); its maxmemory-policy is checked when the daemon starts"
+                "redis {redis}: maxmemory-policy not read ({error}); the daemon reads it when it starts"
             )]);
         }
     };
