@@ -191,6 +191,26 @@ fn the_commands_that_add_tasks_refuse_a_redis_that_may_evict_them_and_the_others
     let (code, out, _) = run(&config, &["queue", "pause", "jobs"]);
     assert_eq!((code, out.trim()), (0, "paused jobs"));
 
+    // The dashboard with its buttons (a requeue among them) warns once, at start; read-only, it says nothing.
+    for (args, warns) in [
+        (&["--listen", "127.0.0.1:0"] as &[&str], true),
+        (&["--listen", "127.0.0.1:0", "--read-only"], false),
+    ] {
+        let mut all = vec!["dashboard"];
+        all.extend_from_slice(args);
+        let log = dir.path(&format!("dashboard-{warns}.log"));
+        let dashboard = Process::start_with_args(&config, log, &all);
+        let log = eventually(Duration::from_secs(30), "the dashboard's address", || {
+            let log = dashboard.log_text();
+            (log.contains("dashboard on http://"), log)
+        });
+        assert_eq!(
+            log.contains("WARN") && log.contains("maxmemory-policy allkeys-lfu"),
+            warns,
+            "{args:?}: {log}"
+        );
+    }
+
     let accepted = dir.config_raw(
         &format!("url = \"{}\"\nallow_eviction = true", redis.url()),
         "",
