@@ -331,3 +331,56 @@ fn a_policy_that_cannot_be_read_is_warned_about_and_the_daemon_serves() {
         "{log}"
     );
 }
+
+/// Behind Sentinel the master's policy is read (the replicas' do not matter until one is promoted, and a
+/// daemon started after that reads the new master's).
+#[test]
+fn behind_sentinel_the_master_s_policy_is_checked() {
+    use kmqd_harness::sentinel::{SentinelOptions, SentinelSetup};
+    let setup = SentinelSetup::start(SentinelOptions::default()).expect("start sentinels");
+    let master = setup.master().unwrap();
+    let replication: String = match master.query(&["INFO", "replication"]).unwrap() {
+        redis::Value::BulkString(bytes) => String::from_utf8(bytes).unwrap(),
+        redis::Value::VerbatimString { text, .. } => text,
+        other => panic!("INFO replication: {other:?}"),
+    };
+    let port = replication
+        .lines()
+        .find_map(|line| line.strip_prefix("slave0:"))
+        .and_then(|fields| fields.split(',').find_map(|f| f.strip_prefix("port=")))
+        .unwrap_or_else(|| panic!("a replica: {replication}"));
+    let replica = setup
+        .server(&format!("127.0.0.1:{port}"))
+        .expect("our replica");
+    let seeds: Vec<String> = setup
+        .sentinel_urls()
+        .iter()
+        .map(|url| format!("\"{url}\""))
+        .collect();
+    let dir = TestDir::new();
+    let config = dir.config_raw(
+        &format!(
+            "sentinel = [{}]\nsentinel_master = \"{}\"",
+            seeds.join(", "),
+            setup.master_name()
+        ),
+        "",
+        QUEUE,
+    );
+
+    replica
+        .query(&["CONFIG", "SET", "maxmemory-policy", "allkeys-lru"])
+        .unwrap();
+    let (code, out, err) = run(&config, &["push", "jobs", "test", "{}", "--id", "a"]);
+    assert_eq!((code, out.trim()), (0, "a"), "a replica's policy: {err}");
+
+    master
+        .query(&["CONFIG", "SET", "maxmemory-policy", "volatile-ttl"])
+        .unwrap();
+    let (code, out, err) = run(&config, &["push", "jobs", "test", "{}", "--id", "b"]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(
+        err.contains("Redis runs with maxmemory-policy volatile-ttl"),
+        "{err}"
+    );
+}
