@@ -18,7 +18,8 @@ use serde_json::value::RawValue;
 
 use crate::broker::dead::{self, DeadRecord, Outcome, RequeueItem};
 use crate::broker::{
-    self, BrokerError, Due, Found, Pool, PushItem, QueueKeys, QueueStats, Scope, access, lookup,
+    self, BrokerError, Due, Found, Pool, PushItem, QueueKeys, QueueStats, Scope, access, eviction,
+    lookup,
 };
 use crate::config::Config;
 use crate::task::{self, Envelope};
@@ -142,6 +143,8 @@ pub struct Client {
     /// For [`Client::check_access`], which connects outside the pool: a refusal at connection time (wrong
     /// credentials, a cluster client's own command refused) comes back as itself, not as the pool's timeout.
     connector: broker::Connector,
+    /// `[redis] allow_eviction`, for [`Client::eviction`].
+    allow_eviction: bool,
 }
 
 impl Client {
@@ -162,6 +165,7 @@ impl Client {
             pool: broker::pool(&config.redis)?,
             queues,
             connector: broker::Connector::new(&config.redis)?,
+            allow_eviction: config.redis.allow_eviction,
         })
     }
 
@@ -201,6 +205,18 @@ impl Client {
                 .map_or(error, BrokerError::from)
                 .into()),
         }
+    }
+
+    /// Reads every master's `maxmemory-policy` (docs/OPERATIONS.md, "maxmemory-policy"), on a connection of its
+    /// own as [`Client::check_access`]: what it may evict, held against `[redis] allow_eviction`
+    /// ([`eviction::Finding::refusal`], [`eviction::Finding::warnings`]). Nothing refuses here: the command line
+    /// decides which commands refuse and which warn; the library leaves it to its caller.
+    pub fn eviction(&self) -> Result<eviction::Finding, ClientError> {
+        let mut connection = self.connector.connect()?;
+        Ok(eviction::Finding {
+            readings: eviction::read(&mut connection)?,
+            allowed: self.allow_eviction,
+        })
     }
 
     /// Enqueues one task.

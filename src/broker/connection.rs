@@ -10,7 +10,9 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use redis::cluster::{ClusterClient, ClusterClientBuilder, ClusterConnection};
-use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+use redis::cluster_routing::{
+    MultipleNodeRoutingInfo, Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr,
+};
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{
     Cmd, Connection, ConnectionAddr, ConnectionInfo, ConnectionLike, IntoConnectionInfo,
@@ -446,6 +448,31 @@ impl Conn {
                     RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)),
                 )?;
                 Ok(redis::from_redis_value(value)?)
+            }
+        }
+    }
+
+    /// Sends a command that names no key to every master: the one Redis (or the Sentinels' master) or, in a
+    /// cluster, each master of the slot map. Each reply comes with its node's address in a cluster (`None`
+    /// otherwise); a failure on any node fails the whole.
+    pub fn query_every_master(
+        &mut self,
+        command: &Cmd,
+    ) -> RedisResult<Vec<(Option<String>, Value)>> {
+        match &mut self.link {
+            Link::Node(connection) => Ok(vec![(None, command.query(connection)?)]),
+            Link::Cluster(connection) => {
+                let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+                match connection.route_command(command, routing)? {
+                    Value::Map(replies) => replies
+                        .into_iter()
+                        .map(|(node, reply)| {
+                            let node: String = redis::from_redis_value(node)?;
+                            Ok((Some(node), reply))
+                        })
+                        .collect(),
+                    other => Ok(vec![(None, other)]),
+                }
             }
         }
     }

@@ -12,6 +12,7 @@
 //! - [`processing`]: what an owner holds (the monitors' recovery, `task show`, the counts);
 //! - [`peek`]: the heads of a queue's ready lists, delayed tasks and retries (the dashboard's queue page);
 //! - [`dead`]: the dead-letter list: reading, requeueing and purging records;
+//! - [`eviction`]: Redis's `maxmemory-policy`, read at start: anything that may evict kmqd's keys is refused;
 //! - [`history`]: a sample a minute of each queue's counters and depths, for the dashboard's charts;
 //! - [`schedule`]: firing periodic tasks;
 //! - [`stats`](mod@stats): depths and counters, and the protocol-version check.
@@ -20,6 +21,7 @@ pub mod access;
 pub mod admin;
 pub mod connection;
 pub mod dead;
+pub mod eviction;
 pub mod history;
 pub mod keys;
 pub mod lookup;
@@ -93,6 +95,14 @@ pub enum BrokerError {
          rename-command? kmqd needs Redis 7.0 or newer)"
     )]
     UnknownCommand { command: String },
+    /// Redis may evict kmqd's keys (its `maxmemory-policy` is not `noeviction`) and `[redis] allow_eviction`
+    /// does not accept it (found by [`eviction::check`] at start).
+    #[error("{}", eviction::describe_refusal(.policy, .node.as_deref()))]
+    Eviction {
+        policy: String,
+        /// The master's address, in a cluster.
+        node: Option<String>,
+    },
     #[error(
         "only {acknowledged} of the {wanted} replicas ([redis] wait_replicas) acknowledged a change within \
          [redis] wait_timeout; it is made on the master, but a failover now could undo it"
@@ -141,12 +151,14 @@ impl BrokerError {
     }
 
     /// Whether the failure is the setup's, which no retry fixes: wrong credentials, missing ACL rules, keys of
-    /// another protocol version, a command this Redis lacks. `kmqd` exits 2 on these, not 1.
+    /// another protocol version, a command this Redis lacks, a `maxmemory-policy` that may evict kmqd's keys.
+    /// `kmqd` exits 2 on these, not 1.
     pub fn is_config_error(&self) -> bool {
         match self {
             BrokerError::Redis(error) => is_auth_error(error),
             BrokerError::Permission { .. }
             | BrokerError::UnknownCommand { .. }
+            | BrokerError::Eviction { .. }
             | BrokerError::ProtocolVersion { .. } => true,
             _ => false,
         }

@@ -39,7 +39,9 @@ pub(super) fn run_daemon(config: &Config) -> Result<(), Failure> {
 }
 
 /// Checks the config and loads its plugins as the daemon would. A refused drop-in file, which the daemon skips,
-/// fails the check here, so that `systemctl reload` (which runs this first) shows it.
+/// fails the check here, so that `systemctl reload` (which runs this first) shows it. Redis's `maxmemory-policy`
+/// is read when Redis answers, and one that may evict kmqd's keys is refused as the daemon refuses it (unless
+/// `[redis] allow_eviction`); a Redis that does not answer is only noted: the daemon waits for it at start.
 pub(super) fn check_config(config: &Config) -> Result<(), Failure> {
     let registry = load_plugins(config)?;
     if !registry.refused().is_empty() {
@@ -51,6 +53,7 @@ pub(super) fn check_config(config: &Config) -> Result<(), Failure> {
             .collect();
         return Err(Failure::Usage(refusals.join("\nkmqd: ")));
     }
+    let redis = redis_lines(config)?;
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{}: ok", config.path.display());
     for queue in &config.queues {
@@ -80,11 +83,44 @@ pub(super) fn check_config(config: &Config) -> Result<(), Failure> {
             plugin.types
         );
     }
+    for line in redis {
+        let _ = writeln!(out, "  {line}");
+    }
     // Not an error: another daemon, or this one after a plugin is installed, may handle the type.
     for warning in unhandled_schedules(config, &registry) {
         let _ = writeln!(out, "  warning: {warning}");
     }
     Ok(())
+}
+
+/// What `check-config` says of Redis: its `maxmemory-policy`, a warning when it is accepted or unreadable, or that
+/// it was not read because Redis did not answer or refused the connection (not an error here: Redis may be down
+/// for now, and the daemon waits for it, or reports the refusal itself). A policy that may evict kmqd's keys,
+/// unaccepted, is the daemon's refusal, exit 2.
+fn redis_lines(config: &Config) -> Result<Vec<String>, Failure> {
+    let redis = config.redis.describe();
+    let finding = match crate::client::Client::new(config).and_then(|client| client.eviction()) {
+        Ok(finding) => finding,
+        Err(error) => {
+            return Ok(vec![format!(
+                "redis {redis}: maxmemory-policy not read ({error}); the daemon reads it when it starts"
+            )]);
+        }
+    };
+    if let Some(refusal) = finding.refusal() {
+        return Err(refusal.into());
+    }
+    let mut lines = vec![format!(
+        "redis {redis}: maxmemory-policy {}",
+        finding.describe()
+    )];
+    lines.extend(
+        finding
+            .warnings()
+            .into_iter()
+            .map(|warning| format!("warning: {warning}")),
+    );
+    Ok(lines)
 }
 
 /// A line for each schedule whose task type no loaded plugin handles: its tasks would wait through their retries

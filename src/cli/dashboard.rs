@@ -106,6 +106,14 @@ pub(super) fn run_dashboard(config: &Config, args: DashboardArgs) -> Result<(), 
             Err(other) => return Err(other),
         }
     }
+    if !args.read_only {
+        // The buttons requeue dead tasks as `dead requeue` does, which refuses a Redis that may evict them; the
+        // dashboard is also for looking, so it warns once, at start (a Redis not answering yet is waited for).
+        match super::check_eviction(&client, super::OnEviction::Warn) {
+            Ok(()) | Err(Failure::Runtime(_)) => {}
+            Err(other) => return Err(other),
+        }
+    }
     let options = Options {
         listen: args.listen,
         read_only: args.read_only,

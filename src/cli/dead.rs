@@ -113,6 +113,7 @@ pub(super) fn run_dead(config: &Config, command: DeadCommand) -> Result<(), Fail
             reset_attempts,
         } => {
             client.check_access(&[&which.queue], Action::DeadRequeue)?;
+            super::check_eviction(&client, super::OnEviction::Refuse)?;
             let ids: Vec<&str> = which.ids.iter().map(String::as_str).collect();
             let report = client
                 .dead_requeue(&which.queue, which.selection(&ids), reset_attempts)
@@ -149,6 +150,7 @@ pub(super) fn run_dead(config: &Config, command: DeadCommand) -> Result<(), Fail
         }
         DeadCommand::Purge { which } => {
             client.check_access(&[&which.queue], Action::DeadPurge)?;
+            super::check_eviction(&client, super::OnEviction::Warn)?;
             let ids: Vec<&str> = which.ids.iter().map(String::as_str).collect();
             let report = client
                 .dead_purge(&which.queue, which.selection(&ids))

@@ -125,6 +125,12 @@ impl fmt::Display for Failure {
     }
 }
 
+impl From<crate::broker::BrokerError> for Failure {
+    fn from(error: crate::broker::BrokerError) -> Failure {
+        ClientError::Broker(error).into()
+    }
+}
+
 impl From<ClientError> for Failure {
     fn from(error: ClientError) -> Failure {
         match error {
@@ -241,6 +247,38 @@ fn client_for_every_queue(
         .collect();
     client.check_access(&names, action)?;
     Ok(client)
+}
+
+/// What a command does on a Redis whose `maxmemory-policy` may evict kmqd's keys, when `[redis] allow_eviction`
+/// does not accept it (docs/OPERATIONS.md, "maxmemory-policy"). Accepted, or unreadable, every command warns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum OnEviction {
+    /// The commands that put tasks into Redis (`push`, `dead requeue`): exit 2, as the daemon does at start,
+    /// since what they queue could be evicted without a trace.
+    Refuse,
+    /// The commands that only remove or flag (`dead purge`, `task cancel`, `queue pause`/`resume`): they put no
+    /// task at risk, and an operator may need them most on a Redis in trouble; a warning.
+    Warn,
+}
+
+/// Reads Redis's `maxmemory-policy` for a command that writes, after its ACL check: refuses or warns as `on`
+/// says (the warnings go to standard error).
+fn check_eviction(client: &crate::client::Client, on: OnEviction) -> Result<(), Failure> {
+    let finding = client.eviction()?;
+    if let Some(refusal) = finding.refusal() {
+        match on {
+            OnEviction::Refuse => return Err(refusal.into()),
+            OnEviction::Warn => {
+                tracing::warn!(
+                    "{refusal}; this command goes on: it adds no task that could be evicted"
+                )
+            }
+        }
+    }
+    for warning in finding.warnings() {
+        tracing::warn!("{warning}");
+    }
+    Ok(())
 }
 
 /// `--interval`: a duration of at least [`crate::config::MIN_WATCH_INTERVAL`].

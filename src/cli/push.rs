@@ -53,6 +53,7 @@ pub(super) fn parse_time(text: &str) -> Result<i64, String> {
 pub(super) fn run_push(config: &Config, args: PushArgs) -> Result<(), Failure> {
     let client = Client::new(config)?;
     client.check_access(&[&args.queue], Action::Push)?;
+    super::check_eviction(&client, super::OnEviction::Refuse)?;
     let due = match (args.delay, args.at) {
         (Some(delay), _) => Due::After(delay),
         (None, Some(at)) => Due::At(at),

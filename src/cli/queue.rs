@@ -25,6 +25,7 @@ pub(super) fn run_queue(config: &Config, command: QueueCommand) -> Result<(), Fa
     match command {
         QueueCommand::Pause { queue } => {
             client.check_access(&[&queue], Action::Pause)?;
+            super::check_eviction(&client, super::OnEviction::Warn)?;
             if client.pause(&queue)? {
                 let _ = writeln!(out, "paused {queue}");
             } else {
@@ -33,6 +34,7 @@ pub(super) fn run_queue(config: &Config, command: QueueCommand) -> Result<(), Fa
         }
         QueueCommand::Resume { queue } => {
             client.check_access(&[&queue], Action::Resume)?;
+            super::check_eviction(&client, super::OnEviction::Warn)?;
             if client.resume(&queue)? {
                 let _ = writeln!(out, "resumed {queue}");
             } else {

@@ -101,6 +101,7 @@ pub(super) fn run_task(config: &Config, command: TaskCommand) -> Result<(), Fail
         }
         TaskCommand::Cancel { queue, ids } => {
             client.check_access(&[&queue], Action::Cancel)?;
+            super::check_eviction(&client, super::OnEviction::Warn)?;
             let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
             let removed = client.cancel_batch(&queue, &refs).map_err(|error| {
                 super::change_failed(

@@ -106,6 +106,9 @@ pub struct RedisConfig {
     /// How long a reply may take before the call is given up for lost (then retried, or resolved when it may
     /// have run). Blocking calls wait this much beyond their own timeout.
     pub io_timeout: Duration,
+    /// Run on a Redis whose `maxmemory-policy` may evict kmqd's keys (anything but `noeviction`), with a warning,
+    /// instead of refusing to (docs/OPERATIONS.md, "maxmemory-policy").
+    pub allow_eviction: bool,
 }
 
 /// The Redis deployment a config names (docs/OPERATIONS.md, "Deployments").
@@ -173,6 +176,7 @@ impl fmt::Debug for RedisConfig {
             .field("key_prefix", &self.key_prefix)
             .field("connect_timeout", &self.connect_timeout)
             .field("io_timeout", &self.io_timeout)
+            .field("allow_eviction", &self.allow_eviction)
             .finish()
     }
 }

@@ -66,6 +66,7 @@ pub(super) struct RawRedis {
     pub(super) key_prefix: Option<Spanned<String>>,
     pub(super) connect_timeout: Option<Spanned<String>>,
     pub(super) io_timeout: Option<Spanned<String>>,
+    pub(super) allow_eviction: Option<Spanned<bool>>,
 }
 
 #[derive(Deserialize, Default)]

@@ -28,6 +28,10 @@ fn minimal_config_gets_documented_defaults() {
     assert_eq!(config.daemon.report_interval, None);
     assert!(!config.reports(), "no reporter unless asked for");
     assert_eq!(config.redis.key_prefix, "kmq");
+    assert!(
+        !config.redis.allow_eviction,
+        "a Redis that may evict kmqd's keys is refused unless accepted"
+    );
     assert_eq!(
         config.redis.pool_size,
         config.connections_needed() + 2,
@@ -211,6 +215,11 @@ fn bad_configs_name_file_line_key_and_fix() {
             "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nwrkers = 3\n",
             "queues.toml:4:1",
             &["queues[0]: unknown key `wrkers`; did you mean `workers`?"],
+        ),
+        (
+            "[redis]\nallow_eviction = \"yes\"\n",
+            "queues.toml:2:18",
+            &["redis.allow_eviction: invalid type: string \"yes\", expected true or false"],
         ),
         (
             "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nworkers = \"4\"\n",
@@ -558,6 +567,7 @@ fn the_cluster_s_hint_gives_the_name_the_queue_s_hash_tag() {
 #[test]
 fn the_fuzz_config_of_every_key_is_valid() {
     let config = parse(include_str!("../../fuzz/src/every-key.toml")).unwrap();
+    assert!(config.redis.allow_eviction);
     assert_eq!(config.queues[0].source_lists.len(), 2);
 }
 

@@ -286,6 +286,7 @@ impl RawRedis {
             key_prefix,
             connect_timeout,
             io_timeout,
+            allow_eviction,
         } = self;
         let url_text = url
             .as_ref()
@@ -415,6 +416,7 @@ impl RawRedis {
             key_prefix,
             connect_timeout,
             io_timeout: io_timeout_value,
+            allow_eviction: allow_eviction.is_some_and(Spanned::into_inner),
         };
         if let Some(span) = tls_span
             && !config.uses_tls()

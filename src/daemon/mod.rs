@@ -50,7 +50,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, select};
 
-use crate::broker::{self, BrokerError, Connector, Session, access};
+use crate::broker::{self, BrokerError, Connector, Session, access, eviction};
 use crate::config::{Config, QueueConfig};
 use crate::plugin::{Plugins, Reader, Registry};
 use crate::queue::QueueContext;
@@ -114,9 +114,11 @@ impl DaemonError {
 }
 
 /// Waits until Redis answers, its ACL user may do all the daemon does on every queue (one check per queue,
-/// `broker::access`) and every queue's keys are of this protocol version, however long Redis is down (one log
-/// line, then a summary every 30 s); a stop request ends the wait (returns false). Wrong credentials, missing ACL
-/// rules and keys of another protocol version end it too, as errors: waiting would not fix them.
+/// `broker::access`), every queue's keys are of this protocol version and no master's `maxmemory-policy` may
+/// evict kmqd's keys (`broker::eviction`), however long Redis is down (one log line, then a summary every 30 s);
+/// a stop request ends the wait (returns false). Wrong credentials, missing ACL rules, keys of another protocol
+/// version and a policy that may evict (unless `[redis] allow_eviction` accepts it) end it too, as errors:
+/// waiting would not fix them.
 fn wait_for_redis(
     config: &Config,
     connector: &Connector,
@@ -138,11 +140,15 @@ fn wait_for_redis(
                 access::check(&mut connection, &keys, access::Action::Serve)?;
                 broker::check_protocol(&mut connection, &keys, &queue.name)?;
             }
-            Ok(())
+            eviction::check(&mut connection, config.redis.allow_eviction)
         });
         match checked {
-            Ok(()) => {
+            Ok(finding) => {
                 trouble.recovered();
+                for warning in finding.warnings() {
+                    tracing::warn!("{warning}");
+                }
+                tracing::debug!(policy = %finding.describe(), "Redis's maxmemory-policy");
                 return Ok(true);
             }
             Err(BrokerError::Redis(error)) if broker::is_auth_error(&error) => {

@@ -205,6 +205,7 @@ fn redis_changes(old: &RedisConfig, new: &RedisConfig) -> Vec<String> {
         old.connect_timeout != new.connect_timeout,
     );
     differs("io_timeout", old.io_timeout != new.io_timeout);
+    differs("allow_eviction", old.allow_eviction != new.allow_eviction);
     out
 }
 

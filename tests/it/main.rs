@@ -13,6 +13,7 @@ mod dashboard;
 mod dead;
 mod default_mode;
 mod delayed;
+mod eviction;
 mod exec_persistent;
 mod fault_proxy;
 mod faults;
