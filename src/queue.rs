@@ -41,6 +41,7 @@ impl QueueContext {
             queue: &self.config.name,
             daemon: &self.daemon_id,
             max_running: self.config.max_running,
+            rate_limit: &self.config.rate_limit,
         }
     }
 

@@ -302,6 +302,16 @@ pub const COMMANDS: &[Command] = &[
         why: "keeps the wake list at one marker and the dead-letter list at `dead_max`",
     },
     Command {
+        name: "lset",
+        roles: &[D],
+        why: "a claim of a queue with `rate_limit` adds its starts to the newest entry of each window's log",
+    },
+    Command {
+        name: "pexpire",
+        roles: &[D],
+        why: "a rate limit's log expires a second after its newest start's window",
+    },
+    Command {
         name: "llen",
         roles: &[D, R, O],
         why: "claims look for quarantined tasks; stats count ready and dead tasks; `dead` commands measure the \
@@ -532,6 +542,13 @@ enum Kind {
     /// A settling party's scratch string in settle.lua.
     SettleScratch,
     Settled,
+    /// A queue's running counts (`max_running`).
+    Running,
+    /// A claim list's running scopes string.
+    ClaimScopes,
+    /// A rate limit's log of starts, and its sum.
+    RateLog,
+    RateSum,
     Dead,
     Unique,
     UniquePopped,
@@ -653,6 +670,26 @@ const DAEMON: &[(&str, On)] = &[
     ("hincrby", key(K::Stats)),
     ("lpush", key(K::Wake)),
     ("ltrim", key(K::Wake)),
+    // Running and rate limits, in claim.lua and settle.lua.
+    ("type", key(K::Running)),
+    ("hget", key(K::Running)),
+    ("hincrby", key(K::Running)),
+    ("hset", key(K::Running)),
+    ("hdel", key(K::Running)),
+    ("type", key(K::ClaimScopes)),
+    ("set", key(K::ClaimScopes)),
+    ("get", key(K::ClaimScopes)),
+    ("del", key(K::ClaimScopes)),
+    ("type", key(K::RateLog)),
+    ("lindex", key(K::RateLog)),
+    ("ltrim", key(K::RateLog)),
+    ("lset", key(K::RateLog)),
+    ("rpush", key(K::RateLog)),
+    ("pexpire", key(K::RateLog)),
+    ("type", key(K::RateSum)),
+    ("get", key(K::RateSum)),
+    ("set", key(K::RateSum)),
+    ("del", key(K::RateSum)),
     // The owner's journal, in claim.lua, adopt.lua, renew.lua and settle.lua.
     ("hincrby", key(K::OwnerInfo)),
     ("type", key(K::OwnerInfo)),
@@ -771,6 +808,7 @@ const STATS: &[(&str, On)] = &[
     ("zrange", key(K::Processing)),
     ("hgetall", key(K::Stats)),
     ("exists", key(K::Paused)),
+    ("hget", key(K::Running)),
 ];
 
 /// `kmqd workers`: the owners, their registrations and what they hold.
@@ -1038,6 +1076,10 @@ fn names(keys: &QueueKeys, kind: Kind) -> Vec<String> {
             .map(|level| keys.claim_settled(SOME_OWNER, level, 0))
             .collect(),
         Kind::Settled => vec![keys.settled(SOME_OWNER)],
+        Kind::Running => vec![keys.running.clone()],
+        Kind::ClaimScopes => keys.claim_scopes_all(SOME_OWNER, 0),
+        Kind::RateLog => vec![keys.rate_log(1000).0],
+        Kind::RateSum => vec![keys.rate_log(1000).1],
         Kind::SettleScratch => vec![keys.settle_scratch(SOME_OWNER)],
         Kind::Dead => vec![keys.dead.clone()],
         Kind::Unique => vec![keys.unique.clone()],
@@ -1077,7 +1119,8 @@ fn argv(command: &str, target: Option<&str>) -> Vec<String> {
         "sort" => vec![name, t(), "BY".into(), "nosort".into(), "STORE".into(), t()],
         "memory|usage" => vec!["MEMORY".into(), "USAGE".into(), t()],
         "zscore" | "zrem" | "hget" | "hdel" | "hmget" | "hexists" | "lpush" | "rpush" | "set"
-        | "lindex" => vec![name, t(), "1".into()],
+        | "lindex" | "pexpire" => vec![name, t(), "1".into()],
+        "lset" => vec![name, t(), "-1".into(), "1".into()],
         "zscan" | "hscan" => vec![name, t(), "0".into()],
         "publish" => vec![name, t(), "1".into()],
         "zadd" | "hset" | "hsetnx" | "hincrby" | "zrange" | "ltrim" | "lrange" | "lrem" => {

@@ -190,6 +190,14 @@ impl QueueKeys {
         format!("{}:{claim}:settled", self.processing(owner, level))
     }
 
+    /// The log of the starts of the queue's rate limit over windows of `window_ms` (a list of `MS COUNT` entries,
+    /// oldest first: claim.lua), and its sum (a string); both expire a second after their newest start's window.
+    pub fn rate_log(&self, window_ms: u64) -> (String, String) {
+        let log = format!("{}:rate:q:{window_ms}", self.base);
+        let sum = format!("{log}:sum");
+        (log, sum)
+    }
+
     /// Safe mode: the running limits a claim list was counted under (`N q`: its N tasks count in [`QueueKeys::running`]'s
     /// `q`), written by the claim that made the list when the queue has `max_running`, and deleted with the list:
     /// settle.lua subtracts what it settles of a list from the scopes its string names, so a claim made without a

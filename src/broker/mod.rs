@@ -48,7 +48,7 @@ pub use owners::{OwnerInfo, Renewal, owner_info, owners, register, release, rene
 pub use schedule::{Fired, fire, schedule_state};
 pub use stats::{QueueStats, Rates, check_protocol, stats};
 pub use tasks::{
-    Batch, Call, ClaimLimits, Due, Fence, Isolation, Popper, PushItem, SettleOp, Settled,
+    Batch, Call, ClaimLimits, Due, Fence, Isolation, Limited, Popper, PushItem, SettleOp, Settled,
     Settlement, Taken, adopt, claim, move_sources, promote, push, release_unique, settle,
     wait_idle, wait_list, wait_wake,
 };

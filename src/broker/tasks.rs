@@ -6,6 +6,7 @@ use std::time::Duration;
 use redis::{ConnectionLike, Value};
 
 use super::Conn;
+use crate::config::rate::RateLimit;
 
 use super::keys::QUARANTINE_GROUPS;
 use super::payloads::{Gather, Payloads};
@@ -97,9 +98,17 @@ pub struct Batch {
     /// The queue is paused (`kmqd queue pause`): nothing was taken, and the fetcher waits `idle_poll` before it
     /// looks again, instead of blocking on a list that may well hold tasks.
     pub paused: bool,
-    /// Safe mode: nothing was taken, because the queue's `max_running` tasks are taken and not yet settled; a
-    /// settle that frees some pushes a wake-up marker.
-    pub limited: bool,
+    /// Safe mode: nothing was taken, because a limit of the queue's held every task back.
+    pub limited: Option<Limited>,
+}
+
+/// Which of a queue's limits held a claim back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Limited {
+    /// `max_running` of its tasks are taken and not yet settled: a settle that frees some pushes a wake-up marker.
+    Running,
+    /// A window of its `rate_limit` is full until `retry_at_ms` (Redis's clock), when its oldest start ages out.
+    Rate { retry_at_ms: i64 },
 }
 
 /// The journal that ends a claim's, an adoption's or a settle's reply.
@@ -131,6 +140,8 @@ pub struct ClaimLimits<'a> {
     /// The queue's `max_running`: the claim takes no more than leaves the queue's count of tasks taken and not yet
     /// settled, across every daemon, at most this.
     pub max_running: Option<usize>,
+    /// The queue's `rate_limit`: the claim takes no more than every window's log of starts leaves.
+    pub rate_limit: &'a [RateLimit],
 }
 
 /// Safe mode: claims up to `max` tasks into `owner`'s claim lists: a quarantined group, alone, when there is one
@@ -159,6 +170,11 @@ pub fn claim(
     script_keys.extend(lists.iter().cloned());
     script_keys.extend(keys.claim_scopes_all(owner, claim));
     script_keys.push(keys.running.clone());
+    for rate in limits.rate_limit {
+        let (log, sum) = keys.rate_log(rate.window_ms());
+        script_keys.push(log);
+        script_keys.push(sum);
+    }
     let mut eval = evalsha(&SCRIPTS.claim, &script_keys);
     eval.arg(&**owner)
         .arg(max)
@@ -167,17 +183,22 @@ pub fn claim(
         .arg(limits.queue)
         .arg(limits.daemon)
         .arg(claim)
-        .arg(limits.max_running.unwrap_or(0));
+        .arg(limits.max_running.unwrap_or(0))
+        .arg(limits.rate_limit.len());
+    for rate in limits.rate_limit {
+        eval.arg(rate.window_ms()).arg(rate.starts);
+    }
     let (reply, taken, collected) = script_then_lists(conn, super::sources::CLAIM, &eval, &lists)
         .map_err(|error| owner_error(error, owner))?;
     // Not replicated: a may-have-run error, which the fetcher resolves with adopt() as a lost reply.
     conn.replicated(&keys.stats)?;
     let reply: Vec<Value> = redis::from_redis_value(reply).map_err(redis::RedisError::from)?;
-    if reply.len() != 4 + keys.levels() {
+    if reply.len() != 5 + keys.levels() {
         return Err(reply_error("claim", format!("{} elements", reply.len())));
     }
     let mut reply = reply.into_iter();
     let journal = journal(reply.next_back(), "claim")?;
+    let retry_at_ms = int(&reply.next_back().unwrap_or(Value::Nil), "claim")?;
     let mut next_int = || int(&reply.next().unwrap_or(Value::Nil), "claim");
     let now_ms = next_int()?;
     let state = next_int()?;
@@ -193,7 +214,11 @@ pub fn claim(
             _ => Isolation::None,
         },
         paused: state == 3,
-        limited: state == 4,
+        limited: match state {
+            4 => Some(Limited::Running),
+            5 => Some(Limited::Rate { retry_at_ms }),
+            _ => None,
+        },
     })
 }
 
@@ -319,7 +344,7 @@ pub fn adopt(
         journal: journal.max(0) as u64,
         isolation: Isolation::None,
         paused: false,
-        limited: false,
+        limited: None,
     })
 }
 

@@ -7,6 +7,7 @@
 //! config means the same thing whoever starts the daemon.
 
 mod errors;
+pub mod rate;
 mod raw;
 mod validate;
 
@@ -308,6 +309,9 @@ pub struct QueueConfig {
     /// The most of the queue's tasks taken and not yet settled at once, across every daemon (docs/CONFIG.md):
     /// claim.lua takes no more, counting in Redis; `None`: no limit.
     pub max_running: Option<usize>,
+    /// At most so many task starts in any window of each of these lengths, across every daemon (docs/CONFIG.md):
+    /// claim.lua takes no more, on Redis's clock; empty: no limit.
+    pub rate_limit: Vec<rate::RateLimit>,
     pub lease_timeout: Duration,
     pub execution_timeout: Option<Duration>,
     pub alive_timeout: Option<Duration>,

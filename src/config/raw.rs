@@ -93,6 +93,8 @@ pub(super) struct RawQueue {
     pub(super) prefetch: Option<Spanned<i64>>,
     pub(super) max_held: Option<Spanned<i64>>,
     pub(super) max_running: Option<Spanned<i64>>,
+    /// A rate (`"200/s"`) or a list of them (checked by hand in `validate`).
+    pub(super) rate_limit: Option<Spanned<toml::Value>>,
     pub(super) lease_timeout: Option<Spanned<String>>,
     pub(super) execution_timeout: Option<Spanned<String>>,
     pub(super) alive_timeout: Option<Spanned<String>>,

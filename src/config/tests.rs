@@ -648,3 +648,61 @@ fn max_running_needs_safe_mode_and_no_prefetch() {
     queue("safe", "max_running = 2\nprefetch = 0\n")
         .expect("an explicit prefetch of 0 is what it needs");
 }
+
+#[test]
+fn rate_limit_is_a_rate_or_a_list_of_them_in_safe_mode() {
+    let queue = |mode: &str, keys: &str| {
+        let text = format!("[[queues]]\nname = \"api\"\nmode = \"{mode}\"\nworkers = 4\n{keys}");
+        parse(&text).map(|config| config.queues[0].clone())
+    };
+    let one = queue("safe", "rate_limit = \"200/s\"\n").unwrap();
+    assert_eq!(format!("{:?}", one.rate_limit), "[200/1s]");
+    assert_eq!(
+        one.prefetch,
+        Prefetch::Fixed(0),
+        "claims only for idle workers"
+    );
+    let two = queue("safe", "rate_limit = [\"20/s\", \"1000/h\"]\n").unwrap();
+    assert_eq!(format!("{:?}", two.rate_limit), "[20/1s, 1000/1h]");
+    assert!(queue("safe", "").unwrap().rate_limit.is_empty());
+    for (mode, keys, words) in [
+        (
+            "default",
+            "rate_limit = \"5/s\"\n",
+            "queues.toml:5:14: queues[0].rate_limit: rate_limit needs mode = \"safe\"",
+        ),
+        (
+            "safe",
+            "rate_limit = \"5/s\"\nprefetch = 8\n",
+            "queues.toml:6:12: queues[0].prefetch: a queue with rate_limit claims only for its idle workers",
+        ),
+        (
+            "safe",
+            "rate_limit = \"5 per second\"\n",
+            "queues[0].rate_limit: \"5 per second\" is not a rate",
+        ),
+        (
+            "safe",
+            "rate_limit = [\"5/s\", \"9/1s\"]\n",
+            "queues[0].rate_limit: two rates for the window 1s",
+        ),
+        (
+            "safe",
+            "rate_limit = 5\n",
+            "queues[0].rate_limit: write a rate as a string",
+        ),
+        (
+            "safe",
+            "rate_limit = []\n",
+            "queues[0].rate_limit: write a rate as a string",
+        ),
+        (
+            "safe",
+            "rate_limit = [5]\n",
+            "queues[0].rate_limit: 5 is not a rate",
+        ),
+    ] {
+        let error = queue(mode, keys).unwrap_err();
+        assert!(error.contains(words), "{words:?} in {error}");
+    }
+}

@@ -738,6 +738,7 @@ impl RawQueue {
             prefetch,
             max_held,
             max_running,
+            rate_limit,
             lease_timeout,
             execution_timeout,
             alive_timeout,
@@ -833,13 +834,43 @@ impl RawQueue {
             None => defaults::BATCH,
         };
         let max_running = match &max_running {
-            Some(limit) => Some(running_limit(source, &key, mode, limit, prefetch.as_ref())?),
+            Some(limit) => {
+                let max_running = ranged(
+                    source,
+                    &key("max_running"),
+                    limit,
+                    1..MAX_RUNNING as i64 + 1,
+                )? as usize;
+                limited_claims(
+                    source,
+                    &key("max_running"),
+                    mode,
+                    limit.span(),
+                    prefetch.as_ref(),
+                )?;
+                Some(max_running)
+            }
             None => None,
+        };
+        let rate_limit = match &rate_limit {
+            Some(value) => {
+                let rates = rate_limits(source, &key("rate_limit"), value)?;
+                limited_claims(
+                    source,
+                    &key("rate_limit"),
+                    mode,
+                    value.span(),
+                    prefetch.as_ref(),
+                )?;
+                rates
+            }
+            None => Vec::new(),
         };
         let prefetch = match &prefetch {
             Some(p) => Prefetch::Fixed(ranged(source, &key("prefetch"), p, 0..100_001)? as usize),
-            // A task claimed ahead would hold a running slot that another daemon's idle worker could use.
-            None if max_running.is_some() => Prefetch::Fixed(0),
+            // A task claimed ahead would hold a running slot, or a start of the rate, that another daemon's idle
+            // worker could use.
+            None if max_running.is_some() || !rate_limit.is_empty() => Prefetch::Fixed(0),
             None => Prefetch::Auto,
         };
         let max_held = match (&max_held, prefetch) {
@@ -997,6 +1028,7 @@ impl RawQueue {
             prefetch,
             max_held,
             max_running,
+            rate_limit,
             lease_timeout,
             execution_timeout,
             alive_timeout,
@@ -1015,43 +1047,78 @@ impl RawQueue {
     }
 }
 
-/// A queue's `max_running`: claimed in safe mode only (a default-mode pop leaves nothing in Redis to give the slot
-/// back with when its daemon dies), and with no prefetch (a task claimed ahead holds a slot that another daemon's
-/// idle worker could use).
-fn running_limit(
+/// What a queue's `max_running` and `rate_limit` (`what`) ask of the rest of its config: safe mode (for now: a
+/// default-mode pop leaves nothing in Redis to give a running slot back with when its daemon dies, and the plain
+/// pop does not count starts), and no prefetch (a task claimed ahead holds a slot or a start that another
+/// daemon's idle worker could use).
+fn limited_claims(
     source: &Source<'_>,
-    key: &impl Fn(&str) -> String,
+    what: &str,
     mode: Mode,
-    limit: &Spanned<i64>,
+    span: Range<usize>,
     prefetch: Option<&Spanned<i64>>,
-) -> Result<usize, ConfigError> {
-    let max_running = ranged(
-        source,
-        &key("max_running"),
-        limit,
-        1..MAX_RUNNING as i64 + 1,
-    )? as usize;
+) -> Result<(), ConfigError> {
+    let name = what.rsplit('.').next().unwrap_or(what);
     if mode == Mode::Default {
         return Err(source.error(
-            limit.span(),
+            span,
             format!(
-                "{}: max_running needs mode = \"safe\"; default mode does not support it yet (a popped task \
-                 leaves nothing in Redis to give its slot back with when its daemon dies)",
-                key("max_running")
+                "{what}: {name} needs mode = \"safe\"; default mode does not support it yet (see \
+                 docs/CONFIG.md)"
             ),
         ));
     }
     if let Some(prefetch) = prefetch.filter(|prefetch| *prefetch.get_ref() != 0) {
+        let key = what.replace(name, "prefetch");
         return Err(source.error(
             prefetch.span(),
             format!(
-                "{}: a queue with max_running claims only for its idle workers; remove prefetch or set it to 0 \
-                 (a task claimed ahead holds a running slot that another daemon's idle worker could use)",
-                key("prefetch")
+                "{key}: a queue with {name} claims only for its idle workers; remove prefetch or set it to 0 \
+                 (a task claimed ahead holds a start that another daemon's idle worker could use)"
             ),
         ));
     }
-    Ok(max_running)
+    Ok(())
+}
+
+/// A queue's `rate_limit`: one rate (`"200/s"`) or a list of them, each window listed once.
+fn rate_limits(
+    source: &Source<'_>,
+    key: &str,
+    value: &Spanned<toml::Value>,
+) -> Result<Vec<rate::RateLimit>, ConfigError> {
+    let error = |message: String| source.error(value.span(), format!("{key}: {message}"));
+    let texts: Vec<&str> = match value.get_ref() {
+        toml::Value::String(text) => vec![text.as_str()],
+        toml::Value::Array(items) if !items.is_empty() => items
+            .iter()
+            .map(|item| {
+                item.as_str().ok_or_else(|| {
+                    error(format!(
+                        "{item} is not a rate; list rates as strings, like [\"20/s\", \"1000/h\"]"
+                    ))
+                })
+            })
+            .collect::<Result<_, _>>()?,
+        _ => {
+            return Err(error(
+                "write a rate as a string, like \"200/s\", or a list of them, like [\"20/s\", \"1000/h\"]"
+                    .to_string(),
+            ));
+        }
+    };
+    let mut rates: Vec<rate::RateLimit> = Vec::with_capacity(texts.len());
+    for text in texts {
+        let rate = rate::parse(text).map_err(error)?;
+        if rates.iter().any(|other| other.window == rate.window) {
+            return Err(error(format!(
+                "two rates for the window {}; keep one",
+                humantime::format_duration(rate.window)
+            )));
+        }
+        rates.push(rate);
+    }
+    Ok(rates)
 }
 
 /// A queue's `source_lists`: Redis keys of lists, each a name or `{ list = NAME, priority = LEVEL }`, each named

@@ -163,6 +163,7 @@ fn queue_changes(old: &QueueConfig, new: &QueueConfig) -> Vec<String> {
         prefetch,
         max_held,
         max_running,
+        rate_limit,
         lease_timeout,
         execution_timeout,
         alive_timeout,

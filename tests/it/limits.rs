@@ -1,4 +1,4 @@
-//! Flow control: a queue's `max_running` across daemons, and its count in Redis under the faults that would leak
+//! Flow control: a queue's `max_running` and `rate_limit` across daemons, and its count in Redis under the faults that would leak
 //! it or count it twice (docs/RELIABILITY.md, "Running limits").
 
 use std::path::Path;
@@ -30,8 +30,8 @@ fn assert_ran_once(dir: &TestDir, prefix: &str, count: usize) {
     }
 }
 
-/// The most runs that started within any `window` of each other: each run of these tasks lasts at least
-/// `window`, so more than `limit` of them would have run at once.
+/// The most runs that started within any `window` of each other (for tasks whose runs last at least `window`:
+/// how many ran at once).
 fn most_started_within(dir: &TestDir, window: Duration) -> usize {
     let mut starts: Vec<u64> = dir
         .records()
@@ -243,4 +243,48 @@ fn a_claim_made_without_a_limit_is_never_subtracted_from_one() {
     assert_drained_to_zero(&limited, &redis, 6);
     assert_ran_once(&dir, "u", 3);
     new.stop();
+}
+
+#[test]
+fn a_rate_limit_holds_in_every_window_across_daemons_and_every_task_runs_once() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &safe_queue("workers = 4\nrate_limit = \"10/s\""));
+    let (a, b) = (TestDaemon::start(&config), TestDaemon::start(&config));
+    push_many(&config, "t", 35, r#"{"sleep_ms":1}"#);
+    assert_drained_to_zero(&config, &redis, 35);
+    assert_ran_once(&dir, "t", 35);
+    // The limit is on claims, by Redis's clock; a run starts within a dispatch of its claim. Allowing 300 ms of
+    // that, no 700 ms may hold more than 10 starts (without the limit, all 35 start within a few).
+    let most = most_started_within(&dir, Duration::from_millis(700));
+    assert!(
+        most <= 10,
+        "{most} runs started within 700 ms: {:?}",
+        dir.records().start_times
+    );
+    a.stop();
+    b.stop();
+}
+
+#[test]
+fn several_windows_of_a_rate_limit_hold_together() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(
+        &redis,
+        &safe_queue("workers = 8\nrate_limit = [\"3/200ms\", \"8/s\"]"),
+    );
+    let daemon = TestDaemon::start(&config);
+    push_many(&config, "t", 17, "{}");
+    assert_drained_to_zero(&config, &redis, 17);
+    assert_ran_once(&dir, "t", 17);
+    for (window, limit) in [(100, 3), (700, 8)] {
+        let most = most_started_within(&dir, Duration::from_millis(window));
+        assert!(
+            most <= limit,
+            "{most} runs started within {window} ms: {:?}",
+            dir.records().start_times
+        );
+    }
+    daemon.stop();
 }

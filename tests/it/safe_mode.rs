@@ -431,6 +431,7 @@ fn claim_as(
         queue: &queue.config.name,
         daemon: "test:0",
         max_running: queue.config.max_running,
+        rate_limit: &queue.config.rate_limit,
     };
     broker::claim(
         connection,

@@ -261,6 +261,8 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
                   max_task_bytes = 1024\nretry_times = 1\nbackoff = \"10ms\"\nsource_lists = [\"queue:src\"]\n\n\
                   [[queues]]\nname = \"fast\"\nmode = \"default\"\nworkers = 2\nlease_timeout = \"3s\"\n\
                   retry_times = 1\nbackoff = \"10ms\"\n\n\
+                  [[queues]]\nname = \"limited\"\nmode = \"safe\"\nworkers = 2\nmax_running = 2\n\
+                  rate_limit = [\"50/s\", \"1000/m\"]\nretry_times = 1\nbackoff = \"10ms\"\n\n\
                   [[schedules]]\nname = \"tick\"\nqueue = \"jobs\"\ntype = \"test\"\nevery = \"1s\"\n";
     let config = dir.config_for_url(&proxy.url(), "shutdown_grace = \"5s\"", queues);
 
@@ -335,6 +337,11 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
         .chain([test(r#"{"fail_attempts":1}"#, "fast-retry")])
         .collect();
     client.push_batch("fast", fast).unwrap();
+    let limited: Vec<NewTask> = (0..8)
+        .map(|i| test("7", &format!("limited-{i}")))
+        .chain([test(r#"{"fail_attempts":1}"#, "limited-retry")])
+        .collect();
+    client.push_batch("limited", limited).unwrap();
     for i in 0..5 {
         let _: i64 = redis.cmd(&[
             "RPUSH",
@@ -352,11 +359,13 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
     let daemon = TestDaemon::start(&config);
     eventually(Duration::from_secs(30), "both queues drained", || {
         let (jobs, fast) = (stats(&config, "jobs"), stats(&config, "fast"));
+        let limited = stats(&config, "limited");
         (
             jobs.ready + jobs.delayed + jobs.processing + fast.ready + fast.delayed == 0
                 && jobs.dead >= 3
-                && fast.done >= 11,
-            (jobs, fast),
+                && fast.done >= 11
+                && limited.done >= 9,
+            (jobs, fast, limited),
         )
     });
     client
@@ -376,6 +385,19 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
     );
     daemon.stop();
     let recorded = std::mem::take(&mut *recorded.lock().unwrap());
+    for (script, key) in [("claim.lua", ":rate:q:"), ("settle.lua", ":scopes")] {
+        let named = |call: &Recorded| {
+            call.script == script
+                && call
+                    .args
+                    .iter()
+                    .any(|arg| String::from_utf8_lossy(arg).contains(key))
+        };
+        assert!(
+            recorded.iter().any(named),
+            "a call of {script} with a key of a limited queue ({key}) is recorded"
+        );
+    }
     (redis, recorded)
 }
 

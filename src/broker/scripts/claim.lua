@@ -8,11 +8,13 @@
 -- KEYS[7+4L .. 6+5L] the owner's claim sets (`processing:OWNER:LEVEL`, zset claim -> tasks not yet settled),
 -- KEYS[7+5L .. 6+6L] this claim's lists (`processing:OWNER:LEVEL:CLAIM`), KEYS[7+6L .. 6+7L] their running
 -- scopes (`...:CLAIM:scopes`), levels in order; KEYS[7+7L] the running hash (scope -> tasks taken and not yet
--- settled)
+-- settled); then for each of the R windows of the queue's rate limit, its log (a list of `MS COUNT` entries,
+-- oldest first) and the log's sum (a string): KEYS[8+7L+2(r-1)], KEYS[9+7L+2(r-1)]
 -- ARGV[1] owner; ARGV[2] the most tasks to take; ARGV[3] max_task_bytes; ARGV[4] dead list bound;
 -- ARGV[5] queue name; ARGV[6] daemon (host:pid, for dead records); ARGV[7] the claim: a number unique within the
 -- owner and increasing from call to call (the caller reserves ARGV[2] numbers from it on; see adopt.lua);
--- ARGV[8] the queue's max_running (0: none)
+-- ARGV[8] the queue's max_running (0: none); ARGV[9] R, the windows of its rate limit (0: none), then R pairs:
+-- the window in ms, the most starts in any such window
 -- Returns {now_ms, state, group level, tasks taken at level 1, ..., at level L, the owner's journal (see
 -- renew.lua)}: the tasks themselves are in this claim's lists, which the caller reads in the same transaction
 -- (`MULTI`, this script, `LRANGE` of each list, `EXEC`: src/broker/tasks.rs), position p of a list being the
@@ -25,7 +27,10 @@
 --            and claims again. Checked here, in the claim itself, so that no claim that runs after the pause
 --            takes anything, whatever the daemon last saw;
 --   state 4: nothing was claimed, because max_running of the queue's tasks are taken and not yet settled, by
---            any daemon: the caller waits for a wake-up marker, which a settle that frees some pushes.
+--            any daemon: the caller waits for a wake-up marker, which a settle that frees some pushes;
+--   state 5: nothing was claimed, because a window of the rate limit is full: the reply's `retry at` says when
+--            its oldest start ages out (Redis's clock, ms), and the caller claims again then.
+-- The reply ends {..., retry at (0 but in state 5), journal}.
 -- Fails with "LEASELOST ..." when the owner's lease is gone or past: its tasks then belong to the monitors (an
 -- owner registered but missing from the owners zset is put back in it as expired, for them), and the daemon must
 -- register a new owner; with "FENCED ..." when ARGV[7] is below the owner's floor, which
@@ -46,6 +51,15 @@
 -- settled, whatever becomes of their owner (the monitors settle an expired owner's tasks the same way), and a
 -- list claimed without a limit (a daemon whose config has none) is never subtracted from it.
 --
+-- Rate limit. Each window's log holds the claims' starts as `MS COUNT` entries (COUNT tasks taken at MS, Redis's
+-- clock), oldest first, and its sum. A claim first drops the entries that aged out (MS <= now - window), takes at
+-- most what every window leaves (its limit minus its sum), then adds what it took as one entry: merged into the
+-- newest one when that is within a thousandth of the window of now (so a log holds about a thousand entries a
+-- window, whatever the rate), at the later of the two times. A merged start is counted as late as it can be,
+-- never early, so no window ever holds more starts than its limit; and one taken at a clock that stepped back is
+-- stamped no earlier than the newest entry, so the log stays in order. Both keys expire a second after the
+-- window, with the last start. It counts starts: a task handed back or retried does not give its start back.
+--
 -- A payload longer than max_task_bytes is never handed to a daemon: it goes straight to the dead list, kept
 -- whole (as a JSON string) with its size in the reason.
 --
@@ -60,9 +74,10 @@
 -- `MEMORY USAGE` of the claim's list bounds every payload in it by max_task_bytes at once (only a batch larger
 -- than that in all has its payloads checked one by one). A claim costs Redis a fifth of what a hash field per
 -- task did (docs/PERFORMANCE.md, "What at-least-once costs Redis").
-local levels = (#KEYS - 7) / 7
+local rates = tonumber(ARGV[9]) or 0
+local levels = (#KEYS - 7 - 2 * rates) / 7
 local READY, QUARANTINE, CLAIMS, LISTS, SCOPES = 6, 6 + levels, 6 + 4 * levels, 6 + 5 * levels, 6 + 6 * levels
-local RUNNING = #KEYS
+local RUNNING = 7 + 7 * levels
 local GROUPS = {1, 8, 64}
 local owner, max, max_bytes, claim = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[7]
 local max_running = tonumber(ARGV[8]) or 0
@@ -75,6 +90,8 @@ for i = 1, #KEYS do
       kind = 'zset'
     elseif i == 3 or i == 5 or i == RUNNING then
       kind = 'hash'
+    elseif i > RUNNING then
+      if (i - RUNNING) % 2 == 0 then kind = 'string' end
     elseif i > SCOPES then
       kind = 'string'
     end
@@ -102,6 +119,29 @@ if max_running > 0 then
   refused = integer(KEYS[RUNNING], 'q', value)
   if refused then return refused end
   running = tonumber(value or '0')
+end
+-- The rate limit's logs: every entry read (the aged-out ones, the oldest in the window, the newest) is parsed here,
+-- before any write; `windows[r].old` counts the entries to drop once the claim's time is known.
+local windows = {}
+local function entry(log, at)
+  local text = redis.call('LINDEX', log, at)
+  if not text then return nil end
+  local ms, count = string.match(text, '^(%d+) (%d+)$')
+  if not ms then
+    return false, redis.error_reply('ERR claim.lua: ' .. log .. ' holds ' .. string.sub(text, 1, 40) ..
+      ', not an entry "MS COUNT"; nothing was written')
+  end
+  return {ms = tonumber(ms), count = tonumber(count)}
+end
+for r = 1, rates do
+  local log, sum = KEYS[RUNNING + 2 * r - 1], KEYS[RUNNING + 2 * r]
+  local value = redis.call('GET', sum)
+  refused = integer(sum, 'value', value)
+  if refused then return refused end
+  local newest, bad = entry(log, -1)
+  if bad then return bad end
+  windows[r] = {log = log, sum = sum, window = tonumber(ARGV[8 + 2 * r]), limit = tonumber(ARGV[9 + 2 * r]),
+    total = tonumber(value or '0'), newest = newest}
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -133,10 +173,26 @@ local function dead_oversized(payload)
     string.format('%d', #payload) .. ',"daemon":' .. cjson.encode(ARGV[6]) .. ',"task":' .. cjson.encode(payload) ..
     '}')
 end
-local stored, counted = false, 0
+local stored, counted, took, retry_at = false, 0, 0, 0
+-- Adds `k` starts at `now` to every window's log (see "Rate limit").
+local function spend(k)
+  for _, w in ipairs(windows) do
+    local at, width = now, math.max(1, math.floor(w.window / 1000))
+    if w.newest and w.newest.ms > at then at = w.newest.ms end
+    if w.newest and w.newest.ms >= now - width then
+      redis.call('LSET', w.log, -1, string.format('%d %d', at, w.newest.count + k))
+    else
+      redis.call('RPUSH', w.log, string.format('%d %d', at, k))
+    end
+    redis.call('SET', w.sum, w.total + k, 'PX', w.window + 1000)
+    redis.call('PEXPIRE', w.log, w.window + 1000)
+  end
+end
 -- The owner's journal: one more for a claim that took something; its value ends the reply (see renew.lua).
 local function finish(result)
   if counted > 0 then redis.call('HINCRBY', KEYS[RUNNING], 'q', counted) end
+  if took > 0 and rates > 0 then spend(took) end
+  result[#result + 1] = retry_at
   if dead_lettered > 0 then
     redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[4]) - 1)
     redis.call('HINCRBY', KEYS[5], 'dead_lettered', dead_lettered)
@@ -177,6 +233,7 @@ end
 local function record(level, n)
   redis.call('ZADD', KEYS[CLAIMS + level], n, claim)
   stored = true
+  took = took + n
   if max_running > 0 then
     redis.call('SET', KEYS[SCOPES + level], n .. ' q')
     counted = counted + n
@@ -196,6 +253,44 @@ if max_running > 0 then
   if max >= max_running - running then
     max, room = max_running - running, false
   end
+end
+-- Each window: the entries that aged out are dropped (every one read and parsed first, in every window, before
+-- any is dropped), then it leaves its limit minus what is still in it.
+for _, w in ipairs(windows) do
+  w.old, w.dropped = 0, 0
+  while true do
+    local e, bad = entry(w.log, w.old)
+    if bad then return bad end
+    if not e or e.ms > now - w.window then
+      w.oldest = e
+      break
+    end
+    w.old, w.dropped = w.old + 1, w.dropped + e.count
+  end
+end
+for _, w in ipairs(windows) do
+  if w.old > 0 then
+    redis.call('LTRIM', w.log, w.old, -1)
+    if w.oldest then
+      w.total = math.max(0, w.total - w.dropped)
+      redis.call('SET', w.sum, w.total, 'KEEPTTL')
+    else
+      w.total, w.newest = 0, nil
+      redis.call('DEL', w.sum)
+    end
+  end
+  local free = w.limit - w.total
+  if free <= 0 then
+    -- When the oldest start in the window ages out (the window's whole length, if its log lost its entries).
+    local due = now + w.window
+    if w.oldest then due = w.oldest.ms + w.window end
+    retry_at = math.max(retry_at, due)
+  elseif max >= free then
+    max, room = free, false
+  end
+end
+if retry_at > 0 then
+  return finish(empty(5, 0))
 end
 
 local holds = false

@@ -199,6 +199,15 @@ for k = 1, claims do
     end
   end
 end
+-- A call that may free running slots pushes a wake-up marker: a call of plain acknowledgements has not checked
+-- the wake list's type yet.
+if next(counts) then
+  local found = redis.call('TYPE', wake).ok
+  if found ~= 'none' and found ~= 'list' then
+    return redis.error_reply('WRONGTYPE settle.lua: ' .. wake .. ' is a ' .. found .. ', not a list; nothing ' ..
+      'was applied')
+  end
+end
 -- Only a registered owner settling its own tasks adds to its journal: a late settle after the monitors forgot
 -- the owner must not bring its info hash back. Its increment is the call's first write, so that a journal that is
 -- not an integer fails the call before anything is written.

@@ -32,7 +32,7 @@ use super::Lane;
 use super::depth::Depth;
 use super::jobs;
 use super::resolve::{Job, JobState};
-use crate::broker::{self, Batch, BrokerError, Isolation, OwnerInfo, Session};
+use crate::broker::{self, Batch, BrokerError, Isolation, Limited, OwnerInfo, Session};
 use crate::config::{Mode, Prefetch};
 use crate::retry::{Backoff, Trouble};
 use crate::shutdown::Listener;
@@ -71,8 +71,8 @@ pub struct Fetcher {
     trouble: Trouble,
     /// Whether the last fetch found the queue paused (to log the change once, not every `idle_poll`).
     paused: bool,
-    /// Whether the last claim found the queue's `max_running` tasks running (likewise).
-    limited: bool,
+    /// Which limit held the last claim back, if one did (likewise).
+    limited: Option<&'static str>,
 }
 
 /// The owner and the tokens of a claim whose reply never came.
@@ -122,7 +122,7 @@ impl Fetcher {
             info,
             trouble,
             paused: false,
-            limited: false,
+            limited: None,
         }
     }
 
@@ -242,16 +242,23 @@ impl Fetcher {
             // Not a blocking wait in Redis: the lists may hold tasks, and BLMOVE would return at once.
             self.claiming.wait(self.lane.queue.config.idle_poll);
         }
-        if batch.limited != self.limited {
+        let limited = batch.limited.map(|limit| match limit {
+            Limited::Running => "max_running",
+            Limited::Rate { .. } => "rate_limit",
+        });
+        if limited != self.limited {
             // At debug: a busy limited queue is held back and let go many times a second.
-            self.limited = batch.limited;
             let queue = self.lane.name();
-            let max_running = self.lane.queue.config.max_running;
-            if batch.limited {
-                tracing::debug!(%queue, ?max_running, "queue held back: max_running tasks are running");
-            } else {
-                tracing::debug!(%queue, "queue no longer held back by max_running");
+            match limited {
+                Some(limit) => tracing::debug!(%queue, limit, "queue held back by a limit"),
+                None => tracing::debug!(%queue, limit = self.limited, "queue no longer held back"),
             }
+            self.limited = limited;
+        }
+        if let Some(Limited::Rate { retry_at_ms }) = batch.limited {
+            // Until the window's oldest start ages out, by Redis's clock (the claim's reply carries both times).
+            let wait = u64::try_from(retry_at_ms.saturating_sub(batch.now_ms)).unwrap_or(0);
+            self.claiming.wait(Duration::from_millis(wait.max(1)));
         }
         Ok(batch)
     }
@@ -361,7 +368,8 @@ impl Fetcher {
             }
             return Ok(batch);
         }
-        if batch.tasks.is_empty() && !self.claiming.is_triggered() {
+        let rate_limited = matches!(batch.limited, Some(Limited::Rate { .. }));
+        if batch.tasks.is_empty() && !rate_limited && !self.claiming.is_triggered() {
             // A marker means "something was pushed": the next round claims it. No marker within idle_poll: the
             // next round looks anyway, which picks up producers that push no marker.
             broker::wait_wake(
