@@ -9,6 +9,7 @@
 mod defaults;
 mod handlers;
 mod languages;
+mod limits;
 pub mod peers;
 mod redis_cost;
 
@@ -55,7 +56,7 @@ pub struct Options {
     pub daemon: Option<PathBuf>,
 }
 
-pub const SCENARIOS: [&str; 11] = [
+pub const SCENARIOS: [&str; 12] = [
     "push",
     "drain",
     "defaults",
@@ -67,6 +68,7 @@ pub const SCENARIOS: [&str; 11] = [
     "handlers",
     "redis-cost",
     "languages",
+    "limits",
 ];
 
 /// How often the `kill` scenario disconnects every client of Redis (`CLIENT KILL TYPE normal`).
@@ -174,6 +176,8 @@ struct Shape {
     workers: usize,
     batch: Option<usize>,
     prefetch: Option<usize>,
+    /// More `[[queues]]` lines (a limit, say), as written.
+    extra: &'static str,
 }
 
 impl Shape {
@@ -183,6 +187,7 @@ impl Shape {
             workers,
             batch: None,
             prefetch: None,
+            extra: "",
         }
     }
 
@@ -195,6 +200,7 @@ impl Shape {
         if let Some(prefetch) = self.prefetch {
             let _ = writeln!(keys, "prefetch = {prefetch}");
         }
+        keys.push_str(self.extra);
         keys
     }
 }
@@ -344,6 +350,7 @@ impl Bench {
             workers: self.options.workers,
             batch: Some(self.options.batch),
             prefetch: Some(self.options.prefetch),
+            extra: "",
         }
     }
 
@@ -525,6 +532,14 @@ pub fn run(options: Options, progress: &mut dyn Write) -> Result<Report, String>
             o.runs
         ));
         figures.extend(languages::languages(&bench, &peer_rows)?);
+    }
+    if wants("limits") {
+        say(format!(
+            "limits: max_running 8 (3 daemons x 16 workers, 10 ms handlers), rate_limit 1000/s (3 daemons), and \
+             what each costs a no-op drain; {} runs...",
+            o.runs
+        ));
+        figures.extend(limits::limits(&bench)?);
     }
     if wants("redis-cost") {
         say(format!(
@@ -1269,6 +1284,7 @@ mod tests {
             workers: 4,
             batch: Some(1000),
             prefetch: Some(4000),
+            extra: "",
         };
         assert_eq!(flags.keys(), "workers = 4\nbatch = 1000\nprefetch = 4000\n");
     }

@@ -1,0 +1,176 @@
+//! The `limits` scenario: a queue's `max_running` and `rate_limit` (docs/CONFIG.md) against issue 33's targets,
+//! and what each costs a drain when it is configured but never reached.
+//!
+//! - `max_running = 8` with 3 daemons x 16 workers and 10 ms handlers: the rate against 8 / 10 ms (target: at
+//!   least 95 %), since a slot is held from the claim to the settle of its task.
+//! - `rate_limit = "1000/s"` with 3 daemons and a backlog of no-op tasks: the rate against the limit (target:
+//!   98 % to 100 %), and the most runs that started in any 1 s (the testkit's records; the limit counts claims on
+//!   Redis's clock, and a run starts within a dispatch of its claim).
+//! - No-op drains with `prefetch = 0` (what a limit implies), without a limit, with `max_running` and with
+//!   `rate_limit` far above the rate: Redis's and the daemon's CPU a task, for the cost of counting.
+
+use std::time::Duration;
+
+use super::{Bench, Figure, Shape, drain_once, figure};
+
+/// How long each drain at a limit lasts, at its limit.
+const AT_LIMIT: Duration = Duration::from_secs(20);
+
+/// The daemons of the drains at a limit.
+const DAEMONS: usize = 3;
+
+pub(super) fn limits(bench: &Bench) -> Result<Vec<Figure>, String> {
+    let mut figures = vec![running(bench)?, rate(bench)?];
+    figures.extend(cost(bench)?);
+    Ok(figures)
+}
+
+/// `max_running = 8`, 3 daemons x 16 workers, 10 ms handlers.
+fn running(bench: &Bench) -> Result<Figure, String> {
+    const LIMIT: usize = 8;
+    const HANDLER: Duration = Duration::from_millis(10);
+    let shape = Shape {
+        extra: "max_running = 8\n",
+        ..Shape::out_of_the_box(16)
+    };
+    let config = bench.config_on(&bench.own().section, "limits-running", "safe", None, shape)?;
+    let limit = LIMIT as f64 / HANDLER.as_secs_f64();
+    let n = (limit * AT_LIMIT.as_secs_f64()) as usize;
+    let data = format!("{{\"sleep_ms\":{}}}", HANDLER.as_millis());
+    let (mut rates, mut ratios, mut redis_cpu) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..bench.options.runs {
+        let run = drain_once(bench, &bench.own(), &config, DAEMONS, (n, &data), None)?;
+        rates.push(run.rate);
+        ratios.push(100.0 * run.rate / limit);
+        redis_cpu.push(run.redis_cpu);
+    }
+    Ok(figure(
+        "limits",
+        format!("max_running {LIMIT}, {DAEMONS} daemons x 16 workers, sleep 10 ms, {n} tasks"),
+        "tasks/s",
+        rates,
+        vec![
+            ("limit tasks/s".into(), vec![limit]),
+            ("% of limit".into(), ratios),
+            ("redis CPU µs/task".into(), redis_cpu),
+        ],
+    ))
+}
+
+/// `rate_limit = "1000/s"`, 3 daemons, a backlog of no-op tasks.
+fn rate(bench: &Bench) -> Result<Figure, String> {
+    const LIMIT: f64 = 1000.0;
+    let record = bench.dir.path().join("limits-rate.log");
+    let shape = Shape {
+        extra: "rate_limit = \"1000/s\"\n",
+        ..Shape::out_of_the_box(16)
+    };
+    let config = bench.config_on(
+        &bench.own().section,
+        "limits-rate",
+        "safe",
+        Some(&record),
+        shape,
+    )?;
+    let n = (LIMIT * AT_LIMIT.as_secs_f64()) as usize;
+    let (mut rates, mut ratios, mut most) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..bench.options.runs {
+        let _ = std::fs::remove_file(&record);
+        let run = drain_once(bench, &bench.own(), &config, DAEMONS, (n, "1"), None)?;
+        rates.push(run.rate);
+        ratios.push(100.0 * run.rate / LIMIT);
+        let text =
+            std::fs::read_to_string(&record).map_err(|e| format!("{}: {e}", record.display()))?;
+        most.push(most_within(&starts(&text), Duration::from_secs(1)) as f64);
+    }
+    Ok(figure(
+        "limits",
+        format!("rate_limit 1000/s, {DAEMONS} daemons x 16 workers, no-op, {n} tasks"),
+        "tasks/s",
+        rates,
+        vec![
+            ("limit tasks/s".into(), vec![LIMIT]),
+            ("% of limit".into(), ratios),
+            ("most starts in 1 s".into(), most),
+        ],
+    ))
+}
+
+/// No-op drains by one daemon with `prefetch = 0`: no limit, `max_running` and `rate_limit` never reached.
+fn cost(bench: &Bench) -> Result<Vec<Figure>, String> {
+    let o = &bench.options;
+    let mut figures = Vec::new();
+    for (what, extra) in [
+        ("no limit", ""),
+        ("max_running 1000000", "max_running = 1000000\n"),
+        ("rate_limit 100000000/s", "rate_limit = \"100000000/s\"\n"),
+    ] {
+        let shape = Shape {
+            workers: o.workers,
+            batch: Some(o.batch),
+            prefetch: Some(0),
+            extra,
+        };
+        let name = format!("limits-cost-{}", what.split(' ').next().unwrap_or(what));
+        let config = bench.config_on(&bench.own().section, &name, "safe", None, shape)?;
+        let (mut rates, mut daemon_cpu, mut redis_cpu) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..o.runs {
+            let run = drain_once(bench, &bench.own(), &config, 1, (o.tasks, "1"), None)?;
+            rates.push(run.rate);
+            daemon_cpu.push(run.daemon_cpu);
+            redis_cpu.push(run.redis_cpu);
+        }
+        figures.push(figure(
+            "limits",
+            format!("no-op drain, prefetch 0, {what}, {} tasks", o.tasks),
+            "tasks/s",
+            rates,
+            vec![
+                ("daemon CPU µs/task".into(), daemon_cpu),
+                ("redis CPU µs/task".into(), redis_cpu),
+            ],
+        ));
+    }
+    Ok(figures)
+}
+
+/// The start times (µs) in a testkit record file: `start <id> <attempt> <type> <unix µs>` lines.
+fn starts(text: &str) -> Vec<u64> {
+    let mut starts: Vec<u64> = text
+        .lines()
+        .filter(|line| line.starts_with("start "))
+        .filter_map(|line| line.split(' ').nth(4)?.parse().ok())
+        .collect();
+    starts.sort_unstable();
+    starts
+}
+
+/// The most of the sorted `starts` within any `window`.
+fn most_within(starts: &[u64], window: Duration) -> usize {
+    let window = window.as_micros() as u64;
+    let mut first = 0;
+    let mut most = 0;
+    for (last, at) in starts.iter().enumerate() {
+        while starts[first] + window <= *at {
+            first += 1;
+        }
+        most = most.max(last + 1 - first);
+    }
+    most
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_most_starts_in_a_window_slides_over_the_records() {
+        let text = "start a 0 test 1000000\nend a 0 done\nstart b 0 test 1500000\nstart c 0 test 1999999\n\
+                    start d 0 test 2000000\nstart e 0 test 2600000\n";
+        let starts = starts(text);
+        assert_eq!(starts.len(), 5);
+        assert_eq!(most_within(&starts, Duration::from_secs(1)), 3);
+        assert_eq!(most_within(&starts, Duration::from_millis(500)), 2);
+        assert_eq!(most_within(&[], Duration::from_secs(1)), 0);
+    }
+}
