@@ -569,6 +569,8 @@ fn the_fuzz_config_of_every_key_is_valid() {
     let config = parse(include_str!("../../fuzz/src/every-key.toml")).unwrap();
     assert!(config.redis.allow_eviction);
     assert_eq!(config.queues[0].source_lists.len(), 2);
+    assert_eq!(config.queues[0].max_running, Some(1_000_000));
+    assert_eq!(config.queues[0].rate_limit.len(), 2);
 }
 
 #[test]

@@ -15,8 +15,8 @@
 -- owner and increasing from call to call (the caller reserves ARGV[2] numbers from it on; see adopt.lua);
 -- ARGV[8] the queue's max_running (0: none); ARGV[9] R, the windows of its rate limit (0: none), then R pairs:
 -- the window in ms, the most starts in any such window
--- Returns {now_ms, state, group level, tasks taken at level 1, ..., at level L, the owner's journal (see
--- renew.lua)}: the tasks themselves are in this claim's lists, which the caller reads in the same transaction
+-- Returns {now_ms, state, group level, tasks taken at level 1, ..., at level L, retry at (state 5), the owner's
+-- journal (see renew.lua)}: the tasks themselves are in this claim's lists, which the caller reads in the same transaction
 -- (`MULTI`, this script, `LRANGE` of each list, `EXEC`: src/broker/tasks.rs), position p of a list being the
 -- task with token (claim, p):
 --   state 0: ready tasks were claimed, highest level first;
@@ -29,8 +29,8 @@
 --   state 4: nothing was claimed, because max_running of the queue's tasks are taken and not yet settled, by
 --            any daemon: the caller waits for a wake-up marker, which a settle that frees some pushes;
 --   state 5: nothing was claimed, because a window of the rate limit is full: the reply's `retry at` says when
---            its oldest start ages out (Redis's clock, ms), and the caller claims again then.
--- The reply ends {..., retry at (0 but in state 5), journal}.
+--            its oldest start ages out (Redis's clock, ms; 0 in every other state), and the caller claims again
+--            then.
 -- Fails with "LEASELOST ..." when the owner's lease is gone or past: its tasks then belong to the monitors (an
 -- owner registered but missing from the owners zset is put back in it as expired, for them), and the daemon must
 -- register a new owner; with "FENCED ..." when ARGV[7] is below the owner's floor, which
