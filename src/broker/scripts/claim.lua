@@ -46,8 +46,9 @@
 --
 -- Running limit. With ARGV[8] > 0 a claim takes at most what leaves the running hash's `q` at or below it (a
 -- quarantined group included), adds what it took to `q`, and writes each non-empty list's scopes string `N q`
--- beside it; settle.lua subtracts each settled task of a list from the scopes its string names, in the step
--- that settles it, and deletes the string with the list. So `q` counts exactly the tasks of counted lists not yet
+-- beside it, and the limit as `q:limit` (by which a settle that frees a slot of a full count knows to wake a
+-- fetcher); settle.lua subtracts each settled task of a list from the scopes its string names, in the step that
+-- settles it, and deletes the string with the list. So `q` counts exactly the tasks of counted lists not yet
 -- settled, whatever becomes of their owner (the monitors settle an expired owner's tasks the same way), and a
 -- list claimed without a limit (a daemon whose config has none) is never subtracted from it.
 --
@@ -113,12 +114,13 @@ local info = redis.call('HMGET', KEYS[3], 'floor', 'group', 'journal')
 local refused = integer(KEYS[3], 'floor', info[1]) or integer(KEYS[3], 'journal', info[3]) or
   integer(KEYS[5], 'dead_lettered', redis.call('HGET', KEYS[5], 'dead_lettered'))
 if refused then return refused end
-local running = 0
+local running, known_limit = 0, 0
 if max_running > 0 then
-  local value = redis.call('HGET', KEYS[RUNNING], 'q')
-  refused = integer(KEYS[RUNNING], 'q', value)
+  local value = redis.call('HMGET', KEYS[RUNNING], 'q', 'q:limit')
+  refused = integer(KEYS[RUNNING], 'q', value[1]) or integer(KEYS[RUNNING], 'q:limit', value[2])
   if refused then return refused end
-  running = tonumber(value or '0')
+  running = tonumber(value[1] or '0')
+  known_limit = tonumber(value[2] or '0')
 end
 -- The rate limit's logs: every entry read (the aged-out ones, the oldest in the window, the newest) is parsed here,
 -- before any write; `windows[r].old` counts the entries to drop once the claim's time is known.
@@ -247,6 +249,8 @@ end
 -- Whether the running limit leaves room once this claim took what it may.
 local room = true
 if max_running > 0 then
+  -- The limit this claim counts under, for the settles that free a slot to tell whether to wake a fetcher.
+  if known_limit ~= max_running then redis.call('HSET', KEYS[RUNNING], 'q:limit', max_running) end
   if running >= max_running then
     return finish(empty(4, 0))
   end

@@ -39,7 +39,8 @@
 -- it whose bit this call sets, by whatever op and whichever settling party (the owner, or a monitor for an
 -- expired owner), is subtracted from the running hash's fields the string names, in this step, and the string
 -- goes with the list. A field is never taken below 0 (that would say the count was wrong: counted in stats as
--- `running_underflow`) and is deleted at 0. A call that frees running slots wakes an idle fetcher.
+-- `running_underflow`) and is deleted at 0. A call that frees slots of a count that was at its limit (the field
+-- `SCOPE:limit`, which the claims write) wakes an idle fetcher.
 --
 -- A task whose bit is already set (or whose claim list is gone) is stale and changes nothing: this fences a slow
 -- owner against a monitor that already recovered its task, and two monitors against each other. Bits are only
@@ -183,17 +184,18 @@ for n = 1, #COUNTERS do
 end
 -- The running scopes of the claims touched (`N SCOPE...`: their lists' tasks count in those fields), and those
 -- fields, integers or absent.
-local counts = {}
+local counts, limits = {}, {}
 for k = 1, claims do
   local scopes = redis.call('GET', claim[k].scopes)
   if scopes then
     claim[k].counted = {}
     for scope in string.gmatch(string.match(scopes, '^%d+ (.*)$') or '', '%S+') do
       if not counts[scope] then
-        local value = redis.call('HGET', running, scope)
-        local refused = integer(running, scope, value)
+        local value = redis.call('HMGET', running, scope, scope .. ':limit')
+        local refused = integer(running, scope, value[1]) or integer(running, scope .. ':limit', value[2])
         if refused then return refused end
-        counts[scope] = tonumber(value or '0')
+        counts[scope] = tonumber(value[1] or '0')
+        limits[scope] = tonumber(value[2] or '0')
       end
       claim[k].counted[#claim[k].counted + 1] = scope
     end
@@ -368,7 +370,8 @@ for scope, n in pairs(freed) do
   else
     redis.call('HSET', running, scope, left)
   end
-  wake_fetchers = true
+  -- Only a count that was at its limit may have held a claim back (the limit the last claim counted under).
+  if counts[scope] >= limits[scope] then wake_fetchers = true end
 end
 result[#result + 1] = journal
 -- Kept a day: long enough for any retry (a caller retries until Redis answers), then it cleans itself up
