@@ -680,6 +680,12 @@ pub struct Settled {
     pub stale_acks: usize,
     /// The settling owner's journal after the call (0 when no owner settled), as in [`Batch::journal`].
     pub journal: u64,
+    /// Redis had already stored a newer call of this settling party: this one is a late copy of a call that was
+    /// answered before, and it applied nothing now (settle.lua, "Calls"). A settler sends a call again only until
+    /// it is answered and numbers its calls upwards, so a reply of this kind goes to a connection it gave up on
+    /// and is never read; one that were read would be of a call answered before: it is taken as "applied
+    /// before" (`applied` all `None`, nothing stale, no journal).
+    pub superseded: bool,
 }
 
 /// One settle call of one settling party (an acker, a monitor): sent again as the same call after a lost reply,
@@ -844,6 +850,14 @@ pub fn settle<'a>(
     let reply: Vec<i64> = invocation.invoke(conn)?;
     // Not replicated: a may-have-run error; the settler sends the same call again, which applies nothing twice.
     conn.replicated(&keys.stats)?;
+    if reply.len() == 2 && reply[0] == -1 {
+        return Ok(Settled {
+            applied: settlements.into_iter().map(|_| None).collect(),
+            stale_acks: 0,
+            journal: 0,
+            superseded: true,
+        });
+    }
     if reply.len() != records + 2 {
         return Err(reply_error(
             "settle",
@@ -859,6 +873,7 @@ pub fn settle<'a>(
         applied,
         stale_acks: reply[0] as usize,
         journal: reply[records + 1].max(0) as u64,
+        superseded: false,
     })
 }
 
