@@ -90,7 +90,9 @@ pub struct Batch {
     pub tasks: Vec<Taken>,
     /// The tasks' envelopes as stored (not yet decoded; not necessarily UTF-8), in the order of `tasks`.
     pub payloads: Payloads,
-    /// Safe mode: the owner's journal after the claim, which the heartbeat checks Redis still has (renew.lua).
+    /// Safe mode: the owner's journal after the claim (or, for an adoption, before it). A claim that stored tasks
+    /// (`tasks` not empty) added one to it: the daemon counts such claims, and adoptions that found tasks, and the
+    /// heartbeat checks that Redis's journal is still at least that count (renew.lua).
     pub journal: u64,
     /// Safe mode: whether the claim ran into the quarantine (see claim.lua).
     pub isolation: Isolation,
@@ -678,7 +680,10 @@ pub struct Settled {
     pub applied: Vec<Option<bool>>,
     /// Plain acknowledgements whose token was no longer in the processing area.
     pub stale_acks: usize,
-    /// The settling owner's journal after the call (0 when no owner settled), as in [`Batch::journal`].
+    /// The settling owner's journal after the call, which the call added one to (0 when it added nothing: no
+    /// owner settled, a monitor settled, the owner's info hash was gone, or a late copy was superseded). The same
+    /// in the stored answer to a call sent again: the acker counts one bump per answered call that has a journal
+    /// (see [`Batch::journal`]).
     pub journal: u64,
     /// Redis had already stored a newer call of this settling party: this one is a late copy of a call that was
     /// answered before, and it applied nothing now (settle.lua, "Calls"). A settler sends a call again only until
