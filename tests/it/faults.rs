@@ -128,6 +128,65 @@ fn a_late_copy_of_an_older_settle_call_applies_nothing() {
 }
 
 #[test]
+fn lost_claim_and_settle_replies_leave_the_journal_count_exact() {
+    const TASKS: usize = 5_000;
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let queue = safe_queue("workers = 4\nlease_timeout = \"3s\"");
+    let config = dir.config_raw(&through(&proxy), "shutdown_grace = \"5s\"", &queue);
+    push_many(&config, "t", TASKS, "{}");
+    // Mid-drain, a claim's reply and two settles' replies are lost after Redis bumped the journal: the daemon
+    // counts none of them until it has resolved them (the claim adopted, each settle call answered once).
+    let rules = [
+        proxy.add(Fault::DropReply {
+            matching: Matcher::script(sources::CLAIM),
+            nth: 5,
+            then: AfterDrop::Close,
+        }),
+        proxy.add(Fault::DropReply {
+            matching: Matcher::script(sources::SETTLE),
+            nth: 5,
+            then: AfterDrop::Close,
+        }),
+        proxy.add(Fault::DropReply {
+            matching: Matcher::script(sources::SETTLE),
+            nth: 9,
+            then: AfterDrop::Hang,
+        }),
+    ];
+    let daemon = TestDaemon::start(&config);
+    let s = wait_done(&config, TASKS as u64, Duration::from_secs(60));
+    assert!(rules.iter().all(|rule| rule.fired() == 1));
+    let owners: Vec<String> = redis.cmd(&["ZRANGE", "kmq:{jobs}:owners", "0", "-1"]);
+    let [owner] = &owners[..] else {
+        panic!("one owner: {owners:?}")
+    };
+    // Never counted above Redis's journal: three renewals keep the owner.
+    std::thread::sleep(Duration::from_secs(3));
+    let kept: Vec<String> = redis.cmd(&["ZRANGE", "kmq:{jobs}:owners", "0", "-1"]);
+    assert_eq!(&kept, &owners, "no false \"went back in time\"");
+    assert_eq!(
+        (s.done, s.recovered, s.processing),
+        (TASKS as u64, 0, 0),
+        "{s:?}"
+    );
+    assert_runs(&dir, "t", TASKS, 1);
+    // Never below it either, once the lost replies are resolved: one bump lost is seen at the next renewal.
+    let _: i64 = redis.cmd(&[
+        "HINCRBY",
+        &format!("kmq:{{jobs}}:owner:{owner}"),
+        "journal",
+        "-1",
+    ]);
+    eventually(Duration::from_secs(5), "the owner to be given up", || {
+        let now: Vec<String> = redis.cmd(&["ZRANGE", "kmq:{jobs}:owners", "0", "-1"]);
+        (!now.contains(owner), now)
+    });
+    daemon.stop();
+}
+
+#[test]
 fn a_settle_whose_reply_is_lost_runs_the_final_failure_hook_once() {
     let redis = RedisServer::start();
     let proxy = FaultProxy::start(&redis);
