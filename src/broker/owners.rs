@@ -71,12 +71,14 @@ pub enum Renewal {
     /// The lease had run out (this daemon was silent too long, or Redis lost it); the monitors take its tasks
     /// back.
     Lost,
-    /// Redis lost writes of this owner it had acknowledged (its journal is behind `journal`: a failover to a
+    /// Redis lost writes of this owner it had acknowledged (its journal is below the count of bumps it
+    /// acknowledged: a failover to a
     /// replica that lagged, a restored backup); the owner was expired, and the monitors take its tasks back.
     WentBack,
 }
 
-/// Renews `owner`'s lease, if Redis still has the owner's `journal` (the highest it acknowledged, renew.lua), and
+/// Renews `owner`'s lease, if Redis's journal of the owner is still at least `journal` (the count of its bumps
+/// Redis acknowledged to this daemon, renew.lua), and
 /// records how many of its workers are `stuck` (for `kmqd workers`).
 pub fn renew(
     conn: &mut dyn ConnectionLike,

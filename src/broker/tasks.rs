@@ -91,7 +91,9 @@ pub struct Batch {
     pub tasks: Vec<Taken>,
     /// The tasks' envelopes as stored (not yet decoded; not necessarily UTF-8), in the order of `tasks`.
     pub payloads: Payloads,
-    /// Safe mode: the owner's journal after the claim, which the heartbeat checks Redis still has (renew.lua).
+    /// Safe mode: the owner's journal after the claim (or, for an adoption, before it). A claim that stored tasks
+    /// (`tasks` not empty) added one to it: the daemon counts such claims, and adoptions that found tasks, and the
+    /// heartbeat checks that Redis's journal is still at least that count (renew.lua).
     pub journal: u64,
     /// Safe mode: whether the claim ran into the quarantine (see claim.lua).
     pub isolation: Isolation,
@@ -703,8 +705,17 @@ pub struct Settled {
     pub applied: Vec<Option<bool>>,
     /// Plain acknowledgements whose token was no longer in the processing area.
     pub stale_acks: usize,
-    /// The settling owner's journal after the call (0 when no owner settled), as in [`Batch::journal`].
+    /// The settling owner's journal after the call, which the call added one to (0 when it added nothing: no
+    /// owner settled, a monitor settled, the owner's info hash was gone, or a late copy was superseded). The same
+    /// in the stored answer to a call sent again: the acker counts one bump per answered call that has a journal
+    /// (see [`Batch::journal`]).
     pub journal: u64,
+    /// Redis had already stored a newer call of this settling party: this one is a late copy of a call that was
+    /// answered before, and it applied nothing now (settle.lua, "Calls"). A settler sends a call again only until
+    /// it is answered and numbers its calls upwards, so a reply of this kind goes to a connection it gave up on
+    /// and is never read; one that were read would be of a call answered before: it is taken as "applied
+    /// before" (`applied` all `None`, nothing stale, no journal).
+    pub superseded: bool,
 }
 
 /// One settle call of one settling party (an acker, a monitor): sent again as the same call after a lost reply,
@@ -869,6 +880,14 @@ pub fn settle<'a>(
     let reply: Vec<i64> = invocation.invoke(conn)?;
     // Not replicated: a may-have-run error; the settler sends the same call again, which applies nothing twice.
     conn.replicated(&keys.stats)?;
+    if reply.len() == 2 && reply[0] == -1 {
+        return Ok(Settled {
+            applied: settlements.into_iter().map(|_| None).collect(),
+            stale_acks: 0,
+            journal: 0,
+            superseded: true,
+        });
+    }
     if reply.len() != records + 2 {
         return Err(reply_error(
             "settle",
@@ -884,6 +903,7 @@ pub fn settle<'a>(
         applied,
         stale_acks: reply[0] as usize,
         journal: reply[records + 1].max(0) as u64,
+        superseded: false,
     })
 }
 

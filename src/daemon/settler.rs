@@ -74,6 +74,15 @@ impl Settler {
             });
             match result {
                 Ok(settled) => {
+                    if settled.superseded {
+                        // Unreachable while this settler is the only one with its identity (see
+                        // `Settled::superseded`): said, and taken as applied before.
+                        tracing::warn!(
+                            call = call.number,
+                            outcomes = settlements.len(),
+                            "Redis has a newer settle call of this settler than this one; taken as applied before"
+                        );
+                    }
                     if failures > 0 {
                         tracing::info!(
                             outcomes = settlements.len(),

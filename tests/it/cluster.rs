@@ -227,16 +227,26 @@ pub fn push_acknowledged(
     acknowledged
 }
 
-/// Waits until `queue` holds nothing ready, processing or delayed: everything still in Redis ran (nothing is
-/// stranded under a live owner).
-pub fn wait_drained(watcher: &kmqd::Client, queue: &str) {
-    let _ = eventually(Duration::from_secs(60), "the queue drained", || {
-        let stats = watcher.stats(queue);
-        let idle = stats
-            .as_ref()
-            .is_ok_and(|s| s.ready == 0 && s.processing == 0 && s.delayed == 0);
-        (idle, stats.map_err(|e| e.to_string()))
-    });
+/// Waits until `queue` holds nothing ready, processing or delayed while a daemon serves it (an owner with a live
+/// lease): everything still in Redis ran, and nothing is stranded under a live owner (a rewind the journal check
+/// missed leaves `processing` above 0 under a live lease until the daemon stops). Panics after a minute; returns
+/// the stats then.
+pub fn wait_drained(watcher: &kmqd::Client, queue: &str) -> kmqd::broker::QueueStats {
+    eventually(
+        Duration::from_secs(60),
+        "the queue drained under a live owner",
+        || {
+            let stats = watcher.stats(queue);
+            let idle = stats
+                .as_ref()
+                .is_ok_and(|s| s.ready == 0 && s.processing == 0 && s.delayed == 0);
+            let live = watcher
+                .workers(queue)
+                .is_ok_and(|owners| owners.iter().any(|owner| owner.lease_left_ms > 0));
+            (idle && live, stats.map_err(|e| e.to_string()))
+        },
+    )
+    .expect("the stats of a drained queue")
 }
 
 /// A master killed (SIGKILL) while its replica lags (stopped with SIGSTOP and its link cut: as a replica behind

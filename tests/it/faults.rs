@@ -87,6 +87,106 @@ fn a_settle_whose_reply_is_lost_is_applied_once_in_default_mode() {
 }
 
 #[test]
+fn a_late_copy_of_an_older_settle_call_applies_nothing() {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let queue = default_queue("workers = 2\nbatch = 10\nbackoff = \"100ms\"");
+    let config = dir.config_raw(&through(&proxy), "shutdown_grace = \"5s\"", &queue);
+    // Each task fails its first run: the first settle call carries retries, which a late copy would queue again.
+    push_many(&config, "r", 10, r#"{"fail_attempts":1}"#);
+    // The first settle call is held past io_timeout (1 s): the acker gives up on its connection and sends the
+    // call again on a new one, where it is applied; the retries run and newer calls settle them; only then does
+    // the first copy reach Redis.
+    let delay = Duration::from_secs(5);
+    let rule = proxy.add(Fault::DelayRequest {
+        matching: Matcher::script(sources::SETTLE),
+        nth: 1,
+        delay,
+        survive_close: true,
+    });
+    let started = Instant::now();
+    let daemon = TestDaemon::start(&config);
+    let s = wait_done(&config, 10, Duration::from_secs(15));
+    assert!(
+        started.elapsed() < delay,
+        "every task was settled before the late copy landed: {:?}",
+        started.elapsed()
+    );
+    assert_eq!(rule.fired(), 1);
+    assert_eq!((s.done, s.retried, s.dead), (10, 10, 0), "{s:?}");
+    // The late copy lands, and whatever it would queue again runs.
+    std::thread::sleep(delay + Duration::from_secs(2) - started.elapsed().min(delay));
+    let after = stats(&config, "jobs");
+    daemon.stop();
+    assert_eq!(
+        (after.done, after.retried, after.ready, after.retrying),
+        (10, 10, 0, 0),
+        "the late copy applied nothing: {after:?}"
+    );
+    assert_runs(&dir, "r", 10, 2);
+}
+
+#[test]
+fn lost_claim_and_settle_replies_leave_the_journal_count_exact() {
+    const TASKS: usize = 5_000;
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let queue = safe_queue("workers = 4\nlease_timeout = \"3s\"");
+    let config = dir.config_raw(&through(&proxy), "shutdown_grace = \"5s\"", &queue);
+    push_many(&config, "t", TASKS, "{}");
+    // Mid-drain, a claim's reply and two settles' replies are lost after Redis bumped the journal: the daemon
+    // counts none of them until it has resolved them (the claim adopted, each settle call answered once).
+    let rules = [
+        proxy.add(Fault::DropReply {
+            matching: Matcher::script(sources::CLAIM),
+            nth: 5,
+            then: AfterDrop::Close,
+        }),
+        proxy.add(Fault::DropReply {
+            matching: Matcher::script(sources::SETTLE),
+            nth: 5,
+            then: AfterDrop::Close,
+        }),
+        proxy.add(Fault::DropReply {
+            matching: Matcher::script(sources::SETTLE),
+            nth: 9,
+            then: AfterDrop::Hang,
+        }),
+    ];
+    let daemon = TestDaemon::start(&config);
+    let s = wait_done(&config, TASKS as u64, Duration::from_secs(60));
+    assert!(rules.iter().all(|rule| rule.fired() == 1));
+    let owners: Vec<String> = redis.cmd(&["ZRANGE", "kmq:{jobs}:owners", "0", "-1"]);
+    let [owner] = &owners[..] else {
+        panic!("one owner: {owners:?}")
+    };
+    // Never counted above Redis's journal: three renewals keep the owner.
+    std::thread::sleep(Duration::from_secs(3));
+    let kept: Vec<String> = redis.cmd(&["ZRANGE", "kmq:{jobs}:owners", "0", "-1"]);
+    assert_eq!(&kept, &owners, "no false \"went back in time\"");
+    assert_eq!(
+        (s.done, s.recovered, s.processing),
+        (TASKS as u64, 0, 0),
+        "{s:?}"
+    );
+    assert_runs(&dir, "t", TASKS, 1);
+    // Never below it either, once the lost replies are resolved: one bump lost is seen at the next renewal.
+    let _: i64 = redis.cmd(&[
+        "HINCRBY",
+        &format!("kmq:{{jobs}}:owner:{owner}"),
+        "journal",
+        "-1",
+    ]);
+    eventually(Duration::from_secs(5), "the owner to be given up", || {
+        let now: Vec<String> = redis.cmd(&["ZRANGE", "kmq:{jobs}:owners", "0", "-1"]);
+        (!now.contains(owner), now)
+    });
+    daemon.stop();
+}
+
+#[test]
 fn a_settle_whose_reply_is_lost_runs_the_final_failure_hook_once() {
     let redis = RedisServer::start();
     let proxy = FaultProxy::start(&redis);

@@ -246,6 +246,82 @@ fn a_redis_stalled_past_the_read_timeout_loses_nothing() {
 /// `appendfsync everysec` file, a restored backup) leaves the owner's claims as they were back then:
 /// tasks the daemon settled long ago, which it will never settle again, under a lease it keeps renewing. The
 /// owner's journal (renew.lua) finds it out: the owner is given up, and the monitor runs those tasks again.
+/// The owners of `jobs` with their lease deadlines (ms), and Redis's clock (ms).
+fn leases(redis: &RedisServer) -> (Vec<(String, u64)>, u64) {
+    let owners: Vec<(String, u64)> =
+        redis.cmd(&["ZRANGE", "kmq:{jobs}:owners", "0", "-1", "WITHSCORES"]);
+    let (seconds, micros): (u64, u64) = redis.cmd(&["TIME"]);
+    (owners, seconds * 1000 + micros / 1000)
+}
+
+#[test]
+fn a_redis_that_went_back_in_time_under_load_gives_up_the_owner_so_the_tasks_it_forgot_run_again() {
+    const TASKS: usize = 200_000;
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &safe_queue("lease_timeout = \"3s\"\nworkers = 4"));
+    push_many(&config, "b", TASKS, "{}");
+    let daemon = TestDaemon::start(&config);
+    let owner = eventually(Duration::from_secs(10), "the drain to be under way", || {
+        let (owners, _) = leases(&redis);
+        let done = stats(&config, "jobs").done;
+        match &owners[..] {
+            [(owner, _)] if done > 0 => (true, Some(owner.clone())),
+            _ => (false, None),
+        }
+    })
+    .unwrap();
+    // What a rewind leaves mid-drain, in one step: a claim Redis forgot was settled, and the owner's journal three
+    // bumps behind what it acknowledged (the claim and settles it lost). The drain goes on: its claims and settles
+    // lift Redis's journal past any value it acknowledged before, long before the next renewal.
+    let info = format!("kmq:{{jobs}}:owner:{owner}");
+    let claims = format!("kmq:{{jobs}}:processing:{owner}:normal");
+    let envelope = r#"{"id":"forgotten","type":"test","data":{},"attempt":0}"#;
+    let _: () = redis::pipe()
+        .atomic()
+        .cmd("RPUSH")
+        .arg(format!("{claims}:999999999"))
+        .arg(envelope)
+        .ignore()
+        .cmd("ZADD")
+        .arg(&claims)
+        .arg(1)
+        .arg(999_999_999)
+        .ignore()
+        .cmd("HINCRBY")
+        .arg(&info)
+        .arg("journal")
+        .arg(-3)
+        .ignore()
+        .query(&mut redis.connection())
+        .unwrap();
+    let at_rewind = stats(&config, "jobs").done;
+    assert!(
+        at_rewind < TASKS as u64 / 2,
+        "the rewind came mid-drain: {at_rewind} done"
+    );
+    wait_done(&config, TASKS as u64, Duration::from_secs(120));
+    eventually(Duration::from_secs(15), "the forgotten task to run", || {
+        let runs = dir.records().runs_of("forgotten");
+        (runs >= 1, runs)
+    });
+    // Three renewals more: nothing else is left under any lease, and the task ran once.
+    std::thread::sleep(Duration::from_secs(3));
+    let s = stats(&config, "jobs");
+    let (owners, now) = leases(&redis);
+    daemon.stop();
+    assert_eq!(dir.records().runs_of("forgotten"), 1);
+    assert_eq!((s.processing, s.ready), (0, 0), "{s:?}");
+    assert!(
+        !owners.iter().any(|(name, _)| *name == owner),
+        "the owner was given up: {owners:?}"
+    );
+    assert!(
+        matches!(&owners[..], [(_, lease)] if *lease > now),
+        "one live owner: {owners:?} at {now}"
+    );
+}
+
 #[test]
 fn a_redis_that_went_back_in_time_gives_up_the_owner_so_the_tasks_it_forgot_run_again() {
     let redis = RedisServer::start();

@@ -48,7 +48,8 @@
 -- same claim cannot undo each other. A claim list whose every task is settled goes, with its bitmap and its entry
 -- in the claim set. Default-mode records have no token and are never stale.
 -- Returns {number of stale plain acknowledgements, then one integer per record: 1 applied, 0 stale, then the
--- owner's journal after this call (0 without an info hash, or when a monitor settles)}.
+-- owner's journal after this call (0 without an info hash, or when a monitor settles)}; {-1, the stored call's
+-- number} for a late copy of an older call (see "Calls").
 --
 -- Older owners. An owner registered by kmqd 0.1 kept its tasks in a hash per level (token ->
 -- envelope); a monitor of this version recovers them with records of claim 0 whose token is the hash's field,
@@ -57,7 +58,12 @@
 -- Calls. A caller whose reply was lost sends the same call again (same KEYS[6], same ARGV[6]): the script then
 -- returns the first call's result, stored in KEYS[6], without applying anything, so nothing is applied twice (a
 -- default-mode retry queued twice, a dead letter recorded twice) and the caller learns what was applied. Each
--- settling party has its own KEYS[6] and makes one call at a time, so one stored result per party is enough.
+-- settling party has its own KEYS[6], numbers its calls upwards and makes one call at a time (its next only once
+-- this one was answered), so the stored call's number is the party's high-water mark: a call numbered below it
+-- is a late copy of a call already answered (sent on a connection the caller gave up on, then delivered after
+-- the copy it sent again, and after newer calls: a retransmission of an orphaned socket's data, a buffering
+-- proxy). It applies nothing (not even the journal's increment) and returns {-1, the stored call's number}: a
+-- reply nobody reads (its connection is closed), which the caller would take as "applied before".
 --
 -- Atomic: it checks before it writes. Every key it may write is checked for its type, every counter of the stats
 -- hash it may increment for being an integer, and every record for its op, claim, position, level and stage,
@@ -155,17 +161,22 @@ for key, kind in pairs(expected) do
       '; nothing was applied')
   end
 end
--- A call sent again (its reply was lost) answers the first call's result (checked after the types, so that a
--- key that went wrong meanwhile is reported, and the call answered once it is fixed).
+-- A call sent again (its reply was lost) answers the first call's result; an older call than the stored one
+-- (a late copy) applies nothing (checked after the types, so that a key that went wrong meanwhile is reported,
+-- and the call answered once it is fixed).
 local prior = redis.call('GET', last_call)
 if prior then
   local bar = string.find(prior, '|', 1, true)
-  if bar and string.sub(prior, 1, bar - 1) == call then
+  local stored = bar and string.sub(prior, 1, bar - 1)
+  if stored == call then
     local result = {}
     for n in string.gmatch(string.sub(prior, bar + 1), '[^,]+') do
       result[#result + 1] = tonumber(n)
     end
     return result
+  end
+  if stored and tonumber(stored) and tonumber(call) and tonumber(call) < tonumber(stored) then
+    return {-1, tonumber(stored)}
   end
 end
 -- The counters it may increment: integers, or absent (HINCRBY fails on anything else).

@@ -185,8 +185,11 @@ impl Acker {
         ) else {
             return false;
         };
-        if let Some(owner) = owner {
-            lane.ownership.confirm(owner, settled.journal);
+        if let Some(owner) = owner
+            && settled.journal > 0
+        {
+            // This call's answer (the first, or the stored one to a call sent again): one bump, counted once.
+            lane.ownership.bumped(owner);
         }
         let stale = settled.stale_acks
             + settled

@@ -333,7 +333,11 @@ impl Fetcher {
         let batch = match broker::claim(connection, &queue.keys, &owner, first_token, want, &limits)
         {
             Ok(batch) => {
-                lane.ownership.confirm(&owner, batch.journal);
+                // claim.lua bumps the journal exactly when it stored tasks in the claim's lists, which this
+                // transaction read back.
+                if !batch.tasks.is_empty() {
+                    lane.ownership.bumped(&owner);
+                }
                 batch
             }
             Err(BrokerError::LeaseLost { owner }) => {
@@ -400,7 +404,11 @@ impl Fetcher {
         });
         match adopted {
             Ok(batch) => {
-                lane.ownership.confirm(&lost.owner, batch.journal);
+                // The lost claim bumped the journal exactly when it stored tasks, found here; adopt.lua bumps
+                // nothing. Only this answer counts it: a claim whose reply was lost was not counted.
+                if !batch.tasks.is_empty() {
+                    lane.ownership.bumped(&lost.owner);
+                }
                 self.trouble.recovered();
                 tracing::warn!(
                     queue = %lane.name(),

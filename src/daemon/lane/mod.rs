@@ -422,7 +422,10 @@ struct Current {
     owner: Arc<str>,
     /// Until when the lease is surely live.
     good_until: Instant,
-    /// The highest journal Redis acknowledged for the owner (claims and settles: renew.lua).
+    /// How many of the owner's journal bumps Redis acknowledged (renew.lua): one per claim that took tasks, per
+    /// adoption that found a lost claim's tasks, per settle call of the owner answered with a bump (a call sent
+    /// again is answered once). A count, not the highest value seen: after a rewind lost k bumps, Redis's journal
+    /// stays k below it whatever is claimed and settled next.
     journal: u64,
 }
 
@@ -467,16 +470,22 @@ impl Ownership {
         self.changes.fetch_add(1, Ordering::Release);
     }
 
-    /// Redis acknowledged a claim or a settle of `owner` that left its journal at `journal`.
-    pub fn confirm(&self, owner: &str, journal: u64) {
+    /// Redis answered a call of `owner` that added one to its journal: a claim that took tasks, an adoption that
+    /// found the lost claim's tasks (that claim's bump), a settle call's answer with a journal (the first or the
+    /// stored one: the settler reads one answer per call). Counted only from an answer, never for a call whose
+    /// reply was lost: so the count never exceeds Redis's journal unless Redis lost writes, and falls behind it
+    /// only until the lost reply is resolved (the claim adopted, the settle call answered); the fetcher's and the
+    /// acker's bumps add up in any order.
+    pub fn bumped(&self, owner: &str) {
         if let Some(current) = lock(&self.current).as_mut()
             && &*current.owner == owner
         {
-            current.journal = current.journal.max(journal);
+            current.journal += 1;
         }
     }
 
-    /// The highest journal Redis acknowledged for `owner` (0 if it is not current).
+    /// How many journal bumps of `owner` Redis acknowledged (0 if it is not current): Redis's journal is at least
+    /// this unless it lost acknowledged writes (renew.lua).
     pub fn journal(&self, owner: &str) -> u64 {
         lock(&self.current)
             .as_ref()
@@ -729,6 +738,39 @@ mod tests {
             );
             assert_eq!(forgotten(&lane), 4);
         }
+    }
+
+    #[test]
+    fn the_journal_counts_every_bump_of_the_current_owner_in_any_order() {
+        let ownership = Arc::new(Ownership::new("h-1-2-ab"));
+        let first = ownership.new_id();
+        ownership.set(Arc::clone(&first), Instant::now(), Duration::from_secs(30));
+        // The fetcher's claims and the acker's settles, concurrently: a count, whatever the interleaving (the
+        // highest value seen would be beaten by bumps made after a rewind).
+        let threads: Vec<_> = (0..2)
+            .map(|_| {
+                let (ownership, owner) = (Arc::clone(&ownership), Arc::clone(&first));
+                std::thread::spawn(move || {
+                    for _ in 0..1000 {
+                        ownership.bumped(&owner);
+                    }
+                })
+            })
+            .collect();
+        for thread in threads {
+            thread.join().unwrap();
+        }
+        assert_eq!(ownership.journal(&first), 2000);
+        // A new owner counts from 0; a late answer for the old one counts for nobody.
+        assert!(ownership.lose(&first));
+        let second = ownership.new_id();
+        ownership.set(Arc::clone(&second), Instant::now(), Duration::from_secs(30));
+        ownership.bumped(&first);
+        ownership.bumped(&second);
+        assert_eq!(
+            (ownership.journal(&first), ownership.journal(&second)),
+            (0, 1)
+        );
     }
 
     #[test]
