@@ -136,55 +136,43 @@ fn a_limited_queue_claims_no_more_than_its_limit_while_the_rest_wait_in_redis() 
     b.stop();
 }
 
+/// A limited queue's daemon through a fault proxy that drops the `nth` reply of `script` (by `then`): its 12
+/// tasks drain, each runs once, the fault fired once, and the count comes back to 0 without going below it.
+fn drains_to_zero_with_a_reply_lost(script: &str, nth: usize, then: AfterDrop, queue: &str) {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let redis_section = format!("url = \"{}\"\nio_timeout = \"1s\"", proxy.url());
+    let config = dir.config_raw(&redis_section, "", &safe_queue(queue));
+    let daemon = TestDaemon::start(&config);
+    redis.wait_blocked_in("blpop");
+    let rule = proxy.add(Fault::DropReply {
+        matching: Matcher::script(script),
+        nth,
+        then,
+    });
+    push_many(&config, "t", 12, r#"{"sleep_ms":5}"#);
+    assert_drained_to_zero(&config, &redis, 12);
+    assert_eq!(rule.fired(), 1, "{then:?}: the reply was dropped");
+    assert_ran_once(&dir, "t", 12);
+    daemon.stop();
+}
+
 #[test]
 fn a_settle_whose_reply_is_lost_frees_its_running_slots_once() {
     for then in [AfterDrop::Close, AfterDrop::Hang] {
-        let redis = RedisServer::start();
-        let proxy = FaultProxy::start(&redis);
-        let dir = TestDir::new();
-        let redis_section = format!("url = \"{}\"\nio_timeout = \"1s\"", proxy.url());
-        let config = dir.config_raw(
-            &redis_section,
-            "",
-            &safe_queue("workers = 2\nmax_running = 2"),
-        );
-        let daemon = TestDaemon::start(&config);
-        let rule = proxy.add(Fault::DropReply {
-            matching: Matcher::script(sources::SETTLE),
-            nth: 2,
-            then,
-        });
-        push_many(&config, "t", 20, r#"{"sleep_ms":5}"#);
-        assert_drained_to_zero(&config, &redis, 20);
-        assert_eq!(rule.fired(), 1, "{then:?}: a settle's reply was dropped");
-        assert_ran_once(&dir, "t", 20);
-        daemon.stop();
+        drains_to_zero_with_a_reply_lost(sources::SETTLE, 2, then, "workers = 2\nmax_running = 2");
     }
 }
 
 #[test]
 fn a_claim_whose_reply_is_lost_is_adopted_with_its_slots_counted_once() {
-    let redis = RedisServer::start();
-    let proxy = FaultProxy::start(&redis);
-    let dir = TestDir::new();
-    let redis_section = format!("url = \"{}\"\nio_timeout = \"1s\"", proxy.url());
-    let config = dir.config_raw(
-        &redis_section,
-        "",
-        &safe_queue("workers = 3\nmax_running = 3\nlease_timeout = \"60s\""),
+    drains_to_zero_with_a_reply_lost(
+        sources::CLAIM,
+        1,
+        AfterDrop::Close,
+        "workers = 3\nmax_running = 3\nlease_timeout = \"60s\"",
     );
-    let daemon = TestDaemon::start(&config);
-    redis.wait_blocked_in("blpop");
-    let rule = proxy.add(Fault::DropReply {
-        matching: Matcher::script(sources::CLAIM),
-        nth: 1,
-        then: AfterDrop::Close,
-    });
-    push_many(&config, "t", 12, r#"{"sleep_ms":5}"#);
-    assert_drained_to_zero(&config, &redis, 12);
-    assert_eq!(rule.fired(), 1, "the claim's reply was dropped");
-    assert_ran_once(&dir, "t", 12);
-    daemon.stop();
 }
 
 #[test]
