@@ -561,6 +561,11 @@ struct LimitWatch {
     exact: u64,
     /// `running` field `q` and `running_underflow` once every daemon stopped.
     at_rest: (Option<i64>, Option<i64>),
+    /// The queue's `done` counter, and when it was seen to grow (µs): a limited queue stuck shows as a long gap.
+    done: Option<u64>,
+    completions: Vec<u64>,
+    /// Every sample of the count: (µs, running[q]).
+    series: Vec<(u64, u64)>,
 }
 
 /// One atomic look at a queue (the [`SNAPSHOT`] script).
@@ -1089,20 +1094,29 @@ fn sample(world: &World, url: &str) {
         }
         if let Some(conn) = connection.as_mut() {
             let base = Queue::Limited.base();
-            let counts: redis::RedisResult<(Option<u64>, Option<u64>)> = redis::pipe()
+            let counts: redis::RedisResult<(Option<u64>, Option<u64>, Option<u64>)> = redis::pipe()
                 .cmd("HGET")
                 .arg(format!("{base}:running"))
                 .arg("q")
                 .cmd("HGET")
                 .arg(format!("{base}:stats"))
                 .arg("running_underflow")
+                .cmd("HGET")
+                .arg(format!("{base}:stats"))
+                .arg("done")
                 .query(conn);
             match counts {
-                Ok((running, underflow)) => {
+                Ok((running, underflow, done)) => {
                     let running = running.unwrap_or(0);
                     let mut watch = lock(&world.watch);
                     watch.samples += 1;
+                    let done = done.unwrap_or(0);
+                    if watch.done.is_some_and(|last| last != done) && done != 0 {
+                        watch.completions.push(now_us());
+                    }
+                    watch.done = Some(done);
                     watch.most = watch.most.max(running);
+                    watch.series.push((now_us(), running));
                     if running == LIMIT_BOUND {
                         watch.at_limit += 1;
                     }
@@ -2414,17 +2428,43 @@ fn report(
             format!("{:.2} s (after the {what})", *us as f64 / 1e6)
         });
     // While faults were injected (the drain ends with the slowest tasks: pills and deaf handlers).
-    let longest_gap = completions
-        .iter()
-        .copied()
-        .take_while(|&at| at <= chaos_end_us)
-        .collect::<Vec<_>>()
-        .windows(2)
-        .map(|pair| (pair[1] - pair[0], pair[0]))
-        .max()
-        .map_or("none".to_string(), |(gap, from)| {
+    let longest_gap = |completions: &[u64]| {
+        completions
+            .iter()
+            .copied()
+            .take_while(|&at| at <= chaos_end_us)
+            .collect::<Vec<_>>()
+            .windows(2)
+            .map(|pair| (pair[1] - pair[0], pair[0]))
+            .max()
+    };
+    let gap_text = |gap: Option<(u64, u64)>| {
+        gap.map_or("none".to_string(), |(gap, from)| {
             format!("{:.2} s (from {})", gap as f64 / 1e6, world.rel(from))
+        })
+    };
+    let limited_gap = {
+        let watch = lock(&world.watch);
+        let gap = longest_gap(&watch.completions);
+        // What the count was meanwhile: slots held by tasks that did not finish.
+        let during: Vec<u64> = gap.map_or(Vec::new(), |(gap, from)| {
+            watch
+                .series
+                .iter()
+                .filter(|(at, _)| *at > from && *at < from + gap)
+                .map(|(_, running)| *running)
+                .collect()
         });
+        let at_bound = during.iter().filter(|&&n| n == LIMIT_BOUND).count();
+        format!(
+            "{}; running[q] meanwhile {} to {}, at the bound in {at_bound} of {} samples",
+            gap_text(gap),
+            during.iter().min().unwrap_or(&0),
+            during.iter().max().unwrap_or(&0),
+            during.len()
+        )
+    };
+    let longest_gap = gap_text(longest_gap(&completions));
     let median = recoveries
         .get(recoveries.len() / 2)
         .map_or(0.0, |(us, _)| *us as f64 / 1e6);
@@ -2577,7 +2617,8 @@ fn report(
     let _ = writeln!(
         out,
         "  limit, rest   limited: ready {} + processing {} + delayed {}; running[q] {}, running_underflow {}; pushed {} \
-         = done {} + dead {} (+ cancelled {}) in the last epoch",
+         = done {} + dead {} (+ cancelled {}) in the last epoch; longest time without a limited task done while \
+         faults were injected {limited_gap}",
         limited_stats.ready,
         limited_stats.processing,
         limited_stats.delayed,
