@@ -2456,13 +2456,14 @@ fn report(
                 .collect()
         });
         let at_bound = during.iter().filter(|&&n| n == LIMIT_BOUND).count();
-        format!(
-            "{}; running[q] meanwhile {} to {}, at the bound in {at_bound} of {} samples",
-            gap_text(gap),
-            during.iter().min().unwrap_or(&0),
-            during.iter().max().unwrap_or(&0),
-            during.len()
-        )
+        let meanwhile = match (during.iter().min(), during.iter().max()) {
+            (Some(least), Some(most)) => format!(
+                "running[q] meanwhile {least} to {most}, at the bound in {at_bound} of {} samples",
+                during.len()
+            ),
+            _ => "no sample of running[q] meanwhile (Redis unreachable)".to_string(),
+        };
+        format!("{}; {meanwhile}", gap_text(gap))
     };
     let longest_gap = gap_text(longest_gap(&completions));
     let median = recoveries
