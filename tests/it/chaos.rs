@@ -923,7 +923,8 @@ impl World<'_> {
     }
 
     /// Adds `count` tasks of `work` for `queue` to the ledger; returns their ids (`c...` for jobs, `l...` for
-    /// limited). Limited tasks sleep longer (10 to 40 ms: its four slots are what bounds it) and are all "normal".
+    /// limited). Limited tasks sleep longer, 50 to 150 ms, and are all "normal": a run's sleep is most of the time
+    /// it holds its slot (claim, start, run, settle), which is what lets [`check_limit`] see an excess.
     fn new_tasks(
         &self,
         rng: &mut Rng,
@@ -945,7 +946,7 @@ impl World<'_> {
                     (Work::Pill, _) => 0,
                     (Work::Deaf, _) => 3000,
                     (_, Queue::Jobs) => 1 + rng.below(20),
-                    (_, Queue::Limited) => 10 + rng.below(31),
+                    (_, Queue::Limited) => 50 + rng.below(101),
                 };
                 let data = match work {
                     Work::Normal => format!(r#"{{"sleep_ms":{sleep_ms}}}"#),
@@ -990,12 +991,12 @@ impl Drop for StopOnDrop<'_, '_> {
 // ----------------------------------------------------------------------------------------------------------------
 
 /// A steady stream for `queue`, 4 % of which fail their first run: for jobs, 1 to 4 tasks every 15 ms (about 150
-/// a second), both levels; for limited, 1 or 2 every 40 ms (about 35 a second, against the 100 to 400 a second
-/// that four slots of 10 to 40 ms runs allow).
+/// a second), both levels; for limited, one every 50 ms (about 20 a second, against the 40 a second that four slots
+/// of 50 to 150 ms runs allow: it reaches its limit after each fault that holds it back).
 fn produce(world: &World, client: &Client, queue: Queue, mut rng: Rng) {
     let (most, every) = match queue {
         Queue::Jobs => (4, Duration::from_millis(15)),
-        Queue::Limited => (2, Duration::from_millis(40)),
+        Queue::Limited => (1, Duration::from_millis(50)),
     };
     while world.producing.load(Ordering::SeqCst) {
         let count = 1 + rng.below(most) as usize;
