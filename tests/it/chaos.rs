@@ -1,9 +1,16 @@
-//! The chaos suite: three real `kmqd` processes on one safe queue with two priority levels, under a steady load,
-//! while faults are injected at random: `kill -9` and restarts, `CLIENT KILL`, Redis restarted on its append-only
-//! file (after SIGTERM and after SIGKILL), Redis stalled past the read timeout, zombie daemons (SIGSTOP past the
-//! lease, then SIGCONT), rolling config changes, Redis restarted empty, poison pills and handlers that ignore
+//! The chaos suite: three real `kmqd` processes on two safe queues, `jobs` (two priority levels) and `limited`
+//! (one level, `max_running` 4 against the daemons' 12 workers), under a steady load, while faults are injected at
+//! random: `kill -9` and restarts, `CLIENT KILL`, Redis restarted on its append-only file (after SIGTERM and after
+//! SIGKILL), Redis stalled past the read timeout, zombie daemons (SIGSTOP past the lease, then SIGCONT), rolling
+//! config changes (which halve `limited`'s limit), Redis restarted empty, poison pills and handlers that ignore
 //! cancel. At the end it checks that nothing was lost, that no task ran more often than kmqd's rules allow,
 //! conservation in Redis, and prints a summary (see [`report`]).
+//!
+//! The limited queue's invariant (docs/RELIABILITY.md, "Running limits") is checked throughout: Redis's count
+//! (`kmq:{limited}:running` field `q`) never above the largest limit in use and `running_underflow` 0, sampled
+//! every 20 ms; the count equal to the unsettled positions of the counted claim lists, at every atomic snapshot;
+//! and, from the run records, never more of its handlers running at once than that limit, but for runs of a daemon
+//! that a fault made lose its lease (see [`check_limit`]). At the end the count is absent and the queue drained.
 //!
 //! One `#[ignore]`d test, run by `scripts/chaos` (`--short` in CI through `scripts/test`, `--long` by hand):
 //!
@@ -23,7 +30,7 @@
 //! known with the process that ran it: that is what lets the test check the run budget exactly (see
 //! [`check_runs`]).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt::Write as _;
 use std::io::{Read, Seek, SeekFrom};
 use std::os::unix::process::ExitStatusExt;
@@ -54,6 +61,35 @@ enum Kind {
     RedisEmpty,
     PoisonPill,
     DeafHandlers,
+}
+
+/// The queues, each with its own ledger entries, dead list and conservation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Queue {
+    /// Two levels, prefetch, no running limit: the suite's original queue.
+    Jobs,
+    /// One level, `max_running` ([`LIMIT_A`], [`LIMIT_B`] on config B): its count is checked throughout.
+    Limited,
+}
+
+impl Queue {
+    const ALL: [Queue; 2] = [Queue::Jobs, Queue::Limited];
+
+    fn name(self) -> &'static str {
+        match self {
+            Queue::Jobs => "jobs",
+            Queue::Limited => "limited",
+        }
+    }
+
+    /// The prefix of its keys, `kmq:{name}`.
+    fn base(self) -> String {
+        format!("kmq:{{{}}}", self.name())
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
 }
 
 /// Every fault kind, its weight (how often it is picked, relative to the others, once each kind has happened
@@ -92,8 +128,8 @@ const FAULTS: &[(Kind, u64, &str)] = &[
     (
         Kind::RollingConfig,
         2,
-        "a daemon stopped (SIGTERM) and started on config B (one level, other workers and prefetch); back on A \
-         (the same way) 2 to 6 faults later, or at the next rolling change",
+        "a daemon stopped (SIGTERM) and started on config B (jobs: one level, other workers and prefetch; \
+         limited: max_running halved); back on A (the same way) 2 to 6 faults later, or at the next rolling change",
     ),
     (
         Kind::RedisEmpty,
@@ -104,12 +140,12 @@ const FAULTS: &[(Kind, u64, &str)] = &[
     (
         Kind::PoisonPill,
         2,
-        "a task that aborts the daemon that runs it ({\"outcome\":\"abort\"})",
+        "a task that aborts the daemon that runs it ({\"outcome\":\"abort\"}), on either queue",
     ),
     (
         Kind::DeafHandlers,
         2,
-        "1 to 3 tasks whose handler sleeps 3 s ignoring cancel, past execution_timeout",
+        "1 to 3 tasks whose handler sleeps 3 s ignoring cancel, past execution_timeout, on either queue",
     ),
 ];
 
@@ -142,7 +178,15 @@ const DAEMON_SECTION: &str = "shutdown_grace = \"1s\"";
 /// How a deaf handler behaves: three times the execution timeout, cancel ignored.
 const DEAF: &str = r#"{"sleep_ms":3000,"ignore_cancel":true}"#;
 const PILL: &str = r#"{"outcome":"abort"}"#;
-/// One atomic look at a queue's keys (ARGV[1]: `kmq:{queue}`): the tasks in each place, and the counters.
+/// `limited`'s `max_running` on config A and on config B (halved): the largest in use bounds its count.
+const LIMIT_A: u64 = 4;
+const LIMIT_B: u64 = 2;
+const LIMIT_BOUND: u64 = if LIMIT_A > LIMIT_B { LIMIT_A } else { LIMIT_B };
+/// How long after its start a run of the limited queue surely still holds its slot, at most: an execution timeout
+/// (1 s after the worker started it) settles it and frees the slot while a deaf handler still sleeps.
+const HOLDS_AT_MOST_MS: u64 = 500;
+/// One atomic look at a queue's keys (ARGV[1]: `kmq:{queue}`): the tasks in each place, the counters, the running
+/// count and what it must equal.
 const SNAPSHOT: &str = r"
 local base = ARGV[1]
 local function sum(pattern, command)
@@ -164,41 +208,77 @@ local function held()
   end
   return n
 end
+-- The positions not yet settled of the claim lists counted under the running limit: those with a scopes string
+-- (claim.lua writes `N q` beside each list it takes under a limit), each counted by its claim set's score.
+local function counted()
+  local n = 0
+  for _, key in ipairs(redis.call('KEYS', base .. ':processing:*')) do
+    if redis.call('TYPE', key).ok == 'zset' then
+      local scored = redis.call('ZRANGE', key, 0, -1, 'WITHSCORES')
+      for j = 1, #scored, 2 do
+        local scopes = redis.call('GET', key .. ':' .. scored[j] .. ':scopes')
+        if scopes and string.find(' ' .. scopes .. ' ', ' q ', 1, true) then n = n + tonumber(scored[j + 1]) end
+      end
+    end
+  end
+  return n
+end
 local function counter(name)
   return tonumber(redis.call('HGET', base .. ':stats', name) or '0')
 end
 return {
   sum(base .. ':ready:*', 'LLEN'), sum(base .. ':quarantine:*', 'LLEN'), held(),
   sum(base .. ':delayed:*', 'ZCARD'), sum(base .. ':retry:*', 'ZCARD'), redis.call('LLEN', base .. ':dead'),
-  counter('pushed'), counter('done'), counter('cancelled')
+  counter('pushed'), counter('done'), counter('cancelled'),
+  tonumber(redis.call('HGET', base .. ':running', 'q') or '0'), counted(), counter('running_underflow')
 }
 ";
 
 /// Slack when comparing the test's clock readings with the testkit's (the same clock, read by two processes).
 const SLACK_US: u64 = 100_000;
 
-/// The two configs of a rolling change. Both have `io_timeout = "1s"` (so a 2 s stall is a real timeout), a 2 s
-/// lease, a 1 s execution timeout and `retry_times = 3`.
+/// The two configs of a rolling change. Both have `io_timeout = "1s"` (so a 2 s stall is a real timeout), and both
+/// queues a 2 s lease, a 1 s execution timeout and `retry_times = 3`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Shape {
     /// Both levels.
     A,
-    /// Only "normal", fewer workers, more prefetch: while a daemon runs it, high tasks are served by the others.
+    /// Only "normal", fewer workers, more prefetch: while a daemon runs it, high tasks are served by the others;
+    /// `limited`'s `max_running` halved, and fewer workers.
     B,
 }
 
 impl Shape {
+    /// Both queues' sections.
     fn queue(self) -> String {
         let (levels, workers, prefetch, batch) = match self {
             Shape::A => (r#"["high", "normal"]"#, 4, 4, 16),
             Shape::B => (r#"["normal"]"#, 2, 8, 8),
         };
+        let limited_workers = match self {
+            Shape::A => 4,
+            Shape::B => 2,
+        };
+        let limit = self.limit();
+        let common = format!(
+            "lease_timeout = \"{lease}s\"\nexecution_timeout = \"1s\"\nretry_times = {RETRY_TIMES}\n\
+             backoff = \"200ms\"\nbackoff_max = \"2s\"\n",
+            lease = LEASE.as_secs()
+        );
         format!(
             "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\npriorities = {levels}\nworkers = {workers}\n\
-             prefetch = {prefetch}\nbatch = {batch}\nlease_timeout = \"{lease}s\"\nexecution_timeout = \"1s\"\n\
-             retry_times = {RETRY_TIMES}\nbackoff = \"200ms\"\nbackoff_max = \"2s\"\n",
-            lease = LEASE.as_secs()
+             prefetch = {prefetch}\nbatch = {batch}\n{common}\n\
+             [[queues]]\nname = \"limited\"\nmode = \"safe\"\nworkers = {limited_workers}\n\
+             max_running = {limit}\n{common}"
         )
+    }
+
+    /// `limited`'s `max_running` on this config.
+    fn limit(self) -> u64 {
+        match self {
+            Shape::A => LIMIT_A,
+            Shape::B => LIMIT_B,
+        }
     }
 }
 
@@ -361,9 +441,12 @@ struct Daemons {
 
 /// A task id the producer pushed.
 struct Pushed {
+    queue: Queue,
     work: Work,
     level: usize,
     data: String,
+    /// How long its handler sleeps (ms): a run lasts at least that long.
+    sleep_ms: u64,
     /// Push attempts that failed in a way that may still have queued the task (a lost reply): each may be one
     /// more copy of it in the queue, with its own run budget.
     maybe_copies: u32,
@@ -377,10 +460,10 @@ struct Ledger {
     /// Push calls that failed (and were retried), and the tasks in them.
     failed_calls: u64,
     failed_tasks: u64,
-    /// Per epoch (a Redis that came back empty starts a new one): tasks whose push was acknowledged, and tasks of
-    /// failed calls that may have been applied anyway.
-    acked: Vec<u64>,
-    maybe: Vec<u64>,
+    /// Per epoch (a Redis that came back empty starts a new one) and queue ([`Queue::index`]): tasks whose push was
+    /// acknowledged, and tasks of failed calls that may have been applied anyway.
+    acked: Vec<[u64; 2]>,
+    maybe: Vec<[u64; 2]>,
     /// Tasks pushed again after Redis lost its data.
     repushed: u64,
 }
@@ -465,6 +548,84 @@ impl Tail {
     }
 }
 
+/// What was seen of the limited queue's running count while the suite ran.
+#[derive(Default)]
+struct LimitWatch {
+    /// Samples of `running` field `q` (every 20 ms), how many found it at [`LIMIT_BOUND`], and the most seen.
+    samples: u64,
+    at_limit: u64,
+    most: u64,
+    /// The most `running_underflow` seen (it must stay 0).
+    underflow: u64,
+    /// Atomic snapshots that compared the count with the unsettled positions of the counted claim lists.
+    exact: u64,
+    /// `running` field `q` and `running_underflow` once every daemon stopped.
+    at_rest: (Option<i64>, Option<i64>),
+    /// The queue's `done` counter, and when it was seen to grow (µs): a limited queue stuck shows as a long gap.
+    done: Option<u64>,
+    completions: Vec<u64>,
+    /// Every sample of the count: (µs, running[q]).
+    series: Vec<(u64, u64)>,
+}
+
+/// One atomic look at a queue (the [`SNAPSHOT`] script).
+#[derive(Clone, Copy, Debug)]
+struct Snapshot {
+    ready: i64,
+    quarantine: i64,
+    processing: i64,
+    delayed: i64,
+    retry: i64,
+    dead: i64,
+    pushed: i64,
+    done: i64,
+    cancelled: i64,
+    /// `running` field `q`, the unsettled positions of the claim lists counted in it, and `running_underflow`.
+    running: i64,
+    counted: i64,
+    underflow: i64,
+}
+
+fn snapshot(
+    connection: &mut impl redis::ConnectionLike,
+    queue: Queue,
+) -> redis::RedisResult<Snapshot> {
+    let parts: Vec<i64> = redis::Script::new(SNAPSHOT)
+        .arg(queue.base())
+        .invoke(connection)?;
+    let [
+        ready,
+        quarantine,
+        processing,
+        delayed,
+        retry,
+        dead,
+        pushed,
+        done,
+        cancelled,
+        running,
+        counted,
+        underflow,
+    ] = parts[..]
+    else {
+        panic!("the snapshot script returns twelve numbers: {parts:?}");
+    };
+    Ok(Snapshot {
+        ready,
+        quarantine,
+        processing,
+        delayed,
+        retry,
+        dead,
+        pushed,
+        done,
+        cancelled,
+        running,
+        counted,
+        underflow,
+    })
+}
+
 /// How a task ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Final {
@@ -491,6 +652,8 @@ struct World<'a> {
     violations: Mutex<Vec<String>>,
     /// When Redis's `done` counter was seen to grow (µs), sampled every 20 ms on a direct connection.
     completions: Mutex<Vec<u64>>,
+    /// What the samples and snapshots of the limited queue's count saw.
+    watch: Mutex<LimitWatch>,
     counters: Mutex<BTreeMap<&'static str, u64>>,
     tails: Mutex<(Vec<Tail>, Facts)>,
     /// Dead-lettered ids and their reasons, from every dead list read (before each loss of Redis's data, and at
@@ -607,19 +770,21 @@ impl World<'_> {
 
     /// Checks conservation on one atomic snapshot of the queue's keys (a script: nothing moves while it runs):
     /// every task pushed since Redis last came back empty is ready, quarantined, processing (under any owner,
-    /// registered or not), delayed, waiting to retry, dead, done or cancelled.
-    fn check_conservation(&self, redis: &RedisServer, when: &str) {
-        let snapshot: redis::RedisResult<Vec<i64>> = redis::Script::new(SNAPSHOT)
-            .arg("kmq:{jobs}")
-            .invoke(&mut redis.connection());
-        let Ok(parts) = snapshot else {
-            self.violation(format!(
-                "the conservation snapshot failed {when}: {snapshot:?}"
-            ));
-            return;
+    /// registered or not), delayed, waiting to retry, dead, done or cancelled. For the limited queue, also its
+    /// running count (see [`World::check_count`]).
+    fn check_conservation(&self, redis: &RedisServer, queue: Queue, when: &str) {
+        let snap = match snapshot(&mut redis.connection(), queue) {
+            Ok(snap) => snap,
+            Err(error) => {
+                self.violation(format!(
+                    "the conservation snapshot of {} failed {when}: {error}",
+                    queue.name()
+                ));
+                return;
+            }
         };
         self.count("conservation snapshots");
-        let [
+        let Snapshot {
             ready,
             quarantine,
             processing,
@@ -629,22 +794,57 @@ impl World<'_> {
             pushed,
             done,
             cancelled,
-        ] = parts[..]
-        else {
-            panic!("the snapshot script returns nine numbers: {parts:?}");
-        };
+            ..
+        } = snap;
         let held = ready + quarantine + processing + delayed + retry + dead + done + cancelled;
         if held != pushed {
             self.violation(format!(
-                "conservation {when}: pushed {pushed} != {held}: ready {ready} + quarantined {quarantine} + processing \
-                 {processing} + delayed {delayed} + retrying {retry} + dead {dead} + done {done} + cancelled {cancelled}"
+                "conservation of {} {when}: pushed {pushed} != {held}: ready {ready} + quarantined {quarantine} + \
+                 processing {processing} + delayed {delayed} + retrying {retry} + dead {dead} + done {done} + cancelled \
+                 {cancelled}",
+                queue.name()
+            ));
+        }
+        if queue == Queue::Limited {
+            self.check_count(&snap, when);
+        }
+    }
+
+    /// The limited queue's invariant on one atomic snapshot: its running count equals the unsettled positions of
+    /// the counted claim lists, is at most the largest limit in use, and no settle took it below 0.
+    fn check_count(&self, snap: &Snapshot, when: &str) {
+        lock(&self.watch).exact += 1;
+        if snap.running != snap.counted || snap.running > LIMIT_BOUND as i64 || snap.running < 0 {
+            self.violation(format!(
+                "the limited queue's running count {when}: {} in Redis, {} unsettled positions of counted claim lists \
+                 (bound {LIMIT_BOUND}); {snap:?}",
+                snap.running, snap.counted
+            ));
+        }
+        self.check_underflow(snap.underflow as u64, when);
+    }
+
+    /// `running_underflow` of the limited queue must stay 0; a new value is a violation once.
+    fn check_underflow(&self, underflow: u64, when: &str) {
+        let mut watch = lock(&self.watch);
+        if underflow > watch.underflow {
+            watch.underflow = underflow;
+            drop(watch);
+            self.violation(format!(
+                "the limited queue's running_underflow is {underflow} {when}: a settle would have taken its count \
+                 below 0"
             ));
         }
     }
 
-    /// Records the dead list's ids and reasons.
+    /// Records the dead lists' ids and reasons.
     fn read_dead_list(&self, redis: &RedisServer) -> usize {
-        let records: Vec<String> = redis.cmd(&["LRANGE", "kmq:{jobs}:dead", "0", "-1"]);
+        let mut records: Vec<String> = Vec::new();
+        for queue in Queue::ALL {
+            let dead: Vec<String> =
+                redis.cmd(&["LRANGE", &format!("{}:dead", queue.base()), "0", "-1"]);
+            records.extend(dead);
+        }
         let mut seen = lock(&self.dead_seen);
         for record in &records {
             let value: serde_json::Value = match serde_json::from_str(record) {
@@ -663,11 +863,17 @@ impl World<'_> {
         records.len()
     }
 
-    /// Pushes `ids` (already in the ledger) until Redis takes them; the caller holds the gate.
+    /// Pushes `ids` (already in the ledger, all of one queue) until Redis takes them; the caller holds the gate.
     fn push(&self, client: &Client, ids: &[String]) {
-        let tasks: Vec<NewTask> = {
+        let Some(first) = ids.first() else {
+            return;
+        };
+        let (queue, tasks): (Queue, Vec<NewTask>) = {
             let ledger = lock(&self.ledger);
-            ids.iter()
+            let queue = ledger.tasks[first].queue;
+            assert!(ids.iter().all(|id| ledger.tasks[id].queue == queue));
+            let tasks = ids
+                .iter()
                 .map(|id| {
                     let task = &ledger.tasks[id];
                     NewTask::new("test", &task.data)
@@ -675,15 +881,16 @@ impl World<'_> {
                         .id(id.clone())
                         .priority(LEVELS[task.level])
                 })
-                .collect()
+                .collect();
+            (queue, tasks)
         };
         let epoch = self.epoch.load(Ordering::SeqCst) as usize;
         let started = Instant::now();
         loop {
-            match client.push_batch("jobs", tasks.clone()) {
+            match client.push_batch(queue.name(), tasks.clone()) {
                 Ok(results) => {
                     let mut ledger = lock(&self.ledger);
-                    ledger.acked[epoch] += ids.len() as u64;
+                    ledger.acked[epoch][queue.index()] += ids.len() as u64;
                     drop(ledger);
                     for result in results {
                         if !result.is_accepted() {
@@ -699,7 +906,7 @@ impl World<'_> {
                     ledger.failed_calls += 1;
                     ledger.failed_tasks += ids.len() as u64;
                     if maybe {
-                        ledger.maybe[epoch] += ids.len() as u64;
+                        ledger.maybe[epoch][queue.index()] += ids.len() as u64;
                         for id in ids {
                             ledger.tasks.get_mut(id).unwrap().maybe_copies += 1;
                         }
@@ -715,34 +922,50 @@ impl World<'_> {
         }
     }
 
-    /// Adds `count` tasks of `work` to the ledger; returns their ids.
+    /// Adds `count` tasks of `work` for `queue` to the ledger; returns their ids (`c...` for jobs, `l...` for
+    /// limited). Limited tasks sleep longer, 50 to 150 ms, and are all "normal": a run's sleep is most of the time
+    /// it holds its slot (claim, start, run, settle), which is what lets [`check_limit`] see an excess.
     fn new_tasks(
         &self,
         rng: &mut Rng,
+        queue: Queue,
         count: usize,
         work: impl Fn(&mut Rng) -> Work,
     ) -> Vec<String> {
         let mut ledger = lock(&self.ledger);
         (0..count)
             .map(|_| {
-                let id = format!("c{}", ledger.next);
+                let prefix = match queue {
+                    Queue::Jobs => "c",
+                    Queue::Limited => "l",
+                };
+                let id = format!("{prefix}{}", ledger.next);
                 ledger.next += 1;
                 let work = work(rng);
+                let sleep_ms = match (work, queue) {
+                    (Work::Pill, _) => 0,
+                    (Work::Deaf, _) => 3000,
+                    (_, Queue::Jobs) => 1 + rng.below(20),
+                    (_, Queue::Limited) => 50 + rng.below(101),
+                };
                 let data = match work {
-                    Work::Normal => format!(r#"{{"sleep_ms":{}}}"#, 1 + rng.below(20)),
-                    Work::Flaky => {
-                        format!(r#"{{"fail_attempts":1,"sleep_ms":{}}}"#, 1 + rng.below(20))
-                    }
+                    Work::Normal => format!(r#"{{"sleep_ms":{sleep_ms}}}"#),
+                    Work::Flaky => format!(r#"{{"fail_attempts":1,"sleep_ms":{sleep_ms}}}"#),
                     Work::Pill => PILL.to_string(),
                     Work::Deaf => DEAF.to_string(),
                 };
-                let level = if rng.below(4) == 0 { 0 } else { 1 };
+                let level = match queue {
+                    Queue::Jobs if rng.below(4) == 0 => 0,
+                    _ => 1,
+                };
                 ledger.tasks.insert(
                     id.clone(),
                     Pushed {
+                        queue,
                         work,
                         level,
                         data,
+                        sleep_ms,
                         maybe_copies: 0,
                     },
                 );
@@ -767,11 +990,17 @@ impl Drop for StopOnDrop<'_, '_> {
 // The threads: producer, supervisor, completion sampler.
 // ----------------------------------------------------------------------------------------------------------------
 
-/// A steady stream of 1 to 4 tasks every 15 ms (about 150 a second), both levels; 4 % fail their first run.
-fn produce(world: &World, client: &Client, mut rng: Rng) {
+/// A steady stream for `queue`, 4 % of which fail their first run: for jobs, 1 to 4 tasks every 15 ms (about 150
+/// a second), both levels; for limited, one every 50 ms (about 20 a second, against the 40 a second that four slots
+/// of 50 to 150 ms runs allow: it reaches its limit after each fault that holds it back).
+fn produce(world: &World, client: &Client, queue: Queue, mut rng: Rng) {
+    let (most, every) = match queue {
+        Queue::Jobs => (4, Duration::from_millis(15)),
+        Queue::Limited => (1, Duration::from_millis(50)),
+    };
     while world.producing.load(Ordering::SeqCst) {
-        let count = 1 + rng.below(4) as usize;
-        let ids = world.new_tasks(&mut rng, count, |rng| {
+        let count = 1 + rng.below(most) as usize;
+        let ids = world.new_tasks(&mut rng, queue, count, |rng| {
             if rng.below(100) < 4 {
                 Work::Flaky
             } else {
@@ -782,7 +1011,7 @@ fn produce(world: &World, client: &Client, mut rng: Rng) {
             let _gate = world.gate.read().unwrap();
             world.push(client, &ids);
         }
-        std::thread::sleep(Duration::from_millis(15));
+        std::thread::sleep(every);
     }
 }
 
@@ -830,11 +1059,16 @@ fn supervise(world: &World) {
     }
 }
 
-/// Samples Redis's `done` counter every 20 ms on a direct connection and records when it grew.
+/// Samples, every 20 ms on a direct connection: jobs' `done` counter, recording when it grew; the limited queue's
+/// running count and `running_underflow`, each sample checked against the bound; and every 25th time an atomic
+/// snapshot of the limited queue, its count checked against its claim lists (a failed read, Redis being down or
+/// stalled, is read again).
 fn sample(world: &World, url: &str) {
     let mut connection: Option<redis::Connection> = None;
     let mut last: Option<u64> = None;
+    let mut turn: u64 = 0;
     while world.running.load(Ordering::SeqCst) {
+        turn += 1;
         if connection.is_none() {
             connection = redis::Client::open(url)
                 .and_then(|client| client.get_connection_with_timeout(Duration::from_millis(500)))
@@ -857,6 +1091,54 @@ fn sample(world: &World, url: &str) {
                     last = Some(done);
                 }
                 Err(_) => connection = None,
+            }
+        }
+        if let Some(conn) = connection.as_mut() {
+            let base = Queue::Limited.base();
+            let counts: redis::RedisResult<(Option<u64>, Option<u64>, Option<u64>)> = redis::pipe()
+                .cmd("HGET")
+                .arg(format!("{base}:running"))
+                .arg("q")
+                .cmd("HGET")
+                .arg(format!("{base}:stats"))
+                .arg("running_underflow")
+                .cmd("HGET")
+                .arg(format!("{base}:stats"))
+                .arg("done")
+                .query(conn);
+            match counts {
+                Ok((running, underflow, done)) => {
+                    let running = running.unwrap_or(0);
+                    let mut watch = lock(&world.watch);
+                    watch.samples += 1;
+                    let done = done.unwrap_or(0);
+                    if watch.done.is_some_and(|last| last != done) && done != 0 {
+                        watch.completions.push(now_us());
+                    }
+                    watch.done = Some(done);
+                    watch.most = watch.most.max(running);
+                    watch.series.push((now_us(), running));
+                    if running == LIMIT_BOUND {
+                        watch.at_limit += 1;
+                    }
+                    drop(watch);
+                    if running > LIMIT_BOUND {
+                        world.violation(format!(
+                            "the limited queue's running count is {running}, above its largest limit \
+                             {LIMIT_BOUND}"
+                        ));
+                    }
+                    world.check_underflow(underflow.unwrap_or(0), "in a sample");
+                }
+                Err(_) => connection = None,
+            }
+        }
+        if turn % 25 == 0 {
+            if let Some(conn) = connection.as_mut() {
+                match snapshot(conn, Queue::Limited) {
+                    Ok(snap) => world.check_count(&snap, "in a sample"),
+                    Err(_) => connection = None,
+                }
             }
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -1093,14 +1375,16 @@ impl Injector<'_, '_> {
             },
             Kind::RedisEmpty => self.empty_redis(),
             Kind::PoisonPill => {
-                let ids = world.new_tasks(&mut self.rng, 1, |_| Work::Pill);
+                let queue = self.rng.pick(&Queue::ALL);
+                let ids = world.new_tasks(&mut self.rng, queue, 1, |_| Work::Pill);
                 let _gate = world.gate.read().unwrap();
                 world.push(&self.client, &ids);
                 format!("pushed {}", ids[0])
             }
             Kind::DeafHandlers => {
                 let count = 1 + self.rng.below(3) as usize;
-                let ids = world.new_tasks(&mut self.rng, count, |_| Work::Deaf);
+                let queue = self.rng.pick(&Queue::ALL);
+                let ids = world.new_tasks(&mut self.rng, queue, count, |_| Work::Deaf);
                 let _gate = world.gate.read().unwrap();
                 world.push(&self.client, &ids);
                 format!("pushed {}", ids.join(" "))
@@ -1114,7 +1398,9 @@ impl Injector<'_, '_> {
         let world = self.world;
         let from = now_us();
         let _gate = world.gate.write().unwrap();
-        world.check_conservation(&self.redis, "at the end of an epoch");
+        for queue in Queue::ALL {
+            world.check_conservation(&self.redis, queue, "at the end of an epoch");
+        }
         // What was dead-lettered is known to the outbox (the dead list is where one learns of it).
         world.read_dead_list(&self.redis);
         let signal = if self.rng.coin() {
@@ -1129,10 +1415,10 @@ impl Injector<'_, '_> {
         let epoch = world.epoch.fetch_add(1, Ordering::SeqCst) + 1;
         {
             let mut ledger = lock(&world.ledger);
-            ledger.acked.push(0);
-            ledger.maybe.push(0);
+            ledger.acked.push([0; 2]);
+            ledger.maybe.push([0; 2]);
         }
-        let missing: Vec<String> = {
+        let missing: Vec<(Queue, String)> = {
             let guard = world.facts();
             let facts = &guard.1;
             let ledger = lock(&world.ledger);
@@ -1144,11 +1430,18 @@ impl Injector<'_, '_> {
                         .final_state(id, ledger.tasks[*id].work, facts, false)
                         .is_none()
                 })
-                .cloned()
+                .map(|id| (ledger.tasks[id].queue, id.clone()))
                 .collect()
         };
-        for chunk in missing.chunks(500) {
-            world.push(&self.client, chunk);
+        for queue in Queue::ALL {
+            let ids: Vec<String> = missing
+                .iter()
+                .filter(|(of, _)| *of == queue)
+                .map(|(_, id)| id.clone())
+                .collect();
+            for chunk in ids.chunks(500) {
+                world.push(&self.client, chunk);
+            }
         }
         lock(&world.ledger).repushed += missing.len() as u64;
         world.event(
@@ -1341,6 +1634,107 @@ fn zombie_wake_up(events: &[Event], run: Run) -> bool {
     })
 }
 
+/// What the run records say of the limited queue's runs at once.
+struct LimitCheck {
+    /// The most runs at once, each counted from its start for as long as it surely held its slot.
+    most: usize,
+    /// When that was first reached (µs).
+    most_at: u64,
+    /// Runs counted, and runs left out because a fault may have taken their daemon's lease meanwhile.
+    counted: usize,
+    excused: usize,
+    /// Starts that made more than `bound` runs at once, and the first ten of them with those runs.
+    over_count: usize,
+    over: Vec<String>,
+}
+
+/// At no instant more than `bound` handlers of the limited queue running, from the run records.
+///
+/// The records give each run's start (testkit's µs stamp) but not its end, so a run counts from its start for as
+/// long as it surely held its slot: its sleep (a run lasts at least that; nothing cancels it earlier but a lost
+/// lease, and its execution timeout is longer), at most [`HOLDS_AT_MOST_MS`] (a deaf handler's slot is freed by its
+/// execution timeout while it still sleeps); a pill's run, which aborts at once, counts for nothing. A slot is given
+/// back only by the settle after the run, so two such stretches that overlap held two slots at once. Runs that a
+/// fault may have taken from their daemon meanwhile are left out: those an [`Event`] explains a run again for (its
+/// daemon killed, crashed, paused, stopped or its lease lost, or a Redis-wide fault), the same attribution as
+/// [`check_runs`]: the monitors give such a run's slot to another daemon while it may still run (RELIABILITY.md,
+/// "Running limits").
+fn check_limit(
+    t0_us: u64,
+    facts: &Facts,
+    ledger: &Ledger,
+    events: &[Event],
+    bound: usize,
+) -> LimitCheck {
+    let mut check = LimitCheck {
+        most: 0,
+        most_at: 0,
+        counted: 0,
+        excused: 0,
+        over_count: 0,
+        over: Vec::new(),
+    };
+    // (time, +1 at a start or -1 at an end, run): ends before starts at the same µs.
+    let mut edges: Vec<(u64, i8, usize)> = Vec::new();
+    let mut runs: Vec<(&str, Run, u64)> = Vec::new();
+    for id in &ledger.order {
+        let task = &ledger.tasks[id];
+        if task.queue != Queue::Limited {
+            continue;
+        }
+        let holds_us = task.sleep_ms.min(HOLDS_AT_MOST_MS) * 1000;
+        if holds_us == 0 {
+            continue;
+        }
+        for run in facts.runs.get(id).into_iter().flatten() {
+            let end = run.start_us + holds_us;
+            if events
+                .iter()
+                .any(|event| event.explains(run.instance, run.start_us, end))
+            {
+                check.excused += 1;
+                continue;
+            }
+            check.counted += 1;
+            edges.push((run.start_us, 1, runs.len()));
+            edges.push((end, -1, runs.len()));
+            runs.push((id, *run, end));
+        }
+    }
+    edges.sort_by_key(|&(at, delta, _)| (at, delta));
+    let mut now: BTreeSet<usize> = BTreeSet::new();
+    for (at, delta, run) in edges {
+        if delta < 0 {
+            now.remove(&run);
+            continue;
+        }
+        now.insert(run);
+        if now.len() > check.most {
+            check.most = now.len();
+            check.most_at = at;
+        }
+        if now.len() > bound {
+            check.over_count += 1;
+        }
+        if now.len() > bound && check.over.len() < 10 {
+            let mut text = format!("{} runs at {}:", now.len(), rel(t0_us, at));
+            for &n in &now {
+                let (id, run, end) = runs[n];
+                let _ = write!(
+                    text,
+                    " [{id} attempt {} on process #{} {}..{}]",
+                    run.attempt,
+                    run.instance,
+                    rel(t0_us, run.start_us),
+                    rel(t0_us, end)
+                );
+            }
+            check.over.push(text);
+        }
+    }
+    check
+}
+
 /// Parses a tracing timestamp at the start of a log line (`2026-12-01T10:16:31.123456Z ...`) into µs.
 fn log_time_us(line: &str) -> Option<u64> {
     let stamp = line.split_whitespace().next()?;
@@ -1414,8 +1808,8 @@ fn chaos() {
         }),
         events: Mutex::new(Vec::new()),
         ledger: Mutex::new(Ledger {
-            acked: vec![0],
-            maybe: vec![0],
+            acked: vec![[0; 2]],
+            maybe: vec![[0; 2]],
             ..Ledger::default()
         }),
         gate: RwLock::new(()),
@@ -1424,6 +1818,7 @@ fn chaos() {
         running: AtomicBool::new(true),
         violations: Mutex::new(Vec::new()),
         completions: Mutex::new(Vec::new()),
+        watch: Mutex::new(LimitWatch::default()),
         counters: Mutex::new(BTreeMap::new()),
         tails: Mutex::new((Vec::new(), Facts::default())),
         dead_seen: Mutex::new(HashMap::new()),
@@ -1438,6 +1833,8 @@ fn chaos() {
     let harness = client(&direct);
     let mut rng = Rng::new(seed);
     let producer_rng = Rng::new(rng.next());
+    // Its own generator, off the seed, so that the other draws of a seed are those of the suite before it.
+    let limited_rng = Rng::new(seed ^ 0x006C_696D_6974_6564);
     let redis_url = redis.url();
     let mut injector = Injector {
         world: &world,
@@ -1448,10 +1845,13 @@ fn chaos() {
         on_b: None,
     };
     let producer_client = client(&producer_config);
+    let limited_client = client(&producer_config);
 
     let (chaos_time, chaos_end_us, drain_time) = std::thread::scope(|scope| {
         let _stop = StopOnDrop(&world);
-        let producer = scope.spawn(|| produce(&world, &producer_client, producer_rng));
+        let producer = scope.spawn(|| produce(&world, &producer_client, Queue::Jobs, producer_rng));
+        let limited_producer =
+            scope.spawn(|| produce(&world, &limited_client, Queue::Limited, limited_rng));
         let supervisor = scope.spawn(|| supervise(&world));
         let sampler = scope.spawn(|| sample(&world, &redis_url));
 
@@ -1510,7 +1910,13 @@ fn chaos() {
                     .0
             });
             number += 1;
-            world.check_conservation(&injector.redis, &format!("before fault #{number}"));
+            for queue in Queue::ALL {
+                world.check_conservation(
+                    &injector.redis,
+                    queue,
+                    &format!("before fault #{number}"),
+                );
+            }
             let what = injector.inject(kind);
             world.say(&format!("fault #{number} {}: {what}", kind.label()));
         }
@@ -1532,10 +1938,18 @@ fn chaos() {
         }
         world.producing.store(false, Ordering::SeqCst);
         producer.join().expect("the producer thread");
+        limited_producer
+            .join()
+            .expect("the limited queue's producer thread");
         let drain_started = Instant::now();
-        let backlog = harness
-            .stats("jobs")
-            .map_or(0, |s| s.ready + s.delayed + s.processing);
+        let backlog: u64 = Queue::ALL
+            .iter()
+            .map(|queue| {
+                harness
+                    .stats(queue.name())
+                    .map_or(0, |s| s.ready + s.delayed + s.processing)
+            })
+            .sum();
         let within = Duration::from_secs(90) + Duration::from_millis(50 * backlog);
         world.say(&format!(
             "producer stopped; draining a backlog of {backlog} (at most {} s)",
@@ -1543,12 +1957,19 @@ fn chaos() {
         ));
         let mut last_report = Instant::now();
         loop {
-            let stats = harness.stats("jobs");
-            let empty = stats
-                .as_ref()
-                .is_ok_and(|s| s.ready + s.processing + s.delayed == 0);
+            let stats: Vec<_> = Queue::ALL
+                .iter()
+                .map(|queue| harness.stats(queue.name()))
+                .collect();
+            let empty = stats.iter().all(|stats| {
+                stats
+                    .as_ref()
+                    .is_ok_and(|s| s.ready + s.processing + s.delayed == 0)
+            });
             world.read_dead_list(&injector.redis);
-            world.check_conservation(&injector.redis, "while draining");
+            for queue in Queue::ALL {
+                world.check_conservation(&injector.redis, queue, "while draining");
+            }
             let unfinished: Vec<String> = {
                 let guard = world.facts();
                 let ledger = lock(&world.ledger);
@@ -1592,7 +2013,10 @@ fn chaos() {
     });
 
     // SIGTERM every daemon: each exits 0.
-    let final_stats = harness.stats("jobs").expect("stats at the end");
+    let final_stats: Vec<kmqd::broker::QueueStats> = Queue::ALL
+        .iter()
+        .map(|queue| harness.stats(queue.name()).expect("stats at the end"))
+        .collect();
     {
         let mut daemons = lock(&world.daemons);
         let mut stopping = Vec::new();
@@ -1627,14 +2051,33 @@ fn chaos() {
         }
         drop(daemons);
     }
-    let after_stop = harness.stats("jobs").expect("stats after the stop");
-    if after_stop.done != final_stats.done
-        || after_stop.ready + after_stop.processing + after_stop.delayed != 0
-    {
+    for (queue, final_stats) in Queue::ALL.iter().zip(&final_stats) {
+        let after_stop = harness.stats(queue.name()).expect("stats after the stop");
+        if after_stop.done != final_stats.done
+            || after_stop.ready + after_stop.processing + after_stop.delayed != 0
+        {
+            world.violation(format!(
+                "{} changed after the drain: {final_stats:?} then {after_stop:?}",
+                queue.name()
+            ));
+        }
+    }
+    // At rest: the limited queue's count is gone (a field at 0 is deleted) and never went below 0.
+    let at_rest = Queue::Limited.base();
+    let running: Option<i64> = injector
+        .redis
+        .cmd(&["HGET", &format!("{at_rest}:running"), "q"]);
+    let underflow: Option<i64> =
+        injector
+            .redis
+            .cmd(&["HGET", &format!("{at_rest}:stats"), "running_underflow"]);
+    if running.is_some() || underflow.unwrap_or(0) != 0 {
         world.violation(format!(
-            "the queue changed after the drain: {final_stats:?} then {after_stop:?}"
+            "at rest the limited queue's running count is {running:?} (absent expected) and its running_underflow \
+             {underflow:?} (0 expected)"
         ));
     }
+    lock(&world.watch).at_rest = (running, underflow);
 
     let report = report(
         &world,
@@ -1676,7 +2119,7 @@ fn chaos() {
 /// Runs the end checks (recording violations) and returns the summary.
 fn report(
     world: &World,
-    stats: &kmqd::broker::QueueStats,
+    all_stats: &[kmqd::broker::QueueStats],
     seed: u64,
     seconds: u64,
     (chaos_time, chaos_end_us): (Duration, u64),
@@ -1815,9 +2258,23 @@ fn report(
     let mut lost = Vec::new();
     let mut never_ran = Vec::new();
     let mut high = 0;
+    // Per queue ([`Queue::index`]): pushed, done, dead, and of the pushed, pills and deaf tasks.
+    let mut per_queue = [[0u64; 5]; 2];
     for id in &ledger.order {
         let task = &ledger.tasks[id];
         *by_work.entry(task.work).or_default() += 1;
+        let counts = &mut per_queue[task.queue.index()];
+        counts[0] += 1;
+        match task.work {
+            Work::Pill => counts[3] += 1,
+            Work::Deaf => counts[4] += 1,
+            _ => {}
+        }
+        match world.final_state(id, task.work, facts, true) {
+            Some(Final::Done) => counts[1] += 1,
+            Some(Final::Dead(_)) => counts[2] += 1,
+            None => {}
+        }
         if task.level == 0 {
             high += 1;
         }
@@ -1891,28 +2348,62 @@ fn report(
         ));
     }
 
-    // Conservation in Redis, for the last epoch (what Redis holds since it last came back empty).
+    // Conservation in Redis, for the last epoch (what Redis holds since it last came back empty), per queue.
     let epoch = world.epoch.load(Ordering::SeqCst) as usize;
-    let accounted =
-        stats.done + stats.dead + stats.cancelled + stats.ready + stats.processing + stats.delayed;
-    if accounted != stats.pushed {
+    for (queue, stats) in Queue::ALL.iter().zip(all_stats) {
+        let accounted = stats.done
+            + stats.dead
+            + stats.cancelled
+            + stats.ready
+            + stats.processing
+            + stats.delayed;
+        if accounted != stats.pushed {
+            world.violation(format!(
+                "conservation of {}: pushed {} != done {} + dead {} + cancelled {} + ready {} + processing {} + \
+                 delayed {}",
+                queue.name(),
+                stats.pushed,
+                stats.done,
+                stats.dead,
+                stats.cancelled,
+                stats.ready,
+                stats.processing,
+                stats.delayed
+            ));
+        }
+        let (acked, maybe) = (
+            ledger.acked[epoch][queue.index()],
+            ledger.maybe[epoch][queue.index()],
+        );
+        if stats.pushed < acked || stats.pushed > acked + maybe {
+            world.violation(format!(
+                "Redis counted {} pushes to {} in the last epoch; the producer had {acked} acknowledged and {maybe} \
+                 more that may have been applied",
+                stats.pushed,
+                queue.name()
+            ));
+        }
+    }
+    let stats = &all_stats[Queue::Jobs.index()];
+    let limited_stats = &all_stats[Queue::Limited.index()];
+
+    // The limited queue: never more of its handlers at once than the largest limit of the configs in use, from
+    // the run records.
+    let bound = shapes
+        .iter()
+        .map(|(_, shape)| shape.limit())
+        .max()
+        .unwrap_or(LIMIT_BOUND);
+    let limit = check_limit(world.t0_us, facts, &ledger, &events, bound as usize);
+    for text in &limit.over {
         world.violation(format!(
-            "conservation: pushed {} != done {} + dead {} + cancelled {} + ready {} + processing {} + delayed {}",
-            stats.pushed,
-            stats.done,
-            stats.dead,
-            stats.cancelled,
-            stats.ready,
-            stats.processing,
-            stats.delayed
+            "more limited runs at once than max_running {bound}: {text}"
         ));
     }
-    let (acked, maybe) = (ledger.acked[epoch], ledger.maybe[epoch]);
-    if stats.pushed < acked || stats.pushed > acked + maybe {
+    if limit.over_count > limit.over.len() {
         world.violation(format!(
-            "Redis counted {} pushes in the last epoch; the producer had {acked} acknowledged and {maybe} more that may \
-             have been applied",
-            stats.pushed
+            "{} more starts with more limited runs at once than max_running {bound}",
+            limit.over_count - limit.over.len()
         ));
     }
 
@@ -1938,17 +2429,44 @@ fn report(
             format!("{:.2} s (after the {what})", *us as f64 / 1e6)
         });
     // While faults were injected (the drain ends with the slowest tasks: pills and deaf handlers).
-    let longest_gap = completions
-        .iter()
-        .copied()
-        .take_while(|&at| at <= chaos_end_us)
-        .collect::<Vec<_>>()
-        .windows(2)
-        .map(|pair| (pair[1] - pair[0], pair[0]))
-        .max()
-        .map_or("none".to_string(), |(gap, from)| {
+    let longest_gap = |completions: &[u64]| {
+        completions
+            .iter()
+            .copied()
+            .take_while(|&at| at <= chaos_end_us)
+            .collect::<Vec<_>>()
+            .windows(2)
+            .map(|pair| (pair[1] - pair[0], pair[0]))
+            .max()
+    };
+    let gap_text = |gap: Option<(u64, u64)>| {
+        gap.map_or("none".to_string(), |(gap, from)| {
             format!("{:.2} s (from {})", gap as f64 / 1e6, world.rel(from))
+        })
+    };
+    let limited_gap = {
+        let watch = lock(&world.watch);
+        let gap = longest_gap(&watch.completions);
+        // What the count was meanwhile: slots held by tasks that did not finish.
+        let during: Vec<u64> = gap.map_or(Vec::new(), |(gap, from)| {
+            watch
+                .series
+                .iter()
+                .filter(|(at, _)| *at > from && *at < from + gap)
+                .map(|(_, running)| *running)
+                .collect()
         });
+        let at_bound = during.iter().filter(|&&n| n == LIMIT_BOUND).count();
+        let meanwhile = match (during.iter().min(), during.iter().max()) {
+            (Some(least), Some(most)) => format!(
+                "running[q] meanwhile {least} to {most}, at the bound in {at_bound} of {} samples",
+                during.len()
+            ),
+            _ => "no sample of running[q] meanwhile (Redis unreachable)".to_string(),
+        };
+        format!("{}; {meanwhile}", gap_text(gap))
+    };
+    let longest_gap = gap_text(longest_gap(&completions));
     let median = recoveries
         .get(recoveries.len() / 2)
         .map_or(0.0, |(us, _)| *us as f64 / 1e6);
@@ -2058,6 +2576,65 @@ fn report(
         "  over-run      {}",
         check.over_runs.len() + check.over_attempts.len()
     );
+    let watch = lock(&world.watch);
+    let [jobs, limited] = per_queue;
+    let _ = writeln!(
+        out,
+        "  queues        jobs {} pushed ({} pills, {} deaf), {} done, {} dead; limited (max_running {LIMIT_A}, \
+         {LIMIT_B} on config B) {} pushed ({} pills, {} deaf), {} done, {} dead",
+        jobs[0],
+        jobs[3],
+        jobs[4],
+        jobs[1],
+        jobs[2],
+        limited[0],
+        limited[3],
+        limited[4],
+        limited[1],
+        limited[2]
+    );
+    let _ = writeln!(
+        out,
+        "  limit, Redis  {} samples of running[q] (every 20 ms): most {} (bound {LIMIT_BOUND}), at the bound in {:.0} %; \
+         {} atomic snapshots found it equal to the unsettled positions of its counted claim lists (unless listed \
+         below); running_underflow {} at most",
+        watch.samples,
+        watch.most,
+        100.0 * watch.at_limit as f64 / watch.samples.max(1) as f64,
+        watch.exact,
+        watch.underflow
+    );
+    let _ = writeln!(
+        out,
+        "  limit, runs   most {} limited runs at once at {} (each from its start for its sleep, up to {:.1} s; bound \
+         {bound}): {} runs counted, {} left out (a fault may have taken their daemon's lease), {} starts above \
+         the bound",
+        limit.most,
+        world.rel(limit.most_at),
+        HOLDS_AT_MOST_MS as f64 / 1e3,
+        limit.counted,
+        limit.excused,
+        limit.over_count
+    );
+    let _ = writeln!(
+        out,
+        "  limit, rest   limited: ready {} + processing {} + delayed {}; running[q] {}, running_underflow {}; pushed {} \
+         = done {} + dead {} (+ cancelled {}) in the last epoch; longest time without a limited task done while \
+         faults were injected {limited_gap}",
+        limited_stats.ready,
+        limited_stats.processing,
+        limited_stats.delayed,
+        watch
+            .at_rest
+            .0
+            .map_or("absent".to_string(), |n| n.to_string()),
+        watch.at_rest.1.unwrap_or(0),
+        limited_stats.pushed,
+        limited_stats.done,
+        limited_stats.dead,
+        limited_stats.cancelled
+    );
+    drop(watch);
     let _ = writeln!(
         out,
         "  conservation  {} atomic snapshots over {} epochs, all balanced unless listed below; at the end (kmqd \
@@ -2156,9 +2733,11 @@ fn the_run_budget_check_flags_runs_again_without_a_cause() {
         ledger.tasks.insert(
             id.to_string(),
             Pushed {
+                queue: Queue::Jobs,
                 work: Work::Normal,
                 level: 1,
                 data: "{}".to_string(),
+                sleep_ms: 10,
                 maybe_copies,
             },
         );
@@ -2190,4 +2769,114 @@ fn the_run_budget_check_flags_runs_again_without_a_cause() {
     assert!(check.zombie_wake_ups[0].starts_with("woke "));
     assert_eq!((check.same_attempt_runs, check.same_attempt_tasks), (6, 6));
     assert!(check.over_attempts.is_empty());
+}
+
+/// The limit check itself, on made-up runs: runs count from their start for their sleep (a deaf one for at most
+/// [`HOLDS_AT_MOST_MS`], a pill not at all), only the limited queue's, and a run a fault may have taken from its
+/// daemon is left out.
+#[test]
+fn the_limit_check_counts_runs_at_once_and_leaves_out_those_a_fault_took() {
+    let mut facts = Facts::default();
+    let mut ledger = Ledger::default();
+    let mut add = |id: &str, queue: Queue, work: Work, sleep_ms: u64, runs: Vec<(u64, usize)>| {
+        let runs = runs
+            .into_iter()
+            .map(|(start_us, instance)| Run {
+                start_us,
+                attempt: 0,
+                instance,
+            })
+            .collect();
+        facts.runs.insert(id.to_string(), runs);
+        ledger.order.push(id.to_string());
+        ledger.tasks.insert(
+            id.to_string(),
+            Pushed {
+                queue,
+                work,
+                level: 1,
+                data: "{}".to_string(),
+                sleep_ms,
+                maybe_copies: 0,
+            },
+        );
+    };
+    // Four at once, then each start after an end: never more than four.
+    for (n, start) in [
+        1_000_000, 1_010_000, 1_020_000, 1_030_000, 1_060_000, 1_065_000,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        add(
+            &format!("a{n}"),
+            Queue::Limited,
+            Work::Normal,
+            50,
+            vec![(start, n % 3)],
+        );
+    }
+    // Five at once: one start above the bound.
+    for n in 0..5 {
+        add(
+            &format!("b{n}"),
+            Queue::Limited,
+            Work::Normal,
+            50,
+            vec![(10_000_000 + n * 4_000, 1)],
+        );
+    }
+    // A jobs task and a pill beside them count for nothing.
+    add("jobs", Queue::Jobs, Work::Normal, 50, vec![(10_001_000, 0)]);
+    add("pill", Queue::Limited, Work::Pill, 0, vec![(10_002_000, 0)]);
+    // Five at once, one of them on a daemon killed as it ran: left out.
+    for n in 0..4 {
+        add(
+            &format!("c{n}"),
+            Queue::Limited,
+            Work::Normal,
+            50,
+            vec![(20_000_000 + n * 1_000, 0)],
+        );
+    }
+    add(
+        "killed",
+        Queue::Limited,
+        Work::Normal,
+        50,
+        vec![(20_010_000, 2)],
+    );
+    // A deaf run holds its slot for at most HOLDS_AT_MOST_MS, then four more.
+    add(
+        "deaf",
+        Queue::Limited,
+        Work::Deaf,
+        3000,
+        vec![(30_000_000, 0)],
+    );
+    for n in 0..4 {
+        add(
+            &format!("d{n}"),
+            Queue::Limited,
+            Work::Normal,
+            50,
+            vec![(30_000_000 + HOLDS_AT_MOST_MS * 1000 + n * 1_000, 1)],
+        );
+    }
+    let events = [Event {
+        what: What::Fault(Kind::Kill9),
+        instance: Some(2),
+        from_us: 20_030_000,
+        to_us: 20_030_000,
+        note: String::new(),
+    }];
+    let check = check_limit(0, &facts, &ledger, &events, 4);
+    assert_eq!(check.over_count, 1, "{:?}", check.over);
+    assert!(
+        check.over[0].starts_with("5 runs at +10.02s: [b0 "),
+        "{:?}",
+        check.over
+    );
+    assert_eq!((check.most, check.most_at), (5, 10_016_000));
+    assert_eq!((check.counted, check.excused), (6 + 5 + 4 + 1 + 4, 1));
 }
