@@ -103,11 +103,14 @@ fn removing_a_safeguard_breaks_the_property_it_keeps() {
 }
 
 /// The running limit's experiment of `mutation`: each of its properties in `setup::limit_experiments` is
-/// violated, and the shortest counterexample is printed. Returns the lengths.
+/// violated (in release; the first one in a debug build), and the shortest counterexample is printed. Returns
+/// the lengths.
 fn limit_experiment(mutation: Mutation) -> Vec<usize> {
     let mut lengths = Vec::new();
     for (setup, property) in setup::limit_experiments() {
-        if setup.mutation != Some(mutation) {
+        // A debug build (`cargo test --workspace`) searches for the first property of each mutation only: the
+        // second of SubtractCount's takes it about 6 s there (0.8 s in release).
+        if setup.mutation != Some(mutation) || (cfg!(debug_assertions) && !lengths.is_empty()) {
             continue;
         }
         let name = setup.name;
