@@ -239,7 +239,14 @@ pub fn lost_replies() -> Setup {
 /// owner registered with both levels still holds tasks.
 pub fn rolling() -> Setup {
     Setup {
-        configs: vec![SAFE_BOTH, SAFE_HIGH, DEFAULT_HIGH],
+        configs: vec![
+            Config {
+                max_running: 2,
+                ..SAFE_BOTH
+            },
+            SAFE_LIMITED,
+            DEFAULT_HIGH,
+        ],
         crashes: 1,
         lost_replies: 1,
         shutdowns: 1,
@@ -251,7 +258,7 @@ pub fn rolling() -> Setup {
 /// the last call keeps them from being applied twice), a graceful stop, a crash.
 pub fn mixed_modes() -> Setup {
     Setup {
-        configs: vec![SAFE_HIGH, DEFAULT_HIGH],
+        configs: vec![SAFE_LIMITED, DEFAULT_HIGH],
         initial: [0, 1],
         crashes: 1,
         lost_replies: 1,
@@ -290,8 +297,8 @@ pub fn zombie() -> Setup {
 /// whose config has not: claims counted and claims not counted side by side, and a `kill -9` that restarts either
 /// daemon with either config (a rolling change that adds the limit, or takes it away). An ok and a flaky task
 /// (its retry comes back through the retry zset and is claimed again), and a lost reply (a claim adopted, a
-/// settle sent again, a monitor's call sent again). `pill`, `stall`, `lost-replies` and `zombie` run
-/// with `max_running = 2`, which two tasks never reach: the same states, with every count checked in each.
+/// settle sent again, a monitor's call sent again). Every other scenario's safe-mode configs have
+/// `max_running = 2`, which two tasks never reach: the same states, with every count checked in each.
 pub fn limit() -> Setup {
     Setup {
         configs: vec![limited(1), SAFE_HIGH],
