@@ -12,15 +12,23 @@
 //! Without them, a state reached after three pill crashes and the same state after four would differ only in
 //! their numbers. Then the **symmetry** of the two daemons: see [`canonical`].
 //!
-//! One piece of dead data is dropped first: an owner's `group` while it holds nothing (see `Owner::group`).
+//! Dead data is dropped first: an owner's `group` while it holds nothing (see `Owner::group`), and the claim
+//! numbers of processing entries, held tasks and records, which nothing reads but
+//! [`Mutation::SubtractCount`] (kmqd's settle.lua counts per position, through each entry's `counted`).
 
 use crate::model::{Daemon, State};
 use crate::redis::OwnerId;
+use crate::setup::Mutation;
 
-/// The canonical form of `state`: renumbered, then the smaller of it and its daemon-swapped twin.
-pub fn canonical(mut state: State) -> State {
+/// The canonical form of `state` (under `mutation`): renumbered, then the smaller of it and its daemon-swapped
+/// twin.
+pub fn canonical(mut state: State, mutation: Option<Mutation>) -> State {
     forget_idle_groups(&mut state);
-    let state = renumber(state);
+    let claims = mutation == Some(Mutation::SubtractCount);
+    if !claims {
+        forget_claims(&mut state);
+    }
+    let state = renumber(state, claims);
     // Most pairs are told apart by what each daemon holds and does, which names no daemon: only when those
     // are alike is the swapped twin built and compared. (Renumbering is per daemon, so the twin of a
     // renumbered state is renumbered too.)
@@ -47,6 +55,23 @@ fn forget_idle_groups(state: &mut State) {
     }
 }
 
+/// Claim numbers are read only by [`Mutation::SubtractCount`]: without it, every one is 0 (and not renumbered).
+fn forget_claims(state: &mut State) {
+    for p in state.redis.processing.iter_mut() {
+        p.claim = 0;
+    }
+    for d in state.daemons.iter_mut() {
+        for held in d.held.iter_mut() {
+            held.claim = 0;
+        }
+        if let Some((_, records)) = &mut d.monitor_call {
+            for record in records.iter_mut() {
+                record.claim = 0;
+            }
+        }
+    }
+}
+
 /// A summary of a daemon that a swap leaves alone (no owner id, whose `daemon` field a swap changes).
 fn label_free(d: &Daemon) -> impl Ord {
     let held: arrayvec::ArrayVec<_, 6> = d
@@ -55,6 +80,7 @@ fn label_free(d: &Daemon) -> impl Ord {
         .map(|h| {
             (
                 h.token,
+                h.claim,
                 h.level,
                 h.env,
                 h.phase,
@@ -85,7 +111,8 @@ trait Visit {
     fn token(&mut self, daemon: u8, run: u8, token: &mut u8);
 }
 
-fn visit(state: &mut State, v: &mut impl Visit) {
+/// `claims`: claim numbers are tokens too (else they are all 0, and left alone).
+fn visit(state: &mut State, v: &mut impl Visit, claims: bool) {
     let redis = &mut state.redis;
     for owner in redis.owners.iter_mut() {
         let id = owner.id;
@@ -96,6 +123,9 @@ fn visit(state: &mut State, v: &mut impl Visit) {
     }
     for p in redis.processing.iter_mut() {
         v.token(p.owner.daemon, p.owner.run, &mut p.token);
+        if claims {
+            v.token(p.owner.daemon, p.owner.run, &mut p.claim);
+        }
         v.owner(&mut p.owner);
     }
     for (settler, _) in redis.settled.iter_mut() {
@@ -106,11 +136,11 @@ fn visit(state: &mut State, v: &mut impl Visit) {
         v.owner(&mut call.owner);
     }
     for (index, d) in state.daemons.iter_mut().enumerate() {
-        visit_daemon(index as u8, d, v);
+        visit_daemon(index as u8, d, v, claims);
     }
 }
 
-fn visit_daemon(index: u8, d: &mut Daemon, v: &mut impl Visit) {
+fn visit_daemon(index: u8, d: &mut Daemon, v: &mut impl Visit, claims: bool) {
     let run = d.run;
     v.token(index, run, &mut d.next_token);
     v.generation(index, run, &mut d.generation);
@@ -120,6 +150,9 @@ fn visit_daemon(index: u8, d: &mut Daemon, v: &mut impl Visit) {
     for held in d.held.iter_mut() {
         if let (Some(owner), Some(token)) = (&mut held.owner, &mut held.token) {
             v.token(owner.daemon, owner.run, token);
+            if claims {
+                v.token(owner.daemon, owner.run, &mut held.claim);
+            }
             v.owner(owner);
         }
     }
@@ -131,6 +164,9 @@ fn visit_daemon(index: u8, d: &mut Daemon, v: &mut impl Visit) {
         for record in records.iter_mut() {
             if let Some(token) = &mut record.token {
                 v.token(owner.daemon, owner.run, token);
+                if claims {
+                    v.token(owner.daemon, owner.run, &mut record.claim);
+                }
             }
         }
         v.owner(owner);
@@ -226,10 +262,10 @@ impl Visit for Rewrite<'_> {
     }
 }
 
-fn renumber(mut state: State) -> State {
+fn renumber(mut state: State, claims: bool) -> State {
     let mut collect = Collect::default();
-    visit(&mut state, &mut collect);
-    visit(&mut state, &mut Rewrite(&collect));
+    visit(&mut state, &mut collect, claims);
+    visit(&mut state, &mut Rewrite(&collect), claims);
     resort(&mut state);
     state
 }
@@ -260,7 +296,8 @@ fn swap_daemons(state: &State) -> State {
         fn token(&mut self, _: u8, _: u8, _: &mut u8) {}
     }
     let mut s = state.clone();
-    visit(&mut s, &mut Swap);
+    // (A swap renames no token: claim numbers need no visit.)
+    visit(&mut s, &mut Swap, false);
     for (settler, _) in s.redis.settled.iter_mut() {
         settler.daemon = 1 - settler.daemon;
     }

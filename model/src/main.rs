@@ -4,10 +4,11 @@
 //! - `large`: larger bounds (three tasks, more faults), minutes rather than seconds;
 //! - `break`: the "break it on purpose" experiments, each printing its counterexample;
 //! - a scenario name (see `setup.rs`: `pill`, `stall`, `lost-replies`, `rolling`, `mixed-modes`, `recovered`,
-//!   `zombie`, the finding `orphan`, and the larger `lost-replies-large`, `rolling-large`, `pill-large`,
+//!   `zombie`, `limit`, `limit-pair`, the finding `orphan`, and the larger `lost-replies-large`, `rolling-large`, `pill-large`,
 //!   `zombie-large`), optionally with `--mutation NAME` (`no-floor-check`, `no-adopt`, `no-idempotent-settle`,
 //!   `monitor-own-levels`, `group-beside-others`, `no-lease-check`, `renew-expired`, `pop-ready-only`,
-//!   `register-retry-keeps-lease`), `--progress` to print the checker's progress, `--trace` to print every
+//!   `register-retry-keeps-lease`, and the running limit's `subtract-uncounted`, `subtract-count`,
+//!   `limit-after-taking`, `monitor-subtracts-nothing`), `--progress` to print the checker's progress, `--trace` to print every
 //!   counterexample in full, or `--find PROPERTY` to search for the shortest counterexample of one property
 //!   (breadth first, one thread, daemons keep their names).
 //!
@@ -60,7 +61,10 @@ fn main() {
         }
     }
     if experiments {
-        for (setup, property) in setup::experiments() {
+        for (setup, property) in setup::experiments()
+            .into_iter()
+            .chain(setup::limit_experiments())
+        {
             let (name, mutation) = (setup.name, setup.mutation);
             let (path, visited, elapsed) = run::shortest(setup, property);
             println!("{name} with {mutation:?}: {visited} states searched in {elapsed:.1?}");
@@ -137,6 +141,10 @@ fn parse_mutation_opt(name: &str) -> Option<Mutation> {
         "renew-expired" => Some(Mutation::RenewExpired),
         "pop-ready-only" => Some(Mutation::PopReadyOnly),
         "register-retry-keeps-lease" => Some(Mutation::RegisterRetryKeepsLease),
+        "subtract-uncounted" => Some(Mutation::SubtractUncounted),
+        "subtract-count" => Some(Mutation::SubtractCount),
+        "limit-after-taking" => Some(Mutation::LimitAfterTaking),
+        "monitor-subtracts-nothing" => Some(Mutation::MonitorSubtractsNothing),
         _ => None,
     }
 }

@@ -8,7 +8,8 @@ use crate::redis::{
     Settler, quarantine_stage,
 };
 use crate::setup::{
-    Behaviour, Config, Levels, Mode, Mutation, Setup, UNFAIR_CHARGE, UNFAIR_DEAD, ZOMBIE_START,
+    Behaviour, Config, Levels, Mode, Mutation, NO_LEAK, NO_UNDERFLOW, RUNNING_BOUND, RUNNING_EXACT,
+    Setup, UNFAIR_CHARGE, UNFAIR_DEAD, ZOMBIE_START,
 };
 
 /// Everything that decides what can happen next.
@@ -83,6 +84,8 @@ pub struct Held {
     /// Safe mode: the owner it was claimed under and its token; default mode: none.
     pub owner: Option<OwnerId>,
     pub token: Option<u8>,
+    /// Safe mode: the claim whose list holds it (the settle call names it); 0 in default mode.
+    pub claim: u8,
     pub level: u8,
     pub env: Env,
     pub phase: Phase,
@@ -115,6 +118,10 @@ pub struct Ghost {
     /// A worker started a task whose token was no longer in its owner's processing hash (a monitor had recovered
     /// it: another daemon may be running it).
     pub zombie: bool,
+    /// A running limit held a claim back (see [`EVENT_HELD_BACK`]) at some point: kept for the whole history
+    /// (so that "every task is done" can be asked of histories in which the limit was in play), which only the
+    /// scenarios with a limit that binds pay for.
+    pub held_back: bool,
     /// What the step into this state did (the `EVENT_*` bits), for the `sometimes` properties. Only the last
     /// step's: bits kept for the whole history would multiply the states by every combination of past events.
     pub events: u16,
@@ -149,6 +156,8 @@ pub const EVENT_ALONE: u16 = 1 << 8;
 pub const EVENT_CHARGED: u16 = 1 << 9;
 /// A default-mode pop took quarantined tasks.
 pub const EVENT_POPPED_QUARANTINE: u16 = 1 << 10;
+/// A running limit held a claim back: it took fewer tasks than the same claim without the limit would have.
+pub const EVENT_HELD_BACK: u16 = 1 << 11;
 
 /// How a call's reply fares.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -307,7 +316,7 @@ impl Protocol {
     /// `LeaseExpired`): the owner ran a quarantined group of 1 (`group == Some(1)`), so its task ran alone and is
     /// charged; any other is recovered uncharged, to the ready front or the quarantine stage of
     /// `quarantine_stage(recovered + 1)`.
-    fn recover(&self, group: Option<u8>, level: u8, token: u8, env: Env) -> Record {
+    fn recover(&self, group: Option<u8>, level: u8, token: u8, claim: u8, env: Env) -> Record {
         let ran_alone = group == Some(1);
         let (op, payload) = if ran_alone {
             if env.attempt >= self.setup.retry_times {
@@ -333,6 +342,7 @@ impl Protocol {
         Record {
             op,
             token: Some(token),
+            claim,
             level,
             payload,
             charged: ran_alone,
@@ -398,6 +408,7 @@ impl Protocol {
                     Some(Record {
                         op,
                         token: held.token,
+                        claim: held.claim,
                         level: held.level,
                         payload,
                         charged: false,
@@ -542,6 +553,28 @@ impl Protocol {
         state.daemons[index].held.sort();
     }
 
+    /// claim.lua on `state`, with the events of its answer. Whether the running limit held it back is told by
+    /// running the same claim without the limit on a copy, when the limit leaves less than it asks for.
+    fn claim(&self, state: &mut State, call: &ClaimCall) -> Claimed {
+        let capped =
+            call.max_running > 0 && call.max > call.max_running.saturating_sub(state.redis.running);
+        let unlimited = capped.then(|| {
+            let mut redis = state.redis.clone();
+            let call = ClaimCall {
+                max_running: 0,
+                ..*call
+            };
+            redis.claim(&call, self.setup.mutation).tasks().len()
+        });
+        let claimed = state.redis.claim(call, self.setup.mutation);
+        state.ghost.events |= Self::claim_events(&claimed);
+        if unlimited.is_some_and(|n| n > claimed.tasks().len()) {
+            state.ghost.events |= EVENT_HELD_BACK;
+            state.ghost.held_back = true;
+        }
+        claimed
+    }
+
     /// The events of a claim's answer: a quarantined group of more than one task, or a group of 1.
     fn claim_events(claimed: &Claimed) -> u16 {
         match claimed {
@@ -567,11 +600,12 @@ impl Protocol {
         daemon.owner == Some(owner) && (state.redis.is_live(owner) || daemon.outliving)
     }
 
-    fn hold(daemon: &mut Daemon, owner: Option<OwnerId>, took: &[(u8, u8, Env)]) {
+    fn hold(daemon: &mut Daemon, owner: Option<OwnerId>, claim: u8, took: &[(u8, u8, Env)]) {
         for &(level, token, env) in took {
             daemon.held.push(Held {
                 owner,
                 token: owner.map(|_| token),
+                claim,
                 level,
                 env,
                 phase: Phase::Waiting,
@@ -845,7 +879,7 @@ impl Model for Protocol {
         state.ghost.events = 0;
         let state = self.step(state, action)?;
         Some(if self.reduce {
-            crate::canon::canonical(state)
+            crate::canon::canonical(state, self.setup.mutation)
         } else {
             state
         })
@@ -922,6 +956,30 @@ impl Model for Protocol {
                 happened::<EVENT_RECOVERED_UNSERVED>,
             ));
         }
+        let limit = setup.configs.iter().map(|c| c.max_running).max();
+        if let Some(limit) = limit.filter(|limit| *limit > 0) {
+            properties.push(Property::always(RUNNING_EXACT, running_exact));
+            properties.push(Property::always(RUNNING_BOUND, never_above_the_limit));
+            properties.push(Property::always(NO_UNDERFLOW, no_underflow));
+            properties.push(Property::always(NO_LEAK, nothing_leaks_at_rest));
+            let least = setup
+                .configs
+                .iter()
+                .map(|c| c.max_running)
+                .filter(|limit| *limit > 0)
+                .min()
+                .unwrap_or(limit);
+            if setup.tasks.len() > least as usize {
+                properties.push(Property::sometimes(
+                    "a limit held a claim back",
+                    happened::<EVENT_HELD_BACK>,
+                ));
+                properties.push(Property::sometimes(
+                    "every task is done after a limit held a claim back",
+                    done_after_held_back,
+                ));
+            }
+        }
         if setup.configs.iter().any(|c| c.mode == Mode::Default) {
             properties.push(Property::sometimes(
                 "a default-mode settlement is applied",
@@ -986,31 +1044,40 @@ impl Protocol {
             }
             Action::Claim { daemon, max, reply } => {
                 let index = daemon as usize;
-                let levels = self.config(&state.daemons[index]).levels;
+                let Config {
+                    levels,
+                    max_running,
+                    ..
+                } = self.config(&state.daemons[index]);
                 let d = &mut state.daemons[index];
                 let call = ClaimCall {
                     owner: d.owner?,
                     first: d.next_token,
                     max,
                     levels,
+                    max_running,
                 };
                 d.next_token += max;
                 match reply {
                     Reply::Delivered => {
-                        let claimed = state.redis.claim(&call, setup.mutation);
+                        let claimed = self.claim(&mut state, &call);
                         if claimed.tasks().is_empty() {
-                            // An empty claim (nothing ready, or Waiting: the fetcher waits for its lane to be
-                            // empty) changes nothing but the token counter: not worth a state. (It may delete a
+                            // An empty claim (nothing ready; Waiting: the fetcher waits for its lane to be
+                            // empty; Limited: it waits for a wake-up marker) changes nothing but the token
+                            // counter: not worth a state. (It may delete a
                             // `group` the owner no longer runs, which is dead data: see `Owner::group`.)
                             return None;
                         }
-                        state.ghost.events |= Self::claim_events(&claimed);
-                        Self::hold(&mut state.daemons[index], Some(call.owner), claimed.tasks());
+                        Self::hold(
+                            &mut state.daemons[index],
+                            Some(call.owner),
+                            call.first,
+                            claimed.tasks(),
+                        );
                     }
                     Reply::Lost | Reply::Unsent => {
                         if reply == Reply::Lost {
-                            let claimed = state.redis.claim(&call, setup.mutation);
-                            state.ghost.events |= Self::claim_events(&claimed);
+                            self.claim(&mut state, &call);
                         } else {
                             state.in_flight.push(call);
                             state.in_flight.sort();
@@ -1023,11 +1090,10 @@ impl Protocol {
             Action::ClaimArrives(call) => {
                 let at = state.in_flight.iter().position(|c| *c == call)?;
                 state.in_flight.remove(at);
-                let claimed = state.redis.claim(&call, setup.mutation);
+                let claimed = self.claim(&mut state, &call);
                 if claimed == Claimed::Fenced {
                     state.ghost.events |= EVENT_FENCED;
                 }
-                state.ghost.events |= Self::claim_events(&claimed);
             }
             Action::Adopt(daemon) => {
                 let index = daemon as usize;
@@ -1043,7 +1109,12 @@ impl Protocol {
                         if !took.is_empty() {
                             state.ghost.events |= EVENT_ADOPTED;
                         }
-                        Self::hold(&mut state.daemons[index], Some(lost.owner), &took);
+                        Self::hold(
+                            &mut state.daemons[index],
+                            Some(lost.owner),
+                            lost.first,
+                            &took,
+                        );
                     }
                 }
             }
@@ -1066,7 +1137,7 @@ impl Protocol {
                     .into_iter()
                     .map(|(level, env)| (level, 0, env))
                     .collect();
-                Self::hold(&mut state.daemons[index], None, &took);
+                Self::hold(&mut state.daemons[index], None, 0, &took);
             }
             Action::StartRun { daemon, task } => {
                 let index = daemon as usize;
@@ -1182,7 +1253,7 @@ impl Protocol {
                 let records: List<Record> = state
                     .redis
                     .held_by(owner, level)
-                    .map(|p| self.recover(group, level, p.token, p.env))
+                    .map(|p| self.recover(group, level, p.token, p.claim, p.env))
                     .collect();
                 state.redis.new_call(Settler {
                     daemon,
@@ -1371,6 +1442,34 @@ fn never_dead_for_a_neighbour(model: &Protocol, state: &State) -> bool {
     state.redis.dead.iter().all(|env| {
         model.behaviour(env.task) == Behaviour::Pill || state.ghost.unfair & (1 << env.task) == 0
     })
+}
+
+/// `running`'s `q` is the number of positions of counted claim lists (those with a scopes string) whose settled
+/// bit is not set: flow-control.md §4's equality, for the one scope built so far.
+fn running_exact(_: &Protocol, state: &State) -> bool {
+    let counted = state.redis.processing.iter().filter(|p| p.counted).count();
+    usize::from(state.redis.running) == counted
+}
+
+/// `running` never exceeds `max_running`: the largest of the configs in play (each scenario uses one value).
+fn never_above_the_limit(model: &Protocol, state: &State) -> bool {
+    let limit = model.setup.configs.iter().map(|c| c.max_running).max();
+    limit.is_none_or(|limit| state.redis.running <= limit)
+}
+
+/// Every task is done, in a history in which a running limit held a claim back.
+fn done_after_held_back(model: &Protocol, state: &State) -> bool {
+    state.ghost.held_back && all_done(model, state)
+}
+
+/// settle.lua never had to stop a count at 0.
+fn no_underflow(_: &Protocol, state: &State) -> bool {
+    state.redis.running_underflow == 0
+}
+
+/// When no claim list remains, nothing is counted.
+fn nothing_leaks_at_rest(_: &Protocol, state: &State) -> bool {
+    !state.redis.processing.is_empty() || state.redis.running == 0
 }
 
 fn all_done(model: &Protocol, state: &State) -> bool {

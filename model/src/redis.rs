@@ -100,13 +100,21 @@ pub struct Owner {
     pub crashed_by_orphan: bool,
 }
 
-/// One field of a processing hash `P:{Q}:processing:OWNER:LEVEL`: token -> envelope.
+/// One unsettled position of a claim list `P:{Q}:processing:OWNER:LEVEL:CLAIM`, as a field of the owner's
+/// processing area: token -> envelope (a settled bit is the entry's removal; a list whose every position is
+/// settled goes, with its scopes string, when its last entry goes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Processing {
     pub owner: OwnerId,
     pub level: u8,
     pub token: u8,
     pub env: Env,
+    /// The claim that made the list (`ARGV[7]`, the call's first token): the list is (owner, level, claim).
+    /// Only [`Mutation::SubtractCount`] reads it; [`crate::canon`] forgets it otherwise.
+    pub claim: u8,
+    /// The list's scopes string `N q` exists: the claim was made under a running limit, and its tasks count in
+    /// `running`'s `q` until their bits are set. Written by the claim with the list, deleted with it.
+    pub counted: bool,
 }
 
 /// A settling party (an acker or a monitor of one daemon run): its identity names its `settled:` key.
@@ -137,19 +145,25 @@ pub struct Redis {
     /// `stats.done`, split by task (the script adds the number of applied acknowledgements; the split is what
     /// lets the properties see which task was counted).
     pub done: [u8; 3],
+    /// The running hash's `q` (absent: 0): tasks of counted claim lists whose settled bit is not set.
+    pub running: u8,
+    /// `stats.running_underflow`: what settle.lua would have taken `q` below 0 by (it stops at 0).
+    pub running_underflow: u8,
     /// `settled:SETTLER`: the last call's number of each settling party. The stored result is left out: the
     /// daemon's reaction to a reply does not depend on it in this model. Records of a daemon run that ended are
     /// dropped: that party never calls again, and the key only expires (a day later) in Redis.
     pub settled: List<(Settler, u8)>,
 }
 
-/// One claim call: the owner, the first of its tokens, how many (`ARGV[2]`), and the levels of its KEYS.
+/// One claim call: the owner, the first of its tokens (the claim's number, `ARGV[7]`), how many (`ARGV[2]`), the
+/// levels of its KEYS, and the queue's `max_running` in the caller's config (`ARGV[8]`, 0: none).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ClaimCall {
     pub owner: OwnerId,
     pub first: u8,
     pub max: u8,
     pub levels: Levels,
+    pub max_running: u8,
 }
 
 /// What claim.lua answered.
@@ -162,6 +176,9 @@ pub enum Claimed {
     /// State 2: nothing, because quarantined tasks wait (or the owner runs a group) and the owner still holds
     /// tasks: it settles them first.
     Waiting,
+    /// State 4: nothing, because `max_running` tasks are counted in `running` (the fetcher waits for a wake-up
+    /// marker, which a settle that frees some pushes).
+    Limited,
     /// State 1: one quarantined group, with nothing else: its size (one of [`GROUPS`]), and (level, token,
     /// envelope) of each of its tasks.
     Group(u8, List<(u8, u8, Env)>),
@@ -187,6 +204,9 @@ pub struct Record {
     pub op: Op,
     /// `None`: a default-mode record, which has no token and is never stale.
     pub token: Option<u8>,
+    /// The claim whose list holds the token (the record's claim index names it; 0 in default mode). Only
+    /// [`Mutation::SubtractCount`] reads it.
+    pub claim: u8,
     pub level: u8,
     /// The payload: the envelope to queue (retry / recover / back), or the dead record's task and attempt.
     pub payload: Env,
@@ -263,20 +283,24 @@ impl Redis {
             .any(|p| p.owner == owner && p.level == level && p.token == token)
     }
 
-    /// HDEL of one token: true when it was there.
-    fn hdel(&mut self, owner: OwnerId, level: u8, token: u8) -> bool {
-        let before = self.processing.len();
-        self.processing
-            .retain(|p| !(p.owner == owner && p.level == level && p.token == token));
-        self.processing.len() < before
+    /// HDEL of one token (settle.lua's GETBIT = 0, then SETBIT): the entry, when it was there.
+    fn hdel(&mut self, owner: OwnerId, level: u8, token: u8) -> Option<Processing> {
+        let at = self
+            .processing
+            .iter()
+            .position(|p| p.owner == owner && p.level == level && p.token == token)?;
+        Some(self.processing.remove(at))
     }
 
-    fn hset(&mut self, owner: OwnerId, level: u8, token: u8, env: Env) {
+    /// One position of the claim list (owner, level, claim), counted or not.
+    fn hset(&mut self, owner: OwnerId, level: u8, token: u8, env: Env, claim: u8, counted: bool) {
         self.processing.push(Processing {
             owner,
             level,
             token,
             env,
+            claim,
+            counted,
         });
         self.processing.sort();
     }
@@ -329,14 +353,30 @@ impl Redis {
 
     /// claim.lua. With [`Mutation::GroupBesideOthers`], the quarantine rule before kmqd's bisecting one: a
     /// group is taken while the owner holds other tasks (unless it runs a group already), and ready tasks fill
-    /// the rest of the claim beside it.
+    /// the rest of the claim beside it. Under a running limit (`max_running > 0`) it takes at most what
+    /// `running` leaves (nothing, state 4, when that is none), adds what it took to `running`, and marks its
+    /// lists counted (their scopes strings); [`Mutation::LimitAfterTaking`] takes up to `max` whatever the count
+    /// and compares only afterwards, which decides nothing the model keeps (the answer's state).
     pub fn claim(&mut self, call: &ClaimCall, mutation: Option<Mutation>) -> Claimed {
+        let claimed = self.take(call, mutation);
+        // finish(): HINCRBY running q counted (the sum of record()'s n: one per task in the claim's lists)
+        if call.max_running > 0 {
+            self.running += claimed.tasks().len() as u8;
+        }
+        claimed
+    }
+
+    /// claim.lua up to its `finish`: the checks, and the tasks it moves into the claim's lists (each list's
+    /// scopes string written with it, in `record`, when the call has a limit).
+    fn take(&mut self, call: &ClaimCall, mutation: Option<Mutation>) -> Claimed {
         let ClaimCall {
             owner: id,
             first,
-            max,
+            mut max,
             levels,
+            max_running,
         } = *call;
+        let counted = max_running > 0;
         let old_rule = mutation == Some(Mutation::GroupBesideOthers);
         // if not lease or lease <= now: LEASELOST
         let Some(owner) = self.owner(id) else {
@@ -350,6 +390,15 @@ impl Redis {
             && owner.floor.is_some_and(|floor| first < floor)
         {
             return Claimed::Fenced;
+        }
+        // (EXISTS of this claim's lists: FENCED "already made". A claim runs once here: never.)
+        // (EXISTS paused: state 3. Pausing is not modelled.)
+        // if max_running > 0: running >= max_running -> state 4; max = min(max, max_running - running)
+        if counted && mutation != Some(Mutation::LimitAfterTaking) {
+            if self.running >= max_running {
+                return Claimed::Limited;
+            }
+            max = max.min(max_running - self.running);
         }
         // holds: one of the owner's processing hashes (at these KEYS' levels) is not empty
         let holds = self
@@ -391,7 +440,7 @@ impl Redis {
                 let got: List<Env> = list.drain(..count).collect();
                 for (k, env) in got.into_iter().enumerate() {
                     let token = first + k as u8;
-                    self.hset(id, level, token, env);
+                    self.hset(id, level, token, env, first, counted);
                     took.push((level, token, env));
                 }
                 if let Some(owner) = self.owner_mut(id) {
@@ -409,7 +458,7 @@ impl Redis {
         for level in levels.iter() {
             while next < end && !self.ready[level as usize].is_empty() {
                 let env = self.ready[level as usize].remove(0);
-                self.hset(id, level, next, env);
+                self.hset(id, level, next, env, first, counted);
                 took.push((level, next, env));
                 next += 1;
             }
@@ -469,6 +518,28 @@ impl Redis {
                 ..SettleReply::default()
             };
         }
+        // GET of each touched claim's scopes string (before anything is written). Only
+        // SubtractCount reads it here: it subtracts, per claim with one, the positions the call names for it.
+        let mut freed = 0u8;
+        if let (Some(Mutation::SubtractCount), Some(owner)) = (mutation, owner) {
+            for (k, record) in records.iter().enumerate() {
+                let Some(_) = record.token else { continue };
+                let list = (record.level, record.claim);
+                let first = records[..k]
+                    .iter()
+                    .all(|r| r.token.is_none() || (r.level, r.claim) != list);
+                let scopes = self
+                    .processing
+                    .iter()
+                    .any(|p| p.owner == owner && (p.level, p.claim) == list && p.counted);
+                if first && scopes {
+                    freed += records
+                        .iter()
+                        .filter(|r| r.token.is_some() && (r.level, r.claim) == list)
+                        .count() as u8;
+                }
+            }
+        }
         // fence "expired": nothing applies unless the owner is there and its lease has run out
         let live = match (fence, owner) {
             (Fence::Owner, _) => true,
@@ -480,14 +551,35 @@ impl Redis {
         for record in records {
             let ok = match (record.token, owner) {
                 (None, _) => true,
-                (Some(token), Some(owner)) => live && self.hdel(owner, record.level, token),
-                (Some(_), None) => false,
+                (Some(token), Some(owner)) if live => match self.hdel(owner, record.level, token) {
+                    // A bit this call newly sets: its task leaves `running` if its list has a scopes string.
+                    Some(p) => {
+                        let subtracts = match mutation {
+                            Some(Mutation::SubtractUncounted) => true,
+                            Some(Mutation::SubtractCount) => false,
+                            _ => p.counted,
+                        };
+                        freed += u8::from(subtracts);
+                        true
+                    }
+                    None => false,
+                },
+                (Some(_), _) => false,
             };
             if ok {
                 unfair |= self.apply(record, owner);
             }
             applied.push(ok);
         }
+        // for scope, n in pairs(freed): left = running[scope] - n, never below 0 (the rest counted in
+        // running_underflow); HDEL at 0, else HSET
+        if fence == Fence::Expired && mutation == Some(Mutation::MonitorSubtractsNothing) {
+            freed = 0;
+        }
+        if freed > self.running {
+            self.running_underflow = self.running_underflow.saturating_add(freed - self.running);
+        }
+        self.running = self.running.saturating_sub(freed);
         // SET last_call (call .. '|' .. result) PX one day
         self.settled.retain(|(who, _)| *who != settler);
         self.settled.push((settler, call));
@@ -646,6 +738,7 @@ mod tests {
             first,
             max,
             levels: Levels::BOTH,
+            max_running: 0,
         }
     }
 
@@ -691,6 +784,7 @@ mod tests {
         let ack = Record {
             op: Op::Ack,
             token: Some(0),
+            claim: 0,
             level: 1,
             payload: Env::new(2),
             charged: false,
@@ -734,6 +828,63 @@ mod tests {
         redis.push(0, Env::new(4));
         let claimed = redis.claim(&call(4, 3), old);
         assert_eq!(order(&claimed), [(0, 4, 4)]);
+    }
+
+    #[test]
+    fn a_limited_claim_takes_what_running_leaves_and_a_settle_subtracts_only_counted_lists() {
+        let mut redis = registered();
+        for task in 0..3 {
+            redis.push(0, Env::new(task));
+        }
+        let limited = |first, max| ClaimCall {
+            max_running: 1,
+            ..call(first, max)
+        };
+        // max_running = 1: one of the two asked for, counted; then state 4.
+        let claimed = redis.claim(&limited(0, 2), None);
+        assert_eq!(order(&claimed), [(0, 0, 0)]);
+        assert_eq!(redis.running, 1);
+        assert_eq!(redis.claim(&limited(2, 2), None), Claimed::Limited);
+        // Without a limit (a daemon whose config has none): taken, not counted.
+        let claimed = redis.claim(&call(4, 1), None);
+        assert_eq!(order(&claimed), [(0, 4, 1)]);
+        assert_eq!(redis.running, 1);
+        // The limit checked only after taking: over it.
+        let mut over = redis.clone();
+        over.claim(&limited(6, 2), Some(Mutation::LimitAfterTaking));
+        assert_eq!(over.running, 2);
+        let settler = Settler {
+            daemon: 0,
+            run: 0,
+            monitor: false,
+        };
+        let ack = |token, claim, task| Record {
+            op: Op::Ack,
+            token: Some(token),
+            claim,
+            level: 0,
+            payload: Env::new(task),
+            charged: false,
+        };
+        // The uncounted list's ack subtracts nothing (with SubtractUncounted, it does).
+        let mut wrong = redis.clone();
+        redis.settle(settler, 1, Fence::Owner, Some(OWNER), &[ack(4, 4, 1)], None);
+        assert_eq!(redis.running, 1);
+        let mutation = Some(Mutation::SubtractUncounted);
+        wrong.settle(
+            settler,
+            1,
+            Fence::Owner,
+            Some(OWNER),
+            &[ack(4, 4, 1)],
+            mutation,
+        );
+        assert_eq!(wrong.running, 0);
+        // The counted one's does, once: sent again as a new call, its bit is set already.
+        redis.settle(settler, 2, Fence::Owner, Some(OWNER), &[ack(0, 0, 0)], None);
+        assert_eq!((redis.running, redis.running_underflow), (0, 0));
+        redis.settle(settler, 3, Fence::Owner, Some(OWNER), &[ack(0, 0, 0)], None);
+        assert_eq!((redis.running, redis.running_underflow), (0, 0));
     }
 
     #[test]
@@ -788,6 +939,7 @@ mod tests {
         let ack = Record {
             op: Op::Ack,
             token: None,
+            claim: 0,
             level: 0,
             payload: Env::new(0),
             charged: false,
@@ -817,6 +969,7 @@ mod tests {
         let recover = Record {
             op: Op::Recover,
             token: Some(0),
+            claim: 0,
             level: 1,
             payload: Env::new(0),
             charged: false,

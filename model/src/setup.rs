@@ -41,6 +41,9 @@ pub enum Mode {
 pub struct Config {
     pub levels: Levels,
     pub mode: Mode,
+    /// The queue's `max_running` in this config (claim.lua's `ARGV[8]`; 0: none). Safe mode only (the config is
+    /// refused in default mode). A scenario's configs use one limit value, or none.
+    pub max_running: u8,
 }
 
 /// What a task's handler does.
@@ -80,6 +83,20 @@ pub enum Mutation {
     /// lost reply answers 1 and leaves the first call's deadline, while the fetcher counts its lease from when it
     /// sent the retry (the first finding of the model, now fixed).
     RegisterRetryKeepsLease,
+    /// settle.lua subtracts every task whose bit it sets from `running`, without looking at the claim list's
+    /// scopes string: a task claimed without a limit (by a daemon whose config has none) is subtracted too.
+    SubtractUncounted,
+    /// settle.lua subtracts, for each claim with a scopes string, the number of positions the call names for it
+    /// (its `count`; the model, whose owner and monitor both send one record per task, counts the records naming
+    /// the claim), not the number of bits it newly set: a monitor and a late owner that settle the same task both
+    /// subtract it.
+    SubtractCount,
+    /// claim.lua takes its tasks first and compares `running` with the limit only afterwards: it takes up to
+    /// `ARGV[2]` whatever the count, and adds them all.
+    LimitAfterTaking,
+    /// settle.lua under the "expired" fence (a monitor recovering an expired owner's tasks) subtracts nothing:
+    /// the running slots of a crashed daemon leak.
+    MonitorSubtractsNothing,
 }
 
 /// One bounded check.
@@ -131,15 +148,25 @@ impl Setup {
 const SAFE_HIGH: Config = Config {
     levels: Levels::HIGH,
     mode: Mode::Safe,
+    max_running: 0,
 };
 const SAFE_BOTH: Config = Config {
     levels: Levels::BOTH,
     mode: Mode::Safe,
+    max_running: 0,
 };
 const DEFAULT_HIGH: Config = Config {
     levels: Levels::HIGH,
     mode: Mode::Default,
+    max_running: 0,
 };
+/// Safe mode, the high level, and `max_running = N`.
+const fn limited(max_running: u8) -> Config {
+    Config {
+        max_running,
+        ..SAFE_HIGH
+    }
+}
 
 /// A monitor charges a task for a crash only if its owner held nothing else when its lease ran out. kmqd broke it
 /// before 446e653 (a quarantined task was claimed together with ready tasks; [`Mutation::GroupBesideOthers`]
@@ -153,11 +180,15 @@ pub const UNFAIR_DEAD: &str = "no ok task is dead-lettered for a neighbour's cra
 /// on a retry ([`Mutation::RegisterRetryKeepsLease`] shows it; see README, "What the checker found").
 pub const ZOMBIE_START: &str = "no daemon starts a task it lost";
 
+/// Safe mode, the high level, `max_running = 2`: with two tasks the limit never holds a claim back, so a
+/// scenario explores the same states as without it, and checks the running count in each.
+const SAFE_LIMITED: Config = limited(2);
+
 fn base(name: &'static str, tasks: Vec<(Behaviour, u8)>) -> Setup {
     Setup {
         name,
         tasks,
-        configs: vec![SAFE_HIGH],
+        configs: vec![SAFE_LIMITED],
         initial: [0, 0],
         slots: 2,
         retry_times: 1,
@@ -208,7 +239,14 @@ pub fn lost_replies() -> Setup {
 /// owner registered with both levels still holds tasks.
 pub fn rolling() -> Setup {
     Setup {
-        configs: vec![SAFE_BOTH, SAFE_HIGH, DEFAULT_HIGH],
+        configs: vec![
+            Config {
+                max_running: 2,
+                ..SAFE_BOTH
+            },
+            SAFE_LIMITED,
+            DEFAULT_HIGH,
+        ],
         crashes: 1,
         lost_replies: 1,
         shutdowns: 1,
@@ -220,7 +258,7 @@ pub fn rolling() -> Setup {
 /// the last call keeps them from being applied twice), a graceful stop, a crash.
 pub fn mixed_modes() -> Setup {
     Setup {
-        configs: vec![SAFE_HIGH, DEFAULT_HIGH],
+        configs: vec![SAFE_LIMITED, DEFAULT_HIGH],
         initial: [0, 1],
         crashes: 1,
         lost_replies: 1,
@@ -255,6 +293,22 @@ pub fn zombie() -> Setup {
     }
 }
 
+/// A safe-mode queue's `max_running` (flow control, step 1) at 1, with one daemon whose config has it and one
+/// whose config has not: claims counted and claims not counted side by side, and a `kill -9` that restarts either
+/// daemon with either config (a rolling change that adds the limit, or takes it away). An ok and a flaky task
+/// (its retry comes back through the retry zset and is claimed again), and a lost reply (a claim adopted, a
+/// settle sent again, a monitor's call sent again). Every other scenario's safe-mode configs have
+/// `max_running = 2`, which two tasks never reach: the same states, with every count checked in each.
+pub fn limit() -> Setup {
+    Setup {
+        configs: vec![limited(1), SAFE_HIGH],
+        initial: [0, 1],
+        crashes: 1,
+        lost_replies: 1,
+        ..base("limit", vec![(Behaviour::Ok, 0), (Behaviour::Flaky, 0)])
+    }
+}
+
 /// The scenarios the CI check runs exhaustively.
 pub fn ci() -> Vec<Setup> {
     vec![
@@ -265,6 +319,7 @@ pub fn ci() -> Vec<Setup> {
         mixed_modes(),
         recovered(),
         zombie(),
+        limit(),
     ]
 }
 
@@ -291,6 +346,8 @@ pub fn large() -> Vec<Setup> {
             name: "pill-large",
             tasks: three,
             slots: 3,
+            // Unlimited, as measured: `max_running = 2` would hold back three tasks.
+            configs: vec![SAFE_HIGH],
             ..pill()
         },
         Setup {
@@ -323,6 +380,43 @@ fn pill_quarantined() -> Setup {
         recovered: 3,
         ..pill()
     }
+}
+
+/// The properties of the running limit.
+pub const RUNNING_EXACT: &str = "running counts are exact";
+pub const RUNNING_BOUND: &str = "never above the limit";
+pub const NO_UNDERFLOW: &str = "no underflow";
+pub const NO_LEAK: &str = "nothing leaks at rest";
+
+/// The running limit's "break it on purpose" experiments: a mutated setup and a property it must break (each has
+/// its own test in `tests/check.rs`).
+pub fn limit_experiments() -> Vec<(Setup, &'static str)> {
+    vec![
+        (
+            limit().with_mutation(Mutation::SubtractUncounted),
+            RUNNING_EXACT,
+        ),
+        (
+            limit().with_mutation(Mutation::SubtractUncounted),
+            NO_UNDERFLOW,
+        ),
+        (
+            zombie().with_mutation(Mutation::SubtractCount),
+            NO_UNDERFLOW,
+        ),
+        (
+            zombie().with_mutation(Mutation::SubtractCount),
+            RUNNING_EXACT,
+        ),
+        (
+            limit().with_mutation(Mutation::LimitAfterTaking),
+            RUNNING_BOUND,
+        ),
+        (
+            limit().with_mutation(Mutation::MonitorSubtractsNothing),
+            NO_LEAK,
+        ),
+    ]
 }
 
 /// The "break it on purpose" experiments: a mutated setup and the property it must break.

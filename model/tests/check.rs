@@ -6,7 +6,10 @@
 use std::time::Instant;
 
 use kmq_model::run::{self, Report};
-use kmq_model::setup::{self, Mutation, Setup, UNFAIR_CHARGE, UNFAIR_DEAD, ZOMBIE_START};
+use kmq_model::setup::{
+    self, Mutation, NO_LEAK, NO_UNDERFLOW, RUNNING_BOUND, RUNNING_EXACT, Setup, UNFAIR_CHARGE,
+    UNFAIR_DEAD, ZOMBIE_START,
+};
 
 /// Checks `setups` exhaustively: every `always` property holds except each scenario's known failures (which
 /// must fail), and every `sometimes` property is seen. Returns the reports.
@@ -95,6 +98,72 @@ fn removing_a_safeguard_breaks_the_property_it_keeps() {
             "{name} with {mutation:?}: \"{property}\" violated in {} steps ({visited} states, {elapsed:.1?})\n{}",
             path.len(),
             run::describe(&path)
+        );
+    }
+}
+
+/// The running limit's experiment of `mutation`: each of its properties in `setup::limit_experiments` is
+/// violated (in release; the first one in a debug build), and the shortest counterexample is printed. Returns
+/// the lengths.
+fn limit_experiment(mutation: Mutation) -> Vec<usize> {
+    let mut lengths = Vec::new();
+    for (setup, property) in setup::limit_experiments() {
+        // A debug build (`cargo test --workspace`) searches for the first property of each mutation only: the
+        // second of SubtractCount's takes it about 6 s there (0.8 s in release).
+        if setup.mutation != Some(mutation) || (cfg!(debug_assertions) && !lengths.is_empty()) {
+            continue;
+        }
+        let name = setup.name;
+        let (path, visited, elapsed) = run::shortest(setup, property);
+        let path = path.unwrap_or_else(|| {
+            panic!("{name} with {mutation:?}: \"{property}\" still holds ({visited} states)")
+        });
+        println!(
+            "{name} with {mutation:?}: \"{property}\" violated in {} steps ({visited} states, {elapsed:.1?})\n{}",
+            path.len(),
+            run::describe(&path)
+        );
+        lengths.push(path.len());
+    }
+    assert!(!lengths.is_empty(), "no experiment of {mutation:?}");
+    lengths
+}
+
+/// settle.lua subtracting without looking at the scopes string takes a task claimed without the limit off the
+/// count: the count falls below what counted lists hold, then below 0.
+#[test]
+fn a_settle_that_subtracts_an_uncounted_claim_is_caught() {
+    limit_experiment(Mutation::SubtractUncounted);
+}
+
+/// settle.lua subtracting the positions a call names, not the bits it newly sets: a monitor's call that finds
+/// one of its tasks settled by the late owner subtracts it a second time.
+#[test]
+fn a_settle_that_subtracts_its_count_rather_than_its_new_bits_is_caught() {
+    limit_experiment(Mutation::SubtractCount);
+}
+
+/// claim.lua comparing with the limit only after it took: a claim takes more than the limit leaves.
+#[test]
+fn a_claim_that_checks_the_limit_after_taking_is_caught() {
+    limit_experiment(Mutation::LimitAfterTaking);
+}
+
+/// A monitor's recovery that subtracts nothing: a crashed daemon's slots leak.
+#[test]
+fn a_monitor_that_subtracts_nothing_is_caught() {
+    limit_experiment(Mutation::MonitorSubtractsNothing);
+}
+
+/// Every property of the running limit has an experiment that breaks it.
+#[test]
+fn every_property_of_the_running_limit_is_broken_by_an_experiment() {
+    for property in [RUNNING_EXACT, RUNNING_BOUND, NO_UNDERFLOW, NO_LEAK] {
+        assert!(
+            setup::limit_experiments()
+                .iter()
+                .any(|(_, broken)| *broken == property),
+            "{property}"
         );
     }
 }
