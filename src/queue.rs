@@ -107,6 +107,7 @@ impl QueueContext {
 
     /// Decides a held task's fate from `verdict` and builds the settlement that applies it
     /// ([`settlement::decide`], with this queue's policy and the origin its records name).
+    #[inline]
     pub fn settle(
         &self,
         verdict: Verdict,

@@ -392,7 +392,9 @@ impl Lane {
     /// The run of `task` is over with `verdict`: its outcome for the acker, unless someone took the task while it
     /// ran (`None`: the outcome is dropped, and a worker counted stuck is given back). `token`: the task's, as
     /// the resolver names it (see [`Task::parts`]); `envelope`: its payload decoded, when it decodes; `ran`: what
-    /// the handler's run left, when one ran.
+    /// the handler's run left, when one ran. Inlined into the worker's loop: a call of its own, with the task's
+    /// parts passed on by value, cost about 40 instructions a task (scripts/drain-instructions).
+    #[inline]
     pub fn finish(
         &self,
         job: JobId,
