@@ -199,8 +199,13 @@ local counts, limits = {}, {}
 for k = 1, claims do
   local scopes = redis.call('GET', claim[k].scopes)
   if scopes then
+    local named = string.match(scopes, '^%d+ (%S.*)$')
+    if not named then
+      return redis.error_reply('ERR settle.lua: ' .. claim[k].scopes .. ' holds ' .. string.sub(scopes, 1, 40) ..
+        ', not "N SCOPE..."; nothing was applied')
+    end
     claim[k].counted = {}
-    for scope in string.gmatch(string.match(scopes, '^%d+ (.*)$') or '', '%S+') do
+    for scope in string.gmatch(named, '%S+') do
       if not counts[scope] then
         local value = redis.call('HMGET', running, scope, scope .. ':limit')
         local refused = integer(running, scope, value[1]) or integer(running, scope .. ':limit', value[2])
