@@ -43,7 +43,12 @@ pub fn push(
 ) -> Result<Vec<bool>> {
     let (after_ms, at_ms) = match due {
         Due::Now => (0, 0),
-        Due::After(after) => (after.as_millis().max(1) as i64, 0),
+        // A delay longer than an i64 of milliseconds holds (about 292 million years) is held at that: cast, it
+        // wrapped to a negative one, and the task ran at once (the review's L11).
+        Due::After(after) => (
+            i64::try_from(after.as_millis()).unwrap_or(i64::MAX).max(1),
+            0,
+        ),
         Due::At(at) => (0, at.max(1)),
     };
     let mut invocation = SCRIPTS.push.prepare_invoke();

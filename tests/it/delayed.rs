@@ -241,3 +241,27 @@ fn due_retries_go_to_the_front_and_due_delayed_tasks_to_the_back() {
     let index: i64 = redis.cmd(&["HLEN", "kmq:{jobs}:delayed-tasks"]);
     assert_eq!(index, 0, "moved tasks leave the id index");
 }
+
+/// The review's L11: a delay too long for an i64 of milliseconds wrapped to a negative one, and the task ran at
+/// once. A delay is now held at the longest a score can say: the task waits.
+#[test]
+fn a_delay_too_long_for_milliseconds_waits_instead_of_running_now() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &queue(""));
+    let client = client(&config);
+    for (id, delay) in [
+        ("forever", Duration::MAX),
+        ("ages", Duration::from_secs(u64::MAX / 1000)),
+    ] {
+        let task = NewTask::new("test", "{}").unwrap().id(id).delay(delay);
+        assert!(client.push("jobs", task).unwrap().is_accepted());
+        let left = client.remaining_delay("jobs", id).unwrap();
+        assert!(
+            left.is_some_and(|left| left > Duration::from_secs(100 * 365 * 24 * 3600)),
+            "{id}: {left:?}"
+        );
+    }
+    let s = stats(&config, "jobs");
+    assert_eq!((s.ready, s.delayed), (0, 2), "{s:?}");
+}
