@@ -8,6 +8,7 @@ use serde::Serialize;
 
 use base64::Engine as _;
 
+use crate::broker::keys::quarantine_stage;
 use crate::broker::{SettleOp, Settlement, Token};
 use crate::policy::{self, Action, Policy, Verdict};
 use crate::task::{Envelope, LOGGED_PAYLOAD_BYTES, capped, new_id};
@@ -275,10 +276,17 @@ pub fn decide(
 }
 
 /// A hand-back (the shutdown, a reload, stuck workers): the task goes to the front of its level unchanged, and a
-/// unique one keeps its id held, as a waiting task again (default mode: no longer by the popping owner).
+/// unique one keeps its id held, as a waiting task again (default mode: no longer by the popping owner). A task
+/// that waited in the quarantine goes back there, to the stage its envelope says (`recovered`; alone once it
+/// `crashes`d a daemon running alone): handed back to the ready list, a poison pill would crash a full batch on
+/// every rolling restart, uncharged (the review's L2).
 pub fn handback(task: TaskParts<'_>) -> Settlement {
+    let quarantine = task.envelope.and_then(|envelope| {
+        let stage = quarantine_stage(envelope.recovered);
+        if envelope.crashes > 0 { Some(0) } else { stage }
+    });
     Settlement {
-        op: SettleOp::Back,
+        op: SettleOp::Back { quarantine },
         unique_id: task.unique_id(),
         token: task.token,
         level: task.level,

@@ -663,8 +663,12 @@ pub enum SettleOp {
         delay: Duration,
         isolated: bool,
     },
-    /// Handed back at shutdown: to the front of its level, unchanged and uncounted.
-    Back,
+    /// Handed back (the shutdown, a reload, stuck workers): to the front of its level, unchanged and uncounted,
+    /// or of the level's quarantine list of stage `quarantine` (an index into `QUARANTINE_GROUPS`) for a task that
+    /// waited there, so that a poison pill handed back runs alone again rather than with a full batch.
+    Back {
+        quarantine: Option<usize>,
+    },
     /// Back from an expired lease, uncharged (the payload carries `recovered + 1`): to the front of the level, or
     /// to the front of the quarantine list of stage `quarantine` (an index into `QUARANTINE_GROUPS`).
     Recover {
@@ -859,7 +863,10 @@ pub fn settle<'a>(
             // For the quarantine ops, the delay field carries the quarantine stage (1-based).
             SettleOp::Retry { isolated: true, .. } => ("retry_isolated", 1),
             SettleOp::Retry { delay, .. } => ("retry", delay.as_millis() as u64),
-            SettleOp::Back => ("back", 0),
+            SettleOp::Back { quarantine: None } => ("back", 0),
+            SettleOp::Back {
+                quarantine: Some(stage),
+            } => ("back_isolated", *stage as u64 + 1),
             SettleOp::Recover { quarantine: None } => ("recover", 0),
             SettleOp::Recover {
                 quarantine: Some(stage),

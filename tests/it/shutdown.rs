@@ -269,3 +269,40 @@ fn plugins_are_shut_down_only_after_their_last_final_failure_hook_returned() {
         "the hook returned before the plugin was shut down: {lines:?}"
     );
 }
+
+/// The review's L2: a task taken from the quarantine and handed back at shutdown went to the ready list, where a
+/// poison pill would crash a full batch, uncharged, on every rolling restart. It goes back to its quarantine list.
+#[test]
+fn a_quarantined_task_handed_back_at_shutdown_goes_back_to_the_quarantine() {
+    for (envelope, list) in [
+        (
+            r#"{"id":"suspect","type":"test","data":{"until_cancelled":true},"recovered":3}"#,
+            "kmq:{jobs}:quarantine:8:normal",
+        ),
+        (
+            r#"{"id":"suspect","type":"test","data":{"until_cancelled":true},"attempt":1,"crashes":1}"#,
+            "kmq:{jobs}:quarantine:1:normal",
+        ),
+    ] {
+        let redis = RedisServer::start();
+        let dir = TestDir::new();
+        let config = dir.config_with(&redis, "shutdown_grace = \"300ms\"", &queue(""));
+        let _: i64 = redis.cmd(&["RPUSH", list, envelope]);
+        let mut daemon = Process::start(&config, dir.path("kmqd.log"));
+        wait_started(&dir, "suspect");
+        daemon.signal(SIGTERM);
+        assert_eq!(
+            daemon.wait_within(Duration::from_secs(20)),
+            Some(0),
+            "{}",
+            daemon.log_text()
+        );
+        let (quarantined, ready): (i64, i64) = (
+            redis.cmd(&["LLEN", list]),
+            redis.cmd(&["LLEN", "kmq:{jobs}:ready:normal"]),
+        );
+        assert_eq!((quarantined, ready), (1, 0), "{list}");
+        let back: String = redis.cmd(&["LINDEX", list, "0"]);
+        assert_eq!(back, envelope, "handed back unchanged");
+    }
+}

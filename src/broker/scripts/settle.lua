@@ -34,6 +34,8 @@
 --   op "recover_isolated": as "recover", to the front of the level's quarantine list of stage "delay"
 --   op "back":  handed back at shutdown: payload goes to the front of its ready list, attempt unchanged; its
 --               unique id, if any, stays held (the task waits again) but no longer by the popping owner
+--   op "back_isolated": as "back", to the front of the level's quarantine list of stage "delay" (a task that
+--               waited in the quarantine goes back there)
 --   op "dead":  payload (a dead record, a JSON object) is pushed on the dead list with "dead_at" stamped
 -- Running limits. A claim list counted under a running limit has a scopes string (`N q`: claim.lua); each task of
 -- it whose bit this call sets, by whatever op and whichever settling party (the owner, or a monitor for an
@@ -82,7 +84,7 @@ if safe then
   info, scratch, running = KEYS[PROCESSING + levels + 1], KEYS[PROCESSING + levels + 2], KEYS[PROCESSING + levels + 3]
 end
 local OPS = {ack = true, retry = true, retry_isolated = true, recover = true, recover_isolated = true,
-  back = true, dead = true}
+  back = true, back_isolated = true, dead = true}
 
 -- The claims touched: level, number, list, bitmap, running scopes; `fresh` counts the bits this call sets.
 local claims = tonumber(ARGV[7])
@@ -140,7 +142,8 @@ for j = records, #ARGV, 8 do
       ARGV[j + 5] .. '); nothing was applied')
   end
   local stage = tonumber(ARGV[j + 5])
-  if (ARGV[j] == 'retry_isolated' or ARGV[j] == 'recover_isolated') and (stage < 1 or stage > 3) then
+  if (ARGV[j] == 'retry_isolated' or ARGV[j] == 'recover_isolated' or ARGV[j] == 'back_isolated') and
+      (stage < 1 or stage > 3) then
     return redis.error_reply('settle.lua: quarantine stage ' .. ARGV[j + 5] .. '; nothing was applied')
   end
   if k > 0 and not tonumber(ARGV[j + 2]) then
@@ -316,8 +319,12 @@ while i <= #ARGV do
       if uid ~= '' then
         redis.call('HDEL', uniq, uid)
       end
-    elseif op == 'retry_isolated' or op == 'recover_isolated' then
-      if op == 'retry_isolated' then retried = retried + 1 else recovered = recovered + 1 end
+    elseif op == 'retry_isolated' or op == 'recover_isolated' or op == 'back_isolated' then
+      if op == 'retry_isolated' then
+        retried = retried + 1
+      elseif op == 'recover_isolated' then
+        recovered = recovered + 1
+      end
       redis.call('LPUSH', KEYS[QUARANTINE + (delay - 1) * levels + level], payload)
       wake_fetchers = true
     elseif op == 'retry' or op == 'back' or op == 'recover' then

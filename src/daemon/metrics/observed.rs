@@ -88,7 +88,7 @@ impl TaskOutcome {
             SettleOp::Retry { .. } => TaskOutcome::Retried,
             SettleOp::Dead => TaskOutcome::Dead,
             // A lane's own resolutions never recover (the monitors do, for other owners); counted as hand-backs.
-            SettleOp::Back | SettleOp::Recover { .. } => TaskOutcome::HandedBack,
+            SettleOp::Back { .. } | SettleOp::Recover { .. } => TaskOutcome::HandedBack,
         }
     }
 }
