@@ -556,18 +556,43 @@ pub fn data_from_str(text: &str) -> Result<Box<RawValue>, String> {
 /// How much of a payload a log line shows.
 pub const LOGGED_PAYLOAD_BYTES: usize = 256;
 
-/// `text` cut to at most `max` bytes (at a character boundary), saying how long it was when cut: log fields must
-/// not let one huge task or handler message flood the log. Borrowed when short, as nearly every id and type is:
-/// each settlement caps two of them whether or not its event is logged.
+/// `text` for a log field: its control characters escaped (`\n`, `\u{1b}`), so that a task type, an id or a
+/// handler's message cannot forge a log line or drive a terminal (tracing-subscriber escapes only the message;
+/// journald splits entries at newlines: the review's L3), and cut to at most `max` bytes (at a character
+/// boundary), saying how long it was when cut, so that one huge task or message cannot flood the log. Borrowed
+/// when short and plain, as nearly every id and type is.
 pub fn capped(text: &str, max: usize) -> Cow<'_, str> {
-    if text.len() <= max {
+    let plain = !text.chars().any(char::is_control);
+    if plain && text.len() <= max {
         return Cow::Borrowed(text);
     }
+    let escaped: Cow<'_, str> = if plain {
+        Cow::Borrowed(text)
+    } else {
+        Cow::Owned(
+            text.chars()
+                .map(|c| {
+                    if c.is_control() {
+                        c.escape_default().to_string()
+                    } else {
+                        c.to_string()
+                    }
+                })
+                .collect(),
+        )
+    };
+    if escaped.len() <= max {
+        return Cow::Owned(escaped.into_owned());
+    }
     let mut end = max;
-    while !text.is_char_boundary(end) {
+    while !escaped.is_char_boundary(end) {
         end -= 1;
     }
-    Cow::Owned(format!("{}… ({} bytes in all)", &text[..end], text.len()))
+    Cow::Owned(format!(
+        "{}… ({} bytes in all)",
+        &escaped[..end],
+        text.len()
+    ))
 }
 
 /// A new random task id.
@@ -656,6 +681,16 @@ mod tests {
     fn long_log_fields_are_capped_at_a_character_boundary() {
         assert_eq!(capped("short", 10), "short");
         assert_eq!(capped("ééé", 3), "é… (6 bytes in all)");
+    }
+
+    #[test]
+    fn control_characters_in_log_fields_are_escaped() {
+        assert!(matches!(capped("mail.send", 256), Cow::Borrowed(_)));
+        assert_eq!(
+            capped("x\nkmqd[1]: fake line\u{1b}[2J\t", 256),
+            "x\\nkmqd[1]: fake line\\u{1b}[2J\\t"
+        );
+        assert_eq!(capped("a\nb\nc", 4), "a\\nb… (5 bytes in all)");
     }
 
     #[test]
