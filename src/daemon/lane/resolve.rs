@@ -502,8 +502,7 @@ impl Lane {
                             payload = %capped_payload(state.payload()),
                             "handler still running after shutdown_grace; default mode cannot hand it back, the task is lost"
                         );
-                        self.count_payload(state.payload(), TaskOutcome::Lost);
-                        self.send(Outcome::forget(job));
+                        self.forget(job, &state);
                     }
                 }
             }
@@ -536,8 +535,7 @@ impl Lane {
                 Some(Taken::Waiting) => {}
                 Some(Taken::Running) => self.orphaned(state.clone()),
             }
-            self.count_payload(state.payload(), TaskOutcome::Lost);
-            self.send(Outcome::forget(job));
+            self.forget(job, &state);
             forgotten += 1;
         }
         forgotten
@@ -554,8 +552,7 @@ impl Lane {
     pub fn forget_unheld(&self, tasks: super::Tasks) -> usize {
         let forgotten = tasks.len();
         for (job, task) in tasks {
-            self.count_payload(task.payload(), TaskOutcome::Lost);
-            self.send(Outcome::forget(job));
+            self.forget(job, &task);
         }
         forgotten
     }
@@ -565,8 +562,7 @@ impl Lane {
     pub fn forget_if_waiting(&self, job: JobId, task: &Task) -> bool {
         let waiting = task.take() == Some(Taken::Waiting);
         if waiting {
-            self.count_payload(task.payload(), TaskOutcome::Lost);
-            self.send(Outcome::forget(job));
+            self.forget(job, task);
         }
         waiting
     }
@@ -574,6 +570,13 @@ impl Lane {
 
 /// The outcome counters of resolutions made outside the workers (cold paths: a family lookup each).
 impl Lane {
+    /// A task this daemon no longer answers for (its lease was lost, or a default-mode task outlived the
+    /// shutdown): counted lost, and only forgotten at the acker, which frees its capacity.
+    fn forget(&self, job: JobId, task: &Task) {
+        self.count_payload(task.payload(), TaskOutcome::Lost);
+        self.send(Outcome::forget(job));
+    }
+
     fn count(&self, envelope: Option<&Envelope>, outcome: TaskOutcome) {
         observed::count_outcome(
             self.name(),
