@@ -843,7 +843,7 @@ impl RawQueue {
                 )? as usize;
                 limited_claims(
                     source,
-                    &key("max_running"),
+                    (&key, "max_running"),
                     mode,
                     limit.span(),
                     prefetch.as_ref(),
@@ -857,7 +857,7 @@ impl RawQueue {
                 let rates = rate_limits(source, &key("rate_limit"), value)?;
                 limited_claims(
                     source,
-                    &key("rate_limit"),
+                    (&key, "rate_limit"),
                     mode,
                     value.span(),
                     prefetch.as_ref(),
@@ -1047,18 +1047,18 @@ impl RawQueue {
     }
 }
 
-/// What a queue's `max_running` and `rate_limit` (`what`) ask of the rest of its config: safe mode (for now: a
-/// default-mode pop leaves nothing in Redis to give a running slot back with when its daemon dies, and the plain
-/// pop does not count starts), and no prefetch (a task claimed ahead holds a slot or a start that another
-/// daemon's idle worker could use).
+/// What a queue's `max_running` or `rate_limit` (`name`, whose key path `key` makes) asks of the rest of its
+/// config: safe mode (for now: a default-mode pop leaves nothing in Redis to give a running slot back with when
+/// its daemon dies, and the plain pop does not count starts), and no prefetch (a task claimed ahead holds a slot
+/// or a start that another daemon's idle worker could use).
 fn limited_claims(
     source: &Source<'_>,
-    what: &str,
+    (key, name): (&impl Fn(&str) -> String, &str),
     mode: Mode,
     span: Range<usize>,
     prefetch: Option<&Spanned<i64>>,
 ) -> Result<(), ConfigError> {
-    let name = what.rsplit('.').next().unwrap_or(what);
+    let what = key(name);
     if mode == Mode::Default {
         return Err(source.error(
             span,
@@ -1069,12 +1069,12 @@ fn limited_claims(
         ));
     }
     if let Some(prefetch) = prefetch.filter(|prefetch| *prefetch.get_ref() != 0) {
-        let key = what.replace(name, "prefetch");
         return Err(source.error(
             prefetch.span(),
             format!(
-                "{key}: a queue with {name} claims only for its idle workers; remove prefetch or set it to 0 \
-                 (a task claimed ahead holds a start that another daemon's idle worker could use)"
+                "{}: a queue with {name} claims only for its idle workers; remove prefetch or set it to 0 \
+                 (a task claimed ahead holds a start that another daemon's idle worker could use)",
+                key("prefetch")
             ),
         ));
     }
