@@ -175,7 +175,8 @@ local function dead_oversized(payload)
     string.format('%d', #payload) .. ',"daemon":' .. cjson.encode(ARGV[6]) .. ',"task":' .. cjson.encode(payload) ..
     '}')
 end
-local stored, counted, took, retry_at = false, 0, 0, 0
+-- `took`: the tasks this claim put in its lists (what its journal bump, running count and rate logs count).
+local took, retry_at = 0, 0
 -- Adds `k` starts at `now` to every window's log (see "Rate limit").
 local function spend(k)
   for _, w in ipairs(windows) do
@@ -192,14 +193,14 @@ local function spend(k)
 end
 -- The owner's journal: one more for a claim that took something; its value ends the reply (see renew.lua).
 local function finish(result)
-  if counted > 0 then redis.call('HINCRBY', KEYS[RUNNING], 'q', counted) end
+  if took > 0 and max_running > 0 then redis.call('HINCRBY', KEYS[RUNNING], 'q', took) end
   if took > 0 and rates > 0 then spend(took) end
   result[#result + 1] = retry_at
   if dead_lettered > 0 then
     redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[4]) - 1)
     redis.call('HINCRBY', KEYS[5], 'dead_lettered', dead_lettered)
   end
-  if stored then
+  if took > 0 then
     result[#result + 1] = redis.call('HINCRBY', KEYS[3], 'journal', 1)
   else
     result[#result + 1] = tonumber(info[3] or '0')
@@ -234,11 +235,9 @@ end
 -- running limit, its scopes string says they count in `q`.
 local function record(level, n)
   redis.call('ZADD', KEYS[CLAIMS + level], n, claim)
-  stored = true
   took = took + n
   if max_running > 0 then
     redis.call('SET', KEYS[SCOPES + level], n .. ' q')
-    counted = counted + n
   end
 end
 
