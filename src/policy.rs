@@ -76,6 +76,12 @@ pub enum Verdict {
     },
     /// The task could not be run at all (malformed, too old).
     Unrunnable { reason: String },
+    /// The handler answered back-pressure (`KMQ_THROTTLE`: its upstream said "too many requests"): the queue takes
+    /// no task for `after` (`None`: [`DEFAULT_THROTTLE`]), and this one goes back uncharged.
+    Throttled {
+        reason: String,
+        after: Option<Duration>,
+    },
     /// No loaded plugin handles the task's type. What a rolling deploy makes (a producer or a newer daemon knows a
     /// type this daemon does not yet), so it is retried with the queue's backoff whatever `on_handler_error` says,
     /// and dead-lettered only after `retry_times`; nothing ran, so it does not count as failed.
@@ -115,7 +121,17 @@ pub enum Action {
     Recover { quarantine: Option<usize> },
     /// Move it to the dead-letter list.
     Dead { reason: String },
+    /// Back-pressure: queue it again at the front of its level exactly as it is, uncharged, and let no daemon take a
+    /// task of the queue for `after` (a later throttle already set stands).
+    Throttle { after: Duration, reason: String },
 }
+
+/// A throttle whose handler named no delay.
+pub const DEFAULT_THROTTLE: Duration = Duration::from_secs(1);
+
+/// The longest throttle: a handler that asks for more (a misread `Retry-After`, a date taken for seconds) holds
+/// its queue back this long, and asks again if its upstream still refuses.
+pub const MAX_THROTTLE: Duration = Duration::from_secs(3600);
 
 /// Decides the fate of a task whose run number `attempt` (0 = first) came to `verdict`. `seed` (see
 /// [`Policy::backoff_for`]) is asked only for a retry's backoff: hashing the id of every task that is simply done
@@ -131,6 +147,14 @@ pub fn decide(
         Verdict::Done => Action::Ack,
         Verdict::Fail { reason } => Action::Dead { reason },
         Verdict::Unrunnable { reason } => Action::Dead { reason },
+        // Never charged, never dead-lettered, whatever `attempt` and `on_handler_error` say: the task did not fail,
+        // its upstream asked for time. A task that throttles for ever is bounded by `alive_timeout`.
+        Verdict::Throttled { reason, after } => Action::Throttle {
+            after: after
+                .unwrap_or(DEFAULT_THROTTLE)
+                .clamp(Duration::from_millis(1), MAX_THROTTLE),
+            reason,
+        },
         Verdict::NoHandler { reason } if out_of_retries => Action::Dead {
             reason: format!(
                 "{reason}; no retries left after {} attempts",
@@ -220,6 +244,20 @@ mod tests {
             delay: Duration::from_millis(ms),
             reason: reason.into(),
             isolated: false,
+        }
+    }
+
+    fn throttled(after: Option<u64>) -> Verdict {
+        Verdict::Throttled {
+            reason: "429".into(),
+            after: after.map(Duration::from_millis),
+        }
+    }
+
+    fn throttle(ms: u64) -> Action {
+        Action::Throttle {
+            after: Duration::from_millis(ms),
+            reason: "429".into(),
         }
     }
 
@@ -334,6 +372,11 @@ mod tests {
                 Verdict::Unrunnable { reason: "x".into() },
                 Action::Dead { reason: "x".into() },
             ),
+            // A throttle is never charged nor dead-lettered, whatever the attempt and on_handler_error.
+            (Dead, 2, throttled(Some(250)), throttle(250)),
+            (Retry, 5, throttled(None), throttle(1000)),
+            (Finish, 0, throttled(Some(0)), throttle(1)),
+            (Retry, 0, throttled(Some(86_400_000)), throttle(3_600_000)),
             // An unknown type waits for a daemon that knows it, whatever on_handler_error says.
             (Finish, 1, no_handler(), retry_with(2000, "none")),
             (Dead, 0, no_handler(), retry_with(1000, "none")),

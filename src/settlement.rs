@@ -153,6 +153,11 @@ pub fn record(
             };
             (base(op, next.encode().into_bytes()), None)
         }
+        // Exactly as it was taken, as a hand-back: nothing of the task changed (the stats count throttles).
+        (Action::Throttle { after, .. }, _) => (
+            base(SettleOp::Throttle { after: *after }, payload.to_vec()),
+            None,
+        ),
         (Action::Recover { .. }, None) => unreachable!("replaced by a dead letter above"),
         (Action::Dead { reason }, _) | (Action::Retry { reason, .. }, None) => {
             // A payload that is a JSON object but not an envelope still has its id found, for `task show`.
@@ -259,6 +264,10 @@ pub fn decide(
             group = quarantine.map(|stage| crate::broker::keys::QUARANTINE_GROUPS[stage]),
             "task held by a daemon whose lease expired goes back, uncharged"
         ),
+        Action::Throttle { after, reason } => {
+            let reason = capped(reason, LOGGED_PAYLOAD_BYTES);
+            tracing::debug!(queue, id = &*id(), kind = &*kind(), attempt, %reason, throttle = ?after, "task throttled its queue; it goes back, uncharged")
+        }
         Action::Retry { delay, reason, .. } if quiet_retry => {
             let reason = capped(reason, LOGGED_PAYLOAD_BYTES);
             tracing::debug!(queue, id = &*id(), kind = &*kind(), attempt, %reason, retry_in = ?delay, "task not run; will retry")

@@ -59,14 +59,20 @@ typedef struct {
      * is stopping and its shutdown grace ran out. Written by another thread; the plugin only reads it. */
     const volatile uint32_t *cancel;
     /* Out-parameter for KMQ_RETRY: the delay before the next attempt, in ms. The host sets it to -1 before the
-     * call, which means "use the queue's backoff". Ignored for KMQ_DONE and KMQ_FAIL. */
+     * call, which means "use the queue's backoff". For KMQ_THROTTLE: how long the queue takes no task, in ms (-1: 1 s;
+     * at most 1 h). Ignored for KMQ_DONE and KMQ_FAIL. */
     int64_t *retry_after_ms;
 } kmq_task;
 
 typedef enum {
     KMQ_DONE = 0,   /* the task is finished: acknowledge it */
     KMQ_RETRY = 1,  /* this attempt failed: the queue's `on_handler_error` decides (retry with backoff by default) */
-    KMQ_FAIL = 2    /* the task can never succeed: dead-letter it now, no more retries */
+    KMQ_FAIL = 2,   /* the task can never succeed: dead-letter it now, no more retries */
+    /* Added within v1: the upstream said "too many requests" (an HTTP 429, a quota): the task goes back to the
+     * head of its queue, its attempt not charged, and no daemon takes a task of the queue for `retry_after_ms`
+     * (docs/HANDLERS.md, "Back-pressure"). A host older than it reads it as a status outside the ABI: a handler
+     * error, retried with the queue's backoff, which is a safe degradation. */
+    KMQ_THROTTLE = 3
 } kmq_status;
 
 /* A host-owned output buffer: the plugin writes at most `cap` bytes at `ptr` and sets `len` to what it wrote. */
@@ -79,9 +85,9 @@ typedef struct {
 /* The host's callback for a task a plugin accepted in `start`: called by the plugin exactly once per accepted
  * task, from any thread, when the attempt is over (possibly before `start` returns). `ticket` is what `start` was
  * given; `status` and `msg` mean what `handle`'s return value and message mean (the host copies msg during the
- * call); `retry_after_ms` is `handle`'s out-parameter (-1: the queue's backoff; ignored unless KMQ_RETRY). Quick:
- * it decides the task's settlement and queues it, and never waits for Redis. After it, the task's `cancel` flag
- * may be freed. */
+ * call); `retry_after_ms` is `handle`'s out-parameter (-1: the queue's backoff; read for KMQ_RETRY and
+ * KMQ_THROTTLE). Quick: it decides the task's settlement and queues it, and never waits for Redis. After it, the
+ * task's `cancel` flag may be freed. */
 typedef void (*kmq_complete_fn)(void *ticket, int32_t status, kmq_str msg, int64_t retry_after_ms);
 
 typedef struct {

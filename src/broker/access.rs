@@ -312,6 +312,11 @@ pub const COMMANDS: &[Command] = &[
         why: "a rate limit's log expires a second after its newest start's window",
     },
     Command {
+        name: "pttl",
+        roles: &[D, R, O],
+        why: "default mode's plain pop and `kmqd stats` learn how long a handler's throttle holds the queue back",
+    },
+    Command {
         name: "llen",
         roles: &[D, R, O],
         why: "claims look for quarantined tasks; stats count ready and dead tasks; `dead` commands measure the \
@@ -429,7 +434,8 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "set",
         roles: &[D, O],
-        why: "settle.lua stores each call's result (for a day); `queue pause` sets the queue's paused key",
+        why: "settle.lua stores each call's result (for a day) and sets a handler's throttle; `queue pause` sets the \
+              queue's paused key",
     },
     Command {
         name: "del",
@@ -483,7 +489,8 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "watch",
         roles: &[D],
-        why: "default mode's plain pop runs only while no unique id is held and the queue is not paused",
+        why: "default mode's plain pop runs only while no unique id is held and the queue is neither paused nor \
+              throttled",
     },
     Command {
         name: "unwatch",
@@ -557,6 +564,8 @@ enum Kind {
     Schedules,
     Meta,
     Paused,
+    /// The queue's throttle (a handler's back-pressure).
+    Throttle,
     /// The queue's `source_lists`: named by its producers, outside kmqd's prefix.
     Source,
     History,
@@ -607,6 +616,8 @@ const DAEMON: &[(&str, On)] = &[
     ("watch", key(K::Unique)),
     ("watch", key(K::Paused)),
     ("exists", key(K::Paused)),
+    ("watch", key(K::Throttle)),
+    ("pttl", key(K::Throttle)),
     ("hlen", key(K::Unique)),
     ("unwatch", NOTHING),
     ("multi", NOTHING),
@@ -644,6 +655,7 @@ const DAEMON: &[(&str, On)] = &[
     ("evalsha", key(K::Wake)),
     ("evalsha", key(K::Schedules)),
     ("evalsha", key(K::Paused)),
+    ("evalsha", key(K::Throttle)),
     // Inside claim.lua and adopt.lua (and pop.lua's check of the paused key, above); the claim's transaction
     // reads its lists back (LRANGE, above).
     ("zscore", key(K::Owners)),
@@ -670,6 +682,11 @@ const DAEMON: &[(&str, On)] = &[
     ("hincrby", key(K::Stats)),
     ("lpush", key(K::Wake)),
     ("ltrim", key(K::Wake)),
+    // A handler's throttle: set by settle.lua, checked by claim.lua and pop.lua.
+    ("type", key(K::Throttle)),
+    ("exists", key(K::Throttle)),
+    ("get", key(K::Throttle)),
+    ("set", key(K::Throttle)),
     // Running and rate limits, in claim.lua and settle.lua.
     ("type", key(K::Running)),
     ("hget", key(K::Running)),
@@ -808,6 +825,7 @@ const STATS: &[(&str, On)] = &[
     ("zrange", key(K::Processing)),
     ("hgetall", key(K::Stats)),
     ("exists", key(K::Paused)),
+    ("pttl", key(K::Throttle)),
     ("hget", key(K::Running)),
 ];
 
@@ -1089,6 +1107,7 @@ fn names(keys: &QueueKeys, kind: Kind) -> Vec<String> {
         Kind::Schedules => vec![keys.schedules.clone()],
         Kind::Meta => vec![keys.meta.clone()],
         Kind::Paused => vec![keys.paused.clone()],
+        Kind::Throttle => vec![keys.throttle.clone()],
         Kind::Source => keys.sources.clone(),
         Kind::History => vec![keys.history.clone()],
     }
@@ -1111,7 +1130,7 @@ fn argv(command: &str, target: Option<&str>) -> Vec<String> {
         },
         "eval" => vec![name, "return 1".into(), "1".into(), t()],
         "zcard" | "hlen" | "hgetall" | "llen" | "lpop" | "type" | "exists" | "del" | "get"
-        | "watch" | "subscribe" | "bitcount" => vec![name, t()],
+        | "watch" | "subscribe" | "bitcount" | "pttl" => vec![name, t()],
         "getbit" => vec![name, t(), "0".into()],
         "bitop" => vec![name, "OR".into(), t(), t(), t()],
         "setbit" => vec![name, t(), "0".into(), "1".into()],

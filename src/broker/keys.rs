@@ -69,6 +69,11 @@ pub struct QueueKeys {
     /// exists (claim.lua, pop.lua and the plain pop check it in the same atomic step as the take), pushes and
     /// promotions go on. Its value (the ms it was paused, by the pauser's clock) is only informational.
     pub paused: String,
+    /// String whose existence throttles the queue: a handler answered back-pressure (`Outcome::Throttle`, a
+    /// 429 upstream), and settle.lua set it to the ms it ends (Redis's clock), expiring then (`PX`). Claims and
+    /// pops take nothing while it exists (checked in the take's atomic step, as the paused key), and sleep until
+    /// its end.
+    pub throttle: String,
     /// Periodic tasks: hash schedule name -> the last slot fired (ms).
     pub schedules: String,
     /// Hash with the protocol version of the queue's keys.
@@ -120,6 +125,7 @@ impl QueueKeys {
             wake: format!("{base}:wake"),
             running: format!("{base}:running"),
             paused: format!("{base}:paused"),
+            throttle: format!("{base}:throttle:q"),
             schedules: format!("{base}:schedules"),
             meta: format!("{base}:meta"),
             history: format!("{base}:history"),
@@ -286,6 +292,7 @@ mod tests {
             &keys.stats,
             &keys.wake,
             &keys.paused,
+            &keys.throttle,
         ];
         assert!(all.iter().all(|key| key.starts_with("kmq:{mail}:")));
     }

@@ -67,6 +67,9 @@ pub struct QueueStats {
     pub recovered: u64,
     /// Runs that failed (handler error, panic, timeout, lost lease).
     pub failed: u64,
+    /// Runs whose handler answered back-pressure (`throttle`): each task went back uncharged, and the queue took
+    /// nothing for the time asked.
+    pub throttled: u64,
     /// Tasks moved to the dead-letter list.
     pub dead_lettered: u64,
     /// Waiting tasks removed by `task cancel` (or `Client::cancel`).
@@ -79,6 +82,8 @@ pub struct QueueStats {
     pub lag_ms: Option<i64>,
     /// The queue is paused (`kmqd queue pause`): no daemon takes its tasks until it is resumed.
     pub paused: bool,
+    /// A handler throttled the queue: no daemon takes its tasks for this many ms more; `None` when it is not.
+    pub throttle_ms: Option<i64>,
 }
 
 /// Runs finished per second between two reads of a queue's counters: what `kmqd stats --watch` and the daemon's
@@ -103,6 +108,18 @@ impl QueueStats {
         Rates {
             done: per_second(self.done, earlier.done),
             failed: per_second(self.failed, earlier.failed),
+        }
+    }
+
+    /// One word for whether daemons take the queue's tasks: `paused` (by an operator), `throttled` (by a
+    /// handler's back-pressure, for `throttle_ms` more), or `active`.
+    pub fn state(&self) -> &'static str {
+        if self.paused {
+            "paused"
+        } else if self.throttle_ms.is_some() {
+            "throttled"
+        } else {
+            "active"
         }
     }
 
@@ -226,6 +243,7 @@ fn snapshot(
     pipe.cmd("LLEN").arg(&keys.dead);
     pipe.cmd("HGETALL").arg(&keys.stats);
     pipe.cmd("EXISTS").arg(&keys.paused);
+    pipe.cmd("PTTL").arg(&keys.throttle);
     pipe.cmd("HGET").arg(&keys.running).arg("q");
     pipe.cmd("TIME");
     let mut replies = Replies(pipe.query::<Vec<Value>>(conn)?.into_iter());
@@ -255,6 +273,8 @@ fn snapshot(
     let dead: u64 = replies.one()?;
     let counters: HashMap<String, u64> = replies.one()?;
     let paused: bool = replies.one()?;
+    // -2: none; -1: set by hand without an expiry (claims look at it again every second).
+    let throttle_ttl: i64 = replies.one()?;
     let running: Option<u64> = replies.one()?;
     let time: (i64, i64) = replies.one()?;
     let now_ms = time_ms(time);
@@ -290,12 +310,14 @@ fn snapshot(
         retried: counter("retried"),
         recovered: counter("recovered"),
         failed: counter("failed"),
+        throttled: counter("throttled"),
         dead_lettered: counter("dead_lettered"),
         cancelled: counter("cancelled"),
         requeued: counter("requeued"),
         purged: counter("purged"),
         lag_ms,
         paused,
+        throttle_ms: (throttle_ttl != -2).then_some(throttle_ttl.max(0)),
     };
     Ok((stats, now))
 }

@@ -116,6 +116,28 @@ pub enum Limited {
     Running,
     /// A window of its `rate_limit` is full until `retry_at_ms` (Redis's clock), when its oldest start ages out.
     Rate { retry_at_ms: i64 },
+    /// A handler throttled the queue (back-pressure) until `retry_at_ms` (the batch's clock: Redis's, or 0 for a
+    /// plain pop, whose batch carries no time).
+    Throttle { retry_at_ms: i64 },
+}
+
+impl Limited {
+    /// Until when (the batch's clock) the fetcher should not fetch again; `None`: until a settle's wake-up.
+    pub fn retry_at_ms(self) -> Option<i64> {
+        match self {
+            Limited::Running => None,
+            Limited::Rate { retry_at_ms } | Limited::Throttle { retry_at_ms } => Some(retry_at_ms),
+        }
+    }
+
+    /// The config key (or outcome) that held the fetch back, for the log.
+    pub fn name(self) -> &'static str {
+        match self {
+            Limited::Running => "max_running",
+            Limited::Rate { .. } => "rate_limit",
+            Limited::Throttle { .. } => "a handler's throttle",
+        }
+    }
 }
 
 /// The journal that ends a claim's, an adoption's or a settle's reply.
@@ -171,6 +193,7 @@ pub fn claim(
         keys.dead.clone(),
         keys.stats.clone(),
         keys.paused.clone(),
+        keys.throttle.clone(),
     ];
     script_keys.extend(keys.ready.iter().chain(&keys.quarantine).cloned());
     script_keys.extend(keys.processing_all(owner));
@@ -224,6 +247,7 @@ pub fn claim(
         limited: match state {
             4 => Some(Limited::Running),
             5 => Some(Limited::Rate { retry_at_ms }),
+            6 => Some(Limited::Throttle { retry_at_ms }),
             _ => None,
         },
     })
@@ -399,8 +423,8 @@ impl Popper {
     ) -> Result<Batch> {
         if self.no_unique_held && self.last_taken >= PLAIN_POP_AFTER {
             match pop_plain(conn, keys, max)? {
-                // Paused: keep what was learnt, so that the first pop after the resume is plain again.
-                Some(batch) if batch.paused => return Ok(batch),
+                // Paused or throttled: keep what was learnt, so that the first pop after is plain again.
+                Some(batch) if batch.paused || batch.limited.is_some() => return Ok(batch),
                 Some(batch) => {
                     self.last_taken = batch.tasks.len();
                     return Ok(batch);
@@ -410,7 +434,7 @@ impl Popper {
         }
         let (batch, held) = pop_script(conn, keys, owner, max)?;
         self.no_unique_held = !held;
-        if !batch.paused {
+        if !batch.paused && batch.limited.is_none() {
             self.last_taken = batch.tasks.len();
         }
         Ok(batch)
@@ -438,28 +462,49 @@ type RedisTime = (i64, i64);
 /// `LMPOP`'s reply: the list popped from and what it gave.
 type Popped = (String, Vec<Value>);
 
-/// `LMPOP` in a transaction that runs only if the unique hash stayed empty and the queue unpaused since they
-/// were read (`WATCH` on both): a task popped this way can hold no unique id, and none is popped after a pause.
-/// `None`: the hash is not empty (or one of the two keys was written meanwhile), nothing was popped, use
-/// pop.lua (which checks both itself). A paused queue is a batch marked `paused`.
+/// `LMPOP` in a transaction that runs only if the unique hash stayed empty and the queue unpaused and
+/// unthrottled since they were read (`WATCH` on the three): a task popped this way can hold no unique id, and none
+/// is popped after a pause or a throttle. `None`: the hash is not empty (or one of the keys was written
+/// meanwhile), nothing was popped, use pop.lua (which checks them itself). A paused queue is a batch marked
+/// `paused`, a throttled one a batch [`Limited::Throttle`] until the throttle's time to live ran out (`now_ms`
+/// 0: the batch carries no time of Redis's, only that wait).
 fn pop_plain(conn: &mut Conn, keys: &QueueKeys, max: usize) -> Result<Option<Batch>> {
-    let (held, paused): (usize, bool) = redis::pipe()
+    let (held, paused, throttle_ms): (usize, bool, i64) = redis::pipe()
         .cmd("WATCH")
         .arg(&keys.unique)
         .arg(&keys.paused)
+        .arg(&keys.throttle)
         .ignore()
         .cmd("HLEN")
         .arg(&keys.unique)
         .cmd("EXISTS")
         .arg(&keys.paused)
+        .cmd("PTTL")
+        .arg(&keys.throttle)
         .query(conn)?;
-    if held > 0 || paused {
+    // -2: no throttle; -1: one set by hand without an expiry, looked at again in a second (as pop.lua).
+    let throttled = throttle_ms != -2;
+    if held > 0 || paused || throttled {
         // To the node of the WATCH: in a cluster, UNWATCH alone would go to any node.
         conn.query_at::<()>(&keys.unique, &redis::cmd("UNWATCH"))?;
-        return Ok(paused.then(|| Batch {
-            paused: true,
-            ..Batch::default()
-        }));
+        return Ok(if paused {
+            Some(Batch {
+                paused: true,
+                ..Batch::default()
+            })
+        } else if throttled {
+            let wait = if throttle_ms < 0 {
+                1000
+            } else {
+                throttle_ms.max(1)
+            };
+            Some(Batch {
+                limited: Some(Limited::Throttle { retry_at_ms: wait }),
+                ..Batch::default()
+            })
+        } else {
+            None
+        });
     }
     let lists: Vec<&str> = pop_lists(keys).collect();
     let mut pipe = redis::pipe();
@@ -508,14 +553,15 @@ fn pop_script(conn: &mut Conn, keys: &QueueKeys, owner: &str, max: usize) -> Res
     invocation
         .key(&keys.unique)
         .key(&keys.unique_popped)
-        .key(&keys.paused);
+        .key(&keys.paused)
+        .key(&keys.throttle);
     for list in pop_lists(keys) {
         invocation.key(list);
     }
     invocation.arg(owner).arg(max);
     // The script's reply is depth 1, its list of tasks depth 2, the tasks depth 3.
-    type Reply = (i64, usize, Vec<Value>, i64, i64);
-    let ((now_ms, list, items, held, paused), collected) =
+    type Reply = (i64, usize, Vec<Value>, i64, i64, i64);
+    let ((now_ms, list, items, held, paused, throttled_until), collected) =
         conn.with_payloads(3, |conn| invocation.invoke::<Reply>(conn))?;
     let mut tasks = Vec::with_capacity(items.len());
     let mut payloads = Gather::new(collected);
@@ -533,6 +579,9 @@ fn pop_script(conn: &mut Conn, keys: &QueueKeys, owner: &str, max: usize) -> Res
         tasks,
         payloads: payloads.finish("pop")?,
         paused: paused == 1,
+        limited: (throttled_until > 0).then_some(Limited::Throttle {
+            retry_at_ms: throttled_until,
+        }),
         ..Batch::default()
     };
     Ok((batch, held > 0))
@@ -675,6 +724,11 @@ pub enum SettleOp {
         quarantine: Option<usize>,
     },
     Dead,
+    /// Back-pressure from the handler: to the front of its level, unchanged and uncharged, and the queue's throttle
+    /// key set to end in `after` unless a later throttle is set (settle.lua).
+    Throttle {
+        after: Duration,
+    },
 }
 
 /// One outcome to apply to Redis.
@@ -817,7 +871,8 @@ pub fn settle<'a>(
         .key(&keys.unique)
         .key(&keys.wake)
         .key(keys.settled(call.settler))
-        .key(&keys.unique_popped);
+        .key(&keys.unique_popped)
+        .key(&keys.throttle);
     for key in keys.ready.iter().chain(&keys.retry).chain(&keys.quarantine) {
         invocation.key(key);
     }
@@ -872,6 +927,7 @@ pub fn settle<'a>(
                 quarantine: Some(stage),
             } => ("recover_isolated", *stage as u64 + 1),
             SettleOp::Dead => ("dead", 0),
+            SettleOp::Throttle { after } => ("throttle", after.as_millis().max(1) as u64),
         };
         invocation.arg(op);
         match s.token.as_ref().map(|token| &token.id) {

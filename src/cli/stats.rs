@@ -63,7 +63,7 @@ pub(super) fn run_stats(config: &Config, json: bool) -> Result<(), Failure> {
         let _ = writeln!(
             out,
             "{name:<16} {mode:<7} {:<7} {:>9} {:>10} {:>7} {:>9} {:>7} {:>11} {:>9} {:>9} {:>13} {:>8} {:>7} {:>9}",
-            if s.paused { "paused" } else { "active" },
+            s.state(),
             s.ready,
             s.processing,
             running,

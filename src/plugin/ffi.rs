@@ -111,6 +111,11 @@ pub enum Status {
     Fail {
         message: String,
     },
+    /// `KMQ_THROTTLE`: back-pressure for `after` (`None`: the handler left `retry_after_ms` at -1).
+    Throttle {
+        after: Option<Duration>,
+        message: String,
+    },
     /// A status outside the ABI: treated as a handler error by the caller.
     Unknown(i32),
 }
@@ -266,6 +271,10 @@ fn status_of(status: KmqStatus, text: impl FnOnce() -> String, retry_after_ms: i
             message: text(),
         },
         abi::KMQ_FAIL => Status::Fail { message: text() },
+        abi::KMQ_THROTTLE => Status::Throttle {
+            after: (retry_after_ms >= 0).then(|| Duration::from_millis(retry_after_ms as u64)),
+            message: text(),
+        },
         other => Status::Unknown(other),
     }
 }

@@ -37,6 +37,7 @@ mod shutdown;
 mod source_lists;
 mod splice;
 mod systemd;
+mod throttle;
 mod tls;
 mod topology;
 mod unknown_types;

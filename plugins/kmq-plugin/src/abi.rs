@@ -65,7 +65,8 @@ pub struct KmqTask {
     pub deadline_ms: i64,
     /// `const volatile uint32_t *`: the host's cancel flag. `AtomicU32` has the layout of `u32`.
     pub cancel: *const u32,
-    /// Out-parameter for `KMQ_RETRY`: ms before the next attempt; -1 means the queue's backoff.
+    /// Out-parameter for `KMQ_RETRY`: ms before the next attempt; -1 means the queue's backoff. For `KMQ_THROTTLE`:
+    /// ms during which the queue takes no task.
     pub retry_after_ms: *mut i64,
 }
 
@@ -74,6 +75,8 @@ pub type KmqStatus = i32;
 pub const KMQ_DONE: KmqStatus = 0;
 pub const KMQ_RETRY: KmqStatus = 1;
 pub const KMQ_FAIL: KmqStatus = 2;
+/// Added within v1 (an older host reads it as a status outside the ABI: a retry with the queue's backoff).
+pub const KMQ_THROTTLE: KmqStatus = 3;
 
 /// `kmq_buf`: a host-owned output buffer the plugin writes at most `cap` bytes into.
 #[repr(C)]

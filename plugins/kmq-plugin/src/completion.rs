@@ -89,8 +89,8 @@ impl Drop for Completion {
     }
 }
 
-/// An outcome as the ABI carries it: status, message (output for a done task) and the retry delay in ms (-1:
-/// the queue's backoff).
+/// An outcome as the ABI carries it: status, message (output for a done task) and the retry or throttle delay
+/// in ms (-1: the queue's backoff).
 pub(crate) fn abi_parts(outcome: &Outcome) -> (KmqStatus, &str, i64) {
     match outcome {
         Outcome::Done => (abi::KMQ_DONE, "", -1),
@@ -103,5 +103,10 @@ pub(crate) fn abi_parts(outcome: &Outcome) -> (KmqStatus, &str, i64) {
             }),
         ),
         Outcome::Fail { reason } => (abi::KMQ_FAIL, reason, -1),
+        Outcome::Throttle { after, reason } => (
+            abi::KMQ_THROTTLE,
+            reason,
+            i64::try_from(after.as_millis()).unwrap_or(i64::MAX),
+        ),
     }
 }

@@ -182,7 +182,8 @@ unsafe extern "C" fn handle<H: Handler>(
     match result {
         Ok((outcome, retry_after_ms)) => {
             let (status, message, after) = abi_parts(&outcome);
-            if status == abi::KMQ_RETRY && after >= 0 && !retry_after_ms.is_null() {
+            let delayed = status == abi::KMQ_RETRY || status == abi::KMQ_THROTTLE;
+            if delayed && after >= 0 && !retry_after_ms.is_null() {
                 // SAFETY: the host passes a valid out-pointer (checked non-null) for the call.
                 unsafe { *retry_after_ms = after };
             }

@@ -109,6 +109,11 @@ pub enum Outcome {
     },
     /// The task can never succeed: dead-letter it now.
     Fail { reason: String },
+    /// Back-pressure: the upstream said "too many requests" (an HTTP 429, a quota). The task goes back to the head
+    /// of its queue, its attempt not charged (never dead-lettered for it), and no daemon takes a task of the queue
+    /// for `after` (at least 1 ms, at most an hour). A host older than this variant reads it as a retry with the
+    /// queue's backoff.
+    Throttle { after: Duration, reason: String },
 }
 
 impl Outcome {
@@ -134,6 +139,23 @@ impl Outcome {
     pub fn retry_after(after: Duration, reason: impl Into<String>) -> Outcome {
         Outcome::Retry {
             after: Some(after),
+            reason: reason.into(),
+        }
+    }
+
+    /// Back-pressure: the queue takes no task for `after`, and this one goes back uncharged (see
+    /// [`Outcome::Throttle`]).
+    pub fn throttle(after: Duration) -> Outcome {
+        Outcome::Throttle {
+            after,
+            reason: String::new(),
+        }
+    }
+
+    /// As [`Outcome::throttle`], with a reason for the log (what the upstream said).
+    pub fn throttle_because(after: Duration, reason: impl Into<String>) -> Outcome {
+        Outcome::Throttle {
+            after,
             reason: reason.into(),
         }
     }

@@ -110,6 +110,7 @@ pub enum Status {
     Done,
     Retry,
     Fail,
+    Throttle,
     /// A value outside `kmq_status`; kmqd treats it as a handler error.
     Other(i32),
 }
@@ -120,7 +121,8 @@ pub struct RunResult {
     pub status: Status,
     /// What the plugin wrote into the message buffer (empty for none).
     pub message: String,
-    /// The delay a `KMQ_RETRY` asked for through `retry_after_ms`; `None` means the queue's backoff.
+    /// The delay a `KMQ_RETRY` (or `KMQ_THROTTLE`) asked for through `retry_after_ms`; `None` means the queue's
+    /// backoff.
     pub retry_after: Option<Duration>,
 }
 
@@ -252,7 +254,8 @@ impl Harness {
         RunResult {
             status,
             message: written(&buf, &message, "handle"),
-            retry_after: (status == Status::Retry && retry_after_ms >= 0)
+            retry_after: (matches!(status, Status::Retry | Status::Throttle)
+                && retry_after_ms >= 0)
                 .then(|| Duration::from_millis(retry_after_ms as u64)),
         }
     }
@@ -295,6 +298,7 @@ fn status_of(status: abi::KmqStatus) -> Status {
         abi::KMQ_DONE => Status::Done,
         abi::KMQ_RETRY => Status::Retry,
         abi::KMQ_FAIL => Status::Fail,
+        abi::KMQ_THROTTLE => Status::Throttle,
         other => Status::Other(other),
     }
 }
@@ -314,7 +318,7 @@ unsafe extern "C" fn completed(
     let _ = sender.send(RunResult {
         status,
         message,
-        retry_after: (status == Status::Retry && retry_after_ms >= 0)
+        retry_after: (matches!(status, Status::Retry | Status::Throttle) && retry_after_ms >= 0)
             .then(|| Duration::from_millis(retry_after_ms as u64)),
     });
 }

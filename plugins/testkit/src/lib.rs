@@ -8,8 +8,10 @@
 //! - `wait_for_file`: block until this path exists, or until the run is cancelled;
 //! - `until_cancelled`: block until the host cancels the run (execution timeout, shutdown);
 //! - `ignore_cancel`: make the blocking behaviours above ignore the cancel flag (a misbehaving handler);
-//! - `outcome`: `"done"` (default), `"retry"`, `"fail"`, `"panic"`, or `"abort"` (the whole daemon process
-//!   aborts: a poison pill);
+//! - `outcome`: `"done"` (default), `"retry"`, `"fail"`, `"throttle"` (for `throttle_ms`, default 1000),
+//!   `"panic"`, or `"abort"` (the whole daemon process aborts: a poison pill);
+//! - `throttle_once`: a path; a run that finds it absent creates it and throttles for `throttle_ms` (a 429 from
+//!   an upstream that recovers), and later runs go on to `outcome`;
 //! - `fail_attempts`: answer `retry` while `attempt < fail_attempts`, then `outcome`;
 //! - `retry_after_ms`: the delay a `retry` asks for;
 //! - `dead_sleep_ms`: `on_dead` sleeps this long before it records the dead letter (a slow final-failure hook);
@@ -49,6 +51,8 @@ struct Behaviour {
     outcome: Option<String>,
     fail_attempts: u32,
     retry_after_ms: Option<u64>,
+    throttle_ms: Option<u64>,
+    throttle_once: Option<String>,
     dead_sleep_ms: u64,
     output: Option<String>,
 }
@@ -110,6 +114,17 @@ impl Testkit {
         if behaviour.until_cancelled {
             self.block_until(task, &behaviour, || false);
         }
+        if let Some(path) = &behaviour.throttle_once {
+            // `create_new`: of two runs that race, one throttles.
+            if File::options()
+                .write(true)
+                .create_new(true)
+                .open(path)
+                .is_ok()
+            {
+                return throttle(&behaviour);
+            }
+        }
         if task.attempt() < behaviour.fail_attempts {
             return retry(
                 &behaviour,
@@ -120,6 +135,7 @@ impl Testkit {
             "done" => Outcome::done_with_output(behaviour.output.clone().unwrap_or_default()),
             "retry" => retry(&behaviour, "testkit: asked to retry".to_string()),
             "fail" => Outcome::fail("testkit: asked to fail"),
+            "throttle" => throttle(&behaviour),
             "panic" => panic!("testkit: asked to panic (task {})", task.id()),
             "abort" => {
                 self.record(|| format!("end {} {} abort\n", task.id(), task.attempt()));
@@ -140,6 +156,11 @@ fn sleep_until(task: &Task<'_>, behaviour: &Behaviour, until: Instant) {
         }
         std::thread::sleep(left.min(SLEEP_STEP));
     }
+}
+
+fn throttle(behaviour: &Behaviour) -> Outcome {
+    let after = Duration::from_millis(behaviour.throttle_ms.unwrap_or(1000));
+    Outcome::throttle_because(after, "testkit: asked to throttle")
 }
 
 fn retry(behaviour: &Behaviour, reason: String) -> Outcome {
@@ -201,6 +222,7 @@ impl Handler for Testkit {
             Outcome::Done | Outcome::DoneWithOutput { .. } => "done",
             Outcome::Retry { .. } => "retry",
             Outcome::Fail { .. } => "fail",
+            Outcome::Throttle { .. } => "throttle",
         };
         self.record(|| format!("end {} {} {label}\n", task.id(), task.attempt()));
         outcome

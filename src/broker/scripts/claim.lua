@@ -4,18 +4,19 @@
 --
 -- KEYS[1] owners zset (owner -> lease deadline ms), KEYS[2] wake list, KEYS[3] the owner's info hash,
 -- KEYS[4] dead list, KEYS[5] stats hash, KEYS[6] the queue's paused key (claims take nothing while it exists),
--- KEYS[7 .. 6+L] ready lists, KEYS[7+L .. 6+4L] quarantine lists (group sizes 1, 8, 64, each over the levels),
--- KEYS[7+4L .. 6+5L] the owner's claim sets (`processing:OWNER:LEVEL`, zset claim -> tasks not yet settled),
--- KEYS[7+5L .. 6+6L] this claim's lists (`processing:OWNER:LEVEL:CLAIM`), KEYS[7+6L .. 6+7L] their running
--- scopes (`...:CLAIM:scopes`), levels in order; KEYS[7+7L] the running hash (scope -> tasks taken and not yet
+-- KEYS[7] the queue's throttle (likewise, until it expires: a handler's back-pressure, set by settle.lua),
+-- KEYS[8 .. 7+L] ready lists, KEYS[8+L .. 7+4L] quarantine lists (group sizes 1, 8, 64, each over the levels),
+-- KEYS[8+4L .. 7+5L] the owner's claim sets (`processing:OWNER:LEVEL`, zset claim -> tasks not yet settled),
+-- KEYS[8+5L .. 7+6L] this claim's lists (`processing:OWNER:LEVEL:CLAIM`), KEYS[8+6L .. 7+7L] their running
+-- scopes (`...:CLAIM:scopes`), levels in order; KEYS[8+7L] the running hash (scope -> tasks taken and not yet
 -- settled); then for each of the R windows of the queue's rate limit, its log (a list of `MS COUNT` entries,
--- oldest first) and the log's sum (a string): KEYS[8+7L+2(r-1)], KEYS[9+7L+2(r-1)]
+-- oldest first) and the log's sum (a string): KEYS[9+7L+2(r-1)], KEYS[10+7L+2(r-1)]
 -- ARGV[1] owner; ARGV[2] the most tasks to take; ARGV[3] max_task_bytes; ARGV[4] dead list bound;
 -- ARGV[5] queue name; ARGV[6] daemon (host:pid, for dead records); ARGV[7] the claim: a number unique within the
 -- owner and increasing from call to call (the caller reserves ARGV[2] numbers from it on; see adopt.lua);
 -- ARGV[8] the queue's max_running (0: none); ARGV[9] R, the windows of its rate limit (0: none), then R pairs:
 -- the window in ms, the most starts in any such window
--- Returns {now_ms, state, group level, tasks taken at level 1, ..., at level L, retry at (state 5), the owner's
+-- Returns {now_ms, state, group level, tasks taken at level 1, ..., at level L, retry at (states 5, 6), the owner's
 -- journal (see renew.lua)}: the tasks themselves are in this claim's lists, which the caller reads in the same transaction
 -- (`MULTI`, this script, `LRANGE` of each list, `EXEC`: src/broker/tasks.rs), position p of a list being the
 -- task with token (claim, p):
@@ -30,7 +31,9 @@
 --            any daemon: the caller waits for a wake-up marker, which a settle that frees some pushes;
 --   state 5: nothing was claimed, because a window of the rate limit is full: the reply's `retry at` says when
 --            its oldest start ages out (Redis's clock, ms; 0 in every other state), and the caller claims again
---            then.
+--            then;
+--   state 6: nothing was claimed, because a handler throttled the queue (KEYS[7]): `retry at` is when the
+--            throttle ends, and the caller claims again then.
 -- Fails with "LEASELOST ..." when the owner's lease is gone or past: its tasks then belong to the monitors (an
 -- owner registered but missing from the owners zset is put back in it as expired, for them), and the daemon must
 -- register a new owner; with "FENCED ..." when ARGV[7] is below the owner's floor, which
@@ -65,7 +68,7 @@
 -- whole (as a JSON string) with its size in the reason.
 --
 -- Checks before it writes: the type of every key it touches (KEYS[6], the paused key, is only tested for
--- existence), and that the counters it increments (the info hash's `journal`, the stats hash's `dead_lettered`)
+-- existence; KEYS[7], the throttle, for existence and its time to live), and that the counters it increments (the info hash's `journal`, the stats hash's `dead_lettered`)
 -- are integers, all before its first write; a call that fails writes nothing ("WRONGTYPE claim.lua: KEY is a
 -- string, not a list", "ERR claim.lua: KEY field F is not an integer"). The only exception is LEASELOST's
 -- putting back of a lost owner as expired, which a second call repeats harmlessly.
@@ -76,9 +79,9 @@
 -- than that in all has its payloads checked one by one). A claim costs Redis a fifth of what a hash field per
 -- task did (docs/PERFORMANCE.md, "What at-least-once costs Redis").
 local rates = tonumber(ARGV[9]) or 0
-local levels = (#KEYS - 7 - 2 * rates) / 7
-local READY, QUARANTINE, CLAIMS, LISTS, SCOPES = 6, 6 + levels, 6 + 4 * levels, 6 + 5 * levels, 6 + 6 * levels
-local RUNNING = 7 + 7 * levels
+local levels = (#KEYS - 8 - 2 * rates) / 7
+local READY, QUARANTINE, CLAIMS, LISTS, SCOPES = 7, 7 + levels, 7 + 4 * levels, 7 + 5 * levels, 7 + 6 * levels
+local RUNNING = 8 + 7 * levels
 local GROUPS = {1, 8, 64}
 local owner, max, max_bytes, claim = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[7]
 local max_running = tonumber(ARGV[8]) or 0
@@ -91,6 +94,8 @@ for i = 1, #KEYS do
       kind = 'zset'
     elseif i == 3 or i == 5 or i == RUNNING then
       kind = 'hash'
+    elseif i == 7 then
+      kind = 'string'
     elseif i > RUNNING then
       if (i - RUNNING) % 2 == 0 then kind = 'string' end
     elseif i > SCOPES then
@@ -241,9 +246,20 @@ local function record(level, n)
   end
 end
 
--- After the lease and floor checks, so that a paused queue still tells a lost lease or a fenced claim.
-if redis.call('EXISTS', KEYS[6]) == 1 then
-  return finish(empty(3, 0))
+-- After the lease and floor checks, so that a paused or throttled queue still tells a lost lease or a fenced
+-- claim. One EXISTS for both keys: a queue that is neither costs no more than the pause alone did.
+if redis.call('EXISTS', KEYS[6], KEYS[7]) > 0 then
+  if redis.call('EXISTS', KEYS[6]) == 1 then
+    return finish(empty(3, 0))
+  end
+  -- Its time to live rather than its value, so that a clock that stepped since it was set cannot stretch it; a
+  -- throttle set by hand without an expiry is looked at again every second.
+  local left = redis.call('PTTL', KEYS[7])
+  if left ~= -2 then
+    if left < 0 then left = 1000 end
+    retry_at = now + math.max(1, left)
+    return finish(empty(6, 0))
+  end
 end
 -- Whether the running limit leaves room once this claim took what it may.
 local room = true

@@ -4,13 +4,13 @@
 --
 -- KEYS[1] owners zset, KEYS[2] stats hash, KEYS[3] dead list, KEYS[4] unique hash, KEYS[5] wake list,
 -- KEYS[6] the settling party's last call (a string, see "Calls" below), KEYS[7] the unique-popped hash (default
--- mode: unique id -> the owner that popped it),
--- KEYS[8 .. 7+L] ready lists, KEYS[8+L .. 7+2L] retry zsets, KEYS[8+2L .. 7+5L] quarantine lists (stages 1, 2, 3
--- for groups of 1, 8 and 64, each over the levels), and in safe mode: KEYS[8+5L .. 7+6L] the claim sets of the
+-- mode: unique id -> the owner that popped it), KEYS[8] the queue's throttle (a string, see op "throttle"),
+-- KEYS[9 .. 8+L] ready lists, KEYS[9+L .. 8+2L] retry zsets, KEYS[9+2L .. 8+5L] quarantine lists (stages 1, 2, 3
+-- for groups of 1, 8 and 64, each over the levels), and in safe mode: KEYS[9+5L .. 8+6L] the claim sets of the
 -- owner whose tasks these are (`processing:OWNER:LEVEL`, zset claim -> tasks not yet settled; a hash token ->
--- envelope for an owner of kmqd 0.1, see "Older owners"), all in level order, KEYS[8+6L] that
--- owner's info hash, KEYS[9+6L] the settling party's scratch string (`settled:SETTLER:bits`: each claim's new
--- bits, for BITOP; deleted before the script ends), KEYS[10+6L] the running hash (scope -> tasks taken under
+-- envelope for an owner of kmqd 0.1, see "Older owners"), all in level order, KEYS[9+6L] that
+-- owner's info hash, KEYS[10+6L] the settling party's scratch string (`settled:SETTLER:bits`: each claim's new
+-- bits, for BITOP; deleted before the script ends), KEYS[11+6L] the running hash (scope -> tasks taken under
 -- its limit and not yet settled), then for each claim the call touches, its list, its settled bitmap and its
 -- running scopes (`processing:OWNER:LEVEL:CLAIM`, `...:CLAIM:settled` and `...:CLAIM:scopes`)
 -- ARGV[1] fence: "owner" (the owner settles its own tasks) or "expired" (a monitor settles the tasks of an owner
@@ -36,6 +36,10 @@
 --               unique id, if any, stays held (the task waits again) but no longer by the popping owner
 --   op "back_isolated": as "back", to the front of the level's quarantine list of stage "delay" (a task that
 --               waited in the quarantine goes back there)
+--   op "throttle": a handler's back-pressure: payload (the task as it was taken) goes to the front of its ready
+--               list, uncharged; the queue's throttle is set to expire in delay ms (its value: the ms it ends),
+--               unless it already lasts longer, and no claim or pop takes a task of the queue until then;
+--               counted in "throttled"
 --   op "dead":  payload (a dead record, a JSON object) is pushed on the dead list with "dead_at" stamped
 -- Running limits. A claim list counted under a running limit has a scopes string (`N q`: claim.lua); each task of
 -- it whose bit this call sets, by whatever op and whichever settling party (the owner, or a monitor for an
@@ -74,17 +78,17 @@
 -- written. The shebang makes Redis refuse the whole script up front when it is out of memory. So the script
 -- applies all or nothing, and its result is stored in KEYS[6] before the counters are incremented.
 local owners, stats, dead, uniq, wake, last_call = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local popped = KEYS[7]
+local popped, throttle = KEYS[7], KEYS[8]
 local fence, dead_max, levels, channel, owner = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local call = ARGV[6]
-local READY, RETRY, QUARANTINE, PROCESSING = 7, 7 + levels, 7 + 2 * levels, 7 + 5 * levels
+local READY, RETRY, QUARANTINE, PROCESSING = 8, 8 + levels, 8 + 2 * levels, 8 + 5 * levels
 local safe = #KEYS > PROCESSING
 local info, scratch, running, CLAIM_KEYS = false, false, false, PROCESSING + levels + 3
 if safe then
   info, scratch, running = KEYS[PROCESSING + levels + 1], KEYS[PROCESSING + levels + 2], KEYS[PROCESSING + levels + 3]
 end
 local OPS = {ack = true, retry = true, retry_isolated = true, recover = true, recover_isolated = true,
-  back = true, back_isolated = true, dead = true}
+  back = true, back_isolated = true, dead = true, throttle = true}
 
 -- The claims touched: level, number, list, bitmap, running scopes; `fresh` counts the bits this call sets.
 local claims = tonumber(ARGV[7])
@@ -104,6 +108,7 @@ local expected = {[stats] = 'hash', [last_call] = 'string'}
 if fence == 'expired' then expected[owners] = 'zset' end
 if #ARGV >= records then
   expected[dead], expected[uniq], expected[wake], expected[popped] = 'list', 'hash', 'list', 'hash'
+  expected[throttle] = 'string'
   for level = 1, levels do
     expected[KEYS[READY + level]] = 'list'
     expected[KEYS[RETRY + level]] = 'zset'
@@ -142,6 +147,9 @@ for j = records, #ARGV, 8 do
       ARGV[j + 5] .. '); nothing was applied')
   end
   local stage = tonumber(ARGV[j + 5])
+  if ARGV[j] == 'throttle' and stage < 1 then
+    return redis.error_reply('settle.lua: throttle of ' .. ARGV[j + 5] .. ' ms; nothing was applied')
+  end
   if (ARGV[j] == 'retry_isolated' or ARGV[j] == 'recover_isolated' or ARGV[j] == 'back_isolated') and
       (stage < 1 or stage > 3) then
     return redis.error_reply('settle.lua: quarantine stage ' .. ARGV[j + 5] .. '; nothing was applied')
@@ -190,7 +198,7 @@ local function integer(key, field, value)
       string.sub(value, 1, 40) .. '); nothing was applied')
   end
 end
-local COUNTERS = {'done', 'retried', 'recovered', 'failed', 'dead_lettered', 'running_underflow'}
+local COUNTERS = {'done', 'retried', 'recovered', 'failed', 'dead_lettered', 'running_underflow', 'throttled'}
 local counters = redis.call('HMGET', stats, unpack(COUNTERS))
 for n = 1, #COUNTERS do
   local refused = integer(stats, COUNTERS[n], counters[n])
@@ -242,7 +250,9 @@ end
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local done, retried, recovered, failed, dead_lettered = 0, 0, 0, 0, 0
+local done, retried, recovered, failed, dead_lettered, throttled = 0, 0, 0, 0, 0, 0
+-- How long the queue's throttle still lasts (ms), read at the first throttle record.
+local throttle_left = false
 local wake_fetchers, wake_poller = false, false
 local live = true
 if fence == 'expired' then
@@ -348,6 +358,18 @@ while i <= #ARGV do
           wake_poller = true
         end
       end
+    elseif op == 'throttle' then
+      throttled = throttled + 1
+      redis.call('LPUSH', KEYS[READY + level], payload)
+      wake_fetchers = true
+      if not throttle_left then
+        -- -2: none; -1: one set by hand without an expiry, which this one replaces.
+        throttle_left = math.max(0, redis.call('PTTL', throttle))
+      end
+      if delay > throttle_left then
+        redis.call('SET', throttle, string.format('%d', now + delay), 'PX', delay)
+        throttle_left = delay
+      end
     else
       dead_lettered = dead_lettered + 1
       redis.call('LPUSH', dead, '{"dead_at":' .. string.format('%d', now) .. ',' .. string.sub(payload, 2))
@@ -408,6 +430,7 @@ if done > 0 then redis.call('HINCRBY', stats, 'done', done) end
 if retried > 0 then redis.call('HINCRBY', stats, 'retried', retried) end
 if recovered > 0 then redis.call('HINCRBY', stats, 'recovered', recovered) end
 if failed > 0 then redis.call('HINCRBY', stats, 'failed', failed) end
+if throttled > 0 then redis.call('HINCRBY', stats, 'throttled', throttled) end
 if underflow > 0 then redis.call('HINCRBY', stats, 'running_underflow', underflow) end
 if wake_fetchers then
   redis.call('LPUSH', wake, 1)

@@ -242,10 +242,7 @@ impl Fetcher {
             // Not a blocking wait in Redis: the lists may hold tasks, and BLMOVE would return at once.
             self.claiming.wait(self.lane.queue.config.idle_poll);
         }
-        let limited = batch.limited.map(|limit| match limit {
-            Limited::Running => "max_running",
-            Limited::Rate { .. } => "rate_limit",
-        });
+        let limited = batch.limited.map(Limited::name);
         if limited != self.limited {
             // At debug: a busy limited queue is held back and let go many times a second.
             let queue = self.lane.name();
@@ -255,8 +252,9 @@ impl Fetcher {
             }
             self.limited = limited;
         }
-        if let Some(Limited::Rate { retry_at_ms }) = batch.limited {
-            // Until the window's oldest start ages out, by Redis's clock (the claim's reply carries both times).
+        if let Some(retry_at_ms) = batch.limited.and_then(Limited::retry_at_ms) {
+            // Until the window's oldest start ages out, or the throttle ends, by Redis's clock (the reply carries
+            // both times).
             let wait = u64::try_from(retry_at_ms.saturating_sub(batch.now_ms)).unwrap_or(0);
             self.claiming.wait(Duration::from_millis(wait.max(1)));
         }
@@ -303,7 +301,10 @@ impl Fetcher {
         let popped = self.popper.pop(connection, &queue.keys, &owner, free);
         match &popped {
             Ok(batch)
-                if batch.tasks.is_empty() && !batch.paused && !self.claiming.is_triggered() =>
+                if batch.tasks.is_empty()
+                    && !batch.paused
+                    && batch.limited.is_none()
+                    && !self.claiming.is_triggered() =>
             {
                 let idle = queue.config.idle_poll;
                 broker::wait_idle(connection, &queue.keys, idle, queue.io_timeout)?;
@@ -372,8 +373,9 @@ impl Fetcher {
             }
             return Ok(batch);
         }
-        let rate_limited = matches!(batch.limited, Some(Limited::Rate { .. }));
-        if batch.tasks.is_empty() && !rate_limited && !self.claiming.is_triggered() {
+        // A limit that ends at a known time is slept out by `fetch`; a full running count waits for a settle's marker.
+        let timed = batch.limited.and_then(Limited::retry_at_ms).is_some();
+        if batch.tasks.is_empty() && !timed && !self.claiming.is_triggered() {
             // A marker means "something was pushed": the next round claims it. No marker within idle_poll: the
             // next round looks anyway, which picks up producers that push no marker.
             broker::wait_wake(

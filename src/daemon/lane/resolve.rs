@@ -366,6 +366,13 @@ pub fn verdict_of(status: Status, plugin: &str, started: Instant) -> (Verdict, O
             },
             String::new(),
         ),
+        Status::Throttle { after, message } => (
+            Verdict::Throttled {
+                reason: non_empty(message, "handler asked to throttle"),
+                after,
+            },
+            String::new(),
+        ),
         Status::Unknown(status) => (
             Verdict::HandlerError {
                 reason: format!(

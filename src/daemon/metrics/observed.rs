@@ -51,19 +51,22 @@ pub enum TaskOutcome {
     TimedOut,
     /// Handed back to the queue unstarted, or at shutdown (uncharged).
     HandedBack,
+    /// Back-pressure: its handler throttled the queue, and it went back uncharged.
+    Throttled,
     /// Forgotten: its lease was lost (the monitors give it to another daemon), or, in default mode, still running
     /// after `shutdown_grace`.
     Lost,
 }
 
 impl TaskOutcome {
-    const ALL: [TaskOutcome; 7] = [
+    const ALL: [TaskOutcome; 8] = [
         TaskOutcome::Done,
         TaskOutcome::Failed,
         TaskOutcome::Retried,
         TaskOutcome::Dead,
         TaskOutcome::TimedOut,
         TaskOutcome::HandedBack,
+        TaskOutcome::Throttled,
         TaskOutcome::Lost,
     ];
 
@@ -76,6 +79,7 @@ impl TaskOutcome {
             TaskOutcome::Dead => "dead",
             TaskOutcome::TimedOut => "timed_out",
             TaskOutcome::HandedBack => "handed_back",
+            TaskOutcome::Throttled => "throttled",
             TaskOutcome::Lost => "lost",
         }
     }
@@ -89,6 +93,7 @@ impl TaskOutcome {
             SettleOp::Dead => TaskOutcome::Dead,
             // A lane's own resolutions never recover (the monitors do, for other owners); counted as hand-backs.
             SettleOp::Back { .. } | SettleOp::Recover { .. } => TaskOutcome::HandedBack,
+            SettleOp::Throttle { .. } => TaskOutcome::Throttled,
         }
     }
 }
