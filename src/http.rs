@@ -733,6 +733,83 @@ fn write_within(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::shutdown::Trigger;
+
+    /// A server on a free loopback port answering with the request's body, until the trigger fires.
+    fn echo_server(limits: Limits) -> (SocketAddr, Trigger, std::thread::JoinHandle<()>) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stop = Trigger::new();
+        let echo = |request: &Request| Response::new(200, "text/plain", request.body().to_vec());
+        let server = Server::start(listener, "test-http", limits, echo, stop.listener()).unwrap();
+        (addr, stop, std::thread::spawn(move || server.run()))
+    }
+
+    /// What the server answered on `stream` before it closed it.
+    fn answer(mut stream: TcpStream) -> String {
+        stream
+            .set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer).unwrap();
+        answer
+    }
+
+    #[test]
+    fn a_connection_over_the_cap_is_answered_503_while_the_others_are_held() {
+        let limits = Limits {
+            max_connections: 2,
+            ..Limits::new(1, 0)
+        };
+        let (addr, stop, server) = echo_server(limits);
+        // Accepted in the order they connected: the first two are held, waiting for their heads.
+        let held: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(addr).unwrap()).collect();
+        let over = answer(TcpStream::connect(addr).unwrap());
+        assert!(
+            over.starts_with("HTTP/1.1 503 Service Unavailable\r\n"),
+            "{over}"
+        );
+        drop(held);
+        stop.fire();
+        server.join().unwrap();
+    }
+
+    #[test]
+    fn a_head_that_does_not_come_in_time_is_answered_408() {
+        let limits = Limits {
+            head_timeout: Duration::from_millis(50),
+            ..Limits::new(1, 0)
+        };
+        let (addr, stop, server) = echo_server(limits);
+        let mut slow = TcpStream::connect(addr).unwrap();
+        slow.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n").unwrap();
+        let answer = answer(slow);
+        assert!(
+            answer.starts_with("HTTP/1.1 408 Request Timeout\r\n"),
+            "{answer}"
+        );
+        stop.fire();
+        server.join().unwrap();
+    }
+
+    #[test]
+    fn a_body_that_waits_for_100_continue_is_asked_for_and_read_whole() {
+        let (addr, stop, server) = echo_server(Limits::new(1, 16));
+        let mut client = TcpStream::connect(addr).unwrap();
+        client
+            .write_all(b"POST /a HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n")
+            .unwrap();
+        let mut interim = [0u8; 25];
+        client.read_exact(&mut interim).unwrap();
+        assert_eq!(&interim, b"HTTP/1.1 100 Continue\r\n\r\n");
+        client.write_all(b"hel").unwrap();
+        client.write_all(b"lo").unwrap();
+        let answer = answer(client);
+        assert!(answer.starts_with("HTTP/1.1 200 OK\r\n"), "{answer}");
+        assert!(answer.ends_with("\r\n\r\nhello"), "{answer}");
+        stop.fire();
+        server.join().unwrap();
+    }
 
     #[test]
     fn the_head_ends_at_its_empty_line_with_or_without_carriage_returns() {
