@@ -21,7 +21,7 @@ use percent_encoding::percent_decode_str;
 use serde_json::{Value as Json, json};
 
 use super::api::{self, Action, ApiError};
-use super::auth::Auth;
+use super::auth::{self, Auth};
 use super::{Options, SharedOverview, assets};
 use crate::client::Client;
 use crate::config::Config;
@@ -171,7 +171,9 @@ fn act(
             "this dashboard is read-only (--read-only): actions are off",
         ));
     }
-    if request.header("X-Kmqd-Csrf") != Some(state.csrf()) {
+    // Compared in constant time, as the bearer token is (review L8).
+    let token = request.header("X-Kmqd-Csrf").unwrap_or_default();
+    if !auth::same(token.as_bytes(), state.csrf().as_bytes()) {
         return Err(ApiError::new(
             403,
             "missing or stale CSRF token (X-Kmqd-Csrf): reload the page, or read it from GET /api/session",
