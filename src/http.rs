@@ -18,7 +18,7 @@
 //!   [`ACCEPT_BACKOFF`]; the loop goes on serving the connections it has, and accepts again once it can.
 //! - Every answer is the last on its connection (`Connection: close`): no keep-alive to bound.
 //! - The loop and the handlers stop within about [`TICK`] of the shutdown trigger (a handler first finishes the
-//!   request in hand); [`Server::run`] returns once all have.
+//!   request in hand; the requests still queued are closed unanswered); [`Server::run`] returns once all have.
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -226,9 +226,12 @@ impl Server {
             let spawned = std::thread::Builder::new()
                 .name(format!("{name}-{n}"))
                 .spawn(move || {
-                    // Ends when the event loop dropped its sender and the queue is empty.
+                    // Ends when the event loop dropped its sender and the queue is empty. What is still queued
+                    // at the shutdown is closed unanswered: 64 scrapes waiting for Redis would hold it up.
                     for job in jobs {
-                        answer(job, &*handler, limits, &stop);
+                        if !stop.is_triggered() {
+                            answer(job, &*handler, limits, &stop);
+                        }
                     }
                 });
             match spawned {
