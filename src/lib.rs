@@ -15,6 +15,7 @@
 //! - [`daemon`]: the supervisor on top; below it each queue's [`daemon::lane`] (fetcher, workers, acker) and the
 //!   per-daemon threads (heartbeat, monitor, timeouts, delay, scheduler, metrics, signals);
 //! - [`retry`] and [`shutdown`]: backoff, rate-limited failure reports, and the shutdown broadcasts;
+//! - [`http`]: the bounded HTTP server of the metrics endpoint and the dashboard;
 //! - [`dashboard`]: `kmqd dashboard`, the web UI and its JSON API;
 //! - [`cli`]: the `kmqd` command line.
 //!
@@ -30,6 +31,7 @@ pub mod config;
 pub mod cron;
 pub mod daemon;
 pub mod dashboard;
+pub mod http;
 pub mod overview;
 pub mod plugin;
 pub mod policy;

@@ -5,7 +5,8 @@
 //! Passwords are stored as Argon2id PHC strings (`kmqd dashboard hash-password NAME`). Argon2 costs tens of
 //! milliseconds by design and the pages ask every second, so a verified `Authorization` value is remembered
 //! for the life of the process (at most [`REMEMBERED`] of them): a user removed from the file is refused after
-//! a restart.
+//! a restart. What is not remembered costs an Argon2 verification, one at a time, a name that is no user's as
+//! much as a wrong password (review L8).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -29,6 +30,17 @@ pub struct Auth {
     token: Option<String>,
     /// Verified `Authorization` header values -> the user they are.
     verified: Mutex<HashMap<String, String>>,
+    /// Held for each Argon2 verification, so there is one at a time: each costs 19 MiB and tens of milliseconds of
+    /// a core, and wrong passwords sent by every handler thread at once would cost as many (review L8). A request
+    /// that waited here for a value that was being verified finds it remembered.
+    verifying: Mutex<()>,
+    /// A hash of no one's password (the default cost, as `hash-password` makes them), verified for a name that is
+    /// no user's: a wrong name then costs what a wrong password does, and the time of a refusal does not tell
+    /// which names are users (review L8). `None` without users.
+    decoy: Option<String>,
+    /// Argon2 verifications run, for the tests to count.
+    #[cfg(test)]
+    verifications: std::sync::atomic::AtomicUsize,
 }
 
 impl Auth {
@@ -93,10 +105,18 @@ impl Auth {
                 token.len()
             ));
         }
+        let decoy = match users.is_empty() {
+            true => None,
+            false => Some(hash_password(&uuid::Uuid::new_v4().to_string())?),
+        };
         Ok(Some(Auth {
             users,
             token,
             verified: Mutex::new(HashMap::new()),
+            verifying: Mutex::new(()),
+            decoy,
+            #[cfg(test)]
+            verifications: Default::default(),
         }))
     }
 
@@ -121,18 +141,35 @@ impl Auth {
                 .ok()?;
             let decoded = String::from_utf8(decoded).ok()?;
             let (name, password) = decoded.split_once(':')?;
-            let hash = PasswordHash::new(self.users.get(name)?).ok()?;
-            Argon2::default()
+            let _one_at_a_time = self.verifying.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(user) = self.remembered().get(value) {
+                return Some(user.clone());
+            }
+            let known = self.users.get(name);
+            let hash = PasswordHash::new(known.or(self.decoy.as_ref())?).ok()?;
+            let verified = Argon2::default()
                 .verify_password(password.as_bytes(), &hash)
-                .ok()?;
+                .is_ok();
+            #[cfg(test)]
+            self.verifications
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if !verified || known.is_none() {
+                return None;
+            }
+            // Before the next verification may start: one that waited for this value finds it remembered.
+            self.remember(value, name);
             name.to_string()
         };
+        self.remember(value, &user);
+        Some(user)
+    }
+
+    fn remember(&self, value: &str, user: &str) {
         let mut remembered = self.remembered();
         if remembered.len() >= REMEMBERED {
             remembered.clear();
         }
-        remembered.insert(value.to_string(), user.clone());
-        Some(user)
+        remembered.insert(value.to_string(), user.to_string());
     }
 
     fn remembered(&self) -> std::sync::MutexGuard<'_, HashMap<String, String>> {
@@ -152,7 +189,7 @@ pub fn hash_password(password: &str) -> Result<String, String> {
 }
 
 /// Equal bytes, compared in a time that does not depend on where they differ (a token guessed byte by byte).
-fn same(a: &[u8], b: &[u8]) -> bool {
+pub fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
@@ -216,6 +253,37 @@ mod tests {
         assert_eq!(auth.user(Some("Bearer 0123456789abcdef012")), None);
         assert_eq!(auth.user(Some("Basic !!")), None);
         assert_eq!(auth.user(None), None);
+    }
+
+    fn verifications(auth: &Auth) -> usize {
+        auth.verifications
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    #[test]
+    fn a_name_that_is_no_users_costs_a_verification_as_a_wrong_password_does() {
+        let hash = hash_password("correct horse").unwrap();
+        let auth = auth(&format!("ada:{hash}\n"), None);
+        assert_eq!(auth.user(Some(&basic("bob", "correct horse"))), None);
+        assert_eq!(verifications(&auth), 1, "the unknown name was verified");
+        assert_eq!(auth.user(Some(&basic("ada", "wrong"))), None);
+        assert_eq!(verifications(&auth), 2);
+    }
+
+    #[test]
+    fn requests_at_once_with_one_new_password_verify_it_once() {
+        let hash = hash_password("correct horse").unwrap();
+        let auth = auth(&format!("ada:{hash}\n"), None);
+        let value = basic("ada", "correct horse");
+        std::thread::scope(|scope| {
+            let asking: Vec<_> = (0..4)
+                .map(|_| scope.spawn(|| auth.user(Some(&value))))
+                .collect();
+            for asked in asking {
+                assert_eq!(asked.join().unwrap().as_deref(), Some("ada"));
+            }
+        });
+        assert_eq!(verifications(&auth), 1, "one Argon2 run for four requests");
     }
 
     #[test]

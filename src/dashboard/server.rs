@@ -15,22 +15,18 @@
 //! have no inline script), `X-Frame-Options: DENY` (no clickjacking of the buttons) and `Cache-Control:
 //! no-store`.
 
-use std::io::{Cursor, Read};
 use std::net::SocketAddr;
 
 use percent_encoding::percent_decode_str;
 use serde_json::{Value as Json, json};
-use tiny_http::{Header, Method, Request, Response};
 
 use super::api::{self, Action, ApiError};
-use super::auth::Auth;
+use super::auth::{self, Auth};
 use super::{Options, SharedOverview, assets};
 use crate::client::Client;
 use crate::config::Config;
+use crate::http::{Request, Response};
 use crate::overview::Overview;
-
-/// The most bytes an action's body may have (a list of ids to requeue).
-const MAX_BODY: u64 = 1 << 20;
 
 /// What every request thread shares.
 pub(super) struct State {
@@ -84,31 +80,28 @@ impl State {
     }
 }
 
-type Reply = Response<Cursor<Vec<u8>>>;
+type Reply = Response;
 
-/// Answers one request.
-pub(super) fn handle(state: &State, mut request: Request) {
-    let reply = match route(state, &mut request) {
+/// Answers one request (its body was read whole by the server, within `super::MAX_BODY`).
+pub(super) fn handle(state: &State, request: &Request) -> Reply {
+    match route(state, request) {
         Ok(reply) => reply,
         Err(error) => json_reply(error.status, &json!({ "error": error.message })),
-    };
-    if let Err(error) = request.respond(reply) {
-        tracing::debug!(%error, "dashboard: the reply could not be sent");
     }
 }
 
-fn route(state: &State, request: &mut Request) -> Result<Reply, ApiError> {
+fn route(state: &State, request: &Request) -> Result<Reply, ApiError> {
     let user = match &state.auth {
-        Some(auth) => match auth.user(header(request, "Authorization").as_deref()) {
+        Some(auth) => match auth.user(request.header("Authorization")) {
             Some(user) => user,
             None => return Ok(unauthorized(auth)),
         },
         None => {
-            let host = header(request, "Host").unwrap_or_default();
+            let host = request.header("Host").unwrap_or_default();
             if !state
                 .hosts
                 .iter()
-                .any(|allowed| allowed.eq_ignore_ascii_case(&host))
+                .any(|allowed| allowed.eq_ignore_ascii_case(host))
             {
                 return Err(ApiError::new(
                     421,
@@ -118,25 +111,24 @@ fn route(state: &State, request: &mut Request) -> Result<Reply, ApiError> {
             LOCAL_USER.to_string()
         }
     };
-    let url = request.url().to_string();
-    let (path, query) = url.split_once('?').unwrap_or((&url, ""));
+    let url = request.target();
+    let (path, query) = url.split_once('?').unwrap_or((url, ""));
     let segments: Vec<String> = path
         .split('/')
         .skip(1)
         .map(|segment| percent_decode_str(segment).decode_utf8_lossy().into_owned())
         .collect();
     let segments: Vec<&str> = segments.iter().map(String::as_str).collect();
-    let method = request.method().clone();
-    match (&method, segments.as_slice()) {
-        (Method::Get, [""] | ["daemons"] | ["task"] | ["queues", _]) => Ok(page(state)),
-        (Method::Get, ["assets", name]) => assets::file(name)
+    match (request.method(), segments.as_slice()) {
+        ("GET", [""] | ["daemons"] | ["task"] | ["queues", _]) => Ok(page(state)),
+        ("GET", ["assets", name]) => assets::file(name)
             .map(|(content_type, body)| reply(200, content_type, body.as_bytes().to_vec()))
             .ok_or_else(|| ApiError::new(404, format!("no asset {name}"))),
-        (Method::Get, ["api", "session"]) => Ok(json_reply(200, &api::session(state, &user))),
-        (Method::Get, ["api", "overview"]) => Ok(json_reply(200, &api::overview(state))),
-        (Method::Get, ["api", "daemons"]) => Ok(json_reply(200, &api::daemons(state)?)),
-        (Method::Get, ["api", "history"]) => Ok(json_reply(200, &api::history(state)?)),
-        (Method::Get, ["api", "queues", queue]) => {
+        ("GET", ["api", "session"]) => Ok(json_reply(200, &api::session(state, &user))),
+        ("GET", ["api", "overview"]) => Ok(json_reply(200, &api::overview(state))),
+        ("GET", ["api", "daemons"]) => Ok(json_reply(200, &api::daemons(state)?)),
+        ("GET", ["api", "history"]) => Ok(json_reply(200, &api::history(state)?)),
+        ("GET", ["api", "queues", queue]) => {
             let limit = query_value(query, "limit")
                 .map(|text| text.parse::<usize>())
                 .transpose()
@@ -145,10 +137,10 @@ fn route(state: &State, request: &mut Request) -> Result<Reply, ApiError> {
                 .min(api::MAX_LIMIT);
             Ok(json_reply(200, &api::queue(state, queue, limit)?))
         }
-        (Method::Get, ["api", "queues", queue, "tasks", id]) => {
+        ("GET", ["api", "queues", queue, "tasks", id]) => {
             Ok(json_reply(200, &api::task(state, queue, id)?))
         }
-        (Method::Post, ["api", "queues", queue, rest @ ..]) => {
+        ("POST", ["api", "queues", queue, rest @ ..]) => {
             let action = match rest {
                 ["pause"] => Action::Pause,
                 ["resume"] => Action::Resume,
@@ -160,7 +152,7 @@ fn route(state: &State, request: &mut Request) -> Result<Reply, ApiError> {
             let queue = queue.to_string();
             act(state, request, &user, &queue, action)
         }
-        (Method::Get | Method::Post, _) => Err(ApiError::new(404, format!("nothing at {path}"))),
+        ("GET" | "POST", _) => Err(ApiError::new(404, format!("nothing at {path}"))),
         _ => Err(ApiError::new(405, "GET pages and the API, POST actions")),
     }
 }
@@ -168,7 +160,7 @@ fn route(state: &State, request: &mut Request) -> Result<Reply, ApiError> {
 /// The checks of an action, then the action, logged with who asked and what came of it.
 fn act(
     state: &State,
-    request: &mut Request,
+    request: &Request,
     user: &str,
     queue: &str,
     action: Action,
@@ -179,16 +171,18 @@ fn act(
             "this dashboard is read-only (--read-only): actions are off",
         ));
     }
-    if header(request, "X-Kmqd-Csrf").as_deref() != Some(state.csrf()) {
+    // Compared in constant time, as the bearer token is (review L8).
+    let token = request.header("X-Kmqd-Csrf").unwrap_or_default();
+    if !auth::same(token.as_bytes(), state.csrf().as_bytes()) {
         return Err(ApiError::new(
             403,
             "missing or stale CSRF token (X-Kmqd-Csrf): reload the page, or read it from GET /api/session",
         ));
     }
-    if let Some(origin) = header(request, "Origin") {
+    if let Some(origin) = request.header("Origin") {
         // The page's own origin: the host it asked for (checked above on loopback), over HTTP, or HTTPS behind
         // a proxy that terminates TLS.
-        let host = header(request, "Host").unwrap_or_default();
+        let host = request.header("Host").unwrap_or_default();
         let ours = ["http://", "https://"]
             .iter()
             .any(|scheme| origin.eq_ignore_ascii_case(&format!("{scheme}{host}")));
@@ -199,20 +193,14 @@ fn act(
             ));
         }
     }
-    let mut body = String::new();
-    request
-        .as_reader()
-        .take(MAX_BODY)
-        .read_to_string(&mut body)
+    let body = std::str::from_utf8(request.body())
         .map_err(|error| ApiError::new(400, format!("cannot read the body: {error}")))?;
     let body: Json = if body.trim().is_empty() {
         json!({})
     } else {
-        serde_json::from_str(&body).map_err(|error| ApiError::new(400, format!("body: {error}")))?
+        serde_json::from_str(body).map_err(|error| ApiError::new(400, format!("body: {error}")))?
     };
-    let from = request
-        .remote_addr()
-        .map_or("?".to_string(), ToString::to_string);
+    let from = request.peer().to_string();
     let what = action.name();
     let result = api::act(state, queue, &action, &body);
     match &result {
@@ -250,8 +238,7 @@ fn unauthorized(auth: &Auth) -> Reply {
         r#"Bearer realm="kmqd dashboard""#
     };
     let body = json!({ "error": "authentication required: a dashboard user's password, or the bearer token" });
-    json_reply(401, &body)
-        .with_header(Header::from_bytes("WWW-Authenticate", challenge).expect("a valid header"))
+    json_reply(401, &body).header("WWW-Authenticate", challenge)
 }
 
 /// The page shell: one HTML document for every page, its script draws the page its path names.
@@ -261,14 +248,6 @@ fn page(state: &State) -> Reply {
         "text/html; charset=utf-8",
         assets::page(state.csrf(), state.read_only).into_bytes(),
     )
-}
-
-fn header(request: &Request, name: &'static str) -> Option<String> {
-    request
-        .headers()
-        .iter()
-        .find(|header| header.field.equiv(name))
-        .map(|header| header.value.as_str().to_string())
 }
 
 /// The value of `name` in a query string (`limit=20&x=y`), percent-decoded.
@@ -286,7 +265,6 @@ fn json_reply(status: u16, body: &Json) -> Reply {
 
 fn reply(status: u16, content_type: &str, body: Vec<u8>) -> Reply {
     let headers = [
-        ("Content-Type", content_type),
         ("Cache-Control", "no-store"),
         ("X-Content-Type-Options", "nosniff"),
         ("X-Frame-Options", "DENY"),
@@ -298,9 +276,7 @@ fn reply(status: u16, content_type: &str, body: Vec<u8>) -> Reply {
         ),
     ];
     headers.into_iter().fold(
-        Response::from_data(body).with_status_code(status),
-        |response, (name, value)| {
-            response.with_header(Header::from_bytes(name, value).expect("a valid header"))
-        },
+        Response::new(status, content_type, body),
+        |response, (name, value)| response.header(name, value),
     )
 }

@@ -17,6 +17,7 @@ mod eviction;
 mod exec_persistent;
 mod fault_proxy;
 mod faults;
+mod http_bounds;
 mod limits;
 mod metrics;
 mod plugins;

@@ -1,5 +1,6 @@
 //! The metrics endpoint: `GET /metrics` on `metrics_addr`, encoded by the `prometheus-client` crate and served
-//! by `tiny_http` (synchronous: one thread here, tiny_http's own for the connections; no async runtime).
+//! by [`crate::http`] (synchronous: this thread accepts and reads requests, [`HANDLERS`] threads answer them;
+//! bounded in connections, sizes and time, so a client of the endpoint cannot exhaust the daemon: review H3).
 //!
 //! - [`page`]: one scrape's registry and its encoding;
 //! - [`snapshot`]: the queue-wide numbers from Redis, read by a refresher thread that a scrape waits for at most
@@ -24,17 +25,19 @@ pub mod snapshot;
 
 use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
-use std::time::Duration;
-
-use tiny_http::{Header, Method, Request, Response, Server};
 
 use super::lane::LaneSet;
+use crate::http::{Limits, Request, Response, Server};
 use crate::shutdown::Listener;
 use page::{Format, LaneNumbers};
 use snapshot::RedisView;
 
-/// How often the serving loop looks at the shutdown trigger.
-const ACCEPT_POLL: Duration = Duration::from_millis(100);
+/// Threads answering scrapes (`kmqd-metrics-0`, `-1`): one Prometheus and an operator's curl at a time, each
+/// waiting at most [`snapshot::REDIS_WAIT`] for Redis.
+pub const HANDLERS: usize = 2;
+
+/// A scrape has no body.
+const LIMITS: Limits = Limits::new(HANDLERS, 0);
 
 /// Binds `addr` (port 0: a free port) and returns the listener with the address it got.
 pub fn bind(addr: SocketAddr) -> std::io::Result<(TcpListener, SocketAddr)> {
@@ -43,64 +46,56 @@ pub fn bind(addr: SocketAddr) -> std::io::Result<(TcpListener, SocketAddr)> {
     Ok((listener, bound))
 }
 
-/// The `kmqd-metrics` thread.
+/// The `kmqd-metrics` thread: it accepts and reads the scrapes; [`HANDLERS`] threads of its own answer them.
 pub struct Metrics {
     server: Server,
+}
+
+/// What a scrape reads, shared by the handler threads.
+struct Page {
     lanes: Arc<LaneSet>,
     redis: RedisView,
-    background: Listener,
 }
 
 impl Metrics {
-    /// Serves on `listener` (tiny_http starts its connection threads now).
+    /// Starts the handler threads of `listener`; [`Metrics::run`] serves until the background phase of the
+    /// shutdown.
     pub fn new(
         listener: TcpListener,
         lanes: Arc<LaneSet>,
         redis: RedisView,
         background: Listener,
     ) -> std::io::Result<Metrics> {
-        let server = Server::from_listener(listener, None).map_err(std::io::Error::other)?;
-        Ok(Metrics {
-            server,
-            lanes,
-            redis,
+        let page = Page { lanes, redis };
+        let server = Server::start(
+            listener,
+            "kmqd-metrics",
+            LIMITS,
+            move |request: &Request| page.serve(request),
             background,
-        })
+        )?;
+        Ok(Metrics { server })
     }
 
+    /// Serves until the background phase of the shutdown; the handler threads are joined before it returns.
     pub fn run(self) {
-        while !self.background.is_triggered() {
-            match self.server.recv_timeout(ACCEPT_POLL) {
-                Ok(Some(request)) => self.serve(request),
-                Ok(None) => {}
-                Err(error) => {
-                    tracing::warn!(%error, "metrics endpoint: accept failed");
-                    self.background.wait(ACCEPT_POLL);
-                }
-            }
-        }
+        self.server.run();
         tracing::debug!("metrics endpoint stopped");
     }
+}
 
-    fn serve(&self, request: Request) {
-        let path = request.url().split('?').next().unwrap_or("");
-        let response = if path != "/metrics" {
-            text_response(404, "try /metrics\n")
-        } else if !matches!(request.method(), Method::Get | Method::Head) {
-            text_response(405, "GET /metrics\n")
+impl Page {
+    fn serve(&self, request: &Request) -> Response {
+        let path = request.target().split('?').next().unwrap_or("");
+        if path != "/metrics" {
+            Response::text(404, "try /metrics\n")
+        } else if !matches!(request.method(), "GET" | "HEAD") {
+            Response::text(405, "GET /metrics\n")
         } else {
-            let accept = request
-                .headers()
-                .iter()
-                .find(|header| header.field.equiv("Accept"))
-                .map(|header| header.value.as_str());
-            let format = Format::negotiate(accept);
+            let format = Format::negotiate(request.header("Accept"));
             let redis = self.redis.fresh(snapshot::REDIS_WAIT);
             let body = page::render(format, &self.numbers(), redis.as_deref());
-            Response::from_string(body).with_header(content_type(format.content_type()))
-        };
-        if let Err(error) = request.respond(response) {
-            tracing::debug!(%error, "metrics request failed");
+            Response::new(200, format.content_type(), body)
         }
     }
 
@@ -119,14 +114,4 @@ impl Metrics {
             })
             .collect()
     }
-}
-
-fn content_type(value: &str) -> Header {
-    Header::from_bytes("Content-Type", value).expect("a valid header")
-}
-
-fn text_response(code: u16, body: &str) -> Response<std::io::Cursor<Vec<u8>>> {
-    Response::from_string(body)
-        .with_status_code(code)
-        .with_header(content_type("text/plain; charset=utf-8"))
 }

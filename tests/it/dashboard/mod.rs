@@ -62,6 +62,11 @@ impl Dashboard {
         self.process.log_text()
     }
 
+    /// The process's id, to read its /proc/PID/status.
+    pub fn pid(&self) -> u32 {
+        self.process.child.id()
+    }
+
     pub fn request(
         &self,
         method: &str,
