@@ -414,14 +414,17 @@ impl Popper {
     /// With no unique id held in the queue and a big batch expected, a plain `LMPOP` (Redis returns the
     /// payloads without converting them into Lua strings and back: 0.25 µs of Redis CPU per task against 0.8 µs
     /// through pop.lua, docs/PERFORMANCE.md); otherwise pop.lua.
+    ///
+    /// With a `rate_limit`, always pop.lua, which counts the starts in the windows' logs as claim.lua does.
     pub fn pop(
         &mut self,
         conn: &mut Conn,
         keys: &QueueKeys,
         owner: &str,
         max: usize,
+        rate_limit: &[RateLimit],
     ) -> Result<Batch> {
-        if self.no_unique_held && self.last_taken >= PLAIN_POP_AFTER {
+        if self.no_unique_held && self.last_taken >= PLAIN_POP_AFTER && rate_limit.is_empty() {
             match pop_plain(conn, keys, max)? {
                 // Paused or throttled: keep what was learnt, so that the first pop after is plain again.
                 Some(batch) if batch.paused || batch.limited.is_some() => return Ok(batch),
@@ -432,7 +435,7 @@ impl Popper {
                 None => self.no_unique_held = false,
             }
         }
-        let (batch, held) = pop_script(conn, keys, owner, max)?;
+        let (batch, held) = pop_script(conn, keys, owner, max, rate_limit)?;
         self.no_unique_held = !held;
         if !batch.paused && batch.limited.is_none() {
             self.last_taken = batch.tasks.len();
@@ -548,7 +551,13 @@ fn pop_plain(conn: &mut Conn, keys: &QueueKeys, max: usize) -> Result<Option<Bat
 }
 
 /// pop.lua; also says whether the queue holds unique ids now.
-fn pop_script(conn: &mut Conn, keys: &QueueKeys, owner: &str, max: usize) -> Result<(Batch, bool)> {
+fn pop_script(
+    conn: &mut Conn,
+    keys: &QueueKeys,
+    owner: &str,
+    max: usize,
+    rate_limit: &[RateLimit],
+) -> Result<(Batch, bool)> {
     let mut invocation = SCRIPTS.pop.prepare_invoke();
     invocation
         .key(&keys.unique)
@@ -558,10 +567,17 @@ fn pop_script(conn: &mut Conn, keys: &QueueKeys, owner: &str, max: usize) -> Res
     for list in pop_lists(keys) {
         invocation.key(list);
     }
-    invocation.arg(owner).arg(max);
+    for rate in rate_limit {
+        let (log, sum) = keys.rate_log(rate.window_ms());
+        invocation.key(log).key(sum);
+    }
+    invocation.arg(owner).arg(max).arg(rate_limit.len());
+    for rate in rate_limit {
+        invocation.arg(rate.window_ms()).arg(rate.starts);
+    }
     // The script's reply is depth 1, its list of tasks depth 2, the tasks depth 3.
     type Reply = (i64, usize, Vec<Value>, i64, i64, i64);
-    let ((now_ms, list, items, held, paused, throttled_until), collected) =
+    let ((now_ms, list, items, held, state, retry_at_ms), collected) =
         conn.with_payloads(3, |conn| invocation.invoke::<Reply>(conn))?;
     let mut tasks = Vec::with_capacity(items.len());
     let mut payloads = Gather::new(collected);
@@ -578,10 +594,12 @@ fn pop_script(conn: &mut Conn, keys: &QueueKeys, owner: &str, max: usize) -> Res
         now_ms,
         tasks,
         payloads: payloads.finish("pop")?,
-        paused: paused == 1,
-        limited: (throttled_until > 0).then_some(Limited::Throttle {
-            retry_at_ms: throttled_until,
-        }),
+        paused: state == 1,
+        limited: match state {
+            2 => Some(Limited::Throttle { retry_at_ms }),
+            3 => Some(Limited::Rate { retry_at_ms }),
+            _ => None,
+        },
         ..Batch::default()
     };
     Ok((batch, held > 0))

@@ -652,7 +652,7 @@ fn max_running_needs_safe_mode_and_no_prefetch() {
 }
 
 #[test]
-fn rate_limit_is_a_rate_or_a_list_of_them_in_safe_mode() {
+fn rate_limit_is_a_rate_or_a_list_of_them_in_either_mode() {
     let queue = |mode: &str, keys: &str| {
         let text = format!("[[queues]]\nname = \"api\"\nmode = \"{mode}\"\nworkers = 4\n{keys}");
         parse(&text).map(|config| config.queues[0].clone())
@@ -667,11 +667,17 @@ fn rate_limit_is_a_rate_or_a_list_of_them_in_safe_mode() {
     let two = queue("safe", "rate_limit = [\"20/s\", \"1000/h\"]\n").unwrap();
     assert_eq!(format!("{:?}", two.rate_limit), "[20/1s, 1000/1h]");
     assert!(queue("safe", "").unwrap().rate_limit.is_empty());
+    let popped = queue("default", "rate_limit = \"5/s\"\n").unwrap();
+    assert_eq!(
+        (format!("{:?}", popped.rate_limit), popped.prefetch),
+        ("[5/1s]".to_string(), Prefetch::Fixed(0)),
+        "default mode counts its pops, for idle workers only"
+    );
     for (mode, keys, words) in [
         (
             "default",
-            "rate_limit = \"5/s\"\n",
-            "queues.toml:5:14: queues[0].rate_limit: rate_limit needs mode = \"safe\"",
+            "rate_limit = \"5/s\"\nprefetch = 8\n",
+            "queues.toml:6:12: queues[0].prefetch: a queue with rate_limit claims only for its idle workers",
         ),
         (
             "safe",

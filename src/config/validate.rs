@@ -844,7 +844,7 @@ impl RawQueue {
                 limited_claims(
                     source,
                     (&key, "max_running"),
-                    mode,
+                    Some(mode),
                     limit.span(),
                     prefetch.as_ref(),
                 )?;
@@ -855,10 +855,11 @@ impl RawQueue {
         let rate_limit = match &rate_limit {
             Some(value) => {
                 let rates = rate_limits(source, &key("rate_limit"), value)?;
+                // Either mode: a pop counts its starts as a claim does.
                 limited_claims(
                     source,
                     (&key, "rate_limit"),
-                    mode,
+                    None,
                     value.span(),
                     prefetch.as_ref(),
                 )?;
@@ -1048,18 +1049,18 @@ impl RawQueue {
 }
 
 /// What a queue's `max_running` or `rate_limit` (`name`, whose key path `key` makes) asks of the rest of its
-/// config: safe mode (for now: a default-mode pop leaves nothing in Redis to give a running slot back with when
-/// its daemon dies, and the plain pop does not count starts), and no prefetch (a task claimed ahead holds a slot
-/// or a start that another daemon's idle worker could use).
+/// config: safe mode, for a limit that `mode` is given to check (`max_running`, for now: a default-mode pop leaves
+/// nothing in Redis to give a running slot back with when its daemon dies or the pop's reply is lost), and no
+/// prefetch (a task claimed ahead holds a slot or a start that another daemon's idle worker could use).
 fn limited_claims(
     source: &Source<'_>,
     (key, name): (&impl Fn(&str) -> String, &str),
-    mode: Mode,
+    mode: Option<Mode>,
     span: Range<usize>,
     prefetch: Option<&Spanned<i64>>,
 ) -> Result<(), ConfigError> {
     let what = key(name);
-    if mode == Mode::Default {
+    if mode == Some(Mode::Default) {
         return Err(source.error(
             span,
             format!(

@@ -2,8 +2,9 @@
 //! (one level, `max_running` 4 against the daemons' 12 workers), under a steady load, while faults are injected at
 //! random: `kill -9` and restarts, `CLIENT KILL`, Redis restarted on its append-only file (after SIGTERM and after
 //! SIGKILL), Redis stalled past the read timeout, zombie daemons (SIGSTOP past the lease, then SIGCONT), rolling
-//! config changes (which halve `limited`'s limit), Redis restarted empty, poison pills and handlers that ignore
-//! cancel. At the end it checks that nothing was lost, that no task ran more often than kmqd's rules allow,
+//! config changes (which halve `limited`'s limit), Redis restarted empty, poison pills, handlers that ignore
+//! cancel, and handlers that throttle their queue for 100 ms once (2 % of the tasks: each then runs again at the
+//! same attempt, a repeat its throttle explains, and is never charged or dead-lettered for it). At the end it checks that nothing was lost, that no task ran more often than kmqd's rules allow,
 //! conservation in Redis, and prints a summary (see [`report`]).
 //!
 //! The limited queue's invariant (docs/RELIABILITY.md, "Running limits") is checked throughout: Redis's count
@@ -293,6 +294,9 @@ enum Work {
     Pill,
     /// Sleeps 3 s ignoring cancel: dead after its retries ("execution timeout"), or done if a run finished.
     Deaf,
+    /// Its first run throttles the queue for 100 ms (back-pressure, `throttle_once`), then done: it runs again at
+    /// the same attempt, a repeat the throttle explains.
+    Throttled,
 }
 
 /// xorshift64*, seeded through splitmix64: enough randomness for picking faults, reproducible from one number.
@@ -486,6 +490,8 @@ struct Facts {
     done: HashSet<String>,
     /// id -> reason, from `on_dead` (the final-failure hook).
     dead_hooks: HashMap<String, String>,
+    /// (id, attempt) -> runs that answered throttle: each explains one more run at that attempt.
+    throttles: HashMap<(String, u32), usize>,
 }
 
 /// Reads the new complete lines of one record file.
@@ -538,6 +544,12 @@ impl Tail {
                 }
                 "end" if rest == "done" => {
                     facts.done.insert(id.to_string());
+                }
+                "end" if rest == "throttle" => {
+                    *facts
+                        .throttles
+                        .entry((id.to_string(), attempt))
+                        .or_default() += 1;
                 }
                 "dead" => {
                     facts.dead_hooks.insert(id.to_string(), rest.to_string());
@@ -950,6 +962,12 @@ impl World<'_> {
                 };
                 let data = match work {
                     Work::Normal => format!(r#"{{"sleep_ms":{sleep_ms}}}"#),
+                    Work::Throttled => serde_json::json!({
+                        "throttle_once": self.dir.path(&format!("throttled-{id}")),
+                        "throttle_ms": 100,
+                        "sleep_ms": sleep_ms,
+                    })
+                    .to_string(),
                     Work::Flaky => format!(r#"{{"fail_attempts":1,"sleep_ms":{sleep_ms}}}"#),
                     Work::Pill => PILL.to_string(),
                     Work::Deaf => DEAF.to_string(),
@@ -1000,12 +1018,10 @@ fn produce(world: &World, client: &Client, queue: Queue, mut rng: Rng) {
     };
     while world.producing.load(Ordering::SeqCst) {
         let count = 1 + rng.below(most) as usize;
-        let ids = world.new_tasks(&mut rng, queue, count, |rng| {
-            if rng.below(100) < 4 {
-                Work::Flaky
-            } else {
-                Work::Normal
-            }
+        let ids = world.new_tasks(&mut rng, queue, count, |rng| match rng.below(100) {
+            0..4 => Work::Flaky,
+            4..6 => Work::Throttled,
+            _ => Work::Normal,
         });
         {
             let _gate = world.gate.read().unwrap();
@@ -1544,8 +1560,19 @@ fn check_runs(
         }
         for (attempt, group) in &by_attempt {
             let mut unexplained = Vec::new();
+            // A run that answered throttle is followed by another at the same attempt, by design.
+            let mut throttled = facts
+                .throttles
+                .get(&(id.clone(), *attempt))
+                .copied()
+                .unwrap_or(0);
             for pair in group.windows(2) {
                 let (first, again) = (pair[0], pair[1]);
+                if throttled > 0 {
+                    throttled -= 1;
+                    *check.causes.entry("handler throttle").or_default() += 1;
+                    continue;
+                }
                 match events
                     .iter()
                     .find(|event| event.explains(first.instance, first.start_us, again.start_us))
@@ -2504,10 +2531,12 @@ fn report(
     );
     let _ = writeln!(
         out,
-        "  tasks         {pushed} pushed ({high} high, {} normal; {} flaky, {} pills, {} deaf); {} push calls \
+        "  tasks         {pushed} pushed ({high} high, {} normal; {} flaky, {} throttling once, {} pills, {} deaf); \
+         {} push calls \
          failed and were retried ({} tasks); {} pushed again after Redis lost its data",
         pushed - high,
         by_work.get(&Work::Flaky).unwrap_or(&0),
+        by_work.get(&Work::Throttled).unwrap_or(&0),
         by_work.get(&Work::Pill).unwrap_or(&0),
         by_work.get(&Work::Deaf).unwrap_or(&0),
         ledger.failed_calls,

@@ -254,6 +254,35 @@ fn a_rate_limit_holds_in_every_window_across_daemons_and_every_task_runs_once() 
     b.stop();
 }
 
+/// Default mode counts its pops in the same logs: a unique task among them makes no difference (pop.lua either
+/// way), and a backlog big enough for plain pops still goes through pop.lua, which counts.
+#[test]
+fn a_default_mode_rate_limit_holds_across_daemons_and_every_task_runs_once() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(
+        &redis,
+        &default_queue(
+            "workers = 40
+rate_limit = \"10/s\"\nidle_poll = \"100ms\"",
+        ),
+    );
+    let (a, b) = (TestDaemon::start(&config), TestDaemon::start(&config));
+    push_many(&config, "t", 35, r#"{"sleep_ms":1}"#);
+    let s = wait_done(&config, 35, Duration::from_secs(60));
+    assert_eq!((s.done, s.ready), (35, 0), "{s:?}");
+    assert_ran_once(&dir, "t", 35);
+    // As in safe mode: the limit is on pops, on Redis's clock, and a run starts within a dispatch of its pop.
+    let most = most_started_within(&dir, Duration::from_millis(700));
+    assert!(
+        most <= 10,
+        "{most} runs started within 700 ms: {:?}",
+        dir.records().start_times
+    );
+    a.stop();
+    b.stop();
+}
+
 #[test]
 fn several_windows_of_a_rate_limit_hold_together() {
     let redis = RedisServer::start();

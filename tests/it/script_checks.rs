@@ -260,7 +260,7 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
     let queues = "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\nworkers = 2\nlease_timeout = \"3s\"\n\
                   max_task_bytes = 1024\nretry_times = 1\nbackoff = \"10ms\"\nsource_lists = [\"queue:src\"]\n\n\
                   [[queues]]\nname = \"fast\"\nmode = \"default\"\nworkers = 2\nlease_timeout = \"3s\"\n\
-                  retry_times = 1\nbackoff = \"10ms\"\n\n\
+                  retry_times = 1\nbackoff = \"10ms\"\nrate_limit = \"1000/s\"\n\n\
                   [[queues]]\nname = \"limited\"\nmode = \"safe\"\nworkers = 2\nmax_running = 2\n\
                   rate_limit = [\"50/s\", \"1000/m\"]\nretry_times = 1\nbackoff = \"10ms\"\n\n\
                   [[schedules]]\nname = \"tick\"\nqueue = \"jobs\"\ntype = \"test\"\nevery = \"1s\"\n";
@@ -396,7 +396,11 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
     );
     daemon.stop();
     let recorded = std::mem::take(&mut *recorded.lock().unwrap());
-    for (script, key) in [("claim.lua", ":rate:q:"), ("settle.lua", ":scopes")] {
+    for (script, key) in [
+        ("claim.lua", ":rate:q:"),
+        ("pop.lua", ":rate:q:"),
+        ("settle.lua", ":scopes"),
+    ] {
         let named = |call: &Recorded| {
             call.script == script
                 && call

@@ -1,4 +1,4 @@
-#!lua
+-- (The broker prepends `#!lua` and rate.lua: src/broker/mod.rs, `sources`.)
 -- claim.lua: safe mode. Atomically move up to ARGV[2] tasks into the owner's claim lists, under the owner's
 -- lease (one per daemon, renewed by its heartbeat).
 --
@@ -55,14 +55,8 @@
 -- settled, whatever becomes of their owner (the monitors settle an expired owner's tasks the same way), and a
 -- list claimed without a limit (a daemon whose config has none) is never subtracted from it.
 --
--- Rate limit. Each window's log holds the claims' starts as `MS COUNT` entries (COUNT tasks taken at MS, Redis's
--- clock), oldest first, and its sum. A claim first drops the entries that aged out (MS <= now - window), takes at
--- most what every window leaves (its limit minus its sum), then adds what it took as one entry: merged into the
--- newest one when that is within a thousandth of the window of now (so a log holds about a thousand entries a
--- window, whatever the rate), at the later of the two times. A merged start is counted as late as it can be,
--- never early, so no window ever holds more starts than its limit; and one taken at a clock that stepped back is
--- stamped no earlier than the newest entry, so the log stays in order. Both keys expire a second after the
--- window, with the last start. It counts starts: a task handed back or retried does not give its start back.
+-- Rate limit. The claim counts its starts in each window's log as rate.lua says: it takes at most what every
+-- window leaves, nothing when one is full (state 5).
 --
 -- A payload longer than max_task_bytes is never handed to a daemon: it goes straight to the dead list, kept
 -- whole (as a JSON string) with its size in the reason.
@@ -108,13 +102,7 @@ for i = 1, #KEYS do
   end
 end
 -- Then the numbers it reads and the counters it increments: integers, or absent.
-local function integer(key, field, value)
-  local digits = value and string.match(value, '^-?([1-9]%d*)$')
-  if value and value ~= '0' and not (digits and #digits <= 18) then
-    return redis.error_reply('ERR claim.lua: ' .. key .. ' field ' .. field .. ' is not an integer (' ..
-      string.sub(value, 1, 40) .. '); nothing was written')
-  end
-end
+local integer = integer_check('claim.lua')
 local info = redis.call('HMGET', KEYS[3], 'floor', 'group', 'journal')
 local refused = integer(KEYS[3], 'floor', info[1]) or integer(KEYS[3], 'journal', info[3]) or
   integer(KEYS[5], 'dead_lettered', redis.call('HGET', KEYS[5], 'dead_lettered'))
@@ -127,29 +115,10 @@ if max_running > 0 then
   running = tonumber(value[1] or '0')
   known_limit = tonumber(value[2] or '0')
 end
--- The rate limit's logs: every entry read (the aged-out ones, the oldest in the window, the newest) is parsed here,
--- before any write; `windows[r].old` counts the entries to drop once the claim's time is known.
-local windows = {}
-local function entry(log, at)
-  local text = redis.call('LINDEX', log, at)
-  if not text then return nil end
-  local ms, count = string.match(text, '^(%d+) (%d+)$')
-  if not ms then
-    return false, redis.error_reply('ERR claim.lua: ' .. log .. ' holds ' .. string.sub(text, 1, 40) ..
-      ', not an entry "MS COUNT"; nothing was written')
-  end
-  return {ms = tonumber(ms), count = tonumber(count)}
-end
-for r = 1, rates do
-  local log, sum = KEYS[RUNNING + 2 * r - 1], KEYS[RUNNING + 2 * r]
-  local value = redis.call('GET', sum)
-  refused = integer(sum, 'value', value)
-  if refused then return refused end
-  local newest, bad = entry(log, -1)
-  if bad then return bad end
-  windows[r] = {log = log, sum = sum, window = tonumber(ARGV[8 + 2 * r]), limit = tonumber(ARGV[9 + 2 * r]),
-    total = tonumber(value or '0'), newest = newest}
-end
+-- The rate limit's logs: their sums and newest entries parsed before any write (rate.lua).
+local windows
+windows, refused = rate_read('claim.lua', rates, RUNNING + 1, 10, integer)
+if refused then return refused end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lease = redis.call('ZSCORE', KEYS[1], owner)
@@ -182,24 +151,10 @@ local function dead_oversized(payload)
 end
 -- `took`: the tasks this claim put in its lists (what its journal bump, running count and rate logs count).
 local took, retry_at = 0, 0
--- Adds `k` starts at `now` to every window's log (see "Rate limit").
-local function spend(k)
-  for _, w in ipairs(windows) do
-    local at, width = now, math.max(1, math.floor(w.window / 1000))
-    if w.newest and w.newest.ms > at then at = w.newest.ms end
-    if w.newest and w.newest.ms >= now - width then
-      redis.call('LSET', w.log, -1, string.format('%d %d', at, w.newest.count + k))
-    else
-      redis.call('RPUSH', w.log, string.format('%d %d', at, k))
-    end
-    redis.call('SET', w.sum, w.total + k, 'PX', w.window + 1000)
-    redis.call('PEXPIRE', w.log, w.window + 1000)
-  end
-end
 -- The owner's journal: one more for a claim that took something; its value ends the reply (see renew.lua).
 local function finish(result)
   if took > 0 and max_running > 0 then redis.call('HINCRBY', KEYS[RUNNING], 'q', took) end
-  if took > 0 and rates > 0 then spend(took) end
+  if took > 0 and rates > 0 then rate_spend(windows, took, now) end
   result[#result + 1] = retry_at
   if dead_lettered > 0 then
     redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[4]) - 1)
@@ -273,43 +228,15 @@ if max_running > 0 then
     max, room = max_running - running, false
   end
 end
--- Each window: the entries that aged out are dropped (every one read and parsed first, in every window, before
--- any is dropped), then it leaves its limit minus what is still in it.
-for _, w in ipairs(windows) do
-  w.old, w.dropped = 0, 0
-  while true do
-    local e, bad = entry(w.log, w.old)
-    if bad then return bad end
-    if not e or e.ms > now - w.window then
-      w.oldest = e
-      break
-    end
-    w.old, w.dropped = w.old + 1, w.dropped + e.count
-  end
-end
-for _, w in ipairs(windows) do
-  if w.old > 0 then
-    redis.call('LTRIM', w.log, w.old, -1)
-    if w.oldest then
-      w.total = math.max(0, w.total - w.dropped)
-      redis.call('SET', w.sum, w.total, 'KEEPTTL')
-    else
-      w.total, w.newest = 0, nil
-      redis.call('DEL', w.sum)
-    end
-  end
-  local free = w.limit - w.total
-  if free <= 0 then
-    -- When the oldest start in the window ages out (the window's whole length, if its log lost its entries).
-    local due = now + w.window
-    if w.oldest then due = w.oldest.ms + w.window end
-    retry_at = math.max(retry_at, due)
-  elseif max >= free then
-    max, room = free, false
-  end
-end
-if retry_at > 0 then
+-- Each window leaves its limit minus what is still in it once the entries that aged out are dropped.
+local free, due, bad = rate_trim('claim.lua', windows, now)
+if bad then return bad end
+if due > 0 then
+  retry_at = due
   return finish(empty(5, 0))
+end
+if free and max >= free then
+  max, room = free, false
 end
 
 local holds = false

@@ -1,4 +1,4 @@
-#!lua
+-- (The broker prepends `#!lua` and rate.lua: src/broker/mod.rs, `sources`.)
 -- pop.lua: default mode. Take up to ARGV[2] tasks from the first non-empty list, each level's quarantine before
 -- its ready list, highest level first: the tasks leave Redis (at most once). A unique task's id stays held, now
 -- by the popping owner (recorded in the unique-popped hash), until its outcome is settled, or until a monitor
@@ -6,18 +6,23 @@
 --
 -- KEYS[1] unique hash, KEYS[2] unique-popped hash (id -> owner), KEYS[3] the queue's paused key (nothing is
 -- popped while it exists), KEYS[4] the queue's throttle (nothing is popped while it exists: a handler's
--- back-pressure, set by settle.lua), KEYS[5 ..] the lists to pop from, in order (quarantine then ready, per level)
--- ARGV[1] owner; ARGV[2] the most tasks to take
--- Returns {now_ms, index of the list popped (1-based among KEYS[5 ..], 0: all empty, paused or throttled),
--- {payloads}, the number of unique ids held in the queue, 1 if the queue is paused (nothing was popped) else 0,
--- the ms (Redis's clock) when the queue's throttle ends if it is throttled (nothing was popped) else 0}.
+-- back-pressure, set by settle.lua), then the N lists to pop from, in order (quarantine then ready, per level),
+-- then for each of the R windows of the queue's rate limit its log and its sum (rate.lua)
+-- ARGV[1] owner; ARGV[2] the most tasks to take; ARGV[3] R (0: no rate limit), then R pairs: the window in ms,
+-- the most starts in any such window
+-- Returns {now_ms, index of the list popped (1-based among the N lists; 0: nothing popped), {payloads}, the
+-- number of unique ids held in the queue, state, retry at}: state 0 popped (or all empty), 1 the queue is paused,
+-- 2 a handler throttled it, 3 a window of its rate limit is full; retry at (states 2 and 3) is when the throttle
+-- ends or the window's oldest start ages out (Redis's clock, ms), 0 otherwise. Nothing is popped in states 1-3.
 --
 -- The daemon calls this only while unique ids are held in the queue; otherwise it pops with a plain LMPOP in a
 -- transaction guarded by WATCH on the unique hash (Popper in src/broker/tasks.rs), which spares Redis converting
 -- every payload into a Lua string and back. (Payloads over max_task_bytes are dead-lettered by the daemon: in
 -- default mode a pop has read them anyway.)
+-- Rate limit: a pop counts its starts as a claim does (rate.lua), so a default-mode queue's `rate_limit` holds
+-- across daemons as a safe-mode one's. The tokens of a pop whose reply was lost are spent: at most once.
 -- Checks before it writes: every key's type (KEYS[3] is only tested for existence, KEYS[4] for its time to
--- live); a call that fails writes nothing (and pops nothing).
+-- live) and every rate log's entries and sum; a call that fails writes nothing (and pops nothing).
 local function wrong_type(key, kind)
   local found = redis.call('TYPE', key).ok
   if found ~= 'none' and found ~= kind then
@@ -25,11 +30,18 @@ local function wrong_type(key, kind)
       '; nothing was written')
   end
 end
+local rates = tonumber(ARGV[3]) or 0
+local LAST = #KEYS - 2 * rates
 local refused = wrong_type(KEYS[1], 'hash') or wrong_type(KEYS[2], 'hash')
 refused = refused or wrong_type(KEYS[4], 'string')
 for i = 5, #KEYS do
-  refused = refused or wrong_type(KEYS[i], 'list')
+  local kind = 'list'
+  if i > LAST and (i - LAST) % 2 == 0 then kind = 'string' end
+  refused = refused or wrong_type(KEYS[i], kind)
 end
+if refused then return refused end
+local windows
+windows, refused = rate_read('pop.lua', rates, LAST + 1, 4, integer_check('pop.lua'))
 if refused then return refused end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -42,27 +54,37 @@ if redis.call('EXISTS', KEYS[3], KEYS[4]) > 0 then
   local left = redis.call('PTTL', KEYS[4])
   if left ~= -2 then
     if left < 0 then left = 1000 end
-    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 0, now + math.max(1, left)}
+    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 2, now + math.max(1, left)}
   end
 end
-local args = {#KEYS - 4}
-for i = 5, #KEYS do
+local max = tonumber(ARGV[2])
+if rates > 0 then
+  local free, due, bad = rate_trim('pop.lua', windows, now)
+  if bad then return bad end
+  if due > 0 then
+    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 3, due}
+  end
+  max = math.min(max, free)
+end
+local args = {LAST - 4}
+for i = 5, LAST do
   args[#args + 1] = KEYS[i]
 end
-args[#args + 1], args[#args + 2], args[#args + 3] = 'LEFT', 'COUNT', ARGV[2]
+args[#args + 1], args[#args + 2], args[#args + 3] = 'LEFT', 'COUNT', max
 local popped = redis.call('LMPOP', unpack(args))
 local held = redis.call('HLEN', KEYS[1])
 if not popped then
   return {now, 0, {}, held, 0, 0}
 end
 local index = 0
-for i = 5, #KEYS do
+for i = 5, LAST do
   if KEYS[i] == popped[1] then
     index = i - 4
     break
   end
 end
 local items = popped[2]
+if rates > 0 then rate_spend(windows, #items, now) end
 if held > 0 then
   for k = 1, #items do
     -- Decoding costs, so only where a unique id may be held and the payload says "unique".

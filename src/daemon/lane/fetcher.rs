@@ -298,7 +298,13 @@ impl Fetcher {
         let lane = Arc::clone(&self.lane);
         let queue = &lane.queue;
         let connection = self.connection.get()?;
-        let popped = self.popper.pop(connection, &queue.keys, &owner, free);
+        let popped = self.popper.pop(
+            connection,
+            &queue.keys,
+            &owner,
+            free,
+            &queue.config.rate_limit,
+        );
         match &popped {
             Ok(batch)
                 if batch.tasks.is_empty()

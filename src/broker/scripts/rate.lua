@@ -1,0 +1,110 @@
+-- rate.lua: a rate limit's windows, shared by claim.lua and pop.lua: the broker prepends this file to both
+-- (src/broker/mod.rs, `sources`), so that the two takes count starts the same way.
+--
+-- Each window's log holds the starts as `MS COUNT` entries (COUNT tasks taken at MS, Redis's clock), oldest
+-- first, and its sum (a string). A take first drops the entries that aged out (MS <= now - window), takes at
+-- most what every window leaves (its limit minus its sum), then adds what it took as one entry: merged into the
+-- newest one when that is within a thousandth of the window of now (so a log holds about a thousand entries a
+-- window, whatever the rate), at the later of the two times. A merged start is counted as late as it can be,
+-- never early, so no window ever holds more starts than its limit; and one taken at a clock that stepped back is
+-- stamped no earlier than the newest entry, so the log stays in order. Both keys expire a second after the
+-- window, with the last start. It counts starts: a task handed back or retried does not give its start back.
+
+-- A check of a counter `script` reads or increments: nil when `value` is an integer (of at most 18 digits) or
+-- absent, else the error reply that names the key and field.
+local function integer_check(script)
+  return function(key, field, value)
+    local digits = value and string.match(value, '^-?([1-9]%d*)$')
+    if value and value ~= '0' and not (digits and #digits <= 18) then
+      return redis.error_reply('ERR ' .. script .. ': ' .. key .. ' field ' .. field .. ' is not an integer (' ..
+        string.sub(value, 1, 40) .. '); nothing was written')
+    end
+  end
+end
+
+-- The entry of `log` at `at` (nil when there is none), or false and the error reply of `script` for an entry
+-- that does not parse.
+local function rate_entry(script, log, at)
+  local text = redis.call('LINDEX', log, at)
+  if not text then return nil end
+  local ms, count = string.match(text, '^(%d+) (%d+)$')
+  if not ms then
+    return false, redis.error_reply('ERR ' .. script .. ': ' .. log .. ' holds ' .. string.sub(text, 1, 40) ..
+      ', not an entry "MS COUNT"; nothing was written')
+  end
+  return {ms = tonumber(ms), count = tonumber(count)}
+end
+
+-- Reads the `rates` windows, each its log KEYS[first_key + 2(r-1)] and sum KEYS[first_key + 2r - 1], its length
+-- ARGV[first_arg + 2(r-1)] and limit ARGV[first_arg + 2r - 1]; `integer` checks a counter. Parses every value
+-- it will rely on before any write: returns the windows, or nil and the error reply.
+local function rate_read(script, rates, first_key, first_arg, integer)
+  local windows = {}
+  for r = 1, rates do
+    local log, sum = KEYS[first_key + 2 * r - 2], KEYS[first_key + 2 * r - 1]
+    local value = redis.call('GET', sum)
+    local refused = integer(sum, 'value', value)
+    if refused then return nil, refused end
+    local newest, bad = rate_entry(script, log, -1)
+    if bad then return nil, bad end
+    windows[r] = {log = log, sum = sum, window = tonumber(ARGV[first_arg + 2 * r - 2]),
+      limit = tonumber(ARGV[first_arg + 2 * r - 1]), total = tonumber(value or '0'), newest = newest}
+  end
+  return windows
+end
+
+-- Drops each window's entries that aged out at `now` (every one read and parsed first, in every window, before
+-- any is dropped). Returns the most starts every window leaves (nil: no window), and, when one is full, when its
+-- oldest start ages out (the latest such time of the full windows; 0 when none is full); or nil, nil and the
+-- error reply.
+local function rate_trim(script, windows, now)
+  for _, w in ipairs(windows) do
+    w.old, w.dropped = 0, 0
+    while true do
+      local e, bad = rate_entry(script, w.log, w.old)
+      if bad then return nil, nil, bad end
+      if not e or e.ms > now - w.window then
+        w.oldest = e
+        break
+      end
+      w.old, w.dropped = w.old + 1, w.dropped + e.count
+    end
+  end
+  local free, retry_at = nil, 0
+  for _, w in ipairs(windows) do
+    if w.old > 0 then
+      redis.call('LTRIM', w.log, w.old, -1)
+      if w.oldest then
+        w.total = math.max(0, w.total - w.dropped)
+        redis.call('SET', w.sum, w.total, 'KEEPTTL')
+      else
+        w.total, w.newest = 0, nil
+        redis.call('DEL', w.sum)
+      end
+    end
+    local left = w.limit - w.total
+    if left <= 0 then
+      -- When the oldest start in the window ages out (the window's whole length, if its log lost its entries).
+      local due = now + w.window
+      if w.oldest then due = w.oldest.ms + w.window end
+      retry_at = math.max(retry_at, due)
+    end
+    if not free or left < free then free = left end
+  end
+  return free, retry_at
+end
+
+-- Adds `k` starts at `now` to every window's log.
+local function rate_spend(windows, k, now)
+  for _, w in ipairs(windows) do
+    local at, width = now, math.max(1, math.floor(w.window / 1000))
+    if w.newest and w.newest.ms > at then at = w.newest.ms end
+    if w.newest and w.newest.ms >= now - width then
+      redis.call('LSET', w.log, -1, string.format('%d %d', at, w.newest.count + k))
+    else
+      redis.call('RPUSH', w.log, string.format('%d %d', at, k))
+    end
+    redis.call('SET', w.sum, w.total + k, 'PX', w.window + 1000)
+    redis.call('PEXPIRE', w.log, w.window + 1000)
+  end
+end
