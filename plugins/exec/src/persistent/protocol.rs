@@ -132,6 +132,7 @@ impl Plain {
             (Kind::Fail, _) => fail(message),
             (Kind::Throttle, _) => match self.after_ms {
                 Some(ms) => Outcome::throttle_because(Duration::from_millis(ms), message),
+                // Refused here, in the words `parse_any` uses (the agreement test holds both to them).
                 None => {
                     return Line::Bad {
                         id: self.id,
