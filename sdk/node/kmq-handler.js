@@ -6,24 +6,28 @@
  * docs/HANDLERS.md (version 1): a hello line, then one JSON task per line on standard input, one JSON answer per
  * task on standard output.
  *
- *     const { handle, run, Retry, Fail } = require('./kmq-handler');
+ *     const { handle, run, Retry, Fail, Throttle } = require('./kmq-handler');
  *
  *     handle('report.mail', async (task) => {
  *       if (!task.data.to.includes('@')) throw new Fail('not an address');  // dead-lettered, no retries
- *       await send(task.data.to);                                            // resolves: done
- *       return `sent to ${task.data.to}`;                                    // logged with the task
+ *       const reply = await send(task.data.to);
+ *       if (reply.status === 429) throw new Throttle(30000, 'too many');     // the queue waits 30 s, uncharged
+ *       return `sent to ${task.data.to}`;                                    // done, logged with the task
  *     });
  *
  *     run();
  *
  * A handler returns (or resolves: done; a string is the outcome's message), or throws `Retry` (this attempt
- * failed) or `Fail` (the task can never succeed). Any other error is a failed attempt: retried with
- * `Name: message` as the reason, its stack on standard error. A task type with no handler fails. With
+ * failed), `Fail` (the task can never succeed) or `Throttle` (the upstream every task of the queue uses said "too
+ * many requests"). Any other error is a failed attempt: retried with `Name: message` as the reason, its stack on
+ * standard error. A task type with no handler fails. With
  * `concurrency` in the config, that many tasks run at once (async handlers; a sync one blocks the event loop).
  *
  * Standard output carries the protocol, so `run()` sends console.log (and info, debug) to standard error: a log
  * line in a handler lands in kmqd's log, attributed to the task, instead of breaking the protocol.
  */
+
+const { inspect } = require('node:util');
 
 const PROTOCOL = 1;
 
@@ -41,6 +45,29 @@ class Fail extends Error {
   constructor(message = '') {
     super(message);
     this.name = 'Fail';
+  }
+}
+
+/**
+ * Back-pressure: the upstream every task of the queue shares said "too many requests" (an HTTP 429, a quota). The
+ * task goes back to the head of its queue, its attempt not charged (never dead-lettered for it), and no daemon
+ * takes a task of the queue for `afterMs` milliseconds (kmqd makes that at least 1 ms and at most an hour). A
+ * failure of this task alone is a `Retry`.
+ *
+ * `afterMs` is required: the wait the upstream asked for (its Retry-After). One that is not a number of ms, 0 or
+ * more, throws here: the handler's bug is then a failed attempt that says so, not a throttle of a guessed length.
+ */
+class Throttle extends Error {
+  constructor(afterMs, message = '') {
+    if (typeof afterMs !== 'number') {
+      throw new TypeError(`Throttle(afterMs): the ms the queue waits, a number, not ${inspect(afterMs)}`);
+    }
+    if (!(afterMs >= 0 && afterMs < Infinity)) {
+      throw new RangeError(`Throttle(afterMs): the ms the queue waits, 0 or more, not ${inspect(afterMs)}`);
+    }
+    super(message);
+    this.name = 'Throttle';
+    this.afterMs = afterMs;
   }
 }
 
@@ -83,6 +110,12 @@ function outcome(id, result, error) {
     if (error.afterMs !== undefined) answer.retry_after_ms = Math.max(0, Math.round(error.afterMs));
     return answer;
   }
+  if (error instanceof Throttle) {
+    // Whole ms, rounded up: the queue waits no less than the upstream asked. Bounded by the largest integer JSON
+    // carries exactly here (kmqd holds a queue back at most an hour anyway).
+    const afterMs = Math.min(Math.ceil(error.afterMs), Number.MAX_SAFE_INTEGER);
+    return { id, outcome: 'throttle', after_ms: afterMs, message: error.message };
+  }
   const name = error && error.name ? error.name : 'Error';
   const message = error && error.message !== undefined ? error.message : String(error);
   return { id, outcome: 'retry', message: `${name}: ${message}` };
@@ -117,7 +150,7 @@ function run() {
     try {
       send(outcome(task.id, await fn(task)));
     } catch (error) {
-      if (!(error instanceof Retry) && !(error instanceof Fail)) {
+      if (!(error instanceof Retry) && !(error instanceof Fail) && !(error instanceof Throttle)) {
         process.stderr.write(`${error && error.stack ? error.stack : String(error)}\n`);
       }
       send(outcome(task.id, undefined, error));
@@ -152,4 +185,4 @@ function run() {
   // event loop alive.
 }
 
-module.exports = { Fail, PROTOCOL, Retry, handle, run };
+module.exports = { Fail, PROTOCOL, Retry, Throttle, handle, run };

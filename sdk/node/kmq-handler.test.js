@@ -66,3 +66,48 @@ test('async handlers run at once and answer out of order', () => {
   assert.deepEqual(answers.map((a) => a.id), ['t2', 't1', 't0']);
   assert.ok(answers.every((a) => a.outcome === 'done'));
 });
+
+/** A handler script with `body`, requiring the SDK from here. */
+function handlerFile(body) {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'kmq-handler-'));
+  const script = path.join(dir, 'handler.js');
+  fs.writeFileSync(script, `const sdk = require(${JSON.stringify(path.join(__dirname, 'kmq-handler.js'))});\n${body}`);
+  return script;
+}
+
+test('a throttle answers its ms as a whole number, rounded up', () => {
+  const script = handlerFile(`
+    sdk.handle('sync', (task) => { throw new sdk.Throttle(task.data, '429 Too Many Requests'); });
+    sdk.handle('async', async (task) => { throw new sdk.Throttle(task.data); });
+    sdk.run();
+  `);
+  const ms = { s1: 1500, s2: 70.2, s3: 0, s4: 1e300 };
+  const tasks = Object.entries(ms).map(([id, after]) => task(id, 'sync', after)).concat([task('a1', 'async', 2000)]);
+  const { byId, stderr } = serve(script, tasks, 2);
+  const throttle = { outcome: 'throttle', message: '429 Too Many Requests' };
+  assert.deepEqual(byId.s1, { id: 's1', ...throttle, after_ms: 1500 });
+  assert.deepEqual(byId.s2, { id: 's2', ...throttle, after_ms: 71 }, 'never shorter than asked');
+  assert.deepEqual(byId.s3, { id: 's3', ...throttle, after_ms: 0 });
+  // Longer than kmqd waits anyway (an hour), but still a whole number the protocol reads.
+  assert.equal(byId.s4.after_ms, Number.MAX_SAFE_INTEGER);
+  assert.deepEqual(byId.a1, { id: 'a1', outcome: 'throttle', after_ms: 2000, message: '' });
+  assert.equal(stderr, '', 'a throttle is an answer, not an error');
+});
+
+test('a throttle without a valid delay is a failed attempt that says why', () => {
+  const script = handlerFile(`
+    sdk.handle('throttle', (task) => { throw new sdk.Throttle(task.data.after); });
+    sdk.run();
+  `);
+  const { byId, stderr } = serve(script, [
+    task('negative', 'throttle', { after: -1 }),
+    task('text', 'throttle', { after: '5' }),
+    task('missing', 'throttle', {}),
+  ]);
+  const retry = (id, message) => ({ id, outcome: 'retry', message });
+  const wants = 'Throttle(afterMs): the ms the queue waits,';
+  assert.deepEqual(byId.negative, retry('negative', `RangeError: ${wants} 0 or more, not -1`));
+  assert.deepEqual(byId.text, retry('text', `TypeError: ${wants} a number, not '5'`));
+  assert.deepEqual(byId.missing, retry('missing', `TypeError: ${wants} a number, not undefined`));
+  assert.match(stderr, /RangeError: Throttle\(afterMs\).*\n {4}at /, 'an error: its stack on standard error');
+});

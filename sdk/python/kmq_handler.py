@@ -4,7 +4,7 @@ One file, the standard library only: copy it next to your handlers. The protocol
 (version 1): a hello line, then one JSON task per line on standard input, one JSON answer per task on standard
 output.
 
-    from kmq_handler import handler, run, Retry, Fail
+    from kmq_handler import handler, run, Retry, Fail, Throttle
 
     @handler("report.build")
     def build(task):                  # sync: runs on a thread of its own
@@ -14,14 +14,17 @@ output.
     async def mail(task):             # async: runs on the event loop, many at once with `concurrency`
         if "@" not in task.data["to"]:
             raise Fail("not an address")           # dead-lettered, no retries
+        if await smtp_says_too_many():
+            raise Throttle(30, "421 too many connections")  # the whole queue waits 30 s; this task, uncharged
         raise Retry("mailbox busy", after=5)       # retried in 5 s (without `after`: the queue's backoff)
 
     if __name__ == "__main__":
         run()
 
-A handler returns (done; a returned string is the outcome's message), raises `Retry` (this attempt failed) or
-`Fail` (the task can never succeed). Any other exception is a failed attempt: retried with `Type: message` as the
-reason, its traceback on standard error. A task type with no handler fails.
+A handler returns (done; a returned string is the outcome's message), raises `Retry` (this attempt failed),
+`Fail` (the task can never succeed) or `Throttle` (the upstream every task of the queue uses said "too many
+requests"). Any other exception is a failed attempt: retried with `Type: message` as the reason, its traceback on
+standard error. A task type with no handler fails.
 
 Standard output carries the protocol, so `run()` points `sys.stdout` at standard error: a `print` in a handler
 lands in kmqd's log, attributed to the task, instead of breaking the protocol.
@@ -32,6 +35,8 @@ import codecs
 import inspect
 import itertools
 import json
+import math
+import numbers
 import os
 import stat
 import sys
@@ -40,7 +45,7 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["Fail", "Retry", "Task", "handler", "run"]
+__all__ = ["Fail", "Retry", "Task", "Throttle", "handler", "run"]
 
 PROTOCOL = 1
 
@@ -69,6 +74,29 @@ class Fail(Exception):
     def __init__(self, message=""):
         super().__init__(message)
         self.message = str(message)
+
+
+class Throttle(Exception):
+    """Back-pressure: the upstream every task of the queue shares said "too many requests" (an HTTP 429, a quota).
+    The task goes back to the head of its queue, its attempt not charged (never dead-lettered for it), and no
+    daemon takes a task of the queue for `after` seconds (kmqd makes that at least 1 ms and at most an hour). A
+    failure of this task alone is a `Retry`.
+
+    `after` is required: the wait the upstream asked for (its Retry-After), in seconds as `Retry`'s `after`. A
+    value that is not a number of seconds, 0 or more, raises ValueError here: the handler's bug is then a failed
+    attempt that says so, not a throttle of a guessed length."""
+
+    def __init__(self, after, message=""):
+        if isinstance(after, bool) or not isinstance(after, numbers.Real) or not 0 <= after < math.inf:
+            raise ValueError(f"Throttle(after): seconds the queue waits, 0 or more, not {after!r}")
+        super().__init__(message)
+        self.message = str(message)
+        self.after = after
+
+
+# The longest `after_ms` written: the protocol reads a whole number that fits 64 bits, and kmqd holds a queue
+# back at most an hour whatever it is told; the Node SDK's bound too (its largest exact integer).
+_MAX_AFTER_MS = 2**53 - 1
 
 
 class Task:
@@ -120,6 +148,11 @@ def _outcome(task_id, result=None, error=None):
         if error.after is not None:
             answer["retry_after_ms"] = max(0, int(error.after * 1000))
         return answer
+    if isinstance(error, Throttle):
+        # Rounded up, so that the queue waits no less than the upstream asked; to the µs first, since in floating
+        # point 0.07 s is 70.00000000000001 ms.
+        after_ms = min(math.ceil(round(error.after * 1000, 3)), _MAX_AFTER_MS)
+        return {"id": task_id, "outcome": "throttle", "after_ms": after_ms, "message": error.message}
     message = f"{type(error).__name__}: {error}"
     return {"id": task_id, "outcome": "retry", "message": message}
 
@@ -191,7 +224,7 @@ async def _serve(table, out, concurrency):
             else:
                 result = await loop.run_in_executor(threads, function, task)
         except Exception as error:  # noqa: BLE001 - every error of a handler is its task's outcome
-            if not isinstance(error, (Retry, Fail)):
+            if not isinstance(error, (Retry, Fail, Throttle)):
                 traceback.print_exc(file=sys.stderr)
                 sys.stderr.flush()
             send(_outcome(task.id, error=error))

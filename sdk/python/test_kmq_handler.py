@@ -30,6 +30,15 @@ def task(task_id, task_type, data):
     return {"id": task_id, "type": task_type, "queue": "q", "attempt": 0, "data": data, "deadline_ms": None}
 
 
+def handler_file(body):
+    """A handler script with `body` (indented as a test writes it), importing the SDK from here."""
+    directory = tempfile.mkdtemp()
+    path = os.path.join(directory, "handler.py")
+    with open(path, "w") as f:
+        f.write(f"import sys\nsys.path.insert(0, {HERE!r})\n" + textwrap.dedent(body))
+    return path
+
+
 class ExampleHandler(unittest.TestCase):
     def test_every_outcome_of_the_example(self):
         answers, hello, stderr = serve(
@@ -78,18 +87,67 @@ class Input(unittest.TestCase):
         self.assertEqual(answers["é"], {"id": "é", "outcome": "done", "message": "built 1 rows"})
 
 
-class Concurrency(unittest.TestCase):
-    def handler_file(self, body):
-        directory = tempfile.mkdtemp()
-        path = os.path.join(directory, "handler.py")
-        with open(path, "w") as f:
-            f.write(f"import sys\nsys.path.insert(0, {HERE!r})\n" + textwrap.dedent(body))
-        return path
+class Throttling(unittest.TestCase):
+    def test_a_throttle_answers_its_seconds_as_whole_ms_rounded_up(self):
+        path = handler_file(
+            """
+            from kmq_handler import Throttle, handler, run
 
+            @handler("sync")
+            def sync(task):
+                raise Throttle(task.data, "429 Too Many Requests")
+
+            @handler("async")
+            async def asynchronous(task):
+                raise Throttle(task.data)
+
+            run()
+            """
+        )
+        seconds = {"s1": 1.5, "s2": 0.07, "s3": 0.0005, "s4": 0, "s5": 1e300}
+        tasks = [task(i, "sync", after) for i, after in seconds.items()] + [task("a1", "async", 2)]
+        answers, _, stderr = serve(path, tasks, concurrency=2)
+        throttle = {"outcome": "throttle", "message": "429 Too Many Requests"}
+        self.assertEqual(answers["s1"], {"id": "s1", **throttle, "after_ms": 1500})
+        self.assertEqual(answers["s2"], {"id": "s2", **throttle, "after_ms": 70})
+        self.assertEqual(answers["s3"], {"id": "s3", **throttle, "after_ms": 1}, "never shorter than asked")
+        self.assertEqual(answers["s4"], {"id": "s4", **throttle, "after_ms": 0})
+        # Longer than kmqd waits anyway (an hour), but still a number the protocol reads.
+        self.assertEqual(answers["s5"]["after_ms"], 2**53 - 1)
+        self.assertEqual(answers["a1"], {"id": "a1", "outcome": "throttle", "after_ms": 2000, "message": ""})
+        self.assertNotIn("Traceback", stderr, "a throttle is an answer, not an error")
+
+    def test_a_throttle_without_a_valid_delay_is_a_failed_attempt_that_says_why(self):
+        path = handler_file(
+            """
+            from kmq_handler import Throttle, handler, run
+
+            @handler("throttle")
+            def throttle(task):
+                raise Throttle(task.data)
+
+            run()
+            """
+        )
+        bad = {"negative": -1, "text": "5", "none": None, "boolean": True}
+        answers, _, stderr = serve(path, [task(i, "throttle", after) for i, after in bad.items()])
+        for task_id, after in bad.items():
+            self.assertEqual(
+                answers[task_id],
+                {
+                    "id": task_id,
+                    "outcome": "retry",
+                    "message": f"ValueError: Throttle(after): seconds the queue waits, 0 or more, not {after!r}",
+                },
+            )
+        self.assertEqual(stderr.count("Traceback"), len(bad), stderr)
+
+
+class Concurrency(unittest.TestCase):
     def test_async_handlers_run_at_once_and_answer_out_of_order(self):
         # Each task waits until all three arrived: only true concurrency finishes them; the last one is answered
         # first.
-        path = self.handler_file(
+        path = handler_file(
             """
             import asyncio
             from kmq_handler import handler, run
@@ -123,7 +181,7 @@ class Concurrency(unittest.TestCase):
         self.assertEqual(ids, ["t2", "t1", "t0"])
 
     def test_sync_handlers_run_on_concurrency_threads(self):
-        path = self.handler_file(
+        path = handler_file(
             """
             import threading
             from kmq_handler import handler, run

@@ -80,6 +80,8 @@ for line in sys.stdin:
         print("debug: printed to stdout by mistake", flush=True)
     elif do == "bad":
         send({"id": tid, "outcome": "finished"})
+    elif do == "throttle_without_after":
+        send({"id": tid, "outcome": "throttle", "message": "429"})
     elif do == "grow":
         ballast = bytearray(64 << 20)
         for i in range(0, len(ballast), 4096):
@@ -263,11 +265,13 @@ fn a_child_that_dies_or_breaks_the_protocol_costs_only_its_task_and_is_restarted
         ("after-garbage", "done"),
         ("bad", "bad"),
         ("after-bad", "done"),
+        ("bad-throttle", "throttle_without_after"),
+        ("after-bad-throttle", "done"),
     ];
     for (id, what) in tasks {
         rig.push("py", id, &format!(r#"{{"do": "{what}"}}"#));
     }
-    rig.wait_ended(5, 4);
+    rig.wait_ended(6, 5);
     let dead = rig.dead_reasons();
     let pid = |id| rig.pid_of(id);
     assert_eq!(
@@ -294,14 +298,21 @@ fn a_child_that_dies_or_breaks_the_protocol_costs_only_its_task_and_is_restarted
     );
     assert_eq!(
         dead["bad"],
-        "exec: the handler's answer is malformed: \"outcome\" must be \"done\", \"retry\" or \"fail\": \"{\\\"id\\\": \\\"bad\\\", \\\"outcome\\\": \\\"finished\\\"}\""
+        "exec: the handler's answer is malformed: \"outcome\" must be \"done\", \"retry\", \"fail\" or \"throttle\": \"{\\\"id\\\": \\\"bad\\\", \\\"outcome\\\": \\\"finished\\\"}\""
     );
+    // A throttle without its delay is malformed like any other answer: dead-lettered, not a throttle of 1 s.
+    assert_eq!(
+        dead["bad-throttle"],
+        "exec: the handler's answer is malformed: a \"throttle\" answer needs \"after_ms\", a whole number of milliseconds"
+    );
+    assert_eq!(stats(&rig.config, "jobs").throttled, 0);
     // A new child after each death and after the garbage; the malformed answer kept its child.
     assert_eq!(pid("before"), pid("exits"));
     assert_ne!(pid("exits"), pid("after-exit"));
     assert_ne!(pid("killed"), pid("after-kill"));
     assert_ne!(pid("garbage"), pid("after-garbage"));
     assert_eq!(pid("bad"), pid("after-bad"));
+    assert_eq!(pid("bad"), pid("after-bad-throttle"));
     assert_eq!(rig.starts().len(), 4, "{:?}", rig.starts());
     daemon.stop();
 }

@@ -145,8 +145,8 @@ fn the_python_sdks_example_handler_settles_sync_and_async_tasks_through_the_daem
 fn the_sdk_free_python_handler_of_handlers_md_runs_a_task_through_the_daemon() {
     let guide = std::fs::read_to_string(workspace_dir().join("docs/HANDLERS.md")).unwrap();
     let (_, rest) = guide
-        .split_once("```python\n")
-        .expect("docs/HANDLERS.md has a Python handler");
+        .split_once("A minimal handler needs no SDK at all. In Python:\n\n```python\n")
+        .expect("docs/HANDLERS.md has a Python handler without the SDK");
     let (code, _) = rest.split_once("```").unwrap();
     let redis = RedisServer::start();
     let dir = TestDir::new();
@@ -193,4 +193,143 @@ fn the_node_sdks_example_handler_settles_sync_and_async_tasks_through_the_daemon
     );
     daemon.signal(15);
     assert_eq!(daemon.wait_within(Duration::from_secs(30)), Some(0));
+}
+
+/// How long the throttling handlers below hold the queue back.
+const THROTTLE: Duration = Duration::from_millis(1500);
+
+/// A Python handler of `api.call` tasks, as a user writes one with the SDK (imported through `PYTHONPATH`, as
+/// sdk/python/README.md says): every run appends the testkit's `start ID ATTEMPT TYPE µs` line to
+/// `$KMQ_TEST_RECORD`; a task with `throttle_once` (a path) throttles for `throttle_ms` the first time (the
+/// upstream's 429), and is done once that file exists.
+const PYTHON_THROTTLING: &str = r#"
+import os, time
+from kmq_handler import Throttle, handler, run
+
+@handler("api.call")
+def call(task):
+    with open(os.environ["KMQ_TEST_RECORD"], "a") as record:
+        record.write(f"start {task.id} {task.attempt} {task.type} {time.time_ns() // 1000}\n")
+    once = (task.data or {}).get("throttle_once")
+    if once:
+        try:
+            os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        raise Throttle(task.data["throttle_ms"] / 1000, "429 Too Many Requests")
+
+run()
+"#;
+
+/// The same handler in Node (the SDK found through `NODE_PATH`). Its clock is in ms: a start's µs are rounded
+/// down to one, which keeps the ordering below sound (the throttle's end, a whole ms after the first start's
+/// rounded µs, is at or before any later start's rounded µs).
+const NODE_THROTTLING: &str = r#"
+const fs = require('node:fs');
+const { handle, run, Throttle } = require('kmq-handler');
+
+handle('api.call', (task) => {
+  fs.appendFileSync(process.env.KMQ_TEST_RECORD, `start ${task.id} ${task.attempt} ${task.type} ${Date.now() * 1000}\n`);
+  const once = task.data && task.data.throttle_once;
+  if (!once) return;
+  try {
+    fs.closeSync(fs.openSync(once, 'wx'));
+  } catch (error) {
+    if (error.code === 'EEXIST') return;
+    throw error;
+  }
+  throw new Throttle(task.data.throttle_ms, '429 Too Many Requests');
+});
+
+run();
+"#;
+
+/// Runs `handler` (a script for `interpreter`, the SDK's directory in the environment variable `path_variable`):
+/// a task that throttles the queue once, then, once the throttle is in Redis, six more. The throttled task runs
+/// again at the same attempt, uncharged, and nothing starts before its throttle ends.
+fn a_handler_throttles_once_then_succeeds(
+    interpreter: &Path,
+    handler: &str,
+    file_name: &str,
+    path_variable: &str,
+    sdk: &str,
+) {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let script = dir.path(file_name);
+    std::fs::write(&script, handler).unwrap();
+    let env = format!(
+        ", concurrency = 4, env = {{ {path_variable} = \"{}\", KMQ_TEST_RECORD = \"{}\" }}",
+        workspace_dir().join(sdk).display(),
+        dir.record_file().display(),
+    );
+    let (config, mut daemon) = start(&redis, &dir, interpreter, &script, &["api.call"], &env);
+    let first = serde_json::json!({
+        "throttle_once": dir.path("throttled-once"),
+        "throttle_ms": THROTTLE.as_millis() as u64,
+    });
+    push(&config, "api.call", "first", &first.to_string());
+    // The counter, not the key: on a slow machine the key may be gone by the time this looks.
+    eventually(Duration::from_secs(30), "the throttle settled", || {
+        let s = stats(&config, "jobs");
+        (s.throttled == 1, s)
+    });
+    for n in 0..6 {
+        push(&config, "api.call", &format!("then{n}"), "{}");
+    }
+    wait_ended(&config, 7, 0);
+    let records = dir.records();
+    let runs_of_first: Vec<_> = records
+        .starts
+        .iter()
+        .filter(|(id, _)| id == "first")
+        .collect();
+    assert_eq!(
+        runs_of_first,
+        [&("first".to_string(), 0), &("first".to_string(), 0)],
+        "throttled, then run again at the same attempt: {:?}",
+        records.starts
+    );
+    // The throttle was set by the settle after the first run, so it ended after `started + THROTTLE`: nothing
+    // else may start before (a slower machine only starts them later).
+    let (first_id, started) = records.start_times[0].clone();
+    assert_eq!(first_id, "first", "{:?}", records.starts);
+    let end = started + THROTTLE.as_micros() as u64;
+    let early: Vec<_> = records.start_times[1..]
+        .iter()
+        .filter(|(_, micros)| *micros < end)
+        .collect();
+    assert_eq!(early, [] as [&(String, u64); 0], "started while throttled");
+    let s = stats(&config, "jobs");
+    assert_eq!(
+        (s.done, s.throttled, s.retried, s.failed, s.dead_lettered),
+        (7, 1, 0, 0, 0),
+        "{s:?}"
+    );
+    daemon.signal(15);
+    assert_eq!(daemon.wait_within(Duration::from_secs(30)), Some(0));
+}
+
+#[test]
+fn the_python_sdks_throttle_holds_the_queue_back_and_its_task_runs_again_uncharged() {
+    let python = interpreter(&["/usr/bin/python3", "/usr/local/bin/python3"]);
+    a_handler_throttles_once_then_succeeds(
+        &python,
+        PYTHON_THROTTLING,
+        "throttling.py",
+        "PYTHONPATH",
+        "sdk/python",
+    );
+}
+
+#[test]
+fn the_node_sdks_throttle_holds_the_queue_back_and_its_task_runs_again_uncharged() {
+    let node = interpreter(&["/usr/bin/node", "/usr/local/bin/node", "/usr/bin/nodejs"]);
+    a_handler_throttles_once_then_succeeds(
+        &node,
+        NODE_THROTTLING,
+        "throttling.js",
+        "NODE_PATH",
+        "sdk/node",
+    );
 }

@@ -4,6 +4,10 @@
 //! - `75` (`EX_TEMPFAIL` of sysexits.h): this attempt failed, retry (the queue's `on_handler_error` decides);
 //! - anything else, or death by a signal: the task can never succeed, dead-letter it.
 //!
+//! No status throttles the queue (`Outcome::Throttle`): a throttle needs its time, which an exit status cannot
+//! carry, and a code that meant "throttle for a default time" would pass a crash's status for back-pressure. The
+//! persistent mode's answers carry it (docs/HANDLERS.md, "Back-pressure").
+//!
 //! The reason of a retry or a failure is the tail of the command's standard error (of its standard output when
 //! it wrote nothing to standard error). A run that passes `timeout`, or that the daemon cancels (the queue's
 //! `execution_timeout`, the end of the shutdown grace), is killed and counts as a failed attempt (retry).

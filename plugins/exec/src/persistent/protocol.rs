@@ -109,6 +109,8 @@ struct Plain {
     message: Option<String>,
     #[serde(default)]
     retry_after_ms: Option<u64>,
+    #[serde(default)]
+    after_ms: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -117,6 +119,7 @@ enum Kind {
     Done,
     Retry,
     Fail,
+    Throttle,
 }
 
 impl Plain {
@@ -127,6 +130,16 @@ impl Plain {
             (Kind::Retry, None) => Outcome::retry(message),
             (Kind::Retry, Some(ms)) => Outcome::retry_after(Duration::from_millis(ms), message),
             (Kind::Fail, _) => fail(message),
+            (Kind::Throttle, _) => match self.after_ms {
+                Some(ms) => Outcome::throttle_because(Duration::from_millis(ms), message),
+                // Refused here, in the words `parse_any` uses (the agreement test holds both to them).
+                None => {
+                    return Line::Bad {
+                        id: self.id,
+                        problem: throttle_without_delay(&Value::Null),
+                    };
+                }
+            },
         };
         Line::Answer {
             id: self.id,
@@ -141,6 +154,17 @@ fn fail(message: String) -> Outcome {
         Outcome::fail("the handler answered fail")
     } else {
         Outcome::fail(message)
+    }
+}
+
+/// Why a throttle answer whose `after_ms` is `found` (`null`: absent) is malformed. The delay is required, not
+/// defaulted: a handler that throttles knows what its upstream asked for (a `Retry-After`), and one that forgot
+/// it has a bug worth a dead letter that says so, not a guess.
+fn throttle_without_delay(found: &Value) -> String {
+    if found.is_null() {
+        "a \"throttle\" answer needs \"after_ms\", a whole number of milliseconds".to_string()
+    } else {
+        format!("\"after_ms\" must be a whole number of milliseconds, not {found}")
     }
 }
 
@@ -184,11 +208,23 @@ fn parse_any(line: &[u8]) -> Line {
             }
         },
         Some("fail") => fail(message),
+        Some("throttle") => match value.get("after_ms") {
+            Some(Value::Number(n)) if n.as_u64().is_some() => Outcome::throttle_because(
+                Duration::from_millis(n.as_u64().expect("checked")),
+                message,
+            ),
+            other => {
+                return Line::Bad {
+                    id,
+                    problem: throttle_without_delay(other.unwrap_or(&Value::Null)),
+                };
+            }
+        },
         _ => {
             return Line::Bad {
                 id,
                 problem: format!(
-                    "\"outcome\" must be \"done\", \"retry\" or \"fail\": {}",
+                    "\"outcome\" must be \"done\", \"retry\", \"fail\" or \"throttle\": {}",
                     quote(line)
                 ),
             };
@@ -249,6 +285,49 @@ mod tests {
                 outcome: Outcome::fail("no such customer")
             }
         );
+        assert_eq!(
+            parse_answer(
+                br#"{"id": "d", "outcome": "throttle", "after_ms": 1500, "message": "429"}"#
+            ),
+            Line::Answer {
+                id: "d".into(),
+                outcome: Outcome::throttle_because(Duration::from_millis(1500), "429")
+            }
+        );
+        // 0 is a whole number: the daemon makes it its shortest throttle (1 ms).
+        assert_eq!(
+            parse_answer(br#"{"id": "e", "outcome": "throttle", "after_ms": 0}"#),
+            Line::Answer {
+                id: "e".into(),
+                outcome: Outcome::throttle(Duration::ZERO)
+            }
+        );
+    }
+
+    #[test]
+    fn a_throttle_answer_without_a_whole_after_ms_is_malformed() {
+        let problem = |line: &[u8]| match parse_answer(line) {
+            Line::Bad { id, problem } if id == "t" => problem,
+            other => panic!("{}: {other:?}", String::from_utf8_lossy(line)),
+        };
+        let needs = r#"a "throttle" answer needs "after_ms", a whole number of milliseconds"#;
+        assert_eq!(problem(br#"{"id": "t", "outcome": "throttle"}"#), needs);
+        assert_eq!(
+            problem(br#"{"id": "t", "outcome": "throttle", "after_ms": null}"#),
+            needs
+        );
+        // A retry's field is not a throttle's: no guess at what the handler meant.
+        assert_eq!(
+            problem(br#"{"id": "t", "outcome": "throttle", "retry_after_ms": 1000}"#),
+            needs
+        );
+        for (after, shown) in [("-1", "-1"), ("1.5", "1.5"), (r#""1000""#, r#""1000""#)] {
+            let line = format!(r#"{{"id": "t", "outcome": "throttle", "after_ms": {after}}}"#);
+            assert_eq!(
+                problem(line.as_bytes()),
+                format!(r#""after_ms" must be a whole number of milliseconds, not {shown}"#)
+            );
+        }
     }
 
     #[test]
@@ -273,7 +352,7 @@ mod tests {
 
     #[test]
     fn the_reading_of_plain_answers_agrees_with_the_general_one() {
-        let lines: [&[u8]; 9] = [
+        let lines: [&[u8]; 14] = [
             br#"{"id": "a", "outcome": "done"}"#,
             br#"{"id": "a", "outcome": "done", "message": "report.pdf", "extra": [1, {"x": 2}]}"#,
             br#"{"outcome": "retry", "id": "b\u00e9", "message": null, "retry_after_ms": 5000}"#,
@@ -284,6 +363,11 @@ mod tests {
             br#"{"id": "d", "outcome": "done", "retry_after_ms": "soon"}"#,
             br#"{"id": "d", "id": "e", "outcome": "done"}"#,
             br#"{"id": "f", "outcome": "retry", "retry_after_ms": -1}"#,
+            br#"{"id": "g", "outcome": "throttle", "after_ms": 1500, "message": "429"}"#,
+            br#"{"id": "g", "outcome": "throttle", "after_ms": 0, "message": null}"#,
+            br#"{"id": "h", "outcome": "throttle"}"#,
+            br#"{"id": "h", "outcome": "throttle", "after_ms": null}"#,
+            br#"{"id": "h", "outcome": "throttle", "after_ms": 2.5}"#,
         ];
         for line in lines {
             assert_eq!(
