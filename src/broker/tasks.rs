@@ -135,7 +135,7 @@ impl Limited {
         match self {
             Limited::Running => "max_running",
             Limited::Rate { .. } => "rate_limit",
-            Limited::Throttle { .. } => "a handler's throttle",
+            Limited::Throttle { .. } => "throttle",
         }
     }
 }

@@ -34,6 +34,7 @@ use super::jobs;
 use super::resolve::{Job, JobState};
 use crate::broker::{self, Batch, BrokerError, Isolation, Limited, OwnerInfo, Session};
 use crate::config::{Mode, Prefetch};
+use crate::daemon::metrics::observed;
 use crate::retry::{Backoff, Trouble};
 use crate::shutdown::Listener;
 
@@ -73,6 +74,8 @@ pub struct Fetcher {
     paused: bool,
     /// Which limit held the last claim back, if one did (likewise).
     limited: Option<&'static str>,
+    /// The queue's name, as the metric of fetches held back labels it.
+    queue: Arc<str>,
 }
 
 /// The owner and the tokens of a claim whose reply never came.
@@ -106,6 +109,7 @@ impl Fetcher {
             stuck: None,
         };
         let trouble = Trouble::new("fetching tasks", Some(&config.name));
+        let queue = Arc::from(config.name.as_str());
         let depth = (config.prefetch == Prefetch::Auto)
             .then(|| Depth::new(config.max_held - config.workers, &lane.idle, Instant::now()));
         Fetcher {
@@ -123,6 +127,7 @@ impl Fetcher {
             trouble,
             paused: false,
             limited: None,
+            queue,
         }
     }
 
@@ -243,6 +248,9 @@ impl Fetcher {
             self.claiming.wait(self.lane.queue.config.idle_poll);
         }
         let limited = batch.limited.map(Limited::name);
+        if let Some(limit) = limited {
+            observed::held_back(&self.queue, limit);
+        }
         if limited != self.limited {
             // At debug: a busy limited queue is held back and let go many times a second.
             let queue = self.lane.name();

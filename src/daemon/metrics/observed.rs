@@ -118,6 +118,13 @@ pub struct OutcomeLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HeldBackLabels {
+    pub queue: Arc<str>,
+    /// The config key (or outcome) that held the fetch back: `max_running`, `rate_limit`, `throttle`.
+    pub limit: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ErrorLabels {
     /// What failed, as the log line says it: "fetching tasks", "renewing the lease", "settling outcomes"...
     pub operation: &'static str,
@@ -210,17 +217,30 @@ pub struct Observed {
     pub durations: Family<TypeLabels, Durations>,
     pub outcomes: Family<OutcomeLabels, Counter>,
     pub redis_errors: Family<ErrorLabels, Counter>,
+    pub held_back: Family<HeldBackLabels, Counter>,
 }
 
 static OBSERVED: LazyLock<Observed> = LazyLock::new(|| Observed {
     durations: Family::default(),
     outcomes: Family::default(),
     redis_errors: Family::default(),
+    held_back: Family::default(),
 });
 
 /// This process's observations.
 pub fn observed() -> &'static Observed {
     &OBSERVED
+}
+
+/// Counts a fetch of `queue` that `limit` held back: it took nothing (cold: a family lookup, never per task).
+pub fn held_back(queue: &Arc<str>, limit: &'static str) {
+    observed()
+        .held_back
+        .get_or_create(&HeldBackLabels {
+            queue: Arc::clone(queue),
+            limit,
+        })
+        .inc();
 }
 
 /// Counts a failed Redis call of `operation` (cold: a family lookup).

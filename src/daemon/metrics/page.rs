@@ -106,7 +106,7 @@ enum Kind {
 /// ends it with a period), value.
 type PerQueue = (&'static str, Kind, &'static str, fn(&QueueStats) -> f64);
 
-const PER_QUEUE: [PerQueue; 13] = [
+const PER_QUEUE: [PerQueue; 15] = [
     (
         "kmqd_queue_processing",
         Kind::Gauge,
@@ -138,6 +138,12 @@ const PER_QUEUE: [PerQueue; 13] = [
         |s| if s.paused { 1.0 } else { 0.0 },
     ),
     (
+        "kmqd_queue_throttled_seconds",
+        Kind::Seconds,
+        "How long a handler's throttle still holds the queue back: no daemon takes its tasks (0 when none)",
+        |s| s.throttle_ms.unwrap_or(0) as f64 / 1000.0,
+    ),
+    (
         "kmqd_queue_lag_seconds",
         Kind::Seconds,
         "Age of the oldest task at the head of a ready list (0 when none is ready)",
@@ -166,6 +172,12 @@ const PER_QUEUE: [PerQueue; 13] = [
         Kind::Counter,
         "Tasks queued again for another attempt",
         |s| s.retried as f64,
+    ),
+    (
+        "kmqd_task_runs_throttled_total",
+        Kind::Counter,
+        "Runs whose handler answered throttle (back-pressure): each task went back uncharged",
+        |s| s.throttled as f64,
     ),
     (
         "kmqd_task_runs_failed_total",
@@ -330,6 +342,12 @@ fn registry(lanes: &[LaneNumbers], redis: Option<&Snapshot>) -> Registry {
         "kmqd_task_outcomes",
         "What became of the tasks this daemon held, per queue, type and outcome",
         observed.outcomes.clone(),
+    );
+    registry.register(
+        "kmqd_fetches_held_back",
+        "Fetches of this daemon that a limit held back (took nothing), per queue and limit: max_running, \
+         rate_limit, throttle",
+        observed.held_back.clone(),
     );
     registry.register(
         "kmqd_redis_errors",
