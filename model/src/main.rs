@@ -64,6 +64,7 @@ fn main() {
         for (setup, property) in setup::experiments()
             .into_iter()
             .chain(setup::limit_experiments())
+            .chain(setup::throttle_experiments())
         {
             let (name, mutation) = (setup.name, setup.mutation);
             let (path, visited, elapsed) = run::shortest(setup, property);
@@ -145,6 +146,8 @@ fn parse_mutation_opt(name: &str) -> Option<Mutation> {
         "subtract-count" => Some(Mutation::SubtractCount),
         "limit-after-taking" => Some(Mutation::LimitAfterTaking),
         "monitor-subtracts-nothing" => Some(Mutation::MonitorSubtractsNothing),
+        "throttle-charges" => Some(Mutation::ThrottleCharges),
+        "claim-ignores-throttle" => Some(Mutation::ClaimIgnoresThrottle),
         _ => None,
     }
 }

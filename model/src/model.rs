@@ -8,8 +8,9 @@ use crate::redis::{
     Settler, quarantine_stage,
 };
 use crate::setup::{
-    Behaviour, Config, Levels, Mode, Mutation, NO_LEAK, NO_UNDERFLOW, RUNNING_BOUND, RUNNING_EXACT,
-    Setup, UNFAIR_CHARGE, UNFAIR_DEAD, ZOMBIE_START,
+    Behaviour, Config, Levels, Mode, Mutation, NO_LEAK, NO_TAKE_THROTTLED, NO_UNDERFLOW,
+    RUNNING_BOUND, RUNNING_EXACT, Setup, THROTTLE_UNCHARGED, UNFAIR_CHARGE, UNFAIR_DEAD,
+    ZOMBIE_START,
 };
 
 /// Everything that decides what can happen next.
@@ -122,6 +123,14 @@ pub struct Ghost {
     /// (so that "every task is done" can be asked of histories in which the limit was in play), which only the
     /// scenarios with a limit that binds pay for.
     pub held_back: bool,
+    /// Tasks whose handler has answered throttle ([`Behaviour::Throttles`]): the handler's world (the service
+    /// it calls has pushed back once), read by the policy's stand-in; the envelope does not change.
+    pub throttled: u8,
+    /// A throttle settlement was applied and the task was not then at its ready list exactly as it was taken
+    /// (charged, changed, or dead-lettered).
+    pub throttle_charged: bool,
+    /// A claim or a pop took a task while the queue's throttle key existed.
+    pub took_while_throttled: bool,
     /// What the step into this state did (the `EVENT_*` bits), for the `sometimes` properties. Only the last
     /// step's: bits kept for the whole history would multiply the states by every combination of past events.
     pub events: u16,
@@ -158,6 +167,9 @@ pub const EVENT_CHARGED: u16 = 1 << 9;
 pub const EVENT_POPPED_QUARANTINE: u16 = 1 << 10;
 /// A running limit held a claim back: it took fewer tasks than the same claim without the limit would have.
 pub const EVENT_HELD_BACK: u16 = 1 << 11;
+/// A throttle held a claim back: it took nothing (state 6) where the same claim without the key would have
+/// taken tasks.
+pub const EVENT_THROTTLE_HELD: u16 = 1 << 12;
 
 /// How a call's reply fares.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -229,6 +241,8 @@ pub enum Action {
     Release { daemon: u8, owner: OwnerId },
     /// promote.lua: a retry is due and goes to the front of its ready list.
     Promote { level: u8, task: u8 },
+    /// The queue's throttle key expires (time): claims and pops take tasks again.
+    ThrottleEnds,
     /// SIGTERM: stop claiming; every unresolved task is handed back (settle op "back").
     Shutdown(u8),
     /// release.lua (fence "owner") once everything is settled, then the daemon starts again (with `config`).
@@ -292,8 +306,9 @@ impl Protocol {
         state.daemons.iter().any(|d| d.owner == Some(owner))
     }
 
-    /// policy::decide for a task whose handler returned (the worker's verdict).
-    fn finish(&self, env: Env) -> (Op, Env) {
+    /// policy::decide for a task whose handler returned (the worker's verdict). `throttled`: the task's handler
+    /// has answered throttle before.
+    fn finish(&self, env: Env, throttled: bool) -> (Op, Env) {
         let charged = Env {
             attempt: env.attempt + 1,
             ..env
@@ -307,6 +322,8 @@ impl Protocol {
                     (Op::Retry, charged)
                 }
             }
+            // Throttle -> the envelope as it was, uncharged (policy.rs: never dead-lettered for it).
+            Behaviour::Throttles if !throttled => (Op::Throttle, env),
             // Done -> ack. (A pill never returns: its run crashes the daemon.)
             _ => (Op::Ack, env),
         }
@@ -424,6 +441,14 @@ impl Protocol {
     fn send_acker_call(&self, state: &mut State, index: usize, reply: Reply) {
         let daemon = &state.daemons[index];
         let (owner, records) = Self::acker_call(daemon);
+        // Ghost: each throttled task's envelope as the claim or pop gave it, to compare with what Redis holds
+        // after the settle.
+        let throttled: List<(u8, Env)> = daemon
+            .held
+            .iter()
+            .filter(|held| matches!(held.phase, Phase::Settling(Op::Throttle, _)))
+            .map(|held| (held.level, held.env))
+            .collect();
         let settler = Settler {
             daemon: index as u8,
             run: daemon.run,
@@ -451,6 +476,22 @@ impl Protocol {
             }
             if !answer.answered_from_record {
                 state.daemons[index].acker.applied = true;
+            }
+            for (record, ok) in records.iter().zip(&answer.applied) {
+                if !ok || record.op != Op::Throttle {
+                    continue;
+                }
+                let Some(&(level, taken)) = throttled
+                    .iter()
+                    .find(|(_, env)| env.task == record.payload.task)
+                else {
+                    continue;
+                };
+                let requeued = state.redis.ready[level as usize].contains(&taken);
+                let dead = state.redis.dead.iter().any(|e| e.task == taken.task);
+                if !requeued || dead {
+                    state.ghost.throttle_charged = true;
+                }
             }
         }
         if reply == Reply::Delivered {
@@ -545,7 +586,11 @@ impl Protocol {
     /// A worker's handler returned for held task `at`: the policy decides its settlement.
     fn resolve(&self, state: &mut State, index: usize, at: usize) {
         let held = &mut state.daemons[index].held[at];
-        let (op, payload) = self.finish(held.env);
+        let task = held.env.task;
+        let (op, payload) = self.finish(held.env, state.ghost.throttled & (1 << task) != 0);
+        if op == Op::Throttle {
+            state.ghost.throttled |= 1 << task;
+        }
         if op == Op::Ack {
             state.ghost.acked |= 1 << held.env.task;
         }
@@ -566,7 +611,18 @@ impl Protocol {
             };
             redis.claim(&call, self.setup.mutation).tasks().len()
         });
+        let throttled = state.redis.throttle;
         let claimed = state.redis.claim(call, self.setup.mutation);
+        if throttled && !claimed.tasks().is_empty() {
+            state.ghost.took_while_throttled = true;
+        }
+        if claimed == Claimed::Throttled {
+            let mut redis = state.redis.clone();
+            redis.throttle = false;
+            if !redis.claim(call, self.setup.mutation).tasks().is_empty() {
+                state.ghost.events |= EVENT_THROTTLE_HELD;
+            }
+        }
         state.ghost.events |= Self::claim_events(&claimed);
         if unlimited.is_some_and(|n| n > claimed.tasks().len()) {
             state.ghost.events |= EVENT_HELD_BACK;
@@ -622,6 +678,7 @@ impl Protocol {
             || ghost.shutdowns < self.setup.shutdowns
             || ghost.pushed.count_ones() < self.setup.tasks.len() as u32
             || !state.in_flight.is_empty()
+            || state.redis.throttle
             || state.daemons.iter().any(|d| {
                 !d.held.is_empty() || d.lost_claim.is_some() || d.acker.lost || d.monitor.lost
             });
@@ -864,6 +921,9 @@ impl Model for Protocol {
                 actions.push(Action::Expire(owner.id));
             }
         }
+        if state.redis.throttle {
+            actions.push(Action::ThrottleEnds);
+        }
         for level in 0..2u8 {
             for env in &state.redis.retry[level as usize] {
                 actions.push(Action::Promote {
@@ -980,6 +1040,26 @@ impl Model for Protocol {
                 ));
             }
         }
+        if has(Behaviour::Throttles) {
+            properties.push(Property::always(THROTTLE_UNCHARGED, |_, state: &State| {
+                !state.ghost.throttle_charged
+            }));
+            properties.push(Property::always(NO_TAKE_THROTTLED, |_, state: &State| {
+                !state.ghost.took_while_throttled
+            }));
+            properties.push(Property::sometimes(
+                "a throttle held a claim back",
+                happened::<EVENT_THROTTLE_HELD>,
+            ));
+            properties.push(Property::sometimes(
+                "a throttled task was done",
+                |model: &Protocol, state: &State| {
+                    (0..model.setup.tasks.len()).any(|task| {
+                        state.ghost.throttled & (1 << task) != 0 && state.redis.done[task] == 1
+                    })
+                },
+            ));
+        }
         if setup.configs.iter().any(|c| c.mode == Mode::Default) {
             properties.push(Property::sometimes(
                 "a default-mode settlement is applied",
@@ -1061,6 +1141,12 @@ impl Protocol {
                 match reply {
                     Reply::Delivered => {
                         let claimed = self.claim(&mut state, &call);
+                        if state.ghost.events & EVENT_THROTTLE_HELD != 0 {
+                            // Kept as a state only for the `sometimes` "a throttle held a claim back"; the tokens
+                            // it reserved are never used, so the counter stays (a repeated claim is this state).
+                            state.daemons[index].next_token -= max;
+                            return Some(state);
+                        }
                         if claimed.tasks().is_empty() {
                             // An empty claim (nothing ready; Waiting: the fetcher waits for its lane to be
                             // empty; Limited: it waits for a wake-up marker) changes nothing but the token
@@ -1126,9 +1212,13 @@ impl Protocol {
                         .iter()
                         .any(|level| !state.redis.quarantine[stage][level as usize].is_empty())
                 });
+                let throttled = state.redis.throttle;
                 let popped = state.redis.pop(levels, max, setup.mutation);
                 if popped.is_empty() {
                     return None;
+                }
+                if throttled {
+                    state.ghost.took_while_throttled = true;
                 }
                 if quarantined && setup.mutation != Some(Mutation::PopReadyOnly) {
                     state.ghost.events |= EVENT_POPPED_QUARANTINE;
@@ -1279,6 +1369,12 @@ impl Protocol {
                     .iter()
                     .position(|env| env.task == task)?;
                 state.redis.promote(level, at);
+            }
+            Action::ThrottleEnds => {
+                if !state.redis.throttle {
+                    return None;
+                }
+                state.redis.throttle_ends();
             }
             Action::Shutdown(daemon) => {
                 state.ghost.shutdowns += 1;

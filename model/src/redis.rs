@@ -149,6 +149,10 @@ pub struct Redis {
     pub running: u8,
     /// `stats.running_underflow`: what settle.lua would have taken `q` below 0 by (it stops at 0).
     pub running_underflow: u8,
+    /// The queue's throttle key (`P:{Q}:throttle`, a string with an expiry): a handler's back-pressure, set by
+    /// settle.lua's op "throttle"; while it exists claim.lua (state 6) and the pops take nothing. Its expiry is
+    /// [`Redis::throttle_ends`] (time: how long it lasts is not modelled, only that it ends).
+    pub throttle: bool,
     /// `settled:SETTLER`: the last call's number of each settling party. The stored result is left out: the
     /// daemon's reaction to a reply does not depend on it in this model. Records of a daemon run that ended are
     /// dropped: that party never calls again, and the key only expires (a day later) in Redis.
@@ -179,6 +183,9 @@ pub enum Claimed {
     /// State 4: nothing, because `max_running` tasks are counted in `running` (the fetcher waits for a wake-up
     /// marker, which a settle that frees some pushes).
     Limited,
+    /// State 6: nothing, because a handler throttled the queue (its throttle key exists): the fetcher claims
+    /// again when the key's time to live is out.
+    Throttled,
     /// State 1: one quarantined group, with nothing else: its size (one of [`GROUPS`]), and (level, token,
     /// envelope) of each of its tasks.
     Group(u8, List<(u8, u8, Env)>),
@@ -229,6 +236,9 @@ pub enum Op {
     /// An uncharged recovery, to the front of the quarantine list of this stage (index into [`GROUPS`]).
     RecoverIsolated(u8),
     Back,
+    /// A handler's back-pressure: the envelope as it was taken to the front of its ready list (uncharged), and
+    /// the queue's throttle key set. Only the owner's acker (or default mode's) sends it: a monitor never does.
+    Throttle,
     Dead,
 }
 
@@ -392,7 +402,10 @@ impl Redis {
             return Claimed::Fenced;
         }
         // (EXISTS of this claim's lists: FENCED "already made". A claim runs once here: never.)
-        // (EXISTS paused: state 3. Pausing is not modelled.)
+        // EXISTS paused, throttle: paused -> state 3 (pausing is not modelled); throttle -> state 6.
+        if self.throttle && mutation != Some(Mutation::ClaimIgnoresThrottle) {
+            return Claimed::Throttled;
+        }
         // if max_running > 0: running >= max_running -> state 4; max = min(max, max_running - running)
         if counted && mutation != Some(Mutation::LimitAfterTaking) {
             if self.running >= max_running {
@@ -567,7 +580,7 @@ impl Redis {
                 (Some(_), _) => false,
             };
             if ok {
-                unfair |= self.apply(record, owner);
+                unfair |= self.apply(record, owner, mutation);
             }
             applied.push(ok);
         }
@@ -592,7 +605,7 @@ impl Redis {
     }
 
     /// One applied settle.lua record. Returns the ghost bit of a task charged unfairly.
-    fn apply(&mut self, record: &Record, owner: Option<OwnerId>) -> u8 {
+    fn apply(&mut self, record: &Record, owner: Option<OwnerId>, mutation: Option<Mutation>) -> u8 {
         let level = record.level as usize;
         let payload = record.payload;
         let mut unfair = 0;
@@ -617,6 +630,20 @@ impl Redis {
             Op::RetryIsolated => self.quarantine[0][level].insert(0, payload),
             Op::RecoverIsolated(stage) => self.quarantine[stage as usize][level].insert(0, payload),
             Op::Recover | Op::Back => self.ready[level].insert(0, payload),
+            // LPUSH to the ready list as it was taken; SET throttle PX delay (unless it lasts longer already: the
+            // key's duration is not modelled). ThrottleCharges re-queues it charged.
+            Op::Throttle => {
+                let payload = if mutation == Some(Mutation::ThrottleCharges) {
+                    Env {
+                        attempt: payload.attempt + 1,
+                        ..payload
+                    }
+                } else {
+                    payload
+                };
+                self.ready[level].insert(0, payload);
+                self.throttle = true;
+            }
             Op::Dead => {
                 self.dead.push(payload);
                 self.dead.sort();
@@ -669,10 +696,15 @@ impl Redis {
     /// pop.lua (default mode): LMPOP over, per level (highest first), the quarantine lists (groups of 1, 8, 64)
     /// then the ready list, in the order `broker::Popper` passes them (`pop_lists`): up to `max` from the first
     /// non-empty list. Groups mean nothing here: a pop takes up to `max` of a quarantine list, like any other.
+    /// Nothing while the queue's throttle key exists (pop.lua and `Popper`'s plain pop check it first).
     /// While the queue holds no unique id, `Popper` pops the same lists with a plain LMPOP in MULTI after WATCH of
     /// the unique hash instead; without unique ids (not modelled) the two are the same step.
     /// [`Mutation::PopReadyOnly`] passes the ready lists alone.
     pub fn pop(&mut self, levels: Levels, max: u8, mutation: Option<Mutation>) -> List<(u8, Env)> {
+        // EXISTS paused, throttle (pop.lua; Popper checks the same before its plain LMPOP): nothing.
+        if self.throttle {
+            return List::new();
+        }
         let quarantine = mutation != Some(Mutation::PopReadyOnly);
         for level in levels.iter() {
             let l = level as usize;
@@ -690,6 +722,11 @@ impl Redis {
             }
         }
         List::new()
+    }
+
+    /// The throttle key expires (time passes): claims and pops take tasks again.
+    pub fn throttle_ends(&mut self) {
+        self.throttle = false;
     }
 
     /// A lease runs out (time passes): ZSCORE <= now from here on. Records, as a ghost, which task the owner held
@@ -902,6 +939,51 @@ mod tests {
         assert_eq!(tasks(redis.pop(Levels::BOTH, 3, None)), [0]);
         assert_eq!(tasks(redis.pop(Levels::BOTH, 3, None)), [2]);
         assert!(redis.pop(Levels::BOTH, 3, None).is_empty());
+    }
+
+    #[test]
+    fn a_throttle_requeues_the_task_as_taken_and_holds_claims_and_pops_until_it_ends() {
+        let mut redis = registered();
+        let taken = Env {
+            recovered: 1,
+            ..Env::new(0)
+        };
+        redis.push(0, taken);
+        redis.push(0, Env::new(1));
+        assert_eq!(order(&redis.claim(&call(0, 1), None)), [(0, 0, 0)]);
+        let settler = Settler {
+            daemon: 0,
+            run: 0,
+            monitor: false,
+        };
+        let throttle = Record {
+            op: Op::Throttle,
+            token: Some(0),
+            claim: 0,
+            level: 0,
+            payload: taken,
+            charged: false,
+        };
+        let mut charged = redis.clone();
+        redis.settle(settler, 1, Fence::Owner, Some(OWNER), &[throttle], None);
+        assert_eq!(redis.ready[0].as_slice(), [taken, Env::new(1)]);
+        assert!(redis.throttle);
+        // ThrottleCharges: the same settle re-queues it with attempt + 1.
+        let mutation = Some(Mutation::ThrottleCharges);
+        charged.settle(settler, 1, Fence::Owner, Some(OWNER), &[throttle], mutation);
+        assert_eq!(charged.ready[0][0].attempt, 1);
+        // State 6 after the floor check, as claim.lua; pops take nothing either.
+        assert_eq!(redis.claim(&call(1, 2), None), Claimed::Throttled);
+        let ignores = Some(Mutation::ClaimIgnoresThrottle);
+        assert_eq!(redis.clone().claim(&call(1, 2), ignores).tasks().len(), 2);
+        assert!(redis.pop(Levels::BOTH, 2, None).is_empty());
+        redis.adopt(OWNER, 1, 2, Levels::BOTH);
+        assert_eq!(redis.claim(&call(1, 2), None), Claimed::Fenced);
+        redis.throttle_ends();
+        assert_eq!(
+            order(&redis.claim(&call(3, 2), None)),
+            [(0, 3, 0), (0, 4, 1)]
+        );
     }
 
     #[test]

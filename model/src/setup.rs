@@ -55,6 +55,10 @@ pub enum Behaviour {
     Pill,
     /// Returns retry on its first attempt (to the retry zset, after a backoff), done after.
     Flaky,
+    /// Answers throttle the first time its handler runs (the service it calls pushes back), done after:
+    /// whether it has throttled is the handler's world, kept in the ghost ([`crate::model::Ghost::throttled`]),
+    /// since the envelope Redis holds does not change.
+    Throttles,
 }
 
 /// The protocol's safeguards, each removable on purpose to show that a property depends on it.
@@ -97,6 +101,10 @@ pub enum Mutation {
     /// settle.lua under the "expired" fence (a monitor recovering an expired owner's tasks) subtracts nothing:
     /// the running slots of a crashed daemon leak.
     MonitorSubtractsNothing,
+    /// settle.lua's op "throttle" re-queues the task with `attempt + 1`: a throttle charged as a failed run.
+    ThrottleCharges,
+    /// claim.lua without its throttle check (state 6): a claim takes tasks while the queue is throttled.
+    ClaimIgnoresThrottle,
 }
 
 /// One bounded check.
@@ -309,6 +317,41 @@ pub fn limit() -> Setup {
     }
 }
 
+/// A handler's back-pressure: a task whose handler throttles on its first run and an ok task, a safe-mode daemon
+/// beside a default-mode one (the throttle settled by either, claims and pops held back by the key), a `kill -9`
+/// and a stall (a late owner's throttle found stale, the task recovered by a monitor, which never throttles). A
+/// lost reply too would make it 7.8 million states (108 s); with a lost reply instead of the stall it is 146,118.
+pub fn throttle() -> Setup {
+    Setup {
+        configs: vec![SAFE_LIMITED, DEFAULT_HIGH],
+        initial: [0, 1],
+        crashes: 1,
+        stalls: 1,
+        ..base(
+            "throttle",
+            vec![(Behaviour::Throttles, 0), (Behaviour::Ok, 0)],
+        )
+    }
+}
+
+/// The properties of the throttle.
+pub const THROTTLE_UNCHARGED: &str = "throttles are uncharged";
+pub const NO_TAKE_THROTTLED: &str = "no take while throttled";
+
+/// The throttle's "break it on purpose" experiments.
+pub fn throttle_experiments() -> Vec<(Setup, &'static str)> {
+    vec![
+        (
+            throttle().with_mutation(Mutation::ThrottleCharges),
+            THROTTLE_UNCHARGED,
+        ),
+        (
+            throttle().with_mutation(Mutation::ClaimIgnoresThrottle),
+            NO_TAKE_THROTTLED,
+        ),
+    ]
+}
+
 /// The scenarios the CI check runs exhaustively.
 pub fn ci() -> Vec<Setup> {
     vec![
@@ -320,6 +363,7 @@ pub fn ci() -> Vec<Setup> {
         recovered(),
         zombie(),
         limit(),
+        throttle(),
     ]
 }
 

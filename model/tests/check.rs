@@ -88,7 +88,12 @@ fn a_small_bound_holds_in_every_state() {
 /// Each safeguard, removed, lets the checker find the failure it prevents.
 #[test]
 fn removing_a_safeguard_breaks_the_property_it_keeps() {
-    for (setup, property) in setup::experiments() {
+    each_breaks_its_property(setup::experiments());
+}
+
+/// Each mutated setup of `experiments` breaks its property; prints the shortest counterexample.
+fn each_breaks_its_property(experiments: Vec<(Setup, &'static str)>) {
+    for (setup, property) in experiments {
         let (name, mutation) = (setup.name, setup.mutation);
         let (path, visited, elapsed) = run::shortest(setup, property);
         let path = path.unwrap_or_else(|| {
@@ -153,6 +158,25 @@ fn a_claim_that_checks_the_limit_after_taking_is_caught() {
 #[test]
 fn a_monitor_that_subtracts_nothing_is_caught() {
     limit_experiment(Mutation::MonitorSubtractsNothing);
+}
+
+/// The throttle's experiments: settle.lua charging a throttle (re-queued with `attempt + 1`), and claim.lua
+/// without its throttle check (state 6), each caught by its property, with the shortest counterexample printed.
+#[test]
+fn a_charged_throttle_and_a_claim_that_ignores_the_throttle_are_caught() {
+    each_breaks_its_property(setup::throttle_experiments());
+}
+
+/// The throttle scenario without its stall (a few thousand states), so that a debug build checks the throttle's
+/// properties exhaustively too; release checks the whole scenario in the CI check.
+#[test]
+fn a_throttle_is_uncharged_and_holds_every_claim_and_pop_back_in_a_small_bound() {
+    let small = Setup {
+        name: "throttle-small",
+        stalls: 0,
+        ..setup::throttle()
+    };
+    check_all(vec![small]);
 }
 
 /// Every property of the running limit has an experiment that breaks it.
