@@ -335,6 +335,21 @@ impl Client {
         Ok(broker::stats(&mut **connection, &info.keys)?)
     }
 
+    /// How many starts each of the queue's rate-limit windows (`windows_ms`, each a window's length, as its
+    /// `rate_limit` has them) holds now: what `kmqd stats` shows against the limit.
+    pub fn rate_used(&self, queue: &str, windows_ms: &[u64]) -> Result<Vec<u64>, ClientError> {
+        let info = self.queue(queue)?;
+        if windows_ms.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        Ok(broker::rate_used(
+            &mut **connection,
+            &info.keys,
+            windows_ms,
+        )?)
+    }
+
     /// At most `limit` tasks from the head of each ready list, and the `limit` delayed tasks and retries due
     /// soonest: what the dashboard's queue page shows.
     pub fn peek(&self, queue: &str, limit: usize) -> Result<broker::peek::Waiting, ClientError> {

@@ -827,6 +827,7 @@ const STATS: &[(&str, On)] = &[
     ("exists", key(K::Paused)),
     ("pttl", key(K::Throttle)),
     ("hget", key(K::Running)),
+    ("lrange", key(K::RateLog)),
 ];
 
 /// `kmqd workers`: the owners, their registrations and what they hold.

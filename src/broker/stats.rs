@@ -200,6 +200,46 @@ impl Owners {
     }
 }
 
+/// How many starts each of the queue's rate-limit windows (`windows_ms`, each a window's length) holds now: the
+/// entries of its log (claim.lua's and pop.lua's, rate.lua) younger than the window, on Redis's clock. Read
+/// whole, in one transaction: a log holds about a thousand entries at most. (The log's sum is not enough: a
+/// take trims the entries that aged out, so an idle queue's sum still counts them.)
+pub fn rate_used(
+    conn: &mut dyn ConnectionLike,
+    keys: &QueueKeys,
+    windows_ms: &[u64],
+) -> Result<Vec<u64>> {
+    let mut pipe = redis::pipe();
+    pipe.atomic().cmd("TIME");
+    for window in windows_ms {
+        pipe.cmd("LRANGE")
+            .arg(keys.rate_log(*window).0)
+            .arg(0)
+            .arg(-1);
+    }
+    let mut replies = Replies(pipe.query::<Vec<Value>>(conn)?.into_iter());
+    let now_ms = time_ms(replies.one()?);
+    windows_ms
+        .iter()
+        .map(|window| {
+            let log: Vec<String> = replies.one()?;
+            let since = now_ms.saturating_sub(i64::try_from(*window).unwrap_or(i64::MAX));
+            let mut used = 0;
+            for entry in &log {
+                let parsed = entry.split_once(' ').and_then(|(ms, count)| {
+                    Some((ms.parse::<i64>().ok()?, count.parse::<u64>().ok()?))
+                });
+                let (ms, count) =
+                    parsed.ok_or_else(|| reply_error("rate log", format!("entry {entry:?}")))?;
+                if ms > since {
+                    used += count;
+                }
+            }
+            Ok(used)
+        })
+        .collect()
+}
+
 /// One transaction's reading of the queue with `owners`' processing keys; returns it with the owners as the
 /// transaction found them, which the caller compares with `owners`.
 fn snapshot(

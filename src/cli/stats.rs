@@ -19,6 +19,19 @@ pub(super) fn run_stats(config: &Config, json: bool) -> Result<(), Failure> {
         };
         all.push((&queue.name, mode, client.stats(&queue.name)?));
     }
+    // What holds each limited queue back: its limits against what Redis counts now.
+    let mut limits: Vec<(&str, String, serde_json::Value)> = Vec::new();
+    for ((name, _, stats), queue) in all.iter().zip(&config.queues) {
+        let windows: Vec<u64> = queue
+            .rate_limit
+            .iter()
+            .map(|rate| rate.window_ms())
+            .collect();
+        let used = client.rate_used(name, &windows)?;
+        if let Some(line) = limits_line(queue, stats, &used) {
+            limits.push((name, line.0, line.1));
+        }
+    }
     let mut out = std::io::stdout().lock();
     if json {
         let queues: serde_json::Map<String, serde_json::Value> = all
@@ -26,6 +39,9 @@ pub(super) fn run_stats(config: &Config, json: bool) -> Result<(), Failure> {
             .map(|(name, mode, stats)| {
                 let mut value = serde_json::to_value(stats).expect("stats serialize");
                 value["mode"] = serde_json::Value::from(*mode);
+                if let Some((_, _, held)) = limits.iter().find(|(queue, ..)| queue == name) {
+                    value["limits"] = held.clone();
+                }
                 (name.to_string(), value)
             })
             .collect();
@@ -78,5 +94,59 @@ pub(super) fn run_stats(config: &Config, json: bool) -> Result<(), Failure> {
             lag
         );
     }
+    for (name, line, _) in &limits {
+        let _ = writeln!(out, "{name}: {line}");
+    }
     Ok(())
+}
+
+/// The line `kmqd stats` prints under its table for a queue with limits or a throttle (`api: running 20/20, held
+/// back · rate 200/200 per 1s, held back · throttled 1.2 s more`), and the same as JSON; `None` for a queue with
+/// neither. `used`: the starts each of its rate windows holds now ([`crate::Client::rate_used`]).
+fn limits_line(
+    queue: &crate::config::QueueConfig,
+    stats: &QueueStats,
+    used: &[u64],
+) -> Option<(String, serde_json::Value)> {
+    let mut parts = Vec::new();
+    let mut json = serde_json::Map::new();
+    if let Some(limit) = queue.max_running {
+        let full = stats.running as usize >= limit;
+        parts.push(format!(
+            "running {}/{limit}{}",
+            stats.running,
+            if full { ", held back" } else { "" }
+        ));
+        json.insert(
+            "max_running".into(),
+            serde_json::json!({ "limit": limit, "running": stats.running, "held_back": full }),
+        );
+    }
+    let mut rates = Vec::new();
+    for (rate, used) in queue.rate_limit.iter().zip(used) {
+        let full = *used >= rate.starts;
+        parts.push(format!(
+            "rate {used}/{} per {}{}",
+            rate.starts,
+            humantime::format_duration(Duration::from_millis(rate.window_ms())),
+            if full { ", held back" } else { "" }
+        ));
+        rates.push(serde_json::json!({
+            "window_ms": rate.window_ms(),
+            "limit": rate.starts,
+            "used": used,
+            "held_back": full,
+        }));
+    }
+    if !rates.is_empty() {
+        json.insert("rate_limit".into(), serde_json::Value::Array(rates));
+    }
+    if let Some(ms) = stats.throttle_ms {
+        parts.push(format!(
+            "throttled {} more",
+            humantime::format_duration(Duration::from_millis(ms as u64))
+        ));
+        json.insert("throttle_ms".into(), serde_json::Value::from(ms));
+    }
+    (!parts.is_empty()).then(|| (parts.join(" · "), serde_json::Value::Object(json)))
 }

@@ -305,3 +305,47 @@ fn several_windows_of_a_rate_limit_hold_together() {
     }
     daemon.stop();
 }
+
+/// `kmqd stats` says what holds a limited queue back: its running count against `max_running` and each window's
+/// starts against its rate, from what Redis counts now.
+#[test]
+fn stats_show_a_full_rate_window_and_the_running_count_against_their_limits() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(
+        &redis,
+        &safe_queue("workers = 4\nmax_running = 4\nrate_limit = [\"3/1m\", \"100/1h\"]"),
+    );
+    let daemon = TestDaemon::start(&config);
+    push_many(&config, "t", 5, "7");
+    wait_done(&config, 3, Duration::from_secs(30));
+    // The minute's three starts are spent: the other two wait in Redis for the window to move on.
+    let (code, out, err) = kmqd(&["--config", config.to_str().unwrap(), "stats"], None);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("jobs: running 0/4 · rate 3/3 per 1m, held back · rate 3/100 per 1h"),
+        "{out}"
+    );
+    let (code, out, err) = kmqd(
+        &["--config", config.to_str().unwrap(), "stats", "--json"],
+        None,
+    );
+    assert_eq!(code, 0, "{err}");
+    let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let limits = &json["queues"]["jobs"]["limits"];
+    assert_eq!(
+        (
+            &limits["rate_limit"][0]["used"],
+            &limits["rate_limit"][0]["held_back"],
+            &limits["max_running"]["limit"]
+        ),
+        (
+            &serde_json::json!(3),
+            &serde_json::json!(true),
+            &serde_json::json!(4)
+        ),
+        "{json}"
+    );
+    assert_eq!(stats(&config, "jobs").ready, 2);
+    daemon.stop();
+}
