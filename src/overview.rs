@@ -21,6 +21,8 @@ pub struct Row {
     pub name: String,
     pub mode: &'static str,
     pub paused: bool,
+    /// A handler's throttle holds the queue back (docs/HANDLERS.md, "Back-pressure").
+    pub throttled: bool,
     pub ready: u64,
     /// Ready tasks per level, highest first (JSON: `[["high", 0], ["normal", 12]]`).
     pub ready_by_level: Vec<(String, u64)>,
@@ -32,6 +34,19 @@ pub struct Row {
     pub lag_ms: Option<i64>,
     /// Daemons alive on the queue (what `kmqd workers` lists).
     pub daemons: usize,
+}
+
+impl Row {
+    /// One word for whether daemons take the queue's tasks, as `kmqd stats` says it (`QueueStats::state`).
+    pub fn state(&self) -> &'static str {
+        if self.paused {
+            "paused"
+        } else if self.throttled {
+            "throttled"
+        } else {
+            "active"
+        }
+    }
 }
 
 /// One queue's read at one poll: its stats, the daemons alive on it, and when the stats were read.
@@ -93,6 +108,7 @@ impl Overview {
                     name: name.clone(),
                     mode,
                     paused: s.paused,
+                    throttled: s.throttle_ms.is_some(),
                     ready: s.ready,
                     ready_by_level: s.ready_by_level.clone(),
                     processing: s.processing,

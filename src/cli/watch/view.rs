@@ -82,7 +82,7 @@ pub fn render(frame: &Frame<'_>, width: usize, height: usize) -> Vec<(Style, Str
         shown += 1;
         let style = if row.rates.is_some_and(|r| r.failed > 0.0) {
             Style::Bad
-        } else if row.paused {
+        } else if row.paused || row.throttled {
             Style::Warn
         } else {
             Style::Plain
@@ -131,7 +131,7 @@ fn table_row(row: &Row) -> String {
     let cells = [
         name,
         row.mode.to_string(),
-        if row.paused { "paused" } else { "active" }.to_string(),
+        row.state().to_string(),
         count(row.ready),
         count(row.processing),
         count(row.delayed),
@@ -215,11 +215,12 @@ pub fn line(row: &Row, at: &str) -> String {
         .map(|(level, n)| format!("{level}:{n}"))
         .collect();
     format!(
-        "at={at} queue={} mode={} paused={} ready={} ready_by_level={} processing={} delayed={} dead={} \
-         done/s={done} failed/s={failed} lag_ms={} daemons={}",
+        "at={at} queue={} mode={} paused={} throttled={} ready={} ready_by_level={} processing={} delayed={} \
+         dead={} done/s={done} failed/s={failed} lag_ms={} daemons={}",
         row.name,
         row.mode,
         if row.paused { "yes" } else { "no" },
+        if row.throttled { "yes" } else { "no" },
         row.ready,
         levels.join(","),
         row.processing,
@@ -240,6 +241,7 @@ mod tests {
             name: name.to_string(),
             mode: "safe",
             paused: false,
+            throttled: false,
             ready: levels.iter().map(|(_, n)| n).sum(),
             ready_by_level: levels.iter().map(|(l, n)| (l.to_string(), *n)).collect(),
             processing: 2,
@@ -344,8 +346,9 @@ mod tests {
         let mut r = row("jobs", &[("high", 3), ("normal", 9)]);
         assert_eq!(
             line(&r, "2026-12-01T18:22:01Z"),
-            "at=2026-12-01T18:22:01Z queue=jobs mode=safe paused=no ready=12 ready_by_level=high:3,normal:9 \
-             processing=2 delayed=0 dead=1 done/s=35.2 failed/s=0.0 lag_ms=1234 daemons=2"
+            "at=2026-12-01T18:22:01Z queue=jobs mode=safe paused=no throttled=no ready=12 \
+             ready_by_level=high:3,normal:9 processing=2 delayed=0 dead=1 done/s=35.2 failed/s=0.0 lag_ms=1234 \
+             daemons=2"
         );
         r.rates = None;
         r.lag_ms = None;

@@ -168,7 +168,7 @@ const pages = {
       const rows = data.queues.map((q) => el("tr", { "data-queue": q.name },
         el("td", {}, el("a", { href: "/queues/" + encodeURIComponent(q.name) }, q.name)),
         el("td", { class: "hide-narrow" }, q.mode),
-        el("td", {}, el("span", { class: "badge " + (q.paused ? "paused" : "serving") }, q.paused ? "paused" : "serving")),
+        el("td", {}, el("span", { class: "badge " + (q.paused || q.throttled ? "paused" : "serving") }, q.paused ? "paused" : q.throttled ? "throttled" : "serving")),
         el("td", { class: "num", "data-field": "ready",
           title: q.ready_by_level.map(([level, n]) => level + " " + n).join(", ") }, q.ready),
         el("td", { class: "hide-narrow dim" }, q.ready_by_level.length > 1
@@ -225,7 +225,8 @@ const pages = {
       const daemons = data.daemons.map(daemonRow);
       return [
         el("h1", {}, name, el("span", { class: "dim" }, data.mode || ""),
-          el("span", { class: "badge " + (s.paused ? "paused" : "serving"), id: "queue-state" }, s.paused ? "paused" : "serving"),
+          el("span", { class: "badge " + (s.paused || s.throttle_ms != null ? "paused" : "serving"), id: "queue-state" },
+            s.paused ? "paused" : s.throttle_ms != null ? "throttled" : "serving"),
           s.paused ? button("Resume", () => act(base + "/resume", {}, "resume " + name))
             : button("Pause", () => act(base + "/pause", {}, "pause " + name))),
         el("div", { class: "cards" },
