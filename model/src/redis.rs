@@ -755,6 +755,13 @@ impl Redis {
 mod tests {
     use super::*;
 
+    /// Daemon 0's acker, in its first run.
+    const OWNER_SETTLER: Settler = Settler {
+        daemon: 0,
+        run: 0,
+        monitor: false,
+    };
+
     const OWNER: OwnerId = OwnerId {
         daemon: 0,
         run: 0,
@@ -813,11 +820,7 @@ mod tests {
         // While it holds the group, it claims nothing, not even from the ready lists.
         assert_eq!(redis.claim(&call(3, 3), None), Claimed::Waiting);
         // Settled: the next claim takes the next group (min(64, max) tasks), again alone.
-        let settler = Settler {
-            daemon: 0,
-            run: 0,
-            monitor: false,
-        };
+        let settler = OWNER_SETTLER;
         let ack = Record {
             op: Op::Ack,
             token: Some(0),
@@ -890,11 +893,7 @@ mod tests {
         let mut over = redis.clone();
         over.claim(&limited(6, 2), Some(Mutation::LimitAfterTaking));
         assert_eq!(over.running, 2);
-        let settler = Settler {
-            daemon: 0,
-            run: 0,
-            monitor: false,
-        };
+        let settler = OWNER_SETTLER;
         let ack = |token, claim, task| Record {
             op: Op::Ack,
             token: Some(token),
@@ -951,11 +950,7 @@ mod tests {
         redis.push(0, taken);
         redis.push(0, Env::new(1));
         assert_eq!(order(&redis.claim(&call(0, 1), None)), [(0, 0, 0)]);
-        let settler = Settler {
-            daemon: 0,
-            run: 0,
-            monitor: false,
-        };
+        let settler = OWNER_SETTLER;
         let throttle = Record {
             op: Op::Throttle,
             token: Some(0),
@@ -1013,11 +1008,7 @@ mod tests {
     #[test]
     fn a_settle_call_sent_again_is_answered_from_its_record() {
         let mut redis = Redis::default();
-        let settler = Settler {
-            daemon: 0,
-            run: 0,
-            monitor: false,
-        };
+        let settler = OWNER_SETTLER;
         let ack = Record {
             op: Op::Ack,
             token: None,
