@@ -2,6 +2,7 @@
 //! plugin's final-failure hook needs once the record landed.
 
 use std::hash::{DefaultHasher, Hash, Hasher};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Serialize;
@@ -57,6 +58,8 @@ pub struct TaskParts<'a> {
     /// Safe mode: the claim that fences the settlement, as the resolver names it (a worker, by its lease view's
     /// copy of the owner's id: see `LeaseView::token`).
     pub token: Option<Token>,
+    /// Default mode under a running limit: the owner that popped the task.
+    pub popped_by: Option<Arc<str>>,
     /// The priority level the task was taken from.
     pub level: usize,
     /// The payload exactly as taken from Redis.
@@ -95,6 +98,7 @@ pub fn record(
     let unique_id = task.unique_id();
     let TaskParts {
         token,
+        popped_by,
         level,
         payload,
         envelope,
@@ -115,6 +119,7 @@ pub fn record(
     let base = move |op, payload: Vec<u8>| Settlement {
         op,
         token,
+        popped_by,
         unique_id,
         level,
         payload,
@@ -298,6 +303,7 @@ pub fn handback(task: TaskParts<'_>) -> Settlement {
         op: SettleOp::Back { quarantine },
         unique_id: task.unique_id(),
         token: task.token,
+        popped_by: task.popped_by,
         level: task.level,
         payload: task.payload.to_vec(),
         failed: false,
@@ -331,6 +337,7 @@ mod tests {
     ) -> (Settlement, Option<Box<DeadHook>>) {
         let task = TaskParts {
             token,
+            popped_by: None,
             level,
             payload,
             envelope,

@@ -553,6 +553,8 @@ enum Kind {
     Running,
     /// A claim list's running scopes string.
     ClaimScopes,
+    /// A default-mode owner's share of the running counts.
+    PoppedRunning,
     /// A rate limit's log of starts, and its sum.
     RateLog,
     RateSum,
@@ -656,6 +658,8 @@ const DAEMON: &[(&str, On)] = &[
     ("evalsha", key(K::Schedules)),
     ("evalsha", key(K::Paused)),
     ("evalsha", key(K::Throttle)),
+    ("evalsha", key(K::Running)),
+    ("evalsha", key(K::PoppedRunning)),
     // Inside claim.lua and adopt.lua (and pop.lua's check of the paused key, above); the claim's transaction
     // reads its lists back (LRANGE, above).
     ("zscore", key(K::Owners)),
@@ -682,6 +686,17 @@ const DAEMON: &[(&str, On)] = &[
     ("hincrby", key(K::Stats)),
     ("lpush", key(K::Wake)),
     ("ltrim", key(K::Wake)),
+    // A default-mode owner's share of the running counts: pop.lua adds, settle.lua subtracts, release.lua gives
+    // back the rest.
+    ("type", key(K::PoppedRunning)),
+    ("hget", key(K::PoppedRunning)),
+    ("hincrby", key(K::PoppedRunning)),
+    ("hset", key(K::PoppedRunning)),
+    ("hdel", key(K::PoppedRunning)),
+    ("hgetall", key(K::PoppedRunning)),
+    ("del", key(K::PoppedRunning)),
+    ("hmget", key(K::Running)),
+    ("hgetall", key(K::Running)),
     // A handler's throttle: set by settle.lua, checked by claim.lua and pop.lua.
     ("type", key(K::Throttle)),
     ("exists", key(K::Throttle)),
@@ -1096,6 +1111,7 @@ fn names(keys: &QueueKeys, kind: Kind) -> Vec<String> {
             .collect(),
         Kind::Settled => vec![keys.settled(SOME_OWNER)],
         Kind::Running => vec![keys.running.clone()],
+        Kind::PoppedRunning => vec![keys.popped_running(SOME_OWNER)],
         Kind::ClaimScopes => keys.claim_scopes_all(SOME_OWNER, 0),
         Kind::RateLog => vec![keys.rate_log(1000).0],
         Kind::RateSum => vec![keys.rate_log(1000).1],

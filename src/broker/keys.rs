@@ -231,6 +231,13 @@ impl QueueKeys {
         format!("{}:settled:{settler}", self.base)
     }
 
+    /// Default mode: hash scope -> how many of the `running` hash's tasks `owner` popped and has not settled yet
+    /// (pop.lua adds, settle.lua subtracts, release.lua gives the rest back when the owner goes: its daemon
+    /// stopped, or died and a monitor found its lease expired).
+    pub fn popped_running(&self, owner: &str) -> String {
+        format!("{}:popped-running:{owner}", self.base)
+    }
+
     /// A settling party's scratch string inside settle.lua (a claim's new settled bits, merged with BITOP);
     /// never left behind.
     pub fn settle_scratch(&self, settler: &str) -> String {

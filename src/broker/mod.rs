@@ -48,9 +48,9 @@ pub use owners::{OwnerInfo, Renewal, owner_info, owners, register, release, rene
 pub use schedule::{Fired, fire, schedule_state};
 pub use stats::{QueueStats, Rates, check_protocol, rate_used, stats};
 pub use tasks::{
-    Batch, Call, ClaimLimits, Due, Fence, Isolation, Limited, Popper, PushItem, SettleOp, Settled,
-    Settlement, Taken, adopt, claim, move_sources, promote, push, release_unique, settle,
-    wait_idle, wait_list, wait_wake,
+    Batch, Call, ClaimLimits, Due, Fence, Holder, Isolation, Limited, PopLimits, Popper, PushItem,
+    SettleOp, Settled, Settlement, Taken, adopt, claim, move_sources, promote, push,
+    release_unique, settle, wait_idle, wait_list, wait_wake,
 };
 pub use tls::tls_refusal;
 

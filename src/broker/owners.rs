@@ -113,7 +113,12 @@ pub fn release(
     by_monitor: bool,
 ) -> Result<bool> {
     let mut invocation = SCRIPTS.release.prepare_invoke();
-    invocation.key(&keys.owners).key(keys.owner_info(owner));
+    invocation
+        .key(&keys.owners)
+        .key(keys.owner_info(owner))
+        .key(&keys.running)
+        .key(keys.popped_running(owner))
+        .key(&keys.wake);
     for key in keys.processing_all(owner) {
         invocation.key(key);
     }

@@ -84,6 +84,9 @@ pub fn push(
 pub struct Taken {
     /// Safe mode: the claim token that fences its settlement; `None` in default mode.
     pub token: Option<Token>,
+    /// Default mode under a running limit: the owner that popped it, whose share of the running count it is
+    /// (pop.lua); its settlement subtracts from that share.
+    pub popped_by: Option<Arc<str>>,
     /// Index of the level it came from.
     pub level: usize,
 }
@@ -340,6 +343,7 @@ fn claimed(
                         position: position as u32,
                     },
                 }),
+                popped_by: None,
                 level,
             });
         }
@@ -415,16 +419,18 @@ impl Popper {
     /// payloads without converting them into Lua strings and back: 0.25 µs of Redis CPU per task against 0.8 µs
     /// through pop.lua, docs/PERFORMANCE.md); otherwise pop.lua.
     ///
-    /// With a `rate_limit`, always pop.lua, which counts the starts in the windows' logs as claim.lua does.
+    /// With a limit, always pop.lua, which counts the starts in the windows' logs as claim.lua does, and the tasks
+    /// taken in the running count under `owner`'s share.
     pub fn pop(
         &mut self,
         conn: &mut Conn,
         keys: &QueueKeys,
-        owner: &str,
+        owner: &Arc<str>,
         max: usize,
-        rate_limit: &[RateLimit],
+        limits: PopLimits<'_>,
     ) -> Result<Batch> {
-        if self.no_unique_held && self.last_taken >= PLAIN_POP_AFTER && rate_limit.is_empty() {
+        let limited = limits.max_running.is_some() || !limits.rate_limit.is_empty();
+        if self.no_unique_held && self.last_taken >= PLAIN_POP_AFTER && !limited {
             match pop_plain(conn, keys, max)? {
                 // Paused or throttled: keep what was learnt, so that the first pop after is plain again.
                 Some(batch) if batch.paused || batch.limited.is_some() => return Ok(batch),
@@ -435,13 +441,20 @@ impl Popper {
                 None => self.no_unique_held = false,
             }
         }
-        let (batch, held) = pop_script(conn, keys, owner, max, rate_limit)?;
+        let (batch, held) = pop_script(conn, keys, owner, max, limits)?;
         self.no_unique_held = !held;
         if !batch.paused && batch.limited.is_none() {
             self.last_taken = batch.tasks.len();
         }
         Ok(batch)
     }
+}
+
+/// A default-mode queue's limits, as a pop counts them (see pop.lua).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PopLimits<'a> {
+    pub max_running: Option<usize>,
+    pub rate_limit: &'a [RateLimit],
 }
 
 /// The lists a default-mode pop takes from, in order: per level, the quarantine lists (most suspect first),
@@ -538,6 +551,7 @@ fn pop_plain(conn: &mut Conn, keys: &QueueKeys, max: usize) -> Result<Option<Bat
             payloads.take(item, "pop")?;
             tasks.push(Taken {
                 token: None,
+                popped_by: None,
                 level: pop_level(index),
             });
         }
@@ -554,16 +568,19 @@ fn pop_plain(conn: &mut Conn, keys: &QueueKeys, max: usize) -> Result<Option<Bat
 fn pop_script(
     conn: &mut Conn,
     keys: &QueueKeys,
-    owner: &str,
+    owner: &Arc<str>,
     max: usize,
-    rate_limit: &[RateLimit],
+    limits: PopLimits<'_>,
 ) -> Result<(Batch, bool)> {
+    let rate_limit = limits.rate_limit;
     let mut invocation = SCRIPTS.pop.prepare_invoke();
     invocation
         .key(&keys.unique)
         .key(&keys.unique_popped)
         .key(&keys.paused)
-        .key(&keys.throttle);
+        .key(&keys.throttle)
+        .key(&keys.running)
+        .key(keys.popped_running(owner));
     for list in pop_lists(keys) {
         invocation.key(list);
     }
@@ -571,7 +588,11 @@ fn pop_script(
         let (log, sum) = keys.rate_log(rate.window_ms());
         invocation.key(log).key(sum);
     }
-    invocation.arg(owner).arg(max).arg(rate_limit.len());
+    invocation
+        .arg(&**owner)
+        .arg(max)
+        .arg(limits.max_running.unwrap_or(0))
+        .arg(rate_limit.len());
     for rate in rate_limit {
         invocation.arg(rate.window_ms()).arg(rate.starts);
     }
@@ -586,6 +607,7 @@ fn pop_script(
             payloads.take(item, "pop")?;
             tasks.push(Taken {
                 token: None,
+                popped_by: limits.max_running.map(|_| Arc::clone(owner)),
                 level: pop_level(list - 1),
             });
         }
@@ -598,6 +620,7 @@ fn pop_script(
         limited: match state {
             2 => Some(Limited::Throttle { retry_at_ms }),
             3 => Some(Limited::Rate { retry_at_ms }),
+            4 => Some(Limited::Running),
             _ => None,
         },
         ..Batch::default()
@@ -755,6 +778,8 @@ pub struct Settlement {
     pub op: SettleOp,
     /// Safe mode: where the task is held; `None` in default mode.
     pub token: Option<Token>,
+    /// Default mode under a running limit: the owner that popped the task ([`Taken::popped_by`]).
+    pub popped_by: Option<Arc<str>>,
     /// Released on ack or dead-letter when the task is unique.
     pub unique_id: Option<String>,
     pub level: usize,
@@ -768,6 +793,29 @@ impl Settlement {
     /// A plain acknowledgement: sent as its bare token (or only counted, in default mode), not as a record.
     fn is_plain_ack(&self) -> bool {
         self.op == SettleOp::Ack && self.unique_id.is_none() && !self.failed
+    }
+}
+
+/// Whose tasks one settle call settles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Holder<'a> {
+    /// Default mode without a running limit: nobody holds them in Redis.
+    Nobody,
+    /// Safe mode: the owner whose claim lists hold them.
+    Claimed(&'a str),
+    /// Default mode under a running limit: the owner that popped them, whose share of the running count they
+    /// are (see settle.lua, "Running limits").
+    Popped(&'a str),
+}
+
+impl<'a> Holder<'a> {
+    /// The holder a settlement names.
+    pub fn of(settlement: &'a Settlement) -> Holder<'a> {
+        match (&settlement.token, &settlement.popped_by) {
+            (Some(token), _) => Holder::Claimed(&token.owner),
+            (None, Some(owner)) => Holder::Popped(owner),
+            (None, None) => Holder::Nobody,
+        }
     }
 }
 
@@ -842,8 +890,8 @@ impl Touched {
     }
 }
 
-/// Applies many outcomes in one round trip (`settle.lua`). In safe mode every settlement must be of `owner`'s
-/// tasks (their tokens name it). Plain acknowledgements, the bulk of the traffic, go as a bitmap per claim that
+/// Applies many outcomes in one round trip (`settle.lua`). Every settlement must be of `holder`'s tasks (in safe
+/// mode their tokens name it; in default mode under a running limit, their `popped_by`). Plain acknowledgements, the bulk of the traffic, go as a bitmap per claim that
 /// the script merges into the claim's own; everything else goes as a record checked one by one. Sending the same
 /// `call` again returns what the first one did, without applying it twice.
 pub fn settle<'a>(
@@ -852,9 +900,13 @@ pub fn settle<'a>(
     call: &Call<'_>,
     fence: Fence,
     dead_max: usize,
-    owner: Option<&str>,
+    holder: Holder<'_>,
     settlements: impl IntoIterator<Item = &'a Settlement> + Clone,
 ) -> Result<Settled> {
+    let owner = match holder {
+        Holder::Claimed(owner) => Some(owner),
+        Holder::Nobody | Holder::Popped(_) => None,
+    };
     // Bulk sections only for the owner: a monitor's settlements go through the lease check one by one.
     let bulk = |s: &Settlement| {
         fence == Fence::Owner
@@ -908,6 +960,11 @@ pub fn settle<'a>(
                 .key(keys.claim_settled(owner, *level, *claim))
                 .key(keys.claim_scopes(owner, *level, *claim));
         }
+    }
+    if let Holder::Popped(popper) = holder {
+        invocation
+            .key(&keys.running)
+            .key(keys.popped_running(popper));
     }
     invocation
         .arg(match fence {

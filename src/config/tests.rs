@@ -614,7 +614,7 @@ fn the_dashboard_section_is_checked_at_load_and_read_by_the_dashboard() {
 }
 
 #[test]
-fn max_running_needs_safe_mode_and_no_prefetch() {
+fn max_running_needs_no_prefetch_in_either_mode() {
     let queue = |mode: &str, keys: &str| {
         let text = format!("[[queues]]\nname = \"api\"\nmode = \"{mode}\"\nworkers = 4\n{keys}");
         parse(&text).map(|config| config.queues[0].clone())
@@ -627,11 +627,17 @@ fn max_running_needs_safe_mode_and_no_prefetch() {
         "claims only for idle workers"
     );
     assert_eq!(queue("safe", "").unwrap().max_running, None);
+    let popped = queue("default", "max_running = 2\n").unwrap();
+    assert_eq!(
+        (popped.max_running, popped.prefetch),
+        (Some(2), Prefetch::Fixed(0)),
+        "default mode counts its pops under their owner"
+    );
     for (mode, keys, words) in [
         (
             "default",
-            "max_running = 2\n",
-            "queues.toml:5:15: queues[0].max_running: max_running needs mode = \"safe\"",
+            "max_running = 2\nprefetch = 8\n",
+            "queues.toml:6:12: queues[0].prefetch: a queue with max_running claims only for its idle workers",
         ),
         (
             "safe",

@@ -841,13 +841,8 @@ impl RawQueue {
                     limit,
                     1..MAX_RUNNING as i64 + 1,
                 )? as usize;
-                limited_claims(
-                    source,
-                    (&key, "max_running"),
-                    Some(mode),
-                    limit.span(),
-                    prefetch.as_ref(),
-                )?;
+                // Either mode: a pop keeps its slots under its owner (pop.lua).
+                limited_claims(source, (&key, "max_running"), prefetch.as_ref())?;
                 Some(max_running)
             }
             None => None,
@@ -856,13 +851,7 @@ impl RawQueue {
             Some(value) => {
                 let rates = rate_limits(source, &key("rate_limit"), value)?;
                 // Either mode: a pop counts its starts as a claim does.
-                limited_claims(
-                    source,
-                    (&key, "rate_limit"),
-                    None,
-                    value.span(),
-                    prefetch.as_ref(),
-                )?;
+                limited_claims(source, (&key, "rate_limit"), prefetch.as_ref())?;
                 rates
             }
             None => Vec::new(),
@@ -1049,26 +1038,12 @@ impl RawQueue {
 }
 
 /// What a queue's `max_running` or `rate_limit` (`name`, whose key path `key` makes) asks of the rest of its
-/// config: safe mode, for a limit that `mode` is given to check (`max_running`, for now: a default-mode pop leaves
-/// nothing in Redis to give a running slot back with when its daemon dies or the pop's reply is lost), and no
-/// prefetch (a task claimed ahead holds a slot or a start that another daemon's idle worker could use).
+/// config: no prefetch (a task claimed ahead holds a slot or a start that another daemon's idle worker could use).
 fn limited_claims(
     source: &Source<'_>,
     (key, name): (&impl Fn(&str) -> String, &str),
-    mode: Option<Mode>,
-    span: Range<usize>,
     prefetch: Option<&Spanned<i64>>,
 ) -> Result<(), ConfigError> {
-    let what = key(name);
-    if mode == Some(Mode::Default) {
-        return Err(source.error(
-            span,
-            format!(
-                "{what}: {name} needs mode = \"safe\"; default mode does not support it yet (see \
-                 docs/CONFIG.md)"
-            ),
-        ));
-    }
     if let Some(prefetch) = prefetch.filter(|prefetch| *prefetch.get_ref() != 0) {
         return Err(source.error(
             prefetch.span(),

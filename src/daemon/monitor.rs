@@ -16,7 +16,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::broker::{self, Fence, Session, Settlement, Token, history};
+use crate::broker::{self, Fence, Holder, Session, Settlement, Token, history};
 use crate::config::RedisConfig;
 use crate::daemon::settler::Settler;
 use crate::daemon::watchdog::{Pulse, redis_calls};
@@ -253,6 +253,7 @@ impl Monitor {
             };
             let task = TaskParts {
                 token: Some(token),
+                popped_by: None,
                 level,
                 payload,
                 envelope: envelope.as_ref(),
@@ -267,7 +268,7 @@ impl Monitor {
             keys,
             Fence::Expired,
             queue.config.dead_max,
-            Some(&expired.owner),
+            Holder::Claimed(&expired.owner),
             &settlements.iter().collect::<Vec<_>>(),
             &self.background,
         ) else {

@@ -6,7 +6,7 @@
 //! default-mode retry is queued once.
 
 use super::watchdog::Pulse;
-use crate::broker::{self, Fence, QueueKeys, Session, Settled, Settlement};
+use crate::broker::{self, Fence, Holder, QueueKeys, Session, Settled, Settlement};
 use crate::retry::Backoff;
 use crate::shutdown::Listener;
 
@@ -36,7 +36,7 @@ impl Settler {
         self
     }
 
-    /// Applies `settlements` (all of `owner`'s tasks, in safe mode), sending the same call again after each
+    /// Applies `settlements` (all of `holder`'s tasks), sending the same call again after each
     /// failure, with backoff, until Redis answers. `None` when `stop` fired first (the batch may or may not have
     /// been applied: safe-mode tasks are recovered through their lease either way).
     #[allow(clippy::too_many_arguments)]
@@ -46,7 +46,7 @@ impl Settler {
         keys: &QueueKeys,
         fence: Fence,
         dead_max: usize,
-        owner: Option<&str>,
+        holder: Holder<'_>,
         settlements: &[&Settlement],
         stop: &Listener,
     ) -> Option<Settled> {
@@ -68,7 +68,7 @@ impl Settler {
                     &call,
                     fence,
                     dead_max,
-                    owner,
+                    holder,
                     settlements.iter().copied(),
                 )
             });

@@ -628,6 +628,7 @@ fn a_settle_batch_that_cannot_apply_applies_nothing_and_applies_once_when_it_can
     // Nine acknowledgements and a dead letter, in one call, as the acker sends them.
     let mut batch: Vec<kmqd::broker::Settlement> = (0..9)
         .map(|_| kmqd::broker::Settlement {
+            popped_by: None,
             op: kmqd::broker::SettleOp::Ack,
             token: None,
             unique_id: None,
@@ -637,6 +638,7 @@ fn a_settle_batch_that_cannot_apply_applies_nothing_and_applies_once_when_it_can
         })
         .collect();
     batch.push(kmqd::broker::Settlement {
+        popped_by: None,
         op: kmqd::broker::SettleOp::Dead,
         token: None,
         unique_id: None,
@@ -655,7 +657,7 @@ fn a_settle_batch_that_cannot_apply_applies_nothing_and_applies_once_when_it_can
             &call,
             kmqd::broker::Fence::Owner,
             100,
-            None,
+            kmqd::broker::Holder::Nobody,
             &batch,
         )
     };

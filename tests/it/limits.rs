@@ -73,12 +73,25 @@ fn assert_drained_to_zero(config: &Path, redis: &RedisServer, done: u64) {
 
 #[test]
 fn max_running_holds_across_daemons_and_every_task_runs_once() {
+    three_at_once_across_two_daemons(&safe_queue(
+        "workers = 4\nmax_running = 3\nidle_poll = \"100ms\"",
+    ));
+}
+
+/// Default mode keeps a pop's slots under the owner that popped it until its settles give them back.
+#[test]
+fn a_default_mode_max_running_holds_across_daemons_and_every_task_runs_once() {
+    three_at_once_across_two_daemons(&default_queue(
+        "workers = 4\nmax_running = 3\nidle_poll = \"100ms\"",
+    ));
+}
+
+/// `queue`, limited to 3 running, drains 30 tasks of 50 ms on two daemons: Redis's count never above 3, never
+/// more than 3 runs at once, at least 2 at once (the limit is reached), each task once, the count back to 0.
+fn three_at_once_across_two_daemons(queue: &str) {
     let redis = RedisServer::start();
     let dir = TestDir::new();
-    let config = dir.config(
-        &redis,
-        &safe_queue("workers = 4\nmax_running = 3\nidle_poll = \"100ms\""),
-    );
+    let config = dir.config(&redis, queue);
     let (a, b) = (TestDaemon::start(&config), TestDaemon::start(&config));
     // Every run sleeps at least 50 ms: starts closer than that overlapped.
     push_many(&config, "t", 30, r#"{"sleep_ms":50}"#);
@@ -138,14 +151,19 @@ fn a_limited_queue_claims_no_more_than_its_limit_while_the_rest_wait_in_redis() 
 
 /// A limited queue's daemon through a fault proxy that drops the `nth` reply of `script` (by `then`): its 12
 /// tasks drain, each runs once, the fault fired once, and the count comes back to 0 without going below it.
+/// `queue`: the queue's `[[queues]]` entry.
 fn drains_to_zero_with_a_reply_lost(script: &str, nth: usize, then: AfterDrop, queue: &str) {
     let redis = RedisServer::start();
     let proxy = FaultProxy::start(&redis);
     let dir = TestDir::new();
     let redis_section = format!("url = \"{}\"\nio_timeout = \"1s\"", proxy.url());
-    let config = dir.config_raw(&redis_section, "", &safe_queue(queue));
+    let config = dir.config_raw(&redis_section, "", queue);
     let daemon = TestDaemon::start(&config);
-    redis.wait_blocked_in("blpop");
+    redis.wait_blocked_in(if queue.contains("\"default\"") {
+        "blmove"
+    } else {
+        "blpop"
+    });
     let rule = proxy.add(Fault::DropReply {
         matching: Matcher::script(script),
         nth,
@@ -161,7 +179,25 @@ fn drains_to_zero_with_a_reply_lost(script: &str, nth: usize, then: AfterDrop, q
 #[test]
 fn a_settle_whose_reply_is_lost_frees_its_running_slots_once() {
     for then in [AfterDrop::Close, AfterDrop::Hang] {
-        drains_to_zero_with_a_reply_lost(sources::SETTLE, 2, then, "workers = 2\nmax_running = 2");
+        drains_to_zero_with_a_reply_lost(
+            sources::SETTLE,
+            2,
+            then,
+            &safe_queue("workers = 2\nmax_running = 2"),
+        );
+    }
+}
+
+/// Default mode: a settle sent again after its reply was lost subtracts from the popping owner's share once.
+#[test]
+fn a_default_mode_settle_whose_reply_is_lost_frees_its_running_slots_once() {
+    for then in [AfterDrop::Close, AfterDrop::Hang] {
+        drains_to_zero_with_a_reply_lost(
+            sources::SETTLE,
+            2,
+            then,
+            &default_queue("workers = 2\nmax_running = 2"),
+        );
     }
 }
 
@@ -171,7 +207,7 @@ fn a_claim_whose_reply_is_lost_is_adopted_with_its_slots_counted_once() {
         sources::CLAIM,
         1,
         AfterDrop::Close,
-        "workers = 3\nmax_running = 3\nlease_timeout = \"60s\"",
+        &safe_queue("workers = 3\nmax_running = 3\nlease_timeout = \"60s\""),
     );
 }
 
@@ -334,4 +370,84 @@ fn stats_show_a_full_rate_window_and_the_running_count_against_their_limits() {
     );
     assert_eq!(stats(&config, "jobs").ready, 2);
     daemon.stop();
+}
+
+/// The `popped-running` hashes of the queue's default-mode owners (their shares of the running count).
+fn shares(redis: &RedisServer) -> Vec<String> {
+    redis.cmd(&["KEYS", "kmq:{jobs}:popped-running:*"])
+}
+
+/// A default-mode daemon killed with tasks running: they are lost (at most once), and their slots, kept under
+/// its owner's share, come back when a monitor finds its lease run out (release.lua), so the queue drains.
+#[test]
+fn a_default_mode_daemon_killed_gives_its_running_slots_back_when_its_lease_runs_out() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let gate = dir.path("gate");
+    let config = dir.config(
+        &redis,
+        &default_queue("workers = 2\nmax_running = 2\nlease_timeout = \"1s\""),
+    );
+    let mut first = Process::start(&config, dir.path("first.log"));
+    let data = serde_json::json!({ "wait_for_file": gate }).to_string();
+    push_many(&config, "t", 6, &data);
+    eventually(Duration::from_secs(15), "both slots taken", || {
+        (running(&redis) == 2, running(&redis))
+    });
+    assert_eq!(shares(&redis).len(), 1, "counted under the popping owner");
+    first.kill9();
+    std::fs::write(&gate, "").unwrap();
+    let second = TestDaemon::start(&config);
+    // The two tasks the killed daemon ran are gone with it; the four others run.
+    assert_drained_to_zero(&config, &redis, 4);
+    assert_eq!(
+        shares(&redis),
+        Vec::<String>::new(),
+        "the dead owner's share was given back"
+    );
+    second.stop();
+}
+
+/// A default-mode pop whose reply is lost: its tasks are lost (at most once) and their slots were counted under
+/// the owner, so the daemon gives that owner up; its lease runs out, a monitor gives its share back, and the queue
+/// drains under a new owner. Without it the count would stay full for the daemon's life.
+#[test]
+fn a_default_mode_pop_whose_reply_is_lost_gives_its_owner_and_slots_up() {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let redis_section = format!("url = \"{}\"\nio_timeout = \"1s\"", proxy.url());
+    let config = dir.config_raw(
+        &redis_section,
+        "",
+        &default_queue("workers = 2\nmax_running = 2\nlease_timeout = \"2s\""),
+    );
+    let daemon = TestDaemon::start(&config);
+    redis.wait_blocked_in("blmove");
+    let rule = proxy.add(Fault::DropReply {
+        matching: Matcher::script(sources::POP),
+        nth: 1,
+        then: AfterDrop::Close,
+    });
+    push_many(&config, "t", 10, r#"{"sleep_ms":5}"#);
+    let s = eventually(Duration::from_secs(60), "the rest drained", || {
+        let s = stats(&config, "jobs");
+        (s.ready == 0 && running(&redis) == 0 && s.done >= 1, s)
+    });
+    assert_eq!(rule.fired(), 1);
+    let lost = 10 - s.done;
+    assert!(
+        (1..=2).contains(&lost),
+        "the lost pop took 1 or 2 tasks (its slots' worth): {s:?}"
+    );
+    assert_eq!(
+        dir.records().starts.len() as u64,
+        s.done,
+        "the lost ones never ran"
+    );
+    assert_eq!(counter(&redis, "running_underflow"), 0);
+    daemon.stop();
+    eventually(Duration::from_secs(10), "every share given back", || {
+        (shares(&redis).is_empty(), shares(&redis))
+    });
 }

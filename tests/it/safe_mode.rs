@@ -454,6 +454,7 @@ fn push_numbered(path: &std::path::Path, n: usize) {
 /// A done task's plain acknowledgement (level 0, no unique id), as a worker's outcome makes it.
 fn plain_ack(token: Option<broker::Token>) -> Settlement {
     Settlement {
+        popped_by: None,
         op: SettleOp::Ack,
         token,
         unique_id: None,
@@ -477,7 +478,7 @@ fn settle_as(
         &call,
         Fence::Owner,
         queue.config.dead_max,
-        Some(owner),
+        broker::Holder::Claimed(owner),
         settlements,
     )
 }
@@ -684,6 +685,7 @@ fn a_claim_settled_in_parts_gives_back_only_its_unsettled_tasks_and_fences_late_
     let batch = dead_daemon_claims(&mut connection, &queue, owner, 0, 100, lease);
     assert_eq!(batch.tasks.len(), 100);
     let settlement = |index: usize, op: SettleOp| Settlement {
+        popped_by: None,
         op,
         token: batch.tasks[index].token.clone(),
         unique_id: None,

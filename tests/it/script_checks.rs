@@ -260,7 +260,7 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
     let queues = "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\nworkers = 2\nlease_timeout = \"3s\"\n\
                   max_task_bytes = 1024\nretry_times = 1\nbackoff = \"10ms\"\nsource_lists = [\"queue:src\"]\n\n\
                   [[queues]]\nname = \"fast\"\nmode = \"default\"\nworkers = 2\nlease_timeout = \"3s\"\n\
-                  retry_times = 1\nbackoff = \"10ms\"\nrate_limit = \"1000/s\"\n\n\
+                  retry_times = 1\nbackoff = \"10ms\"\nrate_limit = \"1000/s\"\nmax_running = 4\n\n\
                   [[queues]]\nname = \"limited\"\nmode = \"safe\"\nworkers = 2\nmax_running = 2\n\
                   rate_limit = [\"50/s\", \"1000/m\"]\nretry_times = 1\nbackoff = \"10ms\"\n\n\
                   [[schedules]]\nname = \"tick\"\nqueue = \"jobs\"\ntype = \"test\"\nevery = \"1s\"\n";
@@ -399,6 +399,8 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
     for (script, key) in [
         ("claim.lua", ":rate:q:"),
         ("pop.lua", ":rate:q:"),
+        ("pop.lua", ":popped-running:"),
+        ("settle.lua", ":popped-running:"),
         ("settle.lua", ":scopes"),
     ] {
         let named = |call: &Recorded| {

@@ -218,10 +218,16 @@ if redis.call('EXISTS', KEYS[6], KEYS[7]) > 0 then
 end
 -- Whether the running limit leaves room once this claim took what it may.
 local room = true
+-- The limit this claim counts under, for the settles that free a slot to tell whether to wake a fetcher: written
+-- once nothing after it can fail (a full count returns at once; otherwise after the rate logs were parsed).
+local function note_limit()
+  if max_running > 0 and known_limit ~= max_running then
+    redis.call('HSET', KEYS[RUNNING], 'q:limit', max_running)
+  end
+end
 if max_running > 0 then
-  -- The limit this claim counts under, for the settles that free a slot to tell whether to wake a fetcher.
-  if known_limit ~= max_running then redis.call('HSET', KEYS[RUNNING], 'q:limit', max_running) end
   if running >= max_running then
+    note_limit()
     return finish(empty(4, 0))
   end
   if max >= max_running - running then
@@ -231,6 +237,7 @@ end
 -- Each window leaves its limit minus what is still in it once the entries that aged out are dropped.
 local free, due, bad = rate_trim('claim.lua', windows, now)
 if bad then return bad end
+note_limit()
 if due > 0 then
   retry_at = due
   return finish(empty(5, 0))

@@ -6,14 +6,17 @@
 --
 -- KEYS[1] unique hash, KEYS[2] unique-popped hash (id -> owner), KEYS[3] the queue's paused key (nothing is
 -- popped while it exists), KEYS[4] the queue's throttle (nothing is popped while it exists: a handler's
--- back-pressure, set by settle.lua), then the N lists to pop from, in order (quarantine then ready, per level),
--- then for each of the R windows of the queue's rate limit its log and its sum (rate.lua)
--- ARGV[1] owner; ARGV[2] the most tasks to take; ARGV[3] R (0: no rate limit), then R pairs: the window in ms,
--- the most starts in any such window
+-- back-pressure, set by settle.lua), KEYS[5] the running hash (scope -> tasks taken under its limit and not yet
+-- settled), KEYS[6] the owner's popped-running hash (scope -> what of those it popped), then the N lists to pop
+-- from, in order (quarantine then ready, per level), then for each of the R windows of the queue's rate limit
+-- its log and its sum (rate.lua)
+-- ARGV[1] owner; ARGV[2] the most tasks to take; ARGV[3] the queue's max_running (0: none); ARGV[4] R (0: no
+-- rate limit), then R pairs: the window in ms, the most starts in any such window
 -- Returns {now_ms, index of the list popped (1-based among the N lists; 0: nothing popped), {payloads}, the
 -- number of unique ids held in the queue, state, retry at}: state 0 popped (or all empty), 1 the queue is paused,
--- 2 a handler throttled it, 3 a window of its rate limit is full; retry at (states 2 and 3) is when the throttle
--- ends or the window's oldest start ages out (Redis's clock, ms), 0 otherwise. Nothing is popped in states 1-3.
+-- 2 a handler throttled it, 3 a window of its rate limit is full, 4 max_running of its tasks are taken and not
+-- yet settled (the caller waits for a wake-up marker); retry at (states 2 and 3) is when the throttle ends or the
+-- window's oldest start ages out (Redis's clock, ms), 0 otherwise. Nothing is popped in states 1-4.
 --
 -- The daemon calls this only while unique ids are held in the queue; otherwise it pops with a plain LMPOP in a
 -- transaction guarded by WATCH on the unique hash (Popper in src/broker/tasks.rs), which spares Redis converting
@@ -21,6 +24,12 @@
 -- default mode a pop has read them anyway.)
 -- Rate limit: a pop counts its starts as a claim does (rate.lua), so a default-mode queue's `rate_limit` holds
 -- across daemons as a safe-mode one's. The tokens of a pop whose reply was lost are spent: at most once.
+--
+-- Running limit. With ARGV[3] > 0 a pop takes at most what leaves the running hash's `q` at or below it, and
+-- adds what it took both to `q` and to the owner's share (KEYS[6] `q`): the popped tasks leave Redis, so their
+-- slots are kept under the owner that popped them. settle.lua subtracts each settled task from both; release.lua
+-- gives back the owner's whole share when the owner goes (its daemon stopped, or died and its lease ran out).
+-- The daemon gives up an owner whose pop's reply was lost (the tasks are lost, their slots come back with it).
 -- Checks before it writes: every key's type (KEYS[3] is only tested for existence, KEYS[4] for its time to
 -- live) and every rate log's entries and sum; a call that fails writes nothing (and pops nothing).
 local function wrong_type(key, kind)
@@ -30,19 +39,30 @@ local function wrong_type(key, kind)
       '; nothing was written')
   end
 end
-local rates = tonumber(ARGV[3]) or 0
+local max_running = tonumber(ARGV[3]) or 0
+local rates = tonumber(ARGV[4]) or 0
 local LAST = #KEYS - 2 * rates
+local FIRST = 7
 local refused = wrong_type(KEYS[1], 'hash') or wrong_type(KEYS[2], 'hash')
-refused = refused or wrong_type(KEYS[4], 'string')
-for i = 5, #KEYS do
+refused = refused or wrong_type(KEYS[4], 'string') or wrong_type(KEYS[5], 'hash') or wrong_type(KEYS[6], 'hash')
+for i = FIRST, #KEYS do
   local kind = 'list'
   if i > LAST and (i - LAST) % 2 == 0 then kind = 'string' end
   refused = refused or wrong_type(KEYS[i], kind)
 end
 if refused then return refused end
+local integer = integer_check('pop.lua')
 local windows
-windows, refused = rate_read('pop.lua', rates, LAST + 1, 4, integer_check('pop.lua'))
+windows, refused = rate_read('pop.lua', rates, LAST + 1, 5, integer)
 if refused then return refused end
+local running, known_limit = 0, 0
+if max_running > 0 then
+  local value = redis.call('HMGET', KEYS[5], 'q', 'q:limit')
+  refused = integer(KEYS[5], 'q', value[1]) or integer(KEYS[5], 'q:limit', value[2]) or
+    integer(KEYS[6], 'q', redis.call('HGET', KEYS[6], 'q'))
+  if refused then return refused end
+  running, known_limit = tonumber(value[1] or '0'), tonumber(value[2] or '0')
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 -- One EXISTS for both keys, as claim.lua.
@@ -58,6 +78,18 @@ if redis.call('EXISTS', KEYS[3], KEYS[4]) > 0 then
   end
 end
 local max = tonumber(ARGV[2])
+-- The limit this pop counts under, for the settles that free a slot to tell whether to wake a fetcher: written once
+-- nothing after it can fail (as claim.lua).
+local function note_limit()
+  if max_running > 0 and known_limit ~= max_running then redis.call('HSET', KEYS[5], 'q:limit', max_running) end
+end
+if max_running > 0 then
+  if running >= max_running then
+    note_limit()
+    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 4, 0}
+  end
+  max = math.min(max, max_running - running)
+end
 if rates > 0 then
   local free, due, bad = rate_trim('pop.lua', windows, now)
   if bad then return bad end
@@ -66,8 +98,9 @@ if rates > 0 then
   end
   max = math.min(max, free)
 end
-local args = {LAST - 4}
-for i = 5, LAST do
+note_limit()
+local args = {LAST - FIRST + 1}
+for i = FIRST, LAST do
   args[#args + 1] = KEYS[i]
 end
 args[#args + 1], args[#args + 2], args[#args + 3] = 'LEFT', 'COUNT', max
@@ -77,14 +110,18 @@ if not popped then
   return {now, 0, {}, held, 0, 0}
 end
 local index = 0
-for i = 5, LAST do
+for i = FIRST, LAST do
   if KEYS[i] == popped[1] then
-    index = i - 4
+    index = i - FIRST + 1
     break
   end
 end
 local items = popped[2]
 if rates > 0 then rate_spend(windows, #items, now) end
+if max_running > 0 then
+  redis.call('HINCRBY', KEYS[5], 'q', #items)
+  redis.call('HINCRBY', KEYS[6], 'q', #items)
+end
 if held > 0 then
   for k = 1, #items do
     -- Decoding costs, so only where a unique id may be held and the payload says "unique".

@@ -12,7 +12,9 @@
 -- owner's info hash, KEYS[10+6L] the settling party's scratch string (`settled:SETTLER:bits`: each claim's new
 -- bits, for BITOP; deleted before the script ends), KEYS[11+6L] the running hash (scope -> tasks taken under
 -- its limit and not yet settled), then for each claim the call touches, its list, its settled bitmap and its
--- running scopes (`processing:OWNER:LEVEL:CLAIM`, `...:CLAIM:settled` and `...:CLAIM:scopes`)
+-- running scopes (`processing:OWNER:LEVEL:CLAIM`, `...:CLAIM:settled` and `...:CLAIM:scopes`); in default mode
+-- under a running limit instead: KEYS[9+5L] the running hash and KEYS[10+5L] the popped-running hash of the owner
+-- that popped these tasks (ARGV[5]; see "Running limits")
 -- ARGV[1] fence: "owner" (the owner settles its own tasks) or "expired" (a monitor settles the tasks of an owner
 --         whose lease ran out; nothing is applied unless it has)
 -- ARGV[2] dead list bound; ARGV[3] number of levels L; ARGV[4] the delay poller's channel; ARGV[5] the owner
@@ -47,6 +49,10 @@
 -- goes with the list. A field is never taken below 0 (that would say the count was wrong: counted in stats as
 -- `running_underflow`) and is deleted at 0. A call that frees slots of a count that was at its limit (the field
 -- `SCOPE:limit`, which the claims write) wakes an idle fetcher.
+-- In default mode (pop.lua) the popped tasks left Redis and their count is kept under the owner that popped them
+-- (its popped-running hash): each task this call ends (a plain acknowledgement or a record) is subtracted from
+-- the owner's share and from the running count, never more than the share holds, so a settle that comes after
+-- release.lua gave the share back (the owner's lease ran out) subtracts nothing.
 --
 -- A task whose bit is already set (or whose claim list is gone) is stale and changes nothing: this fences a slow
 -- owner against a monitor that already recovered its task, and two monitors against each other. Bits are only
@@ -82,10 +88,14 @@ local popped, throttle = KEYS[7], KEYS[8]
 local fence, dead_max, levels, channel, owner = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local call = ARGV[6]
 local READY, RETRY, QUARANTINE, PROCESSING = 8, 8 + levels, 8 + 2 * levels, 8 + 5 * levels
-local safe = #KEYS > PROCESSING
+-- Safe mode names at least levels + 3 keys past the quarantine lists; default mode none, or two (a limited queue).
+local safe = #KEYS > PROCESSING + 2
 local info, scratch, running, CLAIM_KEYS = false, false, false, PROCESSING + levels + 3
+local share = false
 if safe then
   info, scratch, running = KEYS[PROCESSING + levels + 1], KEYS[PROCESSING + levels + 2], KEYS[PROCESSING + levels + 3]
+elseif #KEYS == PROCESSING + 2 then
+  running, share = KEYS[PROCESSING + 1], KEYS[PROCESSING + 2]
 end
 local OPS = {ack = true, retry = true, retry_isolated = true, recover = true, recover_isolated = true,
   back = true, back_isolated = true, dead = true, throttle = true}
@@ -118,6 +128,7 @@ if #ARGV >= records then
   end
 end
 if info then expected[info], expected[scratch], expected[running] = 'hash', 'string', 'hash' end
+if share then expected[running], expected[share] = 'hash', 'hash' end
 local function expect(key, kind)
   if expected[key] and expected[key] ~= kind then
     return redis.error_reply('settle.lua: ' .. key .. ' is both a ' .. expected[key] .. ' and a ' .. kind ..
@@ -228,6 +239,19 @@ for k = 1, claims do
     end
   end
 end
+-- Default mode: the owner's share of `q`, and `q` itself.
+local shared = 0
+if share then
+  local mine = redis.call('HGET', share, 'q')
+  local value = redis.call('HMGET', running, 'q', 'q:limit')
+  local refused = integer(share, 'q', mine) or integer(running, 'q', value[1]) or
+    integer(running, 'q:limit', value[2])
+  if refused then return refused end
+  shared = tonumber(mine or '0')
+  if shared > 0 then
+    counts.q, limits.q = tonumber(value[1] or '0'), tonumber(value[2] or '0')
+  end
+end
 -- A call that may free running slots pushes a wake-up marker: a call of plain acknowledgements has not checked
 -- the wake list's type yet.
 if next(counts) then
@@ -295,6 +319,8 @@ for k = 1, claims do
   end
 end
 done = done + tonumber(ARGV[counted_at])
+-- Default mode: the tasks this call ends (every record applies), for the owner's share.
+local ended = tonumber(ARGV[counted_at])
 local result = {stale}
 local i = records
 while i <= #ARGV do
@@ -318,6 +344,7 @@ while i <= #ARGV do
     end
   end
   if ok == 1 then
+    ended = ended + 1
     if ARGV[i + 7] == '1' then
       failed = failed + 1
     end
@@ -405,6 +432,15 @@ for k = 1, claims do
         freed[scope] = (freed[scope] or 0) + c.fresh
       end
     end
+  end
+end
+if shared > 0 and ended > 0 then
+  local n = math.min(ended, shared)
+  freed.q = n
+  if n == shared then
+    redis.call('HDEL', share, 'q')
+  else
+    redis.call('HSET', share, 'q', shared - n)
   end
 end
 for scope, n in pairs(freed) do

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use super::Lane;
 use super::resolve::{Outcome, Resolution};
-use crate::broker::{Fence, Session, Settlement};
+use crate::broker::{Fence, Holder, Session, Settlement};
 use crate::daemon::settler::Settler;
 use crate::plugin::Plugins;
 use crate::shutdown::Listener;
@@ -142,22 +142,19 @@ impl Acker {
     fn settle(&mut self, batch: &mut Vec<Outcome>) -> bool {
         // One script call per owner (nearly always one: a daemon claims under a new owner only after losing its
         // lease); forgotten tasks need no call at all.
-        let mut owners: Vec<Option<&Arc<str>>> = Vec::with_capacity(1);
+        let mut holders: Vec<Holder<'_>> = Vec::with_capacity(1);
         for settlement in batch.iter().filter_map(Outcome::settlement) {
-            let owner = owner_of(settlement);
-            if !owners.iter().any(|known| same_owner(*known, owner)) {
-                owners.push(owner);
+            let holder = Holder::of(settlement);
+            if !holders.contains(&holder) {
+                holders.push(holder);
             }
         }
-        for owner in owners {
+        for holder in holders {
             let group: Vec<&Outcome> = batch
                 .iter()
-                .filter(|o| {
-                    o.settlement()
-                        .is_some_and(|s| same_owner(owner_of(s), owner))
-                })
+                .filter(|o| o.settlement().is_some_and(|s| Holder::of(s) == holder))
                 .collect();
-            if !self.settle_owned(owner.map(|owner| &**owner), &group) {
+            if !self.settle_owned(holder, &group) {
                 return false;
             }
         }
@@ -170,7 +167,7 @@ impl Acker {
         true
     }
 
-    fn settle_owned(&mut self, owner: Option<&str>, group: &[&Outcome]) -> bool {
+    fn settle_owned(&mut self, holder: Holder<'_>, group: &[&Outcome]) -> bool {
         let lane = &self.lane;
         let queue = &lane.queue;
         let settlements: Vec<&Settlement> = group.iter().filter_map(|o| o.settlement()).collect();
@@ -179,13 +176,13 @@ impl Acker {
             &queue.keys,
             Fence::Owner,
             queue.config.dead_max,
-            owner,
+            holder,
             &settlements,
             &self.background,
         ) else {
             return false;
         };
-        if let Some(owner) = owner
+        if let Holder::Claimed(owner) = holder
             && settled.journal > 0
         {
             // This call's answer (the first, or the stored one to a call sent again): one bump, counted once.
@@ -221,18 +218,5 @@ impl Acker {
             }
         }
         true
-    }
-}
-
-fn owner_of(settlement: &Settlement) -> Option<&Arc<str>> {
-    settlement.token.as_ref().map(|token| &token.owner)
-}
-
-/// Whether two settlements are of one owner: the tasks of one claim share its owner's `Arc`, so nearly always by
-/// the pointer alone.
-fn same_owner(a: Option<&Arc<str>>, b: Option<&Arc<str>>) -> bool {
-    match (a, b) {
-        (Some(a), Some(b)) => Arc::ptr_eq(a, b) || a == b,
-        (a, b) => a.is_none() && b.is_none(),
     }
 }

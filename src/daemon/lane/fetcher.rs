@@ -306,13 +306,13 @@ impl Fetcher {
         let lane = Arc::clone(&self.lane);
         let queue = &lane.queue;
         let connection = self.connection.get()?;
-        let popped = self.popper.pop(
-            connection,
-            &queue.keys,
-            &owner,
-            free,
-            &queue.config.rate_limit,
-        );
+        let limits = broker::PopLimits {
+            max_running: queue.config.max_running,
+            rate_limit: &queue.config.rate_limit,
+        };
+        let popped = self
+            .popper
+            .pop(connection, &queue.keys, &owner, free, limits);
         match &popped {
             Ok(batch)
                 if batch.tasks.is_empty()
@@ -322,6 +322,20 @@ impl Fetcher {
             {
                 let idle = queue.config.idle_poll;
                 broker::wait_idle(connection, &queue.keys, idle, queue.io_timeout)?;
+            }
+            Err(error) if error.may_have_run() && queue.config.max_running.is_some() => {
+                // Their running slots are counted under this owner's share, and nothing would give them back
+                // while it lives: it is given up (renewed no more), so that its lease runs out and a monitor
+                // gives its share back (release.lua); the next pop registers a new owner. Tasks held from its
+                // earlier pops settle against its share meanwhile.
+                lane.ownership.lose(&owner);
+                tracing::error!(
+                    queue = %lane.name(),
+                    %error,
+                    %owner,
+                    "a pop's reply was lost: the tasks it took, if any, are lost (default mode is at most once); \
+                     their running slots come back when this owner's lease runs out"
+                );
             }
             Err(error) if error.may_have_run() => tracing::error!(
                 queue = %lane.name(),
@@ -469,10 +483,9 @@ impl Fetcher {
     fn dispatch(&self, batch: Batch) {
         let lane = &self.lane;
         let claimed_ns = lane.since_epoch(Instant::now());
-        let states = batch
-            .tasks
-            .into_iter()
-            .map(|taken| JobState::new(taken.token, taken.level, lane.epoch));
+        let states = batch.tasks.into_iter().map(|taken| {
+            JobState::new(taken.token, taken.level, lane.epoch).popped_by(taken.popped_by)
+        });
         let stopping = self.claiming.is_triggered();
         let held = match lane.hold(states, batch.payloads) {
             Ok(held) => held,

@@ -80,6 +80,8 @@ const STUCK: u8 = 4;
 pub struct JobState {
     /// Safe mode: the claim that fences the task's settlement.
     pub token: Option<Token>,
+    /// Default mode under a running limit: the owner that popped it (`broker::Taken::popped_by`).
+    pub popped_by: Option<Arc<str>>,
     /// The priority level it came from.
     pub level: usize,
     /// Raised (non-zero) to ask the handler to stop; the ABI points plugins at it.
@@ -112,9 +114,18 @@ pub enum Finished {
 }
 
 impl JobState {
+    /// The same task, popped by `owner` (default mode under a running limit).
+    pub fn popped_by(self, owner: Option<Arc<str>>) -> JobState {
+        JobState {
+            popped_by: owner,
+            ..self
+        }
+    }
+
     pub fn new(token: Option<Token>, level: usize, epoch: Instant) -> JobState {
         JobState {
             token,
+            popped_by: None,
             level,
             cancel: AtomicU32::new(0),
             phase: AtomicU8::new(WAITING),
@@ -247,6 +258,7 @@ impl Task {
     ) -> TaskParts<'a> {
         TaskParts {
             token,
+            popped_by: self.popped_by.clone(),
             level: self.level,
             payload: self.payload(),
             envelope,
