@@ -73,7 +73,10 @@ fn step_redis_clock_under_load(step_ms: i64) {
     wait_starts(&dir, 8);
     let (owner, _) = eventually(Duration::from_secs(10), "the first owner", || {
         let owners = owners(&redis);
-        (owners.len() == 1, owners.first().cloned().unwrap_or_default())
+        (
+            owners.len() == 1,
+            owners.first().cloned().unwrap_or_default(),
+        )
     });
     let second = TestDaemon::start(&config);
     eventually(Duration::from_secs(10), "the second owner", || {
