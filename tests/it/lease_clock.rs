@@ -126,3 +126,37 @@ fn a_forward_step_of_redis_clock_never_runs_a_task_twice_at_once() {
 fn a_backward_step_of_redis_clock_loses_and_repeats_nothing() {
     step_redis_clock_under_load(-10_000);
 }
+
+/// With `wait_replicas`, a renewal the replicas do not have is not counted: after a failover to one of them, the
+/// promoted master's deadline would be a renewal older than the daemon's belief (review M2's variant).
+#[test]
+fn with_wait_replicas_a_renewal_no_replica_acknowledged_is_not_counted() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let path = dir.config_raw(
+        &format!(
+            "url = \"{}\"\nwait_replicas = 1\nwait_timeout = \"50ms\"",
+            redis.url()
+        ),
+        "",
+        &safe_queue(""),
+    );
+    let config = kmqd::Config::load(&path).unwrap();
+    let queue = kmqd::queue::QueueContext::new(&config, &config.queues[0], "test:0");
+    let connector = kmqd::broker::Connector::new(&config.redis).unwrap();
+    let mut connection = connector.connect().unwrap();
+    let info = kmqd::broker::OwnerInfo {
+        mode: "safe".into(),
+        levels: queue.config.priorities.clone(),
+        ..kmqd::broker::OwnerInfo::default()
+    };
+    let lease = Duration::from_secs(30);
+    assert!(kmqd::broker::register(&mut connection, &queue.keys, "o.1", lease, &info).unwrap());
+    match kmqd::broker::renew(&mut connection, &queue.keys, "o.1", lease, 0, 0) {
+        Err(kmqd::broker::BrokerError::NotReplicated {
+            acknowledged: 0,
+            wanted: 1,
+        }) => {}
+        other => panic!("a renewal no replica has: {other:?}"),
+    }
+}
