@@ -14,7 +14,8 @@
 //! - [`tls`] makes the certificates, and [`Options::tls`] starts a server that speaks only TLS (its
 //!   [`RedisServer::url`] is then `rediss://localhost:PORT`, the name its certificate is for);
 //! - [`cluster`] starts a Redis Cluster of such servers, kills and restarts its nodes and migrates a slot;
-//! - [`sentinel`] starts a master, its replica and three sentinels, and fails the master over.
+//! - [`sentinel`] starts a master, its replica and three sentinels, and fails the master over;
+//! - [`Options::clock_shift`] starts a server whose wall clock a test steps ([`RedisServer::set_clock_offset`]).
 //!
 //! The harness's own commands go through [`RedisServer::query`]: redis-rs for a plain server, `redis-cli` for a
 //! TLS one, so that the harness never depends on the TLS client it is there to test (redis-cli's is OpenSSL's).
