@@ -81,7 +81,9 @@ ensure_cargo() {
         echo "cargo not found: install Rust first (https://rustup.rs), then run this again" >&2
         exit 1
     fi
-    # Cargo links with `cc`, and scripts/test's plugin tests compile C plugins (and the ABI layout check) with it.
+    # Cargo links with `cc`, and scripts/test's plugin tests compile C plugins (and the ABI layout check) with it, and
+    # the harness the preload that steps a redis-server's clock (harness/src/clock_shift.c; not libfaketime, which
+    # hangs the jemalloc-linked redis-server of Debian at start).
     ensure_command cc gcc libc6-dev
 }
 

@@ -710,6 +710,7 @@ fn start_node(options: &ClusterOptions) -> Result<RedisServer, String> {
             appendonly: options.appendonly,
             debug_command: false,
             tls: options.tls.clone(),
+            clock_shift: false,
             extra_args: [
                 "--cluster-enabled",
                 "yes",

@@ -14,7 +14,8 @@
 //! - [`tls`] makes the certificates, and [`Options::tls`] starts a server that speaks only TLS (its
 //!   [`RedisServer::url`] is then `rediss://localhost:PORT`, the name its certificate is for);
 //! - [`cluster`] starts a Redis Cluster of such servers, kills and restarts its nodes and migrates a slot;
-//! - [`sentinel`] starts a master, its replica and three sentinels, and fails the master over.
+//! - [`sentinel`] starts a master, its replica and three sentinels, and fails the master over;
+//! - [`Options::clock_shift`] starts a server whose wall clock a test steps ([`RedisServer::set_clock_offset`]).
 //!
 //! The harness's own commands go through [`RedisServer::query`]: redis-rs for a plain server, `redis-cli` for a
 //! TLS one, so that the harness never depends on the TLS client it is there to test (redis-cli's is OpenSSL's).
@@ -79,6 +80,12 @@ pub struct Options {
     /// `Some`: the server speaks TLS only (`--port 0 --tls-port PORT`), which needs a TCP [`Listen`]; its
     /// [`RedisServer::url`] is `rediss://localhost:PORT`. Replication and the cluster bus use TLS too.
     pub tls: Option<ServerTls>,
+    /// Its wall clock can be stepped while it runs ([`RedisServer::set_clock_offset`]): `redis-server` runs with
+    /// a preloaded library of the harness's (`clock_shift.c`, built with the system's C compiler) that adds an
+    /// offset, read from a file of the server's dir, to every wall-clock reading (`TIME`, scripts' `TIME`),
+    /// leaving the monotonic clocks alone: an NTP step (`chronyc makestep`, a VM resumed, a failover to a host
+    /// whose clock runs ahead), as Redis sees it. Off by default.
+    pub clock_shift: bool,
     /// More arguments for `redis-server`, after all of the harness's own (so they win), for example
     /// `["--replicaof", "127.0.0.1", "7001"]`. A restart passes them again.
     pub extra_args: Vec<String>,
@@ -92,6 +99,7 @@ impl Options {
             appendonly: None,
             debug_command: false,
             tls: None,
+            clock_shift: false,
             extra_args: Vec::new(),
         }
     }
@@ -124,6 +132,10 @@ pub struct RedisServer {
     binary: PathBuf,
     /// Every argument of the process, kept so that a restart runs exactly the same server.
     args: Vec<OsString>,
+    /// Environment variables of the process (the clock shift's preload), likewise kept for a restart.
+    env: Vec<(OsString, OsString)>,
+    /// The file the clock shift reads its offset from ([`Options::clock_shift`]), if it is on.
+    clock_offset: Option<PathBuf>,
     log: PathBuf,
     dir: tempfile::TempDir,
     url: String,
@@ -272,12 +284,25 @@ impl RedisServer {
             }
         };
         args.extend(options.extra_args.iter().map(OsString::from));
+        let mut env = Vec::new();
+        let mut clock_offset = None;
+        if options.clock_shift {
+            let library = build_clock_shift(dir.path())?;
+            let file = dir.path().join("clock-offset");
+            std::fs::write(&file, 0i64.to_ne_bytes())
+                .map_err(|e| format!("write {}: {e}", file.display()))?;
+            env.push(("LD_PRELOAD".into(), library.into()));
+            env.push(("KMQD_CLOCK_SHIFT_FILE".into(), file.clone().into()));
+            clock_offset = Some(file);
+        }
         let mut server = RedisServer {
             child: None,
             last_pid: 0,
             paused: AtomicBool::new(false),
             binary,
             args,
+            env,
+            clock_offset,
             log,
             dir,
             url,
@@ -293,6 +318,7 @@ impl RedisServer {
     fn spawn(&mut self) -> Result<(), String> {
         let child = Command::new(&self.binary)
             .args(&self.args)
+            .envs(self.env.iter().map(|(name, value)| (name, value)))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -562,12 +588,52 @@ impl RedisServer {
         wait_for_state(pid, false)
     }
 
+    /// Steps the server's wall clock to `offset_ms` away from the real one (negative: behind), at once: the next
+    /// `TIME` sees it, and the monotonic clocks do not move. Needs [`Options::clock_shift`].
+    pub fn set_clock_offset(&self, offset_ms: i64) -> Result<(), String> {
+        use std::os::unix::fs::FileExt;
+        let file = self
+            .clock_offset
+            .as_ref()
+            .ok_or("the server was started without Options::clock_shift")?;
+        // In place, 8 bytes at once: the server reads the file through a mapping, which a truncation would
+        // leave pointing past its end.
+        let offset_us = offset_ms.saturating_mul(1000);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(file)
+            .and_then(|f| f.write_all_at(&offset_us.to_ne_bytes(), 0))
+            .map_err(|e| format!("write {}: {e}", file.display()))
+    }
+
     fn running_pid(&self) -> Result<u32, String> {
         self.child
             .as_ref()
             .map(Child::id)
             .ok_or_else(|| "redis-server is stopped".to_string())
     }
+}
+
+/// Builds the clock shift's preload library (`clock_shift.c`) into `dir` with the system's C compiler (`cc`,
+/// which building kmqd needs anyway); returns its path.
+fn build_clock_shift(dir: &Path) -> Result<PathBuf, String> {
+    let source = dir.join("clock_shift.c");
+    let library = dir.join("libclock_shift.so");
+    std::fs::write(&source, include_str!("clock_shift.c"))
+        .map_err(|e| format!("write {}: {e}", source.display()))?;
+    let output = Command::new("cc")
+        .args(["-shared", "-fPIC", "-O2", "-Wall", "-Werror", "-o"])
+        .arg(&library)
+        .arg(&source)
+        .output()
+        .map_err(|e| format!("run cc for the clock shift (scripts/test installs gcc): {e}"))?;
+    if !output.status.success() {
+        return Err(format!(
+            "cc failed to build the clock shift: {}",
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    Ok(library)
 }
 
 /// A TCP port on 127.0.0.1 that nobody listens on now (the kernel's pick; someone may take it before the

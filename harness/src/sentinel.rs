@@ -101,6 +101,7 @@ impl SentinelSetup {
                 appendonly,
                 debug_command: false,
                 tls: tls.clone(),
+                clock_shift: false,
                 extra_args,
             })
         };
@@ -145,6 +146,7 @@ impl SentinelSetup {
                     appendonly: None,
                     debug_command: false,
                     tls: setup.options.tls.clone(),
+                    clock_shift: false,
                     extra_args: vec!["--sentinel".to_string()],
                 },
                 Some(&config),

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use redis::{ConnectionLike, Value};
 
-use super::{QueueKeys, Result, SCRIPTS, reply_error, text, time_ms};
+use super::{Conn, QueueKeys, Result, SCRIPTS, reply_error, text, time_ms};
 
 /// What an owner registers about itself.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -80,8 +80,12 @@ pub enum Renewal {
 /// Renews `owner`'s lease, if Redis's journal of the owner is still at least `journal` (the count of its bumps
 /// Redis acknowledged to this daemon, renew.lua), and
 /// records how many of its workers are `stuck` (for `kmqd workers`).
+///
+/// With `[redis] wait_replicas`, a renewal counts only once the replicas have it ([`Conn::replicated`];
+/// [`super::BrokerError::NotReplicated`] otherwise, which the heartbeat retries): the daemon's belief in its
+/// lease then never runs ahead of the deadline a replica promoted by a failover holds (review M2's variant).
 pub fn renew(
-    conn: &mut dyn ConnectionLike,
+    conn: &mut Conn,
     keys: &QueueKeys,
     owner: &str,
     lease: Duration,
@@ -97,6 +101,9 @@ pub fn renew(
         .arg(journal)
         .arg(stuck)
         .invoke(conn)?;
+    if renewed == 1 {
+        conn.replicated(&keys.owners)?;
+    }
     Ok(match renewed {
         1 => Renewal::Renewed,
         -1 => Renewal::WentBack,

@@ -35,6 +35,8 @@ pub struct Watched {
     pub queue: Arc<QueueContext>,
     /// This monitor's settling identity on the queue (its calls are answered, not re-applied, after a lost reply).
     pub settler: Settler,
+    /// How Redis's clock moved against this daemon's between two looks: a forward step defers recoveries.
+    clock: ClockWatch,
     trouble: Trouble,
     /// When the queue's history sample was last offered; `None` before the first.
     sampled: Option<Instant>,
@@ -49,10 +51,68 @@ impl Watched {
         Watched {
             queue,
             settler,
+            clock: ClockWatch::default(),
             trouble,
             sampled: None,
             history_trouble,
         }
+    }
+}
+
+/// Redis's clock against this daemon's monotonic one, from one look at the owners to the next (review M2).
+///
+/// A lease is a deadline on Redis's clock, but its owner believes in it on its own monotonic clock: good until
+/// a lease after its last renewal was sent. When Redis's clock steps forward (an NTP step after a VM resumed,
+/// `chronyc makestep`, a failover to a host whose clock runs ahead), every deadline falls due at once, while
+/// each owner keeps starting tasks until its next renewal, up to a third of the lease later, finds it lost.
+/// Recovering their tasks on the spot would run them twice at once. So a forward step larger than
+/// [`ClockWatch::margin`] is added to an allowance: an owner counts as expired only once its deadline plus the
+/// allowance has passed, which is when its lease would have run out had the clock not stepped. The allowance
+/// lasts one lease: by then every live owner has renewed on the new clock (or found its lease lost and stopped
+/// starting tasks), and every owner whose deadline the step moved is past it anyway. A backward step only
+/// lengthens the leases, as Redis counts them: recoveries come later, nothing runs twice. A monitor that
+/// started after the step never saw it: the owners' own renewals (a third of the lease) bound that case.
+#[derive(Debug, Default)]
+struct ClockWatch {
+    /// Redis's clock (ms) and this daemon's when the last look was sent.
+    last: Option<(i64, Instant)>,
+    /// How far Redis's clock stepped forward, in all, in the steps whose allowance still runs (ms).
+    allowance_ms: i64,
+    /// When the allowance ends.
+    until: Option<Instant>,
+}
+
+impl ClockWatch {
+    /// The jitter a step must exceed: a tenth of the lease, at least a second. Redis's clock runs from one look
+    /// to the next as this daemon's does, give or take the time a reply waited (a slow Redis, a loaded machine)
+    /// and a slewing NTP; a false alarm only defers recoveries for a lease.
+    fn margin(lease: Duration) -> i64 {
+        i64::try_from((lease / 10).max(Duration::from_secs(1)).as_millis()).unwrap_or(i64::MAX)
+    }
+
+    /// Records a look sent at `sent` that read Redis's clock as `now_ms`; returns the allowance (ms) to add to
+    /// every deadline now.
+    fn observe(&mut self, now_ms: i64, sent: Instant, lease: Duration) -> i64 {
+        if self.until.is_some_and(|until| sent >= until) {
+            (self.allowance_ms, self.until) = (0, None);
+        }
+        if let Some((last_ms, last_sent)) = self.last {
+            let local = i64::try_from(sent.saturating_duration_since(last_sent).as_millis())
+                .unwrap_or(i64::MAX);
+            let step = (now_ms - last_ms).saturating_sub(local);
+            if step > ClockWatch::margin(lease) {
+                self.allowance_ms = self.allowance_ms.saturating_add(step);
+                self.until = Some(sent + lease);
+                tracing::warn!(
+                    step_ms = step,
+                    "Redis's clock stepped forward (an NTP step, a resumed VM, a failover to a host whose clock \
+                     runs ahead?): leases that ran out by the step alone are recovered only once they would have \
+                     run out without it"
+                );
+            }
+        }
+        self.last = Some((now_ms, sent));
+        self.allowance_ms
     }
 }
 
@@ -155,10 +215,15 @@ impl Monitor {
     fn recover_queue(&mut self, index: usize) -> broker::Result<usize> {
         self.pulse.beat();
         let queue = Arc::clone(&self.queues[index].queue);
+        let sent = Instant::now();
         let (now_ms, owners) = broker::owners(self.connection.get()?, &queue.keys)?;
+        let allowance_ms =
+            self.queues[index]
+                .clock
+                .observe(now_ms, sent, queue.config.lease_timeout);
         let mut recovered = 0;
         for (owner, deadline) in owners {
-            if deadline > now_ms {
+            if deadline.saturating_add(allowance_ms) > now_ms {
                 continue;
             }
             self.pulse.beat();
@@ -288,5 +353,42 @@ impl Monitor {
             }
         }
         Ok(Some((held.len(), recovered)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LEASE: Duration = Duration::from_secs(6);
+
+    #[test]
+    fn a_forward_step_of_redis_clock_defers_recoveries_for_one_lease() {
+        let mut clock = ClockWatch::default();
+        let t0 = Instant::now();
+        assert_eq!(clock.observe(1_000_000, t0, LEASE), 0);
+        // 1.5 s later here, Redis's clock ran 1.5 s plus a step of 10 s.
+        let t1 = t0 + Duration::from_millis(1500);
+        assert_eq!(clock.observe(1_011_500, t1, LEASE), 10_000);
+        // Still within a lease of the step: the allowance holds.
+        let t2 = t1 + Duration::from_millis(4500);
+        assert_eq!(clock.observe(1_016_000, t2, LEASE), 10_000);
+        // A lease after the step: gone.
+        let t3 = t1 + LEASE;
+        assert_eq!(clock.observe(1_017_500, t3, LEASE), 0);
+    }
+
+    #[test]
+    fn jitter_and_backward_steps_defer_nothing() {
+        let mut clock = ClockWatch::default();
+        let t0 = Instant::now();
+        clock.observe(1_000_000, t0, LEASE);
+        // A reply that waited 900 ms: under the margin of a second.
+        let t1 = t0 + Duration::from_millis(1500);
+        assert_eq!(clock.observe(1_002_400, t1, LEASE), 0);
+        // Redis's clock stepped back 10 s.
+        let t2 = t1 + Duration::from_millis(1500);
+        assert_eq!(clock.observe(993_900, t2, LEASE), 0);
+        assert_eq!(ClockWatch::margin(Duration::from_secs(60)), 6_000);
     }
 }

@@ -18,6 +18,7 @@ mod exec_persistent;
 mod fault_proxy;
 mod faults;
 mod http_bounds;
+mod lease_clock;
 mod limits;
 mod metrics;
 mod plugins;

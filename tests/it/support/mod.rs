@@ -75,6 +75,23 @@ impl RedisServer {
         })
     }
 
+    /// A server whose wall clock the test steps while it runs ([`RedisServer::set_clock_offset`]): Redis's
+    /// `TIME` jumps, as after an NTP step, and nothing else moves.
+    pub fn with_clock_shift() -> RedisServer {
+        RedisServer::start_with(RedisOptions {
+            clock_shift: true,
+            ..RedisOptions::default()
+        })
+    }
+
+    /// Steps the server's wall clock to `offset_ms` from the real one (negative: behind); needs
+    /// [`RedisServer::with_clock_shift`].
+    pub fn set_clock_offset(&self, offset_ms: i64) {
+        self.server
+            .set_clock_offset(offset_ms)
+            .unwrap_or_else(|error| panic!("step redis-server's clock: {error}"));
+    }
+
     /// Ends redis-server with SIGTERM (a clean shutdown) or SIGKILL (a crash) and waits for it to exit.
     pub fn stop(&mut self, signal: Signal) {
         self.server
