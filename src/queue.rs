@@ -42,6 +42,7 @@ impl QueueContext {
             daemon: &self.daemon_id,
             max_running: self.config.max_running,
             rate_limit: &self.config.rate_limit,
+            priority_weights: &self.config.priority_weights,
         }
     }
 

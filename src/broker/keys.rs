@@ -69,6 +69,9 @@ pub struct QueueKeys {
     /// exists (claim.lua, pop.lua and the plain pop check it in the same atomic step as the take), pushes and
     /// promotions go on. Its value (the ms it was paused, by the pauser's clock) is only informational.
     pub paused: String,
+    /// Hash of the priority levels' turns (`priority_weights`): `cur:N` is level N's credit in turns.lua's
+    /// smooth weighted round-robin, shared by every daemon's claims and pops.
+    pub sched: String,
     /// String whose existence throttles the queue: a handler answered back-pressure (`Outcome::Throttle`, a
     /// 429 upstream), and settle.lua set it to the ms it ends (Redis's clock), expiring then (`PX`). Claims and
     /// pops take nothing while it exists (checked in the take's atomic step, as the paused key), and sleep until
@@ -126,6 +129,7 @@ impl QueueKeys {
             running: format!("{base}:running"),
             paused: format!("{base}:paused"),
             throttle: format!("{base}:throttle:q"),
+            sched: format!("{base}:sched"),
             schedules: format!("{base}:schedules"),
             meta: format!("{base}:meta"),
             history: format!("{base}:history"),

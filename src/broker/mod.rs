@@ -201,17 +201,19 @@ struct Scripts {
 
 /// The scripts' sources, for tests that pick out one script's calls (a fault-injecting proxy matches them).
 pub mod sources {
-    /// claim.lua and pop.lua both count a rate limit's starts: rate.lua, their shared part, goes before each
-    /// (after the shebang, which must open a script).
+    /// claim.lua and pop.lua both count a rate limit's starts and split a take between weighted levels:
+    /// rate.lua and turns.lua, their shared parts, go before each (after the shebang, which must open a script).
     pub const CLAIM: &str = concat!(
         "#!lua\n",
         include_str!("scripts/rate.lua"),
+        include_str!("scripts/turns.lua"),
         include_str!("scripts/claim.lua")
     );
     pub const ADOPT: &str = include_str!("scripts/adopt.lua");
     pub const POP: &str = concat!(
         "#!lua\n",
         include_str!("scripts/rate.lua"),
+        include_str!("scripts/turns.lua"),
         include_str!("scripts/pop.lua")
     );
     pub const RELEASE_UNIQUE: &str = include_str!("scripts/release_unique.lua");

@@ -174,6 +174,9 @@ pub struct ClaimLimits<'a> {
     pub max_running: Option<usize>,
     /// The queue's `rate_limit`: the claim takes no more than every window's log of starts leaves.
     pub rate_limit: &'a [RateLimit],
+    /// The queue's `priority_weights` (empty: strict order): the claim splits its tasks between the levels that
+    /// have some by their turns (turns.lua).
+    pub priority_weights: &'a [u32],
 }
 
 /// Safe mode: claims up to `max` tasks into `owner`'s claim lists: a quarantined group, alone, when there is one
@@ -208,6 +211,9 @@ pub fn claim(
         script_keys.push(log);
         script_keys.push(sum);
     }
+    if !limits.priority_weights.is_empty() {
+        script_keys.push(keys.sched.clone());
+    }
     let mut eval = evalsha(&SCRIPTS.claim, &script_keys);
     eval.arg(&**owner)
         .arg(max)
@@ -220,6 +226,10 @@ pub fn claim(
         .arg(limits.rate_limit.len());
     for rate in limits.rate_limit {
         eval.arg(rate.window_ms()).arg(rate.starts);
+    }
+    eval.arg(limits.priority_weights.len());
+    for weight in limits.priority_weights {
+        eval.arg(*weight);
     }
     let (reply, taken, collected) = script_then_lists(conn, super::sources::CLAIM, &eval, &lists)
         .map_err(|error| owner_error(error, owner))?;
@@ -429,7 +439,9 @@ impl Popper {
         max: usize,
         limits: PopLimits<'_>,
     ) -> Result<Batch> {
-        let limited = limits.max_running.is_some() || !limits.rate_limit.is_empty();
+        let limited = limits.max_running.is_some()
+            || !limits.rate_limit.is_empty()
+            || !limits.priority_weights.is_empty();
         if self.no_unique_held && self.last_taken >= PLAIN_POP_AFTER && !limited {
             match pop_plain(conn, keys, max)? {
                 // Paused or throttled: keep what was learnt, so that the first pop after is plain again.
@@ -455,6 +467,8 @@ impl Popper {
 pub struct PopLimits<'a> {
     pub max_running: Option<usize>,
     pub rate_limit: &'a [RateLimit],
+    /// Turns between the levels (see [`ClaimLimits::priority_weights`]).
+    pub priority_weights: &'a [u32],
 }
 
 /// The lists a default-mode pop takes from, in order: per level, the quarantine lists (most suspect first),
@@ -580,7 +594,8 @@ fn pop_script(
         .key(&keys.paused)
         .key(&keys.throttle)
         .key(&keys.running)
-        .key(keys.popped_running(owner));
+        .key(keys.popped_running(owner))
+        .key(&keys.sched);
     for list in pop_lists(keys) {
         invocation.key(list);
     }
@@ -596,21 +611,34 @@ fn pop_script(
     for rate in rate_limit {
         invocation.arg(rate.window_ms()).arg(rate.starts);
     }
+    invocation.arg(limits.priority_weights.len());
+    for weight in limits.priority_weights {
+        invocation.arg(*weight);
+    }
     // The script's reply is depth 1, its list of tasks depth 2, the tasks depth 3.
-    type Reply = (i64, usize, Vec<Value>, i64, i64, i64);
-    let ((now_ms, list, items, held, state, retry_at_ms), collected) =
+    type Reply = (i64, usize, Vec<Value>, i64, i64, i64, Vec<usize>);
+    let ((now_ms, list, items, held, state, retry_at_ms, counts), collected) =
         conn.with_payloads(3, |conn| invocation.invoke::<Reply>(conn))?;
     let mut tasks = Vec::with_capacity(items.len());
     let mut payloads = Gather::new(collected);
-    if list > 0 {
-        for item in items {
-            payloads.take(item, "pop")?;
-            tasks.push(Taken {
-                token: None,
-                popped_by: limits.max_running.map(|_| Arc::clone(owner)),
-                level: pop_level(list - 1),
-            });
-        }
+    // One list's tasks, or (priority weights) each level's in level order, as many as `counts` says.
+    let mut levels = counts
+        .iter()
+        .enumerate()
+        .flat_map(|(level, count)| std::iter::repeat_n(level, *count));
+    for item in items {
+        let level = match list {
+            0 => levels
+                .next()
+                .ok_or_else(|| reply_error("pop", "more tasks than its counts".to_string()))?,
+            list => pop_level(list - 1),
+        };
+        payloads.take(item, "pop")?;
+        tasks.push(Taken {
+            token: None,
+            popped_by: limits.max_running.map(|_| Arc::clone(owner)),
+            level,
+        });
     }
     let batch = Batch {
         now_ms,

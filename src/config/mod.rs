@@ -312,6 +312,9 @@ pub struct QueueConfig {
     /// At most so many task starts in any window of each of these lengths, across every daemon (docs/CONFIG.md):
     /// claim.lua takes no more, on Redis's clock; empty: no limit.
     pub rate_limit: Vec<rate::RateLimit>,
+    /// Turns between the levels that have tasks, by these weights (smooth weighted round-robin, one per level in
+    /// `priorities`' order: docs/CONFIG.md); empty: strict order, the highest level first.
+    pub priority_weights: Vec<u32>,
     pub lease_timeout: Duration,
     pub execution_timeout: Option<Duration>,
     pub alive_timeout: Option<Duration>,

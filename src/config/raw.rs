@@ -86,6 +86,7 @@ pub(super) struct RawQueue {
     pub(super) name: Option<Spanned<String>>,
     pub(super) mode: Option<Spanned<String>>,
     pub(super) priorities: Option<Spanned<Vec<String>>>,
+    pub(super) priority_weights: Option<Spanned<Vec<i64>>>,
     pub(super) default_priority: Option<Spanned<String>>,
     pub(super) workers: Option<Spanned<i64>>,
     pub(super) worker_nice: Option<Spanned<i64>>,

@@ -731,6 +731,7 @@ impl RawQueue {
             name,
             mode,
             priorities,
+            priority_weights,
             default_priority,
             workers,
             worker_nice,
@@ -805,6 +806,42 @@ impl RawQueue {
                 levels.clone()
             }
             None => vec![defaults::PRIORITY.to_string()],
+        };
+        let priority_weights = match &priority_weights {
+            Some(weights) => {
+                let span = weights.span();
+                let list = weights.get_ref();
+                if list.len() != priorities.len() {
+                    return Err(source.error(
+                        span,
+                        format!(
+                            "{}: {} weights for {} priorities {priorities:?}; give one weight per level, in the \
+                             same order",
+                            key("priority_weights"),
+                            list.len(),
+                            priorities.len()
+                        ),
+                    ));
+                }
+                list.iter()
+                    .map(|weight| {
+                        u32::try_from(*weight)
+                            .ok()
+                            .filter(|weight| (1..=MAX_PRIORITY_WEIGHT).contains(weight))
+                            .ok_or_else(|| {
+                                source.error(
+                                    span.clone(),
+                                    format!(
+                                        "{}: {weight} is out of range; each weight must be between 1 and \
+                                         {MAX_PRIORITY_WEIGHT}",
+                                        key("priority_weights")
+                                    ),
+                                )
+                            })
+                    })
+                    .collect::<Result<Vec<u32>, ConfigError>>()?
+            }
+            None => Vec::new(),
         };
         // The middle level for an odd count, the first of the two middle ones otherwise: "normal" for
         // ["high", "normal", "low"], "high" for ["high", "low"].
@@ -1011,6 +1048,7 @@ impl RawQueue {
 
             mode,
             priorities,
+            priority_weights,
             default_priority,
             workers,
             worker_nice,
@@ -1036,6 +1074,9 @@ impl RawQueue {
         })
     }
 }
+
+/// The largest `priority_weights` entry: weights are ratios, and a bigger one only makes Redis's sums larger.
+const MAX_PRIORITY_WEIGHT: u32 = 1000;
 
 /// What a queue's `max_running` or `rate_limit` (`name`, whose key path `key` makes) asks of the rest of its
 /// config: no prefetch (a task claimed ahead holds a slot or a start that another daemon's idle worker could use).

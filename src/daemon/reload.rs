@@ -156,6 +156,7 @@ fn queue_changes(old: &QueueConfig, new: &QueueConfig) -> Vec<String> {
     }
     compare!(
         priorities,
+        priority_weights,
         default_priority,
         workers,
         worker_nice,

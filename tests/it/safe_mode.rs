@@ -432,6 +432,7 @@ fn claim_as(
         daemon: "test:0",
         max_running: queue.config.max_running,
         rate_limit: &queue.config.rate_limit,
+        priority_weights: &queue.config.priority_weights,
     };
     broker::claim(
         connection,

@@ -1,4 +1,4 @@
--- (The broker prepends `#!lua` and rate.lua: src/broker/mod.rs, `sources`.)
+-- (The broker prepends `#!lua`, rate.lua and turns.lua: src/broker/mod.rs, `sources`.)
 -- claim.lua: safe mode. Atomically move up to ARGV[2] tasks into the owner's claim lists, under the owner's
 -- lease (one per daemon, renewed by its heartbeat).
 --
@@ -10,12 +10,14 @@
 -- KEYS[8+5L .. 7+6L] this claim's lists (`processing:OWNER:LEVEL:CLAIM`), KEYS[8+6L .. 7+7L] their running
 -- scopes (`...:CLAIM:scopes`), levels in order; KEYS[8+7L] the running hash (scope -> tasks taken and not yet
 -- settled); then for each of the R windows of the queue's rate limit, its log (a list of `MS COUNT` entries,
--- oldest first) and the log's sum (a string): KEYS[9+7L+2(r-1)], KEYS[10+7L+2(r-1)]
+-- oldest first) and the log's sum (a string): KEYS[9+7L+2(r-1)], KEYS[10+7L+2(r-1)]; last, with priority
+-- weights, the queue's sched hash (turns.lua's credits)
 -- ARGV[1] owner; ARGV[2] the most tasks to take; ARGV[3] max_task_bytes; ARGV[4] dead list bound;
 -- ARGV[5] queue name; ARGV[6] daemon (host:pid, for dead records); ARGV[7] the claim: a number unique within the
 -- owner and increasing from call to call (the caller reserves ARGV[2] numbers from it on; see adopt.lua);
 -- ARGV[8] the queue's max_running (0: none); ARGV[9] R, the windows of its rate limit (0: none), then R pairs:
--- the window in ms, the most starts in any such window
+-- the window in ms, the most starts in any such window; then W, the levels' priority weights (0: strict order),
+-- then W weights, one per level in order
 -- Returns {now_ms, state, group level, tasks taken at level 1, ..., at level L, retry at (states 5, 6), the owner's
 -- journal (see renew.lua)}: the tasks themselves are in this claim's lists, which the caller reads in the same transaction
 -- (`MULTI`, this script, `LRANGE` of each list, `EXEC`: src/broker/tasks.rs), position p of a list being the
@@ -73,7 +75,10 @@
 -- than that in all has its payloads checked one by one). A claim costs Redis a fifth of what a hash field per
 -- task did (docs/PERFORMANCE.md, "What at-least-once costs Redis").
 local rates = tonumber(ARGV[9]) or 0
-local levels = (#KEYS - 8 - 2 * rates) / 7
+local WEIGHTS = 10 + 2 * rates
+local weighted = (tonumber(ARGV[WEIGHTS]) or 0) > 0
+local SCHED = weighted and #KEYS
+local levels = (#KEYS - 8 - 2 * rates - (weighted and 1 or 0)) / 7
 local READY, QUARANTINE, CLAIMS, LISTS, SCOPES = 7, 7 + levels, 7 + 4 * levels, 7 + 5 * levels, 7 + 6 * levels
 local RUNNING = 8 + 7 * levels
 local GROUPS = {1, 8, 64}
@@ -86,7 +91,7 @@ for i = 1, #KEYS do
     local kind = 'list'
     if i == 1 or (i > CLAIMS and i <= LISTS) then
       kind = 'zset'
-    elseif i == 3 or i == 5 or i == RUNNING then
+    elseif i == 3 or i == 5 or i == RUNNING or i == SCHED then
       kind = 'hash'
     elseif i == 7 then
       kind = 'string'
@@ -119,6 +124,12 @@ end
 local windows
 windows, refused = rate_read('claim.lua', rates, RUNNING + 1, 10, integer)
 if refused then return refused end
+-- With priority weights, the levels' credits (turns.lua), read and checked before any write.
+local credits
+if weighted then
+  credits, refused = turns_read('claim.lua', KEYS[SCHED], levels, integer)
+  if refused then return refused end
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lease = redis.call('ZSCORE', KEYS[1], owner)
@@ -283,11 +294,21 @@ end
 
 local result = empty(0, 0)
 local taken = 0
+-- Strict order takes from the highest level first; priority weights split the claim between the levels that have
+-- tasks by their turns (turns.lua).
+local want
+if weighted then
+  local available = {}
+  for i = 1, levels do available[i] = redis.call('LLEN', KEYS[READY + i]) end
+  want = turns_split(KEYS[SCHED], {unpack(ARGV, WEIGHTS + 1, WEIGHTS + levels)}, credits, available, max)
+end
 for i = 1, levels do
   local ready = KEYS[READY + i]
   local n = 0
-  if taken < max then
-    n = redis.call('SORT', ready, 'BY', 'nosort', 'LIMIT', 0, max - taken, 'STORE', KEYS[LISTS + i])
+  local take = max - taken
+  if want then take = want[i] end
+  if take > 0 then
+    n = redis.call('SORT', ready, 'BY', 'nosort', 'LIMIT', 0, take, 'STORE', KEYS[LISTS + i])
   end
   if n > 0 then
     redis.call('LTRIM', ready, n, -1)

@@ -1,4 +1,4 @@
--- (The broker prepends `#!lua` and rate.lua: src/broker/mod.rs, `sources`.)
+-- (The broker prepends `#!lua`, rate.lua and turns.lua: src/broker/mod.rs, `sources`.)
 -- pop.lua: default mode. Take up to ARGV[2] tasks from the first non-empty list, each level's quarantine before
 -- its ready list, highest level first: the tasks leave Redis (at most once). A unique task's id stays held, now
 -- by the popping owner (recorded in the unique-popped hash), until its outcome is settled, or until a monitor
@@ -7,16 +7,20 @@
 -- KEYS[1] unique hash, KEYS[2] unique-popped hash (id -> owner), KEYS[3] the queue's paused key (nothing is
 -- popped while it exists), KEYS[4] the queue's throttle (nothing is popped while it exists: a handler's
 -- back-pressure, set by settle.lua), KEYS[5] the running hash (scope -> tasks taken under its limit and not yet
--- settled), KEYS[6] the owner's popped-running hash (scope -> what of those it popped), then the N lists to pop
--- from, in order (quarantine then ready, per level), then for each of the R windows of the queue's rate limit
--- its log and its sum (rate.lua)
+-- settled), KEYS[6] the owner's popped-running hash (scope -> what of those it popped), KEYS[7] the queue's sched
+-- hash (turns.lua's credits), then the N lists to pop from, in order (per level: its three quarantine lists, then
+-- its ready list), then for each of the R windows of the queue's rate limit its log and its sum (rate.lua)
 -- ARGV[1] owner; ARGV[2] the most tasks to take; ARGV[3] the queue's max_running (0: none); ARGV[4] R (0: no
--- rate limit), then R pairs: the window in ms, the most starts in any such window
+-- rate limit), then R pairs: the window in ms, the most starts in any such window; then W, the levels' priority
+-- weights (0: strict order), then W weights, one per level in order
 -- Returns {now_ms, index of the list popped (1-based among the N lists; 0: nothing popped), {payloads}, the
 -- number of unique ids held in the queue, state, retry at}: state 0 popped (or all empty), 1 the queue is paused,
 -- 2 a handler throttled it, 3 a window of its rate limit is full, 4 max_running of its tasks are taken and not
 -- yet settled (the caller waits for a wake-up marker); retry at (states 2 and 3) is when the throttle ends or the
--- window's oldest start ages out (Redis's clock, ms), 0 otherwise. Nothing is popped in states 1-4.
+-- window's oldest start ages out (Redis's clock, ms), 0 otherwise. Nothing is popped in states 1-4. With priority
+-- weights and no quarantined task, a pop takes from every level that has tasks by their turns (turns.lua): the
+-- reply's 7th element then counts the payloads of each level, in level order (they come in that order); it is
+-- empty otherwise, and the index says the one list popped.
 --
 -- The daemon calls this only while unique ids are held in the queue; otherwise it pops with a plain LMPOP in a
 -- transaction guarded by WATCH on the unique hash (Popper in src/broker/tasks.rs), which spares Redis converting
@@ -41,10 +45,13 @@ local function wrong_type(key, kind)
 end
 local max_running = tonumber(ARGV[3]) or 0
 local rates = tonumber(ARGV[4]) or 0
+local WEIGHTS = 5 + 2 * rates
+local weighted = (tonumber(ARGV[WEIGHTS]) or 0) > 0
 local LAST = #KEYS - 2 * rates
-local FIRST = 7
+local FIRST = 8
 local refused = wrong_type(KEYS[1], 'hash') or wrong_type(KEYS[2], 'hash')
 refused = refused or wrong_type(KEYS[4], 'string') or wrong_type(KEYS[5], 'hash') or wrong_type(KEYS[6], 'hash')
+  or wrong_type(KEYS[7], 'hash')
 for i = FIRST, #KEYS do
   local kind = 'list'
   if i > LAST and (i - LAST) % 2 == 0 then kind = 'string' end
@@ -55,6 +62,12 @@ local integer = integer_check('pop.lua')
 local windows
 windows, refused = rate_read('pop.lua', rates, LAST + 1, 5, integer)
 if refused then return refused end
+local levels = (LAST - FIRST + 1) / 4
+local credits
+if weighted then
+  credits, refused = turns_read('pop.lua', KEYS[7], levels, integer)
+  if refused then return refused end
+end
 local running, known_limit = 0, 0
 if max_running > 0 then
   local value = redis.call('HMGET', KEYS[5], 'q', 'q:limit')
@@ -68,13 +81,13 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 -- One EXISTS for both keys, as claim.lua.
 if redis.call('EXISTS', KEYS[3], KEYS[4]) > 0 then
   if redis.call('EXISTS', KEYS[3]) == 1 then
-    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 1, 0}
+    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 1, 0, {}}
   end
   -- By its time to live, as claim.lua; one set by hand without an expiry is looked at again every second.
   local left = redis.call('PTTL', KEYS[4])
   if left ~= -2 then
     if left < 0 then left = 1000 end
-    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 2, now + math.max(1, left)}
+    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 2, now + math.max(1, left), {}}
   end
 end
 local max = tonumber(ARGV[2])
@@ -86,7 +99,7 @@ end
 if max_running > 0 then
   if running >= max_running then
     note_limit()
-    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 4, 0}
+    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 4, 0, {}}
   end
   max = math.min(max, max_running - running)
 end
@@ -94,29 +107,59 @@ if rates > 0 then
   local free, due, bad = rate_trim('pop.lua', windows, now)
   if bad then return bad end
   if due > 0 then
-    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 3, due}
+    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 3, due, {}}
   end
   max = math.min(max, free)
 end
 note_limit()
-local args = {LAST - FIRST + 1}
-for i = FIRST, LAST do
-  args[#args + 1] = KEYS[i]
-end
-args[#args + 1], args[#args + 2], args[#args + 3] = 'LEFT', 'COUNT', max
-local popped = redis.call('LMPOP', unpack(args))
-local held = redis.call('HLEN', KEYS[1])
-if not popped then
-  return {now, 0, {}, held, 0, 0}
-end
-local index = 0
-for i = FIRST, LAST do
-  if KEYS[i] == popped[1] then
-    index = i - FIRST + 1
-    break
+-- The ready list of level `level`: the fourth of its lists.
+local function ready(level) return KEYS[FIRST + 4 * level - 1] end
+-- Quarantined tasks first, as in strict order: they wait to run in small groups.
+local quarantined = false
+if weighted then
+  for i = FIRST, LAST do
+    if (i - FIRST) % 4 ~= 3 and redis.call('LLEN', KEYS[i]) > 0 then
+      quarantined = true
+      break
+    end
   end
 end
-local items = popped[2]
+local items, index, counts
+if weighted and not quarantined then
+  local available = {}
+  for level = 1, levels do available[level] = redis.call('LLEN', ready(level)) end
+  local want = turns_split(KEYS[7], {unpack(ARGV, WEIGHTS + 1, WEIGHTS + levels)}, credits, available, max)
+  items, index, counts = {}, 0, {}
+  for level = 1, levels do
+    counts[level] = 0
+    if want[level] > 0 then
+      local got = redis.call('LPOP', ready(level), want[level]) or {}
+      for _, item in ipairs(got) do items[#items + 1] = item end
+      counts[level] = #got
+    end
+  end
+else
+  local args = {LAST - FIRST + 1}
+  for i = FIRST, LAST do
+    args[#args + 1] = KEYS[i]
+  end
+  args[#args + 1], args[#args + 2], args[#args + 3] = 'LEFT', 'COUNT', max
+  local popped = redis.call('LMPOP', unpack(args))
+  items, index, counts = {}, 0, {}
+  if popped then
+    for i = FIRST, LAST do
+      if KEYS[i] == popped[1] then
+        index = i - FIRST + 1
+        break
+      end
+    end
+    items = popped[2]
+  end
+end
+local held = redis.call('HLEN', KEYS[1])
+if #items == 0 then
+  return {now, 0, {}, held, 0, 0, {}}
+end
 if rates > 0 then rate_spend(windows, #items, now) end
 if max_running > 0 then
   redis.call('HINCRBY', KEYS[5], 'q', #items)
@@ -134,4 +177,4 @@ if held > 0 then
     end
   end
 end
-return {now, index, items, held, 0, 0}
+return {now, index, items, held, 0, 0, counts}

@@ -309,6 +309,7 @@ impl Fetcher {
         let limits = broker::PopLimits {
             max_running: queue.config.max_running,
             rate_limit: &queue.config.rate_limit,
+            priority_weights: &queue.config.priority_weights,
         };
         let popped = self
             .popper
@@ -507,6 +508,12 @@ impl Fetcher {
             }
             return;
         }
+        let weights = &lane.queue.config.priority_weights;
+        let held = if weights.is_empty() {
+            held
+        } else {
+            in_turns(held, |(_, state)| state.level, weights)
+        };
         let jobs = held
             .into_iter()
             .map(|(id, state)| Job {
@@ -522,5 +529,74 @@ impl Fetcher {
                 lane.hand_back_if_waiting(job.id, &job.state);
             }
         }
+    }
+}
+
+/// A take's tasks in the order of `weights`' turns between their levels (`level_of`), each level's in its own
+/// order: a claim or pop of a weighted queue holds each level's tasks together (a list each), and its workers
+/// would start them level by level, so that the first 1,000 starts of two big takes would be mostly the highest
+/// level's. The same smooth weighted round-robin as turns.lua's, with credits of its own: the take's split
+/// already followed the queue's shared credits.
+fn in_turns<T>(items: Vec<T>, level_of: impl Fn(&T) -> usize, weights: &[u32]) -> Vec<T> {
+    let mut levels: Vec<std::collections::VecDeque<T>> =
+        (0..weights.len()).map(|_| Default::default()).collect();
+    let count = items.len();
+    for item in items {
+        let level = level_of(&item).min(weights.len() - 1);
+        levels[level].push_back(item);
+    }
+    let mut credits = vec![0i64; weights.len()];
+    let mut ordered = Vec::with_capacity(count);
+    while ordered.len() < count {
+        let (mut total, mut best) = (0i64, None::<usize>);
+        for (level, queued) in levels.iter().enumerate() {
+            if queued.is_empty() {
+                continue;
+            }
+            let weight = i64::from(weights[level]);
+            total += weight;
+            credits[level] += weight;
+            if best.is_none_or(|best| credits[level] > credits[best]) {
+                best = Some(level);
+            }
+        }
+        // Some level has an item while fewer than `count` are ordered.
+        let best = best.expect("an item is left");
+        credits[best] -= total;
+        ordered.extend(levels[best].pop_front());
+    }
+    ordered
+}
+
+#[cfg(test)]
+mod tests {
+    use super::in_turns;
+
+    #[test]
+    fn a_take_is_ordered_by_the_levels_turns_and_a_dry_level_gives_its_turns_away() {
+        let take: Vec<(usize, u32)> = (0..6)
+            .map(|i| (0, i))
+            .chain((0..3).map(|i| (1, i)))
+            .chain((0..1).map(|i| (2, i)))
+            .collect();
+        let ordered = in_turns(take, |(level, _)| *level, &[6, 3, 1]);
+        let levels: Vec<usize> = ordered.iter().map(|(level, _)| *level).collect();
+        assert_eq!(
+            levels,
+            [0, 1, 0, 0, 1, 0, 2, 0, 1, 0],
+            "nginx's sequence for 6:3:1"
+        );
+        let firsts: Vec<u32> = ordered
+            .iter()
+            .filter(|(level, _)| *level == 0)
+            .map(|(_, n)| *n)
+            .collect();
+        assert_eq!(firsts, [0, 1, 2, 3, 4, 5], "each level in its own order");
+        let dry = in_turns(
+            vec![(0, 0), (0, 1), (2, 0)],
+            |(level, _)| *level,
+            &[1, 5, 1],
+        );
+        assert_eq!(dry, [(0, 0), (2, 0), (0, 1)]);
     }
 }

@@ -1,0 +1,58 @@
+-- turns.lua: `priority_weights`' turns between a queue's levels, shared by claim.lua and pop.lua: the broker
+-- prepends this file to both (src/broker/mod.rs, `sources`).
+--
+-- Smooth weighted round-robin (nginx's): for each task a take may still take, every level that has a task left
+-- adds its weight to its credit, and the level with the most credit (the higher level on a tie) gets the task and
+-- pays the sum of those levels' weights. Over a backlog on every level, each run of sum-of-weights tasks holds
+-- each level's weight exactly (6:3:1 is exact over every 10), interleaved, not in blocks; a level with no task
+-- takes no turn and earns no credit, so its turns go to the others. The credits live in the queue's sched hash
+-- (`cur:N` for level N, 1-based), so the shares hold across takes and across daemons; each is kept within the sum
+-- of all the weights, so that no level builds up a debt or a lead while others have nothing.
+
+-- Reads the credits of `levels` levels from `sched` and checks them (integers, or absent) before any write:
+-- returns them, or nil and the error reply of `script`.
+local function turns_read(script, sched, levels, integer)
+  local fields = {}
+  for level = 1, levels do fields[level] = 'cur:' .. level end
+  local values = redis.call('HMGET', sched, unpack(fields))
+  local credits = {}
+  for level = 1, levels do
+    local refused = integer(sched, fields[level], values[level])
+    if refused then return nil, refused end
+    credits[level] = tonumber(values[level] or '0')
+  end
+  return credits
+end
+
+-- How many of at most `max` tasks each level gets, by `weights` (ARGV strings), given the tasks each level has
+-- (`available`); moves the credits on and stores them in `sched`.
+local function turns_split(sched, weights, credits, available, max)
+  local levels, all = #available, 0
+  local want = {}
+  for level = 1, levels do
+    want[level] = 0
+    all = all + tonumber(weights[level])
+  end
+  for _ = 1, max do
+    local total, best = 0, nil
+    for level = 1, levels do
+      if available[level] > want[level] then
+        local weight = tonumber(weights[level])
+        total = total + weight
+        credits[level] = credits[level] + weight
+        if not best or credits[level] > credits[best] then best = level end
+      end
+    end
+    if not best then break end
+    credits[best] = credits[best] - total
+    want[best] = want[best] + 1
+  end
+  local stored = {}
+  for level = 1, levels do
+    credits[level] = math.max(-all, math.min(all, credits[level]))
+    stored[#stored + 1] = 'cur:' .. level
+    stored[#stored + 1] = credits[level]
+  end
+  redis.call('HSET', sched, unpack(stored))
+  return want
+end
