@@ -10,8 +10,9 @@ use serde_json::{Map, Value as Json};
 
 use super::{Conn, QueueKeys, Result, SCRIPTS, bytes, reply_error};
 
-/// Records read per command, and given to one script call: a 10,000-record list is worked on in steps short
-/// enough not to stall Redis for anyone else.
+/// Records read per command, and given to one script call: a list is worked on in steps short enough not to
+/// stall Redis for anyone else. (A step is short because the scripts look for each record from the tail, where
+/// the page was read: `LREM dead -1` scans the records the walk left in place there, not the whole list.)
 pub const PAGE: usize = 100;
 
 /// One dead-letter record: its exact bytes, which the scripts address it by, and its fields.

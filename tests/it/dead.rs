@@ -559,3 +559,37 @@ fn a_requeue_whose_reply_is_lost_is_finished_by_running_it_again_with_no_task_tw
     assert_eq!(seen.len(), 250, "every task is back");
     assert!(seen.values().all(|n| *n == 1), "and only once: {seen:?}");
 }
+
+/// The scripts remove a record's copy nearest the tail (`LREM dead -1`), where the walk reads its pages, so that
+/// finding it costs a scan of the few records between it and the tail, not of the whole list (review M6: with
+/// `LREM dead 1` every record of a page was looked for from the head, O(dead_max) per record, seconds of a
+/// blocked Redis on a list of millions). Which end the scan starts from is seen with a record twice in the list,
+/// the same bytes at the head and at the tail, and another record between them: the copy at the tail goes.
+#[test]
+fn requeue_and_purge_remove_the_copy_of_a_record_nearest_the_tail_where_the_walk_reads() {
+    use kmqd::broker::dead::{self, Outcome, RequeueItem};
+
+    let redis = RedisServer::start();
+    let keys = kmqd::broker::QueueKeys::new("kmq", "jobs", &["high".into(), "low".into()]);
+    let mut connection = redis.connection();
+    let (twice, between) = (r#"{"id":"twice"}"#, r#"{"id":"between"}"#);
+    let _: i64 = redis.cmd(&["RPUSH", DEAD, twice, between, twice]);
+
+    let purged = dead::purge(&mut connection, &keys, &[twice.as_bytes()]).unwrap();
+    assert_eq!(purged, [Outcome::Done]);
+    let left: Vec<String> = redis.cmd(&["LRANGE", DEAD, "0", "-1"]);
+    assert_eq!(left, [twice, between], "purge took the copy at the tail");
+
+    let _: i64 = redis.cmd(&["RPUSH", DEAD, twice]);
+    let item = RequeueItem {
+        record: twice.as_bytes(),
+        level: 1,
+        unique_id: None,
+        envelope: br#"{"id":"twice","type":"test","data":null}"#,
+    };
+    let requeued = dead::requeue(&mut connection, &keys, &[item]).unwrap();
+    assert_eq!(requeued, [Outcome::Done]);
+    let left: Vec<String> = redis.cmd(&["LRANGE", DEAD, "0", "-1"]);
+    assert_eq!(left, [twice, between], "requeue took the copy at the tail");
+    assert_eq!(ready(&redis, "low").len(), 1);
+}
