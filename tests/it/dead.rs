@@ -593,3 +593,51 @@ fn requeue_and_purge_remove_the_copy_of_a_record_nearest_the_tail_where_the_walk
     assert_eq!(left, [twice, between], "requeue took the copy at the tail");
     assert_eq!(ready(&redis, "low").len(), 1);
 }
+
+/// A walk over the dead list (what requeue and purge page through) visits every record it set out to, once and
+/// oldest first, when someone else removes records it visited and kept between its pages (another operator's
+/// requeue or purge): it counted them at the tail, and read past them its next page would skip as many unvisited
+/// records (review L12). The removals here are made from inside the walk's own calls, so they fall between two
+/// pages for certain: some of the kept records of the first page and its newest, the newest kept by the second
+/// (which also removes half its page itself), and every record kept by the third.
+#[test]
+fn a_walk_skips_no_record_when_another_operator_removes_records_it_kept() {
+    use kmqd::broker::dead;
+
+    let redis = RedisServer::start();
+    let keys = kmqd::broker::QueueKeys::new("kmq", "jobs", &["high".into(), "low".into()]);
+    let name = |i: usize| format!(r#"{{"id":"r{i}"}}"#);
+    // Dead-lettered in order: r0 is the oldest, at the tail.
+    for i in 0..350 {
+        let _: i64 = redis.cmd(&["LPUSH", DEAD, &name(i)]);
+    }
+    let remove = |i: usize| {
+        let removed: i64 = redis.cmd(&["LREM", DEAD, "1", &name(i)]);
+        assert_eq!(removed, 1, "r{i}");
+    };
+    let mut visited: Vec<String> = Vec::new();
+    let mut pages = 0;
+    dead::walk(&mut redis.connection(), &keys, |_, page| {
+        pages += 1;
+        let ids: Vec<String> = page.iter().map(|record| record.id().to_string()).collect();
+        visited.extend(ids);
+        let mut gone = Vec::new();
+        match pages {
+            1 => (10..20).chain([99]).for_each(remove),
+            2 => {
+                for at in 0..50 {
+                    remove(100 + at);
+                    gone.push(at);
+                }
+                (160..165).chain([199]).for_each(remove);
+            }
+            3 => (200..300).for_each(remove),
+            _ => {}
+        }
+        Ok(gone)
+    })
+    .unwrap();
+    let expected: Vec<String> = (0..350).map(|i| format!("r{i}")).collect();
+    assert_eq!(visited, expected, "every record once, oldest first");
+    assert_eq!(pages, 4);
+}
