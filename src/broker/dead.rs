@@ -94,7 +94,7 @@ pub fn range(conn: &mut Conn, keys: &QueueKeys, start: i64, stop: i64) -> Result
 /// tail), and then fewer are at the tail than the walk counted: read past them, the next page would skip as many
 /// unvisited records (review L12). So each page is read together with the record the walk expects next to it,
 /// the newest it kept (one element more); when that is not the one there, the walk finds where its kept records
-/// now begin ([`Kept::relocate`]) and reads the page again from there. (Records someone else removes from the
+/// now begin (`Kept::relocate`) and reads the page again from there. (Records someone else removes from the
 /// part not yet visited still count toward the records the walk set out to visit: it may then visit as many
 /// records pushed while it ran.)
 pub fn walk(
