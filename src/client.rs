@@ -405,7 +405,7 @@ impl Client {
         let mut found = Vec::new();
         dead::walk(&mut connection, &info.keys, |_, page| {
             found.extend(page.into_iter().filter(|record| record.id() == id));
-            Ok(0)
+            Ok(Vec::new())
         })?;
         // The walk goes oldest first.
         found.reverse();
@@ -430,13 +430,18 @@ impl Client {
         let mut report = Requeued::default();
         let mut matched = std::collections::HashSet::new();
         dead::walk(&mut connection, &info.keys, |conn, page| {
-            // (record, level, unique id, envelope)
+            // (record, level, unique id, envelope), and each one's place in the page
             let mut items: Vec<(&DeadRecord, usize, Option<String>, Vec<u8>)> = Vec::new();
-            for record in page.iter().filter(|record| which.wants(record.id())) {
+            let mut places = Vec::new();
+            for (at, record) in page.iter().enumerate() {
+                if !which.wants(record.id()) {
+                    continue;
+                }
                 matched.insert(record.id().to_string());
                 match requeue_plan(info, record, reset_attempts) {
                     Some((level, unique_id, envelope)) => {
-                        items.push((record, level, unique_id, envelope))
+                        items.push((record, level, unique_id, envelope));
+                        places.push(at);
                     }
                     None => report.malformed.push(record.id().to_string()),
                 }
@@ -451,8 +456,8 @@ impl Client {
                 })
                 .collect();
             let outcomes = dead::requeue(conn, &info.keys, &calls)?;
-            let mut removed = 0;
-            for ((record, ..), outcome) in items.iter().zip(outcomes) {
+            let mut gone = Vec::new();
+            for (((record, ..), at), outcome) in items.iter().zip(&places).zip(outcomes) {
                 let id = record.id().to_string();
                 match outcome {
                     Outcome::Done => report.requeued.push(id),
@@ -460,9 +465,11 @@ impl Client {
                     Outcome::Held => report.held.push(id),
                 }
                 // A record gone meanwhile no longer holds its place in the list either.
-                removed += usize::from(outcome != Outcome::Held);
+                if outcome != Outcome::Held {
+                    gone.push(*at);
+                }
             }
-            Ok(removed)
+            Ok(gone)
         })?;
         report.not_found.extend(which.unmatched(&matched));
         Ok(report)
@@ -477,21 +484,23 @@ impl Client {
         let mut report = Purged::default();
         let mut matched = std::collections::HashSet::new();
         dead::walk(&mut connection, &info.keys, |conn, page| {
-            let chosen: Vec<&DeadRecord> = page
+            let chosen: Vec<(usize, &DeadRecord)> = page
                 .iter()
-                .filter(|record| which.wants(record.id()))
+                .enumerate()
+                .filter(|(_, record)| which.wants(record.id()))
                 .collect();
-            matched.extend(chosen.iter().map(|record| record.id().to_string()));
-            let raw: Vec<&[u8]> = chosen.iter().map(|record| &record.raw[..]).collect();
+            matched.extend(chosen.iter().map(|(_, record)| record.id().to_string()));
+            let raw: Vec<&[u8]> = chosen.iter().map(|(_, record)| &record.raw[..]).collect();
             let outcomes = dead::purge(conn, &info.keys, &raw)?;
-            for (record, outcome) in chosen.iter().zip(&outcomes) {
+            for ((_, record), outcome) in chosen.iter().zip(&outcomes) {
                 let id = record.id().to_string();
                 match outcome {
                     Outcome::Done => report.purged.push(id),
                     _ => report.not_found.push(id),
                 }
             }
-            Ok(chosen.len())
+            // Purged, or gone meanwhile: none of them is in the list.
+            Ok(chosen.iter().map(|(at, _)| *at).collect())
         })?;
         report.not_found.extend(which.unmatched(&matched));
         Ok(report)

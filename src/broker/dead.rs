@@ -10,8 +10,9 @@ use serde_json::{Map, Value as Json};
 
 use super::{Conn, QueueKeys, Result, SCRIPTS, bytes, reply_error};
 
-/// Records read per command, and given to one script call: a 10,000-record list is worked on in steps short
-/// enough not to stall Redis for anyone else.
+/// Records read per command, and given to one script call: a list is worked on in steps short enough not to
+/// stall Redis for anyone else. (A step is short because the scripts look for each record from the tail, where
+/// the page was read: `LREM dead -1` scans the records the walk left in place there, not the whole list.)
 pub const PAGE: usize = 100;
 
 /// One dead-letter record: its exact bytes, which the scripts address it by, and its fields.
@@ -84,33 +85,148 @@ pub fn range(conn: &mut Conn, keys: &QueueKeys, start: i64, stop: i64) -> Result
 }
 
 /// Calls `act` with every record the list held when the walk began, [`PAGE`] at a time, oldest first; `act`
-/// returns how many of its page it removed from the list. Pages are read from the tail: records that daemons
-/// LPUSH meanwhile do not shift them, and are not visited (a requeued task that is dead-lettered again is not
-/// requeued twice by one walk). The records a page keeps stay at the tail, so the next page is read just
-/// before them. (If `dead_max` trims the list meanwhile, the records it drops from the tail are gone anyway,
-/// and as many unvisited ones may be skipped.)
+/// returns the positions, in the page it was given, of the records that are no longer in the list (it removed
+/// them, or found them gone). Pages are read from the tail: records that daemons LPUSH meanwhile do not shift
+/// them, and are not visited (a requeued task that is dead-lettered again is not requeued twice by one walk).
+/// The records a page keeps stay at the tail, so the next page is read just before them.
+///
+/// Someone else may remove records the walk kept (another operator's requeue or purge, `dead_max` trimming the
+/// tail), and then fewer are at the tail than the walk counted: read past them, the next page would skip as many
+/// unvisited records (review L12). So each page is read together with the record the walk expects next to it,
+/// the newest it kept (one element more); when that is not the one there, the walk finds where its kept records
+/// now begin (`Kept::relocate`) and reads the page again from there. (Records someone else removes from the
+/// part not yet visited still count toward the records the walk set out to visit: it may then visit as many
+/// records pushed while it ran.)
 pub fn walk(
     conn: &mut Conn,
     keys: &QueueKeys,
-    mut act: impl FnMut(&mut Conn, Vec<DeadRecord>) -> Result<usize>,
+    mut act: impl FnMut(&mut Conn, Vec<DeadRecord>) -> Result<Vec<usize>>,
 ) -> Result<()> {
     let total = len(conn, keys)?;
-    let (mut seen, mut kept) = (0usize, 0usize);
+    let mut seen = 0usize;
+    let mut kept = Kept::default();
     while seen < total {
         let n = PAGE.min(total - seen);
-        let stop = -(kept as i64) - 1;
-        let start = stop - n as i64 + 1;
-        let mut page = range(conn, keys, start, stop)?;
+        let mut page = if kept.count == 0 {
+            range(conn, keys, -(n as i64), -1)?
+        } else {
+            // The page, and after it (nearer the tail) the newest record the walk kept.
+            let stop = -(kept.count as i64);
+            let mut read = range(conn, keys, stop - n as i64, stop)?;
+            if read.last().map(|next| kept.fingerprint(&next.raw)) != kept.newest() {
+                kept.relocate(conn, keys)?;
+                continue;
+            }
+            read.pop();
+            read
+        };
         if page.is_empty() {
             break;
         }
         page.reverse();
         seen += page.len();
-        let count = page.len();
-        let removed = act(conn, page)?;
-        kept += count.saturating_sub(removed);
+        let prints: Vec<u64> = page
+            .iter()
+            .map(|record| kept.fingerprint(&record.raw))
+            .collect();
+        let gone = act(conn, page)?;
+        kept.page(
+            prints
+                .into_iter()
+                .enumerate()
+                .filter(|(at, _)| !gone.contains(at))
+                .map(|(_, print)| print),
+        );
     }
     Ok(())
+}
+
+/// The records a [`walk`] visited and left in the list: how many it believes are at the tail, and enough of them
+/// to find where they begin when someone else removed some. Records are remembered by a keyed hash of their
+/// bytes (keys drawn per walk, so that no payload can be made to collide): every record of the newest page that
+/// kept any (up to [`PAGE`]), and the newest of each page before it, 8 bytes a page.
+#[derive(Default)]
+struct Kept {
+    /// The records at the tail that the walk visited and kept, as far as it knows.
+    count: usize,
+    /// The newest page that kept records: theirs, oldest first.
+    last: Vec<u64>,
+    /// The newest record kept by each page before `last`'s, oldest first.
+    earlier: Vec<u64>,
+    hasher: std::hash::RandomState,
+}
+
+impl Kept {
+    fn fingerprint(&self, raw: &[u8]) -> u64 {
+        use std::hash::BuildHasher;
+        self.hasher.hash_one(raw)
+    }
+
+    /// The newest record kept: the one at index `-count`.
+    fn newest(&self) -> Option<u64> {
+        self.last.last().copied()
+    }
+
+    /// A page was acted on: it kept these records, oldest first.
+    fn page(&mut self, kept: impl Iterator<Item = u64>) {
+        let kept: Vec<u64> = kept.collect();
+        if kept.is_empty() {
+            return;
+        }
+        self.count += kept.len();
+        if let Some(newest) = self.newest() {
+            self.earlier.push(newest);
+        }
+        self.last = kept;
+    }
+
+    /// Finds how many kept records are still at the tail: the kept records only ever leave, so the newest still
+    /// there is at most `count` from the tail. Reads from there toward the tail (short: usually as many records
+    /// as were removed) until it meets a remembered one; every record before it is taken as unvisited. Records
+    /// kept by an earlier page and newer than the first remembered one met are visited again, then: only when
+    /// every record of the newest page that kept any, and that earlier page's newest, were removed.
+    fn relocate(&mut self, conn: &mut Conn, keys: &QueueKeys) -> Result<()> {
+        let remembered: std::collections::HashSet<u64> =
+            self.last.iter().chain(&self.earlier).copied().collect();
+        let mut from = self.count.min(len(conn, keys)?);
+        while from > 0 {
+            let to = from.saturating_sub(PAGE).max(1);
+            let read = range(conn, keys, -(from as i64), -(to as i64))?;
+            if read.len() != from - to + 1 {
+                // The list became shorter than `from` since it was measured (LRANGE started at its head).
+                from = from.min(len(conn, keys)?);
+                continue;
+            }
+            // List order: newest first, so the first one met is the newest remembered record left.
+            for (offset, record) in read.iter().enumerate() {
+                if remembered.contains(&self.fingerprint(&record.raw)) {
+                    self.count = from - offset;
+                    self.forget_newer_than(self.fingerprint(&record.raw));
+                    return Ok(());
+                }
+            }
+            from = to - 1;
+        }
+        // None of them is left.
+        *self = Kept {
+            hasher: std::mem::take(&mut self.hasher),
+            ..Kept::default()
+        };
+        Ok(())
+    }
+
+    /// `print` is now the newest kept record: the ones remembered as newer are gone.
+    fn forget_newer_than(&mut self, print: u64) {
+        if let Some(at) = self.last.iter().rposition(|kept| *kept == print) {
+            self.last.truncate(at + 1);
+            return;
+        }
+        if let Some(at) = self.earlier.iter().rposition(|kept| *kept == print) {
+            // Of that page only its newest is remembered: it stands for the page.
+            self.earlier.truncate(at);
+            self.last = vec![print];
+        }
+    }
 }
 
 /// A record to requeue: its exact bytes, and what to queue where.

@@ -22,16 +22,14 @@ impl Payloads {
         self.ends.len() - 1
     }
 
-    /// Appends a payload of `length` bytes that `fill` writes in place (a bulk string read straight from a socket);
-    /// returns its index, or `fill`'s error (the payload is then not added).
+    /// Appends a payload that `fill` appends to the buffer (a bulk string read straight from a socket, the buffer
+    /// growing as its bytes arrive); returns its index, or `fill`'s error (the payload is then not added).
     pub fn push_with<E>(
         &mut self,
-        length: usize,
-        fill: impl FnOnce(&mut [u8]) -> std::result::Result<(), E>,
+        fill: impl FnOnce(&mut Vec<u8>) -> std::result::Result<(), E>,
     ) -> std::result::Result<usize, E> {
         let start = self.bytes.len();
-        self.bytes.resize(start + length, 0);
-        if let Err(error) = fill(&mut self.bytes[start..]) {
+        if let Err(error) = fill(&mut self.bytes) {
             self.bytes.truncate(start);
             return Err(error);
         }
@@ -39,10 +37,11 @@ impl Payloads {
         Ok(self.ends.len() - 1)
     }
 
-    /// Makes room for `more` payloads of `size` bytes (nothing when there is room already).
-    pub fn reserve(&mut self, more: usize, size: usize) {
+    /// Makes room for `more` payloads of `size` bytes, at most `most` bytes of it (nothing when there is room
+    /// already): the sizes come from a reply's headers, before its payloads are read.
+    pub fn reserve(&mut self, more: usize, size: usize, most: usize) {
         self.ends.reserve(more);
-        self.bytes.reserve(more.saturating_mul(size));
+        self.bytes.reserve(more.saturating_mul(size).min(most));
     }
 
     pub fn get(&self, index: usize) -> &[u8] {
@@ -124,13 +123,19 @@ mod tests {
         assert_eq!(payloads.push(b"{\"a\":1}"), 0);
         assert_eq!(payloads.push(b""), 1);
         assert_eq!(
-            payloads.push_with(3, |slot| {
-                slot.copy_from_slice(&[0xff, b'\r', b'\n']);
+            payloads.push_with(|bytes| {
+                bytes.extend_from_slice(&[0xff, b'\r', b'\n']);
                 Ok::<(), ()>(())
             }),
             Ok(2)
         );
-        assert_eq!(payloads.push_with(5, |_| Err("cut")), Err("cut"));
+        assert_eq!(
+            payloads.push_with(|bytes| {
+                bytes.extend_from_slice(b"par");
+                Err("cut")
+            }),
+            Err("cut")
+        );
         assert_eq!(payloads.len(), 3);
         assert_eq!(payloads.get(0), b"{\"a\":1}");
         assert_eq!(payloads.get(1), b"");

@@ -15,6 +15,10 @@
 //! arrays nest at most 100 deep. A property test holds the two to the same values on generated replies, fed in
 //! pieces of every size.
 //!
+//! Lengths come from the peer, so none is allocated before its bytes arrive: an array makes room for at most
+//! [`MAX_PREALLOCATED`] elements, a bulk string longer than [`MAX_BULK`] (512 MiB) is a protocol error, and a
+//! large one takes memory as it is read (review L10: a declared 10^17 bytes aborted the daemon).
+//!
 //! An I/O error or a malformed reply leaves the stream in the middle of a reply: its caller must close the
 //! connection ([`super::node::PlainConnection`] does).
 
@@ -30,6 +34,16 @@ const READ_SIZE: usize = 64 * 1024;
 /// A bulk string longer than this is read into its own buffer rather than through the reader's, which would
 /// otherwise grow to the largest payload ever received and stay that size.
 const LARGE_BULK: usize = READ_SIZE;
+
+/// The longest bulk string read: 512 MiB, Redis's default `proto-max-bulk-len`, the most a Redis string holds
+/// unless that is raised, and the most `max_task_bytes` allows. A longer length (up to 18 digits) can only come
+/// from a corrupt or hostile peer, and is a protocol error before anything is allocated for it.
+pub const MAX_BULK: usize = 512 * 1024 * 1024;
+
+/// The most room made for the payloads of one array before they are read: a claim of 1,000 tasks of 16 KiB.
+/// Beyond it the buffer grows as payloads arrive, so that a corrupt array length and first bulk length cannot
+/// reserve more.
+const MAX_RESERVED: usize = 16 * 1024 * 1024;
 
 /// redis-rs's limit on nested arrays.
 const MAX_DEPTH: usize = 100;
@@ -142,10 +156,19 @@ impl Reader {
                 if length < 0 {
                     return Ok(Value::Nil);
                 }
+                let length = usize::try_from(length)
+                    .ok()
+                    .filter(|length| *length <= MAX_BULK)
+                    .ok_or_else(|| {
+                        parse_error(format!(
+                            "a bulk string of {length} bytes, longer than the {} MiB a Redis string holds",
+                            MAX_BULK >> 20
+                        ))
+                    })?;
                 if self.collect_at == Some(depth) {
-                    return self.collect(stream, length as usize);
+                    return self.collect(stream, length);
                 }
-                self.bulk(stream, length as usize).map(Value::BulkString)
+                self.bulk(stream, length).map(Value::BulkString)
             }
             b'*' => {
                 let length = integer(text)?;
@@ -215,11 +238,9 @@ impl Reader {
     fn bulk(&mut self, stream: &mut impl Read, length: usize) -> RedisResult<Vec<u8>> {
         if length > LARGE_BULK {
             let buffered = (self.end - self.start).min(length);
-            let mut bytes = Vec::with_capacity(length);
-            bytes.extend_from_slice(&self.buf[self.start..self.start + buffered]);
+            let mut bytes = self.buf[self.start..self.start + buffered].to_vec();
             self.start += buffered;
-            bytes.resize(length, 0);
-            stream.read_exact(&mut bytes[buffered..])?;
+            read_growing(stream, &mut bytes, length - buffered)?;
             self.crlf(stream)?;
             return Ok(bytes);
         }
@@ -236,15 +257,18 @@ impl Reader {
     fn collect(&mut self, stream: &mut impl Read, length: usize) -> RedisResult<Value> {
         // One allocation for a claim of payloads of one size, rather than one per doubling; a bound on what a
         // corrupt length may reserve.
-        self.collected
-            .reserve(self.expected.min(MAX_PREALLOCATED), length.min(LARGE_BULK));
+        self.collected.reserve(
+            self.expected.min(MAX_PREALLOCATED),
+            length.min(LARGE_BULK),
+            MAX_RESERVED,
+        );
         self.expected = self.expected.saturating_sub(1);
         let index = if length > LARGE_BULK {
             let buffered = (self.end - self.start).min(length);
             let (buf, start) = (&self.buf, self.start);
-            let index = self.collected.push_with(length, |slot| {
-                slot[..buffered].copy_from_slice(&buf[start..start + buffered]);
-                stream.read_exact(&mut slot[buffered..])
+            let index = self.collected.push_with(|bytes| {
+                bytes.extend_from_slice(&buf[start..start + buffered]);
+                read_growing(stream, bytes, length - buffered)
             })?;
             self.start += buffered;
             index
@@ -300,6 +324,24 @@ impl Reader {
         self.end += received;
         Ok(())
     }
+}
+
+/// Appends the next `more` bytes of `stream` to `bytes`, making room as they arrive: twice what came so far (at
+/// least [`READ_SIZE`]), never more than what is left. So the memory a bulk string takes follows the bytes
+/// received, not the length its header declares (a peer that declares 512 MiB and sends 10 bytes costs 64 KiB),
+/// and a string received whole ends in a buffer of exactly its size. On an error `bytes` may hold part of it.
+fn read_growing(stream: &mut impl Read, bytes: &mut Vec<u8>, more: usize) -> io::Result<()> {
+    let (start, end) = (bytes.len(), bytes.len() + more);
+    while bytes.len() < end {
+        let chunk = (bytes.len() - start).max(READ_SIZE).min(end - bytes.len());
+        bytes.reserve_exact(chunk);
+        // `read_to_end` reads into the room without zeroing it first, and stops at the chunk's end.
+        let received = stream.by_ref().take(chunk as u64).read_to_end(bytes)?;
+        if received < chunk {
+            return Err(io::Error::from(io::ErrorKind::UnexpectedEof));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -448,6 +490,98 @@ mod tests {
                 ]))
             );
         }
+    }
+
+    /// A stream of `bytes` that remembers the largest buffer a read was given, then ends.
+    struct Watched<'a> {
+        bytes: &'a [u8],
+        largest: usize,
+    }
+
+    impl Read for Watched<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            self.largest = self.largest.max(buf.len());
+            let n = buf.len().min(self.bytes.len()).min(READ_SIZE);
+            buf[..n].copy_from_slice(&self.bytes[..n]);
+            self.bytes = &self.bytes[n..];
+            Ok(n)
+        }
+    }
+
+    /// Reads `reply` with payloads collected at `collect` (or none), from a stream that watches its reads.
+    fn read_watched(reply: &[u8], collect: Option<usize>) -> (RedisResult<Value>, usize) {
+        let mut stream = Watched {
+            bytes: reply,
+            largest: 0,
+        };
+        let mut reader = Reader::default();
+        if let Some(depth) = collect {
+            reader.collect_payloads(depth);
+        }
+        let value = reader.value(&mut stream);
+        (value, stream.largest)
+    }
+
+    #[test]
+    fn a_bulk_longer_than_512_mib_is_a_protocol_error_before_anything_is_read() {
+        // A corrupt or hostile peer (plain TCP, a man in the middle): its length allocated up front aborted the
+        // daemon, or took 512 MiB and more for a reply of a few bytes (review L10).
+        for length in [MAX_BULK + 1, 1 << 40, 999_999_999_999_999_999] {
+            for (reply, collect) in [
+                (format!("${length}\r\nabc"), None),
+                (format!("*2\r\n$1\r\na\r\n${length}\r\nabc"), Some(2)),
+            ] {
+                let (value, largest) = read_watched(reply.as_bytes(), collect);
+                let error = value.expect_err("refused");
+                assert_eq!(error.kind(), ErrorKind::Parse, "{error}");
+                assert!(
+                    error
+                        .to_string()
+                        .contains(&format!("a bulk string of {length} bytes"))
+                        && error.to_string().contains("512 MiB"),
+                    "{error}"
+                );
+                assert!(largest <= READ_SIZE, "read {largest} bytes at once");
+            }
+        }
+        // 512 MiB itself is a length Redis may send: it is read (here, until the stream ends).
+        let (value, _) = read_watched(format!("${MAX_BULK}\r\nabc").as_bytes(), None);
+        assert!(value.expect_err("cut short").is_connection_dropped());
+    }
+
+    #[test]
+    fn a_large_bulk_takes_memory_as_its_bytes_arrive_not_as_its_length_declares() {
+        // 400 MiB declared, 1 MiB sent: the reads (and the buffer behind them) stay near what was received.
+        let sent: Vec<u8> = (0..1 << 20).map(|i| (i % 251) as u8).collect();
+        let declared = 400 << 20;
+        for collect in [None, Some(2)] {
+            let mut reply = match collect {
+                None => format!("${declared}\r\n").into_bytes(),
+                Some(_) => format!("*1\r\n${declared}\r\n").into_bytes(),
+            };
+            reply.extend_from_slice(&sent);
+            let (value, largest) = read_watched(&reply, collect);
+            assert!(value.expect_err("cut short").is_connection_dropped());
+            assert!(
+                largest <= 2 * sent.len() + READ_SIZE,
+                "a read was given {largest} bytes for {} received",
+                sent.len()
+            );
+        }
+        // Received whole, a large bulk is all there, in either path, in a buffer of its size.
+        let payload: Vec<u8> = (0..5 * READ_SIZE + 3).map(|i| (i % 253) as u8).collect();
+        let mut reply = format!("${}\r\n", payload.len()).into_bytes();
+        reply.extend_from_slice(&payload);
+        reply.extend_from_slice(b"\r\n");
+        let (value, _) = read_watched(&reply, None);
+        let Ok(Value::BulkString(bytes)) = value else {
+            panic!("{value:?}");
+        };
+        assert_eq!(
+            (bytes.len(), bytes.capacity()),
+            (payload.len(), payload.len())
+        );
+        assert!(bytes == payload);
     }
 
     #[test]

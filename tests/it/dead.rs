@@ -559,3 +559,85 @@ fn a_requeue_whose_reply_is_lost_is_finished_by_running_it_again_with_no_task_tw
     assert_eq!(seen.len(), 250, "every task is back");
     assert!(seen.values().all(|n| *n == 1), "and only once: {seen:?}");
 }
+
+/// The scripts remove a record's copy nearest the tail (`LREM dead -1`), where the walk reads its pages, so that
+/// finding it costs a scan of the few records between it and the tail, not of the whole list (review M6: with
+/// `LREM dead 1` every record of a page was looked for from the head, O(dead_max) per record, seconds of a
+/// blocked Redis on a list of millions). Which end the scan starts from is seen with a record twice in the list,
+/// the same bytes at the head and at the tail, and another record between them: the copy at the tail goes.
+#[test]
+fn requeue_and_purge_remove_the_copy_of_a_record_nearest_the_tail_where_the_walk_reads() {
+    use kmqd::broker::dead::{self, Outcome, RequeueItem};
+
+    let redis = RedisServer::start();
+    let keys = kmqd::broker::QueueKeys::new("kmq", "jobs", &["high".into(), "low".into()]);
+    let mut connection = redis.connection();
+    let (twice, between) = (r#"{"id":"twice"}"#, r#"{"id":"between"}"#);
+    let _: i64 = redis.cmd(&["RPUSH", DEAD, twice, between, twice]);
+
+    let purged = dead::purge(&mut connection, &keys, &[twice.as_bytes()]).unwrap();
+    assert_eq!(purged, [Outcome::Done]);
+    let left: Vec<String> = redis.cmd(&["LRANGE", DEAD, "0", "-1"]);
+    assert_eq!(left, [twice, between], "purge took the copy at the tail");
+
+    let _: i64 = redis.cmd(&["RPUSH", DEAD, twice]);
+    let item = RequeueItem {
+        record: twice.as_bytes(),
+        level: 1,
+        unique_id: None,
+        envelope: br#"{"id":"twice","type":"test","data":null}"#,
+    };
+    let requeued = dead::requeue(&mut connection, &keys, &[item]).unwrap();
+    assert_eq!(requeued, [Outcome::Done]);
+    let left: Vec<String> = redis.cmd(&["LRANGE", DEAD, "0", "-1"]);
+    assert_eq!(left, [twice, between], "requeue took the copy at the tail");
+    assert_eq!(ready(&redis, "low").len(), 1);
+}
+
+/// A walk over the dead list (what requeue and purge page through) visits every record it set out to, once and
+/// oldest first, when someone else removes records it visited and kept between its pages (another operator's
+/// requeue or purge): it counted them at the tail, and read past them its next page would skip as many unvisited
+/// records (review L12). The removals here are made from inside the walk's own calls, so they fall between two
+/// pages for certain: some of the kept records of the first page and its newest, the newest kept by the second
+/// (which also removes half its page itself), and every record kept by the third.
+#[test]
+fn a_walk_skips_no_record_when_another_operator_removes_records_it_kept() {
+    use kmqd::broker::dead;
+
+    let redis = RedisServer::start();
+    let keys = kmqd::broker::QueueKeys::new("kmq", "jobs", &["high".into(), "low".into()]);
+    let name = |i: usize| format!(r#"{{"id":"r{i}"}}"#);
+    // Dead-lettered in order: r0 is the oldest, at the tail.
+    for i in 0..350 {
+        let _: i64 = redis.cmd(&["LPUSH", DEAD, &name(i)]);
+    }
+    let remove = |i: usize| {
+        let removed: i64 = redis.cmd(&["LREM", DEAD, "1", &name(i)]);
+        assert_eq!(removed, 1, "r{i}");
+    };
+    let mut visited: Vec<String> = Vec::new();
+    let mut pages = 0;
+    dead::walk(&mut redis.connection(), &keys, |_, page| {
+        pages += 1;
+        let ids: Vec<String> = page.iter().map(|record| record.id().to_string()).collect();
+        visited.extend(ids);
+        let mut gone = Vec::new();
+        match pages {
+            1 => (10..20).chain([99]).for_each(remove),
+            2 => {
+                for at in 0..50 {
+                    remove(100 + at);
+                    gone.push(at);
+                }
+                (160..165).chain([199]).for_each(remove);
+            }
+            3 => (200..300).for_each(remove),
+            _ => {}
+        }
+        Ok(gone)
+    })
+    .unwrap();
+    let expected: Vec<String> = (0..350).map(|i| format!("r{i}")).collect();
+    assert_eq!(visited, expected, "every record once, oldest first");
+    assert_eq!(pages, 4);
+}

@@ -64,3 +64,68 @@ fn any_producer_wakes_an_idle_default_queue_at_once() {
     });
     daemon.stop();
 }
+
+/// A default-mode pop takes at most `batch` tasks, however many the lane could hold (`max_held` up to 200,000):
+/// one call of pop.lua, or one plain `LMPOP`, is bounded like a claim, and so is the time it holds Redis and the
+/// payloads pop.lua decodes (review L7). The bound is the lane's: it reserves at most `batch` slots a fetch. Seen
+/// on the wire, through the proxy: every pop's COUNT, with a backlog far larger than a batch, unique tasks among
+/// it (pop.lua) and plain ones after (the plain pop).
+#[test]
+fn a_pop_takes_at_most_batch_tasks_however_many_the_lane_may_hold() {
+    use crate::support::proxy::{FaultProxy, Matcher};
+    use kmqd::broker::sources;
+    use std::sync::{Arc, Mutex};
+
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    // A batch above the 32 tasks after which pops go plain (`PLAIN_POP_AFTER`).
+    let queue = QUEUE.replace("workers = 4", "workers = 2\nbatch = 40\nprefetch = 5000");
+    let config = dir.config(&redis, &queue);
+    let tasks = (0..1000).map(|i| {
+        let task = NewTask::new("test", "7").unwrap().id(format!("p{i}"));
+        if i < 100 { task.unique() } else { task }
+    });
+    client(&config).push_batch("fast", tasks).unwrap();
+
+    let proxy = FaultProxy::start(&redis);
+    let counts: Arc<Mutex<Vec<(&str, usize)>>> = Arc::default();
+    let (script, seen) = (Matcher::script(sources::POP), Arc::clone(&counts));
+    proxy.observe(move |args| {
+        let count = |arg: &Vec<u8>| String::from_utf8_lossy(arg).parse::<usize>().unwrap();
+        let mut seen = seen.lock().unwrap();
+        if script.matches(args) {
+            // pop.lua: ARGV[2], the last argument.
+            seen.push(("pop.lua", count(args.last().unwrap())));
+        } else if args[0].eq_ignore_ascii_case(b"LMPOP") {
+            let at = args
+                .iter()
+                .position(|arg| arg.eq_ignore_ascii_case(b"COUNT"))
+                .unwrap();
+            seen.push(("LMPOP", count(&args[at + 1])));
+        }
+    });
+    let through = dir.config_named(
+        "through.toml",
+        &format!("url = \"{}\"", proxy.url()),
+        "",
+        &queue,
+        &dir.record_file(),
+    );
+    let daemon = TestDaemon::start(&through);
+    eventually(Duration::from_secs(30), "the backlog to drain", || {
+        let s = stats(&config, "fast");
+        (s.done == 1000, s)
+    });
+    daemon.stop();
+    let counts = counts.lock().unwrap();
+    assert!(
+        counts.iter().all(|(_, count)| *count <= 40),
+        "no pop asks for more than batch: {counts:?}"
+    );
+    for kind in ["pop.lua", "LMPOP"] {
+        assert!(
+            counts.contains(&(kind, 40)),
+            "a full batch by {kind}, with the backlog: {counts:?}"
+        );
+    }
+}

@@ -765,6 +765,43 @@ fn the_exec_plugin_runs_a_shell_script_end_to_end() {
     daemon.stop();
 }
 
+/// A per-task command gets SIGKILL when its daemon is killed with SIGKILL (the parent-death signal, as persistent
+/// handler processes do), so it does not run on beside the re-run that another daemon recovers (review L4: it
+/// ran on, outside systemd for as long as it liked).
+#[test]
+fn a_daemon_killed_with_sigkill_leaves_no_per_task_command_behind() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    dir.install_plugin(&built_plugin("kmq-exec"), "libkmq_exec.so");
+    let handler = dir.path("handler.sh");
+    fs::write(&handler, SHELL_HANDLER).unwrap();
+    fs::set_permissions(&handler, fs::Permissions::from_mode(0o755)).unwrap();
+    let config = dir.config(
+        &redis,
+        &format!(
+            "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\nworkers = 2\n\n\
+             [plugins.shell]\nfile = \"libkmq_exec.so\"\nconfig = {{ command = \"{}\", args = [\"{}\"], \
+             timeout = \"1h\", types = [\"shell\"] }}\n",
+            handler.display(),
+            dir.path("").display()
+        ),
+    );
+    let mut daemon = Process::start(&config, dir.path("kmqd.log"));
+    push(&config, "jobs", "shell", "hung", "\"hang\"");
+    let (command, background) = hung_pids(&dir, "hung", 0);
+    daemon.kill9();
+    eventually(
+        Duration::from_secs(10),
+        "the command of the killed daemon to be dead (parent-death signal)",
+        || (!process_is_alive(command), command),
+    );
+    // What the command started in the background is beyond the signal (it is not inherited): under systemd the
+    // unit's cgroup ends it; here the test does (kill(1): the tests have no unsafe code).
+    let _ = std::process::Command::new("kill")
+        .args(["-9", &background.to_string()])
+        .status();
+}
+
 /// The contents of every fenced block of `markdown` whose info string is `language`, unindented by the fence's
 /// own indentation (blocks inside list items are indented).
 fn fenced_blocks(markdown: &str, language: &str) -> Vec<String> {

@@ -52,7 +52,8 @@ pub struct Program {
 
 impl Program {
     /// The command with a clean environment (`PATH`, then the config's `env`), its three standard streams piped,
-    /// in a process group of its own that it leads: one kill reaches everything it started.
+    /// in a process group of its own that it leads: one kill reaches everything it started. It gets SIGKILL if
+    /// kmqd dies (`process::die_with_parent`), in both modes.
     pub fn command(&self) -> Command {
         let mut command = Command::new(&self.command);
         command
@@ -64,6 +65,7 @@ impl Program {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0);
+        crate::process::die_with_parent(&mut command);
         command
     }
 

@@ -14,7 +14,10 @@
 //!
 //! When the command ends, for whatever reason, everything left in its process group (background processes it
 //! started) is killed with SIGKILL and the command is reaped: a task leaves no zombies and no orphans behind. A
-//! process that leaves the group on purpose (`setsid`) is beyond this reach.
+//! process that leaves the group on purpose (`setsid`) is beyond this reach. If kmqd itself dies (SIGKILL, the
+//! OOM killer), the command gets SIGKILL from the kernel (the parent-death signal, `process::die_with_parent`),
+//! so it does not run on beside the re-run another daemon recovers; what it started in the background is not
+//! reached then (the signal is not inherited), and is left to systemd, which kills the unit's cgroup.
 //!
 //! Besides the config's environment the command gets `KMQ_TASK_ID`, `KMQ_TASK_TYPE`, `KMQ_QUEUE` and
 //! `KMQ_ATTEMPT` (0 on the first run).

@@ -43,16 +43,27 @@ fn signal_group(group: u32, signal: libc::c_int) {
     let _ = unsafe { libc::kill(-group, signal) };
 }
 
-/// Makes the command's process get SIGKILL when the thread that starts it ends (`PR_SET_PDEATHSIG`): a handler
-/// process never outlives the pool thread that keeps it, not even when kmqd itself is killed with SIGKILL.
+/// Makes the command's process get SIGKILL when the thread that starts it ends (`PR_SET_PDEATHSIG`), so that no
+/// handler process outlives kmqd, not even when kmqd is killed with SIGKILL or by the OOM killer (review L4).
+///
+/// Linux sends the signal when the *thread* that forked the process ends, not the whole process, so the thread
+/// must outlive its process: a per-task command is started by the worker thread that runs its task, which reaps
+/// it before `handle` returns (on a panic too: `Running`'s drop); a persistent child by the `kmq-exec-pool`
+/// thread, which lives as long as the plugin. A kmqd that dies between the fork and the `prctl` would leave the
+/// process without the signal: it then sees a parent other than the one that forked it and does not start.
 pub fn die_with_parent(command: &mut std::process::Command) {
     use std::os::unix::process::CommandExt;
+    let parent = std::process::id();
     // SAFETY: the closure runs in the child between fork and exec, where only async-signal-safe calls are
-    // allowed: prctl is a plain system call, and the closure allocates nothing.
+    // allowed: prctl and getppid are plain system calls, and the closure allocates nothing (the error is made from
+    // a number, without a message).
     unsafe {
-        command.pre_exec(|| {
+        command.pre_exec(move || {
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) == -1 {
                 return Err(io::Error::last_os_error());
+            }
+            if u32::try_from(libc::getppid()) != Ok(parent) {
+                return Err(io::Error::from_raw_os_error(libc::ESRCH));
             }
             Ok(())
         });

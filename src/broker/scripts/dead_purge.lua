@@ -6,7 +6,8 @@
 -- Returns one integer per record: 1 removed, 0 not found (it left the dead list since it was read).
 --
 -- Records are addressed by their bytes, never by their index, because daemons LPUSH new ones meanwhile: LREM
--- of the exact value, count 1.
+-- of the exact value, count -1: from the tail, where `kmqd dead purge` reads its pages (src/broker/dead.rs), so
+-- the scan finds the record near where it starts instead of crossing the whole list (dead_max may be 10^8).
 -- Checks before it writes: the keys' types and the stats hash's `purged`; a call that fails writes nothing.
 local function wrong_type(key, kind)
   local found = redis.call('TYPE', key).ok
@@ -28,7 +29,7 @@ if refused then return refused end
 local removed = 0
 local result = {}
 for i = 1, #ARGV do
-  local n = redis.call('LREM', KEYS[1], 1, ARGV[i])
+  local n = redis.call('LREM', KEYS[1], -1, ARGV[i])
   removed = removed + n
   result[i] = n
 end

@@ -10,7 +10,10 @@
 -- stays where it is).
 --
 -- Daemons LPUSH records onto the dead list all the while, so records are addressed by their bytes, never by
--- their index: LREM of the exact value, count 1 (two identical records are two records, removed one per call).
+-- their index: LREM of the exact value, count -1 (two identical records are two records, removed one per call).
+-- Count -1 scans from the tail, where `kmqd dead requeue` reads its pages (src/broker/dead.rs): the record is a
+-- few elements from where the scan starts, not a whole list away (count 1 scanned from the head: O(dead_max) per
+-- record, seconds of a blocked Redis on a list of millions).
 -- The removal and the push are one step: a record is never both requeued and kept, and never lost.
 -- The task joins the back of its level, as a new push does; the unique id is taken as push.lua takes it.
 -- Checks before it writes: every key's type, the stats hash's `requeued` and every record's level, so that a
@@ -54,7 +57,7 @@ for i = 1, #ARGV, 4 do
   if uid ~= '' and redis.call('HSETNX', uniq, uid, now) == 0 then
     ok = 2
   end
-  if ok == 1 and redis.call('LREM', dead, 1, record) == 0 then
+  if ok == 1 and redis.call('LREM', dead, -1, record) == 0 then
     ok = 0
     if uid ~= '' then
       -- Taken above for a record that is gone: give it back.

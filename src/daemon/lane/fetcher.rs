@@ -142,7 +142,8 @@ impl Fetcher {
                 continue;
             }
             let lane = Arc::clone(&self.lane);
-            // Claim a batch's worth at once, or whatever is free when the workers run dry.
+            // Claim a batch's worth at once, or whatever is free when the workers run dry; never more than a batch,
+            // which bounds a default-mode pop too: it asks for all it reserved (review L7).
             let free = lane
                 .capacity
                 .acquire(lane.queue.config.batch, CAPACITY_WAIT, || {
@@ -216,8 +217,9 @@ impl Fetcher {
         }
     }
 
-    /// How many tasks a fetch asks for when `free` may be claimed: all of them for a pop, at most `claim_size`
-    /// for a safe-mode claim.
+    /// How many tasks a fetch asks for when `free` may be claimed (at most `batch`: `run` reserves no more, so a
+    /// pop's one call is bounded like a claim's, whatever `max_held` is): all of them for a pop, at most
+    /// `claim_size` for a safe-mode claim.
     fn asks_for(&self, free: usize) -> usize {
         match self.lane.queue.config.mode {
             Mode::Safe => free.min(self.claim_size),

@@ -175,7 +175,6 @@ impl Child {
         command
             .env("KMQ_PROTOCOL", protocol::VERSION.to_string())
             .env("KMQ_CONCURRENCY", concurrency.to_string());
-        process::die_with_parent(&mut command);
         let mut process = command.spawn()?;
         let pid = process.id();
         // The pipes were requested in `Program::command`, so they are there.
