@@ -571,6 +571,40 @@ fn the_fuzz_config_of_every_key_is_valid() {
     assert_eq!(config.queues[0].source_lists.len(), 2);
     assert_eq!(config.queues[0].max_running, Some(1_000_000));
     assert_eq!(config.queues[0].rate_limit.len(), 2);
+    assert_eq!(config.queues[0].priority_weights, [1000, 3, 2, 1]);
+}
+
+#[test]
+fn priority_weights_are_one_per_level_each_from_1_to_1000() {
+    let queue = |keys: &str| {
+        let text = format!(
+            "[[queues]]\nname = \"api\"\nmode = \"safe\"\npriorities = [\"high\", \"low\"]\n{keys}"
+        );
+        parse(&text).map(|config| config.queues[0].clone())
+    };
+    assert_eq!(
+        queue("priority_weights = [3, 1]\n")
+            .unwrap()
+            .priority_weights,
+        [3, 1]
+    );
+    assert!(
+        queue("").unwrap().priority_weights.is_empty(),
+        "strict order"
+    );
+    for (keys, words) in [
+        (
+            "priority_weights = [3]\n",
+            "queues.toml:5:20: queues[0].priority_weights: 1 weights for 2 priorities",
+        ),
+        (
+            "priority_weights = [3, 0]\n",
+            "queues[0].priority_weights: 0 is out of range; each weight must be between 1 and 1000",
+        ),
+    ] {
+        let error = queue(keys).unwrap_err();
+        assert!(error.contains(words), "{words:?} in {error}");
+    }
 }
 
 #[test]

@@ -94,8 +94,9 @@ fn a_pop_takes_at_most_batch_tasks_however_many_the_lane_may_hold() {
         let count = |arg: &Vec<u8>| String::from_utf8_lossy(arg).parse::<usize>().unwrap();
         let mut seen = seen.lock().unwrap();
         if script.matches(args) {
-            // pop.lua: ARGV[2], the last argument.
-            seen.push(("pop.lua", count(args.last().unwrap())));
+            // pop.lua: ARGV[2], after the script, the key count and the keys.
+            let keys = count(&args[2]);
+            seen.push(("pop.lua", count(&args[3 + keys + 1])));
         } else if args[0].eq_ignore_ascii_case(b"LMPOP") {
             let at = args
                 .iter()
