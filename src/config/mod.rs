@@ -161,6 +161,14 @@ impl RedisConfig {
             }
         }
     }
+
+    /// The longest `calls` Redis calls on one connection may take, each bounded by these timeouts: a pooled
+    /// connection within `connect_timeout`, a reply within `io_timeout`, a `WAIT` for replicas within
+    /// `wait_timeout`. The watchdog's stall bounds add these up (`daemon::watchdog`). With the defaults, one call:
+    /// 15.1 s.
+    pub fn call_bound(&self, calls: u32) -> Duration {
+        self.connect_timeout + self.wait_timeout + self.io_timeout * calls
+    }
 }
 
 impl fmt::Debug for RedisConfig {

@@ -5,8 +5,8 @@
 //! applying it twice (see `broker::settle`): so a dead letter is recorded once, its hook runs once, and a
 //! default-mode retry is queued once.
 
-use super::watchdog::Pulse;
 use crate::broker::{self, Fence, Holder, QueueKeys, Session, Settled, Settlement};
+use crate::pulse::Pulse;
 use crate::retry::Backoff;
 use crate::shutdown::Listener;
 
@@ -94,7 +94,7 @@ impl Settler {
                 }
                 Err(error) => {
                     failures += 1;
-                    crate::daemon::metrics::observed::redis_error("settling outcomes");
+                    crate::observed::redis_error("settling outcomes");
                     session.reset();
                     // The first failure is most often one dropped connection: try a new one at once.
                     if failures == 1 {
