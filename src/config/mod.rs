@@ -530,7 +530,9 @@ impl Config {
     }
 }
 
-/// Default values, in one place so docs/CONFIG.md can be checked against them.
+/// Default values, in one place. docs/CONFIG.md gives them again, and the tidy test
+/// `the_defaults_in_config_md_are_the_configs` (src/tidy/docs_in_sync.rs) checks that each default it gives as a
+/// value is what a config that leaves the key out gets.
 pub mod defaults {
     use std::time::Duration;
 

@@ -2,8 +2,11 @@
 //! docs and the rules they state drift apart. They need no Redis and build nothing else, so they run with the
 //! library's unit tests (`cargo test --lib tidy`).
 //!
-//! - [`layering`]: no module imports one above it (ARCHITECTURE.md, "Layout", states the rules).
+//! - [`layering`]: no module imports one above it (ARCHITECTURE.md, "Layout", states the rules);
+//! - [`docs_in_sync`]: the docs' cross-references resolve, the codemap names every source file, and
+//!   docs/CONFIG.md's defaults are the config's.
 
+mod docs_in_sync;
 mod layering;
 
 use std::path::{Path, PathBuf};
