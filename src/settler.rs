@@ -39,7 +39,10 @@ impl Settler {
     /// Applies `settlements` (all of `holder`'s tasks), sending the same call again after each
     /// failure, with backoff, until Redis answers. `None` when `stop` fired first (the batch may or may not have
     /// been applied: safe-mode tasks are recovered through their lease either way).
-    #[allow(clippy::too_many_arguments)]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "each is an input of the settle script (`broker::settle`) that the acker and the monitor hold apart; a struct for them would only name them twice"
+    )]
     pub fn settle(
         &mut self,
         session: &mut Session,
