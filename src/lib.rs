@@ -1,21 +1,25 @@
 //! kmqd: a task-queue worker daemon. Tasks live in Redis; handlers live in plugins (`.so` files speaking the C
 //! ABI of `plugins/include/kmq_plugin.h`).
 //!
-//! Module map, from the bottom up (ARCHITECTURE.md has the data flow and the invariants):
+//! Module map, from the bottom up: no module imports one above it (ARCHITECTURE.md, "Layout", states the rules
+//! and has the data flow and the invariants; the `tidy` tests check the rules):
 //! - [`config`]: the TOML config, parsed then validated, with errors that name file, line and key; [`cron`], the
 //!   5-field UTC cron expressions it holds;
 //! - [`task`]: the task envelope, the only module that knows the wire format of a task;
 //! - [`broker`]: the only module that talks to Redis (key layout, Lua scripts);
 //! - [`policy`]: pure decisions (retry, dead-letter, backoff); [`settlement`]: the one place a task's outcome is
 //!   decided (a verdict, the policy's action, its log event) and the record that applies it;
-//! - [`queue`]: what every thread of a queue shares (config, keys, policy, verdicts);
+//! - [`retry`] and [`shutdown`]: backoff, rate-limited failure reports, and the shutdown broadcasts; [`pulse`],
+//!   what a long-lived loop beats for the watchdog; [`observed`], the process-wide counts of what the daemon saw
+//!   (task outcomes, handler durations, Redis errors) that the metrics endpoint serves;
+//! - [`plugin`]: the plugin registry and the FFI (the only unsafe code);
+//! - [`queue`]: what every thread of a queue shares (config, keys, policy, verdicts); [`settler`]: settling a
+//!   batch until Redis has answered for it (a lane's acker and the monitor);
 //! - [`client`]: the producer API ([`Client::push`], [`Client::push_batch`]) and an operator's;
 //! - [`overview`]: every queue polled, the rows `stats --watch` and the dashboard show;
-//! - [`plugin`]: the plugin registry and the FFI (the only unsafe code);
-//! - [`daemon`]: the supervisor on top; below it each queue's [`daemon::lane`] (fetcher, workers, acker) and the
-//!   per-daemon threads (heartbeat, monitor, timeouts, delay, scheduler, metrics, signals);
-//! - [`retry`] and [`shutdown`]: backoff, rate-limited failure reports, and the shutdown broadcasts;
 //! - [`http`]: the bounded HTTP server of the metrics endpoint and the dashboard;
+//! - [`daemon`]: the supervisor on top; below it the per-daemon threads (heartbeat, monitor, timeouts, delay,
+//!   scheduler, metrics, signals), and below those each queue's [`daemon::lane`] (fetcher, workers, acker);
 //! - [`dashboard`]: `kmqd dashboard`, the web UI and its JSON API;
 //! - [`cli`]: the `kmqd` command line.
 //!
@@ -32,14 +36,20 @@ pub mod cron;
 pub mod daemon;
 pub mod dashboard;
 pub mod http;
+pub mod observed;
 pub mod overview;
 pub mod plugin;
 pub mod policy;
+pub mod pulse;
 pub mod queue;
 pub mod retry;
 pub mod settlement;
+pub mod settler;
 pub mod shutdown;
 pub mod task;
+
+#[cfg(test)]
+mod tidy;
 
 pub use client::{Client, ClientError, NewTask, Pushed};
 pub use config::Config;

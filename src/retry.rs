@@ -205,7 +205,7 @@ impl Trouble {
     /// summary every [`SUMMARY_EVERY`] (the process's, for a Redis that cannot be reached).
     pub fn failed(&mut self, error: &BrokerError) {
         self.failures += 1;
-        crate::daemon::metrics::observed::redis_error(self.what);
+        crate::observed::redis_error(self.what);
         let queue = self.queue.as_deref().unwrap_or("-");
         if is_unreachable(error) {
             self.unreachable += 1;

@@ -253,11 +253,6 @@ impl Connector {
         }
     }
 
-    /// Where Redis is, without passwords, for logs.
-    pub fn display_url(&self) -> &str {
-        &self.display
-    }
-
     /// The ACL user the connections log in as (`default`: Redis's own, when the config names none).
     pub fn username(&self) -> &str {
         &self.username

@@ -24,7 +24,7 @@ pub(super) fn key_path(path: &str, before: &str) -> String {
     }
 }
 
-/// A serde shape error in words an operator reads: the key path first ("queues[0].workers: ..."), Rust's type
+/// A serde shape error in words an operator reads: the key path first (`queues[0].workers: ...`), Rust's type
 /// names as TOML's ("an integer", not "i64"), and for a misspelled key the valid one it most resembles.
 pub(super) fn shape_message(key: &str, message: &str) -> String {
     let (key, message) = match message.strip_prefix("unknown field `") {

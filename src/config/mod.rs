@@ -161,6 +161,14 @@ impl RedisConfig {
             }
         }
     }
+
+    /// The longest `calls` Redis calls on one connection may take, each bounded by these timeouts: a pooled
+    /// connection within `connect_timeout`, a reply within `io_timeout`, a `WAIT` for replicas within
+    /// `wait_timeout`. The watchdog's stall bounds add these up (`daemon::watchdog`). With the defaults, one call:
+    /// 15.1 s.
+    pub fn call_bound(&self, calls: u32) -> Duration {
+        self.connect_timeout + self.wait_timeout + self.io_timeout * calls
+    }
 }
 
 impl fmt::Debug for RedisConfig {
@@ -525,7 +533,9 @@ impl Config {
     }
 }
 
-/// Default values, in one place so docs/CONFIG.md can be checked against them.
+/// Default values, in one place. docs/CONFIG.md gives them again, and the tidy test
+/// `the_defaults_in_config_md_are_the_configs` (src/tidy/docs_in_sync.rs) checks that each default it gives as a
+/// value is what a config that leaves the key out gets.
 pub mod defaults {
     use std::time::Duration;
 

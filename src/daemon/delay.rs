@@ -13,23 +13,28 @@ use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender, select};
 
-use super::watchdog::{Pulse, redis_calls};
 use crate::broker::{self, Connector, Session};
 use crate::config::RedisConfig;
-
+use crate::pulse::Pulse;
 use crate::queue::QueueContext;
 use crate::retry::{Backoff, Trouble};
 use crate::shutdown::Listener;
 
 /// The longest a poller sleeps without looking.
-pub const MAX_WAIT: Duration = Duration::from_secs(1);
+const MAX_WAIT: Duration = Duration::from_secs(1);
+
+/// How long a queue's delay poller may go without a beat before the watchdog counts it as wedged: its longest
+/// sleep, one promote (and a redirect), then the backoff after a failure. With the defaults: 31.1 s.
+pub fn poller_stall_bound(redis: &RedisConfig) -> Duration {
+    MAX_WAIT + redis.call_bound(2) + Backoff::MAX
+}
 
 pub struct DelayPoller {
     pub queue: Arc<QueueContext>,
     pub connection: Session,
     /// Wake-ups from the listener.
     pub nudges: Receiver<()>,
-    /// Beaten every turn, for the watchdog (a stage of the queue's lane: `lane::stall_bounds`).
+    /// Beaten every turn, for the watchdog (a stage of the queue's lane: [`poller_stall_bound`]).
     pub pulse: Pulse,
     pub background: Listener,
 }
@@ -90,8 +95,8 @@ const READ_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// How long the delay listener may go without a beat: a read, or a connection and one subscription, then the
 /// backoff after a failure. With the defaults: 20.6 s.
-pub fn listener_bound(redis: &RedisConfig) -> Duration {
-    READ_TIMEOUT + redis_calls(redis, 1) + Backoff::MAX
+pub fn listener_stall_bound(redis: &RedisConfig) -> Duration {
+    READ_TIMEOUT + redis.call_bound(1) + Backoff::MAX
 }
 
 impl DelayListener {

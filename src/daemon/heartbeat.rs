@@ -15,8 +15,9 @@ use std::time::{Duration, Instant};
 use crate::broker::Conn;
 
 use super::lane::{Lane, LaneSet};
-use super::watchdog::Pulse;
 use crate::broker::{self, Connector, Renewal};
+use crate::config::RedisConfig;
+use crate::pulse::Pulse;
 use crate::retry::Trouble;
 use crate::shutdown::Listener;
 
@@ -35,7 +36,15 @@ pub struct Heartbeat {
 }
 
 /// The most the heartbeat sleeps between two looks.
-pub const MAX_SLEEP: Duration = Duration::from_secs(1);
+const MAX_SLEEP: Duration = Duration::from_secs(1);
+
+/// How long the heartbeat may go without a beat before the watchdog counts it as wedged: a turn's sleep (at most
+/// a second), then a renewal per lane, each a connection (`connect_timeout`), the script and its `WAIT`
+/// (`io_timeout` each, the read timeout being at most that, and `wait_timeout`). With the defaults and one queue:
+/// 26.1 s.
+pub fn stall_bound(redis: &RedisConfig, lanes: usize) -> Duration {
+    MAX_SLEEP + redis.call_bound(2) * lanes.max(1) as u32
+}
 
 /// The heartbeat connection's read timeout for these lanes: a quarter of the shortest lease, at most the
 /// configured `io_timeout`.
@@ -154,5 +163,17 @@ fn renew(
             *connection = None;
             RETRY
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_stall_bound_adds_a_renewal_per_lane_to_a_turn() {
+        let config = crate::config::Config::parse(std::path::Path::new("k.toml"), "").unwrap();
+        assert_eq!(stall_bound(&config.redis, 1), Duration::from_millis(26_100));
+        assert_eq!(stall_bound(&config.redis, 3), Duration::from_millis(76_300));
     }
 }

@@ -37,7 +37,6 @@ pub mod notify;
 pub mod reload;
 pub mod report;
 pub mod scheduler;
-pub mod settler;
 pub mod signals;
 pub mod sources;
 pub mod timeouts;
@@ -53,7 +52,9 @@ use crossbeam_channel::{Receiver, Sender, select};
 use crate::broker::{self, BrokerError, Connector, Session, access, eviction};
 use crate::config::{Config, QueueConfig};
 use crate::plugin::{Plugins, Reader, Registry};
+use crate::pulse::Pulse;
 use crate::queue::QueueContext;
+use crate::settler::Settler;
 use crate::shutdown::Trigger;
 use delay::{DelayListener, DelayPoller};
 use heartbeat::Heartbeat;
@@ -64,7 +65,6 @@ use lane::{Lane, LaneSet};
 use metrics::Metrics;
 use monitor::{Monitor, Watched};
 use scheduler::Scheduler;
-use settler::Settler;
 use sources::SourceMover;
 use timeouts::Timeouts;
 
@@ -496,7 +496,7 @@ impl Supervisor {
         for queue in self.config.queues.clone() {
             self.start_lane(&queue)?;
         }
-        let heartbeat_pulse = watchdog::Pulse::default();
+        let heartbeat_pulse = Pulse::default();
         let heartbeat = Heartbeat {
             lanes: Arc::clone(&self.lanes),
             connector: Arc::clone(&self.connector),
@@ -688,9 +688,9 @@ impl Supervisor {
         };
         // Fresh pulses for the threads started here, watched from now on in place of the previous set.
         let redis = &self.config.redis;
-        let monitor_pulse = watchdog::Pulse::default();
-        let listener_pulse = watchdog::Pulse::default();
-        let scheduler_pulse = watchdog::Pulse::default();
+        let monitor_pulse = Pulse::default();
+        let listener_pulse = Pulse::default();
+        let scheduler_pulse = Pulse::default();
         let monitor = Monitor {
             queues: contexts
                 .iter()
@@ -708,12 +708,12 @@ impl Supervisor {
             (
                 "monitor",
                 monitor_pulse,
-                Monitor::bound(redis, Monitor::interval(&monitor.queues)),
+                monitor::stall_bound(redis, Monitor::interval(&monitor.queues)),
             ),
             (
                 "delay listener",
                 listener_pulse.clone(),
-                delay::listener_bound(redis),
+                delay::listener_stall_bound(redis),
             ),
         ];
         self.threads.spawn(
@@ -754,7 +754,7 @@ impl Supervisor {
             watched.push((
                 "scheduler",
                 scheduler_pulse.clone(),
-                scheduler::bound(redis),
+                scheduler::stall_bound(redis),
             ));
             let scheduler = Scheduler::new(
                 schedules,

@@ -18,17 +18,25 @@ use std::time::{Duration, Instant};
 
 use crate::broker::{self, Fence, Holder, Session, Settlement, Token, history};
 use crate::config::RedisConfig;
-use crate::daemon::settler::Settler;
-use crate::daemon::watchdog::{Pulse, redis_calls};
 use crate::plugin::Plugins;
 use crate::policy::Verdict;
+use crate::pulse::Pulse;
 use crate::queue::QueueContext;
 use crate::retry::Trouble;
 use crate::settlement::{DeadHook, TaskParts};
+use crate::settler::Settler;
 use crate::shutdown::Listener;
 
 /// The most tasks handled per round trip.
 const BATCH: usize = 100;
+
+/// How long the monitor, looking every `interval` ([`Monitor::interval`]), may go without a beat before the
+/// watchdog counts it as wedged: its wait between passes, then the steps between two beats (reading an owner's
+/// registration and a page of its tasks, or one settle attempt, each with a redirect), then the settler's backoff
+/// after a failure; or one final-failure hook. With the defaults (a pass every 5 s): 50.1 s.
+pub fn stall_bound(redis: &RedisConfig, interval: Duration) -> Duration {
+    interval + redis.call_bound(4) + crate::retry::Backoff::MAX
+}
 
 /// One queue as the monitor watches it.
 pub struct Watched {
@@ -146,14 +154,6 @@ impl Monitor {
             .min()
             .unwrap_or(Duration::from_secs(20));
         (shortest / 4).clamp(Duration::from_millis(50), Duration::from_secs(5))
-    }
-
-    /// How long the monitor may go without a beat: its wait between passes, then the steps between two beats
-    /// (reading an owner's registration and a page of its tasks, or one settle attempt, each with a redirect),
-    /// then the settler's backoff after a failure; or one final-failure hook. With the defaults (a pass every 5
-    /// s): 50.1 s.
-    pub fn bound(redis: &RedisConfig, interval: Duration) -> Duration {
-        interval + redis_calls(redis, 4) + crate::retry::Backoff::MAX
     }
 
     pub fn run(mut self) {

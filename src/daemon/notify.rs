@@ -16,7 +16,10 @@ use std::time::{Duration, Instant};
 use sd_notify::NotifyState;
 
 use super::lane::{self, Lane, LaneSet};
-use super::watchdog::{self, Bounds, Pulse, Sample, ThreadPulses, ThreadSample, Watchdog, Wedge};
+use super::watchdog::{Bounds, Sample, ThreadPulses, ThreadSample, Watchdog, Wedge};
+use super::{delay, heartbeat, sources};
+use crate::config::{QueueConfig, RedisConfig};
+use crate::pulse::Pulse;
 use crate::shutdown::Listener;
 
 /// How often `STATUS=` is refreshed while the daemon serves (at once when something becomes wedged or recovers).
@@ -103,8 +106,9 @@ pub struct Notifier {
     pub heartbeat: Pulse,
     /// The monitor's, the delay listener's and the scheduler's, as the last reload (re)started them.
     pub helpers: Arc<ThreadPulses>,
-    /// For each lane's bounds (`lane::stall_bounds`); `[redis]` does not change while the daemon runs.
-    pub redis: crate::config::RedisConfig,
+    /// For each lane's bounds ([`lane_bounds`]) and the heartbeat's; `[redis]` does not change while the daemon
+    /// runs.
+    pub redis: RedisConfig,
     pub stop: Listener,
 }
 
@@ -117,7 +121,7 @@ impl Notifier {
             interval.map(|_| {
                 Watchdog::new(
                     lanes.iter().map(|lane| {
-                        let bounds: Bounds = lane::stall_bounds(&self.redis, &lane.queue.config);
+                        let bounds = lane_bounds(&self.redis, &lane.queue.config);
                         (lane.name().to_string(), bounds)
                     }),
                     now,
@@ -151,7 +155,7 @@ impl Notifier {
                 let heartbeat = ThreadSample {
                     thread: "heartbeat",
                     count: self.heartbeat.count(),
-                    bound: watchdog::heartbeat_bound(&self.redis, lanes.len()),
+                    bound: heartbeat::stall_bound(&self.redis, lanes.len()),
                 };
                 let mut threads = vec![heartbeat];
                 threads.extend(self.helpers.samples());
@@ -181,6 +185,17 @@ impl Notifier {
     }
 }
 
+/// The watchdog's bounds for the lane of `queue`: each stage's own stall bound (its module says what one turn of
+/// its loop may wait); the source mover's only when the queue has `source_lists`, since none runs otherwise.
+pub fn lane_bounds(redis: &RedisConfig, queue: &QueueConfig) -> Bounds {
+    Bounds {
+        fetcher: lane::fetcher_stall_bound(redis, queue),
+        acker: lane::acker::stall_bound(redis),
+        delay: delay::poller_stall_bound(redis),
+        sources: (!queue.source_lists.is_empty()).then(|| sources::stall_bound(redis, queue)),
+    }
+}
+
 fn sample(lane: &Lane) -> Sample {
     Sample {
         fetcher: lane.fetcher_pulse.count(),
@@ -204,4 +219,48 @@ fn report(wedges: &[Wedge]) {
         "watchdog: the daemon is wedged; no more WATCHDOG=1 to systemd, which restarts kmqd after WatchdogSec \
          unless this clears first"
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_lane_bounds_add_up_every_wait_of_a_turn() {
+        let parse = |text: &str| {
+            crate::config::Config::parse(std::path::Path::new("kmqd.toml"), text).unwrap()
+        };
+        let config = parse("[[queues]]\nname = \"mail\"\nmode = \"safe\"\n");
+        let bounds = lane_bounds(&config.redis, &config.queues[0]);
+        let ms = Duration::from_millis;
+        assert_eq!(
+            bounds,
+            Bounds {
+                fetcher: ms(51_300),
+                acker: ms(30_160),
+                delay: ms(31_100),
+                sources: None,
+            },
+            "the defaults the stall bounds' doc comments give"
+        );
+        let config = parse(
+            "[redis]\nio_timeout = \"1s\"\nconnect_timeout = \"1s\"\n\
+             [[queues]]\nname = \"mail\"\nmode = \"safe\"\nidle_poll = \"5s\"\n",
+        );
+        let bounds = lane_bounds(&config.redis, &config.queues[0]);
+        assert_eq!(
+            bounds.fetcher,
+            ms(200 + 5_000 + 1_000 + 100 + 4_000 + 5_000)
+        );
+        assert_eq!(bounds.acker, ms(50 + 1_000 + 100 + 2_000 + 5_000 + 10));
+        assert_eq!(bounds.delay, ms(1_000 + 1_000 + 100 + 2_000 + 5_000));
+        let config = parse(
+            "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nsource_lists = [\"queue:mail\"]\n",
+        );
+        let bounds = lane_bounds(&config.redis, &config.queues[0]);
+        assert_eq!(
+            bounds.sources,
+            Some(ms(1_000 + 5_000 + 100 + 40_000 + 5_000))
+        );
+    }
 }

@@ -10,9 +10,9 @@
 //!
 //! The numbers are the queue's, not this daemon's: every daemon serving a queue reports the same queue-wide
 //! depths and rates, so one daemon's report per queue is all an operator needs (docs/OPERATIONS.md, "Queue
-//! reports"). The thread runs only when asked for (`Config::reports`). It is not one of the lanes the systemd
-//! watchdog watches: its Redis calls are bounded by `[redis] io_timeout`, a failure is logged ([`Trouble`]) and
-//! retried next period, and its end, like any thread's, stops the daemon.
+//! reports and lag_warn"). The thread runs only when asked for (`Config::reports`). It is not one of the lanes
+//! the systemd watchdog watches: its Redis calls are bounded by `[redis] io_timeout`, a failure is logged
+//! ([`Trouble`]) and retried next period, and its end, like any thread's, stops the daemon.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -12,9 +12,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde_json::value::RawValue;
 
-use super::watchdog::{Pulse, redis_calls};
 use crate::broker::{self, Fired, Session};
 use crate::config::{Missed, RedisConfig, ScheduleConfig};
+use crate::pulse::Pulse;
 use crate::queue::QueueContext;
 use crate::retry::Trouble;
 use crate::shutdown::Listener;
@@ -22,10 +22,11 @@ use crate::task::Envelope;
 
 /// The longest the scheduler sleeps without looking (also its reaction time to shutdown).
 const MAX_SLEEP: Duration = Duration::from_secs(1);
-/// How long the scheduler may go without a beat: its longest sleep (also what it waits after a failure), then one
-/// Redis call (reading a schedule's state, or firing a slot) and its redirect. With the defaults: 26.1 s.
-pub fn bound(redis: &RedisConfig) -> Duration {
-    MAX_SLEEP + redis_calls(redis, 2)
+/// How long the scheduler may go without a beat before the watchdog counts it as wedged: its longest sleep (also
+/// what it waits after a failure), then one Redis call (reading a schedule's state, or firing a slot) and its
+/// redirect. With the defaults: 26.1 s.
+pub fn stall_bound(redis: &RedisConfig) -> Duration {
+    MAX_SLEEP + redis.call_bound(2)
 }
 
 /// How many slots a catch-up looks through before giving up on counting (a schedule every second, down for a year).

@@ -17,9 +17,11 @@
 //! lane, the shutdown's first stage): what is pushed after that waits in the source for the next mover.
 
 use std::sync::Arc;
+use std::time::Duration;
 
-use super::watchdog::Pulse;
 use crate::broker::{self, Session};
+use crate::config::{QueueConfig, RedisConfig};
+use crate::pulse::Pulse;
 use crate::queue::QueueContext;
 use crate::retry::{Backoff, Trouble};
 use crate::shutdown::Listener;
@@ -27,10 +29,17 @@ use crate::shutdown::Listener;
 /// The most tasks one call of move.lua moves: Lua's `unpack` takes them all at once.
 pub const BATCH: usize = crate::config::MAX_BATCH;
 
+/// How long the mover of `queue` (one with `source_lists`) may go without a beat before the watchdog counts it as
+/// wedged: a move, then the wait on a source (`idle_poll` beyond its read timeout), each with a redirect, then the
+/// backoff after a failure. With the defaults: 51.1 s.
+pub fn stall_bound(redis: &RedisConfig, queue: &QueueConfig) -> Duration {
+    queue.idle_poll + redis.call_bound(4) + Backoff::MAX
+}
+
 pub struct SourceMover {
     pub queue: Arc<QueueContext>,
     pub connection: Session,
-    /// Beaten every turn, for the watchdog (a stage of the queue's lane: `lane::stall_bounds`).
+    /// Beaten every turn, for the watchdog (a stage of the queue's lane: [`stall_bound`]).
     pub pulse: Pulse,
     pub stop: Listener,
 }

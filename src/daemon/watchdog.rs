@@ -12,8 +12,8 @@
 //!   and timeouts added up, so that a Redis that is down or slow does not count: waiting for it is what the
 //!   daemon should do) is stuck somewhere nothing bounds: a deadlock, a plugin hook that never returns;
 //! - the heartbeat (one per daemon, which renews every lane's lease) loops at least every second, each renewal
-//!   bounded by the same timeouts; it beats a [`Pulse`] every turn, and one silent for longer than
-//!   [`heartbeat_bound`] is wedged: its leases would run out while the daemon looks alive;
+//!   bounded by the same timeouts; it beats a [`Pulse`] every turn, and one silent for longer than its bound is
+//!   wedged: its leases would run out while the daemon looks alive;
 //! - the per-daemon threads a reload restarts ([`ThreadPulses`]) are watched the same way, each against the bound
 //!   of its own loop: the monitor (which also runs the final-failure hooks of the tasks it dead-letters: a hook
 //!   that never returns wedges it, and then no expired lease is recovered by this daemon), the delay listener
@@ -25,30 +25,22 @@
 //!   nothing until one returns, and only a restart ends a handler that never does. Busy workers are not
 //!   wedged, however long their handlers run within their timeout.
 //!
+//! Each thread's module says how long one turn of its loop may take (its `stall_bound`: the fetcher's is
+//! `lane::fetcher_stall_bound`, the others' `acker::stall_bound`, `delay::poller_stall_bound`,
+//! `sources::stall_bound`, `heartbeat::stall_bound`, `monitor::stall_bound`, `delay::listener_stall_bound`,
+//! `scheduler::stall_bound`); the notify thread and the supervisor hand those bounds in. This module imports none
+//! of the threads it watches, only the [`Pulse`] they beat, so it sits below all of them.
+//!
 //! The decision is pure (times come in as arguments), so the tests below drive it through every case.
 
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// A counter a loop bumps every turn, which the watchdog reads to tell a looping thread from a hung one. Cheap
-/// to bump (one relaxed add) and to clone (the clones share the count).
-#[derive(Debug, Clone, Default)]
-pub struct Pulse(Arc<AtomicU64>);
+use crate::pulse::Pulse;
 
-impl Pulse {
-    pub fn beat(&self) {
-        self.0.fetch_add(1, Ordering::Relaxed);
-    }
-
-    pub fn count(&self) -> u64 {
-        self.0.load(Ordering::Relaxed)
-    }
-}
-
-/// How long a lane's fetcher and acker may go without a beat before they count as wedged (see
-/// `lane::stall_bounds`, which adds up what one turn of each loop may wait).
+/// How long each stage of a lane may go without a beat before it counts as wedged: what one turn of its loop may
+/// wait, added up (each stage's `stall_bound`, assembled by `notify::lane_bounds`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Bounds {
     pub fetcher: Duration,
@@ -126,20 +118,6 @@ impl fmt::Display for Wedge {
 /// SIGSTOP, a paused VM, a host swapping hard): the other threads were not either, so their silence over that
 /// gap proves nothing, and their clocks start again. The notify thread looks at least every second.
 pub const PAUSE_GAP: Duration = Duration::from_secs(5);
-
-/// The longest `calls` Redis calls on one connection may take, each bounded by the `[redis]` timeouts: a pooled
-/// connection within `connect_timeout`, a reply within `io_timeout`, a `WAIT` for replicas within
-/// `wait_timeout`. With the defaults, one call: 15.1 s.
-pub fn redis_calls(redis: &crate::config::RedisConfig, calls: u32) -> Duration {
-    redis.connect_timeout + redis.wait_timeout + redis.io_timeout * calls
-}
-
-/// How long the heartbeat may go without a beat: a turn's sleep (at most a second), then a renewal per lane,
-/// each a connection (`connect_timeout`), the script and its `WAIT` (`io_timeout` each, the read timeout being at
-/// most that, and `wait_timeout`). With the defaults and one queue: 26.1 s.
-pub fn heartbeat_bound(redis: &crate::config::RedisConfig, lanes: usize) -> Duration {
-    super::heartbeat::MAX_SLEEP + redis_calls(redis, 2) * lanes.max(1) as u32
-}
 
 /// The per-daemon threads that a reload restarts, with their pulses and bounds: the supervisor replaces the set
 /// each time it starts them, and the notify thread samples whatever set is current.
@@ -584,19 +562,6 @@ mod tests {
             .len(),
             1,
             "the scheduler, silent past its bound since it came back"
-        );
-    }
-
-    #[test]
-    fn the_heartbeat_bound_adds_a_renewal_per_lane_to_a_turn() {
-        let config = crate::config::Config::parse(std::path::Path::new("k.toml"), "").unwrap();
-        assert_eq!(
-            heartbeat_bound(&config.redis, 1),
-            Duration::from_millis(26_100)
-        );
-        assert_eq!(
-            heartbeat_bound(&config.redis, 3),
-            Duration::from_millis(76_300)
         );
     }
 }

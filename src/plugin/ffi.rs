@@ -10,7 +10,10 @@
 //! same path, `install` or `mv`) by its path would silently return the old code. A descriptor number that is never
 //! closed is never reused, so each load has a name of its own; the descriptor also pins the inode that was
 //! checked, so the library loaded is the file whose identity the registry recorded.
-#![allow(unsafe_code)]
+#![expect(
+    unsafe_code,
+    reason = "the daemon's one opt-in: loading plugins and calling them through the C ABI"
+)]
 // Every unsafe block says why it is sound; the lint keeps it so.
 #![deny(clippy::undocumented_unsafe_blocks)]
 
@@ -118,12 +121,6 @@ pub enum Status {
     },
     /// A status outside the ABI: treated as a handler error by the caller.
     Unknown(i32),
-}
-
-/// The daemon's effective user id: the one user besides root whose plugin files are trusted.
-pub fn effective_uid() -> u32 {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() }
 }
 
 /// The highest ABI version a refusal message names when a plugin exports no `kmq_plugin_v1`.

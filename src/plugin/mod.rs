@@ -491,7 +491,8 @@ fn identity(path: &Path) -> Result<(u64, u64), PluginError> {
 /// its code with the daemon's rights. Checked: the file (`path`, canonical), its directory, and the directory the
 /// config names it in (`configured`'s parent), which differs when the config names a symbolic link.
 fn check_trusted(path: &Path, configured: &Path) -> Result<(), PluginError> {
-    let daemon_uid = ffi::effective_uid();
+    // The daemon's effective user: the one user besides root whose plugin files are trusted.
+    let daemon_uid = rustix::process::geteuid().as_raw();
     let mut candidates = vec![("file", path.to_owned())];
     if let Some(directory) = path.parent() {
         candidates.push(("directory", directory.to_owned()));

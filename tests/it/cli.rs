@@ -346,7 +346,7 @@ fn json_logs_are_one_object_per_line() {
             (s.dead_lettered == 2 && s.done == 1, s)
         },
     );
-    daemon.signal(libc::SIGTERM);
+    daemon.signal(signal_hook::consts::SIGTERM);
     assert_eq!(
         daemon.wait_within(std::time::Duration::from_secs(20)),
         Some(0)

@@ -129,6 +129,6 @@ fn reports_per_queue_and_lag_warn_once_each_way() {
     println!("{last}");
     assert_eq!(events(&daemon, "queue lag above lag_warn").len(), 1);
     assert_eq!(events(&daemon, "queue lag recovered").len(), 1);
-    daemon.signal(libc::SIGTERM);
+    daemon.signal(signal_hook::consts::SIGTERM);
     assert_eq!(daemon.wait_within(Duration::from_secs(30)), Some(0));
 }

@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use kmqd::broker::{self, Fence, SettleOp, Settlement};
 use kmqd::daemon::monitor::{Monitor, Watched};
-use kmqd::daemon::settler::Settler;
 use kmqd::plugin::{Plugins, Registry};
 use kmqd::queue::QueueContext;
+use kmqd::settler::Settler;
 use kmqd::{Config, NewTask};
 
 use crate::support::*;

@@ -184,7 +184,7 @@ fn the_watchdog_keeps_pinging_through_a_redis_outage_longer_than_every_bound() {
     let proxy = FaultProxy::start(&redis);
     let dir = TestDir::new();
     // Short timeouts, so that the outage below outlasts both bounds (fetcher 11.3 s, acker 8.15 s: see
-    // `lane::stall_bounds`): waiting for Redis must never count as wedged, or systemd would restart a daemon
+    // `notify::lane_bounds`): waiting for Redis must never count as wedged, or systemd would restart a daemon
     // that is right to wait.
     let config = dir.config_raw(
         &format!(

@@ -57,7 +57,7 @@ fn a_daemon_drains_a_queue_over_mutual_tls() {
     let (code, out, err) = kmqd(&["-c", c, "stats"], None);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("jobs"), "{out}");
-    daemon.signal(libc::SIGTERM);
+    daemon.signal(signal_hook::consts::SIGTERM);
     assert_eq!(daemon.wait_within(Duration::from_secs(10)), Some(0));
     assert_eq!(dir.records().runs_of("cli"), 1);
 }
@@ -157,7 +157,7 @@ fn drains_through(dir: &TestDir, files: &TlsFiles, redis: &str) {
     crate::support::push_many(&config, "t", 20, "{}");
     let mut daemon = Process::start(&config, dir.path("daemon.log"));
     wait_done(&config, 21, Duration::from_secs(30));
-    daemon.signal(libc::SIGTERM);
+    daemon.signal(signal_hook::consts::SIGTERM);
     assert_eq!(daemon.wait_within(Duration::from_secs(10)), Some(0));
     assert_eq!(dir.records().runs_of("over-tls"), 1);
 }

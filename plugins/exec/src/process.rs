@@ -1,5 +1,8 @@
 //! The process calls std lacks; the only unsafe code of this plugin.
-#![allow(unsafe_code)]
+#![expect(
+    unsafe_code,
+    reason = "the plugin's one opt-in: the process calls std lacks"
+)]
 // Every unsafe block says why it is sound; the lint keeps it so.
 #![deny(clippy::undocumented_unsafe_blocks)]
 

@@ -26,8 +26,9 @@ use std::time::{Duration, Instant};
 use super::Lane;
 use super::resolve::{Outcome, Resolution};
 use crate::broker::{Fence, Holder, Session, Settlement};
-use crate::daemon::settler::Settler;
+use crate::config::RedisConfig;
 use crate::plugin::Plugins;
+use crate::settler::Settler;
 use crate::shutdown::Listener;
 
 /// The most outcomes settled in one script call.
@@ -45,6 +46,13 @@ pub const LINGER: Duration = Duration::from_micros(500);
 /// The most lingers after one settle: an outcome waits at most 10 ms longer for its settle. A claim of a 50 µs
 /// handler's lane on two workers takes about 200 tasks, 5 ms of their work.
 pub const MAX_LINGERS: usize = 20;
+
+/// How long the acker may go without a beat of its pulse before the watchdog counts it as wedged: waiting for an
+/// outcome, then one settle attempt (and a redirect), then its lingers or the backoff before the next. With the
+/// defaults (`connect_timeout` 5 s, `io_timeout` 10 s, `wait_timeout` 100 ms): 30.16 s.
+pub fn stall_bound(redis: &RedisConfig) -> Duration {
+    IDLE_CHECK + redis.call_bound(2) + crate::retry::Backoff::MAX + LINGER * MAX_LINGERS as u32
+}
 
 pub struct Acker {
     pub lane: Arc<Lane>,

@@ -11,7 +11,9 @@
 //!
 //! With no stuck worker that is `workers + prefetch`. `prefetch` is the configured one, or, when the config leaves
 //! it out, what the fetcher's [`Depth`](super::depth::Depth) sets it to as it measures the lane; never more than
-//! `max_held - workers`, which the channels are sized for. The fetcher claims at most `limit - held`;
+//! `max_held - workers`. The job queue and the outcome lists have no bound of their own (they are not channels:
+//! `jobs`, `outcomes`): this one bounds them, since neither can hold more tasks than the lane holds. The fetcher
+//! claims at most `limit - held`;
 //! when stuck workers shrink the limit below what is held, the lane claims nothing until it falls back, and the
 //! timeouts thread hands back tasks that wait behind workers that are all stuck (so another daemon runs them).
 //!

@@ -34,7 +34,7 @@ use super::jobs;
 use super::resolve::{Job, JobState};
 use crate::broker::{self, Batch, BrokerError, Isolation, Limited, OwnerInfo, Session};
 use crate::config::{Mode, Prefetch};
-use crate::daemon::metrics::observed;
+use crate::observed;
 use crate::retry::{Backoff, Trouble};
 use crate::shutdown::Listener;
 

@@ -13,7 +13,13 @@
 //! - [`acker`]: applies outcomes to Redis in batches, then forgets the tasks and frees their capacity;
 //! - [`resolve`]: who decides a held task's outcome (exactly one party), with the state diagram;
 //! - [`capacity`]: how many tasks the lane may hold, counting workers stuck in a handler as used;
-//! - [`depth`]: the prefetch, adapted to what the lane measures when the config does not set it.
+//! - [`depth`]: the prefetch, adapted to what the lane measures when the config does not set it;
+//! - [`slots`]: the `workers` slots a task holds while it runs, in a worker or started in its plugin;
+//! - [`started`]: what a plugin's `complete` does with a task it took in `start`.
+//!
+//! The lane sits below the per-daemon threads that act on it (heartbeat, timeouts, notify, metrics) and names
+//! nothing of the daemon but itself (ARCHITECTURE.md, "Layout"): what its stages beat for the watchdog is a
+//! [`Pulse`], and how long each may go without a beat its own `stall_bound` (the fetcher's: [`fetcher_stall_bound`]).
 //!
 //! Each stage ends when its upstream is done: the workers when the fetcher has dropped the job queue and it
 //! is empty; the acker when the fetcher is gone and every task it claimed is settled (held reaches zero). The
@@ -42,36 +48,20 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use crate::broker::Token;
 use crate::broker::payloads::Payloads;
 use crate::config::{QueueConfig, RedisConfig};
-use crate::daemon::watchdog::{Bounds, Pulse};
+use crate::pulse::Pulse;
 use crate::queue::QueueContext;
 use capacity::Capacity;
 use depth::IdleTime;
 use resolve::{JobId, JobState, Outcome, Task};
 
-/// How long a lane's fetcher and acker may go without a beat of their pulse before the watchdog counts them as
-/// wedged: everything one turn of each loop may wait, added up, so that a Redis that is down, slow or failing
-/// over never counts (the daemon is right to wait for it) and only a hang nothing bounds does. With the
-/// defaults (`idle_poll` 1 s, `connect_timeout` 5 s, `io_timeout` 10 s, `wait_timeout` 100 ms): 51.3 s for the
-/// fetcher, 30.16 s for the acker, 31.1 s for the delay poller.
-pub fn stall_bounds(redis: &RedisConfig, queue: &QueueConfig) -> Bounds {
-    let call = |calls: u32| crate::daemon::watchdog::redis_calls(redis, calls);
-    Bounds {
-        // Waiting for capacity, then register + claim (or pop) + the idle wait in Redis (`idle_poll` beyond its
-        // read timeout), one more reply for a cluster's redirect, then the retry backoff after a failure.
-        fetcher: fetcher::CAPACITY_WAIT + queue.idle_poll + call(4) + crate::retry::Backoff::MAX,
-        // Waiting for an outcome, then one settle attempt (and a redirect), then its lingers or the backoff before
-        // the next.
-        acker: acker::IDLE_CHECK
-            + call(2)
-            + crate::retry::Backoff::MAX
-            + acker::LINGER * acker::MAX_LINGERS as u32,
-        // Its longest sleep, one promote (and a redirect), then the backoff after a failure.
-        delay: crate::daemon::delay::MAX_WAIT + call(2) + crate::retry::Backoff::MAX,
-        // A move, then the wait on a source (`idle_poll` beyond its read timeout), each with a redirect, then the
-        // backoff after a failure.
-        sources: (!queue.source_lists.is_empty())
-            .then(|| queue.idle_poll + call(4) + crate::retry::Backoff::MAX),
-    }
+/// How long the lane's fetcher may go without a beat of its pulse before the watchdog counts it as wedged:
+/// everything one turn of its loop may wait, added up, so that a Redis that is down, slow or failing over never
+/// counts (the daemon is right to wait for it) and only a hang nothing bounds does: waiting for capacity, then
+/// register + claim (or pop) + the idle wait in Redis (`idle_poll` beyond its read timeout), one more reply for a
+/// cluster's redirect, then the retry backoff after a failure. With the defaults (`idle_poll` 1 s,
+/// `connect_timeout` 5 s, `io_timeout` 10 s, `wait_timeout` 100 ms): 51.3 s.
+pub fn fetcher_stall_bound(redis: &RedisConfig, queue: &QueueConfig) -> Duration {
+    fetcher::CAPACITY_WAIT + queue.idle_poll + redis.call_bound(4) + crate::retry::Backoff::MAX
 }
 
 /// What the threads of one lane, and the per-daemon threads that act on it, share.
@@ -551,45 +541,6 @@ impl Ownership {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_stall_bounds_add_up_every_wait_of_a_turn() {
-        let parse = |text: &str| {
-            crate::config::Config::parse(std::path::Path::new("kmqd.toml"), text).unwrap()
-        };
-        let config = parse("[[queues]]\nname = \"mail\"\nmode = \"safe\"\n");
-        let bounds = stall_bounds(&config.redis, &config.queues[0]);
-        let ms = Duration::from_millis;
-        assert_eq!(
-            bounds,
-            Bounds {
-                fetcher: ms(51_300),
-                acker: ms(30_160),
-                delay: ms(31_100),
-                sources: None,
-            },
-            "the defaults the doc comment gives"
-        );
-        let config = parse(
-            "[redis]\nio_timeout = \"1s\"\nconnect_timeout = \"1s\"\n\
-             [[queues]]\nname = \"mail\"\nmode = \"safe\"\nidle_poll = \"5s\"\n",
-        );
-        let bounds = stall_bounds(&config.redis, &config.queues[0]);
-        assert_eq!(
-            bounds.fetcher,
-            ms(200 + 5_000 + 1_000 + 100 + 4_000 + 5_000)
-        );
-        assert_eq!(bounds.acker, ms(50 + 1_000 + 100 + 2_000 + 5_000 + 10));
-        assert_eq!(bounds.delay, ms(1_000 + 1_000 + 100 + 2_000 + 5_000));
-        let config = parse(
-            "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nsource_lists = [\"queue:mail\"]\n",
-        );
-        let bounds = stall_bounds(&config.redis, &config.queues[0]);
-        assert_eq!(
-            bounds.sources,
-            Some(ms(1_000 + 5_000 + 100 + 40_000 + 5_000))
-        );
-    }
 
     #[test]
     fn a_task_starts_only_while_its_owner_is_current_and_its_lease_surely_live() {

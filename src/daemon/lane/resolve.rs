@@ -60,7 +60,7 @@ use super::Lane;
 use crate::broker::payloads::Payloads;
 use crate::broker::{Settlement, Token};
 use crate::config::Mode;
-use crate::daemon::metrics::observed::{self, TaskOutcome};
+use crate::observed::{self, TaskOutcome};
 use crate::plugin::Status;
 use crate::policy::Verdict;
 use crate::settlement::{self, DeadHook, Ran, TaskParts};

@@ -16,7 +16,7 @@ use std::time::Instant;
 use super::Lane;
 use super::lock;
 use super::resolve::{JobId, Task, verdict_of};
-use crate::daemon::metrics::observed::{TaskOutcome, TypeCache};
+use crate::observed::{TaskOutcome, TypeCache};
 use crate::plugin::{LoadedPlugin, Status};
 use crate::task::Envelope;
 

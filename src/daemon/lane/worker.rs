@@ -13,7 +13,7 @@ use super::jobs;
 use super::resolve::{Job, Outcome, verdict_of};
 use super::started::Started;
 use super::{Lane, LeaseView};
-use crate::daemon::metrics::observed::{TaskOutcome, TypeCache};
+use crate::observed::{TaskOutcome, TypeCache};
 use crate::plugin::{MESSAGE_CAPACITY, Reader, Run};
 use crate::policy::Verdict;
 use crate::settlement::Ran;

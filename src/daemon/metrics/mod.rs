@@ -5,7 +5,8 @@
 //! - [`page`]: one scrape's registry and its encoding;
 //! - [`snapshot`]: the queue-wide numbers from Redis, read by a refresher thread that a scrape waits for at most
 //!   [`snapshot::REDIS_WAIT`], so `/metrics` answers within a second with Redis down (`kmqd_redis_up 0`);
-//! - [`observed`]: what this daemon saw (handler durations, outcomes, Redis errors), cheap on the hot path.
+//! - [`crate::observed`]: what this daemon saw (handler durations, outcomes, Redis errors), cheap on the hot path;
+//!   it lives below the daemon, since the lanes' workers and every thread that retries Redis calls count into it.
 //!
 //! Queue depths, counters, lag and live daemons come from Redis, so every daemon reports the same queue-wide
 //! numbers (aggregate them with `max by (queue)`); the `kmqd_daemon_*` gauges and the observed families are this
@@ -19,7 +20,6 @@
 //! without the suffix and with `# EOF`. `kmqd_build_info` is a gauge (`{version} 1`), not OpenMetrics' info
 //! type, so both formats show it alike.
 
-pub mod observed;
 pub mod page;
 pub mod snapshot;
 

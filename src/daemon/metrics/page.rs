@@ -10,9 +10,9 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use super::observed::observed;
 use super::snapshot::Snapshot;
 use crate::broker::QueueStats;
+use crate::observed::observed;
 
 /// The classic Prometheus text format, version 0.0.4.
 pub const PROMETHEUS_TEXT: &str = prometheus_text::CONTENT_TYPE;

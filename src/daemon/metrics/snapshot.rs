@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, select};
 
-use super::observed::redis_error;
 use crate::broker::{self, QueueStats, Session};
 use crate::daemon::lane::LaneSet;
+use crate::observed::redis_error;
 use crate::shutdown::Listener;
 
 /// How long a scrape waits for Redis before it is answered without the Redis-derived part.

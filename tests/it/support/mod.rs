@@ -1,8 +1,6 @@
 //! Test fixtures: a private redis-server per test, real plugins built from this workspace, daemons run in-process
 //! or as the real binary, and `eventually` to poll a condition with a deadline instead of sleeping.
 
-#![allow(dead_code)]
-
 pub mod proxy;
 
 use std::fs;

@@ -359,12 +359,6 @@ impl FaultProxy {
         }
     }
 
-    /// Removes every fault (held traffic is released at once).
-    pub fn clear(&self) {
-        self.shared.lock().rules.clear();
-        self.shared.changed.notify_all();
-    }
-
     /// Closes every live connection now, both sides: a network cut. New connections still work.
     pub fn cut_all(&self) {
         self.shared.cut_all();

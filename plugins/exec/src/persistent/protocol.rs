@@ -382,7 +382,10 @@ mod tests {
     }
 
     #[test]
-    #[allow(unsafe_code)] // A task as the host passes it: built from its ABI struct.
+    #[expect(
+        unsafe_code,
+        reason = "a task as the host passes it: built from its ABI struct"
+    )]
     fn a_task_line_is_one_json_object_with_its_data_compacted() {
         let (id, queue, kind) = ("t-\"1\"", "mail", "mail.send");
         let data = "{\n  \"to\": \"ada@example.com\",\n  \"n\": [1, 2]\n}";

@@ -5,8 +5,8 @@
 //! applying it twice (see `broker::settle`): so a dead letter is recorded once, its hook runs once, and a
 //! default-mode retry is queued once.
 
-use super::watchdog::Pulse;
 use crate::broker::{self, Fence, Holder, QueueKeys, Session, Settled, Settlement};
+use crate::pulse::Pulse;
 use crate::retry::Backoff;
 use crate::shutdown::Listener;
 
@@ -39,7 +39,10 @@ impl Settler {
     /// Applies `settlements` (all of `holder`'s tasks), sending the same call again after each
     /// failure, with backoff, until Redis answers. `None` when `stop` fired first (the batch may or may not have
     /// been applied: safe-mode tasks are recovered through their lease either way).
-    #[allow(clippy::too_many_arguments)]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "each is an input of the settle script (`broker::settle`) that the acker and the monitor hold apart; a struct for them would only name them twice"
+    )]
     pub fn settle(
         &mut self,
         session: &mut Session,
@@ -94,7 +97,7 @@ impl Settler {
                 }
                 Err(error) => {
                     failures += 1;
-                    crate::daemon::metrics::observed::redis_error("settling outcomes");
+                    crate::observed::redis_error("settling outcomes");
                     session.reset();
                     // The first failure is most often one dropped connection: try a new one at once.
                     if failures == 1 {

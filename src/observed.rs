@@ -3,7 +3,9 @@
 //!
 //! One process-wide [`Observed`] ([`observed`]): the threads that see these things (workers, the timeouts
 //! thread, every thread that calls Redis through `retry::Trouble` or the settler) reach it without plumbing,
-//! and a scrape clones its families (`Arc`s) into the page's registry.
+//! and a scrape of the metrics endpoint (`daemon::metrics`) clones its families (`Arc`s) into the page's
+//! registry. It sits below the daemon, beside `retry` and `settler`, which count into it: it imports nothing of
+//! the daemon.
 //!
 //! The per-task path is a worker's: it keeps a [`TypeCache`] of the histogram and counters of each task type it
 //! ran, so a task costs no clock read of its own (the run's start and end are the reads the worker makes anyway
