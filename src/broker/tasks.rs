@@ -825,7 +825,7 @@ impl Settlement {
 }
 
 /// Whose tasks one settle call settles.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Eq)]
 pub enum Holder<'a> {
     /// Default mode without a running limit: nobody holds them in Redis.
     Nobody,
@@ -834,6 +834,22 @@ pub enum Holder<'a> {
     /// Default mode under a running limit: the owner that popped them, whose share of the running count they
     /// are (see settle.lua, "Running limits").
     Popped(&'a str),
+}
+
+/// The acker compares the holder of every settlement it sends: the tasks of one claim (or pop) name their owner
+/// through one `Arc`, so the pointer nearly always answers before the bytes are compared (a `memcmp` per task was
+/// 0.5 % of a no-op drain's daemon instructions, callgrind).
+impl PartialEq for Holder<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        let same = |a: &str, b: &str| std::ptr::eq(a, b) || a == b;
+        match (self, other) {
+            (Holder::Nobody, Holder::Nobody) => true,
+            (Holder::Claimed(a), Holder::Claimed(b)) | (Holder::Popped(a), Holder::Popped(b)) => {
+                same(a, b)
+            }
+            _ => false,
+        }
+    }
 }
 
 impl<'a> Holder<'a> {
