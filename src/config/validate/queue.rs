@@ -79,208 +79,54 @@ impl RawQueue {
             &[("default", Mode::Default), ("safe", Mode::Safe)],
         )?;
 
-        let priorities = match priorities {
-            Some(list) => {
-                let levels = list.get_ref();
-                if levels.is_empty() {
-                    return Err(source.error(
-                        list.span(),
-                        format!("{}: list at least one level", key("priorities")),
-                    ));
-                }
-                let mut seen = HashSet::new();
-                for level in levels {
-                    let spanned = Spanned::new(list.span(), level.clone());
-                    check_name(source, &key("priorities"), &spanned, "priority level")?;
-                    if !seen.insert(level) {
-                        return Err(source.error(
-                            list.span(),
-                            format!("{}: level {level:?} is listed twice", key("priorities")),
-                        ));
-                    }
-                }
-                levels.clone()
-            }
-            None => vec![defaults::PRIORITY.to_string()],
-        };
-        let priority_weights = match &priority_weights {
-            Some(weights) => {
-                let span = weights.span();
-                let list = weights.get_ref();
-                if list.len() != priorities.len() {
-                    return Err(source.error(
-                        span,
-                        format!(
-                            "{}: {} weights for {} priorities {priorities:?}; give one weight per level, in the \
-                             same order",
-                            key("priority_weights"),
-                            list.len(),
-                            priorities.len()
-                        ),
-                    ));
-                }
-                list.iter()
-                    .map(|weight| {
-                        u32::try_from(*weight)
-                            .ok()
-                            .filter(|weight| (1..=MAX_PRIORITY_WEIGHT).contains(weight))
-                            .ok_or_else(|| {
-                                source.error(
-                                    span.clone(),
-                                    format!(
-                                        "{}: {weight} is out of range; each weight must be between 1 and \
-                                         {MAX_PRIORITY_WEIGHT}",
-                                        key("priority_weights")
-                                    ),
-                                )
-                            })
-                    })
-                    .collect::<Result<Vec<u32>, ConfigError>>()?
-            }
-            None => Vec::new(),
-        };
-        // The middle level for an odd count, the first of the two middle ones otherwise: "normal" for
-        // ["high", "normal", "low"], "high" for ["high", "low"].
-        let default_priority = match default_priority {
-            Some(level) => priorities
-                .iter()
-                .position(|p| p == level.get_ref())
-                .ok_or_else(|| {
-                    source.error(
-                        level.span(),
-                        format!(
-                            "{}: {:?} is not one of the queue's priorities {priorities:?}",
-                            key("default_priority"),
-                            level.get_ref()
-                        ),
-                    )
-                })?,
-            None => (priorities.len() - 1) / 2,
-        };
-
-        let workers = match &workers {
-            Some(w) => ranged(source, &key("workers"), w, 1..1025)? as usize,
-            None => defaults::WORKERS,
-        };
-        let batch = match &batch {
-            Some(b) => ranged(source, &key("batch"), b, 1..MAX_BATCH as i64 + 1)? as usize,
-            None => defaults::BATCH,
-        };
-        let max_running = match &max_running {
-            Some(limit) => {
-                let max_running = ranged(
-                    source,
-                    &key("max_running"),
-                    limit,
-                    1..MAX_RUNNING as i64 + 1,
-                )? as usize;
-                // Either mode: a pop keeps its slots under its owner (pop.lua).
-                limited_claims(source, (&key, "max_running"), prefetch.as_ref())?;
-                Some(max_running)
-            }
-            None => None,
-        };
-        let rate_limit = match &rate_limit {
-            Some(value) => {
-                let rates = rate_limits(source, &key("rate_limit"), value)?;
-                // Either mode: a pop counts its starts as a claim does.
-                limited_claims(source, (&key, "rate_limit"), prefetch.as_ref())?;
-                rates
-            }
-            None => Vec::new(),
-        };
-        let prefetch = match &prefetch {
-            Some(p) => Prefetch::Fixed(ranged(source, &key("prefetch"), p, 0..100_001)? as usize),
-            // A task claimed ahead would hold a running slot, or a start of the rate, that another daemon's idle
-            // worker could use.
-            None if max_running.is_some() || !rate_limit.is_empty() => Prefetch::Fixed(0),
-            None => Prefetch::Auto,
-        };
-        let max_held = match (&max_held, prefetch) {
-            (Some(m), prefetch) => {
-                let least = prefetch.least_held(workers);
-                let max_held = ranged(source, &key("max_held"), m, 1..200_001)? as usize;
-                if max_held < least {
-                    let what = match prefetch {
-                        Prefetch::Fixed(p) => format!("workers + prefetch ({workers} + {p})"),
-                        Prefetch::Auto => format!("workers ({workers})"),
-                    };
-                    return Err(source.error(
-                        m.span(),
-                        format!(
-                            "{}: {max_held} is less than {what}, which the queue may hold: raise max_held, or \
-                             lower workers or prefetch",
-                            key("max_held")
-                        ),
-                    ));
-                }
-                max_held
-            }
-            (None, Prefetch::Fixed(p)) => workers + p,
-            (None, Prefetch::Auto) => workers + defaults::HELD_BEYOND_WORKERS,
-        };
-        let lease_timeout = duration_or(
+        let Levels {
+            priorities,
+            priority_weights,
+            default_priority,
+        } = levels(source, &key, priorities, priority_weights, default_priority)?;
+        let Capacity {
+            workers,
+            batch,
+            prefetch,
+            max_held,
+            max_running,
+            rate_limit,
+        } = capacity(
             source,
-            &key("lease_timeout"),
-            &lease_timeout,
-            defaults::LEASE_TIMEOUT,
+            &key,
+            workers,
+            batch,
+            prefetch,
+            max_held,
+            (max_running, rate_limit),
         )?;
-        if lease_timeout < Duration::from_millis(300) {
-            return Err(source.error(
-                span.clone(),
-                format!("{}: {lease_timeout:?} is too short; the heartbeat renews every third of it, use at least 300ms", key("lease_timeout")),
-            ));
-        }
-        let execution_timeout = Some(duration_or(
+        let Timing {
+            lease_timeout,
+            execution_timeout,
+            alive_timeout,
+        } = timing(
             source,
-            &key("execution_timeout"),
-            &execution_timeout,
-            defaults::EXECUTION_TIMEOUT,
-        )?)
-        .filter(|d| !d.is_zero());
-        let alive_timeout = match &alive_timeout {
-            Some(value) => {
-                Some(parse_duration(source, &key("alive_timeout"), value)?).filter(|d| !d.is_zero())
-            }
-            None => None,
-        };
-        let retry_times = match &retry_times {
-            Some(r) => ranged(source, &key("retry_times"), r, 0..1001)? as u32,
-            None => defaults::RETRY_TIMES,
-        };
-        let on_handler_error = match &on_handler_error {
-            Some(value) => one_of(
-                source,
-                &key("on_handler_error"),
-                value,
-                &[
-                    ("retry", OnHandlerError::Retry),
-                    ("finish", OnHandlerError::Finish),
-                    ("dead", OnHandlerError::Dead),
-                ],
-            )?,
-            None => OnHandlerError::Retry,
-        };
-        let backoff_value = duration_or(source, &key("backoff"), &backoff, defaults::BACKOFF)?;
-        let backoff_max = duration_or(
-            source,
-            &key("backoff_max"),
-            &backoff_max,
-            defaults::BACKOFF_MAX,
+            &key,
+            &span,
+            lease_timeout,
+            execution_timeout,
+            alive_timeout,
         )?;
-        if backoff_max < backoff_value {
-            return Err(source.error(
-                span.clone(),
-                format!(
-                    "{}: must not be shorter than backoff ({backoff_value:?})",
-                    key("backoff_max")
-                ),
-            ));
-        }
-        let dead_max = match &dead_max {
-            Some(d) => ranged(source, &key("dead_max"), d, 1..100_000_001)? as usize,
-            None => defaults::DEAD_MAX,
-        };
+        let Retry {
+            retry_times,
+            on_handler_error,
+            backoff,
+            backoff_max,
+            dead_max,
+        } = retry(
+            source,
+            &key,
+            &span,
+            retry_times,
+            on_handler_error,
+            (backoff, backoff_max),
+            dead_max,
+        )?;
         let idle_poll = duration_or(source, &key("idle_poll"), &idle_poll, defaults::IDLE_POLL)?;
         if idle_poll < Duration::from_millis(10) || idle_poll > Duration::from_secs(5) {
             return Err(source.error(span, format!("{}: must be between 10ms and 5s (it also bounds how long a stopping daemon waits for its fetchers)", key("idle_poll"))));
@@ -358,7 +204,7 @@ impl RawQueue {
             alive_timeout,
             retry_times,
             on_handler_error,
-            backoff: backoff_value,
+            backoff,
             backoff_max,
             dead_max,
             idle_poll,
@@ -369,6 +215,315 @@ impl RawQueue {
             source_lists,
         })
     }
+}
+
+/// A queue's priority levels, as [`levels`] checks them.
+struct Levels {
+    priorities: Vec<String>,
+    priority_weights: Vec<u32>,
+    default_priority: usize,
+}
+
+/// A queue's `priorities`, `priority_weights` and `default_priority`: checked together, as the weights and the
+/// default name the levels.
+fn levels(
+    source: &Source<'_>,
+    key: &impl Fn(&str) -> String,
+    priorities: Option<Spanned<Vec<String>>>,
+    priority_weights: Option<Spanned<Vec<i64>>>,
+    default_priority: Option<Spanned<String>>,
+) -> Result<Levels, ConfigError> {
+    let priorities = match priorities {
+        Some(list) => {
+            let levels = list.get_ref();
+            if levels.is_empty() {
+                return Err(source.error(
+                    list.span(),
+                    format!("{}: list at least one level", key("priorities")),
+                ));
+            }
+            let mut seen = HashSet::new();
+            for level in levels {
+                let spanned = Spanned::new(list.span(), level.clone());
+                check_name(source, &key("priorities"), &spanned, "priority level")?;
+                if !seen.insert(level) {
+                    return Err(source.error(
+                        list.span(),
+                        format!("{}: level {level:?} is listed twice", key("priorities")),
+                    ));
+                }
+            }
+            levels.clone()
+        }
+        None => vec![defaults::PRIORITY.to_string()],
+    };
+    let priority_weights = match &priority_weights {
+        Some(weights) => {
+            let span = weights.span();
+            let list = weights.get_ref();
+            if list.len() != priorities.len() {
+                return Err(source.error(
+                    span,
+                    format!(
+                        "{}: {} weights for {} priorities {priorities:?}; give one weight per level, in the \
+                         same order",
+                        key("priority_weights"),
+                        list.len(),
+                        priorities.len()
+                    ),
+                ));
+            }
+            list.iter()
+                .map(|weight| {
+                    u32::try_from(*weight)
+                        .ok()
+                        .filter(|weight| (1..=MAX_PRIORITY_WEIGHT).contains(weight))
+                        .ok_or_else(|| {
+                            source.error(
+                                span.clone(),
+                                format!(
+                                    "{}: {weight} is out of range; each weight must be between 1 and \
+                                     {MAX_PRIORITY_WEIGHT}",
+                                    key("priority_weights")
+                                ),
+                            )
+                        })
+                })
+                .collect::<Result<Vec<u32>, ConfigError>>()?
+        }
+        None => Vec::new(),
+    };
+    // The middle level for an odd count, the first of the two middle ones otherwise: "normal" for
+    // ["high", "normal", "low"], "high" for ["high", "low"].
+    let default_priority = match default_priority {
+        Some(level) => priorities
+            .iter()
+            .position(|p| p == level.get_ref())
+            .ok_or_else(|| {
+                source.error(
+                    level.span(),
+                    format!(
+                        "{}: {:?} is not one of the queue's priorities {priorities:?}",
+                        key("default_priority"),
+                        level.get_ref()
+                    ),
+                )
+            })?,
+        None => (priorities.len() - 1) / 2,
+    };
+    Ok(Levels {
+        priorities,
+        priority_weights,
+        default_priority,
+    })
+}
+
+/// How much a queue runs and holds at once, as [`capacity`] checks it.
+struct Capacity {
+    workers: usize,
+    batch: usize,
+    prefetch: Prefetch,
+    max_held: usize,
+    max_running: Option<usize>,
+    rate_limit: Vec<rate::RateLimit>,
+}
+
+/// A queue's `workers`, `batch`, `prefetch` and `max_held`, and the limits `max_running` and `rate_limit`:
+/// checked together, as each bounds the next (a limit rules out prefetch, and `max_held` must hold the workers
+/// and what they prefetch).
+fn capacity(
+    source: &Source<'_>,
+    key: &impl Fn(&str) -> String,
+    workers: Option<Spanned<i64>>,
+    batch: Option<Spanned<i64>>,
+    prefetch: Option<Spanned<i64>>,
+    max_held: Option<Spanned<i64>>,
+    (max_running, rate_limit): (Option<Spanned<i64>>, Option<Spanned<toml::Value>>),
+) -> Result<Capacity, ConfigError> {
+    let workers = match &workers {
+        Some(w) => ranged(source, &key("workers"), w, 1..1025)? as usize,
+        None => defaults::WORKERS,
+    };
+    let batch = match &batch {
+        Some(b) => ranged(source, &key("batch"), b, 1..MAX_BATCH as i64 + 1)? as usize,
+        None => defaults::BATCH,
+    };
+    let max_running = match &max_running {
+        Some(limit) => {
+            let max_running = ranged(
+                source,
+                &key("max_running"),
+                limit,
+                1..MAX_RUNNING as i64 + 1,
+            )? as usize;
+            // Either mode: a pop keeps its slots under its owner (pop.lua).
+            limited_claims(source, (key, "max_running"), prefetch.as_ref())?;
+            Some(max_running)
+        }
+        None => None,
+    };
+    let rate_limit = match &rate_limit {
+        Some(value) => {
+            let rates = rate_limits(source, &key("rate_limit"), value)?;
+            // Either mode: a pop counts its starts as a claim does.
+            limited_claims(source, (key, "rate_limit"), prefetch.as_ref())?;
+            rates
+        }
+        None => Vec::new(),
+    };
+    let prefetch = match &prefetch {
+        Some(p) => Prefetch::Fixed(ranged(source, &key("prefetch"), p, 0..100_001)? as usize),
+        // A task claimed ahead would hold a running slot, or a start of the rate, that another daemon's idle
+        // worker could use.
+        None if max_running.is_some() || !rate_limit.is_empty() => Prefetch::Fixed(0),
+        None => Prefetch::Auto,
+    };
+    let max_held = match (&max_held, prefetch) {
+        (Some(m), prefetch) => {
+            let least = prefetch.least_held(workers);
+            let max_held = ranged(source, &key("max_held"), m, 1..200_001)? as usize;
+            if max_held < least {
+                let what = match prefetch {
+                    Prefetch::Fixed(p) => format!("workers + prefetch ({workers} + {p})"),
+                    Prefetch::Auto => format!("workers ({workers})"),
+                };
+                return Err(source.error(
+                    m.span(),
+                    format!(
+                        "{}: {max_held} is less than {what}, which the queue may hold: raise max_held, or \
+                         lower workers or prefetch",
+                        key("max_held")
+                    ),
+                ));
+            }
+            max_held
+        }
+        (None, Prefetch::Fixed(p)) => workers + p,
+        (None, Prefetch::Auto) => workers + defaults::HELD_BEYOND_WORKERS,
+    };
+    Ok(Capacity {
+        workers,
+        batch,
+        prefetch,
+        max_held,
+        max_running,
+        rate_limit,
+    })
+}
+
+/// How long a queue's task may run, as [`timing`] checks it.
+struct Timing {
+    lease_timeout: Duration,
+    execution_timeout: Option<Duration>,
+    alive_timeout: Option<Duration>,
+}
+
+/// A queue's `lease_timeout`, `execution_timeout` and `alive_timeout`; `span` is the queue's table, where the
+/// lease's error points.
+fn timing(
+    source: &Source<'_>,
+    key: &impl Fn(&str) -> String,
+    span: &Range<usize>,
+    lease_timeout: Option<Spanned<String>>,
+    execution_timeout: Option<Spanned<String>>,
+    alive_timeout: Option<Spanned<String>>,
+) -> Result<Timing, ConfigError> {
+    let lease_timeout = duration_or(
+        source,
+        &key("lease_timeout"),
+        &lease_timeout,
+        defaults::LEASE_TIMEOUT,
+    )?;
+    if lease_timeout < Duration::from_millis(300) {
+        return Err(source.error(
+            span.clone(),
+            format!("{}: {lease_timeout:?} is too short; the heartbeat renews every third of it, use at least 300ms", key("lease_timeout")),
+        ));
+    }
+    let execution_timeout = Some(duration_or(
+        source,
+        &key("execution_timeout"),
+        &execution_timeout,
+        defaults::EXECUTION_TIMEOUT,
+    )?)
+    .filter(|d| !d.is_zero());
+    let alive_timeout = match &alive_timeout {
+        Some(value) => {
+            Some(parse_duration(source, &key("alive_timeout"), value)?).filter(|d| !d.is_zero())
+        }
+        None => None,
+    };
+    Ok(Timing {
+        lease_timeout,
+        execution_timeout,
+        alive_timeout,
+    })
+}
+
+/// What a queue does with a failed task, as [`retry`] checks it.
+struct Retry {
+    retry_times: u32,
+    on_handler_error: OnHandlerError,
+    backoff: Duration,
+    backoff_max: Duration,
+    dead_max: usize,
+}
+
+/// A queue's `retry_times`, `on_handler_error`, `backoff`, `backoff_max` and `dead_max`; `span` is the queue's
+/// table, where the error of a `backoff_max` shorter than `backoff` points.
+fn retry(
+    source: &Source<'_>,
+    key: &impl Fn(&str) -> String,
+    span: &Range<usize>,
+    retry_times: Option<Spanned<i64>>,
+    on_handler_error: Option<Spanned<String>>,
+    (backoff, backoff_max): (Option<Spanned<String>>, Option<Spanned<String>>),
+    dead_max: Option<Spanned<i64>>,
+) -> Result<Retry, ConfigError> {
+    let retry_times = match &retry_times {
+        Some(r) => ranged(source, &key("retry_times"), r, 0..1001)? as u32,
+        None => defaults::RETRY_TIMES,
+    };
+    let on_handler_error = match &on_handler_error {
+        Some(value) => one_of(
+            source,
+            &key("on_handler_error"),
+            value,
+            &[
+                ("retry", OnHandlerError::Retry),
+                ("finish", OnHandlerError::Finish),
+                ("dead", OnHandlerError::Dead),
+            ],
+        )?,
+        None => OnHandlerError::Retry,
+    };
+    let backoff_value = duration_or(source, &key("backoff"), &backoff, defaults::BACKOFF)?;
+    let backoff_max = duration_or(
+        source,
+        &key("backoff_max"),
+        &backoff_max,
+        defaults::BACKOFF_MAX,
+    )?;
+    if backoff_max < backoff_value {
+        return Err(source.error(
+            span.clone(),
+            format!(
+                "{}: must not be shorter than backoff ({backoff_value:?})",
+                key("backoff_max")
+            ),
+        ));
+    }
+    let dead_max = match &dead_max {
+        Some(d) => ranged(source, &key("dead_max"), d, 1..100_000_001)? as usize,
+        None => defaults::DEAD_MAX,
+    };
+    Ok(Retry {
+        retry_times,
+        on_handler_error,
+        backoff: backoff_value,
+        backoff_max,
+        dead_max,
+    })
 }
 
 /// The largest `priority_weights` entry: weights are ratios, and a bigger one only makes Redis's sums larger.
