@@ -1,4 +1,6 @@
 //! The supervisor: starts every thread of the daemon, watches them, and runs the shutdown sequence.
+//! Its parts are modules beside it: the registry of its threads (`threads`), the wait for Redis at start
+//! (`startup`), applying a reload ([`reload`]) and its owners' last steps in Redis (`owners`).
 //!
 //! Per queue a [`lane`] (fetcher, `workers` workers, acker), a delay poller and, with `source_lists`, a
 //! [`sources`] mover; per daemon the [`heartbeat`], the [`monitor`], the [`timeouts`] thread, the delay listener,
@@ -34,22 +36,24 @@ pub mod log_filter;
 pub mod metrics;
 pub mod monitor;
 pub mod notify;
+mod owners;
 pub mod reload;
 pub mod report;
 pub mod scheduler;
 pub mod signals;
 pub mod sources;
+mod startup;
+mod threads;
 pub mod timeouts;
 pub mod watchdog;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, select};
 
-use crate::broker::{self, BrokerError, Connector, Session, access, eviction};
+use crate::broker::{self, BrokerError, Connector, Session};
 use crate::config::{Config, QueueConfig};
 use crate::plugin::{Plugins, Reader, Registry};
 use crate::pulse::Pulse;
@@ -64,8 +68,11 @@ use lane::worker::Worker;
 use lane::{Lane, LaneSet};
 use metrics::Metrics;
 use monitor::{Monitor, Watched};
+use owners::{mark_draining, release_owners};
 use scheduler::Scheduler;
 use sources::SourceMover;
+use startup::wait_for_redis;
+use threads::{Event, Group, Role, Threads};
 use timeouts::Timeouts;
 
 /// How long the ackers get to apply what they hold once every task is resolved.
@@ -110,215 +117,6 @@ impl DaemonError {
             DaemonError::Broker(error) => error.is_config_error(),
             _ => false,
         }
-    }
-}
-
-/// Waits until Redis answers, its ACL user may do all the daemon does on every queue (one check per queue,
-/// `broker::access`), every queue's keys are of this protocol version and no master's `maxmemory-policy` may
-/// evict kmqd's keys (`broker::eviction`), however long Redis is down (one log line, then a summary every 30 s);
-/// a stop request ends the wait (returns false). Wrong credentials, missing ACL rules, keys of another protocol
-/// version and a policy that may evict (unless `[redis] allow_eviction` accepts it) end it too, as errors:
-/// waiting would not fix them.
-fn wait_for_redis(
-    config: &Config,
-    connector: &Connector,
-    stop: &Receiver<()>,
-) -> Result<bool, DaemonError> {
-    let redis = config.redis.describe();
-    crate::retry::name_server(redis.clone());
-    let mut trouble = crate::retry::Trouble::new("connecting to Redis at start", None);
-    let mut delay = Duration::from_millis(100);
-    notify::status(&format!("connecting to Redis at {redis}"));
-    // What the status line last said went wrong, so that it is sent again only when that changes.
-    let mut shown = String::new();
-    loop {
-        let checked = connector.connect().and_then(|mut connection| {
-            for queue in &config.queues {
-                let keys = broker::QueueKeys::for_queue(&config.redis.key_prefix, queue);
-                // First, so that a missing ACL rule is reported by name, not as the NOPERM of whatever
-                // command happens to come first (or of a script, at the first task that needs it).
-                access::check(&mut connection, &keys, access::Action::Serve)?;
-                broker::check_protocol(&mut connection, &keys, &queue.name)?;
-            }
-            eviction::check(&mut connection, config.redis.allow_eviction)
-        });
-        match checked {
-            Ok(finding) => {
-                trouble.recovered();
-                for warning in finding.warnings() {
-                    tracing::warn!("{warning}");
-                }
-                tracing::debug!(policy = %finding.describe(), "Redis's maxmemory-policy");
-                return Ok(true);
-            }
-            Err(BrokerError::Redis(error)) if broker::is_auth_error(&error) => {
-                return Err(DaemonError::Auth(error));
-            }
-            Err(error) if error.is_config_error() => {
-                return Err(error.for_user(connector.username()).into());
-            }
-            Err(error) => {
-                if let Some(refusal) = broker::tls_refusal(&error) {
-                    return Err(DaemonError::Tls(refusal));
-                }
-                if let Some(refused) = connector.refusal() {
-                    return Err(DaemonError::Auth(refused));
-                }
-                trouble.failed(&error);
-                let text = error.to_string();
-                if text != shown {
-                    notify::status(&format!("waiting for Redis at {redis}: {text}"));
-                    shown = text;
-                }
-            }
-        }
-        match stop.recv_timeout(delay) {
-            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
-            _ => {
-                notify::stopping("stopping before Redis answered");
-                return Ok(false);
-            }
-        }
-        delay = (delay * 2).min(Duration::from_secs(5));
-    }
-}
-
-/// What the supervisor reacts to.
-enum Event {
-    /// A thread ended (its closure returned or panicked).
-    Exited { id: u64, panicked: bool },
-}
-
-/// What a thread is to the shutdown sequence, which waits for each role in turn.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Role {
-    Fetcher,
-    Worker,
-    Acker,
-    /// The monitor: it calls plugins' `on_dead`, so plugins are not shut down while it lives.
-    Monitor,
-    Other,
-}
-
-/// Sends `Event::Exited` when the thread ends, however it ends.
-struct ExitGuard {
-    id: u64,
-    events: Sender<Event>,
-}
-
-impl Drop for ExitGuard {
-    fn drop(&mut self) {
-        // The supervisor may have stopped listening at the very end; nothing is left to tell then.
-        let _ = self.events.send(Event::Exited {
-            id: self.id,
-            panicked: std::thread::panicking(),
-        });
-    }
-}
-
-/// A thread the supervisor started.
-struct Thread {
-    name: String,
-    role: Role,
-    /// What it was started as part of: a lane incarnation, or a per-daemon thread a reload starts again
-    /// ([`Group`]); a reload that stops a group expects its threads to end.
-    group: Group,
-    handle: JoinHandle<()>,
-}
-
-/// Threads started together and stopped together: 0 is the daemon's own (heartbeat, timeouts, notify,
-/// metrics), which only the shutdown stops.
-type Group = u64;
-
-/// The threads the supervisor started and has not seen end, by a serial number (a reload starts threads under
-/// names already in use: a queue's new lane while its old one finishes).
-struct Threads {
-    events: Sender<Event>,
-    live: HashMap<u64, Thread>,
-    next_id: u64,
-}
-
-impl Threads {
-    fn spawn(
-        &mut self,
-        name: String,
-        role: Role,
-        group: Group,
-        body: impl FnOnce() + Send + 'static,
-    ) -> Result<(), DaemonError> {
-        self.next_id += 1;
-        let id = self.next_id;
-        let guard = ExitGuard {
-            id,
-            events: self.events.clone(),
-        };
-        let handle = std::thread::Builder::new()
-            .name(name.clone())
-            .spawn(move || {
-                let _guard = guard;
-                body();
-            })
-            .map_err(|source| DaemonError::Spawn {
-                name: name.clone(),
-                source,
-            })?;
-        self.live.insert(
-            id,
-            Thread {
-                name,
-                role,
-                group,
-                handle,
-            },
-        );
-        Ok(())
-    }
-
-    /// Joins a thread that reported its end; returns its name and group.
-    fn exited(&mut self, id: u64) -> Option<(String, Group)> {
-        let thread = self.live.remove(&id)?;
-        // The thread has already ended, so this does not block; a panic was reported through the event.
-        let _ = thread.handle.join();
-        Some((thread.name, thread.group))
-    }
-
-    fn count(&self, roles: &[Role]) -> usize {
-        self.live
-            .values()
-            .filter(|thread| roles.contains(&thread.role))
-            .count()
-    }
-
-    fn count_in(&self, group: Group, roles: &[Role]) -> usize {
-        self.live
-            .values()
-            .filter(|thread| thread.group == group && roles.contains(&thread.role))
-            .count()
-    }
-
-    /// Whether a thread of `group` is still alive.
-    fn any_in(&self, group: Group) -> bool {
-        self.live.values().any(|thread| thread.group == group)
-    }
-
-    /// Handles exit events until no thread of `roles` is left or `deadline` passes. Returns whether none is left.
-    fn wait_for(&mut self, events: &Receiver<Event>, roles: &[Role], deadline: Instant) -> bool {
-        while self.count(roles) > 0 {
-            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
-                return false;
-            };
-            match events.recv_timeout(left) {
-                Ok(Event::Exited { id, panicked }) => {
-                    if let Some((name, _)) = self.exited(id) {
-                        if panicked {
-                            tracing::error!(thread = %name, "thread panicked during shutdown");
-                        }
-                    }
-                }
-                Err(_) => return false,
-            }
-        }
-        true
     }
 }
 
@@ -822,128 +620,6 @@ impl Supervisor {
         None
     }
 
-    /// Stops a lane the way the shutdown stops every lane, without a deadline: no new tasks, jobs not started
-    /// handed back, running ones finish and are settled; then its owner is released ([`Supervisor::exited`]).
-    /// The jobs waiting for a worker are handed back at once, for the new lane: a worker hands back the jobs it
-    /// receives once claiming stopped, but the lane's workers may be busy for as long as their handlers run.
-    fn retire(&mut self, index: usize) {
-        let serving = &mut self.serving[index];
-        serving.retiring = true;
-        serving.claiming.fire();
-        serving.lane.hand_back_waiting();
-        self.stopping.insert(serving.group);
-        mark_draining(std::slice::from_ref(&serving.lane), &self.parts.pool);
-    }
-
-    /// Re-reads the config file and applies it, or refuses it and keeps the running one.
-    fn reload(&mut self) {
-        tracing::info!(config = %self.config.path.display(), "SIGHUP: reloading the config");
-        notify::reloading("reloading the config");
-        match self.try_reload() {
-            Ok(summary) => tracing::info!("config reloaded: {summary}"),
-            Err(why) => {
-                tracing::error!("reload refused, still serving the config loaded before: {why}")
-            }
-        }
-        notify::ready(&notify::summary(&self.lanes.snapshot()));
-    }
-
-    /// The reload itself; the error is what `kmqd check-config` would print.
-    fn try_reload(&mut self) -> Result<String, String> {
-        let new = Config::load(&self.config.path).map_err(|error| error.to_string())?;
-        let (registry, plugin_changes) = Registry::reload(&new, &self.parts.plugins.current())
-            .map_err(|error| error.located(&new.path))?;
-        let plan = reload::plan(&self.config, &new);
-        self.check_new_queues(&plan)?;
-        for refused in registry.refused() {
-            tracing::error!("{}: {refused}; the file is skipped", new.path.display());
-        }
-        let needs_restart: Vec<&String> = plan
-            .needs_restart
-            .iter()
-            .chain(&plugin_changes.needs_restart)
-            .collect();
-        for key in &needs_restart {
-            tracing::warn!("needs a restart: {key}; kept as it runs");
-        }
-        // Tasks that start from now on run on the new plugins; running ones finish on the old, whose instances
-        // no longer referenced are shut down when their last task returns.
-        drop(self.parts.plugins.replace(registry));
-        if new.daemon.log_level != self.config.daemon.log_level {
-            crate::daemon::log_filter::set(&new.daemon.log_level);
-        }
-        let queues_changed = plan.queues_changed();
-        self.config = plan.config.clone();
-        for name in plan.changed.iter().chain(&plan.removed) {
-            if let Some(index) = self
-                .serving
-                .iter()
-                .position(|s| !s.retiring && s.lane.name() == name)
-            {
-                self.retire(index);
-            }
-        }
-        for name in plan.changed.iter().chain(&plan.added) {
-            let queue = self.config.queue(name).expect("planned from it").clone();
-            if let Err(error) = self.start_lane(&queue) {
-                tracing::error!(queue = %name, %error, "cannot start the new lane");
-            }
-        }
-        if queues_changed {
-            if let Err(error) = self.start_helpers() {
-                tracing::error!(%error, "cannot start the monitor, delay listener or scheduler again");
-            }
-        }
-        let mut summary: Vec<String> = plan.changes.clone();
-        let list = |what: &str, names: &[String]| format!("{what} {}", names.join(", "));
-        if !plan.added.is_empty() {
-            summary.push(list("queues started:", &plan.added));
-        }
-        if !plan.removed.is_empty() {
-            summary.push(list("queues stopped:", &plan.removed));
-        }
-        if plan.schedules_changed {
-            summary.push("schedules replaced".to_string());
-        }
-        for path in &plugin_changes.loaded {
-            summary.push(format!("plugin loaded: {}", path.display()));
-        }
-        if !needs_restart.is_empty() {
-            let keys: Vec<&str> = needs_restart.iter().map(|k| k.as_str()).collect();
-            summary.push(format!("needs a restart: {}", keys.join(", ")));
-        }
-        if summary.is_empty() {
-            summary.push("nothing changed".to_string());
-        }
-        Ok(summary.join("; "))
-    }
-
-    /// The checks the start makes on every queue, for the queues a reload adds and those whose `source_lists`
-    /// it changes: the ACL user may serve them (their new sources too) and their keys are of this protocol
-    /// version. Redis down refuses the reload too: it cannot be checked.
-    fn check_new_queues(&self, plan: &reload::Plan) -> Result<(), String> {
-        let new_sources = plan.changed.iter().filter(|name| {
-            let lists = |config: &Config| config.queue(name).map(|q| q.source_lists.clone());
-            lists(&self.config) != lists(&plan.config)
-        });
-        let to_check: Vec<&String> = plan.added.iter().chain(new_sources).collect();
-        if to_check.is_empty() {
-            return Ok(());
-        }
-        let mut connection = self
-            .connector
-            .connect()
-            .map_err(|error| format!("cannot check the new queues in Redis: {error}"))?;
-        for name in to_check {
-            let queue = plan.config.queue(name).expect("planned from it");
-            let keys = broker::QueueKeys::for_queue(&plan.config.redis.key_prefix, queue);
-            access::check(&mut connection, &keys, access::Action::Serve)
-                .and_then(|()| broker::check_protocol(&mut connection, &keys, name))
-                .map_err(|error| format!("queue {name}: {error}"))?;
-        }
-        Ok(())
-    }
-
     /// The staged shutdown (the module's doc), over every lane, replaced ones still finishing included.
     fn shut_down(&mut self, events: &Receiver<Event>) {
         let config = &self.config;
@@ -1015,86 +691,5 @@ impl Supervisor {
             self.parts.plugins.current().shutdown();
         }
         tracing::info!("kmqd stopped");
-    }
-}
-
-/// Marks this daemon's owners as draining (`kmqd workers` shows it) as its graceful stop begins. Best effort,
-/// one try each: a daemon that cannot reach Redis is stopping all the same, and its registration goes when its
-/// owner is released.
-fn mark_draining(lanes: &[Arc<Lane>], pool: &broker::Pool) {
-    let now_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |since| since.as_millis() as i64);
-    for lane in lanes {
-        let Some(owner) = lane.ownership.current() else {
-            continue;
-        };
-        let marked = pool
-            .get()
-            .map_err(BrokerError::from)
-            .and_then(|mut connection| {
-                let result = broker::admin::mark_draining(
-                    &mut **connection,
-                    &lane.queue.keys,
-                    &owner,
-                    now_ms,
-                );
-                if result.is_err() {
-                    connection.mark_broken();
-                }
-                result
-            });
-        if let Err(error) = marked {
-            tracing::debug!(queue = %lane.name(), %owner, %error, "cannot mark the owner draining");
-        }
-    }
-}
-
-/// Forgets this daemon's owners, now that every outcome is settled. An owner that still holds tasks (Redis
-/// failed while settling) is kept: its lease runs out and the monitors return its tasks to the queue.
-fn release_owners(lanes: &[Arc<Lane>], pool: &broker::Pool) {
-    /// A pooled connection may have died in the meantime (a `CLIENT KILL`, an idle timeout): try a fresh one.
-    const ATTEMPTS: usize = 3;
-    for lane in lanes {
-        let Some(owner) = lane.ownership.current() else {
-            continue;
-        };
-        // Forgotten here first, so that the heartbeat neither renews it again nor takes its disappearance for a
-        // lost lease.
-        lane.ownership.lose(&owner);
-        let mut released = Err(BrokerError::Reply {
-            what: "release",
-            detail: "not tried".to_string(),
-        });
-        for _ in 0..ATTEMPTS {
-            released = pool
-                .get()
-                .map_err(BrokerError::from)
-                .and_then(|mut connection| {
-                    let result =
-                        broker::release_unique(&mut **connection, &lane.queue.keys, &owner)
-                            .and_then(|_| {
-                                broker::release(&mut **connection, &lane.queue.keys, &owner, false)
-                            });
-                    if result.is_err() {
-                        connection.mark_broken();
-                    }
-                    result
-                });
-            if released.is_ok() {
-                break;
-            }
-        }
-        match released {
-            Ok(true) => tracing::debug!(queue = %lane.name(), %owner, "owner released"),
-            Ok(false) => tracing::warn!(
-                queue = %lane.name(),
-                %owner,
-                "still holds tasks; they return to the queue when its lease runs out"
-            ),
-            Err(error) => {
-                tracing::error!(queue = %lane.name(), %owner, %error, "cannot release the owner; its lease runs out")
-            }
-        }
     }
 }

@@ -1,6 +1,6 @@
 //! What a reload (SIGHUP, `systemctl reload kmqd`) changes: the pure comparison of the running config with the
-//! new one. The supervisor (`daemon`) applies the [`Plan`]; docs/OPERATIONS.md ("Reloading") is the operator's
-//! view.
+//! new one. The supervisor (`daemon`) applies the [`Plan`] (`reload/apply.rs`); docs/OPERATIONS.md ("Reloading")
+//! is the operator's view.
 //!
 //! Live: every queue setting but its mode (a queue whose settings changed gets a new lane: the old one stops the
 //! way a graceful shutdown stops it, finishing its running tasks, while the new one starts at once), new and

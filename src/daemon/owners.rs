@@ -1,0 +1,90 @@
+//! This daemon's owners in Redis at the end of a lane's life: marked draining as a graceful stop (or a reload's
+//! retirement) begins, released once every outcome is settled. Its own module because it is the supervisor's
+//! only Redis bookkeeping of its own, apart from the start-up checks, done through the pool on behalf of lanes
+//! whose threads have stopped.
+
+use std::sync::Arc;
+
+use super::lane::Lane;
+use crate::broker::{self, BrokerError};
+
+/// Marks this daemon's owners as draining (`kmqd workers` shows it) as its graceful stop begins. Best effort,
+/// one try each: a daemon that cannot reach Redis is stopping all the same, and its registration goes when its
+/// owner is released.
+pub(super) fn mark_draining(lanes: &[Arc<Lane>], pool: &broker::Pool) {
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_millis() as i64);
+    for lane in lanes {
+        let Some(owner) = lane.ownership.current() else {
+            continue;
+        };
+        let marked = pool
+            .get()
+            .map_err(BrokerError::from)
+            .and_then(|mut connection| {
+                let result = broker::admin::mark_draining(
+                    &mut **connection,
+                    &lane.queue.keys,
+                    &owner,
+                    now_ms,
+                );
+                if result.is_err() {
+                    connection.mark_broken();
+                }
+                result
+            });
+        if let Err(error) = marked {
+            tracing::debug!(queue = %lane.name(), %owner, %error, "cannot mark the owner draining");
+        }
+    }
+}
+
+/// Forgets this daemon's owners, now that every outcome is settled. An owner that still holds tasks (Redis
+/// failed while settling) is kept: its lease runs out and the monitors return its tasks to the queue.
+pub(super) fn release_owners(lanes: &[Arc<Lane>], pool: &broker::Pool) {
+    /// A pooled connection may have died in the meantime (a `CLIENT KILL`, an idle timeout): try a fresh one.
+    const ATTEMPTS: usize = 3;
+    for lane in lanes {
+        let Some(owner) = lane.ownership.current() else {
+            continue;
+        };
+        // Forgotten here first, so that the heartbeat neither renews it again nor takes its disappearance for a
+        // lost lease.
+        lane.ownership.lose(&owner);
+        let mut released = Err(BrokerError::Reply {
+            what: "release",
+            detail: "not tried".to_string(),
+        });
+        for _ in 0..ATTEMPTS {
+            released = pool
+                .get()
+                .map_err(BrokerError::from)
+                .and_then(|mut connection| {
+                    let result =
+                        broker::release_unique(&mut **connection, &lane.queue.keys, &owner)
+                            .and_then(|_| {
+                                broker::release(&mut **connection, &lane.queue.keys, &owner, false)
+                            });
+                    if result.is_err() {
+                        connection.mark_broken();
+                    }
+                    result
+                });
+            if released.is_ok() {
+                break;
+            }
+        }
+        match released {
+            Ok(true) => tracing::debug!(queue = %lane.name(), %owner, "owner released"),
+            Ok(false) => tracing::warn!(
+                queue = %lane.name(),
+                %owner,
+                "still holds tasks; they return to the queue when its lease runs out"
+            ),
+            Err(error) => {
+                tracing::error!(queue = %lane.name(), %owner, %error, "cannot release the owner; its lease runs out")
+            }
+        }
+    }
+}
