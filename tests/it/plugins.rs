@@ -693,8 +693,10 @@ fn the_exec_plugin_runs_a_shell_script_end_to_end() {
         &redis,
         &format!(
             "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\nworkers = 4\nretry_times = 1\nbackoff = \"10ms\"\n\n\
-             [[queues]]\nname = \"slow\"\nmode = \"safe\"\nexecution_timeout = \"300ms\"\nretry_times = 0\n\n{}{}",
-            plugin("shell", "libkmq_exec.so", "500ms", "shell"),
+             [[queues]]\nname = \"slow\"\nmode = \"safe\"\nexecution_timeout = \"2s\"\nretry_times = 0\n\n{}{}",
+            // Time enough for a loaded machine to start the shell and let it write its pid files before it is
+            // killed (at 500 ms it once was not: the files never came).
+            plugin("shell", "libkmq_exec.so", "2s", "shell"),
             plugin("slow", "libkmq_exec.so", "1h", "shell.slow"),
         ),
     );
@@ -720,7 +722,7 @@ fn the_exec_plugin_runs_a_shell_script_end_to_end() {
     );
     assert_eq!(
         reason_of(&dead, "stuck"),
-        "exec: timed out after 500ms; killed; no retries left after 2 runs"
+        "exec: timed out after 2s; killed; no retries left after 2 runs"
     );
     for attempt in 0..2 {
         let (command, background) = hung_pids(&dir, "stuck", attempt);
@@ -748,7 +750,7 @@ fn the_exec_plugin_runs_a_shell_script_end_to_end() {
         },
     );
     assert!(
-        reason_of(&dead, "cancelled").starts_with("execution timeout: still running after 300ms"),
+        reason_of(&dead, "cancelled").starts_with("execution timeout: still running after 2s"),
         "{dead:?}"
     );
     let (command, background) = hung_pids(&dir, "cancelled", 0);
