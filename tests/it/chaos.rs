@@ -490,8 +490,9 @@ struct Facts {
     done: HashSet<String>,
     /// id -> reason, from `on_dead` (the final-failure hook).
     dead_hooks: HashMap<String, String>,
-    /// (id, attempt) -> runs that answered throttle: each explains one more run at that attempt.
-    throttles: HashMap<(String, u32), usize>,
+    /// (id, attempt, process) -> runs that answered throttle there: each explains one more run at that attempt
+    /// after a run of that process.
+    throttles: HashMap<(String, u32, usize), usize>,
 }
 
 /// Reads the new complete lines of one record file.
@@ -548,7 +549,7 @@ impl Tail {
                 "end" if rest == "throttle" => {
                     *facts
                         .throttles
-                        .entry((id.to_string(), attempt))
+                        .entry((id.to_string(), attempt, self.instance))
                         .or_default() += 1;
                 }
                 "dead" => {
@@ -1560,23 +1561,27 @@ fn check_runs(
         }
         for (attempt, group) in &by_attempt {
             let mut unexplained = Vec::new();
-            // A run that answered throttle is followed by another at the same attempt, by design.
-            let mut throttled = facts
-                .throttles
-                .get(&(id.clone(), *attempt))
-                .copied()
-                .unwrap_or(0);
+            // A run that answered throttle is followed by another at the same attempt, by design: the
+            // throttles its process recorded for it explain as many runs after a run of that process (a run
+            // cut short by a fault before it could throttle is the fault's).
+            let mut throttled: HashMap<usize, usize> = HashMap::new();
             for pair in group.windows(2) {
                 let (first, again) = (pair[0], pair[1]);
-                if throttled > 0 {
-                    throttled -= 1;
-                    *check.causes.entry("handler throttle").or_default() += 1;
-                    continue;
-                }
-                match events
+                let left = throttled.entry(first.instance).or_insert_with(|| {
+                    facts
+                        .throttles
+                        .get(&(id.clone(), *attempt, first.instance))
+                        .copied()
+                        .unwrap_or(0)
+                });
+                let event = events
                     .iter()
-                    .find(|event| event.explains(first.instance, first.start_us, again.start_us))
-                {
+                    .find(|event| event.explains(first.instance, first.start_us, again.start_us));
+                match event {
+                    None if *left > 0 => {
+                        *left -= 1;
+                        *check.causes.entry("handler throttle").or_default() += 1;
+                    }
                     Some(event) => *check.causes.entry(event.label()).or_default() += 1,
                     None if zombie_wake_up(events, again) => {
                         check.zombie_wake_ups.push(format!(
