@@ -87,6 +87,24 @@ ensure_cargo() {
     ensure_command cc gcc libc6-dev
 }
 
+# check_free_space GIB: says loudly, before anything is built, when the target directory's or the temp
+# directory's file system has less than GIB GiB free. A whole run of scripts/test from a fresh clone writes
+# about 7 GiB (target/: the debug build, its tests, the loom and release builds; measured 2026-12-06), and
+# every test's redis-server writes into its own temp dir: on a full disk the tests that start after it fill
+# up fail by the hundred with messages that do not say "disk" (a CI run of 2026-12-06 lost 137 tests that way,
+# on a machine left with 5 GB free). A warning, not a refusal: a warm target needs much less.
+check_free_space() {
+    local want_kib=$(($1 * 1024 * 1024)) dir avail
+    for dir in "${CARGO_TARGET_DIR:-target}" "${TMPDIR:-/tmp}"; do
+        mkdir -p "$dir"
+        avail=$(df -Pk "$dir" | awk 'NR == 2 { print $4 }')
+        if [ "$avail" -lt "$want_kib" ]; then
+            echo "WARNING: only $((avail / 1024)) MiB free on the file system of $dir; a whole test run" \
+                "may need $1 GiB: tests fail for lack of space (df -h $dir)" >&2
+        fi
+    done
+}
+
 # Whether a script may print colour on standard output: only to a terminal, and never when NO_COLOR is set to
 # anything (https://no-color.org), the rule kmqd itself follows (src/cli/colour.rs). Sets BOLD and RESET once;
 # print escape codes only through them.
