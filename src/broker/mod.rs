@@ -22,6 +22,7 @@ pub mod admin;
 pub mod connection;
 pub mod dead;
 pub mod eviction;
+pub mod flows;
 pub mod history;
 pub mod keys;
 pub mod lookup;
@@ -202,11 +203,13 @@ struct Scripts {
 /// The scripts' sources, for tests that pick out one script's calls (a fault-injecting proxy matches them).
 pub mod sources {
     /// claim.lua and pop.lua both count a rate limit's starts and split a take between weighted levels:
-    /// rate.lua and turns.lua, their shared parts, go before each (after the shebang, which must open a script).
+    /// rate.lua and turns.lua, their shared parts, go before each (after the shebang, which must open a script);
+    /// types.lua, the limits per task type, before claim.lua.
     pub const CLAIM: &str = concat!(
         "#!lua\n",
         include_str!("scripts/rate.lua"),
         include_str!("scripts/turns.lua"),
+        include_str!("scripts/types.lua"),
         include_str!("scripts/claim.lua")
     );
     pub const ADOPT: &str = include_str!("scripts/adopt.lua");

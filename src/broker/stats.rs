@@ -34,7 +34,8 @@ pub fn check_protocol(conn: &mut dyn ConnectionLike, keys: &QueueKeys, queue: &s
 /// A queue's depth and counters, as `kmqd stats` shows them.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct QueueStats {
-    /// Tasks waiting in the ready lists (quarantined ones included).
+    /// Tasks waiting in the ready lists (quarantined ones included, and those of a limited type waiting in its
+    /// flow: claim.lua, "Type limits").
     pub ready: u64,
     /// Ready tasks per level, highest first (a JSON object in level order): the configured levels, then any
     /// other level a registered owner claims from.
@@ -173,20 +174,26 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
 /// How many times [`stats`] reads when the owners change under it.
 const SNAPSHOT_ATTEMPTS: usize = 4;
 
-/// The registered owners of a queue and the levels each records (`None`: the queue's configured ones).
+/// The registered owners of a queue and the levels each records (`None`: the queue's configured ones), and the
+/// flows its levels' rings name (type limits: claim.lua moves the tasks a type's limits hold back there), each
+/// level's members in ring order: the keys a snapshot reads beyond the queue's fixed ones.
 #[derive(PartialEq)]
 struct Owners {
     ids: Vec<String>,
     levels: Vec<Option<String>>,
+    rings: Vec<Vec<String>>,
 }
 
 impl Owners {
     fn read(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<Owners> {
-        let ids: Vec<String> = redis::cmd("ZRANGE")
-            .arg(&keys.owners)
-            .arg(0)
-            .arg(-1)
-            .query(conn)?;
+        let mut pipe = redis::pipe();
+        pipe.cmd("ZRANGE").arg(&keys.owners).arg(0).arg(-1);
+        for ring in keys.rings() {
+            pipe.cmd("ZRANGE").arg(ring).arg(0).arg(-1);
+        }
+        let mut replies = Replies(pipe.query::<Vec<Value>>(conn)?.into_iter());
+        let ids: Vec<String> = replies.one()?;
+        let rings = replies.many(keys.levels())?;
         let levels = if ids.is_empty() {
             Vec::new()
         } else {
@@ -196,7 +203,7 @@ impl Owners {
             }
             pipe.query(conn)?
         };
-        Ok(Owners { ids, levels })
+        Ok(Owners { ids, levels, rings })
     }
 }
 
@@ -262,6 +269,17 @@ fn snapshot(
         processing_keys.extend(keys.with_levels(&owned).processing_all(owner));
     }
     let kinds = super::processing::kinds(conn, &processing_keys)?;
+    let flows: Vec<(usize, String)> = owners
+        .rings
+        .iter()
+        .enumerate()
+        .flat_map(|(level, members)| {
+            members
+                .iter()
+                .map(move |member| (level, keys.flow(level, member)))
+        })
+        .collect();
+    let rings = keys.rings();
     let keys = &keys.with_levels(&levels);
     let mut pipe = redis::pipe();
     // First a key of the queue's: in a cluster a pipeline goes to its first key's node (`broker::Conn`).
@@ -269,6 +287,12 @@ fn snapshot(
     pipe.cmd("ZRANGE").arg(&keys.owners).arg(0).arg(-1);
     for owner in &owners.ids {
         pipe.cmd("HGET").arg(keys.owner_info(owner)).arg("levels");
+    }
+    for ring in &rings {
+        pipe.cmd("ZRANGE").arg(ring).arg(0).arg(-1);
+    }
+    for (_, flow) in &flows {
+        pipe.cmd("LLEN").arg(flow);
     }
     for key in keys.ready.iter().chain(&keys.quarantine) {
         pipe.cmd("LLEN").arg(key);
@@ -290,9 +314,14 @@ fn snapshot(
     let now = Owners {
         ids: replies.one()?,
         levels: replies.many(owners.ids.len())?,
+        rings: replies.many(rings.len())?,
     };
+    let flow_counts: Vec<u64> = replies.many(flows.len())?;
     let level_count = levels.len();
-    let ready_counts: Vec<u64> = replies.many(level_count)?;
+    let mut ready_counts: Vec<u64> = replies.many(level_count)?;
+    for ((level, _), count) in flows.iter().zip(flow_counts) {
+        ready_counts[*level] += count;
+    }
     // Stage-major: each stage's lists over the levels; summed per level.
     let quarantine_counts: Vec<u64> = replies.many(keys.quarantine.len())?;
     let quarantined: Vec<u64> = (0..level_count)

@@ -6,9 +6,10 @@ use std::time::Duration;
 use redis::{ConnectionLike, Value};
 
 use super::Conn;
+use crate::config::TypeLimit;
 use crate::config::rate::RateLimit;
 
-use super::keys::QUARANTINE_GROUPS;
+use super::keys::{self, QUARANTINE_GROUPS};
 use super::payloads::{Gather, Payloads};
 use super::{BrokerError, QueueKeys, Result, SCRIPTS, Token, TokenId, int, reply_error};
 
@@ -122,13 +123,18 @@ pub enum Limited {
     /// A handler throttled the queue (back-pressure) until `retry_at_ms` (the batch's clock: Redis's, or 0 for a
     /// plain pop, whose batch carries no time).
     Throttle { retry_at_ms: i64 },
+    /// Tasks wait, but their types' limits (`[[queues.limits]]`) hold every one back: a settle that frees a
+    /// type's slot, or a push, pushes a wake-up marker; a type's rate window lets a start go at `retry_at_ms`
+    /// (Redis's clock; 0: none is waiting for its rate).
+    Types { retry_at_ms: i64 },
 }
 
 impl Limited {
     /// Until when (the batch's clock) the fetcher should not fetch again; `None`: until a settle's wake-up.
     pub fn retry_at_ms(self) -> Option<i64> {
         match self {
-            Limited::Running => None,
+            // Other tasks may come meanwhile: the fetcher waits for a wake-up marker, at most until then.
+            Limited::Running | Limited::Types { .. } => None,
             Limited::Rate { retry_at_ms } | Limited::Throttle { retry_at_ms } => Some(retry_at_ms),
         }
     }
@@ -139,6 +145,7 @@ impl Limited {
             Limited::Running => "max_running",
             Limited::Rate { .. } => "rate_limit",
             Limited::Throttle { .. } => "throttle",
+            Limited::Types { .. } => "limits",
         }
     }
 }
@@ -177,6 +184,54 @@ pub struct ClaimLimits<'a> {
     /// The queue's `priority_weights` (empty: strict order): the claim splits its tasks between the levels that
     /// have some by their turns (turns.lua).
     pub priority_weights: &'a [u32],
+    /// The queue's `[[queues.limits]]`: the claim takes a task of a listed type only while its type's limits
+    /// admit it too, and moves the others of the type to its flow (claim.lua, "Type limits").
+    pub type_limits: &'a [TypeLimit],
+    /// Types whose flows hold tasks though this config does not limit them (another config's, or this one's
+    /// before a reload): the claim drains them, unlimited, and routes nothing to them.
+    pub drained_types: &'a [String],
+    /// The queue's `foreign_type_field`: where a foreign payload's type is, for the routing of type limits.
+    pub foreign_type_field: Option<&'a str>,
+}
+
+/// claim.lua's type-limit block (types.lua): its keys, which follow the claim's, and its arguments, which follow
+/// the weights.
+fn type_block(keys: &QueueKeys, limits: &ClaimLimits<'_>) -> (Vec<String>, Vec<String>) {
+    let flows = limits.type_limits.len() + limits.drained_types.len();
+    let mut args = vec![
+        flows.to_string(),
+        limits.foreign_type_field.unwrap_or("").to_string(),
+    ];
+    if flows == 0 {
+        return (Vec::new(), args);
+    }
+    let mut block_keys = keys.rings();
+    let drained = limits
+        .drained_types
+        .iter()
+        .map(|kind| (kind, None, &[][..]));
+    let limited = limits
+        .type_limits
+        .iter()
+        .map(|limit| (&limit.kind, limit.max_running, &limit.rate_limit[..]));
+    for (kind, max_running, rates) in limited.chain(drained) {
+        let member = keys::flow_member(kind);
+        block_keys.extend((0..keys.levels()).map(|level| keys.flow(level, &member)));
+        let scope = keys::type_scope(kind);
+        args.extend([
+            kind.clone(),
+            member,
+            scope,
+            max_running.unwrap_or(0).to_string(),
+            rates.len().to_string(),
+        ]);
+        for rate in rates {
+            let (log, sum) = keys.type_rate_log(kind, rate.window_ms());
+            block_keys.extend([log, sum]);
+            args.extend([rate.window_ms().to_string(), rate.starts.to_string()]);
+        }
+    }
+    (block_keys, args)
 }
 
 /// Safe mode: claims up to `max` tasks into `owner`'s claim lists: a quarantined group, alone, when there is one
@@ -214,6 +269,8 @@ pub fn claim(
     if !limits.priority_weights.is_empty() {
         script_keys.push(keys.sched.clone());
     }
+    let (type_keys, type_args) = type_block(keys, limits);
+    script_keys.extend(type_keys);
     let mut eval = evalsha(&SCRIPTS.claim, &script_keys);
     eval.arg(&**owner)
         .arg(max)
@@ -231,6 +288,7 @@ pub fn claim(
     for weight in limits.priority_weights {
         eval.arg(*weight);
     }
+    eval.arg(type_args);
     let (reply, taken, collected) = script_then_lists(conn, super::sources::CLAIM, &eval, &lists)
         .map_err(|error| owner_error(error, owner))?;
     // Not replicated: a may-have-run error, which the fetcher resolves with adopt() as a lost reply.
@@ -261,6 +319,7 @@ pub fn claim(
             4 => Some(Limited::Running),
             5 => Some(Limited::Rate { retry_at_ms }),
             6 => Some(Limited::Throttle { retry_at_ms }),
+            7 => Some(Limited::Types { retry_at_ms }),
             _ => None,
         },
     })

@@ -263,6 +263,9 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
                   retry_times = 1\nbackoff = \"10ms\"\nrate_limit = \"1000/s\"\nmax_running = 4\n\n\
                   [[queues]]\nname = \"limited\"\nmode = \"safe\"\nworkers = 2\nmax_running = 2\n\
                   rate_limit = [\"50/s\", \"1000/m\"]\nretry_times = 1\nbackoff = \"10ms\"\n\n\
+                  [[queues]]\nname = \"typed\"\nmode = \"safe\"\nworkers = 2\nmax_running = 2\n\
+                  retry_times = 1\nbackoff = \"10ms\"\n\
+                  [[queues.limits]]\ntype = \"test\"\nmax_running = 1\nrate_limit = \"50/s\"\n\n\
                   [[schedules]]\nname = \"tick\"\nqueue = \"jobs\"\ntype = \"test\"\nevery = \"1s\"\n";
     let config = dir.config_for_url(&proxy.url(), "shutdown_grace = \"5s\"", queues);
 
@@ -292,9 +295,11 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
             let seen = shapes.len();
             let per_script = shapes.keys().filter(|s| s.starts_with(script)).count();
             let shape = shape(script, args);
-            // A handler's throttle is rare in a run: its settle is recorded whatever came before it.
+            // A handler's throttle is rare in a run, and the type-limited queue's calls come last: their calls
+            // are recorded whatever came before them.
             let throttle = args.iter().any(|arg| arg.as_slice() == b"throttle");
-            if shapes.contains_key(&shape) || (per_script >= 8 && !throttle) {
+            let typed = args.iter().any(|arg| arg.starts_with(b"kmq:{typed}"));
+            if shapes.contains_key(&shape) || (per_script >= 8 && !throttle && !typed) {
                 return;
             }
             shapes.insert(shape, seen);
@@ -353,6 +358,18 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
         )])
         .collect();
     client.push_batch("limited", limited).unwrap();
+    // Tasks of the limited type behind one another, and of a type it does not limit (unknown here: retried, then
+    // dead-lettered), so that claims move some to the type's flow and take from it.
+    let typed: Vec<NewTask> = (0..8)
+        .map(|i| test("7", &format!("typed-{i}")))
+        .chain([test(r#"{"fail_attempts":1}"#, "typed-retry")])
+        .chain((0..3).map(|i| {
+            NewTask::new("other", "{}")
+                .unwrap()
+                .id(format!("other-{i}"))
+        }))
+        .collect();
+    client.push_batch("typed", typed).unwrap();
     for i in 0..5 {
         let _: i64 = redis.cmd(&[
             "RPUSH",
@@ -371,12 +388,15 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
     eventually(Duration::from_secs(30), "both queues drained", || {
         let (jobs, fast) = (stats(&config, "jobs"), stats(&config, "fast"));
         let limited = stats(&config, "limited");
+        let typed = stats(&config, "typed");
         (
             jobs.ready + jobs.delayed + jobs.processing + fast.ready + fast.delayed == 0
                 && jobs.dead >= 3
                 && fast.done >= 12
-                && limited.done >= 10,
-            (jobs, fast, limited),
+                && limited.done >= 10
+                && typed.done >= 9
+                && typed.dead >= 3,
+            (jobs, fast, limited, typed),
         )
     });
     client
@@ -402,6 +422,9 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
         ("pop.lua", ":popped-running:"),
         ("settle.lua", ":popped-running:"),
         ("settle.lua", ":scopes"),
+        ("claim.lua", ":flow:normal::test"),
+        ("claim.lua", ":rate:t:test:"),
+        ("settle.lua", "kmq:{typed}:processing"),
     ] {
         let named = |call: &Recorded| {
             call.script == script

@@ -43,8 +43,8 @@
 --               unless it already lasts longer, and no claim or pop takes a task of the queue until then;
 --               counted in "throttled"
 --   op "dead":  payload (a dead record, a JSON object) is pushed on the dead list with "dead_at" stamped
--- Running limits. A claim list counted under a running limit has a scopes string (`N q`: claim.lua); each task of
--- it whose bit this call sets, by whatever op and whichever settling party (the owner, or a monitor for an
+-- Running limits. A claim list counted under a running limit has a scopes string (`N q`: claim.lua; with type
+-- limits a line `N SCOPE...` per run of the list, in position order); each task of it whose bit this call sets, by whatever op and whichever settling party (the owner, or a monitor for an
 -- expired owner), is subtracted from the running hash's fields the string names, in this step, and the string
 -- goes with the list. A field is never taken below 0 (that would say the count was wrong: counted in stats as
 -- `running_underflow`) and is deleted at 0. A call that frees slots of a count that was at its limit (the field
@@ -221,21 +221,32 @@ local counts, limits = {}, {}
 for k = 1, claims do
   local scopes = redis.call('GET', claim[k].scopes)
   if scopes then
-    local named = string.match(scopes, '^%d+ (%S.*)$')
-    if not named then
-      return redis.error_reply('ERR settle.lua: ' .. claim[k].scopes .. ' holds ' .. string.sub(scopes, 1, 40) ..
-        ', not "N SCOPE..."; nothing was applied')
-    end
-    claim[k].counted = {}
-    for scope in string.gmatch(named, '%S+') do
-      if not counts[scope] then
-        local value = redis.call('HMGET', running, scope, scope .. ':limit')
-        local refused = integer(running, scope, value[1]) or integer(running, scope .. ':limit', value[2])
-        if refused then return refused end
-        counts[scope] = tonumber(value[1] or '0')
-        limits[scope] = tonumber(value[2] or '0')
+    -- One line per run of the list, in position order (a claim of a queue with type limits has several).
+    local runs, from = {}, 0
+    for line in string.gmatch(scopes, '[^\n]+') do
+      local size, named = string.match(line, '^(%d+) ?(.*)$')
+      if not size then
+        return redis.error_reply('ERR settle.lua: ' .. claim[k].scopes .. ' holds ' .. string.sub(scopes, 1, 40) ..
+          ', not "N SCOPE..." lines; nothing was applied')
       end
-      claim[k].counted[#claim[k].counted + 1] = scope
+      local run = {from = from, to = from + tonumber(size) - 1, size = tonumber(size), counted = {}}
+      from = run.to + 1
+      for scope in string.gmatch(named, '%S+') do
+        if not counts[scope] then
+          local value = redis.call('HMGET', running, scope, scope .. ':limit')
+          local refused = integer(running, scope, value[1]) or integer(running, scope .. ':limit', value[2])
+          if refused then return refused end
+          counts[scope] = tonumber(value[1] or '0')
+          limits[scope] = tonumber(value[2] or '0')
+        end
+        run.counted[#run.counted + 1] = scope
+      end
+      runs[#runs + 1] = run
+    end
+    if #runs == 1 then
+      claim[k].counted = runs[1].counted
+    elseif #runs > 1 then
+      claim[k].runs = runs
     end
   end
 end
@@ -289,6 +300,14 @@ local used_scratch = false
 for k = 1, claims do
   local c = claim[k]
   c.length = redis.call('LLEN', c.list)
+  if c.runs and c.length > 0 then
+    -- Settled bits per run before this call: what it sets anew in each is subtracted from that run's scopes.
+    local old = redis.call('EXISTS', c.bits) == 1
+    for _, run in ipairs(c.runs) do
+      run.before = 0
+      if old then run.before = redis.call('BITCOUNT', c.bits, run.from, run.to, 'BIT') end
+    end
+  end
   if c.count > 0 then
     if c.length == 0 then
       -- The claim is gone: a monitor recovered all of it.
@@ -421,6 +440,15 @@ for k = 1, claims do
   else
     local settled = c.length
     if not c.finished then settled = redis.call('BITCOUNT', c.bits) end
+    if c.runs and c.fresh > 0 then
+      for _, run in ipairs(c.runs) do
+        local after = run.size
+        if not c.finished then after = redis.call('BITCOUNT', c.bits, run.from, run.to, 'BIT') end
+        for _, scope in ipairs(run.counted) do
+          freed[scope] = (freed[scope] or 0) + after - run.before
+        end
+      end
+    end
     if settled >= c.length then
       redis.call('DEL', c.list, c.bits, c.scopes)
       redis.call('ZREM', set, c.number)

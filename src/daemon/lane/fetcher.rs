@@ -76,7 +76,16 @@ pub struct Fetcher {
     limited: Option<&'static str>,
     /// The queue's name, as the metric of fetches held back labels it.
     queue: Arc<str>,
+    /// Safe mode: the types whose flows hold tasks that this config does not limit (another config's flows, or
+    /// this one's before a reload): its claims drain them (broker::flows).
+    drained: Vec<String>,
+    /// When the flows were last looked at (`None`: not yet): at the lane's start, then every [`FLOWS_LOOK`].
+    flows_looked: Option<Instant>,
 }
+
+/// How often a lane looks for flows its config does not limit (a rolling change that removed a type's limit, or
+/// a reload): their tasks wait at most about this long for a daemon of the new config.
+const FLOWS_LOOK: Duration = Duration::from_secs(60);
 
 /// The owner and the tokens of a claim whose reply never came.
 #[derive(Debug)]
@@ -128,6 +137,8 @@ impl Fetcher {
             paused: false,
             limited: None,
             queue,
+            drained: Vec::new(),
+            flows_looked: None,
         }
     }
 
@@ -359,9 +370,20 @@ impl Fetcher {
         // backlog's double up to the free capacity within a few round trips. The claim is numbered by the first
         // of the `want` numbers it reserves (its tasks' tokens are positions in its lists).
         let want = self.asks_for(free);
-        let first_token = lane.ownership.tokens(want);
-        let limits = queue.claim_limits();
         let connection = self.connection.get()?;
+        if self
+            .flows_looked
+            .is_none_or(|looked| looked.elapsed() >= FLOWS_LOOK)
+        {
+            let flows = broker::flows::flows(connection, &queue.keys)?;
+            self.drained = broker::flows::drained_types(&flows, &queue.config.type_limits);
+            self.flows_looked = Some(Instant::now());
+        }
+        let first_token = lane.ownership.tokens(want);
+        let limits = broker::ClaimLimits {
+            drained_types: &self.drained,
+            ..queue.claim_limits()
+        };
         let batch = match broker::claim(connection, &queue.keys, &owner, first_token, want, &limits)
         {
             Ok(batch) => {
@@ -408,13 +430,16 @@ impl Fetcher {
         let timed = batch.limited.and_then(Limited::retry_at_ms).is_some();
         if batch.tasks.is_empty() && !timed && !self.claiming.is_triggered() {
             // A marker means "something was pushed": the next round claims it. No marker within idle_poll: the
-            // next round looks anyway, which picks up producers that push no marker.
-            broker::wait_wake(
-                connection,
-                &queue.keys,
-                queue.config.idle_poll,
-                queue.io_timeout,
-            )?;
+            // next round looks anyway, which picks up producers that push no marker. Tasks held back by their
+            // types' rate windows: at most until the first window lets one go.
+            let mut wait = queue.config.idle_poll;
+            if let Some(broker::Limited::Types { retry_at_ms }) = batch.limited
+                && retry_at_ms > 0
+            {
+                let until = u64::try_from(retry_at_ms.saturating_sub(batch.now_ms)).unwrap_or(0);
+                wait = wait.min(Duration::from_millis(until.max(1)));
+            }
+            broker::wait_wake(connection, &queue.keys, wait, queue.io_timeout)?;
         }
         Ok(batch)
     }

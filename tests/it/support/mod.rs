@@ -269,6 +269,33 @@ impl TestDir {
         path
     }
 
+    /// As [`TestDir::config`], with the testkit plugin handling `types` (rather than its one type, `test`).
+    pub fn config_for_types(&self, redis: &RedisServer, queues: &str, types: &[&str]) -> PathBuf {
+        let path = self.config(redis, queues);
+        self.testkit_types(&path, types);
+        path
+    }
+
+    /// Rewrites the config at `path`, written by this dir, so that its testkit plugin handles `types`.
+    pub fn testkit_types(&self, path: &Path, types: &[&str]) {
+        let text = fs::read_to_string(path).unwrap();
+        let record = format!(
+            "config = {{ record = \"{}\" }}",
+            self.record_file().display()
+        );
+        let types = types
+            .iter()
+            .map(|kind| format!("{kind:?}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let with_types = format!(
+            "config = {{ record = \"{}\", types = [{types}] }}",
+            self.record_file().display()
+        );
+        assert!(text.contains(&record), "the testkit section: {text}");
+        fs::write(path, text.replace(&record, &with_types)).unwrap();
+    }
+
     /// The runs the testkit plugin recorded.
     pub fn records(&self) -> Records {
         Records::parse(&fs::read_to_string(self.record_file()).unwrap_or_default())
@@ -696,9 +723,14 @@ pub fn default_queue(extra: &str) -> String {
 
 /// Pushes `count` testkit tasks with `data` to `jobs`, ids `prefix0` to `prefix{count - 1}`.
 pub fn push_many(config: &Path, prefix: &str, count: usize, data: &str) {
+    push_typed(config, "test", prefix, count, data);
+}
+
+/// Pushes `count` tasks of type `kind` with `data` to `jobs`, ids `prefix0` to `prefix{count - 1}`.
+pub fn push_typed(config: &Path, kind: &str, prefix: &str, count: usize, data: &str) {
     let tasks: Vec<kmqd::NewTask> = (0..count)
         .map(|i| {
-            kmqd::NewTask::new("test", data)
+            kmqd::NewTask::new(kind, data)
                 .unwrap()
                 .id(format!("{prefix}{i}"))
         })
