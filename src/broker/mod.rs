@@ -47,7 +47,7 @@ pub use keys::QueueKeys;
 pub use lookup::{Found, Scope};
 pub use owners::{OwnerInfo, Renewal, owner_info, owners, register, release, renew};
 pub use schedule::{Fired, fire, schedule_state};
-pub use stats::{QueueStats, Rates, check_protocol, rate_used, stats};
+pub use stats::{QueueStats, Rates, TypeUsage, check_protocol, rate_used, stats, type_usage};
 pub use tasks::{
     Batch, Call, ClaimLimits, Due, Fence, Holder, Isolation, Limited, PopLimits, Popper, PushItem,
     SettleOp, Settled, Settlement, Taken, adopt, claim, move_sources, promote, push,

@@ -228,21 +228,80 @@ pub fn rate_used(
     let now_ms = time_ms(replies.one()?);
     windows_ms
         .iter()
-        .map(|window| {
-            let log: Vec<String> = replies.one()?;
-            let since = now_ms.saturating_sub(i64::try_from(*window).unwrap_or(i64::MAX));
-            let mut used = 0;
-            for entry in &log {
-                let parsed = entry.split_once(' ').and_then(|(ms, count)| {
-                    Some((ms.parse::<i64>().ok()?, count.parse::<u64>().ok()?))
-                });
-                let (ms, count) =
-                    parsed.ok_or_else(|| reply_error("rate log", format!("entry {entry:?}")))?;
-                if ms > since {
-                    used += count;
-                }
-            }
-            Ok(used)
+        .map(|window| used_in(&replies.one::<Vec<String>>()?, *window, now_ms))
+        .collect()
+}
+
+/// The starts a rate log (`MS COUNT` entries) holds within `window_ms` of `now_ms`.
+fn used_in(log: &[String], window_ms: u64, now_ms: i64) -> Result<u64> {
+    let since = now_ms.saturating_sub(i64::try_from(window_ms).unwrap_or(i64::MAX));
+    let mut used = 0;
+    for entry in log {
+        let parsed = entry
+            .split_once(' ')
+            .and_then(|(ms, count)| Some((ms.parse::<i64>().ok()?, count.parse::<u64>().ok()?)));
+        let (ms, count) =
+            parsed.ok_or_else(|| reply_error("rate log", format!("entry {entry:?}")))?;
+        if ms > since {
+            used += count;
+        }
+    }
+    Ok(used)
+}
+
+/// What one `[[queues.limits]]` entry counts now ([`type_usage`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TypeUsage {
+    /// Its tasks taken and not yet settled (under a `max_running`; 0 without one).
+    pub running: u64,
+    /// The starts each of its rate windows holds now, in the entry's order.
+    pub rate_used: Vec<u64>,
+    /// Its tasks held back in its flows, over every level.
+    pub waiting: u64,
+}
+
+/// What each of `limits` (a queue's `[[queues.limits]]`) counts now, in one transaction: its running count,
+/// its rate windows' starts (as [`rate_used`]) and its tasks waiting in its flows.
+pub fn type_usage(
+    conn: &mut dyn ConnectionLike,
+    keys: &QueueKeys,
+    limits: &[crate::config::TypeLimit],
+) -> Result<Vec<TypeUsage>> {
+    if limits.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut pipe = redis::pipe();
+    pipe.atomic().cmd("TIME");
+    for limit in limits {
+        pipe.cmd("HGET")
+            .arg(&keys.running)
+            .arg(super::keys::type_scope(&limit.kind));
+        for rate in &limit.rate_limit {
+            let (log, _) = keys.type_rate_log(&limit.kind, rate.window_ms());
+            pipe.cmd("LRANGE").arg(log).arg(0).arg(-1);
+        }
+        let member = super::keys::flow_member(&limit.kind);
+        for level in 0..keys.levels() {
+            pipe.cmd("LLEN").arg(keys.flow(level, &member));
+        }
+    }
+    let mut replies = Replies(pipe.query::<Vec<Value>>(conn)?.into_iter());
+    let now_ms = time_ms(replies.one()?);
+    limits
+        .iter()
+        .map(|limit| {
+            let running: Option<u64> = replies.one()?;
+            let rate_used = limit
+                .rate_limit
+                .iter()
+                .map(|rate| used_in(&replies.one::<Vec<String>>()?, rate.window_ms(), now_ms))
+                .collect::<Result<Vec<u64>>>()?;
+            let waiting: Vec<u64> = replies.many(keys.levels())?;
+            Ok(TypeUsage {
+                running: running.unwrap_or(0),
+                rate_used,
+                waiting: waiting.iter().sum(),
+            })
         })
         .collect()
 }

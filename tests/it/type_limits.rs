@@ -191,6 +191,33 @@ fn a_flow_left_by_a_config_that_no_longer_limits_its_type_is_drained() {
     });
     let s = stats(&limited, "jobs");
     assert_eq!(s.ready, 8, "the flow's tasks are counted as ready: {s:?}");
+    // `kmqd stats` says what holds the type back.
+    let (code, out, err) = kmqd(&["--config", limited.to_str().unwrap(), "stats"], None);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("jobs: type \"slow\": running 2/2, held back, 8 waiting"),
+        "{out}"
+    );
+    let (code, out, err) = kmqd(
+        &["--config", limited.to_str().unwrap(), "stats", "--json"],
+        None,
+    );
+    assert_eq!(code, 0, "{err}");
+    let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let slow = &json["queues"]["jobs"]["limits"]["types"][0];
+    assert_eq!(
+        (
+            &slow["type"],
+            &slow["waiting"],
+            &slow["max_running"]["held_back"]
+        ),
+        (
+            &serde_json::json!("slow"),
+            &serde_json::json!(8),
+            &serde_json::json!(true)
+        ),
+        "{json}"
+    );
     // `kmqd task show` finds a task there, and `cancel` removes it.
     let found = client(&limited).find("jobs", "s9").unwrap();
     assert!(
