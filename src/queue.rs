@@ -122,6 +122,7 @@ impl QueueContext {
             queue: &self.config.name,
             daemon: &self.daemon_id,
             levels: &self.keys.levels,
+            type_limits: &self.config.type_limits,
         };
         settlement::decide(&self.policy, &origin, verdict, ran, task)
     }

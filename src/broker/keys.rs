@@ -264,6 +264,12 @@ impl QueueKeys {
         (log, sum)
     }
 
+    /// The throttle of a task type with its own limits: as [`QueueKeys::throttle`], for that type only (a
+    /// handler's throttle of one of its tasks, settle.lua; claim.lua takes none of its tasks while it lives).
+    pub fn type_throttle(&self, kind: &str) -> String {
+        format!("{}:throttle:{}", self.base, type_scope(kind))
+    }
+
     /// The ring of one level: zset flow member ([`flow_member`]) -> the ms it was added, naming the flows of the
     /// level that may hold tasks (claim.lua's type limits), for the claims and for the readers.
     pub fn ring(&self, level: usize) -> String {

@@ -258,6 +258,8 @@ pub struct TypeUsage {
     pub rate_used: Vec<u64>,
     /// Its tasks held back in its flows, over every level.
     pub waiting: u64,
+    /// How long its throttle (a handler's back-pressure on one of its tasks) still lasts, ms; `None`: none.
+    pub throttle_ms: Option<i64>,
 }
 
 /// What each of `limits` (a queue's `[[queues.limits]]`) counts now, in one transaction: its running count,
@@ -284,6 +286,7 @@ pub fn type_usage(
         for level in 0..keys.levels() {
             pipe.cmd("LLEN").arg(keys.flow(level, &member));
         }
+        pipe.cmd("PTTL").arg(keys.type_throttle(&limit.kind));
     }
     let mut replies = Replies(pipe.query::<Vec<Value>>(conn)?.into_iter());
     let now_ms = time_ms(replies.one()?);
@@ -297,10 +300,13 @@ pub fn type_usage(
                 .map(|rate| used_in(&replies.one::<Vec<String>>()?, rate.window_ms(), now_ms))
                 .collect::<Result<Vec<u64>>>()?;
             let waiting: Vec<u64> = replies.many(keys.levels())?;
+            // -2: none; -1: set by hand without an expiry (claims look at it again every second).
+            let throttle_ttl: i64 = replies.one()?;
             Ok(TypeUsage {
                 running: running.unwrap_or(0),
                 rate_used,
                 waiting: waiting.iter().sum(),
+                throttle_ms: (throttle_ttl != -2).then_some(throttle_ttl.max(0)),
             })
         })
         .collect()

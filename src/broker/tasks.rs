@@ -217,6 +217,7 @@ fn type_block(keys: &QueueKeys, limits: &ClaimLimits<'_>) -> (Vec<String>, Vec<S
     for (kind, max_running, rates) in limited.chain(drained) {
         let member = keys::flow_member(kind);
         block_keys.extend((0..keys.levels()).map(|level| keys.flow(level, &member)));
+        block_keys.push(keys.type_throttle(kind));
         let scope = keys::type_scope(kind);
         args.extend([
             kind.clone(),
@@ -853,9 +854,11 @@ pub enum SettleOp {
     },
     Dead,
     /// Back-pressure from the handler: to the front of its level, unchanged and uncharged, and the queue's throttle
-    /// key set to end in `after` unless a later throttle is set (settle.lua).
+    /// key set to end in `after` unless a later throttle is set (settle.lua); with `kind` (a type with its own
+    /// limits), to the front of that type's flow, and the type's throttle set instead.
     Throttle {
         after: Duration,
+        kind: Option<String>,
     },
 }
 
@@ -1069,6 +1072,29 @@ pub fn settle<'a>(
             .key(&keys.running)
             .key(keys.popped_running(popper));
     }
+    // Safe mode: the types whose throttles this call sets (a type's own throttle, flows and rings), each once.
+    let mut throttled_types: Vec<&str> = Vec::new();
+    if owner.is_some() {
+        for s in settlements.clone() {
+            if let SettleOp::Throttle {
+                kind: Some(kind), ..
+            } = &s.op
+                && !throttled_types.contains(&kind.as_str())
+            {
+                throttled_types.push(kind);
+            }
+        }
+    }
+    for kind in &throttled_types {
+        let member = keys::flow_member(kind);
+        invocation.key(keys.type_throttle(kind));
+        for level in 0..keys.levels() {
+            invocation.key(keys.flow(level, &member));
+        }
+        for level in 0..keys.levels() {
+            invocation.key(keys.ring(level));
+        }
+    }
     invocation
         .arg(match fence {
             Fence::Owner => "owner",
@@ -1088,7 +1114,10 @@ pub fn settle<'a>(
             .arg(bits.as_slice())
             .arg(count);
     }
-    invocation.arg(counted);
+    invocation.arg(counted).arg(throttled_types.len());
+    for kind in &throttled_types {
+        invocation.arg(keys::flow_member(kind));
+    }
     let mut records = 0;
     for s in settlements.clone().into_iter().filter(|s| !bulk(s)) {
         let (op, delay_ms) = match &s.op {
@@ -1105,7 +1134,17 @@ pub fn settle<'a>(
                 quarantine: Some(stage),
             } => ("recover_isolated", *stage as u64 + 1),
             SettleOp::Dead => ("dead", 0),
-            SettleOp::Throttle { after } => ("throttle", after.as_millis().max(1) as u64),
+            SettleOp::Throttle { after, .. } => ("throttle", after.as_millis().max(1) as u64),
+        };
+        // The type whose throttle a throttle sets (1-based among this call's; 0: the queue's).
+        let scope = match &s.op {
+            SettleOp::Throttle {
+                kind: Some(kind), ..
+            } => throttled_types
+                .iter()
+                .position(|throttled| throttled == kind)
+                .map_or(0, |at| at + 1),
+            _ => 0,
         };
         invocation.arg(op);
         match s.token.as_ref().map(|token| &token.id) {
@@ -1120,7 +1159,8 @@ pub fn settle<'a>(
             .arg(s.level + 1)
             .arg(delay_ms)
             .arg(&s.payload)
-            .arg(if s.failed { "1" } else { "0" });
+            .arg(if s.failed { "1" } else { "0" })
+            .arg(scope);
         records += 1;
     }
     let reply: Vec<i64> = invocation.invoke(conn)?;

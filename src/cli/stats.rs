@@ -132,6 +132,13 @@ fn limits_line(
         );
         type_json.insert("type".into(), limit.kind.clone().into());
         type_json.insert("waiting".into(), usage.waiting.into());
+        if let Some(ms) = usage.throttle_ms {
+            type_parts.push(format!(
+                "throttled {} more",
+                humantime::format_duration(Duration::from_millis(ms as u64))
+            ));
+            type_json.insert("throttle_ms".into(), ms.into());
+        }
         if usage.waiting > 0 {
             type_parts.push(format!("{} waiting", usage.waiting));
         }

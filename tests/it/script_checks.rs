@@ -363,6 +363,7 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
     let typed: Vec<NewTask> = (0..8)
         .map(|i| test("7", &format!("typed-{i}")))
         .chain([test(r#"{"fail_attempts":1}"#, "typed-retry")])
+        .chain([test(&throttle_once("typed-throttle"), "typed-throttled")])
         .chain((0..3).map(|i| {
             NewTask::new("other", "{}")
                 .unwrap()
@@ -394,7 +395,7 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
                 && jobs.dead >= 3
                 && fast.done >= 12
                 && limited.done >= 10
-                && typed.done >= 9
+                && typed.done >= 10
                 && typed.dead >= 3,
             (jobs, fast, limited, typed),
         )
@@ -425,6 +426,8 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
         ("claim.lua", ":flow:normal::test"),
         ("claim.lua", ":rate:t:test:"),
         ("settle.lua", "kmq:{typed}:processing"),
+        ("settle.lua", ":throttle:t:test"),
+        ("claim.lua", ":throttle:t:test"),
     ] {
         let named = |call: &Recorded| {
             call.script == script

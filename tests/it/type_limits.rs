@@ -317,3 +317,71 @@ fn a_settle_whose_reply_is_lost_frees_a_types_slots_once() {
 fn a_claim_whose_reply_is_lost_is_adopted_with_its_types_counted_once() {
     drains_with_a_reply_lost(sources::CLAIM, 1, AfterDrop::Close);
 }
+
+/// A handler's throttle of a task of a type with its own limits holds back that type only, on every daemon: its
+/// other tasks start after the throttle ends, the task itself again at the same attempt, uncharged, while the
+/// queue's other type runs through the throttle.
+#[test]
+fn a_throttle_of_a_limited_type_holds_back_that_type_and_no_other() {
+    let throttle = Duration::from_millis(1500);
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let queue = safe_queue(
+        "workers = 4\nidle_poll = \"100ms\"\n[[queues.limits]]\ntype = \"api\"\nmax_running = 4\n",
+    );
+    let config = dir.config_for_types(&redis, &queue, &["api", "other"]);
+    let (a, b) = (TestDaemon::start(&config), TestDaemon::start(&config));
+    let marker = dir.path("throttled-once");
+    let first =
+        serde_json::json!({ "throttle_once": marker, "throttle_ms": throttle.as_millis() as u64 });
+    push_typed(&config, "api", "first", 1, &first.to_string());
+    eventually(Duration::from_secs(30), "the throttle settled", || {
+        let s = stats(&config, "jobs");
+        (s.throttled == 1, s)
+    });
+    let ttl: i64 = redis.cmd(&["PTTL", "kmq:{jobs}:throttle:t:api"]);
+    let queue_ttl: i64 = redis.cmd(&["PTTL", "kmq:{jobs}:throttle:q"]);
+    assert_eq!(queue_ttl, -2, "the queue itself is not throttled");
+    push_typed(&config, "api", "a", 4, "7");
+    push_typed(&config, "other", "o", 4, "7");
+    eventually(Duration::from_secs(30), "every task done", || {
+        let s = stats(&config, "jobs");
+        (s.done >= 9, s)
+    });
+    let records = dir.records();
+    let (_, started) = records.start_times[0].clone();
+    assert_eq!(records.start_times[0].0, "first0", "{:?}", records.starts);
+    // The throttle was set by the settle after the run: it ends after `started + throttle`.
+    let end = started + throttle.as_micros() as u64;
+    let during: Vec<&(String, u64)> = records.start_times[1..]
+        .iter()
+        .filter(|(_, at)| *at < end)
+        .collect();
+    assert!(
+        during.iter().all(|(id, _)| id.starts_with('o')),
+        "an api task started while its type was throttled: {during:?}"
+    );
+    assert!(
+        ttl < 0 || during.iter().any(|(id, _)| id.starts_with('o')),
+        "the other type ran through the throttle: {:?}",
+        records.start_times
+    );
+    assert_eq!(
+        records
+            .starts
+            .iter()
+            .filter(|(id, _)| id == "first0")
+            .collect::<Vec<_>>(),
+        [&("first0".to_string(), 0), &("first0".to_string(), 0)],
+        "throttled, then run again at the same attempt"
+    );
+    let s = stats(&config, "jobs");
+    assert_eq!(
+        (s.done, s.throttled, s.retried, s.failed),
+        (9, 1, 0, 0),
+        "{s:?}"
+    );
+    assert_drained(&config, &redis, 9, "api");
+    a.stop();
+    b.stop();
+}

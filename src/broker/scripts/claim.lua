@@ -90,17 +90,17 @@ local WEIGHTS = 10 + 2 * rates
 local weighted = (tonumber(ARGV[WEIGHTS]) or 0) > 0
 -- The type limits' block (types.lua) follows the weights: its flows' count, and the keys it adds.
 local TYPES = WEIGHTS + 1 + (tonumber(ARGV[WEIGHTS]) or 0)
-local type_flows, type_rate_keys = tonumber(ARGV[TYPES]) or 0, 0
+local type_flows, type_other_keys = tonumber(ARGV[TYPES]) or 0, 0
 do
   local at = TYPES + 2
   for _ = 1, type_flows do
     local r = tonumber(ARGV[at + 4]) or 0
-    type_rate_keys, at = type_rate_keys + 2 * r, at + 5 + 2 * r
+    type_other_keys, at = type_other_keys + 1 + 2 * r, at + 5 + 2 * r
   end
 end
 local per_level = 7
 if type_flows > 0 then per_level = 8 + type_flows end
-local levels = (#KEYS - 8 - 2 * rates - (weighted and 1 or 0) - type_rate_keys) / per_level
+local levels = (#KEYS - 8 - 2 * rates - (weighted and 1 or 0) - type_other_keys) / per_level
 local READY, QUARANTINE, CLAIMS, LISTS, SCOPES = 7, 7 + levels, 7 + 4 * levels, 7 + 5 * levels, 7 + 6 * levels
 local RUNNING = 8 + 7 * levels
 local SCHED = weighted and RUNNING + 2 * rates + 1

@@ -14,7 +14,8 @@
 -- its limit and not yet settled), then for each claim the call touches, its list, its settled bitmap and its
 -- running scopes (`processing:OWNER:LEVEL:CLAIM`, `...:CLAIM:settled` and `...:CLAIM:scopes`); in default mode
 -- under a running limit instead: KEYS[9+5L] the running hash and KEYS[10+5L] the popped-running hash of the owner
--- that popped these tasks (ARGV[5]; see "Running limits")
+-- that popped these tasks (ARGV[5]; see "Running limits"); last, in safe mode, the keys of the task types whose
+-- throttles the call sets (see T below)
 -- ARGV[1] fence: "owner" (the owner settles its own tasks) or "expired" (a monitor settles the tasks of an owner
 --         whose lease ran out; nothing is applied unless it has)
 -- ARGV[2] dead list bound; ARGV[3] number of levels L; ARGV[4] the delay poller's channel; ARGV[5] the owner
@@ -23,9 +24,13 @@
 --         acknowledgements as a bitmap (bit p, in GETBIT's order, for the task at position p; "" for none), and
 --         how many bits it sets: the bulk of the traffic, applied with a handful of commands per claim
 -- then C: plain acknowledgements without a token (default mode), only counted
--- then records of 8: op, claim (its index among the K, 1-based; 0 for none), token (the task's position in the
+-- then T, the task types whose own throttles the call may set (0 but in safe mode), and T ring members (`:TYPE`);
+--         their keys follow the claims': for each, its throttle (`throttle:t:TYPE`), its flows (one per level),
+--         the levels' rings
+-- then records of 9: op, claim (its index among the K, 1-based; 0 for none), token (the task's position in the
 --         claim's list; a field of an older owner's hash with claim 0; "" in default mode), unique id, level
---         (1-based), delay ms, payload, failed ("1" or "0")
+--         (1-based), delay ms, payload, failed ("1" or "0"), throttle scope (op "throttle": 0 for the queue's,
+--         t for the t-th of the T types; 0 for every other op)
 --   op "ack":   done; the task leaves the processing area
 --   op "retry": payload (the envelope with attempt + 1) goes to the front of its ready list now (delay 0) or
 --               to the level's retry zset, due in delay ms; counted in "retried"
@@ -41,7 +46,8 @@
 --   op "throttle": a handler's back-pressure: payload (the task as it was taken) goes to the front of its ready
 --               list, uncharged; the queue's throttle is set to expire in delay ms (its value: the ms it ends),
 --               unless it already lasts longer, and no claim or pop takes a task of the queue until then;
---               counted in "throttled"
+--               counted in "throttled". With a type's scope: to the front of the type's flow at its level (its
+--               ring names it), and the type's throttle is the one set: claims take none of its tasks until then
 --   op "dead":  payload (a dead record, a JSON object) is pushed on the dead list with "dead_at" stamped
 -- Running limits. A claim list counted under a running limit has a scopes string (`N q`: claim.lua; with type
 -- limits a line `N SCOPE...` per run of the list, in position order); each task of it whose bit this call sets, by whatever op and whichever settling party (the owner, or a monitor for an
@@ -110,7 +116,19 @@ for k = 1, claims do
     fresh = 0}
 end
 local counted_at = 8 + claims * 4
-local records = counted_at + 1
+-- The task types whose own throttles this call may set (safe mode, types with limits: see op "throttle"): each
+-- its ring member here, and its keys after the claims' (its throttle, its flows, the levels' rings).
+local throttled_types = tonumber(ARGV[counted_at + 1]) or 0
+local records = counted_at + 2 + throttled_types
+local throttle_type = {}
+for t = 1, throttled_types do
+  local at = CLAIM_KEYS + 3 * claims + 1 + (t - 1) * (1 + 2 * levels)
+  throttle_type[t] = {member = ARGV[counted_at + 1 + t], throttle = KEYS[at], flows = {}, rings = {}}
+  for level = 1, levels do
+    throttle_type[t].flows[level] = KEYS[at + level]
+    throttle_type[t].rings[level] = KEYS[at + levels + level]
+  end
+end
 
 -- Only the keys this call may write (a read of a key of the wrong type fails before anything is written): a
 -- call of plain acknowledgements, the hot path, checks a handful.
@@ -119,6 +137,12 @@ if fence == 'expired' then expected[owners] = 'zset' end
 if #ARGV >= records then
   expected[dead], expected[uniq], expected[wake], expected[popped] = 'list', 'hash', 'list', 'hash'
   expected[throttle] = 'string'
+  for _, scope in ipairs(throttle_type) do
+    expected[scope.throttle] = 'string'
+    for level = 1, levels do
+      expected[scope.flows[level]], expected[scope.rings[level]] = 'list', 'zset'
+    end
+  end
   for level = 1, levels do
     expected[KEYS[READY + level]] = 'list'
     expected[KEYS[RETRY + level]] = 'zset'
@@ -144,7 +168,7 @@ for k = 1, claims do
     expect(claim[k].bits, 'string') or expect(claim[k].scopes, 'string')
   if refused then return refused end
 end
-for j = records, #ARGV, 8 do
+for j = records, #ARGV, 9 do
   if not OPS[ARGV[j]] then
     return redis.error_reply('settle.lua: unknown op ' .. ARGV[j] .. '; nothing was applied')
   end
@@ -157,7 +181,11 @@ for j = records, #ARGV, 8 do
     return redis.error_reply('settle.lua: record at level ' .. ARGV[j + 4] .. ' of ' .. levels .. ' (delay ' ..
       ARGV[j + 5] .. '); nothing was applied')
   end
-  local stage = tonumber(ARGV[j + 5])
+  local stage, scope = tonumber(ARGV[j + 5]), tonumber(ARGV[j + 8])
+  if not scope or scope < 0 or scope > throttled_types or (scope > 0 and ARGV[j] ~= 'throttle') then
+    return redis.error_reply('settle.lua: record of throttle scope ' .. tostring(ARGV[j + 8]) .. ' of ' ..
+      throttled_types .. '; nothing was applied')
+  end
   if ARGV[j] == 'throttle' and stage < 1 then
     return redis.error_reply('settle.lua: throttle of ' .. ARGV[j + 5] .. ' ms; nothing was applied')
   end
@@ -286,8 +314,8 @@ end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local done, retried, recovered, failed, dead_lettered, throttled = 0, 0, 0, 0, 0, 0
--- How long the queue's throttle still lasts (ms), read at the first throttle record.
-local throttle_left = false
+-- How long each throttle still lasts (ms), by key, read at its first throttle record.
+local throttle_left = {}
 local wake_fetchers, wake_poller = false, false
 local live = true
 if fence == 'expired' then
@@ -406,15 +434,24 @@ while i <= #ARGV do
       end
     elseif op == 'throttle' then
       throttled = throttled + 1
-      redis.call('LPUSH', KEYS[READY + level], payload)
-      wake_fetchers = true
-      if not throttle_left then
-        -- -2: none; -1: one set by hand without an expiry, which this one replaces.
-        throttle_left = math.max(0, redis.call('PTTL', throttle))
+      local key = throttle
+      local scope = throttle_type[tonumber(ARGV[i + 8])]
+      if scope then
+        -- A type with its own limits: back to the head of its flow, which claims take from first.
+        key = scope.throttle
+        redis.call('LPUSH', scope.flows[level], payload)
+        redis.call('ZADD', scope.rings[level], 'NX', now, scope.member)
+      else
+        redis.call('LPUSH', KEYS[READY + level], payload)
       end
-      if delay > throttle_left then
-        redis.call('SET', throttle, string.format('%d', now + delay), 'PX', delay)
-        throttle_left = delay
+      wake_fetchers = true
+      if not throttle_left[key] then
+        -- -2: none; -1: one set by hand without an expiry, which this one replaces.
+        throttle_left[key] = math.max(0, redis.call('PTTL', key))
+      end
+      if delay > throttle_left[key] then
+        redis.call('SET', key, string.format('%d', now + delay), 'PX', delay)
+        throttle_left[key] = delay
       end
     else
       dead_lettered = dead_lettered + 1
@@ -425,7 +462,7 @@ while i <= #ARGV do
     end
   end
   result[#result + 1] = ok
-  i = i + 8
+  i = i + 9
 end
 if used_scratch then redis.call('DEL', scratch) end
 -- A claim whose every task is settled goes; the others' scores count what they still hold. What a counted claim

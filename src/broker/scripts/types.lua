@@ -19,7 +19,9 @@
 -- foreign type field ("" for none), then per flow: its type (as the envelope spells it), its ring member, its
 -- running scope (`t:TYPE`), its max_running (0: none), R, then R pairs (window ms, most starts); a flow with no
 -- limit is an *orphan*, a flow another config made, drained unlimited and never routed to. KEYS from `first`:
--- the rings (one per level), then per flow its lists (one per level), then its R windows' logs and sums.
+-- the rings (one per level), then per flow its lists (one per level), its throttle (`throttle:t:TYPE`, set by
+-- settle.lua when a handler throttles a task of the type: none of its tasks is taken while it lives), then its R
+-- windows' logs and sums.
 
 -- Reads the block at ARGV[at] for `levels` levels (KEYS from `first`), checking every key's type and every value
 -- it will rely on (running counts, rate logs) before any write. Returns the flows (possibly none), the index of
@@ -50,6 +52,10 @@ local function types_read(script, at, first, levels, running, integer)
       if refused then return nil, nil, refused end
     end
     key = key + levels
+    flow.throttle = KEYS[key]
+    local refused = wrong(flow.throttle, 'string')
+    if refused then return nil, nil, refused end
+    key = key + 1
     for r = 0, flow.rates - 1 do
       local refused = wrong(KEYS[key + 2 * r], 'list') or wrong(KEYS[key + 2 * r + 1], 'string')
       if refused then return nil, nil, refused end
@@ -74,18 +80,29 @@ end
 
 -- How many more tasks each flow's limits admit now (`flow.room`; nil: no bound), trimming its rate logs first;
 -- records when a full flow may go on (`flow.due`: ms, or 0 for "when a running slot frees") and writes each
--- counted flow's `SCOPE:limit`. Returns nil, or the error reply of a rate log that does not parse.
+-- counted flow's `SCOPE:limit`. A throttled type admits nothing until its throttle's time to live runs out (a
+-- throttle set by hand without an expiry: looked at again in a second, as the queue's). Returns nil, or the error
+-- reply of a rate log that does not parse.
 local function types_admit(script, block, running, now)
   for _, flow in ipairs(block.flows) do
     flow.room, flow.due = nil, nil
+    if flow.limited then
+      local left = redis.call('PTTL', flow.throttle)
+      if left ~= -2 then
+        if left < 0 then left = 1000 end
+        flow.room, flow.due = 0, now + math.max(1, left)
+      end
+    end
     if flow.max_running > 0 then
-      flow.room = math.max(0, flow.max_running - flow.running)
       if flow.known_limit ~= flow.max_running then
         redis.call('HSET', running, flow.scope .. ':limit', flow.max_running)
       end
-      if flow.room == 0 then flow.due = 0 end
+      if flow.room ~= 0 then
+        flow.room = math.max(0, flow.max_running - flow.running)
+        if flow.room == 0 then flow.due = 0 end
+      end
     end
-    if flow.rates > 0 then
+    if flow.rates > 0 and flow.room ~= 0 then
       local free, due, bad = rate_trim(script, flow.windows, now)
       if bad then return bad end
       if due > 0 then
