@@ -572,6 +572,7 @@ fn the_fuzz_config_of_every_key_is_valid() {
     assert_eq!(config.queues[0].max_running, Some(1_000_000));
     assert_eq!(config.queues[0].rate_limit.len(), 2);
     assert_eq!(config.queues[0].priority_weights, [1000, 3, 2, 1]);
+    assert_eq!(config.queues[0].type_limits[0].rate_limit.len(), 2);
 }
 
 #[test]
