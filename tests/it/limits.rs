@@ -342,18 +342,13 @@ fn stats_show_a_full_rate_window_and_the_running_count_against_their_limits() {
     push_many(&config, "t", 5, "7");
     wait_done(&config, 3, Duration::from_secs(30));
     // The minute's three starts are spent: the other two wait in Redis for the window to move on.
-    let (code, out, err) = kmqd(&["--config", config.to_str().unwrap(), "stats"], None);
-    assert_eq!(code, 0, "{err}");
+    let out = kmqd_ok(&config, &["stats"]);
     assert!(
         out.contains("jobs: running 0/4 · rate 3/3 per 1m, held back · rate 3/100 per 1h"),
         "{out}"
     );
-    let (code, out, err) = kmqd(
-        &["--config", config.to_str().unwrap(), "stats", "--json"],
-        None,
-    );
-    assert_eq!(code, 0, "{err}");
-    let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&kmqd_ok(&config, &["stats", "--json"])).unwrap();
     let limits = &json["queues"]["jobs"]["limits"];
     assert_eq!(
         (

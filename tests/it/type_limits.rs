@@ -42,6 +42,15 @@ fn most_within(starts: &[u64], window: Duration) -> usize {
     most
 }
 
+/// How many runs of ids starting with `prefix` returned.
+fn ended(dir: &TestDir, prefix: &str) -> usize {
+    dir.records()
+        .ends
+        .iter()
+        .filter(|(id, ..)| id.starts_with(prefix))
+        .count()
+}
+
 /// Every id `prefix0..prefix{count}` ran exactly once.
 fn assert_ran_once(dir: &TestDir, prefix: &str, count: usize) {
     let records = dir.records();
@@ -87,33 +96,18 @@ fn a_types_max_running_holds_across_daemons_and_the_other_types_run_past_it() {
     let mut most_counted = 0;
     eventually(Duration::from_secs(60), "every fast task done", || {
         most_counted = most_counted.max(running(&redis, "slow"));
-        let fast = dir
-            .records()
-            .ends
-            .iter()
-            .filter(|(id, ..)| id.starts_with('f'))
-            .count();
+        let fast = ended(&dir, "f");
         (fast >= 40, fast)
     });
     // 12 slow tasks of 150 ms, 2 at a time, take 900 ms at the least: the fast ones finished before them.
-    let slow_done = dir
-        .records()
-        .ends
-        .iter()
-        .filter(|(id, ..)| id.starts_with('s'))
-        .count();
+    let slow_done = ended(&dir, "s");
     assert!(
         slow_done < 12,
         "the fast tasks waited behind the slow ones ({slow_done} slow ran first)"
     );
     eventually(Duration::from_secs(60), "every slow task done", || {
         most_counted = most_counted.max(running(&redis, "slow"));
-        let slow = dir
-            .records()
-            .ends
-            .iter()
-            .filter(|(id, ..)| id.starts_with('s'))
-            .count();
+        let slow = ended(&dir, "s");
         (slow >= 12, slow)
     });
     assert!(most_counted <= 2, "the type's count reached {most_counted}");
@@ -144,20 +138,10 @@ fn a_types_rate_limit_holds_in_every_window_and_the_other_types_run_past_it() {
     push_typed(&config, "api", "a", 15, "{}");
     push_typed(&config, "other", "o", 30, "{}");
     eventually(Duration::from_secs(30), "every other task done", || {
-        let other = dir
-            .records()
-            .ends
-            .iter()
-            .filter(|(id, ..)| id.starts_with('o'))
-            .count();
+        let other = ended(&dir, "o");
         (other >= 30, other)
     });
-    let api_done = dir
-        .records()
-        .ends
-        .iter()
-        .filter(|(id, ..)| id.starts_with('a'))
-        .count();
+    let api_done = ended(&dir, "a");
     assert!(
         api_done < 15,
         "the other tasks waited behind the rate-limited ones"
@@ -192,18 +176,13 @@ fn a_flow_left_by_a_config_that_no_longer_limits_its_type_is_drained() {
     let s = stats(&limited, "jobs");
     assert_eq!(s.ready, 8, "the flow's tasks are counted as ready: {s:?}");
     // `kmqd stats` says what holds the type back.
-    let (code, out, err) = kmqd(&["--config", limited.to_str().unwrap(), "stats"], None);
-    assert_eq!(code, 0, "{err}");
+    let out = kmqd_ok(&limited, &["stats"]);
     assert!(
         out.contains("jobs: type \"slow\": running 2/2, held back, 8 waiting"),
         "{out}"
     );
-    let (code, out, err) = kmqd(
-        &["--config", limited.to_str().unwrap(), "stats", "--json"],
-        None,
-    );
-    assert_eq!(code, 0, "{err}");
-    let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&kmqd_ok(&limited, &["stats", "--json"])).unwrap();
     let slow = &json["queues"]["jobs"]["limits"]["types"][0];
     assert_eq!(
         (

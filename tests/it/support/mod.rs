@@ -616,6 +616,15 @@ impl Drop for Process {
 }
 
 /// Runs `kmqd ARGS` to completion; returns (exit code, stdout, stderr).
+/// Runs `kmqd --config CONFIG ARGS...`, checks it exits 0, and returns its standard output.
+pub fn kmqd_ok(config: &Path, args: &[&str]) -> String {
+    let mut all = vec!["--config", config.to_str().unwrap()];
+    all.extend_from_slice(args);
+    let (code, out, err) = kmqd(&all, None);
+    assert_eq!(code, 0, "kmqd {args:?}: {err}");
+    out
+}
+
 pub fn kmqd(args: &[&str], stdin: Option<&str>) -> (i32, String, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kmqd"))
         .args(args)
