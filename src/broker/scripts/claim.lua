@@ -416,8 +416,6 @@ end
 
 local result = empty(0, 0)
 local taken = 0
--- Strict order takes from the highest level first; priority weights split the claim between the levels that have
--- tasks by their turns (turns.lua).
 -- The tasks a level holds that this claim may take: its ready list, and its flows that their limits admit.
 local function waiting(i)
   local n = redis.call('LLEN', KEYS[READY + i])
@@ -428,6 +426,8 @@ local function waiting(i)
   end
   return n
 end
+-- Strict order takes from the highest level first; priority weights split the claim between the levels that have
+-- tasks by their turns (turns.lua).
 local want
 if weighted then
   local available = {}
