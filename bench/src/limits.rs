@@ -131,7 +131,11 @@ fn cost(bench: &Bench) -> Result<Vec<Figure>, String> {
             prefetch: Some(0),
             extra,
         };
-        let name = format!("limits-cost-{}", what.replace(' ', "-"));
+        let name: String = what
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+            .collect();
+        let name = format!("limits-cost-{name}");
         let config = bench.config_on(&bench.own().section, &name, "safe", None, shape)?;
         let (mut rates, mut daemon_cpu, mut redis_cpu) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..o.runs {
