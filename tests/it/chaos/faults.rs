@@ -1,0 +1,460 @@
+//! The faults: what is injected, how often, and how; the schedule that picks them from the seed.
+
+use std::os::unix::process::ExitStatusExt;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use kmqd::Client;
+
+use crate::support::proxy::{Fault, FaultProxy};
+use crate::support::*;
+
+use super::workload::{DAEMONS, LEASE, Queue, Rng, Shape, Work};
+use super::world::{Daemons, What, World, lock, now_us, send_signal, tail, wait_exit};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(super) enum Kind {
+    Kill9,
+    ClientKill,
+    RedisTerm,
+    RedisKill,
+    RedisStall,
+    Zombie,
+    RollingConfig,
+    RedisEmpty,
+    PoisonPill,
+    DeafHandlers,
+}
+
+/// Every fault kind, its weight (how often it is picked, relative to the others, once each kind has happened
+/// once) and how it is injected. A fault is injected every 1 to 3 s, one at a time.
+pub(super) const FAULTS: &[(Kind, u64, &str)] = &[
+    (
+        Kind::Kill9,
+        6,
+        "kill -9 of a random daemon; the supervisor starts it again at once or a second later",
+    ),
+    (
+        Kind::ClientKill,
+        3,
+        "CLIENT KILL TYPE normal on a direct connection: every connection of the daemons and the producer is cut",
+    ),
+    (
+        Kind::RedisTerm,
+        2,
+        "redis-server stopped with SIGTERM, down for up to a second, started again on its append-only file",
+    ),
+    (
+        Kind::RedisKill,
+        2,
+        "redis-server killed with SIGKILL, down for up to a second, started again on its append-only file",
+    ),
+    (
+        Kind::RedisStall,
+        3,
+        "Redis stalled 1.5 to 2.5 s, past io_timeout: redis-server SIGSTOPped then SIGCONTed, or a proxy stall",
+    ),
+    (
+        Kind::Zombie,
+        2,
+        "a daemon SIGSTOPped for its lease and 1 to 2 s more, then SIGCONTed",
+    ),
+    (
+        Kind::RollingConfig,
+        2,
+        "a daemon stopped (SIGTERM) and started on config B (jobs: one level, other workers and prefetch; \
+         limited: max_running halved); back on A (the same way) 2 to 6 faults later, or at the next rolling change",
+    ),
+    (
+        Kind::RedisEmpty,
+        1,
+        "redis-server stopped (SIGTERM or SIGKILL), its append-only file deleted, started empty; the producer \
+         re-pushes every task that has no final state (an outbox): a new epoch",
+    ),
+    (
+        Kind::PoisonPill,
+        2,
+        "a task that aborts the daemon that runs it ({\"outcome\":\"abort\"}), on either queue",
+    ),
+    (
+        Kind::DeafHandlers,
+        2,
+        "1 to 3 tasks whose handler sleeps 3 s ignoring cancel, past execution_timeout, on either queue",
+    ),
+];
+
+impl Kind {
+    pub(super) fn label(self) -> &'static str {
+        match self {
+            Kind::Kill9 => "kill -9",
+            Kind::ClientKill => "client kill",
+            Kind::RedisTerm => "redis restart (SIGTERM)",
+            Kind::RedisKill => "redis restart (SIGKILL)",
+            Kind::RedisStall => "redis stall",
+            Kind::Zombie => "zombie",
+            Kind::RollingConfig => "config change",
+            Kind::RedisEmpty => "redis restarted empty",
+            Kind::PoisonPill => "poison pill",
+            Kind::DeafHandlers => "deaf handlers",
+        }
+    }
+}
+
+/// The running daemons the fault loop may act on.
+pub(super) fn candidates(daemons: &mut Daemons) -> Vec<usize> {
+    (0..DAEMONS)
+        .filter(|&slot| {
+            let s = &mut daemons.slots[slot];
+            !s.held
+                && s.process
+                    .as_mut()
+                    .is_some_and(|process| matches!(process.child.try_wait(), Ok(None)))
+        })
+        .collect()
+}
+
+pub(super) fn kill9(world: &World, rng: &mut Rng) -> String {
+    let mut daemons = lock(&world.daemons);
+    let running = candidates(&mut daemons);
+    if running.is_empty() {
+        return "no daemon running: skipped".into();
+    }
+    let slot = rng.pick(&running);
+    let instance = daemons.slots[slot].instance;
+    let mut process = daemons.slots[slot].process.take().unwrap();
+    let from = now_us();
+    let _ = process.child.kill();
+    let _ = process.child.wait();
+    let later = rng.coin();
+    daemons.slots[slot].restart_at = Some(
+        Instant::now()
+            + if later {
+                Duration::from_secs(1)
+            } else {
+                Duration::ZERO
+            },
+    );
+    world.event(
+        What::Fault(Kind::Kill9),
+        Some(instance),
+        from,
+        String::new(),
+    );
+    format!(
+        "daemon {slot} (process #{instance}) killed; restart {}",
+        if later { "in 1 s" } else { "at once" }
+    )
+}
+
+pub(super) fn zombie(world: &World, rng: &mut Rng) -> String {
+    let (slot, instance, pid) = {
+        let mut daemons = lock(&world.daemons);
+        let running = candidates(&mut daemons);
+        if running.is_empty() {
+            return "no daemon running: skipped".into();
+        }
+        let slot = rng.pick(&running);
+        let s = &mut daemons.slots[slot];
+        s.held = true;
+        (slot, s.instance, s.process.as_ref().unwrap().child.id())
+    };
+    let from = now_us();
+    let pause = LEASE + rng.ms(1000, 2000);
+    assert!(send_signal(pid, "STOP"), "SIGSTOP {pid}");
+    std::thread::sleep(pause);
+    assert!(send_signal(pid, "CONT"), "SIGCONT {pid}");
+    lock(&world.daemons).slots[slot].held = false;
+    world.event(
+        What::Fault(Kind::Zombie),
+        Some(instance),
+        from,
+        String::new(),
+    );
+    format!(
+        "daemon {slot} (process #{instance}) stopped for {:.1} s, then continued",
+        pause.as_secs_f64()
+    )
+}
+
+/// Stops the slot's daemon gracefully (SIGTERM) and starts it on `shape`. Returns what happened.
+pub(super) fn change_config(world: &World, slot: usize, shape: Shape, what: What) -> String {
+    let (process, instance, old) = {
+        let mut daemons = lock(&world.daemons);
+        let s = &mut daemons.slots[slot];
+        s.held = true;
+        let old = s.shape;
+        s.shape = shape;
+        (s.process.take(), s.instance, old)
+    };
+    let from = now_us();
+    let mut how = String::from("was not running");
+    if let Some(mut process) = process {
+        // A process meets SIGTERM's default action until it installs its handlers; kmqd does so before its
+        // first log line (src/cli/daemon.rs, run_daemon), so wait for that line, as an operator's stop would not race
+        // the exec either.
+        let started = Instant::now() + Duration::from_secs(10);
+        while process.log_text().is_empty()
+            && matches!(process.child.try_wait(), Ok(None))
+            && Instant::now() < started
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if matches!(process.child.try_wait(), Ok(None)) {
+            send_signal(process.child.id(), "TERM");
+        }
+        let status = wait_exit(&mut process, Duration::from_secs(30));
+        how = match status {
+            Some(status) if status.code() == Some(0) => "exited 0".to_string(),
+            Some(status) if status.signal() == Some(6) => {
+                // A poison pill it was running aborted it during the grace.
+                world.count("crashes");
+                world.event(What::Crashed, Some(instance), now_us(), format!("{status}"));
+                format!("{status} (a poison pill)")
+            }
+            Some(status) => {
+                world.violation(format!(
+                    "daemon {slot} (process #{instance}) stopped with SIGTERM exited with {status}; its log ends:\n{}",
+                    tail(&process.log_text(), 20)
+                ));
+                format!("{status}")
+            }
+            None => {
+                world.violation(format!(
+                    "daemon {slot} (process #{instance}) did not exit within 30 s of SIGTERM; its log ends:\n{}",
+                    tail(&process.log_text(), 20)
+                ));
+                process.kill9();
+                "killed after 30 s".to_string()
+            }
+        };
+    }
+    world.event(what, Some(instance), from, format!("{old:?} -> {shape:?}"));
+    let mut daemons = lock(&world.daemons);
+    world.start_daemon(
+        &mut daemons,
+        slot,
+        &format!("config change {old:?} -> {shape:?}"),
+    );
+    daemons.slots[slot].held = false;
+    format!("daemon {slot} (process #{instance}) {how}; now on config {shape:?}")
+}
+
+/// The fault loop's own state.
+pub(super) struct Injector<'w, 'a> {
+    pub(super) world: &'w World<'a>,
+    pub(super) redis: RedisServer,
+    pub(super) proxy: FaultProxy,
+    /// The test's own producer (direct to Redis): pills, deaf handlers, the outbox's re-pushes.
+    pub(super) client: Client,
+    pub(super) rng: Rng,
+    /// The slot on config B, and how many more faults it stays there.
+    pub(super) on_b: Option<(usize, u64)>,
+}
+
+impl Injector<'_, '_> {
+    pub(super) fn inject(&mut self, kind: Kind) -> String {
+        let world = self.world;
+        world.count(kind.label());
+        let from = now_us();
+        match kind {
+            Kind::Kill9 => kill9(world, &mut self.rng),
+            Kind::Zombie => zombie(world, &mut self.rng),
+            Kind::ClientKill => {
+                let killed: i64 = self
+                    .redis
+                    .cmd(&["CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes"]);
+                world.event(What::Fault(kind), None, from, String::new());
+                format!("{killed} connections killed")
+            }
+            Kind::RedisTerm | Kind::RedisKill => {
+                let signal = if kind == Kind::RedisTerm {
+                    Signal::Term
+                } else {
+                    Signal::Kill
+                };
+                self.redis.stop(signal);
+                let down = self.rng.ms(0, 1000);
+                std::thread::sleep(down);
+                self.redis.restart();
+                world.event(What::Fault(kind), None, from, String::new());
+                format!(
+                    "redis-server stopped ({signal:?}), down {:.1} s, restarted on its AOF",
+                    down.as_secs_f64()
+                )
+            }
+            Kind::RedisStall => {
+                let stall = self.rng.ms(1500, 2500);
+                let how = if self.rng.coin() {
+                    world.count("stalls (SIGSTOP)");
+                    self.redis.pause();
+                    std::thread::sleep(stall);
+                    self.redis.resume();
+                    "redis-server SIGSTOPped"
+                } else {
+                    world.count("stalls (proxy)");
+                    let rule = self.proxy.add(Fault::Stall { duration: stall });
+                    std::thread::sleep(stall);
+                    rule.remove();
+                    "the proxy held all traffic"
+                };
+                world.event(What::Fault(kind), None, from, how.to_string());
+                format!("{how} for {:.1} s", stall.as_secs_f64())
+            }
+            Kind::RollingConfig => match self.on_b.take() {
+                Some((slot, _)) => {
+                    change_config(world, slot, Shape::A, What::Fault(Kind::RollingConfig))
+                }
+                None => {
+                    let slot = self.rng.below(DAEMONS as u64) as usize;
+                    self.on_b = Some((slot, 2 + self.rng.below(5)));
+                    change_config(world, slot, Shape::B, What::Fault(Kind::RollingConfig))
+                }
+            },
+            Kind::RedisEmpty => self.empty_redis(),
+            Kind::PoisonPill => {
+                let queue = self.rng.pick(&Queue::ALL);
+                let ids = world.new_tasks(&mut self.rng, queue, 1, |_| Work::Pill);
+                let _gate = world.gate.read().unwrap();
+                world.push(&self.client, &ids);
+                format!("pushed {}", ids[0])
+            }
+            Kind::DeafHandlers => {
+                let count = 1 + self.rng.below(3) as usize;
+                let queue = self.rng.pick(&Queue::ALL);
+                let ids = world.new_tasks(&mut self.rng, queue, count, |_| Work::Deaf);
+                let _gate = world.gate.read().unwrap();
+                world.push(&self.client, &ids);
+                format!("pushed {}", ids.join(" "))
+            }
+        }
+    }
+
+    /// Redis loses everything; the producer, as one with an outbox would, pushes again every task that has no
+    /// final state yet.
+    pub(super) fn empty_redis(&mut self) -> String {
+        let world = self.world;
+        let from = now_us();
+        let _gate = world.gate.write().unwrap();
+        for queue in Queue::ALL {
+            world.check_conservation(&self.redis, queue, "at the end of an epoch");
+        }
+        // What was dead-lettered is known to the outbox (the dead list is where one learns of it).
+        world.read_dead_list(&self.redis);
+        let signal = if self.rng.coin() {
+            Signal::Term
+        } else {
+            Signal::Kill
+        };
+        self.redis.stop(signal);
+        let aof = self.redis.dir().join("appendonlydir");
+        std::fs::remove_dir_all(&aof).unwrap_or_else(|e| panic!("remove {}: {e}", aof.display()));
+        self.redis.restart();
+        let epoch = world.epoch.fetch_add(1, Ordering::SeqCst) + 1;
+        {
+            let mut ledger = lock(&world.ledger);
+            ledger.acked.push([0; 2]);
+            ledger.maybe.push([0; 2]);
+        }
+        let missing = world.unfinished(false);
+        for queue in Queue::ALL {
+            let ids: Vec<String> = missing
+                .iter()
+                .filter(|(of, _)| *of == queue)
+                .map(|(_, id)| id.clone())
+                .collect();
+            for chunk in ids.chunks(500) {
+                world.push(&self.client, chunk);
+            }
+        }
+        lock(&world.ledger).repushed += missing.len() as u64;
+        world.event(
+            What::Fault(Kind::RedisEmpty),
+            None,
+            from,
+            format!("epoch {epoch}"),
+        );
+        format!(
+            "redis-server stopped ({signal:?}), AOF deleted, restarted empty (epoch {epoch}); {} tasks pushed again",
+            missing.len()
+        )
+    }
+}
+
+impl Injector<'_, '_> {
+    /// Counts down the faults the slot on config B stays there, and puts it back on A when they are over.
+    pub(super) fn before_next_fault(&mut self) {
+        match self.on_b {
+            Some((slot, 0)) => {
+                self.on_b = None;
+                self.world.count(Kind::RollingConfig.label());
+                let what =
+                    change_config(self.world, slot, Shape::A, What::Fault(Kind::RollingConfig));
+                self.world.say(&format!("config change back: {what}"));
+            }
+            Some((slot, left)) => self.on_b = Some((slot, left - 1)),
+            None => {}
+        }
+    }
+
+    /// Puts the slot on config B, if any, back on A: the end of the faults.
+    pub(super) fn back_on_a(&mut self) {
+        if let Some((slot, _)) = self.on_b.take() {
+            self.world.count(Kind::RollingConfig.label());
+            let what = change_config(self.world, slot, Shape::A, What::Fault(Kind::RollingConfig));
+            self.world.say(&format!("config change back: {what}"));
+        }
+    }
+}
+
+/// Which fault comes next, and when: every kind once, in a random order; then random kinds by weight, a fault
+/// every 1 to 3 s. The schedule (gaps and kinds) has its own generator, two draws per fault, so that a seed replays
+/// the same sequence of faults however long each takes on this run.
+pub(super) struct Schedule {
+    rng: Rng,
+    /// The kinds that have not had their first turn yet, the next one last.
+    first: Vec<Kind>,
+    total_weight: u64,
+}
+
+impl Schedule {
+    pub(super) fn new(mut rng: Rng) -> Schedule {
+        let mut first: Vec<Kind> = FAULTS.iter().map(|(kind, _, _)| *kind).collect();
+        for i in (1..first.len()).rev() {
+            let j = rng.below(i as u64 + 1) as usize;
+            first.swap(i, j);
+        }
+        first.reverse();
+        Schedule {
+            rng,
+            first,
+            total_weight: FAULTS.iter().map(|(_, weight, _)| weight).sum(),
+        }
+    }
+
+    /// The gap to wait before the next fault, and its kind.
+    pub(super) fn next(&mut self) -> (Duration, Kind) {
+        let gap = self.rng.ms(1000, 3000);
+        let draw = self.rng.next();
+        let kind = self.first.pop().unwrap_or_else(|| {
+            let mut pick = draw % self.total_weight;
+            FAULTS
+                .iter()
+                .find(|(_, weight, _)| {
+                    if pick < *weight {
+                        true
+                    } else {
+                        pick -= weight;
+                        false
+                    }
+                })
+                .unwrap()
+                .0
+        });
+        (gap, kind)
+    }
+
+    /// The kinds that did not get their first turn.
+    pub(super) fn never_injected(&self) -> &[Kind] {
+        &self.first
+    }
+}
