@@ -10,7 +10,9 @@ use crate::support::RedisServer;
 
 use super::faults::Kind;
 use super::ledger::{Facts, Ledger, Pushed, Run};
-use super::workload::{HOLDS_AT_MOST_MS, LIMIT_BOUND, Queue, RETRY_TIMES, Shape, Work};
+use super::workload::{
+    HOLDS_AT_MOST_MS, LIMIT_BOUND, Mode, POPPED_HELD_MAX, Queue, RETRY_TIMES, Shape, Work,
+};
 use super::world::{Event, SLACK_US, What, World, lock, now_us, rel};
 
 /// One atomic look at a queue's keys (ARGV[1]: `kmq:{queue}`): the tasks in each place, the counters, the running
@@ -143,7 +145,10 @@ pub(super) fn snapshot(
 impl World<'_> {
     /// Checks conservation on one atomic snapshot of the queue's keys (a script: nothing moves while it runs):
     /// every task pushed since Redis last came back empty is ready, quarantined, processing (under any owner,
-    /// registered or not), delayed, waiting to retry, dead, done or cancelled. For the limited queue, also its
+    /// registered or not), delayed, waiting to retry, dead, done or cancelled; in default mode, or popped (in a
+    /// daemon's memory, or lost with it), so Redis holds at most what was pushed, and after Redis lost its data at
+    /// most [`POPPED_HELD_MAX`] more: the tasks the daemons held then, settled since into a Redis that never
+    /// counted their push (in safe mode their owners' settles are fenced off). For the limited queue, also its
     /// running count (see [`World::check_count`]).
     pub(super) fn check_conservation(&self, redis: &RedisServer, queue: Queue, when: &str) {
         let snap = match snapshot(&mut redis.connection(), queue) {
@@ -170,12 +175,18 @@ impl World<'_> {
             ..
         } = snap;
         let held = ready + quarantine + processing + delayed + retry + dead + done + cancelled;
-        if held != pushed {
+        let balanced = match queue.mode() {
+            Mode::Safe => held == pushed,
+            Mode::Default if self.epoch.load(Ordering::SeqCst) == 0 => held <= pushed,
+            Mode::Default => held <= pushed + POPPED_HELD_MAX,
+        };
+        if !balanced {
             self.violation(format!(
-                "conservation of {} {when}: pushed {pushed} != {held}: ready {ready} + quarantined {quarantine} + \
+                "conservation of {} ({:?} mode) {when}: pushed {pushed}, held {held}: ready {ready} + quarantined {quarantine} + \
                  processing {processing} + delayed {delayed} + retrying {retry} + dead {dead} + done {done} + cancelled \
                  {cancelled}",
-                queue.name()
+                queue.name(),
+                queue.mode()
             ));
         }
         if queue == Queue::Limited {
@@ -305,20 +316,22 @@ pub(super) fn sample(world: &World, url: &str) {
 /// - a task merely held by a daemon that lost it (killed, crashed by a neighbour, paused past its lease, stopped
 ///   past `shutdown_grace`, or whose lease Redis lost in a restart, a stall or a data loss) comes back
 ///   *uncharged*: it may run again with the same attempt number, once per such loss;
-/// - a push whose reply was lost may have queued the task anyway: each such copy has a budget of its own.
+/// - a push whose reply was lost may have queued the task anyway: each such copy has a budget of its own;
+/// - in default mode (at most once) a task is never handed back once it ran, whatever happens to its daemon: only
+///   Redis losing or rewinding its writes brings it back (see [`Mode`]).
 ///
 /// So the bound is `runs <= (retry_times + 1) * copies + losses`, which grows with the kills: checked in its
 /// stronger, per-run form: every attempt number is at most `retry_times`, and every run of a task at an attempt
 /// number it already ran at must follow an event that took the previous such run from the daemon that ran it
-/// (an [`Event`] that [`Event::explains`] it), except at most one such run per possibly duplicated push. A run
-/// again without such a cause is an **over-run**.
+/// (an [`Event`] that [`Event::explains`] it for the task's mode), except at most one such run per possibly
+/// duplicated push. A run again without such a cause is an **over-run**.
 pub(super) struct RunCheck {
     /// Tasks with an unexplained run.
     pub(super) over_runs: Vec<String>,
     /// Runs at an attempt number above retry_times.
     pub(super) over_attempts: Vec<String>,
-    /// Repeated runs by the event that explains them.
-    pub(super) causes: BTreeMap<&'static str, u64>,
+    /// Repeated runs by the event that explains them (those of a default-mode queue marked so).
+    pub(super) causes: BTreeMap<String, u64>,
     /// The most runs of one task.
     pub(super) max_runs: usize,
     /// Tasks run more than once.
@@ -330,6 +343,8 @@ pub(super) struct RunCheck {
     /// Runs at an attempt number the task had already run at, and the tasks with such runs.
     pub(super) same_attempt_runs: usize,
     pub(super) same_attempt_tasks: usize,
+    /// Of those, the runs of a default-mode queue's tasks.
+    pub(super) at_most_once_repeats: usize,
 }
 
 pub(super) fn check_runs(
@@ -349,6 +364,7 @@ pub(super) fn check_runs(
         zombie_wake_ups: Vec::new(),
         same_attempt_runs: 0,
         same_attempt_tasks: 0,
+        at_most_once_repeats: 0,
     };
     for id in &ledger.order {
         let Some(runs) = facts.runs.get(id) else {
@@ -364,6 +380,7 @@ pub(super) fn check_runs(
             check.past_naive_bound += 1;
         }
         let duplicates = ledger.tasks[id].maybe_copies as usize;
+        let mode = ledger.tasks[id].queue.mode();
         let mut by_attempt: BTreeMap<u32, Vec<Run>> = BTreeMap::new();
         for run in &runs {
             if run.attempt > RETRY_TIMES {
@@ -375,6 +392,9 @@ pub(super) fn check_runs(
         }
         let repeats: usize = by_attempt.values().map(|group| group.len() - 1).sum();
         check.same_attempt_runs += repeats;
+        if mode == Mode::Default {
+            check.at_most_once_repeats += repeats;
+        }
         if repeats > 0 {
             check.same_attempt_tasks += 1;
         }
@@ -393,16 +413,25 @@ pub(super) fn check_runs(
                         .copied()
                         .unwrap_or(0)
                 });
-                let event = events
-                    .iter()
-                    .find(|event| event.explains(first.instance, first.start_us, again.start_us));
+                let event = events.iter().find(|event| {
+                    event.explains(mode, first.instance, first.start_us, again.start_us)
+                });
                 match event {
                     None if *left > 0 => {
                         *left -= 1;
-                        *check.causes.entry("handler throttle").or_default() += 1;
+                        *check
+                            .causes
+                            .entry("handler throttle".to_string())
+                            .or_default() += 1;
                     }
-                    Some(event) => *check.causes.entry(event.label()).or_default() += 1,
-                    None if zombie_wake_up(events, again) => {
+                    Some(event) => {
+                        let cause = match mode {
+                            Mode::Safe => event.label().to_string(),
+                            Mode::Default => format!("{} (default mode)", event.label()),
+                        };
+                        *check.causes.entry(cause).or_default() += 1;
+                    }
+                    None if mode == Mode::Safe && zombie_wake_up(events, again) => {
                         check.zombie_wake_ups.push(format!(
                             "{id} ran at {} on process #{}, then again at {} on process #{} as it woke from a \
                              pause past its lease",
@@ -417,7 +446,10 @@ pub(super) fn check_runs(
             }
             let allowed = unexplained.len().min(duplicates);
             if allowed > 0 {
-                *check.causes.entry("duplicate push").or_default() += allowed as u64;
+                *check
+                    .causes
+                    .entry("duplicate push".to_string())
+                    .or_default() += allowed as u64;
             }
             if unexplained.len() > duplicates {
                 let mut text = format!(
@@ -541,7 +573,7 @@ pub(super) fn check_limit(
             let end = run.start_us + holds_us;
             if events
                 .iter()
-                .any(|event| event.explains(run.instance, run.start_us, end))
+                .any(|event| event.explains(Mode::Safe, run.instance, run.start_us, end))
             {
                 check.excused += 1;
                 continue;
@@ -587,7 +619,8 @@ pub(super) fn check_limit(
 }
 
 /// The run-budget check itself, on made-up runs: a run again at the same attempt number passes only with a cause
-/// (a loss of the daemon that ran it, a Redis-wide fault, or a possibly duplicated push).
+/// (a loss of the daemon that ran it, a Redis-wide fault, or a possibly duplicated push); in default mode only
+/// Redis losing or rewinding its writes is one (or a duplicated push).
 #[test]
 fn the_run_budget_check_flags_runs_again_without_a_cause() {
     let run = |start_us: u64, attempt: u32, instance: usize| Run {
@@ -604,7 +637,7 @@ fn the_run_budget_check_flags_runs_again_without_a_cause() {
     };
     let mut facts = Facts::default();
     let mut ledger = Ledger::default();
-    let tasks: [(&str, u32, Vec<Run>); 7] = [
+    let tasks: [(&str, u32, Vec<Run>); 10] = [
         // Retried: two attempt numbers, no cause needed.
         (
             "retried",
@@ -647,6 +680,24 @@ fn the_run_budget_check_flags_runs_again_without_a_cause() {
             0,
             vec![run(31_000_000, 0, 1), run(33_050_000, 0, 2)],
         ),
+        // Redis rewound between the two runs: it forgot the settle.
+        (
+            "rewound",
+            0,
+            vec![run(39_500_000, 0, 0), run(41_000_000, 0, 1)],
+        ),
+        // In default mode the same: at most once does not hold across a rewind.
+        (
+            "default-rewound",
+            0,
+            vec![run(39_500_000, 0, 0), run(41_000_000, 0, 1)],
+        ),
+        // In default mode a kill of the daemon that ran it explains nothing: a popped task never comes back.
+        (
+            "default-killed",
+            0,
+            vec![run(1_000_000, 0, 0), run(4_000_000, 0, 1)],
+        ),
     ];
     for (id, maybe_copies, runs) in tasks {
         facts.runs.insert(id.to_string(), runs);
@@ -654,7 +705,11 @@ fn the_run_budget_check_flags_runs_again_without_a_cause() {
         ledger.tasks.insert(
             id.to_string(),
             Pushed {
-                queue: Queue::Jobs,
+                queue: if id.starts_with("default") {
+                    Queue::Popped
+                } else {
+                    Queue::Jobs
+                },
                 work: Work::Normal,
                 level: 1,
                 data: "{}".to_string(),
@@ -668,6 +723,7 @@ fn the_run_budget_check_flags_runs_again_without_a_cause() {
         event(What::Fault(Kind::ClientKill), None, 10_500_000, 10_500_000),
         event(What::Fault(Kind::RedisStall), None, 21_000_000, 23_000_000),
         event(What::Fault(Kind::Zombie), Some(2), 29_000_000, 33_000_000),
+        event(What::Fault(Kind::RedisRewind), None, 40_000_000, 40_500_000),
     ];
     let instances = [(0, Shape::A), (1, Shape::A), (2, Shape::B)];
     let check = check_runs(0, &facts, &ledger, &events, &instances);
@@ -676,10 +732,26 @@ fn the_run_budget_check_flags_runs_again_without_a_cause() {
         .iter()
         .map(|text| text.split(' ').next().unwrap())
         .collect();
-    assert_eq!(flagged, ["again", "elsewhere"], "{:#?}", check.over_runs);
     assert_eq!(
-        check.causes.into_iter().collect::<Vec<_>>(),
-        [("duplicate push", 1), ("kill -9", 1), ("redis stall", 1)]
+        flagged,
+        ["again", "elsewhere", "default-killed"],
+        "{:#?}",
+        check.over_runs
+    );
+    let causes: Vec<(&str, u64)> = check
+        .causes
+        .iter()
+        .map(|(cause, n)| (cause.as_str(), *n))
+        .collect();
+    assert_eq!(
+        causes,
+        [
+            ("duplicate push", 1),
+            ("kill -9", 1),
+            ("redis rewind (everysec)", 1),
+            ("redis rewind (everysec) (default mode)", 1),
+            ("redis stall", 1)
+        ]
     );
     assert_eq!(
         check.zombie_wake_ups.len(),
@@ -688,7 +760,7 @@ fn the_run_budget_check_flags_runs_again_without_a_cause() {
         check.zombie_wake_ups
     );
     assert!(check.zombie_wake_ups[0].starts_with("woke "));
-    assert_eq!((check.same_attempt_runs, check.same_attempt_tasks), (6, 6));
+    assert_eq!((check.same_attempt_runs, check.same_attempt_tasks), (9, 9));
     assert!(check.over_attempts.is_empty());
 }
 

@@ -1,12 +1,12 @@
 //! The faults: what is injected, how often, and how; the schedule that picks them from the seed.
 
 use std::os::unix::process::ExitStatusExt;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use kmqd::Client;
+use kmqd::broker::sources;
 
-use crate::support::proxy::{Fault, FaultProxy};
+use crate::support::proxy::{Fault, FaultProxy, Matcher, Rule};
 use crate::support::*;
 
 use super::workload::{DAEMONS, LEASE, Queue, Rng, Shape, Work};
@@ -24,6 +24,12 @@ pub(super) enum Kind {
     RedisEmpty,
     PoisonPill,
     DeafHandlers,
+    DelayedReply,
+    LateRequest,
+    RedisRewind,
+    ClockForward,
+    ClockBack,
+    Slowloris,
 }
 
 /// Every fault kind, its weight (how often it is picked, relative to the others, once each kind has happened
@@ -79,7 +85,42 @@ pub(super) const FAULTS: &[(Kind, u64, &str)] = &[
     (
         Kind::DeafHandlers,
         2,
-        "1 to 3 tasks whose handler sleeps 3 s ignoring cancel, past execution_timeout, on either queue",
+        "1 to 3 tasks whose handler sleeps 3 s ignoring cancel, past execution_timeout, on any queue",
+    ),
+    (
+        Kind::DelayedReply,
+        2,
+        "the reply of one claim.lua, settle.lua, renew.lua, push.lua or plain pop (its EXEC) held 200 to 900 ms by \
+         the proxy, within io_timeout: the call ran in Redis at once, the caller learns of it late",
+    ),
+    (
+        Kind::LateRequest,
+        2,
+        "one such request held 1.2 to 2.5 s by the proxy, past io_timeout: its caller gives up and sends it again; \
+         the held copy still reaches Redis after the caller closed the connection, and runs there",
+    ),
+    (
+        Kind::RedisRewind,
+        2,
+        "redis-server on appendfsync everysec killed (SIGKILL) with its host: the last 0.2 to 1 s of its append-only \
+         file lost, started again on the rest (a rewind); the producer pushes again what Redis no longer holds and \
+         has no final state (an outbox)",
+    ),
+    (
+        Kind::ClockForward,
+        1,
+        "redis-server's wall clock stepped 3 to 6 s forward, past every lease (its monotonic clock left alone)",
+    ),
+    (
+        Kind::ClockBack,
+        1,
+        "redis-server's wall clock stepped 1 to 3 s back",
+    ),
+    (
+        Kind::Slowloris,
+        2,
+        "16 to 96 slow HTTP clients on a daemon's metrics_addr for 2 to 4 s (a header line every 300 ms, never the \
+         end of the head): it goes on starting tasks, and /metrics answers another client meanwhile and after",
     ),
 ];
 
@@ -96,6 +137,12 @@ impl Kind {
             Kind::RedisEmpty => "redis restarted empty",
             Kind::PoisonPill => "poison pill",
             Kind::DeafHandlers => "deaf handlers",
+            Kind::DelayedReply => "delayed reply",
+            Kind::LateRequest => "late request",
+            Kind::RedisRewind => "redis rewind (everysec)",
+            Kind::ClockForward => "redis clock forward",
+            Kind::ClockBack => "redis clock back",
+            Kind::Slowloris => "slowloris",
         }
     }
 }
@@ -249,6 +296,8 @@ pub(super) struct Injector<'w, 'a> {
     pub(super) rng: Rng,
     /// The slot on config B, and how many more faults it stays there.
     pub(super) on_b: Option<(usize, u64)>,
+    /// How far Redis's wall clock is off the real one now (ms), after the clock steps so far.
+    pub(super) clock_offset_ms: i64,
 }
 
 impl Injector<'_, '_> {
@@ -311,6 +360,36 @@ impl Injector<'_, '_> {
                 }
             },
             Kind::RedisEmpty => self.empty_redis(),
+            Kind::RedisRewind => self.rewind_redis(),
+            Kind::DelayedReply | Kind::LateRequest => self.hold_a_call(kind),
+            Kind::ClockForward | Kind::ClockBack => {
+                let step = if kind == Kind::ClockForward {
+                    self.rng.ms(3000, 6000).as_millis() as i64
+                } else {
+                    -(self.rng.ms(1000, 3000).as_millis() as i64)
+                };
+                self.clock_offset_ms += step;
+                self.redis.set_clock_offset(self.clock_offset_ms);
+                world.add(&format!("{} ms", kind.label()), step.unsigned_abs());
+                // A forward step expires every lease at once: the daemons learn it at their next renewal, and
+                // the monitors defer their recoveries for a lease; runs again within that time are its doing.
+                let until = if kind == Kind::ClockForward {
+                    from + 2 * LEASE.as_micros() as u64
+                } else {
+                    now_us()
+                };
+                world.event_until(
+                    What::Fault(kind),
+                    None,
+                    (from, until),
+                    format!("{step:+} ms"),
+                );
+                format!(
+                    "redis-server's clock stepped {step:+} ms, now {:+} ms off",
+                    self.clock_offset_ms
+                )
+            }
+            Kind::Slowloris => self.slowloris(),
             Kind::PoisonPill => {
                 let queue = self.rng.pick(&Queue::ALL);
                 let ids = world.new_tasks(&mut self.rng, queue, 1, |_| Work::Pill);
@@ -328,59 +407,71 @@ impl Injector<'_, '_> {
             }
         }
     }
-
-    /// Redis loses everything; the producer, as one with an outbox would, pushes again every task that has no
-    /// final state yet.
-    pub(super) fn empty_redis(&mut self) -> String {
-        let world = self.world;
-        let from = now_us();
-        let _gate = world.gate.write().unwrap();
-        for queue in Queue::ALL {
-            world.check_conservation(&self.redis, queue, "at the end of an epoch");
-        }
-        // What was dead-lettered is known to the outbox (the dead list is where one learns of it).
-        world.read_dead_list(&self.redis);
-        let signal = if self.rng.coin() {
-            Signal::Term
-        } else {
-            Signal::Kill
-        };
-        self.redis.stop(signal);
-        let aof = self.redis.dir().join("appendonlydir");
-        std::fs::remove_dir_all(&aof).unwrap_or_else(|e| panic!("remove {}: {e}", aof.display()));
-        self.redis.restart();
-        let epoch = world.epoch.fetch_add(1, Ordering::SeqCst) + 1;
-        {
-            let mut ledger = lock(&world.ledger);
-            ledger.acked.push([0; 2]);
-            ledger.maybe.push([0; 2]);
-        }
-        let missing = world.unfinished(false);
-        for queue in Queue::ALL {
-            let ids: Vec<String> = missing
-                .iter()
-                .filter(|(of, _)| *of == queue)
-                .map(|(_, id)| id.clone())
-                .collect();
-            for chunk in ids.chunks(500) {
-                world.push(&self.client, chunk);
-            }
-        }
-        lock(&world.ledger).repushed += missing.len() as u64;
-        world.event(
-            What::Fault(Kind::RedisEmpty),
-            None,
-            from,
-            format!("epoch {epoch}"),
-        );
-        format!(
-            "redis-server stopped ({signal:?}), AOF deleted, restarted empty (epoch {epoch}); {} tasks pushed again",
-            missing.len()
-        )
-    }
 }
 
 impl Injector<'_, '_> {
+    /// A call for the proxy faults to act on: the daemons' claims, settles and renewals, the producers' pushes,
+    /// or default mode's plain pops (a transaction, answered by its EXEC). Returns its name and a matcher.
+    fn pick_call(&mut self) -> (&'static str, Matcher) {
+        match self.rng.below(5) {
+            0 => ("claim.lua", Matcher::script(sources::CLAIM)),
+            1 => ("settle.lua", Matcher::script(sources::SETTLE)),
+            2 => ("renew.lua", Matcher::script(sources::RENEW)),
+            3 => ("push.lua", Matcher::script(kmqd::broker::PUSH_SCRIPT)),
+            _ => ("plain pop (EXEC)", Matcher::command("EXEC")),
+        }
+    }
+
+    /// Holds one call in the proxy: its reply 200 to 900 ms (a delayed reply: the call ran, its caller learns of it
+    /// late, within `io_timeout`), or its request 1.2 to 2.5 s (a late request: its caller gives up after
+    /// `io_timeout` and sends it again; the held copy still reaches Redis after the connection was closed, and runs
+    /// there). Waits for what was held to be delivered, so that its effects come before the next fault.
+    fn hold_a_call(&mut self, kind: Kind) -> String {
+        let from = now_us();
+        let (name, matching) = self.pick_call();
+        let nth = 1 + self.rng.below(5) as usize;
+        let (fault, delay, counter) = if kind == Kind::DelayedReply {
+            let delay = self.rng.ms(200, 900);
+            let fault = Fault::DelayReply {
+                matching,
+                nth,
+                delay,
+            };
+            (fault, delay, "delayed reply")
+        } else {
+            let delay = self.rng.ms(1200, 2500);
+            let fault = Fault::DelayRequest {
+                matching,
+                nth,
+                delay,
+                survive_close: true,
+            };
+            (fault, delay, "late request")
+        };
+        let rule = self.proxy.add(fault);
+        let fired = fired_within(&rule, Duration::from_secs(3));
+        if fired {
+            self.world.count(&format!("{counter}: {name}"));
+            std::thread::sleep(delay + Duration::from_millis(200));
+        }
+        rule.remove();
+        self.world
+            .event(What::Fault(kind), None, from, name.to_string());
+        match (fired, kind) {
+            (false, _) => format!("no {name} in 3 s: nothing held"),
+            (true, Kind::DelayedReply) => {
+                format!(
+                    "the reply of the {nth}th {name} held {} ms",
+                    delay.as_millis()
+                )
+            }
+            (true, _) => format!(
+                "the {nth}th {name} reached Redis {} ms late",
+                delay.as_millis()
+            ),
+        }
+    }
+
     /// Counts down the faults the slot on config B stays there, and puts it back on A when they are over.
     pub(super) fn before_next_fault(&mut self) {
         match self.on_b {
@@ -404,6 +495,15 @@ impl Injector<'_, '_> {
             self.world.say(&format!("config change back: {what}"));
         }
     }
+}
+
+/// Waits at most `within` for a one-shot proxy fault to act; whether it did.
+fn fired_within(rule: &Rule, within: Duration) -> bool {
+    let deadline = Instant::now() + within;
+    while rule.fired() == 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    rule.fired() > 0
 }
 
 /// Which fault comes next, and when: every kind once, in a random order; then random kinds by weight, a fault

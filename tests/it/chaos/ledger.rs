@@ -10,7 +10,7 @@ use std::sync::MutexGuard;
 
 use crate::support::RedisServer;
 
-use super::workload::{Queue, Work};
+use super::workload::{QUEUES, Queue, Work};
 use super::world::{World, lock};
 
 /// A task id the producer pushed.
@@ -34,12 +34,23 @@ pub(super) struct Ledger {
     /// Push calls that failed (and were retried), and the tasks in them.
     pub(super) failed_calls: u64,
     pub(super) failed_tasks: u64,
-    /// Per epoch (a Redis that came back empty starts a new one) and queue ([`Queue::index`]): tasks whose push was
-    /// acknowledged, and tasks of failed calls that may have been applied anyway.
-    pub(super) acked: Vec<[u64; 2]>,
-    pub(super) maybe: Vec<[u64; 2]>,
+    /// What was pushed in each epoch of Redis's data: one from the start, one more each time Redis came back empty
+    /// or rewound.
+    pub(super) epochs: Vec<Epoch>,
     /// Tasks pushed again after Redis lost its data.
     pub(super) repushed: u64,
+}
+
+/// The pushes of one epoch of Redis's data, per queue ([`Queue::index`]).
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Epoch {
+    /// The queue's `pushed` counter when the epoch began: 0 from the start and after a loss of everything, what
+    /// Redis kept after a rewind.
+    pub(super) base: [u64; QUEUES],
+    /// Tasks whose push was acknowledged in it.
+    pub(super) acked: [u64; QUEUES],
+    /// Tasks of push calls that failed in a way that may have applied them anyway.
+    pub(super) maybe: [u64; QUEUES],
 }
 
 /// A run of a task, as the testkit recorded it.

@@ -1,11 +1,18 @@
-//! The chaos suite: three real `kmqd` processes on two safe queues, `jobs` (two priority levels) and `limited`
-//! (one level, `max_running` 4 against the daemons' 12 workers), under a steady load, while faults are injected at
-//! random: `kill -9` and restarts, `CLIENT KILL`, Redis restarted on its append-only file (after SIGTERM and after
-//! SIGKILL), Redis stalled past the read timeout, zombie daemons (SIGSTOP past the lease, then SIGCONT), rolling
-//! config changes (which halve `limited`'s limit), Redis restarted empty, poison pills, handlers that ignore
-//! cancel, and handlers that throttle their queue for 100 ms once (2 % of the tasks: each then runs again at the
-//! same attempt, a repeat its throttle explains, and is never charged or dead-lettered for it). At the end it checks that nothing was lost, that no task ran more often than kmqd's rules allow,
-//! conservation in Redis, and prints a summary (see [`report::report`]).
+//! The chaos suite: three real `kmqd` processes on three queues, two safe ones, `jobs` (two priority levels) and
+//! `limited` (one level, `max_running` 4 against the daemons' 12 workers), and one in default mode, `popped`, under
+//! a steady load, while faults are injected at random ([`faults::FAULTS`] lists them with their weights):
+//! `kill -9` and restarts, `CLIENT KILL`, Redis restarted on its append-only file (after SIGTERM and after SIGKILL),
+//! Redis rewound (on `appendfsync everysec`, killed with its host: the tail of its append-only file lost), Redis
+//! restarted empty, Redis stalled past the read timeout, steps of Redis's wall clock (forward past every lease, and
+//! back), one call's reply delayed within the read timeout and one call's request delivered after its caller gave
+//! up on it (the daemons' claims, settles and renewals, the producers' pushes, default mode's pops), zombie daemons
+//! (SIGSTOP past the lease, then SIGCONT), rolling config changes (which halve `limited`'s limit), slow HTTP clients
+//! on a daemon's metrics endpoint, poison pills, handlers that ignore cancel, and handlers that throttle their
+//! queue for 100 ms once (2 % of the tasks: each then runs again at the same attempt, a repeat its throttle
+//! explains, and is never charged or dead-lettered for it). At the end it checks that no task of a safe queue was
+//! lost, that no task ran more often than its mode's rules allow (at least once in safe mode, at most once in
+//! default mode, but across Redis losing or rewinding its writes: see [`workload::Mode`]), that every queue is
+//! drained under a live owner, conservation in Redis, and prints a summary (see [`report::report`]).
 //!
 //! The limited queue's invariant (docs/RELIABILITY.md, "Running limits") is checked throughout: Redis's count
 //! (`kmq:{limited}:running` field `q`) never above the largest limit in use and `running_underflow` 0, sampled
@@ -22,24 +29,29 @@
 //! - `KMQD_CHAOS_KEEP`: when set, keep the run's directory (daemon logs, record files, configs, `timeline.txt`)
 //!   even when it passes; a failing run always keeps it;
 //!
-//! Topology: one private redis-server with the append-only file on and `appendfsync always` (with `everysec` a
-//! SIGKILL may lose acknowledged writes, which is Redis's documented behaviour, not kmqd's). The daemons and the
-//! producer talk to it through a [`FaultProxy`] (which injects one kind of stall); the test's own reads (stats,
-//! the dead list, `CLIENT KILL`, the completion sampler) go to its unix socket directly.
+//! Topology: one private redis-server with the append-only file on and `appendfsync always` (so that a SIGKILL
+//! loses nothing: the rewind fault switches it to `everysec` and cuts the file's tail itself, as a crash of the
+//! host would), its wall clock movable ([`RedisOptions::clock_shift`]). The daemons and the producers talk to it
+//! through a [`FaultProxy`] (stalls, delayed replies, late requests); the test's own reads (stats, the dead list,
+//! `CLIENT KILL`, the completion sampler) go to its unix socket directly. Each daemon serves its metrics on a free
+//! port: the slow clients attack it, and the drain asks it what it still holds of `popped`.
 //!
 //! Each daemon process gets its own config file and its own testkit record file, so that every run of a task is
 //! known with the process that ran it: that is what lets the test check the run budget exactly (see
 //! [`check::check_runs`]).
 //!
 //! One concern per file: [`workload`] (the queues, configs, tasks and producers), [`faults`] (what is injected and
-//! the schedule), [`world`] (what the threads share: the daemons, their supervisor, the events), [`ledger`] (what
-//! was pushed, and what ran, from the record files), [`check`] (conservation, the limited queue's count, the run
-//! budget) and [`report`] (the end checks and the summary); this file runs them.
+//! the schedule), [`outbox`] (Redis losing its data or rewound, and the producer pushing again what it lost),
+//! [`slowloris`] (the slow HTTP clients), [`world`] (what the threads share: the daemons, their supervisor, the
+//! events), [`ledger`] (what was pushed, and what ran, from the record files), [`check`] (conservation, the limited
+//! queue's count, the run budget) and [`report`] (the end checks and the summary); this file runs them.
 
 mod check;
 mod faults;
 mod ledger;
+mod outbox;
 mod report;
+mod slowloris;
 mod workload;
 mod world;
 
@@ -56,8 +68,8 @@ use crate::support::*;
 
 use check::{LimitWatch, sample};
 use faults::{FAULTS, Injector, Schedule};
-use ledger::{Facts, Ledger};
-use workload::{DAEMON_SECTION, DAEMONS, Queue, Rng, Shape, produce};
+use ledger::{Epoch, Facts, Ledger};
+use workload::{DAEMON_SECTION, DAEMONS, Mode, Queue, Rng, Shape, produce};
 use world::{
     Daemons, Slot, StopOnDrop, What, World, lock, now_us, send_signal, supervise, tail, wait_exit,
 };
@@ -81,7 +93,14 @@ fn chaos() {
         eprintln!("chaos:   {:<24} {weight}: {how}", kind.label());
     }
 
-    let redis = RedisServer::with_aof(Fsync::Always);
+    // The append-only file on `always` (a SIGKILL loses nothing: the rewind fault loses a tail itself), never
+    // rewritten (the rewind cuts the file Redis appends to), and a wall clock the clock steps move.
+    let redis = RedisServer::start_with(RedisOptions {
+        appendonly: Some(Fsync::Always),
+        clock_shift: true,
+        extra_args: vec!["--auto-aof-rewrite-percentage".into(), "0".into()],
+        ..RedisOptions::default()
+    });
     let proxy = FaultProxy::start(&redis);
     let dir = TestDir::new();
     let direct = dir.config_named(
@@ -111,6 +130,7 @@ fn chaos() {
     let producer_rng = Rng::new(rng.next());
     // Its own generator, off the seed, so that the other draws of a seed are those of the suite before it.
     let limited_rng = Rng::new(seed ^ 0x006C_696D_6974_6564);
+    let popped_rng = Rng::new(seed ^ 0x0070_6F70_7065_6400);
     let redis_url = redis.url();
     let mut injector = Injector {
         world: &world,
@@ -119,15 +139,19 @@ fn chaos() {
         client: client(&direct),
         rng: Rng::new(rng.next()),
         on_b: None,
+        clock_offset_ms: 0,
     };
     let producer_client = client(&producer_config);
     let limited_client = client(&producer_config);
+    let popped_client = client(&producer_config);
 
     let (chaos_time, chaos_end_us, drain_time) = std::thread::scope(|scope| {
         let _stop = StopOnDrop(&world);
         let producer = scope.spawn(|| produce(&world, &producer_client, Queue::Jobs, producer_rng));
         let limited_producer =
             scope.spawn(|| produce(&world, &limited_client, Queue::Limited, limited_rng));
+        let popped_producer =
+            scope.spawn(|| produce(&world, &popped_client, Queue::Popped, popped_rng));
         let supervisor = scope.spawn(|| supervise(&world));
         let sampler = scope.spawn(|| sample(&world, &redis_url));
 
@@ -156,6 +180,9 @@ fn chaos() {
         limited_producer
             .join()
             .expect("the limited queue's producer thread");
+        popped_producer
+            .join()
+            .expect("the default-mode queue's producer thread");
         let drain_started = Instant::now();
         drain(&world, &harness, &injector.redis);
         let drain_time = drain_started.elapsed();
@@ -229,8 +256,7 @@ fn new_world(dir: &TestDir, redis_section: String) -> World<'_> {
         }),
         events: Mutex::new(Vec::new()),
         ledger: Mutex::new(Ledger {
-            acked: vec![[0; 2]],
-            maybe: vec![[0; 2]],
+            epochs: vec![Epoch::default()],
             ..Ledger::default()
         }),
         gate: RwLock::new(()),
@@ -274,8 +300,8 @@ fn inject_faults(injector: &mut Injector, mut schedule: Schedule, seconds: u64) 
 }
 
 /// Waits until every queue is drained under a live owner (nothing ready, processing or delayed while a daemon
-/// serves it) and every task has its final state, checking conservation on the way; a drain that takes longer than
-/// its bound is a violation.
+/// serves it) and every task has its final state (in default mode, or was lost: see below), checking conservation
+/// on the way; a drain that takes longer than its bound is a violation.
 fn drain(world: &World, harness: &Client, redis: &RedisServer) {
     let drain_started = Instant::now();
     let backlog: u64 = Queue::ALL
@@ -292,6 +318,10 @@ fn drain(world: &World, harness: &Client, redis: &RedisServer) {
         within.as_secs()
     ));
     let mut last_report = Instant::now();
+    // Default mode's tasks in a daemon's memory are in no key of Redis: its queue is settled once Redis holds
+    // none of them and no daemon holds one, at two looks in a row with its counters unchanged in between (so that
+    // nothing was on its way between Redis and a daemon). What has no final state then was lost.
+    let mut idle_counts = None;
     loop {
         let looks: Vec<_> = Queue::ALL
             .iter()
@@ -299,6 +329,13 @@ fn drain(world: &World, harness: &Client, redis: &RedisServer) {
             .collect();
         let empty = looks.iter().all(|(drained, _)| *drained);
         let stats: Vec<_> = looks.into_iter().map(|(_, stats)| stats).collect();
+        let counts = stats[Queue::Popped.index()]
+            .as_ref()
+            .ok()
+            .map(|s| (s.done, s.dead, s.retried, s.failed));
+        let idle = empty && world.held_by_daemons(Queue::Popped) == Some(0);
+        let settled = idle && idle_counts.is_some() && idle_counts == counts;
+        idle_counts = if idle { counts } else { None };
         world.read_dead_list(redis);
         for queue in Queue::ALL {
             world.check_conservation(redis, queue, "while draining");
@@ -306,6 +343,7 @@ fn drain(world: &World, harness: &Client, redis: &RedisServer) {
         let unfinished: Vec<String> = world
             .unfinished(empty)
             .into_iter()
+            .filter(|(queue, _)| !(settled && queue.mode() == Mode::Default))
             .map(|(_, id)| id)
             .collect();
         if empty && unfinished.is_empty() {

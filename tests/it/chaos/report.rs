@@ -11,9 +11,10 @@ use kmqd::broker::QueueStats;
 
 use super::check::{LimitCheck, RunCheck, check_limit, check_runs};
 use super::faults::{FAULTS, Kind};
-use super::ledger::{Facts, Final, Ledger};
+use super::ledger::{Epoch, Facts, Final, Ledger};
 use super::workload::{
-    HOLDS_AT_MOST_MS, LEASE, LIMIT_A, LIMIT_B, LIMIT_BOUND, Queue, RETRY_TIMES, Shape, Work,
+    HOLDS_AT_MOST_MS, LEASE, LIMIT_A, LIMIT_B, LIMIT_BOUND, Mode, POPPED_HELD_MAX, QUEUES, Queue,
+    RETRY_TIMES, Shape, Work,
 };
 use super::world::{Event, What, World, lock};
 
@@ -166,9 +167,12 @@ fn log_time_us(line: &str) -> Option<u64> {
     Some(time.duration_since(UNIX_EPOCH).ok()?.as_micros() as u64)
 }
 
-/// Whether a daemon's log line says it found its lease gone.
+/// Whether a daemon's log line says it found its lease gone, or gave its owner up because Redis lost writes it
+/// had acknowledged (the journal check after a rewind): either way the tasks it held run again elsewhere.
 fn is_lease_loss(line: &str) -> bool {
-    line.contains("lease ran out before renewal") || line.contains("lease lost; registering")
+    line.contains("lease ran out before renewal")
+        || line.contains("lease lost; registering")
+        || line.contains("Redis lost claims or settlements it had acknowledged")
 }
 
 /// The lease losses the daemons logged, by what explains them.
@@ -179,8 +183,9 @@ struct LeaseLosses {
     unforced: Vec<String>,
 }
 
-/// A lease loss that no fault explains (no zombie of that daemon, no Redis-wide fault shortly before): a daemon
-/// that could not renew within its lease (CPU starvation on a loaded machine, or a weakness of kmqd).
+/// A lease loss that no fault explains (no zombie of that daemon, no Redis-wide fault shortly before: a restart, a
+/// stall, a loss or rewind of its data, a forward step of its clock): a daemon that could not renew within its
+/// lease (CPU starvation on a loaded machine, or a weakness of kmqd).
 fn explain_lease_losses(world: &World) -> LeaseLosses {
     let mut unforced = Vec::new();
     let mut at_shutdown = 0;
@@ -192,7 +197,12 @@ fn explain_lease_losses(world: &World) -> LeaseLosses {
             let kind = match event.what {
                 What::Fault(Kind::Zombie) => event.instance == loss.instance,
                 What::Fault(
-                    Kind::RedisTerm | Kind::RedisKill | Kind::RedisStall | Kind::RedisEmpty,
+                    Kind::RedisTerm
+                    | Kind::RedisKill
+                    | Kind::RedisStall
+                    | Kind::RedisEmpty
+                    | Kind::RedisRewind
+                    | Kind::ClockForward,
                 ) => true,
                 _ => false,
             };
@@ -243,14 +253,17 @@ struct Finals {
     done: u64,
     dead_by_class: BTreeMap<&'static str, u64>,
     deaf_done: u64,
+    /// Tasks without a final state: of a safe-mode queue (each one a violation), and of a default-mode queue
+    /// (allowed: at most once loses what a daemon held when it died, and what a lost pop reply took).
     lost: Vec<String>,
+    lost_at_most_once: Vec<String>,
     high: u64,
     /// Per queue ([`Queue::index`]): pushed, done, dead, and of the pushed, pills and deaf tasks.
-    per_queue: [[u64; 5]; 2],
+    per_queue: [[u64; 5]; QUEUES],
 }
 
-/// The final state of every task: none lost, none that never ran, no pill done, nothing dead-lettered but pills
-/// and deaf tasks.
+/// The final state of every task: none of a safe-mode queue lost or never run, no pill done, nothing dead-lettered
+/// but pills and deaf tasks.
 fn final_states(world: &World, facts: &Facts, ledger: &Ledger) -> Finals {
     let mut finals = Finals {
         by_work: HashMap::new(),
@@ -258,8 +271,9 @@ fn final_states(world: &World, facts: &Facts, ledger: &Ledger) -> Finals {
         dead_by_class: BTreeMap::new(),
         deaf_done: 0,
         lost: Vec::new(),
+        lost_at_most_once: Vec::new(),
         high: 0,
-        per_queue: [[0u64; 5]; 2],
+        per_queue: [[0u64; 5]; QUEUES],
     };
     let mut never_ran = Vec::new();
     for id in &ledger.order {
@@ -280,11 +294,13 @@ fn final_states(world: &World, facts: &Facts, ledger: &Ledger) -> Finals {
         if task.level == 0 {
             finals.high += 1;
         }
-        if !facts.runs.contains_key(id) {
+        let safe = task.queue.mode() == Mode::Safe;
+        if safe && !facts.runs.contains_key(id) {
             never_ran.push(id.clone());
         }
         match world.final_state(id, task.work, facts, true) {
-            None => finals.lost.push(id.clone()),
+            None if safe => finals.lost.push(id.clone()),
+            None => finals.lost_at_most_once.push(id.clone()),
             Some(Final::Done) => {
                 finals.done += 1;
                 match task.work {
@@ -356,8 +372,8 @@ fn note_pills_and_deaf(world: &World, facts: &Facts, ledger: &Ledger) {
     }
 }
 
-/// Conservation in Redis, for the last epoch (what Redis holds since it last came back empty), per queue; and the
-/// pushes Redis counted against those the producer had acknowledged.
+/// Conservation in Redis, for the last epoch (what Redis holds since it last came back empty or rewound), per
+/// queue; and the pushes Redis counted against those the producer had acknowledged.
 fn check_conservation_at_end(world: &World, all_stats: &[QueueStats], ledger: &Ledger) {
     let epoch = world.epoch.load(Ordering::SeqCst) as usize;
     for (queue, stats) in Queue::ALL.iter().zip(all_stats) {
@@ -367,11 +383,19 @@ fn check_conservation_at_end(world: &World, all_stats: &[QueueStats], ledger: &L
             + stats.ready
             + stats.processing
             + stats.delayed;
-        if accounted != stats.pushed {
+        // In default mode what daemons took with them is in none of these, and what they held when Redis lost its
+        // data was settled into an epoch that never counted its push (see `World::check_conservation`).
+        let balanced = match queue.mode() {
+            Mode::Safe => accounted == stats.pushed,
+            Mode::Default if epoch == 0 => accounted <= stats.pushed,
+            Mode::Default => accounted <= stats.pushed + POPPED_HELD_MAX as u64,
+        };
+        if !balanced {
             world.violation(format!(
-                "conservation of {}: pushed {} != done {} + dead {} + cancelled {} + ready {} + processing {} + \
-                 delayed {}",
+                "conservation of {} ({:?} mode): pushed {} against done {} + dead {} + cancelled {} + ready {} + \
+                 processing {} + delayed {}",
                 queue.name(),
+                queue.mode(),
                 stats.pushed,
                 stats.done,
                 stats.dead,
@@ -381,16 +405,19 @@ fn check_conservation_at_end(world: &World, all_stats: &[QueueStats], ledger: &L
                 stats.delayed
             ));
         }
-        let (acked, maybe) = (
-            ledger.acked[epoch][queue.index()],
-            ledger.maybe[epoch][queue.index()],
+        let Epoch { base, acked, maybe } = ledger.epochs[epoch];
+        let (base, acked, maybe) = (
+            base[queue.index()],
+            acked[queue.index()],
+            maybe[queue.index()],
         );
-        if stats.pushed < acked || stats.pushed > acked + maybe {
+        let pushed = stats.pushed.saturating_sub(base);
+        if stats.pushed < base || pushed < acked || pushed > acked + maybe {
             world.violation(format!(
-                "Redis counted {} pushes to {} in the last epoch; the producer had {acked} acknowledged and {maybe} \
-                 more that may have been applied",
-                stats.pushed,
-                queue.name()
+                "Redis counted {pushed} pushes to {} in the last epoch ({} in all, {base} when it began); the \
+                 producer had {acked} acknowledged and {maybe} more that may have been applied",
+                queue.name(),
+                stats.pushed
             ));
         }
     }
@@ -478,13 +505,15 @@ fn write_run(out: &mut String, world: &World, run: &Run, ledger: &Ledger, finals
     );
     let _ = writeln!(
         out,
-        "  faults        {faults}: kills {}, client kills {}, redis restarts {} term / {} kill / {} empty, stalls {} \
-         ({} SIGSTOP, {} proxy), zombies {}, config changes {}, pills {}, deaf bursts {}",
+        "  faults        {faults}: kills {}, client kills {}, redis restarts {} term / {} kill / {} empty / {} rewound, \
+         stalls {} ({} SIGSTOP, {} proxy), zombies {}, config changes {}, pills {}, deaf bursts {}, delayed replies \
+         {}, late requests {}, clock steps {} forward / {} back, slowloris {}",
         c(Kind::Kill9.label()),
         c(Kind::ClientKill.label()),
         c(Kind::RedisTerm.label()),
         c(Kind::RedisKill.label()),
         c(Kind::RedisEmpty.label()),
+        c(Kind::RedisRewind.label()),
         c(Kind::RedisStall.label()),
         c("stalls (SIGSTOP)"),
         c("stalls (proxy)"),
@@ -492,6 +521,68 @@ fn write_run(out: &mut String, world: &World, run: &Run, ledger: &Ledger, finals
         c(Kind::RollingConfig.label()),
         c(Kind::PoisonPill.label()),
         c(Kind::DeafHandlers.label()),
+        c(Kind::DelayedReply.label()),
+        c(Kind::LateRequest.label()),
+        c(Kind::ClockForward.label()),
+        c(Kind::ClockBack.label()),
+        c(Kind::Slowloris.label()),
+    );
+    write_new_faults(out, world, ledger);
+}
+
+/// What the faults of issue 34 did: which calls the proxy held, what the rewinds lost, where Redis's clock went,
+/// what the slow HTTP clients met.
+fn write_new_faults(out: &mut String, world: &World, ledger: &Ledger) {
+    let c = |name: &str| world.counter(name);
+    let calls = |prefix: &str| {
+        let counters = lock(&world.counters);
+        let by_call: Vec<String> = counters
+            .iter()
+            .filter_map(|(name, n)| Some(format!("{} {n}", name.strip_prefix(prefix)?)))
+            .collect();
+        if by_call.is_empty() {
+            "none acted".to_string()
+        } else {
+            by_call.join(", ")
+        }
+    };
+    let _ = writeln!(
+        out,
+        "  proxy         replies held 200-900 ms: {}; requests that reached Redis after their caller gave up: {}",
+        calls("delayed reply: "),
+        calls("late request: ")
+    );
+    let _ = writeln!(
+        out,
+        "  redis data    {} rewinds cut {} bytes off the append-only file ({} rewinds found it being rewritten), {} \
+         restarts empty; {} tasks pushed again by the outbox, over {} epochs",
+        c("rewinds"),
+        c("rewound bytes"),
+        c(Kind::RedisRewind.label()) - c("rewinds"),
+        c(Kind::RedisEmpty.label()),
+        ledger.repushed,
+        ledger.epochs.len()
+    );
+    let forward = c(&format!("{} ms", Kind::ClockForward.label())) as i64;
+    let back = c(&format!("{} ms", Kind::ClockBack.label())) as i64;
+    let _ = writeln!(
+        out,
+        "  redis clock   {} steps forward ({:+.1} s in all), {} back ({:+.1} s); it ends {:+.1} s off",
+        c(Kind::ClockForward.label()),
+        forward as f64 / 1e3,
+        c(Kind::ClockBack.label()),
+        -back as f64 / 1e3,
+        (forward - back) as f64 / 1e3
+    );
+    let _ = writeln!(
+        out,
+        "  slowloris     {} attacks, {} slow clients in all; another client's scrape meanwhile answered 200 {} times, \
+         503 {} times (the slow clients held every connection); the daemons under attack started {} tasks meanwhile",
+        c(Kind::Slowloris.label()),
+        c("slowloris clients"),
+        c("slowloris scrapes answered 200 meanwhile"),
+        c("slowloris scrapes answered 503 meanwhile"),
+        c("slowloris starts meanwhile")
     );
 }
 
@@ -531,7 +622,19 @@ fn write_runs(out: &mut String, facts: &Facts, check: &RunCheck, finals: &Finals
         check.max_runs
     );
     let _ = writeln!(out, "  re-run causes {causes}");
-    let _ = writeln!(out, "  lost          {}", finals.lost.len());
+    let _ = writeln!(
+        out,
+        "  at most once  popped (default mode): {} runs again at an attempt number it had run at, each after Redis \
+         lost or rewound its writes, a throttle or a possibly duplicated push (an over-run otherwise)",
+        check.at_most_once_repeats
+    );
+    let _ = writeln!(
+        out,
+        "  lost          {} of the safe queues; {} of popped (default mode: lost with the daemon that held them or a \
+         pop whose reply was lost, as at most once allows)",
+        finals.lost.len(),
+        finals.lost_at_most_once.len()
+    );
     let _ = writeln!(
         out,
         "  zombie starts {} runs started by a daemon as it woke, of tasks already handed to other daemons",
@@ -556,11 +659,12 @@ fn write_limit(
 ) {
     let limited_stats = &all_stats[Queue::Limited.index()];
     let watch = lock(&world.watch);
-    let [jobs, limited] = finals.per_queue;
+    let [jobs, limited, popped] = finals.per_queue;
     let _ = writeln!(
         out,
         "  queues        jobs {} pushed ({} pills, {} deaf), {} done, {} dead; limited (max_running {LIMIT_A}, \
-         {LIMIT_B} on config B) {} pushed ({} pills, {} deaf), {} done, {} dead",
+         {LIMIT_B} on config B) {} pushed ({} pills, {} deaf), {} done, {} dead; popped (default mode) {} pushed ({} \
+         pills, {} deaf), {} done, {} dead",
         jobs[0],
         jobs[3],
         jobs[4],
@@ -570,7 +674,12 @@ fn write_limit(
         limited[3],
         limited[4],
         limited[1],
-        limited[2]
+        limited[2],
+        popped[0],
+        popped[3],
+        popped[4],
+        popped[1],
+        popped[2]
     );
     let _ = writeln!(
         out,

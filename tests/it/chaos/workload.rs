@@ -14,6 +14,9 @@ pub(super) const RETRY_TIMES: u32 = 3;
 pub(super) const LEASE: Duration = Duration::from_secs(2);
 pub(super) const LEVELS: [&str; 2] = ["high", "normal"];
 pub(super) const DAEMON_SECTION: &str = "shutdown_grace = \"1s\"";
+/// A daemon's `[daemon]` section: a metrics endpoint on a free port, which the slowloris fault attacks and the
+/// drain asks what the daemon holds of the default-mode queue.
+pub(super) const DAEMON_SERVING: &str = "shutdown_grace = \"1s\"\nmetrics_addr = \"127.0.0.1:0\"";
 /// How a deaf handler behaves: three times the execution timeout, cancel ignored.
 const DEAF: &str = r#"{"sleep_ms":3000,"ignore_cancel":true}"#;
 const PILL: &str = r#"{"outcome":"abort"}"#;
@@ -28,19 +31,49 @@ pub(super) const HOLDS_AT_MOST_MS: u64 = 500;
 /// The queues, each with its own ledger entries, dead list and conservation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(super) enum Queue {
-    /// Two levels, prefetch, no running limit: the suite's original queue.
+    /// Safe, two levels, prefetch, no running limit: the suite's original queue.
     Jobs,
-    /// One level, `max_running` ([`LIMIT_A`], [`LIMIT_B`] on config B): its count is checked throughout.
+    /// Safe, one level, `max_running` ([`LIMIT_A`], [`LIMIT_B`] on config B): its count is checked throughout.
     Limited,
+    /// Default mode (at most once), one level: judged by default mode's rules (see [`Mode`]).
+    Popped,
+}
+
+/// The most tasks of `popped` its daemons hold at once: each its `workers` and its `prefetch` (both configs), the
+/// tasks taken from Redis and not settled yet. Default mode's tasks in a daemon's memory are in no key of Redis,
+/// so those a daemon held when Redis lost its data are settled into the new epoch, where nothing counted their
+/// push: up to this many more tasks than were pushed (see [`World::check_conservation`]).
+pub(super) const POPPED_HELD_MAX: i64 = (2 + 4) * DAEMONS as i64;
+
+/// How many queues there are: the ledger counts pushes per queue.
+pub(super) const QUEUES: usize = Queue::ALL.len();
+
+/// A queue's mode, which decides what the checks allow (docs/RELIABILITY.md, "The two modes"): in safe mode
+/// nothing is lost and a task runs again at the same attempt only after a fault took it from its daemon (or Redis
+/// lost or rewound its writes); in default mode a task never runs again at the same attempt, but for a push that
+/// was repeated or Redis losing or rewinding its writes (at most once holds only while Redis keeps them), and
+/// a task may be lost with the daemon that held it or a pop whose reply was lost.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Mode {
+    Safe,
+    Default,
 }
 
 impl Queue {
-    pub(super) const ALL: [Queue; 2] = [Queue::Jobs, Queue::Limited];
+    pub(super) const ALL: [Queue; 3] = [Queue::Jobs, Queue::Limited, Queue::Popped];
 
     pub(super) fn name(self) -> &'static str {
         match self {
             Queue::Jobs => "jobs",
             Queue::Limited => "limited",
+            Queue::Popped => "popped",
+        }
+    }
+
+    pub(super) fn mode(self) -> Mode {
+        match self {
+            Queue::Jobs | Queue::Limited => Mode::Safe,
+            Queue::Popped => Mode::Default,
         }
     }
 
@@ -54,8 +87,8 @@ impl Queue {
     }
 }
 
-/// The two configs of a rolling change. Both have `io_timeout = "1s"` (so a 2 s stall is a real timeout), and both
-/// queues a 2 s lease, a 1 s execution timeout and `retry_times = 3`.
+/// The two configs of a rolling change. Both have `io_timeout = "1s"` (so a 2 s stall is a real timeout), and every
+/// queue a 2 s lease, a 1 s execution timeout and `retry_times = 3`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Shape {
     /// Both levels.
@@ -66,7 +99,8 @@ pub(super) enum Shape {
 }
 
 impl Shape {
-    /// Both queues' sections.
+    /// The queues' sections. `popped` takes at most 4 tasks ahead (its adaptive prefetch could take thousands,
+    /// which a kill -9 would lose at once: RELIABILITY.md, "The two modes").
     pub(super) fn queue(self) -> String {
         let (levels, workers, prefetch, batch) = match self {
             Shape::A => (r#"["high", "normal"]"#, 4, 4, 16),
@@ -86,7 +120,8 @@ impl Shape {
             "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\npriorities = {levels}\nworkers = {workers}\n\
              prefetch = {prefetch}\nbatch = {batch}\n{common}\n\
              [[queues]]\nname = \"limited\"\nmode = \"safe\"\nworkers = {limited_workers}\n\
-             max_running = {limit}\n{common}"
+             max_running = {limit}\n{common}\n\
+             [[queues]]\nname = \"popped\"\nmode = \"default\"\nworkers = 2\nprefetch = 4\nbatch = 8\n{common}"
         )
     }
 
@@ -182,7 +217,7 @@ impl World<'_> {
             match client.push_batch(queue.name(), tasks.clone()) {
                 Ok(results) => {
                     let mut ledger = lock(&self.ledger);
-                    ledger.acked[epoch][queue.index()] += ids.len() as u64;
+                    ledger.epochs[epoch].acked[queue.index()] += ids.len() as u64;
                     drop(ledger);
                     for result in results {
                         if !result.is_accepted() {
@@ -198,7 +233,7 @@ impl World<'_> {
                     ledger.failed_calls += 1;
                     ledger.failed_tasks += ids.len() as u64;
                     if maybe {
-                        ledger.maybe[epoch][queue.index()] += ids.len() as u64;
+                        ledger.epochs[epoch].maybe[queue.index()] += ids.len() as u64;
                         for id in ids {
                             ledger.tasks.get_mut(id).unwrap().maybe_copies += 1;
                         }
@@ -215,7 +250,7 @@ impl World<'_> {
     }
 
     /// Adds `count` tasks of `work` for `queue` to the ledger; returns their ids (`c...` for jobs, `l...` for
-    /// limited). Limited tasks sleep longer, 50 to 150 ms, and are all "normal": a run's sleep is most of the time
+    /// limited, `p...` for popped). Limited tasks sleep longer, 50 to 150 ms, and are all "normal": a run's sleep is most of the time
     /// it holds its slot (claim, start, run, settle), which is what lets [`check_limit`] see an excess.
     pub(super) fn new_tasks(
         &self,
@@ -230,6 +265,7 @@ impl World<'_> {
                 let prefix = match queue {
                     Queue::Jobs => "c",
                     Queue::Limited => "l",
+                    Queue::Popped => "p",
                 };
                 let id = format!("{prefix}{}", ledger.next);
                 ledger.next += 1;
@@ -237,7 +273,7 @@ impl World<'_> {
                 let sleep_ms = match (work, queue) {
                     (Work::Pill, _) => 0,
                     (Work::Deaf, _) => 3000,
-                    (_, Queue::Jobs) => 1 + rng.below(20),
+                    (_, Queue::Jobs | Queue::Popped) => 1 + rng.below(20),
                     (_, Queue::Limited) => 50 + rng.below(101),
                 };
                 let data = match work {
@@ -276,11 +312,13 @@ impl World<'_> {
 
 /// A steady stream for `queue`, 4 % of which fail their first run: for jobs, 1 to 4 tasks every 15 ms (about 150
 /// a second), both levels; for limited, one every 50 ms (about 20 a second, against the 40 a second that four slots
-/// of 50 to 150 ms runs allow: it reaches its limit after each fault that holds it back).
+/// of 50 to 150 ms runs allow: it reaches its limit after each fault that holds it back); for popped, 1 or 2 every
+/// 50 ms (about 30 a second).
 pub(super) fn produce(world: &World, client: &Client, queue: Queue, mut rng: Rng) {
     let (most, every) = match queue {
         Queue::Jobs => (4, Duration::from_millis(15)),
         Queue::Limited => (1, Duration::from_millis(50)),
+        Queue::Popped => (2, Duration::from_millis(50)),
     };
     while world.producing.load(Ordering::SeqCst) {
         let count = 1 + rng.below(most) as usize;

@@ -14,7 +14,8 @@ use crate::support::*;
 use super::check::LimitWatch;
 use super::faults::Kind;
 use super::ledger::{Facts, Ledger, Tail};
-use super::workload::{DAEMON_SECTION, DAEMONS, Shape};
+use super::slowloris::metrics_addr;
+use super::workload::{DAEMON_SERVING, DAEMONS, Mode, Queue, Shape};
 
 /// Slack when comparing the test's clock readings with the testkit's (the same clock, read by two processes).
 pub(super) const SLACK_US: u64 = 100_000;
@@ -48,7 +49,8 @@ pub(super) enum What {
     /// A daemon process exited by itself (a poison pill aborted it).
     Crashed,
     /// A daemon logged that its lease ran out or was lost (a zombie waking up, or a lease lost to Redis's data
-    /// loss or a stall; also a daemon starved of CPU longer than its lease on a loaded machine).
+    /// loss, a stall or a step of its clock; also a daemon starved of CPU longer than its lease on a loaded
+    /// machine), or that it gave its owner up because Redis lost writes it had acknowledged (a rewind).
     LeaseLost,
     /// A daemon was stopped with SIGTERM (the end of the run): tasks still running after `shutdown_grace` are
     /// handed back.
@@ -75,15 +77,31 @@ impl Event {
         }
     }
 
-    /// Whether this event can explain that a run of a task on `instance` that started at `first_us` was run again
-    /// at the same attempt number at `again_us`: kmqd hands a task back uncharged only when the daemon holding it
-    /// lost it (killed, crashed, paused past its lease, stopped past its grace, its lease lost to Redis).
-    pub(super) fn explains(&self, instance: usize, first_us: u64, again_us: u64) -> bool {
+    /// Whether this event can explain that a run of a task of a queue in `mode` on `instance` that started at
+    /// `first_us` was run again at the same attempt number at `again_us`.
+    ///
+    /// In safe mode kmqd hands a task back uncharged only when the daemon holding it lost it (killed, crashed,
+    /// paused past its lease, stopped past its grace, its lease lost to Redis: a restart, a stall, a rewind, a loss
+    /// of everything, a forward step of Redis's clock). In default mode a popped task is only in its daemon's
+    /// memory, and runs at most once whatever happens to that daemon: only Redis losing its writes brings it back,
+    /// rewound (at most once holds only while Redis keeps its writes), or pushed again by the outbox after Redis
+    /// came back empty.
+    pub(super) fn explains(
+        &self,
+        mode: Mode,
+        instance: usize,
+        first_us: u64,
+        again_us: u64,
+    ) -> bool {
         let overlaps = self.from_us <= again_us + SLACK_US && self.to_us + SLACK_US >= first_us;
-        let redis_wide = matches!(
-            self.what,
-            What::Fault(Kind::RedisTerm | Kind::RedisKill | Kind::RedisStall | Kind::RedisEmpty)
-        );
+        let lost_writes = matches!(self.what, What::Fault(Kind::RedisEmpty | Kind::RedisRewind));
+        let redis_wide = lost_writes
+            || matches!(
+                self.what,
+                What::Fault(
+                    Kind::RedisTerm | Kind::RedisKill | Kind::RedisStall | Kind::ClockForward
+                )
+            );
         let this_daemon = self.instance == Some(instance)
             && matches!(
                 self.what,
@@ -92,7 +110,11 @@ impl Event {
                     | What::LeaseLost
                     | What::Stopped
             );
-        overlaps && (redis_wide || this_daemon)
+        overlaps
+            && match mode {
+                Mode::Safe => redis_wide || this_daemon,
+                Mode::Default => lost_writes,
+            }
     }
 }
 
@@ -141,7 +163,8 @@ pub(super) struct World<'a> {
     pub(super) completions: Mutex<Vec<u64>>,
     /// What the samples and snapshots of the limited queue's count saw.
     pub(super) watch: Mutex<LimitWatch>,
-    pub(super) counters: Mutex<BTreeMap<&'static str, u64>>,
+    /// Counts by name: each fault kind's label, and what the faults and checks count besides.
+    pub(super) counters: Mutex<BTreeMap<String, u64>>,
     pub(super) tails: Mutex<(Vec<Tail>, Facts)>,
     /// Dead-lettered ids and their reasons, from every dead list read (before each loss of Redis's data, and at
     /// the end).
@@ -181,20 +204,36 @@ impl World<'_> {
         lock(&self.violations).push(message);
     }
 
-    pub(super) fn count(&self, name: &'static str) {
-        *lock(&self.counters).entry(name).or_default() += 1;
+    pub(super) fn count(&self, name: &str) {
+        self.add(name, 1);
+    }
+
+    pub(super) fn add(&self, name: &str, n: u64) {
+        *lock(&self.counters).entry(name.to_string()).or_default() += n;
     }
 
     pub(super) fn counter(&self, name: &str) -> u64 {
         lock(&self.counters).get(name).copied().unwrap_or(0)
     }
 
+    /// Records an event from `from_us` to now.
     pub(super) fn event(&self, what: What, instance: Option<usize>, from_us: u64, note: String) {
+        self.event_until(what, instance, (from_us, now_us()), note);
+    }
+
+    /// Records an event whose effects last from `from_us` to `to_us`.
+    pub(super) fn event_until(
+        &self,
+        what: What,
+        instance: Option<usize>,
+        (from_us, to_us): (u64, u64),
+        note: String,
+    ) {
         lock(&self.events).push(Event {
             what,
             instance,
             from_us,
-            to_us: now_us(),
+            to_us,
             note,
         });
     }
@@ -208,7 +247,7 @@ impl World<'_> {
         let config = self.dir.config_named(
             &format!("kmqd-{n}-{shape:?}.toml"),
             &self.redis_section,
-            DAEMON_SECTION,
+            DAEMON_SERVING,
             &shape.queue(),
             &record,
         );
@@ -227,6 +266,33 @@ impl World<'_> {
         self.say(&format!(
             "daemon {slot} started as process #{n} on config {shape:?} ({why})"
         ));
+    }
+}
+
+impl World<'_> {
+    /// How many tasks of `queue` the running daemons hold (claimed or popped, running or being settled), from each
+    /// one's metrics endpoint (`kmqd_daemon_held_tasks`); `None` when one of them did not answer.
+    pub(super) fn held_by_daemons(&self, queue: Queue) -> Option<u64> {
+        let logs: Vec<PathBuf> = {
+            let daemons = lock(&self.daemons);
+            daemons
+                .slots
+                .iter()
+                .filter(|slot| slot.process.is_some())
+                .map(|slot| daemons.instances[slot.instance].log.clone())
+                .collect()
+        };
+        let gauge = format!("kmqd_daemon_held_tasks{{queue=\"{}\"}} ", queue.name());
+        let mut held = 0;
+        for log in logs {
+            let addr = metrics_addr(&std::fs::read_to_string(log).unwrap_or_default())?;
+            let page = scrape_with(addr, None, Duration::from_secs(2));
+            held += page
+                .body
+                .lines()
+                .find_map(|line| line.strip_prefix(&gauge)?.trim().parse::<u64>().ok())?;
+        }
+        Some(held)
     }
 }
 
