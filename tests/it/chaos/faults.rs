@@ -407,9 +407,7 @@ impl Injector<'_, '_> {
             }
         }
     }
-}
 
-impl Injector<'_, '_> {
     /// A call for the proxy faults to act on: the daemons' claims, settles and renewals, the producers' pushes,
     /// or default mode's plain pops (a transaction, answered by its EXEC). Returns its name and a matcher.
     fn pick_call(&mut self) -> (&'static str, Matcher) {
@@ -459,14 +457,12 @@ impl Injector<'_, '_> {
             .event(What::Fault(kind), None, from, name.to_string());
         match (fired, kind) {
             (false, _) => format!("no {name} in 3 s: nothing held"),
-            (true, Kind::DelayedReply) => {
-                format!(
-                    "the reply of the {nth}th {name} held {} ms",
-                    delay.as_millis()
-                )
-            }
+            (true, Kind::DelayedReply) => format!(
+                "the reply of a {name} (number {nth} after the fault) held {} ms",
+                delay.as_millis()
+            ),
             (true, _) => format!(
-                "the {nth}th {name} reached Redis {} ms late",
+                "a {name} (number {nth} after the fault) reached Redis {} ms late",
                 delay.as_millis()
             ),
         }
