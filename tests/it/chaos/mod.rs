@@ -12,7 +12,8 @@
 //! explains, and is never charged or dead-lettered for it). At the end it checks that no task of a safe queue was
 //! lost, that no task ran more often than its mode's rules allow (at least once in safe mode, at most once in
 //! default mode, but across Redis losing or rewinding its writes: see [`workload::Mode`]), that every queue is
-//! drained under a live owner, conservation in Redis, and prints a summary (see [`report::report`]).
+//! drained under a live owner (and, after each rewind, that what Redis forgot was settled does not stay under a
+//! live lease), conservation in Redis, and prints a summary (see [`report::report`]).
 //!
 //! The limited queue's invariant (docs/RELIABILITY.md, "Running limits") is checked throughout: Redis's count
 //! (`kmq:{limited}:running` field `q`) never above the largest limit in use and `running_underflow` 0, sampled

@@ -11,12 +11,13 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
 use crate::support::*;
 
 use super::faults::{Injector, Kind};
 use super::ledger::Epoch;
-use super::workload::{Mode, QUEUES, Queue};
+use super::workload::{LEASE, Mode, QUEUES, Queue};
 use super::world::{What, lock, now_us};
 
 /// Every task id a queue's keys hold (ARGV[1]: `kmq:{queue}`), whatever the key: the envelopes of its ready,
@@ -36,6 +37,31 @@ for _, key in ipairs(redis.call('KEYS', ARGV[1] .. ':*')) do
     for _, item in ipairs(redis.call('ZRANGE', key, 0, -1)) do add(item) end
   elseif kind == 'hash' then
     for _, item in ipairs(redis.call('HVALS', key)) do add(item) end
+  end
+end
+return ids
+";
+
+/// The ids of the tasks a queue holds unsettled (their bit clear in their list's bitmap) in the claim lists of its
+/// owners whose lease runs (ARGV[1]: `kmq:{queue}`; docs/PROTOCOL.md, "Key layout": a claim list is
+/// `processing:OWNER:L:C`, its bitmap beside it, the owners' deadlines on Redis's clock).
+const CLAIMED: &str = r"
+local base = ARGV[1]
+local time = redis.call('TIME')
+local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local ids = {}
+for _, key in ipairs(redis.call('KEYS', base .. ':processing:*')) do
+  if redis.call('TYPE', key).ok == 'list' then
+    local owner = string.match(string.sub(key, #base + 13), '^([^:]+):')
+    local deadline = owner and redis.call('ZSCORE', base .. ':owners', owner)
+    if deadline and tonumber(deadline) > now then
+      for position, item in ipairs(redis.call('LRANGE', key, 0, -1)) do
+        if redis.call('GETBIT', key .. ':settled', position - 1) == 0 then
+          local ok, task = pcall(cjson.decode, item)
+          if ok and type(task) == 'table' and type(task.id) == 'string' then ids[#ids + 1] = task.id end
+        end
+      end
+    end
   end
 end
 return ids
@@ -88,7 +114,7 @@ impl Injector<'_, '_> {
         let tail = self.rng.ms(200, 1000);
         std::thread::sleep(tail);
         // No push straddles the loss: the outbox knows which pushes Redis acknowledged before it.
-        let _gate = world.gate.write().unwrap();
+        let gate = world.gate.write().unwrap();
         self.before_a_loss("before a rewind");
         self.redis.stop(Signal::Kill);
         let lost = match kept {
@@ -115,6 +141,7 @@ impl Injector<'_, '_> {
         let epoch = self.new_epoch(kept_pushes);
         let held = ids_in(&self.redis);
         let again = self.push_again(&held);
+        drop(gate);
         let what = match lost {
             Some(bytes) => {
                 world.count("rewinds");
@@ -132,9 +159,51 @@ impl Injector<'_, '_> {
             from,
             format!("epoch {epoch}"),
         );
+        let stranded = self.wait_nothing_stranded();
         format!(
             "redis-server on everysec killed with its host: {what}, restarted on the rest (epoch {epoch}); {again} \
-             tasks pushed again"
+             tasks pushed again; {stranded}"
+        )
+    }
+
+    /// After a rewind, the tasks whose settle Redis forgot must not stay in a claim list under a lease that is
+    /// still renewed (review H1): the daemon that ran them never settles them again, so only its owner given up
+    /// (the heartbeat's journal check) and the monitors' recovery take them out. A task whose run ended (done, by
+    /// the records) and that a live owner holds unsettled right after the rewind must leave every live owner's
+    /// claim lists at least once within three leases (a task may come back, claimed again after a retry: it left
+    /// meanwhile); one that never does is stranded, a violation. Returns what it saw.
+    fn wait_nothing_stranded(&self) -> String {
+        let world = self.world;
+        let started = Instant::now();
+        let mut candidates: HashSet<String> = {
+            let claimed = claimed_under_live_owners(&self.redis);
+            let guard = world.facts();
+            claimed
+                .into_iter()
+                .filter(|id| guard.1.done.contains(id))
+                .collect()
+        };
+        let forgotten = candidates.len();
+        while !candidates.is_empty() && started.elapsed() < 3 * LEASE {
+            std::thread::sleep(Duration::from_millis(100));
+            let claimed = claimed_under_live_owners(&self.redis);
+            candidates.retain(|id| claimed.contains(id));
+        }
+        if !candidates.is_empty() {
+            let mut stranded: Vec<&String> = candidates.iter().collect();
+            stranded.sort();
+            world.violation(format!(
+                "after a rewind, {} tasks whose run had ended stayed unsettled under a live owner for {:.1} s (Redis \
+                 forgot their settle, and nothing gave the owner up): {stranded:?}",
+                stranded.len(),
+                started.elapsed().as_secs_f64()
+            ));
+        }
+        world.add("rewound settles", forgotten as u64);
+        format!(
+            "{forgotten} ended tasks Redis held unsettled under live owners, {} of them after {:.1} s",
+            candidates.len(),
+            started.elapsed().as_secs_f64()
         )
     }
 
@@ -201,6 +270,19 @@ fn last_incr_file(dir: &Path) -> Option<PathBuf> {
         .filter_map(|line| line.strip_prefix("file ")?.split(' ').next())
         .next_back()?;
     Some(dir.join(name))
+}
+
+/// The ids of the tasks each queue holds unsettled in the claim lists of its live owners (see [`CLAIMED`]).
+fn claimed_under_live_owners(redis: &RedisServer) -> HashSet<String> {
+    let mut ids = HashSet::new();
+    for queue in Queue::ALL {
+        let held: Vec<String> = redis::Script::new(CLAIMED)
+            .arg(queue.base())
+            .invoke(&mut redis.connection())
+            .unwrap_or_else(|e| panic!("the claimed tasks of {}: {e}", queue.name()));
+        ids.extend(held);
+    }
+    ids
 }
 
 /// The ids of every task Redis holds, in any queue (see [`IDS`]).

@@ -554,11 +554,13 @@ fn write_new_faults(out: &mut String, world: &World, ledger: &Ledger) {
     );
     let _ = writeln!(
         out,
-        "  redis data    {} rewinds cut {} bytes off the append-only file ({} rewinds found it being rewritten), {} \
-         restarts empty; {} tasks pushed again by the outbox, over {} epochs",
+        "  redis data    {} rewinds cut {} bytes off the append-only file ({} rewinds found it being rewritten), and \
+         left {} ended tasks unsettled under live owners, each taken out in time; {} restarts empty; {} tasks \
+         pushed again by the outbox, over {} epochs",
         c("rewinds"),
         c("rewound bytes"),
         c(Kind::RedisRewind.label()) - c("rewinds"),
+        c("rewound settles"),
         c(Kind::RedisEmpty.label()),
         ledger.repushed,
         ledger.epochs.len()
