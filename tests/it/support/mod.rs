@@ -755,6 +755,35 @@ pub fn wait_done(config: &Path, done: u64, within: Duration) -> QueueStats {
     })
 }
 
+/// Whether `queue` holds nothing ready, processing or delayed while a daemon serves it (an owner with a live
+/// lease): everything still in Redis ran, and nothing is stranded under a live owner. A rewind the journal check
+/// missed leaves `processing` above 0 under a live lease until the daemon stops, which a count of the tasks that
+/// never ran does not see (review H1): so the failover and chaos tests end on this. Returns the stats it read, or
+/// why it could not.
+pub fn drained_under_a_live_owner(
+    watcher: &kmqd::Client,
+    queue: &str,
+) -> (bool, Result<QueueStats, String>) {
+    let stats = watcher.stats(queue);
+    let idle = stats
+        .as_ref()
+        .is_ok_and(|s| s.ready == 0 && s.processing == 0 && s.delayed == 0);
+    let live = watcher
+        .workers(queue)
+        .is_ok_and(|owners| owners.iter().any(|owner| owner.lease_left_ms > 0));
+    (idle && live, stats.map_err(|e| e.to_string()))
+}
+
+/// Waits until [`drained_under_a_live_owner`] holds for `queue`; panics after a minute. Returns the stats then.
+pub fn wait_drained(watcher: &kmqd::Client, queue: &str) -> QueueStats {
+    eventually(
+        Duration::from_secs(60),
+        "the queue drained under a live owner",
+        || drained_under_a_live_owner(watcher, queue),
+    )
+    .expect("the stats of a drained queue")
+}
+
 /// The dead-letter records of `queue`, newest first, as JSON.
 pub fn dead_records(redis: &RedisServer, queue: &str) -> Vec<serde_json::Value> {
     let dead: Vec<String> = redis.cmd(&["LRANGE", &format!("kmq:{{{queue}}}:dead"), "0", "-1"]);
