@@ -355,14 +355,14 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "hset",
         roles: &[D],
-        why: "owners' registrations, schedules' last slots, unique ids \
-              popped in default mode",
+        why: "owners' registrations, schedules' last slots",
     },
     Command {
         name: "hsetnx",
         roles: &[D, P, O],
         why: "records the protocol version; push.lua stores a delayed task and takes a unique id (and \
-              dead_requeue.lua takes it again)",
+              dead_requeue.lua takes it again, as settle.lua does for a task queued again after its owner lost \
+              it); pop.lua records the owner that popped a unique task",
     },
     Command {
         name: "hdel",
@@ -725,10 +725,10 @@ const DAEMON: &[(&str, On)] = &[
     // The owner's journal, in claim.lua, adopt.lua, renew.lua and settle.lua.
     ("hincrby", key(K::OwnerInfo)),
     ("type", key(K::OwnerInfo)),
-    // pop.lua.
+    // pop.lua (its lease check is claim.lua's ZSCORE, above).
     ("hlen", key(K::Unique)),
     ("hexists", key(K::Unique)),
-    ("hset", key(K::UniquePopped)),
+    ("hsetnx", key(K::UniquePopped)),
     // settle.lua.
     ("get", key(K::Settled)),
     ("set", key(K::Settled)),
@@ -755,14 +755,14 @@ const DAEMON: &[(&str, On)] = &[
     ("zrem", key(K::Processing)),
     ("hdel", key(K::Processing)),
     ("hdel", key(K::UniquePopped)),
+    ("hget", key(K::UniquePopped)), // and release_unique.lua
     ("hdel", key(K::Unique)),
+    ("hsetnx", key(K::Unique)),
     ("lpush", key(K::Ready)),
     ("lpush", key(K::Quarantine)),
     ("zadd", key(K::Retry)),
     ("zrange", key(K::Retry)),
     ("publish", CHANNEL),
-    // release_unique.lua.
-    ("hget", key(K::UniquePopped)),
     // register.lua, renew.lua, release.lua.
     ("zadd", key(K::Owners)),
     ("zrem", key(K::Owners)),

@@ -730,6 +730,24 @@ pub fn default_queue(extra: &str) -> String {
     format!("[[queues]]\nname = \"jobs\"\nmode = \"default\"\n{extra}\n")
 }
 
+/// Starts a default-mode daemon on `config`, whose Redis it reaches through `proxy`, and once its fetcher waits idle
+/// drops the reply of its next pop.lua call (the pop runs; the connection is closed): the daemon, and the rule,
+/// to see that it fired.
+pub fn default_daemon_losing_its_next_pop_reply(
+    config: &Path,
+    redis: &RedisServer,
+    proxy: &proxy::FaultProxy,
+) -> (TestDaemon, proxy::Rule) {
+    let daemon = TestDaemon::start(config);
+    redis.wait_blocked_in("blmove");
+    let rule = proxy.add(proxy::Fault::DropReply {
+        matching: proxy::Matcher::script(kmqd::broker::sources::POP),
+        nth: 1,
+        then: proxy::AfterDrop::Close,
+    });
+    (daemon, rule)
+}
+
 /// Pushes `count` testkit tasks with `data` to `jobs`, ids `prefix0` to `prefix{count - 1}`.
 pub fn push_many(config: &Path, prefix: &str, count: usize, data: &str) {
     push_typed(config, "test", prefix, count, data);
