@@ -698,6 +698,66 @@ fn identical_envelopes_waiting_to_retry_are_both_kept() {
     assert_eq!(dir.records().runs_of("twin"), 4);
 }
 
+/// How many ZADD commands `redis` has run, scripts' included (`INFO commandstats`).
+fn zadd_calls(redis: &RedisServer) -> u64 {
+    let info: String = redis.cmd(&["INFO", "commandstats"]);
+    info.lines()
+        .find_map(|line| line.strip_prefix("cmdstat_zadd:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |calls| calls.parse().unwrap())
+}
+
+#[test]
+fn identical_envelopes_retried_together_are_added_in_a_near_linear_number_of_zadds() {
+    // Review L6: settle.lua kept identical retry envelopes apart by adding one trailing space per ZADD that found
+    // the member taken, so k copies took k^2 / 2 ZADDs inside one script call (125,250 for 500), every attempt.
+    let redis = RedisServer::start();
+    let keys = broker::QueueKeys::new("kmq", "jobs", &["normal".to_string()]);
+    let copies: u64 = 500;
+    let twin = br#"{"id":"twin","type":"test","attempt":1}"#.to_vec();
+    let retries: Vec<broker::Settlement> = (0..copies)
+        .map(|_| broker::Settlement {
+            op: broker::SettleOp::Retry {
+                delay: Duration::from_secs(600),
+                isolated: false,
+            },
+            token: None,
+            popped_by: None,
+            unique_id: None,
+            level: 0,
+            payload: twin.clone(),
+            failed: true,
+        })
+        .collect();
+    let mut connection = redis.connection();
+    // Two calls: the second's copies find the first's waiting.
+    for number in 1..=2 {
+        let before = zadd_calls(&redis);
+        let call = broker::Call {
+            settler: "test:acker",
+            number,
+        };
+        let settled = broker::settle(
+            &mut connection,
+            &keys,
+            &call,
+            broker::Fence::Owner,
+            100,
+            broker::Holder::Nobody,
+            &retries,
+        )
+        .unwrap();
+        assert!(settled.applied.iter().all(|ok| *ok == Some(true)));
+        let zadds = zadd_calls(&redis) - before;
+        assert!(
+            zadds <= 3 * copies,
+            "call {number}: {zadds} ZADDs for {copies} identical retries"
+        );
+        let waiting: u64 = redis.cmd(&["ZCARD", "kmq:{jobs}:retry:normal"]);
+        assert_eq!(waiting, copies * number, "each copy kept");
+    }
+}
+
 #[test]
 fn a_poison_pill_is_dead_lettered_alone_and_its_neighbours_complete() {
     let redis = RedisServer::start();
