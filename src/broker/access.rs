@@ -678,6 +678,7 @@ const DAEMON: &[(&str, On)] = &[
     ("ltrim", key(K::Ready)),
     ("memory|usage", key(K::ClaimList)),
     ("lpop", key(K::Quarantine)),
+    ("lpop", key(K::ClaimList)),
     ("rpush", key(K::ClaimList)),
     ("del", key(K::ClaimList)),
     ("zadd", key(K::Processing)),
