@@ -421,6 +421,13 @@ pub const COMMANDS: &[Command] = &[
         why: "stats count delayed and retrying tasks",
     },
     Command {
+        name: "scan",
+        roles: &[D],
+        why: "at start and after a reload that drops a priority level, the daemon looks for the keys of levels its \
+              config does not name that still hold tasks, to warn of them (without this rule it warns that it \
+              cannot look)",
+    },
+    Command {
         name: "zscan",
         roles: &[R, O],
         why: "`task show` and `task cancel` look for retrying tasks",
@@ -1452,10 +1459,14 @@ mod tests {
             // made from an older kmqd's rules is not refused for lacking them. INFO is asked for by no check:
             // without it the policy goes unread, with a warning (`eviction::read`), and a user of rules older than
             // the policy check keeps working.
+            // SCAN likewise: without it the daemon cannot look for the keys of levels its config dropped, and
+            // says so (`broker::levels`).
             documented.retain(|name| {
                 !matches!(
                     (role, *name),
-                    (Role::Producer, "eval" | "type" | "hget") | (_, "info")
+                    (Role::Producer, "eval" | "type" | "hget")
+                        | (_, "info")
+                        | (Role::Daemon, "scan")
                 )
             });
             let mut checked: Vec<&str> = role.needs().iter().map(|(name, _)| *name).collect();
@@ -1600,6 +1611,7 @@ mod tests {
         let sources = [
             include_str!("tasks.rs"),
             include_str!("owners.rs"),
+            include_str!("levels.rs"),
             include_str!("stats.rs"),
             include_str!("lookup.rs"),
             include_str!("dead.rs"),

@@ -4,43 +4,19 @@ use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 
-use crate::support::*;
+use crate::support::{self, *};
 
 const SAFE_QUEUE: &str =
     "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\nworkers = 2\nidle_poll = \"200ms\"\n";
 
 /// The code block after the `n`-th "tested" marker of docs/PROTOCOL.md.
 fn documented_block(n: usize) -> String {
-    let doc =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/PROTOCOL.md")).unwrap();
-    let after_marker = doc
-        .split("<!-- tested: tests/it/protocol.rs runs this block -->")
-        .nth(n + 1)
-        .expect("marker");
-    let block = after_marker
-        .split("```")
-        .nth(1)
-        .expect("a code block after the marker");
-    block.trim_start_matches("sh").to_string()
+    support::documented_block("docs/PROTOCOL.md", "tests/it/protocol.rs", n)
 }
 
 /// Runs a documented redis-cli block against the test's own server, for the testkit's task type.
 fn run_documented(block: &str, redis: &RedisServer) {
-    let socket = redis.socket.display().to_string();
-    let script = block
-        .replace("redis-cli ", &format!("redis-cli -s {socket} "))
-        .replace("mail.send", "test");
-    let output = std::process::Command::new("sh")
-        .arg("-ec")
-        .arg(&script)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "{script}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    support::run_documented(&block.replace("mail.send", "test"), redis);
 }
 
 const MAIL: &str = "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nworkers = 2\n";
