@@ -1,6 +1,6 @@
 //! The keys of a queue's priority levels that its config does not name (review L5). A daemon claims, pops,
 //! promotes and counts only its config's levels, so the tasks of a level the config dropped (its ready list, retry
-//! and delayed sets, quarantine lists) wait there for good, out of `kmqd stats`' sight, unless a daemon serves that
+//! and delayed sets, quarantine lists, limited types' flows) wait there for good, out of `kmqd stats`' sight, unless a daemon serves that
 //! level: a config names it again, or an operator moves them (docs/OPERATIONS.md, "Removing a priority level").
 //! Found with `SCAN` on the queue's node, which reads the node's whole keyspace a thousand keys at a time: cheap on
 //! a Redis kept for kmqd, about a second per million keys beside it; so only at start and after a reload that
@@ -25,9 +25,10 @@ impl Stranded {
     }
 }
 
-/// The kind of a level's key, from its name after `PREFIX:{QUEUE}:` (`ready:L`, `retry:L`, `delayed:L`,
-/// `quarantine:G:L`), with the level; `None` for any other key of the queue. A level name never holds a `:`
-/// (config validation), so `processing:OWNER:L` and its claim lists are not mistaken for one.
+/// The kind of a level's key that holds tasks, from its name after `PREFIX:{QUEUE}:` (`ready:L`, `retry:L`,
+/// `delayed:L`, `quarantine:G:L`, a limited type's `flow:L:MEMBER`), with the level; `None` for any other key of
+/// the queue (a level's `ring:L` names its flows, and holds no task). A level name never holds a `:` (config
+/// validation), so `processing:OWNER:L` and its claim lists are not mistaken for one.
 fn level_key(rest: &str) -> Option<(Kind, &str)> {
     let (kind, level) = rest.split_once(':')?;
     let (kind, level) = match kind {
@@ -38,6 +39,7 @@ fn level_key(rest: &str) -> Option<(Kind, &str)> {
             group.parse::<usize>().ok()?;
             (Kind::List, level)
         }
+        "flow" => (Kind::List, level.split_once(':')?.0),
         _ => return None,
     };
     (!level.is_empty() && !level.contains(':')).then_some((kind, level))
@@ -142,6 +144,9 @@ mod tests {
             ("delayed:high", Some((Kind::Zset, "high"))),
             ("quarantine:64:high", Some((Kind::List, "high"))),
             ("quarantine:x:high", None),
+            ("flow:high::report%3A%7Bx%7D", Some((Kind::List, "high"))),
+            ("flow:high", None),
+            ("ring:high", None),
             ("delayed-tasks", None),
             ("processing:host-1-2-ab.1:high", None),
             ("processing:host-1-2-ab.1:high:40", None),

@@ -276,6 +276,9 @@ fn a_daemon_started_without_a_level_that_holds_tasks_warns_of_it_and_the_documen
     let _: i64 = redis.cmd(&["HSET", "kmq:{mail}:delayed-tasks", "d1", &envelope("d1")]);
     let _: i64 = redis.cmd(&["ZADD", "kmq:{mail}:delayed:high", &soon, "d1"]);
     let _: i64 = redis.cmd(&["RPUSH", "kmq:{mail}:quarantine:1:high", &envelope("q1")]);
+    // A limited type's flow (`[[queues.limits]]`), which its level's ring names.
+    let _: i64 = redis.cmd(&["RPUSH", "kmq:{mail}:flow:high::test", &envelope("f1")]);
+    let _: i64 = redis.cmd(&["ZADD", "kmq:{mail}:ring:high", "1", ":test"]);
     // Not tasks of a level: a key of the right name and another type, and the configured level's own list.
     let _: String = redis.cmd(&["SET", "kmq:{mail}:ready:low", "x"]);
     let _: i64 = redis.cmd(&["RPUSH", "kmq:{mail}:ready:normal", &envelope("n1")]);
@@ -284,9 +287,9 @@ fn a_daemon_started_without_a_level_that_holds_tasks_warns_of_it_and_the_documen
     for expected in [
         "queue=mail",
         "priority=high",
-        "tasks=5",
-        "kmq:{mail}:delayed:high (1), kmq:{mail}:quarantine:1:high (1), kmq:{mail}:ready:high (2), \
-         kmq:{mail}:retry:high (1)",
+        "tasks=6",
+        "kmq:{mail}:delayed:high (1), kmq:{mail}:flow:high::test (1), kmq:{mail}:quarantine:1:high (1), \
+         kmq:{mail}:ready:high (2), kmq:{mail}:retry:high (1)",
     ] {
         assert!(line.contains(expected), "{expected} in\n{line}");
     }
@@ -305,16 +308,16 @@ fn a_daemon_started_without_a_level_that_holds_tasks_warns_of_it_and_the_documen
     );
     let s = eventually(Duration::from_secs(20), "the moved tasks to run", || {
         let s = stats_of(&config);
-        (s.done == 6, s)
+        (s.done == 7, s)
     });
     assert_eq!(
         (s.ready, s.retrying, s.delayed, s.quarantined),
         (0, 0, 0, 0)
     );
-    let left: Vec<String> = redis.cmd(&["KEYS", "kmq:{mail}:*:high"]);
+    let left: Vec<String> = redis.cmd(&["KEYS", "kmq:{mail}:*:high*"]);
     assert!(left.is_empty(), "{left:?}");
     let records = dir.records();
-    for id in ["h1", "h2", "r1", "d1", "q1", "n1"] {
+    for id in ["h1", "h2", "r1", "d1", "q1", "f1", "n1"] {
         assert_eq!(records.runs_of(id), 1, "{id}: {records:?}");
     }
     crate::reload::stop(daemon);
