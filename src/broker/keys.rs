@@ -205,6 +205,11 @@ impl QueueKeys {
         )
     }
 
+    /// `PREFIX:{QUEUE}`, the start of every key of the queue.
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
     /// The keys of a configured queue.
     pub fn for_queue(prefix: &str, queue: &QueueConfig) -> QueueKeys {
         QueueKeys {

@@ -25,6 +25,7 @@ pub mod eviction;
 pub mod flows;
 pub mod history;
 pub mod keys;
+pub mod levels;
 pub mod lookup;
 mod node;
 pub mod owners;

@@ -85,9 +85,15 @@ pub fn push(
 pub struct Taken {
     /// Safe mode: the claim token that fences its settlement; `None` in default mode.
     pub token: Option<Token>,
-    /// Default mode under a running limit: the owner that popped it, whose share of the running count it is
-    /// (pop.lua); its settlement subtracts from that share.
+    /// Default mode: the owner that popped it, when Redis keeps something of the task under that owner: its
+    /// running slot (a running limit: the owner's share of the count, which its settlement subtracts from) or
+    /// its unique id (`holds_unique`). `None` otherwise: the task left Redis for good.
     pub popped_by: Option<Arc<str>>,
+    /// Default mode: pop.lua recorded the task's unique id as held by `popped_by` (the unique-popped hash). The
+    /// id is freed by this task's settlement only while that owner still holds it, and the task starts only
+    /// while that owner's lease is surely live: once it ran out, a monitor frees the id and a newer task with it
+    /// may run (pop.lua, "The holder").
+    pub holds_unique: bool,
     /// Index of the level it came from.
     pub level: usize,
 }
@@ -414,6 +420,7 @@ fn claimed(
                     },
                 }),
                 popped_by: None,
+                holds_unique: false,
                 level,
             });
         }
@@ -626,6 +633,7 @@ fn pop_plain(conn: &mut Conn, keys: &QueueKeys, max: usize) -> Result<Option<Bat
             tasks.push(Taken {
                 token: None,
                 popped_by: None,
+                holds_unique: false,
                 level: pop_level(index),
             });
         }
@@ -655,7 +663,8 @@ fn pop_script(
         .key(&keys.throttle)
         .key(&keys.running)
         .key(keys.popped_running(owner))
-        .key(&keys.sched);
+        .key(&keys.sched)
+        .key(&keys.owners);
     for list in pop_lists(keys) {
         invocation.key(list);
     }
@@ -676,9 +685,19 @@ fn pop_script(
         invocation.arg(*weight);
     }
     // The script's reply is depth 1, its list of tasks depth 2, the tasks depth 3.
-    type Reply = (i64, usize, Vec<Value>, i64, i64, i64, Vec<usize>);
-    let ((now_ms, list, items, held, state, retry_at_ms, counts), collected) =
-        conn.with_payloads(3, |conn| invocation.invoke::<Reply>(conn))?;
+    type Reply = (
+        i64,
+        usize,
+        Vec<Value>,
+        i64,
+        i64,
+        i64,
+        Vec<usize>,
+        Vec<usize>,
+    );
+    let ((now_ms, list, items, held, state, retry_at_ms, counts, recorded), collected) = conn
+        .with_payloads(3, |conn| invocation.invoke::<Reply>(conn))
+        .map_err(|error| owner_error(error, owner))?;
     let mut tasks = Vec::with_capacity(items.len());
     let mut payloads = Gather::new(collected);
     // One list's tasks, or (priority weights) each level's in level order, as many as `counts` says.
@@ -686,7 +705,9 @@ fn pop_script(
         .iter()
         .enumerate()
         .flat_map(|(level, count)| std::iter::repeat_n(level, *count));
-    for item in items {
+    // The 1-based positions of the tasks whose unique id the pop recorded, in order.
+    let mut recorded = recorded.into_iter().peekable();
+    for (position, item) in (1..).zip(items) {
         let level = match list {
             0 => levels
                 .next()
@@ -694,11 +715,19 @@ fn pop_script(
             list => pop_level(list - 1),
         };
         payloads.take(item, "pop")?;
+        let holds_unique = recorded.next_if_eq(&position).is_some();
         tasks.push(Taken {
             token: None,
-            popped_by: limits.max_running.map(|_| Arc::clone(owner)),
+            popped_by: (holds_unique || limits.max_running.is_some()).then(|| Arc::clone(owner)),
+            holds_unique,
             level,
         });
+    }
+    if let Some(position) = recorded.next() {
+        return Err(reply_error(
+            "pop",
+            format!("a unique id recorded at position {position}, not among its tasks"),
+        ));
     }
     let batch = Batch {
         now_ms,
@@ -868,9 +897,11 @@ pub struct Settlement {
     pub op: SettleOp,
     /// Safe mode: where the task is held; `None` in default mode.
     pub token: Option<Token>,
-    /// Default mode under a running limit: the owner that popped the task ([`Taken::popped_by`]).
+    /// Default mode: the owner that popped the task, when Redis keeps its running slot or its unique id under
+    /// that owner ([`Taken::popped_by`]).
     pub popped_by: Option<Arc<str>>,
-    /// Released on ack or dead-letter when the task is unique.
+    /// Released on ack or dead-letter when the task is unique (in default mode, only while the owner that popped
+    /// it still holds it: settle.lua, "Unique ids").
     pub unique_id: Option<String>,
     pub level: usize,
     /// Retry/back: the envelope to queue; dead: the dead record (a JSON object); ack: unused.
@@ -889,12 +920,12 @@ impl Settlement {
 /// Whose tasks one settle call settles.
 #[derive(Clone, Copy, Debug, Eq)]
 pub enum Holder<'a> {
-    /// Default mode without a running limit: nobody holds them in Redis.
+    /// Default mode, tasks that left Redis for good: nobody holds anything of theirs in Redis.
     Nobody,
     /// Safe mode: the owner whose claim lists hold them.
     Claimed(&'a str),
-    /// Default mode under a running limit: the owner that popped them, whose share of the running count they
-    /// are (see settle.lua, "Running limits").
+    /// Default mode: the owner that popped them, under which Redis keeps their share of the running count (see
+    /// settle.lua, "Running limits") or their unique ids (settle.lua, "Unique ids").
     Popped(&'a str),
 }
 
@@ -997,7 +1028,7 @@ impl Touched {
 }
 
 /// Applies many outcomes in one round trip (`settle.lua`). Every settlement must be of `holder`'s tasks (in safe
-/// mode their tokens name it; in default mode under a running limit, their `popped_by`). Plain acknowledgements, the bulk of the traffic, go as a bitmap per claim that
+/// mode their tokens name it; in default mode, their `popped_by`). Plain acknowledgements, the bulk of the traffic, go as a bitmap per claim that
 /// the script merges into the claim's own; everything else goes as a record checked one by one. Sending the same
 /// `call` again returns what the first one did, without applying it twice.
 pub fn settle<'a>(
@@ -1009,9 +1040,10 @@ pub fn settle<'a>(
     holder: Holder<'_>,
     settlements: impl IntoIterator<Item = &'a Settlement> + Clone,
 ) -> Result<Settled> {
-    let owner = match holder {
-        Holder::Claimed(owner) => Some(owner),
-        Holder::Nobody | Holder::Popped(_) => None,
+    let (owner, popper) = match holder {
+        Holder::Claimed(owner) => (Some(owner), None),
+        Holder::Popped(popper) => (None, Some(popper)),
+        Holder::Nobody => (None, None),
     };
     // Bulk sections only for the owner: a monitor's settlements go through the lease check one by one.
     let bulk = |s: &Settlement| {
@@ -1103,7 +1135,7 @@ pub fn settle<'a>(
         .arg(dead_max)
         .arg(keys.levels())
         .arg(&keys.delay_channel)
-        .arg(owner.unwrap_or(""))
+        .arg(owner.or(popper).unwrap_or(""))
         .arg(call.number)
         .arg(touched.claims.len());
     for (level, claim, bits) in &touched.claims {

@@ -417,13 +417,7 @@ fn a_default_mode_pop_whose_reply_is_lost_gives_its_owner_and_slots_up() {
         "",
         &default_queue("workers = 2\nmax_running = 2\nlease_timeout = \"2s\""),
     );
-    let daemon = TestDaemon::start(&config);
-    redis.wait_blocked_in("blmove");
-    let rule = proxy.add(Fault::DropReply {
-        matching: Matcher::script(sources::POP),
-        nth: 1,
-        then: AfterDrop::Close,
-    });
+    let (daemon, rule) = default_daemon_losing_its_next_pop_reply(&config, &redis, &proxy);
     push_many(&config, "t", 10, r#"{"sleep_ms":5}"#);
     let s = eventually(Duration::from_secs(60), "the rest drained", || {
         let s = stats(&config, "jobs");

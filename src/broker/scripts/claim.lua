@@ -72,7 +72,8 @@
 -- takes it.
 --
 -- A payload longer than max_task_bytes is never handed to a daemon: it goes straight to the dead list, kept
--- whole (as a JSON string) with its size in the reason.
+-- whole with its size in the reason (as a JSON string when it is UTF-8, in base64 when it is not: see
+-- `dead_oversized`).
 --
 -- Checks before it writes: the type of every key it touches (KEYS[6], the paused key, is only tested for
 -- existence; KEYS[7], the throttle, for existence and its time to live), and that the counters it increments (the info hash's `journal`, the stats hash's `dead_lettered`)
@@ -179,14 +180,106 @@ for i = LISTS + 1, LISTS + levels do
   end
 end
 
+-- The dead record of a payload over max_task_bytes keeps its exact bytes as the daemon's own records do
+-- (settlement.rs, DeadRecord; docs/PROTOCOL.md, "Dead letters"): as `task`, a JSON string, when they are UTF-8,
+-- else as `task_base64` (RFC 4648, padded), so that the record is valid UTF-8 and JSON whatever the bytes (review
+-- L13: cjson.encode passed them through, and the record of a payload that is not UTF-8 was neither). Such a
+-- payload is large by definition: it is copied as few times as it can be, and no copy outlives the call. A UTF-8
+-- one is encoded with its record in one cjson.encode (in C; its buffer made private to the call, where Redis
+-- keeps it by default for the next call, as large as the largest string encoded, outside `maxmemory`'s count);
+-- another is encoded in Lua, in base64 pieces concatenated once with the record's other fields.
+local function is_utf8(s)
+  -- Runs of ASCII are skipped by string.find; from a byte that is not ASCII on, a chunk of up to 4,096 bytes is
+  -- read as numbers at once (one string.byte) and each character checked as Rust's str::from_utf8 does: no
+  -- overlong form, no surrogate, nothing past U+10FFFF, nothing cut short.
+  local n = #s
+  local i = string.find(s, '[\128-\255]')
+  while i do
+    local last = math.min(i + 4095, n)
+    local b = {string.byte(s, i, last)}
+    local j, m = 1, last - i + 1
+    while j <= m do
+      local c = b[j]
+      if c < 128 then
+        j = j + 1
+      else
+        local need, lo, hi = 1, 128, 191
+        if c >= 194 and c <= 223 then need = 1
+        elseif c == 224 then need, lo = 2, 160
+        elseif (c >= 225 and c <= 236) or c == 238 or c == 239 then need = 2
+        elseif c == 237 then need, hi = 2, 159
+        elseif c == 240 then need, lo = 3, 144
+        elseif c >= 241 and c <= 243 then need = 3
+        elseif c == 244 then need, hi = 3, 143
+        else return false end
+        if j + need > m then
+          -- Cut short by the end of the payload, or by the chunk's: the next chunk starts at this character.
+          if last == n then return false end
+          break
+        end
+        local b1, b2, b3 = b[j + 1], b[j + 2], b[j + 3]
+        if b1 < lo or b1 > hi then return false end
+        if need >= 2 and (b2 < 128 or b2 > 191) then return false end
+        if need == 3 and (b3 < 128 or b3 > 191) then return false end
+        j = j + need + 1
+      end
+    end
+    i = string.find(s, '[\128-\255]', i + j - 1)
+  end
+  return true
+end
+local B64 = 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/'
+-- Appends `s` in base64 to `parts`, in pieces of 8,192 characters: each 3 bytes are two halves of 12 bits, each
+-- two characters of a table of 4,096.
+local function base64_into(parts, s)
+  local pair = {}
+  for v = 0, 4095 do
+    local hi, lo = (v - v % 64) / 64 + 1, v % 64 + 1
+    pair[v] = string.sub(B64, hi, hi) .. string.sub(B64, lo, lo)
+  end
+  local n = #s
+  local whole = n - n % 3
+  local chunk, k = {}, 0
+  for i = 1, whole, 3 do
+    local a, b, c = string.byte(s, i, i + 2)
+    local v = a * 65536 + b * 256 + c
+    local lo = v % 4096
+    chunk[k + 1], chunk[k + 2] = pair[(v - lo) / 4096], pair[lo]
+    k = k + 2
+    if k == 8192 then
+      parts[#parts + 1] = table.concat(chunk, '', 1, k)
+      k = 0
+    end
+  end
+  if k > 0 then parts[#parts + 1] = table.concat(chunk, '', 1, k) end
+  if n > whole then
+    local a, b = string.byte(s, whole + 1, n)
+    local v = a * 65536 + (b or 0) * 256
+    local lo = v % 4096
+    local last = pair[(v - lo) / 4096] .. pair[lo]
+    if b then last = string.sub(last, 1, 3) .. '=' else last = string.sub(last, 1, 2) .. '==' end
+    parts[#parts + 1] = last
+  end
+end
 local dead_lettered = 0
 local function dead_oversized(payload)
   dead_lettered = dead_lettered + 1
-  redis.call('LPUSH', KEYS[4], '{"dead_at":' .. string.format('%d', now) .. ',"queue":' .. cjson.encode(ARGV[5]) ..
-    ',"id":"","type":"","attempt":0,"reason":"task is ' .. string.format('%d', #payload) ..
-    ' bytes, more than max_task_bytes (' .. ARGV[3] .. '); it was not run","size":' ..
-    string.format('%d', #payload) .. ',"daemon":' .. cjson.encode(ARGV[6]) .. ',"task":' .. cjson.encode(payload) ..
-    '}')
+  local record = {dead_at = now, queue = ARGV[5], id = '', type = '', attempt = 0,
+    reason = 'task is ' .. #payload .. ' bytes, more than max_task_bytes (' .. ARGV[3] .. '); it was not run',
+    size = #payload, daemon = ARGV[6]}
+  if is_utf8(payload) then
+    record.task = payload
+    local keep = cjson.encode_keep_buffer and cjson.encode_keep_buffer()
+    if keep then cjson.encode_keep_buffer(false) end
+    record = cjson.encode(record)
+    if keep then cjson.encode_keep_buffer(true) end
+  else
+    local parts = {string.sub(cjson.encode(record), 1, -2), ',"task_base64":"'}
+    base64_into(parts, payload)
+    parts[#parts + 1] = '"}'
+    record = table.concat(parts)
+  end
+  redis.call('LPUSH', KEYS[4], record)
 end
 -- `took`: the tasks this claim put in its lists (what its journal bump, running count and rate logs count).
 local took, retry_at = 0, 0
@@ -509,10 +602,19 @@ for i = 1, levels do
     redis.call('LTRIM', ready, n, -1)
     taken = taken + n
     if redis.call('MEMORY', 'USAGE', KEYS[LISTS + i], 'SAMPLES', 0) > max_bytes then
-      -- Perhaps one payload is too large: check them one by one.
-      local got = redis.call('LRANGE', KEYS[LISTS + i], 0, -1)
-      redis.call('DEL', KEYS[LISTS + i])
-      n = push_small(i, got)
+      -- Perhaps one payload is too large: check them one by one, each taken from the list's head and put back at
+      -- its tail unless it is dead-lettered, so that the script holds one payload at a time, not the batch.
+      local list, kept = KEYS[LISTS + i], 0
+      for _ = 1, n do
+        local payload = redis.call('LPOP', list)
+        if #payload > max_bytes then
+          dead_oversized(payload)
+        else
+          redis.call('RPUSH', list, payload)
+          kept = kept + 1
+        end
+      end
+      n = kept
     end
     if n > 0 then record(i, n) end
   end

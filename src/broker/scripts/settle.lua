@@ -19,7 +19,8 @@
 -- ARGV[1] fence: "owner" (the owner settles its own tasks) or "expired" (a monitor settles the tasks of an owner
 --         whose lease ran out; nothing is applied unless it has)
 -- ARGV[2] dead list bound; ARGV[3] number of levels L; ARGV[4] the delay poller's channel; ARGV[5] the owner
---         ("" in default mode); ARGV[6] the call's number (unique for the settling party)
+--         (in default mode, the owner that popped the tasks when Redis keeps their running slots or unique ids
+--         under it, "" otherwise); ARGV[6] the call's number (unique for the settling party)
 -- ARGV[7] K, the claims touched, then K groups of 4: level (1-based), claim, the positions of its plain
 --         acknowledgements as a bitmap (bit p, in GETBIT's order, for the task at position p; "" for none), and
 --         how many bits it sets: the bulk of the traffic, applied with a handful of commands per claim
@@ -39,8 +40,9 @@
 --   op "recover": an expired lease's task, uncharged: payload (recovered + 1) to the front of its ready list;
 --               counted in "recovered"
 --   op "recover_isolated": as "recover", to the front of the level's quarantine list of stage "delay"
---   op "back":  handed back at shutdown: payload goes to the front of its ready list, attempt unchanged; its
---               unique id, if any, stays held (the task waits again) but no longer by the popping owner
+--   op "back":  handed back (the shutdown; in default mode also a unique task whose owner's lease was lost
+--               before it started): payload goes to the front of its ready list, attempt unchanged; its unique
+--               id, if any, stays held (the task waits again) but no longer by the popping owner
 --   op "back_isolated": as "back", to the front of the level's quarantine list of stage "delay" (a task that
 --               waited in the quarantine goes back there)
 --   op "throttle": a handler's back-pressure: payload (the task as it was taken) goes to the front of its ready
@@ -60,12 +62,23 @@
 -- the owner's share and from the running count, never more than the share holds, so a settle that comes after
 -- release.lua gave the share back (the owner's lease ran out) subtracts nothing.
 --
+-- Unique ids. A record's unique id is released on "ack" and "dead", and kept held by a task queued again, only if
+-- the task holds it. In safe mode it does while its bit is unset (a stale record changes nothing). In default
+-- mode the id is held by the owner that popped the task (the unique-popped hash, pop.lua), which may have lost
+-- it: a monitor released it when that owner's lease ran out (release_unique.lua), and a newer task with the id
+-- may hold it since. So a default-mode record names that owner (ARGV[5]) and changes the id only if the
+-- unique-popped hash still names it; otherwise an "ack" or "dead" applies without touching the id (it is not
+-- the task's to free), and a task to be queued again ("retry", "back", "throttle") takes the id again if it is
+-- free (HSETNX, as push.lua) and is dropped if a newer task holds it: that one runs instead, and two tasks never
+-- hold one id. A dropped task's record answers 0 (default-mode records are otherwise never stale).
+--
 -- A task whose bit is already set (or whose claim list is gone) is stale and changes nothing: this fences a slow
 -- owner against a monitor that already recovered its task, and two monitors against each other. Bits are only
 -- ever merged in, never overwritten (a bitmap is OR-ed in, and its new bits counted), so that two settles of the
 -- same claim cannot undo each other. A claim list whose every task is settled goes, with its bitmap and its entry
 -- in the claim set. Default-mode records have no token and are never stale.
--- Returns {number of stale plain acknowledgements, then one integer per record: 1 applied, 0 stale, then the
+-- Returns {number of stale plain acknowledgements, then one integer per record: 1 applied, 0 stale (or, in
+-- default mode, a task not queued again because a newer task holds its unique id: see "Unique ids"), then the
 -- owner's journal after this call (0 without an info hash, or when a monitor settles)}; {-1, the stored call's
 -- number} for a late copy of an older call (see "Calls").
 --
@@ -323,6 +336,27 @@ if fence == 'expired' then
   live = lease ~= false and tonumber(lease) <= now
 end
 
+-- Members of a sorted set are unique, and two tasks can have the very same retry envelope (a producer pushed one
+-- envelope twice, or many in one batch): trailing spaces, which JSON ignores, keep each a member of its own. The
+-- first free number of spaces is found by galloping (n, n + 1, n + 2, n + 4, ...: any free one will do), from 0
+-- for an envelope's first copy in this call and from just past the last one taken for the next: k identical
+-- envelopes cost O(k log k) ZADDs, not k^2 / 2 as adding one space at a time did (review L6). Returns the member
+-- added. `spaced[zset][payload]`: where the next copy starts.
+local spaced = {}
+local function add_retry(zset, score, payload)
+  spaced[zset] = spaced[zset] or {}
+  local from = spaced[zset][payload] or 0
+  local n, step = from, 1
+  local member = payload
+  if n > 0 then member = payload .. string.rep(' ', n) end
+  while redis.call('ZADD', zset, 'NX', score, member) == 0 do
+    n, step = from + step, step * 2
+    member = payload .. string.rep(' ', n)
+  end
+  spaced[zset][payload] = n + 1
+  return member
+end
+
 local stale = 0
 local used_scratch = false
 for k = 1, claims do
@@ -395,14 +429,48 @@ while i <= #ARGV do
     if ARGV[i + 7] == '1' then
       failed = failed + 1
     end
+    -- Whether the task holds its unique id (see "Unique ids"), and whether a task to be queued again is.
+    local holds, queued = true, true
     if uid ~= '' then
-      redis.call('HDEL', popped, uid)
+      if not safe then
+        holds = owner ~= '' and redis.call('HGET', popped, uid) == owner
+      end
+      if holds then
+        redis.call('HDEL', popped, uid)
+      elseif op ~= 'ack' and op ~= 'dead' then
+        queued = redis.call('HSETNX', uniq, uid, now) == 1
+        if not queued then ok = 0 end
+      end
     end
     if op == 'ack' then
       done = done + 1
-      if uid ~= '' then
+      if uid ~= '' and holds then
         redis.call('HDEL', uniq, uid)
       end
+    elseif op == 'throttle' then
+      throttled = throttled + 1
+      local key = throttle
+      local scope = throttle_type[tonumber(ARGV[i + 8])]
+      if scope then
+        -- A type with its own limits: back to the head of its flow, which claims take from first.
+        key = scope.throttle
+        redis.call('LPUSH', scope.flows[level], payload)
+        redis.call('ZADD', scope.rings[level], 'NX', now, scope.member)
+        wake_fetchers = true
+      elseif queued then
+        redis.call('LPUSH', KEYS[READY + level], payload)
+        wake_fetchers = true
+      end
+      if not throttle_left[key] then
+        -- -2: none; -1: one set by hand without an expiry, which this one replaces.
+        throttle_left[key] = math.max(0, redis.call('PTTL', key))
+      end
+      if delay > throttle_left[key] then
+        redis.call('SET', key, string.format('%d', now + delay), 'PX', delay)
+        throttle_left[key] = delay
+      end
+    elseif not queued then
+      -- A newer task holds its unique id: this one is dropped.
     elseif op == 'retry_isolated' or op == 'recover_isolated' or op == 'back_isolated' then
       if op == 'retry_isolated' then
         retried = retried + 1
@@ -422,41 +490,16 @@ while i <= #ARGV do
         wake_fetchers = true
       else
         local zset = KEYS[RETRY + level]
-        -- Members of a sorted set are unique, and two tasks can have the very same retry envelope (a producer
-        -- pushed one envelope twice): trailing spaces, which JSON ignores, keep each a member of its own.
-        while redis.call('ZADD', zset, 'NX', now + delay, payload) == 0 do
-          payload = payload .. ' '
-        end
+        payload = add_retry(zset, now + delay, payload)
         local head = redis.call('ZRANGE', zset, 0, 0)
         if head[1] == payload then
           wake_poller = true
         end
       end
-    elseif op == 'throttle' then
-      throttled = throttled + 1
-      local key = throttle
-      local scope = throttle_type[tonumber(ARGV[i + 8])]
-      if scope then
-        -- A type with its own limits: back to the head of its flow, which claims take from first.
-        key = scope.throttle
-        redis.call('LPUSH', scope.flows[level], payload)
-        redis.call('ZADD', scope.rings[level], 'NX', now, scope.member)
-      else
-        redis.call('LPUSH', KEYS[READY + level], payload)
-      end
-      wake_fetchers = true
-      if not throttle_left[key] then
-        -- -2: none; -1: one set by hand without an expiry, which this one replaces.
-        throttle_left[key] = math.max(0, redis.call('PTTL', key))
-      end
-      if delay > throttle_left[key] then
-        redis.call('SET', key, string.format('%d', now + delay), 'PX', delay)
-        throttle_left[key] = delay
-      end
     else
       dead_lettered = dead_lettered + 1
       redis.call('LPUSH', dead, '{"dead_at":' .. string.format('%d', now) .. ',' .. string.sub(payload, 2))
-      if uid ~= '' then
+      if uid ~= '' and holds then
         redis.call('HDEL', uniq, uid)
       end
     end

@@ -337,25 +337,28 @@ impl Fetcher {
                 let idle = queue.config.idle_poll;
                 broker::wait_idle(connection, &queue.keys, idle, queue.io_timeout)?;
             }
-            Err(error) if error.may_have_run() && queue.config.max_running.is_some() => {
-                // Their running slots are counted under this owner's share, and nothing would give them back
-                // while it lives: it is given up (renewed no more), so that its lease runs out and a monitor
-                // gives its share back (release.lua); the next pop registers a new owner. Tasks held from its
-                // earlier pops settle against its share meanwhile.
+            Err(BrokerError::LeaseLost { owner }) => {
+                // pop.lua takes nothing under an owner whose lease ran out (the monitors may have released its
+                // unique ids): pop under a new one.
+                self.lost_lease(owner);
+                return Ok(Batch::default());
+            }
+            Err(error) if error.may_have_run() => {
+                // The unique ids it took are recorded as held by this owner, and its running slots counted under
+                // its share, and nothing would give them back while it lives (the ids were refused as duplicates
+                // for the daemon's life, review M4): it is given up (renewed no more), so that its lease runs out
+                // and a monitor releases both (release_unique.lua, release.lua); the next pop registers a new
+                // owner. Tasks held from its earlier pops settle against it meanwhile; its unique tasks not
+                // started yet are handed back (the worker's lease check).
                 lane.ownership.lose(&owner);
                 tracing::error!(
                     queue = %lane.name(),
                     %error,
                     %owner,
                     "a pop's reply was lost: the tasks it took, if any, are lost (default mode is at most once); \
-                     their running slots come back when this owner's lease runs out"
+                     their unique ids and running slots come back when this owner's lease runs out"
                 );
             }
-            Err(error) if error.may_have_run() => tracing::error!(
-                queue = %lane.name(),
-                %error,
-                "a pop's reply was lost: the tasks it took, if any, are lost (default mode is at most once)"
-            ),
             _ => {}
         }
         popped
@@ -512,7 +515,8 @@ impl Fetcher {
         let lane = &self.lane;
         let claimed_ns = lane.since_epoch(Instant::now());
         let states = batch.tasks.into_iter().map(|taken| {
-            JobState::new(taken.token, taken.level, lane.epoch).popped_by(taken.popped_by)
+            JobState::new(taken.token, taken.level, lane.epoch)
+                .popped(taken.popped_by, taken.holds_unique)
         });
         let stopping = self.claiming.is_triggered();
         let held = match lane.hold(states, batch.payloads) {

@@ -730,6 +730,57 @@ pub fn default_queue(extra: &str) -> String {
     format!("[[queues]]\nname = \"jobs\"\nmode = \"default\"\n{extra}\n")
 }
 
+/// Starts a default-mode daemon on `config`, whose Redis it reaches through `proxy`, and once its fetcher waits idle
+/// drops the reply of its next pop.lua call (the pop runs; the connection is closed): the daemon, and the rule,
+/// to see that it fired.
+pub fn default_daemon_losing_its_next_pop_reply(
+    config: &Path,
+    redis: &RedisServer,
+    proxy: &proxy::FaultProxy,
+) -> (TestDaemon, proxy::Rule) {
+    let daemon = TestDaemon::start(config);
+    redis.wait_blocked_in("blmove");
+    let rule = proxy.add(proxy::Fault::DropReply {
+        matching: proxy::Matcher::script(kmqd::broker::sources::POP),
+        nth: 1,
+        then: proxy::AfterDrop::Close,
+    });
+    (daemon, rule)
+}
+
+/// The code block after the `n`-th marker `<!-- tested: TEST_FILE runs this block -->` of the document `doc` (a
+/// path from the workspace), its language tag left out: the docs' examples that the tests run as they are written.
+pub fn documented_block(doc: &str, test_file: &str, n: usize) -> String {
+    let text = fs::read_to_string(workspace_dir().join(doc)).unwrap();
+    let marker = format!("<!-- tested: {test_file} runs this block -->");
+    let after_marker = text
+        .split(&marker)
+        .nth(n + 1)
+        .unwrap_or_else(|| panic!("{doc}: marker {n} of {test_file}"));
+    let block = after_marker
+        .split("```")
+        .nth(1)
+        .expect("a code block after the marker");
+    block.trim_start_matches("sh").to_string()
+}
+
+/// Runs a documented block of shell and `redis-cli` commands against the test's own server.
+pub fn run_documented(block: &str, redis: &RedisServer) {
+    let socket = redis.socket.display().to_string();
+    let script = block.replace("redis-cli ", &format!("redis-cli -s {socket} "));
+    let output = Command::new("sh")
+        .arg("-ec")
+        .arg(&script)
+        .current_dir(workspace_dir())
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{script}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
 /// Pushes `count` testkit tasks with `data` to `jobs`, ids `prefix0` to `prefix{count - 1}`.
 pub fn push_many(config: &Path, prefix: &str, count: usize, data: &str) {
     push_typed(config, "test", prefix, count, data);
