@@ -364,3 +364,37 @@ fn a_throttle_of_a_limited_type_holds_back_that_type_and_no_other() {
     a.stop();
     b.stop();
 }
+
+/// A reload that adds a type's `max_running` applies it at the next claims: the type's tasks pushed after it
+/// never run more than its limit at once; the reload's log line names the change.
+#[test]
+fn a_reload_that_adds_a_type_limit_applies_it_at_the_next_claims() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config_for_types(
+        &redis,
+        &safe_queue("workers = 4\nidle_poll = \"100ms\""),
+        &["slow"],
+    );
+    let text = std::fs::read_to_string(&config).unwrap();
+    let daemon = crate::reload::start(&dir, &config);
+    let limited = text.replace(
+        "idle_poll = \"100ms\"\n",
+        "idle_poll = \"100ms\"\n[[queues.limits]]\ntype = \"slow\"\nmax_running = 1\n",
+    );
+    assert_ne!(limited, text, "the limit went into the config");
+    std::fs::write(&config, limited).unwrap();
+    let log = crate::reload::reload(&daemon, 1);
+    assert!(log.contains("queues.jobs.type_limits"), "{log}");
+    push_typed(&config, "slow", "s", 6, r#"{"sleep_ms":100}"#);
+    let mut most_counted = 0;
+    eventually(Duration::from_secs(60), "every slow task done", || {
+        most_counted = most_counted.max(running(&redis, "slow"));
+        (ended(&dir, "s") >= 6, ended(&dir, "s"))
+    });
+    assert!(most_counted <= 1, "the type's count reached {most_counted}");
+    let most = most_within(&starts_of(&dir, "s"), Duration::from_millis(100));
+    assert_eq!(most, 1, "one run at a time after the reload");
+    assert_ran_once(&dir, "s", 6);
+    crate::reload::stop(daemon);
+}
