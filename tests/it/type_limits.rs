@@ -135,7 +135,9 @@ fn a_types_rate_limit_holds_in_every_window_and_the_other_types_run_past_it() {
     );
     let config = dir.config_for_types(&redis, &queue, &["api", "other"]);
     let (a, b) = (TestDaemon::start(&config), TestDaemon::start(&config));
-    push_typed(&config, "api", "a", 15, "{}");
+    // 20 starts at 5 a second take 3 s at the least: the other type's 30 no-op tasks, pushed behind them, end
+    // well before, however loaded the machine.
+    push_typed(&config, "api", "a", 20, "{}");
     push_typed(&config, "other", "o", 30, "{}");
     eventually(Duration::from_secs(30), "every other task done", || {
         let other = ended(&dir, "o");
@@ -143,16 +145,17 @@ fn a_types_rate_limit_holds_in_every_window_and_the_other_types_run_past_it() {
     });
     let api_done = ended(&dir, "a");
     assert!(
-        api_done < 15,
+        api_done < 20,
         "the other tasks waited behind the rate-limited ones"
     );
-    assert_drained(&config, &redis, 45, "api");
-    assert_ran_once(&dir, "a", 15);
+    assert_drained(&config, &redis, 50, "api");
+    assert_ran_once(&dir, "a", 20);
     let starts = starts_of(&dir, "a");
-    // Starts are stamped by the handlers, up to a dispatch after their claim's time on Redis's clock: a window
-    // a little shorter than the limit's keeps the check honest on a busy machine.
-    let most = most_within(&starts, Duration::from_millis(950));
-    assert!(most <= 5, "{most} starts within a second: {starts:?}");
+    // The limit counts claims, on Redis's clock; starts are stamped by the handlers, each up to a dispatch after
+    // its claim, and a loaded machine delays one window's dispatch more than the next one's. Half a window keeps
+    // the check honest (without the limit, all 20 start within a few milliseconds) while allowing 500 ms of skew.
+    let most = most_within(&starts, Duration::from_millis(500));
+    assert!(most <= 5, "{most} starts within half a second: {starts:?}");
     a.stop();
     b.stop();
 }
