@@ -58,9 +58,46 @@ fn overlapping_runs(records: &Records) -> Vec<String> {
     overlapping
 }
 
+/// Asserts that no id ran twice at once ([`overlapping_runs`]).
+fn assert_never_twice_at_once(records: &Records) {
+    let overlapping = overlapping_runs(records);
+    assert!(
+        overlapping.is_empty(),
+        "tasks ran twice at once: {overlapping:?}; records:\n{}",
+        records.lines.join("\n")
+    );
+}
+
 /// The owners of `jobs` with their lease deadlines (Redis's clock, ms).
 fn owners(redis: &RedisServer) -> Vec<(String, i64)> {
     redis.cmd(&["ZRANGE", "kmq:{jobs}:owners", "0", "-1", "WITHSCORES"])
+}
+
+/// The one owner of `jobs`, once there is one, with its lease deadline.
+fn sole_owner(redis: &RedisServer) -> (String, i64) {
+    eventually(Duration::from_secs(10), "the first owner", || {
+        let owners = owners(redis);
+        (
+            owners.len() == 1,
+            owners.first().cloned().unwrap_or_default(),
+        )
+    })
+}
+
+/// `owner`'s lease deadline (Redis's clock, ms; 0 once it is gone).
+fn deadline_of(redis: &RedisServer, owner: &str) -> i64 {
+    owners(redis)
+        .into_iter()
+        .find(|(o, _)| o == owner)
+        .map_or(0, |(_, deadline)| deadline)
+}
+
+/// Waits for `owner`'s next renewal: a deadline later than `deadline`.
+fn wait_renewal(redis: &RedisServer, owner: &str, deadline: i64) {
+    eventually(Duration::from_secs(15), "the first owner's renewal", || {
+        let now = deadline_of(redis, owner);
+        (now > deadline, now)
+    });
 }
 
 /// One daemon runs 8 tasks of 2 s and holds 8 more; a second one idles beside it. Just after the first renews its
@@ -75,30 +112,14 @@ fn step_redis_clock_under_load(step_ms: i64) {
     push_many(&config, "t", count, r#"{"sleep_ms":2000}"#);
     let first = TestDaemon::start(&config);
     wait_starts(&dir, 8);
-    let (owner, _) = eventually(Duration::from_secs(10), "the first owner", || {
-        let owners = owners(&redis);
-        (
-            owners.len() == 1,
-            owners.first().cloned().unwrap_or_default(),
-        )
-    });
+    let (owner, _) = sole_owner(&redis);
     let second = TestDaemon::start(&config);
     eventually(Duration::from_secs(10), "the second owner", || {
         let owners = owners(&redis);
         (owners.len() == 2, owners)
     });
     // Step just after the first daemon's renewal: it believes in its lease for the longest then.
-    let deadline = |owners: Vec<(String, i64)>| {
-        owners
-            .into_iter()
-            .find(|(o, _)| *o == owner)
-            .map_or(0, |(_, deadline)| deadline)
-    };
-    let renewed = deadline(owners(&redis));
-    eventually(Duration::from_secs(10), "the first owner's renewal", || {
-        let now = deadline(owners(&redis));
-        (now > renewed, now)
-    });
+    wait_renewal(&redis, &owner, deadline_of(&redis, &owner));
     redis.set_clock_offset(step_ms);
     wait_done(&config, count as u64, Duration::from_secs(60));
     let s = eventually(Duration::from_secs(10), "nothing held", || {
@@ -108,12 +129,7 @@ fn step_redis_clock_under_load(step_ms: i64) {
     first.stop();
     second.stop();
     let records = dir.records();
-    let overlapping = overlapping_runs(&records);
-    assert!(
-        overlapping.is_empty(),
-        "tasks ran twice at once: {overlapping:?}; records:\n{}",
-        records.lines.join("\n")
-    );
+    assert_never_twice_at_once(&records);
     assert_eq!(s.done, count as u64, "each task counted done once: {s:?}");
     assert_eq!(s.dead, 0, "{:?}", dead_reasons(&redis, "jobs"));
     for i in 0..count {
@@ -129,14 +145,6 @@ fn a_forward_step_of_redis_clock_never_runs_a_task_twice_at_once() {
 #[test]
 fn a_backward_step_of_redis_clock_loses_and_repeats_nothing() {
     step_redis_clock_under_load(-10_000);
-}
-
-/// `owner`'s lease deadline (Redis's clock, ms; 0 once it is gone).
-fn deadline_of(redis: &RedisServer, owner: &str) -> i64 {
-    owners(redis)
-        .into_iter()
-        .find(|(o, _)| o == owner)
-        .map_or(0, |(_, deadline)| deadline)
 }
 
 /// The time on this host's wall clock, as the testkit plugin stamps a run's start (µs since the epoch).
@@ -164,19 +172,12 @@ fn a_claim_that_finds_redis_clock_stepped_starts_nothing_until_a_renewal_confirm
     let record = dir.record_file();
     // The first daemon reaches Redis through the proxy, which notes when each of its renewals went out; the
     // second directly. Both record their runs in the one file.
-    let stepped = dir.config_named(
-        "stepped.toml",
-        &format!("url = \"{}\"", proxy.url()),
-        daemon,
-        &queue,
-        &record,
-    );
-    let late = dir.config_named(
-        "late.toml",
-        &format!("url = \"{}\"", redis.url()),
-        daemon,
-        &queue,
-        &record,
+    let config = |name: &str, url: String| {
+        dir.config_named(name, &format!("url = \"{url}\""), daemon, &queue, &record)
+    };
+    let (stepped, late) = (
+        config("stepped.toml", proxy.url()),
+        config("late.toml", redis.url()),
     );
     let renewals = Arc::new(Mutex::new(Vec::new()));
     {
@@ -188,17 +189,8 @@ fn a_claim_that_finds_redis_clock_stepped_starts_nothing_until_a_renewal_confirm
         });
     }
     let first = TestDaemon::start(&stepped);
-    let (owner, registered) = eventually(Duration::from_secs(10), "the first owner", || {
-        let owners = owners(&redis);
-        (
-            owners.len() == 1,
-            owners.first().cloned().unwrap_or_default(),
-        )
-    });
-    eventually(Duration::from_secs(15), "the first owner's renewal", || {
-        let deadline = deadline_of(&redis, &owner);
-        (deadline > registered, deadline)
-    });
+    let (owner, registered) = sole_owner(&redis);
+    wait_renewal(&redis, &owner, registered);
     let step_us = unix_us();
     redis.set_clock_offset(9_000);
     // Runs that outlast any recovery, and ignore the cancel of a lost lease: a second run would overlap the first.
@@ -219,12 +211,7 @@ fn a_claim_that_finds_redis_clock_stepped_starts_nothing_until_a_renewal_confirm
     first.stop();
     second.stop();
     let records = dir.records();
-    let overlapping = overlapping_runs(&records);
-    assert!(
-        overlapping.is_empty(),
-        "tasks ran twice at once: {overlapping:?}; records:\n{}",
-        records.lines.join("\n")
-    );
+    assert_never_twice_at_once(&records);
     let first_start = records.start_times.iter().map(|(_, at)| *at).min();
     let confirmed = renewals
         .lock()
