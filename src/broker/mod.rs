@@ -46,7 +46,7 @@ use redis::{ConnectionLike, Value};
 pub use connection::{Conn, Connector, Pool, PooledConnection, Session, named_pool, pool};
 pub use keys::QueueKeys;
 pub use lookup::{Found, Scope};
-pub use owners::{OwnerInfo, Renewal, owner_info, owners, register, release, renew};
+pub use owners::{LeaseClock, OwnerInfo, Renewal, owner_info, owners, register, release, renew};
 pub use schedule::{Fired, fire, schedule_state};
 pub use stats::{QueueStats, Rates, TypeUsage, check_protocol, rate_used, stats, type_usage};
 pub use tasks::{

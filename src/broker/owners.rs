@@ -33,7 +33,18 @@ pub struct OwnerInfo {
     pub stuck: Option<u64>,
 }
 
-/// Registers `owner` with a lease, describing itself with `info`. Returns false when the id is known and its
+/// An owner's lease as a script that read Redis's clock found it: the daemon believes in its lease for `left_ms`
+/// from when it sent the call (never for longer than Redis counts it), and compares `now_ms` with its own clock to
+/// see Redis's clock step (`daemon::lane::ownership`, review M2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LeaseClock {
+    /// Redis's clock when the script ran, ms since the epoch.
+    pub now_ms: i64,
+    /// The lease's deadline minus `now_ms` (ms).
+    pub left_ms: i64,
+}
+
+/// Registers `owner` with a lease, describing itself with `info`. Returns `None` when the id is known and its
 /// lease ran out (pick another id); registering a live owner again (a retry after a lost reply) is a success.
 pub fn register(
     conn: &mut dyn ConnectionLike,
@@ -41,8 +52,8 @@ pub fn register(
     owner: &str,
     lease: Duration,
     info: &OwnerInfo,
-) -> Result<bool> {
-    let registered: i64 = SCRIPTS
+) -> Result<Option<LeaseClock>> {
+    let (registered, now_ms, left_ms): (i64, i64, i64) = SCRIPTS
         .register
         .key(&keys.owners)
         .key(keys.owner_info(owner))
@@ -61,13 +72,14 @@ pub fn register(
         .arg("started_at")
         .arg(info.started_at_ms)
         .invoke(conn)?;
-    Ok(registered == 1)
+    Ok((registered == 1).then_some(LeaseClock { now_ms, left_ms }))
 }
 
 /// What a renewal found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Renewal {
-    Renewed,
+    /// Renewed: the lease as the renewal left it.
+    Renewed(LeaseClock),
     /// The lease had run out (this daemon was silent too long, or Redis lost it); the monitors take its tasks
     /// back.
     Lost,
@@ -92,7 +104,7 @@ pub fn renew(
     journal: u64,
     stuck: usize,
 ) -> Result<Renewal> {
-    let renewed: i64 = SCRIPTS
+    let (renewed, now_ms, left_ms): (i64, i64, i64) = SCRIPTS
         .renew
         .key(&keys.owners)
         .key(keys.owner_info(owner))
@@ -105,7 +117,7 @@ pub fn renew(
         conn.replicated(&keys.owners)?;
     }
     Ok(match renewed {
-        1 => Renewal::Renewed,
+        1 => Renewal::Renewed(LeaseClock { now_ms, left_ms }),
         -1 => Renewal::WentBack,
         _ => Renewal::Lost,
     })

@@ -110,6 +110,9 @@ pub struct Batch {
     /// (`tasks` not empty) added one to it: the daemon counts such claims, and adoptions that found tasks, and the
     /// heartbeat checks that Redis's journal is still at least that count (renew.lua).
     pub journal: u64,
+    /// Safe mode, a claim: the time left of the owner's lease at `now_ms` (its deadline minus `now_ms`, ms), by
+    /// which the daemon sees Redis's clock step under its lease (`daemon::lane::ownership`).
+    pub lease_left_ms: Option<i64>,
     /// Safe mode: whether the claim ran into the quarantine (see claim.lua).
     pub isolation: Isolation,
     /// The queue is paused (`kmqd queue pause`): nothing was taken, and the fetcher waits `idle_poll` before it
@@ -301,10 +304,11 @@ pub fn claim(
     // Not replicated: a may-have-run error, which the fetcher resolves with adopt() as a lost reply.
     conn.replicated(&keys.stats)?;
     let reply: Vec<Value> = redis::from_redis_value(reply).map_err(redis::RedisError::from)?;
-    if reply.len() != 5 + keys.levels() {
+    if reply.len() != 6 + keys.levels() {
         return Err(reply_error("claim", format!("{} elements", reply.len())));
     }
     let mut reply = reply.into_iter();
+    let lease_left_ms = int(&reply.next_back().unwrap_or(Value::Nil), "claim")?;
     let journal = journal(reply.next_back(), "claim")?;
     let retry_at_ms = int(&reply.next_back().unwrap_or(Value::Nil), "claim")?;
     let mut next_int = || int(&reply.next().unwrap_or(Value::Nil), "claim");
@@ -316,6 +320,7 @@ pub fn claim(
         tasks,
         payloads,
         journal,
+        lease_left_ms: Some(lease_left_ms),
         isolation: match state {
             1 => Isolation::Group,
             2 => Isolation::Waiting,
@@ -454,6 +459,7 @@ pub fn adopt(
         tasks,
         payloads,
         journal: journal.max(0) as u64,
+        lease_left_ms: None,
         isolation: Isolation::None,
         paused: false,
         limited: None,

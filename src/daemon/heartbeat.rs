@@ -1,5 +1,7 @@
 //! The heartbeat: one thread per daemon that renews the daemon's lease on each queue (one lease covers every
-//! task the daemon holds there), every third of the queue's `lease_timeout`.
+//! task the daemon holds there), every third of the queue's `lease_timeout`, and at once when a claim found
+//! Redis's clock stepped under a lease: the lane starts no task until a renewal confirms it
+//! (`lane::Ownership`).
 //!
 //! It has its own thread and its own connection, outside the pool, so busy or stuck handlers, a slow acker or a
 //! fetcher blocked in Redis never starve lease renewal (the cause of BullMQ's "could not renew lock"). That
@@ -14,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use crate::broker::Conn;
 
+use super::lane::ownership::Exchange;
 use super::lane::{Lane, LaneSet};
 use crate::broker::{self, Connector, Renewal};
 use crate::config::RedisConfig;
@@ -84,17 +87,42 @@ impl Heartbeat {
                         Trouble::new("renewing the lease", Some(lane.name())),
                     )
                 });
-                if Instant::now() >= *next {
+                if Instant::now() >= *next || lane.ownership.in_doubt() {
                     *next = Instant::now()
                         + renew(lane, &self.connector, &mut connection, timeout, trouble);
                 }
                 wait = wait.min(next.saturating_duration_since(Instant::now()));
             }
-            if self.background.wait(wait.max(Duration::from_millis(1))) {
+            if self.wait(&lanes, wait.max(Duration::from_millis(1))) {
                 break;
             }
         }
         tracing::debug!("heartbeat stopped");
+    }
+
+    /// Sleeps up to `timeout`, returning early when a lane's lease is put in doubt (a claim found Redis's clock
+    /// stepped under it: [`super::lane::Ownership::renewal_wanted`]), which the next turn renews at once, or when
+    /// the daemon stops (true).
+    fn wait(&self, lanes: &[Arc<Lane>], timeout: Duration) -> bool {
+        let mut select = crossbeam_channel::Select::new();
+        select.recv(self.background.receiver());
+        for lane in lanes {
+            select.recv(lane.ownership.renewal_wanted());
+        }
+        let Ok(ready) = select.select_timeout(timeout) else {
+            return false;
+        };
+        match ready.index() {
+            // Nothing is ever sent on the background channel: it is ready once it is disconnected, fired.
+            0 => {
+                let _ = ready.recv(self.background.receiver());
+                self.background.is_triggered()
+            }
+            index => {
+                let _ = ready.recv(lanes[index - 1].ownership.renewal_wanted());
+                false
+            }
+        }
     }
 }
 
@@ -130,12 +158,22 @@ fn renew(
                 )
             }),
     };
+    let answered = Instant::now();
     if result.is_ok() {
         trouble.recovered();
     }
     match result {
-        Ok(Renewal::Renewed) => {
-            lane.ownership.renewed(&owner, sent, lease);
+        Ok(Renewal::Renewed(clock)) => {
+            if lane
+                .ownership
+                .renewed(&owner, Exchange { sent, answered }, clock)
+            {
+                tracing::info!(
+                    queue = %lane.name(),
+                    %owner,
+                    "the lease is renewed on Redis's stepped clock: tasks start again"
+                );
+            }
             lease / 3
         }
         Ok(lost) => {

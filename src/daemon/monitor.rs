@@ -16,6 +16,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::lane::ownership::step_margin;
 use crate::broker::{self, Fence, Holder, Session, Settlement, Token, history};
 use crate::config::RedisConfig;
 use crate::plugin::Plugins;
@@ -72,14 +73,16 @@ impl Watched {
 /// A lease is a deadline on Redis's clock, but its owner believes in it on its own monotonic clock: good until
 /// a lease after its last renewal was sent. When Redis's clock steps forward (an NTP step after a VM resumed,
 /// `chronyc makestep`, a failover to a host whose clock runs ahead), every deadline falls due at once, while
-/// each owner keeps starting tasks until its next renewal, up to a third of the lease later, finds it lost.
-/// Recovering their tasks on the spot would run them twice at once. So a forward step larger than
+/// each owner may start the tasks it holds until its next claim or renewal, up to a third of the lease later,
+/// shows it the step (`Ownership` in src/daemon/lane/ownership.rs: from then it starts none until a renewal
+/// confirms its lease). Recovering their tasks on the spot would run them twice at once. So a forward step larger than
 /// [`ClockWatch::margin`] is added to an allowance: an owner counts as expired only once its deadline plus the
 /// allowance has passed, which is when its lease would have run out had the clock not stepped. The allowance
 /// lasts one lease: by then every live owner has renewed on the new clock (or found its lease lost and stopped
 /// starting tasks), and every owner whose deadline the step moved is past it anyway. A backward step only
 /// lengthens the leases, as Redis counts them: recoveries come later, nothing runs twice. A monitor that
-/// started after the step never saw it: the owners' own renewals (a third of the lease) bound that case.
+/// started after the step never saw it: the owners' own claims and renewals (a third of the lease) bound that
+/// case.
 #[derive(Debug, Default)]
 struct ClockWatch {
     /// Redis's clock (ms) and this daemon's when the last look was sent.
@@ -91,11 +94,11 @@ struct ClockWatch {
 }
 
 impl ClockWatch {
-    /// The jitter a step must exceed: a tenth of the lease, at least a second. Redis's clock runs from one look
-    /// to the next as this daemon's does, give or take the time a reply waited (a slow Redis, a loaded machine)
-    /// and a slewing NTP; a false alarm only defers recoveries for a lease.
+    /// The jitter a step must exceed, as the daemon's own watch on its leases counts it ([`step_margin`]: a tenth
+    /// of the lease, at least a second). A look here knows only when it was sent, so the time its reply waited (a
+    /// slow Redis, a loaded machine) counts as jitter too; a false alarm only defers recoveries for a lease.
     fn margin(lease: Duration) -> i64 {
-        i64::try_from((lease / 10).max(Duration::from_secs(1)).as_millis()).unwrap_or(i64::MAX)
+        i64::try_from(step_margin(lease).as_millis()).unwrap_or(i64::MAX)
     }
 
     /// Records a look sent at `sent` that read Redis's clock as `now_ms`; returns the allowance (ms) to add to

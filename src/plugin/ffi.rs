@@ -126,9 +126,10 @@ pub enum Status {
 /// The highest ABI version a refusal message names when a plugin exports no `kmq_plugin_v1`.
 const NEWEST_VERSION_PROBED: u32 = 16;
 
-/// Loads the library at `path` (canonical, and checked for trust by the caller) and checks its descriptor; its
-/// instances come from [`Library::init`].
-pub fn load(path: &Path) -> Result<Library, PluginError> {
+/// Loads the library open as `file`, at `path` (canonical: for messages), through that descriptor, which the
+/// caller opened and checked for trust (`open_trusted`), and checks its descriptor; its instances come from
+/// [`Library::init`].
+pub fn load(path: &Path, file: std::fs::File) -> Result<Library, PluginError> {
     let open = |message: String| PluginError::Open {
         path: path.to_owned(),
         message,
@@ -137,12 +138,11 @@ pub fn load(path: &Path) -> Result<Library, PluginError> {
         path: path.to_owned(),
         problem: problem.to_string(),
     };
-    let file = std::fs::File::open(path).map_err(|error| open(error.to_string()))?;
     let metadata = file.metadata().map_err(|error| open(error.to_string()))?;
     let identity = (metadata.dev(), metadata.ino());
     let by_descriptor = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&file));
     // SAFETY: loading a library runs its initialisers. That is the point of a plugin; the caller made sure only
-    // root or the daemon's own user could have put this file there.
+    // root or the daemon's own user could have put this file there, checking this very descriptor.
     let library = unsafe { libloading::Library::new(&by_descriptor) }.map_err(|error| {
         open(format!(
             "{error}; it must be a shared library (.so) built for this machine"

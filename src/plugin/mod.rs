@@ -250,12 +250,17 @@ impl Registry {
         changes: &mut Changes,
     ) -> Result<(), PluginError> {
         let path = source.path.clone();
-        let identity = identity(&path)?;
+        // Opened once, checked through its descriptor, and loaded (if it is not already) through it.
+        let file = open_trusted(&path, &source.configured)?;
+        let metadata = file.metadata().map_err(|error| PluginError::Open {
+            path: path.clone(),
+            message: error.to_string(),
+        })?;
+        let identity = (metadata.dev(), metadata.ino());
         if source.drop_in && files.named.contains(&identity) {
             // A drop-in that a section names (or a link to it): it serves under its sections only.
             return Ok(());
         }
-        check_trusted(&path, &source.configured)?;
         files.named.insert(identity);
         let reused = old
             .plugins
@@ -274,7 +279,7 @@ impl Registry {
                 let library = match files.libraries.get(&identity) {
                     Some(library) => Arc::clone(library),
                     None => {
-                        let library = Arc::new(ffi::load(&path)?);
+                        let library = Arc::new(ffi::load(&path, file)?);
                         files.libraries.insert(identity, Arc::clone(&library));
                         library
                     }
@@ -478,58 +483,142 @@ fn canonical(plugin: &PluginConfig) -> Result<PathBuf, PluginError> {
     })
 }
 
-/// The device and inode of a file: two paths with the same identity are the same file.
-fn identity(path: &Path) -> Result<(u64, u64), PluginError> {
-    let metadata = std::fs::metadata(path).map_err(|error| PluginError::Open {
+/// Opens the plugin file at `path` (canonical) for loading, refusing one that someone other than root or the
+/// daemon's user could have replaced: loading a library runs its code with the daemon's rights (review L9).
+///
+/// The check and the load must be about the same file. Checking paths and then opening the path again leaves a
+/// window in which whoever can write one of its directories swaps a component for one of theirs. So the path is
+/// walked one directory at a time from `/`, each opened relative to the one before (`openat`, following no
+/// symbolic link: `path` is canonical, and a link found now means it changed since), each checked through its
+/// descriptor, and the file is opened relative to its directory's descriptor and checked through its own. The
+/// caller loads the library through that descriptor (`/proc/self/fd/N`, [`ffi::load`]): the file loaded is the
+/// file checked, reached through the directories checked.
+///
+/// Checked: the file and its directory, which nobody but root or the daemon's user may own or be able to write
+/// (group or others); every directory above them likewise, except that one with the sticky bit may be writable
+/// by others (`/tmp`: only an entry's owner, the directory's or root may rename or remove it, and the entry below
+/// is checked for its owner); and the directory the config names the file in (`configured`'s parent), which
+/// differs when the config names a symbolic link: whoever can write it can point the link elsewhere.
+fn open_trusted(path: &Path, configured: &Path) -> Result<std::fs::File, PluginError> {
+    use rustix::fs::{Mode, OFlags};
+    let open_error = |at: &Path, error: &dyn std::fmt::Display| PluginError::Open {
         path: path.to_owned(),
-        message: error.to_string(),
-    })?;
-    Ok((metadata.dev(), metadata.ino()))
+        message: format!("{}: {error}", at.display()),
+    };
+    let names: Vec<&std::ffi::OsStr> = path
+        .components()
+        .filter_map(|component| match component {
+            std::path::Component::Normal(name) => Some(name),
+            _ => None,
+        })
+        .collect();
+    let Some((file_name, directories)) = names.split_last() else {
+        return Err(open_error(path, &"not a file"));
+    };
+    let trusted = Trust::new(path);
+    let walk = OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    let mut at = PathBuf::from("/");
+    let mut directory = std::fs::File::from(
+        rustix::fs::open("/", walk, Mode::empty()).map_err(|error| open_error(&at, &error))?,
+    );
+    for name in directories {
+        trusted.check(&directory, Part::Above, &at)?;
+        at.push(name);
+        let next = rustix::fs::openat(&directory, *name, walk, Mode::empty())
+            .map_err(|error| open_error(&at, &error))?;
+        directory = std::fs::File::from(next);
+    }
+    trusted.check(&directory, Part::Directory, &at)?;
+    // Not blocking: a FIFO put there would hang the open; it is refused as not a regular file instead.
+    let file = rustix::fs::openat(
+        &directory,
+        *file_name,
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|error| open_error(path, &error))?;
+    let file = std::fs::File::from(file);
+    trusted.check(&file, Part::File, path)?;
+    if let Some(named_in) = configured.parent().and_then(|d| d.canonicalize().ok())
+        && named_in != at
+    {
+        let named_in_file =
+            std::fs::File::open(&named_in).map_err(|error| open_error(&named_in, &error))?;
+        trusted.check(&named_in_file, Part::Directory, &named_in)?;
+    }
+    Ok(file)
 }
 
-/// Refuses a plugin that someone other than root or the daemon's user could have replaced: loading a library runs
-/// its code with the daemon's rights. Checked: the file (`path`, canonical), its directory, and the directory the
-/// config names it in (`configured`'s parent), which differs when the config names a symbolic link.
-fn check_trusted(path: &Path, configured: &Path) -> Result<(), PluginError> {
-    // The daemon's effective user: the one user besides root whose plugin files are trusted.
-    let daemon_uid = rustix::process::geteuid().as_raw();
-    let mut candidates = vec![("file", path.to_owned())];
-    if let Some(directory) = path.parent() {
-        candidates.push(("directory", directory.to_owned()));
-    }
-    if let Some(directory) = configured.parent().and_then(|d| d.canonicalize().ok()) {
-        if !candidates.iter().any(|(_, c)| *c == directory) {
-            candidates.push(("directory", directory));
+/// What a checked file or directory is to the plugin, as a refusal names it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Part {
+    File,
+    /// Its directory, or the one the config names it in.
+    Directory,
+    /// A directory above its directory.
+    Above,
+}
+
+impl Part {
+    fn name(self) -> &'static str {
+        match self {
+            Part::File => "file",
+            Part::Directory => "directory",
+            Part::Above => "ancestor directory",
         }
     }
-    for (what, candidate) in candidates {
-        let metadata = std::fs::metadata(&candidate).map_err(|error| PluginError::Open {
-            path: path.to_owned(),
-            message: format!("{}: {error}", candidate.display()),
+}
+
+/// The owner and mode checks of [`open_trusted`], for one plugin file.
+struct Trust<'a> {
+    /// The plugin file, which a refusal names.
+    path: &'a Path,
+    /// The daemon's effective user: the one user besides root whose plugin files are trusted.
+    daemon_uid: u32,
+}
+
+impl Trust<'_> {
+    fn new(path: &Path) -> Trust<'_> {
+        Trust {
+            path,
+            daemon_uid: rustix::process::geteuid().as_raw(),
+        }
+    }
+
+    /// Checks the file or directory open as `opened` (at `at`), the plugin's `part`.
+    fn check(&self, opened: &std::fs::File, part: Part, at: &Path) -> Result<(), PluginError> {
+        let metadata = opened.metadata().map_err(|error| PluginError::Open {
+            path: self.path.to_owned(),
+            message: format!("{}: {error}", at.display()),
         })?;
         let mode = metadata.mode() & 0o7777;
-        let reason = if mode & 0o022 != 0 {
+        let what = part.name();
+        let sticky_above = part == Part::Above && mode & 0o1000 != 0;
+        let reason = if part == Part::File && !metadata.is_file() {
+            Some(format!("its file {} is not a regular file", at.display()))
+        } else if mode & 0o022 != 0 && !sticky_above {
             Some(format!(
                 "its {what} {} is writable by group or others (mode {mode:o}); run chmod go-w on it",
-                candidate.display(),
+                at.display(),
             ))
-        } else if metadata.uid() != 0 && metadata.uid() != daemon_uid {
+        } else if metadata.uid() != 0 && metadata.uid() != self.daemon_uid {
             Some(format!(
-                "its {what} {} is owned by uid {}, which is neither root nor the daemon's user (uid {daemon_uid}); run chown root on it (or chown it to the daemon's user)",
-                candidate.display(),
-                metadata.uid()
+                "its {what} {} is owned by uid {}, which is neither root nor the daemon's user (uid {}); run chown root on it (or chown it to the daemon's user)",
+                at.display(),
+                metadata.uid(),
+                self.daemon_uid,
             ))
         } else {
             None
         };
-        if let Some(reason) = reason {
-            return Err(PluginError::Untrusted {
-                path: path.to_owned(),
+        match reason {
+            Some(reason) => Err(PluginError::Untrusted {
+                path: self.path.to_owned(),
                 reason,
-            });
+            }),
+            None => Ok(()),
         }
     }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -157,7 +157,11 @@ fn a_pop_under_an_owner_whose_lease_ran_out_takes_nothing_and_records_no_unique_
     let mut connection = redis.connection();
     let info = kmqd::broker::OwnerInfo::default();
     let lease = Duration::from_secs(30);
-    assert!(kmqd::broker::register(&mut connection, &keys, "o.1", lease, &info).unwrap());
+    assert!(
+        kmqd::broker::register(&mut connection, &keys, "o.1", lease, &info)
+            .unwrap()
+            .is_some()
+    );
     let owner: std::sync::Arc<str> = std::sync::Arc::from("o.1");
     let mut popper = kmqd::broker::Popper::default();
     let limits = kmqd::broker::PopLimits::default();
@@ -174,7 +178,11 @@ fn a_pop_under_an_owner_whose_lease_ran_out_takes_nothing_and_records_no_unique_
         assert_eq!(stats(&config, "fast").ready, 1, "nothing taken");
     }
     // Live again (a fresh registration): the pop takes the task and records its id.
-    assert!(kmqd::broker::register(&mut connection, &keys, "o.3", lease, &info).unwrap());
+    assert!(
+        kmqd::broker::register(&mut connection, &keys, "o.3", lease, &info)
+            .unwrap()
+            .is_some()
+    );
     let live: std::sync::Arc<str> = std::sync::Arc::from("o.3");
     let batch = popper
         .pop(&mut connection, &keys, &live, 10, limits)

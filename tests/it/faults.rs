@@ -1156,7 +1156,11 @@ fn a_registration_sent_again_after_a_lost_reply_renews_the_lease_from_then() {
     let mut connection = redis.connection();
     let lease = Duration::from_secs(30);
     let info = broker::OwnerInfo::default();
-    assert!(broker::register(&mut connection, &keys, "o.1", lease, &info).unwrap());
+    assert!(
+        broker::register(&mut connection, &keys, "o.1", lease, &info)
+            .unwrap()
+            .is_some()
+    );
     let first: i64 = redis.cmd(&["ZSCORE", "kmq:{jobs}:owners", "o.1"]);
     eventually(Duration::from_secs(5), "Redis's clock to move on", || {
         (
@@ -1166,7 +1170,11 @@ fn a_registration_sent_again_after_a_lost_reply_renews_the_lease_from_then() {
     });
     // The retry of a registration whose reply was lost: same id, lease still live.
     let sent = redis_now_ms(&redis);
-    assert!(broker::register(&mut connection, &keys, "o.1", lease, &info).unwrap());
+    assert!(
+        broker::register(&mut connection, &keys, "o.1", lease, &info)
+            .unwrap()
+            .is_some()
+    );
     let renewed: i64 = redis.cmd(&["ZSCORE", "kmq:{jobs}:owners", "o.1"]);
     assert!(
         renewed >= sent + lease.as_millis() as i64,

@@ -3,8 +3,12 @@
 //! every owner, while each daemon's belief in its lease runs on its own monotonic clock.
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use kmqd::broker::sources;
+
+use crate::support::proxy::{FaultProxy, Matcher};
 use crate::support::*;
 
 /// A safe daemon's config of 8 workers, a lease of 6 s and 8 tasks taken ahead: while its first tasks run, it holds
@@ -54,9 +58,46 @@ fn overlapping_runs(records: &Records) -> Vec<String> {
     overlapping
 }
 
+/// Asserts that no id ran twice at once ([`overlapping_runs`]).
+fn assert_never_twice_at_once(records: &Records) {
+    let overlapping = overlapping_runs(records);
+    assert!(
+        overlapping.is_empty(),
+        "tasks ran twice at once: {overlapping:?}; records:\n{}",
+        records.lines.join("\n")
+    );
+}
+
 /// The owners of `jobs` with their lease deadlines (Redis's clock, ms).
 fn owners(redis: &RedisServer) -> Vec<(String, i64)> {
     redis.cmd(&["ZRANGE", "kmq:{jobs}:owners", "0", "-1", "WITHSCORES"])
+}
+
+/// The one owner of `jobs`, once there is one, with its lease deadline.
+fn sole_owner(redis: &RedisServer) -> (String, i64) {
+    eventually(Duration::from_secs(10), "the first owner", || {
+        let owners = owners(redis);
+        (
+            owners.len() == 1,
+            owners.first().cloned().unwrap_or_default(),
+        )
+    })
+}
+
+/// `owner`'s lease deadline (Redis's clock, ms; 0 once it is gone).
+fn deadline_of(redis: &RedisServer, owner: &str) -> i64 {
+    owners(redis)
+        .into_iter()
+        .find(|(o, _)| o == owner)
+        .map_or(0, |(_, deadline)| deadline)
+}
+
+/// Waits for `owner`'s next renewal: a deadline later than `deadline`.
+fn wait_renewal(redis: &RedisServer, owner: &str, deadline: i64) {
+    eventually(Duration::from_secs(15), "the first owner's renewal", || {
+        let now = deadline_of(redis, owner);
+        (now > deadline, now)
+    });
 }
 
 /// One daemon runs 8 tasks of 2 s and holds 8 more; a second one idles beside it. Just after the first renews its
@@ -71,30 +112,14 @@ fn step_redis_clock_under_load(step_ms: i64) {
     push_many(&config, "t", count, r#"{"sleep_ms":2000}"#);
     let first = TestDaemon::start(&config);
     wait_starts(&dir, 8);
-    let (owner, _) = eventually(Duration::from_secs(10), "the first owner", || {
-        let owners = owners(&redis);
-        (
-            owners.len() == 1,
-            owners.first().cloned().unwrap_or_default(),
-        )
-    });
+    let (owner, _) = sole_owner(&redis);
     let second = TestDaemon::start(&config);
     eventually(Duration::from_secs(10), "the second owner", || {
         let owners = owners(&redis);
         (owners.len() == 2, owners)
     });
     // Step just after the first daemon's renewal: it believes in its lease for the longest then.
-    let deadline = |owners: Vec<(String, i64)>| {
-        owners
-            .into_iter()
-            .find(|(o, _)| *o == owner)
-            .map_or(0, |(_, deadline)| deadline)
-    };
-    let renewed = deadline(owners(&redis));
-    eventually(Duration::from_secs(10), "the first owner's renewal", || {
-        let now = deadline(owners(&redis));
-        (now > renewed, now)
-    });
+    wait_renewal(&redis, &owner, deadline_of(&redis, &owner));
     redis.set_clock_offset(step_ms);
     wait_done(&config, count as u64, Duration::from_secs(60));
     let s = eventually(Duration::from_secs(10), "nothing held", || {
@@ -104,12 +129,7 @@ fn step_redis_clock_under_load(step_ms: i64) {
     first.stop();
     second.stop();
     let records = dir.records();
-    let overlapping = overlapping_runs(&records);
-    assert!(
-        overlapping.is_empty(),
-        "tasks ran twice at once: {overlapping:?}; records:\n{}",
-        records.lines.join("\n")
-    );
+    assert_never_twice_at_once(&records);
     assert_eq!(s.done, count as u64, "each task counted done once: {s:?}");
     assert_eq!(s.dead, 0, "{:?}", dead_reasons(&redis, "jobs"));
     for i in 0..count {
@@ -125,6 +145,95 @@ fn a_forward_step_of_redis_clock_never_runs_a_task_twice_at_once() {
 #[test]
 fn a_backward_step_of_redis_clock_loses_and_repeats_nothing() {
     step_redis_clock_under_load(-10_000);
+}
+
+/// The time on this host's wall clock, as the testkit plugin stamps a run's start (µs since the epoch).
+fn unix_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |since| since.as_micros() as u64)
+}
+
+/// The daemon's own watch on Redis's clock (review M2's rest). Just after a renewal of a daemon's 12 s lease,
+/// Redis's clock steps forward by 9 s: 3 s of the lease are left on Redis's clock, where the daemon believes in
+/// 12, and its heartbeat's next renewal, 4 s later, would find it run out. The claim of the tasks pushed next
+/// answers the lease's time left: from it the daemon knows the step, starts none of them until a renewal sent
+/// after that claim confirms the lease on Redis's new clock, and has its heartbeat send one at once, in time. A
+/// second daemon, started after the step, has a monitor that never saw it (no allowance: `ClockWatch` in
+/// src/daemon/monitor.rs) and would recover the first's tasks the moment its lease ran out. Before, the tasks
+/// started at once, the lease ran out under them, and the second daemon ran them again beside them.
+#[test]
+fn a_claim_that_finds_redis_clock_stepped_starts_nothing_until_a_renewal_confirms_the_lease() {
+    let redis = RedisServer::with_clock_shift();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let queue = safe_queue("workers = 4\nlease_timeout = \"12s\"");
+    let daemon = "shutdown_grace = \"5s\"";
+    let record = dir.record_file();
+    // The first daemon reaches Redis through the proxy, which notes when each of its renewals went out; the
+    // second directly. Both record their runs in the one file.
+    let config = |name: &str, url: String| {
+        dir.config_named(name, &format!("url = \"{url}\""), daemon, &queue, &record)
+    };
+    let (stepped, late) = (
+        config("stepped.toml", proxy.url()),
+        config("late.toml", redis.url()),
+    );
+    let renewals = Arc::new(Mutex::new(Vec::new()));
+    {
+        let (renewals, renew) = (Arc::clone(&renewals), Matcher::script(sources::RENEW));
+        proxy.observe(move |command| {
+            if renew.matches(command) {
+                renewals.lock().unwrap().push(unix_us());
+            }
+        });
+    }
+    let first = TestDaemon::start(&stepped);
+    let (owner, registered) = sole_owner(&redis);
+    wait_renewal(&redis, &owner, registered);
+    let step_us = unix_us();
+    redis.set_clock_offset(9_000);
+    // Runs that outlast any recovery, and ignore the cancel of a lost lease: a second run would overlap the first.
+    let count = 4;
+    push_many(
+        &late,
+        "t",
+        count,
+        r#"{"sleep_ms":9000,"ignore_cancel":true}"#,
+    );
+    wait_starts(&dir, count);
+    let second = TestDaemon::start(&late);
+    wait_done(&late, count as u64, Duration::from_secs(60));
+    let (seconds, micros): (i64, i64) = redis.cmd(&["TIME"]);
+    let redis_now_ms = seconds * 1000 + micros / 1000;
+    let deadline = deadline_of(&redis, &owner);
+    let s = stats(&late, "jobs");
+    first.stop();
+    second.stop();
+    let records = dir.records();
+    assert_never_twice_at_once(&records);
+    let first_start = records.start_times.iter().map(|(_, at)| *at).min();
+    let confirmed = renewals
+        .lock()
+        .unwrap()
+        .iter()
+        .copied()
+        .find(|at| *at > step_us);
+    assert!(
+        confirmed
+            .zip(first_start)
+            .is_some_and(|(renewed, started)| renewed < started),
+        "a task started at {first_start:?} µs before a renewal sent after the step at {step_us} µs confirmed the \
+         lease (the first: {confirmed:?})"
+    );
+    for i in 0..count {
+        assert_eq!(records.runs_of(&format!("t{i}")), 1, "t{i} ran once");
+    }
+    assert_eq!((s.done, s.recovered, s.dead), (count as u64, 0, 0), "{s:?}");
+    assert!(
+        deadline > redis_now_ms,
+        "the first owner's lease is live after the step (its deadline {deadline}, Redis's clock {redis_now_ms})"
+    );
 }
 
 /// With `wait_replicas`, a renewal the replicas do not have is not counted: after a failover to one of them, the
@@ -151,7 +260,11 @@ fn with_wait_replicas_a_renewal_no_replica_acknowledged_is_not_counted() {
         ..kmqd::broker::OwnerInfo::default()
     };
     let lease = Duration::from_secs(30);
-    assert!(kmqd::broker::register(&mut connection, &queue.keys, "o.1", lease, &info).unwrap());
+    assert!(
+        kmqd::broker::register(&mut connection, &queue.keys, "o.1", lease, &info)
+            .unwrap()
+            .is_some()
+    );
     match kmqd::broker::renew(&mut connection, &queue.keys, "o.1", lease, 0, 0) {
         Err(kmqd::broker::BrokerError::NotReplicated {
             acknowledged: 0,

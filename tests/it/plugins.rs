@@ -316,6 +316,61 @@ fn a_symlink_in_a_writable_plugins_dir_is_refused_though_its_target_is_safe() {
     );
 }
 
+/// The plugin of `dir`'s testkit moved two directories down, to `outer/inner/`, and a config naming it there:
+/// whoever can write `outer` could swap `inner` for a directory of theirs between a check and the load.
+fn plugin_under_outer(dir: &TestDir) -> (PathBuf, PathBuf, PathBuf) {
+    let outer = dir.path("outer");
+    let inner = outer.join("inner");
+    fs::create_dir_all(&inner).unwrap();
+    for directory in [&outer, &inner] {
+        fs::set_permissions(directory, fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let plugin = inner.join("libkmq_testkit.so");
+    fs::rename(dir.plugins_dir().join("libkmq_testkit.so"), &plugin).unwrap();
+    let config = offline_config(
+        dir,
+        &format!("[plugins.testkit]\nfile = \"{}\"\n", plugin.display()),
+    );
+    (config, outer, plugin)
+}
+
+/// Review L9: the checks looked at the file and its directory by path, then the loader opened the path again, so
+/// a directory higher up that others could write let them swap what was loaded for what was checked. Every
+/// directory from `/` down is checked now, through the descriptors the file is opened by.
+#[test]
+fn a_plugin_under_an_ancestor_directory_writable_by_group_or_others_is_refused_naming_it() {
+    let dir = TestDir::new();
+    let (config, outer, plugin) = plugin_under_outer(&dir);
+    let check = |config: &Path| {
+        kmqd(
+            &["--config", config.to_str().unwrap(), "check-config"],
+            None,
+        )
+    };
+    let (code, _, err) = check(&config);
+    assert_eq!(
+        code, 0,
+        "safe directories all the way down are accepted: {err}"
+    );
+    for mode in [0o777, 0o775, 0o757] {
+        fs::set_permissions(&outer, fs::Permissions::from_mode(mode)).unwrap();
+        assert_refused_with(
+            &config,
+            &format!(
+                "plugin {}: refused: its ancestor directory {} is writable by group or others (mode {mode:o}); \
+                 run chmod go-w on it",
+                canonical(&plugin),
+                canonical(&outer)
+            ),
+        );
+    }
+    // The sticky bit (as on /tmp, which the test's own directory is under): only an entry's owner may rename or
+    // remove it, and `inner` is checked for its owner.
+    fs::set_permissions(&outer, fs::Permissions::from_mode(0o1777)).unwrap();
+    let (code, _, err) = check(&config);
+    assert_eq!(code, 0, "a sticky ancestor is accepted: {err}");
+}
+
 /// The owner check needs a file owned by someone who is neither root nor us, which only root can make. These
 /// tests run as root (here and in CI); anyone else gets this failure rather than a silent skip.
 fn assert_running_as_root() {
@@ -351,6 +406,21 @@ fn a_plugin_or_directory_owned_by_another_user_is_refused() {
             canonical(&dir.plugins_dir())
         ),
     );
+    // A directory higher up (review L9), even with the sticky bit: its owner may rename what is in it.
+    let dir = TestDir::new();
+    let (config, outer, _) = plugin_under_outer(&dir);
+    std::os::unix::fs::chown(&outer, Some(NOBODY), None).unwrap();
+    for mode in [0o755, 0o1777] {
+        fs::set_permissions(&outer, fs::Permissions::from_mode(mode)).unwrap();
+        assert_refused_with(
+            &config,
+            &format!(
+                "refused: its ancestor directory {} is owned by uid 65534, which is neither root nor the daemon's \
+                 user (uid 0)",
+                canonical(&outer)
+            ),
+        );
+    }
 }
 
 #[test]

@@ -19,7 +19,9 @@
 -- the window in ms, the most starts in any such window; then W, the levels' priority weights (0: strict order),
 -- then W weights, one per level in order; then types.lua's block (its first value 0: no type limits)
 -- Returns {now_ms, state, group level, tasks taken at level 1, ..., at level L, retry at (states 5, 6), the owner's
--- journal (see renew.lua)}: the tasks themselves are in this claim's lists, which the caller reads in the same transaction
+-- journal (see renew.lua), the time left of the owner's lease (its deadline minus now_ms, by which the daemon sees
+-- Redis's clock step: see register.lua)}: the tasks themselves are in this claim's lists, which the caller reads
+-- in the same transaction
 -- (`MULTI`, this script, `LRANGE` of each list, `EXEC`: src/broker/tasks.rs), position p of a list being the
 -- task with token (claim, p):
 --   state 0: ready tasks were claimed, highest level first;
@@ -283,7 +285,8 @@ local function dead_oversized(payload)
 end
 -- `took`: the tasks this claim put in its lists (what its journal bump, running count and rate logs count).
 local took, retry_at = 0, 0
--- The owner's journal: one more for a claim that took something; its value ends the reply (see renew.lua).
+-- The owner's journal: one more for a claim that took something; its value, then the lease's time left, end the
+-- reply (see renew.lua).
 local function finish(result)
   if took > 0 and max_running > 0 then redis.call('HINCRBY', KEYS[RUNNING], 'q', took) end
   if took > 0 and rates > 0 then rate_spend(windows, took, now) end
@@ -297,6 +300,7 @@ local function finish(result)
   else
     result[#result + 1] = tonumber(info[3] or '0')
   end
+  result[#result + 1] = tonumber(lease) - now
   return result
 end
 local function empty(state, level)

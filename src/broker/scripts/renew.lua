@@ -6,8 +6,9 @@
 -- many of its workers are stuck in a handler that ignored its cancel, written into the info hash (`stuck`) for
 -- `kmqd workers` and the dashboard
 -- Only a live lease is renewed: once an owner's lease has run out it never comes back, so a monitor that sees it
--- expired may recover its tasks without racing the owner. Returns 1 renewed, 0 lost, -1 lost because Redis went
--- back in time.
+-- expired may recover its tasks without racing the owner. Returns {result, now, left}: result 1 renewed, 0 lost,
+-- -1 lost because Redis went back in time; now, Redis's clock when it ran (ms); left, the new deadline minus now
+-- (0 when lost), for the daemon's belief in its lease and its watch on Redis's clock (see register.lua).
 --
 -- The journal. Every claim that took tasks (claim.lua: it stored a claim list) and every settle call of the owner
 -- (settle.lua, fence "owner", its info hash there) adds one to the `journal` field of its info hash; adopt.lua
@@ -62,17 +63,18 @@ if not lease then
   if redis.call('EXISTS', KEYS[2]) == 1 then
     redis.call('ZADD', KEYS[1], 0, ARGV[1])
   end
-  return 0
+  return {0, now, 0}
 end
 if tonumber(lease) <= now then
-  return 0
+  return {0, now, 0}
 end
 if tonumber(journal or '0') < tonumber(ARGV[3]) then
   redis.call('ZADD', KEYS[1], 0, ARGV[1])
-  return -1
+  return {-1, now, 0}
 end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+local left = tonumber(ARGV[2])
+redis.call('ZADD', KEYS[1], now + left, ARGV[1])
 if ARGV[4] and redis.call('EXISTS', KEYS[2]) == 1 then
   redis.call('HSET', KEYS[2], 'stuck', ARGV[4])
 end
-return 1
+return {1, now, left}

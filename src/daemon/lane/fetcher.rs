@@ -31,8 +31,9 @@ use std::time::{Duration, Instant};
 use super::Lane;
 use super::depth::Depth;
 use super::jobs;
+use super::ownership::Exchange;
 use super::resolve::{Job, JobState};
-use crate::broker::{self, Batch, BrokerError, Isolation, Limited, OwnerInfo, Session};
+use crate::broker::{self, Batch, BrokerError, Isolation, LeaseClock, Limited, OwnerInfo, Session};
 use crate::config::{Mode, Prefetch};
 use crate::observed;
 use crate::retry::{Backoff, Trouble};
@@ -294,22 +295,23 @@ impl Fetcher {
             .registering
             .get_or_insert_with(|| lane.ownership.new_id())
             .clone();
-        let lease = queue.config.lease_timeout;
         let sent = Instant::now();
         let registered = broker::register(
             self.connection.get()?,
             &queue.keys,
             &owner,
-            lease,
+            queue.config.lease_timeout,
             &self.info,
         )?;
-        // Refused: its first registration went through and its lease ran out before this retry.
+        let answered = Instant::now();
         self.registering = None;
-        if !registered {
+        // Refused: its first registration went through and its lease ran out before this retry.
+        let Some(lease) = registered else {
             return Ok(None);
-        }
+        };
         tracing::info!(queue = %queue.config.name, %owner, "serving as a new owner");
-        lane.ownership.set(Arc::clone(&owner), sent, lease);
+        lane.ownership
+            .set(Arc::clone(&owner), Exchange { sent, answered }, lease);
         Ok(Some(owner))
     }
 
@@ -387,6 +389,7 @@ impl Fetcher {
             drained_types: &self.drained,
             ..queue.claim_limits()
         };
+        let sent = Instant::now();
         let batch = match broker::claim(connection, &queue.keys, &owner, first_token, want, &limits)
         {
             Ok(batch) => {
@@ -395,6 +398,7 @@ impl Fetcher {
                 if !batch.tasks.is_empty() {
                     lane.ownership.bumped(&owner);
                 }
+                watch_clock(&lane, &owner, sent, &batch);
                 batch
             }
             Err(BrokerError::LeaseLost { owner }) => {
@@ -597,6 +601,36 @@ fn in_turns<T>(items: Vec<T>, level_of: impl Fn(&T) -> usize, weights: &[u32]) -
         ordered.extend(levels[best].pop_front());
     }
     ordered
+}
+
+/// Compares the lease's time left that a claim sent at `sent` answered with this daemon's belief in it: when
+/// Redis's clock stepped forward under the lease, no task starts until a renewal confirms it (see
+/// [`Ownership`](super::Ownership)), which the heartbeat sends at once.
+fn watch_clock(lane: &Lane, owner: &str, sent: Instant, batch: &Batch) {
+    let Some(left_ms) = batch.lease_left_ms else {
+        return;
+    };
+    let call = Exchange {
+        sent,
+        answered: Instant::now(),
+    };
+    let lease = LeaseClock {
+        now_ms: batch.now_ms,
+        left_ms,
+    };
+    if let Some(step_ms) =
+        lane.ownership
+            .claimed(owner, call, lease, lane.queue.config.lease_timeout)
+    {
+        tracing::warn!(
+            queue = %lane.name(),
+            %owner,
+            step_ms,
+            left_ms,
+            "Redis's clock stepped forward under the lease (an NTP step, a resumed VM, a failover to a host \
+             whose clock runs ahead?): no task starts until a renewal confirms the lease on it"
+        );
+    }
 }
 
 #[cfg(test)]

@@ -285,8 +285,16 @@ mod tests {
         let context = QueueContext::new(&config, &config.queues[0], "daemon");
         let lane = Lane::new(Arc::new(context), "h-1-2-ab", Instant::now());
         let owner = lane.ownership.new_id();
-        lane.ownership
-            .set(Arc::clone(&owner), Instant::now(), Duration::from_secs(30));
+        let now = Instant::now();
+        let lease = crate::broker::LeaseClock {
+            now_ms: 0,
+            left_ms: 30_000,
+        };
+        let call = ownership::Exchange {
+            sent: now,
+            answered: now,
+        };
+        lane.ownership.set(Arc::clone(&owner), call, lease);
         (lane, owner)
     }
 

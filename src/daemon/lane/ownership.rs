@@ -7,8 +7,20 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crossbeam_channel::{Receiver, Sender};
+
 use super::lock;
-use crate::broker::Token;
+use crate::broker::{LeaseClock, Token};
+
+/// The least forward step of Redis's clock that counts as one: a tenth of the lease, at least a second. Redis's
+/// clock runs as this daemon's does between two looks, give or take a slewing NTP (chrony slews by up to 8 %) and,
+/// for a look that only knows when it was sent (the monitor's), the time its reply waited; a false alarm costs a
+/// renewal's round trip of no task starts here, and a lease of deferred recoveries in a monitor. A smaller step
+/// shortens the lease by less than the margin, which the renewals, a third of the lease apart, keep far from its
+/// end.
+pub fn step_margin(lease: Duration) -> Duration {
+    (lease / 10).max(Duration::from_secs(1))
+}
 
 /// This daemon's owner on the queue (its identity, with one lease for every task it holds), what this daemon
 /// knows of that lease, and the counter its claim tokens come from.
@@ -18,19 +30,36 @@ use crate::broker::Token;
 /// Tasks claimed under the old owner keep their tokens, so their late outcomes are fenced against the monitors.
 /// Owner ids are this daemon run's instance id and a generation: unique without asking Redis.
 ///
-/// The lease is known good until `lease_timeout` after the last registration or renewal was *sent* (Redis
-/// counts from when it ran, a little later), by the local monotonic clock, which also runs while the process is
-/// stopped: a worker starts a task only while that holds ([`Ownership::may_start`]), so a daemon woken from a
-/// pause longer than its lease starts nothing the monitors may have handed to another daemon meanwhile.
+/// The lease is a deadline on Redis's clock; the workers, which cannot ask Redis before every task, believe in it
+/// on the local monotonic clock (which also runs while the process is stopped): for the time left that Redis
+/// answered to the last registration or renewal, counted from when that call was *sent* (Redis counted from when
+/// it ran, a little later). A worker starts a task only while that holds ([`Ownership::may_start`]), so a daemon
+/// woken from a pause longer than its lease starts nothing the monitors may have handed to another daemon
+/// meanwhile.
+///
+/// The two clocks agree only while Redis's does not step (review M2): an NTP step, a resumed VM or a failover to a
+/// host whose clock runs ahead moves every deadline closer at once, and the monitors recover leases the daemons
+/// still believe in. So the daemon watches Redis's clock against its own through every claim, which answers the
+/// lease's time left: a claim that saw the deadline of the last renewal and found less of it left than this daemon
+/// believes, by more than [`step_margin`] even counted from when its reply came back, saw Redis's clock step
+/// forward under the lease. Then no task starts ([`Ownership::may_start`] is false, the lease *in doubt*) until a
+/// renewal sent after that claim's reply confirms the lease on Redis's new clock, and the heartbeat is woken to
+/// send one at once ([`Ownership::renewal_wanted`]): a step that left some of the lease is renewed before it runs
+/// out, one that left none is found lost, and either way no task starts on a belief Redis no longer shares. A
+/// step backward only lengthens the lease as Redis counts it, and needs nothing.
 #[derive(Debug)]
 pub struct Ownership {
     instance: String,
     current: Mutex<Option<Current>>,
     /// Bumped under `current`'s lock by every change that [`Ownership::may_start`] reads (a registration, a
-    /// renewal, a loss): a worker's [`LeaseView`] is good while it is unchanged.
+    /// renewal, a loss, a doubt): a worker's [`LeaseView`] is good while it is unchanged.
     changes: AtomicU64,
     generation: AtomicU64,
     next_token: AtomicU64,
+    /// "Renew now", from a claim that put the lease in doubt to the heartbeat, which waits on the receiver beside
+    /// its timer. One pending message is enough: the renewal it asks for is sent after every doubt raised before
+    /// the heartbeat took it.
+    renew_now: (Sender<()>, Receiver<()>),
 }
 
 /// One worker's copy of the current owner and how long its lease is surely live, kept while
@@ -50,7 +79,8 @@ struct ViewedLease {
     /// The same id in an allocation of this view's own, which the settlements of this worker's tasks name (see
     /// [`LeaseView::token`]).
     own: Arc<str>,
-    good_until: Instant,
+    /// Until when its lease is surely live; `None` while it is in doubt.
+    good_until: Option<Instant>,
 }
 
 impl LeaseView {
@@ -72,7 +102,7 @@ impl LeaseView {
     /// Whether `owner`, the owner of a task of this worker's that [`Ownership::may_start`] just refused with this
     /// view, was lost for good: it is not the current owner (an owner was current before any task of it was
     /// claimed, and never is again once lost: a new owner has a new id). Otherwise it is only in doubt: current,
-    /// its lease not renewed yet.
+    /// its lease not renewed yet, or not confirmed since Redis's clock stepped.
     pub fn is_lost(&self, owner: &Arc<str>) -> bool {
         self.lease
             .as_ref()
@@ -93,13 +123,28 @@ impl Default for LeaseView {
 #[derive(Debug)]
 struct Current {
     owner: Arc<str>,
-    /// Until when the lease is surely live.
+    /// Until when the lease is surely live, by this daemon's clock: the time left Redis answered to the last
+    /// registration or renewal, from when it was sent.
     good_until: Instant,
+    /// The lease's deadline on Redis's clock (ms), as that call set it: a claim that answers this deadline's time
+    /// left measures Redis's clock against `good_until`.
+    deadline_ms: i64,
+    /// Set when a claim found Redis's clock stepped forward under the lease, to when its reply came: no task
+    /// starts until a renewal sent at or after it (so run on Redis's new clock) confirms the lease.
+    doubt: Option<Instant>,
     /// How many of the owner's journal bumps Redis acknowledged (renew.lua): one per claim that took tasks, per
     /// adoption that found a lost claim's tasks, per settle call of the owner answered with a bump (a call sent
     /// again is answered once). A count, not the highest value seen: after a rewind lost k bumps, Redis's journal
     /// stays k below it whatever is claimed and settled next.
     journal: u64,
+}
+
+/// A call that read Redis's clock, by this daemon's: when it was sent, and when its reply came back. Redis ran it
+/// in between.
+#[derive(Clone, Copy, Debug)]
+pub struct Exchange {
+    pub sent: Instant,
+    pub answered: Instant,
 }
 
 impl Ownership {
@@ -110,6 +155,7 @@ impl Ownership {
             changes: AtomicU64::new(0),
             generation: AtomicU64::new(0),
             next_token: AtomicU64::new(0),
+            renew_now: crossbeam_channel::bounded(1),
         }
     }
 
@@ -126,12 +172,14 @@ impl Ownership {
         Arc::from(format!("{}.{generation}", self.instance))
     }
 
-    /// Records a newly registered owner whose registration was sent at `sent` with a lease of `lease`.
-    pub fn set(&self, owner: Arc<str>, sent: Instant, lease: Duration) {
+    /// Records a newly registered owner, whose registration `call` Redis answered with `lease`.
+    pub fn set(&self, owner: Arc<str>, call: Exchange, lease: LeaseClock) {
         let mut current = lock(&self.current);
         *current = Some(Current {
             owner,
-            good_until: sent + lease,
+            good_until: call.sent + left(lease),
+            deadline_ms: lease.now_ms.saturating_add(lease.left_ms),
+            doubt: None,
             journal: 0,
         });
         self.changed();
@@ -166,18 +214,69 @@ impl Ownership {
             .map_or(0, |current| current.journal)
     }
 
-    /// `owner`'s lease was renewed by a call sent at `sent`.
-    pub fn renewed(&self, owner: &str, sent: Instant, lease: Duration) {
-        if let Some(current) = lock(&self.current).as_mut() {
-            if &*current.owner == owner {
-                current.good_until = current.good_until.max(sent + lease);
-                self.changed();
-            }
+    /// `owner`'s lease was renewed by `call`, which Redis answered with `lease`. Returns true when that ended a
+    /// doubt: the call was sent after the claim that raised it, so it ran on Redis's clock as it is now.
+    pub fn renewed(&self, owner: &str, call: Exchange, lease: LeaseClock) -> bool {
+        let mut current = lock(&self.current);
+        let Some(current) = current.as_mut().filter(|c| &*c.owner == owner) else {
+            return false;
+        };
+        current.good_until = current.good_until.max(call.sent + left(lease));
+        current.deadline_ms = lease.now_ms.saturating_add(lease.left_ms);
+        let confirmed = current.doubt.is_some_and(|since| call.sent >= since);
+        if confirmed {
+            current.doubt = None;
         }
+        self.changed();
+        confirmed
     }
 
-    /// Whether a task claimed under `owner` may start at `now`: it is the current owner and its lease is surely live.
-    /// `view`: the calling worker's, read again only when something changed since it was.
+    /// A claim of `owner`'s, `call`, found `lease` (its time left of the lease, at Redis's clock then). When it
+    /// found the deadline the last renewal set and less of it left, even counted from when its reply came back,
+    /// than this daemon believes, by more than [`step_margin`] of `lease_timeout`, Redis's clock stepped forward
+    /// under the lease: no task starts until a renewal sent from now on confirms it, and the heartbeat is asked
+    /// for one at once. Returns how far the clock stepped (ms) when it puts the lease in doubt so.
+    pub fn claimed(
+        &self,
+        owner: &str,
+        call: Exchange,
+        lease: LeaseClock,
+        lease_timeout: Duration,
+    ) -> Option<i64> {
+        let mut current = lock(&self.current);
+        let current = current.as_mut().filter(|c| &*c.owner == owner)?;
+        // A claim that ran before the last renewal saw an older deadline, and one that ran after a renewal not yet
+        // answered here a newer one: only this one's time left compares with `good_until`.
+        if lease.now_ms.saturating_add(lease.left_ms) != current.deadline_ms {
+            return None;
+        }
+        let redis_ends = call.answered + left(lease);
+        let step = current.good_until.checked_duration_since(redis_ends)?;
+        if step <= step_margin(lease_timeout) {
+            return None;
+        }
+        current.doubt = Some(call.answered);
+        self.changed();
+        // Full: a renewal is asked for already, and will be sent after this doubt.
+        let _ = self.renew_now.0.try_send(());
+        Some(i64::try_from(step.as_millis()).unwrap_or(i64::MAX))
+    }
+
+    /// Whether a renewal of the current owner should be sent now: a claim found Redis's clock stepped under its
+    /// lease, and no renewal confirmed it since.
+    pub fn in_doubt(&self) -> bool {
+        lock(&self.current)
+            .as_ref()
+            .is_some_and(|current| current.doubt.is_some())
+    }
+
+    /// What the heartbeat waits on, beside its timer, to renew at once a lease in doubt ([`Ownership::claimed`]).
+    pub fn renewal_wanted(&self) -> &Receiver<()> {
+        &self.renew_now.1
+    }
+
+    /// Whether a task claimed under `owner` may start at `now`: it is the current owner and its lease is surely live,
+    /// not in doubt. `view`: the calling worker's, read again only when something changed since it was.
     pub fn may_start(&self, view: &mut LeaseView, owner: &Arc<str>, now: Instant) -> bool {
         if self.changes.load(Ordering::Acquire) != view.seen {
             let current = lock(&self.current);
@@ -185,11 +284,12 @@ impl Ownership {
             view.lease = current.as_ref().map(|current| ViewedLease {
                 owner: Arc::clone(&current.owner),
                 own: Arc::from(&*current.owner),
-                good_until: current.good_until,
+                good_until: current.doubt.is_none().then_some(current.good_until),
             });
         }
         view.lease.as_ref().is_some_and(|lease| {
-            (Arc::ptr_eq(&lease.owner, owner) || lease.owner == *owner) && now < lease.good_until
+            (Arc::ptr_eq(&lease.owner, owner) || lease.owner == *owner)
+                && lease.good_until.is_some_and(|until| now < until)
         })
     }
 
@@ -221,9 +321,30 @@ impl Ownership {
     }
 }
 
+/// A lease's time left as a duration (none if Redis answered a negative one).
+fn left(lease: LeaseClock) -> Duration {
+    Duration::from_millis(u64::try_from(lease.left_ms).unwrap_or(0))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A call answered at once.
+    fn at(sent: Instant) -> Exchange {
+        Exchange {
+            sent,
+            answered: sent,
+        }
+    }
+
+    /// Redis's answer at its clock `now_ms`, with `left` of the lease.
+    fn clock(now_ms: i64, left: Duration) -> LeaseClock {
+        LeaseClock {
+            now_ms,
+            left_ms: left.as_millis() as i64,
+        }
+    }
 
     #[test]
     fn a_task_starts_only_while_its_owner_is_current_and_its_lease_surely_live() {
@@ -237,7 +358,7 @@ mod tests {
             "not registered yet"
         );
         let lease = Duration::from_millis(50);
-        ownership.set(Arc::clone(&owner), t0, lease);
+        ownership.set(Arc::clone(&owner), at(t0), clock(0, lease));
         assert!(ownership.may_start(&mut view, &owner, t0));
         assert!(!ownership.may_start(&mut view, &Arc::from("someone-else.1"), t0));
         let later = t0 + lease;
@@ -245,10 +366,75 @@ mod tests {
             !ownership.may_start(&mut view, &owner, later),
             "past the lease, as after a pause"
         );
-        ownership.renewed(&owner, later, lease);
+        ownership.renewed(&owner, at(later), clock(0, lease));
         assert!(ownership.may_start(&mut view, &owner, later), "renewed");
         assert!(ownership.lose(&owner));
         assert!(!ownership.may_start(&mut view, &owner, later));
+    }
+
+    #[test]
+    fn a_claim_that_finds_redis_clock_stepped_forward_stops_starts_until_a_renewal_sent_after_it() {
+        let ownership = Ownership::new("h-1-2-ab");
+        let owner = ownership.new_id();
+        let lease = Duration::from_secs(6);
+        let ms = Duration::from_millis;
+        let t0 = Instant::now();
+        // Registered at Redis's 1,000,000 ms: the deadline is 1,006,000.
+        ownership.set(Arc::clone(&owner), at(t0), clock(1_000_000, lease));
+        let mut view = LeaseView::default();
+        let claim = |sent: Duration, answered: Duration, now_ms: i64, left_ms: i64| {
+            let call = Exchange {
+                sent: t0 + sent,
+                answered: t0 + answered,
+            };
+            let found = LeaseClock { now_ms, left_ms };
+            ownership.claimed(&owner, call, found, lease)
+        };
+        // A second later on both clocks, and a reply that took 900 ms (Redis ran the claim at once): no step.
+        assert_eq!(claim(ms(1000), ms(1010), 1_001_000, 5000), None);
+        assert_eq!(claim(ms(1000), ms(1900), 1_001_000, 5000), None);
+        // A claim that ran before the registration's deadline was set (another deadline): not compared.
+        assert_eq!(claim(ms(1000), ms(1010), 1_004_000, 500), None);
+        // Redis's clock 900 ms ahead: within the margin (a second).
+        assert_eq!(claim(ms(1000), ms(1010), 1_001_900, 4100), None);
+        assert!(ownership.may_start(&mut view, &owner, t0 + ms(1010)));
+        assert!(ownership.renewal_wanted().try_recv().is_err());
+        // 4.5 s ahead: half a second left of a lease this daemon believes in for five.
+        assert_eq!(claim(ms(1000), ms(1010), 1_005_500, 500), Some(4490));
+        assert!(ownership.in_doubt());
+        assert!(
+            !ownership.may_start(&mut view, &owner, t0 + ms(1020)),
+            "no start while the lease is in doubt"
+        );
+        assert!(
+            !view.is_lost(&owner),
+            "in doubt, not lost: the worker waits"
+        );
+        assert!(
+            ownership.renewal_wanted().try_recv().is_ok(),
+            "the heartbeat is woken"
+        );
+        // A renewal sent before that claim's reply may have run before the step: it confirms nothing.
+        let early = Exchange {
+            sent: t0 + ms(1005),
+            answered: t0 + ms(1030),
+        };
+        assert!(!ownership.renewed(&owner, early, clock(1_005_510, lease)));
+        assert!(!ownership.may_start(&mut view, &owner, t0 + ms(1030)));
+        // One sent after it did run on Redis's new clock.
+        let after = Exchange {
+            sent: t0 + ms(1040),
+            answered: t0 + ms(1050),
+        };
+        assert!(ownership.renewed(&owner, after, clock(1_005_540, lease)));
+        assert!(!ownership.in_doubt());
+        assert!(ownership.may_start(&mut view, &owner, t0 + ms(1050)));
+        assert!(
+            !ownership.may_start(&mut view, &owner, t0 + ms(1040) + lease),
+            "good for the renewal's lease from when it was sent"
+        );
+        // Claims of the renewed lease compare with its deadline now.
+        assert_eq!(claim(ms(2000), ms(2010), 1_006_500, 5040), None);
     }
 
     #[test]
@@ -256,7 +442,11 @@ mod tests {
         let ownership = Ownership::new("h-1-2-ab");
         let owner = ownership.new_id();
         let now = Instant::now();
-        ownership.set(Arc::clone(&owner), now, Duration::from_secs(30));
+        ownership.set(
+            Arc::clone(&owner),
+            at(now),
+            clock(0, Duration::from_secs(30)),
+        );
         let mut view = LeaseView::default();
         assert!(ownership.may_start(&mut view, &owner, now));
         let token = Token {
@@ -287,7 +477,11 @@ mod tests {
     fn the_journal_counts_every_bump_of_the_current_owner_in_any_order() {
         let ownership = Arc::new(Ownership::new("h-1-2-ab"));
         let first = ownership.new_id();
-        ownership.set(Arc::clone(&first), Instant::now(), Duration::from_secs(30));
+        ownership.set(
+            Arc::clone(&first),
+            at(Instant::now()),
+            clock(0, Duration::from_secs(30)),
+        );
         // The fetcher's claims and the acker's settles, concurrently: a count, whatever the interleaving (the
         // highest value seen would be beaten by bumps made after a rewind).
         let threads: Vec<_> = (0..2)
@@ -307,7 +501,11 @@ mod tests {
         // A new owner counts from 0; a late answer for the old one counts for nobody.
         assert!(ownership.lose(&first));
         let second = ownership.new_id();
-        ownership.set(Arc::clone(&second), Instant::now(), Duration::from_secs(30));
+        ownership.set(
+            Arc::clone(&second),
+            at(Instant::now()),
+            clock(0, Duration::from_secs(30)),
+        );
         ownership.bumped(&first);
         ownership.bumped(&second);
         assert_eq!(
@@ -322,14 +520,14 @@ mod tests {
         let owner = ownership.new_id();
         let t0 = Instant::now();
         let lease = Duration::from_millis(50);
-        ownership.set(Arc::clone(&owner), t0, lease);
+        ownership.set(Arc::clone(&owner), at(t0), clock(0, lease));
         let mut view = LeaseView::default();
         assert!(!ownership.may_start(&mut view, &owner, t0 + lease));
         assert!(!view.is_lost(&owner), "current, not renewed yet: in doubt");
         assert!(ownership.lose(&owner));
         assert!(!ownership.may_start(&mut view, &owner, t0));
         assert!(view.is_lost(&owner), "forgotten");
-        ownership.set(ownership.new_id(), t0, lease);
+        ownership.set(ownership.new_id(), at(t0), clock(0, lease));
         assert!(!ownership.may_start(&mut view, &owner, t0));
         assert!(view.is_lost(&owner), "replaced by a newer owner");
     }
@@ -340,8 +538,8 @@ mod tests {
         let (first, second) = (ownership.new_id(), ownership.new_id());
         assert_eq!((&*first, &*second), ("host-1-2-ab.1", "host-1-2-ab.2"));
         let lease = Duration::from_secs(30);
-        ownership.set(Arc::from("o1"), Instant::now(), lease);
-        ownership.set(Arc::from("o2"), Instant::now(), lease);
+        ownership.set(Arc::from("o1"), at(Instant::now()), clock(0, lease));
+        ownership.set(Arc::from("o2"), at(Instant::now()), clock(0, lease));
         assert!(!ownership.lose("o1"), "o2 replaced it");
         assert_eq!(ownership.current().as_deref(), Some("o2"));
         assert!(ownership.lose("o2"));

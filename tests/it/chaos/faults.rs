@@ -371,7 +371,7 @@ impl Injector<'_, '_> {
                 self.clock_offset_ms += step;
                 self.redis.set_clock_offset(self.clock_offset_ms);
                 world.add(&format!("{} ms", kind.label()), step.unsigned_abs());
-                // A forward step expires every lease at once: the daemons learn it at their next renewal, and
+                // A forward step expires every lease at once: the daemons learn it at their next claim or renewal, and
                 // the monitors defer their recoveries for a lease; runs again within that time are its doing.
                 let until = if kind == Kind::ClockForward {
                     from + 2 * LEASE.as_micros() as u64
