@@ -1,12 +1,13 @@
 //! Runs the model's checks by hand: `cargo run -p kmq-model --release -- [ci | large | break | SCENARIO...]`.
 //!
-//! - `ci` (the default): the scenarios the test runs (the turns' `weights` and `weights-change` included);
+//! - `ci` (the default): the scenarios the test runs (the turns' `weights` and `weights-change` and the type
+//!   limits' `typed` and `typed-more` included);
 //! - `large`: larger bounds (three tasks, more faults), minutes rather than seconds;
 //! - `break`: the "break it on purpose" experiments, each printing its counterexample;
 //! - a scenario name (see `setup.rs`: `pill`, `stall`, `lost-replies`, `rolling`, `mixed-modes`, `recovered`,
 //!   `zombie`, `limit`, `throttle`, `popped`, `popped-stall`, the finding `orphan`, the turns' `weights` and
-//!   `weights-change`, and the larger `lost-replies-large`, `rolling-large`, `pill-large`,
-//!   `zombie-large`), optionally with `--mutation NAME` (`no-floor-check`, `no-adopt`, `no-idempotent-settle`,
+//!   `weights-change`, the type limits' `typed` and `typed-more`, and the larger `lost-replies-large`,
+//!   `rolling-large`, `pill-large`, `zombie-large`), optionally with `--mutation NAME` (`no-floor-check`, `no-adopt`, `no-idempotent-settle`,
 //!   `monitor-own-levels`, `group-beside-others`, `no-lease-check`, `renew-expired`, `pop-ready-only`,
 //!   `register-retry-keeps-lease`, and the running limit's `subtract-uncounted`, `subtract-count`,
 //!   `limit-after-taking`, `monitor-subtracts-nothing`, default mode's `release-forgets-share`,
@@ -24,6 +25,7 @@ use std::fmt::Debug;
 use kmq_model::run::{self, Report};
 use kmq_model::setup::{self, Mutation, Setup};
 use kmq_model::turns::{self, Turns, TurnsMutation, Weighted};
+use kmq_model::types::{self, Limited, Types};
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -60,15 +62,20 @@ fn main() {
         .and_then(|name| parse_turns_mutation(name));
     let mut setups: Vec<Setup> = Vec::new();
     let mut weighted: Vec<Weighted> = Vec::new();
+    let mut typed: Vec<Limited> = Vec::new();
     let mut experiments = false;
     for word in if words.is_empty() { vec!["ci"] } else { words } {
         match word {
             "ci" => {
                 setups.extend(setup::ci());
                 weighted.extend(turns::scenarios());
+                typed.extend(types::scenarios());
             }
             "large" => setups.extend(setup::large()),
             "break" => experiments = true,
+            name if types::scenarios().iter().any(|l| l.name == name) => {
+                typed.extend(types::scenarios().into_iter().filter(|l| l.name == name))
+            }
             name if turns::scenarios().iter().any(|w| w.name == name) => {
                 weighted.extend(turns::scenarios().into_iter().filter(|w| w.name == name))
             }
@@ -99,6 +106,23 @@ fn main() {
             println!("{name} with {mutation:?}: {visited} states searched in {elapsed:.1?}");
             print_path(property, path.as_deref());
         }
+        for (setup, property) in types::experiments() {
+            let (name, mutation) = (setup.name, setup.mutation);
+            let (path, visited, elapsed) = run::shortest_in(&Types::new(setup), property);
+            println!("{name} with {mutation:?}: {visited} states searched in {elapsed:.1?}");
+            print_path(property, path.as_deref());
+        }
+    }
+    for setup in typed {
+        let name = setup.name;
+        if let Some(property) = &find {
+            let (path, visited, elapsed) = run::shortest_in(&Types::new(setup), property);
+            println!("{name}: {visited} states searched in {elapsed:.1?}");
+            print_path(property, path.as_deref());
+            continue;
+        }
+        let report = run::check_model(name, Types::new(setup), threads, cap, false);
+        print_report(&report, trace);
     }
     for mut setup in weighted {
         if let Some(mutation) = turns_mutation {

@@ -101,9 +101,21 @@ pub fn typed() -> Limited {
     }
 }
 
+/// Two `A` and two `B`, claims of up to three tasks, three faults: a claim list of two runs of two tasks, a
+/// settle that splits a run, and faults enough for a lost reply, a stall and a throttle in one run.
+pub fn typed_more() -> Limited {
+    Limited {
+        name: "typed-more",
+        unlimited: 2,
+        most: 3,
+        faults: 3,
+        ..typed()
+    }
+}
+
 /// The scenarios of the type limits.
 pub fn scenarios() -> Vec<Limited> {
-    vec![typed()]
+    vec![typed(), typed_more()]
 }
 
 /// The type limits' "break it on purpose" experiments: a mutated setup and a property it must break.

@@ -371,11 +371,16 @@ fn the_protocol_holds_within_larger_bounds() {
 /// first and move a held-back task there, claim lists of two runs, settles of any positions by their owner (late,
 /// after its lease ran out, too) or a monitor's recovery, hand-backs, a throttle of the type, lost replies sent
 /// again. The type's count is exact per run, within its limit, never below 0 and 0 at rest; every task is in one
-/// place at every step; a held-back type never blocks the other.
+/// place at every step; a held-back type never blocks the other. A debug build checks `typed` alone
+/// (`typed-more` is 2.5 million states, 15 s in release).
 #[test]
 fn a_type_limit_counts_each_run_exactly_and_never_blocks_another_type() {
     let mut failures = Vec::new();
-    for setup in types::scenarios() {
+    let mut scenarios = types::scenarios();
+    if cfg!(debug_assertions) {
+        scenarios.truncate(1);
+    }
+    for setup in scenarios {
         let name = setup.name;
         let report = run::check_model(name, Types::new(setup), 2, None, false);
         println!("{}", report.summary());
