@@ -21,8 +21,11 @@
 //! `KMQ_MODEL_CAP` stops after about that many states (for sizing only).
 
 use std::fmt::Debug;
+use std::hash::Hash;
 
-use kmq_model::run::{self, Report};
+use stateright::Model;
+
+use kmq_model::run::{self, Report, Search};
 use kmq_model::setup::{self, Mutation, Setup};
 use kmq_model::turns::{self, Turns, TurnsMutation, Weighted};
 use kmq_model::types::{self, Limited, Types};
@@ -96,33 +99,29 @@ fn main() {
             .chain(setup::throttle_experiments())
         {
             let (name, mutation) = (setup.name, setup.mutation);
-            let (path, visited, elapsed) = run::shortest(setup, property);
-            println!("{name} with {mutation:?}: {visited} states searched in {elapsed:.1?}");
-            print_path(property, path.as_deref());
+            print_experiment(name, mutation, property, run::shortest(setup, property));
         }
         for (setup, property) in turns::experiments() {
             let (name, mutation) = (setup.name, setup.mutation);
-            let (path, visited, elapsed) = run::shortest_in(&Turns::new(setup), property);
-            println!("{name} with {mutation:?}: {visited} states searched in {elapsed:.1?}");
-            print_path(property, path.as_deref());
+            let search = run::shortest_in(&Turns::new(setup), property);
+            print_experiment(name, mutation, property, search);
         }
         for (setup, property) in types::experiments() {
             let (name, mutation) = (setup.name, setup.mutation);
-            let (path, visited, elapsed) = run::shortest_in(&Types::new(setup), property);
-            println!("{name} with {mutation:?}: {visited} states searched in {elapsed:.1?}");
-            print_path(property, path.as_deref());
+            let search = run::shortest_in(&Types::new(setup), property);
+            print_experiment(name, mutation, property, search);
         }
     }
     for setup in typed {
         let name = setup.name;
-        if let Some(property) = &find {
-            let (path, visited, elapsed) = run::shortest_in(&Types::new(setup), property);
-            println!("{name}: {visited} states searched in {elapsed:.1?}");
-            print_path(property, path.as_deref());
-            continue;
-        }
-        let report = run::check_model(name, Types::new(setup), threads, cap, false);
-        print_report(&report, trace);
+        find_or_check(
+            name,
+            Types::new(setup),
+            find.as_deref(),
+            threads,
+            cap,
+            trace,
+        );
     }
     for mut setup in weighted {
         if let Some(mutation) = turns_mutation {
@@ -140,14 +139,14 @@ fn main() {
             setup.exact_after = value;
         }
         let name = setup.name;
-        if let Some(property) = &find {
-            let (path, visited, elapsed) = run::shortest_in(&Turns::new(setup), property);
-            println!("{name}: {visited} states searched in {elapsed:.1?}");
-            print_path(property, path.as_deref());
-            continue;
-        }
-        let report = run::check_model(name, Turns::new(setup), threads, cap, false);
-        print_report(&report, trace);
+        find_or_check(
+            name,
+            Turns::new(setup),
+            find.as_deref(),
+            threads,
+            cap,
+            trace,
+        );
     }
     for mut setup in setups {
         if let Some(mutation) = mutation {
@@ -177,6 +176,41 @@ fn main() {
         let report = run::check_with(setup, threads, cap, progress);
         print_report(&report, trace);
     }
+}
+
+/// Searches `model` for the shortest counterexample of `find`, or, without one, checks every state of it and
+/// prints the report (a model of its own: the turns', the type limits').
+fn find_or_check<M>(
+    name: &'static str,
+    model: M,
+    find: Option<&str>,
+    threads: usize,
+    cap: Option<usize>,
+    trace: bool,
+) where
+    M: Model + Send + Sync + 'static,
+    M::State: Clone + Debug + Hash + PartialEq + Send + Sync + 'static,
+    M::Action: Clone + Debug + PartialEq + Send + Sync + 'static,
+{
+    if let Some(property) = find {
+        let (path, visited, elapsed) = run::shortest_in(&model, property);
+        println!("{name}: {visited} states searched in {elapsed:.1?}");
+        print_path(property, path.as_deref());
+        return;
+    }
+    let report = run::check_model(name, model, threads, cap, false);
+    print_report(&report, trace);
+}
+
+/// One "break it on purpose" experiment: what the search for its counterexample found.
+fn print_experiment<A: Debug, S: Debug>(
+    name: &str,
+    mutation: impl Debug,
+    property: &str,
+    (path, visited, elapsed): Search<A, S>,
+) {
+    println!("{name} with {mutation:?}: {visited} states searched in {elapsed:.1?}");
+    print_path(property, path.as_deref());
 }
 
 fn print_path<A: Debug, S: Debug>(property: &str, path: Option<&[(A, S)]>) {

@@ -677,3 +677,54 @@ impl Model for Types {
         ]
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn task(id: u8) -> Task {
+        Task { id, again: false }
+    }
+
+    /// With `A`'s slot taken, a claim moves the held-back `A` to the flow's tail (a recovered one to its head)
+    /// and takes the `B` behind it, in a run of its own that the type's count does not name.
+    #[test]
+    fn a_claim_moves_a_held_back_task_to_the_flow_and_takes_the_one_behind_it() {
+        let model = Types::new(typed());
+        let mut state = model.init_states().remove(0);
+        state.redis.running = 1;
+        state.redis.flow.push(task(0));
+        state.redis.ready.clear();
+        state.redis.ready.push(Task { id: 1, again: true });
+        state.redis.ready.push(task(2));
+        model.claim(&mut state, 0, 2);
+        let flow: Vec<u8> = state.redis.flow.iter().map(|t| t.id).collect();
+        assert_eq!(flow, [1, 0], "the recovered A goes to the flow's head");
+        assert!(state.redis.ready.is_empty());
+        let list = &state.redis.lists[0];
+        assert_eq!(list.tasks.as_slice(), [task(2)]);
+        assert_eq!(
+            list.runs.as_slice(),
+            [Run {
+                size: 1,
+                counted: false
+            }]
+        );
+        assert_eq!(state.redis.running, 1);
+    }
+
+    /// A settle of the `B` of a claim list of two runs frees nothing of `A`'s count; the `A`'s frees its slot.
+    #[test]
+    fn a_settle_frees_only_the_runs_whose_bits_it_sets() {
+        let model = Types::new(typed());
+        let mut state = model.init_states().remove(0);
+        model.claim(&mut state, 0, 2);
+        assert_eq!(state.redis.running, 1);
+        assert_eq!(state.redis.lists[0].runs.len(), 2, "A's run, then B's");
+        model.settle(&mut state.redis, 0, 0, &[1], Op::Ack);
+        assert_eq!(state.redis.running, 1);
+        model.settle(&mut state.redis, 0, 0, &[0], Op::Ack);
+        assert_eq!(state.redis.running, 0);
+        assert!(state.redis.lists.is_empty());
+    }
+}
