@@ -8,7 +8,8 @@
 //! - [`setup`]: the bounds, the scenarios the CI check runs, and the mutations that break the protocol on
 //!   purpose;
 //! - [`run`]: running a check, and the search for the shortest counterexample;
-//! - [`turns`]: `priority_weights`' turns (turns.lua), a model of their own: the credits of the levels.
+//! - [`turns`]: `priority_weights`' turns (turns.lua), a model of their own: the credits of the levels;
+//! - [`types`]: limits per task type (types.lua, claim.lua's flow path, settle.lua's runs), a model of their own.
 //!
 //! See `model/README.md` for what the model covers, what it leaves out, and what the checker found.
 
@@ -18,5 +19,6 @@ pub mod redis;
 pub mod run;
 pub mod setup;
 pub mod turns;
+pub mod types;
 
 pub use model::{Action, Protocol, State};

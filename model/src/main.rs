@@ -1,12 +1,13 @@
 //! Runs the model's checks by hand: `cargo run -p kmq-model --release -- [ci | large | break | SCENARIO...]`.
 //!
-//! - `ci` (the default): the scenarios the test runs (the turns' `weights` and `weights-change` included);
+//! - `ci` (the default): the scenarios the test runs (the turns' `weights` and `weights-change` and the type
+//!   limits' `typed` and `typed-more` included);
 //! - `large`: larger bounds (three tasks, more faults), minutes rather than seconds;
 //! - `break`: the "break it on purpose" experiments, each printing its counterexample;
 //! - a scenario name (see `setup.rs`: `pill`, `stall`, `lost-replies`, `rolling`, `mixed-modes`, `recovered`,
 //!   `zombie`, `limit`, `throttle`, `popped`, `popped-stall`, the finding `orphan`, the turns' `weights` and
-//!   `weights-change`, and the larger `lost-replies-large`, `rolling-large`, `pill-large`,
-//!   `zombie-large`), optionally with `--mutation NAME` (`no-floor-check`, `no-adopt`, `no-idempotent-settle`,
+//!   `weights-change`, the type limits' `typed` and `typed-more`, and the larger `lost-replies-large`,
+//!   `rolling-large`, `pill-large`, `zombie-large`), optionally with `--mutation NAME` (`no-floor-check`, `no-adopt`, `no-idempotent-settle`,
 //!   `monitor-own-levels`, `group-beside-others`, `no-lease-check`, `renew-expired`, `pop-ready-only`,
 //!   `register-retry-keeps-lease`, and the running limit's `subtract-uncounted`, `subtract-count`,
 //!   `limit-after-taking`, `monitor-subtracts-nothing`, default mode's `release-forgets-share`,
@@ -20,10 +21,14 @@
 //! `KMQ_MODEL_CAP` stops after about that many states (for sizing only).
 
 use std::fmt::Debug;
+use std::hash::Hash;
 
-use kmq_model::run::{self, Report};
+use stateright::Model;
+
+use kmq_model::run::{self, Report, Search};
 use kmq_model::setup::{self, Mutation, Setup};
 use kmq_model::turns::{self, Turns, TurnsMutation, Weighted};
+use kmq_model::types::{self, Limited, Types};
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -60,15 +65,20 @@ fn main() {
         .and_then(|name| parse_turns_mutation(name));
     let mut setups: Vec<Setup> = Vec::new();
     let mut weighted: Vec<Weighted> = Vec::new();
+    let mut typed: Vec<Limited> = Vec::new();
     let mut experiments = false;
     for word in if words.is_empty() { vec!["ci"] } else { words } {
         match word {
             "ci" => {
                 setups.extend(setup::ci());
                 weighted.extend(turns::scenarios());
+                typed.extend(types::scenarios());
             }
             "large" => setups.extend(setup::large()),
             "break" => experiments = true,
+            name if types::scenarios().iter().any(|l| l.name == name) => {
+                typed.extend(types::scenarios().into_iter().filter(|l| l.name == name))
+            }
             name if turns::scenarios().iter().any(|w| w.name == name) => {
                 weighted.extend(turns::scenarios().into_iter().filter(|w| w.name == name))
             }
@@ -89,16 +99,29 @@ fn main() {
             .chain(setup::throttle_experiments())
         {
             let (name, mutation) = (setup.name, setup.mutation);
-            let (path, visited, elapsed) = run::shortest(setup, property);
-            println!("{name} with {mutation:?}: {visited} states searched in {elapsed:.1?}");
-            print_path(property, path.as_deref());
+            print_experiment(name, mutation, property, run::shortest(setup, property));
         }
         for (setup, property) in turns::experiments() {
             let (name, mutation) = (setup.name, setup.mutation);
-            let (path, visited, elapsed) = run::shortest_in(&Turns::new(setup), property);
-            println!("{name} with {mutation:?}: {visited} states searched in {elapsed:.1?}");
-            print_path(property, path.as_deref());
+            let search = run::shortest_in(&Turns::new(setup), property);
+            print_experiment(name, mutation, property, search);
         }
+        for (setup, property) in types::experiments() {
+            let (name, mutation) = (setup.name, setup.mutation);
+            let search = run::shortest_in(&Types::new(setup), property);
+            print_experiment(name, mutation, property, search);
+        }
+    }
+    for setup in typed {
+        let name = setup.name;
+        find_or_check(
+            name,
+            Types::new(setup),
+            find.as_deref(),
+            threads,
+            cap,
+            trace,
+        );
     }
     for mut setup in weighted {
         if let Some(mutation) = turns_mutation {
@@ -116,14 +139,14 @@ fn main() {
             setup.exact_after = value;
         }
         let name = setup.name;
-        if let Some(property) = &find {
-            let (path, visited, elapsed) = run::shortest_in(&Turns::new(setup), property);
-            println!("{name}: {visited} states searched in {elapsed:.1?}");
-            print_path(property, path.as_deref());
-            continue;
-        }
-        let report = run::check_model(name, Turns::new(setup), threads, cap, false);
-        print_report(&report, trace);
+        find_or_check(
+            name,
+            Turns::new(setup),
+            find.as_deref(),
+            threads,
+            cap,
+            trace,
+        );
     }
     for mut setup in setups {
         if let Some(mutation) = mutation {
@@ -153,6 +176,41 @@ fn main() {
         let report = run::check_with(setup, threads, cap, progress);
         print_report(&report, trace);
     }
+}
+
+/// Searches `model` for the shortest counterexample of `find`, or, without one, checks every state of it and
+/// prints the report (a model of its own: the turns', the type limits').
+fn find_or_check<M>(
+    name: &'static str,
+    model: M,
+    find: Option<&str>,
+    threads: usize,
+    cap: Option<usize>,
+    trace: bool,
+) where
+    M: Model + Send + Sync + 'static,
+    M::State: Clone + Debug + Hash + PartialEq + Send + Sync + 'static,
+    M::Action: Clone + Debug + PartialEq + Send + Sync + 'static,
+{
+    if let Some(property) = find {
+        let (path, visited, elapsed) = run::shortest_in(&model, property);
+        println!("{name}: {visited} states searched in {elapsed:.1?}");
+        print_path(property, path.as_deref());
+        return;
+    }
+    let report = run::check_model(name, model, threads, cap, false);
+    print_report(&report, trace);
+}
+
+/// One "break it on purpose" experiment: what the search for its counterexample found.
+fn print_experiment<A: Debug, S: Debug>(
+    name: &str,
+    mutation: impl Debug,
+    property: &str,
+    (path, visited, elapsed): Search<A, S>,
+) {
+    println!("{name} with {mutation:?}: {visited} states searched in {elapsed:.1?}");
+    print_path(property, path.as_deref());
 }
 
 fn print_path<A: Debug, S: Debug>(property: &str, path: Option<&[(A, S)]>) {
