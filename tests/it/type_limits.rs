@@ -401,3 +401,58 @@ fn a_reload_that_adds_a_type_limit_applies_it_at_the_next_claims() {
     assert_ran_once(&dir, "s", 6);
     crate::reload::stop(daemon);
 }
+
+/// With `priority_weights`, a claim whose turn falls on a level holding only tasks their type holds back takes a
+/// task of another level that no limit holds back, at once, rather than moving them aside and answering "held
+/// back" until the next wake-up (idle_poll here: 5 s). A producer that pushes with plain commands (docs/PROTOCOL.md)
+/// fills both levels before the claim it wakes.
+#[test]
+fn a_weighted_turn_on_held_back_tasks_takes_an_unlimited_task_of_another_level_at_once() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let gate = dir.path("gate");
+    let queue = "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\npriorities = [\"high\", \"low\"]\n\
+                 priority_weights = [1000, 1]\nworkers = 2\nidle_poll = \"5s\"\n\
+                 [[queues.limits]]\ntype = \"slow\"\nmax_running = 1\n";
+    let config = dir.config_for_types(&redis, queue, &["slow", "fast"]);
+    let daemon = TestDaemon::start(&config);
+    let blocked = serde_json::json!({ "wait_for_file": gate }).to_string();
+    client(&config)
+        .push(
+            "jobs",
+            kmqd::NewTask::new("slow", &blocked)
+                .unwrap()
+                .id("s0")
+                .priority("high"),
+        )
+        .unwrap();
+    eventually(Duration::from_secs(15), "the type's one slot taken", || {
+        (running(&redis, "slow") == 1, running(&redis, "slow"))
+    });
+    redis.wait_blocked_in("blpop");
+    // High's turn (weight 1000) falls on slow tasks, which their type holds back; low holds a fast one.
+    let mut pipe = redis::pipe();
+    pipe.atomic();
+    for i in 1..6 {
+        pipe.cmd("RPUSH")
+            .arg("kmq:{jobs}:ready:high")
+            .arg(format!(r#"{{"id":"s{i}","type":"slow","data":{{}}}}"#));
+    }
+    pipe.cmd("RPUSH")
+        .arg("kmq:{jobs}:ready:low")
+        .arg(r#"{"id":"f0","type":"fast","data":{}}"#);
+    pipe.cmd("LPUSH").arg("kmq:{jobs}:wake").arg(1);
+    let pushed = std::time::Instant::now();
+    let () = pipe.query(&mut redis.connection()).unwrap();
+    eventually(Duration::from_secs(15), "the fast task done", || {
+        (ended(&dir, "f") == 1, ended(&dir, "f"))
+    });
+    assert!(
+        pushed.elapsed() < Duration::from_millis(2500),
+        "the fast task waited {:?} for the next wake-up",
+        pushed.elapsed()
+    );
+    std::fs::write(&gate, "").unwrap();
+    assert_drained(&config, &redis, 7, "slow");
+    daemon.stop();
+}

@@ -621,6 +621,15 @@ for i = 1, levels do
   end
   result[3 + i] = n
 end
+-- With weights and type limits, a level's turns may fall on tasks their types hold back (moved to their flows,
+-- nothing taken): the claim then takes what it still may from the levels that took nothing, in strict order, so
+-- that a task no limit holds back does not wait for the next wake-up (a level that took something keeps its one
+-- claim list; the model's finding, model/README.md).
+if flowing and want and taken < max then
+  for i = 1, levels do
+    if result[3 + i] == 0 and taken < max then result[3 + i] = take_flowing(i, max - taken) end
+  end
+end
 if flowing then
   types_spend(block, KEYS[RUNNING], now)
   if took == 0 and taken == 0 then
