@@ -277,7 +277,14 @@ fn locate_processing(
         for level in 0..keys.levels() {
             let mut cursor = super::processing::Cursor::Start;
             loop {
-                let page = super::processing::held(conn, keys, &owner, level, cursor, CHUNK)?;
+                let page = super::processing::held(
+                    conn,
+                    keys,
+                    &owner,
+                    level,
+                    cursor,
+                    super::processing::Window::tasks(CHUNK),
+                )?;
                 for (token, payload) in page.tasks {
                     let payload = String::from_utf8_lossy(&payload);
                     if let Some(id) = wanted.matching(&payload) {

@@ -129,6 +129,36 @@ impl BrokerError {
             _ => false,
         }
     }
+
+    /// Whether Redis refused the call as it was sent, which a smaller call may get through: an error reply
+    /// (nothing ran) that is not about the server's state. `OOM` (the call's arguments count in Redis's memory),
+    /// `ERR` (a protocol error such as a bulk over `proto-max-bulk-len`, a script's refusal of a record),
+    /// `WRONGTYPE` (a key one record names) are; a server loading, read-only, failing over, busy with a
+    /// script, out of disk (`MISCONF`), without replicas, a redirect, a missing script or a permission are
+    /// about the server, and refuse any call alike: they are waited out, not split (`settler.rs`).
+    pub fn refused(&self) -> bool {
+        const ABOUT_THE_SERVER: [&str; 13] = [
+            "LOADING",
+            "READONLY",
+            "MASTERDOWN",
+            "CLUSTERDOWN",
+            "TRYAGAIN",
+            "BUSY",
+            "MISCONF",
+            "NOREPLICAS",
+            "MOVED",
+            "ASK",
+            "NOSCRIPT",
+            "NOPERM",
+            "NOAUTH",
+        ];
+        match self {
+            BrokerError::Redis(error) if !self.may_have_run() => error
+                .code()
+                .is_some_and(|code| !ABOUT_THE_SERVER.contains(&code)),
+            _ => false,
+        }
+    }
 }
 
 impl BrokerError {

@@ -800,6 +800,20 @@ pub enum SettleOp {
     },
 }
 
+impl SettleOp {
+    /// What it does, in a word, for the log.
+    pub fn name(&self) -> &'static str {
+        match self {
+            SettleOp::Ack => "ack",
+            SettleOp::Retry { .. } => "retry",
+            SettleOp::Back { .. } => "back",
+            SettleOp::Recover { .. } => "recover",
+            SettleOp::Dead => "dead",
+            SettleOp::Throttle { .. } => "throttle",
+        }
+    }
+}
+
 /// One outcome to apply to Redis.
 #[derive(Clone, Debug)]
 pub struct Settlement {

@@ -71,12 +71,17 @@ pub fn reloading(text: &str) {
     }
 }
 
-/// "serving 3 queues, 12 tasks held" (", 1 worker stuck" when some are).
+/// "serving 3 queues, 12 tasks held" (", 1 worker stuck in handlers" when some are, ", 1 outcome refused by
+/// Redis" when Redis refuses some).
 pub fn summary(lanes: &[Arc<Lane>]) -> String {
     // The table of held tasks, not `Capacity::held`, which also counts what an idle fetcher reserved for the
     // claim it waits in.
     let held: usize = lanes.iter().map(|lane| lane.held.len()).sum();
     let stuck: usize = lanes.iter().map(|lane| lane.capacity.stuck_workers()).sum();
+    let refused: usize = lanes
+        .iter()
+        .map(|lane| lane.refused_outcomes.load(Ordering::Acquire))
+        .sum();
     let plural =
         |n: usize, one: &str, many: &str| format!("{n} {}", if n == 1 { one } else { many });
     // A queue whose lane a reload replaced has two for a moment: it is still one queue.
@@ -92,6 +97,12 @@ pub fn summary(lanes: &[Arc<Lane>]) -> String {
         text.push_str(&format!(
             ", {} stuck in handlers",
             plural(stuck, "worker", "workers")
+        ));
+    }
+    if refused > 0 {
+        text.push_str(&format!(
+            ", {} refused by Redis",
+            plural(refused, "outcome", "outcomes")
         ));
     }
     text

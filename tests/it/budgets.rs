@@ -1,0 +1,305 @@
+//! Byte budgets (review M8): what a daemon reads and sends at once is bounded by bytes as well as counts, and a
+//! settle call Redis refuses as sent (out of memory with its arguments counted) is split until only what Redis
+//! refuses alone is left, held and counted, never resent in a loop that holds up everything behind it.
+//!
+//! The tests make Redis short of memory with `maxmemory`: a call's arguments count in Redis's `used_memory`
+//! while it runs, so a call is refused (`OOM`) when they would take it over. A call of k large arguments costs
+//! k + 1 of them: Redis reads each into a buffer of its size, which becomes the argument, and sets aside a
+//! buffer as large for the next one (networking.c: "if we saw a fat argument we'll see another one likely").
+//! Claims of one task (`batch = 1`) keep each task in a claim list of its own, which its settle deletes: a
+//! settle call then frees what the tasks it retries take again, and only the call's arguments are the margin.
+
+use std::path::Path;
+use std::time::Duration;
+
+use crate::support::*;
+
+/// 3.5 MiB: with its envelope, one allocation of 4 MiB in Redis (jemalloc's size classes), as a claim list's
+/// element, a call's argument, a retry set's member.
+const LARGE: usize = 3584 << 10;
+
+/// A task for the testkit whose `data` is `pad` bytes of padding, that waits for `gate` to exist, then answers
+/// `outcome` (a retry waits ten minutes: it stays in the retry set for the test's length).
+fn task(id: &str, pad: usize, gate: &Path, outcome: &str) -> kmqd::NewTask {
+    let data = serde_json::json!({
+        "pad": "x".repeat(pad),
+        "wait_for_file": gate,
+        "outcome": outcome,
+        "retry_after_ms": 600_000,
+    });
+    kmqd::NewTask::new("test", &data.to_string())
+        .unwrap()
+        .id(id.to_string())
+}
+
+/// Sets `maxmemory` to what Redis uses now plus `headroom` bytes.
+fn limit_memory(redis: &RedisServer, headroom: u64) {
+    let limit = (redis.info_number("memory", "used_memory") + headroom).to_string();
+    let _: String = redis.cmd(&["CONFIG", "SET", "maxmemory", &limit]);
+}
+
+/// `jobs`'s stats, or `None` while Redis refuses the read: a transaction is refused whole while Redis is over
+/// `maxmemory`, and it is, for a moment, while a call it refuses is read in.
+fn stats_now(config: &Path) -> Option<kmqd::broker::QueueStats> {
+    client(config).stats("jobs").ok()
+}
+
+/// Waits until `jobs`'s stats satisfy `done` (a description for the failure: `what`).
+fn wait_stats(
+    config: &Path,
+    within: Duration,
+    what: &str,
+    done: impl Fn(&kmqd::broker::QueueStats) -> bool,
+) -> kmqd::broker::QueueStats {
+    eventually(within, what, || match stats_now(config) {
+        Some(s) => (done(&s), Some(s)),
+        None => (false, None),
+    })
+    .expect("stats read")
+}
+
+/// Waits until `jobs` has `count` tasks claimed (safe mode).
+fn wait_claimed(config: &Path, count: u64) {
+    wait_stats(
+        config,
+        Duration::from_secs(60),
+        &format!("{count} tasks claimed"),
+        |s| s.processing == count,
+    );
+}
+
+/// Waits until the testkit recorded `count` runs that started.
+fn wait_started(dir: &TestDir, count: usize) {
+    eventually(
+        Duration::from_secs(60),
+        &format!("{count} runs started"),
+        || {
+            let records = dir.records();
+            (records.starts.len() >= count, records.lines)
+        },
+    );
+}
+
+/// Waits until the testkit recorded `count` runs that returned.
+fn wait_ended(dir: &TestDir, count: usize) {
+    eventually(
+        Duration::from_secs(60),
+        &format!("{count} runs ended"),
+        || {
+            let records = dir.records();
+            (records.ends.len() >= count, records.lines)
+        },
+    );
+}
+
+/// Runs `big` (their runs wait for `gate`) in a daemon whose acker gets every outcome of `big` in one take: a
+/// blocker task goes first, is dead-lettered, and its final-failure hook holds the acker for 5 s (the testkit's
+/// `dead_sleep_ms`), while the others end and gather behind it. `headroom`: what Redis may take beyond its
+/// memory once every task runs. Returns the daemon, for its log.
+fn settle_together(
+    redis: &RedisServer,
+    dir: &TestDir,
+    config: &Path,
+    big: Vec<kmqd::NewTask>,
+    headroom: u64,
+) -> Process {
+    let (blocker_gate, gate) = (dir.path("blocker-gate"), dir.path("gate"));
+    let count = big.len();
+    let blocker = serde_json::json!({
+        "wait_for_file": blocker_gate,
+        "outcome": "fail",
+        "dead_sleep_ms": 5000,
+    });
+    let mut tasks = vec![
+        kmqd::NewTask::new("test", &blocker.to_string())
+            .unwrap()
+            .id("blocker".to_string()),
+    ];
+    tasks.extend(big);
+    client(config).push_batch("jobs", tasks).unwrap();
+    let daemon = Process::start(config, dir.path("daemon.log"));
+    wait_started(dir, count + 1);
+    limit_memory(redis, headroom);
+    std::fs::write(&blocker_gate, "").unwrap();
+    // Settled: the acker is in the blocker's hook.
+    wait_stats(config, Duration::from_secs(60), "the blocker dead", |s| {
+        s.dead_lettered == 1
+    });
+    std::fs::write(&gate, "").unwrap();
+    wait_ended(dir, count + 1);
+    assert!(
+        dir.records().deads.is_empty(),
+        "the runs ended while the acker was in the blocker's hook (a slow machine? dead_sleep_ms is 5 s)"
+    );
+    daemon
+}
+
+/// A queue whose claims take one task each, with a worker for each of `tasks` and one for the blocker of
+/// [`settle_together`].
+fn one_task_claims(tasks: usize) -> String {
+    let workers = tasks + 1;
+    safe_queue(&format!("workers = {workers}\nbatch = 1\nprefetch = 0"))
+}
+
+/// Runs `count` tasks of `pad` bytes that each ask for a retry, their outcomes settled together
+/// ([`settle_together`]) with `headroom` bytes left in Redis; returns the daemon's log once every retry is
+/// settled.
+fn retries_settled_together(count: usize, pad: usize, headroom: u64) -> String {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &one_task_claims(count));
+    let gate = dir.path("gate");
+    let big = (0..count)
+        .map(|i| task(&format!("big-{i}"), pad, &gate, "retry"))
+        .collect();
+    let daemon = settle_together(&redis, &dir, &config, big, headroom);
+    let s = wait_stats(
+        &config,
+        Duration::from_secs(120),
+        "the retries settled",
+        |s| (s.dead_lettered, s.retried) == (1, count as u64),
+    );
+    assert_eq!((s.processing, s.delayed), (0, count as u64), "{s:?}");
+    daemon.log_text()
+}
+
+#[test]
+fn a_settle_call_redis_refuses_whole_is_settled_in_halves_that_fit() {
+    // Three retries' arguments (16 MiB as read) are over the 14 MiB left; one or two (8, 12 MiB) are not.
+    let log = retries_settled_together(3, LARGE, 14 << 20);
+    assert!(
+        log.contains("Redis refused a settle call; settling its halves apart"),
+        "the whole call was refused once: {log}"
+    );
+    assert!(
+        !log.contains("Redis refuses the outcome of one task"),
+        "each task fits alone: {log}"
+    );
+}
+
+#[test]
+fn a_settle_batch_larger_than_a_call_goes_in_calls_redis_takes() {
+    // Six retries of 15 MiB (16 MiB each in Redis): 112 MiB as one call is read, over the 96 MiB left; four,
+    // the most a call of 64 MiB carries (80 MiB as read), are not.
+    let log = retries_settled_together(6, (15 << 20) - 1024, 96 << 20);
+    assert!(
+        !log.contains("Redis refused a settle call"),
+        "no call over the budget was sent: {log}"
+    );
+}
+
+#[test]
+fn an_outcome_redis_refuses_alone_is_held_and_counted_while_the_others_settle() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config_with(
+        &redis,
+        "shutdown_grace = \"5s\"\nmetrics_addr = \"127.0.0.1:0\"",
+        &safe_queue("workers = 6\nbatch = 1\nprefetch = 0"),
+    );
+    let gate = dir.path("gate");
+    let mut tasks: Vec<kmqd::NewTask> = (0..5)
+        .map(|i| task(&format!("small-{i}"), 16, &gate, "retry"))
+        .collect();
+    tasks.push(task("big", LARGE, &gate, "retry"));
+    client(&config).push_batch("jobs", tasks).unwrap();
+    let daemon = Process::start(&config, dir.path("daemon.log"));
+    let addr = daemon.metrics_addr();
+    wait_claimed(&config, 6);
+    // The large retry's argument (8 MiB as read) is over the 2 MiB left, alone or not; the small ones are not.
+    limit_memory(&redis, 2 << 20);
+    std::fs::write(&gate, "").unwrap();
+    wait_refused(&config, addr, (5, 1), 1);
+    let log = daemon.log_text();
+    let line = log
+        .lines()
+        .find(|line| line.contains("Redis refuses the outcome of one task"))
+        .unwrap_or_else(|| panic!("the refusal is logged: {log}"));
+    let bytes: usize = line
+        .split("bytes=")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|bytes| bytes.parse().ok())
+        .unwrap_or_else(|| panic!("with its size: {line}"));
+    assert!(
+        line.contains("retry") && (LARGE..LARGE + 1024).contains(&bytes),
+        "with what was refused: {line}"
+    );
+    // Redis has room again: the held outcome is tried again, and settles.
+    let _: String = redis.cmd(&["CONFIG", "SET", "maxmemory", "0"]);
+    wait_refused(&config, addr, (6, 0), 0);
+}
+
+/// Waits until `jobs` counts `retried` retries with `processing` tasks still claimed, and the daemon whose
+/// metrics are at `addr` counts `refused` outcomes Redis refused.
+fn wait_refused(
+    config: &Path,
+    addr: std::net::SocketAddr,
+    (retried, processing): (u64, u64),
+    refused: usize,
+) {
+    let gauge = format!("kmqd_daemon_refused_outcomes{{queue=\"jobs\"}} {refused}");
+    eventually(
+        Duration::from_secs(120),
+        &format!("{retried} retried, {processing} claimed, {refused} refused"),
+        || {
+            let s = stats_now(config);
+            let page = scrape_with(addr, None, Duration::from_secs(5)).body;
+            let settled = s
+                .as_ref()
+                .is_some_and(|s| (s.retried, s.processing) == (retried, processing));
+            (settled && page.contains(&gauge), (s, page))
+        },
+    );
+}
+
+#[test]
+fn a_claim_of_large_tasks_is_recovered_in_windows_by_another_daemons_monitor() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    // Ten tasks of 3.5 MiB in one claim: 35 MiB.
+    let gate = dir.path("gate");
+    let tasks: Vec<_> = (0..10)
+        .map(|i| task(&format!("big-{i}"), LARGE, &gate, "done"))
+        .collect();
+    let first = dir.config_named(
+        "first.toml",
+        &format!("url = \"{}\"", redis.url()),
+        "shutdown_grace = \"5s\"",
+        &safe_queue("workers = 10\nprefetch = 0\nlease_timeout = \"2s\""),
+        &dir.path("first-runs.log"),
+    );
+    client(&first).push_batch("jobs", tasks).unwrap();
+    let mut crashed = Process::start(&first, dir.path("first.log"));
+    wait_claimed(&first, 10);
+    crashed.kill9();
+    let claims: Vec<String> = redis.cmd(&["KEYS", "kmq:{jobs}:processing:*:normal:*"]);
+    let claim = claims
+        .iter()
+        .find(|key| !key.ends_with(":settled") && !key.ends_with(":scopes"))
+        .unwrap_or_else(|| panic!("one claim list: {claims:?}"));
+    let length: u64 = redis.cmd(&["LLEN", claim]);
+    assert_eq!(length, 10, "one claim of the ten: {claims:?}");
+    // Redis drops a client whose replies wait past 20 MiB: a monitor reading the claim whole (35 MiB) never
+    // gets it. Its windows of 16 MiB (four tasks of at most 4 MiB, the queue's max_task_bytes) it does.
+    let _: String = redis.cmd(&[
+        "CONFIG",
+        "SET",
+        "client-output-buffer-limit",
+        "normal 20mb 0 0",
+    ]);
+    let second = dir.config(
+        &redis,
+        &safe_queue("workers = 1\nprefetch = 0\nmax_task_bytes = 4194304"),
+    );
+    std::fs::write(&gate, "").unwrap();
+    let daemon = TestDaemon::start(&second);
+    let s = wait_stats(
+        &second,
+        Duration::from_secs(120),
+        "the claim recovered and run",
+        |s| (s.recovered, s.done) == (10, 10),
+    );
+    daemon.stop();
+    assert_eq!(s.processing, 0, "{s:?}");
+}
