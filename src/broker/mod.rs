@@ -213,6 +213,7 @@ struct Scripts {
     claim: redis::Script,
     adopt: redis::Script,
     pop: redis::Script,
+    take: redis::Script,
     release_unique: redis::Script,
     settle: redis::Script,
     renew: redis::Script,
@@ -246,6 +247,7 @@ pub mod sources {
         include_str!("scripts/turns.lua"),
         include_str!("scripts/pop.lua")
     );
+    pub const TAKE: &str = include_str!("scripts/take.lua");
     pub const RELEASE_UNIQUE: &str = include_str!("scripts/release_unique.lua");
     pub const SETTLE: &str = include_str!("scripts/settle.lua");
     pub const RENEW: &str = include_str!("scripts/renew.lua");
@@ -267,6 +269,7 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     claim: redis::Script::new(sources::CLAIM),
     adopt: redis::Script::new(sources::ADOPT),
     pop: redis::Script::new(sources::POP),
+    take: redis::Script::new(sources::TAKE),
     release_unique: redis::Script::new(sources::RELEASE_UNIQUE),
     settle: redis::Script::new(sources::SETTLE),
     renew: redis::Script::new(sources::RENEW),

@@ -68,26 +68,19 @@ fn wait_claimed(config: &Path, count: u64) {
     );
 }
 
-/// Waits until the testkit recorded `count` runs that started.
-fn wait_started(dir: &TestDir, count: usize) {
+/// Waits until the testkit recorded `count` runs that `what` ("started", "ended"): the records' `starts` or
+/// `ends`.
+fn wait_runs(dir: &TestDir, count: usize, what: &str) {
     eventually(
         Duration::from_secs(60),
-        &format!("{count} runs started"),
+        &format!("{count} runs {what}"),
         || {
             let records = dir.records();
-            (records.starts.len() >= count, records.lines)
-        },
-    );
-}
-
-/// Waits until the testkit recorded `count` runs that returned.
-fn wait_ended(dir: &TestDir, count: usize) {
-    eventually(
-        Duration::from_secs(60),
-        &format!("{count} runs ended"),
-        || {
-            let records = dir.records();
-            (records.ends.len() >= count, records.lines)
+            let runs = match what {
+                "started" => records.starts.len(),
+                _ => records.ends.len(),
+            };
+            (runs >= count, records.lines)
         },
     );
 }
@@ -118,7 +111,7 @@ fn settle_together(
     tasks.extend(big);
     client(config).push_batch("jobs", tasks).unwrap();
     let daemon = Process::start(config, dir.path("daemon.log"));
-    wait_started(dir, count + 1);
+    wait_runs(dir, count + 1, "started");
     limit_memory(redis, headroom);
     std::fs::write(&blocker_gate, "").unwrap();
     // Settled: the acker is in the blocker's hook.
@@ -126,7 +119,7 @@ fn settle_together(
         s.dead_lettered == 1
     });
     std::fs::write(&gate, "").unwrap();
-    wait_ended(dir, count + 1);
+    wait_runs(dir, count + 1, "ended");
     assert!(
         dir.records().deads.is_empty(),
         "the runs ended while the acker was in the blocker's hook (a slow machine? dead_sleep_ms is 5 s)"
@@ -302,4 +295,100 @@ fn a_claim_of_large_tasks_is_recovered_in_windows_by_another_daemons_monitor() {
     );
     daemon.stop();
     assert_eq!(s.processing, 0, "{s:?}");
+}
+
+/// Pushes `count` tasks of 1 MiB each to `level` of `jobs`, ids `{prefix}{i}`, ten at a time.
+fn push_mib_tasks(config: &Path, level: &str, prefix: &str, count: usize) {
+    let data = serde_json::json!({ "pad": "x".repeat(1 << 20) }).to_string();
+    for chunk in 0..count.div_ceil(10) {
+        let tasks: Vec<kmqd::NewTask> = (chunk * 10..count.min(chunk * 10 + 10))
+            .map(|i| {
+                kmqd::NewTask::new("test", &data)
+                    .unwrap()
+                    .id(format!("{prefix}{i}"))
+                    .priority(level)
+            })
+            .collect();
+        client(config).push_batch("jobs", tasks).unwrap();
+    }
+}
+
+/// Runs `jobs` (already pushed, `count` tasks) in a daemon of `queue` whose connection goes through a proxy,
+/// with Redis dropping a client whose replies wait past 70 MiB; returns the proxy, to see what was sent.
+fn run_with_replies_bounded(
+    redis: &RedisServer,
+    dir: &TestDir,
+    queue: &str,
+    count: u64,
+) -> crate::support::proxy::FaultProxy {
+    let _: String = redis.cmd(&[
+        "CONFIG",
+        "SET",
+        "client-output-buffer-limit",
+        "normal 70mb 0 0",
+    ]);
+    let proxy = crate::support::proxy::FaultProxy::start(redis);
+    let through = dir.config_named(
+        "through.toml",
+        &format!("url = \"{}\"", proxy.url()),
+        "shutdown_grace = \"5s\"",
+        queue,
+        &dir.record_file(),
+    );
+    let daemon = TestDaemon::start(&through);
+    let s = wait_stats(&through, Duration::from_secs(120), "the backlog run", |s| {
+        s.done == count
+    });
+    daemon.stop();
+    assert_eq!((s.ready, s.dead), (0, 0), "{s:?}");
+    proxy
+}
+
+/// A default-mode pop hands the daemon at most 64 MiB of tasks (one more if the first is larger), through pop.lua
+/// (which puts back what it popped past that) and through the plain pop (take.lua, which copies no more than that
+/// out of the list): Redis drops a client whose replies wait past 70 MiB, so a pop of the whole backlog (150 MiB)
+/// is lost with its tasks. Both ways are seen on the wire.
+#[test]
+fn a_pop_takes_no_more_bytes_than_its_budget_either_way() {
+    use crate::support::proxy::Matcher;
+    use kmqd::broker::sources;
+
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    // Room for the whole backlog: what bounds a pop is its bytes.
+    let queue = default_queue("workers = 2\nprefetch = 200");
+    push_mib_tasks(&dir.config(&redis, &queue), "normal", "big-", 150);
+    // Loaded, as a daemon that ran before would have left it: the first plain pop then runs it at once (not
+    // pop.lua in its place), with 86 MiB left after pop.lua's first 64.
+    let _: String = redis.cmd(&["SCRIPT", "LOAD", sources::TAKE]);
+    let proxy = run_with_replies_bounded(&redis, &dir, &queue, 150);
+    for script in [sources::POP, sources::TAKE] {
+        assert!(
+            proxy.seen(&Matcher::script(script)) > 0,
+            "both ways of popping were used"
+        );
+    }
+}
+
+/// A pop by turns between weighted levels (pop.lua) puts back what it took past its bytes to the level each
+/// task came from, in its order: every task runs, each level's in the order pushed.
+#[test]
+fn a_pop_by_turns_puts_back_each_levels_tasks_past_its_bytes() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let queue = default_queue(
+        "workers = 1\nprefetch = 200\npriorities = [\"high\", \"low\"]\npriority_weights = [1, 1]",
+    );
+    let config = dir.config(&redis, &queue);
+    push_mib_tasks(&config, "high", "high-", 50);
+    push_mib_tasks(&config, "low", "low-", 50);
+    run_with_replies_bounded(&redis, &dir, &queue, 100);
+    let starts = dir.records().starts;
+    for level in ["high-", "low-"] {
+        let order: Vec<usize> = starts
+            .iter()
+            .filter_map(|(id, _)| id.strip_prefix(level)?.parse().ok())
+            .collect();
+        assert_eq!(order, (0..50).collect::<Vec<_>>(), "{level} in order");
+    }
 }
