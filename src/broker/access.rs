@@ -502,8 +502,9 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "multi",
         roles: &[D, R, O],
-        why: "the transactions: default mode's plain pop (the clock and LMPOP), safe mode's claim (the script \
-              and its lists), and `kmqd stats`'s snapshot (every depth and counter of a queue read at one instant)",
+        why: "the transactions: default mode's plain pop (take.lua and the list it filled), safe mode's claim \
+              (the script and its lists), and `kmqd stats`'s snapshot (every depth and counter of a queue read at \
+              one instant)",
     },
     Command {
         name: "exec",

@@ -237,6 +237,28 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_status_line_counts_the_outcomes_redis_refuses() {
+        let config = crate::config::Config::parse(
+            std::path::Path::new("kmqd.toml"),
+            "[[queues]]\nname = \"mail\"\nmode = \"safe\"\n",
+        )
+        .unwrap();
+        let context = crate::queue::QueueContext::new(&config, &config.queues[0], "daemon");
+        let lane = Arc::new(Lane::new(
+            Arc::new(context),
+            "h-1-2-ab",
+            std::time::Instant::now(),
+        ));
+        let lanes = [Arc::clone(&lane)];
+        assert_eq!(summary(&lanes), "serving 1 queue, 0 tasks held");
+        lane.refused_outcomes.store(2, Ordering::Release);
+        assert_eq!(
+            summary(&lanes),
+            "serving 1 queue, 0 tasks held, 2 outcomes refused by Redis"
+        );
+    }
+
+    #[test]
     fn the_lane_bounds_add_up_every_wait_of_a_turn() {
         let parse = |text: &str| {
             crate::config::Config::parse(std::path::Path::new("kmqd.toml"), text).unwrap()
