@@ -350,6 +350,18 @@ impl Client {
         )?)
     }
 
+    /// What each of `limits` (the queue's `[[queues.limits]]`, from a config) counts now: running, rate windows,
+    /// tasks held back ([`broker::type_usage`]).
+    pub fn type_usage(
+        &self,
+        queue: &str,
+        limits: &[crate::config::TypeLimit],
+    ) -> Result<Vec<broker::TypeUsage>, ClientError> {
+        let info = self.queue(queue)?;
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        Ok(broker::type_usage(&mut **connection, &info.keys, limits)?)
+    }
+
     /// At most `limit` tasks from the head of each ready list, and the `limit` delayed tasks and retries due
     /// soonest: what the dashboard's queue page shows.
     pub fn peek(&self, queue: &str, limit: usize) -> Result<broker::peek::Waiting, ClientError> {

@@ -43,6 +43,9 @@ impl QueueContext {
             max_running: self.config.max_running,
             rate_limit: &self.config.rate_limit,
             priority_weights: &self.config.priority_weights,
+            type_limits: &self.config.type_limits,
+            drained_types: &[],
+            foreign_type_field: self.config.foreign_type_field.as_deref(),
         }
     }
 
@@ -119,6 +122,7 @@ impl QueueContext {
             queue: &self.config.name,
             daemon: &self.daemon_id,
             levels: &self.keys.levels,
+            type_limits: &self.config.type_limits,
         };
         settlement::decide(&self.policy, &origin, verdict, ran, task)
     }

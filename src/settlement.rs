@@ -85,6 +85,8 @@ pub struct Origin<'a> {
     pub daemon: &'a str,
     /// The queue's priority levels, highest first: a record names its task's level.
     pub levels: &'a [String],
+    /// The queue's `[[queues.limits]]`: a throttle of a task of a listed type holds back that type, not the queue.
+    pub type_limits: &'a [crate::config::TypeLimit],
 }
 
 /// The task a settlement is for, as its resolver holds it: everything the record is made of besides the decision.
@@ -193,11 +195,20 @@ pub fn record(
             };
             (base(op, next.encode().into_bytes()), None)
         }
-        // Exactly as it was taken, as a hand-back: nothing of the task changed (the stats count throttles).
-        (Action::Throttle { after, .. }, _) => (
-            base(SettleOp::Throttle { after: *after }, payload.to_vec()),
-            None,
-        ),
+        // Exactly as it was taken, as a hand-back: nothing of the task changed (the stats count throttles). A task
+        // of a type with its own limits throttles its type (issue 33: "a task without a group: its type, or the
+        // queue"); any other, the queue.
+        (Action::Throttle { after, .. }, _) => {
+            let kind = envelope
+                .map(|e| &*e.kind)
+                .filter(|kind| origin.type_limits.iter().any(|limit| limit.kind == *kind))
+                .map(str::to_string);
+            let op = SettleOp::Throttle {
+                after: *after,
+                kind,
+            };
+            (base(op, payload.to_vec()), None)
+        }
         (Action::Recover { .. }, None) => unreachable!("replaced by a dead letter above"),
         (Action::Dead { reason }, _) | (Action::Retry { reason, .. }, None) => {
             // A payload that is a JSON object but not an envelope still has its id found, for `task show`.
@@ -385,6 +396,7 @@ mod tests {
             queue: "mail",
             daemon: "host:1",
             levels: &[],
+            type_limits: &[],
         }
     }
 

@@ -200,6 +200,7 @@ impl Shape {
         if let Some(prefetch) = self.prefetch {
             let _ = writeln!(keys, "prefetch = {prefetch}");
         }
+        // Last, so that `extra` may end with a table of the queue's (`[[queues.limits]]`).
         keys.push_str(self.extra);
         keys
     }
@@ -374,8 +375,8 @@ impl Bench {
         });
         let text = format!(
             "[redis]\n{redis}\n\n[daemon]\nplugins_dir = \"{plugins}\"\nshutdown_grace = \"5s\"\nlog_level = \"warn\"\n\n\
-             [[queues]]\nname = \"q\"\nmode = \"{mode}\"\n{shape}\
-             lease_timeout = \"30s\"\n\n[plugins.testkit]\nfile = \"libkmq_testkit.so\"\n{record}\n",
+             [[queues]]\nname = \"q\"\nmode = \"{mode}\"\nlease_timeout = \"30s\"\n{shape}\
+             \n[plugins.testkit]\nfile = \"libkmq_testkit.so\"\n{record}\n",
             plugins = self.dir.path().join("plugins").display(),
             shape = shape.keys(),
         );

@@ -105,7 +105,8 @@ fn rate(bench: &Bench) -> Result<Figure, String> {
     ))
 }
 
-/// No-op drains by one daemon with `prefetch = 0`: no limit, `max_running` and `rate_limit` never reached.
+/// No-op drains by one daemon with `prefetch = 0`: no limit, `max_running` and `rate_limit` never reached, and a
+/// `[[queues.limits]]` entry (never reached) on another type and on the drained one.
 fn cost(bench: &Bench) -> Result<Vec<Figure>, String> {
     let o = &bench.options;
     let mut figures = Vec::new();
@@ -113,6 +114,16 @@ fn cost(bench: &Bench) -> Result<Vec<Figure>, String> {
         ("no limit", ""),
         ("max_running 1000000", "max_running = 1000000\n"),
         ("rate_limit 100000000/s", "rate_limit = \"100000000/s\"\n"),
+        // [[queues.limits]]: the claim's flow path (payloads through Lua), routing with nothing to decode...
+        (
+            "type limit on another type",
+            "[[queues.limits]]\ntype = \"other\"\nrate_limit = \"100000000/s\"\n",
+        ),
+        // ...and with every task decoded and counted in its type's scope.
+        (
+            "type limit on its type",
+            "[[queues.limits]]\ntype = \"test\"\nrate_limit = \"100000000/s\"\n",
+        ),
     ] {
         let shape = Shape {
             workers: o.workers,
@@ -120,7 +131,11 @@ fn cost(bench: &Bench) -> Result<Vec<Figure>, String> {
             prefetch: Some(0),
             extra,
         };
-        let name = format!("limits-cost-{}", what.split(' ').next().unwrap_or(what));
+        let name: String = what
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+            .collect();
+        let name = format!("limits-cost-{name}");
         let config = bench.config_on(&bench.own().section, &name, "safe", None, shape)?;
         let (mut rates, mut daemon_cpu, mut redis_cpu) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..o.runs {

@@ -212,6 +212,8 @@ fn one_round(
             got.len()
         }
         Shape::PopLua => {
+            // pop.lua pops only under a live lease.
+            lease(conn)?;
             let p = |suffix: &str| format!("kmq:{{q}}:{suffix}");
             let mut pop = scripts.pop.prepare_invoke();
             for key in [
@@ -222,6 +224,7 @@ fn one_round(
                 "running",
                 "popped-running:o",
                 "sched",
+                "owners",
             ] {
                 pop.key(p(key));
             }

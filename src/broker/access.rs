@@ -355,14 +355,14 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "hset",
         roles: &[D],
-        why: "owners' registrations, schedules' last slots, unique ids \
-              popped in default mode",
+        why: "owners' registrations, schedules' last slots",
     },
     Command {
         name: "hsetnx",
         roles: &[D, P, O],
         why: "records the protocol version; push.lua stores a delayed task and takes a unique id (and \
-              dead_requeue.lua takes it again)",
+              dead_requeue.lua takes it again, as settle.lua does for a task queued again after its owner lost \
+              it); pop.lua records the owner that popped a unique task",
     },
     Command {
         name: "hdel",
@@ -419,6 +419,13 @@ pub const COMMANDS: &[Command] = &[
         name: "zcard",
         roles: &[D, R, O],
         why: "stats count delayed and retrying tasks",
+    },
+    Command {
+        name: "scan",
+        roles: &[D],
+        why: "at start and after a reload that drops a priority level, the daemon looks for the keys of levels its \
+              config does not name that still hold tasks, to warn of them (without this rule it warns that it \
+              cannot look)",
     },
     Command {
         name: "zscan",
@@ -694,6 +701,7 @@ const DAEMON: &[(&str, On)] = &[
     ("ltrim", key(K::Quarantine)),
     ("ltrim", key(K::Taking)),
     ("lpop", key(K::Quarantine)),
+    ("lpop", key(K::ClaimList)),
     ("rpush", key(K::ClaimList)),
     ("del", key(K::ClaimList)),
     ("zadd", key(K::Processing)),
@@ -741,10 +749,10 @@ const DAEMON: &[(&str, On)] = &[
     // The owner's journal, in claim.lua, adopt.lua, renew.lua and settle.lua.
     ("hincrby", key(K::OwnerInfo)),
     ("type", key(K::OwnerInfo)),
-    // pop.lua.
+    // pop.lua (its lease check is claim.lua's ZSCORE, above).
     ("hlen", key(K::Unique)),
     ("hexists", key(K::Unique)),
-    ("hset", key(K::UniquePopped)),
+    ("hsetnx", key(K::UniquePopped)),
     // settle.lua.
     ("get", key(K::Settled)),
     ("set", key(K::Settled)),
@@ -771,14 +779,14 @@ const DAEMON: &[(&str, On)] = &[
     ("zrem", key(K::Processing)),
     ("hdel", key(K::Processing)),
     ("hdel", key(K::UniquePopped)),
+    ("hget", key(K::UniquePopped)), // and release_unique.lua
     ("hdel", key(K::Unique)),
+    ("hsetnx", key(K::Unique)),
     ("lpush", key(K::Ready)),
     ("lpush", key(K::Quarantine)),
     ("zadd", key(K::Retry)),
     ("zrange", key(K::Retry)),
     ("publish", CHANNEL),
-    // release_unique.lua.
-    ("hget", key(K::UniquePopped)),
     // register.lua, renew.lua, release.lua.
     ("zadd", key(K::Owners)),
     ("zrem", key(K::Owners)),
@@ -1468,10 +1476,14 @@ mod tests {
             // made from an older kmqd's rules is not refused for lacking them. INFO is asked for by no check:
             // without it the policy goes unread, with a warning (`eviction::read`), and a user of rules older than
             // the policy check keeps working.
+            // SCAN likewise: without it the daemon cannot look for the keys of levels its config dropped, and
+            // says so (`broker::levels`).
             documented.retain(|name| {
                 !matches!(
                     (role, *name),
-                    (Role::Producer, "eval" | "type" | "hget") | (_, "info")
+                    (Role::Producer, "eval" | "type" | "hget")
+                        | (_, "info")
+                        | (Role::Daemon, "scan")
                 )
             });
             let mut checked: Vec<&str> = role.needs().iter().map(|(name, _)| *name).collect();
@@ -1617,6 +1629,7 @@ mod tests {
         let sources = [
             include_str!("tasks.rs"),
             include_str!("owners.rs"),
+            include_str!("levels.rs"),
             include_str!("stats.rs"),
             include_str!("lookup.rs"),
             include_str!("dead.rs"),

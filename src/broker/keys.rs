@@ -21,6 +21,54 @@ pub fn quarantine_stage(recovered: u32) -> Option<usize> {
     }
 }
 
+/// A name as it is written inside a key or a scope: `%`, `:`, `{`, `}`, bytes up to the space and DEL
+/// percent-encoded, so that it cannot end a key's part early, change its hash tag or split a scopes line.
+pub fn encode_name(name: &str) -> String {
+    let mut bytes = Vec::with_capacity(name.len());
+    for byte in name.bytes() {
+        if matches!(byte, b'%' | b':' | b'{' | b'}' | 0..=0x20 | 0x7f) {
+            bytes.extend_from_slice(format!("%{byte:02X}").as_bytes());
+        } else {
+            bytes.push(byte);
+        }
+    }
+    // Only ASCII bytes were replaced, by ASCII: the rest is the name's own UTF-8, byte for byte.
+    String::from_utf8(bytes).expect("ASCII escapes keep UTF-8 valid")
+}
+
+/// The inverse of [`encode_name`] (a reader's view of a flow); `None` for a text no encoding made.
+pub fn decode_name(text: &str) -> Option<String> {
+    let mut bytes = Vec::with_capacity(text.len());
+    let mut rest = text.as_bytes();
+    while let Some((&byte, tail)) = rest.split_first() {
+        if byte == b'%' {
+            let hex = std::str::from_utf8(tail.get(..2)?).ok()?;
+            bytes.push(u8::from_str_radix(hex, 16).ok()?);
+            rest = &tail[2..];
+        } else {
+            bytes.push(byte);
+            rest = tail;
+        }
+    }
+    String::from_utf8(bytes).ok()
+}
+
+/// The running scope of a limited task type: `t:TYPE`, encoded ([`encode_name`]).
+pub fn type_scope(kind: &str) -> String {
+    format!("t:{}", encode_name(kind))
+}
+
+/// A flow's member in its ring, and the end of its list's key: `GROUP:TYPE`, each encoded; a flow of a type has
+/// no group (tasks without one), so `:TYPE`.
+pub fn flow_member(kind: &str) -> String {
+    format!(":{}", encode_name(kind))
+}
+
+/// The type of a ring member ([`flow_member`]), or `None` for a member this version does not make.
+pub fn member_type(member: &str) -> Option<String> {
+    decode_name(member.strip_prefix(':')?)
+}
+
 /// The keys (and the one pub/sub channel) of one queue.
 #[derive(Clone, Debug)]
 pub struct QueueKeys {
@@ -161,6 +209,11 @@ impl QueueKeys {
         )
     }
 
+    /// `PREFIX:{QUEUE}`, the start of every key of the queue.
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
     /// The keys of a configured queue.
     pub fn for_queue(prefix: &str, queue: &QueueConfig) -> QueueKeys {
         QueueKeys {
@@ -210,6 +263,37 @@ impl QueueKeys {
         let log = format!("{}:rate:q:{window_ms}", self.base);
         let sum = format!("{log}:sum");
         (log, sum)
+    }
+
+    /// The log of the starts of a task type's rate limit (`[[queues.limits]]`) over windows of `window_ms`, and
+    /// its sum: as [`QueueKeys::rate_log`], for the type's scope ([`type_scope`]).
+    pub fn type_rate_log(&self, kind: &str, window_ms: u64) -> (String, String) {
+        let log = format!("{}:rate:{}:{window_ms}", self.base, type_scope(kind));
+        let sum = format!("{log}:sum");
+        (log, sum)
+    }
+
+    /// The throttle of a task type with its own limits: as [`QueueKeys::throttle`], for that type only (a
+    /// handler's throttle of one of its tasks, settle.lua; claim.lua takes none of its tasks while it lives).
+    pub fn type_throttle(&self, kind: &str) -> String {
+        format!("{}:throttle:{}", self.base, type_scope(kind))
+    }
+
+    /// The ring of one level: zset flow member ([`flow_member`]) -> the ms it was added, naming the flows of the
+    /// level that may hold tasks (claim.lua's type limits), for the claims and for the readers.
+    pub fn ring(&self, level: usize) -> String {
+        format!("{}:ring:{}", self.base, self.levels[level])
+    }
+
+    /// The rings, one per level.
+    pub fn rings(&self) -> Vec<String> {
+        (0..self.levels()).map(|level| self.ring(level)).collect()
+    }
+
+    /// The flow of `member` ([`flow_member`]) at one level: a list of the tasks of a limited type that its limits
+    /// held back when a claim met them, oldest first (claim.lua, "Type limits").
+    pub fn flow(&self, level: usize, member: &str) -> String {
+        format!("{}:flow:{}:{member}", self.base, self.levels[level])
     }
 
     /// Safe mode: the running limits a claim list was counted under (`N q`: its N tasks count in [`QueueKeys::running`]'s
@@ -310,5 +394,24 @@ mod tests {
             &keys.throttle,
         ];
         assert!(all.iter().all(|key| key.starts_with("kmq:{mail}:")));
+    }
+
+    #[test]
+    fn a_limited_types_keys_stay_in_the_queues_slot_whatever_its_name() {
+        let keys = QueueKeys::new("kmq", "mail", &["high".into()]);
+        let kind = "report:{x} 5%é";
+        assert_eq!(type_scope(kind), "t:report%3A%7Bx%7D%205%25é");
+        assert_eq!(
+            keys.flow(0, &flow_member(kind)),
+            "kmq:{mail}:flow:high::report%3A%7Bx%7D%205%25é"
+        );
+        assert_eq!(keys.ring(0), "kmq:{mail}:ring:high");
+        assert_eq!(
+            keys.type_rate_log(kind, 1000).0,
+            "kmq:{mail}:rate:t:report%3A%7Bx%7D%205%25é:1000"
+        );
+        assert_eq!(member_type(&flow_member(kind)).as_deref(), Some(kind));
+        assert_eq!(member_type("nocolon"), None);
+        assert_eq!(decode_name("%zz"), None);
     }
 }

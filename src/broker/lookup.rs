@@ -35,10 +35,13 @@ pub enum Found {
         due_in_ms: i64,
         envelope: String,
     },
-    /// In a ready list; `position` 0 is the next to be taken.
+    /// In a ready list; `position` 0 is the next to be taken. `flow`: the limited type whose flow it waits in,
+    /// held back by its type's limits (claim.lua, "Type limits"); `position` is then its place in that flow.
     Ready {
         level: String,
         position: u64,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        flow: Option<String>,
         envelope: String,
     },
     /// Claimed by a daemon (safe mode): the daemon's owner id and the task's token (claim.position);
@@ -231,12 +234,24 @@ fn locate_ready(
     wanted: &Wanted<'_>,
     found: &mut Vec<(String, Found)>,
 ) -> Result<()> {
-    for (level, list) in keys.ready.iter().enumerate() {
+    let flows = super::flows::flows(conn, keys)?;
+    let lists = keys
+        .ready
+        .iter()
+        .enumerate()
+        .map(|(level, list)| (level, list, None))
+        .chain(
+            flows
+                .iter()
+                .map(|flow| (flow.level, &flow.key, Some(&flow.kind))),
+        );
+    for (level, list, flow) in lists {
         scan_list(conn, list, |position, payload| {
             if let Some(id) = wanted.matching(&payload) {
                 let place = Found::Ready {
                     level: keys.levels[level].clone(),
                     position,
+                    flow: flow.cloned(),
                     envelope: payload,
                 };
                 found.push((id, place));
@@ -353,9 +368,15 @@ pub fn cancel(conn: &mut Conn, keys: &QueueKeys, ids: &[&str]) -> Result<HashMap
                 envelope,
             ),
             Found::Ready {
-                level, envelope, ..
+                level,
+                flow,
+                envelope,
+                ..
             } => (
-                &keys.ready[level_of(level)],
+                &match flow {
+                    Some(kind) => keys.flow(level_of(level), &super::keys::flow_member(kind)),
+                    None => keys.ready[level_of(level)].clone(),
+                },
                 "list",
                 envelope.as_str(),
                 "",
@@ -428,6 +449,7 @@ mod tests {
         let ready = Found::Ready {
             level: "normal".into(),
             position: 0,
+            flow: None,
             envelope: String::new(),
         };
         let running = Found::Processing {

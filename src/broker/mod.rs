@@ -22,8 +22,10 @@ pub mod admin;
 pub mod connection;
 pub mod dead;
 pub mod eviction;
+pub mod flows;
 pub mod history;
 pub mod keys;
+pub mod levels;
 pub mod lookup;
 mod node;
 pub mod owners;
@@ -46,7 +48,7 @@ pub use keys::QueueKeys;
 pub use lookup::{Found, Scope};
 pub use owners::{OwnerInfo, Renewal, owner_info, owners, register, release, renew};
 pub use schedule::{Fired, fire, schedule_state};
-pub use stats::{QueueStats, Rates, check_protocol, rate_used, stats};
+pub use stats::{QueueStats, Rates, TypeUsage, check_protocol, rate_used, stats, type_usage};
 pub use tasks::{
     Batch, Call, ClaimLimits, Due, Fence, Holder, Isolation, Limited, PopLimits, Popper, PushItem,
     SettleOp, Settled, Settlement, Taken, adopt, claim, move_sources, promote, push,
@@ -233,11 +235,13 @@ struct Scripts {
 /// The scripts' sources, for tests that pick out one script's calls (a fault-injecting proxy matches them).
 pub mod sources {
     /// claim.lua and pop.lua both count a rate limit's starts and split a take between weighted levels:
-    /// rate.lua and turns.lua, their shared parts, go before each (after the shebang, which must open a script).
+    /// rate.lua and turns.lua, their shared parts, go before each (after the shebang, which must open a script);
+    /// types.lua, the limits per task type, before claim.lua.
     pub const CLAIM: &str = concat!(
         "#!lua\n",
         include_str!("scripts/rate.lua"),
         include_str!("scripts/turns.lua"),
+        include_str!("scripts/types.lua"),
         include_str!("scripts/claim.lua")
     );
     pub const ADOPT: &str = include_str!("scripts/adopt.lua");

@@ -34,7 +34,8 @@ pub fn check_protocol(conn: &mut dyn ConnectionLike, keys: &QueueKeys, queue: &s
 /// A queue's depth and counters, as `kmqd stats` shows them.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct QueueStats {
-    /// Tasks waiting in the ready lists (quarantined ones included).
+    /// Tasks waiting in the ready lists (quarantined ones included, and those of a limited type waiting in its
+    /// flow: claim.lua, "Type limits").
     pub ready: u64,
     /// Ready tasks per level, highest first (a JSON object in level order): the configured levels, then any
     /// other level a registered owner claims from.
@@ -173,20 +174,26 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
 /// How many times [`stats`] reads when the owners change under it.
 const SNAPSHOT_ATTEMPTS: usize = 4;
 
-/// The registered owners of a queue and the levels each records (`None`: the queue's configured ones).
+/// The registered owners of a queue and the levels each records (`None`: the queue's configured ones), and the
+/// flows its levels' rings name (type limits: claim.lua moves the tasks a type's limits hold back there), each
+/// level's members in ring order: the keys a snapshot reads beyond the queue's fixed ones.
 #[derive(PartialEq)]
 struct Owners {
     ids: Vec<String>,
     levels: Vec<Option<String>>,
+    rings: Vec<Vec<String>>,
 }
 
 impl Owners {
     fn read(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<Owners> {
-        let ids: Vec<String> = redis::cmd("ZRANGE")
-            .arg(&keys.owners)
-            .arg(0)
-            .arg(-1)
-            .query(conn)?;
+        let mut pipe = redis::pipe();
+        pipe.cmd("ZRANGE").arg(&keys.owners).arg(0).arg(-1);
+        for ring in keys.rings() {
+            pipe.cmd("ZRANGE").arg(ring).arg(0).arg(-1);
+        }
+        let mut replies = Replies(pipe.query::<Vec<Value>>(conn)?.into_iter());
+        let ids: Vec<String> = replies.one()?;
+        let rings = replies.many(keys.levels())?;
         let levels = if ids.is_empty() {
             Vec::new()
         } else {
@@ -196,7 +203,7 @@ impl Owners {
             }
             pipe.query(conn)?
         };
-        Ok(Owners { ids, levels })
+        Ok(Owners { ids, levels, rings })
     }
 }
 
@@ -221,21 +228,86 @@ pub fn rate_used(
     let now_ms = time_ms(replies.one()?);
     windows_ms
         .iter()
-        .map(|window| {
-            let log: Vec<String> = replies.one()?;
-            let since = now_ms.saturating_sub(i64::try_from(*window).unwrap_or(i64::MAX));
-            let mut used = 0;
-            for entry in &log {
-                let parsed = entry.split_once(' ').and_then(|(ms, count)| {
-                    Some((ms.parse::<i64>().ok()?, count.parse::<u64>().ok()?))
-                });
-                let (ms, count) =
-                    parsed.ok_or_else(|| reply_error("rate log", format!("entry {entry:?}")))?;
-                if ms > since {
-                    used += count;
-                }
-            }
-            Ok(used)
+        .map(|window| used_in(&replies.one::<Vec<String>>()?, *window, now_ms))
+        .collect()
+}
+
+/// The starts a rate log (`MS COUNT` entries) holds within `window_ms` of `now_ms`.
+fn used_in(log: &[String], window_ms: u64, now_ms: i64) -> Result<u64> {
+    let since = now_ms.saturating_sub(i64::try_from(window_ms).unwrap_or(i64::MAX));
+    let mut used = 0;
+    for entry in log {
+        let parsed = entry
+            .split_once(' ')
+            .and_then(|(ms, count)| Some((ms.parse::<i64>().ok()?, count.parse::<u64>().ok()?)));
+        let (ms, count) =
+            parsed.ok_or_else(|| reply_error("rate log", format!("entry {entry:?}")))?;
+        if ms > since {
+            used += count;
+        }
+    }
+    Ok(used)
+}
+
+/// What one `[[queues.limits]]` entry counts now ([`type_usage`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TypeUsage {
+    /// Its tasks taken and not yet settled (under a `max_running`; 0 without one).
+    pub running: u64,
+    /// The starts each of its rate windows holds now, in the entry's order.
+    pub rate_used: Vec<u64>,
+    /// Its tasks held back in its flows, over every level.
+    pub waiting: u64,
+    /// How long its throttle (a handler's back-pressure on one of its tasks) still lasts, ms; `None`: none.
+    pub throttle_ms: Option<i64>,
+}
+
+/// What each of `limits` (a queue's `[[queues.limits]]`) counts now, in one transaction: its running count,
+/// its rate windows' starts (as [`rate_used`]) and its tasks waiting in its flows.
+pub fn type_usage(
+    conn: &mut dyn ConnectionLike,
+    keys: &QueueKeys,
+    limits: &[crate::config::TypeLimit],
+) -> Result<Vec<TypeUsage>> {
+    if limits.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut pipe = redis::pipe();
+    pipe.atomic().cmd("TIME");
+    for limit in limits {
+        pipe.cmd("HGET")
+            .arg(&keys.running)
+            .arg(super::keys::type_scope(&limit.kind));
+        for rate in &limit.rate_limit {
+            let (log, _) = keys.type_rate_log(&limit.kind, rate.window_ms());
+            pipe.cmd("LRANGE").arg(log).arg(0).arg(-1);
+        }
+        let member = super::keys::flow_member(&limit.kind);
+        for level in 0..keys.levels() {
+            pipe.cmd("LLEN").arg(keys.flow(level, &member));
+        }
+        pipe.cmd("PTTL").arg(keys.type_throttle(&limit.kind));
+    }
+    let mut replies = Replies(pipe.query::<Vec<Value>>(conn)?.into_iter());
+    let now_ms = time_ms(replies.one()?);
+    limits
+        .iter()
+        .map(|limit| {
+            let running: Option<u64> = replies.one()?;
+            let rate_used = limit
+                .rate_limit
+                .iter()
+                .map(|rate| used_in(&replies.one::<Vec<String>>()?, rate.window_ms(), now_ms))
+                .collect::<Result<Vec<u64>>>()?;
+            let waiting: Vec<u64> = replies.many(keys.levels())?;
+            // -2: none; -1: set by hand without an expiry (claims look at it again every second).
+            let throttle_ttl: i64 = replies.one()?;
+            Ok(TypeUsage {
+                running: running.unwrap_or(0),
+                rate_used,
+                waiting: waiting.iter().sum(),
+                throttle_ms: (throttle_ttl != -2).then_some(throttle_ttl.max(0)),
+            })
         })
         .collect()
 }
@@ -262,6 +334,17 @@ fn snapshot(
         processing_keys.extend(keys.with_levels(&owned).processing_all(owner));
     }
     let kinds = super::processing::kinds(conn, &processing_keys)?;
+    let flows: Vec<(usize, String)> = owners
+        .rings
+        .iter()
+        .enumerate()
+        .flat_map(|(level, members)| {
+            members
+                .iter()
+                .map(move |member| (level, keys.flow(level, member)))
+        })
+        .collect();
+    let rings = keys.rings();
     let keys = &keys.with_levels(&levels);
     let mut pipe = redis::pipe();
     // First a key of the queue's: in a cluster a pipeline goes to its first key's node (`broker::Conn`).
@@ -269,6 +352,12 @@ fn snapshot(
     pipe.cmd("ZRANGE").arg(&keys.owners).arg(0).arg(-1);
     for owner in &owners.ids {
         pipe.cmd("HGET").arg(keys.owner_info(owner)).arg("levels");
+    }
+    for ring in &rings {
+        pipe.cmd("ZRANGE").arg(ring).arg(0).arg(-1);
+    }
+    for (_, flow) in &flows {
+        pipe.cmd("LLEN").arg(flow);
     }
     for key in keys.ready.iter().chain(&keys.quarantine) {
         pipe.cmd("LLEN").arg(key);
@@ -290,9 +379,14 @@ fn snapshot(
     let now = Owners {
         ids: replies.one()?,
         levels: replies.many(owners.ids.len())?,
+        rings: replies.many(rings.len())?,
     };
+    let flow_counts: Vec<u64> = replies.many(flows.len())?;
     let level_count = levels.len();
-    let ready_counts: Vec<u64> = replies.many(level_count)?;
+    let mut ready_counts: Vec<u64> = replies.many(level_count)?;
+    for ((level, _), count) in flows.iter().zip(flow_counts) {
+        ready_counts[*level] += count;
+    }
     // Stage-major: each stage's lists over the levels; summed per level.
     let quarantine_counts: Vec<u64> = replies.many(keys.quarantine.len())?;
     let quarantined: Vec<u64> = (0..level_count)

@@ -6,9 +6,10 @@ use std::time::Duration;
 use redis::{ConnectionLike, Value};
 
 use super::Conn;
+use crate::config::TypeLimit;
 use crate::config::rate::RateLimit;
 
-use super::keys::QUARANTINE_GROUPS;
+use super::keys::{self, QUARANTINE_GROUPS};
 use super::payloads::{Gather, Payloads};
 use super::{BrokerError, QueueKeys, Result, SCRIPTS, Token, TokenId, int, reply_error};
 
@@ -84,9 +85,15 @@ pub fn push(
 pub struct Taken {
     /// Safe mode: the claim token that fences its settlement; `None` in default mode.
     pub token: Option<Token>,
-    /// Default mode under a running limit: the owner that popped it, whose share of the running count it is
-    /// (pop.lua); its settlement subtracts from that share.
+    /// Default mode: the owner that popped it, when Redis keeps something of the task under that owner: its
+    /// running slot (a running limit: the owner's share of the count, which its settlement subtracts from) or
+    /// its unique id (`holds_unique`). `None` otherwise: the task left Redis for good.
     pub popped_by: Option<Arc<str>>,
+    /// Default mode: pop.lua recorded the task's unique id as held by `popped_by` (the unique-popped hash). The
+    /// id is freed by this task's settlement only while that owner still holds it, and the task starts only
+    /// while that owner's lease is surely live: once it ran out, a monitor frees the id and a newer task with it
+    /// may run (pop.lua, "The holder").
+    pub holds_unique: bool,
     /// Index of the level it came from.
     pub level: usize,
 }
@@ -122,13 +129,18 @@ pub enum Limited {
     /// A handler throttled the queue (back-pressure) until `retry_at_ms` (the batch's clock: Redis's, or 0 for a
     /// plain pop, whose batch carries no time).
     Throttle { retry_at_ms: i64 },
+    /// Tasks wait, but their types' limits (`[[queues.limits]]`) hold every one back: a settle that frees a
+    /// type's slot, or a push, pushes a wake-up marker; a type's rate window lets a start go at `retry_at_ms`
+    /// (Redis's clock; 0: none is waiting for its rate).
+    Types { retry_at_ms: i64 },
 }
 
 impl Limited {
     /// Until when (the batch's clock) the fetcher should not fetch again; `None`: until a settle's wake-up.
     pub fn retry_at_ms(self) -> Option<i64> {
         match self {
-            Limited::Running => None,
+            // Other tasks may come meanwhile: the fetcher waits for a wake-up marker, at most until then.
+            Limited::Running | Limited::Types { .. } => None,
             Limited::Rate { retry_at_ms } | Limited::Throttle { retry_at_ms } => Some(retry_at_ms),
         }
     }
@@ -139,6 +151,7 @@ impl Limited {
             Limited::Running => "max_running",
             Limited::Rate { .. } => "rate_limit",
             Limited::Throttle { .. } => "throttle",
+            Limited::Types { .. } => "limits",
         }
     }
 }
@@ -177,6 +190,55 @@ pub struct ClaimLimits<'a> {
     /// The queue's `priority_weights` (empty: strict order): the claim splits its tasks between the levels that
     /// have some by their turns (turns.lua).
     pub priority_weights: &'a [u32],
+    /// The queue's `[[queues.limits]]`: the claim takes a task of a listed type only while its type's limits
+    /// admit it too, and moves the others of the type to its flow (claim.lua, "Type limits").
+    pub type_limits: &'a [TypeLimit],
+    /// Types whose flows hold tasks though this config does not limit them (another config's, or this one's
+    /// before a reload): the claim drains them, unlimited, and routes nothing to them.
+    pub drained_types: &'a [String],
+    /// The queue's `foreign_type_field`: where a foreign payload's type is, for the routing of type limits.
+    pub foreign_type_field: Option<&'a str>,
+}
+
+/// claim.lua's type-limit block (types.lua): its keys, which follow the claim's, and its arguments, which follow
+/// the weights.
+fn type_block(keys: &QueueKeys, limits: &ClaimLimits<'_>) -> (Vec<String>, Vec<String>) {
+    let flows = limits.type_limits.len() + limits.drained_types.len();
+    let mut args = vec![
+        flows.to_string(),
+        limits.foreign_type_field.unwrap_or("").to_string(),
+    ];
+    if flows == 0 {
+        return (Vec::new(), args);
+    }
+    let mut block_keys = keys.rings();
+    let drained = limits
+        .drained_types
+        .iter()
+        .map(|kind| (kind, None, &[][..]));
+    let limited = limits
+        .type_limits
+        .iter()
+        .map(|limit| (&limit.kind, limit.max_running, &limit.rate_limit[..]));
+    for (kind, max_running, rates) in limited.chain(drained) {
+        let member = keys::flow_member(kind);
+        block_keys.extend((0..keys.levels()).map(|level| keys.flow(level, &member)));
+        block_keys.push(keys.type_throttle(kind));
+        let scope = keys::type_scope(kind);
+        args.extend([
+            kind.clone(),
+            member,
+            scope,
+            max_running.unwrap_or(0).to_string(),
+            rates.len().to_string(),
+        ]);
+        for rate in rates {
+            let (log, sum) = keys.type_rate_log(kind, rate.window_ms());
+            block_keys.extend([log, sum]);
+            args.extend([rate.window_ms().to_string(), rate.starts.to_string()]);
+        }
+    }
+    (block_keys, args)
 }
 
 /// Safe mode: claims up to `max` tasks into `owner`'s claim lists: a quarantined group, alone, when there is one
@@ -214,6 +276,8 @@ pub fn claim(
     if !limits.priority_weights.is_empty() {
         script_keys.push(keys.sched.clone());
     }
+    let (type_keys, type_args) = type_block(keys, limits);
+    script_keys.extend(type_keys);
     let mut eval = evalsha(&SCRIPTS.claim, &script_keys);
     eval.arg(&**owner)
         .arg(max)
@@ -231,6 +295,7 @@ pub fn claim(
     for weight in limits.priority_weights {
         eval.arg(*weight);
     }
+    eval.arg(type_args);
     let (reply, taken, collected) = script_then_lists(conn, super::sources::CLAIM, &eval, &lists)
         .map_err(|error| owner_error(error, owner))?;
     // Not replicated: a may-have-run error, which the fetcher resolves with adopt() as a lost reply.
@@ -261,6 +326,7 @@ pub fn claim(
             4 => Some(Limited::Running),
             5 => Some(Limited::Rate { retry_at_ms }),
             6 => Some(Limited::Throttle { retry_at_ms }),
+            7 => Some(Limited::Types { retry_at_ms }),
             _ => None,
         },
     })
@@ -356,6 +422,7 @@ fn claimed(
                     },
                 }),
                 popped_by: None,
+                holds_unique: false,
                 level,
             });
         }
@@ -607,6 +674,7 @@ fn pop_plain(conn: &mut Conn, keys: &QueueKeys, max: usize) -> Result<Option<Bat
         tasks.push(Taken {
             token: None,
             popped_by: None,
+            holds_unique: false,
             // `index` is 1-based when something was taken.
             level: pop_level(index.saturating_sub(1)),
         });
@@ -636,7 +704,8 @@ fn pop_script(
         .key(&keys.throttle)
         .key(&keys.running)
         .key(keys.popped_running(owner))
-        .key(&keys.sched);
+        .key(&keys.sched)
+        .key(&keys.owners);
     for list in pop_lists(keys) {
         invocation.key(list);
     }
@@ -658,9 +727,19 @@ fn pop_script(
     }
     invocation.arg(POP_BYTES);
     // The script's reply is depth 1, its list of tasks depth 2, the tasks depth 3.
-    type Reply = (i64, usize, Vec<Value>, i64, i64, i64, Vec<usize>);
-    let ((now_ms, list, items, held, state, retry_at_ms, counts), collected) =
-        conn.with_payloads(3, |conn| invocation.invoke::<Reply>(conn))?;
+    type Reply = (
+        i64,
+        usize,
+        Vec<Value>,
+        i64,
+        i64,
+        i64,
+        Vec<usize>,
+        Vec<usize>,
+    );
+    let ((now_ms, list, items, held, state, retry_at_ms, counts, recorded), collected) = conn
+        .with_payloads(3, |conn| invocation.invoke::<Reply>(conn))
+        .map_err(|error| owner_error(error, owner))?;
     let mut tasks = Vec::with_capacity(items.len());
     let mut payloads = Gather::new(collected);
     // One list's tasks, or (priority weights) each level's in level order, as many as `counts` says.
@@ -668,7 +747,9 @@ fn pop_script(
         .iter()
         .enumerate()
         .flat_map(|(level, count)| std::iter::repeat_n(level, *count));
-    for item in items {
+    // The 1-based positions of the tasks whose unique id the pop recorded, in order.
+    let mut recorded = recorded.into_iter().peekable();
+    for (position, item) in (1..).zip(items) {
         let level = match list {
             0 => levels
                 .next()
@@ -676,11 +757,19 @@ fn pop_script(
             list => pop_level(list - 1),
         };
         payloads.take(item, "pop")?;
+        let holds_unique = recorded.next_if_eq(&position).is_some();
         tasks.push(Taken {
             token: None,
-            popped_by: limits.max_running.map(|_| Arc::clone(owner)),
+            popped_by: (holds_unique || limits.max_running.is_some()).then(|| Arc::clone(owner)),
+            holds_unique,
             level,
         });
+    }
+    if let Some(position) = recorded.next() {
+        return Err(reply_error(
+            "pop",
+            format!("a unique id recorded at position {position}, not among its tasks"),
+        ));
     }
     let batch = Batch {
         now_ms,
@@ -836,9 +925,11 @@ pub enum SettleOp {
     },
     Dead,
     /// Back-pressure from the handler: to the front of its level, unchanged and uncharged, and the queue's throttle
-    /// key set to end in `after` unless a later throttle is set (settle.lua).
+    /// key set to end in `after` unless a later throttle is set (settle.lua); with `kind` (a type with its own
+    /// limits), to the front of that type's flow, and the type's throttle set instead.
     Throttle {
         after: Duration,
+        kind: Option<String>,
     },
 }
 
@@ -862,9 +953,11 @@ pub struct Settlement {
     pub op: SettleOp,
     /// Safe mode: where the task is held; `None` in default mode.
     pub token: Option<Token>,
-    /// Default mode under a running limit: the owner that popped the task ([`Taken::popped_by`]).
+    /// Default mode: the owner that popped the task, when Redis keeps its running slot or its unique id under
+    /// that owner ([`Taken::popped_by`]).
     pub popped_by: Option<Arc<str>>,
-    /// Released on ack or dead-letter when the task is unique.
+    /// Released on ack or dead-letter when the task is unique (in default mode, only while the owner that popped
+    /// it still holds it: settle.lua, "Unique ids").
     pub unique_id: Option<String>,
     pub level: usize,
     /// Retry/back: the envelope to queue; dead: the dead record (a JSON object); ack: unused.
@@ -883,12 +976,12 @@ impl Settlement {
 /// Whose tasks one settle call settles.
 #[derive(Clone, Copy, Debug, Eq)]
 pub enum Holder<'a> {
-    /// Default mode without a running limit: nobody holds them in Redis.
+    /// Default mode, tasks that left Redis for good: nobody holds anything of theirs in Redis.
     Nobody,
     /// Safe mode: the owner whose claim lists hold them.
     Claimed(&'a str),
-    /// Default mode under a running limit: the owner that popped them, whose share of the running count they
-    /// are (see settle.lua, "Running limits").
+    /// Default mode: the owner that popped them, under which Redis keeps their share of the running count (see
+    /// settle.lua, "Running limits") or their unique ids (settle.lua, "Unique ids").
     Popped(&'a str),
 }
 
@@ -991,7 +1084,7 @@ impl Touched {
 }
 
 /// Applies many outcomes in one round trip (`settle.lua`). Every settlement must be of `holder`'s tasks (in safe
-/// mode their tokens name it; in default mode under a running limit, their `popped_by`). Plain acknowledgements, the bulk of the traffic, go as a bitmap per claim that
+/// mode their tokens name it; in default mode, their `popped_by`). Plain acknowledgements, the bulk of the traffic, go as a bitmap per claim that
 /// the script merges into the claim's own; everything else goes as a record checked one by one. Sending the same
 /// `call` again returns what the first one did, without applying it twice.
 pub fn settle<'a>(
@@ -1003,9 +1096,10 @@ pub fn settle<'a>(
     holder: Holder<'_>,
     settlements: impl IntoIterator<Item = &'a Settlement> + Clone,
 ) -> Result<Settled> {
-    let owner = match holder {
-        Holder::Claimed(owner) => Some(owner),
-        Holder::Nobody | Holder::Popped(_) => None,
+    let (owner, popper) = match holder {
+        Holder::Claimed(owner) => (Some(owner), None),
+        Holder::Popped(popper) => (None, Some(popper)),
+        Holder::Nobody => (None, None),
     };
     // Bulk sections only for the owner: a monitor's settlements go through the lease check one by one.
     let bulk = |s: &Settlement| {
@@ -1066,6 +1160,29 @@ pub fn settle<'a>(
             .key(&keys.running)
             .key(keys.popped_running(popper));
     }
+    // Safe mode: the types whose throttles this call sets (a type's own throttle, flows and rings), each once.
+    let mut throttled_types: Vec<&str> = Vec::new();
+    if owner.is_some() {
+        for s in settlements.clone() {
+            if let SettleOp::Throttle {
+                kind: Some(kind), ..
+            } = &s.op
+                && !throttled_types.contains(&kind.as_str())
+            {
+                throttled_types.push(kind);
+            }
+        }
+    }
+    for kind in &throttled_types {
+        let member = keys::flow_member(kind);
+        invocation.key(keys.type_throttle(kind));
+        for level in 0..keys.levels() {
+            invocation.key(keys.flow(level, &member));
+        }
+        for level in 0..keys.levels() {
+            invocation.key(keys.ring(level));
+        }
+    }
     invocation
         .arg(match fence {
             Fence::Owner => "owner",
@@ -1074,7 +1191,7 @@ pub fn settle<'a>(
         .arg(dead_max)
         .arg(keys.levels())
         .arg(&keys.delay_channel)
-        .arg(owner.unwrap_or(""))
+        .arg(owner.or(popper).unwrap_or(""))
         .arg(call.number)
         .arg(touched.claims.len());
     for (level, claim, bits) in &touched.claims {
@@ -1085,7 +1202,10 @@ pub fn settle<'a>(
             .arg(bits.as_slice())
             .arg(count);
     }
-    invocation.arg(counted);
+    invocation.arg(counted).arg(throttled_types.len());
+    for kind in &throttled_types {
+        invocation.arg(keys::flow_member(kind));
+    }
     let mut records = 0;
     for s in settlements.clone().into_iter().filter(|s| !bulk(s)) {
         let (op, delay_ms) = match &s.op {
@@ -1102,7 +1222,17 @@ pub fn settle<'a>(
                 quarantine: Some(stage),
             } => ("recover_isolated", *stage as u64 + 1),
             SettleOp::Dead => ("dead", 0),
-            SettleOp::Throttle { after } => ("throttle", after.as_millis().max(1) as u64),
+            SettleOp::Throttle { after, .. } => ("throttle", after.as_millis().max(1) as u64),
+        };
+        // The type whose throttle a throttle sets (1-based among this call's; 0: the queue's).
+        let scope = match &s.op {
+            SettleOp::Throttle {
+                kind: Some(kind), ..
+            } => throttled_types
+                .iter()
+                .position(|throttled| throttled == kind)
+                .map_or(0, |at| at + 1),
+            _ => 0,
         };
         invocation.arg(op);
         match s.token.as_ref().map(|token| &token.id) {
@@ -1117,7 +1247,8 @@ pub fn settle<'a>(
             .arg(s.level + 1)
             .arg(delay_ms)
             .arg(&s.payload)
-            .arg(if s.failed { "1" } else { "0" });
+            .arg(if s.failed { "1" } else { "0" })
+            .arg(scope);
         records += 1;
     }
     let reply: Vec<i64> = invocation.invoke(conn)?;

@@ -28,7 +28,8 @@ pub(super) fn run_stats(config: &Config, json: bool) -> Result<(), Failure> {
             .map(|rate| rate.window_ms())
             .collect();
         let used = client.rate_used(name, &windows)?;
-        if let Some(line) = limits_line(queue, stats, &used) {
+        let types = client.type_usage(name, &queue.type_limits)?;
+        if let Some(line) = limits_line(queue, stats, &used, &types) {
             limits.push((name, line.0, line.1));
         }
     }
@@ -101,29 +102,85 @@ pub(super) fn run_stats(config: &Config, json: bool) -> Result<(), Failure> {
 }
 
 /// The line `kmqd stats` prints under its table for a queue with limits or a throttle (`api: running 20/20, held
-/// back · rate 200/200 per 1s, held back · throttled 1.2 s more`), and the same as JSON; `None` for a queue with
-/// neither. `used`: the starts each of its rate windows holds now ([`crate::Client::rate_used`]).
+/// back · rate 200/200 per 1s, held back · type "report": running 2/2, held back, 14 waiting · throttled 1.2 s
+/// more`), and the same as JSON; `None` for a queue with neither. `used`: the starts each of its rate windows
+/// holds now ([`crate::Client::rate_used`]); `types`: what each of its `[[queues.limits]]` counts.
 fn limits_line(
     queue: &crate::config::QueueConfig,
     stats: &QueueStats,
     used: &[u64],
+    types: &[crate::broker::TypeUsage],
 ) -> Option<(String, serde_json::Value)> {
     let mut parts = Vec::new();
     let mut json = serde_json::Map::new();
-    if let Some(limit) = queue.max_running {
-        let full = stats.running as usize >= limit;
+    json.extend(limit_parts(
+        &mut parts,
+        queue.max_running,
+        stats.running,
+        &queue.rate_limit,
+        used,
+    ));
+    let mut per_type = Vec::new();
+    for (limit, usage) in queue.type_limits.iter().zip(types) {
+        let mut type_parts = Vec::new();
+        let mut type_json = limit_parts(
+            &mut type_parts,
+            limit.max_running,
+            usage.running,
+            &limit.rate_limit,
+            &usage.rate_used,
+        );
+        type_json.insert("type".into(), limit.kind.clone().into());
+        type_json.insert("waiting".into(), usage.waiting.into());
+        if let Some(ms) = usage.throttle_ms {
+            type_parts.push(format!(
+                "throttled {} more",
+                humantime::format_duration(Duration::from_millis(ms as u64))
+            ));
+            type_json.insert("throttle_ms".into(), ms.into());
+        }
+        if usage.waiting > 0 {
+            type_parts.push(format!("{} waiting", usage.waiting));
+        }
+        parts.push(format!("type {:?}: {}", limit.kind, type_parts.join(", ")));
+        per_type.push(serde_json::Value::Object(type_json));
+    }
+    if !per_type.is_empty() {
+        json.insert("types".into(), serde_json::Value::Array(per_type));
+    }
+    if let Some(ms) = stats.throttle_ms {
         parts.push(format!(
-            "running {}/{limit}{}",
-            stats.running,
+            "throttled {} more",
+            humantime::format_duration(Duration::from_millis(ms as u64))
+        ));
+        json.insert("throttle_ms".into(), serde_json::Value::from(ms));
+    }
+    (!parts.is_empty()).then(|| (parts.join(" · "), serde_json::Value::Object(json)))
+}
+
+/// The words and the JSON of one scope's limits (the queue's, or a type's): its running count against its
+/// `max_running`, and each rate window's starts against its limit, each "held back" when full.
+fn limit_parts(
+    parts: &mut Vec<String>,
+    max_running: Option<usize>,
+    running: u64,
+    rate_limit: &[crate::config::rate::RateLimit],
+    used: &[u64],
+) -> serde_json::Map<String, serde_json::Value> {
+    let mut json = serde_json::Map::new();
+    if let Some(limit) = max_running {
+        let full = running as usize >= limit;
+        parts.push(format!(
+            "running {running}/{limit}{}",
             if full { ", held back" } else { "" }
         ));
         json.insert(
             "max_running".into(),
-            serde_json::json!({ "limit": limit, "running": stats.running, "held_back": full }),
+            serde_json::json!({ "limit": limit, "running": running, "held_back": full }),
         );
     }
     let mut rates = Vec::new();
-    for (rate, used) in queue.rate_limit.iter().zip(used) {
+    for (rate, used) in rate_limit.iter().zip(used) {
         let full = *used >= rate.starts;
         parts.push(format!(
             "rate {used}/{} per {}{}",
@@ -141,12 +198,5 @@ fn limits_line(
     if !rates.is_empty() {
         json.insert("rate_limit".into(), serde_json::Value::Array(rates));
     }
-    if let Some(ms) = stats.throttle_ms {
-        parts.push(format!(
-            "throttled {} more",
-            humantime::format_duration(Duration::from_millis(ms as u64))
-        ));
-        json.insert("throttle_ms".into(), serde_json::Value::from(ms));
-    }
-    (!parts.is_empty()).then(|| (parts.join(" · "), serde_json::Value::Object(json)))
+    json
 }

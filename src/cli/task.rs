@@ -76,9 +76,22 @@ pub(super) fn run_task(config: &Config, command: TaskCommand) -> Result<(), Fail
                     Found::Ready {
                         level,
                         position,
+                        flow: None,
                         envelope,
                     } => (
                         format!("ready, level {level}, {position} ahead of it"),
+                        envelope,
+                    ),
+                    Found::Ready {
+                        level,
+                        position,
+                        flow: Some(kind),
+                        envelope,
+                    } => (
+                        format!(
+                            "ready, level {level}, held back by the limits of type {kind:?} \
+                             ([[queues.limits]]), {position} of its type ahead of it"
+                        ),
                         envelope,
                     ),
                     Found::Processing {

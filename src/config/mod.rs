@@ -320,6 +320,10 @@ pub struct QueueConfig {
     /// At most so many task starts in any window of each of these lengths, across every daemon (docs/CONFIG.md):
     /// claim.lua takes no more, on Redis's clock; empty: no limit.
     pub rate_limit: Vec<rate::RateLimit>,
+    /// `[[queues.limits]]`: limits of single task types, each across every daemon as the queue's are, taken
+    /// together with them (docs/CONFIG.md); empty: none. A type listed here waits in a list of its own while its
+    /// limits hold it back, so that it never blocks the queue's other tasks (claim.lua, "Type limits").
+    pub type_limits: Vec<TypeLimit>,
     /// Turns between the levels that have tasks, by these weights (smooth weighted round-robin, one per level in
     /// `priorities`' order: docs/CONFIG.md); empty: strict order, the highest level first.
     pub priority_weights: Vec<u32>,
@@ -569,6 +573,20 @@ pub mod defaults {
 
 /// The largest claim batch: Lua's `unpack` fails past ~8,000 values and a claim passes two per task.
 pub const MAX_BATCH: usize = 1000;
+
+/// One `[[queues.limits]]` entry: the limits of the queue's tasks of one type.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TypeLimit {
+    /// The task type (the envelope's `type`, or a foreign payload's `foreign_type_field`), as the handlers see it.
+    pub kind: String,
+    /// At most so many tasks of the type taken and not yet settled at once, across every daemon.
+    pub max_running: Option<usize>,
+    /// At most so many starts of the type in any window of each of these lengths, across every daemon.
+    pub rate_limit: Vec<rate::RateLimit>,
+}
+
+/// The most `[[queues.limits]]` entries of one queue: each adds keys to every claim of the queue.
+pub const MAX_TYPE_LIMITS: usize = 64;
 
 /// The largest `max_running`.
 pub const MAX_RUNNING: usize = 1_000_000;

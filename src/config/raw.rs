@@ -111,6 +111,19 @@ pub(super) struct RawQueue {
     pub(super) lag_warn: Option<Spanned<String>>,
     /// Each a list's name, or a table `{ list = NAME, priority = LEVEL }` (checked by hand in `validate`).
     pub(super) source_lists: Option<Spanned<Vec<Spanned<toml::Value>>>>,
+    /// `[[queues.limits]]`: limits of one task type each.
+    pub(super) limits: Option<Vec<Spanned<RawTypeLimit>>>,
+}
+
+/// One `[[queues.limits]]` table.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTypeLimit {
+    #[serde(rename = "type")]
+    pub(super) kind: Option<Spanned<String>>,
+    pub(super) max_running: Option<Spanned<i64>>,
+    /// As the queue's `rate_limit`.
+    pub(super) rate_limit: Option<Spanned<toml::Value>>,
 }
 
 #[derive(Deserialize)]

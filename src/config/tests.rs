@@ -572,6 +572,7 @@ fn the_fuzz_config_of_every_key_is_valid() {
     assert_eq!(config.queues[0].max_running, Some(1_000_000));
     assert_eq!(config.queues[0].rate_limit.len(), 2);
     assert_eq!(config.queues[0].priority_weights, [1000, 3, 2, 1]);
+    assert_eq!(config.queues[0].type_limits[0].rate_limit.len(), 2);
 }
 
 #[test]
@@ -748,6 +749,81 @@ fn rate_limit_is_a_rate_or_a_list_of_them_in_either_mode() {
             "safe",
             "rate_limit = [5]\n",
             "queues[0].rate_limit: 5 is not a rate",
+        ),
+    ] {
+        let error = queue(mode, keys).unwrap_err();
+        assert!(error.contains(words), "{words:?} in {error}");
+    }
+}
+
+#[test]
+fn type_limits_name_a_type_and_at_least_one_limit_in_safe_mode() {
+    let queue = |mode: &str, keys: &str| {
+        let text = format!("[[queues]]\nname = \"api\"\nmode = \"{mode}\"\nworkers = 4\n{keys}");
+        parse(&text).map(|config| config.queues[0].clone())
+    };
+    let limited = queue(
+        "safe",
+        "[[queues.limits]]\ntype = \"report.build\"\nmax_running = 2\nrate_limit = \"5/s\"\n\
+         [[queues.limits]]\ntype = \"mail\"\nrate_limit = [\"20/s\", \"1000/h\"]\n",
+    )
+    .unwrap();
+    assert_eq!(
+        format!("{:?}", limited.type_limits),
+        "[TypeLimit { kind: \"report.build\", max_running: Some(2), rate_limit: [5/1s] }, \
+         TypeLimit { kind: \"mail\", max_running: None, rate_limit: [20/1s, 1000/1h] }]"
+    );
+    assert_eq!(
+        (limited.prefetch, limited.max_running),
+        (Prefetch::Fixed(0), None),
+        "claims only for idle workers; the queue itself unlimited"
+    );
+    assert!(queue("safe", "").unwrap().type_limits.is_empty());
+    for (mode, keys, words) in [
+        (
+            "default",
+            "[[queues.limits]]\ntype = \"t\"\nmax_running = 2\n",
+            "queues.toml:5:1: queues[0].limits[0]: limits per task type need mode = \"safe\"",
+        ),
+        (
+            "safe",
+            "prefetch = 8\n[[queues.limits]]\ntype = \"t\"\nmax_running = 2\n",
+            "queues.toml:5:12: queues[0].prefetch: a queue with [[queues.limits]] claims only for its idle workers",
+        ),
+        (
+            "safe",
+            "[[queues.limits]]\nmax_running = 2\n",
+            "queues[0].limits[0].type: every [[queues.limits]] entry names its task type",
+        ),
+        (
+            "safe",
+            "[[queues.limits]]\ntype = \"t\"\n",
+            "queues[0].limits[0]: the entry for type \"t\" sets no limit",
+        ),
+        (
+            "safe",
+            "[[queues.limits]]\ntype = \"t\"\nmax_running = 1\n[[queues.limits]]\ntype = \"t\"\nrate_limit = \"1/s\"\n",
+            "queues.toml:9:8: queues[0].limits[1].type: type \"t\" has two [[queues.limits]] entries",
+        ),
+        (
+            "safe",
+            "[[queues.limits]]\ntype = \"\"\nmax_running = 1\n",
+            "queues[0].limits[0].type: \"\" is not a task type a limit can name",
+        ),
+        (
+            "safe",
+            "[[queues.limits]]\ntype = \"t\"\nmax_running = 0\n",
+            "queues[0].limits[0].max_running: 0 is out of range",
+        ),
+        (
+            "safe",
+            "[[queues.limits]]\ntype = \"t\"\nrate_limit = \"5 a second\"\n",
+            "queues[0].limits[0].rate_limit: \"5 a second\" is not a rate",
+        ),
+        (
+            "safe",
+            "[[queues.limits]]\ntype = \"t\"\nmax_running = 1\nconcurrency = 2\n",
+            "queues[0].limits[0]: unknown key `concurrency` (valid keys: `type`, `max_running`, `rate_limit`)",
         ),
     ] {
         let error = queue(mode, keys).unwrap_err();

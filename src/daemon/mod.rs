@@ -158,6 +158,9 @@ pub fn serve(
         tracing::info!("stopped before Redis answered");
         return Ok(());
     }
+    for queue in &config.queues {
+        startup::warn_of_stranded_levels(&connector, &config.redis.key_prefix, queue);
+    }
     let (events_tx, events) = crossbeam_channel::unbounded();
     let mut supervisor = Supervisor {
         config: config.clone(),
@@ -616,6 +619,19 @@ impl Supervisor {
             self.lanes.remove(&serving.lane);
             serving.stop.fire();
             tracing::info!(queue = %serving.lane.name(), "the replaced lane settled everything and stopped");
+            // A reload that dropped one of its levels: whatever the old lane handed back or queued for retry
+            // there is in Redis now, with what was waiting there before.
+            if let Some(queue) = self.config.queue(serving.lane.name()) {
+                let old = &serving.lane.queue.config.priorities;
+                if old.iter().any(|level| !queue.priorities.contains(level)) {
+                    let queue = queue.clone();
+                    startup::warn_of_stranded_levels(
+                        &self.connector,
+                        &self.config.redis.key_prefix,
+                        &queue,
+                    );
+                }
+            }
         }
         None
     }

@@ -1,14 +1,15 @@
 //! The daemon's start: waiting for Redis and checking, before any thread starts, what waiting would not fix
-//! (credentials, ACL rules, the keys' protocol version, an eviction policy). Its own module because it runs before
-//! the supervisor exists and shares nothing with it but the error type.
+//! (credentials, ACL rules, the keys' protocol version, an eviction policy), and warning of tasks left in priority
+//! levels the config dropped (which a reload that drops a level warns of too). Its own module because it runs
+//! before the supervisor exists and shares nothing with it but the error type.
 
 use std::time::Duration;
 
 use crossbeam_channel::Receiver;
 
 use super::{DaemonError, notify};
-use crate::broker::{self, BrokerError, Connector, access, eviction};
-use crate::config::Config;
+use crate::broker::{self, BrokerError, Connector, access, eviction, levels};
+use crate::config::{Config, QueueConfig};
 
 /// Waits until Redis answers, its ACL user may do all the daemon does on every queue (one check per queue,
 /// `broker::access`), every queue's keys are of this protocol version and no master's `maxmemory-policy` may
@@ -77,5 +78,45 @@ pub(super) fn wait_for_redis(
             }
         }
         delay = (delay * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// Warns of each priority level whose keys in `queue`'s slot hold tasks while the queue's config names no such
+/// level (`broker::levels`): no daemon of this config takes them, and `kmqd stats` does not count them (review L5).
+/// One warning per level, naming its keys and how many tasks each holds, and where the docs say how to move them.
+/// Looking is a courtesy, not a condition of serving: a look that fails (Redis gone meanwhile, a user of rules
+/// older than this check, without SCAN) is a warning that says so.
+pub(super) fn warn_of_stranded_levels(connector: &Connector, prefix: &str, queue: &QueueConfig) {
+    let keys = broker::QueueKeys::for_queue(prefix, queue);
+    let found = connector
+        .connect()
+        .and_then(|mut connection| levels::stranded(&mut connection, &keys));
+    let stranded = match found {
+        Ok(stranded) => stranded,
+        Err(error) => {
+            tracing::warn!(
+                queue = %queue.name,
+                %error,
+                "cannot look for tasks in priority levels the config does not name (a user without the rule for \
+                 SCAN: docs/OPERATIONS.md, \"ACL rules\")"
+            );
+            return;
+        }
+    };
+    for level in stranded {
+        let listed: Vec<String> = level
+            .keys
+            .iter()
+            .map(|(key, tasks)| format!("{key} ({tasks})"))
+            .collect();
+        tracing::warn!(
+            queue = %queue.name,
+            priority = %level.level,
+            tasks = level.tasks(),
+            keys = %listed.join(", "),
+            "a priority level the config does not name holds tasks, which no daemon of this config takes; serve \
+             the level again, or move them to a level the config names \
+             (docs/OPERATIONS.md, \"Removing a priority level\")"
+        );
     }
 }

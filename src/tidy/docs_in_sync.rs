@@ -223,7 +223,7 @@ fn references_are_read_in_every_form_the_docs_use() {
     assert_eq!(found("docs/OPERATIONS.md says \"hello\""), vec![]);
 }
 
-/// Every source file of this repository that `text` names by its path (`src/observed.rs`, `tests/it/chaos.rs`,
+/// Every source file of this repository that `text` names by its path (`src/observed.rs`, `tests/it/chaos/mod.rs`,
 /// `../src/policy.rs` in a link from docs/); not what a build or a run writes (`bench/peers-DATE/`, a `.deb`),
 /// nor a file outside the repository (`../shared/bench/peers/driver.py`), which the docs name too.
 fn named_paths(text: &str) -> BTreeSet<String> {

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use kmqd_harness::Signal;
 use kmqd_harness::cluster::{Cluster, ClusterOptions, key_slot};
 
-use crate::support::{TestDaemon, TestDir, client, eventually, kmqd};
+use crate::support::{TestDaemon, TestDir, client, eventually, kmqd, wait_drained};
 
 fn cluster() -> Cluster {
     Cluster::start(ClusterOptions::default()).expect("start a Redis Cluster")
@@ -227,28 +227,6 @@ pub fn push_acknowledged(
     acknowledged
 }
 
-/// Waits until `queue` holds nothing ready, processing or delayed while a daemon serves it (an owner with a live
-/// lease): everything still in Redis ran, and nothing is stranded under a live owner (a rewind the journal check
-/// missed leaves `processing` above 0 under a live lease until the daemon stops). Panics after a minute; returns
-/// the stats then.
-pub fn wait_drained(watcher: &kmqd::Client, queue: &str) -> kmqd::broker::QueueStats {
-    eventually(
-        Duration::from_secs(60),
-        "the queue drained under a live owner",
-        || {
-            let stats = watcher.stats(queue);
-            let idle = stats
-                .as_ref()
-                .is_ok_and(|s| s.ready == 0 && s.processing == 0 && s.delayed == 0);
-            let live = watcher
-                .workers(queue)
-                .is_ok_and(|owners| owners.iter().any(|owner| owner.lease_left_ms > 0));
-            (idle && live, stats.map_err(|e| e.to_string()))
-        },
-    )
-    .expect("the stats of a drained queue")
-}
-
 /// A master killed (SIGKILL) while its replica lags (stopped with SIGSTOP and its link cut: as a replica behind
 /// a broken link), a producer pushes to a queue on it and a daemon drains it; the replica then takes over.
 /// Returns (acknowledged pushes, of them never run).
@@ -302,8 +280,15 @@ fn kill_master_mid_drain(wait_replicas: u32) -> (usize, usize) {
     // old master comes back, as its replica.
     cluster.restart_node(&master.addr).unwrap();
     let acknowledged = producer.join().unwrap();
-    // Every acknowledged task still in Redis runs; what is neither run nor in Redis is lost.
-    wait_drained(&watcher, &queue);
+    // Every acknowledged task still in Redis runs; what is neither run nor in Redis is lost. What the surviving
+    // master holds adds up (its counters and lists change in the same scripts, so a lost write loses both): every
+    // task it counts pushed is done, none dead, nothing left under the live owner.
+    let drained = wait_drained(&watcher, &queue);
+    assert_eq!(
+        (drained.done + drained.cancelled, drained.dead),
+        (drained.pushed, 0),
+        "{drained:?}"
+    );
     daemon.stop();
     let ran: HashSet<String> = dir.records().starts.into_iter().map(|(id, _)| id).collect();
     let lost = acknowledged.iter().filter(|id| !ran.contains(*id)).count();
@@ -378,6 +363,15 @@ fn a_busy_queue_whose_slot_migrates_loses_nothing() {
         let done = watcher.stats(&queue).map(|s| s.done).unwrap_or(0);
         (done >= 4000, done)
     });
+    // Nothing stranded on the slot's new node under the live owner; a push sent again after an error may have
+    // queued a task twice, so the target's count is at least what was acknowledged.
+    let drained = wait_drained(&watcher, &queue);
+    assert_eq!(
+        (drained.done, drained.dead),
+        (drained.pushed, 0),
+        "{drained:?}"
+    );
+    assert!(drained.pushed >= 4000, "{drained:?}");
     daemon.stop();
     let ran: HashSet<String> = dir.records().starts.into_iter().map(|(id, _)| id).collect();
     let lost: Vec<&String> = acknowledged

@@ -130,3 +130,46 @@ fn a_pop_takes_at_most_batch_tasks_however_many_the_lane_may_hold() {
         );
     }
 }
+
+#[test]
+fn a_pop_under_an_owner_whose_lease_ran_out_takes_nothing_and_records_no_unique_id() {
+    // Review M4: a daemon woken from a pause popped under its old owner before it learnt the lease was gone,
+    // recording the unique ids it took as held by an owner the monitors had released and forgotten: had it died
+    // then, nobody would ever free them. pop.lua now refuses, as claim.lua does, having written nothing.
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, QUEUE);
+    let keys = kmqd::broker::QueueKeys::new("kmq", "fast", &["normal".to_string()]);
+    let mut task = NewTask::new("test", "{}").unwrap().id("u");
+    task.unique = true;
+    assert!(client(&config).push("fast", task).unwrap().is_accepted());
+    let mut connection = redis.connection();
+    let info = kmqd::broker::OwnerInfo::default();
+    let lease = Duration::from_secs(30);
+    assert!(kmqd::broker::register(&mut connection, &keys, "o.1", lease, &info).unwrap());
+    let owner: std::sync::Arc<str> = std::sync::Arc::from("o.1");
+    let mut popper = kmqd::broker::Popper::default();
+    let limits = kmqd::broker::PopLimits::default();
+    // Its lease ran out (a monitor may have released its ids already), and the owner that was never registered.
+    let _: i64 = redis.cmd(&["ZADD", "kmq:{fast}:owners", "1", "o.1"]);
+    for owner in [owner, std::sync::Arc::from("o.2")] {
+        let refused = popper.pop(&mut connection, &keys, &owner, 10, limits);
+        assert!(
+            matches!(&refused, Err(kmqd::broker::BrokerError::LeaseLost { .. })),
+            "{refused:?}"
+        );
+        let popped: Option<String> = redis.cmd(&["HGET", "kmq:{fast}:unique-popped", "u"]);
+        assert_eq!(popped, None, "no id recorded");
+        assert_eq!(stats(&config, "fast").ready, 1, "nothing taken");
+    }
+    // Live again (a fresh registration): the pop takes the task and records its id.
+    assert!(kmqd::broker::register(&mut connection, &keys, "o.3", lease, &info).unwrap());
+    let live: std::sync::Arc<str> = std::sync::Arc::from("o.3");
+    let batch = popper
+        .pop(&mut connection, &keys, &live, 10, limits)
+        .unwrap();
+    assert_eq!(batch.tasks.len(), 1);
+    assert!(batch.tasks[0].holds_unique);
+    let popped: Option<String> = redis.cmd(&["HGET", "kmq:{fast}:unique-popped", "u"]);
+    assert_eq!(popped.as_deref(), Some("o.3"));
+}

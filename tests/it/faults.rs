@@ -698,6 +698,66 @@ fn identical_envelopes_waiting_to_retry_are_both_kept() {
     assert_eq!(dir.records().runs_of("twin"), 4);
 }
 
+/// How many ZADD commands `redis` has run, scripts' included (`INFO commandstats`).
+fn zadd_calls(redis: &RedisServer) -> u64 {
+    let info: String = redis.cmd(&["INFO", "commandstats"]);
+    info.lines()
+        .find_map(|line| line.strip_prefix("cmdstat_zadd:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |calls| calls.parse().unwrap())
+}
+
+#[test]
+fn identical_envelopes_retried_together_are_added_in_a_near_linear_number_of_zadds() {
+    // Review L6: settle.lua kept identical retry envelopes apart by adding one trailing space per ZADD that found
+    // the member taken, so k copies took k^2 / 2 ZADDs inside one script call (125,250 for 500), every attempt.
+    let redis = RedisServer::start();
+    let keys = broker::QueueKeys::new("kmq", "jobs", &["normal".to_string()]);
+    let copies: u64 = 500;
+    let twin = br#"{"id":"twin","type":"test","attempt":1}"#.to_vec();
+    let retries: Vec<broker::Settlement> = (0..copies)
+        .map(|_| broker::Settlement {
+            op: broker::SettleOp::Retry {
+                delay: Duration::from_secs(600),
+                isolated: false,
+            },
+            token: None,
+            popped_by: None,
+            unique_id: None,
+            level: 0,
+            payload: twin.clone(),
+            failed: true,
+        })
+        .collect();
+    let mut connection = redis.connection();
+    // Two calls: the second's copies find the first's waiting.
+    for number in 1..=2 {
+        let before = zadd_calls(&redis);
+        let call = broker::Call {
+            settler: "test:acker",
+            number,
+        };
+        let settled = broker::settle(
+            &mut connection,
+            &keys,
+            &call,
+            broker::Fence::Owner,
+            100,
+            broker::Holder::Nobody,
+            &retries,
+        )
+        .unwrap();
+        assert!(settled.applied.iter().all(|ok| *ok == Some(true)));
+        let zadds = zadd_calls(&redis) - before;
+        assert!(
+            zadds <= 3 * copies,
+            "call {number}: {zadds} ZADDs for {copies} identical retries"
+        );
+        let waiting: u64 = redis.cmd(&["ZCARD", "kmq:{jobs}:retry:normal"]);
+        assert_eq!(waiting, copies * number, "each copy kept");
+    }
+}
+
 #[test]
 fn a_poison_pill_is_dead_lettered_alone_and_its_neighbours_complete() {
     let redis = RedisServer::start();
@@ -894,6 +954,189 @@ fn a_unique_task_pushed_between_a_plain_pops_check_and_its_pop_is_popped_with_it
     );
     std::fs::write(&release, "").unwrap();
     wait_done(&config, 101, Duration::from_secs(20));
+    daemon.stop();
+}
+
+/// Two default-mode daemons' configs for the queue `jobs`, with `extra_a` and `extra_b` keys, side by side in `dir`,
+/// each recording its runs in a file of its own: (config A, its records, config B, its records).
+fn two_default_daemons(
+    dir: &TestDir,
+    redis: &RedisServer,
+    (extra_a, extra_b): (&str, &str),
+) -> (
+    std::path::PathBuf,
+    std::path::PathBuf,
+    std::path::PathBuf,
+    std::path::PathBuf,
+) {
+    let section = format!("url = \"{}\"", redis.url());
+    let (record_a, record_b) = (dir.path("runs-a.log"), dir.path("runs-b.log"));
+    let config_a = dir.config_named("a.toml", &section, "", &default_queue(extra_a), &record_a);
+    let config_b = dir.config_named("b.toml", &section, "", &default_queue(extra_b), &record_b);
+    (config_a, record_a, config_b, record_b)
+}
+
+/// Stops two daemons gracefully, both at once, and checks that each exits 0.
+fn stop_both(mut a: Process, mut b: Process) {
+    a.signal(15);
+    b.signal(15);
+    assert_eq!(a.wait_within(Duration::from_secs(20)), Some(0));
+    assert_eq!(b.wait_within(Duration::from_secs(20)), Some(0));
+}
+
+/// The testkit's record lines in `path` (none yet: empty).
+fn read_records(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_default()
+}
+
+/// Data for a testkit task that runs until the file `release` exists.
+fn until_file(release: &Path) -> String {
+    format!(r#"{{"wait_for_file":"{}"}}"#, release.display())
+}
+
+#[test]
+fn a_unique_task_that_outlived_its_owners_lease_frees_not_the_id_a_newer_task_holds() {
+    // Review M4: a default-mode daemon paused past its lease with a unique task running. A monitor takes it for
+    // dead and frees the id; the producer pushes the id again and the other daemon runs the new task. The paused
+    // daemon wakes, its task ends, and its acknowledgement used to delete the id whoever held it: a third task
+    // with the id was accepted while the second still ran.
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let extra = "workers = 1\nlease_timeout = \"1s\"";
+    let (config_a, record_a, config_b, record_b) =
+        two_default_daemons(&dir, &redis, (extra, extra));
+    let (release_a, release_b) = (dir.path("release-a"), dir.path("release-b"));
+    assert!(push_unique(&config_a, "u", &until_file(&release_a)));
+    let a = Process::start(&config_a, dir.path("a.log"));
+    eventually(Duration::from_secs(10), "A to run u", || {
+        (read_records(&record_a).contains("start u "), ())
+    });
+    a.signal(SIGSTOP);
+    let b = Process::start(&config_b, dir.path("b.log"));
+    // B's monitor finds A's lease run out and frees the id (A cannot be told from a dead daemon): the id is
+    // pushed again.
+    eventually(Duration::from_secs(20), "the id to be freed", || {
+        (push_unique(&config_a, "u", &until_file(&release_b)), ())
+    });
+    eventually(Duration::from_secs(10), "B to run the second u", || {
+        (read_records(&record_b).contains("start u "), ())
+    });
+    a.signal(SIGCONT);
+    std::fs::write(&release_a, "").unwrap();
+    eventually(Duration::from_secs(20), "A's u to be acknowledged", || {
+        let s = stats(&config_a, "jobs");
+        (s.done == 1, s)
+    });
+    assert!(
+        !push_unique(&config_a, "u", "{}"),
+        "refused while B's u runs: A's acknowledgement freed the id B's task holds"
+    );
+    std::fs::write(&release_b, "").unwrap();
+    wait_done(&config_a, 2, Duration::from_secs(20));
+    assert!(push_unique(&config_a, "u", "{}"), "free once B's u is done");
+    stop_both(a, b);
+}
+
+#[test]
+fn a_default_mode_daemon_woken_past_its_lease_starts_no_unique_task_it_popped_before() {
+    // Review M4: the woken daemon's worker started the unique tasks it had popped before the pause, although a
+    // monitor had freed their ids meanwhile and a newer task with one of them ran on the other daemon. Now they
+    // are handed back unstarted: the one whose id a newer task holds is dropped, the other is queued again with
+    // its id, and each id runs once.
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    // A's one worker runs first while second and third wait behind it; B runs the newer second and, beside it,
+    // whatever comes back.
+    let (config_a, record_a, config_b, record_b) = two_default_daemons(
+        &dir,
+        &redis,
+        (
+            "workers = 1\nprefetch = 4\nlease_timeout = \"1s\"",
+            "workers = 2\nlease_timeout = \"1s\"",
+        ),
+    );
+    let (release_a, release_b) = (dir.path("release-a"), dir.path("release-b"));
+    assert!(push_unique(&config_a, "first", &until_file(&release_a)));
+    let a = Process::start(&config_a, dir.path("a.log"));
+    eventually(Duration::from_secs(10), "A to run first", || {
+        (read_records(&record_a).contains("start first "), ())
+    });
+    // Popped by A behind its running task: its one worker is busy.
+    assert!(push_unique(&config_a, "second", r#"{"sleep_ms":1}"#));
+    assert!(push_unique(&config_a, "third", r#"{"sleep_ms":1}"#));
+    eventually(Duration::from_secs(10), "A to pop both", || {
+        let poppers = (
+            unique_popper(&redis, "second"),
+            unique_popper(&redis, "third"),
+        );
+        (poppers.0.is_some() && poppers.1.is_some(), poppers)
+    });
+    a.signal(SIGSTOP);
+    let b = Process::start(&config_b, dir.path("b.log"));
+    eventually(Duration::from_secs(20), "the ids to be freed", || {
+        (
+            push_unique(&config_a, "second", &until_file(&release_b)),
+            (),
+        )
+    });
+    eventually(Duration::from_secs(10), "B to run the newer second", || {
+        (read_records(&record_b).contains("start second "), ())
+    });
+    a.signal(SIGCONT);
+    std::fs::write(&release_a, "").unwrap();
+    // A's worker takes second once first ends, and must find its owner's lease gone.
+    eventually(Duration::from_secs(20), "third to run once more", || {
+        let runs = format!("{}{}", read_records(&record_a), read_records(&record_b));
+        (runs.contains("end third "), runs)
+    });
+    std::fs::write(&release_b, "").unwrap();
+    let s = eventually(Duration::from_secs(20), "B's second to end", || {
+        let s = stats(&config_a, "jobs");
+        let ended = read_records(&record_b).contains("end second ");
+        (ended && s.ready == 0 && s.done >= 3, s)
+    });
+    let (runs_a, runs_b) = (read_records(&record_a), read_records(&record_b));
+    let starts = |id: &str| {
+        let start = format!("start {id} ");
+        runs_a.matches(&start).count() + runs_b.matches(&start).count()
+    };
+    assert!(
+        !runs_a.contains("start second "),
+        "A started second, whose id a newer task held: {s:?}\nA:\n{runs_a}\nB:\n{runs_b}"
+    );
+    assert_eq!(
+        (starts("first"), starts("second"), starts("third")),
+        (1, 1, 1),
+        "{s:?}\nA:\n{runs_a}\nB:\n{runs_b}"
+    );
+    stop_both(a, b);
+}
+
+#[test]
+fn a_unique_id_taken_by_a_pop_whose_reply_was_lost_is_freed_when_its_owners_lease_runs_out() {
+    // Review M4: the lost pop's task is lost (at most once), but its id stayed recorded as popped by the daemon's
+    // live owner, so every push of the id was refused for the daemon's life. The daemon gave such an owner up only
+    // under a running limit; now always, and its lease runs out.
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let config = dir.config_raw(
+        &through(&proxy),
+        "",
+        &default_queue("lease_timeout = \"2s\""),
+    );
+    let (daemon, rule) = default_daemon_losing_its_next_pop_reply(&config, &redis, &proxy);
+    assert!(push_unique(&config, "u", "{}"));
+    eventually(
+        Duration::from_secs(10),
+        "the pop's reply to be lost",
+        || (rule.fired() == 1, ()),
+    );
+    eventually(Duration::from_secs(20), "the id to be freed", || {
+        (push_unique(&config, "u", "{}"), ())
+    });
+    wait_done(&config, 1, Duration::from_secs(10));
+    assert_eq!(dir.records().runs_of("u"), 1, "the lost one never ran");
     daemon.stop();
 }
 

@@ -43,6 +43,7 @@ mod systemd;
 mod throttle;
 mod tls;
 mod topology;
+mod type_limits;
 mod unknown_types;
 mod watch;
 mod worker_nice;

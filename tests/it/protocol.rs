@@ -4,43 +4,19 @@ use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 
-use crate::support::*;
+use crate::support::{self, *};
 
 const SAFE_QUEUE: &str =
     "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\nworkers = 2\nidle_poll = \"200ms\"\n";
 
 /// The code block after the `n`-th "tested" marker of docs/PROTOCOL.md.
 fn documented_block(n: usize) -> String {
-    let doc =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/PROTOCOL.md")).unwrap();
-    let after_marker = doc
-        .split("<!-- tested: tests/it/protocol.rs runs this block -->")
-        .nth(n + 1)
-        .expect("marker");
-    let block = after_marker
-        .split("```")
-        .nth(1)
-        .expect("a code block after the marker");
-    block.trim_start_matches("sh").to_string()
+    support::documented_block("docs/PROTOCOL.md", "tests/it/protocol.rs", n)
 }
 
 /// Runs a documented redis-cli block against the test's own server, for the testkit's task type.
 fn run_documented(block: &str, redis: &RedisServer) {
-    let socket = redis.socket.display().to_string();
-    let script = block
-        .replace("redis-cli ", &format!("redis-cli -s {socket} "))
-        .replace("mail.send", "test");
-    let output = std::process::Command::new("sh")
-        .arg("-ec")
-        .arg(&script)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "{script}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    support::run_documented(&block.replace("mail.send", "test"), redis);
 }
 
 const MAIL: &str = "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nworkers = 2\n";
@@ -271,4 +247,120 @@ fn a_task_over_max_task_bytes_is_dead_lettered_unrun_with_its_size() {
             "{mode}"
         );
     }
+}
+
+/// Review L13: claim.lua wrote an oversized payload into its dead record with cjson, which passes bytes through,
+/// so the record of a payload that is not UTF-8 was not UTF-8 either: no reader could parse it (`dead list`
+/// showed no fields, `dead requeue` and `purge` could not find it by its id). Each payload here is over
+/// max_task_bytes and ends with a byte sequence that UTF-8 allows or refuses (overlong forms, surrogates, past
+/// U+10FFFF, cut short), or with the quotes and control bytes JSON escapes: every record must parse, and keep the
+/// payload's exact bytes as `task` exactly when Rust finds them UTF-8, as `task_base64` otherwise, as the
+/// daemon's own records do.
+#[test]
+fn an_oversized_payload_is_dead_lettered_in_a_valid_record_whatever_its_bytes() {
+    let tails: &[&[u8]] = &[
+        b"",
+        "é€𝄞\u{7ff}\u{800}\u{d7ff}\u{e000}\u{ffff}\u{10000}\u{10ffff}".as_bytes(),
+        b"\"quoted\" \\ back\\slash \x00\x01\x1f\x7f\t\n\r/",
+        b"\x80",
+        b"\xc0\x80",
+        b"\xc1\xbf",
+        b"\xc2",
+        b"\xc3\x41",
+        b"\xe0\x9f\xbf",
+        b"\xe2\x82",
+        b"\xed\xa0\x80",
+        b"\xef\xbf",
+        b"\xf0\x8f\xbf\xbf",
+        b"\xf0\x9d\x84",
+        b"\xf4\x90\x80\x80",
+        b"\xf5\x80\x80\x80",
+        b"\xff",
+        b"\xff\xfe",
+        b"\xfe\xff\x00",
+    ];
+    let mut payloads: Vec<Vec<u8>> = tails
+        .iter()
+        .map(|tail| [&b"x".repeat(1100)[..], tail].concat())
+        .collect();
+    // The script reads 4,096 bytes at a time from the first that is not ASCII: characters across that boundary,
+    // whole or cut, and text of many such chunks, with a bad byte deep inside or none.
+    for across in [
+        "€".as_bytes(),
+        "𝄞".as_bytes(),
+        b"\xe2\x82x",
+        b"\xf0\x9d\x84x",
+    ] {
+        payloads.push(
+            [
+                &b"x".repeat(1100)[..],
+                "é".as_bytes(),
+                &b"x".repeat(4093)[..],
+                across,
+            ]
+            .concat(),
+        );
+    }
+    payloads.push("é".repeat(5000).into_bytes());
+    payloads.push(
+        [
+            "é".repeat(5000).as_bytes(),
+            b"\xff",
+            "é".repeat(10).as_bytes(),
+        ]
+        .concat(),
+    );
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(
+        &redis,
+        &SAFE_QUEUE.replace("workers = 2", "workers = 2\nmax_task_bytes = 1024"),
+    );
+    let mut connection = redis.connection();
+    let mut pipe = redis::pipe();
+    for payload in &payloads {
+        pipe.cmd("RPUSH")
+            .arg("kmq:{jobs}:ready:normal")
+            .arg(payload.as_slice());
+    }
+    pipe.exec(&mut connection).unwrap();
+    let daemon = TestDaemon::start(&config);
+    eventually(Duration::from_secs(10), "every payload dead", || {
+        let s = stats(&config, "jobs");
+        (s.dead as usize == payloads.len(), s)
+    });
+    daemon.stop();
+    let dead: Vec<Vec<u8>> = redis::cmd("LRANGE")
+        .arg("kmq:{jobs}:dead")
+        .arg(0)
+        .arg(-1)
+        .query(&mut connection)
+        .unwrap();
+    let mut kept: Vec<Vec<u8>> = dead
+        .iter()
+        .map(|raw| {
+            let record: serde_json::Value = serde_json::from_slice(raw)
+                .unwrap_or_else(|error| panic!("{error}: {}", String::from_utf8_lossy(raw)));
+            let bytes = match (record.get("task"), record.get("task_base64")) {
+                (Some(task), None) => task.as_str().unwrap().as_bytes().to_vec(),
+                (None, Some(encoded)) => {
+                    let bytes = base64::engine::general_purpose::STANDARD
+                        .decode(encoded.as_str().unwrap())
+                        .unwrap();
+                    assert!(
+                        std::str::from_utf8(&bytes).is_err(),
+                        "UTF-8, kept in base64: {record}"
+                    );
+                    bytes
+                }
+                _ => panic!("the payload is kept once: {record}"),
+            };
+            assert_eq!(record["size"], bytes.len(), "{record}");
+            bytes
+        })
+        .collect();
+    let mut pushed = payloads.clone();
+    kept.sort();
+    pushed.sort();
+    assert!(kept == pushed, "each payload kept byte for byte");
 }

@@ -426,13 +426,8 @@ fn claim_as(
     max: usize,
 ) -> broker::Result<broker::Batch> {
     let limits = broker::ClaimLimits {
-        max_task_bytes: queue.config.max_task_bytes,
-        dead_max: queue.config.dead_max,
-        queue: &queue.config.name,
         daemon: "test:0",
-        max_running: queue.config.max_running,
-        rate_limit: &queue.config.rate_limit,
-        priority_weights: &queue.config.priority_weights,
+        ..queue.claim_limits()
     };
     broker::claim(
         connection,

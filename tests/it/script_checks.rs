@@ -265,6 +265,9 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
                   [[queues]]\nname = \"limited\"\nmode = \"safe\"\nworkers = 2\nmax_running = 2\n\
                   rate_limit = [\"50/s\", \"1000/m\"]\nretry_times = 1\nbackoff = \"10ms\"\n\n\
                   [[queues]]\nname = \"plain\"\nmode = \"default\"\nworkers = 2\nbatch = 40\n\n\
+                  [[queues]]\nname = \"typed\"\nmode = \"safe\"\nworkers = 2\nmax_running = 2\n\
+                  retry_times = 1\nbackoff = \"10ms\"\n\
+                  [[queues.limits]]\ntype = \"test\"\nmax_running = 1\nrate_limit = \"50/s\"\n\n\
                   [[schedules]]\nname = \"tick\"\nqueue = \"jobs\"\ntype = \"test\"\nevery = \"1s\"\n";
     let config = dir.config_for_url(&proxy.url(), "shutdown_grace = \"5s\"", queues);
 
@@ -294,9 +297,11 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
             let seen = shapes.len();
             let per_script = shapes.keys().filter(|s| s.starts_with(script)).count();
             let shape = shape(script, args);
-            // A handler's throttle is rare in a run: its settle is recorded whatever came before it.
+            // A handler's throttle is rare in a run, and the type-limited queue's calls come last: their calls
+            // are recorded whatever came before them.
             let throttle = args.iter().any(|arg| arg.as_slice() == b"throttle");
-            if shapes.contains_key(&shape) || (per_script >= 8 && !throttle) {
+            let typed = args.iter().any(|arg| arg.starts_with(b"kmq:{typed}"));
+            if shapes.contains_key(&shape) || (per_script >= 8 && !throttle && !typed) {
                 return;
             }
             shapes.insert(shape, seen);
@@ -355,6 +360,19 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
         )])
         .collect();
     client.push_batch("limited", limited).unwrap();
+    // Tasks of the limited type behind one another, and of a type it does not limit (unknown here: retried, then
+    // dead-lettered), so that claims move some to the type's flow and take from it.
+    let typed: Vec<NewTask> = (0..8)
+        .map(|i| test("7", &format!("typed-{i}")))
+        .chain([test(r#"{"fail_attempts":1}"#, "typed-retry")])
+        .chain([test(&throttle_once("typed-throttle"), "typed-throttled")])
+        .chain((0..3).map(|i| {
+            NewTask::new("other", "{}")
+                .unwrap()
+                .id(format!("other-{i}"))
+        }))
+        .collect();
+    client.push_batch("typed", typed).unwrap();
     // A default-mode queue without limits or unique ids: its pops after the first full one are plain (take.lua).
     let plain: Vec<NewTask> = (0..100).map(|i| test("7", &format!("plain-{i}"))).collect();
     client.push_batch("plain", plain).unwrap();
@@ -375,14 +393,17 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
     let daemon = TestDaemon::start(&config);
     eventually(Duration::from_secs(30), "both queues drained", || {
         let (jobs, fast) = (stats(&config, "jobs"), stats(&config, "fast"));
-        let (limited, plain) = (stats(&config, "limited"), stats(&config, "plain"));
+        let (limited, typed) = (stats(&config, "limited"), stats(&config, "typed"));
+        let plain = stats(&config, "plain");
         (
             jobs.ready + jobs.delayed + jobs.processing + fast.ready + fast.delayed == 0
                 && jobs.dead >= 3
                 && fast.done >= 12
                 && limited.done >= 10
+                && typed.done >= 10
+                && typed.dead >= 3
                 && plain.done == 100,
-            (jobs, fast, limited, plain),
+            (jobs, fast, limited, typed, plain),
         )
     });
     client
@@ -408,6 +429,11 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
         ("pop.lua", ":popped-running:"),
         ("settle.lua", ":popped-running:"),
         ("settle.lua", ":scopes"),
+        ("claim.lua", ":flow:normal::test"),
+        ("claim.lua", ":rate:t:test:"),
+        ("settle.lua", "kmq:{typed}:processing"),
+        ("settle.lua", ":throttle:t:test"),
+        ("claim.lua", ":throttle:t:test"),
     ] {
         let named = |call: &Recorded| {
             call.script == script

@@ -8,8 +8,8 @@ use std::time::Duration;
 use kmqd_harness::Signal;
 use kmqd_harness::sentinel::{SentinelOptions, SentinelSetup};
 
-use crate::cluster::{push_acknowledged, wait_drained};
-use crate::support::{TestDaemon, TestDir, client, eventually};
+use crate::cluster::push_acknowledged;
+use crate::support::{TestDaemon, TestDir, client, eventually, wait_drained};
 
 #[test]
 fn a_sentinel_failover_mid_drain_loses_no_acknowledged_task_with_wait_replicas() {
@@ -54,7 +54,14 @@ fn a_sentinel_failover_mid_drain_loses_no_acknowledged_task_with_wait_replicas()
     assert_ne!(old, new);
     let acknowledged = producer.join().unwrap();
     assert_eq!(acknowledged.len(), 2000);
-    wait_drained(&watcher, "jobs");
+    // Nothing stranded under the live owner, and what the new master holds adds up: every task it counts pushed
+    // is done, none dead.
+    let drained = wait_drained(&watcher, "jobs");
+    assert_eq!(
+        (drained.done + drained.cancelled, drained.dead),
+        (drained.pushed, 0),
+        "{drained:?}"
+    );
     daemon.stop();
     let ran: HashSet<String> = dir.records().starts.into_iter().map(|(id, _)| id).collect();
     let lost: Vec<&String> = acknowledged

@@ -146,7 +146,17 @@ fn plain_lines_show_rates_while_draining_and_paused_queues() {
     assert_eq!(field(&draining, "paused"), "no");
     assert_eq!(field(&draining, "daemons"), "1");
     assert_eq!(field(&draining, "failed/s"), "0.0");
-    let held = watch.lines_of("held").last().cloned().unwrap();
+    // A sample's lines come one queue after another: `held`'s line of the sample that showed `jobs` draining may
+    // not be read yet, and its first sample has no rate ("-").
+    let held = eventually(Duration::from_secs(10), "a rate for held", || {
+        let last = watch.lines_of("held").last().cloned();
+        (
+            last.as_ref()
+                .is_some_and(|line| field(line, "done/s") != "-"),
+            last,
+        )
+    })
+    .unwrap();
     assert_eq!(
         [
             field(&held, "paused"),

@@ -1,4 +1,4 @@
--- (The broker prepends `#!lua`, rate.lua and turns.lua: src/broker/mod.rs, `sources`.)
+-- (The broker prepends `#!lua`, rate.lua, turns.lua and types.lua: src/broker/mod.rs, `sources`.)
 -- claim.lua: safe mode. Atomically move up to ARGV[2] tasks into the owner's claim lists, under the owner's
 -- lease (one per daemon, renewed by its heartbeat).
 --
@@ -11,13 +11,13 @@
 -- scopes (`...:CLAIM:scopes`), levels in order; KEYS[8+7L] the running hash (scope -> tasks taken and not yet
 -- settled); then for each of the R windows of the queue's rate limit, its log (a list of `MS COUNT` entries,
 -- oldest first) and the log's sum (a string): KEYS[9+7L+2(r-1)], KEYS[10+7L+2(r-1)]; last, with priority
--- weights, the queue's sched hash (turns.lua's credits)
+-- weights, the queue's sched hash (turns.lua's credits); last, with type limits, types.lua's keys
 -- ARGV[1] owner; ARGV[2] the most tasks to take; ARGV[3] max_task_bytes; ARGV[4] dead list bound;
 -- ARGV[5] queue name; ARGV[6] daemon (host:pid, for dead records); ARGV[7] the claim: a number unique within the
 -- owner and increasing from call to call (the caller reserves ARGV[2] numbers from it on; see adopt.lua);
 -- ARGV[8] the queue's max_running (0: none); ARGV[9] R, the windows of its rate limit (0: none), then R pairs:
 -- the window in ms, the most starts in any such window; then W, the levels' priority weights (0: strict order),
--- then W weights, one per level in order
+-- then W weights, one per level in order; then types.lua's block (its first value 0: no type limits)
 -- Returns {now_ms, state, group level, tasks taken at level 1, ..., at level L, retry at (states 5, 6), the owner's
 -- journal (see renew.lua)}: the tasks themselves are in this claim's lists, which the caller reads in the same transaction
 -- (`MULTI`, this script, `LRANGE` of each list, `EXEC`: src/broker/tasks.rs), position p of a list being the
@@ -35,7 +35,10 @@
 --            its oldest start ages out (Redis's clock, ms; 0 in every other state), and the caller claims again
 --            then;
 --   state 6: nothing was claimed, because a handler throttled the queue (KEYS[7]): `retry at` is when the
---            throttle ends, and the caller claims again then.
+--            throttle ends, and the caller claims again then;
+--   state 7: nothing was claimed, though tasks wait, because their types' limits hold them back: the caller
+--            waits for a wake-up marker (a settle that frees a type's slot pushes one, as does a push), at most
+--            until `retry at` when it is not 0 (the earliest time a type's rate window lets a start go).
 -- Fails with "LEASELOST ..." when the owner's lease is gone or past: its tasks then belong to the monitors (an
 -- owner registered but missing from the owners zset is put back in it as expired, for them), and the daemon must
 -- register a new owner; with "FENCED ..." when ARGV[7] is below the owner's floor, which
@@ -60,8 +63,17 @@
 -- Rate limit. The claim counts its starts in each window's log as rate.lua says: it takes at most what every
 -- window leaves, nothing when one is full (state 5).
 --
+-- Type limits (`[[queues.limits]]`, types.lua). A claim takes a task of a limited type only while every limit of
+-- its type admits it, as well as the queue's: from the type's flow first, then from the ready list, where a task
+-- its type holds back is moved to the flow instead of blocking the others. Its claim list then holds runs, one
+-- per flow in the order first met, and its scopes string a line `N SCOPE...` per run in position order (`N` alone:
+-- a run counted nowhere), which settle.lua subtracts from run by run. Its payloads become Lua strings on this path
+-- (LPOP, then RPUSH), the price of choosing among several lists in one step; a queue without type limits never
+-- takes it.
+--
 -- A payload longer than max_task_bytes is never handed to a daemon: it goes straight to the dead list, kept
--- whole (as a JSON string) with its size in the reason.
+-- whole with its size in the reason (as a JSON string when it is UTF-8, in base64 when it is not: see
+-- `dead_oversized`).
 --
 -- Checks before it writes: the type of every key it touches (KEYS[6], the paused key, is only tested for
 -- existence; KEYS[7], the throttle, for existence and its time to live), and that the counters it increments (the info hash's `journal`, the stats hash's `dead_lettered`)
@@ -77,15 +89,28 @@
 local rates = tonumber(ARGV[9]) or 0
 local WEIGHTS = 10 + 2 * rates
 local weighted = (tonumber(ARGV[WEIGHTS]) or 0) > 0
-local SCHED = weighted and #KEYS
-local levels = (#KEYS - 8 - 2 * rates - (weighted and 1 or 0)) / 7
+-- The type limits' block (types.lua) follows the weights: its flows' count, and the keys it adds.
+local TYPES = WEIGHTS + 1 + (tonumber(ARGV[WEIGHTS]) or 0)
+local type_flows, type_other_keys = tonumber(ARGV[TYPES]) or 0, 0
+do
+  local at = TYPES + 2
+  for _ = 1, type_flows do
+    local r = tonumber(ARGV[at + 4]) or 0
+    type_other_keys, at = type_other_keys + 1 + 2 * r, at + 5 + 2 * r
+  end
+end
+local per_level = 7
+if type_flows > 0 then per_level = 8 + type_flows end
+local levels = (#KEYS - 8 - 2 * rates - (weighted and 1 or 0) - type_other_keys) / per_level
 local READY, QUARANTINE, CLAIMS, LISTS, SCOPES = 7, 7 + levels, 7 + 4 * levels, 7 + 5 * levels, 7 + 6 * levels
 local RUNNING = 8 + 7 * levels
+local SCHED = weighted and RUNNING + 2 * rates + 1
+local TYPE_KEYS = RUNNING + 2 * rates + (weighted and 1 or 0) + 1
 local GROUPS = {1, 8, 64}
 local owner, max, max_bytes, claim = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[7]
 local max_running = tonumber(ARGV[8]) or 0
--- Every key's type first (a handful of calls per claim, none per task).
-for i = 1, #KEYS do
+-- Every key's type first (a handful of calls per claim, none per task); the type limits' keys, types.lua's.
+for i = 1, TYPE_KEYS - 1 do
   if i ~= 6 then
     local found = redis.call('TYPE', KEYS[i]).ok
     local kind = 'list'
@@ -130,6 +155,10 @@ if weighted then
   credits, refused = turns_read('claim.lua', KEYS[SCHED], levels, integer)
   if refused then return refused end
 end
+-- The type limits' flows, their keys and counts (types.lua), read and checked before any write.
+local block, _, bad_types = types_read('claim.lua', TYPES, TYPE_KEYS, levels, KEYS[RUNNING], integer)
+if bad_types then return bad_types end
+local flowing = #block.flows > 0
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lease = redis.call('ZSCORE', KEYS[1], owner)
@@ -151,14 +180,106 @@ for i = LISTS + 1, LISTS + levels do
   end
 end
 
+-- The dead record of a payload over max_task_bytes keeps its exact bytes as the daemon's own records do
+-- (settlement.rs, DeadRecord; docs/PROTOCOL.md, "Dead letters"): as `task`, a JSON string, when they are UTF-8,
+-- else as `task_base64` (RFC 4648, padded), so that the record is valid UTF-8 and JSON whatever the bytes (review
+-- L13: cjson.encode passed them through, and the record of a payload that is not UTF-8 was neither). Such a
+-- payload is large by definition: it is copied as few times as it can be, and no copy outlives the call. A UTF-8
+-- one is encoded with its record in one cjson.encode (in C; its buffer made private to the call, where Redis
+-- keeps it by default for the next call, as large as the largest string encoded, outside `maxmemory`'s count);
+-- another is encoded in Lua, in base64 pieces concatenated once with the record's other fields.
+local function is_utf8(s)
+  -- Runs of ASCII are skipped by string.find; from a byte that is not ASCII on, a chunk of up to 4,096 bytes is
+  -- read as numbers at once (one string.byte) and each character checked as Rust's str::from_utf8 does: no
+  -- overlong form, no surrogate, nothing past U+10FFFF, nothing cut short.
+  local n = #s
+  local i = string.find(s, '[\128-\255]')
+  while i do
+    local last = math.min(i + 4095, n)
+    local b = {string.byte(s, i, last)}
+    local j, m = 1, last - i + 1
+    while j <= m do
+      local c = b[j]
+      if c < 128 then
+        j = j + 1
+      else
+        local need, lo, hi = 1, 128, 191
+        if c >= 194 and c <= 223 then need = 1
+        elseif c == 224 then need, lo = 2, 160
+        elseif (c >= 225 and c <= 236) or c == 238 or c == 239 then need = 2
+        elseif c == 237 then need, hi = 2, 159
+        elseif c == 240 then need, lo = 3, 144
+        elseif c >= 241 and c <= 243 then need = 3
+        elseif c == 244 then need, hi = 3, 143
+        else return false end
+        if j + need > m then
+          -- Cut short by the end of the payload, or by the chunk's: the next chunk starts at this character.
+          if last == n then return false end
+          break
+        end
+        local b1, b2, b3 = b[j + 1], b[j + 2], b[j + 3]
+        if b1 < lo or b1 > hi then return false end
+        if need >= 2 and (b2 < 128 or b2 > 191) then return false end
+        if need == 3 and (b3 < 128 or b3 > 191) then return false end
+        j = j + need + 1
+      end
+    end
+    i = string.find(s, '[\128-\255]', i + j - 1)
+  end
+  return true
+end
+local B64 = 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/'
+-- Appends `s` in base64 to `parts`, in pieces of 8,192 characters: each 3 bytes are two halves of 12 bits, each
+-- two characters of a table of 4,096.
+local function base64_into(parts, s)
+  local pair = {}
+  for v = 0, 4095 do
+    local hi, lo = (v - v % 64) / 64 + 1, v % 64 + 1
+    pair[v] = string.sub(B64, hi, hi) .. string.sub(B64, lo, lo)
+  end
+  local n = #s
+  local whole = n - n % 3
+  local chunk, k = {}, 0
+  for i = 1, whole, 3 do
+    local a, b, c = string.byte(s, i, i + 2)
+    local v = a * 65536 + b * 256 + c
+    local lo = v % 4096
+    chunk[k + 1], chunk[k + 2] = pair[(v - lo) / 4096], pair[lo]
+    k = k + 2
+    if k == 8192 then
+      parts[#parts + 1] = table.concat(chunk, '', 1, k)
+      k = 0
+    end
+  end
+  if k > 0 then parts[#parts + 1] = table.concat(chunk, '', 1, k) end
+  if n > whole then
+    local a, b = string.byte(s, whole + 1, n)
+    local v = a * 65536 + (b or 0) * 256
+    local lo = v % 4096
+    local last = pair[(v - lo) / 4096] .. pair[lo]
+    if b then last = string.sub(last, 1, 3) .. '=' else last = string.sub(last, 1, 2) .. '==' end
+    parts[#parts + 1] = last
+  end
+end
 local dead_lettered = 0
 local function dead_oversized(payload)
   dead_lettered = dead_lettered + 1
-  redis.call('LPUSH', KEYS[4], '{"dead_at":' .. string.format('%d', now) .. ',"queue":' .. cjson.encode(ARGV[5]) ..
-    ',"id":"","type":"","attempt":0,"reason":"task is ' .. string.format('%d', #payload) ..
-    ' bytes, more than max_task_bytes (' .. ARGV[3] .. '); it was not run","size":' ..
-    string.format('%d', #payload) .. ',"daemon":' .. cjson.encode(ARGV[6]) .. ',"task":' .. cjson.encode(payload) ..
-    '}')
+  local record = {dead_at = now, queue = ARGV[5], id = '', type = '', attempt = 0,
+    reason = 'task is ' .. #payload .. ' bytes, more than max_task_bytes (' .. ARGV[3] .. '); it was not run',
+    size = #payload, daemon = ARGV[6]}
+  if is_utf8(payload) then
+    record.task = payload
+    local keep = cjson.encode_keep_buffer and cjson.encode_keep_buffer()
+    if keep then cjson.encode_keep_buffer(false) end
+    record = cjson.encode(record)
+    if keep then cjson.encode_keep_buffer(true) end
+  else
+    local parts = {string.sub(cjson.encode(record), 1, -2), ',"task_base64":"'}
+    base64_into(parts, payload)
+    parts[#parts + 1] = '"}'
+    record = table.concat(parts)
+  end
+  redis.call('LPUSH', KEYS[4], record)
 end
 -- `took`: the tasks this claim put in its lists (what its journal bump, running count and rate logs count).
 local took, retry_at = 0, 0
@@ -203,13 +324,62 @@ local function push_small(level, got)
   return n
 end
 -- Records a non-empty claim list in the owner's claim set: its score counts its tasks not yet settled; under a
--- running limit, its scopes string says they count in `q`.
-local function record(level, n)
+-- running limit, its scopes string says they count in `q` (`lines`, with type limits: the scopes of each run of
+-- the list, see "Type limits").
+local function record(level, n, lines)
   redis.call('ZADD', KEYS[CLAIMS + level], n, claim)
   took = took + n
-  if max_running > 0 then
+  if lines then
+    redis.call('SET', KEYS[SCOPES + level], lines)
+  elseif max_running > 0 then
     redis.call('SET', KEYS[SCOPES + level], n .. ' q')
   end
+end
+-- With type limits: pushes `runs` (each the payloads of one flow, or of none, as Lua strings) onto the claim's
+-- list at `level`, run after run, dropping the payloads over max_task_bytes, counts each run's tasks as its
+-- flow's, and records the list with a line `N SCOPE...` per run. Returns the tasks pushed.
+local function push_runs(level, runs)
+  local lines, counted, n = {}, false, 0
+  for _, run in ipairs(runs) do
+    local k = push_small(level, run.payloads)
+    if k > 0 then
+      local scopes = {}
+      if max_running > 0 then scopes[#scopes + 1] = 'q' end
+      if run.flow and run.flow.max_running > 0 then scopes[#scopes + 1] = run.flow.scope end
+      if run.flow then run.flow.taken = run.flow.taken + k end
+      counted = counted or #scopes > 0
+      lines[#lines + 1] = k .. ' ' .. table.concat(scopes, ' ')
+      n = n + k
+    end
+  end
+  if n > 0 then
+    local text = false
+    if counted then text = table.concat(lines, '\n') end
+    record(level, n, text)
+  end
+  return n
+end
+-- With type limits: the runs of a take, grouped by flow in the order first met (false: no limited type).
+local function new_runs()
+  local runs, by = {}, {}
+  return runs, function(flow, payload)
+    local at = flow or runs
+    local run = by[at]
+    if not run then
+      run = {flow = flow, payloads = {}}
+      by[at] = run
+      runs[#runs + 1] = run
+    end
+    run.payloads[#run.payloads + 1] = payload
+  end
+end
+-- Whether a flow's limits admit one more task, then counts it as admitted.
+local function admit(flow)
+  if not flow then return true end
+  if flow.room == nil then return true end
+  if flow.room <= 0 then return false end
+  flow.room = flow.room - 1
+  return true
 end
 
 -- After the lease and floor checks, so that a paused or throttled queue still tells a lost lease or a fenced
@@ -256,6 +426,27 @@ end
 if free and max >= free then
   max, room = free, false
 end
+-- The type limits' rooms, once the queue's own limits let the claim go on (types.lua).
+if flowing then
+  bad = types_admit('claim.lua', block, KEYS[RUNNING], now)
+  if bad then return bad end
+end
+-- When nothing was taken though tasks wait, because their types' limits hold them back (state 7): when the
+-- earliest of those limits lets one go (0: only a running slot, which a settle's wake-up marker announces).
+local function held_back()
+  local any, at = false, 0
+  for _, flow in ipairs(block.flows) do
+    if flow.held then
+      local due = flow.due or 0
+      any = true
+      if due > 0 and (at == 0 or due < at) then at = due end
+    end
+  end
+  if any then
+    retry_at = at
+    return finish(empty(7, 0))
+  end
+end
 
 local holds = false
 for i = 1, levels do
@@ -279,12 +470,36 @@ for stage = 1, 3 do
       end
       local got = false
       if max > 0 then got = redis.call('LPOP', list, math.min(GROUPS[stage], max)) end
-      local n = push_small(i, got or {})
+      local n
+      if flowing and got then
+        -- The group as far as its types' limits admit it, in order; the rest goes back to the list's head.
+        local runs, add = new_runs()
+        local kept = 0
+        for k = 1, #got do
+          local flow = types_route(block, got[k])
+          if not admit(flow) then
+            flow.held = true
+            break
+          end
+          add(flow, got[k])
+          kept = k
+        end
+        for k = #got, kept + 1, -1 do redis.call('LPUSH', list, got[k]) end
+        if kept == 0 then
+          types_spend(block, KEYS[RUNNING], now)
+          return held_back() or finish(empty(0, 0))
+        end
+        n = push_runs(i, runs)
+      else
+        n = push_small(i, got or {})
+        if n > 0 then record(i, n) end
+      end
       if n == 0 then
+        if flowing then types_spend(block, KEYS[RUNNING], now) end
         return finish(empty(0, 0))
       end
-      record(i, n)
       redis.call('HSET', KEYS[3], 'group', GROUPS[stage])
+      if flowing then types_spend(block, KEYS[RUNNING], now) end
       local result = empty(1, i)
       result[3 + i] = n
       return finish(result)
@@ -294,39 +509,128 @@ end
 
 local result = empty(0, 0)
 local taken = 0
+-- The tasks a level holds that this claim may take: its ready list, and its flows that their limits admit.
+local function waiting(i)
+  local n = redis.call('LLEN', KEYS[READY + i])
+  if flowing then
+    for _, flow in ipairs(block.flows) do
+      if flow.room ~= 0 then n = n + redis.call('LLEN', flow.lists[i]) end
+    end
+  end
+  return n
+end
 -- Strict order takes from the highest level first; priority weights split the claim between the levels that have
 -- tasks by their turns (turns.lua).
 local want
 if weighted then
   local available = {}
-  for i = 1, levels do available[i] = redis.call('LLEN', KEYS[READY + i]) end
+  for i = 1, levels do available[i] = waiting(i) end
   want = turns_split(KEYS[SCHED], {unpack(ARGV, WEIGHTS + 1, WEIGHTS + levels)}, credits, available, max)
+end
+-- With type limits, a level's take: first from the flows their limits admit (they hold their types' oldest
+-- tasks), then from the ready list, where a task of a type its limits hold back is moved to its flow (retries
+-- and recoveries to the flow's head, as to the ready list's), and looked at no more than SCAN tasks a claim, so
+-- that a claim's work is bounded whatever the list holds.
+local SCAN = 4 * max + 256
+local function take_flowing(i, take)
+  local runs, add = new_runs()
+  local got = 0
+  for _, flow in ipairs(block.flows) do
+    local m = take - got
+    if flow.room and flow.room < m then m = flow.room end
+    if m > 0 then
+      local items = redis.call('LPOP', flow.lists[i], m)
+      for _, payload in ipairs(items or {}) do add(flow, payload) end
+      got = got + #(items or {})
+      if flow.room then flow.room = flow.room - #(items or {}) end
+      if not items or #items < m then redis.call('ZREM', block.rings[i], flow.member) end
+    elseif flow.room == 0 and redis.call('LLEN', flow.lists[i]) > 0 then
+      flow.held = true
+    end
+  end
+  local ready, scanned = KEYS[READY + i], 0
+  local heads, tails = {}, {}
+  while got < take and scanned < SCAN do
+    local items = redis.call('LPOP', ready, math.min(take - got, SCAN - scanned))
+    if not items then break end
+    scanned = scanned + #items
+    for _, payload in ipairs(items) do
+      local flow, task = types_route(block, payload)
+      if admit(flow) then
+        add(flow, payload)
+        got = got + 1
+      else
+        flow.held = true
+        local to = tails
+        if types_again(task) then to = heads end
+        to[flow] = to[flow] or {}
+        table.insert(to[flow], payload)
+      end
+    end
+  end
+  for _, flow in ipairs(block.flows) do
+    local moved = false
+    if heads[flow] then
+      local list = heads[flow]
+      for k = #list, 1, -1 do redis.call('LPUSH', flow.lists[i], list[k]) end
+      moved = true
+    end
+    if tails[flow] then
+      local list = tails[flow]
+      for k = 1, #list, 1000 do
+        redis.call('RPUSH', flow.lists[i], unpack(list, k, math.min(k + 999, #list)))
+      end
+      moved = true
+    end
+    if moved then redis.call('ZADD', block.rings[i], 'NX', now, flow.member) end
+  end
+  local n = push_runs(i, runs)
+  taken = taken + got
+  return n
 end
 for i = 1, levels do
   local ready = KEYS[READY + i]
   local n = 0
   local take = max - taken
   if want then take = want[i] end
-  if take > 0 then
+  if flowing then
+    if take > 0 then n = take_flowing(i, take) end
+  elseif take > 0 then
     n = redis.call('SORT', ready, 'BY', 'nosort', 'LIMIT', 0, take, 'STORE', KEYS[LISTS + i])
   end
-  if n > 0 then
+  if n > 0 and not flowing then
     redis.call('LTRIM', ready, n, -1)
     taken = taken + n
     if redis.call('MEMORY', 'USAGE', KEYS[LISTS + i], 'SAMPLES', 0) > max_bytes then
-      -- Perhaps one payload is too large: check them one by one.
-      local got = redis.call('LRANGE', KEYS[LISTS + i], 0, -1)
-      redis.call('DEL', KEYS[LISTS + i])
-      n = push_small(i, got)
+      -- Perhaps one payload is too large: check them one by one, each taken from the list's head and put back at
+      -- its tail unless it is dead-lettered, so that the script holds one payload at a time, not the batch.
+      local list, kept = KEYS[LISTS + i], 0
+      for _ = 1, n do
+        local payload = redis.call('LPOP', list)
+        if #payload > max_bytes then
+          dead_oversized(payload)
+        else
+          redis.call('RPUSH', list, payload)
+          kept = kept + 1
+        end
+      end
+      n = kept
     end
     if n > 0 then record(i, n) end
   end
   result[3 + i] = n
 end
+if flowing then
+  types_spend(block, KEYS[RUNNING], now)
+  if took == 0 and taken == 0 then
+    local held = held_back()
+    if held then return held end
+  end
+end
 if taken == max and room then
   -- The queue may hold more than this fetcher can take: pass the wake-up on to another idle fetcher.
   for i = 1, levels do
-    if redis.call('LLEN', KEYS[READY + i]) > 0 then
+    if waiting(i) > 0 then
       redis.call('LPUSH', KEYS[2], 1)
       redis.call('LTRIM', KEYS[2], 0, 0)
       break

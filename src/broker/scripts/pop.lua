@@ -8,20 +8,31 @@
 -- popped while it exists), KEYS[4] the queue's throttle (nothing is popped while it exists: a handler's
 -- back-pressure, set by settle.lua), KEYS[5] the running hash (scope -> tasks taken under its limit and not yet
 -- settled), KEYS[6] the owner's popped-running hash (scope -> what of those it popped), KEYS[7] the queue's sched
--- hash (turns.lua's credits), then the N lists to pop from, in order (per level: its three quarantine lists, then
--- its ready list), then for each of the R windows of the queue's rate limit its log and its sum (rate.lua)
+-- hash (turns.lua's credits), KEYS[8] the owners zset (owner -> lease deadline ms), then the N lists to pop from,
+-- in order (per level: its three quarantine lists, then its ready list), then for each of the R windows of the
+-- queue's rate limit its log and its sum (rate.lua)
 -- ARGV[1] owner; ARGV[2] the most tasks to take; ARGV[3] the queue's max_running (0: none); ARGV[4] R (0: no
 -- rate limit), then R pairs: the window in ms, the most starts in any such window; then W, the levels' priority
 -- weights (0: strict order), then W weights, one per level in order; last, the most bytes of tasks to take (at
 -- least one task is taken, whatever its size; left out: no bound)
 -- Returns {now_ms, index of the list popped (1-based among the N lists; 0: nothing popped), {payloads}, the
--- number of unique ids held in the queue, state, retry at}: state 0 popped (or all empty), 1 the queue is paused,
+-- number of unique ids held in the queue, state, retry at, {counts}, {recorded}}: state 0 popped (or all empty),
+-- 1 the queue is paused,
 -- 2 a handler throttled it, 3 a window of its rate limit is full, 4 max_running of its tasks are taken and not
 -- yet settled (the caller waits for a wake-up marker); retry at (states 2 and 3) is when the throttle ends or the
 -- window's oldest start ages out (Redis's clock, ms), 0 otherwise. Nothing is popped in states 1-4. With priority
 -- weights and no quarantined task, a pop takes from every level that has tasks by their turns (turns.lua): the
 -- reply's 7th element then counts the payloads of each level, in level order (they come in that order); it is
--- empty otherwise, and the index says the one list popped.
+-- empty otherwise, and the index says the one list popped. `recorded` lists the positions (1-based among the
+-- payloads) of the unique tasks whose id this pop recorded as held by the owner.
+--
+-- The holder of a unique id. A popped unique task holds its id through the owner that popped it: the id is freed
+-- by that task's settle (settle.lua compares the unique-popped hash with the settling owner), or by a monitor once
+-- that owner's lease ran out (release_unique.lua), never by another task's. So an owner must not pop once its
+-- lease ran out: the monitors may have released its ids and forgotten it, and what it recorded then would name a
+-- holder nobody releases. The pop fails with "LEASELOST ..." then, as a claim does, having written nothing (the
+-- daemon gives the owner up and pops under a new one). And an id recorded as popped by another owner is left to
+-- it: a second copy of the id (a producer's plain RPUSH of a unique envelope) does not hold it.
 --
 -- The daemon calls this only while unique ids are held in the queue; otherwise it pops with a plain LMPOP in a
 -- transaction guarded by WATCH on the unique hash (Popper in src/broker/tasks.rs), which spares Redis converting
@@ -49,10 +60,10 @@ local rates = tonumber(ARGV[4]) or 0
 local WEIGHTS = 5 + 2 * rates
 local weighted = (tonumber(ARGV[WEIGHTS]) or 0) > 0
 local LAST = #KEYS - 2 * rates
-local FIRST = 8
+local FIRST = 9
 local refused = wrong_type(KEYS[1], 'hash') or wrong_type(KEYS[2], 'hash')
 refused = refused or wrong_type(KEYS[4], 'string') or wrong_type(KEYS[5], 'hash') or wrong_type(KEYS[6], 'hash')
-  or wrong_type(KEYS[7], 'hash')
+  or wrong_type(KEYS[7], 'hash') or wrong_type(KEYS[8], 'zset')
 for i = FIRST, #KEYS do
   local kind = 'list'
   if i > LAST and (i - LAST) % 2 == 0 then kind = 'string' end
@@ -79,16 +90,21 @@ if max_running > 0 then
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- Before the pause, as claim.lua: an owner whose lease is gone or past pops nothing (see "The holder").
+local lease = redis.call('ZSCORE', KEYS[8], ARGV[1])
+if not lease or tonumber(lease) <= now then
+  return redis.error_reply('LEASELOST owner ' .. ARGV[1] .. ' has no live lease')
+end
 -- One EXISTS for both keys, as claim.lua.
 if redis.call('EXISTS', KEYS[3], KEYS[4]) > 0 then
   if redis.call('EXISTS', KEYS[3]) == 1 then
-    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 1, 0, {}}
+    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 1, 0, {}, {}}
   end
   -- By its time to live, as claim.lua; one set by hand without an expiry is looked at again every second.
   local left = redis.call('PTTL', KEYS[4])
   if left ~= -2 then
     if left < 0 then left = 1000 end
-    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 2, now + math.max(1, left), {}}
+    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 2, now + math.max(1, left), {}, {}}
   end
 end
 local max = tonumber(ARGV[2])
@@ -100,7 +116,7 @@ end
 if max_running > 0 then
   if running >= max_running then
     note_limit()
-    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 4, 0, {}}
+    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 4, 0, {}, {}}
   end
   max = math.min(max, max_running - running)
 end
@@ -108,7 +124,7 @@ if rates > 0 then
   local free, due, bad = rate_trim('pop.lua', windows, now)
   if bad then return bad end
   if due > 0 then
-    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 3, due, {}}
+    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 3, due, {}, {}}
   end
   max = math.min(max, free)
 end
@@ -193,23 +209,25 @@ if budget and #items > 1 then
 end
 local held = redis.call('HLEN', KEYS[1])
 if #items == 0 then
-  return {now, 0, {}, held, 0, 0, {}}
+  return {now, 0, {}, held, 0, 0, {}, {}}
 end
 if rates > 0 then rate_spend(windows, #items, now) end
 if max_running > 0 then
   redis.call('HINCRBY', KEYS[5], 'q', #items)
   redis.call('HINCRBY', KEYS[6], 'q', #items)
 end
+local recorded = {}
 if held > 0 then
   for k = 1, #items do
     -- Decoding costs, so only where a unique id may be held and the payload says "unique".
     if string.find(items[k], '"unique"', 1, true) then
       local ok, task = pcall(cjson.decode, items[k])
       if ok and type(task) == 'table' and task.unique == true and type(task.id) == 'string'
-          and redis.call('HEXISTS', KEYS[1], task.id) == 1 then
-        redis.call('HSET', KEYS[2], task.id, ARGV[1])
+          and redis.call('HEXISTS', KEYS[1], task.id) == 1
+          and redis.call('HSETNX', KEYS[2], task.id, ARGV[1]) == 1 then
+        recorded[#recorded + 1] = k
       end
     end
   end
 end
-return {now, index, items, held, 0, 0, counts}
+return {now, index, items, held, 0, 0, counts, recorded}

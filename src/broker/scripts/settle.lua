@@ -14,18 +14,24 @@
 -- its limit and not yet settled), then for each claim the call touches, its list, its settled bitmap and its
 -- running scopes (`processing:OWNER:LEVEL:CLAIM`, `...:CLAIM:settled` and `...:CLAIM:scopes`); in default mode
 -- under a running limit instead: KEYS[9+5L] the running hash and KEYS[10+5L] the popped-running hash of the owner
--- that popped these tasks (ARGV[5]; see "Running limits")
+-- that popped these tasks (ARGV[5]; see "Running limits"); last, in safe mode, the keys of the task types whose
+-- throttles the call sets (see T below)
 -- ARGV[1] fence: "owner" (the owner settles its own tasks) or "expired" (a monitor settles the tasks of an owner
 --         whose lease ran out; nothing is applied unless it has)
 -- ARGV[2] dead list bound; ARGV[3] number of levels L; ARGV[4] the delay poller's channel; ARGV[5] the owner
---         ("" in default mode); ARGV[6] the call's number (unique for the settling party)
+--         (in default mode, the owner that popped the tasks when Redis keeps their running slots or unique ids
+--         under it, "" otherwise); ARGV[6] the call's number (unique for the settling party)
 -- ARGV[7] K, the claims touched, then K groups of 4: level (1-based), claim, the positions of its plain
 --         acknowledgements as a bitmap (bit p, in GETBIT's order, for the task at position p; "" for none), and
 --         how many bits it sets: the bulk of the traffic, applied with a handful of commands per claim
 -- then C: plain acknowledgements without a token (default mode), only counted
--- then records of 8: op, claim (its index among the K, 1-based; 0 for none), token (the task's position in the
+-- then T, the task types whose own throttles the call may set (0 but in safe mode), and T ring members (`:TYPE`);
+--         their keys follow the claims': for each, its throttle (`throttle:t:TYPE`), its flows (one per level),
+--         the levels' rings
+-- then records of 9: op, claim (its index among the K, 1-based; 0 for none), token (the task's position in the
 --         claim's list; a field of an older owner's hash with claim 0; "" in default mode), unique id, level
---         (1-based), delay ms, payload, failed ("1" or "0")
+--         (1-based), delay ms, payload, failed ("1" or "0"), throttle scope (op "throttle": 0 for the queue's,
+--         t for the t-th of the T types; 0 for every other op)
 --   op "ack":   done; the task leaves the processing area
 --   op "retry": payload (the envelope with attempt + 1) goes to the front of its ready list now (delay 0) or
 --               to the level's retry zset, due in delay ms; counted in "retried"
@@ -34,17 +40,19 @@
 --   op "recover": an expired lease's task, uncharged: payload (recovered + 1) to the front of its ready list;
 --               counted in "recovered"
 --   op "recover_isolated": as "recover", to the front of the level's quarantine list of stage "delay"
---   op "back":  handed back at shutdown: payload goes to the front of its ready list, attempt unchanged; its
---               unique id, if any, stays held (the task waits again) but no longer by the popping owner
+--   op "back":  handed back (the shutdown; in default mode also a unique task whose owner's lease was lost
+--               before it started): payload goes to the front of its ready list, attempt unchanged; its unique
+--               id, if any, stays held (the task waits again) but no longer by the popping owner
 --   op "back_isolated": as "back", to the front of the level's quarantine list of stage "delay" (a task that
 --               waited in the quarantine goes back there)
 --   op "throttle": a handler's back-pressure: payload (the task as it was taken) goes to the front of its ready
 --               list, uncharged; the queue's throttle is set to expire in delay ms (its value: the ms it ends),
 --               unless it already lasts longer, and no claim or pop takes a task of the queue until then;
---               counted in "throttled"
+--               counted in "throttled". With a type's scope: to the front of the type's flow at its level (its
+--               ring names it), and the type's throttle is the one set: claims take none of its tasks until then
 --   op "dead":  payload (a dead record, a JSON object) is pushed on the dead list with "dead_at" stamped
--- Running limits. A claim list counted under a running limit has a scopes string (`N q`: claim.lua); each task of
--- it whose bit this call sets, by whatever op and whichever settling party (the owner, or a monitor for an
+-- Running limits. A claim list counted under a running limit has a scopes string (`N q`: claim.lua; with type
+-- limits a line `N SCOPE...` per run of the list, in position order); each task of it whose bit this call sets, by whatever op and whichever settling party (the owner, or a monitor for an
 -- expired owner), is subtracted from the running hash's fields the string names, in this step, and the string
 -- goes with the list. A field is never taken below 0 (that would say the count was wrong: counted in stats as
 -- `running_underflow`) and is deleted at 0. A call that frees slots of a count that was at its limit (the field
@@ -54,12 +62,23 @@
 -- the owner's share and from the running count, never more than the share holds, so a settle that comes after
 -- release.lua gave the share back (the owner's lease ran out) subtracts nothing.
 --
+-- Unique ids. A record's unique id is released on "ack" and "dead", and kept held by a task queued again, only if
+-- the task holds it. In safe mode it does while its bit is unset (a stale record changes nothing). In default
+-- mode the id is held by the owner that popped the task (the unique-popped hash, pop.lua), which may have lost
+-- it: a monitor released it when that owner's lease ran out (release_unique.lua), and a newer task with the id
+-- may hold it since. So a default-mode record names that owner (ARGV[5]) and changes the id only if the
+-- unique-popped hash still names it; otherwise an "ack" or "dead" applies without touching the id (it is not
+-- the task's to free), and a task to be queued again ("retry", "back", "throttle") takes the id again if it is
+-- free (HSETNX, as push.lua) and is dropped if a newer task holds it: that one runs instead, and two tasks never
+-- hold one id. A dropped task's record answers 0 (default-mode records are otherwise never stale).
+--
 -- A task whose bit is already set (or whose claim list is gone) is stale and changes nothing: this fences a slow
 -- owner against a monitor that already recovered its task, and two monitors against each other. Bits are only
 -- ever merged in, never overwritten (a bitmap is OR-ed in, and its new bits counted), so that two settles of the
 -- same claim cannot undo each other. A claim list whose every task is settled goes, with its bitmap and its entry
 -- in the claim set. Default-mode records have no token and are never stale.
--- Returns {number of stale plain acknowledgements, then one integer per record: 1 applied, 0 stale, then the
+-- Returns {number of stale plain acknowledgements, then one integer per record: 1 applied, 0 stale (or, in
+-- default mode, a task not queued again because a newer task holds its unique id: see "Unique ids"), then the
 -- owner's journal after this call (0 without an info hash, or when a monitor settles)}; {-1, the stored call's
 -- number} for a late copy of an older call (see "Calls").
 --
@@ -110,7 +129,19 @@ for k = 1, claims do
     fresh = 0}
 end
 local counted_at = 8 + claims * 4
-local records = counted_at + 1
+-- The task types whose own throttles this call may set (safe mode, types with limits: see op "throttle"): each
+-- its ring member here, and its keys after the claims' (its throttle, its flows, the levels' rings).
+local throttled_types = tonumber(ARGV[counted_at + 1]) or 0
+local records = counted_at + 2 + throttled_types
+local throttle_type = {}
+for t = 1, throttled_types do
+  local at = CLAIM_KEYS + 3 * claims + 1 + (t - 1) * (1 + 2 * levels)
+  throttle_type[t] = {member = ARGV[counted_at + 1 + t], throttle = KEYS[at], flows = {}, rings = {}}
+  for level = 1, levels do
+    throttle_type[t].flows[level] = KEYS[at + level]
+    throttle_type[t].rings[level] = KEYS[at + levels + level]
+  end
+end
 
 -- Only the keys this call may write (a read of a key of the wrong type fails before anything is written): a
 -- call of plain acknowledgements, the hot path, checks a handful.
@@ -119,6 +150,12 @@ if fence == 'expired' then expected[owners] = 'zset' end
 if #ARGV >= records then
   expected[dead], expected[uniq], expected[wake], expected[popped] = 'list', 'hash', 'list', 'hash'
   expected[throttle] = 'string'
+  for _, scope in ipairs(throttle_type) do
+    expected[scope.throttle] = 'string'
+    for level = 1, levels do
+      expected[scope.flows[level]], expected[scope.rings[level]] = 'list', 'zset'
+    end
+  end
   for level = 1, levels do
     expected[KEYS[READY + level]] = 'list'
     expected[KEYS[RETRY + level]] = 'zset'
@@ -144,7 +181,7 @@ for k = 1, claims do
     expect(claim[k].bits, 'string') or expect(claim[k].scopes, 'string')
   if refused then return refused end
 end
-for j = records, #ARGV, 8 do
+for j = records, #ARGV, 9 do
   if not OPS[ARGV[j]] then
     return redis.error_reply('settle.lua: unknown op ' .. ARGV[j] .. '; nothing was applied')
   end
@@ -157,7 +194,11 @@ for j = records, #ARGV, 8 do
     return redis.error_reply('settle.lua: record at level ' .. ARGV[j + 4] .. ' of ' .. levels .. ' (delay ' ..
       ARGV[j + 5] .. '); nothing was applied')
   end
-  local stage = tonumber(ARGV[j + 5])
+  local stage, scope = tonumber(ARGV[j + 5]), tonumber(ARGV[j + 8])
+  if not scope or scope < 0 or scope > throttled_types or (scope > 0 and ARGV[j] ~= 'throttle') then
+    return redis.error_reply('settle.lua: record of throttle scope ' .. tostring(ARGV[j + 8]) .. ' of ' ..
+      throttled_types .. '; nothing was applied')
+  end
   if ARGV[j] == 'throttle' and stage < 1 then
     return redis.error_reply('settle.lua: throttle of ' .. ARGV[j + 5] .. ' ms; nothing was applied')
   end
@@ -221,21 +262,32 @@ local counts, limits = {}, {}
 for k = 1, claims do
   local scopes = redis.call('GET', claim[k].scopes)
   if scopes then
-    local named = string.match(scopes, '^%d+ (%S.*)$')
-    if not named then
-      return redis.error_reply('ERR settle.lua: ' .. claim[k].scopes .. ' holds ' .. string.sub(scopes, 1, 40) ..
-        ', not "N SCOPE..."; nothing was applied')
-    end
-    claim[k].counted = {}
-    for scope in string.gmatch(named, '%S+') do
-      if not counts[scope] then
-        local value = redis.call('HMGET', running, scope, scope .. ':limit')
-        local refused = integer(running, scope, value[1]) or integer(running, scope .. ':limit', value[2])
-        if refused then return refused end
-        counts[scope] = tonumber(value[1] or '0')
-        limits[scope] = tonumber(value[2] or '0')
+    -- One line per run of the list, in position order (a claim of a queue with type limits has several).
+    local runs, from = {}, 0
+    for line in string.gmatch(scopes, '[^\n]+') do
+      local size, named = string.match(line, '^(%d+) ?(.*)$')
+      if not size then
+        return redis.error_reply('ERR settle.lua: ' .. claim[k].scopes .. ' holds ' .. string.sub(scopes, 1, 40) ..
+          ', not "N SCOPE..." lines; nothing was applied')
       end
-      claim[k].counted[#claim[k].counted + 1] = scope
+      local run = {from = from, to = from + tonumber(size) - 1, size = tonumber(size), counted = {}}
+      from = run.to + 1
+      for scope in string.gmatch(named, '%S+') do
+        if not counts[scope] then
+          local value = redis.call('HMGET', running, scope, scope .. ':limit')
+          local refused = integer(running, scope, value[1]) or integer(running, scope .. ':limit', value[2])
+          if refused then return refused end
+          counts[scope] = tonumber(value[1] or '0')
+          limits[scope] = tonumber(value[2] or '0')
+        end
+        run.counted[#run.counted + 1] = scope
+      end
+      runs[#runs + 1] = run
+    end
+    if #runs == 1 then
+      claim[k].counted = runs[1].counted
+    elseif #runs > 1 then
+      claim[k].runs = runs
     end
   end
 end
@@ -275,8 +327,8 @@ end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local done, retried, recovered, failed, dead_lettered, throttled = 0, 0, 0, 0, 0, 0
--- How long the queue's throttle still lasts (ms), read at the first throttle record.
-local throttle_left = false
+-- How long each throttle still lasts (ms), by key, read at its first throttle record.
+local throttle_left = {}
 local wake_fetchers, wake_poller = false, false
 local live = true
 if fence == 'expired' then
@@ -284,11 +336,40 @@ if fence == 'expired' then
   live = lease ~= false and tonumber(lease) <= now
 end
 
+-- Members of a sorted set are unique, and two tasks can have the very same retry envelope (a producer pushed one
+-- envelope twice, or many in one batch): trailing spaces, which JSON ignores, keep each a member of its own. The
+-- first free number of spaces is found by galloping (n, n + 1, n + 2, n + 4, ...: any free one will do), from 0
+-- for an envelope's first copy in this call and from just past the last one taken for the next: k identical
+-- envelopes cost O(k log k) ZADDs, not k^2 / 2 as adding one space at a time did (review L6). Returns the member
+-- added. `spaced[zset][payload]`: where the next copy starts.
+local spaced = {}
+local function add_retry(zset, score, payload)
+  spaced[zset] = spaced[zset] or {}
+  local from = spaced[zset][payload] or 0
+  local n, step = from, 1
+  local member = payload
+  if n > 0 then member = payload .. string.rep(' ', n) end
+  while redis.call('ZADD', zset, 'NX', score, member) == 0 do
+    n, step = from + step, step * 2
+    member = payload .. string.rep(' ', n)
+  end
+  spaced[zset][payload] = n + 1
+  return member
+end
+
 local stale = 0
 local used_scratch = false
 for k = 1, claims do
   local c = claim[k]
   c.length = redis.call('LLEN', c.list)
+  if c.runs and c.length > 0 then
+    -- Settled bits per run before this call: what it sets anew in each is subtracted from that run's scopes.
+    local old = redis.call('EXISTS', c.bits) == 1
+    for _, run in ipairs(c.runs) do
+      run.before = 0
+      if old then run.before = redis.call('BITCOUNT', c.bits, run.from, run.to, 'BIT') end
+    end
+  end
   if c.count > 0 then
     if c.length == 0 then
       -- The claim is gone: a monitor recovered all of it.
@@ -348,14 +429,48 @@ while i <= #ARGV do
     if ARGV[i + 7] == '1' then
       failed = failed + 1
     end
+    -- Whether the task holds its unique id (see "Unique ids"), and whether a task to be queued again is.
+    local holds, queued = true, true
     if uid ~= '' then
-      redis.call('HDEL', popped, uid)
+      if not safe then
+        holds = owner ~= '' and redis.call('HGET', popped, uid) == owner
+      end
+      if holds then
+        redis.call('HDEL', popped, uid)
+      elseif op ~= 'ack' and op ~= 'dead' then
+        queued = redis.call('HSETNX', uniq, uid, now) == 1
+        if not queued then ok = 0 end
+      end
     end
     if op == 'ack' then
       done = done + 1
-      if uid ~= '' then
+      if uid ~= '' and holds then
         redis.call('HDEL', uniq, uid)
       end
+    elseif op == 'throttle' then
+      throttled = throttled + 1
+      local key = throttle
+      local scope = throttle_type[tonumber(ARGV[i + 8])]
+      if scope then
+        -- A type with its own limits: back to the head of its flow, which claims take from first.
+        key = scope.throttle
+        redis.call('LPUSH', scope.flows[level], payload)
+        redis.call('ZADD', scope.rings[level], 'NX', now, scope.member)
+        wake_fetchers = true
+      elseif queued then
+        redis.call('LPUSH', KEYS[READY + level], payload)
+        wake_fetchers = true
+      end
+      if not throttle_left[key] then
+        -- -2: none; -1: one set by hand without an expiry, which this one replaces.
+        throttle_left[key] = math.max(0, redis.call('PTTL', key))
+      end
+      if delay > throttle_left[key] then
+        redis.call('SET', key, string.format('%d', now + delay), 'PX', delay)
+        throttle_left[key] = delay
+      end
+    elseif not queued then
+      -- A newer task holds its unique id: this one is dropped.
     elseif op == 'retry_isolated' or op == 'recover_isolated' or op == 'back_isolated' then
       if op == 'retry_isolated' then
         retried = retried + 1
@@ -375,38 +490,22 @@ while i <= #ARGV do
         wake_fetchers = true
       else
         local zset = KEYS[RETRY + level]
-        -- Members of a sorted set are unique, and two tasks can have the very same retry envelope (a producer
-        -- pushed one envelope twice): trailing spaces, which JSON ignores, keep each a member of its own.
-        while redis.call('ZADD', zset, 'NX', now + delay, payload) == 0 do
-          payload = payload .. ' '
-        end
+        payload = add_retry(zset, now + delay, payload)
         local head = redis.call('ZRANGE', zset, 0, 0)
         if head[1] == payload then
           wake_poller = true
         end
       end
-    elseif op == 'throttle' then
-      throttled = throttled + 1
-      redis.call('LPUSH', KEYS[READY + level], payload)
-      wake_fetchers = true
-      if not throttle_left then
-        -- -2: none; -1: one set by hand without an expiry, which this one replaces.
-        throttle_left = math.max(0, redis.call('PTTL', throttle))
-      end
-      if delay > throttle_left then
-        redis.call('SET', throttle, string.format('%d', now + delay), 'PX', delay)
-        throttle_left = delay
-      end
     else
       dead_lettered = dead_lettered + 1
       redis.call('LPUSH', dead, '{"dead_at":' .. string.format('%d', now) .. ',' .. string.sub(payload, 2))
-      if uid ~= '' then
+      if uid ~= '' and holds then
         redis.call('HDEL', uniq, uid)
       end
     end
   end
   result[#result + 1] = ok
-  i = i + 8
+  i = i + 9
 end
 if used_scratch then redis.call('DEL', scratch) end
 -- A claim whose every task is settled goes; the others' scores count what they still hold. What a counted claim
@@ -421,6 +520,15 @@ for k = 1, claims do
   else
     local settled = c.length
     if not c.finished then settled = redis.call('BITCOUNT', c.bits) end
+    if c.runs and c.fresh > 0 then
+      for _, run in ipairs(c.runs) do
+        local after = run.size
+        if not c.finished then after = redis.call('BITCOUNT', c.bits, run.from, run.to, 'BIT') end
+        for _, scope in ipairs(run.counted) do
+          freed[scope] = (freed[scope] or 0) + after - run.before
+        end
+      end
+    end
     if settled >= c.length then
       redis.call('DEL', c.list, c.bits, c.scopes)
       redis.call('ZREM', set, c.number)

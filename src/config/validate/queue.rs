@@ -50,6 +50,7 @@ impl RawQueue {
             max_task_bytes,
             lag_warn,
             source_lists,
+            limits,
         } = self;
 
         let key = |field: &str| format!("queues[{index}].{field}");
@@ -84,6 +85,7 @@ impl RawQueue {
             priority_weights,
             default_priority,
         } = levels(source, &key, priorities, priority_weights, default_priority)?;
+        let raw_prefetch = prefetch.clone();
         let Capacity {
             workers,
             batch,
@@ -98,8 +100,14 @@ impl RawQueue {
             batch,
             prefetch,
             max_held,
-            (max_running, rate_limit),
+            (max_running, rate_limit, limits.is_some()),
         )?;
+        let type_limits = match limits {
+            Some(limits) => {
+                super::limits::type_limits(source, &key, mode, raw_prefetch.as_ref(), limits)?
+            }
+            None => Vec::new(),
+        };
         let Timing {
             lease_timeout,
             execution_timeout,
@@ -199,6 +207,7 @@ impl RawQueue {
             max_held,
             max_running,
             rate_limit,
+            type_limits,
             lease_timeout,
             execution_timeout,
             alive_timeout,
@@ -338,7 +347,11 @@ fn capacity(
     batch: Option<Spanned<i64>>,
     prefetch: Option<Spanned<i64>>,
     max_held: Option<Spanned<i64>>,
-    (max_running, rate_limit): (Option<Spanned<i64>>, Option<Spanned<toml::Value>>),
+    (max_running, rate_limit, limited_types): (
+        Option<Spanned<i64>>,
+        Option<Spanned<toml::Value>>,
+        bool,
+    ),
 ) -> Result<Capacity, ConfigError> {
     let workers = match &workers {
         Some(w) => ranged(source, &key("workers"), w, 1..1025)? as usize,
@@ -375,7 +388,9 @@ fn capacity(
         Some(p) => Prefetch::Fixed(ranged(source, &key("prefetch"), p, 0..100_001)? as usize),
         // A task claimed ahead would hold a running slot, or a start of the rate, that another daemon's idle
         // worker could use.
-        None if max_running.is_some() || !rate_limit.is_empty() => Prefetch::Fixed(0),
+        None if max_running.is_some() || !rate_limit.is_empty() || limited_types => {
+            Prefetch::Fixed(0)
+        }
         None => Prefetch::Auto,
     };
     let max_held = match (&max_held, prefetch) {
@@ -531,7 +546,7 @@ const MAX_PRIORITY_WEIGHT: u32 = 1000;
 
 /// What a queue's `max_running` or `rate_limit` (`name`, whose key path `key` makes) asks of the rest of its
 /// config: no prefetch (a task claimed ahead holds a slot or a start that another daemon's idle worker could use).
-fn limited_claims(
+pub(super) fn limited_claims(
     source: &Source<'_>,
     (key, name): (&impl Fn(&str) -> String, &str),
     prefetch: Option<&Spanned<i64>>,
@@ -550,7 +565,7 @@ fn limited_claims(
 }
 
 /// A queue's `rate_limit`: one rate (`"200/s"`) or a list of them, each window listed once.
-fn rate_limits(
+pub(super) fn rate_limits(
     source: &Source<'_>,
     key: &str,
     value: &Spanned<toml::Value>,

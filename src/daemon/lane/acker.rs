@@ -299,11 +299,19 @@ impl Acker {
                 .iter()
                 .filter(|ok| **ok == Some(false))
                 .count();
-        if stale > 0 {
+        if stale > 0 && matches!(holder, Holder::Claimed(_)) {
             tracing::warn!(
                 queue = %queue.config.name,
                 stale,
                 "outcomes arrived after their lease expired; a monitor had already queued those tasks again"
+            );
+        } else if stale > 0 {
+            // Default mode: only a unique task's record is ever refused (settle.lua, "Unique ids").
+            tracing::warn!(
+                queue = %queue.config.name,
+                stale,
+                "unique tasks were not queued again: a monitor freed their ids when their owner's lease ran out, \
+                 and newer tasks with those ids hold them now"
             );
         }
         for (outcome, applied) in group.iter().zip(&report.applied) {

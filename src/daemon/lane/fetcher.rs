@@ -76,7 +76,16 @@ pub struct Fetcher {
     limited: Option<&'static str>,
     /// The queue's name, as the metric of fetches held back labels it.
     queue: Arc<str>,
+    /// Safe mode: the types whose flows hold tasks that this config does not limit (another config's flows, or
+    /// this one's before a reload): its claims drain them (broker::flows).
+    drained: Vec<String>,
+    /// When the flows were last looked at (`None`: not yet): at the lane's start, then every [`FLOWS_LOOK`].
+    flows_looked: Option<Instant>,
 }
+
+/// How often a lane looks for flows its config does not limit (a rolling change that removed a type's limit, or
+/// a reload): their tasks wait at most about this long for a daemon of the new config.
+const FLOWS_LOOK: Duration = Duration::from_secs(60);
 
 /// The owner and the tokens of a claim whose reply never came.
 #[derive(Debug)]
@@ -128,6 +137,8 @@ impl Fetcher {
             paused: false,
             limited: None,
             queue,
+            drained: Vec::new(),
+            flows_looked: None,
         }
     }
 
@@ -326,25 +337,28 @@ impl Fetcher {
                 let idle = queue.config.idle_poll;
                 broker::wait_idle(connection, &queue.keys, idle, queue.io_timeout)?;
             }
-            Err(error) if error.may_have_run() && queue.config.max_running.is_some() => {
-                // Their running slots are counted under this owner's share, and nothing would give them back
-                // while it lives: it is given up (renewed no more), so that its lease runs out and a monitor
-                // gives its share back (release.lua); the next pop registers a new owner. Tasks held from its
-                // earlier pops settle against its share meanwhile.
+            Err(BrokerError::LeaseLost { owner }) => {
+                // pop.lua takes nothing under an owner whose lease ran out (the monitors may have released its
+                // unique ids): pop under a new one.
+                self.lost_lease(owner);
+                return Ok(Batch::default());
+            }
+            Err(error) if error.may_have_run() => {
+                // The unique ids it took are recorded as held by this owner, and its running slots counted under
+                // its share, and nothing would give them back while it lives (the ids were refused as duplicates
+                // for the daemon's life, review M4): it is given up (renewed no more), so that its lease runs out
+                // and a monitor releases both (release_unique.lua, release.lua); the next pop registers a new
+                // owner. Tasks held from its earlier pops settle against it meanwhile; its unique tasks not
+                // started yet are handed back (the worker's lease check).
                 lane.ownership.lose(&owner);
                 tracing::error!(
                     queue = %lane.name(),
                     %error,
                     %owner,
                     "a pop's reply was lost: the tasks it took, if any, are lost (default mode is at most once); \
-                     their running slots come back when this owner's lease runs out"
+                     their unique ids and running slots come back when this owner's lease runs out"
                 );
             }
-            Err(error) if error.may_have_run() => tracing::error!(
-                queue = %lane.name(),
-                %error,
-                "a pop's reply was lost: the tasks it took, if any, are lost (default mode is at most once)"
-            ),
             _ => {}
         }
         popped
@@ -359,9 +373,20 @@ impl Fetcher {
         // backlog's double up to the free capacity within a few round trips. The claim is numbered by the first
         // of the `want` numbers it reserves (its tasks' tokens are positions in its lists).
         let want = self.asks_for(free);
-        let first_token = lane.ownership.tokens(want);
-        let limits = queue.claim_limits();
         let connection = self.connection.get()?;
+        if self
+            .flows_looked
+            .is_none_or(|looked| looked.elapsed() >= FLOWS_LOOK)
+        {
+            let flows = broker::flows::flows(connection, &queue.keys)?;
+            self.drained = broker::flows::drained_types(&flows, &queue.config.type_limits);
+            self.flows_looked = Some(Instant::now());
+        }
+        let first_token = lane.ownership.tokens(want);
+        let limits = broker::ClaimLimits {
+            drained_types: &self.drained,
+            ..queue.claim_limits()
+        };
         let batch = match broker::claim(connection, &queue.keys, &owner, first_token, want, &limits)
         {
             Ok(batch) => {
@@ -408,13 +433,16 @@ impl Fetcher {
         let timed = batch.limited.and_then(Limited::retry_at_ms).is_some();
         if batch.tasks.is_empty() && !timed && !self.claiming.is_triggered() {
             // A marker means "something was pushed": the next round claims it. No marker within idle_poll: the
-            // next round looks anyway, which picks up producers that push no marker.
-            broker::wait_wake(
-                connection,
-                &queue.keys,
-                queue.config.idle_poll,
-                queue.io_timeout,
-            )?;
+            // next round looks anyway, which picks up producers that push no marker. Tasks held back by their
+            // types' rate windows: at most until the first window lets one go.
+            let mut wait = queue.config.idle_poll;
+            if let Some(broker::Limited::Types { retry_at_ms }) = batch.limited
+                && retry_at_ms > 0
+            {
+                let until = u64::try_from(retry_at_ms.saturating_sub(batch.now_ms)).unwrap_or(0);
+                wait = wait.min(Duration::from_millis(until.max(1)));
+            }
+            broker::wait_wake(connection, &queue.keys, wait, queue.io_timeout)?;
         }
         Ok(batch)
     }
@@ -487,7 +515,8 @@ impl Fetcher {
         let lane = &self.lane;
         let claimed_ns = lane.since_epoch(Instant::now());
         let states = batch.tasks.into_iter().map(|taken| {
-            JobState::new(taken.token, taken.level, lane.epoch).popped_by(taken.popped_by)
+            JobState::new(taken.token, taken.level, lane.epoch)
+                .popped(taken.popped_by, taken.holds_unique)
         });
         let stopping = self.claiming.is_triggered();
         let held = match lane.hold(states, batch.payloads) {

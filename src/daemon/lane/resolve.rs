@@ -80,8 +80,12 @@ const STUCK: u8 = 4;
 pub struct JobState {
     /// Safe mode: the claim that fences the task's settlement.
     pub token: Option<Token>,
-    /// Default mode under a running limit: the owner that popped it (`broker::Taken::popped_by`).
+    /// Default mode: the owner that popped it, when Redis keeps its running slot or unique id under that owner
+    /// (`broker::Taken::popped_by`).
     pub popped_by: Option<Arc<str>>,
+    /// Default mode: its unique id is recorded as held by `popped_by` (`broker::Taken::holds_unique`), so it
+    /// starts only while that owner's lease is surely live (the worker's lease check).
+    pub holds_unique: bool,
     /// The priority level it came from.
     pub level: usize,
     /// Raised (non-zero) to ask the handler to stop; the ABI points plugins at it.
@@ -114,10 +118,12 @@ pub enum Finished {
 }
 
 impl JobState {
-    /// The same task, popped by `owner` (default mode under a running limit).
-    pub fn popped_by(self, owner: Option<Arc<str>>) -> JobState {
+    /// The same task, popped by `owner` (default mode: see [`JobState::popped_by`]), holding its unique id
+    /// through it or not.
+    pub fn popped(self, owner: Option<Arc<str>>, holds_unique: bool) -> JobState {
         JobState {
             popped_by: owner,
+            holds_unique,
             ..self
         }
     }
@@ -126,6 +132,7 @@ impl JobState {
         JobState {
             token,
             popped_by: None,
+            holds_unique: false,
             level,
             cancel: AtomicU32::new(0),
             phase: AtomicU8::new(WAITING),

@@ -4,7 +4,8 @@
 //!
 //! A worker resolves its task only if nobody took it meanwhile (see `resolve`): a late outcome after an
 //! execution timeout or a hand-back is dropped. A worker ends when the fetcher has gone and the job queue is
-//! empty; after the daemon stops claiming it hands back, unstarted, whatever job it still receives.
+//! empty; after the daemon stops claiming it hands back, unstarted, whatever job it still receives, as it does
+//! (default mode) a unique task whose popping owner was lost (`lease_allows`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -108,26 +109,42 @@ impl Worker {
         self.lane.started.release_plugins();
     }
 
-    /// Safe mode: waits, if need be, until the task's owner holds a lease that is surely live, so that a daemon
-    /// woken from a pause past its lease never starts a task the monitors may have given to another daemon. Returns
-    /// false when the daemon stops meanwhile (the task is handed back); a task forgotten meanwhile (its lease was
-    /// lost) is then skipped by `start`. A task whose owner is lost for good (not merely unrenewed) is not waited
-    /// for: it is forgotten here, unless its lease's resolver took it first, for no lease will ever cover it again.
+    /// Waits, if need be, until the task's owner holds a lease that is surely live, so that a daemon woken from a
+    /// pause past its lease never starts a task the monitors may have given to another daemon (safe mode), nor a
+    /// unique task whose id they may have freed for a newer task (default mode, a task whose id its popping owner
+    /// holds: `holds_unique`); any other default-mode task left Redis for good and is not waited for. Returns false
+    /// when the daemon stops meanwhile, or when a default-mode task's owner is lost (the task is handed back, and
+    /// settle.lua queues it again only while its id is its own or free); a task forgotten meanwhile (its lease was
+    /// lost) is then skipped by `start`. A safe-mode task whose owner is lost for good (not merely unrenewed) is not
+    /// waited for: it is forgotten here, unless its lease's resolver took it first, for no lease will ever cover it
+    /// again.
     fn lease_allows(&self, lease: &mut LeaseView, job: &Job, now: Instant) -> bool {
-        let Some(token) = &job.state.token else {
-            return true;
+        let state = &job.state;
+        let owner = match (&state.token, &state.popped_by) {
+            (Some(token), _) => &token.owner,
+            (None, Some(popper)) if state.holds_unique => popper,
+            _ => return true,
         };
         let ownership = &self.lane.ownership;
         let mut now = now;
-        while !ownership.may_start(lease, &token.owner, now) {
-            if !job.state.is_waiting() {
+        while !ownership.may_start(lease, owner, now) {
+            if !state.is_waiting() {
                 return true;
             }
-            if lease.is_lost(&token.owner) {
-                if self.lane.forget_if_waiting(job.id, &job.state) {
+            if lease.is_lost(owner) {
+                if state.token.is_none() {
                     tracing::warn!(
                         queue = %self.lane.name(),
-                        owner = %token.owner,
+                        %owner,
+                        "a worker took a unique task whose owner's lease was lost; it is handed back unstarted \
+                         (a monitor may free its id once the lease runs out, and a newer task with it may run)"
+                    );
+                    return false;
+                }
+                if self.lane.forget_if_waiting(job.id, state) {
+                    tracing::warn!(
+                        queue = %self.lane.name(),
+                        %owner,
                         "a worker took a task whose owner's lease was lost; it is forgotten, and the monitors \
                          return it to the queue"
                     );

@@ -165,6 +165,7 @@ fn queue_changes(old: &QueueConfig, new: &QueueConfig) -> Vec<String> {
         max_held,
         max_running,
         rate_limit,
+        type_limits,
         lease_timeout,
         execution_timeout,
         alive_timeout,

@@ -269,6 +269,33 @@ impl TestDir {
         path
     }
 
+    /// As [`TestDir::config`], with the testkit plugin handling `types` (rather than its one type, `test`).
+    pub fn config_for_types(&self, redis: &RedisServer, queues: &str, types: &[&str]) -> PathBuf {
+        let path = self.config(redis, queues);
+        self.testkit_types(&path, types);
+        path
+    }
+
+    /// Rewrites the config at `path`, written by this dir, so that its testkit plugin handles `types`.
+    pub fn testkit_types(&self, path: &Path, types: &[&str]) {
+        let text = fs::read_to_string(path).unwrap();
+        let record = format!(
+            "config = {{ record = \"{}\" }}",
+            self.record_file().display()
+        );
+        let types = types
+            .iter()
+            .map(|kind| format!("{kind:?}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let with_types = format!(
+            "config = {{ record = \"{}\", types = [{types}] }}",
+            self.record_file().display()
+        );
+        assert!(text.contains(&record), "the testkit section: {text}");
+        fs::write(path, text.replace(&record, &with_types)).unwrap();
+    }
+
     /// The runs the testkit plugin recorded.
     pub fn records(&self) -> Records {
         Records::parse(&fs::read_to_string(self.record_file()).unwrap_or_default())
@@ -598,6 +625,15 @@ impl Drop for Process {
 }
 
 /// Runs `kmqd ARGS` to completion; returns (exit code, stdout, stderr).
+/// Runs `kmqd --config CONFIG ARGS...`, checks it exits 0, and returns its standard output.
+pub fn kmqd_ok(config: &Path, args: &[&str]) -> String {
+    let mut all = vec!["--config", config.to_str().unwrap()];
+    all.extend_from_slice(args);
+    let (code, out, err) = kmqd(&all, None);
+    assert_eq!(code, 0, "kmqd {args:?}: {err}");
+    out
+}
+
 pub fn kmqd(args: &[&str], stdin: Option<&str>) -> (i32, String, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kmqd"))
         .args(args)
@@ -703,11 +739,67 @@ pub fn default_queue(extra: &str) -> String {
     format!("[[queues]]\nname = \"jobs\"\nmode = \"default\"\n{extra}\n")
 }
 
+/// Starts a default-mode daemon on `config`, whose Redis it reaches through `proxy`, and once its fetcher waits idle
+/// drops the reply of its next pop.lua call (the pop runs; the connection is closed): the daemon, and the rule,
+/// to see that it fired.
+pub fn default_daemon_losing_its_next_pop_reply(
+    config: &Path,
+    redis: &RedisServer,
+    proxy: &proxy::FaultProxy,
+) -> (TestDaemon, proxy::Rule) {
+    let daemon = TestDaemon::start(config);
+    redis.wait_blocked_in("blmove");
+    let rule = proxy.add(proxy::Fault::DropReply {
+        matching: proxy::Matcher::script(kmqd::broker::sources::POP),
+        nth: 1,
+        then: proxy::AfterDrop::Close,
+    });
+    (daemon, rule)
+}
+
+/// The code block after the `n`-th marker `<!-- tested: TEST_FILE runs this block -->` of the document `doc` (a
+/// path from the workspace), its language tag left out: the docs' examples that the tests run as they are written.
+pub fn documented_block(doc: &str, test_file: &str, n: usize) -> String {
+    let text = fs::read_to_string(workspace_dir().join(doc)).unwrap();
+    let marker = format!("<!-- tested: {test_file} runs this block -->");
+    let after_marker = text
+        .split(&marker)
+        .nth(n + 1)
+        .unwrap_or_else(|| panic!("{doc}: marker {n} of {test_file}"));
+    let block = after_marker
+        .split("```")
+        .nth(1)
+        .expect("a code block after the marker");
+    block.trim_start_matches("sh").to_string()
+}
+
+/// Runs a documented block of shell and `redis-cli` commands against the test's own server.
+pub fn run_documented(block: &str, redis: &RedisServer) {
+    let socket = redis.socket.display().to_string();
+    let script = block.replace("redis-cli ", &format!("redis-cli -s {socket} "));
+    let output = Command::new("sh")
+        .arg("-ec")
+        .arg(&script)
+        .current_dir(workspace_dir())
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{script}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
 /// Pushes `count` testkit tasks with `data` to `jobs`, ids `prefix0` to `prefix{count - 1}`.
 pub fn push_many(config: &Path, prefix: &str, count: usize, data: &str) {
+    push_typed(config, "test", prefix, count, data);
+}
+
+/// Pushes `count` tasks of type `kind` with `data` to `jobs`, ids `prefix0` to `prefix{count - 1}`.
+pub fn push_typed(config: &Path, kind: &str, prefix: &str, count: usize, data: &str) {
     let tasks: Vec<kmqd::NewTask> = (0..count)
         .map(|i| {
-            kmqd::NewTask::new("test", data)
+            kmqd::NewTask::new(kind, data)
                 .unwrap()
                 .id(format!("{prefix}{i}"))
         })
@@ -721,6 +813,35 @@ pub fn wait_done(config: &Path, done: u64, within: Duration) -> QueueStats {
         let s = stats(config, "jobs");
         (s.done >= done, s)
     })
+}
+
+/// Whether `queue` holds nothing ready, processing or delayed while a daemon serves it (an owner with a live
+/// lease): everything still in Redis ran, and nothing is stranded under a live owner. A rewind the journal check
+/// missed leaves `processing` above 0 under a live lease until the daemon stops, which a count of the tasks that
+/// never ran does not see (review H1): so the failover and chaos tests end on this. Returns the stats it read, or
+/// why it could not.
+pub fn drained_under_a_live_owner(
+    watcher: &kmqd::Client,
+    queue: &str,
+) -> (bool, Result<QueueStats, String>) {
+    let stats = watcher.stats(queue);
+    let idle = stats
+        .as_ref()
+        .is_ok_and(|s| s.ready == 0 && s.processing == 0 && s.delayed == 0);
+    let live = watcher
+        .workers(queue)
+        .is_ok_and(|owners| owners.iter().any(|owner| owner.lease_left_ms > 0));
+    (idle && live, stats.map_err(|e| e.to_string()))
+}
+
+/// Waits until [`drained_under_a_live_owner`] holds for `queue`; panics after a minute. Returns the stats then.
+pub fn wait_drained(watcher: &kmqd::Client, queue: &str) -> QueueStats {
+    eventually(
+        Duration::from_secs(60),
+        "the queue drained under a live owner",
+        || drained_under_a_live_owner(watcher, queue),
+    )
+    .expect("the stats of a drained queue")
 }
 
 /// The dead-letter records of `queue`, newest first, as JSON.

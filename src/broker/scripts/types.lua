@@ -1,0 +1,151 @@
+-- types.lua: a queue's limits per task type (`[[queues.limits]]`), prepended to claim.lua after rate.lua and
+-- turns.lua (src/broker/mod.rs, `sources`).
+--
+-- Flows. A task of a limited type that a claim meets while its type's limits hold it back is moved out of the
+-- ready list into its type's *flow* at that level (`flow:LEVEL::TYPE`, a list, oldest first), so that it never
+-- blocks the tasks behind it; the claims take from the flows that their types admit before they take from the
+-- ready list. Each level's *ring* (`ring:LEVEL`, a zset) names the flows that may hold tasks (member `:TYPE`,
+-- the type percent-encoded as keys.rs does; score: the ms it was added), for the claims of daemons whose config
+-- no longer limits that type (they drain such a flow as unlimited) and for the readers (stats, task lookup).
+-- Every other task stays in the ready list, where a queue without type limits keeps all of them: the readers and
+-- the plain claim see no difference.
+--
+-- Routing is exact and cheap: a payload is decoded (cjson) only when its bytes contain a limited type's name, or a
+-- backslash (an escape could spell it); its type is the envelope's `type`, or, for a foreign payload (no `type`),
+-- the queue's `foreign_type_field`, as the daemon reads it (task.rs). Anything else, a payload that does not
+-- decode included, is of no limited type: the daemon then does with it what it does today.
+--
+-- The block, after claim.lua's own arguments: ARGV[at] F, the flows (0: none, and no keys), ARGV[at+1] the
+-- foreign type field ("" for none), then per flow: its type (as the envelope spells it), its ring member, its
+-- running scope (`t:TYPE`), its max_running (0: none), R, then R pairs (window ms, most starts); a flow with no
+-- limit is an *orphan*, a flow another config made, drained unlimited and never routed to. KEYS from `first`:
+-- the rings (one per level), then per flow its lists (one per level), its throttle (`throttle:t:TYPE`, set by
+-- settle.lua when a handler throttles a task of the type: none of its tasks is taken while it lives), then its R
+-- windows' logs and sums.
+
+-- Reads the block at ARGV[at] for `levels` levels (KEYS from `first`), checking every key's type and every value
+-- it will rely on (running counts, rate logs) before any write. Returns the flows (possibly none), the index of
+-- the first key past the block, or nil and the error reply of `script`.
+local function types_read(script, at, first, levels, running, integer)
+  local count = tonumber(ARGV[at]) or 0
+  local block = {flows = {}, kinds = {}, rings = {}, foreign = ARGV[at + 1] or ''}
+  if count == 0 then return block, first end
+  local function wrong(key, kind)
+    local found = redis.call('TYPE', key).ok
+    if found ~= 'none' and found ~= kind then
+      return redis.error_reply('WRONGTYPE ' .. script .. ': ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
+        '; nothing was written')
+    end
+  end
+  for level = 1, levels do
+    block.rings[level] = KEYS[first + level - 1]
+    local refused = wrong(block.rings[level], 'zset')
+    if refused then return nil, nil, refused end
+  end
+  local arg, key = at + 2, first + levels
+  for f = 1, count do
+    local flow = {kind = ARGV[arg], member = ARGV[arg + 1], scope = ARGV[arg + 2],
+      max_running = tonumber(ARGV[arg + 3]), rates = tonumber(ARGV[arg + 4]), lists = {}, running = 0, taken = 0}
+    for level = 1, levels do
+      flow.lists[level] = KEYS[key + level - 1]
+      local refused = wrong(flow.lists[level], 'list')
+      if refused then return nil, nil, refused end
+    end
+    key = key + levels
+    flow.throttle = KEYS[key]
+    local refused = wrong(flow.throttle, 'string')
+    if refused then return nil, nil, refused end
+    key = key + 1
+    for r = 0, flow.rates - 1 do
+      local refused = wrong(KEYS[key + 2 * r], 'list') or wrong(KEYS[key + 2 * r + 1], 'string')
+      if refused then return nil, nil, refused end
+    end
+    local windows, refused = rate_read(script, flow.rates, key, arg + 5, integer)
+    if refused then return nil, nil, refused end
+    flow.windows = windows
+    key = key + 2 * flow.rates
+    arg = arg + 5 + 2 * flow.rates
+    if flow.max_running > 0 then
+      local value = redis.call('HMGET', running, flow.scope, flow.scope .. ':limit')
+      refused = integer(running, flow.scope, value[1]) or integer(running, flow.scope .. ':limit', value[2])
+      if refused then return nil, nil, refused end
+      flow.running, flow.known_limit = tonumber(value[1] or '0'), tonumber(value[2] or '0')
+    end
+    flow.limited = flow.max_running > 0 or flow.rates > 0
+    if flow.limited then block.kinds[flow.kind] = flow end
+    block.flows[f] = flow
+  end
+  return block, key
+end
+
+-- How many more tasks each flow's limits admit now (`flow.room`; nil: no bound), trimming its rate logs first;
+-- records when a full flow may go on (`flow.due`: ms, or 0 for "when a running slot frees") and writes each
+-- counted flow's `SCOPE:limit`. A throttled type admits nothing until its throttle's time to live runs out (a
+-- throttle set by hand without an expiry: looked at again in a second, as the queue's). Returns nil, or the error
+-- reply of a rate log that does not parse.
+local function types_admit(script, block, running, now)
+  for _, flow in ipairs(block.flows) do
+    flow.room, flow.due = nil, nil
+    if flow.limited then
+      local left = redis.call('PTTL', flow.throttle)
+      if left ~= -2 then
+        if left < 0 then left = 1000 end
+        flow.room, flow.due = 0, now + math.max(1, left)
+      end
+    end
+    if flow.max_running > 0 then
+      if flow.known_limit ~= flow.max_running then
+        redis.call('HSET', running, flow.scope .. ':limit', flow.max_running)
+      end
+      if flow.room ~= 0 then
+        flow.room = math.max(0, flow.max_running - flow.running)
+        if flow.room == 0 then flow.due = 0 end
+      end
+    end
+    if flow.rates > 0 and flow.room ~= 0 then
+      local free, due, bad = rate_trim(script, flow.windows, now)
+      if bad then return bad end
+      if due > 0 then
+        flow.room, flow.due = 0, due
+      elseif free and (not flow.room or free < flow.room) then
+        flow.room = free
+      end
+    end
+  end
+end
+
+-- The flow a payload belongs to, or nil (no limited type).
+local function types_route(block, payload)
+  local hit = string.find(payload, '\\', 1, true)
+  if not hit then
+    for kind in pairs(block.kinds) do
+      if string.find(payload, kind, 1, true) then
+        hit = true
+        break
+      end
+    end
+  end
+  if not hit then return nil end
+  local ok, task = pcall(cjson.decode, payload)
+  if not ok or type(task) ~= 'table' then return nil end
+  local kind = task.type
+  if kind == nil and block.foreign ~= '' then kind = task[block.foreign] end
+  if type(kind) ~= 'string' then return nil end
+  return block.kinds[kind], task
+end
+
+-- Whether a task (decoded) came back to the ready list's head, a retry or a recovery, and so goes to the head of
+-- its flow, as due retries go to the front of the ready list.
+local function types_again(task)
+  return (tonumber(task.attempt) or 0) > 0 or (tonumber(task.recovered) or 0) > 0
+end
+
+-- Adds what each flow's tasks this claim took (`flow.taken`) to its counts: its running scope and its rate logs.
+local function types_spend(block, running, now)
+  for _, flow in ipairs(block.flows) do
+    if flow.taken > 0 then
+      if flow.max_running > 0 then redis.call('HINCRBY', running, flow.scope, flow.taken) end
+      if flow.rates > 0 then rate_spend(flow.windows, flow.taken, now) end
+    end
+  end
+end
