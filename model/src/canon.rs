@@ -85,6 +85,7 @@ fn label_free(d: &Daemon) -> impl Ord {
                 h.env,
                 h.phase,
                 h.owner.map(|o| (o.run, o.generation)),
+                h.popped_by.map(|o| (o.run, o.generation)),
             )
         })
         .collect();
@@ -128,12 +129,22 @@ fn visit(state: &mut State, v: &mut impl Visit, claims: bool) {
         }
         v.owner(&mut p.owner);
     }
+    for (owner, _) in redis.popped_running.iter_mut() {
+        v.owner(owner);
+    }
     for (settler, _) in redis.settled.iter_mut() {
         v.run(settler.daemon, &mut settler.run);
     }
     for call in state.in_flight.iter_mut() {
         v.token(call.owner.daemon, call.owner.run, &mut call.first);
         v.owner(&mut call.owner);
+    }
+    for owner in state
+        .pops_in_flight
+        .iter_mut()
+        .filter_map(|call| call.owner.as_mut())
+    {
+        v.owner(owner);
     }
     for (index, d) in state.daemons.iter_mut().enumerate() {
         visit_daemon(index as u8, d, v, claims);
@@ -148,6 +159,9 @@ fn visit_daemon(index: u8, d: &mut Daemon, v: &mut impl Visit, claims: bool) {
         v.owner(id);
     }
     for held in d.held.iter_mut() {
+        if let Some(popper) = &mut held.popped_by {
+            v.owner(popper);
+        }
         if let (Some(owner), Some(token)) = (&mut held.owner, &mut held.token) {
             v.token(owner.daemon, owner.run, token);
             if claims {
@@ -274,8 +288,10 @@ fn renumber(mut state: State, claims: bool) -> State {
 fn resort(s: &mut State) {
     s.redis.owners.sort_by_key(|owner| owner.id);
     s.redis.processing.sort();
+    s.redis.popped_running.sort();
     s.redis.settled.sort();
     s.in_flight.sort();
+    s.pops_in_flight.sort();
     for d in &mut s.daemons {
         d.held.sort();
     }

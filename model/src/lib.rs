@@ -7,7 +7,8 @@
 //! - [`canon`]: canonical forms (renumbering, the daemons' symmetry), so that equivalent states count once;
 //! - [`setup`]: the bounds, the scenarios the CI check runs, and the mutations that break the protocol on
 //!   purpose;
-//! - [`run`]: running a check, and the search for the shortest counterexample.
+//! - [`run`]: running a check, and the search for the shortest counterexample;
+//! - [`turns`]: `priority_weights`' turns (turns.lua), a model of their own: the credits of the levels.
 //!
 //! See `model/README.md` for what the model covers, what it leaves out, and what the checker found.
 
@@ -16,5 +17,6 @@ pub mod model;
 pub mod redis;
 pub mod run;
 pub mod setup;
+pub mod turns;
 
 pub use model::{Action, Protocol, State};

@@ -1,23 +1,29 @@
 //! Runs the model's checks by hand: `cargo run -p kmq-model --release -- [ci | large | break | SCENARIO...]`.
 //!
-//! - `ci` (the default): the scenarios the test runs;
+//! - `ci` (the default): the scenarios the test runs (the turns' `weights` and `weights-change` included);
 //! - `large`: larger bounds (three tasks, more faults), minutes rather than seconds;
 //! - `break`: the "break it on purpose" experiments, each printing its counterexample;
 //! - a scenario name (see `setup.rs`: `pill`, `stall`, `lost-replies`, `rolling`, `mixed-modes`, `recovered`,
-//!   `zombie`, `limit`, `limit-pair`, the finding `orphan`, and the larger `lost-replies-large`, `rolling-large`, `pill-large`,
+//!   `zombie`, `limit`, `throttle`, `popped`, `popped-stall`, the finding `orphan`, the turns' `weights` and
+//!   `weights-change`, and the larger `lost-replies-large`, `rolling-large`, `pill-large`,
 //!   `zombie-large`), optionally with `--mutation NAME` (`no-floor-check`, `no-adopt`, `no-idempotent-settle`,
 //!   `monitor-own-levels`, `group-beside-others`, `no-lease-check`, `renew-expired`, `pop-ready-only`,
 //!   `register-retry-keeps-lease`, and the running limit's `subtract-uncounted`, `subtract-count`,
-//!   `limit-after-taking`, `monitor-subtracts-nothing`), `--progress` to print the checker's progress, `--trace` to print every
+//!   `limit-after-taking`, `monitor-subtracts-nothing`, default mode's `release-forgets-share`,
+//!   `settle-after-release`, `keep-owner-after-lost-pop`, `pop-without-lease-check`, and the turns'
+//!   `empty-level-accrues`, `no-clamp`), `--progress` to print the checker's progress, `--trace` to print every
 //!   counterexample in full, or `--find PROPERTY` to search for the shortest counterexample of one property
 //!   (breadth first, one thread, daemons keep their names).
 //!
 //! `KMQ_CRASHES`, `KMQ_STALLS`, `KMQ_LOST`, `KMQ_SHUTDOWNS`, `KMQ_RETRY_TIMES`, `KMQ_SLOTS` and `KMQ_RECOVERED`
-//! override a scenario's bounds for one run; `KMQ_MODEL_CAP` stops after about that many states (for sizing
-//! only).
+//! override a scenario's bounds for one run (`KMQ_MOST` and `KMQ_EXACT_AFTER` a turns scenario's);
+//! `KMQ_MODEL_CAP` stops after about that many states (for sizing only).
+
+use std::fmt::Debug;
 
 use kmq_model::run::{self, Report};
 use kmq_model::setup::{self, Mutation, Setup};
+use kmq_model::turns::{self, Turns, TurnsMutation, Weighted};
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -30,6 +36,7 @@ fn main() {
         .iter()
         .position(|a| a == "--mutation")
         .and_then(|at| args.get(at + 1))
+        .filter(|name| parse_turns_mutation(name).is_none())
         .map(|name| parse_mutation(name));
     let find = args
         .iter()
@@ -40,16 +47,31 @@ fn main() {
         .iter()
         .map(String::as_str)
         .filter(|a| {
-            !a.starts_with("--") && parse_mutation_opt(a).is_none() && Some(*a) != find.as_deref()
+            !a.starts_with("--")
+                && parse_mutation_opt(a).is_none()
+                && parse_turns_mutation(a).is_none()
+                && Some(*a) != find.as_deref()
         })
         .collect();
+    let turns_mutation = args
+        .iter()
+        .position(|a| a == "--mutation")
+        .and_then(|at| args.get(at + 1))
+        .and_then(|name| parse_turns_mutation(name));
     let mut setups: Vec<Setup> = Vec::new();
+    let mut weighted: Vec<Weighted> = Vec::new();
     let mut experiments = false;
     for word in if words.is_empty() { vec!["ci"] } else { words } {
         match word {
-            "ci" => setups.extend(setup::ci()),
+            "ci" => {
+                setups.extend(setup::ci());
+                weighted.extend(turns::scenarios());
+            }
             "large" => setups.extend(setup::large()),
             "break" => experiments = true,
+            name if turns::scenarios().iter().any(|w| w.name == name) => {
+                weighted.extend(turns::scenarios().into_iter().filter(|w| w.name == name))
+            }
             name => setups.push(
                 setup::ci()
                     .into_iter()
@@ -71,6 +93,37 @@ fn main() {
             println!("{name} with {mutation:?}: {visited} states searched in {elapsed:.1?}");
             print_path(property, path.as_deref());
         }
+        for (setup, property) in turns::experiments() {
+            let (name, mutation) = (setup.name, setup.mutation);
+            let (path, visited, elapsed) = run::shortest_in(&Turns::new(setup), property);
+            println!("{name} with {mutation:?}: {visited} states searched in {elapsed:.1?}");
+            print_path(property, path.as_deref());
+        }
+    }
+    for mut setup in weighted {
+        if let Some(mutation) = turns_mutation {
+            setup.mutation = Some(mutation);
+        }
+        for (key, field) in [("KMQ_MOST", &mut setup.most)] {
+            if let Some(value) = std::env::var(key).ok().and_then(|v| v.parse().ok()) {
+                *field = value;
+            }
+        }
+        if let Some(value) = std::env::var("KMQ_EXACT_AFTER")
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
+            setup.exact_after = value;
+        }
+        let name = setup.name;
+        if let Some(property) = &find {
+            let (path, visited, elapsed) = run::shortest_in(&Turns::new(setup), property);
+            println!("{name}: {visited} states searched in {elapsed:.1?}");
+            print_path(property, path.as_deref());
+            continue;
+        }
+        let report = run::check_model(name, Turns::new(setup), threads, cap, false);
+        print_report(&report, trace);
     }
     for mut setup in setups {
         if let Some(mutation) = mutation {
@@ -102,7 +155,7 @@ fn main() {
     }
 }
 
-fn print_path(property: &str, path: Option<&[(kmq_model::Action, kmq_model::State)]>) {
+fn print_path<A: Debug, S: Debug>(property: &str, path: Option<&[(A, S)]>) {
     match path {
         Some(path) => {
             println!("  \"{property}\" violated in {} steps:", path.len());
@@ -112,7 +165,7 @@ fn print_path(property: &str, path: Option<&[(kmq_model::Action, kmq_model::Stat
     }
 }
 
-fn print_report(report: &Report, trace: bool) {
+fn print_report<S: Clone + Debug, A: Clone + Debug>(report: &Report<S, A>, trace: bool) {
     println!("{}", report.summary());
     for (name, path) in &report.violated {
         println!(
@@ -148,6 +201,18 @@ fn parse_mutation_opt(name: &str) -> Option<Mutation> {
         "monitor-subtracts-nothing" => Some(Mutation::MonitorSubtractsNothing),
         "throttle-charges" => Some(Mutation::ThrottleCharges),
         "claim-ignores-throttle" => Some(Mutation::ClaimIgnoresThrottle),
+        "release-forgets-share" => Some(Mutation::ReleaseForgetsShare),
+        "settle-after-release" => Some(Mutation::SettleAfterRelease),
+        "keep-owner-after-lost-pop" => Some(Mutation::KeepOwnerAfterLostPop),
+        "pop-without-lease-check" => Some(Mutation::PopWithoutLeaseCheck),
+        _ => None,
+    }
+}
+
+fn parse_turns_mutation(name: &str) -> Option<TurnsMutation> {
+    match name {
+        "empty-level-accrues" => Some(TurnsMutation::EmptyLevelAccrues),
+        "no-clamp" => Some(TurnsMutation::NoClamp),
         _ => None,
     }
 }

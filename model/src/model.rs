@@ -4,13 +4,13 @@
 use stateright::{Model, Property};
 
 use crate::redis::{
-    ClaimCall, Claimed, Env, Fence, Lease, List, Op, OwnerId, RECOVERED_MAX, Record, Redis,
-    Settler, quarantine_stage,
+    ClaimCall, Claimed, Env, Fence, Holder, Lease, List, Op, OwnerId, PopCall, Popped,
+    RECOVERED_MAX, Record, Redis, Settler, quarantine_stage,
 };
 use crate::setup::{
-    Behaviour, Config, Levels, Mode, Mutation, NO_LEAK, NO_TAKE_THROTTLED, NO_UNDERFLOW,
-    RUNNING_BOUND, RUNNING_EXACT, Setup, THROTTLE_UNCHARGED, UNFAIR_CHARGE, UNFAIR_DEAD,
-    ZOMBIE_START,
+    ADMITS_BELOW, Behaviour, Config, Levels, Mode, Mutation, NO_LEAK, NO_TAKE_THROTTLED,
+    NO_UNDERFLOW, RUNNING_BOUND, RUNNING_EXACT, SHARE_COMES_BACK, Setup, THROTTLE_UNCHARGED,
+    UNFAIR_CHARGE, UNFAIR_DEAD, ZOMBIE_START,
 };
 
 /// Everything that decides what can happen next.
@@ -21,6 +21,9 @@ pub struct State {
     /// Claim calls sent whose reply the fetcher gave up for lost, and that Redis has not run yet (a slow link, a
     /// request queued behind a stall): they run later, or never.
     pub in_flight: List<ClaimCall>,
+    /// Pop calls under a running limit whose reply the fetcher gave up for lost, and that Redis has not run yet:
+    /// they run later (their tasks then lost, at most once), or never.
+    pub pops_in_flight: List<PopCall>,
     pub ghost: Ghost,
 }
 
@@ -33,7 +36,9 @@ pub struct Daemon {
     pub run: u8,
     /// `Ownership::generation`: owner ids made so far in this run.
     pub generation: u8,
-    /// `Ownership::current`: the owner it claims under and whose lease its heartbeat renews.
+    /// `Ownership::current`: the owner it claims (or, under a running limit, pops) under and whose lease its
+    /// heartbeat renews. A default-mode daemon without a limit has none here (kmqd registers one, which holds
+    /// nothing this model keeps).
     pub owner: Option<OwnerId>,
     /// `Ownership::good_until` may lie past the owner's deadline in Redis. Only with
     /// [`Mutation::RegisterRetryKeepsLease`] (register.lua before it renewed a live lease on a retry): the owner
@@ -87,9 +92,23 @@ pub struct Held {
     pub token: Option<u8>,
     /// Safe mode: the claim whose list holds it (the settle call names it); 0 in default mode.
     pub claim: u8,
+    /// Default mode under a running limit: the owner that popped it (`Taken::popped_by`), whose share of
+    /// `running` its settle gives back.
+    pub popped_by: Option<OwnerId>,
     pub level: u8,
     pub env: Env,
     pub phase: Phase,
+}
+
+impl Held {
+    /// Whose task it is for the acker (`broker::Holder::of`): one settle call per holder.
+    pub fn holder(&self) -> Holder {
+        match (self.owner, self.popped_by) {
+            (Some(owner), _) => Holder::Claimed(owner),
+            (None, Some(popper)) => Holder::Popped(popper),
+            (None, None) => Holder::Nobody,
+        }
+    }
 }
 
 /// A held task's phase (resolve.rs, reduced to what reaches Redis).
@@ -131,9 +150,12 @@ pub struct Ghost {
     pub throttle_charged: bool,
     /// A claim or a pop took a task while the queue's throttle key existed.
     pub took_while_throttled: bool,
+    /// A claim or a pop under a running limit took a task while `running` was at the caller's `max_running`,
+    /// or took more than it left.
+    pub over_admitted: bool,
     /// What the step into this state did (the `EVENT_*` bits), for the `sometimes` properties. Only the last
     /// step's: bits kept for the whole history would multiply the states by every combination of past events.
-    pub events: u16,
+    pub events: u32,
     pub crashes: u8,
     pub stalls: u8,
     pub lost_replies: u8,
@@ -144,32 +166,39 @@ pub struct Ghost {
 pub const CALL: u8 = 1;
 
 /// A lost claim's tasks were adopted.
-pub const EVENT_ADOPTED: u16 = 1 << 0;
+pub const EVENT_ADOPTED: u32 = 1 << 0;
 /// A claim that ran late was refused with FENCED.
-pub const EVENT_FENCED: u16 = 1 << 1;
+pub const EVENT_FENCED: u32 = 1 << 1;
 /// A settle call sent again was answered from its stored last call.
-pub const EVENT_ANSWERED: u16 = 1 << 2;
+pub const EVENT_ANSWERED: u32 = 1 << 2;
 /// An owner's settlement was stale (a monitor had recovered the task first).
-pub const EVENT_STALE: u16 = 1 << 3;
+pub const EVENT_STALE: u32 = 1 << 3;
 /// A monitor recovered a task at a level its own config does not have.
-pub const EVENT_RECOVERED_UNSERVED: u16 = 1 << 4;
+pub const EVENT_RECOVERED_UNSERVED: u32 = 1 << 4;
 /// A monitor released an expired owner.
-pub const EVENT_RELEASED: u16 = 1 << 5;
+pub const EVENT_RELEASED: u32 = 1 << 5;
 /// A default-mode settlement was applied.
-pub const EVENT_DEFAULT_SETTLED: u16 = 1 << 6;
+pub const EVENT_DEFAULT_SETTLED: u32 = 1 << 6;
 /// A claim took a quarantined group of more than one task.
-pub const EVENT_GROUP: u16 = 1 << 7;
+pub const EVENT_GROUP: u32 = 1 << 7;
 /// A claim took a task from `quarantine:1`, to run alone.
-pub const EVENT_ALONE: u16 = 1 << 8;
+pub const EVENT_ALONE: u32 = 1 << 8;
 /// A monitor charged a task its owner ran alone (retry_isolated or dead).
-pub const EVENT_CHARGED: u16 = 1 << 9;
+pub const EVENT_CHARGED: u32 = 1 << 9;
 /// A default-mode pop took quarantined tasks.
-pub const EVENT_POPPED_QUARANTINE: u16 = 1 << 10;
+pub const EVENT_POPPED_QUARANTINE: u32 = 1 << 10;
 /// A running limit held a claim back: it took fewer tasks than the same claim without the limit would have.
-pub const EVENT_HELD_BACK: u16 = 1 << 11;
+pub const EVENT_HELD_BACK: u32 = 1 << 11;
 /// A throttle held a claim back: it took nothing (state 6) where the same claim without the key would have
 /// taken tasks.
-pub const EVENT_THROTTLE_HELD: u16 = 1 << 12;
+pub const EVENT_THROTTLE_HELD: u32 = 1 << 12;
+/// A monitor's release.lua gave an expired default-mode owner's share of `running` back.
+pub const EVENT_SHARE_RELEASED: u32 = 1 << 13;
+/// A default-mode settle ended tasks whose share release.lua had already given back: it subtracted less.
+pub const EVENT_SHARE_GONE: u32 = 1 << 14;
+/// A pop under a running limit was refused with LEASELOST (a pop that ran late, after its owner was given up
+/// and its lease ran out).
+pub const EVENT_POP_REFUSED: u32 = 1 << 15;
 
 /// How a call's reply fares.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -194,8 +223,12 @@ pub enum Action {
     ClaimArrives(ClaimCall),
     /// adopt.lua: the fetcher learns what its lost claim took, and fences it off.
     Adopt(u8),
-    /// LMPOP (default mode): the fetcher pops up to `max` tasks.
-    Pop { daemon: u8, max: u8 },
+    /// pop.lua or LMPOP (default mode): the fetcher pops up to `max` tasks. Under a running limit the reply may
+    /// be lost (the pop ran, or is still on its way): its tasks are lost (at most once) and the daemon gives its
+    /// owner up (`ownership.lose`), so that the share counted under it comes back once its lease runs out.
+    Pop { daemon: u8, max: u8, reply: Reply },
+    /// pop.lua: a pop sent earlier (reply given up for lost) finally runs in Redis; nobody reads its reply.
+    PopArrives(PopCall),
     /// A worker starts task N; a pill's run crashes the daemon (which restarts with the same config). In safe
     /// mode the handler of any other task returns in the same step (see `step`), and the worker starts it only
     /// while the lease of the task's owner is believed good (worker.rs `lease_allows`).
@@ -205,10 +238,11 @@ pub enum Action {
     FinishRun { daemon: u8, task: u8 },
     /// An orphaned pill's handler crashes its daemon (which restarts with the same config).
     OrphanCrash(u8),
-    /// settle.lua (fence "owner"): the acker applies the resolved tasks of one owner (none: default mode).
+    /// settle.lua (fence "owner"): the acker applies the resolved tasks of one holder (the claims' owner, the
+    /// popping owner, or nobody).
     Settle {
         daemon: u8,
-        owner: Option<OwnerId>,
+        holder: Holder,
         reply: Reply,
     },
     /// settle.lua: the acker sends its lost call again, as the same call.
@@ -413,15 +447,15 @@ impl Protocol {
         };
     }
 
-    /// The acker's current call: its records (the held tasks in `Settling`) and their owner.
-    fn acker_call(daemon: &Daemon) -> (Option<OwnerId>, List<Record>) {
-        let mut owner = None;
+    /// The acker's current call: its records (the held tasks in `Settling`) and their holder.
+    fn acker_call(daemon: &Daemon) -> (Holder, List<Record>) {
+        let mut holder = Holder::Nobody;
         let records = daemon
             .held
             .iter()
             .filter_map(|held| match held.phase {
                 Phase::Settling(op, payload) => {
-                    owner = held.owner;
+                    holder = held.holder();
                     Some(Record {
                         op,
                         token: held.token,
@@ -434,13 +468,13 @@ impl Protocol {
                 _ => None,
             })
             .collect();
-        (owner, records)
+        (holder, records)
     }
 
     /// Sends the acker's current call (a new one, or the lost one again), and takes in the reply if it comes.
     fn send_acker_call(&self, state: &mut State, index: usize, reply: Reply) {
         let daemon = &state.daemons[index];
-        let (owner, records) = Self::acker_call(daemon);
+        let (holder, records) = Self::acker_call(daemon);
         // Ghost: each throttled task's envelope as the claim or pop gave it, to compare with what Redis holds
         // after the settle.
         let throttled: List<(u8, Env)> = daemon
@@ -456,11 +490,15 @@ impl Protocol {
         };
         let call = CALL;
         if reply != Reply::Unsent {
+            let share = match holder {
+                Holder::Popped(popper) => state.redis.share(popper),
+                _ => 0,
+            };
             let answer = state.redis.settle(
                 settler,
                 call,
                 Fence::Owner,
-                owner,
+                holder,
                 &records,
                 self.setup.mutation,
             );
@@ -471,8 +509,12 @@ impl Protocol {
             if answer.applied.iter().any(|ok| !ok) {
                 state.ghost.events |= EVENT_STALE;
             }
-            if owner.is_none() && answer.applied.iter().any(|ok| *ok) {
+            let ended = answer.applied.iter().filter(|ok| **ok).count();
+            if holder.claimed().is_none() && ended > 0 {
                 state.ghost.events |= EVENT_DEFAULT_SETTLED;
+            }
+            if matches!(holder, Holder::Popped(_)) && ended > usize::from(share) {
+                state.ghost.events |= EVENT_SHARE_GONE;
             }
             if !answer.answered_from_record {
                 state.daemons[index].acker.applied = true;
@@ -534,7 +576,7 @@ impl Protocol {
                 settler,
                 call,
                 Fence::Expired,
-                Some(owner),
+                Holder::Claimed(owner),
                 &records,
                 self.setup.mutation,
             );
@@ -601,10 +643,7 @@ impl Protocol {
     /// claim.lua on `state`, with the events of its answer. Whether the running limit held it back is told by
     /// running the same claim without the limit on a copy, when the limit leaves less than it asks for.
     fn claim(&self, state: &mut State, call: &ClaimCall) -> Claimed {
-        let capped =
-            call.max_running > 0 && call.max > call.max_running.saturating_sub(state.redis.running);
-        let unlimited = capped.then(|| {
-            let mut redis = state.redis.clone();
+        let unlimited = Self::without_limit(&state.redis, call.max_running, call.max, |redis| {
             let call = ClaimCall {
                 max_running: 0,
                 ..*call
@@ -612,10 +651,12 @@ impl Protocol {
             redis.claim(&call, self.setup.mutation).tasks().len()
         });
         let throttled = state.redis.throttle;
+        let before = state.redis.running;
         let claimed = state.redis.claim(call, self.setup.mutation);
         if throttled && !claimed.tasks().is_empty() {
             state.ghost.took_while_throttled = true;
         }
+        Self::check_admission(state, call.max_running, before, claimed.tasks().len());
         if claimed == Claimed::Throttled {
             let mut redis = state.redis.clone();
             redis.throttle = false;
@@ -624,15 +665,77 @@ impl Protocol {
             }
         }
         state.ghost.events |= Self::claim_events(&claimed);
-        if unlimited.is_some_and(|n| n > claimed.tasks().len()) {
-            state.ghost.events |= EVENT_HELD_BACK;
-            state.ghost.held_back = true;
-        }
+        Self::held_back(state, unlimited, claimed.tasks().len());
         claimed
     }
 
+    /// How many tasks a take that asks for `max` under `max_running` would take without the limit (`take` on a
+    /// copy of Redis), when the limit leaves less than it asks for; `None` otherwise.
+    fn without_limit(
+        redis: &Redis,
+        max_running: u8,
+        max: u8,
+        take: impl FnOnce(&mut Redis) -> usize,
+    ) -> Option<usize> {
+        let capped = max_running > 0 && max > max_running.saturating_sub(redis.running);
+        capped.then(|| take(&mut redis.clone()))
+    }
+
+    /// Ghost: a limit held a take back, when it took fewer than `unlimited` (see [`Self::without_limit`]).
+    fn held_back(state: &mut State, unlimited: Option<usize>, took: usize) {
+        if unlimited.is_some_and(|n| n > took) {
+            state.ghost.events |= EVENT_HELD_BACK;
+            state.ghost.held_back = true;
+        }
+    }
+
+    /// Ghost: a take under a running limit of `max_running` that found `before` in `running` and took `took`
+    /// admitted only while the count was below its limit, and no more than the limit left.
+    fn check_admission(state: &mut State, max_running: u8, before: u8, took: usize) {
+        let admitted = max_running == 0
+            || took == 0
+            || (before < max_running && before as usize + took <= max_running as usize);
+        if !admitted {
+            state.ghost.over_admitted = true;
+        }
+    }
+
+    /// pop.lua on `state`, with the events of its answer (a limit that held it back: as for a claim).
+    fn pop(&self, state: &mut State, call: &PopCall) -> Popped {
+        let mutation = self.setup.mutation;
+        let unlimited = Self::without_limit(&state.redis, call.max_running, call.max, |redis| {
+            let call = PopCall {
+                max_running: 0,
+                ..*call
+            };
+            redis.pop(&call, mutation).tasks().len()
+        });
+        let quarantined = (0..3).any(|stage| {
+            call.levels
+                .iter()
+                .any(|level| !state.redis.quarantine[stage][level as usize].is_empty())
+        });
+        let throttled = state.redis.throttle;
+        let before = state.redis.running;
+        let popped = state.redis.pop(call, mutation);
+        let took = popped.tasks().len();
+        if throttled && took > 0 {
+            state.ghost.took_while_throttled = true;
+        }
+        Self::check_admission(state, call.max_running, before, took);
+        if quarantined && took > 0 && mutation != Some(Mutation::PopReadyOnly) {
+            state.ghost.events |= EVENT_POPPED_QUARANTINE;
+        }
+        if popped == Popped::LeaseLost {
+            state.ghost.events |= EVENT_POP_REFUSED;
+        } else {
+            Self::held_back(state, unlimited, took);
+        }
+        popped
+    }
+
     /// The events of a claim's answer: a quarantined group of more than one task, or a group of 1.
-    fn claim_events(claimed: &Claimed) -> u16 {
+    fn claim_events(claimed: &Claimed) -> u32 {
         match claimed {
             Claimed::Group(1, _) => EVENT_ALONE,
             Claimed::Group(_, took) if took.len() > 1 => EVENT_GROUP,
@@ -656,12 +759,20 @@ impl Protocol {
         daemon.owner == Some(owner) && (state.redis.is_live(owner) || daemon.outliving)
     }
 
-    fn hold(daemon: &mut Daemon, owner: Option<OwnerId>, claim: u8, took: &[(u8, u8, Env)]) {
+    /// Holds what a claim (under `owner`) or a pop (popped by `popper` under a limit) took.
+    fn hold(
+        daemon: &mut Daemon,
+        owner: Option<OwnerId>,
+        popper: Option<OwnerId>,
+        claim: u8,
+        took: &[(u8, u8, Env)],
+    ) {
         for &(level, token, env) in took {
             daemon.held.push(Held {
                 owner,
                 token: owner.map(|_| token),
                 claim,
+                popped_by: popper,
                 level,
                 env,
                 phase: Phase::Waiting,
@@ -678,6 +789,7 @@ impl Protocol {
             || ghost.shutdowns < self.setup.shutdowns
             || ghost.pushed.count_ones() < self.setup.tasks.len() as u32
             || !state.in_flight.is_empty()
+            || !state.pops_in_flight.is_empty()
             || state.redis.throttle
             || state.daemons.iter().any(|d| {
                 !d.held.is_empty() || d.lost_claim.is_some() || d.acker.lost || d.monitor.lost
@@ -761,6 +873,7 @@ impl Model for Protocol {
             redis: Redis::default(),
             daemons: [fresh_daemon(a), fresh_daemon(b)],
             in_flight: List::new(),
+            pops_in_flight: List::new(),
             ghost: Ghost::default(),
         }]
     }
@@ -802,11 +915,38 @@ impl Model for Protocol {
                             }
                         }
                     }
+                    Mode::Default if config.max_running > 0 => {
+                        // Under a running limit the pops count under the daemon's owner: registered first.
+                        if daemon.owner.is_none() {
+                            for &reply in self.replies(state) {
+                                if reply != Reply::Unsent {
+                                    actions.push(Action::Register { daemon: d, reply });
+                                }
+                            }
+                        } else if free > 0
+                            && daemon.owner.is_some_and(|owner| {
+                                state.redis.is_live(owner)
+                                    || setup.mutation == Some(Mutation::PopWithoutLeaseCheck)
+                            })
+                        {
+                            // A pop under an owner whose lease ran out is refused with LEASELOST, which RenewLost
+                            // covers (pop.lua as it was, without the check, took tasks under it).
+                            for &reply in self.replies(state) {
+                                actions.push(Action::Pop {
+                                    daemon: d,
+                                    max: free,
+                                    reply,
+                                });
+                            }
+                        }
+                    }
                     Mode::Default => {
+                        // Without a limit a lost pop reply loses its tasks and nothing else: not explored.
                         if free > 0 {
                             actions.push(Action::Pop {
                                 daemon: d,
                                 max: free,
+                                reply: Reply::Delivered,
                             });
                         }
                     }
@@ -835,17 +975,19 @@ impl Model for Protocol {
                     actions.push(Action::Resend { daemon: d, reply });
                 }
             } else {
-                let mut owners: Vec<Option<OwnerId>> = Vec::new();
+                let mut holders: Vec<Holder> = Vec::new();
                 for held in &daemon.held {
-                    if matches!(held.phase, Phase::Resolved(..)) && !owners.contains(&held.owner) {
-                        owners.push(held.owner);
+                    if matches!(held.phase, Phase::Resolved(..))
+                        && !holders.contains(&held.holder())
+                    {
+                        holders.push(held.holder());
                     }
                 }
-                for owner in owners {
+                for holder in holders {
                     for &reply in self.replies(state) {
                         actions.push(Action::Settle {
                             daemon: d,
-                            owner,
+                            holder,
                             reply,
                         });
                     }
@@ -913,6 +1055,9 @@ impl Model for Protocol {
         }
         for call in &state.in_flight {
             actions.push(Action::ClaimArrives(*call));
+        }
+        for call in &state.pops_in_flight {
+            actions.push(Action::PopArrives(*call));
         }
         for owner in &state.redis.owners {
             if owner.lease == Lease::Live
@@ -1022,6 +1167,38 @@ impl Model for Protocol {
             properties.push(Property::always(RUNNING_BOUND, never_above_the_limit));
             properties.push(Property::always(NO_UNDERFLOW, no_underflow));
             properties.push(Property::always(NO_LEAK, nothing_leaks_at_rest));
+            properties.push(Property::always(ADMITS_BELOW, |_, state: &State| {
+                !state.ghost.over_admitted
+            }));
+            let popping = setup
+                .configs
+                .iter()
+                .any(|c| c.mode == Mode::Default && c.max_running > 0);
+            if popping {
+                properties.push(Property::always(SHARE_COMES_BACK, share_comes_back));
+                let events: [(bool, &'static str, Condition); 3] = [
+                    (
+                        setup.crashes + setup.stalls + setup.lost_replies > 0,
+                        "a monitor gives an expired owner's share back",
+                        happened::<EVENT_SHARE_RELEASED>,
+                    ),
+                    (
+                        setup.stalls > 0,
+                        "a settle finds its share given back",
+                        happened::<EVENT_SHARE_GONE>,
+                    ),
+                    (
+                        setup.lost_replies > 0,
+                        "a pop that runs late is refused",
+                        happened::<EVENT_POP_REFUSED>,
+                    ),
+                ];
+                for (possible, name, seen) in events {
+                    if possible {
+                        properties.push(Property::sometimes(name, seen));
+                    }
+                }
+            }
             let least = setup
                 .configs
                 .iter()
@@ -1031,11 +1208,11 @@ impl Model for Protocol {
                 .unwrap_or(limit);
             if setup.tasks.len() > least as usize {
                 properties.push(Property::sometimes(
-                    "a limit held a claim back",
+                    "a limit held a claim or pop back",
                     happened::<EVENT_HELD_BACK>,
                 ));
                 properties.push(Property::sometimes(
-                    "every task is done after a limit held a claim back",
+                    "every task is done after a limit held a claim or pop back",
                     done_after_held_back,
                 ));
             }
@@ -1157,6 +1334,7 @@ impl Protocol {
                         Self::hold(
                             &mut state.daemons[index],
                             Some(call.owner),
+                            None,
                             call.first,
                             claimed.tasks(),
                         );
@@ -1198,36 +1376,74 @@ impl Protocol {
                         Self::hold(
                             &mut state.daemons[index],
                             Some(lost.owner),
+                            None,
                             lost.first,
                             &took,
                         );
                     }
                 }
             }
-            Action::Pop { daemon, max } => {
+            Action::Pop { daemon, max, reply } => {
                 let index = daemon as usize;
-                let levels = self.config(&state.daemons[index]).levels;
-                let quarantined = (0..3).any(|stage| {
-                    levels
-                        .iter()
-                        .any(|level| !state.redis.quarantine[stage][level as usize].is_empty())
-                });
-                let throttled = state.redis.throttle;
-                let popped = state.redis.pop(levels, max, setup.mutation);
-                if popped.is_empty() {
-                    return None;
+                let Config {
+                    levels,
+                    max_running,
+                    ..
+                } = self.config(&state.daemons[index]);
+                let owner = if max_running > 0 {
+                    Some(state.daemons[index].owner?)
+                } else {
+                    None
+                };
+                let call = PopCall {
+                    owner,
+                    max,
+                    levels,
+                    max_running,
+                };
+                match reply {
+                    Reply::Delivered => {
+                        let popped = self.pop(&mut state, &call);
+                        if popped.tasks().is_empty() {
+                            // Nothing (nothing ready, Limited, Throttled; LeaseLost is RenewLost's step, and
+                            // `actions` offers no pop under an owner whose lease ran out).
+                            return None;
+                        }
+                        let took: List<(u8, u8, Env)> = popped
+                            .tasks()
+                            .iter()
+                            .map(|&(level, env)| (level, 0, env))
+                            .collect();
+                        Self::hold(&mut state.daemons[index], None, owner, 0, &took);
+                    }
+                    Reply::Lost | Reply::Unsent => {
+                        if reply == Reply::Lost {
+                            // It ran: what it took is lost (default mode is at most once).
+                            for &(_, env) in self.pop(&mut state, &call).tasks() {
+                                state.ghost.lost[env.task as usize] += 1;
+                            }
+                        } else {
+                            state.pops_in_flight.push(call);
+                            state.pops_in_flight.sort();
+                        }
+                        state.ghost.lost_replies += 1;
+                        // Fetcher::pop: the owner is given up (renewed no more), so that its lease runs out and a
+                        // monitor gives its share back; the next pop registers a new owner. Its earlier pops'
+                        // tasks are still held, and settle against its share.
+                        if setup.mutation != Some(Mutation::KeepOwnerAfterLostPop) {
+                            let d = &mut state.daemons[index];
+                            d.owner = None;
+                            d.outliving = false;
+                        }
+                    }
                 }
-                if throttled {
-                    state.ghost.took_while_throttled = true;
+            }
+            Action::PopArrives(call) => {
+                let at = state.pops_in_flight.iter().position(|c| *c == call)?;
+                state.pops_in_flight.remove(at);
+                for &(_, env) in self.pop(&mut state, &call).tasks() {
+                    state.ghost.lost[env.task as usize] += 1;
                 }
-                if quarantined && setup.mutation != Some(Mutation::PopReadyOnly) {
-                    state.ghost.events |= EVENT_POPPED_QUARANTINE;
-                }
-                let took: List<(u8, u8, Env)> = popped
-                    .into_iter()
-                    .map(|(level, env)| (level, 0, env))
-                    .collect();
-                Self::hold(&mut state.daemons[index], None, 0, &took);
             }
             Action::StartRun { daemon, task } => {
                 let index = daemon as usize;
@@ -1278,14 +1494,14 @@ impl Protocol {
             }
             Action::Settle {
                 daemon,
-                owner,
+                holder,
                 reply,
             } => {
                 let index = daemon as usize;
                 let d = &mut state.daemons[index];
                 for held in d.held.iter_mut() {
                     if let Phase::Resolved(op, payload) = held.phase {
-                        if held.owner == owner {
+                        if held.holder() == holder {
                             held.phase = Phase::Settling(op, payload);
                         }
                     }
@@ -1359,10 +1575,14 @@ impl Protocol {
             }
             Action::Release { daemon, owner } => {
                 let levels = self.recovery_levels(&state, &state.daemons[daemon as usize], owner);
-                if !state.redis.release(owner, levels, true) {
+                let (released, share) = state.redis.release(owner, levels, true, setup.mutation);
+                if !released {
                     return None;
                 }
                 state.ghost.events |= EVENT_RELEASED;
+                if share > 0 {
+                    state.ghost.events |= EVENT_SHARE_RELEASED;
+                }
             }
             Action::Promote { level, task } => {
                 let at = state.redis.retry[level as usize]
@@ -1413,7 +1633,7 @@ impl Protocol {
                 let d = &state.daemons[index];
                 if let Some(owner) = d.owner {
                     let levels = self.config(d).levels;
-                    state.redis.release(owner, levels, false);
+                    state.redis.release(owner, levels, false, setup.mutation);
                 }
                 Self::restart(&mut state, index, config);
             }
@@ -1527,8 +1747,11 @@ fn no_zombie_start(_: &Protocol, state: &State) -> bool {
     !state.ghost.zombie
 }
 
+/// A property's condition.
+type Condition = fn(&Protocol, &State) -> bool;
+
 /// Whether the event `BIT` happened on the way to this state.
-fn happened<const BIT: u16>(_: &Protocol, state: &State) -> bool {
+fn happened<const BIT: u32>(_: &Protocol, state: &State) -> bool {
     state.ghost.events & BIT != 0
 }
 
@@ -1541,10 +1764,45 @@ fn never_dead_for_a_neighbour(model: &Protocol, state: &State) -> bool {
 }
 
 /// `running`'s `q` is the number of positions of counted claim lists (those with a scopes string) whose settled
-/// bit is not set: flow-control.md §4's equality, for the one scope built so far.
+/// bit is not set, plus every default-mode owner's share (`popped-running:OWNER`): flow-control.md §4's
+/// equality, for the one scope built so far.
 fn running_exact(_: &Protocol, state: &State) -> bool {
     let counted = state.redis.processing.iter().filter(|p| p.counted).count();
-    usize::from(state.redis.running) == counted
+    let shares: usize = state
+        .redis
+        .popped_running
+        .iter()
+        .map(|(_, n)| usize::from(*n))
+        .sum();
+    usize::from(state.redis.running) == counted + shares
+}
+
+/// Every default-mode share of `running` has a way back: its owner is registered and no running daemon renews it
+/// (its lease runs out, and a monitor's release.lua gives the share back), or its owner is the current one of a
+/// stopping daemon (whose release.lua gives it back), or the tasks popped under it that some daemon still holds,
+/// unsettled, cover it (their settles give it back).
+fn share_comes_back(_: &Protocol, state: &State) -> bool {
+    state.redis.popped_running.iter().all(|&(owner, share)| {
+        let registered = state.redis.owner(owner).is_some();
+        let current = state.daemons.iter().find(|d| d.owner == Some(owner));
+        if registered && current.is_none() || current.is_some_and(|d| d.stopping) {
+            return true;
+        }
+        let held: usize = state
+            .daemons
+            .iter()
+            .map(|d| {
+                d.held
+                    .iter()
+                    .filter(|h| {
+                        h.popped_by == Some(owner)
+                            && !(matches!(h.phase, Phase::Settling(..)) && d.acker.applied)
+                    })
+                    .count()
+            })
+            .sum();
+        usize::from(share) <= held
+    })
 }
 
 /// `running` never exceeds `max_running`: the largest of the configs in play (each scenario uses one value).
@@ -1563,9 +1821,11 @@ fn no_underflow(_: &Protocol, state: &State) -> bool {
     state.redis.running_underflow == 0
 }
 
-/// When no claim list remains, nothing is counted.
+/// When no claim list and no default-mode share remains, nothing is counted.
 fn nothing_leaks_at_rest(_: &Protocol, state: &State) -> bool {
-    !state.redis.processing.is_empty() || state.redis.running == 0
+    !state.redis.processing.is_empty()
+        || !state.redis.popped_running.is_empty()
+        || state.redis.running == 0
 }
 
 fn all_done(model: &Protocol, state: &State) -> bool {

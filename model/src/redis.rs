@@ -149,6 +149,11 @@ pub struct Redis {
     pub running: u8,
     /// `stats.running_underflow`: what settle.lua would have taken `q` below 0 by (it stops at 0).
     pub running_underflow: u8,
+    /// Each `popped-running:OWNER` hash's `q`, sorted by owner (absent: 0): default mode's share of `running`
+    /// that an owner's pops took under a limit and its settles have not given back (pop.lua adds, settle.lua and
+    /// release.lua subtract). Kept apart from `owners`: a share can outlive its owner's registration, and then
+    /// nothing would ever give it back (what "every share comes back" checks).
+    pub popped_running: List<(OwnerId, u8)>,
     /// The queue's throttle key (`P:{Q}:throttle`, a string with an expiry): a handler's back-pressure, set by
     /// settle.lua's op "throttle"; while it exists claim.lua (state 6) and the pops take nothing. Its expiry is
     /// [`Redis::throttle_ends`] (time: how long it lasts is not modelled, only that it ends).
@@ -168,6 +173,65 @@ pub struct ClaimCall {
     pub max: u8,
     pub levels: Levels,
     pub max_running: u8,
+}
+
+/// One pop.lua call under a running limit: the owner whose share counts it (`ARGV[1]`, `KEYS[6]`), how many
+/// (`ARGV[2]`), the levels of its lists, and the caller's `max_running` (`ARGV[3]`). A default-mode daemon without
+/// a limit pops with no owner in this model (kmqd registers one all the same, which holds nothing the model keeps:
+/// unique ids are not modelled).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PopCall {
+    pub owner: Option<OwnerId>,
+    pub max: u8,
+    pub levels: Levels,
+    pub max_running: u8,
+}
+
+/// What pop.lua answered.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Popped {
+    /// `LEASELOST`: the owner has no live lease (checked under a running limit, before anything is counted under
+    /// it; see [`Mutation::PopWithoutLeaseCheck`]).
+    LeaseLost,
+    /// State 4: nothing, because `max_running` tasks are counted in `running`.
+    Limited,
+    /// State 2: nothing, because a handler throttled the queue.
+    Throttled,
+    /// State 0: the tasks it took (level, envelope), possibly none.
+    Took(List<(u8, Env)>),
+}
+
+impl Popped {
+    /// The tasks it took, if any.
+    pub fn tasks(&self) -> &[(u8, Env)] {
+        match self {
+            Popped::Took(took) => took,
+            _ => &[],
+        }
+    }
+}
+
+/// Whose tasks one settle call settles (`broker::Holder`): which keys the call names, and so what it may
+/// subtract from `running`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Holder {
+    /// Default mode without a running limit: nobody holds them in Redis.
+    Nobody,
+    /// Safe mode: the owner whose claim lists hold them (`ARGV[5]`, its processing keys).
+    Claimed(OwnerId),
+    /// Default mode under a running limit: the owner that popped them, whose share of `running` they are (the
+    /// running hash and `popped-running:OWNER` in the call's KEYS).
+    Popped(OwnerId),
+}
+
+impl Holder {
+    /// The owner of claimed tasks (the fence's and the processing keys' owner).
+    pub fn claimed(self) -> Option<OwnerId> {
+        match self {
+            Holder::Claimed(owner) => Some(owner),
+            _ => None,
+        }
+    }
 }
 
 /// What claim.lua answered.
@@ -509,16 +573,19 @@ impl Redis {
         )
     }
 
-    /// settle.lua: applies `records` once per call (`call` of `settler`), fenced by each record's token.
+    /// settle.lua: applies `records` once per call (`call` of `settler`), fenced by each record's token. In
+    /// default mode under a running limit (`Holder::Popped`), each task the call ends leaves the popping owner's
+    /// share and `running`, never more than the share holds ([`Mutation::SettleAfterRelease`]: whatever it holds).
     pub fn settle(
         &mut self,
         settler: Settler,
         call: u8,
         fence: Fence,
-        owner: Option<OwnerId>,
+        holder: Holder,
         records: &[Record],
         mutation: Option<Mutation>,
     ) -> SettleReply {
+        let owner = holder.claimed();
         // local prior = GET last_call; the same call again: return its stored result, apply nothing
         let prior = self
             .settled
@@ -583,6 +650,20 @@ impl Redis {
                 unfair |= self.apply(record, owner, mutation);
             }
             applied.push(ok);
+        }
+        // Default mode: shared = HGET popped-running:OWNER q; ended = the plain acknowledgements and every
+        // record (all apply: no token); if shared > 0 and ended > 0: n = min(ended, shared) leaves the share (HDEL
+        // at 0) and is freed from q.
+        if let Holder::Popped(popper) = holder {
+            let ended = applied.iter().filter(|ok| **ok).count() as u8;
+            let shared = self.share(popper);
+            let n = if mutation == Some(Mutation::SettleAfterRelease) {
+                ended
+            } else {
+                ended.min(shared)
+            };
+            self.set_share(popper, shared.saturating_sub(n));
+            freed += n;
         }
         // for scope, n in pairs(freed): left = running[scope] - n, never below 0 (the rest counted in
         // running_underflow); HDEL at 0, else HSET
@@ -670,21 +751,55 @@ impl Redis {
     }
 
     /// release.lua: forgets `id` if its processing hashes at `levels` (the KEYS the caller passed) are empty
-    /// and, for a monitor (`expired`), its lease has run out. Returns whether it was released.
-    pub fn release(&mut self, id: OwnerId, levels: Levels, expired: bool) -> bool {
+    /// and, for a monitor (`expired`), its lease has run out, and gives its share of `running` back (default
+    /// mode) in the same step, registered or not. Returns whether it was released (ZREM's answer), and the share
+    /// it gave back. [`Mutation::ReleaseForgetsShare`] deletes the share without giving it back.
+    pub fn release(
+        &mut self,
+        id: OwnerId,
+        levels: Levels,
+        expired: bool,
+        mutation: Option<Mutation>,
+    ) -> (bool, u8) {
+        // for each claim set: EXISTS -> 0
         if self
             .processing
             .iter()
             .any(|p| p.owner == id && levels.contains(p.level))
         {
-            return false;
+            return (false, 0);
         }
+        // "expired": lease = ZSCORE owners id; lease > now -> 0 (no entry: on, as for a forgotten owner)
         if expired && self.is_live(id) {
-            return false;
+            return (false, 0);
         }
+        // HGETALL popped-running; per scope: running = max(0, running - mine), HDEL at 0; DEL info, popped-running
+        let mine = self.share(id);
+        if mutation != Some(Mutation::ReleaseForgetsShare) {
+            self.running = self.running.saturating_sub(mine);
+        }
+        self.set_share(id, 0);
+        // ZREM owners id
         let before = self.owners.len();
         self.owners.retain(|owner| owner.id != id);
-        self.owners.len() < before
+        (self.owners.len() < before, mine)
+    }
+
+    /// HGET popped-running:OWNER q (absent: 0).
+    pub fn share(&self, owner: OwnerId) -> u8 {
+        self.popped_running
+            .iter()
+            .find(|(who, _)| *who == owner)
+            .map_or(0, |(_, n)| *n)
+    }
+
+    /// HSET popped-running:OWNER q n (HDEL at 0: the hash goes).
+    fn set_share(&mut self, owner: OwnerId, n: u8) {
+        self.popped_running.retain(|(who, _)| *who != owner);
+        if n > 0 {
+            self.popped_running.push((owner, n));
+            self.popped_running.sort();
+        }
     }
 
     /// promote.lua, for one due retry: ZREM it and LPUSH it to the front of its ready list.
@@ -697,16 +812,42 @@ impl Redis {
     /// then the ready list, in the order `broker::Popper` passes them (`pop_lists`): up to `max` from the first
     /// non-empty list. Groups mean nothing here: a pop takes up to `max` of a quarantine list, like any other.
     /// Nothing while the queue's throttle key exists (pop.lua and `Popper`'s plain pop check it first).
-    /// While the queue holds no unique id, `Popper` pops the same lists with a plain LMPOP in MULTI after WATCH of
-    /// the unique hash instead; without unique ids (not modelled) the two are the same step.
+    /// While the queue holds no unique id and has no limit, `Popper` pops the same lists with a plain LMPOP in
+    /// MULTI after WATCH of the unique hash instead; without unique ids (not modelled) the two are the same step.
     /// [`Mutation::PopReadyOnly`] passes the ready lists alone.
-    pub fn pop(&mut self, levels: Levels, max: u8, mutation: Option<Mutation>) -> List<(u8, Env)> {
+    ///
+    /// It refuses an owner without a live lease (LEASELOST, before it writes anything; not with
+    /// [`Mutation::PopWithoutLeaseCheck`]): kmqd's pop.lua for any owner, the model's only under a running limit,
+    /// the only pops with an owner here. Under a running limit (`max_running > 0`) it takes at most what `running`
+    /// leaves (nothing, state 4, when that is none; [`Mutation::LimitAfterTaking`] takes up to `max` whatever the
+    /// count), and adds what it took to `running` and to the owner's share (`popped-running:OWNER`).
+    pub fn pop(&mut self, call: &PopCall, mutation: Option<Mutation>) -> Popped {
+        let PopCall {
+            owner,
+            mut max,
+            levels,
+            max_running,
+        } = *call;
+        let counted = max_running > 0;
+        // Under a limit: local lease = ZSCORE owners owner; not lease or lease <= now: LEASELOST
+        let checked = counted && mutation != Some(Mutation::PopWithoutLeaseCheck);
+        if owner.is_some_and(|owner| checked && !self.is_live(owner)) {
+            return Popped::LeaseLost;
+        }
         // EXISTS paused, throttle (pop.lua; Popper checks the same before its plain LMPOP): nothing.
         if self.throttle {
-            return List::new();
+            return Popped::Throttled;
+        }
+        // if max_running > 0: running >= max_running -> state 4; max = min(max, max_running - running)
+        if counted && mutation != Some(Mutation::LimitAfterTaking) {
+            if self.running >= max_running {
+                return Popped::Limited;
+            }
+            max = max.min(max_running - self.running);
         }
         let quarantine = mutation != Some(Mutation::PopReadyOnly);
-        for level in levels.iter() {
+        let mut took = List::new();
+        'levels: for level in levels.iter() {
             let l = level as usize;
             let [q1, q8, q64] = &mut self.quarantine;
             let lists: [&mut List<Env>; 4] =
@@ -717,11 +858,19 @@ impl Redis {
                 }
                 if !list.is_empty() {
                     let n = list.len().min(max as usize);
-                    return list.drain(..n).map(|env| (level, env)).collect();
+                    took = list.drain(..n).map(|env| (level, env)).collect();
+                    break 'levels;
                 }
             }
         }
-        List::new()
+        // HINCRBY running q #items; HINCRBY popped-running:OWNER q #items
+        if let Some(owner) = owner.filter(|_| counted && !took.is_empty()) {
+            let n = took.len() as u8;
+            self.running += n;
+            let share = self.share(owner);
+            self.set_share(owner, share + n);
+        }
+        Popped::Took(took)
     }
 
     /// The throttle key expires (time passes): claims and pops take tasks again.
@@ -786,6 +935,16 @@ mod tests {
         }
     }
 
+    /// A pop without a limit, as a daemon whose config has none makes it.
+    fn plain(max: u8) -> PopCall {
+        PopCall {
+            owner: None,
+            max,
+            levels: Levels::BOTH,
+            max_running: 0,
+        }
+    }
+
     fn order(claimed: &Claimed) -> Vec<(u8, u8, u8)> {
         claimed
             .tasks()
@@ -829,7 +988,14 @@ mod tests {
             payload: Env::new(2),
             charged: false,
         };
-        redis.settle(settler, 1, Fence::Owner, Some(OWNER), &[ack], None);
+        redis.settle(
+            settler,
+            1,
+            Fence::Owner,
+            Holder::Claimed(OWNER),
+            &[ack],
+            None,
+        );
         redis.quarantine[2][0].push(Env::new(4));
         let claimed = redis.claim(&call(6, 1), None);
         assert_eq!(order(&claimed), [(0, 6, 3)]);
@@ -893,7 +1059,7 @@ mod tests {
         let mut over = redis.clone();
         over.claim(&limited(6, 2), Some(Mutation::LimitAfterTaking));
         assert_eq!(over.running, 2);
-        let settler = OWNER_SETTLER;
+        let (settler, holder) = (OWNER_SETTLER, Holder::Claimed(OWNER));
         let ack = |token, claim, task| Record {
             op: Op::Ack,
             token: Some(token),
@@ -904,23 +1070,63 @@ mod tests {
         };
         // The uncounted list's ack subtracts nothing (with SubtractUncounted, it does).
         let mut wrong = redis.clone();
-        redis.settle(settler, 1, Fence::Owner, Some(OWNER), &[ack(4, 4, 1)], None);
+        redis.settle(settler, 1, Fence::Owner, holder, &[ack(4, 4, 1)], None);
         assert_eq!(redis.running, 1);
         let mutation = Some(Mutation::SubtractUncounted);
-        wrong.settle(
-            settler,
-            1,
-            Fence::Owner,
-            Some(OWNER),
-            &[ack(4, 4, 1)],
-            mutation,
-        );
+        wrong.settle(settler, 1, Fence::Owner, holder, &[ack(4, 4, 1)], mutation);
         assert_eq!(wrong.running, 0);
         // The counted one's does, once: sent again as a new call, its bit is set already.
-        redis.settle(settler, 2, Fence::Owner, Some(OWNER), &[ack(0, 0, 0)], None);
+        redis.settle(settler, 2, Fence::Owner, holder, &[ack(0, 0, 0)], None);
         assert_eq!((redis.running, redis.running_underflow), (0, 0));
-        redis.settle(settler, 3, Fence::Owner, Some(OWNER), &[ack(0, 0, 0)], None);
+        redis.settle(settler, 3, Fence::Owner, holder, &[ack(0, 0, 0)], None);
         assert_eq!((redis.running, redis.running_underflow), (0, 0));
+    }
+
+    #[test]
+    fn a_limited_pop_counts_under_its_owner_whose_settles_and_release_give_the_share_back_once() {
+        let mut redis = registered();
+        for task in 0..3 {
+            redis.push(0, Env::new(task));
+        }
+        let pop = |max| PopCall {
+            owner: Some(OWNER),
+            max,
+            levels: Levels::BOTH,
+            max_running: 2,
+        };
+        // Two of the three asked for, counted in `q` and in the owner's share; then state 4.
+        assert_eq!(redis.pop(&pop(3), None).tasks().len(), 2);
+        assert_eq!((redis.running, redis.share(OWNER)), (2, 2));
+        assert_eq!(redis.pop(&pop(1), None), Popped::Limited);
+        let ack = |task| Record {
+            op: Op::Ack,
+            token: None,
+            claim: 0,
+            level: 0,
+            payload: Env::new(task),
+            charged: false,
+        };
+        // One settled: one slot back, from both.
+        let holder = Holder::Popped(OWNER);
+        redis.settle(OWNER_SETTLER, 1, Fence::Owner, holder, &[ack(0)], None);
+        assert_eq!((redis.running, redis.share(OWNER)), (1, 1));
+        // The owner's lease runs out: a monitor's release gives the rest back, and forgets the owner.
+        redis.expire(OWNER);
+        assert_eq!(redis.release(OWNER, Levels::BOTH, true, None), (true, 1));
+        assert_eq!((redis.running, redis.popped_running.len()), (0, 0));
+        // Its late settle finds no share: nothing subtracted (with SettleAfterRelease, an underflow).
+        let mut twice = redis.clone();
+        redis.settle(OWNER_SETTLER, 2, Fence::Owner, holder, &[ack(1)], None);
+        assert_eq!((redis.running, redis.running_underflow), (0, 0));
+        let mutation = Some(Mutation::SettleAfterRelease);
+        twice.settle(OWNER_SETTLER, 2, Fence::Owner, holder, &[ack(1)], mutation);
+        assert_eq!(twice.running_underflow, 1);
+        // A pop under the forgotten owner is refused, and counts nothing (without the check: a share for ever).
+        assert_eq!(redis.pop(&pop(1), None), Popped::LeaseLost);
+        let unchecked = Some(Mutation::PopWithoutLeaseCheck);
+        assert_eq!(redis.pop(&pop(1), unchecked).tasks().len(), 1);
+        assert_eq!((redis.running, redis.share(OWNER)), (1, 1));
+        assert!(redis.owner(OWNER).is_none());
     }
 
     #[test]
@@ -932,12 +1138,12 @@ mod tests {
         redis.quarantine[0][0].push(Env::new(3));
         redis.quarantine[0][0].push(Env::new(4));
         let tasks =
-            |popped: List<(u8, Env)>| -> Vec<u8> { popped.iter().map(|(_, e)| e.task).collect() };
-        assert_eq!(tasks(redis.pop(Levels::BOTH, 3, None)), [3, 4]);
-        assert_eq!(tasks(redis.pop(Levels::BOTH, 3, None)), [1]);
-        assert_eq!(tasks(redis.pop(Levels::BOTH, 3, None)), [0]);
-        assert_eq!(tasks(redis.pop(Levels::BOTH, 3, None)), [2]);
-        assert!(redis.pop(Levels::BOTH, 3, None).is_empty());
+            |popped: Vec<(u8, Env)>| -> Vec<u8> { popped.iter().map(|(_, e)| e.task).collect() };
+        assert_eq!(tasks(redis.pop(&plain(3), None).tasks().to_vec()), [3, 4]);
+        assert_eq!(tasks(redis.pop(&plain(3), None).tasks().to_vec()), [1]);
+        assert_eq!(tasks(redis.pop(&plain(3), None).tasks().to_vec()), [0]);
+        assert_eq!(tasks(redis.pop(&plain(3), None).tasks().to_vec()), [2]);
+        assert!(redis.pop(&plain(3), None).tasks().is_empty());
     }
 
     #[test]
@@ -960,18 +1166,32 @@ mod tests {
             charged: false,
         };
         let mut charged = redis.clone();
-        redis.settle(settler, 1, Fence::Owner, Some(OWNER), &[throttle], None);
+        redis.settle(
+            settler,
+            1,
+            Fence::Owner,
+            Holder::Claimed(OWNER),
+            &[throttle],
+            None,
+        );
         assert_eq!(redis.ready[0].as_slice(), [taken, Env::new(1)]);
         assert!(redis.throttle);
         // ThrottleCharges: the same settle re-queues it with attempt + 1.
         let mutation = Some(Mutation::ThrottleCharges);
-        charged.settle(settler, 1, Fence::Owner, Some(OWNER), &[throttle], mutation);
+        charged.settle(
+            settler,
+            1,
+            Fence::Owner,
+            Holder::Claimed(OWNER),
+            &[throttle],
+            mutation,
+        );
         assert_eq!(charged.ready[0][0].attempt, 1);
         // State 6 after the floor check, as claim.lua; pops take nothing either.
         assert_eq!(redis.claim(&call(1, 2), None), Claimed::Throttled);
         let ignores = Some(Mutation::ClaimIgnoresThrottle);
         assert_eq!(redis.clone().claim(&call(1, 2), ignores).tasks().len(), 2);
-        assert!(redis.pop(Levels::BOTH, 2, None).is_empty());
+        assert!(redis.pop(&plain(2), None).tasks().is_empty());
         redis.adopt(OWNER, 1, 2, Levels::BOTH);
         assert_eq!(redis.claim(&call(1, 2), None), Claimed::Fenced);
         redis.throttle_ends();
@@ -1017,15 +1237,15 @@ mod tests {
             payload: Env::new(0),
             charged: false,
         };
-        let first = redis.settle(settler, 1, Fence::Owner, None, &[ack], None);
-        let again = redis.settle(settler, 1, Fence::Owner, None, &[ack], None);
+        let first = redis.settle(settler, 1, Fence::Owner, Holder::Nobody, &[ack], None);
+        let again = redis.settle(settler, 1, Fence::Owner, Holder::Nobody, &[ack], None);
         assert_eq!(
             (first.applied, again.answered_from_record),
             (vec![true], true)
         );
         assert_eq!(redis.done[0], 1);
         let mutation = Some(Mutation::NoIdempotentSettle);
-        redis.settle(settler, 1, Fence::Owner, None, &[ack], mutation);
+        redis.settle(settler, 1, Fence::Owner, Holder::Nobody, &[ack], mutation);
         assert_eq!(redis.done[0], 2, "without the record, applied twice");
     }
 
@@ -1039,6 +1259,7 @@ mod tests {
             run: 0,
             monitor: true,
         };
+        let holder = Holder::Claimed(OWNER);
         let recover = Record {
             op: Op::Recover,
             token: Some(0),
@@ -1047,16 +1268,16 @@ mod tests {
             payload: Env::new(0),
             charged: false,
         };
-        let live = redis.settle(settler, 1, Fence::Expired, Some(OWNER), &[recover], None);
+        let live = redis.settle(settler, 1, Fence::Expired, holder, &[recover], None);
         assert_eq!(live.applied, [false], "the lease is live: nothing applies");
         redis.expire(OWNER);
         assert!(
-            !redis.release(OWNER, Levels::BOTH, true),
+            !redis.release(OWNER, Levels::BOTH, true, None).0,
             "it still holds a task"
         );
-        let expired = redis.settle(settler, 2, Fence::Expired, Some(OWNER), &[recover], None);
+        let expired = redis.settle(settler, 2, Fence::Expired, holder, &[recover], None);
         assert_eq!(expired.applied, [true]);
         assert_eq!(redis.ready[1].as_slice(), [Env::new(0)]);
-        assert!(redis.release(OWNER, Levels::BOTH, true));
+        assert!(redis.release(OWNER, Levels::BOTH, true, None).0);
     }
 }

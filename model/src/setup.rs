@@ -41,8 +41,8 @@ pub enum Mode {
 pub struct Config {
     pub levels: Levels,
     pub mode: Mode,
-    /// The queue's `max_running` in this config (claim.lua's `ARGV[8]`; 0: none). Safe mode only (the config is
-    /// refused in default mode). A scenario's configs use one limit value, or none.
+    /// The queue's `max_running` in this config (claim.lua's `ARGV[8]`, pop.lua's `ARGV[3]`; 0: none). A
+    /// scenario's configs use one limit value, or none.
     pub max_running: u8,
 }
 
@@ -95,8 +95,8 @@ pub enum Mutation {
     /// the claim), not the number of bits it newly set: a monitor and a late owner that settle the same task both
     /// subtract it.
     SubtractCount,
-    /// claim.lua takes its tasks first and compares `running` with the limit only afterwards: it takes up to
-    /// `ARGV[2]` whatever the count, and adds them all.
+    /// claim.lua (and pop.lua) take their tasks first and compare `running` with the limit only afterwards: they
+    /// take up to `ARGV[2]` whatever the count, and add them all.
     LimitAfterTaking,
     /// settle.lua under the "expired" fence (a monitor recovering an expired owner's tasks) subtracts nothing:
     /// the running slots of a crashed daemon leak.
@@ -105,6 +105,17 @@ pub enum Mutation {
     ThrottleCharges,
     /// claim.lua without its throttle check (state 6): a claim takes tasks while the queue is throttled.
     ClaimIgnoresThrottle,
+    /// release.lua deletes a default-mode owner's `popped-running` share without giving it back to `running`.
+    ReleaseForgetsShare,
+    /// settle.lua (default mode) subtracts every task the call ends from `running`, whether the popping owner's
+    /// share still holds it or not: a settle that comes after release.lua gave the share back gives it back twice.
+    SettleAfterRelease,
+    /// The fetcher keeps its owner after a pop's reply was lost (kmqd gives it up: `ownership.lose`), so the
+    /// share of the lost tasks stays under a live owner that nothing releases.
+    KeepOwnerAfterLostPop,
+    /// pop.lua without its lease check (kmqd's before badf3e8; the model's third finding): a pop counts its tasks
+    /// under an owner that may have been released already, in a share nothing will ever give back.
+    PopWithoutLeaseCheck,
 }
 
 /// One bounded check.
@@ -317,6 +328,52 @@ pub fn limit() -> Setup {
     }
 }
 
+/// Default mode, `max_running = N`, the high level.
+const fn popping(max_running: u8) -> Config {
+    Config {
+        max_running,
+        ..DEFAULT_HIGH
+    }
+}
+
+/// Default mode's `max_running` (pop.lua's count under the popping owner's share, settle.lua's give-back of each
+/// ended task, release.lua's of what is left when the owner goes) at 1, beside a safe-mode daemon under the same
+/// limit (one count for claims and pops), an ok and a flaky task, with a lost reply (a pop that ran, or that runs
+/// later, whose owner the daemon gives up; a settle sent again) and a stall (an owner expired while its daemon
+/// still runs what it popped: a monitor gives its share back, and the late settle subtracts nothing): the third
+/// finding's scenario. With a `kill -9` too it is 12.5 million states (132 s); each pair of the three faults is
+/// a scenario of its own ([`popped_crash`], [`popped_crash_stall`]).
+pub fn popped() -> Setup {
+    Setup {
+        configs: vec![popping(1), limited(1)],
+        initial: [0, 1],
+        stalls: 1,
+        lost_replies: 1,
+        ..base("popped", vec![(Behaviour::Ok, 0), (Behaviour::Flaky, 0)])
+    }
+}
+
+/// [`popped`] with a `kill -9` (what a default-mode daemon held is lost, its share comes back with its owner; a
+/// restart may switch the daemon's mode) instead of the stall.
+pub fn popped_crash() -> Setup {
+    Setup {
+        name: "popped-crash",
+        crashes: 1,
+        stalls: 0,
+        ..popped()
+    }
+}
+
+/// [`popped`] with a `kill -9` instead of the lost reply.
+pub fn popped_crash_stall() -> Setup {
+    Setup {
+        name: "popped-crash-stall",
+        crashes: 1,
+        lost_replies: 0,
+        ..popped()
+    }
+}
+
 /// A handler's back-pressure: a task whose handler throttles on its first run and an ok task, a safe-mode daemon
 /// beside a default-mode one (the throttle settled by either, claims and pops held back by the key), a `kill -9`
 /// and a stall (a late owner's throttle found stale, the task recovered by a monitor, which never throttles). A
@@ -364,6 +421,9 @@ pub fn ci() -> Vec<Setup> {
         zombie(),
         limit(),
         throttle(),
+        popped(),
+        popped_crash(),
+        popped_crash_stall(),
     ]
 }
 
@@ -431,9 +491,11 @@ pub const RUNNING_EXACT: &str = "running counts are exact";
 pub const RUNNING_BOUND: &str = "never above the limit";
 pub const NO_UNDERFLOW: &str = "no underflow";
 pub const NO_LEAK: &str = "nothing leaks at rest";
+pub const ADMITS_BELOW: &str = "a take admits only below its limit";
+pub const SHARE_COMES_BACK: &str = "every share comes back";
 
-/// The running limit's "break it on purpose" experiments: a mutated setup and a property it must break (each has
-/// its own test in `tests/check.rs`).
+/// The running limit's "break it on purpose" experiments, in safe mode and in default mode: a mutated setup and a
+/// property it must break (each mutation has its own test in `tests/check.rs`).
 pub fn limit_experiments() -> Vec<(Setup, &'static str)> {
     vec![
         (
@@ -459,6 +521,38 @@ pub fn limit_experiments() -> Vec<(Setup, &'static str)> {
         (
             limit().with_mutation(Mutation::MonitorSubtractsNothing),
             NO_LEAK,
+        ),
+        (
+            popped_crash().with_mutation(Mutation::ReleaseForgetsShare),
+            RUNNING_EXACT,
+        ),
+        (
+            popped_crash().with_mutation(Mutation::ReleaseForgetsShare),
+            NO_LEAK,
+        ),
+        (
+            popped().with_mutation(Mutation::SettleAfterRelease),
+            NO_UNDERFLOW,
+        ),
+        (
+            popped().with_mutation(Mutation::SettleAfterRelease),
+            RUNNING_EXACT,
+        ),
+        (
+            popped().with_mutation(Mutation::KeepOwnerAfterLostPop),
+            SHARE_COMES_BACK,
+        ),
+        (
+            popped().with_mutation(Mutation::LimitAfterTaking),
+            ADMITS_BELOW,
+        ),
+        (
+            popped().with_mutation(Mutation::PopWithoutLeaseCheck),
+            SHARE_COMES_BACK,
+        ),
+        (
+            popped().with_mutation(Mutation::PopWithoutLeaseCheck),
+            "drained at rest",
         ),
     ]
 }

@@ -81,11 +81,16 @@ fn a_pop_takes_at_most_batch_tasks_however_many_the_lane_may_hold() {
     // A batch above the 32 tasks after which pops go plain (`PLAIN_POP_AFTER`).
     let queue = QUEUE.replace("workers = 4", "workers = 2\nbatch = 40\nprefetch = 5000");
     let config = dir.config(&redis, &queue);
-    let tasks = (0..1000).map(|i| {
-        let task = NewTask::new("test", "7").unwrap().id(format!("p{i}"));
-        if i < 100 { task.unique() } else { task }
+    // Unique tasks first, alone: pop.lua takes them (full batches of a backlog of 100); the plain backlog comes
+    // once they are settled, so that the pops then go plain whatever the machine's load (with both pushed at once,
+    // a loaded machine settled the unique ones after the last pop, and every pop was pop.lua).
+    let unique = (0..100).map(|i| {
+        NewTask::new("test", "7")
+            .unwrap()
+            .id(format!("p{i}"))
+            .unique()
     });
-    client(&config).push_batch("fast", tasks).unwrap();
+    client(&config).push_batch("fast", unique).unwrap();
 
     let proxy = FaultProxy::start(&redis);
     let counts: Arc<Mutex<Vec<(&str, usize)>>> = Arc::default();
@@ -113,6 +118,12 @@ fn a_pop_takes_at_most_batch_tasks_however_many_the_lane_may_hold() {
         &dir.record_file(),
     );
     let daemon = TestDaemon::start(&through);
+    eventually(Duration::from_secs(30), "the unique tasks done", || {
+        let s = stats(&config, "fast");
+        (s.done == 100, s)
+    });
+    let plain = (100..1000).map(|i| NewTask::new("test", "7").unwrap().id(format!("p{i}")));
+    client(&config).push_batch("fast", plain).unwrap();
     eventually(Duration::from_secs(30), "the backlog to drain", || {
         let s = stats(&config, "fast");
         (s.done == 1000, s)

@@ -444,3 +444,80 @@ fn a_default_mode_pop_whose_reply_is_lost_gives_its_owner_and_slots_up() {
         (shares(&redis).is_empty(), shares(&redis))
     });
 }
+
+/// A default-mode pop that reaches Redis only after its owner was forgotten: its reply was late, so the daemon
+/// gave the owner up and popped on under a new one; the old owner's lease ran out and a monitor released it (its
+/// share, empty then, given back); then the late pop landed. pop.lua refuses it (LEASELOST: no live lease), so it
+/// takes nothing and counts nothing. Before badf3e8, it took a task (lost, at most once) and counted its slot in a
+/// share of an owner no monitor would ever look at again: the count never came back to 0, and a queue at its
+/// limit would never have drained again. The model's third finding (model/README.md, "What the checker found").
+#[test]
+fn a_default_mode_pop_that_lands_after_its_owner_was_released_takes_and_counts_nothing() {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let gate = dir.path("gate");
+    let redis_section = format!("url = \"{}\"\nio_timeout = \"1s\"", proxy.url());
+    // One slot (`max_held` is `workers` under a limit), so that the daemon holds the gated task while the others
+    // wait in the ready list for the late pop to find them; a limit it never reaches.
+    let config = dir.config_raw(
+        &redis_section,
+        "",
+        &default_queue("workers = 1\nmax_running = 3\nlease_timeout = \"1s\""),
+    );
+    let daemon = TestDaemon::start(&config);
+    redis.wait_blocked_in("blmove");
+    let owners: Vec<String> = redis.cmd(&["ZRANGE", "kmq:{jobs}:owners", "0", "-1"]);
+    let [first] = owners.as_slice() else {
+        panic!("one owner: {owners:?}");
+    };
+    let (late, pop) = (first.clone().into_bytes(), Matcher::script(sources::POP));
+    let late_pop = Matcher::new(move |args| pop.matches(args) && args.contains(&late));
+    // Its idle pops so far; its next one is held 8 s, well past io_timeout (the daemon gives the owner up), the
+    // owner's lease and the monitor's look (a quarter of the lease) after it; then it reaches Redis all the same.
+    let before = proxy.seen(&late_pop);
+    let rule = proxy.add(Fault::DelayRequest {
+        matching: Matcher::script(sources::POP),
+        nth: 1,
+        delay: Duration::from_secs(8),
+        survive_close: true,
+    });
+    let gated = serde_json::json!({ "wait_for_file": gate }).to_string();
+    push_many(&config, "g", 1, &gated);
+    eventually(
+        Duration::from_secs(10),
+        "the gated task runs under a new owner",
+        || {
+            let starts = dir.records().starts.len();
+            (starts == 1, starts)
+        },
+    );
+    push_many(&config, "t", 3, "{}");
+    let owner = first.clone();
+    eventually(Duration::from_secs(6), "the first owner released", || {
+        let owners: Vec<String> = redis.cmd(&["ZRANGE", "kmq:{jobs}:owners", "0", "-1"]);
+        (!owners.contains(&owner), owners)
+    });
+    eventually(
+        Duration::from_secs(15),
+        "the late pop reached Redis",
+        || {
+            let seen = proxy.seen(&late_pop);
+            (seen > before, seen)
+        },
+    );
+    assert_eq!(rule.fired(), 1);
+    std::fs::write(&gate, "").unwrap();
+    let s = eventually(
+        Duration::from_secs(30),
+        "drained, every slot given back",
+        || {
+            let s = stats(&config, "jobs");
+            let settled = s.ready == 0 && running(&redis) == 0 && shares(&redis).is_empty();
+            (settled, (s, running(&redis), shares(&redis)))
+        },
+    );
+    assert_eq!(s.0.done, 4, "the late pop took nothing: {s:?}");
+    assert_eq!(counter(&redis, "running_underflow"), 0);
+    daemon.stop();
+}

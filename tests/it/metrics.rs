@@ -56,7 +56,10 @@ fn a_scrape_after_tasks_ran_passes_promtool_and_shows_every_family() {
     let config = dir.config_with(
         &redis,
         "shutdown_grace = \"5s\"\nmetrics_addr = \"127.0.0.1:0\"",
-        &safe_queue("retry_times = 1\nbackoff = \"10ms\"\nexecution_timeout = \"300ms\""),
+        &safe_queue(
+            "retry_times = 1\nbackoff = \"10ms\"\nexecution_timeout = \"300ms\"\n\
+             [[queues.limits]]\ntype = \"test\"\nmax_running = 100\n",
+        ),
     );
     push_many(&config, "ok", 2, "{}");
     push_many(&config, "fail", 1, r#"{"outcome": "fail"}"#);
@@ -114,6 +117,9 @@ fn a_scrape_after_tasks_ran_passes_promtool_and_shows_every_family() {
         "kmqd_daemon_busy_workers{queue=\"jobs\"} 0",
         "kmqd_daemon_stuck_workers{queue=\"jobs\"} 0",
         "kmqd_daemon_held_tasks{queue=\"jobs\"} 0",
+        "kmqd_type_running{queue=\"jobs\",type=\"test\"} 0",
+        "kmqd_type_waiting{queue=\"jobs\",type=\"test\"} 0",
+        "kmqd_type_throttled_seconds{queue=\"jobs\",type=\"test\"} 0.0",
         &format!(
             "kmqd_build_info{{version=\"{}\"}} 1",
             env!("CARGO_PKG_VERSION")

@@ -388,12 +388,9 @@ if redis.call('EXISTS', KEYS[6], KEYS[7]) > 0 then
   if redis.call('EXISTS', KEYS[6]) == 1 then
     return finish(empty(3, 0))
   end
-  -- Its time to live rather than its value, so that a clock that stepped since it was set cannot stretch it; a
-  -- throttle set by hand without an expiry is looked at again every second.
-  local left = redis.call('PTTL', KEYS[7])
-  if left ~= -2 then
-    if left < 0 then left = 1000 end
-    retry_at = now + math.max(1, left)
+  local ends = throttle_until(KEYS[7], now)
+  if ends then
+    retry_at = ends
     return finish(empty(6, 0))
   end
 end

@@ -100,11 +100,9 @@ if redis.call('EXISTS', KEYS[3], KEYS[4]) > 0 then
   if redis.call('EXISTS', KEYS[3]) == 1 then
     return {now, 0, {}, redis.call('HLEN', KEYS[1]), 1, 0, {}, {}}
   end
-  -- By its time to live, as claim.lua; one set by hand without an expiry is looked at again every second.
-  local left = redis.call('PTTL', KEYS[4])
-  if left ~= -2 then
-    if left < 0 then left = 1000 end
-    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 2, now + math.max(1, left), {}, {}}
+  local ends = throttle_until(KEYS[4], now)
+  if ends then
+    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 2, ends, {}, {}}
   end
 end
 local max = tonumber(ARGV[2])

@@ -1,4 +1,5 @@
--- rate.lua: a rate limit's windows, shared by claim.lua and pop.lua: the broker prepends this file to both
+-- rate.lua: a rate limit's windows (and a throttle's end), shared by claim.lua and pop.lua: the broker prepends this
+-- file to both
 -- (src/broker/mod.rs, `sources`), so that the two takes count starts the same way.
 --
 -- Each window's log holds the starts as `MS COUNT` entries (COUNT tasks taken at MS, Redis's clock), oldest
@@ -92,6 +93,17 @@ local function rate_trim(script, windows, now)
     if not free or left < free then free = left end
   end
   return free, retry_at
+end
+
+-- When the throttle `key` (a handler's back-pressure, set by settle.lua with PX) ends, or nil when there is none:
+-- by its time to live rather than its value, so that a clock that stepped since it was set cannot stretch it; one
+-- set by hand without an expiry is looked at again every second. Shared by the queue's throttle (claim.lua,
+-- pop.lua) and a type's (types.lua).
+local function throttle_until(key, now)
+  local left = redis.call('PTTL', key)
+  if left == -2 then return nil end
+  if left < 0 then left = 1000 end
+  return now + math.max(1, left)
 end
 
 -- Adds `k` starts at `now` to every window's log.

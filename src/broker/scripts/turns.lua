@@ -4,10 +4,13 @@
 -- Smooth weighted round-robin (nginx's): for each task a take may still take, every level that has a task left
 -- adds its weight to its credit, and the level with the most credit (the higher level on a tie) gets the task and
 -- pays the sum of those levels' weights. Over a backlog on every level, each run of sum-of-weights tasks holds
--- each level's weight exactly (6:3:1 is exact over every 10), interleaved, not in blocks; a level with no task
--- takes no turn and earns no credit, so its turns go to the others. The credits live in the queue's sched hash
--- (`cur:N` for level N, 1-based), so the shares hold across takes and across daemons; each is kept within the sum
--- of all the weights, so that no level builds up a debt or a lead while others have nothing.
+-- each level's weight within one task, and exactly once the backlog has lasted a few tasks (6:3:1 is exact over
+-- every 10 from its third: a level that had tasks but lost its turns before brings the credit it earned),
+-- interleaved, not in blocks; a level with no task takes no turn and earns no credit, so its turns go to the others (the model
+-- checks all three: model/README.md, "The turns"). The credits live in the queue's sched hash (`cur:N` for level
+-- N, 1-based), so the shares hold across takes and across daemons. They sum to 0 and stay within the sum of the
+-- weights by themselves; each is clamped to it all the same, for a change of the weights (a reload, a rolling
+-- change), which would otherwise carry a lead or a debt built under the old ones into the new turns.
 
 -- Reads the credits of `levels` levels from `sched` and checks them (integers, or absent) before any write:
 -- returns them, or nil and the error reply of `script`.

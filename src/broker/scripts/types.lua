@@ -86,13 +86,8 @@ end
 local function types_admit(script, block, running, now)
   for _, flow in ipairs(block.flows) do
     flow.room, flow.due = nil, nil
-    if flow.limited then
-      local left = redis.call('PTTL', flow.throttle)
-      if left ~= -2 then
-        if left < 0 then left = 1000 end
-        flow.room, flow.due = 0, now + math.max(1, left)
-      end
-    end
+    local ends = flow.limited and throttle_until(flow.throttle, now)
+    if ends then flow.room, flow.due = 0, ends end
     if flow.max_running > 0 then
       if flow.known_limit ~= flow.max_running then
         redis.call('HSET', running, flow.scope .. ':limit', flow.max_running)

@@ -10,9 +10,9 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use super::snapshot::Snapshot;
+use super::snapshot::{QueueSnapshot, Snapshot};
 use crate::broker::QueueStats;
-use crate::observed::observed;
+use crate::observed::{TypeLabels, observed};
 
 /// The classic Prometheus text format, version 0.0.4.
 pub const PROMETHEUS_TEXT: &str = prometheus_text::CONTENT_TYPE;
@@ -251,6 +251,49 @@ fn per_queue<'a>(
     }
 }
 
+/// The families of the queues' `[[queues.limits]]` entries, a sample per queue and type: bounded by the config
+/// (at most 64 types a queue), never by what producers push.
+fn per_type<'a>(
+    registry: &mut Registry,
+    queues: impl Iterator<Item = (&'a Arc<str>, &'a QueueSnapshot)> + Clone,
+) {
+    let running = Family::<TypeLabels, Gauge>::default();
+    let waiting = Family::<TypeLabels, Gauge>::default();
+    let throttled = Family::<TypeLabels, Gauge<f64, AtomicU64>>::default();
+    for (queue, read) in queues {
+        for (kind, usage) in &read.types {
+            let labels = TypeLabels {
+                queue: Arc::clone(queue),
+                r#type: Arc::from(kind.as_str()),
+            };
+            running
+                .get_or_create(&labels)
+                .set(i64::try_from(usage.running).unwrap_or(i64::MAX));
+            waiting
+                .get_or_create(&labels)
+                .set(i64::try_from(usage.waiting).unwrap_or(i64::MAX));
+            throttled
+                .get_or_create(&labels)
+                .set(usage.throttle_ms.unwrap_or(0) as f64 / 1000.0);
+        }
+    }
+    registry.register(
+        "kmqd_type_running",
+        "Tasks of a type with its own max_running ([[queues.limits]]) taken and not settled, by every daemon",
+        running,
+    );
+    registry.register(
+        "kmqd_type_waiting",
+        "Tasks of a type with its own limits that they hold back, waiting in the type's own list",
+        waiting,
+    );
+    registry.register(
+        "kmqd_type_throttled_seconds",
+        "How long a handler's throttle still holds a type with its own limits back (0 when none)",
+        throttled,
+    );
+}
+
 fn registry(lanes: &[LaneNumbers], redis: Option<&Snapshot>) -> Registry {
     let mut registry = Registry::default();
     let build = Family::<VersionLabel, Gauge>::default();
@@ -290,6 +333,7 @@ fn registry(lanes: &[LaneNumbers], redis: Option<&Snapshot>) -> Registry {
             let samples = queues().map(|(queue, read)| (queue, value(&read.stats)));
             per_queue(&mut registry, (name, kind, help), samples);
         }
+        per_type(&mut registry, queues());
         per_queue(
             &mut registry,
             (
@@ -353,7 +397,7 @@ fn registry(lanes: &[LaneNumbers], redis: Option<&Snapshot>) -> Registry {
     registry.register(
         "kmqd_fetches_held_back",
         "Fetches of this daemon that a limit held back (took nothing), per queue and limit: max_running, \
-         rate_limit, throttle",
+         rate_limit, throttle, limits (its types' [[queues.limits]] held every waiting task back)",
         observed.held_back.clone(),
     );
     registry.register(
@@ -381,7 +425,7 @@ mod tests {
     }
 
     fn snapshot() -> Snapshot {
-        vec![super::super::snapshot::QueueSnapshot {
+        vec![QueueSnapshot {
             stats: QueueStats {
                 ready_by_level: vec![("high".into(), 2), ("low".into(), 0)],
                 done: 7,
@@ -390,6 +434,15 @@ mod tests {
                 ..QueueStats::default()
             },
             daemons: 2,
+            types: vec![(
+                "report".into(),
+                crate::broker::TypeUsage {
+                    running: 2,
+                    rate_used: vec![5],
+                    waiting: 14,
+                    throttle_ms: Some(1500),
+                },
+            )],
         }]
     }
 
@@ -432,6 +485,13 @@ mod tests {
             page.contains("kmqd_tasks_done_total{queue=\"page-test\"} 7"),
             "{page}"
         );
+        for sample in [
+            "kmqd_type_running{queue=\"page-test\",type=\"report\"} 2",
+            "kmqd_type_waiting{queue=\"page-test\",type=\"report\"} 14",
+            "kmqd_type_throttled_seconds{queue=\"page-test\",type=\"report\"} 1.5",
+        ] {
+            assert!(page.contains(sample), "{sample} in {page}");
+        }
         assert!(
             page.contains("kmqd_tasks_cancelled_total{queue=\"page-test\"} 1"),
             "{page}"

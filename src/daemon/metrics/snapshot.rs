@@ -27,6 +27,8 @@ pub struct QueueSnapshot {
     pub stats: QueueStats,
     /// Daemons whose owner's lease on the queue has not run out (what `kmqd workers` lists).
     pub daemons: usize,
+    /// What each of the queue's `[[queues.limits]]` entries counts, by type, in the config's order.
+    pub types: Vec<(String, broker::TypeUsage)>,
 }
 
 /// Every queue of the daemon, in its config's order.
@@ -145,7 +147,8 @@ impl Refresher {
     fn read(&mut self) -> broker::Result<Snapshot> {
         let lanes = self.lanes.newest();
         let mut snapshot = Vec::with_capacity(lanes.len());
-        for keys in lanes.iter().map(|lane| &lane.queue.keys) {
+        for queue in lanes.iter().map(|lane| &lane.queue) {
+            let keys = &queue.keys;
             let connection = self.connection.get()?;
             let stats = broker::stats(connection, keys)?;
             let (now_ms, leases) = broker::owners(connection, keys)?;
@@ -153,7 +156,18 @@ impl Refresher {
                 .iter()
                 .filter(|(_, deadline)| *deadline > now_ms)
                 .count();
-            snapshot.push(QueueSnapshot { stats, daemons });
+            let limits = &queue.config.type_limits;
+            let types = broker::type_usage(connection, keys, limits)?;
+            let types = limits
+                .iter()
+                .map(|limit| limit.kind.clone())
+                .zip(types)
+                .collect();
+            snapshot.push(QueueSnapshot {
+                stats,
+                daemons,
+                types,
+            });
         }
         Ok(snapshot)
     }
