@@ -240,9 +240,9 @@ impl Acker {
         true
     }
 
-    /// Tries the refused outcomes again once their wait is over: alone, so that a refusal costs the new
-    /// outcomes nothing. The wait doubles while Redis keeps refusing them, up to [`REFUSED_WAIT_MAX`]; false
-    /// when the daemon gave up on Redis meanwhile.
+    /// Tries the refused outcomes again once their wait is over: apart from the new ones, so that a refusal costs
+    /// them nothing, and each alone. The wait doubles while Redis keeps refusing them all, up to
+    /// [`REFUSED_WAIT_MAX`]; false when the daemon gave up on Redis meanwhile.
     fn retry_refused(&mut self) -> bool {
         let Some(due) = self.refused_due else {
             if !self.refused.is_empty() {
@@ -256,8 +256,14 @@ impl Acker {
         }
         let mut again = std::mem::take(&mut self.refused);
         let before = again.len();
-        if !self.settle(&mut again) {
-            return false;
+        // Smallest first, each alone: after reading a large argument Redis keeps a buffer as large on the
+        // connection for a moment, which a small outcome sent right after a refused large one would find still
+        // counted against maxmemory; an outcome refused only for being next to a large one goes through here.
+        again.sort_by_key(|outcome| outcome.settlement().map_or(0, |s| s.payload.len()));
+        for outcome in again {
+            if !self.settle(&mut vec![outcome]) {
+                return false;
+            }
         }
         self.refused_due = if self.refused.is_empty() {
             tracing::info!(queue = %self.lane.name(), outcomes = before, "Redis took the outcomes it refused before");
