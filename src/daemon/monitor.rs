@@ -274,15 +274,15 @@ impl Monitor {
                         window,
                     )?;
                     if !page.tasks.is_empty() {
-                        let Some(applied) =
+                        let Some((applied, refused)) =
                             self.recover_page(index, &queue, &expired, level, &page.tasks)
                         else {
                             return Ok(recovered);
                         };
                         recovered += applied;
-                        // Another monitor is moving the same tasks (or Redis refuses them: they wait for the
-                        // next pass): leave them.
-                        if applied == 0 {
+                        // Another monitor is moving the same tasks: leave them to it. (Tasks Redis refused wait
+                        // for the next pass; the windows after them go on.)
+                        if applied == 0 && refused == 0 {
                             break;
                         }
                     }
@@ -308,9 +308,9 @@ impl Monitor {
         Ok(recovered)
     }
 
-    /// Recovers `held`, a page of an expired owner's tasks at one level; returns how many it recovered, or `None`
-    /// when the daemon stopped while Redis was failing. A task whose record Redis refuses stays where it is, for
-    /// the next pass (the settler logs it).
+    /// Recovers `held`, a page of an expired owner's tasks at one level; returns how many it recovered and how
+    /// many Redis refused, or `None` when the daemon stopped while Redis was failing. A task whose record Redis
+    /// refuses stays where it is, for the next pass (the settler logs it).
     fn recover_page(
         &mut self,
         index: usize,
@@ -318,7 +318,7 @@ impl Monitor {
         expired: &Expired,
         level: usize,
         held: &[(broker::TokenId, Box<[u8]>)],
-    ) -> Option<usize> {
+    ) -> Option<(usize, usize)> {
         let keys = &expired.keys;
         let mut settlements: Vec<Settlement> = Vec::with_capacity(held.len());
         let mut hooks: Vec<Option<Box<DeadHook>>> = Vec::with_capacity(held.len());
@@ -365,7 +365,7 @@ impl Monitor {
             .iter()
             .filter(|ok| **ok == Some(true))
             .count();
-        for (hook, applied) in hooks.iter().zip(report.applied) {
+        for (hook, applied) in hooks.iter().zip(&report.applied) {
             if let (Some(hook), Some(true)) = (hook, applied) {
                 self.pulse.beat();
                 self.plugins
@@ -373,7 +373,7 @@ impl Monitor {
                     .on_dead(&queue.config.name, &hook.envelope, &hook.reason);
             }
         }
-        Some(recovered)
+        Some((recovered, report.refused.len()))
     }
 }
 

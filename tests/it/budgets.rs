@@ -266,33 +266,44 @@ fn wait_refused(
     );
 }
 
+/// Pushes `tasks` to `jobs` and has a daemon of its own claim them all in one claim (one worker each), then
+/// kills it (`kill -9`) with them: an owner whose lease (2 s) runs out holding that claim. Returns the claim list.
+fn crashed_owner(redis: &RedisServer, dir: &TestDir, tasks: Vec<kmqd::NewTask>) -> String {
+    let count = tasks.len();
+    let first = dir.config_named(
+        "first.toml",
+        &format!("url = \"{}\"", redis.url()),
+        "shutdown_grace = \"5s\"",
+        &safe_queue(&format!(
+            "workers = {count}\nprefetch = 0\nlease_timeout = \"2s\""
+        )),
+        &dir.path("first-runs.log"),
+    );
+    client(&first).push_batch("jobs", tasks).unwrap();
+    let mut crashed = Process::start(&first, dir.path("first.log"));
+    wait_claimed(&first, count as u64);
+    crashed.kill9();
+    let claims: Vec<String> = redis.cmd(&["KEYS", "kmq:{jobs}:processing:*:normal:*"]);
+    let claim = claims
+        .iter()
+        .find(|key| !key.ends_with(":settled") && !key.ends_with(":scopes"))
+        .unwrap_or_else(|| panic!("one claim list: {claims:?}"))
+        .clone();
+    let length: u64 = redis.cmd(&["LLEN", &claim]);
+    assert_eq!(length, count as u64, "one claim of them all: {claims:?}");
+    claim
+}
+
 #[test]
 fn a_claim_of_large_tasks_is_recovered_in_windows_by_another_daemons_monitor() {
     let redis = RedisServer::start();
     let dir = TestDir::new();
     // Ten tasks of 3.5 MiB in one claim: 35 MiB.
     let gate = dir.path("gate");
-    let tasks: Vec<_> = (0..10)
+    let tasks = (0..10)
         .map(|i| task(&format!("big-{i}"), LARGE, &gate, "done"))
         .collect();
-    let first = dir.config_named(
-        "first.toml",
-        &format!("url = \"{}\"", redis.url()),
-        "shutdown_grace = \"5s\"",
-        &safe_queue("workers = 10\nprefetch = 0\nlease_timeout = \"2s\""),
-        &dir.path("first-runs.log"),
-    );
-    client(&first).push_batch("jobs", tasks).unwrap();
-    let mut crashed = Process::start(&first, dir.path("first.log"));
-    wait_claimed(&first, 10);
-    crashed.kill9();
-    let claims: Vec<String> = redis.cmd(&["KEYS", "kmq:{jobs}:processing:*:normal:*"]);
-    let claim = claims
-        .iter()
-        .find(|key| !key.ends_with(":settled") && !key.ends_with(":scopes"))
-        .unwrap_or_else(|| panic!("one claim list: {claims:?}"));
-    let length: u64 = redis.cmd(&["LLEN", claim]);
-    assert_eq!(length, 10, "one claim of the ten: {claims:?}");
+    crashed_owner(&redis, &dir, tasks);
     // Redis drops a client whose replies wait past 20 MiB: a monitor reading the claim whole (35 MiB) never
     // gets it. Its windows of 16 MiB (four tasks of at most 4 MiB, the queue's max_task_bytes) it does.
     let _: String = redis.cmd(&[
@@ -312,6 +323,40 @@ fn a_claim_of_large_tasks_is_recovered_in_windows_by_another_daemons_monitor() {
         Duration::from_secs(120),
         "the claim recovered and run",
         |s| (s.recovered, s.done) == (10, 10),
+    );
+    daemon.stop();
+    assert_eq!(s.processing, 0, "{s:?}");
+}
+
+/// A monitor whose recovery of one task Redis refuses (its record, out of memory) leaves that task in its claim,
+/// recovers the tasks after it, and recovers it on a later pass once Redis has room: before, it sent the same
+/// call again for ever, and recovered nothing of any queue.
+#[test]
+fn a_recovery_redis_refuses_is_left_for_a_later_pass_and_the_others_go() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let gate = dir.path("gate");
+    // The large one first in the claim: the monitor meets it before the others.
+    let mut tasks = vec![task("big", (15 << 20) - 1024, &gate, "done")];
+    tasks.extend((0..4).map(|i| task(&format!("small-{i}"), 16, &gate, "done")));
+    crashed_owner(&redis, &dir, tasks);
+    // The large task's record (32 MiB as read) is over the 20 MiB left; the small ones are not.
+    limit_memory(&redis, 20 << 20);
+    std::fs::write(&gate, "").unwrap();
+    let second = dir.config(&redis, &safe_queue("workers = 1\nprefetch = 0"));
+    let daemon = TestDaemon::start(&second);
+    wait_stats(
+        &second,
+        Duration::from_secs(60),
+        "the small tasks recovered and run, the large one left in its claim",
+        |s| (s.recovered, s.done, s.processing) == (4, 4, 1),
+    );
+    let _: String = redis.cmd(&["CONFIG", "SET", "maxmemory", "0"]);
+    let s = wait_stats(
+        &second,
+        Duration::from_secs(60),
+        "the large one recovered on a later pass",
+        |s| (s.recovered, s.done) == (5, 5),
     );
     daemon.stop();
     assert_eq!(s.processing, 0, "{s:?}");
