@@ -295,6 +295,25 @@ impl Client {
         Ok(found.into_iter().map(|(_, found)| found).collect())
     }
 
+    /// As [`Client::find`], reading no more than `budget` of the queue's lists (the dashboard's lookups, review
+    /// M7): what it found, and whether it searched them all.
+    pub fn find_within(
+        &self,
+        queue: &str,
+        id: &str,
+        budget: lookup::Budget,
+    ) -> Result<lookup::Located, ClientError> {
+        let info = self.queue(queue)?;
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        Ok(lookup::locate_within(
+            &mut connection,
+            &info.keys,
+            &[id],
+            Scope::Everywhere,
+            Some(budget),
+        )?)
+    }
+
     /// Whether the task `id` is delayed, retrying, ready or processing.
     pub fn exists(&self, queue: &str, id: &str) -> Result<bool, ClientError> {
         Ok(self
@@ -385,23 +404,41 @@ impl Client {
         Ok(broker::redis_now(&mut **connection)?)
     }
 
+    /// As [`Client::dead_list`], as a page reads it: [`broker::peek::CHUNK`] records per round trip and no more
+    /// than about [`broker::peek::LIST_BYTES`] of them (fewer records when they are large).
+    pub fn dead_head(&self, queue: &str, limit: usize) -> Result<Vec<DeadRecord>, ClientError> {
+        self.dead_records(queue, limit, broker::peek::CHUNK, broker::peek::LIST_BYTES)
+    }
+
     /// The newest `limit` dead-letter records of `queue`, newest first, read [`dead::PAGE`] per command (so a
     /// large limit does not hold Redis for long; records dead-lettered meanwhile may shift a page by as many).
     pub fn dead_list(&self, queue: &str, limit: usize) -> Result<Vec<DeadRecord>, ClientError> {
+        self.dead_records(queue, limit, dead::PAGE, usize::MAX)
+    }
+
+    /// The newest `limit` dead records of `queue`, `page` per round trip, until about `bytes` of them are read.
+    fn dead_records(
+        &self,
+        queue: &str,
+        limit: usize,
+        page: usize,
+        bytes: usize,
+    ) -> Result<Vec<DeadRecord>, ClientError> {
         let info = self.queue(queue)?;
         let mut connection = self.pool.get().map_err(BrokerError::from)?;
-        let mut records = Vec::new();
-        while records.len() < limit {
+        let (mut records, mut read) = (Vec::new(), 0);
+        while records.len() < limit && read < bytes {
             let start = records.len();
-            let count = dead::PAGE.min(limit - start);
-            let page = dead::range(
+            let count = page.min(limit - start);
+            let got = dead::range(
                 &mut connection,
                 &info.keys,
                 start as i64,
                 (start + count) as i64 - 1,
             )?;
-            let done = page.len() < count;
-            records.extend(page);
+            let done = got.len() < count;
+            read += got.iter().map(|record| record.raw.len()).sum::<usize>();
+            records.extend(got);
             if done {
                 break;
             }

@@ -41,6 +41,41 @@ struct DeadRecord<'a> {
     /// ... and as base64 of its bytes when it is not.
     #[serde(skip_serializing_if = "Option::is_none")]
     task_base64: Option<String>,
+    /// The payload's size, in the one case it is not kept: a record that would be over [`MAX_RECORD_BYTES`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    size: Option<usize>,
+}
+
+/// The largest record a settle call can carry: Redis's largest string, and its default `proto-max-bulk-len`. A
+/// dead record is larger than its payload (JSON escapes `"` and control characters, up to six bytes for one;
+/// base64 of a payload that is not UTF-8 is a third larger), so with `max_task_bytes` over about 85 MiB one can
+/// be over it: Redis would refuse it, as often as it were sent (review M8). Such a record keeps the payload's
+/// size instead of the payload, and says so in its reason.
+pub const MAX_RECORD_BYTES: usize = 512 << 20;
+
+impl DeadRecord<'_> {
+    /// The record's JSON; without the payload (its `size` instead) when it would be over `limit` bytes.
+    fn encode(self, payload_len: usize, limit: usize) -> Vec<u8> {
+        // Strings and integers always serialize.
+        let record = serde_json::to_vec(&self).expect("dead record serializes");
+        if record.len() <= limit {
+            return record;
+        }
+        let reason = format!(
+            "{} (its payload, {payload_len} bytes, is not kept: with it this record would be {} bytes, over \
+             Redis's largest string)",
+            self.reason,
+            record.len()
+        );
+        let without = DeadRecord {
+            reason: &reason,
+            task: None,
+            task_base64: None,
+            size: Some(payload_len),
+            ..self
+        };
+        serde_json::to_vec(&without).expect("dead record serializes")
+    }
 }
 
 /// Where a settlement comes from, for the records it writes.
@@ -195,9 +230,9 @@ pub fn record(
                     Some(_) => None,
                     None => Some(base64::engine::general_purpose::STANDARD.encode(payload)),
                 },
+                size: None,
             };
-            // Strings and integers always serialize.
-            let record = serde_json::to_vec(&record).expect("dead record serializes");
+            let record = record.encode(payload.len(), MAX_RECORD_BYTES);
             let hook = envelope.map(|e| {
                 Box::new(DeadHook {
                     envelope: e.clone().into_owned(),
@@ -483,6 +518,44 @@ mod tests {
         );
         let record: serde_json::Value = serde_json::from_slice(&s.payload).unwrap();
         assert_eq!(record["id"], "lost-1");
+    }
+
+    #[test]
+    fn a_dead_record_over_the_limit_keeps_the_payloads_size_instead_of_the_payload() {
+        // Control characters escape to six bytes each: 100 bytes of payload, a record of over 600.
+        let payload = "\u{1}".repeat(100);
+        let record = |limit: usize| {
+            let text = DeadRecord {
+                queue: "jobs",
+                id: "big-1",
+                kind: "t",
+                level: Some("normal"),
+                attempt: 3,
+                reason: "no retries left",
+                daemon: "host:1",
+                task: Some(&payload),
+                task_base64: None,
+                size: None,
+            }
+            .encode(payload.len(), limit);
+            assert!(text.len() <= limit, "{} bytes over {limit}", text.len());
+            serde_json::from_slice::<serde_json::Value>(&text).unwrap()
+        };
+        let kept = record(1000);
+        assert_eq!(kept["task"], payload.as_str());
+        assert_eq!(
+            (kept["reason"].as_str(), kept.get("size")),
+            (Some("no retries left"), None)
+        );
+        let cut = record(300);
+        assert_eq!((cut.get("task"), cut.get("task_base64")), (None, None));
+        assert_eq!(cut["size"], 100);
+        assert_eq!(cut["id"], "big-1");
+        let reason = cut["reason"].as_str().unwrap();
+        assert!(
+            reason.starts_with("no retries left (its payload, 100 bytes, is not kept"),
+            "{reason}"
+        );
     }
 
     #[test]

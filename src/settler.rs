@@ -4,11 +4,31 @@
 //! it. The call is then sent again as the same call, and Redis answers with what the first one did instead of
 //! applying it twice (see `broker::settle`): so a dead letter is recorded once, its hook runs once, and a
 //! default-mode retry is queued once.
+//!
+//! A batch is sent in calls of at most [`CALL_BYTES`] of records (review M8): a call's arguments sit in Redis's
+//! memory while it runs, count against `maxmemory`, and must each stay under `proto-max-bulk-len`; a thousand
+//! retried tasks of 15 MiB in one call would be 15 GiB of them. A call Redis refuses as it was sent
+//! ([`BrokerError::refused`]: out of memory with its arguments counted, a record a script or the protocol
+//! refuses), and never sent before without an answer, is split in halves, each settled alone, down to the one
+//! outcome that cannot be applied: that one is *refused* ([`Report::refused`]), left to the caller to hold and
+//! try again later, never resent in a loop that keeps the rest waiting. A call that may have run (its reply lost)
+//! is never split: its halves would apply again what the first copy applied, so it is sent again as it was until
+//! Redis answers.
 
-use crate::broker::{self, Fence, Holder, QueueKeys, Session, Settled, Settlement};
+use std::ops::Range;
+
+use crate::broker::{self, BrokerError, Fence, Holder, QueueKeys, Session, Settled, Settlement};
 use crate::pulse::Pulse;
 use crate::retry::Backoff;
 use crate::shutdown::Listener;
+
+/// The most bytes of records (payloads, envelopes, dead records) one settle call carries, unless a single record
+/// is larger: well under Redis's `proto-max-bulk-len` (512 MiB) and small beside a `maxmemory` worth running a
+/// queue of large tasks with, while a call of a thousand tasks of 64 KiB still goes whole.
+pub const CALL_BYTES: usize = 64 << 20;
+
+/// What one record costs a call besides its payload: its op, token, unique id, level, delay and flag.
+const RECORD_OVERHEAD: usize = 64;
 
 /// One settling party (a lane's acker, or a monitor on one queue), and the calls it made.
 #[derive(Debug)]
@@ -19,6 +39,37 @@ pub struct Settler {
     /// Beaten every attempt (the acker's), so that the watchdog sees an acker retrying through a Redis outage
     /// as alive: retrying is bounded, each attempt by the `[redis]` timeouts.
     pulse: Option<Pulse>,
+}
+
+/// What became of a batch handed to [`Settler::settle`].
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Report {
+    /// Per settlement, in order: whether it applied (false: stale, its task was recovered meanwhile); `None`
+    /// for a plain acknowledgement (counted in `stale_acks`), for every settlement of a call Redis had
+    /// already answered (`Settled::superseded`), and for a refused one.
+    pub applied: Vec<Option<bool>>,
+    /// The settlements Redis refused, each alone in its call (positions in the batch, ascending): not applied.
+    pub refused: Vec<usize>,
+    /// Plain acknowledgements whose token was no longer in the processing area.
+    pub stale_acks: usize,
+    /// How many calls were answered with the settling owner's journal: each added one to it (see
+    /// `Settled::journal`).
+    pub journaled: u64,
+}
+
+/// What every call of one [`Settler::settle`] settles against.
+struct Target<'a> {
+    keys: &'a QueueKeys,
+    fence: Fence,
+    dead_max: usize,
+    holder: Holder<'a>,
+}
+
+/// What one call came to.
+enum Answer {
+    Settled(Settled),
+    /// An error reply that says Redis refused it as sent (nothing ran).
+    Refused(BrokerError),
 }
 
 impl Settler {
@@ -36,9 +87,11 @@ impl Settler {
         self
     }
 
-    /// Applies `settlements` (all of `holder`'s tasks), sending the same call again after each
-    /// failure, with backoff, until Redis answers. `None` when `stop` fired first (the batch may or may not have
-    /// been applied: safe-mode tasks are recovered through their lease either way).
+    /// Applies `settlements` (all of `holder`'s tasks) in calls of at most [`CALL_BYTES`], each sent again after
+    /// a failure, with backoff, until Redis answers, and each that Redis refuses split until only the
+    /// settlements it refuses alone are left out ([`Report::refused`]). `None` when `stop` fired first (the
+    /// batch may or may not have been applied, in part: safe-mode tasks are recovered through their lease
+    /// either way).
     #[expect(
         clippy::too_many_arguments,
         reason = "each is an input of the settle script (`broker::settle`) that the acker and the monitor hold apart; a struct for them would only name them twice"
@@ -52,7 +105,68 @@ impl Settler {
         holder: Holder<'_>,
         settlements: &[&Settlement],
         stop: &Listener,
-    ) -> Option<Settled> {
+    ) -> Option<Report> {
+        let target = Target {
+            keys,
+            fence,
+            dead_max,
+            holder,
+        };
+        let mut report = Report {
+            applied: vec![None; settlements.len()],
+            ..Report::default()
+        };
+        // Last to first, so that the calls go out in the batch's order.
+        let mut pending = by_bytes(settlements, CALL_BYTES);
+        pending.reverse();
+        while let Some(range) = pending.pop() {
+            let part = &settlements[range.clone()];
+            match self.call(session, &target, part, stop)? {
+                Answer::Settled(settled) => {
+                    if settled.journal > 0 {
+                        report.journaled += 1;
+                    }
+                    report.stale_acks += settled.stale_acks;
+                    for (slot, applied) in report.applied[range].iter_mut().zip(settled.applied) {
+                        *slot = applied;
+                    }
+                }
+                Answer::Refused(error) if range.len() > 1 => {
+                    let middle = range.start + range.len() / 2;
+                    tracing::warn!(
+                        %error,
+                        outcomes = range.len(),
+                        bytes = bytes_of(part),
+                        "Redis refused a settle call; settling its halves apart"
+                    );
+                    pending.push(middle..range.end);
+                    pending.push(range.start..middle);
+                }
+                Answer::Refused(error) => {
+                    let record = part[0];
+                    tracing::error!(
+                        %error,
+                        op = record.op.name(),
+                        bytes = record.payload.len(),
+                        "Redis refuses the outcome of one task, even alone in a call: it is left as it is and tried again \
+                         later (an acker counts it in kmqd_daemon_refused_outcomes)"
+                    );
+                    report.refused.push(range.start);
+                }
+            }
+        }
+        Some(report)
+    }
+
+    /// Sends `settlements` as one call until Redis answers it, or refuses it before it was ever sent without an
+    /// answer; `None` when `stop` fired first.
+    fn call(
+        &mut self,
+        session: &mut Session,
+        target: &Target<'_>,
+        settlements: &[&Settlement],
+        stop: &Listener,
+    ) -> Option<Answer> {
         self.calls += 1;
         let call = broker::Call {
             settler: &self.identity,
@@ -60,6 +174,9 @@ impl Settler {
         };
         let mut backoff = Backoff::new();
         let mut failures = 0u32;
+        // Whether an attempt's reply was lost: Redis may have applied the call, which is then only ever sent
+        // again as it is.
+        let mut may_have_run = false;
         loop {
             if let Some(pulse) = &self.pulse {
                 pulse.beat();
@@ -67,11 +184,11 @@ impl Settler {
             let result = session.get().and_then(|connection| {
                 broker::settle(
                     connection,
-                    keys,
+                    target.keys,
                     &call,
-                    fence,
-                    dead_max,
-                    holder,
+                    target.fence,
+                    target.dead_max,
+                    target.holder,
                     settlements.iter().copied(),
                 )
             });
@@ -93,10 +210,15 @@ impl Settler {
                             "settled after retrying"
                         );
                     }
-                    return Some(settled);
+                    return Some(Answer::Settled(settled));
+                }
+                Err(error) if error.refused() && !may_have_run => {
+                    crate::observed::redis_error("settling outcomes");
+                    return Some(Answer::Refused(error));
                 }
                 Err(error) => {
                     failures += 1;
+                    may_have_run |= error.may_have_run();
                     crate::observed::redis_error("settling outcomes");
                     session.reset();
                     // The first failure is most often one dropped connection: try a new one at once.
@@ -113,5 +235,107 @@ impl Settler {
                 }
             }
         }
+    }
+}
+
+/// What `settlements` weigh in a call.
+fn bytes_of(settlements: &[&Settlement]) -> usize {
+    settlements
+        .iter()
+        .map(|s| s.payload.len() + RECORD_OVERHEAD)
+        .sum()
+}
+
+/// Cuts `settlements` into consecutive calls of at most `budget` bytes each (a record larger than that alone).
+fn by_bytes(settlements: &[&Settlement], budget: usize) -> Vec<Range<usize>> {
+    let mut calls = Vec::with_capacity(1);
+    let (mut start, mut bytes) = (0, 0);
+    for (at, settlement) in settlements.iter().enumerate() {
+        let size = settlement.payload.len() + RECORD_OVERHEAD;
+        if at > start && bytes + size > budget {
+            calls.push(start..at);
+            (start, bytes) = (at, 0);
+        }
+        bytes += size;
+    }
+    if start < settlements.len() {
+        calls.push(start..settlements.len());
+    }
+    calls
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::broker::SettleOp;
+
+    fn record(bytes: usize) -> Settlement {
+        Settlement {
+            op: SettleOp::Dead,
+            token: None,
+            popped_by: None,
+            unique_id: None,
+            level: 0,
+            payload: vec![b'x'; bytes],
+            failed: true,
+        }
+    }
+
+    #[test]
+    fn a_batch_is_cut_into_calls_by_bytes_in_order_a_large_record_alone() {
+        // The calls as (first, past the last).
+        let check = |sizes: &[usize], budget: usize, expected: &[(usize, usize)]| {
+            let records: Vec<Settlement> = sizes.iter().map(|&size| record(size)).collect();
+            let refs: Vec<&Settlement> = records.iter().collect();
+            let calls: Vec<(usize, usize)> = by_bytes(&refs, budget)
+                .into_iter()
+                .map(|call| (call.start, call.end))
+                .collect();
+            assert_eq!(calls, expected, "{sizes:?} within {budget}");
+        };
+        let o = RECORD_OVERHEAD;
+        check(&[], 1000, &[]);
+        check(&[0, 0, 0], 1000, &[(0, 3)]);
+        check(&[100 - o, 100 - o, 100 - o], 200, &[(0, 2), (2, 3)]);
+        // Larger than the budget: alone, wherever it is.
+        check(&[10, 5000, 10], 1000, &[(0, 1), (1, 2), (2, 3)]);
+        check(&[5000], 1000, &[(0, 1)]);
+        check(&[300 - o; 7], 1000, &[(0, 3), (3, 6), (6, 7)]);
+    }
+
+    #[test]
+    fn only_refusals_of_the_call_as_sent_split_it() {
+        let server = |line: &str| {
+            let value = redis::Value::ServerError(
+                redis::parse_redis_value(format!("-{line}\r\n").as_bytes())
+                    .ok()
+                    .and_then(|value| match value {
+                        redis::Value::ServerError(error) => Some(error),
+                        _ => None,
+                    })
+                    .expect("an error line parses"),
+            );
+            BrokerError::from(value.extract_error().expect_err("an error reply"))
+        };
+        for refused in [
+            "OOM command not allowed when used memory > 'maxmemory'.",
+            "ERR Protocol error: invalid bulk length",
+            "WRONGTYPE settle.lua: kmq:{q}:dead is a string, not a list; nothing was applied",
+        ] {
+            assert!(server(refused).refused(), "{refused}");
+        }
+        for waited_out in [
+            "LOADING Redis is loading the dataset in memory",
+            "READONLY You can't write against a read only replica.",
+            "BUSY Redis is busy running a script.",
+            "MISCONF Redis is configured to save RDB snapshots",
+            "NOSCRIPT No matching script.",
+        ] {
+            assert!(!server(waited_out).refused(), "{waited_out}");
+        }
+        let lost = BrokerError::from(redis::RedisError::from(std::io::Error::from(
+            std::io::ErrorKind::ConnectionReset,
+        )));
+        assert!(!lost.refused(), "a lost reply may have run: never split");
     }
 }

@@ -5,7 +5,11 @@
 //! task over [`ROUNDS`] rounds, median of `--runs`.
 //!
 //! The shapes:
-//! - **native LMPOP**: default mode's pop (a plain `LMPOP ... COUNT`): the floor, nothing kept;
+//! - **native LMPOP**: default mode's plain pop as it was (`LMPOP ... COUNT`): the floor, nothing kept;
+//! - **take.lua**: default mode's plain pop now, bounded by bytes (review M8): the list's head copied natively into
+//!   `P:{Q}:taking` (`SORT ... STORE`), weighed (`MEMORY USAGE`), trimmed off, read back and deleted in its
+//!   transaction;
+//! - **pop.lua**: default mode's pop while unique ids are held (or under a limit), its payloads through Lua;
 //! - **Lua LPOP, returned**: the same pop inside a script, whose payloads cross into Lua strings and back: the
 //!   floor of any claim that handles its payloads in Lua;
 //! - **kmqd 0.1's claim.lua + settle.lua** (copied into `scripts/`): a token per task into a processing hash,
@@ -33,6 +37,8 @@ const ROUNDS: usize = 100;
 const ENVELOPE: &str = r#"{"id":"0b6c8e0e-3c1f-4b0a-9c55-6a3d2f1e7b90","type":"test","queue":"q","data":{},"attempt":0}"#;
 
 const CLAIM: &str = include_str!("../../src/broker/scripts/claim.lua");
+const TAKE: &str = kmqd::broker::sources::TAKE;
+const POP: &str = kmqd::broker::sources::POP;
 const SETTLE: &str = include_str!("../../src/broker/scripts/settle.lua");
 const HASH_CLAIM: &str = include_str!("scripts/hash_claim.lua");
 const HASH_SETTLE: &str = include_str!("scripts/hash_settle.lua");
@@ -46,11 +52,20 @@ const SORT_MOVE: &str = "local n = redis.call('SORT', KEYS[1], 'BY', 'nosort', '
 
 /// The keys of one queue `q` with one level, as src/broker/keys.rs names them for owner `o`.
 const READY: &str = "kmq:{q}:ready:normal";
+/// The lists a default-mode pop takes from, in order: the level's quarantine lists, then its ready list.
+const POP_LISTS: [&str; 4] = [
+    "kmq:{q}:quarantine:1:normal",
+    "kmq:{q}:quarantine:8:normal",
+    "kmq:{q}:quarantine:64:normal",
+    READY,
+];
 const OWNER: &str = "o";
 
 #[derive(Clone, Copy)]
 enum Shape {
     NativePop,
+    Take,
+    PopLua,
     LuaPop,
     Hash,
     Today,
@@ -61,8 +76,10 @@ enum Shape {
 }
 
 impl Shape {
-    const ALL: [Shape; 8] = [
+    const ALL: [Shape; 10] = [
         Shape::NativePop,
+        Shape::Take,
+        Shape::PopLua,
         Shape::LuaPop,
         Shape::Hash,
         Shape::Today,
@@ -74,7 +91,11 @@ impl Shape {
 
     fn name(self) -> &'static str {
         match self {
-            Shape::NativePop => "native LMPOP (default mode's pop), nothing kept",
+            Shape::NativePop => {
+                "native LMPOP (default mode's plain pop before take.lua), nothing kept"
+            }
+            Shape::Take => "take.lua, LRANGE and DEL (default mode's plain pop), nothing kept",
+            Shape::PopLua => "pop.lua (default mode's pop with unique ids held), nothing kept",
             Shape::LuaPop => "LPOP in Lua, returned, nothing kept",
             Shape::Hash => "kmqd 0.1's claim.lua + settle.lua (a hash field per task)",
             Shape::Today => "claim.lua + settle.lua (safe mode today), one settle",
@@ -96,6 +117,8 @@ pub(super) fn redis_cost(bench: &Bench) -> Result<Vec<Figure>, String> {
         hash_claim: redis::Script::new(HASH_CLAIM),
         hash_settle: redis::Script::new(HASH_SETTLE),
         lua_pop: redis::Script::new(LUA_POP),
+        take: redis::Script::new(TAKE),
+        pop: redis::Script::new(POP),
         lua_move: redis::Script::new(LUA_MOVE),
         sort_move: redis::Script::new(SORT_MOVE),
     };
@@ -135,6 +158,8 @@ struct Scripts {
     hash_claim: redis::Script,
     hash_settle: redis::Script,
     lua_pop: redis::Script,
+    take: redis::Script,
+    pop: redis::Script,
     lua_move: redis::Script,
     sort_move: redis::Script,
 }
@@ -158,6 +183,61 @@ fn one_round(
                 .query(conn)
                 .map_err(|e| format!("LMPOP: {e}"))?;
             got.len()
+        }
+        Shape::Take => {
+            let _: String = scripts
+                .take
+                .prepare_invoke()
+                .load(conn)
+                .map_err(|e| format!("SCRIPT LOAD: {e}"))?;
+            let taking = "kmq:{q}:taking";
+            let ((_, _, _), got): ((usize, usize, i64), Vec<Vec<u8>>) = redis::pipe()
+                .atomic()
+                .cmd("EVALSHA")
+                .arg(scripts.take.get_hash())
+                .arg(5)
+                .arg(taking)
+                .arg(&POP_LISTS)
+                .arg(BATCH)
+                .arg(64 << 20)
+                .cmd("LRANGE")
+                .arg(taking)
+                .arg(0)
+                .arg(-1)
+                .cmd("DEL")
+                .arg(taking)
+                .ignore()
+                .query(conn)
+                .map_err(|e| format!("take.lua: {e}"))?;
+            got.len()
+        }
+        Shape::PopLua => {
+            // pop.lua pops only under a live lease.
+            lease(conn)?;
+            let p = |suffix: &str| format!("kmq:{{q}}:{suffix}");
+            let mut pop = scripts.pop.prepare_invoke();
+            for key in [
+                "unique",
+                "unique-popped",
+                "paused",
+                "throttle:q",
+                "running",
+                "popped-running:o",
+                "sched",
+                "owners",
+            ] {
+                pop.key(p(key));
+            }
+            for list in POP_LISTS {
+                pop.key(list);
+            }
+            pop.arg(OWNER).arg(BATCH).arg(0).arg(0).arg(0).arg(64 << 20);
+            // {now, the list's index, the payloads, ...}: see pop.lua.
+            let reply: Vec<redis::Value> = pop.invoke(conn).map_err(|e| format!("pop.lua: {e}"))?;
+            match reply.get(2) {
+                Some(redis::Value::Array(got)) => got.len(),
+                other => return Err(format!("pop.lua replied {other:?}")),
+            }
         }
         Shape::LuaPop => {
             let got: Vec<Vec<u8>> = scripts

@@ -276,7 +276,7 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "lmpop",
         roles: &[D],
-        why: "default mode pops tasks from the first non-empty list (pop.lua, or plain in a transaction)",
+        why: "default mode pops tasks from the first non-empty list (pop.lua; the plain pop takes them with take.lua)",
     },
     Command {
         name: "lpop",
@@ -330,9 +330,9 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "lrange",
         roles: &[D, R, O],
-        why: "a claim reads its tasks back from its lists, and the monitor an expired owner's; `task show` and \
-              `task cancel` read the ready lists (and `task show` the claim lists, and the `dead` commands the dead \
-              letters) in chunks",
+        why: "a claim reads its tasks back from its lists, a plain pop from the list take.lua filled, and the \
+              monitor an expired owner's in windows; `task show` and `task cancel` read the ready lists (and `task \
+              show` the claim lists, and the `dead` commands the dead letters) in chunks",
     },
     Command {
         name: "lrem",
@@ -447,7 +447,8 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "del",
         roles: &[D, O],
-        why: "forgets a released owner's registration; `queue resume` deletes the paused key",
+        why: "forgets a released owner's registration; a plain pop empties the list take.lua filled; `queue \
+              resume` deletes the paused key",
     },
     Command {
         name: "exists",
@@ -466,12 +467,13 @@ pub const COMMANDS: &[Command] = &[
         name: "sort",
         roles: &[D],
         why: "a claim copies the head of a ready list onto its claim list natively (`SORT ... BY nosort LIMIT 0 N \
-              STORE`, no payload through Lua), then trims it off",
+              STORE`, no payload through Lua), then trims it off; a plain pop (take.lua) likewise",
     },
     Command {
         name: "memory|usage",
         roles: &[D],
-        why: "a claim bounds its tasks' size by max_task_bytes at once",
+        why: "a claim bounds its tasks' size by max_task_bytes at once; a plain pop (take.lua) stops at its \
+              bytes; the monitor reads a large claim list in windows",
     },
     Command {
         name: "bitcount",
@@ -507,8 +509,9 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "multi",
         roles: &[D, R, O],
-        why: "the transactions: default mode's plain pop (the clock and LMPOP), safe mode's claim (the script \
-              and its lists), and `kmqd stats`'s snapshot (every depth and counter of a queue read at one instant)",
+        why: "the transactions: default mode's plain pop (take.lua and the list it filled), safe mode's claim \
+              (the script and its lists), and `kmqd stats`'s snapshot (every depth and counter of a queue read at \
+              one instant)",
     },
     Command {
         name: "exec",
@@ -568,6 +571,8 @@ enum Kind {
     Dead,
     Unique,
     UniquePopped,
+    /// Default mode's plain pop's list (take.lua), empty outside its transaction.
+    Taking,
     Stats,
     Wake,
     Schedules,
@@ -632,6 +637,9 @@ const DAEMON: &[(&str, On)] = &[
     ("multi", NOTHING),
     ("lmpop", key(K::Quarantine)),
     ("lmpop", key(K::Ready)),
+    // The plain pop's transaction reads back and deletes what take.lua took (the script, below).
+    ("lrange", key(K::Taking)),
+    ("del", key(K::Taking)),
     ("exec", NOTHING),
     ("blmove", key(K::Ready)),
     ("blpop", key(K::Wake)),
@@ -667,6 +675,7 @@ const DAEMON: &[(&str, On)] = &[
     ("evalsha", key(K::Throttle)),
     ("evalsha", key(K::Running)),
     ("evalsha", key(K::PoppedRunning)),
+    ("evalsha", key(K::Taking)),
     // Inside claim.lua and adopt.lua (and pop.lua's check of the paused key, above); the claim's transaction
     // reads its lists back (LRANGE, above).
     ("zscore", key(K::Owners)),
@@ -684,6 +693,13 @@ const DAEMON: &[(&str, On)] = &[
     ("sort", key(K::ClaimList)),
     ("ltrim", key(K::Ready)),
     ("memory|usage", key(K::ClaimList)),
+    // Inside take.lua: the plain pop's native copy of a list's head, weighed and cut to the pop's bytes.
+    ("type", key(K::Taking)),
+    ("sort", key(K::Quarantine)),
+    ("sort", key(K::Taking)),
+    ("memory|usage", key(K::Taking)),
+    ("ltrim", key(K::Quarantine)),
+    ("ltrim", key(K::Taking)),
     ("lpop", key(K::Quarantine)),
     ("lpop", key(K::ClaimList)),
     ("rpush", key(K::ClaimList)),
@@ -1127,6 +1143,7 @@ fn names(keys: &QueueKeys, kind: Kind) -> Vec<String> {
         Kind::Dead => vec![keys.dead.clone()],
         Kind::Unique => vec![keys.unique.clone()],
         Kind::UniquePopped => vec![keys.unique_popped.clone()],
+        Kind::Taking => vec![keys.taking.clone()],
         Kind::Stats => vec![keys.stats.clone()],
         Kind::Wake => vec![keys.wake.clone()],
         Kind::Schedules => vec![keys.schedules.clone()],
@@ -1561,6 +1578,7 @@ mod tests {
             sources::CLAIM,
             sources::ADOPT,
             sources::POP,
+            sources::TAKE,
             sources::RELEASE_UNIQUE,
             sources::SETTLE,
             sources::RENEW,

@@ -104,6 +104,9 @@ pub struct QueueKeys {
     /// Default mode: hash unique id -> the owner that popped the task, for unique tasks taken from Redis and not yet
     /// settled (a monitor releases the ids of an owner that died with them).
     pub unique_popped: String,
+    /// Default mode: the list a plain pop takes its tasks into and reads back, in one transaction (take.lua):
+    /// empty outside it.
+    pub taking: String,
     /// Hash of counters: pushed, done, retried, recovered, failed, dead_lettered, cancelled, requeued,
     /// purged.
     pub stats: String,
@@ -172,6 +175,7 @@ impl QueueKeys {
             dead: format!("{base}:dead"),
             unique: format!("{base}:unique"),
             unique_popped: format!("{base}:unique-popped"),
+            taking: format!("{base}:taking"),
             stats: format!("{base}:stats"),
             wake: format!("{base}:wake"),
             running: format!("{base}:running"),

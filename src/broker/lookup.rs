@@ -4,7 +4,8 @@
 //! Delayed tasks are indexed by id (`delayed-tasks` hash, `delayed:L` zsets of ids), so finding one costs
 //! O(log n). Ready lists, retry sets and the processing area hold envelopes and are scanned in chunks of
 //! [`CHUNK`] (never one long command that would stall Redis): O(n) in their size, fine for an operator's
-//! command, not for a hot path. Many ids are looked up in one pass.
+//! command, not for a hot path. Many ids are looked up in one pass. A lookup for a page ([`Budget`]: the
+//! dashboard's, review M7) stops once it has read so many tasks or bytes, and says it did.
 
 use std::collections::{HashMap, HashSet};
 
@@ -18,6 +19,64 @@ use crate::task::Envelope;
 
 /// Elements read per command while scanning.
 const CHUNK: usize = 1000;
+
+/// Elements read per command while scanning within a [`Budget`]: what a command may read past the budget.
+const BUDGETED_CHUNK: usize = 100;
+
+/// How much one lookup may read before it leaves the rest unsearched: the tasks it looks at (each list's, each
+/// retry set's as Redis scans it) and the bytes Redis sends it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Budget {
+    pub tasks: usize,
+    pub bytes: usize,
+}
+
+/// What a lookup found, and whether it searched everything it was asked to.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Located {
+    pub found: Vec<(String, Found)>,
+    /// False when the budget ran out first: the task may be in what was not searched.
+    pub complete: bool,
+    /// The tasks it looked at.
+    pub searched: usize,
+}
+
+/// What a lookup has read so far, against its budget (none: no end).
+#[derive(Debug)]
+struct Spent {
+    budget: Option<Budget>,
+    tasks: usize,
+    bytes: usize,
+}
+
+impl Spent {
+    fn new(budget: Option<Budget>) -> Spent {
+        Spent {
+            budget,
+            tasks: 0,
+            bytes: 0,
+        }
+    }
+
+    fn add(&mut self, tasks: usize, bytes: usize) {
+        self.tasks += tasks;
+        self.bytes += bytes;
+    }
+
+    /// Whether the lookup must stop here.
+    fn out(&self) -> bool {
+        self.budget
+            .is_some_and(|budget| self.tasks >= budget.tasks || self.bytes >= budget.bytes)
+    }
+
+    /// Elements per command.
+    fn chunk(&self) -> usize {
+        match self.budget {
+            Some(_) => BUDGETED_CHUNK,
+            None => CHUNK,
+        }
+    }
+}
 
 /// One place a task with a given id is in.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -130,21 +189,43 @@ pub fn locate(
     ids: &[&str],
     scope: Scope,
 ) -> Result<Vec<(String, Found)>> {
+    Ok(locate_within(conn, keys, ids, scope, None)?.found)
+}
+
+/// As [`locate`], reading no more than `budget` (none: everything): delayed tasks first (by their index, whatever
+/// the budget), then retries, ready lists, the processing area and the dead list, until the budget runs out.
+pub fn locate_within(
+    conn: &mut Conn,
+    keys: &QueueKeys,
+    ids: &[&str],
+    scope: Scope,
+    budget: Option<Budget>,
+) -> Result<Located> {
     let mut found = Vec::new();
+    let mut spent = Spent::new(budget);
     if ids.is_empty() {
-        return Ok(found);
+        return Ok(Located {
+            found,
+            complete: true,
+            searched: 0,
+        });
     }
     let wanted = Wanted::new(ids);
     // The clock of the queue's node: in a cluster, TIME alone would go to any node.
     let now = time_ms(conn.query_at(&keys.meta, &redis::cmd("TIME"))?);
     locate_delayed(conn, keys, ids, now, &mut found)?;
-    locate_retrying(conn, keys, &wanted, now, &mut found)?;
-    locate_ready(conn, keys, &wanted, &mut found)?;
+    let mut complete = locate_retrying(conn, keys, &wanted, now, &mut found, &mut spent)?
+        && locate_ready(conn, keys, &wanted, &mut found, &mut spent)?;
     if scope == Scope::Everywhere {
-        locate_processing(conn, keys, &wanted, &mut found)?;
-        locate_dead(conn, keys, &wanted, &mut found)?;
+        complete = complete
+            && locate_processing(conn, keys, &wanted, &mut found, &mut spent)?
+            && locate_dead(conn, keys, &wanted, &mut found, &mut spent)?;
     }
-    Ok(found)
+    Ok(Located {
+        found,
+        complete,
+        searched: spent.tasks,
+    })
 }
 
 /// Delayed: by id, through the index.
@@ -184,26 +265,33 @@ fn locate_delayed(
     Ok(())
 }
 
-/// Retrying: scans each level's zset for members that contain one of the ids.
+/// Retrying: scans each level's zset for members that contain one of the ids. False when `spent` ran out first.
 fn locate_retrying(
     conn: &mut Conn,
     keys: &QueueKeys,
     wanted: &Wanted<'_>,
     now: i64,
     found: &mut Vec<(String, Found)>,
-) -> Result<()> {
+    spent: &mut Spent,
+) -> Result<bool> {
     for (level, zset) in keys.retry.iter().enumerate() {
         for needle in &wanted.escaped {
             let mut cursor = 0u64;
             loop {
+                if spent.out() {
+                    return Ok(false);
+                }
                 let (next, items): (u64, Vec<(String, f64)>) = redis::cmd("ZSCAN")
                     .arg(zset)
                     .arg(cursor)
                     .arg("MATCH")
                     .arg(glob_containing(needle))
                     .arg("COUNT")
-                    .arg(CHUNK)
+                    .arg(spent.chunk())
                     .query(conn)?;
+                // Redis looks at about COUNT members a call, and sends only those that match.
+                let bytes = items.iter().map(|(payload, _)| payload.len()).sum();
+                spent.add(spent.chunk(), bytes);
                 for (payload, due) in items {
                     if let Some(id) = wanted.matching(&payload) {
                         let entry = Found::Retrying {
@@ -224,16 +312,17 @@ fn locate_retrying(
             }
         }
     }
-    Ok(())
+    Ok(true)
 }
 
-/// Ready: reads each list in chunks.
+/// Ready: reads each list in chunks. False when `spent` ran out first.
 fn locate_ready(
     conn: &mut Conn,
     keys: &QueueKeys,
     wanted: &Wanted<'_>,
     found: &mut Vec<(String, Found)>,
-) -> Result<()> {
+    spent: &mut Spent,
+) -> Result<bool> {
     let flows = super::flows::flows(conn, keys)?;
     let lists = keys
         .ready
@@ -246,7 +335,7 @@ fn locate_ready(
                 .map(|flow| (flow.level, &flow.key, Some(&flow.kind))),
         );
     for (level, list, flow) in lists {
-        scan_list(conn, list, |position, payload| {
+        let whole = scan_list(conn, list, spent, |position, payload| {
             if let Some(id) = wanted.matching(&payload) {
                 let place = Found::Ready {
                     level: keys.levels[level].clone(),
@@ -257,42 +346,71 @@ fn locate_ready(
                 found.push((id, place));
             }
         })?;
+        if !whole {
+            return Ok(false);
+        }
     }
-    Ok(())
+    Ok(true)
 }
 
-/// Calls `visit` with each element of the list `key` and its position, reading [`CHUNK`] elements per command.
-fn scan_list(conn: &mut Conn, key: &str, mut visit: impl FnMut(u64, String)) -> Result<()> {
+/// Calls `visit` with each element of the list `key` and its position, reading `spent`'s chunk of elements per
+/// command; false when `spent` ran out before the list's end.
+fn scan_list(
+    conn: &mut Conn,
+    key: &str,
+    spent: &mut Spent,
+    mut visit: impl FnMut(u64, String),
+) -> Result<bool> {
     let mut start = 0usize;
     loop {
+        if spent.out() {
+            return Ok(false);
+        }
+        let size = spent.chunk();
         let chunk: Vec<Value> = redis::cmd("LRANGE")
             .arg(key)
             .arg(start)
-            .arg(start + CHUNK - 1)
+            .arg(start + size - 1)
             .query(conn)?;
         let count = chunk.len();
         for (offset, value) in chunk.into_iter().enumerate() {
-            visit((start + offset) as u64, text(value, "lookup")?);
+            let value = text(value, "lookup")?;
+            spent.add(1, value.len());
+            visit((start + offset) as u64, value);
         }
-        if count < CHUNK {
-            return Ok(());
+        if count < size {
+            return Ok(true);
         }
-        start += CHUNK;
+        start += size;
     }
 }
 
+/// The processing area, owner by owner. False when `spent` ran out first.
 fn locate_processing(
     conn: &mut Conn,
     keys: &QueueKeys,
     wanted: &Wanted<'_>,
     found: &mut Vec<(String, Found)>,
-) -> Result<()> {
+    spent: &mut Spent,
+) -> Result<bool> {
     let (now, owners) = super::owners(conn, keys)?;
     for (owner, deadline) in owners {
         for level in 0..keys.levels() {
             let mut cursor = super::processing::Cursor::Start;
             loop {
-                let page = super::processing::held(conn, keys, &owner, level, cursor, CHUNK)?;
+                if spent.out() {
+                    return Ok(false);
+                }
+                let page = super::processing::held(
+                    conn,
+                    keys,
+                    &owner,
+                    level,
+                    cursor,
+                    super::processing::Window::tasks(spent.chunk()),
+                )?;
+                let bytes = page.tasks.iter().map(|(_, payload)| payload.len()).sum();
+                spent.add(page.tasks.len(), bytes);
                 for (token, payload) in page.tasks {
                     let payload = String::from_utf8_lossy(&payload);
                     if let Some(id) = wanted.matching(&payload) {
@@ -312,20 +430,22 @@ fn locate_processing(
             }
         }
     }
-    Ok(())
+    Ok(true)
 }
 
+/// The dead list, newest first. False when `spent` ran out first.
 fn locate_dead(
     conn: &mut Conn,
     keys: &QueueKeys,
     wanted: &Wanted<'_>,
     found: &mut Vec<(String, Found)>,
-) -> Result<()> {
+    spent: &mut Spent,
+) -> Result<bool> {
     #[derive(serde::Deserialize)]
     struct Head {
         id: String,
     }
-    scan_list(conn, &keys.dead, |_, record| {
+    scan_list(conn, &keys.dead, spent, |_, record| {
         if let Ok(head) = serde_json::from_str::<Head>(&record) {
             if wanted.ids.contains(head.id.as_str()) {
                 found.push((head.id, Found::Dead { record }));

@@ -131,6 +131,36 @@ impl BrokerError {
             _ => false,
         }
     }
+
+    /// Whether Redis refused the call as it was sent, which a smaller call may get through: an error reply
+    /// (nothing ran) that is not about the server's state. `OOM` (the call's arguments count in Redis's memory),
+    /// `ERR` (a protocol error such as a bulk over `proto-max-bulk-len`, a script's refusal of a record),
+    /// `WRONGTYPE` (a key one record names) are; a server loading, read-only, failing over, busy with a
+    /// script, out of disk (`MISCONF`), without replicas, a redirect, a missing script or a permission are
+    /// about the server, and refuse any call alike: they are waited out, not split (`settler.rs`).
+    pub fn refused(&self) -> bool {
+        const ABOUT_THE_SERVER: [&str; 13] = [
+            "LOADING",
+            "READONLY",
+            "MASTERDOWN",
+            "CLUSTERDOWN",
+            "TRYAGAIN",
+            "BUSY",
+            "MISCONF",
+            "NOREPLICAS",
+            "MOVED",
+            "ASK",
+            "NOSCRIPT",
+            "NOPERM",
+            "NOAUTH",
+        ];
+        match self {
+            BrokerError::Redis(error) if !self.may_have_run() => error
+                .code()
+                .is_some_and(|code| !ABOUT_THE_SERVER.contains(&code)),
+            _ => false,
+        }
+    }
 }
 
 impl BrokerError {
@@ -185,6 +215,7 @@ struct Scripts {
     claim: redis::Script,
     adopt: redis::Script,
     pop: redis::Script,
+    take: redis::Script,
     release_unique: redis::Script,
     settle: redis::Script,
     renew: redis::Script,
@@ -220,6 +251,7 @@ pub mod sources {
         include_str!("scripts/turns.lua"),
         include_str!("scripts/pop.lua")
     );
+    pub const TAKE: &str = include_str!("scripts/take.lua");
     pub const RELEASE_UNIQUE: &str = include_str!("scripts/release_unique.lua");
     pub const SETTLE: &str = include_str!("scripts/settle.lua");
     pub const RENEW: &str = include_str!("scripts/renew.lua");
@@ -241,6 +273,7 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     claim: redis::Script::new(sources::CLAIM),
     adopt: redis::Script::new(sources::ADOPT),
     pop: redis::Script::new(sources::POP),
+    take: redis::Script::new(sources::TAKE),
     release_unique: redis::Script::new(sources::RELEASE_UNIQUE),
     settle: redis::Script::new(sources::SETTLE),
     renew: redis::Script::new(sources::RENEW),

@@ -20,25 +20,77 @@ pub enum Cursor {
     Hash(u64),
     /// The claims after this one.
     After(u64),
+    /// This claim's list, from position `from`, `step` positions a page (chosen when the claim was begun).
+    Within { claim: u64, from: u64, step: u64 },
+}
+
+/// How much of a claim list one page reads (review M8: a claim of large tasks is never read whole at once).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Window {
+    /// The most positions of a claim list a page reads (an older owner's hash: HSCAN's COUNT).
+    pub tasks: usize,
+    /// `Some`: the bytes a page may read too, in kmqd's role (`MEMORY USAGE`, which the read-only roles lack):
+    /// a claim list larger than `budget` in all is read `budget / largest` positions a page, `largest` being
+    /// the largest a claimed task can be (the queue's `max_task_bytes`: claim.lua takes none larger).
+    pub bytes: Option<Budget>,
+}
+
+/// See [`Window::bytes`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Budget {
+    pub budget: u64,
+    pub largest: u64,
+}
+
+impl Window {
+    /// At most `tasks` positions a page, whatever their size.
+    pub fn tasks(tasks: usize) -> Window {
+        Window { tasks, bytes: None }
+    }
+
+    /// The positions a page of a claim list of `usage` bytes in all (`MEMORY USAGE`) reads.
+    fn step(&self, usage: Option<u64>) -> u64 {
+        let most = self.tasks.max(1) as u64;
+        match (self.bytes, usage) {
+            (Some(Budget { budget, largest }), Some(usage)) if usage > budget => {
+                (budget / largest.max(1)).clamp(1, most)
+            }
+            _ => most,
+        }
+    }
 }
 
 /// A page of what an owner holds at a level: its tasks not yet settled (token, envelope), and where to go on
-/// (`None`: that was all).
+/// (`None`: that was all). A page may hold no task and still have a next one (a window of a claim whose tasks
+/// are all settled).
 pub struct Page {
     pub tasks: Vec<(TokenId, Box<[u8]>)>,
     pub next: Option<Cursor>,
 }
 
-/// Up to about `count` tasks held by `owner` at `level` (claim lists: one claim per page, whole), from `cursor`.
+impl Page {
+    fn end() -> Page {
+        Page {
+            tasks: Vec::new(),
+            next: None,
+        }
+    }
+}
+
+/// A page of the tasks held by `owner` at `level`, from `cursor`: an older owner's hash, `window.tasks` fields
+/// of it (about: HSCAN's COUNT); claim lists, one window of one claim's list (see [`Window`]).
 pub fn held(
     conn: &mut dyn ConnectionLike,
     keys: &QueueKeys,
     owner: &str,
     level: usize,
     cursor: Cursor,
-    count: usize,
+    window: Window,
 ) -> Result<Page> {
     let key = keys.processing(owner, level);
+    if let Cursor::Within { claim, from, step } = cursor {
+        return read_window(conn, keys, owner, level, claim, from, step);
+    }
     let kind: String = redis::cmd("TYPE").arg(&key).query(conn)?;
     match (kind.as_str(), cursor) {
         ("hash", Cursor::Start | Cursor::Hash(_)) => {
@@ -50,7 +102,7 @@ pub fn held(
                 .arg(&key)
                 .arg(start)
                 .arg("COUNT")
-                .arg(count)
+                .arg(window.tasks)
                 .query(conn)?;
             let mut tasks = Vec::with_capacity(items.len() / 2);
             let mut items = items.into_iter();
@@ -80,50 +132,53 @@ pub fn held(
                 })
                 .collect::<Result<_>>()?;
             claims.retain(|claim| after.is_none_or(|after| *claim > after));
-            claims.sort_unstable();
-            // The first claim that still holds a task: a member whose list is gone (evicted, deleted by hand)
-            // must not hide the claims after it from the monitors.
-            for (at, &claim) in claims.iter().enumerate() {
-                let tasks = unsettled(conn, keys, owner, level, claim)?;
-                if !tasks.is_empty() {
-                    return Ok(Page {
-                        tasks,
-                        next: (at + 1 < claims.len()).then_some(Cursor::After(claim)),
-                    });
-                }
-            }
-            Ok(Page {
-                tasks: Vec::new(),
-                next: None,
-            })
+            // The next claim: a member whose list is gone (evicted, deleted by hand) reads as an empty page that
+            // goes on to the claims after it.
+            let Some(&claim) = claims.iter().min() else {
+                return Ok(Page::end());
+            };
+            let usage = match window.bytes {
+                Some(_) => redis::cmd("MEMORY")
+                    .arg("USAGE")
+                    .arg(keys.claim_list(owner, level, claim))
+                    .arg("SAMPLES")
+                    .arg(0)
+                    .query::<Option<u64>>(conn)?,
+                None => None,
+            };
+            read_window(conn, keys, owner, level, claim, 0, window.step(usage))
         }
         // Gone (or of another type than a cursor said: the key was replaced meanwhile): nothing more here.
-        _ => Ok(Page {
-            tasks: Vec::new(),
-            next: None,
-        }),
+        _ => Ok(Page::end()),
     }
 }
 
-/// The tasks of one claim list whose bit in its settled bitmap is not set.
-fn unsettled(
+/// The tasks of one claim list at positions `from` to `from + step - 1` whose bit in the claim's settled bitmap
+/// is not set, and the next page: the list's next window, or the claims after this one.
+fn read_window(
     conn: &mut dyn ConnectionLike,
     keys: &QueueKeys,
     owner: &str,
     level: usize,
     claim: u64,
-) -> Result<Vec<(TokenId, Box<[u8]>)>> {
-    let (envelopes, settled): (Vec<Value>, Option<Vec<u8>>) = redis::pipe()
+    from: u64,
+    step: u64,
+) -> Result<Page> {
+    let list = keys.claim_list(owner, level, claim);
+    let (envelopes, settled, length): (Vec<Value>, Option<Vec<u8>>, u64) = redis::pipe()
         .cmd("LRANGE")
-        .arg(keys.claim_list(owner, level, claim))
-        .arg(0)
-        .arg(-1)
+        .arg(&list)
+        .arg(from)
+        .arg(from + step - 1)
         .cmd("GET")
         .arg(keys.claim_settled(owner, level, claim))
+        .cmd("LLEN")
+        .arg(&list)
         .query(conn)?;
     let settled = settled.unwrap_or_default();
     let mut tasks = Vec::new();
-    for (position, envelope) in envelopes.into_iter().enumerate() {
+    for (offset, envelope) in envelopes.into_iter().enumerate() {
+        let position = from as usize + offset;
         let bit = settled
             .get(position / 8)
             .is_some_and(|byte| byte & (0x80 >> (position % 8)) != 0);
@@ -135,7 +190,19 @@ fn unsettled(
             ));
         }
     }
-    Ok(tasks)
+    let next = if from + step < length {
+        Cursor::Within {
+            claim,
+            from: from + step,
+            step,
+        }
+    } else {
+        Cursor::After(claim)
+    };
+    Ok(Page {
+        tasks,
+        next: Some(next),
+    })
 }
 
 /// How many tasks each of `keys` (an owner's processing keys: claim sets, or an older owner's hashes) holds: the
@@ -185,5 +252,43 @@ pub fn count_of(reply: Value) -> Result<u64> {
                 redis::from_redis_value(other).map_err(redis::RedisError::from)?;
             Ok(scored.iter().map(|(_, held)| held.max(0.0) as u64).sum())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_claim_list_over_the_budget_is_read_as_many_of_the_largest_tasks_as_fit() {
+        let window = Window {
+            tasks: 100,
+            bytes: Some(Budget {
+                budget: 16 << 20,
+                largest: 5 << 20,
+            }),
+        };
+        // Within the budget in all: the count alone bounds a page.
+        assert_eq!(window.step(Some(16 << 20)), 100);
+        assert_eq!(window.step(Some(1 << 20)), 100);
+        // Over it: three tasks of the largest size fit in 16 MiB.
+        assert_eq!(window.step(Some((16 << 20) + 1)), 3);
+        // Tasks larger than the budget: one at a time.
+        let huge = Window {
+            bytes: Some(Budget {
+                budget: 16 << 20,
+                largest: 512 << 20,
+            }),
+            ..window
+        };
+        assert_eq!(huge.step(Some(1 << 30)), 1);
+        // No size known (a read-only role), or none asked for: the count.
+        assert_eq!(window.step(None), 100);
+        assert_eq!(Window::tasks(7).step(Some(1 << 40)), 7);
+        assert_eq!(
+            Window::tasks(0).step(None),
+            1,
+            "a page reads at least one position"
+        );
     }
 }

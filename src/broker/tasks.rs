@@ -356,9 +356,6 @@ fn script_then_lists(
     eval: &redis::Cmd,
     lists: &[String],
 ) -> redis::RedisResult<(Value, Vec<Value>, Payloads)> {
-    let no_script = |error: &redis::RedisError| {
-        error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
-    };
     let mut loaded = false;
     loop {
         let mut pipe = redis::pipe();
@@ -384,7 +381,7 @@ fn script_then_lists(
             Ok((reply, lists, collected))
         });
         match outcome {
-            Err(error) if !loaded && no_script(&error) => {
+            Err(error) if !loaded && is_no_script(&error) => {
                 let load = redis::cmd("SCRIPT").arg("LOAD").arg(source).clone();
                 let key = lists.first().map_or("", String::as_str);
                 let _: String = conn.query_at(key, &load)?;
@@ -393,6 +390,11 @@ fn script_then_lists(
             outcome => return outcome,
         }
     }
+}
+
+/// Whether Redis had lost the script a call ran (a restart, a failover emptied its cache).
+fn is_no_script(error: &redis::RedisError) -> bool {
+    error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
 }
 
 /// The tasks of claim `claim`, read back from its lists (one per level, in level order), with their payloads
@@ -559,18 +561,16 @@ fn pop_level(index: usize) -> usize {
     index / (QUARANTINE_GROUPS.len() + 1)
 }
 
-/// `TIME`'s reply: seconds and microseconds.
-type RedisTime = (i64, i64);
+/// The most bytes of tasks one pop hands the daemon (both ways of popping), unless one task is larger: a pop of
+/// a thousand tasks of 16 MiB would be 16 GiB in one reply, which Redis would buffer too (review M8).
+pub const POP_BYTES: usize = 64 << 20;
 
-/// `LMPOP`'s reply: the list popped from and what it gave.
-type Popped = (String, Vec<Value>);
-
-/// `LMPOP` in a transaction that runs only if the unique hash stayed empty and the queue unpaused and
+/// take.lua in a transaction that runs only if the unique hash stayed empty and the queue unpaused and
 /// unthrottled since they were read (`WATCH` on the three): a task popped this way can hold no unique id, and none
 /// is popped after a pause or a throttle. `None`: the hash is not empty (or one of the keys was written
-/// meanwhile), nothing was popped, use pop.lua (which checks them itself). A paused queue is a batch marked
-/// `paused`, a throttled one a batch [`Limited::Throttle`] until the throttle's time to live ran out (`now_ms`
-/// 0: the batch carries no time of Redis's, only that wait).
+/// meanwhile, or Redis had lost the script, now loaded again), nothing was popped, use pop.lua (which checks them
+/// itself). A paused queue is a batch marked `paused`, a throttled one a batch [`Limited::Throttle`] until the
+/// throttle's time to live ran out (`now_ms` 0: the batch carries no time of Redis's, only that wait).
 fn pop_plain(conn: &mut Conn, keys: &QueueKeys, max: usize) -> Result<Option<Batch>> {
     let (held, paused, throttle_ms): (usize, bool, i64) = redis::pipe()
         .cmd("WATCH")
@@ -609,40 +609,81 @@ fn pop_plain(conn: &mut Conn, keys: &QueueKeys, max: usize) -> Result<Option<Bat
             None
         });
     }
-    let lists: Vec<&str> = pop_lists(keys).collect();
+    let mut script_keys = vec![keys.taking.clone()];
+    script_keys.extend(pop_lists(keys).map(str::to_string));
+    let mut take = evalsha(&SCRIPTS.take, &script_keys);
+    take.arg(max).arg(POP_BYTES);
     let mut pipe = redis::pipe();
-    // LMPOP first: in a cluster a transaction goes to its first key's node (`broker::Conn`).
-    pipe.atomic().cmd("LMPOP").arg(lists.len());
-    for list in &lists {
-        pipe.arg(list);
-    }
-    pipe.arg("LEFT").arg("COUNT").arg(max).cmd("TIME");
-    // A nil EXEC (the unique hash was written after WATCH) reads as None. The EXEC's reply is depth 1, LMPOP's
-    // depth 2, its list of tasks depth 3, the tasks depth 4.
-    let (reply, collected) = conn.with_payloads(4, |conn| {
-        pipe.query::<Option<(Option<Popped>, RedisTime)>>(conn)
-    })?;
-    let Some((popped, (seconds, micros))) = reply else {
-        return Ok(None);
-    };
-    let now_ms = seconds * 1000 + micros / 1000;
-    let mut tasks = Vec::new();
-    let mut payloads = Gather::new(collected);
-    if let Some((list, items)) = popped {
-        let index = lists
-            .iter()
-            .position(|name| *name == list)
-            .ok_or_else(|| reply_error("pop", format!("LMPOP popped from {list}, not asked")))?;
-        tasks.reserve(items.len());
-        for item in items {
-            payloads.take(item, "pop")?;
-            tasks.push(Taken {
-                token: None,
-                popped_by: None,
-                holds_unique: false,
-                level: pop_level(index),
-            });
+    // The script first: in a cluster a transaction goes to its first key's node (`broker::Conn`).
+    pipe.atomic()
+        .ignore_errors()
+        .add_command(take)
+        .cmd("LRANGE")
+        .arg(&keys.taking)
+        .arg(0)
+        .arg(-1)
+        .cmd("DEL")
+        .arg(&keys.taking)
+        .ignore();
+    // A nil EXEC (the unique hash was written after WATCH) reads as None. The EXEC's reply is depth 1, the list
+    // read back depth 2, its tasks depth 3 (and nothing else: the script's reply holds only integers, Redis's
+    // clock among them, where TIME's would be strings at depth 3). A cluster connection reports an error inside the transaction as the
+    // call's error; a node's leaves it in its place among the replies.
+    let outcome = conn
+        .with_payloads(3, |conn| pipe.query::<Option<Vec<Value>>>(conn))
+        .and_then(|(reply, collected)| {
+            let Some(replies) = reply else {
+                return Ok(None);
+            };
+            let mut replies = replies.into_iter();
+            let first = replies.next().unwrap_or(Value::Nil).extract_error()?;
+            Ok(Some((first, replies, collected)))
+        });
+    let (taken, mut replies, collected) = match outcome {
+        Ok(Some(replies)) => replies,
+        Ok(None) => return Ok(None),
+        Err(error) if is_no_script(&error) => {
+            // Redis lost its scripts (a restart, a failover): nothing ran. pop.lua's call loads its own.
+            let load = redis::cmd("SCRIPT")
+                .arg("LOAD")
+                .arg(super::sources::TAKE)
+                .clone();
+            let _: String = conn.query_at(&keys.taking, &load)?;
+            return Ok(None);
         }
+        Err(error) => return Err(error.into()),
+    };
+    let Some(list) = replies.next() else {
+        return Err(reply_error(
+            "pop",
+            "a transaction of two replies".to_string(),
+        ));
+    };
+    let (index, count, now_ms): (usize, usize, i64) =
+        redis::from_redis_value(taken).map_err(redis::RedisError::from)?;
+    let Value::Array(items) = list else {
+        return Err(reply_error(
+            "pop",
+            format!("expected the taken list, got {list:?}"),
+        ));
+    };
+    if items.len() != count {
+        return Err(reply_error(
+            "pop",
+            format!("take.lua took {count}, the list held {}", items.len()),
+        ));
+    }
+    let mut tasks = Vec::with_capacity(items.len());
+    let mut payloads = Gather::new(collected);
+    for item in items {
+        payloads.take(item, "pop")?;
+        tasks.push(Taken {
+            token: None,
+            popped_by: None,
+            holds_unique: false,
+            // `index` is 1-based when something was taken.
+            level: pop_level(index.saturating_sub(1)),
+        });
     }
     Ok(Some(Batch {
         now_ms,
@@ -690,6 +731,7 @@ fn pop_script(
     for weight in limits.priority_weights {
         invocation.arg(*weight);
     }
+    invocation.arg(POP_BYTES);
     // The script's reply is depth 1, its list of tasks depth 2, the tasks depth 3.
     type Reply = (
         i64,
@@ -895,6 +937,20 @@ pub enum SettleOp {
         after: Duration,
         kind: Option<String>,
     },
+}
+
+impl SettleOp {
+    /// What it does, in a word, for the log.
+    pub fn name(&self) -> &'static str {
+        match self {
+            SettleOp::Ack => "ack",
+            SettleOp::Retry { .. } => "retry",
+            SettleOp::Back { .. } => "back",
+            SettleOp::Recover { .. } => "recover",
+            SettleOp::Dead => "dead",
+            SettleOp::Throttle { .. } => "throttle",
+        }
+    }
 }
 
 /// One outcome to apply to Redis.

@@ -384,13 +384,13 @@ impl Supervisor {
         let name = &queue.name;
         let lane = Arc::new(Lane::new(Arc::clone(&context), &instance, parts.epoch));
         let (claiming, stop) = (Trigger::new(), Trigger::new());
-        let acker = Acker {
-            lane: Arc::clone(&lane),
-            plugins: Arc::clone(&parts.plugins),
-            connection: parts.session(&format!("acker-{name}")),
-            settler: Settler::new(format!("{instance}:acker")).with_pulse(lane.acker_pulse.clone()),
-            background: parts.background.listener(),
-        };
+        let acker = Acker::new(
+            Arc::clone(&lane),
+            Arc::clone(&parts.plugins),
+            parts.session(&format!("acker-{name}")),
+            Settler::new(format!("{instance}:acker")).with_pulse(lane.acker_pulse.clone()),
+            parts.background.listener(),
+        );
         self.threads.spawn(
             format!("kmqd-acker-{name}"),
             Role::Acker,

@@ -10,6 +10,11 @@
 //! settle script marks each task settled in its claim (its bit) in the same step that queues it, so when two
 //! monitors find the same task, exactly one moves it.
 //!
+//! It reads an owner's tasks a window at a time ([`BATCH`] tasks, and [`WINDOW_BYTES`] of a claim list larger
+//! than that), and settles each window before it reads the next, so what it holds at once is bounded whatever
+//! the claim that took the owner's daemon down (review M8). A task whose record Redis refuses, even alone in a
+//! call, stays in its claim (logged) and is tried again on the next pass.
+//!
 //! Beside that, every [`history::SAMPLE_EVERY`] the monitor offers each queue's sample a minute for the
 //! dashboard's charts (broker/history.rs): one short script call, off every task's path.
 
@@ -31,10 +36,17 @@ use crate::shutdown::Listener;
 /// The most tasks handled per round trip.
 const BATCH: usize = 100;
 
+/// The most bytes of an expired owner's tasks read per round trip, unless one task is larger (review M8): a
+/// claim of large tasks that took its daemon down must not take down every monitor that recovers it. A claim
+/// list larger than this in all (`MEMORY USAGE`) is read in windows of as many tasks of the queue's
+/// `max_task_bytes` as fit; the settle records built from a window are about as large again.
+const WINDOW_BYTES: u64 = 16 << 20;
+
 /// How long the monitor, looking every `interval` ([`Monitor::interval`]), may go without a beat before the
-/// watchdog counts it as wedged: its wait between passes, then the steps between two beats (reading an owner's
-/// registration and a page of its tasks, or one settle attempt, each with a redirect), then the settler's backoff
-/// after a failure; or one final-failure hook. With the defaults (a pass every 5 s): 50.1 s.
+/// watchdog counts it as wedged: its wait between passes, then the steps between two beats (reading a page of an
+/// owner's tasks: its claim set's type and claims, the next claim's size, a window of it; or one settle attempt),
+/// then the settler's backoff after a failure; or one final-failure hook. With the defaults (a pass every 5 s):
+/// 50.1 s.
 pub fn stall_bound(redis: &RedisConfig, interval: Duration) -> Duration {
     interval + redis.call_bound(4) + crate::retry::Backoff::MAX
 }
@@ -246,16 +258,40 @@ impl Monitor {
                 now_ms,
             };
             for level in 0..expired.keys.levels() {
+                let window = broker::processing::Window {
+                    tasks: BATCH,
+                    bytes: Some(broker::processing::Budget {
+                        budget: WINDOW_BYTES,
+                        largest: queue.config.max_task_bytes as u64,
+                    }),
+                };
+                let mut cursor = broker::processing::Cursor::Start;
                 loop {
-                    let Some((found, applied)) =
-                        self.recover_batch(index, &queue, &expired, level)?
-                    else {
-                        return Ok(recovered);
-                    };
-                    recovered += applied;
-                    // Nothing left, or another monitor is moving the same tasks: leave them to it.
-                    if found == 0 || applied == 0 {
-                        break;
+                    self.pulse.beat();
+                    let page = broker::processing::held(
+                        self.connection.get()?,
+                        &expired.keys,
+                        &expired.owner,
+                        level,
+                        cursor,
+                        window,
+                    )?;
+                    if !page.tasks.is_empty() {
+                        let Some((applied, refused)) =
+                            self.recover_page(index, &queue, &expired, level, &page.tasks)
+                        else {
+                            return Ok(recovered);
+                        };
+                        recovered += applied;
+                        // Another monitor is moving the same tasks: leave them to it. (Tasks Redis refused wait
+                        // for the next pass; the windows after them go on.)
+                        if applied == 0 && refused == 0 {
+                            break;
+                        }
+                    }
+                    match page.next {
+                        Some(next) => cursor = next,
+                        None => break,
                     }
                 }
             }
@@ -275,34 +311,21 @@ impl Monitor {
         Ok(recovered)
     }
 
-    /// Handles up to BATCH tasks of an expired owner at one level; returns how many it found and how many it
-    /// recovered, or `None` when the daemon stopped while Redis was failing.
-    fn recover_batch(
+    /// Recovers `held`, a page of an expired owner's tasks at one level; returns how many it recovered and how
+    /// many Redis refused, or `None` when the daemon stopped while Redis was failing. A task whose record Redis
+    /// refuses stays where it is, for the next pass (the settler logs it).
+    fn recover_page(
         &mut self,
         index: usize,
         queue: &QueueContext,
         expired: &Expired,
         level: usize,
-    ) -> broker::Result<Option<(usize, usize)>> {
+        held: &[(broker::TokenId, Box<[u8]>)],
+    ) -> Option<(usize, usize)> {
         let keys = &expired.keys;
-        self.pulse.beat();
-        let connection = self.connection.get()?;
-        // From the start each time: what the last page recovered left the processing area.
-        let held = broker::processing::held(
-            connection,
-            keys,
-            &expired.owner,
-            level,
-            broker::processing::Cursor::Start,
-            BATCH,
-        )?
-        .tasks;
-        if held.is_empty() {
-            return Ok(Some((0, 0)));
-        }
         let mut settlements: Vec<Settlement> = Vec::with_capacity(held.len());
         let mut hooks: Vec<Option<Box<DeadHook>>> = Vec::with_capacity(held.len());
-        for (token, payload) in &held {
+        for (token, payload) in held {
             // The owner ran a quarantined task alone (claim.lua let it hold nothing else): the crash was its doing.
             let ran_alone = expired.group == Some(1);
             let (verdict, envelope) = queue.judge(payload, |envelope| {
@@ -331,7 +354,7 @@ impl Monitor {
             hooks.push(hook);
         }
         let watched = &mut self.queues[index];
-        let Some(settled) = watched.settler.settle(
+        let report = watched.settler.settle(
             &mut self.connection,
             keys,
             Fence::Expired,
@@ -339,15 +362,13 @@ impl Monitor {
             Holder::Claimed(&expired.owner),
             &settlements.iter().collect::<Vec<_>>(),
             &self.background,
-        ) else {
-            return Ok(None);
-        };
-        let recovered = settled
+        )?;
+        let recovered = report
             .applied
             .iter()
             .filter(|ok| **ok == Some(true))
             .count();
-        for (hook, applied) in hooks.iter().zip(settled.applied) {
+        for (hook, applied) in hooks.iter().zip(&report.applied) {
             if let (Some(hook), Some(true)) = (hook, applied) {
                 self.pulse.beat();
                 self.plugins
@@ -355,7 +376,7 @@ impl Monitor {
                     .on_dead(&queue.config.name, &hook.envelope, &hook.reason);
             }
         }
-        Ok(Some((held.len(), recovered)))
+        Some((recovered, report.refused.len()))
     }
 }
 

@@ -71,12 +71,17 @@ pub fn reloading(text: &str) {
     }
 }
 
-/// "serving 3 queues, 12 tasks held" (", 1 worker stuck" when some are).
+/// "serving 3 queues, 12 tasks held" (", 1 worker stuck in handlers" when some are, ", 1 outcome refused by
+/// Redis" when Redis refuses some).
 pub fn summary(lanes: &[Arc<Lane>]) -> String {
     // The table of held tasks, not `Capacity::held`, which also counts what an idle fetcher reserved for the
     // claim it waits in.
     let held: usize = lanes.iter().map(|lane| lane.held.len()).sum();
     let stuck: usize = lanes.iter().map(|lane| lane.capacity.stuck_workers()).sum();
+    let refused: usize = lanes
+        .iter()
+        .map(|lane| lane.refused_outcomes.load(Ordering::Acquire))
+        .sum();
     let plural =
         |n: usize, one: &str, many: &str| format!("{n} {}", if n == 1 { one } else { many });
     // A queue whose lane a reload replaced has two for a moment: it is still one queue.
@@ -92,6 +97,12 @@ pub fn summary(lanes: &[Arc<Lane>]) -> String {
         text.push_str(&format!(
             ", {} stuck in handlers",
             plural(stuck, "worker", "workers")
+        ));
+    }
+    if refused > 0 {
+        text.push_str(&format!(
+            ", {} refused by Redis",
+            plural(refused, "outcome", "outcomes")
         ));
     }
     text
@@ -224,6 +235,28 @@ fn report(wedges: &[Wedge]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_status_line_counts_the_outcomes_redis_refuses() {
+        let config = crate::config::Config::parse(
+            std::path::Path::new("kmqd.toml"),
+            "[[queues]]\nname = \"mail\"\nmode = \"safe\"\n",
+        )
+        .unwrap();
+        let context = crate::queue::QueueContext::new(&config, &config.queues[0], "daemon");
+        let lane = Arc::new(Lane::new(
+            Arc::new(context),
+            "h-1-2-ab",
+            std::time::Instant::now(),
+        ));
+        let lanes = [Arc::clone(&lane)];
+        assert_eq!(summary(&lanes), "serving 1 queue, 0 tasks held");
+        lane.refused_outcomes.store(2, Ordering::Release);
+        assert_eq!(
+            summary(&lanes),
+            "serving 1 queue, 0 tasks held, 2 outcomes refused by Redis"
+        );
+    }
 
     #[test]
     fn the_lane_bounds_add_up_every_wait_of_a_turn() {

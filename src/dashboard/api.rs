@@ -17,6 +17,20 @@ use crate::task::Envelope;
 pub const DEFAULT_LIMIT: usize = 20;
 pub const MAX_LIMIT: usize = 500;
 
+/// The most of an envelope, a dead record's task, an error or a reason that a queue's page is sent, per task
+/// (review M7): a list of 500 tasks of 16 MiB would be 8 GiB an answer, every second. Cut on a character
+/// boundary; the answer says how long the whole was (`envelope_bytes`, `record_bytes`), and the task's own page
+/// shows it whole.
+pub const LIST_TEXT_BYTES: usize = 4096;
+
+/// What one lookup of a task's page may read of its queue's lists (review M7): a queue of a million tasks is not
+/// read whole for it. The task may be further on (the answer's `complete` is then false); `kmqd task show`
+/// searches everything.
+pub const LOOKUP_BUDGET: crate::broker::lookup::Budget = crate::broker::lookup::Budget {
+    tasks: 10_000,
+    bytes: 64 << 20,
+};
+
 /// An answer other than 200: its status and what to tell the user.
 #[derive(Debug)]
 pub struct ApiError {
@@ -142,7 +156,7 @@ pub fn queue(state: &State, queue: &str, limit: usize) -> Result<Json, ApiError>
     let stats = state.client.stats(queue)?;
     let daemons = state.client.workers(queue)?;
     let waiting = state.client.peek(queue, limit)?;
-    let dead = state.client.dead_list(queue, limit)?;
+    let dead = state.client.dead_head(queue, limit)?;
     let now_ms = state.client.redis_now(queue)?;
     let due = |task: &DueTask| {
         json!({
@@ -164,30 +178,88 @@ pub fn queue(state: &State, queue: &str, limit: usize) -> Result<Json, ApiError>
         })).collect::<Vec<_>>(),
         "delayed": waiting.delayed.iter().map(due).collect::<Vec<_>>(),
         "retrying": waiting.retrying.iter().map(due).collect::<Vec<_>>(),
-        "dead": dead.iter().map(DeadRecord::with_parsed_task).collect::<Vec<_>>(),
+        "dead": dead.iter().map(dead_view).collect::<Vec<_>>(),
     }))
 }
 
-/// `GET /api/queues/Q/tasks/ID`: every place the task is in, as `kmqd task show` finds them.
+/// `GET /api/queues/Q/tasks/ID`: every place the task is in, as `kmqd task show` finds them, within
+/// [`LOOKUP_BUDGET`]; `complete` says whether every list was searched to its end, `searched` how many tasks were
+/// looked at. One lookup at a time per dashboard: more pages asking wait their turn, so Redis serves one scan
+/// at a time whoever asks (the page itself asks once, and again on its button).
 pub fn task(state: &State, queue: &str, id: &str) -> Result<Json, ApiError> {
-    let found = state.client.find(queue, id)?;
-    Ok(json!({ "queue": queue, "id": id, "found": found }))
+    let _turn = state.lookups.lock().unwrap_or_else(|e| e.into_inner());
+    let located = state.client.find_within(queue, id, LOOKUP_BUDGET)?;
+    let found: Vec<_> = located.found.into_iter().map(|(_, found)| found).collect();
+    Ok(json!({
+        "queue": queue,
+        "id": id,
+        "found": found,
+        "complete": located.complete,
+        "searched": located.searched,
+    }))
 }
 
-/// A task as the pages show it: the envelope's fields decoded, and the envelope itself.
+/// `text` cut to [`LIST_TEXT_BYTES`] on a character boundary, and whether it was.
+fn cut(text: &str) -> (&str, bool) {
+    if text.len() <= LIST_TEXT_BYTES {
+        return (text, false);
+    }
+    let mut end = LIST_TEXT_BYTES;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    (&text[..end], true)
+}
+
+/// A task as a queue's page lists it: the envelope's fields decoded, and the envelope itself, both cut to
+/// [`LIST_TEXT_BYTES`] (`envelope_bytes`: the whole envelope's length).
 fn task_view(envelope: &str) -> Json {
+    let (shown, truncated) = cut(envelope);
     match Envelope::decode(envelope) {
         Ok(task) => json!({
-            "id": task.id,
-            "type": task.kind,
+            "id": task.id.as_deref().map(|id| cut(id).0),
+            "type": cut(&task.kind).0,
             "attempt": task.attempt,
             "created_at": task.created_at,
-            "last_error": task.last_error,
-            "envelope": envelope,
+            "last_error": task.last_error.as_deref().map(|error| cut(error).0),
+            "envelope": shown,
+            "envelope_bytes": envelope.len(),
+            "envelope_truncated": truncated,
         }),
         // A payload the daemons will dead-letter as malformed: shown as it is.
-        Err(_) => json!({ "id": null, "envelope": envelope }),
+        Err(_) => json!({
+            "id": null,
+            "envelope": shown,
+            "envelope_bytes": envelope.len(),
+            "envelope_truncated": truncated,
+        }),
     }
+}
+
+/// A dead record as a queue's page lists it: its fields, its strings cut to [`LIST_TEXT_BYTES`] (the task's,
+/// its reason), without the task parsed (`kmqd dead list --json` has it); `record_bytes` is the whole record's
+/// length, `truncated` whether anything was cut.
+fn dead_view(record: &DeadRecord) -> Json {
+    let mut truncated = false;
+    let fields = record
+        .fields
+        .iter()
+        .map(|(name, value)| {
+            let value = match value {
+                Json::String(text) => {
+                    let (shown, was) = cut(text);
+                    truncated |= was;
+                    Json::String(shown.to_string())
+                }
+                other => other.clone(),
+            };
+            (name.clone(), value)
+        })
+        .collect::<serde_json::Map<_, _>>();
+    let mut view = Json::Object(fields);
+    view["record_bytes"] = json!(record.raw.len());
+    view["truncated"] = json!(truncated);
+    view
 }
 
 /// An action of the dashboard's buttons (`POST /api/queues/Q/...`).

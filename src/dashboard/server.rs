@@ -41,6 +41,8 @@ pub(super) struct State {
     hosts: Vec<String>,
     /// Queue names and modes, in config order.
     pub queues: Vec<(String, &'static str)>,
+    /// Held by a task page's lookup while it scans its queue's lists: one at a time (`api::task`).
+    pub lookups: std::sync::Mutex<()>,
 }
 
 impl State {
@@ -72,6 +74,7 @@ impl State {
                 .iter()
                 .map(|q| (q.name.clone(), q.mode.as_str()))
                 .collect(),
+            lookups: std::sync::Mutex::new(()),
         }
     }
 

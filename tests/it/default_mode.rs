@@ -66,10 +66,10 @@ fn any_producer_wakes_an_idle_default_queue_at_once() {
 }
 
 /// A default-mode pop takes at most `batch` tasks, however many the lane could hold (`max_held` up to 200,000):
-/// one call of pop.lua, or one plain `LMPOP`, is bounded like a claim, and so is the time it holds Redis and the
-/// payloads pop.lua decodes (review L7). The bound is the lane's: it reserves at most `batch` slots a fetch. Seen
-/// on the wire, through the proxy: every pop's COUNT, with a backlog far larger than a batch, unique tasks among
-/// it (pop.lua) and plain ones after (the plain pop).
+/// one call of pop.lua, or of take.lua (the plain pop), is bounded like a claim, and so is the time it holds Redis
+/// and the payloads pop.lua decodes (review L7). The bound is the lane's: it reserves at most `batch` slots a
+/// fetch. Seen on the wire, through the proxy: every pop's most tasks (ARGV[1] of take.lua, ARGV[2] of pop.lua),
+/// with a backlog far larger than a batch, unique tasks among it (pop.lua) and plain ones after (the plain pop).
 #[test]
 fn a_pop_takes_at_most_batch_tasks_however_many_the_lane_may_hold() {
     use crate::support::proxy::{FaultProxy, Matcher};
@@ -94,20 +94,20 @@ fn a_pop_takes_at_most_batch_tasks_however_many_the_lane_may_hold() {
 
     let proxy = FaultProxy::start(&redis);
     let counts: Arc<Mutex<Vec<(&str, usize)>>> = Arc::default();
-    let (script, seen) = (Matcher::script(sources::POP), Arc::clone(&counts));
+    let (pop, take) = (
+        Matcher::script(sources::POP),
+        Matcher::script(sources::TAKE),
+    );
+    let seen = Arc::clone(&counts);
     proxy.observe(move |args| {
         let count = |arg: &Vec<u8>| String::from_utf8_lossy(arg).parse::<usize>().unwrap();
         let mut seen = seen.lock().unwrap();
-        if script.matches(args) {
-            // pop.lua: ARGV[2], after the script, the key count and the keys.
-            let keys = count(&args[2]);
-            seen.push(("pop.lua", count(&args[3 + keys + 1])));
-        } else if args[0].eq_ignore_ascii_case(b"LMPOP") {
-            let at = args
-                .iter()
-                .position(|arg| arg.eq_ignore_ascii_case(b"COUNT"))
-                .unwrap();
-            seen.push(("LMPOP", count(&args[at + 1])));
+        // The script's ARGV[n]: after the script, the key count and the keys.
+        let argv = |n: usize| count(&args[3 + count(&args[2]) + n - 1]);
+        if pop.matches(args) {
+            seen.push(("pop.lua", argv(2)));
+        } else if take.matches(args) {
+            seen.push(("take.lua", argv(1)));
         }
     });
     let through = dir.config_named(
@@ -134,7 +134,7 @@ fn a_pop_takes_at_most_batch_tasks_however_many_the_lane_may_hold() {
         counts.iter().all(|(_, count)| *count <= 40),
         "no pop asks for more than batch: {counts:?}"
     );
-    for kind in ["pop.lua", "LMPOP"] {
+    for kind in ["pop.lua", "take.lua"] {
         assert!(
             counts.contains(&(kind, 40)),
             "a full batch by {kind}, with the backlog: {counts:?}"

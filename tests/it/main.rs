@@ -4,6 +4,7 @@
 mod support;
 
 mod acl;
+mod budgets;
 mod chaos;
 mod cli;
 mod cluster;

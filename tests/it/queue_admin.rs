@@ -31,11 +31,7 @@ fn stats_json(config: &Path) -> serde_json::Value {
 }
 
 fn commands_processed(redis: &RedisServer) -> u64 {
-    let info: String = redis.cmd(&["INFO", "stats"]);
-    info.lines()
-        .find_map(|line| line.strip_prefix("total_commands_processed:"))
-        .and_then(|n| n.trim().parse().ok())
-        .expect("INFO stats has total_commands_processed")
+    redis.info_number("stats", "total_commands_processed")
 }
 
 /// Two daemons serve the queue; a slow task runs when the queue is paused. It finishes and is settled; the

@@ -34,6 +34,7 @@ fn scripts() -> Vec<(&'static str, &'static str)> {
         ("claim.lua", sources::CLAIM),
         ("adopt.lua", sources::ADOPT),
         ("pop.lua", sources::POP),
+        ("take.lua", sources::TAKE),
         ("release_unique.lua", sources::RELEASE_UNIQUE),
         ("settle.lua", sources::SETTLE),
         ("renew.lua", sources::RENEW),
@@ -251,8 +252,8 @@ fn changed(a: &Snapshot, b: &Snapshot) -> Vec<String> {
 /// Drives real operations of both modes through a proxy that records each script call of a new shape with the
 /// database just before it: pushes (plain, delayed, unique, oversized), a safe daemon's register, claims (one
 /// whose reply is lost: adopt), settles (acks, retries now and later, dead letters), renewals, promotions, the
-/// source mover, a schedule, the history, a default-mode daemon's pops of unique tasks, cancels, dead requeue
-/// and purge, and the stop (drain, release).
+/// source mover, a schedule, the history, a default-mode daemon's pops of unique tasks and plain pops, cancels,
+/// dead requeue and purge, and the stop (drain, release).
 fn record_calls() -> (RedisServer, Vec<Recorded>) {
     let redis = RedisServer::start();
     let proxy = FaultProxy::start(&redis);
@@ -263,6 +264,7 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
                   retry_times = 1\nbackoff = \"10ms\"\nrate_limit = \"1000/s\"\nmax_running = 4\n\n\
                   [[queues]]\nname = \"limited\"\nmode = \"safe\"\nworkers = 2\nmax_running = 2\n\
                   rate_limit = [\"50/s\", \"1000/m\"]\nretry_times = 1\nbackoff = \"10ms\"\n\n\
+                  [[queues]]\nname = \"plain\"\nmode = \"default\"\nworkers = 2\nbatch = 40\n\n\
                   [[queues]]\nname = \"typed\"\nmode = \"safe\"\nworkers = 2\nmax_running = 2\n\
                   retry_times = 1\nbackoff = \"10ms\"\n\
                   [[queues.limits]]\ntype = \"test\"\nmax_running = 1\nrate_limit = \"50/s\"\n\n\
@@ -371,6 +373,9 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
         }))
         .collect();
     client.push_batch("typed", typed).unwrap();
+    // A default-mode queue without limits or unique ids: its pops after the first full one are plain (take.lua).
+    let plain: Vec<NewTask> = (0..100).map(|i| test("7", &format!("plain-{i}"))).collect();
+    client.push_batch("plain", plain).unwrap();
     for i in 0..5 {
         let _: i64 = redis.cmd(&[
             "RPUSH",
@@ -388,16 +393,17 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
     let daemon = TestDaemon::start(&config);
     eventually(Duration::from_secs(30), "both queues drained", || {
         let (jobs, fast) = (stats(&config, "jobs"), stats(&config, "fast"));
-        let limited = stats(&config, "limited");
-        let typed = stats(&config, "typed");
+        let (limited, typed) = (stats(&config, "limited"), stats(&config, "typed"));
+        let plain = stats(&config, "plain");
         (
             jobs.ready + jobs.delayed + jobs.processing + fast.ready + fast.delayed == 0
                 && jobs.dead >= 3
                 && fast.done >= 12
                 && limited.done >= 10
                 && typed.done >= 10
-                && typed.dead >= 3,
-            (jobs, fast, limited, typed),
+                && typed.dead >= 3
+                && plain.done == 100,
+            (jobs, fast, limited, typed, plain),
         )
     });
     client

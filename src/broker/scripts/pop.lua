@@ -13,7 +13,8 @@
 -- queue's rate limit its log and its sum (rate.lua)
 -- ARGV[1] owner; ARGV[2] the most tasks to take; ARGV[3] the queue's max_running (0: none); ARGV[4] R (0: no
 -- rate limit), then R pairs: the window in ms, the most starts in any such window; then W, the levels' priority
--- weights (0: strict order), then W weights, one per level in order
+-- weights (0: strict order), then W weights, one per level in order; last, the most bytes of tasks to take (at
+-- least one task is taken, whatever its size; left out: no bound)
 -- Returns {now_ms, index of the list popped (1-based among the N lists; 0: nothing popped), {payloads}, the
 -- number of unique ids held in the queue, state, retry at, {counts}, {recorded}}: state 0 popped (or all empty),
 -- 1 the queue is paused,
@@ -169,6 +170,40 @@ else
     end
     items = popped[2]
   end
+end
+-- Bytes (review M8): a pop hands the daemon no more than the budget (at least one task), so the tasks popped
+-- past it go back to the front of the lists they came from, in their order, in this same step: as if they had
+-- not been popped. Before anything is counted of them.
+local budget = tonumber(ARGV[WEIGHTS + (tonumber(ARGV[WEIGHTS]) or 0) + 1])
+if budget and #items > 1 then
+  local kept, bytes = 0, 0
+  for k = 1, #items do
+    bytes = bytes + #items[k]
+    if k > 1 and bytes > budget then break end
+    kept = k
+  end
+  -- Pushes items[from..to] back to the front of `list` (the last one pushed is the head).
+  local function back(list, from, to)
+    local again = {}
+    for k = to, from, -1 do again[#again + 1] = items[k] end
+    redis.call('LPUSH', list, unpack(again))
+  end
+  if kept < #items and index == 0 then
+    -- Taken by turns: each level's tasks, in level order, `counts` of each.
+    local last = #items
+    for level = levels, 1, -1 do
+      local first = last - counts[level] + 1
+      local from = math.max(first, kept + 1)
+      if from <= last then
+        back(ready(level), from, last)
+        counts[level] = counts[level] - (last - from + 1)
+      end
+      last = first - 1
+    end
+  elseif kept < #items then
+    back(KEYS[FIRST + index - 1], kept + 1, #items)
+  end
+  for k = #items, kept + 1, -1 do items[k] = nil end
 end
 local held = redis.call('HLEN', KEYS[1])
 if #items == 0 then

@@ -4,7 +4,12 @@
 //!
 //! An outcome is kept until Redis has answered for it: on a Redis error the same batch is sent again, as the same
 //! call (see [`Settler`]), so a batch whose reply was lost is applied once and its hooks run once. Meanwhile the
-//! tasks stay held (so the fetcher claims no more) and the heartbeat keeps the owner's lease alive.
+//! tasks stay held (so the fetcher claims no more) and the heartbeat keeps the owner's lease alive. A batch Redis
+//! refuses as sent (out of memory with the call's arguments counted, a record it cannot take) is split by the
+//! settler down to the outcomes it refuses alone; those stay held, counted in `Lane::refused_outcomes` (the
+//! metric `kmqd_daemon_refused_outcomes`, the status line) and logged, and are tried again alone, after a wait
+//! that doubles from [`REFUSED_WAIT_FIRST`] to [`REFUSED_WAIT_MAX`], while the lane's other outcomes settle
+//! (review M8).
 //!
 //! Small settles cost Redis nearly as much as large ones (the script's fixed part), and on a busy host each is a
 //! Redis run that preempts a worker. So after a settle, while at least [`LINGER_BELOW`] claimed tasks wait for a
@@ -47,6 +52,10 @@ pub const LINGER: Duration = Duration::from_micros(500);
 /// handler's lane on two workers takes about 200 tasks, 5 ms of their work.
 pub const MAX_LINGERS: usize = 20;
 
+/// How long a refused outcome waits before it is tried again, at first, and at most.
+pub const REFUSED_WAIT_FIRST: Duration = Duration::from_secs(1);
+pub const REFUSED_WAIT_MAX: Duration = Duration::from_secs(60);
+
 /// How long the acker may go without a beat of its pulse before the watchdog counts it as wedged: waiting for an
 /// outcome, then one settle attempt (and a redirect), then its lingers or the backoff before the next. With the
 /// defaults (`connect_timeout` 5 s, `io_timeout` 10 s, `wait_timeout` 100 ms): 30.16 s.
@@ -61,9 +70,33 @@ pub struct Acker {
     pub settler: Settler,
     /// Fires when the daemon gives up waiting: the acker stops even if Redis keeps failing.
     pub background: Listener,
+    /// Outcomes Redis refused, each alone in its call: held until it takes them.
+    refused: Vec<Outcome>,
+    /// When they are tried again (`None`: not scheduled yet), and the wait after that.
+    refused_due: Option<Instant>,
+    refused_wait: Duration,
 }
 
 impl Acker {
+    pub fn new(
+        lane: Arc<Lane>,
+        plugins: Arc<Plugins>,
+        connection: Session,
+        settler: Settler,
+        background: Listener,
+    ) -> Acker {
+        Acker {
+            lane,
+            plugins,
+            connection,
+            settler,
+            background,
+            refused: Vec::new(),
+            refused_due: None,
+            refused_wait: REFUSED_WAIT_FIRST,
+        }
+    }
+
     pub fn run(mut self) {
         let mut taken = Vec::with_capacity(64);
         'lane: loop {
@@ -90,6 +123,12 @@ impl Acker {
                     break;
                 }
                 self.linger();
+            }
+            if !self.refused.is_empty() {
+                // Held until Redis takes them, or the daemon gives up on them (its shutdown's last stage).
+                if self.background.is_triggered() || !self.retry_refused() {
+                    break;
+                }
             }
             if self.lane.drained() {
                 break;
@@ -155,7 +194,8 @@ impl Acker {
         held.saturating_sub(self.lane.queue.config.workers + self.lane.outcomes.queued())
     }
 
-    /// Applies a batch and empties it; false when the daemon gave up on Redis before it was applied.
+    /// Applies a batch and empties it; false when the daemon gave up on Redis before it was applied. An outcome
+    /// Redis refuses (alone in its call: `settler.rs`) moves to [`Acker::refused`], still held.
     fn settle(&mut self, batch: &mut Vec<Outcome>) -> bool {
         // One script call per owner (nearly always one: a daemon claims under a new owner only after losing its
         // lease); forgotten tasks need no call at all.
@@ -166,29 +206,85 @@ impl Acker {
                 holders.push(holder);
             }
         }
+        let mut refused = vec![false; batch.len()];
         for holder in holders {
-            let group: Vec<&Outcome> = batch
+            let (at, group): (Vec<usize>, Vec<&Outcome>) = batch
                 .iter()
-                .filter(|o| o.settlement().is_some_and(|s| Holder::of(s) == holder))
-                .collect();
-            if !self.settle_owned(holder, &group) {
+                .enumerate()
+                .filter(|(_, o)| o.settlement().is_some_and(|s| Holder::of(s) == holder))
+                .unzip();
+            let Some(left_out) = self.settle_owned(holder, &group) else {
                 return false;
+            };
+            for position in left_out {
+                refused[at[position]] = true;
             }
         }
         let lane = &self.lane;
-        lane.held.remove(batch.iter().map(|outcome| outcome.job));
+        let mut settled = 0;
+        let mut kept = Vec::new();
+        for (outcome, refused) in batch.drain(..).zip(refused) {
+            if refused {
+                kept.push(outcome);
+            } else {
+                settled += 1;
+                lane.held.remove([outcome.job]);
+            }
+        }
         // The tasks are settled: their capacity may be claimed again. Releasing only now bounds what the daemon
         // holds, outcomes waiting for Redis included.
-        lane.capacity.release(batch.len());
-        batch.clear();
+        lane.capacity.release(settled);
+        self.refused.extend(kept);
+        lane.refused_outcomes
+            .store(self.refused.len(), std::sync::atomic::Ordering::Release);
         true
     }
 
-    fn settle_owned(&mut self, holder: Holder<'_>, group: &[&Outcome]) -> bool {
+    /// Tries the refused outcomes again once their wait is over: apart from the new ones, so that a refusal costs
+    /// them nothing, and each alone. The wait doubles while Redis keeps refusing them all, up to
+    /// [`REFUSED_WAIT_MAX`]; false when the daemon gave up on Redis meanwhile.
+    fn retry_refused(&mut self) -> bool {
+        let Some(due) = self.refused_due else {
+            if !self.refused.is_empty() {
+                self.refused_wait = REFUSED_WAIT_FIRST;
+                self.refused_due = Some(Instant::now() + self.refused_wait);
+            }
+            return true;
+        };
+        if Instant::now() < due {
+            return true;
+        }
+        let mut again = std::mem::take(&mut self.refused);
+        let before = again.len();
+        // Smallest first, each alone: after reading a large argument Redis keeps a buffer as large on the
+        // connection for a moment, which a small outcome sent right after a refused large one would find still
+        // counted against maxmemory; an outcome refused only for being next to a large one goes through here.
+        again.sort_by_key(|outcome| outcome.settlement().map_or(0, |s| s.payload.len()));
+        for outcome in again {
+            if !self.settle(&mut vec![outcome]) {
+                return false;
+            }
+        }
+        self.refused_due = if self.refused.is_empty() {
+            tracing::info!(queue = %self.lane.name(), outcomes = before, "Redis took the outcomes it refused before");
+            None
+        } else {
+            if self.refused.len() >= before {
+                self.refused_wait = (self.refused_wait * 2).min(REFUSED_WAIT_MAX);
+            }
+            Some(Instant::now() + self.refused_wait)
+        };
+        true
+    }
+
+    /// Settles `group` (of one holder); returns the positions in it of the outcomes Redis refused, or `None` when
+    /// the daemon gave up on Redis first.
+    fn settle_owned(&mut self, holder: Holder<'_>, group: &[&Outcome]) -> Option<Vec<usize>> {
         let lane = &self.lane;
         let queue = &lane.queue;
+        // Every outcome of the group has a settlement (the caller picked them by it).
         let settlements: Vec<&Settlement> = group.iter().filter_map(|o| o.settlement()).collect();
-        let Some(settled) = self.settler.settle(
+        let report = self.settler.settle(
             &mut self.connection,
             &queue.keys,
             Fence::Owner,
@@ -196,17 +292,15 @@ impl Acker {
             holder,
             &settlements,
             &self.background,
-        ) else {
-            return false;
-        };
-        if let Holder::Claimed(owner) = holder
-            && settled.journal > 0
-        {
-            // This call's answer (the first, or the stored one to a call sent again): one bump, counted once.
-            lane.ownership.bumped(owner);
+        )?;
+        if let Holder::Claimed(owner) = holder {
+            // Each call's answer (the first, or the stored one to a call sent again): one bump, counted once.
+            for _ in 0..report.journaled {
+                lane.ownership.bumped(owner);
+            }
         }
-        let stale = settled.stale_acks
-            + settled
+        let stale = report.stale_acks
+            + report
                 .applied
                 .iter()
                 .filter(|ok| **ok == Some(false))
@@ -226,7 +320,7 @@ impl Acker {
                  and newer tasks with those ids hold them now"
             );
         }
-        for (outcome, applied) in group.iter().zip(settled.applied) {
+        for (outcome, applied) in group.iter().zip(&report.applied) {
             if let (
                 Resolution::Settle {
                     dead_hook: Some(hook),
@@ -242,6 +336,6 @@ impl Acker {
                 lane.acker_pulse.beat();
             }
         }
-        true
+        Some(report.refused)
     }
 }

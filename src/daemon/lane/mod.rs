@@ -43,7 +43,7 @@ pub mod slots;
 pub mod started;
 pub mod worker;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
@@ -101,6 +101,9 @@ pub struct Lane {
     /// Bumped by the queue's delay poller every turn, and by its source mover (if it has `source_lists`).
     pub delay_pulse: Pulse,
     pub sources_pulse: Pulse,
+    /// Outcomes Redis refused (alone in a settle call), which the acker holds and tries again: for the metrics
+    /// and the status line, since such a task neither runs nor leaves until Redis takes its outcome.
+    pub refused_outcomes: AtomicUsize,
     /// Task types that came with no plugin to handle them, so that each is warned about once, not per task.
     unhandled_types: Mutex<FxHashSet<String>>,
 }
@@ -125,6 +128,7 @@ impl Lane {
             acker_pulse: Pulse::default(),
             delay_pulse: Pulse::default(),
             sources_pulse: Pulse::default(),
+            refused_outcomes: AtomicUsize::new(0),
             unhandled_types: Mutex::default(),
             queue,
         }

@@ -25,6 +25,7 @@ pub mod snapshot;
 
 use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use super::lane::LaneSet;
 use crate::http::{Limits, Request, Response, Server};
@@ -111,6 +112,7 @@ impl Page {
                 stuck: lane.capacity.stuck_workers(),
                 held: lane.held.len(),
                 prefetch: lane.capacity.prefetch(),
+                refused: lane.refused_outcomes.load(Ordering::Acquire),
             })
             .collect()
     }

@@ -75,6 +75,8 @@ pub struct LaneNumbers {
     pub held: usize,
     /// The prefetch now (adapted by the lane unless the config sets it).
     pub prefetch: usize,
+    /// Outcomes Redis refused, which the acker holds and tries again.
+    pub refused: usize,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -342,7 +344,7 @@ fn registry(lanes: &[LaneNumbers], redis: Option<&Snapshot>) -> Registry {
             queues().map(|(queue, read)| (queue, read.daemons as f64)),
         );
     }
-    let lane_gauges: [LaneGauge; 5] = [
+    let lane_gauges: [LaneGauge; 6] = [
         (
             "kmqd_daemon_held_tasks",
             "Tasks this daemon holds (claimed, running or being settled)",
@@ -367,6 +369,11 @@ fn registry(lanes: &[LaneNumbers], redis: Option<&Snapshot>) -> Registry {
             "kmqd_daemon_prefetch",
             "Tasks this daemon may claim beyond one per worker: the config's prefetch, or what the lane adapted it to",
             |l| l.prefetch,
+        ),
+        (
+            "kmqd_daemon_refused_outcomes",
+            "Outcomes Redis refused to settle, even alone in a call (out of memory with the call counted, a record it cannot take): their tasks stay held and are tried again",
+            |l| l.refused,
         ),
     ];
     for (name, help, value) in lane_gauges {
@@ -411,6 +418,7 @@ mod tests {
             workers: 4,
             busy: 1,
             stuck: 0,
+            refused: 0,
             held: 3,
             prefetch: 12,
         }]

@@ -1,6 +1,6 @@
 // kmqd dashboard: draws the page the path names from the JSON API (docs/DASHBOARD.md), asking again every
-// second. Everything shown is put in with textContent, never as HTML: task data and error messages are
-// whatever producers and handlers wrote.
+// second (a task's page asks once, and again on its button: a lookup scans the queue's lists). Everything shown is
+// put in with textContent, never as HTML: task data and error messages are whatever producers and handlers wrote.
 "use strict";
 
 const CSRF = document.querySelector('meta[name="kmqd-csrf"]').content;
@@ -45,6 +45,15 @@ function duration(ms) {
 
 function clock(ms) {
   return ms ? new Date(ms).toLocaleString() : "-";
+}
+
+// 97 -> "97 B", 16777216 -> "16.0 MiB"; "(cut)" when the page was sent only the first 4 KiB of it.
+function size(bytes, cut) {
+  if (bytes === null || bytes === undefined) return "-";
+  const units = ["B", "KiB", "MiB", "GiB"];
+  let value = bytes, unit = 0;
+  while (value >= 1024 && unit < units.length - 1) { value /= 1024; unit++; }
+  return (unit ? value.toFixed(1) : String(value)) + " " + units[unit] + (cut ? " (cut)" : "");
 }
 
 function rate(value) {
@@ -206,18 +215,20 @@ const pages = {
           el("td", {}, head.level), el("td", { class: "num" }, position), taskLink(name, task.id),
           el("td", {}, task.type || "-"), el("td", { class: "num" }, task.attempt ?? "-"),
           el("td", { class: "num" }, task.created_at ? duration(data.now_ms - task.created_at) : "-"),
-          el("td", {}, cancel(task)))));
+          sizeCell(task.envelope_bytes, task.envelope_truncated), el("td", {}, cancel(task)))));
       const delayed = data.delayed.map((d) => el("tr", { "data-id": d.task.id },
         taskLink(name, d.task.id), el("td", {}, d.task.type || "-"), el("td", {}, d.level),
-        el("td", {}, clock(d.due_at_ms)), el("td", { class: "num" }, duration(d.due_in_ms)), el("td", {}, cancel(d.task))));
+        el("td", {}, clock(d.due_at_ms)), el("td", { class: "num" }, duration(d.due_in_ms)),
+        sizeCell(d.task.envelope_bytes, d.task.envelope_truncated), el("td", {}, cancel(d.task))));
       const retrying = data.retrying.map((d) => el("tr", { "data-id": d.task.id },
         taskLink(name, d.task.id), el("td", {}, d.task.type || "-"), el("td", { class: "num" }, d.task.attempt ?? "-"),
         el("td", { class: "wrap bad" }, d.task.last_error || ""), el("td", { class: "num" }, duration(d.due_in_ms)),
-        el("td", {}, cancel(d.task))));
+        sizeCell(d.task.envelope_bytes, d.task.envelope_truncated), el("td", {}, cancel(d.task))));
       const dead = data.dead.map((r) => el("tr", { "data-id": r.id },
         taskLink(name, r.id), el("td", {}, r.type || "-"), el("td", { class: "num" }, r.attempt ?? "-"),
         el("td", { class: "wrap bad" }, r.reason || ""),
         el("td", { class: "num" }, r.dead_at ? duration(data.now_ms - r.dead_at) + " ago" : "-"),
+        sizeCell(r.record_bytes, r.truncated),
         el("td", {}, el("div", { class: "actions" },
           button("Requeue", () => act(base + "/dead/requeue", { ids: [r.id] }, "requeue " + r.id)),
           button("Purge", () => confirm("Purge the dead record of " + r.id + "?")
@@ -236,20 +247,24 @@ const pages = {
           card("lag", duration(s.lag_ms), "lag")),
         el("div", { class: "card history" }, charts(name)),
         el("h2", {}, "Ready (the next to run, per level)"),
-        el("div", { id: "ready" }, table([["level"], ["#", "num"], ["id"], ["type"], ["attempt", "num"], ["age", "num"], [""]],
-          ready, "nothing ready")),
+        el("p", { class: "dim", id: "cut-note" }, "These lists are sent each task's envelope, error or dead record cut to",
+          " 4 KiB, and stop at about 4 MiB of a list's tasks (fewer than asked when they are large): a task's own",
+          " page shows it whole."),
+        el("div", { id: "ready" }, table([["level"], ["#", "num"], ["id"], ["type"], ["attempt", "num"], ["age", "num"],
+          ["size", "num"], [""]], ready, "nothing ready")),
         el("h2", {}, "Delayed"),
-        el("div", { id: "delayed" }, table([["id"], ["type"], ["level"], ["due"], ["in", "num"], [""]], delayed, "nothing delayed")),
+        el("div", { id: "delayed" }, table([["id"], ["type"], ["level"], ["due"], ["in", "num"], ["size", "num"], [""]],
+          delayed, "nothing delayed")),
         el("h2", {}, "Retrying"),
-        el("div", { id: "retrying" }, table([["id"], ["type"], ["attempt", "num"], ["last error"], ["in", "num"], [""]],
-          retrying, "nothing waiting to retry")),
+        el("div", { id: "retrying" }, table([["id"], ["type"], ["attempt", "num"], ["last error"], ["in", "num"],
+          ["size", "num"], [""]], retrying, "nothing waiting to retry")),
         el("h2", {}, "Dead ", s.dead ? el("span", { class: "actions" },
           button("Requeue all", () => confirm("Requeue all " + s.dead + " dead tasks of " + name + "?")
             && act(base + "/dead/requeue", { all: true }, "requeue all")),
           button("Purge all", () => confirm("Purge all " + s.dead + " dead records of " + name + "?")
             && act(base + "/dead/purge", { all: true }, "purge all"), true)) : null),
-        el("div", { id: "dead" }, table([["id"], ["type"], ["attempt", "num"], ["reason"], ["dead", "num"], [""]], dead,
-          "no dead tasks")),
+        el("div", { id: "dead" }, table([["id"], ["type"], ["attempt", "num"], ["reason"], ["dead", "num"], ["size", "num"],
+          [""]], dead, "no dead tasks")),
         el("h2", {}, "Daemons"),
         daemonTable(daemons),
       ];
@@ -265,6 +280,9 @@ const pages = {
   },
 
   task: {
+    // Asked once when the page opens, and again on "Look again": a lookup scans the queue's lists (up to the
+    // dashboard's limit), which is no work to repeat every second (docs/DASHBOARD.md, "Pages").
+    every: 0,
     params: () => new URLSearchParams(location.search),
     url() {
       const p = this.params();
@@ -278,16 +296,25 @@ const pages = {
         el("input", { name: "id", placeholder: "task id", value: p.get("id") || "", required: true, size: 36 }),
         el("button", { type: "submit" }, "Find"));
       if (!data) { status(""); return [el("h1", {}, "Find a task"), form]; }
-      status("updated " + new Date().toLocaleTimeString());
+      status("looked at " + new Date().toLocaleTimeString() + ", " + data.searched + " tasks searched");
+      const again = el("button", { type: "button", "data-action": "look-again", onclick: () => refresh(true) }, "Look again");
+      const partial = data.complete ? null : el("p", { class: "bad", id: "partial" },
+        "Not searched to the end: the dashboard stops after " + data.searched + " tasks of the queue's lists. ",
+        "kmqd task show " + data.queue + " " + data.id + " searches them all.");
       const places = data.found.map((f) => el("div", { class: "found" },
         el("h2", {}, f.state, f.level ? " · level " + f.level : "", f.due_in_ms !== undefined ? " · due in " + duration(f.due_in_ms) : "",
           f.position !== undefined ? " · " + f.position + " ahead of it" : "", f.owner ? " · owner " + f.owner : ""),
         el("pre", {}, pretty(f.envelope || f.record))));
-      return [el("h1", {}, "Find a task"), form,
+      return [el("h1", {}, "Find a task"), form, el("div", { class: "actions" }, again), partial,
         ...(places.length ? places : [el("p", { class: "empty" }, "not in " + data.queue + ": unknown, done, or trimmed")])];
     },
   },
 };
+
+function sizeCell(bytes, cut) {
+  return el("td", { class: "num", "data-field": "size", title: cut ? "this page was sent its first 4 KiB" : null },
+    size(bytes, cut));
+}
 
 function taskLink(queue, id) {
   if (id === null || id === undefined || id === "") return el("td", { class: "dim" }, "(no id)");
@@ -342,7 +369,7 @@ async function refresh(force) {
   } catch (error) {
     status(error.message + " (retrying)", true);
   }
-  if (url) timer = setTimeout(refresh, page.every || POLL_MS);
+  if (url && page.every !== 0) timer = setTimeout(refresh, page.every || POLL_MS);
 }
 
 document.addEventListener("DOMContentLoaded", () => {

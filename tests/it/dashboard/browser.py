@@ -129,6 +129,20 @@ def main():
         eventually(10, "doomed found dead", lambda: read("the place", lambda: driver.find_element(
             By.CSS_SELECTOR, ".found h2").text).startswith("dead"))
 
+        # A task's page looks it up once (a lookup scans the queue's lists), not every second: in 3 s no other
+        # lookup goes out (the other pages ask every second), and "Look again" makes one more.
+        def lookups():
+            return driver.execute_script(
+                "return performance.getEntriesByType('resource')"
+                ".filter((entry) => entry.name.includes('/api/queues/jobs/tasks/doomed')).length")
+        eventually(10, "the first lookup", lambda: lookups() == 1)
+        time.sleep(3)  # an absence: what the page would have asked meanwhile (no condition to poll for)
+        assert lookups() == 1, f"the task page looked again on its own: {lookups()} lookups in 3 s"
+        eventually(5, "a click on Look again", lambda: driver.find_element(
+            By.CSS_SELECTOR, 'button[data-action="look-again"]').click() or True)
+        eventually(10, "the second lookup", lambda: lookups() == 2)
+        measured["task_page_lookups"] = lookups()
+
         # --read-only: no button anywhere, and an action sent anyway is refused.
         ro = ARGS["read_only_url"]
         for path in ["/", "/queues/jobs", "/daemons"]:

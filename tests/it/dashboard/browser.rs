@@ -3,8 +3,9 @@
 //! daemon and two dashboards (one `--read-only`) this test starts. It checks that the overview lists the queues
 //! with the counts Redis holds and charts the hour of history in Redis, that a push shows on the page within two
 //! seconds, that a dead task's Requeue button makes it run again, that Pause and Resume change the queue's state,
-//! that the daemons page and a task found by id show what Redis holds, and that `--read-only` draws no button
-//! and refuses an action sent anyway.
+//! that the daemons page and a task found by id show what Redis holds, that a task's page looks it up once and
+//! again only on its button (review M7: a lookup scans the queue's lists), and that `--read-only` draws no
+//! button and refuses an action sent anyway.
 //!
 //! Its screenshots go to the test's directory; with `KMQD_DASHBOARD_SCREENSHOTS=DIR` they are copied there
 //! (`KMQD_DASHBOARD_SCREENSHOTS=docs` refreshes the pictures of docs/DASHBOARD.md and the README).

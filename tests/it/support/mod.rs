@@ -363,6 +363,15 @@ impl Records {
 }
 
 impl RedisServer {
+    /// A number of `INFO section` (`INFO memory`'s `used_memory`).
+    pub fn info_number(&self, section: &str, field: &str) -> u64 {
+        let info: String = self.cmd(&["INFO", section]);
+        info.lines()
+            .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or_else(|| panic!("INFO {section} has no number {field}"))
+    }
+
     /// Waits until a client of this server is blocked in `command` (`blpop`: an idle safe-mode fetcher waiting
     /// for a wake-up marker; `blmpop`: an idle default-mode fetcher waiting on its ready lists).
     pub fn wait_blocked_in(&self, command: &str) {
