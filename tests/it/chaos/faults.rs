@@ -125,6 +125,20 @@ pub(super) const FAULTS: &[(Kind, u64, &str)] = &[
 ];
 
 impl Kind {
+    /// Whether the fault takes Redis from every daemon at once, or every lease: a restart, a stall, a loss or a
+    /// rewind of its data, a forward step of its clock.
+    pub(super) fn is_redis_wide(self) -> bool {
+        matches!(
+            self,
+            Kind::RedisTerm
+                | Kind::RedisKill
+                | Kind::RedisStall
+                | Kind::RedisEmpty
+                | Kind::RedisRewind
+                | Kind::ClockForward
+        )
+    }
+
     pub(super) fn label(self) -> &'static str {
         match self {
             Kind::Kill9 => "kill -9",
@@ -392,7 +406,9 @@ impl Injector<'_, '_> {
             Kind::Slowloris => self.slowloris(),
             Kind::PoisonPill => {
                 let queue = self.rng.pick(&Queue::ALL);
-                let ids = world.new_tasks(&mut self.rng, queue, 1, |_| Work::Pill);
+                let ids = world.new_tasks(&mut self.rng, queue, 1, |rng| {
+                    (queue.pick_type(rng), Work::Pill)
+                });
                 let _gate = world.gate.read().unwrap();
                 world.push(&self.client, &ids);
                 format!("pushed {}", ids[0])
@@ -400,7 +416,9 @@ impl Injector<'_, '_> {
             Kind::DeafHandlers => {
                 let count = 1 + self.rng.below(3) as usize;
                 let queue = self.rng.pick(&Queue::ALL);
-                let ids = world.new_tasks(&mut self.rng, queue, count, |_| Work::Deaf);
+                let ids = world.new_tasks(&mut self.rng, queue, count, |rng| {
+                    (queue.pick_type(rng), Work::Deaf)
+                });
                 let _gate = world.gate.read().unwrap();
                 world.push(&self.client, &ids);
                 format!("pushed {}", ids.join(" "))

@@ -53,6 +53,7 @@ mod ledger;
 mod outbox;
 mod report;
 mod slowloris;
+mod types;
 mod workload;
 mod world;
 
@@ -70,6 +71,7 @@ use crate::support::*;
 use check::{LimitWatch, sample};
 use faults::{FAULTS, Injector, Schedule};
 use ledger::{Epoch, Facts, Ledger};
+use types::TypedWatch;
 use workload::{DAEMON_SECTION, DAEMONS, Mode, Queue, Rng, Shape, produce};
 use world::{
     Daemons, Slot, StopOnDrop, What, World, lock, now_us, send_signal, supervise, tail, wait_exit,
@@ -132,6 +134,7 @@ fn chaos() {
     // Its own generator, off the seed, so that the other draws of a seed are those of the suite before it.
     let limited_rng = Rng::new(seed ^ 0x006C_696D_6974_6564);
     let popped_rng = Rng::new(seed ^ 0x0070_6F70_7065_6400);
+    let typed_rng = Rng::new(seed ^ 0x0000_7479_7065_6400);
     let redis_url = redis.url();
     let mut injector = Injector {
         world: &world,
@@ -145,6 +148,7 @@ fn chaos() {
     let producer_client = client(&producer_config);
     let limited_client = client(&producer_config);
     let popped_client = client(&producer_config);
+    let typed_client = client(&producer_config);
 
     let (chaos_time, chaos_end_us, drain_time) = std::thread::scope(|scope| {
         let _stop = StopOnDrop(&world);
@@ -153,6 +157,8 @@ fn chaos() {
             scope.spawn(|| produce(&world, &limited_client, Queue::Limited, limited_rng));
         let popped_producer =
             scope.spawn(|| produce(&world, &popped_client, Queue::Popped, popped_rng));
+        let typed_producer =
+            scope.spawn(|| produce(&world, &typed_client, Queue::Typed, typed_rng));
         let supervisor = scope.spawn(|| supervise(&world));
         let sampler = scope.spawn(|| sample(&world, &redis_url));
 
@@ -184,6 +190,9 @@ fn chaos() {
         popped_producer
             .join()
             .expect("the default-mode queue's producer thread");
+        typed_producer
+            .join()
+            .expect("the typed queue's producer thread");
         let drain_started = Instant::now();
         drain(&world, &harness, &injector.redis);
         let drain_time = drain_started.elapsed();
@@ -267,6 +276,7 @@ fn new_world(dir: &TestDir, redis_section: String) -> World<'_> {
         violations: Mutex::new(Vec::new()),
         completions: Mutex::new(Vec::new()),
         watch: Mutex::new(LimitWatch::default()),
+        typed: Mutex::new(TypedWatch::default()),
         counters: Mutex::new(BTreeMap::new()),
         tails: Mutex::new((Vec::new(), Facts::default())),
         dead_seen: Mutex::new(HashMap::new()),
@@ -328,7 +338,7 @@ fn drain(world: &World, harness: &Client, redis: &RedisServer) {
             .iter()
             .map(|queue| drained_under_a_live_owner(harness, queue.name()))
             .collect();
-        let empty = looks.iter().all(|(drained, _)| *drained);
+        let empty = looks.iter().all(|(drained, _)| *drained) && world.flows_left(redis).is_empty();
         let stats: Vec<_> = looks.into_iter().map(|(_, stats)| stats).collect();
         let counts = stats[Queue::Popped.index()]
             .as_ref()
@@ -425,7 +435,8 @@ fn stop_daemons(world: &World, harness: &Client) -> Vec<QueueStats> {
     final_stats
 }
 
-/// At rest: the limited queue's count is gone (a field at 0 is deleted) and never went below 0.
+/// At rest: the limited queue's count is gone (a field at 0 is deleted) and never went below 0; the typed queue's
+/// as well, its flows empty and its rings too.
 fn check_at_rest(world: &World, redis: &RedisServer) {
     let at_rest = Queue::Limited.base();
     let running: Option<i64> = redis.cmd(&["HGET", &format!("{at_rest}:running"), "q"]);
@@ -438,4 +449,5 @@ fn check_at_rest(world: &World, redis: &RedisServer) {
         ));
     }
     lock(&world.watch).at_rest = (running, underflow);
+    world.check_types_at_rest(redis);
 }
