@@ -584,7 +584,7 @@ pub(super) struct LimitCheck {
     pub(super) counted: usize,
     pub(super) excused: usize,
     /// Starts that made more than `bound` runs at once (starts within a window), and the first ten of them with
-    /// those runs.
+    /// those runs (of a rate, the first of each stretch of them, ten at most).
     pub(super) over_count: usize,
     pub(super) over: Vec<String>,
 }

@@ -1,15 +1,16 @@
-//! The chaos suite: three real `kmqd` processes on three queues, two safe ones, `jobs` (two priority levels) and
-//! `limited` (one level, `max_running` 4 against the daemons' 12 workers), and one in default mode, `popped`, under
-//! a steady load, while faults are injected at random ([`faults::FAULTS`] lists them with their weights):
-//! `kill -9` and restarts, `CLIENT KILL`, Redis restarted on its append-only file (after SIGTERM and after SIGKILL),
-//! Redis rewound (on `appendfsync everysec`, killed with its host: the tail of its append-only file lost), Redis
-//! restarted empty, Redis stalled past the read timeout, steps of Redis's wall clock (forward past every lease, and
-//! back), one call's reply delayed within the read timeout and one call's request delivered after its caller gave
-//! up on it (the daemons' claims, settles and renewals, the producers' pushes, default mode's pops), zombie daemons
-//! (SIGSTOP past the lease, then SIGCONT), rolling config changes (which halve `limited`'s limit), slow HTTP clients
-//! on a daemon's metrics endpoint, poison pills, handlers that ignore cancel, and handlers that throttle their
-//! queue for 100 ms once (2 % of the tasks: each then runs again at the same attempt, a repeat its throttle
-//! explains, and is never charged or dead-lettered for it). At the end it checks that no task of a safe queue was
+//! The chaos suite: three real `kmqd` processes on four queues, three safe ones, `jobs` (two priority levels),
+//! `limited` (one level, `max_running` 4 against the daemons' 12 workers) and `typed` (limits per task type), and
+//! one in default mode, `popped`, under a steady load, while faults are injected at random ([`faults::FAULTS`]
+//! lists them with their weights): `kill -9` and restarts, `CLIENT KILL`, Redis restarted on its append-only file
+//! (after SIGTERM and after SIGKILL), Redis rewound (on `appendfsync everysec`, killed with its host: the tail of
+//! its append-only file lost), Redis restarted empty, Redis stalled past the read timeout, steps of Redis's wall
+//! clock (forward past every lease, and back), one call's reply delayed within the read timeout and one call's
+//! request delivered after its caller gave up on it (the daemons' claims, settles and renewals, the producers'
+//! pushes, default mode's pops), zombie daemons (SIGSTOP past the lease, then SIGCONT), rolling config changes
+//! (which halve `limited`'s limit and `typed`'s), slow HTTP clients on a daemon's metrics endpoint, poison pills,
+//! handlers that ignore cancel, and handlers that throttle their queue (or their type, on `typed`) for 100 ms once
+//! (2 % of the tasks: each then runs again at the same attempt, a repeat its throttle explains, and is never
+//! charged or dead-lettered for it). At the end it checks that no task of a safe queue was
 //! lost, that no task ran more often than its mode's rules allow (at least once in safe mode, at most once in
 //! default mode, but across Redis losing or rewinding its writes: see [`workload::Mode`]), that every queue is
 //! drained under a live owner (and, after each rewind, that what Redis forgot was settled does not stay under a
@@ -20,6 +21,14 @@
 //! every 20 ms; the count equal to the unsettled positions of the counted claim lists, at every atomic snapshot;
 //! and, from the run records, never more of its handlers running at once than that limit, but for runs of a daemon
 //! that a fault made lose its lease (see [`check::check_limit`]). At the end the count is absent and the queue drained.
+//!
+//! The typed queue's limits per task type (docs/RELIABILITY.md, "Limits per task type") are checked likewise, with
+//! tasks of `slow` (`max_running` 2), `api` (`rate_limit` 20/s) and `other` (no limit of its own) pushed mixed and
+//! in bursts: `running` field `t:slow` sampled within 0 and its largest limit and equal to the unsettled positions
+//! of the runs counted in it at every snapshot, the queue's own throttle never set (its limited types' tasks
+//! throttle their type); from the run records, `slow`'s runs at once, `api`'s starts per window and `other`'s
+//! waits from push to first start, each but near the faults that explain more; at the end no flow and no ring
+//! left (see [`types`]).
 //!
 //! One `#[ignore]`d test, run by `scripts/chaos` (`--short` in CI through `scripts/test`, `--long` by hand):
 //!
@@ -44,8 +53,9 @@
 //! One concern per file: [`workload`] (the queues, configs, tasks and producers), [`faults`] (what is injected and
 //! the schedule), [`outbox`] (Redis losing its data or rewound, and the producer pushing again what it lost),
 //! [`slowloris`] (the slow HTTP clients), [`world`] (what the threads share: the daemons, their supervisor, the
-//! events), [`ledger`] (what was pushed, and what ran, from the record files), [`check`] (conservation, the limited
-//! queue's count, the run budget) and [`report`] (the end checks and the summary); this file runs them.
+//! events), [`ledger`] (what was pushed, and what ran, from the record files), [`check`] (conservation, the running
+//! counts, the run budget), [`types`] (the typed queue's limits) and [`report`] (the end checks and the summary);
+//! this file runs them.
 
 mod check;
 mod faults;

@@ -56,10 +56,11 @@ pub(super) struct TypedWatch {
     /// Every sample: (µs, slow held back, api held back), as above.
     pub(super) held: Vec<(u64, bool, bool)>,
     /// Samples that found `slow`'s throttle set, `api`'s, and the queue's own (never: only the limited types'
-    /// tasks throttle, and a limited type's throttle is its own).
+    /// tasks throttle, and a limited type's throttle is its own); whether the last sample found the queue's.
     pub(super) slow_throttled: u64,
     pub(super) api_throttled: u64,
     pub(super) queue_throttled: u64,
+    queue_throttled_last: bool,
     /// Stretches (µs) with tasks in the quarantine: no owner claims a ready task meanwhile.
     pub(super) quarantined: Vec<(u64, u64)>,
     /// Turns of the sampler more than [`STALL_US`] after the one before (µs): the machine starved.
@@ -151,9 +152,11 @@ impl World<'_> {
                 _ => typed.quarantined.push((at, at)),
             }
         }
-        if queue_throttle {
-            typed.queue_throttled += 1;
-            drop(typed);
+        typed.queue_throttled += u64::from(queue_throttle);
+        let newly = queue_throttle && !typed.queue_throttled_last;
+        typed.queue_throttled_last = queue_throttle;
+        drop(typed);
+        if newly {
             self.violation(
                 "the typed queue's own throttle is set: only tasks of its limited types throttle, and their throttle \
                  must hold back their type alone"
@@ -315,7 +318,7 @@ pub(super) fn check_rate(
     kept.sort_unstable();
     check.within.counted = kept.len();
     let span = window_us - DISPATCH_US;
-    let (mut first, mut first_whole) = (0, 0);
+    let (mut first, mut first_whole, mut was_over) = (0, 0, false);
     for (last, &(at, _)) in kept.iter().enumerate() {
         while kept[first].0 + span <= at {
             first += 1;
@@ -332,21 +335,24 @@ pub(super) fn check_rate(
         if whole >= limit {
             check.at_limit += 1;
         }
-        if within > limit {
+        let over = within > limit;
+        if over {
             check.within.over_count += 1;
-            if check.within.over.len() < 10 {
-                let ids: Vec<String> = kept[first..=last]
-                    .iter()
-                    .map(|(at, id)| format!("{id}@{}", rel(t0_us, *at)))
-                    .collect();
-                check.within.over.push(format!(
-                    "{within} starts within {} ms up to {}: {}",
-                    span / 1000,
-                    rel(t0_us, at),
-                    ids.join(" ")
-                ));
-            }
         }
+        // One line for each stretch of starts over the limit, at its first.
+        if over && !was_over && check.within.over.len() < 10 {
+            let ids: Vec<String> = kept[first..=last]
+                .iter()
+                .map(|(at, id)| format!("{id}@{}", rel(t0_us, *at)))
+                .collect();
+            check.within.over.push(format!(
+                "{within} starts within {} ms up to {}: {}",
+                span / 1000,
+                rel(t0_us, at),
+                ids.join(" ")
+            ));
+        }
+        was_over = over;
     }
     check
 }
@@ -490,13 +496,25 @@ pub(super) fn check_types(
             WAIT_BOUND_US as f64 / 1e6
         ));
     }
-    for (over, what) in [
-        (slow.over_count, "slow runs at once"),
-        (rate.within.over_count, "api starts"),
-        (waits_check.over_count, "other waits"),
+    for (listed, over, what) in [
+        (
+            slow.over.len(),
+            slow.over_count,
+            "starts made more slow runs at once than its limit",
+        ),
+        (
+            rate.within.over.len(),
+            rate.within.over_count,
+            "api starts made more within a window than its limit",
+        ),
+        (
+            waits_check.over.len(),
+            waits_check.over_count,
+            "other tasks waited longer than the bound",
+        ),
     ] {
-        if over > 10 {
-            world.violation(format!("{} more {what} over their bound", over - 10));
+        if over > listed {
+            world.violation(format!("{over} {what} in all (the first listed above)"));
         }
     }
     let held_at = |at: u64| {
