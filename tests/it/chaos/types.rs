@@ -13,7 +13,7 @@ use kmqd::broker::keys::{QueueKeys, flow_member, type_scope};
 
 use crate::support::RedisServer;
 
-use super::check::{LimitCheck, check_limit};
+use super::check::{LimitCheck, LimitWatch, check_limit};
 use super::faults::Kind;
 use super::ledger::{Facts, Ledger};
 use super::workload::{
@@ -47,7 +47,7 @@ const RECOVERY_US: u64 = 3_000_000;
 #[derive(Default)]
 pub(super) struct TypedWatch {
     /// `running` field `t:slow`, seen as the limited queue's count is.
-    pub(super) count: super::check::LimitWatch,
+    pub(super) count: LimitWatch,
     /// Samples in all, those that found `slow` at its bound with tasks waiting in its flow, and `api`'s window
     /// full (its log's sum at the bound) with tasks waiting in its flow.
     pub(super) samples: u64,
@@ -66,8 +66,7 @@ pub(super) struct TypedWatch {
     /// Turns of the sampler more than [`STALL_US`] after the one before (µs): the machine starved.
     pub(super) stalls: Vec<(u64, u64)>,
     last_turn: Option<u64>,
-    /// `running` field `t:slow` and `running_underflow` once every daemon stopped, and the flows and ring
-    /// members left then.
+    /// The flows that held tasks and the ring members left once every daemon stopped (none).
     pub(super) left: Vec<String>,
 }
 
