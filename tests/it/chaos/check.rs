@@ -1,5 +1,6 @@
-//! The checks: conservation on atomic snapshots of Redis, the limited queue's count sampled throughout, and, from
-//! the run records, the run budget of every task and the runs of the limited queue at once.
+//! The checks: conservation on atomic snapshots of Redis, the running counts (the limited queue's, the typed
+//! queue's `slow` type's) sampled throughout, and, from the run records, the run budget of every task and the runs
+//! of a limit at once.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
@@ -11,14 +12,15 @@ use crate::support::RedisServer;
 use super::faults::Kind;
 use super::ledger::{Facts, Ledger, Pushed, Run};
 use super::workload::{
-    HOLDS_AT_MOST_MS, LIMIT_BOUND, Mode, POPPED_HELD_MAX, Queue, RETRY_TIMES, Shape, Work,
+    HOLDS_AT_MOST_MS, Mode, POPPED_HELD_MAX, Queue, RETRY_TIMES, Shape, TEST, Work,
 };
 use super::world::{Event, SLACK_US, What, World, lock, now_us, rel};
 
-/// One atomic look at a queue's keys (ARGV[1]: `kmq:{queue}`): the tasks in each place, the counters, the running
-/// count and what it must equal.
+/// One atomic look at a queue's keys (ARGV[1]: `kmq:{queue}`): the tasks in each place (a type's flows count as
+/// ready, as `kmqd stats` counts them), the counters, the running count of the scope ARGV[2] (`q`, or a type's
+/// `t:TYPE`) and what it must equal.
 pub(super) const SNAPSHOT: &str = r"
-local base = ARGV[1]
+local base, scope = ARGV[1], ARGV[2]
 local function sum(pattern, command)
   local n = 0
   for _, key in ipairs(redis.call('KEYS', pattern)) do
@@ -38,16 +40,24 @@ local function held()
   end
   return n
 end
--- The positions not yet settled of the claim lists counted under the running limit: those with a scopes string
--- (claim.lua writes `N q` beside each list it takes under a limit), each counted by its claim set's score.
+-- The positions not yet settled of the runs counted in `scope`: claim.lua writes a scopes string beside each list
+-- it takes under a limit, a line `N SCOPE...` per run of the list in position order (`N q` alone without type
+-- limits); a run's unsettled positions are its size less the bits set in its range of the list's bitmap.
 local function counted()
   local n = 0
   for _, key in ipairs(redis.call('KEYS', base .. ':processing:*')) do
     if redis.call('TYPE', key).ok == 'zset' then
-      local scored = redis.call('ZRANGE', key, 0, -1, 'WITHSCORES')
-      for j = 1, #scored, 2 do
-        local scopes = redis.call('GET', key .. ':' .. scored[j] .. ':scopes')
-        if scopes and string.find(' ' .. scopes .. ' ', ' q ', 1, true) then n = n + tonumber(scored[j + 1]) end
+      for _, claim in ipairs(redis.call('ZRANGE', key, 0, -1)) do
+        local list = key .. ':' .. claim
+        local from = 0
+        for line in string.gmatch(redis.call('GET', list .. ':scopes') or '', '[^\n]+') do
+          local size, named = string.match(line, '^(%d+) ?(.*)$')
+          size = tonumber(size)
+          if string.find(' ' .. named .. ' ', ' ' .. scope .. ' ', 1, true) then
+            n = n + size - redis.call('BITCOUNT', list .. ':settled', from, from + size - 1, 'BIT')
+          end
+          from = from + size
+        end
       end
     end
   end
@@ -57,17 +67,17 @@ local function counter(name)
   return tonumber(redis.call('HGET', base .. ':stats', name) or '0')
 end
 return {
-  sum(base .. ':ready:*', 'LLEN'), sum(base .. ':quarantine:*', 'LLEN'), held(),
+  sum(base .. ':ready:*', 'LLEN') + sum(base .. ':flow:*', 'LLEN'), sum(base .. ':quarantine:*', 'LLEN'), held(),
   sum(base .. ':delayed:*', 'ZCARD'), sum(base .. ':retry:*', 'ZCARD'), redis.call('LLEN', base .. ':dead'),
   counter('pushed'), counter('done'), counter('cancelled'),
-  tonumber(redis.call('HGET', base .. ':running', 'q') or '0'), counted(), counter('running_underflow')
+  tonumber(redis.call('HGET', base .. ':running', scope) or '0'), counted(), counter('running_underflow')
 }
 ";
 
-/// What was seen of the limited queue's running count while the suite ran.
+/// What was seen of a running count while the suite ran (the limited queue's `q`, the typed queue's `t:slow`).
 #[derive(Default)]
 pub(super) struct LimitWatch {
-    /// Samples of `running` field `q` (every 20 ms), how many found it at [`LIMIT_BOUND`], and the most seen.
+    /// Samples of the count (every 20 ms), how many found it at its bound, and the most seen.
     pub(super) samples: u64,
     pub(super) at_limit: u64,
     pub(super) most: u64,
@@ -75,12 +85,12 @@ pub(super) struct LimitWatch {
     pub(super) underflow: u64,
     /// Atomic snapshots that compared the count with the unsettled positions of the counted claim lists.
     pub(super) exact: u64,
-    /// `running` field `q` and `running_underflow` once every daemon stopped.
+    /// The count and `running_underflow` once every daemon stopped.
     pub(super) at_rest: (Option<i64>, Option<i64>),
     /// The queue's `done` counter, and when it was seen to grow (µs): a limited queue stuck shows as a long gap.
     pub(super) done: Option<u64>,
     pub(super) completions: Vec<u64>,
-    /// Every sample of the count: (µs, running[q]).
+    /// Every sample of the count: (µs, count).
     pub(super) series: Vec<(u64, u64)>,
 }
 
@@ -96,7 +106,8 @@ pub(super) struct Snapshot {
     pub(super) pushed: i64,
     pub(super) done: i64,
     pub(super) cancelled: i64,
-    /// `running` field `q`, the unsettled positions of the claim lists counted in it, and `running_underflow`.
+    /// The count (`running` field `q`, or the queue's counted type's), the unsettled positions of the claim lists
+    /// counted in it, and `running_underflow`.
     pub(super) running: i64,
     pub(super) counted: i64,
     pub(super) underflow: i64,
@@ -106,8 +117,10 @@ pub(super) fn snapshot(
     connection: &mut impl redis::ConnectionLike,
     queue: Queue,
 ) -> redis::RedisResult<Snapshot> {
+    let scope = queue.counted().map_or("q", |(scope, _)| scope);
     let parts: Vec<i64> = redis::Script::new(SNAPSHOT)
         .arg(queue.base())
+        .arg(scope)
         .invoke(connection)?;
     let [
         ready,
@@ -148,8 +161,8 @@ impl World<'_> {
     /// registered or not), delayed, waiting to retry, dead, done or cancelled; in default mode, or popped (in a
     /// daemon's memory, or lost with it), so Redis holds at most what was pushed, and after Redis lost its data at
     /// most [`POPPED_HELD_MAX`] more: the tasks the daemons held then, settled since into a Redis that never
-    /// counted their push (in safe mode their owners' settles are fenced off). For the limited queue, also its
-    /// running count (see [`World::check_count`]).
+    /// counted their push (in safe mode their owners' settles are fenced off). For a queue with a running count
+    /// checked throughout (the limited queue, the typed one), also that count (see [`World::check_count`]).
     pub(super) fn check_conservation(&self, redis: &RedisServer, queue: Queue, when: &str) {
         let snap = match snapshot(&mut redis.connection(), queue) {
             Ok(snap) => snap,
@@ -189,49 +202,66 @@ impl World<'_> {
                 queue.mode()
             ));
         }
-        if queue == Queue::Limited {
-            self.check_count(&snap, when);
+        if queue.counted().is_some() {
+            self.check_count(queue, &snap, when);
         }
     }
 
-    /// The limited queue's invariant on one atomic snapshot: its running count equals the unsettled positions of
-    /// the counted claim lists, is at most the largest limit in use, and no settle took it below 0.
-    pub(super) fn check_count(&self, snap: &Snapshot, when: &str) {
-        lock(&self.watch).exact += 1;
-        if snap.running != snap.counted || snap.running > LIMIT_BOUND as i64 || snap.running < 0 {
+    /// What was seen of the running count of `queue` (one of those [`Queue::counted`] names).
+    pub(super) fn with_watch<R>(&self, queue: Queue, f: impl FnOnce(&mut LimitWatch) -> R) -> R {
+        match queue {
+            Queue::Typed => f(&mut lock(&self.typed).count),
+            _ => f(&mut lock(&self.watch)),
+        }
+    }
+
+    /// The invariant of a running limit on one atomic snapshot: the count equals the unsettled positions of the
+    /// runs of claim lists counted in it, is at most the largest limit in use, and no settle took it below 0.
+    pub(super) fn check_count(&self, queue: Queue, snap: &Snapshot, when: &str) {
+        let Some((scope, bound)) = queue.counted() else {
+            return;
+        };
+        self.with_watch(queue, |watch| watch.exact += 1);
+        if snap.running != snap.counted || snap.running > bound as i64 || snap.running < 0 {
             self.violation(format!(
-                "the limited queue's running count {when}: {} in Redis, {} unsettled positions of counted claim lists \
-                 (bound {LIMIT_BOUND}); {snap:?}",
-                snap.running, snap.counted
+                "{}'s running count {scope} {when}: {} in Redis, {} unsettled positions of claim lists counted in \
+                 it (bound {bound}); {snap:?}",
+                queue.name(),
+                snap.running,
+                snap.counted
             ));
         }
-        self.check_underflow(snap.underflow as u64, when);
+        self.check_underflow(queue, snap.underflow as u64, when);
     }
 
-    /// `running_underflow` of the limited queue must stay 0; a new value is a violation once.
-    pub(super) fn check_underflow(&self, underflow: u64, when: &str) {
-        let mut watch = lock(&self.watch);
-        if underflow > watch.underflow {
-            watch.underflow = underflow;
-            drop(watch);
+    /// `running_underflow` of a queue with a running limit must stay 0; a new value is a violation once.
+    pub(super) fn check_underflow(&self, queue: Queue, underflow: u64, when: &str) {
+        let risen = self.with_watch(queue, |watch| {
+            let risen = underflow > watch.underflow;
+            watch.underflow = watch.underflow.max(underflow);
+            risen
+        });
+        if risen {
             self.violation(format!(
-                "the limited queue's running_underflow is {underflow} {when}: a settle would have taken its count \
-                 below 0"
+                "{}'s running_underflow is {underflow} {when}: a settle would have taken a count below 0",
+                queue.name()
             ));
         }
     }
 }
 
-/// Samples, every 20 ms on a direct connection: jobs' `done` counter, recording when it grew; the limited queue's
-/// running count and `running_underflow`, each sample checked against the bound; and every 25th time an atomic
-/// snapshot of the limited queue, its count checked against its claim lists (a failed read, Redis being down or
-/// stalled, is read again).
+/// Samples, every 20 ms on a direct connection: jobs' `done` counter, recording when it grew; each running count
+/// checked throughout ([`Queue::counted`]: the limited queue's, the typed queue's `slow`'s) and its queue's
+/// `running_underflow`, each sample checked against the bound; what the typed queue's limits hold back
+/// ([`World::sample_types`]); and every 25th time an atomic snapshot of each such queue, its count checked against
+/// its claim lists (a failed read, Redis being down or stalled, is read again).
 pub(super) fn sample(world: &World, url: &str) {
     let mut connection: Option<redis::Connection> = None;
     let mut last: Option<u64> = None;
     let mut turn: u64 = 0;
     while world.running.load(Ordering::SeqCst) {
         turn += 1;
+        world.sampler_turn(now_us());
         if connection.is_none() {
             connection = redis::Client::open(url)
                 .and_then(|client| client.get_connection_with_timeout(Duration::from_millis(500)))
@@ -256,55 +286,78 @@ pub(super) fn sample(world: &World, url: &str) {
                 Err(_) => connection = None,
             }
         }
-        if let Some(conn) = connection.as_mut() {
-            let base = Queue::Limited.base();
-            let counts: redis::RedisResult<(Option<u64>, Option<u64>, Option<u64>)> = redis::pipe()
-                .cmd("HGET")
-                .arg(format!("{base}:running"))
-                .arg("q")
-                .cmd("HGET")
-                .arg(format!("{base}:stats"))
-                .arg("running_underflow")
-                .cmd("HGET")
-                .arg(format!("{base}:stats"))
-                .arg("done")
-                .query(conn);
-            match counts {
-                Ok((running, underflow, done)) => {
-                    let running = running.unwrap_or(0);
-                    let mut watch = lock(&world.watch);
-                    watch.samples += 1;
-                    let done = done.unwrap_or(0);
-                    if watch.done.is_some_and(|last| last != done) && done != 0 {
-                        watch.completions.push(now_us());
-                    }
-                    watch.done = Some(done);
-                    watch.most = watch.most.max(running);
-                    watch.series.push((now_us(), running));
-                    if running == LIMIT_BOUND {
-                        watch.at_limit += 1;
-                    }
-                    drop(watch);
-                    if running > LIMIT_BOUND {
-                        world.violation(format!(
-                            "the limited queue's running count is {running}, above its largest limit \
-                             {LIMIT_BOUND}"
-                        ));
-                    }
-                    world.check_underflow(underflow.unwrap_or(0), "in a sample");
+        for queue in Queue::ALL {
+            if let Some(conn) = connection.as_mut() {
+                if world.sample_count(conn, queue).is_err() {
+                    connection = None;
                 }
-                Err(_) => connection = None,
+            }
+        }
+        if let Some(conn) = connection.as_mut() {
+            if world.sample_types(conn).is_err() {
+                connection = None;
             }
         }
         if turn % 25 == 0 {
-            if let Some(conn) = connection.as_mut() {
-                match snapshot(conn, Queue::Limited) {
-                    Ok(snap) => world.check_count(&snap, "in a sample"),
-                    Err(_) => connection = None,
+            for queue in Queue::ALL
+                .into_iter()
+                .filter(|queue| queue.counted().is_some())
+            {
+                if let Some(conn) = connection.as_mut() {
+                    match snapshot(conn, queue) {
+                        Ok(snap) => world.check_count(queue, &snap, "in a sample"),
+                        Err(_) => connection = None,
+                    }
                 }
             }
         }
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+impl World<'_> {
+    /// One sample of the running count of `queue`, if it has one checked throughout ([`Queue::counted`]), and of
+    /// its `running_underflow` and `done`: the count is checked against its bound (above it, or below 0, is a
+    /// violation).
+    fn sample_count(&self, conn: &mut redis::Connection, queue: Queue) -> redis::RedisResult<()> {
+        let Some((scope, bound)) = queue.counted() else {
+            return Ok(());
+        };
+        let base = queue.base();
+        let (running, underflow, done): (Option<i64>, Option<u64>, Option<u64>) = redis::pipe()
+            .cmd("HGET")
+            .arg(format!("{base}:running"))
+            .arg(scope)
+            .cmd("HGET")
+            .arg(format!("{base}:stats"))
+            .arg("running_underflow")
+            .cmd("HGET")
+            .arg(format!("{base}:stats"))
+            .arg("done")
+            .query(conn)?;
+        let running = running.unwrap_or(0);
+        let at = now_us();
+        self.with_watch(queue, |watch| {
+            watch.samples += 1;
+            let done = done.unwrap_or(0);
+            if watch.done.is_some_and(|last| last != done) && done != 0 {
+                watch.completions.push(at);
+            }
+            watch.done = Some(done);
+            watch.most = watch.most.max(running.max(0) as u64);
+            watch.series.push((at, running.max(0) as u64));
+            if running == bound as i64 {
+                watch.at_limit += 1;
+            }
+        });
+        if running > bound as i64 || running < 0 {
+            self.violation(format!(
+                "{}'s running count {scope} is {running}, outside 0 to its largest limit {bound}",
+                queue.name()
+            ));
+        }
+        self.check_underflow(queue, underflow.unwrap_or(0), "in a sample");
+        Ok(())
     }
 }
 
@@ -517,21 +570,27 @@ pub(super) fn zombie_wake_up(events: &[Event], run: Run) -> bool {
     })
 }
 
-/// What the run records say of the limited queue's runs at once.
+/// What the run records say of a limit: of a running limit, its runs at once ([`check_limit`]); of a rate, its
+/// starts within a window ([`check_rate`](super::types::check_rate)).
+#[derive(Debug, Default)]
 pub(super) struct LimitCheck {
-    /// The most runs at once, each counted from its start for as long as it surely held its slot.
+    /// The most runs at once, each counted from its start for as long as it surely held its slot (the most starts
+    /// within a window).
     pub(super) most: usize,
     /// When that was first reached (µs).
     pub(super) most_at: u64,
-    /// Runs counted, and runs left out because a fault may have taken their daemon's lease meanwhile.
+    /// Runs counted, and runs left out because a fault may have taken their daemon's lease meanwhile (starts
+    /// left out near a fault).
     pub(super) counted: usize,
     pub(super) excused: usize,
-    /// Starts that made more than `bound` runs at once, and the first ten of them with those runs.
+    /// Starts that made more than `bound` runs at once (starts within a window), and the first ten of them with
+    /// those runs (of a rate, the first of each stretch of them, ten at most).
     pub(super) over_count: usize,
     pub(super) over: Vec<String>,
 }
 
-/// At no instant more than `bound` handlers of the limited queue running, from the run records.
+/// At no instant more than `bound` handlers of the tasks a limit counts (`counts`: the limited queue's, the typed
+/// queue's `slow` ones) running, from the run records.
 ///
 /// The records give each run's start (testkit's µs stamp) but not its end, so a run counts from its start for as
 /// long as it surely held its slot: its sleep (a run lasts at least that; nothing cancels it earlier but a lost
@@ -548,21 +607,15 @@ pub(super) fn check_limit(
     ledger: &Ledger,
     events: &[Event],
     bound: usize,
+    counts: impl Fn(&Pushed) -> bool,
 ) -> LimitCheck {
-    let mut check = LimitCheck {
-        most: 0,
-        most_at: 0,
-        counted: 0,
-        excused: 0,
-        over_count: 0,
-        over: Vec::new(),
-    };
+    let mut check = LimitCheck::default();
     // (time, +1 at a start or -1 at an end, run): ends before starts at the same µs.
     let mut edges: Vec<(u64, i8, usize)> = Vec::new();
     let mut runs: Vec<(&str, Run, u64)> = Vec::new();
     for id in &ledger.order {
         let task = &ledger.tasks[id];
-        if task.queue != Queue::Limited {
+        if !counts(task) {
             continue;
         }
         let holds_us = task.sleep_ms.min(HOLDS_AT_MOST_MS) * 1000;
@@ -710,11 +763,13 @@ fn the_run_budget_check_flags_runs_again_without_a_cause() {
                 } else {
                     Queue::Jobs
                 },
+                kind: TEST,
                 work: Work::Normal,
                 level: 1,
                 data: "{}".to_string(),
                 sleep_ms: 10,
                 maybe_copies,
+                acked_us: None,
             },
         );
     }
@@ -786,11 +841,13 @@ fn the_limit_check_counts_runs_at_once_and_leaves_out_those_a_fault_took() {
             id.to_string(),
             Pushed {
                 queue,
+                kind: TEST,
                 work,
                 level: 1,
                 data: "{}".to_string(),
                 sleep_ms,
                 maybe_copies: 0,
+                acked_us: None,
             },
         );
     };
@@ -863,7 +920,9 @@ fn the_limit_check_counts_runs_at_once_and_leaves_out_those_a_fault_took() {
         to_us: 20_030_000,
         note: String::new(),
     }];
-    let check = check_limit(0, &facts, &ledger, &events, 4);
+    let check = check_limit(0, &facts, &ledger, &events, 4, |task| {
+        task.queue == Queue::Limited
+    });
     assert_eq!(check.over_count, 1, "{:?}", check.over);
     assert!(
         check.over[0].starts_with("5 runs at +10.02s: [b0 "),

@@ -69,7 +69,8 @@ pub(super) const FAULTS: &[(Kind, u64, &str)] = &[
         Kind::RollingConfig,
         2,
         "a daemon stopped (SIGTERM) and started on config B (jobs: one level, other workers and prefetch; \
-         limited: max_running halved); back on A (the same way) 2 to 6 faults later, or at the next rolling change",
+         limited: max_running halved; typed: its types' limits halved); back on A (the same way) 2 to 6 faults \
+         later, or at the next rolling change",
     ),
     (
         Kind::RedisEmpty,
@@ -80,7 +81,7 @@ pub(super) const FAULTS: &[(Kind, u64, &str)] = &[
     (
         Kind::PoisonPill,
         2,
-        "a task that aborts the daemon that runs it ({\"outcome\":\"abort\"}), on either queue",
+        "a task that aborts the daemon that runs it ({\"outcome\":\"abort\"}), on any queue",
     ),
     (
         Kind::DeafHandlers,
@@ -125,6 +126,20 @@ pub(super) const FAULTS: &[(Kind, u64, &str)] = &[
 ];
 
 impl Kind {
+    /// Whether the fault takes Redis from every daemon at once, or every lease: a restart, a stall, a loss or a
+    /// rewind of its data, a forward step of its clock.
+    pub(super) fn is_redis_wide(self) -> bool {
+        matches!(
+            self,
+            Kind::RedisTerm
+                | Kind::RedisKill
+                | Kind::RedisStall
+                | Kind::RedisEmpty
+                | Kind::RedisRewind
+                | Kind::ClockForward
+        )
+    }
+
     pub(super) fn label(self) -> &'static str {
         match self {
             Kind::Kill9 => "kill -9",
@@ -392,7 +407,9 @@ impl Injector<'_, '_> {
             Kind::Slowloris => self.slowloris(),
             Kind::PoisonPill => {
                 let queue = self.rng.pick(&Queue::ALL);
-                let ids = world.new_tasks(&mut self.rng, queue, 1, |_| Work::Pill);
+                let ids = world.new_tasks(&mut self.rng, queue, 1, |rng| {
+                    (queue.pick_type(rng), Work::Pill)
+                });
                 let _gate = world.gate.read().unwrap();
                 world.push(&self.client, &ids);
                 format!("pushed {}", ids[0])
@@ -400,7 +417,9 @@ impl Injector<'_, '_> {
             Kind::DeafHandlers => {
                 let count = 1 + self.rng.below(3) as usize;
                 let queue = self.rng.pick(&Queue::ALL);
-                let ids = world.new_tasks(&mut self.rng, queue, count, |_| Work::Deaf);
+                let ids = world.new_tasks(&mut self.rng, queue, count, |rng| {
+                    (queue.pick_type(rng), Work::Deaf)
+                });
                 let _gate = world.gate.read().unwrap();
                 world.push(&self.client, &ids);
                 format!("pushed {}", ids.join(" "))

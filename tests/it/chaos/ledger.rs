@@ -16,6 +16,8 @@ use super::world::{World, lock};
 /// A task id the producer pushed.
 pub(super) struct Pushed {
     pub(super) queue: Queue,
+    /// Its task type (the envelope's `type`).
+    pub(super) kind: &'static str,
     pub(super) work: Work,
     pub(super) level: usize,
     pub(super) data: String,
@@ -24,6 +26,8 @@ pub(super) struct Pushed {
     /// Push attempts that failed in a way that may still have queued the task (a lost reply): each may be one
     /// more copy of it in the queue, with its own run budget.
     pub(super) maybe_copies: u32,
+    /// When a push of it was first acknowledged (µs).
+    pub(super) acked_us: Option<u64>,
 }
 
 #[derive(Default)]

@@ -1,15 +1,16 @@
-//! The chaos suite: three real `kmqd` processes on three queues, two safe ones, `jobs` (two priority levels) and
-//! `limited` (one level, `max_running` 4 against the daemons' 12 workers), and one in default mode, `popped`, under
-//! a steady load, while faults are injected at random ([`faults::FAULTS`] lists them with their weights):
-//! `kill -9` and restarts, `CLIENT KILL`, Redis restarted on its append-only file (after SIGTERM and after SIGKILL),
-//! Redis rewound (on `appendfsync everysec`, killed with its host: the tail of its append-only file lost), Redis
-//! restarted empty, Redis stalled past the read timeout, steps of Redis's wall clock (forward past every lease, and
-//! back), one call's reply delayed within the read timeout and one call's request delivered after its caller gave
-//! up on it (the daemons' claims, settles and renewals, the producers' pushes, default mode's pops), zombie daemons
-//! (SIGSTOP past the lease, then SIGCONT), rolling config changes (which halve `limited`'s limit), slow HTTP clients
-//! on a daemon's metrics endpoint, poison pills, handlers that ignore cancel, and handlers that throttle their
-//! queue for 100 ms once (2 % of the tasks: each then runs again at the same attempt, a repeat its throttle
-//! explains, and is never charged or dead-lettered for it). At the end it checks that no task of a safe queue was
+//! The chaos suite: three real `kmqd` processes on four queues, three safe ones, `jobs` (two priority levels),
+//! `limited` (one level, `max_running` 4 against the daemons' 12 workers) and `typed` (limits per task type), and
+//! one in default mode, `popped`, under a steady load, while faults are injected at random ([`faults::FAULTS`]
+//! lists them with their weights): `kill -9` and restarts, `CLIENT KILL`, Redis restarted on its append-only file
+//! (after SIGTERM and after SIGKILL), Redis rewound (on `appendfsync everysec`, killed with its host: the tail of
+//! its append-only file lost), Redis restarted empty, Redis stalled past the read timeout, steps of Redis's wall
+//! clock (forward past every lease, and back), one call's reply delayed within the read timeout and one call's
+//! request delivered after its caller gave up on it (the daemons' claims, settles and renewals, the producers'
+//! pushes, default mode's pops), zombie daemons (SIGSTOP past the lease, then SIGCONT), rolling config changes
+//! (which halve `limited`'s limit and `typed`'s), slow HTTP clients on a daemon's metrics endpoint, poison pills,
+//! handlers that ignore cancel, and handlers that throttle their queue (or their type, on `typed`) for 100 ms once
+//! (2 % of the tasks: each then runs again at the same attempt, a repeat its throttle explains, and is never
+//! charged or dead-lettered for it). At the end it checks that no task of a safe queue was
 //! lost, that no task ran more often than its mode's rules allow (at least once in safe mode, at most once in
 //! default mode, but across Redis losing or rewinding its writes: see [`workload::Mode`]), that every queue is
 //! drained under a live owner (and, after each rewind, that what Redis forgot was settled does not stay under a
@@ -20,6 +21,14 @@
 //! every 20 ms; the count equal to the unsettled positions of the counted claim lists, at every atomic snapshot;
 //! and, from the run records, never more of its handlers running at once than that limit, but for runs of a daemon
 //! that a fault made lose its lease (see [`check::check_limit`]). At the end the count is absent and the queue drained.
+//!
+//! The typed queue's limits per task type (docs/RELIABILITY.md, "Limits per task type") are checked likewise, with
+//! tasks of `slow` (`max_running` 2), `api` (`rate_limit` 20/s) and `other` (no limit of its own) pushed mixed and
+//! in bursts: `running` field `t:slow` sampled within 0 and its largest limit and equal to the unsettled positions
+//! of the runs counted in it at every snapshot, the queue's own throttle never set (its limited types' tasks
+//! throttle their type); from the run records, `slow`'s runs at once, `api`'s starts per window and `other`'s
+//! waits from push to first start, each but near the faults that explain more; at the end no flow and no ring
+//! left (see [`types`]).
 //!
 //! One `#[ignore]`d test, run by `scripts/chaos` (`--short` in CI through `scripts/test`, `--long` by hand):
 //!
@@ -44,8 +53,9 @@
 //! One concern per file: [`workload`] (the queues, configs, tasks and producers), [`faults`] (what is injected and
 //! the schedule), [`outbox`] (Redis losing its data or rewound, and the producer pushing again what it lost),
 //! [`slowloris`] (the slow HTTP clients), [`world`] (what the threads share: the daemons, their supervisor, the
-//! events), [`ledger`] (what was pushed, and what ran, from the record files), [`check`] (conservation, the limited
-//! queue's count, the run budget) and [`report`] (the end checks and the summary); this file runs them.
+//! events), [`ledger`] (what was pushed, and what ran, from the record files), [`check`] (conservation, the running
+//! counts, the run budget), [`types`] (the typed queue's limits) and [`report`] (the end checks and the summary);
+//! this file runs them.
 
 mod check;
 mod faults;
@@ -53,6 +63,7 @@ mod ledger;
 mod outbox;
 mod report;
 mod slowloris;
+mod types;
 mod workload;
 mod world;
 
@@ -70,6 +81,7 @@ use crate::support::*;
 use check::{LimitWatch, sample};
 use faults::{FAULTS, Injector, Schedule};
 use ledger::{Epoch, Facts, Ledger};
+use types::TypedWatch;
 use workload::{DAEMON_SECTION, DAEMONS, Mode, Queue, Rng, Shape, produce};
 use world::{
     Daemons, Slot, StopOnDrop, What, World, lock, now_us, send_signal, supervise, tail, wait_exit,
@@ -132,6 +144,7 @@ fn chaos() {
     // Its own generator, off the seed, so that the other draws of a seed are those of the suite before it.
     let limited_rng = Rng::new(seed ^ 0x006C_696D_6974_6564);
     let popped_rng = Rng::new(seed ^ 0x0070_6F70_7065_6400);
+    let typed_rng = Rng::new(seed ^ 0x0000_7479_7065_6400);
     let redis_url = redis.url();
     let mut injector = Injector {
         world: &world,
@@ -145,6 +158,7 @@ fn chaos() {
     let producer_client = client(&producer_config);
     let limited_client = client(&producer_config);
     let popped_client = client(&producer_config);
+    let typed_client = client(&producer_config);
 
     let (chaos_time, chaos_end_us, drain_time) = std::thread::scope(|scope| {
         let _stop = StopOnDrop(&world);
@@ -153,6 +167,8 @@ fn chaos() {
             scope.spawn(|| produce(&world, &limited_client, Queue::Limited, limited_rng));
         let popped_producer =
             scope.spawn(|| produce(&world, &popped_client, Queue::Popped, popped_rng));
+        let typed_producer =
+            scope.spawn(|| produce(&world, &typed_client, Queue::Typed, typed_rng));
         let supervisor = scope.spawn(|| supervise(&world));
         let sampler = scope.spawn(|| sample(&world, &redis_url));
 
@@ -184,6 +200,9 @@ fn chaos() {
         popped_producer
             .join()
             .expect("the default-mode queue's producer thread");
+        typed_producer
+            .join()
+            .expect("the typed queue's producer thread");
         let drain_started = Instant::now();
         drain(&world, &harness, &injector.redis);
         let drain_time = drain_started.elapsed();
@@ -267,6 +286,7 @@ fn new_world(dir: &TestDir, redis_section: String) -> World<'_> {
         violations: Mutex::new(Vec::new()),
         completions: Mutex::new(Vec::new()),
         watch: Mutex::new(LimitWatch::default()),
+        typed: Mutex::new(TypedWatch::default()),
         counters: Mutex::new(BTreeMap::new()),
         tails: Mutex::new((Vec::new(), Facts::default())),
         dead_seen: Mutex::new(HashMap::new()),
@@ -328,7 +348,7 @@ fn drain(world: &World, harness: &Client, redis: &RedisServer) {
             .iter()
             .map(|queue| drained_under_a_live_owner(harness, queue.name()))
             .collect();
-        let empty = looks.iter().all(|(drained, _)| *drained);
+        let empty = looks.iter().all(|(drained, _)| *drained) && world.flows_left(redis).is_empty();
         let stats: Vec<_> = looks.into_iter().map(|(_, stats)| stats).collect();
         let counts = stats[Queue::Popped.index()]
             .as_ref()
@@ -425,7 +445,8 @@ fn stop_daemons(world: &World, harness: &Client) -> Vec<QueueStats> {
     final_stats
 }
 
-/// At rest: the limited queue's count is gone (a field at 0 is deleted) and never went below 0.
+/// At rest: the limited queue's count is gone (a field at 0 is deleted) and never went below 0; the typed queue's
+/// as well, its flows empty and its rings too.
 fn check_at_rest(world: &World, redis: &RedisServer) {
     let at_rest = Queue::Limited.base();
     let running: Option<i64> = redis.cmd(&["HGET", &format!("{at_rest}:running"), "q"]);
@@ -438,4 +459,5 @@ fn check_at_rest(world: &World, redis: &RedisServer) {
         ));
     }
     lock(&world.watch).at_rest = (running, underflow);
+    world.check_types_at_rest(redis);
 }

@@ -12,6 +12,7 @@ use kmqd::broker::QueueStats;
 use super::check::{LimitCheck, RunCheck, check_limit, check_runs};
 use super::faults::{FAULTS, Kind};
 use super::ledger::{Epoch, Facts, Final, Ledger};
+use super::types::{check_types, write_types};
 use super::workload::{
     HOLDS_AT_MOST_MS, LEASE, LIMIT_A, LIMIT_B, LIMIT_BOUND, Mode, POPPED_HELD_MAX, QUEUES, Queue,
     RETRY_TIMES, Shape, Work,
@@ -54,6 +55,7 @@ pub(super) fn report(world: &World, all_stats: &[QueueStats], run: &Run) -> Stri
     note_pills_and_deaf(world, facts, &ledger);
     check_conservation_at_end(world, all_stats, &ledger);
     let (bound, limit) = check_limit_from_runs(world, facts, &ledger, &events, &logs.shapes);
+    let types = check_types(world, facts, &ledger, &events);
 
     let mut out = String::new();
     let _ = writeln!(out, "chaos summary");
@@ -69,6 +71,7 @@ pub(super) fn report(world: &World, all_stats: &[QueueStats], run: &Run) -> Stri
         &limit,
         run.chaos_end_us,
     );
+    write_types(&mut out, world, &ledger, &types);
     write_conservation(&mut out, world, all_stats);
     write_recovery(&mut out, world, &events, run.chaos_end_us);
     let errors = if logs.errors.is_empty() {
@@ -196,14 +199,7 @@ fn explain_lease_losses(world: &World) -> LeaseLosses {
             let near = event.from_us <= loss.to_us && event.to_us + window >= loss.to_us;
             let kind = match event.what {
                 What::Fault(Kind::Zombie) => event.instance == loss.instance,
-                What::Fault(
-                    Kind::RedisTerm
-                    | Kind::RedisKill
-                    | Kind::RedisStall
-                    | Kind::RedisEmpty
-                    | Kind::RedisRewind
-                    | Kind::ClockForward,
-                ) => true,
+                What::Fault(kind) => kind.is_redis_wide(),
                 _ => false,
             };
             near && kind
@@ -437,7 +433,9 @@ fn check_limit_from_runs(
         .map(|(_, shape)| shape.limit())
         .max()
         .unwrap_or(LIMIT_BOUND);
-    let limit = check_limit(world.t0_us, facts, ledger, events, bound as usize);
+    let limit = check_limit(world.t0_us, facts, ledger, events, bound as usize, |task| {
+        task.queue == Queue::Limited
+    });
     for text in &limit.over {
         world.violation(format!(
             "more limited runs at once than max_running {bound}: {text}"
@@ -661,12 +659,13 @@ fn write_limit(
 ) {
     let limited_stats = &all_stats[Queue::Limited.index()];
     let watch = lock(&world.watch);
-    let [jobs, limited, popped] = finals.per_queue;
+    let [jobs, limited, popped, typed] = finals.per_queue;
     let _ = writeln!(
         out,
         "  queues        jobs {} pushed ({} pills, {} deaf), {} done, {} dead; limited (max_running {LIMIT_A}, \
          {LIMIT_B} on config B) {} pushed ({} pills, {} deaf), {} done, {} dead; popped (default mode) {} pushed ({} \
-         pills, {} deaf), {} done, {} dead",
+         pills, {} deaf), {} done, {} dead; typed (limits per task type) {} pushed ({} pills, {} deaf), {} done, {} \
+         dead",
         jobs[0],
         jobs[3],
         jobs[4],
@@ -681,7 +680,12 @@ fn write_limit(
         popped[3],
         popped[4],
         popped[1],
-        popped[2]
+        popped[2],
+        typed[0],
+        typed[3],
+        typed[4],
+        typed[1],
+        typed[2]
     );
     let _ = writeln!(
         out,

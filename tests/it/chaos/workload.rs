@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use kmqd::{Client, ClientError, NewTask};
 
 use super::ledger::Pushed;
-use super::world::{World, lock};
+use super::world::{World, lock, now_us};
 
 pub(super) const DAEMONS: usize = 3;
 pub(super) const RETRY_TIMES: u32 = 3;
@@ -23,10 +23,34 @@ const PILL: &str = r#"{"outcome":"abort"}"#;
 /// `limited`'s `max_running` on config A and on config B (halved): the largest in use bounds its count.
 pub(super) const LIMIT_A: u64 = 4;
 pub(super) const LIMIT_B: u64 = 2;
-pub(super) const LIMIT_BOUND: u64 = if LIMIT_A > LIMIT_B { LIMIT_A } else { LIMIT_B };
+pub(super) const LIMIT_BOUND: u64 = larger(LIMIT_A, LIMIT_B);
+
+/// The larger of two limits (`max`, in a constant).
+const fn larger(a: u64, b: u64) -> u64 {
+    if a > b { a } else { b }
+}
 /// How long after its start a run of the limited queue surely still holds its slot, at most: an execution timeout
 /// (1 s after the worker started it) settles it and frees the slot while a deaf handler still sleeps.
 pub(super) const HOLDS_AT_MOST_MS: u64 = 500;
+/// The task type of the queues without limits per type.
+pub(super) const TEST: &str = "test";
+/// The typed queue's task types: `slow` with its own `max_running`, `api` with its own `rate_limit`, `other`
+/// with no limit of its own (docs/CONFIG.md, `[[queues.limits]]`).
+pub(super) const SLOW: &str = "slow";
+pub(super) const API: &str = "api";
+pub(super) const OTHER: &str = "other";
+/// The types the daemons' testkit plugin handles.
+pub(super) const TYPES: [&str; 4] = [TEST, SLOW, API, OTHER];
+/// `slow`'s `max_running` on config A and on config B (halved): the largest in use bounds its count.
+pub(super) const SLOW_LIMIT_A: u64 = 2;
+pub(super) const SLOW_LIMIT_B: u64 = 1;
+pub(super) const SLOW_BOUND: u64 = larger(SLOW_LIMIT_A, SLOW_LIMIT_B);
+/// `api`'s `rate_limit`, starts in any [`API_WINDOW`], on config A and on config B (halved): the largest in use
+/// bounds its starts.
+pub(super) const API_RATE_A: u64 = 20;
+pub(super) const API_RATE_B: u64 = 10;
+pub(super) const API_BOUND: u64 = larger(API_RATE_A, API_RATE_B);
+pub(super) const API_WINDOW: Duration = Duration::from_secs(1);
 
 /// The queues, each with its own ledger entries, dead list and conservation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -37,6 +61,9 @@ pub(super) enum Queue {
     Limited,
     /// Default mode (at most once), one level: judged by default mode's rules (see [`Mode`]).
     Popped,
+    /// Safe, one level, limits per task type ([`SLOW`]'s `max_running`, [`API`]'s `rate_limit`) beside a type
+    /// without ([`OTHER`]): the type's count, its starts per window and the other type's waits are checked.
+    Typed,
 }
 
 /// The most tasks of `popped` its daemons hold at once: each its `workers` and its `prefetch` (both configs), the
@@ -60,19 +87,20 @@ pub(super) enum Mode {
 }
 
 impl Queue {
-    pub(super) const ALL: [Queue; 3] = [Queue::Jobs, Queue::Limited, Queue::Popped];
+    pub(super) const ALL: [Queue; 4] = [Queue::Jobs, Queue::Limited, Queue::Popped, Queue::Typed];
 
     pub(super) fn name(self) -> &'static str {
         match self {
             Queue::Jobs => "jobs",
             Queue::Limited => "limited",
             Queue::Popped => "popped",
+            Queue::Typed => "typed",
         }
     }
 
     pub(super) fn mode(self) -> Mode {
         match self {
-            Queue::Jobs | Queue::Limited => Mode::Safe,
+            Queue::Jobs | Queue::Limited | Queue::Typed => Mode::Safe,
             Queue::Popped => Mode::Default,
         }
     }
@@ -85,6 +113,29 @@ impl Queue {
     pub(super) fn index(self) -> usize {
         self as usize
     }
+
+    /// The running count checked throughout, if the queue has one: its field of the `running` hash and the most
+    /// it may hold (the limited queue's own, the typed queue's [`SLOW`]).
+    pub(super) fn counted(self) -> Option<(&'static str, u64)> {
+        match self {
+            Queue::Limited => Some(("q", LIMIT_BOUND)),
+            Queue::Typed => Some(("t:slow", SLOW_BOUND)),
+            Queue::Jobs | Queue::Popped => None,
+        }
+    }
+
+    /// A task type for one of the queue's tasks: [`TEST`], but on the typed queue [`OTHER`] (40 %), [`API`]
+    /// (35 %) or [`SLOW`] (25 %).
+    pub(super) fn pick_type(self, rng: &mut Rng) -> &'static str {
+        if self != Queue::Typed {
+            return TEST;
+        }
+        match rng.below(20) {
+            0..8 => OTHER,
+            8..15 => API,
+            _ => SLOW,
+        }
+    }
 }
 
 /// The two configs of a rolling change. Both have `io_timeout = "1s"` (so a 2 s stall is a real timeout), and every
@@ -94,7 +145,7 @@ pub(super) enum Shape {
     /// Both levels.
     A,
     /// Only "normal", fewer workers, more prefetch: while a daemon runs it, high tasks are served by the others;
-    /// `limited`'s `max_running` halved, and fewer workers.
+    /// `limited`'s `max_running` halved, and fewer workers; the typed queue's limits halved, and fewer workers.
     B,
 }
 
@@ -111,6 +162,7 @@ impl Shape {
             Shape::B => 2,
         };
         let limit = self.limit();
+        let (slow_limit, api_rate) = self.type_limits();
         let common = format!(
             "lease_timeout = \"{lease}s\"\nexecution_timeout = \"1s\"\nretry_times = {RETRY_TIMES}\n\
              backoff = \"200ms\"\nbackoff_max = \"2s\"\n",
@@ -121,8 +173,19 @@ impl Shape {
              prefetch = {prefetch}\nbatch = {batch}\n{common}\n\
              [[queues]]\nname = \"limited\"\nmode = \"safe\"\nworkers = {limited_workers}\n\
              max_running = {limit}\n{common}\n\
-             [[queues]]\nname = \"popped\"\nmode = \"default\"\nworkers = 2\nprefetch = 4\nbatch = 8\n{common}"
+             [[queues]]\nname = \"popped\"\nmode = \"default\"\nworkers = 2\nprefetch = 4\nbatch = 8\n{common}\n\
+             [[queues]]\nname = \"typed\"\nmode = \"safe\"\nworkers = {limited_workers}\n{common}\n\
+             [[queues.limits]]\ntype = \"{SLOW}\"\nmax_running = {slow_limit}\n\n\
+             [[queues.limits]]\ntype = \"{API}\"\nrate_limit = \"{api_rate}/s\"\n"
         )
+    }
+
+    /// The typed queue's limits on this config: [`SLOW`]'s `max_running`, [`API`]'s starts a second.
+    pub(super) fn type_limits(self) -> (u64, u64) {
+        match self {
+            Shape::A => (SLOW_LIMIT_A, API_RATE_A),
+            Shape::B => (SLOW_LIMIT_B, API_RATE_B),
+        }
     }
 
     /// `limited`'s `max_running` on this config.
@@ -203,7 +266,7 @@ impl World<'_> {
                 .iter()
                 .map(|id| {
                     let task = &ledger.tasks[id];
-                    NewTask::new("test", &task.data)
+                    NewTask::new(task.kind, &task.data)
                         .unwrap()
                         .id(id.clone())
                         .priority(LEVELS[task.level])
@@ -216,8 +279,13 @@ impl World<'_> {
         loop {
             match client.push_batch(queue.name(), tasks.clone()) {
                 Ok(results) => {
+                    let acked_us = now_us();
                     let mut ledger = lock(&self.ledger);
                     ledger.epochs[epoch].acked[queue.index()] += ids.len() as u64;
+                    for id in ids {
+                        let task = ledger.tasks.get_mut(id).unwrap();
+                        task.acked_us.get_or_insert(acked_us);
+                    }
                     drop(ledger);
                     for result in results {
                         if !result.is_accepted() {
@@ -249,15 +317,18 @@ impl World<'_> {
         }
     }
 
-    /// Adds `count` tasks of `work` for `queue` to the ledger; returns their ids (`c...` for jobs, `l...` for
-    /// limited, `p...` for popped). Limited tasks sleep longer, 50 to 150 ms, and are all "normal": a run's sleep is most of the time
+    /// Adds `count` tasks for `queue` to the ledger, each of the type and work `pick` draws; returns their ids
+    /// (`c...` for jobs, `l...` for limited, `p...` for popped, `t...` for typed). Limited tasks and the typed
+    /// queue's [`SLOW`] ones sleep longer, 50 to 150 ms, and are all "normal": a run's sleep is most of the time
     /// it holds its slot (claim, start, run, settle), which is what lets [`check_limit`] see an excess.
+    ///
+    /// [`check_limit`]: super::check::check_limit
     pub(super) fn new_tasks(
         &self,
         rng: &mut Rng,
         queue: Queue,
         count: usize,
-        work: impl Fn(&mut Rng) -> Work,
+        pick: impl Fn(&mut Rng) -> (&'static str, Work),
     ) -> Vec<String> {
         let mut ledger = lock(&self.ledger);
         (0..count)
@@ -266,15 +337,16 @@ impl World<'_> {
                     Queue::Jobs => "c",
                     Queue::Limited => "l",
                     Queue::Popped => "p",
+                    Queue::Typed => "t",
                 };
                 let id = format!("{prefix}{}", ledger.next);
                 ledger.next += 1;
-                let work = work(rng);
-                let sleep_ms = match (work, queue) {
-                    (Work::Pill, _) => 0,
-                    (Work::Deaf, _) => 3000,
-                    (_, Queue::Jobs | Queue::Popped) => 1 + rng.below(20),
-                    (_, Queue::Limited) => 50 + rng.below(101),
+                let (kind, work) = pick(rng);
+                let sleep_ms = match (work, queue, kind) {
+                    (Work::Pill, ..) => 0,
+                    (Work::Deaf, ..) => 3000,
+                    (_, Queue::Limited, _) | (_, Queue::Typed, SLOW) => 50 + rng.below(101),
+                    _ => 1 + rng.below(20),
                 };
                 let data = match work {
                     Work::Normal => format!(r#"{{"sleep_ms":{sleep_ms}}}"#),
@@ -296,11 +368,13 @@ impl World<'_> {
                     id.clone(),
                     Pushed {
                         queue,
+                        kind,
                         work,
                         level,
                         data,
                         sleep_ms,
                         maybe_copies: 0,
+                        acked_us: None,
                     },
                 );
                 ledger.order.push(id.clone());
@@ -310,23 +384,46 @@ impl World<'_> {
     }
 }
 
-/// A steady stream for `queue`, 4 % of which fail their first run: for jobs, 1 to 4 tasks every 15 ms (about 150
-/// a second), both levels; for limited, one every 50 ms (about 20 a second, against the 40 a second that four slots
-/// of 50 to 150 ms runs allow: it reaches its limit after each fault that holds it back); for popped, 1 or 2 every
-/// 50 ms (about 30 a second).
+/// A steady stream for `queue`, 4 % of which fail their first run and 2 % throttle once: for jobs, 1 to 4 tasks
+/// every 15 ms (about 150 a second), both levels; for limited, one every 50 ms (about 20 a second, against the 40 a
+/// second that four slots of 50 to 150 ms runs allow: it reaches its limit after each fault that holds it back);
+/// for popped, 1 or 2 every 50 ms (about 30 a second); for typed, one every 40 ms of the mix of
+/// [`Queue::pick_type`] (3 % of the limited types' tasks throttling their type, none of [`OTHER`]'s), and every
+/// 2 s or so a burst of 10 to 30 tasks of [`SLOW`] or of [`API`]: each type's limit is reached after every burst,
+/// its tasks wait in its flow meanwhile, and about 24 tasks a second of both (against 17 a second that two slots
+/// of 50 to 150 ms runs allow, and 20 starts a second) leave the limits room to drain what the faults hold back.
 pub(super) fn produce(world: &World, client: &Client, queue: Queue, mut rng: Rng) {
     let (most, every) = match queue {
         Queue::Jobs => (4, Duration::from_millis(15)),
         Queue::Limited => (1, Duration::from_millis(50)),
         Queue::Popped => (2, Duration::from_millis(50)),
+        Queue::Typed => (1, Duration::from_millis(40)),
+    };
+    // Percent of the tasks that throttle once: the typed queue's unlimited type never does (its throttle would
+    // be the queue's, holding every type back).
+    let work = |rng: &mut Rng, kind: &'static str| {
+        let throttling = match (queue, kind) {
+            (Queue::Typed, OTHER) => 0,
+            (Queue::Typed, _) => 3,
+            _ => 2,
+        };
+        match rng.below(100) {
+            0..4 => Work::Flaky,
+            n if n < 4 + throttling => Work::Throttled,
+            _ => Work::Normal,
+        }
     };
     while world.producing.load(Ordering::SeqCst) {
         let count = 1 + rng.below(most) as usize;
-        let ids = world.new_tasks(&mut rng, queue, count, |rng| match rng.below(100) {
-            0..4 => Work::Flaky,
-            4..6 => Work::Throttled,
-            _ => Work::Normal,
+        let mut ids = world.new_tasks(&mut rng, queue, count, |rng| {
+            let kind = queue.pick_type(rng);
+            (kind, work(rng, kind))
         });
+        if queue == Queue::Typed && rng.below(50) == 0 {
+            let kind = if rng.coin() { SLOW } else { API };
+            let burst = 10 + rng.below(21) as usize;
+            ids.extend(world.new_tasks(&mut rng, queue, burst, |rng| (kind, work(rng, kind))));
+        }
         {
             let _gate = world.gate.read().unwrap();
             world.push(client, &ids);

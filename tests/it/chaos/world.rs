@@ -15,7 +15,8 @@ use super::check::LimitWatch;
 use super::faults::Kind;
 use super::ledger::{Facts, Ledger, Tail};
 use super::slowloris::metrics_addr;
-use super::workload::{DAEMON_SERVING, DAEMONS, Mode, Queue, Shape};
+use super::types::TypedWatch;
+use super::workload::{DAEMON_SERVING, DAEMONS, Mode, Queue, Shape, TYPES};
 
 /// Slack when comparing the test's clock readings with the testkit's (the same clock, read by two processes).
 pub(super) const SLACK_US: u64 = 100_000;
@@ -95,13 +96,7 @@ impl Event {
     ) -> bool {
         let overlaps = self.from_us <= again_us + SLACK_US && self.to_us + SLACK_US >= first_us;
         let lost_writes = matches!(self.what, What::Fault(Kind::RedisEmpty | Kind::RedisRewind));
-        let redis_wide = lost_writes
-            || matches!(
-                self.what,
-                What::Fault(
-                    Kind::RedisTerm | Kind::RedisKill | Kind::RedisStall | Kind::ClockForward
-                )
-            );
+        let redis_wide = matches!(self.what, What::Fault(kind) if kind.is_redis_wide());
         let this_daemon = self.instance == Some(instance)
             && matches!(
                 self.what,
@@ -163,6 +158,8 @@ pub(super) struct World<'a> {
     pub(super) completions: Mutex<Vec<u64>>,
     /// What the samples and snapshots of the limited queue's count saw.
     pub(super) watch: Mutex<LimitWatch>,
+    /// What the samples and snapshots of the typed queue's limits per type saw.
+    pub(super) typed: Mutex<TypedWatch>,
     /// Counts by name: each fault kind's label, and what the faults and checks count besides.
     pub(super) counters: Mutex<BTreeMap<String, u64>>,
     pub(super) tails: Mutex<(Vec<Tail>, Facts)>,
@@ -251,6 +248,7 @@ impl World<'_> {
             &shape.queue(),
             &record,
         );
+        self.dir.testkit_types_recording(&config, &record, &TYPES);
         let process = Process::start_with_env(&config, log.clone(), &[("RUST_BACKTRACE", "0")]);
         lock(&self.tails).0.push(Tail {
             path: record,

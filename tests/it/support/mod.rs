@@ -278,20 +278,21 @@ impl TestDir {
 
     /// Rewrites the config at `path`, written by this dir, so that its testkit plugin handles `types`.
     pub fn testkit_types(&self, path: &Path, types: &[&str]) {
+        self.testkit_types_recording(path, &self.record_file(), types);
+    }
+
+    /// As [`TestDir::testkit_types`], for a config whose testkit plugin records to `record` (one written by
+    /// [`TestDir::config_named`]).
+    pub fn testkit_types_recording(&self, path: &Path, record: &Path, types: &[&str]) {
         let text = fs::read_to_string(path).unwrap();
-        let record = format!(
-            "config = {{ record = \"{}\" }}",
-            self.record_file().display()
-        );
+        let record = record.display();
         let types = types
             .iter()
             .map(|kind| format!("{kind:?}"))
             .collect::<Vec<_>>()
             .join(", ");
-        let with_types = format!(
-            "config = {{ record = \"{}\", types = [{types}] }}",
-            self.record_file().display()
-        );
+        let with_types = format!("config = {{ record = \"{record}\", types = [{types}] }}");
+        let record = format!("config = {{ record = \"{record}\" }}");
         assert!(text.contains(&record), "the testkit section: {text}");
         fs::write(path, text.replace(&record, &with_types)).unwrap();
     }
