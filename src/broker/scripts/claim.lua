@@ -158,7 +158,7 @@ if weighted then
   if refused then return refused end
 end
 -- The type limits' flows, their keys and counts (types.lua), read and checked before any write.
-local block, _, bad_types = types_read('claim.lua', TYPES, TYPE_KEYS, levels, KEYS[RUNNING], integer)
+local block, bad_types = types_read('claim.lua', TYPES, TYPE_KEYS, levels, KEYS[RUNNING], integer)
 if bad_types then return bad_types end
 local flowing = #block.flows > 0
 local t = redis.call('TIME')
@@ -290,6 +290,7 @@ local took, retry_at = 0, 0
 local function finish(result)
   if took > 0 and max_running > 0 then redis.call('HINCRBY', KEYS[RUNNING], 'q', took) end
   if took > 0 and rates > 0 then rate_spend(windows, took, now) end
+  if took > 0 and flowing then types_spend(block, KEYS[RUNNING], now) end
   result[#result + 1] = retry_at
   if dead_lettered > 0 then
     redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[4]) - 1)
@@ -487,7 +488,6 @@ for stage = 1, 3 do
         end
         for k = #got, kept + 1, -1 do redis.call('LPUSH', list, got[k]) end
         if kept == 0 then
-          types_spend(block, KEYS[RUNNING], now)
           return held_back() or finish(empty(0, 0))
         end
         n = push_runs(i, runs)
@@ -496,11 +496,9 @@ for stage = 1, 3 do
         if n > 0 then record(i, n) end
       end
       if n == 0 then
-        if flowing then types_spend(block, KEYS[RUNNING], now) end
         return finish(empty(0, 0))
       end
       redis.call('HSET', KEYS[3], 'group', GROUPS[stage])
-      if flowing then types_spend(block, KEYS[RUNNING], now) end
       local result = empty(1, i)
       result[3 + i] = n
       return finish(result)
@@ -630,12 +628,9 @@ if flowing and want and taken < max then
     if result[3 + i] == 0 and taken < max then result[3 + i] = take_flowing(i, max - taken) end
   end
 end
-if flowing then
-  types_spend(block, KEYS[RUNNING], now)
-  if took == 0 and taken == 0 then
-    local held = held_back()
-    if held then return held end
-  end
+if flowing and took == 0 and taken == 0 then
+  local held = held_back()
+  if held then return held end
 end
 if taken == max and room then
   -- The queue may hold more than this fetcher can take: pass the wake-up on to another idle fetcher.

@@ -24,12 +24,12 @@
 -- windows' logs and sums.
 
 -- Reads the block at ARGV[at] for `levels` levels (KEYS from `first`), checking every key's type and every value
--- it will rely on (running counts, rate logs) before any write. Returns the flows (possibly none), the index of
--- the first key past the block, or nil and the error reply of `script`.
+-- it will rely on (running counts, rate logs) before any write. Returns the flows (possibly none), or nil and the
+-- error reply of `script`.
 local function types_read(script, at, first, levels, running, integer)
   local count = tonumber(ARGV[at]) or 0
   local block = {flows = {}, kinds = {}, rings = {}, foreign = ARGV[at + 1] or ''}
-  if count == 0 then return block, first end
+  if count == 0 then return block end
   local function wrong(key, kind)
     local found = redis.call('TYPE', key).ok
     if found ~= 'none' and found ~= kind then
@@ -40,7 +40,7 @@ local function types_read(script, at, first, levels, running, integer)
   for level = 1, levels do
     block.rings[level] = KEYS[first + level - 1]
     local refused = wrong(block.rings[level], 'zset')
-    if refused then return nil, nil, refused end
+    if refused then return nil, refused end
   end
   local arg, key = at + 2, first + levels
   for f = 1, count do
@@ -49,33 +49,33 @@ local function types_read(script, at, first, levels, running, integer)
     for level = 1, levels do
       flow.lists[level] = KEYS[key + level - 1]
       local refused = wrong(flow.lists[level], 'list')
-      if refused then return nil, nil, refused end
+      if refused then return nil, refused end
     end
     key = key + levels
     flow.throttle = KEYS[key]
     local refused = wrong(flow.throttle, 'string')
-    if refused then return nil, nil, refused end
+    if refused then return nil, refused end
     key = key + 1
     for r = 0, flow.rates - 1 do
       local refused = wrong(KEYS[key + 2 * r], 'list') or wrong(KEYS[key + 2 * r + 1], 'string')
-      if refused then return nil, nil, refused end
+      if refused then return nil, refused end
     end
     local windows, refused = rate_read(script, flow.rates, key, arg + 5, integer)
-    if refused then return nil, nil, refused end
+    if refused then return nil, refused end
     flow.windows = windows
     key = key + 2 * flow.rates
     arg = arg + 5 + 2 * flow.rates
     if flow.max_running > 0 then
       local value = redis.call('HMGET', running, flow.scope, flow.scope .. ':limit')
       refused = integer(running, flow.scope, value[1]) or integer(running, flow.scope .. ':limit', value[2])
-      if refused then return nil, nil, refused end
+      if refused then return nil, refused end
       flow.running, flow.known_limit = tonumber(value[1] or '0'), tonumber(value[2] or '0')
     end
     flow.limited = flow.max_running > 0 or flow.rates > 0
     if flow.limited then block.kinds[flow.kind] = flow end
     block.flows[f] = flow
   end
-  return block, key
+  return block
 end
 
 -- How many more tasks each flow's limits admit now (`flow.room`; nil: no bound), trimming its rate logs first;
