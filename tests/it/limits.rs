@@ -21,15 +21,6 @@ fn counter(redis: &RedisServer, field: &str) -> u64 {
     count.unwrap_or(0)
 }
 
-/// Every id `prefix0..prefix{count}` ran exactly once.
-fn assert_ran_once(dir: &TestDir, prefix: &str, count: usize) {
-    let records = dir.records();
-    for i in 0..count {
-        let id = format!("{prefix}{i}");
-        assert_eq!(records.runs_of(&id), 1, "{id}: {:?}", records.starts);
-    }
-}
-
 /// The most runs that started within any `window` of each other (for tasks whose runs last at least `window`:
 /// how many ran at once).
 fn most_started_within(dir: &TestDir, window: Duration) -> usize {

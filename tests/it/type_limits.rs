@@ -51,15 +51,6 @@ fn ended(dir: &TestDir, prefix: &str) -> usize {
         .count()
 }
 
-/// Every id `prefix0..prefix{count}` ran exactly once.
-fn assert_ran_once(dir: &TestDir, prefix: &str, count: usize) {
-    let records = dir.records();
-    for i in 0..count {
-        let id = format!("{prefix}{i}");
-        assert_eq!(records.runs_of(&id), 1, "{id}: {:?}", records.starts);
-    }
-}
-
 /// Waits until `done` tasks are done and nothing waits or runs, then checks that the type's count is back to 0,
 /// that no count went below 0, and that no flow is left.
 fn assert_drained(config: &Path, redis: &RedisServer, done: u64, kind: &str) {

@@ -808,6 +808,15 @@ pub fn push_typed(config: &Path, kind: &str, prefix: &str, count: usize, data: &
     client(config).push_batch("jobs", tasks).unwrap();
 }
 
+/// Every id `prefix0..prefix{count}` ran exactly once.
+pub fn assert_ran_once(dir: &TestDir, prefix: &str, count: usize) {
+    let records = dir.records();
+    for i in 0..count {
+        let id = format!("{prefix}{i}");
+        assert_eq!(records.runs_of(&id), 1, "{id}: {:?}", records.starts);
+    }
+}
+
 /// Waits until `jobs` counts at least `done` tasks done.
 pub fn wait_done(config: &Path, done: u64, within: Duration) -> QueueStats {
     eventually(within, &format!("{done} tasks done"), || {
