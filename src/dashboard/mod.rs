@@ -56,7 +56,7 @@ pub struct Options {
 pub struct Dashboard {
     listener: TcpListener,
     state: Arc<server::State>,
-    queues: Vec<String>,
+    queues: Vec<crate::config::QueueConfig>,
     addr: SocketAddr,
 }
 
@@ -75,7 +75,7 @@ impl Dashboard {
         Ok(Dashboard {
             listener,
             state: Arc::new(state),
-            queues: config.queues.iter().map(|q| q.name.clone()).collect(),
+            queues: config.queues.clone(),
             addr,
         })
     }
@@ -117,7 +117,10 @@ impl Dashboard {
 }
 
 /// Takes in the overview's polls until its poller stops (it does not, but for a panic).
-fn take_polls(state: &Arc<server::State>, queues: Vec<String>) -> std::io::Result<()> {
+fn take_polls(
+    state: &Arc<server::State>,
+    queues: Vec<crate::config::QueueConfig>,
+) -> std::io::Result<()> {
     let (polls_tx, polls) = crossbeam_channel::bounded(1);
     let polling = Arc::clone(state);
     std::thread::Builder::new()

@@ -59,8 +59,8 @@ impl Watch {
 
 pub(super) fn run_watch(config: &Config, interval: Duration) -> Result<(), Failure> {
     let client = Client::new(config)?;
-    let names: Vec<String> = config.queues.iter().map(|q| q.name.clone()).collect();
-    let borrowed: Vec<&str> = names.iter().map(String::as_str).collect();
+    let queues = config.queues.clone();
+    let borrowed: Vec<&str> = queues.iter().map(|q| q.name.as_str()).collect();
     for action in [Action::Stats, Action::Workers] {
         // A refusal (credentials, ACL rules) is the setup's to fix: exit as `kmqd stats` does. A Redis that does
         // not answer yet is waited for, like any later failure, on the screen.
@@ -75,7 +75,7 @@ pub(super) fn run_watch(config: &Config, interval: Duration) -> Result<(), Failu
     let (polls_tx, polls) = crossbeam_channel::bounded(1);
     std::thread::Builder::new()
         .name("kmqd-watch-poller".to_string())
-        .spawn(move || poll_forever(&client, &names, interval, &polls_tx))
+        .spawn(move || poll_forever(&client, &queues, interval, &polls_tx))
         .map_err(|error| Failure::Runtime(format!("cannot start the poller: {error}")))?;
     let watch = Watch::new(config);
     if std::io::stdout().is_terminal() {

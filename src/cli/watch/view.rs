@@ -253,6 +253,7 @@ mod tests {
             }),
             lag_ms: Some(1234),
             daemons: 2,
+            limits: None,
         }
     }
 
