@@ -145,7 +145,8 @@ pub fn daemons(state: &State) -> Result<Json, ApiError> {
     Ok(json!({ "daemons": all }))
 }
 
-/// `GET /api/queues/Q?limit=N`: the queue's stats, its daemons, the heads of its ready lists, the delayed tasks
+/// `GET /api/queues/Q?limit=N`: the queue's stats, its limits against what Redis counts (as `kmqd stats`
+/// shows them; null for a queue with none), its daemons, the heads of its ready lists, the delayed tasks
 /// and retries due soonest, and its newest dead-letter records.
 pub fn queue(state: &State, queue: &str, limit: usize) -> Result<Json, ApiError> {
     let mode = state
@@ -154,6 +155,13 @@ pub fn queue(state: &State, queue: &str, limit: usize) -> Result<Json, ApiError>
         .find(|(name, _)| name == queue)
         .map(|(_, mode)| *mode);
     let stats = state.client.stats(queue)?;
+    // Read beside the stats, as `kmqd stats` reads them: bounded by the queue's config, not by its tasks.
+    // (Issue 33's busiest groups, with their pause and resume, will go beside them: under `limits`, and
+    // drawn below the types' table on the page.)
+    let limits = match state.configs.iter().find(|config| config.name == queue) {
+        Some(config) => crate::overview::read_limits(&state.client, config, &stats)?,
+        None => None,
+    };
     let daemons = state.client.workers(queue)?;
     let waiting = state.client.peek(queue, limit)?;
     let dead = state.client.dead_head(queue, limit)?;
@@ -171,6 +179,7 @@ pub fn queue(state: &State, queue: &str, limit: usize) -> Result<Json, ApiError>
         "mode": mode,
         "now_ms": now_ms,
         "stats": stats,
+        "limits": limits,
         "daemons": daemons,
         "ready": waiting.ready.iter().map(|head| json!({
             "level": head.level,

@@ -41,6 +41,8 @@ pub(super) struct State {
     hosts: Vec<String>,
     /// Queue names and modes, in config order.
     pub queues: Vec<(String, &'static str)>,
+    /// The queues' configs, in config order: a queue's page reads what its limits count ([`api::queue`]).
+    pub configs: Vec<crate::config::QueueConfig>,
     /// Held by a task page's lookup while it scans its queue's lists: one at a time (`api::task`).
     pub lookups: std::sync::Mutex<()>,
 }
@@ -74,6 +76,7 @@ impl State {
                 .iter()
                 .map(|q| (q.name.clone(), q.mode.as_str()))
                 .collect(),
+            configs: config.queues.clone(),
             lookups: std::sync::Mutex::new(()),
         }
     }

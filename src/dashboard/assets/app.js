@@ -178,9 +178,10 @@ const pages = {
         el("td", {}, el("a", { href: "/queues/" + encodeURIComponent(q.name) }, q.name)),
         el("td", { class: "hide-narrow" }, q.mode),
         el("td", {}, el("span", { class: "badge " + (q.paused || q.throttled ? "paused" : "serving") }, q.paused ? "paused" : q.throttled ? "throttled" : "serving")),
+        limitsCell(q.limits),
         el("td", { class: "num", "data-field": "ready",
           title: q.ready_by_level.map(([level, n]) => level + " " + n).join(", ") }, q.ready),
-        el("td", { class: "hide-narrow dim" }, q.ready_by_level.length > 1
+        el("td", { class: "hide-narrow dim wrap" }, q.ready_by_level.length > 1
           ? q.ready_by_level.map(([level, n]) => level + " " + n).join(" · ") : ""),
         el("td", { class: "num", "data-field": "processing" }, q.processing),
         el("td", { class: "num", "data-field": "delayed" }, q.delayed),
@@ -190,7 +191,7 @@ const pages = {
           rate(q.rates && q.rates.failed)),
         el("td", { class: "num" }, duration(q.lag_ms)),
         el("td", { class: "num", "data-field": "daemons" }, q.daemons)));
-      return [el("h1", {}, "Queues"), table([["queue"], ["mode", "hide-narrow"], ["state"], ["ready", "num"],
+      return [el("h1", {}, "Queues"), table([["queue"], ["mode", "hide-narrow"], ["state"], ["limits"], ["ready", "num"],
         ["by level", "hide-narrow"], ["processing", "num"], ["delayed", "num"], ["dead", "num"],
         ["done/s", "num"], ["failed/s", "num"], ["lag", "num"], ["daemons", "num"]], rows,
         "no queues in the config"),
@@ -238,6 +239,8 @@ const pages = {
         el("h1", {}, name, el("span", { class: "dim" }, data.mode || ""),
           el("span", { class: "badge " + (s.paused || s.throttle_ms != null ? "paused" : "serving"), id: "queue-state" },
             s.paused ? "paused" : s.throttle_ms != null ? "throttled" : "serving"),
+          data.limits && data.limits.held_back.length ? el("span", { class: "badge paused", id: "held-badge",
+            title: data.limits.held_back.join(" · ") }, "held back") : null,
           s.paused ? button("Resume", () => act(base + "/resume", {}, "resume " + name))
             : button("Pause", () => act(base + "/pause", {}, "pause " + name))),
         el("div", { class: "cards" },
@@ -246,6 +249,8 @@ const pages = {
           card("dead", s.dead, "dead"), card("done", s.done, "done"), card("failed", s.failed, "failed"),
           card("lag", duration(s.lag_ms), "lag")),
         el("div", { class: "card history" }, charts(name)),
+        el("h2", {}, "Limits"),
+        limitsPanel(data.limits),
         el("h2", {}, "Ready (the next to run, per level)"),
         el("p", { class: "dim", id: "cut-note" }, "These lists are sent each task's envelope, error or dead record cut to",
           " 4 KiB, and stop at about 4 MiB of a list's tasks (fewer than asked when they are large): a task's own",
@@ -310,6 +315,89 @@ const pages = {
     },
   },
 };
+
+// --- limits: the queue's flow control against what Redis counts, as `kmqd stats` says it -------------------
+
+// 1000 -> "1s", 60000 -> "1m", 3600000 -> "1h", 250 -> "250ms": a rate window's length, as the config writes it.
+function windowText(ms) {
+  for (const [unit, size] of [["h", 3600000], ["m", 60000], ["s", 1000]]) {
+    if (ms % size === 0) return ms / size + unit;
+  }
+  return ms + "ms";
+}
+
+// A count against its limit as a bar (SVG, as the charts: the page's CSP allows no inline style).
+function bar(used, limit, full) {
+  const width = limit > 0 ? Math.min(100, (100 * used) / limit) : 0;
+  return svg("svg", { class: "bar" + (full ? " full" : ""), viewBox: "0 0 100 6", preserveAspectRatio: "none",
+    role: "img", "aria-label": used + " of " + limit },
+  svg("rect", { class: "track", width: 100, height: 6 }), svg("rect", { class: "fill", width: width.toFixed(1), height: 6 }));
+}
+
+// The overview's compact form: running against max_running, and a "held back" badge naming what holds it.
+function limitsCell(limits) {
+  if (!limits) return el("td", { class: "dim", "data-field": "limits" }, "-");
+  const running = limits.max_running;
+  return el("td", { "data-field": "limits", title: limits.line },
+    running ? running.running + "/" + running.limit + " " : "",
+    limits.held_back.length ? el("span", { class: "badge paused" }, "held back")
+      : running ? "" : el("span", { class: "dim" }, "limited"));
+}
+
+function limitCard(label, field, used, limit, full, note) {
+  return el("div", { class: "card limit", "data-field": field },
+    el("div", { class: "label" }, label),
+    el("div", { class: "value" + (full ? " bad" : "") }, used + " / " + limit), bar(used, limit, full),
+    note ? el("div", { class: "dim small" }, note) : null);
+}
+
+// A scope's rate windows in a line: "3/5 per 1s, 40/1000 per 1h".
+function rates(list) {
+  return (list || []).map((r) => r.used + "/" + r.limit + " per " + windowText(r.window_ms)).join(", ") || "-";
+}
+
+// The queue page's panel: what holds the queue back now (the words of `kmqd stats`), its running count and rate
+// windows against their limits, its throttle's time left, and the table of its limited types.
+function limitsPanel(limits) {
+  if (!limits) return el("div", { id: "limits" }, el("p", { class: "empty" },
+    "no max_running, rate_limit or [[queues.limits]] in the config, and no throttle"));
+  const held = limits.held_back;
+  const cards = [];
+  if (limits.max_running) {
+    const m = limits.max_running;
+    cards.push(limitCard("running", "running", m.running, m.limit, m.held_back, "tasks taken, not yet settled"));
+  }
+  for (const r of limits.rate_limit || []) {
+    cards.push(limitCard("rate per " + windowText(r.window_ms), "rate-" + windowText(r.window_ms), r.used, r.limit,
+      r.held_back, "starts in the last " + windowText(r.window_ms)));
+  }
+  if (limits.throttle_ms !== undefined) {
+    cards.push(el("div", { class: "card limit", "data-field": "throttle" }, el("div", { class: "label" }, "throttled"),
+      el("div", { class: "value bad" }, duration(limits.throttle_ms)), el("div", { class: "dim small" },
+        "more: a handler asked for back-pressure")));
+  }
+  const types = (limits.types || []).map((t) => {
+    const running = t.max_running;
+    return el("tr", { "data-type": t.type },
+      el("td", {}, t.type),
+      el("td", { class: "num" + (running && running.held_back ? " bad" : ""), "data-field": "running" },
+        running ? running.running + " / " + running.limit : "-"),
+      el("td", { class: "num" + ((t.rate_limit || []).some((r) => r.held_back) ? " bad" : ""), "data-field": "rate" },
+        rates(t.rate_limit)),
+      el("td", { class: "num", "data-field": "waiting" }, t.waiting),
+      el("td", { class: "num" + (t.throttle_ms !== undefined ? " bad" : ""), "data-field": "throttled" },
+        t.throttle_ms !== undefined ? duration(t.throttle_ms) + " more" : "-"));
+  });
+  // Issue 33's busiest groups (with their pause and resume) go last in this panel, after the types' table: a
+  // table of their own, drawn from the same answer's `limits` by a function beside this one.
+  return el("div", { id: "limits" },
+    el("p", { class: held.length ? "held bad" : "held dim", "data-field": "held-back" },
+      held.length ? "Held back now: " + held.join(" · ") : "Not held back now"),
+    cards.length ? el("div", { class: "cards limits" }, cards) : null,
+    types.length ? el("h3", {}, "Limited types") : null,
+    types.length ? el("div", { id: "types" }, table([["type"], ["running", "num"], ["rate", "num"],
+      ["waiting", "num"], ["throttled", "num"]], types, "")) : null);
+}
 
 function sizeCell(bytes, cut) {
   return el("td", { class: "num", "data-field": "size", title: cut ? "this page was sent its first 4 KiB" : null },

@@ -101,6 +101,34 @@ def main():
         shot(driver, "dashboard-phone.png")
         driver.set_window_size(1280, 900)
 
+        # The overview's compact limits: reports runs 3 of its max_running 3, held back.
+        driver.get(url + "/")
+        eventually(10, "reports held back on the overview", lambda: cell(driver, "reports", "limits") == "3/3 held back")
+
+        # The limits panel of a queue's page: running against max_running, the rate window's starts, the limited
+        # type's row, and what holds the queue back, in the words of `kmqd stats`.
+        driver.get(url + "/queues/reports")
+
+        def text(selector):
+            return read(selector, lambda: driver.find_element(By.CSS_SELECTOR, selector).text)
+        eventually(10, "running 3 / 3", lambda: text('#limits [data-field="running"] .value') == "3 / 3")
+        eventually(10, "3 starts in the minute's window",
+                   lambda: text('#limits [data-field="rate-1m"] .value') == "3 / 600")
+        report = '#types tr[data-type="report"] '
+        eventually(10, "the report type's row", lambda: (text(report + '[data-field="running"]'),
+                                                          text(report + '[data-field="waiting"]')) == ("1 / 1", "2"))
+        held = text('#limits [data-field="held-back"]')
+        assert held == 'Held back now: running 3/3 · type "report": running 1/1', held
+        assert text("#held-badge") == "held back"
+        measured["limits_held_back"] = held
+        # On a phone the panel fits the screen's width (its cards stack; only the tables scroll sideways).
+        driver.set_window_size(390, 844)
+        eventually(5, "the panel within a phone's width", lambda: driver.execute_script(
+            "return document.getElementById('limits').getBoundingClientRect().right <= window.innerWidth"))
+        driver.execute_script("document.getElementById('limits').previousElementSibling.scrollIntoView()")
+        shot(driver, "dashboard-limits.png")
+        driver.set_window_size(1280, 900)
+
         # Requeueing a dead task from its button makes it run (it fails again: the failed counter moves).
         driver.get(url + "/queues/jobs")
         row = '#dead tr[data-id="doomed"]'
@@ -124,7 +152,8 @@ def main():
 
         # The daemons page lists the daemon on each queue; a task found by id shows where it is.
         driver.get(url + "/daemons")
-        eventually(10, "a daemon per queue", lambda: len(driver.find_elements(By.CSS_SELECTOR, "tr[data-owner]")) == 4)
+        eventually(10, "a daemon per queue", lambda: len(driver.find_elements(
+            By.CSS_SELECTOR, "tr[data-owner]")) == ARGS["daemons"])
         driver.get(url + "/task?queue=jobs&id=doomed")
         eventually(10, "doomed found dead", lambda: read("the place", lambda: driver.find_element(
             By.CSS_SELECTOR, ".found h2").text).startswith("dead"))

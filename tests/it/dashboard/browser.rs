@@ -4,8 +4,10 @@
 //! with the counts Redis holds and charts the hour of history in Redis, that a push shows on the page within two
 //! seconds, that a dead task's Requeue button makes it run again, that Pause and Resume change the queue's state,
 //! that the daemons page and a task found by id show what Redis holds, that a task's page looks it up once and
-//! again only on its button (review M7: a lookup scans the queue's lists), and that `--read-only` draws no
-//! button and refuses an action sent anyway.
+//! again only on its button (review M7: a lookup scans the queue's lists), that a queue's limits panel shows
+//! its running count against `max_running`, its rate window, its limited type's counts and what holds it back
+//! (and the overview its compact form), on a phone too, and that `--read-only` draws no button and refuses an
+//! action sent anyway.
 //!
 //! Its screenshots go to the test's directory; with `KMQD_DASHBOARD_SCREENSHOTS=DIR` they are copied there
 //! (`KMQD_DASHBOARD_SCREENSHOTS=docs` refreshes the pictures of docs/DASHBOARD.md and the README).
@@ -23,7 +25,9 @@ const QUEUES: &str = "\
 [[queues]]\nname = \"mail\"\nmode = \"safe\"\npriorities = [\"high\", \"normal\", \"low\"]\nworkers = 4\n\n\
 [[queues]]\nname = \"thumbnails\"\nmode = \"default\"\nworkers = 2\n\n\
 [[queues]]\nname = \"billing\"\nmode = \"safe\"\nworkers = 2\n\n\
-[[queues]]\nname = \"jobs\"\nmode = \"safe\"\nworkers = 2\nretry_times = 0\nlease_timeout = \"2s\"\n";
+[[queues]]\nname = \"jobs\"\nmode = \"safe\"\nworkers = 2\nretry_times = 0\nlease_timeout = \"2s\"\n\n\
+[[queues]]\nname = \"reports\"\nmode = \"safe\"\nworkers = 4\nmax_running = 3\nrate_limit = \"600/m\"\n\
+[[queues.limits]]\ntype = \"report\"\nmax_running = 1\n";
 
 fn chromium_is_here() {
     let probe = Command::new(PYTHON)
@@ -75,7 +79,7 @@ fn the_pages_show_redis_and_their_buttons_act() {
     chromium_is_here();
     let redis = RedisServer::start();
     let dir = TestDir::new();
-    let config = dir.config(&redis, QUEUES);
+    let config = dir.config_for_types(&redis, QUEUES, &["test", "report"]);
     seed_history(&redis, "mail");
     let daemon = TestDaemon::start(&config);
     let client = client(&config);
@@ -107,6 +111,18 @@ fn the_pages_show_redis_and_their_buttons_act() {
         task(r#"{"sleep_ms": 10}"#).priority(level)
     });
     client.push_batch("mail", backlog).unwrap();
+    // A queue its limits hold back for the length of the test: 3 tasks running of its max_running 3, one of them
+    // the "report" its type's max_running 1 lets run (the first pushed: a claim takes the head first), the other
+    // two reports waiting in their flow; each runs until the daemon's shutdown cancels it.
+    let forever = |kind: &str| kmqd::NewTask::new(kind, r#"{"until_cancelled": true}"#).unwrap();
+    client
+        .push_batch(
+            "reports",
+            (0..3)
+                .map(|_| forever("report"))
+                .chain((0..4).map(|_| forever("test"))),
+        )
+        .unwrap();
 
     let dashboard = Dashboard::start(&config, &dir, &[]);
     let read_only = Dashboard::start_named(&config, &dir, "dashboard-ro.log", &["--read-only"]);
@@ -122,7 +138,9 @@ fn the_pages_show_redis_and_their_buttons_act() {
             "billing": {"ready": 5, "dead": 0, "daemons": 1},
             "jobs": {"ready": 0, "dead": 1},
             "thumbnails": {"delayed": 3},
+            "reports": {"processing": 3, "ready": 4},
         },
+        "daemons": 5,
     });
     let script = workspace_dir().join("tests/it/dashboard/browser.py");
     let output = Command::new(PYTHON)
@@ -162,6 +180,7 @@ fn the_pages_show_redis_and_their_buttons_act() {
         "dashboard-overview.png",
         "dashboard-queue.png",
         "dashboard-phone.png",
+        "dashboard-limits.png",
     ] {
         let shot = shots.join(name);
         assert!(
