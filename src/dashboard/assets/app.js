@@ -249,8 +249,7 @@ const pages = {
           card("dead", s.dead, "dead"), card("done", s.done, "done"), card("failed", s.failed, "failed"),
           card("lag", duration(s.lag_ms), "lag")),
         el("div", { class: "card history" }, charts(name)),
-        el("h2", {}, "Limits"),
-        limitsPanel(data.limits),
+        ...limitsPanel(data.limits),
         el("h2", {}, "Ready (the next to run, per level)"),
         el("p", { class: "dim", id: "cut-note" }, "These lists are sent each task's envelope, error or dead record cut to",
           " 4 KiB, and stop at about 4 MiB of a list's tasks (fewer than asked when they are large): a task's own",
@@ -357,10 +356,11 @@ function rates(list) {
 }
 
 // The queue page's panel: what holds the queue back now (the words of `kmqd stats`), its running count and rate
-// windows against their limits, its throttle's time left, and the table of its limited types.
+// windows against their limits, its throttle's time left, and the table of its limited types. A queue with none
+// of them gets one line, so that its lists stay where they were.
 function limitsPanel(limits) {
-  if (!limits) return el("div", { id: "limits" }, el("p", { class: "empty" },
-    "no max_running, rate_limit or [[queues.limits]] in the config, and no throttle"));
+  if (!limits) return [el("p", { class: "dim", id: "limits" }, "Limits: none (no max_running, rate_limit or ",
+    "[[queues.limits]] in the config, and no throttle)")];
   const held = limits.held_back;
   const cards = [];
   if (limits.max_running) {
@@ -390,13 +390,13 @@ function limitsPanel(limits) {
   });
   // Issue 33's busiest groups (with their pause and resume) go last in this panel, after the types' table: a
   // table of their own, drawn from the same answer's `limits` by a function beside this one.
-  return el("div", { id: "limits" },
+  return [el("h2", {}, "Limits"), el("div", { id: "limits" },
     el("p", { class: held.length ? "held bad" : "held dim", "data-field": "held-back" },
       held.length ? "Held back now: " + held.join(" · ") : "Not held back now"),
     cards.length ? el("div", { class: "cards limits" }, cards) : null,
     types.length ? el("h3", {}, "Limited types") : null,
     types.length ? el("div", { id: "types" }, table([["type"], ["running", "num"], ["rate", "num"],
-      ["waiting", "num"], ["throttled", "num"]], types, "")) : null);
+      ["waiting", "num"], ["throttled", "num"]], types, "")) : null)];
 }
 
 function sizeCell(bytes, cut) {

@@ -679,3 +679,91 @@ fn lists_are_sent_cut_and_a_lookup_stops_at_its_budget() {
     assert!(out.contains("ready"), "{out}");
     daemon.stop();
 }
+
+/// A queue's limits, as its page and the overview's row serve them, say what `kmqd stats` says: a queue at its
+/// `max_running` with a type at its own, and what holds it back; another queue, with no limit, held back by a
+/// handler's throttle alone, with the time it has left.
+#[test]
+fn a_queues_limits_say_what_holds_it_back_as_kmqd_stats_does() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let queues = "[[queues]]\nname = \"api\"\nmode = \"safe\"\nworkers = 4\nmax_running = 2\n\
+                  [[queues.limits]]\ntype = \"report\"\nmax_running = 1\n\n\
+                  [[queues]]\nname = \"mail\"\nmode = \"safe\"\n";
+    let config = dir.config_for_types(&redis, queues, &["test", "report"]);
+    let daemon = TestDaemon::start(&config);
+    // Running until the daemon's shutdown cancels them: the first report and the first test task take the
+    // queue's 2 slots (a claim takes the head first), the second report waits in its type's flow.
+    let forever = |kind: &str| kmqd::NewTask::new(kind, r#"{"until_cancelled": true}"#).unwrap();
+    let client = client(&config);
+    client
+        .push_batch(
+            "api",
+            [forever("report"), forever("report"), forever("test")],
+        )
+        .unwrap();
+    push(
+        &config,
+        "mail",
+        task(
+            "slow-down",
+            r#"{"outcome":"throttle","throttle_ms":600000}"#,
+        ),
+    );
+    let dashboard = Dashboard::start(&config, &dir, &[]);
+
+    let held = serde_json::json!(["running 2/2", "type \"report\": running 1/1"]);
+    let api = row_when(&dashboard, "api", "api held back on the overview", |row| {
+        row["limits"]["held_back"] == held
+    });
+    assert_eq!(api["processing"], 2, "{api}");
+    let page = eventually(Duration::from_secs(10), "api's page held back", || {
+        let page = dashboard.json("/api/queues/api");
+        (page["limits"]["held_back"] == held, page)
+    });
+    let limits = &page["limits"];
+    assert_eq!(
+        limits["max_running"],
+        serde_json::json!({"limit": 2, "running": 2, "held_back": true}),
+        "{limits}"
+    );
+    assert_eq!(
+        limits["types"],
+        serde_json::json!([{"type": "report", "waiting": 1,
+                            "max_running": {"limit": 1, "running": 1, "held_back": true}}]),
+        "{limits}"
+    );
+    // The same words and numbers as `kmqd stats` (nothing runs to an end meanwhile: they run until cancelled).
+    let out = kmqd_ok(&config, &["stats"]);
+    let line = limits["line"].as_str().unwrap();
+    assert!(
+        out.contains(&format!("api: {line}\n")),
+        "{line:?} in\n{out}"
+    );
+    let json: Json = serde_json::from_str(&kmqd_ok(&config, &["stats", "--json"])).unwrap();
+    let mut detail = limits.clone();
+    for served_beside in ["line", "held_back"] {
+        detail.as_object_mut().unwrap().remove(served_beside);
+    }
+    assert_eq!(json["queues"]["api"]["limits"], detail);
+
+    // A queue with no limit has none until a handler throttles it: then the throttle alone holds it back.
+    let mail = row_when(
+        &dashboard,
+        "mail",
+        "mail throttled on the overview",
+        |row| row["throttled"] == true,
+    );
+    let throttled = &mail["limits"];
+    assert!(
+        throttled["throttle_ms"].as_i64().unwrap() > 500_000,
+        "{mail}"
+    );
+    let words = throttled["held_back"][0].as_str().unwrap();
+    assert!(
+        words.starts_with("throttled ") && words.ends_with(" more"),
+        "{mail}"
+    );
+    assert_eq!(throttled["max_running"], Json::Null, "{mail}");
+    daemon.stop();
+}
