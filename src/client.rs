@@ -39,6 +39,9 @@ pub struct NewTask {
     /// Refuse the push while a task with this id is delayed, ready or processing (needs an explicit id).
     pub unique: bool,
     pub due: Due,
+    /// The task's group (`[queues.groups]`: groups take turns, each within its own limits); `None`: the group of
+    /// tasks without one. 1 to 64 bytes.
+    pub group: Option<String>,
 }
 
 impl NewTask {
@@ -59,6 +62,7 @@ impl NewTask {
             priority: None,
             unique: false,
             due: Due::Now,
+            group: None,
         }
     }
 
@@ -74,6 +78,12 @@ impl NewTask {
 
     pub fn unique(mut self) -> NewTask {
         self.unique = true;
+        self
+    }
+
+    /// In group `group` (`[queues.groups]`).
+    pub fn group(mut self, group: impl Into<String>) -> NewTask {
+        self.group = Some(group.into());
         self
     }
 
@@ -253,10 +263,25 @@ impl Client {
             if task.unique && task.id.is_none() {
                 return Err(ClientError::UniqueWithoutId);
             }
+            if let Some(group) = &task.group
+                && (group.is_empty() || group.len() > crate::config::MAX_GROUP_BYTES)
+            {
+                return Err(ClientError::Data(format!(
+                    "group {group:?} is not a group name: use 1 to {} bytes",
+                    crate::config::MAX_GROUP_BYTES
+                )));
+            }
             let id = task.id.unwrap_or_else(task::new_id);
             let mut envelope = Envelope::new(id.clone(), task.kind, task.data);
             envelope.priority = task.priority.map(Cow::Owned);
             envelope.unique = task.unique;
+            if let Some(group) = task.group {
+                let group = serde_json::value::to_raw_value(&group)
+                    .map_err(|error| ClientError::Data(error.to_string()))?;
+                envelope
+                    .extra
+                    .push((Cow::Borrowed("group"), Cow::Owned(group)));
+            }
             prepared.push((level, task.due, task.unique, envelope.encode(), id));
         }
         let mut connection = self.pool.get().map_err(BrokerError::from)?;
@@ -576,6 +601,51 @@ impl Client {
         let info = self.queue(queue)?;
         let mut connection = self.pool.get().map_err(BrokerError::from)?;
         Ok(broker::admin::resume(&mut **connection, &info.keys)?)
+    }
+
+    /// The groups of `queue` that have tasks waiting or running, busiest first, at most `limit` (`[queues.groups]`;
+    /// read in pages, see [`broker::groups::groups`]).
+    pub fn groups(
+        &self,
+        queue: &str,
+        limit: usize,
+    ) -> Result<Vec<broker::groups::Group>, ClientError> {
+        let info = self.queue(queue)?;
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        Ok(broker::groups::groups(
+            &mut **connection,
+            &info.keys,
+            limit,
+        )?)
+    }
+
+    /// Pauses group `group` of `queue` on every daemon: no claim takes its tasks until [`Client::resume_group`].
+    /// Returns false when it was paused already.
+    pub fn pause_group(&self, queue: &str, group: &str) -> Result<bool, ClientError> {
+        let info = self.queue(queue)?;
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        // The pauser's clock: the value is only for people looking at the key.
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |since| since.as_millis() as i64);
+        Ok(broker::groups::pause(
+            &mut **connection,
+            &info.keys,
+            group,
+            now_ms,
+        )?)
+    }
+
+    /// Resumes a paused group of `queue`: its tasks take turns again at the next claim. Returns false when it was
+    /// not paused.
+    pub fn resume_group(&self, queue: &str, group: &str) -> Result<bool, ClientError> {
+        let info = self.queue(queue)?;
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        Ok(broker::groups::resume(
+            &mut **connection,
+            &info.keys,
+            group,
+        )?)
     }
 
     /// The daemons alive on `queue` (owners with a live lease): host, pid, version, what they hold, whether

@@ -44,7 +44,8 @@ impl QueueContext {
             rate_limit: &self.config.rate_limit,
             priority_weights: &self.config.priority_weights,
             type_limits: &self.config.type_limits,
-            drained_types: &[],
+            drained_flows: &[],
+            groups: self.config.groups.as_ref(),
             foreign_type_field: self.config.foreign_type_field.as_deref(),
         }
     }
@@ -69,6 +70,9 @@ impl QueueContext {
             None => Envelope::decode_in(text, slot)?,
         }
         slot.envelope_mut().ensure_id(new_id);
+        if self.config.groups.is_some() {
+            slot.envelope_mut().group()?;
+        }
         Ok(())
     }
 
@@ -123,6 +127,7 @@ impl QueueContext {
             daemon: &self.daemon_id,
             levels: &self.keys.levels,
             type_limits: &self.config.type_limits,
+            grouped: self.config.groups.is_some(),
         };
         settlement::decide(&self.policy, &origin, verdict, ran, task)
     }

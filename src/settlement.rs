@@ -10,7 +10,7 @@ use serde::Serialize;
 use base64::Engine as _;
 
 use crate::broker::keys::quarantine_stage;
-use crate::broker::{SettleOp, Settlement, Token};
+use crate::broker::{SettleOp, Settlement, ThrottleScope, Token};
 use crate::policy::{self, Action, Policy, Verdict};
 use crate::task::{Envelope, LOGGED_PAYLOAD_BYTES, capped, new_id};
 
@@ -87,6 +87,8 @@ pub struct Origin<'a> {
     pub levels: &'a [String],
     /// The queue's `[[queues.limits]]`: a throttle of a task of a listed type holds back that type, not the queue.
     pub type_limits: &'a [crate::config::TypeLimit],
+    /// Whether the queue has `[queues.groups]`: a throttle holds back the task's group, not the queue.
+    pub grouped: bool,
 }
 
 /// The task a settlement is for, as its resolver holds it: everything the record is made of besides the decision.
@@ -195,17 +197,21 @@ pub fn record(
             };
             (base(op, next.encode().into_bytes()), None)
         }
-        // Exactly as it was taken, as a hand-back: nothing of the task changed (the stats count throttles). A task
-        // of a type with its own limits throttles its type (issue 33: "a task without a group: its type, or the
-        // queue"); any other, the queue.
+        // Exactly as it was taken, as a hand-back: nothing of the task changed (the stats count throttles). On a
+        // grouped queue a task throttles its group; otherwise a task of a type with its own limits its type
+        // (issue 33: "a task without a group: its type, or the queue"); any other, the queue.
         (Action::Throttle { after, .. }, _) => {
-            let kind = envelope
-                .map(|e| &*e.kind)
-                .filter(|kind| origin.type_limits.iter().any(|limit| limit.kind == *kind))
-                .map(str::to_string);
+            let scope = if origin.grouped {
+                envelope.map(|e| ThrottleScope::Group(e.group().ok().flatten().unwrap_or_default()))
+            } else {
+                envelope
+                    .map(|e| &*e.kind)
+                    .filter(|kind| origin.type_limits.iter().any(|limit| limit.kind == *kind))
+                    .map(|kind| ThrottleScope::Type(kind.to_string()))
+            };
             let op = SettleOp::Throttle {
                 after: *after,
-                kind,
+                scope,
             };
             (base(op, payload.to_vec()), None)
         }
@@ -397,6 +403,7 @@ mod tests {
             daemon: "host:1",
             levels: &[],
             type_limits: &[],
+            grouped: false,
         }
     }
 

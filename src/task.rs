@@ -218,6 +218,28 @@ impl<'a> Envelope<'a> {
         self.id.get_or_insert_with(|| Cow::Owned(fallback()))
     }
 
+    /// The task's group (`[queues.groups]`: the producer's `group` field, kept among the fields kmqd does not
+    /// decode for every queue); `None` when absent or null. A group that is not a string of 1 to
+    /// [`crate::config::MAX_GROUP_BYTES`] bytes makes the task malformed on a grouped queue (groups.lua puts it in
+    /// the group with the empty name, and the daemon dead-letters it with this reason).
+    pub fn group(&self) -> Result<Option<String>, EnvelopeError> {
+        let Some((_, raw)) = self.extra.iter().find(|(key, _)| key == "group") else {
+            return Ok(None);
+        };
+        let bound = crate::config::MAX_GROUP_BYTES;
+        let refused = || {
+            EnvelopeError(format!(
+                "group {} is not a group name: write a string of 1 to {bound} bytes, or leave it out",
+                raw.get().chars().take(100).collect::<String>()
+            ))
+        };
+        match serde_json::from_str::<Option<String>>(raw.get()) {
+            Ok(None) => Ok(None),
+            Ok(Some(group)) if !group.is_empty() && group.len() <= bound => Ok(Some(group)),
+            _ => Err(refused()),
+        }
+    }
+
     /// The id for logs and records: the empty string when the envelope has none.
     pub fn id_str(&self) -> &str {
         self.id.as_deref().unwrap_or("")

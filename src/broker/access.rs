@@ -103,6 +103,10 @@ impl Role {
                 ("~", "{*}:wake"),
                 ("~", "{*}:unique"),
                 ("~", "{*}:stats"),
+                ("~", "{*}:routes"),
+                ("~", "{*}:flow:*"),
+                ("~", "{*}:ring:*"),
+                ("~", "{*}:sched"),
             ],
             Role::Reader => &[("%R~", "*")],
             Role::Operator => &[
@@ -116,6 +120,8 @@ impl Role {
                 ("~", "{*}:dead"),
                 ("~", "{*}:wake"),
                 ("~", "{*}:paused"),
+                ("~", "{*}:hold:*"),
+                ("~", "{*}:ring:*"),
             ],
         }
     }
@@ -397,8 +403,9 @@ pub const COMMANDS: &[Command] = &[
     },
     Command {
         name: "zadd",
-        roles: &[D, P],
-        why: "leases (the owners sorted set), owners' claim sets, delayed tasks, retries",
+        roles: &[D, P, O],
+        why: "leases (the owners sorted set), owners' claim sets, delayed tasks, retries, a grouped queue's rings \
+              (a push, a claim, `kmqd group resume`)",
     },
     Command {
         name: "zrem",
@@ -583,6 +590,13 @@ enum Kind {
     /// The queue's `source_lists`: named by its producers, outside kmqd's prefix.
     Source,
     History,
+    /// A grouped queue's routes hash, its flows, its rings and its sched hash (push.lua, "Groups").
+    Routes,
+    Flow,
+    Ring,
+    Sched,
+    /// A group's pause (`kmqd group pause`).
+    Hold,
 }
 
 /// What a command touches.
@@ -732,6 +746,8 @@ const DAEMON: &[(&str, On)] = &[
     ("hincrby", key(K::Running)),
     ("hset", key(K::Running)),
     ("hdel", key(K::Running)),
+    ("hset", key(K::Routes)),
+    ("hdel", key(K::Routes)),
     ("type", key(K::ClaimScopes)),
     ("set", key(K::ClaimScopes)),
     ("get", key(K::ClaimScopes)),
@@ -831,8 +847,13 @@ const PRODUCER: &[(&str, On)] = &[
     ("evalsha", key(K::Wake)),
     ("evalsha", key(K::Unique)),
     ("evalsha", key(K::Stats)),
+    ("evalsha", key(K::Routes)),
     ("time", NOTHING),
     ("zrange", key(K::Delayed)),
+    // A grouped queue's routing (push.lua, "Groups"; its HGET of the routes and sched hashes, like its checks,
+    // only for a user that may run HGET).
+    ("rpush", key(K::Flow)),
+    ("zadd", key(K::Ring)),
     ("hsetnx", key(K::Unique)),
     ("hsetnx", key(K::DelayedTasks)),
     ("zadd", key(K::Delayed)),
@@ -867,6 +888,11 @@ const STATS: &[(&str, On)] = &[
     ("pttl", key(K::Throttle)),
     ("hget", key(K::Running)),
     ("lrange", key(K::RateLog)),
+    // The flows (type limits, groups) and `kmqd groups`.
+    ("zrange", key(K::Ring)),
+    ("llen", key(K::Flow)),
+    ("hscan", key(K::Running)),
+    ("exists", key(K::Hold)),
 ];
 
 /// `kmqd workers`: the owners, their registrations and what they hold.
@@ -894,6 +920,8 @@ const PAUSE: &[(&str, On)] = &[
     ("evalsha", NOTHING),
     ("script|load", NOTHING),
     ("set", key(K::Paused)),
+    // `kmqd group pause`: one SET of the group's pause.
+    ("set", key(K::Hold)),
 ];
 
 /// `kmqd queue resume`: one DEL of the paused key.
@@ -901,6 +929,17 @@ const RESUME: &[(&str, On)] = &[
     ("evalsha", NOTHING),
     ("script|load", NOTHING),
     ("del", key(K::Paused)),
+    // `kmqd group resume`: group_resume.lua.
+    ("evalsha", key(K::Hold)),
+    ("type", key(K::Ring)),
+    ("type", key(K::Sched)),
+    ("type", key(K::Wake)),
+    ("hget", key(K::Sched)),
+    ("del", key(K::Hold)),
+    ("zscore", key(K::Ring)),
+    ("zadd", key(K::Ring)),
+    ("lpush", key(K::Wake)),
+    ("ltrim", key(K::Wake)),
 ];
 
 /// `kmqd task show`: plain reads, everywhere a task can be.
@@ -1152,6 +1191,11 @@ fn names(keys: &QueueKeys, kind: Kind) -> Vec<String> {
         Kind::Throttle => vec![keys.throttle.clone()],
         Kind::Source => keys.sources.clone(),
         Kind::History => vec![keys.history.clone()],
+        Kind::Routes => vec![keys.routes()],
+        Kind::Flow => vec![keys.flow(0, &super::keys::group_member("acme"))],
+        Kind::Ring => keys.rings(),
+        Kind::Sched => vec![keys.sched.clone()],
+        Kind::Hold => vec![keys.group_hold("acme")],
     }
 }
 
@@ -1435,7 +1479,7 @@ mod tests {
             "{line}"
         );
         assert!(
-            line.ends_with("~kmq:{*}:unique ~kmq:{*}:stats &kmq:{*}:delay-wake"),
+            line.ends_with("~kmq:{*}:ring:* ~kmq:{*}:sched &kmq:{*}:delay-wake"),
             "{line}"
         );
         assert!(setuser_line(Role::Reader, "jobs").ends_with(" %R~jobs:*"));

@@ -66,8 +66,29 @@ pub fn flow_member(kind: &str) -> String {
 
 /// The type of a ring member ([`flow_member`]), or `None` for a member this version does not make.
 pub fn member_type(member: &str) -> Option<String> {
-    decode_name(member.strip_prefix(':')?)
+    decode_name(member.strip_prefix(':')?).filter(|kind| !kind.is_empty())
 }
+
+/// The running scope of a group: `g:GROUP`, encoded ([`encode_name`]); groups.lua builds the same.
+pub fn group_scope(group: &str) -> String {
+    format!("g:{}", encode_name(group))
+}
+
+/// A group's flow member in its ring: `GROUP:` (no type), encoded; tasks without a group: `:`.
+pub fn group_member(group: &str) -> String {
+    format!("{}:", encode_name(group))
+}
+
+/// The group of a ring member ([`group_member`]), or `None` for a member of a type's flow or one this version
+/// does not make.
+pub fn member_group(member: &str) -> Option<String> {
+    decode_name(member.strip_suffix(':')?).filter(|group| !group.contains(':'))
+}
+
+/// A group flow's score bands in its ring (groups.lua): below `TIMED` a pass, from `TIMED` the ms a throttled or
+/// rate-limited group may go on (plus `TIMED`), from `PARKED` a paused or full group's (plus the ms it parked).
+pub const GROUP_TIMED: f64 = 1e15;
+pub const GROUP_PARKED: f64 = 2e15;
 
 /// The keys (and the one pub/sub channel) of one queue.
 #[derive(Clone, Debug)]
@@ -279,8 +300,32 @@ impl QueueKeys {
         format!("{}:throttle:{}", self.base, type_scope(kind))
     }
 
-    /// The ring of one level: zset flow member ([`flow_member`]) -> the ms it was added, naming the flows of the
-    /// level that may hold tasks (claim.lua's type limits), for the claims and for the readers.
+    /// A group's throttle: as [`QueueKeys::throttle`], for that group only (groups.lua builds the same name).
+    pub fn group_throttle(&self, group: &str) -> String {
+        format!("{}:throttle:{}", self.base, group_scope(group))
+    }
+
+    /// A group's pause (`kmqd group pause`): claims take none of its tasks while it exists.
+    pub fn group_hold(&self, group: &str) -> String {
+        format!("{}:hold:{}", self.base, group_scope(group))
+    }
+
+    /// A group's rate log and its sum for one window (groups.lua builds the same names).
+    pub fn group_rate_log(&self, group: &str, window_ms: u64) -> (String, String) {
+        let log = format!("{}:rate:{}:{window_ms}", self.base, group_scope(group));
+        let sum = format!("{log}:sum");
+        (log, sum)
+    }
+
+    /// `routes`: a hash whose `groups` field is 1 while the queue's daemons take turns between groups, so that
+    /// push.lua, given it, puts each task in its group's flow (docs/PROTOCOL.md, "Groups").
+    pub fn routes(&self) -> String {
+        format!("{}:routes", self.base)
+    }
+
+    /// The ring of one level: zset flow member ([`flow_member`], [`group_member`]) -> score, naming the flows of
+    /// the level that may hold tasks, for the claims and for the readers; a type's flow scores 0 (types.lua), a
+    /// group's its pass or its band ([`GROUP_TIMED`], [`GROUP_PARKED`]; groups.lua).
     pub fn ring(&self, level: usize) -> String {
         format!("{}:ring:{}", self.base, self.levels[level])
     }

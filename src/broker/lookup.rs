@@ -95,12 +95,15 @@ pub enum Found {
         envelope: String,
     },
     /// In a ready list; `position` 0 is the next to be taken. `flow`: the limited type whose flow it waits in,
-    /// held back by its type's limits (claim.lua, "Type limits"); `position` is then its place in that flow.
+    /// held back by its type's limits (claim.lua, "Type limits"); `group`: the group whose flow it waits in (a
+    /// queue with `[queues.groups]`; "" for tasks without a group); `position` is then its place in that flow.
     Ready {
         level: String,
         position: u64,
         #[serde(skip_serializing_if = "Option::is_none")]
         flow: Option<String>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        group: Option<String>,
         envelope: String,
     },
     /// Claimed by a daemon (safe mode): the daemon's owner id and the task's token (claim.position);
@@ -329,18 +332,15 @@ fn locate_ready(
         .iter()
         .enumerate()
         .map(|(level, list)| (level, list, None))
-        .chain(
-            flows
-                .iter()
-                .map(|flow| (flow.level, &flow.key, Some(&flow.kind))),
-        );
+        .chain(flows.iter().map(|flow| (flow.level, &flow.key, Some(flow))));
     for (level, list, flow) in lists {
         let whole = scan_list(conn, list, spent, |position, payload| {
             if let Some(id) = wanted.matching(&payload) {
                 let place = Found::Ready {
                     level: keys.levels[level].clone(),
                     position,
-                    flow: flow.cloned(),
+                    flow: flow.and_then(|flow| flow.kind.clone()),
+                    group: flow.and_then(|flow| flow.group.clone()),
                     envelope: payload,
                 };
                 found.push((id, place));
@@ -483,12 +483,16 @@ pub fn cancel(conn: &mut Conn, keys: &QueueKeys, ids: &[&str]) -> Result<HashMap
             Found::Ready {
                 level,
                 flow,
+                group,
                 envelope,
                 ..
             } => (
-                &match flow {
-                    Some(kind) => keys.flow(level_of(level), &super::keys::flow_member(kind)),
-                    None => keys.ready[level_of(level)].clone(),
+                &match (flow, group) {
+                    (Some(kind), _) => keys.flow(level_of(level), &super::keys::flow_member(kind)),
+                    (None, Some(group)) => {
+                        keys.flow(level_of(level), &super::keys::group_member(group))
+                    }
+                    (None, None) => keys.ready[level_of(level)].clone(),
                 },
                 "list",
                 envelope.as_str(),
@@ -563,6 +567,7 @@ mod tests {
             level: "normal".into(),
             position: 0,
             flow: None,
+            group: None,
             envelope: String::new(),
         };
         let running = Found::Processing {

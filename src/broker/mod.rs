@@ -23,6 +23,7 @@ pub mod connection;
 pub mod dead;
 pub mod eviction;
 pub mod flows;
+pub mod groups;
 pub mod history;
 pub mod keys;
 pub mod levels;
@@ -51,7 +52,7 @@ pub use schedule::{Fired, fire, schedule_state};
 pub use stats::{QueueStats, Rates, TypeUsage, check_protocol, rate_used, stats, type_usage};
 pub use tasks::{
     Batch, Call, ClaimLimits, Due, Fence, Holder, Isolation, Limited, PopLimits, Popper, PushItem,
-    SettleOp, Settled, Settlement, Taken, adopt, claim, move_sources, promote, push,
+    SettleOp, Settled, Settlement, Taken, ThrottleScope, adopt, claim, move_sources, promote, push,
     release_unique, settle, wait_idle, wait_list, wait_wake,
 };
 pub use tls::tls_refusal;
@@ -230,18 +231,20 @@ struct Scripts {
     drain: redis::Script,
     moves: redis::Script,
     history: redis::Script,
+    group_resume: redis::Script,
 }
 
 /// The scripts' sources, for tests that pick out one script's calls (a fault-injecting proxy matches them).
 pub mod sources {
     /// claim.lua and pop.lua both count a rate limit's starts and split a take between weighted levels:
     /// rate.lua and turns.lua, their shared parts, go before each (after the shebang, which must open a script);
-    /// types.lua, the limits per task type, before claim.lua.
+    /// types.lua, the limits per task type, and groups.lua, the fair groups, before claim.lua.
     pub const CLAIM: &str = concat!(
         "#!lua\n",
         include_str!("scripts/rate.lua"),
         include_str!("scripts/turns.lua"),
         include_str!("scripts/types.lua"),
+        include_str!("scripts/groups.lua"),
         include_str!("scripts/claim.lua")
     );
     pub const ADOPT: &str = include_str!("scripts/adopt.lua");
@@ -266,6 +269,7 @@ pub mod sources {
     pub const DRAIN: &str = include_str!("scripts/drain.lua");
     pub const MOVE: &str = include_str!("scripts/move.lua");
     pub const HISTORY: &str = include_str!("scripts/history.lua");
+    pub const GROUP_RESUME: &str = include_str!("scripts/group_resume.lua");
 }
 
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
@@ -288,6 +292,7 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     drain: redis::Script::new(sources::DRAIN),
     moves: redis::Script::new(sources::MOVE),
     history: redis::Script::new(sources::HISTORY),
+    group_resume: redis::Script::new(sources::GROUP_RESUME),
 });
 
 /// The published enqueue script (docs/PROTOCOL.md shows how to call it from any language).

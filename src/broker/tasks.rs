@@ -6,8 +6,8 @@ use std::time::Duration;
 use redis::{ConnectionLike, Value};
 
 use super::Conn;
-use crate::config::TypeLimit;
 use crate::config::rate::RateLimit;
+use crate::config::{Groups, TypeLimit};
 
 use super::keys::{self, QUARANTINE_GROUPS};
 use super::payloads::{Gather, Payloads};
@@ -60,6 +60,7 @@ pub fn push(
         .key(&keys.wake)
         .key(&keys.unique)
         .key(&keys.stats)
+        .key(keys.routes())
         .arg(after_ms)
         .arg(at_ms)
         .arg(&keys.delay_channel);
@@ -196,9 +197,13 @@ pub struct ClaimLimits<'a> {
     /// The queue's `[[queues.limits]]`: the claim takes a task of a listed type only while its type's limits
     /// admit it too, and moves the others of the type to its flow (claim.lua, "Type limits").
     pub type_limits: &'a [TypeLimit],
-    /// Types whose flows hold tasks though this config does not limit them (another config's, or this one's
-    /// before a reload): the claim drains them, unlimited, and routes nothing to them.
-    pub drained_types: &'a [String],
+    /// Flows (ring members) that hold tasks though this config neither limits their type nor has groups
+    /// (another config's, or this one's before a reload): the claim drains them, unlimited, and routes nothing to
+    /// them.
+    pub drained_flows: &'a [String],
+    /// The queue's `[queues.groups]`: the claim takes turns between the groups' flows, each group within its
+    /// limits (groups.lua).
+    pub groups: Option<&'a Groups>,
     /// The queue's `foreign_type_field`: where a foreign payload's type is, for the routing of type limits.
     pub foreign_type_field: Option<&'a str>,
 }
@@ -206,7 +211,7 @@ pub struct ClaimLimits<'a> {
 /// claim.lua's type-limit block (types.lua): its keys, which follow the claim's, and its arguments, which follow
 /// the weights.
 fn type_block(keys: &QueueKeys, limits: &ClaimLimits<'_>) -> (Vec<String>, Vec<String>) {
-    let flows = limits.type_limits.len() + limits.drained_types.len();
+    let flows = limits.type_limits.len() + limits.drained_flows.len();
     let mut args = vec![
         flows.to_string(),
         limits.foreign_type_field.unwrap_or("").to_string(),
@@ -215,16 +220,21 @@ fn type_block(keys: &QueueKeys, limits: &ClaimLimits<'_>) -> (Vec<String>, Vec<S
         return (Vec::new(), args);
     }
     let mut block_keys = keys.rings();
+    // A drained flow is named by its member, which stands in for its type: nothing is routed to it, and it has
+    // no limit (so its throttle's name, built from the member, is never read).
     let drained = limits
-        .drained_types
+        .drained_flows
         .iter()
-        .map(|kind| (kind, None, &[][..]));
-    let limited = limits
-        .type_limits
-        .iter()
-        .map(|limit| (&limit.kind, limit.max_running, &limit.rate_limit[..]));
-    for (kind, max_running, rates) in limited.chain(drained) {
-        let member = keys::flow_member(kind);
+        .map(|member| (member, member.clone(), None, &[][..]));
+    let limited = limits.type_limits.iter().map(|limit| {
+        (
+            &limit.kind,
+            keys::flow_member(&limit.kind),
+            limit.max_running,
+            &limit.rate_limit[..],
+        )
+    });
+    for (kind, member, max_running, rates) in limited.chain(drained) {
         block_keys.extend((0..keys.levels()).map(|level| keys.flow(level, &member)));
         block_keys.push(keys.type_throttle(kind));
         let scope = keys::type_scope(kind);
@@ -240,6 +250,28 @@ fn type_block(keys: &QueueKeys, limits: &ClaimLimits<'_>) -> (Vec<String>, Vec<S
             block_keys.extend([log, sum]);
             args.extend([rate.window_ms().to_string(), rate.starts.to_string()]);
         }
+    }
+    (block_keys, args)
+}
+
+/// claim.lua's groups block (groups.lua): its keys (the levels' rings, the sched hash), which end the claim's, and
+/// its arguments, which follow the types'.
+fn group_block(keys: &QueueKeys, groups: Option<&Groups>) -> (Vec<String>, Vec<String>) {
+    let Some(groups) = groups else {
+        return (Vec::new(), vec!["0".to_string()]);
+    };
+    let mut block_keys = keys.rings();
+    block_keys.push(keys.sched.clone());
+    let mut args = vec!["1".to_string(), keys.base().to_string()];
+    args.extend(keys.levels.iter().cloned());
+    args.push(groups.max_running.unwrap_or(0).to_string());
+    args.push(groups.rate_limit.len().to_string());
+    for rate in &groups.rate_limit {
+        args.extend([rate.window_ms().to_string(), rate.starts.to_string()]);
+    }
+    args.push(groups.weights.len().to_string());
+    for (group, weight) in &groups.weights {
+        args.extend([keys::encode_name(group), weight.to_string()]);
     }
     (block_keys, args)
 }
@@ -281,6 +313,8 @@ pub fn claim(
     }
     let (type_keys, type_args) = type_block(keys, limits);
     script_keys.extend(type_keys);
+    let (group_keys, group_args) = group_block(keys, limits.groups);
+    script_keys.extend(group_keys);
     let mut eval = evalsha(&SCRIPTS.claim, &script_keys);
     eval.arg(&**owner)
         .arg(max)
@@ -298,7 +332,7 @@ pub fn claim(
     for weight in limits.priority_weights {
         eval.arg(*weight);
     }
-    eval.arg(type_args);
+    eval.arg(type_args).arg(group_args);
     let (reply, taken, collected) = script_then_lists(conn, super::sources::CLAIM, &eval, &lists)
         .map_err(|error| owner_error(error, owner))?;
     // Not replicated: a may-have-run error, which the fetcher resolves with adopt() as a lost reply.
@@ -931,12 +965,40 @@ pub enum SettleOp {
     },
     Dead,
     /// Back-pressure from the handler: to the front of its level, unchanged and uncharged, and the queue's throttle
-    /// key set to end in `after` unless a later throttle is set (settle.lua); with `kind` (a type with its own
-    /// limits), to the front of that type's flow, and the type's throttle set instead.
+    /// key set to end in `after` unless a later throttle is set (settle.lua); with a `scope` (its group, or a type
+    /// with its own limits), to the front of that scope's flow, and that scope's throttle set instead.
     Throttle {
         after: Duration,
-        kind: Option<String>,
+        scope: Option<ThrottleScope>,
     },
+}
+
+/// What a throttled task's back-pressure holds back when not the whole queue: issue 33's "its group (a task without
+/// a group: its type, or the queue)".
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ThrottleScope {
+    /// A task type with a `[[queues.limits]]` entry.
+    Type(String),
+    /// A group of a queue with `[queues.groups]` (the empty name: tasks without a group).
+    Group(String),
+}
+
+impl ThrottleScope {
+    /// Its flows' member in the rings.
+    fn member(&self) -> String {
+        match self {
+            ThrottleScope::Type(kind) => keys::flow_member(kind),
+            ThrottleScope::Group(group) => keys::group_member(group),
+        }
+    }
+
+    /// Its throttle's key.
+    fn throttle(&self, keys: &QueueKeys) -> String {
+        match self {
+            ThrottleScope::Type(kind) => keys.type_throttle(kind),
+            ThrottleScope::Group(group) => keys.group_throttle(group),
+        }
+    }
 }
 
 impl SettleOp {
@@ -1154,6 +1216,10 @@ pub fn settle<'a>(
             .key(keys.owner_info(owner))
             .key(keys.settle_scratch(call.settler))
             .key(&keys.running);
+        for ring in keys.rings() {
+            invocation.key(ring);
+        }
+        invocation.key(&keys.sched);
         for (level, claim, ..) in &touched.claims {
             invocation
                 .key(keys.claim_list(owner, *level, *claim))
@@ -1166,22 +1232,23 @@ pub fn settle<'a>(
             .key(&keys.running)
             .key(keys.popped_running(popper));
     }
-    // Safe mode: the types whose throttles this call sets (a type's own throttle, flows and rings), each once.
-    let mut throttled_types: Vec<&str> = Vec::new();
+    // Safe mode: the scopes whose throttles this call sets (a type's or a group's own throttle, flows and rings),
+    // each once.
+    let mut throttled: Vec<&ThrottleScope> = Vec::new();
     if owner.is_some() {
         for s in settlements.clone() {
             if let SettleOp::Throttle {
-                kind: Some(kind), ..
+                scope: Some(scope), ..
             } = &s.op
-                && !throttled_types.contains(&kind.as_str())
+                && !throttled.contains(&scope)
             {
-                throttled_types.push(kind);
+                throttled.push(scope);
             }
         }
     }
-    for kind in &throttled_types {
-        let member = keys::flow_member(kind);
-        invocation.key(keys.type_throttle(kind));
+    for scope in &throttled {
+        let member = scope.member();
+        invocation.key(scope.throttle(keys));
         for level in 0..keys.levels() {
             invocation.key(keys.flow(level, &member));
         }
@@ -1208,9 +1275,9 @@ pub fn settle<'a>(
             .arg(bits.as_slice())
             .arg(count);
     }
-    invocation.arg(counted).arg(throttled_types.len());
-    for kind in &throttled_types {
-        invocation.arg(keys::flow_member(kind));
+    invocation.arg(counted).arg(throttled.len());
+    for scope in &throttled {
+        invocation.arg(scope.member());
     }
     let mut records = 0;
     for s in settlements.clone().into_iter().filter(|s| !bulk(s)) {
@@ -1230,13 +1297,13 @@ pub fn settle<'a>(
             SettleOp::Dead => ("dead", 0),
             SettleOp::Throttle { after, .. } => ("throttle", after.as_millis().max(1) as u64),
         };
-        // The type whose throttle a throttle sets (1-based among this call's; 0: the queue's).
+        // The scope whose throttle a throttle sets (1-based among this call's; 0: the queue's).
         let scope = match &s.op {
             SettleOp::Throttle {
-                kind: Some(kind), ..
-            } => throttled_types
+                scope: Some(scope), ..
+            } => throttled
                 .iter()
-                .position(|throttled| throttled == kind)
+                .position(|throttled| *throttled == scope)
                 .map_or(0, |at| at + 1),
             _ => 0,
         };

@@ -18,6 +18,7 @@ mod colour;
 mod daemon;
 mod dashboard;
 mod dead;
+mod groups;
 mod push;
 mod queue;
 mod stats;
@@ -27,6 +28,7 @@ mod workers;
 
 pub use dashboard::{DashboardArgs, DashboardCommand};
 pub use dead::DeadCommand;
+pub use groups::GroupCommand;
 pub use push::PushArgs;
 pub use queue::QueueCommand;
 pub use task::TaskCommand;
@@ -79,6 +81,20 @@ pub enum Command {
     /// Pause or resume a queue on every daemon.
     #[command(subcommand)]
     Queue(QueueCommand),
+    /// List a grouped queue's groups ([queues.groups]), busiest first: waiting, running, throttled, paused.
+    Groups {
+        /// The queue, as named in the config.
+        queue: String,
+        /// Print JSON: {"groups": [{"name": ..., "waiting": ..., ...}]}.
+        #[arg(long)]
+        json: bool,
+        /// Show at most this many groups.
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+    },
+    /// Pause or resume one group of a grouped queue on every daemon.
+    #[command(subcommand)]
+    Group(GroupCommand),
     /// List the daemons alive on each queue: host, pid, version, lease left, tasks held, state.
     Workers {
         /// Print JSON: {"workers": [{"queue": ..., "host": ..., ...}]}.
@@ -220,6 +236,14 @@ pub fn run(args: Args) -> Result<(), Failure> {
         Command::Queue(queue) => {
             init_logging("warn");
             queue::run_queue(&config, queue)
+        }
+        Command::Groups { queue, json, limit } => {
+            init_logging("warn");
+            groups::run_groups(&config, &queue, json, limit)
+        }
+        Command::Group(group) => {
+            init_logging("warn");
+            groups::run_group(&config, group)
         }
         Command::Workers { json } => {
             init_logging("warn");

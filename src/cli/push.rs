@@ -33,6 +33,10 @@ pub struct PushArgs {
     /// Refuse the push (exit 3) while a task with this --id is delayed, ready or processing.
     #[arg(long, requires = "id")]
     pub unique: bool,
+    /// The task's group, for a queue with [queues.groups]: groups take turns, each within its own limits (1 to 64
+    /// bytes; default: the group of tasks without one).
+    #[arg(long)]
+    pub group: Option<String>,
     /// Make the task ready after this long, on Redis's clock ("30s", "5m").
     #[arg(long, value_parser = humantime::parse_duration, conflicts_with = "at")]
     pub delay: Option<Duration>,
@@ -62,6 +66,7 @@ pub(super) fn run_push(config: &Config, args: PushArgs) -> Result<(), Failure> {
     let prepare = |data: Box<serde_json::value::RawValue>| {
         let mut task = NewTask::with_data(&args.kind, data);
         task.priority = args.priority.clone();
+        task.group = args.group.clone();
         task.due = due;
         task
     };

@@ -77,6 +77,7 @@ pub(super) fn run_task(config: &Config, command: TaskCommand) -> Result<(), Fail
                         level,
                         position,
                         flow: None,
+                        group: None,
                         envelope,
                     } => (
                         format!("ready, level {level}, {position} ahead of it"),
@@ -85,8 +86,21 @@ pub(super) fn run_task(config: &Config, command: TaskCommand) -> Result<(), Fail
                     Found::Ready {
                         level,
                         position,
+                        flow: None,
+                        group: Some(group),
+                        envelope,
+                    } => (
+                        format!(
+                            "ready, level {level}, in group {group:?}, {position} of its group ahead of it                              (the groups take turns)"
+                        ),
+                        envelope,
+                    ),
+                    Found::Ready {
+                        level,
+                        position,
                         flow: Some(kind),
                         envelope,
+                        ..
                     } => (
                         format!(
                             "ready, level {level}, held back by the limits of type {kind:?} \

@@ -324,6 +324,9 @@ pub struct QueueConfig {
     /// together with them (docs/CONFIG.md); empty: none. A type listed here waits in a list of its own while its
     /// limits hold it back, so that it never blocks the queue's other tasks (claim.lua, "Type limits").
     pub type_limits: Vec<TypeLimit>,
+    /// `[queues.groups]`: the queue's tasks take turns by their envelope's `group`, each group within its own
+    /// limits (docs/CONFIG.md; claim.lua, groups.lua); `None`: no groups.
+    pub groups: Option<Groups>,
     /// Turns between the levels that have tasks, by these weights (smooth weighted round-robin, one per level in
     /// `priorities`' order: docs/CONFIG.md); empty: strict order, the highest level first.
     pub priority_weights: Vec<u32>,
@@ -584,6 +587,25 @@ pub struct TypeLimit {
     /// At most so many starts of the type in any window of each of these lengths, across every daemon.
     pub rate_limit: Vec<rate::RateLimit>,
 }
+
+/// `[queues.groups]`: fair groups. A task's group is its envelope's `group` (1 to [`MAX_GROUP_BYTES`] bytes);
+/// tasks without one form the group with the empty name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Groups {
+    /// At most so many tasks of one group taken and not yet settled at once, across every daemon.
+    pub max_running: Option<usize>,
+    /// At most so many starts of one group in any window of each of these lengths, across every daemon.
+    pub rate_limit: Vec<rate::RateLimit>,
+    /// A group's share of turns (absent: 1), by group name, in the config's order.
+    pub weights: Vec<(String, u32)>,
+}
+
+/// The longest group name, in bytes (Temporal's bound for its fairness keys): a longer one, or an empty one, makes
+/// the envelope malformed.
+pub const MAX_GROUP_BYTES: usize = 64;
+
+/// The largest weight of a group: a turn takes up to its weight in tasks at once.
+pub const MAX_GROUP_WEIGHT: u32 = 1000;
 
 /// The most `[[queues.limits]]` entries of one queue: each adds keys to every claim of the queue.
 pub const MAX_TYPE_LIMITS: usize = 64;

@@ -113,6 +113,19 @@ pub(super) struct RawQueue {
     pub(super) source_lists: Option<Spanned<Vec<Spanned<toml::Value>>>>,
     /// `[[queues.limits]]`: limits of one task type each.
     pub(super) limits: Option<Vec<Spanned<RawTypeLimit>>>,
+    /// `[queues.groups]`: fair groups, with limits per group.
+    pub(super) groups: Option<Spanned<RawGroups>>,
+}
+
+/// The `[queues.groups]` table.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawGroups {
+    pub(super) max_running: Option<Spanned<i64>>,
+    /// As the queue's `rate_limit`.
+    pub(super) rate_limit: Option<Spanned<toml::Value>>,
+    /// Group name -> its share of turns (checked by hand: each a positive integer).
+    pub(super) weights: Option<Spanned<toml::Table>>,
 }
 
 /// One `[[queues.limits]]` table.

@@ -364,3 +364,31 @@ fn an_oversized_payload_is_dead_lettered_in_a_valid_record_whatever_its_bytes() 
     pushed.sort();
     assert!(kept == pushed, "each payload kept byte for byte");
 }
+
+/// A grouped task pushed with the published script and the routes key, as documented under "Groups", waits in its
+/// group's flow (not the ready list) and runs.
+#[test]
+fn a_grouped_task_pushed_as_documented_waits_in_its_groups_flow_and_runs() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &format!("{MAIL}[queues.groups]\n"));
+    let daemon = TestDaemon::start(&config);
+    eventually(Duration::from_secs(10), "the daemon routes groups", || {
+        let routes: Option<String> = redis.cmd(&["HGET", "kmq:{mail}:routes", "groups"]);
+        (routes.as_deref() == Some("1"), routes)
+    });
+    kmqd_ok(&config, &["group", "pause", "mail", "tenant-42"]);
+    run_documented(&documented_block(3), &redis);
+    let (flow, ready): (u64, u64) = (
+        redis.cmd(&["LLEN", "kmq:{mail}:flow:normal:tenant-42:"]),
+        redis.cmd(&["LLEN", "kmq:{mail}:ready:normal"]),
+    );
+    assert_eq!((flow, ready), (1, 0), "the task waits in its group's flow");
+    kmqd_ok(&config, &["group", "resume", "mail", "tenant-42"]);
+    eventually(Duration::from_secs(10), "the task done", || {
+        let stats = stats(&config, "mail");
+        (stats.done == 1, stats)
+    });
+    assert_eq!(dir.records().runs_of("order-43"), 1);
+    daemon.stop();
+}

@@ -94,16 +94,17 @@ local weighted = (tonumber(ARGV[WEIGHTS]) or 0) > 0
 -- The type limits' block (types.lua) follows the weights: its flows' count, and the keys it adds.
 local TYPES = WEIGHTS + 1 + (tonumber(ARGV[WEIGHTS]) or 0)
 local type_flows, type_other_keys = tonumber(ARGV[TYPES]) or 0, 0
-do
-  local at = TYPES + 2
-  for _ = 1, type_flows do
-    local r = tonumber(ARGV[at + 4]) or 0
-    type_other_keys, at = type_other_keys + 1 + 2 * r, at + 5 + 2 * r
-  end
+-- The groups' block (groups.lua) follows the types': with groups, the levels' rings and the sched hash end KEYS.
+local GROUPS_AT = TYPES + 2
+for _ = 1, type_flows do
+  local r = tonumber(ARGV[GROUPS_AT + 4]) or 0
+  type_other_keys, GROUPS_AT = type_other_keys + 1 + 2 * r, GROUPS_AT + 5 + 2 * r
 end
+local grouped = ARGV[GROUPS_AT] == '1'
 local per_level = 7
 if type_flows > 0 then per_level = 8 + type_flows end
-local levels = (#KEYS - 8 - 2 * rates - (weighted and 1 or 0) - type_other_keys) / per_level
+if grouped then per_level = per_level + 1 end
+local levels = (#KEYS - 8 - 2 * rates - (weighted and 1 or 0) - type_other_keys - (grouped and 1 or 0)) / per_level
 local READY, QUARANTINE, CLAIMS, LISTS, SCOPES = 7, 7 + levels, 7 + 4 * levels, 7 + 5 * levels, 7 + 6 * levels
 local RUNNING = 8 + 7 * levels
 local SCHED = weighted and RUNNING + 2 * rates + 1
@@ -161,6 +162,9 @@ end
 local block, bad_types = types_read('claim.lua', TYPES, TYPE_KEYS, levels, KEYS[RUNNING], integer)
 if bad_types then return bad_types end
 local flowing = #block.flows > 0
+-- The groups' rings, virtual times and limits (groups.lua), read and checked before any write.
+local grp, bad_groups = groups_read('claim.lua', GROUPS_AT, #KEYS - levels, levels, integer)
+if bad_groups then return bad_groups end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lease = redis.call('ZSCORE', KEYS[1], owner)
@@ -291,6 +295,7 @@ local function finish(result)
   if took > 0 and max_running > 0 then redis.call('HINCRBY', KEYS[RUNNING], 'q', took) end
   if took > 0 and rates > 0 then rate_spend(windows, took, now) end
   if took > 0 and flowing then types_spend(block, KEYS[RUNNING], now) end
+  if took > 0 and grp.on then groups_spend(grp, KEYS[RUNNING], now) end
   result[#result + 1] = retry_at
   if dead_lettered > 0 then
     redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[4]) - 1)
@@ -450,6 +455,14 @@ local function held_back()
   end
 end
 
+-- With groups: the flows whose time came back return to their rings, and the ready lists' tasks go to their
+-- groups' flows (groups.lua), before the quarantine and the turns.
+if grp.on then
+  groups_due(grp, levels, now)
+  bad = groups_intake(grp, levels, function(level) return KEYS[READY + level] end, 4 * tonumber(ARGV[2]) + 256)
+  if bad then return bad end
+end
+
 local holds = false
 for i = 1, levels do
   if redis.call('EXISTS', KEYS[CLAIMS + i]) == 1 then
@@ -471,9 +484,37 @@ for stage = 1, 3 do
         return finish(empty(2, 0))
       end
       local got = false
-      if max > 0 then got = redis.call('LPOP', list, math.min(GROUPS[stage], max)) end
+      if max > 0 and grp.on then
+        got = redis.call('LRANGE', list, 0, math.min(GROUPS[stage], max) - 1)
+      elseif max > 0 then
+        got = redis.call('LPOP', list, math.min(GROUPS[stage], max))
+      end
       local n
-      if flowing and got then
+      if grp.on and got then
+        -- With groups, the group as far as its tasks' groups admit it, in order (each group's state read before
+        -- anything is taken off the list); the rest stays at the list's head.
+        local states = {}
+        for k = 1, #got do
+          local st, refused = group_state('claim.lua', grp, group_route(got[k]), KEYS[RUNNING], now)
+          if refused then return refused end
+          states[k] = st
+        end
+        local runs, add = new_runs()
+        local kept = 0
+        for k = 1, #got do
+          local st = states[k]
+          if group_refused(st, now) then break end
+          if st.room then st.room = st.room - 1 end
+          add(st, got[k])
+          kept = k
+        end
+        if kept == 0 then
+          retry_at = groups_next(grp, levels)
+          return finish(empty(7, 0))
+        end
+        redis.call('LTRIM', list, kept, -1)
+        n = push_runs(i, runs)
+      elseif flowing and got then
         -- The group as far as its types' limits admit it, in order; the rest goes back to the list's head.
         local runs, add = new_runs()
         local kept = 0
@@ -516,6 +557,9 @@ local function waiting(i)
       if flow.room ~= 0 then n = n + redis.call('LLEN', flow.lists[i]) end
     end
   end
+  -- A grouped level has at least one task if a flow is in the lowest band: as many as the claim may take, for
+  -- the turns between levels (a level whose groups give fewer leaves the rest to the others, below).
+  if grp.on and groups_waiting(grp, i) then n = n + max end
   return n
 end
 -- Strict order takes from the highest level first; priority weights split the claim between the levels that have
@@ -581,23 +625,44 @@ local function take_flowing(i, take)
       end
       moved = true
     end
-    if moved then redis.call('ZADD', block.rings[i], 'NX', now, flow.member) end
+    -- Scored 0: a grouped claim's ring (groups.lua) then serves it at its next turn, a type's ring ignores it.
+    if moved then redis.call('ZADD', block.rings[i], 'NX', 0, flow.member) end
   end
   local n = push_runs(i, runs)
   taken = taken + got
   return n
+end
+-- With groups, every level's candidate flows and their groups' states are read before the first task is taken
+-- (groups.lua), so that a key of the wrong type fails the claim before it holds any payload.
+local cands = {}
+if grp.on then
+  for i = 1, levels do
+    cands[i], bad = groups_candidates('claim.lua', grp, i, max, KEYS[RUNNING], now)
+    if bad then return bad end
+  end
+end
+-- With groups, a level's take: turns over its candidate flows (groups.lua).
+local function take_grouped(i, take)
+  local runs, add = new_runs()
+  local got, held = groups_take(grp, i, cands[i], take, now, add)
+  cands[i] = {}
+  if held then grp.held = true end
+  taken = taken + got
+  return push_runs(i, runs)
 end
 for i = 1, levels do
   local ready = KEYS[READY + i]
   local n = 0
   local take = max - taken
   if want then take = want[i] end
-  if flowing then
+  if grp.on then
+    if take > 0 then n = take_grouped(i, take) end
+  elseif flowing then
     if take > 0 then n = take_flowing(i, take) end
   elseif take > 0 then
     n = redis.call('SORT', ready, 'BY', 'nosort', 'LIMIT', 0, take, 'STORE', KEYS[LISTS + i])
   end
-  if n > 0 and not flowing then
+  if n > 0 and not flowing and not grp.on then
     redis.call('LTRIM', ready, n, -1)
     taken = taken + n
     if redis.call('MEMORY', 'USAGE', KEYS[LISTS + i], 'SAMPLES', 0) > max_bytes then
@@ -623,14 +688,29 @@ end
 -- nothing taken): the claim then takes what it still may from the levels that took nothing, in strict order, so
 -- that a task no limit holds back does not wait for the next wake-up (a level that took something keeps its one
 -- claim list; the model's finding, model/README.md).
-if flowing and want and taken < max then
+if (flowing or grp.on) and want and taken < max then
   for i = 1, levels do
-    if result[3 + i] == 0 and taken < max then result[3 + i] = take_flowing(i, max - taken) end
+    if result[3 + i] == 0 and taken < max then
+      if grp.on then
+        result[3 + i] = take_grouped(i, max - taken)
+      else
+        result[3 + i] = take_flowing(i, max - taken)
+      end
+    end
   end
 end
 if flowing and took == 0 and taken == 0 then
   local held = held_back()
   if held then return held end
+end
+if grp.on and took == 0 and taken == 0 then
+  -- Nothing taken though groups hold tasks that their limits or pauses hold back (state 7): when the earliest
+  -- timed flow may go on (0: a settle's or a resume's wake-up marker says when).
+  local at, any = groups_next(grp, levels)
+  if any or grp.held then
+    retry_at = at
+    return finish(empty(7, 0))
+  end
 end
 if taken == max and room then
   -- The queue may hold more than this fetcher can take: pass the wake-up on to another idle fetcher.

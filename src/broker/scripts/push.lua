@@ -6,6 +6,7 @@
 -- KEYS[4] wake list                    P:{Q}:wake
 -- KEYS[5] unique hash                  P:{Q}:unique
 -- KEYS[6] stats hash                   P:{Q}:stats
+-- KEYS[7] (optional) routes hash           P:{Q}:routes     (see "Groups")
 -- ARGV[1] delay in ms relative to Redis's clock (0: none)
 -- ARGV[2] due time in ms since the epoch (0: none; wins over ARGV[1])
 -- ARGV[3] the delay poller's channel    P:{Q}:delay-wake
@@ -18,6 +19,14 @@
 -- with its exact bytes). Only a payload with the text "created_at" in it is decoded, to keep pushes cheap, so
 -- text shaped like an object ({" ... }) that is not JSON gets the stamp too, and so does an object whose
 -- "created_at" key is written with \u escapes (docs/PROTOCOL.md).
+-- Groups. While the queue's daemons take turns between groups (`[queues.groups]`: they set KEYS[7]'s field
+-- `groups` to 1), a task pushed now goes to its group's flow (`P:{Q}:flow:LEVEL:GROUP:`, the group being the
+-- envelope's `group`, percent-encoded, or the empty name for a task without a valid one), and the flow joins the
+-- level's ring (`P:{Q}:ring:LEVEL`, at the level's virtual time, `vt:LEVEL` of `P:{Q}:sched`) if it was not in it:
+-- the claims then give the groups turns from the first task on. The names are built here from KEYS[7]'s and
+-- KEYS[1]'s, which must be the queue's (docs/PROTOCOL.md, "Groups"); a payload is decoded only when it holds the
+-- text "group" (or an escape). Without KEYS[7], or while no daemon routes, the task goes to the ready list, and
+-- the first claim moves it to its group's flow.
 -- Checks before it writes: a call that fails writes nothing, takes no unique id, and can be sent again. It
 -- fails when a key it would write is of another type ("WRONGTYPE push.lua: KEY is a string, not a list"), when
 -- the stats hash's `pushed` is not an integer ("ERR push.lua: KEY field pushed is not an integer"), or when a
@@ -122,6 +131,47 @@ if checked then
   refused = refused or (any_unique and wrong_type(KEYS[5], 'hash'))
   if refused then return refused end
 end
+-- Groups: the flow of each task pushed now, each flow's and the ring's type checked before any write.
+local routed = false
+if not delayed and #KEYS >= 7 and redis.acl_check_cmd('HGET', KEYS[7], 'groups') and
+    redis.pcall('HGET', KEYS[7], 'groups') == '1' then
+  local base = string.match(KEYS[7], '^(.*):routes$')
+  local level = base and string.sub(KEYS[1], 1, #base + 7) == base .. ':ready:' and string.sub(KEYS[1], #base + 8)
+  if not level or level == '' then
+    return redis.error_reply('ERR push.lua: ' .. KEYS[7] .. ' is not the routes key of ' .. KEYS[1] ..
+      '\'s queue; nothing was written')
+  end
+  local function encode(name)
+    return (string.gsub(name, '[%%:{}%z\1-\32\127]', function(c) return string.format('%%%02X', string.byte(c)) end))
+  end
+  routed = {ring = base .. ':ring:' .. level, flows = {}, members = {}, batches = {}}
+  local vt = redis.call('HGET', base .. ':sched', 'vt:' .. level)
+  routed.vt = tonumber(vt or '0') or 0
+  local checks = {routed.ring}
+  for i = 6, #ARGV, 3 do
+    local envelope, group = ARGV[i], ''
+    if string.find(envelope, '"group"', 1, true) or string.find(envelope, '\\', 1, true) then
+      local ok, task = pcall(cjson.decode, envelope)
+      if ok and type(task) == 'table' and type(task.group) == 'string' and #task.group > 0 and #task.group <= 64 then
+        group = encode(task.group)
+      end
+    end
+    local member = group .. ':'
+    routed.members[i] = member
+    if not routed.flows[member] then
+      routed.flows[member] = base .. ':flow:' .. level .. ':' .. member
+      checks[#checks + 1] = routed.flows[member]
+    end
+  end
+  if checked then
+    for k, key in ipairs(checks) do
+      local kind = 'list'
+      if k == 1 then kind = 'zset' end
+      local refused = wrong_type(key, kind)
+      if refused then return refused end
+    end
+  end
+end
 local result, ready, accepted = {}, {}, 0
 local earliest = nil
 if delayed then
@@ -144,6 +194,15 @@ for i = 4, #ARGV, 3 do
       elseif unique then
         redis.call('HDEL', KEYS[5], id)
       end
+    elseif routed then
+      local member = routed.members[i + 2]
+      local batch = routed.batches[member]
+      if not batch then
+        batch = {}
+        routed.batches[member] = batch
+        ready[#ready + 1] = member
+      end
+      batch[#batch + 1] = envelope
     else
       ready[#ready + 1] = envelope
     end
@@ -151,7 +210,19 @@ for i = 4, #ARGV, 3 do
   accepted = accepted + ok
   result[#result + 1] = ok
 end
-if #ready > 0 then
+if routed and #ready > 0 then
+  -- Each group's tasks to its flow, in the order pushed; the flow joins its ring unless it is there (perhaps parked
+  -- or timed: it stays so).
+  for _, member in ipairs(ready) do
+    local batch = routed.batches[member]
+    for first = 1, #batch, 1000 do
+      redis.call('RPUSH', routed.flows[member], unpack(batch, first, math.min(first + 999, #batch)))
+    end
+    redis.call('ZADD', routed.ring, 'NX', routed.vt, member)
+  end
+  redis.call('LPUSH', KEYS[4], 1)
+  redis.call('LTRIM', KEYS[4], 0, 0)
+elseif #ready > 0 then
   -- In chunks: unpack's stack is bounded (about 8,000 values).
   for first = 1, #ready, 1000 do
     local pushed = redis.pcall('RPUSH', KEYS[1], unpack(ready, first, math.min(first + 999, #ready)))

@@ -11,7 +11,8 @@
 -- envelope for an owner of kmqd 0.1, see "Older owners"), all in level order, KEYS[9+6L] that
 -- owner's info hash, KEYS[10+6L] the settling party's scratch string (`settled:SETTLER:bits`: each claim's new
 -- bits, for BITOP; deleted before the script ends), KEYS[11+6L] the running hash (scope -> tasks taken under
--- its limit and not yet settled), then for each claim the call touches, its list, its settled bitmap and its
+-- its limit and not yet settled), KEYS[12+6L .. 11+7L] the levels' rings and KEYS[12+7L] the sched hash (for the
+-- flows of a group whose count this call frees: see "Running limits"), then for each claim the call touches, its list, its settled bitmap and its
 -- running scopes (`processing:OWNER:LEVEL:CLAIM`, `...:CLAIM:settled` and `...:CLAIM:scopes`); in default mode
 -- under a running limit instead: KEYS[9+5L] the running hash and KEYS[10+5L] the popped-running hash of the owner
 -- that popped these tasks (ARGV[5]; see "Running limits"); last, in safe mode, the keys of the task types whose
@@ -25,9 +26,9 @@
 --         acknowledgements as a bitmap (bit p, in GETBIT's order, for the task at position p; "" for none), and
 --         how many bits it sets: the bulk of the traffic, applied with a handful of commands per claim
 -- then C: plain acknowledgements without a token (default mode), only counted
--- then T, the task types whose own throttles the call may set (0 but in safe mode), and T ring members (`:TYPE`);
---         their keys follow the claims': for each, its throttle (`throttle:t:TYPE`), its flows (one per level),
---         the levels' rings
+-- then T, the flows' scopes whose own throttles the call may set (0 but in safe mode): task types with limits
+--         and groups, and T ring members (`:TYPE`, `GROUP:`); their keys follow the claims': for each, its
+--         throttle (`throttle:t:TYPE`, `throttle:g:GROUP`), its flows (one per level), the levels' rings
 -- then records of 9: op, claim (its index among the K, 1-based; 0 for none), token (the task's position in the
 --         claim's list; a field of an older owner's hash with claim 0; "" in default mode), unique id, level
 --         (1-based), delay ms, payload, failed ("1" or "0"), throttle scope (op "throttle": 0 for the queue's,
@@ -48,15 +49,19 @@
 --   op "throttle": a handler's back-pressure: payload (the task as it was taken) goes to the front of its ready
 --               list, uncharged; the queue's throttle is set to expire in delay ms (its value: the ms it ends),
 --               unless it already lasts longer, and no claim or pop takes a task of the queue until then;
---               counted in "throttled". With a type's scope: to the front of the type's flow at its level (its
---               ring names it), and the type's throttle is the one set: claims take none of its tasks until then
+--               counted in "throttled". With a type's or a group's scope: to the front of its flow at its level,
+--               its ring's member timed for the throttle's end (groups.lua's TIMED band; a type's ring ignores
+--               scores), and that scope's throttle is the one set: claims take none of its tasks until then
 --   op "dead":  payload (a dead record, a JSON object) is pushed on the dead list with "dead_at" stamped
 -- Running limits. A claim list counted under a running limit has a scopes string (`N q`: claim.lua; with type
 -- limits a line `N SCOPE...` per run of the list, in position order); each task of it whose bit this call sets, by whatever op and whichever settling party (the owner, or a monitor for an
 -- expired owner), is subtracted from the running hash's fields the string names, in this step, and the string
 -- goes with the list. A field is never taken below 0 (that would say the count was wrong: counted in stats as
 -- `running_underflow`) and is deleted at 0. A call that frees slots of a count that was at its limit (the field
--- `SCOPE:limit`, which the claims write) wakes an idle fetcher.
+-- `SCOPE:limit`, which the claims write) wakes an idle fetcher. A call that frees slots of a group (`g:GROUP`)
+-- moves the group's parked flows (groups.lua's PARKED band: it was full or paused) back to their levels'
+-- virtual time, and wakes an idle fetcher if it moved one: so a group with tasks never waits for anything but
+-- its own running tasks, whichever daemon or monitor settles them.
 -- In default mode (pop.lua) the popped tasks left Redis and their count is kept under the owner that popped them
 -- (its popped-running hash): each task this call ends (a plain acknowledgement or a record) is subtracted from
 -- the owner's share and from the running count, never more than the share holds, so a settle that comes after
@@ -109,10 +114,13 @@ local call = ARGV[6]
 local READY, RETRY, QUARANTINE, PROCESSING = 8, 8 + levels, 8 + 2 * levels, 8 + 5 * levels
 -- Safe mode names at least levels + 3 keys past the quarantine lists; default mode none, or two (a limited queue).
 local safe = #KEYS > PROCESSING + 2
-local info, scratch, running, CLAIM_KEYS = false, false, false, PROCESSING + levels + 3
+local info, scratch, running, CLAIM_KEYS = false, false, false, PROCESSING + 2 * levels + 4
 local share = false
+local rings, sched = {}, false
 if safe then
   info, scratch, running = KEYS[PROCESSING + levels + 1], KEYS[PROCESSING + levels + 2], KEYS[PROCESSING + levels + 3]
+  for level = 1, levels do rings[level] = KEYS[PROCESSING + levels + 3 + level] end
+  sched = KEYS[PROCESSING + 2 * levels + 4]
 elseif #KEYS == PROCESSING + 2 then
   running, share = KEYS[PROCESSING + 1], KEYS[PROCESSING + 2]
 end
@@ -259,6 +267,9 @@ end
 -- The running scopes of the claims touched (`N SCOPE...`: their lists' tasks count in those fields), and those
 -- fields, integers or absent.
 local counts, limits = {}, {}
+-- Whether a run counted in a group: the rings and the sched hash, which its parked flows return through, are then
+-- checked too.
+local grouped = false
 for k = 1, claims do
   local scopes = redis.call('GET', claim[k].scopes)
   if scopes then
@@ -281,6 +292,7 @@ for k = 1, claims do
           limits[scope] = tonumber(value[2] or '0')
         end
         run.counted[#run.counted + 1] = scope
+        if not grouped and string.sub(scope, 1, 2) == 'g:' then grouped = true end
       end
       runs[#runs + 1] = run
     end
@@ -290,6 +302,28 @@ for k = 1, claims do
       claim[k].runs = runs
     end
   end
+end
+if grouped then
+  local vts = {}
+  for level = 1, levels do vts[level] = 'vt:' .. level end
+  local checks = {{sched, 'hash'}}
+  for level = 1, levels do checks[level + 1] = {rings[level], 'zset'} end
+  for _, check in ipairs(checks) do
+    local found = redis.call('TYPE', check[1]).ok
+    if found ~= 'none' and found ~= check[2] then
+      return redis.error_reply('WRONGTYPE settle.lua: ' .. check[1] .. ' is a ' .. found .. ', not a ' ..
+        check[2] .. '; nothing was applied')
+    end
+  end
+  local values = redis.call('HMGET', sched, unpack(vts))
+  for level = 1, levels do
+    if values[level] and not tonumber(values[level]) then
+      return redis.error_reply('ERR settle.lua: ' .. sched .. ' field vt:' .. level .. ' is not a number (' ..
+        string.sub(values[level], 1, 40) .. '); nothing was applied')
+    end
+    vts[level] = tonumber(values[level] or '0')
+  end
+  grouped = vts
 end
 -- Default mode: the owner's share of `q`, and `q` itself.
 local shared = 0
@@ -455,8 +489,7 @@ while i <= #ARGV do
         -- A type with its own limits: back to the head of its flow, which claims take from first.
         key = scope.throttle
         redis.call('LPUSH', scope.flows[level], payload)
-        redis.call('ZADD', scope.rings[level], 'NX', now, scope.member)
-        wake_fetchers = true
+        redis.call('ZADD', scope.rings[level], 1e15 + now + delay, scope.member)
       elseif queued then
         redis.call('LPUSH', KEYS[READY + level], payload)
         wake_fetchers = true
@@ -560,7 +593,19 @@ for scope, n in pairs(freed) do
     redis.call('HSET', running, scope, left)
   end
   -- Only a count that was at its limit may have held a claim back (the limit the last claim counted under).
-  if counts[scope] >= limits[scope] then wake_fetchers = true end
+  local group = string.sub(scope, 1, 2) == 'g:'
+  if counts[scope] >= limits[scope] and not group then wake_fetchers = true end
+  if grouped and group then
+    -- The group's parked flows (groups.lua's PARKED band) go back to their levels' virtual time.
+    local member = string.sub(scope, 3) .. ':'
+    for level = 1, levels do
+      local score = redis.call('ZSCORE', rings[level], member)
+      if score and tonumber(score) >= 2e15 then
+        redis.call('ZADD', rings[level], 'XX', grouped[level], member)
+        wake_fetchers = true
+      end
+    end
+  end
 end
 result[#result + 1] = journal
 -- Kept a day: long enough for any retry (a caller retries until Redis answers), then it cleans itself up

@@ -2,12 +2,13 @@
 //! relative paths resolved against the config file's directory.
 //!
 //! One module per section of the file, so that a section's rules read on their own: [`queue`], [`redis`],
-//! [`schedule`], [`daemon`], [`dashboard`] and [`plugin`] ([`limits`]: a queue's `[[queues.limits]]`). This module holds what they share (durations, ranges,
+//! [`schedule`], [`daemon`], [`dashboard`] and [`plugin`] ([`limits`]: a queue's `[[queues.limits]]`, [`groups`]: its `[queues.groups]`). This module holds what they share (durations, ranges,
 //! names, choices) and `RawConfig`'s validation, which runs the sections in order and checks what spans them
 //! (a queue or schedule named twice, a source list feeding two queues, the pool's size).
 
 mod daemon;
 mod dashboard;
+mod groups;
 mod limits;
 mod plugin;
 mod queue;

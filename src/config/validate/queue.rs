@@ -51,6 +51,7 @@ impl RawQueue {
             lag_warn,
             source_lists,
             limits,
+            groups,
         } = self;
 
         let key = |field: &str| format!("queues[{index}].{field}");
@@ -100,8 +101,23 @@ impl RawQueue {
             batch,
             prefetch,
             max_held,
-            (max_running, rate_limit, limits.is_some()),
+            (
+                max_running,
+                rate_limit,
+                limits.is_some() || groups.is_some(),
+            ),
         )?;
+        let groups = match groups {
+            Some(groups) => Some(super::groups::groups(
+                source,
+                &key,
+                mode,
+                raw_prefetch.as_ref(),
+                limits.is_some(),
+                groups,
+            )?),
+            None => None,
+        };
         let type_limits = match limits {
             Some(limits) => {
                 super::limits::type_limits(source, &key, mode, raw_prefetch.as_ref(), limits)?
@@ -208,6 +224,7 @@ impl RawQueue {
             max_running,
             rate_limit,
             type_limits,
+            groups,
             lease_timeout,
             execution_timeout,
             alive_timeout,

@@ -380,13 +380,15 @@ impl Fetcher {
             .flows_looked
             .is_none_or(|looked| looked.elapsed() >= FLOWS_LOOK)
         {
+            let grouped = queue.config.groups.is_some();
+            broker::flows::route_groups(connection, &queue.keys, grouped)?;
             let flows = broker::flows::flows(connection, &queue.keys)?;
-            self.drained = broker::flows::drained_types(&flows, &queue.config.type_limits);
+            self.drained = broker::flows::drained(&flows, &queue.config.type_limits, grouped);
             self.flows_looked = Some(Instant::now());
         }
         let first_token = lane.ownership.tokens(want);
         let limits = broker::ClaimLimits {
-            drained_types: &self.drained,
+            drained_flows: &self.drained,
             ..queue.claim_limits()
         };
         let sent = Instant::now();

@@ -166,6 +166,7 @@ fn queue_changes(old: &QueueConfig, new: &QueueConfig) -> Vec<String> {
         max_running,
         rate_limit,
         type_limits,
+        groups,
         lease_timeout,
         execution_timeout,
         alive_timeout,

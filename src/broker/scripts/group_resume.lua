@@ -1,0 +1,41 @@
+-- group_resume.lua: `kmqd group resume`: a paused group's flows go back to their rings' turns.
+--
+-- KEYS[1] the group's pause (`hold:g:GROUP`), KEYS[2] the sched hash (each level's virtual time, `vt:N`),
+-- KEYS[3] the wake list, KEYS[4 ..] the levels' rings, in order
+-- ARGV[1] the group's member in the rings (`GROUP:`, encoded)
+-- Deletes the pause and moves each of the group's flows that a claim parked (groups.lua's PARKED band: it met the
+-- pause, or the group's full count) back to its level's virtual time, then wakes an idle fetcher. A flow parked
+-- for a full count that comes back takes its turn and parks again if the count is still full. Returns 1 if the
+-- group was paused, 0 if not (its parked flows are moved back all the same).
+-- Checks before it writes: the rings' and the sched hash's types, and each level's virtual time.
+local PARKED = 2e15
+local levels = #KEYS - 3
+local function wrong(key, kind)
+  local found = redis.call('TYPE', key).ok
+  if found ~= 'none' and found ~= kind then
+    return redis.error_reply('WRONGTYPE group_resume.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
+      '; nothing was written')
+  end
+end
+local refused = wrong(KEYS[2], 'hash') or wrong(KEYS[3], 'list')
+for level = 1, levels do refused = refused or wrong(KEYS[3 + level], 'zset') end
+if refused then return refused end
+local vt = {}
+for level = 1, levels do
+  local value = redis.call('HGET', KEYS[2], 'vt:' .. level)
+  if value and not tonumber(value) then
+    return redis.error_reply('ERR group_resume.lua: ' .. KEYS[2] .. ' field vt:' .. level .. ' is not a number; ' ..
+      'nothing was written')
+  end
+  vt[level] = tonumber(value or '0')
+end
+local was = redis.call('DEL', KEYS[1])
+for level = 1, levels do
+  local score = redis.call('ZSCORE', KEYS[3 + level], ARGV[1])
+  if score and tonumber(score) >= PARKED then
+    redis.call('ZADD', KEYS[3 + level], 'XX', vt[level], ARGV[1])
+  end
+end
+redis.call('LPUSH', KEYS[3], 1)
+redis.call('LTRIM', KEYS[3], 0, 0)
+return was

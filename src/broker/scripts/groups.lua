@@ -1,0 +1,310 @@
+-- groups.lua: fair groups (`[queues.groups]`), prepended to claim.lua after types.lua (src/broker/mod.rs,
+-- `sources`); its first part, the names and the bands, is also settle.lua's and push.lua's (each keeps a copy of
+-- what it needs: push.lua is run by producers as a file).
+--
+-- Flows and the ring. A grouped queue keeps its waiting tasks in *flows*, one list per level and group
+-- (`flow:LEVEL:GROUP:`, the group percent-encoded as keys.rs does, `GROUP:` being the flow's *member*; tasks without
+-- a group are the group with the empty name, member `:`), oldest first. Each level's ring (`ring:LEVEL`, a zset)
+-- names every flow of the level that holds tasks, scored by one of three bands:
+--   below TIMED (1e15): the flow's *pass*, its virtual time in stride scheduling: a claim serves the lowest passes
+--     first, and a turn of m tasks adds m / weight to it, so that over any backlog each group gets turns in
+--     proportion to its weight (`[queues.groups] weights`, default 1), its tasks in FIFO order. A flow that comes
+--     (back) into the ring starts at the level's virtual time (`vt:LEVEL` in the sched hash, the pass last
+--     served), so a group earns no credit while it has nothing waiting;
+--   TIMED + ms: a throttled group's flow, or one whose rate windows are full, until that time (Redis's clock);
+--     every claim first moves the flows whose time came back to the level's virtual time;
+--   PARKED + ms: a paused group's flow, or one whose group is at its `max_running` (since ms): the settle that
+--     frees one of the group's slots, and `kmqd group resume`, move it back.
+-- A claim reads only the lowest passes (`ZRANGEBYSCORE ... LIMIT`), so a group held back by its limits costs a
+-- claim nothing after the claim that parked it: O(log n) a claim, whatever the number of groups. A group exists
+-- in Redis only while it holds tasks, runs some (its `g:GROUP` count), is throttled or rate-limited (keys with a
+-- time to live) or paused (`hold:g:GROUP`): an idle group costs nothing.
+--
+-- Names. The group's keys are built here, from the queue's base (`PREFIX:{QUEUE}`, ARGV), which is first checked
+-- to be the start of KEYS[1]: every name the script builds starts with it, so hashes to the queue's slot, and no
+-- argument can name a key of another queue (keys.rs builds the same names: `QueueKeys::group_*`).
+local GROUP_TIMED, GROUP_PARKED = 1e15, 2e15
+
+-- A group's name as it is written in keys and scopes: keys.rs's `encode_name`.
+local function group_encode(name)
+  return (string.gsub(name, '[%%:{}%z\1-\32\127]', function(c) return string.format('%%%02X', string.byte(c)) end))
+end
+
+-- The group of a payload: its envelope's `group` when that is a string of 1 to 64 bytes, otherwise (none, or one
+-- the daemon refuses and dead-letters) the group with the empty name. Decoded only when the text holds `"group"`
+-- or an escape that could spell it. Returns the encoded name, and the decoded task (nil when not decoded).
+local function group_route(payload)
+  if not string.find(payload, '"group"', 1, true) and not string.find(payload, '\\', 1, true) then
+    return '', nil
+  end
+  local ok, task = pcall(cjson.decode, payload)
+  if not ok or type(task) ~= 'table' then return '', nil end
+  local name = task.group
+  if type(name) ~= 'string' or #name == 0 or #name > 64 then return '', task end
+  return group_encode(name), task
+end
+
+-- The block, after types.lua's: ARGV[at] 1 (0: no groups, and nothing else), ARGV[at+1] the queue's base,
+-- ARGV[at+2 ..] the level names (L), then the groups' max_running (0: none), R, R pairs (window ms, most starts),
+-- W, W pairs (encoded group, weight). KEYS from `first`: the rings (one per level), then the sched hash.
+-- Returns the block ({on = false} without groups), or nil and the error reply.
+local function groups_read(script, at, first, levels, integer)
+  local g = {on = ARGV[at] == '1', states = {}}
+  if not g.on then return g end
+  g.base = ARGV[at + 1]
+  if string.sub(KEYS[1], 1, #g.base + 1) ~= g.base .. ':' then
+    return nil, redis.error_reply('ERR ' .. script .. ': the groups\' base ' .. g.base .. ' does not start ' ..
+      KEYS[1] .. '; nothing was written')
+  end
+  g.names, g.rings, g.vt = {}, {}, {}
+  for level = 1, levels do
+    g.names[level], g.rings[level] = ARGV[at + 1 + level], KEYS[first + level - 1]
+  end
+  g.sched = KEYS[first + levels]
+  local a = at + 2 + levels
+  g.max_running, g.rates, g.limits = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), {}
+  for r = 1, g.rates do
+    g.limits[r] = {window = tonumber(ARGV[a + 2 * r]), limit = tonumber(ARGV[a + 2 * r + 1])}
+  end
+  a = a + 2 + 2 * g.rates
+  g.weights = {}
+  for w = 1, tonumber(ARGV[a]) do g.weights[ARGV[a + 2 * w - 1]] = tonumber(ARGV[a + 2 * w]) end
+  local function wrong(key, kind)
+    local found = redis.call('TYPE', key).ok
+    if found ~= 'none' and found ~= kind then
+      return redis.error_reply('WRONGTYPE ' .. script .. ': ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
+        '; nothing was written')
+    end
+  end
+  g.wrong = wrong
+  for level = 1, levels do
+    local refused = wrong(g.rings[level], 'zset')
+    if refused then return nil, refused end
+  end
+  local refused = wrong(g.sched, 'hash')
+  if refused then return nil, refused end
+  for level = 1, levels do
+    local value = redis.call('HGET', g.sched, 'vt:' .. level)
+    if value and not tonumber(value) then
+      return nil, redis.error_reply('ERR ' .. script .. ': ' .. g.sched .. ' field vt:' .. level ..
+        ' is not a number (' .. string.sub(value, 1, 40) .. '); nothing was written')
+    end
+    g.vt[level] = tonumber(value or '0')
+  end
+  g.integer = integer
+  return g
+end
+
+-- The flow key of `member` at `level`.
+local function group_flow(g, level, member)
+  return g.base .. ':flow:' .. g.names[level] .. ':' .. member
+end
+
+-- A group's state for this claim (read once, cached): paused, throttled or rate-limited until (`due`), its room
+-- under `max_running` and its rate windows (nil: no bound), its weight. Every key is checked for its type and
+-- every count and log entry parsed here, before the claim writes anything it could not take back. Returns the
+-- state, or nil and the error reply.
+local function group_state(script, g, enc, running, now)
+  local st = g.states[enc]
+  if st then return st end
+  st = {scope = 'g:' .. enc, max_running = g.max_running, rates = g.rates, taken = 0,
+    weight = math.max(1, g.weights[enc] or 1)}
+  if redis.call('EXISTS', g.base .. ':hold:' .. st.scope) == 1 then st.paused = true end
+  st.due = throttle_until(g.base .. ':throttle:' .. st.scope, now)
+  if g.max_running > 0 then
+    local value = redis.call('HGET', running, st.scope)
+    local refused = g.integer(running, st.scope, value)
+    if refused then return nil, refused end
+    st.room = math.max(0, g.max_running - tonumber(value or '0'))
+  end
+  if g.rates > 0 then
+    st.windows = {}
+    for r, limit in ipairs(g.limits) do
+      local log = g.base .. ':rate:' .. st.scope .. ':' .. limit.window
+      local sum = log .. ':sum'
+      local refused = g.wrong(log, 'list') or g.wrong(sum, 'string')
+      if refused then return nil, refused end
+      local value = redis.call('GET', sum)
+      refused = g.integer(sum, 'value', value)
+      if refused then return nil, refused end
+      local newest, bad = rate_entry(script, log, -1)
+      if bad then return nil, bad end
+      st.windows[r] = {log = log, sum = sum, window = limit.window, limit = limit.limit,
+        total = tonumber(value or '0'), newest = newest}
+    end
+    if not st.paused and not st.due and st.room ~= 0 then
+      local free, due, bad = rate_trim(script, st.windows, now)
+      if bad then return nil, bad end
+      if due > 0 then
+        st.due = due
+      elseif not st.room or free < st.room then
+        st.room = free
+      end
+    end
+  end
+  g.states[enc] = st
+  return st
+end
+
+-- Where a refused group's flows go in the ring (nil: admitted): the PARKED band for a pause or a full count, the
+-- TIMED band until a throttle or a rate window lets it go on.
+local function group_refused(st, now)
+  if st.paused then return GROUP_PARKED + now end
+  if st.due then return GROUP_TIMED + st.due end
+  if st.room == 0 then return GROUP_PARKED + now end
+end
+
+-- The member's group (its part before the last `:`; a flow another config made for a type, `:TYPE`, is the
+-- group with the empty name).
+local function group_of_member(member)
+  return string.match(member, '^([^:]*):') or ''
+end
+
+-- Moves the flows whose TIMED band came due back to each level's virtual time (at most 64 a level a claim: the
+-- rest come at the next claims).
+local function groups_due(g, levels, now)
+  for level = 1, levels do
+    local due = redis.call('ZRANGE', g.rings[level], GROUP_TIMED, GROUP_TIMED + now, 'BYSCORE', 'LIMIT', 0, 64)
+    for _, member in ipairs(due) do redis.call('ZADD', g.rings[level], 'XX', g.vt[level], member) end
+  end
+end
+
+-- The intake: tasks that reached a ready list (pushed by a producer that does not route, a retry or a
+-- recovery come due, a dead letter requeued) go to their group's flow, at most `bound` a level a claim; a retry
+-- or a recovery to the flow's head, as due retries go to the ready list's front. Read, routed and every flow's
+-- type checked before the moves. Returns nil, or the error reply.
+local function groups_intake(g, levels, ready_key, bound)
+  for level = 1, levels do
+    local ready = ready_key(level)
+    local items = redis.call('LRANGE', ready, 0, bound - 1)
+    if #items > 0 then
+      local heads, tails, order = {}, {}, {}
+      for _, payload in ipairs(items) do
+        local enc, task = group_route(payload)
+        if not task and (string.find(payload, '"attempt"', 1, true) or string.find(payload, '"recovered"', 1, true))
+        then
+          local ok, decoded = pcall(cjson.decode, payload)
+          if ok and type(decoded) == 'table' then task = decoded end
+        end
+        local member = enc .. ':'
+        if not heads[member] then
+          heads[member], tails[member] = {}, {}
+          order[#order + 1] = member
+          local refused = g.wrong(group_flow(g, level, member), 'list')
+          if refused then return refused end
+        end
+        local again = task and ((tonumber(task.attempt) or 0) > 0 or (tonumber(task.recovered) or 0) > 0)
+        local to = tails[member]
+        if again then to = heads[member] end
+        to[#to + 1] = payload
+      end
+      redis.call('LTRIM', ready, #items, -1)
+      for _, member in ipairs(order) do
+        local flow = group_flow(g, level, member)
+        local list = heads[member]
+        for k = #list, 1, -1 do redis.call('LPUSH', flow, list[k]) end
+        list = tails[member]
+        for k = 1, #list, 1000 do redis.call('RPUSH', flow, unpack(list, k, math.min(k + 999, #list))) end
+        redis.call('ZADD', g.rings[level], 'NX', g.vt[level], member)
+      end
+    end
+  end
+end
+
+-- The flows a level's take may serve: the `want` lowest passes, each with its group's state and its list's
+-- length (all read before the claim's first write of a payload). Returns them, or nil and the error reply.
+local function groups_candidates(script, g, level, want, running, now)
+  local picks = redis.call('ZRANGE', g.rings[level], '-inf', '(' .. GROUP_TIMED, 'BYSCORE', 'LIMIT', 0, want,
+    'WITHSCORES')
+  local cands = {}
+  for k = 1, #picks, 2 do
+    local member = picks[k]
+    local flow = group_flow(g, level, member)
+    local refused = g.wrong(flow, 'list')
+    if refused then return nil, refused end
+    local st, bad = group_state(script, g, group_of_member(member), running, now)
+    if bad then return nil, bad end
+    cands[#cands + 1] = {member = member, pass = tonumber(picks[k + 1]), flow = flow, st = st}
+  end
+  return cands
+end
+
+-- A level's take over its candidates: refused groups' flows leave the lowest band; the others take turns in
+-- order of pass, each turn up to its group's weight (and room), and `add(state, payload)` collects what it took.
+-- Each served flow's pass grows by what it took over its weight; an emptied flow leaves the ring; the level's
+-- virtual time becomes the last pass served. Returns the tasks taken and whether a refused group holds tasks.
+local function groups_take(g, level, cands, take, now, add)
+  local ring, got, held = g.rings[level], 0, false
+  local active = {}
+  for _, c in ipairs(cands) do
+    local band = group_refused(c.st, now)
+    if band then
+      redis.call('ZADD', ring, 'XX', band, c.member)
+      held = true
+    else
+      active[#active + 1] = c
+    end
+  end
+  while got < take and #active > 0 do
+    local still = {}
+    for _, c in ipairs(active) do
+      if got < take then
+        local m = math.min(c.st.weight, take - got)
+        if c.st.room and c.st.room < m then m = c.st.room end
+        if m > 0 then
+          local items = redis.call('LPOP', c.flow, m) or {}
+          for _, payload in ipairs(items) do add(c.st, payload) end
+          got = got + #items
+          if c.st.room then c.st.room = c.st.room - #items end
+          if #items > 0 then
+            if c.pass > g.vt[level] then g.vt[level] = c.pass end
+            c.pass, c.served = c.pass + #items / c.st.weight, true
+          end
+          if #items < m then c.empty = true else still[#still + 1] = c end
+        end
+      else
+        still[#still + 1] = c
+      end
+    end
+    active = still
+  end
+  for _, c in ipairs(cands) do
+    if c.empty or (c.served and redis.call('EXISTS', c.flow) == 0) then
+      redis.call('ZREM', ring, c.member)
+    elseif c.served then
+      redis.call('ZADD', ring, 'XX', c.pass, c.member)
+    end
+  end
+  redis.call('HSET', g.sched, 'vt:' .. level, g.vt[level])
+  return got, held
+end
+
+-- Whether a level holds tasks a claim may take now (a flow in the lowest band).
+local function groups_waiting(g, level)
+  return #redis.call('ZRANGE', g.rings[level], '-inf', '(' .. GROUP_TIMED, 'BYSCORE', 'LIMIT', 0, 1) > 0
+end
+
+-- When the earliest TIMED flow of any level may go on (0: none; the claim then waits for a settle's or a push's
+-- wake-up marker), and whether any flow is parked or timed at all.
+local function groups_next(g, levels)
+  local at, any = 0, false
+  for level = 1, levels do
+    local first = redis.call('ZRANGE', g.rings[level], GROUP_TIMED, '+inf', 'BYSCORE', 'LIMIT', 0, 1, 'WITHSCORES')
+    if first[2] then
+      any = true
+      local score = tonumber(first[2])
+      if score < GROUP_PARKED and (at == 0 or score - GROUP_TIMED < at) then at = score - GROUP_TIMED end
+    end
+  end
+  return at, any
+end
+
+-- Adds each group's tasks this claim took to its counts: its running scope and its rate logs.
+local function groups_spend(g, running, now)
+  for _, st in pairs(g.states) do
+    if st.taken > 0 then
+      if st.max_running > 0 then redis.call('HINCRBY', running, st.scope, st.taken) end
+      if st.rates > 0 then rate_spend(st.windows, st.taken, now) end
+    end
+  end
+end

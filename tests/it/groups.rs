@@ -1,0 +1,413 @@
+//! Fair groups (`[queues.groups]`): the groups of a queue take turns, each within its own limits, across daemons,
+//! and the groups' counts in Redis hold under the faults that would leak them (docs/RELIABILITY.md, "Groups").
+
+use std::path::Path;
+use std::time::Duration;
+
+use kmqd::broker::sources;
+
+use crate::support::proxy::{AfterDrop, Fault, FaultProxy, Matcher};
+use crate::support::*;
+
+/// The running count of group `group` (0 when the field is absent).
+fn running(redis: &RedisServer, group: &str) -> u64 {
+    let count: Option<u64> = redis.cmd(&["HGET", "kmq:{jobs}:running", &format!("g:{group}")]);
+    count.unwrap_or(0)
+}
+
+/// Pushes `count` tasks of `group` (ids `prefix0..`) with `data`.
+fn push_group(config: &Path, group: &str, prefix: &str, count: usize, data: &str) {
+    let tasks: Vec<kmqd::NewTask> = (0..count)
+        .map(|i| {
+            kmqd::NewTask::new("test", data)
+                .unwrap()
+                .id(format!("{prefix}{i}"))
+                .group(group)
+        })
+        .collect();
+    client(config).push_batch("jobs", tasks).unwrap();
+}
+
+/// How many runs of ids starting with `prefix` returned.
+fn ended(dir: &TestDir, prefix: &str) -> usize {
+    dir.records()
+        .ends
+        .iter()
+        .filter(|(id, ..)| id.starts_with(prefix))
+        .count()
+}
+
+/// Waits until `done` tasks are done and nothing waits or runs, then checks that no group's count is left and none
+/// went below 0, and that no flow or ring entry is left.
+fn assert_drained(config: &Path, redis: &RedisServer, done: u64) {
+    let s = eventually(Duration::from_secs(60), "the queue drained", || {
+        let s = stats(config, "jobs");
+        (s.done >= done && s.processing == 0 && s.ready == 0, s)
+    });
+    assert_eq!(s.done, done, "{s:?}");
+    eventually(Duration::from_secs(10), "no count left", || {
+        let counts: Vec<String> = redis.cmd(&["HKEYS", "kmq:{jobs}:running"]);
+        let left: Vec<&String> = counts.iter().filter(|f| f.starts_with("g:")).collect();
+        (left.is_empty(), format!("{left:?}"))
+    });
+    let underflow: Option<u64> = redis.cmd(&["HGET", "kmq:{jobs}:stats", "running_underflow"]);
+    assert_eq!(underflow.unwrap_or(0), 0, "no count went below 0");
+    let ring: u64 = redis.cmd(&["ZCARD", "kmq:{jobs}:ring:normal"]);
+    assert_eq!(ring, 0, "the ring is empty");
+}
+
+/// Behind a backlog of one group, a few tasks of another group pushed later start within a few turns, not after
+/// the backlog: the groups take turns from the first claim after the push.
+#[test]
+fn a_group_pushed_behind_another_groups_backlog_starts_within_a_few_turns() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let queue = safe_queue("workers = 2\nidle_poll = \"100ms\"\n[queues.groups]\n");
+    let config = dir.config(&redis, &queue);
+    let daemon = TestDaemon::start(&config);
+    push_group(&config, "big", "a", 200, r#"{"sleep_ms":20}"#);
+    eventually(Duration::from_secs(30), "the backlog started", || {
+        let n = ended(&dir, "a");
+        (n >= 4, n)
+    });
+    push_group(&config, "small", "b", 5, r#"{"sleep_ms":1}"#);
+    eventually(Duration::from_secs(30), "the small group done", || {
+        let n = ended(&dir, "b");
+        (n >= 5, n)
+    });
+    let big = ended(&dir, "a");
+    assert!(
+        big < 40,
+        "{big} tasks of the backlog ended before the small group's 5"
+    );
+    assert_drained(&config, &redis, 205);
+    assert_ran_once(&dir, "a", 200);
+    assert_ran_once(&dir, "b", 5);
+    daemon.stop();
+}
+
+/// The ids of the runs that started, in the order they started.
+fn start_order(dir: &TestDir) -> Vec<String> {
+    dir.records().starts.into_iter().map(|(id, _)| id).collect()
+}
+
+/// A group limited to 2 running, pushed first, holds back only its own tasks: across two daemons its count never
+/// passes 2, while another group pushed behind it drains first; each task runs once and every count comes back to
+/// 0.
+#[test]
+fn a_groups_max_running_holds_across_daemons_and_the_other_groups_run_past_it() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let queue =
+        safe_queue("workers = 4\nidle_poll = \"100ms\"\n[queues.groups]\nmax_running = 2\n");
+    let config = dir.config(&redis, &queue);
+    let (a, b) = (TestDaemon::start(&config), TestDaemon::start(&config));
+    push_group(&config, "slow", "s", 12, r#"{"sleep_ms":150}"#);
+    push_group(&config, "fast", "f", 40, r#"{"sleep_ms":1}"#);
+    let mut most = 0;
+    eventually(Duration::from_secs(60), "every fast task done", || {
+        most = most.max(running(&redis, "slow"));
+        let fast = ended(&dir, "f");
+        (fast >= 40, fast)
+    });
+    let slow_done = ended(&dir, "s");
+    assert!(
+        slow_done < 12,
+        "the fast group waited behind the slow one ({slow_done} slow ran first)"
+    );
+    eventually(Duration::from_secs(60), "every slow task done", || {
+        most = most.max(running(&redis, "slow"));
+        let slow = ended(&dir, "s");
+        (slow >= 12, slow)
+    });
+    assert!(most <= 2, "the group's count reached {most}");
+    assert_drained(&config, &redis, 52);
+    assert_ran_once(&dir, "s", 12);
+    assert_ran_once(&dir, "f", 40);
+    a.stop();
+    b.stop();
+}
+
+/// With `weights`, a group of weight 3 gets three turns for each of a group of weight 1 while both have tasks, in
+/// FIFO order within each.
+#[test]
+fn weighted_groups_take_turns_by_their_weights() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let queue = safe_queue(
+        "workers = 1\nidle_poll = \"100ms\"\n[queues.groups]\nweights = { \"premium\" = 3 }\n",
+    );
+    let config = dir.config(&redis, &queue);
+    push_group(&config, "basic", "b", 60, "{}");
+    push_group(&config, "premium", "p", 60, "{}");
+    let daemon = TestDaemon::start(&config);
+    assert_drained(&config, &redis, 120);
+    daemon.stop();
+    let order = start_order(&dir);
+    let first: Vec<&String> = order.iter().take(40).collect();
+    let premium = first.iter().filter(|id| id.starts_with('p')).count();
+    assert!(
+        (28..=32).contains(&premium),
+        "{premium} of the first 40 starts were premium's: {first:?}"
+    );
+    for prefix in ["b", "p"] {
+        let mine: Vec<usize> = order
+            .iter()
+            .filter(|id| id.starts_with(prefix))
+            .map(|id| id[1..].parse().unwrap())
+            .collect();
+        assert!(mine.windows(2).all(|w| w[0] < w[1]), "{prefix}: {mine:?}");
+    }
+}
+
+/// A group limited to 5 starts a second: in no half second do more than 5 of its tasks start, while another
+/// group's tasks run at once.
+#[test]
+fn a_groups_rate_limit_holds_and_the_other_groups_run_past_it() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let queue =
+        safe_queue("workers = 4\nidle_poll = \"100ms\"\n[queues.groups]\nrate_limit = \"5/s\"\n");
+    let config = dir.config(&redis, &queue);
+    let daemon = TestDaemon::start(&config);
+    push_group(&config, "api", "a", 15, "{}");
+    push_group(&config, "other", "o", 4, "{}");
+    eventually(Duration::from_secs(30), "the other group done", || {
+        let other = ended(&dir, "o");
+        (other >= 4, other)
+    });
+    assert!(
+        ended(&dir, "a") < 15,
+        "the other group waited behind the limited one"
+    );
+    assert_drained(&config, &redis, 19);
+    let mut starts: Vec<u64> = dir
+        .records()
+        .start_times
+        .iter()
+        .filter(|(id, _)| id.starts_with('a'))
+        .map(|(_, micros)| *micros)
+        .collect();
+    starts.sort_unstable();
+    // The limit counts claims on Redis's clock; half a window allows the handlers' skew (see type_limits.rs).
+    let most = (0..starts.len())
+        .map(|i| {
+            starts[i..]
+                .iter()
+                .take_while(|at| **at < starts[i] + 500_000)
+                .count()
+        })
+        .max()
+        .unwrap_or(0);
+    assert!(most <= 5, "{most} starts within half a second: {starts:?}");
+    daemon.stop();
+}
+
+/// `kmqd group pause` stops one group on every daemon while the others go on; `kmqd groups` shows it paused
+/// with its tasks waiting; `kmqd group resume` lets it go on.
+#[test]
+fn a_paused_group_waits_while_the_others_run_and_resumes() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let queue = safe_queue("workers = 2\nidle_poll = \"100ms\"\n[queues.groups]\n");
+    let config = dir.config(&redis, &queue);
+    let daemon = TestDaemon::start(&config);
+    assert!(
+        kmqd_ok(&config, &["group", "pause", "jobs", "acme"]).contains("paused group \"acme\"")
+    );
+    push_group(&config, "acme", "a", 5, "{}");
+    push_group(&config, "other", "o", 5, "{}");
+    eventually(Duration::from_secs(30), "the other group done", || {
+        let other = ended(&dir, "o");
+        (other >= 5, other)
+    });
+    let out = kmqd_ok(&config, &["groups", "jobs"]);
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("\"acme\""))
+        .unwrap_or_default();
+    assert!(line.contains(" 5 ") && line.contains("paused"), "{out}");
+    let json: serde_json::Value =
+        serde_json::from_str(&kmqd_ok(&config, &["groups", "jobs", "--json"])).unwrap();
+    assert_eq!(json["groups"][0]["name"], "acme", "{json}");
+    assert_eq!(json["groups"][0]["waiting"], 5, "{json}");
+    assert_eq!(ended(&dir, "a"), 0, "a paused group's task ran");
+    assert!(kmqd_ok(&config, &["group", "resume", "jobs", "acme"]).contains("resumed group"));
+    assert_drained(&config, &redis, 10);
+    assert_ran_once(&dir, "a", 5);
+    // A queue without groups has none to pause: the command says which key it lacks.
+    let plain = dir.config_named(
+        "plain.toml",
+        &format!("url = \"{}\"", redis.url()),
+        "",
+        &safe_queue(""),
+        &dir.path("plain.record"),
+    );
+    let (code, _, err) = kmqd(
+        &[
+            "--config",
+            plain.to_str().unwrap(),
+            "group",
+            "pause",
+            "jobs",
+            "acme",
+        ],
+        None,
+    );
+    assert_eq!(
+        (code, err.contains("has no [queues.groups]")),
+        (2, true),
+        "{err}"
+    );
+    daemon.stop();
+}
+
+/// A handler's throttle holds back its task's group on every daemon for the time it asks, and the task comes back
+/// uncharged at its group's head; the other groups go on meanwhile.
+#[test]
+fn a_throttle_holds_back_its_group_not_the_queue() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let queue = safe_queue("workers = 1\nidle_poll = \"100ms\"\n[queues.groups]\n");
+    let config = dir.config(&redis, &queue);
+    let daemon = TestDaemon::start(&config);
+    let once = dir.path("throttled");
+    let data = serde_json::json!({ "throttle_once": once, "throttle_ms": 1500 }).to_string();
+    push_group(&config, "api", "a", 3, &data);
+    eventually(Duration::from_secs(30), "the group throttled", || {
+        let ttl: i64 = redis.cmd(&["PTTL", "kmq:{jobs}:throttle:g:api"]);
+        (ttl > 0, ttl)
+    });
+    push_group(&config, "other", "o", 5, "{}");
+    eventually(Duration::from_secs(30), "the other group done", || {
+        let other = ended(&dir, "o");
+        (other >= 5, other)
+    });
+    let ttl: i64 = redis.cmd(&["PTTL", "kmq:{jobs}:throttle:g:api"]);
+    assert!(
+        ttl > 0
+            && dir
+                .records()
+                .ends
+                .iter()
+                .filter(|(id, _, out)| id.starts_with('a') && out == "done")
+                .count()
+                == 0,
+        "the other group ran while the throttled one waited (ttl {ttl})"
+    );
+    assert_drained(&config, &redis, 8);
+    // Uncharged: each of the group's tasks ended done at attempt 0.
+    let charged: Vec<_> = dir
+        .records()
+        .ends
+        .into_iter()
+        .filter(|(_, attempt, _)| *attempt > 0)
+        .collect();
+    assert!(charged.is_empty(), "{charged:?}");
+    daemon.stop();
+}
+
+/// A task whose `group` is not a group name (empty, too long, not a string) is dead-lettered with its reason and
+/// its exact bytes, and blocks nothing; a producer that pushes straight onto the ready list (no routes) still
+/// gets its tasks' groups' turns.
+#[test]
+fn a_malformed_group_is_dead_lettered_and_a_plain_rpush_is_routed() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let queue = safe_queue("workers = 2\nidle_poll = \"100ms\"\n[queues.groups]\n");
+    let config = dir.config(&redis, &queue);
+    let daemon = TestDaemon::start(&config);
+    let long = "x".repeat(65);
+    let bad = [
+        r#"{"id":"bad1","type":"test","data":null,"group":""}"#.to_string(),
+        format!(r#"{{"id":"bad2","type":"test","data":null,"group":"{long}"}}"#),
+        r#"{"id":"bad3","type":"test","data":null,"group":7}"#.to_string(),
+        r#"{"id":"ok1","type":"test","data":null,"group":"acme"}"#.to_string(),
+        r#"{"id":"ok2","type":"test","data":null}"#.to_string(),
+    ];
+    for payload in &bad {
+        let _: i64 = redis.cmd(&["RPUSH", "kmq:{jobs}:ready:normal", payload]);
+    }
+    eventually(Duration::from_secs(30), "three dead letters", || {
+        let dead = dead_records(&redis, "jobs");
+        (dead.len() == 3, dead.len())
+    });
+    for record in dead_records(&redis, "jobs") {
+        let reason = record["reason"].as_str().unwrap_or_default();
+        assert!(reason.contains("is not a group name"), "{record}");
+        let task = record["task"].as_str().unwrap_or_default();
+        assert!(bad.iter().any(|payload| payload == task), "{record}");
+    }
+    eventually(Duration::from_secs(30), "the good tasks done", || {
+        let n = ended(&dir, "ok");
+        (n >= 2, n)
+    });
+    daemon.stop();
+}
+
+/// A daemon killed (`kill -9`) while it holds a group's every slot gives them back with its tasks when a monitor
+/// recovers them: the group, parked while full, drains on the other daemon.
+#[test]
+fn a_daemon_killed_while_it_holds_a_groups_slots_gives_them_back() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let gate = dir.path("gate");
+    let queue = safe_queue(
+        "workers = 2\nidle_poll = \"100ms\"\nlease_timeout = \"1s\"\n[queues.groups]\nmax_running = 2\n",
+    );
+    let config = dir.config(&redis, &queue);
+    let mut first = Process::start(&config, dir.path("first.log"));
+    let data = serde_json::json!({ "wait_for_file": gate }).to_string();
+    push_group(&config, "acme", "s", 6, &data);
+    eventually(
+        Duration::from_secs(15),
+        "both of the group's slots taken",
+        || (running(&redis, "acme") == 2, running(&redis, "acme")),
+    );
+    first.kill9();
+    std::fs::write(&gate, "").unwrap();
+    let second = TestDaemon::start(&config);
+    assert_drained(&config, &redis, 6);
+    let recovered: Option<u64> = redis.cmd(&["HGET", "kmq:{jobs}:stats", "recovered"]);
+    assert_eq!(recovered, Some(2));
+    second.stop();
+}
+
+/// A grouped queue's daemon through a fault proxy that drops the `nth` reply of `script`: every task drains once,
+/// the fault fired, and the groups' counts come back to 0 without going below it (a settle sent again subtracts
+/// once and parks nothing for ever; a lost claim is adopted with its counts).
+fn drains_with_a_reply_lost(script: &str, nth: usize, then: AfterDrop) {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let redis_section = format!("url = \"{}\"\nio_timeout = \"1s\"", proxy.url());
+    let queue =
+        safe_queue("workers = 3\nlease_timeout = \"60s\"\n[queues.groups]\nmax_running = 1\n");
+    let config = dir.config_raw(&redis_section, "", &queue);
+    let daemon = TestDaemon::start(&config);
+    redis.wait_blocked_in("blpop");
+    let rule = proxy.add(Fault::DropReply {
+        matching: Matcher::script(script),
+        nth,
+        then,
+    });
+    push_group(&config, "acme", "a", 6, r#"{"sleep_ms":5}"#);
+    push_group(&config, "other", "o", 6, r#"{"sleep_ms":5}"#);
+    assert_drained(&config, &redis, 12);
+    assert_eq!(rule.fired(), 1, "{then:?}: the reply was dropped");
+    assert_ran_once(&dir, "a", 6);
+    assert_ran_once(&dir, "o", 6);
+    daemon.stop();
+}
+
+#[test]
+fn a_settle_whose_reply_is_lost_frees_a_groups_slots_once() {
+    for then in [AfterDrop::Close, AfterDrop::Hang] {
+        drains_with_a_reply_lost(sources::SETTLE, 2, then);
+    }
+}
+
+#[test]
+fn a_claim_whose_reply_is_lost_is_adopted_with_its_groups_counted_once() {
+    drains_with_a_reply_lost(sources::CLAIM, 1, AfterDrop::Close);
+}
