@@ -830,3 +830,82 @@ fn type_limits_name_a_type_and_at_least_one_limit_in_safe_mode() {
         assert!(error.contains(words), "{words:?} in {error}");
     }
 }
+
+#[test]
+fn groups_take_limits_and_weights_in_safe_mode_without_type_limits() {
+    let queue = |mode: &str, keys: &str| {
+        let text = format!("[[queues]]\nname = \"api\"\nmode = \"{mode}\"\nworkers = 4\n{keys}");
+        parse(&text).map(|config| config.queues[0].clone())
+    };
+    let grouped = queue(
+        "safe",
+        "[queues.groups]\nmax_running = 2\nrate_limit = \"10/s\"\nweights = { \"tenant-premium\" = 4 }\n",
+    )
+    .unwrap();
+    assert_eq!(
+        format!("{:?}", grouped.groups),
+        "Some(Groups { max_running: Some(2), rate_limit: [10/1s], weights: [(\"tenant-premium\", 4)] })"
+    );
+    assert_eq!(
+        grouped.prefetch,
+        Prefetch::Fixed(0),
+        "claims only for idle workers"
+    );
+    let plain = queue("safe", "[queues.groups]\n").unwrap();
+    assert_eq!(
+        (plain.groups.is_some(), plain.prefetch),
+        (true, Prefetch::Fixed(0))
+    );
+    assert_eq!(
+        queue("safe", "prefetch = 8\n[queues.groups]\n")
+            .unwrap()
+            .prefetch,
+        Prefetch::Fixed(8),
+        "without group limits, a prefetch is the operator's choice"
+    );
+    for (mode, keys, words) in [
+        (
+            "default",
+            "[queues.groups]\n",
+            "queues.toml:5:1: queues[0].groups: groups need mode = \"safe\"",
+        ),
+        (
+            "safe",
+            "[queues.groups]\nmax_running = 1\n[[queues.limits]]\ntype = \"t\"\nmax_running = 2\n",
+            "queues[0].groups: a queue takes either [queues.groups] or [[queues.limits]] in this version",
+        ),
+        (
+            "safe",
+            "prefetch = 8\n[queues.groups]\nmax_running = 1\n",
+            "queues.toml:5:12: queues[0].prefetch: a queue with group limits claims only for its idle workers",
+        ),
+        (
+            "safe",
+            "[queues.groups]\nmax_running = 0\n",
+            "queues[0].groups.max_running: 0 is out of range",
+        ),
+        (
+            "safe",
+            "[queues.groups]\nrate_limit = \"ten a second\"\n",
+            "queues[0].groups.rate_limit: \"ten a second\" is not a rate",
+        ),
+        (
+            "safe",
+            "[queues.groups]\nweights = { \"a\" = 0 }\n",
+            "queues[0].groups.weights.\"a\": 0 is not a weight; write a whole number from 1 to 1000",
+        ),
+        (
+            "safe",
+            "[queues.groups]\nweights = { \"\" = 2 }\n",
+            "queues[0].groups.weights.\"\": a group's name is 1 to 64 bytes",
+        ),
+        (
+            "safe",
+            "[queues.groups]\nconcurrency = 2\n",
+            "queues[0].groups: unknown key `concurrency` (valid keys: `max_running`, `rate_limit`, `weights`)",
+        ),
+    ] {
+        let error = queue(mode, keys).unwrap_err();
+        assert!(error.contains(words), "{words:?} in {error}");
+    }
+}

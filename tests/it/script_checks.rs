@@ -48,6 +48,7 @@ fn scripts() -> Vec<(&'static str, &'static str)> {
         ("drain.lua", sources::DRAIN),
         ("move.lua", sources::MOVE),
         ("history.lua", sources::HISTORY),
+        ("group_resume.lua", sources::GROUP_RESUME),
     ]
 }
 
@@ -268,6 +269,9 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
                   [[queues]]\nname = \"typed\"\nmode = \"safe\"\nworkers = 2\nmax_running = 2\n\
                   retry_times = 1\nbackoff = \"10ms\"\n\
                   [[queues.limits]]\ntype = \"test\"\nmax_running = 1\nrate_limit = \"50/s\"\n\n\
+                  [[queues]]\nname = \"grouped\"\nmode = \"safe\"\nworkers = 2\nretry_times = 1\n\
+                  backoff = \"10ms\"\n[queues.groups]\nmax_running = 1\nrate_limit = \"50/s\"\n\
+                  weights = { \"b\" = 2 }\n\n\
                   [[schedules]]\nname = \"tick\"\nqueue = \"jobs\"\ntype = \"test\"\nevery = \"1s\"\n";
     let config = dir.config_for_url(&proxy.url(), "shutdown_grace = \"5s\"", queues);
 
@@ -296,11 +300,17 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
             let mut shapes = shapes.lock().unwrap();
             let seen = shapes.len();
             let per_script = shapes.keys().filter(|s| s.starts_with(script)).count();
-            let shape = shape(script, args);
+            let mut shape = shape(script, args);
+            // The grouped queue's calls have the typed queue's shapes: each is recorded for its own.
+            if args.iter().any(|arg| arg.starts_with(b"kmq:{grouped}")) {
+                shape.insert_str(0, "grouped ");
+            }
             // A handler's throttle is rare in a run, and the type-limited queue's calls come last: their calls
             // are recorded whatever came before them.
             let throttle = args.iter().any(|arg| arg.as_slice() == b"throttle");
-            let typed = args.iter().any(|arg| arg.starts_with(b"kmq:{typed}"));
+            let typed = args
+                .iter()
+                .any(|arg| arg.starts_with(b"kmq:{typed}") || arg.starts_with(b"kmq:{grouped}"));
             if shapes.contains_key(&shape) || (per_script >= 8 && !throttle && !typed) {
                 return;
             }
@@ -373,6 +383,20 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
         }))
         .collect();
     client.push_batch("typed", typed).unwrap();
+    // Two groups at their limit behind one another, a retry and a throttle of a group, a task pushed by plain
+    // RPUSH (the claim's intake routes it), and a paused group resumed (group_resume.lua).
+    let grouped: Vec<NewTask> = (0..6)
+        .map(|i| test("7", &format!("grouped-{i}")).group(["a", "b"][i % 2]))
+        .chain([test(r#"{"fail_attempts":1}"#, "grouped-retry").group("a")])
+        .chain([test(&throttle_once("grouped-throttle"), "grouped-throttled").group("b")])
+        .collect();
+    client.push_batch("grouped", grouped).unwrap();
+    let _: i64 = redis.cmd(&[
+        "RPUSH",
+        "kmq:{grouped}:ready:normal",
+        r#"{"type":"test","data":7,"id":"grouped-rpush","group":"c"}"#,
+    ]);
+    assert!(client.pause_group("grouped", "c").unwrap());
     // A default-mode queue without limits or unique ids: its pops after the first full one are plain (take.lua).
     let plain: Vec<NewTask> = (0..100).map(|i| test("7", &format!("plain-{i}"))).collect();
     client.push_batch("plain", plain).unwrap();
@@ -395,6 +419,7 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
         let (jobs, fast) = (stats(&config, "jobs"), stats(&config, "fast"));
         let (limited, typed) = (stats(&config, "limited"), stats(&config, "typed"));
         let plain = stats(&config, "plain");
+        let grouped = stats(&config, "grouped");
         (
             jobs.ready + jobs.delayed + jobs.processing + fast.ready + fast.delayed == 0
                 && jobs.dead >= 3
@@ -402,8 +427,9 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
                 && limited.done >= 10
                 && typed.done >= 10
                 && typed.dead >= 3
-                && plain.done == 100,
-            (jobs, fast, limited, typed, plain),
+                && plain.done == 100
+                && grouped.done >= 8,
+            (jobs, fast, limited, typed, plain, grouped),
         )
     });
     client
@@ -412,6 +438,16 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
     client
         .dead_purge("jobs", DeadSelection::Ids(&["unknown"]))
         .unwrap();
+    // Pushed once the daemon routes: to the groups' flows (push.lua's routed path); then the paused group resumed.
+    let routed: Vec<NewTask> = (0..2)
+        .map(|i| test("7", &format!("grouped-routed-{i}")).group("a"))
+        .collect();
+    client.push_batch("grouped", routed).unwrap();
+    assert!(client.resume_group("grouped", "c").unwrap());
+    eventually(Duration::from_secs(20), "the grouped queue drained", || {
+        let grouped = stats(&config, "grouped");
+        (grouped.done >= 11, grouped)
+    });
     eventually(
         Duration::from_secs(20),
         "a schedule fired and a lease renewed",
@@ -434,6 +470,10 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
         ("settle.lua", "kmq:{typed}:processing"),
         ("settle.lua", ":throttle:t:test"),
         ("claim.lua", ":throttle:t:test"),
+        ("claim.lua", "kmq:{grouped}:ring:"),
+        ("settle.lua", ":throttle:g:b"),
+        ("push.lua", "kmq:{grouped}:routes"),
+        ("group_resume.lua", ":hold:g:c"),
     ] {
         let named = |call: &Recorded| {
             call.script == script

@@ -29,7 +29,8 @@ pub(super) fn groups(
         rate_limit,
         weights,
     } = groups.into_inner();
-    let key = |field: &str| key(&format!("groups.{field}"));
+    let queue_key = key;
+    let key = |field: &str| queue_key(&format!("groups.{field}"));
     let table = key("").trim_end_matches('.').to_string();
     if mode == Mode::Default {
         return Err(source.error(
@@ -66,7 +67,7 @@ pub(super) fn groups(
     if max_running.is_some() || !rate_limit.is_empty() {
         // A task claimed ahead would hold its group's slot, or a start of its rate, that another daemon's idle
         // worker could use.
-        limited_claims(source, (&key, "group limits"), prefetch)?;
+        limited_claims(source, (queue_key, "group limits"), prefetch)?;
     }
     let mut out = Vec::new();
     if let Some(weights) = weights {
