@@ -7,6 +7,7 @@
 //! This module is a measuring tool: it reports, it never asserts a speed.
 
 mod defaults;
+mod groups;
 mod handlers;
 mod languages;
 mod limits;
@@ -56,7 +57,7 @@ pub struct Options {
     pub daemon: Option<PathBuf>,
 }
 
-pub const SCENARIOS: [&str; 12] = [
+pub const SCENARIOS: [&str; 13] = [
     "push",
     "drain",
     "defaults",
@@ -69,6 +70,7 @@ pub const SCENARIOS: [&str; 12] = [
     "redis-cost",
     "languages",
     "limits",
+    "groups",
 ];
 
 /// How often the `kill` scenario disconnects every client of Redis (`CLIENT KILL TYPE normal`).
@@ -542,6 +544,14 @@ pub fn run(options: Options, progress: &mut dyn Write) -> Result<Report, String>
         ));
         figures.extend(limits::limits(&bench)?);
     }
+    if wants("groups") {
+        say(format!(
+            "groups: a no-op drain spread over {} groups against the same drain without groups; {} runs...",
+            groups::GROUPS,
+            o.runs
+        ));
+        figures.extend(groups::groups(&bench)?);
+    }
     if wants("redis-cost") {
         say(format!(
             "redis-cost: Redis CPU per task of a claim and its settle, today's scripts and the candidates, {} runs...",
@@ -755,9 +765,22 @@ fn drain_once(
     (n, data): (usize, &str),
     kill_every: Option<Duration>,
 ) -> Result<DrainRun, String> {
+    let fill = |client: &Client| bench.fill_with(client, n, data);
+    drain_filled(bench, target, config, daemons, (n, &fill), kill_every)
+}
+
+/// [`drain_once`] of the `n` tasks that `fill` pushes (after the flush, before the daemons start).
+fn drain_filled(
+    bench: &Bench,
+    target: &Target<'_>,
+    config: &Path,
+    daemons: usize,
+    (n, fill): (usize, &dyn Fn(&Client) -> Result<(), String>),
+    kill_every: Option<Duration>,
+) -> Result<DrainRun, String> {
     let client = bench.client(config)?;
     target.flush()?;
-    bench.fill_with(&client, n, data)?;
+    fill(&client)?;
     let mut progress = Progress::new(config, target.holder)?;
     let mut processes: Vec<Daemon> = (0..daemons)
         .map(|_| bench.daemon(config))

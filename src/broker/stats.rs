@@ -37,6 +37,10 @@ pub struct QueueStats {
     /// Tasks waiting in the ready lists (quarantined ones included, and those of a limited type waiting in its
     /// flow: claim.lua, "Type limits").
     pub ready: u64,
+    /// `ready` counts the flows of a level with more than [`COUNTED_FLOWS`] of them (a grouped queue's groups) as
+    /// that many times the average of the first ones: an estimate.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub ready_estimated: bool,
     /// Ready tasks per level, highest first (a JSON object in level order): the configured levels, then any
     /// other level a registered owner claims from.
     #[serde(serialize_with = "pairs_as_map")]
@@ -175,25 +179,44 @@ pub fn stats(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<QueueSta
 const SNAPSHOT_ATTEMPTS: usize = 4;
 
 /// The registered owners of a queue and the levels each records (`None`: the queue's configured ones), and the
-/// flows its levels' rings name (type limits: claim.lua moves the tasks a type's limits hold back there), each
-/// level's members in ring order: the keys a snapshot reads beyond the queue's fixed ones.
-#[derive(PartialEq)]
+/// flows its levels' rings name (type limits: claim.lua moves the tasks a type's limits hold back there; groups:
+/// every grouped task waits in one), each level's first [`COUNTED_FLOWS`] members in ring order and how many it
+/// has: the keys a snapshot reads beyond the queue's fixed ones.
 struct Owners {
     ids: Vec<String>,
     levels: Vec<Option<String>>,
     rings: Vec<Vec<String>>,
+    ring_sizes: Vec<u64>,
 }
+
+/// A snapshot is taken again when the owners or their levels changed under it; flows come and go with a grouped
+/// queue's every claim, and one that came in meanwhile is counted at the next snapshot.
+impl PartialEq for Owners {
+    fn eq(&self, other: &Owners) -> bool {
+        self.ids == other.ids && self.levels == other.levels
+    }
+}
+
+/// The most flows of a level whose tasks a snapshot counts one by one: a grouped queue may have 100,000, and
+/// `stats` is polled every second by the dashboard and the metrics. Past it, the level's flows are counted as
+/// that many times their average (`QueueStats::ready_estimated`).
+pub const COUNTED_FLOWS: usize = 1000;
 
 impl Owners {
     fn read(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<Owners> {
         let mut pipe = redis::pipe();
         pipe.cmd("ZRANGE").arg(&keys.owners).arg(0).arg(-1);
         for ring in keys.rings() {
-            pipe.cmd("ZRANGE").arg(ring).arg(0).arg(-1);
+            pipe.cmd("ZRANGE").arg(&ring).arg(0).arg(COUNTED_FLOWS - 1);
+            pipe.cmd("ZCARD").arg(ring);
         }
         let mut replies = Replies(pipe.query::<Vec<Value>>(conn)?.into_iter());
         let ids: Vec<String> = replies.one()?;
-        let rings = replies.many(keys.levels())?;
+        let (mut rings, mut ring_sizes) = (Vec::new(), Vec::new());
+        for _ in 0..keys.levels() {
+            rings.push(replies.one()?);
+            ring_sizes.push(replies.one()?);
+        }
         let levels = if ids.is_empty() {
             Vec::new()
         } else {
@@ -203,7 +226,12 @@ impl Owners {
             }
             pipe.query(conn)?
         };
-        Ok(Owners { ids, levels, rings })
+        Ok(Owners {
+            ids,
+            levels,
+            rings,
+            ring_sizes,
+        })
     }
 }
 
@@ -344,7 +372,6 @@ fn snapshot(
                 .map(move |member| (level, keys.flow(level, member)))
         })
         .collect();
-    let rings = keys.rings();
     let keys = &keys.with_levels(&levels);
     let mut pipe = redis::pipe();
     // First a key of the queue's: in a cluster a pipeline goes to its first key's node (`broker::Conn`).
@@ -353,11 +380,12 @@ fn snapshot(
     for owner in &owners.ids {
         pipe.cmd("HGET").arg(keys.owner_info(owner)).arg("levels");
     }
-    for ring in &rings {
-        pipe.cmd("ZRANGE").arg(ring).arg(0).arg(-1);
-    }
     for (_, flow) in &flows {
         pipe.cmd("LLEN").arg(flow);
+    }
+    // The flows' heads count in the lag as the ready lists' do: a grouped queue's tasks all wait in flows.
+    for (_, flow) in &flows {
+        pipe.cmd("LINDEX").arg(flow).arg(0);
     }
     for key in keys.ready.iter().chain(&keys.quarantine) {
         pipe.cmd("LLEN").arg(key);
@@ -379,13 +407,26 @@ fn snapshot(
     let now = Owners {
         ids: replies.one()?,
         levels: replies.many(owners.ids.len())?,
-        rings: replies.many(rings.len())?,
+        rings: Vec::new(),
+        ring_sizes: Vec::new(),
     };
     let flow_counts: Vec<u64> = replies.many(flows.len())?;
+    let flow_heads: Vec<Option<Vec<u8>>> = replies.many(flows.len())?;
     let level_count = levels.len();
     let mut ready_counts: Vec<u64> = replies.many(level_count)?;
+    let mut in_flows = vec![0u64; owners.rings.len()];
     for ((level, _), count) in flows.iter().zip(flow_counts) {
-        ready_counts[*level] += count;
+        in_flows[*level] += count;
+    }
+    let mut ready_estimated = false;
+    for (level, counted) in in_flows.into_iter().enumerate() {
+        let (read, size) = (owners.rings[level].len() as u64, owners.ring_sizes[level]);
+        ready_counts[level] += if size > read && read > 0 {
+            ready_estimated = true;
+            counted * size / read
+        } else {
+            counted
+        };
     }
     // Stage-major: each stage's lists over the levels; summed per level.
     let quarantine_counts: Vec<u64> = replies.many(keys.quarantine.len())?;
@@ -414,6 +455,7 @@ fn snapshot(
     let now_ms = time_ms(time);
     let lag_ms = heads
         .into_iter()
+        .chain(flow_heads)
         .flatten()
         .filter_map(|head| {
             Envelope::decode(&String::from_utf8_lossy(&head))
@@ -452,6 +494,7 @@ fn snapshot(
         lag_ms,
         paused,
         throttle_ms: (throttle_ttl != -2).then_some(throttle_ttl.max(0)),
+        ready_estimated,
     };
     Ok((stats, now))
 }

@@ -411,3 +411,77 @@ fn a_settle_whose_reply_is_lost_frees_a_groups_slots_once() {
 fn a_claim_whose_reply_is_lost_is_adopted_with_its_groups_counted_once() {
     drains_with_a_reply_lost(sources::CLAIM, 1, AfterDrop::Close);
 }
+
+/// A daemon whose config has no `[queues.groups]` (a reload, a rolling change) drains the tasks waiting in the
+/// groups' flows, unlimited, and stops producers' routing to them.
+#[test]
+fn flows_left_by_a_config_without_groups_are_drained() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let grouped = dir.config(
+        &redis,
+        &safe_queue("workers = 2\nidle_poll = \"100ms\"\n[queues.groups]\n"),
+    );
+    let daemon = TestDaemon::start(&grouped);
+    eventually(Duration::from_secs(10), "the daemon routes groups", || {
+        let routes: Option<String> = redis.cmd(&["HGET", "kmq:{jobs}:routes", "groups"]);
+        (routes.as_deref() == Some("1"), routes)
+    });
+    kmqd_ok(&grouped, &["group", "pause", "jobs", "acme"]);
+    push_group(&grouped, "acme", "a", 5, "{}");
+    let flow: u64 = redis.cmd(&["LLEN", "kmq:{jobs}:flow:normal:acme:"]);
+    assert_eq!(flow, 5, "the tasks wait in their group's flow");
+    daemon.stop();
+    let plain = dir.config(&redis, &safe_queue("workers = 2\nidle_poll = \"100ms\"\n"));
+    let daemon = TestDaemon::start(&plain);
+    assert_drained(&plain, &redis, 5);
+    assert_ran_once(&dir, "a", 5);
+    let routes: Option<String> = redis.cmd(&["HGET", "kmq:{jobs}:routes", "groups"]);
+    assert_eq!(routes, None, "producers no longer route");
+    daemon.stop();
+}
+
+/// `kmqd stats` counts a grouped queue's waiting tasks in its groups' flows, reading at most `COUNTED_FLOWS` of a
+/// level's flows one by one and scaling the rest (marked as an estimate), so that a poll costs Redis the same
+/// with 100,000 groups as with 1,000.
+#[test]
+fn stats_count_the_groups_flows_and_estimate_past_a_thousand() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &safe_queue("[queues.groups]\n"));
+    let _: i64 = redis.cmd(&["HSET", "kmq:{jobs}:routes", "groups", "1"]);
+    let tasks: Vec<kmqd::NewTask> = (0..1200)
+        .map(|i| {
+            kmqd::NewTask::new("test", "1")
+                .unwrap()
+                .group(format!("g{i}"))
+        })
+        .collect();
+    client(&config).push_batch("jobs", tasks).unwrap();
+    let ring: u64 = redis.cmd(&["ZCARD", "kmq:{jobs}:ring:normal"]);
+    assert_eq!(ring, 1200, "each group's flow is in the ring");
+    let s = stats(&config, "jobs");
+    assert_eq!((s.ready, s.ready_estimated), (1200, true), "{s:?}");
+    assert!(
+        s.lag_ms.is_some(),
+        "the flows' heads count in the lag: {s:?}"
+    );
+    let few = dir.config_named(
+        "few.toml",
+        &format!("url = \"{}\"", redis.url()),
+        "",
+        &safe_queue("[queues.groups]\n").replace("jobs", "few"),
+        &dir.path("few.record"),
+    );
+    let _: i64 = redis.cmd(&["HSET", "kmq:{few}:routes", "groups", "1"]);
+    let tasks: Vec<kmqd::NewTask> = (0..30)
+        .map(|i| {
+            kmqd::NewTask::new("test", "1")
+                .unwrap()
+                .group(format!("g{}", i % 3))
+        })
+        .collect();
+    client(&few).push_batch("few", tasks).unwrap();
+    let s = stats(&few, "few");
+    assert_eq!((s.ready, s.ready_estimated), (30, false), "{s:?}");
+}
