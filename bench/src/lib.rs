@@ -769,13 +769,16 @@ fn drain_once(
     drain_filled(bench, target, config, daemons, (n, &fill), kill_every)
 }
 
+/// Pushes a drain's tasks into the bench's queue.
+type Fill<'a> = &'a dyn Fn(&Client) -> Result<(), String>;
+
 /// [`drain_once`] of the `n` tasks that `fill` pushes (after the flush, before the daemons start).
 fn drain_filled(
     bench: &Bench,
     target: &Target<'_>,
     config: &Path,
     daemons: usize,
-    (n, fill): (usize, &dyn Fn(&Client) -> Result<(), String>),
+    (n, fill): (usize, Fill<'_>),
     kill_every: Option<Duration>,
 ) -> Result<DrainRun, String> {
     let client = bench.client(config)?;
