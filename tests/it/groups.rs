@@ -485,3 +485,43 @@ fn stats_count_the_groups_flows_and_estimate_past_a_thousand() {
     let s = stats(&few, "few");
     assert_eq!((s.ready, s.ready_estimated), (30, false), "{s:?}");
 }
+
+/// Groups take turns within each level, and the levels keep their order: strict priorities serve a grouped high
+/// level first, and `priority_weights` split the starts between grouped levels by their weights.
+#[test]
+fn grouped_levels_keep_their_priorities_and_weights() {
+    for (weights, high_first) in [("", 40), ("priority_weights = [3, 1]\n", 30)] {
+        let redis = RedisServer::start();
+        let dir = TestDir::new();
+        let queue = safe_queue(&format!(
+            "workers = 1\nidle_poll = \"100ms\"\npriorities = [\"high\", \"low\"]\n{weights}[queues.groups]\n"
+        ));
+        let config = dir.config(&redis, &queue);
+        let _: i64 = redis.cmd(&["HSET", "kmq:{jobs}:routes", "groups", "1"]);
+        let tasks: Vec<kmqd::NewTask> = (0..40)
+            .flat_map(|i| {
+                [("low", "l"), ("high", "h")].map(|(level, prefix)| {
+                    kmqd::NewTask::new("test", "1")
+                        .unwrap()
+                        .id(format!("{prefix}{i}"))
+                        .priority(level)
+                        .group(format!("g{}", i % 4))
+                })
+            })
+            .collect();
+        client(&config).push_batch("jobs", tasks).unwrap();
+        let daemon = TestDaemon::start(&config);
+        assert_drained(&config, &redis, 80);
+        daemon.stop();
+        let order = start_order(&dir);
+        let high = order
+            .iter()
+            .take(40)
+            .filter(|id| id.starts_with('h'))
+            .count();
+        assert!(
+            high.abs_diff(high_first) <= 1,
+            "{weights:?}: {high} of the first 40 starts were high's: {order:?}"
+        );
+    }
+}
