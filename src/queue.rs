@@ -110,7 +110,7 @@ impl QueueContext {
     }
 
     /// Decides a held task's fate from `verdict` and builds the settlement that applies it
-    /// ([`settlement::decide`], with this queue's policy and the origin its records name).
+    /// ([`settlement::settle_verdict`], with this queue's policy and the origin its records name).
     #[inline]
     pub fn settle(
         &self,
@@ -124,6 +124,6 @@ impl QueueContext {
             levels: &self.keys.levels,
             type_limits: &self.config.type_limits,
         };
-        settlement::decide(&self.policy, &origin, verdict, ran, task)
+        settlement::settle_verdict(&self.policy, &origin, verdict, ran, task)
     }
 }

@@ -255,10 +255,10 @@ pub struct Ran {
     pub output: String,
 }
 
-/// Decides a task's fate from `verdict` ([`policy::decide`]), logs it, and builds the record that applies it:
+/// Decides what becomes of a task from `verdict` ([`policy::decide`]), logs it, and builds the record that applies it:
 /// the one place every outcome is decided, whether it comes from a worker, a plugin's completion, an execution
 /// timeout or a monitor. `ran`: what its handler's run left (how long, its output), when one ran, for the log.
-pub fn decide(
+pub fn settle_verdict(
     policy: &Policy,
     origin: &Origin<'_>,
     verdict: Verdict,
