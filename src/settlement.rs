@@ -115,7 +115,7 @@ impl TaskParts<'_> {
 }
 
 /// A reproducible jitter seed for a task's backoff.
-pub fn seed(envelope: &Envelope) -> u64 {
+pub fn seed(envelope: &Envelope<'_>) -> u64 {
     let mut hasher = DefaultHasher::new();
     envelope.id_str().hash(&mut hasher);
     envelope.attempt.hash(&mut hasher);
@@ -379,7 +379,7 @@ mod tests {
         token: Option<Token>,
         level: usize,
         payload: &[u8],
-        envelope: Option<&Envelope>,
+        envelope: Option<&Envelope<'_>>,
     ) -> (Settlement, Option<Box<DeadHook>>) {
         let task = TaskParts {
             token,

@@ -432,7 +432,7 @@ impl Lane {
         job: JobId,
         task: &HeldTask,
         token: Option<Token>,
-        envelope: Option<&Envelope>,
+        envelope: Option<&Envelope<'_>>,
         verdict: Verdict,
         ran: Option<Ran>,
     ) -> Option<Resolution> {
@@ -609,7 +609,7 @@ impl Lane {
         self.send(Resolution::forget(job));
     }
 
-    fn count(&self, envelope: Option<&Envelope>, outcome: TaskOutcome) {
+    fn count(&self, envelope: Option<&Envelope<'_>>, outcome: TaskOutcome) {
         observed::count_outcome(
             self.name(),
             envelope.map(|envelope| &*envelope.kind),

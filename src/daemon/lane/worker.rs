@@ -225,7 +225,7 @@ impl Worker {
     fn attempt(
         &self,
         job: &Job,
-        envelope: &Envelope,
+        envelope: &Envelope<'_>,
         now: (Instant, u64),
         message: &mut Vec<u8>,
         ran: &mut Option<Ran>,
