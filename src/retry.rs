@@ -260,8 +260,4 @@ impl Trouble {
         }
     }
 
-    /// Whether the last call failed.
-    pub fn failing(&self) -> bool {
-        self.since.is_some()
-    }
 }
