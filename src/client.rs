@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use serde_json::value::RawValue;
 
-use crate::broker::dead::{self, DeadRecord, Outcome, RequeueItem};
+use crate::broker::dead::{self, DeadRecord, Fate, RequeueItem};
 use crate::broker::{
     self, BrokerError, Due, Found, Pool, PushItem, QueueKeys, QueueStats, Scope, access, eviction,
     lookup,
@@ -534,12 +534,12 @@ impl Client {
             for (((record, ..), at), outcome) in items.iter().zip(&places).zip(outcomes) {
                 let id = record.id().to_string();
                 match outcome {
-                    Outcome::Done => report.requeued.push(id),
-                    Outcome::NotFound => report.not_found.push(id),
-                    Outcome::Held => report.held.push(id),
+                    Fate::Done => report.requeued.push(id),
+                    Fate::NotFound => report.not_found.push(id),
+                    Fate::Held => report.held.push(id),
                 }
                 // A record gone meanwhile no longer holds its place in the list either.
-                if outcome != Outcome::Held {
+                if outcome != Fate::Held {
                     gone.push(*at);
                 }
             }
@@ -569,7 +569,7 @@ impl Client {
             for ((_, record), outcome) in chosen.iter().zip(&outcomes) {
                 let id = record.id().to_string();
                 match outcome {
-                    Outcome::Done => report.purged.push(id),
+                    Fate::Done => report.purged.push(id),
                     _ => report.not_found.push(id),
                 }
             }

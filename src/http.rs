@@ -147,10 +147,6 @@ impl Response {
         self
     }
 
-    pub fn status(&self) -> u16 {
-        self.status
-    }
-
     /// The bytes on the wire; the head only, with the body's length, for an answer to HEAD.
     fn encode(&self, head_only: bool) -> Vec<u8> {
         let mut out = format!("HTTP/1.1 {} {}\r\n", self.status, reason(self.status));

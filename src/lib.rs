@@ -26,24 +26,28 @@
 //! Not in this crate, since a worker host runs none of it: the benchmark, `kmqd-bench` (bench/, a binary of its
 //! own that runs the `kmqd` binary as its daemons), and the private redis-servers it and the tests start
 //! (`kmqd-harness`, harness/).
+//!
+//! Visibility: a module is `pub` only when something outside the crate names it (the binary, tests/it, the bench,
+//! the fuzzers); the rest are `pub(crate)`, and so are the per-daemon threads and the lane inside [`daemon`] (issue
+//! 35, review P8), so that rustc's dead-code lint sees what nothing uses.
 #![deny(unsafe_code)]
 
 pub mod broker;
 pub mod cli;
 pub mod client;
 pub mod config;
-pub mod cron;
+pub(crate) mod cron;
 pub mod daemon;
-pub mod dashboard;
-pub mod http;
-pub mod observed;
-pub mod overview;
+pub(crate) mod dashboard;
+pub(crate) mod http;
+pub(crate) mod observed;
+pub(crate) mod overview;
 pub mod plugin;
-pub mod policy;
-pub mod pulse;
+pub(crate) mod policy;
+pub(crate) mod pulse;
 pub mod queue;
-pub mod retry;
-pub mod settlement;
+pub(crate) mod retry;
+pub(crate) mod settlement;
 pub mod settler;
 pub mod shutdown;
 pub mod task;

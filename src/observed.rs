@@ -101,7 +101,7 @@ impl TaskOutcome {
 }
 
 impl EncodeLabelValue for TaskOutcome {
-    fn encode(&self, encoder: &mut LabelValueEncoder) -> std::fmt::Result {
+    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> std::fmt::Result {
         encoder.write_str(self.as_str())
     }
 }
@@ -174,7 +174,7 @@ impl TypedMetric for Durations {
 }
 
 impl EncodeMetric for Durations {
-    fn encode(&self, mut encoder: MetricEncoder) -> std::fmt::Result {
+    fn encode(&self, mut encoder: MetricEncoder<'_>) -> std::fmt::Result {
         let inner = &self.0;
         let buckets: Vec<(f64, u64)> = DURATION_BUCKETS
             .iter()

@@ -114,7 +114,7 @@ impl QueueContext {
     }
 
     /// Decides a held task's fate from `verdict` and builds the settlement that applies it
-    /// ([`settlement::decide`], with this queue's policy and the origin its records name).
+    /// ([`settlement::settle_verdict`], with this queue's policy and the origin its records name).
     #[inline]
     pub fn settle(
         &self,
@@ -129,6 +129,6 @@ impl QueueContext {
             type_limits: &self.config.type_limits,
             grouped: self.config.groups.is_some(),
         };
-        settlement::decide(&self.policy, &origin, verdict, ran, task)
+        settlement::settle_verdict(&self.policy, &origin, verdict, ran, task)
     }
 }

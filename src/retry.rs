@@ -259,9 +259,4 @@ impl Trouble {
             self.failures = 0;
         }
     }
-
-    /// Whether the last call failed.
-    pub fn failing(&self) -> bool {
-        self.since.is_some()
-    }
 }

@@ -117,7 +117,7 @@ impl TaskParts<'_> {
 }
 
 /// A reproducible jitter seed for a task's backoff.
-pub fn seed(envelope: &Envelope) -> u64 {
+pub fn seed(envelope: &Envelope<'_>) -> u64 {
     let mut hasher = DefaultHasher::new();
     envelope.id_str().hash(&mut hasher);
     envelope.attempt.hash(&mut hasher);
@@ -261,10 +261,10 @@ pub struct Ran {
     pub output: String,
 }
 
-/// Decides a task's fate from `verdict` ([`policy::decide`]), logs it, and builds the record that applies it:
+/// Decides what becomes of a task from `verdict` ([`policy::decide`]), logs it, and builds the record that applies it:
 /// the one place every outcome is decided, whether it comes from a worker, a plugin's completion, an execution
 /// timeout or a monitor. `ran`: what its handler's run left (how long, its output), when one ran, for the log.
-pub fn decide(
+pub fn settle_verdict(
     policy: &Policy,
     origin: &Origin<'_>,
     verdict: Verdict,
@@ -385,7 +385,7 @@ mod tests {
         token: Option<Token>,
         level: usize,
         payload: &[u8],
-        envelope: Option<&Envelope>,
+        envelope: Option<&Envelope<'_>>,
     ) -> (Settlement, Option<Box<DeadHook>>) {
         let task = TaskParts {
             token,

@@ -5,7 +5,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use kmqd::Config;
-use kmqd::config::MAX_BATCH;
+use kmqd::config::MAX_TAKE;
 
 /// The file name every config error must start with.
 pub const FILE: &str = "fuzz.toml";
@@ -67,12 +67,12 @@ fn check_valid(config: &Config) {
             queue.workers
         );
         assert!(
-            (1..=MAX_BATCH).contains(&queue.batch),
+            (1..=MAX_TAKE).contains(&queue.batch),
             "{name}: batch {}",
             queue.batch
         );
         assert!(
-            (1..=MAX_BATCH).contains(&queue.delay_batch),
+            (1..=MAX_TAKE).contains(&queue.delay_batch),
             "{name}: delay_batch"
         );
         assert!(

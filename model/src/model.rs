@@ -92,7 +92,7 @@ pub struct Held {
     pub token: Option<u8>,
     /// Safe mode: the claim whose list holds it (the settle call names it); 0 in default mode.
     pub claim: u8,
-    /// Default mode under a running limit: the owner that popped it (`Taken::popped_by`), whose share of
+    /// Default mode under a running limit: the owner that popped it (`Fetched::popped_by`), whose share of
     /// `running` its settle gives back.
     pub popped_by: Option<OwnerId>,
     pub level: u8,

@@ -623,58 +623,56 @@ impl redis::cluster::Connect for NodeConnection {
     }
 }
 
-/// A pooled connection that can be marked broken, so that one which failed mid-reply (a timeout leaves the
+/// The connection the pool manages (r2d2's `ManageConnection::Connection`; a [`PooledConnection`] is one checked out
+/// of the pool), which can be marked broken, so that one which failed mid-reply (a timeout leaves the
 /// unread reply in the socket) is closed instead of going back to the pool.
-pub struct PoolConnection {
+pub struct ManagedConn {
     inner: Conn,
     broken: bool,
 }
 
-impl PoolConnection {
+impl ManagedConn {
     /// Closes the connection instead of returning it to the pool (it failed: it may hold a stale reply).
     pub fn mark_broken(&mut self) {
         self.broken = true;
     }
 }
 
-impl std::ops::Deref for PoolConnection {
+impl std::ops::Deref for ManagedConn {
     type Target = Conn;
     fn deref(&self) -> &Conn {
         &self.inner
     }
 }
 
-impl std::ops::DerefMut for PoolConnection {
+impl std::ops::DerefMut for ManagedConn {
     fn deref_mut(&mut self) -> &mut Conn {
         &mut self.inner
     }
 }
 
 impl r2d2::ManageConnection for Connector {
-    type Connection = PoolConnection;
+    type Connection = ManagedConn;
     type Error = redis::RedisError;
 
-    fn connect(&self) -> std::result::Result<PoolConnection, redis::RedisError> {
+    fn connect(&self) -> std::result::Result<ManagedConn, redis::RedisError> {
         let inner = Connector::connect(self).map_err(|error| match error {
             BrokerError::Redis(error) => error,
             other => redis::RedisError::from((redis::ErrorKind::Io, "connect", other.to_string())),
         })?;
-        Ok(PoolConnection {
+        Ok(ManagedConn {
             inner,
             broken: false,
         })
     }
 
-    fn is_valid(
-        &self,
-        connection: &mut PoolConnection,
-    ) -> std::result::Result<(), redis::RedisError> {
+    fn is_valid(&self, connection: &mut ManagedConn) -> std::result::Result<(), redis::RedisError> {
         redis::cmd("PING")
             .query::<String>(&mut connection.inner)
             .map(drop)
     }
 
-    fn has_broken(&self, connection: &mut PoolConnection) -> bool {
+    fn has_broken(&self, connection: &mut ManagedConn) -> bool {
         connection.broken || !connection.inner.is_open()
     }
 }

@@ -241,7 +241,7 @@ pub struct RequeueItem<'a> {
 
 /// What became of one record given to [`requeue`] or [`purge`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Outcome {
+pub enum Fate {
     /// Requeued or purged.
     Done,
     /// No longer in the dead list (requeued or purged meanwhile by someone else, or trimmed).
@@ -253,11 +253,7 @@ pub enum Outcome {
 /// Moves each record's task back to a ready list with dead_requeue.lua, all in one call (give at most [`PAGE`]):
 /// each record is removed and its task pushed in one step, or neither. Counts `requeued` and wakes an idle
 /// fetcher.
-pub fn requeue(
-    conn: &mut Conn,
-    keys: &QueueKeys,
-    items: &[RequeueItem<'_>],
-) -> Result<Vec<Outcome>> {
+pub fn requeue(conn: &mut Conn, keys: &QueueKeys, items: &[RequeueItem<'_>]) -> Result<Vec<Fate>> {
     if items.is_empty() {
         return Ok(Vec::new());
     }
@@ -280,7 +276,7 @@ pub fn requeue(
 }
 
 /// Removes the records with dead_purge.lua, in one call (give at most [`PAGE`]); counts `purged`.
-pub fn purge(conn: &mut Conn, keys: &QueueKeys, records: &[&[u8]]) -> Result<Vec<Outcome>> {
+pub fn purge(conn: &mut Conn, keys: &QueueKeys, records: &[&[u8]]) -> Result<Vec<Fate>> {
     if records.is_empty() {
         return Ok(Vec::new());
     }
@@ -293,7 +289,7 @@ pub fn purge(conn: &mut Conn, keys: &QueueKeys, records: &[&[u8]]) -> Result<Vec
     outcomes(reply, records.len(), "dead_purge")
 }
 
-fn outcomes(reply: Vec<i64>, wanted: usize, what: &'static str) -> Result<Vec<Outcome>> {
+fn outcomes(reply: Vec<i64>, wanted: usize, what: &'static str) -> Result<Vec<Fate>> {
     if reply.len() != wanted {
         return Err(reply_error(
             what,
@@ -303,9 +299,9 @@ fn outcomes(reply: Vec<i64>, wanted: usize, what: &'static str) -> Result<Vec<Ou
     reply
         .into_iter()
         .map(|n| match n {
-            1 => Ok(Outcome::Done),
-            0 => Ok(Outcome::NotFound),
-            2 => Ok(Outcome::Held),
+            1 => Ok(Fate::Done),
+            0 => Ok(Fate::NotFound),
+            2 => Ok(Fate::Held),
             other => Err(reply_error(what, format!("unknown result {other}"))),
         })
         .collect()

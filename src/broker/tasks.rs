@@ -83,7 +83,7 @@ pub fn push(
 
 /// A task taken from a ready list; its payload is the one of the same index in its batch's `payloads`.
 #[derive(Debug)]
-pub struct Taken {
+pub struct Fetched {
     /// Safe mode: the claim token that fences its settlement; `None` in default mode.
     pub token: Option<Token>,
     /// Default mode: the owner that popped it, when Redis keeps something of the task under that owner: its
@@ -104,7 +104,7 @@ pub struct Taken {
 pub struct Batch {
     /// Redis's clock when the tasks were taken, ms since the epoch.
     pub now_ms: i64,
-    pub tasks: Vec<Taken>,
+    pub tasks: Vec<Fetched>,
     /// The tasks' envelopes as stored (not yet decoded; not necessarily UTF-8), in the order of `tasks`.
     pub payloads: Payloads,
     /// Safe mode: the owner's journal after the claim (or, for an adoption, before it). A claim that stored tasks
@@ -439,7 +439,7 @@ fn claimed(
     lists: Vec<Value>,
     collected: Payloads,
     what: &'static str,
-) -> Result<(Vec<Taken>, Payloads)> {
+) -> Result<(Vec<Fetched>, Payloads)> {
     let mut tasks = Vec::new();
     let mut payloads = Gather::new(collected);
     for (level, list) in lists.into_iter().enumerate() {
@@ -452,7 +452,7 @@ fn claimed(
         tasks.reserve(envelopes.len());
         for (position, envelope) in envelopes.into_iter().enumerate() {
             payloads.take(envelope, what)?;
-            tasks.push(Taken {
+            tasks.push(Fetched {
                 token: Some(Token {
                     owner: Arc::clone(owner),
                     id: TokenId::Listed {
@@ -711,7 +711,7 @@ fn pop_plain(conn: &mut Conn, keys: &QueueKeys, max: usize) -> Result<Option<Bat
     let mut payloads = Gather::new(collected);
     for item in items {
         payloads.take(item, "pop")?;
-        tasks.push(Taken {
+        tasks.push(Fetched {
             token: None,
             popped_by: None,
             holds_unique: false,
@@ -798,7 +798,7 @@ fn pop_script(
         };
         payloads.take(item, "pop")?;
         let holds_unique = recorded.next_if_eq(&position).is_some();
-        tasks.push(Taken {
+        tasks.push(Fetched {
             token: None,
             popped_by: (holds_unique || limits.max_running.is_some()).then(|| Arc::clone(owner)),
             holds_unique,
@@ -1022,7 +1022,7 @@ pub struct Settlement {
     /// Safe mode: where the task is held; `None` in default mode.
     pub token: Option<Token>,
     /// Default mode: the owner that popped the task, when Redis keeps its running slot or its unique id under
-    /// that owner ([`Taken::popped_by`]).
+    /// that owner ([`Fetched::popped_by`]).
     pub popped_by: Option<Arc<str>>,
     /// Released on ack or dead-letter when the task is unique (in default mode, only while the owner that popped
     /// it still holds it: settle.lua, "Unique ids").

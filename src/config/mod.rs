@@ -558,7 +558,7 @@ pub mod defaults {
     pub const WORKERS: usize = 8;
     /// The most a claim takes when `batch` is not set: the largest claim (claims start at 16 tasks and double
     /// while the backlog lasts, and never take more than the free slots, so only a deep backlog sees it).
-    pub const BATCH: usize = super::MAX_BATCH;
+    pub const BATCH: usize = super::MAX_TAKE;
     /// How many tasks beyond one per worker a queue with neither `prefetch` nor `max_held` may hold: enough for
     /// no-op tasks to drain at full speed (docs/PERFORMANCE.md, "Defaults that find the speed").
     pub const HELD_BEYOND_WORKERS: usize = 4096;
@@ -574,8 +574,10 @@ pub mod defaults {
     pub const MAX_TASK_BYTES_LIMIT: usize = 512 << 20;
 }
 
-/// The largest claim batch: Lua's `unpack` fails past ~8,000 values and a claim passes two per task.
-pub const MAX_BATCH: usize = 1000;
+/// The most tasks one script call takes from a list or a set (a claim's or a pop's `batch`, a promotion's
+/// `delay_batch`, a move from source lists): Lua's `unpack` fails past ~8,000 values and a claim passes two per
+/// task. Not the acker's `MAX_SETTLE`, the most resolutions one settle call applies.
+pub const MAX_TAKE: usize = 1000;
 
 /// One `[[queues.limits]]` entry: the limits of the queue's tasks of one type.
 #[derive(Clone, Debug, PartialEq, Eq)]

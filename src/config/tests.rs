@@ -16,7 +16,7 @@ fn minimal_config_gets_documented_defaults() {
     assert_eq!(queue.workers, defaults::WORKERS);
     assert_eq!(queue.worker_nice, 0, "workers at the daemon's priority");
     assert_eq!(queue.prefetch, Prefetch::Auto);
-    assert_eq!(queue.batch, MAX_BATCH);
+    assert_eq!(queue.batch, MAX_TAKE);
     assert_eq!(
         queue.max_held,
         queue.workers + defaults::HELD_BEYOND_WORKERS

@@ -29,23 +29,23 @@
 //! on the new set. Every thread is known by a serial number and a [`Group`], so a queue's old and new lanes may
 //! run side by side under the same thread names, and the end of a group a reload stopped is expected.
 
-pub mod delay;
-pub mod heartbeat;
-pub mod lane;
-pub mod log_filter;
-pub mod metrics;
+pub(crate) mod delay;
+pub(crate) mod heartbeat;
+pub(crate) mod lane;
+pub(crate) mod log_filter;
+pub(crate) mod metrics;
 pub mod monitor;
-pub mod notify;
+pub(crate) mod notify;
 mod owners;
-pub mod reload;
-pub mod report;
-pub mod scheduler;
-pub mod signals;
-pub mod sources;
+pub(crate) mod reload;
+pub(crate) mod report;
+pub(crate) mod scheduler;
+pub(crate) mod signals;
+pub(crate) mod sources;
 mod startup;
 mod threads;
-pub mod timeouts;
-pub mod watchdog;
+pub(crate) mod timeouts;
+pub(crate) mod watchdog;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;

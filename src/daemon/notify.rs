@@ -35,7 +35,7 @@ pub fn enabled() -> bool {
     std::env::var_os("NOTIFY_SOCKET").is_some()
 }
 
-fn send(states: &[NotifyState]) {
+fn send(states: &[NotifyState<'_>]) {
     static WARNED: AtomicBool = AtomicBool::new(false);
     if let Err(error) = sd_notify::notify(states) {
         if !WARNED.swap(true, Ordering::Relaxed) {

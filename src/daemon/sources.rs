@@ -27,7 +27,7 @@ use crate::retry::{Backoff, Trouble};
 use crate::shutdown::Listener;
 
 /// The most tasks one call of move.lua moves: Lua's `unpack` takes them all at once.
-pub const BATCH: usize = crate::config::MAX_BATCH;
+pub const BATCH: usize = crate::config::MAX_TAKE;
 
 /// How long the mover of `queue` (one with `source_lists`) may go without a beat before the watchdog counts it as
 /// wedged: a move, then the wait on a source (`idle_poll` beyond its read timeout), each with a redirect, then the

@@ -158,7 +158,7 @@ impl<'a> Run<'a> {
     /// The run of the task `envelope` of `queue`: `deadline_ms` is Redis's time by which it must be done (0:
     /// none), `cancel` the flag raised to ask its handler to stop.
     pub fn of(
-        envelope: &'a Envelope,
+        envelope: &'a Envelope<'_>,
         queue: &'a str,
         deadline_ms: i64,
         cancel: &'a AtomicU32,
@@ -327,7 +327,7 @@ impl Registry {
 
     /// Calls the `on_dead` hook of the plugin that handles the task's type, if any: the task was dead-lettered
     /// for `reason` (the settle that did it is in Redis).
-    pub fn on_dead(&self, queue: &str, envelope: &Envelope, reason: &str) {
+    pub fn on_dead(&self, queue: &str, envelope: &Envelope<'_>, reason: &str) {
         let Some(plugin) = self.for_type(&envelope.kind) else {
             return;
         };

@@ -567,7 +567,7 @@ fn a_requeue_whose_reply_is_lost_is_finished_by_running_it_again_with_no_task_tw
 /// the same bytes at the head and at the tail, and another record between them: the copy at the tail goes.
 #[test]
 fn requeue_and_purge_remove_the_copy_of_a_record_nearest_the_tail_where_the_walk_reads() {
-    use kmqd::broker::dead::{self, Outcome, RequeueItem};
+    use kmqd::broker::dead::{self, Fate, RequeueItem};
 
     let redis = RedisServer::start();
     let keys = kmqd::broker::QueueKeys::new("kmq", "jobs", &["high".into(), "low".into()]);
@@ -576,7 +576,7 @@ fn requeue_and_purge_remove_the_copy_of_a_record_nearest_the_tail_where_the_walk
     let _: i64 = redis.cmd(&["RPUSH", DEAD, twice, between, twice]);
 
     let purged = dead::purge(&mut connection, &keys, &[twice.as_bytes()]).unwrap();
-    assert_eq!(purged, [Outcome::Done]);
+    assert_eq!(purged, [Fate::Done]);
     let left: Vec<String> = redis.cmd(&["LRANGE", DEAD, "0", "-1"]);
     assert_eq!(left, [twice, between], "purge took the copy at the tail");
 
@@ -588,7 +588,7 @@ fn requeue_and_purge_remove_the_copy_of_a_record_nearest_the_tail_where_the_walk
         envelope: br#"{"id":"twice","type":"test","data":null}"#,
     };
     let requeued = dead::requeue(&mut connection, &keys, &[item]).unwrap();
-    assert_eq!(requeued, [Outcome::Done]);
+    assert_eq!(requeued, [Fate::Done]);
     let left: Vec<String> = redis.cmd(&["LRANGE", DEAD, "0", "-1"]);
     assert_eq!(left, [twice, between], "requeue took the copy at the tail");
     assert_eq!(ready(&redis, "low").len(), 1);

@@ -169,8 +169,8 @@ impl RawQueue {
             other => other.map(Spanned::into_inner),
         };
         let delay_batch = match &delay_batch {
-            Some(b) => ranged(source, &key("delay_batch"), b, 1..MAX_BATCH as i64 + 1)? as usize,
-            None => MAX_BATCH,
+            Some(b) => ranged(source, &key("delay_batch"), b, 1..MAX_TAKE as i64 + 1)? as usize,
+            None => MAX_TAKE,
         };
         // Niceness is 0 to 19 on Linux; added to the daemon's, it is capped there.
         let worker_nice = match &worker_nice {
@@ -375,7 +375,7 @@ fn capacity(
         None => defaults::WORKERS,
     };
     let batch = match &batch {
-        Some(b) => ranged(source, &key("batch"), b, 1..MAX_BATCH as i64 + 1)? as usize,
+        Some(b) => ranged(source, &key("batch"), b, 1..MAX_TAKE as i64 + 1)? as usize,
         None => defaults::BATCH,
     };
     let max_running = match &max_running {

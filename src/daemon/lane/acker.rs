@@ -1,5 +1,5 @@
 //! The acker: one thread per queue that applies outcomes to Redis in batches (one settle script call for up to
-//! [`MAX_BATCH`] outcomes), then forgets the tasks, frees their capacity, and runs the final-failure hooks of
+//! [`MAX_SETTLE`] outcomes), then forgets the tasks, frees their capacity, and runs the final-failure hooks of
 //! what was dead-lettered.
 //!
 //! An outcome is kept until Redis has answered for it: on a Redis error the same batch is sent again, as the same
@@ -29,15 +29,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::Lane;
-use super::resolve::{Outcome, Resolution};
+use super::resolve::{Apply, Resolution};
 use crate::broker::{Fence, Holder, Session, Settlement};
 use crate::config::RedisConfig;
 use crate::plugin::Plugins;
 use crate::settler::Settler;
 use crate::shutdown::Listener;
 
-/// The most outcomes settled in one script call.
-pub const MAX_BATCH: usize = 1000;
+/// The most resolutions one settle.lua call applies. Not `config::MAX_TAKE`, the most tasks one call takes.
+pub const MAX_SETTLE: usize = 1000;
 
 /// How often an idle acker looks whether the lane is drained (and beats its pulse).
 pub const IDLE_CHECK: Duration = Duration::from_millis(50);
@@ -71,7 +71,7 @@ pub struct Acker {
     /// Fires when the daemon gives up waiting: the acker stops even if Redis keeps failing.
     pub background: Listener,
     /// Outcomes Redis refused, each alone in its call: held until it takes them.
-    refused: Vec<Outcome>,
+    refused: Vec<Resolution>,
     /// When they are tried again (`None`: not scheduled yet), and the wait after that.
     refused_due: Option<Instant>,
     refused_wait: Duration,
@@ -102,12 +102,12 @@ impl Acker {
         'lane: loop {
             self.lane.acker_pulse.beat();
             if self.lane.outcomes.take(&mut taken, IDLE_CHECK) {
-                // At most MAX_BATCH a settle, in the order they came. Each outcome is moved once: draining a
+                // At most MAX_SETTLE a settle, in the order they came. Each outcome is moved once: draining a
                 // prefix moved the whole tail each time (callgrind: a no-op drain's largest memcpy).
-                if taken.len() > MAX_BATCH {
+                if taken.len() > MAX_SETTLE {
                     let mut all = std::mem::take(&mut taken).into_iter();
                     loop {
-                        let mut batch: Vec<Outcome> = all.by_ref().take(MAX_BATCH).collect();
+                        let mut batch: Vec<Resolution> = all.by_ref().take(MAX_SETTLE).collect();
                         if all.len() == 0 {
                             // The last batch is settled below, and its allocation kept for the next take.
                             taken = batch;
@@ -184,7 +184,7 @@ impl Acker {
     fn worth_a_settle(&self) -> usize {
         LINGER_BELOW
             .max(self.lane.capacity.short_of_a_claim())
-            .min(MAX_BATCH)
+            .min(MAX_SETTLE)
     }
 
     /// At least how many claimed tasks wait for a worker: the lane holds each task from its claim to its settle,
@@ -196,11 +196,11 @@ impl Acker {
 
     /// Applies a batch and empties it; false when the daemon gave up on Redis before it was applied. An outcome
     /// Redis refuses (alone in its call: `settler.rs`) moves to [`Acker::refused`], still held.
-    fn settle(&mut self, batch: &mut Vec<Outcome>) -> bool {
+    fn settle(&mut self, batch: &mut Vec<Resolution>) -> bool {
         // One script call per owner (nearly always one: a daemon claims under a new owner only after losing its
         // lease); forgotten tasks need no call at all.
         let mut holders: Vec<Holder<'_>> = Vec::with_capacity(1);
-        for settlement in batch.iter().filter_map(Outcome::settlement) {
+        for settlement in batch.iter().filter_map(Resolution::settlement) {
             let holder = Holder::of(settlement);
             if !holders.contains(&holder) {
                 holders.push(holder);
@@ -208,7 +208,7 @@ impl Acker {
         }
         let mut refused = vec![false; batch.len()];
         for holder in holders {
-            let (at, group): (Vec<usize>, Vec<&Outcome>) = batch
+            let (at, group): (Vec<usize>, Vec<&Resolution>) = batch
                 .iter()
                 .enumerate()
                 .filter(|(_, o)| o.settlement().is_some_and(|s| Holder::of(s) == holder))
@@ -279,7 +279,7 @@ impl Acker {
 
     /// Settles `group` (of one holder); returns the positions in it of the outcomes Redis refused, or `None` when
     /// the daemon gave up on Redis first.
-    fn settle_owned(&mut self, holder: Holder<'_>, group: &[&Outcome]) -> Option<Vec<usize>> {
+    fn settle_owned(&mut self, holder: Holder<'_>, group: &[&Resolution]) -> Option<Vec<usize>> {
         let lane = &self.lane;
         let queue = &lane.queue;
         // Every outcome of the group has a settlement (the caller picked them by it).
@@ -322,12 +322,12 @@ impl Acker {
         }
         for (outcome, applied) in group.iter().zip(&report.applied) {
             if let (
-                Resolution::Settle {
+                Apply::Settle {
                     dead_hook: Some(hook),
                     ..
                 },
                 Some(true),
-            ) = (&outcome.resolution, applied)
+            ) = (&outcome.apply, applied)
             {
                 self.plugins
                     .current()

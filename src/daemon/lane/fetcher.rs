@@ -555,7 +555,7 @@ impl Fetcher {
             .into_iter()
             .map(|(id, state)| Job {
                 id,
-                state,
+                task: state,
                 claimed_at_ms: batch.now_ms,
                 claimed_ns,
             })
@@ -563,7 +563,7 @@ impl Fetcher {
         // Refused only when every worker is gone, which happens after the fetcher.
         if let Err(jobs) = self.jobs.send(jobs) {
             for job in jobs {
-                lane.hand_back_if_waiting(job.id, &job.state);
+                lane.hand_back_if_waiting(job.id, &job.task);
             }
         }
     }

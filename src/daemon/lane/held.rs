@@ -8,17 +8,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use rustc_hash::FxHashMap;
 
 use super::lock;
-use super::resolve::{JobId, JobState, Task};
+use super::resolve::{HeldTask, JobId, JobState};
 use crate::broker::payloads::Payloads;
 
 /// The tasks of one claim (or pop), each with its id in the lane's table of held tasks.
-pub type Tasks = Vec<(JobId, Task)>;
+pub type Tasks = Vec<(JobId, HeldTask)>;
 
 /// The table of the tasks a lane holds. The hot path takes its lock once per claimed batch (insert) and once per
 /// settled batch (remove); a task's phase is an atomic in its [`JobState`], shared with the worker.
 #[derive(Debug, Default)]
 pub struct Held {
-    entries: Mutex<FxHashMap<JobId, Task>>,
+    entries: Mutex<FxHashMap<JobId, HeldTask>>,
     next_id: AtomicU64,
 }
 
@@ -26,13 +26,13 @@ impl Held {
     /// The newly taken tasks of one claim (or pop), each with an id of its own; not held yet (see
     /// [`Held::insert`]).
     pub fn number(&self, claim: impl IntoIterator<Item = JobState>, payloads: Payloads) -> Tasks {
-        Task::claim(claim, payloads)
+        HeldTask::claim(claim, payloads)
             .map(|task| (self.next_id.fetch_add(1, Ordering::Relaxed), task))
             .collect()
     }
 
     /// Records the tasks of one claim (or pop) as held, under one lock.
-    pub fn insert(&self, tasks: &[(JobId, Task)]) {
+    pub fn insert(&self, tasks: &[(JobId, HeldTask)]) {
         let mut entries = lock(&self.entries);
         for (id, task) in tasks {
             entries.insert(*id, task.clone());
@@ -64,7 +64,7 @@ impl Held {
     }
 
     /// The held tasks `matches` selects, for a resolver to take.
-    pub fn select(&self, mut matches: impl FnMut(&JobState) -> bool) -> Vec<(JobId, Task)> {
+    pub fn select(&self, mut matches: impl FnMut(&JobState) -> bool) -> Vec<(JobId, HeldTask)> {
         lock(&self.entries)
             .iter()
             .filter(|(_, state)| matches(state))

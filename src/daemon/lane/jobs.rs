@@ -140,7 +140,7 @@ impl Drop for Sender {
 
 /// What [`Receiver::try_take`] found.
 #[derive(Debug)]
-pub enum Taken {
+pub enum Next {
     Job(Job),
     /// Nothing now; more may come.
     Empty,
@@ -179,15 +179,15 @@ impl Receiver {
     }
 
     /// The next job, without waiting.
-    pub fn try_take(&self) -> Taken {
+    pub fn try_take(&self) -> Next {
         if let Some(job) = self.own_next() {
-            return Taken::Job(job);
+            return Next::Job(job);
         }
         let mut queue = self.jobs.lock();
         match self.next(&mut queue) {
-            Some(job) => Taken::Job(job),
-            None if queue.closed => Taken::Closed,
-            None => Taken::Empty,
+            Some(job) => Next::Job(job),
+            None if queue.closed => Next::Closed,
+            None => Next::Empty,
         }
     }
 
@@ -278,13 +278,13 @@ impl Drop for Receiver {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::daemon::lane::resolve::{JobState, Task};
+    use crate::daemon::lane::resolve::{HeldTask, JobState};
     use std::time::Instant;
 
     fn job(id: u64) -> Job {
         Job {
             id,
-            state: Task::alone(JobState::new(None, 0, Instant::now()), b""),
+            task: HeldTask::alone(JobState::new(None, 0, Instant::now()), b""),
             claimed_at_ms: 0,
             claimed_ns: 0,
         }
@@ -294,14 +294,14 @@ mod tests {
     fn jobs_go_in_order_and_the_workers_end_once_the_fetcher_is_gone_and_nothing_is_left() {
         let (sender, mut receivers) = queue(2);
         let (a, b) = (receivers.remove(0), receivers.remove(0));
-        assert!(matches!(a.try_take(), Taken::Empty));
+        assert!(matches!(a.try_take(), Next::Empty));
         sender.send(vec![job(1), job(2), job(3)]).unwrap();
         assert_eq!(sender.len(), 3);
-        assert!(matches!(a.try_take(), Taken::Job(job) if job.id == 1));
+        assert!(matches!(a.try_take(), Next::Job(job) if job.id == 1));
         assert_eq!(b.take().map(|job| job.id), Some(2));
         drop(sender);
-        assert!(matches!(a.try_take(), Taken::Job(job) if job.id == 3));
-        assert!(matches!(a.try_take(), Taken::Closed));
+        assert!(matches!(a.try_take(), Next::Job(job) if job.id == 3));
+        assert!(matches!(a.try_take(), Next::Closed));
         assert!(b.take().is_none());
     }
 
@@ -334,7 +334,7 @@ mod tests {
     fn ids(receiver: &Receiver, n: usize) -> Vec<u64> {
         (0..n)
             .map(|_| match receiver.try_take() {
-                Taken::Job(job) => job.id,
+                Next::Job(job) => job.id,
                 other => panic!("expected a job, got {other:?}"),
             })
             .collect()
@@ -351,8 +351,8 @@ mod tests {
         assert_eq!(ids(&b, 1), [2]);
         assert_eq!(b.take().map(|job| job.id), Some(3));
         assert_eq!(ids(&a, 1), [4]);
-        assert!(matches!(a.try_take(), Taken::Empty));
-        assert!(matches!(b.try_take(), Taken::Empty));
+        assert!(matches!(a.try_take(), Next::Empty));
+        assert!(matches!(b.try_take(), Next::Empty));
         assert!(sender.is_empty());
     }
 

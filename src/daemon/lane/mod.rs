@@ -57,7 +57,7 @@ use capacity::Capacity;
 use depth::IdleTime;
 pub use held::{Held, Tasks};
 pub use ownership::{LeaseView, Ownership};
-use resolve::{JobState, Outcome, Task};
+use resolve::{HeldTask, JobState, Resolution};
 
 /// How long the lane's fetcher may go without a beat of its pulse before the watchdog counts it as wedged:
 /// everything one turn of its loop may wait, added up, so that a Redis that is down, slow or failing over never
@@ -86,7 +86,7 @@ pub struct Lane {
     pub ownership: Ownership,
     /// Tasks taken from their worker while it ran them, whose handler has not returned yet (the timeouts thread
     /// declares their workers stuck after a while, and forgets them when the handler returns).
-    orphans: Mutex<Vec<(Task, Instant)>>,
+    orphans: Mutex<Vec<(HeldTask, Instant)>>,
     /// Set by the fetcher when it stops: nothing will be claimed any more.
     fetcher_done: AtomicBool,
     /// Every resolution's outcome, for the acker: the workers', and those made outside them (timeouts,
@@ -145,17 +145,17 @@ impl Lane {
     }
 
     /// Sends a resolved task's outcome to the acker.
-    pub fn send(&self, outcome: Outcome) {
+    pub fn send(&self, outcome: Resolution) {
         self.outcomes.push(outcome);
     }
 
     /// Records a task taken from its worker while it ran.
-    pub fn orphaned(&self, state: Task) {
+    pub fn orphaned(&self, state: HeldTask) {
         lock(&self.orphans).push((state, Instant::now()));
     }
 
     /// The orphans whose handler has not returned, with when they were orphaned; forgets the others.
-    pub fn orphans(&self) -> Vec<(Task, Instant)> {
+    pub fn orphans(&self) -> Vec<(HeldTask, Instant)> {
         let mut orphans = lock(&self.orphans);
         orphans.retain(|(state, _)| state.is_orphaned());
         orphans.clone()

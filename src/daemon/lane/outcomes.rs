@@ -24,7 +24,7 @@ use std::time::Duration;
 use crossbeam_utils::CachePadded;
 
 use super::lock;
-use super::resolve::Outcome;
+use super::resolve::Resolution;
 
 #[derive(Debug)]
 pub struct Outcomes {
@@ -38,7 +38,7 @@ pub struct Outcomes {
 
 #[derive(Debug, Default)]
 struct Queued {
-    outcomes: Vec<Outcome>,
+    outcomes: Vec<Resolution>,
     /// The workers whose own lists hold outcomes (each listed once): the acker looks at these alone, so that a
     /// lane of 512 workers does not cost it 512 locks a take.
     listed: Vec<usize>,
@@ -48,7 +48,7 @@ struct Queued {
 
 #[derive(Debug, Default)]
 struct Own {
-    outcomes: Vec<Outcome>,
+    outcomes: Vec<Resolution>,
     /// In `Queued::listed`: set by the worker's first append after a take, cleared by the acker's take.
     listed: bool,
 }
@@ -64,7 +64,7 @@ impl Outcomes {
     }
 
     /// Queues a resolved task's outcome for the acker, from any thread.
-    pub fn push(&self, outcome: Outcome) {
+    pub fn push(&self, outcome: Resolution) {
         let mut queued = lock(&self.queued);
         queued.outcomes.push(outcome);
         self.wake(queued);
@@ -73,7 +73,7 @@ impl Outcomes {
     /// Queues an outcome that worker `worker` resolved, in its own list. Only the first append after the acker's
     /// take takes the shared lock (to list the worker, and wake the acker if it waits): while the list is listed,
     /// the acker's next take, which cannot be a wait, takes it.
-    pub fn push_own(&self, worker: usize, outcome: Outcome) {
+    pub fn push_own(&self, worker: usize, outcome: Resolution) {
         let Some(own) = self.workers.get(worker) else {
             return self.push(outcome);
         };
@@ -110,7 +110,7 @@ impl Outcomes {
 
     /// The acker's take: every queued outcome, moved into `batch` (which must be empty; its allocation is
     /// reused), waiting up to `timeout` for the first one. Returns whether it took any.
-    pub fn take(&self, batch: &mut Vec<Outcome>, timeout: Duration) -> bool {
+    pub fn take(&self, batch: &mut Vec<Resolution>, timeout: Duration) -> bool {
         debug_assert!(batch.is_empty());
         let mut queued = lock(&self.queued);
         if queued.outcomes.is_empty() && queued.listed.is_empty() {
@@ -143,7 +143,7 @@ mod tests {
     use std::sync::Arc;
     use std::time::Instant;
 
-    fn jobs(batch: &[Outcome]) -> Vec<u64> {
+    fn jobs(batch: &[Resolution]) -> Vec<u64> {
         batch.iter().map(|outcome| outcome.job).collect()
     }
 
@@ -162,7 +162,7 @@ mod tests {
         let mut batch = Vec::new();
         assert!(!outcomes.take(&mut batch, Duration::from_millis(1)));
         for job in 0..3 {
-            outcomes.push(Outcome::forget(job));
+            outcomes.push(Resolution::forget(job));
         }
         assert_eq!(outcomes.queued(), 3);
         assert!(outcomes.take(&mut batch, Duration::from_millis(1)));
@@ -175,7 +175,7 @@ mod tests {
             let outcomes = Arc::clone(&outcomes);
             std::thread::spawn(move || {
                 until_the_acker_waits(&outcomes);
-                outcomes.push(Outcome::forget(7));
+                outcomes.push(Resolution::forget(7));
             })
         };
         assert!(outcomes.take(&mut batch, Duration::from_secs(600)));
@@ -186,20 +186,20 @@ mod tests {
     #[test]
     fn the_acker_takes_the_workers_own_outcomes_each_in_its_order_after_the_shared_ones() {
         let outcomes = Outcomes::new(2);
-        outcomes.push_own(1, Outcome::forget(10));
-        outcomes.push_own(0, Outcome::forget(20));
-        outcomes.push(Outcome::forget(30));
-        outcomes.push_own(1, Outcome::forget(11));
-        outcomes.push_own(0, Outcome::forget(21));
+        outcomes.push_own(1, Resolution::forget(10));
+        outcomes.push_own(0, Resolution::forget(20));
+        outcomes.push(Resolution::forget(30));
+        outcomes.push_own(1, Resolution::forget(11));
+        outcomes.push_own(0, Resolution::forget(21));
         // A worker the lane does not have (none should) still reaches the acker.
-        outcomes.push_own(2, Outcome::forget(40));
+        outcomes.push_own(2, Resolution::forget(40));
         assert_eq!(outcomes.queued(), 6);
         let mut batch = Vec::new();
         assert!(outcomes.take(&mut batch, Duration::from_millis(1)));
         assert_eq!(jobs(&batch), [30, 40, 10, 11, 20, 21]);
         assert_eq!(outcomes.queued(), 0);
         // Taken, a worker's list is listed again by its next append.
-        outcomes.push_own(1, Outcome::forget(50));
+        outcomes.push_own(1, Resolution::forget(50));
         batch.clear();
         assert!(outcomes.take(&mut batch, Duration::from_millis(1)));
         assert_eq!(jobs(&batch), [50]);
@@ -212,7 +212,7 @@ mod tests {
             let outcomes = Arc::clone(&outcomes);
             std::thread::spawn(move || {
                 until_the_acker_waits(&outcomes);
-                outcomes.push_own(1, Outcome::forget(7));
+                outcomes.push_own(1, Resolution::forget(7));
             })
         };
         let mut batch = Vec::new();

@@ -16,9 +16,9 @@
 //!   ([`Lane::hold`], [`Lane::forget_unheld`]); and a worker that finds its task's owner lost forgets the task
 //!   rather than wait for a lease that will not come back ([`Lane::forget_if_waiting`]).
 //!
-//! Every resolution sends exactly one [`Outcome`] to the lane's acker, which is the only party that forgets a
+//! Every resolution sends exactly one [`Resolution`] to the lane's acker, which is the only party that forgets a
 //! held task and frees its capacity. What the outcome is comes from one place: a verdict (what the run came to)
-//! goes through [`crate::queue::QueueContext::settle`] to `settlement::decide`, which asks the policy for the
+//! goes through [`crate::queue::QueueContext::settle`] to `settlement::settle_verdict`, which asks the policy for the
 //! action and builds the record; a hand-back or a lost lease has no verdict. The phases, one atomic per task
 //! ([`JobState`]):
 //!
@@ -81,9 +81,9 @@ pub struct JobState {
     /// Safe mode: the claim that fences the task's settlement.
     pub token: Option<Token>,
     /// Default mode: the owner that popped it, when Redis keeps its running slot or unique id under that owner
-    /// (`broker::Taken::popped_by`).
+    /// (`broker::Fetched::popped_by`).
     pub popped_by: Option<Arc<str>>,
-    /// Default mode: its unique id is recorded as held by `popped_by` (`broker::Taken::holds_unique`), so it
+    /// Default mode: its unique id is recorded as held by `popped_by` (`broker::Fetched::holds_unique`), so it
     /// starts only while that owner's lease is surely live (the worker's lease check).
     pub holds_unique: bool,
     /// The priority level it came from.
@@ -99,7 +99,7 @@ pub struct JobState {
 
 /// What `take` found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Taken {
+pub enum TakenWhile {
     /// No worker had started it: nobody will.
     Waiting,
     /// A worker is running it; its cancel flag is now raised, and whatever the handler returns is dropped.
@@ -162,12 +162,12 @@ impl JobState {
 
     /// Someone other than the worker resolves the task; `None` when it was resolved already (by its worker or
     /// another taker). A running task gets its cancel flag raised.
-    pub fn take(&self) -> Option<Taken> {
+    pub fn take(&self) -> Option<TakenWhile> {
         let mut phase = self.phase.load(Ordering::Acquire);
         loop {
             let (next, taken) = match phase {
-                WAITING => (RESOLVED, Taken::Waiting),
-                RUNNING => (ORPHANED, Taken::Running),
+                WAITING => (RESOLVED, TakenWhile::Waiting),
+                RUNNING => (ORPHANED, TakenWhile::Running),
                 _ => return None,
             };
             match self
@@ -175,7 +175,7 @@ impl JobState {
                 .compare_exchange(phase, next, Ordering::AcqRel, Ordering::Acquire)
             {
                 Ok(_) => {
-                    if taken == Taken::Running {
+                    if taken == TakenWhile::Running {
                         self.cancel.store(1, Ordering::SeqCst);
                     }
                     return Some(taken);
@@ -219,7 +219,7 @@ impl JobState {
 /// their states and payloads in memory until it is settled, as it keeps their claim list in Redis: at most `batch`
 /// of them.
 #[derive(Clone, Debug)]
-pub struct Task {
+pub struct HeldTask {
     claim: Arc<Claim>,
     index: usize,
 }
@@ -230,12 +230,12 @@ struct Claim {
     payloads: Payloads,
 }
 
-impl Task {
+impl HeldTask {
     /// The tasks of one claim, in its order: `states[i]`'s payload is `payloads`' `i`th.
     pub fn claim(
         states: impl IntoIterator<Item = JobState>,
         payloads: Payloads,
-    ) -> impl Iterator<Item = Task> {
+    ) -> impl Iterator<Item = HeldTask> {
         let claim = Arc::new(Claim {
             states: states.into_iter().collect(),
             payloads,
@@ -245,7 +245,7 @@ impl Task {
             claim.payloads.len(),
             "a payload per task"
         );
-        (0..claim.states.len()).map(move |index| Task {
+        (0..claim.states.len()).map(move |index| HeldTask {
             claim: Arc::clone(&claim),
             index,
         })
@@ -274,14 +274,14 @@ impl Task {
 
     /// A task claimed alone.
     #[cfg(test)]
-    pub fn alone(state: JobState, payload: &[u8]) -> Task {
+    pub fn alone(state: JobState, payload: &[u8]) -> HeldTask {
         let mut payloads = Payloads::default();
         payloads.push(payload);
-        Task::claim([state], payloads).next().expect("one task")
+        HeldTask::claim([state], payloads).next().expect("one task")
     }
 }
 
-impl std::ops::Deref for Task {
+impl std::ops::Deref for HeldTask {
     type Target = JobState;
 
     fn deref(&self) -> &JobState {
@@ -294,7 +294,7 @@ impl std::ops::Deref for Task {
 pub struct Job {
     pub id: JobId,
     /// Shared with the table of held tasks.
-    pub state: Task,
+    pub task: HeldTask,
     /// Redis's clock when the task was taken, ms.
     pub claimed_at_ms: i64,
     /// The local clock at the same moment (ns since the lane's epoch), to advance `claimed_at_ms` without asking
@@ -302,18 +302,20 @@ pub struct Job {
     pub claimed_ns: u64,
 }
 
-/// A resolved task on its way to the acker.
+/// What the one party that resolved a held task sends the acker (through the lane's `outcomes` queue): what to apply
+/// in Redis, and which held task to forget once it is applied.
 #[derive(Debug)]
-pub struct Outcome {
+pub struct Resolution {
     /// The held task to forget once this is applied.
     pub job: JobId,
-    pub resolution: Resolution,
-    /// The worker's reference to the task, dropped by the acker with the table's (see [`Outcome::holding`]).
-    _task: Option<Task>,
+    pub apply: Apply,
+    /// The worker's reference to the task, dropped by the acker with the table's (see [`Resolution::holding`]).
+    _task: Option<HeldTask>,
 }
 
+/// What the acker does for a [`Resolution`].
 #[derive(Debug)]
-pub enum Resolution {
+pub enum Apply {
     /// Apply this to Redis; then, for a dead letter of a decodable task, call the plugin's `on_dead`.
     /// Boxed: an envelope is large, and outcomes travel through channels by value.
     Settle {
@@ -325,11 +327,15 @@ pub enum Resolution {
     Forget,
 }
 
-impl Outcome {
-    pub fn settle(job: JobId, settlement: Settlement, dead_hook: Option<Box<DeadHook>>) -> Outcome {
-        Outcome {
+impl Resolution {
+    pub fn settle(
+        job: JobId,
+        settlement: Settlement,
+        dead_hook: Option<Box<DeadHook>>,
+    ) -> Resolution {
+        Resolution {
             job,
-            resolution: Resolution::Settle {
+            apply: Apply::Settle {
                 settlement,
                 dead_hook,
             },
@@ -337,29 +343,29 @@ impl Outcome {
         }
     }
 
-    /// This outcome, carrying its worker's reference to the task to the acker: the acker drops it with the
+    /// This resolution, carrying its worker's reference to the task to the acker: the acker drops it with the
     /// table's, a batch at a time, where a worker dropping its own would write the count of the task's claim at
     /// every task, a line the lane's workers share (docs/PERFORMANCE.md, "Workers that share less").
-    pub fn holding(self, task: Task) -> Outcome {
-        Outcome {
+    pub fn holding(self, task: HeldTask) -> Resolution {
+        Resolution {
             _task: Some(task),
             ..self
         }
     }
 
-    pub fn forget(job: JobId) -> Outcome {
-        Outcome {
+    pub fn forget(job: JobId) -> Resolution {
+        Resolution {
             job,
-            resolution: Resolution::Forget,
+            apply: Apply::Forget,
             _task: None,
         }
     }
 
     /// The settlement, unless the task is only forgotten.
     pub fn settlement(&self) -> Option<&Settlement> {
-        match &self.resolution {
-            Resolution::Settle { settlement, .. } => Some(settlement),
-            Resolution::Forget => None,
+        match &self.apply {
+            Apply::Settle { settlement, .. } => Some(settlement),
+            Apply::Forget => None,
         }
     }
 }
@@ -417,24 +423,24 @@ fn non_empty(message: String, fallback: &str) -> String {
 impl Lane {
     /// The run of `task` is over with `verdict`: its outcome for the acker, unless someone took the task while it
     /// ran (`None`: the outcome is dropped, and a worker counted stuck is given back). `token`: the task's, as
-    /// the resolver names it (see [`Task::parts`]); `envelope`: its payload decoded, when it decodes; `ran`: what
+    /// the resolver names it (see [`HeldTask::parts`]); `envelope`: its payload decoded, when it decodes; `ran`: what
     /// the handler's run left, when one ran. Inlined into the worker's loop: a call of its own, with the task's
     /// parts passed on by value, cost about 40 instructions a task (scripts/drain-instructions).
     #[inline]
     pub fn finish(
         &self,
         job: JobId,
-        task: &Task,
+        task: &HeldTask,
         token: Option<Token>,
-        envelope: Option<&Envelope>,
+        envelope: Option<&Envelope<'_>>,
         verdict: Verdict,
         ran: Option<Ran>,
-    ) -> Option<Outcome> {
+    ) -> Option<Resolution> {
         match task.finish() {
             Finished::Resolved => {
                 let (settlement, dead_hook) =
                     self.queue.settle(verdict, ran, task.parts(token, envelope));
-                Some(Outcome::settle(job, settlement, dead_hook))
+                Some(Resolution::settle(job, settlement, dead_hook))
             }
             finished => {
                 let id = envelope.map_or("", Envelope::id_str);
@@ -468,7 +474,7 @@ impl Lane {
             .held
             .select(|state| state.running_for().is_some_and(|running| running > timeout));
         for (job, state) in overdue {
-            if state.take() != Some(Taken::Running) {
+            if state.take() != Some(TakenWhile::Running) {
                 continue;
             }
             self.orphaned(state.clone());
@@ -487,14 +493,14 @@ impl Lane {
             };
             let task = state.parts(state.token.clone(), envelope.as_ref());
             let (settlement, dead_hook) = self.queue.settle(verdict, Some(ran), task);
-            self.send(Outcome::settle(job, settlement, dead_hook));
+            self.send(Resolution::settle(job, settlement, dead_hook));
         }
     }
 
     /// Takes a task nobody started and hands it back (see [`Lane::hand_back`]); false when it was running or
     /// resolved already, and so is not this caller's.
-    pub fn hand_back_if_waiting(&self, job: JobId, task: &Task) -> bool {
-        let waiting = task.take() == Some(Taken::Waiting);
+    pub fn hand_back_if_waiting(&self, job: JobId, task: &HeldTask) -> bool {
+        let waiting = task.take() == Some(TakenWhile::Waiting);
         if waiting {
             self.send(self.hand_back(job, task));
         }
@@ -503,11 +509,11 @@ impl Lane {
 
     /// The outcome of a task taken back before it ran (or, in safe mode, while it ran): it goes to the front of
     /// its level unchanged.
-    fn hand_back(&self, job: JobId, task: &Task) -> Outcome {
+    fn hand_back(&self, job: JobId, task: &HeldTask) -> Resolution {
         let envelope = self.queue.decode(task.payload()).ok();
         self.count(envelope.as_ref(), TaskOutcome::HandedBack);
         let settlement = settlement::handback(task.parts(task.token.clone(), envelope.as_ref()));
-        Outcome::settle(job, settlement, None)
+        Resolution::settle(job, settlement, None)
     }
 
     /// Shutdown, once `shutdown_grace` is over: takes every task not resolved yet. Waiting ones are handed back;
@@ -517,8 +523,8 @@ impl Lane {
         for (job, state) in self.held.select(|_| true) {
             match state.take() {
                 None => {}
-                Some(Taken::Waiting) => self.send(self.hand_back(job, &state)),
-                Some(Taken::Running) => {
+                Some(TakenWhile::Waiting) => self.send(self.hand_back(job, &state)),
+                Some(TakenWhile::Running) => {
                     self.orphaned(state.clone());
                     if self.queue.config.mode == Mode::Safe {
                         self.send(self.hand_back(job, &state));
@@ -558,8 +564,8 @@ impl Lane {
         for (job, state) in owned {
             match state.take() {
                 None => continue,
-                Some(Taken::Waiting) => {}
-                Some(Taken::Running) => self.orphaned(state.clone()),
+                Some(TakenWhile::Waiting) => {}
+                Some(TakenWhile::Running) => self.orphaned(state.clone()),
             }
             self.forget(job, &state);
             forgotten += 1;
@@ -585,8 +591,8 @@ impl Lane {
 
     /// Takes a held task nobody started, whose owner was lost, and forgets it as [`Lane::forget_owner`] would; false
     /// when it was running or resolved already (by `forget_owner` itself, for one).
-    pub fn forget_if_waiting(&self, job: JobId, task: &Task) -> bool {
-        let waiting = task.take() == Some(Taken::Waiting);
+    pub fn forget_if_waiting(&self, job: JobId, task: &HeldTask) -> bool {
+        let waiting = task.take() == Some(TakenWhile::Waiting);
         if waiting {
             self.forget(job, task);
         }
@@ -598,12 +604,12 @@ impl Lane {
 impl Lane {
     /// A task this daemon no longer answers for (its lease was lost, or a default-mode task outlived the
     /// shutdown): counted lost, and only forgotten at the acker, which frees its capacity.
-    fn forget(&self, job: JobId, task: &Task) {
+    fn forget(&self, job: JobId, task: &HeldTask) {
         self.count_payload(task.payload(), TaskOutcome::Lost);
-        self.send(Outcome::forget(job));
+        self.send(Resolution::forget(job));
     }
 
-    fn count(&self, envelope: Option<&Envelope>, outcome: TaskOutcome) {
+    fn count(&self, envelope: Option<&Envelope<'_>>, outcome: TaskOutcome) {
         observed::count_outcome(
             self.name(),
             envelope.map(|envelope| &*envelope.kind),
@@ -636,7 +642,7 @@ mod tests {
     #[test]
     fn a_waiting_task_taken_is_never_started() {
         let state = job();
-        assert_eq!(state.take(), Some(Taken::Waiting));
+        assert_eq!(state.take(), Some(TakenWhile::Waiting));
         assert!(!state.start(0), "the worker skips it");
         assert_eq!(state.take(), None, "and nobody takes it twice");
         assert_eq!(state.cancel.load(Ordering::SeqCst), 0);
@@ -647,7 +653,7 @@ mod tests {
         let state = job();
         assert!(state.start(0));
         assert!(state.running_for().is_some());
-        assert_eq!(state.take(), Some(Taken::Running));
+        assert_eq!(state.take(), Some(TakenWhile::Running));
         assert_eq!(state.cancel.load(Ordering::SeqCst), 1);
         assert!(state.is_orphaned());
         assert_eq!(state.finish(), Finished::Orphaned);
@@ -658,7 +664,7 @@ mod tests {
     fn a_stuck_worker_is_counted_once_and_given_back_when_it_returns() {
         let state = job();
         assert!(state.start(0));
-        assert_eq!(state.take(), Some(Taken::Running));
+        assert_eq!(state.take(), Some(TakenWhile::Running));
         assert!(state.mark_stuck());
         assert!(!state.mark_stuck(), "counted once");
         assert_eq!(state.take(), None);
@@ -699,7 +705,7 @@ mod loom_tests {
     #[test]
     fn exactly_one_of_worker_timeout_and_shutdown_resolves() {
         loom::model(|| {
-            let state = Task::alone(JobState::new(None, 0, Instant::now()), b"");
+            let state = HeldTask::alone(JobState::new(None, 0, Instant::now()), b"");
             let resolved = Arc::new(AtomicUsize::new(0));
             let stuck = Arc::new(AtomicUsize::new(0));
             let given_back = Arc::new(AtomicUsize::new(0));
@@ -744,7 +750,7 @@ mod loom_tests {
             let taken_waiting = match state.take() {
                 Some(taken) => {
                     resolved.fetch_add(1, Ordering::SeqCst);
-                    taken == Taken::Waiting
+                    taken == TakenWhile::Waiting
                 }
                 None => false,
             };
@@ -769,7 +775,7 @@ mod loom_tests {
     #[test]
     fn two_takers_never_both_win() {
         loom::model(|| {
-            let state = Task::alone(JobState::new(None, 0, Instant::now()), b"");
+            let state = HeldTask::alone(JobState::new(None, 0, Instant::now()), b"");
             let other = {
                 let state = state.clone();
                 thread::spawn(move || state.take().is_some())

@@ -151,6 +151,7 @@ impl Slots {
     }
 
     /// Started tasks not completed yet.
+    #[cfg(test)]
     pub fn started(&self) -> usize {
         self.started.load(Ordering::SeqCst)
     }

@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use super::Lane;
 use super::lock;
-use super::resolve::{JobId, Task, verdict_of};
+use super::resolve::{HeldTask, JobId, verdict_of};
 use crate::observed::{TaskOutcome, TypeCache};
 use crate::plugin::{LoadedPlugin, Status};
 use crate::task::Envelope;
@@ -64,7 +64,7 @@ impl StartedTasks {
 pub struct Started {
     pub lane: Arc<Lane>,
     pub job: JobId,
-    pub state: Task,
+    pub state: HeldTask,
     /// When the worker started it (the run's duration is counted from here).
     pub at: Instant,
     pub plugin: Arc<LoadedPlugin>,

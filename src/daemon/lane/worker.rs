@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::jobs;
-use super::resolve::{Job, Outcome, verdict_of};
+use super::resolve::{Job, Resolution, verdict_of};
 use super::started::Started;
 use super::{Lane, LeaseView};
 use crate::observed::{TaskOutcome, TypeCache};
@@ -64,8 +64,8 @@ impl Worker {
                 holding = true;
             }
             let job = match self.jobs.try_take() {
-                jobs::Taken::Job(job) => job,
-                jobs::Taken::Empty => {
+                jobs::Next::Job(job) => job,
+                jobs::Next::Empty => {
                     // Nothing waiting: let the fetcher claim now rather than wait for a full batch. Idle, the
                     // worker keeps no plugin alive that a reload replaced.
                     self.lane.capacity.nudge();
@@ -82,7 +82,7 @@ impl Worker {
                         None => break,
                     }
                 }
-                jobs::Taken::Closed => break,
+                jobs::Next::Closed => break,
             };
             // One clock read per task: the lease check, the start time, the task's age and the end of the last
             // task's run (for its duration histogram) all use it.
@@ -94,7 +94,7 @@ impl Worker {
                     .take_ahead(now_ns.saturating_sub(last) < SHORT_TASK_NS);
             }
             if !self.lease_allows(&mut lease, &job, now) || self.claiming.is_triggered() {
-                self.lane.hand_back_if_waiting(job.id, &job.state);
+                self.lane.hand_back_if_waiting(job.id, &job.task);
             } else {
                 holding = self.run_job(job, &lease, (now, now_ns), &mut message, &mut types);
             }
@@ -119,7 +119,7 @@ impl Worker {
     /// waited for: it is forgotten here, unless its lease's resolver took it first, for no lease will ever cover it
     /// again.
     fn lease_allows(&self, lease: &mut LeaseView, job: &Job, now: Instant) -> bool {
-        let state = &job.state;
+        let state = &job.task;
         let owner = match (&state.token, &state.popped_by) {
             (Some(token), _) => &token.owner,
             (None, Some(popper)) if state.holds_unique => popper,
@@ -173,7 +173,7 @@ impl Worker {
         types: &mut TypeCache,
     ) -> bool {
         let queue = &self.lane.queue;
-        let state = &job.state;
+        let state = &job.task;
         if !state.start(now.1) {
             return true;
         }
@@ -195,7 +195,7 @@ impl Worker {
         let outcome = self
             .lane
             .finish(job.id, state, token, envelope, verdict, ran);
-        if let Some(settlement) = outcome.as_ref().and_then(Outcome::settlement) {
+        if let Some(settlement) = outcome.as_ref().and_then(Resolution::settlement) {
             let kind = envelope.map(|envelope| &*envelope.kind);
             let is_handled = |kind: &str| self.plugins.current().for_type(kind).is_some();
             types
@@ -207,7 +207,7 @@ impl Worker {
         if let Some(outcome) = outcome {
             // The worker's reference to the task's claim goes with its outcome, for the acker to drop with the
             // table's: dropped here, it would write the claim's count, a line every worker shares, at every task.
-            let outcome = outcome.holding(job.state);
+            let outcome = outcome.holding(job.task);
             // A worker of short tasks appends their outcomes to a list of its own (`outcomes`), for the reason it
             // takes jobs ahead; one of long tasks to the shared list, which the acker looks at without a lock per
             // worker.
@@ -225,7 +225,7 @@ impl Worker {
     fn attempt(
         &self,
         job: &Job,
-        envelope: &Envelope,
+        envelope: &Envelope<'_>,
         now: (Instant, u64),
         message: &mut Vec<u8>,
         ran: &mut Option<Ran>,
@@ -256,7 +256,7 @@ impl Worker {
         let deadline_ms = queue.config.execution_timeout.map_or(0, |timeout| {
             now_ms.saturating_add(i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX))
         });
-        let run = Run::of(envelope, &queue.config.name, deadline_ms, &job.state.cancel);
+        let run = Run::of(envelope, &queue.config.name, deadline_ms, &job.task.cancel);
         tracing::debug!(
             queue = %queue.config.name,
             id = %capped(run.id, LOGGED_PAYLOAD_BYTES),
@@ -269,7 +269,7 @@ impl Worker {
                 lane: Arc::clone(&self.lane),
                 job: job.id,
                 // The cancel flag the plugin watches lives here, as long as the completion.
-                state: job.state.clone(),
+                state: job.task.clone(),
                 at: now,
                 plugin: Arc::clone(plugin),
                 envelope: envelope.clone().into_owned(),

@@ -255,7 +255,7 @@ impl World<'_> {
 /// `running_underflow`, each sample checked against the bound; what the typed queue's limits hold back
 /// ([`World::sample_types`]); and every 25th time an atomic snapshot of each such queue, its count checked against
 /// its claim lists (a failed read, Redis being down or stalled, is read again).
-pub(super) fn sample(world: &World, url: &str) {
+pub(super) fn sample(world: &World<'_>, url: &str) {
     let mut connection: Option<redis::Connection> = None;
     let mut last: Option<u64> = None;
     let mut turn: u64 = 0;

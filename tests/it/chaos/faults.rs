@@ -175,7 +175,7 @@ pub(super) fn candidates(daemons: &mut Daemons) -> Vec<usize> {
         .collect()
 }
 
-pub(super) fn kill9(world: &World, rng: &mut Rng) -> String {
+pub(super) fn kill9(world: &World<'_>, rng: &mut Rng) -> String {
     let mut daemons = lock(&world.daemons);
     let running = candidates(&mut daemons);
     if running.is_empty() {
@@ -208,7 +208,7 @@ pub(super) fn kill9(world: &World, rng: &mut Rng) -> String {
     )
 }
 
-pub(super) fn zombie(world: &World, rng: &mut Rng) -> String {
+pub(super) fn zombie(world: &World<'_>, rng: &mut Rng) -> String {
     let (slot, instance, pid) = {
         let mut daemons = lock(&world.daemons);
         let running = candidates(&mut daemons);
@@ -239,7 +239,7 @@ pub(super) fn zombie(world: &World, rng: &mut Rng) -> String {
 }
 
 /// Stops the slot's daemon gracefully (SIGTERM) and starts it on `shape`. Returns what happened.
-pub(super) fn change_config(world: &World, slot: usize, shape: Shape, what: What) -> String {
+pub(super) fn change_config(world: &World<'_>, slot: usize, shape: Shape, what: What) -> String {
     let (process, instance, old) = {
         let mut daemons = lock(&world.daemons);
         let s = &mut daemons.slots[slot];

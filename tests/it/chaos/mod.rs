@@ -296,7 +296,7 @@ fn new_world(dir: &TestDir, redis_section: String) -> World<'_> {
 
 /// Injects a fault at each turn of `schedule` for `seconds`, with a conservation snapshot of each queue before
 /// each one.
-fn inject_faults(injector: &mut Injector, mut schedule: Schedule, seconds: u64) {
+fn inject_faults(injector: &mut Injector<'_, '_>, mut schedule: Schedule, seconds: u64) {
     let world = injector.world;
     let chaos_started = Instant::now();
     let mut number = 0;
@@ -323,7 +323,7 @@ fn inject_faults(injector: &mut Injector, mut schedule: Schedule, seconds: u64) 
 /// Waits until every queue is drained under a live owner (nothing ready, processing or delayed while a daemon
 /// serves it) and every task has its final state (in default mode, or was lost: see below), checking conservation
 /// on the way; a drain that takes longer than its bound is a violation.
-fn drain(world: &World, harness: &Client, redis: &RedisServer) {
+fn drain(world: &World<'_>, harness: &Client, redis: &RedisServer) {
     let drain_started = Instant::now();
     let backlog: u64 = Queue::ALL
         .iter()
@@ -393,7 +393,7 @@ fn drain(world: &World, harness: &Client, redis: &RedisServer) {
 /// Checks that every queue is drained under a live owner (harness item 5 of the fault review: nothing stranded in
 /// a claim list under a lease that is still renewed), then SIGTERMs every daemon (each must exit 0) and checks that
 /// nothing changed after the drain. Returns the queues' stats before the stop.
-fn stop_daemons(world: &World, harness: &Client) -> Vec<QueueStats> {
+fn stop_daemons(world: &World<'_>, harness: &Client) -> Vec<QueueStats> {
     for queue in Queue::ALL {
         let (drained, stats) = drained_under_a_live_owner(harness, queue.name());
         if !drained {
@@ -447,7 +447,7 @@ fn stop_daemons(world: &World, harness: &Client) -> Vec<QueueStats> {
 
 /// At rest: the limited queue's count is gone (a field at 0 is deleted) and never went below 0; the typed queue's
 /// as well, its flows empty and its rings too.
-fn check_at_rest(world: &World, redis: &RedisServer) {
+fn check_at_rest(world: &World<'_>, redis: &RedisServer) {
     let at_rest = Queue::Limited.base();
     let running: Option<i64> = redis.cmd(&["HGET", &format!("{at_rest}:running"), "q"]);
     let underflow: Option<i64> =

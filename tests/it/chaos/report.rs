@@ -30,7 +30,7 @@ pub(super) struct Run {
 }
 
 /// Runs the end checks (recording violations) and returns the summary.
-pub(super) fn report(world: &World, all_stats: &[QueueStats], run: &Run) -> String {
+pub(super) fn report(world: &World<'_>, all_stats: &[QueueStats], run: &Run) -> String {
     let logs = read_logs(world);
     let losses = explain_lease_losses(world);
     for text in &losses.unforced {
@@ -101,7 +101,7 @@ struct Logs {
 
 /// Reads every daemon process's log: its lease losses become events (they explain runs again), its panics and its
 /// errors are counted.
-fn read_logs(world: &World) -> Logs {
+fn read_logs(world: &World<'_>) -> Logs {
     let instances: Vec<(usize, PathBuf)> = lock(&world.daemons)
         .instances
         .iter()
@@ -189,7 +189,7 @@ struct LeaseLosses {
 /// A lease loss that no fault explains (no zombie of that daemon, no Redis-wide fault shortly before: a restart, a
 /// stall, a loss or rewind of its data, a forward step of its clock): a daemon that could not renew within its
 /// lease (CPU starvation on a loaded machine, or a weakness of kmqd).
-fn explain_lease_losses(world: &World) -> LeaseLosses {
+fn explain_lease_losses(world: &World<'_>) -> LeaseLosses {
     let mut unforced = Vec::new();
     let mut at_shutdown = 0;
     let events = lock(&world.events);
@@ -260,7 +260,7 @@ struct Finals {
 
 /// The final state of every task: none of a safe-mode queue lost or never run, no pill done, nothing dead-lettered
 /// but pills and deaf tasks.
-fn final_states(world: &World, facts: &Facts, ledger: &Ledger) -> Finals {
+fn final_states(world: &World<'_>, facts: &Facts, ledger: &Ledger) -> Finals {
     let mut finals = Finals {
         by_work: HashMap::new(),
         done: 0,
@@ -340,7 +340,7 @@ fn final_states(world: &World, facts: &Facts, ledger: &Ledger) -> Finals {
 }
 
 /// The life of every pill and deaf task, for the timeline file.
-fn note_pills_and_deaf(world: &World, facts: &Facts, ledger: &Ledger) {
+fn note_pills_and_deaf(world: &World<'_>, facts: &Facts, ledger: &Ledger) {
     for id in &ledger.order {
         let work = ledger.tasks[id].work;
         if !matches!(work, Work::Pill | Work::Deaf) {
@@ -370,7 +370,7 @@ fn note_pills_and_deaf(world: &World, facts: &Facts, ledger: &Ledger) {
 
 /// Conservation in Redis, for the last epoch (what Redis holds since it last came back empty or rewound), per
 /// queue; and the pushes Redis counted against those the producer had acknowledged.
-fn check_conservation_at_end(world: &World, all_stats: &[QueueStats], ledger: &Ledger) {
+fn check_conservation_at_end(world: &World<'_>, all_stats: &[QueueStats], ledger: &Ledger) {
     let epoch = world.epoch.load(Ordering::SeqCst) as usize;
     for (queue, stats) in Queue::ALL.iter().zip(all_stats) {
         let accounted = stats.done
@@ -422,7 +422,7 @@ fn check_conservation_at_end(world: &World, all_stats: &[QueueStats], ledger: &L
 /// The limited queue: never more of its handlers at once than the largest limit of the configs in use, from the
 /// run records. Returns that limit and what the check saw.
 fn check_limit_from_runs(
-    world: &World,
+    world: &World<'_>,
     facts: &Facts,
     ledger: &Ledger,
     events: &[Event],
@@ -451,7 +451,7 @@ fn check_limit_from_runs(
 }
 
 /// The summary's first lines: the seed, the durations, the tasks and how they ended, the faults injected.
-fn write_run(out: &mut String, world: &World, run: &Run, ledger: &Ledger, finals: &Finals) {
+fn write_run(out: &mut String, world: &World<'_>, run: &Run, ledger: &Ledger, finals: &Finals) {
     let Run {
         seed,
         seconds,
@@ -530,7 +530,7 @@ fn write_run(out: &mut String, world: &World, run: &Run, ledger: &Ledger, finals
 
 /// What the faults of issue 34 did: which calls the proxy held, what the rewinds lost, where Redis's clock went,
 /// what the slow HTTP clients met.
-fn write_new_faults(out: &mut String, world: &World, ledger: &Ledger) {
+fn write_new_faults(out: &mut String, world: &World<'_>, ledger: &Ledger) {
     let c = |name: &str| world.counter(name);
     let calls = |prefix: &str| {
         let counters = lock(&world.counters);
@@ -587,7 +587,7 @@ fn write_new_faults(out: &mut String, world: &World, ledger: &Ledger) {
 }
 
 /// The daemon processes, their restarts and their lease losses.
-fn write_daemons(out: &mut String, world: &World, logs: &Logs, losses: &LeaseLosses) {
+fn write_daemons(out: &mut String, world: &World<'_>, logs: &Logs, losses: &LeaseLosses) {
     let _ = writeln!(
         out,
         "  daemons       {} processes; {} supervisor restarts ({} crashes by pills), {} lease losses logged ({} \
@@ -650,7 +650,7 @@ fn write_runs(out: &mut String, facts: &Facts, check: &RunCheck, finals: &Finals
 /// The queues' final states, and what the limited queue's count and runs were.
 fn write_limit(
     out: &mut String,
-    world: &World,
+    world: &World<'_>,
     all_stats: &[QueueStats],
     finals: &Finals,
     bound: u64,
@@ -762,14 +762,14 @@ fn longest_gap(completions: &[u64], chaos_end_us: u64) -> Option<(u64, u64)> {
         .max()
 }
 
-fn gap_text(world: &World, gap: Option<(u64, u64)>) -> String {
+fn gap_text(world: &World<'_>, gap: Option<(u64, u64)>) -> String {
     gap.map_or("none".to_string(), |(gap, from)| {
         format!("{:.2} s (from {})", gap as f64 / 1e6, world.rel(from))
     })
 }
 
 /// The conservation snapshots, and jobs' counters at the end.
-fn write_conservation(out: &mut String, world: &World, all_stats: &[QueueStats]) {
+fn write_conservation(out: &mut String, world: &World<'_>, all_stats: &[QueueStats]) {
     let epoch = world.epoch.load(Ordering::SeqCst) as usize;
     let stats = &all_stats[Queue::Jobs.index()];
     let _ = writeln!(
@@ -794,7 +794,7 @@ fn write_conservation(out: &mut String, world: &World, all_stats: &[QueueStats])
 }
 
 /// Recovery: from the end of each fault to the next task completion; and the longest time without one.
-fn write_recovery(out: &mut String, world: &World, events: &[Event], chaos_end_us: u64) {
+fn write_recovery(out: &mut String, world: &World<'_>, events: &[Event], chaos_end_us: u64) {
     let completions = lock(&world.completions).clone();
     let mut recoveries: Vec<(u64, String)> = events
         .iter()

@@ -149,7 +149,7 @@ impl Injector<'_, '_> {
 }
 
 /// Runs started between `from` and `to` (µs): by process `instance`, and by the others.
-fn starts_between(world: &World, instance: usize, from: u64, to: u64) -> (u64, u64) {
+fn starts_between(world: &World<'_>, instance: usize, from: u64, to: u64) -> (u64, u64) {
     let guard = world.facts();
     let (mut mine, mut others) = (0, 0);
     for run in guard.1.runs.values().flatten() {

@@ -443,7 +443,7 @@ pub(super) struct TypeChecks {
 /// The typed queue's checks on the run records: `slow`'s runs at once, `api`'s starts per window, `other`'s
 /// waits (each over its bound a violation).
 pub(super) fn check_types(
-    world: &World,
+    world: &World<'_>,
     facts: &Facts,
     ledger: &Ledger,
     events: &[Event],
@@ -559,7 +559,12 @@ pub(super) fn check_types(
 }
 
 /// The summary's lines of the typed queue.
-pub(super) fn write_types(out: &mut String, world: &World, ledger: &Ledger, checks: &TypeChecks) {
+pub(super) fn write_types(
+    out: &mut String,
+    world: &World<'_>,
+    ledger: &Ledger,
+    checks: &TypeChecks,
+) {
     let typed = lock(&world.typed);
     let pushed = |kind: &str| {
         ledger

@@ -392,7 +392,7 @@ impl World<'_> {
 /// 2 s or so a burst of 10 to 30 tasks of [`SLOW`] or of [`API`]: each type's limit is reached after every burst,
 /// its tasks wait in its flow meanwhile, and about 24 tasks a second of both (against 17 a second that two slots
 /// of 50 to 150 ms runs allow, and 20 starts a second) leave the limits room to drain what the faults hold back.
-pub(super) fn produce(world: &World, client: &Client, queue: Queue, mut rng: Rng) {
+pub(super) fn produce(world: &World<'_>, client: &Client, queue: Queue, mut rng: Rng) {
     let (most, every) = match queue {
         Queue::Jobs => (4, Duration::from_millis(15)),
         Queue::Limited => (1, Duration::from_millis(50)),

@@ -305,7 +305,7 @@ impl Drop for StopOnDrop<'_, '_> {
 }
 
 /// Starts again every daemon process that exited, as systemd would (`Restart=always`), and logs it.
-pub(super) fn supervise(world: &World) {
+pub(super) fn supervise(world: &World<'_>) {
     while world.running.load(Ordering::SeqCst) {
         {
             let mut daemons = lock(&world.daemons);
