@@ -619,6 +619,14 @@ impl Client {
         )?)
     }
 
+    /// How many groups of `queue` have tasks waiting: a count per level, whatever the number of groups
+    /// ([`broker::groups::waiting`]).
+    pub fn groups_waiting(&self, queue: &str) -> Result<u64, ClientError> {
+        let info = self.queue(queue)?;
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        Ok(broker::groups::waiting(&mut **connection, &info.keys)?)
+    }
+
     /// Pauses group `group` of `queue` on every daemon: no claim takes its tasks until [`Client::resume_group`].
     /// Returns false when it was paused already.
     pub fn pause_group(&self, queue: &str, group: &str) -> Result<bool, ClientError> {

@@ -176,7 +176,7 @@ pub fn poll_forever(
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Limits {
     /// The line `kmqd stats` prints: `running 20/20, held back · rate 200/200 per 1s, held back · type "report":
-    /// running 2/2, held back, 14 waiting · throttled 1.2s more`.
+    /// running 2/2, held back, 14 waiting · groups waiting 12 · throttled 1.2s more`.
     pub line: String,
     /// What holds tasks back now, one entry per scope that does, in the line's words (`running 20/20`, `rate
     /// 200/200 per 1s`, `type "report": running 2/2`, `throttled 1.2s more`); empty when nothing does. A type's
@@ -184,16 +184,18 @@ pub struct Limits {
     pub held_back: Vec<String>,
     /// The same as JSON, `kmqd stats --json`'s `limits`: `max_running` (`limit`, `running`, `held_back`),
     /// `rate_limit` (per window: `window_ms`, `limit`, `used`, `held_back`), `types` (per `[[queues.limits]]`
-    /// entry: `type`, its `max_running` and `rate_limit` alike, `waiting`, `throttle_ms`) and `throttle_ms`,
-    /// each present only when configured (or, for a throttle, in force).
+    /// entry: `type`, its `max_running` and `rate_limit` alike, `waiting`, `throttle_ms`), `groups` (a grouped
+    /// queue's: `waiting`, how many of its groups have tasks waiting) and
+    /// `throttle_ms`, each present only when configured (or, for a throttle, in force).
     #[serde(flatten)]
     pub detail: serde_json::Map<String, serde_json::Value>,
 }
 
-/// Reads what `queue`'s limits count now (its rate windows' starts, and its types' running counts, windows,
-/// waiting tasks and throttles) and puts them beside `stats` ([`limits`]); `None` for a queue with no limit and
-/// no throttle. Two reads, each bounded by the queue's config (its windows, its `[[queues.limits]]` entries and
-/// levels), never by its tasks or flows: cheap enough for a poll every second.
+/// Reads what `queue`'s limits count now (its rate windows' starts, its types' running counts, windows, waiting
+/// tasks and throttles, and a grouped queue's groups waiting) and puts them beside `stats` ([`limits`]); `None`
+/// for a queue with no limit, no groups and no throttle. Three reads at most, each bounded by the queue's config
+/// (its windows, its `[[queues.limits]]` entries and levels), never by its tasks, flows or groups: cheap enough
+/// for a poll every second.
 pub fn read_limits(
     client: &Client,
     queue: &QueueConfig,
@@ -210,17 +212,23 @@ pub fn read_limits(
     } else {
         client.type_usage(&queue.name, &queue.type_limits)?
     };
-    Ok(limits(queue, stats, &used, &types))
+    let groups_waiting = match queue.groups {
+        Some(_) => Some(client.groups_waiting(&queue.name)?),
+        None => None,
+    };
+    Ok(limits(queue, stats, &used, &types, groups_waiting))
 }
 
 /// The queue's limits against its counts: `used`, the starts each of its rate windows holds now
-/// ([`Client::rate_used`]); `types`, what each of its `[[queues.limits]]` counts ([`Client::type_usage`]).
-/// `None` for a queue with neither a limit nor a throttle.
+/// ([`Client::rate_used`]); `types`, what each of its `[[queues.limits]]` counts ([`Client::type_usage`]);
+/// `groups_waiting`, how many of a grouped queue's groups have tasks waiting ([`Client::groups_waiting`]). `None` for a queue with neither a
+/// limit, nor groups, nor a throttle.
 pub fn limits(
     queue: &QueueConfig,
     stats: &QueueStats,
     used: &[u64],
     types: &[TypeUsage],
+    groups_waiting: Option<u64>,
 ) -> Option<Limits> {
     let mut parts = Vec::new();
     let mut held_back = Vec::new();
@@ -257,6 +265,12 @@ pub fn limits(
     }
     if !per_type.is_empty() {
         detail.insert("types".into(), serde_json::Value::Array(per_type));
+    }
+    // Said, never held back: a group's limits and pause hold back its own tasks only (the other groups take their
+    // turns), and a group at its max_running is how a fair queue runs; `kmqd groups` and the dashboard name them.
+    if let Some(waiting) = groups_waiting {
+        parts.push(format!("groups waiting {waiting}"));
+        detail.insert("groups".into(), serde_json::json!({ "waiting": waiting }));
     }
     if let Some(ms) = stats.throttle_ms {
         parts.push(throttled(ms));
@@ -376,7 +390,10 @@ mod tests {
 
     #[test]
     fn a_queue_without_limits_or_throttle_has_none() {
-        assert_eq!(limits(&queue(""), &QueueStats::default(), &[], &[]), None);
+        assert_eq!(
+            limits(&queue(""), &QueueStats::default(), &[], &[], None),
+            None
+        );
     }
 
     /// What holds back is listed by scope in `kmqd stats`'s words, and only what is full (or throttled).
@@ -393,7 +410,7 @@ mod tests {
             ..QueueStats::default()
         };
         let types = [usage(2, &[], 14, None), usage(0, &[1], 0, None)];
-        let read = limits(&limited, &stats, &[200, 310], &types).unwrap();
+        let read = limits(&limited, &stats, &[200, 310], &types, None).unwrap();
         assert_eq!(
             read.line,
             "running 20/20, held back · rate 200/200 per 1s, held back · rate 310/1000 per 1h · \
@@ -424,7 +441,24 @@ mod tests {
             ..QueueStats::default()
         };
         let types = [usage(1, &[], 0, Some(500)), usage(0, &[0], 0, None)];
-        let read = limits(&limited, &stats, &[0, 0], &types).unwrap();
+        let read = limits(&limited, &stats, &[0, 0], &types, None).unwrap();
         assert_eq!(read.held_back, ["type \"report\": throttled 500ms more"]);
+    }
+
+    /// A grouped queue says how many groups wait, in the line and under `groups` in the JSON, but its groups never
+    /// hold the queue back: a group's limits and pause hold back only its own tasks.
+    #[test]
+    fn a_grouped_queue_says_its_groups_waiting_and_is_not_held_back_by_them() {
+        let grouped = queue("[queues.groups]\nmax_running = 1\n");
+        let stats = QueueStats::default();
+        let read = limits(&grouped, &stats, &[], &[], Some(12)).unwrap();
+        assert_eq!(read.line, "groups waiting 12");
+        assert!(read.held_back.is_empty(), "{:?}", read.held_back);
+        assert_eq!(
+            serde_json::to_value(&read).unwrap()["groups"],
+            serde_json::json!({"waiting": 12})
+        );
+        let idle = limits(&grouped, &stats, &[], &[], Some(0)).unwrap();
+        assert_eq!(idle.line, "groups waiting 0");
     }
 }

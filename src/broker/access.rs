@@ -425,7 +425,7 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "zcard",
         roles: &[D, R, O],
-        why: "stats count delayed and retrying tasks",
+        why: "stats count delayed and retrying tasks, and a grouped queue's groups waiting",
     },
     Command {
         name: "scan",
@@ -637,6 +637,7 @@ const DAEMON: &[(&str, On)] = &[
     ("lindex", key(K::Ready)),
     ("zcard", key(K::Delayed)),
     ("zcard", key(K::Retry)),
+    ("zcard", key(K::Ring)),
     ("type", key(K::Processing)),
     ("hlen", key(K::Processing)),
     ("zrange", key(K::Processing)),
@@ -893,6 +894,7 @@ const STATS: &[(&str, On)] = &[
     ("llen", key(K::Flow)),
     ("hscan", key(K::Running)),
     ("exists", key(K::Hold)),
+    ("zcard", key(K::Ring)),
 ];
 
 /// `kmqd workers`: the owners, their registrations and what they hold.

@@ -130,6 +130,22 @@ pub fn groups(conn: &mut dyn ConnectionLike, keys: &QueueKeys, limit: usize) -> 
     Ok(out)
 }
 
+/// How many groups have tasks waiting, summed over the levels: each level's ring names the flows that hold tasks
+/// (an emptied flow leaves it, groups.lua), so one ZCARD a level, in one round trip, whatever the number of groups:
+/// cheap enough for `kmqd stats`, the dashboard's poll and every metrics scrape. A group with tasks at two levels
+/// counts at each; tasks a push left in the ready lists (routes not yet set, claims move them) are in no group yet.
+pub fn waiting(conn: &mut dyn ConnectionLike, keys: &QueueKeys) -> Result<u64> {
+    let mut pipe = redis::pipe();
+    for ring in keys.rings() {
+        pipe.cmd("ZCARD").arg(ring);
+    }
+    let counts: Vec<u64> = pipe.query(conn)?;
+    if counts.len() != keys.levels() {
+        return Err(reply_error("groups waiting", "a ring's count is missing"));
+    }
+    Ok(counts.iter().sum())
+}
+
 /// Pauses group `group` of the queue of `keys` on every daemon: the claims take none of its tasks (its running
 /// tasks finish) until [`resume`]. Returns false when it was paused already. `now_ms` is the key's value, for
 /// people looking at it.

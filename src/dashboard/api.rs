@@ -2,12 +2,13 @@
 //! [`Client`](crate::client::Client) and the overview's last poll; actions call the same `Client` methods as
 //! the CLI's commands, so a requeue from a button is a `kmqd dead requeue`.
 
-use std::time::UNIX_EPOCH;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{Value as Json, json};
 
 use super::server::State;
 use crate::broker::dead::DeadRecord;
+use crate::broker::groups::Group;
 use crate::broker::history::Sample;
 use crate::broker::peek::DueTask;
 use crate::client::{ClientError, DeadSelection};
@@ -30,6 +31,22 @@ pub const LOOKUP_BUDGET: crate::broker::lookup::Budget = crate::broker::lookup::
     tasks: 10_000,
     bytes: 64 << 20,
 };
+
+/// How old a grouped queue's read of its busiest groups may be before its page reads them again, and how many it
+/// reads: [`crate::broker::groups::groups`] scans every group of the queue in pages (each level's ring, its flows'
+/// lengths, the running counts: round trips that grow with the groups, a few hundred for 100,000 of them), so a
+/// page asking every second reads them at most once per [`GROUPS_EVERY`] and queue, however many pages are open,
+/// one queue's read at a time; `kmqd groups QUEUE --limit N` lists more than [`GROUPS_LIMIT`].
+pub const GROUPS_EVERY: Duration = Duration::from_secs(5);
+pub const GROUPS_LIMIT: usize = 20;
+
+/// A grouped queue's busiest groups, as read at `at` ([`State::groups`](super::server::State::groups)).
+pub struct GroupsRead {
+    at: Instant,
+    /// The same moment by the wall clock, which the page shows.
+    read_at: SystemTime,
+    groups: Vec<Group>,
+}
 
 /// An answer other than 200: its status and what to tell the user.
 #[derive(Debug)]
@@ -146,8 +163,9 @@ pub fn daemons(state: &State) -> Result<Json, ApiError> {
 }
 
 /// `GET /api/queues/Q?limit=N`: the queue's stats, its limits against what Redis counts (as `kmqd stats`
-/// shows them; null for a queue with none), its daemons, the heads of its ready lists, the delayed tasks
-/// and retries due soonest, and its newest dead-letter records.
+/// shows them; null for a queue with none), a grouped queue's busiest groups (null for a queue without
+/// `[queues.groups]`), its daemons, the heads of its ready lists, the delayed tasks and retries due soonest, and its
+/// newest dead-letter records.
 pub fn queue(state: &State, queue: &str, limit: usize) -> Result<Json, ApiError> {
     let mode = state
         .queues
@@ -155,11 +173,15 @@ pub fn queue(state: &State, queue: &str, limit: usize) -> Result<Json, ApiError>
         .find(|(name, _)| name == queue)
         .map(|(_, mode)| *mode);
     let stats = state.client.stats(queue)?;
+    let config = state.configs.iter().find(|config| config.name == queue);
     // Read beside the stats, as `kmqd stats` reads them: bounded by the queue's config, not by its tasks.
-    // (Issue 33's busiest groups, with their pause and resume, will go beside them: under `limits`, and
-    // drawn below the types' table on the page.)
-    let limits = match state.configs.iter().find(|config| config.name == queue) {
+    let limits = match config {
         Some(config) => crate::overview::read_limits(&state.client, config, &stats)?,
+        None => None,
+    };
+    // Bounded by GROUPS_EVERY and GROUPS_LIMIT instead: their read grows with the groups.
+    let groups = match config {
+        Some(config) => busiest_groups(state, config)?,
         None => None,
     };
     let daemons = state.client.workers(queue)?;
@@ -180,6 +202,7 @@ pub fn queue(state: &State, queue: &str, limit: usize) -> Result<Json, ApiError>
         "now_ms": now_ms,
         "stats": stats,
         "limits": limits,
+        "groups": groups,
         "daemons": daemons,
         "ready": waiting.ready.iter().map(|head| json!({
             "level": head.level,
@@ -189,6 +212,42 @@ pub fn queue(state: &State, queue: &str, limit: usize) -> Result<Json, ApiError>
         "retrying": waiting.retrying.iter().map(due).collect::<Vec<_>>(),
         "dead": dead.iter().map(dead_view).collect::<Vec<_>>(),
     }))
+}
+
+/// A grouped queue's busiest groups as `kmqd groups` lists them, at most [`GROUPS_LIMIT`], from a read at most
+/// [`GROUPS_EVERY`] old (`age_ms` says how old), with the group's `max_running` (null without one); `None` for a
+/// queue without `[queues.groups]`.
+fn busiest_groups(
+    state: &State,
+    config: &crate::config::QueueConfig,
+) -> Result<Option<Json>, ApiError> {
+    let Some(groups) = &config.groups else {
+        return Ok(None);
+    };
+    // Held through the read: pages asking meanwhile wait for it rather than read again.
+    let mut reads = state.groups.lock().unwrap_or_else(|e| e.into_inner());
+    let stale = reads
+        .get(&config.name)
+        .is_none_or(|read| read.at.elapsed() >= GROUPS_EVERY);
+    if stale {
+        let list = state.client.groups(&config.name, GROUPS_LIMIT)?;
+        let read = GroupsRead {
+            at: Instant::now(),
+            read_at: SystemTime::now(),
+            groups: list,
+        };
+        reads.insert(config.name.clone(), read);
+    }
+    // Cannot be missing: found or inserted above, under the lock.
+    let read = &reads[&config.name];
+    Ok(Some(json!({
+        "max_running": groups.max_running,
+        "limit": GROUPS_LIMIT,
+        "every_ms": GROUPS_EVERY.as_millis() as u64,
+        "read_at_ms": read.read_at.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
+        "age_ms": read.at.elapsed().as_millis() as u64,
+        "list": read.groups,
+    })))
 }
 
 /// `GET /api/queues/Q/tasks/ID`: every place the task is in, as `kmqd task show` finds them, within
@@ -281,6 +340,9 @@ pub enum Action {
     Purge,
     /// A waiting (delayed, retrying or ready) task, by id.
     Cancel(String),
+    /// A group of a grouped queue, by name ("" for the tasks without one), as `kmqd group pause|resume` does.
+    PauseGroup(String),
+    ResumeGroup(String),
 }
 
 impl Action {
@@ -291,13 +353,15 @@ impl Action {
             Action::Requeue => "dead requeue",
             Action::Purge => "dead purge",
             Action::Cancel(_) => "task cancel",
+            Action::PauseGroup(_) => "group pause",
+            Action::ResumeGroup(_) => "group resume",
         }
     }
 
-    /// The task id it names, for the log.
+    /// The task id or group it names, for the log.
     pub fn target(&self) -> Option<&str> {
         match self {
-            Action::Cancel(id) => Some(id),
+            Action::Cancel(id) | Action::PauseGroup(id) | Action::ResumeGroup(id) => Some(id),
             _ => None,
         }
     }
@@ -342,6 +406,25 @@ pub fn act(state: &State, queue: &str, action: &Action, body: &Json) -> Result<J
             }
             other => other.map(|removed| json!({ "cancelled": removed })),
         },
+        Action::PauseGroup(group) | Action::ResumeGroup(group) => {
+            grouped(state, queue, group)?;
+            let done = if matches!(action, Action::PauseGroup(_)) {
+                client
+                    .pause_group(queue, group)
+                    .map(|paused| json!({ "group": group, "paused": paused }))
+            } else {
+                client
+                    .resume_group(queue, group)
+                    .map(|resumed| json!({ "group": group, "resumed": resumed }))
+            };
+            // Whatever came of it, the page's next answer reads the groups again and shows what Redis holds.
+            state
+                .groups
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(queue);
+            done
+        }
     };
     done.map_err(|error| match error {
         // As the CLI says it (cli::change_failed): a lost reply leaves it unknown whether the change was made.
@@ -351,6 +434,29 @@ pub fn act(state: &State, queue: &str, action: &Action, body: &Json) -> Result<J
         ),
         other => other.into(),
     })
+}
+
+/// Refuses a group's action on a queue without `[queues.groups]` (its tasks take no turns by group: a pause would
+/// hold back nothing) and a name no task can have (longer than [`crate::config::MAX_GROUP_BYTES`]), in the words of
+/// `kmqd group`; an unknown queue is the client's 404.
+fn grouped(state: &State, queue: &str, group: &str) -> Result<(), ApiError> {
+    let config = state.configs.iter().find(|config| config.name == queue);
+    if config.is_some_and(|config| config.groups.is_none()) {
+        return Err(ApiError::new(
+            400,
+            format!("queue {queue:?} has no [queues.groups]: its tasks do not take turns by group"),
+        ));
+    }
+    if group.len() > crate::config::MAX_GROUP_BYTES {
+        return Err(ApiError::new(
+            400,
+            format!(
+                "{group:?} is not a group name: group names are 1 to {} bytes",
+                crate::config::MAX_GROUP_BYTES
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// `{"ids": [...]}` gives `Some(ids)`, `{"all": true}` gives `None`; anything else is refused, so that a

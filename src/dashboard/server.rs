@@ -45,6 +45,10 @@ pub(super) struct State {
     pub configs: Vec<crate::config::QueueConfig>,
     /// Held by a task page's lookup while it scans its queue's lists: one at a time (`api::task`).
     pub lookups: std::sync::Mutex<()>,
+    /// Each grouped queue's busiest groups as last read, by queue name: a queue's page reads them again only once
+    /// the read is [`api::GROUPS_EVERY`] old, and the lock is held while it does (one read of groups at a time,
+    /// whichever pages ask); a group's pause or resume forgets its queue's read, so the page shows the change.
+    pub groups: std::sync::Mutex<std::collections::HashMap<String, api::GroupsRead>>,
 }
 
 impl State {
@@ -78,6 +82,7 @@ impl State {
                 .collect(),
             configs: config.queues.clone(),
             lookups: std::sync::Mutex::new(()),
+            groups: std::sync::Mutex::new(std::collections::HashMap::new()),
         }
     }
 
@@ -153,6 +158,8 @@ fn route(state: &State, request: &Request) -> Result<Reply, ApiError> {
                 ["dead", "requeue"] => Action::Requeue,
                 ["dead", "purge"] => Action::Purge,
                 ["tasks", id, "cancel"] => Action::Cancel(id.to_string()),
+                ["groups", group, "pause"] => Action::PauseGroup(group.to_string()),
+                ["groups", group, "resume"] => Action::ResumeGroup(group.to_string()),
                 _ => return Err(ApiError::new(404, format!("no action at {path}"))),
             };
             let queue = queue.to_string();

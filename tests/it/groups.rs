@@ -262,6 +262,65 @@ fn a_paused_group_waits_while_the_others_run_and_resumes() {
     daemon.stop();
 }
 
+/// `kmqd stats` (its line and its JSON) and the metrics say how many groups have tasks waiting, from a count per
+/// level (each level's ring): two paused groups with tasks are 2, and once they are resumed and drained, 0; a
+/// group's pause holds back its own tasks, never the queue.
+#[test]
+fn stats_and_metrics_say_how_many_groups_wait() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let queue =
+        safe_queue("workers = 2\nidle_poll = \"100ms\"\n[queues.groups]\nmax_running = 1\n");
+    let config = dir.config_with(
+        &redis,
+        "shutdown_grace = \"5s\"\nmetrics_addr = \"127.0.0.1:0\"",
+        &queue,
+    );
+    let daemon = Process::start(&config, dir.path("kmqd.log"));
+    let addr = daemon.metrics_addr();
+    for group in ["acme", "globex"] {
+        kmqd_ok(&config, &["group", "pause", "jobs", group]);
+    }
+    push_group(&config, "acme", "a", 3, "{}");
+    push_group(&config, "globex", "g", 2, "{}");
+    push_group(&config, "free", "f", 2, "{}");
+    // The free group runs; the paused ones' tasks wait in their flows, one ring entry each.
+    let out = eventually(Duration::from_secs(30), "two groups waiting", || {
+        let out = kmqd_ok(&config, &["stats"]);
+        (
+            ended(&dir, "f") == 2 && out.contains("\njobs: groups waiting 2\n"),
+            out,
+        )
+    });
+    assert!(
+        out.contains(" active "),
+        "a paused group is not the queue paused:\n{out}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&kmqd_ok(&config, &["stats", "--json"])).unwrap();
+    assert_eq!(
+        json["queues"]["jobs"]["limits"]["groups"],
+        serde_json::json!({"waiting": 2}),
+        "{json}"
+    );
+    let sample = "kmqd_groups_waiting{queue=\"jobs\"} 2";
+    eventually(Duration::from_secs(10), "the metric", || {
+        let page = scrape_with(addr, None, Duration::from_secs(10)).body;
+        (page.lines().any(|line| line == sample), page)
+    });
+    for group in ["acme", "globex"] {
+        kmqd_ok(&config, &["group", "resume", "jobs", group]);
+    }
+    assert_drained(&config, &redis, 7);
+    assert!(
+        kmqd_ok(&config, &["stats"]).contains("\njobs: groups waiting 0\n"),
+        "drained"
+    );
+    assert_ran_once(&dir, "a", 3);
+    assert_ran_once(&dir, "g", 2);
+    drop(daemon);
+}
+
 /// A handler's throttle holds back its task's group on every daemon for the time it asks, and the task comes back
 /// uncharged at its group's head; the other groups go on meanwhile.
 #[test]

@@ -334,6 +334,17 @@ fn registry(lanes: &[LaneNumbers], redis: Option<&Snapshot>) -> Registry {
             per_queue(&mut registry, (name, kind, help), samples);
         }
         per_type(&mut registry, queues());
+        // A sample per grouped queue only: a queue without [queues.groups] has no groups to count.
+        per_queue(
+            &mut registry,
+            (
+                "kmqd_groups_waiting",
+                Kind::Gauge,
+                "Groups of a grouped queue ([queues.groups]) with tasks waiting in their own lists (a group per \
+                 level it waits at)",
+            ),
+            queues().filter_map(|(queue, read)| Some((queue, read.groups_waiting? as f64))),
+        );
         per_queue(
             &mut registry,
             (
@@ -443,6 +454,7 @@ mod tests {
                     throttle_ms: Some(1500),
                 },
             )],
+            groups_waiting: Some(12),
         }]
     }
 
@@ -489,6 +501,7 @@ mod tests {
             "kmqd_type_running{queue=\"page-test\",type=\"report\"} 2",
             "kmqd_type_waiting{queue=\"page-test\",type=\"report\"} 14",
             "kmqd_type_throttled_seconds{queue=\"page-test\",type=\"report\"} 1.5",
+            "kmqd_groups_waiting{queue=\"page-test\"} 12",
         ] {
             assert!(page.contains(sample), "{sample} in {page}");
         }

@@ -29,6 +29,9 @@ pub struct QueueSnapshot {
     pub daemons: usize,
     /// What each of the queue's `[[queues.limits]]` entries counts, by type, in the config's order.
     pub types: Vec<(String, broker::TypeUsage)>,
+    /// How many of a grouped queue's groups have tasks waiting (`None`: no `[queues.groups]`): a ZCARD per level,
+    /// whatever the number of groups.
+    pub groups_waiting: Option<u64>,
 }
 
 /// Every queue of the daemon, in its config's order.
@@ -163,10 +166,15 @@ impl Refresher {
                 .map(|limit| limit.kind.clone())
                 .zip(types)
                 .collect();
+            let groups_waiting = match queue.config.groups {
+                Some(_) => Some(broker::groups::waiting(connection, keys)?),
+                None => None,
+            };
             snapshot.push(QueueSnapshot {
                 stats,
                 daemons,
                 types,
+                groups_waiting,
             });
         }
         Ok(snapshot)

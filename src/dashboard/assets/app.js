@@ -250,6 +250,7 @@ const pages = {
           card("lag", duration(s.lag_ms), "lag")),
         el("div", { class: "card history" }, charts(name)),
         ...limitsPanel(data.limits),
+        ...groupsPanel(data.groups, base),
         el("h2", {}, "Ready (the next to run, per level)"),
         el("p", { class: "dim", id: "cut-note" }, "These lists are sent each task's envelope, error or dead record cut to",
           " 4 KiB, and stop at about 4 MiB of a list's tasks (fewer than asked when they are large): a task's own",
@@ -340,7 +341,7 @@ function limitsCell(limits) {
   return el("td", { "data-field": "limits", title: limits.line },
     running ? running.running + "/" + running.limit + " " : "",
     limits.held_back.length ? el("span", { class: "badge paused" }, "held back")
-      : running ? "" : el("span", { class: "dim" }, "limited"));
+      : running ? "" : el("span", { class: "dim" }, limits.groups ? limits.groups.waiting + " groups waiting" : "limited"));
 }
 
 function limitCard(label, field, used, limit, full, note) {
@@ -371,6 +372,11 @@ function limitsPanel(limits) {
     cards.push(limitCard("rate per " + windowText(r.window_ms), "rate-" + windowText(r.window_ms), r.used, r.limit,
       r.held_back, "starts in the last " + windowText(r.window_ms)));
   }
+  if (limits.groups) {
+    cards.push(el("div", { class: "card limit", "data-field": "groups-waiting" }, el("div", { class: "label" },
+      "groups waiting"), el("div", { class: "value" }, limits.groups.waiting), el("div", { class: "dim small" },
+      "groups with tasks in their own lists")));
+  }
   if (limits.throttle_ms !== undefined) {
     cards.push(el("div", { class: "card limit", "data-field": "throttle" }, el("div", { class: "label" }, "throttled"),
       el("div", { class: "value bad" }, duration(limits.throttle_ms)), el("div", { class: "dim small" },
@@ -388,8 +394,6 @@ function limitsPanel(limits) {
       el("td", { class: "num" + (t.throttle_ms !== undefined ? " bad" : ""), "data-field": "throttled" },
         t.throttle_ms !== undefined ? duration(t.throttle_ms) + " more" : "-"));
   });
-  // Issue 33's busiest groups (with their pause and resume) go last in this panel, after the types' table: a
-  // table of their own, drawn from the same answer's `limits` by a function beside this one.
   return [el("h2", {}, "Limits"), el("div", { id: "limits" },
     el("p", { class: held.length ? "held bad" : "held dim", "data-field": "held-back" },
       held.length ? "Held back now: " + held.join(" · ") : "Not held back now"),
@@ -397,6 +401,37 @@ function limitsPanel(limits) {
     types.length ? el("h3", {}, "Limited types") : null,
     types.length ? el("div", { id: "types" }, table([["type"], ["running", "num"], ["rate", "num"],
       ["waiting", "num"], ["throttled", "num"]], types, "")) : null)];
+}
+
+// A grouped queue's busiest groups (the answer's `groups`, null for a queue without [queues.groups]), as `kmqd
+// groups` lists them, each with its Pause or Resume. The dashboard reads them at most every few seconds (they
+// cost Redis a scan of every group), so the panel says how old its read is.
+function groupsPanel(groups, base) {
+  if (!groups) return [];
+  const rows = groups.list.map((g) => {
+    const name = g.name === "" ? "(no group)" : g.name;
+    const label = g.name === "" ? "the tasks without a group" : "group " + g.name;
+    const url = base + "/groups/" + encodeURIComponent(g.name);
+    const full = groups.max_running !== null && g.running >= groups.max_running;
+    const state = g.paused ? "paused" : g.throttled_ms !== null ? "throttled" : g.held_back ? "held back" : "taking turns";
+    return el("tr", { "data-group": g.name },
+      el("td", {}, name),
+      el("td", { class: "num", "data-field": "waiting" }, g.waiting),
+      el("td", { class: "num" + (full ? " bad" : ""), "data-field": "running" },
+        groups.max_running !== null ? g.running + " / " + groups.max_running : g.running),
+      el("td", { class: "num" + (g.throttled_ms !== null ? " bad" : ""), "data-field": "throttled" },
+        g.throttled_ms !== null ? duration(g.throttled_ms) + " more" : "-"),
+      el("td", { "data-field": "state" }, el("span", { class: "badge " + (state === "taking turns" ? "serving" : "paused") },
+        state)),
+      el("td", {}, g.paused ? button("Resume", () => act(url + "/resume", {}, "resume " + label))
+        : button("Pause", () => act(url + "/pause", {}, "pause " + label))));
+  });
+  return [el("h2", {}, "Groups"), el("div", { id: "groups" },
+    el("p", { class: "dim small", "data-field": "groups-read" }, "The busiest " + groups.limit + " groups with tasks ",
+      "waiting or running, read " + duration(groups.age_ms) + " ago (at most every " + duration(groups.every_ms),
+      "; kmqd groups lists more). A paused group's tasks wait; the other groups take their turns."),
+    table([["group"], ["waiting", "num"], ["running", "num"], ["throttled", "num"], ["state"], [""]], rows,
+      "no group has tasks waiting or running"))];
 }
 
 function sizeCell(bytes, cut) {

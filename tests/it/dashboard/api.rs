@@ -767,3 +767,172 @@ fn a_queues_limits_say_what_holds_it_back_as_kmqd_stats_does() {
     assert_eq!(throttled["max_running"], Json::Null, "{mail}");
     daemon.stop();
 }
+
+/// A grouped queue's page serves its busiest groups as `kmqd groups` lists them, with the groups' max_running,
+/// from a read at most `GROUPS_EVERY` (5 s) old however often it is asked (the read scans every group); a group's
+/// Pause holds back its tasks while another group runs, Resume lets them run, each logged; a group's action on a
+/// queue without groups, or with a name no task can have, is refused.
+#[test]
+fn a_grouped_queues_page_serves_its_busiest_groups_and_pauses_and_resumes_one() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let queues = "[[queues]]\nname = \"tenants\"\nmode = \"safe\"\nworkers = 2\nidle_poll = \"100ms\"\n\
+                  [queues.groups]\nmax_running = 1\n\n\
+                  [[queues]]\nname = \"mail\"\nmode = \"safe\"\n";
+    let config = dir.config(&redis, queues);
+    let daemon = TestDaemon::start(&config);
+    let dashboard = Dashboard::start(&config, &dir, &[]);
+    let (code, answer) = dashboard.act("/api/queues/tenants/groups/acme/pause", "");
+    assert_eq!(
+        (code, &answer),
+        (200, &serde_json::json!({"group": "acme", "paused": true}))
+    );
+    assert_eq!(
+        redis.cmd::<i64>(&["EXISTS", "kmq:{tenants}:hold:g:acme"]),
+        1
+    );
+    // busy: one running until the daemon's shutdown cancels it (its max_running 1), two waiting behind it.
+    let tasks = (0..3)
+        .map(|n| {
+            kmqd::NewTask::new("test", r#"{"until_cancelled": true}"#)
+                .unwrap()
+                .id(format!("busy{n}"))
+                .group("busy")
+        })
+        .chain((0..3).map(|n| task(&format!("acme{n}"), "{}").group("acme")));
+    client(&config).push_batch("tenants", tasks).unwrap();
+
+    let expected = serde_json::json!([
+        {"name": "acme", "waiting": 3, "running": 0, "paused": true},
+        {"name": "busy", "waiting": 2, "running": 1, "paused": false},
+    ]);
+    // A list of groups without their throttles and held_back flags (which depend on the claims' timing).
+    let shown = |list: &Json| {
+        let list = list.as_array().cloned().unwrap_or_default();
+        let list: Vec<Json> = list
+            .iter()
+            .map(|g| {
+                serde_json::json!({"name": g["name"], "waiting": g["waiting"],
+                                        "running": g["running"], "paused": g["paused"]})
+            })
+            .collect();
+        Json::Array(list)
+    };
+    let page = eventually(
+        Duration::from_secs(30),
+        "the two groups on the page",
+        || {
+            let page = dashboard.json("/api/queues/tenants");
+            (shown(&page["groups"]["list"]) == expected, page)
+        },
+    );
+    let groups = &page["groups"];
+    assert_eq!(
+        (
+            &groups["max_running"],
+            &groups["limit"],
+            &groups["every_ms"]
+        ),
+        (
+            &serde_json::json!(1),
+            &serde_json::json!(20),
+            &serde_json::json!(5000)
+        ),
+        "{groups}"
+    );
+    assert_eq!(
+        page["limits"]["groups"],
+        serde_json::json!({"waiting": 2}),
+        "{page}"
+    );
+    assert_eq!(page["limits"]["held_back"], serde_json::json!([]), "{page}");
+    assert_eq!(
+        dir.records().runs_of("acme0"),
+        0,
+        "a paused group's task ran"
+    );
+    // The same groups, and the same line, as the CLI.
+    let listed: Json =
+        serde_json::from_str(&kmqd_ok(&config, &["groups", "tenants", "--json"])).unwrap();
+    assert_eq!(shown(&listed["groups"]), expected);
+    let line = page["limits"]["line"].as_str().unwrap();
+    assert_eq!(line, "groups waiting 2");
+    assert!(kmqd_ok(&config, &["stats"]).contains(&format!("tenants: {line}\n")));
+
+    // Asked again and again, the groups are read at most once per 5 s: as many reads as 5 s periods began.
+    let started = std::time::Instant::now();
+    let reads: std::collections::BTreeSet<u64> = (0..20)
+        .map(|_| {
+            dashboard.json("/api/queues/tenants")["groups"]["read_at_ms"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    let periods = started.elapsed().as_secs() / 5 + 2;
+    assert!(
+        reads.len() as u64 <= periods,
+        "{} reads of the groups in {:?}",
+        reads.len(),
+        started.elapsed()
+    );
+
+    let (code, answer) = dashboard.act("/api/queues/tenants/groups/acme/resume", "");
+    assert_eq!(
+        (code, &answer),
+        (200, &serde_json::json!({"group": "acme", "resumed": true}))
+    );
+    eventually(Duration::from_secs(30), "acme's tasks to run", || {
+        let runs: Vec<usize> = (0..3)
+            .map(|n| dir.records().runs_of(&format!("acme{n}")))
+            .collect();
+        (runs == [1, 1, 1], runs)
+    });
+    // The action forgot the read: the page shows acme gone at once, not 5 s later.
+    let page = eventually(Duration::from_secs(10), "acme gone from the page", || {
+        let page = dashboard.json("/api/queues/tenants");
+        let names: Vec<Json> = page["groups"]["list"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|g| g["name"].clone())
+            .collect();
+        (names == [serde_json::json!("busy")], page)
+    });
+    assert_eq!(page["groups"]["list"][0]["running"], 1, "{page}");
+    let (code, answer) = dashboard.act("/api/queues/tenants/groups/acme/resume", "");
+    assert_eq!((code, &answer["resumed"]), (200, &Json::Bool(false)));
+
+    let (code, answer) = dashboard.act("/api/queues/mail/groups/acme/pause", "");
+    assert_eq!(code, 400, "{answer}");
+    assert!(
+        answer["error"]
+            .as_str()
+            .unwrap()
+            .contains("has no [queues.groups]"),
+        "{answer}"
+    );
+    let long = "g".repeat(65);
+    let (code, answer) = dashboard.act(&format!("/api/queues/tenants/groups/{long}/pause"), "");
+    assert_eq!(code, 400, "{answer}");
+    assert_eq!(
+        redis.cmd::<i64>(&["EXISTS", &format!("kmq:{{tenants}}:hold:g:{long}")]),
+        0
+    );
+    assert_eq!(
+        dashboard.json("/api/queues/mail")["groups"],
+        Json::Null,
+        "a queue without groups"
+    );
+    let log = dashboard.log();
+    for action in ["group pause", "group resume"] {
+        let line = log
+            .lines()
+            .find(|line| line.contains(&format!("action=\"{action}\"")))
+            .unwrap_or_else(|| panic!("no log line of {action}:\n{log}"));
+        assert!(
+            line.contains("queue=\"tenants\"") && line.contains("target=\"acme\""),
+            "{line}"
+        );
+    }
+    daemon.stop();
+}

@@ -129,6 +129,28 @@ def main():
         shot(driver, "dashboard-limits.png")
         driver.set_window_size(1280, 900)
 
+        # A grouped queue's busiest groups: acme paused with its 3 tasks waiting, busy running 1 of its max_running
+        # 1 with 2 waiting; acme's Resume makes its tasks run (the queue's done count goes to 3).
+        driver.get(url + "/queues/tenants")
+
+        def group(name, field):
+            return text(f'#groups tr[data-group="{name}"] [data-field="{field}"]')
+        eventually(15, "acme paused with 3 waiting", lambda: (group("acme", "waiting"), group("acme", "state"))
+                   == ("3", "paused"))
+        eventually(15, "busy at its max_running", lambda: (group("busy", "running"), group("busy", "waiting"))
+                   == ("1 / 1", "2"))
+        assert text('#limits [data-field="groups-waiting"] .value') == "2"
+        shot(driver, "dashboard-groups.png")
+        eventually(5, "a click on acme's Resume", lambda: driver.find_element(
+            By.CSS_SELECTOR, '#groups tr[data-group="acme"] button[data-action="resume"]').click() or True)
+        eventually(5, "the resume's answer", lambda: "resume group acme" in driver.find_element(By.ID, "flash").text)
+        flash = read("the flash", lambda: driver.find_element(By.ID, "flash").text)
+        assert '"resumed":true' in flash, flash
+        eventually(20, "acme's tasks to run", lambda: card(driver, "done") == 3)
+        eventually(10, "acme gone from the groups", lambda: not driver.find_elements(
+            By.CSS_SELECTOR, '#groups tr[data-group="acme"]'))
+        measured["groups_shown"] = group("busy", "running")
+
         # Requeueing a dead task from its button makes it run (it fails again: the failed counter moves).
         driver.get(url + "/queues/jobs")
         row = '#dead tr[data-id="doomed"]'
@@ -174,7 +196,7 @@ def main():
 
         # --read-only: no button anywhere, and an action sent anyway is refused.
         ro = ARGS["read_only_url"]
-        for path in ["/", "/queues/jobs", "/daemons"]:
+        for path in ["/", "/queues/jobs", "/queues/tenants", "/daemons"]:
             driver.get(ro + path)
             eventually(10, f"{path} drawn", lambda: driver.find_elements(By.CSS_SELECTOR, "main table"))
             buttons = driver.execute_script("return document.querySelectorAll('main button').length")

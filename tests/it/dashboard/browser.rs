@@ -6,8 +6,9 @@
 //! that the daemons page and a task found by id show what Redis holds, that a task's page looks it up once and
 //! again only on its button (review M7: a lookup scans the queue's lists), that a queue's limits panel shows
 //! its running count against `max_running`, its rate window, its limited type's counts and what holds it back
-//! (and the overview its compact form), on a phone too, and that `--read-only` draws no button and refuses an
-//! action sent anyway.
+//! (and the overview its compact form), on a phone too, that a grouped queue's page lists its busiest groups (a
+//! paused one, a busy one at its max_running) and a group's Resume button makes its tasks run, and that
+//! `--read-only` draws no button and refuses an action sent anyway.
 //!
 //! Its screenshots go to the test's directory; with `KMQD_DASHBOARD_SCREENSHOTS=DIR` they are copied there
 //! (`KMQD_DASHBOARD_SCREENSHOTS=docs` refreshes the pictures of docs/DASHBOARD.md and the README).
@@ -27,7 +28,9 @@ const QUEUES: &str = "\
 [[queues]]\nname = \"billing\"\nmode = \"safe\"\nworkers = 2\n\n\
 [[queues]]\nname = \"jobs\"\nmode = \"safe\"\nworkers = 2\nretry_times = 0\nlease_timeout = \"2s\"\n\n\
 [[queues]]\nname = \"reports\"\nmode = \"safe\"\nworkers = 4\nmax_running = 3\nrate_limit = \"600/m\"\n\
-[[queues.limits]]\ntype = \"report\"\nmax_running = 1\n";
+[[queues.limits]]\ntype = \"report\"\nmax_running = 1\n\n\
+[[queues]]\nname = \"tenants\"\nmode = \"safe\"\nworkers = 2\nidle_poll = \"100ms\"\n\
+[queues.groups]\nmax_running = 1\n";
 
 fn chromium_is_here() {
     let probe = Command::new(PYTHON)
@@ -124,6 +127,14 @@ fn the_pages_show_redis_and_their_buttons_act() {
         )
         .unwrap();
 
+    // A grouped queue: acme paused with 3 tasks waiting; busy at its max_running 1, one task running until the
+    // daemon's shutdown cancels it and two waiting behind it.
+    client.pause_group("tenants", "acme").unwrap();
+    let grouped = (0..3)
+        .map(|n| forever("test").id(format!("busy{n}")).group("busy"))
+        .chain((0..3).map(|n| task("{}").id(format!("acme{n}")).group("acme")));
+    client.push_batch("tenants", grouped).unwrap();
+
     let dashboard = Dashboard::start(&config, &dir, &[]);
     let read_only = Dashboard::start_named(&config, &dir, "dashboard-ro.log", &["--read-only"]);
     let shots = dir.path("screenshots");
@@ -140,7 +151,7 @@ fn the_pages_show_redis_and_their_buttons_act() {
             "thumbnails": {"delayed": 3},
             "reports": {"processing": 3, "ready": 4},
         },
-        "daemons": 5,
+        "daemons": 6,
     });
     let script = workspace_dir().join("tests/it/dashboard/browser.py");
     let output = Command::new(PYTHON)
@@ -159,12 +170,13 @@ fn the_pages_show_redis_and_their_buttons_act() {
 
     // What the button did, seen from Redis: doomed ran a second time; the read-only refusal changed nothing.
     assert_eq!(dir.records().runs_of("doomed"), 2);
+    assert_ran_once(&dir, "acme", 3);
     assert_eq!(
         redis.cmd::<i64>(&["EXISTS", "kmq:{jobs}:paused"]),
         0,
         "paused, then resumed"
     );
-    for action in ["dead requeue", "pause", "resume"] {
+    for action in ["dead requeue", "pause", "resume", "group resume"] {
         assert!(
             dashboard.log().contains(&format!(r#"action="{action}""#)),
             "{action}"
@@ -181,6 +193,7 @@ fn the_pages_show_redis_and_their_buttons_act() {
         "dashboard-queue.png",
         "dashboard-phone.png",
         "dashboard-limits.png",
+        "dashboard-groups.png",
     ] {
         let shot = shots.join(name);
         assert!(
