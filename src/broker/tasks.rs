@@ -276,6 +276,11 @@ fn group_block(keys: &QueueKeys, groups: Option<&Groups>) -> (Vec<String>, Vec<S
     (block_keys, args)
 }
 
+/// The most bytes of ready tasks one safe-mode claim takes, unless its first task is larger (claim.lua, "Bytes"):
+/// the pop's budget, for the same reason (a claim of a thousand tasks of 16 MiB would be 16 GiB in one reply, held
+/// by the daemon and buffered by Redis; review M8).
+pub const CLAIM_BYTES: usize = POP_BYTES;
+
 /// Safe mode: claims up to `max` tasks into `owner`'s claim lists: a quarantined group, alone, when there is one
 /// and the owner holds nothing; otherwise ready tasks, highest level first (see claim.lua). `claim` names the
 /// claim; the caller must not reuse any of the `max` numbers from `claim` on. When this call fails without a
@@ -332,7 +337,7 @@ pub fn claim(
     for weight in limits.priority_weights {
         eval.arg(*weight);
     }
-    eval.arg(type_args).arg(group_args);
+    eval.arg(type_args).arg(group_args).arg(CLAIM_BYTES);
     let (reply, taken, collected) = script_then_lists(conn, super::sources::CLAIM, &eval, &lists)
         .map_err(|error| owner_error(error, owner))?;
     // Not replicated: a may-have-run error, which the fetcher resolves with adopt() as a lost reply.

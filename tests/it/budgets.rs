@@ -415,24 +415,74 @@ fn run_with_replies_bounded(
 /// is lost with its tasks. Both ways are seen on the wire.
 #[test]
 fn a_pop_takes_no_more_bytes_than_its_budget_either_way() {
-    use crate::support::proxy::Matcher;
     use kmqd::broker::sources;
 
-    let redis = RedisServer::start();
-    let dir = TestDir::new();
-    // Room for the whole backlog: what bounds a pop is its bytes.
-    let queue = default_queue("workers = 2\nprefetch = 200");
-    push_mib_tasks(&dir.config(&redis, &queue), "normal", "big-", 150);
     // Loaded, as a daemon that ran before would have left it: the first plain pop then runs it at once (not
     // pop.lua in its place), with 86 MiB left after pop.lua's first 64.
-    let _: String = redis.cmd(&["SCRIPT", "LOAD", sources::TAKE]);
-    let proxy = run_with_replies_bounded(&redis, &dir, &queue, 150);
-    for script in [sources::POP, sources::TAKE] {
-        assert!(
-            proxy.seen(&Matcher::script(script)) > 0,
-            "both ways of popping were used"
-        );
-    }
+    let seen = drain_150_mib_with_replies_bounded(
+        &default_queue("workers = 2\nprefetch = 200"),
+        |redis| {
+            let _: String = redis.cmd(&["SCRIPT", "LOAD", sources::TAKE]);
+        },
+        &[sources::POP, sources::TAKE],
+    );
+    assert!(
+        seen.iter().all(|&calls| calls > 0),
+        "both ways of popping were used: {seen:?}"
+    );
+}
+
+/// Pushes 150 tasks of 1 MiB to `jobs` of `queue` (room for the whole backlog: what bounds a take is its bytes),
+/// calls `before` with the Redis, and has them run as in [`run_with_replies_bounded`]; returns how many calls of
+/// each script's source were seen on the wire.
+fn drain_150_mib_with_replies_bounded(
+    queue: &str,
+    before: impl FnOnce(&RedisServer),
+    scripts: &[&str],
+) -> Vec<usize> {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    push_mib_tasks(&dir.config(&redis, queue), "normal", "big-", 150);
+    before(&redis);
+    let proxy = run_with_replies_bounded(&redis, &dir, queue, 150);
+    scripts
+        .iter()
+        .map(|script| proxy.seen(&crate::support::proxy::Matcher::script(script)))
+        .collect()
+}
+
+/// A safe-mode claim takes at most 64 MiB of ready tasks (claim.lua, "Bytes"): Redis drops a client whose replies
+/// wait past 70 MiB, so a claim of more of the backlog (150 MiB) is lost with its reply, and so is every adoption
+/// that reads it back: before, the claims doubled to 128 tasks and the queue never drained.
+#[test]
+fn a_claim_takes_no_more_bytes_than_its_budget() {
+    let queue = safe_queue("workers = 2\nprefetch = 200");
+    let seen = drain_150_mib_with_replies_bounded(&queue, |_| {}, &[kmqd::broker::sources::CLAIM]);
+    assert!(seen[0] > 0, "claimed");
+}
+
+/// A ready task larger than a claim's byte budget (64 MiB) but within `max_task_bytes` is claimed alone, and the
+/// tasks behind it by the next claims: the budget never leaves a task that no claim takes.
+#[test]
+fn a_task_larger_than_a_claims_budget_is_claimed_alone() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(
+        &redis,
+        &safe_queue("workers = 2\nprefetch = 20\nmax_task_bytes = 100663296"),
+    );
+    let huge = serde_json::json!({ "pad": "x".repeat(66 << 20) }).to_string();
+    let task = kmqd::NewTask::new("test", &huge).unwrap().id("huge");
+    client(&config).push("jobs", task).unwrap();
+    push_mib_tasks(&config, "normal", "big-", 10);
+    let daemon = TestDaemon::start(&config);
+    let s = wait_stats(&config, Duration::from_secs(60), "the backlog run", |s| {
+        s.done == 11
+    });
+    daemon.stop();
+    assert_eq!((s.ready, s.processing, s.dead), (0, 0, 0), "{s:?}");
+    assert_ran_once(&dir, "big-", 10);
+    assert_eq!(dir.records().runs_of("huge"), 1);
 }
 
 /// A pop by turns between weighted levels (pop.lua) puts back what it took past its bytes to the level each

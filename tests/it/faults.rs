@@ -1113,6 +1113,73 @@ fn a_default_mode_daemon_woken_past_its_lease_starts_no_unique_task_it_popped_be
 }
 
 #[test]
+fn a_default_mode_daemon_woken_past_its_lease_starts_no_task_it_popped_under_a_running_limit() {
+    // faults-a: a task popped under `max_running` holds a running slot under its popping owner's share. A's pop
+    // runs in Redis, its reply is held, and A pauses past its lease: a monitor of B's gives A's share back, and B
+    // takes the one slot. A wakes and reads its pop's reply; its worker started the task at once, beside B's
+    // (two running under a limit of one). Now it waits for A's lease, finds it lost and hands the task back.
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let extra = "workers = 1\nmax_running = 1\nlease_timeout = \"1s\"";
+    let (record_a, record_b) = (dir.path("runs-a.log"), dir.path("runs-b.log"));
+    // A reads its pop's reply seconds after it was sent (the pause): a read timeout longer than that.
+    let section_a = format!("url = \"{}\"\nio_timeout = \"30s\"", proxy.url());
+    let config_a = dir.config_named("a.toml", &section_a, "", &default_queue(extra), &record_a);
+    let section_b = format!("url = \"{}\"", redis.url());
+    let config_b = dir.config_named("b.toml", &section_b, "", &default_queue(extra), &record_b);
+    let a = Process::start(&config_a, dir.path("a.log"));
+    redis.wait_blocked_in("blmove");
+    let held = proxy.add(Fault::DelayReply {
+        matching: Matcher::script(sources::POP),
+        nth: 1,
+        delay: Duration::from_secs(2),
+    });
+    push_many(&config_b, "popped", 1, r#"{"sleep_ms":1}"#);
+    eventually(Duration::from_secs(10), "A's pop to run", || {
+        let running: Option<u64> = redis.cmd(&["HGET", "kmq:{jobs}:running", "q"]);
+        (held.fired() == 1 && running == Some(1), running)
+    });
+    a.signal(SIGSTOP);
+    let release = dir.path("release");
+    push_many(&config_b, "newer", 1, &until_file(&release));
+    let b = Process::start(&config_b, dir.path("b.log"));
+    eventually(
+        Duration::from_secs(20),
+        "B to run newer in the slot A's share gave back",
+        || (read_records(&record_b).contains("start newer0 "), ()),
+    );
+    a.signal(SIGCONT);
+    let (started, ready) = eventually(
+        Duration::from_secs(20),
+        "A to start or hand back its task",
+        || {
+            let started = read_records(&record_a).contains("start popped0 ");
+            let ready = redis.ids_in("kmq:{jobs}:ready:normal");
+            (started || ready == ["popped0"], (started, ready))
+        },
+    );
+    assert!(
+        !started,
+        "A started the task it popped after its slot was given back, while B ran newer: two running under \
+         max_running = 1 ({ready:?})"
+    );
+    std::fs::write(&release, "").unwrap();
+    let s = wait_done(&config_b, 2, Duration::from_secs(20));
+    assert_eq!((s.ready, s.running), (0, 0), "{s:?}");
+    let runs = format!("{}{}", read_records(&record_a), read_records(&record_b));
+    assert_eq!(
+        (
+            runs.matches("start popped0 ").count(),
+            runs.matches("start newer0 ").count()
+        ),
+        (1, 1),
+        "{runs}"
+    );
+    stop_both(a, b);
+}
+
+#[test]
 fn a_unique_id_taken_by_a_pop_whose_reply_was_lost_is_freed_when_its_owners_lease_runs_out() {
     // Review M4: the lost pop's task is lost (at most once), but its id stayed recorded as popped by the daemon's
     // live owner, so every push of the id was refused for the daemon's life. The daemon gave such an owner up only

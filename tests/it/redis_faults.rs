@@ -356,3 +356,80 @@ fn a_redis_that_went_back_in_time_gives_up_the_owner_so_the_tasks_it_forgot_run_
     );
     daemon.stop();
 }
+
+/// Review M3, what docs/RELIABILITY.md promises of default mode when Redis on `appendfsync everysec` dies with its
+/// host and starts again on its append-only file without its last second: the pops of that second are undone
+/// (their tasks run again: at most once holds only while Redis keeps its writes), the pushes of that second are
+/// lost, and so are its settles (a retry never queued, `done` not counted). The lost second is made exactly: the
+/// file is cut back to where it ended before it (the chaos suite's rewind, without its randomness).
+#[test]
+fn a_default_mode_task_popped_in_the_second_redis_lost_runs_again_and_that_seconds_pushes_and_settles_are_lost()
+ {
+    const KEPT: usize = 20;
+    const LOST: usize = 5;
+    let mut redis = RedisServer::start_with(RedisOptions {
+        appendonly: Some(Fsync::Always),
+        extra_args: vec!["--auto-aof-rewrite-percentage".into(), "0".into()],
+        ..RedisOptions::default()
+    });
+    let dir = TestDir::new();
+    // One task held at a time, so that the tasks pushed behind `r` wait in Redis until the mark.
+    let config = dir.config(&redis, &default_queue("workers = 1\nprefetch = 0"));
+    let gate = dir.path("gate");
+    let daemon = TestDaemon::start(&config);
+    let retry = serde_json::json!({
+        "wait_for_file": gate, "outcome": "retry", "retry_after_ms": 600_000,
+    });
+    push_many(&config, "r", 1, &retry.to_string());
+    eventually(Duration::from_secs(10), "r to start", || {
+        (dir.records().runs_of("r0") == 1, ())
+    });
+    push_many(&config, "kept", KEPT, "{}");
+    // Everything so far was fsynced before it was acknowledged (`always`): the mark is where the last second
+    // begins. From here on Redis runs as production does, on `everysec`.
+    let mark = redis.aof_mark();
+    let _: () = redis.cmd(&["CONFIG", "SET", "appendfsync", "everysec"]);
+    std::fs::write(&gate, "").unwrap();
+    push_many(&config, "lost", LOST, "{}");
+    let before = wait_done(&config, (KEPT + LOST) as u64, Duration::from_secs(30));
+    assert_eq!(
+        (before.pushed, before.retrying),
+        ((1 + KEPT + LOST) as u64, 1),
+        "{before:?}"
+    );
+    let cut = redis.crash_back_to(mark);
+    assert!(cut > 0, "the last second's writes were in the file");
+    let s = eventually(
+        Duration::from_secs(30),
+        "the kept tasks to run again",
+        || {
+            let s = stats(&config, "jobs");
+            (
+                s.done >= KEPT as u64 && s.ready == 0 && s.processing == 0,
+                s,
+            )
+        },
+    );
+    daemon.stop();
+    let records = dir.records();
+    for i in 0..KEPT {
+        assert_eq!(
+            records.runs_of(&format!("kept{i}")),
+            2,
+            "kept{i}: its pop was undone"
+        );
+    }
+    for i in 0..LOST {
+        assert_eq!(
+            records.runs_of(&format!("lost{i}")),
+            1,
+            "lost{i}: its push was lost"
+        );
+    }
+    assert_eq!(records.runs_of("r0"), 1, "r's pop was kept, its retry lost");
+    assert_eq!(
+        (s.pushed, s.done, s.retried, s.retrying, s.ready, s.dead),
+        ((1 + KEPT) as u64, KEPT as u64, 0, 0, 0, 0),
+        "the pushes and settles of the lost second are not counted: {s:?}"
+    );
+}

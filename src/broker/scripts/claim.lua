@@ -17,7 +17,8 @@
 -- owner and increasing from call to call (the caller reserves ARGV[2] numbers from it on; see adopt.lua);
 -- ARGV[8] the queue's max_running (0: none); ARGV[9] R, the windows of its rate limit (0: none), then R pairs:
 -- the window in ms, the most starts in any such window; then W, the levels' priority weights (0: strict order),
--- then W weights, one per level in order; then types.lua's block (its first value 0: no type limits)
+-- then W weights, one per level in order; then types.lua's block (its first value 0: no type limits); then
+-- groups.lua's block (its first value 0: no groups); last, the most bytes of ready tasks to take (see "Bytes")
 -- Returns {now_ms, state, group level, tasks taken at level 1, ..., at level L, retry at (states 5, 6), the owner's
 -- journal (see renew.lua), the time left of the owner's lease (its deadline minus now_ms, by which the daemon sees
 -- Redis's clock step: see register.lua)}: the tasks themselves are in this claim's lists, which the caller reads
@@ -73,6 +74,13 @@
 -- (LPOP, then RPUSH), the price of choosing among several lists in one step; a queue without type limits never
 -- takes it.
 --
+-- Bytes (review M8). A claim of ready tasks takes no more than ARGV[#ARGV] bytes of them, by `MEMORY USAGE` of
+-- its lists (a little over the payloads' bytes, never under), and at least one task, however large (up to
+-- max_task_bytes): a claim of a thousand tasks of 16 MiB would be gigabytes in one reply, which a daemon holds
+-- and Redis buffers. The copy on the claim's list is cut to fit before the ready list is trimmed, so nothing goes
+-- back. A quarantined group (at most 64 tasks) and a take with type limits or groups are bounded by their counts
+-- only.
+--
 -- A payload longer than max_task_bytes is never handed to a daemon: it goes straight to the dead list, kept
 -- whole with its size in the reason (as a JSON string when it is UTF-8, in base64 when it is not: see
 -- `dead_oversized`).
@@ -112,6 +120,8 @@ local TYPE_KEYS = RUNNING + 2 * rates + (weighted and 1 or 0) + 1
 local GROUPS = {1, 8, 64}
 local owner, max, max_bytes, claim = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[7]
 local max_running = tonumber(ARGV[8]) or 0
+-- What is left of the claim's bytes ("Bytes").
+local budget = tonumber(ARGV[#ARGV])
 -- Every key's type first (a handful of calls per claim, none per task); the type limits' keys, types.lua's.
 for i = 1, TYPE_KEYS - 1 do
   if i ~= 6 then
@@ -549,6 +559,8 @@ end
 
 local result = empty(0, 0)
 local taken = 0
+-- Whether the byte budget cut this claim short of what it could take.
+local cut = false
 -- The tasks a level holds that this claim may take: its ready list, and its flows that their limits admit.
 local function waiting(i)
   local n = redis.call('LLEN', KEYS[READY + i])
@@ -652,20 +664,40 @@ local function take_grouped(i, take)
 end
 for i = 1, levels do
   local ready = KEYS[READY + i]
-  local n = 0
+  local n, bytes = 0, 0
   local take = max - taken
   if want then take = want[i] end
   if grp.on then
     if take > 0 then n = take_grouped(i, take) end
   elseif flowing then
     if take > 0 then n = take_flowing(i, take) end
-  elseif take > 0 then
+  elseif take > 0 and (taken == 0 or budget > 0) then
     n = redis.call('SORT', ready, 'BY', 'nosort', 'LIMIT', 0, take, 'STORE', KEYS[LISTS + i])
+  end
+  if n > 0 and not flowing and not grp.on then
+    -- One weighing serves the byte budget and max_task_bytes. Over the budget, the copy is cut to what fits (as
+    -- many as fit if the tasks are alike, fewer each time until they do), keeping one task for a claim that has
+    -- none yet; the ready list is trimmed by what is kept.
+    local list = KEYS[LISTS + i]
+    bytes = redis.call('MEMORY', 'USAGE', list, 'SAMPLES', 0)
+    local least = taken == 0 and 1 or 0
+    while n > least and bytes > budget do
+      n = math.max(least, math.min(n - 1, math.floor(n * budget / bytes)))
+      cut = true
+      if n > 0 then
+        redis.call('LTRIM', list, 0, n - 1)
+        bytes = redis.call('MEMORY', 'USAGE', list, 'SAMPLES', 0)
+      else
+        redis.call('DEL', list)
+        bytes = 0
+      end
+    end
+    budget = budget - bytes
   end
   if n > 0 and not flowing and not grp.on then
     redis.call('LTRIM', ready, n, -1)
     taken = taken + n
-    if redis.call('MEMORY', 'USAGE', KEYS[LISTS + i], 'SAMPLES', 0) > max_bytes then
+    if bytes > max_bytes then
       -- Perhaps one payload is too large: check them one by one, each taken from the list's head and put back at
       -- its tail unless it is dead-lettered, so that the script holds one payload at a time, not the batch.
       local list, kept = KEYS[LISTS + i], 0
@@ -712,7 +744,7 @@ if grp.on and took == 0 and taken == 0 then
     return finish(empty(7, 0))
   end
 end
-if taken == max and room then
+if (taken == max or cut) and room then
   -- The queue may hold more than this fetcher can take: pass the wake-up on to another idle fetcher.
   for i = 1, levels do
     if waiting(i) > 0 then

@@ -41,8 +41,8 @@
 --   op "recover": an expired lease's task, uncharged: payload (recovered + 1) to the front of its ready list;
 --               counted in "recovered"
 --   op "recover_isolated": as "recover", to the front of the level's quarantine list of stage "delay"
---   op "back":  handed back (the shutdown; in default mode also a unique task whose owner's lease was lost
---               before it started): payload goes to the front of its ready list, attempt unchanged; its unique
+--   op "back":  handed back (the shutdown; in default mode also a unique task, or one under a running limit,
+--               whose popping owner's lease was lost before it started): payload goes to the front of its ready list, attempt unchanged; its unique
 --               id, if any, stays held (the task waits again) but no longer by the popping owner
 --   op "back_isolated": as "back", to the front of the level's quarantine list of stage "delay" (a task that
 --               waited in the quarantine goes back there)

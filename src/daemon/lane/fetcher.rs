@@ -350,8 +350,8 @@ impl Fetcher {
                 // its share, and nothing would give them back while it lives (the ids were refused as duplicates
                 // for the daemon's life, review M4): it is given up (renewed no more), so that its lease runs out
                 // and a monitor releases both (release_unique.lua, release.lua); the next pop registers a new
-                // owner. Tasks held from its earlier pops settle against it meanwhile; its unique tasks not
-                // started yet are handed back (the worker's lease check).
+                // owner. Tasks held from its earlier pops settle against it meanwhile; those not started yet
+                // that hold a unique id or a running slot under it are handed back (the worker's lease check).
                 lane.ownership.lose(&owner);
                 tracing::error!(
                     queue = %lane.name(),

@@ -110,19 +110,21 @@ impl Worker {
     }
 
     /// Waits, if need be, until the task's owner holds a lease that is surely live, so that a daemon woken from a
-    /// pause past its lease never starts a task the monitors may have given to another daemon (safe mode), nor a
-    /// unique task whose id they may have freed for a newer task (default mode, a task whose id its popping owner
-    /// holds: `holds_unique`); any other default-mode task left Redis for good and is not waited for. Returns false
-    /// when the daemon stops meanwhile, or when a default-mode task's owner is lost (the task is handed back, and
-    /// settle.lua queues it again only while its id is its own or free); a task forgotten meanwhile (its lease was
-    /// lost) is then skipped by `start`. A safe-mode task whose owner is lost for good (not merely unrenewed) is not
+    /// pause past its lease never starts a task the monitors may have given to another daemon (safe mode), nor
+    /// (default mode) a task whose popping owner Redis keeps something under (`popped_by`): a unique id the
+    /// monitors may have freed for a newer task, or a running slot they may have given back, so that another
+    /// daemon already runs `max_running` tasks without it (review, faults-a). Any other default-mode task left
+    /// Redis for good and is not waited for. Returns false when the daemon stops meanwhile, or when a
+    /// default-mode task's owner is lost (the task is handed back to the front of its level: settle.lua queues it
+    /// again only while its id is its own or free, and subtracts no slot the owner's share no longer holds); a
+    /// task forgotten meanwhile (its lease was lost) is then skipped by `start`. A safe-mode task whose owner is lost for good (not merely unrenewed) is not
     /// waited for: it is forgotten here, unless its lease's resolver took it first, for no lease will ever cover it
     /// again.
     fn lease_allows(&self, lease: &mut LeaseView, job: &Job, now: Instant) -> bool {
         let state = &job.task;
         let owner = match (&state.token, &state.popped_by) {
             (Some(token), _) => &token.owner,
-            (None, Some(popper)) if state.holds_unique => popper,
+            (None, Some(popper)) => popper,
             _ => return true,
         };
         let ownership = &self.lane.ownership;
@@ -136,8 +138,10 @@ impl Worker {
                     tracing::warn!(
                         queue = %self.lane.name(),
                         %owner,
-                        "a worker took a unique task whose owner's lease was lost; it is handed back unstarted \
-                         (a monitor may free its id once the lease runs out, and a newer task with it may run)"
+                        unique = state.holds_unique,
+                        "a worker took a task whose popping owner's lease was lost; it is handed back unstarted \
+                         (a monitor may have freed its unique id or given its running slot back once the lease \
+                         ran out)"
                     );
                     return false;
                 }

@@ -9,7 +9,6 @@
 //! writes, so a task popped in the lost tail runs again ([`Event::explains`](super::world::Event::explains)).
 
 use std::collections::HashSet;
-use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -253,23 +252,6 @@ impl Injector<'_, '_> {
         lock(&world.ledger).repushed += missing.len() as u64;
         missing.len()
     }
-}
-
-/// The incremental file of a multi-part append-only file (Redis 7: `appendonlydir/`), the one Redis appends to:
-/// the last `type i` entry of its manifest.
-fn last_incr_file(dir: &Path) -> Option<PathBuf> {
-    let manifest = std::fs::read_dir(dir)
-        .ok()?
-        .filter_map(Result::ok)
-        .map(|entry| entry.path())
-        .find(|path| path.extension().is_some_and(|ext| ext == "manifest"))?;
-    let text = std::fs::read_to_string(manifest).ok()?;
-    let name = text
-        .lines()
-        .filter(|line| line.ends_with("type i"))
-        .filter_map(|line| line.strip_prefix("file ")?.split(' ').next())
-        .next_back()?;
-    Some(dir.join(name))
 }
 
 /// The ids of the tasks each queue holds unsettled in the claim lists of its live owners (see [`CLAIMED`]).

@@ -137,6 +137,40 @@ impl RedisServer {
         self.server.log_text()
     }
 
+    /// Where the append-only file ends now (a server started with it on, and with automatic rewrites off:
+    /// `--auto-aof-rewrite-percentage 0`): what [`RedisServer::crash_back_to`] cuts it back to. Take it after a
+    /// write was acknowledged on `appendfsync always` to be sure the file holds that write.
+    pub fn aof_mark(&self) -> AofMark {
+        let file = last_incr_file(&self.dir().join("appendonlydir"))
+            .expect("an append-only file (start the server with RedisServer::with_aof)");
+        let length = fs::metadata(&file)
+            .unwrap_or_else(|e| panic!("{}: {e}", file.display()))
+            .len();
+        AofMark { file, length }
+    }
+
+    /// Redis on `appendfsync everysec` dies with its host: what it appended since `mark` was in the host's page
+    /// cache only, and is gone. SIGKILL, the file cut back to `mark`, and a restart on the rest, which Redis reads
+    /// as an older state consistent in itself (each script, each transaction, one unit in the file). Returns how
+    /// many bytes were cut off.
+    pub fn crash_back_to(&mut self, mark: AofMark) -> u64 {
+        self.stop(Signal::Kill);
+        let dir = self.dir().join("appendonlydir");
+        assert_eq!(
+            last_incr_file(&dir).as_ref(),
+            Some(&mark.file),
+            "the file Redis appends to changed since the mark (a rewrite?)"
+        );
+        let written = fs::metadata(&mark.file).map_or(0, |m| m.len());
+        fs::OpenOptions::new()
+            .write(true)
+            .open(&mark.file)
+            .and_then(|open| open.set_len(mark.length))
+            .unwrap_or_else(|e| panic!("truncate {}: {e}", mark.file.display()));
+        self.restart();
+        written.saturating_sub(mark.length)
+    }
+
     pub fn url(&self) -> String {
         self.server.url().to_string()
     }
@@ -158,6 +192,30 @@ impl RedisServer {
             .query(&mut self.connection())
             .unwrap_or_else(|error| panic!("{args:?}: {error}"))
     }
+}
+
+/// A point in a server's append-only file ([`RedisServer::aof_mark`]).
+#[derive(Debug)]
+pub struct AofMark {
+    file: PathBuf,
+    length: u64,
+}
+
+/// The incremental file of a multi-part append-only file (Redis 7: `appendonlydir/`), the one Redis appends to:
+/// the last `type i` entry of its manifest.
+pub fn last_incr_file(dir: &Path) -> Option<PathBuf> {
+    let manifest = fs::read_dir(dir)
+        .ok()?
+        .filter_map(Result::ok)
+        .map(|entry| entry.path())
+        .find(|path| path.extension().is_some_and(|ext| ext == "manifest"))?;
+    let text = fs::read_to_string(manifest).ok()?;
+    let name = text
+        .lines()
+        .filter(|line| line.ends_with("type i"))
+        .filter_map(|line| line.strip_prefix("file ")?.split(' ').next())
+        .next_back()?;
+    Some(dir.join(name))
 }
 
 /// The directory cargo put this test binary's profile in (target/debug or target/release).
