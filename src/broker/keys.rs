@@ -164,6 +164,11 @@ pub struct QueueKeys {
     pub sources: Vec<String>,
     /// For each of [`QueueKeys::sources`], the index of the level its tasks join.
     pub source_levels: Vec<usize>,
+    /// The queue has `[queues.groups]`: its settles name its rings and sched hash, through which settle.lua moves
+    /// a group's parked flows back when it frees one of the group's slots (groups.lua). Other queues' settles do
+    /// not: a settle's keys are what Redis holds its arguments with, and the lighter the better under memory
+    /// pressure (`budgets::a_recovery_redis_refuses_is_left_for_a_later_pass_and_the_others_go`).
+    pub grouped: bool,
 }
 
 impl QueueKeys {
@@ -209,6 +214,7 @@ impl QueueKeys {
             delay_channel: format!("{base}:delay-wake"),
             sources: Vec::new(),
             source_levels: Vec::new(),
+            grouped: false,
             base,
         }
     }
@@ -217,7 +223,10 @@ impl QueueKeys {
     /// serve: a rolling config change).
     pub fn with_levels(&self, levels: &[String]) -> QueueKeys {
         let (prefix, queue) = self.prefix_and_queue();
-        QueueKeys::new(prefix, queue, levels)
+        QueueKeys {
+            grouped: self.grouped,
+            ..QueueKeys::new(prefix, queue, levels)
+        }
     }
 
     /// The prefix and queue name `base` was made of.
@@ -240,6 +249,7 @@ impl QueueKeys {
         QueueKeys {
             sources: queue.source_lists.iter().map(|s| s.key.clone()).collect(),
             source_levels: queue.source_lists.iter().map(|s| s.level).collect(),
+            grouped: queue.groups.is_some(),
             ..QueueKeys::new(prefix, &queue.name, &queue.priorities)
         }
     }

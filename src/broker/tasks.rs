@@ -1221,10 +1221,12 @@ pub fn settle<'a>(
             .key(keys.owner_info(owner))
             .key(keys.settle_scratch(call.settler))
             .key(&keys.running);
-        for ring in keys.rings() {
-            invocation.key(ring);
+        if keys.grouped {
+            for ring in keys.rings() {
+                invocation.key(ring);
+            }
+            invocation.key(&keys.sched);
         }
-        invocation.key(&keys.sched);
         for (level, claim, ..) in &touched.claims {
             invocation
                 .key(keys.claim_list(owner, *level, *claim))

@@ -584,3 +584,28 @@ fn grouped_levels_keep_their_priorities_and_weights() {
         );
     }
 }
+
+/// A group parked at its `max_running` whose slot was freed by a settle that did not name the rings (a daemon
+/// without groups, during a rolling change) is found by a grouped claim's look at the longest parked, and runs.
+#[test]
+fn a_parked_group_whose_slot_was_freed_without_its_rings_runs_again() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let queue =
+        safe_queue("workers = 2\nidle_poll = \"100ms\"\n[queues.groups]\nmax_running = 1\n");
+    let config = dir.config(&redis, &queue);
+    let _: i64 = redis.cmd(&["HSET", "kmq:{jobs}:routes", "groups", "1"]);
+    push_group(&config, "acme", "a", 3, "{}");
+    // Parked as a claim parks a full group, with nothing of it running any more.
+    let _: i64 = redis.cmd(&[
+        "ZADD",
+        "kmq:{jobs}:ring:normal",
+        "XX",
+        "2000000000000001",
+        "acme:",
+    ]);
+    let daemon = TestDaemon::start(&config);
+    assert_drained(&config, &redis, 3);
+    assert_ran_once(&dir, "a", 3);
+    daemon.stop();
+}

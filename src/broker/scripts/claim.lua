@@ -468,7 +468,8 @@ end
 -- With groups: the flows whose time came back return to their rings, and the ready lists' tasks go to their
 -- groups' flows (groups.lua), before the quarantine and the turns.
 if grp.on then
-  groups_due(grp, levels, now)
+  bad = groups_due(grp, levels, KEYS[RUNNING], now)
+  if bad then return bad end
   bad = groups_intake(grp, levels, function(level) return KEYS[READY + level] end, 4 * tonumber(ARGV[2]) + 256)
   if bad then return bad end
 end

@@ -11,8 +11,9 @@
 -- envelope for an owner of kmqd 0.1, see "Older owners"), all in level order, KEYS[9+6L] that
 -- owner's info hash, KEYS[10+6L] the settling party's scratch string (`settled:SETTLER:bits`: each claim's new
 -- bits, for BITOP; deleted before the script ends), KEYS[11+6L] the running hash (scope -> tasks taken under
--- its limit and not yet settled), KEYS[12+6L .. 11+7L] the levels' rings and KEYS[12+7L] the sched hash (for the
--- flows of a group whose count this call frees: see "Running limits"), then for each claim the call touches, its list, its settled bitmap and its
+-- its limit and not yet settled), for a queue with groups KEYS[12+6L .. 11+7L] the levels' rings and KEYS[12+7L]
+-- the sched hash (for the flows of a group whose count this call frees: see "Running limits"), then for each claim
+-- the call touches, its list, its settled bitmap and its
 -- running scopes (`processing:OWNER:LEVEL:CLAIM`, `...:CLAIM:settled` and `...:CLAIM:scopes`); in default mode
 -- under a running limit instead: KEYS[9+5L] the running hash and KEYS[10+5L] the popped-running hash of the owner
 -- that popped these tasks (ARGV[5]; see "Running limits"); last, in safe mode, the keys of the task types whose
@@ -114,13 +115,20 @@ local call = ARGV[6]
 local READY, RETRY, QUARANTINE, PROCESSING = 8, 8 + levels, 8 + 2 * levels, 8 + 5 * levels
 -- Safe mode names at least levels + 3 keys past the quarantine lists; default mode none, or two (a limited queue).
 local safe = #KEYS > PROCESSING + 2
-local info, scratch, running, CLAIM_KEYS = false, false, false, PROCESSING + 2 * levels + 4
+local info, scratch, running, CLAIM_KEYS = false, false, false, PROCESSING + levels + 3
 local share = false
+-- A grouped queue's call names its rings and sched hash after the running hash: told by the keys' count, which
+-- is otherwise fixed by the claims (ARGV[7]) and the throttled scopes.
 local rings, sched = {}, false
 if safe then
   info, scratch, running = KEYS[PROCESSING + levels + 1], KEYS[PROCESSING + levels + 2], KEYS[PROCESSING + levels + 3]
-  for level = 1, levels do rings[level] = KEYS[PROCESSING + levels + 3 + level] end
-  sched = KEYS[PROCESSING + 2 * levels + 4]
+  local scopes_at = 9 + tonumber(ARGV[7]) * 4
+  local plain = CLAIM_KEYS + 3 * tonumber(ARGV[7]) + (tonumber(ARGV[scopes_at]) or 0) * (1 + 2 * levels)
+  if #KEYS == plain + levels + 1 then
+    for level = 1, levels do rings[level] = KEYS[PROCESSING + levels + 3 + level] end
+    sched = KEYS[PROCESSING + 2 * levels + 4]
+    CLAIM_KEYS = CLAIM_KEYS + levels + 1
+  end
 elseif #KEYS == PROCESSING + 2 then
   running, share = KEYS[PROCESSING + 1], KEYS[PROCESSING + 2]
 end
@@ -302,6 +310,11 @@ for k = 1, claims do
       claim[k].runs = runs
     end
   end
+end
+if grouped and not sched then
+  -- A run counted in a group, settled by a daemon whose config has no groups (a rolling change): its parked flows
+  -- come back through a grouped claim's look at the longest parked (groups.lua, `groups_due`).
+  grouped = false
 end
 if grouped then
   local vts = {}
