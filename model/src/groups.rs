@@ -377,8 +377,8 @@ impl Groups {
             }
         }
         // Which groups nothing holds back have waiting tasks: a claim now must take one.
-        let unheld_waiting = (0..GROUPS)
-            .any(|g| !redis.flows[g].is_empty() && self.refused(redis, g).is_none());
+        let unheld_waiting =
+            (0..GROUPS).any(|g| !redis.flows[g].is_empty() && self.refused(redis, g).is_none());
         // groups_candidates: the lowest passes (ties in the members' order, A before B); a refused one is read
         // past, so that `max` of them may take (the fix of this model's finding).
         let mut lowest: ArrayVec<(u8, usize), GROUPS> = (0..GROUPS)
@@ -614,7 +614,10 @@ impl Model for Groups {
         let (a, b) = (self.setup.a, self.setup.b);
         for k in 0..a.max(b) {
             if k < a {
-                redis.ready.push(Task { id: k, again: false });
+                redis.ready.push(Task {
+                    id: k,
+                    again: false,
+                });
             }
             if k < b {
                 redis.ready.push(Task {
@@ -849,9 +852,7 @@ impl Model for Groups {
             Property::sometimes("a claim is held back (state 7)", |_, s: &GroupsState| {
                 s.held_back
             }),
-            Property::sometimes("a claim list of two runs", |_, s: &GroupsState| {
-                s.two_runs
-            }),
+            Property::sometimes("a claim list of two runs", |_, s: &GroupsState| s.two_runs),
             Property::sometimes("a group is throttled", |_, s: &GroupsState| {
                 s.redis.throttled.iter().any(|t| *t)
             }),

@@ -6,6 +6,7 @@
 use std::fmt::Debug;
 use std::time::Instant;
 
+use kmq_model::groups::{self, Groups};
 use kmq_model::run::{self, Report, Search};
 use kmq_model::setup::{
     self, ADMITS_BELOW, Mutation, NO_LEAK, NO_UNDERFLOW, RUNNING_BOUND, RUNNING_EXACT,
@@ -15,7 +16,6 @@ use kmq_model::turns::{
     self, EXACT_EVERY_WINDOW, Take, Turns, TurnsMutation, TurnsState, Weighted,
 };
 use kmq_model::types::{self, Types};
-use kmq_model::groups::{self, Groups};
 
 /// Checks `setups` exhaustively: every `always` property holds except each scenario's known failures (which
 /// must fail), and every `sometimes` property is seen. Returns the reports.

@@ -270,9 +270,8 @@ fn a_paused_group_waits_while_the_others_run_and_resumes() {
 fn a_claim_reads_past_paused_groups_to_one_that_may_run() {
     let redis = RedisServer::start();
     let dir = TestDir::new();
-    let queue = safe_queue(
-        "workers = 1\nprefetch = 0\nbatch = 1\nidle_poll = \"5s\"\n[queues.groups]\n",
-    );
+    let queue =
+        safe_queue("workers = 1\nprefetch = 0\nbatch = 1\nidle_poll = \"5s\"\n[queues.groups]\n");
     let config = dir.config(&redis, &queue);
     let daemon = TestDaemon::start(&config);
     let paused: Vec<String> = (1..=6).map(|k| format!("a{k}")).collect();
@@ -288,13 +287,22 @@ fn a_claim_reads_past_paused_groups_to_one_that_may_run() {
                 .group(group)
         })
         .collect();
-    tasks.push(kmqd::NewTask::new("test", "{}").unwrap().id("z0").group("z"));
+    tasks.push(
+        kmqd::NewTask::new("test", "{}")
+            .unwrap()
+            .id("z0")
+            .group("z"),
+    );
     client(&config).push_batch("jobs", tasks).unwrap();
     // Within 20 s: the fix takes it in the claim after the push; before it, six idle polls of 5 s.
-    eventually(Duration::from_secs(20), "the unpaused group's task ran", || {
-        let n = ended(&dir, "z");
-        (n >= 1, n)
-    });
+    eventually(
+        Duration::from_secs(20),
+        "the unpaused group's task ran",
+        || {
+            let n = ended(&dir, "z");
+            (n >= 1, n)
+        },
+    );
     assert_eq!(ended(&dir, "a"), 0, "a paused group's task ran");
     for group in &paused {
         kmqd_ok(&config, &["group", "resume", "jobs", group]);
