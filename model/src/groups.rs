@@ -560,15 +560,15 @@ impl Groups {
         if list.settled.iter().all(|s| *s) {
             redis.lists.remove(at);
         }
-        for g in 0..GROUPS {
-            if freed[g] == 0 {
+        for (g, &n) in freed.iter().enumerate() {
+            if n == 0 {
                 continue;
             }
-            if freed[g] > redis.running[g] {
+            if n > redis.running[g] {
                 redis.underflow = true;
                 redis.running[g] = 0;
             } else {
-                redis.running[g] -= freed[g];
+                redis.running[g] -= n;
             }
             // The group's parked flow goes back to the virtual time.
             if redis.band(g) == Band::Parked
