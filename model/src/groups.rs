@@ -32,10 +32,11 @@
 //! payloads, groups' flows of a config without groups, and more than two groups (the candidates' reading is the
 //! same for any number: `max` of them, here 1 or 2).
 
-use std::fmt;
-
 use arrayvec::ArrayVec;
 use stateright::{Model, Property};
+
+/// A task, what a settle does with it, a settle call to send again and a daemon are the type limits' model's.
+pub use crate::types::{Call, Op, Task, Worker};
 
 /// The most tasks a scenario has.
 pub const TASKS: usize = 4;
@@ -157,20 +158,6 @@ pub fn experiments() -> Vec<(Grouped, &'static str)> {
     ]
 }
 
-/// A task: its id (its group follows: below the scenario's `a`, `A`) and whether its envelope says it came back
-/// (`attempt` or `recovered` above 0: groups_intake sends it to its flow's head).
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Task {
-    pub id: u8,
-    pub again: bool,
-}
-
-impl fmt::Debug for Task {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "#{}{}", self.id, if self.again { "'" } else { "" })
-    }
-}
-
 /// Where a flow stands in the level's ring.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Band {
@@ -222,36 +209,6 @@ impl Store {
     fn band(&self, group: usize) -> Band {
         self.bands[group].unwrap_or(Band::Out)
     }
-}
-
-/// What a settle does with a task.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Op {
-    Ack,
-    /// A hand-back: to the ready list's head, as it was taken.
-    Back,
-    /// A handler's throttle: to its flow's head, the flow TIMED, the group's throttle set.
-    Throttle,
-    /// A monitor's recovery: to the ready list's head, `recovered` + 1.
-    Recover,
-}
-
-/// A settle call the daemon sent and must send again (its reply was lost).
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct Call {
-    pub epoch: u8,
-    pub positions: ArrayVec<u8, TAKE>,
-    pub op: Op,
-}
-
-/// A daemon: its owner's registration and lease, the positions of its claim it has not settled yet, a call to
-/// send again.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
-pub struct Worker {
-    pub expired: bool,
-    pub epoch: u8,
-    pub held: ArrayVec<u8, TAKE>,
-    pub resend: Option<Call>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -699,12 +656,7 @@ impl Model for Groups {
         let mut state = last.clone();
         match step {
             Step::Claim { worker, max } => {
-                let w = &mut state.workers[worker as usize];
-                if w.expired {
-                    // LEASELOST: the daemon registers a new owner, then claims.
-                    w.expired = false;
-                    w.epoch += 1;
-                }
+                state.workers[worker as usize].claims();
                 self.claim(&mut state, worker, max);
             }
             Step::Settle {
@@ -713,29 +665,11 @@ impl Model for Groups {
                 op,
                 lost,
             } => {
-                let w = &mut state.workers[worker as usize];
-                let mut positions = ArrayVec::new();
-                let mut kept = ArrayVec::new();
-                for (i, p) in w.held.iter().enumerate() {
-                    if mask & (1 << i) != 0 {
-                        positions.push(*p);
-                    } else {
-                        kept.push(*p);
-                    }
-                }
-                w.held = kept;
-                let epoch = w.epoch;
+                let call = state.workers[worker as usize].settle_call(mask, op, lost);
                 if op != Op::Ack || lost {
                     state.faults -= 1;
                 }
-                if lost {
-                    w.resend = Some(Call {
-                        epoch,
-                        positions: positions.clone(),
-                        op,
-                    });
-                }
-                self.settle(&mut state.redis, worker, epoch, &positions, op);
+                self.settle(&mut state.redis, worker, call.epoch, &call.positions, op);
             }
             Step::Resend { worker } => {
                 let call = state.workers[worker as usize].resend.take()?;
@@ -752,10 +686,7 @@ impl Model for Groups {
                 state.faults -= 1;
             }
             Step::Crash { worker } => {
-                let w = &mut state.workers[worker as usize];
-                w.expired = true;
-                w.held.clear();
-                w.resend = None;
+                state.workers[worker as usize].crash();
                 state.faults -= 1;
             }
             Step::Recover { list } => {
