@@ -9,11 +9,14 @@
 //!   purpose;
 //! - [`run`]: running a check, and the search for the shortest counterexample;
 //! - [`turns`]: `priority_weights`' turns (turns.lua), a model of their own: the credits of the levels;
-//! - [`types`]: limits per task type (types.lua, claim.lua's flow path, settle.lua's runs), a model of their own.
+//! - [`types`]: limits per task type (types.lua, claim.lua's flow path, settle.lua's runs), a model of their own;
+//! - [`groups`]: fair groups (groups.lua, claim.lua's grouped path, settle.lua's unparking, group_resume.lua), a
+//!   model of their own.
 //!
 //! See `model/README.md` for what the model covers, what it leaves out, and what the checker found.
 
 pub mod canon;
+pub mod groups;
 pub mod model;
 pub mod redis;
 pub mod run;

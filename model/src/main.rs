@@ -25,6 +25,7 @@ use std::hash::Hash;
 
 use stateright::Model;
 
+use kmq_model::groups::{self, Grouped, Groups};
 use kmq_model::run::{self, Report, Search};
 use kmq_model::setup::{self, Mutation, Setup};
 use kmq_model::turns::{self, Turns, TurnsMutation, Weighted};
@@ -66,6 +67,7 @@ fn main() {
     let mut setups: Vec<Setup> = Vec::new();
     let mut weighted: Vec<Weighted> = Vec::new();
     let mut typed: Vec<Limited> = Vec::new();
+    let mut grouped: Vec<Grouped> = Vec::new();
     let mut experiments = false;
     for word in if words.is_empty() { vec!["ci"] } else { words } {
         match word {
@@ -73,9 +75,13 @@ fn main() {
                 setups.extend(setup::ci());
                 weighted.extend(turns::scenarios());
                 typed.extend(types::scenarios());
+                grouped.extend(groups::scenarios());
             }
             "large" => setups.extend(setup::large()),
             "break" => experiments = true,
+            name if groups::scenarios().iter().any(|g| g.name == name) => {
+                grouped.extend(groups::scenarios().into_iter().filter(|g| g.name == name))
+            }
             name if types::scenarios().iter().any(|l| l.name == name) => {
                 typed.extend(types::scenarios().into_iter().filter(|l| l.name == name))
             }
@@ -111,6 +117,22 @@ fn main() {
             let search = run::shortest_in(&Types::new(setup), property);
             print_experiment(name, mutation, property, search);
         }
+        for (setup, property) in groups::experiments() {
+            let (name, mutation) = (setup.name, setup.mutation);
+            let search = run::shortest_in(&Groups::new(setup), property);
+            print_experiment(name, mutation, property, search);
+        }
+    }
+    for setup in grouped {
+        let name = setup.name;
+        find_or_check(
+            name,
+            Groups::new(setup),
+            find.as_deref(),
+            threads,
+            cap,
+            trace,
+        );
     }
     for setup in typed {
         let name = setup.name;

@@ -33,7 +33,7 @@ use stateright::{Model, Property};
 /// The most tasks a scenario has.
 pub const TASKS: usize = 4;
 /// The most tasks one claim takes.
-const TAKE: usize = 3;
+pub const TAKE: usize = 3;
 /// The most daemons.
 const WORKERS: usize = 2;
 
@@ -189,7 +189,7 @@ pub enum Op {
     Ack,
     /// A hand-back: to the ready list's head, as it was taken.
     Back,
-    /// A handler's throttle of an `A`: to the flow's head, the type's throttle set.
+    /// A handler's throttle: to its flow's head, its type's (its group's) throttle set.
     Throttle,
     /// A monitor's recovery: to the ready list's head, `recovered` + 1.
     Recover,
@@ -211,6 +211,48 @@ pub struct Worker {
     pub epoch: u8,
     pub held: ArrayVec<u8, TAKE>,
     pub resend: Option<Call>,
+}
+
+/// The daemon's side of the steps, the same for the type limits' model and the groups' ([`crate::groups`]).
+impl Worker {
+    /// Before a claim: LEASELOST when its lease ran out, and the daemon registers a new owner.
+    pub fn claims(&mut self) {
+        if self.expired {
+            self.expired = false;
+            self.epoch += 1;
+        }
+    }
+
+    /// The settle call for the held positions in `mask` (bit i: `held[i]`), which the daemon no longer holds; a
+    /// lost reply keeps the call to send again.
+    pub fn settle_call(&mut self, mask: u8, op: Op, lost: bool) -> Call {
+        let mut positions = ArrayVec::new();
+        let mut kept = ArrayVec::new();
+        for (i, p) in self.held.iter().enumerate() {
+            if mask & (1 << i) != 0 {
+                positions.push(*p);
+            } else {
+                kept.push(*p);
+            }
+        }
+        self.held = kept;
+        let call = Call {
+            epoch: self.epoch,
+            positions,
+            op,
+        };
+        if lost {
+            self.resend = Some(call.clone());
+        }
+        call
+    }
+
+    /// `kill -9`: the daemon forgets what it held, and its owner's lease runs out.
+    pub fn crash(&mut self) {
+        self.expired = true;
+        self.held.clear();
+        self.resend = None;
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -543,12 +585,7 @@ impl Model for Types {
         let mut state = last.clone();
         match step {
             Step::Claim { worker, max } => {
-                let w = &mut state.workers[worker as usize];
-                if w.expired {
-                    // LEASELOST: the daemon registers a new owner, then claims.
-                    w.expired = false;
-                    w.epoch += 1;
-                }
+                state.workers[worker as usize].claims();
                 self.claim(&mut state, worker, max);
             }
             Step::Settle {
@@ -557,29 +594,11 @@ impl Model for Types {
                 op,
                 lost,
             } => {
-                let w = &mut state.workers[worker as usize];
-                let mut positions = ArrayVec::new();
-                let mut kept = ArrayVec::new();
-                for (i, p) in w.held.iter().enumerate() {
-                    if mask & (1 << i) != 0 {
-                        positions.push(*p);
-                    } else {
-                        kept.push(*p);
-                    }
-                }
-                w.held = kept;
-                let epoch = w.epoch;
+                let call = state.workers[worker as usize].settle_call(mask, op, lost);
                 if op != Op::Ack || lost {
                     state.faults -= 1;
                 }
-                if lost {
-                    w.resend = Some(Call {
-                        epoch,
-                        positions: positions.clone(),
-                        op,
-                    });
-                }
-                self.settle(&mut state.redis, worker, epoch, &positions, op);
+                self.settle(&mut state.redis, worker, call.epoch, &call.positions, op);
             }
             Step::Resend { worker } => {
                 let call = state.workers[worker as usize].resend.take()?;
@@ -596,10 +615,7 @@ impl Model for Types {
                 state.faults -= 1;
             }
             Step::Crash { worker } => {
-                let w = &mut state.workers[worker as usize];
-                w.expired = true;
-                w.held.clear();
-                w.resend = None;
+                state.workers[worker as usize].crash();
                 state.faults -= 1;
             }
             Step::Recover { list } => {

@@ -321,6 +321,55 @@ fn stats_and_metrics_say_how_many_groups_wait() {
     drop(daemon);
 }
 
+/// A claim whose lowest passes are all paused groups reads past them to a group that may run: with six paused
+/// groups ahead of it in the ring and claims of one task, the other group's task starts at once. Before the fix
+/// each claim parked one paused group and took nothing, and its fetcher waited `idle_poll` (5 s) for a wake-up:
+/// the task started after six of them (the model's finding, model/README.md).
+#[test]
+fn a_claim_reads_past_paused_groups_to_one_that_may_run() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let queue =
+        safe_queue("workers = 1\nprefetch = 0\nbatch = 1\nidle_poll = \"5s\"\n[queues.groups]\n");
+    let config = dir.config(&redis, &queue);
+    let daemon = TestDaemon::start(&config);
+    let paused: Vec<String> = (1..=6).map(|k| format!("a{k}")).collect();
+    for group in &paused {
+        kmqd_ok(&config, &["group", "pause", "jobs", group]);
+    }
+    let mut tasks: Vec<kmqd::NewTask> = paused
+        .iter()
+        .map(|group| {
+            kmqd::NewTask::new("test", "{}")
+                .unwrap()
+                .id(format!("{group}-0"))
+                .group(group)
+        })
+        .collect();
+    tasks.push(
+        kmqd::NewTask::new("test", "{}")
+            .unwrap()
+            .id("z0")
+            .group("z"),
+    );
+    client(&config).push_batch("jobs", tasks).unwrap();
+    // Within 20 s: the fix takes it in the claim after the push; before it, six idle polls of 5 s.
+    eventually(
+        Duration::from_secs(20),
+        "the unpaused group's task ran",
+        || {
+            let n = ended(&dir, "z");
+            (n >= 1, n)
+        },
+    );
+    assert_eq!(ended(&dir, "a"), 0, "a paused group's task ran");
+    for group in &paused {
+        kmqd_ok(&config, &["group", "resume", "jobs", group]);
+    }
+    assert_drained(&config, &redis, 7);
+    daemon.stop();
+}
+
 /// A handler's throttle holds back its task's group on every daemon for the time it asks, and the task comes back
 /// uncharged at its group's head; the other groups go on meanwhile.
 #[test]

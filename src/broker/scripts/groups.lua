@@ -229,20 +229,28 @@ local function groups_intake(g, levels, ready_key, bound)
   end
 end
 
--- The flows a level's take may serve: the `want` lowest passes, each with its group's state and its list's
--- length (all read before the claim's first write of a payload). Returns them, or nil and the error reply.
+-- The flows a level's take may serve: the lowest passes, until `want` of them are of groups their limits admit
+-- (a refused group's flow is read past, and groups_take moves it out of the lowest band: without that, a claim
+-- whose lowest passes were all paused or full took nothing though the next flow's group could run, and its
+-- fetcher waited for a wake-up; the model's finding, model/README.md), at most `want` + 256 flows, each with its
+-- group's state (all read before the claim's first write of a payload). Returns them, or nil and the error reply.
 local function groups_candidates(script, g, level, want, running, now)
-  local picks = redis.call('ZRANGE', g.rings[level], '-inf', '(' .. GROUP_TIMED, 'BYSCORE', 'LIMIT', 0, want,
-    'WITHSCORES')
-  local cands = {}
-  for k = 1, #picks, 2 do
-    local member = picks[k]
-    local flow = group_flow(g, level, member)
-    local refused = g.wrong(flow, 'list')
-    if refused then return nil, refused end
-    local st, bad = group_state(script, g, group_of_member(member), running, now)
-    if bad then return nil, bad end
-    cands[#cands + 1] = {member = member, pass = tonumber(picks[k + 1]), flow = flow, st = st}
+  local cands, admitted, offset = {}, 0, 0
+  while admitted < want and offset < want + 256 do
+    local picks = redis.call('ZRANGE', g.rings[level], '-inf', '(' .. GROUP_TIMED, 'BYSCORE', 'LIMIT', offset,
+      want - admitted, 'WITHSCORES')
+    if #picks == 0 then break end
+    offset = offset + #picks / 2
+    for k = 1, #picks, 2 do
+      local member = picks[k]
+      local flow = group_flow(g, level, member)
+      local refused = g.wrong(flow, 'list')
+      if refused then return nil, refused end
+      local st, bad = group_state(script, g, group_of_member(member), running, now)
+      if bad then return nil, bad end
+      cands[#cands + 1] = {member = member, pass = tonumber(picks[k + 1]), flow = flow, st = st}
+      if not group_refused(st, now) then admitted = admitted + 1 end
+    end
   end
   return cands
 end
