@@ -27,9 +27,12 @@
 //! own that runs the `kmqd` binary as its daemons), and the private redis-servers it and the tests start
 //! (`kmqd-harness`, harness/).
 //!
-//! Visibility: a module is `pub` only when something outside the crate names it (the binary, tests/it, the bench,
-//! the fuzzers); the rest are `pub(crate)`, and so are the per-daemon threads and the lane inside [`daemon`] (issue
-//! 35, review P8), so that rustc's dead-code lint sees what nothing uses.
+//! Visibility: a module or an item is `pub` only when something outside the crate names it (the binary,
+//! tests/it, the bench, examples/, and the fuzzers, a workspace of their own that `cargo clippy --workspace` does
+//! not check: `cd fuzz && cargo check --all-targets`), or when it is the library's API: [`Client`] and every type
+//! its methods take or return, whoever uses them. The rest is `pub(crate)`: the per-daemon threads and the lane
+//! inside [`daemon`], and the internals of the public modules (issue 35, review P8), so that rustc's dead-code lint
+//! sees what nothing uses.
 #![deny(unsafe_code)]
 
 pub mod broker;
@@ -44,7 +47,7 @@ pub(crate) mod observed;
 pub(crate) mod overview;
 pub mod plugin;
 pub(crate) mod policy;
-pub(crate) mod pulse;
+pub mod pulse;
 pub mod queue;
 pub(crate) mod retry;
 pub(crate) mod settlement;

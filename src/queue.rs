@@ -15,11 +15,11 @@ use crate::task::{Envelope, EnvelopeError, Slot, new_id};
 pub struct QueueContext {
     pub config: QueueConfig,
     pub keys: QueueKeys,
-    pub policy: Policy,
+    pub(crate) policy: Policy,
     /// `host:pid` of this daemon, written into the dead-letter records it makes.
-    pub daemon_id: String,
+    pub(crate) daemon_id: String,
     /// `[redis] io_timeout`: what a blocking call waits beyond its own timeout.
-    pub io_timeout: std::time::Duration,
+    pub(crate) io_timeout: std::time::Duration,
 }
 
 impl QueueContext {
@@ -52,14 +52,14 @@ impl QueueContext {
 
     /// Decodes a payload of this queue: an envelope, or a foreign payload when the queue accepts them. A task
     /// without an id gets a fresh one, which retries and dead letters then carry.
-    pub fn decode<'a>(&self, payload: &'a [u8]) -> Result<Envelope<'a>, EnvelopeError> {
+    pub(crate) fn decode<'a>(&self, payload: &'a [u8]) -> Result<Envelope<'a>, EnvelopeError> {
         let mut slot = Slot::new();
         self.decode_in(payload, &mut slot)?;
         Ok(slot.into_envelope())
     }
 
     /// [`QueueContext::decode`] into `slot`, where the envelope stays (the worker's: see [`Envelope::decode_in`]).
-    pub fn decode_in<'a>(
+    pub(crate) fn decode_in<'a>(
         &self,
         payload: &'a [u8],
         slot: &mut Slot<'a>,
@@ -78,7 +78,7 @@ impl QueueContext {
 
     /// The verdict on a held task: `verdict_of` judges one that decodes; one that does not is unrunnable (and
     /// so dead-lettered with the decode error as its reason). Returns the envelope too, for the settlement.
-    pub fn judge<'a>(
+    pub(crate) fn judge<'a>(
         &self,
         payload: &'a [u8],
         verdict_of: impl FnOnce(&Envelope<'a>) -> Verdict,
@@ -90,14 +90,18 @@ impl QueueContext {
     }
 
     /// A held task's envelope, or, when it cannot run (too large, or not an envelope), the verdict on it.
-    pub fn runnable<'a>(&self, payload: &'a [u8]) -> Result<Envelope<'a>, Verdict> {
+    pub(crate) fn runnable<'a>(&self, payload: &'a [u8]) -> Result<Envelope<'a>, Verdict> {
         let mut slot = Slot::new();
         self.runnable_in(payload, &mut slot)?;
         Ok(slot.into_envelope())
     }
 
     /// [`QueueContext::runnable`] into `slot`, where the envelope stays (the worker's).
-    pub fn runnable_in<'a>(&self, payload: &'a [u8], slot: &mut Slot<'a>) -> Result<(), Verdict> {
+    pub(crate) fn runnable_in<'a>(
+        &self,
+        payload: &'a [u8],
+        slot: &mut Slot<'a>,
+    ) -> Result<(), Verdict> {
         // Safe mode's claim keeps such payloads in Redis; default mode's pop has read them, but they never run.
         if payload.len() > self.config.max_task_bytes {
             let reason = format!(

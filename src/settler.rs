@@ -25,7 +25,7 @@ use crate::shutdown::Listener;
 /// The most bytes of records (payloads, envelopes, dead records) one settle call carries, unless a single record
 /// is larger: well under Redis's `proto-max-bulk-len` (512 MiB) and small beside a `maxmemory` worth running a
 /// queue of large tasks with, while a call of a thousand tasks of 64 KiB still goes whole.
-pub const CALL_BYTES: usize = 64 << 20;
+pub(crate) const CALL_BYTES: usize = 64 << 20;
 
 /// What one record costs a call besides its payload: its op, token, unique id, level, delay and flag.
 const RECORD_OVERHEAD: usize = 64;
@@ -47,14 +47,14 @@ pub struct Report {
     /// Per settlement, in order: whether it applied (false: stale, its task was recovered meanwhile); `None`
     /// for a plain acknowledgement (counted in `stale_acks`), for every settlement of a call Redis had
     /// already answered (`Settled::superseded`), and for a refused one.
-    pub applied: Vec<Option<bool>>,
+    pub(crate) applied: Vec<Option<bool>>,
     /// The settlements Redis refused, each alone in its call (positions in the batch, ascending): not applied.
-    pub refused: Vec<usize>,
+    pub(crate) refused: Vec<usize>,
     /// Plain acknowledgements whose token was no longer in the processing area.
-    pub stale_acks: usize,
+    pub(crate) stale_acks: usize,
     /// How many calls were answered with the settling owner's journal: each added one to it (see
     /// `Settled::journal`).
-    pub journaled: u64,
+    pub(crate) journaled: u64,
 }
 
 /// What every call of one [`Settler::settle`] settles against.
@@ -82,7 +82,7 @@ impl Settler {
     }
 
     /// Beats `pulse` at every attempt.
-    pub fn with_pulse(mut self, pulse: Pulse) -> Settler {
+    pub(crate) fn with_pulse(mut self, pulse: Pulse) -> Settler {
         self.pulse = Some(pulse);
         self
     }

@@ -71,12 +71,12 @@ impl Default for Trigger {
 
 impl Listener {
     /// Whether the trigger has fired.
-    pub fn is_triggered(&self) -> bool {
+    pub(crate) fn is_triggered(&self) -> bool {
         self.fired.load(Ordering::Acquire)
     }
 
     /// Sleeps up to `timeout`, returning early (with `true`) when the trigger fires.
-    pub fn wait(&self, timeout: Duration) -> bool {
+    pub(crate) fn wait(&self, timeout: Duration) -> bool {
         matches!(
             self.receiver.recv_timeout(timeout),
             Err(RecvTimeoutError::Disconnected)
@@ -84,7 +84,7 @@ impl Listener {
     }
 
     /// The channel to `select!` on: its arm fires (with `Err`) once the trigger has fired.
-    pub fn receiver(&self) -> &Receiver<()> {
+    pub(crate) fn receiver(&self) -> &Receiver<()> {
         &self.receiver
     }
 }

@@ -158,7 +158,7 @@ impl Connector {
 
     /// Names every connection this connector makes `BASE:ROLE` (`CLIENT SETNAME`; ROLE is `pool` unless
     /// [`Connector::connect_as`] says otherwise): the daemon's, `kmqd:HOST:PID`.
-    pub fn with_client_name(mut self, base: impl Into<String>) -> Connector {
+    pub(crate) fn with_client_name(mut self, base: impl Into<String>) -> Connector {
         self.client_name = Some(base.into());
         self
     }
@@ -168,13 +168,9 @@ impl Connector {
         self.connect_as(self.io_timeout, "pool")
     }
 
-    /// A new connection whose replies must come within `timeout` (the heartbeat's is shorter than a lease).
-    pub fn connect_with_timeout(&self, timeout: Duration) -> Result<Conn> {
-        self.connect_as(timeout, "pool")
-    }
-
-    /// As [`Connector::connect_with_timeout`], named `BASE:role` when the connector names its connections.
-    pub fn connect_as(&self, timeout: Duration, role: &str) -> Result<Conn> {
+    /// A new connection whose replies must come within `timeout` (the heartbeat's is shorter than a lease), named
+    /// `BASE:role` when the connector names its connections.
+    pub(crate) fn connect_as(&self, timeout: Duration, role: &str) -> Result<Conn> {
         let mut connection = self.open(timeout)?;
         if let Some(base) = &self.client_name {
             set_name(&mut connection, &format!("{base}:{role}"))?;
@@ -213,7 +209,7 @@ impl Connector {
 
     /// A connection for `SUBSCRIBE`: to the one Redis or the master, or in a cluster to the first seed that
     /// answers (a plain `PUBLISH` reaches every node of a cluster).
-    pub fn subscriber(&self) -> Result<Connection> {
+    pub(crate) fn subscriber(&self) -> Result<Connection> {
         match &self.target {
             Target::Cluster { seeds, .. } => {
                 let mut last = None;
@@ -254,14 +250,14 @@ impl Connector {
     }
 
     /// The ACL user the connections log in as (`default`: Redis's own, when the config names none).
-    pub fn username(&self) -> &str {
+    pub(crate) fn username(&self) -> &str {
         &self.username
     }
 
     /// After a failure that reads as a Redis that is down: whether it is the ACL user's instead. A cluster
     /// client turns a refusal of its own commands (PING each node, CLUSTER SLOTS) into an I/O error or "no
     /// connections found", so the seeds are asked directly; elsewhere a refusal comes back as itself (`None`).
-    pub fn refusal(&self) -> Option<redis::RedisError> {
+    pub(crate) fn refusal(&self) -> Option<redis::RedisError> {
         match &self.target {
             Target::Cluster { seeds, .. } => refusal_at_seeds(seeds, self.connect_timeout),
             Target::Single(_) | Target::Sentinel(_) => None,
@@ -300,7 +296,7 @@ fn refusal_at_seeds(seeds: &[redis::Client], timeout: Duration) -> Option<redis:
 /// the connection is broken and its caller's retry, rate-limited and logged once, handles it. Through a cluster
 /// connection the name goes to every node it is connected to; a node connection the cluster client makes later
 /// (after a failover, a slot migration) stays unnamed until its thread reconnects.
-pub fn set_name(connection: &mut impl ConnectionLike, name: &str) -> RedisResult<()> {
+pub(crate) fn set_name(connection: &mut impl ConnectionLike, name: &str) -> RedisResult<()> {
     match redis::cmd("CLIENT")
         .arg("SETNAME")
         .arg(name)
@@ -396,7 +392,7 @@ impl Conn {
     /// Runs `call`, with the bulk strings at `depth` of the replies it reads (the reply itself is depth 1) read
     /// into one buffer where kmqd's own connection reads them: each then stands in its reply as `Value::Int` of
     /// its index there ([`super::payloads::Gather`] takes both forms).
-    pub fn with_payloads<T>(
+    pub(crate) fn with_payloads<T>(
         &mut self,
         depth: usize,
         call: impl FnOnce(&mut Conn) -> RedisResult<T>,
@@ -420,7 +416,7 @@ impl Conn {
         }
     }
 
-    pub fn set_write_timeout(&self, timeout: Option<Duration>) -> RedisResult<()> {
+    pub(crate) fn set_write_timeout(&self, timeout: Option<Duration>) -> RedisResult<()> {
         match &self.link {
             Link::Node(connection) => connection.set_write_timeout(timeout),
             Link::Cluster(connection) => connection.set_write_timeout(timeout),
@@ -429,7 +425,7 @@ impl Conn {
 
     /// Sends a command that names no key (`WAIT`, `UNWATCH`, `TIME`) to the master that holds `key`: where the
     /// calls before it on this key went.
-    pub fn query_at<T: redis::FromRedisValue>(
+    pub(crate) fn query_at<T: redis::FromRedisValue>(
         &mut self,
         key: &str,
         command: &Cmd,
@@ -450,7 +446,7 @@ impl Conn {
     /// Sends a command that names no key to every master: the one Redis (or the Sentinels' master) or, in a
     /// cluster, each master of the slot map. Each reply comes with its node's address in a cluster (`None`
     /// otherwise); a failure on any node fails the whole.
-    pub fn query_every_master(
+    pub(crate) fn query_every_master(
         &mut self,
         command: &Cmd,
     ) -> RedisResult<Vec<(Option<String>, Value)>> {
@@ -476,7 +472,7 @@ impl Conn {
     /// write made so far on this connection (`WAIT`); a failover to one of them then cannot undo the change.
     /// Fewer acknowledgements within `wait_timeout` is [`BrokerError::NotReplicated`]: the change was made on
     /// the master, and its caller treats the call as one whose reply was lost (the calls are safe to repeat).
-    pub fn replicated(&mut self, key: &str) -> Result<()> {
+    pub(crate) fn replicated(&mut self, key: &str) -> Result<()> {
         let Some(wait) = self.wait else {
             return Ok(());
         };
@@ -560,7 +556,7 @@ pub(super) const LOST_REPLY: &str = "kmqd: the reply was lost; the command may h
 /// it can only do when it sees the loss. So an I/O error after a command was sent becomes an error the cluster
 /// client does not retry (`ErrorKind::Client`, [`LOST_REPLY`]); redirects (MOVED, ASK) and refusals (TRYAGAIN,
 /// CLUSTERDOWN, READONLY), where the command did not run, are still followed and retried by the crate.
-pub struct NodeConnection(Node);
+pub(crate) struct NodeConnection(Node);
 
 fn lost(error: RedisError) -> RedisError {
     if error.is_io_error() || error.is_timeout() || error.is_connection_dropped() {
@@ -633,7 +629,7 @@ pub struct ManagedConn {
 
 impl ManagedConn {
     /// Closes the connection instead of returning it to the pool (it failed: it may hold a stale reply).
-    pub fn mark_broken(&mut self) {
+    pub(crate) fn mark_broken(&mut self) {
         self.broken = true;
     }
 }
@@ -724,7 +720,7 @@ impl Session {
     }
 
     /// A session whose connections are named `name` (the daemon's threads: `kmqd:HOST:PID:fetcher-mail`).
-    pub fn named(pool: Pool, name: String) -> Session {
+    pub(crate) fn named(pool: Pool, name: String) -> Session {
         Session {
             pool,
             held: None,
@@ -733,7 +729,7 @@ impl Session {
     }
 
     /// The connection, connecting first if needed.
-    pub fn get(&mut self) -> Result<&mut Conn> {
+    pub(crate) fn get(&mut self) -> Result<&mut Conn> {
         if self.held.is_none() {
             let mut connection = self.pool.get()?;
             if let Some(name) = &self.name
@@ -749,7 +745,7 @@ impl Session {
     }
 
     /// Closes the connection after a failure; the next `get` opens a new one.
-    pub fn reset(&mut self) {
+    pub(crate) fn reset(&mut self) {
         if let Some(mut connection) = self.held.take() {
             connection.broken = true;
         }

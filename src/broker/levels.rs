@@ -12,10 +12,10 @@ use super::{Conn, QueueKeys, Result, owner_info, owners};
 
 /// One level the config does not name and the keys of it that hold tasks, each with how many.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Stranded {
-    pub level: String,
+pub(crate) struct Stranded {
+    pub(crate) level: String,
     /// (key, tasks it holds), in key order.
-    pub keys: Vec<(String, u64)>,
+    pub(crate) keys: Vec<(String, u64)>,
 }
 
 impl Stranded {
@@ -65,7 +65,7 @@ fn glob_literal(text: &str) -> String {
 
 /// The levels of `keys`' queue that hold tasks in Redis although `keys.levels` does not name them and no live
 /// owner registered them (a daemon with another config serves those), in level order.
-pub fn stranded(conn: &mut Conn, keys: &QueueKeys) -> Result<Vec<Stranded>> {
+pub(crate) fn stranded(conn: &mut Conn, keys: &QueueKeys) -> Result<Vec<Stranded>> {
     let base = keys.base();
     let pattern = format!("{}:*", glob_literal(base));
     let mut found: BTreeMap<String, Vec<(String, Kind)>> = BTreeMap::new();

@@ -35,7 +35,7 @@ use super::payloads::Payloads;
 use super::resp;
 
 /// One node's connection (see the module's doc).
-pub enum Node {
+pub(crate) enum Node {
     Plain(PlainConnection),
     Redis(Connection),
 }
@@ -43,7 +43,7 @@ pub enum Node {
 impl Node {
     /// Connects to `info`'s node with kmqd's own connection when it can, else with `fallback` (redis-rs's):
     /// for TLS, RESP3, and a setup Redis refused (so that redis-rs reports it, see the module's doc).
-    pub fn connect(
+    pub(crate) fn connect(
         info: &ConnectionInfo,
         timeout: Option<Duration>,
         fallback: impl FnOnce() -> RedisResult<Connection>,
@@ -54,14 +54,14 @@ impl Node {
         }
     }
 
-    pub fn set_read_timeout(&self, timeout: Option<Duration>) -> RedisResult<()> {
+    pub(crate) fn set_read_timeout(&self, timeout: Option<Duration>) -> RedisResult<()> {
         match self {
             Node::Plain(connection) => connection.set_read_timeout(timeout),
             Node::Redis(connection) => connection.set_read_timeout(timeout),
         }
     }
 
-    pub fn set_write_timeout(&self, timeout: Option<Duration>) -> RedisResult<()> {
+    pub(crate) fn set_write_timeout(&self, timeout: Option<Duration>) -> RedisResult<()> {
         match self {
             Node::Plain(connection) => connection.set_write_timeout(timeout),
             Node::Redis(connection) => connection.set_write_timeout(timeout),
@@ -70,14 +70,14 @@ impl Node {
 
     /// Reads the bulk strings at `depth` of the replies that follow into one buffer, until [`Node::collected`]
     /// (kmqd's own connection only; see [`resp::Reader::collect_payloads`]).
-    pub fn collect_payloads(&mut self, depth: usize) {
+    pub(crate) fn collect_payloads(&mut self, depth: usize) {
         if let Node::Plain(connection) = self {
             connection.reader.collect_payloads(depth);
         }
     }
 
     /// What was collected since [`Node::collect_payloads`] (nothing on redis-rs's connection).
-    pub fn collected(&mut self) -> Payloads {
+    pub(crate) fn collected(&mut self) -> Payloads {
         match self {
             Node::Plain(connection) => connection.reader.collected(),
             Node::Redis(_) => Payloads::default(),
@@ -85,7 +85,7 @@ impl Node {
     }
 
     /// Sends a command without reading its reply (a cluster connection's pipelines over several nodes).
-    pub fn send_packed_command(&mut self, command: &[u8]) -> RedisResult<()> {
+    pub(crate) fn send_packed_command(&mut self, command: &[u8]) -> RedisResult<()> {
         match self {
             Node::Plain(connection) => connection.send(command),
             Node::Redis(connection) => connection.send_packed_command(command),
@@ -93,7 +93,7 @@ impl Node {
     }
 
     /// Reads the reply of a command sent with [`Node::send_packed_command`].
-    pub fn recv_response(&mut self) -> RedisResult<Value> {
+    pub(crate) fn recv_response(&mut self) -> RedisResult<Value> {
         match self {
             Node::Plain(connection) => connection.receive(),
             Node::Redis(connection) => connection.recv_response(),
@@ -194,7 +194,7 @@ impl Write for Stream {
 }
 
 /// kmqd's own connection to a Redis node on a plain socket (see the module's doc).
-pub struct PlainConnection {
+pub(crate) struct PlainConnection {
     stream: Stream,
     reader: resp::Reader,
     db: i64,
@@ -214,7 +214,7 @@ fn closed() -> RedisError {
 impl PlainConnection {
     /// Opens a connection to `info`'s node, logged in and on its database. `Ok(None)`: not one kmqd opens itself
     /// (TLS, RESP3), or Redis refused the setup; redis-rs's connection is used instead.
-    pub fn connect(
+    pub(crate) fn connect(
         info: &ConnectionInfo,
         timeout: Option<Duration>,
     ) -> RedisResult<Option<PlainConnection>> {
@@ -283,11 +283,11 @@ impl PlainConnection {
         Ok(Some(connection))
     }
 
-    pub fn set_read_timeout(&self, timeout: Option<Duration>) -> RedisResult<()> {
+    pub(crate) fn set_read_timeout(&self, timeout: Option<Duration>) -> RedisResult<()> {
         Ok(self.stream.set_read_timeout(timeout)?)
     }
 
-    pub fn set_write_timeout(&self, timeout: Option<Duration>) -> RedisResult<()> {
+    pub(crate) fn set_write_timeout(&self, timeout: Option<Duration>) -> RedisResult<()> {
         Ok(self.stream.set_write_timeout(timeout)?)
     }
 

@@ -39,9 +39,9 @@ pub struct OwnerInfo {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LeaseClock {
     /// Redis's clock when the script ran, ms since the epoch.
-    pub now_ms: i64,
+    pub(crate) now_ms: i64,
     /// The lease's deadline minus `now_ms` (ms).
-    pub left_ms: i64,
+    pub(crate) left_ms: i64,
 }
 
 /// Registers `owner` with a lease, describing itself with `info`. Returns `None` when the id is known and its

@@ -24,7 +24,7 @@ impl Payloads {
 
     /// Appends a payload that `fill` appends to the buffer (a bulk string read straight from a socket, the buffer
     /// growing as its bytes arrive); returns its index, or `fill`'s error (the payload is then not added).
-    pub fn push_with<E>(
+    pub(crate) fn push_with<E>(
         &mut self,
         fill: impl FnOnce(&mut Vec<u8>) -> std::result::Result<(), E>,
     ) -> std::result::Result<usize, E> {
@@ -39,7 +39,7 @@ impl Payloads {
 
     /// Makes room for `more` payloads of `size` bytes, at most `most` bytes of it (nothing when there is room
     /// already): the sizes come from a reply's headers, before its payloads are read.
-    pub fn reserve(&mut self, more: usize, size: usize, most: usize) {
+    pub(crate) fn reserve(&mut self, more: usize, size: usize, most: usize) {
         self.ends.reserve(more);
         self.bytes.reserve(more.saturating_mul(size).min(most));
     }
@@ -49,26 +49,22 @@ impl Payloads {
         &self.bytes[start..self.ends[index]]
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.ends.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.ends.is_empty()
     }
 }
 
 /// Gathers the payloads of one reply, in order, into [`Payloads`]: each element is one the reader collected
 /// (`Value::Int` of its index, the next one due) or a string to copy (a reply another connection read).
 #[derive(Debug)]
-pub struct Gather {
+pub(crate) struct Gather {
     payloads: Payloads,
     next: usize,
 }
 
 impl Gather {
     /// Starts from what the reader collected while it read the reply (empty for another connection).
-    pub fn new(collected: Payloads) -> Gather {
+    pub(crate) fn new(collected: Payloads) -> Gather {
         Gather {
             payloads: collected,
             next: 0,
@@ -77,7 +73,7 @@ impl Gather {
 
     /// Takes the next payload: a payload exactly as stored (producers may push bytes that are not UTF-8, and
     /// such a task is dead-lettered with its bytes intact).
-    pub fn take(&mut self, value: Value, what: &'static str) -> Result<()> {
+    pub(crate) fn take(&mut self, value: Value, what: &'static str) -> Result<()> {
         match value {
             Value::Int(index) if index == self.next as i64 && self.next < self.payloads.len() => {}
             Value::BulkString(bytes) if self.next == self.payloads.len() => {
@@ -98,7 +94,7 @@ impl Gather {
     }
 
     /// The payloads gathered; an error if the reader collected one that the reply did not stand for.
-    pub fn finish(self, what: &'static str) -> Result<Payloads> {
+    pub(crate) fn finish(self, what: &'static str) -> Result<Payloads> {
         if self.next != self.payloads.len() {
             return Err(reply_error(
                 what,

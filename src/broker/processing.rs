@@ -12,7 +12,7 @@ use super::{QueueKeys, Result, TokenId, bytes, reply_error, text};
 
 /// Where to go on reading an owner's tasks at a level.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Cursor {
+pub(crate) enum Cursor {
     /// From the start.
     #[default]
     Start,
@@ -26,20 +26,20 @@ pub enum Cursor {
 
 /// How much of a claim list one page reads (review M8: a claim of large tasks is never read whole at once).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Window {
+pub(crate) struct Window {
     /// The most positions of a claim list a page reads (an older owner's hash: HSCAN's COUNT).
-    pub tasks: usize,
+    pub(crate) tasks: usize,
     /// `Some`: the bytes a page may read too, in kmqd's role (`MEMORY USAGE`, which the read-only roles lack):
     /// a claim list larger than `budget` in all is read `budget / largest` positions a page, `largest` being
     /// the largest a claimed task can be (the queue's `max_task_bytes`: claim.lua takes none larger).
-    pub bytes: Option<Budget>,
+    pub(crate) bytes: Option<Budget>,
 }
 
 /// See [`Window::bytes`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Budget {
-    pub budget: u64,
-    pub largest: u64,
+pub(crate) struct Budget {
+    pub(crate) budget: u64,
+    pub(crate) largest: u64,
 }
 
 impl Window {
@@ -63,9 +63,9 @@ impl Window {
 /// A page of what an owner holds at a level: its tasks not yet settled (token, envelope), and where to go on
 /// (`None`: that was all). A page may hold no task and still have a next one (a window of a claim whose tasks
 /// are all settled).
-pub struct Page {
-    pub tasks: Vec<(TokenId, Box<[u8]>)>,
-    pub next: Option<Cursor>,
+pub(crate) struct Page {
+    pub(crate) tasks: Vec<(TokenId, Box<[u8]>)>,
+    pub(crate) next: Option<Cursor>,
 }
 
 impl Page {
@@ -79,7 +79,7 @@ impl Page {
 
 /// A page of the tasks held by `owner` at `level`, from `cursor`: an older owner's hash, `window.tasks` fields
 /// of it (about: HSCAN's COUNT); claim lists, one window of one claim's list (see [`Window`]).
-pub fn held(
+pub(crate) fn held(
     conn: &mut dyn ConnectionLike,
     keys: &QueueKeys,
     owner: &str,
@@ -208,7 +208,7 @@ fn read_window(
 /// How many tasks each of `keys` (an owner's processing keys: claim sets, or an older owner's hashes) holds: the
 /// sum of a claim set's scores (each claim's tasks not yet settled), an older hash's length. Plain reads in two
 /// round trips (the keys' types, then their contents), so that a read-only ACL user may make them.
-pub fn counts(conn: &mut dyn ConnectionLike, keys: &[String]) -> Result<Vec<u64>> {
+pub(crate) fn counts(conn: &mut dyn ConnectionLike, keys: &[String]) -> Result<Vec<u64>> {
     if keys.is_empty() {
         return Ok(Vec::new());
     }
@@ -220,7 +220,7 @@ pub fn counts(conn: &mut dyn ConnectionLike, keys: &[String]) -> Result<Vec<u64>
 }
 
 /// The types of `keys` (TYPE, one round trip), which decide how [`add_count_reads`] reads each.
-pub fn kinds(conn: &mut dyn ConnectionLike, keys: &[String]) -> Result<Vec<String>> {
+pub(crate) fn kinds(conn: &mut dyn ConnectionLike, keys: &[String]) -> Result<Vec<String>> {
     if keys.is_empty() {
         return Ok(Vec::new());
     }
@@ -233,7 +233,7 @@ pub fn kinds(conn: &mut dyn ConnectionLike, keys: &[String]) -> Result<Vec<Strin
 
 /// Adds to `pipe` one read per key of `keys`, of type `kinds`, whose reply [`count_of`] turns into the key's
 /// count of tasks: a hash's HLEN, a claim set's scores.
-pub fn add_count_reads(pipe: &mut redis::Pipeline, keys: &[String], kinds: &[String]) {
+pub(crate) fn add_count_reads(pipe: &mut redis::Pipeline, keys: &[String], kinds: &[String]) {
     for (key, kind) in keys.iter().zip(kinds) {
         match kind.as_str() {
             "hash" => pipe.cmd("HLEN").arg(key),
@@ -244,7 +244,7 @@ pub fn add_count_reads(pipe: &mut redis::Pipeline, keys: &[String], kinds: &[Str
 }
 
 /// The count of tasks in the reply to one of [`add_count_reads`]'s reads.
-pub fn count_of(reply: Value) -> Result<u64> {
+pub(crate) fn count_of(reply: Value) -> Result<u64> {
     match reply.extract_error()? {
         Value::Int(n) => Ok(n.max(0) as u64),
         other => {

@@ -38,7 +38,7 @@ const LARGE_BULK: usize = READ_SIZE;
 /// The longest bulk string read: 512 MiB, Redis's default `proto-max-bulk-len`, the most a Redis string holds
 /// unless that is raised, and the most `max_task_bytes` allows. A longer length (up to 18 digits) can only come
 /// from a corrupt or hostile peer, and is a protocol error before anything is allocated for it.
-pub const MAX_BULK: usize = 512 * 1024 * 1024;
+pub(crate) const MAX_BULK: usize = 512 * 1024 * 1024;
 
 /// The most room made for the payloads of one array before they are read: a claim of 1,000 tasks of 16 KiB.
 /// Beyond it the buffer grows as payloads arrive, so that a corrupt array length and first bulk length cannot
@@ -53,7 +53,7 @@ const MAX_PREALLOCATED: usize = 4096;
 
 /// The bytes received and not yet parsed: `buf[start..end]`.
 #[derive(Debug)]
-pub struct Reader {
+pub(crate) struct Reader {
     buf: Vec<u8>,
     start: usize,
     end: usize,
@@ -123,18 +123,18 @@ impl Reader {
     /// depth 1) are payloads: their bytes go end to end into one buffer, and each stands in its reply as
     /// `Value::Int` of its index there. A claim's tasks are read so, one allocation for all of them
     /// ([`super::payloads`]).
-    pub fn collect_payloads(&mut self, depth: usize) {
+    pub(crate) fn collect_payloads(&mut self, depth: usize) {
         self.collect_at = Some(depth);
     }
 
     /// The payloads collected since [`Reader::collect_payloads`], which ends.
-    pub fn collected(&mut self) -> Payloads {
+    pub(crate) fn collected(&mut self) -> Payloads {
         self.collect_at = None;
         std::mem::take(&mut self.collected)
     }
 
     /// Reads one whole reply from `stream`.
-    pub fn value(&mut self, stream: &mut impl Read) -> RedisResult<Value> {
+    pub(crate) fn value(&mut self, stream: &mut impl Read) -> RedisResult<Value> {
         self.element(stream, 1)
     }
 

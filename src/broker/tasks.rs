@@ -28,10 +28,10 @@ pub enum Due {
 /// One task to enqueue.
 pub struct PushItem<'a> {
     /// The task id (the envelope's `id`): needed for delayed and unique tasks.
-    pub id: &'a str,
+    pub(crate) id: &'a str,
     /// Hold the id while the task is live, refusing other pushes of it.
-    pub unique: bool,
-    pub envelope: &'a str,
+    pub(crate) unique: bool,
+    pub(crate) envelope: &'a str,
 }
 
 /// Runs the enqueue script for tasks of one level. Returns, per task, whether it was accepted.
@@ -89,38 +89,42 @@ pub struct Fetched {
     /// Default mode: the owner that popped it, when Redis keeps something of the task under that owner: its
     /// running slot (a running limit: the owner's share of the count, which its settlement subtracts from) or
     /// its unique id (`holds_unique`). `None` otherwise: the task left Redis for good.
-    pub popped_by: Option<Arc<str>>,
+    pub(crate) popped_by: Option<Arc<str>>,
     /// Default mode: pop.lua recorded the task's unique id as held by `popped_by` (the unique-popped hash). The
     /// id is freed by this task's settlement only while that owner still holds it, and the task starts only
     /// while that owner's lease is surely live: once it ran out, a monitor frees the id and a newer task with it
     /// may run (pop.lua, "The holder").
     pub holds_unique: bool,
     /// Index of the level it came from.
-    pub level: usize,
+    pub(crate) level: usize,
 }
 
 /// The result of one claim or pop.
 #[derive(Debug, Default)]
 pub struct Batch {
     /// Redis's clock when the tasks were taken, ms since the epoch.
-    pub now_ms: i64,
+    pub(crate) now_ms: i64,
     pub tasks: Vec<Fetched>,
     /// The tasks' envelopes as stored (not yet decoded; not necessarily UTF-8), in the order of `tasks`.
     pub payloads: Payloads,
     /// Safe mode: the owner's journal after the claim (or, for an adoption, before it). A claim that stored tasks
     /// (`tasks` not empty) added one to it: the daemon counts such claims, and adoptions that found tasks, and the
     /// heartbeat checks that Redis's journal is still at least that count (renew.lua).
-    pub journal: u64,
+    #[expect(
+        dead_code,
+        reason = "decoded with the reply, whose shape it checks; the daemon counts its claims itself (lane/ownership.rs)"
+    )]
+    pub(crate) journal: u64,
     /// Safe mode, a claim: the time left of the owner's lease at `now_ms` (its deadline minus `now_ms`, ms), by
     /// which the daemon sees Redis's clock step under its lease (`daemon::lane::ownership`).
-    pub lease_left_ms: Option<i64>,
+    pub(crate) lease_left_ms: Option<i64>,
     /// Safe mode: whether the claim ran into the quarantine (see claim.lua).
     pub isolation: Isolation,
     /// The queue is paused (`kmqd queue pause`): nothing was taken, and the fetcher waits `idle_poll` before it
     /// looks again, instead of blocking on a list that may well hold tasks.
-    pub paused: bool,
+    pub(crate) paused: bool,
     /// Safe mode: nothing was taken, because a limit of the queue's held every task back.
-    pub limited: Option<Limited>,
+    pub(crate) limited: Option<Limited>,
 }
 
 /// Which of a queue's limits held a claim back.
@@ -141,7 +145,7 @@ pub enum Limited {
 
 impl Limited {
     /// Until when (the batch's clock) the fetcher should not fetch again; `None`: until a settle's wake-up.
-    pub fn retry_at_ms(self) -> Option<i64> {
+    pub(crate) fn retry_at_ms(self) -> Option<i64> {
         match self {
             // Other tasks may come meanwhile: the fetcher waits for a wake-up marker, at most until then.
             Limited::Running | Limited::Types { .. } => None,
@@ -150,7 +154,7 @@ impl Limited {
     }
 
     /// The config key (or outcome) that held the fetch back, for the log.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Limited::Running => "max_running",
             Limited::Rate { .. } => "rate_limit",
@@ -579,10 +583,10 @@ impl Popper {
 /// A default-mode queue's limits, as a pop counts them (see pop.lua).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct PopLimits<'a> {
-    pub max_running: Option<usize>,
-    pub rate_limit: &'a [RateLimit],
+    pub(crate) max_running: Option<usize>,
+    pub(crate) rate_limit: &'a [RateLimit],
     /// Turns between the levels (see [`ClaimLimits::priority_weights`]).
-    pub priority_weights: &'a [u32],
+    pub(crate) priority_weights: &'a [u32],
 }
 
 /// The lists a default-mode pop takes from, in order: per level, the quarantine lists (most suspect first),
@@ -602,7 +606,7 @@ fn pop_level(index: usize) -> usize {
 
 /// The most bytes of tasks one pop hands the daemon (both ways of popping), unless one task is larger: a pop of
 /// a thousand tasks of 16 MiB would be 16 GiB in one reply, which Redis would buffer too (review M8).
-pub const POP_BYTES: usize = 64 << 20;
+pub(crate) const POP_BYTES: usize = 64 << 20;
 
 /// take.lua in a transaction that runs only if the unique hash stayed empty and the queue unpaused and
 /// unthrottled since they were read (`WATCH` on the three): a task popped this way can hold no unique id, and none
@@ -1008,7 +1012,7 @@ impl ThrottleScope {
 
 impl SettleOp {
     /// What it does, in a word, for the log.
-    pub fn name(&self) -> &'static str {
+    pub(crate) fn name(&self) -> &'static str {
         match self {
             SettleOp::Ack => "ack",
             SettleOp::Retry { .. } => "retry",
@@ -1076,7 +1080,7 @@ impl PartialEq for Holder<'_> {
 
 impl<'a> Holder<'a> {
     /// The holder a settlement names.
-    pub fn of(settlement: &'a Settlement) -> Holder<'a> {
+    pub(crate) fn of(settlement: &'a Settlement) -> Holder<'a> {
         match (&settlement.token, &settlement.popped_by) {
             (Some(token), _) => Holder::Claimed(&token.owner),
             (None, Some(owner)) => Holder::Popped(owner),
@@ -1104,13 +1108,13 @@ pub struct Settled {
     /// owner settled, a monitor settled, the owner's info hash was gone, or a late copy was superseded). The same
     /// in the stored answer to a call sent again: the acker counts one bump per answered call that has a journal
     /// (see [`Batch::journal`]).
-    pub journal: u64,
+    pub(crate) journal: u64,
     /// Redis had already stored a newer call of this settling party: this one is a late copy of a call that was
     /// answered before, and it applied nothing now (settle.lua, "Calls"). A settler sends a call again only until
     /// it is answered and numbers its calls upwards, so a reply of this kind goes to a connection it gave up on
     /// and is never read; one that were read would be of a call answered before: it is taken as "applied
     /// before" (`applied` all `None`, nothing stale, no journal).
-    pub superseded: bool,
+    pub(crate) superseded: bool,
 }
 
 /// One settle call of one settling party (an acker, a monitor): sent again as the same call after a lost reply,

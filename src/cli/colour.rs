@@ -8,11 +8,11 @@ use std::io::IsTerminal;
 
 /// The decision for one stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Colour(bool);
+pub(crate) struct Colour(bool);
 
 /// What a piece of text is, which decides how it is painted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Style {
+pub(crate) enum Style {
     Plain,
     /// Titles.
     Bold,
@@ -28,7 +28,7 @@ pub enum Style {
 
 impl Colour {
     /// For standard output.
-    pub fn stdout() -> Colour {
+    pub(crate) fn stdout() -> Colour {
         Colour::decide(
             std::io::stdout().is_terminal(),
             std::env::var_os("NO_COLOR").as_deref(),
@@ -36,7 +36,7 @@ impl Colour {
     }
 
     /// For standard error (the log lines).
-    pub fn stderr() -> Colour {
+    pub(crate) fn stderr() -> Colour {
         Colour::decide(
             std::io::stderr().is_terminal(),
             std::env::var_os("NO_COLOR").as_deref(),
@@ -44,16 +44,16 @@ impl Colour {
     }
 
     /// The rule itself: a terminal, and `NO_COLOR` unset or empty.
-    pub fn decide(is_terminal: bool, no_color: Option<&OsStr>) -> Colour {
+    pub(crate) fn decide(is_terminal: bool, no_color: Option<&OsStr>) -> Colour {
         Colour(is_terminal && no_color.is_none_or(OsStr::is_empty))
     }
 
-    pub fn enabled(self) -> bool {
+    pub(crate) fn enabled(self) -> bool {
         self.0
     }
 
     /// `text` with the SGR codes of `style` around it, or as it is without colour.
-    pub fn paint(self, style: Style, text: &str) -> String {
+    pub(crate) fn paint(self, style: Style, text: &str) -> String {
         let code = match style {
             Style::Plain => return text.to_string(),
             Style::Bold => "1",

@@ -18,14 +18,14 @@ use super::Failure;
 #[command(args_conflicts_with_subcommands = true)]
 pub struct DashboardArgs {
     #[command(subcommand)]
-    pub command: Option<DashboardCommand>,
+    pub(crate) command: Option<DashboardCommand>,
     /// The address to serve on (port 0: a free one, logged at start). An address beyond loopback needs
     /// authentication: `[dashboard] users_file`, `token_env` or `token_file`.
     #[arg(long, value_name = "ADDR", default_value = DEFAULT_LISTEN)]
-    pub listen: SocketAddr,
+    pub(crate) listen: SocketAddr,
     /// Show everything, change nothing: no buttons, and every action refused (403).
     #[arg(long)]
-    pub read_only: bool,
+    pub(crate) read_only: bool,
 }
 
 #[derive(Subcommand, Debug)]

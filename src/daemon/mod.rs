@@ -76,12 +76,12 @@ use threads::{Event, Group, Role, Threads};
 use timeouts::Timeouts;
 
 /// How long the ackers get to apply what they hold once every task is resolved.
-pub const SETTLE_DEADLINE: Duration = Duration::from_secs(10);
+pub(crate) const SETTLE_DEADLINE: Duration = Duration::from_secs(10);
 /// How long the background threads get to notice the last phase (their blocking calls time out within ~1 s, or
 /// within the heartbeat's read timeout).
-pub const BACKGROUND_DEADLINE: Duration = Duration::from_secs(15);
+pub(crate) const BACKGROUND_DEADLINE: Duration = Duration::from_secs(15);
 /// How long a fetcher gets, beyond `idle_poll`, to come back from Redis once claiming stopped.
-pub const FETCHER_DEADLINE: Duration = Duration::from_secs(11);
+pub(crate) const FETCHER_DEADLINE: Duration = Duration::from_secs(11);
 
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
@@ -111,7 +111,7 @@ pub enum DaemonError {
 impl DaemonError {
     /// Whether the failure is the config's (wrong credentials, missing ACL rules, keys of another protocol
     /// version): retrying cannot help, so `kmqd` exits 2 rather than 1.
-    pub fn is_config_error(&self) -> bool {
+    pub(crate) fn is_config_error(&self) -> bool {
         match self {
             DaemonError::Auth(_) | DaemonError::Tls(_) => true,
             DaemonError::Broker(error) => error.is_config_error(),
@@ -121,7 +121,7 @@ impl DaemonError {
 }
 
 /// `host:pid`, written into dead-letter records so an operator knows where a task died.
-pub fn daemon_id() -> String {
+pub(crate) fn daemon_id() -> String {
     format!("{}:{}", crate::broker::hostname(), std::process::id())
 }
 
@@ -144,7 +144,7 @@ pub fn run(
 /// message on `reload` re-reads the config file ([`reload`], docs/OPERATIONS.md "Reloading").
 ///
 /// The caller owns signal handling: `main` forwards the first SIGTERM/SIGINT to `stop` and SIGHUP to `reload`.
-pub fn serve(
+pub(crate) fn serve(
     config: &Config,
     plugins: Arc<Plugins>,
     stop: Receiver<()>,

@@ -47,15 +47,15 @@ const WINDOW_BYTES: u64 = 16 << 20;
 /// owner's tasks: its claim set's type and claims, the next claim's size, a window of it; or one settle attempt),
 /// then the settler's backoff after a failure; or one final-failure hook. With the defaults (a pass every 5 s):
 /// 50.1 s.
-pub fn stall_bound(redis: &RedisConfig, interval: Duration) -> Duration {
+pub(crate) fn stall_bound(redis: &RedisConfig, interval: Duration) -> Duration {
     interval + redis.call_bound(4) + crate::retry::Backoff::MAX
 }
 
 /// One queue as the monitor watches it.
 pub struct Watched {
-    pub queue: Arc<QueueContext>,
+    pub(crate) queue: Arc<QueueContext>,
     /// This monitor's settling identity on the queue (its calls are answered, not re-applied, after a lost reply).
-    pub settler: Settler,
+    pub(crate) settler: Settler,
     /// How Redis's clock moved against this daemon's between two looks: a forward step defers recoveries.
     clock: ClockWatch,
     trouble: Trouble,
@@ -162,7 +162,7 @@ pub struct Monitor {
 
 impl Monitor {
     /// How often to look: a quarter of the shortest lease, between 50 ms and 5 s.
-    pub fn interval(queues: &[Watched]) -> Duration {
+    pub(crate) fn interval(queues: &[Watched]) -> Duration {
         let shortest = queues
             .iter()
             .map(|q| q.queue.config.lease_timeout)
@@ -171,7 +171,7 @@ impl Monitor {
         (shortest / 4).clamp(Duration::from_millis(50), Duration::from_secs(5))
     }
 
-    pub fn run(mut self) {
+    pub(crate) fn run(mut self) {
         let interval = Monitor::interval(&self.queues);
         loop {
             self.pulse.beat();

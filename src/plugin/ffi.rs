@@ -35,15 +35,15 @@ use kmq_plugin::host::{self, Refusal};
 use super::PluginError;
 
 /// How many bytes of message a plugin may return; longer messages are cut.
-pub const MESSAGE_CAPACITY: usize = abi::MESSAGE_CAPACITY;
+pub(crate) const MESSAGE_CAPACITY: usize = abi::MESSAGE_CAPACITY;
 
 /// A loaded library and its checked descriptor: loaded once per file (by identity), whatever the number of
 /// `[plugins.NAME]` sections that name it; each section is an instance of its own ([`Library::init`]).
 pub struct Library {
     /// The name the plugin gives itself.
-    pub name: String,
+    pub(crate) name: String,
     /// The device and inode of the file that was loaded: a file replaced at the same path is another library.
-    pub identity: (u64, u64),
+    pub(crate) identity: (u64, u64),
     descriptor: host::Descriptor,
     /// Never dropped: unloading a library that may still have threads or thread-locals alive is undefined.
     _library: ManuallyDrop<libloading::Library>,
@@ -59,17 +59,17 @@ unsafe impl Sync for Library {}
 /// A loaded, initialised plugin: one `init` of a library, for one `[plugins.NAME]` section (or a drop-in).
 pub struct LoadedPlugin {
     /// The name the plugin gives itself.
-    pub name: String,
+    pub(crate) name: String,
     /// The canonical path of its file, as its section reaches it.
-    pub path: PathBuf,
+    pub(crate) path: PathBuf,
     /// The `[plugins.NAME]` section it was initialised for (a drop-in's: its file name's stem).
     pub section: String,
     /// The task types it handles.
     pub types: Vec<String>,
     /// The device and inode of the file that was loaded: a file replaced at the same path is another plugin.
-    pub identity: (u64, u64),
+    pub(crate) identity: (u64, u64),
     /// The `config` table its `init` was given, as JSON text.
-    pub config_json: String,
+    pub(crate) config_json: String,
     /// The library it is an instance of (shared with the file's other sections).
     pub library: Arc<Library>,
     handle: HandleFn,
@@ -89,20 +89,20 @@ unsafe impl Send for LoadedPlugin {}
 unsafe impl Sync for LoadedPlugin {}
 
 /// The inputs of one run, borrowed for the call.
-pub struct Run<'a> {
-    pub id: &'a str,
-    pub queue: &'a str,
-    pub kind: &'a str,
-    pub data: &'a str,
-    pub attempt: u32,
-    pub created_at_ms: i64,
-    pub deadline_ms: i64,
-    pub cancel: &'a AtomicU32,
+pub(crate) struct Run<'a> {
+    pub(crate) id: &'a str,
+    pub(crate) queue: &'a str,
+    pub(crate) kind: &'a str,
+    pub(crate) data: &'a str,
+    pub(crate) attempt: u32,
+    pub(crate) created_at_ms: i64,
+    pub(crate) deadline_ms: i64,
+    pub(crate) cancel: &'a AtomicU32,
 }
 
 /// What `handle` returned.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Status {
+pub(crate) enum Status {
     /// `output`: what the handler put in the message buffer (empty when nothing), for the log.
     Done {
         output: String,
@@ -129,7 +129,7 @@ const NEWEST_VERSION_PROBED: u32 = 16;
 /// Loads the library open as `file`, at `path` (canonical: for messages), through that descriptor, which the
 /// caller opened and checked for trust (`open_trusted`), and checks its descriptor; its instances come from
 /// [`Library::init`].
-pub fn load(path: &Path, file: std::fs::File) -> Result<Library, PluginError> {
+pub(crate) fn load(path: &Path, file: std::fs::File) -> Result<Library, PluginError> {
     let open = |message: String| PluginError::Open {
         path: path.to_owned(),
         message,
@@ -195,7 +195,7 @@ impl Library {
     /// Runs `init` with `config_json`, the table of `[plugins.SECTION] config`: one instance, with its own state
     /// and types. Called once per section that names the file, one after another. `path`: the file as the section
     /// reaches it (canonical; a hard link is another path to the same library).
-    pub fn init(
+    pub(crate) fn init(
         self: &Arc<Library>,
         path: &Path,
         section: &str,
@@ -236,7 +236,7 @@ impl Library {
 }
 
 /// What runs when a task a plugin took in `start` completes: on the plugin's thread, once.
-pub type Completion = Box<dyn FnOnce(Status) + Send>;
+pub(crate) type Completion = Box<dyn FnOnce(Status) + Send>;
 
 /// The host's `kmq_complete_fn`: the ticket is a boxed [`Completion`].
 unsafe extern "C" fn completed(
@@ -314,7 +314,7 @@ fn task_view<'a>(run: &'a Run<'a>, retry_after_ms: &'a mut i64) -> KmqTask {
 
 impl LoadedPlugin {
     /// Runs one attempt. `message` is the caller's scratch buffer, reused across calls.
-    pub fn handle(&self, run: &Run<'_>, message: &mut Vec<u8>) -> Status {
+    pub(crate) fn handle(&self, run: &Run<'_>, message: &mut Vec<u8>) -> Status {
         // Zeroed once, then reused as is: the plugin overwrites what it reports, and stale bytes past `len` are
         // never read.
         if message.len() != MESSAGE_CAPACITY {
@@ -339,7 +339,7 @@ impl LoadedPlugin {
     }
 
     /// Whether the plugin may take tasks without a thread waiting for each (`start`).
-    pub fn starts(&self) -> bool {
+    pub(crate) fn starts(&self) -> bool {
         self.start.is_some()
     }
 
@@ -347,7 +347,7 @@ impl LoadedPlugin {
     /// whichever thread the plugin completes it from, possibly before this returns), `Err(completion)` when the
     /// plugin has no `start` or declined (run it through [`LoadedPlugin::handle`]). `run.cancel` must stay valid
     /// until `completion` runs.
-    pub fn start(&self, run: &Run<'_>, completion: Completion) -> Result<(), Completion> {
+    pub(crate) fn start(&self, run: &Run<'_>, completion: Completion) -> Result<(), Completion> {
         let Some(start) = self.start else {
             return Err(completion);
         };
@@ -366,7 +366,7 @@ impl LoadedPlugin {
     }
 
     /// Tells the plugin a task of its types was dead-lettered.
-    pub fn on_dead(&self, run: &Run<'_>, reason: &str) {
+    pub(crate) fn on_dead(&self, run: &Run<'_>, reason: &str) {
         if let Some(on_dead) = self.on_dead {
             let mut retry_after_ms = -1;
             let task = task_view(run, &mut retry_after_ms);
@@ -376,7 +376,7 @@ impl LoadedPlugin {
     }
 
     /// Calls the plugin's shutdown, once. The caller guarantees no `handle` is running or will run.
-    pub fn shutdown(&self) {
+    pub(crate) fn shutdown(&self) {
         if self.shut_down.swap(true, Ordering::SeqCst) {
             return;
         }

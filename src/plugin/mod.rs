@@ -12,7 +12,7 @@ use std::sync::{Arc, RwLock};
 
 use rustc_hash::FxHashMap;
 
-pub use ffi::{Completion, LoadedPlugin, MESSAGE_CAPACITY, Run, Status};
+pub(crate) use ffi::{LoadedPlugin, MESSAGE_CAPACITY, Run, Status};
 
 use crate::config::{Config, PluginConfig};
 use crate::task::Envelope;
@@ -135,7 +135,7 @@ struct Source<'a> {
 impl PluginError {
     /// The refusal as the operator reads it: at its `[plugins.NAME]` line, or at the config file `config` for a
     /// drop-in of `plugins_dir`.
-    pub fn located(&self, config: &Path) -> String {
+    pub(crate) fn located(&self, config: &Path) -> String {
         match self {
             PluginError::At { .. } => self.to_string(),
             _ => format!("{}: {self}", config.display()),
@@ -157,7 +157,7 @@ impl PluginError {
 impl<'a> Run<'a> {
     /// The run of the task `envelope` of `queue`: `deadline_ms` is Redis's time by which it must be done (0:
     /// none), `cancel` the flag raised to ask its handler to stop.
-    pub fn of(
+    pub(crate) fn of(
         envelope: &'a Envelope<'_>,
         queue: &'a str,
         deadline_ms: i64,
@@ -327,7 +327,7 @@ impl Registry {
 
     /// Calls the `on_dead` hook of the plugin that handles the task's type, if any: the task was dead-lettered
     /// for `reason` (the settle that did it is in Redis).
-    pub fn on_dead(&self, queue: &str, envelope: &Envelope<'_>, reason: &str) {
+    pub(crate) fn on_dead(&self, queue: &str, envelope: &Envelope<'_>, reason: &str) {
         let Some(plugin) = self.for_type(&envelope.kind) else {
             return;
         };
@@ -341,12 +341,12 @@ impl Registry {
     }
 
     /// The drop-in files that were refused, each error naming its file.
-    pub fn refused(&self) -> &[PluginError] {
+    pub(crate) fn refused(&self) -> &[PluginError] {
         &self.refused
     }
 
     /// Calls every plugin's shutdown (each runs once). The caller guarantees that no handler runs any more.
-    pub fn shutdown(&self) {
+    pub(crate) fn shutdown(&self) {
         for plugin in &self.plugins {
             plugin.shutdown();
         }
@@ -374,7 +374,7 @@ impl Plugins {
     }
 
     /// The registry now: the one a task starting now runs on.
-    pub fn current(&self) -> Arc<Registry> {
+    pub(crate) fn current(&self) -> Arc<Registry> {
         Arc::clone(
             &self
                 .current
@@ -384,7 +384,7 @@ impl Plugins {
     }
 
     /// Serves `registry` from now on; returns the one it replaces.
-    pub fn replace(&self, registry: Registry) -> Arc<Registry> {
+    pub(crate) fn replace(&self, registry: Registry) -> Arc<Registry> {
         let mut current = self
             .current
             .write()
@@ -401,13 +401,13 @@ impl Plugins {
 /// would bounce between cores (docs/PERFORMANCE.md, "Reloadable plugins"). A task that starts after a reload sees
 /// its generation and reads the new snapshot. The worker [`Reader::forget`]s its snapshot when it goes idle, so
 /// that an idle worker does not keep a replaced plugin from its shutdown.
-pub struct Reader {
+pub(crate) struct Reader {
     plugins: Arc<Plugins>,
     cached: RefCell<Option<(u64, Arc<Registry>)>>,
 }
 
 impl Reader {
-    pub fn new(plugins: Arc<Plugins>) -> Reader {
+    pub(crate) fn new(plugins: Arc<Plugins>) -> Reader {
         Reader {
             plugins,
             cached: RefCell::new(None),
@@ -415,7 +415,7 @@ impl Reader {
     }
 
     /// The registry a task starting now runs on (held for the task: the snapshot cannot change under it).
-    pub fn current(&self) -> Ref<'_, Arc<Registry>> {
+    pub(crate) fn current(&self) -> Ref<'_, Arc<Registry>> {
         let generation = self.plugins.generation.load(Ordering::Acquire);
         let stale = !matches!(&*self.cached.borrow(), Some((seen, _)) if *seen == generation);
         if stale {
@@ -427,7 +427,7 @@ impl Reader {
     }
 
     /// Drops the cached snapshot (the next task reads the current one).
-    pub fn forget(&self) {
+    pub(crate) fn forget(&self) {
         self.cached.borrow_mut().take();
     }
 }

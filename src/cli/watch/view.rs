@@ -4,18 +4,18 @@
 use std::time::Duration;
 
 use crate::cli::colour::Style;
-pub use crate::overview::Row;
+pub(crate) use crate::overview::Row;
 
 /// What the screen shows besides the rows.
-pub struct Frame<'a> {
-    pub rows: &'a [Row],
-    pub interval: Duration,
+pub(crate) struct Frame<'a> {
+    pub(crate) rows: &'a [Row],
+    pub(crate) interval: Duration,
     /// The local time of the last good poll, `None` before the first.
-    pub updated: Option<&'a str>,
+    pub(crate) updated: Option<&'a str>,
     /// The last poll's failure, shown until a poll succeeds again.
-    pub error: Option<&'a str>,
+    pub(crate) error: Option<&'a str>,
     /// The first queue shown (up/down scroll).
-    pub scroll: usize,
+    pub(crate) scroll: usize,
 }
 
 /// The table's columns: header and width. The widths add up, with the spaces between, to 78: it fits 80 columns.
@@ -34,7 +34,7 @@ const COLUMNS: [(&str, usize); 11] = [
 ];
 
 /// The screen's lines, each with its style, at most `height` of them and each at most `width` characters.
-pub fn render(frame: &Frame<'_>, width: usize, height: usize) -> Vec<(Style, String)> {
+pub(crate) fn render(frame: &Frame<'_>, width: usize, height: usize) -> Vec<(Style, String)> {
     let mut lines = Vec::with_capacity(height);
     let updated = frame.updated.unwrap_or("-");
     lines.push((
@@ -204,7 +204,7 @@ fn lag(ms: i64) -> String {
 /// order: `at=2026-12-01T18:22:01Z queue=jobs mode=safe paused=no ready=12 ready_by_level=high:3,normal:9
 /// processing=2 delayed=0 dead=0 done/s=35.2 failed/s=0.0 lag_ms=1200 daemons=2`. A rate is `-` at the first
 /// poll, `lag_ms` is `-` when nothing is ready.
-pub fn line(row: &Row, at: &str) -> String {
+pub(crate) fn line(row: &Row, at: &str) -> String {
     let (done, failed) = match row.rates {
         Some(rates) => (format!("{:.1}", rates.done), format!("{:.1}", rates.failed)),
         None => ("-".to_string(), "-".to_string()),
