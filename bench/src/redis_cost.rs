@@ -6,9 +6,10 @@
 //!
 //! The shapes:
 //! - **native LMPOP**: default mode's plain pop as it was (`LMPOP ... COUNT`): the floor, nothing kept;
-//! - **take.lua**: default mode's plain pop now, bounded by bytes (review M8): the list's head copied natively into
-//!   `P:{Q}:taking` (`SORT ... STORE`), weighed (`MEMORY USAGE`), trimmed off, read back and deleted in its
-//!   transaction;
+//! - **take.lua**: default mode's plain pop now, bounded by bytes (review M8): the list's head weighed by its first
+//!   nodes (`MEMORY USAGE ... SAMPLES n`, never under), and popped natively in its transaction (`LMPOP`) when that
+//!   fits, as it does here; otherwise copied natively into `P:{Q}:taking` (`SORT ... STORE`), weighed, cut and
+//!   popped from there;
 //! - **pop.lua**: default mode's pop while unique ids are held (or under a limit), its payloads through Lua;
 //! - **Lua LPOP, returned**: the same pop inside a script, whose payloads cross into Lua strings and back: the
 //!   floor of any claim that handles its payloads in Lua;
@@ -58,6 +59,9 @@ const SORT_MOVE: &str = "local n = redis.call('SORT', KEYS[1], 'BY', 'nosort', '
      redis.call('LTRIM', KEYS[1], n, -1)\n\
      return n";
 
+/// An `LMPOP`'s reply: the list popped from, and what it popped.
+type Popped = (String, Vec<Vec<u8>>);
+
 /// The keys of one queue `q` with one level, as src/broker/keys.rs names them for owner `o`.
 const READY: &str = "kmq:{q}:ready:normal";
 /// The lists a default-mode pop takes from, in order: the level's quarantine lists, then its ready list.
@@ -102,7 +106,7 @@ impl Shape {
             Shape::NativePop => {
                 "native LMPOP (default mode's plain pop before take.lua), nothing kept"
             }
-            Shape::Take => "take.lua, LRANGE and DEL (default mode's plain pop), nothing kept",
+            Shape::Take => "take.lua and LMPOP, guarded (default mode's plain pop), nothing kept",
             Shape::PopLua => "pop.lua (default mode's pop with unique ids held), nothing kept",
             Shape::LuaPop => "LPOP in Lua, returned, nothing kept",
             Shape::Hash => "kmqd 0.1's claim.lua + settle.lua (a hash field per task)",
@@ -205,8 +209,12 @@ fn one_round(
                 .load(conn)
                 .map_err(|e| format!("SCRIPT LOAD: {e}"))?;
             let taking = "kmq:{q}:taking";
-            let ((_, _, _), got): ((usize, usize, i64), Vec<Vec<u8>>) = redis::pipe()
+            let ((_, _, _), (_, got)): ((usize, usize, i64), Popped) = redis::pipe()
                 .atomic()
+                .cmd("SET")
+                .arg(taking)
+                .arg(1)
+                .ignore()
                 .cmd("EVALSHA")
                 .arg(scripts.take.get_hash())
                 .arg(5)
@@ -214,10 +222,13 @@ fn one_round(
                 .arg(&POP_LISTS)
                 .arg(BATCH)
                 .arg(64 << 20)
-                .cmd("LRANGE")
+                .cmd("LMPOP")
+                .arg(5)
                 .arg(taking)
-                .arg(0)
-                .arg(-1)
+                .arg(&POP_LISTS)
+                .arg("LEFT")
+                .arg("COUNT")
+                .arg(BATCH)
                 .cmd("DEL")
                 .arg(taking)
                 .ignore()
@@ -341,7 +352,8 @@ impl Safe {
             "[redis]\nurl = \"{}\"\n\n[[queues]]\nname = \"q\"\nmode = \"safe\"\nbatch = {BATCH}\n",
             server.url()
         );
-        let config = Config::parse(Path::new("redis-cost.toml"), &text).map_err(|e| e.to_string())?;
+        let config =
+            Config::parse(Path::new("redis-cost.toml"), &text).map_err(|e| e.to_string())?;
         let queue = QueueContext::new(&config, &config.queues[0], "bench:1");
         // The other shapes name the queue's keys themselves: they must be the ones the daemon uses.
         if queue.keys.ready[..] != [READY.to_string()] {
