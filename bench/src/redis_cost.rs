@@ -6,18 +6,22 @@
 //!
 //! The shapes:
 //! - **native LMPOP**: default mode's plain pop as it was (`LMPOP ... COUNT`): the floor, nothing kept;
-//! - **take.lua**: default mode's plain pop now, bounded by bytes (review M8): the list's head copied natively into
-//!   `P:{Q}:taking` (`SORT ... STORE`), weighed (`MEMORY USAGE`), trimmed off, read back and deleted in its
-//!   transaction;
+//! - **take.lua**: default mode's plain pop now, bounded by bytes (review M8): the list's head weighed by its first
+//!   nodes (`MEMORY USAGE ... SAMPLES n`, never under), and popped natively in its transaction (`LMPOP`) when that
+//!   fits, as it does here; otherwise copied natively into `P:{Q}:taking` (`SORT ... STORE`), weighed, cut and
+//!   popped from there;
 //! - **pop.lua**: default mode's pop while unique ids are held (or under a limit), its payloads through Lua;
 //! - **Lua LPOP, returned**: the same pop inside a script, whose payloads cross into Lua strings and back: the
 //!   floor of any claim that handles its payloads in Lua;
 //! - **kmqd 0.1's claim.lua + settle.lua** (copied into `scripts/`): a token per task into a processing hash,
 //!   then one `HDEL` per task when acknowledged;
-//! - **claim.lua + settle.lua**: safe mode as it is, the daemon's own scripts with the daemon's keys and
-//!   arguments (a list per claim filled by `SORT ... STORE` and read back in the claim's transaction, settled
-//!   with a bitmap), the batch acknowledged in one settle call, in four (the bitmaps merged), or in forty of 25
-//!   (what the settles of two workers running 50 µs handlers carry: the settle's fixed part per task);
+//! - **claim.lua + settle.lua**: safe mode as it is, through the daemon's own calls (`broker::register`,
+//!   `broker::claim`, `broker::settle` on a queue the daemon's config parser built), so that the scripts' keys,
+//!   arguments and preludes can never drift from the daemon's (they did once: the shapes built claim.lua's
+//!   call by hand and failed once its keys grew); a list per claim filled by `SORT ... STORE` and read back in
+//!   the claim's transaction, settled with a bitmap: the batch acknowledged in one settle call, in four (the
+//!   bitmaps merged), or in forty of 25 (what the settles of two workers running 50 µs handlers carry: the
+//!   settle's fixed part per task);
 //! - **per-claim list, moved in Lua**: the claim `LPOP`s into Lua and `RPUSH`es the batch onto a list of its own
 //!   (one key per claim, no token per task), the settle deletes the list;
 //! - **per-claim list, SORT ... STORE**: the claim copies the head of the ready list onto the claim's list
@@ -25,7 +29,14 @@
 //!   and the transaction around the script reads the batch with `LRANGE`: no payload ever becomes a Lua string;
 //!   the settle deletes the list.
 
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use kmqd::broker::{self, Call, Fence, Holder, SettleOp, Settlement};
+use kmqd::config::Config;
+use kmqd::queue::QueueContext;
+use kmqd_harness::RedisServer;
 
 use super::{Bench, Figure, figure};
 
@@ -36,10 +47,8 @@ const ROUNDS: usize = 100;
 /// A no-op task's envelope, as the daemon writes it (about 100 bytes).
 const ENVELOPE: &str = r#"{"id":"0b6c8e0e-3c1f-4b0a-9c55-6a3d2f1e7b90","type":"test","queue":"q","data":{},"attempt":0}"#;
 
-const CLAIM: &str = include_str!("../../src/broker/scripts/claim.lua");
 const TAKE: &str = kmqd::broker::sources::TAKE;
 const POP: &str = kmqd::broker::sources::POP;
-const SETTLE: &str = include_str!("../../src/broker/scripts/settle.lua");
 const HASH_CLAIM: &str = include_str!("scripts/hash_claim.lua");
 const HASH_SETTLE: &str = include_str!("scripts/hash_settle.lua");
 const LUA_POP: &str = "return redis.call('LPOP', KEYS[1], ARGV[1])";
@@ -49,6 +58,9 @@ const LUA_MOVE: &str = "local got = redis.call('LPOP', KEYS[1], ARGV[1])\n\
 const SORT_MOVE: &str = "local n = redis.call('SORT', KEYS[1], 'BY', 'nosort', 'LIMIT', 0, ARGV[1], 'STORE', KEYS[2])\n\
      redis.call('LTRIM', KEYS[1], n, -1)\n\
      return n";
+
+/// An `LMPOP`'s reply: the list popped from, and what it popped.
+type Popped = (String, Vec<Vec<u8>>);
 
 /// The keys of one queue `q` with one level, as src/broker/keys.rs names them for owner `o`.
 const READY: &str = "kmq:{q}:ready:normal";
@@ -94,7 +106,7 @@ impl Shape {
             Shape::NativePop => {
                 "native LMPOP (default mode's plain pop before take.lua), nothing kept"
             }
-            Shape::Take => "take.lua, LRANGE and DEL (default mode's plain pop), nothing kept",
+            Shape::Take => "take.lua and LMPOP, guarded (default mode's plain pop), nothing kept",
             Shape::PopLua => "pop.lua (default mode's pop with unique ids held), nothing kept",
             Shape::LuaPop => "LPOP in Lua, returned, nothing kept",
             Shape::Hash => "kmqd 0.1's claim.lua + settle.lua (a hash field per task)",
@@ -110,33 +122,7 @@ impl Shape {
 }
 
 pub(super) fn redis_cost(bench: &Bench) -> Result<Vec<Figure>, String> {
-    let mut conn = bench.redis()?;
-    let scripts = Scripts {
-        claim: redis::Script::new(CLAIM),
-        settle: redis::Script::new(SETTLE),
-        hash_claim: redis::Script::new(HASH_CLAIM),
-        hash_settle: redis::Script::new(HASH_SETTLE),
-        lua_pop: redis::Script::new(LUA_POP),
-        take: redis::Script::new(TAKE),
-        pop: redis::Script::new(POP),
-        lua_move: redis::Script::new(LUA_MOVE),
-        sort_move: redis::Script::new(SORT_MOVE),
-    };
-    let mut runs: Vec<Vec<f64>> = vec![Vec::new(); Shape::ALL.len()];
-    // The shapes alternate within each run, so that a noisy neighbour weighs on all of them alike.
-    for _ in 0..bench.options.runs {
-        for (i, shape) in Shape::ALL.into_iter().enumerate() {
-            bench.flush()?;
-            let mut spent = 0.0;
-            for round in 0..ROUNDS {
-                fill(&mut conn)?;
-                let before = redis_cpu_us(&mut conn)?;
-                one_round(&mut conn, &scripts, shape, round)?;
-                spent += redis_cpu_us(&mut conn)? - before;
-            }
-            runs[i].push(spent / (ROUNDS * BATCH) as f64);
-        }
-    }
+    let runs = measure(&bench.server, bench.options.runs, ROUNDS)?;
     Ok(Shape::ALL
         .into_iter()
         .zip(runs)
@@ -152,9 +138,40 @@ pub(super) fn redis_cost(bench: &Bench) -> Result<Vec<Figure>, String> {
         .collect())
 }
 
+/// Redis's CPU µs per task of each shape (in [`Shape::ALL`]'s order), one figure per run of `rounds` rounds.
+fn measure(server: &RedisServer, runs: usize, rounds: usize) -> Result<Vec<Vec<f64>>, String> {
+    let mut conn = server.connection().map_err(|e| format!("redis: {e}"))?;
+    let mut safe = Safe::new(server)?;
+    let scripts = Scripts {
+        hash_claim: redis::Script::new(HASH_CLAIM),
+        hash_settle: redis::Script::new(HASH_SETTLE),
+        lua_pop: redis::Script::new(LUA_POP),
+        take: redis::Script::new(TAKE),
+        pop: redis::Script::new(POP),
+        lua_move: redis::Script::new(LUA_MOVE),
+        sort_move: redis::Script::new(SORT_MOVE),
+    };
+    let mut figures: Vec<Vec<f64>> = vec![Vec::new(); Shape::ALL.len()];
+    // The shapes alternate within each run, so that a noisy neighbour weighs on all of them alike.
+    for _ in 0..runs {
+        for (i, shape) in Shape::ALL.into_iter().enumerate() {
+            redis::cmd("FLUSHALL")
+                .exec(&mut conn)
+                .map_err(|e| format!("FLUSHALL: {e}"))?;
+            let mut spent = 0.0;
+            for round in 0..rounds {
+                fill(&mut conn)?;
+                let before = redis_cpu_us(&mut conn)?;
+                one_round(&mut conn, &mut safe, &scripts, shape, round)?;
+                spent += redis_cpu_us(&mut conn)? - before;
+            }
+            figures[i].push(spent / (rounds * BATCH) as f64);
+        }
+    }
+    Ok(figures)
+}
+
 struct Scripts {
-    claim: redis::Script,
-    settle: redis::Script,
     hash_claim: redis::Script,
     hash_settle: redis::Script,
     lua_pop: redis::Script,
@@ -167,6 +184,7 @@ struct Scripts {
 /// One claim of [`BATCH`] tasks, then the settle of all of them, in `shape`; checks that all were taken.
 fn one_round(
     conn: &mut redis::Connection,
+    safe: &mut Safe,
     scripts: &Scripts,
     shape: Shape,
     round: usize,
@@ -191,8 +209,12 @@ fn one_round(
                 .load(conn)
                 .map_err(|e| format!("SCRIPT LOAD: {e}"))?;
             let taking = "kmq:{q}:taking";
-            let ((_, _, _), got): ((usize, usize, i64), Vec<Vec<u8>>) = redis::pipe()
+            let ((_, _, _), (_, got)): ((usize, usize, i64), Popped) = redis::pipe()
                 .atomic()
+                .cmd("SET")
+                .arg(taking)
+                .arg(1)
+                .ignore()
                 .cmd("EVALSHA")
                 .arg(scripts.take.get_hash())
                 .arg(5)
@@ -200,10 +222,13 @@ fn one_round(
                 .arg(&POP_LISTS)
                 .arg(BATCH)
                 .arg(64 << 20)
-                .cmd("LRANGE")
+                .cmd("LMPOP")
+                .arg(5)
                 .arg(taking)
-                .arg(0)
-                .arg(-1)
+                .arg(&POP_LISTS)
+                .arg("LEFT")
+                .arg("COUNT")
+                .arg(BATCH)
                 .cmd("DEL")
                 .arg(taking)
                 .ignore()
@@ -249,9 +274,9 @@ fn one_round(
             got.len()
         }
         Shape::Hash => hash(conn, scripts, round)?,
-        Shape::Today => today(conn, scripts, round, 1)?,
-        Shape::TodaySplit => today(conn, scripts, round, 4)?,
-        Shape::TodaySmall => today(conn, scripts, round, 40)?,
+        Shape::Today => safe.round(round, 1)?,
+        Shape::TodaySplit => safe.round(round, 4)?,
+        Shape::TodaySmall => safe.round(round, 40)?,
         Shape::LuaMove => {
             let got: Vec<Vec<u8>> = scripts
                 .lua_move
@@ -310,96 +335,113 @@ fn lease(conn: &mut redis::Connection) -> Result<(), String> {
         .map_err(|e| format!("ZADD: {e}"))
 }
 
-/// Safe mode as the daemon runs it: claim.lua under a live lease in its transaction (the script, then `LRANGE`
-/// of the claim's list), then settle.lua acknowledging every position in `settles` calls (the argument layouts
-/// of src/broker/tasks.rs, for one level).
-fn today(
-    conn: &mut redis::Connection,
-    scripts: &Scripts,
-    round: usize,
-    settles: usize,
-) -> Result<usize, String> {
-    let p = |suffix: &str| format!("kmq:{{q}}:{suffix}");
-    let info = p(&format!("owner:{OWNER}"));
-    let claims = p(&format!("processing:{OWNER}:normal"));
-    let number = (round * BATCH) as u64 + 1;
-    let list = format!("{claims}:{number}");
-    let bits = format!("{list}:settled");
-    lease(conn)?;
-    let _: String = scripts
-        .claim
-        .prepare_invoke()
-        .load(conn)
-        .map_err(|e| format!("SCRIPT LOAD: {e}"))?;
-    let keys: Vec<String> = claim_keys()
-        .into_iter()
-        .chain([claims.clone(), list.clone()])
-        .collect();
-    let (_, got): (redis::Value, Vec<redis::Value>) = redis::pipe()
-        .atomic()
-        .cmd("EVALSHA")
-        .arg(scripts.claim.get_hash())
-        .arg(keys.len())
-        .arg(&keys)
-        .arg(OWNER)
-        .arg(BATCH)
-        .arg(16 << 20)
-        .arg(1000)
-        .arg("q")
-        .arg("bench:1")
-        .arg(number)
-        .cmd("LRANGE")
-        .arg(&list)
-        .arg(0)
-        .arg(-1)
-        .query(conn)
+/// Safe mode as the daemon runs it: a queue `q` built by the daemon's config parser, one owner registered
+/// with a long lease, and the daemon's own claim and settle calls (their keys, arguments and script preludes are
+/// the daemon's, whatever they become).
+struct Safe {
+    conn: broker::Conn,
+    queue: QueueContext,
+    owner: Arc<str>,
+    /// The settling party's call counter: a new number for each settle call (settle.lua, "Calls").
+    calls: u64,
+}
+
+impl Safe {
+    fn new(server: &RedisServer) -> Result<Safe, String> {
+        let text = format!(
+            "[redis]\nurl = \"{}\"\n\n[[queues]]\nname = \"q\"\nmode = \"safe\"\nbatch = {BATCH}\n",
+            server.url()
+        );
+        let config =
+            Config::parse(Path::new("redis-cost.toml"), &text).map_err(|e| e.to_string())?;
+        let queue = QueueContext::new(&config, &config.queues[0], "bench:1");
+        // The other shapes name the queue's keys themselves: they must be the ones the daemon uses.
+        if queue.keys.ready[..] != [READY.to_string()] {
+            return Err(format!(
+                "redis-cost: the queue's ready lists are {:?}, not [{READY}]",
+                queue.keys.ready
+            ));
+        }
+        let conn = broker::Connector::new(&config.redis)
+            .and_then(|connector| connector.connect())
+            .map_err(|e| format!("redis: {e}"))?;
+        Ok(Safe {
+            conn,
+            queue,
+            owner: Arc::from(OWNER),
+            calls: 0,
+        })
+    }
+
+    /// One claim of [`BATCH`] tasks under a fresh lease (the round's flush removed the last), then their plain
+    /// acknowledgements in `settles` calls; checks that every acknowledgement applied and that the claim's lists
+    /// are gone. Returns how many tasks the claim took.
+    fn round(&mut self, round: usize, settles: usize) -> Result<usize, String> {
+        let keys = &self.queue.keys;
+        let info = broker::OwnerInfo {
+            mode: "safe".into(),
+            levels: self.queue.config.priorities.clone(),
+            ..broker::OwnerInfo::default()
+        };
+        let lease = Duration::from_secs(3600);
+        broker::register(&mut self.conn, keys, OWNER, lease, &info)
+            .map_err(|e| format!("register.lua: {e}"))?
+            .ok_or("register.lua: the bench's owner was refused")?;
+        // Each round's claim numbers its tokens afresh: no two claims of one run share a number.
+        let claim = (round * BATCH) as u64 + 1;
+        let batch = broker::claim(
+            &mut self.conn,
+            keys,
+            &self.owner,
+            claim,
+            BATCH,
+            &self.queue.claim_limits(),
+        )
         .map_err(|e| format!("claim.lua: {e}"))?;
-    let taken = got.len();
-    let per_call = taken.div_ceil(settles);
-    for call in 0..settles {
-        let positions = call * per_call..((call + 1) * per_call).min(taken);
-        let mut bitmap = vec![0u8; taken.div_ceil(8)];
-        for position in positions.clone() {
-            bitmap[position / 8] |= 0x80 >> (position % 8);
-        }
-        let mut settle = scripts.settle.prepare_invoke();
-        for key in settle_keys().into_iter().chain([
-            claims.clone(),
-            info.clone(),
-            p(&format!("settled:{OWNER}:acker:bits")),
-            list.clone(),
-            bits.clone(),
-        ]) {
-            settle.key(key);
-        }
-        settle
-            .arg("owner")
-            .arg(1000)
-            .arg(1)
-            .arg("kmq:{q}:due")
-            .arg(OWNER)
-            .arg(round * settles + call)
-            .arg(1)
-            .arg(1)
-            .arg(number)
-            .arg(bitmap)
-            .arg(positions.len())
-            .arg(0);
-        let result: Vec<i64> = settle
-            .invoke(conn)
+        let taken = batch.tasks.len();
+        let acks: Vec<Settlement> = batch
+            .tasks
+            .into_iter()
+            .map(|task| Settlement {
+                op: SettleOp::Ack,
+                token: task.token,
+                popped_by: None,
+                unique_id: None,
+                level: task.level,
+                payload: Vec::new(),
+                failed: false,
+            })
+            .collect();
+        for call in acks.chunks(taken.div_ceil(settles).max(1)) {
+            self.calls += 1;
+            let call_id = Call {
+                settler: "bench:acker",
+                number: self.calls,
+            };
+            let settled = broker::settle(
+                &mut self.conn,
+                keys,
+                &call_id,
+                Fence::Owner,
+                self.queue.config.dead_max,
+                Holder::Claimed(OWNER),
+                call,
+            )
             .map_err(|e| format!("settle.lua: {e}"))?;
-        if result.first() != Some(&0) {
-            return Err(format!("settle.lua: {result:?} (stale acknowledgements)"));
+            if settled.stale_acks != 0 || settled.superseded {
+                return Err(format!("settle.lua: {settled:?} (stale acknowledgements)"));
+            }
         }
+        let list = keys.claim_list(OWNER, 0, claim);
+        let left: bool = redis::cmd("EXISTS")
+            .arg(&list)
+            .query(&mut self.conn)
+            .map_err(|e| format!("EXISTS: {e}"))?;
+        if left {
+            return Err("settle.lua left a fully settled claim list behind".into());
+        }
+        Ok(taken)
     }
-    let left: bool = redis::cmd("EXISTS")
-        .arg(&list)
-        .query(conn)
-        .map_err(|e| format!("EXISTS: {e}"))?;
-    if left {
-        return Err("settle.lua left a fully settled claim list behind".into());
-    }
-    Ok(taken)
 }
 
 /// Safe mode as kmqd 0.1 ran it: claim.lua under a live lease with a token per task, then settle.lua
@@ -524,5 +566,23 @@ fn redis_cpu_us(conn: &mut redis::Connection) -> Result<f64, String> {
         _ => Err(format!(
             "INFO cpu: no used_cpu_user/used_cpu_sys in {info:?}"
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kmqd_harness::Listen;
+
+    /// Each shape once, on a Redis of its own: a shape whose calls no longer match the scripts fails here rather
+    /// than at the next measurement (the safe-mode shapes did once, silently for days).
+    #[test]
+    fn every_shape_takes_and_settles_its_batch() {
+        let server = RedisServer::start(Listen::Loopback).unwrap();
+        let figures = measure(&server, 1, 2).unwrap_or_else(|error| panic!("{error}"));
+        assert_eq!(figures.len(), Shape::ALL.len());
+        for (shape, runs) in Shape::ALL.into_iter().zip(&figures) {
+            assert_eq!(runs.len(), 1, "{}", shape.name());
+        }
     }
 }

@@ -282,7 +282,8 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "lmpop",
         roles: &[D],
-        why: "default mode pops tasks from the first non-empty list (pop.lua; the plain pop takes them with take.lua)",
+        why: "default mode pops tasks from the first non-empty list (pop.lua; the plain pop, in take.lua's \
+              transaction, from that list or from the list take.lua filled)",
     },
     Command {
         name: "lpop",
@@ -336,8 +337,7 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "lrange",
         roles: &[D, R, O],
-        why: "a claim reads its tasks back from its lists, a plain pop from the list take.lua filled, and the \
-              monitor an expired owner's in windows; `task show` and `task cancel` read the ready lists (and `task \
+        why: "a claim reads its tasks back from its lists, and the monitor an expired owner's in windows; `task show` and `task cancel` read the ready lists (and `task \
               show` the claim lists, and the `dead` commands the dead letters) in chunks",
     },
     Command {
@@ -448,14 +448,14 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "set",
         roles: &[D, O],
-        why: "settle.lua stores each call's result (for a day) and sets a handler's throttle; `queue pause` sets the \
-              queue's paused key",
+        why: "settle.lua stores each call's result (for a day) and sets a handler's throttle; a plain pop guards \
+              the list take.lua fills (take.lua); `queue pause` sets the queue's paused key",
     },
     Command {
         name: "del",
         roles: &[D, O],
-        why: "forgets a released owner's registration; a plain pop empties the list take.lua filled; `queue \
-              resume` deletes the paused key",
+        why: "forgets a released owner's registration; a plain pop removes its guard (take.lua); `queue resume` \
+              deletes the paused key",
     },
     Command {
         name: "exists",
@@ -479,8 +479,8 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "memory|usage",
         roles: &[D],
-        why: "a claim bounds its tasks' size by max_task_bytes at once; a plain pop (take.lua) stops at its \
-              bytes; the monitor reads a large claim list in windows",
+        why: "a claim bounds its tasks' size by max_task_bytes at once; a plain pop (take.lua) weighs a list's \
+              head and stops at its bytes; the monitor reads a large claim list in windows",
     },
     Command {
         name: "bitcount",
@@ -652,8 +652,10 @@ const DAEMON: &[(&str, On)] = &[
     ("multi", NOTHING),
     ("lmpop", key(K::Quarantine)),
     ("lmpop", key(K::Ready)),
-    // The plain pop's transaction reads back and deletes what take.lua took (the script, below).
-    ("lrange", key(K::Taking)),
+    // The plain pop's transaction guards the taking list, then pops what take.lua weighed: from its list, or from
+    // what it copied (below); the guard goes after.
+    ("set", key(K::Taking)),
+    ("lmpop", key(K::Taking)),
     ("del", key(K::Taking)),
     ("exec", NOTHING),
     ("blmove", key(K::Ready)),
@@ -708,7 +710,9 @@ const DAEMON: &[(&str, On)] = &[
     ("sort", key(K::ClaimList)),
     ("ltrim", key(K::Ready)),
     ("memory|usage", key(K::ClaimList)),
-    // Inside take.lua: the plain pop's native copy of a list's head, weighed and cut to the pop's bytes.
+    // Inside take.lua: a list's head weighed, or its native copy, weighed and cut to the pop's bytes.
+    ("memory|usage", key(K::Ready)),
+    ("memory|usage", key(K::Quarantine)),
     ("type", key(K::Taking)),
     ("sort", key(K::Quarantine)),
     ("sort", key(K::Taking)),

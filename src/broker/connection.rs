@@ -389,6 +389,12 @@ impl Conn {
         matches!(self.link, Link::Node(Node::Plain(_)))
     }
 
+    /// Whether this is one node's connection (a plain Redis, or the Sentinels' master), not a cluster's: a
+    /// pipeline of a blocking command and a transaction behind it goes to one node.
+    pub fn is_node(&self) -> bool {
+        matches!(self.link, Link::Node(_))
+    }
+
     /// Runs `call`, with the bulk strings at `depth` of the replies it reads (the reply itself is depth 1) read
     /// into one buffer where kmqd's own connection reads them: each then stands in its reply as `Value::Int` of
     /// its index there ([`super::payloads::Gather`] takes both forms).

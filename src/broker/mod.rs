@@ -52,8 +52,8 @@ pub use schedule::{Fired, fire, schedule_state};
 pub use stats::{QueueStats, Rates, TypeUsage, check_protocol, rate_used, stats, type_usage};
 pub use tasks::{
     Batch, Call, ClaimLimits, Due, Fence, Fetched, Holder, Isolation, Limited, PopLimits, Popper,
-    PushItem, SettleOp, Settled, Settlement, ThrottleScope, adopt, claim, move_sources, promote,
-    push, release_unique, settle, wait_idle, wait_list, wait_wake,
+    PushItem, SettleOp, Settled, Settlement, ThrottleScope, adopt, claim, claim_after_wake,
+    move_sources, promote, push, release_unique, settle, wait_idle, wait_list, wait_wake,
 };
 pub use tls::tls_refusal;
 

@@ -96,7 +96,7 @@ pub struct Fetched {
     /// may run (pop.lua, "The holder").
     pub holds_unique: bool,
     /// Index of the level it came from.
-    pub(crate) level: usize,
+    pub level: usize,
 }
 
 /// The result of one claim or pop.
@@ -125,6 +125,10 @@ pub struct Batch {
     pub(crate) paused: bool,
     /// Safe mode: nothing was taken, because a limit of the queue's held every task back.
     pub(crate) limited: Option<Limited>,
+    /// Safe mode: tasks were taken, and they filled the queue's `max_running` (claim.lua's state 8): a claim
+    /// before a settle frees a slot would take nothing, so the fetcher waits for the settle's wake-up marker
+    /// first.
+    pub(crate) running_full: bool,
 }
 
 /// Which of a queue's limits held a claim back.
@@ -297,6 +301,49 @@ pub fn claim(
     max: usize,
     limits: &ClaimLimits<'_>,
 ) -> Result<Batch> {
+    claim_after(conn, keys, owner, claim, max, limits, None)
+}
+
+/// Safe mode: as [`claim`], once a wake-up marker came (or `wait` passed without one; the reply may take
+/// `io_timeout` more): the claim is sent behind a `BLPOP` of the wake list, in the same write, so that Redis runs
+/// it as soon as a settle pushes the marker, without the marker's trip to the fetcher and the claim's back. For a
+/// queue at its `max_running`, whose every slot waits for a settle's marker: the two trips were a third of the
+/// time from a settle that frees a slot to the next claim (docs/PERFORMANCE.md, "Limits: `max_running` and
+/// `rate_limit`"). On a cluster's connection, the wait and then the claim.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "claim's arguments and the wait's two"
+)]
+pub fn claim_after_wake(
+    conn: &mut Conn,
+    keys: &QueueKeys,
+    owner: &Arc<str>,
+    claim: u64,
+    max: usize,
+    limits: &ClaimLimits<'_>,
+    wait: Duration,
+    io_timeout: Duration,
+) -> Result<Batch> {
+    if !conn.is_node() {
+        wait_wake(conn, keys, wait, io_timeout)?;
+        return self::claim(conn, keys, owner, claim, max, limits);
+    }
+    conn.set_read_timeout(Some(wait + io_timeout))?;
+    let batch = claim_after(conn, keys, owner, claim, max, limits, Some(wait));
+    conn.set_read_timeout(Some(io_timeout))?;
+    batch
+}
+
+/// [`claim`], after a `BLPOP` of the wake list of up to `wait` when there is one.
+fn claim_after(
+    conn: &mut Conn,
+    keys: &QueueKeys,
+    owner: &Arc<str>,
+    claim: u64,
+    max: usize,
+    limits: &ClaimLimits<'_>,
+    wait: Option<Duration>,
+) -> Result<Batch> {
     let lists = keys.claim_lists(owner, claim);
     let mut script_keys = vec![
         keys.owners.clone(),
@@ -342,8 +389,10 @@ pub fn claim(
         eval.arg(*weight);
     }
     eval.arg(type_args).arg(group_args).arg(CLAIM_BYTES);
-    let (reply, taken, collected) = script_then_lists(conn, super::sources::CLAIM, &eval, &lists)
-        .map_err(|error| owner_error(error, owner))?;
+    let wake = wait.map(|wait| (keys.wake.as_str(), wait));
+    let (reply, taken, collected) =
+        script_then_lists(conn, super::sources::CLAIM, &eval, &lists, wake)
+            .map_err(|error| owner_error(error, owner))?;
     // Not replicated: a may-have-run error, which the fetcher resolves with adopt() as a lost reply.
     conn.replicated(&keys.stats)?;
     let reply: Vec<Value> = redis::from_redis_value(reply).map_err(redis::RedisError::from)?;
@@ -377,6 +426,7 @@ pub fn claim(
             7 => Some(Limited::Types { retry_at_ms }),
             _ => None,
         },
+        running_full: state == 8,
     })
 }
 
@@ -398,16 +448,51 @@ fn script_then_lists(
     source: &str,
     eval: &redis::Cmd,
     lists: &[String],
+    mut wake: Option<(&str, Duration)>,
 ) -> redis::RedisResult<(Value, Vec<Value>, Payloads)> {
     let mut loaded = false;
     loop {
         let mut pipe = redis::pipe();
-        pipe.atomic().ignore_errors().add_command(eval.clone());
-        for list in lists {
-            pipe.cmd("LRANGE").arg(list).arg(0).arg(-1);
+        if let Some((list, wait)) = wake {
+            // The transaction spelt out, behind the BLPOP: Redis reads it only once the BLPOP returns. A node's
+            // connection only (`claim_after_wake`).
+            pipe.ignore_errors()
+                .cmd("BLPOP")
+                .arg(list)
+                .arg(wait.as_secs_f64())
+                .ignore()
+                .cmd("MULTI")
+                .ignore()
+                .add_command(eval.clone())
+                .ignore();
+            for list in lists {
+                pipe.cmd("LRANGE").arg(list).arg(0).arg(-1).ignore();
+            }
+            pipe.cmd("EXEC");
+        } else {
+            pipe.atomic().ignore_errors().add_command(eval.clone());
+            for list in lists {
+                pipe.cmd("LRANGE").arg(list).arg(0).arg(-1);
+            }
         }
-        // The EXEC's reply is depth 1, each list depth 2, their elements (the tasks) depth 3.
-        let outcome = conn.with_payloads(3, |conn| pipe.query::<Vec<Value>>(conn));
+        // The EXEC's reply is depth 1, each list depth 2, their elements (the tasks) depth 3 (the BLPOP's
+        // marker is at depth 2).
+        let outcome = conn.with_payloads(3, |conn| {
+            let replies = pipe.query::<Vec<Value>>(conn)?;
+            if wake.is_none() {
+                return Ok(replies);
+            }
+            // The EXEC's, the only one not ignored.
+            match replies.into_iter().next() {
+                Some(Value::Array(replies)) => Ok(replies),
+                Some(Value::ServerError(error)) => Err(error.into()),
+                other => Err(redis::RedisError::from((
+                    redis::ErrorKind::UnexpectedReturnType,
+                    "a transaction's reply",
+                    format!("{other:?}"),
+                ))),
+            }
+        });
         // A cluster connection reports an error inside the transaction as the call's error; a node's leaves it
         // in its place among the replies.
         let outcome = outcome.and_then(|(replies, collected)| {
@@ -429,6 +514,8 @@ fn script_then_lists(
                 let key = lists.first().map_or("", String::as_str);
                 let _: String = conn.query_at(key, &load)?;
                 loaded = true;
+                // The BLPOP returned (and took the marker, if one came): the claim goes at once.
+                wake = None;
             }
             outcome => return outcome,
         }
@@ -493,8 +580,9 @@ pub fn adopt(
     script_keys.extend(lists.iter().cloned());
     let mut eval = evalsha(&SCRIPTS.adopt, &script_keys);
     eval.arg(&**owner).arg(claim).arg(count);
-    let (reply, found, collected) = script_then_lists(conn, super::sources::ADOPT, &eval, &lists)
-        .map_err(|error| owner_error(error, owner))?;
+    let (reply, found, collected) =
+        script_then_lists(conn, super::sources::ADOPT, &eval, &lists, None)
+            .map_err(|error| owner_error(error, owner))?;
     conn.replicated(&keys.stats)?;
     let (now_ms, journal): (i64, i64) =
         redis::from_redis_value(reply).map_err(redis::RedisError::from)?;
@@ -508,6 +596,7 @@ pub fn adopt(
         isolation: Isolation::None,
         paused: false,
         limited: None,
+        running_full: false,
     })
 }
 
@@ -657,23 +746,33 @@ fn pop_plain(conn: &mut Conn, keys: &QueueKeys, max: usize) -> Result<Option<Bat
     let mut take = evalsha(&SCRIPTS.take, &script_keys);
     take.arg(max).arg(POP_BYTES);
     let mut pipe = redis::pipe();
-    // The script first: in a cluster a transaction goes to its first key's node (`broker::Conn`).
+    // The taking list's guard, the script, then the pop of what take.lua weighed: from the taking list it filled,
+    // or (a head surely within the bytes, the taking list left absent) from the first non-empty list itself,
+    // natively. Had the script not run, the pop fails on the guard and takes nothing (take.lua). In a cluster a
+    // transaction goes to its first key's node (`broker::Conn`): the taking list's, the queue's slot.
     pipe.atomic()
         .ignore_errors()
-        .add_command(take)
-        .cmd("LRANGE")
+        .cmd("SET")
         .arg(&keys.taking)
-        .arg(0)
-        .arg(-1)
+        .arg(1)
+        .ignore()
+        .add_command(take)
+        .cmd("LMPOP")
+        .arg(script_keys.len())
+        .arg(&script_keys)
+        .arg("LEFT")
+        .arg("COUNT")
+        .arg(max)
         .cmd("DEL")
         .arg(&keys.taking)
         .ignore();
-    // A nil EXEC (the unique hash was written after WATCH) reads as None. The EXEC's reply is depth 1, the list
-    // read back depth 2, its tasks depth 3 (and nothing else: the script's reply holds only integers, Redis's
-    // clock among them, where TIME's would be strings at depth 3). A cluster connection reports an error inside the transaction as the
-    // call's error; a node's leaves it in its place among the replies.
+    // A nil EXEC (the unique hash was written after WATCH) reads as None. The EXEC's reply is depth 1, the pop's
+    // depth 2 (nil, or the list's name and its tasks), its tasks depth 4 (and nothing else: the script's reply
+    // holds only integers, Redis's clock among them, where TIME's would be strings at depth 3). A cluster
+    // connection reports an error inside the transaction as the call's error; a node's leaves it in its place
+    // among the replies.
     let outcome = conn
-        .with_payloads(3, |conn| pipe.query::<Option<Vec<Value>>>(conn))
+        .with_payloads(4, |conn| pipe.query::<Option<Vec<Value>>>(conn))
         .and_then(|(reply, collected)| {
             let Some(replies) = reply else {
                 return Ok(None);
@@ -696,7 +795,7 @@ fn pop_plain(conn: &mut Conn, keys: &QueueKeys, max: usize) -> Result<Option<Bat
         }
         Err(error) => return Err(error.into()),
     };
-    let Some(list) = replies.next() else {
+    let Some(popped) = replies.next() else {
         return Err(reply_error(
             "pop",
             "a transaction of two replies".to_string(),
@@ -704,11 +803,24 @@ fn pop_plain(conn: &mut Conn, keys: &QueueKeys, max: usize) -> Result<Option<Bat
     };
     let (index, count, now_ms): (usize, usize, i64) =
         redis::from_redis_value(taken).map_err(redis::RedisError::from)?;
-    let Value::Array(items) = list else {
-        return Err(reply_error(
-            "pop",
-            format!("expected the taken list, got {list:?}"),
-        ));
+    let items = match popped {
+        Value::Nil => Vec::new(),
+        Value::ServerError(error) => return Err(redis::RedisError::from(error).into()),
+        Value::Array(mut popped) if popped.len() == 2 => match popped.pop() {
+            Some(Value::Array(items)) => items,
+            other => {
+                return Err(reply_error(
+                    "pop",
+                    format!("expected the popped tasks, got {other:?}"),
+                ));
+            }
+        },
+        other => {
+            return Err(reply_error(
+                "pop",
+                format!("expected a list's name and its tasks, got {other:?}"),
+            ));
+        }
     };
     if items.len() != count {
         return Err(reply_error(
@@ -1114,7 +1226,7 @@ pub struct Settled {
     /// it is answered and numbers its calls upwards, so a reply of this kind goes to a connection it gave up on
     /// and is never read; one that were read would be of a call answered before: it is taken as "applied
     /// before" (`applied` all `None`, nothing stale, no journal).
-    pub(crate) superseded: bool,
+    pub superseded: bool,
 }
 
 /// One settle call of one settling party (an acker, a monitor): sent again as the same call after a lost reply,

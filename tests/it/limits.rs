@@ -512,3 +512,34 @@ fn a_default_mode_pop_that_lands_after_its_owner_was_released_takes_and_counts_n
     assert_eq!(counter(&redis, "running_underflow"), 0);
     daemon.stop();
 }
+
+/// A queue at its `max_running` claims again only once a settle frees a slot: the claim that fills the count is
+/// followed by one that waits in Redis for the settle's wake-up marker (sent behind a `BLPOP`), not by one that
+/// finds the count full, which cost a round trip and a script's run for nothing per task at the limit
+/// (docs/PERFORMANCE.md, "Limits: `max_running` and `rate_limit`"). Claims counted on the wire.
+#[test]
+fn a_queue_at_max_running_claims_again_only_once_a_settle_frees_a_slot() {
+    const TASKS: usize = 12;
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let redis_section = format!("url = \"{}\"", proxy.url());
+    // An idle fetcher looks again after idle_poll even without a marker: longer than the whole drain.
+    let queue = safe_queue("workers = 2\nmax_running = 1\nidle_poll = \"5s\"");
+    let config = dir.config_raw(&redis_section, "", &queue);
+    let daemon = TestDaemon::start(&config);
+    redis.wait_blocked_in("blpop");
+    let claims = Matcher::script(sources::CLAIM);
+    let before = proxy.seen(&claims);
+    push_many(&config, "t", TASKS, r#"{"sleep_ms":20}"#);
+    assert_drained_to_zero(&config, &redis, TASKS as u64);
+    let claimed = proxy.seen(&claims) - before;
+    // One claim a task and the one that found the queue empty (a few more if the push's markers came while
+    // the count was full); two a task when each claim that filled the count was followed by one that found it so.
+    assert!(
+        claimed <= TASKS + 3,
+        "{claimed} claims for {TASKS} tasks at max_running 1"
+    );
+    assert_ran_once(&dir, "t", TASKS);
+    daemon.stop();
+}

@@ -42,6 +42,9 @@
 --   state 7: nothing was claimed, though tasks wait, because their types' limits hold them back: the caller
 --            waits for a wake-up marker (a settle that frees a type's slot pushes one, as does a push), at most
 --            until `retry at` when it is not 0 (the earliest time a type's rate window lets a start go).
+--   state 8: ready tasks were claimed, as in state 0, and they filled max_running: the caller waits for a wake-up
+--            marker before it claims again (a claim now would take nothing, state 4, for a round trip and a
+--            script's run; docs/PERFORMANCE.md, "Limits: `max_running` and `rate_limit`").
 -- Fails with "LEASELOST ..." when the owner's lease is gone or past: its tasks then belong to the monitors (an
 -- owner registered but missing from the owners zset is put back in it as expired, for them), and the daemon must
 -- register a new owner; with "FENCED ..." when ARGV[7] is below the owner's floor, which
@@ -755,4 +758,5 @@ if (taken == max or cut) and room then
     end
   end
 end
+if result[2] == 0 and took > 0 and max_running > 0 and running + took >= max_running then result[2] = 8 end
 return finish(result)

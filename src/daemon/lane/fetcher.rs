@@ -82,6 +82,11 @@ pub struct Fetcher {
     drained: Vec<String>,
     /// When the flows were last looked at (`None`: not yet): at the lane's start, then every [`FLOWS_LOOK`].
     flows_looked: Option<Instant>,
+    /// Safe mode: the last claim filled the queue's `max_running`, or found it full, so the next claim waits in
+    /// Redis for a settle's wake-up marker (`broker::claim_after_wake`): a claim sooner would take nothing (a
+    /// script's run and a round trip per task at the limit), and one sent after the marker came back would start
+    /// a round trip later (docs/PERFORMANCE.md, "Limits: `max_running` and `rate_limit`").
+    running_full: bool,
 }
 
 /// How often a lane looks for flows its config does not limit (a rolling change that removed a type's limit, or
@@ -140,6 +145,7 @@ impl Fetcher {
             queue,
             drained: Vec::new(),
             flows_looked: None,
+            running_full: false,
         }
     }
 
@@ -392,8 +398,24 @@ impl Fetcher {
             ..queue.claim_limits()
         };
         let sent = Instant::now();
-        let batch = match broker::claim(connection, &queue.keys, &owner, first_token, want, &limits)
-        {
+        let claimed = if std::mem::take(&mut self.running_full) && !self.claiming.is_triggered() {
+            // The marker may have come already: it stays in the wake list until a fetcher takes it. Claiming
+            // stopped during the wait: what the claim takes is handed back (`dispatch`).
+            let (wait, io_timeout) = (queue.config.idle_poll, queue.io_timeout);
+            broker::claim_after_wake(
+                connection,
+                &queue.keys,
+                &owner,
+                first_token,
+                want,
+                &limits,
+                wait,
+                io_timeout,
+            )
+        } else {
+            broker::claim(connection, &queue.keys, &owner, first_token, want, &limits)
+        };
+        let batch = match claimed {
             Ok(batch) => {
                 // claim.lua bumps the journal exactly when it stored tasks in the claim's lists, which this
                 // transaction read back.
@@ -421,6 +443,7 @@ impl Fetcher {
         if batch.paused {
             return Ok(batch);
         }
+        self.running_full = batch.running_full || batch.limited == Some(Limited::Running);
         self.claim_size = (batch.tasks.len() * 2)
             .max(MIN_CLAIM)
             .min(queue.config.batch);
@@ -437,7 +460,8 @@ impl Fetcher {
         }
         // A limit that ends at a known time is slept out by `fetch`; a full running count waits for a settle's marker.
         let timed = batch.limited.and_then(Limited::retry_at_ms).is_some();
-        if batch.tasks.is_empty() && !timed && !self.claiming.is_triggered() {
+        // A full running count: the next claim waits for the marker itself (`running_full`).
+        if batch.tasks.is_empty() && !timed && !self.running_full && !self.claiming.is_triggered() {
             // A marker means "something was pushed": the next round claims it. No marker within idle_poll: the
             // next round looks anyway, which picks up producers that push no marker. Tasks held back by their
             // types' rate windows: at most until the first window lets one go.
