@@ -310,7 +310,7 @@ impl Types {
         self.setup.limited + self.setup.unlimited
     }
 
-    /// claim.lua with types.lua's block: `types_admit`'s room, `take_flowing`, `push_runs`, `types_spend`.
+    /// claim.lua with types.lua's block: `types_admit`'s room, `take_flowing`, `push_runs`, `scopes_spend`.
     fn claim(&self, state: &mut TypesState, worker: u8, max: u8) {
         let mutation = self.setup.mutation;
         let waiting_b = state.redis.ready.iter().any(|t| !self.is_a(*t));
@@ -383,7 +383,7 @@ impl Types {
         if mutation != Some(TypesMutation::FlowLosesMoved) {
             redis.flow.extend(tails);
         }
-        // push_runs and types_spend.
+        // push_runs and scopes_spend.
         if got > 0 {
             let mut list = List {
                 worker,

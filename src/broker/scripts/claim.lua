@@ -307,7 +307,7 @@ local took, retry_at = 0, 0
 local function finish(result)
   if took > 0 and max_running > 0 then redis.call('HINCRBY', KEYS[RUNNING], 'q', took) end
   if took > 0 and rates > 0 then rate_spend(windows, took, now) end
-  if took > 0 and flowing then types_spend(block, KEYS[RUNNING], now) end
+  if took > 0 and flowing then scopes_spend(block.flows, KEYS[RUNNING], now) end
   if took > 0 and grp.on then groups_spend(grp, KEYS[RUNNING], now) end
   result[#result + 1] = retry_at
   if dead_lettered > 0 then

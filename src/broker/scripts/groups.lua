@@ -325,12 +325,9 @@ local function groups_next(g, levels)
   return at, any
 end
 
--- Adds each group's tasks this claim took to its counts: its running scope and its rate logs.
+-- Adds each group's tasks this claim took to its counts: its running scope and its rate logs (types.lua's).
 local function groups_spend(g, running, now)
-  for _, st in pairs(g.states) do
-    if st.taken > 0 then
-      if st.max_running > 0 then redis.call('HINCRBY', running, st.scope, st.taken) end
-      if st.rates > 0 then rate_spend(st.windows, st.taken, now) end
-    end
-  end
+  local states = {}
+  for _, st in pairs(g.states) do states[#states + 1] = st end
+  scopes_spend(states, running, now)
 end

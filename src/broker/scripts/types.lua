@@ -135,12 +135,13 @@ local function types_again(task)
   return (tonumber(task.attempt) or 0) > 0 or (tonumber(task.recovered) or 0) > 0
 end
 
--- Adds what each flow's tasks this claim took (`flow.taken`) to its counts: its running scope and its rate logs.
-local function types_spend(block, running, now)
-  for _, flow in ipairs(block.flows) do
-    if flow.taken > 0 then
-      if flow.max_running > 0 then redis.call('HINCRBY', running, flow.scope, flow.taken) end
-      if flow.rates > 0 then rate_spend(flow.windows, flow.taken, now) end
+-- Adds what each of `scopes` (a type's flow, or a group: groups.lua) took this claim (`taken`) to its counts: its
+-- running scope and its rate logs.
+local function scopes_spend(scopes, running, now)
+  for _, scope in ipairs(scopes) do
+    if scope.taken > 0 then
+      if scope.max_running > 0 then redis.call('HINCRBY', running, scope.scope, scope.taken) end
+      if scope.rates > 0 then rate_spend(scope.windows, scope.taken, now) end
     end
   end
 end

@@ -4,8 +4,7 @@
 
 use toml::Spanned;
 
-use super::queue::{limited_claims, rate_limits};
-use super::ranged;
+use super::queue::limited_claims;
 use crate::config::errors::Source;
 use crate::config::raw::RawGroups;
 use crate::config::*;
@@ -51,19 +50,8 @@ pub(super) fn groups(
             ),
         ));
     }
-    let max_running = match &max_running {
-        Some(limit) => Some(ranged(
-            source,
-            &key("max_running"),
-            limit,
-            1..MAX_RUNNING as i64 + 1,
-        )? as usize),
-        None => None,
-    };
-    let rate_limit = match &rate_limit {
-        Some(value) => rate_limits(source, &key("rate_limit"), value)?,
-        None => Vec::new(),
-    };
+    let (max_running, rate_limit) =
+        super::limits::scope_limits(source, &key, &max_running, &rate_limit)?;
     if max_running.is_some() || !rate_limit.is_empty() {
         // A task claimed ahead would hold its group's slot, or a start of its rate, that another daemon's idle
         // worker could use.

@@ -81,19 +81,7 @@ pub(super) fn type_limits(
                 ),
             ));
         }
-        let max_running = match &max_running {
-            Some(limit) => Some(ranged(
-                source,
-                &key("max_running"),
-                limit,
-                1..MAX_RUNNING as i64 + 1,
-            )? as usize),
-            None => None,
-        };
-        let rate_limit = match &rate_limit {
-            Some(value) => rate_limits(source, &key("rate_limit"), value)?,
-            None => Vec::new(),
-        };
+        let (max_running, rate_limit) = scope_limits(source, &key, &max_running, &rate_limit)?;
         if max_running.is_none() && rate_limit.is_empty() {
             return Err(source.error(
                 span,
@@ -110,4 +98,28 @@ pub(super) fn type_limits(
         });
     }
     Ok(out)
+}
+
+/// A scope's `max_running` and `rate_limit` (a type's entry, the groups' table), as the queue's own are checked
+/// (`key` names the scope's keys).
+pub(super) fn scope_limits(
+    source: &Source<'_>,
+    key: &impl Fn(&str) -> String,
+    max_running: &Option<Spanned<i64>>,
+    rate_limit: &Option<Spanned<toml::Value>>,
+) -> Result<(Option<usize>, Vec<crate::config::rate::RateLimit>), ConfigError> {
+    let max_running = match max_running {
+        Some(limit) => Some(ranged(
+            source,
+            &key("max_running"),
+            limit,
+            1..MAX_RUNNING as i64 + 1,
+        )? as usize),
+        None => None,
+    };
+    let rate_limit = match rate_limit {
+        Some(value) => rate_limits(source, &key("rate_limit"), value)?,
+        None => Vec::new(),
+    };
+    Ok((max_running, rate_limit))
 }
