@@ -221,6 +221,15 @@ impl Settler {
                     may_have_run |= error.may_have_run();
                     crate::observed::redis_error("settling outcomes");
                     session.reset();
+                    // Redis lost its scripts (a restart, a failover, a SCRIPT FLUSH): settle.lua is loaded on the
+                    // new connection, before any record is sent on it (`broker::load_settle` says why); a
+                    // failure here is the next attempt's.
+                    if error.is_missing_script()
+                        && let Err(load) = session.get().and_then(broker::load_settle)
+                    {
+                        tracing::warn!(error = %load, "cannot load the settle script");
+                        session.reset();
+                    }
                     // The first failure is most often one dropped connection: try a new one at once.
                     if failures == 1 {
                         tracing::warn!(%error, outcomes = settlements.len(), "cannot settle outcomes; retrying");
