@@ -177,6 +177,7 @@ impl Settler {
         // Whether an attempt's reply was lost: Redis may have applied the call, which is then only ever sent
         // again as it is.
         let mut may_have_run = false;
+        let mut reloads = 0u32;
         loop {
             if let Some(pulse) = &self.pulse {
                 pulse.beat();
@@ -215,6 +216,20 @@ impl Settler {
                 Err(error) if error.refused() && !may_have_run => {
                     crate::observed::redis_error("settling outcomes");
                     return Some(Answer::Refused(error));
+                }
+                // Redis lost its scripts (a restart, a failover, a SCRIPT FLUSH; nothing ran): settle.lua is loaded
+                // on a new connection, before any record is sent on it (`broker::load_settle` says why), and the
+                // call sent again at once; only a script lost again waits.
+                Err(error) if error.is_missing_script() => {
+                    reloads += 1;
+                    session.reset();
+                    if let Err(load) = session.get().and_then(broker::load_settle) {
+                        tracing::warn!(error = %load, "cannot load the settle script; retrying");
+                        session.reset();
+                    }
+                    if reloads > 1 && backoff.wait(stop) {
+                        return None;
+                    }
                 }
                 Err(error) => {
                     failures += 1;

@@ -53,7 +53,8 @@ pub use stats::{QueueStats, Rates, TypeUsage, check_protocol, rate_used, stats, 
 pub use tasks::{
     Batch, Call, ClaimLimits, Due, Fence, Fetched, Holder, Isolation, Limited, PopLimits, Popper,
     PushItem, SettleOp, Settled, Settlement, ThrottleScope, adopt, claim, claim_after_wake,
-    move_sources, promote, push, release_unique, settle, wait_idle, wait_list, wait_wake,
+    load_settle, move_sources, promote, push, release_unique, settle, wait_idle, wait_list,
+    wait_wake,
 };
 pub use tls::tls_refusal;
 
@@ -165,6 +166,11 @@ impl BrokerError {
 }
 
 impl BrokerError {
+    /// Whether Redis answered NOSCRIPT: its script cache lost the script called (nothing ran).
+    pub fn is_missing_script(&self) -> bool {
+        matches!(self, BrokerError::Redis(error) if error.code() == Some("NOSCRIPT"))
+    }
+
     /// Names the ACL user in a [`BrokerError::Permission`] (the check only has the connection).
     pub fn for_user(self, name: &str) -> BrokerError {
         match self {

@@ -430,6 +430,39 @@ fn claim_after(
     })
 }
 
+/// A script call's keys, gathered before its arguments (the `EVALSHA` names their count first).
+#[derive(Default)]
+struct ScriptKeys(Vec<Vec<u8>>);
+
+impl ScriptKeys {
+    fn key(&mut self, key: impl redis::ToRedisArgs) -> &mut Self {
+        key.write_redis_args(&mut self.0);
+        self
+    }
+
+    /// The `EVALSHA` of `script` with these keys; the arguments follow.
+    fn evalsha(self, script: &redis::Script) -> redis::Cmd {
+        let mut eval = redis::cmd("EVALSHA");
+        eval.arg(script.get_hash()).arg(self.0.len()).arg(self.0);
+        eval
+    }
+}
+
+/// Loads settle.lua into Redis's script cache; `conn` must be a connection that has sent no large argument
+/// (a new one), which is why [`settle`] does not reload the script itself when Redis answers NOSCRIPT.
+///
+/// Redis (7.0 at least, networking.c) reads an argument of 32 KiB or more into a buffer of its own and then
+/// keeps a buffer as large for the connection's next one, "assuming" another large argument follows; the
+/// next argument of 32 KiB or more is stored in that buffer as it is. settle.lua is over 32 KiB, and its call
+/// carries records: reloaded on the connection whose call with a record of N MiB just got NOSCRIPT, the
+/// script's source would be cached in a buffer of N MiB for as long as the cache lives (seen: 16.9 MB of
+/// `used_memory_scripts` after a 15 MiB recovery, which put Redis over its `maxmemory` and refused every
+/// settle and claim after it; it/budgets::a_recovery_redis_refuses_is_left_for_a_later_pass_and_the_others_go).
+pub fn load_settle(conn: &mut Conn) -> Result<()> {
+    SCRIPTS.settle.load(conn)?;
+    Ok(())
+}
+
 /// `EVALSHA` of `script` with `keys`, for a transaction (the arguments follow).
 fn evalsha(script: &redis::Script, keys: &[String]) -> redis::Cmd {
     let mut eval = redis::cmd("EVALSHA");
@@ -1316,7 +1349,7 @@ pub fn settle<'a>(
             _ => {}
         }
     }
-    let mut invocation = SCRIPTS.settle.prepare_invoke();
+    let mut invocation = ScriptKeys::default();
     invocation
         .key(&keys.owners)
         .key(&keys.stats)
@@ -1379,6 +1412,7 @@ pub fn settle<'a>(
             invocation.key(keys.ring(level));
         }
     }
+    let mut invocation = invocation.evalsha(&SCRIPTS.settle);
     invocation
         .arg(match fence {
             Fence::Owner => "owner",
@@ -1447,7 +1481,8 @@ pub fn settle<'a>(
             .arg(scope);
         records += 1;
     }
-    let reply: Vec<i64> = invocation.invoke(conn)?;
+    // No reload here on NOSCRIPT: see `load_settle`.
+    let reply: Vec<i64> = invocation.query(conn)?;
     // Not replicated: a may-have-run error; the settler sends the same call again, which applies nothing twice.
     conn.replicated(&keys.stats)?;
     if reply.len() == 2 && reply[0] == -1 {

@@ -351,6 +351,11 @@ fn a_recovery_redis_refuses_is_left_for_a_later_pass_and_the_others_go() {
         "the small tasks recovered and run, the large one left in its claim",
         |s| (s.recovered, s.done, s.processing) == (4, 4, 1),
     );
+    // settle.lua (over 32 KiB), loaded when the call with the large record met NOSCRIPT, is cached at its own
+    // size: loaded on that call's connection, Redis kept it in the record's 15 MiB buffer, over maxmemory, and
+    // refused every recovery and claim after it (broker::load_settle).
+    let cached = redis.info_number("memory", "used_memory_scripts_eval");
+    assert!(cached < 1 << 20, "the script cache holds {cached} bytes");
     let _: String = redis.cmd(&["CONFIG", "SET", "maxmemory", "0"]);
     let s = wait_stats(
         &second,
