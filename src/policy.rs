@@ -133,6 +133,11 @@ pub const DEFAULT_THROTTLE: Duration = Duration::from_secs(1);
 /// its queue back this long, and asks again if its upstream still refuses.
 pub const MAX_THROTTLE: Duration = Duration::from_secs(3600);
 
+/// The longest retry delay a handler may ask for (`retry_after_ms`): a longer one (a timestamp taken for a delay,
+/// a unit mistaken) waits this long, and the task's lease, unique id and `alive_timeout` stay meaningful (the
+/// review's L11).
+pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(30 * 24 * 3600);
+
 /// Decides the fate of a task whose run number `attempt` (0 = first) came to `verdict`. `seed` (see
 /// [`Policy::backoff_for`]) is asked only for a retry's backoff: hashing the id of every task that is simply done
 /// was 1 % of a no-op drain's daemon CPU.
@@ -206,7 +211,10 @@ pub fn decide(
                 ),
             },
             OnHandlerError::Retry => Action::Retry {
-                delay: after.unwrap_or_else(|| policy.backoff_for(attempt, seed())),
+                delay: after.map_or_else(
+                    || policy.backoff_for(attempt, seed()),
+                    |after| after.min(MAX_RETRY_AFTER),
+                ),
                 reason,
                 isolated: false,
             },
@@ -284,6 +292,13 @@ mod tests {
             (Retry, 0, error(None), retry(1000)),
             (Retry, 1, error(None), retry(2000)),
             (Retry, 1, error(Some(250)), retry(250)),
+            // A handler's delay past 30 days (the review's L11) is held at 30 days.
+            (
+                Retry,
+                1,
+                error(Some(u64::MAX)),
+                retry(MAX_RETRY_AFTER.as_millis() as u64),
+            ),
             (
                 Retry,
                 2,

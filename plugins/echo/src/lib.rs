@@ -43,13 +43,16 @@ impl Handler for Echo {
     }
 
     fn handle(&self, task: &Task<'_>) -> Outcome {
+        // The id and the type are the producer's: their control characters are escaped, so that a task cannot
+        // forge a line of the journal or send escapes to a terminal (the review's L3). The data is JSON, escaped.
+        let (id, kind) = (escaped(task.id()), escaped(task.kind()));
         // One write per line, so lines from concurrent workers do not interleave.
         let line = format!(
             "{}echo: queue={} id={} type={} attempt={} data={}\n",
             self.prefix,
             task.queue(),
-            task.id(),
-            task.kind(),
+            id,
+            kind,
             task.attempt(),
             task.data_json()
         );
@@ -60,11 +63,21 @@ impl Handler for Echo {
 
     fn on_dead(&self, task: &Task<'_>, reason: &str) {
         let line = format!(
-            "{}echo: dead id={} reason={reason}\n",
+            "{}echo: dead id={} reason={}\n",
             self.prefix,
-            task.id()
+            escaped(task.id()),
+            escaped(reason)
         );
         let _ = std::io::stderr().lock().write_all(line.as_bytes());
+    }
+}
+
+/// `text` with its control characters escaped (`\n`, `\u{1b}`), as the daemon writes its own log fields.
+fn escaped(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.chars().any(char::is_control) {
+        std::borrow::Cow::Owned(text.escape_debug().to_string())
+    } else {
+        std::borrow::Cow::Borrowed(text)
     }
 }
 
@@ -73,6 +86,13 @@ kmq_plugin::export!(Echo);
 #[cfg(test)]
 mod tests {
     use kmq_plugin::testing::{Harness, Status, TestTask};
+
+    #[test]
+    fn control_characters_of_an_id_or_a_reason_are_escaped() {
+        assert_eq!(crate::escaped("job-1"), "job-1");
+        assert_eq!(crate::escaped("x\n<a forged line>"), "x\\n<a forged line>");
+        assert_eq!(crate::escaped("\u{1b}[2J"), "\\u{1b}[2J");
+    }
 
     #[test]
     fn claims_echo_unless_the_config_names_types() {
