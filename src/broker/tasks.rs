@@ -430,6 +430,10 @@ fn claim_after(
     })
 }
 
+/// The size from which Redis (7.0, networking.c) reads an argument into a buffer of its own and keeps one as large
+/// for the connection's next argument (`PROTO_MBULK_BIG_ARG`): see [`load_settle`].
+const LARGE_ARGUMENT: usize = 32 * 1024;
+
 /// A script call's keys, gathered before its arguments (the `EVALSHA` names their count first).
 #[derive(Default)]
 struct ScriptKeys(Vec<Vec<u8>>);
@@ -449,7 +453,8 @@ impl ScriptKeys {
 }
 
 /// Loads settle.lua into Redis's script cache; `conn` must be a connection that has sent no large argument
-/// (a new one), which is why [`settle`] does not reload the script itself when Redis answers NOSCRIPT.
+/// (a new one), which is why [`settle`] reloads the script itself on NOSCRIPT only after a call that carried none
+/// ([`LARGE_ARGUMENT`]), and otherwise leaves it to its caller.
 ///
 /// Redis (7.0 at least, networking.c) reads an argument of 32 KiB or more into a buffer of its own and then
 /// keeps a buffer as large for the connection's next one, "assuming" another large argument follows; the
@@ -1481,8 +1486,19 @@ pub fn settle<'a>(
             .arg(scope);
         records += 1;
     }
-    // No reload here on NOSCRIPT: see `load_settle`.
-    let reply: Vec<i64> = invocation.query(conn)?;
+    // A reload on this connection only when the call carried no argument of 32 KiB or more (see `load_settle`):
+    // otherwise the caller loads the script on a new connection (the settler does) and sends the call again.
+    let large = settlements
+        .clone()
+        .into_iter()
+        .any(|s| !bulk(s) && s.payload.len() >= LARGE_ARGUMENT);
+    let reply: Vec<i64> = match invocation.query(conn) {
+        Err(error) if is_no_script(&error) && !large => {
+            load_settle(conn)?;
+            invocation.query(conn)?
+        }
+        reply => reply?,
+    };
     // Not replicated: a may-have-run error; the settler sends the same call again, which applies nothing twice.
     conn.replicated(&keys.stats)?;
     if reply.len() == 2 && reply[0] == -1 {
