@@ -69,13 +69,7 @@ local function groups_read(script, at, first, levels, integer)
   a = a + 2 + 2 * g.rates
   g.weights = {}
   for w = 1, tonumber(ARGV[a]) do g.weights[ARGV[a + 2 * w - 1]] = tonumber(ARGV[a + 2 * w]) end
-  local function wrong(key, kind)
-    local found = redis.call('TYPE', key).ok
-    if found ~= 'none' and found ~= kind then
-      return redis.error_reply('WRONGTYPE ' .. script .. ': ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
-        '; nothing was written')
-    end
-  end
+  local wrong = type_check(script)
   g.wrong = wrong
   for level = 1, levels do
     local refused = wrong(g.rings[level], 'zset')

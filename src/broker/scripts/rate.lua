@@ -23,6 +23,18 @@ local function integer_check(script)
   end
 end
 
+-- A check of a key `script` may write (types.lua's and groups.lua's, whose keys come after the script's own):
+-- nil when `key` is absent or of type `kind`, else the error reply that names it.
+local function type_check(script)
+  return function(key, kind)
+    local found = redis.call('TYPE', key).ok
+    if found ~= 'none' and found ~= kind then
+      return redis.error_reply('WRONGTYPE ' .. script .. ': ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
+        '; nothing was written')
+    end
+  end
+end
+
 -- The entry of `log` at `at` (nil when there is none), or false and the error reply of `script` for an entry
 -- that does not parse.
 local function rate_entry(script, log, at)

@@ -30,13 +30,7 @@ local function types_read(script, at, first, levels, running, integer)
   local count = tonumber(ARGV[at]) or 0
   local block = {flows = {}, kinds = {}, rings = {}, foreign = ARGV[at + 1] or ''}
   if count == 0 then return block end
-  local function wrong(key, kind)
-    local found = redis.call('TYPE', key).ok
-    if found ~= 'none' and found ~= kind then
-      return redis.error_reply('WRONGTYPE ' .. script .. ': ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
-        '; nothing was written')
-    end
-  end
+  local wrong = type_check(script)
   for level = 1, levels do
     block.rings[level] = KEYS[first + level - 1]
     local refused = wrong(block.rings[level], 'zset')
