@@ -156,27 +156,33 @@ end
 
 -- Moves the flows whose TIMED band came due back to each level's virtual time (at most 64 a level a claim: the
 -- rest come at the next claims). Then looks at each level's longest-parked flow: one whose group is neither
--- paused nor full any more goes back too, one still held to the back of the parked. The settle that frees a full group's slot moves its flows back; this
--- look is for a slot freed by a settle that did not name the rings (a daemon whose config has no groups, during a
--- rolling change), so that no group waits for ever. Returns nil, or the error reply of a count that is not an
--- integer.
+-- paused nor full any more goes back too, one still held to the back of the parked. The settle that frees a full
+-- group's slot moves its flows back; this look is for a slot freed by a settle that did not name the rings (a
+-- daemon whose config has no groups, during a rolling change), so that no group waits for ever. Returns nil, or
+-- the error reply of a count that is not an integer (before it moved anything).
 local function groups_due(g, levels, running, now)
+  -- Each level's longest-parked flow and its group's count, read and checked before anything moves.
+  local parked = {}
   for level = 1, levels do
-    local due = redis.call('ZRANGE', g.rings[level], GROUP_TIMED, GROUP_TIMED + now, 'BYSCORE', 'LIMIT', 0, 64)
-    for _, member in ipairs(due) do redis.call('ZADD', g.rings[level], 'XX', g.vt[level], member) end
-    local parked = redis.call('ZRANGE', g.rings[level], GROUP_PARKED, '+inf', 'BYSCORE', 'LIMIT', 0, 1)
-    if parked[1] then
-      local scope = 'g:' .. group_of_member(parked[1])
+    local head = redis.call('ZRANGE', g.rings[level], GROUP_PARKED, '+inf', 'BYSCORE', 'LIMIT', 0, 1)[1]
+    if head then
+      local scope = 'g:' .. group_of_member(head)
       local count = redis.call('HGET', running, scope)
       local refused = g.integer(running, scope, count)
       if refused then return refused end
       local full = g.max_running > 0 and tonumber(count or '0') >= g.max_running
-      if not full and redis.call('EXISTS', g.base .. ':hold:' .. scope) == 0 then
-        redis.call('ZADD', g.rings[level], 'XX', g.vt[level], parked[1])
-      else
-        -- Still held: to the back of the parked, so that the next claims look at the others in turn.
-        redis.call('ZADD', g.rings[level], 'XX', GROUP_PARKED + now, parked[1])
-      end
+      parked[level] = {member = head, held = full or redis.call('EXISTS', g.base .. ':hold:' .. scope) == 1}
+    end
+  end
+  for level = 1, levels do
+    local due = redis.call('ZRANGE', g.rings[level], GROUP_TIMED, GROUP_TIMED + now, 'BYSCORE', 'LIMIT', 0, 64)
+    for _, member in ipairs(due) do redis.call('ZADD', g.rings[level], 'XX', g.vt[level], member) end
+    local head = parked[level]
+    if head and not head.held then
+      redis.call('ZADD', g.rings[level], 'XX', g.vt[level], head.member)
+    elseif head then
+      -- Still held: to the back of the parked, so that the next claims look at the others in turn.
+      redis.call('ZADD', g.rings[level], 'XX', GROUP_PARKED + now, head.member)
     end
   end
 end
