@@ -170,7 +170,8 @@ pub fn resume(conn: &mut dyn ConnectionLike, keys: &QueueKeys, group: &str) -> R
     invocation
         .key(keys.group_hold(group))
         .key(&keys.sched)
-        .key(&keys.wake);
+        .key(&keys.wake)
+        .key(keys.park(&keys::group_scope(group)));
     for ring in keys.rings() {
         invocation.key(ring);
     }

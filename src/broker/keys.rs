@@ -64,9 +64,11 @@ pub fn flow_member(kind: &str) -> String {
     format!(":{}", encode_name(kind))
 }
 
-/// The type of a ring member ([`flow_member`]), or `None` for a member this version does not make.
+/// The limited type of a ring member: `:TYPE` ([`flow_member`]) or, beside groups, `GROUP:TYPE`; `None` for a
+/// group's flow of the unlimited types (`GROUP:`) or a member this version does not make.
 pub fn member_type(member: &str) -> Option<String> {
-    decode_name(member.strip_prefix(':')?).filter(|kind| !kind.is_empty())
+    let (_, kind) = member.split_once(':')?;
+    decode_name(kind).filter(|kind| !kind.is_empty())
 }
 
 /// The running scope of a group: `g:GROUP`, encoded ([`encode_name`]); groups.lua builds the same.
@@ -79,10 +81,14 @@ pub fn group_member(group: &str) -> String {
     format!("{}:", encode_name(group))
 }
 
-/// The group of a ring member ([`group_member`]), or `None` for a member of a type's flow or one this version
-/// does not make.
+/// The group of a ring member ([`group_member`], or `GROUP:TYPE` for its tasks of a limited type beside type
+/// limits), or `None` for a member of a type's flow without groups (`:TYPE`) or one this version does not make.
 pub fn member_group(member: &str) -> Option<String> {
-    decode_name(member.strip_suffix(':')?).filter(|group| !group.contains(':'))
+    let (group, kind) = member.split_once(':')?;
+    if group.is_empty() && !kind.is_empty() {
+        return None;
+    }
+    decode_name(group)
 }
 
 /// A group flow's score bands in its ring (groups.lua): below `TIMED` a pass, from `TIMED` the ms a throttled or
@@ -318,6 +324,14 @@ impl QueueKeys {
     /// A group's pause (`kmqd group pause`): claims take none of its tasks while it exists.
     pub fn group_hold(&self, group: &str) -> String {
         format!("{}:hold:{}", self.base, group_scope(group))
+    }
+
+    /// The park index of a running scope (`g:GROUP` or `t:TYPE`, [`group_scope`], [`type_scope`]) beside type limits
+    /// on a grouped queue: a zset of the (GROUP, TYPE) flows a claim parked because that scope refused them
+    /// (`LEVEL|MEMBER` -> ms parked; groups.lua builds the same names). A settle that frees the group's slot and
+    /// `kmqd group resume` move a group's back; a claim moves a type's back as its slots free.
+    pub fn park(&self, scope: &str) -> String {
+        format!("{}:park:{scope}", self.base)
     }
 
     /// A group's rate log and its sum for one window (groups.lua builds the same names).

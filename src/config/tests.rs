@@ -863,16 +863,24 @@ fn groups_take_limits_and_weights_in_safe_mode_without_type_limits() {
         Prefetch::Fixed(8),
         "without group limits, a prefetch is the operator's choice"
     );
+    let both = queue(
+        "safe",
+        "[queues.groups]\nmax_running = 1\n[[queues.limits]]\ntype = \"t\"\nmax_running = 2\n",
+    )
+    .unwrap();
+    assert_eq!(
+        (
+            both.groups.map(|groups| groups.max_running),
+            both.type_limits.len()
+        ),
+        (Some(Some(1)), 1),
+        "groups and limits per task type apply together on one queue"
+    );
     for (mode, keys, words) in [
         (
             "default",
             "[queues.groups]\n",
             "queues.toml:5:1: queues[0].groups: groups need mode = \"safe\"",
-        ),
-        (
-            "safe",
-            "[queues.groups]\nmax_running = 1\n[[queues.limits]]\ntype = \"t\"\nmax_running = 2\n",
-            "queues[0].groups: a queue takes either [queues.groups] or [[queues.limits]] in this version",
         ),
         (
             "safe",

@@ -567,7 +567,8 @@ fn the_documented_users_pause_resume_and_list_workers() {
     let redis = RedisServer::start();
     create_users(&redis);
     let dir = TestDir::new();
-    let queues = "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nidle_poll = \"100ms\"\n\n\
+    let queues = "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nidle_poll = \"100ms\"\n\
+        [queues.groups]\n\n\
         [[queues]]\nname = \"jobs\"\nmode = \"default\"\nidle_poll = \"100ms\"\n";
     let daemon_config = config_as(&dir, &redis, "kmqd", "shutdown_grace = \"5s\"", queues);
     let operator = config_as(&dir, &redis, "kmqd-operator", "", queues);
@@ -594,6 +595,10 @@ fn the_documented_users_pause_resume_and_list_workers() {
     for queue in ["mail", "jobs"] {
         let (out, _) = run(&operator, &["queue", "resume", queue], None, 0);
         assert_eq!(out, format!("resumed {queue}\n"));
+    }
+    // A group's pause and resume (group_resume.lua moves its parked flows back, its park index included).
+    for verb in ["pause", "resume"] {
+        run(&operator, &["group", verb, "mail", "acme"], None, 0);
     }
     let clients: String = redis.cmd(&["CLIENT", "LIST"]);
     let name = format!(

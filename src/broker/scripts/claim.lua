@@ -178,6 +178,8 @@ local flowing = #block.flows > 0
 -- The groups' rings, virtual times and limits (groups.lua), read and checked before any write.
 local grp, bad_groups = groups_read('claim.lua', GROUPS_AT, #KEYS - levels, levels, integer)
 if bad_groups then return bad_groups end
+-- Type limits beside groups: the groups' turns serve the (GROUP, TYPE) flows too (groups.lua).
+if flowing then groups_with_types(grp, block, 4 * tonumber(ARGV[2]) + 256) end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lease = redis.call('ZSCORE', KEYS[1], owner)
@@ -368,8 +370,11 @@ local function push_runs(level, runs)
     if k > 0 then
       local scopes = {}
       if max_running > 0 then scopes[#scopes + 1] = 'q' end
-      if run.flow and run.flow.max_running > 0 then scopes[#scopes + 1] = run.flow.scope end
-      if run.flow then run.flow.taken = run.flow.taken + k end
+      -- A run counts in its flow's scope: a type's, a group's, or both (groups.lua's `group_pair`).
+      for _, part in ipairs(run.flow and (run.flow.parts or {run.flow}) or {}) do
+        if part.max_running > 0 then scopes[#scopes + 1] = part.scope end
+        part.taken = part.taken + k
+      end
       counted = counted or #scopes > 0
       lines[#lines + 1] = k .. ' ' .. table.concat(scopes, ' ')
       n = n + k
@@ -514,16 +519,23 @@ for stage = 1, 3 do
           states[k] = st
         end
         local runs, add = new_runs()
-        local kept = 0
+        local kept, due = 0, 0
         for k = 1, #got do
           local st = states[k]
+          local typ = flowing and types_route(block, got[k]) or nil
           if group_refused(st, now) then break end
+          if typ and typ.room == 0 then
+            due = typ.due or 0
+            break
+          end
           if st.room then st.room = st.room - 1 end
-          add(st, got[k])
+          if typ and typ.room then typ.room = typ.room - 1 end
+          add(group_pair(grp, st, typ), got[k])
           kept = k
         end
         if kept == 0 then
           retry_at = groups_next(grp, levels)
+          if due > 0 and (retry_at == 0 or due < retry_at) then retry_at = due end
           return finish(empty(7, 0))
         end
         redis.call('LTRIM', list, kept, -1)

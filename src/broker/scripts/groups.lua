@@ -20,6 +20,19 @@
 -- in Redis only while it holds tasks, runs some (its `g:GROUP` count), is throttled or rate-limited (keys with a
 -- time to live) or paused (`hold:g:GROUP`): an idle group costs nothing.
 --
+-- Type limits beside groups (`[[queues.limits]]` on a grouped queue). A group's tasks of a limited type wait in a
+-- flow of their own, `flow:LEVEL:GROUP:TYPE` (member `GROUP:TYPE`; the group's other tasks stay in `GROUP:`), so
+-- that a type its limits hold back never blocks the group's other tasks, nor another group's. Tasks reach `GROUP:`
+-- (push.lua and the intake route by group only); a claim that serves `GROUP:` looks at each task it takes there and
+-- moves one of a type whose limits refuse it now to its (GROUP, TYPE) flow (a retry or a recovery to its head), at
+-- most SCAN a claim. A (GROUP, TYPE) flow is served only while both its group and its type admit it; refused, it
+-- leaves the lowest band as a group's flows do (TIMED for a type's rate window or throttle, PARKED for a full
+-- `max_running`), and a PARKED one is also named in its refuser's *park index* (`park:SCOPE`, a zset, member
+-- `LEVEL|MEMBER` -> ms parked): `park:g:GROUP` for a paused or full group (the settle that frees the group's slot,
+-- and `kmqd group resume`, move them all back: a group has few such flows), `park:t:TYPE` for a full type (every
+-- claim moves back as many of the longest-parked as the type has room for, plus 8, the oldest first: a type's
+-- flows may be of thousands of groups). An index entry whose flow moved back some other way is dropped when read.
+--
 -- Names. The group's keys are built here, from the queue's base (`PREFIX:{QUEUE}`, ARGV), which is first checked
 -- to be the start of KEYS[1]: every name the script builds starts with it, so hashes to the queue's slot, and no
 -- argument can name a key of another queue (keys.rs builds the same names: `QueueKeys::group_*`).
@@ -154,12 +167,70 @@ local function group_of_member(member)
   return string.match(member, '^([^:]*):') or ''
 end
 
+-- With type limits beside groups: the limited type (types.lua's flow, by its encoded name) of a member's flow,
+-- nil for a group's flow of the unlimited types (`GROUP:`) or of a type this config does not limit.
+local function member_type_flow(g, member)
+  if not g.types then return nil end
+  local kind = string.match(member, '^[^:]*:(.+)$')
+  return kind and g.types[kind]
+end
+
+-- Type limits beside groups: `block` is types.lua's. Its limited flows, by their types' encoded names (the part of
+-- their member after `:`), for the claims that serve the (GROUP, TYPE) flows, and the bound on the tasks a claim
+-- moves out of the groups' flows to their types' (SCAN, as claim.lua's for the ready lists).
+local function groups_with_types(g, block, scan)
+  if not g.on then return end
+  for _, flow in ipairs(block.flows) do
+    if flow.limited then
+      g.types = g.types or {}
+      g.types[string.sub(flow.member, 2)] = flow
+    end
+  end
+  g.block, g.scan, g.pairs = block, scan, {}
+end
+
+-- What a run of tasks taken from a flow counts in: its group's state, and its limited type's flow if any (a pair,
+-- whose `parts` claim.lua's push_runs counts each task in).
+local function group_pair(g, st, typ)
+  if not typ then return st end
+  local by = g.pairs[st] or {}
+  g.pairs[st] = by
+  local pair = by[typ]
+  if not pair then
+    pair = {parts = {st, typ}}
+    by[typ] = pair
+  end
+  return pair
+end
+
+-- Where a refused flow goes in the ring (nil: admitted), and the scope whose park index names it while it is
+-- PARKED (nil: none). Its group refuses first; then its limited type: TIMED until a throttle or a rate window lets
+-- it go on, PARKED while its `max_running` is full.
+local function flow_refused(st, typ, member, now)
+  local band = group_refused(st, now)
+  if band then
+    if band >= GROUP_PARKED and not string.find(member, ':$') then return band, st.scope end
+    return band
+  end
+  if typ and typ.room == 0 then
+    if typ.due and typ.due > 0 then return GROUP_TIMED + typ.due end
+    return GROUP_PARKED + now, typ.scope
+  end
+end
+
+-- Parks or times a refused flow: its band in the ring, and its entry in its refuser's park index.
+local function flow_hold(g, level, member, band, scope, now)
+  redis.call('ZADD', g.rings[level], 'XX', band, member)
+  if scope then redis.call('ZADD', g.base .. ':park:' .. scope, 'NX', now, level .. '|' .. member) end
+end
+
 -- Moves the flows whose TIMED band came due back to each level's virtual time (at most 64 a level a claim: the
 -- rest come at the next claims). Then looks at each level's longest-parked flow: one whose group is neither
 -- paused nor full any more goes back too, one still held to the back of the parked. The settle that frees a full
 -- group's slot moves its flows back; this look is for a slot freed by a settle that did not name the rings (a
--- daemon whose config has no groups, during a rolling change), so that no group waits for ever. Returns nil, or
--- the error reply of a count that is not an integer (before it moved anything).
+-- daemon whose config has no groups, during a rolling change), so that no group waits for ever. Beside type
+-- limits, a limited type with room moves back the longest parked of its park index (up to its room plus 8).
+-- Returns nil, or the error reply of a count that is not an integer (before it moved anything).
 local function groups_due(g, levels, running, now)
   -- Each level's longest-parked flow and its group's count, read and checked before anything moves.
   local parked = {}
@@ -171,7 +242,22 @@ local function groups_due(g, levels, running, now)
       local refused = g.integer(running, scope, count)
       if refused then return refused end
       local full = g.max_running > 0 and tonumber(count or '0') >= g.max_running
+      local typ = member_type_flow(g, head)
+      full = full or (typ and typ.room == 0)
       parked[level] = {member = head, held = full or redis.call('EXISTS', g.base .. ':hold:' .. scope) == 1}
+    end
+  end
+  -- With type limits: the longest-parked flows of each type that has room now, from its park index (checked and
+  -- read before anything moves).
+  local unpark = {}
+  for _, typ in pairs(g.types or {}) do
+    if typ.max_running > 0 and typ.room and typ.room > 0 then
+      local park = g.base .. ':park:' .. typ.scope
+      local refused = g.wrong(park, 'zset')
+      if refused then return refused end
+      for _, entry in ipairs(redis.call('ZRANGE', park, 0, typ.room + 7)) do
+        unpark[#unpark + 1] = {park = park, entry = entry}
+      end
     end
   end
   for level = 1, levels do
@@ -183,6 +269,18 @@ local function groups_due(g, levels, running, now)
     elseif head then
       -- Still held: to the back of the parked, so that the next claims look at the others in turn.
       redis.call('ZADD', g.rings[level], 'XX', GROUP_PARKED + now, head.member)
+    end
+  end
+  -- After the look, which may have sent one of them to the back of the parked.
+  for _, u in ipairs(unpark) do
+    redis.call('ZREM', u.park, u.entry)
+    local level, member = string.match(u.entry, '^(%d+)|(.*)$')
+    level = tonumber(level)
+    if level and g.rings[level] then
+      local score = redis.call('ZSCORE', g.rings[level], member)
+      if score and tonumber(score) >= GROUP_PARKED then
+        redis.call('ZADD', g.rings[level], 'XX', g.vt[level], member)
+      end
     end
   end
 end
@@ -248,24 +346,73 @@ local function groups_candidates(script, g, level, want, running, now)
       if refused then return nil, refused end
       local st, bad = group_state(script, g, group_of_member(member), running, now)
       if bad then return nil, bad end
-      cands[#cands + 1] = {member = member, pass = tonumber(picks[k + 1]), flow = flow, st = st}
-      if not group_refused(st, now) then admitted = admitted + 1 end
+      local typ = member_type_flow(g, member)
+      -- The park indexes this claim may name the flow in (groups_take), checked before its first write.
+      if not string.find(member, ':$') then refused = g.wrong(g.base .. ':park:' .. st.scope, 'zset') end
+      if not refused and typ then refused = g.wrong(g.base .. ':park:' .. typ.scope, 'zset') end
+      if refused then return nil, refused end
+      cands[#cands + 1] = {member = member, pass = tonumber(picks[k + 1]), flow = flow, st = st, typ = typ,
+        level = level, sorts = g.types ~= nil and string.find(member, ':$') ~= nil}
+      if not flow_refused(st, typ, member, now) then admitted = admitted + 1 end
     end
   end
   return cands
 end
 
--- A level's take over its candidates: refused groups' flows leave the lowest band; the others take turns in
--- order of pass, each turn up to its group's weight (and room), and `add(state, payload)` collects what it took.
--- Each served flow's pass grows by what it took over its weight; an emptied flow leaves the ring; the level's
--- virtual time becomes the last pass served. Returns the tasks taken and whether a refused group holds tasks.
+-- With type limits beside groups, a turn of up to `m` tasks from a group's flow of the unlimited types
+-- (`GROUP:`): each task of a limited type its limits refuse now goes to its (GROUP, TYPE) flow (a retry or a
+-- recovery to its head) instead of being taken, and that flow joins the ring where its type's refusal puts it.
+-- The moved flows' types are checked before the turn writes anything. Returns the tasks taken and looked at, or
+-- nil when a flow to move to is not a list (the group's flow is then left as it is for this claim).
+local function group_sort_turn(g, c, m, now, add)
+  local items = redis.call('LRANGE', c.flow, 0, m - 1)
+  local moves, order, took = {}, {}, {}
+  for _, payload in ipairs(items) do
+    local typ, task = types_route(g.block, payload)
+    if typ and typ.room == 0 then
+      local member = c.member .. string.sub(typ.member, 2)
+      local move = moves[member]
+      if not move then
+        local flow = group_flow(g, c.level, member)
+        if g.wrong(flow, 'list') or g.wrong(g.base .. ':park:' .. typ.scope, 'zset') then return nil end
+        move = {flow = flow, typ = typ, heads = {}, tails = {}}
+        moves[member] = move
+        order[#order + 1] = member
+      end
+      local to = move.tails
+      if task and types_again(task) then to = move.heads end
+      to[#to + 1] = payload
+    else
+      if typ and typ.room then typ.room = typ.room - 1 end
+      took[#took + 1] = {typ = typ, payload = payload}
+    end
+  end
+  redis.call('LTRIM', c.flow, #items, -1)
+  for _, t in ipairs(took) do add(group_pair(g, c.st, t.typ), t.payload) end
+  for _, member in ipairs(order) do
+    local move = moves[member]
+    for k = #move.heads, 1, -1 do redis.call('LPUSH', move.flow, move.heads[k]) end
+    if #move.tails > 0 then redis.call('RPUSH', move.flow, unpack(move.tails)) end
+    local band, scope = flow_refused(c.st, move.typ, member, now)
+    redis.call('ZADD', g.rings[c.level], 'NX', band, member)
+    if scope then redis.call('ZADD', g.base .. ':park:' .. scope, 'NX', now, c.level .. '|' .. member) end
+  end
+  g.scan = g.scan - #items
+  return #took, #items
+end
+
+-- A level's take over its candidates: refused flows leave the lowest band (a PARKED one enters its refuser's park
+-- index); the others take turns in order of pass, each turn up to its group's weight (and its group's and type's
+-- room), and `add(run, payload)` collects what it took. Each served flow's pass grows by what it took over its
+-- weight; an emptied flow leaves the ring; the level's virtual time becomes the last pass served. Returns the
+-- tasks taken and whether a refused flow holds tasks.
 local function groups_take(g, level, cands, take, now, add)
   local ring, got, held = g.rings[level], 0, false
   local active = {}
   for _, c in ipairs(cands) do
-    local band = group_refused(c.st, now)
+    local band, scope = flow_refused(c.st, c.typ, c.member, now)
     if band then
-      redis.call('ZADD', ring, 'XX', band, c.member)
+      flow_hold(g, level, c.member, band, scope, now)
       held = true
     else
       active[#active + 1] = c
@@ -277,16 +424,28 @@ local function groups_take(g, level, cands, take, now, add)
       if got < take then
         local m = math.min(c.st.weight, take - got)
         if c.st.room and c.st.room < m then m = c.st.room end
+        if c.typ and c.typ.room and c.typ.room < m then m = c.typ.room end
+        if c.sorts and g.scan < m then m = math.max(0, g.scan) end
         if m > 0 then
-          local items = redis.call('LPOP', c.flow, m) or {}
-          for _, payload in ipairs(items) do add(c.st, payload) end
-          got = got + #items
-          if c.st.room then c.st.room = c.st.room - #items end
-          if #items > 0 then
-            if c.pass > g.vt[level] then g.vt[level] = c.pass end
-            c.pass, c.served = c.pass + #items / c.st.weight, true
+          local n, looked
+          if c.sorts then
+            n, looked = group_sort_turn(g, c, m, now, add)
+          else
+            local items = redis.call('LPOP', c.flow, m) or {}
+            for _, payload in ipairs(items) do add(group_pair(g, c.st, c.typ), payload) end
+            n, looked = #items, #items
+            if c.typ and c.typ.room then c.typ.room = c.typ.room - n end
           end
-          if #items < m then c.empty = true else still[#still + 1] = c end
+          if n then
+            got = got + n
+            if c.st.room then c.st.room = c.st.room - n end
+            if n > 0 then
+              if c.pass > g.vt[level] then g.vt[level] = c.pass end
+              c.pass, c.served = c.pass + n / c.st.weight, true
+            end
+            if looked > 0 then c.looked = true end
+            if looked < m then c.empty = true else still[#still + 1] = c end
+          end
         end
       else
         still[#still + 1] = c
@@ -295,7 +454,7 @@ local function groups_take(g, level, cands, take, now, add)
     active = still
   end
   for _, c in ipairs(cands) do
-    if c.empty or (c.served and redis.call('EXISTS', c.flow) == 0) then
+    if c.empty or ((c.served or c.looked) and redis.call('EXISTS', c.flow) == 0) then
       redis.call('ZREM', ring, c.member)
     elseif c.served then
       redis.call('ZADD', ring, 'XX', c.pass, c.member)

@@ -60,8 +60,9 @@
 -- goes with the list. A field is never taken below 0 (that would say the count was wrong: counted in stats as
 -- `running_underflow`) and is deleted at 0. A call that frees slots of a count that was at its limit (the field
 -- `SCOPE:limit`, which the claims write) wakes an idle fetcher. A call that frees slots of a group (`g:GROUP`)
--- moves the group's parked flows (groups.lua's PARKED band: it was full or paused) back to their levels'
--- virtual time, and wakes an idle fetcher if it moved one: so a group with tasks never waits for anything but
+-- moves the group's parked flows (groups.lua's PARKED band: it was full or paused; `GROUP:` on each level, and
+-- those its park index `park:g:GROUP` names, beside type limits) back to their levels' virtual time, and wakes
+-- an idle fetcher if it moved one: so a group with tasks never waits for anything but
 -- its own running tasks, whichever daemon or monitor settles them.
 -- In default mode (pop.lua) the popped tasks left Redis and their count is kept under the owner that popped them
 -- (its popped-running hash): each task this call ends (a plain acknowledgement or a record) is subtracted from
@@ -321,6 +322,12 @@ if grouped then
   for level = 1, levels do vts[level] = 'vt:' .. level end
   local checks = {{sched, 'hash'}}
   for level = 1, levels do checks[level + 1] = {rings[level], 'zset'} end
+  -- Each counted group's park index (its parked flows of a limited type: groups.lua), built from the queue's base.
+  for scope in pairs(counts) do
+    if string.sub(scope, 1, 2) == 'g:' then
+      checks[#checks + 1] = {string.sub(sched, 1, -7) .. ':park:' .. scope, 'zset'}
+    end
+  end
   for _, check in ipairs(checks) do
     local found = redis.call('TYPE', check[1]).ok
     if found ~= 'none' and found ~= check[2] then
@@ -610,11 +617,19 @@ for scope, n in pairs(freed) do
   if counts[scope] >= limits[scope] and not group then wake_fetchers = true end
   if grouped and group then
     -- The group's parked flows (groups.lua's PARKED band) go back to their levels' virtual time.
-    local member = string.sub(scope, 3) .. ':'
-    for level = 1, levels do
-      local score = redis.call('ZSCORE', rings[level], member)
+    local parked = {}
+    for level = 1, levels do parked[#parked + 1] = {level, string.sub(scope, 3) .. ':'} end
+    -- Its flows of a limited type, from its park index (beside type limits: groups.lua), all of them.
+    local park = string.sub(sched, 1, -7) .. ':park:' .. scope
+    for _, entry in ipairs(redis.call('ZRANGE', park, 0, -1)) do
+      local level, member = string.match(entry, '^(%d+)|(.*)$')
+      if tonumber(level) and rings[tonumber(level)] then parked[#parked + 1] = {tonumber(level), member} end
+    end
+    redis.call('DEL', park)
+    for _, p in ipairs(parked) do
+      local score = redis.call('ZSCORE', rings[p[1]], p[2])
       if score and tonumber(score) >= 2e15 then
-        redis.call('ZADD', rings[level], 'XX', grouped[level], member)
+        redis.call('ZADD', rings[p[1]], 'XX', grouped[p[1]], p[2])
         wake_fetchers = true
       end
     end

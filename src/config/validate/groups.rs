@@ -12,14 +12,12 @@ use crate::config::*;
 /// The most groups `weights` may name: they go with every claim of the queue.
 const MAX_WEIGHTS: usize = 256;
 
-/// Checks the queue's `[queues.groups]` (`key` names the queue's keys; `type_limits`: whether it has
-/// `[[queues.limits]]` entries).
+/// Checks the queue's `[queues.groups]` (`key` names the queue's keys).
 pub(super) fn groups(
     source: &Source<'_>,
     key: &impl Fn(&str) -> String,
     mode: Mode,
     prefetch: Option<&Spanned<i64>>,
-    type_limits: bool,
     groups: Spanned<RawGroups>,
 ) -> Result<Groups, ConfigError> {
     let span = groups.span();
@@ -37,16 +35,6 @@ pub(super) fn groups(
             format!(
                 "{table}: groups need mode = \"safe\" in this version (a default-mode pop does not take turns \
                  between groups yet); use mode = \"safe\""
-            ),
-        ));
-    }
-    if type_limits {
-        return Err(source.error(
-            span,
-            format!(
-                "{table}: a queue takes either [queues.groups] or [[queues.limits]] in this version, not both (a \
-                 group's tasks of a limited type would need a flow of their own); keep one, or split the limited \
-                 types into a queue of their own"
             ),
         ));
     }

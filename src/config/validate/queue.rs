@@ -113,7 +113,6 @@ impl RawQueue {
                 &key,
                 mode,
                 raw_prefetch.as_ref(),
-                limits.is_some(),
                 groups,
             )?),
             None => None,
