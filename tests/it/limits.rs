@@ -513,33 +513,59 @@ fn a_default_mode_pop_that_lands_after_its_owner_was_released_takes_and_counts_n
     daemon.stop();
 }
 
+/// Drains 12 tasks of 20 ms through a queue at `max_running = 1` (`queue`, two workers, an `idle_poll` longer than
+/// the drain) whose daemon reaches Redis through a proxy, which counts the fetches (`script`'s calls) from when
+/// the daemon waits idle (in `blocked_in`). Returns the tasks and the fetches.
+fn fetches_at_max_running_one(
+    queue: &str,
+    script: &'static str,
+    blocked_in: &str,
+) -> (usize, usize) {
+    const TASKS: usize = 12;
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let redis_section = format!("url = \"{}\"", proxy.url());
+    let config = dir.config_raw(&redis_section, "", queue);
+    let daemon = TestDaemon::start(&config);
+    redis.wait_blocked_in(blocked_in);
+    let fetches = Matcher::script(script);
+    let before = proxy.seen(&fetches);
+    push_many(&config, "t", TASKS, r#"{"sleep_ms":20}"#);
+    assert_drained_to_zero(&config, &redis, TASKS as u64);
+    let fetched = proxy.seen(&fetches) - before;
+    assert_ran_once(&dir, "t", TASKS);
+    daemon.stop();
+    (TASKS, fetched)
+}
+
 /// A queue at its `max_running` claims again only once a settle frees a slot: the claim that fills the count is
 /// followed by one that waits in Redis for the settle's wake-up marker (sent behind a `BLPOP`), not by one that
 /// finds the count full, which cost a round trip and a script's run for nothing per task at the limit
 /// (docs/PERFORMANCE.md, "Limits: `max_running` and `rate_limit`"). Claims counted on the wire.
 #[test]
 fn a_queue_at_max_running_claims_again_only_once_a_settle_frees_a_slot() {
-    const TASKS: usize = 12;
-    let redis = RedisServer::start();
-    let proxy = FaultProxy::start(&redis);
-    let dir = TestDir::new();
-    let redis_section = format!("url = \"{}\"", proxy.url());
-    // An idle fetcher looks again after idle_poll even without a marker: longer than the whole drain.
     let queue = safe_queue("workers = 2\nmax_running = 1\nidle_poll = \"5s\"");
-    let config = dir.config_raw(&redis_section, "", &queue);
-    let daemon = TestDaemon::start(&config);
-    redis.wait_blocked_in("blpop");
-    let claims = Matcher::script(sources::CLAIM);
-    let before = proxy.seen(&claims);
-    push_many(&config, "t", TASKS, r#"{"sleep_ms":20}"#);
-    assert_drained_to_zero(&config, &redis, TASKS as u64);
-    let claimed = proxy.seen(&claims) - before;
+    let (tasks, claimed) = fetches_at_max_running_one(&queue, sources::CLAIM, "blpop");
     // One claim a task and the one that found the queue empty (a few more if the push's markers came while
     // the count was full); two a task when each claim that filled the count was followed by one that found it so.
     assert!(
-        claimed <= TASKS + 3,
-        "{claimed} claims for {TASKS} tasks at max_running 1"
+        claimed <= tasks + 3,
+        "{claimed} claims for {tasks} tasks at max_running 1"
     );
-    assert_ran_once(&dir, "t", TASKS);
-    daemon.stop();
+}
+
+/// Default mode: a queue at its `max_running` pops again only once a settle frees a slot. A pop that finds the
+/// count full waits for the settle's wake-up marker; before, the fetcher popped again at once, and spun on pop.lua
+/// (a round trip and a script's run each) for as long as the count stayed full. Pops counted on the wire.
+#[test]
+fn a_default_mode_queue_at_max_running_pops_again_only_once_a_settle_frees_a_slot() {
+    let queue = default_queue("workers = 2\nmax_running = 1\nidle_poll = \"5s\"");
+    let (tasks, popped) = fetches_at_max_running_one(&queue, sources::POP, "blmove");
+    // Per task, the pop that takes it and the one that finds the count full, then waits (a few more if the push's
+    // markers came while the count was full); hundreds when each full count was popped at again and again.
+    assert!(
+        popped <= 2 * tasks + 4,
+        "{popped} pops for {tasks} tasks at max_running 1"
+    );
 }

@@ -345,6 +345,24 @@ impl Fetcher {
                 let idle = queue.config.idle_poll;
                 broker::wait_idle(connection, &queue.keys, idle, queue.io_timeout)?;
             }
+            Ok(Batch {
+                tasks,
+                limited: Some(limited @ (Limited::Running | Limited::Types { .. })),
+                now_ms,
+                ..
+            }) if tasks.is_empty() && !self.claiming.is_triggered() => {
+                // A full running count (the queue's or a type's), or types held back: a settle that frees a slot
+                // pushes a wake-up marker, as does a push; a type's rate window lets a start go at its time.
+                // Popping again at once would only spin on pop.lua until then.
+                let mut wait = queue.config.idle_poll;
+                if let Limited::Types { retry_at_ms } = limited
+                    && *retry_at_ms > 0
+                {
+                    let until = u64::try_from(retry_at_ms.saturating_sub(*now_ms)).unwrap_or(0);
+                    wait = wait.min(Duration::from_millis(until.max(1)));
+                }
+                broker::wait_wake(connection, &queue.keys, wait, queue.io_timeout)?;
+            }
             Err(BrokerError::LeaseLost { owner }) => {
                 // pop.lua takes nothing under an owner whose lease ran out (the monitors may have released its
                 // unique ids): pop under a new one.
