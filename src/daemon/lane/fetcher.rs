@@ -327,10 +327,23 @@ impl Fetcher {
         let lane = Arc::clone(&self.lane);
         let queue = &lane.queue;
         let connection = self.connection.get()?;
+        if self
+            .flows_looked
+            .is_none_or(|looked| looked.elapsed() >= FLOWS_LOOK)
+        {
+            // The flows another config's type limits left tasks in (a reload, a rolling change, or a queue
+            // served in safe mode before): popped as unlimited tasks, by pop.lua.
+            let flows = broker::flows::flows(connection, &queue.keys)?;
+            self.drained = broker::flows::drained(&flows, &queue.config.type_limits, false);
+            self.flows_looked = Some(Instant::now());
+        }
         let limits = broker::PopLimits {
             max_running: queue.config.max_running,
             rate_limit: &queue.config.rate_limit,
             priority_weights: &queue.config.priority_weights,
+            type_limits: &queue.config.type_limits,
+            drained_flows: &self.drained,
+            foreign_type_field: queue.config.foreign_type_field.as_deref(),
         };
         let popped = self
             .popper
@@ -563,8 +576,11 @@ impl Fetcher {
         let lane = &self.lane;
         let claimed_ns = lane.since_epoch(Instant::now());
         let states = batch.tasks.into_iter().map(|taken| {
-            JobState::new(taken.token, taken.level, lane.epoch)
-                .popped(taken.popped_by, taken.holds_unique)
+            JobState::new(taken.token, taken.level, lane.epoch).popped(
+                taken.popped_by,
+                taken.popped_scope,
+                taken.holds_unique,
+            )
         });
         let stopping = self.claiming.is_triggered();
         let held = match lane.hold(states, batch.payloads) {
