@@ -99,6 +99,8 @@ pub struct TaskParts<'a> {
     pub token: Option<Token>,
     /// Default mode under a running limit: the owner that popped the task.
     pub popped_by: Option<Arc<str>>,
+    /// Default mode: the type's running count its pop counted it in (`broker::Settlement::popped_scope`).
+    pub popped_scope: Option<Arc<str>>,
     /// The priority level the task was taken from.
     pub level: usize,
     /// The payload exactly as taken from Redis.
@@ -138,6 +140,7 @@ pub fn record(
     let TaskParts {
         token,
         popped_by,
+        popped_scope,
         level,
         payload,
         envelope,
@@ -159,6 +162,7 @@ pub fn record(
         op,
         token,
         popped_by,
+        popped_scope,
         unique_id,
         level,
         payload,
@@ -356,6 +360,7 @@ pub fn handback(task: TaskParts<'_>) -> Settlement {
         unique_id: task.unique_id(),
         token: task.token,
         popped_by: task.popped_by,
+        popped_scope: task.popped_scope,
         level: task.level,
         payload: task.payload.to_vec(),
         failed: false,
@@ -390,6 +395,7 @@ mod tests {
         let task = TaskParts {
             token,
             popped_by: None,
+            popped_scope: None,
             level,
             payload,
             envelope,

@@ -289,6 +289,7 @@ mod tests {
             op: SettleOp::Dead,
             token: None,
             popped_by: None,
+            popped_scope: None,
             unique_id: None,
             level: 0,
             payload: vec![b'x'; bytes],

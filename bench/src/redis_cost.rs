@@ -406,6 +406,7 @@ impl Safe {
                 op: SettleOp::Ack,
                 token: task.token,
                 popped_by: None,
+                popped_scope: None,
                 unique_id: None,
                 level: task.level,
                 payload: Vec::new(),

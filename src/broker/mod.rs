@@ -243,8 +243,8 @@ struct Scripts {
 /// The scripts' sources, for tests that pick out one script's calls (a fault-injecting proxy matches them).
 pub mod sources {
     /// claim.lua and pop.lua both count a rate limit's starts and split a take between weighted levels:
-    /// rate.lua and turns.lua, their shared parts, go before each (after the shebang, which must open a script);
-    /// types.lua, the limits per task type, and groups.lua, the fair groups, before claim.lua.
+    /// rate.lua and turns.lua, their shared parts, go before each (after the shebang, which must open a script),
+    /// and types.lua, the limits per task type; groups.lua, the fair groups, before claim.lua only.
     pub const CLAIM: &str = concat!(
         "#!lua\n",
         include_str!("scripts/rate.lua"),
@@ -258,6 +258,7 @@ pub mod sources {
         "#!lua\n",
         include_str!("scripts/rate.lua"),
         include_str!("scripts/turns.lua"),
+        include_str!("scripts/types.lua"),
         include_str!("scripts/pop.lua")
     );
     pub const TAKE: &str = include_str!("scripts/take.lua");

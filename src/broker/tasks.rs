@@ -90,6 +90,10 @@ pub struct Fetched {
     /// running slot (a running limit: the owner's share of the count, which its settlement subtracts from) or
     /// its unique id (`holds_unique`). `None` otherwise: the task left Redis for good.
     pub(crate) popped_by: Option<Arc<str>>,
+    /// Default mode: the running count of its type (`t:TYPE`, a `[[queues.limits]]` entry with `max_running`) that
+    /// pop.lua counted it in, under `popped_by`'s share: its settlement names it, so that settle.lua subtracts it
+    /// there (pop.lua, "Type limits"). `None`: counted in no type's count.
+    pub(crate) popped_scope: Option<Arc<str>>,
     /// Default mode: pop.lua recorded the task's unique id as held by `popped_by` (the unique-popped hash). The
     /// id is freed by this task's settlement only while that owner still holds it, and the task starts only
     /// while that owner's lease is surely live: once it ran out, a monitor frees the id and a newer task with it
@@ -216,13 +220,19 @@ pub struct ClaimLimits<'a> {
     pub foreign_type_field: Option<&'a str>,
 }
 
-/// claim.lua's type-limit block (types.lua): its keys, which follow the claim's, and its arguments, which follow
-/// the weights.
-fn type_block(keys: &QueueKeys, limits: &ClaimLimits<'_>) -> (Vec<String>, Vec<String>) {
-    let flows = limits.type_limits.len() + limits.drained_flows.len();
+/// The type-limit block (types.lua) of claim.lua and pop.lua: its keys, which follow the script's, and its
+/// arguments, which follow the weights. The flows of `type_limits` come first, in their order (pop.lua's reply
+/// names a task's counted type by its index among them), then the `drained_flows`.
+fn type_block(
+    keys: &QueueKeys,
+    type_limits: &[TypeLimit],
+    drained_flows: &[String],
+    foreign_type_field: Option<&str>,
+) -> (Vec<String>, Vec<String>) {
+    let flows = type_limits.len() + drained_flows.len();
     let mut args = vec![
         flows.to_string(),
-        limits.foreign_type_field.unwrap_or("").to_string(),
+        foreign_type_field.unwrap_or("").to_string(),
     ];
     if flows == 0 {
         return (Vec::new(), args);
@@ -230,11 +240,10 @@ fn type_block(keys: &QueueKeys, limits: &ClaimLimits<'_>) -> (Vec<String>, Vec<S
     let mut block_keys = keys.rings();
     // A drained flow is named by its member, which stands in for its type: nothing is routed to it, and it has
     // no limit (so its throttle's name, built from the member, is never read).
-    let drained = limits
-        .drained_flows
+    let drained = drained_flows
         .iter()
         .map(|member| (member, member.clone(), None, &[][..]));
-    let limited = limits.type_limits.iter().map(|limit| {
+    let limited = type_limits.iter().map(|limit| {
         (
             &limit.kind,
             keys::flow_member(&limit.kind),
@@ -367,7 +376,12 @@ fn claim_after(
     if !limits.priority_weights.is_empty() {
         script_keys.push(keys.sched.clone());
     }
-    let (type_keys, type_args) = type_block(keys, limits);
+    let (type_keys, type_args) = type_block(
+        keys,
+        limits.type_limits,
+        limits.drained_flows,
+        limits.foreign_type_field,
+    );
     script_keys.extend(type_keys);
     let (group_keys, group_args) = group_block(keys, limits.groups);
     script_keys.extend(group_keys);
@@ -595,6 +609,7 @@ fn claimed(
                     },
                 }),
                 popped_by: None,
+                popped_scope: None,
                 holds_unique: false,
                 level,
             });
@@ -675,7 +690,8 @@ impl Popper {
     /// through pop.lua, docs/PERFORMANCE.md); otherwise pop.lua.
     ///
     /// With a limit, always pop.lua, which counts the starts in the windows' logs as claim.lua does, and the tasks
-    /// taken in the running count under `owner`'s share.
+    /// taken in the running count under `owner`'s share; with type limits (or flows to drain), it also sorts the
+    /// tasks by type as claim.lua does (pop.lua, "Type limits"). A queue without any of them keeps the plain pop.
     pub fn pop(
         &mut self,
         conn: &mut Conn,
@@ -686,7 +702,9 @@ impl Popper {
     ) -> Result<Batch> {
         let limited = limits.max_running.is_some()
             || !limits.rate_limit.is_empty()
-            || !limits.priority_weights.is_empty();
+            || !limits.priority_weights.is_empty()
+            || !limits.type_limits.is_empty()
+            || !limits.drained_flows.is_empty();
         if self.no_unique_held && self.last_taken >= PLAIN_POP_AFTER && !limited {
             match pop_plain(conn, keys, max)? {
                 // Paused or throttled: keep what was learnt, so that the first pop after is plain again.
@@ -714,6 +732,12 @@ pub struct PopLimits<'a> {
     pub(crate) rate_limit: &'a [RateLimit],
     /// Turns between the levels (see [`ClaimLimits::priority_weights`]).
     pub(crate) priority_weights: &'a [u32],
+    /// The queue's `[[queues.limits]]` (see [`ClaimLimits::type_limits`]).
+    pub(crate) type_limits: &'a [TypeLimit],
+    /// Flows to drain, unlimited (see [`ClaimLimits::drained_flows`]).
+    pub(crate) drained_flows: &'a [String],
+    /// Where a foreign payload's type is (see [`ClaimLimits::foreign_type_field`]).
+    pub(crate) foreign_type_field: Option<&'a str>,
 }
 
 /// The lists a default-mode pop takes from, in order: per level, the quarantine lists (most suspect first),
@@ -873,6 +897,7 @@ fn pop_plain(conn: &mut Conn, keys: &QueueKeys, max: usize) -> Result<Option<Bat
         tasks.push(Fetched {
             token: None,
             popped_by: None,
+            popped_scope: None,
             holds_unique: false,
             // `index` is 1-based when something was taken.
             level: pop_level(index.saturating_sub(1)),
@@ -912,6 +937,15 @@ fn pop_script(
         let (log, sum) = keys.rate_log(rate.window_ms());
         invocation.key(log).key(sum);
     }
+    let (type_keys, type_args) = type_block(
+        keys,
+        limits.type_limits,
+        limits.drained_flows,
+        limits.foreign_type_field,
+    );
+    for key in &type_keys {
+        invocation.key(key);
+    }
     invocation
         .arg(&**owner)
         .arg(max)
@@ -924,6 +958,9 @@ fn pop_script(
     for weight in limits.priority_weights {
         invocation.arg(*weight);
     }
+    for arg in &type_args {
+        invocation.arg(arg);
+    }
     invocation.arg(POP_BYTES);
     // The script's reply is depth 1, its list of tasks depth 2, the tasks depth 3.
     type Reply = (
@@ -935,10 +972,25 @@ fn pop_script(
         i64,
         Vec<usize>,
         Vec<usize>,
+        Vec<usize>,
     );
-    let ((now_ms, list, items, held, state, retry_at_ms, counts, recorded), collected) = conn
-        .with_payloads(3, |conn| invocation.invoke::<Reply>(conn))
-        .map_err(|error| owner_error(error, owner))?;
+    let ((now_ms, list, items, held, state, retry_at_ms, counts, recorded, flows), collected) =
+        conn.with_payloads(3, |conn| invocation.invoke::<Reply>(conn))
+            .map_err(|error| owner_error(error, owner))?;
+    // The types' running scopes, by their 1-based index in the reply's `flows` (the type limits' order), each one
+    // `Arc` shared by the batch's tasks.
+    let scopes: Vec<Arc<str>> = limits
+        .type_limits
+        .iter()
+        .map(|limit| Arc::from(keys::type_scope(&limit.kind)))
+        .collect();
+    if !flows.is_empty() && flows.len() != items.len() {
+        return Err(reply_error(
+            "pop",
+            format!("{} types counted for {} tasks", flows.len(), items.len()),
+        ));
+    }
+    let mut flows = flows.into_iter();
     let mut tasks = Vec::with_capacity(items.len());
     let mut payloads = Gather::new(collected);
     // One list's tasks, or (priority weights) each level's in level order, as many as `counts` says.
@@ -957,9 +1009,20 @@ fn pop_script(
         };
         payloads.take(item, "pop")?;
         let holds_unique = recorded.next_if_eq(&position).is_some();
+        let popped_scope = match flows.next().unwrap_or(0) {
+            0 => None,
+            flow => Some(Arc::clone(scopes.get(flow - 1).ok_or_else(|| {
+                reply_error(
+                    "pop",
+                    format!("a task counted in type {flow} of {}", scopes.len()),
+                )
+            })?)),
+        };
+        let shared = holds_unique || limits.max_running.is_some() || popped_scope.is_some();
         tasks.push(Fetched {
             token: None,
-            popped_by: (holds_unique || limits.max_running.is_some()).then(|| Arc::clone(owner)),
+            popped_by: shared.then(|| Arc::clone(owner)),
+            popped_scope,
             holds_unique,
             level,
         });
@@ -979,6 +1042,7 @@ fn pop_script(
             2 => Some(Limited::Throttle { retry_at_ms }),
             3 => Some(Limited::Rate { retry_at_ms }),
             4 => Some(Limited::Running),
+            7 => Some(Limited::Types { retry_at_ms }),
             _ => None,
         },
         ..Batch::default()
@@ -1183,6 +1247,9 @@ pub struct Settlement {
     /// Default mode: the owner that popped the task, when Redis keeps its running slot or its unique id under
     /// that owner ([`Fetched::popped_by`]).
     pub popped_by: Option<Arc<str>>,
+    /// Default mode: the type's running count the pop counted the task in, under `popped_by`'s share
+    /// ([`Fetched::popped_scope`]), which this settlement gives back.
+    pub popped_scope: Option<Arc<str>>,
     /// Released on ack or dead-letter when the task is unique (in default mode, only while the owner that popped
     /// it still holds it: settle.lua, "Unique ids").
     pub unique_id: Option<String>,
@@ -1393,17 +1460,23 @@ pub fn settle<'a>(
             .key(&keys.running)
             .key(keys.popped_running(popper));
     }
-    // Safe mode: the scopes whose throttles this call sets (a type's or a group's own throttle, flows and rings),
-    // each once.
+    // The scopes whose throttles this call sets (a type's or a group's own throttle, flows and rings), each once.
     let mut throttled: Vec<&ThrottleScope> = Vec::new();
-    if owner.is_some() {
-        for s in settlements.clone() {
-            if let SettleOp::Throttle {
-                scope: Some(scope), ..
-            } = &s.op
-                && !throttled.contains(&scope)
-            {
-                throttled.push(scope);
+    // Default mode: the types' running counts this call's tasks were counted in by their pop, and how many of them
+    // each (every default-mode settlement ends its task: settle.lua subtracts them from the popper's share).
+    let mut shares: Vec<(&str, usize)> = Vec::new();
+    for s in settlements.clone() {
+        if let SettleOp::Throttle {
+            scope: Some(scope), ..
+        } = &s.op
+            && !throttled.contains(&scope)
+        {
+            throttled.push(scope);
+        }
+        if let (Holder::Popped(_), Some(scope)) = (holder, &s.popped_scope) {
+            match shares.iter_mut().find(|(counted, _)| *counted == &**scope) {
+                Some((_, n)) => *n += 1,
+                None => shares.push((scope, 1)),
             }
         }
     }
@@ -1440,6 +1513,10 @@ pub fn settle<'a>(
     invocation.arg(counted).arg(throttled.len());
     for scope in &throttled {
         invocation.arg(scope.member());
+    }
+    invocation.arg(shares.len());
+    for (scope, n) in &shares {
+        invocation.arg(*scope).arg(*n);
     }
     let mut records = 0;
     for s in settlements.clone().into_iter().filter(|s| !bulk(s)) {

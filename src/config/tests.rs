@@ -757,7 +757,7 @@ fn rate_limit_is_a_rate_or_a_list_of_them_in_either_mode() {
 }
 
 #[test]
-fn type_limits_name_a_type_and_at_least_one_limit_in_safe_mode() {
+fn type_limits_name_a_type_and_at_least_one_limit_in_either_mode() {
     let queue = |mode: &str, keys: &str| {
         let text = format!("[[queues]]\nname = \"api\"\nmode = \"{mode}\"\nworkers = 4\n{keys}");
         parse(&text).map(|config| config.queues[0].clone())
@@ -779,12 +779,17 @@ fn type_limits_name_a_type_and_at_least_one_limit_in_safe_mode() {
         "claims only for idle workers; the queue itself unlimited"
     );
     assert!(queue("safe", "").unwrap().type_limits.is_empty());
+    let popped = queue(
+        "default",
+        "[[queues.limits]]\ntype = \"t\"\nmax_running = 2\n",
+    )
+    .unwrap();
+    assert_eq!(
+        (popped.type_limits.len(), popped.prefetch),
+        (1, Prefetch::Fixed(0)),
+        "a default-mode pop sorts tasks by type too, and pops only for idle workers"
+    );
     for (mode, keys, words) in [
-        (
-            "default",
-            "[[queues.limits]]\ntype = \"t\"\nmax_running = 2\n",
-            "queues.toml:5:1: queues[0].limits[0]: limits per task type need mode = \"safe\"",
-        ),
         (
             "safe",
             "prefetch = 8\n[[queues.limits]]\ntype = \"t\"\nmax_running = 2\n",

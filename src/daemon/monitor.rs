@@ -345,6 +345,7 @@ impl Monitor {
             let task = TaskParts {
                 token: Some(token),
                 popped_by: None,
+                popped_scope: None,
                 level,
                 payload,
                 envelope: envelope.as_ref(),

@@ -629,6 +629,7 @@ fn a_settle_batch_that_cannot_apply_applies_nothing_and_applies_once_when_it_can
     let mut batch: Vec<kmqd::broker::Settlement> = (0..9)
         .map(|_| kmqd::broker::Settlement {
             popped_by: None,
+            popped_scope: None,
             op: kmqd::broker::SettleOp::Ack,
             token: None,
             unique_id: None,
@@ -639,6 +640,7 @@ fn a_settle_batch_that_cannot_apply_applies_nothing_and_applies_once_when_it_can
         .collect();
     batch.push(kmqd::broker::Settlement {
         popped_by: None,
+        popped_scope: None,
         op: kmqd::broker::SettleOp::Dead,
         token: None,
         unique_id: None,
@@ -723,6 +725,7 @@ fn identical_envelopes_retried_together_are_added_in_a_near_linear_number_of_zad
             },
             token: None,
             popped_by: None,
+            popped_scope: None,
             unique_id: None,
             level: 0,
             payload: twin.clone(),

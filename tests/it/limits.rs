@@ -363,29 +363,59 @@ fn shares(redis: &RedisServer) -> Vec<String> {
     redis.cmd(&["KEYS", "kmq:{jobs}:popped-running:*"])
 }
 
-/// A default-mode daemon killed with tasks running: they are lost (at most once), and their slots, kept under
-/// its owner's share, come back when a monitor finds its lease run out (release.lua), so the queue drains.
-#[test]
-fn a_default_mode_daemon_killed_gives_its_running_slots_back_when_its_lease_runs_out() {
+/// The field `scope` of the running hash (0 when absent): `q`, or a type's `t:TYPE`.
+fn count_of(redis: &RedisServer, scope: &str) -> u64 {
+    let count: Option<u64> = redis.cmd(&["HGET", "kmq:{jobs}:running", scope]);
+    count.unwrap_or(0)
+}
+
+/// The config of `queue` (the queue `jobs`) with the testkit handling `kind` too.
+fn config_handling(
+    dir: &TestDir,
+    redis_section: &str,
+    queue: &str,
+    kind: &str,
+) -> std::path::PathBuf {
+    let config = dir.config_raw(redis_section, "", queue);
+    if kind != "test" {
+        dir.testkit_types(&config, &[kind]);
+    }
+    config
+}
+
+/// A default-mode daemon killed with tasks running (of type `kind`, counted in `scope` of the running hash, which
+/// `queue` limits to 2 with a lease of 1 s): they are lost (at most once), and their slots, kept under its owner's
+/// share, come back when a monitor finds its lease run out (release.lua gives back every scope of the share), so
+/// the queue drains.
+pub(crate) fn killed_default_mode_daemon_gives_its_slots_back(
+    queue: &str,
+    kind: &str,
+    scope: &str,
+) {
     let redis = RedisServer::start();
     let dir = TestDir::new();
     let gate = dir.path("gate");
-    let config = dir.config(
-        &redis,
-        &default_queue("workers = 2\nmax_running = 2\nlease_timeout = \"1s\""),
-    );
+    let config = config_handling(&dir, &format!("url = \"{}\"", redis.url()), queue, kind);
     let mut first = Process::start(&config, dir.path("first.log"));
     let data = serde_json::json!({ "wait_for_file": gate }).to_string();
-    push_many(&config, "t", 6, &data);
+    push_typed(&config, kind, "t", 6, &data);
     eventually(Duration::from_secs(15), "both slots taken", || {
-        (running(&redis) == 2, running(&redis))
+        (count_of(&redis, scope) == 2, count_of(&redis, scope))
     });
     assert_eq!(shares(&redis).len(), 1, "counted under the popping owner");
     first.kill9();
     std::fs::write(&gate, "").unwrap();
     let second = TestDaemon::start(&config);
     // The two tasks the killed daemon ran are gone with it; the four others run.
-    assert_drained_to_zero(&config, &redis, 4);
+    let s = eventually(Duration::from_secs(60), "the queue drained", || {
+        let s = stats(&config, "jobs");
+        (s.done >= 4 && s.processing == 0 && s.ready == 0, s)
+    });
+    assert_eq!(s.done, 4, "{s:?}");
+    eventually(Duration::from_secs(10), "the count back to 0", || {
+        (count_of(&redis, scope) == 0, count_of(&redis, scope))
+    });
+    assert_eq!(counter(&redis, "running_underflow"), 0);
     assert_eq!(
         shares(&redis),
         Vec::<String>::new(),
@@ -394,27 +424,38 @@ fn a_default_mode_daemon_killed_gives_its_running_slots_back_when_its_lease_runs
     second.stop();
 }
 
-/// A default-mode pop whose reply is lost: its tasks are lost (at most once) and their slots were counted under
-/// the owner, so the daemon gives that owner up; its lease runs out, a monitor gives its share back, and the queue
-/// drains under a new owner. Without it the count would stay full for the daemon's life.
 #[test]
-fn a_default_mode_pop_whose_reply_is_lost_gives_its_owner_and_slots_up() {
+fn a_default_mode_daemon_killed_gives_its_running_slots_back_when_its_lease_runs_out() {
+    killed_default_mode_daemon_gives_its_slots_back(
+        &default_queue("workers = 2\nmax_running = 2\nlease_timeout = \"1s\""),
+        "test",
+        "q",
+    );
+}
+
+/// A default-mode pop whose reply is lost (its tasks of type `kind`, counted in `scope`, which `queue` limits to 2
+/// with a lease of 2 s): its tasks are lost (at most once) and their slots were counted under the owner, so the
+/// daemon gives that owner up; its lease runs out, a monitor gives its share back, and the queue drains under a
+/// new owner, never above the limit meanwhile. Without it the count would stay full for the daemon's life.
+pub(crate) fn lost_pop_reply_gives_its_owner_and_slots_up(queue: &str, kind: &str, scope: &str) {
     let redis = RedisServer::start();
     let proxy = FaultProxy::start(&redis);
     let dir = TestDir::new();
     let redis_section = format!("url = \"{}\"\nio_timeout = \"1s\"", proxy.url());
-    let config = dir.config_raw(
-        &redis_section,
-        "",
-        &default_queue("workers = 2\nmax_running = 2\nlease_timeout = \"2s\""),
-    );
+    let config = config_handling(&dir, &redis_section, queue, kind);
     let (daemon, rule) = default_daemon_losing_its_next_pop_reply(&config, &redis, &proxy);
-    push_many(&config, "t", 10, r#"{"sleep_ms":5}"#);
+    push_typed(&config, kind, "t", 10, r#"{"sleep_ms":5}"#);
+    let mut most = 0;
     eventually(Duration::from_secs(60), "the rest drained", || {
+        most = most.max(count_of(&redis, scope));
         let s = stats(&config, "jobs");
-        (s.ready == 0 && running(&redis) == 0 && s.done >= 1, s)
+        (
+            s.ready == 0 && count_of(&redis, scope) == 0 && s.done >= 1,
+            s,
+        )
     });
     assert_eq!(rule.fired(), 1);
+    assert!(most <= 2, "the count reached {most}");
     // The count can reach 0 while the daemon still holds tasks of the given-up owner's earlier pops (its share went
     // back with it): a graceful stop finishes or hands back every task it holds, so only the lost ones are
     // neither done nor ready after it.
@@ -434,6 +475,15 @@ fn a_default_mode_pop_whose_reply_is_lost_gives_its_owner_and_slots_up() {
     eventually(Duration::from_secs(10), "every share given back", || {
         (shares(&redis).is_empty(), shares(&redis))
     });
+}
+
+#[test]
+fn a_default_mode_pop_whose_reply_is_lost_gives_its_owner_and_slots_up() {
+    lost_pop_reply_gives_its_owner_and_slots_up(
+        &default_queue("workers = 2\nmax_running = 2\nlease_timeout = \"2s\""),
+        "test",
+        "q",
+    );
 }
 
 /// A default-mode pop that reaches Redis only after its owner was forgotten: its reply was late, so the daemon
@@ -513,33 +563,59 @@ fn a_default_mode_pop_that_lands_after_its_owner_was_released_takes_and_counts_n
     daemon.stop();
 }
 
+/// Drains 12 tasks of 20 ms through a queue at `max_running = 1` (`queue`, two workers, an `idle_poll` longer than
+/// the drain) whose daemon reaches Redis through a proxy, which counts the fetches (`script`'s calls) from when
+/// the daemon waits idle (in `blocked_in`). Returns the tasks and the fetches.
+fn fetches_at_max_running_one(
+    queue: &str,
+    script: &'static str,
+    blocked_in: &str,
+) -> (usize, usize) {
+    const TASKS: usize = 12;
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let redis_section = format!("url = \"{}\"", proxy.url());
+    let config = dir.config_raw(&redis_section, "", queue);
+    let daemon = TestDaemon::start(&config);
+    redis.wait_blocked_in(blocked_in);
+    let fetches = Matcher::script(script);
+    let before = proxy.seen(&fetches);
+    push_many(&config, "t", TASKS, r#"{"sleep_ms":20}"#);
+    assert_drained_to_zero(&config, &redis, TASKS as u64);
+    let fetched = proxy.seen(&fetches) - before;
+    assert_ran_once(&dir, "t", TASKS);
+    daemon.stop();
+    (TASKS, fetched)
+}
+
 /// A queue at its `max_running` claims again only once a settle frees a slot: the claim that fills the count is
 /// followed by one that waits in Redis for the settle's wake-up marker (sent behind a `BLPOP`), not by one that
 /// finds the count full, which cost a round trip and a script's run for nothing per task at the limit
 /// (docs/PERFORMANCE.md, "Limits: `max_running` and `rate_limit`"). Claims counted on the wire.
 #[test]
 fn a_queue_at_max_running_claims_again_only_once_a_settle_frees_a_slot() {
-    const TASKS: usize = 12;
-    let redis = RedisServer::start();
-    let proxy = FaultProxy::start(&redis);
-    let dir = TestDir::new();
-    let redis_section = format!("url = \"{}\"", proxy.url());
-    // An idle fetcher looks again after idle_poll even without a marker: longer than the whole drain.
     let queue = safe_queue("workers = 2\nmax_running = 1\nidle_poll = \"5s\"");
-    let config = dir.config_raw(&redis_section, "", &queue);
-    let daemon = TestDaemon::start(&config);
-    redis.wait_blocked_in("blpop");
-    let claims = Matcher::script(sources::CLAIM);
-    let before = proxy.seen(&claims);
-    push_many(&config, "t", TASKS, r#"{"sleep_ms":20}"#);
-    assert_drained_to_zero(&config, &redis, TASKS as u64);
-    let claimed = proxy.seen(&claims) - before;
+    let (tasks, claimed) = fetches_at_max_running_one(&queue, sources::CLAIM, "blpop");
     // One claim a task and the one that found the queue empty (a few more if the push's markers came while
     // the count was full); two a task when each claim that filled the count was followed by one that found it so.
     assert!(
-        claimed <= TASKS + 3,
-        "{claimed} claims for {TASKS} tasks at max_running 1"
+        claimed <= tasks + 3,
+        "{claimed} claims for {tasks} tasks at max_running 1"
     );
-    assert_ran_once(&dir, "t", TASKS);
-    daemon.stop();
+}
+
+/// Default mode: a queue at its `max_running` pops again only once a settle frees a slot. A pop that finds the
+/// count full waits for the settle's wake-up marker; before, the fetcher popped again at once, and spun on pop.lua
+/// (a round trip and a script's run each) for as long as the count stayed full. Pops counted on the wire.
+#[test]
+fn a_default_mode_queue_at_max_running_pops_again_only_once_a_settle_frees_a_slot() {
+    let queue = default_queue("workers = 2\nmax_running = 1\nidle_poll = \"5s\"");
+    let (tasks, popped) = fetches_at_max_running_one(&queue, sources::POP, "blmove");
+    // Per task, the pop that takes it and the one that finds the count full, then waits (a few more if the push's
+    // markers came while the count was full); hundreds when each full count was popped at again and again.
+    assert!(
+        popped <= 2 * tasks + 4,
+        "{popped} pops for {tasks} tasks at max_running 1"
+    );
 }

@@ -455,6 +455,7 @@ fn push_numbered(path: &std::path::Path, n: usize) {
 fn plain_ack(token: Option<broker::Token>) -> Settlement {
     Settlement {
         popped_by: None,
+        popped_scope: None,
         op: SettleOp::Ack,
         token,
         unique_id: None,
@@ -686,6 +687,7 @@ fn a_claim_settled_in_parts_gives_back_only_its_unsettled_tasks_and_fences_late_
     assert_eq!(batch.tasks.len(), 100);
     let settlement = |index: usize, op: SettleOp| Settlement {
         popped_by: None,
+        popped_scope: None,
         op,
         token: batch.tasks[index].token.clone(),
         unique_id: None,

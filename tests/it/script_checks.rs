@@ -269,6 +269,9 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
                   [[queues]]\nname = \"typed\"\nmode = \"safe\"\nworkers = 2\nmax_running = 2\n\
                   retry_times = 1\nbackoff = \"10ms\"\n\
                   [[queues.limits]]\ntype = \"test\"\nmax_running = 1\nrate_limit = \"50/s\"\n\n\
+                  [[queues]]\nname = \"dtyped\"\nmode = \"default\"\nworkers = 2\nmax_running = 2\n\
+                  retry_times = 1\nbackoff = \"10ms\"\n\
+                  [[queues.limits]]\ntype = \"test\"\nmax_running = 1\nrate_limit = \"50/s\"\n\n\
                   [[queues]]\nname = \"grouped\"\nmode = \"safe\"\nworkers = 2\nretry_times = 1\n\
                   backoff = \"10ms\"\n[queues.groups]\nmax_running = 1\nrate_limit = \"50/s\"\n\
                   weights = { \"b\" = 2 }\n\n\
@@ -308,9 +311,11 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
             // A handler's throttle is rare in a run, and the type-limited queue's calls come last: their calls
             // are recorded whatever came before them.
             let throttle = args.iter().any(|arg| arg.as_slice() == b"throttle");
-            let typed = args
-                .iter()
-                .any(|arg| arg.starts_with(b"kmq:{typed}") || arg.starts_with(b"kmq:{grouped}"));
+            let typed = args.iter().any(|arg| {
+                arg.starts_with(b"kmq:{typed}")
+                    || arg.starts_with(b"kmq:{dtyped}")
+                    || arg.starts_with(b"kmq:{grouped}")
+            });
             if shapes.contains_key(&shape) || (per_script >= 8 && !throttle && !typed) {
                 return;
             }
@@ -371,18 +376,24 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
         .collect();
     client.push_batch("limited", limited).unwrap();
     // Tasks of the limited type behind one another, and of a type it does not limit (unknown here: retried, then
-    // dead-lettered), so that claims move some to the type's flow and take from it.
-    let typed: Vec<NewTask> = (0..8)
-        .map(|i| test("7", &format!("typed-{i}")))
-        .chain([test(r#"{"fail_attempts":1}"#, "typed-retry")])
-        .chain([test(&throttle_once("typed-throttle"), "typed-throttled")])
-        .chain((0..3).map(|i| {
-            NewTask::new("other", "{}")
-                .unwrap()
-                .id(format!("other-{i}"))
-        }))
-        .collect();
-    client.push_batch("typed", typed).unwrap();
+    // dead-lettered), so that claims (and, in default mode, pops) move some to the type's flow and take from it;
+    // settles give default mode's owner's share of the type's count back.
+    for queue in ["typed", "dtyped"] {
+        let typed: Vec<NewTask> = (0..8)
+            .map(|i| test("7", &format!("{queue}-{i}")))
+            .chain([test(r#"{"fail_attempts":1}"#, &format!("{queue}-retry"))])
+            .chain([test(
+                &throttle_once(&format!("{queue}-throttle")),
+                &format!("{queue}-throttled"),
+            )])
+            .chain((0..3).map(|i| {
+                NewTask::new("other", "{}")
+                    .unwrap()
+                    .id(format!("{queue}-other-{i}"))
+            }))
+            .collect();
+        client.push_batch(queue, typed).unwrap();
+    }
     // Two groups at their limit behind one another, a retry and a throttle of a group, a task pushed by plain
     // RPUSH (the claim's intake routes it), and a paused group resumed (group_resume.lua).
     let grouped: Vec<NewTask> = (0..6)
@@ -420,6 +431,7 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
         let (limited, typed) = (stats(&config, "limited"), stats(&config, "typed"));
         let plain = stats(&config, "plain");
         let grouped = stats(&config, "grouped");
+        let dtyped = stats(&config, "dtyped");
         (
             jobs.ready + jobs.delayed + jobs.processing + fast.ready + fast.delayed == 0
                 && jobs.dead >= 3
@@ -428,8 +440,10 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
                 && typed.done >= 10
                 && typed.dead >= 3
                 && plain.done == 100
-                && grouped.done >= 8,
-            (jobs, fast, limited, typed, plain, grouped),
+                && grouped.done >= 8
+                && dtyped.done >= 10
+                && dtyped.dead >= 3,
+            (jobs, fast, limited, typed, plain, grouped, dtyped),
         )
     });
     client
@@ -472,6 +486,10 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
         ("claim.lua", ":throttle:t:test"),
         ("claim.lua", "kmq:{grouped}:ring:"),
         ("settle.lua", ":throttle:g:b"),
+        ("pop.lua", "kmq:{dtyped}:flow:normal::test"),
+        ("pop.lua", "kmq:{dtyped}:rate:t:test:"),
+        ("settle.lua", "kmq:{dtyped}:popped-running:"),
+        ("settle.lua", "kmq:{dtyped}:throttle:t:test"),
         ("push.lua", "kmq:{grouped}:routes"),
         ("group_resume.lua", ":hold:g:c"),
     ] {

@@ -73,14 +73,19 @@ fn assert_drained(config: &Path, redis: &RedisServer, done: u64, kind: &str) {
 const SLOW_LIMITED: &str = "workers = 4\nidle_poll = \"100ms\"\n\
                             [[queues.limits]]\ntype = \"slow\"\nmax_running = 2\n";
 
-/// A type limited to 2 running, pushed first, holds back only its own tasks: across two daemons its count never
-/// passes 2 and never more than 2 of its runs overlap, while the queue's other type, pushed behind it, drains
-/// first; each task runs once and every count comes back to 0.
-#[test]
-fn a_types_max_running_holds_across_daemons_and_the_other_types_run_past_it() {
+/// The `popped-running` hashes of the queue's default-mode owners (their shares of the running counts).
+fn shares(redis: &RedisServer) -> Vec<String> {
+    redis.cmd(&["KEYS", "kmq:{jobs}:popped-running:*"])
+}
+
+/// A type limited to 2 running, pushed first, holds back only its own tasks (`queue`, in either mode): across two
+/// daemons its count never passes 2 and never more than 2 of its runs overlap, while the queue's other type,
+/// pushed behind it, drains first; each task runs once and every count (and default mode's every share) comes
+/// back to 0.
+fn types_max_running_across_two_daemons(queue: &str) {
     let redis = RedisServer::start();
     let dir = TestDir::new();
-    let config = dir.config_for_types(&redis, &safe_queue(SLOW_LIMITED), &["slow", "fast"]);
+    let config = dir.config_for_types(&redis, queue, &["slow", "fast"]);
     let (a, b) = (TestDaemon::start(&config), TestDaemon::start(&config));
     push_typed(&config, "slow", "s", 12, r#"{"sleep_ms":150}"#);
     push_typed(&config, "fast", "f", 40, r#"{"sleep_ms":1}"#);
@@ -111,8 +116,23 @@ fn a_types_max_running_holds_across_daemons_and_the_other_types_run_past_it() {
         "{most} slow runs started within 150 ms of each other"
     );
     assert_eq!(most, 2, "the limit was reached");
+    // Default mode: every owner's share of the count given back by the settles.
+    eventually(Duration::from_secs(10), "every share given back", || {
+        (shares(&redis).is_empty(), shares(&redis))
+    });
     a.stop();
     b.stop();
+}
+
+#[test]
+fn a_types_max_running_holds_across_daemons_and_the_other_types_run_past_it() {
+    types_max_running_across_two_daemons(&safe_queue(SLOW_LIMITED));
+}
+
+/// Default mode: pop.lua sorts the tasks by type as claim.lua does, and counts the type's under each popping owner.
+#[test]
+fn a_default_mode_types_max_running_holds_across_daemons_and_the_other_types_run_past_it() {
+    types_max_running_across_two_daemons(&default_queue(SLOW_LIMITED));
 }
 
 /// A type limited to 5 starts a second, across two daemons: in no second do more than 5 of its tasks start,
@@ -291,18 +311,31 @@ fn a_claim_whose_reply_is_lost_is_adopted_with_its_types_counted_once() {
     drains_with_a_reply_lost(sources::CLAIM, 1, AfterDrop::Close);
 }
 
+const API_LIMITED: &str =
+    "workers = 4\nidle_poll = \"100ms\"\n[[queues.limits]]\ntype = \"api\"\nmax_running = 4\n";
+
 /// A handler's throttle of a task of a type with its own limits holds back that type only, on every daemon: its
 /// other tasks start after the throttle ends, the task itself again at the same attempt, uncharged, while the
 /// queue's other type runs through the throttle.
 #[test]
 fn a_throttle_of_a_limited_type_holds_back_that_type_and_no_other() {
+    throttle_of_a_limited_type(&safe_queue(API_LIMITED));
+}
+
+/// The same in default mode: the settle of a popped task sets its type's throttle and puts it at the head of its
+/// type's flow, as in safe mode (not the queue's throttle, which would hold every type back).
+#[test]
+fn a_default_mode_throttle_of_a_limited_type_holds_back_that_type_and_no_other() {
+    throttle_of_a_limited_type(&default_queue(API_LIMITED));
+}
+
+/// A throttle of a task of the type `api` (limited in `queue`, in either mode) over two daemons, as the tests
+/// above say.
+fn throttle_of_a_limited_type(queue: &str) {
     let throttle = Duration::from_millis(1500);
     let redis = RedisServer::start();
     let dir = TestDir::new();
-    let queue = safe_queue(
-        "workers = 4\nidle_poll = \"100ms\"\n[[queues.limits]]\ntype = \"api\"\nmax_running = 4\n",
-    );
-    let config = dir.config_for_types(&redis, &queue, &["api", "other"]);
+    let config = dir.config_for_types(&redis, queue, &["api", "other"]);
     let (a, b) = (TestDaemon::start(&config), TestDaemon::start(&config));
     let marker = dir.path("throttled-once");
     let first =
@@ -446,4 +479,63 @@ fn a_weighted_turn_on_held_back_tasks_takes_an_unlimited_task_of_another_level_a
     std::fs::write(&gate, "").unwrap();
     assert_drained(&config, &redis, 7, "slow");
     daemon.stop();
+}
+
+/// Default mode: while a limited type's one slot is taken (its task waits for a gate), its other tasks wait in its
+/// flow, out of the ready list, and the other type's tasks pushed behind them run at once; `kmqd stats` counts the
+/// held-back ones as ready. Once the gate opens the type drains, one at a time.
+#[test]
+fn a_default_mode_held_back_type_waits_in_its_flow_and_blocks_no_other_type() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let gate = dir.path("gate");
+    let queue = default_queue(
+        "workers = 3\nidle_poll = \"100ms\"\n[[queues.limits]]\ntype = \"slow\"\nmax_running = 1\n",
+    );
+    let config = dir.config_for_types(&redis, &queue, &["slow", "fast"]);
+    let daemon = TestDaemon::start(&config);
+    let blocked = serde_json::json!({ "wait_for_file": gate }).to_string();
+    push_typed(&config, "slow", "s", 5, &blocked);
+    push_typed(&config, "fast", "f", 10, "{}");
+    eventually(Duration::from_secs(30), "every fast task done", || {
+        (ended(&dir, "f") == 10, ended(&dir, "f"))
+    });
+    assert_eq!(dir.records().runs_of("s0"), 1, "the first slow task runs");
+    let flow: u64 = redis.cmd(&["LLEN", "kmq:{jobs}:flow:normal::slow"]);
+    assert_eq!(flow, 4, "the held-back slow tasks wait in their flow");
+    assert_eq!(stats(&config, "jobs").ready, 4, "counted as ready");
+    assert_eq!(running(&redis, "slow"), 1);
+    std::fs::write(&gate, "").unwrap();
+    assert_drained(&config, &redis, 15, "slow");
+    assert_ran_once(&dir, "s", 5);
+    daemon.stop();
+}
+
+/// Default mode: a daemon killed with SIGKILL while it runs tasks of a limited type. The tasks it popped are lost
+/// with it (at most once); their slots, kept under its owner's share (`t:slow`), come back when a monitor finds its
+/// lease run out, and the type drains on the other daemon.
+#[test]
+fn a_default_mode_daemon_killed_while_it_runs_a_limited_type_gives_its_slots_back() {
+    crate::limits::killed_default_mode_daemon_gives_its_slots_back(
+        &default_queue(
+            "workers = 2\nlease_timeout = \"1s\"\n[[queues.limits]]\ntype = \"slow\"\nmax_running = 2\n",
+        ),
+        "slow",
+        "t:slow",
+    );
+}
+
+/// Default mode: a pop whose reply is lost. Its tasks are lost (at most once), and their slots of the type's count
+/// were counted under the owner, so the daemon gives that owner up at once (it renews it no more) and pops on
+/// under a new one; the old owner's lease runs out, a monitor gives its share back (release.lua), and the type
+/// drains. Until then the type runs below its limit, never above it.
+#[test]
+fn a_default_mode_pop_whose_reply_is_lost_gives_its_owner_and_its_types_slots_up() {
+    crate::limits::lost_pop_reply_gives_its_owner_and_slots_up(
+        &default_queue(
+            "workers = 2\nlease_timeout = \"2s\"\n[[queues.limits]]\ntype = \"slow\"\nmax_running = 2\n",
+        ),
+        "slow",
+        "t:slow",
+    );
 }

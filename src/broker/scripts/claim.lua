@@ -104,13 +104,8 @@ local WEIGHTS = 10 + 2 * rates
 local weighted = (tonumber(ARGV[WEIGHTS]) or 0) > 0
 -- The type limits' block (types.lua) follows the weights: its flows' count, and the keys it adds.
 local TYPES = WEIGHTS + 1 + (tonumber(ARGV[WEIGHTS]) or 0)
-local type_flows, type_other_keys = tonumber(ARGV[TYPES]) or 0, 0
 -- The groups' block (groups.lua) follows the types': with groups, the levels' rings and the sched hash end KEYS.
-local GROUPS_AT = TYPES + 2
-for _ = 1, type_flows do
-  local r = tonumber(ARGV[GROUPS_AT + 4]) or 0
-  type_other_keys, GROUPS_AT = type_other_keys + 1 + 2 * r, GROUPS_AT + 5 + 2 * r
-end
+local type_flows, type_other_keys, GROUPS_AT = types_size(TYPES)
 local grouped = ARGV[GROUPS_AT] == '1'
 local per_level = 7
 if type_flows > 0 then per_level = 8 + type_flows end
@@ -401,14 +396,6 @@ local function new_runs()
     run.payloads[#run.payloads + 1] = payload
   end
 end
--- Whether a flow's limits admit one more task, then counts it as admitted.
-local function admit(flow)
-  if not flow then return true end
-  if flow.room == nil then return true end
-  if flow.room <= 0 then return false end
-  flow.room = flow.room - 1
-  return true
-end
 
 -- After the lease and floor checks, so that a paused or throttled queue still tells a lost lease or a fenced
 -- claim. One EXISTS for both keys: a queue that is neither costs no more than the pause alone did.
@@ -459,14 +446,7 @@ end
 -- When nothing was taken though tasks wait, because their types' limits hold them back (state 7): when the
 -- earliest of those limits lets one go (0: only a running slot, which a settle's wake-up marker announces).
 local function held_back()
-  local any, at = false, 0
-  for _, flow in ipairs(block.flows) do
-    if flow.held then
-      local due = flow.due or 0
-      any = true
-      if due > 0 and (at == 0 or due < at) then at = due end
-    end
-  end
+  local any, at = types_held(block)
   if any then
     retry_at = at
     return finish(empty(7, 0))
@@ -546,7 +526,7 @@ for stage = 1, 3 do
         local kept = 0
         for k = 1, #got do
           local flow = types_route(block, got[k])
-          if not admit(flow) then
+          if not types_admit_one(flow) then
             flow.held = true
             break
           end
@@ -598,64 +578,12 @@ if weighted then
   for i = 1, levels do available[i] = waiting(i) end
   want = turns_split(KEYS[SCHED], {unpack(ARGV, WEIGHTS + 1, WEIGHTS + levels)}, credits, available, max)
 end
--- With type limits, a level's take: first from the flows their limits admit (they hold their types' oldest
--- tasks), then from the ready list, where a task of a type its limits hold back is moved to its flow (retries
--- and recoveries to the flow's head, as to the ready list's), and looked at no more than SCAN tasks a claim, so
--- that a claim's work is bounded whatever the list holds.
+-- With type limits, a level's take (types.lua's `types_take`): from its flows, then its ready list, looking at
+-- no more than SCAN tasks of it a claim.
 local SCAN = 4 * max + 256
 local function take_flowing(i, take)
   local runs, add = new_runs()
-  local got = 0
-  for _, flow in ipairs(block.flows) do
-    local m = take - got
-    if flow.room and flow.room < m then m = flow.room end
-    if m > 0 then
-      local items = redis.call('LPOP', flow.lists[i], m)
-      for _, payload in ipairs(items or {}) do add(flow, payload) end
-      got = got + #(items or {})
-      if flow.room then flow.room = flow.room - #(items or {}) end
-      if not items or #items < m then redis.call('ZREM', block.rings[i], flow.member) end
-    elseif flow.room == 0 and redis.call('LLEN', flow.lists[i]) > 0 then
-      flow.held = true
-    end
-  end
-  local ready, scanned = KEYS[READY + i], 0
-  local heads, tails = {}, {}
-  while got < take and scanned < SCAN do
-    local items = redis.call('LPOP', ready, math.min(take - got, SCAN - scanned))
-    if not items then break end
-    scanned = scanned + #items
-    for _, payload in ipairs(items) do
-      local flow, task = types_route(block, payload)
-      if admit(flow) then
-        add(flow, payload)
-        got = got + 1
-      else
-        flow.held = true
-        local to = tails
-        if types_again(task) then to = heads end
-        to[flow] = to[flow] or {}
-        table.insert(to[flow], payload)
-      end
-    end
-  end
-  for _, flow in ipairs(block.flows) do
-    local moved = false
-    if heads[flow] then
-      local list = heads[flow]
-      for k = #list, 1, -1 do redis.call('LPUSH', flow.lists[i], list[k]) end
-      moved = true
-    end
-    if tails[flow] then
-      local list = tails[flow]
-      for k = 1, #list, 1000 do
-        redis.call('RPUSH', flow.lists[i], unpack(list, k, math.min(k + 999, #list)))
-      end
-      moved = true
-    end
-    -- Scored 0: a grouped claim's ring (groups.lua) then serves it at its next turn, a type's ring ignores it.
-    if moved then redis.call('ZADD', block.rings[i], 'NX', 0, flow.member) end
-  end
+  local got = types_take(block, i, {KEYS[READY + i]}, take, SCAN, add)
   local n = push_runs(i, runs)
   taken = taken + got
   return n

@@ -1,4 +1,4 @@
--- (The broker prepends `#!lua`, rate.lua and turns.lua: src/broker/mod.rs, `sources`.)
+-- (The broker prepends `#!lua`, rate.lua, turns.lua and types.lua: src/broker/mod.rs, `sources`.)
 -- pop.lua: default mode. Take up to ARGV[2] tasks from the first non-empty list, each level's quarantine before
 -- its ready list, highest level first: the tasks leave Redis (at most once). A unique task's id stays held, now
 -- by the popping owner (recorded in the unique-popped hash), until its outcome is settled, or until a monitor
@@ -10,21 +10,26 @@
 -- settled), KEYS[6] the owner's popped-running hash (scope -> what of those it popped), KEYS[7] the queue's sched
 -- hash (turns.lua's credits), KEYS[8] the owners zset (owner -> lease deadline ms), then the N lists to pop from,
 -- in order (per level: its three quarantine lists, then its ready list), then for each of the R windows of the
--- queue's rate limit its log and its sum (rate.lua)
+-- queue's rate limit its log and its sum (rate.lua), then types.lua's keys (with type limits)
 -- ARGV[1] owner; ARGV[2] the most tasks to take; ARGV[3] the queue's max_running (0: none); ARGV[4] R (0: no
 -- rate limit), then R pairs: the window in ms, the most starts in any such window; then W, the levels' priority
--- weights (0: strict order), then W weights, one per level in order; last, the most bytes of tasks to take (at
--- least one task is taken, whatever its size; left out: no bound)
+-- weights (0: strict order), then W weights, one per level in order; then types.lua's block (its first value 0:
+-- no type limits); last, the most bytes of tasks to take (at least one task is taken, whatever its size)
 -- Returns {now_ms, index of the list popped (1-based among the N lists; 0: nothing popped), {payloads}, the
--- number of unique ids held in the queue, state, retry at, {counts}, {recorded}}: state 0 popped (or all empty),
+-- number of unique ids held in the queue, state, retry at, {counts}, {recorded}, {flows}}: state 0 popped (or all
+-- empty),
 -- 1 the queue is paused,
 -- 2 a handler throttled it, 3 a window of its rate limit is full, 4 max_running of its tasks are taken and not
--- yet settled (the caller waits for a wake-up marker); retry at (states 2 and 3) is when the throttle ends or the
--- window's oldest start ages out (Redis's clock, ms), 0 otherwise. Nothing is popped in states 1-4. With priority
+-- yet settled (the caller waits for a wake-up marker), 7 tasks wait but their types' limits hold every one back
+-- (as claim.lua's state 7); retry at (states 2, 3 and 7) is when the throttle ends or the window's oldest start
+-- ages out (Redis's clock, ms; in state 7, 0 when only a running slot will let one go), 0 otherwise. Nothing is
+-- popped in states 1-4 and 7. With priority
 -- weights and no quarantined task, a pop takes from every level that has tasks by their turns (turns.lua): the
 -- reply's 7th element then counts the payloads of each level, in level order (they come in that order); it is
 -- empty otherwise, and the index says the one list popped. `recorded` lists the positions (1-based among the
--- payloads) of the unique tasks whose id this pop recorded as held by the owner.
+-- payloads) of the unique tasks whose id this pop recorded as held by the owner. `flows` (with type limits: empty
+-- otherwise) gives, per payload in order, the 1-based index among the block's flows of the type whose running
+-- count it was counted in (0: none), which the daemon's settle names (see "Type limits").
 --
 -- The holder of a unique id. A popped unique task holds its id through the owner that popped it: the id is freed
 -- by that task's settle (settle.lua compares the unique-popped hash with the settling owner), or by a monitor once
@@ -46,6 +51,18 @@
 -- slots are kept under the owner that popped them. settle.lua subtracts each settled task from both; release.lua
 -- gives back the owner's whole share when the owner goes (its daemon stopped, or died and its lease ran out).
 -- The daemon gives up an owner whose pop's reply was lost (the tasks are lost, their slots come back with it).
+-- Type limits (`[[queues.limits]]`, types.lua), as claim.lua: a pop takes a task of a limited type only while
+-- its type's limits admit it, as well as the queue's: from the type's flow first, then from the level's
+-- quarantine and ready lists, where a task its type holds back is moved to its flow (`flow:LEVEL::TYPE`; retries
+-- and recoveries to the flow's head) instead of blocking the tasks behind it, at most `4 x ARGV[2] + 256` tasks
+-- looked at a level. Every task popped so is taken from its list by LPOP, one turn of the level at a time: the
+-- tasks of a level come back in the reply in the order taken, `counts` says how many each level gave. What a
+-- type with max_running took is added to its running count `t:TYPE` and to the owner's share of it (KEYS[6]
+-- `t:TYPE`), as `q`: the popped tasks left Redis, so settle.lua subtracts each task the daemon settles from the
+-- scope the reply's `flows` named for it (the daemon sends it back with the settlement), and release.lua gives
+-- back every scope of the share when the owner goes. A pop with type limits is bounded by its count only, not
+-- by the bytes (as the claim's: the daemon takes only for idle workers there).
+--
 -- Checks before it writes: every key's type (KEYS[3] is only tested for existence, KEYS[4] for its time to
 -- live) and every rate log's entries and sum; a call that fails writes nothing (and pops nothing).
 local function wrong_type(key, kind)
@@ -59,12 +76,20 @@ local max_running = tonumber(ARGV[3]) or 0
 local rates = tonumber(ARGV[4]) or 0
 local WEIGHTS = 5 + 2 * rates
 local weighted = (tonumber(ARGV[WEIGHTS]) or 0) > 0
-local LAST = #KEYS - 2 * rates
+-- The type limits' block (types.lua) follows the weights: its flows' count, and the keys it adds after the rate
+-- logs (the levels' rings, then per flow one list a level, its throttle and its windows' logs and sums).
+local TYPES = WEIGHTS + 1 + (tonumber(ARGV[WEIGHTS]) or 0)
+local type_flows, type_other_keys = types_size(TYPES)
+local per_level = 4
+if type_flows > 0 then per_level = 5 + type_flows end
 local FIRST = 9
+local levels = (#KEYS - 8 - 2 * rates - type_other_keys) / per_level
+local LAST = FIRST + 4 * levels - 1
+local TYPE_KEYS = LAST + 2 * rates + 1
 local refused = wrong_type(KEYS[1], 'hash') or wrong_type(KEYS[2], 'hash')
 refused = refused or wrong_type(KEYS[4], 'string') or wrong_type(KEYS[5], 'hash') or wrong_type(KEYS[6], 'hash')
   or wrong_type(KEYS[7], 'hash') or wrong_type(KEYS[8], 'zset')
-for i = FIRST, #KEYS do
+for i = FIRST, TYPE_KEYS - 1 do
   local kind = 'list'
   if i > LAST and (i - LAST) % 2 == 0 then kind = 'string' end
   refused = refused or wrong_type(KEYS[i], kind)
@@ -74,11 +99,22 @@ local integer = integer_check('pop.lua')
 local windows
 windows, refused = rate_read('pop.lua', rates, LAST + 1, 5, integer)
 if refused then return refused end
-local levels = (LAST - FIRST + 1) / 4
 local credits
 if weighted then
   credits, refused = turns_read('pop.lua', KEYS[7], levels, integer)
   if refused then return refused end
+end
+-- The type limits' flows, their keys and counts (types.lua), and the owner's share of each counted type, read and
+-- checked before any write.
+local block
+block, refused = types_read('pop.lua', TYPES, TYPE_KEYS, levels, KEYS[5], integer)
+if refused then return refused end
+local flowing = #block.flows > 0
+for _, flow in ipairs(block.flows) do
+  if flow.max_running > 0 then
+    refused = integer(KEYS[6], flow.scope, redis.call('HGET', KEYS[6], flow.scope))
+    if refused then return refused end
+  end
 end
 local running, known_limit = 0, 0
 if max_running > 0 then
@@ -98,11 +134,11 @@ end
 -- One EXISTS for both keys, as claim.lua.
 if redis.call('EXISTS', KEYS[3], KEYS[4]) > 0 then
   if redis.call('EXISTS', KEYS[3]) == 1 then
-    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 1, 0, {}, {}}
+    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 1, 0, {}, {}, {}}
   end
   local ends = throttle_until(KEYS[4], now)
   if ends then
-    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 2, ends, {}, {}}
+    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 2, ends, {}, {}, {}}
   end
 end
 local max = tonumber(ARGV[2])
@@ -114,7 +150,7 @@ end
 if max_running > 0 then
   if running >= max_running then
     note_limit()
-    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 4, 0, {}, {}}
+    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 4, 0, {}, {}, {}}
   end
   max = math.min(max, max_running - running)
 end
@@ -122,7 +158,7 @@ if rates > 0 then
   local free, due, bad = rate_trim('pop.lua', windows, now)
   if bad then return bad end
   if due > 0 then
-    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 3, due, {}, {}}
+    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 3, due, {}, {}, {}}
   end
   max = math.min(max, free)
 end
@@ -140,7 +176,72 @@ if weighted then
   end
 end
 local items, index, counts
-if weighted and not quarantined then
+-- With type limits: the flow index (types.lua's block) each popped task counted in, in the order of `items`.
+local counted = {}
+-- With type limits, a level's take (types.lua's `types_take`, see "Type limits"): from its flows, then its
+-- quarantine and ready lists, each task into `taken[level]`, with the index of the flow it counted in (0: none).
+local SCAN = 4 * max + 256
+local index_of = {}
+for f, flow in ipairs(block.flows) do index_of[flow] = f end
+local taken = {}
+local function take_flowing(level, take)
+  local into = {items = {}, counted = {}}
+  taken[level] = into
+  local lists = {}
+  for i = FIRST + 4 * (level - 1), FIRST + 4 * level - 1 do lists[#lists + 1] = KEYS[i] end
+  return types_take(block, level, lists, take, SCAN, function(flow, payload)
+    into.items[#into.items + 1] = payload
+    local f = 0
+    if flow then
+      flow.taken = flow.taken + 1
+      if flow.max_running > 0 then f = index_of[flow] end
+    end
+    into.counted[#into.counted + 1] = f
+  end)
+end
+if flowing then
+  local bad = types_admit('pop.lua', block, KEYS[5], now)
+  if bad then return bad end
+  items, index, counts = {}, 0, {}
+  local want
+  if weighted then
+    -- The tasks a level holds that this pop may take: its lists, and its flows that their limits admit.
+    local available = {}
+    for level = 1, levels do
+      local n = 0
+      for i = FIRST + 4 * (level - 1), FIRST + 4 * level - 1 do n = n + redis.call('LLEN', KEYS[i]) end
+      for _, flow in ipairs(block.flows) do
+        if flow.room ~= 0 then n = n + redis.call('LLEN', flow.lists[level]) end
+      end
+      available[level] = n
+    end
+    want = turns_split(KEYS[7], {unpack(ARGV, WEIGHTS + 1, WEIGHTS + levels)}, credits, available, max)
+  end
+  local total = 0
+  for level = 1, levels do
+    local take = max - total
+    if want then take = want[level] end
+    counts[level] = 0
+    if take > 0 then counts[level] = take_flowing(level, take) end
+    total = total + counts[level]
+  end
+  -- A level's turns may fall on tasks their types hold back: the pop then takes what it still may from the levels
+  -- that took nothing, in strict order, as claim.lua does.
+  if want and total < max then
+    for level = 1, levels do
+      if counts[level] == 0 and total < max then
+        counts[level] = take_flowing(level, max - total)
+        total = total + counts[level]
+      end
+    end
+  end
+  for level = 1, levels do
+    for k, payload in ipairs(taken[level] and taken[level].items or {}) do
+      items[#items + 1] = payload
+      counted[#counted + 1] = taken[level].counted[k]
+    end
+  end
+elseif weighted and not quarantined then
   local available = {}
   for level = 1, levels do available[level] = redis.call('LLEN', ready(level)) end
   local want = turns_split(KEYS[7], {unpack(ARGV, WEIGHTS + 1, WEIGHTS + levels)}, credits, available, max)
@@ -174,8 +275,8 @@ end
 -- Bytes (review M8): a pop hands the daemon no more than the budget (at least one task), so the tasks popped
 -- past it go back to the front of the lists they came from, in their order, in this same step: as if they had
 -- not been popped. Before anything is counted of them.
-local budget = tonumber(ARGV[WEIGHTS + (tonumber(ARGV[WEIGHTS]) or 0) + 1])
-if budget and #items > 1 then
+local budget = tonumber(ARGV[#ARGV])
+if budget and #items > 1 and not flowing then
   local kept, bytes = 0, 0
   for k = 1, #items do
     bytes = bytes + #items[k]
@@ -207,12 +308,23 @@ if budget and #items > 1 then
 end
 local held = redis.call('HLEN', KEYS[1])
 if #items == 0 then
-  return {now, 0, {}, held, 0, 0, {}, {}}
+  if flowing then
+    -- Nothing taken though tasks wait, because their types' limits hold them back (state 7).
+    local any, at = types_held(block)
+    if any then return {now, 0, {}, held, 7, at, {}, {}, {}} end
+  end
+  return {now, 0, {}, held, 0, 0, {}, {}, {}}
 end
 if rates > 0 then rate_spend(windows, #items, now) end
 if max_running > 0 then
   redis.call('HINCRBY', KEYS[5], 'q', #items)
   redis.call('HINCRBY', KEYS[6], 'q', #items)
+end
+if flowing then
+  scopes_spend(block.flows, KEYS[5], now)
+  for _, flow in ipairs(block.flows) do
+    if flow.taken > 0 and flow.max_running > 0 then redis.call('HINCRBY', KEYS[6], flow.scope, flow.taken) end
+  end
 end
 local recorded = {}
 if held > 0 then
@@ -228,4 +340,4 @@ if held > 0 then
     end
   end
 end
-return {now, index, items, held, 0, 0, counts, recorded}
+return {now, index, items, held, 0, 0, counts, recorded, counted}

@@ -16,8 +16,8 @@
 -- the call touches, its list, its settled bitmap and its
 -- running scopes (`processing:OWNER:LEVEL:CLAIM`, `...:CLAIM:settled` and `...:CLAIM:scopes`); in default mode
 -- under a running limit instead: KEYS[9+5L] the running hash and KEYS[10+5L] the popped-running hash of the owner
--- that popped these tasks (ARGV[5]; see "Running limits"); last, in safe mode, the keys of the task types whose
--- throttles the call sets (see T below)
+-- that popped these tasks (ARGV[5]; see "Running limits"); last, the keys of the task types whose throttles the
+-- call sets (see T below)
 -- ARGV[1] fence: "owner" (the owner settles its own tasks) or "expired" (a monitor settles the tasks of an owner
 --         whose lease ran out; nothing is applied unless it has)
 -- ARGV[2] dead list bound; ARGV[3] number of levels L; ARGV[4] the delay poller's channel; ARGV[5] the owner
@@ -27,9 +27,12 @@
 --         acknowledgements as a bitmap (bit p, in GETBIT's order, for the task at position p; "" for none), and
 --         how many bits it sets: the bulk of the traffic, applied with a handful of commands per claim
 -- then C: plain acknowledgements without a token (default mode), only counted
--- then T, the flows' scopes whose own throttles the call may set (0 but in safe mode): task types with limits
---         and groups, and T ring members (`:TYPE`, `GROUP:`); their keys follow the claims': for each, its
---         throttle (`throttle:t:TYPE`, `throttle:g:GROUP`), its flows (one per level), the levels' rings
+-- then T, the flows' scopes whose own throttles the call may set: task types with limits and groups, and T ring
+--         members (`:TYPE`, `GROUP:`); their keys follow the claims' (in default mode, the running and
+--         popped-running hashes, if any): for each, its throttle (`throttle:t:TYPE`, `throttle:g:GROUP`), its
+--         flows (one per level), the levels' rings
+-- then S, the types' running counts the call's tasks were counted in by a default-mode pop (0 but in default
+--         mode with type limits), and S pairs: the scope (`t:TYPE`), how many of the call's tasks it counted
 -- then records of 9: op, claim (its index among the K, 1-based; 0 for none), token (the task's position in the
 --         claim's list; a field of an older owner's hash with claim 0; "" in default mode), unique id, level
 --         (1-based), delay ms, payload, failed ("1" or "0"), throttle scope (op "throttle": 0 for the queue's,
@@ -67,7 +70,9 @@
 -- In default mode (pop.lua) the popped tasks left Redis and their count is kept under the owner that popped them
 -- (its popped-running hash): each task this call ends (a plain acknowledgement or a record) is subtracted from
 -- the owner's share and from the running count, never more than the share holds, so a settle that comes after
--- release.lua gave the share back (the owner's lease ran out) subtracts nothing.
+-- release.lua gave the share back (the owner's lease ran out) subtracts nothing. Likewise for each type with
+-- max_running that pop.lua counted tasks in (S above): the call subtracts what the daemon says of its tasks from
+-- the owner's share of `t:TYPE` and from `t:TYPE`, at most the share.
 --
 -- Unique ids. A record's unique id is released on "ack" and "dead", and kept held by a task queued again, only if
 -- the task holds it. In safe mode it does while its bit is unset (a stale record changes nothing). In default
@@ -114,8 +119,11 @@ local popped, throttle = KEYS[7], KEYS[8]
 local fence, dead_max, levels, channel, owner = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local call = ARGV[6]
 local READY, RETRY, QUARANTINE, PROCESSING = 8, 8 + levels, 8 + 2 * levels, 8 + 5 * levels
--- Safe mode names at least levels + 3 keys past the quarantine lists; default mode none, or two (a limited queue).
-local safe = #KEYS > PROCESSING + 2
+-- Safe mode names at least levels + 3 keys past the quarantine lists; default mode none, or two (a limited queue),
+-- each before the keys of the types whose throttles the call may set (T, after the claims' arguments).
+local THROTTLED_TYPES = 9 + tonumber(ARGV[7]) * 4
+local type_keys = (tonumber(ARGV[THROTTLED_TYPES]) or 0) * (1 + 2 * levels)
+local safe = #KEYS - type_keys > PROCESSING + 2
 local info, scratch, running, CLAIM_KEYS = false, false, false, PROCESSING + levels + 3
 local share = false
 -- A grouped queue's call names its rings and sched hash after the running hash: told by the keys' count, which
@@ -130,8 +138,11 @@ if safe then
     sched = KEYS[PROCESSING + 2 * levels + 4]
     CLAIM_KEYS = CLAIM_KEYS + levels + 1
   end
-elseif #KEYS == PROCESSING + 2 then
+elseif #KEYS - type_keys == PROCESSING + 2 then
   running, share = KEYS[PROCESSING + 1], KEYS[PROCESSING + 2]
+  CLAIM_KEYS = PROCESSING + 2
+else
+  CLAIM_KEYS = PROCESSING
 end
 local OPS = {ack = true, retry = true, retry_isolated = true, recover = true, recover_isolated = true,
   back = true, back_isolated = true, dead = true, throttle = true}
@@ -149,7 +160,11 @@ local counted_at = 8 + claims * 4
 -- The task types whose own throttles this call may set (safe mode, types with limits: see op "throttle"): each
 -- its ring member here, and its keys after the claims' (its throttle, its flows, the levels' rings).
 local throttled_types = tonumber(ARGV[counted_at + 1]) or 0
-local records = counted_at + 2 + throttled_types
+-- Default mode: the owner's shares of type counts this call ends (S, then S pairs `t:TYPE` and the tasks of the
+-- call pop.lua counted in it; see "Running limits").
+local SHARES = counted_at + 2 + throttled_types
+local shares = tonumber(ARGV[SHARES]) or 0
+local records = SHARES + 1 + 2 * shares
 local throttle_type = {}
 for t = 1, throttled_types do
   local at = CLAIM_KEYS + 3 * claims + 1 + (t - 1) * (1 + 2 * levels)
@@ -345,6 +360,24 @@ if grouped then
   end
   grouped = vts
 end
+-- Default mode: the owner's shares of the types' counts this call ends, and those counts.
+local typed = {}
+for j = 1, shares do
+  local scope, n = ARGV[SHARES + 2 * j - 1], tonumber(ARGV[SHARES + 2 * j])
+  if not share or not n or n < 0 or string.sub(scope, 1, 2) ~= 't:' then
+    return redis.error_reply('settle.lua: share ' .. tostring(scope) .. ' of ' .. tostring(ARGV[SHARES + 2 * j]) ..
+      ' tasks without a popped-running hash, or not of a type; nothing was applied')
+  end
+  local mine = redis.call('HGET', share, scope)
+  local value = redis.call('HMGET', running, scope, scope .. ':limit')
+  local refused = integer(share, scope, mine) or integer(running, scope, value[1]) or
+    integer(running, scope .. ':limit', value[2])
+  if refused then return refused end
+  typed[scope] = {mine = tonumber(mine or '0'), ended = (typed[scope] and typed[scope].ended or 0) + n}
+  if typed[scope].mine > 0 then
+    counts[scope], limits[scope] = tonumber(value[1] or '0'), tonumber(value[2] or '0')
+  end
+end
 -- Default mode: the owner's share of `q`, and `q` itself.
 local shared = 0
 if share then
@@ -506,10 +539,12 @@ while i <= #ARGV do
       local key = throttle
       local scope = throttle_type[tonumber(ARGV[i + 8])]
       if scope then
-        -- A type with its own limits: back to the head of its flow, which claims take from first.
+        -- A type with its own limits: back to the head of its flow, which claims (and pops) take from first.
         key = scope.throttle
-        redis.call('LPUSH', scope.flows[level], payload)
-        redis.call('ZADD', scope.rings[level], 1e15 + now + delay, scope.member)
+        if queued then
+          redis.call('LPUSH', scope.flows[level], payload)
+          redis.call('ZADD', scope.rings[level], 1e15 + now + delay, scope.member)
+        end
       elseif queued then
         redis.call('LPUSH', KEYS[READY + level], payload)
         wake_fetchers = true
@@ -602,6 +637,17 @@ if shared > 0 and ended > 0 then
     redis.call('HDEL', share, 'q')
   else
     redis.call('HSET', share, 'q', shared - n)
+  end
+end
+for scope, mine in pairs(typed) do
+  local n = math.min(mine.ended, mine.mine)
+  if n > 0 then
+    freed[scope] = n
+    if n == mine.mine then
+      redis.call('HDEL', share, scope)
+    else
+      redis.call('HSET', share, scope, mine.mine - n)
+    end
   end
 end
 for scope, n in pairs(freed) do

@@ -1,5 +1,5 @@
--- types.lua: a queue's limits per task type (`[[queues.limits]]`), prepended to claim.lua after rate.lua and
--- turns.lua (src/broker/mod.rs, `sources`).
+-- types.lua: a queue's limits per task type (`[[queues.limits]]`), prepended to claim.lua and pop.lua after
+-- rate.lua and turns.lua (src/broker/mod.rs, `sources`).
 --
 -- Flows. A task of a limited type that a claim meets while its type's limits hold it back is moved out of the
 -- ready list into its type's *flow* at that level (`flow:LEVEL::TYPE`, a list, oldest first), so that it never
@@ -22,6 +22,17 @@
 -- the rings (one per level), then per flow its lists (one per level), its throttle (`throttle:t:TYPE`, set by
 -- settle.lua when a handler throttles a task of the type: none of its tasks is taken while it lives), then its R
 -- windows' logs and sums.
+
+-- The size of the block at ARGV[at]: its flows' count, the keys it adds besides the rings and the flows' lists (a
+-- throttle and two keys a window per flow), and the index of the argument that follows it.
+local function types_size(at)
+  local flows, keys, next_at = tonumber(ARGV[at]) or 0, 0, at + 2
+  for _ = 1, flows do
+    local r = tonumber(ARGV[next_at + 4]) or 0
+    keys, next_at = keys + 1 + 2 * r, next_at + 5 + 2 * r
+  end
+  return flows, keys, next_at
+end
 
 -- Reads the block at ARGV[at] for `levels` levels (KEYS from `first`), checking every key's type and every value
 -- it will rely on (running counts, rate logs) before any write. Returns the flows (possibly none), or nil and the
@@ -138,4 +149,90 @@ local function scopes_spend(scopes, running, now)
       if scope.rates > 0 then rate_spend(scope.windows, scope.taken, now) end
     end
   end
+end
+
+-- Whether a flow's limits admit one more task (no flow: a task of no limited type), then counts it as admitted.
+local function types_admit_one(flow)
+  if not flow or flow.room == nil then return true end
+  if flow.room <= 0 then return false end
+  flow.room = flow.room - 1
+  return true
+end
+
+-- A level's take with type limits (claim.lua's and pop.lua's), up to `take` tasks, each given to `add(flow,
+-- payload)` (flow nil: of no limited type): first from the flows their limits admit (they hold their types' oldest
+-- tasks), then from the head of each of `lists` in order, where a task of a type its limits hold back is moved to
+-- its type's flow at `level` (a retry or a recovery to the flow's head, as due retries go to the front of the ready
+-- list; the others to its tail), looking at no more than `scan` tasks of the lists, so that a take's work is
+-- bounded whatever they hold. A flow that emptied leaves the level's ring; one that took tasks enters it. Returns
+-- how many it took.
+local function types_take(block, level, lists, take, scan, add)
+  local got = 0
+  for _, flow in ipairs(block.flows) do
+    local m = take - got
+    if flow.room and flow.room < m then m = flow.room end
+    if m > 0 then
+      local items = redis.call('LPOP', flow.lists[level], m) or {}
+      for _, payload in ipairs(items) do add(flow, payload) end
+      got = got + #items
+      if flow.room then flow.room = flow.room - #items end
+      if #items < m then redis.call('ZREM', block.rings[level], flow.member) end
+    elseif flow.room == 0 and redis.call('LLEN', flow.lists[level]) > 0 then
+      flow.held = true
+    end
+  end
+  local heads, tails, scanned = {}, {}, 0
+  for _, list in ipairs(lists) do
+    while got < take and scanned < scan do
+      local items = redis.call('LPOP', list, math.min(take - got, scan - scanned))
+      if not items then break end
+      scanned = scanned + #items
+      for _, payload in ipairs(items) do
+        local flow, task = types_route(block, payload)
+        if types_admit_one(flow) then
+          add(flow, payload)
+          got = got + 1
+        else
+          flow.held = true
+          local to = tails
+          if types_again(task) then to = heads end
+          to[flow] = to[flow] or {}
+          table.insert(to[flow], payload)
+        end
+      end
+    end
+  end
+  for _, flow in ipairs(block.flows) do
+    local moved = false
+    if heads[flow] then
+      local list = heads[flow]
+      for k = #list, 1, -1 do redis.call('LPUSH', flow.lists[level], list[k]) end
+      moved = true
+    end
+    if tails[flow] then
+      local list = tails[flow]
+      for k = 1, #list, 1000 do
+        redis.call('RPUSH', flow.lists[level], unpack(list, k, math.min(k + 999, #list)))
+      end
+      moved = true
+    end
+    -- Scored 0: a grouped claim's ring (groups.lua) then serves it at its next turn, a type's ring ignores it.
+    if moved then redis.call('ZADD', block.rings[level], 'NX', 0, flow.member) end
+  end
+  return got
+end
+
+-- When nothing was taken though tasks wait, because their types' limits hold them back (claim.lua's and pop.lua's
+-- state 7): whether any flow was held back, and when the earliest of their limits lets one go (0: only a running
+-- slot, which a settle's wake-up marker announces).
+local function types_held(block)
+  local any, at = false, 0
+  for _, flow in ipairs(block.flows) do
+    if flow.held then
+      local due = flow.due or 0
+      any = true
+      if due > 0 and (at == 0 or due < at) then at = due end
+    end
+  end
+  return any, at
 end

@@ -1,6 +1,6 @@
 //! A queue's `[[queues.limits]]`: the running and rate limits of single task types. Its own module because each
 //! entry is a small table of its own, with rules between entries (a type listed once) and against the queue (its
-//! mode, its prefetch).
+//! prefetch). Both modes take them: a safe-mode claim and a default-mode pop sort tasks by type alike (types.lua).
 
 use toml::Spanned;
 
@@ -17,7 +17,6 @@ const MAX_TYPE_BYTES: usize = 200;
 pub(super) fn type_limits(
     source: &Source<'_>,
     key: &impl Fn(&str) -> String,
-    mode: Mode,
     prefetch: Option<&Spanned<i64>>,
     limits: Vec<Spanned<RawTypeLimit>>,
 ) -> Result<Vec<TypeLimit>, ConfigError> {
@@ -42,16 +41,6 @@ pub(super) fn type_limits(
             rate_limit,
         } = entry.into_inner();
         let key = |field: &str| key(&format!("limits[{index}].{field}"));
-        if mode == Mode::Default {
-            return Err(source.error(
-                span,
-                format!(
-                    "{}: limits per task type need mode = \"safe\" in this version (a default-mode pop does not \
-                     sort tasks by type yet); use mode = \"safe\", or the queue's own max_running and rate_limit",
-                    key("type").trim_end_matches(".type")
-                ),
-            ));
-        }
         let kind = kind.ok_or_else(|| {
             source.error(
                 span.clone(),

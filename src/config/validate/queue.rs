@@ -119,7 +119,7 @@ impl RawQueue {
         };
         let type_limits = match limits {
             Some(limits) => {
-                super::limits::type_limits(source, &key, mode, raw_prefetch.as_ref(), limits)?
+                super::limits::type_limits(source, &key, raw_prefetch.as_ref(), limits)?
             }
             None => Vec::new(),
         };

@@ -327,10 +327,23 @@ impl Fetcher {
         let lane = Arc::clone(&self.lane);
         let queue = &lane.queue;
         let connection = self.connection.get()?;
+        if self
+            .flows_looked
+            .is_none_or(|looked| looked.elapsed() >= FLOWS_LOOK)
+        {
+            // The flows another config's type limits left tasks in (a reload, a rolling change, or a queue
+            // served in safe mode before): popped as unlimited tasks, by pop.lua.
+            let flows = broker::flows::flows(connection, &queue.keys)?;
+            self.drained = broker::flows::drained(&flows, &queue.config.type_limits, false);
+            self.flows_looked = Some(Instant::now());
+        }
         let limits = broker::PopLimits {
             max_running: queue.config.max_running,
             rate_limit: &queue.config.rate_limit,
             priority_weights: &queue.config.priority_weights,
+            type_limits: &queue.config.type_limits,
+            drained_flows: &self.drained,
+            foreign_type_field: queue.config.foreign_type_field.as_deref(),
         };
         let popped = self
             .popper
@@ -344,6 +357,24 @@ impl Fetcher {
             {
                 let idle = queue.config.idle_poll;
                 broker::wait_idle(connection, &queue.keys, idle, queue.io_timeout)?;
+            }
+            Ok(Batch {
+                tasks,
+                limited: Some(limited @ (Limited::Running | Limited::Types { .. })),
+                now_ms,
+                ..
+            }) if tasks.is_empty() && !self.claiming.is_triggered() => {
+                // A full running count (the queue's or a type's), or types held back: a settle that frees a slot
+                // pushes a wake-up marker, as does a push; a type's rate window lets a start go at its time.
+                // Popping again at once would only spin on pop.lua until then.
+                let mut wait = queue.config.idle_poll;
+                if let Limited::Types { retry_at_ms } = limited
+                    && *retry_at_ms > 0
+                {
+                    let until = u64::try_from(retry_at_ms.saturating_sub(*now_ms)).unwrap_or(0);
+                    wait = wait.min(Duration::from_millis(until.max(1)));
+                }
+                broker::wait_wake(connection, &queue.keys, wait, queue.io_timeout)?;
             }
             Err(BrokerError::LeaseLost { owner }) => {
                 // pop.lua takes nothing under an owner whose lease ran out (the monitors may have released its
@@ -545,8 +576,11 @@ impl Fetcher {
         let lane = &self.lane;
         let claimed_ns = lane.since_epoch(Instant::now());
         let states = batch.tasks.into_iter().map(|taken| {
-            JobState::new(taken.token, taken.level, lane.epoch)
-                .popped(taken.popped_by, taken.holds_unique)
+            JobState::new(taken.token, taken.level, lane.epoch).popped(
+                taken.popped_by,
+                taken.popped_scope,
+                taken.holds_unique,
+            )
         });
         let stopping = self.claiming.is_triggered();
         let held = match lane.hold(states, batch.payloads) {

@@ -83,6 +83,9 @@ pub struct JobState {
     /// Default mode: the owner that popped it, when Redis keeps its running slot or unique id under that owner
     /// (`broker::Fetched::popped_by`).
     pub popped_by: Option<Arc<str>>,
+    /// Default mode: the type's running count its pop counted it in under `popped_by`'s share
+    /// (`broker::Fetched::popped_scope`), which its settlement gives back.
+    pub popped_scope: Option<Arc<str>>,
     /// Default mode: its unique id is recorded as held by `popped_by` (`broker::Fetched::holds_unique`), so it
     /// starts only while that owner's lease is surely live (the worker's lease check).
     pub holds_unique: bool,
@@ -119,10 +122,16 @@ pub enum Finished {
 
 impl JobState {
     /// The same task, popped by `owner` (default mode: see [`JobState::popped_by`]), holding its unique id
-    /// through it or not.
-    pub fn popped(self, owner: Option<Arc<str>>, holds_unique: bool) -> JobState {
+    /// through it or not, counted in `scope` (a type's running count) or not.
+    pub fn popped(
+        self,
+        owner: Option<Arc<str>>,
+        scope: Option<Arc<str>>,
+        holds_unique: bool,
+    ) -> JobState {
         JobState {
             popped_by: owner,
+            popped_scope: scope,
             holds_unique,
             ..self
         }
@@ -132,6 +141,7 @@ impl JobState {
         JobState {
             token,
             popped_by: None,
+            popped_scope: None,
             holds_unique: false,
             level,
             cancel: AtomicU32::new(0),
@@ -266,6 +276,7 @@ impl HeldTask {
         TaskParts {
             token,
             popped_by: self.popped_by.clone(),
+            popped_scope: self.popped_scope.clone(),
             level: self.level,
             payload: self.payload(),
             envelope,
