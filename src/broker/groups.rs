@@ -48,8 +48,11 @@ pub fn groups(conn: &mut dyn ConnectionLike, keys: &QueueKeys, limit: usize) -> 
                 .query(conn)?;
             let named: Vec<(String, String, f64)> = page
                 .iter()
+                // Every flow of a group counts: `GROUP:` and, beside type limits, `GROUP:TYPE`; a type's flow
+                // `:TYPE` counts as the group with the empty name (its tasks have none).
                 .filter_map(|(member, score)| {
-                    keys::member_group(member).map(|name| (name, member.clone(), *score))
+                    let (group, _) = member.split_once(':')?;
+                    keys::decode_name(group).map(|name| (name, member.clone(), *score))
                 })
                 .collect();
             let mut pipe = redis::pipe();

@@ -179,6 +179,11 @@ fn a_flow_parked_by_its_type_then_by_its_group_runs_once_both_free_a_slot() {
         },
     );
     assert_eq!(ended(&dir, "as"), 0, "a's slow tasks waited for the group");
+    // `kmqd groups` counts the group's tasks in its flow of the type.
+    let json: serde_json::Value =
+        serde_json::from_str(&kmqd_ok(&config, &["groups", "jobs", "--json"])).unwrap();
+    assert_eq!(json["groups"][0]["name"], "a", "{json}");
+    assert_eq!(json["groups"][0]["waiting"], 3, "{json}");
     std::fs::write(&group_gate, "").unwrap();
     assert_drained(&config, &redis, 5);
     assert_ran_once(&dir, "as", 3);
