@@ -170,10 +170,10 @@ impl World<'_> {
         Ok(())
     }
 
-    /// The typed queue's flows that hold tasks and its rings' members (a ring names the flows that may hold
-    /// tasks): none once it is drained.
-    pub(super) fn flows_left(&self, redis: &RedisServer) -> Vec<String> {
-        let keys = keys();
+    /// The flows of `queue` (the typed or the grouped queue: one level each) that hold tasks and its rings'
+    /// members (a ring names the flows that may hold tasks): none once it is drained.
+    pub(super) fn flows_left(&self, redis: &RedisServer, queue: Queue) -> Vec<String> {
+        let keys = QueueKeys::new("kmq", queue.name(), &["normal".to_string()]);
         let flows: Vec<String> = redis.cmd(&["KEYS", &format!("{}:flow:*", keys.base())]);
         let mut left: Vec<String> = flows
             .into_iter()
@@ -205,7 +205,7 @@ impl World<'_> {
                  running_underflow {underflow:?} (0 expected)"
             ));
         }
-        let left = self.flows_left(redis);
+        let left = self.flows_left(redis, Queue::Typed);
         if !left.is_empty() {
             self.violation(format!(
                 "at rest the typed queue's flows are not empty: {left:?}"
