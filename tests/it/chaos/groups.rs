@@ -16,8 +16,8 @@ use kmqd::broker::keys::{QueueKeys, group_member, group_scope};
 use crate::support::RedisServer;
 
 use super::check::{LimitCheck, LimitWatch, Snapshot, check_limit};
-use super::ledger::{Facts, Ledger};
-use super::types::{DISPATCH_US, RateCheck, check_rate, rate_excused};
+use super::ledger::{Facts, Ledger, Pushed};
+use super::types::{DISPATCH_US, RateCheck, check_rate, rate_excused, starts_of};
 use super::workload::{
     API_WINDOW, GROUP_BOUND, GROUP_LIMIT_A, GROUP_LIMIT_B, GROUP_RATE_A, GROUP_RATE_B,
     GROUP_RATE_BOUND, GROUPS, Queue, WEIGHTED,
@@ -206,9 +206,7 @@ pub(super) fn check_groups(
         rates: Vec::new(),
     };
     for group in GROUPS {
-        let of_group = |task: &super::ledger::Pushed| {
-            task.queue == Queue::Grouped && task.group == Some(group)
-        };
+        let of_group = |task: &Pushed| task.queue == Queue::Grouped && task.group == Some(group);
         let limit = check_limit(
             world.t0_us,
             facts,
@@ -217,18 +215,9 @@ pub(super) fn check_groups(
             GROUP_BOUND as usize,
             of_group,
         );
-        let starts: Vec<(String, u64)> = ledger
-            .order
-            .iter()
-            .filter(|id| of_group(&ledger.tasks[*id]))
-            .flat_map(|id| {
-                let runs = facts.runs.get(id).into_iter().flatten();
-                runs.map(|run| (id.clone(), run.start_us))
-            })
-            .collect();
         let rate = check_rate(
             world.t0_us,
-            &starts,
+            &starts_of(facts, ledger, of_group),
             &excused,
             API_WINDOW.as_micros() as u64,
             GROUP_RATE_BOUND as usize,
@@ -295,17 +284,13 @@ pub(super) fn write_groups(
         pushed.join(", ")
     );
     let share = |n: u64| 100.0 * n as f64 / (watch.samples * GROUPS.len() as u64).max(1) as f64;
-    let counts: Vec<String> = GROUPS
-        .iter()
-        .zip(&watch.counts)
-        .map(|(group, seen)| {
-            format!(
-                "{group} most {} at the bound {:.0} %",
-                seen.most,
-                100.0 * seen.at_limit as f64 / seen.samples.max(1) as f64
-            )
-        })
-        .collect();
+    let counts = per_group(&watch.counts, |seen| {
+        format!(
+            "most {} at the bound {:.0} %",
+            seen.most,
+            100.0 * seen.at_limit as f64 / seen.samples.max(1) as f64
+        )
+    });
     let _ = writeln!(
         out,
         "  group counts  {} samples of running[g:GROUP] (every 20 ms; bound {GROUP_BOUND}): {}; of the group \
@@ -313,7 +298,7 @@ pub(super) fn write_groups(
          throttled; tasks waiting in a flow in {} samples (most {}); {} atomic snapshots found every group's count \
          equal to the unsettled positions counted in it (unless listed below); running_underflow {} at most",
         watch.samples,
-        counts.join(", "),
+        counts,
         share(watch.full),
         share(watch.rated),
         share(watch.throttled),
@@ -322,42 +307,34 @@ pub(super) fn write_groups(
         watch.counts[0].exact,
         watch.queue.underflow
     );
-    let runs: Vec<String> = GROUPS
-        .iter()
-        .zip(&checks.limits)
-        .map(|(group, limit)| {
-            format!(
-                "{group} most {} ({} counted, {} left out, {} over)",
-                limit.most, limit.counted, limit.excused, limit.over_count
-            )
-        })
-        .collect();
+    let runs = per_group(&checks.limits, |limit| {
+        format!(
+            "most {} ({} counted, {} left out, {} over)",
+            limit.most, limit.counted, limit.excused, limit.over_count
+        )
+    });
     let _ = writeln!(
         out,
         "  group runs    runs at once from the records (bound {GROUP_BOUND}; left out: a fault may have taken their \
          daemon's lease): {}",
-        runs.join(", ")
+        runs
     );
-    let rates: Vec<String> = GROUPS
-        .iter()
-        .zip(&checks.rates)
-        .map(|(group, rate)| {
-            format!(
-                "{group} most {} ({} within 1 s; {} counted, {} left out, {} over)",
-                rate.within.most,
-                rate.most_whole,
-                rate.within.counted,
-                rate.within.excused,
-                rate.within.over_count
-            )
-        })
-        .collect();
+    let rates = per_group(&checks.rates, |rate| {
+        format!(
+            "most {} ({} within 1 s; {} counted, {} left out, {} over)",
+            rate.within.most,
+            rate.most_whole,
+            rate.within.counted,
+            rate.within.excused,
+            rate.within.over_count
+        )
+    });
     let _ = writeln!(
         out,
         "  group rate    starts within {} ms (the 1 s window less a dispatch; bound {GROUP_RATE_BOUND}; left out: near \
          a fault that loses, delays or ages out Redis's count of them, or a stall): {}",
         (API_WINDOW.as_micros() as u64 - DISPATCH_US) / 1000,
-        rates.join(", ")
+        rates
     );
     let _ = writeln!(
         out,
@@ -376,4 +353,14 @@ pub(super) fn write_groups(
             format!("{:?}", watch.running_left)
         }
     );
+}
+
+/// One item of `items` for each group of [`GROUPS`] (in order), as `line` writes it after the group's name.
+fn per_group<T>(items: &[T], line: impl Fn(&T) -> String) -> String {
+    GROUPS
+        .iter()
+        .zip(items)
+        .map(|(group, item)| format!("{group} {}", line(item)))
+        .collect::<Vec<_>>()
+        .join(", ")
 }

@@ -15,7 +15,7 @@ use crate::support::RedisServer;
 
 use super::check::{LimitCheck, LimitWatch, check_limit};
 use super::faults::Kind;
-use super::ledger::{Facts, Ledger};
+use super::ledger::{Facts, Ledger, Pushed};
 use super::workload::{
     API, API_BOUND, API_RATE_A, API_RATE_B, API_WINDOW, OTHER, Queue, SLOW, SLOW_BOUND,
     SLOW_LIMIT_A, SLOW_LIMIT_B, Work,
@@ -294,6 +294,23 @@ fn meets(spans: &[(u64, u64)], from: u64, to: u64) -> bool {
     spans.iter().any(|&(a, b)| a <= to && b >= from)
 }
 
+/// Every recorded start (id, µs) of the tasks `counts` picks, in the ledger's order: what a rate check reads.
+pub(super) fn starts_of(
+    facts: &Facts,
+    ledger: &Ledger,
+    counts: impl Fn(&Pushed) -> bool,
+) -> Vec<(String, u64)> {
+    ledger
+        .order
+        .iter()
+        .filter(|id| counts(&ledger.tasks[*id]))
+        .flat_map(|id| {
+            let runs = facts.runs.get(id).into_iter().flatten();
+            runs.map(|run| (id.clone(), run.start_us))
+        })
+        .collect()
+}
+
 /// What the records say of a rate-limited type's starts.
 #[derive(Debug, Default)]
 pub(super) struct RateCheck {
@@ -467,15 +484,11 @@ pub(super) fn check_types(
             ledger.tasks[*id].queue == Queue::Typed && ledger.tasks[*id].kind == kind
         })
     };
-    let starts: Vec<(String, u64)> = of_type(API)
-        .flat_map(|id| {
-            let runs = facts.runs.get(id).into_iter().flatten();
-            runs.map(|run| (id.clone(), run.start_us))
-        })
-        .collect();
     let rate = check_rate(
         world.t0_us,
-        &starts,
+        &starts_of(facts, ledger, |task| {
+            task.queue == Queue::Typed && task.kind == API
+        }),
         &rate_excused(events, &typed.stalls),
         API_WINDOW.as_micros() as u64,
         API_BOUND as usize,
