@@ -586,11 +586,13 @@ fn write_new_faults(out: &mut String, world: &World<'_>, ledger: &Ledger) {
     let _ = writeln!(
         out,
         "  slowloris     {} attacks, {} slow clients in all; another client's scrape meanwhile answered 200 {} times, \
-         503 {} times (the slow clients held every connection); the daemons under attack started {} tasks meanwhile",
+         503 {} times (the slow clients held every connection), nothing {} times in a stall of the machine (left \
+         out); the daemons under attack started {} tasks meanwhile",
         c(Kind::Slowloris.label()),
         c("slowloris clients"),
         c("slowloris scrapes answered 200 meanwhile"),
         c("slowloris scrapes answered 503 meanwhile"),
+        c("slowloris scrapes left out (a stall of the machine)"),
         c("slowloris starts meanwhile")
     );
 }
