@@ -11,7 +11,9 @@
 //! - [`turns`]: `priority_weights`' turns (turns.lua), a model of their own: the credits of the levels;
 //! - [`types`]: limits per task type (types.lua, claim.lua's flow path, settle.lua's runs), a model of their own;
 //! - [`groups`]: fair groups (groups.lua, claim.lua's grouped path, settle.lua's unparking, group_resume.lua), a
-//!   model of their own.
+//!   model of their own;
+//! - [`wake`]: the wake-up of a claim that filled `max_running` (claim.lua's state 8, the fetcher's wait behind a
+//!   `BLPOP`, settle.lua's and push.lua's markers), a model of its own.
 //!
 //! See `model/README.md` for what the model covers, what it leaves out, and what the checker found.
 
@@ -23,5 +25,6 @@ pub mod run;
 pub mod setup;
 pub mod turns;
 pub mod types;
+pub mod wake;
 
 pub use model::{Action, Protocol, State};

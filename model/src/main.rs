@@ -1,12 +1,13 @@
 //! Runs the model's checks by hand: `cargo run -p kmq-model --release -- [ci | large | break | SCENARIO...]`.
 //!
-//! - `ci` (the default): the scenarios the test runs (the turns' `weights` and `weights-change` and the type
-//!   limits' `typed` and `typed-more` included);
+//! - `ci` (the default): the scenarios the test runs (the turns' `weights` and `weights-change`, the type
+//!   limits' `typed` and `typed-more`, the groups' and the wake-up's included);
 //! - `large`: larger bounds (three tasks, more faults), minutes rather than seconds;
 //! - `break`: the "break it on purpose" experiments, each printing its counterexample;
 //! - a scenario name (see `setup.rs`: `pill`, `stall`, `lost-replies`, `rolling`, `mixed-modes`, `recovered`,
 //!   `zombie`, `limit`, `throttle`, `popped`, `popped-stall`, the finding `orphan`, the turns' `weights` and
-//!   `weights-change`, the type limits' `typed` and `typed-more`, and the larger `lost-replies-large`,
+//!   `weights-change`, the type limits' `typed` and `typed-more`, the groups' `grouped` and `grouped-more`, the
+//!   wake-up's `wake` and the finding `wake-rolling`, and the larger `lost-replies-large`,
 //!   `rolling-large`, `pill-large`, `zombie-large`), optionally with `--mutation NAME` (`no-floor-check`, `no-adopt`, `no-idempotent-settle`,
 //!   `monitor-own-levels`, `group-beside-others`, `no-lease-check`, `renew-expired`, `pop-ready-only`,
 //!   `register-retry-keeps-lease`, and the running limit's `subtract-uncounted`, `subtract-count`,
@@ -30,6 +31,7 @@ use kmq_model::run::{self, Report, Search};
 use kmq_model::setup::{self, Mutation, Setup};
 use kmq_model::turns::{self, Turns, TurnsMutation, Weighted};
 use kmq_model::types::{self, Limited, Types};
+use kmq_model::wake::{self, Wake, Woken};
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -68,6 +70,7 @@ fn main() {
     let mut weighted: Vec<Weighted> = Vec::new();
     let mut typed: Vec<Limited> = Vec::new();
     let mut grouped: Vec<Grouped> = Vec::new();
+    let mut woken: Vec<Woken> = Vec::new();
     let mut experiments = false;
     for word in if words.is_empty() { vec!["ci"] } else { words } {
         match word {
@@ -76,9 +79,14 @@ fn main() {
                 weighted.extend(turns::scenarios());
                 typed.extend(types::scenarios());
                 grouped.extend(groups::scenarios());
+                woken.extend(wake::scenarios());
             }
             "large" => setups.extend(setup::large()),
             "break" => experiments = true,
+            "wake-rolling" => woken.push(wake::wake_rolling()),
+            name if wake::scenarios().iter().any(|w| w.name == name) => {
+                woken.extend(wake::scenarios().into_iter().filter(|w| w.name == name))
+            }
             name if groups::scenarios().iter().any(|g| g.name == name) => {
                 grouped.extend(groups::scenarios().into_iter().filter(|g| g.name == name))
             }
@@ -122,6 +130,15 @@ fn main() {
             let search = run::shortest_in(&Groups::new(setup), property);
             print_experiment(name, mutation, property, search);
         }
+        for (setup, property) in wake::experiments() {
+            let (name, mutation) = (setup.name, setup.mutation);
+            let search = run::shortest_in(&Wake::new(setup), property);
+            print_experiment(name, mutation, property, search);
+        }
+    }
+    for setup in woken {
+        let name = setup.name;
+        find_or_check(name, Wake::new(setup), find.as_deref(), threads, cap, trace);
     }
     for setup in grouped {
         let name = setup.name;

@@ -16,6 +16,7 @@ use kmq_model::turns::{
     self, EXACT_EVERY_WINDOW, Take, Turns, TurnsMutation, TurnsState, Weighted,
 };
 use kmq_model::types::{self, Types};
+use kmq_model::wake::{self, Wake};
 
 /// Checks `setups` exhaustively: every `always` property holds except each scenario's known failures (which
 /// must fail), and every `sometimes` property is seen. Returns the reports.
@@ -442,4 +443,54 @@ fn a_flow_left_parked_an_ignored_count_and_refused_candidates_are_caught() {
             run::shortest_in(&Groups::new(setup), property),
         );
     }
+}
+
+/// The wake-up at the limit (claim.lua's state 8, the fetcher's claim sent behind a `BLPOP` of the wake list,
+/// settle.lua's and push.lua's markers, claim.lua passing the wake-up on), over every reachable state of two daemons
+/// of two workers each under `max_running = 2`: claims at once or behind a marker (state 8 and state 4 make the
+/// fetcher wait), settles by the owner (late too) or a monitor's recovery, retries at once, a push, a stall, a
+/// `kill -9`. No fetcher waits at the limit while a slot is free and tasks wait without a marker in the wake list;
+/// the count is exact, within its limit and never below 0; every task is in one place.
+#[test]
+fn a_claim_that_fills_the_limit_is_woken_by_the_settle_that_frees_a_slot() {
+    let mut failures = Vec::new();
+    for setup in wake::scenarios() {
+        let name = setup.name;
+        let report = run::check_model(name, Wake::new(setup), 2, None, false);
+        println!("{}", report.summary());
+        failures.extend(report.failures(&[]));
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+/// The wake-up broken on purpose: a settle that pushes no marker when it frees a slot of a full count, and a claim
+/// that does not pass the wake-up on to another fetcher; each leaves a fetcher waiting at the limit with a slot
+/// free, tasks waiting and no marker.
+#[test]
+fn a_settle_that_pushes_no_marker_and_a_claim_that_passes_none_on_are_caught() {
+    for (setup, property) in wake::experiments() {
+        let (name, mutation) = (setup.name, setup.mutation);
+        broken(
+            name,
+            mutation,
+            property,
+            run::shortest_in(&Wake::new(setup), property),
+        );
+    }
+}
+
+/// What the checker found in kmqd as it is (open; model/README.md, the sixth finding): in a rolling change that
+/// lowers `max_running` on one daemon (3 and 2), a fetcher of the daemon at the lower limit takes the marker that a
+/// settle pushed when it freed a slot of the count at 3, its claim answers state 4 (the count is at its 2) and
+/// passes nothing on, and the fetcher at the higher limit waits at the limit with a slot free under its 3 and a
+/// task waiting, until its `idle_poll` runs out. Four steps; if it no longer reproduces, the README must say so.
+#[test]
+fn in_a_rolling_change_of_max_running_the_lower_limit_s_claim_takes_the_marker_the_higher_one_needed()
+ {
+    let (path, visited, _) = run::shortest_in(&Wake::new(wake::wake_rolling()), wake::NO_LOST_WAKE);
+    let path = path.unwrap_or_else(|| {
+        panic!("the sixth finding no longer reproduces ({visited} states): update model/README.md")
+    });
+    println!("{}", run::describe(&path));
+    assert_eq!(path.len(), 4, "{}", run::describe(&path));
 }

@@ -11,16 +11,19 @@ use crate::support::RedisServer;
 
 use super::faults::Kind;
 use super::ledger::{Facts, Ledger, Pushed, Run};
+use kmqd::broker::keys::group_scope;
+
 use super::workload::{
-    HOLDS_AT_MOST_MS, Mode, POPPED_HELD_MAX, Queue, RETRY_TIMES, Shape, TEST, Work,
+    GROUPS, HOLDS_AT_MOST_MS, Mode, POPPED_HELD_MAX, Queue, RETRY_TIMES, Shape, TEST, Work,
 };
 use super::world::{Event, SLACK_US, What, World, lock, now_us, rel};
 
-/// One atomic look at a queue's keys (ARGV[1]: `kmq:{queue}`): the tasks in each place (a type's flows count as
-/// ready, as `kmqd stats` counts them), the counters, the running count of the scope ARGV[2] (`q`, or a type's
-/// `t:TYPE`) and what it must equal.
+/// One atomic look at a queue's keys (ARGV[1]: `kmq:{queue}`): the tasks in each place (a type's or a group's
+/// flows count as ready, as `kmqd stats` counts them: they wait, they are not lost), the counters, the running
+/// count of the scope ARGV[2] (`q`, or a type's `t:TYPE`) and what it must equal, then the same pair for each
+/// further scope ARGV[3..] (a group's `g:GROUP`).
 pub(super) const SNAPSHOT: &str = r"
-local base, scope = ARGV[1], ARGV[2]
+local base = ARGV[1]
 local function sum(pattern, command)
   local n = 0
   for _, key in ipairs(redis.call('KEYS', pattern)) do
@@ -43,7 +46,7 @@ end
 -- The positions not yet settled of the runs counted in `scope`: claim.lua writes a scopes string beside each list
 -- it takes under a limit, a line `N SCOPE...` per run of the list in position order (`N q` alone without type
 -- limits); a run's unsettled positions are its size less the bits set in its range of the list's bitmap.
-local function counted()
+local function counted(scope)
   local n = 0
   for _, key in ipairs(redis.call('KEYS', base .. ':processing:*')) do
     if redis.call('TYPE', key).ok == 'zset' then
@@ -66,12 +69,20 @@ end
 local function counter(name)
   return tonumber(redis.call('HGET', base .. ':stats', name) or '0')
 end
-return {
+local function running(scope)
+  return tonumber(redis.call('HGET', base .. ':running', scope) or '0')
+end
+local out = {
   sum(base .. ':ready:*', 'LLEN') + sum(base .. ':flow:*', 'LLEN'), sum(base .. ':quarantine:*', 'LLEN'), held(),
   sum(base .. ':delayed:*', 'ZCARD'), sum(base .. ':retry:*', 'ZCARD'), redis.call('LLEN', base .. ':dead'),
   counter('pushed'), counter('done'), counter('cancelled'),
-  tonumber(redis.call('HGET', base .. ':running', scope) or '0'), counted(), counter('running_underflow')
+  running(ARGV[2]), counted(ARGV[2]), counter('running_underflow')
 }
+for i = 3, #ARGV do
+  out[#out + 1] = running(ARGV[i])
+  out[#out + 1] = counted(ARGV[i])
+end
+return out
 ";
 
 /// What was seen of a running count while the suite ran (the limited queue's `q`, the typed queue's `t:slow`).
@@ -111,6 +122,9 @@ pub(super) struct Snapshot {
     pub(super) running: i64,
     pub(super) counted: i64,
     pub(super) underflow: i64,
+    /// On the grouped queue, each group's count (`g:GROUP`, [`GROUPS`] in order) and the unsettled positions of
+    /// the runs counted in it; zeros on the other queues.
+    pub(super) groups: [(i64, i64); GROUPS.len()],
 }
 
 pub(super) fn snapshot(
@@ -118,10 +132,21 @@ pub(super) fn snapshot(
     queue: Queue,
 ) -> redis::RedisResult<Snapshot> {
     let scope = queue.counted().map_or("q", |(scope, _)| scope);
-    let parts: Vec<i64> = redis::Script::new(SNAPSHOT)
-        .arg(queue.base())
-        .arg(scope)
-        .invoke(connection)?;
+    let script = redis::Script::new(SNAPSHOT);
+    let mut invocation = script.prepare_invoke();
+    invocation.arg(queue.base()).arg(scope);
+    if queue == Queue::Grouped {
+        for group in GROUPS {
+            invocation.arg(group_scope(group));
+        }
+    }
+    let parts: Vec<i64> = invocation.invoke(connection)?;
+    let mut groups = [(0, 0); GROUPS.len()];
+    if queue == Queue::Grouped {
+        for (n, pair) in groups.iter_mut().enumerate() {
+            *pair = (parts[12 + 2 * n], parts[13 + 2 * n]);
+        }
+    }
     let [
         ready,
         quarantine,
@@ -135,9 +160,9 @@ pub(super) fn snapshot(
         running,
         counted,
         underflow,
-    ] = parts[..]
+    ] = parts[..12]
     else {
-        panic!("the snapshot script returns twelve numbers: {parts:?}");
+        panic!("the snapshot script returns twelve numbers and a pair a further scope: {parts:?}");
     };
     Ok(Snapshot {
         ready,
@@ -152,6 +177,7 @@ pub(super) fn snapshot(
         running,
         counted,
         underflow,
+        groups,
     })
 }
 
@@ -205,12 +231,16 @@ impl World<'_> {
         if queue.counted().is_some() {
             self.check_count(queue, &snap, when);
         }
+        if queue == Queue::Grouped {
+            self.check_group_counts(&snap, when);
+        }
     }
 
     /// What was seen of the running count of `queue` (one of those [`Queue::counted`] names).
     pub(super) fn with_watch<R>(&self, queue: Queue, f: impl FnOnce(&mut LimitWatch) -> R) -> R {
         match queue {
             Queue::Typed => f(&mut lock(&self.typed).count),
+            Queue::Grouped => f(&mut lock(&self.grouped).queue),
             _ => f(&mut lock(&self.watch)),
         }
     }
@@ -253,8 +283,9 @@ impl World<'_> {
 /// Samples, every 20 ms on a direct connection: jobs' `done` counter, recording when it grew; each running count
 /// checked throughout ([`Queue::counted`]: the limited queue's, the typed queue's `slow`'s) and its queue's
 /// `running_underflow`, each sample checked against the bound; what the typed queue's limits hold back
-/// ([`World::sample_types`]); and every 25th time an atomic snapshot of each such queue, its count checked against
-/// its claim lists (a failed read, Redis being down or stalled, is read again).
+/// ([`World::sample_types`]); each group's count of the grouped queue ([`World::sample_groups`]); and every 25th
+/// time an atomic snapshot of each such queue, its counts checked against its claim lists (a failed read, Redis
+/// being down or stalled, is read again).
 pub(super) fn sample(world: &World<'_>, url: &str) {
     let mut connection: Option<redis::Connection> = None;
     let mut last: Option<u64> = None;
@@ -298,13 +329,21 @@ pub(super) fn sample(world: &World<'_>, url: &str) {
                 connection = None;
             }
         }
+        if let Some(conn) = connection.as_mut() {
+            if world.sample_groups(conn).is_err() {
+                connection = None;
+            }
+        }
         if turn % 25 == 0 {
             for queue in Queue::ALL
                 .into_iter()
-                .filter(|queue| queue.counted().is_some())
+                .filter(|queue| queue.counted().is_some() || *queue == Queue::Grouped)
             {
                 if let Some(conn) = connection.as_mut() {
                     match snapshot(conn, queue) {
+                        Ok(snap) if queue == Queue::Grouped => {
+                            world.check_group_counts(&snap, "in a sample")
+                        }
                         Ok(snap) => world.check_count(queue, &snap, "in a sample"),
                         Err(_) => connection = None,
                     }
@@ -764,6 +803,7 @@ fn the_run_budget_check_flags_runs_again_without_a_cause() {
                     Queue::Jobs
                 },
                 kind: TEST,
+                group: None,
                 work: Work::Normal,
                 level: 1,
                 data: "{}".to_string(),
@@ -842,6 +882,7 @@ fn the_limit_check_counts_runs_at_once_and_leaves_out_those_a_fault_took() {
             Pushed {
                 queue,
                 kind: TEST,
+                group: None,
                 work,
                 level: 1,
                 data: "{}".to_string(),

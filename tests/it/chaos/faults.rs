@@ -69,7 +69,8 @@ pub(super) const FAULTS: &[(Kind, u64, &str)] = &[
         Kind::RollingConfig,
         2,
         "a daemon stopped (SIGTERM) and started on config B (jobs: one level, other workers and prefetch; \
-         limited: max_running halved; typed: its types' limits halved); back on A (the same way) 2 to 6 faults \
+         limited: max_running halved; typed: its types' limits halved; grouped: its groups' limits halved); back \
+         on A (the same way) 2 to 6 faults \
          later, or at the next rolling change",
     ),
     (

@@ -18,6 +18,8 @@ pub(super) struct Pushed {
     pub(super) queue: Queue,
     /// Its task type (the envelope's `type`).
     pub(super) kind: &'static str,
+    /// Its group (the envelope's `group`), on the grouped queue.
+    pub(super) group: Option<&'static str>,
     pub(super) work: Work,
     pub(super) level: usize,
     pub(super) data: String,

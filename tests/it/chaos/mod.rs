@@ -1,6 +1,6 @@
-//! The chaos suite: three real `kmqd` processes on four queues, three safe ones, `jobs` (two priority levels),
-//! `limited` (one level, `max_running` 4 against the daemons' 12 workers) and `typed` (limits per task type), and
-//! one in default mode, `popped`, under a steady load, while faults are injected at random ([`faults::FAULTS`]
+//! The chaos suite: three real `kmqd` processes on five queues, four safe ones, `jobs` (two priority levels),
+//! `limited` (one level, `max_running` 4 against the daemons' 12 workers), `typed` (limits per task type) and
+//! `grouped` (fair groups with limits per group), and one in default mode, `popped`, under a steady load, while faults are injected at random ([`faults::FAULTS`]
 //! lists them with their weights): `kill -9` and restarts, `CLIENT KILL`, Redis restarted on its append-only file
 //! (after SIGTERM and after SIGKILL), Redis rewound (on `appendfsync everysec`, killed with its host: the tail of
 //! its append-only file lost), Redis restarted empty, Redis stalled past the read timeout, steps of Redis's wall
@@ -8,7 +8,8 @@
 //! request delivered after its caller gave up on it (the daemons' claims, settles and renewals, the producers'
 //! pushes, default mode's pops), zombie daemons (SIGSTOP past the lease, then SIGCONT), rolling config changes
 //! (which halve `limited`'s limit and `typed`'s), slow HTTP clients on a daemon's metrics endpoint, poison pills,
-//! handlers that ignore cancel, and handlers that throttle their queue (or their type, on `typed`) for 100 ms once
+//! handlers that ignore cancel, and handlers that throttle their queue (their type on `typed`, their group on
+//! `grouped`) for 100 ms once
 //! (2 % of the tasks: each then runs again at the same attempt, a repeat its throttle explains, and is never
 //! charged or dead-lettered for it). At the end it checks that no task of a safe queue was
 //! lost, that no task ran more often than its mode's rules allow (at least once in safe mode, at most once in
@@ -29,6 +30,14 @@
 //! throttle their type); from the run records, `slow`'s runs at once, `api`'s starts per window and `other`'s
 //! waits from push to first start, each but near the faults that explain more; at the end no flow and no ring
 //! left (see [`types`]).
+//!
+//! The grouped queue's groups (docs/RELIABILITY.md, "Groups") likewise: four groups under `[queues.groups]`, each
+//! with `max_running` 2 and `rate_limit` 10/s (halved on config B), `g0` of weight 3, pushed mixed and in bursts of
+//! one group, 3 % of the tasks throttling their group once: each group's count (`running` field `g:GROUP`) sampled
+//! within 0 and its largest limit, equal to the unsettled positions of the runs counted in it at every snapshot
+//! (the flows' tasks counted as ready: waiting, not lost), the queue's own throttle never set; from the run records,
+//! each group's runs at once and starts per window, each but near the faults that explain more; the drain completes
+//! (no group stranded); at the end no count, no flow and no ring member left (see [`groups`]).
 //!
 //! One `#[ignore]`d test, run by `scripts/chaos` (`--short` in CI through `scripts/test`, `--long` by hand):
 //!
@@ -54,11 +63,13 @@
 //! the schedule), [`outbox`] (Redis losing its data or rewound, and the producer pushing again what it lost),
 //! [`slowloris`] (the slow HTTP clients), [`world`] (what the threads share: the daemons, their supervisor, the
 //! events), [`ledger`] (what was pushed, and what ran, from the record files), [`check`] (conservation, the running
-//! counts, the run budget), [`types`] (the typed queue's limits) and [`report`] (the end checks and the summary);
+//! counts, the run budget), [`types`] (the typed queue's limits), [`groups`] (the grouped queue's) and [`report`]
+//! (the end checks and the summary);
 //! this file runs them.
 
 mod check;
 mod faults;
+mod groups;
 mod ledger;
 mod outbox;
 mod report;
@@ -80,6 +91,7 @@ use crate::support::*;
 
 use check::{LimitWatch, sample};
 use faults::{FAULTS, Injector, Schedule};
+use groups::GroupWatch;
 use ledger::{Epoch, Facts, Ledger};
 use types::TypedWatch;
 use workload::{DAEMON_SECTION, DAEMONS, Mode, Queue, Rng, Shape, produce};
@@ -145,6 +157,7 @@ fn chaos() {
     let limited_rng = Rng::new(seed ^ 0x006C_696D_6974_6564);
     let popped_rng = Rng::new(seed ^ 0x0070_6F70_7065_6400);
     let typed_rng = Rng::new(seed ^ 0x0000_7479_7065_6400);
+    let grouped_rng = Rng::new(seed ^ 0x0067_726F_7570_6564);
     let redis_url = redis.url();
     let mut injector = Injector {
         world: &world,
@@ -159,6 +172,7 @@ fn chaos() {
     let limited_client = client(&producer_config);
     let popped_client = client(&producer_config);
     let typed_client = client(&producer_config);
+    let grouped_client = client(&producer_config);
 
     let (chaos_time, chaos_end_us, drain_time) = std::thread::scope(|scope| {
         let _stop = StopOnDrop(&world);
@@ -169,6 +183,8 @@ fn chaos() {
             scope.spawn(|| produce(&world, &popped_client, Queue::Popped, popped_rng));
         let typed_producer =
             scope.spawn(|| produce(&world, &typed_client, Queue::Typed, typed_rng));
+        let grouped_producer =
+            scope.spawn(|| produce(&world, &grouped_client, Queue::Grouped, grouped_rng));
         let supervisor = scope.spawn(|| supervise(&world));
         let sampler = scope.spawn(|| sample(&world, &redis_url));
 
@@ -203,6 +219,9 @@ fn chaos() {
         typed_producer
             .join()
             .expect("the typed queue's producer thread");
+        grouped_producer
+            .join()
+            .expect("the grouped queue's producer thread");
         let drain_started = Instant::now();
         drain(&world, &harness, &injector.redis);
         let drain_time = drain_started.elapsed();
@@ -287,6 +306,7 @@ fn new_world(dir: &TestDir, redis_section: String) -> World<'_> {
         completions: Mutex::new(Vec::new()),
         watch: Mutex::new(LimitWatch::default()),
         typed: Mutex::new(TypedWatch::default()),
+        grouped: Mutex::new(GroupWatch::default()),
         counters: Mutex::new(BTreeMap::new()),
         tails: Mutex::new((Vec::new(), Facts::default())),
         dead_seen: Mutex::new(HashMap::new()),
@@ -348,7 +368,11 @@ fn drain(world: &World<'_>, harness: &Client, redis: &RedisServer) {
             .iter()
             .map(|queue| drained_under_a_live_owner(harness, queue.name()))
             .collect();
-        let empty = looks.iter().all(|(drained, _)| *drained) && world.flows_left(redis).is_empty();
+        let flows_left: Vec<String> = [Queue::Typed, Queue::Grouped]
+            .into_iter()
+            .flat_map(|queue| world.flows_left(redis, queue))
+            .collect();
+        let empty = looks.iter().all(|(drained, _)| *drained) && flows_left.is_empty();
         let stats: Vec<_> = looks.into_iter().map(|(_, stats)| stats).collect();
         let counts = stats[Queue::Popped.index()]
             .as_ref()
@@ -372,7 +396,7 @@ fn drain(world: &World<'_>, harness: &Client, redis: &RedisServer) {
         }
         if drain_started.elapsed() > within {
             world.violation(format!(
-                "the drain did not end within {} s: {stats:?}; {} tasks have no final state, e.g. {:?}",
+                "the drain did not end within {} s: {stats:?}; {} tasks have no final state, e.g. {:?}; flows left                  (a group or type stranded?): {flows_left:?}",
                 within.as_secs(),
                 unfinished.len(),
                 &unfinished[..unfinished.len().min(20)]
@@ -446,7 +470,7 @@ fn stop_daemons(world: &World<'_>, harness: &Client) -> Vec<QueueStats> {
 }
 
 /// At rest: the limited queue's count is gone (a field at 0 is deleted) and never went below 0; the typed queue's
-/// as well, its flows empty and its rings too.
+/// as well, its flows empty and its rings too; the grouped queue's counts as well, its flows and rings empty.
 fn check_at_rest(world: &World<'_>, redis: &RedisServer) {
     let at_rest = Queue::Limited.base();
     let running: Option<i64> = redis.cmd(&["HGET", &format!("{at_rest}:running"), "q"]);
@@ -460,4 +484,5 @@ fn check_at_rest(world: &World<'_>, redis: &RedisServer) {
     }
     lock(&world.watch).at_rest = (running, underflow);
     world.check_types_at_rest(redis);
+    world.check_groups_at_rest(redis);
 }

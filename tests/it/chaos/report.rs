@@ -11,6 +11,7 @@ use kmqd::broker::QueueStats;
 
 use super::check::{LimitCheck, RunCheck, check_limit, check_runs};
 use super::faults::{FAULTS, Kind};
+use super::groups::{check_groups, write_groups};
 use super::ledger::{Epoch, Facts, Final, Ledger};
 use super::types::{check_types, write_types};
 use super::workload::{
@@ -56,6 +57,7 @@ pub(super) fn report(world: &World<'_>, all_stats: &[QueueStats], run: &Run) -> 
     check_conservation_at_end(world, all_stats, &ledger);
     let (bound, limit) = check_limit_from_runs(world, facts, &ledger, &events, &logs.shapes);
     let types = check_types(world, facts, &ledger, &events);
+    let groups = check_groups(world, facts, &ledger, &events);
 
     let mut out = String::new();
     let _ = writeln!(out, "chaos summary");
@@ -72,6 +74,13 @@ pub(super) fn report(world: &World<'_>, all_stats: &[QueueStats], run: &Run) -> 
         run.chaos_end_us,
     );
     write_types(&mut out, world, &ledger, &types);
+    write_groups(
+        &mut out,
+        world,
+        &ledger,
+        &groups,
+        finals.per_queue[Queue::Grouped.index()],
+    );
     write_conservation(&mut out, world, all_stats);
     write_recovery(&mut out, world, &events, run.chaos_end_us);
     let errors = if logs.errors.is_empty() {
@@ -577,11 +586,13 @@ fn write_new_faults(out: &mut String, world: &World<'_>, ledger: &Ledger) {
     let _ = writeln!(
         out,
         "  slowloris     {} attacks, {} slow clients in all; another client's scrape meanwhile answered 200 {} times, \
-         503 {} times (the slow clients held every connection); the daemons under attack started {} tasks meanwhile",
+         503 {} times (the slow clients held every connection), nothing {} times in a stall of the machine (left \
+         out); the daemons under attack started {} tasks meanwhile",
         c(Kind::Slowloris.label()),
         c("slowloris clients"),
         c("slowloris scrapes answered 200 meanwhile"),
         c("slowloris scrapes answered 503 meanwhile"),
+        c("slowloris scrapes left out (a stall of the machine)"),
         c("slowloris starts meanwhile")
     );
 }
@@ -659,7 +670,7 @@ fn write_limit(
 ) {
     let limited_stats = &all_stats[Queue::Limited.index()];
     let watch = lock(&world.watch);
-    let [jobs, limited, popped, typed] = finals.per_queue;
+    let [jobs, limited, popped, typed, _] = finals.per_queue;
     let _ = writeln!(
         out,
         "  queues        jobs {} pushed ({} pills, {} deaf), {} done, {} dead; limited (max_running {LIMIT_A}, \

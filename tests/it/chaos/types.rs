@@ -15,7 +15,7 @@ use crate::support::RedisServer;
 
 use super::check::{LimitCheck, LimitWatch, check_limit};
 use super::faults::Kind;
-use super::ledger::{Facts, Ledger};
+use super::ledger::{Facts, Ledger, Pushed};
 use super::workload::{
     API, API_BOUND, API_RATE_A, API_RATE_B, API_WINDOW, OTHER, Queue, SLOW, SLOW_BOUND,
     SLOW_LIMIT_A, SLOW_LIMIT_B, Work,
@@ -170,10 +170,10 @@ impl World<'_> {
         Ok(())
     }
 
-    /// The typed queue's flows that hold tasks and its rings' members (a ring names the flows that may hold
-    /// tasks): none once it is drained.
-    pub(super) fn flows_left(&self, redis: &RedisServer) -> Vec<String> {
-        let keys = keys();
+    /// The flows of `queue` (the typed or the grouped queue: one level each) that hold tasks and its rings'
+    /// members (a ring names the flows that may hold tasks): none once it is drained.
+    pub(super) fn flows_left(&self, redis: &RedisServer, queue: Queue) -> Vec<String> {
+        let keys = QueueKeys::new("kmq", queue.name(), &["normal".to_string()]);
         let flows: Vec<String> = redis.cmd(&["KEYS", &format!("{}:flow:*", keys.base())]);
         let mut left: Vec<String> = flows
             .into_iter()
@@ -205,7 +205,7 @@ impl World<'_> {
                  running_underflow {underflow:?} (0 expected)"
             ));
         }
-        let left = self.flows_left(redis);
+        let left = self.flows_left(redis, Queue::Typed);
         if !left.is_empty() {
             self.violation(format!(
                 "at rest the typed queue's flows are not empty: {left:?}"
@@ -292,6 +292,23 @@ pub(super) fn wait_excused(
 /// Whether `from..=to` meets one of `spans`.
 fn meets(spans: &[(u64, u64)], from: u64, to: u64) -> bool {
     spans.iter().any(|&(a, b)| a <= to && b >= from)
+}
+
+/// Every recorded start (id, µs) of the tasks `counts` picks, in the ledger's order: what a rate check reads.
+pub(super) fn starts_of(
+    facts: &Facts,
+    ledger: &Ledger,
+    counts: impl Fn(&Pushed) -> bool,
+) -> Vec<(String, u64)> {
+    ledger
+        .order
+        .iter()
+        .filter(|id| counts(&ledger.tasks[*id]))
+        .flat_map(|id| {
+            let runs = facts.runs.get(id).into_iter().flatten();
+            runs.map(|run| (id.clone(), run.start_us))
+        })
+        .collect()
 }
 
 /// What the records say of a rate-limited type's starts.
@@ -467,15 +484,11 @@ pub(super) fn check_types(
             ledger.tasks[*id].queue == Queue::Typed && ledger.tasks[*id].kind == kind
         })
     };
-    let starts: Vec<(String, u64)> = of_type(API)
-        .flat_map(|id| {
-            let runs = facts.runs.get(id).into_iter().flatten();
-            runs.map(|run| (id.clone(), run.start_us))
-        })
-        .collect();
     let rate = check_rate(
         world.t0_us,
-        &starts,
+        &starts_of(facts, ledger, |task| {
+            task.queue == Queue::Typed && task.kind == API
+        }),
         &rate_excused(events, &typed.stalls),
         API_WINDOW.as_micros() as u64,
         API_BOUND as usize,

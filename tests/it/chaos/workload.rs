@@ -51,6 +51,18 @@ pub(super) const API_RATE_A: u64 = 20;
 pub(super) const API_RATE_B: u64 = 10;
 pub(super) const API_BOUND: u64 = larger(API_RATE_A, API_RATE_B);
 pub(super) const API_WINDOW: Duration = Duration::from_secs(1);
+/// The grouped queue's groups (`[queues.groups]`): [`WEIGHTED`] with weight 3 and 40 % of the steady load, the
+/// others 20 % each, all under the same per-group limits.
+pub(super) const GROUPS: [&str; 4] = ["g0", "g1", "g2", "g3"];
+pub(super) const WEIGHTED: &str = "g0";
+/// Each group's `max_running` on config A and on config B (halved): the largest in use bounds a group's count.
+pub(super) const GROUP_LIMIT_A: u64 = 2;
+pub(super) const GROUP_LIMIT_B: u64 = 1;
+pub(super) const GROUP_BOUND: u64 = larger(GROUP_LIMIT_A, GROUP_LIMIT_B);
+/// Each group's `rate_limit`, starts in any [`API_WINDOW`], on config A and on config B (halved).
+pub(super) const GROUP_RATE_A: u64 = 10;
+pub(super) const GROUP_RATE_B: u64 = 5;
+pub(super) const GROUP_RATE_BOUND: u64 = larger(GROUP_RATE_A, GROUP_RATE_B);
 
 /// The queues, each with its own ledger entries, dead list and conservation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -64,6 +76,9 @@ pub(super) enum Queue {
     /// Safe, one level, limits per task type ([`SLOW`]'s `max_running`, [`API`]'s `rate_limit`) beside a type
     /// without ([`OTHER`]): the type's count, its starts per window and the other type's waits are checked.
     Typed,
+    /// Safe, one level, fair groups ([`GROUPS`], each with its own `max_running` and `rate_limit`, [`WEIGHTED`]
+    /// weighted): each group's count, its starts per window and the flows at rest are checked.
+    Grouped,
 }
 
 /// The most tasks of `popped` its daemons hold at once: each its `workers` and its `prefetch` (both configs), the
@@ -87,7 +102,13 @@ pub(super) enum Mode {
 }
 
 impl Queue {
-    pub(super) const ALL: [Queue; 4] = [Queue::Jobs, Queue::Limited, Queue::Popped, Queue::Typed];
+    pub(super) const ALL: [Queue; 5] = [
+        Queue::Jobs,
+        Queue::Limited,
+        Queue::Popped,
+        Queue::Typed,
+        Queue::Grouped,
+    ];
 
     pub(super) fn name(self) -> &'static str {
         match self {
@@ -95,12 +116,13 @@ impl Queue {
             Queue::Limited => "limited",
             Queue::Popped => "popped",
             Queue::Typed => "typed",
+            Queue::Grouped => "grouped",
         }
     }
 
     pub(super) fn mode(self) -> Mode {
         match self {
-            Queue::Jobs | Queue::Limited | Queue::Typed => Mode::Safe,
+            Queue::Jobs | Queue::Limited | Queue::Typed | Queue::Grouped => Mode::Safe,
             Queue::Popped => Mode::Default,
         }
     }
@@ -120,7 +142,8 @@ impl Queue {
         match self {
             Queue::Limited => Some(("q", LIMIT_BOUND)),
             Queue::Typed => Some(("t:slow", SLOW_BOUND)),
-            Queue::Jobs | Queue::Popped => None,
+            // The grouped queue's counts are one per group: see [`super::groups`].
+            Queue::Jobs | Queue::Popped | Queue::Grouped => None,
         }
     }
 
@@ -136,6 +159,18 @@ impl Queue {
             _ => SLOW,
         }
     }
+
+    /// A group for one of the queue's tasks: none but on the grouped queue, [`WEIGHTED`] (40 %) or one of the
+    /// others (20 % each).
+    pub(super) fn pick_group(self, rng: &mut Rng) -> Option<&'static str> {
+        if self != Queue::Grouped {
+            return None;
+        }
+        Some(match rng.below(5) {
+            0 | 1 => WEIGHTED,
+            n => GROUPS[n as usize - 1],
+        })
+    }
 }
 
 /// The two configs of a rolling change. Both have `io_timeout = "1s"` (so a 2 s stall is a real timeout), and every
@@ -145,7 +180,8 @@ pub(super) enum Shape {
     /// Both levels.
     A,
     /// Only "normal", fewer workers, more prefetch: while a daemon runs it, high tasks are served by the others;
-    /// `limited`'s `max_running` halved, and fewer workers; the typed queue's limits halved, and fewer workers.
+    /// `limited`'s `max_running` halved, and fewer workers; the typed queue's limits halved, and fewer workers; the
+    /// grouped queue's limits per group halved, and fewer workers.
     B,
 }
 
@@ -163,6 +199,7 @@ impl Shape {
         };
         let limit = self.limit();
         let (slow_limit, api_rate) = self.type_limits();
+        let (group_limit, group_rate) = self.group_limits();
         let common = format!(
             "lease_timeout = \"{lease}s\"\nexecution_timeout = \"1s\"\nretry_times = {RETRY_TIMES}\n\
              backoff = \"200ms\"\nbackoff_max = \"2s\"\n",
@@ -176,8 +213,19 @@ impl Shape {
              [[queues]]\nname = \"popped\"\nmode = \"default\"\nworkers = 2\nprefetch = 4\nbatch = 8\n{common}\n\
              [[queues]]\nname = \"typed\"\nmode = \"safe\"\nworkers = {limited_workers}\n{common}\n\
              [[queues.limits]]\ntype = \"{SLOW}\"\nmax_running = {slow_limit}\n\n\
-             [[queues.limits]]\ntype = \"{API}\"\nrate_limit = \"{api_rate}/s\"\n"
+             [[queues.limits]]\ntype = \"{API}\"\nrate_limit = \"{api_rate}/s\"\n\n\
+             [[queues]]\nname = \"grouped\"\nmode = \"safe\"\nworkers = {limited_workers}\n{common}\n\
+             [queues.groups]\nmax_running = {group_limit}\nrate_limit = \"{group_rate}/s\"\n\
+             weights = {{ \"{WEIGHTED}\" = 3 }}\n"
         )
+    }
+
+    /// The grouped queue's limits of each group on this config: `max_running`, starts a second.
+    pub(super) fn group_limits(self) -> (u64, u64) {
+        match self {
+            Shape::A => (GROUP_LIMIT_A, GROUP_RATE_A),
+            Shape::B => (GROUP_LIMIT_B, GROUP_RATE_B),
+        }
     }
 
     /// The typed queue's limits on this config: [`SLOW`]'s `max_running`, [`API`]'s starts a second.
@@ -266,10 +314,14 @@ impl World<'_> {
                 .iter()
                 .map(|id| {
                     let task = &ledger.tasks[id];
-                    NewTask::new(task.kind, &task.data)
+                    let new = NewTask::new(task.kind, &task.data)
                         .unwrap()
                         .id(id.clone())
-                        .priority(LEVELS[task.level])
+                        .priority(LEVELS[task.level]);
+                    match task.group {
+                        Some(group) => new.group(group),
+                        None => new,
+                    }
                 })
                 .collect();
             (queue, tasks)
@@ -318,9 +370,10 @@ impl World<'_> {
     }
 
     /// Adds `count` tasks for `queue` to the ledger, each of the type and work `pick` draws; returns their ids
-    /// (`c...` for jobs, `l...` for limited, `p...` for popped, `t...` for typed). Limited tasks and the typed
-    /// queue's [`SLOW`] ones sleep longer, 50 to 150 ms, and are all "normal": a run's sleep is most of the time
-    /// it holds its slot (claim, start, run, settle), which is what lets [`check_limit`] see an excess.
+    /// (`c...` for jobs, `l...` for limited, `p...` for popped, `t...` for typed, `g...` for grouped, each of the
+    /// latter in the group [`Queue::pick_group`] draws). Limited and grouped tasks and the typed queue's [`SLOW`]
+    /// ones sleep longer, 50 to 150 ms: a run's sleep is most of the time it holds its slot (claim, start, run,
+    /// settle), which is what lets [`check_limit`] see an excess.
     ///
     /// [`check_limit`]: super::check::check_limit
     pub(super) fn new_tasks(
@@ -338,6 +391,7 @@ impl World<'_> {
                     Queue::Limited => "l",
                     Queue::Popped => "p",
                     Queue::Typed => "t",
+                    Queue::Grouped => "g",
                 };
                 let id = format!("{prefix}{}", ledger.next);
                 ledger.next += 1;
@@ -345,7 +399,9 @@ impl World<'_> {
                 let sleep_ms = match (work, queue, kind) {
                     (Work::Pill, ..) => 0,
                     (Work::Deaf, ..) => 3000,
-                    (_, Queue::Limited, _) | (_, Queue::Typed, SLOW) => 50 + rng.below(101),
+                    (_, Queue::Limited | Queue::Grouped, _) | (_, Queue::Typed, SLOW) => {
+                        50 + rng.below(101)
+                    }
                     _ => 1 + rng.below(20),
                 };
                 let data = match work {
@@ -360,6 +416,7 @@ impl World<'_> {
                     Work::Pill => PILL.to_string(),
                     Work::Deaf => DEAF.to_string(),
                 };
+                let group = queue.pick_group(rng);
                 let level = match queue {
                     Queue::Jobs if rng.below(4) == 0 => 0,
                     _ => 1,
@@ -369,6 +426,7 @@ impl World<'_> {
                     Pushed {
                         queue,
                         kind,
+                        group,
                         work,
                         level,
                         data,
@@ -384,6 +442,25 @@ impl World<'_> {
     }
 }
 
+impl World<'_> {
+    /// Adds a burst of `count` tasks of one group of the grouped queue, drawn from [`GROUPS`], each of the work
+    /// `work` draws: it takes its group to its limits while the others go on.
+    fn group_burst(
+        &self,
+        rng: &mut Rng,
+        count: usize,
+        work: impl Fn(&mut Rng) -> Work,
+    ) -> Vec<String> {
+        let group = rng.pick(&GROUPS);
+        let ids = self.new_tasks(rng, Queue::Grouped, count, |rng| (TEST, work(rng)));
+        let mut ledger = lock(&self.ledger);
+        for id in &ids {
+            ledger.tasks.get_mut(id).unwrap().group = Some(group);
+        }
+        ids
+    }
+}
+
 /// A steady stream for `queue`, 4 % of which fail their first run and 2 % throttle once: for jobs, 1 to 4 tasks
 /// every 15 ms (about 150 a second), both levels; for limited, one every 50 ms (about 20 a second, against the 40 a
 /// second that four slots of 50 to 150 ms runs allow: it reaches its limit after each fault that holds it back);
@@ -391,20 +468,24 @@ impl World<'_> {
 /// [`Queue::pick_type`] (3 % of the limited types' tasks throttling their type, none of [`OTHER`]'s), and every
 /// 2 s or so a burst of 10 to 30 tasks of [`SLOW`] or of [`API`]: each type's limit is reached after every burst,
 /// its tasks wait in its flow meanwhile, and about 24 tasks a second of both (against 17 a second that two slots
-/// of 50 to 150 ms runs allow, and 20 starts a second) leave the limits room to drain what the faults hold back.
+/// of 50 to 150 ms runs allow, and 20 starts a second) leave the limits room to drain what the faults hold back;
+/// for grouped, one every 60 ms in the groups of [`Queue::pick_group`] (3 % throttling their group), and every 3 s
+/// or so a burst of 10 to 30 of one group: about 6 a second of [`WEIGHTED`] and 3 of each other group, plus the
+/// bursts, against each group's 10 starts a second (5 on config B), so each burst reaches its group's limits.
 pub(super) fn produce(world: &World<'_>, client: &Client, queue: Queue, mut rng: Rng) {
     let (most, every) = match queue {
         Queue::Jobs => (4, Duration::from_millis(15)),
         Queue::Limited => (1, Duration::from_millis(50)),
         Queue::Popped => (2, Duration::from_millis(50)),
         Queue::Typed => (1, Duration::from_millis(40)),
+        Queue::Grouped => (1, Duration::from_millis(60)),
     };
     // Percent of the tasks that throttle once: the typed queue's unlimited type never does (its throttle would
     // be the queue's, holding every type back).
     let work = |rng: &mut Rng, kind: &'static str| {
         let throttling = match (queue, kind) {
             (Queue::Typed, OTHER) => 0,
-            (Queue::Typed, _) => 3,
+            (Queue::Typed | Queue::Grouped, _) => 3,
             _ => 2,
         };
         match rng.below(100) {
@@ -423,6 +504,10 @@ pub(super) fn produce(world: &World<'_>, client: &Client, queue: Queue, mut rng:
             let kind = if rng.coin() { SLOW } else { API };
             let burst = 10 + rng.below(21) as usize;
             ids.extend(world.new_tasks(&mut rng, queue, burst, |rng| (kind, work(rng, kind))));
+        }
+        if queue == Queue::Grouped && rng.below(50) == 0 {
+            let burst = 10 + rng.below(21) as usize;
+            ids.extend(world.group_burst(&mut rng, burst, |rng| work(rng, TEST)));
         }
         {
             let _gate = world.gate.read().unwrap();

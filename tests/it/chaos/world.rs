@@ -13,6 +13,7 @@ use crate::support::*;
 
 use super::check::LimitWatch;
 use super::faults::Kind;
+use super::groups::GroupWatch;
 use super::ledger::{Facts, Ledger, Tail};
 use super::slowloris::metrics_addr;
 use super::types::TypedWatch;
@@ -160,6 +161,8 @@ pub(super) struct World<'a> {
     pub(super) watch: Mutex<LimitWatch>,
     /// What the samples and snapshots of the typed queue's limits per type saw.
     pub(super) typed: Mutex<TypedWatch>,
+    /// What the samples and snapshots of the grouped queue's groups saw.
+    pub(super) grouped: Mutex<GroupWatch>,
     /// Counts by name: each fault kind's label, and what the faults and checks count besides.
     pub(super) counters: Mutex<BTreeMap<String, u64>>,
     pub(super) tails: Mutex<(Vec<Tail>, Facts)>,

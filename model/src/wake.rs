@@ -1,0 +1,510 @@
+//! The wake-up of a claim that filled `max_running` (claim.lua's state 8), checked in a model of its own.
+//!
+//! A safe-mode queue under one `max_running` in Redis: the ready list, the running count `q` and the limit the
+//! last claim counted under (`q:limit`), each claim list with its settled positions, the wake list (settle.lua,
+//! push.lua and claim.lua push a marker and trim the list to one: `LPUSH wake 1; LTRIM wake 0 0`, so it holds 0
+//! or 1), and `done`. Each daemon's fetcher either claims at once or, after a claim that answered state 8 (it took
+//! tasks and filled the limit) or state 4 (the count was full), waits for a marker: its next claim is sent behind
+//! a `BLPOP` of the wake list (`broker::claim_after_wake`, the fetcher's `running_full`). Step by step as the
+//! scripts do it:
+//!
+//! - a claim (claim.lua under `max_running`): state 4 when `q` is at the caller's limit (the limit noted as
+//!   `q:limit`); otherwise up to the caller's free workers, cut to what the limit leaves; what it took added to `q`
+//!   and `q:limit` noted; when it took all it asked for and the limit leaves room while tasks still wait, it passes
+//!   the wake-up on (a marker); state 8 when it took tasks and `q` reached the limit;
+//! - a wait's end: the fetcher's `BLPOP` takes the marker, and the claim sent behind it runs (one step: nothing
+//!   another client does between the two can change what the claim sees but a marker pushed meanwhile, which this
+//!   step's claim then leaves in the list as a later step would);
+//! - a settle (settle.lua) of one of a daemon's tasks, by its owner (late too, after its lease ran out: stale) or by
+//!   a monitor recovering an expired owner's list: an acknowledgement, or a retry at once (back to the ready
+//!   list's head: a marker); each newly settled position leaves `q`, and a call that frees a slot of a count that
+//!   was at `q:limit` pushes a marker;
+//! - a push (push.lua: the task at the ready list's tail, and a marker);
+//! - a daemon's lease running out (it may settle late; a monitor recovers its list), and its `kill -9` (it forgets
+//!   what it held; the restarted fetcher claims at once).
+//!
+//! Not here: the fetcher's `idle_poll` bound on the wait (it claims again when no marker came: the properties say
+//! when it would have to, which is what "no lost wake-up" forbids), rates and type or group limits (their own
+//! states, 5 and 7), several levels, the quarantine, lost claim replies (an adopted claim's reply reads no state),
+//! and a daemon's other fetchers (one fetcher a daemon, with `slots` workers).
+//!
+//! An idle fetcher (its last claim took nothing) also waits on the wake list in kmqd, and may take the marker that
+//! a settle pushed for a fetcher at the limit: here any fetcher not waiting at the limit may claim either at once
+//! or by taking the marker (more behaviours than kmqd has, so a property that holds here holds there).
+
+use arrayvec::ArrayVec;
+use stateright::{Model, Property};
+
+/// The most daemons.
+const DAEMONS: usize = 2;
+/// The most claim lists at once: each daemon's, and one left by each of their earlier owners.
+const LISTS: usize = 6;
+
+/// A daemon waiting at the limit is woken: while one waits, a slot is free under its limit and tasks wait, a
+/// marker is in the wake list (its `BLPOP` takes it, and the claim behind it runs).
+pub const NO_LOST_WAKE: &str = "no fetcher waits at the limit for a wake-up that will not come";
+/// `q` equals the positions not yet settled of the claim lists.
+pub const COUNT_EXACT: &str = "the running count is the claim lists' unsettled positions";
+/// `q` never exceeds the largest `max_running`.
+pub const COUNT_BOUND: &str = "the running count stays within the limit";
+/// settle.lua never finds `q` below what it subtracts.
+pub const NO_UNDERFLOW: &str = "the running count never goes below 0";
+/// Every task is in the ready list, a claim list (unsettled) or `done`, once; none is pushed twice.
+pub const CONSERVED: &str = "every pushed task is in exactly one place";
+
+/// The deliberate mutations of the wake-up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WakeMutation {
+    /// settle.lua pushes no wake-up marker: neither for a slot it frees of a full count nor for a task it puts
+    /// back in the ready list.
+    SettleNoMarker,
+    /// claim.lua does not pass the wake-up on when it took all it asked for and the limit leaves room.
+    ClaimNoPassOn,
+}
+
+/// One bounded check of the wake-up.
+#[derive(Clone, Debug)]
+pub struct Woken {
+    pub name: &'static str,
+    /// Tasks in the ready list at the start, and pushed later.
+    pub ready: u8,
+    pub pushes: u8,
+    /// Each daemon's `max_running` (a rolling change when they differ).
+    pub limits: [u8; DAEMONS],
+    /// Each daemon's workers (its claims ask for its free ones).
+    pub slots: u8,
+    /// How many of these may happen in a run: a retry, a lease running out, a crash.
+    pub faults: u8,
+    pub mutation: Option<WakeMutation>,
+}
+
+impl Woken {
+    pub fn with_mutation(mut self, mutation: WakeMutation) -> Woken {
+        self.mutation = Some(mutation);
+        self
+    }
+
+    fn limit_bound(&self) -> u8 {
+        self.limits.into_iter().max().unwrap_or(0)
+    }
+
+    fn tasks(&self) -> u8 {
+        self.ready + self.pushes
+    }
+}
+
+/// Two daemons of two workers each under `max_running = 3` (above a daemon's workers, so that a claim may take all
+/// it asks for with the limit leaving room, and pass the wake-up on), three tasks and one pushed later, two faults.
+pub fn wake() -> Woken {
+    Woken {
+        name: "wake",
+        ready: 3,
+        pushes: 1,
+        limits: [3, 3],
+        slots: 2,
+        faults: 2,
+        mutation: None,
+    }
+}
+
+/// As [`wake`], in a rolling change that lowers the limit on one daemon (3 and 2): see model/README.md, "The
+/// wake-up at the limit", for what it finds.
+pub fn wake_rolling() -> Woken {
+    Woken {
+        name: "wake-rolling",
+        limits: [3, 2],
+        ..wake()
+    }
+}
+
+/// The scenarios of the wake-up the CI check runs.
+pub fn scenarios() -> Vec<Woken> {
+    vec![wake()]
+}
+
+/// The wake-up's "break it on purpose" experiments: a mutated setup and a property it must break.
+pub fn experiments() -> Vec<(Woken, &'static str)> {
+    vec![
+        (
+            wake().with_mutation(WakeMutation::SettleNoMarker),
+            NO_LOST_WAKE,
+        ),
+        (
+            wake().with_mutation(WakeMutation::ClaimNoPassOn),
+            NO_LOST_WAKE,
+        ),
+    ]
+}
+
+/// A claim list: the daemon and owner (epoch) that made it, its size and how many of its positions are settled
+/// (the tasks are alike: which positions does not matter here).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct List {
+    pub daemon: u8,
+    pub epoch: u8,
+    pub size: u8,
+    pub settled: u8,
+}
+
+/// What Redis holds of the queue.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Store {
+    pub ready: u8,
+    /// `running[q]` and `running[q:limit]` (0: not noted yet).
+    pub running: u8,
+    pub noted_limit: u8,
+    /// The wake list holds a marker.
+    pub marker: bool,
+    pub lists: ArrayVec<List, LISTS>,
+    pub done: u8,
+    pub pushed: u8,
+    pub underflow: bool,
+}
+
+/// A daemon's fetcher and workers.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Daemon {
+    /// Its owner's number: a new one after a crash or a lost lease.
+    pub epoch: u8,
+    /// Its lease ran out (it stalled): its next claim registers a new owner, its settles are stale.
+    pub expired: bool,
+    /// Tasks it holds (claimed, not settled), and the claim lists they are in (by epoch).
+    pub held: ArrayVec<u8, 4>,
+    /// Its last claim answered state 8 or 4: the next one waits for a marker (`running_full`).
+    pub waiting: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct WakeState {
+    pub redis: Store,
+    pub daemons: [Daemon; DAEMONS],
+    pub faults: u8,
+    /// For the `sometimes`: a claim answered state 8, a waiting fetcher took a marker and its claim took tasks, a
+    /// claim passed the wake-up on.
+    pub filled: bool,
+    pub woken: bool,
+    pub passed_on: bool,
+}
+
+/// One step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Step {
+    /// claim.lua by `daemon`'s fetcher; `marker`: sent behind a `BLPOP` that took the wake list's marker.
+    Claim { daemon: u8, marker: bool },
+    /// settle.lua of one task `daemon` holds, in its list of epoch `epoch`: an acknowledgement or a retry at once.
+    Settle { daemon: u8, epoch: u8, retry: bool },
+    /// A monitor recovers the unsettled positions of list `list` (its owner's lease ran out).
+    Recover { list: u8 },
+    /// push.lua of one more task.
+    Push,
+    /// The daemon's lease runs out (a stall): it may settle late.
+    Expire { daemon: u8 },
+    /// `kill -9` and a restart: it forgets what it held.
+    Crash { daemon: u8 },
+}
+
+/// The model of one [`Woken`].
+pub struct Wake {
+    pub setup: Woken,
+}
+
+impl Wake {
+    pub fn new(setup: Woken) -> Wake {
+        Wake { setup }
+    }
+
+    /// Whether the owner that made `list` is gone or its lease ran out: a monitor recovers what it holds.
+    fn expired(state: &WakeState, list: &List) -> bool {
+        let daemon = &state.daemons[list.daemon as usize];
+        daemon.expired || daemon.epoch != list.epoch
+    }
+
+    /// claim.lua under `max_running` for `daemon`'s free workers.
+    fn claim(&self, state: &mut WakeState, d: usize) {
+        let limit = self.setup.limits[d];
+        let daemon = &mut state.daemons[d];
+        if daemon.expired {
+            // LEASELOST: the fetcher registers a new owner and claims under it.
+            daemon.expired = false;
+            daemon.epoch += 1;
+            daemon.held.clear();
+        }
+        let want = self.setup.slots - daemon.held.len() as u8;
+        let redis = &mut state.redis;
+        // if running >= max_running: note_limit(); state 4
+        if redis.running >= limit {
+            redis.noted_limit = limit;
+            daemon.waiting = true;
+            return;
+        }
+        // if max >= max_running - running: max, room = max_running - running, false
+        let (max, room) = if want >= limit - redis.running {
+            (limit - redis.running, false)
+        } else {
+            (want, true)
+        };
+        redis.noted_limit = limit;
+        let took = max.min(redis.ready);
+        redis.ready -= took;
+        if took > 0 {
+            redis.lists.push(List {
+                daemon: d as u8,
+                epoch: daemon.epoch,
+                size: took,
+                settled: 0,
+            });
+            redis.lists.sort();
+            for _ in 0..took {
+                daemon.held.push(daemon.epoch);
+            }
+        }
+        let before = redis.running;
+        redis.running += took;
+        // if taken == max and room and waiting(i) > 0: LPUSH wake 1; LTRIM wake 0 0
+        if took == max
+            && room
+            && redis.ready > 0
+            && self.setup.mutation != Some(WakeMutation::ClaimNoPassOn)
+        {
+            redis.marker = true;
+            state.passed_on = true;
+        }
+        // state 8: took > 0 and running + took >= max_running
+        daemon.waiting = took > 0 && before + took >= limit;
+        state.filled |= daemon.waiting;
+    }
+
+    /// settle.lua of one position of the list of (`daemon`, `epoch`), if it has one not settled yet (else the call
+    /// is stale): acknowledged, or back at the ready list's head (a retry at once, a monitor's recovery).
+    fn settle(&self, redis: &mut Store, daemon: u8, epoch: u8, done: bool) {
+        let Some(at) = redis
+            .lists
+            .iter()
+            .position(|l| l.daemon == daemon && l.epoch == epoch && l.settled < l.size)
+        else {
+            return;
+        };
+        let list = &mut redis.lists[at];
+        list.settled += 1;
+        if list.settled == list.size {
+            redis.lists.remove(at);
+        }
+        let mut wake = false;
+        if done {
+            redis.done += 1;
+        } else {
+            // LPUSH ready: wake_fetchers
+            redis.ready += 1;
+            wake = true;
+        }
+        // A count that was at its limit (the last claim's) wakes an idle fetcher when the call frees a slot.
+        let full = redis.noted_limit > 0 && redis.running >= redis.noted_limit;
+        if redis.running == 0 {
+            redis.underflow = true;
+        } else {
+            redis.running -= 1;
+        }
+        wake |= full;
+        if wake && self.setup.mutation != Some(WakeMutation::SettleNoMarker) {
+            redis.marker = true;
+        }
+    }
+}
+
+impl Model for Wake {
+    type State = WakeState;
+    type Action = Step;
+
+    fn init_states(&self) -> Vec<WakeState> {
+        vec![WakeState {
+            redis: Store {
+                ready: self.setup.ready,
+                pushed: self.setup.ready,
+                ..Store::default()
+            },
+            daemons: Default::default(),
+            faults: self.setup.faults,
+            filled: false,
+            woken: false,
+            passed_on: false,
+        }]
+    }
+
+    fn actions(&self, state: &WakeState, actions: &mut Vec<Step>) {
+        let fault = state.faults > 0;
+        for (d, daemon) in state.daemons.iter().enumerate() {
+            let d = d as u8;
+            if (daemon.held.len() as u8) < self.setup.slots {
+                if !daemon.waiting {
+                    actions.push(Step::Claim {
+                        daemon: d,
+                        marker: false,
+                    });
+                }
+                if state.redis.marker {
+                    actions.push(Step::Claim {
+                        daemon: d,
+                        marker: true,
+                    });
+                }
+            }
+            let mut epochs: ArrayVec<u8, 4> = ArrayVec::new();
+            for &epoch in &daemon.held {
+                if !epochs.contains(&epoch) {
+                    epochs.push(epoch);
+                }
+            }
+            for epoch in epochs {
+                actions.push(Step::Settle {
+                    daemon: d,
+                    epoch,
+                    retry: false,
+                });
+                if fault {
+                    actions.push(Step::Settle {
+                        daemon: d,
+                        epoch,
+                        retry: true,
+                    });
+                }
+            }
+            if fault && !daemon.expired {
+                actions.push(Step::Expire { daemon: d });
+            }
+            if fault && !daemon.held.is_empty() {
+                actions.push(Step::Crash { daemon: d });
+            }
+        }
+        for (k, list) in state.redis.lists.iter().enumerate() {
+            if Self::expired(state, list) {
+                actions.push(Step::Recover { list: k as u8 });
+            }
+        }
+        if state.redis.pushed < self.setup.tasks() {
+            actions.push(Step::Push);
+        }
+    }
+
+    fn next_state(&self, last: &WakeState, step: Step) -> Option<WakeState> {
+        let mut state = last.clone();
+        match step {
+            Step::Claim { daemon, marker } => {
+                if marker {
+                    // BLPOP wake: the marker is taken, and the claim behind it runs.
+                    state.redis.marker = false;
+                    state.woken |= state.daemons[daemon as usize].waiting;
+                }
+                self.claim(&mut state, daemon as usize);
+            }
+            Step::Settle {
+                daemon,
+                epoch,
+                retry,
+            } => {
+                let held = &mut state.daemons[daemon as usize].held;
+                let at = held.iter().position(|e| *e == epoch)?;
+                held.remove(at);
+                if retry {
+                    state.faults -= 1;
+                }
+                self.settle(&mut state.redis, daemon, epoch, !retry);
+            }
+            Step::Recover { list } => {
+                let l = state.redis.lists[list as usize];
+                for _ in l.settled..l.size {
+                    self.settle(&mut state.redis, l.daemon, l.epoch, false);
+                }
+            }
+            Step::Push => {
+                state.redis.ready += 1;
+                state.redis.pushed += 1;
+                state.redis.marker = true;
+            }
+            Step::Expire { daemon } => {
+                state.daemons[daemon as usize].expired = true;
+                state.faults -= 1;
+            }
+            Step::Crash { daemon } => {
+                let daemon = &mut state.daemons[daemon as usize];
+                *daemon = Daemon {
+                    epoch: daemon.epoch + 1,
+                    ..Daemon::default()
+                };
+                state.faults -= 1;
+            }
+        }
+        Some(state)
+    }
+
+    fn properties(&self) -> Vec<Property<Self>> {
+        vec![
+            Property::always(NO_LOST_WAKE, |model: &Wake, s: &WakeState| {
+                s.redis.marker
+                    || s.redis.ready == 0
+                    || s.daemons.iter().enumerate().all(|(d, daemon)| {
+                        !daemon.waiting || s.redis.running >= model.setup.limits[d]
+                    })
+            }),
+            Property::always(COUNT_EXACT, |_, s: &WakeState| {
+                let unsettled: u8 = s.redis.lists.iter().map(|l| l.size - l.settled).sum();
+                s.redis.running == unsettled
+            }),
+            Property::always(COUNT_BOUND, |model: &Wake, s: &WakeState| {
+                s.redis.running <= model.setup.limit_bound()
+            }),
+            Property::always(NO_UNDERFLOW, |_, s: &WakeState| !s.redis.underflow),
+            Property::always(CONSERVED, |_, s: &WakeState| {
+                let unsettled: u8 = s.redis.lists.iter().map(|l| l.size - l.settled).sum();
+                s.redis.ready + unsettled + s.redis.done == s.redis.pushed
+            }),
+            Property::sometimes("every task is done", |model: &Wake, s: &WakeState| {
+                s.redis.done == model.setup.tasks()
+            }),
+            Property::sometimes("a claim fills the limit (state 8)", |_, s: &WakeState| {
+                s.filled
+            }),
+            Property::sometimes(
+                "a fetcher waiting at the limit is woken by a marker",
+                |_, s: &WakeState| s.woken,
+            ),
+            Property::sometimes("a claim passes the wake-up on", |_, s: &WakeState| {
+                s.passed_on
+            }),
+        ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A claim that fills the limit answers state 8 (its fetcher waits); the settle that frees a slot of the full
+    /// count pushes the marker that wakes it.
+    #[test]
+    fn a_claim_that_fills_the_limit_waits_and_a_settle_wakes_it() {
+        let model = Wake::new(wake());
+        let mut state = model.init_states().remove(0);
+        model.claim(&mut state, 0);
+        assert!(!state.daemons[0].waiting, "two taken under a limit of 3");
+        model.claim(&mut state, 1);
+        assert!(state.daemons[1].waiting, "one more fills it: state 8");
+        assert_eq!((state.redis.running, state.redis.ready), (3, 0));
+        state.redis.marker = false;
+        model.settle(&mut state.redis, 0, 0, true);
+        assert!(state.redis.marker);
+        assert_eq!(state.redis.running, 2);
+    }
+
+    /// A claim that took all it asked for while the limit leaves room and tasks wait passes the wake-up on.
+    #[test]
+    fn a_claim_that_took_all_it_asked_for_passes_the_wake_up_on() {
+        let model = Wake::new(wake());
+        let mut state = model.init_states().remove(0);
+        model.claim(&mut state, 0);
+        assert!(
+            !state.daemons[0].waiting,
+            "two taken, the limit of 3 leaves room"
+        );
+        assert!(state.redis.marker, "one task still waits");
+    }
+}
