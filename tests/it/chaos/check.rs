@@ -11,10 +11,10 @@ use crate::support::RedisServer;
 
 use super::faults::Kind;
 use super::ledger::{Facts, Ledger, Pushed, Run};
-use kmqd::broker::keys::group_scope;
+use kmqd::broker::keys::{group_scope, type_scope};
 
 use super::workload::{
-    GROUPS, HOLDS_AT_MOST_MS, Mode, POPPED_HELD_MAX, Queue, RETRY_TIMES, Shape, TEST, Work,
+    GROUPS, HOLDS_AT_MOST_MS, Mode, POPPED_HELD_MAX, Queue, RETRY_TIMES, SLOW, Shape, TEST, Work,
 };
 use super::world::{Event, SLACK_US, What, World, lock, now_us, rel};
 
@@ -125,6 +125,8 @@ pub(super) struct Snapshot {
     /// On the grouped queue, each group's count (`g:GROUP`, [`GROUPS`] in order) and the unsettled positions of
     /// the runs counted in it; zeros on the other queues.
     pub(super) groups: [(i64, i64); GROUPS.len()],
+    /// On the grouped queue, the same pair for its limited type beside the groups (`t:slow`); zeros elsewhere.
+    pub(super) slow: (i64, i64),
 }
 
 pub(super) fn snapshot(
@@ -139,13 +141,17 @@ pub(super) fn snapshot(
         for group in GROUPS {
             invocation.arg(group_scope(group));
         }
+        invocation.arg(type_scope(SLOW));
     }
     let parts: Vec<i64> = invocation.invoke(connection)?;
     let mut groups = [(0, 0); GROUPS.len()];
+    let mut slow = (0, 0);
     if queue == Queue::Grouped {
         for (n, pair) in groups.iter_mut().enumerate() {
             *pair = (parts[12 + 2 * n], parts[13 + 2 * n]);
         }
+        let at = 12 + 2 * GROUPS.len();
+        slow = (parts[at], parts[at + 1]);
     }
     let [
         ready,
@@ -178,6 +184,7 @@ pub(super) fn snapshot(
         counted,
         underflow,
         groups,
+        slow,
     })
 }
 

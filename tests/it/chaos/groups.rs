@@ -1,6 +1,7 @@
-//! The grouped queue's fair groups (`[queues.groups]`; docs/RELIABILITY.md, "Groups"): what the sampler sees of
-//! each group (its count `running[g:GROUP]` within 0 and its largest limit, its flow, its rate window, its
-//! throttle, the queue's own throttle never set), each group's count against the runs counted in it at every
+//! The grouped queue's fair groups (`[queues.groups]`, beside a limit on the type `slow`; docs/RELIABILITY.md,
+//! "Groups" and "Groups beside type limits"): what the sampler sees of each group (its count `running[g:GROUP]`
+//! within 0 and its largest limit, its flow, its rate window, its throttle, the queue's own throttle never set)
+//! and of the type's count `running[t:slow]`, each group's count against the runs counted in it at every
 //! atomic snapshot, the checks on the run records (each group's runs at once and its starts per window of its
 //! rate), the state at rest, and their lines of the summary.
 //!
@@ -11,7 +12,7 @@
 
 use std::fmt::Write as _;
 
-use kmqd::broker::keys::{QueueKeys, group_member, group_scope};
+use kmqd::broker::keys::{QueueKeys, group_member, group_scope, type_scope};
 
 use crate::support::RedisServer;
 
@@ -20,7 +21,8 @@ use super::ledger::{Facts, Ledger, Pushed};
 use super::types::{DISPATCH_US, RateCheck, check_rate, rate_excused, starts_of};
 use super::workload::{
     API_WINDOW, GROUP_BOUND, GROUP_LIMIT_A, GROUP_LIMIT_B, GROUP_RATE_A, GROUP_RATE_B,
-    GROUP_RATE_BOUND, GROUPS, Queue, WEIGHTED,
+    GROUP_RATE_BOUND, GROUPED_SLOW_A, GROUPED_SLOW_B, GROUPED_SLOW_BOUND, GROUPS, Queue, SLOW,
+    WEIGHTED,
 };
 use super::world::{Event, World, lock};
 
@@ -31,6 +33,8 @@ pub(super) struct GroupWatch {
     pub(super) counts: [LimitWatch; GROUPS.len()],
     /// The queue's `running_underflow` (one counter for all its scopes), as [`World::check_underflow`] keeps it.
     pub(super) queue: LimitWatch,
+    /// The count of its limited type beside the groups (`running[t:slow]`), sampled and snapshotted as a group's.
+    pub(super) slow: LimitWatch,
     /// Samples in all; group samples that found a group at its bound with tasks waiting in its flow, its rate
     /// window full with tasks waiting, its throttle set.
     pub(super) samples: u64,
@@ -80,7 +84,10 @@ impl World<'_> {
             .arg(&keys.throttle)
             .cmd("HGET")
             .arg(&keys.stats)
-            .arg("running_underflow");
+            .arg("running_underflow")
+            .cmd("HGET")
+            .arg(&keys.running)
+            .arg(type_scope(SLOW));
         let values: Vec<Option<i64>> = pipe.query(conn)?;
         let n = GROUPS.len();
         let at = super::world::now_us();
@@ -106,6 +113,13 @@ impl World<'_> {
             watch.throttled += u64::from(throttled);
             waiting += flow;
         }
+        let slow = values[4 * n + 2].unwrap_or(0);
+        watch.slow.samples += 1;
+        watch.slow.most = watch.slow.most.max(slow.max(0) as u64);
+        watch.slow.at_limit += u64::from(slow == GROUPED_SLOW_BOUND as i64);
+        if slow > GROUPED_SLOW_BOUND as i64 || slow < 0 {
+            out_of_bounds.push(format!("t:{SLOW} at {slow} (bound {GROUPED_SLOW_BOUND})"));
+        }
         watch.waiting += u64::from(waiting > 0);
         watch.most_waiting = watch.most_waiting.max(waiting);
         let queue_throttle = values[4 * n].unwrap_or(0) > 0;
@@ -115,7 +129,8 @@ impl World<'_> {
         drop(watch);
         if !out_of_bounds.is_empty() {
             self.violation(format!(
-                "the grouped queue's running counts g:GROUP outside 0 to their largest limit {GROUP_BOUND}: {}",
+                "the grouped queue's running counts (g:GROUP, t:slow) outside 0 to their largest limit ({GROUP_BOUND} \
+                 a group): {}",
                 out_of_bounds.join(", ")
             ));
         }
@@ -146,6 +161,14 @@ impl World<'_> {
                     ));
                 }
             }
+            let (running, counted) = snap.slow;
+            watch.slow.exact += 1;
+            if running != counted || running > GROUPED_SLOW_BOUND as i64 || running < 0 {
+                wrong.push(format!(
+                    "t:{SLOW}: {running} in Redis, {counted} unsettled positions counted in it (bound \
+                     {GROUPED_SLOW_BOUND})"
+                ));
+            }
             if snap.running != 0 || snap.counted != 0 {
                 watch.q_counted += 1;
                 wrong.push(format!(
@@ -167,7 +190,13 @@ impl World<'_> {
     /// 0, and no task is left in a flow nor a flow in a ring: no group stranded.
     pub(super) fn check_groups_at_rest(&self, redis: &RedisServer) {
         let keys = keys();
+        // A count at 0 is deleted; `t:slow:limit`, the limit the claims counted the type under, stays.
         let running: Vec<String> = redis.cmd(&["HGETALL", &keys.running]);
+        let running: Vec<String> = running
+            .chunks(2)
+            .filter(|pair| !pair[0].ends_with(":limit"))
+            .flat_map(|pair| pair.iter().cloned())
+            .collect();
         let underflow: Option<i64> = redis.cmd(&["HGET", &keys.stats, "running_underflow"]);
         let left = self.flows_left(redis, Queue::Grouped);
         if !running.is_empty() || underflow.unwrap_or(0) != 0 || !left.is_empty() {
@@ -296,7 +325,9 @@ pub(super) fn write_groups(
         "  group counts  {} samples of running[g:GROUP] (every 20 ms; bound {GROUP_BOUND}): {}; of the group \
          samples {:.0} % full with tasks waiting, {:.0} % with the rate window full and tasks waiting, {:.0} % \
          throttled; tasks waiting in a flow in {} samples (most {}); {} atomic snapshots found every group's count \
-         equal to the unsettled positions counted in it (unless listed below); running_underflow {} at most",
+         equal to the unsettled positions counted in it (unless listed below); running_underflow {} at most; \
+         beside the groups, t:{SLOW} (max_running {GROUPED_SLOW_A}, {GROUPED_SLOW_B} on B) most {} in {} samples, \
+         at its bound {:.0} %, checked exact in {} snapshots",
         watch.samples,
         counts,
         share(watch.full),
@@ -305,7 +336,11 @@ pub(super) fn write_groups(
         watch.waiting,
         watch.most_waiting,
         watch.counts[0].exact,
-        watch.queue.underflow
+        watch.queue.underflow,
+        watch.slow.most,
+        watch.slow.samples,
+        100.0 * watch.slow.at_limit as f64 / watch.slow.samples.max(1) as f64,
+        watch.slow.exact
     );
     let runs = per_group(&checks.limits, |limit| {
         format!(

@@ -58,6 +58,11 @@ pub(super) const WEIGHTED: &str = "g0";
 /// Each group's `max_running` on config A and on config B (halved): the largest in use bounds a group's count.
 pub(super) const GROUP_LIMIT_A: u64 = 2;
 pub(super) const GROUP_LIMIT_B: u64 = 1;
+/// The grouped queue's limit on [`SLOW`] beside its groups (`[[queues.limits]]`): its `max_running` on config A
+/// and on config B (halved); a quarter of the grouped queue's steady tasks are of that type.
+pub(super) const GROUPED_SLOW_A: u64 = 2;
+pub(super) const GROUPED_SLOW_B: u64 = 1;
+pub(super) const GROUPED_SLOW_BOUND: u64 = larger(GROUPED_SLOW_A, GROUPED_SLOW_B);
 pub(super) const GROUP_BOUND: u64 = larger(GROUP_LIMIT_A, GROUP_LIMIT_B);
 /// Each group's `rate_limit`, starts in any [`API_WINDOW`], on config A and on config B (halved).
 pub(super) const GROUP_RATE_A: u64 = 10;
@@ -148,8 +153,11 @@ impl Queue {
     }
 
     /// A task type for one of the queue's tasks: [`TEST`], but on the typed queue [`OTHER`] (40 %), [`API`]
-    /// (35 %) or [`SLOW`] (25 %).
+    /// (35 %) or [`SLOW`] (25 %), and on the grouped queue [`SLOW`] (25 %, limited beside the groups).
     pub(super) fn pick_type(self, rng: &mut Rng) -> &'static str {
+        if self == Queue::Grouped {
+            return if rng.below(4) == 0 { SLOW } else { TEST };
+        }
         if self != Queue::Typed {
             return TEST;
         }
@@ -200,6 +208,10 @@ impl Shape {
         let limit = self.limit();
         let (slow_limit, api_rate) = self.type_limits();
         let (group_limit, group_rate) = self.group_limits();
+        let grouped_slow = match self {
+            Shape::A => GROUPED_SLOW_A,
+            Shape::B => GROUPED_SLOW_B,
+        };
         let common = format!(
             "lease_timeout = \"{lease}s\"\nexecution_timeout = \"1s\"\nretry_times = {RETRY_TIMES}\n\
              backoff = \"200ms\"\nbackoff_max = \"2s\"\n",
@@ -216,7 +228,8 @@ impl Shape {
              [[queues.limits]]\ntype = \"{API}\"\nrate_limit = \"{api_rate}/s\"\n\n\
              [[queues]]\nname = \"grouped\"\nmode = \"safe\"\nworkers = {limited_workers}\n{common}\n\
              [queues.groups]\nmax_running = {group_limit}\nrate_limit = \"{group_rate}/s\"\n\
-             weights = {{ \"{WEIGHTED}\" = 3 }}\n"
+             weights = {{ \"{WEIGHTED}\" = 3 }}\n\
+             [[queues.limits]]\ntype = \"{SLOW}\"\nmax_running = {grouped_slow}\n"
         )
     }
 
