@@ -599,6 +599,8 @@ enum Kind {
     Sched,
     /// A group's pause (`kmqd group pause`).
     Hold,
+    /// A park index beside type limits on a grouped queue (`park:g:GROUP`, `park:t:TYPE`; groups.lua).
+    Park,
 }
 
 /// What a command touches.
@@ -695,6 +697,12 @@ const DAEMON: &[(&str, On)] = &[
     ("evalsha", key(K::Running)),
     ("evalsha", key(K::PoppedRunning)),
     ("evalsha", key(K::Taking)),
+    // Built inside claim.lua's and settle.lua's groups code, beside type limits (groups.lua's park indexes).
+    ("type", key(K::Park)),
+    ("zadd", key(K::Park)),
+    ("zrange", key(K::Park)),
+    ("zrem", key(K::Park)),
+    ("del", key(K::Park)),
     // Inside claim.lua and adopt.lua (and pop.lua's check of the paused key, above); the claim's transaction
     // reads its lists back (LRANGE, above).
     ("zscore", key(K::Owners)),
@@ -937,13 +945,21 @@ const RESUME: &[(&str, On)] = &[
     ("evalsha", NOTHING),
     ("script|load", NOTHING),
     ("del", key(K::Paused)),
-    // `kmqd group resume`: group_resume.lua.
+    // `kmqd group resume`: group_resume.lua, which names each of these in its KEYS (EVALSHA needs read and write
+    // on each), and empties the group's park index.
     ("evalsha", key(K::Hold)),
+    ("evalsha", key(K::Sched)),
+    ("evalsha", key(K::Wake)),
+    ("evalsha", key(K::Ring)),
+    ("evalsha", key(K::Park)),
     ("type", key(K::Ring)),
     ("type", key(K::Sched)),
     ("type", key(K::Wake)),
+    ("type", key(K::Park)),
     ("hget", key(K::Sched)),
+    ("zrange", key(K::Park)),
     ("del", key(K::Hold)),
+    ("del", key(K::Park)),
     ("zscore", key(K::Ring)),
     ("zadd", key(K::Ring)),
     ("lpush", key(K::Wake)),
@@ -1204,6 +1220,7 @@ fn names(keys: &QueueKeys, kind: Kind) -> Vec<String> {
         Kind::Ring => keys.rings(),
         Kind::Sched => vec![keys.sched.clone()],
         Kind::Hold => vec![keys.group_hold("acme")],
+        Kind::Park => vec![keys.park("g:acme"), keys.park("t:slow")],
     }
 }
 
