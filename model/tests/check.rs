@@ -1,7 +1,7 @@
-//! The model's checks: the bounded exhaustive check CI runs, the "break it on purpose" experiments, and the two
-//! findings (a retried registration, fixed; an orphaned handler's crash, open). `scripts/test` runs them in
-//! release (`cargo test -p kmq-model --release`): the exhaustive check visits millions of states, which a debug
-//! build does about ten times slower.
+//! The model's checks: the bounded exhaustive check CI runs, the "break it on purpose" experiments, and the
+//! findings (a retried registration, fixed; an orphaned handler's crash, open; a wake-up lost in a rolling change of
+//! `max_running`, open). `scripts/test` runs them in release (`cargo test -p kmq-model --release`): the exhaustive
+//! check visits millions of states, which a debug build does about ten times slower.
 
 use std::fmt::Debug;
 use std::time::Instant;
