@@ -93,10 +93,12 @@ pub fn drained(flows: &[Flow], limited: &[crate::config::TypeLimit], grouped: bo
 }
 
 /// Tells push.lua whether to put the queue's tasks in their groups' flows (the routes hash's `groups`): set while
-/// this daemon's config has `[queues.groups]`, cleared by one without, at its first claim and at each look at the
-/// flows (once a minute). In a fleet whose configs disagree (a rolling change) the last to look wins for a while;
-/// either way no task waits unseen: a grouped claim moves what reached the ready lists to the flows, and another
-/// claim drains the flows it finds.
+/// this daemon's config has `[queues.groups]` without `[[queues.limits]]` (beside type limits the claim's intake
+/// routes each task by group and type, which push.lua does not), cleared otherwise, at its first claim and at each
+/// look at the flows (once a minute). In a fleet whose configs disagree (a rolling change) the last to look wins
+/// for a while; either way no task waits unseen: a grouped claim moves what reached the ready lists to the flows
+/// (and sorts a limited type's tasks out of a group's flow as it serves it), and another claim drains the flows it
+/// finds.
 pub fn route_groups(conn: &mut dyn ConnectionLike, keys: &QueueKeys, grouped: bool) -> Result<()> {
     let mut cmd = if grouped {
         redis::cmd("HSET")

@@ -261,3 +261,51 @@ fn a_settle_whose_reply_is_lost_frees_a_groups_and_a_types_slots_once() {
 fn a_claim_whose_reply_is_lost_is_adopted_with_its_group_and_type_counted_once() {
     drains_with_a_reply_lost(sources::CLAIM, 1, AfterDrop::Close);
 }
+
+/// A task of a limited type found in its group's flow of the unlimited types (pushed there by push.lua while
+/// another config routed, or queued before its type was limited) is sorted out by the claim that serves the flow:
+/// while its type is full it moves to the group's flow of its type, and the group's other tasks behind it run.
+#[test]
+fn a_limited_types_task_in_its_groups_flow_is_sorted_out_and_does_not_block_the_group() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let gate = dir.path("gate");
+    let queue = safe_queue(
+        "workers = 4\nidle_poll = \"100ms\"\n[queues.groups]\n\
+         [[queues.limits]]\ntype = \"slow\"\nmax_running = 1\n",
+    );
+    let config = dir.config_for_types(&redis, &queue, &["slow", "fast"]);
+    let daemon = TestDaemon::start(&config);
+    let wait = serde_json::json!({ "wait_for_file": gate }).to_string();
+    push(&config, "b", "slow", "bs", 1, &wait);
+    eventually(
+        Duration::from_secs(15),
+        "b's slow task holds the type",
+        || (running(&redis, "t:slow") == 1, running(&redis, "t:slow")),
+    );
+    // As push.lua routes when the routes hash says so: into the group's flow `a:`, which joins the ring.
+    let task = |kind: &str, id: &str| {
+        format!(r#"{{"type":"{kind}","data":{{"sleep_ms":1}},"id":"{id}","group":"a"}}"#)
+    };
+    let _: i64 = redis.cmd(&[
+        "RPUSH",
+        "kmq:{jobs}:flow:normal:a:",
+        &task("slow", "as0"),
+        &task("fast", "af0"),
+    ]);
+    let _: i64 = redis.cmd(&["ZADD", "kmq:{jobs}:ring:normal", "NX", "0", "a:"]);
+    let _: i64 = redis.cmd(&["LPUSH", "kmq:{jobs}:wake", "1"]);
+    eventually(
+        Duration::from_secs(15),
+        "the fast task ran past the slow one, which waits under its type",
+        || {
+            let by_type = parked(&redis, "t:slow");
+            (ended(&dir, "af") == 1 && by_type == ["1|a:slow"], by_type)
+        },
+    );
+    assert_eq!(ended(&dir, "as"), 0, "the slow task waited for its type");
+    std::fs::write(&gate, "").unwrap();
+    assert_drained(&config, &redis, 3);
+    assert_ran_once(&dir, "as", 1);
+    daemon.stop();
+}

@@ -22,10 +22,11 @@
 --
 -- Type limits beside groups (`[[queues.limits]]` on a grouped queue). A group's tasks of a limited type wait in a
 -- flow of their own, `flow:LEVEL:GROUP:TYPE` (member `GROUP:TYPE`; the group's other tasks stay in `GROUP:`), so
--- that a type its limits hold back never blocks the group's other tasks, nor another group's. Tasks reach `GROUP:`
--- (push.lua and the intake route by group only); a claim that serves `GROUP:` looks at each task it takes there and
--- moves one of a type whose limits refuse it now to its (GROUP, TYPE) flow (a retry or a recovery to its head), at
--- most SCAN a claim. A (GROUP, TYPE) flow is served only while both its group and its type admit it; refused, it
+-- that a type its limits hold back never blocks the group's other tasks, nor another group's. The claim's intake
+-- routes them there (such a queue's daemons do not set the routes hash: push.lua routes by group only). A task of
+-- a limited type found in `GROUP:` all the same (pushed while another config routed, or there before its type was
+-- limited) is sorted out by the claim that serves `GROUP:`: one of a type whose limits refuse it now moves to its
+-- (GROUP, TYPE) flow (a retry or a recovery to its head), at most SCAN a claim. A (GROUP, TYPE) flow is served only while both its group and its type admit it; refused, it
 -- leaves the lowest band as a group's flows do (TIMED for a type's rate window or throttle, PARKED for a full
 -- `max_running`), and a PARKED one is also named in its refuser's *park index* (`park:SCOPE`, a zset, member
 -- `LEVEL|MEMBER` -> ms parked): `park:g:GROUP` for a paused or full group (the settle that frees the group's slot,
@@ -303,6 +304,9 @@ local function groups_intake(g, levels, ready_key, bound)
           if ok and type(decoded) == 'table' then task = decoded end
         end
         local member = enc .. ':'
+        -- Beside type limits, a task of a limited type goes to its group's flow of that type.
+        local typ = g.types and types_route(g.block, payload)
+        if typ then member = member .. string.sub(typ.member, 2) end
         if not heads[member] then
           heads[member], tails[member] = {}, {}
           order[#order + 1] = member

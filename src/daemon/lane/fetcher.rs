@@ -418,7 +418,10 @@ impl Fetcher {
             .is_none_or(|looked| looked.elapsed() >= FLOWS_LOOK)
         {
             let grouped = queue.config.groups.is_some();
-            broker::flows::route_groups(connection, &queue.keys, grouped)?;
+            // Beside type limits producers push to the ready list, and the claim's intake routes each task by
+            // group and limited type (push.lua routes by group only).
+            let routed = grouped && queue.config.type_limits.is_empty();
+            broker::flows::route_groups(connection, &queue.keys, routed)?;
             let flows = broker::flows::flows(connection, &queue.keys)?;
             self.drained = broker::flows::drained(&flows, &queue.config.type_limits, grouped);
             self.flows_looked = Some(Instant::now());
