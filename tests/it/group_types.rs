@@ -309,3 +309,63 @@ fn a_limited_types_task_in_its_groups_flow_is_sorted_out_and_does_not_block_the_
     assert_ran_once(&dir, "as", 1);
     daemon.stop();
 }
+
+/// A claim whose only candidate flow held nothing but a limited type's task that it had to sort out (its type full)
+/// reads the level's flows once more and takes from the next group: the task of that group does not wait for a
+/// wake-up that may never come (the model's finding, model/README.md, "Groups beside type limits").
+#[test]
+fn a_claim_that_only_sorted_a_types_task_away_takes_from_the_next_group() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let gate = dir.path("gate");
+    // Two workers, one held by the gated task: each claim asks for one task; a long idle_poll, so that only a
+    // wake-up or this claim's second reading would start the next group's task.
+    let queue = safe_queue(
+        "workers = 2\nidle_poll = \"5s\"\n[queues.groups]\n\
+         [[queues.limits]]\ntype = \"slow\"\nmax_running = 1\n",
+    );
+    let config = dir.config_for_types(&redis, &queue, &["slow", "fast"]);
+    let daemon = TestDaemon::start(&config);
+    let wait = serde_json::json!({ "wait_for_file": gate }).to_string();
+    push(&config, "b", "slow", "bs", 1, &wait);
+    eventually(
+        Duration::from_secs(15),
+        "b's slow task holds the type",
+        || (running(&redis, "t:slow") == 1, running(&redis, "t:slow")),
+    );
+    let task = |kind: &str, id: &str, group: &str| {
+        format!(r#"{{"type":"{kind}","data":{{"sleep_ms":1}},"id":"{id}","group":"{group}"}}"#)
+    };
+    // Group a's flow (lowest pass) holds only a slow task; group c's, behind it, a fast one: written at once.
+    let put = "redis.call('RPUSH', KEYS[1], ARGV[1]) redis.call('RPUSH', KEYS[2], ARGV[2]) \
+               redis.call('ZADD', KEYS[3], 0, 'a:', 1, 'c:') redis.call('LPUSH', KEYS[4], 1)";
+    let (slow, fast) = (task("slow", "as0", "a"), task("fast", "cf0", "c"));
+    let _: Option<i64> = redis.cmd(&[
+        "EVAL",
+        put,
+        "4",
+        "kmq:{jobs}:flow:normal:a:",
+        "kmq:{jobs}:flow:normal:c:",
+        "kmq:{jobs}:ring:normal",
+        "kmq:{jobs}:wake",
+        &slow,
+        &fast,
+    ]);
+    eventually(Duration::from_secs(15), "a's slow task sorted away", || {
+        let by_type = parked(&redis, "t:slow");
+        (by_type == ["1|a:slow"], by_type)
+    });
+    // The claim that sorted it away is one script step: c's task left its flow in the same step.
+    let left: u64 = redis.cmd(&["LLEN", "kmq:{jobs}:flow:normal:c:"]);
+    assert_eq!(
+        left, 0,
+        "the claim that sorted a's task away took nothing of c's"
+    );
+    eventually(Duration::from_secs(15), "c's fast task ran", || {
+        (ended(&dir, "cf") == 1, ended(&dir, "cf"))
+    });
+    std::fs::write(&gate, "").unwrap();
+    assert_drained(&config, &redis, 3);
+    assert_ran_once(&dir, "as", 1);
+    daemon.stop();
+}

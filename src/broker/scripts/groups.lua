@@ -402,6 +402,7 @@ local function group_sort_turn(g, c, m, now, add)
     if scope then redis.call('ZADD', g.base .. ':park:' .. scope, 'NX', now, c.level .. '|' .. member) end
   end
   g.scan = g.scan - #items
+  if #order > 0 then g.sorted = true end
   return #took, #items
 end
 
@@ -409,7 +410,8 @@ end
 -- index); the others take turns in order of pass, each turn up to its group's weight (and its group's and type's
 -- room), and `add(run, payload)` collects what it took. Each served flow's pass grows by what it took over its
 -- weight; an emptied flow leaves the ring; the level's virtual time becomes the last pass served. Returns the
--- tasks taken and whether a refused flow holds tasks.
+-- tasks taken and whether a refused flow holds tasks (and sets `g.sorted` if a turn moved a task of a limited type
+-- out of a group's flow: the candidates it stood for may have taken nothing).
 local function groups_take(g, level, cands, take, now, add)
   local ring, got, held = g.rings[level], 0, false
   local active = {}
