@@ -57,7 +57,7 @@ pub struct Options {
     pub daemon: Option<PathBuf>,
 }
 
-pub const SCENARIOS: [&str; 13] = [
+pub const SCENARIOS: [&str; 15] = [
     "push",
     "drain",
     "defaults",
@@ -71,6 +71,8 @@ pub const SCENARIOS: [&str; 13] = [
     "languages",
     "limits",
     "groups",
+    "groups-scale",
+    "groups-limit",
 ];
 
 /// How often the `kill` scenario disconnects every client of Redis (`CLIENT KILL TYPE normal`).
@@ -375,6 +377,36 @@ impl Bench {
         let record = record.map_or(String::new(), |path| {
             format!("config = {{ record = \"{}\" }}", path.display())
         });
+        self.write_config(redis, name, mode, &record, shape)
+    }
+
+    /// As [`Bench::config_on`] with a record file whose `end` lines carry the end time too (the testkit's
+    /// `end_times`): only the scenarios that read the times ask for them, since a testkit built before that key
+    /// refuses it (`--daemon` runs the plugins beside an older build).
+    fn config_timed(
+        &self,
+        redis: &str,
+        name: &str,
+        mode: &str,
+        record: &Path,
+        shape: Shape,
+    ) -> Result<PathBuf, String> {
+        let record = format!(
+            "config = {{ record = \"{}\", end_times = true }}",
+            record.display()
+        );
+        self.write_config(redis, name, mode, &record, shape)
+    }
+
+    /// Writes the config `name`, with `record`, the testkit's config line (empty: none).
+    fn write_config(
+        &self,
+        redis: &str,
+        name: &str,
+        mode: &str,
+        record: &str,
+        shape: Shape,
+    ) -> Result<PathBuf, String> {
         let text = format!(
             "[redis]\n{redis}\n\n[daemon]\nplugins_dir = \"{plugins}\"\nshutdown_grace = \"5s\"\nlog_level = \"warn\"\n\n\
              [[queues]]\nname = \"q\"\nmode = \"{mode}\"\nlease_timeout = \"30s\"\n{shape}\
@@ -551,6 +583,22 @@ pub fn run(options: Options, progress: &mut dyn Write) -> Result<Report, String>
             o.runs
         ));
         figures.extend(groups::groups(&bench)?);
+    }
+    if wants("groups-scale") {
+        say(format!(
+            "groups-scale: a no-op drain over no groups, {} and {} groups, every group waiting; {} runs...",
+            groups::GROUPS,
+            groups::MANY_GROUPS,
+            o.runs
+        ));
+        figures.extend(groups::scale(&bench)?);
+    }
+    if wants("groups-limit") {
+        say(format!(
+            "groups-limit: [queues.groups] max_running = 2 over 1000 groups, 3 daemons; {} runs...",
+            o.runs
+        ));
+        figures.push(groups::limit(&bench)?);
     }
     if wants("redis-cost") {
         say(format!(

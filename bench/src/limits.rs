@@ -2,7 +2,10 @@
 //! and what each costs a drain when it is configured but never reached.
 //!
 //! - `max_running = 8` with 3 daemons x 16 workers and 10 ms handlers: the rate against 8 / 10 ms (target: at
-//!   least 95 %), since a slot is held from the claim to the settle of its task.
+//!   least 95 %), since a slot is held from the claim to the settle of its task. The testkit's records (a start
+//!   and an end time a run) split a slot's cycle (8 / the rate) into the handler's run (its sleep and the
+//!   sleep's overrun) and the rest, the daemon's and Redis's turnaround: the claim's reply, the job to a worker,
+//!   the outcome to the acker, the settle, the wake-up marker and the next claim.
 //! - `rate_limit = "1000/s"` with 3 daemons and a backlog of no-op tasks: the rate of starts (the testkit's
 //!   records: those after the first window's, over the time from the first to the last) against the limit
 //!   (target: 98 % to 100 %), and the most runs that started in any 1 s (the limit counts claims on Redis's
@@ -34,16 +37,31 @@ fn running(bench: &Bench) -> Result<Figure, String> {
         extra: "max_running = 8\n",
         ..Shape::out_of_the_box(16)
     };
-    let config = bench.config_on(&bench.own().section, "limits-running", "safe", None, shape)?;
+    let record = bench.dir.path().join("limits-running.log");
+    let config = bench.config_timed(
+        &bench.own().section,
+        "limits-running",
+        "safe",
+        &record,
+        shape,
+    )?;
     let limit = LIMIT as f64 / HANDLER.as_secs_f64();
     let n = (limit * AT_LIMIT.as_secs_f64()) as usize;
     let data = format!("{{\"sleep_ms\":{}}}", HANDLER.as_millis());
     let (mut rates, mut ratios, mut redis_cpu) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut handler, mut turnaround) = (Vec::new(), Vec::new());
     for _ in 0..bench.options.runs {
+        let _ = std::fs::remove_file(&record);
         let run = drain_once(bench, &bench.own(), &config, DAEMONS, (n, &data), None)?;
+        let text =
+            std::fs::read_to_string(&record).map_err(|e| format!("{}: {e}", record.display()))?;
+        let ran = mean_run(&text).ok_or("no run in the testkit's records")?;
         rates.push(run.rate);
         ratios.push(100.0 * run.rate / limit);
         redis_cpu.push(run.redis_cpu);
+        // A slot's cycle at this rate, less the handler's mean run.
+        handler.push(ran);
+        turnaround.push(1e6 * LIMIT as f64 / run.rate - ran);
     }
     Ok(figure(
         "limits",
@@ -54,8 +72,33 @@ fn running(bench: &Bench) -> Result<Figure, String> {
             ("limit tasks/s".into(), vec![limit]),
             ("% of limit".into(), ratios),
             ("redis CPU µs/task".into(), redis_cpu),
+            ("handler run µs (mean)".into(), handler),
+            ("slot turnaround µs (cycle - run)".into(), turnaround),
         ],
     ))
+}
+
+/// The mean time (µs) from a run's start to its end in a testkit record file with end times (`end <id>
+/// <attempt> <outcome> <unix µs>`); `None` without a run that has both.
+fn mean_run(text: &str) -> Option<f64> {
+    let mut starts = std::collections::HashMap::new();
+    let (mut total, mut runs) = (0u64, 0u64);
+    for line in text.lines() {
+        let parts: Vec<&str> = line.split(' ').collect();
+        match parts.as_slice() {
+            ["start", id, attempt, _, at] => {
+                starts.insert((*id, *attempt), at.parse::<u64>().ok()?);
+            }
+            ["end", id, attempt, _, at] => {
+                if let Some(start) = starts.get(&(*id, *attempt)) {
+                    total += at.parse::<u64>().ok()?.saturating_sub(*start);
+                    runs += 1;
+                }
+            }
+            _ => {}
+        }
+    }
+    (runs > 0).then(|| total as f64 / runs as f64)
 }
 
 /// `rate_limit = "1000/s"`, 3 daemons, a backlog of no-op tasks.
@@ -196,5 +239,14 @@ mod tests {
         assert_eq!(most_within(&starts, Duration::from_secs(1)), 3);
         assert_eq!(most_within(&starts, Duration::from_millis(500)), 2);
         assert_eq!(most_within(&[], Duration::from_secs(1)), 0);
+    }
+
+    #[test]
+    fn a_runs_mean_is_taken_from_its_start_and_end_times() {
+        let text = "start a 0 test 1000\nend a 0 done 11000\nstart b 0 test 2000\nstart c 1 test 5000\n\
+                    end c 1 retry 25000\nend b 0 done\n";
+        // b's end has no time: only a's 10,000 µs and c's 20,000 count.
+        assert_eq!(mean_run(text), Some(15_000.0));
+        assert_eq!(mean_run("start a 0 test 1000\n"), None);
     }
 }

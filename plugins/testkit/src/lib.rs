@@ -20,6 +20,9 @@
 //! Config: `record` (a file path): every run appends `start <id> <attempt> <type> <unix µs>` when it begins and
 //! `end <id> <attempt> <outcome>` when it returns, `dead <id> <attempt> <reason>` from `on_dead`, and `shutdown`
 //! from the plugin's shutdown, one `write` per line so concurrent lines never interleave.
+//! `end_times` (default false): the `end` lines of handled runs carry the time too, `end <id> <attempt>
+//! <outcome> <unix µs>`, so that a benchmark can split a cycle into the handler's run and the rest (tests that
+//! read the outcome as the line's last word leave it off).
 //! `types` (default `["test"]`): the task types to claim.
 
 use std::fs::File;
@@ -37,6 +40,8 @@ struct Config {
     record: Option<String>,
     #[serde(default)]
     types: Vec<String>,
+    #[serde(default)]
+    end_times: bool,
 }
 
 #[derive(Deserialize, Default)]
@@ -60,6 +65,15 @@ struct Behaviour {
 struct Testkit {
     record: Option<File>,
     types: Vec<String>,
+    /// `end` lines carry the time (config `end_times`).
+    end_times: bool,
+}
+
+/// The wall clock in µs since the Unix epoch: the records' times, comparable across daemons of one host.
+fn unix_us() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_micros())
 }
 
 /// How often blocking behaviours look at the cancel flag.
@@ -190,7 +204,11 @@ impl Handler for Testkit {
         } else {
             config.types
         };
-        Ok(Testkit { record, types })
+        Ok(Testkit {
+            record,
+            types,
+            end_times: config.end_times,
+        })
     }
 
     fn types(&self) -> Vec<String> {
@@ -199,14 +217,12 @@ impl Handler for Testkit {
 
     fn handle(&self, task: &Task<'_>) -> Outcome {
         self.record(|| {
-            let started_us = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |since| since.as_micros());
             format!(
-                "start {} {} {} {started_us}\n",
+                "start {} {} {} {}\n",
                 task.id(),
                 task.attempt(),
-                task.kind()
+                task.kind(),
+                unix_us()
             )
         });
         let outcome =
@@ -224,7 +240,14 @@ impl Handler for Testkit {
             Outcome::Fail { .. } => "fail",
             Outcome::Throttle { .. } => "throttle",
         };
-        self.record(|| format!("end {} {} {label}\n", task.id(), task.attempt()));
+        self.record(|| {
+            let (id, attempt) = (task.id(), task.attempt());
+            if self.end_times {
+                format!("end {id} {attempt} {label} {}\n", unix_us())
+            } else {
+                format!("end {id} {attempt} {label}\n")
+            }
+        });
         outcome
     }
 
@@ -295,6 +318,30 @@ mod tests {
         assert_eq!(
             (custom.name(), custom.types()),
             ("testkit", &["a.b".to_string(), "c".to_string()][..])
+        );
+    }
+
+    #[test]
+    fn end_times_add_the_end_time_to_an_end_line_after_its_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("runs.log");
+        let config = serde_json::json!({ "record": log, "end_times": true }).to_string();
+        let timed = Harness::new(crate::kmq_plugin_v1, &config).expect("testkit loads");
+        run(&timed, r#"{"sleep_ms":2}"#);
+        let text = records(&dir);
+        let time = |kind: &str, at: usize| -> u128 {
+            let line = text.lines().find(|l| l.starts_with(kind)).expect(kind);
+            line.split(' ').nth(at).unwrap().parse().expect(line)
+        };
+        let (start, end) = (time("start ", 4), time("end ", 4));
+        assert!(end >= start + 2_000, "{text}");
+        // Without the key the outcome stays the line's last word, as the tests read it.
+        let plain = tempfile::tempdir().unwrap();
+        run(&harness(&plain), "1");
+        assert!(
+            records(&plain).contains("end test-task 0 done\n"),
+            "{}",
+            records(&plain)
         );
     }
 
