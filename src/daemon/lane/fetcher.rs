@@ -32,7 +32,7 @@ use super::Lane;
 use super::depth::Depth;
 use super::jobs;
 use super::ownership::Exchange;
-use super::resolve::{Job, JobState};
+use super::resolve::{HeldState, Job};
 use crate::broker::{self, Batch, BrokerError, Isolation, LeaseClock, Limited, OwnerInfo, Session};
 use crate::config::{Mode, Prefetch};
 use crate::observed;
@@ -579,7 +579,7 @@ impl Fetcher {
         let lane = &self.lane;
         let claimed_ns = lane.since_epoch(Instant::now());
         let states = batch.tasks.into_iter().map(|taken| {
-            JobState::new(taken.token, taken.level, lane.epoch).popped(
+            HeldState::new(taken.token, taken.level, lane.epoch).popped(
                 taken.popped_by,
                 taken.popped_scope,
                 taken.holds_unique,
