@@ -439,7 +439,7 @@ fn claim_after(
 
 /// The size from which Redis (7.0, networking.c) reads an argument into a buffer of its own and keeps one as large
 /// for the connection's next argument (`PROTO_MBULK_BIG_ARG`): see [`load_settle`].
-const LARGE_ARGUMENT: usize = 32 * 1024;
+pub(super) const LARGE_ARGUMENT: usize = 32 * 1024;
 
 /// A script call's keys, gathered before its arguments (the `EVALSHA` names their count first).
 #[derive(Default)]
