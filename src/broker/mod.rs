@@ -18,24 +18,24 @@
 //! - [`stats`](mod@stats): depths and counters, and the protocol-version check.
 
 pub mod access;
-pub mod admin;
+pub(crate) mod admin;
 pub mod connection;
 pub mod dead;
-pub mod eviction;
-pub mod flows;
-pub mod groups;
-pub mod history;
+pub(crate) mod eviction;
+pub(crate) mod flows;
+pub(crate) mod groups;
+pub(crate) mod history;
 pub mod keys;
 pub mod levels;
-pub mod lookup;
+pub(crate) mod lookup;
 mod node;
 pub mod owners;
 pub mod payloads;
-pub mod peek;
+pub(crate) mod peek;
 pub mod processing;
 mod resp;
-pub mod schedule;
-pub mod stats;
+pub(crate) mod schedule;
+pub(crate) mod stats;
 pub mod tasks;
 mod tls;
 
