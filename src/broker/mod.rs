@@ -321,11 +321,12 @@ pub mod sources {
 
     /// The scripts that may be 32 KiB or more (`tasks::LARGE_ARGUMENT`), each loaded only on a
     /// connection that sends no argument that large, since Redis would cache a source that large in whatever
-    /// buffer the connection's last large argument left (see [`super::tasks::load_settle`]): claim.lua on the
-    /// fetcher's connection, whose calls carry ids, counts and keys; settle.lua by `load_settle`, on a new
-    /// connection after a call that carried a large record. A script not named here is held under 32 KiB by a
-    /// test, so that the next one to grow past it is seen.
-    pub const LOADED_APART: [&str; 2] = ["claim.lua", "settle.lua"];
+    /// buffer the connection's last large argument left (see [`super::tasks::load_settle`]): claim.lua (safe
+    /// mode) and pop.lua (default mode, past 32 KiB since types.lua became its prelude) on the fetcher's
+    /// connection, whose calls carry ids, counts and keys; settle.lua by `load_settle`, on a new connection after
+    /// a call that carried a large record. A script not named here is held under 32 KiB by a test, so that the
+    /// next one to grow past it is seen.
+    pub const LOADED_APART: [&str; 3] = ["claim.lua", "pop.lua", "settle.lua"];
 }
 
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
