@@ -936,10 +936,10 @@ pub fn dead_reasons(
         .collect()
 }
 
-/// A daemon of the safe-mode `queue` behind a fault proxy that drops the `nth` reply of `script` (then does
+/// A daemon of `queue` behind a fault proxy that drops the `nth` reply of `script` (then does
 /// `then`), the way a limited queue's counts are tested against a lost reply: `prepare` finishes the config (the
 /// handlers' types), `drain` pushes the tasks and checks they all drained once and what the counts came back to;
-/// then the fault must have fired, once. The flow-control tests (type limits, groups) share it.
+/// then the fault must have fired, once. The flow-control tests (limits, type limits, groups) share it.
 pub fn drain_with_a_reply_lost(
     script: &str,
     (nth, then): (usize, proxy::AfterDrop),
@@ -954,7 +954,12 @@ pub fn drain_with_a_reply_lost(
     let config = dir.config_raw(&redis_section, "", queue);
     prepare(&dir, &config);
     let daemon = TestDaemon::start(&config);
-    redis.wait_blocked_in("blpop");
+    // Idle: a default-mode fetcher waits on its wake list with BLMOVE, a safe-mode one with BLPOP.
+    redis.wait_blocked_in(if queue.contains("\"default\"") {
+        "blmove"
+    } else {
+        "blpop"
+    });
     let rule = proxy.add(proxy::Fault::DropReply {
         matching: proxy::Matcher::script(script),
         nth,
