@@ -25,7 +25,7 @@ use crate::config::Config;
 use crate::task::{self, Envelope};
 
 /// The most tasks sent in one enqueue script call. Bounded so that one call never holds Redis for long.
-pub const PUSH_CHUNK: usize = 1000;
+pub(crate) const PUSH_CHUNK: usize = 1000;
 
 /// A task to enqueue.
 #[derive(Clone, Debug)]

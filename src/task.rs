@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize, Serializer, ser::SerializeMap};
 use serde_json::value::RawValue;
 
 /// The envelope version this build speaks. An envelope without `v` is version 1.
-pub const ENVELOPE_VERSION: u32 = 1;
+pub(crate) const ENVELOPE_VERSION: u32 = 1;
 
 /// A decoded task envelope, borrowing from the payload it was read from where it can.
 #[derive(Clone, Debug)]
@@ -134,7 +134,7 @@ impl<'a> Envelope<'a> {
 
     /// [`Envelope::decode`] into `slot`, where the envelope stays: the worker's, which decodes one per task (an
     /// envelope is some 200 bytes, and each move of one out of a `Result` was a call of `memcpy`, callgrind).
-    pub fn decode_in(payload: &'a str, slot: &mut Slot<'a>) -> Result<(), EnvelopeError> {
+    pub(crate) fn decode_in(payload: &'a str, slot: &mut Slot<'a>) -> Result<(), EnvelopeError> {
         let fields = &mut slot.0;
         // An absent type is empty: both are for serde_json to refuse.
         if scan::envelope(payload, fields).is_some() && !fields.envelope.kind.is_empty() {
@@ -214,7 +214,7 @@ impl<'a> Envelope<'a> {
 
     /// The id, or `fallback` for a hand-written envelope without one. Retries and dead records write the id
     /// back, so a task keeps the id it was first given.
-    pub fn ensure_id(&mut self, fallback: impl FnOnce() -> String) -> &str {
+    pub(crate) fn ensure_id(&mut self, fallback: impl FnOnce() -> String) -> &str {
         self.id.get_or_insert_with(|| Cow::Owned(fallback()))
     }
 
@@ -241,7 +241,7 @@ impl<'a> Envelope<'a> {
     }
 
     /// The id for logs and records: the empty string when the envelope has none.
-    pub fn id_str(&self) -> &str {
+    pub(crate) fn id_str(&self) -> &str {
         self.id.as_deref().unwrap_or("")
     }
 
@@ -381,28 +381,28 @@ impl<'de> Deserialize<'de> for Field<'de> {
 }
 
 /// Where an envelope is decoded in place ([`Envelope::decode_in`]).
-pub struct Slot<'a>(Fields<'a>);
+pub(crate) struct Slot<'a>(Fields<'a>);
 
 impl<'a> Slot<'a> {
-    pub fn new() -> Slot<'a> {
+    pub(crate) fn new() -> Slot<'a> {
         Slot(Fields::new())
     }
 
     /// The envelope decoded (at its defaults before a decode succeeded).
-    pub fn envelope(&self) -> &Envelope<'a> {
+    pub(crate) fn envelope(&self) -> &Envelope<'a> {
         &self.0.envelope
     }
 
-    pub fn envelope_mut(&mut self) -> &mut Envelope<'a> {
+    pub(crate) fn envelope_mut(&mut self) -> &mut Envelope<'a> {
         &mut self.0.envelope
     }
 
     /// Fills the slot with `envelope`, decoded elsewhere.
-    pub fn set(&mut self, envelope: Envelope<'a>) {
+    pub(crate) fn set(&mut self, envelope: Envelope<'a>) {
         self.0.envelope = envelope;
     }
 
-    pub fn into_envelope(self) -> Envelope<'a> {
+    pub(crate) fn into_envelope(self) -> Envelope<'a> {
         self.0.envelope
     }
 }
@@ -576,7 +576,7 @@ pub fn data_from_str(text: &str) -> Result<Box<RawValue>, String> {
 }
 
 /// How much of a payload a log line shows.
-pub const LOGGED_PAYLOAD_BYTES: usize = 256;
+pub(crate) const LOGGED_PAYLOAD_BYTES: usize = 256;
 
 /// `text` for a log field: its control characters escaped (`\n`, `\u{1b}`), so that a task type, an id or a
 /// handler's message cannot forge a log line or drive a terminal (tracing-subscriber escapes only the message;
@@ -618,7 +618,7 @@ pub fn capped(text: &str, max: usize) -> Cow<'_, str> {
 }
 
 /// A new random task id.
-pub fn new_id() -> String {
+pub(crate) fn new_id() -> String {
     uuid::Uuid::new_v4().to_string()
 }
 

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kmqd::client::{Client, NewTask};
 
-use super::{Bench, Daemon, Figure, Progress, Shape, drain_filled, figure};
+use super::{Bench, Daemon, Drains, Figure, Progress, Shape, drain_filled, figure};
 
 /// The groups the tasks are spread over.
 pub(super) const GROUPS: usize = 10_000;
@@ -36,26 +36,14 @@ pub(super) fn groups(bench: &Bench) -> Result<Vec<Figure>, String> {
         let name = format!("groups-{}", what.replace(' ', "-"));
         let config = bench.config_on(&bench.own().section, &name, "safe", None, shape)?;
         let fill = |client: &Client| fill_groups(bench, client, &config, o.tasks, groups);
-        let (mut rates, mut daemon_cpu, mut redis_cpu) = (Vec::new(), Vec::new(), Vec::new());
-        for _ in 0..o.runs {
-            let run = drain_filled(bench, &bench.own(), &config, 1, (o.tasks, &fill), None)?;
-            rates.push(run.rate);
-            daemon_cpu.push(run.daemon_cpu);
-            redis_cpu.push(run.redis_cpu);
-        }
-        figures.push(figure(
-            "groups",
-            format!(
-                "no-op drain, prefetch 0, {what}, {} tasks over {groups} groups",
-                o.tasks
-            ),
-            "tasks/s",
-            rates,
-            vec![
-                ("daemon CPU µs/task".into(), daemon_cpu),
-                ("redis CPU µs/task".into(), redis_cpu),
-            ],
-        ));
+        let drains = Drains::run(o.runs, || {
+            drain_filled(bench, &bench.own(), &config, 1, (o.tasks, &fill), None)
+        })?;
+        let name = format!(
+            "no-op drain, prefetch 0, {what}, {} tasks over {groups} groups",
+            o.tasks
+        );
+        figures.push(drains.figure("groups", name, false));
     }
     Ok(figures)
 }

@@ -640,6 +640,49 @@ fn figure(
     }
 }
 
+/// What `runs` drains measured, each made by `drain`: the drain scenarios' figure (the drain, and what a config
+/// costs a drain: limits, groups).
+struct Drains {
+    rates: Vec<f64>,
+    daemon_cpu: Vec<f64>,
+    redis_cpu: Vec<f64>,
+    rss_mb: Vec<f64>,
+}
+
+impl Drains {
+    fn run(
+        runs: usize,
+        mut drain: impl FnMut() -> Result<DrainRun, String>,
+    ) -> Result<Drains, String> {
+        let mut drains = Drains {
+            rates: Vec::new(),
+            daemon_cpu: Vec::new(),
+            redis_cpu: Vec::new(),
+            rss_mb: Vec::new(),
+        };
+        for _ in 0..runs {
+            let run = drain()?;
+            drains.rates.push(run.rate);
+            drains.daemon_cpu.push(run.daemon_cpu);
+            drains.redis_cpu.push(run.redis_cpu);
+            drains.rss_mb.push(run.rss_mb);
+        }
+        Ok(drains)
+    }
+
+    /// The rates, with the daemon's and Redis's CPU a task, and with `rss` the daemons' peak RSS.
+    fn figure(self, scenario: &str, name: String, rss: bool) -> Figure {
+        let mut extra = vec![
+            ("daemon CPU µs/task".into(), self.daemon_cpu),
+            ("redis CPU µs/task".into(), self.redis_cpu),
+        ];
+        if rss {
+            extra.push(("peak daemon RSS MB".into(), self.rss_mb));
+        }
+        figure(scenario, name, "tasks/s", self.rates, extra)
+    }
+}
+
 fn push_rates(bench: &Bench) -> Result<Vec<Figure>, String> {
     let config = bench.config("push", "safe", None)?;
     let client = bench.client(&config)?;
@@ -908,22 +951,16 @@ fn drain_with(
         None,
         bench.shape(),
     )?;
-    let (mut rates, mut daemon_cpu, mut redis_cpu, mut rss) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..bench.options.runs {
-        let run = drain_once(
+    let drains = Drains::run(bench.options.runs, || {
+        drain_once(
             bench,
             target,
             &config,
             daemons,
             (bench.options.tasks, "1"),
             kill_every,
-        )?;
-        rates.push(run.rate);
-        daemon_cpu.push(run.daemon_cpu);
-        redis_cpu.push(run.redis_cpu);
-        rss.push(run.rss_mb);
-    }
+        )
+    })?;
     let name = match (&target.label, kill_every) {
         (_, Some(every)) => {
             format!("{mode} mode, {daemons} daemon(s), CLIENT KILL every {every:?}")
@@ -931,21 +968,12 @@ fn drain_with(
         (Some(label), None) => format!("{label}: {mode} mode, {daemons} daemon(s)"),
         (None, None) => format!("{mode} mode, {daemons} daemon(s)"),
     };
-    Ok(figure(
-        match (&target.label, kill_every) {
-            (_, Some(_)) => "kill",
-            (Some(_), None) => "deployments",
-            (None, None) => "drain",
-        },
-        name,
-        "tasks/s",
-        rates,
-        vec![
-            ("daemon CPU µs/task".into(), daemon_cpu),
-            ("redis CPU µs/task".into(), redis_cpu),
-            ("peak daemon RSS MB".into(), rss),
-        ],
-    ))
+    let scenario = match (&target.label, kill_every) {
+        (_, Some(_)) => "kill",
+        (Some(_), None) => "deployments",
+        (None, None) => "drain",
+    };
+    Ok(drains.figure(scenario, name, true))
 }
 
 /// Reads the testkit record file from `offset` on; returns start times (µs) by task id and the new offset.

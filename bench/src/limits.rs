@@ -15,7 +15,7 @@
 
 use std::time::Duration;
 
-use super::{Bench, Figure, Shape, drain_once, figure};
+use super::{Bench, Drains, Figure, Shape, drain_once, figure};
 
 /// How long each drain at a limit lasts, at its limit.
 const AT_LIMIT: Duration = Duration::from_secs(20);
@@ -180,23 +180,11 @@ fn cost(bench: &Bench) -> Result<Vec<Figure>, String> {
             .collect();
         let name = format!("limits-cost-{name}");
         let config = bench.config_on(&bench.own().section, &name, "safe", None, shape)?;
-        let (mut rates, mut daemon_cpu, mut redis_cpu) = (Vec::new(), Vec::new(), Vec::new());
-        for _ in 0..o.runs {
-            let run = drain_once(bench, &bench.own(), &config, 1, (o.tasks, "1"), None)?;
-            rates.push(run.rate);
-            daemon_cpu.push(run.daemon_cpu);
-            redis_cpu.push(run.redis_cpu);
-        }
-        figures.push(figure(
-            "limits",
-            format!("no-op drain, prefetch 0, {what}, {} tasks", o.tasks),
-            "tasks/s",
-            rates,
-            vec![
-                ("daemon CPU µs/task".into(), daemon_cpu),
-                ("redis CPU µs/task".into(), redis_cpu),
-            ],
-        ));
+        let drains = Drains::run(o.runs, || {
+            drain_once(bench, &bench.own(), &config, 1, (o.tasks, "1"), None)
+        })?;
+        let name = format!("no-op drain, prefetch 0, {what}, {} tasks", o.tasks);
+        figures.push(drains.figure("limits", name, false));
     }
     Ok(figures)
 }

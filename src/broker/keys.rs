@@ -122,8 +122,6 @@ pub struct QueueKeys {
     /// Safe mode: zset owner -> lease deadline ms. An owner is one daemon's claim identity on this queue; the
     /// tasks it claimed live in its claim lists, listed in its [`QueueKeys::processing`] sets, and stay its own while its lease is renewed.
     pub owners: String,
-    /// Counter that made owner ids unique before they were made by the daemons themselves; no longer written.
-    pub seq: String,
     /// Dead-letter list of JSON records, newest first, bounded by `dead_max`.
     pub dead: String,
     /// Hash unique id -> ms it was taken, for unique tasks that are delayed, ready or processing.
@@ -203,7 +201,6 @@ impl QueueKeys {
                 })
                 .collect(),
             owners: format!("{base}:owners"),
-            seq: format!("{base}:seq"),
             dead: format!("{base}:dead"),
             unique: format!("{base}:unique"),
             unique_popped: format!("{base}:unique-popped"),

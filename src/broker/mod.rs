@@ -18,24 +18,24 @@
 //! - [`stats`](mod@stats): depths and counters, and the protocol-version check.
 
 pub mod access;
-pub mod admin;
+pub(crate) mod admin;
 pub mod connection;
 pub mod dead;
-pub mod eviction;
-pub mod flows;
-pub mod groups;
-pub mod history;
+pub(crate) mod eviction;
+pub(crate) mod flows;
+pub(crate) mod groups;
+pub(crate) mod history;
 pub mod keys;
 pub mod levels;
-pub mod lookup;
+pub(crate) mod lookup;
 mod node;
 pub mod owners;
 pub mod payloads;
-pub mod peek;
+pub(crate) mod peek;
 pub mod processing;
 mod resp;
-pub mod schedule;
-pub mod stats;
+pub(crate) mod schedule;
+pub(crate) mod stats;
 pub mod tasks;
 mod tls;
 
@@ -242,41 +242,91 @@ struct Scripts {
 
 /// The scripts' sources, for tests that pick out one script's calls (a fault-injecting proxy matches them).
 pub mod sources {
+    /// A script with checks.lua (the checks it makes before it writes) before it, and after the `#!lua` that
+    /// must open a script that has one: one copy of those checks in the repository rather than one a script.
+    macro_rules! checked {
+        (#!lua $file:literal) => {
+            concat!(
+                "#!lua\n",
+                include_str!("scripts/checks.lua"),
+                include_str!($file)
+            )
+        };
+        ($file:literal) => {
+            concat!(include_str!("scripts/checks.lua"), include_str!($file))
+        };
+    }
+
     /// claim.lua and pop.lua both count a rate limit's starts and split a take between weighted levels:
-    /// rate.lua and turns.lua, their shared parts, go before each (after the shebang, which must open a script),
-    /// and types.lua, the limits per task type; groups.lua, the fair groups, before claim.lua only.
+    /// rate.lua and turns.lua, their shared parts, go before each (after the shebang, which must open a script,
+    /// and checks.lua), and types.lua, the limits per task type; groups.lua, the fair groups, before claim.lua only.
     pub const CLAIM: &str = concat!(
         "#!lua\n",
+        include_str!("scripts/checks.lua"),
         include_str!("scripts/rate.lua"),
         include_str!("scripts/turns.lua"),
         include_str!("scripts/types.lua"),
         include_str!("scripts/groups.lua"),
         include_str!("scripts/claim.lua")
     );
-    pub const ADOPT: &str = include_str!("scripts/adopt.lua");
+    pub const ADOPT: &str = checked!(#!lua "scripts/adopt.lua");
     pub const POP: &str = concat!(
         "#!lua\n",
+        include_str!("scripts/checks.lua"),
         include_str!("scripts/rate.lua"),
         include_str!("scripts/turns.lua"),
         include_str!("scripts/types.lua"),
         include_str!("scripts/pop.lua")
     );
     pub const TAKE: &str = include_str!("scripts/take.lua");
-    pub const RELEASE_UNIQUE: &str = include_str!("scripts/release_unique.lua");
+    pub const RELEASE_UNIQUE: &str = checked!(#!lua "scripts/release_unique.lua");
     pub const SETTLE: &str = include_str!("scripts/settle.lua");
-    pub const RENEW: &str = include_str!("scripts/renew.lua");
-    pub const REGISTER: &str = include_str!("scripts/register.lua");
-    pub const RELEASE: &str = include_str!("scripts/release.lua");
-    pub const PROMOTE: &str = include_str!("scripts/promote.lua");
-    pub const REMOVE: &str = include_str!("scripts/remove.lua");
-    pub const FIRE: &str = include_str!("scripts/fire.lua");
+    pub const RENEW: &str = checked!(#!lua "scripts/renew.lua");
+    pub const REGISTER: &str = checked!(#!lua "scripts/register.lua");
+    pub const RELEASE: &str = checked!(#!lua "scripts/release.lua");
+    pub const PROMOTE: &str = checked!("scripts/promote.lua");
+    pub const REMOVE: &str = checked!("scripts/remove.lua");
+    pub const FIRE: &str = checked!("scripts/fire.lua");
     pub const ACCESS: &str = include_str!("scripts/access.lua");
-    pub const DEAD_REQUEUE: &str = include_str!("scripts/dead_requeue.lua");
-    pub const DEAD_PURGE: &str = include_str!("scripts/dead_purge.lua");
-    pub const DRAIN: &str = include_str!("scripts/drain.lua");
-    pub const MOVE: &str = include_str!("scripts/move.lua");
-    pub const HISTORY: &str = include_str!("scripts/history.lua");
-    pub const GROUP_RESUME: &str = include_str!("scripts/group_resume.lua");
+    pub const DEAD_REQUEUE: &str = checked!(#!lua "scripts/dead_requeue.lua");
+    pub const DEAD_PURGE: &str = checked!(#!lua "scripts/dead_purge.lua");
+    pub const DRAIN: &str = checked!(#!lua "scripts/drain.lua");
+    pub const MOVE: &str = checked!("scripts/move.lua");
+    pub const HISTORY: &str = checked!(#!lua "scripts/history.lua");
+    pub const GROUP_RESUME: &str = checked!("scripts/group_resume.lua");
+
+    /// Every script the broker runs, by its file's name, push.lua first.
+    pub const ALL: [(&str, &str); 20] = [
+        ("push.lua", super::PUSH_SCRIPT),
+        ("claim.lua", CLAIM),
+        ("adopt.lua", ADOPT),
+        ("pop.lua", POP),
+        ("take.lua", TAKE),
+        ("release_unique.lua", RELEASE_UNIQUE),
+        ("settle.lua", SETTLE),
+        ("renew.lua", RENEW),
+        ("register.lua", REGISTER),
+        ("release.lua", RELEASE),
+        ("promote.lua", PROMOTE),
+        ("remove.lua", REMOVE),
+        ("fire.lua", FIRE),
+        ("access.lua", ACCESS),
+        ("dead_requeue.lua", DEAD_REQUEUE),
+        ("dead_purge.lua", DEAD_PURGE),
+        ("drain.lua", DRAIN),
+        ("move.lua", MOVE),
+        ("history.lua", HISTORY),
+        ("group_resume.lua", GROUP_RESUME),
+    ];
+
+    /// The scripts that may be 32 KiB or more (`tasks::LARGE_ARGUMENT`), each loaded only on a
+    /// connection that sends no argument that large, since Redis would cache a source that large in whatever
+    /// buffer the connection's last large argument left (see [`super::tasks::load_settle`]): claim.lua (safe
+    /// mode) and pop.lua (default mode, past 32 KiB since types.lua became its prelude) on the fetcher's
+    /// connection, whose calls carry ids, counts and keys; settle.lua by `load_settle`, on a new connection after
+    /// a call that carried a large record. A script not named here is held under 32 KiB by a test, so that the
+    /// next one to grow past it is seen.
+    pub const LOADED_APART: [&str; 3] = ["claim.lua", "pop.lua", "settle.lua"];
 }
 
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
@@ -440,6 +490,47 @@ mod tests {
             .unwrap_or_else(|| panic!("no function {name}"));
         let end = script[start..].find("\nend\n").expect("its end") + start;
         &script[start..end]
+    }
+
+    /// A script of 32 KiB or more loaded on a connection that just carried a large argument stays in the
+    /// script cache at that argument's size (16.9 MB for settle.lua after a 15 MiB recovery, over `maxmemory`):
+    /// only the scripts loaded apart may grow that large. Fails when a script grows past it: load it apart (and
+    /// name it in `LOADED_APART`), or make it smaller.
+    #[test]
+    fn every_script_is_under_32_kib_but_those_loaded_where_no_large_argument_goes() {
+        for (name, source) in sources::ALL {
+            if sources::LOADED_APART.contains(&name) {
+                continue;
+            }
+            assert!(
+                source.len() < tasks::LARGE_ARGUMENT,
+                "{name} is {} bytes with its preludes, at least the {} Redis keeps a large argument's buffer \
+                 for (see broker::load_settle): make it smaller, or load it apart (sources::LOADED_APART)",
+                source.len(),
+                tasks::LARGE_ARGUMENT
+            );
+        }
+    }
+
+    /// `sources::ALL`, which the size check and tests/it/script_checks walk, names every script: each file of
+    /// scripts/ is one, or one's prelude.
+    #[test]
+    fn every_script_file_is_in_a_source_the_broker_runs() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/broker/scripts");
+        for entry in std::fs::read_dir(&dir).expect("the scripts' directory") {
+            let path = entry.expect("an entry").path();
+            let name = path
+                .file_name()
+                .and_then(|name| name.to_str())
+                .expect("a name");
+            let text = std::fs::read_to_string(&path).expect("a script");
+            assert!(
+                sources::ALL
+                    .iter()
+                    .any(|(script, source)| *script == name || source.contains(&text)),
+                "{name} is in no script of sources::ALL"
+            );
+        }
     }
 
     /// push.lua is published whole (producers EVAL the file), so fire.lua cannot include its `created_at`

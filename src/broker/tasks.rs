@@ -111,14 +111,6 @@ pub struct Batch {
     pub tasks: Vec<Fetched>,
     /// The tasks' envelopes as stored (not yet decoded; not necessarily UTF-8), in the order of `tasks`.
     pub payloads: Payloads,
-    /// Safe mode: the owner's journal after the claim (or, for an adoption, before it). A claim that stored tasks
-    /// (`tasks` not empty) added one to it: the daemon counts such claims, and adoptions that found tasks, and the
-    /// heartbeat checks that Redis's journal is still at least that count (renew.lua).
-    #[expect(
-        dead_code,
-        reason = "decoded with the reply, whose shape it checks; the daemon counts its claims itself (lane/ownership.rs)"
-    )]
-    pub(crate) journal: u64,
     /// Safe mode, a claim: the time left of the owner's lease at `now_ms` (its deadline minus `now_ms`, ms), by
     /// which the daemon sees Redis's clock step under its lease (`daemon::lane::ownership`).
     pub(crate) lease_left_ms: Option<i64>,
@@ -415,7 +407,9 @@ fn claim_after(
     }
     let mut reply = reply.into_iter();
     let lease_left_ms = int(&reply.next_back().unwrap_or(Value::Nil), "claim")?;
-    let journal = journal(reply.next_back(), "claim")?;
+    // The owner's journal after the claim: read only to check the reply's shape. The daemon counts the claims
+    // that took tasks itself (lane/ownership.rs), which is what renew.lua checks Redis's journal against.
+    journal(reply.next_back(), "claim")?;
     let retry_at_ms = int(&reply.next_back().unwrap_or(Value::Nil), "claim")?;
     let mut next_int = || int(&reply.next().unwrap_or(Value::Nil), "claim");
     let now_ms = next_int()?;
@@ -425,7 +419,6 @@ fn claim_after(
         now_ms,
         tasks,
         payloads,
-        journal,
         lease_left_ms: Some(lease_left_ms),
         isolation: match state {
             1 => Isolation::Group,
@@ -446,7 +439,7 @@ fn claim_after(
 
 /// The size from which Redis (7.0, networking.c) reads an argument into a buffer of its own and keeps one as large
 /// for the connection's next argument (`PROTO_MBULK_BIG_ARG`): see [`load_settle`].
-const LARGE_ARGUMENT: usize = 32 * 1024;
+pub(super) const LARGE_ARGUMENT: usize = 32 * 1024;
 
 /// A script call's keys, gathered before its arguments (the `EVALSHA` names their count first).
 #[derive(Default)]
@@ -637,14 +630,14 @@ pub fn adopt(
         script_then_lists(conn, super::sources::ADOPT, &eval, &lists, None)
             .map_err(|error| owner_error(error, owner))?;
     conn.replicated(&keys.stats)?;
-    let (now_ms, journal): (i64, i64) =
+    // The journal before the adoption, like the claim's, is not kept: the daemon counts for itself.
+    let (now_ms, _journal): (i64, i64) =
         redis::from_redis_value(reply).map_err(redis::RedisError::from)?;
     let (tasks, payloads) = claimed(owner, claim, found, collected, "adopt")?;
     Ok(Batch {
         now_ms,
         tasks,
         payloads,
-        journal: journal.max(0) as u64,
         lease_left_ms: None,
         isolation: Isolation::None,
         paused: false,
@@ -1323,8 +1316,8 @@ pub struct Settled {
     pub stale_acks: usize,
     /// The settling owner's journal after the call, which the call added one to (0 when it added nothing: no
     /// owner settled, a monitor settled, the owner's info hash was gone, or a late copy was superseded). The same
-    /// in the stored answer to a call sent again: the acker counts one bump per answered call that has a journal
-    /// (see [`Batch::journal`]).
+    /// in the stored answer to a call sent again: the acker counts one bump per answered call that has a journal,
+    /// as the fetcher counts one per claim that took tasks (`lane::ownership`).
     pub(crate) journal: u64,
     /// Redis had already stored a newer call of this settling party: this one is a late copy of a call that was
     /// answered before, and it applied nothing now (settle.lua, "Calls"). A settler sends a call again only until

@@ -7,7 +7,7 @@
 //! config means the same thing whoever starts the daemon.
 
 mod errors;
-pub mod rate;
+pub(crate) mod rate;
 mod raw;
 mod validate;
 
@@ -543,7 +543,7 @@ impl Config {
 /// Default values, in one place. docs/CONFIG.md gives them again, and the tidy test
 /// `the_defaults_in_config_md_are_the_configs` (src/tidy/docs_in_sync.rs) checks that each default it gives as a
 /// value is what a config that leaves the key out gets.
-pub mod defaults {
+pub(crate) mod defaults {
     use std::time::Duration;
 
     pub const REDIS_URL: &str = "redis://127.0.0.1:6379/0";

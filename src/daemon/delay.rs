@@ -31,7 +31,7 @@ pub fn poller_stall_bound(redis: &RedisConfig) -> Duration {
 
 pub struct DelayPoller {
     pub queue: Arc<QueueContext>,
-    pub connection: Session,
+    pub session: Session,
     /// Wake-ups from the listener.
     pub nudges: Receiver<()>,
     /// Beaten every turn, for the watchdog (a stage of the queue's lane: [`poller_stall_bound`]).
@@ -48,7 +48,7 @@ impl DelayPoller {
             let queue = &self.queue;
             let batch = queue.config.delay_batch;
             let result = self
-                .connection
+                .session
                 .get()
                 .and_then(|connection| broker::promote(connection, &queue.keys, batch));
             if result.is_ok() {
@@ -60,7 +60,7 @@ impl DelayPoller {
                 Ok((_, next_due)) => next_due.unwrap_or(MAX_WAIT).min(MAX_WAIT),
                 Err(error) => {
                     trouble.failed(&error);
-                    self.connection.reset();
+                    self.session.reset();
                     if backoff.wait_unless_first(&self.background) {
                         break;
                     }

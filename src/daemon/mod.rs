@@ -428,7 +428,7 @@ impl Supervisor {
         if !queue.source_lists.is_empty() {
             let mover = SourceMover {
                 queue: Arc::clone(&context),
-                connection: parts.session(&format!("sources-{name}")),
+                session: parts.session(&format!("sources-{name}")),
                 pulse: lane.sources_pulse.clone(),
                 // Moving is not taking: a pause goes on moving; a reload that replaces the lane, and the
                 // shutdown, stop it with the lane's claiming.
@@ -444,7 +444,7 @@ impl Supervisor {
         let (nudges, nudge_rx) = crossbeam_channel::bounded(1);
         let poller = DelayPoller {
             queue: context,
-            connection: parts.session(&format!("delay-{name}")),
+            session: parts.session(&format!("delay-{name}")),
             nudges: nudge_rx,
             pulse: lane.delay_pulse.clone(),
             background: stop.listener(),
@@ -500,7 +500,7 @@ impl Supervisor {
                     Watched::new(Arc::clone(queue), settler)
                 })
                 .collect(),
-            connection: self.parts.session("monitor"),
+            session: self.parts.session("monitor"),
             pulse: monitor_pulse.clone(),
             plugins: Arc::clone(&self.parts.plugins),
             background: stop.listener(),

@@ -152,7 +152,7 @@ struct Expired {
 
 pub struct Monitor {
     pub queues: Vec<Watched>,
-    pub connection: Session,
+    pub session: Session,
     /// Beaten every pass, before every Redis call that may start a step (its settlers beat every attempt) and
     /// before every final-failure hook, for the watchdog: a hook that never returns leaves it still.
     pub pulse: Pulse,
@@ -195,7 +195,7 @@ impl Monitor {
                 }
                 Err(error) => {
                     self.queues[index].trouble.failed(&error);
-                    self.connection.reset();
+                    self.session.reset();
                 }
             }
         }
@@ -214,14 +214,14 @@ impl Monitor {
             watched.sampled = Some(Instant::now());
             self.pulse.beat();
             let recorded = self
-                .connection
+                .session
                 .get()
                 .and_then(|conn| history::record(conn, &watched.queue.keys));
             match recorded {
                 Ok(_) => watched.history_trouble.recovered(),
                 Err(error) => {
                     watched.history_trouble.failed(&error);
-                    self.connection.reset();
+                    self.session.reset();
                 }
             }
         }
@@ -231,7 +231,7 @@ impl Monitor {
         self.pulse.beat();
         let queue = Arc::clone(&self.queues[index].queue);
         let sent = Instant::now();
-        let (now_ms, owners) = broker::owners(self.connection.get()?, &queue.keys)?;
+        let (now_ms, owners) = broker::owners(self.session.get()?, &queue.keys)?;
         let allowance_ms =
             self.queues[index]
                 .clock
@@ -244,7 +244,7 @@ impl Monitor {
             self.pulse.beat();
             // The owner's own levels, whatever this daemon's config says (a rolling config change); an owner
             // registered by a kmqd that recorded none is taken to have this daemon's levels.
-            let info = broker::owner_info(self.connection.get()?, &queue.keys, &owner)?;
+            let info = broker::owner_info(self.session.get()?, &queue.keys, &owner)?;
             let keys = match &info {
                 Some(info) if info.levels != queue.keys.levels => {
                     queue.keys.with_levels(&info.levels)
@@ -269,7 +269,7 @@ impl Monitor {
                 loop {
                     self.pulse.beat();
                     let page = broker::processing::held(
-                        self.connection.get()?,
+                        self.session.get()?,
                         &expired.keys,
                         &expired.owner,
                         level,
@@ -297,11 +297,11 @@ impl Monitor {
             }
             // A default-mode owner that died with unique tasks: their ids must not stay held for ever.
             let released =
-                broker::release_unique(self.connection.get()?, &queue.keys, &expired.owner)?;
+                broker::release_unique(self.session.get()?, &queue.keys, &expired.owner)?;
             if released > 0 {
                 tracing::warn!(queue = %queue.config.name, owner = %expired.owner, released, "released the unique ids of tasks lost with a default-mode daemon");
             }
-            if broker::release(self.connection.get()?, &expired.keys, &expired.owner, true)? {
+            if broker::release(self.session.get()?, &expired.keys, &expired.owner, true)? {
                 tracing::info!(queue = %queue.config.name, owner = %expired.owner, "forgot an owner whose lease ran out");
             }
         }
@@ -356,7 +356,7 @@ impl Monitor {
         }
         let watched = &mut self.queues[index];
         let report = watched.settler.settle(
-            &mut self.connection,
+            &mut self.session,
             keys,
             Fence::Expired,
             queue.config.dead_max,

@@ -24,7 +24,7 @@ use crate::shutdown::Listener;
 
 pub struct Reporter {
     queues: Vec<Watched>,
-    connection: Session,
+    session: Session,
     report_interval: Option<Duration>,
     background: Listener,
 }
@@ -67,7 +67,7 @@ fn rounded(rate: f64) -> f64 {
 impl Reporter {
     pub fn new(
         queues: Vec<Arc<QueueContext>>,
-        connection: Session,
+        session: Session,
         report_interval: Option<Duration>,
         background: Listener,
     ) -> Reporter {
@@ -85,7 +85,7 @@ impl Reporter {
             .collect();
         Reporter {
             queues,
-            connection,
+            session,
             report_interval,
             background,
         }
@@ -138,7 +138,7 @@ impl Reporter {
                 continue;
             }
             let read = self
-                .connection
+                .session
                 .get()
                 .and_then(|connection| broker::stats(connection, &watched.queue.keys));
             let stats = match read {
@@ -147,7 +147,7 @@ impl Reporter {
                     stats
                 }
                 Err(error) => {
-                    self.connection.reset();
+                    self.session.reset();
                     watched.trouble.failed(&error);
                     continue;
                 }

@@ -42,7 +42,7 @@ struct Entry {
 
 pub struct Scheduler {
     entries: Vec<Entry>,
-    connection: Session,
+    session: Session,
     /// Beaten every turn and before every Redis call, for the watchdog.
     pulse: Pulse,
     background: Listener,
@@ -65,7 +65,7 @@ pub fn slot_id(name: &str, slot_ms: i64) -> String {
 impl Scheduler {
     pub fn new(
         schedules: Vec<(ScheduleConfig, Arc<QueueContext>)>,
-        connection: Session,
+        session: Session,
         pulse: Pulse,
         background: Listener,
     ) -> Scheduler {
@@ -79,7 +79,7 @@ impl Scheduler {
             .collect();
         Scheduler {
             entries,
-            connection,
+            session,
             pulse,
             background,
             offset_ms: 0,
@@ -97,7 +97,7 @@ impl Scheduler {
                 }
                 Err(error) => {
                     trouble.failed(&error);
-                    self.connection.reset();
+                    self.session.reset();
                     MAX_SLEEP
                 }
             };
@@ -152,7 +152,7 @@ impl Scheduler {
                 .clone()
                 .into(),
         );
-        let connection = self.connection.get()?;
+        let connection = self.session.get()?;
         let (fired, redis_now) = broker::fire(
             connection,
             &entry.queue.keys,
@@ -178,7 +178,7 @@ impl Scheduler {
     fn plan(&mut self, index: usize) -> broker::Result<()> {
         self.pulse.beat();
         let entry = &self.entries[index];
-        let connection = self.connection.get()?;
+        let connection = self.session.get()?;
         let (last, now) =
             broker::schedule_state(connection, &entry.queue.keys, &entry.config.name)?;
         self.offset_ms = now - local_now_ms();

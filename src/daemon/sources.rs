@@ -38,7 +38,7 @@ pub fn stall_bound(redis: &RedisConfig, queue: &QueueConfig) -> Duration {
 
 pub struct SourceMover {
     pub queue: Arc<QueueContext>,
-    pub connection: Session,
+    pub session: Session,
     /// Beaten every turn, for the watchdog (a stage of the queue's lane: [`stall_bound`]).
     pub pulse: Pulse,
     pub stop: Listener,
@@ -61,7 +61,7 @@ impl SourceMover {
         while !self.stop.is_triggered() {
             self.pulse.beat();
             let moved = self
-                .connection
+                .session
                 .get()
                 .and_then(|connection| broker::move_sources(connection, keys, BATCH, turn));
             turn = turn.wrapping_add(1);
@@ -78,7 +78,7 @@ impl SourceMover {
                 }
                 Err(error) => {
                     moving.failed(&error);
-                    self.connection.reset();
+                    self.session.reset();
                     if backoff.wait_unless_first(&self.stop) {
                         break;
                     }
@@ -86,7 +86,7 @@ impl SourceMover {
                 }
             }
             let source = &keys.sources[turn % keys.sources.len()];
-            let waited = self.connection.get().and_then(|connection| {
+            let waited = self.session.get().and_then(|connection| {
                 broker::wait_list(connection, source, queue.config.idle_poll, queue.io_timeout)
             });
             match waited {
@@ -98,7 +98,7 @@ impl SourceMover {
                 }
                 Err(error) => {
                     waiting.failed(&error);
-                    self.connection.reset();
+                    self.session.reset();
                     if backoff.wait_unless_first(&self.stop) {
                         break;
                     }

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use kmqd::broker::sources;
 
-use crate::support::proxy::{AfterDrop, Fault, FaultProxy, Matcher};
+use crate::support::proxy::AfterDrop;
 use crate::support::*;
 
 /// The running count of `scope` (`g:GROUP`, `t:TYPE`; 0 when the field is absent).
@@ -221,33 +221,22 @@ fn a_daemon_killed_while_it_holds_a_groups_and_a_types_slots_gives_both_back() {
 /// Through a fault proxy that drops the `nth` reply of `script`: every task drains once, the fault fired, and the
 /// groups' and the type's counts come back to 0 without going below it.
 fn drains_with_a_reply_lost(script: &str, nth: usize, then: AfterDrop) {
-    let redis = RedisServer::start();
-    let proxy = FaultProxy::start(&redis);
-    let dir = TestDir::new();
-    let redis_section = format!("url = \"{}\"\nio_timeout = \"1s\"", proxy.url());
     let queue = safe_queue(
         "workers = 3\nlease_timeout = \"60s\"\n[queues.groups]\nmax_running = 2\n\
          [[queues.limits]]\ntype = \"slow\"\nmax_running = 1\n",
     );
-    let config = dir.config_raw(&redis_section, "", &queue);
-    dir.testkit_types(&config, &["slow", "fast"]);
-    let daemon = TestDaemon::start(&config);
-    redis.wait_blocked_in("blpop");
-    let rule = proxy.add(Fault::DropReply {
-        matching: Matcher::script(script),
-        nth,
-        then,
-    });
-    push(&config, "acme", "slow", "as", 3, r#"{"sleep_ms":5}"#);
-    push(&config, "acme", "fast", "af", 3, r#"{"sleep_ms":5}"#);
-    push(&config, "other", "slow", "os", 3, r#"{"sleep_ms":5}"#);
-    push(&config, "other", "fast", "of", 3, r#"{"sleep_ms":5}"#);
-    assert_drained(&config, &redis, 12);
-    assert_eq!(rule.fired(), 1, "{then:?}: the reply was dropped");
-    for prefix in ["as", "af", "os", "of"] {
-        assert_ran_once(&dir, prefix, 3);
-    }
-    daemon.stop();
+    let prepare = |dir: &TestDir, config: &Path| dir.testkit_types(config, &["slow", "fast"]);
+    let drain = |config: &Path, redis: &RedisServer, dir: &TestDir| {
+        push(config, "acme", "slow", "as", 3, r#"{"sleep_ms":5}"#);
+        push(config, "acme", "fast", "af", 3, r#"{"sleep_ms":5}"#);
+        push(config, "other", "slow", "os", 3, r#"{"sleep_ms":5}"#);
+        push(config, "other", "fast", "of", 3, r#"{"sleep_ms":5}"#);
+        assert_drained(config, redis, 12);
+        for prefix in ["as", "af", "os", "of"] {
+            assert_ran_once(dir, prefix, 3);
+        }
+    };
+    drain_with_a_reply_lost(script, (nth, then), &queue, prepare, drain);
 }
 
 #[test]

@@ -144,27 +144,12 @@ fn a_limited_queue_claims_no_more_than_its_limit_while_the_rest_wait_in_redis() 
 /// tasks drain, each runs once, the fault fired once, and the count comes back to 0 without going below it.
 /// `queue`: the queue's `[[queues]]` entry.
 fn drains_to_zero_with_a_reply_lost(script: &str, nth: usize, then: AfterDrop, queue: &str) {
-    let redis = RedisServer::start();
-    let proxy = FaultProxy::start(&redis);
-    let dir = TestDir::new();
-    let redis_section = format!("url = \"{}\"\nio_timeout = \"1s\"", proxy.url());
-    let config = dir.config_raw(&redis_section, "", queue);
-    let daemon = TestDaemon::start(&config);
-    redis.wait_blocked_in(if queue.contains("\"default\"") {
-        "blmove"
-    } else {
-        "blpop"
-    });
-    let rule = proxy.add(Fault::DropReply {
-        matching: Matcher::script(script),
-        nth,
-        then,
-    });
-    push_many(&config, "t", 12, r#"{"sleep_ms":5}"#);
-    assert_drained_to_zero(&config, &redis, 12);
-    assert_eq!(rule.fired(), 1, "{then:?}: the reply was dropped");
-    assert_ran_once(&dir, "t", 12);
-    daemon.stop();
+    let drain = |config: &Path, redis: &RedisServer, dir: &TestDir| {
+        push_many(config, "t", 12, r#"{"sleep_ms":5}"#);
+        assert_drained_to_zero(config, redis, 12);
+        assert_ran_once(dir, "t", 12);
+    };
+    drain_with_a_reply_lost(script, (nth, then), queue, |_, _| {}, drain);
 }
 
 #[test]

@@ -392,7 +392,7 @@ fn monitor(config: &Config, queue: &Arc<QueueContext>, name: &str) -> Monitor {
             Arc::clone(queue),
             Settler::new(format!("test-{name}:monitor")),
         )],
-        connection: broker::Session::new(broker::pool(&config.redis).unwrap()),
+        session: broker::Session::new(broker::pool(&config.redis).unwrap()),
         pulse: Default::default(),
         plugins: Plugins::new(Arc::new(Registry::empty())),
         background: kmqd::shutdown::Trigger::new().listener(),

@@ -29,27 +29,10 @@ struct Recorded {
 
 /// kmqd's scripts that write, by name (access.lua writes nothing and touches no key).
 fn scripts() -> Vec<(&'static str, &'static str)> {
-    vec![
-        ("push.lua", PUSH_SCRIPT),
-        ("claim.lua", sources::CLAIM),
-        ("adopt.lua", sources::ADOPT),
-        ("pop.lua", sources::POP),
-        ("take.lua", sources::TAKE),
-        ("release_unique.lua", sources::RELEASE_UNIQUE),
-        ("settle.lua", sources::SETTLE),
-        ("renew.lua", sources::RENEW),
-        ("register.lua", sources::REGISTER),
-        ("release.lua", sources::RELEASE),
-        ("promote.lua", sources::PROMOTE),
-        ("remove.lua", sources::REMOVE),
-        ("fire.lua", sources::FIRE),
-        ("dead_requeue.lua", sources::DEAD_REQUEUE),
-        ("dead_purge.lua", sources::DEAD_PURGE),
-        ("drain.lua", sources::DRAIN),
-        ("move.lua", sources::MOVE),
-        ("history.lua", sources::HISTORY),
-        ("group_resume.lua", sources::GROUP_RESUME),
-    ]
+    sources::ALL
+        .into_iter()
+        .filter(|(name, _)| *name != "access.lua")
+        .collect()
 }
 
 /// The script a command runs, if it is one of [`scripts`].

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use kmqd::broker::sources;
 
-use crate::support::proxy::{AfterDrop, Fault, FaultProxy, Matcher};
+use crate::support::proxy::AfterDrop;
 use crate::support::*;
 
 /// The running count of the type `kind` (0 when the field is absent).
@@ -271,32 +271,21 @@ fn a_daemon_killed_while_it_runs_a_limited_type_gives_its_slots_back() {
 /// drains once, the fault fired, and the type's count and the queue's come back to 0 without going below it
 /// (a settle sent again subtracts once; a lost claim is adopted with its counts).
 fn drains_with_a_reply_lost(script: &str, nth: usize, then: AfterDrop) {
-    let redis = RedisServer::start();
-    let proxy = FaultProxy::start(&redis);
-    let dir = TestDir::new();
-    let redis_section = format!("url = \"{}\"\nio_timeout = \"1s\"", proxy.url());
     let queue = safe_queue(
         "workers = 3\nmax_running = 3\nlease_timeout = \"60s\"\n\
          [[queues.limits]]\ntype = \"slow\"\nmax_running = 1\n",
     );
-    let config = dir.config_raw(&redis_section, "", &queue);
-    dir.testkit_types(&config, &["slow", "test"]);
-    let daemon = TestDaemon::start(&config);
-    redis.wait_blocked_in("blpop");
-    let rule = proxy.add(Fault::DropReply {
-        matching: Matcher::script(script),
-        nth,
-        then,
-    });
-    push_typed(&config, "slow", "s", 6, r#"{"sleep_ms":5}"#);
-    push_many(&config, "t", 6, r#"{"sleep_ms":5}"#);
-    assert_drained(&config, &redis, 12, "slow");
-    let queue_count: Option<u64> = redis.cmd(&["HGET", "kmq:{jobs}:running", "q"]);
-    assert_eq!(queue_count.unwrap_or(0), 0, "the queue's count back to 0");
-    assert_eq!(rule.fired(), 1, "{then:?}: the reply was dropped");
-    assert_ran_once(&dir, "s", 6);
-    assert_ran_once(&dir, "t", 6);
-    daemon.stop();
+    let prepare = |dir: &TestDir, config: &Path| dir.testkit_types(config, &["slow", "test"]);
+    let drain = |config: &Path, redis: &RedisServer, dir: &TestDir| {
+        push_typed(config, "slow", "s", 6, r#"{"sleep_ms":5}"#);
+        push_many(config, "t", 6, r#"{"sleep_ms":5}"#);
+        assert_drained(config, redis, 12, "slow");
+        let queue_count: Option<u64> = redis.cmd(&["HGET", "kmq:{jobs}:running", "q"]);
+        assert_eq!(queue_count.unwrap_or(0), 0, "the queue's count back to 0");
+        assert_ran_once(dir, "s", 6);
+        assert_ran_once(dir, "t", 6);
+    };
+    drain_with_a_reply_lost(script, (nth, then), &queue, prepare, drain);
 }
 
 #[test]

@@ -1,4 +1,4 @@
-#!lua
+-- (The broker prepends `#!lua` and checks.lua: src/broker/mod.rs, `sources`.)
 -- adopt.lua: safe mode. Settles the fate of a claim whose reply was lost (a reset, a stall past the read
 -- timeout): either it ran, and its tasks are in its claim lists, or it has not run and never will take anything,
 -- because this script raises the owner's floor past the numbers the claim reserved (claim.lua refuses a claim
@@ -12,20 +12,8 @@
 -- Checks before it writes: the keys' types (the claim's lists too, which the caller reads in the transaction) and
 -- the info hash's `floor` and `journal` (integers); a call that fails writes nothing (but LEASELOST's putting
 -- back of a lost owner as expired, as in claim.lua, which a second call repeats harmlessly).
-local function wrong_type(key, kind)
-  local found = redis.call('TYPE', key).ok
-  if found ~= 'none' and found ~= kind then
-    return redis.error_reply('WRONGTYPE adopt.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
-      '; nothing was written')
-  end
-end
-local function integer(key, field, value)
-  local digits = value and string.match(value, '^-?([1-9]%d*)$')
-  if value and value ~= '0' and not (digits and #digits <= 18) then
-    return redis.error_reply('ERR adopt.lua: ' .. key .. ' field ' .. field .. ' is not an integer (' ..
-      string.sub(value, 1, 40) .. '); nothing was written')
-  end
-end
+local wrong_type = type_check('adopt.lua')
+local integer = integer_check('adopt.lua')
 local refused = wrong_type(KEYS[1], 'zset') or wrong_type(KEYS[2], 'hash')
 for i = 3, #KEYS do
   refused = refused or wrong_type(KEYS[i], 'list')

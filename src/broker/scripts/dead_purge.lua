@@ -1,4 +1,4 @@
-#!lua
+-- (The broker prepends `#!lua` and checks.lua: src/broker/mod.rs, `sources`.)
 -- dead_purge.lua: remove dead-letter records (kmqd dead purge).
 --
 -- KEYS[1] dead list, KEYS[2] stats hash
@@ -9,20 +9,8 @@
 -- of the exact value, count -1: from the tail, where `kmqd dead purge` reads its pages (src/broker/dead.rs), so
 -- the scan finds the record near where it starts instead of crossing the whole list (dead_max may be 10^8).
 -- Checks before it writes: the keys' types and the stats hash's `purged`; a call that fails writes nothing.
-local function wrong_type(key, kind)
-  local found = redis.call('TYPE', key).ok
-  if found ~= 'none' and found ~= kind then
-    return redis.error_reply('WRONGTYPE dead_purge.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
-      '; nothing was written')
-  end
-end
-local function integer(key, field, value)
-  local digits = value and string.match(value, '^-?([1-9]%d*)$')
-  if value and value ~= '0' and not (digits and #digits <= 18) then
-    return redis.error_reply('ERR dead_purge.lua: ' .. key .. ' field ' .. field .. ' is not an integer (' ..
-      string.sub(value, 1, 40) .. '); nothing was written')
-  end
-end
+local wrong_type = type_check('dead_purge.lua')
+local integer = integer_check('dead_purge.lua')
 local refused = wrong_type(KEYS[1], 'list') or wrong_type(KEYS[2], 'hash') or
   integer(KEYS[2], 'purged', redis.call('HGET', KEYS[2], 'purged'))
 if refused then return refused end

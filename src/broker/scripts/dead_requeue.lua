@@ -1,4 +1,4 @@
-#!lua
+-- (The broker prepends `#!lua` and checks.lua: src/broker/mod.rs, `sources`.)
 -- dead_requeue.lua: move dead-letter records' tasks back to a ready list, each record atomically (kmqd dead
 -- requeue).
 --
@@ -19,20 +19,8 @@
 -- Checks before it writes: every key's type, the stats hash's `requeued` and every record's level, so that a
 -- call that fails ("WRONGTYPE dead_requeue.lua: KEY is a string, not a list") writes nothing.
 local dead, uniq, wake, stats = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local function wrong_type(key, kind)
-  local found = redis.call('TYPE', key).ok
-  if found ~= 'none' and found ~= kind then
-    return redis.error_reply('WRONGTYPE dead_requeue.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
-      '; nothing was written')
-  end
-end
-local function integer(key, field, value)
-  local digits = value and string.match(value, '^-?([1-9]%d*)$')
-  if value and value ~= '0' and not (digits and #digits <= 18) then
-    return redis.error_reply('ERR dead_requeue.lua: ' .. key .. ' field ' .. field .. ' is not an integer (' ..
-      string.sub(value, 1, 40) .. '); nothing was written')
-  end
-end
+local wrong_type = type_check('dead_requeue.lua')
+local integer = integer_check('dead_requeue.lua')
 local refused = wrong_type(dead, 'list') or wrong_type(uniq, 'hash') or wrong_type(wake, 'list') or
   wrong_type(stats, 'hash')
 for i = 5, #KEYS do

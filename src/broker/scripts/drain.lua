@@ -1,4 +1,4 @@
-#!lua
+-- (The broker prepends `#!lua` and checks.lua: src/broker/mod.rs, `sources`.)
 -- drain.lua: mark an owner's registration as draining: its daemon began a graceful stop and takes no more tasks
 -- (`kmqd workers` shows it). Only an existing registration is marked, so that a registration a monitor already
 -- removed is not brought back as a hash without an owner.
@@ -7,11 +7,8 @@
 -- ARGV[1] when the stop began, ms since the epoch (the daemon's clock; informational)
 -- Returns 1 marked, 0 no such registration.
 -- Checks before it writes: the key's type; a call that fails writes nothing.
-local found = redis.call('TYPE', KEYS[1]).ok
-if found ~= 'none' and found ~= 'hash' then
-  return redis.error_reply('WRONGTYPE drain.lua: ' .. KEYS[1] .. ' is a ' .. found .. ', not a hash; nothing ' ..
-    'was written')
-end
+local refused = type_check('drain.lua')(KEYS[1], 'hash')
+if refused then return refused end
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return 0
 end

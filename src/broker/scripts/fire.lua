@@ -1,3 +1,4 @@
+-- (The broker prepends checks.lua: src/broker/mod.rs, `sources`.)
 -- fire.lua: fire one slot of a periodic task, at most once across all daemons, with no leader and no lock: the
 -- schedule's last fired slot only moves forward, and this script is the only writer.
 --
@@ -59,20 +60,8 @@ local function stamped(envelope)
 end
 -- Checks before it writes: the keys' types, the schedule's last slot and the stats hash's `pushed` (integers);
 -- a call that fails writes nothing.
-local function wrong_type(key, kind)
-  local found = redis.call('TYPE', key).ok
-  if found ~= 'none' and found ~= kind then
-    return redis.error_reply('WRONGTYPE fire.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
-      '; nothing was written')
-  end
-end
-local function integer(key, field, value)
-  local digits = value and string.match(value, '^-?([1-9]%d*)$')
-  if value and value ~= '0' and not (digits and #digits <= 18) then
-    return redis.error_reply('ERR fire.lua: ' .. key .. ' field ' .. field .. ' is not an integer (' ..
-      string.sub(value, 1, 40) .. '); nothing was written')
-  end
-end
+local wrong_type = type_check('fire.lua')
+local integer = integer_check('fire.lua')
 local refused = wrong_type(KEYS[1], 'hash') or wrong_type(KEYS[2], 'list') or wrong_type(KEYS[3], 'list') or
   wrong_type(KEYS[4], 'hash')
 local fired = false

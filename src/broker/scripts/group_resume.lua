@@ -1,3 +1,4 @@
+-- (The broker prepends checks.lua: src/broker/mod.rs, `sources`.)
 -- group_resume.lua: `kmqd group resume`: a paused group's flows go back to their rings' turns.
 --
 -- KEYS[1] the group's pause (`hold:g:GROUP`), KEYS[2] the sched hash (each level's virtual time, `vt:N`),
@@ -12,13 +13,7 @@
 -- Checks before it writes: the rings' and the sched hash's types, and each level's virtual time.
 local PARKED = 2e15
 local levels = #KEYS - 4
-local function wrong(key, kind)
-  local found = redis.call('TYPE', key).ok
-  if found ~= 'none' and found ~= kind then
-    return redis.error_reply('WRONGTYPE group_resume.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
-      '; nothing was written')
-  end
-end
+local wrong = type_check('group_resume.lua')
 local refused = wrong(KEYS[2], 'hash') or wrong(KEYS[3], 'list') or wrong(KEYS[4], 'zset')
 for level = 1, levels do refused = refused or wrong(KEYS[4 + level], 'zset') end
 if refused then return refused end

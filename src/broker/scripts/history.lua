@@ -1,4 +1,4 @@
-#!lua
+-- (The broker prepends `#!lua` and checks.lua: src/broker/mod.rs, `sources`.)
 -- history.lua: take this minute's sample of a queue's counters and depths into its history (the dashboard's
 -- charts), unless a daemon took it already, and drop the samples older than the history keeps. Every daemon's
 -- monitor calls it every 15 s for each of its queues; the first call in a minute (of Redis's clock) writes.
@@ -13,13 +13,7 @@
 -- Returns 1 written, 0 this minute had its sample already.
 -- Checks before it writes: every key's type (the counters are read with tonumber, so any value is taken); a
 -- call that fails writes nothing.
-local function wrong_type(key, kind)
-  local found = redis.call('TYPE', key).ok
-  if found ~= 'none' and found ~= kind then
-    return redis.error_reply('WRONGTYPE history.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
-      '; nothing was written')
-  end
-end
+local wrong_type = type_check('history.lua')
 local refused = wrong_type(KEYS[1], 'zset') or wrong_type(KEYS[2], 'hash') or wrong_type(KEYS[3], 'list')
 for i = 4, #KEYS do
   refused = refused or wrong_type(KEYS[i], i <= 3 + tonumber(ARGV[1]) and 'list' or 'zset')

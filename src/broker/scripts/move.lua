@@ -1,3 +1,4 @@
+-- (The broker prepends checks.lua: src/broker/mod.rs, `sources`.)
 -- move.lua: move tasks from a queue's source lists (lists its producers push to under their own names, such as
 -- Redis in Action's `queue:email`) to the back of the queue's ready lists, at most ARGV[1] per call. No lock:
 -- each task is moved by exactly one caller (however many daemons serve the queue), because its pop and its push
@@ -30,13 +31,10 @@ for i = 1, #KEYS do
   end
 end
 -- Then the counters it increments.
+local integer = integer_check('move.lua')
 for _, field in ipairs({'pushed', 'moved'}) do
-  local value = redis.call('HGET', KEYS[2], field)
-  local digits = value and string.match(value, '^-?([1-9]%d*)$')
-  if value and value ~= '0' and not (digits and #digits <= 18) then
-    return redis.error_reply('ERR move.lua: ' .. KEYS[2] .. ' field ' .. field .. ' is not an integer (' ..
-      string.sub(value, 1, 40) .. '); nothing was written')
-  end
+  local refused = integer(KEYS[2], field, redis.call('HGET', KEYS[2], field))
+  if refused then return refused end
 end
 local sources = (#KEYS - 2) / 2
 local moved = 0

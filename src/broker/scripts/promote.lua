@@ -1,3 +1,4 @@
+-- (The broker prepends checks.lua: src/broker/mod.rs, `sources`.)
 -- promote.lua: move due tasks from the retry and delayed zsets to their ready lists, at most ARGV[1] per call.
 -- No lock: each task is moved by exactly one caller, because the read and the removal happen in one script.
 --
@@ -11,13 +12,7 @@
 -- about 8,000 values); a call that fails writes nothing.
 local levels = (#KEYS - 2) / 3
 local max = tonumber(ARGV[1])
-local function wrong_type(key, kind)
-  local found = redis.call('TYPE', key).ok
-  if found ~= 'none' and found ~= kind then
-    return redis.error_reply('WRONGTYPE promote.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
-      '; nothing was written')
-  end
-end
+local wrong_type = type_check('promote.lua')
 local refused = wrong_type(KEYS[1], 'list') or wrong_type(KEYS[2], 'hash')
 for i = 3, #KEYS do
   refused = refused or wrong_type(KEYS[i], i <= 2 + levels and 'list' or 'zset')

@@ -1,6 +1,6 @@
 -- rate.lua: a rate limit's windows (and a throttle's end), shared by claim.lua and pop.lua: the broker prepends this
--- file to both
--- (src/broker/mod.rs, `sources`), so that the two takes count starts the same way.
+-- file to both, after checks.lua, whose `integer_check` and `type_check` the takes use (src/broker/mod.rs,
+-- `sources`), so that the two takes count starts the same way.
 --
 -- Each window's log holds the starts as `MS COUNT` entries (COUNT tasks taken at MS, Redis's clock), oldest
 -- first, and its sum (a string). A take first drops the entries that aged out (MS <= now - window), takes at
@@ -10,30 +10,6 @@
 -- never early, so no window ever holds more starts than its limit; and one taken at a clock that stepped back is
 -- stamped no earlier than the newest entry, so the log stays in order. Both keys expire a second after the
 -- window, with the last start. It counts starts: a task handed back or retried does not give its start back.
-
--- A check of a counter `script` reads or increments: nil when `value` is an integer (of at most 18 digits) or
--- absent, else the error reply that names the key and field.
-local function integer_check(script)
-  return function(key, field, value)
-    local digits = value and string.match(value, '^-?([1-9]%d*)$')
-    if value and value ~= '0' and not (digits and #digits <= 18) then
-      return redis.error_reply('ERR ' .. script .. ': ' .. key .. ' field ' .. field .. ' is not an integer (' ..
-        string.sub(value, 1, 40) .. '); nothing was written')
-    end
-  end
-end
-
--- A check of a key `script` may write (types.lua's and groups.lua's, whose keys come after the script's own):
--- nil when `key` is absent or of type `kind`, else the error reply that names it.
-local function type_check(script)
-  return function(key, kind)
-    local found = redis.call('TYPE', key).ok
-    if found ~= 'none' and found ~= kind then
-      return redis.error_reply('WRONGTYPE ' .. script .. ': ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
-        '; nothing was written')
-    end
-  end
-end
 
 -- The entry of `log` at `at` (nil when there is none), or false and the error reply of `script` for an entry
 -- that does not parse.

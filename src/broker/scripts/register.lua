@@ -1,4 +1,4 @@
-#!lua
+-- (The broker prepends `#!lua` and checks.lua: src/broker/mod.rs, `sources`.)
 -- register.lua: a new owner (a daemon's claim identity on a queue), with a lease and a description of itself.
 --
 -- KEYS[1] owners zset, KEYS[2] the owner's info hash
@@ -15,13 +15,7 @@
 -- The monitors read the info hash to recover an expired owner's tasks from the levels it had, whatever their own
 -- config says (a rolling config change).
 -- Checks before it writes: the keys' types; a call that fails writes nothing.
-local function wrong_type(key, kind)
-  local found = redis.call('TYPE', key).ok
-  if found ~= 'none' and found ~= kind then
-    return redis.error_reply('WRONGTYPE register.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
-      '; nothing was written')
-  end
-end
+local wrong_type = type_check('register.lua')
 local refused = wrong_type(KEYS[1], 'zset') or wrong_type(KEYS[2], 'hash')
 if refused then return refused end
 local t = redis.call('TIME')

@@ -1,4 +1,4 @@
-#!lua
+-- (The broker prepends `#!lua` and checks.lua: src/broker/mod.rs, `sources`.)
 -- release.lua: forget an owner that holds no task any more, and its registration; a default-mode owner's running
 -- slots come back with it.
 --
@@ -16,14 +16,10 @@
 -- was at its limit wakes an idle fetcher.
 -- Checks before it writes: the types of the keys it writes and that every count it reads is an integer (the
 -- info hash is deleted whatever it holds); a call that fails writes nothing.
+local wrong_type = type_check('release.lua')
 for i, kind in ipairs({'zset', 'hash', 'hash', 'hash', 'list'}) do
-  if i ~= 2 then
-    local found = redis.call('TYPE', KEYS[i]).ok
-    if found ~= 'none' and found ~= kind then
-      return redis.error_reply('WRONGTYPE release.lua: ' .. KEYS[i] .. ' is a ' .. found .. ', not a ' .. kind ..
-        '; nothing was written')
-    end
-  end
+  local refused = i ~= 2 and wrong_type(KEYS[i], kind)
+  if refused then return refused end
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -38,13 +34,7 @@ if ARGV[2] == 'expired' then
     return 0
   end
 end
-local function integer(key, field, value)
-  local digits = value and string.match(value, '^-?([1-9]%d*)$')
-  if value and value ~= '0' and not (digits and #digits <= 18) then
-    return redis.error_reply('ERR release.lua: ' .. key .. ' field ' .. field .. ' is not an integer (' ..
-      string.sub(value, 1, 40) .. '); nothing was written')
-  end
-end
+local integer = integer_check('release.lua')
 local held = redis.call('HGETALL', KEYS[4])
 local counts = {}
 for i = 1, #held, 2 do

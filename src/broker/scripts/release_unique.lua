@@ -1,4 +1,4 @@
-#!lua
+-- (The broker prepends `#!lua` and checks.lua: src/broker/mod.rs, `sources`.)
 -- release_unique.lua: default mode. Release the unique ids an owner popped and never settled: it died (found by
 -- a monitor after its lease expired), or it stopped with tasks it could not hand back.
 --
@@ -6,13 +6,7 @@
 -- ARGV[1] owner, ARGV[2 ..] candidate ids (read from KEYS[2] by the caller; each is checked again here)
 -- Returns how many ids were released.
 -- Checks before it writes: the keys' types; a call that fails writes nothing.
-local function wrong_type(key, kind)
-  local found = redis.call('TYPE', key).ok
-  if found ~= 'none' and found ~= kind then
-    return redis.error_reply('WRONGTYPE release_unique.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
-      '; nothing was written')
-  end
-end
+local wrong_type = type_check('release_unique.lua')
 local refused = wrong_type(KEYS[1], 'hash') or wrong_type(KEYS[2], 'hash')
 if refused then return refused end
 local released = 0

@@ -1,3 +1,4 @@
+-- (The broker prepends checks.lua: src/broker/mod.rs, `sources`.)
 -- remove.lua: cancel one waiting task (delayed, retrying or ready) that the caller located.
 --
 -- KEYS[1] the key holding it: a ready list, a retry zset or a delayed zset; KEYS[2] delayed tasks hash;
@@ -9,20 +10,8 @@
 -- Returns 1 removed, 0 no longer there (it was taken or moved meanwhile).
 -- Checks before it writes: the keys' types and the stats hash's `cancelled`; a call that fails writes nothing.
 local kind, task, unique = ARGV[1], ARGV[2], ARGV[4]
-local function wrong_type(key, kind)
-  local found = redis.call('TYPE', key).ok
-  if found ~= 'none' and found ~= kind then
-    return redis.error_reply('WRONGTYPE remove.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
-      '; nothing was written')
-  end
-end
-local function integer(key, field, value)
-  local digits = value and string.match(value, '^-?([1-9]%d*)$')
-  if value and value ~= '0' and not (digits and #digits <= 18) then
-    return redis.error_reply('ERR remove.lua: ' .. key .. ' field ' .. field .. ' is not an integer (' ..
-      string.sub(value, 1, 40) .. '); nothing was written')
-  end
-end
+local wrong_type = type_check('remove.lua')
+local integer = integer_check('remove.lua')
 local holder = 'zset'
 if kind == 'list' then holder = 'list' end
 local refused = wrong_type(KEYS[1], holder) or wrong_type(KEYS[2], 'hash') or wrong_type(KEYS[3], 'hash') or

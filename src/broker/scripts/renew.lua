@@ -1,4 +1,4 @@
-#!lua
+-- (The broker prepends `#!lua` and checks.lua: src/broker/mod.rs, `sources`.)
 -- renew.lua: the heartbeat of one owner (a daemon's identity on a queue): push its lease deadline forward.
 --
 -- KEYS[1] owners zset, KEYS[2] the owner's info hash; ARGV[1] owner; ARGV[2] lease length in ms; ARGV[3] how
@@ -35,20 +35,8 @@
 -- the rest survived) is put back as expired, so that the monitors find it and recover what it holds.
 -- Checks before it writes: the keys' types and the info hash's `journal` (an integer); a call that fails writes
 -- nothing.
-local function wrong_type(key, kind)
-  local found = redis.call('TYPE', key).ok
-  if found ~= 'none' and found ~= kind then
-    return redis.error_reply('WRONGTYPE renew.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
-      '; nothing was written')
-  end
-end
-local function integer(key, field, value)
-  local digits = value and string.match(value, '^-?([1-9]%d*)$')
-  if value and value ~= '0' and not (digits and #digits <= 18) then
-    return redis.error_reply('ERR renew.lua: ' .. key .. ' field ' .. field .. ' is not an integer (' ..
-      string.sub(value, 1, 40) .. '); nothing was written')
-  end
-end
+local wrong_type = type_check('renew.lua')
+local integer = integer_check('renew.lua')
 local journal = false
 local refused = wrong_type(KEYS[1], 'zset') or wrong_type(KEYS[2], 'hash')
 if not refused then

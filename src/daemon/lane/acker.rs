@@ -66,7 +66,7 @@ pub fn stall_bound(redis: &RedisConfig) -> Duration {
 pub struct Acker {
     pub lane: Arc<Lane>,
     pub plugins: Arc<Plugins>,
-    pub connection: Session,
+    pub session: Session,
     pub settler: Settler,
     /// Fires when the daemon gives up waiting: the acker stops even if Redis keeps failing.
     pub background: Listener,
@@ -81,14 +81,14 @@ impl Acker {
     pub fn new(
         lane: Arc<Lane>,
         plugins: Arc<Plugins>,
-        connection: Session,
+        session: Session,
         settler: Settler,
         background: Listener,
     ) -> Acker {
         Acker {
             lane,
             plugins,
-            connection,
+            session,
             settler,
             background,
             refused: Vec::new(),
@@ -285,7 +285,7 @@ impl Acker {
         // Every outcome of the group has a settlement (the caller picked them by it).
         let settlements: Vec<&Settlement> = group.iter().filter_map(|o| o.settlement()).collect();
         let report = self.settler.settle(
-            &mut self.connection,
+            &mut self.session,
             &queue.keys,
             Fence::Owner,
             queue.config.dead_max,

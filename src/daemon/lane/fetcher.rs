@@ -32,7 +32,7 @@ use super::Lane;
 use super::depth::Depth;
 use super::jobs;
 use super::ownership::Exchange;
-use super::resolve::{Job, JobState};
+use super::resolve::{HeldState, Job};
 use crate::broker::{self, Batch, BrokerError, Isolation, LeaseClock, Limited, OwnerInfo, Session};
 use crate::config::{Mode, Prefetch};
 use crate::observed;
@@ -50,7 +50,7 @@ pub const CAPACITY_WAIT: Duration = Duration::from_millis(200);
 
 pub struct Fetcher {
     lane: Arc<Lane>,
-    connection: Session,
+    session: Session,
     /// Fires when the lane stops claiming (the shutdown, or a reload that retires the lane).
     claiming: Listener,
     /// Fires when the daemon shuts down: a claim whose reply was lost is no longer adopted.
@@ -104,7 +104,7 @@ struct LostClaim {
 impl Fetcher {
     pub fn new(
         lane: Arc<Lane>,
-        connection: Session,
+        session: Session,
         claiming: Listener,
         shutdown: Listener,
         jobs: jobs::Sender,
@@ -131,7 +131,7 @@ impl Fetcher {
             claim_size: config.batch,
             depth,
             lane,
-            connection,
+            session,
             claiming,
             shutdown,
             jobs,
@@ -193,7 +193,7 @@ impl Fetcher {
                     let kept = self.lost_claim.as_ref().map_or(0, |lost| lost.count);
                     lane.capacity.release(free - kept);
                     self.trouble.failed(&error);
-                    self.connection.reset();
+                    self.session.reset();
                     if backoff.wait_unless_first(&self.claiming) {
                         break;
                     }
@@ -303,7 +303,7 @@ impl Fetcher {
             .clone();
         let sent = Instant::now();
         let registered = broker::register(
-            self.connection.get()?,
+            self.session.get()?,
             &queue.keys,
             &owner,
             queue.config.lease_timeout,
@@ -326,7 +326,7 @@ impl Fetcher {
     fn pop(&mut self, owner: Arc<str>, free: usize) -> broker::Result<Batch> {
         let lane = Arc::clone(&self.lane);
         let queue = &lane.queue;
-        let connection = self.connection.get()?;
+        let connection = self.session.get()?;
         if self
             .flows_looked
             .is_none_or(|looked| looked.elapsed() >= FLOWS_LOOK)
@@ -412,7 +412,7 @@ impl Fetcher {
         // backlog's double up to the free capacity within a few round trips. The claim is numbered by the first
         // of the `want` numbers it reserves (its tasks' tokens are positions in its lists).
         let want = self.asks_for(free);
-        let connection = self.connection.get()?;
+        let connection = self.session.get()?;
         if self
             .flows_looked
             .is_none_or(|looked| looked.elapsed() >= FLOWS_LOOK)
@@ -518,7 +518,7 @@ impl Fetcher {
         let Some(lost) = self.lost_claim.as_ref() else {
             return true;
         };
-        let adopted = self.connection.get().and_then(|connection| {
+        let adopted = self.session.get().and_then(|connection| {
             broker::adopt(
                 connection,
                 &lane.queue.keys,
@@ -556,7 +556,7 @@ impl Fetcher {
             }
             Err(error) => {
                 self.trouble.failed(&error);
-                self.connection.reset();
+                self.session.reset();
                 false
             }
         }
@@ -579,7 +579,7 @@ impl Fetcher {
         let lane = &self.lane;
         let claimed_ns = lane.since_epoch(Instant::now());
         let states = batch.tasks.into_iter().map(|taken| {
-            JobState::new(taken.token, taken.level, lane.epoch).popped(
+            HeldState::new(taken.token, taken.level, lane.epoch).popped(
                 taken.popped_by,
                 taken.popped_scope,
                 taken.holds_unique,

@@ -8,24 +8,24 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use rustc_hash::FxHashMap;
 
 use super::lock;
-use super::resolve::{HeldTask, JobId, JobState};
+use super::resolve::{HeldState, HeldTask, JobId};
 use crate::broker::payloads::Payloads;
 
 /// The tasks of one claim (or pop), each with its id in the lane's table of held tasks.
 pub type Tasks = Vec<(JobId, HeldTask)>;
 
 /// The table of the tasks a lane holds. The hot path takes its lock once per claimed batch (insert) and once per
-/// settled batch (remove); a task's phase is an atomic in its [`JobState`], shared with the worker.
+/// settled batch (remove); a task's phase is an atomic in its [`HeldState`], shared with the worker.
 #[derive(Debug, Default)]
-pub struct Held {
+pub struct HeldTable {
     entries: Mutex<FxHashMap<JobId, HeldTask>>,
     next_id: AtomicU64,
 }
 
-impl Held {
+impl HeldTable {
     /// The newly taken tasks of one claim (or pop), each with an id of its own; not held yet (see
-    /// [`Held::insert`]).
-    pub fn number(&self, claim: impl IntoIterator<Item = JobState>, payloads: Payloads) -> Tasks {
+    /// [`HeldTable::insert`]).
+    pub fn number(&self, claim: impl IntoIterator<Item = HeldState>, payloads: Payloads) -> Tasks {
         HeldTask::claim(claim, payloads)
             .map(|task| (self.next_id.fetch_add(1, Ordering::Relaxed), task))
             .collect()
@@ -56,7 +56,7 @@ impl Held {
     }
 
     /// How many held tasks `matches` selects (for the metrics).
-    pub fn count(&self, mut matches: impl FnMut(&JobState) -> bool) -> usize {
+    pub fn count(&self, mut matches: impl FnMut(&HeldState) -> bool) -> usize {
         lock(&self.entries)
             .values()
             .filter(|state| matches(state))
@@ -64,7 +64,7 @@ impl Held {
     }
 
     /// The held tasks `matches` selects, for a resolver to take.
-    pub fn select(&self, mut matches: impl FnMut(&JobState) -> bool) -> Vec<(JobId, HeldTask)> {
+    pub fn select(&self, mut matches: impl FnMut(&HeldState) -> bool) -> Vec<(JobId, HeldTask)> {
         lock(&self.entries)
             .iter()
             .filter(|(_, state)| matches(state))

@@ -278,13 +278,13 @@ impl Drop for Receiver {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::daemon::lane::resolve::{HeldTask, JobState};
+    use crate::daemon::lane::resolve::{HeldState, HeldTask};
     use std::time::Instant;
 
     fn job(id: u64) -> Job {
         Job {
             id,
-            task: HeldTask::alone(JobState::new(None, 0, Instant::now()), b""),
+            task: HeldTask::alone(HeldState::new(None, 0, Instant::now()), b""),
             claimed_at_ms: 0,
             claimed_ns: 0,
         }

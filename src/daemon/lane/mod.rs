@@ -55,9 +55,9 @@ use crate::pulse::Pulse;
 use crate::queue::QueueContext;
 use capacity::Capacity;
 use depth::IdleTime;
-pub use held::{Held, Tasks};
+pub use held::{HeldTable, Tasks};
 pub use ownership::{LeaseView, Ownership};
-use resolve::{HeldTask, JobState, Resolution};
+use resolve::{HeldState, HeldTask, Resolution};
 
 /// How long the lane's fetcher may go without a beat of its pulse before the watchdog counts it as wedged:
 /// everything one turn of its loop may wait, added up, so that a Redis that is down, slow or failing over never
@@ -81,7 +81,7 @@ pub struct Lane {
     /// The time the workers spent waiting for a task (what an adaptive prefetch watches).
     pub idle: IdleTime,
     /// The tasks this daemon holds for the queue: claimed and not yet settled.
-    pub held: Held,
+    pub held: HeldTable,
     /// This daemon's claim identity on the queue.
     pub ownership: Ownership,
     /// Tasks taken from their worker while it ran them, whose handler has not returned yet (the timeouts thread
@@ -118,7 +118,7 @@ impl Lane {
             slots: slots::Slots::new(config.workers),
             started: started::StartedTasks::new(&config.name, epoch),
             idle: IdleTime::default(),
-            held: Held::default(),
+            held: HeldTable::default(),
             ownership: Ownership::new(instance),
             orphans: Mutex::new(Vec::new()),
             fetcher_done: AtomicBool::new(false),
@@ -185,7 +185,7 @@ impl Lane {
     /// lock of the ownership's per claim, beside the table's.
     pub fn hold(
         &self,
-        claim: impl IntoIterator<Item = JobState>,
+        claim: impl IntoIterator<Item = HeldState>,
         payloads: Payloads,
     ) -> Result<Tasks, (Arc<str>, Tasks)> {
         let tasks = self.held.number(claim, payloads);
@@ -303,7 +303,7 @@ mod tests {
     }
 
     /// The states and payloads of a claim of `count` tasks under `owner`.
-    fn claim(lane: &Lane, owner: &Arc<str>, count: u32) -> (Vec<JobState>, Payloads) {
+    fn claim(lane: &Lane, owner: &Arc<str>, count: u32) -> (Vec<HeldState>, Payloads) {
         let mut payloads = Payloads::default();
         let states = (0..count)
             .map(|position| {
@@ -312,7 +312,7 @@ mod tests {
                     owner: Arc::clone(owner),
                     id: crate::broker::TokenId::Listed { claim: 0, position },
                 };
-                JobState::new(Some(token), 0, lane.epoch)
+                HeldState::new(Some(token), 0, lane.epoch)
             })
             .collect();
         (states, payloads)

@@ -20,7 +20,7 @@
 //! held task and frees its capacity. What the outcome is comes from one place: a verdict (what the run came to)
 //! goes through [`crate::queue::QueueContext::settle`] to `settlement::settle_verdict`, which asks the policy for the
 //! action and builds the record; a hand-back or a lost lease has no verdict. The phases, one atomic per task
-//! ([`JobState`]):
+//! ([`HeldState`]):
 //!
 //! ```text
 //!             start (worker)                 finish (worker): its outcome counts
@@ -77,7 +77,7 @@ const STUCK: u8 = 4;
 
 /// One task held by the daemon, shared by the lane's table of held tasks and the worker that runs it.
 #[derive(Debug)]
-pub struct JobState {
+pub struct HeldState {
     /// Safe mode: the claim that fences the task's settlement.
     pub token: Option<Token>,
     /// Default mode: the owner that popped it, when Redis keeps its running slot or unique id under that owner
@@ -120,16 +120,16 @@ pub enum Finished {
     WasStuck,
 }
 
-impl JobState {
-    /// The same task, popped by `owner` (default mode: see [`JobState::popped_by`]), holding its unique id
+impl HeldState {
+    /// The same task, popped by `owner` (default mode: see [`HeldState::popped_by`]), holding its unique id
     /// through it or not, counted in `scope` (a type's running count) or not.
     pub fn popped(
         self,
         owner: Option<Arc<str>>,
         scope: Option<Arc<str>>,
         holds_unique: bool,
-    ) -> JobState {
-        JobState {
+    ) -> HeldState {
+        HeldState {
             popped_by: owner,
             popped_scope: scope,
             holds_unique,
@@ -137,8 +137,8 @@ impl JobState {
         }
     }
 
-    pub fn new(token: Option<Token>, level: usize, epoch: Instant) -> JobState {
-        JobState {
+    pub fn new(token: Option<Token>, level: usize, epoch: Instant) -> HeldState {
+        HeldState {
             token,
             popped_by: None,
             popped_scope: None,
@@ -222,7 +222,7 @@ impl JobState {
     }
 }
 
-/// A held task: its [`JobState`] and its payload. The states and payloads of one claim's tasks are one allocation
+/// A held task: its [`HeldState`] and its payload. The states and payloads of one claim's tasks are one allocation
 /// each, shared by the lane's table of held tasks, the worker that runs a task and whoever resolves it, and freed
 /// when the last of them lets go: a few allocations per claim instead of two per task (docs/PERFORMANCE.md, "One
 /// allocation per claim, one lock per settle"). A task that outlives its claim's others (a slow handler) keeps
@@ -236,14 +236,14 @@ pub struct HeldTask {
 
 #[derive(Debug)]
 struct Claim {
-    states: Box<[JobState]>,
+    states: Box<[HeldState]>,
     payloads: Payloads,
 }
 
 impl HeldTask {
     /// The tasks of one claim, in its order: `states[i]`'s payload is `payloads`' `i`th.
     pub fn claim(
-        states: impl IntoIterator<Item = JobState>,
+        states: impl IntoIterator<Item = HeldState>,
         payloads: Payloads,
     ) -> impl Iterator<Item = HeldTask> {
         let claim = Arc::new(Claim {
@@ -285,7 +285,7 @@ impl HeldTask {
 
     /// A task claimed alone.
     #[cfg(test)]
-    pub fn alone(state: JobState, payload: &[u8]) -> HeldTask {
+    pub fn alone(state: HeldState, payload: &[u8]) -> HeldTask {
         let mut payloads = Payloads::default();
         payloads.push(payload);
         HeldTask::claim([state], payloads).next().expect("one task")
@@ -293,9 +293,9 @@ impl HeldTask {
 }
 
 impl std::ops::Deref for HeldTask {
-    type Target = JobState;
+    type Target = HeldState;
 
-    fn deref(&self) -> &JobState {
+    fn deref(&self) -> &HeldState {
         &self.claim.states[self.index]
     }
 }
@@ -475,7 +475,7 @@ impl Lane {
     }
 }
 
-/// The resolutions made outside the workers: each takes tasks with [`JobState::take`] and sends exactly one
+/// The resolutions made outside the workers: each takes tasks with [`HeldState::take`] and sends exactly one
 /// outcome for each task it won.
 impl Lane {
     /// Execution timeouts: every run of the queue past `timeout` is taken (its cancel flag raised) and counted as
@@ -556,7 +556,7 @@ impl Lane {
     /// stuck, or a reload retires the lane. Returns how many.
     pub fn hand_back_waiting(&self) -> usize {
         self.held
-            .select(JobState::is_waiting)
+            .select(HeldState::is_waiting)
             .into_iter()
             .filter(|(job, state)| self.hand_back_if_waiting(*job, state))
             .count()
@@ -646,8 +646,8 @@ pub fn capped_payload(payload: &[u8]) -> String {
 mod tests {
     use super::*;
 
-    fn job() -> JobState {
-        JobState::new(None, 0, Instant::now())
+    fn job() -> HeldState {
+        HeldState::new(None, 0, Instant::now())
     }
 
     #[test]
@@ -702,7 +702,7 @@ mod loom_tests {
 
     /// The worker's side: start, (run), finish. Returns whether it resolved the task, and whether it gave back a
     /// stuck count.
-    fn worker(state: &JobState) -> (bool, bool) {
+    fn worker(state: &HeldState) -> (bool, bool) {
         if !state.start(0) {
             return (false, false);
         }
@@ -716,7 +716,7 @@ mod loom_tests {
     #[test]
     fn exactly_one_of_worker_timeout_and_shutdown_resolves() {
         loom::model(|| {
-            let state = HeldTask::alone(JobState::new(None, 0, Instant::now()), b"");
+            let state = HeldTask::alone(HeldState::new(None, 0, Instant::now()), b"");
             let resolved = Arc::new(AtomicUsize::new(0));
             let stuck = Arc::new(AtomicUsize::new(0));
             let given_back = Arc::new(AtomicUsize::new(0));
@@ -786,7 +786,7 @@ mod loom_tests {
     #[test]
     fn two_takers_never_both_win() {
         loom::model(|| {
-            let state = HeldTask::alone(JobState::new(None, 0, Instant::now()), b"");
+            let state = HeldTask::alone(HeldState::new(None, 0, Instant::now()), b"");
             let other = {
                 let state = state.clone();
                 thread::spawn(move || state.take().is_some())

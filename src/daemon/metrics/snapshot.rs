@@ -94,7 +94,7 @@ impl RedisView {
 pub struct Refresher {
     /// The queues are the lanes' (one per queue, the newest), read at every refresh: a reload adds or removes some.
     lanes: Arc<LaneSet>,
-    connection: Session,
+    session: Session,
     background: Listener,
     shared: Arc<Shared>,
     wake: Receiver<()>,
@@ -103,7 +103,7 @@ pub struct Refresher {
 /// A refresher for the queues of `lanes` and the view that asks it.
 pub fn refresher(
     lanes: Arc<LaneSet>,
-    connection: Session,
+    session: Session,
     background: Listener,
 ) -> (RedisView, Refresher) {
     let shared = Arc::new(Shared::default());
@@ -114,7 +114,7 @@ pub fn refresher(
     };
     let refresher = Refresher {
         lanes,
-        connection,
+        session,
         background,
         shared,
         wake,
@@ -135,7 +135,7 @@ impl Refresher {
                 Err(error) => {
                     tracing::debug!(%error, "metrics: cannot read the queues from Redis");
                     redis_error("reading queues for the metrics");
-                    self.connection.reset();
+                    self.session.reset();
                     None
                 }
             };
@@ -152,7 +152,7 @@ impl Refresher {
         let mut snapshot = Vec::with_capacity(lanes.len());
         for queue in lanes.iter().map(|lane| &lane.queue) {
             let keys = &queue.keys;
-            let connection = self.connection.get()?;
+            let connection = self.session.get()?;
             let stats = broker::stats(connection, keys)?;
             let (now_ms, leases) = broker::owners(connection, keys)?;
             let daemons = leases

@@ -935,3 +935,37 @@ pub fn dead_reasons(
         })
         .collect()
 }
+
+/// A daemon of `queue` behind a fault proxy that drops the `nth` reply of `script` (then does
+/// `then`), the way a limited queue's counts are tested against a lost reply: `prepare` finishes the config (the
+/// handlers' types), `drain` pushes the tasks and checks they all drained once and what the counts came back to;
+/// then the fault must have fired, once. The flow-control tests (limits, type limits, groups) share it.
+pub fn drain_with_a_reply_lost(
+    script: &str,
+    (nth, then): (usize, proxy::AfterDrop),
+    queue: &str,
+    prepare: impl FnOnce(&TestDir, &Path),
+    drain: impl FnOnce(&Path, &RedisServer, &TestDir),
+) {
+    let redis = RedisServer::start();
+    let proxy = proxy::FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let redis_section = format!("url = \"{}\"\nio_timeout = \"1s\"", proxy.url());
+    let config = dir.config_raw(&redis_section, "", queue);
+    prepare(&dir, &config);
+    let daemon = TestDaemon::start(&config);
+    // Idle: a default-mode fetcher waits on its wake list with BLMOVE, a safe-mode one with BLPOP.
+    redis.wait_blocked_in(if queue.contains("\"default\"") {
+        "blmove"
+    } else {
+        "blpop"
+    });
+    let rule = proxy.add(proxy::Fault::DropReply {
+        matching: proxy::Matcher::script(script),
+        nth,
+        then,
+    });
+    drain(&config, &redis, &dir);
+    assert_eq!(rule.fired(), 1, "{then:?}: the reply was dropped");
+    daemon.stop();
+}
