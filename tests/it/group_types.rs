@@ -301,7 +301,7 @@ fn a_limited_types_task_in_its_groups_flow_is_sorted_out_and_does_not_block_the_
 
 /// A claim whose only candidate flow held nothing but a limited type's task that it had to sort out (its type full)
 /// reads the level's flows once more and takes from the next group: the task of that group does not wait for a
-/// wake-up that may never come (the model's finding, model/README.md, "Groups beside type limits").
+/// wake-up that may never come (the groups-beside-types model's finding, model/README.md, "What the checker found").
 #[test]
 fn a_claim_that_only_sorted_a_types_task_away_takes_from_the_next_group() {
     let redis = RedisServer::start();
