@@ -26,9 +26,10 @@
 -- routes them there (such a queue's daemons do not set the routes hash: push.lua routes by group only). A task of
 -- a limited type found in `GROUP:` all the same (pushed while another config routed, or there before its type was
 -- limited) is sorted out by the claim that serves `GROUP:`: one of a type whose limits refuse it now moves to its
--- (GROUP, TYPE) flow (a retry or a recovery to its head), at most SCAN a claim. A (GROUP, TYPE) flow is served only while both its group and its type admit it; refused, it
--- leaves the lowest band as a group's flows do (TIMED for a type's rate window or throttle, PARKED for a full
--- `max_running`), and a PARKED one is also named in its refuser's *park index* (`park:SCOPE`, a zset, member
+-- (GROUP, TYPE) flow (a retry or a recovery to its head), at most SCAN a claim. A (GROUP, TYPE) flow is served
+-- only while both its group and its type admit it; refused, it leaves the lowest band as a group's flows do (TIMED
+-- for a type's rate window or throttle, PARKED for a full `max_running`), and a PARKED one is also named in its
+-- refuser's *park index* (`park:SCOPE`, a zset, member
 -- `LEVEL|MEMBER` -> ms parked): `park:g:GROUP` for a paused or full group (the settle that frees the group's slot,
 -- and `kmqd group resume`, move them all back: a group has few such flows), `park:t:TYPE` for a full type (every
 -- claim moves back as many of the longest-parked as the type has room for, plus 8, the oldest first: a type's
@@ -219,9 +220,10 @@ local function flow_refused(st, typ, member, now)
   end
 end
 
--- Parks or times a refused flow: its band in the ring, and its entry in its refuser's park index.
-local function flow_hold(g, level, member, band, scope, now)
-  redis.call('ZADD', g.rings[level], 'XX', band, member)
+-- Parks or times a refused flow: its band in the ring (`how`: 'XX' for a flow in the ring, 'NX' for one a task
+-- was just moved to), and its entry in its refuser's park index.
+local function flow_hold(g, level, member, band, scope, now, how)
+  redis.call('ZADD', g.rings[level], how, band, member)
   if scope then redis.call('ZADD', g.base .. ':park:' .. scope, 'NX', now, level .. '|' .. member) end
 end
 
@@ -398,8 +400,7 @@ local function group_sort_turn(g, c, m, now, add)
     for k = #move.heads, 1, -1 do redis.call('LPUSH', move.flow, move.heads[k]) end
     if #move.tails > 0 then redis.call('RPUSH', move.flow, unpack(move.tails)) end
     local band, scope = flow_refused(c.st, move.typ, member, now)
-    redis.call('ZADD', g.rings[c.level], 'NX', band, member)
-    if scope then redis.call('ZADD', g.base .. ':park:' .. scope, 'NX', now, c.level .. '|' .. member) end
+    flow_hold(g, c.level, member, band, scope, now, 'NX')
   end
   g.scan = g.scan - #items
   if #order > 0 then g.sorted = true end
@@ -418,7 +419,7 @@ local function groups_take(g, level, cands, take, now, add)
   for _, c in ipairs(cands) do
     local band, scope = flow_refused(c.st, c.typ, c.member, now)
     if band then
-      flow_hold(g, level, c.member, band, scope, now)
+      flow_hold(g, level, c.member, band, scope, now, 'XX')
       held = true
     else
       active[#active + 1] = c
