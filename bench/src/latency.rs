@@ -43,13 +43,8 @@ fn percentiles_figure(name: String, runs: &[Vec<f64>]) -> Figure {
 }
 
 fn idle(bench: &Bench, mode: &str) -> Result<Figure, String> {
-    let record = bench.dir.path().join(format!("latency-idle-{mode}.log"));
-    let _ = std::fs::remove_file(&record);
-    let config = bench.config(&format!("latency-idle-{mode}"), mode, Some(&record))?;
-    let client = bench.client(&config)?;
-    bench.flush()?;
-    let daemon = bench.daemon(&config)?;
-    let mut starts = Starts::new(record);
+    let (client, daemon, mut starts) =
+        super::recorded_daemon(bench, &format!("latency-idle-{mode}"), mode)?;
     let runs = (0..bench.options.runs)
         .map(|run| {
             idle_samples(

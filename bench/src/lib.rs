@@ -960,14 +960,8 @@ fn wait_idle(bench: &Bench, mode: &str) -> Result<(), String> {
 }
 
 fn wake_up(bench: &Bench, mode: &str) -> Result<Figure, String> {
-    let record = bench.dir.path().join(format!("wakeup-{mode}.log"));
-    let _ = std::fs::remove_file(&record);
-    let config = bench.config(&format!("wakeup-{mode}"), mode, Some(&record))?;
-    let client = bench.client(&config)?;
-    bench.flush()?;
-    let daemon = bench.daemon(&config)?;
+    let (client, daemon, mut starts) = recorded_daemon(bench, &format!("wakeup-{mode}"), mode)?;
     let (mut p50, mut p99) = (Vec::new(), Vec::new());
-    let mut starts = Starts::new(record);
     for run in 0..bench.options.runs {
         let latencies = idle_samples(bench, mode, &client, &mut starts, &format!("w{run}"), 200)?;
         p50.push(percentile(&latencies, 50.0));
@@ -981,6 +975,22 @@ fn wake_up(bench: &Bench, mode: &str) -> Result<Figure, String> {
         p50,
         vec![("p99 µs".into(), p99)],
     ))
+}
+
+/// A daemon of `mode` for the queue `q`, on an empty Redis, whose testkit records every start (config and record
+/// file named `name`): its client, the daemon, and its starts, read as they come.
+fn recorded_daemon(
+    bench: &Bench,
+    name: &str,
+    mode: &str,
+) -> Result<(Client, Daemon, Starts), String> {
+    let record = bench.dir.path().join(format!("{name}.log"));
+    let _ = std::fs::remove_file(&record);
+    let config = bench.config(name, mode, Some(&record))?;
+    let client = bench.client(&config)?;
+    bench.flush()?;
+    let daemon = bench.daemon(&config)?;
+    Ok((client, daemon, Starts::new(record)))
 }
 
 /// The start times the testkit recorded so far, read on as its record file grows.

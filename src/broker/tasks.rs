@@ -676,24 +676,14 @@ impl Popper {
     ///
     /// With a limit, always pop.lua, which counts the starts in the windows' logs as claim.lua does, and the tasks
     /// taken in the running count under `owner`'s share.
+    ///
+    /// With `wait`, once something may be there to pop (see [`wait_idle`]: up to `wait.0`; the reply may take
+    /// `wait.1`, the I/O timeout, more): on a node's connection pop.lua is sent behind the blocking wait, in the
+    /// same write, so that Redis runs it as soon as a push ends the wait, without the wait's reply's trip to the
+    /// fetcher and the pop's back (docs/PERFORMANCE.md, "Push to start on an idle queue"). On a cluster's
+    /// connection, the wait and then the pop. A reply lost is a pop's reply lost, whether the wait had ended or not
+    /// (the caller gives its owner up, as after any pop's).
     pub fn pop(
-        &mut self,
-        conn: &mut Conn,
-        keys: &QueueKeys,
-        owner: &Arc<str>,
-        max: usize,
-        limits: PopLimits<'_>,
-    ) -> Result<Batch> {
-        self.pop_after(conn, keys, owner, max, limits, None)
-    }
-
-    /// As [`Popper::pop`], once something may be there to pop (see [`wait_idle`]: up to `wait.0`; the reply may
-    /// take `wait.1`, the I/O timeout, more): on a node's connection pop.lua is sent behind the blocking wait, in
-    /// the same write, so that Redis runs it as soon as a push ends the wait, without the wait's reply's trip to
-    /// the fetcher and the pop's back (docs/PERFORMANCE.md, "Push to start on an idle queue"). On a cluster's
-    /// connection, the wait and then the pop. `None`: no wait. A reply lost is a pop's reply lost, whether the
-    /// wait had ended or not (the caller gives its owner up, as after any pop's).
-    pub fn pop_after(
         &mut self,
         conn: &mut Conn,
         keys: &QueueKeys,
@@ -705,7 +695,7 @@ impl Popper {
         if let Some((timeout, io_timeout)) = wait {
             if !conn.is_node() {
                 wait_idle(conn, keys, timeout, io_timeout)?;
-                return self.pop(conn, keys, owner, max, limits);
+                return self.pop(conn, keys, owner, max, limits, None);
             }
             conn.set_read_timeout(Some(timeout + io_timeout))?;
             let popped = pop_script(conn, keys, owner, max, limits, Some(timeout));
@@ -921,7 +911,7 @@ fn pop_plain(conn: &mut Conn, keys: &QueueKeys, max: usize) -> Result<Option<Bat
 }
 
 /// pop.lua; also says whether the queue holds unique ids now. With `wait`, behind a wait of up to that long for
-/// something to pop ([`wait_idle`]'s), in the same write (a node's connection only: [`Popper::pop_after`]).
+/// something to pop ([`wait_idle`]'s), in the same write (a node's connection only: [`Popper::pop`]).
 fn pop_script(
     conn: &mut Conn,
     keys: &QueueKeys,

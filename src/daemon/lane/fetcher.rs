@@ -346,7 +346,7 @@ impl Fetcher {
             .map(|wait| (wait, queue.io_timeout));
         let popped = self
             .popper
-            .pop_after(connection, &queue.keys, &owner, free, limits, wait);
+            .pop(connection, &queue.keys, &owner, free, limits, wait);
         match &popped {
             Ok(batch)
                 if batch.tasks.is_empty()
