@@ -445,6 +445,27 @@ impl RedisServer {
         );
     }
 
+    /// Ends the wait of the client blocked in `command` as if it timed out (`CLIENT UNBLOCK`). An idle fetcher's
+    /// claim or pop is already in Redis, behind its wait (docs/PERFORMANCE.md, "Push to start on an idle queue"): a
+    /// request fault meant for its next one is added first, then this, so that the take it sends behind its next
+    /// wait is the one the fault meets.
+    pub fn end_blocking_wait(&self, command: &str) {
+        let wanted = format!("cmd={command}");
+        let clients: String = self.cmd(&["CLIENT", "LIST"]);
+        let id = clients
+            .lines()
+            .find(|client| client.contains(&wanted))
+            .and_then(|client| {
+                client
+                    .split(' ')
+                    .find_map(|field| field.strip_prefix("id="))
+            })
+            .unwrap_or_else(|| panic!("no client blocked in {command}: {clients}"))
+            .to_string();
+        let unblocked: i64 = self.cmd(&["CLIENT", "UNBLOCK", &id]);
+        assert_eq!(unblocked, 1, "client {id} was not blocked in {command}");
+    }
+
     /// The ids of the envelopes in a list, head first.
     pub fn ids_in(&self, list: &str) -> Vec<String> {
         let payloads: Vec<String> = self.cmd(&["LRANGE", list, "0", "-1"]);
