@@ -95,21 +95,15 @@ fn an_idle_daemon_waits_with_its_next_take_already_sent_behind_the_wait() {
         );
         let config = dir.config(&redis, &queue);
         let daemon = TestDaemon::start(&config);
-        let blocked = format!("cmd={command}");
         eventually(
             Duration::from_secs(10),
             &format!("{mode} mode: a fetcher blocked in {command} with its take queued behind"),
             || {
-                let clients: String = redis.cmd(&["CLIENT", "LIST"]);
-                let queued = clients
-                    .lines()
-                    .filter(|client| client.contains(&blocked))
-                    .filter_map(|client| {
-                        let qbuf = client.split(' ').find_map(|f| f.strip_prefix("qbuf="))?;
-                        qbuf.parse::<u64>().ok()
-                    })
-                    .any(|bytes| bytes > 0);
-                (queued, clients)
+                let queued = redis.client_fields(command, "qbuf");
+                let behind = queued
+                    .iter()
+                    .any(|bytes| bytes.parse::<u64>().is_ok_and(|n| n > 0));
+                (behind, queued)
             },
         );
         push_many(&config, "t", 1, "{}");

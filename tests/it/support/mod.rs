@@ -450,20 +450,28 @@ impl RedisServer {
     /// request fault meant for its next one is added first, then this, so that the take it sends behind its next
     /// wait is the one the fault meets.
     pub fn end_blocking_wait(&self, command: &str) {
-        let wanted = format!("cmd={command}");
+        let ids = self.client_fields(command, "id");
+        let id = ids
+            .first()
+            .unwrap_or_else(|| panic!("no client blocked in {command}"));
+        let unblocked: i64 = self.cmd(&["CLIENT", "UNBLOCK", id]);
+        assert_eq!(unblocked, 1, "client {id} was not blocked in {command}");
+    }
+
+    /// `field` (`id`, `qbuf`) of each client whose last command was `command`, as `CLIENT LIST` shows them.
+    pub fn client_fields(&self, command: &str, field: &str) -> Vec<String> {
+        let (wanted, prefix) = (format!("cmd={command}"), format!("{field}="));
         let clients: String = self.cmd(&["CLIENT", "LIST"]);
-        let id = clients
+        clients
             .lines()
-            .find(|client| client.contains(&wanted))
-            .and_then(|client| {
+            .filter(|client| client.contains(&wanted))
+            .filter_map(|client| {
                 client
                     .split(' ')
-                    .find_map(|field| field.strip_prefix("id="))
+                    .find_map(|f| f.strip_prefix(prefix.as_str()))
             })
-            .unwrap_or_else(|| panic!("no client blocked in {command}: {clients}"))
-            .to_string();
-        let unblocked: i64 = self.cmd(&["CLIENT", "UNBLOCK", &id]);
-        assert_eq!(unblocked, 1, "client {id} was not blocked in {command}");
+            .map(str::to_string)
+            .collect()
     }
 
     /// The ids of the envelopes in a list, head first.
