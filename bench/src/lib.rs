@@ -10,6 +10,7 @@ mod defaults;
 mod groups;
 mod handlers;
 mod languages;
+mod latency;
 mod limits;
 pub mod peers;
 mod redis_cost;
@@ -57,12 +58,13 @@ pub struct Options {
     pub daemon: Option<PathBuf>,
 }
 
-pub const SCENARIOS: [&str; 15] = [
+pub const SCENARIOS: [&str; 16] = [
     "push",
     "drain",
     "defaults",
     "kill",
     "wakeup",
+    "latency",
     "lateness",
     "memory",
     "deployments",
@@ -537,6 +539,15 @@ pub fn run(options: Options, progress: &mut dyn Write) -> Result<Report, String>
             say(format!("idle wake-up latency: {mode} mode..."));
             figures.push(wake_up(&bench, mode)?);
         }
+    }
+    if wants("latency") {
+        say(format!(
+            "push to start, p50/p99/p999: an idle queue ({} samples a run) and one at half its drain rate, both \
+             modes, {} runs...",
+            latency::IDLE_SAMPLES,
+            o.runs
+        ));
+        figures.extend(latency::latency(&bench)?);
     }
     if wants("lateness") {
         say("delayed-task lateness at 10k due tasks per second...".into());
@@ -1025,42 +1036,10 @@ fn wait_idle(bench: &Bench, mode: &str) -> Result<(), String> {
 }
 
 fn wake_up(bench: &Bench, mode: &str) -> Result<Figure, String> {
-    let record = bench.dir.path().join(format!("wakeup-{mode}.log"));
-    let _ = std::fs::remove_file(&record);
-    let config = bench.config(&format!("wakeup-{mode}"), mode, Some(&record))?;
-    let client = bench.client(&config)?;
-    bench.flush()?;
-    let daemon = bench.daemon(&config)?;
+    let (client, daemon, mut starts) = recorded_daemon(bench, &format!("wakeup-{mode}"), mode)?;
     let (mut p50, mut p99) = (Vec::new(), Vec::new());
-    let mut starts = HashMap::new();
-    let mut offset = 0;
     for run in 0..bench.options.runs {
-        let mut latencies = Vec::new();
-        for sample in 0..200 {
-            wait_idle(bench, mode)?;
-            let id = format!("w{run}-{sample}");
-            let pushed = now_us();
-            client
-                .push(
-                    "q",
-                    NewTask::new("test", "{}")
-                        .map_err(|e| e.to_string())?
-                        .id(&id),
-                )
-                .map_err(|e| e.to_string())?;
-            let deadline = Instant::now() + Duration::from_secs(10);
-            let started = loop {
-                offset = read_starts(&record, offset, &mut starts)?;
-                if let Some(started) = starts.get(&id) {
-                    break *started;
-                }
-                if Instant::now() > deadline {
-                    return Err(format!("task {id} did not start within 10 s"));
-                }
-                std::thread::sleep(Duration::from_micros(200));
-            };
-            latencies.push(started.saturating_sub(pushed) as f64);
-        }
+        let latencies = idle_samples(bench, mode, &client, &mut starts, &format!("w{run}"), 200)?;
         p50.push(percentile(&latencies, 50.0));
         p99.push(percentile(&latencies, 99.0));
     }
@@ -1072,6 +1051,83 @@ fn wake_up(bench: &Bench, mode: &str) -> Result<Figure, String> {
         p50,
         vec![("p99 µs".into(), p99)],
     ))
+}
+
+/// A daemon of `mode` for the queue `q`, on an empty Redis, whose testkit records every start (config and record
+/// file named `name`): its client, the daemon, and its starts, read as they come.
+fn recorded_daemon(
+    bench: &Bench,
+    name: &str,
+    mode: &str,
+) -> Result<(Client, Daemon, Starts), String> {
+    let record = bench.dir.path().join(format!("{name}.log"));
+    let _ = std::fs::remove_file(&record);
+    let config = bench.config(name, mode, Some(&record))?;
+    let client = bench.client(&config)?;
+    bench.flush()?;
+    let daemon = bench.daemon(&config)?;
+    Ok((client, daemon, Starts::new(record)))
+}
+
+/// The start times the testkit recorded so far, read on as its record file grows.
+struct Starts {
+    record: PathBuf,
+    offset: u64,
+    by_id: HashMap<String, u64>,
+}
+
+impl Starts {
+    fn new(record: PathBuf) -> Starts {
+        Starts {
+            record,
+            offset: 0,
+            by_id: HashMap::new(),
+        }
+    }
+
+    /// When the task `id` started (µs since the epoch), waiting up to 10 s for it.
+    fn wait_for(&mut self, id: &str) -> Result<u64, String> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            self.offset = read_starts(&self.record, self.offset, &mut self.by_id)?;
+            if let Some(started) = self.by_id.get(id) {
+                return Ok(*started);
+            }
+            if Instant::now() > deadline {
+                return Err(format!("task {id} did not start within 10 s"));
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+}
+
+/// `count` tasks pushed one at a time to the idle daemon of `client`'s queue (each once its fetcher blocks in
+/// Redis again), ids `prefix-N`: each one's time from just before its push to its handler's start, µs.
+fn idle_samples(
+    bench: &Bench,
+    mode: &str,
+    client: &Client,
+    starts: &mut Starts,
+    prefix: &str,
+    count: usize,
+) -> Result<Vec<f64>, String> {
+    let mut latencies = Vec::with_capacity(count);
+    for sample in 0..count {
+        wait_idle(bench, mode)?;
+        let id = format!("{prefix}-{sample}");
+        let pushed = now_us();
+        client
+            .push(
+                "q",
+                NewTask::new("test", "{}")
+                    .map_err(|e| e.to_string())?
+                    .id(&id),
+            )
+            .map_err(|e| e.to_string())?;
+        let started = starts.wait_for(&id)?;
+        latencies.push(started.saturating_sub(pushed) as f64);
+    }
+    Ok(latencies)
 }
 
 fn lateness(bench: &Bench) -> Result<Figure, String> {

@@ -685,6 +685,13 @@ impl Popper {
     /// With a limit, always pop.lua, which counts the starts in the windows' logs as claim.lua does, and the tasks
     /// taken in the running count under `owner`'s share; with type limits (or flows to drain), it also sorts the
     /// tasks by type as claim.lua does (pop.lua, "Type limits"). A queue without any of them keeps the plain pop.
+    ///
+    /// With `wait`, once something may be there to pop (see [`wait_idle`]: up to `wait.0`; the reply may take
+    /// `wait.1`, the I/O timeout, more): on a node's connection pop.lua is sent behind the blocking wait, in the
+    /// same write, so that Redis runs it as soon as a push ends the wait, without the wait's reply's trip to the
+    /// fetcher and the pop's back (docs/PERFORMANCE.md, "Push to start on an idle queue"). On a cluster's
+    /// connection, the wait and then the pop. A reply lost is a pop's reply lost, whether the wait had ended or not
+    /// (the caller gives its owner up, as after any pop's).
     pub fn pop(
         &mut self,
         conn: &mut Conn,
@@ -692,7 +699,19 @@ impl Popper {
         owner: &Arc<str>,
         max: usize,
         limits: PopLimits<'_>,
+        wait: Option<(Duration, Duration)>,
     ) -> Result<Batch> {
+        if let Some((timeout, io_timeout)) = wait {
+            if !conn.is_node() {
+                wait_idle(conn, keys, timeout, io_timeout)?;
+                return self.pop(conn, keys, owner, max, limits, None);
+            }
+            conn.set_read_timeout(Some(timeout + io_timeout))?;
+            let popped = pop_script(conn, keys, owner, max, limits, Some(timeout));
+            conn.set_read_timeout(Some(io_timeout))?;
+            let (batch, held) = popped?;
+            return Ok(self.learn(batch, held));
+        }
         let limited = limits.max_running.is_some()
             || !limits.rate_limit.is_empty()
             || !limits.priority_weights.is_empty()
@@ -709,12 +728,17 @@ impl Popper {
                 None => self.no_unique_held = false,
             }
         }
-        let (batch, held) = pop_script(conn, keys, owner, max, limits)?;
+        let (batch, held) = pop_script(conn, keys, owner, max, limits, None)?;
+        Ok(self.learn(batch, held))
+    }
+
+    /// What a pop.lua's `batch` says of the next pop (`held`: whether the queue holds unique ids).
+    fn learn(&mut self, batch: Batch, held: bool) -> Batch {
         self.no_unique_held = !held;
         if !batch.paused && batch.limited.is_none() {
             self.last_taken = batch.tasks.len();
         }
-        Ok(batch)
+        batch
     }
 }
 
@@ -904,31 +928,32 @@ fn pop_plain(conn: &mut Conn, keys: &QueueKeys, max: usize) -> Result<Option<Bat
     }))
 }
 
-/// pop.lua; also says whether the queue holds unique ids now.
+/// pop.lua; also says whether the queue holds unique ids now. With `wait`, behind a wait of up to that long for
+/// something to pop ([`wait_idle`]'s), in the same write (a node's connection only: [`Popper::pop`]).
 fn pop_script(
     conn: &mut Conn,
     keys: &QueueKeys,
     owner: &Arc<str>,
     max: usize,
     limits: PopLimits<'_>,
+    mut wait: Option<Duration>,
 ) -> Result<(Batch, bool)> {
     let rate_limit = limits.rate_limit;
-    let mut invocation = SCRIPTS.pop.prepare_invoke();
-    invocation
-        .key(&keys.unique)
-        .key(&keys.unique_popped)
-        .key(&keys.paused)
-        .key(&keys.throttle)
-        .key(&keys.running)
-        .key(keys.popped_running(owner))
-        .key(&keys.sched)
-        .key(&keys.owners);
-    for list in pop_lists(keys) {
-        invocation.key(list);
-    }
+    let mut script_keys = vec![
+        keys.unique.clone(),
+        keys.unique_popped.clone(),
+        keys.paused.clone(),
+        keys.throttle.clone(),
+        keys.running.clone(),
+        keys.popped_running(owner),
+        keys.sched.clone(),
+        keys.owners.clone(),
+    ];
+    script_keys.extend(pop_lists(keys).map(str::to_string));
     for rate in rate_limit {
         let (log, sum) = keys.rate_log(rate.window_ms());
-        invocation.key(log).key(sum);
+        script_keys.push(log);
+        script_keys.push(sum);
     }
     let (type_keys, type_args) = type_block(
         keys,
@@ -936,26 +961,25 @@ fn pop_script(
         limits.drained_flows,
         limits.foreign_type_field,
     );
-    for key in &type_keys {
-        invocation.key(key);
-    }
-    invocation
-        .arg(&**owner)
+    script_keys.extend(type_keys);
+    let mut eval = evalsha(&SCRIPTS.pop, &script_keys);
+    eval.arg(&**owner)
         .arg(max)
         .arg(limits.max_running.unwrap_or(0))
         .arg(rate_limit.len());
     for rate in rate_limit {
-        invocation.arg(rate.window_ms()).arg(rate.starts);
+        eval.arg(rate.window_ms()).arg(rate.starts);
     }
-    invocation.arg(limits.priority_weights.len());
+    eval.arg(limits.priority_weights.len());
     for weight in limits.priority_weights {
-        invocation.arg(*weight);
+        eval.arg(*weight);
     }
     for arg in &type_args {
-        invocation.arg(arg);
+        eval.arg(arg);
     }
-    invocation.arg(POP_BYTES);
-    // The script's reply is depth 1, its list of tasks depth 2, the tasks depth 3.
+    eval.arg(POP_BYTES);
+    // The script's reply is depth 1, its list of tasks depth 2, the tasks depth 3 (a wait's reply: depth 1, the
+    // element BLMOVE moved, or 2, the marker BLPOP took).
     type Reply = (
         i64,
         usize,
@@ -967,9 +991,44 @@ fn pop_script(
         Vec<usize>,
         Vec<usize>,
     );
-    let ((now_ms, list, items, held, state, retry_at_ms, counts, recorded, flows), collected) =
-        conn.with_payloads(3, |conn| invocation.invoke::<Reply>(conn))
-            .map_err(|error| owner_error(error, owner))?;
+    let mut loaded = false;
+    let (reply, collected) = loop {
+        let outcome = conn.with_payloads(3, |conn| {
+            let reply = match wait {
+                None => eval.query::<Value>(conn)?,
+                Some(wait) => {
+                    // Each reply in its place, errors too: the wait's is ignored (pop.lua checks its keys
+                    // itself), and the pop ran whatever the wait answered.
+                    let mut pipe = redis::pipe();
+                    pipe.ignore_errors()
+                        .add_command(wait_command(keys, wait))
+                        .ignore()
+                        .add_command(eval.clone());
+                    let replies = pipe.query::<Vec<Value>>(conn)?;
+                    replies.into_iter().next().unwrap_or(Value::Nil)
+                }
+            };
+            // Its error is the reply itself (not `extract_error`, which rebuilds every list it walks).
+            match reply {
+                Value::ServerError(error) => Err(error.into()),
+                reply => Ok(reply),
+            }
+        });
+        match outcome {
+            Err(error) if !loaded && is_no_script(&error) => {
+                // Nothing ran but the wait, which took nothing: pop at once.
+                let _: String = conn.query_at(
+                    &keys.unique,
+                    redis::cmd("SCRIPT").arg("LOAD").arg(super::sources::POP),
+                )?;
+                loaded = true;
+                wait = None;
+            }
+            outcome => break outcome.map_err(|error| owner_error(error, owner))?,
+        }
+    };
+    let (now_ms, list, items, held, state, retry_at_ms, counts, recorded, flows): Reply =
+        redis::from_redis_value(reply).map_err(redis::RedisError::from)?;
     // The types' running scopes, by their 1-based index in the reply's `flows` (the type limits' order), each one
     // `Arc` shared by the batch's tasks.
     let scopes: Vec<Arc<str>> = limits
@@ -1057,6 +1116,21 @@ pub fn wait_idle(
         return wait_wake(conn, keys, timeout, io_timeout).map(drop);
     }
     wait_list(conn, &keys.ready[0], timeout, io_timeout).map(drop)
+}
+
+/// [`wait_idle`]'s blocking command, for a pipeline (its reply: nil after `timeout` without a push).
+fn wait_command(keys: &QueueKeys, timeout: Duration) -> redis::Cmd {
+    let mut wait;
+    if keys.levels() > 1 {
+        wait = redis::cmd("BLPOP");
+        wait.arg(&keys.wake);
+    } else {
+        let ready = &keys.ready[0];
+        wait = redis::cmd("BLMOVE");
+        wait.arg(ready).arg(ready).arg("LEFT").arg("LEFT");
+    }
+    wait.arg(timeout.as_secs_f64());
+    wait
 }
 
 /// Waits up to `timeout` for the list `key` to hold something, taking nothing (`BLMOVE` of the list onto itself,

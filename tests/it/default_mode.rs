@@ -168,7 +168,7 @@ fn a_pop_under_an_owner_whose_lease_ran_out_takes_nothing_and_records_no_unique_
     // Its lease ran out (a monitor may have released its ids already), and the owner that was never registered.
     let _: i64 = redis.cmd(&["ZADD", "kmq:{fast}:owners", "1", "o.1"]);
     for owner in [owner, std::sync::Arc::from("o.2")] {
-        let refused = popper.pop(&mut connection, &keys, &owner, 10, limits);
+        let refused = popper.pop(&mut connection, &keys, &owner, 10, limits, None);
         assert!(
             matches!(&refused, Err(kmqd::broker::BrokerError::LeaseLost { .. })),
             "{refused:?}"
@@ -185,7 +185,7 @@ fn a_pop_under_an_owner_whose_lease_ran_out_takes_nothing_and_records_no_unique_
     );
     let live: std::sync::Arc<str> = std::sync::Arc::from("o.3");
     let batch = popper
-        .pop(&mut connection, &keys, &live, 10, limits)
+        .pop(&mut connection, &keys, &live, 10, limits, None)
         .unwrap();
     assert_eq!(batch.tasks.len(), 1);
     assert!(batch.tasks[0].holds_unique);

@@ -508,6 +508,8 @@ fn a_default_mode_pop_that_lands_after_its_owner_was_released_takes_and_counts_n
         delay: Duration::from_secs(8),
         survive_close: true,
     });
+    // The idle fetcher's pop is in Redis already, behind its wait: the one it sends behind its next wait is held.
+    redis.end_blocking_wait("blmove");
     let gated = serde_json::json!({ "wait_for_file": gate }).to_string();
     push_many(&config, "g", 1, &gated);
     eventually(

@@ -81,6 +81,39 @@ fn task_pushed_with_the_published_script_as_documented_runs() {
     daemon.stop();
 }
 
+/// An idle daemon's next claim (safe mode) or pop (default mode) is in Redis before a push comes: sent behind its
+/// blocking wait in the same write, it waits in its connection's query buffer (`qbuf` in `CLIENT LIST`), and Redis
+/// runs it as soon as a push ends the wait, a round trip sooner than a take sent once the wait answered (issue
+/// 38; docs/PERFORMANCE.md, "Push to start on an idle queue").
+#[test]
+fn an_idle_daemon_waits_with_its_next_take_already_sent_behind_the_wait() {
+    for (mode, command) in [("safe", "blpop"), ("default", "blmove")] {
+        let redis = RedisServer::start();
+        let dir = TestDir::new();
+        let queue = format!(
+            "[[queues]]\nname = \"jobs\"\nmode = \"{mode}\"\nworkers = 2\nidle_poll = \"5s\"\n"
+        );
+        let config = dir.config(&redis, &queue);
+        let daemon = TestDaemon::start(&config);
+        eventually(
+            Duration::from_secs(10),
+            &format!("{mode} mode: a fetcher blocked in {command} with its take queued behind"),
+            || {
+                let queued = redis.client_fields(command, "qbuf");
+                let behind = queued
+                    .iter()
+                    .any(|bytes| bytes.parse::<u64>().is_ok_and(|n| n > 0));
+                (behind, queued)
+            },
+        );
+        push_many(&config, "t", 1, "{}");
+        eventually(Duration::from_secs(10), "the task to run", || {
+            (dir.records().runs_of("t0") == 1, ())
+        });
+        daemon.stop();
+    }
+}
+
 #[test]
 fn plain_rpush_without_a_wake_marker_is_picked_up_within_idle_poll() {
     let redis = RedisServer::start();

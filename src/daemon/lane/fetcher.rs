@@ -5,7 +5,9 @@
 //! workers run out of work first. In safe mode it claims under this daemon's owner (registered on the first
 //! claim, and again after a lost lease). When the queue is empty it blocks in Redis (safe mode: on the wake-up
 //! list that every enqueue path touches; default mode: on the ready lists themselves) for at most `idle_poll`,
-//! which also bounds how long shutdown waits for it.
+//! which also bounds how long shutdown waits for it; its next claim or pop is sent behind the blocking call, in the
+//! same write, so that Redis runs it as soon as a push ends the wait (a reply lost is then a claim's or a pop's,
+//! resolved as any other).
 //!
 //! A paused queue (`kmqd queue pause`, the key `PREFIX:{Q}:paused`) is checked by the claim or pop itself, in
 //! the same atomic step as the take: a claim that runs after the pause takes nothing. The fetcher then sleeps
@@ -87,6 +89,11 @@ pub struct Fetcher {
     /// script's run and a round trip per task at the limit), and one sent after the marker came back would start
     /// a round trip later (docs/PERFORMANCE.md, "Limits: `max_running` and `rate_limit`").
     running_full: bool,
+    /// The last fetch found nothing to take (and no limit holding tasks back past a known time): the next one
+    /// first waits in Redis up to this long for a push, in the same write as its claim or pop, so that Redis runs
+    /// the take as soon as the push ends the wait, a round trip and a wake-up of this thread sooner than a take
+    /// sent once the wait's reply came (docs/PERFORMANCE.md, "Push to start on an idle queue").
+    idle_wait: Option<Duration>,
 }
 
 /// How often a lane looks for flows its config does not limit (a rolling change that removed a type's limit, or
@@ -146,6 +153,7 @@ impl Fetcher {
             drained: Vec::new(),
             flows_looked: None,
             running_full: false,
+            idle_wait: None,
         }
     }
 
@@ -345,9 +353,13 @@ impl Fetcher {
             drained_flows: &self.drained,
             foreign_type_field: queue.config.foreign_type_field.as_deref(),
         };
+        // Claiming stopped meanwhile: no wait, the round ends at once.
+        let wait = (self.idle_wait.take())
+            .filter(|_| !self.claiming.is_triggered())
+            .map(|wait| (wait, queue.io_timeout));
         let popped = self
             .popper
-            .pop(connection, &queue.keys, &owner, free, limits);
+            .pop(connection, &queue.keys, &owner, free, limits, wait);
         match &popped {
             Ok(batch)
                 if batch.tasks.is_empty()
@@ -355,8 +367,7 @@ impl Fetcher {
                     && batch.limited.is_none()
                     && !self.claiming.is_triggered() =>
             {
-                let idle = queue.config.idle_poll;
-                broker::wait_idle(connection, &queue.keys, idle, queue.io_timeout)?;
+                self.idle_wait = Some(queue.config.idle_poll);
             }
             Ok(Batch {
                 tasks,
@@ -432,10 +443,13 @@ impl Fetcher {
             ..queue.claim_limits()
         };
         let sent = Instant::now();
-        let claimed = if std::mem::take(&mut self.running_full) && !self.claiming.is_triggered() {
+        // An idle queue's wait for a push, or a full running count's for a settle's marker.
+        let wait = (self.idle_wait.take())
+            .or(std::mem::take(&mut self.running_full).then_some(queue.config.idle_poll));
+        let claimed = if let Some(wait) = wait.filter(|_| !self.claiming.is_triggered()) {
             // The marker may have come already: it stays in the wake list until a fetcher takes it. Claiming
             // stopped during the wait: what the claim takes is handed back (`dispatch`).
-            let (wait, io_timeout) = (queue.config.idle_poll, queue.io_timeout);
+            let io_timeout = queue.io_timeout;
             broker::claim_after_wake(
                 connection,
                 &queue.keys,
@@ -506,7 +520,7 @@ impl Fetcher {
                 let until = u64::try_from(retry_at_ms.saturating_sub(batch.now_ms)).unwrap_or(0);
                 wait = wait.min(Duration::from_millis(until.max(1)));
             }
-            broker::wait_wake(connection, &queue.keys, wait, queue.io_timeout)?;
+            self.idle_wait = Some(wait);
         }
         Ok(batch)
     }

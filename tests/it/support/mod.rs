@@ -445,6 +445,35 @@ impl RedisServer {
         );
     }
 
+    /// Ends the wait of the client blocked in `command` as if it timed out (`CLIENT UNBLOCK`). An idle fetcher's
+    /// claim or pop is already in Redis, behind its wait (docs/PERFORMANCE.md, "Push to start on an idle queue"): a
+    /// request fault meant for its next one is added first, then this, so that the take it sends behind its next
+    /// wait is the one the fault meets.
+    pub fn end_blocking_wait(&self, command: &str) {
+        let ids = self.client_fields(command, "id");
+        let id = ids
+            .first()
+            .unwrap_or_else(|| panic!("no client blocked in {command}"));
+        let unblocked: i64 = self.cmd(&["CLIENT", "UNBLOCK", id]);
+        assert_eq!(unblocked, 1, "client {id} was not blocked in {command}");
+    }
+
+    /// `field` (`id`, `qbuf`) of each client whose last command was `command`, as `CLIENT LIST` shows them.
+    pub fn client_fields(&self, command: &str, field: &str) -> Vec<String> {
+        let (wanted, prefix) = (format!("cmd={command}"), format!("{field}="));
+        let clients: String = self.cmd(&["CLIENT", "LIST"]);
+        clients
+            .lines()
+            .filter(|client| client.contains(&wanted))
+            .filter_map(|client| {
+                client
+                    .split(' ')
+                    .find_map(|f| f.strip_prefix(prefix.as_str()))
+            })
+            .map(str::to_string)
+            .collect()
+    }
+
     /// The ids of the envelopes in a list, head first.
     pub fn ids_in(&self, list: &str) -> Vec<String> {
         let payloads: Vec<String> = self.cmd(&["LRANGE", list, "0", "-1"]);

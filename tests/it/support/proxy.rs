@@ -52,6 +52,10 @@
 //!   count in [`FaultProxy::seen`] (it counts what was forwarded, not what ran).
 //! - Inside MULTI, each command is answered `+QUEUED` and runs at EXEC: to lose the results of a transaction
 //!   that ran, drop the reply of `EXEC`.
+//! - A command sent behind a blocking one in the same write (an idle kmqd fetcher sends its claim or pop behind
+//!   its `BLPOP` or `BLMOVE`) runs only once the wait ends: a DropReply or DelayReply rule added while it waits
+//!   (after `wait_blocked_in`) matches it too, as it would a command sent after the wait. Request faults do not:
+//!   the request has gone.
 //! - After a read timeout the redis crate keeps the connection and skips the late reply when it comes, and
 //!   kmqd's own connection closes itself; after an EOF both mark the connection closed (a pool then replaces
 //!   it). A hung connection (after [`AfterDrop::Hang`]) stays hung: every later command on it times out too. A Hang costs the client its
@@ -620,10 +624,52 @@ struct Pending {
 }
 
 enum Entry {
-    /// A command; the ids of the DropReply and DelayReply rules it matched when it was forwarded.
-    Command(Vec<u64>),
+    /// A command; the DropReply and DelayReply rules it matched when it was forwarded.
+    Command(Candidates),
     /// From here on, replies are not paired.
     Unpaired,
+}
+
+/// The DropReply and DelayReply rules a forwarded command may answer to.
+struct Candidates {
+    /// The ids of those it matched when it was forwarded.
+    rules: Vec<u64>,
+    /// A command sent behind a blocking one in the same write (kmqd's idle fetcher sends its claim or pop behind
+    /// its `BLPOP` or `BLMOVE`): the last rule id when it was forwarded, and its arguments. Redis runs it only once
+    /// the wait ends, so a rule added while it waits (once a test saw the fetcher blocked) matches it too, when its
+    /// reply comes, as it would a command sent after the wait.
+    behind_a_wait: Option<(u64, Vec<Vec<u8>>)>,
+}
+
+impl Candidates {
+    /// The rules the reply counts for: those matched when it was forwarded, and those added since that match it
+    /// when it waited behind a blocking command.
+    fn rules(self, state: &State) -> Vec<u64> {
+        let mut rules = self.rules;
+        if let Some((last, args)) = self.behind_a_wait {
+            rules.extend(
+                reply_rule_candidates(state, &args)
+                    .into_iter()
+                    .filter(|&id| id > last),
+            );
+        }
+        rules
+    }
+}
+
+/// Commands that block until something happens in Redis (kmqd's idle waits among them).
+fn blocks(args: &[Vec<u8>]) -> bool {
+    let name = args[0].to_ascii_uppercase();
+    [
+        &b"BLPOP"[..],
+        b"BRPOP",
+        b"BLMOVE",
+        b"BLMPOP",
+        b"BRPOPLPUSH",
+        b"BZPOPMIN",
+        b"BZPOPMAX",
+    ]
+    .contains(&name.as_slice())
 }
 
 impl Pending {
@@ -906,6 +952,8 @@ impl Requests {
         let mut forwarded = Vec::new();
         let mut cut = None;
         let mut hold = None;
+        // Whether a blocking command came before, in this write.
+        let mut behind_a_wait = false;
         if self.raw {
             end = buf.len();
         } else {
@@ -937,8 +985,13 @@ impl Requests {
                             self.unpaired = true;
                         }
                         if !self.unpaired {
-                            entry.push(Entry::Command(reply_rule_candidates(&state, &args)));
+                            entry.push(Entry::Command(Candidates {
+                                rules: reply_rule_candidates(&state, &args),
+                                behind_a_wait: behind_a_wait
+                                    .then(|| (state.next_rule, args.clone())),
+                            }));
                         }
+                        behind_a_wait |= blocks(&args);
                         if let Some((delay, survive_close)) = delay_request(&mut state, &args) {
                             hold = Some(Hold {
                                 until: Instant::now() + delay,
@@ -1144,10 +1197,17 @@ fn forward_replies(shared: &Shared, conn: &Conn, mut upstream: UnixStream, out: 
                 continue;
             }
             let (dropped, delay) = match command {
-                Some(Entry::Command(rules))
-                    if !rules.is_empty() && !is_noscript(&reply[frame.value_at..]) =>
+                Some(Entry::Command(candidates))
+                    if (!candidates.rules.is_empty() || candidates.behind_a_wait.is_some())
+                        && !is_noscript(&reply[frame.value_at..]) =>
                 {
-                    take_reply_faults(&mut shared.lock(), &rules)
+                    let mut state = shared.lock();
+                    let rules = candidates.rules(&state);
+                    if rules.is_empty() {
+                        (None, Duration::ZERO)
+                    } else {
+                        take_reply_faults(&mut state, &rules)
+                    }
                 }
                 _ => (None, Duration::ZERO),
             };
