@@ -293,6 +293,7 @@ mod tests {
             level: 0,
             payload: vec![b'x'; bytes],
             failed: true,
+            kept: None,
         }
     }
 

@@ -13,6 +13,7 @@ mod languages;
 mod limits;
 pub mod peers;
 mod redis_cost;
+mod results;
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -57,7 +58,7 @@ pub struct Options {
     pub daemon: Option<PathBuf>,
 }
 
-pub const SCENARIOS: [&str; 13] = [
+pub const SCENARIOS: [&str; 14] = [
     "push",
     "drain",
     "defaults",
@@ -71,6 +72,7 @@ pub const SCENARIOS: [&str; 13] = [
     "languages",
     "limits",
     "groups",
+    "results",
 ];
 
 /// How often the `kill` scenario disconnects every client of Redis (`CLIENT KILL TYPE normal`).
@@ -551,6 +553,13 @@ pub fn run(options: Options, progress: &mut dyn Write) -> Result<Report, String>
             o.runs
         ));
         figures.extend(groups::groups(&bench)?);
+    }
+    if wants("results") {
+        say(format!(
+            "results: a no-op safe drain returning a result, with keep_results and without, in turns; {} runs...",
+            o.runs
+        ));
+        figures.extend(results::results(&bench)?);
     }
     if wants("redis-cost") {
         say(format!(

@@ -147,7 +147,8 @@ pub enum Action {
     Push,
     /// `kmqd stats`, `Client::stats`.
     Stats,
-    /// `kmqd task show`, `Client::find`.
+    /// `kmqd task show`, `Client::find`; `kmqd task result`, `Client::result` (a kept result, and where the task
+    /// is while it has none).
     Show,
     /// `kmqd task cancel`, `Client::cancel`.
     Cancel,
@@ -597,6 +598,8 @@ enum Kind {
     Sched,
     /// A group's pause (`kmqd group pause`).
     Hold,
+    /// A task's kept result (`keep_results`: results.lua, in settle.lua).
+    Result,
 }
 
 /// What a command touches.
@@ -693,6 +696,7 @@ const DAEMON: &[(&str, On)] = &[
     ("evalsha", key(K::Running)),
     ("evalsha", key(K::PoppedRunning)),
     ("evalsha", key(K::Taking)),
+    ("evalsha", key(K::Result)),
     // Inside claim.lua and adopt.lua (and pop.lua's check of the paused key, above); the claim's transaction
     // reads its lists back (LRANGE, above).
     ("zscore", key(K::Owners)),
@@ -797,6 +801,9 @@ const DAEMON: &[(&str, On)] = &[
     ("set", key(K::SettleScratch)),
     ("del", key(K::SettleScratch)),
     ("del", key(K::ClaimSettled)),
+    // results.lua, in settle.lua: a kept result.
+    ("type", key(K::Result)),
+    ("set", key(K::Result)),
     ("zrem", key(K::Processing)),
     ("hdel", key(K::Processing)),
     ("hdel", key(K::UniquePopped)),
@@ -964,6 +971,8 @@ const SHOW: &[(&str, On)] = &[
     ("lrange", key(K::ClaimList)),
     ("get", key(K::ClaimSettled)),
     ("lrange", key(K::Dead)),
+    // `task result`: the kept result.
+    ("get", key(K::Result)),
 ];
 
 /// `kmqd task cancel`: finding the waiting copies (as `task show` does), then remove.lua.
@@ -1202,6 +1211,7 @@ fn names(keys: &QueueKeys, kind: Kind) -> Vec<String> {
         Kind::Ring => keys.rings(),
         Kind::Sched => vec![keys.sched.clone()],
         Kind::Hold => vec![keys.group_hold("acme")],
+        Kind::Result => vec![keys.result("access-check")],
     }
 }
 

@@ -1191,12 +1191,26 @@ pub struct Settlement {
     pub payload: Vec<u8>,
     /// Whether this run counts as a failed attempt.
     pub failed: bool,
+    /// The result the settle keeps when this record ends the task (an "ack" or a "dead" that applies): a queue
+    /// with `keep_results` (results.lua). `None`: nothing is kept.
+    pub kept: Option<Box<Kept>>,
+}
+
+/// A task's result as the settle that ends it keeps it: its key (`PREFIX:{QUEUE}:result:ID`, in the queue's
+/// slot), its value (a JSON object: docs/PROTOCOL.md, "Results"; the script adds `ended_at`) and how long it is
+/// kept (the key's expiry).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Kept {
+    pub key: String,
+    pub value: Vec<u8>,
+    pub ttl: Duration,
 }
 
 impl Settlement {
-    /// A plain acknowledgement: sent as its bare token (or only counted, in default mode), not as a record.
+    /// A plain acknowledgement: sent as its bare token (or only counted, in default mode), not as a record. One
+    /// that keeps a result goes as a record: the result is written only if it applies.
     fn is_plain_ack(&self) -> bool {
-        self.op == SettleOp::Ack && self.unique_id.is_none() && !self.failed
+        self.op == SettleOp::Ack && self.unique_id.is_none() && !self.failed && self.kept.is_none()
     }
 }
 
@@ -1417,6 +1431,19 @@ pub fn settle<'a>(
             invocation.key(keys.ring(level));
         }
     }
+    // The results this call keeps (results.lua's trailer): (record number, result), in record order; their keys
+    // go last.
+    let kept: Vec<(usize, &Kept)> = settlements
+        .clone()
+        .into_iter()
+        .filter(|s| !bulk(s))
+        .enumerate()
+        .filter(|(_, s)| matches!(s.op, SettleOp::Ack | SettleOp::Dead))
+        .filter_map(|(at, s)| s.kept.as_deref().map(|result| (at + 1, result)))
+        .collect();
+    for (_, result) in &kept {
+        invocation.key(&result.key);
+    }
     let mut invocation = invocation.evalsha(&SCRIPTS.settle);
     invocation
         .arg(match fence {
@@ -1485,6 +1512,15 @@ pub fn settle<'a>(
             .arg(if s.failed { "1" } else { "0" })
             .arg(scope);
         records += 1;
+    }
+    if !kept.is_empty() {
+        for (record, result) in &kept {
+            invocation
+                .arg(record)
+                .arg(result.ttl.as_millis().max(1) as u64)
+                .arg(result.value.as_slice());
+        }
+        invocation.arg(kept.len()).arg("results");
     }
     // A reload on this connection only when the call carried no argument of 32 KiB or more (see `load_settle`):
     // otherwise the caller loads the script on a new connection (the settler does) and sends the call again.
