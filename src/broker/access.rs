@@ -444,13 +444,15 @@ pub const COMMANDS: &[Command] = &[
         name: "get",
         roles: &[D, R, O],
         why: "settle.lua answers a call sent again after a lost reply with the first call's result, and merges \
-              a claim's settled positions; the monitor and `task show` read them",
+              a claim's settled positions; the monitor and `task show` read them; `task result` reads a kept \
+              result",
     },
     Command {
         name: "set",
         roles: &[D, O],
-        why: "settle.lua stores each call's result (for a day) and sets a handler's throttle; a plain pop guards \
-              the list take.lua fills (take.lua); `queue pause` sets the queue's paused key",
+        why: "settle.lua stores each call's result (for a day), a task's kept result (`keep_results`) and sets \
+              a handler's throttle; a plain pop guards the list take.lua fills (take.lua); `queue pause` sets the \
+              queue's paused key",
     },
     Command {
         name: "del",

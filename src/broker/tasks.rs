@@ -1207,6 +1207,16 @@ pub struct Kept {
 }
 
 impl Settlement {
+    /// The bytes this settlement adds to a call's arguments besides its fixed fields: its payload and the result
+    /// it keeps (the settler sizes its calls by it).
+    pub fn bytes(&self) -> usize {
+        self.payload.len()
+            + self
+                .kept
+                .as_ref()
+                .map_or(0, |kept| kept.key.len() + kept.value.len())
+    }
+
     /// A plain acknowledgement: sent as its bare token (or only counted, in default mode), not as a record. One
     /// that keeps a result goes as a record: the result is written only if it applies.
     fn is_plain_ack(&self) -> bool {
@@ -1527,7 +1537,7 @@ pub fn settle<'a>(
     let large = settlements
         .clone()
         .into_iter()
-        .any(|s| !bulk(s) && s.payload.len() >= LARGE_ARGUMENT);
+        .any(|s| !bulk(s) && s.bytes() >= LARGE_ARGUMENT);
     let reply: Vec<i64> = match invocation.query(conn) {
         Err(error) if is_no_script(&error) && !large => {
             load_settle(conn)?;
