@@ -601,6 +601,21 @@ fn figure(
     }
 }
 
+/// A figure of drains: their rates, with the daemon's and Redis's CPU a task (medians) as its extras.
+fn drain_figure(scenario: &str, name: String, runs: &[DrainRun]) -> Figure {
+    let of = |value: fn(&DrainRun) -> f64| runs.iter().map(value).collect::<Vec<f64>>();
+    figure(
+        scenario,
+        name,
+        "tasks/s",
+        of(|run| run.rate),
+        vec![
+            ("daemon CPU µs/task".into(), of(|run| run.daemon_cpu)),
+            ("redis CPU µs/task".into(), of(|run| run.redis_cpu)),
+        ],
+    )
+}
+
 fn push_rates(bench: &Bench) -> Result<Vec<Figure>, String> {
     let config = bench.config("push", "safe", None)?;
     let client = bench.client(&config)?;
