@@ -80,7 +80,12 @@ fn a_result_is_kept_only_by_the_settle_that_ends_the_task_under_its_owners_lease
         (owner, "acker", 1),
         &[done.clone(), dead.clone()],
     );
-    assert_eq!(first.unwrap().applied, [Some(true), Some(true)]);
+    // The done task's acknowledgement goes in its claim's bitmap (its result with it), the dead one as a record.
+    let first = first.unwrap();
+    assert_eq!(
+        (first.applied, first.stale_acks),
+        (vec![None, Some(true)], 0)
+    );
     let t0 = kept(&redis, "t0").expect("t0's result");
     assert_eq!(t0["state"], "done");
     assert_eq!(t0["result"], serde_json::json!({"rows": 3}));
@@ -95,9 +100,21 @@ fn a_result_is_kept_only_by_the_settle_that_ends_the_task_under_its_owners_lease
     // The same call again (its reply lost): the first call's answer, and nothing written again.
     let _: i64 = redis.cmd(&["DEL", "kmq:{jobs}:result:t1"]);
     let again = settle_as(&mut connection, &queue, (owner, "acker", 1), &[done, dead]).unwrap();
-    assert_eq!(again.applied, [Some(true), Some(true)]);
+    assert_eq!(
+        (again.applied, again.stale_acks),
+        (vec![None, Some(true)], 0)
+    );
     assert_eq!(kept(&redis, "t1"), None, "a call sent again writes nothing");
     assert_eq!(kept(&redis, "t0").unwrap()["ended_at"], ended_at);
+
+    // A duplicate outcome for t0 in a later call (its bit set before): stale, and t0's result stays the first's.
+    let duplicate = settlement(0, SettleOp::Ack, r#"{"state":"done","result":"duplicate"}"#);
+    let settled = settle_as(&mut connection, &queue, (owner, "acker", 2), &[duplicate]).unwrap();
+    assert_eq!((settled.applied, settled.stale_acks), (vec![None], 1));
+    assert_eq!(
+        kept(&redis, "t0").unwrap()["result"],
+        serde_json::json!({"rows": 3})
+    );
 
     // The owner stalls past its lease; a monitor takes t2 back. The owner's late outcome for t2 is stale.
     eventually(Duration::from_secs(5), "the lease to run out", || {
@@ -106,8 +123,8 @@ fn a_result_is_kept_only_by_the_settle_that_ends_the_task_under_its_owners_lease
     });
     assert_eq!(monitor(&config, &queue, "results").recover_now(), 1);
     let late = settlement(2, SettleOp::Ack, r#"{"state":"done","result":"late"}"#);
-    let settled = settle_as(&mut connection, &queue, (owner, "acker", 2), &[late]).unwrap();
-    assert_eq!(settled.applied, [Some(false)]);
+    let settled = settle_as(&mut connection, &queue, (owner, "acker", 3), &[late]).unwrap();
+    assert_eq!((settled.applied, settled.stale_acks), (vec![None], 1));
     assert_eq!(
         kept(&redis, "t2"),
         None,

@@ -426,6 +426,7 @@ for k = 1, claims do
       stale = stale + c.count
     else
       local old = redis.call('GET', c.bits)
+      keep_claim(kept, k, c.bits, old, now)
       if not old and c.count == c.length then
         -- The whole claim at once, the common case: nothing to merge.
         done = done + c.count
