@@ -100,6 +100,20 @@ impl NewTask {
     }
 }
 
+/// What [`Client::result`] found.
+#[derive(Clone, Debug, PartialEq)]
+pub enum TaskResult {
+    /// The task ended, and the settle that ended it kept this.
+    Ended(broker::results::Ended),
+    /// No result kept, but the task is in the dead-letter list: its record (with its reason).
+    DeadLettered(String),
+    /// Still waiting (delayed, retrying, ready) or running when the wait ended.
+    Pending,
+    /// Neither a result nor the task: never pushed, done without `keep_results`, or its result expired.
+    /// `keeps_results`: whether the queue has `keep_results`, for the words of the answer.
+    Unknown { keeps_results: bool },
+}
+
 /// What became of a push.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Pushed {
@@ -141,6 +155,11 @@ pub enum ClientError {
 
 struct QueueInfo {
     keys: QueueKeys,
+    /// `keep_results`: whether the settle keeps the queue's results, for [`Client::result`]'s words.
+    keep_results: Option<Duration>,
+    /// Safe mode: a running task stays in Redis (its claim), so one found nowhere has ended; in default mode a
+    /// running task has left Redis, and only its result tells that it ended.
+    safe: bool,
     default_priority: usize,
     /// How the daemons read the queue's payloads, so that a requeue reads a dead task the same way.
     foreign_type_field: Option<String>,
@@ -165,6 +184,8 @@ impl Client {
             .map(|queue| {
                 let info = QueueInfo {
                     keys: QueueKeys::for_queue(&config.redis.key_prefix, queue),
+                    keep_results: queue.keep_results,
+                    safe: queue.mode == crate::config::Mode::Safe,
                     default_priority: queue.default_priority,
                     foreign_type_field: queue.foreign_type_field.clone(),
                 };
@@ -318,6 +339,57 @@ impl Client {
         let mut connection = self.pool.get().map_err(BrokerError::from)?;
         let found = lookup::locate(&mut connection, &info.keys, &[id], Scope::Everywhere)?;
         Ok(found.into_iter().map(|(_, found)| found).collect())
+    }
+
+    /// Task `id`'s result, waiting up to `wait` for the task to end (docs/PROTOCOL.md, "Results"): what the settle
+    /// that ended it kept (with `keep_results`), or whether it is still waiting or running, or unknown.
+    ///
+    /// It polls, with a backoff from 10 ms doubling to at most 500 ms, each turn reading the result and, when
+    /// there is none, whether the task is still in the queue; it never blocks on a notice. A notice can be
+    /// missed (sent while the reader reconnects, or before it listened), and a result can expire before a reader
+    /// looks: a poll of the key itself sees both, and the wait ends by the deadline whatever happens (a turn
+    /// costs one GET and, while the task waits, one lookup). A task found nowhere is read once more, since it may
+    /// have ended between the two reads (the settle writes the result in the step that ends the task). In safe
+    /// mode such a task is unknown (never pushed, or its result expired or was never kept); in default mode a
+    /// running task has left Redis, so the wait goes on until its result appears or the wait ends.
+    pub fn result(&self, queue: &str, id: &str, wait: Duration) -> Result<TaskResult, ClientError> {
+        let info = self.queue(queue)?;
+        let deadline = std::time::Instant::now() + wait;
+        let mut pause = Duration::from_millis(10);
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        loop {
+            if let Some(ended) = broker::results::read(&mut connection, &info.keys, id)? {
+                return Ok(TaskResult::Ended(ended));
+            }
+            let found = lookup::locate(&mut connection, &info.keys, &[id], Scope::Everywhere)?;
+            let waiting = found
+                .iter()
+                .any(|(_, found)| !matches!(found, Found::Dead { .. }));
+            if !waiting {
+                if let Some(ended) = broker::results::read(&mut connection, &info.keys, id)? {
+                    return Ok(TaskResult::Ended(ended));
+                }
+                if let Some((_, Found::Dead { record })) = found.first() {
+                    return Ok(TaskResult::DeadLettered(record.clone()));
+                }
+                if info.safe {
+                    return Ok(TaskResult::Unknown {
+                        keeps_results: info.keep_results.is_some(),
+                    });
+                }
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Ok(match waiting {
+                    true => TaskResult::Pending,
+                    false => TaskResult::Unknown {
+                        keeps_results: info.keep_results.is_some(),
+                    },
+                });
+            }
+            std::thread::sleep(pause.min(left));
+            pause = (pause * 2).min(Duration::from_millis(500));
+        }
     }
 
     /// As [`Client::find`], reading no more than `budget` of the queue's lists (the dashboard's lookups, review

@@ -58,5 +58,5 @@ pub mod task;
 #[cfg(test)]
 mod tidy;
 
-pub use client::{Client, ClientError, NewTask, Pushed};
+pub use client::{Client, ClientError, NewTask, Pushed, TaskResult};
 pub use config::Config;

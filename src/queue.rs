@@ -132,6 +132,7 @@ impl QueueContext {
             levels: &self.keys.levels,
             type_limits: &self.config.type_limits,
             grouped: self.config.groups.is_some(),
+            keep_results: self.config.keep_results.map(|ttl| (&self.keys, ttl)),
         };
         settlement::settle_verdict(&self.policy, &origin, verdict, ran, task)
     }

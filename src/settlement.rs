@@ -10,7 +10,7 @@ use serde::Serialize;
 use base64::Engine as _;
 
 use crate::broker::keys::quarantine_stage;
-use crate::broker::{SettleOp, Settlement, ThrottleScope, Token};
+use crate::broker::{Kept, SettleOp, Settlement, ThrottleScope, Token};
 use crate::policy::{self, Action, Policy, Verdict};
 use crate::task::{Envelope, LOGGED_PAYLOAD_BYTES, capped, new_id};
 
@@ -89,6 +89,71 @@ pub struct Origin<'a> {
     pub type_limits: &'a [crate::config::TypeLimit],
     /// Whether the queue has `[queues.groups]`: a throttle holds back the task's group, not the queue.
     pub grouped: bool,
+    /// The queue's `keep_results`, with its keys: the record that ends a task keeps its result (or its reason)
+    /// that long. `None`: nothing is kept.
+    pub keep_results: Option<(&'a crate::broker::QueueKeys, Duration)>,
+}
+
+/// The largest result kept, as the handler's JSON text: a result is a key of its own, kept for `keep_results`,
+/// and read whole by every `kmqd task result`; a handler with more to hand on writes it elsewhere and returns
+/// where. A larger one (or one that is not JSON) does not fail its task: the task is done, and the result kept is
+/// an error record saying why (`result` null, `result_error`), so a reader learns what happened.
+pub const MAX_RESULT_BYTES: usize = 1 << 20;
+
+/// What a task that ended keeps (docs/PROTOCOL.md, "Results"): `{"state":"done","result":...}` with the
+/// handler's JSON (`null` when it gave none), or `{"state":"dead","reason":"..."}`; results.lua adds `ended_at`.
+#[derive(Serialize)]
+struct KeptRecord<'a> {
+    state: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    result: Option<&'a serde_json::value::RawValue>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    result_error: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reason: Option<&'a str>,
+}
+
+/// The value kept for a task done with `result` (the handler's JSON text, if any).
+fn done_record(result: Option<&str>) -> Vec<u8> {
+    let null = serde_json::value::RawValue::NULL;
+    let (result, result_error) = match result {
+        None => (null, None),
+        Some(text) if text.len() > MAX_RESULT_BYTES => (
+            null,
+            Some(format!(
+                "the handler's result, {} bytes, is over the {MAX_RESULT_BYTES}-byte bound; it was not kept",
+                text.len()
+            )),
+        ),
+        Some(text) => match serde_json::from_str::<&serde_json::value::RawValue>(text) {
+            Ok(raw) => (raw, None),
+            Err(error) => (
+                null,
+                Some(format!(
+                    "the handler's result is not JSON ({error}); it was not kept"
+                )),
+            ),
+        },
+    };
+    let record = KeptRecord {
+        state: "done",
+        result: Some(result),
+        result_error,
+        reason: None,
+    };
+    // A string and raw JSON that parsed always serialize.
+    serde_json::to_vec(&record).expect("kept record serializes")
+}
+
+/// The value kept for a task that ended dead, with why.
+fn dead_record(reason: &str) -> Vec<u8> {
+    let record = KeptRecord {
+        state: "dead",
+        result: None,
+        result_error: None,
+        reason: Some(reason),
+    };
+    serde_json::to_vec(&record).expect("kept record serializes")
 }
 
 /// The task a settlement is for, as its resolver holds it: everything the record is made of besides the decision.
@@ -129,8 +194,52 @@ pub fn seed(envelope: &Envelope<'_>) -> u64 {
 /// Builds the record for `action`; `failed` says whether the run counts as failed
 /// ([`crate::policy::Verdict::is_failed_run`]). A task whose payload did not decode (no `envelope`) can only be
 /// dead-lettered or acknowledged, never retried (there is no attempt count to raise), so a retry becomes a dead
-/// letter.
+/// letter. `result`: the JSON its handler returned with done, kept with a queue's `keep_results`.
 pub fn record(
+    origin: &Origin<'_>,
+    action: &Action,
+    failed: bool,
+    task: TaskParts<'_>,
+    result: Option<&str>,
+) -> (Settlement, Option<Box<DeadHook>>) {
+    // Only with `keep_results`: a queue without it does nothing more per task.
+    let id = origin.keep_results.and_then(|_| match task.envelope {
+        Some(envelope) => Some(envelope.id_str().to_string()),
+        None => crate::task::salvage_id(task.payload),
+    });
+    let (mut settlement, hook) = record_without_result(origin, action, failed, task);
+    if let (Some((keys, ttl)), Some(id)) = (origin.keep_results, id) {
+        settlement.kept = kept(keys, ttl, action, result, &settlement.op, &id);
+    }
+    (settlement, hook)
+}
+
+/// What a settlement that ends a task keeps: nothing for a task that does not end (a retry, a recovery, a
+/// throttle), or whose id is unknown (a payload that is not even a JSON object).
+fn kept(
+    keys: &crate::broker::QueueKeys,
+    ttl: Duration,
+    action: &Action,
+    result: Option<&str>,
+    op: &SettleOp,
+    id: &str,
+) -> Option<Box<Kept>> {
+    let value = match (action, op) {
+        (Action::Ack, SettleOp::Ack) => done_record(result),
+        (Action::Dead { reason } | Action::Retry { reason, .. }, SettleOp::Dead) => {
+            dead_record(reason)
+        }
+        (Action::Recover { .. }, SettleOp::Dead) => dead_record("malformed task"),
+        _ => return None,
+    };
+    Some(Box::new(Kept {
+        key: keys.result(id),
+        value,
+        ttl,
+    }))
+}
+
+fn record_without_result(
     origin: &Origin<'_>,
     action: &Action,
     failed: bool,
@@ -167,6 +276,7 @@ pub fn record(
         level,
         payload,
         failed,
+        kept: None,
     };
     match (action, envelope) {
         (Action::Ack, _) => (base(SettleOp::Ack, Vec::new()), None),
@@ -263,6 +373,9 @@ pub struct Ran {
     /// What a handler that finished the task had to show for it (`Outcome::DoneWithOutput`; the exec plugin's
     /// output); empty when nothing. A failure's output is in its reason.
     pub output: String,
+    /// The JSON a handler that finished the task returned with it (`Outcome::done_with_result`, the line
+    /// protocol's `result`), kept with a queue's `keep_results`; `None` when it returned none.
+    pub result: Option<String>,
 }
 
 /// Decides what becomes of a task from `verdict` ([`policy::decide`]), logs it, and builds the record that applies it:
@@ -342,7 +455,8 @@ pub fn settle_verdict(
             tracing::warn!(queue, id = &*id(), kind = &*kind(), attempt, duration = duration(), %reason, "task dead-lettered")
         }
     }
-    record(origin, &action, failed, task)
+    let result = ran.as_ref().and_then(|ran| ran.result.as_deref());
+    record(origin, &action, failed, task, result)
 }
 
 /// A hand-back (the shutdown, a reload, stuck workers): the task goes to the front of its level unchanged, and a
@@ -364,6 +478,7 @@ pub fn handback(task: TaskParts<'_>) -> Settlement {
         level: task.level,
         payload: task.payload.to_vec(),
         failed: false,
+        kept: None,
     }
 }
 
@@ -400,7 +515,7 @@ mod tests {
             payload,
             envelope,
         };
-        record(origin, action, failed, task)
+        record(origin, action, failed, task, None)
     }
 
     fn origin() -> Origin<'static> {
@@ -410,7 +525,105 @@ mod tests {
             levels: &[],
             type_limits: &[],
             grouped: false,
+            keep_results: None,
         }
+    }
+
+    /// What a done task with `result` keeps, parsed; the kept key and expiry checked.
+    fn kept_for(result: Option<&str>) -> serde_json::Value {
+        let keys = crate::broker::QueueKeys::new("kmq", "mail", &["normal".to_string()]);
+        let origin = Origin {
+            keep_results: Some((&keys, Duration::from_secs(60))),
+            ..origin()
+        };
+        let envelope = Envelope::decode(r#"{"id":"a","type":"t"}"#).unwrap();
+        let (settlement, _) = record(
+            &origin,
+            &Action::Ack,
+            false,
+            TaskParts {
+                token: Some(token()),
+                popped_by: None,
+                popped_scope: None,
+                level: 0,
+                payload: b"{}",
+                envelope: Some(&envelope),
+            },
+            result,
+        );
+        let kept = settlement.kept.expect("a done task keeps its result");
+        assert_eq!(kept.key, "kmq:{mail}:result:a");
+        assert_eq!(kept.ttl, Duration::from_secs(60));
+        serde_json::from_slice(&kept.value).unwrap()
+    }
+
+    #[test]
+    fn a_result_over_its_bound_is_replaced_by_an_error_record() {
+        assert_eq!(
+            kept_for(Some(r#"{"rows": 3}"#)),
+            serde_json::json!({"state": "done", "result": {"rows": 3}})
+        );
+        assert_eq!(
+            kept_for(None),
+            serde_json::json!({"state": "done", "result": null})
+        );
+        let large = format!("\"{}\"", "x".repeat(MAX_RESULT_BYTES));
+        let over = kept_for(Some(&large));
+        assert_eq!(over["state"], "done", "the task is still done");
+        assert_eq!(over["result"], serde_json::Value::Null);
+        let error = over["result_error"].as_str().unwrap();
+        assert!(
+            error.contains("1048578 bytes, is over the 1048576-byte bound"),
+            "{error}"
+        );
+        let broken = kept_for(Some("{rows"));
+        assert!(
+            broken["result_error"]
+                .as_str()
+                .unwrap()
+                .contains("is not JSON"),
+            "{broken}"
+        );
+    }
+
+    #[test]
+    fn only_a_queue_with_keep_results_keeps_anything() {
+        let envelope = Envelope::decode(r#"{"id":"a","type":"t"}"#).unwrap();
+        let task = || TaskParts {
+            token: Some(token()),
+            popped_by: None,
+            popped_scope: None,
+            level: 0,
+            payload: b"{}",
+            envelope: Some(&envelope),
+        };
+        let (plain, _) = record(&origin(), &Action::Ack, false, task(), Some("1"));
+        assert_eq!(plain.kept, None);
+        let keys = crate::broker::QueueKeys::new("kmq", "mail", &["normal".to_string()]);
+        let keeping = Origin {
+            keep_results: Some((&keys, Duration::from_secs(60))),
+            ..origin()
+        };
+        let dead = Action::Dead {
+            reason: "no such customer".into(),
+        };
+        let (settlement, _) = record(&keeping, &dead, true, task(), None);
+        let kept: serde_json::Value =
+            serde_json::from_slice(&settlement.kept.unwrap().value).unwrap();
+        assert_eq!(
+            kept,
+            serde_json::json!({"state": "dead", "reason": "no such customer"})
+        );
+        let retry = Action::Retry {
+            delay: Duration::from_secs(1),
+            reason: "busy".into(),
+            isolated: false,
+        };
+        let (settlement, _) = record(&keeping, &retry, true, task(), None);
+        assert_eq!(
+            settlement.kept, None,
+            "a task that does not end keeps nothing"
+        );
     }
 
     #[test]

@@ -257,7 +257,7 @@ impl Settler {
 fn bytes_of(settlements: &[&Settlement]) -> usize {
     settlements
         .iter()
-        .map(|s| s.payload.len() + RECORD_OVERHEAD)
+        .map(|s| s.bytes() + RECORD_OVERHEAD)
         .sum()
 }
 
@@ -266,7 +266,7 @@ fn by_bytes(settlements: &[&Settlement], budget: usize) -> Vec<Range<usize>> {
     let mut calls = Vec::with_capacity(1);
     let (mut start, mut bytes) = (0, 0);
     for (at, settlement) in settlements.iter().enumerate() {
-        let size = settlement.payload.len() + RECORD_OVERHEAD;
+        let size = settlement.bytes() + RECORD_OVERHEAD;
         if at > start && bytes + size > budget {
             calls.push(start..at);
             (start, bytes) = (at, 0);
@@ -294,6 +294,7 @@ mod tests {
             level: 0,
             payload: vec![b'x'; bytes],
             failed: true,
+            kept: None,
         }
     }
 

@@ -14,6 +14,7 @@ mod latency;
 mod limits;
 pub mod peers;
 mod redis_cost;
+mod results;
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -58,7 +59,7 @@ pub struct Options {
     pub daemon: Option<PathBuf>,
 }
 
-pub const SCENARIOS: [&str; 16] = [
+pub const SCENARIOS: [&str; 17] = [
     "push",
     "drain",
     "defaults",
@@ -75,6 +76,7 @@ pub const SCENARIOS: [&str; 16] = [
     "groups",
     "groups-scale",
     "groups-limit",
+    "results",
 ];
 
 /// How often the `kill` scenario disconnects every client of Redis (`CLIENT KILL TYPE normal`).
@@ -611,6 +613,13 @@ pub fn run(options: Options, progress: &mut dyn Write) -> Result<Report, String>
         ));
         figures.push(groups::limit(&bench)?);
     }
+    if wants("results") {
+        say(format!(
+            "results: a no-op safe drain returning a result, with keep_results and without, in turns; {} runs...",
+            o.runs
+        ));
+        figures.extend(results::results(&bench)?);
+    }
     if wants("redis-cost") {
         say(format!(
             "redis-cost: Redis CPU per task of a claim and its settle, today's scripts and the candidates, {} runs...",
@@ -679,6 +688,16 @@ impl Drains {
             drains.rss_mb.push(run.rss_mb);
         }
         Ok(drains)
+    }
+
+    /// The drains `runs` measured (run in turns with another config's, as the results scenario does).
+    fn of(runs: &[DrainRun]) -> Drains {
+        Drains {
+            rates: runs.iter().map(|run| run.rate).collect(),
+            daemon_cpu: runs.iter().map(|run| run.daemon_cpu).collect(),
+            redis_cpu: runs.iter().map(|run| run.redis_cpu).collect(),
+            rss_mb: runs.iter().map(|run| run.rss_mb).collect(),
+        }
     }
 
     /// The rates, with the daemon's and Redis's CPU a task, and with `rss` the daemons' peak RSS.

@@ -411,6 +411,7 @@ impl Safe {
                 level: task.level,
                 payload: Vec::new(),
                 failed: false,
+                kept: None,
             })
             .collect();
         for call in acks.chunks(taken.div_ceil(settles).max(1)) {

@@ -62,7 +62,23 @@ typedef struct {
      * call, which means "use the queue's backoff". For KMQ_THROTTLE: how long the queue takes no task, in ms (-1: 1 s;
      * at most 1 h). Ignored for KMQ_DONE and KMQ_FAIL. */
     int64_t *retry_after_ms;
+    /* Added within v1: the host's handle for this run, passed back to the calls of `kmq_host` (results,
+     * progress). Valid until `handle` returns, or until `complete` is called for a task taken in `start`. Only a
+     * host that called the plugin's `host` (below) passes a task this long: read it only then. */
+    void *run;
 } kmq_task;
+
+/* Added within v1: what a host offers a running task besides its status. A host that offers it calls the plugin's
+ * `host` once, before the first `init`, with a pointer that lives as long as the process; an older host never
+ * does, and its tasks end at `retry_after_ms`. Fields added later go at the end, covered by `struct_size`. */
+typedef struct {
+    uint32_t struct_size;                /* sizeof(kmq_host) as the host was built */
+    /* Attaches a result to the run: JSON text (an object, an array, a string, a number, ...), copied during the
+     * call; the last call wins. Kept with the task when the run ends with KMQ_DONE and its queue has
+     * `keep_results` (docs/HANDLERS.md, "Results"); ignored otherwise. Callable from any thread while `run` is
+     * valid (before `handle` returns or `complete` is called). */
+    void (*result)(void *run, kmq_str json);
+} kmq_host;
 
 typedef enum {
     KMQ_DONE = 0,   /* the task is finished: acknowledge it */
@@ -126,6 +142,12 @@ typedef struct {
      * does); its `retry_after_ms` is unused (complete takes the delay). The host calls `shutdown` only once
      * every accepted task was completed. */
     int32_t (*start)(void *state, const kmq_task *task, kmq_complete_fn complete, void *ticket);
+    /* Optional (may be NULL; absent from a plugin built before it): the host calls it once, before the first
+     * `init` of the library, with what it offers a running task (`kmq_host`: results). A plugin keeps the pointer
+     * (it lives as long as the process) and may then read each task's `run`. Never called by an older host: a
+     * plugin that was not given a host has no results to hand on (the Rust SDK then drops a result, and says so
+     * once on stderr). */
+    void (*host)(const kmq_host *host);
 } kmq_plugin;
 
 /* The exported symbol; v1 is the ABI version. */

@@ -17,6 +17,9 @@
  *
  *     run();
  *
+ * A handler that returns `new Result(value)` is done with that result: any JSON value, which kmqd keeps with the
+ * task when its queue has `keep_results` (`kmqd task result QUEUE ID` prints it; docs/HANDLERS.md, "Results").
+ *
  * A handler returns (or resolves: done; a string is the outcome's message), or throws `Retry` (this attempt
  * failed), `Fail` (the task can never succeed) or `Throttle` (the upstream every task of the queue uses said "too
  * many requests"). Any other error is a failed attempt: retried with `Name: message` as the reason, its stack on
@@ -71,6 +74,19 @@ class Throttle extends Error {
   }
 }
 
+/**
+ * What a handler returns to be done with a result: `value` is any JSON value, kept with the task when its queue has
+ * `keep_results`; `message` is logged as a returned string is. A value JSON.stringify cannot encode (a BigInt, a
+ * cycle, undefined) makes the attempt fail (a retry that says why), so a handler's bug is not a task done without
+ * its result.
+ */
+class Result {
+  constructor(value, message = '') {
+    this.value = value;
+    this.message = String(message);
+  }
+}
+
 const handlers = new Map();
 
 /** Registers `fn(task)` (sync or async) as the handler of `type`. */
@@ -102,6 +118,19 @@ function outcome(id, result, error) {
   if (error === undefined) {
     const answer = { id, outcome: 'done' };
     if (typeof result === 'string' && result) answer.message = result;
+    if (result instanceof Result) {
+      let encoded;
+      try {
+        encoded = JSON.stringify(result.value);
+      } catch (error) {
+        return { id, outcome: 'retry', message: `the handler's result is not JSON: ${error.message}` };
+      }
+      if (encoded === undefined) {
+        return { id, outcome: 'retry', message: `the handler's result is not JSON: ${inspect(result.value)}` };
+      }
+      answer.result = result.value;
+      if (result.message) answer.message = result.message;
+    }
     return answer;
   }
   if (error instanceof Fail) return { id, outcome: 'fail', message: error.message || 'failed' };
@@ -185,4 +214,4 @@ function run() {
   // event loop alive.
 }
 
-module.exports = { Fail, PROTOCOL, Retry, Throttle, handle, run };
+module.exports = { Fail, PROTOCOL, Result, Retry, Throttle, handle, run };

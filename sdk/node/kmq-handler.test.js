@@ -94,6 +94,19 @@ test('a throttle answers its ms as a whole number, rounded up', () => {
   assert.equal(stderr, '', 'a throttle is an answer, not an error');
 });
 
+test('a result is answered with done, and one that is not JSON is a failed attempt', () => {
+  const script = handlerFile(`
+    sdk.handle('sync', (task) => new sdk.Result(task.data, 'built'));
+    sdk.handle('async', async (task) => new sdk.Result(task.data === 'bad' ? 10n : null));
+    sdk.run();
+  `);
+  const { byId } = serve(script, [task('s1', 'sync', { rows: 3 }), task('a1', 'async', null), task('a2', 'async', 'bad')], 2);
+  assert.deepEqual(byId.s1, { id: 's1', outcome: 'done', result: { rows: 3 }, message: 'built' });
+  assert.deepEqual(byId.a1, { id: 'a1', outcome: 'done', result: null });
+  assert.equal(byId.a2.outcome, 'retry');
+  assert.match(byId.a2.message, /the handler's result is not JSON/);
+});
+
 test('a throttle without a valid delay is a failed attempt that says why', () => {
   const script = handlerFile(`
     sdk.handle('throttle', (task) => { throw new sdk.Throttle(task.data.after); });

@@ -21,6 +21,9 @@ output.
     if __name__ == "__main__":
         run()
 
+A handler that returns `Result(value)` is done with that result: any JSON value, which kmqd keeps with the task
+when its queue has `keep_results` (`kmqd task result QUEUE ID` prints it; docs/HANDLERS.md, "Results").
+
 A handler returns (done; a returned string is the outcome's message), raises `Retry` (this attempt failed),
 `Fail` (the task can never succeed) or `Throttle` (the upstream every task of the queue uses said "too many
 requests"). Any other exception is a failed attempt: retried with `Type: message` as the reason, its traceback on
@@ -45,7 +48,7 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["Fail", "Retry", "Task", "Throttle", "handler", "run"]
+__all__ = ["Fail", "Result", "Retry", "Task", "Throttle", "handler", "run"]
 
 PROTOCOL = 1
 
@@ -94,6 +97,19 @@ class Throttle(Exception):
         self.after = after
 
 
+class Result:
+    """What a handler returns to be done with a result: `value` is any JSON value (dicts, lists, strings, numbers,
+    True, False, None), kept with the task when its queue has `keep_results`; `message` is logged as a returned
+    string is. A value json cannot encode makes the attempt fail (a `Retry` that says why), so a handler's bug is
+    not a task done without its result."""
+
+    __slots__ = ("value", "message")
+
+    def __init__(self, value, message=""):
+        self.value = value
+        self.message = str(message)
+
+
 # The longest `after_ms` written: the protocol reads a whole number that fits 64 bits, and kmqd holds a queue
 # back at most an hour whatever it is told; the Node SDK's bound too (its largest exact integer).
 _MAX_AFTER_MS = 2**53 - 1
@@ -140,6 +156,14 @@ def _outcome(task_id, result=None, error=None):
         answer = {"id": task_id, "outcome": "done"}
         if isinstance(result, str) and result:
             answer["message"] = result
+        elif isinstance(result, Result):
+            try:
+                _encode(result.value)
+            except (TypeError, ValueError) as refused:
+                return {"id": task_id, "outcome": "retry", "message": f"the handler's result is not JSON: {refused}"}
+            answer["result"] = result.value
+            if result.message:
+                answer["message"] = result.message
         return answer
     if isinstance(error, Fail):
         return {"id": task_id, "outcome": "fail", "message": error.message or "failed"}

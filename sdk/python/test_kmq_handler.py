@@ -143,6 +143,31 @@ class Throttling(unittest.TestCase):
         self.assertEqual(stderr.count("Traceback"), len(bad), stderr)
 
 
+class Results(unittest.TestCase):
+    def test_a_result_is_answered_with_done_and_one_that_is_not_json_is_a_failed_attempt(self):
+        path = handler_file(
+            """
+            from kmq_handler import Result, handler, run
+
+            @handler("sync")
+            def sync(task):
+                return Result(task.data, "built")
+
+            @handler("async")
+            async def asynchronous(task):
+                return Result({"set": {1, 2}} if task.data == "bad" else None)
+
+            run()
+            """
+        )
+        tasks = [task("s1", "sync", {"rows": 3}), task("a1", "async", None), task("a2", "async", "bad")]
+        answers, _, _ = serve(path, tasks, concurrency=2)
+        self.assertEqual(answers["s1"], {"id": "s1", "outcome": "done", "result": {"rows": 3}, "message": "built"})
+        self.assertEqual(answers["a1"], {"id": "a1", "outcome": "done", "result": None})
+        self.assertEqual(answers["a2"]["outcome"], "retry")
+        self.assertIn("the handler's result is not JSON", answers["a2"]["message"])
+
+
 class Concurrency(unittest.TestCase):
     def test_async_handlers_run_at_once_and_answer_out_of_order(self):
         # Each task waits until all three arrived: only true concurrency finishes them; the last one is answered

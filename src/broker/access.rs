@@ -149,7 +149,8 @@ pub enum Action {
     Push,
     /// `kmqd stats`, `Client::stats`.
     Stats,
-    /// `kmqd task show`, `Client::find`.
+    /// `kmqd task show`, `Client::find`; `kmqd task result`, `Client::result` (a kept result, and where the task
+    /// is while it has none).
     Show,
     /// `kmqd task cancel`, `Client::cancel`.
     Cancel,
@@ -445,13 +446,15 @@ pub const COMMANDS: &[Command] = &[
         name: "get",
         roles: &[D, R, O],
         why: "settle.lua answers a call sent again after a lost reply with the first call's result, and merges \
-              a claim's settled positions; the monitor and `task show` read them",
+              a claim's settled positions; the monitor and `task show` read them; `task result` reads a kept \
+              result",
     },
     Command {
         name: "set",
         roles: &[D, O],
-        why: "settle.lua stores each call's result (for a day) and sets a handler's throttle; a plain pop guards \
-              the list take.lua fills (take.lua); `queue pause` sets the queue's paused key",
+        why: "settle.lua stores each call's result (for a day), a task's kept result (`keep_results`) and sets \
+              a handler's throttle; a plain pop guards the list take.lua fills (take.lua); `queue pause` sets the \
+              queue's paused key",
     },
     Command {
         name: "del",
@@ -601,6 +604,8 @@ enum Kind {
     Hold,
     /// A park index beside type limits on a grouped queue (`park:g:GROUP`, `park:t:TYPE`; groups.lua).
     Park,
+    /// A task's kept result (`keep_results`: results.lua, in settle.lua).
+    Result,
 }
 
 /// What a command touches.
@@ -703,6 +708,7 @@ const DAEMON: &[(&str, On)] = &[
     ("zrange", key(K::Park)),
     ("zrem", key(K::Park)),
     ("del", key(K::Park)),
+    ("evalsha", key(K::Result)),
     // Inside claim.lua and adopt.lua (and pop.lua's check of the paused key, above); the claim's transaction
     // reads its lists back (LRANGE, above).
     ("zscore", key(K::Owners)),
@@ -807,6 +813,9 @@ const DAEMON: &[(&str, On)] = &[
     ("set", key(K::SettleScratch)),
     ("del", key(K::SettleScratch)),
     ("del", key(K::ClaimSettled)),
+    // results.lua, in settle.lua: a kept result.
+    ("type", key(K::Result)),
+    ("set", key(K::Result)),
     ("zrem", key(K::Processing)),
     ("hdel", key(K::Processing)),
     ("hdel", key(K::UniquePopped)),
@@ -982,6 +991,8 @@ const SHOW: &[(&str, On)] = &[
     ("lrange", key(K::ClaimList)),
     ("get", key(K::ClaimSettled)),
     ("lrange", key(K::Dead)),
+    // `task result`: the kept result.
+    ("get", key(K::Result)),
 ];
 
 /// `kmqd task cancel`: finding the waiting copies (as `task show` does), then remove.lua.
@@ -1221,6 +1232,7 @@ fn names(keys: &QueueKeys, kind: Kind) -> Vec<String> {
         Kind::Sched => vec![keys.sched.clone()],
         Kind::Hold => vec![keys.group_hold("acme")],
         Kind::Park => vec![keys.park("g:acme"), keys.park("t:slow")],
+        Kind::Result => vec![keys.result("access-check")],
     }
 }
 

@@ -242,6 +242,14 @@ impl QueueKeys {
         )
     }
 
+    /// A task's kept result (`keep_results`): a string, the JSON object the settle that ended the task wrote
+    /// (results.lua), expiring with the queue's `keep_results`. The id is written as it is: the hash tag is the
+    /// queue's, which comes first, so a brace in an id cannot move the key to another slot, and a reader builds
+    /// the name without an encoding (docs/PROTOCOL.md, "Results").
+    pub fn result(&self, id: &str) -> String {
+        format!("{}:result:{id}", self.base)
+    }
+
     /// `PREFIX:{QUEUE}`, the start of every key of the queue.
     pub fn base(&self) -> &str {
         &self.base

@@ -12,6 +12,7 @@
 //! - [`processing`]: what an owner holds (the monitors' recovery, `task show`, the counts);
 //! - [`peek`]: the heads of a queue's ready lists, delayed tasks and retries (the dashboard's queue page);
 //! - [`dead`]: the dead-letter list: reading, requeueing and purging records;
+//! - [`results`]: the results the settle keeps (`keep_results`), read back;
 //! - [`eviction`]: Redis's `maxmemory-policy`, read at start: anything that may evict kmqd's keys is refused;
 //! - [`history`]: a sample a minute of each queue's counters and depths, for the dashboard's charts;
 //! - [`schedule`]: firing periodic tasks;
@@ -34,6 +35,7 @@ pub mod payloads;
 pub(crate) mod peek;
 pub mod processing;
 mod resp;
+pub mod results;
 pub(crate) mod schedule;
 pub(crate) mod stats;
 pub mod tasks;
@@ -51,8 +53,8 @@ pub use owners::{LeaseClock, OwnerInfo, Renewal, owner_info, owners, register, r
 pub use schedule::{Fired, fire, schedule_state};
 pub use stats::{QueueStats, Rates, TypeUsage, check_protocol, rate_used, stats, type_usage};
 pub use tasks::{
-    Batch, Call, ClaimLimits, Due, Fence, Fetched, Holder, Isolation, Limited, PopLimits, Popper,
-    PushItem, SettleOp, Settled, Settlement, ThrottleScope, adopt, claim, claim_after_wake,
+    Batch, Call, ClaimLimits, Due, Fence, Fetched, Holder, Isolation, Kept, Limited, PopLimits,
+    Popper, PushItem, SettleOp, Settled, Settlement, ThrottleScope, adopt, claim, claim_after_wake,
     load_settle, move_sources, promote, push, release_unique, settle, wait_idle, wait_list,
     wait_wake,
 };
@@ -280,7 +282,12 @@ pub mod sources {
     );
     pub const TAKE: &str = include_str!("scripts/take.lua");
     pub const RELEASE_UNIQUE: &str = checked!(#!lua "scripts/release_unique.lua");
-    pub const SETTLE: &str = include_str!("scripts/settle.lua");
+    /// results.lua, the results a settle keeps (`keep_results`), goes before settle.lua (after the shebang).
+    pub const SETTLE: &str = concat!(
+        "#!lua\n",
+        include_str!("scripts/results.lua"),
+        include_str!("scripts/settle.lua")
+    );
     pub const RENEW: &str = checked!(#!lua "scripts/renew.lua");
     pub const REGISTER: &str = checked!(#!lua "scripts/register.lua");
     pub const RELEASE: &str = checked!(#!lua "scripts/release.lua");

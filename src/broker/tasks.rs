@@ -1325,10 +1325,34 @@ pub struct Settlement {
     pub payload: Vec<u8>,
     /// Whether this run counts as a failed attempt.
     pub failed: bool,
+    /// The result the settle keeps when this record ends the task (an "ack" or a "dead" that applies): a queue
+    /// with `keep_results` (results.lua). `None`: nothing is kept.
+    pub kept: Option<Box<Kept>>,
+}
+
+/// A task's result as the settle that ends it keeps it: its key (`PREFIX:{QUEUE}:result:ID`, in the queue's
+/// slot), its value (a JSON object: docs/PROTOCOL.md, "Results"; the script adds `ended_at`) and how long it is
+/// kept (the key's expiry).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Kept {
+    pub key: String,
+    pub value: Vec<u8>,
+    pub ttl: Duration,
 }
 
 impl Settlement {
-    /// A plain acknowledgement: sent as its bare token (or only counted, in default mode), not as a record.
+    /// The bytes this settlement adds to a call's arguments besides its fixed fields: its payload and the result
+    /// it keeps (the settler sizes its calls by it).
+    pub fn bytes(&self) -> usize {
+        self.payload.len()
+            + self
+                .kept
+                .as_ref()
+                .map_or(0, |kept| kept.key.len() + kept.value.len())
+    }
+
+    /// A plain acknowledgement: sent as its bare token (or only counted, in default mode), not as a record. Its
+    /// kept result, if any, goes with it (results.lua: written only if its bit is new).
     fn is_plain_ack(&self) -> bool {
         self.op == SettleOp::Ack && self.unique_id.is_none() && !self.failed
     }
@@ -1462,17 +1486,19 @@ pub fn settle<'a>(
         Holder::Popped(popper) => (None, Some(popper)),
         Holder::Nobody => (None, None),
     };
-    // Bulk sections only for the owner: a monitor's settlements go through the lease check one by one.
+    // Bulk sections only for the owner: a monitor's settlements go through the lease check one by one. A default
+    // mode acknowledgement that keeps a result goes as a record: only counted, it has no place to name.
     let bulk = |s: &Settlement| {
         fence == Fence::Owner
             && s.is_plain_ack()
-            && !matches!(
-                &s.token,
+            && match &s.token {
                 Some(Token {
                     id: TokenId::Field(_),
                     ..
-                })
-            )
+                }) => false,
+                Some(_) => true,
+                None => s.kept.is_none(),
+            }
     };
     let mut touched = Touched::default();
     let mut counted = 0;
@@ -1557,6 +1583,34 @@ pub fn settle<'a>(
             invocation.key(keys.ring(level));
         }
     }
+    // The results this call keeps (results.lua's trailer): each with its task's place in the call (`rN`, the Nth
+    // record; `cK:P`, position P of the Kth claim touched, acknowledged in its bitmap); their keys go last.
+    let mut kept: Vec<(String, &Kept)> = Vec::new();
+    let mut record = 0;
+    for s in settlements.clone() {
+        let place = match (&s.token, bulk(s)) {
+            (
+                Some(Token {
+                    id: TokenId::Listed { claim, position },
+                    ..
+                }),
+                true,
+            ) => format!("c{}:{position}", touched.index(s.level, *claim)),
+            (_, true) => continue,
+            (_, false) => {
+                record += 1;
+                format!("r{record}")
+            }
+        };
+        if let Some(result) = s.kept.as_deref()
+            && matches!(s.op, SettleOp::Ack | SettleOp::Dead)
+        {
+            kept.push((place, result));
+        }
+    }
+    for (_, result) in &kept {
+        invocation.key(&result.key);
+    }
     let mut invocation = invocation.evalsha(&SCRIPTS.settle);
     invocation
         .arg(match fence {
@@ -1630,12 +1684,25 @@ pub fn settle<'a>(
             .arg(scope);
         records += 1;
     }
+    if !kept.is_empty() {
+        for (place, result) in &kept {
+            invocation
+                .arg(place)
+                .arg(result.ttl.as_millis().max(1) as u64)
+                .arg(result.value.as_slice());
+        }
+        invocation.arg(kept.len()).arg("results");
+    }
     // A reload on this connection only when the call carried no argument of 32 KiB or more (see `load_settle`):
     // otherwise the caller loads the script on a new connection (the settler does) and sends the call again.
-    let large = settlements
-        .clone()
-        .into_iter()
-        .any(|s| !bulk(s) && s.payload.len() >= LARGE_ARGUMENT);
+    let large = settlements.clone().into_iter().any(|s| {
+        let sent = match bulk(s) {
+            // A plain acknowledgement sends only its kept result, in the trailer.
+            true => s.kept.as_ref().map_or(0, |kept| kept.value.len()),
+            false => s.bytes(),
+        };
+        sent >= LARGE_ARGUMENT
+    });
     let reply: Vec<i64> = match invocation.query(conn) {
         Err(error) if is_no_script(&error) && !large => {
             load_settle(conn)?;

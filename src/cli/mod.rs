@@ -3,7 +3,9 @@
 //!
 //! Exit codes, everywhere: 0 success, 1 runtime error (Redis unreachable, a thread died), 2 usage or config
 //! error (including a refused plugin, wrong credentials and missing ACL rules), 3 a push refused because its
-//! unique id is live, 4 a task id not found where `task show`, `task cancel` or a `dead` command needs it.
+//! unique id is live, 4 a task id not found where `task show`, `task cancel`, `task result` or a `dead` command
+//! needs it, 5 a task still waiting or running when `task result --wait` ended, 6 a task `task result` found
+//! dead.
 
 use std::fmt;
 use std::path::PathBuf;
@@ -117,6 +119,10 @@ pub enum Failure {
     Refused(String),
     /// A task id that is not where the command needs it: exit 4.
     NotFound(String),
+    /// A task still waiting or running when `task result --wait` ended: exit 5.
+    Pending(String),
+    /// A task that ended dead, for `task result` (which printed its reason): exit 6.
+    Dead(String),
 }
 
 impl Failure {
@@ -126,6 +132,8 @@ impl Failure {
             Failure::Usage(_) => 2,
             Failure::Refused(_) => 3,
             Failure::NotFound(_) => 4,
+            Failure::Pending(_) => 5,
+            Failure::Dead(_) => 6,
         }
     }
 }
@@ -136,7 +144,9 @@ impl fmt::Display for Failure {
             Failure::Usage(message)
             | Failure::Runtime(message)
             | Failure::Refused(message)
-            | Failure::NotFound(message) => f.write_str(message),
+            | Failure::NotFound(message)
+            | Failure::Pending(message)
+            | Failure::Dead(message) => f.write_str(message),
         }
     }
 }

@@ -1,4 +1,4 @@
-//! `kmqd task show` and `kmqd task cancel`: a task by id.
+//! `kmqd task show`, `kmqd task cancel` and `kmqd task result`: a task by id.
 
 use std::io::Write;
 use std::time::Duration;
@@ -7,7 +7,8 @@ use clap::Subcommand;
 
 use crate::broker::Found;
 use crate::broker::access::Action;
-use crate::client::Client;
+use crate::broker::results::Ended;
+use crate::client::{Client, TaskResult};
 use crate::config::Config;
 
 use super::Failure;
@@ -20,6 +21,19 @@ pub enum TaskCommand {
         queue: String,
         id: String,
         /// Print JSON: a list of {"state": ..., ...}.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print a task's result (docs/PROTOCOL.md, "Results"; the queue needs `keep_results`): the JSON its handler
+    /// returned (`null` for none), exit 0. A task that ended dead: its reason, exit 6. Still waiting or running
+    /// when the wait ends: exit 5. Unknown, or its result expired: exit 4.
+    Result {
+        queue: String,
+        id: String,
+        /// Wait this long for the task to end (`30s`, `2m`); without it, answer at once.
+        #[arg(long, value_parser = humantime::parse_duration, default_value = "0s")]
+        wait: Duration,
+        /// Print the whole kept record as JSON (`state`, `result` or `reason`, `ended_at`).
         #[arg(long)]
         json: bool,
     },
@@ -126,6 +140,15 @@ pub(super) fn run_task(config: &Config, command: TaskCommand) -> Result<(), Fail
             }
             Ok(())
         }
+        TaskCommand::Result {
+            queue,
+            id,
+            wait,
+            json,
+        } => {
+            client.check_access(&[&queue], Action::Show)?;
+            result(&client.result(&queue, &id, wait)?, &queue, &id, json)
+        }
         TaskCommand::Cancel { queue, ids } => {
             client.check_access(&[&queue], Action::Cancel)?;
             super::check_eviction(&client, super::OnEviction::Warn)?;
@@ -160,5 +183,74 @@ pub(super) fn run_task(config: &Config, command: TaskCommand) -> Result<(), Fail
                 )))
             }
         }
+    }
+}
+
+/// Prints what `task result` found, and maps it to its exit code (see [`TaskCommand::Result`]).
+fn result(found: &TaskResult, queue: &str, id: &str, json: bool) -> Result<(), Failure> {
+    let mut out = std::io::stdout().lock();
+    match found {
+        TaskResult::Ended(Ended::Done {
+            result,
+            result_error,
+            ended_at_ms,
+        }) => {
+            if json {
+                let record = serde_json::json!({
+                    "state": "done", "result": result, "result_error": result_error, "ended_at": ended_at_ms,
+                });
+                let _ = writeln!(out, "{record}");
+            } else {
+                let _ = writeln!(out, "{result}");
+            }
+            if let Some(error) = result_error {
+                // The task is done; its result was not kept, and the reader is told why.
+                tracing::warn!(queue, id, "{error}");
+            }
+            Ok(())
+        }
+        TaskResult::Ended(Ended::Dead {
+            reason,
+            ended_at_ms,
+        }) => {
+            if json {
+                let record =
+                    serde_json::json!({"state": "dead", "reason": reason, "ended_at": ended_at_ms});
+                let _ = writeln!(out, "{record}");
+            } else {
+                let _ = writeln!(out, "{reason}");
+            }
+            Err(Failure::Dead(format!(
+                "task {id} in queue {queue} ended dead"
+            )))
+        }
+        TaskResult::DeadLettered(record) => {
+            let reason = serde_json::from_str::<serde_json::Value>(record)
+                .ok()
+                .and_then(|record| record.get("reason")?.as_str().map(str::to_string))
+                .unwrap_or_default();
+            if json {
+                let _ = writeln!(out, "{record}");
+            } else {
+                let _ = writeln!(out, "{reason}");
+            }
+            Err(Failure::Dead(format!(
+                "task {id} in queue {queue} is in the dead-letter list"
+            )))
+        }
+        TaskResult::Pending => Err(Failure::Pending(format!(
+            "task {id} in queue {queue} is still waiting or running"
+        ))),
+        TaskResult::Unknown { keeps_results } => Err(Failure::NotFound(if *keeps_results {
+            format!(
+                "no task {id} in queue {queue}, and no result kept for it: never pushed, or its result expired \
+                 (keep_results)"
+            )
+        } else {
+            format!(
+                "no task {id} in queue {queue}: queue {queue} keeps no results (set keep_results, \
+                 docs/CONFIG.md), so a done task leaves nothing"
+            )
+        })),
     }
 }

@@ -350,6 +350,9 @@ pub struct QueueConfig {
     /// A lag (age of the oldest ready task) above this logs a warning, and its return below it one line more
     /// (`src/daemon/report.rs`); `None`: not watched.
     pub lag_warn: Option<Duration>,
+    /// How long the settle that ends a task keeps its result (or a dead task's reason) in Redis, as the key's
+    /// expiry (docs/PROTOCOL.md, "Results"); `None`: nothing is kept, and the settle writes nothing more.
+    pub keep_results: Option<Duration>,
     /// Lists that producers push tasks to with their own key names (`RPUSH queue:email ...`): the daemon moves
     /// what they hold into the queue, byte for byte (`src/daemon/sources.rs`).
     pub source_lists: Vec<SourceList>,

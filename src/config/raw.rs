@@ -109,6 +109,8 @@ pub(super) struct RawQueue {
     pub(super) delay_batch: Option<Spanned<i64>>,
     pub(super) max_task_bytes: Option<Spanned<i64>>,
     pub(super) lag_warn: Option<Spanned<String>>,
+    /// How long a task's result (or a dead task's reason) is kept (`"1h"`); absent: none is kept.
+    pub(super) keep_results: Option<Spanned<String>>,
     /// Each a list's name, or a table `{ list = NAME, priority = LEVEL }` (checked by hand in `validate`).
     pub(super) source_lists: Option<Spanned<Vec<Spanned<toml::Value>>>>,
     /// `[[queues.limits]]`: limits of one task type each.

@@ -25,6 +25,13 @@ fn minimal_config_gets_documented_defaults() {
     assert_eq!(queue.execution_timeout, Some(defaults::EXECUTION_TIMEOUT));
     assert_eq!(queue.alive_timeout, None);
     assert_eq!(queue.lag_warn, None);
+    assert_eq!(
+        queue.keep_results, None,
+        "results are kept only when asked for"
+    );
+    let kept =
+        parse("[[queues]]\nname = \"mail\"\nmode = \"safe\"\nkeep_results = \"1h\"\n").unwrap();
+    assert_eq!(kept.queues[0].keep_results, Some(Duration::from_secs(3600)));
     assert_eq!(config.daemon.report_interval, None);
     assert!(!config.reports(), "no reporter unless asked for");
     assert_eq!(config.redis.key_prefix, "kmq");
@@ -155,6 +162,21 @@ fn bad_configs_name_file_line_key_and_fix() {
             "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nlag_warn = \"0s\"\n",
             "queues.toml:4:12",
             &["queues[0].lag_warn", "too short", "100ms"],
+        ),
+        (
+            "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nkeep_results = \"10ms\"\n",
+            "queues.toml:4:16",
+            &["queues[0].keep_results", "too short", "1s"],
+        ),
+        (
+            "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nkeep_results = \"90days\"\n",
+            "queues.toml:4:16",
+            &["queues[0].keep_results", "too long", "30days"],
+        ),
+        (
+            "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nkeep_results = \"soon\"\n",
+            "queues.toml:4:16",
+            &["queues[0].keep_results", "not a duration"],
         ),
         (
             "[daemon]\nlog_format = \"yaml\"\n",

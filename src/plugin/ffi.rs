@@ -30,7 +30,7 @@ use kmq_plugin::abi::{
     self, EntryFn, HandleFn, KMQ_ABI_VERSION, KmqBuf, KmqStatus, KmqStr, KmqTask, MIN_STRUCT_SIZE,
     OnDeadFn, PLUGIN_SYMBOL, ShutdownFn, StartFn,
 };
-use kmq_plugin::host::{self, Refusal};
+use kmq_plugin::host::{self, HOST, Refusal, RunSlot};
 
 use super::PluginError;
 
@@ -103,9 +103,11 @@ pub(crate) struct Run<'a> {
 /// What `handle` returned.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Status {
-    /// `output`: what the handler put in the message buffer (empty when nothing), for the log.
+    /// `output`: what the handler put in the message buffer (empty when nothing), for the log; `result`: the
+    /// JSON text it handed on through `kmq_host.result`, if any (kept with a queue's `keep_results`).
     Done {
         output: String,
+        result: Option<String>,
     },
     Retry {
         after: Option<Duration>,
@@ -179,6 +181,11 @@ pub(crate) fn load(path: &Path, file: std::fs::File) -> Result<Library, PluginEr
             "its handle is NULL; set it to the function that runs a task (kmq_plugin.h, `handle`)",
         ),
     })?;
+    if let Some(offer) = descriptor.host {
+        // SAFETY: the ABI's call, once per library and before its first init; `HOST` is a static (the SDK's
+        // host side, shared with its test harness).
+        unsafe { offer(&HOST) };
+    }
     let name = descriptor
         .name
         .clone()
@@ -238,7 +245,14 @@ impl Library {
 /// What runs when a task a plugin took in `start` completes: on the plugin's thread, once.
 pub(crate) type Completion = Box<dyn FnOnce(Status) + Send>;
 
-/// The host's `kmq_complete_fn`: the ticket is a boxed [`Completion`].
+/// A started task's ticket: its completion, and its run's slot, which lives until the completion (the run's
+/// handle points at it).
+struct Ticket {
+    completion: Completion,
+    slot: RunSlot,
+}
+
+/// The host's `kmq_complete_fn`: the ticket is a boxed [`Ticket`].
 unsafe extern "C" fn completed(
     ticket: *mut c_void,
     status: KmqStatus,
@@ -247,11 +261,12 @@ unsafe extern "C" fn completed(
 ) {
     // SAFETY: `ticket` is the box `LoadedPlugin::start` leaked for this task, and the ABI has the plugin call this
     // once per task it took, so the box is taken back once.
-    let completion = unsafe { Box::from_raw(ticket.cast::<Completion>()) };
+    let ticket = unsafe { Box::from_raw(ticket.cast::<Ticket>()) };
+    let Ticket { completion, slot } = *ticket;
     // SAFETY: the message is valid for the call; it is copied here.
     let bytes = unsafe { msg.as_bytes() };
     let text = || String::from_utf8_lossy(&bytes[..bytes.len().min(MESSAGE_CAPACITY)]).into_owned();
-    let status = status_of(status, text, retry_after_ms);
+    let status = with_result(status_of(status, text, retry_after_ms), &slot);
     // Nothing may unwind into the plugin: a panic here is the daemon's bug, logged, and the task stays held until
     // the daemon stops (its lease keeps it safe in Redis).
     if std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || completion(status))).is_err() {
@@ -259,10 +274,24 @@ unsafe extern "C" fn completed(
     }
 }
 
+/// A done status with the result its run handed on, if any (a result of a run that did not finish is dropped).
+fn with_result(status: Status, slot: &RunSlot) -> Status {
+    match status {
+        Status::Done { output, .. } => Status::Done {
+            output,
+            result: slot.take_result(),
+        },
+        other => other,
+    }
+}
+
 /// A `kmq_status` (with its message and retry delay) as the daemon reads it.
 fn status_of(status: KmqStatus, text: impl FnOnce() -> String, retry_after_ms: i64) -> Status {
     match status {
-        abi::KMQ_DONE => Status::Done { output: text() },
+        abi::KMQ_DONE => Status::Done {
+            output: text(),
+            result: None,
+        },
         abi::KMQ_RETRY => Status::Retry {
             after: (retry_after_ms >= 0).then(|| Duration::from_millis(retry_after_ms as u64)),
             message: text(),
@@ -298,7 +327,8 @@ fn missing_symbol(path: &Path, library: &libloading::Library) -> PluginError {
     }
 }
 
-fn task_view<'a>(run: &'a Run<'a>, retry_after_ms: &'a mut i64) -> KmqTask {
+/// The task as the ABI passes it; `slot`: its run's handle (null where no run is live: `on_dead`).
+fn task_view<'a>(run: &'a Run<'a>, retry_after_ms: &'a mut i64, slot: *mut c_void) -> KmqTask {
     KmqTask {
         id: KmqStr::borrow(run.id),
         queue: KmqStr::borrow(run.queue),
@@ -309,6 +339,7 @@ fn task_view<'a>(run: &'a Run<'a>, retry_after_ms: &'a mut i64) -> KmqTask {
         deadline_ms: run.deadline_ms,
         cancel: run.cancel.as_ptr().cast_const(),
         retry_after_ms,
+        run: slot,
     }
 }
 
@@ -321,7 +352,8 @@ impl LoadedPlugin {
             message.resize(MESSAGE_CAPACITY, 0);
         }
         let mut retry_after_ms: i64 = -1;
-        let task = task_view(run, &mut retry_after_ms);
+        let slot = RunSlot::default();
+        let task = task_view(run, &mut retry_after_ms, slot.handle());
         let mut buf = KmqBuf {
             ptr: message.as_mut_ptr().cast::<c_char>(),
             cap: message.len(),
@@ -331,11 +363,12 @@ impl LoadedPlugin {
         // returned, and `handle` is thread-safe by contract.
         let status = unsafe { (self.handle)(self.state, &task, &mut buf) };
         let len = buf.len.min(MESSAGE_CAPACITY);
-        status_of(
+        let status = status_of(
             status,
             || String::from_utf8_lossy(&message[..len]).into_owned(),
             retry_after_ms,
-        )
+        );
+        with_result(status, &slot)
     }
 
     /// Whether the plugin may take tasks without a thread waiting for each (`start`).
@@ -352,15 +385,20 @@ impl LoadedPlugin {
             return Err(completion);
         };
         let mut retry_after_ms: i64 = -1;
-        let task = task_view(run, &mut retry_after_ms);
-        let ticket = Box::into_raw(Box::new(completion));
+        let ticket = Box::into_raw(Box::new(Ticket {
+            completion,
+            slot: RunSlot::default(),
+        }));
+        // SAFETY: the box was just made; its slot stays where it is until `completed` takes the box back.
+        let slot = unsafe { (*ticket).slot.handle() };
+        let task = task_view(run, &mut retry_after_ms, slot);
         // SAFETY: the ABI call: `task`'s strings are valid until it returns and its cancel flag until the
         // completion runs (the caller's contract); `ticket` is passed back to `completed` once if the plugin
         // takes the task, never if it declines; `start` is thread-safe by contract.
         let declined = unsafe { start(self.state, &task, completed, ticket.cast::<c_void>()) } != 0;
         if declined {
             // SAFETY: a declining start never calls complete: the box is still ours.
-            return Err(*unsafe { Box::from_raw(ticket) });
+            return Err(unsafe { Box::from_raw(ticket) }.completion);
         }
         Ok(())
     }
@@ -369,7 +407,7 @@ impl LoadedPlugin {
     pub(crate) fn on_dead(&self, run: &Run<'_>, reason: &str) {
         if let Some(on_dead) = self.on_dead {
             let mut retry_after_ms = -1;
-            let task = task_view(run, &mut retry_after_ms);
+            let task = task_view(run, &mut retry_after_ms, std::ptr::null_mut());
             // SAFETY: as in `handle`; `reason` is borrowed for the call.
             unsafe { on_dead(self.state, &task, KmqStr::borrow(reason)) };
         }

@@ -636,6 +636,7 @@ fn a_settle_batch_that_cannot_apply_applies_nothing_and_applies_once_when_it_can
             level: 0,
             payload: Vec::new(),
             failed: false,
+            kept: None,
         })
         .collect();
     batch.push(kmqd::broker::Settlement {
@@ -647,6 +648,7 @@ fn a_settle_batch_that_cannot_apply_applies_nothing_and_applies_once_when_it_can
         level: 0,
         payload: br#"{"queue":"jobs","reason":"bad"}"#.to_vec(),
         failed: true,
+        kept: None,
     });
     let call = kmqd::broker::Call {
         settler: "test:acker",
@@ -730,6 +732,7 @@ fn identical_envelopes_retried_together_are_added_in_a_near_linear_number_of_zad
             level: 0,
             payload: twin.clone(),
             failed: true,
+            kept: None,
         })
         .collect();
     let mut connection = redis.connection();

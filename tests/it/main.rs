@@ -33,6 +33,7 @@ mod redis_faults;
 mod reload;
 mod reload_faults;
 mod report;
+mod results;
 mod safe_mode;
 mod schedules;
 mod script_checks;

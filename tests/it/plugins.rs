@@ -571,6 +571,53 @@ fn a_status_outside_the_abi_is_a_handler_error_not_a_crash() {
     daemon.stop();
 }
 
+/// A C plugin hands a result on through `kmq_host`; the same plugin with the descriptor of a plugin built before
+/// `kmq_host` (its `struct_size` ends before `host`) is never offered it, and still finishes its tasks, with no
+/// result kept.
+#[test]
+fn a_plugin_built_before_kmq_host_finishes_tasks_without_a_result() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let result = r#"PLUGIN_RESULT="{\"rows\":3}""#;
+    compile_c_plugin(
+        &configurable_c(),
+        &[result, "PLUGIN_TYPE=\"c.new\""],
+        &dir.plugins_dir().join("libnew.so"),
+    );
+    compile_c_plugin(
+        &configurable_c(),
+        &[
+            result,
+            "PLUGIN_TYPE=\"c.old\"",
+            "PLUGIN_STRUCT_SIZE=offsetof(kmq_plugin,host)",
+        ],
+        &dir.plugins_dir().join("libold.so"),
+    );
+    let config = dir.config(
+        &redis,
+        "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\nkeep_results = \"1h\"\n\n\
+         [plugins.new]\nfile = \"libnew.so\"\n\n[plugins.old]\nfile = \"libold.so\"\n",
+    );
+    let daemon = TestDaemon::start(&config);
+    push(&config, "jobs", "c.new", "new", "{}");
+    push(&config, "jobs", "c.old", "old", "{}");
+    let kept = |id: &str| {
+        let text: Option<String> = redis.cmd(&["GET", &format!("kmq:{{jobs}}:result:{id}")]);
+        text.map(|text| serde_json::from_str::<serde_json::Value>(&text).unwrap())
+    };
+    let (new, old) = eventually(Duration::from_secs(10), "both results kept", || {
+        let both = (kept("new"), kept("old"));
+        (both.0.is_some() && both.1.is_some(), both)
+    });
+    assert_eq!(new.unwrap()["result"], serde_json::json!({"rows": 3}));
+    let old = old.unwrap();
+    assert_eq!(
+        (&old["state"], &old["result"]),
+        (&serde_json::json!("done"), &serde_json::Value::Null)
+    );
+    daemon.stop();
+}
+
 #[test]
 fn handle_is_called_on_many_worker_threads_at_once() {
     const WORKERS: usize = 8;

@@ -13,7 +13,7 @@ use kmqd::{Config, NewTask};
 
 use crate::support::*;
 
-fn safe(extra: &str) -> String {
+pub(crate) fn safe(extra: &str) -> String {
     format!(
         "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\nworkers = 4\nbackoff = \"10ms\"\n{extra}\n"
     )
@@ -382,11 +382,11 @@ fn unique_id_is_refused_while_live_and_accepted_once_done() {
 }
 
 /// A queue context like the daemon builds, for driving one component directly.
-fn context(config: &Config) -> Arc<QueueContext> {
+pub(crate) fn context(config: &Config) -> Arc<QueueContext> {
     Arc::new(QueueContext::new(config, &config.queues[0], "test:0"))
 }
 
-fn monitor(config: &Config, queue: &Arc<QueueContext>, name: &str) -> Monitor {
+pub(crate) fn monitor(config: &Config, queue: &Arc<QueueContext>, name: &str) -> Monitor {
     Monitor {
         queues: vec![Watched::new(
             Arc::clone(queue),
@@ -401,7 +401,7 @@ fn monitor(config: &Config, queue: &Arc<QueueContext>, name: &str) -> Monitor {
 
 /// Registers an owner the way a daemon does, with the queue's levels, and claims up to `max` tasks under it
 /// (tokens from `first_token`): a daemon that then dies.
-fn dead_daemon_claims(
+pub(crate) fn dead_daemon_claims(
     connection: &mut kmqd::broker::Conn,
     queue: &QueueContext,
     owner: &str,
@@ -462,11 +462,12 @@ fn plain_ack(token: Option<broker::Token>) -> Settlement {
         level: 0,
         payload: Vec::new(),
         failed: false,
+        kept: None,
     }
 }
 
 /// Call `number` of the settling party `settler`: `owner`'s outcomes, as its acker sends them.
-fn settle_as(
+pub(crate) fn settle_as(
     connection: &mut kmqd::broker::Conn,
     queue: &QueueContext,
     (owner, settler, number): (&str, &str, u64),
@@ -694,6 +695,7 @@ fn a_claim_settled_in_parts_gives_back_only_its_unsettled_tasks_and_fences_late_
         level: 0,
         payload: batch.payloads.get(index).to_vec(),
         failed: false,
+        kept: None,
     };
     let mut number = 0;
     let mut settle = |connection: &mut broker::Conn, settlements: &[Settlement]| {

@@ -247,7 +247,7 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
                   [[queues]]\nname = \"fast\"\nmode = \"default\"\nworkers = 2\nlease_timeout = \"3s\"\n\
                   retry_times = 1\nbackoff = \"10ms\"\nrate_limit = \"1000/s\"\nmax_running = 4\n\n\
                   [[queues]]\nname = \"limited\"\nmode = \"safe\"\nworkers = 2\nmax_running = 2\n\
-                  rate_limit = [\"50/s\", \"1000/m\"]\nretry_times = 1\nbackoff = \"10ms\"\n\n\
+                  rate_limit = [\"50/s\", \"1000/m\"]\nretry_times = 1\nbackoff = \"10ms\"\nkeep_results = \"1h\"\n\n\
                   [[queues]]\nname = \"plain\"\nmode = \"default\"\nworkers = 2\nbatch = 40\n\n\
                   [[queues]]\nname = \"typed\"\nmode = \"safe\"\nworkers = 2\nmax_running = 2\n\
                   retry_times = 1\nbackoff = \"10ms\"\n\
@@ -299,7 +299,9 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
                     || arg.starts_with(b"kmq:{dtyped}")
                     || arg.starts_with(b"kmq:{grouped}")
             });
-            if shapes.contains_key(&shape) || (per_script >= 8 && !throttle && !typed) {
+            // So are settles that keep results (results.lua's trailer, the limited queue's).
+            let kept = args.iter().any(|arg| arg.as_slice() == b"results");
+            if shapes.contains_key(&shape) || (per_script >= 8 && !throttle && !typed && !kept) {
                 return;
             }
             shapes.insert(shape, seen);

@@ -68,7 +68,23 @@ pub struct KmqTask {
     /// Out-parameter for `KMQ_RETRY`: ms before the next attempt; -1 means the queue's backoff. For `KMQ_THROTTLE`:
     /// ms during which the queue takes no task.
     pub retry_after_ms: *mut i64,
+    /// Appended within v1: the host's handle for this run, for [`KmqHost`]'s calls; present only in a task of a
+    /// host that called the plugin's `host` (read it only then).
+    pub run: *mut c_void,
 }
+
+/// `kmq_host`: what a host offers a running task (appended within v1; handed to the plugin's `host`).
+#[repr(C)]
+#[derive(Debug)]
+pub struct KmqHost {
+    pub struct_size: u32,
+    pub result: Option<ResultFn>,
+}
+
+/// `kmq_host.result`: attaches a JSON result to a run.
+pub type ResultFn = unsafe extern "C" fn(run: *mut c_void, json: KmqStr);
+/// The descriptor's `host`: hands the plugin what the host offers.
+pub type HostFn = unsafe extern "C" fn(host: *const KmqHost);
 
 /// `kmq_status`: a C enum, which is `int`-sized on every platform kmqd supports.
 pub type KmqStatus = i32;
@@ -136,6 +152,8 @@ pub struct KmqPlugin {
     pub shutdown: Option<ShutdownFn>,
     /// Appended within v1: beyond an older plugin's `struct_size`, read as NULL.
     pub start: Option<StartFn>,
+    /// Appended within v1: beyond an older plugin's `struct_size`, read as NULL (and never called).
+    pub host: Option<HostFn>,
 }
 
 /// The signature of the exported `kmq_plugin_v1` symbol.

@@ -17,6 +17,9 @@ pub struct Completion {
     ticket: *mut c_void,
     /// The host's cancel flag for the task: valid until `complete` is called (kmq_plugin.h, `start`).
     cancel: *const u32,
+    /// The host's run handle for the task (`kmq_task.run`), for its result: valid until `complete` is called;
+    /// null with a host that offers no results.
+    run: *mut c_void,
 }
 
 // SAFETY: the ABI lets `complete` be called from any thread, and the cancel flag is only ever read atomically;
@@ -39,7 +42,15 @@ impl Completion {
             complete: Some(complete),
             ticket,
             cancel,
+            run: std::ptr::null_mut(),
         }
+    }
+
+    /// The task's run handle (`kmq_task.run`, null when the host offers none), through which a done outcome's
+    /// result reaches the host before the completion.
+    pub(crate) fn with_run(mut self, run: *mut c_void) -> Completion {
+        self.run = run;
+        self
     }
 
     /// True once the host wants this run to stop early (execution timeout or shutdown): complete it soon, with
@@ -69,6 +80,8 @@ impl Completion {
         let Some(complete) = self.complete.take() else {
             return;
         };
+        // SAFETY: the run handle is live until `complete` is called, which is below.
+        unsafe { crate::export::hand_result(self.run, outcome) };
         let (status, message, retry_after_ms) = abi_parts(outcome);
         // SAFETY: `complete` and `ticket` came from one `start` call (`from_raw`'s contract), and `take` above
         // makes this the only call; the message is borrowed for the call, which copies it.
@@ -95,6 +108,8 @@ pub(crate) fn abi_parts(outcome: &Outcome) -> (KmqStatus, &str, i64) {
     match outcome {
         Outcome::Done => (abi::KMQ_DONE, "", -1),
         Outcome::DoneWithOutput { output } => (abi::KMQ_DONE, output, -1),
+        // The result went to the host before (`hand_result`).
+        Outcome::DoneWithResult { .. } => (abi::KMQ_DONE, "", -1),
         Outcome::Retry { after, reason } => (
             abi::KMQ_RETRY,
             reason,

@@ -8,8 +8,11 @@ use std::cell::{Cell, RefCell, UnsafeCell};
 use std::ffi::{CString, c_char, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+
 use crate::abi::{
-    self, CompleteFn, KMQ_ABI_VERSION, KmqBuf, KmqPlugin, KmqStatus, KmqStr, KmqTask, StartFn,
+    self, CompleteFn, KMQ_ABI_VERSION, KmqBuf, KmqHost, KmqPlugin, KmqStatus, KmqStr, KmqTask,
+    ResultFn, StartFn,
 };
 use crate::completion::{Completion, abi_parts};
 use crate::{Handler, Task};
@@ -42,9 +45,70 @@ pub fn descriptor<H: Handler>() -> *const KmqPlugin {
             on_dead: Some(on_dead::<H>),
             shutdown: Some(shutdown::<H>),
             start: H::STARTS.then_some(start::<H> as StartFn),
+            host: Some(host),
         }))
     });
     descriptor.0.get()
+}
+
+/// What the host offers a running task (`kmq_host`), once it gave it (before the first `init`): null until then,
+/// and for good with a host older than results, whose tasks have no `run` handle.
+static HOST: AtomicPtr<KmqHost> = AtomicPtr::new(std::ptr::null_mut());
+
+/// The descriptor's `host`: keeps the host's offer, which lives as long as the process.
+unsafe extern "C" fn host(offer: *const KmqHost) {
+    HOST.store(offer.cast_mut(), Ordering::Release);
+}
+
+/// The host's `result` function, when the host offered one.
+fn result_fn() -> Option<ResultFn> {
+    let offer = HOST.load(Ordering::Acquire);
+    if offer.is_null() {
+        return None;
+    }
+    // SAFETY: a host's offer lives as long as the process (kmq_plugin.h), and its first field is its size.
+    let offer = unsafe { &*offer };
+    let covered = std::mem::offset_of!(KmqHost, result) + size_of::<Option<ResultFn>>();
+    if (offer.struct_size as usize) < covered {
+        return None;
+    }
+    offer.result
+}
+
+/// A task's `run` handle, when the host offers results: only such a host's tasks have the field.
+///
+/// # Safety
+/// `task` must be a task the host passed to the current call.
+pub(crate) unsafe fn run_of(task: *const KmqTask) -> *mut c_void {
+    if HOST.load(Ordering::Acquire).is_null() {
+        return std::ptr::null_mut();
+    }
+    // SAFETY: a host that gave its offer passes tasks with `run` (kmq_plugin.h), valid during the call.
+    unsafe { (*task).run }
+}
+
+/// Hands a done outcome's result to the host, for the run `run` (null: a host that offers no results, which is
+/// told once on stderr, so that a result lost to an old daemon is not a silent mystery).
+///
+/// # Safety
+/// `run` must be null or a live run handle of the host (before `handle` returned or `complete` was called).
+pub(crate) unsafe fn hand_result(run: *mut c_void, outcome: &crate::Outcome) {
+    let crate::Outcome::DoneWithResult { result } = outcome else {
+        return;
+    };
+    let give = result_fn().filter(|_| !run.is_null());
+    let Some(give) = give else {
+        static TOLD: AtomicBool = AtomicBool::new(false);
+        if !TOLD.swap(true, Ordering::Relaxed) {
+            crate::log_line(
+                "kmq plugin: this kmqd keeps no results (it is older than kmq_host); a task's result was dropped",
+            );
+        }
+        return;
+    };
+    let json = result.to_string();
+    // SAFETY: the run is live (the caller's contract) and the host copies the text during the call.
+    unsafe { give(run, KmqStr::borrow(&json)) };
 }
 
 /// The plugin lives until the process exits (hosts never unload it), so its strings may too.
@@ -181,6 +245,8 @@ unsafe extern "C" fn handle<H: Handler>(
     });
     match result {
         Ok((outcome, retry_after_ms)) => {
+            // SAFETY: `task` is this call's, so its run is live until this returns.
+            unsafe { hand_result(run_of(task), &outcome) };
             let (status, message, after) = abi_parts(&outcome);
             let delayed = status == abi::KMQ_RETRY || status == abi::KMQ_THROTTLE;
             if delayed && after >= 0 && !retry_after_ms.is_null() {
@@ -207,6 +273,8 @@ unsafe extern "C" fn start<H: Handler>(
 ) -> i32 {
     // SAFETY: the host's arguments of one `start` call; the task (and so its cancel pointer) is valid for it.
     let done = unsafe { Completion::from_raw(complete, ticket, (*task).cancel) };
+    // SAFETY: as above; the run stays valid until the completion is called.
+    let done = done.with_run(unsafe { run_of(task) });
     let result = caught(Scope::Result, || {
         // SAFETY: as in `handle`.
         let (handler, task) = unsafe { (&*state.cast::<H>(), &*task) };

@@ -1,14 +1,64 @@
-//! The host side of the ABI: reading a plugin's descriptor, calling its `init` and reading its types. kmqd's
+//! The host side of the ABI: reading a plugin's descriptor, calling its `init` and reading its types, and what a
+//! host offers a running task (`kmq_host`: a result, kept in the run's [`RunSlot`]). kmqd's
 //! loader and the test [`crate::testing::Harness`] both use it, so a plugin the harness accepts is a plugin kmqd
 //! accepts, and the reasons for refusing one are the same.
 
 use std::ffi::{CStr, c_char, c_void};
 use std::mem::offset_of;
+use std::sync::Mutex;
 
 use crate::abi::{
-    HandleFn, InitFn, KMQ_ABI_VERSION, KmqBuf, KmqPlugin, KmqStr, MESSAGE_CAPACITY,
-    MIN_STRUCT_SIZE, OnDeadFn, ShutdownFn, StartFn,
+    HandleFn, HostFn, InitFn, KMQ_ABI_VERSION, KmqBuf, KmqHost, KmqPlugin, KmqStr,
+    MESSAGE_CAPACITY, MIN_STRUCT_SIZE, OnDeadFn, ShutdownFn, StartFn,
 };
+
+/// What a host offers a running task (`kmq_host`): kmqd's and the test harness's, handed to a plugin's `host`
+/// before its first `init`. A static, so it lives as long as the process, as the ABI promises.
+pub static HOST: KmqHost = KmqHost {
+    struct_size: size_of::<KmqHost>() as u32,
+    result: Some(result_given),
+};
+
+/// One run's slot for what the plugin hands on besides its status: the task's `run` handle
+/// ([`RunSlot::handle`]) points at it while the run is live (until `handle` returns, or until `complete` is
+/// called for a task taken in `start`), so it must not move meanwhile.
+#[derive(Debug, Default)]
+pub struct RunSlot {
+    result: Mutex<Option<String>>,
+}
+
+impl RunSlot {
+    /// The run's handle, `kmq_task.run`.
+    pub fn handle(&self) -> *mut c_void {
+        std::ptr::from_ref(self).cast_mut().cast::<c_void>()
+    }
+
+    /// The JSON text the run handed on as its result, if any.
+    pub fn take_result(&self) -> Option<String> {
+        // A poisoned lock only means a thread panicked while it set the text: what it holds is still a value.
+        self.result
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .take()
+    }
+}
+
+/// `kmq_host.result`: keeps the run's JSON text (the last call wins). The whole text is copied: kmqd bounds what
+/// it keeps, and says so in the kept record (docs/PROTOCOL.md, "Results").
+unsafe extern "C" fn result_given(run: *mut c_void, json: KmqStr) {
+    if run.is_null() {
+        return;
+    }
+    // SAFETY: the text is valid for the call (the ABI's rule); it is copied here.
+    let text = String::from_utf8_lossy(unsafe { json.as_bytes() }).into_owned();
+    // SAFETY: `run` is the handle of a live run (the ABI's rule): a `RunSlot` that outlives the run.
+    let slot = unsafe { &*run.cast::<RunSlot>() };
+    // Nothing may unwind into the plugin; a poisoned lock still holds a value.
+    *slot
+        .result
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(text);
+}
 
 /// Why a descriptor is refused.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -34,6 +84,8 @@ pub struct Descriptor {
     pub on_dead: Option<OnDeadFn>,
     pub shutdown: Option<ShutdownFn>,
     pub start: Option<StartFn>,
+    /// The plugin's `host` (appended within v1): `None` for a plugin built before it, which is never given one.
+    pub host: Option<HostFn>,
 }
 
 /// Reads a NUL-terminated string owned by the plugin.
@@ -96,6 +148,12 @@ pub unsafe fn read(raw: *const KmqPlugin) -> Result<Descriptor, Refusal> {
     } else {
         None
     };
+    let host = if covers(offset_of!(KmqPlugin, host), size_of::<Option<HostFn>>()) {
+        // SAFETY: struct_size covers the field.
+        unsafe { (*raw).host }
+    } else {
+        None
+    };
     // SAFETY: the ABI makes `name` a NUL-terminated string that lives as long as the library.
     let name = unsafe { c_string(name) };
     let handle = handle.ok_or(Refusal::NoHandle)?;
@@ -107,6 +165,7 @@ pub unsafe fn read(raw: *const KmqPlugin) -> Result<Descriptor, Refusal> {
         on_dead,
         shutdown,
         start,
+        host,
     })
 }
 

@@ -124,6 +124,12 @@ pub enum Outcome {
     /// The task is finished, and the handler has something to show for it (a command's output, a summary): the
     /// daemon logs it with the task's `task done` debug event. At most 1024 bytes reach the daemon.
     DoneWithOutput { output: String },
+    /// The task is finished, with a result: JSON the daemon keeps with the task when its queue has
+    /// `keep_results` (`kmqd task result QUEUE ID` prints it; docs/HANDLERS.md, "Results"), and otherwise drops. At
+    /// most 1 MiB of JSON text is kept (a larger result is replaced by a record saying so; the task is still
+    /// done). A host older than this variant (it never gave the plugin a `kmq_host`) sees a plain done, and the
+    /// SDK says once on stderr that the result was dropped.
+    DoneWithResult { result: serde_json::Value },
     /// This attempt failed; the queue's `on_handler_error` decides (by default: retry after `after`, or after the
     /// queue's backoff when `None`, until `retry_times` is used up).
     Retry {
@@ -147,6 +153,13 @@ impl Outcome {
             Outcome::Done
         } else {
             Outcome::DoneWithOutput { output }
+        }
+    }
+
+    /// The task is finished, with `result` to keep (see [`Outcome::DoneWithResult`]).
+    pub fn done_with_result(result: impl Into<serde_json::Value>) -> Outcome {
+        Outcome::DoneWithResult {
+            result: result.into(),
         }
     }
 

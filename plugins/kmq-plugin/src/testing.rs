@@ -50,7 +50,7 @@ use crate::abi::{
     self, EntryFn, HandleFn, KMQ_ABI_VERSION, KmqBuf, KmqStr, KmqTask, MESSAGE_CAPACITY,
     MIN_STRUCT_SIZE, OnDeadFn, ShutdownFn, StartFn,
 };
-use crate::host::{self, Refusal};
+use crate::host::{self, HOST, Refusal, RunSlot};
 
 /// Serialises `Harness::new`. A Rust plugin's `init` fills in its descriptor's `types`, and the harness reads them
 /// right after; in a test binary several tests may build harnesses of the same plugin at once. kmqd loads plugins
@@ -124,6 +124,8 @@ pub struct RunResult {
     /// The delay a `KMQ_RETRY` (or `KMQ_THROTTLE`) asked for through `retry_after_ms`; `None` means the queue's
     /// backoff.
     pub retry_after: Option<Duration>,
+    /// The JSON text the run handed on as its result (`kmq_host.result`; `Outcome::done_with_result`), if any.
+    pub result: Option<String>,
 }
 
 /// A plugin loaded through its entry point and initialised, ready to run tasks; shut down on drop.
@@ -180,6 +182,10 @@ impl Harness {
             }
             Refusal::NoHandle => "its descriptor has no handle function".to_string(),
         })?;
+        if let Some(offer) = descriptor.host {
+            // SAFETY: the ABI's call, before init; `HOST` is a static, so it lives as long as the process.
+            unsafe { offer(&HOST) };
+        }
         // SAFETY: the library is linked into the test (or loaded) and stays so; `LOADING` serialises calls of
         // `new`, so init runs once at a time.
         let state = unsafe { descriptor.init(config_json) }.map_err(|failure| match failure.claimed_len {
@@ -223,25 +229,32 @@ impl Harness {
     /// Runs one attempt of `task` as kmqd does: through the plugin's `start` when it has one and takes the task
     /// (waiting for its completion), else through `handle`. May be called from many threads at once.
     pub fn run(&self, task: TestTask) -> RunResult {
+        let slot = RunSlot::default();
+        let run = slot.handle();
+        let taken = || slot.take_result();
         if let Some(start) = self.start {
             let (sender, receiver) = mpsc::sync_channel(1);
             let ticket = Box::into_raw(Box::new(sender)).cast::<c_void>();
             let mut retry_after_ms: i64 = -1;
-            let raw = raw_task(&task, &mut retry_after_ms);
+            let raw = raw_task(&task, &mut retry_after_ms, run);
             // SAFETY: as in `handle` below; `ticket` is ours until `completed` takes it back, and the task's
             // cancel flag lives in `task`, which outlives the wait below.
             let declined = unsafe { start(self.state, &raw, completed, ticket) } != 0;
             if !declined {
-                return receiver.recv().expect(
+                let completed = receiver.recv().expect(
                     "the plugin called complete (kmq_plugin.h: exactly once per task it took)",
                 );
+                return RunResult {
+                    result: taken(),
+                    ..completed
+                };
             }
             // SAFETY: a declining start never calls complete, so the ticket is still ours.
             drop(unsafe { Box::from_raw(ticket.cast::<mpsc::SyncSender<RunResult>>()) });
         }
         let mut message = vec![0u8; MESSAGE_CAPACITY];
         let mut retry_after_ms: i64 = -1;
-        let raw = raw_task(&task, &mut retry_after_ms);
+        let raw = raw_task(&task, &mut retry_after_ms, run);
         let mut buf = KmqBuf {
             ptr: message.as_mut_ptr().cast::<c_char>(),
             cap: message.len(),
@@ -257,6 +270,7 @@ impl Harness {
             retry_after: (matches!(status, Status::Retry | Status::Throttle)
                 && retry_after_ms >= 0)
                 .then(|| Duration::from_millis(retry_after_ms as u64)),
+            result: taken(),
         }
     }
 
@@ -265,7 +279,7 @@ impl Harness {
     pub fn on_dead(&self, task: TestTask, reason: &str) {
         if let Some(on_dead) = self.on_dead {
             let mut retry_after_ms = -1;
-            let raw = raw_task(&task, &mut retry_after_ms);
+            let raw = raw_task(&task, &mut retry_after_ms, std::ptr::null_mut());
             // SAFETY: as in `run`; `reason` is borrowed for the call.
             unsafe { on_dead(self.state, &raw, KmqStr::borrow(reason)) };
         }
@@ -320,6 +334,8 @@ unsafe extern "C" fn completed(
         message,
         retry_after: (matches!(status, Status::Retry | Status::Throttle) && retry_after_ms >= 0)
             .then(|| Duration::from_millis(retry_after_ms as u64)),
+        // Read from the run's slot by `run`, which waits for this.
+        result: None,
     });
 }
 
@@ -338,7 +354,8 @@ pub fn process_is_alive(pid: u32) -> bool {
     }
 }
 
-fn raw_task<'a>(task: &'a TestTask, retry_after_ms: &'a mut i64) -> KmqTask {
+/// The task as the ABI passes it, with `run`, its run's handle (null where none is live: `on_dead`).
+fn raw_task<'a>(task: &'a TestTask, retry_after_ms: &'a mut i64, run: *mut c_void) -> KmqTask {
     KmqTask {
         id: KmqStr::borrow(&task.id),
         queue: KmqStr::borrow(&task.queue),
@@ -349,6 +366,7 @@ fn raw_task<'a>(task: &'a TestTask, retry_after_ms: &'a mut i64) -> KmqTask {
         deadline_ms: task.deadline_ms,
         cancel: task.cancel.0.as_ptr().cast_const(),
         retry_after_ms,
+        run,
     }
 }
 
@@ -369,6 +387,7 @@ mod tests {
             on_dead: None,
             shutdown: None,
             start: None,
+            host: None,
         }))
     }
 

@@ -8,8 +8,8 @@ use std::path::Path;
 use std::process::Command;
 
 use kmq_plugin::abi::{
-    self, CompleteFn, EntryFn, HandleFn, InitFn, KmqBuf, KmqPlugin, KmqStatus, KmqStr, KmqTask,
-    OnDeadFn, ShutdownFn, StartFn,
+    self, CompleteFn, EntryFn, HandleFn, HostFn, InitFn, KmqBuf, KmqHost, KmqPlugin, KmqStatus,
+    KmqStr, KmqTask, OnDeadFn, ResultFn, ShutdownFn, StartFn,
 };
 
 /// One fact about the layout: the C expression that computes it, and what Rust says it is.
@@ -63,6 +63,10 @@ fn facts() -> Vec<Fact> {
             "retry_after_ms",
             offset_of!(KmqTask, retry_after_ms),
         ),
+        offset("kmq_task", "run", offset_of!(KmqTask, run)),
+        size("kmq_host", size_of::<KmqHost>()),
+        offset("kmq_host", "struct_size", offset_of!(KmqHost, struct_size)),
+        offset("kmq_host", "result", offset_of!(KmqHost, result)),
         size("kmq_status", size_of::<KmqStatus>()),
         constant("KMQ_DONE", abi::KMQ_DONE.into()),
         constant("KMQ_RETRY", abi::KMQ_RETRY.into()),
@@ -89,6 +93,7 @@ fn facts() -> Vec<Fact> {
         offset("kmq_plugin", "on_dead", offset_of!(KmqPlugin, on_dead)),
         offset("kmq_plugin", "shutdown", offset_of!(KmqPlugin, shutdown)),
         offset("kmq_plugin", "start", offset_of!(KmqPlugin, start)),
+        offset("kmq_plugin", "host", offset_of!(KmqPlugin, host)),
         // The function pointers are nullable in C, so the Rust side wraps them in Option: same size, NULL is None.
         size("((kmq_plugin *)0)->init", size_of::<Option<InitFn>>()),
         size("((kmq_plugin *)0)->handle", size_of::<Option<HandleFn>>()),
@@ -98,6 +103,8 @@ fn facts() -> Vec<Fact> {
             size_of::<Option<ShutdownFn>>(),
         ),
         size("((kmq_plugin *)0)->start", size_of::<Option<StartFn>>()),
+        size("((kmq_plugin *)0)->host", size_of::<Option<HostFn>>()),
+        size("((kmq_host *)0)->result", size_of::<Option<ResultFn>>()),
         size("kmq_complete_fn", size_of::<CompleteFn>()),
         size("&kmq_plugin_v1", size_of::<EntryFn>()),
         constant("KMQ_ABI_VERSION", abi::KMQ_ABI_VERSION.into()),

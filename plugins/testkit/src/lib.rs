@@ -15,7 +15,8 @@
 //! - `fail_attempts`: answer `retry` while `attempt < fail_attempts`, then `outcome`;
 //! - `retry_after_ms`: the delay a `retry` asks for;
 //! - `dead_sleep_ms`: `on_dead` sleeps this long before it records the dead letter (a slow final-failure hook);
-//! - `output`: a `"done"` outcome comes with this output (`Outcome::DoneWithOutput`).
+//! - `output`: a `"done"` outcome comes with this output (`Outcome::DoneWithOutput`);
+//! - `result`: a `"done"` outcome comes with this JSON as its result (`Outcome::DoneWithResult`).
 //!
 //! Config: `record` (a file path): every run appends `start <id> <attempt> <type> <unix µs>` when it begins and
 //! `end <id> <attempt> <outcome>` when it returns, `dead <id> <attempt> <reason>` from `on_dead`, and `shutdown`
@@ -60,6 +61,7 @@ struct Behaviour {
     throttle_once: Option<String>,
     dead_sleep_ms: u64,
     output: Option<String>,
+    result: Option<kmq_plugin::serde_json::Value>,
 }
 
 struct Testkit {
@@ -146,7 +148,10 @@ impl Testkit {
             );
         }
         match behaviour.outcome.as_deref().unwrap_or("done") {
-            "done" => Outcome::done_with_output(behaviour.output.clone().unwrap_or_default()),
+            "done" => match behaviour.result.clone() {
+                Some(result) => Outcome::done_with_result(result),
+                None => Outcome::done_with_output(behaviour.output.clone().unwrap_or_default()),
+            },
             "retry" => retry(&behaviour, "testkit: asked to retry".to_string()),
             "fail" => Outcome::fail("testkit: asked to fail"),
             "throttle" => throttle(&behaviour),
@@ -235,7 +240,9 @@ impl Handler for Testkit {
                 }
             };
         let label = match &outcome {
-            Outcome::Done | Outcome::DoneWithOutput { .. } => "done",
+            Outcome::Done | Outcome::DoneWithOutput { .. } | Outcome::DoneWithResult { .. } => {
+                "done"
+            }
             Outcome::Retry { .. } => "retry",
             Outcome::Fail { .. } => "fail",
             Outcome::Throttle { .. } => "throttle",
@@ -370,6 +377,7 @@ mod tests {
                     status,
                     message: message.to_string(),
                     retry_after: retry_after.map(Duration::from_millis),
+                    result: None,
                 },
                 "data {data}"
             );
@@ -399,6 +407,23 @@ mod tests {
             Status::Fail,
             "testkit: unknown outcome \"sideways\"",
             None,
+        );
+    }
+
+    #[test]
+    fn a_result_crosses_the_abi_through_the_hosts_offer() {
+        let dir = tempfile::tempdir().unwrap();
+        let harness = harness(&dir);
+        let result = run(&harness, r#"{"result":{"rows":3,"file":"a.csv"}}"#);
+        assert_eq!(result.status, Status::Done);
+        assert_eq!(
+            result.result.as_deref(),
+            Some(r#"{"file":"a.csv","rows":3}"#)
+        );
+        assert_eq!(
+            run(&harness, "{}").result,
+            None,
+            "no result unless one is given"
         );
     }
 

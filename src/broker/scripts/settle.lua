@@ -1,4 +1,4 @@
-#!lua
+-- (The broker prepends `#!lua` and results.lua: src/broker/mod.rs, `sources`.)
 -- settle.lua: apply the outcomes of many runs at once (acknowledge, retry, recover, hand back, dead-letter),
 -- exactly once.
 --
@@ -118,6 +118,9 @@ local owners, stats, dead, uniq, wake, last_call = KEYS[1], KEYS[2], KEYS[3], KE
 local popped, throttle = KEYS[7], KEYS[8]
 local fence, dead_max, levels, channel, owner = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local call = ARGV[6]
+-- The results this call keeps (results.lua): its trailer is taken off ARGV and KEYS before anything reads them.
+local kept, refused_kept = take_kept()
+if not kept then return refused_kept end
 local READY, RETRY, QUARANTINE, PROCESSING = 8, 8 + levels, 8 + 2 * levels, 8 + 5 * levels
 -- Safe mode names at least levels + 3 keys past the quarantine lists; default mode none, or two (a limited queue),
 -- each before the keys of the types whose throttles the call may set (T, after the claims' arguments).
@@ -463,6 +466,7 @@ for k = 1, claims do
       stale = stale + c.count
     else
       local old = redis.call('GET', c.bits)
+      keep_claim(kept, k, c.bits, old, now)
       if not old and c.count == c.length then
         -- The whole claim at once, the common case: nothing to merge.
         done = done + c.count
@@ -513,6 +517,7 @@ while i <= #ARGV do
   end
   if ok == 1 then
     ended = ended + 1
+    if op == 'ack' or op == 'dead' then keep(kept, (i - records) / 9 + 1, now) end
     if ARGV[i + 7] == '1' then
       failed = failed + 1
     end

@@ -49,6 +49,7 @@ impl RawQueue {
             delay_batch,
             max_task_bytes,
             lag_warn,
+            keep_results,
             source_lists,
             limits,
             groups,
@@ -196,6 +197,11 @@ impl RawQueue {
             None => None,
         };
 
+        let keep_results = match &keep_results {
+            Some(value) => Some(kept_for(source, &key("keep_results"), value)?),
+            None => None,
+        };
+
         let source_lists = match source_lists {
             Some(lists) => check_source_lists(
                 source,
@@ -237,9 +243,35 @@ impl RawQueue {
             delay_batch,
             max_task_bytes,
             lag_warn,
+            keep_results,
             source_lists,
         })
     }
+}
+
+/// The shortest and longest `keep_results`: a result kept under a second is gone before a waiting reader polls
+/// it, and one kept past 30 days is a store, not a result (a key per task for that long).
+const KEEP_RESULTS: std::ops::RangeInclusive<Duration> =
+    Duration::from_secs(1)..=Duration::from_secs(30 * 24 * 3600);
+
+/// A queue's `keep_results`: a duration within [`KEEP_RESULTS`], whole milliseconds (its keys' expiry).
+fn kept_for(
+    source: &Source<'_>,
+    key: &str,
+    value: &Spanned<String>,
+) -> Result<Duration, ConfigError> {
+    let kept = at_least(source, key, value, *KEEP_RESULTS.start())?;
+    if kept > *KEEP_RESULTS.end() {
+        return Err(source.error(
+            value.span(),
+            format!(
+                "{key}: {:?} is too long; use at most {} (results are keys of their own, kept that long)",
+                value.get_ref(),
+                humantime::format_duration(*KEEP_RESULTS.end())
+            ),
+        ));
+    }
+    Ok(kept)
 }
 
 /// A queue's priority levels, as [`levels`] checks them.

@@ -388,7 +388,16 @@ pub fn verdict_of(status: Status, plugin: &str, started: Instant) -> (Verdict, O
     let logged = !matches!(status, Status::Done { .. }) || tracing::enabled!(tracing::Level::DEBUG);
     let duration = logged.then(|| started.elapsed());
     let (verdict, output) = match status {
-        Status::Done { output } => (Verdict::Done, output),
+        Status::Done { output, result } => {
+            return (
+                Verdict::Done,
+                Some(Ran {
+                    duration,
+                    output,
+                    result,
+                }),
+            );
+        }
         Status::Retry { after, message } => (
             Verdict::HandlerError {
                 reason: non_empty(message, "handler asked to retry"),
@@ -419,7 +428,14 @@ pub fn verdict_of(status: Status, plugin: &str, started: Instant) -> (Verdict, O
             String::new(),
         ),
     };
-    (verdict, Some(Ran { duration, output }))
+    (
+        verdict,
+        Some(Ran {
+            duration,
+            output,
+            result: None,
+        }),
+    )
 }
 
 fn non_empty(message: String, fallback: &str) -> String {
@@ -501,6 +517,7 @@ impl Lane {
             let ran = Ran {
                 duration: Some(timeout),
                 output: String::new(),
+                result: None,
             };
             let task = state.parts(state.token.clone(), envelope.as_ref());
             let (settlement, dead_hook) = self.queue.settle(verdict, Some(ran), task);

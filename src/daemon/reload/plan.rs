@@ -180,6 +180,7 @@ fn queue_changes(old: &QueueConfig, new: &QueueConfig) -> Vec<String> {
         max_task_bytes,
         idle_poll,
         lag_warn,
+        keep_results,
         source_lists,
     );
     out

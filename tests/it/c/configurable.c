@@ -10,6 +10,9 @@
  *   -DPLUGIN_TYPE='"t"'        claim the task type t instead of "c.test"
  *   -DPLUGIN_INIT_FAILS        fail init with a message
  *   -DPLUGIN_STATUS=n          return n from handle, whatever the task
+ *   -DPLUGIN_RESULT='"{...}"'  hand this JSON on as each task's result (kmq_host.result), when the host offers it;
+ *                              with -DPLUGIN_STRUCT_SIZE='offsetof(kmq_plugin, host)' the descriptor has the shape
+ *                              of a plugin built before kmq_host, so no host ever offers it
  */
 #include <string.h>
 
@@ -53,11 +56,22 @@ static void *init(kmq_str config, kmq_buf *err) {
 #endif
 }
 
+#ifdef PLUGIN_RESULT
+/* What the host offers; set once, before the first init. */
+static const kmq_host *host;
+static void on_host(const kmq_host *offer) { host = offer; }
+#endif
+
 #ifndef PLUGIN_NO_HANDLE
 static kmq_status handle(void *state, const kmq_task *task, kmq_buf *msg) {
     (void)state;
     (void)task;
     (void)msg;
+#ifdef PLUGIN_RESULT
+    static const char json[] = PLUGIN_RESULT;
+    if (host && host->struct_size >= offsetof(kmq_host, result) + sizeof host->result && host->result)
+        host->result(task->run, (kmq_str){(const uint8_t *)json, sizeof json - 1});
+#endif
     return (kmq_status)PLUGIN_STATUS;
 }
 #endif
@@ -75,6 +89,9 @@ static const kmq_plugin PLUGIN = {
 #endif
     .on_dead = NULL,
     .shutdown = NULL,
+#ifdef PLUGIN_RESULT
+    .host = on_host,
+#endif
 };
 
 const kmq_plugin *PLUGIN_SYMBOL(void);

@@ -111,6 +111,9 @@ struct Plain {
     retry_after_ms: Option<u64>,
     #[serde(default)]
     after_ms: Option<u64>,
+    /// A done answer's result (any JSON; `null` is none), kept with a queue's `keep_results`.
+    #[serde(default)]
+    result: Option<Value>,
 }
 
 #[derive(Deserialize)]
@@ -126,7 +129,10 @@ impl Plain {
     fn into_line(self) -> Line {
         let message = self.message.unwrap_or_default();
         let outcome = match (self.outcome, self.retry_after_ms) {
-            (Kind::Done, _) => Outcome::done_with_output(message),
+            (Kind::Done, _) => match self.result {
+                Some(result) => Outcome::done_with_result(result),
+                None => Outcome::done_with_output(message),
+            },
             (Kind::Retry, None) => Outcome::retry(message),
             (Kind::Retry, Some(ms)) => Outcome::retry_after(Duration::from_millis(ms), message),
             (Kind::Fail, _) => fail(message),
@@ -192,7 +198,10 @@ fn parse_any(line: &[u8]) -> Line {
         }
     };
     let outcome = match value.get("outcome").and_then(Value::as_str) {
-        Some("done") => Outcome::done_with_output(message),
+        Some("done") => match value.get("result") {
+            None | Some(Value::Null) => Outcome::done_with_output(message),
+            Some(result) => Outcome::done_with_result(result.clone()),
+        },
         Some("retry") => match value.get("retry_after_ms") {
             None | Some(Value::Null) => Outcome::retry(message),
             Some(Value::Number(n)) if n.as_u64().is_some() => {
@@ -257,6 +266,25 @@ mod tests {
         assert_eq!(
             other,
             r#"its first line is not the hello {"hello": 1} but "starting up...""#
+        );
+    }
+
+    #[test]
+    fn a_done_answer_carries_its_result() {
+        assert_eq!(
+            parse_answer(br#"{"id": "a", "outcome": "done", "result": {"rows": 3}}"#),
+            Line::Answer {
+                id: "a".into(),
+                outcome: Outcome::done_with_result(serde_json::json!({"rows": 3}))
+            }
+        );
+        assert_eq!(
+            parse_answer(br#"{"id": "a", "outcome": "done", "result": null}"#),
+            Line::Answer {
+                id: "a".into(),
+                outcome: Outcome::Done
+            },
+            "a null result is none"
         );
     }
 
@@ -352,8 +380,11 @@ mod tests {
 
     #[test]
     fn the_reading_of_plain_answers_agrees_with_the_general_one() {
-        let lines: [&[u8]; 14] = [
+        let lines: [&[u8]; 17] = [
             br#"{"id": "a", "outcome": "done"}"#,
+            br#"{"id": "a", "outcome": "done", "result": {"rows": 3, "files": ["a.csv"]}}"#,
+            br#"{"id": "a", "outcome": "done", "result": null, "message": "ok"}"#,
+            br#"{"id": "a", "outcome": "done", "result": "text"}"#,
             br#"{"id": "a", "outcome": "done", "message": "report.pdf", "extra": [1, {"x": 2}]}"#,
             br#"{"outcome": "retry", "id": "b\u00e9", "message": null, "retry_after_ms": 5000}"#,
             br#"{"id": "b", "outcome": "retry", "retry_after_ms": null}"#,
@@ -378,7 +409,7 @@ mod tests {
             );
         }
         assert!(serde_json::from_slice::<Plain>(lines[0]).is_ok());
-        assert!(serde_json::from_slice::<Plain>(lines[8]).is_err());
+        assert!(serde_json::from_slice::<Plain>(lines[11]).is_err());
     }
 
     #[test]
@@ -399,6 +430,7 @@ mod tests {
             deadline_ms: 0,
             cancel: std::ptr::null(),
             retry_after_ms: std::ptr::null_mut(),
+            run: std::ptr::null_mut(),
         };
         // SAFETY: every pointer in `raw` outlives the task.
         let task = unsafe { Task::from_raw(&raw) };
