@@ -11,11 +11,14 @@
 //! - [`turns`]: `priority_weights`' turns (turns.lua), a model of their own: the credits of the levels;
 //! - [`types`]: limits per task type (types.lua, claim.lua's flow path, settle.lua's runs), a model of their own;
 //! - [`groups`]: fair groups (groups.lua, claim.lua's grouped path, settle.lua's unparking, group_resume.lua), a
-//!   model of their own.
+//!   model of their own;
+//! - [`group_types`]: groups beside type limits (groups.lua's flows of a group's limited type and park indexes,
+//!   settle.lua's and group_resume.lua's emptying of them), a model of their own.
 //!
 //! See `model/README.md` for what the model covers, what it leaves out, and what the checker found.
 
 pub mod canon;
+pub mod group_types;
 pub mod groups;
 pub mod model;
 pub mod redis;

@@ -6,7 +6,8 @@
 //! - `break`: the "break it on purpose" experiments, each printing its counterexample;
 //! - a scenario name (see `setup.rs`: `pill`, `stall`, `lost-replies`, `rolling`, `mixed-modes`, `recovered`,
 //!   `zombie`, `limit`, `throttle`, `popped`, `popped-stall`, the finding `orphan`, the turns' `weights` and
-//!   `weights-change`, the type limits' `typed` and `typed-more`, and the larger `lost-replies-large`,
+//!   `weights-change`, the type limits' `typed` and `typed-more`, groups beside type limits' `grouped-typed` and
+//!   the finding `grouped-typed-wide`, and the larger `lost-replies-large`,
 //!   `rolling-large`, `pill-large`, `zombie-large`), optionally with `--mutation NAME` (`no-floor-check`, `no-adopt`, `no-idempotent-settle`,
 //!   `monitor-own-levels`, `group-beside-others`, `no-lease-check`, `renew-expired`, `pop-ready-only`,
 //!   `register-retry-keeps-lease`, and the running limit's `subtract-uncounted`, `subtract-count`,
@@ -25,6 +26,7 @@ use std::hash::Hash;
 
 use stateright::Model;
 
+use kmq_model::group_types::{self, GroupTyped, GroupTypes};
 use kmq_model::groups::{self, Grouped, Groups};
 use kmq_model::run::{self, Report, Search};
 use kmq_model::setup::{self, Mutation, Setup};
@@ -68,6 +70,7 @@ fn main() {
     let mut weighted: Vec<Weighted> = Vec::new();
     let mut typed: Vec<Limited> = Vec::new();
     let mut grouped: Vec<Grouped> = Vec::new();
+    let mut group_typed: Vec<GroupTyped> = Vec::new();
     let mut experiments = false;
     for word in if words.is_empty() { vec!["ci"] } else { words } {
         match word {
@@ -76,7 +79,14 @@ fn main() {
                 weighted.extend(turns::scenarios());
                 typed.extend(types::scenarios());
                 grouped.extend(groups::scenarios());
+                group_typed.extend(group_types::scenarios());
             }
+            "grouped-typed-wide" => group_typed.push(group_types::grouped_typed_wide()),
+            name if group_types::scenarios().iter().any(|g| g.name == name) => group_typed.extend(
+                group_types::scenarios()
+                    .into_iter()
+                    .filter(|g| g.name == name),
+            ),
             "large" => setups.extend(setup::large()),
             "break" => experiments = true,
             name if groups::scenarios().iter().any(|g| g.name == name) => {
@@ -122,6 +132,22 @@ fn main() {
             let search = run::shortest_in(&Groups::new(setup), property);
             print_experiment(name, mutation, property, search);
         }
+        for (setup, property) in group_types::experiments() {
+            let (name, mutation) = (setup.name, setup.mutation);
+            let search = run::shortest_in(&GroupTypes::new(setup), property);
+            print_experiment(name, mutation, property, search);
+        }
+    }
+    for setup in group_typed {
+        let name = setup.name;
+        find_or_check(
+            name,
+            GroupTypes::new(setup),
+            find.as_deref(),
+            threads,
+            cap,
+            trace,
+        );
     }
     for setup in grouped {
         let name = setup.name;

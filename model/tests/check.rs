@@ -6,6 +6,7 @@
 use std::fmt::Debug;
 use std::time::Instant;
 
+use kmq_model::group_types::{self, GroupTypes};
 use kmq_model::groups::{self, Groups};
 use kmq_model::run::{self, Report, Search};
 use kmq_model::setup::{
@@ -426,6 +427,55 @@ fn a_group_limit_counts_exactly_and_no_group_is_stranded() {
         failures.extend(report.failures(&[]));
     }
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+/// Groups beside type limits (groups.lua's `GROUP:T` flows and park indexes, settle.lua's and group_resume.lua's
+/// emptying of `park:g:GROUP`, the claim's unpark of `park:t:T`), over every reachable state of a queue with two
+/// groups and one limited type `T`, all under `max_running = 1`: claims that sort a group's `T` tasks `T` refuses
+/// into `GROUP:T`, settles by their owner (late too) or a monitor's recovery, hand-backs, a pause and a resume, a
+/// lost reply sent again, a `kill -9`. Both counts are exact per run, within their limits, never below 0 and 0 at
+/// rest; every task is in one place; no flow with tasks is stranded; a claim takes a task while a waiting task's
+/// group and type admit it.
+#[test]
+fn groups_beside_a_type_limit_count_in_both_scopes_and_no_flow_is_stranded() {
+    let mut failures = Vec::new();
+    for setup in group_types::scenarios() {
+        let name = setup.name;
+        let report = run::check_model(name, GroupTypes::new(setup), 2, None, false);
+        println!("{}", report.summary());
+        failures.extend(report.failures(&[]));
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+/// Groups beside type limits broken on purpose: a settle that frees a group's slot but leaves `park:g:GROUP`, a
+/// claim that does not move back the flows `park:t:T` names, a turn of `GROUP:` that takes a `T` task whatever
+/// `T`'s count says; each caught.
+#[test]
+fn a_group_index_left_a_type_index_left_and_an_ignored_type_limit_are_caught() {
+    for (setup, property) in group_types::experiments() {
+        let (name, mutation) = (setup.name, setup.mutation);
+        broken(
+            name,
+            mutation,
+            property,
+            run::shortest_in(&GroupTypes::new(setup), property),
+        );
+    }
+}
+
+/// The sixth finding (open, model/README.md): under groups' `max_running = 2`, a claim of one whose only admitted
+/// candidate is a group's flow holding a `T` task `T` refuses moves that task to `GROUP:T` and takes nothing,
+/// though another group's task could run (state 7: its fetcher waits for a wake-up). Two steps.
+#[test]
+fn finding_a_claim_whose_turn_only_sorted_t_tasks_away_takes_nothing() {
+    let (path, _, _) = run::shortest_in(
+        &GroupTypes::new(group_types::grouped_typed_wide()),
+        group_types::NOT_BLOCKED,
+    );
+    let path = path.expect("the finding is open: a claim that only sorted takes nothing");
+    println!("{}", run::describe(&path));
+    assert_eq!(path.len(), 2);
 }
 
 /// The groups broken on purpose: a settle and a resume that leave a parked flow parked, a claim that ignores a
