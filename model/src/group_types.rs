@@ -68,6 +68,10 @@ pub enum GroupTypesMutation {
     ClaimKeepsTypeIndex,
     /// A turn of `GROUP:` takes a `T` task whatever `T`'s count says.
     SortIgnoresType,
+    /// groups_candidates counts every admitted `GROUP:` towards `max`, even one whose tasks its turn would only
+    /// move to `GROUP:T` (claim.lua before this model's finding: such a claim took nothing though another
+    /// group's task could run).
+    CandidatesCountSorting,
 }
 
 /// One bounded check.
@@ -112,21 +116,30 @@ pub fn grouped_typed() -> GroupTyped {
 }
 
 /// The shape of the model's finding (model/README.md, "6."): groups under `max_running = 2`, two `T` tasks of
-/// `A`, two other tasks of `B`, weights 1, no faults.
+/// `A`, two other tasks of `B`, weights 1, two faults.
 pub fn grouped_typed_wide() -> GroupTyped {
     GroupTyped {
         name: "grouped-typed-wide",
         tasks: &[(0, true), (1, false), (0, true), (1, false)],
         group_max: 2,
         weights: [1, 1],
-        faults: 0,
+        ..grouped_typed()
+    }
+}
+
+/// Both groups with a `T` task and another task, three faults: a pause with a stall, a crash or a lost reply.
+pub fn grouped_typed_more() -> GroupTyped {
+    GroupTyped {
+        name: "grouped-typed-more",
+        tasks: &[(0, true), (1, true), (0, false), (1, false)],
+        faults: 3,
         ..grouped_typed()
     }
 }
 
 /// The scenarios the CI check runs (every property holds).
 pub fn scenarios() -> Vec<GroupTyped> {
-    vec![grouped_typed()]
+    vec![grouped_typed(), grouped_typed_more(), grouped_typed_wide()]
 }
 
 /// The experiments: a mutated setup and a property it must break.
@@ -143,6 +156,10 @@ pub fn experiments() -> Vec<(GroupTyped, &'static str)> {
         (
             grouped_typed().with_mutation(GroupTypesMutation::SortIgnoresType),
             COUNT_BOUND,
+        ),
+        (
+            grouped_typed_wide().with_mutation(GroupTypesMutation::CandidatesCountSorting),
+            NOT_BLOCKED,
         ),
     ]
 }
@@ -387,7 +404,14 @@ impl GroupTypes {
             if admitted >= max as usize {
                 break;
             }
-            if self.refused(redis, &rooms, f).is_none() {
+            // A `GROUP:` counts only if one of its first tasks (8 in groups.lua: all of them here) would be taken
+            // (the fix of this model's finding).
+            let takes = f % 2 == 1
+                || self.is(GroupTypesMutation::CandidatesCountSorting)
+                || redis.flows[f]
+                    .iter()
+                    .any(|t| !self.typed(*t) || rooms.t > 0);
+            if self.refused(redis, &rooms, f).is_none() && takes {
                 admitted += 1;
             }
             cands.push(Candidate {

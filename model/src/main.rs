@@ -6,8 +6,8 @@
 //! - `break`: the "break it on purpose" experiments, each printing its counterexample;
 //! - a scenario name (see `setup.rs`: `pill`, `stall`, `lost-replies`, `rolling`, `mixed-modes`, `recovered`,
 //!   `zombie`, `limit`, `throttle`, `popped`, `popped-stall`, the finding `orphan`, the turns' `weights` and
-//!   `weights-change`, the type limits' `typed` and `typed-more`, groups beside type limits' `grouped-typed` and
-//!   the finding `grouped-typed-wide`, and the larger `lost-replies-large`,
+//!   `weights-change`, the type limits' `typed` and `typed-more`, groups beside type limits' `grouped-typed`,
+//!   `grouped-typed-more` and `grouped-typed-wide`, and the larger `lost-replies-large`,
 //!   `rolling-large`, `pill-large`, `zombie-large`), optionally with `--mutation NAME` (`no-floor-check`, `no-adopt`, `no-idempotent-settle`,
 //!   `monitor-own-levels`, `group-beside-others`, `no-lease-check`, `renew-expired`, `pop-ready-only`,
 //!   `register-retry-keeps-lease`, and the running limit's `subtract-uncounted`, `subtract-count`,
@@ -81,7 +81,6 @@ fn main() {
                 grouped.extend(groups::scenarios());
                 group_typed.extend(group_types::scenarios());
             }
-            "grouped-typed-wide" => group_typed.push(group_types::grouped_typed_wide()),
             name if group_types::scenarios().iter().any(|g| g.name == name) => group_typed.extend(
                 group_types::scenarios()
                     .into_iter()
@@ -138,7 +137,13 @@ fn main() {
             print_experiment(name, mutation, property, search);
         }
     }
-    for setup in group_typed {
+    for mut setup in group_typed {
+        if let Some(faults) = std::env::var("KMQ_FAULTS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
+            setup.faults = faults;
+        }
         let name = setup.name;
         find_or_check(
             name,

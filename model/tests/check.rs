@@ -431,15 +431,19 @@ fn a_group_limit_counts_exactly_and_no_group_is_stranded() {
 
 /// Groups beside type limits (groups.lua's `GROUP:T` flows and park indexes, settle.lua's and group_resume.lua's
 /// emptying of `park:g:GROUP`, the claim's unpark of `park:t:T`), over every reachable state of a queue with two
-/// groups and one limited type `T`, all under `max_running = 1`: claims that sort a group's `T` tasks `T` refuses
+/// groups and one limited type `T`, all under `max_running = 1` (and the groups under 2): claims that sort a group's `T` tasks `T` refuses
 /// into `GROUP:T`, settles by their owner (late too) or a monitor's recovery, hand-backs, a pause and a resume, a
 /// lost reply sent again, a `kill -9`. Both counts are exact per run, within their limits, never below 0 and 0 at
 /// rest; every task is in one place; no flow with tasks is stranded; a claim takes a task while a waiting task's
-/// group and type admit it.
+/// group and type admit it. A debug build checks `grouped-typed` alone.
 #[test]
 fn groups_beside_a_type_limit_count_in_both_scopes_and_no_flow_is_stranded() {
     let mut failures = Vec::new();
-    for setup in group_types::scenarios() {
+    let mut scenarios = group_types::scenarios();
+    if cfg!(debug_assertions) {
+        scenarios.truncate(1);
+    }
+    for setup in scenarios {
         let name = setup.name;
         let report = run::check_model(name, GroupTypes::new(setup), 2, None, false);
         println!("{}", report.summary());
@@ -450,7 +454,8 @@ fn groups_beside_a_type_limit_count_in_both_scopes_and_no_flow_is_stranded() {
 
 /// Groups beside type limits broken on purpose: a settle that frees a group's slot but leaves `park:g:GROUP`, a
 /// claim that does not move back the flows `park:t:T` names, a turn of `GROUP:` that takes a `T` task whatever
-/// `T`'s count says; each caught.
+/// `T`'s count says, and the candidates of claim.lua before the model's sixth finding (a `GROUP:` whose turn only
+/// moves `T` tasks away counted towards `max`); each caught.
 #[test]
 fn a_group_index_left_a_type_index_left_and_an_ignored_type_limit_are_caught() {
     for (setup, property) in group_types::experiments() {
@@ -462,20 +467,6 @@ fn a_group_index_left_a_type_index_left_and_an_ignored_type_limit_are_caught() {
             run::shortest_in(&GroupTypes::new(setup), property),
         );
     }
-}
-
-/// The sixth finding (open, model/README.md): under groups' `max_running = 2`, a claim of one whose only admitted
-/// candidate is a group's flow holding a `T` task `T` refuses moves that task to `GROUP:T` and takes nothing,
-/// though another group's task could run (state 7: its fetcher waits for a wake-up). Two steps.
-#[test]
-fn finding_a_claim_whose_turn_only_sorted_t_tasks_away_takes_nothing() {
-    let (path, _, _) = run::shortest_in(
-        &GroupTypes::new(group_types::grouped_typed_wide()),
-        group_types::NOT_BLOCKED,
-    );
-    let path = path.expect("the finding is open: a claim that only sorted takes nothing");
-    println!("{}", run::describe(&path));
-    assert_eq!(path.len(), 2);
 }
 
 /// The groups broken on purpose: a settle and a resume that leave a parked flow parked, a claim that ignores a

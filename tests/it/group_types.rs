@@ -256,3 +256,57 @@ fn a_settle_whose_reply_is_lost_frees_a_groups_and_a_types_slots_once() {
 fn a_claim_whose_reply_is_lost_is_adopted_with_its_group_and_type_counted_once() {
     drains_with_a_reply_lost(sources::CLAIM, 1, AfterDrop::Close);
 }
+
+/// A claim whose lowest passes are groups' flows holding only tasks of a full type reads past them to a group with
+/// a task it may take: with six groups ahead in the ring, each holding one task of `slow` (full: another group's
+/// task holds its one slot), and claims of one task, the other group's `fast` task starts at once. Before the fix
+/// each claim stopped at the first of them (a group that admits a task), moved its `slow` task to the group's
+/// `slow` flow and took nothing, and its fetcher waited `idle_poll` (5 s) for a wake-up: the task started after
+/// six of them (the model's sixth finding, model/README.md).
+#[test]
+fn a_claim_reads_past_groups_whose_tasks_are_all_of_a_full_type() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let gate = dir.path("gate");
+    let queue = safe_queue(
+        "workers = 2\nprefetch = 0\nbatch = 1\nidle_poll = \"5s\"\n[queues.groups]\n\
+         [[queues.limits]]\ntype = \"slow\"\nmax_running = 1\n",
+    );
+    let config = dir.config_for_types(&redis, &queue, &["slow", "fast"]);
+    let daemon = TestDaemon::start(&config);
+    let data = serde_json::json!({ "wait_for_file": gate }).to_string();
+    push(&config, "h", "slow", "h", 1, &data);
+    eventually(
+        Duration::from_secs(15),
+        "h's slow task holds the type",
+        || (running(&redis, "t:slow") == 1, running(&redis, "t:slow")),
+    );
+    // One batch (one wake-up marker): six groups' slow tasks ahead of z's fast one in the ring.
+    let mut tasks: Vec<kmqd::NewTask> = (1..=6)
+        .map(|k| {
+            kmqd::NewTask::new("slow", "{}")
+                .unwrap()
+                .id(format!("a{k}-0"))
+                .group(format!("a{k}"))
+        })
+        .collect();
+    tasks.push(
+        kmqd::NewTask::new("fast", "{}")
+            .unwrap()
+            .id("z0")
+            .group("z"),
+    );
+    client(&config).push_batch("jobs", tasks).unwrap();
+    // Within 20 s: the fix takes it in the claim after the push; before it, six idle polls of 5 s.
+    eventually(Duration::from_secs(20), "z's fast task ran", || {
+        let n = ended(&dir, "z");
+        (n >= 1, n)
+    });
+    assert_eq!(ended(&dir, "a"), 0, "a slow task ran past the type's limit");
+    std::fs::write(&gate, "").unwrap();
+    assert_drained(&config, &redis, 8);
+    for k in 1..=6 {
+        assert_ran_once(&dir, &format!("a{k}-"), 1);
+    }
+    daemon.stop();
+}
