@@ -115,7 +115,7 @@ pub fn grouped_typed() -> GroupTyped {
     }
 }
 
-/// The shape of the model's finding (model/README.md, "6."): groups under `max_running = 2`, two `T` tasks of
+/// The shape of the model's sixth finding (model/README.md): groups under `max_running = 2`, two `T` tasks of
 /// `A`, two other tasks of `B`, weights 1, two faults.
 pub fn grouped_typed_wide() -> GroupTyped {
     GroupTyped {
