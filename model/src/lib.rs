@@ -14,10 +14,13 @@
 //!   model of their own;
 //! - [`wake`]: the wake-up of a claim that filled `max_running` (claim.lua's state 8, the fetcher's wait behind a
 //!   `BLPOP`, settle.lua's and push.lua's markers), a model of its own.
+//! - [`group_types`]: groups beside type limits (groups.lua's flows of a group's limited type and park indexes,
+//!   settle.lua's and group_resume.lua's emptying of them), a model of their own.
 //!
 //! See `model/README.md` for what the model covers, what it leaves out, and what the checker found.
 
 pub mod canon;
+pub mod group_types;
 pub mod groups;
 pub mod model;
 pub mod redis;

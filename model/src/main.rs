@@ -8,6 +8,8 @@
 //!   `zombie`, `limit`, `throttle`, `popped`, `popped-stall`, the finding `orphan`, the turns' `weights` and
 //!   `weights-change`, the type limits' `typed` and `typed-more`, the groups' `grouped` and `grouped-more`, the
 //!   wake-up's `wake` and the finding `wake-rolling`, and the larger `lost-replies-large`,
+//!   `weights-change`, the type limits' `typed` and `typed-more`, groups beside type limits' `grouped-typed`,
+//!   `grouped-typed-more` and `grouped-typed-wide`, and the larger `lost-replies-large`,
 //!   `rolling-large`, `pill-large`, `zombie-large`), optionally with `--mutation NAME` (`no-floor-check`, `no-adopt`, `no-idempotent-settle`,
 //!   `monitor-own-levels`, `group-beside-others`, `no-lease-check`, `renew-expired`, `pop-ready-only`,
 //!   `register-retry-keeps-lease`, and the running limit's `subtract-uncounted`, `subtract-count`,
@@ -26,6 +28,7 @@ use std::hash::Hash;
 
 use stateright::Model;
 
+use kmq_model::group_types::{self, GroupTyped, GroupTypes};
 use kmq_model::groups::{self, Grouped, Groups};
 use kmq_model::run::{self, Report, Search};
 use kmq_model::setup::{self, Mutation, Setup};
@@ -71,6 +74,7 @@ fn main() {
     let mut typed: Vec<Limited> = Vec::new();
     let mut grouped: Vec<Grouped> = Vec::new();
     let mut woken: Vec<Woken> = Vec::new();
+    let mut group_typed: Vec<GroupTyped> = Vec::new();
     let mut experiments = false;
     for word in if words.is_empty() { vec!["ci"] } else { words } {
         match word {
@@ -80,7 +84,13 @@ fn main() {
                 typed.extend(types::scenarios());
                 grouped.extend(groups::scenarios());
                 woken.extend(wake::scenarios());
+                group_typed.extend(group_types::scenarios());
             }
+            name if group_types::scenarios().iter().any(|g| g.name == name) => group_typed.extend(
+                group_types::scenarios()
+                    .into_iter()
+                    .filter(|g| g.name == name),
+            ),
             "large" => setups.extend(setup::large()),
             "break" => experiments = true,
             "wake-rolling" => woken.push(wake::wake_rolling()),
@@ -139,6 +149,28 @@ fn main() {
     for setup in woken {
         let name = setup.name;
         find_or_check(name, Wake::new(setup), find.as_deref(), threads, cap, trace);
+        for (setup, property) in group_types::experiments() {
+            let (name, mutation) = (setup.name, setup.mutation);
+            let search = run::shortest_in(&GroupTypes::new(setup), property);
+            print_experiment(name, mutation, property, search);
+        }
+    }
+    for mut setup in group_typed {
+        if let Some(faults) = std::env::var("KMQ_FAULTS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
+            setup.faults = faults;
+        }
+        let name = setup.name;
+        find_or_check(
+            name,
+            GroupTypes::new(setup),
+            find.as_deref(),
+            threads,
+            cap,
+            trace,
+        );
     }
     for setup in grouped {
         let name = setup.name;

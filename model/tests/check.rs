@@ -6,6 +6,7 @@
 use std::fmt::Debug;
 use std::time::Instant;
 
+use kmq_model::group_types::{self, GroupTypes};
 use kmq_model::groups::{self, Groups};
 use kmq_model::run::{self, Report, Search};
 use kmq_model::setup::{
@@ -427,6 +428,46 @@ fn a_group_limit_counts_exactly_and_no_group_is_stranded() {
         failures.extend(report.failures(&[]));
     }
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+/// Groups beside type limits (groups.lua's `GROUP:T` flows and park indexes, settle.lua's and group_resume.lua's
+/// emptying of `park:g:GROUP`, the claim's unpark of `park:t:T`), over every reachable state of a queue with two
+/// groups and one limited type `T`, all under `max_running = 1` (and the groups under 2): claims that sort a group's `T` tasks `T` refuses
+/// into `GROUP:T`, settles by their owner (late too) or a monitor's recovery, hand-backs, a pause and a resume, a
+/// lost reply sent again, a `kill -9`. Both counts are exact per run, within their limits, never below 0 and 0 at
+/// rest; every task is in one place; no flow with tasks is stranded; a claim takes a task while a waiting task's
+/// group and type admit it. A debug build checks `grouped-typed` alone.
+#[test]
+fn groups_beside_a_type_limit_count_in_both_scopes_and_no_flow_is_stranded() {
+    let mut failures = Vec::new();
+    let mut scenarios = group_types::scenarios();
+    if cfg!(debug_assertions) {
+        scenarios.truncate(1);
+    }
+    for setup in scenarios {
+        let name = setup.name;
+        let report = run::check_model(name, GroupTypes::new(setup), 2, None, false);
+        println!("{}", report.summary());
+        failures.extend(report.failures(&[]));
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+/// Groups beside type limits broken on purpose: a settle that frees a group's slot but leaves `park:g:GROUP`, a
+/// claim that does not move back the flows `park:t:T` names, a turn of `GROUP:` that takes a `T` task whatever
+/// `T`'s count says, and the candidates of claim.lua before the model's sixth finding (a `GROUP:` whose turn only
+/// moves `T` tasks away counted towards `max`); each caught.
+#[test]
+fn a_group_index_left_a_type_index_left_and_an_ignored_type_limit_are_caught() {
+    for (setup, property) in group_types::experiments() {
+        let (name, mutation) = (setup.name, setup.mutation);
+        broken(
+            name,
+            mutation,
+            property,
+            run::shortest_in(&GroupTypes::new(setup), property),
+        );
+    }
 }
 
 /// The groups broken on purpose: a settle and a resume that leave a parked flow parked, a claim that ignores a

@@ -299,9 +299,9 @@ fn a_limited_types_task_in_its_groups_flow_is_sorted_out_and_does_not_block_the_
     daemon.stop();
 }
 
-/// A claim whose only candidate flow held nothing but a limited type's task that it had to sort out (its type full)
-/// reads the level's flows once more and takes from the next group: the task of that group does not wait for a
-/// wake-up that may never come (the groups-beside-types model's finding, model/README.md, "What the checker found").
+/// A claim whose lowest flow holds nothing but a limited type's task that it must sort out (its type full) takes
+/// from the next group's flow in the same step, as it sorts: the task of that group does not wait for a wake-up
+/// (model/README.md, "Groups beside type limits", the seventh finding; with a single such group).
 #[test]
 fn a_claim_that_only_sorted_a_types_task_away_takes_from_the_next_group() {
     let redis = RedisServer::start();
@@ -356,5 +356,59 @@ fn a_claim_that_only_sorted_a_types_task_away_takes_from_the_next_group() {
     std::fs::write(&gate, "").unwrap();
     assert_drained(&config, &redis, 3);
     assert_ran_once(&dir, "as", 1);
+    daemon.stop();
+}
+
+/// A claim whose lowest passes are groups' flows holding only tasks of a full type reads past them to a group with
+/// a task it may take: with six groups ahead in the ring, each holding one task of `slow` (full: another group's
+/// task holds its one slot), and claims of one task, the other group's `fast` task starts at once. Before the fix
+/// each claim stopped at the first of them (a group that admits a task), moved its `slow` task to the group's
+/// `slow` flow and took nothing, and its fetcher waited `idle_poll` (5 s) for a wake-up: the task started after
+/// six of them (the model's seventh finding, model/README.md).
+#[test]
+fn a_claim_reads_past_groups_whose_tasks_are_all_of_a_full_type() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let gate = dir.path("gate");
+    let queue = safe_queue(
+        "workers = 2\nprefetch = 0\nbatch = 1\nidle_poll = \"5s\"\n[queues.groups]\n\
+         [[queues.limits]]\ntype = \"slow\"\nmax_running = 1\n",
+    );
+    let config = dir.config_for_types(&redis, &queue, &["slow", "fast"]);
+    let daemon = TestDaemon::start(&config);
+    let data = serde_json::json!({ "wait_for_file": gate }).to_string();
+    push(&config, "h", "slow", "h", 1, &data);
+    eventually(
+        Duration::from_secs(15),
+        "h's slow task holds the type",
+        || (running(&redis, "t:slow") == 1, running(&redis, "t:slow")),
+    );
+    // One batch (one wake-up marker): six groups' slow tasks ahead of z's fast one in the ring.
+    let mut tasks: Vec<kmqd::NewTask> = (1..=6)
+        .map(|k| {
+            kmqd::NewTask::new("slow", "{}")
+                .unwrap()
+                .id(format!("a{k}-0"))
+                .group(format!("a{k}"))
+        })
+        .collect();
+    tasks.push(
+        kmqd::NewTask::new("fast", "{}")
+            .unwrap()
+            .id("z0")
+            .group("z"),
+    );
+    client(&config).push_batch("jobs", tasks).unwrap();
+    // Within 20 s: the fix takes it in the claim after the push; before it, six idle polls of 5 s.
+    eventually(Duration::from_secs(20), "z's fast task ran", || {
+        let n = ended(&dir, "z");
+        (n >= 1, n)
+    });
+    assert_eq!(ended(&dir, "a"), 0, "a slow task ran past the type's limit");
+    std::fs::write(&gate, "").unwrap();
+    assert_drained(&config, &redis, 8);
+    for k in 1..=6 {
+        assert_ran_once(&dir, &format!("a{k}-"), 1);
+    }
     daemon.stop();
 }

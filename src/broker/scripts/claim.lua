@@ -600,19 +600,8 @@ end
 -- With groups, a level's take: turns over its candidate flows (groups.lua).
 local function take_grouped(i, take)
   local runs, add = new_runs()
-  grp.sorted = false
   local got, held = groups_take(grp, i, cands[i], take, now, add)
   cands[i] = {}
-  if got < take and grp.sorted then
-    -- Turns that moved a limited type's tasks out of a group's flow (beside type limits) may have left the claim
-    -- short of what the level's other flows would give: their candidates are read once more (an error reading
-    -- them, a key of the wrong type among flows not read before, leaves the claim as it is: it wrote already).
-    local more = groups_candidates('claim.lua', grp, i, take - got, KEYS[RUNNING], now)
-    if more then
-      local again, still = groups_take(grp, i, more, take - got, now, add)
-      got, held = got + again, held or still
-    end
-  end
   if held then grp.held = true end
   taken = taken + got
   return push_runs(i, runs)

@@ -333,6 +333,20 @@ local function groups_intake(g, levels, ready_key, bound)
   end
 end
 
+-- Beside type limits: whether a group's flow of the unlimited types (`GROUP:`) holds, among its first
+-- GROUP_PEEK tasks, one its turn would take now (not of a limited type that its limits refuse). A flow whose first
+-- tasks are all refused is read past like a refused group's: its turn only moves them to their (GROUP, TYPE)
+-- flows, and a claim of `want` that stopped at it took nothing though the next flow's group could run (state 7:
+-- its fetcher waited for a wake-up; the model's seventh finding, model/README.md). Reads only.
+local GROUP_PEEK = 8
+local function group_flow_takes(g, flow)
+  for _, payload in ipairs(redis.call('LRANGE', flow, 0, GROUP_PEEK - 1)) do
+    local typ = types_route(g.block, payload)
+    if not (typ and typ.room == 0) then return true end
+  end
+  return false
+end
+
 -- The flows a level's take may serve: the lowest passes, until `want` of them are of groups their limits admit
 -- (a refused group's flow is read past, and groups_take moves it out of the lowest band: without that, a claim
 -- whose lowest passes were all paused or full took nothing though the next flow's group could run, and its
@@ -357,9 +371,12 @@ local function groups_candidates(script, g, level, want, running, now)
       if not string.find(member, ':$') then refused = g.wrong(g.base .. ':park:' .. st.scope, 'zset') end
       if not refused and typ then refused = g.wrong(g.base .. ':park:' .. typ.scope, 'zset') end
       if refused then return nil, refused end
+      local sorts = g.types ~= nil and string.find(member, ':$') ~= nil
       cands[#cands + 1] = {member = member, pass = tonumber(picks[k + 1]), flow = flow, st = st, typ = typ,
-        level = level, sorts = g.types ~= nil and string.find(member, ':$') ~= nil}
-      if not flow_refused(st, typ, member, now) then admitted = admitted + 1 end
+        level = level, sorts = sorts}
+      if not flow_refused(st, typ, member, now) and (not sorts or group_flow_takes(g, flow)) then
+        admitted = admitted + 1
+      end
     end
   end
   return cands
@@ -403,7 +420,6 @@ local function group_sort_turn(g, c, m, now, add)
     flow_hold(g, c.level, member, band, scope, now, 'NX')
   end
   g.scan = g.scan - #items
-  if #order > 0 then g.sorted = true end
   return #took, #items
 end
 
@@ -411,8 +427,7 @@ end
 -- index); the others take turns in order of pass, each turn up to its group's weight (and its group's and type's
 -- room), and `add(run, payload)` collects what it took. Each served flow's pass grows by what it took over its
 -- weight; an emptied flow leaves the ring; the level's virtual time becomes the last pass served. Returns the
--- tasks taken and whether a refused flow holds tasks (and sets `g.sorted` if a turn moved a task of a limited type
--- out of a group's flow: the candidates it stood for may have taken nothing).
+-- tasks taken and whether a refused flow holds tasks.
 local function groups_take(g, level, cands, take, now, add)
   local ring, got, held = g.rings[level], 0, false
   local active = {}
