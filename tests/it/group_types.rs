@@ -3,7 +3,7 @@
 //! flow of their own without blocking the group's other tasks or another group's; and both counts hold under the
 //! faults that would leak them (docs/RELIABILITY.md, "Groups beside type limits").
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use kmqd::broker::sources;
@@ -42,6 +42,46 @@ fn ended(dir: &TestDir, prefix: &str) -> usize {
 /// The members of a park index (`g:GROUP` or `t:TYPE`).
 fn parked(redis: &RedisServer, scope: &str) -> Vec<String> {
     redis.cmd(&["ZRANGE", &format!("kmq:{{jobs}}:park:{scope}"), "0", "-1"])
+}
+
+/// A daemon of a grouped queue with `slow` limited to 1 running (`extra`: the queue's other keys), once a task of
+/// group `holder` holds `slow`'s one slot until the returned gate file is written.
+struct SlowHeld {
+    redis: RedisServer,
+    dir: TestDir,
+    config: PathBuf,
+    daemon: TestDaemon,
+    gate: PathBuf,
+}
+
+fn slow_held(extra: &str, holder: &str) -> SlowHeld {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let gate = dir.path("gate");
+    let queue = safe_queue(&format!(
+        "{extra}[queues.groups]\n[[queues.limits]]\ntype = \"slow\"\nmax_running = 1\n"
+    ));
+    let config = dir.config_for_types(&redis, &queue, &["slow", "fast"]);
+    let daemon = TestDaemon::start(&config);
+    let wait = serde_json::json!({ "wait_for_file": gate }).to_string();
+    push(&config, holder, "slow", holder, 1, &wait);
+    eventually(
+        Duration::from_secs(15),
+        "a slow task holds the type",
+        || (running(&redis, "t:slow") == 1, running(&redis, "t:slow")),
+    );
+    SlowHeld {
+        redis,
+        dir,
+        config,
+        daemon,
+        gate,
+    }
+}
+
+/// A task's envelope as a producer writes it: `kind`, a 1 ms sleep, `id`, `group`.
+fn envelope(kind: &str, id: &str, group: &str) -> String {
+    format!(r#"{{"type":"{kind}","data":{{"sleep_ms":1}},"id":"{id}","group":"{group}"}}"#)
 }
 
 /// Waits until `done` tasks are done and nothing waits or runs, then checks that no count is left and none went
@@ -256,31 +296,19 @@ fn a_claim_whose_reply_is_lost_is_adopted_with_its_group_and_type_counted_once()
 /// while its type is full it moves to the group's flow of its type, and the group's other tasks behind it run.
 #[test]
 fn a_limited_types_task_in_its_groups_flow_is_sorted_out_and_does_not_block_the_group() {
-    let redis = RedisServer::start();
-    let dir = TestDir::new();
-    let gate = dir.path("gate");
-    let queue = safe_queue(
-        "workers = 4\nidle_poll = \"100ms\"\n[queues.groups]\n\
-         [[queues.limits]]\ntype = \"slow\"\nmax_running = 1\n",
-    );
-    let config = dir.config_for_types(&redis, &queue, &["slow", "fast"]);
-    let daemon = TestDaemon::start(&config);
-    let wait = serde_json::json!({ "wait_for_file": gate }).to_string();
-    push(&config, "b", "slow", "bs", 1, &wait);
-    eventually(
-        Duration::from_secs(15),
-        "b's slow task holds the type",
-        || (running(&redis, "t:slow") == 1, running(&redis, "t:slow")),
-    );
+    let SlowHeld {
+        redis,
+        dir,
+        config,
+        daemon,
+        gate,
+    } = slow_held("workers = 4\nidle_poll = \"100ms\"\n", "b");
     // As push.lua routes when the routes hash says so: into the group's flow `a:`, which joins the ring.
-    let task = |kind: &str, id: &str| {
-        format!(r#"{{"type":"{kind}","data":{{"sleep_ms":1}},"id":"{id}","group":"a"}}"#)
-    };
     let _: i64 = redis.cmd(&[
         "RPUSH",
         "kmq:{jobs}:flow:normal:a:",
-        &task("slow", "as0"),
-        &task("fast", "af0"),
+        &envelope("slow", "as0", "a"),
+        &envelope("fast", "af0", "a"),
     ]);
     let _: i64 = redis.cmd(&["ZADD", "kmq:{jobs}:ring:normal", "NX", "0", "a:"]);
     let _: i64 = redis.cmd(&["LPUSH", "kmq:{jobs}:wake", "1"]);
@@ -304,31 +332,19 @@ fn a_limited_types_task_in_its_groups_flow_is_sorted_out_and_does_not_block_the_
 /// (model/README.md, "Groups beside type limits", the seventh finding; with a single such group).
 #[test]
 fn a_claim_that_only_sorted_a_types_task_away_takes_from_the_next_group() {
-    let redis = RedisServer::start();
-    let dir = TestDir::new();
-    let gate = dir.path("gate");
     // Two workers, one held by the gated task: each claim asks for one task; a long idle_poll, so that only a
-    // wake-up or this claim's second reading would start the next group's task.
-    let queue = safe_queue(
-        "workers = 2\nidle_poll = \"5s\"\n[queues.groups]\n\
-         [[queues.limits]]\ntype = \"slow\"\nmax_running = 1\n",
-    );
-    let config = dir.config_for_types(&redis, &queue, &["slow", "fast"]);
-    let daemon = TestDaemon::start(&config);
-    let wait = serde_json::json!({ "wait_for_file": gate }).to_string();
-    push(&config, "b", "slow", "bs", 1, &wait);
-    eventually(
-        Duration::from_secs(15),
-        "b's slow task holds the type",
-        || (running(&redis, "t:slow") == 1, running(&redis, "t:slow")),
-    );
-    let task = |kind: &str, id: &str, group: &str| {
-        format!(r#"{{"type":"{kind}","data":{{"sleep_ms":1}},"id":"{id}","group":"{group}"}}"#)
-    };
+    // wake-up or this claim would start the next group's task soon.
+    let SlowHeld {
+        redis,
+        dir,
+        config,
+        daemon,
+        gate,
+    } = slow_held("workers = 2\nidle_poll = \"5s\"\n", "b");
     // Group a's flow (lowest pass) holds only a slow task; group c's, behind it, a fast one: written at once.
     let put = "redis.call('RPUSH', KEYS[1], ARGV[1]) redis.call('RPUSH', KEYS[2], ARGV[2]) \
                redis.call('ZADD', KEYS[3], 0, 'a:', 1, 'c:') redis.call('LPUSH', KEYS[4], 1)";
-    let (slow, fast) = (task("slow", "as0", "a"), task("fast", "cf0", "c"));
+    let (slow, fast) = (envelope("slow", "as0", "a"), envelope("fast", "cf0", "c"));
     let _: Option<i64> = redis.cmd(&[
         "EVAL",
         put,
@@ -367,21 +383,15 @@ fn a_claim_that_only_sorted_a_types_task_away_takes_from_the_next_group() {
 /// six of them (the model's seventh finding, model/README.md).
 #[test]
 fn a_claim_reads_past_groups_whose_tasks_are_all_of_a_full_type() {
-    let redis = RedisServer::start();
-    let dir = TestDir::new();
-    let gate = dir.path("gate");
-    let queue = safe_queue(
-        "workers = 2\nprefetch = 0\nbatch = 1\nidle_poll = \"5s\"\n[queues.groups]\n\
-         [[queues.limits]]\ntype = \"slow\"\nmax_running = 1\n",
-    );
-    let config = dir.config_for_types(&redis, &queue, &["slow", "fast"]);
-    let daemon = TestDaemon::start(&config);
-    let data = serde_json::json!({ "wait_for_file": gate }).to_string();
-    push(&config, "h", "slow", "h", 1, &data);
-    eventually(
-        Duration::from_secs(15),
-        "h's slow task holds the type",
-        || (running(&redis, "t:slow") == 1, running(&redis, "t:slow")),
+    let SlowHeld {
+        redis,
+        dir,
+        config,
+        daemon,
+        gate,
+    } = slow_held(
+        "workers = 2\nprefetch = 0\nbatch = 1\nidle_poll = \"5s\"\n",
+        "h",
     );
     // One batch (one wake-up marker): six groups' slow tasks ahead of z's fast one in the ring.
     let mut tasks: Vec<kmqd::NewTask> = (1..=6)
