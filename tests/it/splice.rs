@@ -26,10 +26,8 @@ const PUSH: &str = include_str!(concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/src/broker/scripts/push.lua"
 ));
-const FIRE: &str = include_str!(concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/src/broker/scripts/fire.lua"
-));
+/// fire.lua as the broker runs it, with its prelude (checks.lua).
+const FIRE: &str = kmqd::broker::sources::FIRE;
 
 /// Generated cases per test (PROPTEST_CASES overrides it); each pushes up to `BATCH` payloads in one call.
 /// About 4,000 payloads per test run in a couple of seconds against a debug build.
