@@ -256,7 +256,16 @@ fn one_round(
             for list in POP_LISTS {
                 pop.key(list);
             }
-            pop.arg(OWNER).arg(BATCH).arg(0).arg(0).arg(0).arg(64 << 20);
+            // owner, max, max_running, R, W, then the type limits' block (no flows, no foreign type field), the
+            // byte budget.
+            pop.arg(OWNER)
+                .arg(BATCH)
+                .arg(0)
+                .arg(0)
+                .arg(0)
+                .arg(0)
+                .arg("")
+                .arg(64 << 20);
             // {now, the list's index, the payloads, ...}: see pop.lua.
             let reply: Vec<redis::Value> = pop.invoke(conn).map_err(|e| format!("pop.lua: {e}"))?;
             match reply.get(2) {
