@@ -220,11 +220,16 @@ local function flow_refused(st, typ, member, now)
   end
 end
 
+-- The park index of a running scope (`g:GROUP` or `t:TYPE`): keys.rs's `QueueKeys::park`.
+local function group_park(g, scope)
+  return g.base .. ':park:' .. scope
+end
+
 -- Parks or times a refused flow: its band in the ring (`how`: 'XX' for a flow in the ring, 'NX' for one a task
 -- was just moved to), and its entry in its refuser's park index.
 local function flow_hold(g, level, member, band, scope, now, how)
   redis.call('ZADD', g.rings[level], how, band, member)
-  if scope then redis.call('ZADD', g.base .. ':park:' .. scope, 'NX', now, level .. '|' .. member) end
+  if scope then redis.call('ZADD', group_park(g, scope), 'NX', now, level .. '|' .. member) end
 end
 
 -- Moves the flows whose TIMED band came due back to each level's virtual time (at most 64 a level a claim: the
@@ -255,7 +260,7 @@ local function groups_due(g, levels, running, now)
   local unpark = {}
   for _, typ in pairs(g.types or {}) do
     if typ.max_running > 0 and typ.room and typ.room > 0 then
-      local park = g.base .. ':park:' .. typ.scope
+      local park = group_park(g, typ.scope)
       local refused = g.wrong(park, 'zset')
       if refused then return refused end
       for _, entry in ipairs(redis.call('ZRANGE', park, 0, typ.room + 7)) do
@@ -368,8 +373,8 @@ local function groups_candidates(script, g, level, want, running, now)
       if bad then return nil, bad end
       local typ = member_type_flow(g, member)
       -- The park indexes this claim may name the flow in (groups_take), checked before its first write.
-      if not string.find(member, ':$') then refused = g.wrong(g.base .. ':park:' .. st.scope, 'zset') end
-      if not refused and typ then refused = g.wrong(g.base .. ':park:' .. typ.scope, 'zset') end
+      if not string.find(member, ':$') then refused = g.wrong(group_park(g, st.scope), 'zset') end
+      if not refused and typ then refused = g.wrong(group_park(g, typ.scope), 'zset') end
       if refused then return nil, refused end
       local sorts = g.types ~= nil and string.find(member, ':$') ~= nil
       cands[#cands + 1] = {member = member, pass = tonumber(picks[k + 1]), flow = flow, st = st, typ = typ,
@@ -397,7 +402,7 @@ local function group_sort_turn(g, c, m, now, add)
       local move = moves[member]
       if not move then
         local flow = group_flow(g, c.level, member)
-        if g.wrong(flow, 'list') or g.wrong(g.base .. ':park:' .. typ.scope, 'zset') then return nil end
+        if g.wrong(flow, 'list') or g.wrong(group_park(g, typ.scope), 'zset') then return nil end
         move = {flow = flow, typ = typ, heads = {}, tails = {}}
         moves[member] = move
         order[#order + 1] = member
