@@ -1,0 +1,96 @@
+// Types of kmq-client (index.js). docs/PROTOCOL.md in the kmqd repository is the contract it follows.
+import type { RedisOptions } from "ioredis";
+
+/** Options of one push (each optional). */
+export interface PushOptions {
+  /** The task id; a random UUID when absent. Needed with `unique`. */
+  id?: string;
+  /** One of the queue's levels; the queue's default level when absent. */
+  priority?: string;
+  /** Ready this many ms after the push, on Redis's clock. */
+  delay?: number;
+  /** Ready at this time (a Date, or ms since the epoch); wins over `delay`. */
+  at?: Date | number;
+  /** Refuse the push (DuplicateError) while a task with this id is delayed, ready or running. */
+  unique?: boolean;
+  /** The task's group, for a queue with `[queues.groups]`: 1 to 64 bytes of UTF-8. */
+  group?: string;
+  /** A W3C trace context; when absent, the current OpenTelemetry span's (if @opentelemetry/api is installed). */
+  traceparent?: string;
+  tracestate?: string;
+}
+
+/** One task of a batch. */
+export interface NewTask extends PushOptions {
+  type: string;
+  data?: unknown;
+}
+
+export interface Pushed {
+  id: string;
+  /** False: refused, its unique id is live. */
+  accepted: boolean;
+}
+
+/** A queue's levels, highest first, and where a push without a priority goes. */
+export interface QueueShape {
+  levels?: string[];
+  defaultPriority?: string;
+}
+
+export interface ClientOptions {
+  /** The `[redis] key_prefix` of the daemons' config; default "kmq". */
+  keyPrefix?: string;
+  /** How long a call waits for a connection before RedisUnreachableError; default 5000 ms. */
+  connectTimeoutMs?: number;
+  /** How long a call waits for its reply before ReplyLostError; default 30000 ms. */
+  commandTimeoutMs?: number;
+  /** Queue shapes given here rather than read from the queue's meta hash. */
+  queues?: Record<string, QueueShape>;
+  /** How long a shape read from Redis is kept; default 5000 ms. */
+  shapeCacheMs?: number;
+}
+
+export type Place =
+  | { state: "delayed" | "retrying"; level: string; dueInMs: number; envelope: string }
+  | { state: "ready"; level: string; position: number; flow?: string; group?: string; envelope: string }
+  | { state: "processing"; owner: string; token: string; leaseLeftMs: number; envelope: string }
+  | { state: "dead"; record: string };
+
+export type Result =
+  | { state: "done"; result: unknown; resultError?: string; endedAt: number }
+  | { state: "dead"; reason: string; endedAt: number | null }
+  | { state: "pending" }
+  | { state: "unknown" };
+
+export class Client {
+  /** `url`: `redis://[user:password@]host:port/db`, `rediss://...`, or ioredis options (`path`, `sentinels`...). */
+  constructor(url?: string | RedisOptions, options?: ClientOptions);
+  /** Resolves to the task's id; DuplicateError for a unique push of a live id. */
+  push(queue: string, type: string, data?: unknown, options?: PushOptions): Promise<string>;
+  /** One push.lua call per 1,000 tasks; one result per task, in order. */
+  pushBatch(queue: string, tasks: NewTask[]): Promise<Pushed[]>;
+  /** Every place the task is in (none: not in Redis). */
+  show(queue: string, id: string): Promise<Place[]>;
+  /** Removes every waiting copy; resolves to how many. */
+  cancel(queue: string, id: string): Promise<number>;
+  /** The task's kept result, waiting up to `wait` ms. */
+  result(queue: string, id: string, options?: { wait?: number }): Promise<Result>;
+  close(): Promise<void>;
+}
+
+export class KmqError extends Error {}
+export class DuplicateError extends KmqError {
+  queue: string;
+  id: string;
+}
+export class InvalidArgumentError extends KmqError {}
+export class UnknownPriorityError extends InvalidArgumentError {
+  queue: string;
+  priority: string;
+  levels: string[];
+}
+export class RedisUnreachableError extends KmqError {}
+export class ReplyLostError extends KmqError {}
+export class RedisRefusedError extends KmqError {}
+export const PUSH_CHUNK: number;
