@@ -45,10 +45,8 @@ export interface ClientOptions {
   connectTimeoutMs?: number;
   /** How long a call waits for its reply before ReplyLostError; default 30000 ms. */
   commandTimeoutMs?: number;
-  /** Queue shapes given here rather than read from the queue's meta hash. */
+  /** Queue shapes given here rather than read (once per queue) from the queue's meta hash. */
   queues?: Record<string, QueueShape>;
-  /** How long a shape read from Redis is kept; default 5000 ms. */
-  shapeCacheMs?: number;
 }
 
 export type Place =

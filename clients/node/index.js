@@ -122,7 +122,6 @@ class Client {
     this.keyPrefix = options.keyPrefix ?? "kmq";
     this.connectTimeoutMs = options.connectTimeoutMs ?? 5000;
     this.commandTimeoutMs = options.commandTimeoutMs ?? 30000;
-    this.shapeCacheMs = options.shapeCacheMs ?? 5000;
     this.queues = options.queues ?? {};
     this.shapes = new Map();
     this.lastConnectError = null;
@@ -250,7 +249,8 @@ class Client {
 
   /**
    * The queue's levels (highest first) and default level: from the `queues` option when given, else from the
-   * queue's meta hash (`levels`, `default_priority`), else the one level `normal`. Cached `shapeCacheMs`.
+   * queue's meta hash (`levels`, `default_priority`: docs/PROTOCOL.md, "The queue's shape"), read once per queue
+   * and kept for the client's life, else the one level `normal`.
    */
   async shape(queue) {
     const given = this.queues[queue];
@@ -259,7 +259,7 @@ class Client {
       return { levels, defaultPriority: given.defaultPriority ?? levels[Math.floor((levels.length - 1) / 2)] };
     }
     const cached = this.shapes.get(queue);
-    if (cached && cached.until > Date.now()) return cached.shape;
+    if (cached) return cached;
     const keys = new QueueKeys(this.keyPrefix, queue);
     const [levelsField, defaultField] = await this.call("HMGET", keys.key("meta"), "levels", "default_priority");
     let shape = { levels: ["normal"], defaultPriority: "normal" };
@@ -267,7 +267,7 @@ class Client {
       const levels = levelsField.split(",").filter((level) => level !== "");
       shape = { levels, defaultPriority: defaultField || levels[Math.floor((levels.length - 1) / 2)] };
     }
-    this.shapes.set(queue, { shape, until: Date.now() + this.shapeCacheMs });
+    this.shapes.set(queue, shape);
     return shape;
   }
 
@@ -308,7 +308,8 @@ class Client {
       }
     }
     const taskId = id ?? crypto.randomUUID();
-    const envelope = { id: taskId, type, data: data === undefined ? null : data };
+    // The fields in the order kmqd's own client writes them; `attempt` 0 as it does (docs/PROTOCOL.md).
+    const envelope = { id: taskId, type, data: data === undefined ? null : data, attempt: 0 };
     if (priority !== undefined && priority !== null) envelope.priority = priority;
     if (unique) envelope.unique = true;
     if (group !== undefined && group !== null) envelope.group = group;

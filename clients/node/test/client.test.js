@@ -34,7 +34,7 @@ describe("push", () => {
     const id = await client.push("mail", "mail.send", { to: "ada" });
     assert.match(id, /^[0-9a-f-]{36}$/);
     const [task] = await readyList("mail");
-    assert.deepEqual(Object.keys(task).sort(), ["created_at", "data", "id", "type"]);
+    assert.deepEqual(Object.keys(task).sort(), ["attempt", "created_at", "data", "id", "type"]);
     assert.equal(task.id, id);
     assert.deepEqual(task.data, { to: "ada" });
     assert.equal(await server.admin.hget("kmq:{mail}:stats", "pushed"), "1");
