@@ -1,5 +1,5 @@
 // Types of kmq-client (index.js). docs/PROTOCOL.md in the kmqd repository is the contract it follows.
-import type { RedisOptions } from "ioredis";
+import type { ClusterNode, ClusterOptions, RedisOptions } from "ioredis";
 
 /** Options of one push (each optional). */
 export interface PushOptions {
@@ -45,6 +45,8 @@ export interface ClientOptions {
   connectTimeoutMs?: number;
   /** How long a call waits for its reply before ReplyLostError; default 30000 ms. */
   commandTimeoutMs?: number;
+  /** A Redis Cluster: the first argument is then its seed nodes; these are ioredis's cluster options. */
+  cluster?: ClusterOptions;
   /** Queue shapes given here rather than read (once per queue) from the queue's meta hash. */
   queues?: Record<string, QueueShape>;
 }
@@ -63,7 +65,7 @@ export type Result =
 
 export class Client {
   /** `url`: `redis://[user:password@]host:port/db`, `rediss://...`, or ioredis options (`path`, `sentinels`...). */
-  constructor(url?: string | RedisOptions, options?: ClientOptions);
+  constructor(url?: string | RedisOptions | ClusterNode[], options?: ClientOptions);
   /** Resolves to the task's id; DuplicateError for a unique push of a live id. */
   push(queue: string, type: string, data?: unknown, options?: PushOptions): Promise<string>;
   /** One push.lua call per 1,000 tasks; one result per task, in order. */

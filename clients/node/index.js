@@ -137,8 +137,23 @@ class Client {
       commandTimeout: this.commandTimeoutMs,
       connectTimeout: this.connectTimeoutMs,
     };
-    this.redis =
-      typeof connection === "string" ? new Redis(connection, fixed) : new Redis({ ...connection, ...fixed });
+    if (options.cluster) {
+      // A Redis Cluster: `connection` is its seed nodes. A node's connection keeps the same rules; the cluster
+      // client follows MOVED and ASK (the command did not run) but never sends a command again after its
+      // connection closed (retryDelayOnFailover 0): that is a lost reply too. A node's offline queue holds only
+      // commands not yet written, so it stays.
+      const { enableOfflineQueue, ...nodeRules } = fixed;
+      this.redis = new Redis.Cluster(connection, {
+        ...options.cluster,
+        lazyConnect: true,
+        enableOfflineQueue,
+        retryDelayOnFailover: 0,
+        redisOptions: { ...(options.cluster.redisOptions ?? {}), ...nodeRules, lazyConnect: false },
+      });
+    } else {
+      this.redis =
+        typeof connection === "string" ? new Redis(connection, fixed) : new Redis({ ...connection, ...fixed });
+    }
     // ioredis reports connection errors as events; without a listener it prints them. The last one says why
     // Redis is unreachable.
     this.redis.on("error", (error) => {
