@@ -76,6 +76,11 @@ ensure_node() {
     ensure_command node nodejs
 }
 
+# The Node client's tests install its dependency with npm (Debian packages it apart from nodejs).
+ensure_npm() {
+    ensure_command npm npm
+}
+
 ensure_cargo() {
     if ! command -v cargo >/dev/null 2>&1; then
         echo "cargo not found: install Rust first (https://rustup.rs), then run this again" >&2
