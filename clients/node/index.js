@@ -31,10 +31,13 @@ class KmqError extends Error {
   }
 }
 
-/** A unique push whose id is live (held by a waiting or running task): nothing was written. */
+/** push.lua refused the task: its unique id is live, or a delayed task with its id waits. Nothing was written. */
 class DuplicateError extends KmqError {
   constructor(queue, id) {
-    super(`queue ${JSON.stringify(queue)} already has a live task with the unique id ${JSON.stringify(id)}`);
+    super(
+      `queue ${JSON.stringify(queue)} refused task ${JSON.stringify(id)}: a unique task with this id is live, or a ` +
+        "delayed task with this id is waiting; nothing was written"
+    );
     this.queue = queue;
     this.id = id;
   }
@@ -364,6 +367,7 @@ class Client {
   async pushBatch(queue, tasks) {
     if (typeof queue !== "string" || queue === "") throw new InvalidArgumentError("a queue name is a non-empty string");
     if (!Array.isArray(tasks)) throw new InvalidArgumentError("pushBatch takes an array of tasks");
+    if (tasks.length === 0) return [];
     const shape = await this.shape(queue);
     const prepared = tasks.map((task) => {
       if (task === null || typeof task !== "object") throw new InvalidArgumentError("a task is an object {type, data, ...}");

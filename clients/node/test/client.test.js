@@ -267,9 +267,9 @@ describe("connection failures", () => {
     }
   });
 
-  test("a reply lost after push.lua ran rejects with ReplyLostError, and the task was pushed", async () => {
+  test("a reply lost after push.lua ran rejects with ReplyLostError, the task was pushed, and the client reconnects", async () => {
     const proxy = await Proxy.start(server.port);
-    const proxied = new kmq.Client(`redis://127.0.0.1:${proxy.port}/0`, { connectTimeoutMs: 2000 });
+    const proxied = new kmq.Client(`redis://127.0.0.1:${proxy.port}/0`, { connectTimeoutMs: 5000 });
     try {
       await proxied.push("mail", "t", 1);
       proxy.swallow();
@@ -278,24 +278,11 @@ describe("connection failures", () => {
         assert.match(error.message, /may have been pushed/);
         return true;
       });
-      // Redis ran it: the second task is there, once.
+      // Redis ran it: the second task is there; and the client did not send it again on its own.
       await eventually(async () => (await readyList("mail")).length === 2, "the second push in Redis");
-    } finally {
-      await proxied.close();
-      await proxy.stop();
-    }
-  });
-
-  test("the client reconnects after a lost connection", async () => {
-    const proxy = await Proxy.start(server.port);
-    const proxied = new kmq.Client(`redis://127.0.0.1:${proxy.port}/0`, { connectTimeoutMs: 5000 });
-    try {
-      await proxied.push("mail", "t", 1);
-      proxy.swallow();
-      await assert.rejects(proxied.push("mail", "t", 2), kmq.ReplyLostError);
       proxy.swallowing = false;
       await proxied.push("mail", "t", 3);
-      assert.equal((await readyList("mail")).length, 3);
+      assert.deepEqual((await readyList("mail")).map((task) => task.data), [1, 2, 3]);
     } finally {
       await proxied.close();
       await proxy.stop();
