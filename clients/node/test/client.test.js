@@ -147,23 +147,26 @@ describe("push", () => {
 
   test("the current OpenTelemetry span's context goes into the envelope", async () => {
     const otel = require("@opentelemetry/api");
-    const spanContext = {
-      traceId: "4bf92f3577b34da6a3ce929d0e0e4736",
-      spanId: "00f067aa0ba902b7",
-      traceFlags: otel.TraceFlags.SAMPLED,
-    };
-    const context = otel.trace.setSpanContext(otel.ROOT_CONTEXT, spanContext);
-    // No context manager is registered here, so the span is made current by hand for the call.
-    const active = otel.context.active;
-    otel.context.active = () => context;
+    const { AsyncLocalStorageContextManager } = require("@opentelemetry/context-async-hooks");
+    const manager = new AsyncLocalStorageContextManager().enable();
+    otel.context.setGlobalContextManager(manager);
     try {
-      await client.push("mail", "t", {});
+      const spanContext = {
+        traceId: "4bf92f3577b34da6a3ce929d0e0e4736",
+        spanId: "00f067aa0ba902b7",
+        traceFlags: otel.TraceFlags.SAMPLED,
+        traceState: otel.createTraceState("congo=t61rcWkgMzE"),
+      };
+      const current = otel.trace.setSpanContext(otel.ROOT_CONTEXT, spanContext);
+      await otel.context.with(current, () => client.push("mail", "t", {}));
+      await client.push("mail", "t", {}); // outside the span: no context
     } finally {
-      otel.context.active = active;
+      otel.context.disable();
     }
-    const [task] = await readyList("mail");
-    assert.equal(task.traceparent, "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
-    assert.equal(task.tracestate, undefined);
+    const [traced, untraced] = await readyList("mail");
+    assert.equal(traced.traceparent, "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+    assert.equal(traced.tracestate, "congo=t61rcWkgMzE");
+    assert.equal(untraced.traceparent, undefined);
   });
 
   test("a key of the wrong type is refused by push.lua as RedisRefusedError, nothing written", async () => {
