@@ -38,6 +38,7 @@ shutdown_grace = "5s"
 [[queues]]
 name = "jobs"
 mode = "safe"
+priorities = ["high", "normal", "low"]
 keep_results = "1h"
 retry_times = 0
 backoff = "10ms"
@@ -50,7 +51,9 @@ config = { types = ["test"] }
   daemonLog = path.join(server.dir, "kmqd.log");
   const out = fs.openSync(daemonLog, "w");
   daemon = spawn(KMQD_BIN, ["--config", config], { stdio: ["ignore", out, out] });
-  client = new kmq.Client(server.url);
+  // The levels as the config names them (a client reads them from the queue's meta hash where the daemon wrote
+  // them; given here, they win).
+  client = new kmq.Client(server.url, { queues: { jobs: { levels: ["high", "normal", "low"] } } });
 });
 
 after(async () => {
@@ -69,7 +72,7 @@ test("a task pushed by the client runs in kmqd, and result reads what it kept", 
     t.skip("KMQD_BIN is not set: scripts/test sets it to the workspace's kmqd");
     return;
   }
-  const id = await client.push("jobs", "test", { result: { rows: 3 } }, { id: "report-7", unique: true });
+  const id = await client.push("jobs", "test", { result: { rows: 3 } }, { id: "report-7", unique: true, priority: "high" });
   const ended = await client.result("jobs", id, { wait: 60000 });
   assert.deepEqual(
     { state: ended.state, result: ended.result },
