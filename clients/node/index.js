@@ -279,12 +279,23 @@ class Client {
     const cached = this.shapes.get(queue);
     if (cached) return cached;
     const keys = new QueueKeys(this.keyPrefix, queue);
-    const [levelsField, defaultField] = await this.call("HMGET", keys.key("meta"), "levels", "default_priority");
-    let shape = { levels: ["normal"], defaultPriority: "normal" };
-    if (levelsField) {
-      const levels = levelsField.split(",").filter((level) => level !== "");
-      shape = { levels, defaultPriority: defaultField || levels[Math.floor((levels.length - 1) / 2)] };
+    // Two HGETs in one round trip: HGET is in the producers' ACL rules (docs/OPERATIONS.md), HMGET is not.
+    let levelsField = null;
+    let defaultField = null;
+    try {
+      [levelsField, defaultField] = await this.pipeline([
+        ["HGET", keys.key("meta"), "levels"],
+        ["HGET", keys.key("meta"), "default_priority"],
+      ]);
+    } catch (error) {
+      // A producer user of older ACL rules may not read the meta hash: it pushes as to a queue without
+      // priorities (or with the levels given to the constructor).
+      if (!(error instanceof RedisRefusedError && /NOPERM/.test(error.message))) throw error;
     }
+    const levels = levelsField ? levelsField.split(",").filter((level) => level !== "") : ["normal"];
+    // The daemons' own default when none is written: the middle level, the first of two (docs/CONFIG.md).
+    const fallback = levels[Math.floor((levels.length - 1) / 2)];
+    const shape = { levels, defaultPriority: levels.includes(defaultField) ? defaultField : fallback };
     this.shapes.set(queue, shape);
     return shape;
   }

@@ -86,6 +86,24 @@ describe("push", () => {
     }
   });
 
+  test("a producer user that may not read the meta hash (older ACL rules) pushes as to a queue of the one level normal", async () => {
+    await server.admin.hset("kmq:{jobs}:meta", "protocol", "1", "levels", "high,normal,low", "default_priority", "low");
+    await server.admin.call("ACL", "SETUSER", "older", "on", ">secret", "~*", "&*", "+@all", "-hget");
+    await server.admin.call("ACL", "SETUSER", "today", "on", ">secret", "~*", "&*", "+@all");
+    const older = new kmq.Client(`redis://older:secret@127.0.0.1:${server.port}/0`);
+    const today = new kmq.Client(`redis://today:secret@127.0.0.1:${server.port}/0`);
+    try {
+      await older.push("jobs", "t", "older");
+      await today.push("jobs", "t", "today");
+      assert.deepEqual((await readyList("jobs", "normal")).map((task) => task.data), ["older"]);
+      assert.deepEqual((await readyList("jobs", "low")).map((task) => task.data), ["today"]);
+    } finally {
+      await older.close();
+      await today.close();
+      await server.admin.call("ACL", "DELUSER", "older", "today");
+    }
+  });
+
   test("a delayed push waits in the delayed set, due on Redis's clock", async () => {
     const id = await client.push("mail", "t", {}, { delay: 60000 });
     const [seconds] = await server.admin.time();
