@@ -8,7 +8,7 @@ const fs = require("node:fs");
 const path = require("node:path");
 const { after, before, test } = require("node:test");
 const kmq = require("..");
-const { RedisServer } = require("./support");
+const { RedisServer, eventually } = require("./support");
 
 const KMQD_BIN = process.env.KMQD_BIN;
 let server;
@@ -51,9 +51,7 @@ config = { types = ["test"] }
   daemonLog = path.join(server.dir, "kmqd.log");
   const out = fs.openSync(daemonLog, "w");
   daemon = spawn(KMQD_BIN, ["--config", config], { stdio: ["ignore", out, out] });
-  // The levels as the config names them (a client reads them from the queue's meta hash where the daemon wrote
-  // them; given here, they win).
-  client = new kmq.Client(server.url, { queues: { jobs: { levels: ["high", "normal", "low"] } } });
+  client = new kmq.Client(server.url);
 });
 
 after(async () => {
@@ -67,11 +65,14 @@ after(async () => {
   server.stop();
 });
 
-test("a task pushed by the client runs in kmqd, and result reads what it kept", async (t) => {
+test("a task pushed by the client at a level the daemon described runs in kmqd, and result reads what it kept", async (t) => {
   if (!KMQD_BIN) {
     t.skip("KMQD_BIN is not set: scripts/test sets it to the workspace's kmqd");
     return;
   }
+  // The daemon describes the queue's levels at start; the client reads them at its first push.
+  await eventually(async () => (await server.admin.hget("kmq:{jobs}:meta", "levels")) === "high,normal,low",
+    "the daemon's levels in the queue's meta hash", 60000);
   const id = await client.push("jobs", "test", { result: { rows: 3 } }, { id: "report-7", unique: true, priority: "high" });
   const ended = await client.result("jobs", id, { wait: 60000 });
   assert.deepEqual(
