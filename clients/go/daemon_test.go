@@ -1,0 +1,95 @@
+package kmq
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// End to end: a task pushed with this client is run by a real kmqd daemon (the testkit plugin answers done with
+// the task's `result`), and Result reads what its settle kept. KMQD_BIN is the daemon (scripts/test sets it to
+// the workspace's build) and KMQD_PLUGINS the folder holding libkmq_testkit.so (default: KMQD_BIN's folder).
+func TestAPushedTaskIsRunByTheDaemonAndItsResultRead(t *testing.T) {
+	bin := os.Getenv("KMQD_BIN")
+	if bin == "" {
+		t.Skip("KMQD_BIN is not set: scripts/test sets it to target/debug/kmqd")
+	}
+	built := os.Getenv("KMQD_PLUGINS")
+	if built == "" {
+		built = filepath.Dir(bin)
+	}
+	server := startRedis(t)
+	dir := t.TempDir()
+	plugins := filepath.Join(dir, "plugins")
+	if err := os.Mkdir(plugins, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	testkit, err := os.ReadFile(filepath.Join(built, "libkmq_testkit.so"))
+	if err != nil {
+		t.Fatalf("the testkit plugin (cargo build --workspace): %v", err)
+	}
+	// kmqd refuses a plugin that group or others may write.
+	if err := os.WriteFile(filepath.Join(plugins, "libkmq_testkit.so"), testkit, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	config := filepath.Join(dir, "kmqd.toml")
+	err = os.WriteFile(config, []byte(fmt.Sprintf(`[redis]
+url = %q
+
+[daemon]
+plugins_dir = %q
+shutdown_grace = "5s"
+
+[[queues]]
+name = "jobs"
+mode = "safe"
+priorities = ["high", "normal"]
+keep_results = "1h"
+
+[plugins.testkit]
+file = "libkmq_testkit.so"
+config = { types = ["job"] }
+`, server.url(), plugins)), 0o644)
+	if err != nil {
+		t.Fatal(err)
+	}
+	logPath := filepath.Join(dir, "kmqd.log")
+	logFile, err := os.Create(logPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	daemon := exec.Command(bin, "--config", config)
+	daemon.Stdout, daemon.Stderr = logFile, logFile
+	if err := daemon.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = daemon.Process.Signal(syscall.SIGTERM)
+		done := make(chan struct{})
+		go func() { _ = daemon.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(20 * time.Second):
+			_ = daemon.Process.Kill()
+			<-done
+		}
+		logFile.Close()
+	})
+	client := newClient(t, server.url())
+	ctx := context.Background()
+	id, err := client.Push(ctx, "jobs", "job", map[string]interface{}{"result": map[string]int{"rows": 3}},
+		WithPriority("high"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	result, err := client.Result(ctx, "jobs", id, 60*time.Second)
+	if err != nil || result.State != "done" || string(result.Result) != `{"rows":3}` {
+		text, _ := os.ReadFile(logPath)
+		t.Fatalf("result %+v, %v\ndaemon log:\n%s", result, err, text)
+	}
+}
