@@ -71,6 +71,38 @@ ensure_python3() {
     ensure_command python3 python3
 }
 
+# ensure_packages PACKAGE...: installs those of the Debian packages that are not installed (for libraries, which
+# have no command to look for), with sudo when not root; exits 1 if that fails.
+ensure_packages() {
+    local missing=() package
+    for package in "$@"; do
+        dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "ok installed" || missing+=("$package")
+    done
+    if [ ${#missing[@]} -eq 0 ]; then
+        return
+    fi
+    echo "installing Debian's ${missing[*]} package(s)" >&2
+    local sudo=""
+    if [ "$(id -u)" -ne 0 ]; then
+        sudo="sudo"
+    fi
+    $sudo apt-get update -qq
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null ||
+        { echo "installing ${missing[*]} failed" >&2; exit 1; }
+}
+
+# The Go client's tests (clients/go/run-tests): Debian's Go (1.19 on Debian 12) and redigo, in Debian's GOPATH
+# (the Go module proxy is not reachable from these machines).
+ensure_go_client() {
+    ensure_packages golang-go golang-github-gomodule-redigo-dev
+}
+
+# The Ruby client's tests (clients/ruby/run-tests): Debian's ruby (3.1 on Debian 12), redis-rb 4.8 and minitest
+# (RubyGems is not reachable from these machines).
+ensure_ruby_client() {
+    ensure_packages ruby ruby-redis ruby-minitest
+}
+
 # The Node SDK's tests (sdk/node, and tests/it/sdk.rs) run with node: Debian's nodejs package (18 on Debian 12).
 ensure_node() {
     ensure_command node nodejs
