@@ -1,0 +1,533 @@
+"""kmq.Client: push tasks to kmqd's queues, look them up, cancel them, read their results.
+
+Everything here follows docs/PROTOCOL.md of the kmqd repository (the contract): the key names, the envelope,
+push.lua's keys, arguments and replies (a copy of push.lua ships in this package, checked byte for byte against
+kmqd's by kmqd's tests), the queue's shape in its meta hash, cancel through remove.lua.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import time
+import uuid
+from importlib import resources
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from urllib.parse import unquote
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from .errors import (
+    DuplicateTask,
+    InvalidArgument,
+    RedisRefused,
+    RedisUnreachable,
+    ReplyLost,
+    UnknownPriority,
+)
+
+#: The most tasks sent in one push.lua call: one round trip per 1,000 tasks, and no call holds Redis for long.
+PUSH_CHUNK = 1000
+#: A group's name is 1 to 64 bytes of UTF-8 (docs/PROTOCOL.md, "The envelope").
+MAX_GROUP_BYTES = 64
+#: The envelope's encoding: compact, UTF-8 as it is (as kmqd's own pushes), no NaN (not JSON).
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+#: Pages of list reads when looking a task up: bounded replies, whatever a list's length.
+PAGE = 1000
+
+Seconds = Union[int, float, _dt.timedelta]
+When = Union[int, float, _dt.datetime]
+
+
+def _script(name: str) -> str:
+    return resources.files("kmq").joinpath("scripts").joinpath(name).read_text(encoding="utf-8")
+
+
+PUSH_LUA = _script("push.lua")
+#: remove.lua with checks.lua before it, exactly as kmqd's broker runs it (src/broker/mod.rs, `sources`).
+REMOVE_LUA = _script("checks.lua") + _script("remove.lua")
+
+
+class Pushed(NamedTuple):
+    """What became of one task of :meth:`Client.push_batch`."""
+
+    id: str
+    #: False: refused as a duplicate (its unique id is live, or a delayed task with its id waits).
+    accepted: bool
+
+
+class Task(NamedTuple):
+    """A task for :meth:`Client.push_batch`; a plain ``(type, data)`` tuple is one too."""
+
+    type: str
+    data: Any = None
+    id: Optional[str] = None
+    priority: Optional[str] = None
+    delay: Optional[Seconds] = None
+    at: Optional[When] = None
+    unique: bool = False
+    group: Optional[str] = None
+    traceparent: Optional[str] = None
+    tracestate: Optional[str] = None
+
+
+class _Prepared(NamedTuple):
+    level: str
+    after_ms: int
+    at_ms: int
+    id: str
+    unique: bool
+    envelope: str
+
+
+def _no_retries() -> Retry:
+    # A command sent again after a lost reply would push its tasks twice: kmq never retries on its own, it says
+    # ReplyLost and leaves the choice to the caller.
+    return Retry(NoBackoff(), 0)
+
+
+try:
+    # Optional (the "tracing" extra): imported once, since a failed import is searched for again at every try.
+    from opentelemetry import propagate as _propagate  # type: ignore[import-not-found]
+except ImportError:
+    _propagate = None
+
+
+def _current_trace() -> Dict[str, str]:
+    """The current OpenTelemetry context as W3C headers, when opentelemetry-api is installed and a span is active."""
+    if _propagate is None:
+        return {}
+    carrier: Dict[str, str] = {}
+    _propagate.inject(carrier)
+    return {k: v for k, v in carrier.items() if k in ("traceparent", "tracestate")}
+
+
+def _ms(value: Seconds) -> int:
+    if isinstance(value, _dt.timedelta):
+        return round(value.total_seconds() * 1000)
+    return round(float(value) * 1000)
+
+
+def _at_ms(value: When) -> int:
+    if isinstance(value, _dt.datetime):
+        if value.tzinfo is None:
+            raise InvalidArgument("at: give a timezone-aware datetime (a naive one has no instant)")
+        return round(value.timestamp() * 1000)
+    return round(float(value) * 1000)
+
+
+class Client:
+    """A producer for kmqd's queues on one Redis (or Cluster, or Sentinel-watched master).
+
+    ``url``: ``redis://[[user]:password@]host:port/db``, ``rediss://`` (TLS), or ``unix:///path/redis.sock``;
+    ``redis_options`` go to redis-py (``socket_timeout``, ``ssl_ca_certs``, ...). ``levels`` and
+    ``default_priority`` give a queue's shape for every queue instead of reading it from Redis
+    (docs/PROTOCOL.md, "The queue's shape").
+    """
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        key_prefix: str = "kmq",
+        *,
+        levels: Optional[Sequence[str]] = None,
+        default_priority: Optional[str] = None,
+        redis_client: Optional[Union["redis.Redis[bytes]", "redis.RedisCluster[bytes]"]] = None,
+        **redis_options: Any,
+    ):
+        if redis_client is None:
+            if not url.startswith("unix:"):
+                # redis-py 4.3's unix socket connections take no connect timeout.
+                redis_options.setdefault("socket_connect_timeout", 5)
+            redis_options.setdefault("retry", _no_retries())
+            redis_client = redis.Redis.from_url(url, **redis_options)
+        self.redis = redis_client
+        self.key_prefix = key_prefix
+        if levels is not None:
+            levels = list(levels)
+            if not levels or any(not level or "," in level for level in levels):
+                raise InvalidArgument(f"levels {levels!r}: give one or more non-empty names without commas")
+            if default_priority is not None and default_priority not in levels:
+                raise InvalidArgument(f"default_priority {default_priority!r} is not one of {levels!r}")
+        self._given_levels = levels
+        self._given_default = default_priority
+        self._shapes: Dict[str, Tuple[List[str], str]] = {}
+        self._push_sha: Optional[str] = None
+        self._remove_sha: Optional[str] = None
+
+    @classmethod
+    def cluster(cls, url: str, key_prefix: str = "kmq", **options: Any) -> "Client":
+        """A client of a Redis Cluster, through redis-py's RedisCluster (``url`` names any node). RedisCluster's own
+        retries are turned off: a command sent twice after a lost reply would push twice."""
+        kmq_options = {k: options.pop(k) for k in ("levels", "default_priority") if k in options}
+        options.setdefault("cluster_error_retry_attempts", 0)
+        options.setdefault("socket_connect_timeout", 5)
+        return cls(key_prefix=key_prefix, redis_client=redis.RedisCluster.from_url(url, **options), **kmq_options)
+
+    @classmethod
+    def sentinel(
+        cls,
+        sentinels: Sequence[Tuple[str, int]],
+        service_name: str,
+        key_prefix: str = "kmq",
+        *,
+        sentinel_options: Optional[Dict[str, Any]] = None,
+        **options: Any,
+    ) -> "Client":
+        """A client of the master that Sentinels watch as ``service_name``, through redis-py's Sentinel: each
+        connection asks the Sentinels where the master is, so a failover is followed."""
+        from redis.sentinel import Sentinel
+
+        kmq_options = {k: options.pop(k) for k in ("levels", "default_priority") if k in options}
+        options.setdefault("socket_connect_timeout", 5)
+        options.setdefault("retry", _no_retries())
+        watcher = Sentinel(list(sentinels), sentinel_kwargs=sentinel_options, **options)
+        return cls(key_prefix=key_prefix, redis_client=watcher.master_for(service_name), **kmq_options)
+
+    def close(self) -> None:
+        self.redis.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.close()
+
+    # Keys (docs/PROTOCOL.md, "Key layout").
+
+    def _key(self, queue: str, name: str) -> str:
+        return f"{self.key_prefix}:{{{queue}}}:{name}"
+
+    def shape(self, queue: str) -> Tuple[List[str], str]:
+        """The queue's levels (highest first) and its default level: the constructor's, else what a daemon wrote
+        into the queue's meta hash, read once and kept, else the one level ``normal``."""
+        known = self._shapes.get(queue)
+        if known is not None:
+            return known
+        if self._given_levels is not None:
+            levels = self._given_levels
+            default = self._given_default
+        else:
+            # Two HGETs in one round trip: HGET is in the producers' ACL rules (docs/OPERATIONS.md), HMGET not.
+            def read() -> List[Optional[bytes]]:
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.hget(self._key(queue, "meta"), "levels")
+                pipe.hget(self._key(queue, "meta"), "default_priority")
+                return pipe.execute()
+
+            raw_levels, raw_default = self._call(read, sent_is_safe=True)
+            levels = raw_levels.decode().split(",") if raw_levels else ["normal"]
+            default = raw_default.decode() if raw_default else None
+        if default is None or default not in levels:
+            # The daemons' own default: the middle level, the first of two (docs/CONFIG.md, `default_priority`).
+            default = levels[(len(levels) - 1) // 2]
+        self._shapes[queue] = (levels, default)
+        return levels, default
+
+    # Pushing.
+
+    def push(
+        self,
+        queue: str,
+        type: str,
+        data: Any = None,
+        *,
+        id: Optional[str] = None,
+        priority: Optional[str] = None,
+        delay: Optional[Seconds] = None,
+        at: Optional[When] = None,
+        unique: bool = False,
+        group: Optional[str] = None,
+        traceparent: Optional[str] = None,
+        tracestate: Optional[str] = None,
+    ) -> str:
+        """Queues one task; returns its id (``id``, or a new random UUID). ``delay`` (seconds, or a timedelta) is
+        counted on Redis's clock; ``at`` is a timezone-aware datetime or seconds since the epoch. Raises
+        :class:`DuplicateTask` when a unique id is live."""
+        task = Task(type, data, id, priority, delay, at, unique, group, traceparent, tracestate)
+        pushed = self.push_batch(queue, [task])[0]
+        if not pushed.accepted:
+            raise DuplicateTask(queue, pushed.id)
+        return pushed.id
+
+    def push_batch(self, queue: str, tasks: Iterable[Union[Task, Tuple[Any, ...]]]) -> List[Pushed]:
+        """Queues many tasks: one push.lua call (one round trip) per 1,000 consecutive tasks of the same level and
+        due time. Every task is checked before anything is sent: one bad task refuses the whole batch. Returns one
+        :class:`Pushed` per task, in order (a duplicate is not an error here)."""
+        levels, default = self.shape(queue)
+        trace = _current_trace()
+        prepared = [self._prepare(queue, Task(*task), levels, default, trace) for task in tasks]
+        results: List[Pushed] = []
+        start = 0
+        while start < len(prepared):
+            first = prepared[start]
+            end = start + 1
+            while (
+                end < len(prepared)
+                and end - start < PUSH_CHUNK
+                and prepared[end][:3] == first[:3]
+            ):
+                end += 1
+            chunk = prepared[start:end]
+            replies = self._push_call(queue, first.level, first.after_ms, first.at_ms, chunk)
+            if len(replies) != len(chunk):
+                raise RedisRefused(f"push.lua replied {len(replies)} results for {len(chunk)} tasks")
+            results.extend(Pushed(task.id, reply == 1) for task, reply in zip(chunk, replies))
+            start = end
+        return results
+
+    def _prepare(
+        self, queue: str, task: Task, levels: List[str], default: str, trace: Dict[str, str]
+    ) -> _Prepared:
+        if not isinstance(task.type, str) or not task.type:
+            raise InvalidArgument("a task needs a type (a non-empty string): it selects the handler")
+        if task.id is not None and (not isinstance(task.id, str) or not task.id):
+            raise InvalidArgument("id: give a non-empty string, or None for a random UUID")
+        if task.unique and task.id is None:
+            raise InvalidArgument("a unique task needs an id: uniqueness is per id")
+        if task.group is not None and (
+            not isinstance(task.group, str) or not 1 <= len(task.group.encode("utf-8")) <= MAX_GROUP_BYTES
+        ):
+            raise InvalidArgument(f"group {task.group!r} is not a group name: use 1 to {MAX_GROUP_BYTES} bytes")
+        if task.priority is not None and task.priority not in levels:
+            raise UnknownPriority(queue, task.priority, levels)
+        after_ms = at_ms = 0
+        if task.at is not None:
+            at_ms = max(_at_ms(task.at), 1)
+        elif task.delay is not None:
+            after_ms = _ms(task.delay)
+            if after_ms <= 0:
+                raise InvalidArgument(f"delay {task.delay!r}: give a positive delay, or none")
+        task_id = task.id if task.id is not None else str(uuid.uuid4())
+        envelope: Dict[str, Any] = {"id": task_id, "type": task.type, "data": task.data, "attempt": 0}
+        if task.priority is not None:
+            envelope["priority"] = task.priority
+        if task.unique:
+            envelope["unique"] = True
+        if task.group is not None:
+            envelope["group"] = task.group
+        traceparent = task.traceparent or trace.get("traceparent")
+        if traceparent:
+            envelope["traceparent"] = traceparent
+            tracestate = task.tracestate if task.traceparent else trace.get("tracestate")
+            if tracestate:
+                envelope["tracestate"] = tracestate
+        try:
+            text = _ENCODER.encode(envelope)
+        except (TypeError, ValueError) as error:
+            raise InvalidArgument(f"data of task {task_id!r} is not JSON: {error}") from None
+        return _Prepared(task.priority or default, after_ms, at_ms, task_id, task.unique, text)
+
+    def _push_call(self, queue: str, level: str, after_ms: int, at_ms: int, chunk: Sequence[_Prepared]) -> List[int]:
+        keys = [
+            self._key(queue, f"ready:{level}"),
+            self._key(queue, f"delayed:{level}"),
+            self._key(queue, "delayed-tasks"),
+            self._key(queue, "wake"),
+            self._key(queue, "unique"),
+            self._key(queue, "stats"),
+            self._key(queue, "routes"),
+        ]
+        args: List[Any] = [after_ms, at_ms, self._key(queue, "delay-wake")]
+        for task in chunk:
+            args += [task.id, "1" if task.unique else "0", task.envelope]
+        return self._script(PUSH_LUA, "_push_sha", keys, args, ids=[task.id for task in chunk])
+
+    # Sending: EVALSHA, EVAL after NOSCRIPT; unreachable and lost replies told apart.
+
+    def _script(self, source: str, sha_attr: str, keys: List[str], args: List[Any], ids: Sequence[str] = ()) -> Any:
+        sha = getattr(self, sha_attr)
+        if sha is None:
+            sha = hashlib.sha1(source.encode("utf-8")).hexdigest()
+            setattr(self, sha_attr, sha)
+        try:
+            return self._command(["EVALSHA", sha, len(keys), *keys, *args], ids)
+        except redis.exceptions.NoScriptError:
+            # NOSCRIPT: nothing ran; the source itself, which Redis also caches for the next EVALSHA.
+            return self._command(["EVAL", source, len(keys), *keys, *args], ids)
+
+    def _command(self, command: List[Any], ids: Sequence[str] = ()) -> Any:
+        if isinstance(self.redis, redis.RedisCluster):
+            # The cluster client routes by the first key; a failure can come from either side of the send.
+            return self._call(lambda: self.redis.execute_command(*command), sent_is_safe=False, ids=ids)
+        pool = self.redis.connection_pool
+        try:
+            connection = pool.get_connection(command[0])
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as error:
+            raise RedisUnreachable(f"cannot reach Redis: {error}") from error
+        try:
+            try:
+                connection.send_command(*command)
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as error:
+                connection.disconnect()
+                raise RedisUnreachable(f"cannot send to Redis: {error}") from error
+            try:
+                return connection.read_response()
+            except redis.exceptions.NoScriptError:
+                raise
+            except redis.exceptions.ResponseError as error:
+                raise RedisRefused(str(error)) from error
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as error:
+                connection.disconnect()
+                raise ReplyLost(
+                    f"the connection to Redis broke after the call was sent: the tasks may have been pushed "
+                    f"({error})",
+                    ids,
+                ) from error
+        finally:
+            pool.release(connection)
+
+    def _call(self, thunk: Any, sent_is_safe: bool, ids: Sequence[str] = ()) -> Any:
+        """A call through redis-py's own client: reads (safe to repeat) and the cluster's commands."""
+        try:
+            return thunk()
+        except redis.exceptions.NoScriptError:
+            raise
+        except redis.exceptions.ResponseError as error:
+            raise RedisRefused(str(error)) from error
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as error:
+            if sent_is_safe:
+                raise RedisUnreachable(f"cannot reach Redis: {error}") from error
+            raise ReplyLost(f"the call to Redis failed and may have been applied: {error}", ids) from error
+
+    # Looking tasks up, cancelling them, their results.
+
+    def show(self, queue: str, task_id: str) -> List[Dict[str, Any]]:
+        """Every place task ``task_id`` is in, as ``kmqd task show`` finds them: ``{"state": "delayed" | "retrying" |
+        "ready" | "processing" | "dead", "level": ..., "envelope": ...}`` (ready: ``position``, 0 the next taken, and
+        ``group`` or ``flow`` when it waits in a group's or a limited type's flow; delayed and retrying:
+        ``due_in_ms``; processing: ``owner``, ``token``; dead: ``record``). Reads in pages of 1,000."""
+        return self._call(lambda: self._locate(queue, task_id, everywhere=True), sent_is_safe=True)
+
+    def _locate(self, queue: str, task_id: str, everywhere: bool) -> List[Dict[str, Any]]:
+        r = self.redis
+        levels, _ = self.shape(queue)
+        needle = json.dumps(task_id, ensure_ascii=False)[1:-1]
+
+        def matches(payload: bytes) -> bool:
+            text = payload.decode("utf-8", "replace")
+            if needle not in text:
+                return False
+            try:
+                decoded = json.loads(text)
+            except ValueError:
+                return False
+            return isinstance(decoded, dict) and decoded.get("id") == task_id
+
+        seconds, micros = r.time()
+        now = seconds * 1000 + micros // 1000
+        found: List[Dict[str, Any]] = []
+        delayed = r.hget(self._key(queue, "delayed-tasks"), task_id)
+        if delayed is not None:
+            for level in levels:
+                score = r.zscore(self._key(queue, f"delayed:{level}"), task_id)
+                if score is not None:
+                    found.append({"state": "delayed", "level": level, "due_in_ms": int(score) - now,
+                                  "envelope": delayed.decode()})
+        for level in levels:
+            for member, score in r.zscan_iter(self._key(queue, f"retry:{level}"), count=PAGE, score_cast_func=int):
+                if matches(member):
+                    found.append({"state": "retrying", "level": level, "due_in_ms": score - now,
+                                  "envelope": member.decode()})
+        for level in levels:
+            for position, payload in self._scan_list(self._key(queue, f"ready:{level}")):
+                if matches(payload):
+                    found.append({"state": "ready", "level": level, "position": position,
+                                  "envelope": payload.decode()})
+            for member in r.zrange(self._key(queue, f"ring:{level}"), 0, -1):
+                group, _, kind = member.decode().partition(":")
+                place: Dict[str, Any] = {"flow": unquote(kind)} if kind else {"group": unquote(group)}
+                for position, payload in self._scan_list(self._key(queue, f"flow:{level}:{member.decode()}")):
+                    if matches(payload):
+                        found.append({"state": "ready", "level": level, "position": position, **place,
+                                      "envelope": payload.decode()})
+        if not everywhere:
+            return found
+        for owner, deadline in r.zrange(self._key(queue, "owners"), 0, -1, withscores=True):
+            owner = owner.decode()
+            for level in levels:
+                claims = self._key(queue, f"processing:{owner}:{level}")
+                if r.type(claims) != b"zset":
+                    continue
+                for claim in r.zrange(claims, 0, -1):
+                    claim_key = f"{claims}:{claim.decode()}"
+                    for position, payload in self._scan_list(claim_key):
+                        if matches(payload) and not r.getbit(f"{claim_key}:settled", position):
+                            found.append({"state": "processing", "level": level, "owner": owner,
+                                          "token": f"{claim.decode()}.{position}",
+                                          "lease_left_ms": int(deadline) - now, "envelope": payload.decode()})
+        for _, record in self._scan_list(self._key(queue, "dead")):
+            try:
+                if json.loads(record).get("id") == task_id:
+                    found.append({"state": "dead", "record": record.decode()})
+            except (ValueError, AttributeError):
+                continue
+        return found
+
+    def _scan_list(self, key: str) -> Iterable[Tuple[int, bytes]]:
+        start = 0
+        while True:
+            page = self.redis.lrange(key, start, start + PAGE - 1)
+            for offset, payload in enumerate(page):
+                yield start + offset, payload
+            if len(page) < PAGE:
+                return
+            start += PAGE
+
+    def cancel(self, queue: str, task_id: str) -> int:
+        """Removes every waiting (delayed, retrying or ready) copy of task ``task_id`` with remove.lua, releasing its
+        unique id and counting ``cancelled``; returns how many were removed (0: it was not waiting: unknown,
+        running, done or dead). A task taken meanwhile is left alone."""
+        removed = 0
+        for place in self._call(lambda: self._locate(queue, task_id, everywhere=False), sent_is_safe=True):
+            level, envelope = place["level"], place["envelope"]
+            if place["state"] == "delayed":
+                key, kind, task, expected = self._key(queue, f"delayed:{level}"), "delayed", task_id, envelope
+            elif place["state"] == "retrying":
+                key, kind, task, expected = self._key(queue, f"retry:{level}"), "retry", envelope, ""
+            else:
+                key = self._key(queue, f"ready:{level}")
+                if "flow" in place:
+                    key = self._key(queue, f"flow:{level}::{_encode(place['flow'])}")
+                elif "group" in place:
+                    key = self._key(queue, f"flow:{level}:{_encode(place['group'])}:")
+                kind, task, expected = "list", envelope, ""
+            try:
+                unique = json.loads(envelope).get("unique") is True
+            except (ValueError, AttributeError):
+                unique = False
+            keys = [key, self._key(queue, "delayed-tasks"), self._key(queue, "unique"), self._key(queue, "stats")]
+            args = [kind, task, expected, task_id if unique else ""]
+            removed += int(self._script(REMOVE_LUA, "_remove_sha", keys, args))
+        return removed
+
+    def result(self, queue: str, task_id: str, wait: Seconds = 0) -> Optional[Dict[str, Any]]:
+        """Task ``task_id``'s kept result (a queue with ``keep_results``; docs/PROTOCOL.md, "Results"):
+        ``{"state": "done", "result": ...}`` or ``{"state": "dead", "reason": ...}``, with ``ended_at``. Polls for up
+        to ``wait`` (seconds or a timedelta), from 10 ms doubling to 500 ms; None when there is none by then."""
+        deadline = time.monotonic() + _ms(wait) / 1000
+        pause = 0.01
+        key = self._key(queue, f"result:{task_id}")
+        while True:
+            kept = self._call(lambda: self.redis.get(key), sent_is_safe=True)
+            if kept is not None:
+                return json.loads(kept)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.5)
+
+
+def _encode(name: str) -> str:
+    """A group's or type's name as in a flow's key (docs/PROTOCOL.md, "Key layout", `flow`)."""
+    out = []
+    for byte in name.encode("utf-8"):
+        if byte in b"%:{}" or byte <= 32 or byte == 127:
+            out.append(f"%{byte:02X}")
+        else:
+            out.append(chr(byte))
+    return "".join(out).encode("latin-1").decode("utf-8")
