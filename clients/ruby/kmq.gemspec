@@ -16,5 +16,5 @@ Gem::Specification.new do |spec|
   # connection layer this client reads lost replies through, so 4.x only for now.
   spec.add_dependency "redis", ">= 4.6", "< 5"
   # The tests run with minitest (Debian's ruby-minitest): ruby -Ilib -Itest test/run.rb
-  spec.add_development_dependency "minitest", ">= 5"
+  spec.add_development_dependency "minitest", "~> 5"
 end
