@@ -9,13 +9,18 @@ ensure_command() {
         return
     fi
     echo "$command not found: installing Debian's $* package(s)" >&2
+    install_packages "$@"
+    command -v "$command" >/dev/null 2>&1 || { echo "installing $* failed" >&2; exit 1; }
+}
+
+# install_packages PACKAGE...: apt-get installs them, with sudo when not root (the lists updated first).
+install_packages() {
     local sudo=""
     if [ "$(id -u)" -ne 0 ]; then
         sudo="sudo"
     fi
     $sudo apt-get update -qq
     $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
-    command -v "$command" >/dev/null 2>&1 || { echo "installing $* failed" >&2; exit 1; }
 }
 
 # The package also brings redis-cli, which the tests and the demo use (and the Cluster and Sentinel harness of
@@ -82,13 +87,7 @@ ensure_packages() {
         return
     fi
     echo "installing Debian's ${missing[*]} package(s)" >&2
-    local sudo=""
-    if [ "$(id -u)" -ne 0 ]; then
-        sudo="sudo"
-    fi
-    $sudo apt-get update -qq
-    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null ||
-        { echo "installing ${missing[*]} failed" >&2; exit 1; }
+    install_packages "${missing[@]}" || { echo "installing ${missing[*]} failed" >&2; exit 1; }
 }
 
 # The Go client's tests (clients/go/run-tests): Debian's Go (1.19 on Debian 12) and redigo, in Debian's GOPATH

@@ -232,10 +232,7 @@ func (c *Client) Push(ctx context.Context, queue, taskType string, data interfac
 // ErrUnreachable) says how many tasks the earlier calls pushed. Refused duplicates return the ids and a
 // *DuplicateError.
 func (c *Client) PushBatch(ctx context.Context, queue string, tasks []Task) ([]string, error) {
-	if err := checkQueue(queue); err != nil {
-		return nil, err
-	}
-	conn, err := c.conn(ctx)
+	conn, err := c.session(ctx, queue)
 	if err != nil {
 		return nil, err
 	}
@@ -446,6 +443,14 @@ func (c *Client) queueLevels(ctx context.Context, conn redis.Conn, queue string,
 	c.levels[queue] = read
 	c.mu.Unlock()
 	return read, nil
+}
+
+// session checks the queue's name and takes a connection for one call on it.
+func (c *Client) session(ctx context.Context, queue string) (redis.Conn, error) {
+	if err := checkQueue(queue); err != nil {
+		return nil, err
+	}
+	return c.conn(ctx)
 }
 
 func (c *Client) conn(ctx context.Context) (redis.Conn, error) {

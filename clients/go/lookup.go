@@ -35,10 +35,7 @@ type Found struct {
 // or, on a grouped queue, its group's flow) and dead, as `kmqd task show` does; the lists are scanned. A task a
 // daemon is running is not looked for (its claim lists are the daemon's: `kmqd task show` reads them).
 func (c *Client) Show(ctx context.Context, queue, id string) ([]Found, error) {
-	if err := checkQueue(queue); err != nil {
-		return nil, err
-	}
-	conn, err := c.conn(ctx)
+	conn, err := c.session(ctx, queue)
 	if err != nil {
 		return nil, err
 	}
@@ -148,10 +145,7 @@ func (c *Client) locate(ctx context.Context, conn redis.Conn, queue, id string, 
 // kmqd's remove.lua (one call per copy, each checked again inside Redis); it returns how many it removed: 0 when
 // the task was not waiting (unknown, running, done or dead).
 func (c *Client) Cancel(ctx context.Context, queue, id string) (int, error) {
-	if err := checkQueue(queue); err != nil {
-		return 0, err
-	}
-	conn, err := c.conn(ctx)
+	conn, err := c.session(ctx, queue)
 	if err != nil {
 		return 0, err
 	}
@@ -207,10 +201,7 @@ type Result struct {
 // returns a Result of state "dead" with the record's reason; still waiting returns ErrPending; found nowhere
 // returns ErrNoResult (running, never pushed, or its result was never kept or expired).
 func (c *Client) Result(ctx context.Context, queue, id string, wait time.Duration) (*Result, error) {
-	if err := checkQueue(queue); err != nil {
-		return nil, err
-	}
-	conn, err := c.conn(ctx)
+	conn, err := c.session(ctx, queue)
 	if err != nil {
 		return nil, err
 	}
