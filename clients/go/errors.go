@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+
+	"github.com/gomodule/redigo/redis"
 )
 
 // The errors a call returns wrap one of these, so that a caller tells what happened with errors.Is, whatever the
@@ -25,6 +27,9 @@ var (
 	// before its reply came: the tasks may have been pushed. Push again with the same ids and unique set to make
 	// a retry safe (a second push is then refused with ErrDuplicate if the first one landed).
 	ErrReplyLost = errors.New("kmq: reply lost, the call may have been applied")
+	// ErrRefused: Redis answered with an error (a key of the wrong type, OOM, a missing ACL rule); push.lua
+	// and remove.lua write nothing when they refuse. The error unwraps to redigo's redis.Error too.
+	ErrRefused = errors.New("kmq: refused by redis")
 	// ErrPending: Result's wait ended while the task was still waiting to run (delayed, retrying or ready).
 	ErrPending = errors.New("kmq: task still waiting")
 	// ErrNoResult: Result found neither a result nor the task: not ended yet (running), never pushed, done on a
@@ -45,6 +50,13 @@ func (e *DuplicateError) Error() string {
 
 // Is makes errors.Is(err, ErrDuplicate) true.
 func (e *DuplicateError) Is(target error) bool { return target == ErrDuplicate }
+
+// refused is Redis's error reply: errors.Is(err, ErrRefused), and errors.As gives the redis.Error.
+type refused struct{ reply redis.Error }
+
+func (r refused) Error() string        { return "kmq: refused by redis: " + string(r.reply) }
+func (r refused) Is(target error) bool { return target == ErrRefused }
+func (r refused) Unwrap() error        { return r.reply }
 
 func invalid(format string, args ...interface{}) error {
 	return fmt.Errorf("%w: %s", ErrInvalidArgument, fmt.Sprintf(format, args...))

@@ -478,7 +478,8 @@ func (s script) run(ctx context.Context, conn redis.Conn, keys, args []interface
 	call = append(call, s.sha, len(keys))
 	call = append(append(call, keys...), args...)
 	reply, err := do(ctx, conn, "EVALSHA", call...)
-	if err != nil && strings.HasPrefix(err.Error(), "NOSCRIPT") {
+	var redisError redis.Error
+	if errors.As(err, &redisError) && strings.HasPrefix(string(redisError), "NOSCRIPT") {
 		call[0] = s.source
 		reply, err = do(ctx, conn, "EVAL", call...)
 	}
@@ -487,7 +488,7 @@ func (s script) run(ctx context.Context, conn redis.Conn, keys, args []interface
 
 // do sends one command and reads its reply, telling apart a failure before the command was written
 // (ErrUnreachable: nothing ran) from one after (ErrReplyLost: it may have run). Redis's own error replies come
-// back as redis.Error.
+// back as an error matching ErrRefused.
 func do(ctx context.Context, conn redis.Conn, command string, args ...interface{}) (interface{}, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
@@ -506,8 +507,11 @@ func do(ctx context.Context, conn redis.Conn, command string, args ...interface{
 		reply, err = conn.Receive()
 	}
 	var redisError redis.Error
-	if err != nil && !errors.As(err, &redisError) {
+	if errors.As(err, &redisError) {
+		return nil, refused{redisError}
+	}
+	if err != nil {
 		return nil, fmt.Errorf("%w (%s): %v", ErrReplyLost, command, err)
 	}
-	return reply, err
+	return reply, nil
 }

@@ -242,3 +242,20 @@ func TestResultReadsWhatTheSettleKept(t *testing.T) {
 		t.Fatalf("%v, want ErrPending", err)
 	}
 }
+
+func TestAKeyOfTheWrongTypeIsErrRefusedWithNothingWritten(t *testing.T) {
+	server := startRedis(t)
+	conn := server.conn(t)
+	if _, err := conn.Do("SET", "kmq:{mail}:stats", "not a hash"); err != nil {
+		t.Fatal(err)
+	}
+	client := newClient(t, server.url())
+	_, err := client.Push(context.Background(), "mail", "mail.send", nil)
+	var reply redis.Error
+	if !errors.Is(err, ErrRefused) || !errors.As(err, &reply) || !strings.Contains(err.Error(), "WRONGTYPE") {
+		t.Fatalf("%v, want ErrRefused with push.lua's WRONGTYPE", err)
+	}
+	if n, _ := redis.Int(conn.Do("DBSIZE")); n != 1 {
+		t.Fatalf("%d keys, want only the stats string", n)
+	}
+}

@@ -40,6 +40,10 @@ module Kmq
   # Push again with the same ids and unique: true to make a retry safe.
   class ReplyLost < Error; end
 
+  # Redis answered with an error (a key of the wrong type, OOM, a missing ACL rule); push.lua and remove.lua write
+  # nothing when they refuse. The message is Redis's.
+  class Refused < Error; end
+
   # result's wait ended while the task was still waiting to run (delayed, retrying or ready).
   class Pending < Error; end
 
@@ -260,8 +264,8 @@ module Kmq
       raise Error, "push.lua answered #{replies.inspect} for #{tasks.size} tasks" unless replies.size == tasks.size
 
       replies
-    rescue Redis::CommandError => e
-      raise Error, "queue #{queue.inspect}: push.lua: #{e.message}"
+    rescue Refused => e
+      raise Refused, "queue #{queue.inspect}: push.lua: #{e.message}"
     end
 
     # The queue's levels from P:{Q}:meta (`levels`, highest first, `default_priority`), cached for LEVELS_FOR
@@ -354,15 +358,14 @@ module Kmq
 
     def run(script, keys, argv)
       command(["EVALSHA", script.sha, keys.size, *keys, *argv])
-    rescue Redis::CommandError => e
+    rescue Refused => e
       raise unless e.message.start_with?("NOSCRIPT")
 
       command(["EVAL", script.source, keys.size, *keys, *argv])
     end
 
     # Sends one command and reads its reply, telling a failure before the command was written (Unreachable:
-    # nothing ran) from one after it (ReplyLost: it may have run). Redis's error replies raise
-    # Redis::CommandError. A connection idle for a while is checked with a PING first, so that one Redis or a
+    # nothing ran) from one after it (ReplyLost: it may have run). Redis's error replies raise Refused. A connection idle for a while is checked with a PING first, so that one Redis or a
     # proxy closed meanwhile fails before a push is written on it, not as a lost reply.
     def command(args)
       @lock.synchronize { command_on(@redis._client, args) }
@@ -386,7 +389,7 @@ module Kmq
         raise (written ? ReplyLost : Unreachable), "#{args.first}: #{e.message}"
       end
       @last_used = monotonic
-      raise reply if reply.is_a?(Redis::CommandError)
+      raise Refused, reply.message if reply.is_a?(Redis::CommandError)
 
       reply
     end

@@ -121,4 +121,11 @@ class ClientTest < Minitest::Test
     @client.push("r", "a", nil, id: "w-1")
     assert_raises(Kmq::Pending) { @client.result("r", "w-1") }
   end
+
+  def test_a_key_of_the_wrong_type_raises_refused_with_nothing_written
+    redis.set("kmq:{mail}:stats", "not a hash")
+    error = assert_raises(Kmq::Refused) { @client.push("mail", "mail.send") }
+    assert_includes error.message, "WRONGTYPE"
+    assert_equal ["kmq:{mail}:stats"], redis.keys("*")
+  end
 end
