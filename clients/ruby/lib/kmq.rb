@@ -104,9 +104,10 @@ module Kmq
     def push_batch(queue, tasks)
       check_queue(queue)
       @lock.synchronize do
-        levels = levels_of(queue, tasks.map { |task| normalized(task)[2][:priority] }.compact)
+        tasks = tasks.map { |task| normalized(task) }
+        levels = levels_of(queue, tasks.map { |task| task[2][:priority] }.compact)
         prepared = tasks.each_with_index.map do |task, n|
-          prepare(*normalized(task), levels)
+          prepare(*task, levels)
         rescue InvalidArgument, UnknownPriority => e
           raise e.class, (tasks.size > 1 ? "task #{n} of the batch: #{e.message}" : e.message)
         end
