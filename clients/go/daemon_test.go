@@ -48,7 +48,6 @@ shutdown_grace = "5s"
 [[queues]]
 name = "jobs"
 mode = "safe"
-priorities = ["high", "normal"]
 keep_results = "1h"
 
 [plugins.testkit]
@@ -82,8 +81,7 @@ config = { types = ["job"] }
 	})
 	client := newClient(t, server.url())
 	ctx := context.Background()
-	id, err := client.Push(ctx, "jobs", "job", map[string]interface{}{"result": map[string]int{"rows": 3}},
-		WithPriority("high"))
+	id, err := client.Push(ctx, "jobs", "job", map[string]interface{}{"result": map[string]int{"rows": 3}})
 	if err != nil {
 		t.Fatal(err)
 	}

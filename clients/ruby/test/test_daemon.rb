@@ -27,7 +27,6 @@ class DaemonTest < Minitest::Test
       [[queues]]
       name = "jobs"
       mode = "safe"
-      priorities = ["high", "normal"]
       keep_results = "1h"
 
       [plugins.testkit]
@@ -37,7 +36,7 @@ class DaemonTest < Minitest::Test
     log = File.join(dir, "kmqd.log")
     daemon = Process.spawn(bin, "--config", config, out: log, err: log)
     client = Kmq::Client.new(server.url)
-    id = client.push("jobs", "job", { result: { rows: 3 } }, priority: "high")
+    id = client.push("jobs", "job", { result: { rows: 3 } })
     result = client.result("jobs", id, wait: 60)
     assert_equal ["done", { "rows" => 3 }], result.values_at("state", "result"), File.read(log)
   ensure
