@@ -8,6 +8,7 @@ mod budgets;
 mod chaos;
 mod cli;
 mod cluster;
+mod conformance;
 mod connection;
 mod crash;
 mod dashboard;

@@ -48,38 +48,29 @@ class ReplyDroppingProxy:
                 return
             upstream = socket.create_connection(("127.0.0.1", self.target))
             state = {"script": False}
-            threading.Thread(target=self._up, args=(client, upstream, state), daemon=True).start()
-            threading.Thread(target=self._down, args=(upstream, client, state), daemon=True).start()
+            threading.Thread(target=self._forward, args=(client, upstream, state, True), daemon=True).start()
+            threading.Thread(target=self._forward, args=(upstream, client, state, False), daemon=True).start()
 
-    def _up(self, client: socket.socket, upstream: socket.socket, state: dict) -> None:
+    def _forward(self, source: socket.socket, sink: socket.socket, state: dict, upstream: bool) -> None:
+        """Copies ``source`` to ``sink``: the client's commands up (noting a script call), Redis's replies down
+        (cutting the client off at the first reply after a script call)."""
         while True:
             try:
-                data = client.recv(65536)
+                data = source.recv(65536)
             except OSError:
                 return
             if not data:
-                upstream.close()
+                sink.close()
                 return
-            if b"EVAL" in data.upper():
+            if upstream and b"EVAL" in data.upper():
                 state["script"] = True
-            upstream.sendall(data)
-
-    def _down(self, upstream: socket.socket, client: socket.socket, state: dict) -> None:
-        while True:
-            try:
-                data = upstream.recv(65536)
-            except OSError:
-                return
-            if not data:
-                client.close()
-                return
-            if state["script"]:
+            if not upstream and state["script"]:
                 self.dropped.set()
-                client.shutdown(socket.SHUT_RDWR)
-                client.close()
-                upstream.close()
+                sink.shutdown(socket.SHUT_RDWR)
+                sink.close()
+                source.close()
                 return
-            client.sendall(data)
+            sink.sendall(data)
 
     def close(self) -> None:
         self.listener.close()
