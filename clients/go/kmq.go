@@ -424,9 +424,20 @@ func (c *Client) queueLevels(ctx context.Context, conn redis.Conn, queue string,
 			return cached, nil
 		}
 	}
-	fields, err := redis.Values(do(ctx, conn, "HMGET", c.key(queue, "meta"), "levels", "default_priority"))
-	if err != nil {
-		return queueLevels{}, fmt.Errorf("queue %q: reading its levels: %w", queue, err)
+	// HGET, one field at a time: the producers' ACL rules allow it (docs/OPERATIONS.md, "ACL rules"), not HMGET.
+	var fields [2]interface{}
+	for n, field := range []string{"levels", "default_priority"} {
+		value, err := do(ctx, conn, "HGET", c.key(queue, "meta"), field)
+		var reply redis.Error
+		if errors.As(err, &reply) && strings.HasPrefix(string(reply), "NOPERM") {
+			// A producer user of an older kmqd's rules may not read the meta hash: it pushes as to a queue of
+			// the one level normal, as it did before queues described their levels.
+			break
+		}
+		if err != nil {
+			return queueLevels{}, fmt.Errorf("queue %q: reading its levels: %w", queue, err)
+		}
+		fields[n] = value
 	}
 	read := queueLevels{levels: []string{"normal"}, fallback: "normal", read: time.Now()}
 	if text, _ := redis.String(fields[0], nil); text != "" {

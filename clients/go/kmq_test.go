@@ -259,3 +259,44 @@ func TestAKeyOfTheWrongTypeIsErrRefusedWithNothingWritten(t *testing.T) {
 		t.Fatalf("%d keys, want only the stats string", n)
 	}
 }
+
+// The producers' rules of docs/OPERATIONS.md, as the Python client's test has them, without and with the read of
+// the meta hash that today's rules add.
+const producerRules = "+evalsha +eval +script|load +time +info +wait +rpush +lpush +ltrim +hget +hsetnx +hdel " +
+	"+hincrby +zadd +zrange +type +publish ~kmq:{*}:ready:* ~kmq:{*}:delayed:* ~kmq:{*}:delayed-tasks " +
+	"~kmq:{*}:wake ~kmq:{*}:unique ~kmq:{*}:stats ~kmq:{*}:routes ~kmq:{*}:flow:* ~kmq:{*}:ring:* " +
+	"~kmq:{*}:sched &kmq:{*}:delay-wake"
+
+func TestAProducerUserReadsTheLevelsWithTodaysRulesAndPushesToNormalOnOlderOnes(t *testing.T) {
+	server := startRedis(t)
+	conn := server.conn(t)
+	if _, err := conn.Do("HSET", "kmq:{mail}:meta", "levels", "high,normal", "default_priority", "normal"); err != nil {
+		t.Fatal(err)
+	}
+	for user, extra := range map[string]string{"today": " %R~kmq:{*}:meta", "older": ""} {
+		args := []interface{}{"SETUSER", user, "reset", "on", ">pw"}
+		for _, rule := range strings.Fields(producerRules + extra) {
+			args = append(args, rule)
+		}
+		if _, err := conn.Do("ACL", args...); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ctx := context.Background()
+	today := newClient(t, fmt.Sprintf("redis://today:pw@%s/0", server.addr()))
+	if _, err := today.Push(ctx, "mail", "t", nil, WithPriority("high")); err != nil {
+		t.Fatalf("today's rules: %v", err)
+	}
+	older := newClient(t, fmt.Sprintf("redis://older:pw@%s/0", server.addr()))
+	if _, err := older.Push(ctx, "mail", "t", nil); err != nil {
+		t.Fatalf("older rules: %v", err)
+	}
+	if _, err := older.Push(ctx, "mail", "t", nil, WithPriority("high")); !errors.Is(err, ErrUnknownPriority) {
+		t.Fatalf("older rules, priority high: %v, want ErrUnknownPriority", err)
+	}
+	high, _ := redis.Int(conn.Do("LLEN", "kmq:{mail}:ready:high"))
+	normal, _ := redis.Int(conn.Do("LLEN", "kmq:{mail}:ready:normal"))
+	if high != 1 || normal != 1 {
+		t.Fatalf("high %d, normal %d", high, normal)
+	}
+}

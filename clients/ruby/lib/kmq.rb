@@ -277,11 +277,22 @@ module Kmq
         return cached
       end
 
-      listed, default = command(["HMGET", key(queue, "meta"), "levels", "default_priority"])
+      listed, default = read_meta(queue)
       levels = listed.to_s.empty? ? ["normal"] : listed.split(",")
       fallback = levels.include?("normal") ? "normal" : levels.first
       fallback = default if default && levels.include?(default)
       @levels[queue] = { levels: levels, fallback: fallback, read: monotonic }
+    end
+
+    # The meta hash's `levels` and `default_priority`, with HGET, one field at a time: the producers' ACL rules
+    # allow it (docs/OPERATIONS.md, "ACL rules"), not HMGET. A producer user of an older kmqd's rules may not read
+    # the meta hash: it pushes as to a queue of the one level normal, as it did before queues described theirs.
+    def read_meta(queue)
+      %w[levels default_priority].map { |field| command(["HGET", key(queue, "meta"), field]) }
+    rescue Refused => e
+      raise unless e.message.start_with?("NOPERM")
+
+      [nil, nil]
     end
 
     def locate(queue, id, dead:)

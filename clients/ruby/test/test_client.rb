@@ -128,4 +128,25 @@ class ClientTest < Minitest::Test
     assert_includes error.message, "WRONGTYPE"
     assert_equal ["kmq:{mail}:stats"], redis.keys("*")
   end
+
+  # The producers' rules of docs/OPERATIONS.md, without and with the read of the meta hash today's rules add.
+  PRODUCER_RULES = "+evalsha +eval +script|load +time +info +wait +rpush +lpush +ltrim +hget +hsetnx +hdel " \
+                   "+hincrby +zadd +zrange +type +publish ~kmq:{*}:ready:* ~kmq:{*}:delayed:* " \
+                   "~kmq:{*}:delayed-tasks ~kmq:{*}:wake ~kmq:{*}:unique ~kmq:{*}:stats ~kmq:{*}:routes " \
+                   "~kmq:{*}:flow:* ~kmq:{*}:ring:* ~kmq:{*}:sched &kmq:{*}:delay-wake".split
+
+  def test_a_producer_user_reads_the_levels_with_todays_rules_and_pushes_to_normal_on_older_ones
+    redis.hset("kmq:{mail}:meta", "levels", "high,normal", "default_priority", "normal")
+    redis.call(["ACL", "SETUSER", "today", "reset", "on", ">pw", *PRODUCER_RULES, "%R~kmq:{*}:meta"])
+    redis.call(["ACL", "SETUSER", "older", "reset", "on", ">pw", *PRODUCER_RULES])
+    today = Kmq::Client.new("redis://today:pw@127.0.0.1:#{@server.port}/0")
+    today.push("mail", "t", nil, priority: "high")
+    older = Kmq::Client.new("redis://older:pw@127.0.0.1:#{@server.port}/0")
+    older.push("mail", "t")
+    assert_raises(Kmq::UnknownPriority) { older.push("mail", "t", nil, priority: "high") }
+    assert_equal [1, 1], [redis.llen("kmq:{mail}:ready:high"), redis.llen("kmq:{mail}:ready:normal")]
+  ensure
+    today&.close
+    older&.close
+  end
 end
