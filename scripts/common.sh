@@ -1,5 +1,15 @@
 # Shared by scripts/test, scripts/demo and the bench scripts: make sure the tools they need are here.
 
+# apt_install PACKAGE...: installs Debian packages, with sudo when not root.
+apt_install() {
+    local sudo=""
+    if [ "$(id -u)" -ne 0 ]; then
+        sudo="sudo"
+    fi
+    $sudo apt-get update -qq
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
 # ensure_command COMMAND PACKAGE...: installs the Debian packages when COMMAND is missing (a fresh Debian
 # machine has neither redis-server nor a C compiler), with sudo when not root; exits 1 if it is still missing.
 ensure_command() {
@@ -9,18 +19,8 @@ ensure_command() {
         return
     fi
     echo "$command not found: installing Debian's $* package(s)" >&2
-    install_packages "$@"
+    apt_install "$@"
     command -v "$command" >/dev/null 2>&1 || { echo "installing $* failed" >&2; exit 1; }
-}
-
-# install_packages PACKAGE...: apt-get installs them, with sudo when not root (the lists updated first).
-install_packages() {
-    local sudo=""
-    if [ "$(id -u)" -ne 0 ]; then
-        sudo="sudo"
-    fi
-    $sudo apt-get update -qq
-    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
 }
 
 # The package also brings redis-cli, which the tests and the demo use (and the Cluster and Sentinel harness of
@@ -60,12 +60,7 @@ ensure_chromium() {
     ensure_command chromedriver chromium chromium-driver python3-selenium
     if ! /usr/bin/python3 -c 'import selenium' >/dev/null 2>&1; then
         echo "python3-selenium not found: installing Debian's package" >&2
-        local sudo=""
-        if [ "$(id -u)" -ne 0 ]; then
-            sudo="sudo"
-        fi
-        $sudo apt-get update -qq
-        $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-selenium >/dev/null
+        apt_install python3-selenium
         /usr/bin/python3 -c 'import selenium' || { echo "installing python3-selenium failed" >&2; exit 1; }
     fi
 }
@@ -87,7 +82,7 @@ ensure_packages() {
         return
     fi
     echo "installing Debian's ${missing[*]} package(s)" >&2
-    install_packages "${missing[@]}" || { echo "installing ${missing[*]} failed" >&2; exit 1; }
+    apt_install "${missing[@]}" || { echo "installing ${missing[*]} failed" >&2; exit 1; }
 }
 
 # The Go client's tests (clients/go/run-tests): Debian's Go (1.19 on Debian 12) and redigo, in Debian's GOPATH
@@ -100,6 +95,18 @@ ensure_go_client() {
 # (RubyGems is not reachable from these machines).
 ensure_ruby_client() {
     ensure_packages ruby ruby-redis ruby-minitest
+}
+
+# The Python client's tests (clients/python, docs/CLIENTS.md) run with Debian's /usr/bin/python3: pytest, redis-py
+# and, to build its wheel, pip and setuptools (Debian's python3-pytest, python3-redis, python3-pip,
+# python3-setuptools; about 15 s to install where missing).
+ensure_python_client() {
+    ensure_python3
+    if ! /usr/bin/python3 -c 'import pytest, redis, pip, setuptools' >/dev/null 2>&1; then
+        echo "pytest, redis-py, pip or setuptools not found for /usr/bin/python3: installing Debian's packages" >&2
+        apt_install python3-pytest python3-redis python3-pip python3-setuptools
+        /usr/bin/python3 -c 'import pytest, redis, pip, setuptools' || { echo "installing them failed" >&2; exit 1; }
+    fi
 }
 
 # The Node SDK's tests (sdk/node, and tests/it/sdk.rs) run with node: Debian's nodejs package (18 on Debian 12).

@@ -107,6 +107,10 @@ impl Role {
                 ("~", "{*}:flow:*"),
                 ("~", "{*}:ring:*"),
                 ("~", "{*}:sched"),
+                // The queue's shape, which the clients of other languages read once per queue with HGET
+                // (docs/PROTOCOL.md, "The queue's shape"); unchecked, like push.lua's HGETs, so that a producer of
+                // older rules keeps pushing.
+                ("%R~", "{*}:meta"),
             ],
             Role::Reader => &[("%R~", "*")],
             Role::Operator => &[
@@ -364,7 +368,7 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "hset",
         roles: &[D],
-        why: "owners' registrations, schedules' last slots",
+        why: "owners' registrations, schedules' last slots, the queue's shape in its meta hash (at start and reload)",
     },
     Command {
         name: "hsetnx",
@@ -634,6 +638,7 @@ const DAEMON: &[(&str, On)] = &[
     // delay listener.
     ("hsetnx", key(K::Meta)),
     ("hget", key(K::Meta)),
+    ("hset", key(K::Meta)),
     ("time", NOTHING),
     ("wait", NOTHING),
     ("zrange", key(K::Owners)),
@@ -1516,7 +1521,7 @@ mod tests {
             "{line}"
         );
         assert!(
-            line.ends_with("~kmq:{*}:ring:* ~kmq:{*}:sched &kmq:{*}:delay-wake"),
+            line.ends_with("~kmq:{*}:ring:* ~kmq:{*}:sched %R~kmq:{*}:meta &kmq:{*}:delay-wake"),
             "{line}"
         );
         assert!(setuser_line(Role::Reader, "jobs").ends_with(" %R~jobs:*"));

@@ -8,8 +8,17 @@ use serde::Serialize;
 use super::{BrokerError, PROTOCOL_VERSION, QueueKeys, Result, reply_error, time_ms};
 use crate::task::Envelope;
 
-/// Records the protocol version in the queue's meta hash, or refuses keys written by another version.
-pub fn check_protocol(conn: &mut dyn ConnectionLike, keys: &QueueKeys, queue: &str) -> Result<()> {
+/// Records the protocol version in the queue's meta hash, or refuses keys written by another version; then the
+/// queue's shape, its `levels` (comma-separated, highest first) and `default_priority` (docs/PROTOCOL.md, "The
+/// queue's shape"), so that a producer in another language learns which priorities the queue has without its
+/// config. Called at start and by a reload that adds a queue or changes its levels: the last daemon to start (or
+/// reload) describes the queue, as its config is the newest.
+pub fn check_protocol(
+    conn: &mut dyn ConnectionLike,
+    keys: &QueueKeys,
+    queue: &str,
+    default_level: usize,
+) -> Result<()> {
     // Two commands rather than a pipeline, so that a refusal (NOAUTH, an ACL's NOPERM) comes back as itself and
     // not inside a pipeline's list of failures.
     let _: i64 = redis::cmd("HSETNX")
@@ -28,6 +37,13 @@ pub fn check_protocol(conn: &mut dyn ConnectionLike, keys: &QueueKeys, queue: &s
             expected: PROTOCOL_VERSION,
         });
     }
+    let _: i64 = redis::cmd("HSET")
+        .arg(&keys.meta)
+        .arg("levels")
+        .arg(keys.levels.join(","))
+        .arg("default_priority")
+        .arg(&keys.levels[default_level])
+        .query(conn)?;
     Ok(())
 }
 

@@ -36,7 +36,12 @@ pub(super) fn wait_for_redis(
                 // First, so that a missing ACL rule is reported by name, not as the NOPERM of whatever
                 // command happens to come first (or of a script, at the first task that needs it).
                 access::check(&mut connection, &keys, access::Action::Serve)?;
-                broker::check_protocol(&mut connection, &keys, &queue.name)?;
+                broker::check_protocol(
+                    &mut connection,
+                    &keys,
+                    &queue.name,
+                    queue.default_priority,
+                )?;
             }
             eviction::check(&mut connection, config.redis.allow_eviction)
         });

@@ -39,7 +39,13 @@ struct Checker {
 impl Checker {
     /// Matches `actual` (a stored string, or a JSON value from a reply or a decoded envelope) against `expected`
     /// (a value or a matcher); `subset`: objects need only the fields `expected` names (a `show` place).
-    fn check(&mut self, at: &str, expected: &Value, actual: &Value, subset: bool) -> Result<(), String> {
+    fn check(
+        &mut self,
+        at: &str,
+        expected: &Value,
+        actual: &Value,
+        subset: bool,
+    ) -> Result<(), String> {
         let text = match actual {
             Value::String(text) => Some(text.clone()),
             Value::Number(number) => Some(number.to_string()),
@@ -98,7 +104,8 @@ impl Checker {
         match (expected, actual) {
             (Value::Object(want), Value::Object(have)) => {
                 if !subset {
-                    let extra: Vec<&String> = have.keys().filter(|k| !want.contains_key(*k)).collect();
+                    let extra: Vec<&String> =
+                        have.keys().filter(|k| !want.contains_key(*k)).collect();
                     if !extra.is_empty() {
                         return Err(format!("{at}: unexpected fields {extra:?} in {actual}"));
                     }
@@ -113,7 +120,11 @@ impl Checker {
             }
             (Value::Array(want), Value::Array(have)) => {
                 if want.len() != have.len() {
-                    return Err(format!("{at}: {} items, expected {}: {actual}", have.len(), want.len()));
+                    return Err(format!(
+                        "{at}: {} items, expected {}: {actual}",
+                        have.len(),
+                        want.len()
+                    ));
                 }
                 for (n, (value, item)) in want.iter().zip(have).enumerate() {
                     self.check(&format!("{at}[{n}]"), value, item, subset)?;
@@ -121,7 +132,9 @@ impl Checker {
                 Ok(())
             }
             // A number matches a stored integer's text, or the same number.
-            (Value::Number(number), _) if text.as_deref() == Some(number.to_string().as_str()) => Ok(()),
+            (Value::Number(number), _) if text.as_deref() == Some(number.to_string().as_str()) => {
+                Ok(())
+            }
             _ if expected == actual => Ok(()),
             _ => Err(format!("{at}: {actual} is not {expected}")),
         }
@@ -131,7 +144,9 @@ impl Checker {
 fn is_uuid(text: &str) -> bool {
     let parts: Vec<&str> = text.split('-').collect();
     parts.iter().map(|part| part.len()).eq([8, 4, 4, 4, 12])
-        && parts.iter().all(|part| part.bytes().all(|b| b.is_ascii_hexdigit()))
+        && parts
+            .iter()
+            .all(|part| part.bytes().all(|b| b.is_ascii_hexdigit()))
 }
 
 /// The config for a case's queues: each with the levels and default a daemon wrote into its meta hash in the
@@ -139,10 +154,22 @@ fn is_uuid(text: &str) -> bool {
 fn queues_config(case: &Value) -> String {
     let mut shapes: BTreeMap<String, (Option<String>, Option<String>)> = BTreeMap::new();
     for call in case["calls"].as_array().expect("calls is a list") {
-        shapes.entry(call["queue"].as_str().expect("a call names its queue").to_string()).or_default();
+        shapes
+            .entry(
+                call["queue"]
+                    .as_str()
+                    .expect("a call names its queue")
+                    .to_string(),
+            )
+            .or_default();
     }
     for command in case["given"].as_array().expect("given is a list") {
-        let words: Vec<&str> = command.as_array().unwrap().iter().map(|w| w.as_str().unwrap()).collect();
+        let words: Vec<&str> = command
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| w.as_str().unwrap())
+            .collect();
         if !words[0].eq_ignore_ascii_case("HSET") {
             continue;
         }
@@ -187,7 +214,9 @@ fn new_task(kind: &Value, data: &Value, options: &Value) -> kmqd::NewTask {
             "group" => task.group(value.as_str().unwrap()),
             "delay_ms" => task.delay(Duration::from_millis(value.as_u64().unwrap())),
             "at_ms" => task.at(value.as_i64().unwrap()),
-            other => panic!("kmqd::Client has no option {other:?}: give the case a \"skip\" for rust"),
+            other => {
+                panic!("kmqd::Client has no option {other:?}: give the case a \"skip\" for rust")
+            }
         };
     }
     task
@@ -206,7 +235,10 @@ fn error_kind(error: kmqd::ClientError) -> Value {
 fn run_call(client: &kmqd::Client, call: &Value) -> Value {
     let queue = call["queue"].as_str().unwrap();
     match call["call"].as_str().unwrap() {
-        "push" => match client.push(queue, new_task(&call["type"], &call["data"], &call["options"])) {
+        "push" => match client.push(
+            queue,
+            new_task(&call["type"], &call["data"], &call["options"]),
+        ) {
             Ok(kmqd::Pushed::Accepted(id)) => json!({ "id": id }),
             Ok(kmqd::Pushed::Duplicate(_)) => json!({ "error": "duplicate" }),
             Err(error) => error_kind(error),
@@ -245,13 +277,18 @@ fn redis_state(redis: &RedisServer) -> BTreeMap<String, Value> {
             let kind: String = redis.cmd(&["TYPE", &key]);
             let value = match kind.as_str() {
                 "list" => json!({ "list": redis.cmd::<Vec<String>>(&["LRANGE", &key, "0", "-1"]) }),
-                "hash" => json!({ "hash": redis.cmd::<BTreeMap<String, String>>(&["HGETALL", &key]) }),
+                "hash" => {
+                    json!({ "hash": redis.cmd::<BTreeMap<String, String>>(&["HGETALL", &key]) })
+                }
                 "string" => json!({ "string": redis.cmd::<String>(&["GET", &key]) }),
                 "set" => json!({ "set": redis.cmd::<Vec<String>>(&["SMEMBERS", &key]) }),
                 "zset" => {
-                    let scored: Vec<(String, f64)> = redis.cmd(&["ZRANGE", &key, "0", "-1", "WITHSCORES"]);
-                    let scored: serde_json::Map<String, Value> =
-                        scored.into_iter().map(|(member, score)| (member, json!(score as i64))).collect();
+                    let scored: Vec<(String, f64)> =
+                        redis.cmd(&["ZRANGE", &key, "0", "-1", "WITHSCORES"]);
+                    let scored: serde_json::Map<String, Value> = scored
+                        .into_iter()
+                        .map(|(member, score)| (member, json!(score as i64)))
+                        .collect();
                     json!({ "zset": scored })
                 }
                 other => panic!("key {key} has type {other}"),
@@ -265,8 +302,14 @@ fn redis_state(redis: &RedisServer) -> BTreeMap<String, Value> {
 fn check_keys(checker: &mut Checker, expected: &Value, redis: &RedisServer) -> Result<(), String> {
     let state = redis_state(redis);
     let expected = expected.as_object().expect("then.keys is an object");
-    let unexpected: Vec<&String> = state.keys().filter(|k| !expected.contains_key(*k)).collect();
-    let missing: Vec<&String> = expected.keys().filter(|k| !state.contains_key(*k)).collect();
+    let unexpected: Vec<&String> = state
+        .keys()
+        .filter(|k| !expected.contains_key(*k))
+        .collect();
+    let missing: Vec<&String> = expected
+        .keys()
+        .filter(|k| !state.contains_key(*k))
+        .collect();
     if !unexpected.is_empty() || !missing.is_empty() {
         return Err(format!(
             "keys: unexpected {unexpected:?}, missing {missing:?}; Redis holds {state:?}"
@@ -312,15 +355,22 @@ fn run_case(
 ) -> Result<(), String> {
     let _: String = redis.cmd(&["FLUSHALL"]);
     for command in case["given"].as_array().unwrap() {
-        let words: Vec<&str> = command.as_array().unwrap().iter().map(|w| w.as_str().unwrap()).collect();
+        let words: Vec<&str> = command
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| w.as_str().unwrap())
+            .collect();
         let _: redis::Value = redis.cmd(&words);
     }
-    let (_, client) = clients.entry(queues_config(case)).or_insert_with_key(|queues| {
-        let dir = TestDir::new();
-        let config = dir.config(redis, queues);
-        let client = client(&config);
-        (dir, client)
-    });
+    let (_, client) = clients
+        .entry(queues_config(case))
+        .or_insert_with_key(|queues| {
+            let dir = TestDir::new();
+            let config = dir.config(redis, queues);
+            let client = client(&config);
+            (dir, client)
+        });
     let mut outcomes = Vec::new();
     for call in case["calls"].as_array().unwrap() {
         outcomes.push(run_call(client, call));
@@ -331,9 +381,20 @@ fn run_case(
         captures: HashMap::new(),
         now_ms,
     };
-    for (n, (call, outcome)) in case["calls"].as_array().unwrap().iter().zip(&outcomes).enumerate() {
+    for (n, (call, outcome)) in case["calls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(&outcomes)
+        .enumerate()
+    {
         let subset = call["call"] == "show";
-        checker.check(&format!("call {n} ({})", call["call"]), &call["expect"], outcome, subset)?;
+        checker.check(
+            &format!("call {n} ({})", call["call"]),
+            &call["expect"],
+            outcome,
+            subset,
+        )?;
     }
     check_keys(&mut checker, &case["then"]["keys"], redis)
         .map_err(|error| format!("{error}\n({} ran)", path.display()))
@@ -358,7 +419,12 @@ fn every_conformance_case_holds_for_the_rust_client() {
         }
     }
     assert!(ran >= 8, "only {ran} conformance cases ran");
-    assert!(failures.is_empty(), "{} cases failed:\n{}", failures.len(), failures.join("\n\n"));
+    assert!(
+        failures.is_empty(),
+        "{} cases failed:\n{}",
+        failures.len(),
+        failures.join("\n\n")
+    );
 }
 
 /// The Python client ships the scripts it runs (clients/python/kmq/scripts/, symbolic links to src/broker/scripts/
@@ -380,5 +446,8 @@ fn the_python_clients_scripts_are_kmqds_byte_for_byte() {
         );
         compared += 1;
     }
-    assert_eq!(compared, 3, "push.lua, checks.lua and remove.lua are shipped");
+    assert_eq!(
+        compared, 3,
+        "push.lua, checks.lua and remove.lua are shipped"
+    );
 }

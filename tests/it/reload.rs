@@ -440,3 +440,40 @@ fn a_refused_plugin_section_refuses_the_reload_and_the_old_plugins_serve_on() {
     wait_done(&config, 2, Duration::from_secs(20));
     stop(daemon);
 }
+
+/// A producer in another language learns a queue's levels from its meta hash (docs/PROTOCOL.md, "The queue's
+/// shape"): the daemon writes them at start, and again when a reload changes them.
+#[test]
+fn the_meta_hash_describes_the_queues_levels_at_start_and_after_a_reload_changes_them() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &safe_queue("priorities = [\"high\", \"normal\"]"));
+    let text = fs::read_to_string(&config).unwrap();
+    let daemon = start(&dir, &config);
+    let meta = || -> std::collections::BTreeMap<String, String> {
+        redis.cmd(&["HGETALL", "kmq:{jobs}:meta"])
+    };
+    let shape = |meta: &std::collections::BTreeMap<String, String>| {
+        (meta["levels"].clone(), meta["default_priority"].clone())
+    };
+    assert_eq!(
+        shape(&meta()),
+        ("high,normal".to_string(), "high".to_string())
+    );
+    assert_eq!(meta()["protocol"], "1");
+    fs::write(
+        &config,
+        text.replace(
+            "priorities = [\"high\", \"normal\"]",
+            "priorities = [\"high\", \"normal\", \"low\"]\ndefault_priority = \"low\"",
+        ),
+    )
+    .unwrap();
+    let log = reload(&daemon, 1);
+    assert!(log.contains("config reloaded:"), "{log}");
+    assert_eq!(
+        shape(&meta()),
+        ("high,normal,low".to_string(), "low".to_string())
+    );
+    stop(daemon);
+}

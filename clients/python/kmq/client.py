@@ -218,7 +218,14 @@ class Client:
                 pipe.hget(self._key(queue, "meta"), "default_priority")
                 return pipe.execute()
 
-            raw_levels, raw_default = self._call(read, sent_is_safe=True)
+            try:
+                raw_levels, raw_default = self._call(read, sent_is_safe=True)
+            except RedisRefused as refused:
+                # A producer user of older ACL rules may not read the meta hash (docs/OPERATIONS.md, "ACL rules"):
+                # it pushes as a queue without priorities, or with the levels given to the constructor.
+                if not isinstance(refused.__cause__, redis.exceptions.NoPermissionError):
+                    raise
+                raw_levels = raw_default = None
             levels = raw_levels.decode().split(",") if raw_levels else ["normal"]
             default = raw_default.decode() if raw_default else None
         if default is None or default not in levels:

@@ -210,3 +210,29 @@ def test_show_cancel_and_a_kept_result(fresh: RedisServer) -> None:
         "kmq:{mail}:result:r-1", json.dumps({"ended_at": 1, "state": "done", "result": {"rows": 3}}))).start()
     kept = eventually(10, "the result", lambda: client.result("mail", "r-1", wait=5))
     assert kept["result"] == {"rows": 3}
+
+
+PRODUCER_RULES = (
+    "+evalsha +eval +script|load +time +info +wait +rpush +lpush +ltrim +hget +hsetnx +hdel +hincrby +zadd +zrange "
+    "+type +publish ~kmq:{*}:ready:* ~kmq:{*}:delayed:* ~kmq:{*}:delayed-tasks ~kmq:{*}:wake ~kmq:{*}:unique "
+    "~kmq:{*}:stats ~kmq:{*}:routes ~kmq:{*}:flow:* ~kmq:{*}:ring:* ~kmq:{*}:sched &kmq:{*}:delay-wake"
+)
+
+
+def test_a_producer_user_reads_the_shape_with_todays_rules_and_pushes_without_it_on_older_ones(
+    fresh: RedisServer,
+) -> None:
+    admin = fresh.client()
+    admin.hset("kmq:{mail}:meta", mapping={"levels": "high,normal", "default_priority": "normal"})
+    # docs/OPERATIONS.md's producer line, and the same line of an older kmqd (no read of the meta hash).
+    admin.execute_command("ACL", "SETUSER", "today", "reset", "on", ">pw", *PRODUCER_RULES.split(), "%R~kmq:{*}:meta")
+    admin.execute_command("ACL", "SETUSER", "older", "reset", "on", ">pw", *PRODUCER_RULES.split())
+    today = kmq.Client(f"redis://today:pw@127.0.0.1:{fresh.port}/0")
+    today.push("mail", "t", {}, id="high-1", priority="high")
+    older = kmq.Client(f"redis://older:pw@127.0.0.1:{fresh.port}/0")
+    assert older.shape("mail") == (["normal"], "normal")
+    older.push("mail", "t", {}, id="normal-1")
+    with pytest.raises(kmq.UnknownPriority):
+        older.push("mail", "t", {}, priority="high")
+    assert admin.lrange("kmq:{mail}:ready:high", 0, -1)[0].find(b"high-1") > 0
+    assert admin.llen("kmq:{mail}:ready:normal") == 1

@@ -107,14 +107,20 @@ impl Supervisor {
     }
 
     /// The checks the start makes on every queue, for the queues a reload adds and those whose `source_lists`
-    /// it changes: the ACL user may serve them (their new sources too) and their keys are of this protocol
-    /// version. Redis down refuses the reload too: it cannot be checked.
+    /// or levels it changes: the ACL user may serve them (their new sources too), their keys are of this protocol
+    /// version, and the meta hash describes their new levels to producers. Redis down refuses the reload too: it
+    /// cannot be checked.
     fn check_new_queues(&self, plan: &reload::Plan) -> Result<(), String> {
-        let new_sources = plan.changed.iter().filter(|name| {
-            let lists = |config: &Config| config.queue(name).map(|q| q.source_lists.clone());
-            lists(&self.config) != lists(&plan.config)
+        let reshaped = plan.changed.iter().filter(|name| {
+            let shape = |config: &Config| {
+                config.queue(name).map(|q| {
+                    let keys = broker::QueueKeys::for_queue(&config.redis.key_prefix, q);
+                    (q.source_lists.clone(), keys.levels, q.default_priority)
+                })
+            };
+            shape(&self.config) != shape(&plan.config)
         });
-        let to_check: Vec<&String> = plan.added.iter().chain(new_sources).collect();
+        let to_check: Vec<&String> = plan.added.iter().chain(reshaped).collect();
         if to_check.is_empty() {
             return Ok(());
         }
@@ -126,7 +132,9 @@ impl Supervisor {
             let queue = plan.config.queue(name).expect("planned from it");
             let keys = broker::QueueKeys::for_queue(&plan.config.redis.key_prefix, queue);
             access::check(&mut connection, &keys, access::Action::Serve)
-                .and_then(|()| broker::check_protocol(&mut connection, &keys, name))
+                .and_then(|()| {
+                    broker::check_protocol(&mut connection, &keys, name, queue.default_priority)
+                })
                 .map_err(|error| format!("queue {name}: {error}"))?;
         }
         Ok(())
