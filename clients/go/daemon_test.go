@@ -9,6 +9,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/gomodule/redigo/redis"
 )
 
 // End to end: a task pushed with this client is run by a real kmqd daemon (the testkit plugin answers done with
@@ -48,6 +50,7 @@ shutdown_grace = "5s"
 [[queues]]
 name = "jobs"
 mode = "safe"
+priorities = ["high", "normal"]
 keep_results = "1h"
 
 [plugins.testkit]
@@ -79,9 +82,16 @@ config = { types = ["job"] }
 		}
 		logFile.Close()
 	})
+	// The daemon describes the queue's levels in its meta hash at start; the client learns them there.
+	conn := server.conn(t)
+	eventually(t, 30*time.Second, "the daemon writes the queue's levels", func() bool {
+		levels, _ := redis.String(conn.Do("HGET", "kmq:{jobs}:meta", "levels"))
+		return levels == "high,normal"
+	}, func() string { text, _ := os.ReadFile(logPath); return string(text) })
 	client := newClient(t, server.url())
 	ctx := context.Background()
-	id, err := client.Push(ctx, "jobs", "job", map[string]interface{}{"result": map[string]int{"rows": 3}})
+	id, err := client.Push(ctx, "jobs", "job", map[string]interface{}{"result": map[string]int{"rows": 3}},
+		WithPriority("high"))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -27,6 +27,7 @@ class DaemonTest < Minitest::Test
       [[queues]]
       name = "jobs"
       mode = "safe"
+      priorities = ["high", "normal"]
       keep_results = "1h"
 
       [plugins.testkit]
@@ -35,8 +36,12 @@ class DaemonTest < Minitest::Test
     TOML
     log = File.join(dir, "kmqd.log")
     daemon = Process.spawn(bin, "--config", config, out: log, err: log)
+    # The daemon describes the queue's levels in its meta hash at start; the client learns them there.
+    Support.eventually(30, "the daemon writes the queue's levels", -> { File.read(log) }) do
+      server.redis.hget("kmq:{jobs}:meta", "levels") == "high,normal"
+    end
     client = Kmq::Client.new(server.url)
-    id = client.push("jobs", "job", { result: { rows: 3 } })
+    id = client.push("jobs", "job", { result: { rows: 3 } }, priority: "high")
     result = client.result("jobs", id, wait: 60)
     assert_equal ["done", { "rows" => 3 }], result.values_at("state", "result"), File.read(log)
   ensure
