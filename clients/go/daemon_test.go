@@ -2,10 +2,10 @@ package kmq
 
 import (
 	"context"
-	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -39,25 +39,13 @@ func TestAPushedTaskIsRunByTheDaemonAndItsResultRead(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(plugins, "libkmq_testkit.so"), testkit, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	config := filepath.Join(dir, "kmqd.toml")
-	err = os.WriteFile(config, []byte(fmt.Sprintf(`[redis]
-url = %q
-
-[daemon]
-plugins_dir = %q
-shutdown_grace = "5s"
-
-[[queues]]
-name = "jobs"
-mode = "safe"
-priorities = ["high", "normal"]
-keep_results = "1h"
-
-[plugins.testkit]
-file = "libkmq_testkit.so"
-config = { types = ["job"] }
-`, server.url(), plugins)), 0o644)
+	template, err := os.ReadFile(filepath.Join("..", "testdata", "kmqd.toml"))
 	if err != nil {
+		t.Fatal(err)
+	}
+	config := filepath.Join(dir, "kmqd.toml")
+	text := strings.NewReplacer("REDIS_URL", server.url(), "PLUGINS_DIR", plugins).Replace(string(template))
+	if err := os.WriteFile(config, []byte(text), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	logPath := filepath.Join(dir, "kmqd.log")

@@ -16,24 +16,8 @@ class DaemonTest < Minitest::Test
     FileUtils.install(File.join(ENV.fetch("KMQD_PLUGINS", File.dirname(bin)), "libkmq_testkit.so"), plugins,
                       mode: 0o755)
     config = File.join(dir, "kmqd.toml")
-    File.write(config, <<~TOML)
-      [redis]
-      url = "#{server.url}"
-
-      [daemon]
-      plugins_dir = "#{plugins}"
-      shutdown_grace = "5s"
-
-      [[queues]]
-      name = "jobs"
-      mode = "safe"
-      priorities = ["high", "normal"]
-      keep_results = "1h"
-
-      [plugins.testkit]
-      file = "libkmq_testkit.so"
-      config = { types = ["job"] }
-    TOML
+    template = File.read(File.join(__dir__, "..", "..", "testdata", "kmqd.toml"))
+    File.write(config, template.gsub("REDIS_URL", server.url).gsub("PLUGINS_DIR", plugins))
     log = File.join(dir, "kmqd.log")
     daemon = Process.spawn(bin, "--config", config, out: log, err: log)
     # The daemon describes the queue's levels in its meta hash at start; the client learns them there.
