@@ -102,10 +102,12 @@ ensure_ruby_client() {
 # python3-setuptools; about 15 s to install where missing).
 ensure_python_client() {
     ensure_python3
-    if ! /usr/bin/python3 -c 'import pytest, redis, pip, setuptools' >/dev/null 2>&1; then
+    # pip apart: importing it before setuptools trips setuptools' distutils shim.
+    if ! { /usr/bin/python3 -c 'import pytest, redis, setuptools' && /usr/bin/python3 -m pip --version; } >/dev/null 2>&1; then
         echo "pytest, redis-py, pip or setuptools not found for /usr/bin/python3: installing Debian's packages" >&2
         apt_install python3-pytest python3-redis python3-pip python3-setuptools
-        /usr/bin/python3 -c 'import pytest, redis, pip, setuptools' || { echo "installing them failed" >&2; exit 1; }
+        { /usr/bin/python3 -c 'import pytest, redis, setuptools' && /usr/bin/python3 -m pip --version; } >/dev/null ||
+            { echo "installing them failed" >&2; exit 1; }
     fi
 }
 
