@@ -71,15 +71,43 @@ ensure_python3() {
     ensure_command python3 python3
 }
 
+# ensure_packages PACKAGE...: installs those of the Debian packages that are not installed (for libraries, which
+# have no command to look for), with sudo when not root; exits 1 if that fails.
+ensure_packages() {
+    local missing=() package
+    for package in "$@"; do
+        dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "ok installed" || missing+=("$package")
+    done
+    if [ ${#missing[@]} -eq 0 ]; then
+        return
+    fi
+    echo "installing Debian's ${missing[*]} package(s)" >&2
+    apt_install "${missing[@]}" || { echo "installing ${missing[*]} failed" >&2; exit 1; }
+}
+
+# The Go client's tests (clients/go/run-tests): Debian's Go (1.19 on Debian 12) and redigo, in Debian's GOPATH
+# (the Go module proxy is not reachable from these machines).
+ensure_go_client() {
+    ensure_packages golang-go golang-github-gomodule-redigo-dev
+}
+
+# The Ruby client's tests (clients/ruby/run-tests): Debian's ruby (3.1 on Debian 12), redis-rb 4.8 and minitest
+# (RubyGems is not reachable from these machines).
+ensure_ruby_client() {
+    ensure_packages ruby ruby-redis ruby-minitest
+}
+
 # The Python client's tests (clients/python, docs/CLIENTS.md) run with Debian's /usr/bin/python3: pytest, redis-py
 # and, to build its wheel, pip and setuptools (Debian's python3-pytest, python3-redis, python3-pip,
 # python3-setuptools; about 15 s to install where missing).
 ensure_python_client() {
     ensure_python3
-    if ! /usr/bin/python3 -c 'import pytest, redis, pip, setuptools' >/dev/null 2>&1; then
+    # pip apart: importing it before setuptools trips setuptools' distutils shim.
+    if ! { /usr/bin/python3 -c 'import pytest, redis, setuptools' && /usr/bin/python3 -m pip --version; } >/dev/null 2>&1; then
         echo "pytest, redis-py, pip or setuptools not found for /usr/bin/python3: installing Debian's packages" >&2
         apt_install python3-pytest python3-redis python3-pip python3-setuptools
-        /usr/bin/python3 -c 'import pytest, redis, pip, setuptools' || { echo "installing them failed" >&2; exit 1; }
+        { /usr/bin/python3 -c 'import pytest, redis, setuptools' && /usr/bin/python3 -m pip --version; } >/dev/null ||
+            { echo "installing them failed" >&2; exit 1; }
     fi
 }
 

@@ -149,6 +149,21 @@ fn is_uuid(text: &str) -> bool {
             .all(|part| part.bytes().all(|b| b.is_ascii_hexdigit()))
 }
 
+/// The Redis commands of a case's `given`, each as its words.
+fn given(case: &Value) -> Vec<Vec<&str>> {
+    let commands = case["given"].as_array().expect("given is a list");
+    commands
+        .iter()
+        .map(|command| {
+            let words = command.as_array().expect("a command is a list of words");
+            words
+                .iter()
+                .map(|w| w.as_str().expect("a word is a string"))
+                .collect()
+        })
+        .collect()
+}
+
 /// The config for a case's queues: each with the levels and default a daemon wrote into its meta hash in the
 /// case's `given` (clients/conformance/README.md, "The queue's shape"), else the one level `normal`.
 fn queues_config(case: &Value) -> String {
@@ -163,13 +178,7 @@ fn queues_config(case: &Value) -> String {
             )
             .or_default();
     }
-    for command in case["given"].as_array().expect("given is a list") {
-        let words: Vec<&str> = command
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|w| w.as_str().unwrap())
-            .collect();
+    for words in given(case) {
         if !words[0].eq_ignore_ascii_case("HSET") {
             continue;
         }
@@ -201,7 +210,7 @@ fn queues_config(case: &Value) -> String {
         .collect()
 }
 
-/// A case's task as a `NewTask`, or the error kind the client refuses it with.
+/// A case's task as a `NewTask` (a bad one is refused by the push, not here).
 fn new_task(kind: &Value, data: &Value, options: &Value) -> kmqd::NewTask {
     let data = serde_json::value::to_raw_value(data).expect("JSON serializes");
     let mut task = kmqd::NewTask::with_data(kind.as_str().expect("type is a string"), data);
@@ -354,13 +363,7 @@ fn run_case(
     clients: &mut HashMap<String, (TestDir, kmqd::Client)>,
 ) -> Result<(), String> {
     let _: String = redis.cmd(&["FLUSHALL"]);
-    for command in case["given"].as_array().unwrap() {
-        let words: Vec<&str> = command
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|w| w.as_str().unwrap())
-            .collect();
+    for words in given(case) {
         let _: redis::Value = redis.cmd(&words);
     }
     let (_, client) = clients

@@ -161,9 +161,10 @@ class Client:
     @classmethod
     def cluster(cls, url: str, key_prefix: str = "kmq", **options: Any) -> "Client":
         """A client of a Redis Cluster, through redis-py's RedisCluster (``url`` names any node). RedisCluster's own
-        retries are turned off: a command sent twice after a lost reply would push twice."""
+        retries are turned off (one attempt per call): a command sent twice after a lost reply would push twice."""
         kmq_options = {k: options.pop(k) for k in ("levels", "default_priority") if k in options}
-        options.setdefault("cluster_error_retry_attempts", 0)
+        # redis-py 4 counts every attempt in cluster_error_retry_attempts (0 makes none at all), 5 the retries.
+        options.setdefault("cluster_error_retry_attempts", 1 if int(redis.__version__.split(".")[0]) < 5 else 0)
         options.setdefault("socket_connect_timeout", 5)
         return cls(key_prefix=key_prefix, redis_client=redis.RedisCluster.from_url(url, **options), **kmq_options)
 

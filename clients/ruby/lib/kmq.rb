@@ -1,0 +1,413 @@
+# The Ruby producer client of kmqd: pushes tasks with kmqd's own enqueue script (push.lua, a byte-identical copy
+# shipped in this gem) and shows, cancels and reads the results of tasks, as docs/PROTOCOL.md describes.
+#
+#   client = Kmq::Client.new("redis://127.0.0.1:6379/0", key_prefix: "kmq")
+#   id = client.push("mail", "mail.send", { to: "ada@example.com" }, delay: 30)
+require "digest/sha1"
+require "json"
+require "monitor"
+require "securerandom"
+require "redis"
+require_relative "kmq/version"
+
+module Kmq
+  # Every error this client raises. The subclasses say what happened.
+  class Error < StandardError; end
+
+  # push.lua refused tasks (it replied 0): a unique task with the id is live, or a delayed task with the id is
+  # already waiting. Nothing was written for them; the batch's other tasks were pushed.
+  class DuplicateError < Error
+    # The refused ids, and every id of the call in order.
+    attr_reader :ids, :all_ids
+
+    def initialize(ids, all_ids)
+      @ids = ids
+      @all_ids = all_ids
+      super("duplicate: #{ids.size} task(s) refused, their ids live: #{ids.join(', ')}")
+    end
+  end
+
+  # The call was refused before anything was sent (no type, a bad group, a unique task without an id, ...).
+  class InvalidArgument < Error; end
+
+  # The queue has no level of that name (read from P:{Q}:meta; a queue no daemon described has "normal" only).
+  class UnknownPriority < Error; end
+
+  # Redis could not be reached, or the connection failed before the command was written: nothing was pushed.
+  class Unreachable < Error; end
+
+  # The connection broke after the command was written, before its reply came: the tasks may have been pushed.
+  # Push again with the same ids and unique: true to make a retry safe.
+  class ReplyLost < Error; end
+
+  # Redis answered with an error (a key of the wrong type, OOM, a missing ACL rule); push.lua and remove.lua write
+  # nothing when they refuse. The message is Redis's.
+  class Refused < Error; end
+
+  # result's wait ended while the task was still waiting to run (delayed, retrying or ready).
+  class Pending < Error; end
+
+  # result found neither a result nor the task: running, never pushed, never kept, or expired.
+  class NoResult < Error; end
+
+  # A Lua script sent with EVALSHA, and with EVAL when Redis answers NOSCRIPT (a restart, a failover).
+  Script = Struct.new(:source, :sha) do
+    def self.read(*files)
+      source = files.map { |file| File.binread(File.join(__dir__, "kmq", file)) }.join
+      new(source, Digest::SHA1.hexdigest(source))
+    end
+  end
+
+  PUSH = Script.read("push.lua")
+  # remove.lua runs with checks.lua before it, as the broker concatenates them (src/broker/mod.rs, `sources`).
+  REMOVE = Script.read("checks.lua", "remove.lua")
+
+  # push.lua advises under ~1,000 tasks a call (Redis runs nothing else meanwhile): one round trip per 1,000.
+  BATCH_SIZE = 1000
+  # How long a queue's levels, read from P:{Q}:meta, are trusted before they are read again.
+  LEVELS_FOR = 10.0
+  TRACEPARENT = /\A[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}\z/.freeze
+  PUSH_OPTIONS = %i[id priority delay at unique group traceparent tracestate].freeze
+
+  # Pushes to the queues of one Redis. Safe to share between threads (calls take turns on one connection).
+  class Client
+    # url: redis://[user:password@]host:port/db or rediss://; or redis: a Redis object of redis-rb 4.x made by
+    # the caller (a unix socket, Sentinels). Either way the client turns its automatic reconnect-and-resend off:
+    # a command resent after a lost reply would push its tasks twice.
+    def initialize(url = nil, key_prefix: "kmq", redis: nil)
+      raise InvalidArgument, "give a url or a redis:, not both" if url && redis
+
+      @redis = redis || Redis.new(url: url || "redis://127.0.0.1:6379/0", reconnect_attempts: 0)
+      @redis._client.options[:reconnect_attempts] = 0
+      @prefix = key_prefix
+      @levels = {}
+      @lock = Monitor.new
+      @last_used = nil
+    end
+
+    def close
+      @redis.close
+    end
+
+    # Pushes one task; returns its id. Options: id:, priority:, delay: (seconds), at: (a Time), unique:, group:,
+    # traceparent:, tracestate:. Raises DuplicateError when a unique id is live.
+    def push(queue, type, data = nil, **options)
+      push_batch(queue, [[type, data, options]]).first
+    rescue DuplicateError => e
+      raise DuplicateError.new(e.ids, e.all_ids), "duplicate: queue #{queue.inspect}: task #{e.ids.first.inspect} " \
+                                                  "is live (unique) or already delayed"
+    end
+
+    # Pushes tasks in order, each [type, data] or [type, data, {options}] (or a Hash with type:, data: and the
+    # options), one push.lua call per 1,000 tasks of the same level and delay; returns their ids. Every task is
+    # checked before anything is sent. Refused duplicates raise DuplicateError (the others were pushed).
+    def push_batch(queue, tasks)
+      check_queue(queue)
+      @lock.synchronize do
+        tasks = tasks.map { |task| normalized(task) }
+        levels = levels_of(queue, tasks.map { |task| task[2][:priority] }.compact)
+        prepared = tasks.each_with_index.map do |task, n|
+          prepare(*task, levels)
+        rescue InvalidArgument, UnknownPriority => e
+          raise e.class, (tasks.size > 1 ? "task #{n} of the batch: #{e.message}" : e.message)
+        end
+        refused = []
+        start = 0
+        while start < prepared.size
+          finish = start + 1
+          finish += 1 while finish < prepared.size && finish - start < BATCH_SIZE &&
+                            prepared[finish][:call] == prepared[start][:call]
+          begin
+            replies = push_call(queue, prepared[start...finish])
+          rescue Error => e
+            raise e.class, "after #{start} of #{prepared.size} tasks were pushed: #{e.message}" if start.positive?
+
+            raise
+          end
+          replies.each_with_index { |reply, i| refused << prepared[start + i][:id] unless reply == 1 }
+          start = finish
+        end
+        ids = prepared.map { |task| task[:id] }
+        raise DuplicateError.new(refused, ids) unless refused.empty?
+
+        ids
+      end
+    end
+
+    # Every place the task is in: delayed, retrying, ready (its list, or its group's flow) and dead, each a Hash
+    # ("state", "level", "position", "group", "due_in_ms", "envelope", "record"). A running task is not looked
+    # for (its daemon's claim lists: `kmqd task show` reads them).
+    def show(queue, id)
+      check_queue(queue)
+      @lock.synchronize { locate(queue, id, dead: true).map { |place| place.reject { |k, _| k == "holder" } } }
+    end
+
+    # Removes every waiting copy (delayed, retrying, ready) of the task, releasing its unique id, with kmqd's
+    # remove.lua; returns how many it removed (0: not waiting: unknown, running, done or dead).
+    def cancel(queue, id)
+      check_queue(queue)
+      @lock.synchronize do
+        locate(queue, id, dead: false).sum do |place|
+          holder, kind, task, expected =
+            case place["state"]
+            when "delayed" then [key(queue, "delayed:#{place['level']}"), "delayed", id, place["envelope"]]
+            when "retrying" then [key(queue, "retry:#{place['level']}"), "retry", place["envelope"], ""]
+            else [place["holder"], "list", place["envelope"], ""]
+            end
+          unique = (JSON.parse(place["envelope"])["unique"] == true rescue false) ? id : ""
+          keys = [holder, key(queue, "delayed-tasks"), key(queue, "unique"), key(queue, "stats")]
+          run(REMOVE, keys, [kind, task, expected, unique])
+        end
+      end
+    end
+
+    # The task's result (docs/PROTOCOL.md, "Results"), polling up to wait seconds (10 ms doubling to 500 ms): a
+    # Hash with "state" ("done" or "dead"), "result", "result_error", "reason", "ended_at". When the wait ends
+    # without one: a dead-lettered task gives "state" => "dead" and its record's reason; a waiting task raises
+    # Pending; a task found nowhere raises NoResult.
+    def result(queue, id, wait: 0)
+      check_queue(queue)
+      deadline = monotonic + wait
+      pause = 0.01
+      loop do
+        kept = @lock.synchronize { command(["GET", key(queue, "result:#{id}")]) }
+        return JSON.parse(kept) if kept
+
+        left = deadline - monotonic
+        break if left <= 0
+
+        sleep([pause, left].min)
+        pause = [pause * 2, 0.5].min
+      end
+      found = @lock.synchronize { locate(queue, id, dead: true) }
+      waiting = found.find { |place| place["state"] != "dead" }
+      raise Pending, "queue #{queue.inspect}: task #{id.inspect} is #{waiting['state']}" if waiting
+      raise NoResult, "queue #{queue.inspect}: task #{id.inspect}: no result and no task" if found.empty?
+
+      record = JSON.parse(found.first["record"]) rescue {}
+      { "state" => "dead", "reason" => record["reason"], "ended_at" => record["dead_at"] }
+    end
+
+    private
+
+    def key(queue, rest)
+      "#{@prefix}:{#{queue}}:#{rest}"
+    end
+
+    def check_queue(queue)
+      return if queue.is_a?(String) && !queue.empty? && !queue.match?(/[{}]/)
+
+      raise InvalidArgument, "queue name #{queue.inspect}: must be a non-empty string without { or }"
+    end
+
+    def normalized(task)
+      case task
+      when Hash
+        task = task.transform_keys(&:to_sym)
+        [task[:type], task[:data], task.reject { |k, _| %i[type data].include?(k) }]
+      when Array
+        [task[0], task[1], (task[2] || {}).transform_keys(&:to_sym)]
+      else
+        raise InvalidArgument, "a task is [type, data, {options}] or a Hash, not #{task.class}"
+      end
+    end
+
+    def prepare(type, data, options, levels)
+      unknown = options.keys - PUSH_OPTIONS
+      raise InvalidArgument, "unknown option(s) #{unknown.join(', ')}" unless unknown.empty?
+      raise InvalidArgument, "a task needs a type" unless type.is_a?(String) && !type.empty?
+
+      group = options[:group]
+      unless group.nil? || (group.is_a?(String) && group.bytesize.between?(1, 64) && group.valid_encoding?)
+        raise InvalidArgument, "group #{group.inspect}: must be 1 to 64 bytes of UTF-8"
+      end
+      id = options[:id]
+      raise InvalidArgument, "a unique task needs an id (uniqueness is per id)" if options[:unique] && id.nil?
+
+      delay = options[:delay] || 0
+      raise InvalidArgument, "delay #{delay.inspect}: seconds, not negative" unless delay.is_a?(Numeric) && delay >= 0
+
+      at = options[:at]
+      raise InvalidArgument, "at #{at.inspect}: a Time" unless at.nil? || at.is_a?(Time)
+
+      traceparent = options[:traceparent]
+      if traceparent && !TRACEPARENT.match?(traceparent)
+        raise InvalidArgument, "traceparent #{traceparent.inspect} is not a W3C trace context"
+      end
+      priority = options[:priority]
+      if priority && !levels[:levels].include?(priority)
+        raise UnknownPriority, "#{priority.inspect}: the queue's levels are #{levels[:levels].join(', ')}"
+      end
+
+      id ||= SecureRandom.uuid
+      envelope = { "id" => id, "type" => type, "data" => data, "attempt" => 0 }
+      envelope["priority"] = priority if priority
+      envelope["unique"] = true if options[:unique]
+      envelope["group"] = group if group
+      envelope["traceparent"] = traceparent if traceparent
+      envelope["tracestate"] = options[:tracestate] if options[:tracestate]
+      begin
+        payload = JSON.generate(envelope)
+      rescue JSON::GeneratorError, Encoding::UndefinedConversionError => e
+        raise InvalidArgument, "data of task #{type.inspect}: #{e.message}"
+      end
+      at_ms = at ? [(at.to_r * 1000).floor, 1].max : 0 # push.lua reads 0 as "no due time"
+      { id: id, unique: options[:unique] ? "1" : "0", payload: payload,
+        call: [priority || levels[:fallback], (delay * 1000).round, at_ms] }
+    end
+
+    def push_call(queue, tasks)
+      level, delay_ms, at_ms = tasks.first[:call]
+      keys = %W[ready:#{level} delayed:#{level} delayed-tasks wake unique stats routes].map { |k| key(queue, k) }
+      argv = [delay_ms, at_ms, key(queue, "delay-wake")]
+      tasks.each { |task| argv.push(task[:id], task[:unique], task[:payload]) }
+      replies = run(PUSH, keys, argv)
+      raise Error, "push.lua answered #{replies.inspect} for #{tasks.size} tasks" unless replies.size == tasks.size
+
+      replies
+    rescue Refused => e
+      raise Refused, "queue #{queue.inspect}: push.lua: #{e.message}"
+    end
+
+    # The queue's levels from P:{Q}:meta (`levels`, highest first, `default_priority`), cached for LEVELS_FOR
+    # seconds, and read again at once for a priority the cache lacks.
+    def levels_of(queue, wanted)
+      cached = @levels[queue]
+      if cached && monotonic - cached[:read] < LEVELS_FOR && (wanted - cached[:levels]).empty?
+        return cached
+      end
+
+      listed, default = read_meta(queue)
+      levels = listed.to_s.empty? ? ["normal"] : listed.split(",")
+      fallback = levels.include?("normal") ? "normal" : levels.first
+      fallback = default if default && levels.include?(default)
+      @levels[queue] = { levels: levels, fallback: fallback, read: monotonic }
+    end
+
+    # The meta hash's `levels` and `default_priority`, with HGET, one field at a time: the producers' ACL rules
+    # allow it (docs/OPERATIONS.md, "ACL rules"), not HMGET. A producer user of an older kmqd's rules may not read
+    # the meta hash: it pushes as to a queue of the one level normal, as it did before queues described theirs.
+    def read_meta(queue)
+      %w[levels default_priority].map { |field| command(["HGET", key(queue, "meta"), field]) }
+    rescue Refused => e
+      raise unless e.message.start_with?("NOPERM")
+
+      [nil, nil]
+    end
+
+    def locate(queue, id, dead:)
+      levels = levels_of(queue, [])[:levels]
+      seconds, micros = command(["TIME"]).map(&:to_i)
+      now = seconds * 1000 + micros / 1000
+      found = []
+      envelope = command(["HGET", key(queue, "delayed-tasks"), id])
+      if envelope
+        levels.each do |level|
+          due = command(["ZSCORE", key(queue, "delayed:#{level}"), id])
+          next unless due
+
+          found << { "state" => "delayed", "level" => level, "due_in_ms" => due.to_i - now, "envelope" => envelope }
+          break
+        end
+      end
+      needle = JSON.generate(id)[1..-2]
+      levels.each do |level|
+        cursor = "0"
+        loop do
+          cursor, items = command(["ZSCAN", key(queue, "retry:#{level}"), cursor, "MATCH",
+                                   "*#{needle.gsub(/([*?\[\]\\])/) { "\\#{Regexp.last_match(1)}" }}*", "COUNT", 1000])
+          items.each_slice(2) do |item, due|
+            next unless envelope_id(item) == id
+
+            found << { "state" => "retrying", "level" => level, "due_in_ms" => due.to_i - now, "envelope" => item }
+          end
+          break if cursor == "0"
+        end
+      end
+      levels.each do |level|
+        ready = key(queue, "ready:#{level}")
+        scan_list(ready) do |position, item|
+          next unless item.include?(needle) && envelope_id(item) == id
+
+          found << { "state" => "ready", "level" => level, "position" => position, "envelope" => item, "holder" => ready }
+        end
+        command(["ZRANGE", key(queue, "ring:#{level}"), 0, -1]).each do |member|
+          group = member.split(":", 2).first.gsub(/%([0-9A-F]{2})/) { Regexp.last_match(1).hex.chr }
+          flow = key(queue, "flow:#{level}:#{member}")
+          scan_list(flow) do |position, item|
+            next unless item.include?(needle) && envelope_id(item) == id
+
+            found << { "state" => "ready", "level" => level, "position" => position, "group" => group,
+                       "envelope" => item, "holder" => flow }
+          end
+        end
+      end
+      if dead
+        scan_list(key(queue, "dead")) do |_, record|
+          found << { "state" => "dead", "record" => record } if envelope_id(record) == id
+        end
+      end
+      found
+    end
+
+    def scan_list(list)
+      start = 0
+      loop do
+        items = command(["LRANGE", list, start, start + 999])
+        items.each_with_index { |item, offset| yield start + offset, item }
+        return if items.size < 1000
+
+        start += 1000
+      end
+    end
+
+    def envelope_id(payload)
+      parsed = JSON.parse(payload)
+      parsed.is_a?(Hash) ? parsed["id"] : nil
+    rescue JSON::ParserError
+      nil
+    end
+
+    def run(script, keys, argv)
+      command(["EVALSHA", script.sha, keys.size, *keys, *argv])
+    rescue Refused => e
+      raise unless e.message.start_with?("NOSCRIPT")
+
+      command(["EVAL", script.source, keys.size, *keys, *argv])
+    end
+
+    # Sends one command and reads its reply, telling a failure before the command was written (Unreachable:
+    # nothing ran) from one after it (ReplyLost: it may have run). Redis's error replies raise Refused. A connection idle for a while is checked with a PING first, so that one Redis or a
+    # proxy closed meanwhile fails before a push is written on it, not as a lost reply.
+    def command(args)
+      @lock.synchronize { command_on(@redis._client, args) }
+    end
+
+    def command_on(client, args)
+      if client.connected? && @last_used && monotonic - @last_used > 5
+        begin
+          client.call(["PING"])
+        rescue Redis::BaseConnectionError
+          client.disconnect
+        end
+      end
+      written = false
+      reply = begin
+        client.process([args]) do
+          written = true
+          client.read
+        end
+      rescue Redis::BaseConnectionError => e
+        raise (written ? ReplyLost : Unreachable), "#{args.first}: #{e.message}"
+      end
+      @last_used = monotonic
+      raise Refused, reply.message if reply.is_a?(Redis::CommandError)
+
+      reply
+    end
+
+    def monotonic
+      Process.clock_gettime(Process::CLOCK_MONOTONIC)
+    end
+  end
+end

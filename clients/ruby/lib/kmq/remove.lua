@@ -1,0 +1,39 @@
+-- (The broker prepends checks.lua: src/broker/mod.rs, `sources`.)
+-- remove.lua: cancel one waiting task (delayed, retrying or ready) that the caller located.
+--
+-- KEYS[1] the key holding it: a ready list, a retry zset or a delayed zset; KEYS[2] delayed tasks hash;
+-- KEYS[3] unique hash; KEYS[4] stats hash
+-- ARGV[1] "list", "retry" or "delayed"
+-- ARGV[2] list, retry: the exact payload; delayed: the task id
+-- ARGV[3] delayed: the envelope the caller saw (the removal is skipped if it changed); others: unused
+-- ARGV[4] the unique id to release, or ""
+-- Returns 1 removed, 0 no longer there (it was taken or moved meanwhile).
+-- Checks before it writes: the keys' types and the stats hash's `cancelled`; a call that fails writes nothing.
+local kind, task, unique = ARGV[1], ARGV[2], ARGV[4]
+local wrong_type = type_check('remove.lua')
+local integer = integer_check('remove.lua')
+local holder = 'zset'
+if kind == 'list' then holder = 'list' end
+local refused = wrong_type(KEYS[1], holder) or wrong_type(KEYS[2], 'hash') or wrong_type(KEYS[3], 'hash') or
+  wrong_type(KEYS[4], 'hash') or integer(KEYS[4], 'cancelled', redis.call('HGET', KEYS[4], 'cancelled'))
+if refused then return refused end
+local removed = 0
+if kind == 'list' then
+  removed = redis.call('LREM', KEYS[1], 1, task)
+elseif kind == 'retry' then
+  removed = redis.call('ZREM', KEYS[1], task)
+elseif kind == 'delayed' then
+  if redis.call('HGET', KEYS[2], task) == ARGV[3] then
+    removed = redis.call('ZREM', KEYS[1], task)
+    redis.call('HDEL', KEYS[2], task)
+  end
+else
+  return redis.error_reply('remove.lua: unknown kind ' .. kind)
+end
+if removed == 1 then
+  if unique ~= '' then
+    redis.call('HDEL', KEYS[3], unique)
+  end
+  redis.call('HINCRBY', KEYS[4], 'cancelled', 1)
+end
+return removed

@@ -1,0 +1,3 @@
+module Kmq
+  VERSION = "0.1.0"
+end
