@@ -316,7 +316,7 @@ fn record_without_result(
         // (issue 33: "a task without a group: its type, or the queue"); any other, the queue.
         (Action::Throttle { after, .. }, _) => {
             let scope = if origin.grouped {
-                envelope.map(|e| ThrottleScope::Group(e.group().ok().flatten().unwrap_or_default()))
+                envelope.map(group_scope)
             } else {
                 envelope
                     .map(|e| &*e.kind)
@@ -459,18 +459,29 @@ pub fn settle_verdict(
     record(origin, &action, failed, task, result)
 }
 
+/// The group a grouped queue's task belongs to, as its flow is named (the empty name: no group; a malformed one
+/// never reaches a claim list, the intake dead-letters it).
+fn group_scope(envelope: &Envelope<'_>) -> ThrottleScope {
+    ThrottleScope::Group(envelope.group().ok().flatten().unwrap_or_default())
+}
+
 /// A hand-back (the shutdown, a reload, stuck workers): the task goes to the front of its level unchanged, and a
 /// unique one keeps its id held, as a waiting task again (default mode: no longer by the popping owner). A task
 /// that waited in the quarantine goes back there, to the stage its envelope says (`recovered`; alone once it
 /// `crashes`d a daemon running alone): handed back to the ready list, a poison pill would crash a full batch on
-/// every rolling restart, uncharged (the review's L2).
-pub fn handback(task: TaskParts<'_>) -> Settlement {
+/// every rolling restart, uncharged (the review's L2). On a `grouped` queue any other goes to the front of its
+/// group's flow, keeping its place among its group's tasks (docs/design/flow-control.md, departure (f)).
+pub fn handback(task: TaskParts<'_>, grouped: bool) -> Settlement {
     let quarantine = task.envelope.and_then(|envelope| {
         let stage = quarantine_stage(envelope.recovered);
         if envelope.crashes > 0 { Some(0) } else { stage }
     });
+    let group = task
+        .envelope
+        .filter(|_| grouped && quarantine.is_none())
+        .map(|envelope| Box::new(group_scope(envelope)));
     Settlement {
-        op: SettleOp::Back { quarantine },
+        op: SettleOp::Back { quarantine, group },
         unique_id: task.unique_id(),
         token: task.token,
         popped_by: task.popped_by,

@@ -11,7 +11,9 @@
 //! - a claim (claim.lua under `max_running`): state 4 when `q` is at the caller's limit (the limit noted as
 //!   `q:limit`); otherwise up to the caller's free workers, cut to what the limit leaves; what it took added to `q`
 //!   and `q:limit` noted; when it took all it asked for and the limit leaves room while tasks still wait, it passes
-//!   the wake-up on (a marker); state 8 when it took tasks and `q` reached the limit;
+//!   the wake-up on (a marker); state 8 when it took tasks and `q` reached the limit. A claim that ends at its own
+//!   limit (state 4 or 8) with `q` below the limit noted before it (another daemon's, higher, in a rolling change)
+//!   passes the wake-up on too while tasks wait (the sixth finding's fix);
 //! - a wait's end: the fetcher's `BLPOP` takes the marker, and the claim sent behind it runs (one step: nothing
 //!   another client does between the two can change what the claim sees but a marker pushed meanwhile, which this
 //!   step's claim then leaves in the list as a later step would);
@@ -31,6 +33,12 @@
 //! An idle fetcher (its last claim took nothing) also waits on the wake list in kmqd, and may take the marker that
 //! a settle pushed for a fetcher at the limit: here any fetcher not waiting at the limit may claim either at once
 //! or by taking the marker (more behaviours than kmqd has, so a property that holds here holds there).
+//!
+//! One order is Redis's, not any: `BLPOP` serves the client blocked longest first, so of the fetchers waiting at
+//! their limit with a worker free (blocked in Redis), the one that began to wait first takes the marker
+//! (`WakeState::blocked`). kmqd has another order only if a waiting fetcher's thread has not yet sent its wait (its
+//! claim behind a `BLPOP`, one write right after the reply that made it wait) when a later one's is served: a race of
+//! a thread's scheduling against a settle and a claim, which costs a wait of up to `idle_poll`.
 
 use arrayvec::ArrayVec;
 use stateright::{Model, Property};
@@ -60,6 +68,10 @@ pub enum WakeMutation {
     SettleNoMarker,
     /// claim.lua does not pass the wake-up on when it took all it asked for and the limit leaves room.
     ClaimNoPassOn,
+    /// claim.lua before the sixth finding's fix (model/README.md): a claim that ends at its own limit (state 4 or 8)
+    /// passes nothing on, even when `q` is below the higher limit another daemon noted, so the marker it took was
+    /// lost to that daemon.
+    LowerLimitPassesNothing,
 }
 
 /// One bounded check of the wake-up.
@@ -107,8 +119,9 @@ pub fn wake() -> Woken {
     }
 }
 
-/// As [`wake`], in a rolling change that lowers the limit on one daemon (3 and 2): see model/README.md, "The
-/// wake-up at the limit", for what it finds.
+/// As [`wake`], in a rolling change that lowers the limit on one daemon (3 and 2): a claim that ends at the lower
+/// limit passes on the marker it took while `q` is below the higher one the claim before it noted; a lower limit
+/// noted by a claim while the higher daemon waits still hides it (model/README.md, the sixth finding).
 pub fn wake_rolling() -> Woken {
     Woken {
         name: "wake-rolling",
@@ -184,6 +197,9 @@ pub struct WakeState {
     pub filled: bool,
     pub woken: bool,
     pub passed_on: bool,
+    /// The daemons whose fetchers wait at their limit with a worker free (blocked in a `BLPOP` of the wake list), in
+    /// the order they began to: Redis serves the first.
+    pub blocked: ArrayVec<u8, DAEMONS>,
 }
 
 /// One step.
@@ -231,8 +247,20 @@ impl Wake {
         }
         let want = self.setup.slots - daemon.held.len() as u8;
         let redis = &mut state.redis;
-        // if running >= max_running: note_limit(); state 4
+        // A claim that ends at its own limit below the one noted before it (another daemon's, higher) while tasks
+        // wait passes the wake-up on: the marker it took may have been that daemon's.
+        let noted = redis.noted_limit;
+        let below_noted = |redis: &Store| {
+            redis.running < noted
+                && redis.ready > 0
+                && self.setup.mutation != Some(WakeMutation::LowerLimitPassesNothing)
+        };
+        // if running >= max_running: pass_wake_on() if running < q:limit; note_limit(); state 4
         if redis.running >= limit {
+            if below_noted(redis) {
+                redis.marker = true;
+                state.passed_on = true;
+            }
             redis.noted_limit = limit;
             daemon.waiting = true;
             return;
@@ -269,9 +297,13 @@ impl Wake {
             redis.marker = true;
             state.passed_on = true;
         }
-        // state 8: took > 0 and running + took >= max_running
+        // state 8: took > 0 and running + took >= max_running (then pass_wake_on() if below q:limit noted before)
         daemon.waiting = took > 0 && before + took >= limit;
         state.filled |= daemon.waiting;
+        if daemon.waiting && below_noted(redis) {
+            redis.marker = true;
+            state.passed_on = true;
+        }
     }
 
     /// settle.lua of one position of the list of (`daemon`, `epoch`), if it has one not settled yet (else the call
@@ -327,6 +359,7 @@ impl Model for Wake {
             filled: false,
             woken: false,
             passed_on: false,
+            blocked: ArrayVec::new(),
         }]
     }
 
@@ -341,7 +374,10 @@ impl Model for Wake {
                         marker: false,
                     });
                 }
-                if state.redis.marker {
+                // Redis serves the longest-blocked `BLPOP` first: of the fetchers waiting at their limit, the
+                // first to wait.
+                let served = !daemon.waiting || state.blocked.first() == Some(&d);
+                if state.redis.marker && served {
                     actions.push(Step::Claim {
                         daemon: d,
                         marker: true,
@@ -393,6 +429,8 @@ impl Model for Wake {
                     // BLPOP wake: the marker is taken, and the claim behind it runs.
                     state.redis.marker = false;
                     state.woken |= state.daemons[daemon as usize].waiting;
+                    // Its wait ended: if the claim makes it wait again, it queues at the end.
+                    state.blocked.retain(|d| *d != daemon);
                 }
                 self.claim(&mut state, daemon as usize);
             }
@@ -431,6 +469,17 @@ impl Model for Wake {
                     ..Daemon::default()
                 };
                 state.faults -= 1;
+            }
+        }
+        // Who waits in Redis now: those that stopped leave the queue, those that began join its end.
+        let slots = self.setup.slots;
+        let in_redis = |daemon: &Daemon| daemon.waiting && (daemon.held.len() as u8) < slots;
+        state
+            .blocked
+            .retain(|d| in_redis(&state.daemons[*d as usize]));
+        for (d, daemon) in state.daemons.iter().enumerate() {
+            if in_redis(daemon) && !state.blocked.contains(&(d as u8)) {
+                state.blocked.push(d as u8);
             }
         }
         Some(state)
@@ -506,5 +555,37 @@ mod tests {
             "two taken, the limit of 3 leaves room"
         );
         assert!(state.redis.marker, "one task still waits");
+    }
+
+    /// In a rolling change (3 and 2), the claim at the lower limit that finds `q` at its 2 answers state 4 and passes
+    /// on the marker it took, since the higher limit noted before it leaves a slot (the sixth finding's fix); the
+    /// next state-4 claim at 2 passes nothing on, as it noted its own limit. A claim that fills the lower limit
+    /// (state 8) below the higher one passes it on too.
+    #[test]
+    fn a_state_4_claim_below_the_limit_another_daemon_noted_passes_the_wake_up_on() {
+        let model = Wake::new(wake_rolling());
+        let mut state = model.init_states().remove(0);
+        state.redis.ready = 1;
+        state.redis.running = 2;
+        state.redis.noted_limit = 3;
+        model.claim(&mut state, 1);
+        assert!(state.daemons[1].waiting, "state 4 at its own limit of 2");
+        assert!(state.redis.marker, "the daemon at 3 may take the task");
+        assert_eq!(state.redis.noted_limit, 2);
+        state.redis.marker = false;
+        model.claim(&mut state, 1);
+        assert!(
+            !state.redis.marker,
+            "no marker ping-pong at the lower limit"
+        );
+        let mut state = model.init_states().remove(0);
+        state.redis.running = 1;
+        state.redis.noted_limit = 3;
+        model.claim(&mut state, 1);
+        assert!(state.daemons[1].waiting, "state 8: one taken fills its 2");
+        assert!(
+            state.redis.marker,
+            "two tasks wait and the daemon at 3 has a slot"
+        );
     }
 }

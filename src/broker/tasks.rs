@@ -1244,9 +1244,13 @@ pub enum SettleOp {
     },
     /// Handed back (the shutdown, a reload, stuck workers): to the front of its level, unchanged and uncounted,
     /// or of the level's quarantine list of stage `quarantine` (an index into `QUARANTINE_GROUPS`) for a task that
-    /// waited there, so that a poison pill handed back runs alone again rather than with a full batch.
+    /// waited there, so that a poison pill handed back runs alone again rather than with a full batch. With a
+    /// `group` (a grouped queue's task, not from the quarantine), to the front of its group's flow: through the
+    /// ready list the intake would put it at the flow's tail, behind the tasks of its group that waited after it.
+    /// Boxed: a settlement travels through channels by value, and few hand-backs carry one.
     Back {
         quarantine: Option<usize>,
+        group: Option<Box<ThrottleScope>>,
     },
     /// Back from an expired lease, uncharged (the payload carries `recovered + 1`): to the front of the level, or
     /// to the front of the quarantine list of stage `quarantine` (an index into `QUARANTINE_GROUPS`).
@@ -1269,7 +1273,8 @@ pub enum SettleOp {
 pub enum ThrottleScope {
     /// A task type with a `[[queues.limits]]` entry.
     Type(String),
-    /// A group of a queue with `[queues.groups]` (the empty name: tasks without a group).
+    /// A group of a queue with `[queues.groups]` (the empty name: tasks without a group); also the flow a grouped
+    /// task is handed back to (`SettleOp::Back`).
     Group(String),
 }
 
@@ -1292,6 +1297,19 @@ impl ThrottleScope {
 }
 
 impl SettleOp {
+    /// The scope whose flow the task goes back to (and, for a throttle, whose throttle it sets), if not the ready
+    /// list's.
+    fn flow_scope(&self) -> Option<&ThrottleScope> {
+        match self {
+            SettleOp::Throttle { scope, .. } => scope.as_ref(),
+            SettleOp::Back {
+                quarantine: None,
+                group,
+            } => group.as_deref(),
+            _ => None,
+        }
+    }
+
     /// What it does, in a word, for the log.
     pub(crate) fn name(&self) -> &'static str {
         match self {
@@ -1553,15 +1571,14 @@ pub fn settle<'a>(
             .key(&keys.running)
             .key(keys.popped_running(popper));
     }
-    // The scopes whose throttles this call sets (a type's or a group's own throttle, flows and rings), each once.
+    // The scopes whose throttles this call sets (a type's or a group's own throttle, flows and rings), or whose
+    // flows it hands tasks back to, each once.
     let mut throttled: Vec<&ThrottleScope> = Vec::new();
     // Default mode: the types' running counts this call's tasks were counted in by their pop, and how many of them
     // each (every default-mode settlement ends its task: settle.lua subtracts them from the popper's share).
     let mut shares: Vec<(&str, usize)> = Vec::new();
     for s in settlements.clone() {
-        if let SettleOp::Throttle {
-            scope: Some(scope), ..
-        } = &s.op
+        if let Some(scope) = s.op.flow_scope()
             && !throttled.contains(&scope)
         {
             throttled.push(scope);
@@ -1646,9 +1663,12 @@ pub fn settle<'a>(
             // For the quarantine ops, the delay field carries the quarantine stage (1-based).
             SettleOp::Retry { isolated: true, .. } => ("retry_isolated", 1),
             SettleOp::Retry { delay, .. } => ("retry", delay.as_millis() as u64),
-            SettleOp::Back { quarantine: None } => ("back", 0),
+            SettleOp::Back {
+                quarantine: None, ..
+            } => ("back", 0),
             SettleOp::Back {
                 quarantine: Some(stage),
+                ..
             } => ("back_isolated", *stage as u64 + 1),
             SettleOp::Recover { quarantine: None } => ("recover", 0),
             SettleOp::Recover {
@@ -1657,16 +1677,14 @@ pub fn settle<'a>(
             SettleOp::Dead => ("dead", 0),
             SettleOp::Throttle { after, .. } => ("throttle", after.as_millis().max(1) as u64),
         };
-        // The scope whose throttle a throttle sets (1-based among this call's; 0: the queue's).
-        let scope = match &s.op {
-            SettleOp::Throttle {
-                scope: Some(scope), ..
-            } => throttled
+        // The scope whose throttle a throttle sets, or whose flow a hand-back goes to (1-based among this call's;
+        // 0: the queue's throttle, the ready list).
+        let scope = s.op.flow_scope().map_or(0, |scope| {
+            throttled
                 .iter()
                 .position(|throttled| *throttled == scope)
-                .map_or(0, |at| at + 1),
-            _ => 0,
-        };
+                .map_or(0, |at| at + 1)
+        });
         invocation.arg(op);
         match s.token.as_ref().map(|token| &token.id) {
             Some(TokenId::Listed { claim, position }) => {

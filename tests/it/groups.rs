@@ -647,3 +647,38 @@ fn a_parked_group_whose_slot_was_freed_without_its_rings_runs_again() {
     assert_ran_once(&dir, "a", 3);
     daemon.stop();
 }
+
+/// The design's departure (f) (docs/design/flow-control.md): a grouped task handed back (a stopping daemon's, not
+/// started or still running when `shutdown_grace` ran out) went to the ready list's head, and the intake put it at
+/// the tail of its group's flow, behind the tasks of its group that were pushed after it. Handed back to its
+/// flow's head, it keeps its place: another daemon runs the group's tasks in their original order.
+#[test]
+fn a_grouped_task_handed_back_at_shutdown_keeps_its_place_in_its_group() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let gate = dir.path("gate");
+    // One worker and one task ahead: g0 runs (until the gate or the stop), g1 waits, g2 and g3 stay in the flow.
+    let queue = safe_queue("workers = 1\nprefetch = 1\nidle_poll = \"100ms\"\n[queues.groups]\n");
+    let config = dir.config_with(&redis, "shutdown_grace = \"300ms\"", &queue);
+    let data = serde_json::json!({ "wait_for_file": gate }).to_string();
+    push_group(&config, "acme", "g", 4, &data);
+    let first = TestDaemon::start(&config);
+    eventually(Duration::from_secs(15), "g0 running, g1 held", || {
+        let s = stats(&config, "jobs");
+        (
+            s.processing == 2 && start_order(&dir) == ["g0"],
+            (s, start_order(&dir)),
+        )
+    });
+    // g1 goes back at once, g0 once the grace ran out: both to the head of the group's flow, in their order.
+    first.stop();
+    let flow = redis.ids_in("kmq:{jobs}:flow:normal:acme:");
+    assert_eq!(flow, ["g0", "g1", "g2", "g3"], "the group's flow");
+    let ready: u64 = redis.cmd(&["LLEN", "kmq:{jobs}:ready:normal"]);
+    assert_eq!(ready, 0, "nothing handed back to the ready list");
+    std::fs::write(&gate, "").unwrap();
+    let second = TestDaemon::start(&config);
+    assert_drained(&config, &redis, 4);
+    assert_eq!(start_order(&dir), ["g0", "g0", "g1", "g2", "g3"]);
+    second.stop();
+}

@@ -606,3 +606,75 @@ fn a_default_mode_queue_at_max_running_pops_again_only_once_a_settle_frees_a_slo
         "{popped} pops for {tasks} tasks at max_running 1"
     );
 }
+
+/// How many clients of `redis` are blocked in `BLPOP` (a safe-mode fetcher waiting for a wake-up marker).
+fn blocked_in_blpop(redis: &RedisServer) -> usize {
+    let list: String = redis.cmd(&["CLIENT", "LIST"]);
+    list.matches("cmd=blpop").count()
+}
+
+/// Model finding 6 (model/README.md): in a rolling change of `max_running`, the fetcher of the daemon at the lower
+/// limit took the wake-up marker that the daemon at the higher limit needed, its claim found the count at its own
+/// limit (state 4) and passed nothing on, and the daemon at the higher limit, with a slot free under its limit and
+/// a task ready, waited for its `idle_poll` (5 s here, the most a config takes). The lower daemon's fetcher waits at
+/// its limit first, so its `BLPOP` is served first; the push's marker must reach the other daemon within 4 s of the
+/// push, which the higher daemon's wait, begun just before the push, outlasts without the fix.
+#[test]
+fn in_a_rolling_change_of_max_running_the_daemon_at_the_higher_limit_claims_without_waiting_for_idle_poll()
+ {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let gate = dir.path("gate");
+    let data = serde_json::json!({ "wait_for_file": gate }).to_string();
+    // Each daemon with a worker more than its limit: a fetcher at the limit waits in Redis, not for a worker.
+    let named = |name: &str, limit: u32| {
+        let queue = safe_queue(&format!(
+            "workers = {}\nmax_running = {limit}\nidle_poll = \"5s\"",
+            limit + 1
+        ));
+        let redis_section = format!("url = \"{}\"", redis.url());
+        dir.config_named(
+            name,
+            &redis_section,
+            "shutdown_grace = \"5s\"",
+            &queue,
+            &dir.record_file(),
+        )
+    };
+    let (lower, higher) = (named("lower.toml", 2), named("higher.toml", 3));
+    let at_two = TestDaemon::start(&lower);
+    push_many(&lower, "t", 2, &data);
+    // Its count at its limit of 2, its fetcher waiting for a settle's marker.
+    eventually(
+        Duration::from_secs(15),
+        "two runs on the daemon at 2",
+        || {
+            let state = (
+                dir.records().starts.len(),
+                running(&redis),
+                blocked_in_blpop(&redis),
+            );
+            (state == (2, 2, 1), state)
+        },
+    );
+    // The daemon at 3 claims at once as it starts (taking nothing, noting its limit), then waits idle behind it.
+    let at_three = TestDaemon::start(&higher);
+    eventually(Duration::from_secs(15), "both fetchers waiting", || {
+        let limit: Option<u64> = redis.cmd(&["HGET", "kmq:{jobs}:running", "q:limit"]);
+        let state = (limit, blocked_in_blpop(&redis));
+        (state == (Some(3), 2), state)
+    });
+    push_many(&lower, "u", 1, &data);
+    // Under the 5 s idle_poll: the daemon at 2 takes the push's marker first and must pass it on.
+    eventually(Duration::from_secs(4), "the third task started", || {
+        let started = dir.records().starts.len();
+        (started == 3, dir.records().starts)
+    });
+    assert_eq!(running(&redis), 3);
+    std::fs::write(&gate, "").unwrap();
+    assert_drained_to_zero(&lower, &redis, 3);
+    assert_ran_once(&dir, "t", 2);
+    assert_ran_once(&dir, "u", 1);
+    at_three.stop();
+    at_two.stop();
+}

@@ -456,6 +456,18 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
             (fired > 0 && renewed > 1, (fired, renewed))
         },
     );
+    // A grouped task still running at the stop: handed back to the head of its group's flow once shutdown_grace
+    // runs out (settle.lua's op "back" with a group's scope).
+    client
+        .push_batch(
+            "grouped",
+            [test(r#"{"until_cancelled":true}"#, "grouped-back").group("a")],
+        )
+        .unwrap();
+    eventually(Duration::from_secs(20), "the grouped task running", || {
+        let started = dir.records().runs_of("grouped-back");
+        (started == 1, started)
+    });
     daemon.stop();
     let recorded = std::mem::take(&mut *recorded.lock().unwrap());
     for (script, key) in [
@@ -476,6 +488,7 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
         ("settle.lua", "kmq:{dtyped}:popped-running:"),
         ("settle.lua", "kmq:{dtyped}:throttle:t:test"),
         ("push.lua", "kmq:{grouped}:routes"),
+        ("settle.lua", "kmq:{grouped}:flow:normal:a:"),
         ("group_resume.lua", ":hold:g:c"),
     ] {
         let named = |call: &Recorded| {

@@ -33,7 +33,9 @@
 --            and claims again. Checked here, in the claim itself, so that no claim that runs after the pause
 --            takes anything, whatever the daemon last saw;
 --   state 4: nothing was claimed, because max_running of the queue's tasks are taken and not yet settled, by
---            any daemon: the caller waits for a wake-up marker, which a settle that frees some pushes;
+--            any daemon: the caller waits for a wake-up marker, which a settle that frees some pushes (a claim
+--            that ends at its own limit, in this state or in 8, below the higher limit another daemon noted
+--            passes a marker on to it);
 --   state 5: nothing was claimed, because a window of the rate limit is full: the reply's `retry at` says when
 --            its oldest start ages out (Redis's clock, ms; 0 in every other state), and the caller claims again
 --            then;
@@ -409,6 +411,30 @@ if redis.call('EXISTS', KEYS[6], KEYS[7]) > 0 then
     return finish(empty(6, 0))
   end
 end
+-- The tasks a level holds that this claim may take: its ready list, and its flows that their limits admit (before
+-- types_admit: all its flows).
+local function waiting(i)
+  local n = redis.call('LLEN', KEYS[READY + i])
+  if flowing then
+    for _, flow in ipairs(block.flows) do
+      if flow.room ~= 0 then n = n + redis.call('LLEN', flow.lists[i]) end
+    end
+  end
+  -- A grouped level has at least one task if a flow is in the lowest band: as many as the claim may take, for
+  -- the turns between levels (a level whose groups give fewer leaves the rest to the others, below).
+  if grp.on and groups_waiting(grp, i) then n = n + max end
+  return n
+end
+-- Passes the wake-up on to another idle fetcher when some level holds a task: one marker at most.
+local function pass_wake_on()
+  for i = 1, levels do
+    if waiting(i) > 0 then
+      redis.call('LPUSH', KEYS[2], 1)
+      redis.call('LTRIM', KEYS[2], 0, 0)
+      return
+    end
+  end
+end
 -- Whether the running limit leaves room once this claim took what it may.
 local room = true
 -- The limit this claim counts under, for the settles that free a slot to tell whether to wake a fetcher: written
@@ -420,6 +446,12 @@ local function note_limit()
 end
 if max_running > 0 then
   if running >= max_running then
+    -- In a rolling change of max_running, the marker this fetcher took may have been pushed for a daemon whose
+    -- higher limit (`q:limit`, noted by its claim) leaves a slot: passed on, so that it claims now rather than
+    -- after idle_poll (model/README.md, the sixth finding; a claim that fills this limit does the same, below).
+    -- Noting this claim's lower limit bounds it to one pass a higher limit noted, so that fetchers at the lower
+    -- limit do not hand a marker to and fro.
+    if running < known_limit then pass_wake_on() end
     note_limit()
     return finish(empty(4, 0))
   end
@@ -557,19 +589,6 @@ local result = empty(0, 0)
 local taken = 0
 -- Whether the byte budget cut this claim short of what it could take.
 local cut = false
--- The tasks a level holds that this claim may take: its ready list, and its flows that their limits admit.
-local function waiting(i)
-  local n = redis.call('LLEN', KEYS[READY + i])
-  if flowing then
-    for _, flow in ipairs(block.flows) do
-      if flow.room ~= 0 then n = n + redis.call('LLEN', flow.lists[i]) end
-    end
-  end
-  -- A grouped level has at least one task if a flow is in the lowest band: as many as the claim may take, for
-  -- the turns between levels (a level whose groups give fewer leaves the rest to the others, below).
-  if grp.on and groups_waiting(grp, i) then n = n + max end
-  return n
-end
 -- Strict order takes from the highest level first; priority weights split the claim between the levels that have
 -- tasks by their turns (turns.lua).
 local want
@@ -690,13 +709,11 @@ if grp.on and took == 0 and taken == 0 then
 end
 if (taken == max or cut) and room then
   -- The queue may hold more than this fetcher can take: pass the wake-up on to another idle fetcher.
-  for i = 1, levels do
-    if waiting(i) > 0 then
-      redis.call('LPUSH', KEYS[2], 1)
-      redis.call('LTRIM', KEYS[2], 0, 0)
-      break
-    end
-  end
+  pass_wake_on()
+elseif result[2] == 0 and took > 0 and max_running > 0 and running + took >= max_running and
+    running + took < known_limit then
+  -- It filled its own limit below the higher one another daemon noted: passed on, as at state 4 (above).
+  pass_wake_on()
 end
 if result[2] == 0 and took > 0 and max_running > 0 and running + took >= max_running then result[2] = 8 end
 return finish(result)

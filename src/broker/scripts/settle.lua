@@ -27,16 +27,17 @@
 --         acknowledgements as a bitmap (bit p, in GETBIT's order, for the task at position p; "" for none), and
 --         how many bits it sets: the bulk of the traffic, applied with a handful of commands per claim
 -- then C: plain acknowledgements without a token (default mode), only counted
--- then T, the flows' scopes whose own throttles the call may set: task types with limits and groups, and T ring
---         members (`:TYPE`, `GROUP:`); their keys follow the claims' (in default mode, the running and
---         popped-running hashes, if any): for each, its throttle (`throttle:t:TYPE`, `throttle:g:GROUP`), its
+-- then T, the flows' scopes whose own throttles the call may set, or whose group's tasks it hands back: task
+--         types with limits and groups, and T ring members (`:TYPE`, `GROUP:`); their keys follow the claims'
+--         (in default mode, the running and popped-running hashes, if any): for each, its throttle (`throttle:t:TYPE`, `throttle:g:GROUP`), its
 --         flows (one per level), the levels' rings
 -- then S, the types' running counts the call's tasks were counted in by a default-mode pop (0 but in default
 --         mode with type limits), and S pairs: the scope (`t:TYPE`), how many of the call's tasks it counted
 -- then records of 9: op, claim (its index among the K, 1-based; 0 for none), token (the task's position in the
 --         claim's list; a field of an older owner's hash with claim 0; "" in default mode), unique id, level
---         (1-based), delay ms, payload, failed ("1" or "0"), throttle scope (op "throttle": 0 for the queue's,
---         t for the t-th of the T types; 0 for every other op)
+--         (1-based), delay ms, payload, failed ("1" or "0"), scope (op "throttle": 0 for the queue's, t for the
+--         t-th of the T scopes; op "back": 0 for the ready list, t for the t-th scope's flow, a group's; 0 for
+--         every other op)
 --   op "ack":   done; the task leaves the processing area
 --   op "retry": payload (the envelope with attempt + 1) goes to the front of its ready list now (delay 0) or
 --               to the level's retry zset, due in delay ms; counted in "retried"
@@ -47,7 +48,10 @@
 --   op "recover_isolated": as "recover", to the front of the level's quarantine list of stage "delay"
 --   op "back":  handed back (the shutdown; in default mode also a unique task, or one under a running limit,
 --               whose popping owner's lease was lost before it started): payload goes to the front of its ready list, attempt unchanged; its unique
---               id, if any, stays held (the task waits again) but no longer by the popping owner
+--               id, if any, stays held (the task waits again) but no longer by the popping owner. With a group's
+--               scope (a grouped queue, safe mode): to the front of the group's flow at its level instead, which
+--               joins its ring at the level's virtual time unless it is there (as a push's flow does), so that it
+--               keeps its FIFO place within its group; a call's hand-backs to one flow go in their claims' order
 --   op "back_isolated": as "back", to the front of the level's quarantine list of stage "delay" (a task that
 --               waited in the quarantine goes back there)
 --   op "throttle": a handler's back-pressure: payload (the task as it was taken) goes to the front of its ready
@@ -230,7 +234,8 @@ for j = records, #ARGV, 9 do
       ARGV[j + 5] .. '); nothing was applied')
   end
   local stage, scope = tonumber(ARGV[j + 5]), tonumber(ARGV[j + 8])
-  if not scope or scope < 0 or scope > throttled_types or (scope > 0 and ARGV[j] ~= 'throttle') then
+  if not scope or scope < 0 or scope > throttled_types or
+      (scope > 0 and ARGV[j] ~= 'throttle' and ARGV[j] ~= 'back') then
     return redis.error_reply('settle.lua: record of throttle scope ' .. tostring(ARGV[j + 8]) .. ' of ' ..
       throttled_types .. '; nothing was applied')
   end
@@ -335,11 +340,32 @@ if grouped and not sched then
   -- come back through a grouped claim's look at the longest parked (groups.lua, `groups_due`).
   grouped = false
 end
+-- The levels' virtual times (the sched hash's `vt:L`), at which a group's flow (re)joins its ring: read once, its
+-- type checked first.
+local vts = false
+local function virtual_times()
+  if vts then return vts end
+  local found = redis.call('TYPE', sched).ok
+  if found ~= 'none' and found ~= 'hash' then
+    return nil, redis.error_reply('WRONGTYPE settle.lua: ' .. sched .. ' is a ' .. found .. ', not a hash; ' ..
+      'nothing was applied')
+  end
+  local fields = {}
+  for level = 1, levels do fields[level] = 'vt:' .. level end
+  local values = redis.call('HMGET', sched, unpack(fields))
+  vts = {}
+  for level = 1, levels do
+    if values[level] and not tonumber(values[level]) then
+      return nil, redis.error_reply('ERR settle.lua: ' .. sched .. ' field vt:' .. level .. ' is not a number (' ..
+        string.sub(values[level], 1, 40) .. '); nothing was applied')
+    end
+    vts[level] = tonumber(values[level] or '0')
+  end
+  return vts
+end
 if grouped then
-  local vts = {}
-  for level = 1, levels do vts[level] = 'vt:' .. level end
-  local checks = {{sched, 'hash'}}
-  for level = 1, levels do checks[level + 1] = {rings[level], 'zset'} end
+  local checks = {}
+  for level = 1, levels do checks[level] = {rings[level], 'zset'} end
   -- Each counted group's park index (its parked flows of a limited type: groups.lua), built from the queue's base.
   for scope in pairs(counts) do
     if string.sub(scope, 1, 2) == 'g:' then
@@ -353,15 +379,19 @@ if grouped then
         check[2] .. '; nothing was applied')
     end
   end
-  local values = redis.call('HMGET', sched, unpack(vts))
-  for level = 1, levels do
-    if values[level] and not tonumber(values[level]) then
-      return redis.error_reply('ERR settle.lua: ' .. sched .. ' field vt:' .. level .. ' is not a number (' ..
-        string.sub(values[level], 1, 40) .. '); nothing was applied')
-    end
-    vts[level] = tonumber(values[level] or '0')
-  end
-  grouped = vts
+  local refused
+  grouped, refused = virtual_times()
+  if refused then return refused end
+end
+-- A hand-back to a group's flow joins the ring at the level's virtual time: without the sched hash (a call that
+-- names no rings) it goes to the ready list, whose intake routes it, at its flow's tail.
+local back_to_flows = false
+for j = records, #ARGV, 9 do
+  if ARGV[j] == 'back' and ARGV[j + 8] ~= '0' and sched then back_to_flows = true end
+end
+if back_to_flows then
+  local _, refused = virtual_times()
+  if refused then return refused end
 end
 -- Default mode: the owner's shares of the types' counts this call ends, and those counts.
 local typed = {}
@@ -449,6 +479,8 @@ end
 
 local stale = 0
 local used_scratch = false
+-- Hand-backs to their group's flow (op "back" with a scope), pushed once every record is applied.
+local flow_backs = {}
 for k = 1, claims do
   local c = claim[k]
   c.length = redis.call('LLEN', c.list)
@@ -578,7 +610,15 @@ while i <= #ARGV do
       elseif op == 'recover' then
         recovered = recovered + 1
       end
-      if delay <= 0 then
+      local scope = op == 'back' and back_to_flows and throttle_type[tonumber(ARGV[i + 8])]
+      if scope then
+        -- Its group's flow, after the loop: a call's hand-backs in their claims' order.
+        local position = tonumber(token) or 0
+        local number = k > 0 and tonumber(claim[k].number) or 0
+        flow_backs[#flow_backs + 1] = {scope = scope, level = level, payload = payload, number = number,
+          position = position, record = i}
+        wake_fetchers = true
+      elseif delay <= 0 then
         redis.call('LPUSH', KEYS[READY + level], payload)
         wake_fetchers = true
       else
@@ -601,6 +641,18 @@ while i <= #ARGV do
   i = i + 9
 end
 if used_scratch then redis.call('DEL', scratch) end
+-- Each to its flow's head, the latest taken first, so that the flow holds them in the order they were claimed,
+-- ahead of the tasks that waited behind them; the flow joins its ring unless it is there (perhaps parked or timed:
+-- it stays so).
+table.sort(flow_backs, function(a, b)
+  if a.number ~= b.number then return a.number > b.number end
+  if a.position ~= b.position then return a.position > b.position end
+  return a.record > b.record
+end)
+for _, back in ipairs(flow_backs) do
+  redis.call('LPUSH', back.scope.flows[back.level], back.payload)
+  redis.call('ZADD', back.scope.rings[back.level], 'NX', vts[back.level], back.scope.member)
+end
 -- A claim whose every task is settled goes; the others' scores count what they still hold. What a counted claim
 -- settled now leaves the running counts.
 local freed, underflow = {}, 0

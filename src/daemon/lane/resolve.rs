@@ -540,7 +540,9 @@ impl Lane {
     fn hand_back(&self, job: JobId, task: &HeldTask) -> Resolution {
         let envelope = self.queue.decode(task.payload()).ok();
         self.count(envelope.as_ref(), TaskOutcome::HandedBack);
-        let settlement = settlement::handback(task.parts(task.token.clone(), envelope.as_ref()));
+        let grouped = self.queue.config.groups.is_some();
+        let settlement =
+            settlement::handback(task.parts(task.token.clone(), envelope.as_ref()), grouped);
         Resolution::settle(job, settlement, None)
     }
 
@@ -548,7 +550,7 @@ impl Lane {
     /// running ones are handed back too in safe mode (they may run twice: at least once), and in default mode are
     /// reported lost (handing them back could run them twice while they still run).
     pub fn hand_back_unresolved(&self) {
-        for (job, state) in self.held.select(|_| true) {
+        for (job, state) in latest_first(self.held.select(|_| true)) {
             match state.take() {
                 None => {}
                 Some(TakenWhile::Waiting) => self.send(self.hand_back(job, &state)),
@@ -572,8 +574,7 @@ impl Lane {
     /// Hands back the tasks waiting for a worker, so that another lane or daemon runs them: every worker is
     /// stuck, or a reload retires the lane. Returns how many.
     pub fn hand_back_waiting(&self) -> usize {
-        self.held
-            .select(HeldState::is_waiting)
+        latest_first(self.held.select(HeldState::is_waiting))
             .into_iter()
             .filter(|(job, state)| self.hand_back_if_waiting(*job, state))
             .count()
@@ -648,6 +649,14 @@ impl Lane {
     fn count_payload(&self, payload: &[u8], outcome: TaskOutcome) {
         self.count(self.queue.decode(payload).ok().as_ref(), outcome);
     }
+}
+
+/// Tasks to hand back, the latest taken first: each goes to the front of its list (its group's flow, its ready or
+/// quarantine list), so that the earliest ends at the head and they keep the order they were taken in, however the
+/// acker splits them into settle calls (it sends them in order). Job ids grow in the order tasks are taken.
+fn latest_first(mut tasks: Vec<(JobId, HeldTask)>) -> Vec<(JobId, HeldTask)> {
+    tasks.sort_unstable_by_key(|(job, _)| std::cmp::Reverse(*job));
+    tasks
 }
 
 /// A payload for a log line: at most a few hundred bytes of it, so one huge task cannot flood the log.
