@@ -42,6 +42,9 @@ pub struct NewTask {
     /// The task's group (`[queues.groups]`: groups take turns, each within its own limits); `None`: the group of
     /// tasks without one. 1 to 64 bytes.
     pub group: Option<String>,
+    /// A W3C trace context (`traceparent`, and `tracestate` when present), written into the envelope's fields of
+    /// those names so that a trace follows the task from its producer to its handler (docs/CLIENTS.md, "Tracing").
+    pub trace: Option<(String, Option<String>)>,
 }
 
 impl NewTask {
@@ -63,6 +66,7 @@ impl NewTask {
             unique: false,
             due: Due::Now,
             group: None,
+            trace: None,
         }
     }
 
@@ -84,6 +88,12 @@ impl NewTask {
     /// In group `group` (`[queues.groups]`).
     pub fn group(mut self, group: impl Into<String>) -> NewTask {
         self.group = Some(group.into());
+        self
+    }
+
+    /// Carries the W3C trace context `traceparent` (and `tracestate`) in its envelope.
+    pub fn trace(mut self, traceparent: impl Into<String>, tracestate: Option<String>) -> NewTask {
+        self.trace = Some((traceparent.into(), tracestate));
         self
     }
 
@@ -281,6 +291,12 @@ impl Client {
                     })?,
                 None => info.default_priority,
             };
+            if task.kind.is_empty() {
+                // The type selects the handler: refused here rather than dead-lettered by every daemon.
+                return Err(ClientError::Data(
+                    "a task needs a type (a non-empty string): it selects the handler".to_string(),
+                ));
+            }
             if task.unique && task.id.is_none() {
                 return Err(ClientError::UniqueWithoutId);
             }
@@ -302,6 +318,21 @@ impl Client {
                 envelope
                     .extra
                     .push((Cow::Borrowed("group"), Cow::Owned(group)));
+            }
+            if let Some((traceparent, tracestate)) = task.trace {
+                let fields = [
+                    ("traceparent", Some(traceparent)),
+                    ("tracestate", tracestate),
+                ];
+                for (name, value) in fields {
+                    if let Some(value) = value {
+                        let value = serde_json::value::to_raw_value(&value)
+                            .map_err(|error| ClientError::Data(error.to_string()))?;
+                        envelope
+                            .extra
+                            .push((Cow::Borrowed(name), Cow::Owned(value)));
+                    }
+                }
             }
             prepared.push((level, task.due, task.unique, envelope.encode(), id));
         }
