@@ -649,33 +649,26 @@ mod tests {
     /// counted failed or kept.
     #[test]
     fn a_hand_back_goes_back_as_it_was_taken() {
+        let back = |quarantine, payload: &[u8], envelope: Option<&Envelope<'_>>| {
+            let action = Action::Back { quarantine };
+            record_of(&origin(), &action, false, None, 1, payload, envelope)
+        };
         let payload = br#"{"id":"a","type":"t","unique":true,"recovered":2}"#;
         let envelope = Envelope::decode(std::str::from_utf8(payload).unwrap()).unwrap();
-        let back = Action::Back {
-            quarantine: Some(2),
-        };
-        let (s, hook) = record_of(
-            &origin(),
-            &back,
-            false,
-            Some(token()),
-            1,
-            payload,
-            Some(&envelope),
-        );
+        let (s, hook) = back(Some(2), payload, Some(&envelope));
         assert_eq!(
-            s.op,
-            SettleOp::Back {
-                quarantine: Some(2)
-            }
-        );
-        assert_eq!(
-            (s.payload.as_slice(), s.unique_id.as_deref(), s.level),
-            (&payload[..], Some("a"), 1)
+            (&s.op, s.payload.as_slice(), s.unique_id.as_deref(), s.level),
+            (
+                &SettleOp::Back {
+                    quarantine: Some(2)
+                },
+                &payload[..],
+                Some("a"),
+                1
+            )
         );
         assert!(!s.failed && s.kept.is_none() && hook.is_none());
-        let back = Action::Back { quarantine: None };
-        let (s, _) = record_of(&origin(), &back, false, None, 0, b"not json", None);
+        let (s, _) = back(None, b"not json", None);
         assert_eq!(
             (s.op, s.payload.as_slice()),
             (SettleOp::Back { quarantine: None }, &b"not json"[..])
