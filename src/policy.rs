@@ -86,6 +86,10 @@ pub enum Verdict {
     /// type this daemon does not yet), so it is retried with the queue's backoff whatever `on_handler_error` says,
     /// and dead-lettered only after `retry_times`; nothing ran, so it does not count as failed.
     NoHandler { reason: String },
+    /// No run counts: the daemon gave the task back (the shutdown, a reload, workers all stuck, a claim that
+    /// landed once claiming stopped), unstarted or, in safe mode at the shutdown, while it still ran. The
+    /// envelope's `recoveries` and `crashes` (zero for a payload that does not decode) say where it waited.
+    HandedBack { recoveries: u32, crashes: u32 },
 }
 
 impl Verdict {
@@ -124,6 +128,9 @@ pub enum Action {
     /// Back-pressure: queue it again at the front of its level exactly as it is, uncharged, and let no daemon take a
     /// task of the queue for `after` (a later throttle already set stands).
     Throttle { after: Duration, reason: String },
+    /// Queue it again exactly as it is, at the front of its level, or of the quarantine stage it waited in
+    /// (`quarantine`, as for [`Action::Recover`]): a task handed back is neither charged nor counted recovered.
+    Back { quarantine: Option<usize> },
 }
 
 /// A throttle whose handler named no delay.
@@ -200,6 +207,19 @@ pub fn decide(
             ..
         } => Action::Recover {
             quarantine: crate::broker::keys::quarantine_stage(recoveries.saturating_add(1)),
+        },
+        // Back where it waited: a task that crashed a daemon running alone goes back to run alone, one that came back
+        // from expired leases to its quarantine stage. Handed back to the ready list, a poison pill would crash a
+        // full batch on every rolling restart, uncharged (the review's L2).
+        Verdict::HandedBack {
+            recoveries,
+            crashes,
+        } => Action::Back {
+            quarantine: if crashes > 0 {
+                Some(0)
+            } else {
+                crate::broker::keys::quarantine_stage(recoveries)
+            },
         },
         Verdict::HandlerError { reason, after } => match policy.on_handler_error {
             OnHandlerError::Finish => Action::Ack,
@@ -280,6 +300,13 @@ mod tests {
             ran_alone,
             recoveries,
             crashes: 1,
+        }
+    }
+
+    fn handed_back(recoveries: u32, crashes: u32) -> Verdict {
+        Verdict::HandedBack {
+            recoveries,
+            crashes,
         }
     }
 
@@ -401,6 +428,24 @@ mod tests {
                 no_handler(),
                 Action::Dead {
                     reason: "none; no retries left after 3 attempts".into(),
+                },
+            ),
+            // A hand-back is never charged, whatever the attempt: back where it waited.
+            (Dead, 2, handed_back(0, 0), Action::Back { quarantine: None }),
+            (
+                Retry,
+                0,
+                handed_back(2, 0),
+                Action::Back {
+                    quarantine: Some(2),
+                },
+            ),
+            (
+                Finish,
+                0,
+                handed_back(2, 1),
+                Action::Back {
+                    quarantine: Some(0),
                 },
             ),
         ];

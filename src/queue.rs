@@ -1,12 +1,13 @@
 //! What every thread of one queue shares, whatever its role: the queue's config, its Redis keys, its retry
-//! policy, and the one way a payload becomes a verdict and a verdict becomes a settlement.
+//! policy, and the one way a payload becomes a verdict and a verdict becomes a settlement
+//! ([`QueueContext::settle`], where every task's outcome is decided).
 //!
 //! This module sits below the daemon: the lane's stages (`daemon::lane`), the per-daemon threads (`daemon::*`)
 //! and the producer API all import it, and it imports none of them.
 
 use crate::broker::{ClaimLimits, QueueKeys, Settlement};
 use crate::config::{Config, QueueConfig};
-use crate::policy::{Policy, Verdict};
+use crate::policy::{self, Policy, Verdict};
 use crate::settlement::{self, DeadHook, Origin, Ran, TaskParts};
 use crate::task::{Envelope, EnvelopeError, Slot, new_id};
 
@@ -117,15 +118,35 @@ impl QueueContext {
             })
     }
 
-    /// Decides a held task's fate from `verdict` and builds the settlement that applies it
-    /// ([`settlement::settle_verdict`], with this queue's policy and the origin its records name).
+    /// The one place a task's outcome is decided, whoever resolves it (ARCHITECTURE.md, "Who resolves a task"):
+    /// a held task's worker or the plugin that completed it, the execution timeout, the shutdown, a reload, the
+    /// capacity guard and the fetcher (through the lane's resolutions, `task` from `HeldTask::parts`), and a
+    /// monitor for an expired owner's tasks. The policy turns `verdict` into an action ([`policy::decide`]), the
+    /// action is logged, and it becomes the record settle.lua applies ([`settlement::record`], with the origin
+    /// the records name); a dead letter of a task that decodes brings the plugin's final-failure hook along.
+    /// `ran`: what the handler's run left (how long, its output, its result), when one ran.
     #[inline]
     pub fn settle(
         &self,
+        task: TaskParts<'_>,
         verdict: Verdict,
         ran: Option<Ran>,
-        task: TaskParts<'_>,
     ) -> (Settlement, Option<Box<DeadHook>>) {
+        let envelope = task.envelope;
+        let failed = verdict.is_failed_run();
+        let quiet_retry = matches!(verdict, Verdict::NoHandler { .. });
+        let attempt = envelope.map_or(0, |envelope| envelope.attempt);
+        let action = policy::decide(&self.policy, attempt, verdict, || {
+            envelope.map_or(0, settlement::seed)
+        });
+        settlement::log(
+            &self.config.name,
+            &action,
+            failed,
+            quiet_retry,
+            envelope,
+            ran.as_ref(),
+        );
         let origin = Origin {
             queue: &self.config.name,
             daemon: &self.daemon_id,
@@ -134,6 +155,7 @@ impl QueueContext {
             grouped: self.config.groups.is_some(),
             keep_results: self.config.keep_results.map(|ttl| (&self.keys, ttl)),
         };
-        settlement::settle_verdict(&self.policy, &origin, verdict, ran, task)
+        let result = ran.as_ref().and_then(|ran| ran.result.as_deref());
+        settlement::record(&origin, &action, failed, task, result)
     }
 }

@@ -9,9 +9,8 @@ use serde::Serialize;
 
 use base64::Engine as _;
 
-use crate::broker::keys::quarantine_stage;
 use crate::broker::{Kept, SettleOp, Settlement, ThrottleScope, Token};
-use crate::policy::{self, Action, Policy, Verdict};
+use crate::policy::Action;
 use crate::task::{Envelope, LOGGED_PAYLOAD_BYTES, capped, new_id};
 
 /// What `on_dead` is told.
@@ -329,6 +328,21 @@ fn record_without_result(
             };
             (base(op, payload.to_vec()), None)
         }
+        // A hand-back (the shutdown, a reload, stuck workers): the task goes to the front of its level (or of the
+        // quarantine stage it waited in) unchanged, and a unique one keeps its id held, as a waiting task again
+        // (default mode: no longer by the popping owner). A payload that does not decode goes back too, as it is.
+        // On a grouped queue any other goes to the front of its group's flow, keeping its place among its group's
+        // tasks (docs/design/flow-control.md, departure (f)).
+        (Action::Back { quarantine }, _) => {
+            let group = envelope
+                .filter(|_| origin.grouped && quarantine.is_none())
+                .map(|envelope| Box::new(group_scope(envelope)));
+            let op = SettleOp::Back {
+                quarantine: *quarantine,
+                group,
+            };
+            (base(op, payload.to_vec()), None)
+        }
         (Action::Recover { .. }, None) => unreachable!("replaced by a dead letter above"),
         (Action::Dead { reason }, _) | (Action::Retry { reason, .. }, None) => {
             // A payload that is a JSON object but not an envelope still has its id found, for `task show`.
@@ -378,23 +392,19 @@ pub struct Ran {
     pub result: Option<String>,
 }
 
-/// Decides what becomes of a task from `verdict` ([`policy::decide`]), logs it, and builds the record that applies it:
-/// the one place every outcome is decided, whether it comes from a worker, a plugin's completion, an execution
-/// timeout or a monitor. `ran`: what its handler's run left (how long, its output), when one ran, for the log.
-pub fn settle_verdict(
-    policy: &Policy,
-    origin: &Origin<'_>,
-    verdict: Verdict,
-    ran: Option<Ran>,
-    task: TaskParts<'_>,
-) -> (Settlement, Option<Box<DeadHook>>) {
-    let envelope = task.envelope;
+/// The task's log event for `action`, which the policy decided (`crate::queue::QueueContext::settle`, the one
+/// place that decides): `failed`, whether the run counts as failed ([`crate::policy::Verdict::is_failed_run`]); `quiet_retry`, a
+/// retry of a task no plugin handles, which the worker warned about once for its type (a warning per task would
+/// flood the log during a rolling deploy); `ran`, what its handler's run left (how long, its output), when one ran.
+pub(crate) fn log(
+    queue: &str,
+    action: &Action,
+    failed: bool,
+    quiet_retry: bool,
+    envelope: Option<&Envelope<'_>>,
+    ran: Option<&Ran>,
+) {
     let attempt = envelope.map_or(0, |e| e.attempt);
-    let failed = verdict.is_failed_run();
-    // The worker warned once for the type; a retry per task would flood the log during a rolling deploy.
-    let quiet_retry = matches!(verdict, Verdict::NoHandler { .. });
-    let action = policy::decide(policy, attempt, verdict, || envelope.map_or(0, seed));
-    let queue = origin.queue;
     // Ids and reasons come from producers and plugins: cap them, so one huge one cannot flood the log. Every state
     // change is an event with the task's queue, id, type, attempt and, when a handler ran, how long (seconds): at
     // debug for the ordinary ones, so a production log at info stays quiet. The fields are made only for an event
@@ -403,16 +413,14 @@ pub fn settle_verdict(
     let id = || capped(envelope.map_or("", Envelope::id_str), LOGGED_PAYLOAD_BYTES);
     let kind = || capped(envelope.map_or("", |e| &*e.kind), LOGGED_PAYLOAD_BYTES);
     let duration = || {
-        ran.as_ref()
-            .and_then(|ran| ran.duration)
+        ran.and_then(|ran| ran.duration)
             .map(|ran| ran.as_secs_f64())
     };
     let output = || {
-        ran.as_ref()
-            .map(|ran| ran.output.as_str())
+        ran.map(|ran| ran.output.as_str())
             .filter(|output| !output.is_empty())
     };
-    match &action {
+    match action {
         Action::Ack if !failed => tracing::debug!(
             queue,
             id = &*id(),
@@ -454,43 +462,15 @@ pub fn settle_verdict(
             let reason = capped(reason, LOGGED_PAYLOAD_BYTES);
             tracing::warn!(queue, id = &*id(), kind = &*kind(), attempt, duration = duration(), %reason, "task dead-lettered")
         }
+        // The resolver that gave it back counts it; the shutdown and a reload log their own totals.
+        Action::Back { .. } => {}
     }
-    let result = ran.as_ref().and_then(|ran| ran.result.as_deref());
-    record(origin, &action, failed, task, result)
 }
 
 /// The group a grouped queue's task belongs to, as its flow is named (the empty name: no group; a malformed one
 /// never reaches a claim list, the intake dead-letters it).
 fn group_scope(envelope: &Envelope<'_>) -> ThrottleScope {
     ThrottleScope::Group(envelope.group().ok().flatten().unwrap_or_default())
-}
-
-/// A hand-back (the shutdown, a reload, stuck workers): the task goes to the front of its level unchanged, and a
-/// unique one keeps its id held, as a waiting task again (default mode: no longer by the popping owner). A task
-/// that waited in the quarantine goes back there, to the stage its envelope says (`recovered`; alone once it
-/// `crashes`d a daemon running alone): handed back to the ready list, a poison pill would crash a full batch on
-/// every rolling restart, uncharged (the review's L2). On a `grouped` queue any other goes to the front of its
-/// group's flow, keeping its place among its group's tasks (docs/design/flow-control.md, departure (f)).
-pub fn handback(task: TaskParts<'_>, grouped: bool) -> Settlement {
-    let quarantine = task.envelope.and_then(|envelope| {
-        let stage = quarantine_stage(envelope.recovered);
-        if envelope.crashes > 0 { Some(0) } else { stage }
-    });
-    let group = task
-        .envelope
-        .filter(|_| grouped && quarantine.is_none())
-        .map(|envelope| Box::new(group_scope(envelope)));
-    Settlement {
-        op: SettleOp::Back { quarantine, group },
-        unique_id: task.unique_id(),
-        token: task.token,
-        popped_by: task.popped_by,
-        popped_scope: task.popped_scope,
-        level: task.level,
-        payload: task.payload.to_vec(),
-        failed: false,
-        kept: None,
-    }
 }
 
 #[cfg(test)]
@@ -674,6 +654,44 @@ mod tests {
             br#"{"id":"a","type":"t","data":[1],"attempt":2,"unique":true,"last_error":"boom","x":2}"#
         );
         assert!(hook.is_none());
+    }
+
+    /// A hand-back is decided like any outcome now (`Action::Back`), and its record is what `handback` built
+    /// apart: the payload as taken, a malformed one too (never dead-lettered), the unique id still held, nothing
+    /// counted failed or kept.
+    #[test]
+    fn a_hand_back_goes_back_as_it_was_taken() {
+        let back = |quarantine, payload: &[u8], envelope: Option<&Envelope<'_>>| {
+            let action = Action::Back { quarantine };
+            record_of(&origin(), &action, false, None, 1, payload, envelope)
+        };
+        let payload = br#"{"id":"a","type":"t","unique":true,"recovered":2}"#;
+        let envelope = Envelope::decode(std::str::from_utf8(payload).unwrap()).unwrap();
+        let (s, hook) = back(Some(2), payload, Some(&envelope));
+        assert_eq!(
+            (&s.op, s.payload.as_slice(), s.unique_id.as_deref(), s.level),
+            (
+                &SettleOp::Back {
+                    quarantine: Some(2),
+                    group: None
+                },
+                &payload[..],
+                Some("a"),
+                1
+            )
+        );
+        assert!(!s.failed && s.kept.is_none() && hook.is_none());
+        let (s, _) = back(None, b"not json", None);
+        assert_eq!(
+            (s.op, s.payload.as_slice()),
+            (
+                SettleOp::Back {
+                    quarantine: None,
+                    group: None
+                },
+                &b"not json"[..]
+            )
+        );
     }
 
     #[test]

@@ -350,7 +350,7 @@ impl Monitor {
                 payload,
                 envelope: envelope.as_ref(),
             };
-            let (settlement, hook) = queue.settle(verdict, None, task);
+            let (settlement, hook) = queue.settle(task, verdict, None);
             settlements.push(settlement);
             hooks.push(hook);
         }

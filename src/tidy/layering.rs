@@ -15,6 +15,14 @@
 //!
 //! Paths without `crate`, `super` or `self` (a child module's, an external crate's) cannot reach up, and
 //! `src/main.rs` is a crate of its own, which names the library as `kmqd`.
+//!
+//! Two rules more keep the outcome path as ARCHITECTURE.md ("Who resolves a task") draws it (issue 35, the review's
+//! P1, where the verdict zig-zagged through five files and the worker and `started` imported each other):
+//!
+//! 5. one place decides a task's outcome: `QueueContext::settle` (src/queue.rs) is the only caller of
+//!    `policy::decide`, `settlement::log` and `settlement::record`, and no module it calls into (`BELOW_DECISION`)
+//!    names `queue`;
+//! 6. the lane's files (but its `mod.rs`, their parent) import each other in no circle.
 
 use std::path::Path;
 
@@ -201,6 +209,225 @@ fn broken_rules() -> Vec<String> {
     }
     broken.dedup();
     broken
+}
+
+/// The modules `QueueContext::settle` calls into to decide an outcome: none of them may name `queue` (rule 5).
+const BELOW_DECISION: [&str; 5] = ["broker", "config", "policy", "settlement", "task"];
+
+/// The steps of the decision, which only `QueueContext::settle` takes (rule 5), each as (module, item).
+const DECISION_STEPS: [(&str, &str); 3] = [
+    ("policy", "decide"),
+    ("settlement", "log"),
+    ("settlement", "record"),
+];
+
+/// Whether `source` (of module `module`) names `item` of module `of`: through a path that resolves to it
+/// (`crate::policy::decide`, `use super::policy::{decide}`), or as `of::item` after `of` was imported (`use
+/// crate::policy; policy::decide(..)`). A glob import (`use crate::policy::*`) is not seen.
+fn names_item(module: &[String], source: &str, (of, item): (&str, &str)) -> bool {
+    fn spelled(tokens: TokenStream, of: &str, item: &str) -> bool {
+        let tokens: Vec<TokenTree> = tokens.into_iter().collect();
+        tokens.iter().enumerate().any(|(i, token)| match token {
+            TokenTree::Group(group) => spelled(group.stream(), of, item),
+            TokenTree::Ident(ident) => {
+                *ident == of
+                    && is_path_sep(&tokens, i + 1)
+                    && matches!(tokens.get(i + 3), Some(TokenTree::Ident(next)) if *next == item)
+            }
+            _ => false,
+        })
+    }
+    let tokens: TokenStream = source
+        .parse()
+        .unwrap_or_else(|e| panic!("cannot read {module:?} as Rust tokens: {e:?}"));
+    spelled(tokens, of, item)
+        || named_paths(module, source)
+            .iter()
+            .any(|named| named.len() == 2 && named[0] == of && named[1] == item)
+}
+
+/// Rule 5's breaks by `file`, one line each.
+fn decision_breaks(file: &str, source: &str) -> Vec<String> {
+    let module = module_of(file);
+    let own = |of: &str| module.first().is_some_and(|m| m == of);
+    let mut broken = Vec::new();
+    if file != "src/queue.rs" {
+        for (of, item) in DECISION_STEPS {
+            if !own(of) && names_item(&module, source, (of, item)) {
+                broken.push(format!(
+                    "{file} names {of}::{item}: only QueueContext::settle (src/queue.rs) decides an outcome"
+                ));
+            }
+        }
+    }
+    if BELOW_DECISION.iter().any(|below| own(below))
+        && named_paths(&module, source)
+            .iter()
+            .any(|named| named.first().is_some_and(|m| m == "queue"))
+    {
+        broken.push(format!(
+            "{file} names crate::queue: a module the decision calls into names the decision point"
+        ));
+    }
+    broken
+}
+
+/// A circle of imports between the lane's files (rule 6), as `a -> b -> a`, if there is one: `imports` maps each
+/// of the lane's modules to those of them it names.
+fn lane_circle(imports: &std::collections::BTreeMap<String, Vec<String>>) -> Option<String> {
+    fn visit(
+        at: &str,
+        imports: &std::collections::BTreeMap<String, Vec<String>>,
+        path: &mut Vec<String>,
+        done: &mut std::collections::BTreeSet<String>,
+    ) -> Option<String> {
+        if let Some(start) = path.iter().position(|m| m == at) {
+            let mut circle = path[start..].to_vec();
+            circle.push(at.to_string());
+            return Some(circle.join(" -> "));
+        }
+        if done.contains(at) {
+            return None;
+        }
+        path.push(at.to_string());
+        for next in imports.get(at).into_iter().flatten() {
+            if let Some(circle) = visit(next, imports, path, done) {
+                return Some(circle);
+            }
+        }
+        path.pop();
+        done.insert(at.to_string());
+        None
+    }
+    let mut done = std::collections::BTreeSet::new();
+    imports
+        .keys()
+        .find_map(|module| visit(module, imports, &mut Vec::new(), &mut done))
+}
+
+/// Which of the lane's modules each of the lane's files (but `mod.rs`) names.
+fn lane_imports() -> std::collections::BTreeMap<String, Vec<String>> {
+    let files: Vec<String> = files("src/daemon/lane", &[".rs"], &[])
+        .iter()
+        .map(|file| file.to_string_lossy().into_owned())
+        .filter(|file| file != "src/daemon/lane/mod.rs")
+        .collect();
+    let lane_module = |file: &str| module_of(file).get(2).cloned();
+    let modules: Vec<String> = files.iter().filter_map(|file| lane_module(file)).collect();
+    files
+        .iter()
+        .filter_map(|file| {
+            let module = lane_module(file)?;
+            let mut named: Vec<String> = named_paths(&module_of(file), &read(Path::new(file)))
+                .into_iter()
+                .filter(|named| named.len() > 2 && named[0] == "daemon" && named[1] == "lane")
+                .map(|named| named[2].clone())
+                .filter(|named| modules.contains(named) && *named != module)
+                .collect();
+            named.sort();
+            named.dedup();
+            Some((module, named))
+        })
+        .collect()
+}
+
+#[test]
+fn one_place_decides_an_outcome() {
+    let broken: Vec<String> = files("src", &[".rs"], &[])
+        .iter()
+        .map(|file| file.to_string_lossy().into_owned())
+        .filter(|file| file != "src/main.rs")
+        .flat_map(|file| decision_breaks(&file, &read(Path::new(&file))))
+        .collect();
+    assert!(broken.is_empty(), "{}", broken.join("\n"));
+}
+
+#[test]
+fn the_lane_s_files_import_each_other_in_no_circle() {
+    let imports = lane_imports();
+    assert!(imports.contains_key("worker") && imports.contains_key("started"));
+    if let Some(circle) = lane_circle(&imports) {
+        panic!("the lane's files import each other in a circle: {circle}");
+    }
+}
+
+/// Checks the checkers of rules 5 and 6.
+#[test]
+fn the_decision_and_circle_rules_catch_what_they_name() {
+    let breaks = |file: &str, source: &str| decision_breaks(file, source).len();
+    assert_eq!(
+        breaks(
+            "src/queue.rs",
+            "use crate::policy; fn f() { policy::decide(); }"
+        ),
+        0
+    );
+    assert_eq!(
+        breaks(
+            "src/daemon/lane/resolve.rs",
+            "fn f() { self.queue.settle(t, v, None); }"
+        ),
+        0
+    );
+    assert_eq!(
+        breaks(
+            "src/daemon/lane/resolve.rs",
+            "use crate::policy; fn f() { policy::decide(); }"
+        ),
+        1
+    );
+    assert_eq!(
+        breaks(
+            "src/daemon/monitor.rs",
+            "use crate::settlement::{self, record};"
+        ),
+        1
+    );
+    assert_eq!(
+        breaks(
+            "src/settlement.rs",
+            "fn f() { crate::policy::decide(); record(); }"
+        ),
+        1
+    );
+    assert_eq!(breaks("src/policy.rs", "fn f() { decide(); }"), 0);
+    assert_eq!(
+        breaks("src/settlement.rs", "use crate::queue::QueueContext;"),
+        1
+    );
+    assert_eq!(
+        breaks(
+            "src/broker/tasks.rs",
+            "/// [`crate::queue::QueueContext`]\nfn f() {}"
+        ),
+        0
+    );
+    let imports = |pairs: &[(&str, &[&str])]| {
+        pairs
+            .iter()
+            .map(|(module, named)| {
+                (
+                    module.to_string(),
+                    named.iter().map(|n| n.to_string()).collect(),
+                )
+            })
+            .collect()
+    };
+    assert_eq!(
+        lane_circle(&imports(&[
+            ("started", &["resolve"]),
+            ("worker", &["jobs", "resolve", "started"]),
+        ])),
+        None
+    );
+    assert_eq!(
+        lane_circle(&imports(&[
+            ("started", &["worker"]),
+            ("worker", &["jobs", "started"]),
+        ]))
+        .as_deref(),
+        Some("started -> worker -> started")
+    );
 }
 
 #[test]

@@ -57,7 +57,7 @@ use capacity::Capacity;
 use depth::IdleTime;
 pub use held::{HeldTable, Tasks};
 pub use ownership::{LeaseView, Ownership};
-use resolve::{HeldState, HeldTask, Resolution};
+use resolve::{HeldState, HeldTask};
 
 /// How long the lane's fetcher may go without a beat of its pulse before the watchdog counts it as wedged:
 /// everything one turn of its loop may wait, added up, so that a Redis that is down, slow or failing over never
@@ -142,11 +142,6 @@ impl Lane {
     /// (a task's start, its claim, its handler's run).
     pub fn since_epoch(&self, at: Instant) -> u64 {
         at.saturating_duration_since(self.epoch).as_nanos() as u64
-    }
-
-    /// Sends a resolved task's outcome to the acker.
-    pub fn send(&self, outcome: Resolution) {
-        self.outcomes.push(outcome);
     }
 
     /// Records a task taken from its worker while it ran.

@@ -17,10 +17,10 @@
 //!   rather than wait for a lease that will not come back ([`Lane::forget_if_waiting`]).
 //!
 //! Every resolution sends exactly one [`Resolution`] to the lane's acker, which is the only party that forgets a
-//! held task and frees its capacity. What the outcome is comes from one place: a verdict (what the run came to)
-//! goes through [`crate::queue::QueueContext::settle`] to `settlement::settle_verdict`, which asks the policy for the
-//! action and builds the record; a hand-back or a lost lease has no verdict. The phases, one atomic per task
-//! ([`HeldState`]):
+//! held task and frees its capacity. What the outcome is comes from one place: every resolver hands the task's
+//! verdict (what its run came to, or [`Verdict::HandedBack`]) to [`crate::queue::QueueContext::settle`], which asks
+//! the policy for the action and builds the record; only a lost lease has no verdict (the task is forgotten, and a
+//! monitor's verdict on it counts). The phases, one atomic per task ([`HeldState`]):
 //!
 //! ```text
 //!             start (worker)                 finish (worker): its outcome counts
@@ -63,7 +63,7 @@ use crate::config::Mode;
 use crate::observed::{self, TaskOutcome};
 use crate::plugin::Status;
 use crate::policy::Verdict;
-use crate::settlement::{self, DeadHook, Ran, TaskParts};
+use crate::settlement::{DeadHook, Ran, TaskParts};
 use crate::task::Envelope;
 
 /// A local handle for a task held by this daemon (unique within the process).
@@ -339,10 +339,10 @@ pub enum Apply {
 }
 
 impl Resolution {
+    /// The outcome `QueueContext::settle` decided for held task `job`.
     pub fn settle(
         job: JobId,
-        settlement: Settlement,
-        dead_hook: Option<Box<DeadHook>>,
+        (settlement, dead_hook): (Settlement, Option<Box<DeadHook>>),
     ) -> Resolution {
         Resolution {
             job,
@@ -465,9 +465,8 @@ impl Lane {
     ) -> Option<Resolution> {
         match task.finish() {
             Finished::Resolved => {
-                let (settlement, dead_hook) =
-                    self.queue.settle(verdict, ran, task.parts(token, envelope));
-                Some(Resolution::settle(job, settlement, dead_hook))
+                let decided = self.queue.settle(task.parts(token, envelope), verdict, ran);
+                Some(Resolution::settle(job, decided))
             }
             finished => {
                 let id = envelope.map_or("", Envelope::id_str);
@@ -520,8 +519,8 @@ impl Lane {
                 result: None,
             };
             let task = state.parts(state.token.clone(), envelope.as_ref());
-            let (settlement, dead_hook) = self.queue.settle(verdict, Some(ran), task);
-            self.send(Resolution::settle(job, settlement, dead_hook));
+            let decided = self.queue.settle(task, verdict, Some(ran));
+            self.outcomes.push(Resolution::settle(job, decided));
         }
     }
 
@@ -530,20 +529,22 @@ impl Lane {
     pub fn hand_back_if_waiting(&self, job: JobId, task: &HeldTask) -> bool {
         let waiting = task.take() == Some(TakenWhile::Waiting);
         if waiting {
-            self.send(self.hand_back(job, task));
+            self.outcomes.push(self.hand_back(job, task));
         }
         waiting
     }
 
-    /// The outcome of a task taken back before it ran (or, in safe mode, while it ran): it goes to the front of
-    /// its level unchanged.
+    /// The outcome of a task taken back before it ran (or, in safe mode, while it ran): it goes back where it
+    /// waited, unchanged ([`Verdict::HandedBack`]).
     fn hand_back(&self, job: JobId, task: &HeldTask) -> Resolution {
         let envelope = self.queue.decode(task.payload()).ok();
         self.count(envelope.as_ref(), TaskOutcome::HandedBack);
-        let grouped = self.queue.config.groups.is_some();
-        let settlement =
-            settlement::handback(task.parts(task.token.clone(), envelope.as_ref()), grouped);
-        Resolution::settle(job, settlement, None)
+        let verdict = Verdict::HandedBack {
+            recoveries: envelope.as_ref().map_or(0, |envelope| envelope.recovered),
+            crashes: envelope.as_ref().map_or(0, |envelope| envelope.crashes),
+        };
+        let task = task.parts(task.token.clone(), envelope.as_ref());
+        Resolution::settle(job, self.queue.settle(task, verdict, None))
     }
 
     /// Shutdown, once `shutdown_grace` is over: takes every task not resolved yet. Waiting ones are handed back;
@@ -553,11 +554,11 @@ impl Lane {
         for (job, state) in latest_first(self.held.select(|_| true)) {
             match state.take() {
                 None => {}
-                Some(TakenWhile::Waiting) => self.send(self.hand_back(job, &state)),
+                Some(TakenWhile::Waiting) => self.outcomes.push(self.hand_back(job, &state)),
                 Some(TakenWhile::Running) => {
                     self.orphaned(state.clone());
                     if self.queue.config.mode == Mode::Safe {
-                        self.send(self.hand_back(job, &state));
+                        self.outcomes.push(self.hand_back(job, &state));
                     } else {
                         tracing::warn!(
                             queue = %self.name(),
@@ -635,7 +636,7 @@ impl Lane {
     /// shutdown): counted lost, and only forgotten at the acker, which frees its capacity.
     fn forget(&self, job: JobId, task: &HeldTask) {
         self.count_payload(task.payload(), TaskOutcome::Lost);
-        self.send(Resolution::forget(job));
+        self.outcomes.push(Resolution::forget(job));
     }
 
     fn count(&self, envelope: Option<&Envelope<'_>>, outcome: TaskOutcome) {

@@ -99,7 +99,7 @@ impl Started {
                         .get(Some(&envelope.kind), |_| true)
                         .count(TaskOutcome::of(settlement));
                 }
-                lane.send(outcome);
+                lane.outcomes.push(outcome);
             }
             // No worker flushes this cache when it goes idle: each completion adds its counts at once.
             types.flush();

@@ -218,7 +218,7 @@ impl Worker {
             if self.jobs.takes_ahead() {
                 self.lane.outcomes.push_own(self.jobs.index(), outcome);
             } else {
-                self.lane.send(outcome);
+                self.lane.outcomes.push(outcome);
             }
         }
         true
