@@ -5,7 +5,7 @@
 //!   sections joined by `and`, and a bare `X.md, "Section"`, which means the file beside the one that names it, in
 //!   docs/, or at the root) in the repository's sources, scripts, configs and docs names a heading of that file.
 //!   A reference may wrap across comment lines.
-//! - The codemap: ARCHITECTURE.md's "Layout" names every Rust file under src/ (the rule is in [`codemap_names`]),
+//! - The codemap: docs/CODEMAP.md's "Layout" names every Rust file under src/ (the rule is in [`codemap_names`]),
 //!   and every source file the docs name by its path exists.
 //! - docs/CONFIG.md's defaults: each key whose default cell is one TOML value (`"5s"`, `8`, `["normal"]`) gets
 //!   that value when a config leaves the key out (which is what `config::defaults` is for). Cells that describe
@@ -261,11 +261,11 @@ fn every_path_the_docs_name_exists() {
 /// The codemap's rows: for each, the paths of its first column (a path after the first is relative to the
 /// first's directory, as in "`src/daemon/heartbeat.rs`, `monitor.rs`") and the row's whole text.
 fn codemap() -> Vec<(Vec<String>, String)> {
-    let architecture = read(Path::new("ARCHITECTURE.md"));
-    let layout = architecture
+    let codemap = read(Path::new("docs/CODEMAP.md"));
+    let layout = codemap
         .split("\n## Layout\n")
         .nth(1)
-        .expect("ARCHITECTURE.md has a \"Layout\" section")
+        .expect("docs/CODEMAP.md has a \"Layout\" section")
         .split("\n## ")
         .next()
         .unwrap();
@@ -340,7 +340,7 @@ fn the_codemap_names_every_source_file() {
         .collect();
     assert!(
         missing.is_empty(),
-        "ARCHITECTURE.md's codemap (\"Layout\") does not name:\n{}",
+        "docs/CODEMAP.md (\"Layout\") does not name:\n{}",
         missing.join("\n")
     );
 }
