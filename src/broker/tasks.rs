@@ -1600,9 +1600,9 @@ pub fn settle<'a>(
             invocation.key(keys.ring(level));
         }
     }
-    // The results this call keeps (results.lua's trailer): each with its task's place in the call (`rN`, the Nth
-    // record; `cK:P`, position P of the Kth claim touched, acknowledged in its bitmap); their keys go last.
-    let mut kept: Vec<(String, &Kept)> = Vec::new();
+    // The results this call keeps (results.lua's trailer): each with its task's place in the call (0 and N, the Nth
+    // record; K and P, position P of the Kth claim touched, acknowledged in its bitmap); their keys go last.
+    let mut kept: Vec<((usize, u64), &Kept)> = Vec::new();
     let mut record = 0;
     for s in settlements.clone() {
         let place = match (&s.token, bulk(s)) {
@@ -1612,11 +1612,11 @@ pub fn settle<'a>(
                     ..
                 }),
                 true,
-            ) => format!("c{}:{position}", touched.index(s.level, *claim)),
+            ) => (touched.index(s.level, *claim), u64::from(*position)),
             (_, true) => continue,
             (_, false) => {
                 record += 1;
-                format!("r{record}")
+                (0, record)
             }
         };
         if let Some(result) = s.kept.as_deref()
@@ -1713,9 +1713,10 @@ pub fn settle<'a>(
         records += 1;
     }
     if let Some((ttl, start)) = bucket {
-        for (place, result) in &kept {
+        for ((claim, place), result) in &kept {
             invocation
-                .arg(place)
+                .arg(*claim)
+                .arg(*place)
                 .arg(result.id.as_str())
                 .arg(result.value.as_slice());
         }
