@@ -7,7 +7,7 @@ use std::time::Duration;
 use kmqd::broker::{self, Kept, SettleOp, Settlement};
 use kmqd::{Config, NewTask};
 
-use crate::safe_mode::{context, dead_daemon_claims, monitor, safe, settle_as};
+use crate::safe_mode::{context, dead_daemon_claims, monitor, safe, settle_as, settlement_of};
 use crate::support::*;
 
 const HOUR_MS: i64 = 3_600_000;
@@ -43,6 +43,44 @@ fn result_keys(redis: &RedisServer) -> Vec<String> {
     keys
 }
 
+/// The settlement of task `t{index}` of `batch` (claimed at level 0) that keeps `value` for `ttl`.
+fn keeping(
+    batch: &broker::Batch,
+    index: usize,
+    op: SettleOp,
+    value: &str,
+    ttl: Duration,
+) -> Settlement {
+    Settlement {
+        kept: Some(Box::new(Kept {
+            id: format!("t{index}"),
+            value: value.as_bytes().to_vec(),
+            ttl,
+        })),
+        ..settlement_of(batch, index, op)
+    }
+}
+
+/// Pushes tasks `ids` to `jobs` and claims them as `owner`, a daemon that will not renew its lease of `lease`.
+fn claimed(
+    path: &std::path::Path,
+    connection: &mut broker::Conn,
+    owner: &str,
+    ids: &[&str],
+    lease: Duration,
+) -> (Config, broker::Batch) {
+    let config = Config::load(path).unwrap();
+    let tasks: Vec<NewTask> = ids
+        .iter()
+        .map(|id| NewTask::new("test", "{}").unwrap().id(*id))
+        .collect();
+    client(path).push_batch("jobs", tasks).unwrap();
+    let queue = context(&config);
+    let batch = dead_daemon_claims(connection, &queue, owner, 0, ids.len(), lease);
+    assert_eq!(batch.tasks.len(), ids.len());
+    (config, batch)
+}
+
 /// The settle applies a kept result only with the record that ends the task, while the task is its settler's:
 /// an owner's late outcome for a task a monitor took back after its lease ran out (a stalled daemon's) writes
 /// nothing, and a call sent again (its reply lost) writes nothing twice.
@@ -54,38 +92,13 @@ fn a_result_is_kept_only_by_the_settle_that_ends_the_task_under_its_owners_lease
         &redis,
         &safe("lease_timeout = \"300ms\"\nkeep_results = \"1h\""),
     );
-    let config = Config::load(&path).unwrap();
-    let queue = context(&config);
-    let tasks: Vec<NewTask> = ["t0", "t1", "t2"]
-        .iter()
-        .map(|id| NewTask::new("test", "{}").unwrap().id(*id))
-        .collect();
-    client(&path).push_batch("jobs", tasks).unwrap();
     let mut connection = redis.connection();
     let owner = "stalled.1";
-    let batch = dead_daemon_claims(
-        &mut connection,
-        &queue,
-        owner,
-        0,
-        3,
-        Duration::from_millis(300),
-    );
-    assert_eq!(batch.tasks.len(), 3);
-    let settlement = |index: usize, op: SettleOp, value: &str| Settlement {
-        popped_by: None,
-        popped_scope: None,
-        op,
-        token: batch.tasks[index].token.clone(),
-        unique_id: None,
-        level: 0,
-        payload: batch.payloads.get(index).to_vec(),
-        failed: false,
-        kept: Some(Box::new(Kept {
-            id: format!("t{index}"),
-            value: value.as_bytes().to_vec(),
-            ttl: Duration::from_secs(3600),
-        })),
+    let lease = Duration::from_millis(300);
+    let (config, batch) = claimed(&path, &mut connection, owner, &["t0", "t1", "t2"], lease);
+    let queue = context(&config);
+    let settlement = |index: usize, op: SettleOp, value: &str| {
+        keeping(&batch, index, op, value, Duration::from_secs(3600))
     };
     let done = settlement(0, SettleOp::Ack, r#"{"state":"done","result":{"rows":3}}"#);
     let dead = settlement(
@@ -286,55 +299,29 @@ fn a_shorter_keep_results_does_not_cut_short_a_result_already_kept() {
     let redis = RedisServer::start();
     let dir = TestDir::new();
     let path = dir.config(&redis, &safe("keep_results = \"1h\""));
-    let config = Config::load(&path).unwrap();
-    let queue = context(&config);
-    let tasks: Vec<NewTask> = ["t0", "t1"]
-        .iter()
-        .map(|id| NewTask::new("test", "{}").unwrap().id(*id))
-        .collect();
-    client(&path).push_batch("jobs", tasks).unwrap();
     let mut connection = redis.connection();
     let owner = "keeper.1";
-    let batch = dead_daemon_claims(
-        &mut connection,
-        &queue,
-        owner,
-        0,
-        2,
-        Duration::from_secs(60),
-    );
+    let lease = Duration::from_secs(60);
+    let (config, batch) = claimed(&path, &mut connection, owner, &["t0", "t1"], lease);
+    let queue = context(&config);
     // 30 and 25 days share a bucket length (131,072 s: `broker::results::bucket_length`), so both calls write the
     // bucket of the time (unless a 36-hour boundary falls between them).
     const DAY: u64 = 24 * 3600;
-    let settlement = |index: usize, ttl: Duration| Settlement {
-        popped_by: None,
-        popped_scope: None,
-        op: SettleOp::Ack,
-        token: batch.tasks[index].token.clone(),
-        unique_id: None,
-        level: 0,
-        payload: batch.payloads.get(index).to_vec(),
-        failed: false,
-        kept: Some(Box::new(Kept {
-            id: format!("t{index}"),
-            value: br#"{"state":"done","result":null}"#.to_vec(),
+    let settlement = |index: usize, ttl: Duration| {
+        keeping(
+            &batch,
+            index,
+            SettleOp::Ack,
+            r#"{"state":"done","result":null}"#,
             ttl,
-        })),
+        )
     };
-    settle_as(
-        &mut connection,
-        &queue,
-        (owner, "acker", 1),
-        &[settlement(0, Duration::from_secs(30 * DAY))],
-    )
-    .unwrap();
-    settle_as(
-        &mut connection,
-        &queue,
-        (owner, "acker", 2),
-        &[settlement(1, Duration::from_secs(25 * DAY))],
-    )
-    .unwrap();
+    // t0 kept for 30 days, then t1 for 25 in a later call.
+    for (number, days) in [30, 25].into_iter().enumerate() {
+        let sent = [settlement(number, Duration::from_secs(days * DAY))];
+        let call = (owner, "acker", number as u64 + 1);
+        settle_as(&mut connection, &queue, call, &sent).unwrap();
+    }
     assert!(kept(&redis, "t1").is_some());
     assert_eq!(kept_ids(&redis), ["t0", "t1"]);
     let bucket = buckets(&redis);
