@@ -93,7 +93,7 @@ pub struct Origin<'a> {
     pub keep_results: Option<(&'a crate::broker::QueueKeys, Duration)>,
 }
 
-/// The largest result kept, as the handler's JSON text: a result is a key of its own, kept for `keep_results`,
+/// The largest result kept, as the handler's JSON text: a result is a field of its own, kept for `keep_results`,
 /// and read whole by every `kmqd task result`; a handler with more to hand on writes it elsewhere and returns
 /// where. A larger one (or one that is not JSON) does not fail its task: the task is done, and the result kept is
 /// an error record saying why (`result` null, `result_error`), so a reader learns what happened.
@@ -207,8 +207,8 @@ pub fn record(
         None => crate::task::salvage_id(task.payload),
     });
     let (mut settlement, hook) = record_without_result(origin, action, failed, task);
-    if let (Some((keys, ttl)), Some(id)) = (origin.keep_results, id) {
-        settlement.kept = kept(keys, ttl, action, result, &settlement.op, &id);
+    if let (Some((_, ttl)), Some(id)) = (origin.keep_results, id) {
+        settlement.kept = kept(ttl, action, result, &settlement.op, id);
     }
     (settlement, hook)
 }
@@ -216,12 +216,11 @@ pub fn record(
 /// What a settlement that ends a task keeps: nothing for a task that does not end (a retry, a recovery, a
 /// throttle), or whose id is unknown (a payload that is not even a JSON object).
 fn kept(
-    keys: &crate::broker::QueueKeys,
     ttl: Duration,
     action: &Action,
     result: Option<&str>,
     op: &SettleOp,
-    id: &str,
+    id: String,
 ) -> Option<Box<Kept>> {
     let value = match (action, op) {
         (Action::Ack, SettleOp::Ack) => done_record(result),
@@ -231,11 +230,7 @@ fn kept(
         (Action::Recover { .. }, SettleOp::Dead) => dead_record("malformed task"),
         _ => return None,
     };
-    Some(Box::new(Kept {
-        key: keys.result(id),
-        value,
-        ttl,
-    }))
+    Some(Box::new(Kept { id, value, ttl }))
 }
 
 fn record_without_result(
@@ -543,7 +538,7 @@ mod tests {
             result,
         );
         let kept = settlement.kept.expect("a done task keeps its result");
-        assert_eq!(kept.key, "kmq:{mail}:result:a");
+        assert_eq!(kept.id, "a");
         assert_eq!(kept.ttl, Duration::from_secs(60));
         serde_json::from_slice(&kept.value).unwrap()
     }

@@ -1,6 +1,6 @@
 //! The `results` scenario: a no-op safe drain by one daemon, each handler returning a small result (`{"result":
-//! 1}`), with `keep_results = "1h"` (every settle keeps each task's result: a record and a key per task, not a
-//! bitmap bit) against the same drain without it (the result dropped, the plain acknowledgements' path). Issue
+//! 1}`), with `keep_results = "1h"` (every settle keeps each task's result: a field of the queue's bucket hash of
+//! the time, beside its bit in its claim's bitmap) against the same drain without it (the result dropped). Issue
 //! 36's target: at least 0.7x. The two are run in turns, so a change of the machine's load falls on both.
 
 use super::{Bench, Drains, Figure, Shape, drain_once};

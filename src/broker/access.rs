@@ -323,12 +323,12 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "pexpire",
         roles: &[D],
-        why: "a rate limit's log expires a second after its newest start's window",
+        why: "a rate limit's log expires a second after its newest start's window; kept results' buckets and their index expire `keep_results` after their last result",
     },
     Command {
         name: "pttl",
         roles: &[D, R, O],
-        why: "default mode's plain pop and `kmqd stats` learn how long a handler's throttle holds the queue back",
+        why: "default mode's plain pop and `kmqd stats` learn how long a handler's throttle holds the queue back; settle.lua only ever pushes back a results bucket's expiry",
     },
     Command {
         name: "llen",
@@ -356,8 +356,7 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "hget",
         roles: &[D, P, R, O],
-        why: "owners' registrations, schedules' last slots, the protocol version; `task cancel` rereads a delayed \
-              task; every script that increments a counter first checks that it is an integer",
+        why: "owners' registrations, schedules' last slots, the protocol version; `task cancel` rereads a delayed task; `task result` reads a kept result; every script that increments a counter first checks that it is an integer",
     },
     Command {
         name: "hmget",
@@ -368,7 +367,8 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "hset",
         roles: &[D],
-        why: "owners' registrations, schedules' last slots, the queue's shape in its meta hash (at start and reload)",
+        why: "owners' registrations, schedules' last slots, the queue's shape in its meta hash (at start and reload); \
+              settle.lua keeps a task's result in its bucket (`keep_results`)",
     },
     Command {
         name: "hsetnx",
@@ -411,18 +411,17 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "zadd",
         roles: &[D, P, O],
-        why: "leases (the owners sorted set), owners' claim sets, delayed tasks, retries, a grouped queue's rings \
-              (a push, a claim, `kmqd group resume`)",
+        why: "leases (the owners sorted set), owners' claim sets, delayed tasks, retries, a grouped queue's rings (a push, a claim, `kmqd group resume`), the index of kept results' buckets",
     },
     Command {
         name: "zrem",
         roles: &[D, O],
-        why: "releasing an owner, forgetting a settled claim, moving due tasks; `task cancel` removes delayed and retrying tasks",
+        why: "releasing an owner, forgetting a settled claim, moving due tasks, forgetting an expired results bucket; `task cancel` removes delayed and retrying tasks",
     },
     Command {
         name: "zrange",
         roles: &[D, P, R, O],
-        why: "the owners and their leases, due tasks, the next due time",
+        why: "the owners and their leases, due tasks, the next due time; `task result` finds the buckets of kept results",
     },
     Command {
         name: "zscore",
@@ -449,16 +448,12 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "get",
         roles: &[D, R, O],
-        why: "settle.lua answers a call sent again after a lost reply with the first call's result, and merges \
-              a claim's settled positions; the monitor and `task show` read them; `task result` reads a kept \
-              result",
+        why: "settle.lua answers a call sent again after a lost reply with the first call's result, and merges a claim's settled positions; the monitor and `task show` read them",
     },
     Command {
         name: "set",
         roles: &[D, O],
-        why: "settle.lua stores each call's result (for a day), a task's kept result (`keep_results`) and sets \
-              a handler's throttle; a plain pop guards the list take.lua fills (take.lua); `queue pause` sets the \
-              queue's paused key",
+        why: "settle.lua stores each call's result (for a day) and sets a handler's throttle; a plain pop guards the list take.lua fills (take.lua); `queue pause` sets the queue's paused key",
     },
     Command {
         name: "del",
@@ -608,7 +603,7 @@ enum Kind {
     Hold,
     /// A park index beside type limits on a grouped queue (`park:g:GROUP`, `park:t:TYPE`; groups.lua).
     Park,
-    /// A task's kept result (`keep_results`: results.lua, in settle.lua).
+    /// A queue's kept results (`keep_results`: results.lua, in settle.lua): the index of its buckets and a bucket.
     Result,
 }
 
@@ -820,7 +815,12 @@ const DAEMON: &[(&str, On)] = &[
     ("del", key(K::ClaimSettled)),
     // results.lua, in settle.lua: a kept result.
     ("type", key(K::Result)),
-    ("set", key(K::Result)),
+    ("hset", key(K::Result)),
+    ("pttl", key(K::Result)),
+    ("pexpire", key(K::Result)),
+    ("zadd", key(K::Result)),
+    ("zrange", key(K::Result)),
+    ("zrem", key(K::Result)),
     ("zrem", key(K::Processing)),
     ("hdel", key(K::Processing)),
     ("hdel", key(K::UniquePopped)),
@@ -996,8 +996,9 @@ const SHOW: &[(&str, On)] = &[
     ("lrange", key(K::ClaimList)),
     ("get", key(K::ClaimSettled)),
     ("lrange", key(K::Dead)),
-    // `task result`: the kept result.
-    ("get", key(K::Result)),
+    // `task result`: the buckets in the index, then the task's id in each.
+    ("zrange", key(K::Result)),
+    ("hget", key(K::Result)),
 ];
 
 /// `kmqd task cancel`: finding the waiting copies (as `task show` does), then remove.lua.
@@ -1237,7 +1238,7 @@ fn names(keys: &QueueKeys, kind: Kind) -> Vec<String> {
         Kind::Sched => vec![keys.sched.clone()],
         Kind::Hold => vec![keys.group_hold("acme")],
         Kind::Park => vec![keys.park("g:acme"), keys.park("t:slow")],
-        Kind::Result => vec![keys.result("access-check")],
+        Kind::Result => vec![keys.results_index(), keys.results_bucket(0)],
     }
 }
 

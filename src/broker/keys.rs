@@ -242,12 +242,18 @@ impl QueueKeys {
         )
     }
 
-    /// A task's kept result (`keep_results`): a string, the JSON object the settle that ended the task wrote
-    /// (results.lua), expiring with the queue's `keep_results`. The id is written as it is: the hash tag is the
-    /// queue's, which comes first, so a brace in an id cannot move the key to another slot, and a reader builds
-    /// the name without an encoding (docs/PROTOCOL.md, "Results").
-    pub fn result(&self, id: &str) -> String {
-        format!("{}:result:{id}", self.base)
+    /// The index of a queue's result buckets (`keep_results`): a sorted set of each bucket's START, scored by
+    /// when the bucket expires (ms on Redis's clock), so that a reader finds the few buckets there are without
+    /// knowing the queue's config (results.lua; docs/PROTOCOL.md, "Results").
+    pub fn results_index(&self) -> String {
+        format!("{}:results", self.base)
+    }
+
+    /// A bucket of a queue's kept results: a hash of task id -> the JSON object the settle that ended the task
+    /// wrote, for the tasks that ended in one stretch of time from `start` (ms since the epoch, on the settling
+    /// daemon's clock; results.lua). The ids are fields, so any id is fine, and the key is in the queue's slot.
+    pub fn results_bucket(&self, start: u64) -> String {
+        format!("{}:results:{start}", self.base)
     }
 
     /// `PREFIX:{QUEUE}`, the start of every key of the queue.

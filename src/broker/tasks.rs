@@ -1348,12 +1348,12 @@ pub struct Settlement {
     pub kept: Option<Box<Kept>>,
 }
 
-/// A task's result as the settle that ends it keeps it: its key (`PREFIX:{QUEUE}:result:ID`, in the queue's
-/// slot), its value (a JSON object: docs/PROTOCOL.md, "Results"; the script adds `ended_at`) and how long it is
-/// kept (the key's expiry).
+/// A task's result as the settle that ends it keeps it: its task's id (its field in the queue's bucket hash of the
+/// time: results.lua), its value (a JSON object: docs/PROTOCOL.md, "Results"; the script adds `ended_at`) and how
+/// long it is kept at least (the queue's `keep_results`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Kept {
-    pub key: String,
+    pub id: String,
     pub value: Vec<u8>,
     pub ttl: Duration,
 }
@@ -1366,7 +1366,7 @@ impl Settlement {
             + self
                 .kept
                 .as_ref()
-                .map_or(0, |kept| kept.key.len() + kept.value.len())
+                .map_or(0, |kept| kept.id.len() + kept.value.len())
     }
 
     /// A plain acknowledgement: sent as its bare token (or only counted, in default mode), not as a record. Its
@@ -1600,9 +1600,9 @@ pub fn settle<'a>(
             invocation.key(keys.ring(level));
         }
     }
-    // The results this call keeps (results.lua's trailer): each with its task's place in the call (`rN`, the Nth
-    // record; `cK:P`, position P of the Kth claim touched, acknowledged in its bitmap); their keys go last.
-    let mut kept: Vec<(String, &Kept)> = Vec::new();
+    // The results this call keeps (results.lua's trailer): each with its task's place in the call (0 and N, the Nth
+    // record; K and P, position P of the Kth claim touched, acknowledged in its bitmap); their keys go last.
+    let mut kept: Vec<((usize, u64), &Kept)> = Vec::new();
     let mut record = 0;
     for s in settlements.clone() {
         let place = match (&s.token, bulk(s)) {
@@ -1612,11 +1612,11 @@ pub fn settle<'a>(
                     ..
                 }),
                 true,
-            ) => format!("c{}:{position}", touched.index(s.level, *claim)),
+            ) => (touched.index(s.level, *claim), u64::from(*position)),
             (_, true) => continue,
             (_, false) => {
                 record += 1;
-                format!("r{record}")
+                (0, record)
             }
         };
         if let Some(result) = s.kept.as_deref()
@@ -1625,8 +1625,18 @@ pub fn settle<'a>(
             kept.push((place, result));
         }
     }
-    for (_, result) in &kept {
-        invocation.key(&result.key);
+    // One bucket for the call (results.lua): the results of a queue are kept alike, so the longest expiry is the
+    // queue's `keep_results` (a reload between two records of a call keeps the longer).
+    let bucket = kept.iter().map(|(_, result)| result.ttl).max().map(|ttl| {
+        (
+            ttl,
+            super::results::bucket_start(std::time::SystemTime::now(), ttl),
+        )
+    });
+    if let Some((_, start)) = bucket {
+        invocation
+            .key(keys.results_index())
+            .key(keys.results_bucket(start));
     }
     let mut invocation = invocation.evalsha(&SCRIPTS.settle);
     invocation
@@ -1702,14 +1712,19 @@ pub fn settle<'a>(
             .arg(scope);
         records += 1;
     }
-    if !kept.is_empty() {
-        for (place, result) in &kept {
+    if let Some((ttl, start)) = bucket {
+        for ((claim, place), result) in &kept {
             invocation
-                .arg(place)
-                .arg(result.ttl.as_millis().max(1) as u64)
+                .arg(*claim)
+                .arg(*place)
+                .arg(result.id.as_str())
                 .arg(result.value.as_slice());
         }
-        invocation.arg(kept.len()).arg("results");
+        invocation
+            .arg(start)
+            .arg(ttl.as_millis().max(1) as u64)
+            .arg(kept.len())
+            .arg("results");
     }
     // A reload on this connection only when the call carried no argument of 32 KiB or more (see `load_settle`):
     // otherwise the caller loads the script on a new connection (the settler does) and sends the call again.

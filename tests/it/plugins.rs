@@ -601,10 +601,7 @@ fn a_plugin_built_before_kmq_host_finishes_tasks_without_a_result() {
     let daemon = TestDaemon::start(&config);
     push(&config, "jobs", "c.new", "new", "{}");
     push(&config, "jobs", "c.old", "old", "{}");
-    let kept = |id: &str| {
-        let text: Option<String> = redis.cmd(&["GET", &format!("kmq:{{jobs}}:result:{id}")]);
-        text.map(|text| serde_json::from_str::<serde_json::Value>(&text).unwrap())
-    };
+    let kept = |id: &str| redis.kept_result("jobs", id);
     let (new, old) = eventually(Duration::from_secs(10), "both results kept", || {
         let both = (kept("new"), kept("old"));
         (both.0.is_some() && both.1.is_some(), both)

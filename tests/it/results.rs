@@ -7,22 +7,78 @@ use std::time::Duration;
 use kmqd::broker::{self, Kept, SettleOp, Settlement};
 use kmqd::{Config, NewTask};
 
-use crate::safe_mode::{context, dead_daemon_claims, monitor, safe, settle_as};
+use crate::safe_mode::{context, dead_daemon_claims, monitor, safe, settle_as, settlement_of};
 use crate::support::*;
 
 const HOUR_MS: i64 = 3_600_000;
 
 /// The kept record of task `id` of `jobs`, parsed; `None` when there is none.
 fn kept(redis: &RedisServer, id: &str) -> Option<serde_json::Value> {
-    let text: Option<String> = redis.cmd(&["GET", &format!("kmq:{{jobs}}:result:{id}")]);
-    text.map(|text| serde_json::from_str(&text).expect("a kept result is JSON"))
+    redis.kept_result("jobs", id)
 }
 
-/// The result keys of `jobs`.
+/// The buckets of `jobs`'s kept results, newest first (the index's members: their STARTs).
+fn buckets(redis: &RedisServer) -> Vec<String> {
+    let starts: Vec<String> = redis.cmd(&["ZRANGE", "kmq:{jobs}:results", "0", "-1", "REV"]);
+    starts
+        .iter()
+        .map(|start| format!("kmq:{{jobs}}:results:{start}"))
+        .collect()
+}
+
+/// The ids of every result `jobs` keeps, sorted.
+fn kept_ids(redis: &RedisServer) -> Vec<String> {
+    let mut ids: Vec<String> = buckets(redis)
+        .iter()
+        .flat_map(|bucket| redis.cmd::<Vec<String>>(&["HKEYS", bucket]))
+        .collect();
+    ids.sort();
+    ids
+}
+
+/// Every key of `jobs`'s results (its index and its buckets), sorted.
 fn result_keys(redis: &RedisServer) -> Vec<String> {
-    let mut keys: Vec<String> = redis.cmd(&["KEYS", "kmq:{jobs}:result:*"]);
+    let mut keys: Vec<String> = redis.cmd(&["KEYS", "kmq:{jobs}:result*"]);
     keys.sort();
     keys
+}
+
+/// The settlement of task `t{index}` of `batch` (claimed at level 0) that keeps `value` for `ttl`.
+fn keeping(
+    batch: &broker::Batch,
+    index: usize,
+    op: SettleOp,
+    value: &str,
+    ttl: Duration,
+) -> Settlement {
+    Settlement {
+        kept: Some(Box::new(Kept {
+            id: format!("t{index}"),
+            value: value.as_bytes().to_vec(),
+            ttl,
+        })),
+        ..settlement_of(batch, index, op)
+    }
+}
+
+/// Pushes tasks `ids` to `jobs` and claims them as `owner`, a daemon that will not renew its lease of `lease`.
+fn claimed(
+    path: &std::path::Path,
+    connection: &mut broker::Conn,
+    owner: &str,
+    ids: &[&str],
+    lease: Duration,
+) -> (Config, broker::Batch) {
+    let config = Config::load(path).unwrap();
+    let tasks: Vec<NewTask> = ids
+        .iter()
+        .map(|id| NewTask::new("test", "{}").unwrap().id(*id))
+        .collect();
+    client(path).push_batch("jobs", tasks).unwrap();
+    let queue = context(&config);
+    let batch = dead_daemon_claims(connection, &queue, owner, 0, ids.len(), lease);
+    assert_eq!(batch.tasks.len(), ids.len());
+    (config, batch)
 }
 
 /// The settle applies a kept result only with the record that ends the task, while the task is its settler's:
@@ -36,38 +92,13 @@ fn a_result_is_kept_only_by_the_settle_that_ends_the_task_under_its_owners_lease
         &redis,
         &safe("lease_timeout = \"300ms\"\nkeep_results = \"1h\""),
     );
-    let config = Config::load(&path).unwrap();
-    let queue = context(&config);
-    let tasks: Vec<NewTask> = ["t0", "t1", "t2"]
-        .iter()
-        .map(|id| NewTask::new("test", "{}").unwrap().id(*id))
-        .collect();
-    client(&path).push_batch("jobs", tasks).unwrap();
     let mut connection = redis.connection();
     let owner = "stalled.1";
-    let batch = dead_daemon_claims(
-        &mut connection,
-        &queue,
-        owner,
-        0,
-        3,
-        Duration::from_millis(300),
-    );
-    assert_eq!(batch.tasks.len(), 3);
-    let settlement = |index: usize, op: SettleOp, value: &str| Settlement {
-        popped_by: None,
-        popped_scope: None,
-        op,
-        token: batch.tasks[index].token.clone(),
-        unique_id: None,
-        level: 0,
-        payload: batch.payloads.get(index).to_vec(),
-        failed: false,
-        kept: Some(Box::new(Kept {
-            key: queue.keys.result(&format!("t{index}")),
-            value: value.as_bytes().to_vec(),
-            ttl: Duration::from_secs(3600),
-        })),
+    let lease = Duration::from_millis(300);
+    let (config, batch) = claimed(&path, &mut connection, owner, &["t0", "t1", "t2"], lease);
+    let queue = context(&config);
+    let settlement = |index: usize, op: SettleOp, value: &str| {
+        keeping(&batch, index, op, value, Duration::from_secs(3600))
     };
     let done = settlement(0, SettleOp::Ack, r#"{"state":"done","result":{"rows":3}}"#);
     let dead = settlement(
@@ -92,14 +123,19 @@ fn a_result_is_kept_only_by_the_settle_that_ends_the_task_under_its_owners_lease
     assert_eq!(t0["result"], serde_json::json!({"rows": 3}));
     let ended_at = t0["ended_at"].as_i64().expect("ended_at stamped");
     assert_eq!(kept(&redis, "t1").unwrap()["reason"], "no such customer");
-    let ttl: i64 = redis.cmd(&["PTTL", "kmq:{jobs}:result:t0"]);
-    assert!(
-        ttl > HOUR_MS - 60_000 && ttl <= HOUR_MS,
-        "kept for keep_results: {ttl}"
-    );
+    // One bucket, which expires keep_results after its last result (so does the index that lists it).
+    let bucket = buckets(&redis);
+    assert_eq!(bucket.len(), 1, "{bucket:?}");
+    for key in [bucket[0].as_str(), "kmq:{jobs}:results"] {
+        let ttl: i64 = redis.cmd(&["PTTL", key]);
+        assert!(
+            ttl > HOUR_MS - 60_000 && ttl <= HOUR_MS,
+            "{key} kept for keep_results: {ttl}"
+        );
+    }
 
     // The same call again (its reply lost): the first call's answer, and nothing written again.
-    let _: i64 = redis.cmd(&["DEL", "kmq:{jobs}:result:t1"]);
+    let _: i64 = redis.cmd(&["HDEL", &bucket[0], "t1"]);
     let again = settle_as(&mut connection, &queue, (owner, "acker", 1), &[done, dead]).unwrap();
     assert_eq!(
         (again.applied, again.stale_acks),
@@ -131,7 +167,7 @@ fn a_result_is_kept_only_by_the_settle_that_ends_the_task_under_its_owners_lease
         None,
         "a daemon that lost the lease writes no result"
     );
-    assert_eq!(result_keys(&redis), ["kmq:{jobs}:result:t0"]);
+    assert_eq!(kept_ids(&redis), ["t0"]);
 }
 
 /// Through a daemon and the command line: a done task's result, a dead task's reason, a waiting task and an
@@ -219,4 +255,83 @@ fn without_keep_results_the_settle_keeps_nothing() {
     assert_eq!(code, 4);
     assert!(err.contains("keeps no results (set keep_results"), "{err}");
     daemon.stop();
+}
+
+/// A result stays readable for `keep_results` after its task ended, and then goes, with its bucket and the index
+/// (nothing is left behind by a queue that stops keeping results).
+#[test]
+fn a_kept_result_is_readable_for_keep_results_then_gone() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &safe_queue("keep_results = \"1s\""));
+    let daemon = TestDaemon::start(&config);
+    push_many(&config, "t", 1, r#"{"result": 1}"#);
+    let ended_at = eventually(Duration::from_secs(30), "t0's result kept", || {
+        let kept = kept(&redis, "t0");
+        let ended_at = kept.as_ref().and_then(|kept| kept["ended_at"].as_i64());
+        (ended_at.is_some(), ended_at.unwrap_or_default())
+    });
+    daemon.stop();
+    let gone_at = eventually(Duration::from_secs(30), "the result gone", || {
+        let time: Vec<String> = redis.cmd(&["TIME"]);
+        let now_ms =
+            time[0].parse::<i64>().unwrap() * 1000 + time[1].parse::<i64>().unwrap() / 1000;
+        (kept(&redis, "t0").is_none(), now_ms)
+    });
+    assert!(
+        gone_at - ended_at >= 1000,
+        "kept at least keep_results: ended at {ended_at}, gone by {gone_at}"
+    );
+    eventually(
+        Duration::from_secs(30),
+        "the bucket and the index gone",
+        || {
+            let keys = result_keys(&redis);
+            (keys.is_empty(), keys)
+        },
+    );
+}
+
+/// A bucket's expiry is only ever pushed back: a call keeping a result for less (a reload shortened
+/// `keep_results`) does not cut short the results already in its bucket.
+#[test]
+fn a_shorter_keep_results_does_not_cut_short_a_result_already_kept() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let path = dir.config(&redis, &safe("keep_results = \"1h\""));
+    let mut connection = redis.connection();
+    let owner = "keeper.1";
+    let lease = Duration::from_secs(60);
+    let (config, batch) = claimed(&path, &mut connection, owner, &["t0", "t1"], lease);
+    let queue = context(&config);
+    // 30 and 25 days share a bucket length (131,072 s: `broker::results::bucket_length`), so both calls write the
+    // bucket of the time (unless a 36-hour boundary falls between them).
+    const DAY: u64 = 24 * 3600;
+    let settlement = |index: usize, ttl: Duration| {
+        keeping(
+            &batch,
+            index,
+            SettleOp::Ack,
+            r#"{"state":"done","result":null}"#,
+            ttl,
+        )
+    };
+    // t0 kept for 30 days, then t1 for 25 in a later call.
+    for (number, days) in [30, 25].into_iter().enumerate() {
+        let sent = [settlement(number, Duration::from_secs(days * DAY))];
+        let call = (owner, "acker", number as u64 + 1);
+        settle_as(&mut connection, &queue, call, &sent).unwrap();
+    }
+    assert!(kept(&redis, "t1").is_some());
+    assert_eq!(kept_ids(&redis), ["t0", "t1"]);
+    let bucket = buckets(&redis);
+    assert_eq!(bucket.len(), 1, "one bucket: {bucket:?}");
+    let month_ms = 30 * DAY as i64 * 1000;
+    for key in [bucket[0].as_str(), "kmq:{jobs}:results"] {
+        let ttl: i64 = redis.cmd(&["PTTL", key]);
+        assert!(
+            ttl > month_ms - 60_000,
+            "{key} kept for t0's 30 days: {ttl}"
+        );
+    }
 }

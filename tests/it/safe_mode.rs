@@ -401,6 +401,21 @@ pub(crate) fn monitor(config: &Config, queue: &Arc<QueueContext>, name: &str) ->
 
 /// Registers an owner the way a daemon does, with the queue's levels, and claims up to `max` tasks under it
 /// (tokens from `first_token`): a daemon that then dies.
+/// The settlement `op` of task `index` of `batch` (claimed at level 0), as an acker sends it.
+pub(crate) fn settlement_of(batch: &broker::Batch, index: usize, op: SettleOp) -> Settlement {
+    Settlement {
+        popped_by: None,
+        popped_scope: None,
+        op,
+        token: batch.tasks[index].token.clone(),
+        unique_id: None,
+        level: 0,
+        payload: batch.payloads.get(index).to_vec(),
+        failed: false,
+        kept: None,
+    }
+}
+
 pub(crate) fn dead_daemon_claims(
     connection: &mut kmqd::broker::Conn,
     queue: &QueueContext,
@@ -686,17 +701,7 @@ fn a_claim_settled_in_parts_gives_back_only_its_unsettled_tasks_and_fences_late_
     let lease = Duration::from_millis(300);
     let batch = dead_daemon_claims(&mut connection, &queue, owner, 0, 100, lease);
     assert_eq!(batch.tasks.len(), 100);
-    let settlement = |index: usize, op: SettleOp| Settlement {
-        popped_by: None,
-        popped_scope: None,
-        op,
-        token: batch.tasks[index].token.clone(),
-        unique_id: None,
-        level: 0,
-        payload: batch.payloads.get(index).to_vec(),
-        failed: false,
-        kept: None,
-    };
+    let settlement = |index: usize, op: SettleOp| settlement_of(&batch, index, op);
     let mut number = 0;
     let mut settle = |connection: &mut broker::Conn, settlements: &[Settlement]| {
         number += 1;

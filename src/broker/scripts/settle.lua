@@ -741,6 +741,8 @@ end
 result[#result + 1] = journal
 -- Kept a day: long enough for any retry (a caller retries until Redis answers), then it cleans itself up
 -- after a daemon that died. Stored before the counters: whatever follows, a call that applied is known as such.
+-- The results this call keeps (results.lua), in a few commands once everything applied.
+write_kept(kept, now)
 redis.call('SET', last_call, call .. '|' .. table.concat(result, ','), 'PX', 86400000)
 if dead_lettered > 0 then
   redis.call('LTRIM', dead, 0, dead_max - 1)

@@ -265,7 +265,7 @@ fn kept_for(
         return Err(source.error(
             value.span(),
             format!(
-                "{key}: {:?} is too long; use at most {} (results are keys of their own, kept that long)",
+                "{key}: {:?} is too long; use at most {} (results are kept in Redis that long)",
                 value.get_ref(),
                 humantime::format_duration(*KEEP_RESULTS.end())
             ),

@@ -192,6 +192,24 @@ impl RedisServer {
             .query(&mut self.connection())
             .unwrap_or_else(|error| panic!("{args:?}: {error}"))
     }
+
+    /// The result kept for task `id` of `queue` (`keep_results`), as the settle wrote it: looked up as
+    /// docs/PROTOCOL.md, "Results" tells any client to (the buckets in the index, newest first, then the id in
+    /// each). `None` when there is none.
+    pub fn kept_result(&self, queue: &str, id: &str) -> Option<serde_json::Value> {
+        let starts: Vec<String> = self.cmd(&[
+            "ZRANGE",
+            &format!("kmq:{{{queue}}}:results"),
+            "0",
+            "-1",
+            "REV",
+        ]);
+        starts.iter().find_map(|start| {
+            let bucket = format!("kmq:{{{queue}}}:results:{start}");
+            let text: Option<String> = self.cmd(&["HGET", &bucket, id]);
+            text.map(|text| serde_json::from_str(&text).expect("a kept result is JSON"))
+        })
+    }
 }
 
 /// A point in a server's append-only file ([`RedisServer::aof_mark`]).
