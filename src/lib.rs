@@ -41,7 +41,10 @@
 // daemon makes have no caller; the full build, which CI lints, still finds any code that nothing uses.
 #![cfg_attr(
     not(feature = "daemon"),
-    allow(dead_code, reason = "the daemon's calls into the broker have no caller without it")
+    allow(
+        dead_code,
+        reason = "the daemon's calls into the broker have no caller without it"
+    )
 )]
 
 pub mod broker;
