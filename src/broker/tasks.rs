@@ -1319,7 +1319,9 @@ pub struct Settlement {
     pub popped_scope: Option<Arc<str>>,
     /// Released on ack or dead-letter when the task is unique (in default mode, only while the owner that popped
     /// it still holds it: settle.lua, "Unique ids").
-    pub unique_id: Option<String>,
+    /// A boxed `str`, not a `String`: a settlement travels through channels by value, and the acker's
+    /// `Apply` is kept within clippy's size bound.
+    pub unique_id: Option<Box<str>>,
     pub level: usize,
     /// Retry/back: the envelope to queue; dead: the dead record (a JSON object); ack: unused.
     pub payload: Vec<u8>,
@@ -1328,7 +1330,16 @@ pub struct Settlement {
     /// The result the settle keeps when this record ends the task (an "ack" or a "dead" that applies): a queue
     /// with `keep_results` (results.lua). `None`: nothing is kept.
     pub kept: Option<Box<Kept>>,
+    /// The note to the tasks of a flow that wait for this one, written to the queue's outbox when this record
+    /// ends the task (an "ack" or a "dead" that applies: after.lua; docs/design/flows.md). `None`: nothing
+    /// waits for it.
+    pub note: Option<Box<Note>>,
 }
+
+/// A note to the tasks waiting for a task of a flow: its JSON (`broker::workflow::note`). Boxed in a
+/// [`Settlement`], which most tasks settle without: a settlement travels through channels by value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Note(pub Vec<u8>);
 
 /// A task's result as the settle that ends it keeps it: its key (`PREFIX:{QUEUE}:result:ID`, in the queue's
 /// slot), its value (a JSON object: docs/PROTOCOL.md, "Results"; the script adds `ended_at`) and how long it is
@@ -1349,6 +1360,7 @@ impl Settlement {
                 .kept
                 .as_ref()
                 .map_or(0, |kept| kept.key.len() + kept.value.len())
+            + self.note.as_ref().map_or(0, |note| note.0.len())
     }
 
     /// A plain acknowledgement: sent as its bare token (or only counted, in default mode), not as a record. Its
@@ -1497,7 +1509,7 @@ pub fn settle<'a>(
                     ..
                 }) => false,
                 Some(_) => true,
-                None => s.kept.is_none(),
+                None => s.kept.is_none() && s.note.is_none(),
             }
     };
     let mut touched = Touched::default();
@@ -1586,6 +1598,9 @@ pub fn settle<'a>(
     // The results this call keeps (results.lua's trailer): each with its task's place in the call (`rN`, the Nth
     // record; `cK:P`, position P of the Kth claim touched, acknowledged in its bitmap); their keys go last.
     let mut kept: Vec<(String, &Kept)> = Vec::new();
+    // The notes to the tasks waiting for those this call ends (after.lua's trailer, before results.lua's), placed
+    // as the results are; the outbox is their one key, before the result keys.
+    let mut notes: Vec<(String, &[u8])> = Vec::new();
     let mut record = 0;
     for s in settlements.clone() {
         let place = match (&s.token, bulk(s)) {
@@ -1602,11 +1617,19 @@ pub fn settle<'a>(
                 format!("r{record}")
             }
         };
+        if let Some(note) = s.note.as_deref()
+            && matches!(s.op, SettleOp::Ack | SettleOp::Dead)
+        {
+            notes.push((place.clone(), note.0.as_slice()));
+        }
         if let Some(result) = s.kept.as_deref()
             && matches!(s.op, SettleOp::Ack | SettleOp::Dead)
         {
             kept.push((place, result));
         }
+    }
+    if !notes.is_empty() {
+        invocation.key(keys.deps_outbox());
     }
     for (_, result) in &kept {
         invocation.key(&result.key);
@@ -1684,6 +1707,12 @@ pub fn settle<'a>(
             .arg(scope);
         records += 1;
     }
+    if !notes.is_empty() {
+        for (place, note) in &notes {
+            invocation.arg(place).arg(*note);
+        }
+        invocation.arg(notes.len()).arg("notes");
+    }
     if !kept.is_empty() {
         for (place, result) in &kept {
             invocation
@@ -1697,8 +1726,11 @@ pub fn settle<'a>(
     // otherwise the caller loads the script on a new connection (the settler does) and sends the call again.
     let large = settlements.clone().into_iter().any(|s| {
         let sent = match bulk(s) {
-            // A plain acknowledgement sends only its kept result, in the trailer.
-            true => s.kept.as_ref().map_or(0, |kept| kept.value.len()),
+            // A plain acknowledgement sends only its kept result and its note, in the trailers.
+            true => {
+                s.kept.as_ref().map_or(0, |kept| kept.value.len())
+                    + s.note.as_ref().map_or(0, |note| note.0.len())
+            }
             false => s.bytes(),
         };
         sent >= LARGE_ARGUMENT

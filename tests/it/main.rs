@@ -18,6 +18,7 @@ mod eviction;
 mod exec_persistent;
 mod fault_proxy;
 mod faults;
+mod flows;
 mod group_types;
 mod groups;
 mod http_bounds;

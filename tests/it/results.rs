@@ -68,6 +68,7 @@ fn a_result_is_kept_only_by_the_settle_that_ends_the_task_under_its_owners_lease
             value: value.as_bytes().to_vec(),
             ttl: Duration::from_secs(3600),
         })),
+        note: None,
     };
     let done = settlement(0, SettleOp::Ack, r#"{"state":"done","result":{"rows":3}}"#);
     let dead = settlement(

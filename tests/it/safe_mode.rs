@@ -463,6 +463,7 @@ fn plain_ack(token: Option<broker::Token>) -> Settlement {
         payload: Vec::new(),
         failed: false,
         kept: None,
+        note: None,
     }
 }
 
@@ -696,6 +697,7 @@ fn a_claim_settled_in_parts_gives_back_only_its_unsettled_tasks_and_fences_late_
         payload: batch.payloads.get(index).to_vec(),
         failed: false,
         kept: None,
+        note: None,
     };
     let mut number = 0;
     let mut settle = |connection: &mut broker::Conn, settlements: &[Settlement]| {
