@@ -18,6 +18,15 @@ fn two_queues(extra: &str) -> String {
     )
 }
 
+/// A Redis, a test dir, a config of [`two_queues`] with `extra`, and a daemon serving it.
+fn served(extra: &str) -> (RedisServer, TestDir, std::path::PathBuf, TestDaemon) {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &two_queues(extra));
+    let daemon = TestDaemon::start(&config);
+    (redis, dir, config, daemon)
+}
+
 /// Pushes the flow `json` with `kmqd flow push -`; returns what it printed.
 fn flow_push(config: &Path, json: &str) -> String {
     let (code, out, err) = kmqd(
@@ -63,10 +72,7 @@ fn wait_ended(dir: &TestDir, id: &str, within: Duration) {
 /// one's handler gets its dependency's outcome; `flow show` shows the graph with each state.
 #[test]
 fn a_chain_across_two_queues_runs_each_task_once_after_the_one_before() {
-    let redis = RedisServer::start();
-    let dir = TestDir::new();
-    let config = dir.config(&redis, &two_queues(""));
-    let daemon = TestDaemon::start(&config);
+    let (redis, dir, config, daemon) = served("");
     flow_push(
         &config,
         r#"{"queue": "a", "type": "test", "id": "third",
@@ -80,6 +86,21 @@ fn a_chain_across_two_queues_runs_each_task_once_after_the_one_before() {
     }
     assert!(line_at(&records.lines, "end first 0") < line_at(&records.lines, "start second 0"));
     assert!(line_at(&records.lines, "end second 0") < line_at(&records.lines, "start third 0"));
+    // The handler got its dependency's outcome (`Task::dependencies`), result included.
+    assert!(
+        records.lines.contains(
+            &r#"after third [{"queue":"b","id":"second","state":"done","result":{"rows":2}}]"#
+                .to_string()
+        ),
+        "{:#?}",
+        records.lines
+    );
+    assert!(
+        !records
+            .lines
+            .iter()
+            .any(|line| line.starts_with("after first"))
+    );
     let shown = flow_show(&config, "a", "third");
     assert_eq!(shown["state"], "released");
     assert_eq!(shown["after"][0]["id"], "second");
@@ -137,10 +158,7 @@ fn a_fan_in_of_a_thousand_releases_its_waiter_once_after_the_last() {
 /// names it, and so on up the graph; under `"continue"` the waiter runs, and `flow show` shows which failed.
 #[test]
 fn a_dead_dependency_fails_its_waiters_unrun_up_the_graph_unless_they_continue() {
-    let redis = RedisServer::start();
-    let dir = TestDir::new();
-    let config = dir.config(&redis, &two_queues(""));
-    let daemon = TestDaemon::start(&config);
+    let (redis, dir, config, daemon) = served("");
     flow_push(
         &config,
         r#"{"queue": "b", "type": "test", "id": "top",
@@ -254,11 +272,7 @@ fn lost_settle_apply_and_removal_replies_release_the_waiter_exactly_once() {
     let redis = RedisServer::start();
     let proxy = FaultProxy::start(&redis);
     let dir = TestDir::new();
-    let config = dir.config_raw(
-        &format!("url = \"{}\"\nio_timeout = \"500ms\"", proxy.url()),
-        "shutdown_grace = \"5s\"",
-        &two_queues("lease_timeout = \"10s\""),
-    );
+    let config = dir.config_through(&proxy, &two_queues("lease_timeout = \"10s\""));
     let settle = proxy.add(Fault::DropReply {
         matching: Matcher::script(sources::SETTLE),
         nth: 1,

@@ -36,6 +36,17 @@ local function check_waiter_keys(script, k)
   end
 end
 
+-- The end of a waiting task's wait (`state` "released" or "dead", with `reason`): its hash keeps what `flow show`
+-- reads, it leaves the waiting hash, and both its hashes expire after `keep_ms`.
+local function finish_waiter(k, id, state, reason, keep_ms)
+  redis.call('HSET', k.meta, 'state', state)
+  if reason then redis.call('HSET', k.meta, 'reason', reason) end
+  redis.call('HDEL', k.meta, 'envelope')
+  redis.call('HDEL', k.waiting, id)
+  redis.call('PEXPIRE', k.meta, keep_ms)
+  redis.call('PEXPIRE', k.ended, keep_ms)
+end
+
 -- Releases or fails the waiting task of `k` if its recorded outcomes say so; `dead` names a dependency whose
 -- outcome just recorded (or found) is dead, with its reason. Returns 'released', 'failed' or 'waiting', or
 -- 'recorded' for a task that no longer waits (released, failed, or not written yet).
@@ -59,11 +70,7 @@ local function step_waiter(k, now, dead)
       redis.call('RPUSH', k.outbox, '{"to":' .. m[5] .. ',"outcome":{"queue":' .. cjson.encode(queue) .. ',"id":' ..
         cjson.encode(id) .. ',"state":"dead","reason":' .. cjson.encode(reason) .. '}}')
     end
-    redis.call('HSET', k.meta, 'state', 'dead', 'reason', reason)
-    redis.call('HDEL', k.meta, 'envelope')
-    redis.call('HDEL', k.waiting, id)
-    redis.call('PEXPIRE', k.meta, keep_ms)
-    redis.call('PEXPIRE', k.ended, keep_ms)
+    finish_waiter(k, id, 'dead', reason, keep_ms)
     return 'failed'
   end
   if redis.call('HLEN', k.ended) < need then return 'waiting' end
@@ -75,10 +82,6 @@ local function step_waiter(k, now, dead)
   redis.call('LPUSH', k.wake, 1)
   redis.call('LTRIM', k.wake, 0, 0)
   redis.call('HINCRBY', k.stats, 'released', 1)
-  redis.call('HSET', k.meta, 'state', 'released')
-  redis.call('HDEL', k.meta, 'envelope')
-  redis.call('HDEL', k.waiting, id)
-  redis.call('PEXPIRE', k.meta, keep_ms)
-  redis.call('PEXPIRE', k.ended, keep_ms)
+  finish_waiter(k, id, 'released', nil, keep_ms)
   return 'released'
 end
