@@ -334,3 +334,56 @@ fn a_bad_flow_is_refused_whole_with_the_task_named() {
     let keys: Vec<String> = redis.cmd(&["KEYS", "*"]);
     assert!(keys.is_empty(), "nothing written: {keys:?}");
 }
+
+/// On a Redis Cluster, a chain whose queues are on three different masters (no shared hash tag): each task runs
+/// once, after the one before it; a dead dependency fails its waiter on another master.
+#[test]
+fn on_a_cluster_a_chain_across_three_masters_runs_each_task_once_in_order() {
+    use kmqd_harness::cluster::{Cluster, ClusterOptions};
+    let cluster = Cluster::start(ClusterOptions::default()).expect("start a Redis Cluster");
+    let placed = cluster.queue_names_on_distinct_masters(1).unwrap();
+    let names: Vec<&str> = placed.iter().map(|(_, names)| names[0].as_str()).collect();
+    let [one, two, three] = names[..] else {
+        panic!("three masters: {placed:?}");
+    };
+    let dir = TestDir::new();
+    let queues: String = [one, two, three]
+        .iter()
+        .map(|name| format!("[[queues]]\nname = \"{name}\"\nmode = \"safe\"\nretry_times = 0\n\n"))
+        .collect();
+    let config = dir.config_raw(
+        &crate::cluster::redis_section(&cluster, ""),
+        "shutdown_grace = \"5s\"",
+        &queues,
+    );
+    let daemon = TestDaemon::start(&config);
+    flow_push(
+        &config,
+        &format!(
+            r#"{{"queue": "{three}", "type": "test", "id": "last",
+                 "after": [{{"queue": "{two}", "type": "test", "id": "middle",
+                            "after": [{{"queue": "{one}", "type": "test", "id": "first"}}]}}]}}"#
+        ),
+    );
+    flow_push(
+        &config,
+        &format!(
+            r#"{{"queue": "{one}", "type": "test", "id": "doomed",
+                 "after": [{{"queue": "{three}", "type": "test", "id": "bad", "data": {{"outcome": "fail"}}}}]}}"#
+        ),
+    );
+    wait_ended(&dir, "last", Duration::from_secs(60));
+    let records = dir.records();
+    for id in ["first", "middle", "last"] {
+        assert_eq!(records.runs_of(id), 1, "{id}: {:#?}", records.lines);
+    }
+    assert!(line_at(&records.lines, "end first 0") < line_at(&records.lines, "start middle 0"));
+    assert!(line_at(&records.lines, "end middle 0") < line_at(&records.lines, "start last 0"));
+    let shown = eventually(Duration::from_secs(30), "doomed failed", || {
+        let shown = flow_show(&config, one, "doomed");
+        (shown["state"] == "dead", shown)
+    });
+    assert_eq!(shown["after"][0]["state"], "dead");
+    assert_eq!(dir.records().runs_of("doomed"), 0);
+    daemon.stop();
+}
