@@ -15,7 +15,7 @@ use redis::ConnectionLike;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-use super::{QueueKeys, Result, SCRIPTS, reply_error};
+use super::{Conn, QueueKeys, Result, SCRIPTS, reply_error};
 
 /// The most notes one turn of the mover reads from an outbox.
 pub const MOVE_BATCH: usize = 256;
@@ -59,7 +59,7 @@ pub fn waiters_json(waiters: &[(String, String)]) -> String {
 /// flow_push.lua said: "waiting", "exists" (written before: left as it is), "released" or "failed" (its
 /// dependencies had already ended).
 pub fn push_waiters(
-    conn: &mut dyn ConnectionLike,
+    conn: &mut Conn,
     keys: &QueueKeys,
     dead_max: usize,
     keep: Duration,
@@ -103,6 +103,7 @@ pub fn push_waiters(
                 .arg(waiters_json(&waiter.up));
         }
         let reply: Vec<String> = invocation.invoke(conn)?;
+        conn.replicated(&keys.stats)?;
         if reply.len() != chunk.len() {
             return Err(reply_error(
                 "flow push",
@@ -146,14 +147,10 @@ pub fn dependency_field(queue: &str, id: &str) -> String {
 }
 
 /// One turn of the mover of `keys`' outbox: reads up to [`MOVE_BATCH`] of its oldest notes, applies each to each
-/// of its waiters, then removes them. Returns how many notes it read. A note that is not one (written by
+/// of its waiters (each apply replicated, with `wait_replicas`, before anything is removed), then removes them. Returns how many notes it read. A note that is not one (written by
 /// something else than kmqd) is logged and removed with the others: it names no waiter it could be applied to.
 /// `beat` is called before each apply (the delay poller's pulse, for the watchdog).
-pub fn move_outbox(
-    conn: &mut dyn ConnectionLike,
-    keys: &QueueKeys,
-    beat: &dyn Fn(),
-) -> Result<usize> {
+pub fn move_outbox(conn: &mut Conn, keys: &QueueKeys, beat: &dyn Fn()) -> Result<usize> {
     let outbox = keys.deps_outbox();
     let notes: Vec<Vec<u8>> = redis::cmd("LRANGE")
         .arg(&outbox)
@@ -190,12 +187,13 @@ pub fn move_outbox(
         invocation.arg(bytes.as_slice());
     }
     let _popped: usize = invocation.invoke(conn)?;
+    conn.replicated(&outbox)?;
     Ok(notes.len())
 }
 
 /// Applies one dependency's outcome to one waiting task (flow_apply.lua), naming the ready list its hash names.
 fn apply(
-    conn: &mut dyn ConnectionLike,
+    conn: &mut Conn,
     keys: &QueueKeys,
     waiter: &Task,
     outcome: &Outcome,
@@ -226,6 +224,10 @@ fn apply(
             .arg(format!("{}/{}", outcome.queue, outcome.id))
             .arg(outcome.reason.as_deref().unwrap_or(""))
             .invoke(conn)?;
+        // Replicated before the note may be removed (`[redis] wait_replicas`): a failover of the waiter's master
+        // must not undo a record whose note is gone. Not replicated: an error, and the note stays for the next
+        // turn, whose apply is then a duplicate or the record again.
+        conn.replicated(&hash)?;
         if said != "moved" {
             if said == "released" || said == "failed" {
                 tracing::debug!(queue = %waiter.queue, id = %waiter.id, said, "a flow's waiting task");

@@ -387,3 +387,65 @@ fn on_a_cluster_a_chain_across_three_masters_runs_each_task_once_in_order() {
     assert_eq!(dir.records().runs_of("doomed"), 0);
     daemon.stop();
 }
+
+/// On a Redis Cluster with `wait_replicas = 1`, the master of a fan-in's parts (their claims, settles and the
+/// outbox of their notes) killed mid-flow: its replica takes over, and the waiting task on another master is
+/// released exactly once, after every part ended.
+#[test]
+fn on_a_cluster_a_master_killed_mid_flow_releases_the_waiter_exactly_once() {
+    use kmqd_harness::Signal;
+    use kmqd_harness::cluster::{Cluster, ClusterOptions};
+    let mut cluster = Cluster::start(ClusterOptions::default()).expect("start a Redis Cluster");
+    let placed = cluster.queue_names_on_distinct_masters(1).unwrap();
+    let (parts_master, parts) = (placed[0].0.clone(), placed[0].1[0].clone());
+    let merges = placed[1].1[0].clone();
+    let dir = TestDir::new();
+    let queues = format!(
+        "[[queues]]\nname = \"{parts}\"\nmode = \"safe\"\nworkers = 4\nlease_timeout = \"3s\"\n\n\
+         [[queues]]\nname = \"{merges}\"\nmode = \"safe\"\nlease_timeout = \"3s\"\n"
+    );
+    let config = dir.config_raw(
+        &crate::cluster::redis_section(
+            &cluster,
+            "wait_replicas = 1\nwait_timeout = \"500ms\"\nio_timeout = \"2s\"",
+        ),
+        "shutdown_grace = \"5s\"",
+        &queues,
+    );
+    let tasks: Vec<String> = (0..400)
+        .map(|i| format!(r#"{{"queue": "{parts}", "type": "test", "id": "part-{i}", "data": {{"sleep_ms": 3}}}}"#))
+        .collect();
+    flow_push(
+        &config,
+        &format!(
+            r#"{{"queue": "{merges}", "type": "test", "id": "merge", "after": [{}]}}"#,
+            tasks.join(",")
+        ),
+    );
+    let daemon = TestDaemon::start(&config);
+    eventually(Duration::from_secs(30), "a drain under way", || {
+        let ended = dir.records().ends.len();
+        (ended >= 100, ended)
+    });
+    cluster
+        .kill_master(&parts_master.addr, Signal::Kill)
+        .unwrap();
+    cluster.wait_failover().unwrap();
+    cluster.restart_node(&parts_master.addr).unwrap();
+    wait_ended(&dir, "merge", Duration::from_secs(120));
+    let records = dir.records();
+    assert_eq!(records.runs_of("merge"), 1);
+    let start = line_at(&records.lines, "start merge 0");
+    for i in 0..400 {
+        let id = format!("part-{i}");
+        let last_end = records
+            .lines
+            .iter()
+            .rposition(|line| line.starts_with(&format!("end {id} ")))
+            .unwrap_or_else(|| panic!("{id} never ended"));
+        assert!(last_end < start, "{id} ended after merge started");
+    }
+    let shown = flow_show(&config, &merges, "merge");
+    assert_eq!(shown["state"], "released");
+    daemon.stop();
+}
