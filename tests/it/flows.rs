@@ -333,6 +333,19 @@ fn a_bad_flow_is_refused_whole_with_the_task_named() {
     );
     let keys: Vec<String> = redis.cmd(&["KEYS", "*"]);
     assert!(keys.is_empty(), "nothing written: {keys:?}");
+    let (code, _, err) = kmqd(
+        &[
+            "--config",
+            config.to_str().unwrap(),
+            "flow",
+            "show",
+            "a",
+            "x",
+        ],
+        None,
+    );
+    assert_eq!(code, 4, "not a waiting task: {err}");
+    assert!(err.contains("a x is not a waiting task of a flow"), "{err}");
 }
 
 /// On a Redis Cluster, a chain whose queues are on three different masters (no shared hash tag): each task runs
