@@ -68,6 +68,23 @@ fn wait_ended(dir: &TestDir, id: &str, within: Duration) {
     });
 }
 
+/// `merge` ran once, after the last end of each of `part-0` to `part-{parts - 1}` (a part recovered from a killed
+/// daemon may have run twice).
+fn assert_merge_ran_once_after_its_parts(dir: &TestDir, parts: usize) {
+    let records = dir.records();
+    assert_eq!(records.runs_of("merge"), 1);
+    let start = line_at(&records.lines, "start merge 0");
+    for i in 0..parts {
+        let id = format!("part-{i}");
+        let last_end = records
+            .lines
+            .iter()
+            .rposition(|line| line.starts_with(&format!("end {id} ")))
+            .unwrap_or_else(|| panic!("{id} never ended"));
+        assert!(last_end < start, "{id} ended after merge started");
+    }
+}
+
 /// A chain across two queues: each task starts only after the one before it ended, each runs once, and the last
 /// one's handler gets its dependency's outcome; `flow show` shows the graph with each state.
 #[test]
@@ -248,18 +265,7 @@ fn a_daemon_killed_mid_flow_leaves_its_waiter_released_exactly_once() {
     first.kill9();
     let second = TestDaemon::start(&config);
     wait_ended(&dir, "merge", Duration::from_secs(60));
-    let records = dir.records();
-    assert_eq!(records.runs_of("merge"), 1);
-    let start = line_at(&records.lines, "start merge 0");
-    for i in 0..300 {
-        let id = format!("part-{i}");
-        let last_end = records
-            .lines
-            .iter()
-            .rposition(|line| line.starts_with(&format!("end {id} ")))
-            .unwrap_or_else(|| panic!("{id} never ended"));
-        assert!(last_end < start, "{id} ended after merge started");
-    }
+    assert_merge_ran_once_after_its_parts(&dir, 300);
     assert_eq!(counter(&redis, "b", "released"), 1);
     second.stop();
 }
@@ -446,18 +452,7 @@ fn on_a_cluster_a_master_killed_mid_flow_releases_the_waiter_exactly_once() {
     cluster.wait_failover().unwrap();
     cluster.restart_node(&parts_master.addr).unwrap();
     wait_ended(&dir, "merge", Duration::from_secs(120));
-    let records = dir.records();
-    assert_eq!(records.runs_of("merge"), 1);
-    let start = line_at(&records.lines, "start merge 0");
-    for i in 0..400 {
-        let id = format!("part-{i}");
-        let last_end = records
-            .lines
-            .iter()
-            .rposition(|line| line.starts_with(&format!("end {id} ")))
-            .unwrap_or_else(|| panic!("{id} never ended"));
-        assert!(last_end < start, "{id} ended after merge started");
-    }
+    assert_merge_ran_once_after_its_parts(&dir, 400);
     let shown = flow_show(&config, &merges, "merge");
     assert_eq!(shown["state"], "released");
     daemon.stop();
