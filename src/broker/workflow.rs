@@ -131,7 +131,7 @@ struct Task {
 }
 
 /// A note's outcome, as much as the mover reads of it.
-#[derive(Deserialize)]
+#[derive(Deserialize, Clone)]
 struct Outcome {
     queue: String,
     id: String,
@@ -149,7 +149,7 @@ pub fn dependency_field(queue: &str, id: &str) -> String {
 /// One turn of the mover of `keys`' outbox: reads up to [`MOVE_BATCH`] of its oldest notes, applies each to each
 /// of its waiters (each apply replicated, with `wait_replicas`, before anything is removed), then removes them. Returns how many notes it read. A note that is not one (written by
 /// something else than kmqd) is logged and removed with the others: it names no waiter it could be applied to.
-/// `beat` is called before each apply (the delay poller's pulse, for the watchdog).
+/// `beat` is called before each waiter's apply (the delay poller's pulse, for the watchdog).
 pub fn move_outbox(conn: &mut Conn, keys: &QueueKeys, beat: &dyn Fn()) -> Result<usize> {
     let outbox = keys.deps_outbox();
     let notes: Vec<Vec<u8>> = redis::cmd("LRANGE")
@@ -160,6 +160,8 @@ pub fn move_outbox(conn: &mut Conn, keys: &QueueKeys, beat: &dyn Fn()) -> Result
     if notes.is_empty() {
         return Ok(0);
     }
+    // The outcomes for each waiter, in the order read: one apply a waiter (a fan-in's notes come in runs).
+    let mut waiters: Vec<(Task, Vec<(Outcome, &str)>)> = Vec::new();
     for bytes in &notes {
         let parsed = serde_json::from_slice::<Note<'_>>(bytes).and_then(|note| {
             serde_json::from_str::<Outcome>(note.outcome.get()).map(|outcome| (note, outcome))
@@ -176,10 +178,21 @@ pub fn move_outbox(conn: &mut Conn, keys: &QueueKeys, beat: &dyn Fn()) -> Result
                 continue;
             }
         };
-        for waiter in &note.to {
-            beat();
-            apply(conn, keys, waiter, &outcome, note.outcome.get())?;
+        for waiter in note.to {
+            let raw = note.outcome.get();
+            let outcome = outcome.clone();
+            match waiters
+                .iter_mut()
+                .find(|(known, _)| known.queue == waiter.queue && known.id == waiter.id)
+            {
+                Some((_, outcomes)) => outcomes.push((outcome, raw)),
+                None => waiters.push((waiter, vec![(outcome, raw)])),
+            }
         }
+    }
+    for (waiter, outcomes) in &waiters {
+        beat();
+        apply(conn, keys, waiter, outcomes)?;
     }
     let mut invocation = SCRIPTS.flow_outbox.prepare_invoke();
     invocation.key(&outbox);
@@ -191,13 +204,12 @@ pub fn move_outbox(conn: &mut Conn, keys: &QueueKeys, beat: &dyn Fn()) -> Result
     Ok(notes.len())
 }
 
-/// Applies one dependency's outcome to one waiting task (flow_apply.lua), naming the ready list its hash names.
+/// Applies dependencies' outcomes to one waiting task (flow_apply.lua), naming the ready list its hash names.
 fn apply(
     conn: &mut Conn,
     keys: &QueueKeys,
     waiter: &Task,
-    outcome: &Outcome,
-    raw: &str,
+    outcomes: &[(Outcome, &str)],
 ) -> Result<String> {
     let theirs = keys.other_queue(&waiter.queue);
     let hash = theirs.deps(&waiter.id);
@@ -207,9 +219,8 @@ fn apply(
         let ready: Option<String> = redis::cmd("HGET").arg(&hash).arg("ready").query(conn)?;
         // A waiter not written yet gets only the record: any list of its slot stands in for its ready list.
         let ready = ready.unwrap_or_else(|| theirs.deps_ended(&waiter.id) + ":none");
-        let said: String = SCRIPTS
-            .flow_apply
-            .prepare_invoke()
+        let mut invocation = SCRIPTS.flow_apply.prepare_invoke();
+        invocation
             .key(&hash)
             .key(theirs.deps_ended(&waiter.id))
             .key(theirs.deps_waiting())
@@ -217,13 +228,16 @@ fn apply(
             .key(&theirs.wake)
             .key(&theirs.dead)
             .key(&theirs.stats)
-            .key(theirs.deps_outbox())
-            .arg(dependency_field(&outcome.queue, &outcome.id))
-            .arg(raw)
-            .arg(&outcome.state)
-            .arg(format!("{}/{}", outcome.queue, outcome.id))
-            .arg(outcome.reason.as_deref().unwrap_or(""))
-            .invoke(conn)?;
+            .key(theirs.deps_outbox());
+        for (outcome, raw) in outcomes {
+            invocation
+                .arg(dependency_field(&outcome.queue, &outcome.id))
+                .arg(*raw)
+                .arg(&outcome.state)
+                .arg(format!("{}/{}", outcome.queue, outcome.id))
+                .arg(outcome.reason.as_deref().unwrap_or(""));
+        }
+        let said: String = invocation.invoke(conn)?;
         // Replicated before the note may be removed (`[redis] wait_replicas`): a failover of the waiter's master
         // must not undo a record whose note is gone. Not replicated: an error, and the note stays for the next
         // turn, whose apply is then a duplicate or the record again.
