@@ -17,6 +17,7 @@ use std::time::Duration;
 use serde_json::value::RawValue;
 
 use crate::broker::dead::{self, DeadRecord, Fate, RequeueItem};
+use crate::broker::workflow::{self, WaitingTask};
 use crate::broker::{
     self, BrokerError, Due, Found, Pool, PushItem, QueueKeys, QueueStats, Scope, access, eviction,
     lookup,
@@ -124,6 +125,16 @@ pub enum TaskResult {
     Unknown { keeps_results: bool },
 }
 
+/// What [`Client::push_flow`] pushed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PushedFlow {
+    /// Every task, root first: (queue, id, its path in the file when its id was generated).
+    pub tasks: Vec<(String, String, Option<String>)>,
+    /// The waiting tasks that were not written anew: (queue, id, "exists", or "released" / "failed" when their
+    /// dependencies had already ended).
+    pub kept: Vec<(String, String, String)>,
+}
+
 /// What became of a push.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Pushed {
@@ -165,6 +176,9 @@ pub enum ClientError {
 
 struct QueueInfo {
     keys: QueueKeys,
+    /// `dead_max`: a flow's waiting task failed by a dead dependency is dead-lettered in the queue's list, so
+    /// bounded.
+    dead_max: usize,
     /// `keep_results`: whether the settle keeps the queue's results, for [`Client::result`]'s words.
     keep_results: Option<Duration>,
     /// Safe mode: a running task stays in Redis (its claim), so one found nowhere has ended; in default mode a
@@ -194,6 +208,7 @@ impl Client {
             .map(|queue| {
                 let info = QueueInfo {
                     keys: QueueKeys::for_queue(&config.redis.key_prefix, queue),
+                    dead_max: queue.dead_max,
                     keep_results: queue.keep_results,
                     safe: queue.mode == crate::config::Mode::Safe,
                     default_priority: queue.default_priority,
@@ -361,6 +376,77 @@ impl Client {
             }
         }
         Ok(results)
+    }
+
+    /// Pushes a flow (docs/design/flows.md): `text` is the flow's JSON, checked whole before anything is
+    /// written ([`crate::flow::plan`]). Its waiting tasks are written first, a queue at a time (each call all or
+    /// nothing, [`workflow::PUSH_BATCH`] tasks a call), then the tasks that wait for nothing are pushed: so no
+    /// task can end before the tasks waiting for it exist. Returns the plan's tasks, root first, with the path
+    /// of each whose id was generated, and what became of the waiting tasks already there (pushed before:
+    /// `(queue, id, what flow_push.lua said)` for each not written anew).
+    pub fn push_flow(&self, text: &str) -> Result<PushedFlow, ClientError> {
+        let shapes: HashMap<String, crate::flow::QueueShape> = self
+            .queues
+            .iter()
+            .map(|(name, info)| {
+                let shape = crate::flow::QueueShape {
+                    levels: info.keys.levels.clone(),
+                    default_level: info.default_priority,
+                };
+                (name.clone(), shape)
+            })
+            .collect();
+        let plan = crate::flow::plan(text, &shapes).map_err(ClientError::Data)?;
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        let mut kept = Vec::new();
+        for (queue, waiters) in &plan.waiters {
+            let info = self.queue(queue)?;
+            // Without keep_results, a finished waiting task's hash is kept ten minutes, for `flow show`.
+            let keep = info.keep_results.unwrap_or(Duration::from_secs(600));
+            let said =
+                workflow::push_waiters(&mut connection, &info.keys, info.dead_max, keep, waiters)?;
+            for (waiter, said) in waiters.iter().zip(said) {
+                if said != "waiting" {
+                    kept.push((queue.clone(), waiter.id.clone(), said));
+                }
+            }
+        }
+        for (queue, leaves) in &plan.leaves {
+            let info = self.queue(queue)?;
+            let mut sorted: Vec<&crate::flow::Leaf> = leaves.iter().collect();
+            sorted.sort_by_key(|leaf| leaf.level);
+            for group in sorted.chunk_by(|a, b| a.level == b.level) {
+                for chunk in group.chunks(PUSH_CHUNK) {
+                    let items: Vec<PushItem<'_>> = chunk
+                        .iter()
+                        .map(|leaf| PushItem {
+                            id: &leaf.id,
+                            unique: false,
+                            envelope: &leaf.envelope,
+                        })
+                        .collect();
+                    broker::push(
+                        &mut connection,
+                        &info.keys,
+                        chunk[0].level,
+                        Due::Now,
+                        &items,
+                    )?;
+                }
+            }
+        }
+        Ok(PushedFlow {
+            tasks: plan.tasks,
+            kept,
+        })
+    }
+
+    /// The waiting task `id` of `queue` as `kmqd flow show` reads it: its state and its dependencies' outcomes;
+    /// `None` when it is not (or no longer) a waiting task of a flow.
+    pub fn flow_task(&self, queue: &str, id: &str) -> Result<Option<WaitingTask>, ClientError> {
+        let info = self.queue(queue)?;
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        Ok(workflow::waiting_task(&mut connection, &info.keys, id)?)
     }
 
     /// Every place the task `id` is in: delayed, retrying, ready, processing or dead (a non-unique id may be in

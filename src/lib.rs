@@ -15,7 +15,9 @@
 //! - [`plugin`]: the plugin registry and the FFI (the only unsafe code);
 //! - [`queue`]: what every thread of a queue shares (config, keys, policy, verdicts); [`settler`]: settling a
 //!   batch until Redis has answered for it (a lane's acker and the monitor);
-//! - [`client`]: the producer API ([`Client::push`], [`Client::push_batch`]) and an operator's;
+//! - [`flow`]: a flow file (`kmqd flow push`) parsed and checked into what to write to each queue;
+//! - [`client`]: the producer API ([`Client::push`], [`Client::push_batch`], [`Client::push_flow`]) and an
+//!   operator's;
 //! - [`overview`]: every queue polled, the rows `stats --watch` and the dashboard show;
 //! - [`http`]: the bounded HTTP server of the metrics endpoint and the dashboard;
 //! - [`daemon`]: the supervisor on top; below it the per-daemon threads (heartbeat, monitor, timeouts, delay,
@@ -57,6 +59,7 @@ pub(crate) mod cron;
 pub mod daemon;
 #[cfg(feature = "daemon")]
 pub(crate) mod dashboard;
+pub mod flow;
 #[cfg(feature = "daemon")]
 pub(crate) mod http;
 #[cfg(feature = "daemon")]

@@ -175,10 +175,10 @@ pub struct TaskParts<'a> {
 
 impl TaskParts<'_> {
     /// The id a unique task holds: a settlement releases it (or keeps it held, for a task queued again).
-    fn unique_id(&self) -> Option<String> {
+    fn unique_id(&self) -> Option<Box<str>> {
         self.envelope
             .filter(|envelope| envelope.unique)
-            .and_then(|envelope| envelope.id.as_deref().map(str::to_string))
+            .and_then(|envelope| envelope.id.as_deref().map(Box::from))
     }
 }
 
@@ -206,11 +206,47 @@ pub fn record(
         Some(envelope) => Some(envelope.id_str().to_string()),
         None => crate::task::salvage_id(task.payload),
     });
+    // Only for a task of a flow that others wait for (its envelope's `waiters`, written by `kmqd flow push`).
+    let waiters = task.envelope.and_then(|envelope| {
+        let (_, waiters) = envelope.extra.iter().find(|(name, _)| name == "waiters")?;
+        Some((envelope.id_str().to_string(), waiters.clone()))
+    });
     let (mut settlement, hook) = record_without_result(origin, action, failed, task);
     if let (Some((_, ttl)), Some(id)) = (origin.keep_results, id) {
         settlement.kept = kept(ttl, action, result, &settlement.op, id);
     }
+    if let Some((id, waiters)) = waiters {
+        settlement.note = note(origin.queue, &id, &waiters, action, result, &settlement.op);
+    }
     (settlement, hook)
+}
+
+/// The note to the tasks waiting for a task that this settlement ends (docs/design/flows.md): its outcome as
+/// [`kept`] decides it; nothing for a settlement that does not end the task.
+fn note(
+    queue: &str,
+    id: &str,
+    waiters: &serde_json::value::RawValue,
+    action: &Action,
+    result: Option<&str>,
+    op: &SettleOp,
+) -> Option<Box<crate::broker::tasks::Note>> {
+    use crate::broker::workflow::{self, Ended};
+    let ended = match (action, op) {
+        (Action::Ack, SettleOp::Ack) => Ended::Done(result),
+        (Action::Dead { reason } | Action::Retry { reason, .. }, SettleOp::Dead) => {
+            Ended::Dead(reason)
+        }
+        (Action::Recover { .. }, SettleOp::Dead) => Ended::Dead("malformed task"),
+        _ => return None,
+    };
+    Some(Box::new(crate::broker::tasks::Note(workflow::note(
+        queue,
+        id,
+        waiters,
+        ended,
+        MAX_RESULT_BYTES,
+    ))))
 }
 
 /// What a settlement that ends a task keeps: nothing for a task that does not end (a retry, a recovery, a
@@ -271,6 +307,7 @@ fn record_without_result(
         payload,
         failed,
         kept: None,
+        note: None,
     };
     match (action, envelope) {
         (Action::Ack, _) => (base(SettleOp::Ack, Vec::new()), None),

@@ -295,6 +295,7 @@ mod tests {
             payload: vec![b'x'; bytes],
             failed: true,
             kept: None,
+            note: None,
         }
     }
 

@@ -421,6 +421,7 @@ impl Safe {
                 payload: Vec::new(),
                 failed: false,
                 kept: None,
+                note: None,
             })
             .collect();
         for call in acks.chunks(taken.div_ceil(settles).max(1)) {

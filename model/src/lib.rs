@@ -17,9 +17,14 @@
 //! - [`group_types`]: groups beside type limits (groups.lua's flows of a group's limited type and park indexes,
 //!   settle.lua's and group_resume.lua's emptying of them), a model of their own.
 //!
+//! - [`flows`]: issue 36's flows (after.lua's notes in the settle's step, the outbox's movers, flow_apply.lua's
+//!   record keyed by dependency): a waiting task released exactly once, after all its dependencies, a model of
+//!   its own.
+//!
 //! See `model/README.md` for what the model covers, what it leaves out, and what the checker found.
 
 pub mod canon;
+pub mod flows;
 pub mod group_types;
 pub mod groups;
 pub mod model;

@@ -78,6 +78,11 @@ typedef struct {
      * `keep_results` (docs/HANDLERS.md, "Results"); ignored otherwise. Callable from any thread while `run` is
      * valid (before `handle` returns or `complete` is called). */
     void (*result)(void *run, kmq_str json);
+    /* Added within v1: the outcomes of the tasks the run's task waited for (a flow's `after`: docs/HANDLERS.md,
+     * "Flows"), a JSON list of {"queue", "id", "state": "done" | "dead", "result" | "reason"}; empty text for a
+     * task that waited for none. Valid while `run` is. Beyond an older host's `struct_size`: its tasks waited
+     * for nothing. */
+    kmq_str (*dependencies)(void *run);
 } kmq_host;
 
 typedef enum {

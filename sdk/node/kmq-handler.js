@@ -105,6 +105,9 @@ function taskOf(line) {
     queue: line.queue ?? '',
     attempt: line.attempt ?? 0,
     data: line.data ?? null,
+    /** A task of a flow that waited for others: their outcomes ({queue, id, state, result or reason}); null for
+     * a task that waited for none. */
+    after: line.after ?? null,
     deadline: deadline === null ? null : new Date(deadline),
     createdAt: created === null ? null : new Date(created),
     /** Milliseconds left before the deadline (the execution timeout), or null without one. */

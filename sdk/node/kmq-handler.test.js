@@ -107,6 +107,17 @@ test('a result is answered with done, and one that is not JSON is a failed attem
   assert.match(byId.a2.message, /the handler's result is not JSON/);
 });
 
+test('a task of a flow reads its dependencies\' outcomes as after', () => {
+  const script = handlerFile(`
+    sdk.handle('merge', (task) => new sdk.Result(task.after));
+    sdk.run();
+  `);
+  const after = [{ queue: 'parts', id: 'p1', state: 'done', result: { rows: 3 } }];
+  const { byId } = serve(script, [{ ...task('m1', 'merge', null), after }, task('m2', 'merge', null)]);
+  assert.deepEqual(byId.m1.result, after);
+  assert.equal(byId.m2.result, null);
+});
+
 test('a throttle without a valid delay is a failed attempt that says why', () => {
   const script = handlerFile(`
     sdk.handle('throttle', (task) => { throw new sdk.Throttle(task.data.after); });

@@ -118,7 +118,7 @@ _MAX_AFTER_MS = 2**53 - 1
 class Task:
     """One run of a task: what kmqd's task line says."""
 
-    __slots__ = ("id", "type", "queue", "attempt", "data", "deadline", "created_at")
+    __slots__ = ("id", "type", "queue", "attempt", "data", "deadline", "created_at", "after")
 
     def __init__(self, line):
         self.id = line["id"]
@@ -126,6 +126,9 @@ class Task:
         self.queue = line.get("queue", "")
         self.attempt = line.get("attempt", 0)
         self.data = line.get("data")
+        # A task of a flow that waited for others: their outcomes, a list of {"queue", "id", "state", "result" or
+        # "reason"}; None for a task that waited for none.
+        self.after = line.get("after")
         deadline, created = line.get("deadline_ms"), line.get("created_at_ms")
         # Seconds since the epoch, as time.time() counts them; None when there is none.
         self.deadline = deadline / 1000 if deadline is not None else None

@@ -168,6 +168,25 @@ class Results(unittest.TestCase):
         self.assertIn("the handler's result is not JSON", answers["a2"]["message"])
 
 
+class Flows(unittest.TestCase):
+    def test_a_task_of_a_flow_reads_its_dependencies_outcomes_as_after(self):
+        path = handler_file(
+            """
+            from kmq_handler import Result, handler, run
+
+            @handler("merge")
+            def merge(task):
+                return Result(task.after)
+
+            run()
+            """
+        )
+        after = [{"queue": "parts", "id": "p1", "state": "done", "result": {"rows": 3}}]
+        answers, _, _ = serve(path, [dict(task("m1", "merge", None), after=after), task("m2", "merge", None)])
+        self.assertEqual(answers["m1"]["result"], after)
+        self.assertEqual(answers["m2"]["result"], None)
+
+
 class Concurrency(unittest.TestCase):
     def test_async_handlers_run_at_once_and_answer_out_of_order(self):
         # Each task waits until all three arrived: only true concurrency finishes them; the last one is answered

@@ -1675,6 +1675,8 @@ mod tests {
             sources::FIRE,
             sources::DRAIN,
             sources::MOVE,
+            sources::FLOW_APPLY,
+            sources::FLOW_OUTBOX,
         ];
         let cases: [(Role, &[&str]); 3] = [
             (Role::Daemon, &daemon),
@@ -1725,6 +1727,7 @@ mod tests {
             include_str!("connection.rs"),
             include_str!("admin.rs"),
             include_str!("eviction.rs"),
+            include_str!("workflow.rs"),
         ];
         for source in sources {
             for rest in source.split("cmd(\"").skip(1) {

@@ -256,6 +256,40 @@ impl QueueKeys {
         format!("{}:results:{start}", self.base)
     }
 
+    /// Another queue's keys under the same prefix, without levels: a waiting task of a flow in a queue this
+    /// process may not serve (the mover of an outbox names its waiters' keys so: docs/design/flows.md).
+    pub fn other_queue(&self, queue: &str) -> QueueKeys {
+        QueueKeys::new(self.prefix_and_queue().0, queue, &[])
+    }
+
+    /// A waiting task of a flow (docs/design/flows.md, "1. Keys"): a hash, its envelope and state, until it is
+    /// released or failed, then what `flow show` reads, with an expiry. The id is written as it is, as in
+    /// [`QueueKeys::result`].
+    pub fn deps(&self, id: &str) -> String {
+        format!("{}:deps:{id}", self.base)
+    }
+
+    /// The outcomes of a waiting task's dependencies that ended: a hash, `QUEUE\nID` -> the outcome object.
+    pub fn deps_ended(&self, id: &str) -> String {
+        format!("{}:deps-ended:{id}", self.base)
+    }
+
+    /// The queue's waiting tasks: a hash, id -> ms written (`kmqd stats`' WAITING is its length). Named with a
+    /// dash, as the outbox is, so that no task's id names it (`deps:ID` is a task's).
+    pub fn deps_waiting(&self) -> String {
+        format!("{}:deps-waiting", self.base)
+    }
+
+    /// The queue's outbox: a list of notes to waiting tasks (any queue's), oldest first.
+    pub fn deps_outbox(&self) -> String {
+        format!("{}:deps-outbox", self.base)
+    }
+
+    /// The queue's name, as its keys carry it.
+    pub fn queue_name(&self) -> &str {
+        self.prefix_and_queue().1
+    }
+
     /// `PREFIX:{QUEUE}`, the start of every key of the queue.
     pub fn base(&self) -> &str {
         &self.base

@@ -13,6 +13,7 @@
 //! - [`peek`]: the heads of a queue's ready lists, delayed tasks and retries (the dashboard's queue page);
 //! - [`dead`]: the dead-letter list: reading, requeueing and purging records;
 //! - [`results`]: the results the settle keeps (`keep_results`), read back;
+//! - [`workflow`]: flows of tasks that wait for each other (`kmqd flow push`, the outboxes' mover, `flow show`);
 //! - [`eviction`]: Redis's `maxmemory-policy`, read at start: anything that may evict kmqd's keys is refused;
 //! - [`history`]: a sample a minute of each queue's counters and depths, for the dashboard's charts;
 //! - [`schedule`]: firing periodic tasks;
@@ -40,6 +41,7 @@ pub(crate) mod schedule;
 pub(crate) mod stats;
 pub mod tasks;
 mod tls;
+pub mod workflow;
 
 use std::fmt;
 use std::sync::{Arc, LazyLock};
@@ -240,6 +242,9 @@ struct Scripts {
     moves: redis::Script,
     history: redis::Script,
     group_resume: redis::Script,
+    flow_push: redis::Script,
+    flow_apply: redis::Script,
+    flow_outbox: redis::Script,
 }
 
 /// The scripts' sources, for tests that pick out one script's calls (a fault-injecting proxy matches them).
@@ -282,10 +287,12 @@ pub mod sources {
     );
     pub const TAKE: &str = include_str!("scripts/take.lua");
     pub const RELEASE_UNIQUE: &str = checked!(#!lua "scripts/release_unique.lua");
-    /// results.lua, the results a settle keeps (`keep_results`), goes before settle.lua (after the shebang).
+    /// results.lua, the results a settle keeps (`keep_results`), and after.lua, the notes it writes for the tasks
+    /// of a flow that wait (docs/design/flows.md), go before settle.lua (after the shebang).
     pub const SETTLE: &str = concat!(
         "#!lua\n",
         include_str!("scripts/results.lua"),
+        include_str!("scripts/after.lua"),
         include_str!("scripts/settle.lua")
     );
     pub const RENEW: &str = checked!(#!lua "scripts/renew.lua");
@@ -301,9 +308,24 @@ pub mod sources {
     pub const MOVE: &str = checked!("scripts/move.lua");
     pub const HISTORY: &str = checked!(#!lua "scripts/history.lua");
     pub const GROUP_RESUME: &str = checked!("scripts/group_resume.lua");
+    /// deps.lua, what becomes of a waiting task of a flow, goes before both scripts that record its dependencies'
+    /// outcomes (after checks.lua, whose checks it uses).
+    pub const FLOW_PUSH: &str = concat!(
+        "#!lua\n",
+        include_str!("scripts/checks.lua"),
+        include_str!("scripts/deps.lua"),
+        include_str!("scripts/flow_push.lua")
+    );
+    pub const FLOW_APPLY: &str = concat!(
+        "#!lua\n",
+        include_str!("scripts/checks.lua"),
+        include_str!("scripts/deps.lua"),
+        include_str!("scripts/flow_apply.lua")
+    );
+    pub const FLOW_OUTBOX: &str = checked!(#!lua "scripts/flow_outbox.lua");
 
     /// Every script the broker runs, by its file's name, push.lua first.
-    pub const ALL: [(&str, &str); 20] = [
+    pub const ALL: [(&str, &str); 23] = [
         ("push.lua", super::PUSH_SCRIPT),
         ("claim.lua", CLAIM),
         ("adopt.lua", ADOPT),
@@ -324,6 +346,9 @@ pub mod sources {
         ("move.lua", MOVE),
         ("history.lua", HISTORY),
         ("group_resume.lua", GROUP_RESUME),
+        ("flow_push.lua", FLOW_PUSH),
+        ("flow_apply.lua", FLOW_APPLY),
+        ("flow_outbox.lua", FLOW_OUTBOX),
     ];
 
     /// The scripts that may be 32 KiB or more (`tasks::LARGE_ARGUMENT`), each loaded only on a
@@ -357,6 +382,9 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     moves: redis::Script::new(sources::MOVE),
     history: redis::Script::new(sources::HISTORY),
     group_resume: redis::Script::new(sources::GROUP_RESUME),
+    flow_push: redis::Script::new(sources::FLOW_PUSH),
+    flow_apply: redis::Script::new(sources::FLOW_APPLY),
+    flow_outbox: redis::Script::new(sources::FLOW_OUTBOX),
 });
 
 /// The published enqueue script (docs/PROTOCOL.md shows how to call it from any language).

@@ -1337,7 +1337,9 @@ pub struct Settlement {
     pub popped_scope: Option<Arc<str>>,
     /// Released on ack or dead-letter when the task is unique (in default mode, only while the owner that popped
     /// it still holds it: settle.lua, "Unique ids").
-    pub unique_id: Option<String>,
+    /// A boxed `str`, not a `String`: a settlement travels through channels by value, and the acker's
+    /// `Apply` is kept within clippy's size bound.
+    pub unique_id: Option<Box<str>>,
     pub level: usize,
     /// Retry/back: the envelope to queue; dead: the dead record (a JSON object); ack: unused.
     pub payload: Vec<u8>,
@@ -1346,7 +1348,16 @@ pub struct Settlement {
     /// The result the settle keeps when this record ends the task (an "ack" or a "dead" that applies): a queue
     /// with `keep_results` (results.lua). `None`: nothing is kept.
     pub kept: Option<Box<Kept>>,
+    /// The note to the tasks of a flow that wait for this one, written to the queue's outbox when this record
+    /// ends the task (an "ack" or a "dead" that applies: after.lua; docs/design/flows.md). `None`: nothing
+    /// waits for it.
+    pub note: Option<Box<Note>>,
 }
+
+/// A note to the tasks waiting for a task of a flow: its JSON (`broker::workflow::note`). Boxed in a
+/// [`Settlement`], which most tasks settle without: a settlement travels through channels by value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Note(pub Vec<u8>);
 
 /// A task's result as the settle that ends it keeps it: its task's id (its field in the queue's bucket hash of the
 /// time: results.lua), its value (a JSON object: docs/PROTOCOL.md, "Results"; the script adds `ended_at`) and how
@@ -1367,6 +1378,7 @@ impl Settlement {
                 .kept
                 .as_ref()
                 .map_or(0, |kept| kept.id.len() + kept.value.len())
+            + self.note.as_ref().map_or(0, |note| note.0.len())
     }
 
     /// A plain acknowledgement: sent as its bare token (or only counted, in default mode), not as a record. Its
@@ -1515,7 +1527,7 @@ pub fn settle<'a>(
                     ..
                 }) => false,
                 Some(_) => true,
-                None => s.kept.is_none(),
+                None => s.kept.is_none() && s.note.is_none(),
             }
     };
     let mut touched = Touched::default();
@@ -1603,6 +1615,10 @@ pub fn settle<'a>(
     // The results this call keeps (results.lua's trailer): each with its task's place in the call (0 and N, the Nth
     // record; K and P, position P of the Kth claim touched, acknowledged in its bitmap); their keys go last.
     let mut kept: Vec<((usize, u64), &Kept)> = Vec::new();
+    // The notes to the tasks waiting for those this call ends (after.lua's trailer, before results.lua's), placed
+    // as the results are but in after.lua's words (`rN`, the Nth record; `cK:P`); the outbox is their one key,
+    // before the result keys.
+    let mut notes: Vec<(String, &[u8])> = Vec::new();
     let mut record = 0;
     for s in settlements.clone() {
         let place = match (&s.token, bulk(s)) {
@@ -1619,11 +1635,23 @@ pub fn settle<'a>(
                 (0, record)
             }
         };
+        if let Some(note) = s.note.as_deref()
+            && matches!(s.op, SettleOp::Ack | SettleOp::Dead)
+        {
+            let place = match place {
+                (0, record) => format!("r{record}"),
+                (claim, position) => format!("c{claim}:{position}"),
+            };
+            notes.push((place, note.0.as_slice()));
+        }
         if let Some(result) = s.kept.as_deref()
             && matches!(s.op, SettleOp::Ack | SettleOp::Dead)
         {
             kept.push((place, result));
         }
+    }
+    if !notes.is_empty() {
+        invocation.key(keys.deps_outbox());
     }
     // One bucket for the call (results.lua): the results of a queue are kept alike, so the longest expiry is the
     // queue's `keep_results` (a reload between two records of a call keeps the longer).
@@ -1712,6 +1740,12 @@ pub fn settle<'a>(
             .arg(scope);
         records += 1;
     }
+    if !notes.is_empty() {
+        for (place, note) in &notes {
+            invocation.arg(place).arg(*note);
+        }
+        invocation.arg(notes.len()).arg("notes");
+    }
     if let Some((ttl, start)) = bucket {
         for ((claim, place), result) in &kept {
             invocation
@@ -1730,8 +1764,11 @@ pub fn settle<'a>(
     // otherwise the caller loads the script on a new connection (the settler does) and sends the call again.
     let large = settlements.clone().into_iter().any(|s| {
         let sent = match bulk(s) {
-            // A plain acknowledgement sends only its kept result, in the trailer.
-            true => s.kept.as_ref().map_or(0, |kept| kept.value.len()),
+            // A plain acknowledgement sends only its kept result and its note, in the trailers.
+            true => {
+                s.kept.as_ref().map_or(0, |kept| kept.value.len())
+                    + s.note.as_ref().map_or(0, |note| note.0.len())
+            }
             false => s.bytes(),
         };
         sent >= LARGE_ARGUMENT

@@ -20,6 +20,7 @@ mod colour;
 mod daemon;
 mod dashboard;
 mod dead;
+mod flow;
 mod groups;
 mod push;
 mod queue;
@@ -30,6 +31,7 @@ mod workers;
 
 pub use dashboard::{DashboardArgs, DashboardCommand};
 pub use dead::DeadCommand;
+pub use flow::FlowCommand;
 pub use groups::GroupCommand;
 pub use push::PushArgs;
 pub use queue::QueueCommand;
@@ -74,6 +76,9 @@ pub enum Command {
         #[arg(long, default_value = "1s", value_parser = parse_interval, requires = "watch")]
         interval: std::time::Duration,
     },
+    /// Push a flow of tasks that wait for each other, or show the graph under one of its tasks.
+    #[command(subcommand)]
+    Flow(FlowCommand),
     /// Find or cancel tasks by id.
     #[command(subcommand)]
     Task(TaskCommand),
@@ -234,6 +239,10 @@ pub fn run(args: Args) -> Result<(), Failure> {
         Command::Stats { json, .. } => {
             init_logging("warn");
             stats::run_stats(&config, json)
+        }
+        Command::Flow(flow) => {
+            init_logging("warn");
+            flow::run_flow(&config, flow)
         }
         Command::Task(task) => {
             init_logging("warn");

@@ -2,6 +2,11 @@
 //! batches, with the lock-free promote script; per daemon a listener thread tells pollers when a task became due
 //! sooner than they planned.
 //!
+//! The poller is also the mover of its queue's flow outbox (docs/design/flows.md): each turn, after the promote,
+//! it applies the notes the queue's settles wrote to the tasks that wait for theirs
+//! ([`broker::workflow::move_outbox`]); a settle that writes one publishes on the delay channel, so a waiting
+//! task is released at once, and at most [`MAX_WAIT`] late when the message is missed.
+//!
 //! A poller sleeps (on the local clock, which is precise, unlike Redis's blocking timeouts that round up to its
 //! 100 ms tick) until the earliest due time that the script reported, at most [`MAX_WAIT`]. Producers that add a
 //! task earlier than every other publish on the queue's delay channel, and the listener wakes the poller.
@@ -13,6 +18,7 @@ use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender, select};
 
+use crate::broker::workflow::MOVE_BATCH;
 use crate::broker::{self, Connector, Session};
 use crate::config::RedisConfig;
 use crate::pulse::Pulse;
@@ -24,9 +30,10 @@ use crate::shutdown::Listener;
 const MAX_WAIT: Duration = Duration::from_secs(1);
 
 /// How long a queue's delay poller may go without a beat before the watchdog counts it as wedged: its longest
-/// sleep, one promote (and a redirect), then the backoff after a failure. With the defaults: 31.1 s.
+/// sleep, one promote (and a redirect), or the outbox's read and one waiter's apply (two calls, each with a
+/// redirect: the mover beats before each), then the backoff after a failure. With the defaults: 51.1 s.
 pub fn poller_stall_bound(redis: &RedisConfig) -> Duration {
-    MAX_WAIT + redis.call_bound(2) + Backoff::MAX
+    MAX_WAIT + redis.call_bound(4) + Backoff::MAX
 }
 
 pub struct DelayPoller {
@@ -47,17 +54,20 @@ impl DelayPoller {
             self.pulse.beat();
             let queue = &self.queue;
             let batch = queue.config.delay_batch;
-            let result = self
-                .session
-                .get()
-                .and_then(|connection| broker::promote(connection, &queue.keys, batch));
+            let pulse = &self.pulse;
+            let result = self.session.get().and_then(|connection| {
+                let promoted = broker::promote(connection, &queue.keys, batch)?;
+                let notes =
+                    broker::workflow::move_outbox(connection, &queue.keys, &|| pulse.beat())?;
+                Ok((promoted, notes))
+            });
             if result.is_ok() {
                 backoff.reset();
                 trouble.recovered();
             }
             let wait = match result {
-                Ok((moved, _)) if moved == batch => continue,
-                Ok((_, next_due)) => next_due.unwrap_or(MAX_WAIT).min(MAX_WAIT),
+                Ok(((moved, _), notes)) if moved == batch || notes == MOVE_BATCH => continue,
+                Ok(((_, next_due), _)) => next_due.unwrap_or(MAX_WAIT).min(MAX_WAIT),
                 Err(error) => {
                     trouble.failed(&error);
                     self.session.reset();

@@ -271,7 +271,7 @@ mod tests {
             Bounds {
                 fetcher: ms(51_300),
                 acker: ms(30_160),
-                delay: ms(31_100),
+                delay: ms(51_100),
                 sources: None,
             },
             "the defaults the stall bounds' doc comments give"
@@ -286,7 +286,7 @@ mod tests {
             ms(200 + 5_000 + 1_000 + 100 + 4_000 + 5_000)
         );
         assert_eq!(bounds.acker, ms(50 + 1_000 + 100 + 2_000 + 5_000 + 10));
-        assert_eq!(bounds.delay, ms(1_000 + 1_000 + 100 + 2_000 + 5_000));
+        assert_eq!(bounds.delay, ms(1_000 + 1_000 + 100 + 4_000 + 5_000));
         let config = parse(
             "[[queues]]\nname = \"mail\"\nmode = \"safe\"\nsource_lists = [\"queue:mail\"]\n",
         );

@@ -98,6 +98,8 @@ pub(crate) struct Run<'a> {
     pub(crate) created_at_ms: i64,
     pub(crate) deadline_ms: i64,
     pub(crate) cancel: &'a AtomicU32,
+    /// The outcomes of the tasks it waited for (the envelope's `after`, a JSON list), for `kmq_host.dependencies`.
+    pub(crate) after: Option<&'a str>,
 }
 
 /// What `handle` returned.
@@ -352,7 +354,7 @@ impl LoadedPlugin {
             message.resize(MESSAGE_CAPACITY, 0);
         }
         let mut retry_after_ms: i64 = -1;
-        let slot = RunSlot::default();
+        let slot = RunSlot::with_dependencies(run.after);
         let task = task_view(run, &mut retry_after_ms, slot.handle());
         let mut buf = KmqBuf {
             ptr: message.as_mut_ptr().cast::<c_char>(),
@@ -387,7 +389,7 @@ impl LoadedPlugin {
         let mut retry_after_ms: i64 = -1;
         let ticket = Box::into_raw(Box::new(Ticket {
             completion,
-            slot: RunSlot::default(),
+            slot: RunSlot::with_dependencies(run.after),
         }));
         // SAFETY: the box was just made; its slot stays where it is until `completed` takes the box back.
         let slot = unsafe { (*ticket).slot.handle() };

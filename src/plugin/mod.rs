@@ -172,6 +172,11 @@ impl<'a> Run<'a> {
             created_at_ms: envelope.created_at.unwrap_or(0),
             deadline_ms,
             cancel,
+            after: envelope
+                .extra
+                .iter()
+                .find(|(name, _)| name == "after")
+                .map(|(_, after)| after.get()),
         }
     }
 }

@@ -637,6 +637,7 @@ fn a_settle_batch_that_cannot_apply_applies_nothing_and_applies_once_when_it_can
             payload: Vec::new(),
             failed: false,
             kept: None,
+            note: None,
         })
         .collect();
     batch.push(kmqd::broker::Settlement {
@@ -649,6 +650,7 @@ fn a_settle_batch_that_cannot_apply_applies_nothing_and_applies_once_when_it_can
         payload: br#"{"queue":"jobs","reason":"bad"}"#.to_vec(),
         failed: true,
         kept: None,
+        note: None,
     });
     let call = kmqd::broker::Call {
         settler: "test:acker",
@@ -733,6 +735,7 @@ fn identical_envelopes_retried_together_are_added_in_a_near_linear_number_of_zad
             payload: twin.clone(),
             failed: true,
             kept: None,
+            note: None,
         })
         .collect();
     let mut connection = redis.connection();

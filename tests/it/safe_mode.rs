@@ -413,6 +413,7 @@ pub(crate) fn settlement_of(batch: &broker::Batch, index: usize, op: SettleOp) -
         payload: batch.payloads.get(index).to_vec(),
         failed: false,
         kept: None,
+        note: None,
     }
 }
 
@@ -478,6 +479,7 @@ fn plain_ack(token: Option<broker::Token>) -> Settlement {
         payload: Vec::new(),
         failed: false,
         kept: None,
+        note: None,
     }
 }
 

@@ -299,8 +299,11 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
                     || arg.starts_with(b"kmq:{dtyped}")
                     || arg.starts_with(b"kmq:{grouped}")
             });
-            // So are settles that keep results (results.lua's trailer, the limited queue's).
-            let kept = args.iter().any(|arg| arg.as_slice() == b"results");
+            // So are settles that keep results (results.lua's trailer, the limited queue's), and those that write
+            // a flow's notes (after.lua's trailer).
+            let kept = args
+                .iter()
+                .any(|arg| arg.as_slice() == b"results" || arg.as_slice() == b"notes");
             if shapes.contains_key(&shape) || (per_script >= 8 && !throttle && !typed && !kept) {
                 return;
             }
@@ -396,6 +399,23 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
     // A default-mode queue without limits or unique ids: its pops after the first full one are plain (take.lua).
     let plain: Vec<NewTask> = (0..100).map(|i| test("7", &format!("plain-{i}"))).collect();
     client.push_batch("plain", plain).unwrap();
+    // A flow across a safe-mode and a default-mode queue: flow_push.lua writes the waiters; the settles of the
+    // parts write notes (after.lua), which the delay pollers apply (flow_apply.lua) and remove (flow_outbox.lua);
+    // `flow-failed` waits for a part that fails, and is dead-lettered unrun.
+    client
+        .push_flow(
+            r#"{"queue": "fast", "type": "test", "id": "flow-root", "data": 7,
+                "after": [{"queue": "jobs", "type": "test", "id": "flow-part", "data": 7},
+                          {"queue": "jobs", "type": "test", "id": "flow-mid", "data": 7,
+                           "after": [{"queue": "fast", "type": "test", "id": "flow-leaf", "data": 7}]}]}"#,
+        )
+        .unwrap();
+    client
+        .push_flow(
+            r#"{"queue": "jobs", "type": "test", "id": "flow-failed", "data": 7,
+                "after": [{"queue": "fast", "type": "test", "id": "flow-bad", "data": {"outcome": "fail"}}]}"#,
+        )
+        .unwrap();
     for i in 0..5 {
         let _: i64 = redis.cmd(&[
             "RPUSH",
@@ -449,6 +469,19 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
     });
     eventually(
         Duration::from_secs(20),
+        "the flows released and failed",
+        || {
+            let root: Option<String> = redis.cmd(&["HGET", "kmq:{fast}:deps:flow-root", "state"]);
+            let failed: Option<String> =
+                redis.cmd(&["HGET", "kmq:{jobs}:deps:flow-failed", "state"]);
+            (
+                root.as_deref() == Some("released") && failed.as_deref() == Some("dead"),
+                (root, failed),
+            )
+        },
+    );
+    eventually(
+        Duration::from_secs(20),
         "a schedule fired and a lease renewed",
         || {
             let fired = proxy.seen(&Matcher::script(sources::FIRE));
@@ -490,6 +523,11 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
         ("push.lua", "kmq:{grouped}:routes"),
         ("settle.lua", "kmq:{grouped}:flow:normal:a:"),
         ("group_resume.lua", ":hold:g:c"),
+        ("settle.lua", "kmq:{jobs}:deps-outbox"),
+        ("settle.lua", "kmq:{fast}:deps-outbox"),
+        ("flow_apply.lua", ":deps:flow-"),
+        ("flow_apply.lua", "kmq:{jobs}:deps:flow-failed"),
+        ("flow_outbox.lua", ":deps-outbox"),
     ] {
         let named = |call: &Recorded| {
             call.script == script

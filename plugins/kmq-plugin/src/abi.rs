@@ -79,8 +79,13 @@ pub struct KmqTask {
 pub struct KmqHost {
     pub struct_size: u32,
     pub result: Option<ResultFn>,
+    /// Appended within v1: beyond an older host's `struct_size`, read as NULL (its tasks waited for nothing).
+    pub dependencies: Option<DependenciesFn>,
 }
 
+/// `kmq_host.dependencies`: the outcomes of the tasks a run's task waited for (a flow's `after`), a JSON list;
+/// empty text when it waited for none. Valid while the run is.
+pub type DependenciesFn = unsafe extern "C" fn(run: *mut c_void) -> KmqStr;
 /// `kmq_host.result`: attaches a JSON result to a run.
 pub type ResultFn = unsafe extern "C" fn(run: *mut c_void, json: KmqStr);
 /// The descriptor's `host`: hands the plugin what the host offers.

@@ -75,6 +75,22 @@ fn result_fn() -> Option<ResultFn> {
     offer.result
 }
 
+/// The host's `dependencies` function, when the host offered one (a host newer than flows).
+pub(crate) fn dependencies_fn() -> Option<crate::abi::DependenciesFn> {
+    let offer = HOST.load(Ordering::Acquire);
+    if offer.is_null() {
+        return None;
+    }
+    // SAFETY: as in `result_fn`.
+    let offer = unsafe { &*offer };
+    let covered = std::mem::offset_of!(KmqHost, dependencies)
+        + size_of::<Option<crate::abi::DependenciesFn>>();
+    if (offer.struct_size as usize) < covered {
+        return None;
+    }
+    offer.dependencies
+}
+
 /// A task's `run` handle, when the host offers results: only such a host's tasks have the field.
 ///
 /// # Safety

@@ -17,6 +17,7 @@ use crate::abi::{
 pub static HOST: KmqHost = KmqHost {
     struct_size: size_of::<KmqHost>() as u32,
     result: Some(result_given),
+    dependencies: Some(dependencies_given),
 };
 
 /// One run's slot for what the plugin hands on besides its status: the task's `run` handle
@@ -25,9 +26,20 @@ pub static HOST: KmqHost = KmqHost {
 #[derive(Debug, Default)]
 pub struct RunSlot {
     result: Mutex<Option<String>>,
+    /// The outcomes of the tasks the run's task waited for (its envelope's `after`: docs/design/flows.md), as
+    /// the JSON list the host passes on; `None` for a task that waited for nothing.
+    after: Option<String>,
 }
 
 impl RunSlot {
+    /// The slot of a run whose task waited for the tasks whose outcomes `after` lists (a JSON list).
+    pub fn with_dependencies(after: Option<&str>) -> RunSlot {
+        RunSlot {
+            after: after.map(str::to_string),
+            ..RunSlot::default()
+        }
+    }
+
     /// The run's handle, `kmq_task.run`.
     pub fn handle(&self) -> *mut c_void {
         std::ptr::from_ref(self).cast_mut().cast::<c_void>()
@@ -41,6 +53,16 @@ impl RunSlot {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .take()
     }
+}
+
+/// `kmq_host.dependencies`: the run's `after` list, or empty text. Borrowed from the slot, which outlives the run.
+unsafe extern "C" fn dependencies_given(run: *mut c_void) -> KmqStr {
+    if run.is_null() {
+        return KmqStr::borrow("");
+    }
+    // SAFETY: `run` is the handle of a live run (the ABI's rule): a `RunSlot` that outlives the run.
+    let slot = unsafe { &*run.cast::<RunSlot>() };
+    KmqStr::borrow(slot.after.as_deref().unwrap_or(""))
 }
 
 /// `kmq_host.result`: keeps the run's JSON text (the last call wins). The whole text is copied: kmqd bounds what

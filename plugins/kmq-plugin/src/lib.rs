@@ -252,6 +252,22 @@ impl<'a> Task<'a> {
         serde_json::from_str(self.data_json())
     }
 
+    /// The outcomes of the tasks this task waited for, when it is a task of a flow that waited for others
+    /// (docs/HANDLERS.md, "Flows"): a JSON list of `{"queue", "id", "state": "done" | "dead", "result" |
+    /// "reason"}`, one per task, in no set order. `None` when it waited for none, or under a host older than
+    /// flows.
+    pub fn dependencies(&self) -> Option<&'a str> {
+        let given = crate::export::dependencies_fn()?;
+        // SAFETY: `raw` is the task of the current call (`from_raw`'s contract).
+        let run = unsafe { crate::export::run_of(self.raw) };
+        if run.is_null() {
+            return None;
+        }
+        // SAFETY: the run is live during the call, and the host's text lives as long as the run.
+        let text = Self::text(&unsafe { given(run) });
+        (!text.is_empty()).then_some(text)
+    }
+
     /// 0 on the first run, 1 on the first retry, and so on.
     pub fn attempt(&self) -> u32 {
         self.raw.attempt

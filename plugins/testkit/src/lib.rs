@@ -19,7 +19,8 @@
 //! - `result`: a `"done"` outcome comes with this JSON as its result (`Outcome::DoneWithResult`).
 //!
 //! Config: `record` (a file path): every run appends `start <id> <attempt> <type> <unix µs>` when it begins and
-//! `end <id> <attempt> <outcome>` when it returns, `dead <id> <attempt> <reason>` from `on_dead`, and `shutdown`
+//! `end <id> <attempt> <outcome>` when it returns (and, for a task of a flow that waited for others,
+//! `after <id> <its dependencies' outcomes, the JSON list>` right after its `start`), `dead <id> <attempt> <reason>` from `on_dead`, and `shutdown`
 //! from the plugin's shutdown, one `write` per line so concurrent lines never interleave.
 //! `end_times` (default false): the `end` lines of handled runs carry the time too, `end <id> <attempt>
 //! <outcome> <unix µs>`, so that a benchmark can split a cycle into the handler's run and the rest (tests that
@@ -230,6 +231,10 @@ impl Handler for Testkit {
                 unix_us()
             )
         });
+        // A task of a flow: what it waited for, as the host hands it on (`Task::dependencies`), on one line.
+        if let Some(after) = task.dependencies() {
+            self.record(|| format!("after {} {}\n", task.id(), after.replace(['\n', '\r'], " ")));
+        }
         let outcome =
             match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run(task))) {
                 Ok(outcome) => outcome,

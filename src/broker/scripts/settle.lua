@@ -1,4 +1,4 @@
--- (The broker prepends `#!lua` and results.lua: src/broker/mod.rs, `sources`.)
+-- (The broker prepends `#!lua`, results.lua and after.lua: src/broker/mod.rs, `sources`.)
 -- settle.lua: apply the outcomes of many runs at once (acknowledge, retry, recover, hand back, dead-letter),
 -- exactly once.
 --
@@ -125,6 +125,9 @@ local call = ARGV[6]
 -- The results this call keeps (results.lua): its trailer is taken off ARGV and KEYS before anything reads them.
 local kept, refused_kept = take_kept()
 if not kept then return refused_kept end
+-- The notes to the tasks waiting for the ones this call ends (after.lua): its trailer comes off next.
+local notes, refused_notes = take_notes()
+if not notes then return refused_notes end
 local READY, RETRY, QUARANTINE, PROCESSING = 8, 8 + levels, 8 + 2 * levels, 8 + 5 * levels
 -- Safe mode names at least levels + 3 keys past the quarantine lists; default mode none, or two (a limited queue),
 -- each before the keys of the types whose throttles the call may set (T, after the claims' arguments).
@@ -499,6 +502,7 @@ for k = 1, claims do
     else
       local old = redis.call('GET', c.bits)
       keep_claim(kept, k, c.bits, old, now)
+      note_claim(notes, k, c.bits, old)
       if not old and c.count == c.length then
         -- The whole claim at once, the common case: nothing to merge.
         done = done + c.count
@@ -549,7 +553,10 @@ while i <= #ARGV do
   end
   if ok == 1 then
     ended = ended + 1
-    if op == 'ack' or op == 'dead' then keep(kept, (i - records) / 9 + 1, now) end
+    if op == 'ack' or op == 'dead' then
+      keep(kept, (i - records) / 9 + 1, now)
+      note(notes, (i - records) / 9 + 1)
+    end
     if ARGV[i + 7] == '1' then
       failed = failed + 1
     end
@@ -761,4 +768,5 @@ end
 if wake_poller then
   redis.call('PUBLISH', channel, now)
 end
+notes_written(notes, channel, now)
 return result

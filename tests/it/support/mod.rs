@@ -313,6 +313,16 @@ impl TestDir {
         self.config_for_url(&redis.url(), daemon, queues)
     }
 
+    /// As [`TestDir::config`], reaching Redis through `proxy`, with a read timeout of 500 ms, so that a lost
+    /// reply is noticed soon.
+    pub fn config_through(&self, proxy: &proxy::FaultProxy, queues: &str) -> PathBuf {
+        self.config_raw(
+            &format!("url = \"{}\"\nio_timeout = \"500ms\"", proxy.url()),
+            "shutdown_grace = \"5s\"",
+            queues,
+        )
+    }
+
     /// As [`TestDir::config_with`], with any Redis URL (a `proxy::FaultProxy`'s, for example).
     pub fn config_for_url(&self, url: &str, daemon: &str, queues: &str) -> PathBuf {
         self.config_raw(&format!("url = \"{url}\""), daemon, queues)

@@ -71,6 +71,17 @@ pub fn task_line(task: &Task<'_>, deadline: Option<SystemTime>) -> Vec<u8> {
     } else {
         line.extend_from_slice(data.as_bytes());
     }
+    // A task of a flow that waited for others: their outcomes (docs/HANDLERS.md, "Flows"), compact, as `data`.
+    if let Some(after) = task.dependencies() {
+        line.extend_from_slice(b",\"after\":");
+        match serde_json::from_str::<Value>(after) {
+            Ok(value) if after.contains(['\n', '\r']) => {
+                serde_json::to_writer(&mut line, &value).expect("a value serializes into memory")
+            }
+            Ok(_) => line.extend_from_slice(after.as_bytes()),
+            Err(_) => line.extend_from_slice(b"null"),
+        }
+    }
     line.extend_from_slice(b",\"deadline_ms\":");
     millis(&mut line, deadline);
     line.extend_from_slice(b",\"created_at_ms\":");

@@ -1,0 +1,81 @@
+-- after.lua: the notes a settle writes for the tasks that wait for the ones it ends (docs/design/flows.md),
+-- prepended to settle.lua (src/broker/mod.rs, `sources`) beside results.lua, so that settle.lua itself changes by
+-- a few lines.
+--
+-- A call that ends tasks with waiters (their envelope's `waiters`, written by `kmqd flow push`) carries a trailer
+-- between settle.lua's own arguments and results.lua's trailer: ARGV has N pairs (the task's place in the call:
+-- `rN` for the call's Nth record, `cK:P` for the plain acknowledgement of position P of the call's Kth claim; the
+-- note, a JSON object `{"to": [...], "outcome": {...}}` the daemon built), then N and the word "notes"; KEYS has
+-- the queue's outbox (`P:{Q}:deps-outbox`, in the queue's slot) last, before the result keys. A call without
+-- notes has no trailer and pays one comparison.
+--
+-- `take_notes` takes the trailer off ARGV and KEYS once `take_kept` took results.lua's, and checks the outbox's
+-- type before anything is written. `note` (a record) and `note_claim` (a claim's acknowledgements) write a note
+-- only when its task's settlement applies, on the very condition results.lua's `keep` and `keep_claim` write a
+-- result: so a task's end is noted exactly once, in the step that ends it, and never by a daemon that no longer
+-- holds the task (a stale settle) nor by a settle sent again after a lost reply (settle.lua, "Calls": the stored
+-- answer is returned before anything is applied). The notes are appended (RPUSH: the movers read the oldest
+-- first) and the queue's delay poller, which moves them, is woken once a call.
+local function take_notes()
+  local notes = {records = {}, claims = {}, outbox = false, written = 0}
+  if ARGV[#ARGV] ~= 'notes' then return notes end
+  local count = tonumber(ARGV[#ARGV - 1])
+  if not count or count < 0 or #ARGV < 2 + 2 * count or #KEYS < 1 then
+    return nil, redis.error_reply('settle.lua: notes trailer of ' .. tostring(ARGV[#ARGV - 1]) ..
+      '; nothing was applied')
+  end
+  local first_arg = #ARGV - 2 - 2 * count
+  notes.outbox = KEYS[#KEYS]
+  local found = redis.call('TYPE', notes.outbox).ok
+  if found ~= 'none' and found ~= 'list' then
+    return nil, redis.error_reply('WRONGTYPE settle.lua: ' .. notes.outbox .. ' is a ' .. found .. ', not a list; ' ..
+      'nothing was applied')
+  end
+  for n = 1, count do
+    local at = first_arg + 2 * (n - 1)
+    local place, value = ARGV[at + 1], ARGV[at + 2]
+    local record = tonumber(string.match(place, '^r(%d+)$'))
+    local claim, position = string.match(place, '^c(%d+):(%d+)$')
+    if (not record and not claim) or string.sub(value, 1, 1) ~= '{' then
+      return nil, redis.error_reply('settle.lua: note ' .. n .. ' (' .. place .. ') is not a place and a JSON ' ..
+        'object; nothing was applied')
+    end
+    if record then
+      notes.records[record] = value
+    else
+      claim = tonumber(claim)
+      notes.claims[claim] = notes.claims[claim] or {}
+      table.insert(notes.claims[claim], {position = tonumber(position), value = value})
+    end
+  end
+  for n = #ARGV, first_arg + 1, -1 do ARGV[n] = nil end
+  KEYS[#KEYS] = nil
+  return notes
+end
+
+-- The note of the call's record number `record`, if any: called once the record applied and ended its task.
+local function note(notes, record)
+  local value = notes.records[record]
+  if value then
+    redis.call('RPUSH', notes.outbox, value)
+    notes.written = notes.written + 1
+  end
+end
+
+-- The notes of the plain acknowledgements of the call's claim `k`, before its bitmap `bits` (whose value before
+-- this call is `old`, false for none) is merged: each position whose bit this call sets.
+local function note_claim(notes, k, bits, old)
+  local values = notes.claims[k]
+  if not values then return end
+  for _, value in ipairs(values) do
+    if not old or redis.call('GETBIT', bits, value.position) == 0 then
+      redis.call('RPUSH', notes.outbox, value.value)
+      notes.written = notes.written + 1
+    end
+  end
+end
+
+-- Wakes the queue's delay poller, which moves the notes, once for the call.
+local function notes_written(notes, channel, now)
+  if notes.written > 0 then redis.call('PUBLISH', channel, now) end
+end

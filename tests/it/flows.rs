@@ -1,0 +1,459 @@
+//! Flows (`kmqd flow push`, docs/design/flows.md): a task that waits for others is released exactly once, after
+//! every task it waits for ended, whatever fails; a dead dependency fails it unrun (`if_failed = "fail"`) or lets
+//! it run (`"continue"`), and `kmqd flow show` tells which.
+
+use std::path::Path;
+use std::time::Duration;
+
+use kmqd::broker::sources;
+
+use crate::support::proxy::{AfterDrop, Fault, FaultProxy, Matcher};
+use crate::support::*;
+
+/// Two safe-mode queues, `a` and `b`, with `extra` keys each.
+fn two_queues(extra: &str) -> String {
+    format!(
+        "[[queues]]\nname = \"a\"\nmode = \"safe\"\nretry_times = 0\n{extra}\n\
+         [[queues]]\nname = \"b\"\nmode = \"safe\"\nretry_times = 0\n{extra}\n"
+    )
+}
+
+/// A Redis, a test dir, a config of [`two_queues`] with `extra`, and a daemon serving it.
+fn served(extra: &str) -> (RedisServer, TestDir, std::path::PathBuf, TestDaemon) {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &two_queues(extra));
+    let daemon = TestDaemon::start(&config);
+    (redis, dir, config, daemon)
+}
+
+/// Pushes the flow `json` with `kmqd flow push -`; returns what it printed.
+fn flow_push(config: &Path, json: &str) -> String {
+    let (code, out, err) = kmqd(
+        &["--config", config.to_str().unwrap(), "flow", "push", "-"],
+        Some(json),
+    );
+    assert_eq!(code, 0, "flow push: {out}{err}");
+    out
+}
+
+/// `kmqd flow show QUEUE ID --json`, parsed.
+fn flow_show(config: &Path, queue: &str, id: &str) -> serde_json::Value {
+    let out = kmqd_ok(config, &["flow", "show", queue, id, "--json"]);
+    serde_json::from_str(&out).expect("flow show --json prints JSON")
+}
+
+/// The position of `line` among the testkit's record lines (panics when absent).
+fn line_at(lines: &[String], line: &str) -> usize {
+    lines
+        .iter()
+        .position(|l| l == line || l.starts_with(&format!("{line} ")))
+        .unwrap_or_else(|| panic!("no line {line:?} in {lines:#?}"))
+}
+
+/// A `stats` hash field of `queue`, 0 when absent.
+fn counter(redis: &RedisServer, queue: &str, field: &str) -> i64 {
+    let value: Option<i64> = redis.cmd(&["HGET", &format!("kmq:{{{queue}}}:stats"), field]);
+    value.unwrap_or(0)
+}
+
+/// Waits until the testkit recorded a run of `id` that ended.
+fn wait_ended(dir: &TestDir, id: &str, within: Duration) {
+    eventually(within, &format!("{id} to end"), || {
+        let records = dir.records();
+        (
+            records.ends.iter().any(|(i, ..)| i == id),
+            records.lines.len(),
+        )
+    });
+}
+
+/// `merge` ran once, after the last end of each of `part-0` to `part-{parts - 1}` (a part recovered from a killed
+/// daemon may have run twice).
+fn assert_merge_ran_once_after_its_parts(dir: &TestDir, parts: usize) {
+    let records = dir.records();
+    assert_eq!(records.runs_of("merge"), 1);
+    let start = line_at(&records.lines, "start merge 0");
+    for i in 0..parts {
+        let id = format!("part-{i}");
+        let last_end = records
+            .lines
+            .iter()
+            .rposition(|line| line.starts_with(&format!("end {id} ")))
+            .unwrap_or_else(|| panic!("{id} never ended"));
+        assert!(last_end < start, "{id} ended after merge started");
+    }
+}
+
+/// A chain across two queues: each task starts only after the one before it ended, each runs once, and the last
+/// one's handler gets its dependency's outcome; `flow show` shows the graph with each state.
+#[test]
+fn a_chain_across_two_queues_runs_each_task_once_after_the_one_before() {
+    let (redis, dir, config, daemon) = served("");
+    flow_push(
+        &config,
+        r#"{"queue": "a", "type": "test", "id": "third",
+            "after": [{"queue": "b", "type": "test", "id": "second", "data": {"result": {"rows": 2}},
+                       "after": [{"queue": "a", "type": "test", "id": "first"}]}]}"#,
+    );
+    wait_ended(&dir, "third", Duration::from_secs(30));
+    let records = dir.records();
+    for id in ["first", "second", "third"] {
+        assert_eq!(records.runs_of(id), 1, "{id}: {:#?}", records.lines);
+    }
+    assert!(line_at(&records.lines, "end first 0") < line_at(&records.lines, "start second 0"));
+    assert!(line_at(&records.lines, "end second 0") < line_at(&records.lines, "start third 0"));
+    // The handler got its dependency's outcome (`Task::dependencies`), result included.
+    assert!(
+        records.lines.contains(
+            &r#"after third [{"queue":"b","id":"second","state":"done","result":{"rows":2}}]"#
+                .to_string()
+        ),
+        "{:#?}",
+        records.lines
+    );
+    assert!(
+        !records
+            .lines
+            .iter()
+            .any(|line| line.starts_with("after first"))
+    );
+    let shown = flow_show(&config, "a", "third");
+    assert_eq!(shown["state"], "released");
+    assert_eq!(shown["after"][0]["id"], "second");
+    assert_eq!(shown["after"][0]["state"], "done");
+    assert_eq!(shown["after"][0]["result"], serde_json::json!({"rows": 2}));
+    assert_eq!(shown["after"][0]["after"][0]["id"], "first");
+    assert_eq!(shown["after"][0]["after"][0]["state"], "done");
+    assert_eq!(counter(&redis, "a", "released"), 1);
+    assert_eq!(counter(&redis, "b", "released"), 1);
+    daemon.stop();
+}
+
+/// A fan-in of 1,000 tasks into one: it starts once, after the last of them ended, and its hashes are gone from
+/// the waiting set.
+#[test]
+fn a_fan_in_of_a_thousand_releases_its_waiter_once_after_the_last() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &two_queues("workers = 8"));
+    let parts: Vec<String> = (0..1000)
+        .map(|i| format!(r#"{{"queue": "a", "type": "test", "id": "part-{i}"}}"#))
+        .collect();
+    flow_push(
+        &config,
+        &format!(
+            r#"{{"queue": "b", "type": "test", "id": "merge", "after": [{}]}}"#,
+            parts.join(",")
+        ),
+    );
+    let waiting: i64 = redis.cmd(&["HLEN", "kmq:{b}:deps-waiting"]);
+    assert_eq!(waiting, 1, "the waiting task waits before any part ran");
+    let daemon = TestDaemon::start(&config);
+    wait_ended(&dir, "merge", Duration::from_secs(60));
+    let records = dir.records();
+    assert_eq!(records.runs_of("merge"), 1);
+    let start = line_at(&records.lines, "start merge 0");
+    for i in 0..1000 {
+        assert_eq!(records.runs_of(&format!("part-{i}")), 1, "part-{i}");
+        assert!(
+            line_at(&records.lines, &format!("end part-{i} 0")) < start,
+            "part-{i} ended after merge started"
+        );
+    }
+    let waiting: i64 = redis.cmd(&["HLEN", "kmq:{b}:deps-waiting"]);
+    assert_eq!(waiting, 0);
+    assert_eq!(counter(&redis, "b", "released"), 1);
+    let outbox: i64 = redis.cmd(&["LLEN", "kmq:{a}:deps-outbox"]);
+    assert_eq!(outbox, 0, "every note applied and removed");
+    let ttl: i64 = redis.cmd(&["PTTL", "kmq:{b}:deps-ended:merge"]);
+    assert!(ttl > 0, "a finished waiter's outcomes expire: {ttl}");
+    daemon.stop();
+}
+
+/// Under `if_failed = "fail"` (the default) a dead dependency dead-letters its waiter unrun, with a reason that
+/// names it, and so on up the graph; under `"continue"` the waiter runs, and `flow show` shows which failed.
+#[test]
+fn a_dead_dependency_fails_its_waiters_unrun_up_the_graph_unless_they_continue() {
+    let (redis, dir, config, daemon) = served("");
+    flow_push(
+        &config,
+        r#"{"queue": "b", "type": "test", "id": "top",
+            "after": [{"queue": "b", "type": "test", "id": "mid",
+                       "after": [{"queue": "a", "type": "test", "id": "bad", "data": {"outcome": "fail"}}]}]}"#,
+    );
+    flow_push(
+        &config,
+        r#"{"queue": "b", "type": "test", "id": "brave", "if_failed": "continue",
+            "after": [{"queue": "a", "type": "test", "id": "bad-2", "data": {"outcome": "fail"}},
+                      {"queue": "a", "type": "test", "id": "good"}]}"#,
+    );
+    wait_ended(&dir, "brave", Duration::from_secs(30));
+    let dead: Vec<String> =
+        eventually(Duration::from_secs(10), "mid and top dead-lettered", || {
+            let dead: Vec<String> = redis.cmd(&["LRANGE", "kmq:{b}:dead", "0", "-1"]);
+            (dead.len() == 2, dead)
+        });
+    let reasons: Vec<(String, String)> = dead
+        .iter()
+        .map(|record| {
+            let record: serde_json::Value = serde_json::from_str(record).unwrap();
+            (
+                record["id"].as_str().unwrap().to_string(),
+                record["reason"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert!(
+        reasons
+            .iter()
+            .any(|(id, reason)| id == "mid" && reason.starts_with("dependency a/bad ended dead")),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons
+            .iter()
+            .any(|(id, reason)| id == "top" && reason.starts_with("dependency b/mid ended dead")),
+        "{reasons:?}"
+    );
+    let records = dir.records();
+    assert_eq!(records.runs_of("mid"), 0);
+    assert_eq!(records.runs_of("top"), 0);
+    assert_eq!(records.runs_of("brave"), 1);
+    let shown = flow_show(&config, "b", "top");
+    assert_eq!(shown["state"], "dead");
+    assert_eq!(shown["after"][0]["state"], "dead");
+    assert_eq!(shown["after"][0]["after"][0]["state"], "dead");
+    let brave = flow_show(&config, "b", "brave");
+    let states: Vec<(&str, &str)> = brave["after"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|dep| (dep["id"].as_str().unwrap(), dep["state"].as_str().unwrap()))
+        .collect();
+    assert_eq!(states, [("bad-2", "dead"), ("good", "done")]);
+    daemon.stop();
+}
+
+/// A daemon killed with -9 in the middle of a fan-in (tasks held, notes written but not moved, an apply cut
+/// short): another daemon recovers its tasks and moves its notes, and the waiter is released exactly once, after
+/// every part ended.
+#[test]
+fn a_daemon_killed_mid_flow_leaves_its_waiter_released_exactly_once() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &two_queues("workers = 4\nlease_timeout = \"1s\""));
+    let parts: Vec<String> = (0..300)
+        .map(|i| {
+            format!(
+                r#"{{"queue": "a", "type": "test", "id": "part-{i}", "data": {{"sleep_ms": 2}}}}"#
+            )
+        })
+        .collect();
+    flow_push(
+        &config,
+        &format!(
+            r#"{{"queue": "b", "type": "test", "id": "merge", "after": [{}]}}"#,
+            parts.join(",")
+        ),
+    );
+    let mut first = Process::start(&config, dir.path("first.log"));
+    eventually(Duration::from_secs(30), "progress before the kill", || {
+        let ended = counter(&redis, "a", "done");
+        (ended >= 100, ended)
+    });
+    first.kill9();
+    let second = TestDaemon::start(&config);
+    wait_ended(&dir, "merge", Duration::from_secs(60));
+    assert_merge_ran_once_after_its_parts(&dir, 300);
+    assert_eq!(counter(&redis, "b", "released"), 1);
+    second.stop();
+}
+
+/// A settle's reply lost (the settle ran: its notes are written), then a mover's apply's and its removal's
+/// replies lost: the settle sent again writes no note twice, the note applied again changes nothing, and the
+/// waiter runs exactly once.
+#[test]
+fn lost_settle_apply_and_removal_replies_release_the_waiter_exactly_once() {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let config = dir.config_through(&proxy, &two_queues("lease_timeout = \"10s\""));
+    let settle = proxy.add(Fault::DropReply {
+        matching: Matcher::script(sources::SETTLE),
+        nth: 1,
+        then: AfterDrop::Close,
+    });
+    let apply = proxy.add(Fault::DropReply {
+        matching: Matcher::script(sources::FLOW_APPLY),
+        nth: 1,
+        then: AfterDrop::Close,
+    });
+    let removal = proxy.add(Fault::DropReply {
+        matching: Matcher::script(sources::FLOW_OUTBOX),
+        nth: 1,
+        then: AfterDrop::Hang,
+    });
+    let daemon = TestDaemon::start(&config);
+    flow_push(
+        &config,
+        r#"{"queue": "b", "type": "test", "id": "merge",
+            "after": [{"queue": "a", "type": "test", "id": "p1"}, {"queue": "a", "type": "test", "id": "p2"},
+                      {"queue": "b", "type": "test", "id": "p3"}]}"#,
+    );
+    wait_ended(&dir, "merge", Duration::from_secs(60));
+    let fired = eventually(Duration::from_secs(10), "every fault to strike", || {
+        let fired = (settle.fired(), apply.fired(), removal.fired());
+        (fired.0 > 0 && fired.1 > 0 && fired.2 > 0, fired)
+    });
+    assert_eq!(fired, (1, 1, 1));
+    let records = dir.records();
+    assert_eq!(records.runs_of("merge"), 1);
+    // Nothing more is released later: the notes are all gone, the count stays 1.
+    eventually(Duration::from_secs(10), "both outboxes empty", || {
+        let a: i64 = redis.cmd(&["LLEN", "kmq:{a}:deps-outbox"]);
+        let b: i64 = redis.cmd(&["LLEN", "kmq:{b}:deps-outbox"]);
+        (a + b == 0, (a, b))
+    });
+    assert_eq!(counter(&redis, "b", "released"), 1);
+    assert_eq!(dir.records().runs_of("merge"), 1);
+    daemon.stop();
+}
+
+/// `flow push` refuses a flow it cannot push whole, naming the task and what is wrong, and writes nothing.
+#[test]
+fn a_bad_flow_is_refused_whole_with_the_task_named() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &two_queues(""));
+    let (code, _, err) = kmqd(
+        &["--config", config.to_str().unwrap(), "flow", "push", "-"],
+        Some(
+            r#"{"queue": "a", "type": "test", "id": "x", "after": [{"queue": "nope", "type": "test"}]}"#,
+        ),
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("after[0]: queue \"nope\" is not in the config"),
+        "{err}"
+    );
+    let keys: Vec<String> = redis.cmd(&["KEYS", "*"]);
+    assert!(keys.is_empty(), "nothing written: {keys:?}");
+    let (code, _, err) = kmqd(
+        &[
+            "--config",
+            config.to_str().unwrap(),
+            "flow",
+            "show",
+            "a",
+            "x",
+        ],
+        None,
+    );
+    assert_eq!(code, 4, "not a waiting task: {err}");
+    assert!(err.contains("a x is not a waiting task of a flow"), "{err}");
+}
+
+/// On a Redis Cluster, a chain whose queues are on three different masters (no shared hash tag): each task runs
+/// once, after the one before it; a dead dependency fails its waiter on another master.
+#[test]
+fn on_a_cluster_a_chain_across_three_masters_runs_each_task_once_in_order() {
+    use kmqd_harness::cluster::{Cluster, ClusterOptions};
+    let cluster = Cluster::start(ClusterOptions::default()).expect("start a Redis Cluster");
+    let placed = cluster.queue_names_on_distinct_masters(1).unwrap();
+    let names: Vec<&str> = placed.iter().map(|(_, names)| names[0].as_str()).collect();
+    let [one, two, three] = names[..] else {
+        panic!("three masters: {placed:?}");
+    };
+    let dir = TestDir::new();
+    let queues: String = [one, two, three]
+        .iter()
+        .map(|name| format!("[[queues]]\nname = \"{name}\"\nmode = \"safe\"\nretry_times = 0\n\n"))
+        .collect();
+    let config = dir.config_raw(
+        &crate::cluster::redis_section(&cluster, ""),
+        "shutdown_grace = \"5s\"",
+        &queues,
+    );
+    let daemon = TestDaemon::start(&config);
+    flow_push(
+        &config,
+        &format!(
+            r#"{{"queue": "{three}", "type": "test", "id": "last",
+                 "after": [{{"queue": "{two}", "type": "test", "id": "middle",
+                            "after": [{{"queue": "{one}", "type": "test", "id": "first"}}]}}]}}"#
+        ),
+    );
+    flow_push(
+        &config,
+        &format!(
+            r#"{{"queue": "{one}", "type": "test", "id": "doomed",
+                 "after": [{{"queue": "{three}", "type": "test", "id": "bad", "data": {{"outcome": "fail"}}}}]}}"#
+        ),
+    );
+    wait_ended(&dir, "last", Duration::from_secs(60));
+    let records = dir.records();
+    for id in ["first", "middle", "last"] {
+        assert_eq!(records.runs_of(id), 1, "{id}: {:#?}", records.lines);
+    }
+    assert!(line_at(&records.lines, "end first 0") < line_at(&records.lines, "start middle 0"));
+    assert!(line_at(&records.lines, "end middle 0") < line_at(&records.lines, "start last 0"));
+    let shown = eventually(Duration::from_secs(30), "doomed failed", || {
+        let shown = flow_show(&config, one, "doomed");
+        (shown["state"] == "dead", shown)
+    });
+    assert_eq!(shown["after"][0]["state"], "dead");
+    assert_eq!(dir.records().runs_of("doomed"), 0);
+    daemon.stop();
+}
+
+/// On a Redis Cluster with `wait_replicas = 1`, the master of a fan-in's parts (their claims, settles and the
+/// outbox of their notes) killed mid-flow: its replica takes over, and the waiting task on another master is
+/// released exactly once, after every part ended.
+#[test]
+fn on_a_cluster_a_master_killed_mid_flow_releases_the_waiter_exactly_once() {
+    use kmqd_harness::Signal;
+    use kmqd_harness::cluster::{Cluster, ClusterOptions};
+    let mut cluster = Cluster::start(ClusterOptions::default()).expect("start a Redis Cluster");
+    let placed = cluster.queue_names_on_distinct_masters(1).unwrap();
+    let (parts_master, parts) = (placed[0].0.clone(), placed[0].1[0].clone());
+    let merges = placed[1].1[0].clone();
+    let dir = TestDir::new();
+    let queues = format!(
+        "[[queues]]\nname = \"{parts}\"\nmode = \"safe\"\nworkers = 4\nlease_timeout = \"3s\"\n\n\
+         [[queues]]\nname = \"{merges}\"\nmode = \"safe\"\nlease_timeout = \"3s\"\n"
+    );
+    let config = dir.config_raw(
+        &crate::cluster::redis_section(
+            &cluster,
+            "wait_replicas = 1\nwait_timeout = \"500ms\"\nio_timeout = \"2s\"",
+        ),
+        "shutdown_grace = \"5s\"",
+        &queues,
+    );
+    let tasks: Vec<String> = (0..400)
+        .map(|i| format!(r#"{{"queue": "{parts}", "type": "test", "id": "part-{i}", "data": {{"sleep_ms": 3}}}}"#))
+        .collect();
+    flow_push(
+        &config,
+        &format!(
+            r#"{{"queue": "{merges}", "type": "test", "id": "merge", "after": [{}]}}"#,
+            tasks.join(",")
+        ),
+    );
+    let daemon = TestDaemon::start(&config);
+    eventually(Duration::from_secs(30), "a drain under way", || {
+        let ended = dir.records().ends.len();
+        (ended >= 100, ended)
+    });
+    cluster
+        .kill_master(&parts_master.addr, Signal::Kill)
+        .unwrap();
+    cluster.wait_failover().unwrap();
+    cluster.restart_node(&parts_master.addr).unwrap();
+    wait_ended(&dir, "merge", Duration::from_secs(120));
+    assert_merge_ran_once_after_its_parts(&dir, 400);
+    let shown = flow_show(&config, &merges, "merge");
+    assert_eq!(shown["state"], "released");
+    daemon.stop();
+}
