@@ -263,8 +263,8 @@ impl QueueKeys {
     }
 
     /// A waiting task of a flow (docs/design/flows.md, "1. Keys"): a hash, its envelope and state, until it is
-    /// released or failed, then what `flow show` reads, with an expiry. The id is written as it is, as in
-    /// [`QueueKeys::result`].
+    /// released or failed, then what `flow show` reads, with an expiry. The id is written as it is, as a result's
+    /// field in [`QueueKeys::results_bucket`] is.
     pub fn deps(&self, id: &str) -> String {
         format!("{}:deps:{id}", self.base)
     }
