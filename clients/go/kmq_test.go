@@ -225,7 +225,10 @@ func TestResultReadsWhatTheSettleKept(t *testing.T) {
 	client := newClient(t, server.url())
 	ctx := context.Background()
 	conn := server.conn(t)
-	if _, err := conn.Do("SET", "kmq:{r}:result:t-1", `{"ended_at":5,"state":"done","result":{"rows":3}}`); err != nil {
+	if _, err := conn.Do("HSET", "kmq:{r}:results:1000", "t-1", `{"ended_at":5,"state":"done","result":{"rows":3}}`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.Do("ZADD", "kmq:{r}:results", 4102444800000, "1000"); err != nil {
 		t.Fatal(err)
 	}
 	result, err := client.Result(ctx, "r", "t-1", 0)

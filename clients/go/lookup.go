@@ -209,7 +209,7 @@ func (c *Client) Result(ctx context.Context, queue, id string, wait time.Duratio
 	deadline := time.Now().Add(wait)
 	pause := 10 * time.Millisecond
 	for {
-		kept, err := redis.Bytes(do(ctx, conn, "GET", c.key(queue, "result:"+id)))
+		kept, err := c.keptResult(ctx, conn, queue, id)
 		if err == nil {
 			var result Result
 			if err := json.Unmarshal(kept, &result); err != nil {
@@ -328,4 +328,20 @@ func decodeName(part string) string {
 		b.WriteByte(part[i])
 	}
 	return b.String()
+}
+
+// keptResult reads task id's kept result: the buckets the queue's index lists, newest first, each asked for the
+// id until one holds it (docs/PROTOCOL.md, "Results"); redis.ErrNil when none does.
+func (c *Client) keptResult(ctx context.Context, conn redis.Conn, queue, id string) ([]byte, error) {
+	starts, err := redis.Strings(do(ctx, conn, "ZRANGE", c.key(queue, "results"), 0, -1, "REV"))
+	if err != nil {
+		return nil, err
+	}
+	for _, start := range starts {
+		kept, err := redis.Bytes(do(ctx, conn, "HGET", c.key(queue, "results:"+start), id))
+		if !errors.Is(err, redis.ErrNil) {
+			return kept, err
+		}
+	}
+	return nil, redis.ErrNil
 }

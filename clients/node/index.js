@@ -634,13 +634,21 @@ class Client {
   }
 
   async readResult(keys, id) {
-    const text = await this.call("GET", keys.key(`result:${id}`));
+    // The buckets the queue's index lists, newest first, each asked for the id until one holds it
+    // (docs/PROTOCOL.md, "Results").
+    let text = null;
+    let where = keys.key("results");
+    for (const start of await this.call("ZRANGE", keys.key("results"), 0, -1, "REV")) {
+      where = keys.key(`results:${start}`);
+      text = await this.call("HGET", where, id);
+      if (text !== null) break;
+    }
     if (text === null) return null;
     let record;
     try {
       record = JSON.parse(text);
     } catch (error) {
-      throw new KmqError(`${keys.key(`result:${id}`)} does not hold a kept result (${error.message})`);
+      throw new KmqError(`${where} field ${id} does not hold a kept result (${error.message})`);
     }
     if (record.state === "done") {
       const done = { state: "done", result: record.result ?? null, endedAt: record.ended_at };
@@ -648,7 +656,7 @@ class Client {
       return done;
     }
     if (record.state === "dead") return { state: "dead", reason: record.reason ?? "", endedAt: record.ended_at };
-    throw new KmqError(`${keys.key(`result:${id}`)} holds a result of state ${JSON.stringify(record.state)}`);
+    throw new KmqError(`${where} field ${id} holds a result of state ${JSON.stringify(record.state)}`);
   }
 }
 

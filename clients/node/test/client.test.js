@@ -260,16 +260,19 @@ describe("show and cancel", () => {
 
 describe("result", () => {
   test("a kept result is read back; a task still waiting is pending; an unknown id is unknown", async () => {
-    await server.admin.set(
-      "kmq:{reports}:result:r-7",
+    await server.admin.hset(
+      "kmq:{reports}:results:1000",
+      "r-7",
       JSON.stringify({ ended_at: 1795997223121, state: "done", result: { rows: 3 } })
     );
+    await server.admin.zadd("kmq:{reports}:results", 4102444800000, "1000");
     assert.deepEqual(await client.result("reports", "r-7"), {
       state: "done",
       result: { rows: 3 },
       endedAt: 1795997223121,
     });
-    await server.admin.set("kmq:{reports}:result:r-8", JSON.stringify({ ended_at: 5, state: "dead", reason: "no" }));
+    await server.admin.hset("kmq:{reports}:results:2000", "r-8", JSON.stringify({ ended_at: 5, state: "dead", reason: "no" }));
+    await server.admin.zadd("kmq:{reports}:results", 4102444800001, "2000");
     assert.deepEqual(await client.result("reports", "r-8"), { state: "dead", reason: "no", endedAt: 5 });
     await client.push("reports", "t", {}, { id: "r-9" });
     assert.deepEqual(await client.result("reports", "r-9", { wait: 50 }), { state: "pending" });

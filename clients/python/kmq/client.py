@@ -518,9 +518,8 @@ class Client:
         to ``wait`` (seconds or a timedelta), from 10 ms doubling to 500 ms; None when there is none by then."""
         deadline = time.monotonic() + _ms(wait) / 1000
         pause = 0.01
-        key = self._key(queue, f"result:{task_id}")
         while True:
-            kept = self._call(lambda: self.redis.get(key), sent_is_safe=True)
+            kept = self._call(lambda: self._kept_result(queue, task_id), sent_is_safe=True)
             if kept is not None:
                 return json.loads(kept)
             left = deadline - time.monotonic()
@@ -528,6 +527,17 @@ class Client:
                 return None
             time.sleep(min(pause, left))
             pause = min(pause * 2, 0.5)
+
+    def _kept_result(self, queue: str, task_id: str) -> Optional[bytes]:
+        """The kept result's JSON text, or None: the buckets the queue's index lists, newest first, each asked for
+        the id until one holds it (docs/PROTOCOL.md, "Results")."""
+        starts = self.redis.execute_command("ZRANGE", self._key(queue, "results"), 0, -1, "REV")
+        for start in starts:
+            start = start.decode() if isinstance(start, bytes) else str(start)
+            kept = self.redis.hget(self._key(queue, f"results:{start}"), task_id)
+            if kept is not None:
+                return kept
+        return None
 
 
 def _encode(name: str) -> str:

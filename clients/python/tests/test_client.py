@@ -206,8 +206,11 @@ def test_show_cancel_and_a_kept_result(fresh: RedisServer) -> None:
     assert client.cancel("mail", "g-1") == 1
     assert client.show("mail", "g-1") == []
     assert client.result("mail", "r-1") is None
-    threading.Timer(0.2, lambda: fresh.client().set(
-        "kmq:{mail}:result:r-1", json.dumps({"ended_at": 1, "state": "done", "result": {"rows": 3}}))).start()
+    def keep() -> None:
+        r = fresh.client()
+        r.hset("kmq:{mail}:results:1000", "r-1", json.dumps({"ended_at": 1, "state": "done", "result": {"rows": 3}}))
+        r.zadd("kmq:{mail}:results", {"1000": 4102444800000})
+    threading.Timer(0.2, keep).start()
     kept = eventually(10, "the result", lambda: client.result("mail", "r-1", wait=5))
     assert kept["result"] == {"rows": 3}
 

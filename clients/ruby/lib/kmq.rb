@@ -170,7 +170,7 @@ module Kmq
       deadline = monotonic + wait
       pause = 0.01
       loop do
-        kept = @lock.synchronize { command(["GET", key(queue, "result:#{id}")]) }
+        kept = @lock.synchronize { kept_result(queue, id) }
         return JSON.parse(kept) if kept
 
         left = deadline - monotonic
@@ -293,6 +293,16 @@ module Kmq
       raise unless e.message.start_with?("NOPERM")
 
       [nil, nil]
+    end
+
+    # The kept result's JSON text, or nil: the buckets the queue's index lists, newest first, each asked for the
+    # id until one holds it (docs/PROTOCOL.md, "Results").
+    def kept_result(queue, id)
+      command(["ZRANGE", key(queue, "results"), "0", "-1", "REV"]).each do |start|
+        kept = command(["HGET", key(queue, "results:#{start}"), id])
+        return kept if kept
+      end
+      nil
     end
 
     def locate(queue, id, dead:)

@@ -115,7 +115,8 @@ class ClientTest < Minitest::Test
   end
 
   def test_result_reads_what_the_settle_kept
-    redis.set("kmq:{r}:result:t-1", '{"ended_at":5,"state":"done","result":{"rows":3}}')
+    redis.hset("kmq:{r}:results:1000", "t-1", '{"ended_at":5,"state":"done","result":{"rows":3}}')
+    redis.zadd("kmq:{r}:results", 4_102_444_800_000, "1000")
     assert_equal({ "rows" => 3 }, @client.result("r", "t-1")["result"])
     assert_raises(Kmq::NoResult) { @client.result("r", "nobody", wait: 0.02) }
     @client.push("r", "a", nil, id: "w-1")
