@@ -153,7 +153,7 @@ impl QueueContext {
             levels: &self.keys.levels,
             type_limits: &self.config.type_limits,
             grouped: self.config.groups.is_some(),
-            keep_results: self.config.keep_results.map(|ttl| (&self.keys, ttl)),
+            keep_results: self.config.keep_results,
         };
         let result = ran.as_ref().and_then(|ran| ran.result.as_deref());
         settlement::record(&origin, &action, failed, task, result)

@@ -88,9 +88,9 @@ pub struct Origin<'a> {
     pub type_limits: &'a [crate::config::TypeLimit],
     /// Whether the queue has `[queues.groups]`: a throttle holds back the task's group, not the queue.
     pub grouped: bool,
-    /// The queue's `keep_results`, with its keys: the record that ends a task keeps its result (or its reason)
-    /// that long. `None`: nothing is kept.
-    pub keep_results: Option<(&'a crate::broker::QueueKeys, Duration)>,
+    /// The queue's `keep_results`: the record that ends a task keeps its result (or its reason) at least that
+    /// long. `None`: nothing is kept.
+    pub keep_results: Option<Duration>,
 }
 
 /// The largest result kept, as the handler's JSON text: a result is a field of its own, kept for `keep_results`,
@@ -212,7 +212,7 @@ pub fn record(
         Some((envelope.id_str().to_string(), waiters.clone()))
     });
     let (mut settlement, hook) = record_without_result(origin, action, failed, task);
-    if let (Some((_, ttl)), Some(id)) = (origin.keep_results, id) {
+    if let (Some(ttl), Some(id)) = (origin.keep_results, id) {
         settlement.kept = kept(ttl, action, result, &settlement.op, id);
     }
     if let Some((id, waiters)) = waiters {
@@ -554,9 +554,8 @@ mod tests {
 
     /// What a done task with `result` keeps, parsed; the kept key and expiry checked.
     fn kept_for(result: Option<&str>) -> serde_json::Value {
-        let keys = crate::broker::QueueKeys::new("kmq", "mail", &["normal".to_string()]);
         let origin = Origin {
-            keep_results: Some((&keys, Duration::from_secs(60))),
+            keep_results: Some(Duration::from_secs(60)),
             ..origin()
         };
         let envelope = Envelope::decode(r#"{"id":"a","type":"t"}"#).unwrap();
@@ -622,9 +621,8 @@ mod tests {
         };
         let (plain, _) = record(&origin(), &Action::Ack, false, task(), Some("1"));
         assert_eq!(plain.kept, None);
-        let keys = crate::broker::QueueKeys::new("kmq", "mail", &["normal".to_string()]);
         let keeping = Origin {
-            keep_results: Some((&keys, Duration::from_secs(60))),
+            keep_results: Some(Duration::from_secs(60)),
             ..origin()
         };
         let dead = Action::Dead {
