@@ -449,6 +449,19 @@ impl Client {
         Ok(workflow::waiting_task(&mut connection, &info.keys, id)?)
     }
 
+    /// Task `id`'s kept result, read at once (`keep_results`: what the settle that ended it kept); `None` when
+    /// there is none: not ended, never kept, or expired. Two round trips, no scan of the queue (`kmqd task show`
+    /// and the dashboard's task page read it beside where the task is).
+    pub fn kept_result(
+        &self,
+        queue: &str,
+        id: &str,
+    ) -> Result<Option<broker::results::Ended>, ClientError> {
+        let info = self.queue(queue)?;
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        Ok(broker::results::read(&mut connection, &info.keys, id)?)
+    }
+
     /// Every place the task `id` is in: delayed, retrying, ready, processing or dead (a non-unique id may be in
     /// several). Finding a delayed task costs O(log n); the other places are scanned.
     pub fn find(&self, queue: &str, id: &str) -> Result<Vec<Found>, ClientError> {

@@ -19,6 +19,8 @@
 //! - [`client`]: the producer API ([`Client::push`], [`Client::push_batch`], [`Client::push_flow`]) and an
 //!   operator's;
 //! - [`overview`]: every queue polled, the rows `stats --watch` and the dashboard show;
+//! - [`task_view`]: a task's kept result and its flow's graph, as `kmqd task show` and the dashboard's task page
+//!   show them;
 //! - [`http`]: the bounded HTTP server of the metrics endpoint and the dashboard;
 //! - [`daemon`]: the supervisor on top; below it the per-daemon threads (heartbeat, monitor, timeouts, delay,
 //!   scheduler, metrics, signals), and below those each queue's [`daemon::lane`] (fetcher, workers, acker);
@@ -83,6 +85,8 @@ pub mod settler;
 #[cfg(feature = "daemon")]
 pub mod shutdown;
 pub mod task;
+#[cfg(feature = "daemon")]
+pub(crate) mod task_view;
 
 #[cfg(test)]
 mod tidy;

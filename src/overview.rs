@@ -28,6 +28,8 @@ pub struct Row {
     pub ready_by_level: Vec<(String, u64)>,
     pub processing: u64,
     pub delayed: u64,
+    /// Tasks of flows waiting for their dependencies (`QueueStats::waiting`).
+    pub waiting: u64,
     pub dead: u64,
     /// Since the poll before; `None` at the first poll.
     pub rates: Option<Rates>,
@@ -118,6 +120,7 @@ impl Overview {
                     ready_by_level: s.ready_by_level.clone(),
                     processing: s.processing,
                     delayed: s.delayed,
+                    waiting: s.waiting,
                     dead: s.dead,
                     rates: before
                         .as_ref()

@@ -390,7 +390,8 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "hlen",
         roles: &[D, R, O],
-        why: "claims and pops check what is held; stats count processing tasks",
+        why: "claims and pops check what is held; stats count processing tasks and tasks waiting for their \
+              dependencies",
     },
     Command {
         name: "hincrby",
@@ -400,7 +401,7 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "hgetall",
         roles: &[D, R, O],
-        why: "owners' registrations; the counters, for stats and metrics",
+        why: "owners' registrations; the counters, for stats and metrics; a flow's waiting task, for task show",
     },
     Command {
         name: "hscan",
@@ -605,6 +606,10 @@ enum Kind {
     Park,
     /// A queue's kept results (`keep_results`: results.lua, in settle.lua): the index of its buckets and a bucket.
     Result,
+    /// A queue's tasks of flows waiting for their dependencies (`deps-waiting`, docs/design/flows.md).
+    DepsWaiting,
+    /// A flow's waiting task (`deps:ID`) and its dependencies' outcomes (`deps-ended:ID`).
+    Deps,
 }
 
 /// What a command touches.
@@ -916,6 +921,8 @@ const STATS: &[(&str, On)] = &[
     ("exists", key(K::Paused)),
     ("pttl", key(K::Throttle)),
     ("hget", key(K::Running)),
+    // A flow's tasks waiting for their dependencies (WAITING).
+    ("hlen", key(K::DepsWaiting)),
     ("lrange", key(K::RateLog)),
     // The flows (type limits, groups) and `kmqd groups`.
     ("zrange", key(K::Ring)),
@@ -999,6 +1006,8 @@ const SHOW: &[(&str, On)] = &[
     // `task result`: the buckets in the index, then the task's id in each.
     ("zrange", key(K::Result)),
     ("hget", key(K::Result)),
+    // A flow's waiting task: its hash and its dependencies' outcomes.
+    ("hgetall", key(K::Deps)),
 ];
 
 /// `kmqd task cancel`: finding the waiting copies (as `task show` does), then remove.lua.
@@ -1239,6 +1248,8 @@ fn names(keys: &QueueKeys, kind: Kind) -> Vec<String> {
         Kind::Hold => vec![keys.group_hold("acme")],
         Kind::Park => vec![keys.park("g:acme"), keys.park("t:slow")],
         Kind::Result => vec![keys.results_index(), keys.results_bucket(0)],
+        Kind::DepsWaiting => vec![keys.deps_waiting()],
+        Kind::Deps => vec![keys.deps("access-check"), keys.deps_ended("access-check")],
     }
 }
 

@@ -73,6 +73,10 @@ pub struct QueueStats {
     pub delayed: u64,
     /// Of `delayed`, the retries waiting out their backoff.
     pub retrying: u64,
+    /// Tasks of a flow waiting for their dependencies (docs/design/flows.md): pushed, not yet released to a
+    /// ready list nor failed. Counted nowhere else, so without it a flow's waiting tasks would be invisible until
+    /// they run (`kmqd stats`' WAITING, the length of the queue's `deps-waiting` hash).
+    pub waiting: u64,
     /// Records in the dead-letter list (bounded by `dead_max`).
     pub dead: u64,
     /// Tasks accepted by the enqueue script or moved from a source list (plain RPUSH producers onto a ready list
@@ -418,6 +422,7 @@ fn snapshot(
     pipe.cmd("EXISTS").arg(&keys.paused);
     pipe.cmd("PTTL").arg(&keys.throttle);
     pipe.cmd("HGET").arg(&keys.running).arg("q");
+    pipe.cmd("HLEN").arg(keys.deps_waiting());
     pipe.cmd("TIME");
     let mut replies = Replies(pipe.query::<Vec<Value>>(conn)?.into_iter());
     let now = Owners {
@@ -467,6 +472,7 @@ fn snapshot(
     // -2: none; -1: set by hand without an expiry (claims look at it again every second).
     let throttle_ttl: i64 = replies.one()?;
     let running: Option<u64> = replies.one()?;
+    let waiting: u64 = replies.one()?;
     let time: (i64, i64) = replies.one()?;
     let now_ms = time_ms(time);
     let lag_ms = heads
@@ -495,6 +501,7 @@ fn snapshot(
         running: running.unwrap_or(0),
         delayed: zset_counts.iter().sum(),
         retrying,
+        waiting,
         dead,
         pushed: counter("pushed"),
         moved: counter("moved"),

@@ -45,7 +45,7 @@ pub(super) fn run_stats(config: &Config, json: bool) -> Result<(), Failure> {
     }
     let _ = writeln!(
         out,
-        "{:<16} {:<7} {:<7} {:>9} {:>10} {:>7} {:>9} {:>7} {:>11} {:>9} {:>9} {:>13} {:>8} {:>7} {:>9}",
+        "{:<16} {:<7} {:<7} {:>9} {:>10} {:>7} {:>9} {:>9} {:>7} {:>11} {:>9} {:>9} {:>13} {:>8} {:>7} {:>9}",
         "QUEUE",
         "MODE",
         "STATE",
@@ -53,6 +53,7 @@ pub(super) fn run_stats(config: &Config, json: bool) -> Result<(), Failure> {
         "PROCESSING",
         "RUNNING",
         "DELAYED",
+        "WAITING",
         "DEAD",
         "DONE",
         "RETRIED",
@@ -73,12 +74,13 @@ pub(super) fn run_stats(config: &Config, json: bool) -> Result<(), Failure> {
         });
         let _ = writeln!(
             out,
-            "{name:<16} {mode:<7} {:<7} {:>9} {:>10} {:>7} {:>9} {:>7} {:>11} {:>9} {:>9} {:>13} {:>8} {:>7} {:>9}",
+            "{name:<16} {mode:<7} {:<7} {:>9} {:>10} {:>7} {:>9} {:>9} {:>7} {:>11} {:>9} {:>9} {:>13} {:>8} {:>7} {:>9}",
             s.state(),
             s.ready,
             s.processing,
             running,
             s.delayed,
+            s.waiting,
             s.dead,
             s.done,
             s.retried,

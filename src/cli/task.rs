@@ -10,17 +10,20 @@ use crate::broker::access::Action;
 use crate::broker::results::Ended;
 use crate::client::{Client, TaskResult};
 use crate::config::Config;
+use crate::task_view::{self, FlowState};
 
 use super::Failure;
 
 #[derive(Subcommand, Debug)]
 pub enum TaskCommand {
     /// Show where a task is: delayed (and when it is due), retrying, ready (and its place in line), processing, or
-    /// dead (and why). Exit 4 when it is nowhere (done tasks are not kept).
+    /// dead (and why); its kept result (`keep_results`), and, for a task of a flow, what it waits for (waiting for
+    /// N of M, released, failed and why). Exit 4 when it is nowhere (done tasks leave only a kept result).
     Show {
         queue: String,
         id: String,
-        /// Print JSON: a list of {"state": ..., ...}.
+        /// Print JSON: a list of {"state": ..., ...}: each place, then {"state": "ended", ...} for a kept result and
+        /// {"state": "flow", ...} for a flow's task.
         #[arg(long)]
         json: bool,
     },
@@ -52,18 +55,23 @@ pub(super) fn run_task(config: &Config, command: TaskCommand) -> Result<(), Fail
         TaskCommand::Show { queue, id, json } => {
             client.check_access(&[&queue], Action::Show)?;
             let found = client.find(&queue, &id)?;
-            if found.is_empty() {
+            let kept = client.kept_result(&queue, &id)?;
+            let flow = client
+                .flow_task(&queue, &id)?
+                .map(|task| FlowState::of(&task));
+            if found.is_empty() && kept.is_none() && flow.is_none() {
                 return Err(Failure::NotFound(format!(
-                    "no task {id} in queue {queue}: it is not delayed, ready, processing or dead (done tasks are not kept)"
+                    "no task {id} in queue {queue}: it is not delayed, ready, processing or dead, waits in no flow, \
+                     and has no kept result (a done task leaves one only with keep_results)"
                 )));
             }
             let mut out = std::io::stdout().lock();
             if json {
-                let _ = writeln!(
-                    out,
-                    "{}",
-                    serde_json::to_string(&found).expect("found serializes")
-                );
+                let mut list = serde_json::to_value(&found).expect("found serializes");
+                let entries = list.as_array_mut().expect("a list serializes as an array");
+                entries.extend(kept.as_ref().map(ended_entry));
+                entries.extend(flow.as_ref().map(flow_entry));
+                let _ = writeln!(out, "{list}");
                 return Ok(());
             }
             let ms = |ms: i64| {
@@ -138,6 +146,20 @@ pub(super) fn run_task(config: &Config, command: TaskCommand) -> Result<(), Fail
                 };
                 let _ = writeln!(out, "{id} in {queue}: {state}\n  {payload}");
             }
+            if let Some(ended) = &kept {
+                let (how, shown) = match ended {
+                    Ended::Done { result, .. } => ("done", result.to_string()),
+                    Ended::Dead { reason, .. } => ("dead", reason.clone()),
+                };
+                let _ = writeln!(out, "{id} in {queue}: ended {how} (kept result)\n  {shown}");
+            }
+            if let Some(flow) = &flow {
+                let _ = writeln!(
+                    out,
+                    "{id} in {queue}: in a flow, {} (the graph: kmqd flow show {queue} {id})",
+                    flow.words()
+                );
+            }
             Ok(())
         }
         TaskCommand::Result {
@@ -184,6 +206,23 @@ pub(super) fn run_task(config: &Config, command: TaskCommand) -> Result<(), Fail
             }
         }
     }
+}
+
+/// A kept result as an entry of `task show --json`'s list: `{"state": "ended", "outcome": "done", "result",
+/// "ended_at"}` or `{"state": "ended", "outcome": "dead", "reason", "ended_at"}`.
+fn ended_entry(ended: &Ended) -> serde_json::Value {
+    let mut entry = task_view::ended_json(ended);
+    entry["outcome"] = entry["state"].take();
+    entry["state"] = "ended".into();
+    entry
+}
+
+/// A flow's task as an entry of `task show --json`'s list: `{"state": "flow", "flow": "waiting", "if_failed",
+/// "dependencies", "done", "dead", "reason"?}`.
+fn flow_entry(flow: &FlowState) -> serde_json::Value {
+    let mut entry = serde_json::to_value(flow).expect("a flow state serializes");
+    entry["state"] = "flow".into();
+    entry
 }
 
 /// Prints what `task result` found, and maps it to its exit code (see [`TaskCommand::Result`]).

@@ -19,6 +19,7 @@ mod eviction;
 mod exec_persistent;
 mod fault_proxy;
 mod faults;
+mod flow_views;
 mod flows;
 mod group_types;
 mod groups;

@@ -18,18 +18,20 @@ pub(crate) struct Frame<'a> {
     pub(crate) scroll: usize,
 }
 
-/// The table's columns: header and width. The widths add up, with the spaces between, to 78: it fits 80 columns.
-const COLUMNS: [(&str, usize); 11] = [
+/// The table's columns: header and width. The widths add up, with the spaces between, to 79: it fits 80 columns.
+/// Each number's column is as wide as its longest text ([`count`] 5, [`rate`] 6, [`lag`] 5), no wider.
+const COLUMNS: [(&str, usize); 12] = [
     ("QUEUE", 10),
     ("MODE", 7),
     ("STATE", 6),
-    ("READY", 7),
+    ("READY", 5),
     ("PROC", 5),
-    ("DELAY", 6),
+    ("DELAY", 5),
+    ("WAIT", 5),
     ("DEAD", 5),
-    ("DONE/S", 7),
+    ("DONE/S", 6),
     ("FAIL/S", 6),
-    ("LAG", 6),
+    ("LAG", 5),
     ("DMN", 3),
 ];
 
@@ -135,6 +137,7 @@ fn table_row(row: &Row) -> String {
         count(row.ready),
         count(row.processing),
         count(row.delayed),
+        count(row.waiting),
         count(row.dead),
         done,
         failed,
@@ -181,7 +184,8 @@ fn count(n: u64) -> String {
 
 /// A rate in at most 6 characters: `0.0`, `35.2`, `1234.5` below 10,000 a second, `12k` above.
 fn rate(per_second: f64) -> String {
-    if per_second < 10_000.0 {
+    // Below 9,999.95, since one decimal rounds 9,999.96 up to 10000.0: seven characters.
+    if per_second < 9_999.95 {
         format!("{per_second:.1}")
     } else {
         format!("{}k", (per_second / 1000.0) as u64)
@@ -202,7 +206,7 @@ fn lag(ms: i64) -> String {
 
 /// The plain mode's line for one queue (`stats --watch` without a terminal), `key=value` words in a fixed
 /// order: `at=2026-12-01T18:22:01Z queue=jobs mode=safe paused=no ready=12 ready_by_level=high:3,normal:9
-/// processing=2 delayed=0 dead=0 done/s=35.2 failed/s=0.0 lag_ms=1200 daemons=2`. A rate is `-` at the first
+/// processing=2 delayed=0 waiting=0 dead=0 done/s=35.2 failed/s=0.0 lag_ms=1200 daemons=2`. A rate is `-` at the first
 /// poll, `lag_ms` is `-` when nothing is ready.
 pub(crate) fn line(row: &Row, at: &str) -> String {
     let (done, failed) = match row.rates {
@@ -216,7 +220,7 @@ pub(crate) fn line(row: &Row, at: &str) -> String {
         .collect();
     format!(
         "at={at} queue={} mode={} paused={} throttled={} ready={} ready_by_level={} processing={} delayed={} \
-         dead={} done/s={done} failed/s={failed} lag_ms={} daemons={}",
+         waiting={} dead={} done/s={done} failed/s={failed} lag_ms={} daemons={}",
         row.name,
         row.mode,
         if row.paused { "yes" } else { "no" },
@@ -225,6 +229,7 @@ pub(crate) fn line(row: &Row, at: &str) -> String {
         levels.join(","),
         row.processing,
         row.delayed,
+        row.waiting,
         row.dead,
         row.lag_ms.map_or("-".to_string(), |ms| ms.to_string()),
         row.daemons,
@@ -246,6 +251,7 @@ mod tests {
             ready_by_level: levels.iter().map(|(l, n)| (l.to_string(), *n)).collect(),
             processing: 2,
             delayed: 0,
+            waiting: 3,
             dead: 1,
             rates: Some(Rates {
                 done: 35.25,
@@ -275,7 +281,7 @@ mod tests {
         assert!(text.iter().all(|t| t.chars().count() <= 80), "{text:#?}");
         assert_eq!(
             text[3],
-            "a-very-lo~ safe    active    123M     2      0     1    35.2    0.0   1.2s   2"
+            "a-very-lo~ safe    active  123M     2     0     3     1   35.2    0.0  1.2s   2"
         );
         assert_eq!(
             text[2].trim_end(),
@@ -348,7 +354,7 @@ mod tests {
         assert_eq!(
             line(&r, "2026-12-01T18:22:01Z"),
             "at=2026-12-01T18:22:01Z queue=jobs mode=safe paused=no throttled=no ready=12 \
-             ready_by_level=high:3,normal:9 processing=2 delayed=0 dead=1 done/s=35.2 failed/s=0.0 lag_ms=1234 \
+             ready_by_level=high:3,normal:9 processing=2 delayed=0 waiting=3 dead=1 done/s=35.2 failed/s=0.0 lag_ms=1234 \
              daemons=2"
         );
         r.rates = None;

@@ -108,7 +108,7 @@ enum Kind {
 /// ends it with a period), value.
 type PerQueue = (&'static str, Kind, &'static str, fn(&QueueStats) -> f64);
 
-const PER_QUEUE: [PerQueue; 15] = [
+const PER_QUEUE: [PerQueue; 16] = [
     (
         "kmqd_queue_processing",
         Kind::Gauge,
@@ -126,6 +126,12 @@ const PER_QUEUE: [PerQueue; 15] = [
         Kind::Gauge,
         "Tasks waiting for their due time, retries included",
         |s| s.delayed as f64,
+    ),
+    (
+        "kmqd_queue_waiting_dependencies",
+        Kind::Gauge,
+        "Tasks of flows waiting for their dependencies: pushed, not yet released nor failed",
+        |s| s.waiting as f64,
     ),
     (
         "kmqd_queue_dead",
@@ -441,6 +447,7 @@ mod tests {
                 ready_by_level: vec![("high".into(), 2), ("low".into(), 0)],
                 done: 7,
                 cancelled: 1,
+                waiting: 4,
                 lag_ms: Some(1500),
                 ..QueueStats::default()
             },
@@ -507,6 +514,10 @@ mod tests {
         }
         assert!(
             page.contains("kmqd_tasks_cancelled_total{queue=\"page-test\"} 1"),
+            "{page}"
+        );
+        assert!(
+            page.contains("kmqd_queue_waiting_dependencies{queue=\"page-test\"} 4"),
             "{page}"
         );
         assert!(
