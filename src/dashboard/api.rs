@@ -254,16 +254,76 @@ fn busiest_groups(
 /// [`LOOKUP_BUDGET`]; `complete` says whether every list was searched to its end, `searched` how many tasks were
 /// looked at. One lookup at a time per dashboard: more pages asking wait their turn, so Redis serves one scan
 /// at a time whoever asks (the page itself asks once, and again on its button).
-pub fn task(state: &State, queue: &str, id: &str) -> Result<Json, ApiError> {
+pub fn task(state: &State, queue: &str, id: &str, page: FlowPage) -> Result<Json, ApiError> {
     let _turn = state.lookups.lock().unwrap_or_else(|e| e.into_inner());
     let located = state.client.find_within(queue, id, LOOKUP_BUDGET)?;
     let found: Vec<_> = located.found.into_iter().map(|(_, found)| found).collect();
-    Ok(json!({
+    let mut answer = json!({
         "queue": queue,
         "id": id,
         "found": found,
         "complete": located.complete,
         "searched": located.searched,
+    });
+    // Its kept result and its flow ("Results and flows" below).
+    answer["result"] = result_of(state, queue, id)?;
+    answer["flow"] = flow_of(state, queue, id, page)?;
+    Ok(answer)
+}
+
+// --- Results and flows: a task's kept result and its flow's graph (the task page's sections) ---------------
+
+/// Which of a flow's root's dependencies a task's page shows: from `offset`, at most `limit` ([`FLOW_LIMIT`]
+/// unless `?limit=` says otherwise, at most [`MAX_FLOW_LIMIT`]).
+#[derive(Clone, Copy, Debug)]
+pub struct FlowPage {
+    pub offset: usize,
+    pub limit: usize,
+}
+
+pub const FLOW_LIMIT: usize = 20;
+pub const MAX_FLOW_LIMIT: usize = 100;
+
+/// What one answer shows of a flow's graph below its root's page: [`FLOW_PER_NODE`] dependencies of each node,
+/// [`FLOW_DEPTH`] levels below the root, [`FLOW_NODES`] nodes in all (each costs Redis a few reads; a node's
+/// dependencies are read whole, its waiting task's hash and ended hash, so a fan-in of 100,000 is read once per
+/// answer, never drawn: its page shows counts and 20 of them). The rest is counted (`more`), and each node's own
+/// page shows more of it.
+pub const FLOW_PER_NODE: usize = 5;
+pub const FLOW_DEPTH: usize = 3;
+pub const FLOW_NODES: usize = 200;
+
+/// The task's kept result as `kmqd task result --json` prints it, or null.
+fn result_of(state: &State, queue: &str, id: &str) -> Result<Json, ApiError> {
+    Ok(state
+        .client
+        .kept_result(queue, id)?
+        .map_or(Json::Null, |ended| crate::task_view::ended_json(&ended)))
+}
+
+/// The graph under the task within the bounds above (`task_view::Node`), or null when it waits for nothing.
+fn flow_of(state: &State, queue: &str, id: &str, page: FlowPage) -> Result<Json, ApiError> {
+    let bounds = crate::task_view::Bounds {
+        offset: page.offset,
+        limit: page.limit.min(MAX_FLOW_LIMIT),
+        per_node: FLOW_PER_NODE,
+        depth: FLOW_DEPTH,
+        nodes: FLOW_NODES,
+    };
+    let graph = crate::task_view::graph(&state.client, queue, id, bounds)?;
+    Ok(serde_json::to_value(graph).expect("a flow's graph serializes"))
+}
+
+/// `GET /api/queues/Q/tasks/ID/flow?offset=0&limit=20`: the task's kept result and its flow's graph, without
+/// the lookup of where the task waits (what a script polling a flow needs). One at a time per dashboard, as
+/// lookups are.
+pub fn flow(state: &State, queue: &str, id: &str, page: FlowPage) -> Result<Json, ApiError> {
+    let _turn = state.lookups.lock().unwrap_or_else(|e| e.into_inner());
+    Ok(json!({
+        "queue": queue,
+        "id": id,
+        "result": result_of(state, queue, id)?,
+        "flow": flow_of(state, queue, id, page)?,
     }))
 }
 

@@ -140,17 +140,19 @@ fn route(state: &State, request: &Request) -> Result<Reply, ApiError> {
         ("GET", ["api", "daemons"]) => Ok(json_reply(200, &api::daemons(state)?)),
         ("GET", ["api", "history"]) => Ok(json_reply(200, &api::history(state)?)),
         ("GET", ["api", "queues", queue]) => {
-            let limit = query_value(query, "limit")
-                .map(|text| text.parse::<usize>())
-                .transpose()
-                .map_err(|_| ApiError::new(400, "limit: not a number"))?
+            let limit = number(query, "limit")?
                 .unwrap_or(api::DEFAULT_LIMIT)
                 .min(api::MAX_LIMIT);
             Ok(json_reply(200, &api::queue(state, queue, limit)?))
         }
-        ("GET", ["api", "queues", queue, "tasks", id]) => {
-            Ok(json_reply(200, &api::task(state, queue, id)?))
-        }
+        ("GET", ["api", "queues", queue, "tasks", id]) => Ok(json_reply(
+            200,
+            &api::task(state, queue, id, flow_page(query)?)?,
+        )),
+        ("GET", ["api", "queues", queue, "tasks", id, "flow"]) => Ok(json_reply(
+            200,
+            &api::flow(state, queue, id, flow_page(query)?)?,
+        )),
         ("POST", ["api", "queues", queue, rest @ ..]) => {
             let action = match rest {
                 ["pause"] => Action::Pause,
@@ -261,6 +263,25 @@ fn page(state: &State) -> Reply {
         "text/html; charset=utf-8",
         assets::page(state.csrf(), state.read_only).into_bytes(),
     )
+}
+
+/// The number `name` in a query string, if there; 400 when it is not a number.
+fn number(query: &str, name: &str) -> Result<Option<usize>, ApiError> {
+    query_value(query, name)
+        .map(|text| text.parse::<usize>())
+        .transpose()
+        .map_err(|_| ApiError::new(400, format!("{name}: not a number")))
+}
+
+/// A task's page of its flow's root's dependencies: `?offset=` (0) and `?limit=` (`api::FLOW_LIMIT`, at most
+/// `api::MAX_FLOW_LIMIT`).
+fn flow_page(query: &str) -> Result<api::FlowPage, ApiError> {
+    Ok(api::FlowPage {
+        offset: number(query, "offset")?.unwrap_or(0),
+        limit: number(query, "limit")?
+            .unwrap_or(api::FLOW_LIMIT)
+            .min(api::MAX_FLOW_LIMIT),
+    })
 }
 
 /// The value of `name` in a query string (`limit=20&x=y`), percent-decoded.

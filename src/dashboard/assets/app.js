@@ -185,6 +185,7 @@ const pages = {
           ? q.ready_by_level.map(([level, n]) => level + " " + n).join(" · ") : ""),
         el("td", { class: "num", "data-field": "processing" }, q.processing),
         el("td", { class: "num", "data-field": "delayed" }, q.delayed),
+        el("td", { class: "num", "data-field": "waiting", title: "tasks of flows waiting for their dependencies" }, q.waiting),
         el("td", { class: "num" + (q.dead ? " bad" : ""), "data-field": "dead" }, q.dead),
         el("td", { class: "num", "data-field": "done_rate" }, rate(q.rates && q.rates.done)),
         el("td", { class: "num" + (q.rates && q.rates.failed > 0 ? " bad" : ""), "data-field": "failed_rate" },
@@ -192,7 +193,7 @@ const pages = {
         el("td", { class: "num" }, duration(q.lag_ms)),
         el("td", { class: "num", "data-field": "daemons" }, q.daemons)));
       return [el("h1", {}, "Queues"), table([["queue"], ["mode", "hide-narrow"], ["state"], ["limits"], ["ready", "num"],
-        ["by level", "hide-narrow"], ["processing", "num"], ["delayed", "num"], ["dead", "num"],
+        ["by level", "hide-narrow"], ["processing", "num"], ["delayed", "num"], ["waiting", "num"], ["dead", "num"],
         ["done/s", "num"], ["failed/s", "num"], ["lag", "num"], ["daemons", "num"]], rows,
         "no queues in the config"),
         el("h2", {}, "The last hour"),
@@ -246,6 +247,7 @@ const pages = {
         el("div", { class: "cards" },
           card("ready", s.ready, "ready"), card("processing", s.processing, "processing"),
           card("delayed", s.delayed - s.retrying, "delayed"), card("retrying", s.retrying, "retrying"),
+          card("waiting", s.waiting, "waiting"),
           card("dead", s.dead, "dead"), card("done", s.done, "done"), card("failed", s.failed, "failed"),
           card("lag", duration(s.lag_ms), "lag")),
         el("div", { class: "card history" }, charts(name)),
@@ -291,8 +293,9 @@ const pages = {
     params: () => new URLSearchParams(location.search),
     url() {
       const p = this.params();
+      const offset = p.get("offset") ? "?offset=" + encodeURIComponent(p.get("offset")) : "";
       return p.get("queue") && p.get("id")
-        ? queueUrl(p.get("queue")) + "/tasks/" + encodeURIComponent(p.get("id")) : null;
+        ? queueUrl(p.get("queue")) + "/tasks/" + encodeURIComponent(p.get("id")) + offset : null;
     },
     draw(data) {
       const p = this.params();
@@ -311,10 +314,58 @@ const pages = {
           f.position !== undefined ? " · " + f.position + " ahead of it" : "", f.owner ? " · owner " + f.owner : ""),
         el("pre", {}, pretty(f.envelope || f.record))));
       return [el("h1", {}, "Find a task"), form, el("div", { class: "actions" }, again), partial,
-        ...(places.length ? places : [el("p", { class: "empty" }, "not in " + data.queue + ": unknown, done, or trimmed")])];
+        ...(places.length ? places : [el("p", { class: "empty" }, data.flow && data.flow.state === "waiting"
+          ? "in none of " + data.queue + "'s lists: it waits for its dependencies (its flow, below)"
+          : data.result ? "in none of " + data.queue + "'s lists: it ended (its result, below)"
+          : "not in " + data.queue + ": unknown, done, or trimmed")]),
+        ...resultAndFlow(data)];
     },
   },
 };
+
+// --- a task's result and flow: its kept result, and the tree of the tasks it waits for ----------------------
+
+// The task page's sections for its kept result and its flow (docs/DASHBOARD.md, "Results and flows"). Results
+// are user data: shown as text, as everything else.
+function resultAndFlow(data) {
+  const sections = [];
+  if (data.result) {
+    const r = data.result;
+    sections.push(el("h2", {}, "Result"), el("div", { id: "result", "data-state": r.state },
+      el("p", {}, el("span", { class: "badge state-" + r.state }, r.state), " ended " + clock(r.ended_at),
+        r.result_error ? el("span", { class: "bad" }, " · not kept: " + r.result_error) : null),
+      el("pre", { class: r.state === "dead" ? "bad" : null }, r.state === "dead" ? r.reason : JSON.stringify(r.result, null, 2))));
+  }
+  if (data.flow) {
+    const f = data.flow;
+    const more = f.more ? el("p", { id: "flow-more" }, el("a", { href: "/task?queue=" + encodeURIComponent(data.queue)
+      + "&id=" + encodeURIComponent(data.id) + "&offset=" + (f.offset + f.after.length) },
+      "next " + Math.min(f.more, 20) + " of the " + f.more + " more it waits for")) : null;
+    const earlier = f.offset ? el("p", {}, el("a", { href: "/task?queue=" + encodeURIComponent(data.queue)
+      + "&id=" + encodeURIComponent(data.id) }, "back to its first dependencies")) : null;
+    sections.push(el("h2", {}, "Flow"),
+      el("p", { class: "dim" }, "The tasks it waits for, and theirs, each with its state; a task's own page shows more of",
+        " its dependencies. pending: waits for nothing and has not ended (delayed, ready or running: its page says where)."),
+      earlier, el("div", { id: "flow", class: "flow" }, el("ul", {}, flowNode(f))), more);
+  }
+  return sections;
+}
+
+// One task of the flow's tree and, nested, the page of its dependencies shown.
+function flowNode(node) {
+  const link = el("a", { href: "/task?queue=" + encodeURIComponent(node.queue) + "&id=" + encodeURIComponent(node.id),
+    "data-link": "node" }, node.queue + " / " + node.id);
+  const f = node.flow;
+  const counts = f ? el("span", { class: "dim small", "data-field": "counts" }, " waits for " + f.dependencies + ": "
+    + f.done + " done, " + f.dead + " dead, " + (f.dependencies - f.done - f.dead) + " not ended") : null;
+  const result = node.result !== undefined && node.result !== null
+    ? el("code", { class: "result", "data-field": "result" }, JSON.stringify(node.result)) : null;
+  const reason = node.reason ? el("span", { class: "bad wrap", "data-field": "reason" }, node.reason) : null;
+  const more = node.more ? el("li", { class: "dim", "data-field": "more" }, "… " + node.more + " more") : null;
+  return el("li", { "data-queue": node.queue, "data-id": node.id, "data-state": node.state },
+    link, " ", el("span", { class: "badge state-" + node.state }, node.state), " ", result, reason, counts,
+    node.after.length || more ? el("ul", {}, node.after.map(flowNode), more) : null);
+}
 
 // --- limits: the queue's flow control against what Redis counts, as `kmqd stats` says it -------------------
 
@@ -487,7 +538,8 @@ async function refresh(force) {
     const text = JSON.stringify(data);
     if (force || text !== last) {
       last = text;
-      document.getElementById("main").replaceChildren(...page.draw(data));
+      // A page's sections may be null (nothing to show): left out, not drawn as the text "null".
+      document.getElementById("main").replaceChildren(...page.draw(data).filter((node) => node !== null && node !== undefined));
     }
   } catch (error) {
     status(error.message + " (retrying)", true);

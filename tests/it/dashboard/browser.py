@@ -52,13 +52,18 @@ def shot(driver, name):
     driver.save_screenshot(os.path.join(ARGS["shots"], name))
 
 
-def main():
+def chromium():
+    """Debian's headless Chromium through its chromedriver, at a laptop's window size."""
     options = webdriver.ChromeOptions()
     options.binary_location = "/usr/bin/chromium"
     for flag in ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                  "--window-size=1280,720", "--force-prefers-reduced-motion", "--lang=en-US"]:
         options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
+    return webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
+
+
+def main():
+    driver = chromium()
     measured = {}
     try:
         url = ARGS["url"]

@@ -20,7 +20,7 @@ use super::Dashboard;
 use crate::support::*;
 
 /// Debian's python3, whose python3-selenium package the test needs (not a python3 of pyenv or a venv).
-const PYTHON: &str = "/usr/bin/python3";
+pub(super) const PYTHON: &str = "/usr/bin/python3";
 
 const QUEUES: &str = "\
 [[queues]]\nname = \"mail\"\nmode = \"safe\"\npriorities = [\"high\", \"normal\", \"low\"]\nworkers = 4\n\n\
@@ -32,7 +32,7 @@ const QUEUES: &str = "\
 [[queues]]\nname = \"tenants\"\nmode = \"safe\"\nworkers = 2\nidle_poll = \"100ms\"\n\
 [queues.groups]\nmax_running = 1\n";
 
-fn chromium_is_here() {
+pub(super) fn chromium_is_here() {
     let probe = Command::new(PYTHON)
         .args(["-c", "import selenium"])
         .status()

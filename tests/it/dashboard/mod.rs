@@ -3,6 +3,7 @@
 
 mod api;
 mod browser;
+mod flows;
 
 use std::net::SocketAddr;
 use std::path::Path;
