@@ -132,29 +132,50 @@ fn a_tasks_flow_shows_each_nodes_state_result_and_reason_paged() {
 }
 
 /// A fan-in of 300 tasks is never sent whole: a page of 20 (100 at most, whatever `?limit=` asks) and the count
-/// of the rest, with the counts by state of all of them.
+/// of the rest, with the counts by state of all of them. The routes need the dashboard's authentication as every
+/// other does (here its bearer token).
 #[test]
 fn a_fan_in_is_sent_as_a_page_and_counts() {
     let redis = RedisServer::start();
     let dir = TestDir::new();
-    let config = dir.config(&redis, QUEUES);
+    let token = "5be1c0ffee5be1c0ffee5be1c0ffee00";
+    std::fs::write(dir.path("token"), format!("{token}\n")).unwrap();
+    let config = dir.config(
+        &redis,
+        &format!("{QUEUES}\n[dashboard]\ntoken_file = \"token\"\n"),
+    );
     let parts: Vec<Json> = (0..300)
         .map(|n| serde_json::json!({"queue": "c", "type": "test", "id": format!("part-{n}")}))
         .collect();
     let flow = serde_json::json!({"queue": "a", "type": "test", "id": "merge", "after": parts});
     client(&config).push_flow(&flow.to_string()).unwrap();
     let dashboard = Dashboard::start(&config, &dir, &[]);
-    let first = dashboard.json("/api/queues/a/tasks/merge/flow");
+    let bearer = format!("Bearer {token}");
+    let get = |path: &str| -> Json {
+        let answer = dashboard.request("GET", path, &[("Authorization", &bearer)], "");
+        assert_eq!(status(&answer), 200, "GET {path}: {answer:?}");
+        serde_json::from_str(&answer.body).unwrap()
+    };
+    for path in [
+        "/api/queues/a/tasks/merge/flow",
+        "/api/queues/a/tasks/merge",
+    ] {
+        let refused = dashboard.get(path);
+        assert_eq!(status(&refused), 401, "{path}: {refused:?}");
+    }
+    let first = get("/api/queues/a/tasks/merge/flow");
     let root = &first["flow"];
     assert_eq!(root["after"].as_array().unwrap().len(), 20);
     assert_eq!(root["more"], 280);
     assert_eq!(root["flow"]["dependencies"], 300);
-    let most = dashboard.json("/api/queues/a/tasks/merge/flow?offset=250&limit=100000");
+    let most = get("/api/queues/a/tasks/merge/flow?offset=250&limit=100000");
     assert_eq!(most["flow"]["after"].as_array().unwrap().len(), 50);
     assert_eq!(most["flow"]["after"][0]["id"], "part-250");
-    let capped = dashboard.json("/api/queues/a/tasks/merge/flow?limit=100000");
+    let capped = get("/api/queues/a/tasks/merge/flow?limit=100000");
     assert_eq!(capped["flow"]["after"].as_array().unwrap().len(), 100);
     assert_eq!(capped["flow"]["more"], 200);
+    let task = get("/api/queues/a/tasks/merge");
+    assert_eq!(task["flow"]["after"].as_array().unwrap().len(), 20);
 }
 
 /// The task page's tree in a real browser: each node's state, the result shown as text (its `<script>` never
