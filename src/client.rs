@@ -541,6 +541,27 @@ impl Client {
         )?)
     }
 
+    /// Which of `ids` run now: found in `queue`'s processing area (safe mode: claimed and not yet settled; a
+    /// default-mode task a daemon popped is in no list), reading no more of it than `budget`. The dashboard's
+    /// flow tree tells a running task from a waiting one so, one read per queue for all its nodes.
+    pub fn running(
+        &self,
+        queue: &str,
+        ids: &[&str],
+        budget: lookup::Budget,
+    ) -> Result<std::collections::HashSet<String>, ClientError> {
+        let info = self.queue(queue)?;
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        let located = lookup::locate_within(
+            &mut connection,
+            &info.keys,
+            ids,
+            Scope::Processing,
+            Some(budget),
+        )?;
+        Ok(located.found.into_iter().map(|(id, _)| id).collect())
+    }
+
     /// Whether the task `id` is delayed, retrying, ready or processing.
     pub fn exists(&self, queue: &str, id: &str) -> Result<bool, ClientError> {
         Ok(self

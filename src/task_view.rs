@@ -6,8 +6,12 @@
 //! say. Each node of it says how many tasks it waits for, how many of them ended done or dead, and lists a page
 //! of them; the rest is a count (`more`), and a node's own view pages through its dependencies.
 
+use std::collections::{BTreeMap, HashSet};
+
 use serde::Serialize;
 use serde_json::{Value as Json, json};
+
+use crate::broker::lookup::Budget;
 
 use crate::broker::results::Ended;
 use crate::broker::workflow::{WaitingTask, dependency_field};
@@ -114,6 +118,8 @@ pub struct Bounds {
     pub depth: usize,
     /// The most nodes in all: each costs Redis a few reads.
     pub nodes: usize,
+    /// What the look for running nodes may read of each queue's processing area.
+    pub running: Budget,
 }
 
 /// One task of a flow's graph as its views draw it.
@@ -121,9 +127,10 @@ pub struct Bounds {
 pub struct Node {
     pub queue: String,
     pub id: String,
-    /// `done` or `dead` (it ended: `result` or `reason` says how), `waiting` (for its dependencies), `released`
-    /// (its dependencies ended; it has not ended, or ended without a kept result), or `pending` (it waits for
-    /// nothing and has not ended: delayed, ready or running; its own view says where).
+    /// `done` or `dead` (it ended: `result` or `reason` says how), `waiting` (for its dependencies), `running`
+    /// (a daemon holds it now: safe mode), `released` (its dependencies ended and it waits in its ready list, or
+    /// ended without a kept result), or `pending` (it waits for nothing and has not ended: delayed, ready, or
+    /// running in default mode; its own view says where).
     pub state: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub result: Option<Json>,
@@ -150,7 +157,7 @@ pub fn graph(
     bounds: Bounds,
 ) -> Result<Option<Node>, ClientError> {
     let mut budget = bounds.nodes.max(1);
-    let root = node(
+    let mut root = node(
         client,
         (queue, id),
         None,
@@ -159,7 +166,51 @@ pub fn graph(
         &bounds,
         &mut budget,
     )?;
-    Ok(root.flow.is_some().then_some(root))
+    if root.flow.is_none() {
+        return Ok(None);
+    }
+    mark_running(client, &mut root, bounds.running)?;
+    Ok(Some(root))
+}
+
+/// Marks `running` the nodes not ended that a daemon holds now: one read of each queue's processing area for all
+/// its nodes, at most `budget` of it (what the daemons hold, not the queue's backlog).
+fn mark_running(client: &Client, root: &mut Node, budget: Budget) -> Result<(), ClientError> {
+    fn not_ended<'a>(node: &'a Node, by_queue: &mut BTreeMap<&'a str, Vec<&'a str>>) {
+        if matches!(node.state.as_str(), "pending" | "released") {
+            by_queue.entry(&node.queue).or_default().push(&node.id);
+        }
+        for dep in &node.after {
+            not_ended(dep, by_queue);
+        }
+    }
+    fn mark(node: &mut Node, running: &BTreeMap<String, HashSet<String>>) {
+        if matches!(node.state.as_str(), "pending" | "released")
+            && running
+                .get(&node.queue)
+                .is_some_and(|ids| ids.contains(&node.id))
+        {
+            node.state = "running".into();
+        }
+        for dep in &mut node.after {
+            mark(dep, running);
+        }
+    }
+    let mut by_queue = BTreeMap::new();
+    not_ended(root, &mut by_queue);
+    let mut running = BTreeMap::new();
+    for (queue, ids) in by_queue {
+        match client.running(queue, &ids, budget) {
+            Ok(ids) => {
+                running.insert(queue.to_string(), ids);
+            }
+            // A queue of another config: its tasks stay as their waiters know them.
+            Err(ClientError::UnknownQueue { .. }) => {}
+            Err(error) => return Err(error),
+        }
+    }
+    mark(root, &running);
+    Ok(())
 }
 
 /// One node: what its waiter's ended hash says of it (`outcome`), else its own flow state and kept result;

@@ -135,6 +135,9 @@ pub enum Scope {
     Waiting,
     /// Also the processing area and the dead-letter list.
     Everywhere,
+    /// The processing area alone: which tasks run now (a flow's tree on the dashboard), a read bounded by what
+    /// the daemons hold, not by the queue's backlog.
+    Processing,
 }
 
 /// The id as it appears inside a JSON string (escaped), to pre-filter payloads before decoding them.
@@ -214,6 +217,14 @@ pub fn locate_within(
         });
     }
     let wanted = Wanted::new(ids);
+    if scope == Scope::Processing {
+        let complete = locate_processing(conn, keys, &wanted, &mut found, &mut spent)?;
+        return Ok(Located {
+            found,
+            complete,
+            searched: spent.tasks,
+        });
+    }
     // The clock of the queue's node: in a cluster, TIME alone would go to any node.
     let now = time_ms(conn.query_at(&keys.meta, &redis::cmd("TIME"))?);
     locate_delayed(conn, keys, ids, now, &mut found)?;

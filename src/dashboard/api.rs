@@ -309,6 +309,7 @@ fn flow_of(state: &State, queue: &str, id: &str, page: FlowPage) -> Result<Json,
         per_node: FLOW_PER_NODE,
         depth: FLOW_DEPTH,
         nodes: FLOW_NODES,
+        running: LOOKUP_BUDGET,
     };
     let graph = crate::task_view::graph(&state.client, queue, id, bounds)?;
     Ok(serde_json::to_value(graph).expect("a flow's graph serializes"))

@@ -345,7 +345,8 @@ function resultAndFlow(data) {
       + "&id=" + encodeURIComponent(data.id) }, "back to its first dependencies")) : null;
     sections.push(el("h2", {}, "Flow"),
       el("p", { class: "dim" }, "The tasks it waits for, and theirs, each with its state; a task's own page shows more of",
-        " its dependencies. pending: waits for nothing and has not ended (delayed, ready or running: its page says where)."),
+        " its dependencies. running: a daemon holds it now; released: its dependencies ended, it waits in its ready list;",
+        " pending: waits for nothing and has not ended (delayed or ready: its page says where)."),
       earlier, el("div", { id: "flow", class: "flow" }, el("ul", {}, flowNode(f))), more);
   }
   return sections;

@@ -30,7 +30,8 @@ def main():
         driver.get(url + "/task?queue=a&id=report")
         # Each node with its state, the nested one too.
         expected = {("a", "report"): "waiting", ("b", "part-1"): "done", ("b", "part-2"): "dead",
-                    ("c", "part-3"): "pending", ("a", "step"): "waiting", ("c", "fetch"): "pending"}
+                    ("c", "part-3"): "pending", ("b", "part-4"): "running", ("a", "step"): "waiting",
+                    ("c", "fetch"): "pending"}
         for (queue, task), state in expected.items():
             eventually(10, f"{queue}/{task} {state}",
                        lambda: node(driver, queue, task).get_attribute("data-state") == state)
@@ -38,7 +39,7 @@ def main():
         fetch = step.find_element(By.CSS_SELECTOR, 'li[data-id="fetch"]')
         assert fetch.get_attribute("data-queue") == "c", "fetch is nested under step"
         counts = node(driver, "a", "report").find_element(By.CSS_SELECTOR, '[data-field="counts"]').text
-        assert "waits for 4: 1 done, 1 dead, 2 not ended" in counts, counts
+        assert "waits for 5: 1 done, 1 dead, 3 not ended" in counts, counts
 
         # The result is text: its markup shows as written, and nothing of it ran.
         result = node(driver, "b", "part-1").find_element(By.CSS_SELECTOR, '[data-field="result"]').text

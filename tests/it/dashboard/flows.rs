@@ -23,7 +23,8 @@ const HOSTILE: &str =
     "<script>window.__pwned = 1</script><img src=x onerror=\"window.__pwned = 2\">";
 
 /// A flow run part way: `report` (a) waits, under `if_failed = "continue"`, for part-1 (done, with a result),
-/// part-2 (dead), part-3 (in the paused `c`: pending) and `step` (a), which waits for `fetch` (`c`: pending).
+/// part-2 (dead), part-3 (in the paused `c`: pending), part-4 (running until the daemon stops) and `step` (a),
+/// which waits for `fetch` (`c`: pending).
 fn a_flow_run_part_way() -> (
     RedisServer,
     TestDir,
@@ -42,6 +43,7 @@ fn a_flow_run_part_way() -> (
             {"queue": "b", "type": "test", "id": "part-1", "data": {"result": {"rows": 1, "html": HOSTILE}}},
             {"queue": "b", "type": "test", "id": "part-2", "data": {"outcome": "fail"}},
             {"queue": "c", "type": "test", "id": "part-3"},
+            {"queue": "b", "type": "test", "id": "part-4", "data": {"until_cancelled": true}},
             {"queue": "a", "type": "test", "id": "step",
              "after": [{"queue": "c", "type": "test", "id": "fetch"}]},
         ],
@@ -57,7 +59,10 @@ fn a_flow_run_part_way() -> (
             .flatten()
             .map(|node| node["state"].as_str().unwrap_or("").to_string())
             .collect();
-        (states == ["done", "dead", "pending", "waiting"], answer)
+        (
+            states == ["done", "dead", "pending", "running", "waiting"],
+            answer,
+        )
     });
     (redis, dir, config, daemon, dashboard)
 }
@@ -74,7 +79,7 @@ fn a_tasks_flow_shows_each_nodes_state_result_and_reason_paged() {
     assert_eq!(root["state"], "waiting");
     assert_eq!(
         root["flow"],
-        serde_json::json!({"flow": "waiting", "if_failed": "continue", "dependencies": 4, "done": 1, "dead": 1})
+        serde_json::json!({"flow": "waiting", "if_failed": "continue", "dependencies": 5, "done": 1, "dead": 1})
     );
     let after = root["after"].as_array().unwrap();
     assert_eq!(after[0]["id"], "part-1");
@@ -90,10 +95,14 @@ fn a_tasks_flow_shows_each_nodes_state_result_and_reason_paged() {
         (&after[2]["queue"], &after[2]["state"]),
         (&"c".into(), &"pending".into())
     );
-    assert_eq!(after[3]["id"], "step");
-    assert_eq!(after[3]["flow"]["dependencies"], 1);
-    assert_eq!(after[3]["after"][0]["id"], "fetch");
-    assert_eq!(after[3]["after"][0]["state"], "pending");
+    assert_eq!(
+        (&after[3]["id"], &after[3]["state"]),
+        (&"part-4".into(), &"running".into())
+    );
+    assert_eq!(after[4]["id"], "step");
+    assert_eq!(after[4]["flow"]["dependencies"], 1);
+    assert_eq!(after[4]["after"][0]["id"], "fetch");
+    assert_eq!(after[4]["after"][0]["state"], "pending");
     assert_eq!(root["more"], 0);
 
     // A dependency's own page: where it is (nowhere: it ended) and its kept result.
@@ -111,7 +120,7 @@ fn a_tasks_flow_shows_each_nodes_state_result_and_reason_paged() {
     assert_eq!(after[0]["id"], "part-2");
     assert_eq!(
         (&page["flow"]["offset"], &page["flow"]["more"]),
-        (&1.into(), &2.into())
+        (&1.into(), &3.into())
     );
     let past = dashboard.json("/api/queues/a/tasks/report/flow?offset=9");
     assert_eq!(past["flow"]["after"], serde_json::json!([]));
