@@ -1,8 +1,8 @@
 #!/usr/bin/python3
 """A task's flow on the dashboard's task page in a real headless Chromium (as browser.py, through Debian's
 python3-selenium and chromium-driver), started by tests/it/dashboard/flows.rs with a flow run part way: the
-tree's nodes with their states, a result holding markup shown as text and never run, and a node's link opening
-its own page. Fails (exit 1, the reason on stderr) when the page does not show what Redis holds. Saves
+tree's nodes with their states, a result holding markup shown as text and never run, a node's link opening
+its own page, and the tasks waiting for their dependencies on the overview and the queue's page. Fails (exit 1, the reason on stderr) when the page does not show what Redis holds. Saves
 dashboard-flow.png into `shots`."""
 
 import json
@@ -56,6 +56,14 @@ def main():
         shown = driver.find_element(By.CSS_SELECTOR, "#result pre").text
         assert '"rows": 1' in shown and "<script>" in shown, shown
         assert driver.execute_script("return window.__pwned === undefined"), "the result's script ran"
+
+        # WAITING: report and step wait for their dependencies, on the overview and on queue a's page.
+        driver.get(url + "/")
+        eventually(10, "a's waiting on the overview", lambda: driver.find_element(
+            By.CSS_SELECTOR, 'tr[data-queue="a"] [data-field="waiting"]').text == "2")
+        driver.get(url + "/queues/a")
+        eventually(10, "a's waiting card", lambda: driver.find_element(
+            By.CSS_SELECTOR, '.card [data-field="waiting"]').text == "2")
     finally:
         driver.quit()
 

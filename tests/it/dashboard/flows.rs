@@ -188,7 +188,8 @@ fn a_fan_in_is_sent_as_a_page_and_counts() {
 }
 
 /// The task page's tree in a real browser: each node's state, the result shown as text (its `<script>` never
-/// runs), and a node's link opening its own page with its result.
+/// runs), a node's link opening its own page with its result; and the queue's tasks waiting for their
+/// dependencies on the overview and the queue's page.
 #[test]
 fn a_tasks_page_draws_its_flow_as_a_tree_whose_nodes_open_their_pages() {
     chromium_is_here();
