@@ -28,6 +28,9 @@ use crate::task::{self, Envelope};
 /// The most tasks sent in one enqueue script call. Bounded so that one call never holds Redis for long.
 pub(crate) const PUSH_CHUNK: usize = 1000;
 
+/// A task of [`Client::push_batch`] ready to send: (level, due, (unique, debounce), envelope, id).
+type Prepared = (usize, Due, (bool, bool), String, String);
+
 /// A task to enqueue.
 #[derive(Clone, Debug)]
 pub struct NewTask {
@@ -46,6 +49,20 @@ pub struct NewTask {
     /// A W3C trace context (`traceparent`, and `tracestate` when present), written into the envelope's fields of
     /// those names so that a trace follows the task from its producer to its handler (docs/CLIENTS.md, "Tracing").
     pub trace: Option<(String, Option<String>)>,
+    /// When a task not started by then is dead-lettered unrun (docs/PROTOCOL.md, "Expiry"); `None`: never.
+    pub expires: Option<Expiry>,
+    /// Replace the delayed task of this id, if one waits, and start `due` after this push (needs an id and a
+    /// delay, not `unique`; docs/PROTOCOL.md, "Debounce, and unique for a time").
+    pub debounce: bool,
+}
+
+/// A task's expiry, on Redis's clock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Expiry {
+    /// At this time, ms since the epoch.
+    At(i64),
+    /// This long after the push: Redis's `TIME`, read once per batch that has such a task, plus the length.
+    After(Duration),
 }
 
 impl NewTask {
@@ -68,6 +85,8 @@ impl NewTask {
             due: Due::Now,
             group: None,
             trace: None,
+            expires: None,
+            debounce: false,
         }
     }
 
@@ -107,6 +126,26 @@ impl NewTask {
     /// Ready at `at_ms` (ms since the epoch).
     pub fn at(mut self, at_ms: i64) -> NewTask {
         self.due = Due::At(at_ms);
+        self
+    }
+
+    /// Debounced: ready `quiet` after this push, replacing the task of its id that still waits for its own
+    /// (its data and due time): only the last push of a burst less than `quiet` apart runs. Needs an id.
+    pub fn debounce(mut self, quiet: Duration) -> NewTask {
+        self.due = Due::After(quiet);
+        self.debounce = true;
+        self
+    }
+
+    /// Dead-lettered unrun, reason `expired`, when not started by `at_ms` (ms since the epoch, Redis's clock).
+    pub fn expires_at(mut self, at_ms: i64) -> NewTask {
+        self.expires = Some(Expiry::At(at_ms));
+        self
+    }
+
+    /// Dead-lettered unrun, reason `expired`, when not started within `expiry` of the push (Redis's clock).
+    pub fn expires_in(mut self, expiry: Duration) -> NewTask {
+        self.expires = Some(Expiry::After(expiry));
         self
     }
 }
@@ -290,8 +329,10 @@ impl Client {
         tasks: impl IntoIterator<Item = NewTask>,
     ) -> Result<Vec<Pushed>, ClientError> {
         let info = self.queue(queue)?;
-        // (level, due, unique, envelope, id)
-        let mut prepared: Vec<(usize, Due, bool, String, String)> = Vec::new();
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        // Redis's clock, read at the first task whose expiry is a length: a batch without one sends no TIME.
+        let mut now_ms = None;
+        let mut prepared: Vec<Prepared> = Vec::new();
         for task in tasks {
             let level = match &task.priority {
                 Some(priority) => info
@@ -314,6 +355,14 @@ impl Client {
             }
             if task.unique && task.id.is_none() {
                 return Err(ClientError::UniqueWithoutId);
+            }
+            if task.debounce && (task.id.is_none() || task.unique || task.due == Due::Now) {
+                // push.lua refuses the same, for the whole call: refused here, before anything is sent.
+                return Err(ClientError::Data(
+                    "a debounced task needs an id and a delay, and is not unique: it replaces the waiting task \
+                     of its id"
+                        .to_string(),
+                ));
             }
             if let Some(group) = &task.group
                 && (group.is_empty() || group.len() > crate::config::MAX_GROUP_BYTES)
@@ -349,18 +398,36 @@ impl Client {
                     }
                 }
             }
-            prepared.push((level, task.due, task.unique, envelope.encode(), id));
+            if let Some(expires) = task.expires {
+                let at_ms = match expires {
+                    Expiry::At(at_ms) => at_ms,
+                    Expiry::After(expiry) => {
+                        let now_ms = match now_ms {
+                            Some(now_ms) => now_ms,
+                            None => *now_ms.insert(broker::redis_now(&mut **connection)?),
+                        };
+                        now_ms.saturating_add(i64::try_from(expiry.as_millis()).unwrap_or(i64::MAX))
+                    }
+                };
+                envelope.extra.push((
+                    Cow::Borrowed("expires_at"),
+                    // An integer always serializes.
+                    Cow::Owned(serde_json::value::to_raw_value(&at_ms).expect("an integer")),
+                ));
+            }
+            let options = (task.unique, task.debounce);
+            prepared.push((level, task.due, options, envelope.encode(), id));
         }
-        let mut connection = self.pool.get().map_err(BrokerError::from)?;
         let mut results = Vec::with_capacity(prepared.len());
         // Consecutive tasks with the same level and due time share script calls.
         for group in prepared.chunk_by(|a, b| a.0 == b.0 && a.1 == b.1) {
             for chunk in group.chunks(PUSH_CHUNK) {
                 let items: Vec<PushItem<'_>> = chunk
                     .iter()
-                    .map(|(_, _, unique, envelope, id)| PushItem {
+                    .map(|(_, _, (unique, debounce), envelope, id)| PushItem {
                         id,
                         unique: *unique,
+                        debounce: *debounce,
                         envelope,
                     })
                     .collect();
@@ -420,6 +487,7 @@ impl Client {
                     let items: Vec<PushItem<'_>> = chunk
                         .iter()
                         .map(|leaf| PushItem {
+                            debounce: false,
                             id: &leaf.id,
                             unique: false,
                             envelope: &leaf.envelope,

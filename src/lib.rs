@@ -91,5 +91,5 @@ pub(crate) mod task_view;
 #[cfg(test)]
 mod tidy;
 
-pub use client::{Client, ClientError, NewTask, Pushed, TaskResult};
+pub use client::{Client, ClientError, Expiry, NewTask, Pushed, TaskResult};
 pub use config::Config;

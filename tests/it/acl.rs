@@ -780,3 +780,41 @@ fn a_producer_made_from_the_rules_before_push_lua_checked_its_keys_still_pushes(
     assert_eq!((s.ready, s.delayed, s.pushed), (2, 1, 3), "{s:?}");
     assert_eq!(acl_log(&redis), Vec::<String>::new());
 }
+
+/// A debounced push runs ZSCORE and HSET, added to the producers' rules with it: a producer made from the rules
+/// before them still pushes every other kind of task, and its debounced push is refused, writing nothing, with
+/// an error that names the rules to add; the documented producer debounces.
+#[test]
+fn a_producer_made_from_the_rules_before_debounce_pushes_and_is_told_what_a_debounce_needs() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let producer = config_as(&dir, &redis, "kmqd-producer", "", QUEUES);
+    let admin = dir.config(&redis, QUEUES);
+    create_user(&redis, Role::Producer, |rule| {
+        rule != "+zscore" && rule != "+hset"
+    });
+    run(&producer, &["push", "jobs", "test", "{}"], None, 0);
+    let debounce = [
+        "push",
+        "jobs",
+        "test",
+        "{}",
+        "--id",
+        "d",
+        "--debounce",
+        "1h",
+    ];
+    let (_, err) = run(&producer, &debounce, None, 2);
+    assert!(
+        err.contains("a debounced push needs the producers' rules +zscore and +hset"),
+        "{err}"
+    );
+    let s = stats(&admin, "jobs");
+    assert_eq!((s.ready, s.delayed, s.pushed), (1, 0, 1), "{s:?}");
+    create_user(&redis, Role::Producer, |_| true);
+    run(&producer, &debounce, None, 0);
+    run(&producer, &debounce, None, 0);
+    let s = stats(&admin, "jobs");
+    assert_eq!((s.ready, s.delayed, s.pushed), (1, 1, 2), "{s:?}");
+    assert_eq!(acl_log(&redis), Vec::<String>::new());
+}
