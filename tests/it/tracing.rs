@@ -14,6 +14,7 @@ use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use opentelemetry_proto::tonic::common::v1::any_value::Value;
 use prost::Message;
 
+use crate::reload::stop;
 use crate::support::*;
 
 /// The producer's context the tests push with (W3C's own example, sampled).
@@ -184,21 +185,14 @@ fn push_traced(config: &Path, id: &str, data: &str, tracestate: Option<&str>) {
     assert!(client(config).push("jobs", task).unwrap().is_accepted());
 }
 
-fn stop(mut daemon: Process) {
-    daemon.signal(15);
-    assert_eq!(
-        daemon.wait_within(Duration::from_secs(30)),
-        Some(0),
-        "{}",
-        daemon.log_text()
-    );
+/// A test's own Redis, directory and OTLP receiver.
+fn fixture() -> (RedisServer, TestDir, Receiver) {
+    (RedisServer::start(), TestDir::new(), Receiver::start())
 }
 
 #[test]
 fn a_traced_task_s_run_is_a_consumer_span_under_the_producer_s_span() {
-    let redis = RedisServer::start();
-    let dir = TestDir::new();
-    let receiver = Receiver::start();
+    let (redis, dir, receiver) = fixture();
     let (config, daemon) = start_traced(&redis, &dir, &receiver.endpoint());
     push_traced(
         &config,
@@ -239,9 +233,7 @@ fn a_traced_task_s_run_is_a_consumer_span_under_the_producer_s_span() {
 
 #[test]
 fn a_task_that_fails_once_then_succeeds_has_two_spans_in_its_producer_s_trace() {
-    let redis = RedisServer::start();
-    let dir = TestDir::new();
-    let receiver = Receiver::start();
+    let (redis, dir, receiver) = fixture();
     let (config, daemon) = start_traced(&redis, &dir, &receiver.endpoint());
     push_traced(
         &config,
@@ -297,9 +289,7 @@ fn a_task_that_fails_once_then_succeeds_has_two_spans_in_its_producer_s_trace() 
 
 #[test]
 fn a_dead_letter_requeued_runs_again_in_its_producer_s_trace() {
-    let redis = RedisServer::start();
-    let dir = TestDir::new();
-    let receiver = Receiver::start();
+    let (redis, dir, receiver) = fixture();
     let (config, daemon) = start_traced(&redis, &dir, &receiver.endpoint());
     push_traced(&config, "doomed", r#"{"outcome": "fail"}"#, None);
     receiver.wait_for("the first run's span", |spans| spans.len() == 1);
@@ -398,9 +388,7 @@ fn handed(redis: &RedisServer, id: &str) -> serde_json::Value {
 
 #[test]
 fn a_traced_run_hands_its_exec_handler_the_run_span_s_context() {
-    let redis = RedisServer::start();
-    let dir = TestDir::new();
-    let receiver = Receiver::start();
+    let (redis, dir, receiver) = fixture();
     let (config, daemon) = start_python_handler(
         &redis,
         &dir,
