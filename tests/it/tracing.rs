@@ -433,3 +433,42 @@ fn an_untraced_daemon_hands_its_exec_handler_the_producer_s_context_unchanged() 
     assert_eq!(handed(&redis, "plain"), serde_json::json!([null, null]));
     stop(daemon);
 }
+
+/// A C plugin reads the context through `kmq_host.traceparent` and `.tracestate` (tests/it/c/configurable.c).
+#[test]
+fn a_c_plugin_reads_the_run_s_trace_context_from_kmq_host() {
+    let (redis, dir, receiver) = fixture();
+    compile_c_plugin(
+        &workspace_dir().join("tests/it/c/configurable.c"),
+        &["PLUGIN_TRACE_RESULT", "PLUGIN_TYPE=\"c.traced\""],
+        &dir.plugins_dir().join("libtraced.so"),
+    );
+    let config = dir.config_with(
+        &redis,
+        &format!("otlp_endpoint = \"{}\"", receiver.endpoint()),
+        &format!(
+            "{}\n[plugins.traced]\nfile = \"libtraced.so\"\n",
+            safe_queue("keep_results = \"1h\"")
+        ),
+    );
+    let daemon = Process::start_with_env(
+        &config,
+        dir.path("kmqd.log"),
+        &[("OTEL_BSP_SCHEDULE_DELAY", "100")],
+    );
+    let task = NewTask::new("c.traced", "{}")
+        .unwrap()
+        .id("in-c")
+        .trace(traceparent(), Some("congo=t61rcWkgMzE".to_string()));
+    assert!(client(&config).push("jobs", task).unwrap().is_accepted());
+    let seen = handed(&redis, "in-c");
+    let spans = receiver.wait_for("the run's span", |spans| !spans.is_empty());
+    assert_eq!(
+        seen,
+        serde_json::json!([
+            format!("00-{TRACE_ID}-{}-01", spans[0].span_id),
+            "congo=t61rcWkgMzE"
+        ])
+    );
+    stop(daemon);
+}
