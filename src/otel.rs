@@ -13,10 +13,13 @@
 //! A span never waits for the collector: ending it hands it to the SDK's batch processor, which queues it
 //! (bounded, [`MAX_QUEUED_SPANS`]) and exports from a thread of its own; with the queue full (a collector down
 //! or slow), the span is dropped, and the SDK logs the first drop, then the total at the shutdown. An export that
-//! fails is logged by the SDK (an error per batch) and its spans are gone: tracing is best effort, tasks are not.
+//! fails loses its spans: [`Reported`] says so once, then every [`SUMMARY_EVERY`] while exports keep failing,
+//! and once when one succeeds again (the SDK alone would log an error per batch, many a second for a busy
+//! daemon whose collector is down). Tracing is best effort; tasks are not.
 
 use std::borrow::Cow;
-use std::time::{Duration, SystemTime};
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant, SystemTime};
 
 use opentelemetry::propagation::{Extractor, TextMapPropagator};
 use opentelemetry::trace::{
@@ -25,13 +28,15 @@ use opentelemetry::trace::{
 use opentelemetry::{Context, KeyValue};
 use opentelemetry_otlp::{Protocol, WithExportConfig};
 use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{
     BatchConfigBuilder, BatchSpanProcessor, IdGenerator, RandomIdGenerator, SdkTracerProvider,
-    Tracer,
+    SpanData, SpanExporter, Tracer,
 };
 
 use crate::policy::Action;
+use crate::retry::SUMMARY_EVERY;
 use crate::task::Envelope;
 
 /// How many ended spans wait for the exporter at most; past it, spans are dropped, not waited for. At the SDK's
@@ -77,6 +82,10 @@ impl Exporter {
             .with_timeout(EXPORT_TIMEOUT)
             .build()
             .map_err(|build| error(build.to_string()))?;
+        let exporter = Reported {
+            inner: exporter,
+            failures: Mutex::new(Failures::default()),
+        };
         let processor = BatchSpanProcessor::builder(exporter)
             .with_batch_config(
                 BatchConfigBuilder::default()
@@ -182,6 +191,90 @@ impl Exporter {
     pub fn shut_down(&self) {
         if let Err(error) = self.provider.shutdown_with_timeout(SHUTDOWN_TIMEOUT) {
             tracing::warn!(%error, "the last spans may not have been exported");
+        }
+    }
+}
+
+/// The OTLP exporter, its failures reported without flooding the log (the module's doc).
+#[derive(Debug)]
+struct Reported<E> {
+    inner: E,
+    failures: Mutex<Failures>,
+}
+
+/// The current run of failed exports.
+#[derive(Debug, Default)]
+struct Failures {
+    /// When the run began and when it was last reported; `None`: exports succeed.
+    since: Option<(Instant, Instant)>,
+    batches: u64,
+    spans: u64,
+}
+
+impl<E: SpanExporter> SpanExporter for Reported<E> {
+    async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
+        let spans = batch.len() as u64;
+        let result = self.inner.export(batch).await;
+        // A poisoned lock only means a report panicked: the counts are still counts.
+        let mut failures = self.failures.lock().unwrap_or_else(PoisonError::into_inner);
+        match result {
+            Ok(()) => failures.exported(),
+            Err(error) => failures.failed(spans, &error),
+        }
+        // Reported here: the SDK would log an error for every batch.
+        Ok(())
+    }
+
+    fn shutdown_with_timeout(&mut self, timeout: Duration) -> OTelSdkResult {
+        self.inner.shutdown_with_timeout(timeout)
+    }
+
+    fn force_flush(&mut self) -> OTelSdkResult {
+        self.inner.force_flush()
+    }
+
+    fn set_resource(&mut self, resource: &Resource) {
+        self.inner.set_resource(resource);
+    }
+}
+
+impl Failures {
+    fn failed(&mut self, spans: u64, error: &dyn std::fmt::Display) {
+        self.batches += 1;
+        self.spans += spans;
+        let now = Instant::now();
+        match &mut self.since {
+            None => {
+                self.since = Some((now, now));
+                tracing::warn!(
+                    %error,
+                    spans,
+                    "cannot export spans to otlp_endpoint; they are dropped until the collector takes them again \
+                     (tasks are not affected)"
+                );
+            }
+            Some((since, reported)) if reported.elapsed() >= SUMMARY_EVERY => {
+                *reported = now;
+                tracing::error!(
+                    %error,
+                    batches = self.batches,
+                    spans = self.spans,
+                    for_s = since.elapsed().as_secs(),
+                    "still cannot export spans to otlp_endpoint; they are dropped"
+                );
+            }
+            Some(_) => {}
+        }
+    }
+
+    fn exported(&mut self) {
+        if let Some((since, _)) = self.since.take() {
+            tracing::info!(
+                lost_spans = self.spans,
+                after_s = since.elapsed().as_secs(),
+                "exporting spans to otlp_endpoint again"
+            );
+            (self.batches, self.spans) = (0, 0);
         }
     }
 }

@@ -335,8 +335,16 @@ fn a_collector_that_is_down_or_never_answers_does_not_hold_tasks_back() {
         let redis = RedisServer::start();
         let dir = TestDir::new();
         let (config, daemon) = start_traced(&redis, &dir, &endpoint);
-        push_many(&config, "t", 500, "{}");
-        wait_done(&config, 500, Duration::from_secs(60));
+        push_many(&config, "t", 2000, "{}");
+        wait_done(&config, 2000, Duration::from_secs(60));
+        // Said once, not per failed batch (four at least: 512 spans a batch).
+        let said = "cannot export spans to otlp_endpoint";
+        let log = eventually(Duration::from_secs(30), "the failed export's line", || {
+            let log = daemon.log_text();
+            (log.contains(said), log)
+        });
+        assert_eq!(log.matches(said).count(), 1, "{log}");
+        assert!(!log.contains("BatchSpanProcessor.ExportError"), "{log}");
         // The shutdown's last export is bounded too: the daemon stops, and says the spans may be lost.
         stop(daemon);
     }
