@@ -394,22 +394,21 @@ fn handed(redis: &RedisServer, id: &str) -> serde_json::Value {
         .clone()
 }
 
-#[test]
-fn a_traced_run_hands_its_exec_handler_the_run_span_s_context() {
-    let (redis, dir, receiver) = fixture();
-    let (config, daemon) = start_python_handler(
-        &redis,
-        &dir,
-        &format!("otlp_endpoint = \"{}\"", receiver.endpoint()),
-    );
-    let task = NewTask::new("traced", "{}")
+/// Pushes a traced task of type `kind`, whose handler returns the trace context it was handed as its result, and
+/// checks that it was the run span's: the handler's own spans nest under the run, in the producer's trace.
+fn handler_is_handed_the_run_span(
+    config: &Path,
+    redis: &RedisServer,
+    receiver: &Receiver,
+    kind: &str,
+) {
+    let task = NewTask::new(kind, "{}")
         .unwrap()
         .id("nested")
         .trace(traceparent(), Some("congo=t61rcWkgMzE".to_string()));
-    assert!(client(&config).push("jobs", task).unwrap().is_accepted());
-    let seen = handed(&redis, "nested");
+    assert!(client(config).push("jobs", task).unwrap().is_accepted());
+    let seen = handed(redis, "nested");
     let spans = receiver.wait_for("the run's span", |spans| !spans.is_empty());
-    // The handler's own spans nest under the run: it was handed the run span's id, in the producer's trace.
     assert_eq!(
         seen,
         serde_json::json!([
@@ -419,6 +418,17 @@ fn a_traced_run_hands_its_exec_handler_the_run_span_s_context() {
         "{spans:#?}"
     );
     assert_eq!(spans[0].parent_span_id, PARENT_SPAN_ID);
+}
+
+#[test]
+fn a_traced_run_hands_its_exec_handler_the_run_span_s_context() {
+    let (redis, dir, receiver) = fixture();
+    let (config, daemon) = start_python_handler(
+        &redis,
+        &dir,
+        &format!("otlp_endpoint = \"{}\"", receiver.endpoint()),
+    );
+    handler_is_handed_the_run_span(&config, &redis, &receiver, "traced");
     stop(daemon);
 }
 
@@ -464,19 +474,6 @@ fn a_c_plugin_reads_the_run_s_trace_context_from_kmq_host() {
         dir.path("kmqd.log"),
         &[("OTEL_BSP_SCHEDULE_DELAY", "100")],
     );
-    let task = NewTask::new("c.traced", "{}")
-        .unwrap()
-        .id("in-c")
-        .trace(traceparent(), Some("congo=t61rcWkgMzE".to_string()));
-    assert!(client(&config).push("jobs", task).unwrap().is_accepted());
-    let seen = handed(&redis, "in-c");
-    let spans = receiver.wait_for("the run's span", |spans| !spans.is_empty());
-    assert_eq!(
-        seen,
-        serde_json::json!([
-            format!("00-{TRACE_ID}-{}-01", spans[0].span_id),
-            "congo=t61rcWkgMzE"
-        ])
-    );
+    handler_is_handed_the_run_span(&config, &redis, &receiver, "c.traced");
     stop(daemon);
 }
