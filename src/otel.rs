@@ -388,8 +388,8 @@ mod tests {
             ("http://127.0.0.1:4318", "http://127.0.0.1:4318/v1/traces"),
             ("http://127.0.0.1:4318/", "http://127.0.0.1:4318/v1/traces"),
             (
-                "https://otel.example/otlp",
-                "https://otel.example/otlp/v1/traces",
+                "http://otel.example/otlp",
+                "http://otel.example/otlp/v1/traces",
             ),
         ] {
             assert_eq!(traces_url(endpoint), expected);

@@ -346,9 +346,14 @@ fn bad_configs_name_file_line_key_and_fix() {
             "queues.toml:2:17",
             &[
                 "daemon.otlp_endpoint",
-                "not an http:// or https:// URL",
+                "not an http:// URL",
                 "http://127.0.0.1:4318",
             ],
+        ),
+        (
+            "[daemon]\notlp_endpoint = \"https://otel.example:4318\"\n",
+            "queues.toml:2:17",
+            &["daemon.otlp_endpoint", "plain HTTP only", "collector"],
         ),
         (
             "[daemon]\notlp_endpoint = \"http://\"\n",

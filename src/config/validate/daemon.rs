@@ -92,14 +92,21 @@ impl RawDaemon {
     }
 }
 
-/// Checks an OTLP/HTTP base URL (`http://127.0.0.1:4318`): a scheme the exporter speaks and a host, so that a typo
-/// fails at the start instead of every export failing later. Returns it as written.
+/// Checks an OTLP/HTTP base URL (`http://127.0.0.1:4318`): the scheme the exporter speaks and a host, so that a
+/// typo fails at the start instead of every export failing later. Returns it as written. Plain HTTP only: the
+/// exporter's HTTP client is built without TLS (Cargo.toml), since the collector runs beside the daemon and
+/// forwards spans over TLS itself; an https:// URL would fail every export.
 fn otlp_base_url(endpoint: &str) -> Result<String, String> {
     let fix = "write the collector's OTLP/HTTP base URL, like \"http://127.0.0.1:4318\" (spans go to its /v1/traces)";
+    if endpoint.starts_with("https://") {
+        return Err(format!(
+            "{endpoint:?}: kmqd exports over plain HTTP only; run an OpenTelemetry collector beside the daemon and \
+             let it forward the spans over TLS; {fix}"
+        ));
+    }
     let rest = endpoint
         .strip_prefix("http://")
-        .or_else(|| endpoint.strip_prefix("https://"))
-        .ok_or_else(|| format!("{endpoint:?} is not an http:// or https:// URL; {fix}"))?;
+        .ok_or_else(|| format!("{endpoint:?} is not an http:// URL; {fix}"))?;
     let host = rest.split(['/', '?', '#']).next().unwrap_or("");
     if host.is_empty()
         || endpoint
