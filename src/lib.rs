@@ -11,7 +11,8 @@
 //!   decided (a verdict, the policy's action, its log event) and the record that applies it;
 //! - [`retry`] and [`shutdown`]: backoff, rate-limited failure reports, and the shutdown broadcasts; [`pulse`],
 //!   what a long-lived loop beats for the watchdog; [`observed`], the process-wide counts of what the daemon saw
-//!   (task outcomes, handler durations, Redis errors) that the metrics endpoint serves;
+//!   (task outcomes, handler durations, Redis errors) that the metrics endpoint serves; [`otel`], a span per run
+//!   of a task, exported over OTLP (`[daemon] otlp_endpoint`);
 //! - [`plugin`]: the plugin registry and the FFI (the only unsafe code);
 //! - [`queue`]: what every thread of a queue shares (config, keys, policy, verdicts); [`settler`]: settling a
 //!   batch until Redis has answered for it (a lane's acker and the monitor);
@@ -66,6 +67,8 @@ pub mod flow;
 pub(crate) mod http;
 #[cfg(feature = "daemon")]
 pub(crate) mod observed;
+#[cfg(feature = "daemon")]
+pub mod otel;
 #[cfg(feature = "daemon")]
 pub(crate) mod overview;
 #[cfg(feature = "daemon")]

@@ -6,7 +6,10 @@
 //! and the producer API all import it, and it imports none of them.
 
 use crate::broker::{ClaimLimits, QueueKeys, Settlement};
+use std::sync::Arc;
+
 use crate::config::{Config, QueueConfig};
+use crate::otel::{Exporter, RunTrace};
 use crate::policy::{self, Policy, Verdict};
 use crate::settlement::{self, DeadHook, Origin, Ran, TaskParts};
 use crate::task::{Envelope, EnvelopeError, Slot, new_id};
@@ -21,6 +24,9 @@ pub struct QueueContext {
     pub(crate) daemon_id: String,
     /// `[redis] io_timeout`: what a blocking call waits beyond its own timeout.
     pub(crate) io_timeout: std::time::Duration,
+    /// The span exporter, with `[daemon] otlp_endpoint` (the daemon's one, shared by every queue); `None`: no
+    /// tracing, and [`QueueContext::settle`] pays one branch for it.
+    pub(crate) otel: Option<Arc<Exporter>>,
 }
 
 impl QueueContext {
@@ -31,7 +37,20 @@ impl QueueContext {
             policy: Policy::for_queue(queue),
             daemon_id: daemon_id.to_string(),
             io_timeout: config.redis.io_timeout,
+            otel: None,
         }
+    }
+
+    /// The same context, each run of its tasks traced through `otel` (the daemon's exporter, when it has one).
+    pub fn traced(mut self, otel: Option<Arc<Exporter>>) -> QueueContext {
+        self.otel = otel;
+        self
+    }
+
+    /// A run of `envelope` starts: its place in its trace, when the queue is traced (the one branch tracing
+    /// costs a run where it starts, when it is off).
+    pub(crate) fn begin_run(&self, envelope: &Envelope<'_>) -> Option<Box<RunTrace>> {
+        self.otel.as_ref().map(|otel| otel.begin(envelope))
     }
 
     /// How a claim or pop of this queue dead-letters a payload that is too large.
@@ -147,6 +166,13 @@ impl QueueContext {
             envelope,
             ran.as_ref(),
         );
+        // Tracing off, this is the one branch it costs a task (a run's span is made here, where its outcome is
+        // decided: no second path decides one).
+        if let (Some(otel), Some(envelope)) = (&self.otel, envelope) {
+            let trace = ran.as_ref().and_then(|ran| ran.trace.as_deref());
+            let ran_for = ran.as_ref().and_then(|ran| ran.duration);
+            otel.run_span(&self.config.name, envelope, &action, trace, ran_for);
+        }
         let origin = Origin {
             queue: &self.config.name,
             daemon: &self.daemon_id,

@@ -422,6 +422,9 @@ pub struct Ran {
     /// The JSON a handler that finished the task returned with it (`Outcome::done_with_result`, the line
     /// protocol's `result`), kept with a queue's `keep_results`; `None` when it returned none.
     pub result: Option<String>,
+    /// The run's place in its trace, when the queue is traced and a worker started the run (its span is made at
+    /// the settle: `crate::otel`).
+    pub(crate) trace: Option<Box<crate::otel::RunTrace>>,
 }
 
 /// The task's log event for `action`, which the policy decided (`crate::queue::QueueContext::settle`, the one

@@ -83,6 +83,12 @@ typedef struct {
      * task that waited for none. Valid while `run` is. Beyond an older host's `struct_size`: its tasks waited
      * for nothing. */
     kmq_str (*dependencies)(void *run);
+    /* Added within v1: the W3C trace context of the run (docs/HANDLERS.md, "Tracing"): `traceparent`, the run
+     * span's own when kmqd traces (`[daemon] otlp_endpoint`), so that the handler's spans nest under the run, and
+     * the producer's as it pushed it otherwise; `tracestate`, the producer's. Empty text when the task has none.
+     * Valid while `run` is. Beyond an older host's `struct_size`: no context. */
+    kmq_str (*traceparent)(void *run);
+    kmq_str (*tracestate)(void *run);
 } kmq_host;
 
 typedef enum {

@@ -26,6 +26,10 @@
  * standard error. A task type with no handler fails. With
  * `concurrency` in the config, that many tasks run at once (async handlers; a sync one blocks the event loop).
  *
+ * A task's W3C trace context is `task.traceparent` (and `task.tracestate`): the span of kmqd's run when kmqd
+ * traces, the producer's otherwise. With @opentelemetry/api installed, the handler runs in that context (with the
+ * application's context manager registered, a span it starts is a child of the run: docs/HANDLERS.md, "Tracing").
+ *
  * Standard output carries the protocol, so `run()` sends console.log (and info, debug) to standard error: a log
  * line in a handler lands in kmqd's log, attributed to the task, instead of breaking the protocol.
  */
@@ -33,6 +37,38 @@
 const { inspect } = require('node:util');
 
 const PROTOCOL = 1;
+
+// Optional: with @opentelemetry/api installed, a handler runs in its task's trace context.
+let otel = null;
+try {
+  otel = require('@opentelemetry/api');
+} catch {
+  otel = null;
+}
+
+const TRACEPARENT = /^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$/;
+
+/**
+ * The task's trace context as an OpenTelemetry context, or null (no API, no context, or a malformed one). Read
+ * into a span context by hand rather than through a propagator, so that it works whether or not the application
+ * registered one.
+ */
+function traceContextOf(task) {
+  if (!otel || typeof task.traceparent !== 'string') return null;
+  const parts = TRACEPARENT.exec(task.traceparent);
+  if (!parts || parts[1] === 'ff' || (parts[1] === '00' && parts[5] !== undefined)) return null;
+  const spanContext = {
+    traceId: parts[2],
+    spanId: parts[3],
+    traceFlags: parseInt(parts[4], 16) & 0xff,
+    isRemote: true,
+  };
+  if (typeof task.tracestate === 'string' && task.tracestate && otel.createTraceState) {
+    spanContext.traceState = otel.createTraceState(task.tracestate);
+  }
+  if (!otel.isSpanContextValid(spanContext)) return null;
+  return otel.trace.setSpanContext(otel.ROOT_CONTEXT, spanContext);
+}
 
 /** This attempt failed: retried after `afterMs` milliseconds, or the queue's backoff. */
 class Retry extends Error {
@@ -108,6 +144,9 @@ function taskOf(line) {
     /** A task of a flow that waited for others: their outcomes ({queue, id, state, result or reason}); null for
      * a task that waited for none. */
     after: line.after ?? null,
+    /** The W3C trace context: the run's span when kmqd traces, the producer's otherwise; null without one. */
+    traceparent: line.traceparent ?? null,
+    tracestate: line.tracestate ?? null,
     deadline: deadline === null ? null : new Date(deadline),
     createdAt: created === null ? null : new Date(created),
     /** Milliseconds left before the deadline (the execution timeout), or null without one. */
@@ -180,7 +219,8 @@ function run() {
       return;
     }
     try {
-      send(outcome(task.id, await fn(task)));
+      const context = traceContextOf(task);
+      send(outcome(task.id, await (context ? otel.context.with(context, fn, undefined, task) : fn(task))));
     } catch (error) {
       if (!(error instanceof Retry) && !(error instanceof Fail) && !(error instanceof Throttle)) {
         process.stderr.write(`${error && error.stack ? error.stack : String(error)}\n`);

@@ -135,3 +135,53 @@ test('a throttle without a valid delay is a failed attempt that says why', () =>
   assert.deepEqual(byId.missing, retry('missing', `TypeError: ${wants} a number, not undefined`));
   assert.match(stderr, /RangeError: Throttle\(afterMs\).*\n {4}at /, 'an error: its stack on standard error');
 });
+
+const TRACEPARENT = '00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01';
+
+test('a task\'s trace context reaches its handler', () => {
+  const script = handlerFile(`
+    sdk.handle('traced', (task) => new sdk.Result([task.traceparent, task.tracestate]));
+    sdk.run();
+  `);
+  const traced = { ...task('t1', 'traced', null), traceparent: TRACEPARENT, tracestate: 'congo=t61rcWkgMzE' };
+  const { byId } = serve(script, [traced, task('t2', 'traced', null)]);
+  assert.deepEqual(byId.t1.result, [TRACEPARENT, 'congo=t61rcWkgMzE']);
+  assert.deepEqual(byId.t2.result, [null, null]);
+});
+
+// @opentelemetry/api and its context manager, from the Node client's dependencies (npm ci in clients/node), when
+// installed: the handler runs in the task's context.
+const clientModules = path.join(__dirname, '..', '..', 'clients', 'node', 'node_modules');
+const otelInstalled = fs.existsSync(path.join(clientModules, '@opentelemetry', 'api'))
+  && fs.existsSync(path.join(clientModules, '@opentelemetry', 'context-async-hooks'));
+
+test('with @opentelemetry/api a handler runs in its task\'s context', { skip: !otelInstalled && 'npm ci in clients/node first' }, () => {
+  const script = handlerFile(`
+    const otel = require('@opentelemetry/api');
+    const { AsyncLocalStorageContextManager } = require('@opentelemetry/context-async-hooks');
+    otel.context.setGlobalContextManager(new AsyncLocalStorageContextManager().enable());
+    const current = () => {
+      const span = otel.trace.getSpan(otel.context.active());
+      return span ? [span.spanContext().traceId, span.spanContext().spanId] : null;
+    };
+    sdk.handle('sync', () => new sdk.Result(current()));
+    sdk.handle('async', async () => { await new Promise((r) => setTimeout(r, 5)); return new sdk.Result(current()); });
+    sdk.run();
+  `);
+  const done = spawnSync(process.execPath, [script], {
+    input: [
+      { ...task('sync', 'sync', null), traceparent: TRACEPARENT },
+      { ...task('async', 'async', null), traceparent: TRACEPARENT },
+      task('none', 'sync', null),
+    ].map((t) => `${JSON.stringify(t)}\n`).join(''),
+    env: { PATH: process.env.PATH, KMQ_PROTOCOL: '1', KMQ_CONCURRENCY: '2', NODE_PATH: clientModules },
+    encoding: 'utf8',
+    timeout: 60000,
+  });
+  assert.equal(done.status, 0, done.stderr);
+  const byId = Object.fromEntries(done.stdout.trim().split('\n').slice(1).map((line) => JSON.parse(line)).map((a) => [a.id, a]));
+  const expected = ['4bf92f3577b34da6a3ce929d0e0e4736', '00f067aa0ba902b7'];
+  assert.deepEqual(byId.sync.result, expected);
+  assert.deepEqual(byId.async.result, expected);
+  assert.equal(byId.none.result, null);
+});

@@ -29,12 +29,17 @@ A handler returns (done; a returned string is the outcome's message), raises `Re
 requests"). Any other exception is a failed attempt: retried with `Type: message` as the reason, its traceback on
 standard error. A task type with no handler fails.
 
+A task's W3C trace context is `task.traceparent` (and `task.tracestate`): the span of kmqd's run when kmqd traces,
+the producer's otherwise. With opentelemetry-api installed, the handler runs in that context: a span it starts is
+a child of the run (docs/HANDLERS.md, "Tracing").
+
 Standard output carries the protocol, so `run()` points `sys.stdout` at standard error: a `print` in a handler
 lands in kmqd's log, attributed to the task, instead of breaking the protocol.
 """
 
 import asyncio
 import codecs
+import contextvars
 import inspect
 import itertools
 import json
@@ -114,11 +119,19 @@ class Result:
 # back at most an hour whatever it is told; the Node SDK's bound too (its largest exact integer).
 _MAX_AFTER_MS = 2**53 - 1
 
+try:
+    # Optional: with opentelemetry-api, a handler runs in its task's trace context. Imported once, since a failed
+    # import is searched for again at every try.
+    from opentelemetry import context as _otel_context  # type: ignore[import-not-found]
+    from opentelemetry import propagate as _otel_propagate  # type: ignore[import-not-found]
+except ImportError:
+    _otel_context = _otel_propagate = None
+
 
 class Task:
     """One run of a task: what kmqd's task line says."""
 
-    __slots__ = ("id", "type", "queue", "attempt", "data", "deadline", "created_at", "after")
+    __slots__ = ("id", "type", "queue", "attempt", "data", "deadline", "created_at", "after", "traceparent", "tracestate")
 
     def __init__(self, line):
         self.id = line["id"]
@@ -129,6 +142,9 @@ class Task:
         # A task of a flow that waited for others: their outcomes, a list of {"queue", "id", "state", "result" or
         # "reason"}; None for a task that waited for none.
         self.after = line.get("after")
+        # The W3C trace context: the run's span when kmqd traces, the producer's otherwise; None without one.
+        self.traceparent = line.get("traceparent")
+        self.tracestate = line.get("tracestate")
         deadline, created = line.get("deadline_ms"), line.get("created_at_ms")
         # Seconds since the epoch, as time.time() counts them; None when there is none.
         self.deadline = deadline / 1000 if deadline is not None else None
@@ -140,6 +156,18 @@ class Task:
 
     def __repr__(self):
         return f"Task(id={self.id!r}, type={self.type!r}, attempt={self.attempt})"
+
+
+def _attach_trace(task):
+    """Makes the task's trace context the current OpenTelemetry context of the asyncio task that runs it (each task
+    runs in an asyncio task of its own, whose context ends with it: nothing to detach). Returns the attach's token,
+    or None without opentelemetry-api or a context."""
+    if _otel_propagate is None or not task.traceparent:
+        return None
+    carrier = {"traceparent": task.traceparent}
+    if task.tracestate:
+        carrier["tracestate"] = task.tracestate
+    return _otel_context.attach(_otel_propagate.extract(carrier))
 
 
 def handler(task_type):
@@ -245,11 +273,15 @@ async def _serve(table, out, concurrency):
         if function is None:
             send({"id": task.id, "outcome": "fail", "message": f"no handler for task type {task.type!r}"})
             return
+        traced = _attach_trace(task)
         try:
             if is_async:
                 result = await function(task)
-            else:
+            elif traced is None:
                 result = await loop.run_in_executor(threads, function, task)
+            else:
+                # An executor's thread does not inherit the asyncio task's context: the call takes a copy.
+                result = await loop.run_in_executor(threads, contextvars.copy_context().run, function, task)
         except Exception as error:  # noqa: BLE001 - every error of a handler is its task's outcome
             if not isinstance(error, (Retry, Fail, Throttle)):
                 traceback.print_exc(file=sys.stderr)

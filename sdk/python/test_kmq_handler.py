@@ -187,6 +187,65 @@ class Flows(unittest.TestCase):
         self.assertEqual(answers["m2"]["result"], None)
 
 
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def _otel_importable():
+    try:
+        import opentelemetry.trace  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class Tracing(unittest.TestCase):
+    def test_a_task_s_trace_context_reaches_its_handler(self):
+        path = handler_file(
+            """
+            from kmq_handler import Result, handler, run
+
+            @handler("traced")
+            def traced(task):
+                return Result([task.traceparent, task.tracestate])
+
+            run()
+            """
+        )
+        traced = dict(task("t1", "traced", None), traceparent=TRACEPARENT, tracestate="congo=t61rcWkgMzE")
+        answers, _, _ = serve(path, [traced, task("t2", "traced", None)])
+        self.assertEqual(answers["t1"]["result"], [TRACEPARENT, "congo=t61rcWkgMzE"])
+        self.assertEqual(answers["t2"]["result"], [None, None])
+
+    @unittest.skipUnless(_otel_importable(), "opentelemetry-api is not installed (pip install opentelemetry-api)")
+    def test_with_opentelemetry_a_handler_runs_in_its_task_s_context(self):
+        path = handler_file(
+            """
+            from opentelemetry import trace
+            from kmq_handler import Result, handler, run
+
+            def current():
+                context = trace.get_current_span().get_span_context()
+                return [format(context.trace_id, "032x"), format(context.span_id, "016x")]
+
+            @handler("sync")
+            def sync(task):
+                return Result(current())
+
+            @handler("async")
+            async def in_loop(task):
+                return Result(current())
+
+            run()
+            """
+        )
+        tasks = [dict(task(kind, kind, None), traceparent=TRACEPARENT) for kind in ("sync", "async")]
+        answers, _, _ = serve(path, tasks + [task("none", "sync", None)])
+        expected = ["4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"]
+        self.assertEqual(answers["sync"]["result"], expected)
+        self.assertEqual(answers["async"]["result"], expected)
+        self.assertEqual(answers["none"]["result"], ["0" * 32, "0" * 16])
+
+
 class Concurrency(unittest.TestCase):
     def test_async_handlers_run_at_once_and_answer_out_of_order(self):
         # Each task waits until all three arrived: only true concurrency finishes them; the last one is answered

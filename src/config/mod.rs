@@ -219,6 +219,8 @@ pub struct DaemonConfig {
     /// `metrics_addr` came from the command line (`--metrics-addr`), not the file: a reload keeps it without
     /// calling the file's value a change.
     pub metrics_addr_overridden: bool,
+    /// The OTLP/HTTP collector spans are exported to (`src/otel.rs`); `None`: no tracing.
+    pub otlp_endpoint: Option<String>,
     /// A tracing filter such as `info` or `kmqd=debug`; `RUST_LOG` takes precedence.
     pub log_level: String,
     /// How log events are written to standard error.

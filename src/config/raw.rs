@@ -75,6 +75,7 @@ pub(super) struct RawDaemon {
     pub(super) plugins_dir: Option<Spanned<String>>,
     pub(super) shutdown_grace: Option<Spanned<String>>,
     pub(super) metrics_addr: Option<Spanned<String>>,
+    pub(super) otlp_endpoint: Option<Spanned<String>>,
     pub(super) log_level: Option<Spanned<String>>,
     pub(super) log_format: Option<Spanned<String>>,
     pub(super) report_interval: Option<Spanned<String>>,

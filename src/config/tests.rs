@@ -342,6 +342,30 @@ fn bad_configs_name_file_line_key_and_fix() {
             &["daemon.metrics_addr", "127.0.0.1:9464"],
         ),
         (
+            "[daemon]\notlp_endpoint = \"127.0.0.1:4318\"\n",
+            "queues.toml:2:17",
+            &[
+                "daemon.otlp_endpoint",
+                "not an http:// URL",
+                "http://127.0.0.1:4318",
+            ],
+        ),
+        (
+            "[daemon]\notlp_endpoint = \"https://otel.example:4318\"\n",
+            "queues.toml:2:17",
+            &["daemon.otlp_endpoint", "plain HTTP only", "collector"],
+        ),
+        (
+            "[daemon]\notlp_endpoint = \"http://\"\n",
+            "queues.toml:2:17",
+            &["daemon.otlp_endpoint", "names no host"],
+        ),
+        (
+            "[daemon]\notlp_endpoint = \"http://collector:43l8\"\n",
+            "queues.toml:2:17",
+            &["daemon.otlp_endpoint", "no valid port"],
+        ),
+        (
             "[[queues]]\nname = \"m\"\nmode = \"safe\"\nforeign_type_field = \"type\"\n",
             "queues.toml:4:22",
             &["queues[0].foreign_type_field", "\"callback\""],

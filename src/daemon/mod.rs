@@ -55,6 +55,7 @@ use crossbeam_channel::{Receiver, Sender, select};
 
 use crate::broker::{self, BrokerError, Connector, Session};
 use crate::config::{Config, QueueConfig};
+use crate::otel::Exporter;
 use crate::plugin::{Plugins, Reader, Registry};
 use crate::pulse::Pulse;
 use crate::queue::QueueContext;
@@ -106,6 +107,8 @@ pub enum DaemonError {
     Auth(redis::RedisError),
     #[error("{0}")]
     Tls(String),
+    #[error(transparent)]
+    Otel(#[from] crate::otel::ExporterError),
 }
 
 impl DaemonError {
@@ -113,7 +116,7 @@ impl DaemonError {
     /// version): retrying cannot help, so `kmqd` exits 2 rather than 1.
     pub(crate) fn is_config_error(&self) -> bool {
         match self {
-            DaemonError::Auth(_) | DaemonError::Tls(_) => true,
+            DaemonError::Auth(_) | DaemonError::Tls(_) | DaemonError::Otel(_) => true,
             DaemonError::Broker(error) => error.is_config_error(),
             _ => false,
         }
@@ -161,6 +164,15 @@ pub(crate) fn serve(
     for queue in &config.queues {
         startup::warn_of_stranded_levels(&connector, &config.redis.key_prefix, queue);
     }
+    // Started once for the daemon run (a reload keeps it: docs/CONFIG.md), before the lanes whose runs it traces.
+    let otel = match &config.daemon.otlp_endpoint {
+        Some(endpoint) => {
+            let exporter = Arc::new(Exporter::start(endpoint)?);
+            tracing::info!(endpoint = %endpoint, "exporting a span per run over OTLP");
+            Some(exporter)
+        }
+        None => None,
+    };
     let (events_tx, events) = crossbeam_channel::unbounded();
     let mut supervisor = Supervisor {
         config: config.clone(),
@@ -178,6 +190,7 @@ pub(crate) fn serve(
             background: Trigger::new(),
             client_name,
             daemon_id: daemon_id(),
+            otel: otel.clone(),
         },
         connector,
         lanes: LaneSet::new(Vec::new()),
@@ -189,6 +202,10 @@ pub(crate) fn serve(
     };
     let result = supervisor.run(&stop, &reload, &events);
     supervisor.shut_down(&events);
+    // Every lane has settled: the last spans are queued, and go out now (bounded by the exporter's own wait).
+    if let Some(otel) = otel {
+        otel.shut_down();
+    }
     result.map_or(Ok(()), Err)
 }
 
@@ -206,6 +223,8 @@ struct Parts {
     /// `kmqd:HOST:PID`, the start of every connection's name.
     client_name: String,
     daemon_id: String,
+    /// The span exporter (`[daemon] otlp_endpoint`), handed to every queue's context; shut down after the lanes.
+    otel: Option<Arc<Exporter>>,
 }
 
 impl Parts {
@@ -373,7 +392,9 @@ impl Supervisor {
     fn start_lane(&mut self, queue: &QueueConfig) -> Result<(), DaemonError> {
         let group = self.new_group();
         let parts = &self.parts;
-        let context = Arc::new(QueueContext::new(&self.config, queue, &parts.daemon_id));
+        let context = Arc::new(
+            QueueContext::new(&self.config, queue, &parts.daemon_id).traced(parts.otel.clone()),
+        );
         // The helpers start after the first lanes: none yet means the daemon is starting.
         let at_start = self.helpers.is_none();
         let instance = if at_start {

@@ -100,6 +100,11 @@ pub(crate) struct Run<'a> {
     pub(crate) cancel: &'a AtomicU32,
     /// The outcomes of the tasks it waited for (the envelope's `after`, a JSON list), for `kmq_host.dependencies`.
     pub(crate) after: Option<&'a str>,
+    /// The W3C trace context handed to the handler (`kmq_host.traceparent`): the run span's when the run is
+    /// traced, the producer's otherwise.
+    pub(crate) traceparent: Option<&'a str>,
+    /// The producer's `tracestate`, for `kmq_host.tracestate`.
+    pub(crate) tracestate: Option<&'a str>,
 }
 
 /// What `handle` returned.
@@ -354,7 +359,8 @@ impl LoadedPlugin {
             message.resize(MESSAGE_CAPACITY, 0);
         }
         let mut retry_after_ms: i64 = -1;
-        let slot = RunSlot::with_dependencies(run.after);
+        let slot =
+            RunSlot::with_dependencies(run.after).with_trace(run.traceparent, run.tracestate);
         let task = task_view(run, &mut retry_after_ms, slot.handle());
         let mut buf = KmqBuf {
             ptr: message.as_mut_ptr().cast::<c_char>(),
@@ -389,7 +395,7 @@ impl LoadedPlugin {
         let mut retry_after_ms: i64 = -1;
         let ticket = Box::into_raw(Box::new(Ticket {
             completion,
-            slot: RunSlot::with_dependencies(run.after),
+            slot: RunSlot::with_dependencies(run.after).with_trace(run.traceparent, run.tracestate),
         }));
         // SAFETY: the box was just made; its slot stays where it is until `completed` takes the box back.
         let slot = unsafe { (*ticket).slot.handle() };

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 use rustc_hash::FxHashMap;
+use serde_json::value::RawValue;
 
 pub(crate) use ffi::{LoadedPlugin, MESSAGE_CAPACITY, Run, Status};
 
@@ -154,16 +155,25 @@ impl PluginError {
     }
 }
 
+/// A JSON string's text, borrowed, when it needs no unescaping (a W3C trace context never does: its characters
+/// are printable ASCII without `"` or `\`); `None` for anything else, which no handler could use as a context.
+fn plain_string(value: &RawValue) -> Option<&str> {
+    let text = value.get().strip_prefix('"')?.strip_suffix('"')?;
+    (!text.contains('\\')).then_some(text)
+}
+
 impl<'a> Run<'a> {
     /// The run of the task `envelope` of `queue`: `deadline_ms` is Redis's time by which it must be done (0:
-    /// none), `cancel` the flag raised to ask its handler to stop.
+    /// none), `cancel` the flag raised to ask its handler to stop, `traceparent` the run span's context when the
+    /// run is traced (`None`: the handler is handed the producer's, unchanged).
     pub(crate) fn of(
         envelope: &'a Envelope<'_>,
         queue: &'a str,
         deadline_ms: i64,
         cancel: &'a AtomicU32,
+        traceparent: Option<&'a str>,
     ) -> Run<'a> {
-        Run {
+        let mut run = Run {
             id: envelope.id_str(),
             queue,
             kind: &envelope.kind,
@@ -172,12 +182,23 @@ impl<'a> Run<'a> {
             created_at_ms: envelope.created_at.unwrap_or(0),
             deadline_ms,
             cancel,
-            after: envelope
-                .extra
-                .iter()
-                .find(|(name, _)| name == "after")
-                .map(|(_, after)| after.get()),
+            after: None,
+            traceparent: None,
+            tracestate: None,
+        };
+        // One pass over the fields kmqd does not decode (none, for most tasks), the first of each name counting.
+        for (name, value) in &envelope.extra {
+            match &**name {
+                "after" if run.after.is_none() => run.after = Some(value.get()),
+                "traceparent" if run.traceparent.is_none() => run.traceparent = plain_string(value),
+                "tracestate" if run.tracestate.is_none() => run.tracestate = plain_string(value),
+                _ => {}
+            }
         }
+        if traceparent.is_some() {
+            run.traceparent = traceparent;
+        }
+        run
     }
 }
 
@@ -337,7 +358,7 @@ impl Registry {
             return;
         };
         let cancel = AtomicU32::new(0);
-        plugin.on_dead(&Run::of(envelope, queue, 0, &cancel), reason);
+        plugin.on_dead(&Run::of(envelope, queue, 0, &cancel, None), reason);
     }
 
     /// The loaded plugins: the config's sections in order, then the drop-ins by file name.

@@ -51,6 +51,7 @@ mod systemd;
 mod throttle;
 mod tls;
 mod topology;
+mod tracing;
 mod type_limits;
 mod unknown_types;
 mod watch;

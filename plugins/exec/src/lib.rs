@@ -270,6 +270,25 @@ mod tests {
     }
 
     #[test]
+    fn a_command_gets_its_task_s_trace_context_as_traceparent_and_tracestate() {
+        let dir = tempfile::tempdir().unwrap();
+        let body = "printf '%s|%s' \"${TRACEPARENT-unset}\" \"${TRACESTATE-unset}\"";
+        let harness = harness(dir.path(), &script(dir.path(), body), "10s");
+        let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let mut task = TestTask::new("exec.test", "{}");
+        task.traceparent = Some(traceparent.to_string());
+        task.tracestate = Some("congo=t61rcWkgMzE".to_string());
+        let result = harness.run(task);
+        assert_eq!(
+            (result.status, result.message),
+            (Status::Done, format!("{traceparent}|congo=t61rcWkgMzE"))
+        );
+        // Without one, neither variable is set, whatever the daemon's own environment holds.
+        let result = harness.run(TestTask::new("exec.test", "{}"));
+        assert_eq!(result.message, "unset|unset");
+    }
+
+    #[test]
     fn a_cancelled_run_kills_the_command() {
         let dir = tempfile::tempdir().unwrap();
         let body = "echo $$ > \"$1/command.pid\"\nexec sleep 600";

@@ -20,7 +20,8 @@
 //! reached then (the signal is not inherited), and is left to systemd, which kills the unit's cgroup.
 //!
 //! Besides the config's environment the command gets `KMQ_TASK_ID`, `KMQ_TASK_TYPE`, `KMQ_QUEUE` and
-//! `KMQ_ATTEMPT` (0 on the first run).
+//! `KMQ_ATTEMPT` (0 on the first run), and, for a task with a trace context, `TRACEPARENT` and `TRACESTATE`
+//! (the OpenTelemetry convention for a context handed to a process: docs/HANDLERS.md, "Tracing").
 //!
 //! Standard input, output and error are pipes, served by three short-lived threads per run (`kmq-exec-stdin`,
 //! `kmq-exec-stdout`, `kmq-exec-stderr`), so a command that writes a lot before it reads, or never reads, cannot
@@ -63,6 +64,16 @@ impl PerTask {
             .env("KMQ_TASK_TYPE", task.kind())
             .env("KMQ_QUEUE", task.queue())
             .env("KMQ_ATTEMPT", task.attempt().to_string());
+        // Removed when the task has none, so that the daemon's own environment never passes for the task's.
+        for (name, value) in [
+            ("TRACEPARENT", task.traceparent()),
+            ("TRACESTATE", task.tracestate()),
+        ] {
+            match value {
+                Some(value) => command.env(name, value),
+                None => command.env_remove(name),
+            };
+        }
         let child = match command.spawn() {
             Ok(child) => child,
             Err(error) => {

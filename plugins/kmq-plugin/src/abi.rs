@@ -81,7 +81,15 @@ pub struct KmqHost {
     pub result: Option<ResultFn>,
     /// Appended within v1: beyond an older host's `struct_size`, read as NULL (its tasks waited for nothing).
     pub dependencies: Option<DependenciesFn>,
+    /// Appended within v1: beyond an older host's `struct_size`, read as NULL (no trace context).
+    pub traceparent: Option<TraceFn>,
+    /// Appended with `traceparent`.
+    pub tracestate: Option<TraceFn>,
 }
+
+/// `kmq_host.traceparent` and `kmq_host.tracestate`: the run's W3C trace context fields; empty text when the task
+/// has none. Valid while the run is.
+pub type TraceFn = unsafe extern "C" fn(run: *mut c_void) -> KmqStr;
 
 /// `kmq_host.dependencies`: the outcomes of the tasks a run's task waited for (a flow's `after`), a JSON list;
 /// empty text when it waited for none. Valid while the run is.

@@ -60,35 +60,38 @@ unsafe extern "C" fn host(offer: *const KmqHost) {
     HOST.store(offer.cast_mut(), Ordering::Release);
 }
 
-/// The host's `result` function, when the host offered one.
-fn result_fn() -> Option<ResultFn> {
+/// A function of the host's offer, when the host offered one and its `struct_size` covers the field, which
+/// ends `end` bytes into the offer (fields are appended within v1: an older host's offer ends before them).
+fn offered<F: Copy>(end: usize, field: impl FnOnce(&KmqHost) -> Option<F>) -> Option<F> {
     let offer = HOST.load(Ordering::Acquire);
     if offer.is_null() {
         return None;
     }
     // SAFETY: a host's offer lives as long as the process (kmq_plugin.h), and its first field is its size.
     let offer = unsafe { &*offer };
-    let covered = std::mem::offset_of!(KmqHost, result) + size_of::<Option<ResultFn>>();
-    if (offer.struct_size as usize) < covered {
+    if (offer.struct_size as usize) < end {
         return None;
     }
-    offer.result
+    field(offer)
+}
+
+/// The host's `result` function, when the host offered one.
+fn result_fn() -> Option<ResultFn> {
+    let end = std::mem::offset_of!(KmqHost, result) + size_of::<Option<ResultFn>>();
+    offered(end, |offer| offer.result)
 }
 
 /// The host's `dependencies` function, when the host offered one (a host newer than flows).
 pub(crate) fn dependencies_fn() -> Option<crate::abi::DependenciesFn> {
-    let offer = HOST.load(Ordering::Acquire);
-    if offer.is_null() {
-        return None;
-    }
-    // SAFETY: as in `result_fn`.
-    let offer = unsafe { &*offer };
-    let covered = std::mem::offset_of!(KmqHost, dependencies)
+    let end = std::mem::offset_of!(KmqHost, dependencies)
         + size_of::<Option<crate::abi::DependenciesFn>>();
-    if (offer.struct_size as usize) < covered {
-        return None;
-    }
-    offer.dependencies
+    offered(end, |offer| offer.dependencies)
+}
+
+/// The host's `traceparent` and `tracestate` functions, when the host offered them (a host newer than tracing).
+pub(crate) fn trace_fns() -> Option<(crate::abi::TraceFn, crate::abi::TraceFn)> {
+    let end = std::mem::offset_of!(KmqHost, tracestate) + size_of::<Option<crate::abi::TraceFn>>();
+    offered(end, |offer| offer.traceparent.zip(offer.tracestate))
 }
 
 /// A task's `run` handle, when the host offers results: only such a host's tasks have the field.

@@ -18,6 +18,8 @@ pub static HOST: KmqHost = KmqHost {
     struct_size: size_of::<KmqHost>() as u32,
     result: Some(result_given),
     dependencies: Some(dependencies_given),
+    traceparent: Some(traceparent_given),
+    tracestate: Some(tracestate_given),
 };
 
 /// One run's slot for what the plugin hands on besides its status: the task's `run` handle
@@ -29,6 +31,9 @@ pub struct RunSlot {
     /// The outcomes of the tasks the run's task waited for (its envelope's `after`: docs/design/flows.md), as
     /// the JSON list the host passes on; `None` for a task that waited for nothing.
     after: Option<String>,
+    /// The run's W3C trace context (`kmq_host.traceparent`, `kmq_host.tracestate`); `None` when it has none.
+    traceparent: Option<String>,
+    tracestate: Option<String>,
 }
 
 impl RunSlot {
@@ -37,6 +42,15 @@ impl RunSlot {
         RunSlot {
             after: after.map(str::to_string),
             ..RunSlot::default()
+        }
+    }
+
+    /// The same slot, its run handed the W3C trace context `traceparent` and `tracestate`.
+    pub fn with_trace(self, traceparent: Option<&str>, tracestate: Option<&str>) -> RunSlot {
+        RunSlot {
+            traceparent: traceparent.map(str::to_string),
+            tracestate: tracestate.map(str::to_string),
+            ..self
         }
     }
 
@@ -55,14 +69,35 @@ impl RunSlot {
     }
 }
 
-/// `kmq_host.dependencies`: the run's `after` list, or empty text. Borrowed from the slot, which outlives the run.
-unsafe extern "C" fn dependencies_given(run: *mut c_void) -> KmqStr {
+/// A text of the run's slot, or empty text. Borrowed from the slot, which outlives the run.
+///
+/// # Safety
+/// `run` is null or the handle of a live run (the ABI's rule).
+unsafe fn slot_text(run: *mut c_void, text: impl FnOnce(&RunSlot) -> Option<&str>) -> KmqStr {
     if run.is_null() {
         return KmqStr::borrow("");
     }
-    // SAFETY: `run` is the handle of a live run (the ABI's rule): a `RunSlot` that outlives the run.
+    // SAFETY: `run` is the handle of a live run (the caller's contract): a `RunSlot` that outlives the run.
     let slot = unsafe { &*run.cast::<RunSlot>() };
-    KmqStr::borrow(slot.after.as_deref().unwrap_or(""))
+    KmqStr::borrow(text(slot).unwrap_or(""))
+}
+
+/// `kmq_host.dependencies`: the run's `after` list, or empty text.
+unsafe extern "C" fn dependencies_given(run: *mut c_void) -> KmqStr {
+    // SAFETY: the ABI's rule: `run` is the handle of a live run.
+    unsafe { slot_text(run, |slot| slot.after.as_deref()) }
+}
+
+/// `kmq_host.traceparent`: the run's trace context, or empty text.
+unsafe extern "C" fn traceparent_given(run: *mut c_void) -> KmqStr {
+    // SAFETY: the ABI's rule: `run` is the handle of a live run.
+    unsafe { slot_text(run, |slot| slot.traceparent.as_deref()) }
+}
+
+/// `kmq_host.tracestate`: the producer's trace state, or empty text.
+unsafe extern "C" fn tracestate_given(run: *mut c_void) -> KmqStr {
+    // SAFETY: the ABI's rule: `run` is the handle of a live run.
+    unsafe { slot_text(run, |slot| slot.tracestate.as_deref()) }
 }
 
 /// `kmq_host.result`: keeps the run's JSON text (the last call wins). The whole text is copied: kmqd bounds what

@@ -257,7 +257,23 @@ impl<'a> Task<'a> {
     /// "reason"}`, one per task, in no set order. `None` when it waited for none, or under a host older than
     /// flows.
     pub fn dependencies(&self) -> Option<&'a str> {
-        let given = crate::export::dependencies_fn()?;
+        self.host_text(crate::export::dependencies_fn()?)
+    }
+
+    /// The W3C trace context of this run (docs/HANDLERS.md, "Tracing"): the run span's own when kmqd traces
+    /// (`[daemon] otlp_endpoint`: make it the parent of the handler's spans, and they nest under the run), the
+    /// producer's as it pushed it otherwise. `None` when the task has none, or under a host older than tracing.
+    pub fn traceparent(&self) -> Option<&'a str> {
+        self.host_text(crate::export::trace_fns()?.0)
+    }
+
+    /// The producer's W3C `tracestate`, which goes with [`Task::traceparent`]; `None` when it has none.
+    pub fn tracestate(&self) -> Option<&'a str> {
+        self.host_text(crate::export::trace_fns()?.1)
+    }
+
+    /// The text one of the host's functions gives for this run; `None` when it is empty or the run has no handle.
+    fn host_text(&self, given: abi::TraceFn) -> Option<&'a str> {
         // SAFETY: `raw` is the task of the current call (`from_raw`'s contract).
         let run = unsafe { crate::export::run_of(self.raw) };
         if run.is_null() {

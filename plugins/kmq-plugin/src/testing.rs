@@ -86,6 +86,9 @@ pub struct TestTask {
     /// When the execution timeout ends, in ms since the epoch (0: none).
     pub deadline_ms: i64,
     pub cancel: CancelFlag,
+    /// The W3C trace context the run is handed ([`crate::Task::traceparent`], [`crate::Task::tracestate`]).
+    pub traceparent: Option<String>,
+    pub tracestate: Option<String>,
 }
 
 impl TestTask {
@@ -100,6 +103,8 @@ impl TestTask {
             created_at_ms: 0,
             deadline_ms: 0,
             cancel: CancelFlag::default(),
+            traceparent: None,
+            tracestate: None,
         }
     }
 }
@@ -229,7 +234,8 @@ impl Harness {
     /// Runs one attempt of `task` as kmqd does: through the plugin's `start` when it has one and takes the task
     /// (waiting for its completion), else through `handle`. May be called from many threads at once.
     pub fn run(&self, task: TestTask) -> RunResult {
-        let slot = RunSlot::default();
+        let slot =
+            RunSlot::default().with_trace(task.traceparent.as_deref(), task.tracestate.as_deref());
         let run = slot.handle();
         let taken = || slot.take_result();
         if let Some(start) = self.start {

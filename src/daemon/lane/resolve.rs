@@ -61,6 +61,7 @@ use crate::broker::payloads::Payloads;
 use crate::broker::{Settlement, Token};
 use crate::config::Mode;
 use crate::observed::{self, TaskOutcome};
+use crate::otel::RunTrace;
 use crate::plugin::Status;
 use crate::policy::Verdict;
 use crate::settlement::{DeadHook, Ran, TaskParts};
@@ -382,9 +383,14 @@ impl Resolution {
 }
 
 /// A handler's status as a verdict, with what its run left for the log: its duration (read only when an event
-/// will carry it: a run that did not finish the task, whose event is a warning, or `task done` at debug) and
-/// its output.
-pub fn verdict_of(status: Status, plugin: &str, started: Instant) -> (Verdict, Option<Ran>) {
+/// will carry it: a run that did not finish the task, whose event is a warning, or `task done` at debug), its
+/// output, and `trace`, the run's place in its trace (`QueueContext::begin_run`).
+pub fn verdict_of(
+    status: Status,
+    plugin: &str,
+    started: Instant,
+    trace: Option<Box<RunTrace>>,
+) -> (Verdict, Option<Ran>) {
     let logged = !matches!(status, Status::Done { .. }) || tracing::enabled!(tracing::Level::DEBUG);
     let duration = logged.then(|| started.elapsed());
     let (verdict, output) = match status {
@@ -395,6 +401,7 @@ pub fn verdict_of(status: Status, plugin: &str, started: Instant) -> (Verdict, O
                     duration,
                     output,
                     result,
+                    trace,
                 }),
             );
         }
@@ -434,6 +441,7 @@ pub fn verdict_of(status: Status, plugin: &str, started: Instant) -> (Verdict, O
             duration,
             output,
             result: None,
+            trace,
         }),
     )
 }
@@ -513,10 +521,13 @@ impl Lane {
                 ),
                 after: None,
             };
+            // The run's own trace stays with its worker, which still holds the task: this span starts when the
+            // run did, `timeout` ago.
             let ran = Ran {
                 duration: Some(timeout),
                 output: String::new(),
                 result: None,
+                trace: None,
             };
             let task = state.parts(state.token.clone(), envelope.as_ref());
             let decided = self.queue.settle(task, verdict, Some(ran));

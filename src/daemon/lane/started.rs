@@ -17,6 +17,7 @@ use super::Lane;
 use super::lock;
 use super::resolve::{HeldTask, JobId, verdict_of};
 use crate::observed::{TaskOutcome, TypeCache};
+use crate::otel::RunTrace;
 use crate::plugin::{LoadedPlugin, Status};
 use crate::task::Envelope;
 
@@ -71,6 +72,8 @@ pub struct Started {
     /// The task's envelope, owned: an envelope borrows the payload it came from, and decoding it again costs
     /// more than the copy (and would give a task that came without an id another one).
     pub envelope: Envelope<'static>,
+    /// The run's place in its trace, when its queue is traced: its span is made at the settle.
+    pub trace: Option<Box<RunTrace>>,
 }
 
 impl Started {
@@ -84,8 +87,9 @@ impl Started {
             at,
             plugin,
             envelope,
+            trace,
         } = self;
-        let (verdict, ran) = verdict_of(status, &plugin.name, at);
+        let (verdict, ran) = verdict_of(status, &plugin.name, at, trace);
         {
             let mut types = lock(&lane.started.types);
             types.get(Some(&envelope.kind), |_| true);

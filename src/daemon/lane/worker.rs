@@ -274,7 +274,16 @@ impl Worker {
         let deadline_ms = queue.config.execution_timeout.map_or(0, |timeout| {
             now_ms.saturating_add(i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX))
         });
-        let run = Run::of(envelope, &queue.config.name, deadline_ms, &job.task.cancel);
+        let trace = queue.begin_run(envelope);
+        // The handler is handed the run span's context, so that its spans nest under the run.
+        let traceparent = trace.as_ref().map(|trace| trace.traceparent());
+        let run = Run::of(
+            envelope,
+            &queue.config.name,
+            deadline_ms,
+            &job.task.cancel,
+            traceparent.as_deref(),
+        );
         tracing::debug!(
             queue = %queue.config.name,
             id = %capped(run.id, LOGGED_PAYLOAD_BYTES),
@@ -291,6 +300,8 @@ impl Worker {
                 at: now,
                 plugin: Arc::clone(plugin),
                 envelope: envelope.clone().into_owned(),
+                // A copy: a plugin that declines drops the completion, and the run goes on here with its own.
+                trace: trace.clone(),
             };
             self.lane.slots.starting();
             match plugin.start(&run, Box::new(move |status| started.complete(status))) {
@@ -304,7 +315,7 @@ impl Worker {
         // envelope's decoding and the outcome's sending included, microseconds against buckets that start at
         // 1 ms): no read of its own.
         types.ran(now_ns);
-        let (verdict, outcome_ran) = verdict_of(status, &plugin.name, now);
+        let (verdict, outcome_ran) = verdict_of(status, &plugin.name, now, trace);
         *ran = outcome_ran;
         Attempt::Over(verdict)
     }

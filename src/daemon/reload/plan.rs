@@ -6,7 +6,8 @@
 //! way a graceful shutdown stops it, finishing its running tasks, while the new one starts at once), new and
 //! removed queues, schedules, `shutdown_grace`, `plugins_dir`, `log_level`, and plugins (new files, replaced
 //! files). Not live, kept as they run and reported as "needs a restart: KEY": everything in `[redis]` (the
-//! connections, the pool, the key prefix are made at start), `metrics_addr`, `log_format`, a queue's `mode` (an
+//! connections, the pool, the key prefix are made at start), `metrics_addr`, `otlp_endpoint` (the span
+//! exporter is the daemon run's), `log_format`, a queue's `mode` (an
 //! owner registers its mode; a queue switching mode under its own tasks is a restart's job), and the config of a
 //! plugin section already loaded from the same file (its `init` ran once; see `plugin::Registry::reload`). A
 //! section added for a loaded file is live: one more `init` on it.
@@ -68,6 +69,11 @@ pub fn plan(running: &Config, new: &Config) -> Plan {
     }
     config.daemon.metrics_addr = running.daemon.metrics_addr;
     config.daemon.metrics_addr_overridden = running.daemon.metrics_addr_overridden;
+    // The exporter is made once, at the start: its queues and thread are the daemon run's.
+    if running.daemon.otlp_endpoint != new.daemon.otlp_endpoint {
+        needs_restart.push("daemon.otlp_endpoint".to_string());
+        config.daemon.otlp_endpoint = running.daemon.otlp_endpoint.clone();
+    }
     if running.daemon.log_format != new.daemon.log_format {
         needs_restart.push("daemon.log_format".to_string());
         config.daemon.log_format = running.daemon.log_format;
@@ -282,5 +288,17 @@ mod tests {
             plan.needs_restart
         );
         assert_eq!(plan.config.daemon.metrics_addr, running.daemon.metrics_addr);
+    }
+
+    #[test]
+    fn a_new_otlp_endpoint_needs_a_restart_and_the_running_one_is_kept() {
+        let running = parse(BASE);
+        let new = parse(&BASE.replace(
+            "[[queues]]\nname = \"mail\"",
+            "[daemon]\notlp_endpoint = \"http://127.0.0.1:4318\"\n[[queues]]\nname = \"mail\"",
+        ));
+        let plan = plan(&running, &new);
+        assert_eq!(plan.needs_restart, ["daemon.otlp_endpoint"]);
+        assert_eq!(plan.config.daemon.otlp_endpoint, None);
     }
 }

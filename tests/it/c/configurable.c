@@ -13,7 +13,10 @@
  *   -DPLUGIN_RESULT='"{...}"'  hand this JSON on as each task's result (kmq_host.result), when the host offers it;
  *                              with -DPLUGIN_STRUCT_SIZE='offsetof(kmq_plugin, host)' the descriptor has the shape
  *                              of a plugin built before kmq_host, so no host ever offers it
+ *   -DPLUGIN_TRACE_RESULT      hand on as each task's result the trace context the host gives it,
+ *                              ["TRACEPARENT", "TRACESTATE"] (kmq_host.traceparent and .tracestate)
  */
+#include <stdio.h>
 #include <string.h>
 
 #include "kmq_plugin.h"
@@ -56,7 +59,8 @@ static void *init(kmq_str config, kmq_buf *err) {
 #endif
 }
 
-#ifdef PLUGIN_RESULT
+#if defined(PLUGIN_RESULT) || defined(PLUGIN_TRACE_RESULT)
+#define PLUGIN_HOST
 /* What the host offers; set once, before the first init. */
 static const kmq_host *host;
 static void on_host(const kmq_host *offer) { host = offer; }
@@ -71,6 +75,17 @@ static kmq_status handle(void *state, const kmq_task *task, kmq_buf *msg) {
     static const char json[] = PLUGIN_RESULT;
     if (host && host->struct_size >= offsetof(kmq_host, result) + sizeof host->result && host->result)
         host->result(task->run, (kmq_str){(const uint8_t *)json, sizeof json - 1});
+#endif
+#ifdef PLUGIN_TRACE_RESULT
+    /* Both functions were appended together: a host whose offer covers the second has both. */
+    if (host && host->struct_size >= offsetof(kmq_host, tracestate) + sizeof host->tracestate && host->result) {
+        kmq_str parent = host->traceparent(task->run), state = host->tracestate(task->run);
+        char json[1024];
+        int len = snprintf(json, sizeof json, "[\"%.*s\", \"%.*s\"]", (int)parent.len, (const char *)parent.ptr,
+                           (int)state.len, (const char *)state.ptr);
+        if (len > 0 && (size_t)len < sizeof json)
+            host->result(task->run, (kmq_str){(const uint8_t *)json, (size_t)len});
+    }
 #endif
     return (kmq_status)PLUGIN_STATUS;
 }
@@ -89,7 +104,7 @@ static const kmq_plugin PLUGIN = {
 #endif
     .on_dead = NULL,
     .shutdown = NULL,
-#ifdef PLUGIN_RESULT
+#ifdef PLUGIN_HOST
     .host = on_host,
 #endif
 };

@@ -82,6 +82,16 @@ pub fn task_line(task: &Task<'_>, deadline: Option<SystemTime>) -> Vec<u8> {
             Err(_) => line.extend_from_slice(b"null"),
         }
     }
+    // The run's W3C trace context (docs/HANDLERS.md, "Tracing"): the run span's when kmqd traces, the
+    // producer's otherwise; left out when the task has none.
+    if let Some(traceparent) = task.traceparent() {
+        line.extend_from_slice(b",\"traceparent\":");
+        text(&mut line, traceparent);
+    }
+    if let Some(tracestate) = task.tracestate() {
+        line.extend_from_slice(b",\"tracestate\":");
+        text(&mut line, tracestate);
+    }
     line.extend_from_slice(b",\"deadline_ms\":");
     millis(&mut line, deadline);
     line.extend_from_slice(b",\"created_at_ms\":");
