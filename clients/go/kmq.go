@@ -40,9 +40,18 @@ var checksLua string
 //go:embed remove.lua
 var removeLuaOwn string
 
+// depsLua and flowPushLua go after checks.lua, as the broker runs flow_push.lua (src/broker/mod.rs, FLOW_PUSH).
+//
+//go:embed deps.lua
+var depsLua string
+
+//go:embed flow_push.lua
+var flowPushLuaOwn string
+
 var (
-	pushScript   = newScript(pushLua)
-	removeScript = newScript(checksLua + removeLuaOwn)
+	pushScript     = newScript(pushLua)
+	removeScript   = newScript(checksLua + removeLuaOwn)
+	flowPushScript = newScript("#!lua\n" + checksLua + depsLua + flowPushLuaOwn)
 )
 
 // BatchSize is how many tasks one push.lua call carries: push.lua advises keeping a call under ~1,000 tasks, as
@@ -254,6 +263,19 @@ func (c *Client) PushBatch(ctx context.Context, queue string, tasks []Task) ([]s
 		all = append(all, p)
 		ids = append(ids, p.id)
 	}
+	refused, err := c.pushPrepared(ctx, conn, queue, all)
+	if err != nil {
+		return nil, err
+	}
+	if len(refused) > 0 {
+		return ids, &DuplicateError{IDs: refused}
+	}
+	return ids, nil
+}
+
+// pushPrepared sends checked tasks, one push.lua call per 1,000 in a row of the same level and due time, and
+// returns the ids push.lua refused.
+func (c *Client) pushPrepared(ctx context.Context, conn redis.Conn, queue string, all []prepared) ([]string, error) {
 	var refused []string
 	for start := 0; start < len(all); {
 		end := start + 1
@@ -274,10 +296,7 @@ func (c *Client) PushBatch(ctx context.Context, queue string, tasks []Task) ([]s
 		}
 		start = end
 	}
-	if len(refused) > 0 {
-		return ids, &DuplicateError{IDs: refused}
-	}
-	return ids, nil
+	return refused, nil
 }
 
 func sameCall(a, b prepared) bool {

@@ -14,6 +14,15 @@ const REMOVE_SOURCE =
   fs.readFileSync(path.join(__dirname, "checks.lua"), "utf8") +
   fs.readFileSync(path.join(__dirname, "remove.lua"), "utf8");
 
+// flow_push.lua runs with checks.lua and deps.lua before it, as the broker sends it (src/broker/mod.rs, FLOW_PUSH).
+const FLOW_PUSH_SOURCE =
+  "#!lua\n" +
+  ["checks.lua", "deps.lua", "flow_push.lua"]
+    .map((name) => fs.readFileSync(path.join(__dirname, name), "utf8"))
+    .join("");
+/** The fields a flow's node may have (docs/PROTOCOL.md, "Flows"); any other is refused, as `kmqd flow push` does. */
+const FLOW_FIELDS = ["queue", "type", "id", "data", "priority", "if_failed", "after"];
+
 /** The most tasks sent in one push.lua call, as kmqd's own client sends: one call never holds Redis for long. */
 const PUSH_CHUNK = 1000;
 /** Group names are 1 to 64 bytes of UTF-8 (docs/PROTOCOL.md, "The envelope"). */
@@ -56,6 +65,18 @@ class UnknownPriorityError extends InvalidArgumentError {
     this.queue = queue;
     this.priority = priority;
     this.levels = levels;
+  }
+}
+
+/**
+ * pushFlow refused the flow before anything was written: `path` names the node ("the root", "after[1].after[0]"),
+ * `reason` what is wrong with it (a cycle, an id defined twice, a reference to no task of the flow, ...).
+ */
+class InvalidFlowError extends InvalidArgumentError {
+  constructor(path, reason) {
+    super(`${path}: ${reason}`);
+    this.path = path;
+    this.reason = reason;
   }
 }
 
@@ -164,6 +185,7 @@ class Client {
     });
     this.pushSha = sha1(PUSH_SOURCE);
     this.removeSha = sha1(REMOVE_SOURCE);
+    this.flowPushSha = sha1(FLOW_PUSH_SOURCE);
   }
 
   /** Closes the connection (waits for replies to what was sent). */
@@ -384,6 +406,11 @@ class Client {
       if (task === null || typeof task !== "object") throw new InvalidArgumentError("a task is an object {type, data, ...}");
       return this.prepare(queue, shape, task);
     });
+    return this.pushPrepared(queue, prepared);
+  }
+
+  /** push.lua calls for checked tasks: one per 1,000 tasks of the same level and due time in a row. */
+  async pushPrepared(queue, prepared) {
     const keys = new QueueKeys(this.keyPrefix, queue);
     const results = [];
     let start = 0;
@@ -416,6 +443,190 @@ class Client {
       start = end;
     }
     return results;
+  }
+
+  /**
+   * Pushes a flow (docs/PROTOCOL.md, "Flows"): `flow` is the flow's JSON (an object, or its text), one task with
+   * the tasks it waits for nested in `after`. It is checked whole before anything is written, as `kmqd flow push`
+   * checks it (InvalidFlowError names the node); its waiting tasks are then written with flow_push.lua, a queue at
+   * a time, 1,000 a call, and last the tasks that wait for nothing are pushed, so that no task can end before the
+   * tasks waiting for it exist. `deadMax` and `keepMs` are what a daemon takes from the waiting tasks' queue's
+   * config (`dead_max`, `keep_results`; ten minutes without it): give your queues' values when they differ.
+   * Resolves to every task, root first: `{queue, id, generatedAt}` (`generatedAt`: its path when its id was
+   * generated, else null).
+   */
+  async pushFlow(flow, { deadMax = 10000, keepMs = 600000 } = {}) {
+    if (typeof flow === "string") {
+      try {
+        flow = JSON.parse(flow);
+      } catch (error) {
+        throw new InvalidFlowError("the root", `the flow is not JSON: ${error.message}`);
+      }
+    }
+    if (!Number.isInteger(deadMax) || deadMax < 0) throw new InvalidArgumentError(`deadMax is a count, not ${deadMax}`);
+    if (!Number.isInteger(keepMs) || keepMs < 1) throw new InvalidArgumentError(`keepMs is a count of ms, not ${keepMs}`);
+    const nodes = [];
+    const references = [];
+    if ((await this.readFlowNode(flow, "the root", nodes, references)) === null) {
+      throw new InvalidFlowError("the root", "a flow's root is a task (queue and type), not a reference");
+    }
+    const name = (queue, id) => JSON.stringify([queue, id]);
+    const defined = new Map();
+    nodes.forEach((node, at) => {
+      const key = name(node.queue, node.id);
+      if (defined.has(key)) {
+        throw new InvalidFlowError(
+          node.path,
+          `task ${node.queue}/${node.id} is defined twice (first at ${nodes[defined.get(key)].path}); to wait for ` +
+            'one task twice, refer to it with {"queue": ..., "id": ...} only'
+        );
+      }
+      defined.set(key, at);
+    });
+    for (const [at, [queue, id]] of references) {
+      if (!defined.has(name(queue, id))) {
+        throw new InvalidFlowError(at, `refers to task ${queue}/${id}, which the flow does not define`);
+      }
+    }
+    checkAcyclic(nodes, (dep) => defined.get(name(dep[0], dep[1])));
+    const up = new Map();
+    for (const node of nodes) {
+      for (const [queue, id] of node.deps) {
+        const waiters = up.get(name(queue, id)) ?? [];
+        if (waiters.some((w) => w.queue === node.queue && w.id === node.id)) {
+          throw new InvalidFlowError(node.path, `task ${node.queue}/${node.id} waits for ${queue}/${id} twice`);
+        }
+        waiters.push({ queue: node.queue, id: node.id });
+        up.set(name(queue, id), waiters);
+      }
+    }
+    const order = [];
+    const waiting = new Map();
+    const leaves = new Map();
+    for (const node of nodes) {
+      const envelope = { id: node.id, type: node.type, data: node.data, attempt: 0 };
+      if (node.priority !== null) envelope.priority = node.priority;
+      const waiters = up.get(name(node.queue, node.id)) ?? [];
+      if (waiters.length > 0) envelope.waiters = waiters;
+      let text;
+      try {
+        text = JSON.stringify(envelope);
+      } catch (error) {
+        throw new InvalidFlowError(node.path, `data is not JSON: ${error.message}`);
+      }
+      if (!order.includes(node.queue)) order.push(node.queue);
+      const into = node.deps.length > 0 ? waiting : leaves;
+      if (!into.has(node.queue)) into.set(node.queue, []);
+      if (node.deps.length > 0) into.get(node.queue).push({ node, text, up: JSON.stringify(waiters) });
+      else into.get(node.queue).push({ id: node.id, unique: false, level: node.level, delayMs: 0, atMs: 0, text });
+    }
+    for (const queue of order) {
+      const list = waiting.get(queue) ?? [];
+      for (let start = 0; start < list.length; start += PUSH_CHUNK) {
+        await this.flowPushCall(queue, deadMax, keepMs, list.slice(start, start + PUSH_CHUNK));
+      }
+    }
+    for (const queue of order) {
+      const { levels } = await this.shape(queue);
+      // Stable: a level's tasks keep the flow's order.
+      const ready = (leaves.get(queue) ?? []).sort((a, b) => levels.indexOf(a.level) - levels.indexOf(b.level));
+      await this.pushPrepared(queue, ready);
+    }
+    return nodes.map((node) => ({ queue: node.queue, id: node.id, generatedAt: node.generated ? node.path : null }));
+  }
+
+  /**
+   * Reads the node `raw` at `path` and, depth first, what it waits for into `nodes`; a reference goes to
+   * `references`. Resolves to the task it names as [queue, id] (null for a reference at the root).
+   */
+  async readFlowNode(raw, at, nodes, references) {
+    if (raw === null || typeof raw !== "object" || Array.isArray(raw)) {
+      throw new InvalidFlowError(at, "a node is a JSON object");
+    }
+    for (const field of Object.keys(raw)) {
+      if (!FLOW_FIELDS.includes(field)) {
+        throw new InvalidFlowError(at, `unknown field ${JSON.stringify(field)}; a node has ${FLOW_FIELDS.join(", ")}`);
+      }
+    }
+    const given = (field) => raw[field] !== undefined && raw[field] !== null;
+    for (const field of ["queue", "type", "id", "priority", "if_failed"]) {
+      if (given(field) && typeof raw[field] !== "string") throw new InvalidFlowError(at, `"${field}" is not a string`);
+    }
+    const after = raw.after ?? [];
+    if (!Array.isArray(after)) throw new InvalidFlowError(at, '"after" is not a list of nodes');
+    if (!given("queue") || raw.queue === "") throw new InvalidFlowError(at, 'no "queue"');
+    const queue = raw.queue;
+    if (!given("type")) {
+      // A reference: a queue and an id, nothing else.
+      if (!given("id")) {
+        throw new InvalidFlowError(
+          at,
+          'no "type" (a task needs one; a reference to a task defined elsewhere needs an "id")'
+        );
+      }
+      if (given("data") || given("priority") || given("if_failed") || after.length > 0) {
+        throw new InvalidFlowError(
+          at,
+          `no "type", so this refers to task ${queue}/${raw.id}: a reference has only "queue" and "id"`
+        );
+      }
+      references.push([at, [queue, raw.id]]);
+      return at === "the root" ? null : [queue, raw.id];
+    }
+    if (raw.type === "") throw new InvalidFlowError(at, '"type" is empty');
+    const ifFailed = given("if_failed") ? raw.if_failed : "fail";
+    if (ifFailed !== "fail" && ifFailed !== "continue") {
+      throw new InvalidFlowError(
+        at,
+        `if_failed ${JSON.stringify(ifFailed)} is neither "fail" (the default) nor "continue"`
+      );
+    }
+    const shape = await this.shape(queue);
+    const priority = given("priority") ? raw.priority : null;
+    if (priority !== null && !shape.levels.includes(priority)) {
+      throw new InvalidFlowError(
+        at,
+        `queue ${JSON.stringify(queue)} has no priority ${JSON.stringify(priority)}; its levels are ` +
+          shape.levels.map((level) => JSON.stringify(level)).join(", ")
+      );
+    }
+    if (raw.id === "") throw new InvalidFlowError(at, '"id" is empty');
+    const generated = !given("id");
+    const id = generated ? crypto.randomUUID() : raw.id;
+    const node = {
+      queue,
+      type: raw.type,
+      id,
+      data: raw.data === undefined ? null : raw.data,
+      level: priority ?? shape.defaultPriority,
+      ifFailed,
+      priority,
+      deps: [],
+      path: at,
+      generated,
+    };
+    nodes.push(node);
+    for (let n = 0; n < after.length; n += 1) {
+      const depPath = at === "the root" ? `after[${n}]` : `${at}.after[${n}]`;
+      node.deps.push(await this.readFlowNode(after[n], depPath, nodes, references));
+    }
+    return [queue, id];
+  }
+
+  /** One flow_push.lua call: a queue's waiting tasks, all or nothing (docs/PROTOCOL.md, "Flows"). */
+  async flowPushCall(queue, deadMax, keepMs, chunk) {
+    const keys = new QueueKeys(this.keyPrefix, queue);
+    const scriptKeys = ["deps-waiting", "wake", "dead", "stats", "deps-outbox"].map((suffix) => keys.key(suffix));
+    const args = [queue, String(deadMax), String(keepMs)];
+    for (const { node, text, up } of chunk) {
+      scriptKeys.push(keys.key(`deps:${node.id}`), keys.key(`deps-ended:${node.id}`), keys.key(`ready:${node.level}`));
+      args.push(node.id, node.type, text, node.ifFailed, String(node.deps.length), JSON.stringify(node.deps), up);
+    }
+    const replies = await this.evalScript(this.flowPushSha, FLOW_PUSH_SOURCE, scriptKeys, args);
+    if (!Array.isArray(replies) || replies.length !== chunk.length) {
+      throw new RedisRefusedError(`flow_push.lua replied ${JSON.stringify(replies)} for ${chunk.length} tasks`);
+    }
+    return replies;
   }
 
   /**
@@ -660,6 +871,38 @@ class Client {
   }
 }
 
+/**
+ * Refuses a cycle through references: a depth-first walk from every node (white, grey, black), in the order
+ * `kmqd flow push` walks, so that both name the same node. `index` finds a dependency's node.
+ */
+function checkAcyclic(nodes, index) {
+  const state = new Array(nodes.length).fill(0);
+  for (let start = 0; start < nodes.length; start += 1) {
+    const stack = [[start, 0]];
+    while (stack.length > 0) {
+      const [at, next] = stack.pop();
+      if (next === 0) {
+        if (state[at] === 2) continue;
+        state[at] = 1;
+      }
+      if (next < nodes[at].deps.length) {
+        stack.push([at, next + 1]);
+        const dep = index(nodes[at].deps[next]);
+        if (state[dep] === 1) {
+          const [d, w] = [nodes[dep], nodes[at]];
+          throw new InvalidFlowError(
+            d.path,
+            `task ${d.queue}/${d.id} waits for itself through ${w.queue}/${w.id} (a cycle); a flow must end`
+          );
+        }
+        if (state[dep] === 0) stack.push([dep, 0]);
+      } else {
+        state[at] = 2;
+      }
+    }
+  }
+}
+
 /** A Redis glob matching any member that contains `needle`. */
 function globContaining(needle) {
   return `*${needle.replace(/[*?[\]\\]/g, (c) => `\\${c}`)}*`;
@@ -681,6 +924,7 @@ module.exports = {
   DuplicateError,
   InvalidArgumentError,
   UnknownPriorityError,
+  InvalidFlowError,
   RedisUnreachableError,
   ReplyLostError,
   RedisRefusedError,

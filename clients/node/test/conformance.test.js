@@ -30,6 +30,7 @@ const ERROR_KINDS = {
   duplicate: kmq.DuplicateError,
   invalid_argument: kmq.InvalidArgumentError,
   unknown_priority: kmq.UnknownPriorityError,
+  invalid_flow: kmq.InvalidFlowError,
 };
 
 function options(given = {}) {
@@ -175,6 +176,10 @@ async function runCall(client, step, context) {
       // A refused task (a duplicate) has no id in `ids`: null in its place.
       return { ids: pushed.map((p) => (p.accepted ? p.id : null)) };
     }
+    case "push_flow": {
+      const tasks = await client.pushFlow(step.flow);
+      return { tasks: tasks.map(({ queue, id }) => ({ queue, id })) };
+    }
     case "cancel":
       return { removed: await client.cancel(step.queue, step.id) };
     case "show":
@@ -232,6 +237,7 @@ for (const kase of cases) {
             .map(([name]) => name);
           if (!step.expect || !("error" in step.expect)) throw error;
           assert.ok(kind.includes(step.expect.error), `${where}: ${error.name} (${error.message}), not ${step.expect.error}`);
+          if ("at" in step.expect) assert.equal(error.path, step.expect.at, `${where}: ${error.message}`);
           continue;
         }
         if (step.expect && "error" in step.expect) assert.fail(`${where}: succeeded, not ${step.expect.error}`);
