@@ -133,6 +133,17 @@ func TestPriorityLevelsAreReadFromTheQueuesMeta(t *testing.T) {
 	if high != 1 || low != 1 {
 		t.Fatalf("high %d, low %d", high, low)
 	}
+	// The rule of every client (docs/CLIENTS.md): a priority the kept levels lack reads them again before it is
+	// refused, so a level an operator adds is known at the first push that names it.
+	if _, err := conn.Do("HSET", "kmq:{mail}:meta", "levels", "urgent,high,low"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := client.Push(ctx, "mail", "t", nil, WithPriority("urgent")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := client.Push(ctx, "mail", "t", nil, WithPriority("normal")); !errors.Is(err, ErrUnknownPriority) {
+		t.Fatalf("normal: %v", err)
+	}
 }
 
 func TestRedisUnreachableIsErrUnreachable(t *testing.T) {

@@ -27,6 +27,11 @@ const FLOW_FIELDS = ["queue", "type", "id", "data", "priority", "if_failed", "af
 const PUSH_CHUNK = 1000;
 /** Group names are 1 to 64 bytes of UTF-8 (docs/PROTOCOL.md, "The envelope"). */
 const MAX_GROUP_BYTES = 64;
+/**
+ * How long a queue's shape read from its meta hash is trusted (docs/PROTOCOL.md, "The queue's shape"): a push that
+ * names a level the kept shape lacks reads it again at once, before refusing it; so does any push after this long.
+ */
+const SHAPE_FOR_MS = 10_000;
 /** Elements read per command while looking a task up, so that no one command stalls Redis. */
 const SCAN_CHUNK = 1000;
 
@@ -289,17 +294,23 @@ class Client {
 
   /**
    * The queue's levels (highest first) and default level: from the `queues` option when given, else from the
-   * queue's meta hash (`levels`, `default_priority`: docs/PROTOCOL.md, "The queue's shape"), read once per queue
-   * and kept for the client's life, else the one level `normal`.
+   * queue's meta hash (`levels`, `default_priority`: docs/PROTOCOL.md, "The queue's shape"), kept for
+   * SHAPE_FOR_MS and read again at once when `wanted` names a level it lacks, else the one level `normal`.
    */
-  async shape(queue) {
+  async shape(queue, wanted = []) {
     const given = this.queues[queue];
     if (given) {
       const levels = given.levels ?? ["normal"];
       return { levels, defaultPriority: given.defaultPriority ?? levels[Math.floor((levels.length - 1) / 2)] };
     }
     const cached = this.shapes.get(queue);
-    if (cached) return cached;
+    if (
+      cached &&
+      performance.now() - cached.read < SHAPE_FOR_MS &&
+      wanted.every((level) => cached.levels.includes(level))
+    ) {
+      return cached;
+    }
     const keys = new QueueKeys(this.keyPrefix, queue);
     // Two HGETs in one round trip: HGET is in the producers' ACL rules (docs/OPERATIONS.md), HMGET is not.
     let levelsField = null;
@@ -317,7 +328,11 @@ class Client {
     const levels = levelsField ? levelsField.split(",").filter((level) => level !== "") : ["normal"];
     // The daemons' own default when none is written: the middle level, the first of two (docs/CONFIG.md).
     const fallback = levels[Math.floor((levels.length - 1) / 2)];
-    const shape = { levels, defaultPriority: levels.includes(defaultField) ? defaultField : fallback };
+    const shape = {
+      levels,
+      defaultPriority: levels.includes(defaultField) ? defaultField : fallback,
+      read: performance.now(),
+    };
     this.shapes.set(queue, shape);
     return shape;
   }
@@ -401,7 +416,8 @@ class Client {
     if (typeof queue !== "string" || queue === "") throw new InvalidArgumentError("a queue name is a non-empty string");
     if (!Array.isArray(tasks)) throw new InvalidArgumentError("pushBatch takes an array of tasks");
     if (tasks.length === 0) return [];
-    const shape = await this.shape(queue);
+    const wanted = tasks.map((task) => task && task.priority).filter((priority) => typeof priority === "string");
+    const shape = await this.shape(queue, wanted);
     const prepared = tasks.map((task) => {
       if (task === null || typeof task !== "object") throw new InvalidArgumentError("a task is an object {type, data, ...}");
       return this.prepare(queue, shape, task);
@@ -581,8 +597,8 @@ class Client {
         `if_failed ${JSON.stringify(ifFailed)} is neither "fail" (the default) nor "continue"`
       );
     }
-    const shape = await this.shape(queue);
     const priority = given("priority") ? raw.priority : null;
+    const shape = await this.shape(queue, priority === null ? [] : [priority]);
     if (priority !== null && !shape.levels.includes(priority)) {
       throw new InvalidFlowError(
         at,

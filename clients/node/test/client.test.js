@@ -86,6 +86,21 @@ describe("push", () => {
     }
   });
 
+  test("a level an operator adds is pushed to at once by a client that kept the old shape", async () => {
+    // The rule of every client (docs/CLIENTS.md): a priority the kept shape lacks reads the meta hash again before
+    // it is refused, so a level a daemon's reload added is known at the first push that names it.
+    await server.admin.hset("kmq:{jobs}:meta", "levels", "high,low", "default_priority", "low");
+    const fresh = new kmq.Client(server.url);
+    try {
+      await fresh.push("jobs", "t", 1);
+      await server.admin.hset("kmq:{jobs}:meta", "levels", "urgent,high,low");
+      await fresh.push("jobs", "t", 2, { priority: "urgent" });
+      assert.equal((await readyList("jobs", "urgent")).length, 1);
+    } finally {
+      await fresh.close();
+    }
+  });
+
   test("a producer user that may not read the meta hash (older ACL rules) pushes as to a queue of the one level normal", async () => {
     await server.admin.hset("kmq:{jobs}:meta", "protocol", "1", "levels", "high,normal,low", "default_priority", "low");
     await server.admin.call("ACL", "SETUSER", "older", "on", ">secret", "~*", "&*", "+@all", "-hget");

@@ -38,6 +38,9 @@ MAX_GROUP_BYTES = 64
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 #: Pages of list reads when looking a task up: bounded replies, whatever a list's length.
 PAGE = 1000
+#: How long a queue's shape read from its meta hash is trusted (docs/PROTOCOL.md, "The queue's shape"): a push
+#: names a level the kept shape lacks reads it again at once, before refusing it; so does any push after this long.
+SHAPE_FOR = 10.0
 
 Seconds = Union[int, float, _dt.timedelta]
 When = Union[int, float, _dt.datetime]
@@ -183,7 +186,7 @@ class Client:
                 raise InvalidArgument(f"default_priority {default_priority!r} is not one of {levels!r}")
         self._given_levels = levels
         self._given_default = default_priority
-        self._shapes: Dict[str, Tuple[List[str], str]] = {}
+        self._shapes: Dict[str, Tuple[List[str], str, float]] = {}
         self._push_sha: Optional[str] = None
         self._remove_sha: Optional[str] = None
         self._flow_push_sha: Optional[str] = None
@@ -232,12 +235,17 @@ class Client:
     def _key(self, queue: str, name: str) -> str:
         return f"{self.key_prefix}:{{{queue}}}:{name}"
 
-    def shape(self, queue: str) -> Tuple[List[str], str]:
+    def shape(self, queue: str, wanted: Iterable[str] = ()) -> Tuple[List[str], str]:
         """The queue's levels (highest first) and its default level: the constructor's, else what a daemon wrote
-        into the queue's meta hash, read once and kept, else the one level ``normal``."""
+        into the queue's meta hash, kept for :data:`SHAPE_FOR` seconds and read again at once when ``wanted`` names
+        a level it lacks, else the one level ``normal``."""
         known = self._shapes.get(queue)
-        if known is not None:
-            return known
+        if (
+            known is not None
+            and time.monotonic() - known[2] < SHAPE_FOR
+            and all(level in known[0] for level in wanted)
+        ):
+            return known[0], known[1]
         if self._given_levels is not None:
             levels = self._given_levels
             default = self._given_default
@@ -262,7 +270,7 @@ class Client:
         if default is None or default not in levels:
             # The daemons' own default: the middle level, the first of two (docs/CONFIG.md, `default_priority`).
             default = levels[(len(levels) - 1) // 2]
-        self._shapes[queue] = (levels, default)
+        self._shapes[queue] = (levels, default, time.monotonic())
         return levels, default
 
     # Pushing.
@@ -295,9 +303,10 @@ class Client:
         """Queues many tasks: one push.lua call (one round trip) per 1,000 consecutive tasks of the same level and
         due time. Every task is checked before anything is sent: one bad task refuses the whole batch. Returns one
         :class:`Pushed` per task, in order (a duplicate is not an error here)."""
-        levels, default = self.shape(queue)
+        tasks = [Task(*task) for task in tasks]
+        levels, default = self.shape(queue, {task.priority for task in tasks if isinstance(task.priority, str)})
         trace = _current_trace()
-        prepared = [self._prepare(queue, Task(*task), levels, default, trace) for task in tasks]
+        prepared = [self._prepare(queue, task, levels, default, trace) for task in tasks]
         return self._push_prepared(queue, prepared)
 
     def _push_prepared(self, queue: str, prepared: Sequence[_Prepared]) -> List[Pushed]:
@@ -482,8 +491,8 @@ class Client:
         if_failed = "fail" if raw.get("if_failed") is None else raw["if_failed"]
         if if_failed not in ("fail", "continue"):
             raise InvalidFlow(path, f"if_failed {if_failed!r} is neither \"fail\" (the default) nor \"continue\"")
-        levels, default = self.shape(queue)
         priority = raw.get("priority")
+        levels, default = self.shape(queue, [priority] if priority is not None else [])
         if priority is not None and priority not in levels:
             raise InvalidFlow(path, f"queue {queue!r} has no priority {priority!r}; its levels are {levels!r}")
         if raw.get("id") == "":

@@ -113,25 +113,38 @@ def test_a_key_of_the_wrong_type_is_refused_by_redis_and_nothing_is_written(fres
     assert sorted(fresh.client().keys("*")) == [b"kmq:{mail}:wake"]
 
 
-def test_the_queues_shape_is_read_once_and_an_unknown_level_is_refused(fresh: RedisServer) -> None:
+def test_the_queues_shape_is_kept_and_an_unknown_level_is_refused(fresh: RedisServer) -> None:
     fresh.client().hset("kmq:{mail}:meta", mapping={"levels": "high,low", "default_priority": "low"})
     client = kmq.Client(fresh.url)
     client.push("mail", "mail.send", {}, priority="high")
-    # Read once and kept: with the hash gone, the client still knows the levels (a re-read would find none and
-    # fall back to the one level normal, refusing "high").
+    # Kept: with the hash gone, the client still knows the levels for the pushes whose level it knows (a re-read
+    # would find none and fall back to the one level normal, refusing "high").
     fresh.client().delete("kmq:{mail}:meta")
     for n in range(2):
         client.push("mail", "mail.send", {"n": n}, priority="high")
     client.push("mail", "mail.send", {})
     assert fresh.client().llen("kmq:{mail}:ready:high") == 3
     assert fresh.client().llen("kmq:{mail}:ready:low") == 1
+    fresh.client().hset("kmq:{mail}:meta", mapping={"levels": "high,low", "default_priority": "low"})
     with pytest.raises(kmq.UnknownPriority) as refused:
         client.push("mail", "mail.send", {}, priority="normal")
     assert refused.value.levels == ["high", "low"]
     # Levels given to the constructor win over the hash (here: none), and a new client reads the hash afresh.
     given = kmq.Client(fresh.url, levels=["urgent", "normal"], default_priority="normal")
     given.push("mail", "mail.send", {}, priority="urgent")
+    fresh.client().delete("kmq:{mail}:meta")
     assert kmq.Client(fresh.url).shape("mail") == (["normal"], "normal")
+
+
+def test_a_level_an_operator_adds_is_pushed_to_at_once_by_a_client_that_kept_the_old_shape(fresh: RedisServer) -> None:
+    """The rule of every client (docs/CLIENTS.md): a priority the kept shape lacks reads the meta hash again
+    before it is refused, so a level a daemon's reload added is known at the first push that names it."""
+    fresh.client().hset("kmq:{mail}:meta", mapping={"levels": "high,low", "default_priority": "low"})
+    client = kmq.Client(fresh.url)
+    client.push("mail", "mail.send", {})
+    fresh.client().hset("kmq:{mail}:meta", "levels", "urgent,high,low")
+    client.push("mail", "mail.send", {}, priority="urgent")
+    assert fresh.client().llen("kmq:{mail}:ready:urgent") == 1
 
 
 def test_a_batch_takes_one_script_call_per_1000_tasks(fresh: RedisServer) -> None:

@@ -56,10 +56,11 @@ module Kmq
   # nothing when they refuse. The message is Redis's.
   class Refused < Error; end
 
-  # result's wait ended while the task was still waiting to run (delayed, retrying or ready).
+  # result's wait ended while the task was still waiting to run (delayed, retrying or ready) or running (in a
+  # daemon's claim list, safe mode).
   class Pending < Error; end
 
-  # result found neither a result nor the task: running, never pushed, never kept, or expired.
+  # result found neither a result nor the task: running in default mode, never pushed, never kept, or expired.
   class NoResult < Error; end
 
   # A Lua script sent with EVALSHA, and with EVAL when Redis answers NOSCRIPT (a restart, a failover).
@@ -354,9 +355,9 @@ module Kmq
 
     public
 
-    # Every place the task is in: delayed, retrying, ready (its list, or its group's flow) and dead, each a Hash
-    # ("state", "level", "position", "group", "due_in_ms", "envelope", "record"). A running task is not looked
-    # for (its daemon's claim lists: `kmqd task show` reads them).
+    # Every place the task is in: delayed, retrying, ready (its list, or its group's flow), processing (a daemon's
+    # claim lists, safe mode) and dead, each a Hash ("state", "level", "position", "group", "due_in_ms", "owner",
+    # "token", "lease_left_ms", "envelope", "record"), as `kmqd task show` finds them.
     def show(queue, id)
       check_queue(queue)
       @lock.synchronize { locate(queue, id, dead: true).map { |place| place.reject { |k, _| k == "holder" } } }
@@ -383,8 +384,8 @@ module Kmq
 
     # The task's result (docs/PROTOCOL.md, "Results"), polling up to wait seconds (10 ms doubling to 500 ms): a
     # Hash with "state" ("done" or "dead"), "result", "result_error", "reason", "ended_at". When the wait ends
-    # without one: a dead-lettered task gives "state" => "dead" and its record's reason; a waiting task raises
-    # Pending; a task found nowhere raises NoResult.
+    # without one: a dead-lettered task gives "state" => "dead" and its record's reason; a waiting or running task
+    # raises Pending; a task found nowhere raises NoResult.
     def result(queue, id, wait: 0)
       check_queue(queue)
       deadline = monotonic + wait
@@ -573,11 +574,41 @@ module Kmq
         end
       end
       if dead
+        locate_processing(queue, id, levels, now, needle, found)
         scan_list(key(queue, "dead")) do |_, record|
           found << { "state" => "dead", "record" => record } if envelope_id(record) == id
         end
       end
       found
+    end
+
+    # The task in the daemons' claim lists (safe mode; docs/PROTOCOL.md, "Key layout", processing:OWNER:L:C), as
+    # `kmqd task show` finds it: for each owner of the owners set and each level, each claim's list, leaving out the
+    # positions its settled bitmap marks (a hash token => envelope for an owner of kmqd 0.1).
+    def locate_processing(queue, id, levels, now, needle, found)
+      command(["ZRANGE", key(queue, "owners"), 0, -1, "WITHSCORES"]).each_slice(2) do |owner, deadline|
+        place = { "state" => "processing", "owner" => owner, "lease_left_ms" => deadline.to_f.to_i - now }
+        levels.each do |level|
+          claims = key(queue, "processing:#{owner}:#{level}")
+          case command(["TYPE", claims])
+          when "hash"
+            command(["HGETALL", claims]).each_slice(2) do |token, item|
+              found << place.merge("level" => level, "token" => token, "envelope" => item) if envelope_id(item) == id
+            end
+          when "zset"
+            command(["ZRANGE", claims, 0, -1]).each do |claim|
+              list = "#{claims}:#{claim}"
+              settled = (command(["GET", "#{list}:settled"]) || "").b
+              scan_list(list) do |position, item|
+                next if (settled.getbyte(position >> 3) || 0)[7 - (position & 7)] == 1
+                next unless item.include?(needle) && envelope_id(item) == id
+
+                found << place.merge("level" => level, "token" => "#{claim}.#{position}", "envelope" => item)
+              end
+            end
+          end
+        end
+      end
     end
 
     def scan_list(list)

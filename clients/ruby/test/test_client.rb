@@ -68,6 +68,12 @@ class ClientTest < Minitest::Test
     @client.push("mail", "t", nil, priority: "high")
     @client.push("mail", "t")
     assert_equal [1, 1], [redis.llen("kmq:{mail}:ready:high"), redis.llen("kmq:{mail}:ready:low")]
+    # The rule of every client (docs/CLIENTS.md): a priority the kept levels lack reads them again before it is
+    # refused, so a level an operator adds is known at the first push that names it.
+    redis.hset("kmq:{mail}:meta", "levels", "urgent,high,low")
+    @client.push("mail", "t", nil, priority: "urgent")
+    assert_equal 1, redis.llen("kmq:{mail}:ready:urgent")
+    assert_raises(Kmq::UnknownPriority) { @client.push("mail", "t", nil, priority: "normal") }
   end
 
   def test_redis_unreachable_raises_unreachable
