@@ -228,6 +228,12 @@ func pushOptions(t *testing.T, value interface{}) []PushOption {
 			}
 		case "group":
 			out = append(out, WithGroup(str(option)))
+		case "expires_at":
+			n, _ := option.(json.Number).Int64()
+			out = append(out, ExpiresAt(time.UnixMilli(n)))
+		case "expires_in_ms":
+			n, _ := option.(json.Number).Int64()
+			out = append(out, ExpiresIn(time.Duration(n)*time.Millisecond))
 		case "traceparent":
 			traceparent = str(option)
 		case "tracestate":

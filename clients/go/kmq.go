@@ -161,6 +161,8 @@ type pushSettings struct {
 	group       *string
 	traceparent string
 	tracestate  string
+	expiresAt   time.Time
+	expiresIn   time.Duration
 }
 
 // WithID sets the task's id (otherwise a random UUID).
@@ -189,6 +191,13 @@ func WithTraceparent(traceparent, tracestate string) PushOption {
 	return func(p *pushSettings) { p.traceparent, p.tracestate = traceparent, tracestate }
 }
 
+// ExpiresAt makes the task not start at or after t (ms precision, on Redis's clock): a daemon that takes it later
+// dead-letters it unrun with the reason "expired" (docs/PROTOCOL.md, "Expiry").
+func ExpiresAt(t time.Time) PushOption { return func(p *pushSettings) { p.expiresAt = t } }
+
+// ExpiresIn is ExpiresAt of Redis's clock now plus d: the push reads Redis's TIME first (once a batch).
+func ExpiresIn(d time.Duration) PushOption { return func(p *pushSettings) { p.expiresIn = d } }
+
 // Task is one task of PushBatch.
 type Task struct {
 	Type    string
@@ -207,6 +216,7 @@ type envelope struct {
 	Group       *string         `json:"group,omitempty"`
 	Traceparent string          `json:"traceparent,omitempty"`
 	Tracestate  string          `json:"tracestate,omitempty"`
+	ExpiresAt   int64           `json:"expires_at,omitempty"`
 }
 
 // prepared is one validated task: the call it joins (level, delay) and its push.lua triple.
@@ -250,10 +260,21 @@ func (c *Client) PushBatch(ctx context.Context, queue string, tasks []Task) ([]s
 	if err != nil {
 		return nil, err
 	}
+	// An expiry given as a length is a time on Redis's clock (docs/PROTOCOL.md, "Expiry"): TIME on the queue's
+	// node, once a batch and only when a task of it needs it.
+	var now int64
+	for _, task := range tasks {
+		if settingsOf(task).expiresIn != 0 {
+			if now, err = redisNow(ctx, conn); err != nil {
+				return nil, err
+			}
+			break
+		}
+	}
 	all := make([]prepared, 0, len(tasks))
 	ids := make([]string, 0, len(tasks))
 	for n, task := range tasks {
-		p, err := prepare(task, levels)
+		p, err := prepare(task, levels, now)
 		if err != nil {
 			if len(tasks) > 1 {
 				return nil, fmt.Errorf("task %d of the batch: %w", n, err)
@@ -310,11 +331,17 @@ func checkQueue(queue string) error {
 	return nil
 }
 
-func prepare(task Task, levels queueLevels) (prepared, error) {
+func settingsOf(task Task) pushSettings {
 	var s pushSettings
 	for _, option := range task.Options {
 		option(&s)
 	}
+	return s
+}
+
+// prepare checks a task and makes its envelope; now is Redis's clock (ms), read when a task expires in a length.
+func prepare(task Task, levels queueLevels, now int64) (prepared, error) {
+	s := settingsOf(task)
 	if task.Type == "" {
 		return prepared{}, invalid("a task needs a type")
 	}
@@ -346,8 +373,21 @@ func prepare(task Task, levels queueLevels) (prepared, error) {
 	if id == "" {
 		id = newUUID()
 	}
+	var expiresAt int64
+	switch {
+	case !s.expiresAt.IsZero() && s.expiresIn != 0:
+		return prepared{}, invalid("give ExpiresAt or ExpiresIn, not both")
+	case !s.expiresAt.IsZero():
+		if expiresAt = s.expiresAt.UnixMilli(); expiresAt <= 0 {
+			return prepared{}, invalid("ExpiresAt %v is before 1970", s.expiresAt)
+		}
+	case s.expiresIn < 0:
+		return prepared{}, invalid("ExpiresIn %v is negative", s.expiresIn)
+	case s.expiresIn > 0:
+		expiresAt = now + s.expiresIn.Milliseconds()
+	}
 	payload, err := encodeJSON(envelope{ID: id, Type: task.Type, Data: data, Priority: s.priority, Unique: s.unique,
-		Group: s.group, Traceparent: s.traceparent, Tracestate: s.tracestate})
+		Group: s.group, Traceparent: s.traceparent, Tracestate: s.tracestate, ExpiresAt: expiresAt})
 	if err != nil {
 		return prepared{}, invalid("task %q: %v", task.Type, err)
 	}
@@ -430,11 +470,7 @@ func (c *Client) queueLevels(ctx context.Context, conn redis.Conn, queue string,
 	if ok && time.Since(cached.read) < levelsFor {
 		fresh := true
 		for _, task := range tasks {
-			var s pushSettings
-			for _, option := range task.Options {
-				option(&s)
-			}
-			if s.priority != "" && !contains(cached.levels, s.priority) {
+			if s := settingsOf(task); s.priority != "" && !contains(cached.levels, s.priority) {
 				fresh = false
 				break
 			}

@@ -93,6 +93,8 @@ func TestBadArgumentsAreRefusedWithNothingWritten(t *testing.T) {
 		"unique without id":   {Unique()},
 		"bad traceparent":     {WithTraceparent("nope", "")},
 		"negative delay":      {WithDelay(-time.Second)},
+		"expiry both ways":    {ExpiresAt(time.Now().Add(time.Minute)), ExpiresIn(time.Minute)},
+		"negative expiry":     {ExpiresIn(-time.Second)},
 	}
 	for name, options := range cases {
 		if _, err := client.Push(ctx, "mail", "mail.send", nil, options...); !errors.Is(err, ErrInvalidArgument) {

@@ -18,6 +18,10 @@ export interface PushOptions {
   /** A W3C trace context; when absent, the current OpenTelemetry span's (if @opentelemetry/api is installed). */
   traceparent?: string;
   tracestate?: string;
+  /** Not started at or after this time (a Date, or ms since the epoch, on Redis's clock): dead-lettered "expired". */
+  expiresAt?: Date | number;
+  /** As `expiresAt`, this many ms after now on Redis's clock (one TIME a batch). */
+  expiresIn?: number;
 }
 
 /** One task of a batch. */

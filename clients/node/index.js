@@ -338,8 +338,8 @@ class Client {
   }
 
   /** The envelope's text, its id, level and due time, or InvalidArgumentError before anything is sent. */
-  prepare(queue, shape, task) {
-    const { type, data, id, priority, unique, group, delay, at } = task;
+  prepare(queue, shape, task, redisNowMs = null) {
+    const { type, data, id, priority, unique, group, delay, at, expiresAt, expiresIn } = task;
     if (typeof type !== "string" || type === "") {
       throw new InvalidArgumentError("a task needs a type: a non-empty string");
     }
@@ -379,6 +379,8 @@ class Client {
     if (priority !== undefined && priority !== null) envelope.priority = priority;
     if (unique) envelope.unique = true;
     if (group !== undefined && group !== null) envelope.group = group;
+    const expires = expiry(expiresAt, expiresIn, redisNowMs);
+    if (expires !== null) envelope.expires_at = expires;
     const trace =
       task.traceparent !== undefined && task.traceparent !== null
         ? { traceparent: task.traceparent, tracestate: task.tracestate }
@@ -418,9 +420,16 @@ class Client {
     if (tasks.length === 0) return [];
     const wanted = tasks.map((task) => task && task.priority).filter((priority) => typeof priority === "string");
     const shape = await this.shape(queue, wanted);
+    // An expiry given as a length is a time on Redis's clock (docs/PROTOCOL.md, "Expiry"): TIME on the queue's
+    // node, once a batch and only when a task of it needs it.
+    let redisNowMs = null;
+    if (tasks.some((task) => task && task.expiresIn !== undefined && task.expiresIn !== null)) {
+      const [seconds, micros] = await this.call("TIME");
+      redisNowMs = Number(seconds) * 1000 + Math.floor(Number(micros) / 1000);
+    }
     const prepared = tasks.map((task) => {
       if (task === null || typeof task !== "object") throw new InvalidArgumentError("a task is an object {type, data, ...}");
-      return this.prepare(queue, shape, task);
+      return this.prepare(queue, shape, task, redisNowMs);
     });
     return this.pushPrepared(queue, prepared);
   }
@@ -917,6 +926,27 @@ function checkAcyclic(nodes, index) {
       }
     }
   }
+}
+
+/**
+ * The envelope's `expires_at` (ms since the epoch on Redis's clock; docs/PROTOCOL.md, "Expiry") from `expiresAt` (a
+ * Date or ms since the epoch) or `expiresIn` (ms after Redis's `nowMs`); null for neither.
+ */
+function expiry(expiresAt, expiresIn, nowMs) {
+  const given = (value) => value !== undefined && value !== null;
+  if (given(expiresAt) && given(expiresIn)) throw new InvalidArgumentError("give expiresAt or expiresIn, not both");
+  if (given(expiresAt)) {
+    const ms = expiresAt instanceof Date ? expiresAt.getTime() : expiresAt;
+    if (!Number.isInteger(ms) || ms < 0) throw new InvalidArgumentError(`expiresAt is a Date or ms since the epoch (not ${expiresAt})`);
+    return ms;
+  }
+  if (given(expiresIn)) {
+    if (!Number.isInteger(expiresIn) || expiresIn <= 0) {
+      throw new InvalidArgumentError(`expiresIn is a positive whole number of ms (not ${expiresIn})`);
+    }
+    return nowMs + expiresIn;
+  }
+  return null;
 }
 
 /** A Redis glob matching any member that contains `needle`. */

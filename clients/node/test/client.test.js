@@ -60,6 +60,8 @@ describe("push", () => {
       [() => client.push("mail", "t", {}, { group: "g".repeat(65) }), kmq.InvalidArgumentError, /1 to 64 bytes/],
       [() => client.push("mail", "t", {}, { priority: "urgent" }), kmq.UnknownPriorityError, /no priority "urgent"/],
       [() => client.push("mail", "t", {}, { delay: -1 }), kmq.InvalidArgumentError, /delay/],
+      [() => client.push("mail", "t", {}, { expiresIn: 0 }), kmq.InvalidArgumentError, /expiresIn/],
+      [() => client.push("mail", "t", {}, { expiresAt: 1, expiresIn: 5 }), kmq.InvalidArgumentError, /not both/],
       [() => client.pushBatch("mail", [{ type: "t" }, { data: 1 }]), kmq.InvalidArgumentError, /type/],
     ];
     for (const [call, kind, words] of cases) {

@@ -23,6 +23,8 @@ const OPTION_NAMES = {
   group: "group",
   traceparent: "traceparent",
   tracestate: "tracestate",
+  expires_at: "expiresAt",
+  expires_in_ms: "expiresIn",
 };
 
 /** Error kinds of the files, as this client's classes. */

@@ -89,7 +89,7 @@ module Kmq
   # How long a queue's levels, read from P:{Q}:meta, are trusted before they are read again.
   LEVELS_FOR = 10.0
   TRACEPARENT = /\A[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}\z/.freeze
-  PUSH_OPTIONS = %i[id priority delay at unique group traceparent tracestate].freeze
+  PUSH_OPTIONS = %i[id priority delay at unique group traceparent tracestate expires_at expires_in].freeze
 
   # Pushes to the queues of one Redis. Safe to share between threads (calls take turns on one connection).
   class Client
@@ -128,8 +128,11 @@ module Kmq
       @lock.synchronize do
         tasks = tasks.map { |task| normalized(task) }
         levels = levels_of(queue, tasks.map { |task| task[2][:priority] }.compact)
+        # An expiry given as a length is a time on Redis's clock (docs/PROTOCOL.md, "Expiry"): TIME on the queue's
+        # node, once a batch and only when a task of it needs it.
+        now = (redis_now if tasks.any? { |task| task[2][:expires_in] })
         prepared = tasks.each_with_index.map do |task, n|
-          prepare(*task, levels)
+          prepare(*task, levels, now)
         rescue InvalidArgument, UnknownPriority => e
           raise e.class, (tasks.size > 1 ? "task #{n} of the batch: #{e.message}" : e.message)
         end
@@ -433,7 +436,7 @@ module Kmq
       end
     end
 
-    def prepare(type, data, options, levels)
+    def prepare(type, data, options, levels, now = nil)
       unknown = options.keys - PUSH_OPTIONS
       raise InvalidArgument, "unknown option(s) #{unknown.join(', ')}" unless unknown.empty?
       raise InvalidArgument, "a task needs a type" unless type.is_a?(String) && !type.empty?
@@ -465,6 +468,8 @@ module Kmq
       envelope["priority"] = priority if priority
       envelope["unique"] = true if options[:unique]
       envelope["group"] = group if group
+      expires_at = expiry(options[:expires_at], options[:expires_in], now)
+      envelope["expires_at"] = expires_at if expires_at
       envelope["traceparent"] = traceparent if traceparent
       envelope["tracestate"] = options[:tracestate] if options[:tracestate]
       begin
@@ -475,6 +480,30 @@ module Kmq
       at_ms = at ? [(at.to_r * 1000).floor, 1].max : 0 # push.lua reads 0 as "no due time"
       { id: id, unique: options[:unique] ? "1" : "0", payload: payload,
         call: [priority || levels[:fallback], (delay * 1000).round, at_ms] }
+    end
+
+    # The envelope's expires_at (ms since the epoch on Redis's clock): from expires_at (a Time, or ms since the
+    # epoch) or expires_in (seconds after Redis's now, in ms); nil for neither.
+    def expiry(expires_at, expires_in, now)
+      raise InvalidArgument, "give expires_at: or expires_in:, not both" if expires_at && expires_in
+
+      if expires_at
+        ms = expires_at.is_a?(Time) ? (expires_at.to_r * 1000).floor : expires_at
+        raise InvalidArgument, "expires_at #{expires_at.inspect}: a Time or ms since the epoch" unless
+          ms.is_a?(Integer) && ms.positive?
+
+        return ms
+      end
+      return nil unless expires_in
+      raise InvalidArgument, "expires_in #{expires_in.inspect}: seconds, positive" unless
+        expires_in.is_a?(Numeric) && expires_in.positive?
+
+      now + (expires_in * 1000).round
+    end
+
+    def redis_now
+      seconds, micros = command(["TIME"]).map(&:to_i)
+      seconds * 1000 + micros / 1000
     end
 
     def push_call(queue, tasks)
@@ -528,8 +557,7 @@ module Kmq
 
     def locate(queue, id, dead:)
       levels = levels_of(queue, [])[:levels]
-      seconds, micros = command(["TIME"]).map(&:to_i)
-      now = seconds * 1000 + micros / 1000
+      now = redis_now
       found = []
       envelope = command(["HGET", key(queue, "delayed-tasks"), id])
       if envelope

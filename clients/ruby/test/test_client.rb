@@ -53,7 +53,9 @@ class ClientTest < Minitest::Test
       "unique without id" => { unique: true },
       "bad traceparent" => { traceparent: "nope" },
       "negative delay" => { delay: -1 },
-      "unknown option" => { expires_at: 5 },
+      "unknown option" => { debounce: 5 },
+      "expiry both ways" => { expires_at: Time.now + 60, expires_in: 60 },
+      "expiry not positive" => { expires_in: 0 },
     }.each do |what, options|
       assert_raises(Kmq::InvalidArgument, what) { @client.push("mail", "mail.send", nil, **options) }
     end
