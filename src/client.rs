@@ -46,6 +46,17 @@ pub struct NewTask {
     /// A W3C trace context (`traceparent`, and `tracestate` when present), written into the envelope's fields of
     /// those names so that a trace follows the task from its producer to its handler (docs/CLIENTS.md, "Tracing").
     pub trace: Option<(String, Option<String>)>,
+    /// When a task not started by then is dead-lettered unrun (docs/PROTOCOL.md, "Expiry"); `None`: never.
+    pub expires: Option<Expiry>,
+}
+
+/// A task's expiry, on Redis's clock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Expiry {
+    /// At this time, ms since the epoch.
+    At(i64),
+    /// This long after the push: Redis's `TIME`, read once per batch that has such a task, plus the length.
+    After(Duration),
 }
 
 impl NewTask {
@@ -68,6 +79,7 @@ impl NewTask {
             due: Due::Now,
             group: None,
             trace: None,
+            expires: None,
         }
     }
 
@@ -107,6 +119,18 @@ impl NewTask {
     /// Ready at `at_ms` (ms since the epoch).
     pub fn at(mut self, at_ms: i64) -> NewTask {
         self.due = Due::At(at_ms);
+        self
+    }
+
+    /// Dead-lettered unrun, reason `expired`, when not started by `at_ms` (ms since the epoch, Redis's clock).
+    pub fn expires_at(mut self, at_ms: i64) -> NewTask {
+        self.expires = Some(Expiry::At(at_ms));
+        self
+    }
+
+    /// Dead-lettered unrun, reason `expired`, when not started within `expiry` of the push (Redis's clock).
+    pub fn expires_in(mut self, expiry: Duration) -> NewTask {
+        self.expires = Some(Expiry::After(expiry));
         self
     }
 }
@@ -290,6 +314,9 @@ impl Client {
         tasks: impl IntoIterator<Item = NewTask>,
     ) -> Result<Vec<Pushed>, ClientError> {
         let info = self.queue(queue)?;
+        let mut connection = self.pool.get().map_err(BrokerError::from)?;
+        // Redis's clock, read at the first task whose expiry is a length: a batch without one sends no TIME.
+        let mut now_ms = None;
         // (level, due, unique, envelope, id)
         let mut prepared: Vec<(usize, Due, bool, String, String)> = Vec::new();
         for task in tasks {
@@ -349,9 +376,25 @@ impl Client {
                     }
                 }
             }
+            if let Some(expires) = task.expires {
+                let at_ms = match expires {
+                    Expiry::At(at_ms) => at_ms,
+                    Expiry::After(expiry) => {
+                        let now_ms = match now_ms {
+                            Some(now_ms) => now_ms,
+                            None => *now_ms.insert(broker::redis_now(&mut **connection)?),
+                        };
+                        now_ms.saturating_add(i64::try_from(expiry.as_millis()).unwrap_or(i64::MAX))
+                    }
+                };
+                envelope.extra.push((
+                    Cow::Borrowed("expires_at"),
+                    // An integer always serializes.
+                    Cow::Owned(serde_json::value::to_raw_value(&at_ms).expect("an integer")),
+                ));
+            }
             prepared.push((level, task.due, task.unique, envelope.encode(), id));
         }
-        let mut connection = self.pool.get().map_err(BrokerError::from)?;
         let mut results = Vec::with_capacity(prepared.len());
         // Consecutive tasks with the same level and due time share script calls.
         for group in prepared.chunk_by(|a, b| a.0 == b.0 && a.1 == b.1) {

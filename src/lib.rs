@@ -87,5 +87,5 @@ pub mod task;
 #[cfg(test)]
 mod tidy;
 
-pub use client::{Client, ClientError, NewTask, Pushed, TaskResult};
+pub use client::{Client, ClientError, Expiry, NewTask, Pushed, TaskResult};
 pub use config::Config;

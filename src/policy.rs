@@ -40,6 +40,13 @@ impl Policy {
         })
     }
 
+    /// Whether a task that expires at `expires_at_ms` (its envelope's `expires_at`) may no longer start at `now_ms`
+    /// (both Redis's clock): the reason it is dead-lettered with, unrun. An expiry is a deadline for the start, so
+    /// a start at the very millisecond is too late.
+    pub fn expired(expires_at_ms: Option<i64>, now_ms: i64) -> Option<String> {
+        (now_ms >= expires_at_ms?).then(|| EXPIRED.to_owned())
+    }
+
     /// The backoff before retry number `attempt + 1`: `backoff * 2^attempt`, at most `backoff_max`, plus up to
     /// 25 % jitter so that tasks that failed together do not all come back together. The jitter comes from
     /// `seed` (a hash of the task id), so a decision is reproducible.
@@ -132,6 +139,10 @@ pub enum Action {
     /// (`quarantine`, as for [`Action::Recover`]): a task handed back is neither charged nor counted recovered.
     Back { quarantine: Option<usize> },
 }
+
+/// The reason of a task dead-lettered unrun because it was not started by its `expires_at` (docs/PROTOCOL.md,
+/// "Expiry"): the one word the clients and `kmqd dead` show, so that a producer can tell it from a failure.
+pub const EXPIRED: &str = "expired";
 
 /// A throttle whose handler named no delay.
 pub const DEFAULT_THROTTLE: Duration = Duration::from_secs(1);
@@ -484,6 +495,20 @@ mod tests {
             Action::Dead {
                 reason: format!("boom; no retries left after {} runs", u32::MAX),
             }
+        );
+    }
+
+    #[test]
+    fn a_task_expires_at_its_expires_at_and_not_before() {
+        assert_eq!(Policy::expired(None, i64::MAX), None, "no expiry");
+        assert_eq!(Policy::expired(Some(1_000), 999), None);
+        assert_eq!(
+            Policy::expired(Some(1_000), 1_000).as_deref(),
+            Some("expired")
+        );
+        assert_eq!(
+            Policy::expired(Some(i64::MIN), 0).as_deref(),
+            Some("expired")
         );
     }
 

@@ -218,6 +218,26 @@ impl<'a> Envelope<'a> {
         self.id.get_or_insert_with(|| Cow::Owned(fallback()))
     }
 
+    /// When the task expires (ms since the epoch on Redis's clock; docs/PROTOCOL.md, "Expiry"): the producer's
+    /// `expires_at`, kept among the fields kmqd does not decode, so that an envelope without unknown fields costs
+    /// its worker one test of an empty list; `None` when absent or null. A value that is not an integer makes the
+    /// task malformed: it is dead-lettered unrun with this reason, rather than run without the expiry its producer
+    /// asked for.
+    pub fn expires_at(&self) -> Result<Option<i64>, EnvelopeError> {
+        if self.extra.is_empty() {
+            return Ok(None);
+        }
+        let Some((_, raw)) = self.extra.iter().find(|(key, _)| key == "expires_at") else {
+            return Ok(None);
+        };
+        serde_json::from_str::<Option<i64>>(raw.get()).map_err(|_| {
+            EnvelopeError(format!(
+                "expires_at {} is not a time: write an integer, ms since the epoch, or leave it out",
+                raw.get().chars().take(100).collect::<String>()
+            ))
+        })
+    }
+
     /// The task's group (`[queues.groups]`: the producer's `group` field, kept among the fields kmqd does not
     /// decode for every queue); `None` when absent or null. A group that is not a string of 1 to
     /// [`crate::config::MAX_GROUP_BYTES`] bytes makes the task malformed on a grouped queue (groups.lua puts it in

@@ -228,7 +228,7 @@ func pushOptions(t *testing.T, value interface{}) []PushOption {
 			}
 		case "group":
 			out = append(out, WithGroup(str(option)))
-		case "expires_at":
+		case "expires_at_ms":
 			n, _ := option.(json.Number).Int64()
 			out = append(out, ExpiresAt(time.UnixMilli(n)))
 		case "expires_in_ms":

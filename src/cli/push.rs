@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use crate::broker::Due;
 use crate::broker::access::Action;
-use crate::client::{Client, NewTask, PUSH_CHUNK, Pushed};
+use crate::client::{Client, Expiry, NewTask, PUSH_CHUNK, Pushed};
 use crate::config::Config;
 use crate::task;
 
@@ -43,6 +43,24 @@ pub struct PushArgs {
     /// Make the task ready at this time (RFC 3339, e.g. 2026-12-01T08:00:00Z).
     #[arg(long, value_parser = parse_time)]
     pub at: Option<i64>,
+    /// Dead-letter the task unrun (reason "expired") when no worker started it within this long of the push, on
+    /// Redis's clock ("10m", "1h"); with --stdin, every task of the input.
+    #[arg(long, value_parser = humantime::parse_duration, conflicts_with = "expires_at")]
+    pub expires: Option<Duration>,
+    /// Dead-letter the task unrun (reason "expired") when no worker started it by this time, on Redis's clock
+    /// (RFC 3339, e.g. 2026-12-01T08:00:00Z, or ms since the epoch).
+    #[arg(long, value_parser = parse_time_or_ms)]
+    pub expires_at: Option<i64>,
+}
+
+/// A time as RFC 3339 or as ms since the epoch (all digits: what a program has at hand).
+fn parse_time_or_ms(text: &str) -> Result<i64, String> {
+    if !text.is_empty() && text.bytes().all(|byte| byte.is_ascii_digit()) {
+        return text
+            .parse()
+            .map_err(|_| format!("{text} ms since the epoch is out of range"));
+    }
+    parse_time(text).map_err(|error| format!("{error}, or ms since the epoch"))
 }
 
 pub(super) fn parse_time(text: &str) -> Result<i64, String> {
@@ -63,11 +81,17 @@ pub(super) fn run_push(config: &Config, args: PushArgs) -> Result<(), Failure> {
         (None, Some(at)) => Due::At(at),
         (None, None) => Due::Now,
     };
+    let expires = match (args.expires, args.expires_at) {
+        (Some(expiry), _) => Some(Expiry::After(expiry)),
+        (None, Some(at_ms)) => Some(Expiry::At(at_ms)),
+        (None, None) => None,
+    };
     let prepare = |data: Box<serde_json::value::RawValue>| {
         let mut task = NewTask::with_data(&args.kind, data);
         task.priority = args.priority.clone();
         task.group = args.group.clone();
         task.due = due;
+        task.expires = expires;
         task
     };
     if args.stdin {

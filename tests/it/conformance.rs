@@ -234,6 +234,8 @@ fn new_task(kind: &Value, data: &Value, options: &Value) -> kmqd::NewTask {
             "group" => task.group(value.as_str().unwrap()),
             "delay_ms" => task.delay(Duration::from_millis(value.as_u64().unwrap())),
             "at_ms" => task.at(value.as_i64().unwrap()),
+            "expires_at_ms" => task.expires_at(value.as_i64().unwrap()),
+            "expires_in_ms" => task.expires_in(Duration::from_millis(value.as_u64().unwrap())),
             "traceparent" => {
                 let state = options["tracestate"].as_str().map(str::to_string);
                 task.trace(value.as_str().unwrap(), state)

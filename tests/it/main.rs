@@ -17,6 +17,7 @@ mod default_mode;
 mod delayed;
 mod eviction;
 mod exec_persistent;
+mod expiry;
 mod fault_proxy;
 mod faults;
 mod flows;

@@ -23,7 +23,7 @@ const OPTION_NAMES = {
   group: "group",
   traceparent: "traceparent",
   tracestate: "tracestate",
-  expires_at: "expiresAt",
+  expires_at_ms: "expiresAt",
   expires_in_ms: "expiresIn",
 };
 

@@ -82,6 +82,9 @@ class Task(NamedTuple):
     group: Optional[str] = None
     traceparent: Optional[str] = None
     tracestate: Optional[str] = None
+    #: Dead-lettered unrun (reason "expired") when not started by then: a timezone-aware datetime or seconds since
+    #: the epoch, compared with Redis's clock by the daemon (docs/PROTOCOL.md, "Expiry").
+    expires_at: Optional[When] = None
 
 
 class FlowTask(NamedTuple):
@@ -289,11 +292,13 @@ class Client:
         group: Optional[str] = None,
         traceparent: Optional[str] = None,
         tracestate: Optional[str] = None,
+        expires_at: Optional[When] = None,
     ) -> str:
         """Queues one task; returns its id (``id``, or a new random UUID). ``delay`` (seconds, or a timedelta) is
-        counted on Redis's clock; ``at`` is a timezone-aware datetime or seconds since the epoch. Raises
+        counted on Redis's clock; ``at`` is a timezone-aware datetime or seconds since the epoch, and so is
+        ``expires_at`` (a task not started by then is dead-lettered unrun, reason "expired"). Raises
         :class:`DuplicateTask` when a unique id is live."""
-        task = Task(type, data, id, priority, delay, at, unique, group, traceparent, tracestate)
+        task = Task(type, data, id, priority, delay, at, unique, group, traceparent, tracestate, expires_at)
         pushed = self.push_batch(queue, [task])[0]
         if not pushed.accepted:
             raise DuplicateTask(queue, pushed.id)
@@ -360,6 +365,8 @@ class Client:
             envelope["unique"] = True
         if task.group is not None:
             envelope["group"] = task.group
+        if task.expires_at is not None:
+            envelope["expires_at"] = _at_ms(task.expires_at)
         traceparent = task.traceparent or trace.get("traceparent")
         if traceparent:
             envelope["traceparent"] = traceparent

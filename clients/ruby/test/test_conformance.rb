@@ -88,6 +88,7 @@ class ConformanceTest < Minitest::Test
       when "delay_ms" then [:delay, value / 1000.0]
       when "at_ms" then [:at, Time.at(Rational(value, 1000))]
       when "expires_in_ms" then [:expires_in, value / 1000.0]
+      when "expires_at_ms" then [:expires_at, value]
       else [name.to_sym, value]
       end
     end

@@ -16,7 +16,7 @@ use super::started::Started;
 use super::{Lane, LeaseView};
 use crate::observed::{TaskOutcome, TypeCache};
 use crate::plugin::{MESSAGE_CAPACITY, Reader, Run};
-use crate::policy::Verdict;
+use crate::policy::{Policy, Verdict};
 use crate::settlement::Ran;
 use crate::shutdown::Listener;
 use crate::task::{Envelope, LOGGED_PAYLOAD_BYTES, Slot, capped};
@@ -240,6 +240,20 @@ impl Worker {
         let now_ms = job.claimed_at_ms + (now_ns.saturating_sub(job.claimed_ns) / 1_000_000) as i64;
         if let Some(reason) = queue.policy.too_old(envelope.created_at, now_ms) {
             return Attempt::Over(Verdict::Unrunnable { reason });
+        }
+        // `now_ms` is Redis's clock (the claim's or pop's TIME) moved on by this daemon's monotonic clock, so a
+        // daemon whose own clock is wrong neither expires a task early nor runs it late.
+        match envelope.expires_at() {
+            Err(malformed) => {
+                return Attempt::Over(Verdict::Unrunnable {
+                    reason: malformed.to_string(),
+                });
+            }
+            Ok(expires_at) => {
+                if let Some(reason) = Policy::expired(expires_at, now_ms) {
+                    return Attempt::Over(Verdict::Unrunnable { reason });
+                }
+            }
         }
         let registry = self.plugins.current();
         let Some(plugin) = registry.for_type(&envelope.kind) else {
