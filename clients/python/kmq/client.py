@@ -39,7 +39,7 @@ _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan
 #: Pages of list reads when looking a task up: bounded replies, whatever a list's length.
 PAGE = 1000
 #: How long a queue's shape read from its meta hash is trusted (docs/PROTOCOL.md, "The queue's shape"): a push
-#: names a level the kept shape lacks reads it again at once, before refusing it; so does any push after this long.
+#: that names a level the kept shape lacks reads it again at once, before refusing it; so does any push after this long.
 SHAPE_FOR = 10.0
 
 Seconds = Union[int, float, _dt.timedelta]
@@ -461,7 +461,8 @@ class Client:
         for queue in order:
             levels, _ = self.shape(queue)
             # Stable: a level's tasks keep the flow's order.
-            self._push_prepared(queue, sorted(leaves.get(queue, []), key=lambda task: levels.index(task.level)))
+            rank = {level: n for n, level in enumerate(levels)}
+            self._push_prepared(queue, sorted(leaves.get(queue, []), key=lambda task: rank.get(task.level, len(rank))))
         return [FlowTask(node.queue, node.id, node.path if node.generated else None) for node in nodes]
 
     def _read_flow_node(self, raw: Any, path: str, nodes: List["_FlowNode"],

@@ -240,7 +240,7 @@ module Kmq
       plan.each do |queue, writes|
         levels = levels_of(queue, [])[:levels]
         # Stable: a level's tasks keep the flow's order.
-        push_prepared(queue, writes[:leaves].each_with_index.sort_by { |task, n| [levels.index(task[:call][0]), n] }
+        push_prepared(queue, writes[:leaves].each_with_index.sort_by { |task, n| [levels.index(task[:call][0]) || levels.size, n] }
                                             .map(&:first))
       end
     end
