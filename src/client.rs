@@ -28,6 +28,9 @@ use crate::task::{self, Envelope};
 /// The most tasks sent in one enqueue script call. Bounded so that one call never holds Redis for long.
 pub(crate) const PUSH_CHUNK: usize = 1000;
 
+/// A task of [`Client::push_batch`] ready to send: (level, due, (unique, debounce), envelope, id).
+type Prepared = (usize, Due, (bool, bool), String, String);
+
 /// A task to enqueue.
 #[derive(Clone, Debug)]
 pub struct NewTask {
@@ -48,6 +51,9 @@ pub struct NewTask {
     pub trace: Option<(String, Option<String>)>,
     /// When a task not started by then is dead-lettered unrun (docs/PROTOCOL.md, "Expiry"); `None`: never.
     pub expires: Option<Expiry>,
+    /// Replace the delayed task of this id, if one waits, and start `due` after this push (needs an id and a
+    /// delay, not `unique`; docs/PROTOCOL.md, "Debounce, and unique for a time").
+    pub debounce: bool,
 }
 
 /// A task's expiry, on Redis's clock.
@@ -80,6 +86,7 @@ impl NewTask {
             group: None,
             trace: None,
             expires: None,
+            debounce: false,
         }
     }
 
@@ -119,6 +126,14 @@ impl NewTask {
     /// Ready at `at_ms` (ms since the epoch).
     pub fn at(mut self, at_ms: i64) -> NewTask {
         self.due = Due::At(at_ms);
+        self
+    }
+
+    /// Debounced: ready `quiet` after this push, replacing the task of its id that still waits for its own
+    /// (its data and due time): only the last push of a burst less than `quiet` apart runs. Needs an id.
+    pub fn debounce(mut self, quiet: Duration) -> NewTask {
+        self.due = Due::After(quiet);
+        self.debounce = true;
         self
     }
 
@@ -317,8 +332,7 @@ impl Client {
         let mut connection = self.pool.get().map_err(BrokerError::from)?;
         // Redis's clock, read at the first task whose expiry is a length: a batch without one sends no TIME.
         let mut now_ms = None;
-        // (level, due, unique, envelope, id)
-        let mut prepared: Vec<(usize, Due, bool, String, String)> = Vec::new();
+        let mut prepared: Vec<Prepared> = Vec::new();
         for task in tasks {
             let level = match &task.priority {
                 Some(priority) => info
@@ -341,6 +355,14 @@ impl Client {
             }
             if task.unique && task.id.is_none() {
                 return Err(ClientError::UniqueWithoutId);
+            }
+            if task.debounce && (task.id.is_none() || task.unique || task.due == Due::Now) {
+                // push.lua refuses the same, for the whole call: refused here, before anything is sent.
+                return Err(ClientError::Data(
+                    "a debounced task needs an id and a delay, and is not unique: it replaces the waiting task \
+                     of its id"
+                        .to_string(),
+                ));
             }
             if let Some(group) = &task.group
                 && (group.is_empty() || group.len() > crate::config::MAX_GROUP_BYTES)
@@ -393,7 +415,8 @@ impl Client {
                     Cow::Owned(serde_json::value::to_raw_value(&at_ms).expect("an integer")),
                 ));
             }
-            prepared.push((level, task.due, task.unique, envelope.encode(), id));
+            let options = (task.unique, task.debounce);
+            prepared.push((level, task.due, options, envelope.encode(), id));
         }
         let mut results = Vec::with_capacity(prepared.len());
         // Consecutive tasks with the same level and due time share script calls.
@@ -401,9 +424,10 @@ impl Client {
             for chunk in group.chunks(PUSH_CHUNK) {
                 let items: Vec<PushItem<'_>> = chunk
                     .iter()
-                    .map(|(_, _, unique, envelope, id)| PushItem {
+                    .map(|(_, _, (unique, debounce), envelope, id)| PushItem {
                         id,
                         unique: *unique,
+                        debounce: *debounce,
                         envelope,
                     })
                     .collect();
@@ -463,6 +487,7 @@ impl Client {
                     let items: Vec<PushItem<'_>> = chunk
                         .iter()
                         .map(|leaf| PushItem {
+                            debounce: false,
                             id: &leaf.id,
                             unique: false,
                             envelope: &leaf.envelope,

@@ -231,6 +231,9 @@ func pushOptions(t *testing.T, value interface{}) []PushOption {
 		case "expires_at_ms":
 			n, _ := option.(json.Number).Int64()
 			out = append(out, ExpiresAt(time.UnixMilli(n)))
+		case "debounce_ms":
+			n, _ := option.(json.Number).Int64()
+			out = append(out, Debounce(time.Duration(n)*time.Millisecond))
 		case "expires_in_ms":
 			n, _ := option.(json.Number).Int64()
 			out = append(out, ExpiresIn(time.Duration(n)*time.Millisecond))

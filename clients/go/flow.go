@@ -161,7 +161,8 @@ func (c *Client) PushFlow(ctx context.Context, flow []byte, options ...FlowOptio
 			order = append(order, node.queue)
 		}
 		if len(node.deps) == 0 {
-			leaves[node.queue] = append(leaves[node.queue], prepared{level: node.level, id: node.id, payload: payload})
+			leaves[node.queue] = append(leaves[node.queue], prepared{level: node.level, id: node.id, options: "0",
+				payload: payload})
 			continue
 		}
 		deps, _ := encodeJSON(node.deps)

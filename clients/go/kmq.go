@@ -163,6 +163,7 @@ type pushSettings struct {
 	tracestate  string
 	expiresAt   time.Time
 	expiresIn   time.Duration
+	debounce    time.Duration
 }
 
 // WithID sets the task's id (otherwise a random UUID).
@@ -198,6 +199,11 @@ func ExpiresAt(t time.Time) PushOption { return func(p *pushSettings) { p.expire
 // ExpiresIn is ExpiresAt of Redis's clock now plus d: the push reads Redis's TIME first (once a batch).
 func ExpiresIn(d time.Duration) PushOption { return func(p *pushSettings) { p.expiresIn = d } }
 
+// Debounce starts the task d after the push and replaces the task of its id that still waits for its start (its
+// data and start time), so that only the last push of a burst runs (docs/PROTOCOL.md, "Debounce, and unique for a
+// time"). It needs WithID, and does not combine with Unique, WithDelay or At (d is the delay).
+func Debounce(d time.Duration) PushOption { return func(p *pushSettings) { p.debounce = d } }
+
 // Task is one task of PushBatch.
 type Task struct {
 	Type    string
@@ -225,7 +231,7 @@ type prepared struct {
 	delayMs int64
 	atMs    int64
 	id      string
-	unique  bool
+	options string // push.lua's OPTIONS_n: "0", "1" (unique) or "debounce"
 	payload []byte
 }
 
@@ -391,7 +397,19 @@ func prepare(task Task, levels queueLevels, now int64) (prepared, error) {
 	if err != nil {
 		return prepared{}, invalid("task %q: %v", task.Type, err)
 	}
-	p := prepared{level: level, id: id, unique: s.unique, payload: payload, delayMs: s.delay.Milliseconds()}
+	p := prepared{level: level, id: id, options: "0", payload: payload, delayMs: s.delay.Milliseconds()}
+	if s.unique {
+		p.options = "1" // as older copies of push.lua read it
+	}
+	if s.debounce != 0 {
+		if s.id == "" || s.unique || s.delay != 0 || !s.at.IsZero() {
+			return prepared{}, invalid("Debounce: give WithID, and neither Unique, WithDelay nor At (it is the delay)")
+		}
+		if s.debounce < time.Millisecond {
+			return prepared{}, invalid("Debounce %v: give a positive time of 1 ms or more", s.debounce)
+		}
+		p.options, p.delayMs = "debounce", s.debounce.Milliseconds()
+	}
 	if !s.at.IsZero() {
 		p.atMs = s.at.UnixMilli()
 		if p.atMs <= 0 {
@@ -445,11 +463,7 @@ func (c *Client) pushCall(ctx context.Context, conn redis.Conn, queue string, ta
 	args := make([]interface{}, 0, 3+3*len(tasks))
 	args = append(args, first.delayMs, first.atMs, c.key(queue, "delay-wake"))
 	for _, task := range tasks {
-		unique := "0"
-		if task.unique {
-			unique = "1"
-		}
-		args = append(args, task.id, unique, task.payload)
+		args = append(args, task.id, task.options, task.payload)
 	}
 	replies, err := redis.Int64s(pushScript.run(ctx, conn, keys, args))
 	if err != nil {

@@ -95,6 +95,8 @@ func TestBadArgumentsAreRefusedWithNothingWritten(t *testing.T) {
 		"negative delay":      {WithDelay(-time.Second)},
 		"expiry both ways":    {ExpiresAt(time.Now().Add(time.Minute)), ExpiresIn(time.Minute)},
 		"negative expiry":     {ExpiresIn(-time.Second)},
+		"debounce without id": {Debounce(time.Second)},
+		"debounce and delay":  {WithID("d"), Debounce(time.Second), WithDelay(time.Second)},
 	}
 	for name, options := range cases {
 		if _, err := client.Push(ctx, "mail", "mail.send", nil, options...); !errors.Is(err, ErrInvalidArgument) {

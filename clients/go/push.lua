@@ -10,9 +10,13 @@
 -- ARGV[1] delay in ms relative to Redis's clock (0: none)
 -- ARGV[2] due time in ms since the epoch (0: none; wins over ARGV[1])
 -- ARGV[3] the delay poller's channel    P:{Q}:delay-wake
--- ARGV[4..] triples: task id, unique ("1" or "0"), envelope JSON (whose "id" should be the same id)
--- A delayed task and a unique task need an id. Returns one integer per task: 1 accepted, 0 refused (its unique
--- id is live, or a delayed task with its id is already waiting).
+-- ARGV[4..] triples: task id, options, envelope JSON (whose "id" should be the same id). Options: "1" (unique),
+-- "0" (none), or a comma-separated list of words: "unique", "debounce" (a delayed task that replaces the delayed
+-- task of its id at this level, its due time moved to this call's; docs/PROTOCOL.md, "Debounce, and unique for a
+-- time"). An unknown word refuses the call, so that an option is never silently dropped.
+-- A delayed task and a unique task need an id. Returns one integer per task: 1 accepted (or, debounced, replaced),
+-- 0 refused (its unique id is live, or a delayed task with its id is already waiting; debounced: at another
+-- level).
 -- An envelope that is a JSON object without a top-level "created_at" gets "created_at":NOW_MS (Redis's clock)
 -- written right after its opening brace, the rest kept byte for byte. Anything else is stored as it came: an
 -- envelope with a top-level "created_at", and a payload that is not a JSON object (the daemon dead-letters it
@@ -87,9 +91,38 @@ if due <= 0 and tonumber(ARGV[1]) > 0 then
   due = now + tonumber(ARGV[1])
 end
 local delayed = due > now
--- Refuse the whole call before writing anything when an id is missing.
+-- Refuse the whole call before writing anything when an id is missing or an option unknown. Options other than
+-- "0" and "1" are read into `uniques` and `debounces` (by the task's index), so a plain push builds no table entry
+-- and, but for this loop's one comparison, looks at neither (`listed`).
+local uniques, debounces, listed = {}, {}, false
 for i = 4, #ARGV, 3 do
-  if ARGV[i] == '' and (delayed or ARGV[i + 1] == '1') then
+  local options = ARGV[i + 1]
+  if options ~= '0' and options ~= '1' then
+    listed = true
+    local task = ' (task ' .. ((i - 1) / 3) .. '); nothing was written'
+    for word in string.gmatch(options, '[^,]+') do
+      if word == 'unique' then
+        uniques[i] = true
+      elseif word == 'debounce' then
+        debounces[i] = true
+      else
+        return redis.error_reply('ERR push.lua: unknown option ' .. string.sub(word, 1, 40) .. task)
+      end
+    end
+    if debounces[i] and uniques[i] then
+      return redis.error_reply('ERR push.lua: debounce does not combine with unique' .. task)
+    end
+    if debounces[i] and not delayed then
+      return redis.error_reply('ERR push.lua: a debounced task needs a delay' .. task)
+    end
+    -- A producer's user made from an older kmqd's rules may lack the two commands only a debounce runs.
+    if debounces[i] and not (redis.acl_check_cmd('ZSCORE', KEYS[2], ARGV[i]) and
+        redis.acl_check_cmd('HSET', KEYS[3], ARGV[i], '')) then
+      return redis.error_reply('NOPERM push.lua: a debounced push needs the producers\' rules +zscore and +hset ' ..
+        '(docs/OPERATIONS.md, "ACL rules")' .. task)
+    end
+  end
+  if ARGV[i] == '' and (delayed or options == '1' or uniques[i]) then
     return redis.error_reply('push.lua: a delayed or unique task needs an id (task ' .. ((i - 1) / 3) .. ')')
   end
 end
@@ -107,7 +140,7 @@ end
 local checked = redis.acl_check_cmd('HGET', KEYS[6], 'pushed') and redis.acl_check_cmd('TYPE', KEYS[6])
 local any_unique = false
 for i = 5, #ARGV, 3 do
-  if ARGV[i] == '1' then
+  if ARGV[i] == '1' or (listed and uniques[i - 1]) then
     any_unique = true
     break
   end
@@ -172,14 +205,14 @@ if not delayed and #KEYS >= 7 and redis.acl_check_cmd('HGET', KEYS[7], 'groups')
     end
   end
 end
-local result, ready, accepted = {}, {}, 0
+local result, ready, accepted, replaced = {}, {}, 0, 0
 local earliest = nil
 if delayed then
   local head = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
   earliest = tonumber(head[2])
 end
 for i = 4, #ARGV, 3 do
-  local id, unique, envelope = ARGV[i], ARGV[i + 1] == '1', ARGV[i + 2]
+  local id, unique, envelope = ARGV[i], ARGV[i + 1] == '1' or (listed and uniques[i] == true), ARGV[i + 2]
   local ok = 1
   if unique and redis.call('HSETNX', KEYS[5], id, now) == 0 then
     ok = 0
@@ -191,6 +224,14 @@ for i = 4, #ARGV, 3 do
       ok = redis.call('HSETNX', KEYS[3], id, envelope)
       if ok == 1 then
         redis.call('ZADD', KEYS[2], due, id)
+      elseif listed and debounces[i] and redis.call('ZSCORE', KEYS[2], id) then
+        -- Debounced: the task of this id still waits at this level (not yet promoted, so nothing took it): it
+        -- takes this push's envelope and due time, in this one step.
+        -- No task more: `pushed` does not count it (the counters' conservation, docs/RELIABILITY.md).
+        redis.call('HSET', KEYS[3], id, envelope)
+        redis.call('ZADD', KEYS[2], due, id)
+        replaced = replaced + 1
+        ok = 1
       elseif unique then
         redis.call('HDEL', KEYS[5], id)
       end
@@ -241,7 +282,7 @@ end
 if delayed and accepted > 0 and (earliest == nil or due < earliest) then
   redis.call('PUBLISH', ARGV[3], due)
 end
-if accepted > 0 then
-  redis.call('HINCRBY', KEYS[6], 'pushed', accepted)
+if accepted > replaced then
+  redis.call('HINCRBY', KEYS[6], 'pushed', accepted - replaced)
 end
 return result

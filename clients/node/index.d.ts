@@ -22,6 +22,11 @@ export interface PushOptions {
   expiresAt?: Date | number;
   /** As `expiresAt`, this many ms after now on Redis's clock (one TIME a batch). */
   expiresIn?: number;
+  /**
+   * Start this many ms after the push, replacing the task of this id that still waits for its start (its data and
+   * start time): only the last push of a burst runs. Needs `id`; not with `unique`, `delay` or `at`.
+   */
+  debounce?: number;
 }
 
 /** One task of a batch. */

@@ -339,7 +339,7 @@ class Client {
 
   /** The envelope's text, its id, level and due time, or InvalidArgumentError before anything is sent. */
   prepare(queue, shape, task, redisNowMs = null) {
-    const { type, data, id, priority, unique, group, delay, at, expiresAt, expiresIn } = task;
+    const { type, data, id, priority, unique, group, delay, at, expiresAt, expiresIn, debounce } = task;
     if (typeof type !== "string" || type === "") {
       throw new InvalidArgumentError("a task needs a type: a non-empty string");
     }
@@ -362,7 +362,21 @@ class Client {
       if (!shape.levels.includes(priority)) throw new UnknownPriorityError(queue, priority, shape.levels);
       level = priority;
     }
-    const delayMs = delay === undefined || delay === null ? 0 : delay;
+    let delayMs = delay === undefined || delay === null ? 0 : delay;
+    // push.lua's OPTIONS_n (docs/PROTOCOL.md, "Debounce, and unique for a time"): "1" for unique, as older copies of
+    // the script read it, or "debounce", whose delay is the task's.
+    let options = unique ? "1" : "0";
+    if (debounce !== undefined && debounce !== null) {
+      const given = (value) => value !== undefined && value !== null;
+      if (!given(id) || unique || given(delay) || given(at)) {
+        throw new InvalidArgumentError("debounce: give an id, and neither unique, delay nor at (it is the delay)");
+      }
+      if (!Number.isInteger(debounce) || debounce <= 0) {
+        throw new InvalidArgumentError(`debounce is a positive whole number of ms (not ${debounce})`);
+      }
+      delayMs = debounce;
+      options = "debounce";
+    }
     if (!Number.isInteger(delayMs) || delayMs < 0) {
       throw new InvalidArgumentError(`delay is a whole number of ms, 0 or more (not ${delay})`);
     }
@@ -395,7 +409,7 @@ class Client {
     } catch (error) {
       throw new InvalidArgumentError(`the task's data is not JSON: ${error.message}`, { cause: error });
     }
-    return { id: taskId, unique: !!unique, level, delayMs, atMs, text };
+    return { id: taskId, options, level, delayMs, atMs, text };
   }
 
   /**
@@ -462,7 +476,7 @@ class Client {
         keys.key("routes"),
       ];
       const args = [String(first.delayMs), String(first.atMs), keys.key("delay-wake")];
-      for (const task of chunk) args.push(task.id, task.unique ? "1" : "0", task.text);
+      for (const task of chunk) args.push(task.id, task.options, task.text);
       const replies = await this.evalScript(this.pushSha, PUSH_SOURCE, scriptKeys, args);
       chunk.forEach((task, index) => results.push({ id: task.id, accepted: replies[index] === 1 }));
       start = end;
@@ -543,7 +557,7 @@ class Client {
       const into = node.deps.length > 0 ? waiting : leaves;
       if (!into.has(node.queue)) into.set(node.queue, []);
       if (node.deps.length > 0) into.get(node.queue).push({ node, text, up: JSON.stringify(waiters) });
-      else into.get(node.queue).push({ id: node.id, unique: false, level: node.level, delayMs: 0, atMs: 0, text });
+      else into.get(node.queue).push({ id: node.id, options: "0", level: node.level, delayMs: 0, atMs: 0, text });
     }
     for (const queue of order) {
       const list = waiting.get(queue) ?? [];

@@ -366,9 +366,10 @@ pub const COMMANDS: &[Command] = &[
     },
     Command {
         name: "hset",
-        roles: &[D],
+        roles: &[D, P],
         why: "owners' registrations, schedules' last slots, the queue's shape in its meta hash (at start and reload); \
-              settle.lua keeps a task's result in its bucket (`keep_results`)",
+              settle.lua keeps a task's result in its bucket (`keep_results`); push.lua replaces a debounced task's \
+              envelope",
     },
     Command {
         name: "hsetnx",
@@ -425,8 +426,9 @@ pub const COMMANDS: &[Command] = &[
     },
     Command {
         name: "zscore",
-        roles: &[D, R, O],
-        why: "an owner's lease; `task show` reads a delayed task's due time",
+        roles: &[D, P, R, O],
+        why: "an owner's lease; `task show` reads a delayed task's due time; push.lua finds the delayed task a \
+              debounced push replaces",
     },
     Command {
         name: "zcard",
@@ -1560,7 +1562,8 @@ mod tests {
                 .map(|c| c.name)
                 .collect();
             // push.lua's checks run only for a user that may run TYPE and HGET (redis.acl_check_cmd): a producer
-            // made from an older kmqd's rules is not refused for lacking them. INFO is asked for by no check:
+            // made from an older kmqd's rules is not refused for lacking them. Nor for lacking HSET and ZSCORE,
+            // which only a debounced push runs (push.lua refuses one, naming them, for a user without them). INFO is asked for by no check:
             // without it the policy goes unread, with a warning (`eviction::read`), and a user of rules older than
             // the policy check keeps working.
             // SCAN likewise: without it the daemon cannot look for the keys of levels its config dropped, and
@@ -1568,7 +1571,7 @@ mod tests {
             documented.retain(|name| {
                 !matches!(
                     (role, *name),
-                    (Role::Producer, "eval" | "type" | "hget")
+                    (Role::Producer, "eval" | "type" | "hget" | "hset" | "zscore")
                         | (_, "info")
                         | (Role::Daemon, "scan")
                 )
@@ -1690,7 +1693,9 @@ mod tests {
             let needs = role.needs();
             for script in scripts {
                 for command in script_commands(script) {
-                    if role == Role::Producer && matches!(command.as_str(), "type" | "hget") {
+                    if role == Role::Producer
+                        && matches!(command.as_str(), "type" | "hget" | "hset" | "zscore")
+                    {
                         assert!(
                             script.contains(&format!(
                                 "redis.acl_check_cmd('{}'",

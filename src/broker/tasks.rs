@@ -31,6 +31,9 @@ pub struct PushItem<'a> {
     pub(crate) id: &'a str,
     /// Hold the id while the task is live, refusing other pushes of it.
     pub(crate) unique: bool,
+    /// Replace the delayed task of this id at this level, if one waits (docs/PROTOCOL.md, "Debounce, and unique
+    /// for a time"); the call must delay.
+    pub(crate) debounce: bool,
     pub(crate) envelope: &'a str,
 }
 
@@ -67,7 +70,11 @@ pub fn push(
     for item in items {
         invocation
             .arg(item.id)
-            .arg(if item.unique { "1" } else { "0" })
+            .arg(match (item.unique, item.debounce) {
+                (_, true) => "debounce",
+                (true, false) => "1",
+                (false, false) => "0",
+            })
             .arg(item.envelope);
     }
     let accepted: Vec<i64> = invocation.invoke(conn)?;

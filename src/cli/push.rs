@@ -43,6 +43,11 @@ pub struct PushArgs {
     /// Make the task ready at this time (RFC 3339, e.g. 2026-12-01T08:00:00Z).
     #[arg(long, value_parser = parse_time)]
     pub at: Option<i64>,
+    /// Start the task this long after the push, replacing the task of its --id that still waits for its own
+    /// start (its data and start time): only the last push of a burst less than this apart runs ("5s").
+    #[arg(long, value_parser = humantime::parse_duration, requires = "id",
+          conflicts_with_all = ["unique", "delay", "at"])]
+    pub debounce: Option<Duration>,
     /// Dead-letter the task unrun (reason "expired") when no worker started it within this long of the push, on
     /// Redis's clock ("10m", "1h"); with --stdin, every task of the input.
     #[arg(long, value_parser = humantime::parse_duration, conflicts_with = "expires_at")]
@@ -76,7 +81,7 @@ pub(super) fn run_push(config: &Config, args: PushArgs) -> Result<(), Failure> {
     let client = Client::new(config)?;
     client.check_access(&[&args.queue], Action::Push)?;
     super::check_eviction(&client, super::OnEviction::Refuse)?;
-    let due = match (args.delay, args.at) {
+    let due = match (args.debounce.or(args.delay), args.at) {
         (Some(delay), _) => Due::After(delay),
         (None, Some(at)) => Due::At(at),
         (None, None) => Due::Now,
@@ -102,6 +107,7 @@ pub(super) fn run_push(config: &Config, args: PushArgs) -> Result<(), Failure> {
     let mut task = prepare(data);
     task.id = args.id;
     task.unique = args.unique;
+    task.debounce = args.debounce.is_some();
     match client.push(&args.queue, task)? {
         Pushed::Accepted(id) => {
             println!("{id}");

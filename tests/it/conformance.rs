@@ -236,6 +236,7 @@ fn new_task(kind: &Value, data: &Value, options: &Value) -> kmqd::NewTask {
             "at_ms" => task.at(value.as_i64().unwrap()),
             "expires_at_ms" => task.expires_at(value.as_i64().unwrap()),
             "expires_in_ms" => task.expires_in(Duration::from_millis(value.as_u64().unwrap())),
+            "debounce_ms" => task.debounce(Duration::from_millis(value.as_u64().unwrap())),
             "traceparent" => {
                 let state = options["tracestate"].as_str().map(str::to_string);
                 task.trace(value.as_str().unwrap(), state)

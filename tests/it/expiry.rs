@@ -171,30 +171,10 @@ fn kmqd_push_writes_expires_at_from_a_length_on_redis_clock_or_a_time() {
         &["push", "jobs", "test", "--id", "in", "--expires", "10m"],
     );
     let after = redis_now_ms(&redis);
-    kmqd_ok(
-        &config,
-        &[
-            "push",
-            "jobs",
-            "test",
-            "--id",
-            "ms",
-            "--expires-at",
-            "4102444800000",
-        ],
-    );
-    kmqd_ok(
-        &config,
-        &[
-            "push",
-            "jobs",
-            "test",
-            "--id",
-            "rfc",
-            "--expires-at",
-            "2100-01-01T00:00:00Z",
-        ],
-    );
+    for (id, time) in [("ms", "4102444800000"), ("rfc", "2100-01-01T00:00:00Z")] {
+        let args = ["push", "jobs", "test", "--id", id, "--expires-at", time];
+        kmqd_ok(&config, &args);
+    }
     let expires_at = |id: &str| {
         let task: serde_json::Value = serde_json::from_str(&stored(&redis, id)).unwrap();
         task["expires_at"].as_i64().unwrap()

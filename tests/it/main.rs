@@ -13,6 +13,7 @@ mod connection;
 mod crash;
 mod dashboard;
 mod dead;
+mod debounce;
 mod default_mode;
 mod delayed;
 mod eviction;

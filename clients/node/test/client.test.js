@@ -61,6 +61,8 @@ describe("push", () => {
       [() => client.push("mail", "t", {}, { priority: "urgent" }), kmq.UnknownPriorityError, /no priority "urgent"/],
       [() => client.push("mail", "t", {}, { delay: -1 }), kmq.InvalidArgumentError, /delay/],
       [() => client.push("mail", "t", {}, { expiresIn: 0 }), kmq.InvalidArgumentError, /expiresIn/],
+      [() => client.push("mail", "t", {}, { debounce: 5000 }), kmq.InvalidArgumentError, /debounce: give an id/],
+      [() => client.push("mail", "t", {}, { id: "d", debounce: 5000, delay: 1 }), kmq.InvalidArgumentError, /debounce/],
       [() => client.push("mail", "t", {}, { expiresAt: 1, expiresIn: 5 }), kmq.InvalidArgumentError, /not both/],
       [() => client.pushBatch("mail", [{ type: "t" }, { data: 1 }]), kmq.InvalidArgumentError, /type/],
     ];

@@ -25,6 +25,7 @@ const OPTION_NAMES = {
   tracestate: "tracestate",
   expires_at_ms: "expiresAt",
   expires_in_ms: "expiresIn",
+  debounce_ms: "debounce",
 };
 
 /** Error kinds of the files, as this client's classes. */

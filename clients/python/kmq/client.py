@@ -85,6 +85,10 @@ class Task(NamedTuple):
     #: Dead-lettered unrun (reason "expired") when not started by then: a timezone-aware datetime or seconds since
     #: the epoch, compared with Redis's clock by the daemon (docs/PROTOCOL.md, "Expiry").
     expires_at: Optional[When] = None
+    #: Seconds (or a timedelta): start that long after the push, replacing the task of this id that still waits
+    #: for its own start (its data and start time), so that only the last push of a burst runs; needs an id, not
+    #: with ``unique``, ``delay`` or ``at`` (docs/PROTOCOL.md, "Debounce, and unique for a time").
+    debounce: Optional[Seconds] = None
 
 
 class FlowTask(NamedTuple):
@@ -114,7 +118,8 @@ class _Prepared(NamedTuple):
     after_ms: int
     at_ms: int
     id: str
-    unique: bool
+    #: push.lua's OPTIONS_n: "0", "1" (unique) or "debounce".
+    options: str
     envelope: str
 
 
@@ -293,12 +298,14 @@ class Client:
         traceparent: Optional[str] = None,
         tracestate: Optional[str] = None,
         expires_at: Optional[When] = None,
+        debounce: Optional[Seconds] = None,
     ) -> str:
         """Queues one task; returns its id (``id``, or a new random UUID). ``delay`` (seconds, or a timedelta) is
         counted on Redis's clock; ``at`` is a timezone-aware datetime or seconds since the epoch, and so is
-        ``expires_at`` (a task not started by then is dead-lettered unrun, reason "expired"). Raises
+        ``expires_at`` (a task not started by then is dead-lettered unrun, reason "expired"). ``debounce``
+        (seconds, with ``id``) delays the task and replaces the task of its id that still waits. Raises
         :class:`DuplicateTask` when a unique id is live."""
-        task = Task(type, data, id, priority, delay, at, unique, group, traceparent, tracestate, expires_at)
+        task = Task(type, data, id, priority, delay, at, unique, group, traceparent, tracestate, expires_at, debounce)
         pushed = self.push_batch(queue, [task])[0]
         if not pushed.accepted:
             raise DuplicateTask(queue, pushed.id)
@@ -351,7 +358,15 @@ class Client:
         if task.priority is not None and task.priority not in levels:
             raise UnknownPriority(queue, task.priority, levels)
         after_ms = at_ms = 0
-        if task.at is not None:
+        options = "1" if task.unique else "0"
+        if task.debounce is not None:
+            if task.id is None or task.unique or task.delay is not None or task.at is not None:
+                raise InvalidArgument("debounce: give an id, and neither unique, delay nor at (it is the delay)")
+            after_ms = _ms(task.debounce)
+            if after_ms <= 0:
+                raise InvalidArgument(f"debounce {task.debounce!r}: give a positive time")
+            options = "debounce"
+        elif task.at is not None:
             at_ms = max(_at_ms(task.at), 1)
         elif task.delay is not None:
             after_ms = _ms(task.delay)
@@ -377,7 +392,7 @@ class Client:
             text = _ENCODER.encode(envelope)
         except (TypeError, ValueError) as error:
             raise InvalidArgument(f"data of task {task_id!r} is not JSON: {error}") from None
-        return _Prepared(task.priority or default, after_ms, at_ms, task_id, task.unique, text)
+        return _Prepared(task.priority or default, after_ms, at_ms, task_id, options, text)
 
     def _push_call(self, queue: str, level: str, after_ms: int, at_ms: int, chunk: Sequence[_Prepared]) -> List[int]:
         keys = [
@@ -391,7 +406,7 @@ class Client:
         ]
         args: List[Any] = [after_ms, at_ms, self._key(queue, "delay-wake")]
         for task in chunk:
-            args += [task.id, "1" if task.unique else "0", task.envelope]
+            args += [task.id, task.options, task.envelope]
         return self._script(PUSH_LUA, "_push_sha", keys, args, ids=[task.id for task in chunk])
 
     # Flows (docs/PROTOCOL.md, "Flows").
@@ -454,7 +469,7 @@ class Client:
             if node.deps:
                 waiting.setdefault(node.queue, []).append((node, text, its_up))
             else:
-                leaves.setdefault(node.queue, []).append(_Prepared(node.level, 0, 0, node.id, False, text))
+                leaves.setdefault(node.queue, []).append(_Prepared(node.level, 0, 0, node.id, "0", text))
         for queue in order:
             for start in range(0, len(waiting.get(queue, [])), PUSH_CHUNK):
                 self._flow_push_call(queue, dead_max, keep_ms, waiting[queue][start:start + PUSH_CHUNK])

@@ -89,7 +89,7 @@ module Kmq
   # How long a queue's levels, read from P:{Q}:meta, are trusted before they are read again.
   LEVELS_FOR = 10.0
   TRACEPARENT = /\A[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}\z/.freeze
-  PUSH_OPTIONS = %i[id priority delay at unique group traceparent tracestate expires_at expires_in].freeze
+  PUSH_OPTIONS = %i[id priority delay at unique group traceparent tracestate expires_at expires_in debounce].freeze
 
   # Pushes to the queues of one Redis. Safe to share between threads (calls take turns on one connection).
   class Client
@@ -211,7 +211,7 @@ module Kmq
         envelope["waiters"] = waiters unless waiters.empty?
         payload = JSON.generate(envelope)
         if node[:deps].empty?
-          plan[node[:queue]][:leaves] << { id: node[:id], unique: "0", payload: payload, call: [node[:level], 0, 0] }
+          plan[node[:queue]][:leaves] << { id: node[:id], options: "0", payload: payload, call: [node[:level], 0, 0] }
         else
           plan[node[:queue]][:waiting] << [node, payload, JSON.generate(waiters)]
         end
@@ -454,6 +454,20 @@ module Kmq
       at = options[:at]
       raise InvalidArgument, "at #{at.inspect}: a Time" unless at.nil? || at.is_a?(Time)
 
+      # push.lua's OPTIONS_n (docs/PROTOCOL.md, "Debounce, and unique for a time"): "1" for unique, as older copies
+      # of the script read it, or "debounce", whose delay is the task's.
+      flags = options[:unique] ? "1" : "0"
+      if (debounce = options[:debounce])
+        if id.nil? || options[:unique] || options[:delay] || at
+          raise InvalidArgument, "debounce: give an id, and neither unique, delay nor at (it is the delay)"
+        end
+        raise InvalidArgument, "debounce #{debounce.inspect}: seconds, positive" unless
+          debounce.is_a?(Numeric) && (debounce * 1000).round.positive?
+
+        delay = debounce
+        flags = "debounce"
+      end
+
       traceparent = options[:traceparent]
       if traceparent && !TRACEPARENT.match?(traceparent)
         raise InvalidArgument, "traceparent #{traceparent.inspect} is not a W3C trace context"
@@ -478,7 +492,7 @@ module Kmq
         raise InvalidArgument, "data of task #{type.inspect}: #{e.message}"
       end
       at_ms = at ? [(at.to_r * 1000).floor, 1].max : 0 # push.lua reads 0 as "no due time"
-      { id: id, unique: options[:unique] ? "1" : "0", payload: payload,
+      { id: id, options: flags, payload: payload,
         call: [priority || levels[:fallback], (delay * 1000).round, at_ms] }
     end
 
@@ -510,7 +524,7 @@ module Kmq
       level, delay_ms, at_ms = tasks.first[:call]
       keys = %W[ready:#{level} delayed:#{level} delayed-tasks wake unique stats routes].map { |k| key(queue, k) }
       argv = [delay_ms, at_ms, key(queue, "delay-wake")]
-      tasks.each { |task| argv.push(task[:id], task[:unique], task[:payload]) }
+      tasks.each { |task| argv.push(task[:id], task[:options], task[:payload]) }
       replies = run(PUSH, keys, argv)
       raise Error, "push.lua answered #{replies.inspect} for #{tasks.size} tasks" unless replies.size == tasks.size
 

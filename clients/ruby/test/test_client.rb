@@ -53,7 +53,9 @@ class ClientTest < Minitest::Test
       "unique without id" => { unique: true },
       "bad traceparent" => { traceparent: "nope" },
       "negative delay" => { delay: -1 },
-      "unknown option" => { debounce: 5 },
+      "unknown option" => { unique_for: 5 },
+      "debounce without id" => { debounce: 5 },
+      "debounce and delay" => { id: "d", debounce: 5, delay: 1 },
       "expiry both ways" => { expires_at: Time.now + 60, expires_in: 60 },
       "expiry not positive" => { expires_in: 0 },
     }.each do |what, options|

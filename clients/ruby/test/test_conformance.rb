@@ -89,6 +89,7 @@ class ConformanceTest < Minitest::Test
       when "at_ms" then [:at, Time.at(Rational(value, 1000))]
       when "expires_in_ms" then [:expires_in, value / 1000.0]
       when "expires_at_ms" then [:expires_at, value]
+      when "debounce_ms" then [:debounce, value / 1000.0]
       else [name.to_sym, value]
       end
     end

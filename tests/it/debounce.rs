@@ -1,0 +1,158 @@
+//! Debounce (docs/PROTOCOL.md, "Debounce, and unique for a time"): a debounced push replaces the delayed task of
+//! its id and moves its due time, so only the last push of a burst runs, with the last data; racing the promotion
+//! and the claims, a task never runs twice and the last data is never lost. In both modes.
+
+use std::time::Duration;
+
+use kmqd::NewTask;
+
+use crate::support::*;
+
+fn queue(mode: &str) -> String {
+    format!("[[queues]]\nname = \"jobs\"\nmode = \"{mode}\"\nworkers = 2\n")
+}
+
+/// The testkit's data: `fail`, the handler fails the task (it is dead-lettered, with its data, at once).
+fn data(n: usize, fail: bool) -> String {
+    let outcome = if fail { "fail" } else { "done" };
+    format!(r#"{{"n":{n},"outcome":"{outcome}"}}"#)
+}
+
+/// Ten debounced pushes of one id, each well within the delay of the one before: one task waits, with the last
+/// data (the first nine would fail), and runs once.
+fn a_burst_of_debounced_pushes_runs_once_with_the_last_data(mode: &str) {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &queue(mode));
+    let daemon = TestDaemon::start(&config);
+    let client = client(&config);
+    for n in 0..10 {
+        let task = NewTask::new("test", &data(n, n < 9))
+            .unwrap()
+            .id("burst")
+            .debounce(Duration::from_secs(2));
+        assert!(client.push("jobs", task).unwrap().is_accepted(), "{mode}");
+    }
+    let waiting: String = redis.cmd(&["HGET", "kmq:{jobs}:delayed-tasks", "burst"]);
+    assert!(waiting.contains(r#""n":9"#), "{mode}: {waiting}");
+    let s = eventually(Duration::from_secs(20), "the burst's task to run", || {
+        let s = stats(&config, "jobs");
+        (s.done == 1, s)
+    });
+    assert_eq!(
+        (s.pushed, s.dead_lettered, s.failed),
+        (1, 0, 0),
+        "{mode}: {s:?}"
+    );
+    assert_eq!(dir.records().runs_of("burst"), 1, "{mode}");
+    daemon.stop();
+}
+
+#[test]
+fn a_burst_of_debounced_pushes_runs_once_with_the_last_data_in_safe_mode() {
+    a_burst_of_debounced_pushes_runs_once_with_the_last_data("safe");
+}
+
+#[test]
+fn a_burst_of_debounced_pushes_runs_once_with_the_last_data_in_default_mode() {
+    a_burst_of_debounced_pushes_runs_once_with_the_last_data("default");
+}
+
+/// Debounced pushes of one id with a delay of a few ms, while a daemon promotes and runs them: some replace the
+/// waiting task, some find it promoted (or running) and queue a new one. Every task queued runs exactly once
+/// (runs = done + dead = `pushed`), and the last push's data runs (it fails, so its record is its data).
+fn debounced_pushes_racing_the_claims_run_each_task_once_and_lose_no_last_data(mode: &str) {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &queue(mode));
+    let daemon = TestDaemon::start(&config);
+    let client = client(&config);
+    let last = 299;
+    for n in 0..=last {
+        let task = NewTask::new("test", &data(n, n == last))
+            .unwrap()
+            .id("race")
+            .debounce(Duration::from_millis(3));
+        assert!(client.push("jobs", task).unwrap().is_accepted(), "{mode}");
+    }
+    let s = eventually(Duration::from_secs(30), "every queued task to end", || {
+        let s = stats(&config, "jobs");
+        (
+            s.pushed > 0 && s.done + s.dead_lettered == s.pushed && s.delayed == 0,
+            s,
+        )
+    });
+    assert_eq!(
+        s.dead_lettered, 1,
+        "{mode}: only the last push fails: {s:?}"
+    );
+    let dead = dead_records(&redis, "jobs");
+    assert!(
+        dead[0]["task"]
+            .as_str()
+            .unwrap()
+            .contains(&format!(r#""n":{last}"#)),
+        "{mode}: the last data ran: {dead:?}"
+    );
+    assert_eq!(
+        dir.records().runs_of("race") as u64,
+        s.pushed,
+        "{mode}: every task queued ran once: {s:?}"
+    );
+    daemon.stop();
+}
+
+#[test]
+fn debounced_pushes_racing_the_claims_run_each_task_once_and_lose_no_last_data_in_safe_mode() {
+    debounced_pushes_racing_the_claims_run_each_task_once_and_lose_no_last_data("safe");
+}
+
+#[test]
+fn debounced_pushes_racing_the_claims_run_each_task_once_and_lose_no_last_data_in_default_mode() {
+    debounced_pushes_racing_the_claims_run_each_task_once_and_lose_no_last_data("default");
+}
+
+/// A debounced push that cannot be (no delay, combined with unique, an unknown option) is refused whole, writing
+/// nothing.
+#[test]
+fn push_lua_refuses_an_unknown_option_and_a_debounce_without_a_delay_writing_nothing() {
+    let redis = RedisServer::start();
+    let script = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/src/broker/scripts/push.lua"
+    ))
+    .unwrap();
+    let keys = [
+        "kmq:{jobs}:ready:normal",
+        "kmq:{jobs}:delayed:normal",
+        "kmq:{jobs}:delayed-tasks",
+        "kmq:{jobs}:wake",
+        "kmq:{jobs}:unique",
+        "kmq:{jobs}:stats",
+    ];
+    let envelope = r#"{"id":"x","type":"test"}"#;
+    for (delay, options, refusal) in [
+        ("0", "debounce", "a debounced task needs a delay"),
+        (
+            "100",
+            "unique,debounce",
+            "debounce does not combine with unique",
+        ),
+        (
+            "100",
+            "debounce,unique_for=1000",
+            "unknown option unique_for=1000",
+        ),
+    ] {
+        let mut command = redis::cmd("EVAL");
+        command.arg(&script).arg(keys.len()).arg(&keys[..]);
+        command.arg(delay).arg(0).arg("kmq:{jobs}:delay-wake");
+        command.arg("x").arg(options).arg(envelope);
+        let error = command
+            .query::<Vec<i64>>(&mut redis.connection())
+            .expect_err(&format!("{options} refused"));
+        assert!(error.to_string().contains(refusal), "{options}: {error}");
+        let keys: Vec<String> = redis.cmd(&["KEYS", "*"]);
+        assert!(keys.is_empty(), "{options}: nothing written: {keys:?}");
+    }
+}
