@@ -117,6 +117,14 @@ func runCase(t *testing.T, file string, server *redisServer, conn redis.Conn) {
 				list[i] = id
 			}
 			got = map[string]interface{}{"ids": list}
+		case "push_flow":
+			var tasks []FlowTask
+			tasks, callErr = client.PushFlow(ctx, rawData(call["flow"]))
+			list := make([]interface{}, len(tasks))
+			for i, task := range tasks {
+				list[i] = map[string]interface{}{"queue": task.Queue, "id": task.ID}
+			}
+			got = map[string]interface{}{"tasks": list}
 		case "cancel":
 			var removed int
 			removed, callErr = client.Cancel(ctx, queue, str(call["id"]))
@@ -153,6 +161,10 @@ func runCase(t *testing.T, file string, server *redisServer, conn redis.Conn) {
 			if want := errorKinds[str(kind)]; want == nil || !errors.Is(callErr, want) {
 				t.Fatalf("%s: got %v, want the error %v", where, callErr, kind)
 			}
+			var flowErr *FlowError
+			if at, ok := expect["at"]; ok && (!errors.As(callErr, &flowErr) || flowErr.Path != str(at)) {
+				t.Fatalf("%s: got %v, want the node %v", where, callErr, at)
+			}
 			continue
 		}
 		if callErr != nil {
@@ -171,7 +183,8 @@ func runCase(t *testing.T, file string, server *redisServer, conn redis.Conn) {
 
 var errorKinds = map[string]error{
 	"duplicate": ErrDuplicate, "invalid_argument": ErrInvalidArgument, "unknown_priority": ErrUnknownPriority,
-	"unreachable": ErrUnreachable, "reply_lost": ErrReplyLost, "pending": ErrPending, "no_result": ErrNoResult,
+	"invalid_flow": ErrInvalidFlow,
+	"unreachable":  ErrUnreachable, "reply_lost": ErrReplyLost, "pending": ErrPending, "no_result": ErrNoResult,
 }
 
 func plain(values []interface{}) []interface{} {
@@ -215,6 +228,15 @@ func pushOptions(t *testing.T, value interface{}) []PushOption {
 			}
 		case "group":
 			out = append(out, WithGroup(str(option)))
+		case "expires_at_ms":
+			n, _ := option.(json.Number).Int64()
+			out = append(out, ExpiresAt(time.UnixMilli(n)))
+		case "debounce_ms":
+			n, _ := option.(json.Number).Int64()
+			out = append(out, Debounce(time.Duration(n)*time.Millisecond))
+		case "expires_in_ms":
+			n, _ := option.(json.Number).Int64()
+			out = append(out, ExpiresIn(time.Duration(n)*time.Millisecond))
 		case "traceparent":
 			traceparent = str(option)
 		case "tracestate":

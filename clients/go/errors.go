@@ -30,10 +30,11 @@ var (
 	// ErrRefused: Redis answered with an error (a key of the wrong type, OOM, a missing ACL rule); push.lua
 	// and remove.lua write nothing when they refuse. The error unwraps to redigo's redis.Error too.
 	ErrRefused = errors.New("kmq: refused by redis")
-	// ErrPending: Result's wait ended while the task was still waiting to run (delayed, retrying or ready).
+	// ErrPending: Result's wait ended while the task was still waiting to run (delayed, retrying or ready) or
+	// running (in a daemon's claim list, safe mode).
 	ErrPending = errors.New("kmq: task still waiting")
-	// ErrNoResult: Result found neither a result nor the task: not ended yet (running), never pushed, done on a
-	// queue without keep_results, or its result expired.
+	// ErrNoResult: Result found neither a result nor the task: running in default mode (out of Redis), never
+	// pushed, done on a queue without keep_results, or its result expired.
 	ErrNoResult = errors.New("kmq: no result")
 )
 

@@ -40,9 +40,18 @@ var checksLua string
 //go:embed remove.lua
 var removeLuaOwn string
 
+// depsLua and flowPushLua go after checks.lua, as the broker runs flow_push.lua (src/broker/mod.rs, FLOW_PUSH).
+//
+//go:embed deps.lua
+var depsLua string
+
+//go:embed flow_push.lua
+var flowPushLuaOwn string
+
 var (
-	pushScript   = newScript(pushLua)
-	removeScript = newScript(checksLua + removeLuaOwn)
+	pushScript     = newScript(pushLua)
+	removeScript   = newScript(checksLua + removeLuaOwn)
+	flowPushScript = newScript("#!lua\n" + checksLua + depsLua + flowPushLuaOwn)
 )
 
 // BatchSize is how many tasks one push.lua call carries: push.lua advises keeping a call under ~1,000 tasks, as
@@ -152,6 +161,9 @@ type pushSettings struct {
 	group       *string
 	traceparent string
 	tracestate  string
+	expiresAt   time.Time
+	expiresIn   time.Duration
+	debounce    time.Duration
 }
 
 // WithID sets the task's id (otherwise a random UUID).
@@ -180,6 +192,18 @@ func WithTraceparent(traceparent, tracestate string) PushOption {
 	return func(p *pushSettings) { p.traceparent, p.tracestate = traceparent, tracestate }
 }
 
+// ExpiresAt makes the task not start at or after t (ms precision, on Redis's clock): a daemon that takes it later
+// dead-letters it unrun with the reason "expired" (docs/PROTOCOL.md, "Expiry").
+func ExpiresAt(t time.Time) PushOption { return func(p *pushSettings) { p.expiresAt = t } }
+
+// ExpiresIn is ExpiresAt of Redis's clock now plus d: the push reads Redis's TIME first (once a batch).
+func ExpiresIn(d time.Duration) PushOption { return func(p *pushSettings) { p.expiresIn = d } }
+
+// Debounce starts the task d after the push and replaces the task of its id that still waits for its start (its
+// data and start time), so that only the last push of a burst runs (docs/PROTOCOL.md, "Debounce, and unique for a
+// time"). It needs WithID, and does not combine with Unique, WithDelay or At (d is the delay).
+func Debounce(d time.Duration) PushOption { return func(p *pushSettings) { p.debounce = d } }
+
 // Task is one task of PushBatch.
 type Task struct {
 	Type    string
@@ -198,6 +222,7 @@ type envelope struct {
 	Group       *string         `json:"group,omitempty"`
 	Traceparent string          `json:"traceparent,omitempty"`
 	Tracestate  string          `json:"tracestate,omitempty"`
+	ExpiresAt   int64           `json:"expires_at,omitempty"`
 }
 
 // prepared is one validated task: the call it joins (level, delay) and its push.lua triple.
@@ -206,7 +231,7 @@ type prepared struct {
 	delayMs int64
 	atMs    int64
 	id      string
-	unique  bool
+	options string // push.lua's OPTIONS_n: "0", "1" (unique) or "debounce"
 	payload []byte
 }
 
@@ -241,10 +266,21 @@ func (c *Client) PushBatch(ctx context.Context, queue string, tasks []Task) ([]s
 	if err != nil {
 		return nil, err
 	}
+	// An expiry given as a length is a time on Redis's clock (docs/PROTOCOL.md, "Expiry"): TIME on the queue's
+	// node, once a batch and only when a task of it needs it.
+	var now int64
+	for _, task := range tasks {
+		if settingsOf(task).expiresIn != 0 {
+			if now, err = redisNow(ctx, conn); err != nil {
+				return nil, err
+			}
+			break
+		}
+	}
 	all := make([]prepared, 0, len(tasks))
 	ids := make([]string, 0, len(tasks))
 	for n, task := range tasks {
-		p, err := prepare(task, levels)
+		p, err := prepare(task, levels, now)
 		if err != nil {
 			if len(tasks) > 1 {
 				return nil, fmt.Errorf("task %d of the batch: %w", n, err)
@@ -254,6 +290,19 @@ func (c *Client) PushBatch(ctx context.Context, queue string, tasks []Task) ([]s
 		all = append(all, p)
 		ids = append(ids, p.id)
 	}
+	refused, err := c.pushPrepared(ctx, conn, queue, all)
+	if err != nil {
+		return nil, err
+	}
+	if len(refused) > 0 {
+		return ids, &DuplicateError{IDs: refused}
+	}
+	return ids, nil
+}
+
+// pushPrepared sends checked tasks, one push.lua call per 1,000 in a row of the same level and due time, and
+// returns the ids push.lua refused.
+func (c *Client) pushPrepared(ctx context.Context, conn redis.Conn, queue string, all []prepared) ([]string, error) {
 	var refused []string
 	for start := 0; start < len(all); {
 		end := start + 1
@@ -274,10 +323,7 @@ func (c *Client) PushBatch(ctx context.Context, queue string, tasks []Task) ([]s
 		}
 		start = end
 	}
-	if len(refused) > 0 {
-		return ids, &DuplicateError{IDs: refused}
-	}
-	return ids, nil
+	return refused, nil
 }
 
 func sameCall(a, b prepared) bool {
@@ -291,11 +337,17 @@ func checkQueue(queue string) error {
 	return nil
 }
 
-func prepare(task Task, levels queueLevels) (prepared, error) {
+func settingsOf(task Task) pushSettings {
 	var s pushSettings
 	for _, option := range task.Options {
 		option(&s)
 	}
+	return s
+}
+
+// prepare checks a task and makes its envelope; now is Redis's clock (ms), read when a task expires in a length.
+func prepare(task Task, levels queueLevels, now int64) (prepared, error) {
+	s := settingsOf(task)
 	if task.Type == "" {
 		return prepared{}, invalid("a task needs a type")
 	}
@@ -327,12 +379,37 @@ func prepare(task Task, levels queueLevels) (prepared, error) {
 	if id == "" {
 		id = newUUID()
 	}
+	var expiresAt int64
+	switch {
+	case !s.expiresAt.IsZero() && s.expiresIn != 0:
+		return prepared{}, invalid("give ExpiresAt or ExpiresIn, not both")
+	case !s.expiresAt.IsZero():
+		if expiresAt = s.expiresAt.UnixMilli(); expiresAt <= 0 {
+			return prepared{}, invalid("ExpiresAt %v is before 1970", s.expiresAt)
+		}
+	case s.expiresIn < 0:
+		return prepared{}, invalid("ExpiresIn %v is negative", s.expiresIn)
+	case s.expiresIn > 0:
+		expiresAt = now + s.expiresIn.Milliseconds()
+	}
 	payload, err := encodeJSON(envelope{ID: id, Type: task.Type, Data: data, Priority: s.priority, Unique: s.unique,
-		Group: s.group, Traceparent: s.traceparent, Tracestate: s.tracestate})
+		Group: s.group, Traceparent: s.traceparent, Tracestate: s.tracestate, ExpiresAt: expiresAt})
 	if err != nil {
 		return prepared{}, invalid("task %q: %v", task.Type, err)
 	}
-	p := prepared{level: level, id: id, unique: s.unique, payload: payload, delayMs: s.delay.Milliseconds()}
+	p := prepared{level: level, id: id, options: "0", payload: payload, delayMs: s.delay.Milliseconds()}
+	if s.unique {
+		p.options = "1" // as older copies of push.lua read it
+	}
+	if s.debounce != 0 {
+		if s.id == "" || s.unique || s.delay != 0 || !s.at.IsZero() {
+			return prepared{}, invalid("Debounce: give WithID, and neither Unique, WithDelay nor At (it is the delay)")
+		}
+		if s.debounce < time.Millisecond {
+			return prepared{}, invalid("Debounce %v: give a positive time of 1 ms or more", s.debounce)
+		}
+		p.options, p.delayMs = "debounce", s.debounce.Milliseconds()
+	}
 	if !s.at.IsZero() {
 		p.atMs = s.at.UnixMilli()
 		if p.atMs <= 0 {
@@ -386,11 +463,7 @@ func (c *Client) pushCall(ctx context.Context, conn redis.Conn, queue string, ta
 	args := make([]interface{}, 0, 3+3*len(tasks))
 	args = append(args, first.delayMs, first.atMs, c.key(queue, "delay-wake"))
 	for _, task := range tasks {
-		unique := "0"
-		if task.unique {
-			unique = "1"
-		}
-		args = append(args, task.id, unique, task.payload)
+		args = append(args, task.id, task.options, task.payload)
 	}
 	replies, err := redis.Int64s(pushScript.run(ctx, conn, keys, args))
 	if err != nil {
@@ -411,11 +484,7 @@ func (c *Client) queueLevels(ctx context.Context, conn redis.Conn, queue string,
 	if ok && time.Since(cached.read) < levelsFor {
 		fresh := true
 		for _, task := range tasks {
-			var s pushSettings
-			for _, option := range task.Options {
-				option(&s)
-			}
-			if s.priority != "" && !contains(cached.levels, s.priority) {
+			if s := settingsOf(task); s.priority != "" && !contains(cached.levels, s.priority) {
 				fresh = false
 				break
 			}

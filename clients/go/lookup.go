@@ -14,7 +14,7 @@ import (
 
 // Found is one place a task is in (a non-unique id may be in several).
 type Found struct {
-	// State is "delayed", "retrying", "ready" or "dead".
+	// State is "delayed", "retrying", "ready", "processing" or "dead".
 	State string `json:"state"`
 	// Level is the priority level it waits at (not set for "dead").
 	Level string `json:"level,omitempty"`
@@ -24,6 +24,11 @@ type Found struct {
 	Group *string `json:"group,omitempty"`
 	// DueInMs is how long until it is due, on Redis's clock ("delayed", "retrying").
 	DueInMs *int64 `json:"due_in_ms,omitempty"`
+	// Owner is the daemon that claimed it, Token its token (claim.position), LeaseLeftMs how long until a monitor
+	// takes it back if the owner stops renewing its lease ("processing").
+	Owner       string `json:"owner,omitempty"`
+	Token       string `json:"token,omitempty"`
+	LeaseLeftMs *int64 `json:"lease_left_ms,omitempty"`
 	// Envelope is the task as stored; Record the dead-letter record ("dead").
 	Envelope string `json:"envelope,omitempty"`
 	Record   string `json:"record,omitempty"`
@@ -32,8 +37,8 @@ type Found struct {
 }
 
 // Show finds every place the task id is in: delayed (by its index, O(log n)), retrying, ready (its ready list
-// or, on a grouped queue, its group's flow) and dead, as `kmqd task show` does; the lists are scanned. A task a
-// daemon is running is not looked for (its claim lists are the daemon's: `kmqd task show` reads them).
+// or, on a grouped queue, its group's flow), processing (a daemon's claim lists, safe mode) and dead, as `kmqd
+// task show` does; the lists are scanned.
 func (c *Client) Show(ctx context.Context, queue, id string) ([]Found, error) {
 	conn, err := c.session(ctx, queue)
 	if err != nil {
@@ -126,6 +131,9 @@ func (c *Client) locate(ctx context.Context, conn redis.Conn, queue, id string, 
 		}
 	}
 	if dead {
+		if err := c.locateProcessing(ctx, conn, queue, id, levels.levels, now, &found); err != nil {
+			return nil, err
+		}
 		err := scanList(ctx, conn, c.key(queue, "dead"), func(_ int64, record string) {
 			if envelopeID(record) == id {
 				found = append(found, Found{State: "dead", Record: record})
@@ -139,6 +147,72 @@ func (c *Client) locate(ctx context.Context, conn redis.Conn, queue, id string, 
 		found = []Found{}
 	}
 	return found, nil
+}
+
+// locateProcessing finds the task in the daemons' claim lists (safe mode; docs/PROTOCOL.md, "Key layout",
+// `processing:OWNER:L:C`), as `kmqd task show` does: for each owner of the owners set and each level, each claim's
+// list, leaving out the positions its settled bitmap marks (a hash token -> envelope for an owner of kmqd 0.1).
+func (c *Client) locateProcessing(ctx context.Context, conn redis.Conn, queue, id string, levels []string, now int64,
+	found *[]Found) error {
+	owners, err := redis.Strings(do(ctx, conn, "ZRANGE", c.key(queue, "owners"), 0, -1, "WITHSCORES"))
+	if err != nil {
+		return err
+	}
+	needle := jsonEscaped(id)
+	for i := 0; i+1 < len(owners); i += 2 {
+		owner := owners[i]
+		deadline, _ := strconv.ParseFloat(owners[i+1], 64)
+		left := int64(deadline) - now
+		add := func(level, token, envelope string) {
+			*found = append(*found, Found{State: "processing", Level: level, Owner: owner, Token: token,
+				LeaseLeftMs: &left, Envelope: envelope})
+		}
+		for _, level := range levels {
+			claims := c.key(queue, "processing:"+owner+":"+level)
+			kind, err := redis.String(do(ctx, conn, "TYPE", claims))
+			if err != nil {
+				return err
+			}
+			if kind == "hash" {
+				fields, err := redis.StringMap(do(ctx, conn, "HGETALL", claims))
+				if err != nil {
+					return err
+				}
+				for token, envelope := range fields {
+					if envelopeID(envelope) == id {
+						add(level, token, envelope)
+					}
+				}
+				continue
+			}
+			if kind != "zset" {
+				continue
+			}
+			numbers, err := redis.Strings(do(ctx, conn, "ZRANGE", claims, 0, -1))
+			if err != nil {
+				return err
+			}
+			for _, claim := range numbers {
+				list := claims + ":" + claim
+				settled, err := redis.Bytes(do(ctx, conn, "GET", list+":settled"))
+				if err != nil && err != redis.ErrNil {
+					return err
+				}
+				err = scanList(ctx, conn, list, func(position int64, item string) {
+					if position>>3 < int64(len(settled)) && settled[position>>3]>>(7-uint(position&7))&1 == 1 {
+						return
+					}
+					if strings.Contains(item, needle) && envelopeID(item) == id {
+						add(level, claim+"."+strconv.FormatInt(position, 10), item)
+					}
+				})
+				if err != nil {
+					return err
+				}
+			}
+		}
+	}
+	return nil
 }
 
 // Cancel removes every waiting copy (delayed, retrying, ready) of the task id, releasing its unique id, with
@@ -198,8 +272,9 @@ type Result struct {
 
 // Result reads task id's result, polling up to wait for it (from 10 ms doubling to 500 ms; there is no notice
 // to miss). When the wait ends without one it looks the task up: dead-lettered (a queue without keep_results)
-// returns a Result of state "dead" with the record's reason; still waiting returns ErrPending; found nowhere
-// returns ErrNoResult (running, never pushed, or its result was never kept or expired).
+// returns a Result of state "dead" with the record's reason; still waiting or running (found in a claim list, as
+// kmqd::Client's result finds it) returns ErrPending; found nowhere returns ErrNoResult (never pushed, running in
+// default mode, or its result was never kept or expired).
 func (c *Client) Result(ctx context.Context, queue, id string, wait time.Duration) (*Result, error) {
 	conn, err := c.session(ctx, queue)
 	if err != nil {

@@ -18,6 +18,15 @@ export interface PushOptions {
   /** A W3C trace context; when absent, the current OpenTelemetry span's (if @opentelemetry/api is installed). */
   traceparent?: string;
   tracestate?: string;
+  /** Not started at or after this time (a Date, or ms since the epoch, on Redis's clock): dead-lettered "expired". */
+  expiresAt?: Date | number;
+  /** As `expiresAt`, this many ms after now on Redis's clock (one TIME a batch). */
+  expiresIn?: number;
+  /**
+   * Start this many ms after the push, replacing the task of this id that still waits for its start (its data and
+   * start time): only the last push of a burst runs. Needs `id`; not with `unique`, `delay` or `at`.
+   */
+  debounce?: number;
 }
 
 /** One task of a batch. */
@@ -63,6 +72,24 @@ export type Result =
   | { state: "pending" }
   | { state: "unknown" };
 
+/** A node of a flow: a task (queue and type) and what it waits for, or a reference (queue and id alone). */
+export interface FlowNode {
+  queue: string;
+  type?: string;
+  id?: string;
+  data?: unknown;
+  priority?: string;
+  if_failed?: "fail" | "continue";
+  after?: FlowNode[];
+}
+
+/** A task of a pushed flow; `generatedAt`: its path in the flow when its id was generated. */
+export interface FlowTask {
+  queue: string;
+  id: string;
+  generatedAt: string | null;
+}
+
 export class Client {
   /** `url`: `redis://[user:password@]host:port/db`, `rediss://...`, or ioredis options (`path`, `sentinels`...). */
   constructor(url?: string | RedisOptions | ClusterNode[], options?: ClientOptions);
@@ -70,6 +97,11 @@ export class Client {
   push(queue: string, type: string, data?: unknown, options?: PushOptions): Promise<string>;
   /** One push.lua call per 1,000 tasks; one result per task, in order. */
   pushBatch(queue: string, tasks: NewTask[]): Promise<Pushed[]>;
+  /**
+   * Pushes a flow (docs/PROTOCOL.md, "Flows"), checked whole first (InvalidFlowError names the node); every task,
+   * root first. `deadMax`, `keepMs`: the waiting tasks' queue's `dead_max` and `keep_results` (10000, 600000).
+   */
+  pushFlow(flow: FlowNode | string, options?: { deadMax?: number; keepMs?: number }): Promise<FlowTask[]>;
   /** Every place the task is in (none: not in Redis). */
   show(queue: string, id: string): Promise<Place[]>;
   /** Removes every waiting copy; resolves to how many. */
@@ -89,6 +121,11 @@ export class UnknownPriorityError extends InvalidArgumentError {
   queue: string;
   priority: string;
   levels: string[];
+}
+export class InvalidFlowError extends InvalidArgumentError {
+  /** The node: "the root", "after[1].after[0]". */
+  path: string;
+  reason: string;
 }
 export class RedisUnreachableError extends KmqError {}
 export class ReplyLostError extends KmqError {}

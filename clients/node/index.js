@@ -14,10 +14,24 @@ const REMOVE_SOURCE =
   fs.readFileSync(path.join(__dirname, "checks.lua"), "utf8") +
   fs.readFileSync(path.join(__dirname, "remove.lua"), "utf8");
 
+// flow_push.lua runs with checks.lua and deps.lua before it, as the broker sends it (src/broker/mod.rs, FLOW_PUSH).
+const FLOW_PUSH_SOURCE =
+  "#!lua\n" +
+  ["checks.lua", "deps.lua", "flow_push.lua"]
+    .map((name) => fs.readFileSync(path.join(__dirname, name), "utf8"))
+    .join("");
+/** The fields a flow's node may have (docs/PROTOCOL.md, "Flows"); any other is refused, as `kmqd flow push` does. */
+const FLOW_FIELDS = ["queue", "type", "id", "data", "priority", "if_failed", "after"];
+
 /** The most tasks sent in one push.lua call, as kmqd's own client sends: one call never holds Redis for long. */
 const PUSH_CHUNK = 1000;
 /** Group names are 1 to 64 bytes of UTF-8 (docs/PROTOCOL.md, "The envelope"). */
 const MAX_GROUP_BYTES = 64;
+/**
+ * How long a queue's shape read from its meta hash is trusted (docs/PROTOCOL.md, "The queue's shape"): a push that
+ * names a level the kept shape lacks reads it again at once, before refusing it; so does any push after this long.
+ */
+const SHAPE_FOR_MS = 10_000;
 /** Elements read per command while looking a task up, so that no one command stalls Redis. */
 const SCAN_CHUNK = 1000;
 
@@ -56,6 +70,18 @@ class UnknownPriorityError extends InvalidArgumentError {
     this.queue = queue;
     this.priority = priority;
     this.levels = levels;
+  }
+}
+
+/**
+ * pushFlow refused the flow before anything was written: `path` names the node ("the root", "after[1].after[0]"),
+ * `reason` what is wrong with it (a cycle, an id defined twice, a reference to no task of the flow, ...).
+ */
+class InvalidFlowError extends InvalidArgumentError {
+  constructor(path, reason) {
+    super(`${path}: ${reason}`);
+    this.path = path;
+    this.reason = reason;
   }
 }
 
@@ -164,6 +190,7 @@ class Client {
     });
     this.pushSha = sha1(PUSH_SOURCE);
     this.removeSha = sha1(REMOVE_SOURCE);
+    this.flowPushSha = sha1(FLOW_PUSH_SOURCE);
   }
 
   /** Closes the connection (waits for replies to what was sent). */
@@ -267,17 +294,23 @@ class Client {
 
   /**
    * The queue's levels (highest first) and default level: from the `queues` option when given, else from the
-   * queue's meta hash (`levels`, `default_priority`: docs/PROTOCOL.md, "The queue's shape"), read once per queue
-   * and kept for the client's life, else the one level `normal`.
+   * queue's meta hash (`levels`, `default_priority`: docs/PROTOCOL.md, "The queue's shape"), kept for
+   * SHAPE_FOR_MS and read again at once when `wanted` names a level it lacks, else the one level `normal`.
    */
-  async shape(queue) {
+  async shape(queue, wanted = []) {
     const given = this.queues[queue];
     if (given) {
       const levels = given.levels ?? ["normal"];
       return { levels, defaultPriority: given.defaultPriority ?? levels[Math.floor((levels.length - 1) / 2)] };
     }
     const cached = this.shapes.get(queue);
-    if (cached) return cached;
+    if (
+      cached &&
+      performance.now() - cached.read < SHAPE_FOR_MS &&
+      wanted.every((level) => cached.levels.includes(level))
+    ) {
+      return cached;
+    }
     const keys = new QueueKeys(this.keyPrefix, queue);
     // Two HGETs in one round trip: HGET is in the producers' ACL rules (docs/OPERATIONS.md), HMGET is not.
     let levelsField = null;
@@ -295,14 +328,18 @@ class Client {
     const levels = levelsField ? levelsField.split(",").filter((level) => level !== "") : ["normal"];
     // The daemons' own default when none is written: the middle level, the first of two (docs/CONFIG.md).
     const fallback = levels[Math.floor((levels.length - 1) / 2)];
-    const shape = { levels, defaultPriority: levels.includes(defaultField) ? defaultField : fallback };
+    const shape = {
+      levels,
+      defaultPriority: levels.includes(defaultField) ? defaultField : fallback,
+      read: performance.now(),
+    };
     this.shapes.set(queue, shape);
     return shape;
   }
 
   /** The envelope's text, its id, level and due time, or InvalidArgumentError before anything is sent. */
-  prepare(queue, shape, task) {
-    const { type, data, id, priority, unique, group, delay, at } = task;
+  prepare(queue, shape, task, redisNowMs = null) {
+    const { type, data, id, priority, unique, group, delay, at, expiresAt, expiresIn, debounce } = task;
     if (typeof type !== "string" || type === "") {
       throw new InvalidArgumentError("a task needs a type: a non-empty string");
     }
@@ -325,7 +362,21 @@ class Client {
       if (!shape.levels.includes(priority)) throw new UnknownPriorityError(queue, priority, shape.levels);
       level = priority;
     }
-    const delayMs = delay === undefined || delay === null ? 0 : delay;
+    let delayMs = delay === undefined || delay === null ? 0 : delay;
+    // push.lua's OPTIONS_n (docs/PROTOCOL.md, "Debounce, and unique for a time"): "1" for unique, as older copies of
+    // the script read it, or "debounce", whose delay is the task's.
+    let options = unique ? "1" : "0";
+    if (debounce !== undefined && debounce !== null) {
+      const given = (value) => value !== undefined && value !== null;
+      if (!given(id) || unique || given(delay) || given(at)) {
+        throw new InvalidArgumentError("debounce: give an id, and neither unique, delay nor at (it is the delay)");
+      }
+      if (!Number.isInteger(debounce) || debounce <= 0) {
+        throw new InvalidArgumentError(`debounce is a positive whole number of ms (not ${debounce})`);
+      }
+      delayMs = debounce;
+      options = "debounce";
+    }
     if (!Number.isInteger(delayMs) || delayMs < 0) {
       throw new InvalidArgumentError(`delay is a whole number of ms, 0 or more (not ${delay})`);
     }
@@ -342,6 +393,8 @@ class Client {
     if (priority !== undefined && priority !== null) envelope.priority = priority;
     if (unique) envelope.unique = true;
     if (group !== undefined && group !== null) envelope.group = group;
+    const expires = expiry(expiresAt, expiresIn, redisNowMs);
+    if (expires !== null) envelope.expires_at = expires;
     const trace =
       task.traceparent !== undefined && task.traceparent !== null
         ? { traceparent: task.traceparent, tracestate: task.tracestate }
@@ -356,7 +409,7 @@ class Client {
     } catch (error) {
       throw new InvalidArgumentError(`the task's data is not JSON: ${error.message}`, { cause: error });
     }
-    return { id: taskId, unique: !!unique, level, delayMs, atMs, text };
+    return { id: taskId, options, level, delayMs, atMs, text };
   }
 
   /**
@@ -379,11 +432,24 @@ class Client {
     if (typeof queue !== "string" || queue === "") throw new InvalidArgumentError("a queue name is a non-empty string");
     if (!Array.isArray(tasks)) throw new InvalidArgumentError("pushBatch takes an array of tasks");
     if (tasks.length === 0) return [];
-    const shape = await this.shape(queue);
+    const wanted = tasks.map((task) => task && task.priority).filter((priority) => typeof priority === "string");
+    const shape = await this.shape(queue, wanted);
+    // An expiry given as a length is a time on Redis's clock (docs/PROTOCOL.md, "Expiry"): TIME on the queue's
+    // node, once a batch and only when a task of it needs it.
+    let redisNowMs = null;
+    if (tasks.some((task) => task && task.expiresIn !== undefined && task.expiresIn !== null)) {
+      const [seconds, micros] = await this.call("TIME");
+      redisNowMs = Number(seconds) * 1000 + Math.floor(Number(micros) / 1000);
+    }
     const prepared = tasks.map((task) => {
       if (task === null || typeof task !== "object") throw new InvalidArgumentError("a task is an object {type, data, ...}");
-      return this.prepare(queue, shape, task);
+      return this.prepare(queue, shape, task, redisNowMs);
     });
+    return this.pushPrepared(queue, prepared);
+  }
+
+  /** push.lua calls for checked tasks: one per 1,000 tasks of the same level and due time in a row. */
+  async pushPrepared(queue, prepared) {
     const keys = new QueueKeys(this.keyPrefix, queue);
     const results = [];
     let start = 0;
@@ -410,12 +476,196 @@ class Client {
         keys.key("routes"),
       ];
       const args = [String(first.delayMs), String(first.atMs), keys.key("delay-wake")];
-      for (const task of chunk) args.push(task.id, task.unique ? "1" : "0", task.text);
+      for (const task of chunk) args.push(task.id, task.options, task.text);
       const replies = await this.evalScript(this.pushSha, PUSH_SOURCE, scriptKeys, args);
       chunk.forEach((task, index) => results.push({ id: task.id, accepted: replies[index] === 1 }));
       start = end;
     }
     return results;
+  }
+
+  /**
+   * Pushes a flow (docs/PROTOCOL.md, "Flows"): `flow` is the flow's JSON (an object, or its text), one task with
+   * the tasks it waits for nested in `after`. It is checked whole before anything is written, as `kmqd flow push`
+   * checks it (InvalidFlowError names the node); its waiting tasks are then written with flow_push.lua, a queue at
+   * a time, 1,000 a call, and last the tasks that wait for nothing are pushed, so that no task can end before the
+   * tasks waiting for it exist. `deadMax` and `keepMs` are what a daemon takes from the waiting tasks' queue's
+   * config (`dead_max`, `keep_results`; ten minutes without it): give your queues' values when they differ.
+   * Resolves to every task, root first: `{queue, id, generatedAt}` (`generatedAt`: its path when its id was
+   * generated, else null).
+   */
+  async pushFlow(flow, { deadMax = 10000, keepMs = 600000 } = {}) {
+    if (typeof flow === "string") {
+      try {
+        flow = JSON.parse(flow);
+      } catch (error) {
+        throw new InvalidFlowError("the root", `the flow is not JSON: ${error.message}`);
+      }
+    }
+    if (!Number.isInteger(deadMax) || deadMax < 0) throw new InvalidArgumentError(`deadMax is a count, not ${deadMax}`);
+    if (!Number.isInteger(keepMs) || keepMs < 1) throw new InvalidArgumentError(`keepMs is a count of ms, not ${keepMs}`);
+    const nodes = [];
+    const references = [];
+    if ((await this.readFlowNode(flow, "the root", nodes, references)) === null) {
+      throw new InvalidFlowError("the root", "a flow's root is a task (queue and type), not a reference");
+    }
+    const name = (queue, id) => JSON.stringify([queue, id]);
+    const defined = new Map();
+    nodes.forEach((node, at) => {
+      const key = name(node.queue, node.id);
+      if (defined.has(key)) {
+        throw new InvalidFlowError(
+          node.path,
+          `task ${node.queue}/${node.id} is defined twice (first at ${nodes[defined.get(key)].path}); to wait for ` +
+            'one task twice, refer to it with {"queue": ..., "id": ...} only'
+        );
+      }
+      defined.set(key, at);
+    });
+    for (const [at, [queue, id]] of references) {
+      if (!defined.has(name(queue, id))) {
+        throw new InvalidFlowError(at, `refers to task ${queue}/${id}, which the flow does not define`);
+      }
+    }
+    checkAcyclic(nodes, (dep) => defined.get(name(dep[0], dep[1])));
+    const up = new Map();
+    for (const node of nodes) {
+      for (const [queue, id] of node.deps) {
+        const waiters = up.get(name(queue, id)) ?? [];
+        if (waiters.some((w) => w.queue === node.queue && w.id === node.id)) {
+          throw new InvalidFlowError(node.path, `task ${node.queue}/${node.id} waits for ${queue}/${id} twice`);
+        }
+        waiters.push({ queue: node.queue, id: node.id });
+        up.set(name(queue, id), waiters);
+      }
+    }
+    const order = [];
+    const waiting = new Map();
+    const leaves = new Map();
+    for (const node of nodes) {
+      const envelope = { id: node.id, type: node.type, data: node.data, attempt: 0 };
+      if (node.priority !== null) envelope.priority = node.priority;
+      const waiters = up.get(name(node.queue, node.id)) ?? [];
+      if (waiters.length > 0) envelope.waiters = waiters;
+      let text;
+      try {
+        text = JSON.stringify(envelope);
+      } catch (error) {
+        throw new InvalidFlowError(node.path, `data is not JSON: ${error.message}`);
+      }
+      if (!order.includes(node.queue)) order.push(node.queue);
+      const into = node.deps.length > 0 ? waiting : leaves;
+      if (!into.has(node.queue)) into.set(node.queue, []);
+      if (node.deps.length > 0) into.get(node.queue).push({ node, text, up: JSON.stringify(waiters) });
+      else into.get(node.queue).push({ id: node.id, options: "0", level: node.level, delayMs: 0, atMs: 0, text });
+    }
+    for (const queue of order) {
+      const list = waiting.get(queue) ?? [];
+      for (let start = 0; start < list.length; start += PUSH_CHUNK) {
+        await this.flowPushCall(queue, deadMax, keepMs, list.slice(start, start + PUSH_CHUNK));
+      }
+    }
+    for (const queue of order) {
+      const { levels } = await this.shape(queue);
+      // Stable: a level's tasks keep the flow's order.
+      const ready = (leaves.get(queue) ?? []).sort((a, b) => levels.indexOf(a.level) - levels.indexOf(b.level));
+      await this.pushPrepared(queue, ready);
+    }
+    return nodes.map((node) => ({ queue: node.queue, id: node.id, generatedAt: node.generated ? node.path : null }));
+  }
+
+  /**
+   * Reads the node `raw` at `path` and, depth first, what it waits for into `nodes`; a reference goes to
+   * `references`. Resolves to the task it names as [queue, id] (null for a reference at the root).
+   */
+  async readFlowNode(raw, at, nodes, references) {
+    if (raw === null || typeof raw !== "object" || Array.isArray(raw)) {
+      throw new InvalidFlowError(at, "a node is a JSON object");
+    }
+    for (const field of Object.keys(raw)) {
+      if (!FLOW_FIELDS.includes(field)) {
+        throw new InvalidFlowError(at, `unknown field ${JSON.stringify(field)}; a node has ${FLOW_FIELDS.join(", ")}`);
+      }
+    }
+    const given = (field) => raw[field] !== undefined && raw[field] !== null;
+    for (const field of ["queue", "type", "id", "priority", "if_failed"]) {
+      if (given(field) && typeof raw[field] !== "string") throw new InvalidFlowError(at, `"${field}" is not a string`);
+    }
+    const after = raw.after ?? [];
+    if (!Array.isArray(after)) throw new InvalidFlowError(at, '"after" is not a list of nodes');
+    if (!given("queue") || raw.queue === "") throw new InvalidFlowError(at, 'no "queue"');
+    const queue = raw.queue;
+    if (!given("type")) {
+      // A reference: a queue and an id, nothing else.
+      if (!given("id")) {
+        throw new InvalidFlowError(
+          at,
+          'no "type" (a task needs one; a reference to a task defined elsewhere needs an "id")'
+        );
+      }
+      if (given("data") || given("priority") || given("if_failed") || after.length > 0) {
+        throw new InvalidFlowError(
+          at,
+          `no "type", so this refers to task ${queue}/${raw.id}: a reference has only "queue" and "id"`
+        );
+      }
+      references.push([at, [queue, raw.id]]);
+      return at === "the root" ? null : [queue, raw.id];
+    }
+    if (raw.type === "") throw new InvalidFlowError(at, '"type" is empty');
+    const ifFailed = given("if_failed") ? raw.if_failed : "fail";
+    if (ifFailed !== "fail" && ifFailed !== "continue") {
+      throw new InvalidFlowError(
+        at,
+        `if_failed ${JSON.stringify(ifFailed)} is neither "fail" (the default) nor "continue"`
+      );
+    }
+    const priority = given("priority") ? raw.priority : null;
+    const shape = await this.shape(queue, priority === null ? [] : [priority]);
+    if (priority !== null && !shape.levels.includes(priority)) {
+      throw new InvalidFlowError(
+        at,
+        `queue ${JSON.stringify(queue)} has no priority ${JSON.stringify(priority)}; its levels are ` +
+          shape.levels.map((level) => JSON.stringify(level)).join(", ")
+      );
+    }
+    if (raw.id === "") throw new InvalidFlowError(at, '"id" is empty');
+    const generated = !given("id");
+    const id = generated ? crypto.randomUUID() : raw.id;
+    const node = {
+      queue,
+      type: raw.type,
+      id,
+      data: raw.data === undefined ? null : raw.data,
+      level: priority ?? shape.defaultPriority,
+      ifFailed,
+      priority,
+      deps: [],
+      path: at,
+      generated,
+    };
+    nodes.push(node);
+    for (let n = 0; n < after.length; n += 1) {
+      const depPath = at === "the root" ? `after[${n}]` : `${at}.after[${n}]`;
+      node.deps.push(await this.readFlowNode(after[n], depPath, nodes, references));
+    }
+    return [queue, id];
+  }
+
+  /** One flow_push.lua call: a queue's waiting tasks, all or nothing (docs/PROTOCOL.md, "Flows"). */
+  async flowPushCall(queue, deadMax, keepMs, chunk) {
+    const keys = new QueueKeys(this.keyPrefix, queue);
+    const scriptKeys = ["deps-waiting", "wake", "dead", "stats", "deps-outbox"].map((suffix) => keys.key(suffix));
+    const args = [queue, String(deadMax), String(keepMs)];
+    for (const { node, text, up } of chunk) {
+      scriptKeys.push(keys.key(`deps:${node.id}`), keys.key(`deps-ended:${node.id}`), keys.key(`ready:${node.level}`));
+      args.push(node.id, node.type, text, node.ifFailed, String(node.deps.length), JSON.stringify(node.deps), up);
+    }
+    const replies = await this.evalScript(this.flowPushSha, FLOW_PUSH_SOURCE, scriptKeys, args);
+    if (!Array.isArray(replies) || replies.length !== chunk.length) {
+      throw new RedisRefusedError(`flow_push.lua replied ${JSON.stringify(replies)} for ${chunk.length} tasks`);
+    }
+    return replies;
   }
 
   /**
@@ -660,6 +910,59 @@ class Client {
   }
 }
 
+/**
+ * Refuses a cycle through references: a depth-first walk from every node (white, grey, black), in the order
+ * `kmqd flow push` walks, so that both name the same node. `index` finds a dependency's node.
+ */
+function checkAcyclic(nodes, index) {
+  const state = new Array(nodes.length).fill(0);
+  for (let start = 0; start < nodes.length; start += 1) {
+    const stack = [[start, 0]];
+    while (stack.length > 0) {
+      const [at, next] = stack.pop();
+      if (next === 0) {
+        if (state[at] === 2) continue;
+        state[at] = 1;
+      }
+      if (next < nodes[at].deps.length) {
+        stack.push([at, next + 1]);
+        const dep = index(nodes[at].deps[next]);
+        if (state[dep] === 1) {
+          const [d, w] = [nodes[dep], nodes[at]];
+          throw new InvalidFlowError(
+            d.path,
+            `task ${d.queue}/${d.id} waits for itself through ${w.queue}/${w.id} (a cycle); a flow must end`
+          );
+        }
+        if (state[dep] === 0) stack.push([dep, 0]);
+      } else {
+        state[at] = 2;
+      }
+    }
+  }
+}
+
+/**
+ * The envelope's `expires_at` (ms since the epoch on Redis's clock; docs/PROTOCOL.md, "Expiry") from `expiresAt` (a
+ * Date or ms since the epoch) or `expiresIn` (ms after Redis's `nowMs`); null for neither.
+ */
+function expiry(expiresAt, expiresIn, nowMs) {
+  const given = (value) => value !== undefined && value !== null;
+  if (given(expiresAt) && given(expiresIn)) throw new InvalidArgumentError("give expiresAt or expiresIn, not both");
+  if (given(expiresAt)) {
+    const ms = expiresAt instanceof Date ? expiresAt.getTime() : expiresAt;
+    if (!Number.isInteger(ms) || ms < 0) throw new InvalidArgumentError(`expiresAt is a Date or ms since the epoch (not ${expiresAt})`);
+    return ms;
+  }
+  if (given(expiresIn)) {
+    if (!Number.isInteger(expiresIn) || expiresIn <= 0) {
+      throw new InvalidArgumentError(`expiresIn is a positive whole number of ms (not ${expiresIn})`);
+    }
+    return nowMs + expiresIn;
+  }
+  return null;
+}
+
 /** A Redis glob matching any member that contains `needle`. */
 function globContaining(needle) {
   return `*${needle.replace(/[*?[\]\\]/g, (c) => `\\${c}`)}*`;
@@ -681,6 +984,7 @@ module.exports = {
   DuplicateError,
   InvalidArgumentError,
   UnknownPriorityError,
+  InvalidFlowError,
   RedisUnreachableError,
   ReplyLostError,
   RedisRefusedError,

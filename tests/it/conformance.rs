@@ -169,14 +169,15 @@ fn given(case: &Value) -> Vec<Vec<&str>> {
 fn queues_config(case: &Value) -> String {
     let mut shapes: BTreeMap<String, (Option<String>, Option<String>)> = BTreeMap::new();
     for call in case["calls"].as_array().expect("calls is a list") {
-        shapes
-            .entry(
-                call["queue"]
-                    .as_str()
-                    .expect("a call names its queue")
-                    .to_string(),
-            )
-            .or_default();
+        let mut queues = Vec::new();
+        match call["queue"].as_str() {
+            Some(queue) => queues.push(queue.to_string()),
+            // A flow names its queues in its nodes.
+            None => flow_queues(&call["flow"], &mut queues),
+        }
+        for queue in queues {
+            shapes.entry(queue).or_default();
+        }
     }
     for words in given(case) {
         if !words[0].eq_ignore_ascii_case("HSET") {
@@ -210,6 +211,16 @@ fn queues_config(case: &Value) -> String {
         .collect()
 }
 
+/// Every queue a flow's nodes name (clients/conformance/README.md, `push_flow`), so that the config has each.
+fn flow_queues(node: &Value, queues: &mut Vec<String>) {
+    if let Some(queue) = node["queue"].as_str() {
+        queues.push(queue.to_string());
+    }
+    for dep in node["after"].as_array().into_iter().flatten() {
+        flow_queues(dep, queues);
+    }
+}
+
 /// A case's task as a `NewTask` (a bad one is refused by the push, not here).
 fn new_task(kind: &Value, data: &Value, options: &Value) -> kmqd::NewTask {
     let data = serde_json::value::to_raw_value(data).expect("JSON serializes");
@@ -224,6 +235,7 @@ fn new_task(kind: &Value, data: &Value, options: &Value) -> kmqd::NewTask {
             "delay_ms" => task.delay(Duration::from_millis(value.as_u64().unwrap())),
             "at_ms" => task.at(value.as_i64().unwrap()),
             "expires_at_ms" => task.expires_at(value.as_i64().unwrap()),
+            "expires_in_ms" => task.expires_in(Duration::from_millis(value.as_u64().unwrap())),
             "debounce_ms" => task.debounce(Duration::from_millis(value.as_u64().unwrap())),
             "traceparent" => {
                 let state = options["tracestate"].as_str().map(str::to_string);
@@ -249,6 +261,24 @@ fn error_kind(error: kmqd::ClientError) -> Value {
 
 /// Runs one call through the client: what it came to, in the case's words.
 fn run_call(client: &kmqd::Client, call: &Value) -> Value {
+    if call["call"] == "push_flow" {
+        return match client.push_flow(&call["flow"].to_string()) {
+            Ok(pushed) => {
+                let tasks: Vec<Value> = pushed
+                    .tasks
+                    .iter()
+                    .map(|(queue, id, _)| json!({ "queue": queue, "id": id }))
+                    .collect();
+                json!({ "tasks": tasks })
+            }
+            // The refusal names the node first: `PATH: what is wrong`.
+            Err(kmqd::ClientError::Data(message)) => {
+                let at = message.split_once(": ").map_or("", |(at, _)| at);
+                json!({ "error": "invalid_flow", "at": at })
+            }
+            Err(other) => panic!("push_flow failed: {other}"),
+        };
+    }
     let queue = call["queue"].as_str().unwrap();
     match call["call"].as_str().unwrap() {
         "push" => match client.push(
@@ -457,7 +487,7 @@ fn the_python_clients_scripts_are_kmqds_byte_for_byte() {
         compared += 1;
     }
     assert_eq!(
-        compared, 3,
-        "push.lua, checks.lua and remove.lua are shipped"
+        compared, 5,
+        "push.lua, checks.lua, remove.lua, deps.lua and flow_push.lua are shipped"
     );
 }

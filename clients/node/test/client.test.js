@@ -60,6 +60,10 @@ describe("push", () => {
       [() => client.push("mail", "t", {}, { group: "g".repeat(65) }), kmq.InvalidArgumentError, /1 to 64 bytes/],
       [() => client.push("mail", "t", {}, { priority: "urgent" }), kmq.UnknownPriorityError, /no priority "urgent"/],
       [() => client.push("mail", "t", {}, { delay: -1 }), kmq.InvalidArgumentError, /delay/],
+      [() => client.push("mail", "t", {}, { expiresIn: 0 }), kmq.InvalidArgumentError, /expiresIn/],
+      [() => client.push("mail", "t", {}, { debounce: 5000 }), kmq.InvalidArgumentError, /debounce: give an id/],
+      [() => client.push("mail", "t", {}, { id: "d", debounce: 5000, delay: 1 }), kmq.InvalidArgumentError, /debounce/],
+      [() => client.push("mail", "t", {}, { expiresAt: 1, expiresIn: 5 }), kmq.InvalidArgumentError, /not both/],
       [() => client.pushBatch("mail", [{ type: "t" }, { data: 1 }]), kmq.InvalidArgumentError, /type/],
     ];
     for (const [call, kind, words] of cases) {
@@ -81,6 +85,21 @@ describe("push", () => {
         assert.deepEqual(error.levels, ["high", "normal", "low"]);
         return true;
       });
+    } finally {
+      await fresh.close();
+    }
+  });
+
+  test("a level an operator adds is pushed to at once by a client that kept the old shape", async () => {
+    // The rule of every client (docs/CLIENTS.md): a priority the kept shape lacks reads the meta hash again before
+    // it is refused, so a level a daemon's reload added is known at the first push that names it.
+    await server.admin.hset("kmq:{jobs}:meta", "levels", "high,low", "default_priority", "low");
+    const fresh = new kmq.Client(server.url);
+    try {
+      await fresh.push("jobs", "t", 1);
+      await server.admin.hset("kmq:{jobs}:meta", "levels", "urgent,high,low");
+      await fresh.push("jobs", "t", 2, { priority: "urgent" });
+      assert.equal((await readyList("jobs", "urgent")).length, 1);
     } finally {
       await fresh.close();
     }
@@ -314,13 +333,64 @@ describe("connection failures", () => {
   });
 });
 
-test("the packaged push.lua, checks.lua and remove.lua are byte-identical to the daemon's", (t) => {
+describe("pushFlow", () => {
+  test("1,001 waiting tasks of a queue take two flow_push.lua calls; the task they wait for is pushed last", async () => {
+    const calls = [];
+    const original = client.evalScript.bind(client);
+    client.evalScript = (sha, source, keys, args) => {
+      calls.push([source.includes("flow_push.lua") ? "flow_push" : "push", keys[0]]);
+      return original(sha, source, keys, args);
+    };
+    try {
+      const parts = Array.from({ length: 1001 }, (_, n) => ({
+        queue: "parts",
+        type: "part.build",
+        id: `p-${n}`,
+        after: [{ queue: "fetch", id: "f" }],
+      }));
+      parts[0].after = [{ queue: "fetch", type: "fetch.csv", id: "f" }];
+      const tasks = await client.pushFlow({ queue: "reports", type: "report.merge", id: "r", after: parts });
+      assert.equal(tasks.length, 1003);
+      assert.deepEqual(tasks.slice(0, 3).map((t) => t.id), ["r", "p-0", "f"]);
+      assert.deepEqual(calls, [
+        ["flow_push", "kmq:{reports}:deps-waiting"],
+        ["flow_push", "kmq:{parts}:deps-waiting"],
+        ["flow_push", "kmq:{parts}:deps-waiting"],
+        ["push", "kmq:{fetch}:ready:normal"],
+      ]);
+      assert.equal(await server.admin.hlen("kmq:{parts}:deps-waiting"), 1001);
+      const [fetch] = await readyList("fetch");
+      assert.equal(fetch.waiters.length, 1001);
+    } finally {
+      client.evalScript = original;
+    }
+  });
+
+  test("a bad flow is refused with the node's path and nothing is written", async () => {
+    for (const [flow, at, reason] of [
+      [{ queue: "a", type: "t", after: [{ queue: "b", type: "t", colour: 1 }] }, "after[0]", "colour"],
+      [{ queue: "a", type: "t", after: [{ queue: "b", type: "t", after: [7] }] }, "after[0].after[0]", "JSON object"],
+      [{ queue: "a", id: "x" }, "the root", "not a reference"],
+      ['{"queue": "a"', "the root", "not JSON"],
+    ]) {
+      await assert.rejects(client.pushFlow(flow), (error) => {
+        assert.ok(error instanceof kmq.InvalidFlowError, String(error));
+        assert.equal(error.path, at);
+        assert.match(error.message, new RegExp(reason));
+        return true;
+      });
+    }
+    assert.deepEqual(await server.admin.keys("*"), []);
+  });
+});
+
+test("the packaged scripts (push, checks, remove, deps, flow_push) are byte-identical to the daemon's", (t) => {
   const scripts = path.join(__dirname, "..", "..", "..", "src", "broker", "scripts");
   if (!fs.existsSync(scripts)) {
     t.skip("not in a kmqd checkout");
     return;
   }
-  for (const name of ["push.lua", "checks.lua", "remove.lua"]) {
+  for (const name of ["push.lua", "checks.lua", "remove.lua", "deps.lua", "flow_push.lua"]) {
     const packaged = fs.readFileSync(path.join(__dirname, "..", name));
     assert.ok(packaged.equals(fs.readFileSync(path.join(scripts, name))), `${name} differs from ${scripts}/${name}`);
   }

@@ -23,6 +23,9 @@ const OPTION_NAMES = {
   group: "group",
   traceparent: "traceparent",
   tracestate: "tracestate",
+  expires_at_ms: "expiresAt",
+  expires_in_ms: "expiresIn",
+  debounce_ms: "debounce",
 };
 
 /** Error kinds of the files, as this client's classes. */
@@ -30,6 +33,7 @@ const ERROR_KINDS = {
   duplicate: kmq.DuplicateError,
   invalid_argument: kmq.InvalidArgumentError,
   unknown_priority: kmq.UnknownPriorityError,
+  invalid_flow: kmq.InvalidFlowError,
 };
 
 function options(given = {}) {
@@ -175,6 +179,10 @@ async function runCall(client, step, context) {
       // A refused task (a duplicate) has no id in `ids`: null in its place.
       return { ids: pushed.map((p) => (p.accepted ? p.id : null)) };
     }
+    case "push_flow": {
+      const tasks = await client.pushFlow(step.flow);
+      return { tasks: tasks.map(({ queue, id }) => ({ queue, id })) };
+    }
     case "cancel":
       return { removed: await client.cancel(step.queue, step.id) };
     case "show":
@@ -232,6 +240,7 @@ for (const kase of cases) {
             .map(([name]) => name);
           if (!step.expect || !("error" in step.expect)) throw error;
           assert.ok(kind.includes(step.expect.error), `${where}: ${error.name} (${error.message}), not ${step.expect.error}`);
+          if ("at" in step.expect) assert.equal(error.path, step.expect.at, `${where}: ${error.message}`);
           continue;
         }
         if (step.expect && "error" in step.expect) assert.fail(`${where}: succeeded, not ${step.expect.error}`);

@@ -90,3 +90,31 @@ test("a task pushed by the client at a level the daemon described runs in kmqd, 
   assert.deepEqual((await client.show("jobs", doomed.id)).map((place) => place.state), ["dead"]);
   assert.deepEqual(await client.show("jobs", id), []);
 });
+
+test("a flow pushed by the client runs in kmqd: the waiting task after the tasks it waits for", async (t) => {
+  if (!KMQD_BIN) {
+    t.skip("KMQD_BIN is not set: scripts/test sets it to the workspace's kmqd");
+    return;
+  }
+  await eventually(async () => (await server.admin.hget("kmq:{jobs}:meta", "levels")) === "high,normal,low",
+    "the daemon's levels in the queue's meta hash", 60000);
+  const tasks = await client.pushFlow({
+    queue: "jobs",
+    type: "test",
+    id: "merge-1",
+    data: { result: "merged" },
+    after: [
+      { queue: "jobs", type: "test", id: "part-1", data: { result: 1 } },
+      { queue: "jobs", type: "test", id: "part-2", data: { result: 2 }, priority: "low" },
+    ],
+  });
+  assert.deepEqual(tasks.map((task) => task.id), ["merge-1", "part-1", "part-2"]);
+  const merged = await client.result("jobs", "merge-1", { wait: 60000 });
+  assert.equal(merged.state, "done", `daemon log: ${fs.readFileSync(daemonLog, "utf8").slice(-2000)}`);
+  assert.equal(merged.result, "merged");
+  for (const part of ["part-1", "part-2"]) {
+    const ended = await client.result("jobs", part, { wait: 0 });
+    assert.equal(ended.state, "done");
+    assert.ok(ended.endedAt <= merged.endedAt, `${part} ended at ${ended.endedAt}, after the merge at ${merged.endedAt}`);
+  }
+});

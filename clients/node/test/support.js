@@ -39,13 +39,14 @@ async function eventually(check, what, timeoutMs = 10000) {
 }
 
 class RedisServer {
-  static async start() {
+  /** `extra`: more redis-server arguments, given the server's temp dir (a TLS port, its certificates). */
+  static async start(extra = () => []) {
     const dir = fs.mkdtempSync(path.join(os.tmpdir(), "kmq-node-"));
     const port = await freePort();
     const child = spawn(
       "redis-server",
       ["--port", String(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", dir,
-        "--logfile", path.join(dir, "redis.log")],
+        "--logfile", path.join(dir, "redis.log"), ...(await extra(dir))],
       { stdio: "ignore" }
     );
     const server = new RedisServer(dir, port, child);

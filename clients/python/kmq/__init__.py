@@ -7,10 +7,11 @@
 See docs/CLIENTS.md in the kmqd repository.
 """
 
-from .client import PUSH_CHUNK, Client, Pushed, Task
+from .client import PUSH_CHUNK, Client, FlowTask, Pushed, Task
 from .errors import (
     DuplicateTask,
     InvalidArgument,
+    InvalidFlow,
     KmqError,
     RedisRefused,
     RedisUnreachable,
@@ -24,10 +25,12 @@ __all__ = [
     "Client",
     "Task",
     "Pushed",
+    "FlowTask",
     "PUSH_CHUNK",
     "KmqError",
     "InvalidArgument",
     "UnknownPriority",
+    "InvalidFlow",
     "DuplicateTask",
     "RedisUnreachable",
     "ReplyLost",

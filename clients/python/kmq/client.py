@@ -23,6 +23,7 @@ from redis.retry import Retry
 from .errors import (
     DuplicateTask,
     InvalidArgument,
+    InvalidFlow,
     RedisRefused,
     RedisUnreachable,
     ReplyLost,
@@ -37,6 +38,9 @@ MAX_GROUP_BYTES = 64
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 #: Pages of list reads when looking a task up: bounded replies, whatever a list's length.
 PAGE = 1000
+#: How long a queue's shape read from its meta hash is trusted (docs/PROTOCOL.md, "The queue's shape"): a push
+#: that names a level the kept shape lacks reads it again at once, before refusing it; so does any push after this long.
+SHAPE_FOR = 10.0
 
 Seconds = Union[int, float, _dt.timedelta]
 When = Union[int, float, _dt.datetime]
@@ -49,6 +53,12 @@ def _script(name: str) -> str:
 PUSH_LUA = _script("push.lua")
 #: remove.lua with checks.lua before it, exactly as kmqd's broker runs it (src/broker/mod.rs, `sources`).
 REMOVE_LUA = _script("checks.lua") + _script("remove.lua")
+#: flow_push.lua with its preludes, exactly as kmqd's broker runs it (src/broker/mod.rs, `sources`, FLOW_PUSH).
+FLOW_PUSH_LUA = "#!lua\n" + _script("checks.lua") + _script("deps.lua") + _script("flow_push.lua")
+#: The fields a flow's node may have (docs/PROTOCOL.md, "Flows"); any other is refused, as `kmqd flow push` does.
+_FLOW_FIELDS = ("queue", "type", "id", "data", "priority", "if_failed", "after")
+#: JSON as kmqd's own flow push writes it (compact, UTF-8 as it is).
+_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
 
 class Pushed(NamedTuple):
@@ -79,6 +89,28 @@ class Task(NamedTuple):
     #: for its own start (its data and start time), so that only the last push of a burst runs; needs an id, not
     #: with ``unique``, ``delay`` or ``at`` (docs/PROTOCOL.md, "Debounce, and unique for a time").
     debounce: Optional[Seconds] = None
+
+
+class FlowTask(NamedTuple):
+    """A task of a flow :meth:`Client.push_flow` pushed, root first, in the flow's order."""
+
+    queue: str
+    id: str
+    #: Its path in the flow (``the root``, ``after[0]``) when its id was generated, else None.
+    generated_at: Optional[str] = None
+
+
+class _FlowNode:
+    """A task a flow defines, once read and checked (src/flow.rs of kmqd does the same)."""
+
+    __slots__ = ("queue", "type", "id", "data", "level", "if_failed", "priority", "deps", "path", "generated")
+
+    def __init__(self, queue: str, kind: str, task_id: str, data: Any, level: str, if_failed: str,
+                 priority: Optional[str], path: str, generated: bool):
+        self.queue, self.type, self.id, self.data = queue, kind, task_id, data
+        self.level, self.if_failed, self.priority = level, if_failed, priority
+        self.deps: List[Tuple[str, str]] = []
+        self.path, self.generated = path, generated
 
 
 class _Prepared(NamedTuple):
@@ -162,9 +194,10 @@ class Client:
                 raise InvalidArgument(f"default_priority {default_priority!r} is not one of {levels!r}")
         self._given_levels = levels
         self._given_default = default_priority
-        self._shapes: Dict[str, Tuple[List[str], str]] = {}
+        self._shapes: Dict[str, Tuple[List[str], str, float]] = {}
         self._push_sha: Optional[str] = None
         self._remove_sha: Optional[str] = None
+        self._flow_push_sha: Optional[str] = None
 
     @classmethod
     def cluster(cls, url: str, key_prefix: str = "kmq", **options: Any) -> "Client":
@@ -210,12 +243,17 @@ class Client:
     def _key(self, queue: str, name: str) -> str:
         return f"{self.key_prefix}:{{{queue}}}:{name}"
 
-    def shape(self, queue: str) -> Tuple[List[str], str]:
+    def shape(self, queue: str, wanted: Iterable[str] = ()) -> Tuple[List[str], str]:
         """The queue's levels (highest first) and its default level: the constructor's, else what a daemon wrote
-        into the queue's meta hash, read once and kept, else the one level ``normal``."""
+        into the queue's meta hash, kept for :data:`SHAPE_FOR` seconds and read again at once when ``wanted`` names
+        a level it lacks, else the one level ``normal``."""
         known = self._shapes.get(queue)
-        if known is not None:
-            return known
+        if (
+            known is not None
+            and time.monotonic() - known[2] < SHAPE_FOR
+            and all(level in known[0] for level in wanted)
+        ):
+            return known[0], known[1]
         if self._given_levels is not None:
             levels = self._given_levels
             default = self._given_default
@@ -240,7 +278,7 @@ class Client:
         if default is None or default not in levels:
             # The daemons' own default: the middle level, the first of two (docs/CONFIG.md, `default_priority`).
             default = levels[(len(levels) - 1) // 2]
-        self._shapes[queue] = (levels, default)
+        self._shapes[queue] = (levels, default, time.monotonic())
         return levels, default
 
     # Pushing.
@@ -277,9 +315,14 @@ class Client:
         """Queues many tasks: one push.lua call (one round trip) per 1,000 consecutive tasks of the same level and
         due time. Every task is checked before anything is sent: one bad task refuses the whole batch. Returns one
         :class:`Pushed` per task, in order (a duplicate is not an error here)."""
-        levels, default = self.shape(queue)
+        tasks = [Task(*task) for task in tasks]
+        levels, default = self.shape(queue, {task.priority for task in tasks if isinstance(task.priority, str)})
         trace = _current_trace()
-        prepared = [self._prepare(queue, Task(*task), levels, default, trace) for task in tasks]
+        prepared = [self._prepare(queue, task, levels, default, trace) for task in tasks]
+        return self._push_prepared(queue, prepared)
+
+    def _push_prepared(self, queue: str, prepared: Sequence[_Prepared]) -> List[Pushed]:
+        """push.lua calls for checked tasks: one per 1,000 consecutive tasks of the same level and due time."""
         results: List[Pushed] = []
         start = 0
         while start < len(prepared):
@@ -365,6 +408,142 @@ class Client:
         for task in chunk:
             args += [task.id, task.options, task.envelope]
         return self._script(PUSH_LUA, "_push_sha", keys, args, ids=[task.id for task in chunk])
+
+    # Flows (docs/PROTOCOL.md, "Flows").
+
+    def push_flow(self, flow: Union[Dict[str, Any], str, bytes], *, dead_max: int = 10000,
+                  keep: Seconds = 600) -> List[FlowTask]:
+        """Pushes a flow: ``flow`` is the flow's JSON (its text, or the decoded dict), one task with the tasks it
+        waits for nested in ``after``. The flow is checked whole before anything is written (:class:`InvalidFlow`
+        names the node), as ``kmqd flow push`` checks it; its waiting tasks are then written with flow_push.lua, a
+        queue at a time, 1,000 a call, and last the tasks that wait for nothing are pushed (push.lua, 1,000 a call),
+        so that no task can end before the tasks waiting for it exist. ``dead_max`` and ``keep`` (seconds, or a
+        timedelta) are what a daemon takes from the waiting tasks' queue's config (``dead_max``, ``keep_results``;
+        without it ten minutes): give your queues' values when they differ. Returns every task, root first."""
+        if isinstance(flow, (str, bytes)):
+            try:
+                flow = json.loads(flow)
+            except ValueError as error:
+                raise InvalidFlow("the root", f"the flow is not JSON: {error}") from None
+        keep_ms = max(_ms(keep), 1)
+        if isinstance(dead_max, bool) or not isinstance(dead_max, int) or dead_max < 0:
+            raise InvalidArgument(f"dead_max {dead_max!r}: give a count (an integer, 0 or more)")
+        nodes: List[_FlowNode] = []
+        references: List[Tuple[str, Tuple[str, str]]] = []
+        if self._read_flow_node(flow, "the root", nodes, references) is None:
+            raise InvalidFlow("the root", "a flow's root is a task (queue and type), not a reference")
+        defined: Dict[Tuple[str, str], int] = {}
+        for at, node in enumerate(nodes):
+            first = defined.setdefault((node.queue, node.id), at)
+            if first != at:
+                raise InvalidFlow(node.path, f"task {node.queue}/{node.id} is defined twice (first at "
+                                             f"{nodes[first].path}); to wait for one task twice, refer to it "
+                                             f"with {{\"queue\": ..., \"id\": ...}} only")
+        for path, key in references:
+            if key not in defined:
+                raise InvalidFlow(path, f"refers to task {key[0]}/{key[1]}, which the flow does not define")
+        _check_acyclic(nodes, defined)
+        up: Dict[Tuple[str, str], List[Tuple[str, str]]] = {}
+        for node in nodes:
+            for dep in node.deps:
+                waiters = up.setdefault(dep, [])
+                if (node.queue, node.id) in waiters:
+                    raise InvalidFlow(node.path, f"task {node.queue}/{node.id} waits for {dep[0]}/{dep[1]} twice")
+                waiters.append((node.queue, node.id))
+        order: List[str] = []
+        waiting: Dict[str, List[Tuple[_FlowNode, str, str]]] = {}
+        leaves: Dict[str, List[_Prepared]] = {}
+        for node in nodes:
+            envelope: Dict[str, Any] = {"id": node.id, "type": node.type, "data": node.data, "attempt": 0}
+            if node.priority is not None:
+                envelope["priority"] = node.priority
+            its_up = _COMPACT.encode([{"queue": q, "id": i} for q, i in up.get((node.queue, node.id), [])])
+            if its_up != "[]":
+                envelope["waiters"] = json.loads(its_up)
+            try:
+                text = _COMPACT.encode(envelope)
+            except (TypeError, ValueError) as error:
+                raise InvalidFlow(node.path, f"data is not JSON: {error}") from None
+            if node.queue not in order:
+                order.append(node.queue)
+            if node.deps:
+                waiting.setdefault(node.queue, []).append((node, text, its_up))
+            else:
+                leaves.setdefault(node.queue, []).append(_Prepared(node.level, 0, 0, node.id, "0", text))
+        for queue in order:
+            for start in range(0, len(waiting.get(queue, [])), PUSH_CHUNK):
+                self._flow_push_call(queue, dead_max, keep_ms, waiting[queue][start:start + PUSH_CHUNK])
+        for queue in order:
+            levels, _ = self.shape(queue)
+            # Stable: a level's tasks keep the flow's order.
+            rank = {level: n for n, level in enumerate(levels)}
+            self._push_prepared(queue, sorted(leaves.get(queue, []), key=lambda task: rank.get(task.level, len(rank))))
+        return [FlowTask(node.queue, node.id, node.path if node.generated else None) for node in nodes]
+
+    def _read_flow_node(self, raw: Any, path: str, nodes: List["_FlowNode"],
+                        references: List[Tuple[str, Tuple[str, str]]]) -> Optional[Tuple[str, str]]:
+        """Reads the node ``raw`` at ``path`` and, depth first, what it waits for into ``nodes``; a reference goes
+        to ``references``. Returns the task it names (None for a reference at the root)."""
+        if not isinstance(raw, dict):
+            raise InvalidFlow(path, "a node is a JSON object")
+        for field in raw:
+            if field not in _FLOW_FIELDS:
+                raise InvalidFlow(path, f"unknown field {field!r}; a node has {', '.join(_FLOW_FIELDS)}")
+        for field in ("queue", "type", "id", "priority", "if_failed"):
+            if raw.get(field) is not None and not isinstance(raw[field], str):
+                raise InvalidFlow(path, f"{field!r} is not a string")
+        after = raw.get("after", [])
+        if not isinstance(after, list):
+            raise InvalidFlow(path, "\"after\" is not a list of nodes")
+        queue = raw.get("queue")
+        if not queue:
+            raise InvalidFlow(path, "no \"queue\"")
+        kind = raw.get("type")
+        if kind is None:
+            # A reference: a queue and an id, nothing else.
+            if raw.get("id") is None:
+                raise InvalidFlow(path, "no \"type\" (a task needs one; a reference to a task defined elsewhere "
+                                        "needs an \"id\")")
+            if any(raw.get(field) is not None for field in ("data", "priority", "if_failed")) or after:
+                raise InvalidFlow(path, f"no \"type\", so this refers to task {queue}/{raw['id']}: a reference "
+                                        f"has only \"queue\" and \"id\"")
+            references.append((path, (queue, raw["id"])))
+            return None if path == "the root" else (queue, raw["id"])
+        if not kind:
+            raise InvalidFlow(path, "\"type\" is empty")
+        if_failed = "fail" if raw.get("if_failed") is None else raw["if_failed"]
+        if if_failed not in ("fail", "continue"):
+            raise InvalidFlow(path, f"if_failed {if_failed!r} is neither \"fail\" (the default) nor \"continue\"")
+        priority = raw.get("priority")
+        levels, default = self.shape(queue, [priority] if priority is not None else [])
+        if priority is not None and priority not in levels:
+            raise InvalidFlow(path, f"queue {queue!r} has no priority {priority!r}; its levels are {levels!r}")
+        if raw.get("id") == "":
+            raise InvalidFlow(path, "\"id\" is empty")
+        generated = raw.get("id") is None
+        task_id = str(uuid.uuid4()) if generated else raw["id"]
+        node = _FlowNode(queue, kind, task_id, raw.get("data"), priority or default, if_failed, priority, path,
+                         generated)
+        nodes.append(node)
+        for n, dep in enumerate(after):
+            dep_path = f"after[{n}]" if path == "the root" else f"{path}.after[{n}]"
+            node.deps.append(self._read_flow_node(dep, dep_path, nodes, references))  # type: ignore[arg-type]
+        return queue, task_id
+
+    def _flow_push_call(self, queue: str, dead_max: int, keep_ms: int,
+                        chunk: Sequence[Tuple["_FlowNode", str, str]]) -> List[str]:
+        """One flow_push.lua call: a queue's waiting tasks, all or nothing (docs/PROTOCOL.md, "Flows")."""
+        keys = [self._key(queue, name) for name in ("deps-waiting", "wake", "dead", "stats", "deps-outbox")]
+        args: List[Any] = [queue, dead_max, keep_ms]
+        for node, envelope, its_up in chunk:
+            keys += [self._key(queue, f"deps:{node.id}"), self._key(queue, f"deps-ended:{node.id}"),
+                     self._key(queue, f"ready:{node.level}")]
+            args += [node.id, node.type, envelope, node.if_failed, len(node.deps),
+                     _COMPACT.encode([list(dep) for dep in node.deps]), its_up]
+        replies = self._script(FLOW_PUSH_LUA, "_flow_push_sha", keys, args, ids=[node.id for node, _, _ in chunk])
+        if len(replies) != len(chunk):
+            raise RedisRefused(f"flow_push.lua replied {len(replies)} results for {len(chunk)} tasks")
+        return [reply.decode() if isinstance(reply, bytes) else str(reply) for reply in replies]
 
     # Sending: EVALSHA, EVAL after NOSCRIPT; unreachable and lost replies told apart.
 
@@ -560,6 +739,31 @@ class Client:
             if kept is not None:
                 return kept
         return None
+
+
+def _check_acyclic(nodes: List[_FlowNode], defined: Dict[Tuple[str, str], int]) -> None:
+    """Refuses a cycle through references: a depth-first walk from every node (white, grey, black), in the order
+    `kmqd flow push` walks, so that both name the same node."""
+    state = [0] * len(nodes)
+    for start in range(len(nodes)):
+        stack = [(start, 0)]
+        while stack:
+            at, following = stack.pop()
+            if following == 0:
+                if state[at] == 2:
+                    continue
+                state[at] = 1
+            if following < len(nodes[at].deps):
+                stack.append((at, following + 1))
+                dep = defined[nodes[at].deps[following]]
+                if state[dep] == 1:
+                    raise InvalidFlow(nodes[dep].path, f"task {nodes[dep].queue}/{nodes[dep].id} waits for itself "
+                                                       f"through {nodes[at].queue}/{nodes[at].id} (a cycle); a flow "
+                                                       f"must end")
+                if state[dep] == 0:
+                    stack.append((dep, 0))
+            else:
+                state[at] = 2
 
 
 def _encode(name: str) -> str:

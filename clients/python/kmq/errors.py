@@ -25,6 +25,17 @@ class UnknownPriority(InvalidArgument):
         self.levels = list(levels)
 
 
+class InvalidFlow(InvalidArgument):
+    """:meth:`kmq.Client.push_flow` refused the flow before anything was written: ``path`` names the node (``the
+    root``, ``after[1].after[0]``), ``reason`` what is wrong with it (a cycle, an id defined twice, a reference to a
+    task the flow does not define, a bad ``if_failed``, a priority its queue does not have, ...)."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
 class DuplicateTask(KmqError):
     """push.lua refused the task: a unique task with this id is live (delayed, ready or running), or a delayed task
     with this id is already waiting. Nothing was written for it."""

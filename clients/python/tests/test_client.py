@@ -113,25 +113,38 @@ def test_a_key_of_the_wrong_type_is_refused_by_redis_and_nothing_is_written(fres
     assert sorted(fresh.client().keys("*")) == [b"kmq:{mail}:wake"]
 
 
-def test_the_queues_shape_is_read_once_and_an_unknown_level_is_refused(fresh: RedisServer) -> None:
+def test_the_queues_shape_is_kept_and_an_unknown_level_is_refused(fresh: RedisServer) -> None:
     fresh.client().hset("kmq:{mail}:meta", mapping={"levels": "high,low", "default_priority": "low"})
     client = kmq.Client(fresh.url)
     client.push("mail", "mail.send", {}, priority="high")
-    # Read once and kept: with the hash gone, the client still knows the levels (a re-read would find none and
-    # fall back to the one level normal, refusing "high").
+    # Kept: with the hash gone, the client still knows the levels for the pushes whose level it knows (a re-read
+    # would find none and fall back to the one level normal, refusing "high").
     fresh.client().delete("kmq:{mail}:meta")
     for n in range(2):
         client.push("mail", "mail.send", {"n": n}, priority="high")
     client.push("mail", "mail.send", {})
     assert fresh.client().llen("kmq:{mail}:ready:high") == 3
     assert fresh.client().llen("kmq:{mail}:ready:low") == 1
+    fresh.client().hset("kmq:{mail}:meta", mapping={"levels": "high,low", "default_priority": "low"})
     with pytest.raises(kmq.UnknownPriority) as refused:
         client.push("mail", "mail.send", {}, priority="normal")
     assert refused.value.levels == ["high", "low"]
     # Levels given to the constructor win over the hash (here: none), and a new client reads the hash afresh.
     given = kmq.Client(fresh.url, levels=["urgent", "normal"], default_priority="normal")
     given.push("mail", "mail.send", {}, priority="urgent")
+    fresh.client().delete("kmq:{mail}:meta")
     assert kmq.Client(fresh.url).shape("mail") == (["normal"], "normal")
+
+
+def test_a_level_an_operator_adds_is_pushed_to_at_once_by_a_client_that_kept_the_old_shape(fresh: RedisServer) -> None:
+    """The rule of every client (docs/CLIENTS.md): a priority the kept shape lacks reads the meta hash again
+    before it is refused, so a level a daemon's reload added is known at the first push that names it."""
+    fresh.client().hset("kmq:{mail}:meta", mapping={"levels": "high,low", "default_priority": "low"})
+    client = kmq.Client(fresh.url)
+    client.push("mail", "mail.send", {})
+    fresh.client().hset("kmq:{mail}:meta", "levels", "urgent,high,low")
+    client.push("mail", "mail.send", {}, priority="urgent")
+    assert fresh.client().llen("kmq:{mail}:ready:urgent") == 1
 
 
 def test_a_batch_takes_one_script_call_per_1000_tasks(fresh: RedisServer) -> None:
@@ -239,3 +252,37 @@ def test_a_producer_user_reads_the_shape_with_todays_rules_and_pushes_without_it
         older.push("mail", "t", {}, priority="high")
     assert admin.lrange("kmq:{mail}:ready:high", 0, -1)[0].find(b"high-1") > 0
     assert admin.llen("kmq:{mail}:ready:normal") == 1
+
+
+def test_a_flow_of_more_waiting_tasks_than_a_call_takes_is_written_in_calls_of_1000(fresh: RedisServer) -> None:
+    """1,001 waiting tasks of one queue take two flow_push.lua calls (each all or nothing, none too long for Redis),
+    and the task they all wait for is pushed last, carrying every one of them as a waiter."""
+    r = fresh.client()
+    client = kmq.Client(fresh.url)
+    parts = [{"queue": "parts", "type": "part.build", "id": f"p-{n}", "after": [{"queue": "fetch", "id": "f"}]}
+             for n in range(1001)]
+    parts[0]["after"] = [{"queue": "fetch", "type": "fetch.csv", "id": "f"}]
+    before = commandstats(fresh, "evalsha")
+    tasks = client.push_flow({"queue": "reports", "type": "report.merge", "id": "r", "after": parts})
+    assert [task.id for task in tasks[:3]] == ["r", "p-0", "f"] and len(tasks) == 1003
+    # reports: 1 call, parts: 2, fetch's push: 1 (each an EVALSHA, and an EVAL after the first NOSCRIPT).
+    assert commandstats(fresh, "evalsha") - before == 4
+    assert r.hlen("kmq:{parts}:deps-waiting") == 1001
+    (fetch,) = r.lrange("kmq:{fetch}:ready:normal", 0, -1)
+    assert len(json.loads(fetch)["waiters"]) == 1001
+
+
+def test_a_bad_flow_names_the_node_and_writes_nothing(fresh: RedisServer) -> None:
+    r = fresh.client()
+    client = kmq.Client(fresh.url)
+    for flow, path, reason in [
+        ({"queue": "a", "type": "t", "after": [{"queue": "b", "type": "t", "colour": 1}]}, "after[0]", "colour"),
+        ({"queue": "a", "type": "t", "after": [{"queue": "b", "type": "t", "after": [7]}]}, "after[0].after[0]",
+         "a node is a JSON object"),
+        ({"queue": "a", "id": "x"}, "the root", "not a reference"),
+        ('{"queue": "a", "type": "t"', "the root", "not JSON"),
+    ]:
+        with pytest.raises(kmq.InvalidFlow) as refused:
+            client.push_flow(flow)
+        assert refused.value.path == path and reason in str(refused.value), str(refused.value)
+    assert r.keys("*") == []

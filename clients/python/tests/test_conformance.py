@@ -43,6 +43,8 @@ def task_options(options: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def error_kind(error: kmq.KmqError) -> Dict[str, str]:
+    if isinstance(error, kmq.InvalidFlow):
+        return {"error": "invalid_flow", "at": error.path}
     if isinstance(error, kmq.UnknownPriority):
         return {"error": "unknown_priority"}
     if isinstance(error, kmq.InvalidArgument):
@@ -53,8 +55,10 @@ def error_kind(error: kmq.KmqError) -> Dict[str, str]:
 
 
 def run_call(client: kmq.Client, call: Dict[str, Any]) -> Any:
-    queue = call["queue"]
+    queue = call.get("queue")
     try:
+        if call["call"] == "push_flow":
+            return {"tasks": [{"queue": task.queue, "id": task.id} for task in client.push_flow(call["flow"])]}
         if call["call"] == "push":
             return {"id": client.push(queue, call["type"], call["data"], **task_options(call["options"]))}
         if call["call"] == "push_batch":

@@ -33,6 +33,18 @@ module Kmq
   # The queue has no level of that name (read from P:{Q}:meta; a queue no daemon described has "normal" only).
   class UnknownPriority < Error; end
 
+  # push_flow refused the flow before anything was written: path names the node ("the root", "after[1].after[0]"),
+  # reason what is wrong with it (a cycle, an id defined twice, a reference to a task the flow does not define...).
+  class InvalidFlow < InvalidArgument
+    attr_reader :path, :reason
+
+    def initialize(path, reason)
+      @path = path
+      @reason = reason
+      super("#{path}: #{reason}")
+    end
+  end
+
   # Redis could not be reached, or the connection failed before the command was written: nothing was pushed.
   class Unreachable < Error; end
 
@@ -44,10 +56,11 @@ module Kmq
   # nothing when they refuse. The message is Redis's.
   class Refused < Error; end
 
-  # result's wait ended while the task was still waiting to run (delayed, retrying or ready).
+  # result's wait ended while the task was still waiting to run (delayed, retrying or ready) or running (in a
+  # daemon's claim list, safe mode).
   class Pending < Error; end
 
-  # result found neither a result nor the task: running, never pushed, never kept, or expired.
+  # result found neither a result nor the task: running in default mode, never pushed, never kept, or expired.
   class NoResult < Error; end
 
   # A Lua script sent with EVALSHA, and with EVAL when Redis answers NOSCRIPT (a restart, a failover).
@@ -61,13 +74,22 @@ module Kmq
   PUSH = Script.read("push.lua")
   # remove.lua runs with checks.lua before it, as the broker concatenates them (src/broker/mod.rs, `sources`).
   REMOVE = Script.read("checks.lua", "remove.lua")
+  # flow_push.lua runs with checks.lua and deps.lua before it, as the broker sends it (src/broker/mod.rs, FLOW_PUSH).
+  FLOW_PUSH = Script.read("checks.lua", "deps.lua", "flow_push.lua").then do |script|
+    source = "#!lua\n#{script.source}"
+    Script.new(source, Digest::SHA1.hexdigest(source))
+  end
+  # The fields a flow's node may have (docs/PROTOCOL.md, "Flows"); any other is refused, as `kmqd flow push` does.
+  FLOW_FIELDS = %w[queue type id data priority if_failed after].freeze
+  # A task of a pushed flow; generated_at: its path in the flow when its id was generated, else nil.
+  FlowTask = Struct.new(:queue, :id, :generated_at)
 
   # push.lua advises under ~1,000 tasks a call (Redis runs nothing else meanwhile): one round trip per 1,000.
   BATCH_SIZE = 1000
   # How long a queue's levels, read from P:{Q}:meta, are trusted before they are read again.
   LEVELS_FOR = 10.0
   TRACEPARENT = /\A[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}\z/.freeze
-  PUSH_OPTIONS = %i[id priority delay at unique group traceparent tracestate].freeze
+  PUSH_OPTIONS = %i[id priority delay at unique group traceparent tracestate expires_at expires_in debounce].freeze
 
   # Pushes to the queues of one Redis. Safe to share between threads (calls take turns on one connection).
   class Client
@@ -106,27 +128,15 @@ module Kmq
       @lock.synchronize do
         tasks = tasks.map { |task| normalized(task) }
         levels = levels_of(queue, tasks.map { |task| task[2][:priority] }.compact)
+        # An expiry given as a length is a time on Redis's clock (docs/PROTOCOL.md, "Expiry"): TIME on the queue's
+        # node, once a batch and only when a task of it needs it.
+        now = (redis_now if tasks.any? { |task| task[2][:expires_in] })
         prepared = tasks.each_with_index.map do |task, n|
-          prepare(*task, levels)
+          prepare(*task, levels, now)
         rescue InvalidArgument, UnknownPriority => e
           raise e.class, (tasks.size > 1 ? "task #{n} of the batch: #{e.message}" : e.message)
         end
-        refused = []
-        start = 0
-        while start < prepared.size
-          finish = start + 1
-          finish += 1 while finish < prepared.size && finish - start < BATCH_SIZE &&
-                            prepared[finish][:call] == prepared[start][:call]
-          begin
-            replies = push_call(queue, prepared[start...finish])
-          rescue Error => e
-            raise e.class, "after #{start} of #{prepared.size} tasks were pushed: #{e.message}" if start.positive?
-
-            raise
-          end
-          replies.each_with_index { |reply, i| refused << prepared[start + i][:id] unless reply == 1 }
-          start = finish
-        end
+        refused = push_prepared(queue, prepared)
         ids = prepared.map { |task| task[:id] }
         raise DuplicateError.new(refused, ids) unless refused.empty?
 
@@ -134,9 +144,223 @@ module Kmq
       end
     end
 
-    # Every place the task is in: delayed, retrying, ready (its list, or its group's flow) and dead, each a Hash
-    # ("state", "level", "position", "group", "due_in_ms", "envelope", "record"). A running task is not looked
-    # for (its daemon's claim lists: `kmqd task show` reads them).
+    # Pushes a flow (docs/PROTOCOL.md, "Flows"): flow is the flow's JSON (its text, or a Hash), one task with the
+    # tasks it waits for nested in "after". It is checked whole before anything is written, as `kmqd flow push`
+    # checks it (InvalidFlow names the node); its waiting tasks are then written with flow_push.lua, a queue at a
+    # time, 1,000 a call, and last the tasks that wait for nothing are pushed, so that no task can end before the
+    # tasks waiting for it exist. dead_max and keep (seconds) are what a daemon takes from the waiting tasks'
+    # queue's config (dead_max, keep_results; ten minutes without it). Returns every task (FlowTask), root first.
+    def push_flow(flow, dead_max: 10_000, keep: 600)
+      flow = begin
+        flow.is_a?(String) ? JSON.parse(flow) : JSON.parse(JSON.generate(flow))
+      rescue JSON::ParserError, JSON::GeneratorError => e
+        raise InvalidFlow.new("the root", "the flow is not JSON: #{e.message}")
+      end
+      keep_ms = (keep * 1000).round
+      unless dead_max.is_a?(Integer) && dead_max >= 0 && keep_ms >= 1
+        raise InvalidArgument, "dead_max #{dead_max.inspect} or keep #{keep.inspect}: a count and a positive time"
+      end
+
+      @lock.synchronize do
+        nodes = []
+        references = []
+        raise InvalidFlow.new("the root", "a flow's root is a task (queue and type), not a reference") unless
+          read_flow_node(flow, "the root", nodes, references)
+
+        plan_flow(nodes, references).then { |plan| write_flow(plan, dead_max, keep_ms) }
+        nodes.map { |node| FlowTask.new(node[:queue], node[:id], node[:generated] ? node[:path] : nil) }
+      end
+    end
+
+    private
+
+    # Checks the read nodes whole (ids defined once, references defined, no cycle, no task waiting for one twice)
+    # and plans the writes: the queues in the flow's order, each with its waiting tasks and its other tasks.
+    def plan_flow(nodes, references)
+      defined = {}
+      nodes.each_with_index do |node, at|
+        name = [node[:queue], node[:id]]
+        if defined.key?(name)
+          raise InvalidFlow.new(node[:path], "task #{name.join('/')} is defined twice (first at " \
+                                             "#{nodes[defined[name]][:path]}); to wait for one task twice, refer " \
+                                             'to it with {"queue": ..., "id": ...} only')
+        end
+        defined[name] = at
+      end
+      references.each do |path, name|
+        raise InvalidFlow.new(path, "refers to task #{name.join('/')}, which the flow does not define") unless
+          defined.key?(name)
+      end
+      check_acyclic(nodes, defined)
+      up = Hash.new { |hash, name| hash[name] = [] }
+      nodes.each do |node|
+        node[:deps].each do |dep|
+          waiter = { "queue" => node[:queue], "id" => node[:id] }
+          if up[dep].include?(waiter)
+            raise InvalidFlow.new(node[:path], "task #{node[:queue]}/#{node[:id]} waits for #{dep.join('/')} twice")
+          end
+
+          up[dep] << waiter
+        end
+      end
+      plan = Hash.new { |hash, queue| hash[queue] = { waiting: [], leaves: [] } }
+      nodes.each do |node|
+        waiters = up.fetch([node[:queue], node[:id]], [])
+        envelope = { "id" => node[:id], "type" => node[:type], "data" => node[:data], "attempt" => 0 }
+        envelope["priority"] = node[:priority] if node[:priority]
+        envelope["waiters"] = waiters unless waiters.empty?
+        payload = JSON.generate(envelope)
+        if node[:deps].empty?
+          plan[node[:queue]][:leaves] << { id: node[:id], options: "0", payload: payload, call: [node[:level], 0, 0] }
+        else
+          plan[node[:queue]][:waiting] << [node, payload, JSON.generate(waiters)]
+        end
+      end
+      plan
+    end
+
+    # Writes a planned flow: every queue's waiting tasks (flow_push.lua, 1,000 a call), then every queue's tasks
+    # that wait for nothing (push.lua, a level at a time).
+    def write_flow(plan, dead_max, keep_ms)
+      plan.each do |queue, writes|
+        writes[:waiting].each_slice(BATCH_SIZE) do |chunk|
+          keys = %w[deps-waiting wake dead stats deps-outbox].map { |k| key(queue, k) }
+          argv = [queue, dead_max, keep_ms]
+          chunk.each do |node, payload, waiters|
+            keys.push(key(queue, "deps:#{node[:id]}"), key(queue, "deps-ended:#{node[:id]}"),
+                      key(queue, "ready:#{node[:level]}"))
+            argv.push(node[:id], node[:type], payload, node[:if_failed], node[:deps].size,
+                      JSON.generate(node[:deps]), waiters)
+          end
+          replies = run(FLOW_PUSH, keys, argv)
+          raise Error, "flow_push.lua answered #{replies.inspect} for #{chunk.size} tasks" unless
+            replies.is_a?(Array) && replies.size == chunk.size
+        end
+      end
+      plan.each do |queue, writes|
+        levels = levels_of(queue, [])[:levels]
+        # Stable: a level's tasks keep the flow's order.
+        push_prepared(queue, writes[:leaves].each_with_index.sort_by { |task, n| [levels.index(task[:call][0]) || levels.size, n] }
+                                            .map(&:first))
+      end
+    end
+
+    # Reads the node raw at path and, depth first, what it waits for into nodes; a reference goes to references.
+    # Returns the task it names as [queue, id] (nil for a reference at the root).
+    def read_flow_node(raw, path, nodes, references)
+      raise InvalidFlow.new(path, "a node is a JSON object") unless raw.is_a?(Hash)
+
+      unknown = raw.keys - FLOW_FIELDS
+      unless unknown.empty?
+        raise InvalidFlow.new(path, "unknown field #{unknown.first.inspect}; a node has #{FLOW_FIELDS.join(', ')}")
+      end
+      %w[queue type id priority if_failed].each do |field|
+        raise InvalidFlow.new(path, "#{field.inspect} is not a string") unless raw[field].nil? || raw[field].is_a?(String)
+      end
+      after = raw["after"] || []
+      raise InvalidFlow.new(path, '"after" is not a list of nodes') unless after.is_a?(Array)
+
+      queue = raw["queue"]
+      raise InvalidFlow.new(path, 'no "queue"') if queue.nil? || queue.empty?
+
+      if raw["type"].nil?
+        # A reference: a queue and an id, nothing else.
+        unless raw["id"]
+          raise InvalidFlow.new(path, 'no "type" (a task needs one; a reference to a task defined elsewhere needs an "id")')
+        end
+        if !raw["data"].nil? || raw["priority"] || raw["if_failed"] || !after.empty?
+          raise InvalidFlow.new(path, "no \"type\", so this refers to task #{queue}/#{raw['id']}: a reference has " \
+                                      'only "queue" and "id"')
+        end
+        references << [path, [queue, raw["id"]]]
+        return path == "the root" ? nil : [queue, raw["id"]]
+      end
+      raise InvalidFlow.new(path, '"type" is empty') if raw["type"].empty?
+
+      if_failed = raw["if_failed"] || "fail"
+      unless %w[fail continue].include?(if_failed)
+        raise InvalidFlow.new(path, "if_failed #{if_failed.inspect} is neither \"fail\" (the default) nor \"continue\"")
+      end
+      begin
+        check_queue(queue)
+      rescue InvalidArgument => e
+        raise InvalidFlow.new(path, e.message)
+      end
+      shape = levels_of(queue, [raw["priority"]].compact)
+      priority = raw["priority"]
+      if priority && !shape[:levels].include?(priority)
+        raise InvalidFlow.new(path, "queue #{queue.inspect} has no priority #{priority.inspect}; its levels are " \
+                                    "#{shape[:levels].join(', ')}")
+      end
+      raise InvalidFlow.new(path, '"id" is empty') if raw["id"] == ""
+
+      node = { queue: queue, type: raw["type"], id: raw["id"] || SecureRandom.uuid, data: raw["data"],
+               level: priority || shape[:fallback], if_failed: if_failed, priority: priority, deps: [], path: path,
+               generated: raw["id"].nil? }
+      nodes << node
+      after.each_with_index do |dep, n|
+        node[:deps] << read_flow_node(dep, path == "the root" ? "after[#{n}]" : "#{path}.after[#{n}]", nodes, references)
+      end
+      [queue, node[:id]]
+    end
+
+    # Refuses a cycle through references: a depth-first walk from every node (white, grey, black), in the order
+    # `kmqd flow push` walks, so that both name the same node.
+    def check_acyclic(nodes, defined)
+      state = Array.new(nodes.size, 0)
+      nodes.each_index do |start|
+        stack = [[start, 0]]
+        until stack.empty?
+          at, following = stack.pop
+          if following.zero?
+            next if state[at] == 2
+
+            state[at] = 1
+          end
+          dep_name = nodes[at][:deps][following]
+          if dep_name.nil?
+            state[at] = 2
+            next
+          end
+          stack << [at, following + 1]
+          dep = defined[dep_name]
+          if state[dep] == 1
+            d, w = nodes[dep], nodes[at]
+            raise InvalidFlow.new(d[:path], "task #{d[:queue]}/#{d[:id]} waits for itself through " \
+                                            "#{w[:queue]}/#{w[:id]} (a cycle); a flow must end")
+          end
+          stack << [dep, 0] if state[dep].zero?
+        end
+      end
+    end
+
+    # push.lua calls for checked tasks, one per 1,000 in a row of the same level and due time; returns the ids
+    # push.lua refused.
+    def push_prepared(queue, prepared)
+      refused = []
+      start = 0
+      while start < prepared.size
+        finish = start + 1
+        finish += 1 while finish < prepared.size && finish - start < BATCH_SIZE &&
+                          prepared[finish][:call] == prepared[start][:call]
+        begin
+          replies = push_call(queue, prepared[start...finish])
+        rescue Error => e
+          raise e.class, "after #{start} of #{prepared.size} tasks were pushed: #{e.message}" if start.positive?
+
+          raise
+        end
+        replies.each_with_index { |reply, i| refused << prepared[start + i][:id] unless reply == 1 }
+        start = finish
+      end
+      refused
+    end
+
+    public
+
+    # Every place the task is in: delayed, retrying, ready (its list, or its group's flow), processing (a daemon's
+    # claim lists, safe mode) and dead, each a Hash ("state", "level", "position", "group", "due_in_ms", "owner",
+    # "token", "lease_left_ms", "envelope", "record"), as `kmqd task show` finds them.
     def show(queue, id)
       check_queue(queue)
       @lock.synchronize { locate(queue, id, dead: true).map { |place| place.reject { |k, _| k == "holder" } } }
@@ -163,8 +387,8 @@ module Kmq
 
     # The task's result (docs/PROTOCOL.md, "Results"), polling up to wait seconds (10 ms doubling to 500 ms): a
     # Hash with "state" ("done" or "dead"), "result", "result_error", "reason", "ended_at". When the wait ends
-    # without one: a dead-lettered task gives "state" => "dead" and its record's reason; a waiting task raises
-    # Pending; a task found nowhere raises NoResult.
+    # without one: a dead-lettered task gives "state" => "dead" and its record's reason; a waiting or running task
+    # raises Pending; a task found nowhere raises NoResult.
     def result(queue, id, wait: 0)
       check_queue(queue)
       deadline = monotonic + wait
@@ -212,7 +436,7 @@ module Kmq
       end
     end
 
-    def prepare(type, data, options, levels)
+    def prepare(type, data, options, levels, now = nil)
       unknown = options.keys - PUSH_OPTIONS
       raise InvalidArgument, "unknown option(s) #{unknown.join(', ')}" unless unknown.empty?
       raise InvalidArgument, "a task needs a type" unless type.is_a?(String) && !type.empty?
@@ -230,6 +454,20 @@ module Kmq
       at = options[:at]
       raise InvalidArgument, "at #{at.inspect}: a Time" unless at.nil? || at.is_a?(Time)
 
+      # push.lua's OPTIONS_n (docs/PROTOCOL.md, "Debounce, and unique for a time"): "1" for unique, as older copies
+      # of the script read it, or "debounce", whose delay is the task's.
+      flags = options[:unique] ? "1" : "0"
+      if (debounce = options[:debounce])
+        if id.nil? || options[:unique] || options[:delay] || at
+          raise InvalidArgument, "debounce: give an id, and neither unique, delay nor at (it is the delay)"
+        end
+        raise InvalidArgument, "debounce #{debounce.inspect}: seconds, positive" unless
+          debounce.is_a?(Numeric) && (debounce * 1000).round.positive?
+
+        delay = debounce
+        flags = "debounce"
+      end
+
       traceparent = options[:traceparent]
       if traceparent && !TRACEPARENT.match?(traceparent)
         raise InvalidArgument, "traceparent #{traceparent.inspect} is not a W3C trace context"
@@ -244,6 +482,8 @@ module Kmq
       envelope["priority"] = priority if priority
       envelope["unique"] = true if options[:unique]
       envelope["group"] = group if group
+      expires_at = expiry(options[:expires_at], options[:expires_in], now)
+      envelope["expires_at"] = expires_at if expires_at
       envelope["traceparent"] = traceparent if traceparent
       envelope["tracestate"] = options[:tracestate] if options[:tracestate]
       begin
@@ -252,15 +492,39 @@ module Kmq
         raise InvalidArgument, "data of task #{type.inspect}: #{e.message}"
       end
       at_ms = at ? [(at.to_r * 1000).floor, 1].max : 0 # push.lua reads 0 as "no due time"
-      { id: id, unique: options[:unique] ? "1" : "0", payload: payload,
+      { id: id, options: flags, payload: payload,
         call: [priority || levels[:fallback], (delay * 1000).round, at_ms] }
+    end
+
+    # The envelope's expires_at (ms since the epoch on Redis's clock): from expires_at (a Time, or ms since the
+    # epoch) or expires_in (seconds after Redis's now, in ms); nil for neither.
+    def expiry(expires_at, expires_in, now)
+      raise InvalidArgument, "give expires_at: or expires_in:, not both" if expires_at && expires_in
+
+      if expires_at
+        ms = expires_at.is_a?(Time) ? (expires_at.to_r * 1000).floor : expires_at
+        raise InvalidArgument, "expires_at #{expires_at.inspect}: a Time or ms since the epoch" unless
+          ms.is_a?(Integer) && ms.positive?
+
+        return ms
+      end
+      return nil unless expires_in
+      raise InvalidArgument, "expires_in #{expires_in.inspect}: seconds, positive" unless
+        expires_in.is_a?(Numeric) && expires_in.positive?
+
+      now + (expires_in * 1000).round
+    end
+
+    def redis_now
+      seconds, micros = command(["TIME"]).map(&:to_i)
+      seconds * 1000 + micros / 1000
     end
 
     def push_call(queue, tasks)
       level, delay_ms, at_ms = tasks.first[:call]
       keys = %W[ready:#{level} delayed:#{level} delayed-tasks wake unique stats routes].map { |k| key(queue, k) }
       argv = [delay_ms, at_ms, key(queue, "delay-wake")]
-      tasks.each { |task| argv.push(task[:id], task[:unique], task[:payload]) }
+      tasks.each { |task| argv.push(task[:id], task[:options], task[:payload]) }
       replies = run(PUSH, keys, argv)
       raise Error, "push.lua answered #{replies.inspect} for #{tasks.size} tasks" unless replies.size == tasks.size
 
@@ -307,8 +571,7 @@ module Kmq
 
     def locate(queue, id, dead:)
       levels = levels_of(queue, [])[:levels]
-      seconds, micros = command(["TIME"]).map(&:to_i)
-      now = seconds * 1000 + micros / 1000
+      now = redis_now
       found = []
       envelope = command(["HGET", key(queue, "delayed-tasks"), id])
       if envelope
@@ -353,11 +616,41 @@ module Kmq
         end
       end
       if dead
+        locate_processing(queue, id, levels, now, needle, found)
         scan_list(key(queue, "dead")) do |_, record|
           found << { "state" => "dead", "record" => record } if envelope_id(record) == id
         end
       end
       found
+    end
+
+    # The task in the daemons' claim lists (safe mode; docs/PROTOCOL.md, "Key layout", processing:OWNER:L:C), as
+    # `kmqd task show` finds it: for each owner of the owners set and each level, each claim's list, leaving out the
+    # positions its settled bitmap marks (a hash token => envelope for an owner of kmqd 0.1).
+    def locate_processing(queue, id, levels, now, needle, found)
+      command(["ZRANGE", key(queue, "owners"), 0, -1, "WITHSCORES"]).each_slice(2) do |owner, deadline|
+        place = { "state" => "processing", "owner" => owner, "lease_left_ms" => deadline.to_f.to_i - now }
+        levels.each do |level|
+          claims = key(queue, "processing:#{owner}:#{level}")
+          case command(["TYPE", claims])
+          when "hash"
+            command(["HGETALL", claims]).each_slice(2) do |token, item|
+              found << place.merge("level" => level, "token" => token, "envelope" => item) if envelope_id(item) == id
+            end
+          when "zset"
+            command(["ZRANGE", claims, 0, -1]).each do |claim|
+              list = "#{claims}:#{claim}"
+              settled = (command(["GET", "#{list}:settled"]) || "").b
+              scan_list(list) do |position, item|
+                next if (settled.getbyte(position >> 3) || 0)[7 - (position & 7)] == 1
+                next unless item.include?(needle) && envelope_id(item) == id
+
+                found << place.merge("level" => level, "token" => "#{claim}.#{position}", "envelope" => item)
+              end
+            end
+          end
+        end
+      end
     end
 
     def scan_list(list)

@@ -15,7 +15,7 @@ class ClientTest < Minitest::Test
 
   # The scripts this gem ships are the broker's, byte for byte (scripts/test also compares them with cmp).
   def test_shipped_scripts_are_the_brokers_byte_for_byte
-    %w[push.lua checks.lua remove.lua].each do |name|
+    %w[push.lua checks.lua remove.lua deps.lua flow_push.lua].each do |name|
       theirs = File.join(__dir__, "..", "..", "..", "src", "broker", "scripts", name)
       skip "not in a kmqd checkout" unless File.exist?(theirs)
       assert_equal File.binread(theirs), File.binread(File.join(__dir__, "..", "lib", "kmq", name)),
@@ -53,7 +53,11 @@ class ClientTest < Minitest::Test
       "unique without id" => { unique: true },
       "bad traceparent" => { traceparent: "nope" },
       "negative delay" => { delay: -1 },
-      "unknown option" => { expires_at: 5 },
+      "unknown option" => { unique_for: 5 },
+      "debounce without id" => { debounce: 5 },
+      "debounce and delay" => { id: "d", debounce: 5, delay: 1 },
+      "expiry both ways" => { expires_at: Time.now + 60, expires_in: 60 },
+      "expiry not positive" => { expires_in: 0 },
     }.each do |what, options|
       assert_raises(Kmq::InvalidArgument, what) { @client.push("mail", "mail.send", nil, **options) }
     end
@@ -68,6 +72,12 @@ class ClientTest < Minitest::Test
     @client.push("mail", "t", nil, priority: "high")
     @client.push("mail", "t")
     assert_equal [1, 1], [redis.llen("kmq:{mail}:ready:high"), redis.llen("kmq:{mail}:ready:low")]
+    # The rule of every client (docs/CLIENTS.md): a priority the kept levels lack reads them again before it is
+    # refused, so a level an operator adds is known at the first push that names it.
+    redis.hset("kmq:{mail}:meta", "levels", "urgent,high,low")
+    @client.push("mail", "t", nil, priority: "urgent")
+    assert_equal 1, redis.llen("kmq:{mail}:ready:urgent")
+    assert_raises(Kmq::UnknownPriority) { @client.push("mail", "t", nil, priority: "normal") }
   end
 
   def test_redis_unreachable_raises_unreachable
@@ -103,6 +113,34 @@ class ClientTest < Minitest::Test
     assert_equal "3", redis.info("commandstats")["evalsha"]["calls"]
     last = redis.lindex("kmq:{mail}:ready:normal", -1)
     assert_equal [ids.last, 2499], JSON.parse(last).values_at("id", "data")
+  end
+
+  # 1,001 waiting tasks of one queue take two flow_push.lua calls (each all or nothing, none too long for Redis),
+  # and the task they all wait for is pushed last, carrying every one of them as a waiter.
+  def test_a_flow_of_more_waiting_tasks_than_a_call_takes_is_written_in_calls_of_1000
+    parts = Array.new(1001) do |n|
+      { queue: "parts", type: "part.build", id: "p-#{n}", after: [{ queue: "fetch", id: "f" }] }
+    end
+    parts[0][:after] = [{ queue: "fetch", type: "fetch.csv", id: "f" }]
+    tasks = @client.push_flow({ queue: "reports", type: "report.merge", id: "r", after: parts })
+    assert_equal 1003, tasks.size
+    assert_equal %w[r p-0 f], tasks.first(3).map(&:id)
+    # reports: 1 call, parts: 2, fetch's push: 1.
+    assert_equal "4", redis.info("commandstats")["evalsha"]["calls"]
+    assert_equal 1001, redis.hlen("kmq:{parts}:deps-waiting")
+    assert_equal 1001, JSON.parse(redis.lindex("kmq:{fetch}:ready:normal", 0))["waiters"].size
+  end
+
+  def test_a_bad_flow_names_the_node_and_writes_nothing
+    [[{ queue: "a", type: "t", after: [{ queue: "b", type: "t", colour: 1 }] }, "after[0]", "colour"],
+     [{ queue: "a", type: "t", after: [{ queue: "b", type: "t", after: [7] }] }, "after[0].after[0]", "JSON object"],
+     [{ queue: "a", id: "x" }, "the root", "not a reference"],
+     ['{"queue": "a"', "the root", "not JSON"]].each do |flow, path, reason|
+      error = assert_raises(Kmq::InvalidFlow) { @client.push_flow(flow) }
+      assert_equal path, error.path
+      assert_includes error.message, reason
+    end
+    assert_empty redis.keys("*")
   end
 
   def test_show_and_cancel_a_waiting_task

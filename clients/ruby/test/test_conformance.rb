@@ -6,7 +6,7 @@ class ConformanceTest < Minitest::Test
   FOLDER = ENV.fetch("KMQ_CONFORMANCE_CASES", File.join(__dir__, "..", "..", "conformance", "cases"))
   ERRORS = {
     "duplicate" => Kmq::DuplicateError, "invalid_argument" => Kmq::InvalidArgument,
-    "unknown_priority" => Kmq::UnknownPriority, "unreachable" => Kmq::Unreachable, "reply_lost" => Kmq::ReplyLost,
+    "unknown_priority" => Kmq::UnknownPriority, "invalid_flow" => Kmq::InvalidFlow, "unreachable" => Kmq::Unreachable, "reply_lost" => Kmq::ReplyLost,
     "pending" => Kmq::Pending, "no_result" => Kmq::NoResult
   }.freeze
   UUID = /\A\h{8}-\h{4}-\h{4}-\h{4}-\h{12}\z/.freeze
@@ -43,6 +43,7 @@ class ConformanceTest < Minitest::Test
       end
       if expect.key?("error")
         assert_kind_of ERRORS.fetch(expect["error"]), got, "#{where}: want the error #{expect['error']}"
+        assert_equal expect["at"], got.path, "#{where}: #{got.message}" if expect.key?("at")
         next
       end
       raise got if got.is_a?(Exception)
@@ -70,6 +71,8 @@ class ConformanceTest < Minitest::Test
     when "push_batch"
       tasks = call["tasks"].map { |task| [task["type"], task["data"], options(task["options"])] }
       { "ids" => client.push_batch(queue, tasks) }
+    when "push_flow"
+      { "tasks" => client.push_flow(call["flow"]).map { |task| { "queue" => task.queue, "id" => task.id } } }
     when "cancel" then { "removed" => client.cancel(queue, call["id"]) }
     when "show" then { "found" => client.show(queue, call["id"]) }
     when "result"
@@ -84,6 +87,9 @@ class ConformanceTest < Minitest::Test
       case name
       when "delay_ms" then [:delay, value / 1000.0]
       when "at_ms" then [:at, Time.at(Rational(value, 1000))]
+      when "expires_in_ms" then [:expires_in, value / 1000.0]
+      when "expires_at_ms" then [:expires_at, value]
+      when "debounce_ms" then [:debounce, value / 1000.0]
       else [name.to_sym, value]
       end
     end
