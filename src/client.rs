@@ -28,8 +28,11 @@ use crate::task::{self, Envelope};
 /// The most tasks sent in one enqueue script call. Bounded so that one call never holds Redis for long.
 pub(crate) const PUSH_CHUNK: usize = 1000;
 
-/// A task of [`Client::push_batch`] ready to send: (level, due, (unique, debounce), envelope, id).
-type Prepared = (usize, Due, (bool, bool), String, String);
+/// The longest `unique_for` push.lua takes: 12 digits of ms (about 31 years).
+pub const MAX_UNIQUE_FOR_MS: u64 = 999_999_999_999;
+
+/// A task of [`Client::push_batch`] ready to send: (level, due, (unique, debounce, unique for ms), envelope, id).
+type Prepared = (usize, Due, (bool, bool, u64), String, String);
 
 /// A task to enqueue.
 #[derive(Clone, Debug)]
@@ -54,6 +57,9 @@ pub struct NewTask {
     /// Replace the delayed task of this id, if one waits, and start `due` after this push (needs an id and a
     /// delay, not `unique`; docs/PROTOCOL.md, "Debounce, and unique for a time").
     pub debounce: bool,
+    /// With `unique`: the id stays held this long after the task ended, so that one task of the id runs per such
+    /// window (docs/PROTOCOL.md, "Debounce, and unique for a time"); `None`: freed as the task ends.
+    pub unique_for: Option<Duration>,
 }
 
 /// A task's expiry, on Redis's clock.
@@ -87,6 +93,7 @@ impl NewTask {
             trace: None,
             expires: None,
             debounce: false,
+            unique_for: None,
         }
     }
 
@@ -102,6 +109,14 @@ impl NewTask {
 
     pub fn unique(mut self) -> NewTask {
         self.unique = true;
+        self
+    }
+
+    /// Unique, and its id stays held `hold` after the task ended (at least 1 ms): a throttle of one run per
+    /// window. Needs an id.
+    pub fn unique_for(mut self, hold: Duration) -> NewTask {
+        self.unique = true;
+        self.unique_for = Some(hold);
         self
     }
 
@@ -415,7 +430,15 @@ impl Client {
                     Cow::Owned(serde_json::value::to_raw_value(&at_ms).expect("an integer")),
                 ));
             }
-            let options = (task.unique, task.debounce);
+            let unique_for_ms = task.unique_for.map_or(0, |hold| {
+                u64::try_from(hold.as_millis()).unwrap_or(u64::MAX)
+            });
+            if task.unique_for.is_some() && !(1..=MAX_UNIQUE_FOR_MS).contains(&unique_for_ms) {
+                return Err(ClientError::Data(format!(
+                    "unique_for must be 1 ms to {MAX_UNIQUE_FOR_MS} ms, not {unique_for_ms} ms"
+                )));
+            }
+            let options = (task.unique, task.debounce, unique_for_ms);
             prepared.push((level, task.due, options, envelope.encode(), id));
         }
         let mut results = Vec::with_capacity(prepared.len());
@@ -424,12 +447,15 @@ impl Client {
             for chunk in group.chunks(PUSH_CHUNK) {
                 let items: Vec<PushItem<'_>> = chunk
                     .iter()
-                    .map(|(_, _, (unique, debounce), envelope, id)| PushItem {
-                        id,
-                        unique: *unique,
-                        debounce: *debounce,
-                        envelope,
-                    })
+                    .map(
+                        |(_, _, (unique, debounce, unique_for_ms), envelope, id)| PushItem {
+                            id,
+                            unique: *unique,
+                            debounce: *debounce,
+                            unique_for_ms: *unique_for_ms,
+                            envelope,
+                        },
+                    )
                     .collect();
                 let (level, due) = (chunk[0].0, chunk[0].1);
                 let accepted = broker::push(&mut connection, &info.keys, level, due, &items)?;
@@ -490,6 +516,7 @@ impl Client {
                             debounce: false,
                             id: &leaf.id,
                             unique: false,
+                            unique_for_ms: 0,
                             envelope: &leaf.envelope,
                         })
                         .collect();

@@ -1705,7 +1705,10 @@ mod tests {
             for script in scripts {
                 for command in script_commands(script) {
                     if role == Role::Producer
-                        && matches!(command.as_str(), "type" | "hget" | "hset" | "zscore")
+                        && matches!(
+                            command.as_str(),
+                            "type" | "hget" | "hset" | "zscore" | "exists"
+                        )
                     {
                         assert!(
                             script.contains(&format!(

@@ -286,13 +286,21 @@ pub mod sources {
         include_str!("scripts/pop.lua")
     );
     pub const TAKE: &str = include_str!("scripts/take.lua");
-    pub const RELEASE_UNIQUE: &str = checked!(#!lua "scripts/release_unique.lua");
-    /// results.lua, the results a settle keeps (`keep_results`), and after.lua, the notes it writes for the tasks
-    /// of a flow that wait (docs/design/flows.md), go before settle.lua (after the shebang).
+    /// unique_hold.lua frees a unique id as its task ends, leaving the hold of a `unique_for` task: before
+    /// release_unique.lua and settle.lua, the two scripts that end a task's hold on its id.
+    pub const RELEASE_UNIQUE: &str = concat!(
+        "#!lua\n",
+        include_str!("scripts/checks.lua"),
+        include_str!("scripts/unique_hold.lua"),
+        include_str!("scripts/release_unique.lua")
+    );
+    /// results.lua, the results a settle keeps (`keep_results`), after.lua, the notes it writes for the tasks
+    /// of a flow that wait (docs/design/flows.md), and unique_hold.lua go before settle.lua (after the shebang).
     pub const SETTLE: &str = concat!(
         "#!lua\n",
         include_str!("scripts/results.lua"),
         include_str!("scripts/after.lua"),
+        include_str!("scripts/unique_hold.lua"),
         include_str!("scripts/settle.lua")
     );
     pub const RENEW: &str = checked!(#!lua "scripts/renew.lua");

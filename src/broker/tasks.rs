@@ -1,5 +1,6 @@
 //! A task's life in Redis: push, claim (safe) or pop (default), settle, owners and their leases, promote.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -34,6 +35,9 @@ pub struct PushItem<'a> {
     /// Replace the delayed task of this id at this level, if one waits (docs/PROTOCOL.md, "Debounce, and unique
     /// for a time"); the call must delay.
     pub(crate) debounce: bool,
+    /// With `unique`: the id stays held this many ms after the task ended (0: freed as it ends; docs/PROTOCOL.md,
+    /// "Debounce, and unique for a time").
+    pub(crate) unique_for_ms: u64,
     pub(crate) envelope: &'a str,
 }
 
@@ -70,10 +74,11 @@ pub fn push(
     for item in items {
         invocation
             .arg(item.id)
-            .arg(match (item.unique, item.debounce) {
-                (_, true) => "debounce",
-                (true, false) => "1",
-                (false, false) => "0",
+            .arg(match (item.unique, item.debounce, item.unique_for_ms) {
+                (_, true, _) => Cow::Borrowed("debounce"),
+                (true, false, 0) => Cow::Borrowed("1"),
+                (true, false, ms) => Cow::Owned(format!("unique_for={ms}")),
+                (false, false, _) => Cow::Borrowed("0"),
             })
             .arg(item.envelope);
     }

@@ -33,6 +33,10 @@ pub struct PushArgs {
     /// Refuse the push (exit 3) while a task with this --id is delayed, ready or processing.
     #[arg(long, requires = "id")]
     pub unique: bool,
+    /// Unique (as --unique), and the id stays held this long after its task ended: one run of the id per such
+    /// window ("1h"; at least 1ms).
+    #[arg(long, value_parser = humantime::parse_duration, requires = "id", conflicts_with = "unique")]
+    pub unique_for: Option<Duration>,
     /// The task's group, for a queue with [queues.groups]: groups take turns, each within its own limits (1 to 64
     /// bytes; default: the group of tasks without one).
     #[arg(long)]
@@ -46,7 +50,7 @@ pub struct PushArgs {
     /// Start the task this long after the push, replacing the task of its --id that still waits for its own
     /// start (its data and start time): only the last push of a burst less than this apart runs ("5s").
     #[arg(long, value_parser = humantime::parse_duration, requires = "id",
-          conflicts_with_all = ["unique", "delay", "at"])]
+          conflicts_with_all = ["unique", "unique_for", "delay", "at"])]
     pub debounce: Option<Duration>,
     /// Dead-letter the task unrun (reason "expired") when no worker started it within this long of the push, on
     /// Redis's clock ("10m", "1h"); with --stdin, every task of the input.
@@ -106,20 +110,24 @@ pub(super) fn run_push(config: &Config, args: PushArgs) -> Result<(), Failure> {
         task::data_from_str(args.data.as_deref().unwrap_or("null")).map_err(Failure::Usage)?;
     let mut task = prepare(data);
     task.id = args.id;
-    task.unique = args.unique;
+    task.unique = args.unique || args.unique_for.is_some();
+    task.unique_for = args.unique_for;
     task.debounce = args.debounce.is_some();
+    let unique = task.unique;
     match client.push(&args.queue, task)? {
         Pushed::Accepted(id) => {
             println!("{id}");
             Ok(())
         }
-        Pushed::Duplicate(id) if due != Due::Now && !args.unique => Err(Failure::Refused(format!(
+        Pushed::Duplicate(id) if due != Due::Now && !unique => Err(Failure::Refused(format!(
             "a delayed task {id} is already waiting; to reschedule it, cancel it first (kmqd task cancel {} {id})",
             args.queue
         ))),
         Pushed::Duplicate(id) => Err(Failure::Refused(format!(
             "task {id} is already queued (delayed, ready or processing){}",
-            if args.unique {
+            if args.unique_for.is_some() {
+                ", or its unique_for window after its end is still running"
+            } else if args.unique {
                 "; a unique id is accepted again once that task is done or dead"
             } else {
                 ""

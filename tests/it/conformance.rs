@@ -237,6 +237,7 @@ fn new_task(kind: &Value, data: &Value, options: &Value) -> kmqd::NewTask {
             "expires_at_ms" => task.expires_at(value.as_i64().unwrap()),
             "expires_in_ms" => task.expires_in(Duration::from_millis(value.as_u64().unwrap())),
             "debounce_ms" => task.debounce(Duration::from_millis(value.as_u64().unwrap())),
+            "unique_for_ms" => task.unique_for(Duration::from_millis(value.as_u64().unwrap())),
             "traceparent" => {
                 let state = options["tracestate"].as_str().map(str::to_string);
                 task.trace(value.as_str().unwrap(), state)

@@ -156,3 +156,61 @@ fn push_lua_refuses_an_unknown_option_and_a_debounce_without_a_delay_writing_not
         assert!(keys.is_empty(), "{options}: nothing written: {keys:?}");
     }
 }
+
+/// Unique for a time: a task pushed with `unique_for` keeps its id held after it ended (done, or dead), so a unique
+/// push of the id is refused until the window has passed, and accepted after; the hold is a key that expires by
+/// itself (no sweeper). A plain unique id is free as its task ends, as before.
+fn a_unique_for_id_stays_held_for_its_window_after_its_task_ended(mode: &str) {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &queue(mode));
+    let daemon = TestDaemon::start(&config);
+    let client = client(&config);
+    let push = |id: &str, n: usize, fail: bool, hold: Option<Duration>| {
+        let task = NewTask::new("test", &data(n, fail)).unwrap().id(id);
+        let task = match hold {
+            Some(hold) => task.unique_for(hold),
+            None => task.unique(),
+        };
+        client.push("jobs", task).unwrap().is_accepted()
+    };
+    let window = Duration::from_secs(600);
+    assert!(push("done-1", 0, false, Some(window)), "{mode}");
+    assert!(push("dead-1", 1, true, Some(window)), "{mode}");
+    assert!(push("plain-1", 2, false, None), "{mode}");
+    assert!(
+        push("short-1", 3, false, Some(Duration::from_millis(300))),
+        "{mode}"
+    );
+    eventually(Duration::from_secs(20), "the four tasks to end", || {
+        let s = stats(&config, "jobs");
+        (s.done == 3 && s.dead_lettered == 1, s)
+    });
+    for id in ["done-1", "dead-1"] {
+        // Held after the end, by a key whose expiry is the window: refused, whether plain unique or unique_for.
+        let ttl: i64 = redis.cmd(&["PTTL", &format!("kmq:{{jobs}}:unique:held:{id}")]);
+        assert!(
+            ttl > 0 && ttl <= window.as_millis() as i64,
+            "{mode} {id}: {ttl}"
+        );
+        assert!(!push(id, 9, false, None), "{mode} {id}");
+        assert!(!push(id, 9, false, Some(window)), "{mode} {id}");
+    }
+    // A plain unique id is free once its task ended.
+    assert!(push("plain-1", 9, false, None), "{mode}");
+    // A short window passes by itself: the id is accepted again.
+    eventually(Duration::from_secs(20), "the short hold to pass", || {
+        (push("short-1", 9, false, None), ())
+    });
+    daemon.stop();
+}
+
+#[test]
+fn a_unique_for_id_stays_held_for_its_window_after_its_task_ended_in_safe_mode() {
+    a_unique_for_id_stays_held_for_its_window_after_its_task_ended("safe");
+}
+
+#[test]
+fn a_unique_for_id_stays_held_for_its_window_after_its_task_ended_in_default_mode() {
+    a_unique_for_id_stays_held_for_its_window_after_its_task_ended("default");
+}

@@ -34,6 +34,8 @@ from .errors import (
 PUSH_CHUNK = 1000
 #: A group's name is 1 to 64 bytes of UTF-8 (docs/PROTOCOL.md, "The envelope").
 MAX_GROUP_BYTES = 64
+#: The longest unique_for push.lua takes, in ms: 12 digits (about 31 years).
+MAX_UNIQUE_FOR_MS = 999_999_999_999
 #: The envelope's encoding: compact, UTF-8 as it is (as kmqd's own pushes), no NaN (not JSON).
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 #: Pages of list reads when looking a task up: bounded replies, whatever a list's length.
@@ -89,6 +91,9 @@ class Task(NamedTuple):
     #: for its own start (its data and start time), so that only the last push of a burst runs; needs an id, not
     #: with ``unique``, ``delay`` or ``at`` (docs/PROTOCOL.md, "Debounce, and unique for a time").
     debounce: Optional[Seconds] = None
+    #: Seconds (or a timedelta): unique, and the id stays held that long after its task ended, so that one task of
+    #: the id runs per such window; needs an id (docs/PROTOCOL.md, "Debounce, and unique for a time").
+    unique_for: Optional[Seconds] = None
 
 
 class FlowTask(NamedTuple):
@@ -118,7 +123,7 @@ class _Prepared(NamedTuple):
     after_ms: int
     at_ms: int
     id: str
-    #: push.lua's OPTIONS_n: "0", "1" (unique) or "debounce".
+    #: push.lua's OPTIONS_n: "0", "1" (unique), "unique_for=MS" or "debounce".
     options: str
     envelope: str
 
@@ -299,13 +304,16 @@ class Client:
         tracestate: Optional[str] = None,
         expires_at: Optional[When] = None,
         debounce: Optional[Seconds] = None,
+        unique_for: Optional[Seconds] = None,
     ) -> str:
         """Queues one task; returns its id (``id``, or a new random UUID). ``delay`` (seconds, or a timedelta) is
         counted on Redis's clock; ``at`` is a timezone-aware datetime or seconds since the epoch, and so is
         ``expires_at`` (a task not started by then is dead-lettered unrun, reason "expired"). ``debounce``
-        (seconds, with ``id``) delays the task and replaces the task of its id that still waits. Raises
+        (seconds, with ``id``) delays the task and replaces the task of its id that still waits. ``unique_for``
+        (seconds, with ``id``) makes it unique and keeps its id held that long after it ended. Raises
         :class:`DuplicateTask` when a unique id is live."""
-        task = Task(type, data, id, priority, delay, at, unique, group, traceparent, tracestate, expires_at, debounce)
+        task = Task(type, data, id, priority, delay, at, unique, group, traceparent, tracestate, expires_at, debounce,
+                    unique_for)
         pushed = self.push_batch(queue, [task])[0]
         if not pushed.accepted:
             raise DuplicateTask(queue, pushed.id)
@@ -349,7 +357,8 @@ class Client:
             raise InvalidArgument("a task needs a type (a non-empty string): it selects the handler")
         if task.id is not None and (not isinstance(task.id, str) or not task.id):
             raise InvalidArgument("id: give a non-empty string, or None for a random UUID")
-        if task.unique and task.id is None:
+        unique = task.unique or task.unique_for is not None
+        if unique and task.id is None:
             raise InvalidArgument("a unique task needs an id: uniqueness is per id")
         if task.group is not None and (
             not isinstance(task.group, str) or not 1 <= len(task.group.encode("utf-8")) <= MAX_GROUP_BYTES
@@ -358,9 +367,14 @@ class Client:
         if task.priority is not None and task.priority not in levels:
             raise UnknownPriority(queue, task.priority, levels)
         after_ms = at_ms = 0
-        options = "1" if task.unique else "0"
+        options = "1" if unique else "0"
+        if task.unique_for is not None:
+            hold = _ms(task.unique_for)
+            if not 1 <= hold <= MAX_UNIQUE_FOR_MS:
+                raise InvalidArgument(f"unique_for {task.unique_for!r}: give 1 ms to {MAX_UNIQUE_FOR_MS} ms")
+            options = f"unique_for={hold}"
         if task.debounce is not None:
-            if task.id is None or task.unique or task.delay is not None or task.at is not None:
+            if task.id is None or unique or task.delay is not None or task.at is not None:
                 raise InvalidArgument("debounce: give an id, and neither unique, delay nor at (it is the delay)")
             after_ms = _ms(task.debounce)
             if after_ms <= 0:
@@ -376,7 +390,7 @@ class Client:
         envelope: Dict[str, Any] = {"id": task_id, "type": task.type, "data": task.data, "attempt": 0}
         if task.priority is not None:
             envelope["priority"] = task.priority
-        if task.unique:
+        if unique:
             envelope["unique"] = True
         if task.group is not None:
             envelope["group"] = task.group

@@ -33,6 +33,8 @@ def task_options(options: Dict[str, Any]) -> Dict[str, Any]:
             mapped["at"] = dt.datetime.fromtimestamp(value / 1000, dt.timezone.utc)
         elif name == "debounce_ms":
             mapped["debounce"] = dt.timedelta(milliseconds=value)
+        elif name == "unique_for_ms":
+            mapped["unique_for"] = dt.timedelta(milliseconds=value)
         elif name == "expires_at_ms":
             mapped["expires_at"] = dt.datetime.fromtimestamp(value / 1000, dt.timezone.utc)
         elif name in ("id", "priority", "unique", "group", "traceparent", "tracestate"):

@@ -11,9 +11,14 @@
 -- ARGV[2] due time in ms since the epoch (0: none; wins over ARGV[1])
 -- ARGV[3] the delay poller's channel    P:{Q}:delay-wake
 -- ARGV[4..] triples: task id, options, envelope JSON (whose "id" should be the same id). Options: "1" (unique),
--- "0" (none), or a comma-separated list of words: "unique", "debounce" (a delayed task that replaces the delayed
--- task of its id at this level, its due time moved to this call's; docs/PROTOCOL.md, "Debounce, and unique for a
--- time"). An unknown word refuses the call, so that an option is never silently dropped.
+-- "0" (none), or a comma-separated list of words: "unique", "unique_for=MS" (unique, and the id stays held MS ms
+-- after its task ended), "debounce" (a delayed task that replaces the delayed task of its id at this level, its
+-- due time moved to this call's; docs/PROTOCOL.md, "Debounce, and unique for a time"). An unknown word refuses the
+-- call, so that an option is never silently dropped.
+-- Unique for a time. A unique_for task's field in the unique hash is "NOW:MS"; the settle that ends it (settle.lua,
+-- unique_hold.lua) leaves the string key UNIQUE_HASH:held:ID behind it, expiring MS later by itself, and every unique
+-- push here is refused while that key exists. (Built from KEYS[5]'s name, so in its slot; a producer's user
+-- without `+exists` on it, made from an older kmqd's rules, pushes as before without seeing holds.)
 -- A delayed task and a unique task need an id. Returns one integer per task: 1 accepted (or, debounced, replaced),
 -- 0 refused (its unique id is live, or a delayed task with its id is already waiting; debounced: at another
 -- level).
@@ -94,15 +99,21 @@ local delayed = due > now
 -- Refuse the whole call before writing anything when an id is missing or an option unknown. Options other than
 -- "0" and "1" are read into `uniques` and `debounces` (by the task's index), so a plain push builds no table entry
 -- and, but for this loop's one comparison, looks at neither (`listed`).
-local uniques, debounces, listed = {}, {}, false
+local uniques, debounces, hold_for, listed = {}, {}, {}, false
 for i = 4, #ARGV, 3 do
   local options = ARGV[i + 1]
   if options ~= '0' and options ~= '1' then
     listed = true
     local task = ' (task ' .. ((i - 1) / 3) .. '); nothing was written'
     for word in string.gmatch(options, '[^,]+') do
+      -- A hold of 1 ms to about 30 years.
+      local ms = string.match(word, '^unique_for=([1-9]%d*)$')
+      if ms and #ms > 12 then ms = nil end
       if word == 'unique' then
         uniques[i] = true
+      elseif ms then
+        uniques[i] = true
+        hold_for[i] = ms
       elseif word == 'debounce' then
         debounces[i] = true
       else
@@ -206,6 +217,8 @@ if not delayed and #KEYS >= 7 and redis.acl_check_cmd('HGET', KEYS[7], 'groups')
   end
 end
 local result, ready, accepted, replaced = {}, {}, 0, 0
+-- Whether this call's user may read the holds of unique_for ids (see "Unique for a time"): asked once.
+local sees_holds = nil
 local earliest = nil
 if delayed then
   local head = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
@@ -214,8 +227,16 @@ end
 for i = 4, #ARGV, 3 do
   local id, unique, envelope = ARGV[i], ARGV[i + 1] == '1' or (listed and uniques[i] == true), ARGV[i + 2]
   local ok = 1
-  if unique and redis.call('HSETNX', KEYS[5], id, now) == 0 then
-    ok = 0
+  if unique then
+    if sees_holds == nil then
+      sees_holds = redis.acl_check_cmd('EXISTS', KEYS[5] .. ':held:' .. id)
+    end
+    local held = listed and hold_for[i]
+    if sees_holds and redis.call('EXISTS', KEYS[5] .. ':held:' .. id) == 1 then
+      ok = 0
+    elseif redis.call('HSETNX', KEYS[5], id, held and string.format('%d', now) .. ':' .. held or now) == 0 then
+      ok = 0
+    end
   end
   if ok == 1 then
     -- Stamp the enqueue time on Redis's clock unless the producer set one.

@@ -9,11 +9,13 @@
 local wrong_type = type_check('release_unique.lua')
 local refused = wrong_type(KEYS[1], 'hash') or wrong_type(KEYS[2], 'hash')
 if refused then return refused end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local released = 0
 for i = 2, #ARGV do
   if redis.call('HGET', KEYS[2], ARGV[i]) == ARGV[1] then
     redis.call('HDEL', KEYS[2], ARGV[i])
-    redis.call('HDEL', KEYS[1], ARGV[i])
+    free_unique_id(KEYS[1], ARGV[i], now)
     released = released + 1
   end
 end

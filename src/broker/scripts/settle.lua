@@ -576,7 +576,7 @@ while i <= #ARGV do
     if op == 'ack' then
       done = done + 1
       if uid ~= '' and holds then
-        redis.call('HDEL', uniq, uid)
+        free_unique_id(uniq, uid, now)
       end
     elseif op == 'throttle' then
       throttled = throttled + 1
@@ -640,7 +640,7 @@ while i <= #ARGV do
       dead_lettered = dead_lettered + 1
       redis.call('LPUSH', dead, '{"dead_at":' .. string.format('%d', now) .. ',' .. string.sub(payload, 2))
       if uid ~= '' and holds then
-        redis.call('HDEL', uniq, uid)
+        free_unique_id(uniq, uid, now)
       end
     end
   end
