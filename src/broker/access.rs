@@ -128,6 +128,7 @@ impl Role {
                 ("~", "{*}:ring:*"),
                 ("~", "{*}:sched"),
                 ("~", "{*}:park:*"),
+                ("~", "{*}:deps-outbox"),
             ],
         }
     }
@@ -605,6 +606,8 @@ enum Kind {
     Park,
     /// A queue's kept results (`keep_results`: results.lua, in settle.lua): the index of its buckets and a bucket.
     Result,
+    /// A queue's flow outbox (`deps-outbox`: notes to the tasks waiting for its tasks; docs/design/flows.md).
+    DepsOutbox,
 }
 
 /// What a command touches.
@@ -1059,6 +1062,11 @@ const DEAD_REQUEUE: &[(&str, On)] = &[
     ("hincrby", key(K::Stats)),
     ("lpush", key(K::Wake)),
     ("ltrim", key(K::Wake)),
+    // A requeued task of a flow withdraws its dead run from its waiters: a note at the head of its queue's
+    // outbox (docs/design/flows.md, "A requeued dependency").
+    ("evalsha", key(K::DepsOutbox)),
+    ("lpush", key(K::DepsOutbox)),
+    ("type", key(K::DepsOutbox)),
     // dead_requeue.lua checks its keys' types and its counter before it writes.
     ("type", key(K::Dead)),
     ("type", key(K::Unique)),
@@ -1239,6 +1247,7 @@ fn names(keys: &QueueKeys, kind: Kind) -> Vec<String> {
         Kind::Hold => vec![keys.group_hold("acme")],
         Kind::Park => vec![keys.park("g:acme"), keys.park("t:slow")],
         Kind::Result => vec![keys.results_index(), keys.results_bucket(0)],
+        Kind::DepsOutbox => vec![keys.deps_outbox()],
     }
 }
 

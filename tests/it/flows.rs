@@ -235,6 +235,124 @@ fn a_dead_dependency_fails_its_waiters_unrun_up_the_graph_unless_they_continue()
     daemon.stop();
 }
 
+/// The dead letter of `id` in queue `a` once it is there (the newest), with its task's `data` replaced by
+/// `data` when given (an operator who fixed the cause before requeueing it); returns its task.
+fn dead_letter_of(
+    redis: &RedisServer,
+    id: &str,
+    data: Option<serde_json::Value>,
+) -> serde_json::Value {
+    let (at, record): (usize, String) = eventually(
+        Duration::from_secs(30),
+        &format!("{id} dead-lettered"),
+        || {
+            let dead: Vec<String> = redis.cmd(&["LRANGE", "kmq:{a}:dead", "0", "-1"]);
+            let found = dead.iter().enumerate().find(|(_, record)| {
+                serde_json::from_str::<serde_json::Value>(record).unwrap()["id"] == id
+            });
+            (
+                found.is_some(),
+                found.map(|(at, r)| (at, r.clone())).unwrap_or_default(),
+            )
+        },
+    );
+    let mut record: serde_json::Value = serde_json::from_str(&record).unwrap();
+    let mut task: serde_json::Value =
+        serde_json::from_str(record["task"].as_str().unwrap()).unwrap();
+    if let Some(data) = data {
+        task["data"] = data;
+        record["task"] = serde_json::Value::String(task.to_string());
+        let _: () = redis.cmd(&["LSET", "kmq:{a}:dead", &at.to_string(), &record.to_string()]);
+    }
+    task
+}
+
+/// `kmqd dead requeue` of a dead dependency re-arms the task that waits for it while it still waits (here under
+/// `if_failed = "continue"`): it waits for the requeued run, even when its other dependency ends meanwhile, and
+/// runs with that run's outcome, not the dead run's. Requeued twice (dead again, then done), it runs once, after
+/// the last run ended, with the last run's outcome. Without the withdrawal the requeue writes, the waiter is
+/// released with the dead run as soon as its other dependency ends.
+#[test]
+fn a_requeued_dead_dependency_re_arms_its_waiting_task_which_runs_with_the_new_outcome() {
+    let (redis, dir, config, daemon) = served("");
+    let (gate, fixed) = (dir.path("gate"), dir.path("fixed"));
+    flow_push(
+        &config,
+        &format!(
+            r#"{{"queue": "b", "type": "test", "id": "merge", "if_failed": "continue",
+                "after": [{{"queue": "a", "type": "test", "id": "flaky", "data": {{"outcome": "fail"}}}},
+                          {{"queue": "a", "type": "test", "id": "slow",
+                            "data": {{"wait_for_file": {:?}}}}}]}}"#,
+            gate.to_str().unwrap()
+        ),
+    );
+    let requeue = || kmqd_ok(&config, &["dead", "requeue", "a", "flaky"]);
+    let merge = || flow_show(&config, "b", "merge");
+    // The dead run is recorded at the waiter, which waits for `slow`.
+    let task = dead_letter_of(&redis, "flaky", None);
+    assert!(task.get("run").is_none(), "{task}");
+    eventually(
+        Duration::from_secs(10),
+        "the dead run recorded at merge",
+        || {
+            let shown = merge();
+            (shown["after"][0]["state"] == "dead", shown)
+        },
+    );
+    // Requeued as it is: it runs (run 1) and is dead again.
+    requeue();
+    eventually(Duration::from_secs(30), "flaky's second run to end", || {
+        let runs = dir.records().runs_of("flaky");
+        (runs == 2, runs)
+    });
+    // Fixed (it now waits for a file, then is done), and requeued again: run 2.
+    let data = serde_json::json!({"wait_for_file": fixed.to_str().unwrap(), "result": "fixed"});
+    let task = dead_letter_of(&redis, "flaky", Some(data));
+    assert_eq!(task["run"], 1, "{task}");
+    requeue();
+    eventually(
+        Duration::from_secs(30),
+        "flaky's third run to start",
+        || {
+            let runs = dir.records().runs_of("flaky");
+            (runs == 3, runs)
+        },
+    );
+    // `slow` ends while run 2 runs: merge records it, and still waits (for run 2, not the dead run 1).
+    std::fs::write(&gate, b"").unwrap();
+    let shown = eventually(Duration::from_secs(30), "slow recorded at merge", || {
+        let shown = merge();
+        (shown["after"][1]["state"] == "done", shown)
+    });
+    assert_eq!(shown["state"], "waiting", "{shown}");
+    std::fs::write(&fixed, b"").unwrap();
+    wait_ended(&dir, "merge", Duration::from_secs(30));
+    let records = dir.records();
+    assert_eq!(records.runs_of("merge"), 1, "{:#?}", records.lines);
+    let last_flaky = records
+        .lines
+        .iter()
+        .rposition(|line| line.starts_with("end flaky "))
+        .unwrap();
+    assert!(last_flaky < line_at(&records.lines, "start merge 0"));
+    let after = records
+        .lines
+        .iter()
+        .find(|line| line.starts_with("after merge "))
+        .unwrap_or_else(|| panic!("{:#?}", records.lines));
+    let after: serde_json::Value = serde_json::from_str(&after["after merge ".len()..]).unwrap();
+    let flaky = after
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|dep| dep["id"] == "flaky")
+        .unwrap();
+    assert_eq!(flaky["state"], "done", "{after}");
+    assert_eq!(flaky["result"], "fixed", "{after}");
+    assert_eq!(counter(&redis, "b", "released"), 1);
+    daemon.stop();
+}
+
 /// A daemon killed with -9 in the middle of a fan-in (tasks held, notes written but not moved, an apply cut
 /// short): another daemon recovers its tasks and moves its notes, and the waiter is released exactly once, after
 /// every part ended.
