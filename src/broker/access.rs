@@ -58,7 +58,7 @@ impl Role {
     fn actions(self) -> &'static [Action] {
         match self {
             Role::Daemon => &[Action::Serve],
-            Role::Producer => &[Action::Push],
+            Role::Producer => &[Action::Push, Action::FlowPush],
             Role::Reader => &[
                 Action::Stats,
                 Action::Show,
@@ -107,6 +107,13 @@ impl Role {
                 ("~", "{*}:flow:*"),
                 ("~", "{*}:ring:*"),
                 ("~", "{*}:sched"),
+                // `kmqd flow push` (flow_push.lua): the waiting tasks' hashes, the queue's waiting hash and
+                // outbox, and the dead list, where a waiter pushed again after its dependency ended dead goes.
+                ("~", "{*}:deps:*"),
+                ("~", "{*}:deps-ended:*"),
+                ("~", "{*}:deps-waiting"),
+                ("~", "{*}:deps-outbox"),
+                ("~", "{*}:dead"),
                 // The queue's shape, which the clients of other languages read once per queue with HGET
                 // (docs/PROTOCOL.md, "The queue's shape"); unchecked, like push.lua's HGETs, so that a producer of
                 // older rules keeps pushing.
@@ -152,6 +159,9 @@ pub enum Action {
     Serve,
     /// `kmqd push`, `Client::push`.
     Push,
+    /// `kmqd flow push`, `Client::push_flow`: flow_push.lua for the waiting tasks (its tasks that wait for
+    /// nothing are pushed as [`Action::Push`] pushes them, which is checked too).
+    FlowPush,
     /// `kmqd stats`, `Client::stats`.
     Stats,
     /// `kmqd task show`, `Client::find`; `kmqd task result`, `Client::result` (a kept result, and where the task
@@ -180,7 +190,7 @@ impl Action {
     pub fn role(self) -> Role {
         match self {
             Action::Serve => Role::Daemon,
-            Action::Push => Role::Producer,
+            Action::Push | Action::FlowPush => Role::Producer,
             Action::Stats | Action::Show | Action::DeadRead | Action::Workers | Action::History => {
                 Role::Reader
             }
@@ -197,6 +207,7 @@ impl Action {
         match self {
             Action::Serve => DAEMON,
             Action::Push => PRODUCER,
+            Action::FlowPush => FLOW_PUSH,
             Action::Stats => STATS,
             Action::Show => SHOW,
             Action::Cancel => CANCEL,
@@ -323,8 +334,8 @@ pub const COMMANDS: &[Command] = &[
     },
     Command {
         name: "pexpire",
-        roles: &[D],
-        why: "a rate limit's log expires a second after its newest start's window; kept results' buckets and their index expire `keep_results` after their last result",
+        roles: &[D, P],
+        why: "a rate limit's log expires a second after its newest start's window; kept results' buckets and their index expire `keep_results` after their last result; a finished waiting task's hashes expire (flow_push.lua, flow_apply.lua)",
     },
     Command {
         name: "pttl",
@@ -361,15 +372,15 @@ pub const COMMANDS: &[Command] = &[
     },
     Command {
         name: "hmget",
-        roles: &[D, R, O],
+        roles: &[D, P, R, O],
         why: "claims read an owner's registration, adopt.lua its tasks; promote.lua and `task show` read delayed \
-              tasks by id",
+              tasks by id; `flow push` reads the numbers of a waiting task it writes",
     },
     Command {
         name: "hset",
-        roles: &[D],
+        roles: &[D, P],
         why: "owners' registrations, schedules' last slots, the queue's shape in its meta hash (at start and reload); \
-              settle.lua keeps a task's result in its bucket (`keep_results`)",
+              settle.lua keeps a task's result in its bucket (`keep_results`); `flow push` writes a waiting task (flow_push.lua)",
     },
     Command {
         name: "hsetnx",
@@ -390,8 +401,8 @@ pub const COMMANDS: &[Command] = &[
     },
     Command {
         name: "hlen",
-        roles: &[D, R, O],
-        why: "claims and pops check what is held; stats count processing tasks",
+        roles: &[D, P, R, O],
+        why: "claims and pops check what is held; stats count processing tasks; `flow push` and the flows' movers compare a waiting task's ended dependencies with how many it needs",
     },
     Command {
         name: "hincrby",
@@ -400,8 +411,8 @@ pub const COMMANDS: &[Command] = &[
     },
     Command {
         name: "hgetall",
-        roles: &[D, R, O],
-        why: "owners' registrations; the counters, for stats and metrics",
+        roles: &[D, P, R, O],
+        why: "owners' registrations; the counters, for stats and metrics; `flow push` and the flows' movers read a waiting task's ended dependencies",
     },
     Command {
         name: "hscan",
@@ -464,9 +475,9 @@ pub const COMMANDS: &[Command] = &[
     },
     Command {
         name: "exists",
-        roles: &[D, R, O],
+        roles: &[D, P, R, O],
         why: "registering, renewing and releasing an owner check its registration and tasks; claims, pops, stats \
-              and `workers` check whether the queue is paused",
+              and `workers` check whether the queue is paused; `flow push` leaves a waiting task that exists as it is",
     },
     Command {
         name: "type",
@@ -608,6 +619,11 @@ enum Kind {
     Result,
     /// A queue's flow outbox (`deps-outbox`: notes to the tasks waiting for its tasks; docs/design/flows.md).
     DepsOutbox,
+    /// A waiting task's hash and its ended hash (`deps:ID`, `deps-ended:ID`; its run hash, `deps-run:ID`, is
+    /// only the daemon's, whose pattern is every key).
+    DepsTask,
+    /// A queue's waiting hash (`deps-waiting`).
+    DepsWaiting,
 }
 
 /// What a command touches.
@@ -861,6 +877,26 @@ const DAEMON: &[(&str, On)] = &[
     ("zadd", key(K::History)),
     ("zrem", key(K::History)),
     ("hmget", key(K::Stats)),
+    // Flows (docs/design/flows.md): after.lua's notes (in settle.lua), the outbox's mover (LRANGE, then
+    // flow_apply.lua in the waiter's slot, then flow_outbox.lua) and deps.lua's step of a waiting task.
+    ("rpush", key(K::DepsOutbox)),
+    ("lrange", key(K::DepsOutbox)),
+    ("evalsha", key(K::DepsOutbox)),
+    ("lindex", key(K::DepsOutbox)),
+    ("lpop", key(K::DepsOutbox)),
+    ("evalsha", key(K::DepsTask)),
+    ("hget", key(K::DepsTask)),
+    ("hmget", key(K::DepsTask)),
+    ("hset", key(K::DepsTask)),
+    ("hsetnx", key(K::DepsTask)),
+    ("hdel", key(K::DepsTask)),
+    ("hlen", key(K::DepsTask)),
+    ("hgetall", key(K::DepsTask)),
+    ("pexpire", key(K::DepsTask)),
+    ("hdel", key(K::DepsWaiting)),
+    ("type", key(K::DepsTask)),
+    ("type", key(K::DepsWaiting)),
+    ("type", key(K::DepsOutbox)),
     // Every script checks the types of its keys and its counters before it writes.
     ("type", key(K::Delayed)),
     ("type", key(K::DelayedTasks)),
@@ -895,6 +931,48 @@ const PRODUCER: &[(&str, On)] = &[
     ("ltrim", key(K::Wake)),
     ("publish", CHANNEL),
     ("hincrby", key(K::Stats)),
+];
+
+/// `kmqd flow push`: flow_push.lua (with deps.lua's step of a waiting task whose dependencies ended before it was
+/// written), per queue with waiting tasks; its leaves are pushed with push.lua, [`PRODUCER`]'s.
+const FLOW_PUSH: &[(&str, On)] = &[
+    ("wait", NOTHING),
+    ("script|load", NOTHING),
+    ("time", NOTHING),
+    ("evalsha", key(K::DepsWaiting)),
+    ("evalsha", key(K::Wake)),
+    ("evalsha", key(K::Dead)),
+    ("evalsha", key(K::Stats)),
+    ("evalsha", key(K::DepsOutbox)),
+    ("evalsha", key(K::DepsTask)),
+    ("evalsha", key(K::Ready)),
+    // It checks its keys' types and counters, and the numbers of a waiting task's hash, before it writes.
+    ("type", key(K::DepsTask)),
+    ("type", key(K::DepsWaiting)),
+    ("type", key(K::Ready)),
+    ("type", key(K::Wake)),
+    ("type", key(K::Dead)),
+    ("type", key(K::Stats)),
+    ("type", key(K::DepsOutbox)),
+    ("hget", key(K::Stats)),
+    ("hmget", key(K::DepsTask)),
+    // A waiting task written (or left as it is when it exists).
+    ("exists", key(K::DepsTask)),
+    ("hset", key(K::DepsTask)),
+    ("hset", key(K::DepsWaiting)),
+    ("hgetall", key(K::DepsTask)),
+    ("hlen", key(K::DepsTask)),
+    // A waiter whose dependencies had ended already (a flow pushed again): released, or failed up the graph.
+    ("rpush", key(K::Ready)),
+    ("lpush", key(K::Wake)),
+    ("ltrim", key(K::Wake)),
+    ("lpush", key(K::Dead)),
+    ("ltrim", key(K::Dead)),
+    ("hincrby", key(K::Stats)),
+    ("rpush", key(K::DepsOutbox)),
+    ("hdel", key(K::DepsTask)),
+    ("hdel", key(K::DepsWaiting)),
+    ("pexpire", key(K::DepsTask)),
 ];
 
 /// `kmqd stats` (and the daemon's metrics): plain reads, the snapshot in one transaction.
@@ -1248,6 +1326,8 @@ fn names(keys: &QueueKeys, kind: Kind) -> Vec<String> {
         Kind::Park => vec![keys.park("g:acme"), keys.park("t:slow")],
         Kind::Result => vec![keys.results_index(), keys.results_bucket(0)],
         Kind::DepsOutbox => vec![keys.deps_outbox()],
+        Kind::DepsTask => vec![keys.deps(SOME_OWNER), keys.deps_ended(SOME_OWNER)],
+        Kind::DepsWaiting => vec![keys.deps_waiting()],
     }
 }
 
@@ -1531,7 +1611,9 @@ mod tests {
             "{line}"
         );
         assert!(
-            line.ends_with("~kmq:{*}:ring:* ~kmq:{*}:sched %R~kmq:{*}:meta &kmq:{*}:delay-wake"),
+            line.ends_with(
+                "~kmq:{*}:deps-outbox ~kmq:{*}:dead %R~kmq:{*}:meta &kmq:{*}:delay-wake"
+            ),
             "{line}"
         );
         assert!(setuser_line(Role::Reader, "jobs").ends_with(" %R~jobs:*"));
@@ -1543,6 +1625,7 @@ mod tests {
         for action in [
             Action::Serve,
             Action::Push,
+            Action::FlowPush,
             Action::Stats,
             Action::Show,
             Action::Cancel,
@@ -1569,7 +1652,8 @@ mod tests {
                 .map(|c| c.name)
                 .collect();
             // push.lua's checks run only for a user that may run TYPE and HGET (redis.acl_check_cmd): a producer
-            // made from an older kmqd's rules is not refused for lacking them. INFO is asked for by no check:
+            // made from an older kmqd's rules is not refused for lacking them by `push`; `flow push` needs them
+            // (flow_push.lua checks its keys unconditionally), and is checked for them. INFO is asked for by no check:
             // without it the policy goes unread, with a warning (`eviction::read`), and a user of rules older than
             // the policy check keeps working.
             // SCAN likewise: without it the daemon cannot look for the keys of levels its config dropped, and
@@ -1577,9 +1661,7 @@ mod tests {
             documented.retain(|name| {
                 !matches!(
                     (role, *name),
-                    (Role::Producer, "eval" | "type" | "hget")
-                        | (_, "info")
-                        | (Role::Daemon, "scan")
+                    (Role::Producer, "eval") | (_, "info") | (Role::Daemon, "scan")
                 )
             });
             let mut checked: Vec<&str> = role.needs().iter().map(|(name, _)| *name).collect();
@@ -1623,10 +1705,10 @@ mod tests {
                 Role::Producer,
                 "kmq",
                 "hincrby",
-                &Target::Key(keys.dead.clone())
+                &Target::Key(keys.owners.clone())
             ),
             ["+hincrby"],
-            "a producer has no pattern for the dead list"
+            "a producer has no pattern for the owners"
         );
     }
 
@@ -1689,7 +1771,10 @@ mod tests {
         ];
         let cases: [(Role, &[&str]); 3] = [
             (Role::Daemon, &daemon),
-            (Role::Producer, &[super::super::PUSH_SCRIPT]),
+            (
+                Role::Producer,
+                &[super::super::PUSH_SCRIPT, sources::FLOW_PUSH],
+            ),
             (
                 Role::Operator,
                 &[sources::REMOVE, sources::DEAD_REQUEUE, sources::DEAD_PURGE],
@@ -1699,7 +1784,10 @@ mod tests {
             let needs = role.needs();
             for script in scripts {
                 for command in script_commands(script) {
-                    if role == Role::Producer && matches!(command.as_str(), "type" | "hget") {
+                    if role == Role::Producer
+                        && *script == super::super::PUSH_SCRIPT
+                        && matches!(command.as_str(), "type" | "hget")
+                    {
                         assert!(
                             script.contains(&format!(
                                 "redis.acl_check_cmd('{}'",
