@@ -925,11 +925,11 @@ type RequeuePlan<'a> = (
     Option<Vec<u8>>,
 );
 
-fn requeue_plan(
-    info: &QueueInfo,
-    record: &DeadRecord,
-    reset_attempts: bool,
-) -> Option<(usize, Option<String>, Vec<u8>, Option<Vec<u8>>)> {
+/// What [`requeue_plan`] decides for a record: its level, its unique id, the envelope to queue, and the withdrawal
+/// note for its waiters.
+type Planned = (usize, Option<String>, Vec<u8>, Option<Vec<u8>>);
+
+fn requeue_plan(info: &QueueInfo, record: &DeadRecord, reset_attempts: bool) -> Option<Planned> {
     let text = record.task()?;
     let mut envelope = match &info.foreign_type_field {
         Some(field) => Envelope::decode_foreign(text, field),
