@@ -68,6 +68,18 @@ fn wait_ended(dir: &TestDir, id: &str, within: Duration) {
     });
 }
 
+/// `id`'s last end (of its runs, a part recovered or rewound may have run twice) came before `merge` started.
+fn assert_ended_before_merge(lines: &[String], id: &str) {
+    let last_end = lines
+        .iter()
+        .rposition(|line| line.starts_with(&format!("end {id} ")))
+        .unwrap_or_else(|| panic!("{id} never ended"));
+    assert!(
+        last_end < line_at(lines, "start merge 0"),
+        "{id} ended after merge started"
+    );
+}
+
 /// `merge` ran once, after the last end of each of `part-0` to `part-{parts - 1}` (a part recovered from a killed
 /// daemon may have run twice).
 fn assert_merge_ran_once_after_its_parts(dir: &TestDir, parts: usize) {
@@ -329,12 +341,7 @@ fn a_requeued_dead_dependency_re_arms_its_waiting_task_which_runs_with_the_new_o
     wait_ended(&dir, "merge", Duration::from_secs(30));
     let records = dir.records();
     assert_eq!(records.runs_of("merge"), 1, "{:#?}", records.lines);
-    let last_flaky = records
-        .lines
-        .iter()
-        .rposition(|line| line.starts_with("end flaky "))
-        .unwrap();
-    assert!(last_flaky < line_at(&records.lines, "start merge 0"));
+    assert_ended_before_merge(&records.lines, "flaky");
     let after = records
         .lines
         .iter()
@@ -436,6 +443,109 @@ fn lost_settle_apply_and_removal_replies_release_the_waiter_exactly_once() {
     assert_eq!(counter(&redis, "b", "released"), 1);
     assert_eq!(dir.records().runs_of("merge"), 1);
     daemon.stop();
+}
+
+/// A fan-in of `parts` parts of queue `a` (`part-{i}`, `data` each, and `extra` nodes after them) into `merge` of
+/// queue `b`, as a flow file.
+fn fan_in(parts: usize, data: &str, extra: &str) -> String {
+    let mut nodes: Vec<String> = (0..parts)
+        .map(|i| format!(r#"{{"queue": "a", "type": "test", "id": "part-{i}", "data": {data}}}"#))
+        .collect();
+    if !extra.is_empty() {
+        nodes.push(extra.to_string());
+    }
+    format!(
+        r#"{{"queue": "b", "type": "test", "id": "merge", "after": [{}]}}"#,
+        nodes.join(",")
+    )
+}
+
+/// Redis killed (SIGKILL) and restarted on its append-only file (`appendfsync always`) in the middle of a fan-in:
+/// every write it acknowledged is in the file, so every note written and every record applied survives; the
+/// daemon reconnects, a settle whose reply was lost is sent again (its stored answer, no second note), and the
+/// waiter runs once, after every part's last end.
+#[test]
+fn a_redis_restarted_on_its_append_only_file_mid_flow_releases_the_waiter_once_after_its_parts() {
+    let mut redis = RedisServer::with_aof(Fsync::Always);
+    let dir = TestDir::new();
+    let config = dir.config_raw(
+        &format!("url = \"{}\"\nio_timeout = \"1s\"", redis.url()),
+        "shutdown_grace = \"5s\"",
+        &two_queues("workers = 4\nlease_timeout = \"2s\""),
+    );
+    flow_push(&config, &fan_in(300, r#"{"sleep_ms": 2}"#, ""));
+    let daemon = TestDaemon::start(&config);
+    eventually(Duration::from_secs(30), "progress before the kill", || {
+        let ended = counter(&redis, "a", "done");
+        (ended >= 100, ended)
+    });
+    redis.stop(Signal::Kill);
+    redis.restart();
+    wait_ended(&dir, "merge", Duration::from_secs(90));
+    assert_merge_ran_once_after_its_parts(&dir, 300);
+    assert_eq!(counter(&redis, "b", "released"), 1);
+    eventually(Duration::from_secs(10), "the outbox empty", || {
+        let left: i64 = redis.cmd(&["LLEN", "kmq:{a}:deps-outbox"]);
+        (left == 0, left)
+    });
+    daemon.stop();
+    assert_eq!(dir.records().runs_of("merge"), 1);
+}
+
+/// Redis rewound mid-flow (its append-only file cut back to a mark, as a restored older backup or a failover to
+/// a lagging replica leaves it): the parts that ended after the mark are forgotten with their notes and their
+/// records at the waiter, all of one consistent past; their owner is given up (its journal is behind), they run
+/// again and write their notes again, and the waiter, which had not been released by the mark, is released once,
+/// after every part's last end. (A release after the mark would be forgotten too, and happen again: the waiter
+/// would run twice, as any task whose settle a rewind undoes: docs/RELIABILITY.md, "Flows".)
+#[test]
+fn a_redis_rewound_mid_flow_releases_the_waiter_once_after_its_parts_run_again() {
+    let mut redis = RedisServer::start_with(RedisOptions {
+        appendonly: Some(Fsync::Always),
+        extra_args: vec!["--auto-aof-rewrite-percentage".into(), "0".into()],
+        ..RedisOptions::default()
+    });
+    let dir = TestDir::new();
+    let gate = dir.path("gate");
+    let config = dir.config_raw(
+        &format!("url = \"{}\"\nio_timeout = \"1s\"", redis.url()),
+        "shutdown_grace = \"5s\"",
+        &two_queues("workers = 4\nlease_timeout = \"1s\""),
+    );
+    let last = format!(
+        r#"{{"queue": "a", "type": "test", "id": "last", "data": {{"wait_for_file": {:?}}}}}"#,
+        gate.to_str().unwrap()
+    );
+    flow_push(&config, &fan_in(60, r#"{"sleep_ms": 20}"#, &last));
+    let daemon = TestDaemon::start(&config);
+    eventually(Duration::from_secs(30), "progress before the mark", || {
+        let ended = counter(&redis, "a", "done");
+        (ended >= 10, ended)
+    });
+    let mark = redis.aof_mark();
+    let at_mark = counter(&redis, "a", "done");
+    let after = eventually(Duration::from_secs(30), "progress after the mark", || {
+        let ended = counter(&redis, "a", "done");
+        (ended >= at_mark + 10, ended)
+    });
+    let cut = redis.crash_back_to(mark);
+    assert!(cut > 0, "the writes after the mark were in the file");
+    assert!(
+        counter(&redis, "a", "done") < after,
+        "the rewind forgot the parts that ended after the mark"
+    );
+    std::fs::write(&gate, b"").unwrap();
+    wait_ended(&dir, "merge", Duration::from_secs(90));
+    assert_merge_ran_once_after_its_parts(&dir, 60);
+    let records = dir.records();
+    assert_ended_before_merge(&records.lines, "last");
+    assert!(
+        (0..60).any(|i| records.runs_of(&format!("part-{i}")) > 1),
+        "some part ran again after the rewind"
+    );
+    assert_eq!(counter(&redis, "b", "released"), 1);
+    daemon.stop();
+    assert_eq!(dir.records().runs_of("merge"), 1);
 }
 
 /// `flow push` refuses a flow it cannot push whole, naming the task and what is wrong, and writes nothing.
