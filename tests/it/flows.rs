@@ -640,12 +640,33 @@ fn on_a_cluster_a_chain_across_three_masters_runs_each_task_once_in_order() {
 /// released exactly once, after every part ended.
 #[test]
 fn on_a_cluster_a_master_killed_mid_flow_releases_the_waiter_exactly_once() {
+    fan_in_across_a_failover(false);
+}
+
+/// As `on_a_cluster_a_master_killed_mid_flow_releases_the_waiter_exactly_once`, but the master killed is the
+/// waiting task's own (its hashes, its ready list, the applies): with `wait_replicas = 1` each apply is on the
+/// replica before its note is removed, so the replica that takes over has every record whose note is gone, and
+/// a note whose apply it lacks is still in its outbox, applied again. The waiter runs once, after every part.
+#[test]
+fn on_a_cluster_the_waiting_task_s_own_master_killed_mid_flow_releases_it_exactly_once() {
+    fan_in_across_a_failover(true);
+}
+
+/// A fan-in of 400 parts on one master into a waiting task on another, `wait_replicas = 1`, with the parts'
+/// master (or, `waiters_master`, the waiting task's) killed mid-drain and failed over: the waiter runs once,
+/// after every part's last end.
+fn fan_in_across_a_failover(waiters_master: bool) {
     use kmqd_harness::Signal;
     use kmqd_harness::cluster::{Cluster, ClusterOptions};
     let mut cluster = Cluster::start(ClusterOptions::default()).expect("start a Redis Cluster");
     let placed = cluster.queue_names_on_distinct_masters(1).unwrap();
     let (parts_master, parts) = (placed[0].0.clone(), placed[0].1[0].clone());
-    let merges = placed[1].1[0].clone();
+    let (merges_master, merges) = (placed[1].0.clone(), placed[1].1[0].clone());
+    let killed = if waiters_master {
+        merges_master
+    } else {
+        parts_master
+    };
     let dir = TestDir::new();
     let queues = format!(
         "[[queues]]\nname = \"{parts}\"\nmode = \"safe\"\nworkers = 4\nlease_timeout = \"3s\"\n\n\
@@ -674,11 +695,9 @@ fn on_a_cluster_a_master_killed_mid_flow_releases_the_waiter_exactly_once() {
         let ended = dir.records().ends.len();
         (ended >= 100, ended)
     });
-    cluster
-        .kill_master(&parts_master.addr, Signal::Kill)
-        .unwrap();
+    cluster.kill_master(&killed.addr, Signal::Kill).unwrap();
     cluster.wait_failover().unwrap();
-    cluster.restart_node(&parts_master.addr).unwrap();
+    cluster.restart_node(&killed.addr).unwrap();
     wait_ended(&dir, "merge", Duration::from_secs(120));
     assert_merge_ran_once_after_its_parts(&dir, 400);
     let shown = flow_show(&config, &merges, "merge");
