@@ -360,6 +360,57 @@ fn a_requeued_dead_dependency_re_arms_its_waiting_task_which_runs_with_the_new_o
     daemon.stop();
 }
 
+/// `kmqd dead requeue` of a dead dependency whose note has not reached its waiter yet (the mover's apply of it was
+/// lost on the way, so the note is still in the outbox) re-arms a waiter under `if_failed = "fail"`: the
+/// withdrawal goes to the head of the outbox, the next mover applies it first and the dead run's note after it is
+/// stale, so the waiter is not failed, and runs once the requeued run is done. Without the withdrawal at the
+/// head, the dead note is applied first and fails it.
+#[test]
+fn a_dependency_requeued_before_its_dead_note_was_applied_re_arms_a_failing_waiter() {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let config = dir.config_raw(
+        &format!("url = \"{}\"\nio_timeout = \"4s\"", proxy.url()),
+        "shutdown_grace = \"5s\"",
+        &two_queues("lease_timeout = \"10s\""),
+    );
+    let lost = proxy.add(Fault::DropRequest {
+        matching: Matcher::script(sources::FLOW_APPLY),
+        nth: 1,
+        then: AfterDrop::Hang,
+    });
+    let daemon = TestDaemon::start(&config);
+    flow_push(
+        &config,
+        r#"{"queue": "b", "type": "test", "id": "merge",
+            "after": [{"queue": "a", "type": "test", "id": "flaky", "data": {"outcome": "fail"}}]}"#,
+    );
+    // The mover read the dead note and its apply is lost: the note stays in the outbox until the mover's
+    // connection times out and its next turn reads it again.
+    eventually(
+        Duration::from_secs(30),
+        "the dead note's apply lost",
+        || (lost.fired() > 0, lost.fired()),
+    );
+    dead_letter_of(
+        &redis,
+        "flaky",
+        Some(serde_json::json!({"result": "fixed"})),
+    );
+    kmqd_ok(&config, &["dead", "requeue", "a", "flaky"]);
+    wait_ended(&dir, "merge", Duration::from_secs(30));
+    let records = dir.records();
+    assert_eq!(records.runs_of("merge"), 1, "{:#?}", records.lines);
+    assert_ended_before_merge(&records.lines, "flaky");
+    let shown = flow_show(&config, "b", "merge");
+    assert_eq!(shown["state"], "released", "{shown}");
+    assert_eq!(shown["after"][0]["state"], "done", "{shown}");
+    let dead: i64 = redis.cmd(&["LLEN", "kmq:{b}:dead"]);
+    assert_eq!(dead, 0, "merge was not failed");
+    daemon.stop();
+}
+
 /// A daemon killed with -9 in the middle of a fan-in (tasks held, notes written but not moved, an apply cut
 /// short): another daemon recovers its tasks and moves its notes, and the waiter is released exactly once, after
 /// every part ended.
