@@ -822,8 +822,8 @@ impl Client {
         let mut report = Requeued::default();
         let mut matched = std::collections::HashSet::new();
         dead::walk(&mut connection, &info.keys, |conn, page| {
-            // (record, level, unique id, envelope), and each one's place in the page
-            let mut items: Vec<(&DeadRecord, usize, Option<String>, Vec<u8>)> = Vec::new();
+            // (record, level, unique id, envelope, withdrawal), and each one's place in the page
+            let mut items: Vec<RequeuePlan<'_>> = Vec::new();
             let mut places = Vec::new();
             for (at, record) in page.iter().enumerate() {
                 if !which.wants(record.id()) {
@@ -831,8 +831,8 @@ impl Client {
                 }
                 matched.insert(record.id().to_string());
                 match requeue_plan(info, record, reset_attempts) {
-                    Some((level, unique_id, envelope)) => {
-                        items.push((record, level, unique_id, envelope));
+                    Some((level, unique_id, envelope, withdrawal)) => {
+                        items.push((record, level, unique_id, envelope, withdrawal));
                         places.push(at);
                     }
                     None => report.malformed.push(record.id().to_string()),
@@ -840,12 +840,15 @@ impl Client {
             }
             let calls: Vec<RequeueItem<'_>> = items
                 .iter()
-                .map(|(record, level, unique_id, envelope)| RequeueItem {
-                    record: &record.raw,
-                    level: *level,
-                    unique_id: unique_id.as_deref(),
-                    envelope,
-                })
+                .map(
+                    |(record, level, unique_id, envelope, withdrawal)| RequeueItem {
+                        record: &record.raw,
+                        level: *level,
+                        unique_id: unique_id.as_deref(),
+                        envelope,
+                        withdrawal: withdrawal.as_deref(),
+                    },
+                )
                 .collect();
             let outcomes = dead::requeue(conn, &info.keys, &calls)?;
             let mut gone = Vec::new();
@@ -1041,11 +1044,21 @@ pub struct Purged {
 
 /// Where and what a dead record's task is queued as: (level, unique id to take again, envelope); `None` when the
 /// record holds no task that decodes, as the daemons read the queue's payloads.
-fn requeue_plan(
-    info: &QueueInfo,
-    record: &DeadRecord,
-    reset_attempts: bool,
-) -> Option<(usize, Option<String>, Vec<u8>)> {
+/// A dead record to requeue: the record, its level, its unique id, the envelope to queue, and the withdrawal
+/// note for its waiters (a task of a flow).
+type RequeuePlan<'a> = (
+    &'a DeadRecord,
+    usize,
+    Option<String>,
+    Vec<u8>,
+    Option<Vec<u8>>,
+);
+
+/// What [`requeue_plan`] decides for a record: its level, its unique id, the envelope to queue, and the withdrawal
+/// note for its waiters.
+type Planned = (usize, Option<String>, Vec<u8>, Option<Vec<u8>>);
+
+fn requeue_plan(info: &QueueInfo, record: &DeadRecord, reset_attempts: bool) -> Option<Planned> {
     let text = record.task()?;
     let mut envelope = match &info.foreign_type_field {
         Some(field) => Envelope::decode_foreign(text, field),
@@ -1065,12 +1078,26 @@ fn requeue_plan(
         .unique
         .then(|| envelope.id.as_deref().map(str::to_string))
         .flatten();
+    // A task others wait for (a flow's) goes back as its next run, and its waiters are told to forget the dead
+    // one (docs/design/flows.md, "A requeued dependency").
+    let waiters = envelope
+        .extra
+        .iter()
+        .find(|(name, _)| name == "waiters")
+        .map(|(_, waiters)| waiters.clone().into_owned());
+    let withdrawal = waiters.map(|waiters| {
+        let run = workflow::run_of(&envelope) + 1;
+        workflow::set_run(&mut envelope, run);
+        workflow::withdrawal(info.keys.queue_name(), envelope.id_str(), &waiters, run)
+    });
     // Unchanged, the payload goes back byte for byte (a foreign payload stays foreign).
-    let payload = if reset_attempts && envelope.attempt != 0 {
-        envelope.attempt = 0;
+    let payload = if withdrawal.is_some() || (reset_attempts && envelope.attempt != 0) {
+        if reset_attempts {
+            envelope.attempt = 0;
+        }
         envelope.encode().into_bytes()
     } else {
         text.as_bytes().to_vec()
     };
-    Some((level, unique_id, payload))
+    Some((level, unique_id, payload, withdrawal))
 }

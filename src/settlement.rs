@@ -209,14 +209,26 @@ pub fn record(
     // Only for a task of a flow that others wait for (its envelope's `waiters`, written by `kmqd flow push`).
     let waiters = task.envelope.and_then(|envelope| {
         let (_, waiters) = envelope.extra.iter().find(|(name, _)| name == "waiters")?;
-        Some((envelope.id_str().to_string(), waiters.clone()))
+        Some((
+            envelope.id_str().to_string(),
+            waiters.clone(),
+            crate::broker::workflow::run_of(envelope),
+        ))
     });
     let (mut settlement, hook) = record_without_result(origin, action, failed, task);
     if let (Some(ttl), Some(id)) = (origin.keep_results, id) {
         settlement.kept = kept(ttl, action, result, &settlement.op, id);
     }
-    if let Some((id, waiters)) = waiters {
-        settlement.note = note(origin.queue, &id, &waiters, action, result, &settlement.op);
+    if let Some((id, waiters, run)) = waiters {
+        settlement.note = note(
+            origin.queue,
+            &id,
+            &waiters,
+            run,
+            action,
+            result,
+            &settlement.op,
+        );
     }
     (settlement, hook)
 }
@@ -227,6 +239,7 @@ fn note(
     queue: &str,
     id: &str,
     waiters: &serde_json::value::RawValue,
+    run: u64,
     action: &Action,
     result: Option<&str>,
     op: &SettleOp,
@@ -244,6 +257,7 @@ fn note(
         queue,
         id,
         waiters,
+        run,
         ended,
         MAX_RESULT_BYTES,
     ))))

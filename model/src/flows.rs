@@ -17,6 +17,12 @@
 //!   or failed at once by a dead one under `if_failed = "fail"`), then popping from the head each note it read
 //!   while it is the head (flow_outbox.lua); a mover killed between any two of these (it forgets what it read).
 //!
+//! - `kmqd dead requeue` of a dead dependency (dead_requeue.lua): back to ready as its next run, and in the same
+//!   step a withdrawal pushed onto the HEAD of the outbox; flow_apply.lua keeps the highest run heard of each
+//!   dependency, ignores a note of an older run, and on a withdrawal of a newer run, while the waiter waits,
+//!   forgets the dependency's recorded outcome (docs/design/flows.md, "A requeued dependency").
+//!   A requeued run is done unless the scenario says it dies again ([`Flowed::dead_runs`]).
+//!
 //! Not here: several waiters and the notes a failed waiter sends up the graph (each waiter is this model again,
 //! one slot up), the ready list's order, retries (a retried dependency is held again: as a recovery here).
 
@@ -25,8 +31,10 @@ use stateright::{Model, Property};
 
 /// The most dependencies.
 const DEPS: usize = 3;
-/// The most notes in the outbox (one a dependency: a dependency ends once).
-const NOTES: usize = DEPS;
+/// The most requeues of a scenario.
+const REQUEUES: usize = 2;
+/// The most notes in the outbox: one a run of a dependency, and a withdrawal a requeue.
+const NOTES: usize = DEPS + 2 * REQUEUES;
 const DAEMONS: usize = 2;
 const MOVERS: usize = 2;
 /// The most claims a daemon holds: one a dependency, and a stale one left by each fault.
@@ -40,6 +48,9 @@ pub const AFTER_ALL: &str = "a waiting task is released only after all its depen
 pub const FAILED_NEVER_RUNS: &str = "a failed waiting task is never released";
 /// A dependency that ended is recorded at the waiter, or its note waits in the outbox.
 pub const NO_LOST_NOTE: &str = "no dependency's end is lost";
+/// A waiter is never released or failed with an outcome of a run whose withdrawal it applied before (a requeued
+/// dead dependency re-arms it).
+pub const NOT_WITHDRAWN: &str = "a waiting task is decided only by runs not withdrawn";
 /// Once nothing more can happen, the waiter is released or failed.
 pub const DECIDED: &str = "the waiting task is released or failed in the end";
 
@@ -51,6 +62,12 @@ pub enum FlowMutation {
     CountNotes,
     /// The mover removes the notes it read before it applies them (at-most-once delivery).
     RemoveFirst,
+    /// flow_apply.lua ignores runs: a withdrawal changes nothing and every outcome is HSETNX (the first slice,
+    /// before a requeue re-armed its waiter).
+    IgnoreRuns,
+    /// flow_apply.lua forgets the withdrawn outcome but keeps no run: the dead run's note delivered again (by a
+    /// second mover) records it again.
+    ForgetRuns,
 }
 
 /// One bounded check of flows.
@@ -63,6 +80,10 @@ pub struct Flowed {
     pub continues: bool,
     /// How many crashes, recoveries and lost replies may happen in a run.
     pub faults: u8,
+    /// How many times an operator may requeue a dead dependency (`kmqd dead requeue`).
+    pub requeues: u8,
+    /// A dead dependency's runs before this one die too (then it is done: the operator fixed the cause).
+    pub dead_runs: u8,
     pub mutation: Option<FlowMutation>,
 }
 
@@ -80,6 +101,8 @@ pub fn fan_in() -> Flowed {
         dead: [false, false, false].into_iter().collect(),
         continues: false,
         faults: 2,
+        requeues: 0,
+        dead_runs: 1,
         mutation: None,
     }
 }
@@ -107,9 +130,39 @@ pub fn continuing() -> Flowed {
     }
 }
 
+/// [`failing`] with its dead dependency requeued once (a `fail` waiter is re-armed only if the withdrawal is
+/// applied before the dead run's note); no fault beyond the two movers' interleavings (with one, the debug
+/// build's check took minutes).
+pub fn requeued() -> Flowed {
+    Flowed {
+        name: "flows-requeued",
+        requeues: 1,
+        faults: 0,
+        ..failing()
+    }
+}
+
+/// [`continuing`] with its dead dependency requeued twice, dead again after the first requeue; no fault, as
+/// [`requeued`].
+pub fn requeued_twice() -> Flowed {
+    Flowed {
+        name: "flows-requeued-twice",
+        requeues: 2,
+        dead_runs: 2,
+        faults: 0,
+        ..continuing()
+    }
+}
+
 /// The scenarios of flows the CI check runs.
 pub fn scenarios() -> Vec<Flowed> {
-    vec![fan_in(), failing(), continuing()]
+    vec![
+        fan_in(),
+        failing(),
+        continuing(),
+        requeued(),
+        requeued_twice(),
+    ]
 }
 
 /// The "break it on purpose" experiments: a mutated setup and a property it must break.
@@ -119,6 +172,14 @@ pub fn experiments() -> Vec<(Flowed, &'static str)> {
         (
             fan_in().with_mutation(FlowMutation::RemoveFirst),
             NO_LOST_NOTE,
+        ),
+        (
+            requeued_twice().with_mutation(FlowMutation::IgnoreRuns),
+            NOT_WITHDRAWN,
+        ),
+        (
+            requeued_twice().with_mutation(FlowMutation::ForgetRuns),
+            NOT_WITHDRAWN,
         ),
     ]
 }
@@ -131,8 +192,27 @@ pub enum Dep {
     Held {
         tag: u8,
     },
-    /// Its settle applied (its bit is set).
-    Ended,
+    /// Its settle applied (its bit is set): done or dead.
+    Ended {
+        dead: bool,
+    },
+}
+
+/// A note in the outbox.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Note {
+    pub dep: u8,
+    /// The dependency's run.
+    pub run: u8,
+    pub kind: NoteKind,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum NoteKind {
+    /// A run's outcome: `dead` or done.
+    Outcome { dead: bool },
+    /// `dead requeue`'s withdrawal of the runs before `run`.
+    Withdraw,
 }
 
 /// The waiting task.
@@ -147,7 +227,7 @@ pub enum Waiter {
 /// A mover's memory: the notes it read (oldest first) and how many it applied.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Mover {
-    pub read: ArrayVec<u8, NOTES>,
+    pub read: ArrayVec<Note, NOTES>,
     pub applied: u8,
 }
 
@@ -158,12 +238,23 @@ pub struct FlowState {
     pub held: [ArrayVec<(u8, u8), HELD>; DAEMONS],
     /// The next claim's tag.
     pub tag: u8,
-    /// The outbox: a note per dependency that ended, by index, oldest first.
-    pub outbox: ArrayVec<u8, NOTES>,
+    /// Each dependency's run (0 until it is requeued).
+    pub run: ArrayVec<u8, DEPS>,
+    pub requeues: u8,
+    /// The outbox, oldest first.
+    pub outbox: ArrayVec<Note, NOTES>,
     pub movers: [Mover; MOVERS],
     /// The waiter's ended hash: which dependencies are recorded (a bit each); with `CountNotes`, a count.
     pub recorded: u8,
+    /// The run of each recorded outcome, and the waiter's run hash (the highest run heard of each).
+    pub recorded_run: [u8; DEPS],
+    pub heard: [u8; DEPS],
     pub count: u8,
+    /// Ghosts, for the properties: the dependencies that ended at least once, the highest withdrawal each
+    /// dependency's waiter applied while it waited, and whether a decision used a run withdrawn before.
+    pub ended_once: u8,
+    pub withdrawn: [u8; DEPS],
+    pub stale: bool,
     pub waiter: Waiter,
     pub releases: u8,
     /// Whether every dependency had ended when the waiter was released.
@@ -210,6 +301,10 @@ pub enum Step {
     KillMover {
         mover: u8,
     },
+    /// `kmqd dead requeue` of a dead dependency.
+    Requeue {
+        dep: u8,
+    },
 }
 
 pub struct Flows {
@@ -225,21 +320,57 @@ impl Flows {
         self.setup.dead.len() as u8
     }
 
-    /// flow_apply.lua for the note of `dep`.
-    fn apply(&self, state: &mut FlowState, dep: u8) {
-        if self.setup.mutation == Some(FlowMutation::CountNotes) {
-            state.count += 1;
-        } else {
-            if state.recorded & (1 << dep) != 0 {
+    /// flow_apply.lua for `note`.
+    fn apply(&self, state: &mut FlowState, note: Note) {
+        let (dep, bit) = (note.dep as usize, 1u8 << note.dep);
+        let mutation = self.setup.mutation;
+        let dead = match note.kind {
+            NoteKind::Withdraw => {
+                let waiting = state.waiter == Waiter::Waiting;
+                match mutation {
+                    Some(FlowMutation::IgnoreRuns) => {}
+                    Some(FlowMutation::ForgetRuns) if waiting => state.recorded &= !bit,
+                    _ if waiting && note.run > state.heard[dep] => {
+                        state.heard[dep] = note.run;
+                        state.recorded &= !bit;
+                    }
+                    _ => {}
+                }
+                if waiting {
+                    state.withdrawn[dep] = state.withdrawn[dep].max(note.run);
+                }
                 return;
             }
-            state.recorded |= 1 << dep;
+            NoteKind::Outcome { dead } => dead,
+        };
+        let ignores_runs = matches!(
+            mutation,
+            Some(FlowMutation::IgnoreRuns | FlowMutation::ForgetRuns)
+        );
+        if mutation == Some(FlowMutation::CountNotes) {
+            state.count += 1;
+        } else if ignores_runs || note.run == state.heard[dep] {
+            // HSETNX: a duplicate delivery changes nothing.
+            if state.recorded & bit != 0 {
+                return;
+            }
+            state.recorded |= bit;
+            state.recorded_run[dep] = note.run;
+        } else if note.run > state.heard[dep] {
+            // A newer run than any heard of: its outcome replaces the recorded one.
+            state.heard[dep] = note.run;
+            state.recorded |= bit;
+            state.recorded_run[dep] = note.run;
+        } else {
+            // An older run's note: stale.
+            return;
         }
         if state.waiter != Waiter::Waiting {
             return;
         }
-        if self.setup.dead[dep as usize] && !self.setup.continues {
+        if dead && !self.setup.continues {
             state.waiter = Waiter::Failed;
+            state.stale |= note.run < state.withdrawn[dep];
             return;
         }
         let ended = match self.setup.mutation {
@@ -249,8 +380,16 @@ impl Flows {
         if ended >= self.need() {
             state.waiter = Waiter::Released;
             state.releases += 1;
-            state.released_after_all = state.deps.iter().all(|d| *d == Dep::Ended);
+            state.released_after_all = state.ended_once.count_ones() as usize == state.deps.len();
+            state.stale |= (0..state.deps.len()).any(|d| {
+                state.recorded & (1 << d) != 0 && state.recorded_run[d] < state.withdrawn[d]
+            });
         }
+    }
+
+    /// Whether run `run` of `dep` dies.
+    fn dies(&self, dep: u8, run: u8) -> bool {
+        self.setup.dead[dep as usize] && run < self.setup.dead_runs
     }
 
     /// Whether a daemon still holds the claim `tag` of `dep` (it may settle it).
@@ -279,10 +418,17 @@ impl Model for Flows {
             deps: self.setup.dead.iter().map(|_| Dep::Ready).collect(),
             held: Default::default(),
             tag: 0,
+            run: self.setup.dead.iter().map(|_| 0).collect(),
+            requeues: 0,
             outbox: ArrayVec::new(),
             movers: Default::default(),
             recorded: 0,
+            recorded_run: [0; DEPS],
+            heard: [0; DEPS],
             count: 0,
+            ended_once: 0,
+            withdrawn: [0; DEPS],
+            stale: false,
             waiter: Waiter::Waiting,
             releases: 0,
             released_after_all: false,
@@ -305,7 +451,14 @@ impl Model for Flows {
                 Dep::Held { tag } if fault || !Flows::held(state, dep, *tag) => {
                     actions.push(Step::Recover { dep })
                 }
-                Dep::Ended if fault => actions.push(Step::Resend { dep }),
+                Dep::Ended { dead } => {
+                    if fault {
+                        actions.push(Step::Resend { dep });
+                    }
+                    if *dead && state.requeues < self.setup.requeues {
+                        actions.push(Step::Requeue { dep });
+                    }
+                }
                 _ => {}
             }
         }
@@ -354,8 +507,15 @@ impl Model for Flows {
                 let held = &mut state.held[daemon as usize];
                 held.retain(|claim| *claim != (dep, tag));
                 if state.deps[dep as usize] == (Dep::Held { tag }) {
-                    state.deps[dep as usize] = Dep::Ended;
-                    state.outbox.push(dep);
+                    let run = state.run[dep as usize];
+                    let dead = self.dies(dep, run);
+                    state.deps[dep as usize] = Dep::Ended { dead };
+                    state.ended_once |= 1 << dep;
+                    state.outbox.push(Note {
+                        dep,
+                        run,
+                        kind: NoteKind::Outcome { dead },
+                    });
                 }
             }
             Step::Resend { .. } => {
@@ -399,6 +559,19 @@ impl Model for Flows {
                 state.movers[mover as usize] = Mover::default();
                 state.faults += 1;
             }
+            Step::Requeue { dep } => {
+                state.deps[dep as usize] = Dep::Ready;
+                state.run[dep as usize] += 1;
+                state.requeues += 1;
+                state.outbox.insert(
+                    0,
+                    Note {
+                        dep,
+                        run: state.run[dep as usize],
+                        kind: NoteKind::Withdraw,
+                    },
+                );
+            }
         }
         // Tags only tell claims apart: they stay few within the bounds (a claim a dependency, and one a fault).
         Some(state)
@@ -416,12 +589,18 @@ impl Model for Flows {
             Property::always(NO_LOST_NOTE, |model: &Flows, s: &FlowState| {
                 let counted = model.setup.mutation == Some(FlowMutation::CountNotes);
                 s.deps.iter().enumerate().all(|(dep, at)| {
-                    *at != Dep::Ended
-                        || (!counted && s.recorded & (1 << dep) != 0)
+                    let run = s.run[dep];
+                    !matches!(at, Dep::Ended { .. })
+                        || (!counted && s.recorded & (1 << dep) != 0 && s.recorded_run[dep] == run)
                         || (counted && s.count > 0)
-                        || s.outbox.contains(&(dep as u8))
+                        || s.outbox.iter().any(|note| {
+                            note.dep == dep as u8
+                                && note.run == run
+                                && note.kind != NoteKind::Withdraw
+                        })
                 })
             }),
+            Property::always(NOT_WITHDRAWN, |_, s: &FlowState| !s.stale),
             Property::eventually(DECIDED, |_, s: &FlowState| s.waiter != Waiter::Waiting),
             Property::sometimes("the waiting task is released", |_, s: &FlowState| {
                 s.waiter == Waiter::Released
@@ -443,7 +622,10 @@ mod tests {
     #[test]
     fn flows_release_each_waiting_task_exactly_once_after_all_its_dependencies() {
         let bounded = |setup: Flowed| match cfg!(debug_assertions) {
-            true => Flowed { faults: 1, ..setup },
+            true => Flowed {
+                faults: setup.faults.min(1),
+                ..setup
+            },
             false => setup,
         };
         for setup in scenarios().into_iter().map(bounded) {

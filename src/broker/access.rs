@@ -58,7 +58,7 @@ impl Role {
     fn actions(self) -> &'static [Action] {
         match self {
             Role::Daemon => &[Action::Serve],
-            Role::Producer => &[Action::Push],
+            Role::Producer => &[Action::Push, Action::FlowPush],
             Role::Reader => &[
                 Action::Stats,
                 Action::Show,
@@ -107,10 +107,20 @@ impl Role {
                 ("~", "{*}:flow:*"),
                 ("~", "{*}:ring:*"),
                 ("~", "{*}:sched"),
+                // `kmqd flow push` (flow_push.lua): the waiting tasks' hashes, the queue's waiting hash and
+                // outbox, and the dead list, where a waiter pushed again after its dependency ended dead goes.
+                ("~", "{*}:deps:*"),
+                ("~", "{*}:deps-ended:*"),
+                ("~", "{*}:deps-waiting"),
+                ("~", "{*}:deps-outbox"),
+                ("~", "{*}:dead"),
                 // The queue's shape, which the clients of other languages read once per queue with HGET
                 // (docs/PROTOCOL.md, "The queue's shape"); unchecked, like push.lua's HGETs, so that a producer of
                 // older rules keeps pushing.
                 ("%R~", "{*}:meta"),
+                // The holds of ended `unique_for` tasks, which push.lua reads with EXISTS before it takes a unique
+                // id (docs/PROTOCOL.md, "Debounce, and unique for a time"); unchecked, as above.
+                ("%R~", "{*}:unique:held:*"),
             ],
             Role::Reader => &[("%R~", "*")],
             Role::Operator => &[
@@ -128,6 +138,7 @@ impl Role {
                 ("~", "{*}:ring:*"),
                 ("~", "{*}:sched"),
                 ("~", "{*}:park:*"),
+                ("~", "{*}:deps-outbox"),
             ],
         }
     }
@@ -151,6 +162,9 @@ pub enum Action {
     Serve,
     /// `kmqd push`, `Client::push`.
     Push,
+    /// `kmqd flow push`, `Client::push_flow`: flow_push.lua for the waiting tasks (its tasks that wait for
+    /// nothing are pushed as [`Action::Push`] pushes them, which is checked too).
+    FlowPush,
     /// `kmqd stats`, `Client::stats`.
     Stats,
     /// `kmqd task show`, `Client::find`; `kmqd task result`, `Client::result` (a kept result, and where the task
@@ -179,7 +193,7 @@ impl Action {
     pub fn role(self) -> Role {
         match self {
             Action::Serve => Role::Daemon,
-            Action::Push => Role::Producer,
+            Action::Push | Action::FlowPush => Role::Producer,
             Action::Stats | Action::Show | Action::DeadRead | Action::Workers | Action::History => {
                 Role::Reader
             }
@@ -196,6 +210,7 @@ impl Action {
         match self {
             Action::Serve => DAEMON,
             Action::Push => PRODUCER,
+            Action::FlowPush => FLOW_PUSH,
             Action::Stats => STATS,
             Action::Show => SHOW,
             Action::Cancel => CANCEL,
@@ -322,8 +337,8 @@ pub const COMMANDS: &[Command] = &[
     },
     Command {
         name: "pexpire",
-        roles: &[D],
-        why: "a rate limit's log expires a second after its newest start's window; kept results' buckets and their index expire `keep_results` after their last result",
+        roles: &[D, P],
+        why: "a rate limit's log expires a second after its newest start's window; kept results' buckets and their index expire `keep_results` after their last result; a finished waiting task's hashes expire (flow_push.lua, flow_apply.lua)",
     },
     Command {
         name: "pttl",
@@ -360,16 +375,16 @@ pub const COMMANDS: &[Command] = &[
     },
     Command {
         name: "hmget",
-        roles: &[D, R, O],
+        roles: &[D, P, R, O],
         why: "claims read an owner's registration, adopt.lua its tasks; promote.lua and `task show` read delayed \
-              tasks by id",
+              tasks by id; `flow push` reads the numbers of a waiting task it writes",
     },
     Command {
         name: "hset",
         roles: &[D, P],
         why: "owners' registrations, schedules' last slots, the queue's shape in its meta hash (at start and reload); \
               settle.lua keeps a task's result in its bucket (`keep_results`); push.lua replaces a debounced task's \
-              envelope",
+              envelope; `flow push` writes a waiting task (flow_push.lua)",
     },
     Command {
         name: "hsetnx",
@@ -390,9 +405,10 @@ pub const COMMANDS: &[Command] = &[
     },
     Command {
         name: "hlen",
-        roles: &[D, R, O],
+        roles: &[D, P, R, O],
         why: "claims and pops check what is held; stats count processing tasks and tasks waiting for their \
-              dependencies",
+              dependencies; `flow push` and the flows' movers compare a waiting task's ended dependencies with how \
+              many it needs",
     },
     Command {
         name: "hincrby",
@@ -401,8 +417,9 @@ pub const COMMANDS: &[Command] = &[
     },
     Command {
         name: "hgetall",
-        roles: &[D, R, O],
-        why: "owners' registrations; the counters, for stats and metrics; a flow's waiting task, for task show",
+        roles: &[D, P, R, O],
+        why: "owners' registrations; the counters, for stats and metrics; a flow's waiting task, for task show; \
+              `flow push` and the flows' movers read a waiting task's ended dependencies",
     },
     Command {
         name: "hscan",
@@ -466,9 +483,9 @@ pub const COMMANDS: &[Command] = &[
     },
     Command {
         name: "exists",
-        roles: &[D, R, O],
+        roles: &[D, P, R, O],
         why: "registering, renewing and releasing an owner check its registration and tasks; claims, pops, stats \
-              and `workers` check whether the queue is paused",
+              and `workers` check whether the queue is paused; `flow push` leaves a waiting task that exists as it is",
     },
     Command {
         name: "type",
@@ -608,10 +625,13 @@ enum Kind {
     Park,
     /// A queue's kept results (`keep_results`: results.lua, in settle.lua): the index of its buckets and a bucket.
     Result,
-    /// A queue's tasks of flows waiting for their dependencies (`deps-waiting`, docs/design/flows.md).
+    /// A queue's flow outbox (`deps-outbox`: notes to the tasks waiting for its tasks; docs/design/flows.md).
+    DepsOutbox,
+    /// A waiting task's hash and its ended hash (`deps:ID`, `deps-ended:ID`; its run hash, `deps-run:ID`, is
+    /// only the daemon's, whose pattern is every key).
+    DepsTask,
+    /// A queue's waiting hash (`deps-waiting`).
     DepsWaiting,
-    /// A flow's waiting task (`deps:ID`) and its dependencies' outcomes (`deps-ended:ID`).
-    Deps,
 }
 
 /// What a command touches.
@@ -865,6 +885,26 @@ const DAEMON: &[(&str, On)] = &[
     ("zadd", key(K::History)),
     ("zrem", key(K::History)),
     ("hmget", key(K::Stats)),
+    // Flows (docs/design/flows.md): after.lua's notes (in settle.lua), the outbox's mover (LRANGE, then
+    // flow_apply.lua in the waiter's slot, then flow_outbox.lua) and deps.lua's step of a waiting task.
+    ("rpush", key(K::DepsOutbox)),
+    ("lrange", key(K::DepsOutbox)),
+    ("evalsha", key(K::DepsOutbox)),
+    ("lindex", key(K::DepsOutbox)),
+    ("lpop", key(K::DepsOutbox)),
+    ("evalsha", key(K::DepsTask)),
+    ("hget", key(K::DepsTask)),
+    ("hmget", key(K::DepsTask)),
+    ("hset", key(K::DepsTask)),
+    ("hsetnx", key(K::DepsTask)),
+    ("hdel", key(K::DepsTask)),
+    ("hlen", key(K::DepsTask)),
+    ("hgetall", key(K::DepsTask)),
+    ("pexpire", key(K::DepsTask)),
+    ("hdel", key(K::DepsWaiting)),
+    ("type", key(K::DepsTask)),
+    ("type", key(K::DepsWaiting)),
+    ("type", key(K::DepsOutbox)),
     // Every script checks the types of its keys and its counters before it writes.
     ("type", key(K::Delayed)),
     ("type", key(K::DelayedTasks)),
@@ -899,6 +939,48 @@ const PRODUCER: &[(&str, On)] = &[
     ("ltrim", key(K::Wake)),
     ("publish", CHANNEL),
     ("hincrby", key(K::Stats)),
+];
+
+/// `kmqd flow push`: flow_push.lua (with deps.lua's step of a waiting task whose dependencies ended before it was
+/// written), per queue with waiting tasks; its leaves are pushed with push.lua, [`PRODUCER`]'s.
+const FLOW_PUSH: &[(&str, On)] = &[
+    ("wait", NOTHING),
+    ("script|load", NOTHING),
+    ("time", NOTHING),
+    ("evalsha", key(K::DepsWaiting)),
+    ("evalsha", key(K::Wake)),
+    ("evalsha", key(K::Dead)),
+    ("evalsha", key(K::Stats)),
+    ("evalsha", key(K::DepsOutbox)),
+    ("evalsha", key(K::DepsTask)),
+    ("evalsha", key(K::Ready)),
+    // It checks its keys' types and counters, and the numbers of a waiting task's hash, before it writes.
+    ("type", key(K::DepsTask)),
+    ("type", key(K::DepsWaiting)),
+    ("type", key(K::Ready)),
+    ("type", key(K::Wake)),
+    ("type", key(K::Dead)),
+    ("type", key(K::Stats)),
+    ("type", key(K::DepsOutbox)),
+    ("hget", key(K::Stats)),
+    ("hmget", key(K::DepsTask)),
+    // A waiting task written (or left as it is when it exists).
+    ("exists", key(K::DepsTask)),
+    ("hset", key(K::DepsTask)),
+    ("hset", key(K::DepsWaiting)),
+    ("hgetall", key(K::DepsTask)),
+    ("hlen", key(K::DepsTask)),
+    // A waiter whose dependencies had ended already (a flow pushed again): released, or failed up the graph.
+    ("rpush", key(K::Ready)),
+    ("lpush", key(K::Wake)),
+    ("ltrim", key(K::Wake)),
+    ("lpush", key(K::Dead)),
+    ("ltrim", key(K::Dead)),
+    ("hincrby", key(K::Stats)),
+    ("rpush", key(K::DepsOutbox)),
+    ("hdel", key(K::DepsTask)),
+    ("hdel", key(K::DepsWaiting)),
+    ("pexpire", key(K::DepsTask)),
 ];
 
 /// `kmqd stats` (and the daemon's metrics): plain reads, the snapshot in one transaction.
@@ -1009,7 +1091,7 @@ const SHOW: &[(&str, On)] = &[
     ("zrange", key(K::Result)),
     ("hget", key(K::Result)),
     // A flow's waiting task: its hash and its dependencies' outcomes.
-    ("hgetall", key(K::Deps)),
+    ("hgetall", key(K::DepsTask)),
 ];
 
 /// `kmqd task cancel`: finding the waiting copies (as `task show` does), then remove.lua.
@@ -1070,6 +1152,11 @@ const DEAD_REQUEUE: &[(&str, On)] = &[
     ("hincrby", key(K::Stats)),
     ("lpush", key(K::Wake)),
     ("ltrim", key(K::Wake)),
+    // A requeued task of a flow withdraws its dead run from its waiters: a note at the head of its queue's
+    // outbox (docs/design/flows.md, "A requeued dependency").
+    ("evalsha", key(K::DepsOutbox)),
+    ("lpush", key(K::DepsOutbox)),
+    ("type", key(K::DepsOutbox)),
     // dead_requeue.lua checks its keys' types and its counter before it writes.
     ("type", key(K::Dead)),
     ("type", key(K::Unique)),
@@ -1250,8 +1337,9 @@ fn names(keys: &QueueKeys, kind: Kind) -> Vec<String> {
         Kind::Hold => vec![keys.group_hold("acme")],
         Kind::Park => vec![keys.park("g:acme"), keys.park("t:slow")],
         Kind::Result => vec![keys.results_index(), keys.results_bucket(0)],
+        Kind::DepsOutbox => vec![keys.deps_outbox()],
+        Kind::DepsTask => vec![keys.deps(SOME_OWNER), keys.deps_ended(SOME_OWNER)],
         Kind::DepsWaiting => vec![keys.deps_waiting()],
-        Kind::Deps => vec![keys.deps("access-check"), keys.deps_ended("access-check")],
     }
 }
 
@@ -1535,7 +1623,9 @@ mod tests {
             "{line}"
         );
         assert!(
-            line.ends_with("~kmq:{*}:ring:* ~kmq:{*}:sched %R~kmq:{*}:meta &kmq:{*}:delay-wake"),
+            line.ends_with(
+                "~kmq:{*}:dead %R~kmq:{*}:meta %R~kmq:{*}:unique:held:* &kmq:{*}:delay-wake"
+            ),
             "{line}"
         );
         assert!(setuser_line(Role::Reader, "jobs").ends_with(" %R~jobs:*"));
@@ -1547,6 +1637,7 @@ mod tests {
         for action in [
             Action::Serve,
             Action::Push,
+            Action::FlowPush,
             Action::Stats,
             Action::Show,
             Action::Cancel,
@@ -1573,8 +1664,10 @@ mod tests {
                 .map(|c| c.name)
                 .collect();
             // push.lua's checks run only for a user that may run TYPE and HGET (redis.acl_check_cmd): a producer
-            // made from an older kmqd's rules is not refused for lacking them. Nor for lacking HSET and ZSCORE,
-            // which only a debounced push runs (push.lua refuses one, naming them, for a user without them). INFO is asked for by no check:
+            // made from an older kmqd's rules is not refused for lacking them by `push`, nor for lacking ZSCORE, which
+            // only a debounced push runs (push.lua refuses one, naming it, for a user without it); `flow push` needs
+            // TYPE, HGET, HSET and EXISTS (flow_push.lua checks its keys unconditionally), and is checked for them.
+            // INFO is asked for by no check:
             // without it the policy goes unread, with a warning (`eviction::read`), and a user of rules older than
             // the policy check keeps working.
             // SCAN likewise: without it the daemon cannot look for the keys of levels its config dropped, and
@@ -1582,9 +1675,7 @@ mod tests {
             documented.retain(|name| {
                 !matches!(
                     (role, *name),
-                    (Role::Producer, "eval" | "type" | "hget" | "hset" | "zscore")
-                        | (_, "info")
-                        | (Role::Daemon, "scan")
+                    (Role::Producer, "eval" | "zscore") | (_, "info") | (Role::Daemon, "scan")
                 )
             });
             let mut checked: Vec<&str> = role.needs().iter().map(|(name, _)| *name).collect();
@@ -1628,10 +1719,10 @@ mod tests {
                 Role::Producer,
                 "kmq",
                 "hincrby",
-                &Target::Key(keys.dead.clone())
+                &Target::Key(keys.owners.clone())
             ),
             ["+hincrby"],
-            "a producer has no pattern for the dead list"
+            "a producer has no pattern for the owners"
         );
     }
 
@@ -1694,7 +1785,10 @@ mod tests {
         ];
         let cases: [(Role, &[&str]); 3] = [
             (Role::Daemon, &daemon),
-            (Role::Producer, &[super::super::PUSH_SCRIPT]),
+            (
+                Role::Producer,
+                &[super::super::PUSH_SCRIPT, sources::FLOW_PUSH],
+            ),
             (
                 Role::Operator,
                 &[sources::REMOVE, sources::DEAD_REQUEUE, sources::DEAD_PURGE],
@@ -1705,6 +1799,7 @@ mod tests {
             for script in scripts {
                 for command in script_commands(script) {
                     if role == Role::Producer
+                        && *script == super::super::PUSH_SCRIPT
                         && matches!(
                             command.as_str(),
                             "type" | "hget" | "hset" | "zscore" | "exists"

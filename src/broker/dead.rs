@@ -237,6 +237,9 @@ pub struct RequeueItem<'a> {
     /// The unique id to take again, for a unique task.
     pub unique_id: Option<&'a str>,
     pub envelope: &'a [u8],
+    /// For a task of a flow that others wait for: the note that withdraws its dead run from them
+    /// (`workflow::withdrawal`), pushed onto the head of the queue's outbox in the requeue's step.
+    pub withdrawal: Option<&'a [u8]>,
 }
 
 /// What became of one record given to [`requeue`] or [`purge`].
@@ -261,7 +264,8 @@ pub fn requeue(conn: &mut Conn, keys: &QueueKeys, items: &[RequeueItem<'_>]) -> 
     call.key(&keys.dead)
         .key(&keys.unique)
         .key(&keys.wake)
-        .key(&keys.stats);
+        .key(&keys.stats)
+        .key(keys.deps_outbox());
     for ready in &keys.ready {
         call.key(ready);
     }
@@ -269,7 +273,8 @@ pub fn requeue(conn: &mut Conn, keys: &QueueKeys, items: &[RequeueItem<'_>]) -> 
         call.arg(item.record)
             .arg(item.level + 1)
             .arg(item.unique_id.unwrap_or(""))
-            .arg(item.envelope);
+            .arg(item.envelope)
+            .arg(item.withdrawal.unwrap_or(b""));
     }
     let reply: Vec<i64> = call.invoke(conn)?;
     outcomes(reply, items.len(), "dead_requeue")

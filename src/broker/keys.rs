@@ -274,6 +274,13 @@ impl QueueKeys {
         format!("{}:deps-ended:{id}", self.base)
     }
 
+    /// The run of each dependency a waiting task has heard of: a hash, `QUEUE\nID` -> the highest run number
+    /// (a dependency's run rises with each `dead requeue`), so that a note of an older run is told from a newer
+    /// one after the older's record was withdrawn. Written only once a dependency was requeued.
+    pub fn deps_run(&self, id: &str) -> String {
+        format!("{}:deps-run:{id}", self.base)
+    }
+
     /// The queue's waiting tasks: a hash, id -> ms written (`kmqd stats`' WAITING is its length). Named with a
     /// dash, as the outbox is, so that no task's id names it (`deps:ID` is a task's).
     pub fn deps_waiting(&self) -> String {

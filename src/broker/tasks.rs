@@ -1628,9 +1628,8 @@ pub fn settle<'a>(
     // record; K and P, position P of the Kth claim touched, acknowledged in its bitmap); their keys go last.
     let mut kept: Vec<((usize, u64), &Kept)> = Vec::new();
     // The notes to the tasks waiting for those this call ends (after.lua's trailer, before results.lua's), placed
-    // as the results are but in after.lua's words (`rN`, the Nth record; `cK:P`); the outbox is their one key,
-    // before the result keys.
-    let mut notes: Vec<(String, &[u8])> = Vec::new();
+    // as the results are, by the same two numbers; the outbox is their one key, before the result keys.
+    let mut notes: Vec<((usize, u64), &[u8])> = Vec::new();
     let mut record = 0;
     for s in settlements.clone() {
         let place = match (&s.token, bulk(s)) {
@@ -1650,10 +1649,6 @@ pub fn settle<'a>(
         if let Some(note) = s.note.as_deref()
             && matches!(s.op, SettleOp::Ack | SettleOp::Dead)
         {
-            let place = match place {
-                (0, record) => format!("r{record}"),
-                (claim, position) => format!("c{claim}:{position}"),
-            };
             notes.push((place, note.0.as_slice()));
         }
         if let Some(result) = s.kept.as_deref()
@@ -1753,8 +1748,8 @@ pub fn settle<'a>(
         records += 1;
     }
     if !notes.is_empty() {
-        for (place, note) in &notes {
-            invocation.arg(place).arg(*note);
+        for ((claim, place), note) in &notes {
+            invocation.arg(*claim).arg(*place).arg(*note);
         }
         invocation.arg(notes.len()).arg("notes");
     }

@@ -115,13 +115,24 @@ pub fn push_waiters(
     Ok(said)
 }
 
-/// A note in an outbox, as after.lua and deps.lua write it.
+/// A note in an outbox, as after.lua and deps.lua write it (an outcome), or dead_requeue.lua (a withdrawal).
 #[derive(Deserialize)]
 struct Note<'a> {
     to: Vec<Task>,
-    #[serde(borrow)]
-    outcome: &'a RawValue,
+    /// The dependency's run: 0 until it is first requeued from its dead letters ([`RUN`]).
+    #[serde(default)]
+    run: u64,
+    #[serde(borrow, default)]
+    outcome: Option<&'a RawValue>,
+    /// The dependency that was requeued: its waiters forget its dead run's outcome while they wait.
+    #[serde(default)]
+    withdraw: Option<Task>,
 }
+
+/// The envelope's field that numbers a task's runs for its waiters: absent (0) until `dead requeue` requeues it,
+/// which adds 1, so that a waiter tells the requeued run's note from the dead one's (docs/design/flows.md,
+/// "A requeued dependency").
+pub const RUN: &str = "run";
 
 /// A task named in a note.
 #[derive(Deserialize)]
@@ -161,10 +172,24 @@ pub fn move_outbox(conn: &mut Conn, keys: &QueueKeys, beat: &dyn Fn()) -> Result
         return Ok(0);
     }
     // The outcomes for each waiter, in the order read: one apply a waiter (a fan-in's notes come in runs).
-    let mut waiters: Vec<(Task, Vec<(Outcome, &str)>)> = Vec::new();
+    let mut waiters: Vec<(Task, Vec<Applied<'_>>)> = Vec::new();
     for bytes in &notes {
         let parsed = serde_json::from_slice::<Note<'_>>(bytes).and_then(|note| {
-            serde_json::from_str::<Outcome>(note.outcome.get()).map(|outcome| (note, outcome))
+            let outcome = match (note.outcome, &note.withdraw) {
+                (Some(raw), None) => serde_json::from_str::<Outcome>(raw.get())?,
+                (None, Some(task)) => Outcome {
+                    queue: task.queue.clone(),
+                    id: task.id.clone(),
+                    state: "withdraw".to_string(),
+                    reason: None,
+                },
+                _ => {
+                    return Err(<serde_json::Error as serde::de::Error>::custom(
+                        "a note has either an outcome or a withdrawal",
+                    ));
+                }
+            };
+            Ok((note, outcome))
         });
         let (note, outcome) = match parsed {
             Ok(parsed) => parsed,
@@ -179,14 +204,17 @@ pub fn move_outbox(conn: &mut Conn, keys: &QueueKeys, beat: &dyn Fn()) -> Result
             }
         };
         for waiter in note.to {
-            let raw = note.outcome.get();
-            let outcome = outcome.clone();
+            let applied = Applied {
+                outcome: outcome.clone(),
+                raw: note.outcome.map_or("", RawValue::get),
+                run: note.run,
+            };
             match waiters
                 .iter_mut()
                 .find(|(known, _)| known.queue == waiter.queue && known.id == waiter.id)
             {
-                Some((_, outcomes)) => outcomes.push((outcome, raw)),
-                None => waiters.push((waiter, vec![(outcome, raw)])),
+                Some((_, outcomes)) => outcomes.push(applied),
+                None => waiters.push((waiter, vec![applied])),
             }
         }
     }
@@ -204,12 +232,20 @@ pub fn move_outbox(conn: &mut Conn, keys: &QueueKeys, beat: &dyn Fn()) -> Result
     Ok(notes.len())
 }
 
+/// One note as flow_apply.lua takes it: the outcome (state "withdraw" for a withdrawal), its JSON ("" for a
+/// withdrawal), and the dependency's run.
+struct Applied<'a> {
+    outcome: Outcome,
+    raw: &'a str,
+    run: u64,
+}
+
 /// Applies dependencies' outcomes to one waiting task (flow_apply.lua), naming the ready list its hash names.
 fn apply(
     conn: &mut Conn,
     keys: &QueueKeys,
     waiter: &Task,
-    outcomes: &[(Outcome, &str)],
+    outcomes: &[Applied<'_>],
 ) -> Result<String> {
     let theirs = keys.other_queue(&waiter.queue);
     let hash = theirs.deps(&waiter.id);
@@ -228,14 +264,16 @@ fn apply(
             .key(&theirs.wake)
             .key(&theirs.dead)
             .key(&theirs.stats)
-            .key(theirs.deps_outbox());
-        for (outcome, raw) in outcomes {
+            .key(theirs.deps_outbox())
+            .key(theirs.deps_run(&waiter.id));
+        for Applied { outcome, raw, run } in outcomes {
             invocation
                 .arg(dependency_field(&outcome.queue, &outcome.id))
                 .arg(*raw)
                 .arg(&outcome.state)
                 .arg(format!("{}/{}", outcome.queue, outcome.id))
-                .arg(outcome.reason.as_deref().unwrap_or(""));
+                .arg(outcome.reason.as_deref().unwrap_or(""))
+                .arg(*run);
         }
         let said: String = invocation.invoke(conn)?;
         // Replicated before the note may be removed (`[redis] wait_replicas`): a failover of the waiter's master
@@ -316,14 +354,38 @@ pub enum Ended<'a> {
     Dead(&'a str),
 }
 
+/// The run of a task of a flow: its envelope's [`RUN`], 0 when absent (never requeued) or not a number.
+pub fn run_of(envelope: &crate::task::Envelope<'_>) -> u64 {
+    envelope
+        .extra
+        .iter()
+        .find(|(name, _)| name == RUN)
+        .and_then(|(_, value)| value.get().parse().ok())
+        .unwrap_or(0)
+}
+
+/// The envelope `envelope` as run `run` of its task: its [`RUN`] field set (added after its other fields).
+pub fn set_run(envelope: &mut crate::task::Envelope<'_>, run: u64) {
+    let value = RawValue::from_string(run.to_string()).expect("a number is JSON");
+    match envelope.extra.iter_mut().find(|(name, _)| name == RUN) {
+        Some((_, old)) => *old = std::borrow::Cow::Owned(value),
+        None => envelope.extra.push((
+            std::borrow::Cow::Borrowed(RUN),
+            std::borrow::Cow::Owned(value),
+        )),
+    }
+}
+
 /// The note the settle that ends task `id` of `queue` writes to its outbox for `waiters` (the envelope's
-/// `waiters` list, as it is): `{"to": WAITERS, "outcome": {"queue", "id", "state", "result" | "reason"}}`. The
+/// `waiters` list, as it is): `{"to": WAITERS, "run": RUN, "outcome": {"queue", "id", "state", "result" |
+/// "reason"}}`, `run` (the envelope's [`RUN`]) left out while it is 0, as it is unless the task was requeued. The
 /// outcome is what each waiter's ended hash keeps and its handler receives in `after`. A result that is not JSON,
 /// or over `max_result` bytes, travels as `null` (the task is done all the same: its waiters run).
 pub fn note(
     queue: &str,
     id: &str,
     waiters: &RawValue,
+    run: u64,
     ended: Ended<'_>,
     max_result: usize,
 ) -> Vec<u8> {
@@ -340,6 +402,8 @@ pub fn note(
     #[derive(serde::Serialize)]
     struct Note<'a> {
         to: &'a RawValue,
+        #[serde(skip_serializing_if = "is_zero")]
+        run: u64,
         outcome: Outcome<'a>,
     }
     let outcome = match ended {
@@ -364,9 +428,39 @@ pub fn note(
     };
     serde_json::to_vec(&Note {
         to: waiters,
+        run,
         outcome,
     })
     .expect("a note serializes")
+}
+
+fn is_zero(run: &u64) -> bool {
+    *run == 0
+}
+
+/// The note `dead requeue` writes to the head of the outbox of task `id` of `queue` when it requeues the task as
+/// run `run` (its waiters: the envelope's `waiters`, as it is): `{"to": WAITERS, "run": RUN, "withdraw":
+/// {"queue", "id"}}`. Applied, it withdraws the dead run's outcome from each waiter that still waits, so that the
+/// waiter waits for the new run (flow_apply.lua). At the head, so that a mover applies it before the dead run's
+/// note if that is still in the outbox: the waiter is then never failed by a run that was requeued.
+pub fn withdrawal(queue: &str, id: &str, waiters: &RawValue, run: u64) -> Vec<u8> {
+    #[derive(serde::Serialize)]
+    struct Named<'a> {
+        queue: &'a str,
+        id: &'a str,
+    }
+    #[derive(serde::Serialize)]
+    struct Withdrawal<'a> {
+        to: &'a RawValue,
+        run: u64,
+        withdraw: Named<'a>,
+    }
+    serde_json::to_vec(&Withdrawal {
+        to: waiters,
+        run,
+        withdraw: Named { queue, id },
+    })
+    .expect("a withdrawal serializes")
 }
 
 #[cfg(test)]
@@ -380,24 +474,31 @@ mod tests {
     #[test]
     fn a_note_carries_the_outcome_a_waiter_keeps() {
         let to = raw(r#"[{"queue":"reports","id":"r-7"}]"#);
-        let done = note("parts", "p-1", to, Ended::Done(Some(r#"{"rows": 3}"#)), 100);
+        let done = note(
+            "parts",
+            "p-1",
+            to,
+            0,
+            Ended::Done(Some(r#"{"rows": 3}"#)),
+            100,
+        );
         assert_eq!(
             String::from_utf8(done).unwrap(),
             r#"{"to":[{"queue":"reports","id":"r-7"}],"outcome":{"queue":"parts","id":"p-1","state":"done","result":{"rows": 3}}}"#
         );
-        let none = note("parts", "p-1", to, Ended::Done(None), 100);
+        let none = note("parts", "p-1", to, 0, Ended::Done(None), 100);
         assert!(
             String::from_utf8(none)
                 .unwrap()
                 .ends_with(r#""state":"done","result":null}}"#)
         );
-        let large = note("parts", "p-1", to, Ended::Done(Some("[1,2,3]")), 3);
+        let large = note("parts", "p-1", to, 0, Ended::Done(Some("[1,2,3]")), 3);
         assert!(
             String::from_utf8(large)
                 .unwrap()
                 .ends_with(r#""result":null}}"#)
         );
-        let dead = note("parts", "p-1", to, Ended::Dead("no \"luck\""), 100);
+        let dead = note("parts", "p-1", to, 0, Ended::Dead("no \"luck\""), 100);
         assert!(
             String::from_utf8(dead)
                 .unwrap()

@@ -6,6 +6,7 @@ use std::io::{Read, Write};
 use clap::Subcommand;
 use serde_json::json;
 
+use crate::broker::access::Action;
 use crate::broker::workflow::dependency_field;
 use crate::client::Client;
 use crate::config::Config;
@@ -38,7 +39,18 @@ pub enum FlowCommand {
 pub(super) fn run_flow(config: &Config, command: FlowCommand) -> Result<(), Failure> {
     let client = Client::new(config)?;
     match command {
-        FlowCommand::Push { file } => push(&client, &file),
+        FlowCommand::Push { file } => {
+            // A flow may name any queue of the config: the producer's rules are checked on each, for the
+            // waiting tasks (flow_push.lua) and for the tasks that wait for nothing (push.lua).
+            let names: Vec<&str> = config
+                .queues
+                .iter()
+                .map(|queue| queue.name.as_str())
+                .collect();
+            client.check_access(&names, Action::FlowPush)?;
+            client.check_access(&names, Action::Push)?;
+            push(&client, &file)
+        }
         FlowCommand::Show { queue, id, json } => show(&client, &queue, &id, json),
     }
 }

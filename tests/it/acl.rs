@@ -818,3 +818,57 @@ fn a_producer_made_from_the_rules_before_debounce_pushes_and_is_told_what_a_debo
     assert_eq!((s.ready, s.delayed, s.pushed), (1, 1, 2), "{s:?}");
     assert_eq!(acl_log(&redis), Vec::<String>::new());
 }
+
+/// `kmqd flow push` as the documented producer user (flow_push.lua's waiting tasks, push.lua's leaves), the flow
+/// run by the daemon user (notes in settles, the outboxes' movers, releases across two queues, a dead
+/// dependency under `continue`), `flow show` as the reader, and `dead requeue` of the dead dependency as the
+/// operator (its withdrawal pushed onto its queue's outbox, which the daemon then moves): Redis refuses nothing to
+/// any of them.
+#[test]
+fn the_documented_users_push_run_show_and_requeue_a_flow() {
+    let redis = RedisServer::start();
+    create_users(&redis);
+    let dir = TestDir::new();
+    let queues = "[[queues]]\nname = \"parts\"\nmode = \"safe\"\nretry_times = 0\n\n\
+        [[queues]]\nname = \"reports\"\nmode = \"safe\"\nretry_times = 0\n";
+    let daemon_config = config_as(&dir, &redis, "kmqd", "shutdown_grace = \"5s\"", queues);
+    let producer = config_as(&dir, &redis, "kmqd-producer", "", queues);
+    let reader = config_as(&dir, &redis, "kmqd-reader", "", queues);
+    let operator = config_as(&dir, &redis, "kmqd-operator", "", queues);
+    let daemon = TestDaemon::start(&daemon_config);
+    let flow = r#"{"queue": "reports", "type": "test", "id": "report", "if_failed": "continue",
+        "after": [{"queue": "parts", "type": "test", "id": "p1"},
+                  {"queue": "parts", "type": "test", "id": "p2", "data": {"outcome": "fail"}},
+                  {"queue": "reports", "type": "test", "id": "mid",
+                   "after": [{"queue": "parts", "type": "test", "id": "p3"}]}]}"#;
+    run(&producer, &["flow", "push", "-"], Some(flow), 0);
+    eventually(Duration::from_secs(30), "the report to end", || {
+        let records = dir.records();
+        (
+            records.ends.iter().any(|(id, ..)| id == "report"),
+            records.lines,
+        )
+    });
+    let (out, _) = run(
+        &reader,
+        &["flow", "show", "reports", "report", "--json"],
+        None,
+        0,
+    );
+    let shown: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(shown["state"], "released", "{shown}");
+    run(&operator, &["dead", "requeue", "parts", "p2"], None, 0);
+    eventually(
+        Duration::from_secs(30),
+        "p2 run again and its notes moved",
+        || {
+            let runs = dir.records().runs_of("p2");
+            let outbox: i64 = redis.cmd(&["LLEN", "kmq:{parts}:deps-outbox"]);
+            (runs == 2 && outbox == 0, (runs, outbox))
+        },
+    );
+    daemon.stop();
+    assert_eq!(dir.records().runs_of("report"), 1);
+    let log = acl_log(&redis);
+    assert!(log.is_empty(), "{log:#?}");
+}

@@ -586,6 +586,7 @@ fn requeue_and_purge_remove_the_copy_of_a_record_nearest_the_tail_where_the_walk
         level: 1,
         unique_id: None,
         envelope: br#"{"id":"twice","type":"test","data":null}"#,
+        withdrawal: None,
     };
     let requeued = dead::requeue(&mut connection, &keys, &[item]).unwrap();
     assert_eq!(requeued, [Fate::Done]);

@@ -68,6 +68,18 @@ fn wait_ended(dir: &TestDir, id: &str, within: Duration) {
     });
 }
 
+/// `id`'s last end (of its runs, a part recovered or rewound may have run twice) came before `merge` started.
+fn assert_ended_before_merge(lines: &[String], id: &str) {
+    let last_end = lines
+        .iter()
+        .rposition(|line| line.starts_with(&format!("end {id} ")))
+        .unwrap_or_else(|| panic!("{id} never ended"));
+    assert!(
+        last_end < line_at(lines, "start merge 0"),
+        "{id} ended after merge started"
+    );
+}
+
 /// `merge` ran once, after the last end of each of `part-0` to `part-{parts - 1}` (a part recovered from a killed
 /// daemon may have run twice).
 fn assert_merge_ran_once_after_its_parts(dir: &TestDir, parts: usize) {
@@ -235,6 +247,170 @@ fn a_dead_dependency_fails_its_waiters_unrun_up_the_graph_unless_they_continue()
     daemon.stop();
 }
 
+/// The dead letter of `id` in queue `a` once it is there (the newest), with its task's `data` replaced by
+/// `data` when given (an operator who fixed the cause before requeueing it); returns its task.
+fn dead_letter_of(
+    redis: &RedisServer,
+    id: &str,
+    data: Option<serde_json::Value>,
+) -> serde_json::Value {
+    let (at, record): (usize, String) = eventually(
+        Duration::from_secs(30),
+        &format!("{id} dead-lettered"),
+        || {
+            let dead: Vec<String> = redis.cmd(&["LRANGE", "kmq:{a}:dead", "0", "-1"]);
+            let found = dead.iter().enumerate().find(|(_, record)| {
+                serde_json::from_str::<serde_json::Value>(record).unwrap()["id"] == id
+            });
+            (
+                found.is_some(),
+                found.map(|(at, r)| (at, r.clone())).unwrap_or_default(),
+            )
+        },
+    );
+    let mut record: serde_json::Value = serde_json::from_str(&record).unwrap();
+    let mut task: serde_json::Value =
+        serde_json::from_str(record["task"].as_str().unwrap()).unwrap();
+    if let Some(data) = data {
+        task["data"] = data;
+        record["task"] = serde_json::Value::String(task.to_string());
+        let _: () = redis.cmd(&["LSET", "kmq:{a}:dead", &at.to_string(), &record.to_string()]);
+    }
+    task
+}
+
+/// `kmqd dead requeue` of a dead dependency re-arms the task that waits for it while it still waits (here under
+/// `if_failed = "continue"`): it waits for the requeued run, even when its other dependency ends meanwhile, and
+/// runs with that run's outcome, not the dead run's. Requeued twice (dead again, then done), it runs once, after
+/// the last run ended, with the last run's outcome. Without the withdrawal the requeue writes, the waiter is
+/// released with the dead run as soon as its other dependency ends.
+#[test]
+fn a_requeued_dead_dependency_re_arms_its_waiting_task_which_runs_with_the_new_outcome() {
+    let (redis, dir, config, daemon) = served("");
+    let (gate, fixed) = (dir.path("gate"), dir.path("fixed"));
+    flow_push(
+        &config,
+        &format!(
+            r#"{{"queue": "b", "type": "test", "id": "merge", "if_failed": "continue",
+                "after": [{{"queue": "a", "type": "test", "id": "flaky", "data": {{"outcome": "fail"}}}},
+                          {{"queue": "a", "type": "test", "id": "slow",
+                            "data": {{"wait_for_file": {:?}}}}}]}}"#,
+            gate.to_str().unwrap()
+        ),
+    );
+    let requeue = || kmqd_ok(&config, &["dead", "requeue", "a", "flaky"]);
+    let merge = || flow_show(&config, "b", "merge");
+    // The dead run is recorded at the waiter, which waits for `slow`.
+    let task = dead_letter_of(&redis, "flaky", None);
+    assert!(task.get("run").is_none(), "{task}");
+    eventually(
+        Duration::from_secs(10),
+        "the dead run recorded at merge",
+        || {
+            let shown = merge();
+            (shown["after"][0]["state"] == "dead", shown)
+        },
+    );
+    // Requeued as it is: it runs (run 1) and is dead again.
+    requeue();
+    eventually(Duration::from_secs(30), "flaky's second run to end", || {
+        let runs = dir.records().runs_of("flaky");
+        (runs == 2, runs)
+    });
+    // Fixed (it now waits for a file, then is done), and requeued again: run 2.
+    let data = serde_json::json!({"wait_for_file": fixed.to_str().unwrap(), "result": "fixed"});
+    let task = dead_letter_of(&redis, "flaky", Some(data));
+    assert_eq!(task["run"], 1, "{task}");
+    requeue();
+    eventually(
+        Duration::from_secs(30),
+        "flaky's third run to start",
+        || {
+            let runs = dir.records().runs_of("flaky");
+            (runs == 3, runs)
+        },
+    );
+    // `slow` ends while run 2 runs: merge records it, and still waits (for run 2, not the dead run 1).
+    std::fs::write(&gate, b"").unwrap();
+    let shown = eventually(Duration::from_secs(30), "slow recorded at merge", || {
+        let shown = merge();
+        (shown["after"][1]["state"] == "done", shown)
+    });
+    assert_eq!(shown["state"], "waiting", "{shown}");
+    std::fs::write(&fixed, b"").unwrap();
+    wait_ended(&dir, "merge", Duration::from_secs(30));
+    let records = dir.records();
+    assert_eq!(records.runs_of("merge"), 1, "{:#?}", records.lines);
+    assert_ended_before_merge(&records.lines, "flaky");
+    let after = records
+        .lines
+        .iter()
+        .find(|line| line.starts_with("after merge "))
+        .unwrap_or_else(|| panic!("{:#?}", records.lines));
+    let after: serde_json::Value = serde_json::from_str(&after["after merge ".len()..]).unwrap();
+    let flaky = after
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|dep| dep["id"] == "flaky")
+        .unwrap();
+    assert_eq!(flaky["state"], "done", "{after}");
+    assert_eq!(flaky["result"], "fixed", "{after}");
+    assert_eq!(counter(&redis, "b", "released"), 1);
+    daemon.stop();
+}
+
+/// `kmqd dead requeue` of a dead dependency whose note has not reached its waiter yet (the mover's apply of it was
+/// lost on the way, so the note is still in the outbox) re-arms a waiter under `if_failed = "fail"`: the
+/// withdrawal goes to the head of the outbox, the next mover applies it first and the dead run's note after it is
+/// stale, so the waiter is not failed, and runs once the requeued run is done. Without the withdrawal at the
+/// head, the dead note is applied first and fails it.
+#[test]
+fn a_dependency_requeued_before_its_dead_note_was_applied_re_arms_a_failing_waiter() {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let config = dir.config_raw(
+        &format!("url = \"{}\"\nio_timeout = \"4s\"", proxy.url()),
+        "shutdown_grace = \"5s\"",
+        &two_queues("lease_timeout = \"10s\""),
+    );
+    let lost = proxy.add(Fault::DropRequest {
+        matching: Matcher::script(sources::FLOW_APPLY),
+        nth: 1,
+        then: AfterDrop::Hang,
+    });
+    let daemon = TestDaemon::start(&config);
+    flow_push(
+        &config,
+        r#"{"queue": "b", "type": "test", "id": "merge",
+            "after": [{"queue": "a", "type": "test", "id": "flaky", "data": {"outcome": "fail"}}]}"#,
+    );
+    // The mover read the dead note and its apply is lost: the note stays in the outbox until the mover's
+    // connection times out and its next turn reads it again.
+    eventually(
+        Duration::from_secs(30),
+        "the dead note's apply lost",
+        || (lost.fired() > 0, lost.fired()),
+    );
+    dead_letter_of(
+        &redis,
+        "flaky",
+        Some(serde_json::json!({"result": "fixed"})),
+    );
+    kmqd_ok(&config, &["dead", "requeue", "a", "flaky"]);
+    wait_ended(&dir, "merge", Duration::from_secs(30));
+    let records = dir.records();
+    assert_eq!(records.runs_of("merge"), 1, "{:#?}", records.lines);
+    assert_ended_before_merge(&records.lines, "flaky");
+    let shown = flow_show(&config, "b", "merge");
+    assert_eq!(shown["state"], "released", "{shown}");
+    assert_eq!(shown["after"][0]["state"], "done", "{shown}");
+    let dead: i64 = redis.cmd(&["LLEN", "kmq:{b}:dead"]);
+    assert_eq!(dead, 0, "merge was not failed");
+    daemon.stop();
+}
+
 /// A daemon killed with -9 in the middle of a fan-in (tasks held, notes written but not moved, an apply cut
 /// short): another daemon recovers its tasks and moves its notes, and the waiter is released exactly once, after
 /// every part ended.
@@ -318,6 +494,109 @@ fn lost_settle_apply_and_removal_replies_release_the_waiter_exactly_once() {
     assert_eq!(counter(&redis, "b", "released"), 1);
     assert_eq!(dir.records().runs_of("merge"), 1);
     daemon.stop();
+}
+
+/// A fan-in of `parts` parts of queue `a` (`part-{i}`, `data` each, and `extra` nodes after them) into `merge` of
+/// queue `b`, as a flow file.
+fn fan_in(parts: usize, data: &str, extra: &str) -> String {
+    let mut nodes: Vec<String> = (0..parts)
+        .map(|i| format!(r#"{{"queue": "a", "type": "test", "id": "part-{i}", "data": {data}}}"#))
+        .collect();
+    if !extra.is_empty() {
+        nodes.push(extra.to_string());
+    }
+    format!(
+        r#"{{"queue": "b", "type": "test", "id": "merge", "after": [{}]}}"#,
+        nodes.join(",")
+    )
+}
+
+/// Redis killed (SIGKILL) and restarted on its append-only file (`appendfsync always`) in the middle of a fan-in:
+/// every write it acknowledged is in the file, so every note written and every record applied survives; the
+/// daemon reconnects, a settle whose reply was lost is sent again (its stored answer, no second note), and the
+/// waiter runs once, after every part's last end.
+#[test]
+fn a_redis_restarted_on_its_append_only_file_mid_flow_releases_the_waiter_once_after_its_parts() {
+    let mut redis = RedisServer::with_aof(Fsync::Always);
+    let dir = TestDir::new();
+    let config = dir.config_raw(
+        &format!("url = \"{}\"\nio_timeout = \"1s\"", redis.url()),
+        "shutdown_grace = \"5s\"",
+        &two_queues("workers = 4\nlease_timeout = \"2s\""),
+    );
+    flow_push(&config, &fan_in(300, r#"{"sleep_ms": 2}"#, ""));
+    let daemon = TestDaemon::start(&config);
+    eventually(Duration::from_secs(30), "progress before the kill", || {
+        let ended = counter(&redis, "a", "done");
+        (ended >= 100, ended)
+    });
+    redis.stop(Signal::Kill);
+    redis.restart();
+    wait_ended(&dir, "merge", Duration::from_secs(90));
+    assert_merge_ran_once_after_its_parts(&dir, 300);
+    assert_eq!(counter(&redis, "b", "released"), 1);
+    eventually(Duration::from_secs(10), "the outbox empty", || {
+        let left: i64 = redis.cmd(&["LLEN", "kmq:{a}:deps-outbox"]);
+        (left == 0, left)
+    });
+    daemon.stop();
+    assert_eq!(dir.records().runs_of("merge"), 1);
+}
+
+/// Redis rewound mid-flow (its append-only file cut back to a mark, as a restored older backup or a failover to
+/// a lagging replica leaves it): the parts that ended after the mark are forgotten with their notes and their
+/// records at the waiter, all of one consistent past; their owner is given up (its journal is behind), they run
+/// again and write their notes again, and the waiter, which had not been released by the mark, is released once,
+/// after every part's last end. (A release after the mark would be forgotten too, and happen again: the waiter
+/// would run twice, as any task whose settle a rewind undoes: docs/RELIABILITY.md, "Flows".)
+#[test]
+fn a_redis_rewound_mid_flow_releases_the_waiter_once_after_its_parts_run_again() {
+    let mut redis = RedisServer::start_with(RedisOptions {
+        appendonly: Some(Fsync::Always),
+        extra_args: vec!["--auto-aof-rewrite-percentage".into(), "0".into()],
+        ..RedisOptions::default()
+    });
+    let dir = TestDir::new();
+    let gate = dir.path("gate");
+    let config = dir.config_raw(
+        &format!("url = \"{}\"\nio_timeout = \"1s\"", redis.url()),
+        "shutdown_grace = \"5s\"",
+        &two_queues("workers = 4\nlease_timeout = \"1s\""),
+    );
+    let last = format!(
+        r#"{{"queue": "a", "type": "test", "id": "last", "data": {{"wait_for_file": {:?}}}}}"#,
+        gate.to_str().unwrap()
+    );
+    flow_push(&config, &fan_in(60, r#"{"sleep_ms": 20}"#, &last));
+    let daemon = TestDaemon::start(&config);
+    eventually(Duration::from_secs(30), "progress before the mark", || {
+        let ended = counter(&redis, "a", "done");
+        (ended >= 10, ended)
+    });
+    let mark = redis.aof_mark();
+    let at_mark = counter(&redis, "a", "done");
+    let after = eventually(Duration::from_secs(30), "progress after the mark", || {
+        let ended = counter(&redis, "a", "done");
+        (ended >= at_mark + 10, ended)
+    });
+    let cut = redis.crash_back_to(mark);
+    assert!(cut > 0, "the writes after the mark were in the file");
+    assert!(
+        counter(&redis, "a", "done") < after,
+        "the rewind forgot the parts that ended after the mark"
+    );
+    std::fs::write(&gate, b"").unwrap();
+    wait_ended(&dir, "merge", Duration::from_secs(90));
+    assert_merge_ran_once_after_its_parts(&dir, 60);
+    let records = dir.records();
+    assert_ended_before_merge(&records.lines, "last");
+    assert!(
+        (0..60).any(|i| records.runs_of(&format!("part-{i}")) > 1),
+        "some part ran again after the rewind"
+    );
+    assert_eq!(counter(&redis, "b", "released"), 1);
+    daemon.stop();
+    assert_eq!(dir.records().runs_of("merge"), 1);
 }
 
 /// `flow push` refuses a flow it cannot push whole, naming the task and what is wrong, and writes nothing.
@@ -412,12 +691,33 @@ fn on_a_cluster_a_chain_across_three_masters_runs_each_task_once_in_order() {
 /// released exactly once, after every part ended.
 #[test]
 fn on_a_cluster_a_master_killed_mid_flow_releases_the_waiter_exactly_once() {
+    fan_in_across_a_failover(false);
+}
+
+/// As `on_a_cluster_a_master_killed_mid_flow_releases_the_waiter_exactly_once`, but the master killed is the
+/// waiting task's own (its hashes, its ready list, the applies): with `wait_replicas = 1` each apply is on the
+/// replica before its note is removed, so the replica that takes over has every record whose note is gone, and
+/// a note whose apply it lacks is still in its outbox, applied again. The waiter runs once, after every part.
+#[test]
+fn on_a_cluster_the_waiting_task_s_own_master_killed_mid_flow_releases_it_exactly_once() {
+    fan_in_across_a_failover(true);
+}
+
+/// A fan-in of 400 parts on one master into a waiting task on another, `wait_replicas = 1`, with the parts'
+/// master (or, `waiters_master`, the waiting task's) killed mid-drain and failed over: the waiter runs once,
+/// after every part's last end.
+fn fan_in_across_a_failover(waiters_master: bool) {
     use kmqd_harness::Signal;
     use kmqd_harness::cluster::{Cluster, ClusterOptions};
     let mut cluster = Cluster::start(ClusterOptions::default()).expect("start a Redis Cluster");
     let placed = cluster.queue_names_on_distinct_masters(1).unwrap();
     let (parts_master, parts) = (placed[0].0.clone(), placed[0].1[0].clone());
-    let merges = placed[1].1[0].clone();
+    let (merges_master, merges) = (placed[1].0.clone(), placed[1].1[0].clone());
+    let killed = if waiters_master {
+        merges_master
+    } else {
+        parts_master
+    };
     let dir = TestDir::new();
     let queues = format!(
         "[[queues]]\nname = \"{parts}\"\nmode = \"safe\"\nworkers = 4\nlease_timeout = \"3s\"\n\n\
@@ -446,11 +746,9 @@ fn on_a_cluster_a_master_killed_mid_flow_releases_the_waiter_exactly_once() {
         let ended = dir.records().ends.len();
         (ended >= 100, ended)
     });
-    cluster
-        .kill_master(&parts_master.addr, Signal::Kill)
-        .unwrap();
+    cluster.kill_master(&killed.addr, Signal::Kill).unwrap();
     cluster.wait_failover().unwrap();
-    cluster.restart_node(&parts_master.addr).unwrap();
+    cluster.restart_node(&killed.addr).unwrap();
     wait_ended(&dir, "merge", Duration::from_secs(120));
     assert_merge_ran_once_after_its_parts(&dir, 400);
     let shown = flow_show(&config, &merges, "merge");

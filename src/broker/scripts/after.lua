@@ -3,9 +3,10 @@
 -- a few lines.
 --
 -- A call that ends tasks with waiters (their envelope's `waiters`, written by `kmqd flow push`) carries a trailer
--- between settle.lua's own arguments and results.lua's trailer: ARGV has N pairs (the task's place in the call:
--- `rN` for the call's Nth record, `cK:P` for the plain acknowledgement of position P of the call's Kth claim; the
--- note, a JSON object `{"to": [...], "outcome": {...}}` the daemon built), then N and the word "notes"; KEYS has
+-- between settle.lua's own arguments and results.lua's trailer: ARGV has N triples (the task's place in the call,
+-- in results.lua's two numbers: 0 and N for the call's Nth record, K and P for the plain acknowledgement of
+-- position P of the call's Kth claim; the note, a JSON object `{"to": [...], "outcome": {...}}` the daemon
+-- built), then N and the word "notes"; KEYS has
 -- the queue's outbox (`P:{Q}:deps-outbox`, in the queue's slot) last, before the result keys. A call without
 -- notes has no trailer and pays one comparison.
 --
@@ -20,11 +21,11 @@ local function take_notes()
   local notes = {records = {}, claims = {}, outbox = false, written = 0}
   if ARGV[#ARGV] ~= 'notes' then return notes end
   local count = tonumber(ARGV[#ARGV - 1])
-  if not count or count < 0 or #ARGV < 2 + 2 * count or #KEYS < 1 then
+  if not count or count < 0 or #ARGV < 2 + 3 * count or #KEYS < 1 then
     return nil, redis.error_reply('settle.lua: notes trailer of ' .. tostring(ARGV[#ARGV - 1]) ..
       '; nothing was applied')
   end
-  local first_arg = #ARGV - 2 - 2 * count
+  local first_arg = #ARGV - 2 - 3 * count
   notes.outbox = KEYS[#KEYS]
   local found = redis.call('TYPE', notes.outbox).ok
   if found ~= 'none' and found ~= 'list' then
@@ -32,20 +33,17 @@ local function take_notes()
       'nothing was applied')
   end
   for n = 1, count do
-    local at = first_arg + 2 * (n - 1)
-    local place, value = ARGV[at + 1], ARGV[at + 2]
-    local record = tonumber(string.match(place, '^r(%d+)$'))
-    local claim, position = string.match(place, '^c(%d+):(%d+)$')
-    if (not record and not claim) or string.sub(value, 1, 1) ~= '{' then
-      return nil, redis.error_reply('settle.lua: note ' .. n .. ' (' .. place .. ') is not a place and a JSON ' ..
-        'object; nothing was applied')
+    local at = first_arg + 3 * (n - 1)
+    local claim, place, value = tonumber(ARGV[at + 1]), tonumber(ARGV[at + 2]), ARGV[at + 3]
+    if not claim or not place or string.sub(value, 1, 1) ~= '{' then
+      return nil, redis.error_reply('settle.lua: note ' .. n .. ' (' .. ARGV[at + 1] .. ', ' .. ARGV[at + 2] ..
+        ') is not a place and a JSON object; nothing was applied')
     end
-    if record then
-      notes.records[record] = value
+    if claim == 0 then
+      notes.records[place] = value
     else
-      claim = tonumber(claim)
       notes.claims[claim] = notes.claims[claim] or {}
-      table.insert(notes.claims[claim], {position = tonumber(position), value = value})
+      table.insert(notes.claims[claim], {position = place, value = value})
     end
   end
   for n = #ARGV, first_arg + 1, -1 do ARGV[n] = nil end
@@ -62,13 +60,16 @@ local function note(notes, record)
   end
 end
 
--- The notes of the plain acknowledgements of the call's claim `k`, before its bitmap `bits` (whose value before
--- this call is `old`, false for none) is merged: each position whose bit this call sets.
-local function note_claim(notes, k, bits, old)
+-- The notes of the plain acknowledgements of the call's claim `k`, before its bitmap is merged (its value before
+-- this call is `old`, false for none, as settle.lua fetched it): each position whose bit this call sets, read from
+-- `old` as results.lua's keep_claim reads it (bit p is bit 7 - p % 8 of byte p / 8, GETBIT's order), not asked of
+-- Redis a command each.
+local function note_claim(notes, k, old)
   local values = notes.claims[k]
   if not values then return end
   for _, value in ipairs(values) do
-    if not old or redis.call('GETBIT', bits, value.position) == 0 then
+    local byte = old and string.byte(old, math.floor(value.position / 8) + 1)
+    if not byte or bit.band(byte, bit.rshift(128, value.position % 8)) == 0 then
       redis.call('RPUSH', notes.outbox, value.value)
       notes.written = notes.written + 1
     end

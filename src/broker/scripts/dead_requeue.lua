@@ -2,9 +2,11 @@
 -- dead_requeue.lua: move dead-letter records' tasks back to a ready list, each record atomically (kmqd dead
 -- requeue).
 --
--- KEYS[1] dead list, KEYS[2] unique hash, KEYS[3] wake list, KEYS[4] stats hash, KEYS[5 .. 4+L] ready lists
--- ARGV quadruples: the record (its exact bytes, as LRANGE read it), the level to queue the task at (1-based),
--- the task's unique id (or ""), the envelope to queue (the record's task, its attempt reset if asked)
+-- KEYS[1] dead list, KEYS[2] unique hash, KEYS[3] wake list, KEYS[4] stats hash, KEYS[5] the queue's flow
+-- outbox (P:{Q}:deps-outbox), KEYS[6 .. 5+L] ready lists
+-- ARGV quintuples: the record (its exact bytes, as LRANGE read it), the level to queue the task at (1-based),
+-- the task's unique id (or ""), the envelope to queue (the record's task, its attempt reset if asked; a task
+-- of a flow with waiters as its next run), the withdrawal note for its waiters ("" for a task without waiters)
 -- Returns one integer per record: 1 requeued, 0 not found (the record left the dead list since it was read: a
 -- concurrent requeue or purge, or dead_max trimmed it), 2 held (its unique id is held by a live task; the record
 -- stays where it is).
@@ -16,21 +18,27 @@
 -- record, seconds of a blocked Redis on a list of millions).
 -- The removal and the push are one step: a record is never both requeued and kept, and never lost.
 -- The task joins the back of its level, as a new push does; the unique id is taken as push.lua takes it.
+-- A task others wait for (a flow's) has its withdrawal pushed onto the HEAD of its queue's outbox in the same
+-- step (docs/design/flows.md, "A requeued dependency"): movers read the head first, so a waiter
+-- hears of the new run before the dead run's note if that is still in the outbox, and waits for the new run.
 -- Checks before it writes: every key's type, the stats hash's `requeued` and every record's level, so that a
 -- call that fails ("WRONGTYPE dead_requeue.lua: KEY is a string, not a list") writes nothing.
-local dead, uniq, wake, stats = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local dead, uniq, wake, stats, outbox = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local wrong_type = type_check('dead_requeue.lua')
 local integer = integer_check('dead_requeue.lua')
 local refused = wrong_type(dead, 'list') or wrong_type(uniq, 'hash') or wrong_type(wake, 'list') or
-  wrong_type(stats, 'hash')
-for i = 5, #KEYS do
+  wrong_type(stats, 'hash') or wrong_type(outbox, 'list')
+for i = 6, #KEYS do
   refused = refused or wrong_type(KEYS[i], 'list')
 end
 refused = refused or integer(stats, 'requeued', redis.call('HGET', stats, 'requeued'))
 if refused then return refused end
-for i = 1, #ARGV, 4 do
+if #ARGV % 5 ~= 0 then
+  return redis.error_reply('dead_requeue.lua: ' .. #ARGV .. ' arguments are not records of 5; nothing was written')
+end
+for i = 1, #ARGV, 5 do
   local level = tonumber(ARGV[i + 1])
-  if level == nil or KEYS[4 + level] == nil or level < 1 then
+  if level == nil or KEYS[5 + level] == nil or level < 1 then
     return redis.error_reply('dead_requeue.lua: no ready list for level ' .. tostring(ARGV[i + 1]) ..
       '; nothing was written')
   end
@@ -38,9 +46,9 @@ end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local result, requeued = {}, 0
-for i = 1, #ARGV, 4 do
+for i = 1, #ARGV, 5 do
   local record, level, uid, envelope = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2], ARGV[i + 3]
-  local ready = KEYS[4 + level]
+  local ready = KEYS[5 + level]
   local ok = 1
   if uid ~= '' and redis.call('HSETNX', uniq, uid, now) == 0 then
     ok = 2
@@ -54,6 +62,7 @@ for i = 1, #ARGV, 4 do
   end
   if ok == 1 then
     redis.call('RPUSH', ready, envelope)
+    if ARGV[i + 4] ~= '' then redis.call('LPUSH', outbox, ARGV[i + 4]) end
     requeued = requeued + 1
   end
   result[#result + 1] = ok

@@ -10,36 +10,84 @@
 -- KEYS[3] the queue's waiting hash  P:{Q}:deps-waiting
 -- KEYS[4] its ready list, as its hash's `ready` names it (the mover reads it first)
 -- KEYS[5] wake list, KEYS[6] dead list, KEYS[7] stats hash, KEYS[8] the queue's outbox (P:{Q}:deps-outbox)
--- ARGV in groups of 5, one per outcome: the dependency (`QUEUE\nID`), its outcome (a JSON object), its state
--- ("done" or "dead"), its name for a reason (`QUEUE/ID`), its reason ("" for none)
+-- KEYS[9] its run hash             P:{Q}:deps-run:ID
+-- ARGV in groups of 6, one per note: the dependency (`QUEUE\nID`), its outcome (a JSON object; "" for a
+-- withdrawal), its state ("done", "dead", or "withdraw": the dependency was requeued from its dead letters), its
+-- name for a reason (`QUEUE/ID`), its reason ("" for none), its run (0 until it is first requeued)
+--
+-- Runs (docs/design/flows.md, "A requeued dependency"): the run hash keeps the highest run of each
+-- dependency heard of. A note of an older run than that is stale and changes nothing (a dead run's note
+-- delivered again after the requeue withdrew it). A withdrawal of a newer run, while the task waits, records the
+-- run and deletes the dependency's recorded outcome, so that the task waits for the new run; a task released or
+-- failed ignores it. An outcome of a newer run replaces the recorded one; of
+-- the same run, it is recorded only if none is (HSETNX: a duplicate delivery). The count is still the ended
+-- hash's length: which dependencies ended, never how many notes came.
 -- Returns 'moved' (KEYS[4] is not the hash's ready list: nothing written; read it again), else what became of
 -- the task: 'released' or 'failed' (by this call), 'waiting', or 'recorded' (it no longer waits, or is not
--- written yet: `flow push` applies what it finds), or 'duplicate' when every outcome was recorded already
+-- written yet: `flow push` applies what it finds), or 'duplicate' when every note was recorded already or stale
 -- (nothing written).
-local k = waiter_keys(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8])
+local k = waiter_keys(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9])
 local refused = check_waiter_keys('flow_apply.lua', k)
 if refused then return refused end
 local ready = redis.call('HGET', k.meta, 'ready')
 if ready and ready ~= k.ready then return 'moved' end
-if #ARGV == 0 or #ARGV % 5 ~= 0 then
-  return redis.error_reply('ERR flow_apply.lua: ' .. #ARGV .. ' arguments are not outcomes of 5; nothing was written')
+if #ARGV == 0 or #ARGV % 6 ~= 0 then
+  return redis.error_reply('ERR flow_apply.lua: ' .. #ARGV .. ' arguments are not notes of 6; nothing was written')
 end
-for at = 1, #ARGV, 5 do
-  if ARGV[at + 2] ~= 'done' and ARGV[at + 2] ~= 'dead' then
-    return redis.error_reply('ERR flow_apply.lua: state ' .. ARGV[at + 2] .. ' is neither done nor dead; nothing ' ..
-      'was written')
+local integer = integer_check('flow_apply.lua')
+for at = 1, #ARGV, 6 do
+  local state = ARGV[at + 2]
+  if state ~= 'done' and state ~= 'dead' and state ~= 'withdraw' then
+    return redis.error_reply('ERR flow_apply.lua: state ' .. state .. ' is neither done, dead nor withdraw; ' ..
+      'nothing was written')
   end
+  if not string.match(ARGV[at + 5], '^%d+$') then
+    return redis.error_reply('ERR flow_apply.lua: run ' .. ARGV[at + 5] .. ' is not a number; nothing was written')
+  end
+  refused = integer(k.runs, ARGV[at], redis.call('HGET', k.runs, ARGV[at]))
+  if refused then return refused end
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local said = 'duplicate'
-for at = 1, #ARGV, 5 do
-  if redis.call('HSETNX', k.ended, ARGV[at], ARGV[at + 1]) == 1 then
-    local dead = false
-    if ARGV[at + 2] == 'dead' then dead = {name = ARGV[at + 3], reason = ARGV[at + 4]} end
-    local step = step_waiter(k, now, dead)
-    -- What this call did to the task, once decided, is what it says.
-    if said ~= 'released' and said ~= 'failed' then said = step end
+local said, ran = 'duplicate', false
+for at = 1, #ARGV, 6 do
+  local dep, outcome, state, run = ARGV[at], ARGV[at + 1], ARGV[at + 2], tonumber(ARGV[at + 5])
+  local heard = tonumber(redis.call('HGET', k.runs, dep) or '0')
+  local step = nil
+  if state == 'withdraw' then
+    -- Only a task that waits forgets: one released or failed keeps the outcome it was released or failed with
+    -- until the new run's note replaces it (a newer run than any heard of), for `flow show`.
+    if run > heard and redis.call('HGET', k.meta, 'state') == 'waiting' then
+      redis.call('HSET', k.runs, dep, run)
+      redis.call('HDEL', k.ended, dep)
+      step = 'waiting'
+    end
+  elseif run >= heard then
+    local wrote
+    if run > heard then
+      -- A newer run than any heard of (its withdrawal is not applied yet, or came to a task that no longer
+      -- waits): its outcome replaces the older run's.
+      redis.call('HSET', k.runs, dep, run)
+      redis.call('HSET', k.ended, dep, outcome)
+      ran, wrote = true, true
+    else
+      wrote = redis.call('HSETNX', k.ended, dep, outcome) == 1
+    end
+    if wrote then
+      local dead = false
+      if state == 'dead' then dead = {name = ARGV[at + 3], reason = ARGV[at + 4]} end
+      step = step_waiter(k, now, dead)
+    end
+  end
+  -- What this call did to the task, once decided, is what it says.
+  if step and said ~= 'released' and said ~= 'failed' then said = step end
+end
+if ran then
+  -- A run recorded for a task that no longer waits expires with its other hashes (finish_waiter's expiry).
+  local m = redis.call('HMGET', k.meta, 'state', 'keep_ms')
+  if m[1] and m[1] ~= 'waiting' then
+    redis.call('PEXPIRE', k.runs, tonumber(m[2] or '600000'))
+    redis.call('PEXPIRE', k.ended, tonumber(m[2] or '600000'))
   end
 end
 return said

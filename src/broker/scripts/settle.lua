@@ -502,7 +502,7 @@ for k = 1, claims do
     else
       local old = redis.call('GET', c.bits)
       keep_claim(kept, k, c.bits, old, now)
-      note_claim(notes, k, c.bits, old)
+      note_claim(notes, k, old)
       if not old and c.count == c.length then
         -- The whole claim at once, the common case: nothing to merge.
         done = done + c.count
