@@ -220,14 +220,13 @@ const GROUPS_RATE_SUM: f64 = 5.0 * LIMITED_GROUPS as f64;
 pub(super) fn rate(bench: &Bench) -> Result<Vec<Figure>, String> {
     let tasks = bench.options.tasks.min(40_000);
     let mut figures = Vec::new();
-    for (what, extra) in [
+    let shapes = [
         ("no limit", "[queues.groups]\n"),
         ("rate_limit 5/s", "[queues.groups]\nrate_limit = \"5/s\"\n"),
-    ] {
-        let shape = Shape {
-            extra,
-            ..Shape::out_of_the_box(WORKERS)
-        };
+    ]
+    .map(|(what, extra)| (what, extra, Shape::out_of_the_box(WORKERS)));
+    for (what, extra, mut shape) in shapes {
+        shape.extra = extra;
         let name = format!(
             "groups-rate-{}",
             if extra.contains("rate") { "5" } else { "none" }
