@@ -106,6 +106,11 @@ pub struct Woken {
     pub faults: u8,
     /// An owner's acknowledgement may claim the next task for the slot it frees, in its settle's step.
     pub handover: bool,
+    /// A proposed fix of the sixth finding (not built): a claim whose fetcher waits at its limit raises a key of the
+    /// highest limit a waiting fetcher uses (`Store::high`, its time to live longer than `idle_poll`, so that it
+    /// outlives every wait begun under it), and a claim that ends at its own limit passes the wake-up on while `q`
+    /// is below it as below `q:limit`.
+    pub high_key: bool,
     pub mutation: Option<WakeMutation>,
 }
 
@@ -135,6 +140,7 @@ pub fn wake() -> Woken {
         slots: 2,
         faults: 2,
         handover: false,
+        high_key: false,
         mutation: None,
     }
 }
@@ -158,6 +164,15 @@ pub fn wake_handover() -> Woken {
         name: "wake-handover",
         handover: true,
         ..wake()
+    }
+}
+
+/// As [`wake_rolling`], with the proposed key of the highest limit a waiting fetcher uses (`high_key`).
+pub fn wake_rolling_high() -> Woken {
+    Woken {
+        name: "wake-rolling-high",
+        high_key: true,
+        ..wake_rolling()
     }
 }
 
@@ -209,6 +224,8 @@ pub struct Store {
     /// `running[q]` and `running[q:limit]` (0: not noted yet).
     pub running: u8,
     pub noted_limit: u8,
+    /// With `high_key`: the highest limit a fetcher waits under, while its key lives (0: none).
+    pub high: u8,
     /// The wake list holds a marker.
     pub marker: bool,
     pub lists: ArrayVec<List, LISTS>,
@@ -269,6 +286,8 @@ pub enum Step {
     Handover { daemon: u8, epoch: u8, lost: bool },
     /// The settle with a handover sent again after its reply was lost: answered from its record.
     Resend { daemon: u8 },
+    /// With `high_key`: the key of the highest waiting limit expires, once no fetcher waits under it.
+    HighExpires,
     /// A monitor recovers the unsettled positions of list `list` (its owner's lease ran out).
     Recover { list: u8 },
     /// push.lua of one more task.
@@ -322,7 +341,7 @@ impl Wake {
         let redis = &mut state.redis;
         // A claim that ends at its own limit below the one noted before it (another daemon's, higher) while tasks
         // wait passes the wake-up on: the marker it took may have been that daemon's.
-        let noted = redis.noted_limit;
+        let noted = redis.noted_limit.max(redis.high);
         let below_noted = |redis: &Store| {
             redis.running < noted
                 && redis.ready > 0
@@ -337,6 +356,9 @@ impl Wake {
             redis.noted_limit = limit;
             if !handover {
                 daemon.waiting = true;
+                if self.setup.high_key {
+                    redis.high = redis.high.max(limit);
+                }
             }
             return 0;
         }
@@ -376,6 +398,9 @@ impl Wake {
         if !handover {
             daemon.waiting = full;
             state.filled |= full;
+            if full && self.setup.high_key {
+                redis.high = redis.high.max(limit);
+            }
         }
         if full && below_noted(redis) {
             redis.marker = true;
@@ -531,6 +556,16 @@ impl Model for Wake {
         if state.redis.pushed < self.setup.tasks() {
             actions.push(Step::Push);
         }
+        let high = state.redis.high;
+        if high > 0
+            && !state
+                .daemons
+                .iter()
+                .zip(self.setup.limits)
+                .any(|(daemon, limit)| daemon.waiting && limit >= high)
+        {
+            actions.push(Step::HighExpires);
+        }
     }
 
     fn next_state(&self, last: &WakeState, step: Step) -> Option<WakeState> {
@@ -596,6 +631,7 @@ impl Model for Wake {
                     state.daemons[d].held.push(under);
                 }
             }
+            Step::HighExpires => state.redis.high = 0,
             Step::Recover { list } => {
                 let l = state.redis.lists[list as usize];
                 for _ in l.settled..l.size {

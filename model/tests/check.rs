@@ -569,3 +569,21 @@ fn in_a_rolling_change_of_max_running_the_lower_limit_s_claim_takes_the_marker_t
     println!("{}", run::describe(&path));
     assert_eq!(path.len(), 6, "{}", run::describe(&path));
 }
+
+/// The sixth finding's proposed fix, checked in the model before it is built: with a key of the highest limit a
+/// waiting fetcher uses (its time to live above `idle_poll`), a claim at the lower limit that takes the marker sees
+/// the higher limit still waited under and passes the wake-up on, so no fetcher waits at its limit for a wake-up
+/// that will not come, in every state of `wake-rolling`'s bounds.
+#[test]
+fn a_key_of_the_highest_waiting_limit_leaves_no_fetcher_waiting_in_a_rolling_change() {
+    let report = run::check_model(
+        "wake-rolling-high",
+        Wake::new(wake::wake_rolling_high()),
+        2,
+        None,
+        false,
+    );
+    println!("{}", report.summary());
+    let failures = report.failures(&[]);
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
