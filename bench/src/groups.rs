@@ -14,6 +14,9 @@
 //!   2 ms handlers; half of the tasks spread over every group and half over [`HOT_GROUPS`] of them, so that once
 //!   the spread ones are done the limit holds the hot groups back (at most 20 running). The drain rate, and the
 //!   most tasks any group ran at once, sampled from the running hash throughout.
+//! - `groups-rate`: `[queues.groups] rate_limit = "5/s"` over [`LIMITED_GROUPS`] groups, every group with a
+//!   backlog, 3 daemons x 16 workers, no-op handlers, against the same drain with `[queues.groups]` and no limit:
+//!   the rate against the pace the groups' limits allow, and what a group's rate log costs Redis a task at scale.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -202,6 +205,62 @@ pub(super) fn limit(bench: &Bench) -> Result<Figure, String> {
             ("% of samples with a group at its limit".into(), at_limit),
         ],
     ))
+}
+
+/// `groups-rate`'s limit a group, and what [`LIMITED_GROUPS`] groups of it allow in all.
+/// Half or less of what the daemons drain without it here, so that the drain's pace is the limits', not theirs.
+const GROUP_RATE: &str = "5/s";
+const GROUPS_RATE_SUM: f64 = 5.0 * LIMITED_GROUPS as f64;
+
+/// `groups-rate`: the same no-op drain over [`LIMITED_GROUPS`] groups (task i in group i mod that, so every group
+/// keeps a backlog of several windows), [`DAEMONS`] daemons x [`WORKERS`] workers, with `[queues.groups]` and no
+/// limit, then with a group `rate_limit` of [`GROUP_RATE`]: the rate reached against the pace the limits allow (a
+/// backlog of k windows in k - 1 s), and Redis's CPU a task (each claim reads and writes the rate log of every
+/// group it takes from).
+pub(super) fn rate(bench: &Bench) -> Result<Vec<Figure>, String> {
+    let tasks = bench.options.tasks.min(40_000);
+    let mut figures = Vec::new();
+    let shapes = [
+        ("no limit", "[queues.groups]\n"),
+        ("rate_limit 5/s", "[queues.groups]\nrate_limit = \"5/s\"\n"),
+    ]
+    .map(|(what, extra)| (what, extra, Shape::out_of_the_box(WORKERS)));
+    for (what, extra, mut shape) in shapes {
+        shape.extra = extra;
+        let name = format!(
+            "groups-rate-{}",
+            if extra.contains("rate") { "5" } else { "none" }
+        );
+        let config = bench.config_on(&bench.own().section, &name, "safe", None, shape)?;
+        let fill = |client: &Client| fill_groups(bench, client, &config, tasks, LIMITED_GROUPS);
+        let (mut rates, mut ratios, mut redis_cpu, mut daemon_cpu) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..bench.options.runs {
+            let run = drain_filled(bench, &bench.own(), &config, DAEMONS, (tasks, &fill), None)?;
+            rates.push(run.rate);
+            // A backlog of k windows a group drains in k - 1 s at the limit (the first window's starts go at
+            // once): the rate's share of that pace.
+            let windows = tasks as f64 / GROUPS_RATE_SUM;
+            ratios.push(100.0 * (windows - 1.0) * run.rate / tasks as f64);
+            redis_cpu.push(run.redis_cpu);
+            daemon_cpu.push(run.daemon_cpu);
+        }
+        figures.push(figure(
+            &name,
+            format!(
+                "[queues.groups] {what}, {tasks} no-op tasks over {LIMITED_GROUPS} groups, {DAEMONS} daemons x \
+                 {WORKERS} workers"
+            ),
+            "tasks/s",
+            rates,
+            vec![
+                (format!("% of {LIMITED_GROUPS} x {GROUP_RATE}'s pace"), ratios),
+                ("redis CPU µs/task".into(), redis_cpu),
+                ("daemon CPU µs/task".into(), daemon_cpu),
+            ],
+        ));
+    }
+    Ok(figures)
 }
 
 /// What the running hash's samples saw.

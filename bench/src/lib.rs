@@ -84,7 +84,7 @@ pub struct Options {
     pub daemon: Option<PathBuf>,
 }
 
-pub const SCENARIOS: [&str; 17] = [
+pub const SCENARIOS: [&str; 18] = [
     "push",
     "drain",
     "defaults",
@@ -101,6 +101,7 @@ pub const SCENARIOS: [&str; 17] = [
     "groups",
     "groups-scale",
     "groups-limit",
+    "groups-rate",
     "results",
 ];
 
@@ -251,6 +252,13 @@ pub fn run(options: Options, progress: &mut dyn Write) -> Result<Report, String>
             o.runs
         ));
         figures.push(groups::limit(&bench)?);
+    }
+    if wants("groups-rate") {
+        say(format!(
+            "groups-rate: [queues.groups] rate_limit = \"5/s\" over 1000 groups and no limit, 3 daemons; {} runs...",
+            o.runs
+        ));
+        figures.extend(groups::rate(&bench)?);
     }
     if wants("results") {
         say(format!(

@@ -7,7 +7,7 @@
 //! - a scenario name (see `setup.rs`: `pill`, `stall`, `lost-replies`, `rolling`, `mixed-modes`, `recovered`,
 //!   `zombie`, `limit`, `throttle`, `popped`, `popped-stall`, the finding `orphan`, the turns' `weights` and
 //!   `weights-change`, the type limits' `typed` and `typed-more`, the groups' `grouped` and `grouped-more`, the
-//!   wake-up's `wake` and the finding `wake-rolling`, and the larger `lost-replies-large`,
+//!   wake-up's `wake`, `wake-handover`, the finding `wake-rolling` and its fix `wake-rolling-high`, and the larger `lost-replies-large`,
 //!   `weights-change`, the type limits' `typed` and `typed-more`, groups beside type limits' `grouped-typed`,
 //!   `grouped-typed-more` and `grouped-typed-wide`, and the larger `lost-replies-large`,
 //!   `rolling-large`, `pill-large`, `zombie-large`), optionally with `--mutation NAME` (`no-floor-check`, `no-adopt`, `no-idempotent-settle`,
@@ -94,6 +94,7 @@ fn main() {
             "large" => setups.extend(setup::large()),
             "break" => experiments = true,
             "wake-rolling" => woken.push(wake::wake_rolling()),
+            "wake-rolling-high" => woken.push(wake::wake_rolling_high()),
             name if wake::scenarios().iter().any(|w| w.name == name) => {
                 woken.extend(wake::scenarios().into_iter().filter(|w| w.name == name))
             }
@@ -140,7 +141,10 @@ fn main() {
             let search = run::shortest_in(&Groups::new(setup), property);
             print_experiment(name, mutation, property, search);
         }
-        for (setup, property) in wake::experiments() {
+        for (setup, property) in wake::experiments()
+            .into_iter()
+            .chain(wake::handover_experiments())
+        {
             let (name, mutation) = (setup.name, setup.mutation);
             let search = run::shortest_in(&Wake::new(setup), property);
             print_experiment(name, mutation, property, search);

@@ -22,6 +22,13 @@
 //!   list's head: a marker); each newly settled position leaves `q`, and a call that frees a slot of a count that
 //!   was at `q:limit` pushes a marker;
 //! - a push (push.lua: the task at the ready list's tail, and a marker);
+//! - with `handover` (the design of docs/design/flow-control.md, "The slot handed over in the settle"; not built in
+//!   kmqd yet): an acknowledgement by its owner whose settle, in the same step, claims the next task for the slot
+//!   it frees, for the worker that ran the ended task: claim.lua's logic for one task, under the daemon's current
+//!   owner and its lease (an expired owner's settle claims nothing), counted in `q` like any claim and recovered
+//!   like any claim if the daemon dies; no marker for the slot it handed over. Its reply may be lost: the call,
+//!   sent again, is answered from its record (settle.lua's "Calls") and claims nothing more, and the daemon learns
+//!   from the record which task was claimed;
 //! - a daemon's lease running out (it may settle late; a monitor recovers its list), and its `kill -9` (it forgets
 //!   what it held; the restarted fetcher claims at once).
 //!
@@ -59,6 +66,9 @@ pub const COUNT_BOUND: &str = "the running count stays within the limit";
 pub const NO_UNDERFLOW: &str = "the running count never goes below 0";
 /// Every task is in the ready list, a claim list (unsettled) or `done`, once; none is pushed twice.
 pub const CONSERVED: &str = "every pushed task is in exactly one place";
+/// Each unsettled position of a live owner's claim lists is a task its daemon holds (or will learn of from the
+/// record of a settle sent again): none sits under a lease that is renewed while nobody runs it.
+pub const NO_STRANDED: &str = "every task claimed under a live owner is held by its daemon";
 
 /// The deliberate mutations of the wake-up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -72,6 +82,13 @@ pub enum WakeMutation {
     /// passes nothing on, even when `q` is below the higher limit another daemon noted, so the marker it took was
     /// lost to that daemon.
     LowerLimitPassesNothing,
+    /// The slot handed over in the settle: the settle sent again after a lost reply runs its claim again instead
+    /// of answering from its record, so the first reply's task sits in a claim list of a live owner that its
+    /// daemon never learns of.
+    HandoverClaimsAgain,
+    /// The slot handed over in the settle: the task claimed for it is not added to `q` (the settle subtracted the
+    /// ended task, the claim's list carries no scopes string), so the count no longer says what runs.
+    HandoverUncounted,
 }
 
 /// One bounded check of the wake-up.
@@ -87,6 +104,13 @@ pub struct Woken {
     pub slots: u8,
     /// How many of these may happen in a run: a retry, a lease running out, a crash.
     pub faults: u8,
+    /// An owner's acknowledgement may claim the next task for the slot it frees, in its settle's step.
+    pub handover: bool,
+    /// A proposed fix of the sixth finding (not built): a claim whose fetcher waits at its limit raises a key of the
+    /// highest limit a waiting fetcher uses (`Store::high`, its time to live longer than `idle_poll`, so that it
+    /// outlives every wait begun under it), and a claim that ends at its own limit passes the wake-up on while `q`
+    /// is below it as below `q:limit`.
+    pub high_key: bool,
     pub mutation: Option<WakeMutation>,
 }
 
@@ -115,6 +139,8 @@ pub fn wake() -> Woken {
         limits: [3, 3],
         slots: 2,
         faults: 2,
+        handover: false,
+        high_key: false,
         mutation: None,
     }
 }
@@ -130,9 +156,29 @@ pub fn wake_rolling() -> Woken {
     }
 }
 
+/// As [`wake`], with the slot handed over in the settle beside the plain settles and claims: an acknowledgement that
+/// claims the next task for the slot it frees, its reply delivered or lost (a fault: the call is sent again, or
+/// the daemon dies first).
+pub fn wake_handover() -> Woken {
+    Woken {
+        name: "wake-handover",
+        handover: true,
+        ..wake()
+    }
+}
+
+/// As [`wake_rolling`], with the proposed key of the highest limit a waiting fetcher uses (`high_key`).
+pub fn wake_rolling_high() -> Woken {
+    Woken {
+        name: "wake-rolling-high",
+        high_key: true,
+        ..wake_rolling()
+    }
+}
+
 /// The scenarios of the wake-up the CI check runs.
 pub fn scenarios() -> Vec<Woken> {
-    vec![wake()]
+    vec![wake(), wake_handover()]
 }
 
 /// The wake-up's "break it on purpose" experiments: a mutated setup and a property it must break.
@@ -147,6 +193,18 @@ pub fn experiments() -> Vec<(Woken, &'static str)> {
             NO_LOST_WAKE,
         ),
     ]
+}
+
+/// The handover's "break it on purpose" experiments: a settle sent again after a lost reply that claims again (a
+/// task stranded under a live owner), and a handed-over task left out of the count.
+pub fn handover_experiments() -> Vec<(Woken, &'static str)> {
+    [
+        (WakeMutation::HandoverClaimsAgain, NO_STRANDED),
+        (WakeMutation::HandoverUncounted, COUNT_EXACT),
+    ]
+    .into_iter()
+    .map(|(mutation, property)| (wake_handover().with_mutation(mutation), property))
+    .collect()
 }
 
 /// A claim list: the daemon and owner (epoch) that made it, its size and how many of its positions are settled
@@ -166,6 +224,8 @@ pub struct Store {
     /// `running[q]` and `running[q:limit]` (0: not noted yet).
     pub running: u8,
     pub noted_limit: u8,
+    /// With `high_key`: the highest limit a fetcher waits under, while its key lives (0: none).
+    pub high: u8,
     /// The wake list holds a marker.
     pub marker: bool,
     pub lists: ArrayVec<List, LISTS>,
@@ -185,6 +245,16 @@ pub struct Daemon {
     pub held: ArrayVec<u8, 4>,
     /// Its last claim answered state 8 or 4: the next one waits for a marker (`running_full`).
     pub waiting: bool,
+    /// A settle with a handover whose reply was lost, to be sent again: the owner (epoch) the call ran under and
+    /// how many tasks its record says it claimed. Its worker waits for the reply: the slot stays busy.
+    pub resend: Option<(u8, u8)>,
+}
+
+impl Daemon {
+    /// The workers busy: a task held, or a settle's reply awaited.
+    fn busy(&self) -> u8 {
+        self.held.len() as u8 + u8::from(self.resend.is_some())
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -197,6 +267,8 @@ pub struct WakeState {
     pub filled: bool,
     pub woken: bool,
     pub passed_on: bool,
+    /// A settle handed the slot it freed over to the next task (`handover`).
+    pub handed: bool,
     /// The daemons whose fetchers wait at their limit with a worker free (blocked in a `BLPOP` of the wake list), in
     /// the order they began to: Redis serves the first.
     pub blocked: ArrayVec<u8, DAEMONS>,
@@ -209,6 +281,13 @@ pub enum Step {
     Claim { daemon: u8, marker: bool },
     /// settle.lua of one task `daemon` holds, in its list of epoch `epoch`: an acknowledgement or a retry at once.
     Settle { daemon: u8, epoch: u8, retry: bool },
+    /// settle.lua of one acknowledgement of `daemon` that claims the next task for the slot it frees (`handover`);
+    /// `lost`: its reply is lost (a fault), and the call is to be sent again.
+    Handover { daemon: u8, epoch: u8, lost: bool },
+    /// The settle with a handover sent again after its reply was lost: answered from its record.
+    Resend { daemon: u8 },
+    /// With `high_key`: the key of the highest waiting limit expires, once no fetcher waits under it.
+    HighExpires,
     /// A monitor recovers the unsettled positions of list `list` (its owner's lease ran out).
     Recover { list: u8 },
     /// push.lua of one more task.
@@ -237,7 +316,6 @@ impl Wake {
 
     /// claim.lua under `max_running` for `daemon`'s free workers.
     fn claim(&self, state: &mut WakeState, d: usize) {
-        let limit = self.setup.limits[d];
         let daemon = &mut state.daemons[d];
         if daemon.expired {
             // LEASELOST: the fetcher registers a new owner and claims under it.
@@ -245,11 +323,25 @@ impl Wake {
             daemon.epoch += 1;
             daemon.held.clear();
         }
-        let want = self.setup.slots - daemon.held.len() as u8;
+        let want = self.setup.slots - daemon.busy();
+        let took = self.take(state, d, want, false);
+        let daemon = &mut state.daemons[d];
+        for _ in 0..took {
+            daemon.held.push(daemon.epoch);
+        }
+    }
+
+    /// claim.lua's logic under `max_running`, for up to `want` tasks, under `d`'s current owner: a claim list of
+    /// what it took (returned), counted in `q`, with the wake-ups the script passes on. A fetcher's claim
+    /// (`handover` false) sets its wait at the limit (states 4 and 8); a settle's handover reads the same reply, but
+    /// its fetcher's wait is not its to change.
+    fn take(&self, state: &mut WakeState, d: usize, want: u8, handover: bool) -> u8 {
+        let limit = self.setup.limits[d];
+        let daemon = &mut state.daemons[d];
         let redis = &mut state.redis;
         // A claim that ends at its own limit below the one noted before it (another daemon's, higher) while tasks
         // wait passes the wake-up on: the marker it took may have been that daemon's.
-        let noted = redis.noted_limit;
+        let noted = redis.noted_limit.max(redis.high);
         let below_noted = |redis: &Store| {
             redis.running < noted
                 && redis.ready > 0
@@ -262,8 +354,13 @@ impl Wake {
                 state.passed_on = true;
             }
             redis.noted_limit = limit;
-            daemon.waiting = true;
-            return;
+            if !handover {
+                daemon.waiting = true;
+                if self.setup.high_key {
+                    redis.high = redis.high.max(limit);
+                }
+            }
+            return 0;
         }
         // if max >= max_running - running: max, room = max_running - running, false
         let (max, room) = if want >= limit - redis.running {
@@ -282,12 +379,11 @@ impl Wake {
                 settled: 0,
             });
             redis.lists.sort();
-            for _ in 0..took {
-                daemon.held.push(daemon.epoch);
-            }
         }
         let before = redis.running;
-        redis.running += took;
+        if !(handover && self.setup.mutation == Some(WakeMutation::HandoverUncounted)) {
+            redis.running += took;
+        }
         // if taken == max and room and waiting(i) > 0: LPUSH wake 1; LTRIM wake 0 0
         if took == max
             && room
@@ -298,23 +394,58 @@ impl Wake {
             state.passed_on = true;
         }
         // state 8: took > 0 and running + took >= max_running (then pass_wake_on() if below q:limit noted before)
-        daemon.waiting = took > 0 && before + took >= limit;
-        state.filled |= daemon.waiting;
-        if daemon.waiting && below_noted(redis) {
+        let full = took > 0 && before + took >= limit;
+        if !handover {
+            daemon.waiting = full;
+            state.filled |= full;
+            if full && self.setup.high_key {
+                redis.high = redis.high.max(limit);
+            }
+        }
+        if full && below_noted(redis) {
             redis.marker = true;
             state.passed_on = true;
         }
+        took
+    }
+
+    /// settle.lua of an acknowledgement of one task `d` holds in its list of `epoch`, handing the slot it frees
+    /// over to the next task (`handover`): the settle as [`Wake::settle`] does it, then, under a live lease, the
+    /// claim of one task for the worker that ran the ended one, in the same step; the marker for the freed slot
+    /// only when no task took it. Returns what the handover claimed.
+    fn handover(&self, state: &mut WakeState, d: usize, epoch: u8) -> u8 {
+        let wake = self.settled(&mut state.redis, d as u8, epoch, true);
+        let took = if state.daemons[d].expired {
+            // claim.lua's lease check: an expired owner's settle applies, its claim takes nothing.
+            0
+        } else {
+            self.take(state, d, 1, true)
+        };
+        if took == 0 && wake && self.setup.mutation != Some(WakeMutation::SettleNoMarker) {
+            state.redis.marker = true;
+        }
+        took
     }
 
     /// settle.lua of one position of the list of (`daemon`, `epoch`), if it has one not settled yet (else the call
     /// is stale): acknowledged, or back at the ready list's head (a retry at once, a monitor's recovery).
     fn settle(&self, redis: &mut Store, daemon: u8, epoch: u8, done: bool) {
+        if self.settled(redis, daemon, epoch, done)
+            && self.setup.mutation != Some(WakeMutation::SettleNoMarker)
+        {
+            redis.marker = true;
+        }
+    }
+
+    /// The settle's writes but the marker: whether the call owes one (it put a task back in the ready list, or
+    /// freed a slot of a count at `q:limit`).
+    fn settled(&self, redis: &mut Store, daemon: u8, epoch: u8, done: bool) -> bool {
         let Some(at) = redis
             .lists
             .iter()
             .position(|l| l.daemon == daemon && l.epoch == epoch && l.settled < l.size)
         else {
-            return;
+            return false;
         };
         let list = &mut redis.lists[at];
         list.settled += 1;
@@ -336,10 +467,7 @@ impl Wake {
         } else {
             redis.running -= 1;
         }
-        wake |= full;
-        if wake && self.setup.mutation != Some(WakeMutation::SettleNoMarker) {
-            redis.marker = true;
-        }
+        wake | full
     }
 }
 
@@ -359,6 +487,7 @@ impl Model for Wake {
             filled: false,
             woken: false,
             passed_on: false,
+            handed: false,
             blocked: ArrayVec::new(),
         }]
     }
@@ -367,7 +496,7 @@ impl Model for Wake {
         let fault = state.faults > 0;
         for (d, daemon) in state.daemons.iter().enumerate() {
             let d = d as u8;
-            if (daemon.held.len() as u8) < self.setup.slots {
+            if daemon.busy() < self.setup.slots {
                 if !daemon.waiting {
                     actions.push(Step::Claim {
                         daemon: d,
@@ -390,17 +519,25 @@ impl Model for Wake {
                     epochs.push(epoch);
                 }
             }
+            if daemon.resend.is_some() {
+                // The acker makes one call at a time: the lost one is sent again before any other.
+                actions.push(Step::Resend { daemon: d });
+                epochs.clear();
+            }
             for epoch in epochs {
-                actions.push(Step::Settle {
-                    daemon: d,
-                    epoch,
-                    retry: false,
-                });
-                if fault {
+                // Each settle as it goes, then (a fault) a retry, or a handover whose reply is lost.
+                for faulty in [false, true].into_iter().filter(|f| !f || fault) {
+                    if self.setup.handover {
+                        actions.push(Step::Handover {
+                            daemon: d,
+                            epoch,
+                            lost: faulty,
+                        });
+                    }
                     actions.push(Step::Settle {
                         daemon: d,
                         epoch,
-                        retry: true,
+                        retry: faulty,
                     });
                 }
             }
@@ -418,6 +555,16 @@ impl Model for Wake {
         }
         if state.redis.pushed < self.setup.tasks() {
             actions.push(Step::Push);
+        }
+        let high = state.redis.high;
+        if high > 0
+            && !state
+                .daemons
+                .iter()
+                .zip(self.setup.limits)
+                .any(|(daemon, limit)| daemon.waiting && limit >= high)
+        {
+            actions.push(Step::HighExpires);
         }
     }
 
@@ -447,6 +594,44 @@ impl Model for Wake {
                 }
                 self.settle(&mut state.redis, daemon, epoch, !retry);
             }
+            Step::Handover {
+                daemon,
+                epoch,
+                lost,
+            } => {
+                let d = daemon as usize;
+                let held = &mut state.daemons[d].held;
+                let at = held.iter().position(|e| *e == epoch)?;
+                held.remove(at);
+                let under = state.daemons[d].epoch;
+                let took = self.handover(&mut state, d, epoch);
+                state.handed |= took > 0;
+                let daemon = &mut state.daemons[d];
+                if lost {
+                    state.faults -= 1;
+                    daemon.resend = Some((under, took));
+                } else {
+                    for _ in 0..took {
+                        daemon.held.push(under);
+                    }
+                }
+            }
+            Step::Resend { daemon } => {
+                let d = daemon as usize;
+                let (under, mut took) = state.daemons[d].resend.take()?;
+                if self.setup.mutation == Some(WakeMutation::HandoverClaimsAgain)
+                    && !state.daemons[d].expired
+                    && state.daemons[d].epoch == under
+                {
+                    // (mutated) the claim runs again; the daemon holds what this reply says.
+                    took = self.take(&mut state, d, 1, true);
+                }
+                // Answered from the call's record: the daemon learns the task its first run claimed.
+                for _ in 0..took {
+                    state.daemons[d].held.push(under);
+                }
+            }
+            Step::HighExpires => state.redis.high = 0,
             Step::Recover { list } => {
                 let l = state.redis.lists[list as usize];
                 for _ in l.settled..l.size {
@@ -473,7 +658,7 @@ impl Model for Wake {
         }
         // Who waits in Redis now: those that stopped leave the queue, those that began join its end.
         let slots = self.setup.slots;
-        let in_redis = |daemon: &Daemon| daemon.waiting && (daemon.held.len() as u8) < slots;
+        let in_redis = |daemon: &Daemon| daemon.waiting && daemon.busy() < slots;
         state
             .blocked
             .retain(|d| in_redis(&state.daemons[*d as usize]));
@@ -506,6 +691,27 @@ impl Model for Wake {
                 let unsettled: u8 = s.redis.lists.iter().map(|l| l.size - l.settled).sum();
                 s.redis.ready + unsettled + s.redis.done == s.redis.pushed
             }),
+            Property::always(NO_STRANDED, |_, s: &WakeState| {
+                s.daemons.iter().enumerate().all(|(d, daemon)| {
+                    if daemon.expired {
+                        return true;
+                    }
+                    let epoch = daemon.epoch;
+                    let unsettled: u8 = s
+                        .redis
+                        .lists
+                        .iter()
+                        .filter(|l| l.daemon as usize == d && l.epoch == epoch)
+                        .map(|l| l.size - l.settled)
+                        .sum();
+                    let held = daemon.held.iter().filter(|e| **e == epoch).count() as u8;
+                    let learned = match daemon.resend {
+                        Some((under, took)) if under == epoch => took,
+                        _ => 0,
+                    };
+                    unsettled == held + learned
+                })
+            }),
             Property::sometimes("every task is done", |model: &Wake, s: &WakeState| {
                 s.redis.done == model.setup.tasks()
             }),
@@ -519,6 +725,10 @@ impl Model for Wake {
             Property::sometimes("a claim passes the wake-up on", |_, s: &WakeState| {
                 s.passed_on
             }),
+            Property::sometimes(
+                "a settle hands its slot over to the next task",
+                |model: &Wake, s: &WakeState| s.handed || !model.setup.handover,
+            ),
         ]
     }
 }
@@ -542,6 +752,50 @@ mod tests {
         model.settle(&mut state.redis, 0, 0, true);
         assert!(state.redis.marker);
         assert_eq!(state.redis.running, 2);
+    }
+
+    /// At the limit, the acknowledgement that hands its slot over claims the next task in its step: the count stays
+    /// at the limit, the daemon holds the new task, and no marker calls another fetcher to a slot already taken.
+    /// Sent again after a lost reply, it claims nothing more: the daemon learns the task from the call's record.
+    #[test]
+    fn a_settle_that_hands_its_slot_over_claims_one_task_and_pushes_no_marker() {
+        let model = Wake::new(wake_handover());
+        let mut state = model.init_states().remove(0);
+        state.redis.ready = 5;
+        model.claim(&mut state, 0);
+        model.claim(&mut state, 1);
+        assert_eq!(state.redis.running, 3, "filled");
+        state.redis.marker = false;
+        let next = model
+            .next_state(
+                &state,
+                Step::Handover {
+                    daemon: 0,
+                    epoch: 0,
+                    lost: false,
+                },
+            )
+            .unwrap();
+        assert_eq!((next.redis.running, next.redis.ready), (3, 1));
+        assert_eq!(next.daemons[0].held.len(), 2);
+        assert!(
+            !next.redis.marker,
+            "the freed slot was taken in the same step"
+        );
+        let lost = model
+            .next_state(
+                &state,
+                Step::Handover {
+                    daemon: 0,
+                    epoch: 0,
+                    lost: true,
+                },
+            )
+            .unwrap();
+        assert_eq!(lost.daemons[0].resend, Some((0, 1)));
+        let again = model.next_state(&lost, Step::Resend { daemon: 0 }).unwrap();
+        assert_eq!((again.redis.running, again.redis.ready), (3, 1));
+        assert_eq!(again.daemons[0].held.len(), 2, "learned from the record");
     }
 
     /// A claim that took all it asked for while the limit leaves room and tasks wait passes the wake-up on.

@@ -488,10 +488,12 @@ fn a_flow_left_parked_an_ignored_count_and_refused_candidates_are_caught() {
 
 /// The wake-up at the limit (claim.lua's state 8, the fetcher's claim sent behind a `BLPOP` of the wake list,
 /// settle.lua's and push.lua's markers, claim.lua passing the wake-up on), over every reachable state of two daemons
-/// of two workers each under `max_running = 2`: claims at once or behind a marker (state 8 and state 4 make the
+/// of two workers each under `max_running = 3`: claims at once or behind a marker (state 8 and state 4 make the
 /// fetcher wait), settles by the owner (late too) or a monitor's recovery, retries at once, a push, a stall, a
-/// `kill -9`. No fetcher waits at the limit while a slot is free and tasks wait without a marker in the wake list;
-/// the count is exact, within its limit and never below 0; every task is in one place.
+/// `kill -9`; and in `wake-handover` the settle that hands the slot it frees over to the next task, its reply lost
+/// and the call sent again. No fetcher waits at the limit while a slot is free and tasks wait without a marker in
+/// the wake list; the count is exact, within its limit and never below 0; every task is in one place, and every
+/// task claimed under a live owner is held by its daemon.
 #[test]
 fn a_claim_that_fills_the_limit_is_woken_by_the_settle_that_frees_a_slot() {
     let mut failures = Vec::new();
@@ -520,6 +522,26 @@ fn a_settle_that_pushes_no_marker_and_a_claim_that_passes_none_on_are_caught() {
     }
 }
 
+/// The slot handed over in the settle (docs/design/flow-control.md, "The slot handed over in the settle") broken on
+/// purpose: a settle sent again after its reply was lost that runs its claim again instead of answering from its
+/// record leaves the first reply's task in a live owner's claim list that its daemon never learns of (3 steps: a
+/// claim, the handover whose reply is lost, the call sent again); a task claimed for the freed slot that is not
+/// added to the count makes `running` say one fewer than runs (2 steps: a claim, the handover).
+#[test]
+fn a_handover_sent_again_that_claims_again_or_left_uncounted_is_caught() {
+    let mut lengths = Vec::new();
+    for (setup, property) in wake::handover_experiments() {
+        let (name, mutation) = (setup.name, setup.mutation);
+        lengths.push(broken(
+            name,
+            mutation,
+            property,
+            run::shortest_in(&Wake::new(setup), property),
+        ));
+    }
+    assert_eq!(lengths, [3, 2]);
+}
+
 /// The sixth finding, narrowed (model/README.md): in a rolling change that lowers `max_running` on one daemon (3 and
 /// 2), a fetcher at the lower limit takes the marker a settle pushed for the count at 3, its claim ends at its own
 /// limit and passes nothing on, and the fetcher at the higher limit waits with a slot free under its 3 and a task
@@ -546,4 +568,22 @@ fn in_a_rolling_change_of_max_running_the_lower_limit_s_claim_takes_the_marker_t
     });
     println!("{}", run::describe(&path));
     assert_eq!(path.len(), 6, "{}", run::describe(&path));
+}
+
+/// The sixth finding's proposed fix, checked in the model before it is built: with a key of the highest limit a
+/// waiting fetcher uses (its time to live above `idle_poll`), a claim at the lower limit that takes the marker sees
+/// the higher limit still waited under and passes the wake-up on, so no fetcher waits at its limit for a wake-up
+/// that will not come, in every state of `wake-rolling`'s bounds.
+#[test]
+fn a_key_of_the_highest_waiting_limit_leaves_no_fetcher_waiting_in_a_rolling_change() {
+    let report = run::check_model(
+        "wake-rolling-high",
+        Wake::new(wake::wake_rolling_high()),
+        2,
+        None,
+        false,
+    );
+    println!("{}", report.summary());
+    let failures = report.failures(&[]);
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }
