@@ -30,7 +30,7 @@ use kmq_plugin::abi::{
     self, EntryFn, HandleFn, KMQ_ABI_VERSION, KmqBuf, KmqStatus, KmqStr, KmqTask, MIN_STRUCT_SIZE,
     OnDeadFn, PLUGIN_SYMBOL, ShutdownFn, StartFn,
 };
-use kmq_plugin::host::{self, HOST, Refusal, RunSlot};
+use kmq_plugin::host::{self, HOST, ProgressSink, Refusal, RunSlot};
 
 use super::PluginError;
 
@@ -100,6 +100,16 @@ pub(crate) struct Run<'a> {
     pub(crate) cancel: &'a AtomicU32,
     /// The outcomes of the tasks it waited for (the envelope's `after`, a JSON list), for `kmq_host.dependencies`.
     pub(crate) after: Option<&'a str>,
+    /// Where its progress reports go (its lane) and its number there; `None`: dropped (`on_dead`, tests).
+    pub(crate) progress: Option<(&'a Arc<dyn ProgressSink>, u64)>,
+}
+
+impl Run<'_> {
+    /// The run's slot for what its plugin hands on: its dependencies in, its result and progress out.
+    fn slot(&self) -> RunSlot {
+        RunSlot::with_dependencies(self.after)
+            .reporting(self.progress.map(|(sink, run)| (Arc::clone(sink), run)))
+    }
 }
 
 /// What `handle` returned.
@@ -354,7 +364,7 @@ impl LoadedPlugin {
             message.resize(MESSAGE_CAPACITY, 0);
         }
         let mut retry_after_ms: i64 = -1;
-        let slot = RunSlot::with_dependencies(run.after);
+        let slot = run.slot();
         let task = task_view(run, &mut retry_after_ms, slot.handle());
         let mut buf = KmqBuf {
             ptr: message.as_mut_ptr().cast::<c_char>(),
@@ -389,7 +399,7 @@ impl LoadedPlugin {
         let mut retry_after_ms: i64 = -1;
         let ticket = Box::into_raw(Box::new(Ticket {
             completion,
-            slot: RunSlot::with_dependencies(run.after),
+            slot: run.slot(),
         }));
         // SAFETY: the box was just made; its slot stays where it is until `completed` takes the box back.
         let slot = unsafe { (*ticket).slot.handle() };

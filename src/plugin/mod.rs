@@ -16,6 +16,7 @@ pub(crate) use ffi::{LoadedPlugin, MESSAGE_CAPACITY, Run, Status};
 
 use crate::config::{Config, PluginConfig};
 use crate::task::Envelope;
+use kmq_plugin::host::ProgressSink;
 
 /// Why a plugin was refused. Every variant names the file and says what to do about it.
 #[derive(Debug, thiserror::Error)]
@@ -177,6 +178,16 @@ impl<'a> Run<'a> {
                 .iter()
                 .find(|(name, _)| name == "after")
                 .map(|(_, after)| after.get()),
+            progress: None,
+        }
+    }
+
+    /// The run, with its handler's progress reports going to `sink` as run number `run` (the lane's table of
+    /// the latest reports, keyed by the held task's id).
+    pub(crate) fn reporting(self, sink: &'a Arc<dyn ProgressSink>, run: u64) -> Run<'a> {
+        Run {
+            progress: Some((sink, run)),
+            ..self
         }
     }
 }

@@ -81,7 +81,13 @@ pub struct KmqHost {
     pub result: Option<ResultFn>,
     /// Appended within v1: beyond an older host's `struct_size`, read as NULL (its tasks waited for nothing).
     pub dependencies: Option<DependenciesFn>,
+    /// Appended within v1: beyond an older host's `struct_size`, read as NULL (its tasks report no progress).
+    pub progress: Option<ProgressFn>,
 }
+
+/// `kmq_host.progress`: reports how far a run is, a fraction from 0 to 1 (NaN ignored, others clamped) and a short
+/// message (copied during the call; at most 1 KiB kept).
+pub type ProgressFn = unsafe extern "C" fn(run: *mut c_void, fraction: f32, message: KmqStr);
 
 /// `kmq_host.dependencies`: the outcomes of the tasks a run's task waited for (a flow's `after`), a JSON list;
 /// empty text when it waited for none. Valid while the run is.

@@ -77,18 +77,31 @@ fn result_fn() -> Option<ResultFn> {
 
 /// The host's `dependencies` function, when the host offered one (a host newer than flows).
 pub(crate) fn dependencies_fn() -> Option<crate::abi::DependenciesFn> {
+    offered(std::mem::offset_of!(KmqHost, dependencies), |offer| {
+        offer.dependencies
+    })
+}
+
+/// The host's `progress` function, when the host offered one (a host newer than progress).
+pub(crate) fn progress_fn() -> Option<crate::abi::ProgressFn> {
+    offered(std::mem::offset_of!(KmqHost, progress), |offer| {
+        offer.progress
+    })
+}
+
+/// A function of the host's offer whose field starts at `offset`, read by `field`, when the host offered one and
+/// its `struct_size` covers the field (an older host's offer ends before it).
+fn offered<F>(offset: usize, field: impl Fn(&KmqHost) -> Option<F>) -> Option<F> {
     let offer = HOST.load(Ordering::Acquire);
     if offer.is_null() {
         return None;
     }
     // SAFETY: as in `result_fn`.
     let offer = unsafe { &*offer };
-    let covered = std::mem::offset_of!(KmqHost, dependencies)
-        + size_of::<Option<crate::abi::DependenciesFn>>();
-    if (offer.struct_size as usize) < covered {
+    if (offer.struct_size as usize) < offset + size_of::<Option<F>>() {
         return None;
     }
-    offer.dependencies
+    field(offer)
 }
 
 /// A task's `run` handle, when the host offers results: only such a host's tasks have the field.

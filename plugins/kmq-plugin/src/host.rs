@@ -18,7 +18,14 @@ pub static HOST: KmqHost = KmqHost {
     struct_size: size_of::<KmqHost>() as u32,
     result: Some(result_given),
     dependencies: Some(dependencies_given),
+    progress: Some(progress_given),
 };
+
+/// Where a run's progress reports go: kmqd's lane (which writes the latest of each task to Redis a few times a
+/// second), or a test's. `run` is the number the host gave the run's slot ([`RunSlot::reporting`]).
+pub trait ProgressSink: Send + Sync {
+    fn progress(&self, run: u64, fraction: f32, message: &str);
+}
 
 /// One run's slot for what the plugin hands on besides its status: the task's `run` handle
 /// ([`RunSlot::handle`]) points at it while the run is live (until `handle` returns, or until `complete` is
@@ -29,6 +36,14 @@ pub struct RunSlot {
     /// The outcomes of the tasks the run's task waited for (its envelope's `after`: docs/design/flows.md), as
     /// the JSON list the host passes on; `None` for a task that waited for nothing.
     after: Option<String>,
+    /// Where the run's progress reports go, and the run's number there; `None`: they are dropped.
+    progress: Option<(std::sync::Arc<dyn ProgressSink>, u64)>,
+}
+
+impl std::fmt::Debug for dyn ProgressSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ProgressSink")
+    }
 }
 
 impl RunSlot {
@@ -37,6 +52,14 @@ impl RunSlot {
         RunSlot {
             after: after.map(str::to_string),
             ..RunSlot::default()
+        }
+    }
+
+    /// The slot, with its run's progress reports going to `sink`, as run number `run`.
+    pub fn reporting(self, sink: Option<(std::sync::Arc<dyn ProgressSink>, u64)>) -> RunSlot {
+        RunSlot {
+            progress: sink,
+            ..self
         }
     }
 
@@ -80,6 +103,24 @@ unsafe extern "C" fn result_given(run: *mut c_void, json: KmqStr) {
         .result
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(text);
+}
+
+/// `kmq_host.progress`: hands the report to the run's sink, if it has one (the sink validates it).
+unsafe extern "C" fn progress_given(run: *mut c_void, fraction: f32, message: KmqStr) {
+    if run.is_null() {
+        return;
+    }
+    // SAFETY: `run` is the handle of a live run (the ABI's rule): a `RunSlot` that outlives the run.
+    let slot = unsafe { &*run.cast::<RunSlot>() };
+    let Some((sink, number)) = &slot.progress else {
+        return;
+    };
+    // SAFETY: the text is valid for the call (the ABI's rule); the sink copies what it keeps.
+    let text = String::from_utf8_lossy(unsafe { message.as_bytes() });
+    // Nothing may unwind into the plugin: a sink that panicked is a report lost, not a process aborted.
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        sink.progress(*number, fraction, &text)
+    }));
 }
 
 /// Why a descriptor is refused.

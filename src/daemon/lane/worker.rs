@@ -260,7 +260,8 @@ impl Worker {
         let deadline_ms = queue.config.execution_timeout.map_or(0, |timeout| {
             now_ms.saturating_add(i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX))
         });
-        let run = Run::of(envelope, &queue.config.name, deadline_ms, &job.task.cancel);
+        let run = Run::of(envelope, &queue.config.name, deadline_ms, &job.task.cancel)
+            .reporting(&self.lane.progress_sink, job.id);
         tracing::debug!(
             queue = %queue.config.name,
             id = %capped(run.id, LOGGED_PAYLOAD_BYTES),
