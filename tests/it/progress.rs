@@ -5,11 +5,12 @@
 
 use std::time::Duration;
 
+use kmqd::NewTask;
 use kmqd::broker::progress::{self, Report};
 use kmqd::broker::{self, SettleOp, TokenId};
-use kmqd::{Config, NewTask};
 
-use crate::safe_mode::{context, dead_daemon_claims, monitor, safe, settle_as, settlement_of};
+use crate::results::claimed;
+use crate::safe_mode::{context, monitor, safe, settle_as, settlement_of};
 use crate::support::*;
 
 /// Every progress hash of `jobs`, sorted.
@@ -37,25 +38,6 @@ fn place(batch: &broker::Batch, index: usize) -> (u64, u32) {
         Some(TokenId::Listed { claim, position }) => (*claim, *position),
         other => panic!("a safe-mode claim's token, not {other:?}"),
     }
-}
-
-/// Pushes tasks `ids` to `jobs` and claims them as `owner`, a daemon that will not renew its lease of `lease`.
-fn claimed(
-    path: &std::path::Path,
-    connection: &mut broker::Conn,
-    owner: &str,
-    ids: &[&str],
-    lease: Duration,
-) -> (Config, broker::Batch) {
-    let config = Config::load(path).unwrap();
-    let tasks: Vec<NewTask> = ids
-        .iter()
-        .map(|id| NewTask::new("test", "{}").unwrap().id(*id))
-        .collect();
-    client(path).push_batch("jobs", tasks).unwrap();
-    let batch = dead_daemon_claims(connection, &context(&config), owner, 0, ids.len(), lease);
-    assert_eq!(batch.tasks.len(), ids.len());
-    (config, batch)
 }
 
 /// progress.lua writes a report only for a task its owner holds under a live lease and has not settled: a report
