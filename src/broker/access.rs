@@ -323,7 +323,7 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "pexpire",
         roles: &[D],
-        why: "a rate limit's log expires a second after its newest start's window; kept results' buckets and their index expire `keep_results` after their last result",
+        why: "a rate limit's log expires a second after its newest start's window; kept results' buckets and their index expire `keep_results` after their last result; a claim's progress hash a day after its last report (progress.lua)",
     },
     Command {
         name: "pttl",
@@ -356,7 +356,7 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "hget",
         roles: &[D, P, R, O],
-        why: "owners' registrations, schedules' last slots, the protocol version; `task cancel` rereads a delayed task; `task result` reads a kept result; every script that increments a counter first checks that it is an integer",
+        why: "owners' registrations, schedules' last slots, the protocol version; `task cancel` rereads a delayed task; `task result` reads a kept result; `task show` a running task's progress report; every script that increments a counter first checks that it is an integer",
     },
     Command {
         name: "hmget",
@@ -368,7 +368,8 @@ pub const COMMANDS: &[Command] = &[
         name: "hset",
         roles: &[D],
         why: "owners' registrations, schedules' last slots, the queue's shape in its meta hash (at start and reload); \
-              settle.lua keeps a task's result in its bucket (`keep_results`)",
+              settle.lua keeps a task's result in its bucket (`keep_results`); progress.lua a running task's progress \
+              report",
     },
     Command {
         name: "hsetnx",
@@ -995,6 +996,8 @@ const SHOW: &[(&str, On)] = &[
     ("zrange", key(K::Processing)),
     ("lrange", key(K::ClaimList)),
     ("get", key(K::ClaimSettled)),
+    // A running task's progress report, in its claim's progress hash (a key of the claim, as its bitmap).
+    ("hget", key(K::ClaimSettled)),
     ("lrange", key(K::Dead)),
     // `task result`: the buckets in the index, then the task's id in each.
     ("zrange", key(K::Result)),
