@@ -107,8 +107,10 @@ pub(crate) struct Run<'a> {
 impl Run<'_> {
     /// The run's slot for what its plugin hands on: its dependencies in, its result and progress out.
     fn slot(&self) -> RunSlot {
-        RunSlot::with_dependencies(self.after)
-            .reporting(self.progress.map(|(sink, run)| (Arc::clone(sink), run)))
+        let sink = self.progress.map(|(sink, run)| (Arc::as_ptr(sink), run));
+        // SAFETY: the sink is the lane's, which outlives every run of its tasks: a worker's `handle` borrows the
+        // lane, and a task taken in `start` holds it until its completion (`lane::started`).
+        unsafe { RunSlot::with_dependencies(self.after).reporting(sink) }
     }
 }
 
