@@ -89,6 +89,12 @@ typedef struct {
      * Valid while `run` is. Beyond an older host's `struct_size`: no context. */
     kmq_str (*traceparent)(void *run);
     kmq_str (*tracestate)(void *run);
+    /* Added within v1: reports how far the run is (docs/HANDLERS.md, "Progress"): `fraction` from 0 to 1 (NaN is
+     * ignored, anything else clamped to 0..1) and a short message (UTF-8, copied during the call; its first KiB is
+     * kept). The latest report wins; the host writes at most a few a second to Redis, whatever the rate of calls,
+     * and only while it holds the task's lease. Callable from any thread while `run` is valid. Beyond an older
+     * host's `struct_size`: no progress is shown. */
+    void (*progress)(void *run, float fraction, kmq_str message);
 } kmq_host;
 
 typedef enum {

@@ -132,7 +132,15 @@ function handle(type, fn) {
 }
 
 /** One run of a task: what kmqd's task line says. */
-function taskOf(line) {
+/** The line of a progress report for task `id`, or null for a fraction that is not a number (NaN: no report).
+ * Clamped to 0..1 here, since JSON has no Infinity. */
+function progressLine(id, fraction, message) {
+  const value = Number(fraction);
+  if (Number.isNaN(value)) return null;
+  return { id, progress: Math.min(1, Math.max(0, value)), message: String(message ?? '') };
+}
+
+function taskOf(line, report = null) {
   const deadline = line.deadline_ms ?? null;
   const created = line.created_at_ms ?? null;
   return {
@@ -152,6 +160,13 @@ function taskOf(line) {
     /** Milliseconds left before the deadline (the execution timeout), or null without one. */
     remainingMs() {
       return deadline === null ? null : deadline - Date.now();
+    },
+    /** Reports how far the task is (docs/HANDLERS.md, "Progress"): `fraction` from 0 to 1 (NaN is ignored, others
+     * clamped) and a short message; `kmqd task show` and the dashboard show the latest. Call it as often as you
+     * like: kmqd writes each task's latest report a few times a second. */
+    progress(fraction, message = '') {
+      const answer = progressLine(line.id, fraction, message);
+      if (answer !== null && report !== null) report(answer);
     },
   };
 }
@@ -234,7 +249,7 @@ function run() {
     if (!line.trim()) return;
     let task;
     try {
-      task = taskOf(JSON.parse(line));
+      task = taskOf(JSON.parse(line), send);
     } catch (error) {
       process.stderr.write(`kmq-handler: not a task line (${error.message}): ${line}\n`);
       return;

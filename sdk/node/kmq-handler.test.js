@@ -118,6 +118,23 @@ test('a task of a flow reads its dependencies\' outcomes as after', () => {
   assert.equal(byId.m2.result, null);
 });
 
+test('progress is reported in lines before the answer, clamped, and NaN dropped', () => {
+  const script = handlerFile(`
+    sdk.handle('long', (task) => {
+      task.progress(0.4, 'page 40 of 100');
+      task.progress(NaN, 'nothing');
+      task.progress(Infinity, 'past the end');
+    });
+    sdk.run();
+  `);
+  const { answers } = serve(script, [task('t1', 'long', null)]);
+  assert.deepEqual(answers, [
+    { id: 't1', progress: 0.4, message: 'page 40 of 100' },
+    { id: 't1', progress: 1, message: 'past the end' },
+    { id: 't1', outcome: 'done' },
+  ]);
+});
+
 test('a throttle without a valid delay is a failed attempt that says why', () => {
   const script = handlerFile(`
     sdk.handle('throttle', (task) => { throw new sdk.Throttle(task.data.after); });

@@ -131,9 +131,10 @@ except ImportError:
 class Task:
     """One run of a task: what kmqd's task line says."""
 
-    __slots__ = ("id", "type", "queue", "attempt", "data", "deadline", "created_at", "after", "traceparent", "tracestate")
+    __slots__ = ("id", "type", "queue", "attempt", "data", "deadline", "created_at", "after", "traceparent", "tracestate",
+                 "_report")
 
-    def __init__(self, line):
+    def __init__(self, line, report=None):
         self.id = line["id"]
         self.type = line["type"]
         self.queue = line.get("queue", "")
@@ -149,6 +150,17 @@ class Task:
         # Seconds since the epoch, as time.time() counts them; None when there is none.
         self.deadline = deadline / 1000 if deadline is not None else None
         self.created_at = created / 1000 if created is not None else None
+        # Sends a progress line (thread-safe: a sync handler runs on a thread of its own); None outside kmqd.
+        self._report = report
+
+    def progress(self, fraction, message=""):
+        """Reports how far the task is (docs/HANDLERS.md, "Progress"): `fraction` from 0 to 1 (NaN is ignored,
+        anything else clamped, since JSON has no infinity) and a short message; `kmqd task show` and the dashboard
+        show the latest. Call it as often as you like: kmqd writes each task's latest report a few times a second."""
+        fraction = float(fraction)
+        if fraction != fraction or self._report is None:
+            return
+        self._report({"id": self.id, "progress": min(1.0, max(0.0, fraction)), "message": str(message)})
 
     def remaining(self):
         """Seconds left before the deadline (the execution timeout), or None without one."""
@@ -251,6 +263,10 @@ async def _serve(table, out, concurrency):
             loop.call_soon(flush)
         answers.append(_encode(answer) + "\n")
 
+    def report(answer):
+        # From any thread: only the event loop's thread writes.
+        loop.call_soon_threadsafe(send, answer)
+
     def done(task_id):
         # The common answer, without building a dict and encoding it: the same line json.dumps writes.
         if not answers:
@@ -265,7 +281,7 @@ async def _serve(table, out, concurrency):
 
     async def run_one(line):
         try:
-            task = Task(_decode(line))
+            task = Task(_decode(line), report)
         except (ValueError, KeyError, TypeError) as error:
             print(f"kmq_handler: not a task line ({error}): {line!r}", file=sys.stderr, flush=True)
             return

@@ -16,14 +16,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def serve(script, tasks, concurrency=1):
     """Runs `script` (a path) as kmqd would, writes `tasks` (dicts) and closes its input; returns (answers by
     id, the hello, stderr)."""
+    out, stderr = serve_lines(script, tasks, concurrency)
+    return {answer["id"]: answer for answer in out[1:]}, out[0], stderr
+
+
+def serve_lines(script, tasks, concurrency=1):
+    """As `serve`, returning every line the process wrote (the hello first, progress reports included), parsed,
+    and stderr."""
     lines = "".join(json.dumps(task) + "\n" for task in tasks)
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "KMQ_PROTOCOL": "1", "KMQ_CONCURRENCY": str(concurrency)}
     done = subprocess.run(
         [sys.executable, script], input=lines, capture_output=True, text=True, timeout=60, env=env, cwd=HERE
     )
     assert done.returncode == 0, done.stderr
-    out = [json.loads(line) for line in done.stdout.splitlines()]
-    return {answer["id"]: answer for answer in out[1:]}, out[0], done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines()], done.stderr
 
 
 def task(task_id, task_type, data):
@@ -185,6 +191,31 @@ class Flows(unittest.TestCase):
         answers, _, _ = serve(path, [dict(task("m1", "merge", None), after=after), task("m2", "merge", None)])
         self.assertEqual(answers["m1"]["result"], after)
         self.assertEqual(answers["m2"]["result"], None)
+
+
+    def test_progress_is_reported_in_lines_before_the_answer_clamped_and_nan_dropped(self):
+        path = handler_file(
+            """
+            from kmq_handler import handler, run
+
+            @handler("long")
+            def long(task):
+                task.progress(0.4, "page 40 of 100")
+                task.progress(float("nan"), "nothing")
+                task.progress(float("inf"), "past the end")
+
+            run()
+            """
+        )
+        out, _ = serve_lines(path, [task("t1", "long", None)])
+        self.assertEqual(
+            out[1:],
+            [
+                {"id": "t1", "progress": 0.4, "message": "page 40 of 100"},
+                {"id": "t1", "progress": 1.0, "message": "past the end"},
+                {"id": "t1", "outcome": "done"},
+            ],
+        )
 
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

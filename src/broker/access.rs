@@ -338,7 +338,7 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "pexpire",
         roles: &[D, P],
-        why: "a rate limit's log expires a second after its newest start's window; kept results' buckets and their index expire `keep_results` after their last result; a finished waiting task's hashes expire (flow_push.lua, flow_apply.lua)",
+        why: "a rate limit's log expires a second after its newest start's window; kept results' buckets and their index expire `keep_results` after their last result; a finished waiting task's hashes expire (flow_push.lua, flow_apply.lua); a claim's progress hash a day after its last report (progress.lua)",
     },
     Command {
         name: "pttl",
@@ -371,7 +371,7 @@ pub const COMMANDS: &[Command] = &[
     Command {
         name: "hget",
         roles: &[D, P, R, O],
-        why: "owners' registrations, schedules' last slots, the protocol version; `task cancel` rereads a delayed task; `task result` reads a kept result; every script that increments a counter first checks that it is an integer",
+        why: "owners' registrations, schedules' last slots, the protocol version; `task cancel` rereads a delayed task; `task result` reads a kept result; `task show` a running task's progress report; every script that increments a counter first checks that it is an integer",
     },
     Command {
         name: "hmget",
@@ -384,7 +384,8 @@ pub const COMMANDS: &[Command] = &[
         roles: &[D, P],
         why: "owners' registrations, schedules' last slots, the queue's shape in its meta hash (at start and reload); \
               settle.lua keeps a task's result in its bucket (`keep_results`); push.lua replaces a debounced task's \
-              envelope; `flow push` writes a waiting task (flow_push.lua)",
+              envelope; `flow push` writes a waiting task (flow_push.lua); progress.lua a running task's progress \
+              report",
     },
     Command {
         name: "hsetnx",
@@ -1086,6 +1087,8 @@ const SHOW: &[(&str, On)] = &[
     ("zrange", key(K::Processing)),
     ("lrange", key(K::ClaimList)),
     ("get", key(K::ClaimSettled)),
+    // A running task's progress report, in its claim's progress hash (a key of the claim, as its bitmap).
+    ("hget", key(K::ClaimSettled)),
     ("lrange", key(K::Dead)),
     // `task result`: the buckets in the index, then the task's id in each.
     ("zrange", key(K::Result)),

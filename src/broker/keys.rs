@@ -346,6 +346,13 @@ impl QueueKeys {
         format!("{}:{claim}:settled", self.processing(owner, level))
     }
 
+    /// Safe mode: the progress its running tasks reported (a hash: position -> `{"at", "fraction", "message"}`,
+    /// progress.lua), deleted with the claim list by the settle that ends its last task (docs/PROTOCOL.md,
+    /// "Progress"). settle.lua builds this name from the list's (`LIST:progress`), as here.
+    pub fn claim_progress(&self, owner: &str, level: usize, claim: u64) -> String {
+        format!("{}:{claim}:progress", self.processing(owner, level))
+    }
+
     /// The log of the starts of the queue's rate limit over windows of `window_ms` (a list of `MS COUNT` entries,
     /// oldest first: claim.lua), and its sum (a string); both expire a second after their newest start's window.
     pub fn rate_log(&self, window_ms: u64) -> (String, String) {
@@ -485,6 +492,10 @@ mod tests {
         assert_eq!(
             keys.claim_settled("o7", 1, 40),
             "kmq:{mail}:processing:o7:low:40:settled"
+        );
+        assert_eq!(
+            keys.claim_progress("o7", 1, 40),
+            format!("{}:progress", keys.claim_list("o7", 1, 40))
         );
         assert_eq!(keys.owner_info("o7"), "kmq:{mail}:owner:o7");
         assert_eq!(keys.paused, "kmq:{mail}:paused");

@@ -113,6 +113,9 @@ pub enum Found {
         token: String,
         lease_left_ms: i64,
         envelope: String,
+        /// Its handler's latest progress report, if it made one (docs/PROTOCOL.md, "Progress").
+        #[serde(skip_serializing_if = "Option::is_none")]
+        progress: Option<super::progress::Progress>,
     },
     /// In the dead-letter list.
     Dead { record: String },
@@ -425,11 +428,19 @@ fn locate_processing(
                 for (token, payload) in page.tasks {
                     let payload = String::from_utf8_lossy(&payload);
                     if let Some(id) = wanted.matching(&payload) {
+                        let progress = match token {
+                            super::TokenId::Listed { claim, position } => {
+                                super::progress::read(conn, keys, &owner, level, claim, position)?
+                                    .map(|progress| progress.aged(now))
+                            }
+                            super::TokenId::Field(_) => None,
+                        };
                         let place = Found::Processing {
                             owner: owner.clone(),
                             token: token.to_string(),
                             lease_left_ms: deadline - now,
                             envelope: payload.into_owned(),
+                            progress,
                         };
                         found.push((id, place));
                     }
@@ -586,6 +597,7 @@ mod tests {
             token: "1".into(),
             lease_left_ms: 0,
             envelope: String::new(),
+            progress: None,
         };
         assert!(ready.is_waiting());
         assert!(!running.is_waiting());

@@ -12,6 +12,7 @@
 //! - [`processing`]: what an owner holds (the monitors' recovery, `task show`, the counts);
 //! - [`peek`]: the heads of a queue's ready lists, delayed tasks and retries (the dashboard's queue page);
 //! - [`dead`]: the dead-letter list: reading, requeueing and purging records;
+//! - [`progress`]: the progress running tasks report (fenced by the owner's lease), and reading it back;
 //! - [`results`]: the results the settle keeps (`keep_results`), read back;
 //! - [`workflow`]: flows of tasks that wait for each other (`kmqd flow push`, the outboxes' mover, `flow show`);
 //! - [`eviction`]: Redis's `maxmemory-policy`, read at start: anything that may evict kmqd's keys is refused;
@@ -35,6 +36,7 @@ pub mod owners;
 pub mod payloads;
 pub(crate) mod peek;
 pub mod processing;
+pub mod progress;
 mod resp;
 pub mod results;
 pub(crate) mod schedule;
@@ -245,6 +247,7 @@ struct Scripts {
     flow_push: redis::Script,
     flow_apply: redis::Script,
     flow_outbox: redis::Script,
+    progress: redis::Script,
 }
 
 /// The scripts' sources, for tests that pick out one script's calls (a fault-injecting proxy matches them).
@@ -331,9 +334,10 @@ pub mod sources {
         include_str!("scripts/flow_apply.lua")
     );
     pub const FLOW_OUTBOX: &str = checked!(#!lua "scripts/flow_outbox.lua");
+    pub const PROGRESS: &str = checked!(#!lua "scripts/progress.lua");
 
     /// Every script the broker runs, by its file's name, push.lua first.
-    pub const ALL: [(&str, &str); 23] = [
+    pub const ALL: [(&str, &str); 24] = [
         ("push.lua", super::PUSH_SCRIPT),
         ("claim.lua", CLAIM),
         ("adopt.lua", ADOPT),
@@ -357,6 +361,7 @@ pub mod sources {
         ("flow_push.lua", FLOW_PUSH),
         ("flow_apply.lua", FLOW_APPLY),
         ("flow_outbox.lua", FLOW_OUTBOX),
+        ("progress.lua", PROGRESS),
     ];
 
     /// The scripts that may be 32 KiB or more (`tasks::LARGE_ARGUMENT`), each loaded only on a
@@ -393,6 +398,7 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     flow_push: redis::Script::new(sources::FLOW_PUSH),
     flow_apply: redis::Script::new(sources::FLOW_APPLY),
     flow_outbox: redis::Script::new(sources::FLOW_OUTBOX),
+    progress: redis::Script::new(sources::PROGRESS),
 });
 
 /// The published enqueue script (docs/PROTOCOL.md shows how to call it from any language).

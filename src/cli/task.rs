@@ -135,13 +135,22 @@ pub(super) fn run_task(config: &Config, command: TaskCommand) -> Result<(), Fail
                         token,
                         lease_left_ms,
                         envelope,
-                    } => (
-                        format!(
+                        progress,
+                    } => {
+                        let mut state = format!(
                             "processing (owner {owner}, token {token}), lease ends in {}",
                             ms(*lease_left_ms)
-                        ),
-                        envelope,
-                    ),
+                        );
+                        if let Some(progress) = progress {
+                            state.push_str(&format!(
+                                "\n  progress {:.0}% ({}), reported {} ago",
+                                progress.fraction * 100.0,
+                                progress.message,
+                                ms(progress.age_ms)
+                            ));
+                        }
+                        (state, envelope)
+                    }
                     Found::Dead { record } => ("dead".to_string(), record),
                 };
                 let _ = writeln!(out, "{id} in {queue}: {state}\n  {payload}");

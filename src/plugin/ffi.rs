@@ -30,7 +30,7 @@ use kmq_plugin::abi::{
     self, EntryFn, HandleFn, KMQ_ABI_VERSION, KmqBuf, KmqStatus, KmqStr, KmqTask, MIN_STRUCT_SIZE,
     OnDeadFn, PLUGIN_SYMBOL, ShutdownFn, StartFn,
 };
-use kmq_plugin::host::{self, HOST, Refusal, RunSlot};
+use kmq_plugin::host::{self, HOST, ProgressSink, Refusal, RunSlot};
 
 use super::PluginError;
 
@@ -105,6 +105,22 @@ pub(crate) struct Run<'a> {
     pub(crate) traceparent: Option<&'a str>,
     /// The producer's `tracestate`, for `kmq_host.tracestate`.
     pub(crate) tracestate: Option<&'a str>,
+    /// Where its progress reports go (its lane) and its number there; `None`: dropped (`on_dead`, tests).
+    pub(crate) progress: Option<(&'a Arc<dyn ProgressSink>, u64)>,
+}
+
+impl Run<'_> {
+    /// The run's slot for what its plugin hands on: its dependencies in, its result and progress out.
+    fn slot(&self) -> RunSlot {
+        let sink = self.progress.map(|(sink, run)| (Arc::as_ptr(sink), run));
+        // SAFETY: the sink is the lane's, which outlives every run of its tasks: a worker's `handle` borrows the
+        // lane, and a task taken in `start` holds it until its completion (`lane::started`).
+        unsafe {
+            RunSlot::with_dependencies(self.after)
+                .with_trace(self.traceparent, self.tracestate)
+                .reporting(sink)
+        }
+    }
 }
 
 /// What `handle` returned.
@@ -359,8 +375,7 @@ impl LoadedPlugin {
             message.resize(MESSAGE_CAPACITY, 0);
         }
         let mut retry_after_ms: i64 = -1;
-        let slot =
-            RunSlot::with_dependencies(run.after).with_trace(run.traceparent, run.tracestate);
+        let slot = run.slot();
         let task = task_view(run, &mut retry_after_ms, slot.handle());
         let mut buf = KmqBuf {
             ptr: message.as_mut_ptr().cast::<c_char>(),
@@ -395,7 +410,7 @@ impl LoadedPlugin {
         let mut retry_after_ms: i64 = -1;
         let ticket = Box::into_raw(Box::new(Ticket {
             completion,
-            slot: RunSlot::with_dependencies(run.after).with_trace(run.traceparent, run.tracestate),
+            slot: run.slot(),
         }));
         // SAFETY: the box was just made; its slot stays where it is until `completed` takes the box back.
         let slot = unsafe { (*ticket).slot.handle() };

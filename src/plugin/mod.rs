@@ -17,6 +17,7 @@ pub(crate) use ffi::{LoadedPlugin, MESSAGE_CAPACITY, Run, Status};
 
 use crate::config::{Config, PluginConfig};
 use crate::task::Envelope;
+use kmq_plugin::host::ProgressSink;
 
 /// Why a plugin was refused. Every variant names the file and says what to do about it.
 #[derive(Debug, thiserror::Error)]
@@ -185,6 +186,7 @@ impl<'a> Run<'a> {
             after: None,
             traceparent: None,
             tracestate: None,
+            progress: None,
         };
         // One pass over the fields kmqd does not decode (none, for most tasks), the first of each name counting.
         for (name, value) in &envelope.extra {
@@ -199,6 +201,15 @@ impl<'a> Run<'a> {
             run.traceparent = traceparent;
         }
         run
+    }
+
+    /// The run, with its handler's progress reports going to `sink` as run number `run` (the lane's table of
+    /// the latest reports, keyed by the held task's id).
+    pub(crate) fn reporting(self, sink: &'a Arc<dyn ProgressSink>, run: u64) -> Run<'a> {
+        Run {
+            progress: Some((sink, run)),
+            ..self
+        }
     }
 }
 

@@ -66,6 +66,11 @@ for line in sys.stdin:
         send({"id": tid, "outcome": "fail", "message": "no such customer"})
     elif do == "hold":
         held[data["until"]] = tid
+    elif do == "progress":
+        # A malformed progress line first (logged, not fatal), then a report; answered once `until` arrives.
+        send({"id": tid, "progress": "half"})
+        send({"id": tid, "progress": data["fraction"], "message": data["message"]})
+        held[data["until"]] = tid
     elif do == "exit":
         print(f"dying on {tid}", file=sys.stderr, flush=True)
         os._exit(7)
@@ -709,5 +714,34 @@ fn a_plugin_that_starts_tasks_runs_no_more_at_once_than_the_queues_workers() {
         "no more than `workers` tasks reach the child: {runs:?}"
     );
     assert_eq!(stats(&rig.config, "jobs").done, 0);
+    daemon.stop();
+}
+
+/// A progress line for a task the child holds reaches `kmqd task show` while the task runs; a malformed one is
+/// logged, and neither the task nor the child suffers for it (docs/HANDLERS.md, "Progress").
+#[test]
+fn a_progress_line_is_shown_by_task_show_and_a_malformed_one_is_only_logged() {
+    let rig = rig(
+        "workers = 2",
+        "",
+        &[("py", "py", "ok", ", processes = 1, concurrency = 2")],
+    );
+    let daemon = TestDaemon::start(&rig.config);
+    rig.push(
+        "py",
+        "report-7",
+        r#"{"do": "progress", "fraction": 0.25, "message": "a quarter", "until": "release"}"#,
+    );
+    eventually(
+        Duration::from_secs(30),
+        "task show to print the progress",
+        || {
+            let out = kmqd_ok(&rig.config, &["task", "show", "jobs", "report-7"]);
+            (out.contains("progress 25% (a quarter), reported "), out)
+        },
+    );
+    rig.push("py", "release", r#"{"do": "done"}"#);
+    rig.wait_ended(2, 0);
+    assert_eq!(rig.starts().len(), 1, "the child was not restarted");
     daemon.stop();
 }

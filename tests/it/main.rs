@@ -32,6 +32,7 @@ mod metrics;
 mod plugins;
 mod prefetch;
 mod priorities;
+mod progress;
 mod protocol;
 mod queue_admin;
 mod redis_faults;

@@ -62,7 +62,7 @@ fn keeping(
 }
 
 /// Pushes tasks `ids` to `jobs` and claims them as `owner`, a daemon that will not renew its lease of `lease`.
-fn claimed(
+pub(crate) fn claimed(
     path: &std::path::Path,
     connection: &mut broker::Conn,
     owner: &str,

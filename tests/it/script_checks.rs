@@ -337,6 +337,11 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
     jobs.push(NewTask::new("nobody", "{}").unwrap().id("unknown"));
     jobs.push(test("7", "unique-1").unique());
     jobs.push(test("7", "cancelled-ready"));
+    // A handler that reports progress while it runs (progress.lua, flushed by the acker a quarter second apart).
+    jobs.push(test(
+        r#"{"progress": [0.5, "half way"], "sleep_ms": 600}"#,
+        "progressing",
+    ));
     client.push_batch("jobs", jobs).unwrap();
     client
         .push("jobs", test("7", "soon").delay(Duration::from_millis(300)))

@@ -85,11 +85,17 @@ pub struct KmqHost {
     pub traceparent: Option<TraceFn>,
     /// Appended with `traceparent`.
     pub tracestate: Option<TraceFn>,
+    /// Appended within v1: beyond an older host's `struct_size`, read as NULL (its tasks report no progress).
+    pub progress: Option<ProgressFn>,
 }
 
 /// `kmq_host.traceparent` and `kmq_host.tracestate`: the run's W3C trace context fields; empty text when the task
 /// has none. Valid while the run is.
 pub type TraceFn = unsafe extern "C" fn(run: *mut c_void) -> KmqStr;
+
+/// `kmq_host.progress`: reports how far a run is, a fraction from 0 to 1 (NaN ignored, others clamped) and a short
+/// message (copied during the call; at most 1 KiB kept).
+pub type ProgressFn = unsafe extern "C" fn(run: *mut c_void, fraction: f32, message: KmqStr);
 
 /// `kmq_host.dependencies`: the outcomes of the tasks a run's task waited for (a flow's `after`), a JSON list;
 /// empty text when it waited for none. Valid while the run is.

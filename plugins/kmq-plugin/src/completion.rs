@@ -65,6 +65,20 @@ impl Completion {
         flag.load(Ordering::Relaxed) != 0
     }
 
+    /// Reports how far the task is (as [`crate::Task::progress`]: NaN ignored, anything else clamped to 0..=1 by
+    /// the host), any number of times before the completion; nothing under a host older than progress.
+    pub fn progress(&self, fraction: f32, message: &str) {
+        let Some(report) = crate::export::progress_fn() else {
+            return;
+        };
+        if self.run.is_null() {
+            return;
+        }
+        // SAFETY: the run handle is live until `complete` is called, which has not happened while `self` exists;
+        // the host copies the message during the call.
+        unsafe { report(self.run, fraction, crate::abi::KmqStr::borrow(message)) };
+    }
+
     /// Reports the attempt's outcome to the host.
     pub fn complete(mut self, outcome: Outcome) {
         self.call(&outcome);

@@ -94,6 +94,12 @@ pub(crate) fn trace_fns() -> Option<(crate::abi::TraceFn, crate::abi::TraceFn)> 
     offered(end, |offer| offer.traceparent.zip(offer.tracestate))
 }
 
+/// The host's `progress` function, when the host offered one (a host newer than progress).
+pub(crate) fn progress_fn() -> Option<crate::abi::ProgressFn> {
+    let end = std::mem::offset_of!(KmqHost, progress) + size_of::<Option<crate::abi::ProgressFn>>();
+    offered(end, |offer| offer.progress)
+}
+
 /// A task's `run` handle, when the host offers results: only such a host's tasks have the field.
 ///
 /// # Safety

@@ -20,7 +20,20 @@ pub static HOST: KmqHost = KmqHost {
     dependencies: Some(dependencies_given),
     traceparent: Some(traceparent_given),
     tracestate: Some(tracestate_given),
+    progress: Some(progress_given),
 };
+
+/// Where a run's progress reports go: kmqd's lane (which writes the latest of each task to Redis a few times a
+/// second), or a test's. `run` is the number the host gave the run's slot ([`RunSlot::reporting`]).
+pub trait ProgressSink: Send + Sync {
+    fn progress(&self, run: u64, fraction: f32, message: &str);
+}
+
+impl std::fmt::Debug for dyn ProgressSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ProgressSink")
+    }
+}
 
 /// One run's slot for what the plugin hands on besides its status: the task's `run` handle
 /// ([`RunSlot::handle`]) points at it while the run is live (until `handle` returns, or until `complete` is
@@ -34,7 +47,18 @@ pub struct RunSlot {
     /// The run's W3C trace context (`kmq_host.traceparent`, `kmq_host.tracestate`); `None` when it has none.
     traceparent: Option<String>,
     tracestate: Option<String>,
+    /// Where the run's progress reports go, and the run's number there; `None`: they are dropped. A pointer, not
+    /// an `Arc`: a count shared by every worker of a lane, bumped per run, would be a cache line they all write
+    /// (the one check a run of a queue whose handlers never report may cost). [`RunSlot::reporting`]'s caller
+    /// keeps the sink alive as long as the run.
+    progress: Option<(*const dyn ProgressSink, u64)>,
 }
+
+// SAFETY: the sink is `Send + Sync` and outlives the slot ([`RunSlot::reporting`]'s contract); the other fields
+// are `Send + Sync` themselves.
+unsafe impl Send for RunSlot {}
+// SAFETY: as above.
+unsafe impl Sync for RunSlot {}
 
 impl RunSlot {
     /// The slot of a run whose task waited for the tasks whose outcomes `after` lists (a JSON list).
@@ -50,6 +74,18 @@ impl RunSlot {
         RunSlot {
             traceparent: traceparent.map(str::to_string),
             tracestate: tracestate.map(str::to_string),
+            ..self
+        }
+    }
+
+    /// The slot, with its run's progress reports going to `sink`, as run number `run`.
+    ///
+    /// # Safety
+    /// The sink must outlive the run: until `handle` returned, or until `complete` was called for a task taken
+    /// in `start` (kmqd's lane, whose sink this is, outlives every run of its tasks).
+    pub unsafe fn reporting(self, sink: Option<(*const dyn ProgressSink, u64)>) -> RunSlot {
+        RunSlot {
+            progress: sink,
             ..self
         }
     }
@@ -115,6 +151,26 @@ unsafe extern "C" fn result_given(run: *mut c_void, json: KmqStr) {
         .result
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(text);
+}
+
+/// `kmq_host.progress`: hands the report to the run's sink, if it has one (the sink validates it).
+unsafe extern "C" fn progress_given(run: *mut c_void, fraction: f32, message: KmqStr) {
+    if run.is_null() {
+        return;
+    }
+    // SAFETY: `run` is the handle of a live run (the ABI's rule): a `RunSlot` that outlives the run.
+    let slot = unsafe { &*run.cast::<RunSlot>() };
+    let Some((sink, number)) = slot.progress else {
+        return;
+    };
+    // SAFETY: the sink outlives the run (`RunSlot::reporting`'s contract), which is live (the ABI's rule).
+    let sink = unsafe { &*sink };
+    // SAFETY: the text is valid for the call (the ABI's rule); the sink copies what it keeps.
+    let text = String::from_utf8_lossy(unsafe { message.as_bytes() });
+    // Nothing may unwind into the plugin: a sink that panicked is a report lost, not a process aborted.
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        sink.progress(number, fraction, &text)
+    }));
 }
 
 /// Why a descriptor is refused.

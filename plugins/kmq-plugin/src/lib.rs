@@ -284,6 +284,24 @@ impl<'a> Task<'a> {
         (!text.is_empty()).then_some(text)
     }
 
+    /// Reports how far the run is (docs/HANDLERS.md, "Progress"): `fraction` from 0 to 1 (NaN is ignored, anything
+    /// else clamped to 0..=1) and a short message (its first KiB is kept). `kmqd task show` and the dashboard show
+    /// the latest report while the task runs. Cheap enough to call per item: the daemon keeps the latest report
+    /// of each task and writes it to Redis a few times a second, only while it holds the task's lease. Does
+    /// nothing under a host older than progress.
+    pub fn progress(&self, fraction: f32, message: &str) {
+        let Some(report) = crate::export::progress_fn() else {
+            return;
+        };
+        // SAFETY: `raw` is the task of the current call (`from_raw`'s contract).
+        let run = unsafe { crate::export::run_of(self.raw) };
+        if run.is_null() {
+            return;
+        }
+        // SAFETY: the run is live during the call; the host copies the message during the call.
+        unsafe { report(run, fraction, abi::KmqStr::borrow(message)) };
+    }
+
     /// 0 on the first run, 1 on the first retry, and so on.
     pub fn attempt(&self) -> u32 {
         self.raw.attempt

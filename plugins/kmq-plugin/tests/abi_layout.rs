@@ -67,6 +67,7 @@ fn facts() -> Vec<Fact> {
         size("kmq_host", size_of::<KmqHost>()),
         offset("kmq_host", "struct_size", offset_of!(KmqHost, struct_size)),
         offset("kmq_host", "result", offset_of!(KmqHost, result)),
+        offset("kmq_host", "progress", offset_of!(KmqHost, progress)),
         size("kmq_status", size_of::<KmqStatus>()),
         constant("KMQ_DONE", abi::KMQ_DONE.into()),
         constant("KMQ_RETRY", abi::KMQ_RETRY.into()),

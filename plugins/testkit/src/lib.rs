@@ -16,7 +16,10 @@
 //! - `retry_after_ms`: the delay a `retry` asks for;
 //! - `dead_sleep_ms`: `on_dead` sleeps this long before it records the dead letter (a slow final-failure hook);
 //! - `output`: a `"done"` outcome comes with this output (`Outcome::DoneWithOutput`);
-//! - `result`: a `"done"` outcome comes with this JSON as its result (`Outcome::DoneWithResult`).
+//! - `result`: a `"done"` outcome comes with this JSON as its result (`Outcome::DoneWithResult`);
+//! - `progress_flood`: first of all, report progress this many times (`item N`, fraction N / the count), each
+//!   followed by a sleep of `progress_pause_us` (default none): a handler that reports per item;
+//! - `progress`: then report this `[fraction, "message"]` (`Task::progress`), before the sleeps and waits above.
 //!
 //! Config: `record` (a file path): every run appends `start <id> <attempt> <type> <unix µs>` when it begins and
 //! `end <id> <attempt> <outcome>` when it returns (and, for a task of a flow that waited for others,
@@ -63,6 +66,9 @@ struct Behaviour {
     dead_sleep_ms: u64,
     output: Option<String>,
     result: Option<kmq_plugin::serde_json::Value>,
+    progress_flood: u32,
+    progress_pause_us: u64,
+    progress: Option<(f32, String)>,
 }
 
 struct Testkit {
@@ -114,6 +120,18 @@ impl Testkit {
             Ok(behaviour) => behaviour,
             Err(error) => return Outcome::fail(format!("testkit: bad data: {error}")),
         };
+        for n in 0..behaviour.progress_flood {
+            task.progress(
+                n as f32 / behaviour.progress_flood as f32,
+                &format!("item {n}"),
+            );
+            if behaviour.progress_pause_us > 0 {
+                std::thread::sleep(Duration::from_micros(behaviour.progress_pause_us));
+            }
+        }
+        if let Some((fraction, message)) = &behaviour.progress {
+            task.progress(*fraction, message);
+        }
         let sleep =
             Duration::from_millis(behaviour.sleep_ms) + Duration::from_micros(behaviour.sleep_us);
         if !sleep.is_zero() {

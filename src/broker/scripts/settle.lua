@@ -91,8 +91,8 @@
 -- A task whose bit is already set (or whose claim list is gone) is stale and changes nothing: this fences a slow
 -- owner against a monitor that already recovered its task, and two monitors against each other. Bits are only
 -- ever merged in, never overwritten (a bitmap is OR-ed in, and its new bits counted), so that two settles of the
--- same claim cannot undo each other. A claim list whose every task is settled goes, with its bitmap and its entry
--- in the claim set. Default-mode records have no token and are never stale.
+-- same claim cannot undo each other. A claim list whose every task is settled goes, with its bitmap, its progress
+-- hash (progress.lua) and its entry in the claim set. Default-mode records have no token and are never stale.
 -- Returns {number of stale plain acknowledgements, then one integer per record: 1 applied, 0 stale (or, in
 -- default mode, a task not queued again because a newer task holds its unique id: see "Unique ids"), then the
 -- owner's journal after this call (0 without an info hash, or when a monitor settles)}; {-1, the stored call's
@@ -668,7 +668,7 @@ for k = 1, claims do
   local set = KEYS[PROCESSING + c.level]
   if c.length == 0 then
     redis.call('ZREM', set, c.number)
-    redis.call('DEL', c.scopes)
+    redis.call('DEL', c.scopes, c.list .. ':progress')
   else
     local settled = c.length
     if not c.finished then settled = redis.call('BITCOUNT', c.bits) end
@@ -682,7 +682,9 @@ for k = 1, claims do
       end
     end
     if settled >= c.length then
-      redis.call('DEL', c.list, c.bits, c.scopes)
+      -- With its progress hash (progress.lua; its name is the list's, as keys.rs builds it, in the list's slot),
+      -- which no report recreates once the list is gone.
+      redis.call('DEL', c.list, c.bits, c.scopes, c.list .. ':progress')
       redis.call('ZREM', set, c.number)
     else
       redis.call('ZADD', set, 'XX', c.length - settled, c.number)

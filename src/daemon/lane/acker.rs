@@ -29,8 +29,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::Lane;
+use super::progress::FLUSH_EVERY;
 use super::resolve::{Apply, Resolution};
-use crate::broker::{Fence, Holder, Session, Settlement};
+use crate::broker::progress::{self, Report};
+use crate::broker::{Fence, Holder, Session, Settlement, Token, TokenId};
 use crate::config::RedisConfig;
 use crate::plugin::Plugins;
 use crate::settler::Settler;
@@ -75,6 +77,8 @@ pub struct Acker {
     /// When they are tried again (`None`: not scheduled yet), and the wait after that.
     refused_due: Option<Instant>,
     refused_wait: Duration,
+    /// When the lane's progress reports were last written (`progress::FLUSH_EVERY` apart at least).
+    progress_written: Instant,
 }
 
 impl Acker {
@@ -94,6 +98,7 @@ impl Acker {
             refused: Vec::new(),
             refused_due: None,
             refused_wait: REFUSED_WAIT_FIRST,
+            progress_written: Instant::now(),
         }
     }
 
@@ -101,6 +106,9 @@ impl Acker {
         let mut taken = Vec::with_capacity(64);
         'lane: loop {
             self.lane.acker_pulse.beat();
+            if self.lane.progress.waiting() && self.progress_written.elapsed() >= FLUSH_EVERY {
+                self.write_progress();
+            }
             if self.lane.outcomes.take(&mut taken, IDLE_CHECK) {
                 // At most MAX_SETTLE a settle, in the order they came. Each outcome is moved once: draining a
                 // prefix moved the whole tail each time (callgrind: a no-op drain's largest memcpy).
@@ -143,6 +151,47 @@ impl Acker {
             );
         } else {
             tracing::debug!(queue = %self.lane.name(), "acker stopped");
+        }
+    }
+
+    /// Writes the latest progress report of each task of the lane that reported since the last write: one
+    /// progress.lua call per owner (nearly always one), fenced by the owner's lease. Best effort: a report whose
+    /// call fails is dropped (the task's next report takes its place), and the settles go on.
+    fn write_progress(&mut self) {
+        self.progress_written = Instant::now();
+        let reports = self.lane.progress.take();
+        let mut by_owner: Vec<(Arc<str>, Vec<Report>)> = Vec::with_capacity(1);
+        for (job, task) in self.lane.held.some(reports.keys().copied()) {
+            // Default mode holds no claim list to fence a report by: its tasks report nothing.
+            let Some(Token {
+                owner,
+                id: TokenId::Listed { claim, position },
+            }) = &task.token
+            else {
+                continue;
+            };
+            let (fraction, message) = &reports[&job];
+            let report = Report {
+                level: task.level,
+                claim: *claim,
+                position: *position,
+                fraction: *fraction,
+                message: message.clone(),
+            };
+            match by_owner.iter_mut().find(|(o, _)| o == owner) {
+                Some((_, listed)) => listed.push(report),
+                None => by_owner.push((Arc::clone(owner), vec![report])),
+            }
+        }
+        for (owner, reports) in by_owner {
+            let written = self
+                .session
+                .get()
+                .and_then(|conn| progress::report(conn, &self.lane.queue.keys, &owner, &reports));
+            if let Err(error) = written {
+                tracing::debug!(queue = %self.lane.name(), %error, "progress reports not written");
+                self.session.reset();
+            }
         }
     }
 

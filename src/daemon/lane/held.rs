@@ -47,6 +47,14 @@ impl HeldTable {
         }
     }
 
+    /// The held tasks among `ids` (the others were settled), each with its id, under one lock.
+    pub fn some(&self, ids: impl IntoIterator<Item = JobId>) -> Vec<(JobId, HeldTask)> {
+        let entries = lock(&self.entries);
+        ids.into_iter()
+            .filter_map(|id| entries.get(&id).map(|task| (id, task.clone())))
+            .collect()
+    }
+
     pub fn len(&self) -> usize {
         lock(&self.entries).len()
     }

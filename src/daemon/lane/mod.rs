@@ -16,6 +16,7 @@
 //! - [`depth`]: the prefetch, adapted to what the lane measures when the config does not set it;
 //! - [`slots`]: the `workers` slots a task holds while it runs, in a worker or started in its plugin;
 //! - [`started`]: what a plugin's `complete` does with a task it took in `start`;
+//! - [`progress`]: the latest progress report of each running task, which the acker writes to Redis;
 //! - [`held`]: the table of the tasks the lane holds, from their claim until they are settled;
 //! - [`ownership`]: this daemon's owner on the queue, what it knows of its lease, and each worker's view of it.
 //!
@@ -38,6 +39,7 @@ pub mod held;
 pub mod jobs;
 pub mod outcomes;
 pub mod ownership;
+pub mod progress;
 pub mod resolve;
 pub mod slots;
 pub mod started;
@@ -104,6 +106,10 @@ pub struct Lane {
     /// Outcomes Redis refused (alone in a settle call), which the acker holds and tries again: for the metrics
     /// and the status line, since such a task neither runs nor leaves until Redis takes its outcome.
     pub refused_outcomes: AtomicUsize,
+    /// The latest progress report of each of its tasks that reported, for the acker to write; the same table as
+    /// the sink its runs report to ([`Lane::progress_sink`]).
+    pub progress: Arc<progress::Reports>,
+    pub progress_sink: Arc<dyn kmq_plugin::host::ProgressSink>,
     /// Task types that came with no plugin to handle them, so that each is warned about once, not per task.
     unhandled_types: Mutex<FxHashSet<String>>,
 }
@@ -113,6 +119,7 @@ impl Lane {
     pub fn new(queue: Arc<QueueContext>, instance: &str, epoch: Instant) -> Lane {
         let config = &queue.config;
         let prefetch = config.initial_prefetch();
+        let progress = Arc::new(progress::Reports::default());
         Lane {
             capacity: Capacity::new(config.workers, prefetch, config.batch),
             slots: slots::Slots::new(config.workers),
@@ -130,6 +137,8 @@ impl Lane {
             sources_pulse: Pulse::default(),
             refused_outcomes: AtomicUsize::new(0),
             unhandled_types: Mutex::default(),
+            progress: Arc::clone(&progress),
+            progress_sink: progress,
             queue,
         }
     }

@@ -312,7 +312,7 @@ const pages = {
       const places = data.found.map((f) => el("div", { class: "found" },
         el("h2", {}, f.state, f.level ? " · level " + f.level : "", f.due_in_ms !== undefined ? " · due in " + duration(f.due_in_ms) : "",
           f.position !== undefined ? " · " + f.position + " ahead of it" : "", f.owner ? " · owner " + f.owner : ""),
-        el("pre", {}, pretty(f.envelope || f.record))));
+        progressOf(f.progress), el("pre", {}, pretty(f.envelope || f.record))));
       return [el("h1", {}, "Find a task"), form, el("div", { class: "actions" }, again), partial,
         ...(places.length ? places : [el("p", { class: "empty" }, data.flow && data.flow.state === "waiting"
           ? "in none of " + data.queue + "'s lists: it waits for its dependencies (its flow, below)"
@@ -489,6 +489,15 @@ function groupsPanel(groups, base) {
 function sizeCell(bytes, cut) {
   return el("td", { class: "num", "data-field": "size", title: cut ? "this page was sent its first 4 KiB" : null },
     size(bytes, cut));
+}
+
+// A running task's latest progress report (docs/PROTOCOL.md, "Progress"): a bar, the percentage, the message and
+// its age; nothing for a task that reported none.
+function progressOf(progress) {
+  if (!progress) return null;
+  return el("p", { class: "progress" },
+    el("progress", { max: 1, value: progress.fraction }),
+    " " + Math.round(progress.fraction * 100) + "% " + progress.message + " · reported " + duration(progress.age_ms) + " ago");
 }
 
 function taskLink(queue, id) {

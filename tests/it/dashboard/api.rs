@@ -936,3 +936,35 @@ fn a_grouped_queues_page_serves_its_busiest_groups_and_pauses_and_resumes_one() 
     }
     daemon.stop();
 }
+
+/// A running task's lookup carries its handler's latest progress report, which the task page draws
+/// (docs/PROTOCOL.md, "Progress").
+#[test]
+fn a_running_tasks_lookup_carries_its_progress() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(
+        &redis,
+        "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\nworkers = 1\n",
+    );
+    let release = dir.path("release");
+    let data = serde_json::json!({"progress": [0.6, "six of ten"], "wait_for_file": release});
+    push(&config, "jobs", task("long", &data.to_string()));
+    let daemon = TestDaemon::start(&config);
+    let dashboard = Dashboard::start(&config, &dir, &[]);
+    let found = eventually(
+        Duration::from_secs(15),
+        "the progress in the lookup",
+        || {
+            let found = dashboard.json("/api/queues/jobs/tasks/long");
+            (
+                found["found"][0]["progress"]["message"] == "six of ten",
+                found,
+            )
+        },
+    );
+    assert_eq!(found["found"][0]["state"], "processing", "{found}");
+    assert_eq!(found["found"][0]["progress"]["fraction"], 0.6, "{found}");
+    std::fs::write(&release, "").unwrap();
+    daemon.stop();
+}

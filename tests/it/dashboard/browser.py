@@ -185,6 +185,12 @@ def main():
         eventually(10, "doomed found dead", lambda: read("the place", lambda: driver.find_element(
             By.CSS_SELECTOR, ".found h2").text).startswith("dead"))
 
+        # A running task's page shows its progress report.
+        driver.get(url + "/task?queue=tenants&id=busy0")
+        eventually(10, "busy0's progress", lambda: "50% half way" in read("the progress", lambda: driver.find_element(
+            By.CSS_SELECTOR, ".found .progress").text))
+        driver.get(url + "/task?queue=jobs&id=doomed")
+
         # A task's page looks it up once (a lookup scans the queue's lists), not every second: in 3 s no other
         # lookup goes out (the other pages ask every second), and "Look again" makes one more.
         def lookups():

@@ -130,8 +130,10 @@ fn the_pages_show_redis_and_their_buttons_act() {
     // A grouped queue: acme paused with 3 tasks waiting; busy at its max_running 1, one task running until the
     // daemon's shutdown cancels it and two waiting behind it.
     client.pause_group("tenants", "acme").unwrap();
+    // The one that runs (busy0, the group's head) reports progress, which its task page shows.
+    let reporting = r#"{"until_cancelled": true, "progress": [0.5, "half way"]}"#;
     let grouped = (0..3)
-        .map(|n| forever("test").id(format!("busy{n}")).group("busy"))
+        .map(|n| task(reporting).id(format!("busy{n}")).group("busy"))
         .chain((0..3).map(|n| task("{}").id(format!("acme{n}")).group("acme")));
     client.push_batch("tenants", grouped).unwrap();
 

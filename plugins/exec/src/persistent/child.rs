@@ -568,11 +568,37 @@ impl Child {
                         "exec: the handler's answer is malformed: {problem}"
                     )),
                 ),
+                Line::Progress {
+                    id,
+                    fraction,
+                    message,
+                } => self.progress(&id, fraction, &message),
+                Line::BadProgress { id, problem } => kmq_plugin::log_line(&format!(
+                    "kmq-exec: {}[{}]: a malformed progress line for task {id:?} ({problem}); ignored",
+                    self.name, self.pid
+                )),
                 Line::Foreign { problem } => {
                     self.end(Cause::Protocol(problem));
                     return;
                 }
             }
+        }
+    }
+
+    /// Hands a task's progress report to the host, if the child holds the task. A task run through `handle`
+    /// (a host without `start`) has no run handle here: its reports are dropped.
+    fn progress(&self, id: &str, fraction: f32, message: &str) {
+        let held = lock(&self.held);
+        match held.tasks.get(id) {
+            Some(Answer {
+                reply: Reply::Started(done),
+                ..
+            }) => done.progress(fraction, message),
+            Some(_) => {}
+            None => kmq_plugin::log_line(&format!(
+                "kmq-exec: {}[{}]: a progress line for task {id:?}, which it does not hold; ignored",
+                self.name, self.pid
+            )),
         }
     }
 

@@ -107,6 +107,15 @@ pub enum Line {
     Answer { id: String, outcome: Outcome },
     /// A line that names a task but is not a valid answer: it fails that task.
     Bad { id: String, problem: String },
+    /// A progress report for a task (`{"id": ID, "progress": 0.4, "message": "..."}`: docs/HANDLERS.md,
+    /// "Progress"); the host clamps the fraction.
+    Progress {
+        id: String,
+        fraction: f32,
+        message: String,
+    },
+    /// A progress line that is malformed: logged, and nothing else (the task runs on).
+    BadProgress { id: String, problem: String },
     /// A line that names no task: the child is restarted.
     Foreign { problem: String },
 }
@@ -211,6 +220,12 @@ fn parse_any(line: &[u8]) -> Line {
     let message = match value.get("message") {
         None | Some(Value::Null) => String::new(),
         Some(Value::String(text)) => text.clone(),
+        Some(other) if value.get("outcome").is_none() && value.get("progress").is_some() => {
+            return Line::BadProgress {
+                id,
+                problem: format!("\"message\" must be a string, not {other}"),
+            };
+        }
         Some(other) => {
             return Line::Bad {
                 id,
@@ -218,6 +233,21 @@ fn parse_any(line: &[u8]) -> Line {
             };
         }
     };
+    if value.get("outcome").is_none()
+        && let Some(progress) = value.get("progress")
+    {
+        return match progress.as_f64() {
+            Some(fraction) => Line::Progress {
+                id,
+                fraction: fraction as f32,
+                message,
+            },
+            None => Line::BadProgress {
+                id,
+                problem: format!("\"progress\" must be a number from 0 to 1, not {progress}"),
+            },
+        };
+    }
     let outcome = match value.get("outcome").and_then(Value::as_str) {
         Some("done") => match value.get("result") {
             None | Some(Value::Null) => Outcome::done_with_output(message),
@@ -288,6 +318,37 @@ mod tests {
             other,
             r#"its first line is not the hello {"hello": 1} but "starting up...""#
         );
+    }
+
+    #[test]
+    fn a_progress_line_is_a_report_and_a_malformed_one_is_only_refused() {
+        assert_eq!(
+            parse_answer(br#"{"id": "a", "progress": 0.4, "message": "page 40"}"#),
+            Line::Progress {
+                id: "a".into(),
+                fraction: 0.4,
+                message: "page 40".into()
+            }
+        );
+        assert_eq!(
+            parse_answer(br#"{"id": "a", "progress": 1}"#),
+            Line::Progress {
+                id: "a".into(),
+                fraction: 1.0,
+                message: String::new()
+            }
+        );
+        for line in [
+            &br#"{"id": "a", "progress": "half"}"#[..],
+            br#"{"id": "a", "progress": null}"#,
+            br#"{"id": "a", "progress": 0.5, "message": 7}"#,
+        ] {
+            assert!(
+                matches!(parse_answer(line), Line::BadProgress { ref id, .. } if id == "a"),
+                "{}",
+                String::from_utf8_lossy(line)
+            );
+        }
     }
 
     #[test]
