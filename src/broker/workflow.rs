@@ -9,6 +9,7 @@
 //! and a waiter is released in the one apply that records its last dependency.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::time::Duration;
 
 use redis::ConnectionLike;
@@ -160,8 +161,10 @@ pub fn move_outbox(conn: &mut Conn, keys: &QueueKeys, beat: &dyn Fn()) -> Result
     if notes.is_empty() {
         return Ok(0);
     }
-    // The outcomes for each waiter, in the order read: one apply a waiter (a fan-in's notes come in runs).
+    // The outcomes for each waiter, in the order read: one apply a waiter (a fan-in's notes come in runs). Found
+    // by name through `at`, so that a note to many waiters (a fan-out) costs a look-up a waiter, not a scan.
     let mut waiters: Vec<(Task, Vec<(Outcome, &str)>)> = Vec::new();
+    let mut at: HashMap<(String, String), usize> = HashMap::new();
     for bytes in &notes {
         let parsed = serde_json::from_slice::<Note<'_>>(bytes).and_then(|note| {
             serde_json::from_str::<Outcome>(note.outcome.get()).map(|outcome| (note, outcome))
@@ -181,12 +184,12 @@ pub fn move_outbox(conn: &mut Conn, keys: &QueueKeys, beat: &dyn Fn()) -> Result
         for waiter in note.to {
             let raw = note.outcome.get();
             let outcome = outcome.clone();
-            match waiters
-                .iter_mut()
-                .find(|(known, _)| known.queue == waiter.queue && known.id == waiter.id)
-            {
-                Some((_, outcomes)) => outcomes.push((outcome, raw)),
-                None => waiters.push((waiter, vec![(outcome, raw)])),
+            match at.entry((waiter.queue.clone(), waiter.id.clone())) {
+                Entry::Occupied(known) => waiters[*known.get()].1.push((outcome, raw)),
+                Entry::Vacant(new) => {
+                    new.insert(waiters.len());
+                    waiters.push((waiter, vec![(outcome, raw)]));
+                }
             }
         }
     }
