@@ -32,14 +32,16 @@ for at = 1, #ARGV, 5 do
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local said = 'duplicate'
+-- Every outcome recorded first, then one step for the call (a fan-in's turn records hundreds: a step each read
+-- the task's hash and the ended hash's length each time). The same as a step after each record: under `fail` the
+-- first dead outcome recorded fails the task whichever record it was, and otherwise only the count after the
+-- last record can reach `need`.
+local recorded, dead = false, false
 for at = 1, #ARGV, 5 do
   if redis.call('HSETNX', k.ended, ARGV[at], ARGV[at + 1]) == 1 then
-    local dead = false
-    if ARGV[at + 2] == 'dead' then dead = {name = ARGV[at + 3], reason = ARGV[at + 4]} end
-    local step = step_waiter(k, now, dead)
-    -- What this call did to the task, once decided, is what it says.
-    if said ~= 'released' and said ~= 'failed' then said = step end
+    recorded = true
+    if not dead and ARGV[at + 2] == 'dead' then dead = {name = ARGV[at + 3], reason = ARGV[at + 4]} end
   end
 end
-return said
+if not recorded then return 'duplicate' end
+return step_waiter(k, now, dead)
