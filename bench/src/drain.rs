@@ -197,9 +197,8 @@ pub(crate) fn drain_filled(
         target,
         config,
         daemons,
-        (n, fill),
+        (n, fill, &mut |_| Ok(())),
         kill_every,
-        &mut |_| Ok(()),
     )
 }
 
@@ -213,9 +212,8 @@ pub(crate) fn drain_then(
     target: &Target<'_>,
     config: &Path,
     daemons: usize,
-    (n, fill): (usize, Fill<'_>),
+    (n, fill, then): (usize, Fill<'_>, Then<'_>),
     kill_every: Option<Duration>,
-    then: Then<'_>,
 ) -> Result<DrainRun, String> {
     let client = bench.client(config)?;
     target.flush()?;

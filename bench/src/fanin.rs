@@ -67,7 +67,7 @@ pub(super) fn fanin(bench: &Bench) -> Result<Vec<Figure>, String> {
             Ok(())
         };
         let run: DrainRun =
-            drain_then(bench, &bench.own(), &config, 1, (n, &fill), None, &mut then)?;
+            drain_then(bench, &bench.own(), &config, 1, (n, &fill, &mut then), None)?;
         fanin.push(run);
         waits.push(wait.expect("then ran"));
     }
