@@ -9,7 +9,7 @@
 -- ARGV    the notes applied, in the order read
 -- Removes the longest run of them that the outbox's head still is, in order: what popping each while it is the
 -- head would remove, with one read and one trim for the call rather than an LINDEX and an LPOP a note (a fan-in's
--- mover removes 256 notes a turn). Returns how many were removed.
+-- mover removes up to 1,024 notes a turn). Returns how many were removed.
 local refused = type_check('flow_outbox.lua')(KEYS[1], 'list')
 if refused then return refused end
 local head = redis.call('LRANGE', KEYS[1], 0, #ARGV - 1)
