@@ -20,8 +20,8 @@ use super::{Conn, QueueKeys, Result, SCRIPTS, reply_error};
 
 /// The most notes one turn of the mover reads from an outbox: a turn costs five round trips (the promote, the
 /// read, a waiter's `HGET` and apply, the removal) whatever its size, so a fan-in's notes are moved in turns of a
-/// thousand (256 left the waiter of a fan-in of 100,000 more than a second behind its last part: docs/PERFORMANCE.md,
-/// "A fan-in of 100,000").
+/// thousand (with 256, the waiter of a fan-in of 100,000 ran about a second after its last part, or more:
+/// docs/PERFORMANCE.md, "A fan-in of 100,000").
 pub const MOVE_BATCH: usize = 1024;
 
 /// The most waiting tasks one call of flow_push.lua writes: a fan-in of 100,000 is pushed in calls of this many,
