@@ -5,7 +5,7 @@
 //! the tasks it waits for. A node with only `queue` and `id` refers to a task defined elsewhere in the file, so
 //! that two tasks can wait for one (a graph, not only a tree); a cycle through such references is refused.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -136,19 +136,20 @@ pub fn plan(text: &str, queues: &HashMap<String, QueueShape>) -> Result<Plan, St
             }
         }
     }
-    // Who waits for whom.
+    // Who waits for whom. A task waiting for one twice is found among its own dependencies (a set a node), not
+    // among the dependency's waiters: a scan of those would be O(n²) for a task that n tasks wait for.
     let mut up: HashMap<(String, String), Vec<(String, String)>> = HashMap::new();
     for node in &nodes {
+        let mut seen: HashSet<&(String, String)> = HashSet::with_capacity(node.deps.len());
         for dep in &node.deps {
-            let waiters = up.entry(dep.clone()).or_default();
-            let waiter = (node.queue.clone(), node.id.clone());
-            if waiters.contains(&waiter) {
+            if !seen.insert(dep) {
                 return Err(format!(
                     "{}: task {}/{} waits for {}/{} twice",
                     node.path, node.queue, node.id, dep.0, dep.1
                 ));
             }
-            waiters.push(waiter);
+            let waiter = (node.queue.clone(), node.id.clone());
+            up.entry(dep.clone()).or_default().push(waiter);
         }
     }
     let mut plan = Plan::default();

@@ -89,18 +89,30 @@ impl<'a> Progress<'a> {
 
     /// Tasks pushed and not yet done or dead-lettered.
     pub(crate) fn left(&mut self) -> Result<u64, String> {
+        let (pushed, done, dead) = self.counters()?;
+        Ok(pushed.saturating_sub(done + dead))
+    }
+
+    /// Tasks done and dead-lettered (a flow's released tasks are done without being pushed).
+    pub(crate) fn ended(&mut self) -> Result<(u64, u64), String> {
+        let (_, done, dead) = self.counters()?;
+        Ok((done, dead))
+    }
+
+    /// The queue's counters: pushed, done, dead-lettered.
+    fn counters(&mut self) -> Result<(u64, u64, u64), String> {
         let mut tries = 0;
         loop {
             tries += 1;
             match self.read() {
-                Ok(left) => return Ok(left),
+                Ok(counters) => return Ok(counters),
                 Err(error) if tries == 3 => return Err(format!("redis: {error}")),
                 Err(_) => self.connection = None,
             }
         }
     }
 
-    pub(crate) fn read(&mut self) -> redis::RedisResult<u64> {
+    pub(crate) fn read(&mut self) -> redis::RedisResult<(u64, u64, u64)> {
         let connection = match &mut self.connection {
             Some(connection) => connection,
             None => self.connection.insert(self.server.connection()?),
@@ -111,8 +123,7 @@ impl<'a> Progress<'a> {
             .arg("done")
             .arg("dead_lettered")
             .query(connection)?;
-        let (pushed, done, dead) = (pushed.unwrap_or(0), done.unwrap_or(0), dead.unwrap_or(0));
-        Ok(pushed.saturating_sub(done + dead))
+        Ok((pushed.unwrap_or(0), done.unwrap_or(0), dead.unwrap_or(0)))
     }
 }
 
@@ -181,6 +192,29 @@ pub(crate) fn drain_filled(
     (n, fill): (usize, Fill<'_>),
     kill_every: Option<Duration>,
 ) -> Result<DrainRun, String> {
+    drain_then(
+        bench,
+        target,
+        config,
+        daemons,
+        (n, fill, &mut |_| Ok(())),
+        kill_every,
+    )
+}
+
+/// What a drain does once its `n` tasks are done, before its daemons stop: given the time the drain saw none
+/// left (the `fanin` scenario waits there for the task that waited for them all).
+pub(crate) type Then<'a> = &'a mut dyn FnMut(Instant) -> Result<(), String>;
+
+/// [`drain_filled`], then `then` while the daemons still run.
+pub(crate) fn drain_then(
+    bench: &Bench,
+    target: &Target<'_>,
+    config: &Path,
+    daemons: usize,
+    (n, fill, then): (usize, Fill<'_>, Then<'_>),
+    kill_every: Option<Duration>,
+) -> Result<DrainRun, String> {
     let client = bench.client(config)?;
     target.flush()?;
     fill(&client)?;
@@ -231,6 +265,7 @@ pub(crate) fn drain_filled(
         }
         std::thread::sleep(DRAIN_POLL);
     };
+    then(end.0)?;
     for daemon in processes {
         daemon.stop();
     }

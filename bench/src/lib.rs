@@ -10,11 +10,12 @@
 //! `workspace.rs` the bench's Redis, plugins and daemons; `drain.rs` the drain every throughput figure rests on;
 //! `report.rs` the figures and their table; `procfs.rs` what a process spent; one file per scenario family
 //! (`pushes.rs`, `wakeup.rs`, `memory.rs`, `deployments.rs`, `handlers.rs`, `limits.rs`, `groups.rs`, `latency.rs`,
-//! `results.rs`, `defaults.rs`, `languages.rs`, `redis_cost.rs`) and `peers.rs`, the side-by-side with the peers.
+//! `results.rs`, `fanin.rs`, `defaults.rs`, `languages.rs`, `redis_cost.rs`) and `peers.rs`, the side-by-side with the peers.
 
 mod defaults;
 mod deployments;
 mod drain;
+mod fanin;
 mod groups;
 mod handlers;
 mod languages;
@@ -103,6 +104,7 @@ pub const SCENARIOS: [&str; 18] = [
     "groups-limit",
     "groups-rate",
     "results",
+    "fanin",
 ];
 
 /// How often the `kill` scenario disconnects every client of Redis (`CLIENT KILL TYPE normal`).
@@ -266,6 +268,14 @@ pub fn run(options: Options, progress: &mut dyn Write) -> Result<Report, String>
             o.runs
         ));
         figures.extend(results::results(&bench)?);
+    }
+    if wants("fanin") {
+        say(format!(
+            "fanin: a flow of {} no-op tasks into one waiting task, pushed, then drained, against a plain drain, in \
+             turns; {} runs...",
+            o.tasks, o.runs
+        ));
+        figures.extend(fanin::fanin(&bench)?);
     }
     if wants("redis-cost") {
         say(format!(

@@ -9,6 +9,7 @@
 //! and a waiter is released in the one apply that records its last dependency.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::time::Duration;
 
 use redis::ConnectionLike;
@@ -17,8 +18,11 @@ use serde_json::value::RawValue;
 
 use super::{Conn, QueueKeys, Result, SCRIPTS, reply_error};
 
-/// The most notes one turn of the mover reads from an outbox.
-pub const MOVE_BATCH: usize = 256;
+/// The most notes one turn of the mover reads from an outbox: a turn costs five round trips (the promote, the
+/// read, a waiter's `HGET` and apply, the removal) whatever its size, so a fan-in's notes are moved in turns of a
+/// thousand (with 256, the waiter of a fan-in of 100,000 ran about a second after its last part, or more:
+/// docs/PERFORMANCE.md, "A fan-in of 100,000").
+pub const MOVE_BATCH: usize = 1024;
 
 /// The most waiting tasks one call of flow_push.lua writes: a fan-in of 100,000 is pushed in calls of this many,
 /// each all or nothing.
@@ -171,8 +175,10 @@ pub fn move_outbox(conn: &mut Conn, keys: &QueueKeys, beat: &dyn Fn()) -> Result
     if notes.is_empty() {
         return Ok(0);
     }
-    // The outcomes for each waiter, in the order read: one apply a waiter (a fan-in's notes come in runs).
+    // The outcomes for each waiter, in the order read: one apply a waiter (a fan-in's notes come in runs). Found
+    // by name through `at`, so that a note to many waiters (a fan-out) costs a look-up a waiter, not a scan.
     let mut waiters: Vec<(Task, Vec<Applied<'_>>)> = Vec::new();
+    let mut at: HashMap<(String, String), usize> = HashMap::new();
     for bytes in &notes {
         let parsed = serde_json::from_slice::<Note<'_>>(bytes).and_then(|note| {
             let outcome = match (note.outcome, &note.withdraw) {
@@ -209,12 +215,12 @@ pub fn move_outbox(conn: &mut Conn, keys: &QueueKeys, beat: &dyn Fn()) -> Result
                 raw: note.outcome.map_or("", RawValue::get),
                 run: note.run,
             };
-            match waiters
-                .iter_mut()
-                .find(|(known, _)| known.queue == waiter.queue && known.id == waiter.id)
-            {
-                Some((_, outcomes)) => outcomes.push(applied),
-                None => waiters.push((waiter, vec![applied])),
+            match at.entry((waiter.queue.clone(), waiter.id.clone())) {
+                Entry::Occupied(known) => waiters[*known.get()].1.push(applied),
+                Entry::Vacant(new) => {
+                    new.insert(waiters.len());
+                    waiters.push((waiter, vec![applied]));
+                }
             }
         }
     }

@@ -141,8 +141,10 @@ fn push_lua_refuses_an_unknown_option_and_a_debounce_without_a_delay_writing_not
         (
             "100",
             "debounce,unique_for=1000",
-            "unknown option unique_for=1000",
+            "debounce does not combine with unique",
         ),
+        ("100", "debounce,forever", "unknown option forever"),
+        ("0", "unique_for=0", "unknown option unique_for=0"),
     ] {
         let mut command = redis::cmd("EVAL");
         command.arg(&script).arg(keys.len()).arg(&keys[..]);

@@ -7,13 +7,13 @@
 --
 -- KEYS[1] the outbox   P:{Q}:deps-outbox
 -- ARGV    the notes applied, in the order read
--- Pops each while it is the head. Returns how many were popped.
+-- Removes the longest run of them that the outbox's head still is, in order: what popping each while it is the
+-- head would remove, with one read and one trim for the call rather than an LINDEX and an LPOP a note (a fan-in's
+-- mover removes up to 1,024 notes a turn). Returns how many were removed.
 local refused = type_check('flow_outbox.lua')(KEYS[1], 'list')
 if refused then return refused end
+local head = redis.call('LRANGE', KEYS[1], 0, #ARGV - 1)
 local popped = 0
-for n = 1, #ARGV do
-  if redis.call('LINDEX', KEYS[1], 0) ~= ARGV[n] then break end
-  redis.call('LPOP', KEYS[1])
-  popped = popped + 1
-end
+while popped < #ARGV and head[popped + 1] == ARGV[popped + 1] do popped = popped + 1 end
+if popped > 0 then redis.call('LTRIM', KEYS[1], popped, -1) end
 return popped
