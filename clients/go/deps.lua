@@ -4,13 +4,16 @@
 -- A waiting task is the hash `P:{Q}:deps:ID` (fields: queue, id, type, envelope, ready, if_failed, need, up,
 -- dead_max, keep_ms, state, reason, deps); the outcomes of its dependencies that ended are the hash
 -- `P:{Q}:deps-ended:ID` (`QUEUE\nID` -> the outcome object the dependency's daemon built); `P:{Q}:deps-waiting`
--- holds the ids of the queue's waiting tasks. Nothing here counts: the ended hash's length is compared with
--- `need`, and only a task in state `waiting` changes, so each waiting task is released or failed once.
+-- holds the ids of the queue's waiting tasks; `P:{Q}:deps-run:ID` the highest run of each dependency heard of
+-- (flow_apply.lua only: a run rises with each `dead requeue` of the dependency). Nothing here counts: the ended
+-- hash's length is compared with `need`, and only a task in state `waiting` changes, so each waiting task is
+-- released or failed once.
 
--- The keys a waiting task's step may write, by name, for the type checks and the step itself.
-local function waiter_keys(meta, ended, waiting, ready, wake, dead, stats, outbox)
+-- The keys a waiting task's step may write, by name, for the type checks and the step itself. `runs` (the
+-- run hash) is flow_apply.lua's only: nil for flow_push.lua, which records no outcome.
+local function waiter_keys(meta, ended, waiting, ready, wake, dead, stats, outbox, runs)
   return {meta = meta, ended = ended, waiting = waiting, ready = ready, wake = wake, dead = dead, stats = stats,
-    outbox = outbox}
+    outbox = outbox, runs = runs}
 end
 
 -- nil when every key is absent or of its type and the counters are integers, else the error reply (nothing was
@@ -18,7 +21,7 @@ end
 local function check_waiter_keys(script, k)
   local checked = type_check(script)
   for _, check in ipairs({{k.meta, 'hash'}, {k.ended, 'hash'}, {k.waiting, 'hash'}, {k.ready, 'list'},
-      {k.wake, 'list'}, {k.dead, 'list'}, {k.stats, 'hash'}, {k.outbox, 'list'}}) do
+      {k.wake, 'list'}, {k.dead, 'list'}, {k.stats, 'hash'}, {k.outbox, 'list'}, {k.runs or k.meta, 'hash'}}) do
     local refused = checked(check[1], check[2])
     if refused then return refused end
   end
@@ -45,6 +48,7 @@ local function finish_waiter(k, id, state, reason, keep_ms)
   redis.call('HDEL', k.waiting, id)
   redis.call('PEXPIRE', k.meta, keep_ms)
   redis.call('PEXPIRE', k.ended, keep_ms)
+  if k.runs then redis.call('PEXPIRE', k.runs, keep_ms) end
 end
 
 -- Releases or fails the waiting task of `k` if its recorded outcomes say so; `dead` names a dependency whose
