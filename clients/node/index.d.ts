@@ -13,6 +13,11 @@ export interface PushOptions {
   at?: Date | number;
   /** Refuse the push (DuplicateError) while a task with this id is delayed, ready or running. */
   unique?: boolean;
+  /**
+   * Unique, and the id stays held this many ms after its task ended (1 to 999,999,999,999): a push of it is refused
+   * (DuplicateError) until then, so that one task of the id runs per such window. Needs `id`; not with `debounce`.
+   */
+  uniqueFor?: number;
   /** The task's group, for a queue with `[queues.groups]`: 1 to 64 bytes of UTF-8. */
   group?: string;
   /** A W3C trace context; when absent, the current OpenTelemetry span's (if @opentelemetry/api is installed). */

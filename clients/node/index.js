@@ -27,6 +27,8 @@ const FLOW_FIELDS = ["queue", "type", "id", "data", "priority", "if_failed", "af
 const PUSH_CHUNK = 1000;
 /** Group names are 1 to 64 bytes of UTF-8 (docs/PROTOCOL.md, "The envelope"). */
 const MAX_GROUP_BYTES = 64;
+/** The longest `uniqueFor` push.lua takes, in ms: 12 digits (about 31 years). */
+const MAX_UNIQUE_FOR_MS = 999_999_999_999;
 /**
  * How long a queue's shape read from its meta hash is trusted (docs/PROTOCOL.md, "The queue's shape"): a push that
  * names a level the kept shape lacks reads it again at once, before refusing it; so does any push after this long.
@@ -339,7 +341,10 @@ class Client {
 
   /** The envelope's text, its id, level and due time, or InvalidArgumentError before anything is sent. */
   prepare(queue, shape, task, redisNowMs = null) {
-    const { type, data, id, priority, unique, group, delay, at, expiresAt, expiresIn, debounce } = task;
+    const { type, data, id, priority, group, delay, at, expiresAt, expiresIn, debounce, uniqueFor } = task;
+    const given = (value) => value !== undefined && value !== null;
+    // A hold after the task ended is a kind of uniqueness: the id must be free to be pushed at all.
+    const unique = Boolean(task.unique) || given(uniqueFor);
     if (typeof type !== "string" || type === "") {
       throw new InvalidArgumentError("a task needs a type: a non-empty string");
     }
@@ -364,12 +369,22 @@ class Client {
     }
     let delayMs = delay === undefined || delay === null ? 0 : delay;
     // push.lua's OPTIONS_n (docs/PROTOCOL.md, "Debounce, and unique for a time"): "1" for unique, as older copies of
-    // the script read it, or "debounce", whose delay is the task's.
+    // the script read it, "unique_for=MS" (unique, and the id held MS after its task ended), or "debounce", whose
+    // delay is the task's.
     let options = unique ? "1" : "0";
-    if (debounce !== undefined && debounce !== null) {
-      const given = (value) => value !== undefined && value !== null;
+    if (given(uniqueFor)) {
+      if (!Number.isInteger(uniqueFor) || uniqueFor < 1 || uniqueFor > MAX_UNIQUE_FOR_MS) {
+        throw new InvalidArgumentError(
+          `uniqueFor is a whole number of ms, 1 to ${MAX_UNIQUE_FOR_MS} (not ${uniqueFor})`
+        );
+      }
+      options = `unique_for=${uniqueFor}`;
+    }
+    if (given(debounce)) {
       if (!given(id) || unique || given(delay) || given(at)) {
-        throw new InvalidArgumentError("debounce: give an id, and neither unique, delay nor at (it is the delay)");
+        throw new InvalidArgumentError(
+          "debounce: give an id, and neither unique, uniqueFor, delay nor at (it is the delay)"
+        );
       }
       if (!Number.isInteger(debounce) || debounce <= 0) {
         throw new InvalidArgumentError(`debounce is a positive whole number of ms (not ${debounce})`);
@@ -414,7 +429,9 @@ class Client {
 
   /**
    * Enqueues one task; resolves to its id. Options: `id`, `priority`, `delay` (ms), `at` (a Date or ms since the
-   * epoch), `unique`, `group`, `traceparent`, `tracestate`. A unique push of a live id rejects with DuplicateError.
+   * epoch), `unique`, `uniqueFor` (ms: unique, and the id stays held that long after its task ended), `group`,
+   * `traceparent`, `tracestate`, `expiresAt`, `expiresIn`, `debounce`. A unique push of a live or held id rejects with
+   * DuplicateError.
    */
   async push(queue, type, data, options = {}) {
     const [pushed] = await this.pushBatch(queue, [{ ...options, type, data }]);

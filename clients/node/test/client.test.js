@@ -52,6 +52,19 @@ describe("push", () => {
     assert.equal(await server.admin.hget("kmq:{mail}:stats", "pushed"), "1");
   });
 
+  test("a uniqueFor push of an id held after its task ended rejects with DuplicateError, and holds its own id", async () => {
+    // The hold key stands for a task of w-1 that ended less than its window ago (docs/PROTOCOL.md, "Debounce, and
+    // unique for a time"); push.lua refuses every unique push of w-1 while it exists.
+    await server.admin.set("kmq:{mail}:unique:held:w-1", "1765000000000", "PX", 600000);
+    await assert.rejects(client.push("mail", "t", {}, { id: "w-1", uniqueFor: 3_600_000 }), kmq.DuplicateError);
+    await assert.rejects(client.push("mail", "t", {}, { id: "w-1", unique: true }), kmq.DuplicateError);
+    assert.deepEqual(await readyList("mail"), []);
+    await server.admin.del("kmq:{mail}:unique:held:w-1");
+    assert.equal(await client.push("mail", "t", {}, { id: "w-1", uniqueFor: 3_600_000 }), "w-1");
+    assert.equal((await readyList("mail"))[0].unique, true);
+    assert.match(await server.admin.hget("kmq:{mail}:unique", "w-1"), /^\d+:3600000$/);
+  });
+
   test("bad arguments are refused before anything is sent", async () => {
     const cases = [
       [() => client.push("mail", "", {}), kmq.InvalidArgumentError, /type/],
@@ -63,6 +76,11 @@ describe("push", () => {
       [() => client.push("mail", "t", {}, { expiresIn: 0 }), kmq.InvalidArgumentError, /expiresIn/],
       [() => client.push("mail", "t", {}, { debounce: 5000 }), kmq.InvalidArgumentError, /debounce: give an id/],
       [() => client.push("mail", "t", {}, { id: "d", debounce: 5000, delay: 1 }), kmq.InvalidArgumentError, /debounce/],
+      [() => client.push("mail", "t", {}, { uniqueFor: 5000 }), kmq.InvalidArgumentError, /unique task needs an id/],
+      [() => client.push("mail", "t", {}, { id: "u", uniqueFor: 0 }), kmq.InvalidArgumentError, /uniqueFor/],
+      [() => client.push("mail", "t", {}, { id: "u", uniqueFor: 1e12 }), kmq.InvalidArgumentError, /uniqueFor/],
+      [() => client.push("mail", "t", {}, { id: "u", uniqueFor: 1.5 }), kmq.InvalidArgumentError, /uniqueFor/],
+      [() => client.push("mail", "t", {}, { id: "d", debounce: 5, uniqueFor: 5 }), kmq.InvalidArgumentError, /debounce/],
       [() => client.push("mail", "t", {}, { expiresAt: 1, expiresIn: 5 }), kmq.InvalidArgumentError, /not both/],
       [() => client.pushBatch("mail", [{ type: "t" }, { data: 1 }]), kmq.InvalidArgumentError, /type/],
     ];

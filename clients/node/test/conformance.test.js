@@ -26,6 +26,7 @@ const OPTION_NAMES = {
   expires_at_ms: "expiresAt",
   expires_in_ms: "expiresIn",
   debounce_ms: "debounce",
+  unique_for_ms: "uniqueFor",
 };
 
 /** Error kinds of the files, as this client's classes. */
