@@ -234,6 +234,9 @@ func pushOptions(t *testing.T, value interface{}) []PushOption {
 		case "debounce_ms":
 			n, _ := option.(json.Number).Int64()
 			out = append(out, Debounce(time.Duration(n)*time.Millisecond))
+		case "unique_for_ms":
+			n, _ := option.(json.Number).Int64()
+			out = append(out, UniqueFor(time.Duration(n)*time.Millisecond))
 		case "expires_in_ms":
 			n, _ := option.(json.Number).Int64()
 			out = append(out, ExpiresIn(time.Duration(n)*time.Millisecond))

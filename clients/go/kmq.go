@@ -62,6 +62,9 @@ const BatchSize = 1000
 // with a priority the cache does not know reads them again at once before refusing it.
 const levelsFor = 10 * time.Second
 
+// MaxUniqueFor is the longest hold UniqueFor takes: push.lua reads at most 12 digits of ms (about 31 years).
+const MaxUniqueFor = 999_999_999_999 * time.Millisecond
+
 // Client pushes tasks to the queues of one Redis (or one Redis Cluster node's slot: see docs/CLIENTS.md). It is
 // safe for concurrent use: each call takes a connection from its pool.
 type Client struct {
@@ -164,6 +167,7 @@ type pushSettings struct {
 	expiresAt   time.Time
 	expiresIn   time.Duration
 	debounce    time.Duration
+	uniqueFor   *time.Duration // nil: none; a pointer so that UniqueFor(0) is refused rather than ignored
 }
 
 // WithID sets the task's id (otherwise a random UUID).
@@ -199,6 +203,13 @@ func ExpiresAt(t time.Time) PushOption { return func(p *pushSettings) { p.expire
 // ExpiresIn is ExpiresAt of Redis's clock now plus d: the push reads Redis's TIME first (once a batch).
 func ExpiresIn(d time.Duration) PushOption { return func(p *pushSettings) { p.expiresIn = d } }
 
+// UniqueFor is Unique, and the id stays held d after its task ended (1 ms to MaxUniqueFor, whole ms): a push of it
+// is refused with ErrDuplicate until then, so that one task of the id runs per such window (docs/PROTOCOL.md,
+// "Debounce, and unique for a time"). It needs WithID, and does not combine with Debounce.
+func UniqueFor(d time.Duration) PushOption {
+	return func(p *pushSettings) { p.unique, p.uniqueFor = true, &d }
+}
+
 // Debounce starts the task d after the push and replaces the task of its id that still waits for its start (its
 // data and start time), so that only the last push of a burst runs (docs/PROTOCOL.md, "Debounce, and unique for a
 // time"). It needs WithID, and does not combine with Unique, WithDelay or At (d is the delay).
@@ -231,7 +242,7 @@ type prepared struct {
 	delayMs int64
 	atMs    int64
 	id      string
-	options string // push.lua's OPTIONS_n: "0", "1" (unique) or "debounce"
+	options string // push.lua's OPTIONS_n: "0", "1" (unique), "unique_for=MS" or "debounce"
 	payload []byte
 }
 
@@ -401,9 +412,15 @@ func prepare(task Task, levels queueLevels, now int64) (prepared, error) {
 	if s.unique {
 		p.options = "1" // as older copies of push.lua read it
 	}
+	if s.uniqueFor != nil {
+		if *s.uniqueFor < time.Millisecond || *s.uniqueFor > MaxUniqueFor {
+			return prepared{}, invalid("UniqueFor %v: give 1 ms to %v", *s.uniqueFor, MaxUniqueFor)
+		}
+		p.options = fmt.Sprintf("unique_for=%d", s.uniqueFor.Milliseconds())
+	}
 	if s.debounce != 0 {
 		if s.id == "" || s.unique || s.delay != 0 || !s.at.IsZero() {
-			return prepared{}, invalid("Debounce: give WithID, and neither Unique, WithDelay nor At (it is the delay)")
+			return prepared{}, invalid("Debounce: give WithID, and neither Unique, UniqueFor, WithDelay nor At (it is the delay)")
 		}
 		if s.debounce < time.Millisecond {
 			return prepared{}, invalid("Debounce %v: give a positive time of 1 ms or more", s.debounce)

@@ -83,20 +83,53 @@ func TestAUniquePushOfALiveIDIsErrDuplicate(t *testing.T) {
 	}
 }
 
+func TestAUniqueForPushOfAnIDHeldAfterItsTaskEndedIsErrDuplicate(t *testing.T) {
+	server := startRedis(t)
+	client := newClient(t, server.url())
+	conn := server.conn(t)
+	ctx := context.Background()
+	// The hold key stands for a task of w-1 that ended less than its window ago (docs/PROTOCOL.md, "Debounce, and
+	// unique for a time"): push.lua refuses every unique push of w-1 while it exists.
+	if _, err := conn.Do("SET", "kmq:{mail}:unique:held:w-1", "1765000000000", "PX", 600000); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := client.Push(ctx, "mail", "t", nil, WithID("w-1"), UniqueFor(time.Hour)); !errors.Is(err, ErrDuplicate) {
+		t.Fatalf("push of a held id: %v; want ErrDuplicate", err)
+	}
+	if _, err := conn.Do("DEL", "kmq:{mail}:unique:held:w-1"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := client.Push(ctx, "mail", "t", nil, WithID("w-1"), UniqueFor(time.Hour)); err != nil {
+		t.Fatalf("push once the hold expired: %v", err)
+	}
+	field, err := redis.String(conn.Do("HGET", "kmq:{mail}:unique", "w-1"))
+	if err != nil || !strings.HasSuffix(field, ":3600000") {
+		t.Fatalf("the unique hash's field %q (%v), want NOW:3600000", field, err)
+	}
+	stored, _ := redis.String(conn.Do("LINDEX", "kmq:{mail}:ready:normal", 0))
+	if !strings.Contains(stored, `"unique":true`) {
+		t.Fatalf("envelope %s, want unique", stored)
+	}
+}
+
 func TestBadArgumentsAreRefusedWithNothingWritten(t *testing.T) {
 	server := startRedis(t)
 	client := newClient(t, server.url())
 	ctx := context.Background()
 	cases := map[string][]PushOption{
-		"empty group":         {WithGroup("")},
-		"group over 64 bytes": {WithGroup(strings.Repeat("g", 65))},
-		"unique without id":   {Unique()},
-		"bad traceparent":     {WithTraceparent("nope", "")},
-		"negative delay":      {WithDelay(-time.Second)},
-		"expiry both ways":    {ExpiresAt(time.Now().Add(time.Minute)), ExpiresIn(time.Minute)},
-		"negative expiry":     {ExpiresIn(-time.Second)},
-		"debounce without id": {Debounce(time.Second)},
-		"debounce and delay":  {WithID("d"), Debounce(time.Second), WithDelay(time.Second)},
+		"empty group":             {WithGroup("")},
+		"group over 64 bytes":     {WithGroup(strings.Repeat("g", 65))},
+		"unique without id":       {Unique()},
+		"bad traceparent":         {WithTraceparent("nope", "")},
+		"negative delay":          {WithDelay(-time.Second)},
+		"expiry both ways":        {ExpiresAt(time.Now().Add(time.Minute)), ExpiresIn(time.Minute)},
+		"negative expiry":         {ExpiresIn(-time.Second)},
+		"debounce without id":     {Debounce(time.Second)},
+		"debounce and delay":      {WithID("d"), Debounce(time.Second), WithDelay(time.Second)},
+		"unique for without id":   {UniqueFor(time.Second)},
+		"unique for 0":            {WithID("u"), UniqueFor(0)},
+		"unique for too long":     {WithID("u"), UniqueFor(MaxUniqueFor + time.Millisecond)},
+		"debounce and unique for": {WithID("d"), Debounce(time.Second), UniqueFor(time.Second)},
 	}
 	for name, options := range cases {
 		if _, err := client.Push(ctx, "mail", "mail.send", nil, options...); !errors.Is(err, ErrInvalidArgument) {
