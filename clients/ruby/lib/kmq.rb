@@ -89,7 +89,10 @@ module Kmq
   # How long a queue's levels, read from P:{Q}:meta, are trusted before they are read again.
   LEVELS_FOR = 10.0
   TRACEPARENT = /\A[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}\z/.freeze
-  PUSH_OPTIONS = %i[id priority delay at unique group traceparent tracestate expires_at expires_in debounce].freeze
+  PUSH_OPTIONS = %i[id priority delay at unique group traceparent tracestate expires_at expires_in debounce
+                    unique_for].freeze
+  # The longest unique_for: push.lua takes, in ms: 12 digits (about 31 years).
+  MAX_UNIQUE_FOR_MS = 999_999_999_999
 
   # Pushes to the queues of one Redis. Safe to share between threads (calls take turns on one connection).
   class Client
@@ -112,7 +115,8 @@ module Kmq
     end
 
     # Pushes one task; returns its id. Options: id:, priority:, delay: (seconds), at: (a Time), unique:, group:,
-    # traceparent:, tracestate:. Raises DuplicateError when a unique id is live.
+    # traceparent:, tracestate:, expires_at:, expires_in:, debounce: (seconds), unique_for: (seconds: unique, and
+    # the id stays held that long after its task ended). Raises DuplicateError when a unique id is live or held.
     def push(queue, type, data = nil, **options)
       push_batch(queue, [[type, data, options]]).first
     rescue DuplicateError => e
@@ -446,7 +450,9 @@ module Kmq
         raise InvalidArgument, "group #{group.inspect}: must be 1 to 64 bytes of UTF-8"
       end
       id = options[:id]
-      raise InvalidArgument, "a unique task needs an id (uniqueness is per id)" if options[:unique] && id.nil?
+      # A hold after the task ended is a kind of uniqueness: the id must be free to be pushed at all.
+      unique = options[:unique] || !options[:unique_for].nil?
+      raise InvalidArgument, "a unique task needs an id (uniqueness is per id)" if unique && id.nil?
 
       delay = options[:delay] || 0
       raise InvalidArgument, "delay #{delay.inspect}: seconds, not negative" unless delay.is_a?(Numeric) && delay >= 0
@@ -455,11 +461,19 @@ module Kmq
       raise InvalidArgument, "at #{at.inspect}: a Time" unless at.nil? || at.is_a?(Time)
 
       # push.lua's OPTIONS_n (docs/PROTOCOL.md, "Debounce, and unique for a time"): "1" for unique, as older copies
-      # of the script read it, or "debounce", whose delay is the task's.
-      flags = options[:unique] ? "1" : "0"
+      # of the script read it, "unique_for=MS" (unique, and the id held MS after its task ended), or "debounce",
+      # whose delay is the task's.
+      flags = unique ? "1" : "0"
+      unless (unique_for = options[:unique_for]).nil?
+        hold = unique_for.is_a?(Numeric) ? (unique_for * 1000).round : 0
+        raise InvalidArgument, "unique_for #{unique_for.inspect}: seconds, 0.001 to #{MAX_UNIQUE_FOR_MS / 1000}" unless
+          hold.between?(1, MAX_UNIQUE_FOR_MS)
+
+        flags = "unique_for=#{hold}"
+      end
       if (debounce = options[:debounce])
-        if id.nil? || options[:unique] || options[:delay] || at
-          raise InvalidArgument, "debounce: give an id, and neither unique, delay nor at (it is the delay)"
+        if id.nil? || unique || options[:delay] || at
+          raise InvalidArgument, "debounce: give an id, and neither unique, unique_for, delay nor at (it is the delay)"
         end
         raise InvalidArgument, "debounce #{debounce.inspect}: seconds, positive" unless
           debounce.is_a?(Numeric) && (debounce * 1000).round.positive?
@@ -480,7 +494,7 @@ module Kmq
       id ||= SecureRandom.uuid
       envelope = { "id" => id, "type" => type, "data" => data, "attempt" => 0 }
       envelope["priority"] = priority if priority
-      envelope["unique"] = true if options[:unique]
+      envelope["unique"] = true if unique
       envelope["group"] = group if group
       expires_at = expiry(options[:expires_at], options[:expires_in], now)
       envelope["expires_at"] = expires_at if expires_at

@@ -46,6 +46,19 @@ class ClientTest < Minitest::Test
     assert_equal 2, redis.llen("kmq:{mail}:ready:normal")
   end
 
+  def test_a_unique_for_push_of_an_id_held_after_its_task_ended_raises_duplicate_error
+    # The hold key stands for a task of w-1 that ended less than its window ago (docs/PROTOCOL.md, "Debounce, and
+    # unique for a time"): push.lua refuses every unique push of w-1 while it exists.
+    redis.set("kmq:{mail}:unique:held:w-1", "1765000000000", px: 600_000)
+    assert_raises(Kmq::DuplicateError) { @client.push("mail", "t", nil, id: "w-1", unique_for: 3600) }
+    assert_raises(Kmq::DuplicateError) { @client.push("mail", "t", nil, id: "w-1", unique: true) }
+    assert_equal 0, redis.llen("kmq:{mail}:ready:normal")
+    redis.del("kmq:{mail}:unique:held:w-1")
+    assert_equal "w-1", @client.push("mail", "t", nil, id: "w-1", unique_for: 3600)
+    assert_equal true, JSON.parse(redis.lindex("kmq:{mail}:ready:normal", 0))["unique"]
+    assert_match(/\A\d+:3600000\z/, redis.hget("kmq:{mail}:unique", "w-1"))
+  end
+
   def test_bad_arguments_are_refused_with_nothing_written
     {
       "empty group" => { group: "" },
@@ -53,7 +66,11 @@ class ClientTest < Minitest::Test
       "unique without id" => { unique: true },
       "bad traceparent" => { traceparent: "nope" },
       "negative delay" => { delay: -1 },
-      "unknown option" => { unique_for: 5 },
+      "unknown option" => { unique_till: 5 },
+      "unique_for without id" => { unique_for: 5 },
+      "unique_for 0" => { id: "u", unique_for: 0 },
+      "unique_for too long" => { id: "u", unique_for: 1e9 },
+      "debounce and unique_for" => { id: "d", debounce: 5, unique_for: 5 },
       "debounce without id" => { debounce: 5 },
       "debounce and delay" => { id: "d", debounce: 5, delay: 1 },
       "expiry both ways" => { expires_at: Time.now + 60, expires_in: 60 },

@@ -90,6 +90,7 @@ class ConformanceTest < Minitest::Test
       when "expires_in_ms" then [:expires_in, value / 1000.0]
       when "expires_at_ms" then [:expires_at, value]
       when "debounce_ms" then [:debounce, value / 1000.0]
+      when "unique_for_ms" then [:unique_for, value / 1000.0]
       else [name.to_sym, value]
       end
     end
