@@ -486,7 +486,8 @@ pub const COMMANDS: &[Command] = &[
         name: "exists",
         roles: &[D, P, R, O],
         why: "registering, renewing and releasing an owner check its registration and tasks; claims, pops, stats \
-              and `workers` check whether the queue is paused; `flow push` leaves a waiting task that exists as it is",
+              and `workers` check whether the queue is paused; `flow push` leaves a waiting task that exists as it is; \
+              a unique push checks whether its id is still held after a `unique_for` task ended",
     },
     Command {
         name: "type",
