@@ -850,19 +850,34 @@ fn a_default_mode_unique_id_is_held_while_its_task_runs_and_freed_when_it_ends()
     daemon.stop();
 }
 
-#[test]
-fn a_unique_id_lost_with_a_default_mode_daemon_is_freed_after_its_lease() {
-    let redis = RedisServer::start();
-    let dir = TestDir::new();
-    let config = dir.config(&redis, &default_queue("lease_timeout = \"1s\""));
-    let release = dir.path("never");
-    let held = format!(r#"{{"wait_for_file":"{}"}}"#, release.display());
-    assert!(push_unique(&config, "lost", &held));
+/// The config of a default queue (a lease of 1 s) whose unique task "lost" (`unique_for` `hold`, if given) was
+/// started by a daemon then killed with `kill -9`, so that its popping owner holds its id until the lease runs out.
+fn a_unique_task_lost_with_a_killed_default_daemon(
+    redis: &RedisServer,
+    dir: &TestDir,
+    hold: Option<Duration>,
+) -> std::path::PathBuf {
+    let config = dir.config(redis, &default_queue("lease_timeout = \"1s\""));
+    let held = format!(r#"{{"wait_for_file":"{}"}}"#, dir.path("never").display());
+    let task = NewTask::new("test", &held).unwrap().id("lost");
+    let task = match hold {
+        Some(hold) => task.unique_for(hold),
+        None => task.unique(),
+    };
+    assert!(client(&config).push("jobs", task).unwrap().is_accepted());
     let mut first = Process::start(&config, dir.path("kmqd.log"));
     eventually(Duration::from_secs(10), "the run to start", || {
         (dir.records().runs_of("lost") == 1, ())
     });
     first.kill9();
+    config
+}
+
+#[test]
+fn a_unique_id_lost_with_a_default_mode_daemon_is_freed_after_its_lease() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = a_unique_task_lost_with_a_killed_default_daemon(&redis, &dir, None);
     assert!(
         !push_unique(&config, "lost", "{}"),
         "held until the lease says otherwise"
@@ -873,6 +888,33 @@ fn a_unique_id_lost_with_a_default_mode_daemon_is_freed_after_its_lease() {
         let accepted = push_unique(&config, "lost", "{}");
         (accepted, ())
     });
+    second.stop();
+}
+
+/// Unique for a time (docs/PROTOCOL.md, "Debounce, and unique for a time"): a default-mode task lost with its popping
+/// daemon ends when a monitor frees its id (release_unique.lua), and its id is held for its window from then, as
+/// after a settle: the hold key is left behind in that step, and a unique push of the id is refused.
+#[test]
+fn a_unique_for_id_lost_with_a_default_mode_daemon_is_held_for_its_window_once_freed() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let window = Duration::from_secs(600);
+    let config = a_unique_task_lost_with_a_killed_default_daemon(&redis, &dir, Some(window));
+    // Another daemon's monitor finds the dead owner and frees the id of the task it lost, into its hold.
+    let second = TestDaemon::start(&config);
+    eventually(Duration::from_secs(10), "the id to be freed", || {
+        let field: Option<String> = redis.cmd(&["HGET", "kmq:{jobs}:unique", "lost"]);
+        (field.is_none(), field)
+    });
+    let ttl: i64 = redis.cmd(&["PTTL", "kmq:{jobs}:unique:held:lost"]);
+    assert!(
+        ttl > 0 && ttl <= window.as_millis() as i64,
+        "the hold's time to live: {ttl}"
+    );
+    assert!(
+        !push_unique(&config, "lost", "{}"),
+        "held for its window once freed"
+    );
     second.stop();
 }
 
