@@ -670,15 +670,30 @@ fn a_grouped_task_handed_back_at_shutdown_keeps_its_place_in_its_group() {
             (s, start_order(&dir)),
         )
     });
-    // g1 goes back at once, g0 once the grace ran out: both to the head of the group's flow, in their order.
+    // g1 goes back at once, g0 once the grace ran out: both to the head of the group's flow, ahead of g2 and g3.
+    // Their own order is the claims' when the lane held g1 by the stop; a g1 whose claim's reply the fetcher had
+    // not read yet (Redis counts it as processing before the lane holds it) is handed back when that reply is
+    // read, which on a loaded host can come after the grace, putting it ahead of g0 (CI saw it once:
+    // docs/RELIABILITY.md, "Groups").
     first.stop();
     let flow = redis.ids_in("kmq:{jobs}:flow:normal:acme:");
-    assert_eq!(flow, ["g0", "g1", "g2", "g3"], "the group's flow");
+    let mut head = flow[..2.min(flow.len())].to_vec();
+    head.sort();
+    assert_eq!(
+        (head.as_slice(), &flow[2.min(flow.len())..]),
+        (
+            &["g0".to_string(), "g1".to_string()][..],
+            &["g2".to_string(), "g3".to_string()][..]
+        ),
+        "the group's flow: {flow:?}"
+    );
     let ready: u64 = redis.cmd(&["LLEN", "kmq:{jobs}:ready:normal"]);
     assert_eq!(ready, 0, "nothing handed back to the ready list");
     std::fs::write(&gate, "").unwrap();
     let second = TestDaemon::start(&config);
     assert_drained(&config, &redis, 4);
-    assert_eq!(start_order(&dir), ["g0", "g0", "g1", "g2", "g3"]);
+    let mut expected = vec!["g0".to_string()];
+    expected.extend(flow);
+    assert_eq!(start_order(&dir), expected);
     second.stop();
 }
