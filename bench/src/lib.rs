@@ -85,7 +85,7 @@ pub struct Options {
     pub daemon: Option<PathBuf>,
 }
 
-pub const SCENARIOS: [&str; 18] = [
+pub const SCENARIOS: [&str; 19] = [
     "push",
     "drain",
     "defaults",
