@@ -80,6 +80,8 @@ pub(super) struct Facts {
     /// (id, attempt, process) -> runs that answered throttle there: each explains one more run at that attempt
     /// after a run of that process.
     pub(super) throttles: HashMap<(String, u32, usize), usize>,
+    /// id -> the `after` line of each of its runs (a flow's waiting task): its dependencies' outcomes, JSON.
+    pub(super) after: HashMap<String, Vec<String>>,
 }
 
 /// Reads the new complete lines of one record file.
@@ -109,6 +111,15 @@ impl Tail {
         };
         let complete: String = self.partial.drain(..=end).collect();
         for line in complete.lines() {
+            // `after <id> <JSON>`: the outcomes a flow's waiting task was handed (its JSON may hold spaces).
+            if let Some((id, after)) = line.strip_prefix("after ").and_then(|l| l.split_once(' ')) {
+                facts
+                    .after
+                    .entry(id.to_string())
+                    .or_default()
+                    .push(after.to_string());
+                continue;
+            }
             let mut parts = line.splitn(4, ' ');
             let (Some(kind), Some(id), Some(attempt)) = (parts.next(), parts.next(), parts.next())
             else {
