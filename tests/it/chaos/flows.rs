@@ -19,7 +19,7 @@
 //!   (`QUEUE/ID`).
 //!
 //! Redis emptied or rewound loses what it held (docs/RELIABILITY.md, "The chaos suite"): a flow alive when either
-//! happened (pushed before it, its root not started by then) is exempt and counted as such; a Redis restarted on
+//! happened (pushed before it, its root neither started nor dead-lettered by then) is exempt and counted as such; a Redis restarted on
 //! its append-only file (`appendfsync always`) loses nothing, so no other fault exempts a flow.
 
 use std::collections::HashMap;
@@ -251,8 +251,8 @@ pub(super) struct FlowCheck {
 }
 
 impl World<'_> {
-    /// The flows' dead records: id -> reason.
-    fn flow_dead(&self, redis: &crate::support::RedisServer) -> HashMap<String, String> {
+    /// The flows' dead records: id -> (reason, `dead_at` in µs on Redis's clock).
+    fn flow_dead(&self, redis: &crate::support::RedisServer) -> HashMap<String, (String, u64)> {
         let mut dead = HashMap::new();
         for queue in [FLOW_A, FLOW_B] {
             let records: Vec<String> =
@@ -260,7 +260,9 @@ impl World<'_> {
             for record in records {
                 if let Ok(value) = serde_json::from_str::<serde_json::Value>(&record) {
                     let id = value["id"].as_str().unwrap_or("").to_string();
-                    dead.insert(id, value["reason"].as_str().unwrap_or("").to_string());
+                    let reason = value["reason"].as_str().unwrap_or("").to_string();
+                    let at_us = value["dead_at"].as_u64().unwrap_or(u64::MAX / 2000) * 1000;
+                    dead.insert(id, (reason, at_us));
                 }
             }
         }
@@ -277,7 +279,7 @@ impl World<'_> {
         let book = lock(&self.flows);
         book.flows
             .iter()
-            .filter(|flow| flow.acked && !exempt(flow, facts, &losses))
+            .filter(|flow| flow.acked && !exempt(flow, facts, &dead, &losses))
             .flat_map(|flow| {
                 flow.waiters.iter().filter(|w| {
                     if expected_dead(&w.node, &flow.waiters) {
@@ -340,7 +342,7 @@ impl World<'_> {
                 check.unacked += 1;
                 continue;
             }
-            if exempt(flow, facts, &losses) {
+            if exempt(flow, facts, &dead, &losses) {
                 check.exempt += 1;
                 continue;
             }
@@ -365,7 +367,7 @@ impl World<'_> {
                         .filter(|dep| expected_dead(dep, &flow.waiters))
                         .any(|dep| {
                             dead.get(id)
-                                .is_some_and(|reason| reason.contains(&dep.name()))
+                                .is_some_and(|(reason, _)| reason.contains(&dep.name()))
                         });
                     if !named {
                         violations.push(format!(
@@ -471,14 +473,24 @@ impl World<'_> {
     }
 }
 
+/// How far Redis's wall clock may be from the test's: its steps (3 to 6 s forward, 1 to 3 s back), with room.
+const CLOCK_SLACK_US: u64 = 10_000_000;
+
 /// Whether a loss of Redis's data (emptied, rewound) came while the flow was alive: after its push began and
-/// before its root first started (or at any time after, if it never did).
-fn exempt(flow: &Flow, facts: &Facts, losses: &[u64]) -> bool {
+/// before its root last started, or was dead-lettered (its dead record's time is on Redis's clock, which the
+/// faults step: [`CLOCK_SLACK_US`] later), or at any time after its push if neither happened.
+fn exempt(
+    flow: &Flow,
+    facts: &Facts,
+    dead: &HashMap<String, (String, u64)>,
+    losses: &[u64],
+) -> bool {
     let root = &flow.waiters.last().expect("a flow has a waiting task").node;
     let end = facts
         .runs
         .get(&root.id)
         .and_then(|runs| runs.iter().map(|run| run.start_us).max())
+        .or_else(|| dead.get(&root.id).map(|(_, at_us)| at_us + CLOCK_SLACK_US))
         .unwrap_or(u64::MAX);
     losses
         .iter()
