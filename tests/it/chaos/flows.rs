@@ -408,6 +408,7 @@ impl World<'_> {
                     }
                 }
                 if let Some(first) = runs.first() {
+                    let mut early = Vec::new();
                     for dep in &w.after {
                         // Its first: a part pushed twice (a push sent again after a lost reply) may run
                         // again after the waiting task was released by the other copy's note.
@@ -416,13 +417,19 @@ impl World<'_> {
                             .get(&dep.id)
                             .and_then(|r| r.iter().map(|run| run.start_us).min());
                         if earliest.is_none_or(|earliest| earliest > first.start_us) {
-                            violations.push(format!(
-                                "{} started at {} before its dependency {} first started ({earliest:?})",
-                                w.node.name(),
-                                first.start_us,
-                                dep.name()
-                            ));
+                            early.push(format!("{} ({earliest:?})", dep.name()));
                         }
+                    }
+                    // One line per waiting task: a fan-in released early would otherwise fill the report.
+                    if !early.is_empty() {
+                        violations.push(format!(
+                            "{} started at {} before {} of its {} dependencies first started, e.g. {}",
+                            w.node.name(),
+                            first.start_us,
+                            early.len(),
+                            w.after.len(),
+                            early[..early.len().min(3)].join(", ")
+                        ));
                     }
                 }
                 for after in facts.after.get(id).into_iter().flatten() {
@@ -439,20 +446,29 @@ impl World<'_> {
                                 )
                             })
                             .collect();
-                    for dep in &w.after {
-                        let want = if expected_dead(dep, &flow.waiters) {
-                            "dead"
-                        } else {
-                            "done"
-                        };
-                        if outcomes.get(&dep.id).map(String::as_str) != Some(want) {
-                            violations.push(format!(
-                                "{} ran with its dependency {} {:?} ({want} expected): released before it ended?",
-                                w.node.name(),
-                                dep.name(),
-                                outcomes.get(&dep.id)
-                            ));
-                        }
+                    let wrong: Vec<String> = w
+                        .after
+                        .iter()
+                        .filter_map(|dep| {
+                            let want = if expected_dead(dep, &flow.waiters) {
+                                "dead"
+                            } else {
+                                "done"
+                            };
+                            let got = outcomes.get(&dep.id).map(String::as_str);
+                            (got != Some(want))
+                                .then(|| format!("{} {got:?} ({want} expected)", dep.name()))
+                        })
+                        .collect();
+                    if !wrong.is_empty() {
+                        violations.push(format!(
+                            "{} ran handed {} of its {} dependencies without the outcome they ended with \
+                             (released before they ended?), e.g. {}",
+                            w.node.name(),
+                            wrong.len(),
+                            w.after.len(),
+                            wrong[..wrong.len().min(3)].join(", ")
+                        ));
                     }
                 }
             }
