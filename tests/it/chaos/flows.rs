@@ -251,18 +251,17 @@ pub(super) struct FlowCheck {
 }
 
 impl World<'_> {
-    /// The flows' dead records: id -> (reason, `dead_at` in µs on Redis's clock).
-    fn flow_dead(&self, redis: &crate::support::RedisServer) -> HashMap<String, (String, u64)> {
-        let mut dead = HashMap::new();
+    /// The flows' dead records: id -> reason, those in the dead lists now and those read before Redis lost its
+    /// data ([`World::read_dead_list`] before each loss).
+    fn flow_dead(&self, redis: &crate::support::RedisServer) -> HashMap<String, String> {
+        let mut dead = lock(&self.dead_seen).clone();
         for queue in [FLOW_A, FLOW_B] {
             let records: Vec<String> =
                 redis.cmd(&["LRANGE", &format!("kmq:{{{queue}}}:dead"), "0", "-1"]);
             for record in records {
                 if let Ok(value) = serde_json::from_str::<serde_json::Value>(&record) {
                     let id = value["id"].as_str().unwrap_or("").to_string();
-                    let reason = value["reason"].as_str().unwrap_or("").to_string();
-                    let at_us = value["dead_at"].as_u64().unwrap_or(u64::MAX / 2000) * 1000;
-                    dead.insert(id, (reason, at_us));
+                    dead.insert(id, value["reason"].as_str().unwrap_or("").to_string());
                 }
             }
         }
@@ -367,7 +366,7 @@ impl World<'_> {
                         .filter(|dep| expected_dead(dep, &flow.waiters))
                         .any(|dep| {
                             dead.get(id)
-                                .is_some_and(|(reason, _)| reason.contains(&dep.name()))
+                                .is_some_and(|reason| reason.contains(&dep.name()))
                         });
                     if !named {
                         violations.push(format!(
@@ -489,24 +488,33 @@ impl World<'_> {
     }
 }
 
-/// How far Redis's wall clock may be from the test's: its steps (3 to 6 s forward, 1 to 3 s back), with room.
-const CLOCK_SLACK_US: u64 = 10_000_000;
+/// How long after a dead part's start its waiter surely learnt of it: the run, its settle and the note's apply
+/// by a delay poller, with room for a loaded machine.
+const NOTE_SLACK_US: u64 = 5_000_000;
 
 /// Whether a loss of Redis's data (emptied, rewound) came while the flow was alive: after its push began and
-/// before its root last started, or was dead-lettered (its dead record's time is on Redis's clock, which the
-/// faults step: [`CLOCK_SLACK_US`] later), or at any time after its push if neither happened.
-fn exempt(
-    flow: &Flow,
-    facts: &Facts,
-    dead: &HashMap<String, (String, u64)>,
-    losses: &[u64],
-) -> bool {
+/// before its root last started, or was dead-lettered ([`NOTE_SLACK_US`] after its dead part's last start), or at
+/// any time after its push if neither happened.
+fn exempt(flow: &Flow, facts: &Facts, dead: &HashMap<String, String>, losses: &[u64]) -> bool {
     let root = &flow.waiters.last().expect("a flow has a waiting task").node;
     let end = facts
         .runs
         .get(&root.id)
         .and_then(|runs| runs.iter().map(|run| run.start_us).max())
-        .or_else(|| dead.get(&root.id).map(|(_, at_us)| at_us + CLOCK_SLACK_US))
+        .or_else(|| {
+            // A root failed unrun: when its dead part last started (the test's clock), and the time its note
+            // takes to be applied; its own dead record's `dead_at` is on Redis's clock, which the faults step.
+            dead.contains_key(&root.id).then_some(())?;
+            let waiter = flow.waiters.last()?;
+            waiter
+                .after
+                .iter()
+                .filter(|dep| expected_dead(dep, &flow.waiters))
+                .filter_map(|dep| facts.runs.get(&dep.id))
+                .flatten()
+                .map(|run| run.start_us + NOTE_SLACK_US)
+                .max()
+        })
         .unwrap_or(u64::MAX);
     losses
         .iter()

@@ -214,12 +214,14 @@ impl World<'_> {
             .collect()
     }
 
-    /// Records the dead lists' ids and reasons.
+    /// Records the dead lists' ids and reasons (the flows' queues' too).
     pub(super) fn read_dead_list(&self, redis: &RedisServer) -> usize {
         let mut records: Vec<String> = Vec::new();
-        for queue in Queue::ALL {
-            let dead: Vec<String> =
-                redis.cmd(&["LRANGE", &format!("{}:dead", queue.base()), "0", "-1"]);
+        // The flows' queues too: an emptied Redis loses their dead records, which the flows' check reads.
+        let flows =
+            [super::flows::FLOW_A, super::flows::FLOW_B].map(|name| format!("kmq:{{{name}}}"));
+        for base in Queue::ALL.iter().map(|queue| queue.base()).chain(flows) {
+            let dead: Vec<String> = redis.cmd(&["LRANGE", &format!("{base}:dead"), "0", "-1"]);
             records.extend(dead);
         }
         let mut seen = lock(&self.dead_seen);
