@@ -80,6 +80,8 @@ pub(super) struct Facts {
     /// (id, attempt, process) -> runs that answered throttle there: each explains one more run at that attempt
     /// after a run of that process.
     pub(super) throttles: HashMap<(String, u32, usize), usize>,
+    /// id -> the `after` line of each of its runs (a flow's waiting task): its dependencies' outcomes, JSON.
+    pub(super) after: HashMap<String, Vec<String>>,
 }
 
 /// Reads the new complete lines of one record file.
@@ -109,6 +111,15 @@ impl Tail {
         };
         let complete: String = self.partial.drain(..=end).collect();
         for line in complete.lines() {
+            // `after <id> <JSON>`: the outcomes a flow's waiting task was handed (its JSON may hold spaces).
+            if let Some((id, after)) = line.strip_prefix("after ").and_then(|l| l.split_once(' ')) {
+                facts
+                    .after
+                    .entry(id.to_string())
+                    .or_default()
+                    .push(after.to_string());
+                continue;
+            }
             let mut parts = line.splitn(4, ' ');
             let (Some(kind), Some(id), Some(attempt)) = (parts.next(), parts.next(), parts.next())
             else {
@@ -203,12 +214,14 @@ impl World<'_> {
             .collect()
     }
 
-    /// Records the dead lists' ids and reasons.
+    /// Records the dead lists' ids and reasons (the flows' queues' too).
     pub(super) fn read_dead_list(&self, redis: &RedisServer) -> usize {
         let mut records: Vec<String> = Vec::new();
-        for queue in Queue::ALL {
-            let dead: Vec<String> =
-                redis.cmd(&["LRANGE", &format!("{}:dead", queue.base()), "0", "-1"]);
+        // The flows' queues too: an emptied Redis loses their dead records, which the flows' check reads.
+        let flows =
+            [super::flows::FLOW_A, super::flows::FLOW_B].map(|name| format!("kmq:{{{name}}}"));
+        for base in Queue::ALL.iter().map(|queue| queue.base()).chain(flows) {
+            let dead: Vec<String> = redis.cmd(&["LRANGE", &format!("{base}:dead"), "0", "-1"]);
             records.extend(dead);
         }
         let mut seen = lock(&self.dead_seen);

@@ -39,6 +39,10 @@
 //! each group's runs at once and starts per window, each but near the faults that explain more; the drain completes
 //! (no group stranded); at the end no count, no flow and no ring member left (see [`groups`]).
 //!
+//! Flows ([`flows`]) run on two queues of their own, `flowa` and `flowb`: a fan-in of thousands, chains and failing
+//! parts under `fail` and `continue`; at the end every waiting task ran at most once, after its dependencies, and
+//! ended as the flow's rules say (but for flows alive when Redis lost its data).
+//!
 //! One `#[ignore]`d test, run by `scripts/chaos` (`--short` in CI through `scripts/test`, `--long` by hand):
 //!
 //! - `KMQD_CHAOS_SECONDS`: how long faults are injected (default 60);
@@ -60,7 +64,7 @@
 //! [`check::check_runs`]).
 //!
 //! One concern per file: [`workload`] (the queues, configs, tasks and producers), [`faults`] (what is injected and
-//! the schedule), [`outbox`] (Redis losing its data or rewound, and the producer pushing again what it lost),
+//! the schedule), [`flows`] (the flows and their invariant), [`outbox`] (Redis losing its data or rewound, and the producer pushing again what it lost),
 //! [`slowloris`] (the slow HTTP clients), [`world`] (what the threads share: the daemons, their supervisor, the
 //! events), [`ledger`] (what was pushed, and what ran, from the record files), [`check`] (conservation, the running
 //! counts, the run budget), [`types`] (the typed queue's limits), [`groups`] (the grouped queue's) and [`report`]
@@ -69,6 +73,7 @@
 
 mod check;
 mod faults;
+mod flows;
 mod groups;
 mod ledger;
 mod outbox;
@@ -158,6 +163,7 @@ fn chaos() {
     let popped_rng = Rng::new(seed ^ 0x0070_6F70_7065_6400);
     let typed_rng = Rng::new(seed ^ 0x0000_7479_7065_6400);
     let grouped_rng = Rng::new(seed ^ 0x0067_726F_7570_6564);
+    let flows_rng = Rng::new(seed ^ 0x0000_666C_6F77_7300);
     let redis_url = redis.url();
     let mut injector = Injector {
         world: &world,
@@ -173,6 +179,7 @@ fn chaos() {
     let popped_client = client(&producer_config);
     let typed_client = client(&producer_config);
     let grouped_client = client(&producer_config);
+    let flows_client = client(&producer_config);
 
     let (chaos_time, chaos_end_us, drain_time) = std::thread::scope(|scope| {
         let _stop = StopOnDrop(&world);
@@ -199,6 +206,8 @@ fn chaos() {
             },
         );
 
+        // The flows' producer starts with the faults: its large fan-in drains under them.
+        let flows_producer = scope.spawn(|| flows::produce_flows(&world, &flows_client, flows_rng));
         let schedule = Schedule::new(Rng::new(rng.next()));
         let chaos_started = Instant::now();
         inject_faults(&mut injector, schedule, seconds);
@@ -222,8 +231,10 @@ fn chaos() {
         grouped_producer
             .join()
             .expect("the grouped queue's producer thread");
+        flows_producer.join().expect("the flows' producer thread");
         let drain_started = Instant::now();
         drain(&world, &harness, &injector.redis);
+        world.drain_flows(&injector.redis);
         let drain_time = drain_started.elapsed();
         world.running.store(false, Ordering::SeqCst);
         supervisor.join().expect("the supervisor thread");
@@ -233,6 +244,13 @@ fn chaos() {
 
     let final_stats = stop_daemons(&world, &harness);
     check_at_rest(&world, &injector.redis);
+    let flows = world.check_flows(&injector.redis);
+    world.say(&format!(
+        "flows: {:?} pushed ({} pushes sent again), {} judged, {} exempt (alive when Redis lost its data), {} never \
+         acknowledged; {} waiting tasks: {} released and done, {} dead-lettered unrun",
+        flows.flows, flows.failed_pushes, flows.judged, flows.exempt, flows.unacked, flows.waiters, flows.released,
+        flows.failed
+    ));
     let report = report::report(
         &world,
         &final_stats,
@@ -310,6 +328,7 @@ fn new_world(dir: &TestDir, redis_section: String) -> World<'_> {
         counters: Mutex::new(BTreeMap::new()),
         tails: Mutex::new((Vec::new(), Facts::default())),
         dead_seen: Mutex::new(HashMap::new()),
+        flows: Mutex::new(flows::FlowBook::default()),
         timeline: Mutex::new(Vec::new()),
     }
 }

@@ -217,6 +217,7 @@ impl Shape {
              backoff = \"200ms\"\nbackoff_max = \"2s\"\n",
             lease = LEASE.as_secs()
         );
+        let flows = super::flows::queues(limited_workers, &common);
         format!(
             "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\npriorities = {levels}\nworkers = {workers}\n\
              prefetch = {prefetch}\nbatch = {batch}\n{common}\n\
@@ -229,7 +230,7 @@ impl Shape {
              [[queues]]\nname = \"grouped\"\nmode = \"safe\"\nworkers = {limited_workers}\n{common}\n\
              [queues.groups]\nmax_running = {group_limit}\nrate_limit = \"{group_rate}/s\"\n\
              weights = {{ \"{WEIGHTED}\" = 3 }}\n\
-             [[queues.limits]]\ntype = \"{SLOW}\"\nmax_running = {grouped_slow}\n"
+             [[queues.limits]]\ntype = \"{SLOW}\"\nmax_running = {grouped_slow}\n\n{flows}"
         )
     }
 

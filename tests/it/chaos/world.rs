@@ -169,6 +169,8 @@ pub(super) struct World<'a> {
     /// Dead-lettered ids and their reasons, from every dead list read (before each loss of Redis's data, and at
     /// the end).
     pub(super) dead_seen: Mutex<HashMap<String, String>>,
+    /// The flows pushed ([`super::flows`]).
+    pub(super) flows: Mutex<super::flows::FlowBook>,
     pub(super) timeline: Mutex<Vec<String>>,
 }
 
