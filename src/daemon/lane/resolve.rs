@@ -43,16 +43,16 @@
 //! one until the handler returns.
 //!
 //! The loom tests at the end check these claims under every interleaving loom explores
-//! (`RUSTFLAGS="--cfg loom" cargo test --release --lib loom`, which `scripts/test` runs).
+//! (`RUSTFLAGS="--cfg kmqd_loom" cargo test --release --lib loom`, which `scripts/test` runs).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 // Only the phase is what the loom tests model; the cancel flag (read by plugins through the C ABI) and the start
 // time stay std atomics in every build.
-#[cfg(loom)]
+#[cfg(kmqd_loom)]
 use loom::sync::atomic::AtomicU8;
-#[cfg(not(loom))]
+#[cfg(not(kmqd_loom))]
 use std::sync::atomic::AtomicU8;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
@@ -680,7 +680,7 @@ pub fn capped_payload(payload: &[u8]) -> String {
     .into_owned()
 }
 
-#[cfg(all(test, not(loom)))]
+#[cfg(all(test, not(kmqd_loom)))]
 mod tests {
     use super::*;
 
@@ -732,7 +732,7 @@ mod tests {
 
 /// Under every interleaving loom explores: exactly one party resolves a task; a task taken while waiting never
 /// runs; a worker is counted stuck at most once and given back exactly when it was counted.
-#[cfg(all(test, loom))]
+#[cfg(all(test, kmqd_loom))]
 mod loom_tests {
     use super::*;
     use loom::sync::atomic::AtomicUsize;
