@@ -1,6 +1,7 @@
 //! Debounce (docs/PROTOCOL.md, "Debounce, and unique for a time"): a debounced push replaces the delayed task of
 //! its id and moves its due time, so only the last push of a burst runs, with the last data; racing the promotion
-//! and the claims, a task never runs twice and the last data is never lost. In both modes.
+//! and the claims, a task never runs twice and the last data is never lost. And unique for a time: a
+//! `unique_for` id stays held for its window after its task ended. In both modes.
 
 use std::time::Duration;
 
