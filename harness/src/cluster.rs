@@ -218,7 +218,7 @@ impl Cluster {
 
     /// One check of [`Cluster::wait_healthy`]; the agreed slot map when it holds.
     fn healthy(&self) -> Result<SlotMap, String> {
-        let mut agreed: Option<(String, SlotMap)> = None;
+        let mut agreed: Option<(String, SlotMap, Vec<(String, bool)>)> = None;
         let running_addrs: HashSet<String> = self.running().map(addr).collect();
         for server in self.running() {
             let me = addr(server);
@@ -262,11 +262,24 @@ impl Cluster {
                     slots.insert(*range.start(), (*range.end(), node.addr.clone()));
                 }
             }
+            // Roles too: a view that still has a fresh replica as a master (gossip not yet round) would send
+            // it a master's command (a reshard's `SETSLOT NODE`, refused "only with masters").
+            let mut roles: Vec<(String, bool)> = nodes
+                .iter()
+                .filter(|node| running_addrs.contains(&node.addr))
+                .map(|node| (node.addr.clone(), node.role == Role::Master))
+                .collect();
+            roles.sort();
             match &agreed {
-                None => agreed = Some((me.clone(), slots)),
-                Some((first, theirs)) if theirs != &slots => {
+                None => agreed = Some((me.clone(), slots, roles)),
+                Some((first, theirs, _)) if theirs != &slots => {
                     return Err(format!(
                         "{me} and {first} disagree on the slots: {slots:?} against {theirs:?}"
+                    ));
+                }
+                Some((first, _, their_roles)) if their_roles != &roles => {
+                    return Err(format!(
+                        "{me} and {first} disagree on who is a master: {roles:?} against {their_roles:?}"
                     ));
                 }
                 Some(_) => {}
@@ -292,7 +305,7 @@ impl Cluster {
                 }
             }
         }
-        let (_, slots) = agreed.ok_or("no node of the cluster is running")?;
+        let (_, slots, _) = agreed.ok_or("no node of the cluster is running")?;
         let mut next = 0u32;
         for (start, (end, _)) in &slots {
             if u32::from(*start) != next {
@@ -566,6 +579,7 @@ impl Cluster {
         from.query(&["CLUSTER", "SETSLOT", &slot_arg, "NODE", &target.id])?;
         for node in &nodes {
             if node.role == Role::Master
+                && !node.slots.is_empty()
                 && node.id != source.id
                 && node.id != target.id
                 && node.pid.is_some()
