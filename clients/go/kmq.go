@@ -65,10 +65,12 @@ const levelsFor = 10 * time.Second
 // MaxUniqueFor is the longest hold UniqueFor takes: push.lua reads at most 12 digits of ms (about 31 years).
 const MaxUniqueFor = 999_999_999_999 * time.Millisecond
 
-// Client pushes tasks to the queues of one Redis (or one Redis Cluster node's slot: see docs/CLIENTS.md). It is
+// Client pushes tasks to the queues of one Redis, or of a Redis Cluster (NewCluster). It is
 // safe for concurrent use: each call takes a connection from its pool.
 type Client struct {
+	// pool is the one Redis's connections; nil for a cluster, whose masters each have one (cluster.pools).
 	pool     *redis.Pool
+	cluster  *cluster
 	prefix   string
 	ownsPool bool
 
@@ -108,7 +110,15 @@ func New(url string, options ...Option) (*Client, error) {
 	if _, err := redisURL(url); err != nil {
 		return nil, err
 	}
-	pool := &redis.Pool{
+	pool := newPool(url, dial)
+	client := NewWithPool(pool, WithKeyPrefix(s.prefix))
+	client.ownsPool = true
+	return client, nil
+}
+
+// newPool is a pool of connections to the Redis at url, each checked with a PING when it was idle for a while.
+func newPool(url string, dial []redis.DialOption) *redis.Pool {
+	return &redis.Pool{
 		MaxIdle:     8,
 		IdleTimeout: 5 * time.Minute,
 		Dial:        func() (redis.Conn, error) { return redis.DialURL(url, dial...) },
@@ -122,9 +132,6 @@ func New(url string, options ...Option) (*Client, error) {
 			return err
 		},
 	}
-	client := NewWithPool(pool, WithKeyPrefix(s.prefix))
-	client.ownsPool = true
-	return client, nil
 }
 
 func redisURL(url string) (string, error) {
@@ -144,8 +151,11 @@ func NewWithPool(pool *redis.Pool, options ...Option) *Client {
 	return &Client{pool: pool, prefix: s.prefix, levels: map[string]queueLevels{}}
 }
 
-// Close closes the client's pool (not one given to NewWithPool).
+// Close closes the client's pool (not one given to NewWithPool), or its pools of a cluster's masters.
 func (c *Client) Close() error {
+	if c.cluster != nil {
+		return c.cluster.close()
+	}
 	if c.ownsPool {
 		return c.pool.Close()
 	}
@@ -547,10 +557,18 @@ func (c *Client) session(ctx context.Context, queue string) (redis.Conn, error) 
 	if err := checkQueue(queue); err != nil {
 		return nil, err
 	}
+	if c.cluster != nil {
+		return c.routed(queue), nil
+	}
 	return c.conn(ctx)
 }
 
+// conn takes a connection for a call that may touch several queues (a flow); on a cluster, one that sends each
+// command to its key's master.
 func (c *Client) conn(ctx context.Context) (redis.Conn, error) {
+	if c.cluster != nil {
+		return c.routed(""), nil
+	}
 	conn, err := c.pool.GetContext(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrUnreachable, err)
@@ -589,6 +607,9 @@ func (s script) run(ctx context.Context, conn redis.Conn, keys, args []interface
 func do(ctx context.Context, conn redis.Conn, command string, args ...interface{}) (interface{}, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
+	}
+	if routed, ok := conn.(*routedConn); ok {
+		return routed.do(ctx, command, args...)
 	}
 	if err := conn.Send(command, args...); err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrUnreachable, err)

@@ -15,19 +15,20 @@ import (
 )
 
 // redisServer is a redis-server this test started: its own free port on loopback and its own temp dir, killed
-// when the test ends (never a Redis the test did not start).
+// when the test ends (never a Redis the test did not start). extra are more of redis-server's arguments.
 type redisServer struct {
 	port int
 	dir  string
 	cmd  *exec.Cmd
 }
 
-func startRedis(t *testing.T) *redisServer {
+func startRedis(t *testing.T, extra ...string) *redisServer {
 	t.Helper()
 	dir := t.TempDir()
 	port := freePort(t)
-	cmd := exec.Command("redis-server", "--port", fmt.Sprint(port), "--bind", "127.0.0.1", "--save", "",
-		"--appendonly", "no", "--dir", dir, "--logfile", filepath.Join(dir, "redis.log"))
+	args := append([]string{"--port", fmt.Sprint(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+		"--dir", dir, "--logfile", filepath.Join(dir, "redis.log")}, extra...)
+	cmd := exec.Command("redis-server", args...)
 	if err := cmd.Start(); err != nil {
 		t.Fatalf("starting redis-server (install Debian's redis-server): %v", err)
 	}
