@@ -354,13 +354,8 @@ func (r *routedConn) do(ctx context.Context, command string, args ...interface{}
 			if time.Now().Add(pause).After(waitUntil) {
 				return nil, err
 			}
-			select {
-			case <-ctx.Done():
-				return nil, ctx.Err()
-			case <-time.After(pause):
-			}
-			if pause *= 2; pause > 500*time.Millisecond {
-				pause = 500 * time.Millisecond
+			if pause, err = pauseThenDouble(ctx, pause); err != nil {
+				return nil, err
 			}
 			moved = ""
 		default:

@@ -302,13 +302,8 @@ func (c *Client) Result(ctx context.Context, queue, id string, wait time.Duratio
 		if pause > left {
 			pause = left
 		}
-		select {
-		case <-ctx.Done():
-			return nil, ctx.Err()
-		case <-time.After(pause):
-		}
-		if pause *= 2; pause > 500*time.Millisecond {
-			pause = 500 * time.Millisecond
+		if pause, err = pauseThenDouble(ctx, pause); err != nil {
+			return nil, err
 		}
 	}
 	found, err := c.locate(ctx, conn, queue, id, true)
@@ -329,6 +324,20 @@ func (c *Client) Result(ctx context.Context, queue, id string, wait time.Duratio
 		return &Result{State: "dead", Reason: record.Reason, EndedAt: record.DeadAt}, nil
 	}
 	return nil, fmt.Errorf("%w: queue %q: task %q", ErrNoResult, queue, id)
+}
+
+// pauseThenDouble waits pause (or until ctx ends: its error) and returns the next pause, twice as long up to 500 ms:
+// the polls of Result and the retries of a cluster's TRYAGAIN.
+func pauseThenDouble(ctx context.Context, pause time.Duration) (time.Duration, error) {
+	select {
+	case <-ctx.Done():
+		return pause, ctx.Err()
+	case <-time.After(pause):
+	}
+	if pause *= 2; pause > 500*time.Millisecond {
+		pause = 500 * time.Millisecond
+	}
+	return pause, nil
 }
 
 // redisNow is Redis's clock in ms, read on the queue's node (TIME names no key: a cluster client would send it
