@@ -61,9 +61,9 @@ func NewCluster(seeds []string, options ...Option) (*Client, error) {
 	if len(seeds) == 0 {
 		return nil, invalid("a cluster needs at least one seed node's URL")
 	}
-	s := settings{prefix: "kmq"}
-	for _, option := range options {
-		option(&s)
+	s, err := newSettings(options)
+	if err != nil {
+		return nil, err
 	}
 	var first *url.URL
 	addrs := make([]string, 0, len(seeds))
@@ -95,7 +95,7 @@ func NewCluster(seeds []string, options ...Option) (*Client, error) {
 			node.Host = addr
 			return node.String()
 		},
-		dial:  append([]redis.DialOption{redis.DialConnectTimeout(5 * time.Second)}, s.dial...),
+		dial:  s.dial,
 		pools: map[string]*redis.Pool{},
 	}
 	return &Client{cluster: c, prefix: s.prefix, levels: map[string]queueLevels{}, ownsPool: true}, nil

@@ -12,11 +12,14 @@ import (
 	"context"
 	"crypto/rand"
 	"crypto/sha1"
+	"crypto/tls"
+	"crypto/x509"
 	_ "embed"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"os"
 	"regexp"
 	"strings"
 	"sync"
@@ -84,12 +87,23 @@ type queueLevels struct {
 	read     time.Time
 }
 
-// Option configures New.
+// Option configures New, NewCluster and NewSentinel.
 type Option func(*settings)
 
 type settings struct {
 	prefix string
 	dial   []redis.DialOption
+	// err is an option's refusal (a CA file that cannot be read), returned by the constructor.
+	err error
+}
+
+// newSettings applies options over the defaults; dial is the dial options with a 5 s connect timeout first.
+func newSettings(options []Option) (settings, error) {
+	s := settings{prefix: "kmq", dial: []redis.DialOption{redis.DialConnectTimeout(5 * time.Second)}}
+	for _, option := range options {
+		option(&s)
+	}
+	return s, s.err
 }
 
 // WithKeyPrefix sets the key prefix the queues' daemons are configured with (`key_prefix`, default "kmq").
@@ -100,13 +114,34 @@ func WithDialOptions(options ...redis.DialOption) Option {
 	return func(s *settings) { s.dial = append(s.dial, options...) }
 }
 
+// WithCAFile makes a rediss:// client trust the CA certificates (PEM) in the file at path, as well as the
+// system's: a Redis whose certificate a private CA signed. The server's name is checked against the URL's host.
+func WithCAFile(path string) Option {
+	return func(s *settings) {
+		pem, err := os.ReadFile(path)
+		if err != nil {
+			s.err = invalid("CA file: %v", err)
+			return
+		}
+		roots, err := x509.SystemCertPool()
+		if err != nil {
+			roots = x509.NewCertPool()
+		}
+		if !roots.AppendCertsFromPEM(pem) {
+			s.err = invalid("CA file %q: no PEM certificate in it", path)
+			return
+		}
+		s.dial = append(s.dial, redis.DialTLSConfig(&tls.Config{RootCAs: roots, MinVersion: tls.VersionTLS12}))
+	}
+}
+
 // New connects lazily to the Redis at url (redis://[user:password@]host:port/db or rediss:// for TLS).
 func New(url string, options ...Option) (*Client, error) {
-	s := settings{prefix: "kmq"}
-	for _, option := range options {
-		option(&s)
+	s, err := newSettings(options)
+	if err != nil {
+		return nil, err
 	}
-	dial := append([]redis.DialOption{redis.DialConnectTimeout(5 * time.Second)}, s.dial...)
+	dial := s.dial
 	if _, err := redisURL(url); err != nil {
 		return nil, err
 	}
