@@ -65,28 +65,18 @@ func NewCluster(seeds []string, options ...Option) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	var first *url.URL
-	addrs := make([]string, 0, len(seeds))
-	for _, seed := range seeds {
-		if _, err := redisURL(seed); err != nil {
-			return nil, err
-		}
-		parsed, err := url.Parse(seed)
-		if err != nil || parsed.Host == "" {
-			return nil, invalid("cluster seed %q: not a redis://host:port URL", seed)
-		}
-		if db := strings.Trim(parsed.Path, "/"); db != "" && db != "0" {
-			return nil, invalid("cluster seed %q: a Redis Cluster has database 0 only", seed)
-		}
-		if first != nil && parsed.Scheme != first.Scheme {
-			return nil, invalid("cluster seeds %q and %q: give all redis:// or all rediss://", first, seed)
-		}
-		if first == nil {
-			first = parsed
-		}
-		addrs = append(addrs, hostPort(parsed))
+	parsed, err := parseURLs("cluster seed", seeds)
+	if err != nil {
+		return nil, err
 	}
-	template := *first
+	addrs := make([]string, 0, len(parsed))
+	for n, seed := range parsed {
+		if db := strings.Trim(seed.Path, "/"); db != "" && db != "0" {
+			return nil, invalid("cluster seed %q: a Redis Cluster has database 0 only", seeds[n])
+		}
+		addrs = append(addrs, hostPort(&seed))
+	}
+	template := parsed[0]
 	template.Path = ""
 	c := &cluster{
 		seeds: addrs,
@@ -99,6 +89,25 @@ func NewCluster(seeds []string, options ...Option) (*Client, error) {
 		pools: map[string]*redis.Pool{},
 	}
 	return &Client{cluster: c, prefix: s.prefix, levels: map[string]queueLevels{}, ownsPool: true}, nil
+}
+
+// parseURLs reads the URLs of a deployment's servers (what names them in errors): all redis:// or all rediss://.
+func parseURLs(what string, urls []string) ([]url.URL, error) {
+	parsed := make([]url.URL, 0, len(urls))
+	for _, raw := range urls {
+		if _, err := redisURL(raw); err != nil {
+			return nil, err
+		}
+		each, err := url.Parse(raw)
+		if err != nil || each.Host == "" {
+			return nil, invalid("%s %q: not a redis://host:port URL", what, raw)
+		}
+		if len(parsed) > 0 && each.Scheme != parsed[0].Scheme {
+			return nil, invalid("%ss %q and %q: give all redis:// or all rediss://", what, urls[0], raw)
+		}
+		parsed = append(parsed, *each)
+	}
+	return parsed, nil
 }
 
 // hostPort is a URL's host:port, with Redis's default port when it names none.

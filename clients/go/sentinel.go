@@ -21,9 +21,8 @@ import (
 // NewSentinel connects lazily to the master that Sentinels watch under the name master: sentinels are redis://
 // (or rediss://, for TLS to the Sentinels and to the master) URLs of the Sentinels, whose user and password are
 // used for the Sentinels and for the master alike and whose database (the first URL's) is the master's. The
-// users need `+role` beside the producers' rules on the master and its replicas, and `+role +sentinel|masters`
-// on the Sentinels (docs/OPERATIONS.md, "ACL rules"; kmq asks SENTINEL get-master-addr-by-name, which
-// `+sentinel|masters` does not cover: give `+sentinel|get-master-addr-by-name` too).
+// users need `+role` beside the producers' rules on the master and its replicas, and on the Sentinels
+// `+sentinel|get-master-addr-by-name` (docs/CLIENTS.md, "Sentinel and TLS").
 func NewSentinel(sentinels []string, master string, options ...Option) (*Client, error) {
 	if len(sentinels) == 0 || master == "" {
 		return nil, invalid("a Sentinel deployment needs at least one Sentinel's URL and the master's name")
@@ -32,28 +31,17 @@ func NewSentinel(sentinels []string, master string, options ...Option) (*Client,
 	if err != nil {
 		return nil, err
 	}
-	var first *url.URL
-	addrs := make([]string, 0, len(sentinels))
-	for _, sentinel := range sentinels {
-		if _, err := redisURL(sentinel); err != nil {
-			return nil, err
-		}
-		parsed, err := url.Parse(sentinel)
-		if err != nil || parsed.Host == "" {
-			return nil, invalid("sentinel %q: not a redis://host:port URL", sentinel)
-		}
-		if first != nil && parsed.Scheme != first.Scheme {
-			return nil, invalid("sentinels %q and %q: give all redis:// or all rediss://", first, sentinel)
-		}
-		if first == nil {
-			template := *parsed // before the path is left out: it is the master's database
-			first = &template
-		}
-		// A Sentinel has no databases (it refuses SELECT): the path is the master's database only.
-		parsed.Path = ""
-		addrs = append(addrs, parsed.String())
+	parsed, err := parseURLs("sentinel", sentinels)
+	if err != nil {
+		return nil, err
 	}
-	watch := &sentinelWatch{sentinels: addrs, name: master, template: *first,
+	addrs := make([]string, 0, len(parsed))
+	for _, sentinel := range parsed {
+		// A Sentinel has no databases (it refuses SELECT): the path is the master's database only.
+		sentinel.Path = ""
+		addrs = append(addrs, sentinel.String())
+	}
+	watch := &sentinelWatch{sentinels: addrs, name: master, template: parsed[0],
 		dial: s.dial}
 	pool := newPool("", nil)
 	pool.Dial = watch.dialMaster

@@ -66,13 +66,7 @@ func TestSentinel(t *testing.T) {
 	t.Cleanup(func() { client.Close() })
 
 	t.Run("APushGoesToTheMasterTheSentinelNames", func(t *testing.T) {
-		if _, err := client.Push(ctx, "mail", "mail.send", nil, WithID("s-1")); err != nil {
-			t.Fatal(err)
-		}
-		stored, err := redis.String(master.conn(t).Do("LINDEX", "kmq:{mail}:ready:normal", 0))
-		if err != nil || envelopeID(stored) != "s-1" {
-			t.Fatalf("on the master: %q, %v", stored, err)
-		}
+		pushLandsOn(t, client, master, "s-1")
 	})
 
 	t.Run("AnUnknownMasterNameIsErrUnreachable", func(t *testing.T) {

@@ -1,6 +1,7 @@
 package kmq
 
 import (
+	"context"
 	"fmt"
 	"io"
 	"net"
@@ -158,4 +159,16 @@ func (p *replyDropper) arm() {
 	p.mu.Lock()
 	p.armed = true
 	p.mu.Unlock()
+}
+
+// pushLandsOn pushes a task of id to queue mail and checks that server holds it first in the queue's ready list.
+func pushLandsOn(t *testing.T, client *Client, server *redisServer, id string) {
+	t.Helper()
+	if _, err := client.Push(context.Background(), "mail", "mail.send", nil, WithID(id)); err != nil {
+		t.Fatal(err)
+	}
+	stored, err := redis.String(server.conn(t).Do("LINDEX", "kmq:{mail}:ready:normal", 0))
+	if err != nil || envelopeID(stored) != id {
+		t.Fatalf("the first ready task on %s: %q, %v; want %s", server.addr(), stored, err, id)
+	}
 }

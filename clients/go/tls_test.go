@@ -52,13 +52,7 @@ func TestTLS(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer client.Close()
-		if _, err := client.Push(ctx, "mail", "mail.send", nil, WithID("tls-1")); err != nil {
-			t.Fatal(err)
-		}
-		stored, err := redis.String(server.conn(t).Do("LINDEX", "kmq:{mail}:ready:normal", 0))
-		if err != nil || envelopeID(stored) != "tls-1" {
-			t.Fatalf("stored %q, %v", stored, err)
-		}
+		pushLandsOn(t, client, server, "tls-1")
 	})
 
 	t.Run("AClientNotTrustingTheCertificateIsErrUnreachableWithNothingWritten", func(t *testing.T) {
