@@ -6,6 +6,7 @@
 require "digest/sha1"
 require "json"
 require "monitor"
+require "openssl"
 require "securerandom"
 require "redis"
 require_relative "kmq/version"
@@ -94,16 +95,31 @@ module Kmq
   # The longest unique_for: push.lua takes, in ms: 12 digits (about 31 years).
   MAX_UNIQUE_FOR_MS = 999_999_999_999
 
-  # Pushes to the queues of one Redis. Safe to share between threads (calls take turns on one connection).
+  # Pushes to the queues of one Redis, or of a Redis Cluster. Safe to share between threads (calls take turns on
+  # one connection).
   class Client
-    # url: redis://[user:password@]host:port/db or rediss://; or redis: a Redis object of redis-rb 4.x made by
-    # the caller (a unix socket, Sentinels). Either way the client turns its automatic reconnect-and-resend off:
-    # a command resent after a lost reply would push its tasks twice.
-    def initialize(url = nil, key_prefix: "kmq", redis: nil)
-      raise InvalidArgument, "give a url or a redis:, not both" if url && redis
+    # url: redis://[user:password@]host:port/db or rediss://, with any of redis-rb's options beside it
+    # (ssl_params: { ca_file: ... } for TLS to a private CA; sentinels: [...] and role: :master for a master
+    # Sentinels watch, the url then naming it: redis://mymaster); or cluster: the seed nodes' URLs of a Redis
+    # Cluster (redis-rb's cluster client: each command goes to the master of its key's slot, following MOVED and
+    # ASK); or redis: a Redis object of redis-rb 4.x made by the caller (a unix socket), not a cluster's. Every way
+    # the client turns redis-rb's automatic reconnect-and-resend off: a command resent after a lost reply would
+    # push its tasks twice.
+    def initialize(url = nil, key_prefix: "kmq", redis: nil, cluster: nil, **redis_options)
+      raise InvalidArgument, "give one of a url, redis: or cluster:" if [url, redis, cluster].compact.size > 1
 
-      @redis = redis || Redis.new(url: url || "redis://127.0.0.1:6379/0", reconnect_attempts: 0)
-      @redis._client.options[:reconnect_attempts] = 0
+      @redis = if cluster
+                 connect_cluster(cluster, redis_options)
+               else
+                 redis || Redis.new(url: url || "redis://127.0.0.1:6379/0", **redis_options, reconnect_attempts: 0)
+               end
+      if @redis._client.is_a?(Redis::Cluster)
+        # Its nodes' connections are made inside it, each with the options it was made with.
+        raise InvalidArgument, "a Redis Cluster's Redis object: give cluster: [seed URLs] instead, so that the " \
+                               "client makes it with reconnect_attempts: 0 (no command resent after a lost reply)" if redis
+      else
+        @redis._client.options[:reconnect_attempts] = 0
+      end
       @prefix = key_prefix
       @levels = {}
       @lock = Monitor.new
@@ -697,7 +713,48 @@ module Kmq
     # nothing ran) from one after it (ReplyLost: it may have run). Redis's error replies raise Refused. A connection idle for a while is checked with a PING first, so that one Redis or a
     # proxy closed meanwhile fails before a push is written on it, not as a lost reply.
     def command(args)
-      @lock.synchronize { command_on(@redis._client, args) }
+      @lock.synchronize do
+        client = @redis._client
+        client.is_a?(Redis::Cluster) ? cluster_command(client, args) : command_on(client, args)
+      end
+    end
+
+    # How long a command a cluster answers TRYAGAIN is sent again: while a slot migrates, a script whose keys are
+    # partly moved runs on neither side until the migration of the slot's keys ends, which takes moments.
+    TRY_AGAIN_FOR = 10.0
+
+    # A command on a Redis Cluster, through redis-rb's cluster client, which sends it to the master of its key's
+    # slot (TIME, which names no key, to any master) and follows MOVED and ASK, and never resends after a broken
+    # connection (its nodes have reconnect_attempts: 0). It does not say whether a connection broke before or after
+    # the command was written, so only a failure to connect is Unreachable and any other ReplyLost. A TRYAGAIN
+    # (nothing ran) is sent again, up to TRY_AGAIN_FOR.
+    def cluster_command(cluster, args)
+      pause = 0.01
+      give_up = monotonic + TRY_AGAIN_FOR
+      begin
+        cluster.call(args)
+      rescue Redis::CommandError => e
+        if e.message.start_with?("TRYAGAIN") && monotonic + pause < give_up
+          sleep pause
+          pause = [pause * 2, 0.5].min
+          retry
+        end
+        raise Refused, e.message
+      rescue Redis::CannotConnectError => e
+        raise Unreachable, "#{args.first}: #{e.message}"
+      rescue OpenSSL::SSL::SSLError => e
+        # OpenSSL's, not redis-rb's: SSL_connect's is a handshake that failed, before anything was written.
+        raise (e.message.include?("SSL_connect") ? Unreachable : ReplyLost), "#{args.first}: #{e.message}"
+      rescue Redis::BaseConnectionError => e
+        raise ReplyLost, "#{args.first}: #{e.message}"
+      end
+    end
+
+    # redis-rb's cluster client reads the slot map as it is made: a seed that cannot be reached is Unreachable.
+    def connect_cluster(seeds, options)
+      Redis.new(cluster: seeds, **options, reconnect_attempts: 0)
+    rescue Redis::CannotConnectError, Redis::BaseConnectionError => e
+      raise Unreachable, "the cluster's seeds #{seeds.inspect}: #{e.message}"
     end
 
     def command_on(client, args)
@@ -714,7 +771,8 @@ module Kmq
           written = true
           client.read
         end
-      rescue Redis::BaseConnectionError => e
+      rescue Redis::BaseConnectionError, OpenSSL::SSL::SSLError => e
+        # A TLS handshake that fails (a certificate not trusted) is OpenSSL's error, not redis-rb's.
         raise (written ? ReplyLost : Unreachable), "#{args.first}: #{e.message}"
       end
       @last_used = monotonic

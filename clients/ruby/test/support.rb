@@ -10,11 +10,14 @@ module Support
   class RedisServer
     attr_reader :port, :dir
 
-    def initialize
+    # extra: more of redis-server's arguments (a TLS port, cluster mode); a block given the dir first writes what
+    # they name there (certificates).
+    def initialize(*extra)
       @dir = Dir.mktmpdir("kmq-ruby-")
       @port = Support.free_port
+      extra = yield(@dir) if block_given?
       @pid = Process.spawn("redis-server", "--port", @port.to_s, "--bind", "127.0.0.1", "--save", "",
-                           "--appendonly", "no", "--dir", @dir, "--logfile", File.join(@dir, "redis.log"))
+                           "--appendonly", "no", "--dir", @dir, "--logfile", File.join(@dir, "redis.log"), *extra)
       Support.eventually(10, "redis-server answers PING", -> { log }) do
         Redis.new(url: url).tap(&:ping).close
         true
@@ -24,6 +27,8 @@ module Support
     end
 
     def url = "redis://127.0.0.1:#{@port}/0"
+
+    def addr = "127.0.0.1:#{@port}"
 
     def log = File.exist?(File.join(@dir, "redis.log")) ? File.read(File.join(@dir, "redis.log")) : ""
 
