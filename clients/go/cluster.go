@@ -290,7 +290,7 @@ func (r *routedConn) Do(command string, args ...interface{}) (interface{}, error
 	return r.do(context.Background(), command, args...)
 }
 
-var errNotPipelined = errors.New("kmq: a cluster call sends one command at a time (Send, Flush and Receive are not used)")
+var errNotPipelined = errors.New("kmq: a cluster call sends one command at a time (not Send, Flush, Receive)")
 
 func (r *routedConn) Send(string, ...interface{}) error { return errNotPipelined }
 func (r *routedConn) Flush() error                      { return errNotPipelined }

@@ -127,7 +127,8 @@ func TestCluster(t *testing.T) {
 			if _, err := client.Push(ctx, queue, "t", nil, WithID(queue+"-1"), Unique()); err != nil {
 				t.Fatalf("push to %s: %v", queue, err)
 			}
-			if _, err := client.PushBatch(ctx, queue, []Task{{Type: "t"}, {Type: "t"}, {Type: "t", Options: []PushOption{ExpiresIn(time.Minute)}}}); err != nil {
+			batch := []Task{{Type: "t"}, {Type: "t"}, {Type: "t", Options: []PushOption{ExpiresIn(time.Minute)}}}
+			if _, err := client.PushBatch(ctx, queue, batch); err != nil {
 				t.Fatalf("batch to %s: %v", queue, err)
 			}
 			if _, err := client.Push(ctx, queue, "t", nil, WithID(queue+"-1"), Unique()); !errors.Is(err, ErrDuplicate) {

@@ -115,8 +115,10 @@ module Kmq
                end
       if @redis._client.is_a?(Redis::Cluster)
         # Its nodes' connections are made inside it, each with the options it was made with.
-        raise InvalidArgument, "a Redis Cluster's Redis object: give cluster: [seed URLs] instead, so that the " \
-                               "client makes it with reconnect_attempts: 0 (no command resent after a lost reply)" if redis
+        if redis
+          raise InvalidArgument, "a Redis Cluster's Redis object: give cluster: [seed URLs] instead, so that the " \
+                                 "client makes it with reconnect_attempts: 0 (no command resent after a lost reply)"
+        end
       else
         @redis._client.options[:reconnect_attempts] = 0
       end
