@@ -265,3 +265,21 @@ func TestCluster(t *testing.T) {
 		}
 	})
 }
+
+func TestNewClusterRefusesBadSeedsAndCallsOfNoReachableSeedAreErrUnreachable(t *testing.T) {
+	for _, seeds := range [][]string{nil, {"http://127.0.0.1:7000"}, {"redis://127.0.0.1:7000/3"},
+		{"redis://127.0.0.1:7000", "rediss://127.0.0.1:7001"}} {
+		if _, err := NewCluster(seeds); !errors.Is(err, ErrInvalidArgument) {
+			t.Errorf("NewCluster(%q): %v, want ErrInvalidArgument", seeds, err)
+		}
+	}
+	client, err := NewCluster([]string{fmt.Sprintf("redis://127.0.0.1:%d", freePort(t))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer client.Close()
+	if _, err := client.Push(context.Background(), "mail", "t", nil); !errors.Is(err, ErrUnreachable) ||
+		!strings.Contains(err.Error(), "slot map") {
+		t.Fatalf("push: %v, want ErrUnreachable reading the slot map", err)
+	}
+}
