@@ -332,6 +332,8 @@ func (r *routedConn) do(ctx context.Context, command string, args ...interface{}
 		}
 		conn, err := r.conn(ctx, addr)
 		if err != nil {
+			// A master that cannot be reached may have failed over: the next call reads the map again.
+			_ = r.cluster.refresh(ctx, seen)
 			return nil, err
 		}
 		if ask != "" {
