@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -14,16 +15,23 @@ import (
 )
 
 // startCluster starts a Redis Cluster of three masters (redis-cli --cluster create, as the Python client's tests
-// do), each its own redis-server of startRedis, and waits until every node reports it ok.
-func startCluster(t *testing.T) []*redisServer {
+// do), each its own redis-server of startRedis, and waits until every node reports it ok. Each node has a TLS port
+// too (tls-cluster: its bus speaks TLS, and CLUSTER SLOTS names the TLS ports to a client that came over TLS), with
+// a certificate of the CA in caFile.
+func startCluster(t *testing.T) (nodes []*redisServer, tlsPorts []int, caFile string) {
 	t.Helper()
-	var nodes []*redisServer
+	dir := t.TempDir()
+	certificates(t, dir)
 	var addrs []string
 	for n := 0; n < 3; n++ {
+		tlsPort := freePort(t)
 		// Its own bus port: the default (the port + 10000) does not exist for a free port above 55535.
 		node := startRedis(t, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-			"--cluster-port", fmt.Sprint(freePort(t)))
+			"--cluster-port", fmt.Sprint(freePort(t)), "--tls-port", fmt.Sprint(tlsPort), "--tls-cluster", "yes",
+			"--tls-cert-file", filepath.Join(dir, "server.crt"), "--tls-key-file", filepath.Join(dir, "server.key"),
+			"--tls-ca-cert-file", filepath.Join(dir, "ca.crt"), "--tls-auth-clients", "no")
 		nodes = append(nodes, node)
+		tlsPorts = append(tlsPorts, tlsPort)
 		addrs = append(addrs, node.addr())
 	}
 	create := exec.Command("redis-cli", append(append([]string{"--cluster", "create"}, addrs...), "--cluster-yes")...)
@@ -39,7 +47,7 @@ func startCluster(t *testing.T) []*redisServer {
 		}
 		return true
 	}, nil)
-	return nodes
+	return nodes, tlsPorts, filepath.Join(dir, "ca.crt")
 }
 
 // ownerOf is the node that serves key: the others answer MOVED.
@@ -101,7 +109,7 @@ func newClusterClient(t *testing.T, nodes ...*redisServer) *Client {
 
 // One cluster for the file's tests (they use queues of their own), started once: a cluster takes seconds.
 func TestCluster(t *testing.T) {
-	nodes := startCluster(t)
+	nodes, tlsPorts, caFile := startCluster(t)
 	ctx := context.Background()
 
 	t.Run("KeySlotIsRedisClusterKeyslot", func(t *testing.T) {
@@ -150,6 +158,31 @@ func TestCluster(t *testing.T) {
 			if length, err := redis.Int(ownerOf(t, nodes, key).conn(t).Do("LLEN", key)); err != nil || length != 3 {
 				t.Fatalf("%s on its master: %d tasks, %v; want 3", key, length, err)
 			}
+		}
+	})
+
+	t.Run("OverTLSEveryMasterIsReachedOnItsTLSPort", func(t *testing.T) {
+		client, err := NewCluster([]string{fmt.Sprintf("rediss://127.0.0.1:%d", tlsPorts[0])}, WithCAFile(caFile))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer client.Close()
+		for n := 0; n < 6; n++ {
+			queue := fmt.Sprintf("tls%d", n)
+			if _, err := client.Push(ctx, queue, "t", nil); err != nil {
+				t.Fatalf("push to %s over TLS: %v", queue, err)
+			}
+		}
+		client.cluster.mu.Lock()
+		pools := len(client.cluster.pools)
+		for addr := range client.cluster.pools {
+			if strings.HasSuffix(addr, fmt.Sprintf(":%d", nodes[0].port)) {
+				t.Errorf("a pool of a plain port over TLS: %s", addr)
+			}
+		}
+		client.cluster.mu.Unlock()
+		if pools < 2 {
+			t.Fatalf("%d masters' pools: the queues should have reached at least two", pools)
 		}
 	})
 
@@ -231,12 +264,15 @@ func TestCluster(t *testing.T) {
 		node := nodes[2]
 		proxy := startReplyDropper(t, node.addr())
 		port := fmt.Sprint(proxy.listener.Addr().(*net.TCPAddr).Port)
-		if _, err := node.conn(t).Do("CONFIG", "SET", "cluster-announce-port", port); err != nil {
+		// With tls-cluster, Redis 7.0 takes a new cluster-announce-port (the plain port it names) only beside a
+		// cluster-announce-tls-port: the node's own.
+		if _, err := node.conn(t).Do("CONFIG", "SET", "cluster-announce-port", port,
+			"cluster-announce-tls-port", tlsPorts[2]); err != nil {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() {
 			if conn, err := redis.Dial("tcp", node.addr()); err == nil {
-				_, _ = conn.Do("CONFIG", "SET", "cluster-announce-port", "0")
+				_, _ = conn.Do("CONFIG", "SET", "cluster-announce-port", "0", "cluster-announce-tls-port", "0")
 				conn.Close()
 			}
 		})
