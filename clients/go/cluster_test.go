@@ -34,7 +34,11 @@ func startCluster(t *testing.T) (nodes []*redisServer, tlsPorts []int, caFile st
 		tlsPorts = append(tlsPorts, tlsPort)
 		addrs = append(addrs, node.addr())
 	}
-	create := exec.Command("redis-cli", append(append([]string{"--cluster", "create"}, addrs...), "--cluster-yes")...)
+	// redis-cli waits for the nodes to agree without a bound of its own.
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	create := exec.CommandContext(ctx, "redis-cli",
+		append(append([]string{"--cluster", "create"}, addrs...), "--cluster-yes")...)
 	if out, err := create.CombinedOutput(); err != nil {
 		t.Fatalf("redis-cli --cluster create: %v\n%s", err, out)
 	}

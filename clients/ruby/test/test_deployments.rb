@@ -5,16 +5,51 @@ require_relative "support"
 require "open3"
 
 module Deployments
+  # A CA and a server certificate it signed for localhost and 127.0.0.1, with P-256 keys (made at once, where RSA
+  # keys take seconds), as the Go client's tls_test.go makes them.
+  def self.certificates(dir)
+    File.write(File.join(dir, "server.ext"), "subjectAltName = DNS:localhost, IP:127.0.0.1\n")
+    [%w[req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout ca.key -out ca.crt -days 2
+        -subj /CN=kmq-ruby-test-CA],
+     %w[req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout server.key -out server.csr
+        -subj /CN=localhost],
+     %w[x509 -req -in server.csr -CA ca.crt -CAkey ca.key -CAcreateserial -out server.crt -days 2
+        -extfile server.ext]].each do |args|
+      out, status = Open3.capture2e("openssl", *args, chdir: dir)
+      raise "openssl #{args.join(' ')}: #{out}" unless status.success?
+    end
+  end
+
+  # The nodes' TLS ports (tls-cluster: CLUSTER SLOTS names them to a client that came over TLS) and the CA file
+  # their certificates are of.
+  class << self
+    attr_reader :tls_ports, :ca_file
+  end
+
   # The file's one cluster, started at its first use and stopped when the tests end.
   def self.cluster
     @cluster ||= begin
+      @tls_ports = []
+      # One CA for every node: their bus connections check each other's certificates.
+      certs = Dir.mktmpdir("kmq-ruby-certs-")
+      certificates(certs)
+      @ca_file = File.join(certs, "ca.crt")
       # Its own bus port: the default (the port + 10000) does not exist for a free port above 55535.
       nodes = Array.new(3) do
-        Support::RedisServer.new("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                                 "--cluster-port", Support.free_port.to_s)
+        @tls_ports << Support.free_port
+        Support::RedisServer.new("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-port",
+                                 Support.free_port.to_s, "--tls-port", @tls_ports.last.to_s, "--tls-cluster", "yes",
+                                 "--tls-cert-file", File.join(certs, "server.crt"),
+                                 "--tls-key-file", File.join(certs, "server.key"),
+                                 "--tls-ca-cert-file", @ca_file, "--tls-auth-clients", "no")
       end
-      Minitest.after_run { nodes.each(&:stop) }
-      out, status = Open3.capture2e("redis-cli", "--cluster", "create", *nodes.map(&:addr), "--cluster-yes")
+      Minitest.after_run do
+        nodes.each(&:stop)
+        FileUtils.rm_rf(certs)
+      end
+      # redis-cli waits for the nodes to agree without a bound of its own.
+      out, status = Open3.capture2e("timeout", "60", "redis-cli", "--cluster", "create", *nodes.map(&:addr),
+                                    "--cluster-yes")
       raise "redis-cli --cluster create: #{out}" unless status.success?
 
       Support.eventually(30, "every node reports cluster_state:ok") do
@@ -68,6 +103,20 @@ class ClusterTest < Minitest::Test
       key = "kmq:{#{queue}}:ready:normal"
       assert_equal 3, Deployments.owner_of(key).redis.llen(key)
     end
+  end
+
+  def test_over_tls_every_master_is_reached_on_its_tls_port
+    nodes # the cluster, with its TLS ports
+    client = Kmq::Client.new(cluster: ["rediss://127.0.0.1:#{Deployments.tls_ports.first}"],
+                             ssl_params: { ca_file: Deployments.ca_file })
+    queues = (0...6).map { |n| "tls#{n}" }
+    queues.each { |queue| client.push(queue, "t", nil, id: "#{queue}-1") }
+    queues.each do |queue|
+      key = "kmq:{#{queue}}:ready:normal"
+      assert_equal "#{queue}-1", JSON.parse(Deployments.owner_of(key).redis.lindex(key, 0))["id"]
+    end
+  ensure
+    client&.close
   end
 
   def test_a_flow_over_queues_of_two_masters_is_pushed
@@ -155,28 +204,13 @@ class TlsTest < Minitest::Test
     @server ||= begin
       tls_port = Support.free_port
       server = Support::RedisServer.new do |dir|
-        certificates(dir)
+        Deployments.certificates(dir)
         ["--tls-port", tls_port.to_s, "--tls-cert-file", File.join(dir, "server.crt"),
          "--tls-key-file", File.join(dir, "server.key"), "--tls-ca-cert-file", File.join(dir, "ca.crt"),
          "--tls-auth-clients", "no"]
       end
       Minitest.after_run { server.stop }
       [server, tls_port]
-    end
-  end
-
-  # A CA and a server certificate it signed for localhost and 127.0.0.1, with P-256 keys (made at once, where RSA
-  # keys take seconds), as the Go client's tls_test.go makes them.
-  def self.certificates(dir)
-    File.write(File.join(dir, "server.ext"), "subjectAltName = DNS:localhost, IP:127.0.0.1\n")
-    [%w[req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout ca.key -out ca.crt -days 2
-        -subj /CN=kmq-ruby-test-CA],
-     %w[req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout server.key -out server.csr
-        -subj /CN=localhost],
-     %w[x509 -req -in server.csr -CA ca.crt -CAkey ca.key -CAcreateserial -out server.crt -days 2
-        -extfile server.ext]].each do |args|
-      out, status = Open3.capture2e("openssl", *args, chdir: dir)
-      raise "openssl #{args.join(' ')}: #{out}" unless status.success?
     end
   end
 
