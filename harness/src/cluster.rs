@@ -45,6 +45,9 @@ const MIGRATE_BATCH: usize = 100;
 /// address of its master.
 type SlotMap = BTreeMap<u16, (u16, String)>;
 
+/// Each running node's address and whether a view has it as a master, sorted.
+type Roles = Vec<(String, bool)>;
+
 /// How to start a cluster.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ClusterOptions {
@@ -218,7 +221,7 @@ impl Cluster {
 
     /// One check of [`Cluster::wait_healthy`]; the agreed slot map when it holds.
     fn healthy(&self) -> Result<SlotMap, String> {
-        let mut agreed: Option<(String, SlotMap, Vec<(String, bool)>)> = None;
+        let mut agreed: Option<(String, SlotMap, Roles)> = None;
         let running_addrs: HashSet<String> = self.running().map(addr).collect();
         for server in self.running() {
             let me = addr(server);
@@ -264,7 +267,7 @@ impl Cluster {
             }
             // Roles too: a view that still has a fresh replica as a master (gossip not yet round) would send
             // it a master's command (a reshard's `SETSLOT NODE`, refused "only with masters").
-            let mut roles: Vec<(String, bool)> = nodes
+            let mut roles: Roles = nodes
                 .iter()
                 .filter(|node| running_addrs.contains(&node.addr))
                 .map(|node| (node.addr.clone(), node.role == Role::Master))
