@@ -674,7 +674,8 @@ impl Client {
     }
 
     /// Cancels the waiting (delayed, retrying or ready) task `id`; returns how many copies were removed (0: it
-    /// was not waiting: unknown, already running, done or dead). A unique id is released.
+    /// was not waiting: unknown, already running, done or dead). A unique id is released; a `unique_for` one stays
+    /// held for its window from now, as after any end (docs/PROTOCOL.md, "Debounce, and unique for a time").
     pub fn cancel(&self, queue: &str, id: &str) -> Result<usize, ClientError> {
         Ok(self.cancel_batch(queue, &[id])?.into_values().sum())
     }
@@ -1028,7 +1029,7 @@ pub struct Requeued {
     /// Ids asked for that had no record, and records gone before their turn (requeued or purged by someone
     /// else, or trimmed by `dead_max`).
     pub not_found: Vec<String>,
-    /// Unique tasks whose id a live task holds: left dead.
+    /// Unique tasks whose id a live task holds, or a `unique_for` task's window after it ended: left dead.
     pub held: Vec<String>,
     /// Records without a task to queue (the payload was not an envelope, or not UTF-8): left dead.
     pub malformed: Vec<String>,

@@ -130,6 +130,8 @@ impl Role {
                 ("~", "{*}:retry:*"),
                 ("~", "{*}:delayed-tasks"),
                 ("~", "{*}:unique"),
+                // A cancelled `unique_for` task's hold (remove.lua, unique_hold.lua).
+                ("~", "{*}:unique:held:*"),
                 ("~", "{*}:stats"),
                 ("~", "{*}:dead"),
                 ("~", "{*}:wake"),
@@ -603,6 +605,8 @@ enum Kind {
     RateSum,
     Dead,
     Unique,
+    /// A `unique_for` id's hold after its task ended (`unique:held:ID`, unique_hold.lua).
+    UniqueHeld,
     UniquePopped,
     /// Default mode's plain pop's list (take.lua), empty outside its transaction.
     Taking,
@@ -856,6 +860,9 @@ const DAEMON: &[(&str, On)] = &[
     ("hget", key(K::UniquePopped)), // and release_unique.lua
     ("hdel", key(K::Unique)),
     ("hsetnx", key(K::Unique)),
+    // unique_hold.lua, in settle.lua and release_unique.lua: a `unique_for` id's hold, left and read.
+    ("set", key(K::UniqueHeld)),
+    ("get", key(K::UniqueHeld)),
     ("lpush", key(K::Ready)),
     ("lpush", key(K::Quarantine)),
     ("zadd", key(K::Retry)),
@@ -1119,6 +1126,9 @@ const CANCEL: &[(&str, On)] = &[
     ("hdel", key(K::DelayedTasks)),
     ("hdel", key(K::Unique)),
     ("hincrby", key(K::Stats)),
+    // A cancelled `unique_for` task's id stays held for its window (unique_hold.lua).
+    ("hget", key(K::Unique)),
+    ("set", key(K::UniqueHeld)),
     // remove.lua checks its keys' types and its counter before it writes.
     ("type", key(K::Ready)),
     ("type", key(K::Retry)),
@@ -1150,6 +1160,8 @@ const DEAD_REQUEUE: &[(&str, On)] = &[
     ("evalsha", key(K::Ready)),
     ("time", NOTHING),
     ("hsetnx", key(K::Unique)),
+    // A requeued unique task's id stays dead while a `unique_for` task's hold is there (unique_hold.lua).
+    ("exists", key(K::UniqueHeld)),
     ("lrem", key(K::Dead)),
     ("hdel", key(K::Unique)),
     ("rpush", key(K::Ready)),
@@ -1324,6 +1336,7 @@ fn names(keys: &QueueKeys, kind: Kind) -> Vec<String> {
         Kind::SettleScratch => vec![keys.settle_scratch(SOME_OWNER)],
         Kind::Dead => vec![keys.dead.clone()],
         Kind::Unique => vec![keys.unique.clone()],
+        Kind::UniqueHeld => vec![keys.unique_held(SOME_OWNER)],
         Kind::UniquePopped => vec![keys.unique_popped.clone()],
         Kind::Taking => vec![keys.taking.clone()],
         Kind::Stats => vec![keys.stats.clone()],

@@ -249,7 +249,8 @@ pub enum Fate {
     Done,
     /// No longer in the dead list (requeued or purged meanwhile by someone else, or trimmed).
     NotFound,
-    /// Not requeued: its unique id is held by a live task. The record stays.
+    /// Not requeued: its unique id is held by a live task, or by a `unique_for` task's window after it ended. The
+    /// record stays.
     Held,
 }
 

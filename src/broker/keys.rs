@@ -287,6 +287,12 @@ impl QueueKeys {
         format!("{}:deps-waiting", self.base)
     }
 
+    /// The hold of a `unique_for` id after its task ended: a string `END:MS` expiring MS after END. The scripts
+    /// build it from the unique hash's name (unique_hold.lua); here for the ACL checks and the tests' readers.
+    pub fn unique_held(&self, id: &str) -> String {
+        format!("{}:held:{id}", self.unique)
+    }
+
     /// The queue's outbox: a list of notes to waiting tasks (any queue's), oldest first.
     pub fn deps_outbox(&self) -> String {
         format!("{}:deps-outbox", self.base)

@@ -289,8 +289,8 @@ pub mod sources {
         include_str!("scripts/pop.lua")
     );
     pub const TAKE: &str = include_str!("scripts/take.lua");
-    /// unique_hold.lua frees a unique id as its task ends, leaving the hold of a `unique_for` task: before
-    /// release_unique.lua and settle.lua, the two scripts that end a task's hold on its id.
+    /// unique_hold.lua frees a unique id as its task ends, leaving the hold of a `unique_for` task, and takes
+    /// one again with its window: before release_unique.lua, settle.lua, dead_requeue.lua and remove.lua.
     pub const RELEASE_UNIQUE: &str = concat!(
         "#!lua\n",
         include_str!("scripts/checks.lua"),
@@ -310,10 +310,21 @@ pub mod sources {
     pub const REGISTER: &str = checked!(#!lua "scripts/register.lua");
     pub const RELEASE: &str = checked!(#!lua "scripts/release.lua");
     pub const PROMOTE: &str = checked!("scripts/promote.lua");
-    pub const REMOVE: &str = checked!("scripts/remove.lua");
+    /// unique_hold.lua leaves a cancelled `unique_for` task's hold.
+    pub const REMOVE: &str = concat!(
+        include_str!("scripts/checks.lua"),
+        include_str!("scripts/unique_hold.lua"),
+        include_str!("scripts/remove.lua")
+    );
     pub const FIRE: &str = checked!("scripts/fire.lua");
     pub const ACCESS: &str = include_str!("scripts/access.lua");
-    pub const DEAD_REQUEUE: &str = checked!(#!lua "scripts/dead_requeue.lua");
+    /// unique_hold.lua takes a requeued task's unique id again with its window.
+    pub const DEAD_REQUEUE: &str = concat!(
+        "#!lua\n",
+        include_str!("scripts/checks.lua"),
+        include_str!("scripts/unique_hold.lua"),
+        include_str!("scripts/dead_requeue.lua")
+    );
     pub const DEAD_PURGE: &str = checked!(#!lua "scripts/dead_purge.lua");
     pub const DRAIN: &str = checked!(#!lua "scripts/drain.lua");
     pub const MOVE: &str = checked!("scripts/move.lua");

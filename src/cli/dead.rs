@@ -135,7 +135,7 @@ pub(super) fn run_dead(config: &Config, command: DeadCommand) -> Result<(), Fail
             if !report.held.is_empty() {
                 let _ = writeln!(
                     out,
-                    "held (a live task holds the unique id; the record stays): {}",
+                    "held (a live task, or a unique_for window, holds the unique id; the record stays): {}",
                     report.held.join(", ")
                 );
             }

@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use kmqd::NewTask;
+use kmqd::client::DeadSelection;
 
 use crate::support::*;
 
@@ -216,4 +217,111 @@ fn a_unique_for_id_stays_held_for_its_window_after_its_task_ended_in_safe_mode()
 #[test]
 fn a_unique_for_id_stays_held_for_its_window_after_its_task_ended_in_default_mode() {
     a_unique_for_id_stays_held_for_its_window_after_its_task_ended("default");
+}
+
+/// Unique for a time, issue 37: `kmqd dead requeue` of a dead `unique_for` task. Its record carries the window
+/// (`"unique_for": MS`, settle.lua); the requeue leaves it dead while the id's hold is there, as a push is refused,
+/// and once the window passed takes the id again with it, so that the requeued run's end holds the id again. The
+/// requeue took it as a plain unique id (`NOW`) whether or not the hold was there: a second run within the window,
+/// and none after it.
+fn a_requeued_unique_for_task_waits_out_its_window_and_holds_it_again_after_it_ends(mode: &str) {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &queue(mode));
+    let daemon = TestDaemon::start(&config);
+    let client = client(&config);
+    let window = Duration::from_secs(600);
+    let task = NewTask::new("test", &data(0, true))
+        .unwrap()
+        .id("doomed")
+        .unique_for(window);
+    assert!(client.push("jobs", task).unwrap().is_accepted(), "{mode}");
+    let dead_ends = |n: u64| {
+        eventually(
+            Duration::from_secs(20),
+            "the task to be dead-lettered",
+            || {
+                let s = stats(&config, "jobs");
+                (s.dead_lettered == n, s)
+            },
+        )
+    };
+    dead_ends(1);
+    let record: String = redis.cmd(&["LINDEX", "kmq:{jobs}:dead", "0"]);
+    assert!(
+        record.contains(r#""unique_for":600000,"#),
+        "{mode}: {record}"
+    );
+    let requeued = client
+        .dead_requeue("jobs", DeadSelection::Ids(&["doomed"]), false)
+        .unwrap();
+    assert_eq!(requeued.held, ["doomed"], "{mode}: {requeued:?}");
+    let field: Option<String> = redis.cmd(&["HGET", "kmq:{jobs}:unique", "doomed"]);
+    assert_eq!(field, None, "{mode}: nothing taken while held");
+    // The window passes (its hold expires).
+    let _: i64 = redis.cmd(&["DEL", "kmq:{jobs}:unique:held:doomed"]);
+    let requeued = client
+        .dead_requeue("jobs", DeadSelection::Ids(&["doomed"]), false)
+        .unwrap();
+    assert_eq!(requeued.requeued, ["doomed"], "{mode}: {requeued:?}");
+    dead_ends(2);
+    let ttl: i64 = redis.cmd(&["PTTL", "kmq:{jobs}:unique:held:doomed"]);
+    assert!(
+        ttl > 0 && ttl <= window.as_millis() as i64,
+        "{mode}: the requeued run's end holds the id for its window: {ttl}"
+    );
+    let again = NewTask::new("test", &data(1, false))
+        .unwrap()
+        .id("doomed")
+        .unique();
+    assert!(!client.push("jobs", again).unwrap().is_accepted(), "{mode}");
+    daemon.stop();
+}
+
+#[test]
+fn a_requeued_unique_for_task_waits_out_its_window_and_holds_it_again_after_it_ends_in_safe_mode() {
+    a_requeued_unique_for_task_waits_out_its_window_and_holds_it_again_after_it_ends("safe");
+}
+
+#[test]
+fn a_requeued_unique_for_task_waits_out_its_window_and_holds_it_again_after_it_ends_in_default_mode()
+ {
+    a_requeued_unique_for_task_waits_out_its_window_and_holds_it_again_after_it_ends("default");
+}
+
+/// Unique for a time, issue 37: a cancel ends a `unique_for` task too, and its id stays held for the window from
+/// then (remove.lua, unique_hold.lua): a cancel cannot tell a task that never ran from a retry's, whose run started
+/// less than the window ago. It freed the id at once, and a push of the id ran again within the window.
+#[test]
+fn a_cancelled_unique_for_task_holds_its_id_for_its_window() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, &queue("safe"));
+    let client = client(&config);
+    let window = Duration::from_secs(600);
+    let push = |id: &str, hold: Option<Duration>| {
+        let task = NewTask::new("test", &data(0, false))
+            .unwrap()
+            .id(id)
+            .delay(Duration::from_secs(3600));
+        let task = match hold {
+            Some(hold) => task.unique_for(hold),
+            None => task.unique(),
+        };
+        client.push("jobs", task).unwrap().is_accepted()
+    };
+    assert!(push("throttled", Some(window)));
+    assert!(push("plain", None));
+    assert_eq!(client.cancel("jobs", "throttled").unwrap(), 1);
+    assert_eq!(client.cancel("jobs", "plain").unwrap(), 1);
+    let ttl: i64 = redis.cmd(&["PTTL", "kmq:{jobs}:unique:held:throttled"]);
+    assert!(ttl > 0 && ttl <= window.as_millis() as i64, "{ttl}");
+    assert!(
+        !push("throttled", None),
+        "held for its window once cancelled"
+    );
+    assert!(
+        push("plain", None),
+        "a plain unique id is free once cancelled"
+    );
 }

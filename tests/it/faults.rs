@@ -1163,6 +1163,75 @@ fn a_default_mode_daemon_woken_past_its_lease_starts_no_unique_task_it_popped_be
     stop_both(a, b);
 }
 
+/// Unique for a time, issue 37: a default-mode daemon paused past its lease with a `unique_for` task popped and not
+/// started. A monitor frees the id into its hold (release_unique.lua); the woken daemon hands the task back, which
+/// takes the id again (settle.lua, "Unique ids"). It took it as a plain unique id (`NOW`), so the run's end freed
+/// it without a hold: the window counted from the owner's loss, not from the task's end. Now the hold's `END:MS`
+/// gives the window back, and the end leaves a new hold.
+#[test]
+fn a_unique_for_task_handed_back_after_its_owner_lost_its_id_holds_its_window_from_its_own_end() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let (config_a, record_a, config_b, record_b) = two_default_daemons(
+        &dir,
+        &redis,
+        (
+            "workers = 1\nprefetch = 4\nlease_timeout = \"1s\"",
+            "workers = 2\nlease_timeout = \"1s\"",
+        ),
+    );
+    let window = Duration::from_secs(600);
+    let release_a = dir.path("release-a");
+    assert!(push_unique(&config_a, "first", &until_file(&release_a)));
+    let a = Process::start(&config_a, dir.path("a.log"));
+    eventually(Duration::from_secs(10), "A to run first", || {
+        (read_records(&record_a).contains("start first "), ())
+    });
+    // Popped by A behind its running task: its one worker is busy.
+    let task = NewTask::new("test", r#"{"sleep_ms":1}"#)
+        .unwrap()
+        .id("throttled")
+        .unique_for(window);
+    assert!(client(&config_a).push("jobs", task).unwrap().is_accepted());
+    eventually(Duration::from_secs(10), "A to pop it", || {
+        let popper = unique_popper(&redis, "throttled");
+        (popper.is_some(), popper)
+    });
+    a.signal(SIGSTOP);
+    let b = Process::start(&config_b, dir.path("b.log"));
+    let hold = "kmq:{jobs}:unique:held:throttled";
+    let freed: String = eventually(
+        Duration::from_secs(20),
+        "B to free the id into its hold",
+        || {
+            let freed: Option<String> = redis.cmd(&["GET", hold]);
+            (freed.is_some(), freed.unwrap_or_default())
+        },
+    );
+    assert!(
+        freed.ends_with(":600000"),
+        "the hold names its window: {freed}"
+    );
+    a.signal(SIGCONT);
+    std::fs::write(&release_a, "").unwrap();
+    // A hands it back unstarted (its owner's lease is gone); it runs once, and its end leaves a hold of its own.
+    let ended: String = eventually(
+        Duration::from_secs(20),
+        "the task's end to leave its own hold",
+        || {
+            let ended: Option<String> = redis.cmd(&["GET", hold]);
+            let ended = ended.unwrap_or_default();
+            (!ended.is_empty() && ended != freed, ended)
+        },
+    );
+    let ms = |hold: &str| hold.split(':').next().unwrap().parse::<u64>().unwrap();
+    assert!(ms(&ended) > ms(&freed), "{freed} then {ended}");
+    assert!(ended.ends_with(":600000"), "{ended}");
+    let runs = format!("{}{}", read_records(&record_a), read_records(&record_b));
+    assert_eq!(runs.matches("start throttled ").count(), 1, "{runs}");
+    stop_both(a, b);
+}
+
 #[test]
 fn a_default_mode_daemon_woken_past_its_lease_starts_no_task_it_popped_under_a_running_limit() {
     // faults-a: a task popped under `max_running` holds a running slot under its popping owner's share. A's pop

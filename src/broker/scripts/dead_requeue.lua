@@ -1,4 +1,4 @@
--- (The broker prepends `#!lua` and checks.lua: src/broker/mod.rs, `sources`.)
+-- (The broker prepends `#!lua`, checks.lua and unique_hold.lua: src/broker/mod.rs, `sources`.)
 -- dead_requeue.lua: move dead-letter records' tasks back to a ready list, each record atomically (kmqd dead
 -- requeue).
 --
@@ -17,7 +17,10 @@
 -- few elements from where the scan starts, not a whole list away (count 1 scanned from the head: O(dead_max) per
 -- record, seconds of a blocked Redis on a list of millions).
 -- The removal and the push are one step: a record is never both requeued and kept, and never lost.
--- The task joins the back of its level, as a new push does; the unique id is taken as push.lua takes it.
+-- The task joins the back of its level, as a new push does; the unique id is taken as push.lua takes it: refused
+-- (2) while a task holds it or a unique_for task's window after its end does (UNIQUE_HASH:held:ID), and taken with
+-- the window the record carries (`"unique_for": MS`, right after `dead_at`, as settle.lua writes it), so that the
+-- requeued run's end holds the id as the first run's did (unique_hold.lua).
 -- A task others wait for (a flow's) has its withdrawal pushed onto the HEAD of its queue's outbox in the same
 -- step (docs/design/flows.md, "A requeued dependency"): movers read the head first, so a waiter
 -- hears of the new run before the dead run's note if that is still in the outbox, and waits for the new run.
@@ -50,7 +53,11 @@ for i = 1, #ARGV, 5 do
   local record, level, uid, envelope = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2], ARGV[i + 3]
   local ready = KEYS[5 + level]
   local ok = 1
-  if uid ~= '' and redis.call('HSETNX', uniq, uid, now) == 0 then
+  -- A unique_for task's record carries its window (settle.lua); an id held after a task ended stays held.
+  local window = string.match(record, '^{"dead_at":%d+,"unique_for":([1-9]%d*),')
+  if window and #window > 12 then window = nil end
+  if uid ~= '' and (redis.call('EXISTS', uniq .. ':held:' .. uid) == 1 or
+      not take_unique_id(uniq, uid, now, window)) then
     ok = 2
   end
   if ok == 1 and redis.call('LREM', dead, -1, record) == 0 then

@@ -61,6 +61,7 @@
 --               its ring's member timed for the throttle's end (groups.lua's TIMED band; a type's ring ignores
 --               scores), and that scope's throttle is the one set: claims take none of its tasks until then
 --   op "dead":  payload (a dead record, a JSON object) is pushed on the dead list with "dead_at" stamped
+--               (and, for a unique_for task, "unique_for": MS after it: unique_hold.lua)
 -- Running limits. A claim list counted under a running limit has a scopes string (`N q`: claim.lua; with type
 -- limits a line `N SCOPE...` per run of the list, in position order); each task of it whose bit this call sets, by whatever op and whichever settling party (the owner, or a monitor for an
 -- expired owner), is subtracted from the running hash's fields the string names, in this step, and the string
@@ -85,8 +86,9 @@
 -- may hold it since. So a default-mode record names that owner (ARGV[5]) and changes the id only if the
 -- unique-popped hash still names it; otherwise an "ack" or "dead" applies without touching the id (it is not
 -- the task's to free), and a task to be queued again ("retry", "back", "throttle") takes the id again if it is
--- free (HSETNX, as push.lua) and is dropped if a newer task holds it: that one runs instead, and two tasks never
--- hold one id. A dropped task's record answers 0 (default-mode records are otherwise never stale).
+-- free (HSETNX, as push.lua, with its window if it is a unique_for id whose hold its owner's loss left: the hold
+-- does not keep the task itself out, as it is no new run) and is dropped if a newer task holds it: that one runs
+-- instead, and two tasks never hold one id. A dropped task's record answers 0 (default-mode records are otherwise never stale).
 --
 -- A task whose bit is already set (or whose claim list is gone) is stale and changes nothing: this fences a slow
 -- owner against a monitor that already recovered its task, and two monitors against each other. Bits are only
@@ -569,7 +571,8 @@ while i <= #ARGV do
       if holds then
         redis.call('HDEL', popped, uid)
       elseif op ~= 'ack' and op ~= 'dead' then
-        queued = redis.call('HSETNX', uniq, uid, now) == 1
+        -- With its window, if it had one: its owner's loss left the hold (release_unique.lua), which says so.
+        queued = take_unique_id(uniq, uid, now, held_window(uniq, uid))
         if not queued then ok = 0 end
       end
     end
@@ -638,10 +641,16 @@ while i <= #ARGV do
       end
     else
       dead_lettered = dead_lettered + 1
-      redis.call('LPUSH', dead, '{"dead_at":' .. string.format('%d', now) .. ',' .. string.sub(payload, 2))
+      -- A unique_for task's record carries its window, which `dead requeue` takes the id again with.
+      local window = nil
       if uid ~= '' and holds then
-        free_unique_id(uniq, uid, now)
+        window = free_unique_id(uniq, uid, now)
+      elseif uid ~= '' then
+        window = held_window(uniq, uid)
       end
+      local stamp = '{"dead_at":' .. string.format('%d', now) .. ','
+      if window then stamp = stamp .. '"unique_for":' .. window .. ',' end
+      redis.call('LPUSH', dead, stamp .. string.sub(payload, 2))
     end
   end
   result[#result + 1] = ok
