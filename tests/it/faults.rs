@@ -1163,72 +1163,155 @@ fn a_default_mode_daemon_woken_past_its_lease_starts_no_unique_task_it_popped_be
     stop_both(a, b);
 }
 
+/// A default-mode daemon A paused past its lease with a `unique_for` task, `throttled`, popped and not started
+/// (behind a task that runs until `release-a` exists), and daemon B, whose monitor freed the id into its hold
+/// (release_unique.lua); with A's config, both run records, the file that releases A's worker, and the hold's
+/// value.
+struct ReleasedZombie {
+    a: Process,
+    b: Process,
+    config_a: std::path::PathBuf,
+    records: [std::path::PathBuf; 2],
+    release_a: std::path::PathBuf,
+    freed: String,
+}
+
+impl ReleasedZombie {
+    const HOLD: &str = "kmq:{jobs}:unique:held:throttled";
+
+    fn start(dir: &TestDir, redis: &RedisServer) -> ReleasedZombie {
+        let (config_a, record_a, config_b, record_b) = two_default_daemons(
+            dir,
+            redis,
+            (
+                "workers = 1\nprefetch = 4\nlease_timeout = \"1s\"",
+                "workers = 2\nlease_timeout = \"1s\"",
+            ),
+        );
+        let release_a = dir.path("release-a");
+        assert!(push_unique(&config_a, "first", &until_file(&release_a)));
+        let a = Process::start(&config_a, dir.path("a.log"));
+        eventually(Duration::from_secs(10), "A to run first", || {
+            (read_records(&record_a).contains("start first "), ())
+        });
+        // Popped by A behind its running task: its one worker is busy.
+        assert!(push_unique_for(&config_a, "throttled"));
+        eventually(Duration::from_secs(10), "A to pop it", || {
+            let popper = unique_popper(redis, "throttled");
+            (popper.is_some(), popper)
+        });
+        a.signal(SIGSTOP);
+        let b = Process::start(&config_b, dir.path("b.log"));
+        let freed = Self::hold_once(redis, "B to free the id into its hold", |hold| {
+            !hold.is_empty()
+        });
+        assert!(
+            freed.ends_with(":600000:released"),
+            "the hold names its window, and that a release left it: {freed}"
+        );
+        ReleasedZombie {
+            a,
+            b,
+            config_a,
+            records: [record_a, record_b],
+            release_a,
+            freed,
+        }
+    }
+
+    /// The hold's value ("" while there is none) once `wanted` says it is the one waited for.
+    fn hold_once(redis: &RedisServer, what: &str, wanted: impl Fn(&str) -> bool) -> String {
+        eventually(Duration::from_secs(20), what, || {
+            let hold: Option<String> = redis.cmd(&["GET", Self::HOLD]);
+            let hold = hold.unwrap_or_default();
+            (wanted(&hold), hold)
+        })
+    }
+
+    /// A wakes and its worker, free once first ends, finds its owner's lease gone and hands `throttled` back.
+    fn wake(&self) {
+        self.a.signal(SIGCONT);
+        std::fs::write(&self.release_a, "").unwrap();
+    }
+
+    fn starts(&self, id: &str) -> usize {
+        let runs = format!(
+            "{}{}",
+            read_records(&self.records[0]),
+            read_records(&self.records[1])
+        );
+        runs.matches(&format!("start {id} ")).count()
+    }
+}
+
+/// A `unique_for` push of `id` with a window of 600 s, of a task that sleeps 1 ms.
+fn push_unique_for(config: &Path, id: &str) -> bool {
+    let task = NewTask::new("test", r#"{"sleep_ms":1}"#)
+        .unwrap()
+        .id(id)
+        .unique_for(Duration::from_secs(600));
+    client(config).push("jobs", task).unwrap().is_accepted()
+}
+
 /// Unique for a time, issue 37: a default-mode daemon paused past its lease with a `unique_for` task popped and not
 /// started. A monitor frees the id into its hold (release_unique.lua); the woken daemon hands the task back, which
 /// takes the id again (settle.lua, "Unique ids"). It took it as a plain unique id (`NOW`), so the run's end freed
-/// it without a hold: the window counted from the owner's loss, not from the task's end. Now the hold's `END:MS`
-/// gives the window back, and the end leaves a new hold.
+/// it without a hold: the window counted from the owner's loss, not from the task's end. Now the hold's
+/// `END:MS:released` gives the window back, and the end leaves a new hold.
 #[test]
 fn a_unique_for_task_handed_back_after_its_owner_lost_its_id_holds_its_window_from_its_own_end() {
     let redis = RedisServer::start();
     let dir = TestDir::new();
-    let (config_a, record_a, config_b, record_b) = two_default_daemons(
-        &dir,
-        &redis,
-        (
-            "workers = 1\nprefetch = 4\nlease_timeout = \"1s\"",
-            "workers = 2\nlease_timeout = \"1s\"",
-        ),
-    );
-    let window = Duration::from_secs(600);
-    let release_a = dir.path("release-a");
-    assert!(push_unique(&config_a, "first", &until_file(&release_a)));
-    let a = Process::start(&config_a, dir.path("a.log"));
-    eventually(Duration::from_secs(10), "A to run first", || {
-        (read_records(&record_a).contains("start first "), ())
-    });
-    // Popped by A behind its running task: its one worker is busy.
-    let task = NewTask::new("test", r#"{"sleep_ms":1}"#)
-        .unwrap()
-        .id("throttled")
-        .unique_for(window);
-    assert!(client(&config_a).push("jobs", task).unwrap().is_accepted());
-    eventually(Duration::from_secs(10), "A to pop it", || {
-        let popper = unique_popper(&redis, "throttled");
-        (popper.is_some(), popper)
-    });
-    a.signal(SIGSTOP);
-    let b = Process::start(&config_b, dir.path("b.log"));
-    let hold = "kmq:{jobs}:unique:held:throttled";
-    let freed: String = eventually(
-        Duration::from_secs(20),
-        "B to free the id into its hold",
-        || {
-            let freed: Option<String> = redis.cmd(&["GET", hold]);
-            (freed.is_some(), freed.unwrap_or_default())
-        },
-    );
-    assert!(
-        freed.ends_with(":600000"),
-        "the hold names its window: {freed}"
-    );
-    a.signal(SIGCONT);
-    std::fs::write(&release_a, "").unwrap();
-    // A hands it back unstarted (its owner's lease is gone); it runs once, and its end leaves a hold of its own.
-    let ended: String = eventually(
-        Duration::from_secs(20),
-        "the task's end to leave its own hold",
-        || {
-            let ended: Option<String> = redis.cmd(&["GET", hold]);
-            let ended = ended.unwrap_or_default();
-            (!ended.is_empty() && ended != freed, ended)
-        },
-    );
+    let zombie = ReleasedZombie::start(&dir, &redis);
+    zombie.wake();
+    // It runs once, and its end leaves a hold of its own.
+    let ended =
+        ReleasedZombie::hold_once(&redis, "the task's end to leave its own hold", |ended| {
+            !ended.is_empty() && ended != zombie.freed
+        });
     let ms = |hold: &str| hold.split(':').next().unwrap().parse::<u64>().unwrap();
-    assert!(ms(&ended) > ms(&freed), "{freed} then {ended}");
+    assert!(
+        ms(&ended) > ms(&zombie.freed),
+        "{} then {ended}",
+        zombie.freed
+    );
     assert!(ended.ends_with(":600000"), "{ended}");
-    let runs = format!("{}{}", read_records(&record_a), read_records(&record_b));
-    assert_eq!(runs.matches("start throttled ").count(), 1, "{runs}");
+    assert_eq!(zombie.starts("throttled"), 1);
+    let ReleasedZombie { a, b, .. } = zombie;
+    stop_both(a, b);
+}
+
+/// Unique for a time, issue 37: as above, but once the release's hold has passed a newer task of the id is pushed,
+/// runs and ends (its hold left) before the woken daemon hands its task back. That task is dropped, as when a newer
+/// task holds the id: the newer one ran instead, within the window. Taking the id again whatever the hold (this
+/// branch's first step) ran it right after the newer one's end.
+#[test]
+fn a_unique_for_task_handed_back_after_a_newer_task_ran_in_its_window_is_dropped() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let zombie = ReleasedZombie::start(&dir, &redis);
+    // The release's window passes; a newer task of the id runs on B and ends.
+    let _: i64 = redis.cmd(&["DEL", ReleasedZombie::HOLD]);
+    assert!(push_unique_for(&zombie.config_a, "throttled"));
+    let ended =
+        ReleasedZombie::hold_once(&redis, "the newer task's end to leave its hold", |ended| {
+            ended.ends_with(":600000")
+        });
+    zombie.wake();
+    eventually(
+        Duration::from_secs(20),
+        "A's hand-back to be dropped",
+        || {
+            let log = std::fs::read_to_string(dir.path("a.log")).unwrap_or_default();
+            (log.contains("unique tasks were not queued again"), ())
+        },
+    );
+    assert_eq!(zombie.starts("throttled"), 1, "the newer task's run only");
+    let hold: Option<String> = redis.cmd(&["GET", ReleasedZombie::HOLD]);
+    assert_eq!(hold, Some(ended), "the newer task's hold stays");
+    let field: Option<String> = redis.cmd(&["HGET", "kmq:{jobs}:unique", "throttled"]);
+    assert_eq!(field, None, "nothing holds the id");
+    let ReleasedZombie { a, b, .. } = zombie;
     stop_both(a, b);
 }
 

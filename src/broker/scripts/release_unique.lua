@@ -15,7 +15,7 @@ local released = 0
 for i = 2, #ARGV do
   if redis.call('HGET', KEYS[2], ARGV[i]) == ARGV[1] then
     redis.call('HDEL', KEYS[2], ARGV[i])
-    free_unique_id(KEYS[1], ARGV[i], now)
+    free_unique_id(KEYS[1], ARGV[i], now, true)
     released = released + 1
   end
 end

@@ -86,9 +86,10 @@
 -- may hold it since. So a default-mode record names that owner (ARGV[5]) and changes the id only if the
 -- unique-popped hash still names it; otherwise an "ack" or "dead" applies without touching the id (it is not
 -- the task's to free), and a task to be queued again ("retry", "back", "throttle") takes the id again if it is
--- free (HSETNX, as push.lua, with its window if it is a unique_for id whose hold its owner's loss left: the hold
--- does not keep the task itself out, as it is no new run) and is dropped if a newer task holds it: that one runs
--- instead, and two tasks never hold one id. A dropped task's record answers 0 (default-mode records are otherwise never stale).
+-- free (HSETNX, as push.lua, with its window if it is a unique_for id whose hold its owner's loss left: that hold
+-- does not keep the task itself out, as it is no new run) and is dropped if a newer task holds it, or a newer
+-- task's end left the id's hold: that one runs (or ran, within the window) instead, and two tasks never hold one
+-- id. A dropped task's record answers 0 (default-mode records are otherwise never stale).
 --
 -- A task whose bit is already set (or whose claim list is gone) is stale and changes nothing: this fences a slow
 -- owner against a monitor that already recovered its task, and two monitors against each other. Bits are only
@@ -571,8 +572,10 @@ while i <= #ARGV do
       if holds then
         redis.call('HDEL', popped, uid)
       elseif op ~= 'ack' and op ~= 'dead' then
-        -- With its window, if it had one: its owner's loss left the hold (release_unique.lua), which says so.
-        queued = take_unique_id(uniq, uid, now, held_window(uniq, uid))
+        -- With its window, if it had one: its owner's loss left the hold (release_unique.lua), which says so; a
+        -- hold another task's end left means that task ran instead, within the window: this one is dropped.
+        local window, ended = held_window(uniq, uid)
+        queued = not ended and take_unique_id(uniq, uid, now, window)
         if not queued then ok = 0 end
       end
     end
@@ -646,7 +649,7 @@ while i <= #ARGV do
       if uid ~= '' and holds then
         window = free_unique_id(uniq, uid, now)
       elseif uid ~= '' then
-        window = held_window(uniq, uid)
+        window = (held_window(uniq, uid))
       end
       local stamp = '{"dead_at":' .. string.format('%d', now) .. ','
       if window then stamp = stamp .. '"unique_for":' .. window .. ',' end
