@@ -21,6 +21,9 @@
 //!   record keyed by dependency): a waiting task released exactly once, after all its dependencies, a model of
 //!   its own.
 //!
+//! - [`unique`]: unique for a time (issue 37: unique_hold.lua's holds, settle.lua's and dead_requeue.lua's taking
+//!   an id again with its window, remove.lua's cancel), a model of its own.
+//!
 //! See `model/README.md` for what the model covers, what it leaves out, and what the checker found.
 
 pub mod canon;
@@ -33,6 +36,7 @@ pub mod run;
 pub mod setup;
 pub mod turns;
 pub mod types;
+pub mod unique;
 pub mod wake;
 
 pub use model::{Action, Protocol, State};
