@@ -819,6 +819,35 @@ fn a_producer_made_from_the_rules_before_debounce_pushes_and_is_told_what_a_debo
     assert_eq!(acl_log(&redis), Vec::<String>::new());
 }
 
+/// Unique for a time, issue 37: a cancel leaves a `unique_for` task's hold, which the operators' rules gained
+/// (`~kmq:{*}:unique:held:*`). An operator made from the rules before is refused at start, naming what to add, and
+/// nothing is cancelled; with the documented rules the cancel leaves the hold.
+#[test]
+fn an_operator_made_from_the_rules_before_unique_for_is_told_what_a_cancel_needs() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let operator = config_as(&dir, &redis, "kmqd-operator", "", QUEUES);
+    let admin = dir.config(&redis, QUEUES);
+    create_user(&redis, Role::Operator, |rule| {
+        rule != "~kmq:{*}:unique:held:*"
+    });
+    let task = kmqd::NewTask::new("test", "{}")
+        .unwrap()
+        .id("t")
+        .delay(Duration::from_secs(3600))
+        .unique_for(Duration::from_secs(600));
+    assert!(client(&admin).push("mail", task).unwrap().is_accepted());
+    let (_, err) = run(&operator, &["task", "cancel", "mail", "t"], None, 2);
+    assert!(err.contains("unique:held"), "{err}");
+    assert_eq!(stats(&admin, "mail").delayed, 1);
+    create_user(&redis, Role::Operator, |_| true);
+    run(&operator, &["task", "cancel", "mail", "t"], None, 0);
+    assert_eq!(stats(&admin, "mail").delayed, 0);
+    let ttl: i64 = redis.cmd(&["PTTL", "kmq:{mail}:unique:held:t"]);
+    assert!(ttl > 0, "{ttl}");
+    assert_eq!(acl_log(&redis), Vec::<String>::new());
+}
+
 /// `kmqd flow push` as the documented producer user (flow_push.lua's waiting tasks, push.lua's leaves), the flow
 /// run by the daemon user (notes in settles, the outboxes' movers, releases across two queues, a dead
 /// dependency under `continue`), `flow show` as the reader, and `dead requeue` of the dead dependency as the
