@@ -88,7 +88,7 @@ ensure_packages() {
 # The Go client's tests (clients/go/run-tests): Debian's Go (1.19 on Debian 12) and redigo, in Debian's GOPATH
 # (the Go module proxy is not reachable from these machines).
 ensure_go_client() {
-    ensure_packages golang-go golang-github-gomodule-redigo-dev
+    ensure_packages golang-go golang-github-gomodule-redigo-dev golang-opentelemetry-otel-dev
 }
 
 # The Ruby client's tests (clients/ruby/run-tests): Debian's ruby (3.1 on Debian 12), redis-rb 4.8 and minitest
