@@ -163,10 +163,20 @@ fn decoded(request: ExportTraceServiceRequest) -> Vec<ReceivedSpan> {
 /// A daemon tracing to `endpoint`, its handler the testkit plugin; exports every 100 ms (the SDK's
 /// `OTEL_BSP_SCHEDULE_DELAY`), at info level (at debug, every run is timed for its log line anyway).
 fn start_traced(redis: &RedisServer, dir: &TestDir, endpoint: &str) -> (PathBuf, Process) {
+    start_traced_with(redis, dir, endpoint, "")
+}
+
+/// As [`start_traced`], with `daemon` the extra `[daemon]` keys.
+fn start_traced_with(
+    redis: &RedisServer,
+    dir: &TestDir,
+    endpoint: &str,
+    daemon: &str,
+) -> (PathBuf, Process) {
     dir.install_plugin(&built_plugin("kmq-testkit"), "libkmq_testkit.so");
     let config = dir.config_with(
         redis,
-        &format!("shutdown_grace = \"5s\"\notlp_endpoint = \"{endpoint}\""),
+        &format!("shutdown_grace = \"5s\"\notlp_endpoint = \"{endpoint}\"\n{daemon}"),
         &safe_queue("workers = 4\nretry_times = 3\nbackoff = \"10ms\""),
     );
     let daemon = Process::start_with_env(
@@ -557,19 +567,11 @@ fn a_run_ended_by_the_execution_timeout_exports_the_span_its_handler_was_handed(
 fn spans_an_export_lost_are_counted_in_kmqd_otel_spans_dropped_total() {
     let redis = RedisServer::start();
     let dir = TestDir::new();
-    dir.install_plugin(&built_plugin("kmq-testkit"), "libkmq_testkit.so");
-    let config = dir.config_with(
+    let (config, daemon) = start_traced_with(
         &redis,
-        &format!(
-            "shutdown_grace = \"5s\"\nmetrics_addr = \"127.0.0.1:0\"\notlp_endpoint = \"http://127.0.0.1:{}\"",
-            free_port()
-        ),
-        &safe_queue("workers = 4"),
-    );
-    let daemon = Process::start_with_env(
-        &config,
-        dir.path("kmqd.log"),
-        &[("RUST_LOG", "info"), ("OTEL_BSP_SCHEDULE_DELAY", "100")],
+        &dir,
+        &format!("http://127.0.0.1:{}", free_port()),
+        "metrics_addr = \"127.0.0.1:0\"",
     );
     let addr = daemon.metrics_addr();
     push_many(&config, "t", 10, "{}");
