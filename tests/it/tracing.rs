@@ -505,46 +505,49 @@ fn a_c_plugin_reads_the_run_s_trace_context_from_kmq_host() {
     stop(daemon);
 }
 
-/// The execution timeout ends a run whose handler still runs: the span it exports is the one the handler was
-/// handed (its spans nest under it), not one with an id of its own.
-#[test]
-fn a_run_ended_by_the_execution_timeout_exports_the_span_its_handler_was_handed() {
-    let (redis, dir, receiver) = fixture();
+/// A traced task `overdue` whose Python handler writes the trace context it was handed into a file, then hangs;
+/// `queue` the queue's extra keys. Returns once the handler wrote it, with that context.
+fn start_a_hanging_run(
+    redis: &RedisServer,
+    dir: &TestDir,
+    receiver: &Receiver,
+    queue: &str,
+) -> (PathBuf, Process, String) {
     let written = dir.path("handed");
     let (config, daemon) = start_python_handler_with(
-        &redis,
-        &dir,
+        redis,
+        dir,
         &format!("otlp_endpoint = \"{}\"", receiver.endpoint()),
         &format!(
             "if not task.data:\n        return Result(None)\n    \
              open({:?}, \"w\").write(task.traceparent)\n    import time\n    time.sleep(60)",
             written.display().to_string()
         ),
-        "retry_times = 0\nexecution_timeout = \"2s\"",
+        queue,
     );
     // A first task starts the handler's process, whose start (Python's, on a busy machine) is then not part of
     // the timed run.
     let warm = NewTask::new("traced", "{}").unwrap().id("warm");
     assert!(client(&config).push("jobs", warm).unwrap().is_accepted());
-    handed(&redis, "warm");
+    handed(redis, "warm");
     let task = NewTask::new("traced", r#"{"hang": true}"#)
         .unwrap()
         .id("overdue")
         .trace(traceparent(), None);
     assert!(client(&config).push("jobs", task).unwrap().is_accepted());
-    let spans = receiver.wait_for("the timed-out run's span", |spans| {
-        spans
-            .iter()
-            .any(|span| span.attributes["messaging.message.id"] == "overdue")
-    });
-    let spans: Vec<_> = spans
-        .into_iter()
-        .filter(|span| span.attributes["messaging.message.id"] == "overdue")
-        .collect();
-    let handed = eventually(Duration::from_secs(10), "the handler's file", || {
+    let handed = eventually(Duration::from_secs(30), "the handler's file", || {
         let text = std::fs::read_to_string(&written).unwrap_or_default();
         (!text.is_empty(), text)
     });
+    (config, daemon, handed)
+}
+
+/// Checks that the one span of `overdue` is the run's the handler was handed (`handed`), under the producer's,
+/// with the `outcome` whoever took the run decided.
+fn the_overdue_run_s_span_is_the_handed_one(receiver: &Receiver, handed: &str, outcome: &str) {
+    let overdue = |span: &ReceivedSpan| span.attributes["messaging.message.id"] == "overdue";
+    let spans = receiver.wait_for("the overdue run's span", |spans| spans.iter().any(overdue));
+    let spans: Vec<_> = spans.into_iter().filter(overdue).collect();
     assert_eq!(
         handed,
         format!("00-{TRACE_ID}-{}-01", spans[0].span_id),
@@ -552,14 +555,37 @@ fn a_run_ended_by_the_execution_timeout_exports_the_span_its_handler_was_handed(
     );
     assert_eq!(
         (
+            spans.len(),
             spans[0].parent_span_id.as_str(),
             spans[0].attributes["kmqd.task.outcome"].as_str(),
-            spans[0].status_code
         ),
-        (PARENT_SPAN_ID, "dead", 2),
+        (1, PARENT_SPAN_ID, outcome),
         "{spans:#?}"
     );
+}
+
+/// The execution timeout ends a run whose handler still runs: the span it exports is the one the handler was
+/// handed (its spans nest under it), not one with an id of its own.
+#[test]
+fn a_run_ended_by_the_execution_timeout_exports_the_span_its_handler_was_handed() {
+    let (redis, dir, receiver) = fixture();
+    let (_config, daemon, handed) = start_a_hanging_run(
+        &redis,
+        &dir,
+        &receiver,
+        "retry_times = 0\nexecution_timeout = \"2s\"",
+    );
+    the_overdue_run_s_span_is_the_handed_one(&receiver, &handed, "dead");
     stop(daemon);
+}
+
+/// Safe mode's shutdown hands back a run still going after `shutdown_grace`: its span too is the handler's.
+#[test]
+fn a_run_the_shutdown_hands_back_exports_the_span_its_handler_was_handed() {
+    let (redis, dir, receiver) = fixture();
+    let (_config, daemon, handed) = start_a_hanging_run(&redis, &dir, &receiver, "");
+    stop(daemon);
+    the_overdue_run_s_span_is_the_handed_one(&receiver, &handed, "back");
 }
 
 /// Spans the collector never got are counted on the metrics page: here every export fails (nothing listens).
