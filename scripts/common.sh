@@ -88,7 +88,7 @@ ensure_packages() {
 # The Go client's tests (clients/go/run-tests): Debian's Go (1.19 on Debian 12) and redigo, in Debian's GOPATH
 # (the Go module proxy is not reachable from these machines).
 ensure_go_client() {
-    ensure_packages golang-go golang-github-gomodule-redigo-dev
+    ensure_packages golang-go golang-github-gomodule-redigo-dev golang-opentelemetry-otel-dev
 }
 
 # The Ruby client's tests (clients/ruby/run-tests): Debian's ruby (3.1 on Debian 12), redis-rb 4.8 and minitest
@@ -109,6 +109,23 @@ ensure_python_client() {
         { /usr/bin/python3 -c 'import pytest, redis, setuptools' && /usr/bin/python3 -m pip --version; } >/dev/null ||
             { echo "installing them failed" >&2; exit 1; }
     fi
+}
+
+# ensure_otel_venv: prints the python of a venv over /usr/bin/python3 (its Debian packages seen through
+# --system-site-packages: pytest, redis-py) with opentelemetry-api from PyPI (Debian does not package it), for the
+# Python SDK's and client's tracing tests. It lives in the target directory, so a warm one keeps it: 16 s to make
+# with the download, 4 s CPU (2026-12-07, load average 22 on 2 cores), 3 s to check after. Needs python3-venv.
+OTEL_API_VERSION=1.45.3
+ensure_otel_venv() {
+    local venv="${CARGO_TARGET_DIR:-$PWD/target}/python-otel"
+    if ! "$venv/bin/python" -c 'import opentelemetry.trace, pytest, redis' >/dev/null 2>&1; then
+        ensure_packages python3-venv >&2
+        rm -rf "$venv"
+        /usr/bin/python3 -m venv --system-site-packages "$venv" >&2
+        "$venv/bin/pip" install --quiet --disable-pip-version-check "opentelemetry-api==$OTEL_API_VERSION" >&2 ||
+            { echo "installing opentelemetry-api from PyPI into $venv failed" >&2; exit 1; }
+    fi
+    echo "$venv/bin/python"
 }
 
 # The Node SDK's tests (sdk/node, and tests/it/sdk.rs) run with node: Debian's nodejs package (18 on Debian 12).

@@ -220,6 +220,9 @@ pub struct Observed {
     pub outcomes: Family<OutcomeLabels, Counter>,
     pub redis_errors: Family<ErrorLabels, Counter>,
     pub held_back: Family<HeldBackLabels, Counter>,
+    /// Run spans that never reached the collector: dropped with the exporter's queue full, or lost with an
+    /// export that failed (`crate::otel`). Tracing is best effort; this says how best.
+    pub spans_dropped: Counter,
 }
 
 static OBSERVED: LazyLock<Observed> = LazyLock::new(|| Observed {
@@ -227,6 +230,7 @@ static OBSERVED: LazyLock<Observed> = LazyLock::new(|| Observed {
     outcomes: Family::default(),
     redis_errors: Family::default(),
     held_back: Family::default(),
+    spans_dropped: Counter::default(),
 });
 
 /// This process's observations.

@@ -5,20 +5,26 @@
 //! handler is handed the run span's context and its own spans nest under the run; the span is made whole where
 //! the run's outcome is decided, [`crate::queue::QueueContext::settle`], and ends there. Its parent is the
 //! producer's W3C trace context, which the envelope carries in its `traceparent` and `tracestate` fields
-//! (docs/CLIENTS.md). A run that no worker started (a task handed back or recovered, a run timed out, whose
-//! worker still holds it) gets a span that starts at the decision, or when its run started if that is known. The envelope keeps both fields through a retry, a recovery and a dead letter's
-//! requeue (they are fields kmqd does not decode, kept byte for byte), so every run of one task is a child of the
-//! same producer's span, in the same trace. A task without them gets a root span.
+//! (docs/CLIENTS.md). A run that another party ends while its handler still runs (the execution timeout,
+//! a safe-mode shutdown) is exported with the span its handler was handed: the worker keeps a copy of the
+//! [`RunTrace`] with the held task for that party. A task that no worker of this daemon started (handed back unrun,
+//! recovered from a dead daemon) gets a span that starts at the decision. The envelope keeps both fields through a
+//! retry, a recovery and a dead letter's requeue (they are fields kmqd does not decode, kept byte for byte), so
+//! every run of one task is a child of the same producer's span, in the same trace. A task without them gets a root
+//! span.
 //!
 //! A span never waits for the collector: ending it hands it to the SDK's batch processor, which queues it
 //! (bounded, [`MAX_QUEUED_SPANS`]) and exports from a thread of its own; with the queue full (a collector down
-//! or slow), the span is dropped, and the SDK logs the first drop, then the total at the shutdown. An export that
-//! fails loses its spans: [`Reported`] says so once, then every [`SUMMARY_EVERY`] while exports keep failing,
-//! and once when one succeeds again (the SDK alone would log an error per batch, many a second for a busy
-//! daemon whose collector is down). Tracing is best effort; tasks are not.
+//! or slow), the span is dropped. An export that fails loses its spans: [`Reported`] says so once, then every
+//! [`SUMMARY_EVERY`] while exports keep failing, and once when one succeeds again (the SDK alone would log an
+//! error per batch, many a second for a busy daemon whose collector is down). Both losses are counted in
+//! `kmqd_otel_spans_dropped_total` (docs/OPERATIONS.md, "Metrics"): the SDK keeps its count of full-queue drops
+//! to itself, so [`Gated`] bounds the queue in front of it, where a drop can be counted. Tracing is best effort;
+//! tasks are not.
 
 use std::borrow::Cow;
-use std::sync::{Mutex, PoisonError};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
 
 use opentelemetry::propagation::{Extractor, TextMapPropagator};
@@ -32,9 +38,10 @@ use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{
     BatchConfigBuilder, BatchSpanProcessor, IdGenerator, RandomIdGenerator, SdkTracerProvider,
-    SpanData, SpanExporter, Tracer,
+    SpanData, SpanExporter, SpanProcessor, Tracer,
 };
 
+use crate::observed::observed;
 use crate::policy::Action;
 use crate::retry::SUMMARY_EVERY;
 use crate::task::Envelope;
@@ -82,9 +89,11 @@ impl Exporter {
             .with_timeout(EXPORT_TIMEOUT)
             .build()
             .map_err(|build| error(build.to_string()))?;
+        let queued = Arc::new(AtomicUsize::new(0));
         let exporter = Reported {
             inner: exporter,
             failures: Mutex::new(Failures::default()),
+            queued: Arc::clone(&queued),
         };
         let processor = BatchSpanProcessor::builder(exporter)
             .with_batch_config(
@@ -94,7 +103,11 @@ impl Exporter {
             )
             .build();
         let provider = SdkTracerProvider::builder()
-            .with_span_processor(processor)
+            .with_span_processor(Gated {
+                inner: processor,
+                queued,
+                most: MAX_QUEUED_SPANS,
+            })
             .with_resource(Resource::builder().with_service_name("kmqd").build())
             .build();
         let tracer = provider.tracer("kmqd");
@@ -195,11 +208,52 @@ impl Exporter {
     }
 }
 
-/// The OTLP exporter, its failures reported without flooding the log (the module's doc).
+/// The batch processor behind a bound of its own, so that the spans it would drop with its queue full are
+/// counted: `queued` counts the spans handed on and not yet through an export ([`Reported`] takes them off), which
+/// holds every span in the batch processor's queue, so that queue (as large as `most`) never fills, and a span
+/// past `most` is dropped here, counted.
+#[derive(Debug)]
+struct Gated<P> {
+    inner: P,
+    queued: Arc<AtomicUsize>,
+    most: usize,
+}
+
+impl<P: SpanProcessor> SpanProcessor for Gated<P> {
+    fn on_start(&self, span: &mut opentelemetry_sdk::trace::Span, context: &Context) {
+        self.inner.on_start(span, context);
+    }
+
+    fn on_end(&self, span: SpanData) {
+        if self.queued.fetch_add(1, Ordering::Relaxed) >= self.most {
+            self.queued.fetch_sub(1, Ordering::Relaxed);
+            observed().spans_dropped.inc();
+            return;
+        }
+        self.inner.on_end(span);
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        self.inner.force_flush()
+    }
+
+    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
+        self.inner.shutdown_with_timeout(timeout)
+    }
+
+    fn set_resource(&mut self, resource: &Resource) {
+        self.inner.set_resource(resource);
+    }
+}
+
+/// The OTLP exporter, its failures reported without flooding the log (the module's doc) and counted in
+/// `kmqd_otel_spans_dropped_total`.
 #[derive(Debug)]
 struct Reported<E> {
     inner: E,
     failures: Mutex<Failures>,
+    /// [`Gated`]'s count of spans on their way, which an export's spans leave when it is over.
+    queued: Arc<AtomicUsize>,
 }
 
 /// The current run of failed exports.
@@ -213,8 +267,13 @@ struct Failures {
 
 impl<E: SpanExporter> SpanExporter for Reported<E> {
     async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
-        let spans = batch.len() as u64;
+        let count = batch.len();
+        let spans = count as u64;
         let result = self.inner.export(batch).await;
+        self.queued.fetch_sub(count, Ordering::Relaxed);
+        if result.is_err() {
+            observed().spans_dropped.inc_by(spans);
+        }
         // A poisoned lock only means a report panicked: the counts are still counts.
         let mut failures = self.failures.lock().unwrap_or_else(PoisonError::into_inner);
         match result {
@@ -381,6 +440,41 @@ fn failure(action: &Action) -> Option<&str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A batch processor whose export never ends: it takes every span and lets none go.
+    #[derive(Debug)]
+    struct Stalled;
+
+    impl SpanProcessor for Stalled {
+        fn on_start(&self, _: &mut opentelemetry_sdk::trace::Span, _: &Context) {}
+        fn on_end(&self, _: SpanData) {}
+        fn force_flush(&self) -> OTelSdkResult {
+            Ok(())
+        }
+        fn shutdown_with_timeout(&self, _: Duration) -> OTelSdkResult {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_span_past_the_queue_s_bound_is_dropped_and_counted() {
+        let queued = Arc::new(AtomicUsize::new(0));
+        let provider = SdkTracerProvider::builder()
+            .with_span_processor(Gated {
+                inner: Stalled,
+                queued: Arc::clone(&queued),
+                most: 2,
+            })
+            .build();
+        let tracer = provider.tracer("test");
+        let before = observed().spans_dropped.get();
+        for _ in 0..3 {
+            tracer.start("run").end();
+        }
+        // Other tests of this process may drop spans too, never fewer.
+        assert!(observed().spans_dropped.get() > before);
+        assert_eq!(queued.load(Ordering::Relaxed), 2);
+    }
 
     #[test]
     fn traces_go_to_v1_traces_under_the_endpoint() {

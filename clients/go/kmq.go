@@ -234,9 +234,8 @@ func Unique() PushOption { return func(p *pushSettings) { p.unique = true } }
 // WithGroup sets the task's group (1 to 64 bytes of UTF-8), for a queue with `[queues.groups]`.
 func WithGroup(group string) PushOption { return func(p *pushSettings) { p.group = &group } }
 
-// WithTraceparent sets the envelope's W3C `traceparent` (and `tracestate`, when not empty). Go's OpenTelemetry
-// API is not in Debian, so this client does not read the current span: pass its context explicitly, e.g.
-// with propagation.TraceContext{}.Inject into a map.
+// WithTraceparent sets the envelope's W3C `traceparent` (and `tracestate`, when not empty). This package does not
+// read ctx's span, so as not to depend on OpenTelemetry: kmqotel.Push (the kmqotel package beside it) does.
 func WithTraceparent(traceparent, tracestate string) PushOption {
 	return func(p *pushSettings) { p.traceparent, p.tracestate = traceparent, tracestate }
 }

@@ -247,8 +247,13 @@ class Tracing(unittest.TestCase):
         self.assertEqual(answers["t1"]["result"], [TRACEPARENT, "congo=t61rcWkgMzE"])
         self.assertEqual(answers["t2"]["result"], [None, None])
 
-    @unittest.skipUnless(_otel_importable(), "opentelemetry-api is not installed (pip install opentelemetry-api)")
     def test_with_opentelemetry_a_handler_runs_in_its_task_s_context(self):
+        if not _otel_importable():
+            # CI runs this with opentelemetry-api installed (scripts/test's venv): a skip there would hide the test.
+            missing = "opentelemetry-api is not installed (pip install opentelemetry-api)"
+            if os.environ.get("CI") == "true":
+                self.fail(missing + ", and CI=true: scripts/test runs this in a venv that has it")
+            self.skipTest(missing)
         path = handler_file(
             """
             from opentelemetry import trace

@@ -163,10 +163,20 @@ fn decoded(request: ExportTraceServiceRequest) -> Vec<ReceivedSpan> {
 /// A daemon tracing to `endpoint`, its handler the testkit plugin; exports every 100 ms (the SDK's
 /// `OTEL_BSP_SCHEDULE_DELAY`), at info level (at debug, every run is timed for its log line anyway).
 fn start_traced(redis: &RedisServer, dir: &TestDir, endpoint: &str) -> (PathBuf, Process) {
+    start_traced_with(redis, dir, endpoint, "")
+}
+
+/// As [`start_traced`], with `daemon` the extra `[daemon]` keys.
+fn start_traced_with(
+    redis: &RedisServer,
+    dir: &TestDir,
+    endpoint: &str,
+    daemon: &str,
+) -> (PathBuf, Process) {
     dir.install_plugin(&built_plugin("kmq-testkit"), "libkmq_testkit.so");
     let config = dir.config_with(
         redis,
-        &format!("shutdown_grace = \"5s\"\notlp_endpoint = \"{endpoint}\""),
+        &format!("shutdown_grace = \"5s\"\notlp_endpoint = \"{endpoint}\"\n{daemon}"),
         &safe_queue("workers = 4\nretry_times = 3\nbackoff = \"10ms\""),
     );
     let daemon = Process::start_with_env(
@@ -353,6 +363,24 @@ fn a_collector_that_is_down_or_never_answers_does_not_hold_tasks_back() {
 /// A daemon whose handler is the Python SDK's (the exec plugin's persistent mode), returning as its result the
 /// trace context it was handed; `daemon` the extra `[daemon]` keys. The results are kept, for the test to read.
 fn start_python_handler(redis: &RedisServer, dir: &TestDir, daemon: &str) -> (PathBuf, Process) {
+    start_python_handler_with(
+        redis,
+        dir,
+        daemon,
+        "return Result([task.traceparent, task.tracestate])",
+        "",
+    )
+}
+
+/// As [`start_python_handler`], the handler's body `body` (Python, its lines indented four spaces: `task` is the
+/// task) and `queue` the queue's extra keys.
+fn start_python_handler_with(
+    redis: &RedisServer,
+    dir: &TestDir,
+    daemon: &str,
+    body: &str,
+    queue: &str,
+) -> (PathBuf, Process) {
     dir.install_plugin(&built_plugin("kmq-exec"), "libkmq_exec.so");
     let sdk = workspace_dir().join("sdk/python");
     let script = dir.path("handler.py");
@@ -360,8 +388,7 @@ fn start_python_handler(redis: &RedisServer, dir: &TestDir, daemon: &str) -> (Pa
         &script,
         format!(
             "import sys\nsys.path.insert(0, {sdk:?})\nfrom kmq_handler import Result, handler, run\n\n\
-             @handler(\"traced\")\ndef traced(task):\n    return Result([task.traceparent, task.tracestate])\n\n\
-             run()\n",
+             @handler(\"traced\")\ndef traced(task):\n    {body}\n\nrun()\n",
             sdk = sdk.display().to_string()
         ),
     )
@@ -372,7 +399,7 @@ fn start_python_handler(redis: &RedisServer, dir: &TestDir, daemon: &str) -> (Pa
         &format!(
             "{}\n[plugins.handlers]\nfile = \"libkmq_exec.so\"\nconfig = {{ command = \"/usr/bin/python3\", \
              args = [\"{}\"], types = [\"traced\"], mode = \"persistent\" }}\n",
-            safe_queue("keep_results = \"1h\""),
+            safe_queue(&format!("keep_results = \"1h\"\n{queue}")),
             script.display(),
         ),
     );
@@ -475,5 +502,117 @@ fn a_c_plugin_reads_the_run_s_trace_context_from_kmq_host() {
         &[("OTEL_BSP_SCHEDULE_DELAY", "100")],
     );
     handler_is_handed_the_run_span(&config, &redis, &receiver, "c.traced");
+    stop(daemon);
+}
+
+/// A traced task `overdue` whose Python handler writes the trace context it was handed into a file, then hangs;
+/// `queue` the queue's extra keys. Returns once the handler wrote it, with that context.
+fn start_a_hanging_run(
+    redis: &RedisServer,
+    dir: &TestDir,
+    receiver: &Receiver,
+    queue: &str,
+) -> (PathBuf, Process, String) {
+    let written = dir.path("handed");
+    let (config, daemon) = start_python_handler_with(
+        redis,
+        dir,
+        &format!("otlp_endpoint = \"{}\"", receiver.endpoint()),
+        &format!(
+            "if not task.data:\n        return Result(None)\n    \
+             open({:?}, \"w\").write(task.traceparent)\n    import time\n    time.sleep(60)",
+            written.display().to_string()
+        ),
+        queue,
+    );
+    // A first task starts the handler's process, whose start (Python's, on a busy machine) is then not part of
+    // the timed run.
+    let warm = NewTask::new("traced", "{}").unwrap().id("warm");
+    assert!(client(&config).push("jobs", warm).unwrap().is_accepted());
+    handed(redis, "warm");
+    let task = NewTask::new("traced", r#"{"hang": true}"#)
+        .unwrap()
+        .id("overdue")
+        .trace(traceparent(), None);
+    assert!(client(&config).push("jobs", task).unwrap().is_accepted());
+    let handed = eventually(Duration::from_secs(30), "the handler's file", || {
+        let text = std::fs::read_to_string(&written).unwrap_or_default();
+        (!text.is_empty(), text)
+    });
+    (config, daemon, handed)
+}
+
+/// Checks that the one span of `overdue` is the run's the handler was handed (`handed`), under the producer's,
+/// with the `outcome` whoever took the run decided.
+fn the_overdue_run_s_span_is_the_handed_one(receiver: &Receiver, handed: &str, outcome: &str) {
+    let overdue = |span: &ReceivedSpan| span.attributes["messaging.message.id"] == "overdue";
+    let spans = receiver.wait_for("the overdue run's span", |spans| spans.iter().any(overdue));
+    let spans: Vec<_> = spans.into_iter().filter(overdue).collect();
+    assert_eq!(
+        handed,
+        format!("00-{TRACE_ID}-{}-01", spans[0].span_id),
+        "{spans:#?}"
+    );
+    assert_eq!(
+        (
+            spans.len(),
+            spans[0].parent_span_id.as_str(),
+            spans[0].attributes["kmqd.task.outcome"].as_str(),
+        ),
+        (1, PARENT_SPAN_ID, outcome),
+        "{spans:#?}"
+    );
+}
+
+/// The execution timeout ends a run whose handler still runs: the span it exports is the one the handler was
+/// handed (its spans nest under it), not one with an id of its own.
+#[test]
+fn a_run_ended_by_the_execution_timeout_exports_the_span_its_handler_was_handed() {
+    let (redis, dir, receiver) = fixture();
+    let (_config, daemon, handed) = start_a_hanging_run(
+        &redis,
+        &dir,
+        &receiver,
+        "retry_times = 0\nexecution_timeout = \"2s\"",
+    );
+    the_overdue_run_s_span_is_the_handed_one(&receiver, &handed, "dead");
+    stop(daemon);
+}
+
+/// Safe mode's shutdown hands back a run still going after `shutdown_grace`: its span too is the handler's.
+#[test]
+fn a_run_the_shutdown_hands_back_exports_the_span_its_handler_was_handed() {
+    let (redis, dir, receiver) = fixture();
+    let (_config, daemon, handed) = start_a_hanging_run(&redis, &dir, &receiver, "");
+    stop(daemon);
+    the_overdue_run_s_span_is_the_handed_one(&receiver, &handed, "back");
+}
+
+/// Spans the collector never got are counted on the metrics page: here every export fails (nothing listens).
+#[test]
+fn spans_an_export_lost_are_counted_in_kmqd_otel_spans_dropped_total() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let (config, daemon) = start_traced_with(
+        &redis,
+        &dir,
+        &format!("http://127.0.0.1:{}", free_port()),
+        "metrics_addr = \"127.0.0.1:0\"",
+    );
+    let addr = daemon.metrics_addr();
+    push_many(&config, "t", 10, "{}");
+    wait_done(&config, 10, Duration::from_secs(60));
+    eventually(
+        Duration::from_secs(30),
+        "ten spans counted as dropped",
+        || {
+            let page = scrape_with(addr, None, Duration::from_secs(10)).body;
+            (
+                page.lines()
+                    .any(|line| line == "kmqd_otel_spans_dropped_total 10"),
+                page,
+            )
+        },
+    );
     stop(daemon);
 }

@@ -4,6 +4,7 @@ proxy that drops it, a duplicate, a refused key), the round trips it makes, its 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 from typing import List
@@ -206,6 +207,36 @@ def test_an_explicit_trace_context_goes_into_the_envelope(fresh: RedisServer) ->
     client.push("mail", "t", {}, id="traced", traceparent=parent, tracestate="kmq=1")
     envelope = json.loads(fresh.client().lindex("kmq:{mail}:ready:normal", 0))
     assert (envelope["traceparent"], envelope["tracestate"]) == (parent, "kmq=1")
+
+
+def test_the_current_opentelemetry_context_goes_into_the_envelope(fresh: RedisServer) -> None:
+    # scripts/test runs this in a venv with opentelemetry-api (CI sets CI=true): there a skip would hide the test.
+    try:
+        from opentelemetry import context, trace
+    except ImportError:
+        if os.environ.get("CI") == "true":
+            pytest.fail("opentelemetry-api is not installed, and CI=true: scripts/test runs this in a venv that has it")
+        pytest.skip("opentelemetry-api is not installed (pip install opentelemetry-api)")
+    producer = trace.SpanContext(
+        trace_id=0x4BF92F3577B34DA6A3CE929D0E0E4736,
+        span_id=0x00F067AA0BA902B7,
+        is_remote=False,
+        trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED),
+        trace_state=trace.TraceState([("congo", "t61rcWkgMzE")]),
+    )
+    client = kmq.Client(fresh.url)
+    token = context.attach(trace.set_span_in_context(trace.NonRecordingSpan(producer)))
+    try:
+        client.push("mail", "t", {}, id="current")
+    finally:
+        context.detach(token)
+    client.push("mail", "t", {}, id="outside")  # no span is current: no context
+    traced, untraced = [json.loads(t) for t in fresh.client().lrange("kmq:{mail}:ready:normal", 0, -1)]
+    assert (traced["traceparent"], traced["tracestate"]) == (
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        "congo=t61rcWkgMzE",
+    )
+    assert "traceparent" not in untraced and "tracestate" not in untraced
 
 
 def test_show_cancel_and_a_kept_result(fresh: RedisServer) -> None:

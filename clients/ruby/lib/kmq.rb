@@ -133,8 +133,9 @@ module Kmq
     end
 
     # Pushes one task; returns its id. Options: id:, priority:, delay: (seconds), at: (a Time), unique:, group:,
-    # traceparent:, tracestate:, expires_at:, expires_in:, debounce: (seconds), unique_for: (seconds: unique, and
-    # the id stays held that long after its task ended). Raises DuplicateError when a unique id is live or held.
+    # traceparent:, tracestate: (without them, the current OpenTelemetry context's when opentelemetry-api is
+    # loaded), expires_at:, expires_in:, debounce: (seconds), unique_for: (seconds: unique, and the id stays held
+    # that long after its task ended). Raises DuplicateError when a unique id is live or held.
     def push(queue, type, data = nil, **options)
       push_batch(queue, [[type, data, options]]).first
     rescue DuplicateError => e
@@ -153,8 +154,9 @@ module Kmq
         # An expiry given as a length is a time on Redis's clock (docs/PROTOCOL.md, "Expiry"): TIME on the queue's
         # node, once a batch and only when a task of it needs it.
         now = (redis_now if tasks.any? { |task| task[2][:expires_in] })
+        trace = current_trace
         prepared = tasks.each_with_index.map do |task, n|
-          prepare(*task, levels, now)
+          prepare(*task, levels, now, trace: trace)
         rescue InvalidArgument, UnknownPriority => e
           raise e.class, (tasks.size > 1 ? "task #{n} of the batch: #{e.message}" : e.message)
         end
@@ -458,7 +460,19 @@ module Kmq
       end
     end
 
-    def prepare(type, data, options, levels, now = nil)
+    # The current OpenTelemetry context's W3C fields, through the application's propagator, when the
+    # opentelemetry-api gem is loaded (the gem is not a dependency: a program that traces has it, and its SDK sets
+    # the propagator); {} otherwise, or when no span is current.
+    def current_trace
+      return {} unless defined?(::OpenTelemetry) && ::OpenTelemetry.respond_to?(:propagation)
+
+      carrier = {}
+      ::OpenTelemetry.propagation.inject(carrier)
+      carrier.slice("traceparent", "tracestate")
+    end
+
+    # trace: the current context's fields (current_trace), for a task given no traceparent: of its own.
+    def prepare(type, data, options, levels, now = nil, trace: {})
       unknown = options.keys - PUSH_OPTIONS
       raise InvalidArgument, "unknown option(s) #{unknown.join(', ')}" unless unknown.empty?
       raise InvalidArgument, "a task needs a type" unless type.is_a?(String) && !type.empty?
@@ -500,7 +514,8 @@ module Kmq
         flags = "debounce"
       end
 
-      traceparent = options[:traceparent]
+      traceparent, tracestate = options[:traceparent], options[:tracestate]
+      traceparent, tracestate = trace["traceparent"], trace["tracestate"] if traceparent.nil?
       if traceparent && !TRACEPARENT.match?(traceparent)
         raise InvalidArgument, "traceparent #{traceparent.inspect} is not a W3C trace context"
       end
@@ -517,7 +532,7 @@ module Kmq
       expires_at = expiry(options[:expires_at], options[:expires_in], now)
       envelope["expires_at"] = expires_at if expires_at
       envelope["traceparent"] = traceparent if traceparent
-      envelope["tracestate"] = options[:tracestate] if options[:tracestate]
+      envelope["tracestate"] = tracestate if tracestate
       begin
         payload = JSON.generate(envelope)
       rescue JSON::GeneratorError, Encoding::UndefinedConversionError => e

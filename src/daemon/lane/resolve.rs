@@ -45,7 +45,7 @@
 //! The loom tests at the end check these claims under every interleaving loom explores
 //! (`RUSTFLAGS="--cfg kmqd_loom" cargo test --release --lib loom`, which `scripts/test` runs).
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 // Only the phase is what the loom tests model; the cancel flag (read by plugins through the C ABI) and the start
@@ -99,6 +99,11 @@ pub struct HeldState {
     started_ns: AtomicU64,
     /// The lane's reference point for times kept in atomics.
     epoch: Instant,
+    /// A copy of the run's place in its trace (its queue traced), kept by the worker that started it, so that a
+    /// party that takes the running task (the execution timeout, a safe-mode hand-back) exports the span whose
+    /// context the handler was handed, not one with a new id that the handler's own spans do not nest under.
+    /// Set once, after [`HeldState::start`], before the handler runs.
+    trace: OnceLock<Box<RunTrace>>,
 }
 
 /// What `take` found.
@@ -149,7 +154,19 @@ impl HeldState {
             phase: AtomicU8::new(WAITING),
             started_ns: AtomicU64::new(0),
             epoch,
+            trace: OnceLock::new(),
         }
+    }
+
+    /// Keeps a copy of the run's `trace` for whoever takes the running task ([`HeldState::trace`]).
+    pub fn keep_trace(&self, trace: &RunTrace) {
+        // A task starts once, so this is its first and only trace; a second set would be ignored, not wrong.
+        let _ = self.trace.set(Box::new(trace.clone()));
+    }
+
+    /// The run's place in its trace, when a worker started the run with tracing on: for a taker's [`Ran`].
+    fn trace(&self) -> Option<Box<RunTrace>> {
+        self.trace.get().cloned()
     }
 
     /// A worker is about to run the task, `now_ns` after the lane's epoch; false when someone took it first (it
@@ -521,13 +538,13 @@ impl Lane {
                 ),
                 after: None,
             };
-            // The run's own trace stays with its worker, which still holds the task: this span starts when the
-            // run did, `timeout` ago.
+            // The run's span, as its worker began it: the handler's spans nest under it (without one, when the
+            // worker had not kept it yet, a span of its own that starts `timeout` ago).
             let ran = Ran {
                 duration: Some(timeout),
                 output: String::new(),
                 result: None,
-                trace: None,
+                trace: state.trace(),
             };
             let task = state.parts(state.token.clone(), envelope.as_ref());
             let decided = self.queue.settle(task, verdict, Some(ran));
@@ -554,8 +571,13 @@ impl Lane {
             recoveries: envelope.as_ref().map_or(0, |envelope| envelope.recovered),
             crashes: envelope.as_ref().map_or(0, |envelope| envelope.crashes),
         };
-        let task = task.parts(task.token.clone(), envelope.as_ref());
-        Resolution::settle(job, self.queue.settle(task, verdict, None))
+        // A run taken back (safe mode's shutdown) ends the span its handler was handed.
+        let ran = task.trace().map(|trace| Ran {
+            trace: Some(trace),
+            ..Ran::default()
+        });
+        let parts = task.parts(task.token.clone(), envelope.as_ref());
+        Resolution::settle(job, self.queue.settle(parts, verdict, ran))
     }
 
     /// Shutdown, once `shutdown_grace` is over: takes every task not resolved yet. Waiting ones are handed back;

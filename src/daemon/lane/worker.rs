@@ -275,6 +275,10 @@ impl Worker {
             now_ms.saturating_add(i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX))
         });
         let trace = queue.begin_run(envelope);
+        if let Some(trace) = &trace {
+            // For a party that takes the running task: its span is then still the one the handler was handed.
+            job.task.keep_trace(trace);
+        }
         // The handler is handed the run span's context, so that its spans nest under the run.
         let traceparent = trace.as_ref().map(|trace| trace.traceparent());
         let run = Run::of(

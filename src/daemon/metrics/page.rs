@@ -422,6 +422,12 @@ fn registry(lanes: &[LaneNumbers], redis: Option<&Snapshot>) -> Registry {
         "Redis calls of this daemon that failed, per operation (each is retried)",
         observed.redis_errors.clone(),
     );
+    registry.register(
+        "kmqd_otel_spans_dropped",
+        "Run spans this daemon never got to its otlp_endpoint: dropped with the export queue full, or lost with \
+         an export that failed (0 without tracing)",
+        observed.spans_dropped.clone(),
+    );
     registry
 }
 
