@@ -34,11 +34,14 @@ import (
 //go:embed push.lua
 var pushLua string
 
-// removeLua is remove.lua with checks.lua before it, as the broker concatenates them (src/broker/mod.rs,
-// `sources`); both files are byte-identical copies, compared by scripts/test.
+// removeLua is remove.lua with checks.lua and unique_hold.lua before it, as the broker concatenates them
+// (src/broker/mod.rs, `sources`); the files are byte-identical copies, compared by scripts/test.
 //
 //go:embed checks.lua
 var checksLua string
+
+//go:embed unique_hold.lua
+var uniqueHoldLua string
 
 //go:embed remove.lua
 var removeLuaOwn string
@@ -53,7 +56,7 @@ var flowPushLuaOwn string
 
 var (
 	pushScript     = newScript(pushLua)
-	removeScript   = newScript(checksLua + removeLuaOwn)
+	removeScript   = newScript(checksLua + uniqueHoldLua + removeLuaOwn)
 	flowPushScript = newScript("#!lua\n" + checksLua + depsLua + flowPushLuaOwn)
 )
 

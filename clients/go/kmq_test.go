@@ -25,7 +25,7 @@ func newClient(t *testing.T, url string) *Client {
 
 // The scripts this package ships are the broker's, byte for byte (scripts/test also compares them with cmp).
 func TestShippedScriptsAreTheBrokersByteForByte(t *testing.T) {
-	for _, name := range []string{"push.lua", "checks.lua", "remove.lua", "deps.lua", "flow_push.lua"} {
+	for _, name := range []string{"push.lua", "checks.lua", "remove.lua", "unique_hold.lua", "deps.lua", "flow_push.lua"} {
 		ours, err := os.ReadFile(name)
 		if err != nil {
 			t.Fatal(err)

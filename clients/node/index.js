@@ -9,10 +9,11 @@ const path = require("node:path");
 const Redis = require("ioredis");
 
 const PUSH_SOURCE = fs.readFileSync(path.join(__dirname, "push.lua"), "utf8");
-// remove.lua runs with checks.lua before it, as the daemon's broker sends it (src/broker/mod.rs, `sources`).
-const REMOVE_SOURCE =
-  fs.readFileSync(path.join(__dirname, "checks.lua"), "utf8") +
-  fs.readFileSync(path.join(__dirname, "remove.lua"), "utf8");
+// remove.lua runs with checks.lua and unique_hold.lua before it, as the daemon's broker sends it (src/broker/mod.rs,
+// `sources`).
+const REMOVE_SOURCE = ["checks.lua", "unique_hold.lua", "remove.lua"]
+  .map((name) => fs.readFileSync(path.join(__dirname, name), "utf8"))
+  .join("");
 
 // flow_push.lua runs with checks.lua and deps.lua before it, as the broker sends it (src/broker/mod.rs, FLOW_PUSH).
 const FLOW_PUSH_SOURCE =

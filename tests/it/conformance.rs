@@ -488,7 +488,7 @@ fn the_python_clients_scripts_are_kmqds_byte_for_byte() {
         compared += 1;
     }
     assert_eq!(
-        compared, 5,
-        "push.lua, checks.lua, remove.lua, deps.lua and flow_push.lua are shipped"
+        compared, 6,
+        "push.lua, checks.lua, remove.lua, unique_hold.lua, deps.lua and flow_push.lua are shipped"
     );
 }

@@ -408,7 +408,7 @@ test("the packaged scripts (push, checks, remove, deps, flow_push) are byte-iden
     t.skip("not in a kmqd checkout");
     return;
   }
-  for (const name of ["push.lua", "checks.lua", "remove.lua", "deps.lua", "flow_push.lua"]) {
+  for (const name of ["push.lua", "checks.lua", "remove.lua", "unique_hold.lua", "deps.lua", "flow_push.lua"]) {
     const packaged = fs.readFileSync(path.join(__dirname, "..", name));
     assert.ok(packaged.equals(fs.readFileSync(path.join(scripts, name))), `${name} differs from ${scripts}/${name}`);
   }

@@ -53,8 +53,8 @@ def _script(name: str) -> str:
 
 
 PUSH_LUA = _script("push.lua")
-#: remove.lua with checks.lua before it, exactly as kmqd's broker runs it (src/broker/mod.rs, `sources`).
-REMOVE_LUA = _script("checks.lua") + _script("remove.lua")
+#: remove.lua with checks.lua and unique_hold.lua before it, exactly as kmqd's broker runs it (src/broker/mod.rs, `sources`).
+REMOVE_LUA = _script("checks.lua") + _script("unique_hold.lua") + _script("remove.lua")
 #: flow_push.lua with its preludes, exactly as kmqd's broker runs it (src/broker/mod.rs, `sources`, FLOW_PUSH).
 FLOW_PUSH_LUA = "#!lua\n" + _script("checks.lua") + _script("deps.lua") + _script("flow_push.lua")
 #: The fields a flow's node may have (docs/PROTOCOL.md, "Flows"); any other is refused, as `kmqd flow push` does.

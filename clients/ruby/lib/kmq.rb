@@ -73,8 +73,9 @@ module Kmq
   end
 
   PUSH = Script.read("push.lua")
-  # remove.lua runs with checks.lua before it, as the broker concatenates them (src/broker/mod.rs, `sources`).
-  REMOVE = Script.read("checks.lua", "remove.lua")
+  # remove.lua runs with checks.lua and unique_hold.lua before it, as the broker concatenates them
+  # (src/broker/mod.rs, `sources`).
+  REMOVE = Script.read("checks.lua", "unique_hold.lua", "remove.lua")
   # flow_push.lua runs with checks.lua and deps.lua before it, as the broker sends it (src/broker/mod.rs, FLOW_PUSH).
   FLOW_PUSH = Script.read("checks.lua", "deps.lua", "flow_push.lua").then do |script|
     source = "#!lua\n#{script.source}"

@@ -15,7 +15,7 @@ class ClientTest < Minitest::Test
 
   # The scripts this gem ships are the broker's, byte for byte (scripts/test also compares them with cmp).
   def test_shipped_scripts_are_the_brokers_byte_for_byte
-    %w[push.lua checks.lua remove.lua deps.lua flow_push.lua].each do |name|
+    %w[push.lua checks.lua remove.lua unique_hold.lua deps.lua flow_push.lua].each do |name|
       theirs = File.join(__dir__, "..", "..", "..", "src", "broker", "scripts", name)
       skip "not in a kmqd checkout" unless File.exist?(theirs)
       assert_equal File.binread(theirs), File.binread(File.join(__dir__, "..", "lib", "kmq", name)),

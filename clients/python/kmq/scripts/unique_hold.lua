@@ -1,0 +1,1 @@
+../../../../src/broker/scripts/unique_hold.lua
