@@ -151,9 +151,10 @@ impl RawQueue {
             (backoff, backoff_max),
             dead_max,
         )?;
+        let idle_poll_span = idle_poll.as_ref().map_or(span.clone(), Spanned::span);
         let idle_poll = duration_or(source, &key("idle_poll"), &idle_poll, defaults::IDLE_POLL)?;
         if idle_poll < Duration::from_millis(10) || idle_poll > Duration::from_secs(5) {
-            return Err(source.error(span, format!("{}: must be between 10ms and 5s (it also bounds how long a stopping daemon waits for its fetchers)", key("idle_poll"))));
+            return Err(source.error(idle_poll_span, format!("{}: must be between 10ms and 5s (it also bounds how long a stopping daemon waits for its fetchers)", key("idle_poll"))));
         }
         let foreign_type_field = match foreign_type_field {
             Some(field) if field.get_ref().is_empty() || field.get_ref() == "type" => {
@@ -481,8 +482,8 @@ struct Timing {
     alive_timeout: Option<Duration>,
 }
 
-/// A queue's `lease_timeout`, `execution_timeout` and `alive_timeout`; `span` is the queue's table, where the
-/// lease's error points.
+/// A queue's `lease_timeout`, `execution_timeout` and `alive_timeout`; `span` is the queue's table, where an
+/// error points when the value it is about was left out.
 fn timing(
     source: &Source<'_>,
     key: &impl Fn(&str) -> String,
@@ -491,6 +492,7 @@ fn timing(
     execution_timeout: Option<Spanned<String>>,
     alive_timeout: Option<Spanned<String>>,
 ) -> Result<Timing, ConfigError> {
+    let lease_span = lease_timeout.as_ref().map_or(span.clone(), Spanned::span);
     let lease_timeout = duration_or(
         source,
         &key("lease_timeout"),
@@ -499,7 +501,7 @@ fn timing(
     )?;
     if lease_timeout < Duration::from_millis(300) {
         return Err(source.error(
-            span.clone(),
+            lease_span,
             format!("{}: {lease_timeout:?} is too short; the heartbeat renews every third of it, use at least 300ms", key("lease_timeout")),
         ));
     }
@@ -533,7 +535,8 @@ struct Retry {
 }
 
 /// A queue's `retry_times`, `on_handler_error`, `backoff`, `backoff_max` and `dead_max`; `span` is the queue's
-/// table, where the error of a `backoff_max` shorter than `backoff` points.
+/// table. A `backoff_max` shorter than `backoff` is an error at `backoff_max`, or at `backoff` when
+/// `backoff_max` was left out (a `backoff` longer than its default).
 fn retry(
     source: &Source<'_>,
     key: &impl Fn(&str) -> String,
@@ -560,6 +563,10 @@ fn retry(
         )?,
         None => OnHandlerError::Retry,
     };
+    let backoff_span = backoff_max
+        .as_ref()
+        .or(backoff.as_ref())
+        .map_or(span.clone(), Spanned::span);
     let backoff_value = duration_or(source, &key("backoff"), &backoff, defaults::BACKOFF)?;
     let backoff_max = duration_or(
         source,
@@ -569,7 +576,7 @@ fn retry(
     )?;
     if backoff_max < backoff_value {
         return Err(source.error(
-            span.clone(),
+            backoff_span,
             format!(
                 "{}: must not be shorter than backoff ({backoff_value:?})",
                 key("backoff_max")
