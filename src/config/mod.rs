@@ -626,6 +626,27 @@ pub const MAX_TYPE_LIMITS: usize = 64;
 /// The largest `max_running`.
 pub const MAX_RUNNING: usize = 1_000_000;
 
+/// The largest `workers`: each is a thread of the daemon's.
+pub const MAX_WORKERS: usize = 1024;
+
+/// The largest fixed `prefetch`: claimed tasks waiting for a worker, each held in the daemon's memory.
+pub const MAX_PREFETCH: usize = 100_000;
+
+/// The largest `max_held`, the bound on a lane's tasks in memory.
+pub const MAX_HELD_LIMIT: usize = 200_000;
+
+/// The largest `retry_times`.
+pub const MAX_RETRY_TIMES: u32 = 1000;
+
+/// The largest `dead_max`, a dead-letter list's length.
+pub const DEAD_MAX_LIMIT: usize = 100_000_000;
+
+/// The largest `worker_nice`: Linux's niceness runs from 0 to 19 above the daemon's.
+pub const MAX_WORKER_NICE: i32 = 19;
+
+/// The largest `catch_up_max` of a schedule: the missed firings one catch-up fires.
+pub const MAX_CATCH_UP: usize = 100_000;
+
 /// The shortest `report_interval` and `lag_warn`: each costs a stats read of every queue per period.
 pub const MIN_WATCH_INTERVAL: Duration = Duration::from_millis(100);
 

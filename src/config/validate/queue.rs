@@ -175,7 +175,12 @@ impl RawQueue {
         };
         // Niceness is 0 to 19 on Linux; added to the daemon's, it is capped there.
         let worker_nice = match &worker_nice {
-            Some(n) => ranged(source, &key("worker_nice"), n, 0..20)? as i32,
+            Some(n) => ranged(
+                source,
+                &key("worker_nice"),
+                n,
+                0..MAX_WORKER_NICE as i64 + 1,
+            )? as i32,
             None => 0,
         };
 
@@ -403,7 +408,7 @@ fn capacity(
     ),
 ) -> Result<Capacity, ConfigError> {
     let workers = match &workers {
-        Some(w) => ranged(source, &key("workers"), w, 1..1025)? as usize,
+        Some(w) => ranged(source, &key("workers"), w, 1..MAX_WORKERS as i64 + 1)? as usize,
         None => defaults::WORKERS,
     };
     let batch = match &batch {
@@ -434,7 +439,9 @@ fn capacity(
         None => Vec::new(),
     };
     let prefetch = match &prefetch {
-        Some(p) => Prefetch::Fixed(ranged(source, &key("prefetch"), p, 0..100_001)? as usize),
+        Some(p) => Prefetch::Fixed(
+            ranged(source, &key("prefetch"), p, 0..MAX_PREFETCH as i64 + 1)? as usize,
+        ),
         // A task claimed ahead would hold a running slot, or a start of the rate, that another daemon's idle
         // worker could use.
         None if max_running.is_some() || !rate_limit.is_empty() || limited_types => {
@@ -445,7 +452,8 @@ fn capacity(
     let max_held = match (&max_held, prefetch) {
         (Some(m), prefetch) => {
             let least = prefetch.least_held(workers);
-            let max_held = ranged(source, &key("max_held"), m, 1..200_001)? as usize;
+            let max_held =
+                ranged(source, &key("max_held"), m, 1..MAX_HELD_LIMIT as i64 + 1)? as usize;
             if max_held < least {
                 let what = match prefetch {
                     Prefetch::Fixed(p) => format!("workers + prefetch ({workers} + {p})"),
@@ -547,7 +555,12 @@ fn retry(
     dead_max: Option<Spanned<i64>>,
 ) -> Result<Retry, ConfigError> {
     let retry_times = match &retry_times {
-        Some(r) => ranged(source, &key("retry_times"), r, 0..1001)? as u32,
+        Some(r) => ranged(
+            source,
+            &key("retry_times"),
+            r,
+            0..MAX_RETRY_TIMES as i64 + 1,
+        )? as u32,
         None => defaults::RETRY_TIMES,
     };
     let on_handler_error = match &on_handler_error {
@@ -584,7 +597,7 @@ fn retry(
         ));
     }
     let dead_max = match &dead_max {
-        Some(d) => ranged(source, &key("dead_max"), d, 1..100_000_001)? as usize,
+        Some(d) => ranged(source, &key("dead_max"), d, 1..DEAD_MAX_LIMIT as i64 + 1)? as usize,
         None => defaults::DEAD_MAX,
     };
     Ok(Retry {
