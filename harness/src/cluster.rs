@@ -45,6 +45,10 @@ const MIGRATE_BATCH: usize = 100;
 /// address of its master.
 type SlotMap = BTreeMap<u16, (u16, String)>;
 
+/// What one node says of the cluster, as [`Cluster::wait_healthy`] compares the nodes' views: its address, the
+/// slot map, and each running node's address with whether it is a master.
+type NodeView = (String, SlotMap, Vec<(String, bool)>);
+
 /// How to start a cluster.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ClusterOptions {
@@ -218,7 +222,7 @@ impl Cluster {
 
     /// One check of [`Cluster::wait_healthy`]; the agreed slot map when it holds.
     fn healthy(&self) -> Result<SlotMap, String> {
-        let mut agreed: Option<(String, SlotMap, Vec<(String, bool)>)> = None;
+        let mut agreed: Option<NodeView> = None;
         let running_addrs: HashSet<String> = self.running().map(addr).collect();
         for server in self.running() {
             let me = addr(server);
