@@ -12,9 +12,7 @@ use crate::broker::{self, BrokerError, Session};
 /// one try each: a daemon that cannot reach Redis is stopping all the same, and its registration goes when its
 /// owner is released.
 pub(super) fn mark_draining(lanes: &[Arc<Lane>], session: &mut Session) {
-    let now_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |since| since.as_millis() as i64);
+    let now_ms = broker::local_now_ms();
     for lane in lanes {
         let Some(owner) = lane.ownership.current() else {
             continue;
