@@ -911,9 +911,7 @@ impl Client {
         let info = self.queue(queue)?;
         let mut connection = self.pool.get().map_err(BrokerError::from)?;
         // The pauser's clock: the value is only for people looking at the key.
-        let now_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |since| since.as_millis() as i64);
+        let now_ms = broker::local_now_ms();
         Ok(broker::admin::pause(&mut **connection, &info.keys, now_ms)?)
     }
 
@@ -955,9 +953,7 @@ impl Client {
         let info = self.queue(queue)?;
         let mut connection = self.pool.get().map_err(BrokerError::from)?;
         // The pauser's clock: the value is only for people looking at the key.
-        let now_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |since| since.as_millis() as i64);
+        let now_ms = broker::local_now_ms();
         Ok(broker::groups::pause(
             &mut **connection,
             &info.keys,

@@ -19,7 +19,8 @@
 //!
 //! The harness's own commands go through [`RedisServer::query`]: redis-rs for a plain server, `redis-cli` for a
 //! TLS one, so that the harness never depends on the TLS client it is there to test (redis-cli's is OpenSSL's).
-//! Every wait is a poll with a deadline whose error carries the tail of the logs of the servers concerned.
+//! Every wait is a poll with a deadline whose error carries the tail of the logs of the servers concerned, and a
+//! server dropped by a failing test prints the tail of its log ([`RedisServer::panic_report`]).
 #![deny(unsafe_code)]
 
 pub mod cluster;
@@ -483,6 +484,22 @@ impl RedisServer {
         all[all.len().saturating_sub(lines)..].join("\n")
     }
 
+    /// What this server reports when it is dropped while its thread panics (a test failing): the tail of its log,
+    /// where a refused command, an OOM or a crash shows Redis's side of the failure; `None` while nothing
+    /// panics. Only a failed start carried the log before, so a failed assertion said nothing of Redis.
+    pub fn panic_report(&self) -> Option<String> {
+        /// Enough for the last restart and its complaints, short enough to leave the panic message in view.
+        const LINES: usize = 40;
+        std::thread::panicking().then(|| {
+            format!(
+                "redis-server {} was dropped by a failing test; the last {LINES} lines of its log ({}):\n{}",
+                self.url,
+                self.log.display(),
+                self.log_tail(LINES)
+            )
+        })
+    }
+
     /// The URL to put in a config's `[redis] url`.
     pub fn url(&self) -> &str {
         &self.url
@@ -818,6 +835,11 @@ fn wait_for_state(pid: u32, stopped: bool) -> Result<(), String> {
 
 impl Drop for RedisServer {
     fn drop(&mut self) {
+        // A failing test (an assertion, an `eventually` that timed out) unwinds through its servers: each says
+        // what it logged, into the test's captured output beside the panic message, as redis-rs's fixture does.
+        if let Some(report) = self.panic_report() {
+            eprintln!("{report}");
+        }
         if let Some(mut child) = self.child.take() {
             // SIGKILL also ends a paused process.
             let _ = child.kill();

@@ -633,13 +633,6 @@ pub struct ManagedConn {
     broken: bool,
 }
 
-impl ManagedConn {
-    /// Closes the connection instead of returning it to the pool (it failed: it may hold a stale reply).
-    pub(crate) fn mark_broken(&mut self) {
-        self.broken = true;
-    }
-}
-
 impl std::ops::Deref for ManagedConn {
     type Target = Conn;
     fn deref(&self) -> &Conn {
@@ -748,6 +741,16 @@ impl Session {
         }
         // Just filled above.
         Ok(self.held.as_mut().expect("connection present"))
+    }
+
+    /// Runs `op` on the connection, connecting first if needed; any failure closes the connection (the next use
+    /// opens a new one), since one that failed mid-call may hold an unread reply.
+    pub(crate) fn call<T>(&mut self, op: impl FnOnce(&mut Conn) -> Result<T>) -> Result<T> {
+        let result = self.get().and_then(op);
+        if result.is_err() {
+            self.reset();
+        }
+        result
     }
 
     /// Closes the connection after a failure; the next `get` opens a new one.

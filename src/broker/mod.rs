@@ -464,14 +464,21 @@ pub fn hostname() -> String {
     }
 }
 
+/// Milliseconds since the Unix epoch on this host's clock (0 before 1970): for ids, for values only people read
+/// (when a daemon started, when a queue was paused) and for the scheduler's offset to Redis's clock. Nothing that
+/// decides a task's fate reads it: that is Redis's clock (ARCHITECTURE.md, "Invariants").
+pub fn local_now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_millis() as i64)
+}
+
 /// A new id that no other daemon run anywhere shares, made without asking Redis: host, pid, time and 32 random
 /// bits. Each run of the daemon makes one (tests run several daemons in one process); owner ids and settling
 /// parties are made from it, so that a Redis that lost its data (a restart without persistence, a restored
 /// backup, a failover to a replica that lagged) can never hand two live daemons the same identity.
 pub fn instance_id() -> String {
-    let now_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |since| since.as_millis());
+    let now_ms = local_now_ms();
     let random = uuid::Uuid::new_v4().as_u128() as u32;
     format!(
         "{}-{}-{now_ms}-{random:08x}",

@@ -102,6 +102,9 @@ pub struct RedisConfig {
     /// How long a `WAIT` may take before the change counts as not replicated (an error the caller retries).
     pub wait_timeout: Duration,
     pub pool_size: u32,
+    /// Whether the file gives `pool_size`, rather than leaving it to be sized from the queues: a reload reports a
+    /// given size that changed as needing a restart, but not a default that moved with the queues.
+    pub pool_size_given: bool,
     pub key_prefix: String,
     pub connect_timeout: Duration,
     /// How long a reply may take before the call is given up for lost (then retried, or resolved when it may
@@ -182,6 +185,7 @@ impl fmt::Debug for RedisConfig {
             .field("wait_replicas", &self.wait_replicas)
             .field("wait_timeout", &self.wait_timeout)
             .field("pool_size", &self.pool_size)
+            .field("pool_size_given", &self.pool_size_given)
             .field("key_prefix", &self.key_prefix)
             .field("connect_timeout", &self.connect_timeout)
             .field("io_timeout", &self.io_timeout)
@@ -527,9 +531,11 @@ impl Config {
         self.queues.iter().find(|queue| queue.name == name)
     }
 
-    /// Redis connections the daemon holds at once: per queue a fetcher, an acker, a delay poller and, with
-    /// `source_lists`, a source mover; per daemon the monitor, the heartbeat, the scheduler, the metrics endpoint
-    /// and, when it runs, the queue reporter.
+    /// Redis connections the daemon takes from its pool at once: per queue a fetcher, an acker, a delay poller
+    /// and, with `source_lists`, a source mover; per daemon the monitor, the scheduler, the metrics endpoint, the
+    /// supervisor (its owners marked draining and released, at a stop or a reload) and, when it runs, the queue
+    /// reporter. The heartbeat is not counted: it has a connection of its own, outside the pool, so that nothing
+    /// waiting for the pool delays a renewal.
     pub fn connections_needed(&self) -> u32 {
         let movers = self
             .queues
@@ -619,6 +625,27 @@ pub const MAX_TYPE_LIMITS: usize = 64;
 
 /// The largest `max_running`.
 pub const MAX_RUNNING: usize = 1_000_000;
+
+/// The largest `workers`: each is a thread of the daemon's.
+pub const MAX_WORKERS: usize = 1024;
+
+/// The largest fixed `prefetch`: claimed tasks waiting for a worker, each held in the daemon's memory.
+pub const MAX_PREFETCH: usize = 100_000;
+
+/// The largest `max_held`, the bound on a lane's tasks in memory.
+pub const MAX_HELD_LIMIT: usize = 200_000;
+
+/// The largest `retry_times`.
+pub const MAX_RETRY_TIMES: u32 = 1000;
+
+/// The largest `dead_max`, a dead-letter list's length.
+pub const DEAD_MAX_LIMIT: usize = 100_000_000;
+
+/// The largest `worker_nice`: Linux's niceness runs from 0 to 19 above the daemon's.
+pub const MAX_WORKER_NICE: i32 = 19;
+
+/// The largest `catch_up_max` of a schedule: the missed firings one catch-up fires.
+pub const MAX_CATCH_UP: usize = 100_000;
 
 /// The shortest `report_interval` and `lag_warn`: each costs a stats read of every queue per period.
 pub const MIN_WATCH_INTERVAL: Duration = Duration::from_millis(100);

@@ -336,6 +336,27 @@ fn bad_configs_name_file_line_key_and_fix() {
             "queues.toml:2:16",
             &["is not set"],
         ),
+        // Each of these three pointed at the queue's table (1:1), not at the value (the architecture review's P4).
+        (
+            "[[queues]]\nname = \"m\"\nmode = \"safe\"\nlease_timeout = \"100ms\"\n",
+            "queues.toml:4:17",
+            &["queues[0].lease_timeout", "too short", "300ms"],
+        ),
+        (
+            "[[queues]]\nname = \"m\"\nmode = \"safe\"\nbackoff = \"10s\"\nbackoff_max = \"1s\"\n",
+            "queues.toml:5:15",
+            &["queues[0].backoff_max", "not be shorter than backoff"],
+        ),
+        (
+            "[[queues]]\nname = \"m\"\nmode = \"safe\"\nbackoff = \"2h\"\n",
+            "queues.toml:4:11",
+            &["queues[0].backoff_max", "not be shorter than backoff"],
+        ),
+        (
+            "[[queues]]\nname = \"m\"\nmode = \"safe\"\nidle_poll = \"10s\"\n",
+            "queues.toml:4:13",
+            &["queues[0].idle_poll", "between 10ms and 5s"],
+        ),
         (
             "[daemon]\nmetrics_addr = \"localhost\"\n",
             "queues.toml:2:16",

@@ -10,8 +10,7 @@
 //! paused, or Redis lost its data), the tasks it covered are forgotten and their running handlers asked to stop:
 //! the monitors return those tasks to the queue, and the fetcher claims under a new owner.
 
-use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use crate::broker::Conn;
@@ -67,8 +66,8 @@ impl Heartbeat {
     pub fn run(self) {
         let mut timeout = read_timeout(&self.lanes.snapshot());
         let mut connection: Option<Conn> = None;
-        // Per lane (by its address: a reload adds and removes lanes): when to renew next, and its troubles.
-        let mut renewals: HashMap<*const Lane, (Instant, Trouble)> = HashMap::new();
+        // Per lane (a reload adds and removes lanes): when to renew next, and its troubles.
+        let mut renewals: PerLane<Lane, (Instant, Trouble)> = PerLane::default();
         loop {
             self.pulse.beat();
             let lanes = self.lanes.snapshot();
@@ -78,10 +77,10 @@ impl Heartbeat {
                 timeout = wanted;
                 connection = None;
             }
-            renewals.retain(|lane, _| lanes.iter().any(|l| Arc::as_ptr(l) == *lane));
+            renewals.keep_only(&lanes);
             let mut wait = MAX_SLEEP;
             for lane in lanes.iter() {
-                let (next, trouble) = renewals.entry(Arc::as_ptr(lane)).or_insert_with(|| {
+                let (next, trouble) = renewals.entry(lane, || {
                     (
                         Instant::now(),
                         Trouble::new("renewing the lease", Some(lane.name())),
@@ -123,6 +122,48 @@ impl Heartbeat {
                 false
             }
         }
+    }
+}
+
+/// A value per lane, found by the lane's address. Each entry keeps a [`Weak`] of its lane, which keeps the lane's
+/// allocation (not the lane) while the entry lives, so no lane made later can be at that address until
+/// [`PerLane::keep_only`] drops the entry. Keyed by the bare address, a lane a reload made at the address of one
+/// dropped since the last turn took that one's renewal schedule: with a shorter `lease_timeout` than the old
+/// lane's (a reload that shortened it), its first renewal came after its lease ran out, and the tasks it held were
+/// recovered and run again (the fault review's "Info", `heartbeat.rs` keyed by `*const Lane`).
+struct PerLane<T, V> {
+    entries: Vec<(Weak<T>, V)>,
+}
+
+impl<T, V> Default for PerLane<T, V> {
+    fn default() -> Self {
+        PerLane {
+            entries: Vec::new(),
+        }
+    }
+}
+
+impl<T, V> PerLane<T, V> {
+    /// Drops the entries of lanes not in `lanes` (a reload removed them).
+    fn keep_only(&mut self, lanes: &[Arc<T>]) {
+        self.entries.retain(|(kept, _)| {
+            lanes
+                .iter()
+                .any(|lane| std::ptr::eq(kept.as_ptr(), Arc::as_ptr(lane)))
+        });
+    }
+
+    /// The entry of `lane`, made by `new` the first time.
+    fn entry(&mut self, lane: &Arc<T>, new: impl FnOnce() -> V) -> &mut V {
+        let found = self
+            .entries
+            .iter()
+            .position(|(kept, _)| std::ptr::eq(kept.as_ptr(), Arc::as_ptr(lane)));
+        let index = found.unwrap_or_else(|| {
+            self.entries.push((Arc::downgrade(lane), new()));
+            self.entries.len() - 1
+        });
+        &mut self.entries[index].1
     }
 }
 
@@ -213,5 +254,22 @@ mod tests {
         let config = crate::config::Config::parse(std::path::Path::new("k.toml"), "").unwrap();
         assert_eq!(stall_bound(&config.redis, 1), Duration::from_millis(26_100));
         assert_eq!(stall_bound(&config.redis, 3), Duration::from_millis(76_300));
+    }
+
+    #[test]
+    fn a_lane_made_after_one_was_dropped_gets_a_renewal_schedule_of_its_own() {
+        let mut renewals: PerLane<[u64; 16], &str> = PerLane::default();
+        let old = Arc::new([0; 16]);
+        *renewals.entry(&old, || "new") = "the dropped lane's";
+        renewals.keep_only(std::slice::from_ref(&old));
+        // A reload removes the lane and makes others between two turns; an allocator hands a freed block of the
+        // same size out again (glibc's at once), so one of them would be at the dropped lane's address.
+        drop(old);
+        let made: Vec<Arc<[u64; 16]>> = (0..64).map(|n| Arc::new([n; 16])).collect();
+        for lane in &made {
+            assert_eq!(*renewals.entry(lane, || "new"), "new");
+        }
+        renewals.keep_only(&made);
+        assert_eq!(renewals.entries.len(), made.len());
     }
 }

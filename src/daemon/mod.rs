@@ -636,7 +636,10 @@ impl Supervisor {
         // may live on: they hold nothing).
         if self.threads.count_in(group, &[Role::Fetcher, Role::Acker]) == 0 {
             let serving = self.serving.remove(index);
-            release_owners(std::slice::from_ref(&serving.lane), &self.parts.pool);
+            release_owners(
+                std::slice::from_ref(&serving.lane),
+                &mut self.parts.session("owners"),
+            );
             self.lanes.remove(&serving.lane);
             serving.stop.fire();
             tracing::info!(queue = %serving.lane.name(), "the replaced lane settled everything and stopped");
@@ -672,7 +675,7 @@ impl Supervisor {
         let lanes: Vec<Arc<Lane>> = self.serving.iter().map(|s| Arc::clone(&s.lane)).collect();
         let stopping_at = Instant::now();
         // After `stopping_at`: a Redis that is slow to answer must not stretch the handlers' grace.
-        mark_draining(&lanes, &self.parts.pool);
+        mark_draining(&lanes, &mut self.parts.session("owners"));
         let threads = &mut self.threads;
         let workers_done = threads.wait_for(
             events,
@@ -698,7 +701,7 @@ impl Supervisor {
                 "outcomes still unsettled after {SETTLE_DEADLINE:?}; safe-mode tasks run again once their leases expire"
             );
         }
-        release_owners(&lanes, &self.parts.pool);
+        release_owners(&lanes, &mut self.parts.session("owners"));
         self.parts.background.fire();
         for serving in &self.serving {
             serving.stop.fire();

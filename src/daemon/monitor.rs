@@ -369,14 +369,14 @@ impl Monitor {
             .iter()
             .filter(|ok| **ok == Some(true))
             .count();
-        for (hook, applied) in hooks.iter().zip(&report.applied) {
-            if let (Some(hook), Some(true)) = (hook, applied) {
-                self.pulse.beat();
-                self.plugins
-                    .current()
-                    .on_dead(&queue.config.name, &hook.envelope, &hook.reason);
-            }
-        }
+        self.plugins.current().run_dead_hooks(
+            &queue.config.name,
+            hooks
+                .iter()
+                .map(Option::as_deref)
+                .zip(report.applied.iter().copied()),
+            || self.pulse.beat(),
+        );
         Some((recovered, report.refused.len()))
     }
 }

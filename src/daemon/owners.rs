@@ -1,39 +1,25 @@
 //! This daemon's owners in Redis at the end of a lane's life: marked draining as a graceful stop (or a reload's
 //! retirement) begins, released once every outcome is settled. Its own module because it is the supervisor's
-//! only Redis bookkeeping of its own, apart from the start-up checks, done through the pool on behalf of lanes
-//! whose threads have stopped.
+//! only Redis bookkeeping of its own, apart from the start-up checks, done through a [`Session`] of its own (a
+//! pool connection, named, closed after a failure) on behalf of lanes whose threads have stopped.
 
 use std::sync::Arc;
 
 use super::lane::Lane;
-use crate::broker::{self, BrokerError};
+use crate::broker::{self, BrokerError, Session};
 
 /// Marks this daemon's owners as draining (`kmqd workers` shows it) as its graceful stop begins. Best effort,
 /// one try each: a daemon that cannot reach Redis is stopping all the same, and its registration goes when its
 /// owner is released.
-pub(super) fn mark_draining(lanes: &[Arc<Lane>], pool: &broker::Pool) {
-    let now_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |since| since.as_millis() as i64);
+pub(super) fn mark_draining(lanes: &[Arc<Lane>], session: &mut Session) {
+    let now_ms = broker::local_now_ms();
     for lane in lanes {
         let Some(owner) = lane.ownership.current() else {
             continue;
         };
-        let marked = pool
-            .get()
-            .map_err(BrokerError::from)
-            .and_then(|mut connection| {
-                let result = broker::admin::mark_draining(
-                    &mut **connection,
-                    &lane.queue.keys,
-                    &owner,
-                    now_ms,
-                );
-                if result.is_err() {
-                    connection.mark_broken();
-                }
-                result
-            });
+        let marked = session.call(|connection| {
+            broker::admin::mark_draining(connection, &lane.queue.keys, &owner, now_ms)
+        });
         if let Err(error) = marked {
             tracing::debug!(queue = %lane.name(), %owner, %error, "cannot mark the owner draining");
         }
@@ -42,7 +28,7 @@ pub(super) fn mark_draining(lanes: &[Arc<Lane>], pool: &broker::Pool) {
 
 /// Forgets this daemon's owners, now that every outcome is settled. An owner that still holds tasks (Redis
 /// failed while settling) is kept: its lease runs out and the monitors return its tasks to the queue.
-pub(super) fn release_owners(lanes: &[Arc<Lane>], pool: &broker::Pool) {
+pub(super) fn release_owners(lanes: &[Arc<Lane>], session: &mut Session) {
     /// A pooled connection may have died in the meantime (a `CLIENT KILL`, an idle timeout): try a fresh one.
     const ATTEMPTS: usize = 3;
     for lane in lanes {
@@ -57,20 +43,10 @@ pub(super) fn release_owners(lanes: &[Arc<Lane>], pool: &broker::Pool) {
             detail: "not tried".to_string(),
         });
         for _ in 0..ATTEMPTS {
-            released = pool
-                .get()
-                .map_err(BrokerError::from)
-                .and_then(|mut connection| {
-                    let result =
-                        broker::release_unique(&mut **connection, &lane.queue.keys, &owner)
-                            .and_then(|_| {
-                                broker::release(&mut **connection, &lane.queue.keys, &owner, false)
-                            });
-                    if result.is_err() {
-                        connection.mark_broken();
-                    }
-                    result
-                });
+            released = session.call(|connection| {
+                broker::release_unique(connection, &lane.queue.keys, &owner)?;
+                broker::release(connection, &lane.queue.keys, &owner, false)
+            });
             if released.is_ok() {
                 break;
             }

@@ -8,11 +8,11 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, UNIX_EPOCH};
 
 use serde_json::value::RawValue;
 
-use crate::broker::{self, Fired, Session};
+use crate::broker::{self, Fired, Session, local_now_ms};
 use crate::config::{Missed, RedisConfig, ScheduleConfig};
 use crate::pulse::Pulse;
 use crate::queue::QueueContext;
@@ -48,12 +48,6 @@ pub struct Scheduler {
     background: Listener,
     /// Redis's clock minus the local clock, ms, as last measured.
     offset_ms: i64,
-}
-
-fn local_now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
 }
 
 /// The id of a slot's task: the schedule name and the slot time.

@@ -16,6 +16,7 @@ use serde_json::value::RawValue;
 pub(crate) use ffi::{LoadedPlugin, MESSAGE_CAPACITY, Run, Status};
 
 use crate::config::{Config, PluginConfig};
+use crate::settlement::DeadHook;
 use crate::task::Envelope;
 use kmq_plugin::host::ProgressSink;
 
@@ -370,6 +371,24 @@ impl Registry {
         };
         let cancel = AtomicU32::new(0);
         plugin.on_dead(&Run::of(envelope, queue, 0, &cancel, None), reason);
+    }
+
+    /// Calls `on_dead` for each task of a settle call whose record Redis applied (`Some(true)`: a record refused
+    /// or left unanswered dead-lettered nothing), after `beat`: a call may dead-letter many tasks, each hook a
+    /// plugin call, and the watchdog must see a hang only in a hook that never returns. The acker and the monitor,
+    /// the two that settle dead letters, both call it.
+    pub(crate) fn run_dead_hooks<'h>(
+        &self,
+        queue: &str,
+        hooks: impl IntoIterator<Item = (Option<&'h DeadHook>, Option<bool>)>,
+        mut beat: impl FnMut(),
+    ) {
+        for (hook, applied) in hooks {
+            if let (Some(hook), Some(true)) = (hook, applied) {
+                beat();
+                self.on_dead(queue, &hook.envelope, &hook.reason);
+            }
+        }
     }
 
     /// The loaded plugins: the config's sections in order, then the drop-ins by file name.

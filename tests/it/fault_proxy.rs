@@ -107,6 +107,40 @@ fn resp_command(args: &[&[u8]]) -> Vec<u8> {
     out
 }
 
+/// A test that fails unwinds through its servers, and each reports the tail of its log, so the failure shows
+/// Redis's side beside the panic message (the architecture review's A0.4: only a failed start carried the log).
+#[test]
+fn a_redis_server_dropped_by_a_failing_test_reports_its_log() {
+    let redis = RedisServer::start();
+    assert_eq!(
+        redis.panic_report(),
+        None,
+        "nothing to report while no test fails"
+    );
+    /// Reads the report as the server's own drop does: while the failing closure unwinds.
+    struct Probe<'a>(&'a RedisServer, &'a std::sync::Mutex<Option<String>>);
+    impl Drop for Probe<'_> {
+        fn drop(&mut self) {
+            *self.1.lock().unwrap() = self.0.panic_report();
+        }
+    }
+    let report = std::sync::Mutex::new(None);
+    let failed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _probe = Probe(&redis, &report);
+        panic!("a failing assertion (this test's own, expected)");
+    }));
+    assert!(failed.is_err());
+    let report = report
+        .into_inner()
+        .unwrap()
+        .expect("a report while the test unwinds");
+    assert!(
+        report.contains("dropped by a failing test")
+            && report.contains("ready to accept connections"),
+        "{report}"
+    );
+}
+
 #[test]
 fn drop_reply_with_close_loses_the_reply_of_an_incr_that_ran() {
     let redis = RedisServer::start();

@@ -151,9 +151,10 @@ impl RawQueue {
             (backoff, backoff_max),
             dead_max,
         )?;
+        let idle_poll_span = idle_poll.as_ref().map_or(span.clone(), Spanned::span);
         let idle_poll = duration_or(source, &key("idle_poll"), &idle_poll, defaults::IDLE_POLL)?;
         if idle_poll < Duration::from_millis(10) || idle_poll > Duration::from_secs(5) {
-            return Err(source.error(span, format!("{}: must be between 10ms and 5s (it also bounds how long a stopping daemon waits for its fetchers)", key("idle_poll"))));
+            return Err(source.error(idle_poll_span, format!("{}: must be between 10ms and 5s (it also bounds how long a stopping daemon waits for its fetchers)", key("idle_poll"))));
         }
         let foreign_type_field = match foreign_type_field {
             Some(field) if field.get_ref().is_empty() || field.get_ref() == "type" => {
@@ -174,7 +175,12 @@ impl RawQueue {
         };
         // Niceness is 0 to 19 on Linux; added to the daemon's, it is capped there.
         let worker_nice = match &worker_nice {
-            Some(n) => ranged(source, &key("worker_nice"), n, 0..20)? as i32,
+            Some(n) => ranged(
+                source,
+                &key("worker_nice"),
+                n,
+                0..MAX_WORKER_NICE as i64 + 1,
+            )? as i32,
             None => 0,
         };
 
@@ -402,7 +408,7 @@ fn capacity(
     ),
 ) -> Result<Capacity, ConfigError> {
     let workers = match &workers {
-        Some(w) => ranged(source, &key("workers"), w, 1..1025)? as usize,
+        Some(w) => ranged(source, &key("workers"), w, 1..MAX_WORKERS as i64 + 1)? as usize,
         None => defaults::WORKERS,
     };
     let batch = match &batch {
@@ -433,7 +439,9 @@ fn capacity(
         None => Vec::new(),
     };
     let prefetch = match &prefetch {
-        Some(p) => Prefetch::Fixed(ranged(source, &key("prefetch"), p, 0..100_001)? as usize),
+        Some(p) => Prefetch::Fixed(
+            ranged(source, &key("prefetch"), p, 0..MAX_PREFETCH as i64 + 1)? as usize,
+        ),
         // A task claimed ahead would hold a running slot, or a start of the rate, that another daemon's idle
         // worker could use.
         None if max_running.is_some() || !rate_limit.is_empty() || limited_types => {
@@ -444,7 +452,8 @@ fn capacity(
     let max_held = match (&max_held, prefetch) {
         (Some(m), prefetch) => {
             let least = prefetch.least_held(workers);
-            let max_held = ranged(source, &key("max_held"), m, 1..200_001)? as usize;
+            let max_held =
+                ranged(source, &key("max_held"), m, 1..MAX_HELD_LIMIT as i64 + 1)? as usize;
             if max_held < least {
                 let what = match prefetch {
                     Prefetch::Fixed(p) => format!("workers + prefetch ({workers} + {p})"),
@@ -481,8 +490,8 @@ struct Timing {
     alive_timeout: Option<Duration>,
 }
 
-/// A queue's `lease_timeout`, `execution_timeout` and `alive_timeout`; `span` is the queue's table, where the
-/// lease's error points.
+/// A queue's `lease_timeout`, `execution_timeout` and `alive_timeout`; `span` is the queue's table, where an
+/// error points when the value it is about was left out.
 fn timing(
     source: &Source<'_>,
     key: &impl Fn(&str) -> String,
@@ -491,6 +500,7 @@ fn timing(
     execution_timeout: Option<Spanned<String>>,
     alive_timeout: Option<Spanned<String>>,
 ) -> Result<Timing, ConfigError> {
+    let lease_span = lease_timeout.as_ref().map_or(span.clone(), Spanned::span);
     let lease_timeout = duration_or(
         source,
         &key("lease_timeout"),
@@ -499,7 +509,7 @@ fn timing(
     )?;
     if lease_timeout < Duration::from_millis(300) {
         return Err(source.error(
-            span.clone(),
+            lease_span,
             format!("{}: {lease_timeout:?} is too short; the heartbeat renews every third of it, use at least 300ms", key("lease_timeout")),
         ));
     }
@@ -533,7 +543,8 @@ struct Retry {
 }
 
 /// A queue's `retry_times`, `on_handler_error`, `backoff`, `backoff_max` and `dead_max`; `span` is the queue's
-/// table, where the error of a `backoff_max` shorter than `backoff` points.
+/// table. A `backoff_max` shorter than `backoff` is an error at `backoff_max`, or at `backoff` when
+/// `backoff_max` was left out (a `backoff` longer than its default).
 fn retry(
     source: &Source<'_>,
     key: &impl Fn(&str) -> String,
@@ -544,7 +555,12 @@ fn retry(
     dead_max: Option<Spanned<i64>>,
 ) -> Result<Retry, ConfigError> {
     let retry_times = match &retry_times {
-        Some(r) => ranged(source, &key("retry_times"), r, 0..1001)? as u32,
+        Some(r) => ranged(
+            source,
+            &key("retry_times"),
+            r,
+            0..MAX_RETRY_TIMES as i64 + 1,
+        )? as u32,
         None => defaults::RETRY_TIMES,
     };
     let on_handler_error = match &on_handler_error {
@@ -560,6 +576,10 @@ fn retry(
         )?,
         None => OnHandlerError::Retry,
     };
+    let backoff_span = backoff_max
+        .as_ref()
+        .or(backoff.as_ref())
+        .map_or(span.clone(), Spanned::span);
     let backoff_value = duration_or(source, &key("backoff"), &backoff, defaults::BACKOFF)?;
     let backoff_max = duration_or(
         source,
@@ -569,7 +589,7 @@ fn retry(
     )?;
     if backoff_max < backoff_value {
         return Err(source.error(
-            span.clone(),
+            backoff_span,
             format!(
                 "{}: must not be shorter than backoff ({backoff_value:?})",
                 key("backoff_max")
@@ -577,7 +597,7 @@ fn retry(
         ));
     }
     let dead_max = match &dead_max {
-        Some(d) => ranged(source, &key("dead_max"), d, 1..100_000_001)? as usize,
+        Some(d) => ranged(source, &key("dead_max"), d, 1..DEAD_MAX_LIMIT as i64 + 1)? as usize,
         None => defaults::DEAD_MAX,
     };
     Ok(Retry {

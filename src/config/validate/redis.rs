@@ -161,6 +161,7 @@ impl RawRedis {
             wait_timeout: wait_timeout_value,
             password,
             pool_size,
+            pool_size_given: pool_size != 0,
             key_prefix,
             connect_timeout,
             io_timeout: io_timeout_value,

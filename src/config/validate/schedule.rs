@@ -121,7 +121,9 @@ impl RawSchedule {
             Duration::from_secs(60),
         )?;
         let catch_up_max = match &catch_up_max {
-            Some(n) => ranged(source, &key("catch_up_max"), n, 1..100_001)? as usize,
+            Some(n) => {
+                ranged(source, &key("catch_up_max"), n, 1..MAX_CATCH_UP as i64 + 1)? as usize
+            }
             None => 100,
         };
         let data_json = match &data {

@@ -369,22 +369,15 @@ impl Acker {
                  and newer tasks with those ids hold them now"
             );
         }
-        for (outcome, applied) in group.iter().zip(&report.applied) {
-            if let (
-                Apply::Settle {
-                    dead_hook: Some(hook),
-                    ..
-                },
-                Some(true),
-            ) = (&outcome.apply, applied)
-            {
-                self.plugins
-                    .current()
-                    .on_dead(&queue.config.name, &hook.envelope, &hook.reason);
-                // A batch may dead-letter many tasks, each hook a plugin call: only one that never returns is a hang.
-                lane.acker_pulse.beat();
-            }
-        }
+        let hooks = group.iter().map(|outcome| match &outcome.apply {
+            Apply::Settle { dead_hook, .. } => dead_hook.as_deref(),
+            Apply::Forget => None,
+        });
+        self.plugins.current().run_dead_hooks(
+            &queue.config.name,
+            hooks.zip(report.applied.iter().copied()),
+            || lane.acker_pulse.beat(),
+        );
         Some(report.refused)
     }
 }

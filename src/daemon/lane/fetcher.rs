@@ -123,9 +123,7 @@ impl Fetcher {
             host: broker::hostname(),
             pid: std::process::id(),
             version: env!("CARGO_PKG_VERSION").to_string(),
-            started_at_ms: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |since| since.as_millis() as i64),
+            started_at_ms: broker::local_now_ms(),
             group: None,
             draining: false,
             stuck: None,

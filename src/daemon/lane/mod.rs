@@ -115,7 +115,9 @@ pub struct Lane {
 }
 
 impl Lane {
-    /// A lane for `queue`.
+    /// A lane for `queue`, holding nothing and under no owner yet: its fetcher registers one at its first claim,
+    /// named from `instance` (this daemon run's id, so that owners of two runs never collide). `epoch` is the
+    /// daemon's: the reference point of the times the lane keeps in atomics.
     pub fn new(queue: Arc<QueueContext>, instance: &str, epoch: Instant) -> Lane {
         let config = &queue.config;
         let prefetch = config.initial_prefetch();

@@ -20,7 +20,10 @@ impl Supervisor {
         serving.claiming.fire();
         serving.lane.hand_back_waiting();
         self.stopping.insert(serving.group);
-        mark_draining(std::slice::from_ref(&serving.lane), &self.parts.pool);
+        mark_draining(
+            std::slice::from_ref(&serving.lane),
+            &mut self.parts.session("owners"),
+        );
     }
 
     /// Re-reads the config file and applies it, or refuses it and keeps the running one.

@@ -50,7 +50,8 @@ pub fn plan(running: &Config, new: &Config) -> Plan {
     let mut config = new.clone();
     let mut needs_restart = redis_changes(&running.redis, &new.redis);
     // The pool cannot grow: a reload that needs more connections than it holds (more queues, the reporter) says
-    // so. A pool_size the file changes otherwise (or the default computed from the queues) waits for a restart.
+    // so. A pool_size the file gives (or gave) and changes waits for a restart too, and says so; the default,
+    // computed from the queues, moves with them unreported unless the pool falls short.
     if new.connections_needed() > running.redis.pool_size {
         needs_restart.push(format!(
             "redis.pool_size (the new config needs {} connections, the pool holds {}; until a restart, threads \
@@ -58,6 +59,10 @@ pub fn plan(running: &Config, new: &Config) -> Plan {
             new.connections_needed(),
             running.redis.pool_size
         ));
+    } else if (running.redis.pool_size_given || new.redis.pool_size_given)
+        && running.redis.pool_size != new.redis.pool_size
+    {
+        needs_restart.push("redis.pool_size".to_string());
     }
     // Kept whole: the connections, pool and key names were made from it.
     config.redis = running.redis.clone();
@@ -194,6 +199,24 @@ fn queue_changes(old: &QueueConfig, new: &QueueConfig) -> Vec<String> {
 
 /// The `[redis]` keys that differ (none of them can change live).
 fn redis_changes(old: &RedisConfig, new: &RedisConfig) -> Vec<String> {
+    // Every field named, none left to `..`: a field added to `RedisConfig` does not compile until it is compared
+    // here (or said to be compared elsewhere), so a reload never keeps a changed one silently.
+    let RedisConfig {
+        url: _,
+        deployment: _,
+        username: _,
+        password: _,
+        tls: _,
+        wait_replicas: _,
+        wait_timeout: _,
+        // Compared in `plan`, against what the new config needs.
+        pool_size: _,
+        pool_size_given: _,
+        key_prefix: _,
+        connect_timeout: _,
+        io_timeout: _,
+        allow_eviction: _,
+    } = old;
     let mut out = Vec::new();
     let mut differs = |key: &str, differs: bool| {
         if differs {
@@ -268,6 +291,25 @@ mod tests {
         );
         assert_eq!(plan.config.redis.url, "redis://127.0.0.1:7000");
         assert_eq!(plan.config.redis.key_prefix, parse(BASE).redis.key_prefix);
+    }
+
+    #[test]
+    fn a_pool_size_the_file_changes_is_reported_as_needing_a_restart() {
+        let sized = |size: u32| parse(&format!("[redis]\npool_size = {size}\n{}", &BASE[8..]));
+        let plan_of = |running: &Config, new: &Config| plan(running, new).needs_restart;
+        assert_eq!(plan_of(&sized(20), &sized(30)), ["redis.pool_size"]);
+        assert_eq!(plan_of(&parse(BASE), &sized(30)), ["redis.pool_size"]);
+        assert_eq!(plan_of(&sized(30), &parse(BASE)), ["redis.pool_size"]);
+        assert_eq!(
+            plan(&sized(20), &sized(30)).config.redis.pool_size,
+            20,
+            "the pool keeps its size"
+        );
+        // Left out, the size follows the queues: one fewer queue needs fewer connections, and the pool it has is
+        // enough.
+        let fewer = parse(&BASE.replace("[[queues]]\nname = \"old\"\nmode = \"default\"\n", ""));
+        assert_ne!(fewer.redis.pool_size, parse(BASE).redis.pool_size);
+        assert!(plan_of(&parse(BASE), &fewer).is_empty());
     }
 
     #[test]

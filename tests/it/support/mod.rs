@@ -137,6 +137,11 @@ impl RedisServer {
         self.server.log_text()
     }
 
+    /// What the server says when a failing test drops it (see `kmqd_harness::RedisServer::panic_report`).
+    pub fn panic_report(&self) -> Option<String> {
+        self.server.panic_report()
+    }
+
     /// Where the append-only file ends now (a server started with it on, and with automatic rewrites off:
     /// `--auto-aof-rewrite-percentage 0`): what [`RedisServer::crash_back_to`] cuts it back to. Take it after a
     /// write was acknowledged on `appendfsync always` to be sure the file holds that write.
