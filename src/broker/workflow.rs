@@ -8,6 +8,7 @@
 //! the apply records which dependency ended, keyed by the dependency, so applying a note again changes nothing,
 //! and a waiter is released in the one apply that records its last dependency.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::time::Duration;
@@ -122,15 +123,16 @@ pub fn push_waiters(
 /// A note in an outbox, as after.lua and deps.lua write it (an outcome), or dead_requeue.lua (a withdrawal).
 #[derive(Deserialize)]
 struct Note<'a> {
-    to: Vec<Task>,
+    #[serde(borrow)]
+    to: Vec<Task<'a>>,
     /// The dependency's run: 0 until it is first requeued from its dead letters ([`RUN`]).
     #[serde(default)]
     run: u64,
     #[serde(borrow, default)]
     outcome: Option<&'a RawValue>,
     /// The dependency that was requeued: its waiters forget its dead run's outcome while they wait.
-    #[serde(default)]
-    withdraw: Option<Task>,
+    #[serde(borrow, default)]
+    withdraw: Option<Task<'a>>,
 }
 
 /// The envelope's field that numbers a task's runs for its waiters: absent (0) until `dead requeue` requeues it,
@@ -138,21 +140,26 @@ struct Note<'a> {
 /// "A requeued dependency").
 pub const RUN: &str = "run";
 
-/// A task named in a note.
-#[derive(Deserialize)]
-struct Task {
-    queue: String,
-    id: String,
+/// A task named in a note: borrowed from the note read (a name with an escape is copied), so that a mover's turn of
+/// a thousand notes makes no string of its own a note but the dependency's field.
+#[derive(Deserialize, Clone, PartialEq, Eq, Hash)]
+struct Task<'a> {
+    #[serde(borrow)]
+    queue: Cow<'a, str>,
+    #[serde(borrow)]
+    id: Cow<'a, str>,
 }
 
-/// A note's outcome, as much as the mover reads of it.
+/// A note's outcome, as much as the mover reads of it (a dead one's `reason` is read by flow_apply.lua, from the
+/// outcome it records, only when it fails the waiting task).
 #[derive(Deserialize, Clone)]
-struct Outcome {
-    queue: String,
-    id: String,
-    state: String,
-    #[serde(default)]
-    reason: Option<String>,
+struct Outcome<'a> {
+    #[serde(borrow)]
+    queue: Cow<'a, str>,
+    #[serde(borrow)]
+    id: Cow<'a, str>,
+    #[serde(borrow)]
+    state: Cow<'a, str>,
 }
 
 /// The field of a waiting task's ended hash that names a dependency: a queue name holds no newline (config
@@ -177,17 +184,16 @@ pub fn move_outbox(conn: &mut Conn, keys: &QueueKeys, beat: &dyn Fn()) -> Result
     }
     // The outcomes for each waiter, in the order read: one apply a waiter (a fan-in's notes come in runs). Found
     // by name through `at`, so that a note to many waiters (a fan-out) costs a look-up a waiter, not a scan.
-    let mut waiters: Vec<(Task, Vec<Applied<'_>>)> = Vec::new();
-    let mut at: HashMap<(String, String), usize> = HashMap::new();
+    let mut waiters: Vec<(Task<'_>, Vec<Applied<'_>>)> = Vec::new();
+    let mut at: HashMap<Task<'_>, usize> = HashMap::new();
     for bytes in &notes {
         let parsed = serde_json::from_slice::<Note<'_>>(bytes).and_then(|note| {
             let outcome = match (note.outcome, &note.withdraw) {
-                (Some(raw), None) => serde_json::from_str::<Outcome>(raw.get())?,
+                (Some(raw), None) => serde_json::from_str::<Outcome<'_>>(raw.get())?,
                 (None, Some(task)) => Outcome {
                     queue: task.queue.clone(),
                     id: task.id.clone(),
-                    state: "withdraw".to_string(),
-                    reason: None,
+                    state: Cow::Borrowed("withdraw"),
                 },
                 _ => {
                     return Err(<serde_json::Error as serde::de::Error>::custom(
@@ -215,7 +221,7 @@ pub fn move_outbox(conn: &mut Conn, keys: &QueueKeys, beat: &dyn Fn()) -> Result
                 raw: note.outcome.map_or("", RawValue::get),
                 run: note.run,
             };
-            match at.entry((waiter.queue.clone(), waiter.id.clone())) {
+            match at.entry(waiter.clone()) {
                 Entry::Occupied(known) => waiters[*known.get()].1.push(applied),
                 Entry::Vacant(new) => {
                     new.insert(waiters.len());
@@ -241,7 +247,7 @@ pub fn move_outbox(conn: &mut Conn, keys: &QueueKeys, beat: &dyn Fn()) -> Result
 /// One note as flow_apply.lua takes it: the outcome (state "withdraw" for a withdrawal), its JSON ("" for a
 /// withdrawal), and the dependency's run.
 struct Applied<'a> {
-    outcome: Outcome,
+    outcome: Outcome<'a>,
     raw: &'a str,
     run: u64,
 }
@@ -250,7 +256,7 @@ struct Applied<'a> {
 fn apply(
     conn: &mut Conn,
     keys: &QueueKeys,
-    waiter: &Task,
+    waiter: &Task<'_>,
     outcomes: &[Applied<'_>],
 ) -> Result<String> {
     let theirs = keys.other_queue(&waiter.queue);
@@ -276,9 +282,7 @@ fn apply(
             invocation
                 .arg(dependency_field(&outcome.queue, &outcome.id))
                 .arg(*raw)
-                .arg(&outcome.state)
-                .arg(format!("{}/{}", outcome.queue, outcome.id))
-                .arg(outcome.reason.as_deref().unwrap_or(""))
+                .arg(outcome.state.as_ref())
                 .arg(*run);
         }
         let said: String = invocation.invoke(conn)?;

@@ -411,6 +411,108 @@ fn a_dependency_requeued_before_its_dead_note_was_applied_re_arms_a_failing_wait
     daemon.stop();
 }
 
+/// One flow_apply.lua call carries every note a mover read for a waiter (a fan-in's thousand); it decides the
+/// waiter exactly as the notes applied one call each would, though it steps the waiter only on the note that may
+/// decide it: a duplicate in the call does not count, a dead dependency under `fail` fails it even when the
+/// count reaches `need` in the same call, and a withdrawal after the note that released it changes nothing (a
+/// step once at the end of the call would have forgotten the outcome and left the waiter waiting).
+#[test]
+fn one_apply_of_many_notes_decides_the_waiter_as_one_apply_a_note_would() {
+    let redis = RedisServer::start();
+    let apply = |id: &str, if_failed: &str, notes: &[[&str; 4]]| -> String {
+        let meta = format!("kmq:{{b}}:deps:{id}");
+        let ready = "kmq:{b}:ready".to_string();
+        let _: i64 = redis.cmd(&["HSETNX", &meta, "ready", &ready]);
+        let _: i64 = redis.cmd(&[
+            "HSET",
+            &meta,
+            "queue",
+            "b",
+            "id",
+            id,
+            "type",
+            "test",
+            "envelope",
+            r#"{"id":"x","type":"test"}"#,
+            "if_failed",
+            if_failed,
+            "need",
+            "2",
+            "deps",
+            "[]",
+            "up",
+            "[]",
+            "dead_max",
+            "100",
+            "keep_ms",
+            "60000",
+        ]);
+        let _: i64 = redis.cmd(&["HSETNX", &meta, "state", "waiting"]);
+        let keys = [
+            meta.clone(),
+            format!("kmq:{{b}}:deps-ended:{id}"),
+            "kmq:{b}:deps-waiting".to_string(),
+            ready,
+            "kmq:{b}:wake".to_string(),
+            "kmq:{b}:dead".to_string(),
+            "kmq:{b}:stats".to_string(),
+            "kmq:{b}:deps-outbox".to_string(),
+            format!("kmq:{{b}}:deps-run:{id}"),
+        ];
+        let mut args: Vec<&str> = vec!["EVAL", sources::FLOW_APPLY, "9"];
+        args.extend(keys.iter().map(String::as_str));
+        for note in notes {
+            args.extend(note);
+        }
+        redis.cmd(&args)
+    };
+    let done = |n: &str| format!(r#"{{"queue":"a","id":"{n}","state":"done","result":null}}"#);
+    let (p1, p2) = (done("p1"), done("p2"));
+    let dead = r#"{"queue":"a","id":"p1","state":"dead","reason":"boom"}"#;
+    // A duplicate in the call counts once: one of two dependencies ended.
+    let said = apply(
+        "dup",
+        "fail",
+        &[["a\np1", &p1, "done", "0"], ["a\np1", &p1, "done", "0"]],
+    );
+    assert_eq!(said, "waiting");
+    // A dead one under `fail`, then the last: failed, never released, with the dead one's reason.
+    let said = apply(
+        "failing",
+        "fail",
+        &[["a\np1", dead, "dead", "0"], ["a\np2", &p2, "done", "0"]],
+    );
+    assert_eq!(said, "failed");
+    let state: String = redis.cmd(&["HGET", "kmq:{b}:deps:failing", "state"]);
+    assert_eq!(state, "dead");
+    let reason: String = redis.cmd(&["HGET", "kmq:{b}:deps:failing", "reason"]);
+    assert_eq!(reason, "dependency a/p1 ended dead: boom");
+    // Released by the second note; the withdrawal after it finds a task that no longer waits.
+    let said = apply(
+        "released",
+        "fail",
+        &[
+            ["a\np1", &p1, "done", "0"],
+            ["a\np2", &p2, "done", "0"],
+            ["a\np1", "", "withdraw", "1"],
+        ],
+    );
+    assert_eq!(said, "released");
+    let ended: i64 = redis.cmd(&["HLEN", "kmq:{b}:deps-ended:released"]);
+    assert_eq!(ended, 2, "the released task keeps the outcomes it ran with");
+    let ready: i64 = redis.cmd(&["LLEN", "kmq:{b}:ready"]);
+    assert_eq!(ready, 1, "only the released task is ready, once");
+    // The same notes again (a second mover): nothing changes.
+    let said = apply(
+        "released",
+        "fail",
+        &[["a\np1", &p1, "done", "0"], ["a\np2", &p2, "done", "0"]],
+    );
+    assert_eq!(said, "duplicate");
+    let ready: i64 = redis.cmd(&["LLEN", "kmq:{b}:ready"]);
+    assert_eq!(ready, 1);
+}
+
 /// A daemon killed with -9 in the middle of a fan-in (tasks held, notes written but not moved, an apply cut
 /// short): another daemon recovers its tasks and moves its notes, and the waiter is released exactly once, after
 /// every part ended.

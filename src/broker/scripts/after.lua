@@ -16,9 +16,10 @@
 -- result: so a task's end is noted exactly once, in the step that ends it, and never by a daemon that no longer
 -- holds the task (a stale settle) nor by a settle sent again after a lost reply (settle.lua, "Calls": the stored
 -- answer is returned before anything is applied). The notes are appended (RPUSH: the movers read the oldest
--- first) and the queue's delay poller, which moves them, is woken once a call.
+-- first), in the call's order, by `write_notes` once every record applied (as results.lua's write_kept: an RPUSH
+-- a thousand notes, not one a note), and the queue's delay poller, which moves them, is woken once a call.
 local function take_notes()
-  local notes = {records = {}, claims = {}, outbox = false, written = 0}
+  local notes = {records = {}, claims = {}, outbox = false, written = 0, pending = {}}
   if ARGV[#ARGV] ~= 'notes' then return notes end
   local count = tonumber(ARGV[#ARGV - 1])
   if not count or count < 0 or #ARGV < 2 + 3 * count or #KEYS < 1 then
@@ -42,8 +43,14 @@ local function take_notes()
     if claim == 0 then
       notes.records[place] = value
     else
-      notes.claims[claim] = notes.claims[claim] or {}
-      table.insert(notes.claims[claim], {position = place, value = value})
+      -- Flat (a position, then its note), not a table a note: a fan-in's settle takes a thousand.
+      local list = notes.claims[claim]
+      if not list then
+        list = {}
+        notes.claims[claim] = list
+      end
+      list[#list + 1] = place
+      list[#list + 1] = value
     end
   end
   for n = #ARGV, first_arg + 1, -1 do ARGV[n] = nil end
@@ -55,8 +62,8 @@ end
 local function note(notes, record)
   local value = notes.records[record]
   if value then
-    redis.call('RPUSH', notes.outbox, value)
     notes.written = notes.written + 1
+    notes.pending[notes.written] = value
   end
 end
 
@@ -65,14 +72,24 @@ end
 -- `old` as results.lua's keep_claim reads it (bit p is bit 7 - p % 8 of byte p / 8, GETBIT's order), not asked of
 -- Redis a command each.
 local function note_claim(notes, k, old)
-  local values = notes.claims[k]
-  if not values then return end
-  for _, value in ipairs(values) do
-    local byte = old and string.byte(old, math.floor(value.position / 8) + 1)
-    if not byte or bit.band(byte, bit.rshift(128, value.position % 8)) == 0 then
-      redis.call('RPUSH', notes.outbox, value.value)
+  local list = notes.claims[k]
+  if not list then return end
+  for n = 1, #list, 2 do
+    local position = list[n]
+    local byte = old and string.byte(old, math.floor(position / 8) + 1)
+    if not byte or bit.band(byte, bit.rshift(128, position % 8)) == 0 then
       notes.written = notes.written + 1
+      notes.pending[notes.written] = list[n + 1]
     end
+  end
+end
+
+-- Appends the notes `note` and `note_claim` took, in their order, a thousand an RPUSH (under Lua's limit of
+-- arguments to unpack). Called once every record of the call applied and before the call is stored (settle.lua),
+-- as write_kept is: a call that applied has written its notes.
+local function write_notes(notes)
+  for first = 1, notes.written, 1000 do
+    redis.call('RPUSH', notes.outbox, unpack(notes.pending, first, math.min(first + 999, notes.written)))
   end
 end
 

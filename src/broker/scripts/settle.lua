@@ -764,6 +764,7 @@ result[#result + 1] = journal
 -- after a daemon that died. Stored before the counters: whatever follows, a call that applied is known as such.
 -- The results this call keeps (results.lua), in a few commands once everything applied.
 write_kept(kept, now)
+write_notes(notes)
 redis.call('SET', last_call, call .. '|' .. table.concat(result, ','), 'PX', 86400000)
 if dead_lettered > 0 then
   redis.call('LTRIM', dead, 0, dead_max - 1)
