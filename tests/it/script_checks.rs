@@ -789,6 +789,40 @@ fn a_wrong_typed_dead_key_with_an_oversized_task_loses_nothing() {
     assert_eq!(dir.records().starts.len(), 20);
 }
 
+/// A grouped claim's intake (a task pushed by plain RPUSH goes from the ready list to its group's flow) used to
+/// move the task and write the ring, then read the group's running count in its turns and refuse the claim for a
+/// count that is not an integer: the error said "nothing was written" with the task already out of the ready
+/// list (script_checks' replay found it now and then, by which calls it recorded). Now every group the claim will
+/// read is checked before its first write: the refused claims leave the task where it was, and once the count is
+/// fixed it runs once.
+#[test]
+fn a_grouped_claim_refused_for_a_group_count_moves_no_task_to_its_group() {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let queues =
+        safe_queue("workers = 2\nidle_poll = \"100ms\"\n[queues.groups]\nmax_running = 1\n");
+    let _: i64 = redis.cmd(&[
+        "RPUSH",
+        "kmq:{jobs}:ready:normal",
+        r#"{"type":"test","data":7,"id":"g0","group":"a"}"#,
+    ]);
+    let _: i64 = redis.cmd(&["HSET", "kmq:{jobs}:running", "g:a", "1.5"]);
+    let (config, daemon) = daemon_through(&dir, &proxy, &queues);
+    wait_calls(&proxy, sources::CLAIM, 0, 3);
+    let ring: i64 = redis.cmd(&["EXISTS", "kmq:{jobs}:ring:normal"]);
+    assert_eq!(
+        (ready(&redis, "jobs"), ring, claimed(&redis, "jobs")),
+        (1, 0, 0),
+        "refused claims move nothing: the task stays ready, no ring is written"
+    );
+    crate::reload::wait_logged(&daemon, "kmq:{jobs}:running field g:a is not an integer", 1);
+    let _: i64 = redis.cmd(&["HDEL", "kmq:{jobs}:running", "g:a"]);
+    wait_done(&config, 1, Duration::from_secs(30));
+    crate::reload::stop(daemon);
+    assert_eq!(dir.records().runs_of("g0"), 1, "the task ran once");
+}
+
 /// Review M1: push.lua used to RPUSH the tasks (and take their unique ids) before it failed on a wake or stats
 /// key of the wrong type or a `pushed` counter that is not an integer: every push was stored and answered with an
 /// error, so producers pushed again and duplicated it. Now such a push stores nothing, holds no id, and the same

@@ -438,7 +438,7 @@ end
 -- Whether the running limit leaves room once this claim took what it may.
 local room = true
 -- The limit this claim counts under, for the settles that free a slot to tell whether to wake a fetcher: written
--- once nothing after it can fail (a full count returns at once; otherwise after the rate logs were parsed).
+-- once nothing after it can fail (a full count or a full window returns at once; otherwise after every check).
 local function note_limit()
   if max_running > 0 and known_limit ~= max_running then
     redis.call('HSET', KEYS[RUNNING], 'q:limit', max_running)
@@ -459,20 +459,22 @@ if max_running > 0 then
     max, room = max_running - running, false
   end
 end
--- Each window leaves its limit minus what is still in it once the entries that aged out are dropped.
-local free, due, bad = rate_trim('claim.lua', windows, now)
+-- Each window leaves its limit minus what is still in it once the entries that aged out are dropped (read here,
+-- dropped once every check is done, below).
+local free, due, bad = rate_scan('claim.lua', windows, now)
 if bad then return bad end
-note_limit()
 if due > 0 then
+  rate_drop(windows)
+  note_limit()
   retry_at = due
   return finish(empty(5, 0))
 end
 if free and max >= free then
   max, room = free, false
 end
--- The type limits' rooms, once the queue's own limits let the claim go on (types.lua).
+-- The type limits' rooms, once the queue's own limits let the claim go on (types.lua; written below).
 if flowing then
-  bad = types_admit('claim.lua', block, KEYS[RUNNING], now)
+  bad = types_admit('claim.lua', block, KEYS[RUNNING], now, true)
   if bad then return bad end
 end
 -- When nothing was taken though tasks wait, because their types' limits hold them back (state 7): when the
@@ -486,12 +488,44 @@ local function held_back()
 end
 
 -- With groups: the flows whose time came back return to their rings, and the ready lists' tasks go to their
--- groups' flows (groups.lua), before the quarantine and the turns.
+-- groups' flows (groups.lua), before the quarantine and the turns. Planned and checked first, with every group
+-- the quarantined group and the turns will read (`groups_check`), so that a count or a key of the wrong type
+-- refuses the claim before its first write (a group's running count that is not an integer was found after the
+-- rings moved: script_checks, `a_grouped_claim_refused_for_a_group_count_moves_no_task_to_its_group`).
+local due_plan, intake_plan
 if grp.on then
-  bad = groups_due(grp, levels, KEYS[RUNNING], now)
+  local moved, touched
+  due_plan, moved, bad = groups_due(grp, levels, KEYS[RUNNING], now)
   if bad then return bad end
-  bad = groups_intake(grp, levels, function(level) return KEYS[READY + level] end, 4 * tonumber(ARGV[2]) + 256)
+  intake_plan, touched, bad = groups_intake(grp, levels, function(level) return KEYS[READY + level] end,
+    4 * tonumber(ARGV[2]) + 256)
   if bad then return bad end
+  -- The groups of the quarantined group that the claim may take (the first quarantine list that holds tasks,
+  -- as below).
+  local looked = max == 0
+  for stage = 1, 3 do
+    for i = 1, levels do
+      local list = KEYS[QUARANTINE + (stage - 1) * levels + i]
+      if not looked and redis.call('LLEN', list) > 0 then
+        looked = true
+        for _, payload in ipairs(redis.call('LRANGE', list, 0, math.min(GROUPS[stage], max) - 1)) do
+          local _, refused = group_state('claim.lua', grp, group_route(payload), KEYS[RUNNING], now)
+          if refused then return refused end
+        end
+      end
+    end
+  end
+  bad = groups_check('claim.lua', grp, levels, max, moved, touched, KEYS[RUNNING], now)
+  if bad then return bad end
+end
+-- Every check is done: the first writes (but for a full count's or a full window's answer, above).
+rate_drop(windows)
+note_limit()
+if flowing then types_write(block, KEYS[RUNNING]) end
+if grp.on then
+  groups_write(grp)
+  groups_due_apply(grp, levels, due_plan, now)
+  groups_intake_apply(grp, levels, intake_plan)
 end
 
 local holds = false

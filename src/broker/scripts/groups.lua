@@ -111,8 +111,8 @@ end
 
 -- A group's state for this claim (read once, cached): paused, throttled or rate-limited until (`due`), its room
 -- under `max_running` and its rate windows (nil: no bound), its weight. Every key is checked for its type and
--- every count and log entry parsed here, before the claim writes anything it could not take back. Returns the
--- state, or nil and the error reply.
+-- every count and log entry parsed here, and nothing written (see `groups_check`). Returns the state, or nil and
+-- the error reply.
 local function group_state(script, g, enc, running, now)
   local st = g.states[enc]
   if st then return st end
@@ -142,8 +142,11 @@ local function group_state(script, g, enc, running, now)
         total = tonumber(value or '0'), newest = newest}
     end
     if not st.paused and not st.due and st.room ~= 0 then
-      local free, due, bad = rate_trim(script, st.windows, now)
+      -- Read only: `groups_write` takes the aged-out entries off, once every check of the claim is done (or at
+      -- once, for a group first read after that).
+      local free, due, bad = rate_scan(script, st.windows, now)
       if bad then return nil, bad end
+      if g.written then rate_drop(st.windows) end
       if due > 0 then
         st.due = due
       elseif not st.room or free < st.room then
@@ -232,46 +235,57 @@ local function flow_hold(g, level, member, band, scope, now, how)
   if scope then redis.call('ZADD', group_park(g, scope), 'NX', now, level .. '|' .. member) end
 end
 
--- Moves the flows whose TIMED band came due back to each level's virtual time (at most 64 a level a claim: the
--- rest come at the next claims). Then looks at each level's longest-parked flow: one whose group is neither
--- paused nor full any more goes back too, one still held to the back of the parked. The settle that frees a full
--- group's slot moves its flows back; this look is for a slot freed by a settle that did not name the rings (a
--- daemon whose config has no groups, during a rolling change), so that no group waits for ever. Beside type
+-- Plans the move of the flows whose TIMED band came due back to each level's virtual time (at most 64 a level a
+-- claim: the rest come at the next claims). Then looks at each level's longest-parked flow: one whose group is
+-- neither paused nor full any more goes back too, one still held to the back of the parked. The settle that frees
+-- a full group's slot moves its flows back; this look is for a slot freed by a settle that did not name the rings
+-- (a daemon whose config has no groups, during a rolling change), so that no group waits for ever. Beside type
 -- limits, a limited type with room moves back the longest parked of its park index (up to its room plus 8).
--- Returns nil, or the error reply of a count that is not an integer (before it moved anything).
+-- Reads only: returns the plan for `groups_due_apply` and, by level, the members it may bring into the lowest
+-- band (for `groups_check`); or nil and the error reply of a count that is not an integer.
 local function groups_due(g, levels, running, now)
-  -- Each level's longest-parked flow and its group's count, read and checked before anything moves.
-  local parked = {}
+  local plan = {parked = {}, due = {}, unpark = {}}
+  local moved = {}
+  -- Each level's longest-parked flow and its group's count.
   for level = 1, levels do
+    moved[level] = {}
     local head = redis.call('ZRANGE', g.rings[level], GROUP_PARKED, '+inf', 'BYSCORE', 'LIMIT', 0, 1)[1]
     if head then
       local scope = 'g:' .. group_of_member(head)
       local count = redis.call('HGET', running, scope)
       local refused = g.integer(running, scope, count)
-      if refused then return refused end
+      if refused then return nil, nil, refused end
       local full = g.max_running > 0 and tonumber(count or '0') >= g.max_running
       local typ = member_type_flow(g, head)
       full = full or (typ and typ.room == 0)
-      parked[level] = {member = head, held = full or redis.call('EXISTS', g.base .. ':hold:' .. scope) == 1}
+      plan.parked[level] = {member = head, held = full or redis.call('EXISTS', g.base .. ':hold:' .. scope) == 1}
+      if not plan.parked[level].held then table.insert(moved[level], head) end
     end
+    plan.due[level] = redis.call('ZRANGE', g.rings[level], GROUP_TIMED, GROUP_TIMED + now, 'BYSCORE', 'LIMIT', 0, 64)
+    for _, member in ipairs(plan.due[level]) do table.insert(moved[level], member) end
   end
-  -- With type limits: the longest-parked flows of each type that has room now, from its park index (checked and
-  -- read before anything moves).
-  local unpark = {}
+  -- With type limits: the longest-parked flows of each type that has room now, from its park index.
   for _, typ in pairs(g.types or {}) do
     if typ.max_running > 0 and typ.room and typ.room > 0 then
       local park = group_park(g, typ.scope)
       local refused = g.wrong(park, 'zset')
-      if refused then return refused end
+      if refused then return nil, nil, refused end
       for _, entry in ipairs(redis.call('ZRANGE', park, 0, typ.room + 7)) do
-        unpark[#unpark + 1] = {park = park, entry = entry}
+        plan.unpark[#plan.unpark + 1] = {park = park, entry = entry}
+        local level, member = string.match(entry, '^(%d+)|(.*)$')
+        level = tonumber(level)
+        if level and moved[level] then table.insert(moved[level], member) end
       end
     end
   end
+  return plan, moved
+end
+
+-- Carries out `groups_due`'s plan.
+local function groups_due_apply(g, levels, plan, now)
   for level = 1, levels do
-    local due = redis.call('ZRANGE', g.rings[level], GROUP_TIMED, GROUP_TIMED + now, 'BYSCORE', 'LIMIT', 0, 64)
-    for _, member in ipairs(due) do redis.call('ZADD', g.rings[level], 'XX', g.vt[level], member) end
-    local head = parked[level]
+    for _, member in ipairs(plan.due[level]) do redis.call('ZADD', g.rings[level], 'XX', g.vt[level], member) end
+    local head = plan.parked[level]
     if head and not head.held then
       redis.call('ZADD', g.rings[level], 'XX', g.vt[level], head.member)
     elseif head then
@@ -280,7 +294,7 @@ local function groups_due(g, levels, running, now)
     end
   end
   -- After the look, which may have sent one of them to the back of the parked.
-  for _, u in ipairs(unpark) do
+  for _, u in ipairs(plan.unpark) do
     redis.call('ZREM', u.park, u.entry)
     local level, member = string.match(u.entry, '^(%d+)|(.*)$')
     level = tonumber(level)
@@ -293,14 +307,17 @@ local function groups_due(g, levels, running, now)
   end
 end
 
--- The intake: tasks that reached a ready list (pushed by a producer that does not route, a retry or a
+-- Plans the intake: tasks that reached a ready list (pushed by a producer that does not route, a retry or a
 -- recovery come due, a dead letter requeued) go to their group's flow, at most `bound` a level a claim; a retry
--- or a recovery to the flow's head, as due retries go to the ready list's front. Read, routed and every flow's
--- type checked before the moves. Returns nil, or the error reply.
+-- or a recovery to the flow's head, as due retries go to the ready list's front. Reads, routes and checks every
+-- flow's type, and writes nothing: returns the plan for `groups_intake_apply`, and by level the members it moves
+-- tasks to (for `groups_check`); or nil and the error reply.
 local function groups_intake(g, levels, ready_key, bound)
+  local plan, touched = {}, {}
   for level = 1, levels do
     local ready = ready_key(level)
     local items = redis.call('LRANGE', ready, 0, bound - 1)
+    touched[level] = {}
     if #items > 0 then
       local heads, tails, order = {}, {}, {}
       for _, payload in ipairs(items) do
@@ -317,20 +334,32 @@ local function groups_intake(g, levels, ready_key, bound)
         if not heads[member] then
           heads[member], tails[member] = {}, {}
           order[#order + 1] = member
+          touched[level][member] = true
           local refused = g.wrong(group_flow(g, level, member), 'list')
-          if refused then return refused end
+          if refused then return nil, nil, refused end
         end
         local again = task and ((tonumber(task.attempt) or 0) > 0 or (tonumber(task.recovered) or 0) > 0)
         local to = tails[member]
         if again then to = heads[member] end
         to[#to + 1] = payload
       end
-      redis.call('LTRIM', ready, #items, -1)
-      for _, member in ipairs(order) do
+      plan[level] = {ready = ready, count = #items, heads = heads, tails = tails, order = order}
+    end
+  end
+  return plan, touched
+end
+
+-- Carries out `groups_intake`'s plan.
+local function groups_intake_apply(g, levels, plan)
+  for level = 1, levels do
+    local p = plan[level]
+    if p then
+      redis.call('LTRIM', p.ready, p.count, -1)
+      for _, member in ipairs(p.order) do
         local flow = group_flow(g, level, member)
-        local list = heads[member]
+        local list = p.heads[member]
         for k = #list, 1, -1 do redis.call('LPUSH', flow, list[k]) end
-        list = tails[member]
+        list = p.tails[member]
         for k = 1, #list, 1000 do redis.call('RPUSH', flow, unpack(list, k, math.min(k + 999, #list))) end
         redis.call('ZADD', g.rings[level], 'NX', g.vt[level], member)
       end
@@ -352,39 +381,88 @@ local function group_flow_takes(g, flow)
   return false
 end
 
+-- A flow the take may serve, scored `pass`: its key, its group's state and its limited type, its key's and the
+-- park indexes' types checked (groups_take may name the flow in them). Reads only, once a flow a claim (the scan
+-- after `groups_check` finds the flows it checked). Returns it, or nil and the error reply.
+local function group_candidate(script, g, level, member, pass, running, now)
+  g.seen = g.seen or {}
+  local seen = g.seen[level .. '|' .. member]
+  if seen then
+    seen.pass = pass
+    return seen
+  end
+  local flow = group_flow(g, level, member)
+  local refused = g.wrong(flow, 'list')
+  if refused then return nil, refused end
+  local st, bad = group_state(script, g, group_of_member(member), running, now)
+  if bad then return nil, bad end
+  local typ = member_type_flow(g, member)
+  if not string.find(member, ':$') then refused = g.wrong(group_park(g, st.scope), 'zset') end
+  if not refused and typ then refused = g.wrong(group_park(g, typ.scope), 'zset') end
+  if refused then return nil, refused end
+  local sorts = g.types ~= nil and string.find(member, ':$') ~= nil
+  local c = {member = member, pass = pass, flow = flow, st = st, typ = typ, level = level, sorts = sorts}
+  g.seen[level .. '|' .. member] = c
+  return c
+end
+
 -- The flows a level's take may serve: the lowest passes, until `want` of them are of groups their limits admit
 -- (a refused group's flow is read past, and groups_take moves it out of the lowest band: without that, a claim
 -- whose lowest passes were all paused or full took nothing though the next flow's group could run, and its
 -- fetcher waited for a wake-up; the model's finding, model/README.md), at most `want` + 256 flows, each with its
--- group's state (all read before the claim's first write of a payload). Returns them, or nil and the error reply.
-local function groups_candidates(script, g, level, want, running, now)
+-- group's state (all read before the claim's first write of a payload). The scan stops at the first flow that
+-- reaches either bound, which `groups_check` relies on. A member of `unsure` (a set) whose flow sorts its tasks is
+-- counted as not admitted (the intake has yet to add to its flow). Returns them, or nil and the error reply.
+local function groups_candidates(script, g, level, want, running, now, unsure)
   local cands, admitted, offset = {}, 0, 0
   while admitted < want and offset < want + 256 do
     local picks = redis.call('ZRANGE', g.rings[level], '-inf', '(' .. GROUP_TIMED, 'BYSCORE', 'LIMIT', offset,
-      want - admitted, 'WITHSCORES')
+      math.min(want - admitted, want + 256 - offset), 'WITHSCORES')
     if #picks == 0 then break end
     offset = offset + #picks / 2
     for k = 1, #picks, 2 do
-      local member = picks[k]
-      local flow = group_flow(g, level, member)
-      local refused = g.wrong(flow, 'list')
-      if refused then return nil, refused end
-      local st, bad = group_state(script, g, group_of_member(member), running, now)
+      local c, bad = group_candidate(script, g, level, picks[k], tonumber(picks[k + 1]), running, now)
       if bad then return nil, bad end
-      local typ = member_type_flow(g, member)
-      -- The park indexes this claim may name the flow in (groups_take), checked before its first write.
-      if not string.find(member, ':$') then refused = g.wrong(group_park(g, st.scope), 'zset') end
-      if not refused and typ then refused = g.wrong(group_park(g, typ.scope), 'zset') end
-      if refused then return nil, refused end
-      local sorts = g.types ~= nil and string.find(member, ':$') ~= nil
-      cands[#cands + 1] = {member = member, pass = tonumber(picks[k + 1]), flow = flow, st = st, typ = typ,
-        level = level, sorts = sorts}
-      if not flow_refused(st, typ, member, now) and (not sorts or group_flow_takes(g, flow)) then
+      cands[#cands + 1] = c
+      local takes = not c.sorts or (not (unsure and unsure[c.member]) and group_flow_takes(g, c.flow))
+      if not flow_refused(c.st, c.typ, c.member, now) and takes then
         admitted = admitted + 1
       end
     end
   end
   return cands
+end
+
+-- Every check a grouped claim makes after `groups_due` and `groups_intake` have moved flows into the lowest band,
+-- made before they write (every script checks before its first write): each flow they may move (`moved`, and
+-- `touched`, by level), and the flows `groups_candidates` reads now. Its scan after the moves reads no other:
+-- the moves only add flows to the lowest band (a flow's admission is the same before and after, but for a
+-- `touched` flow that sorts, counted here as not admitted), so its scan stops no later among the flows that were
+-- there. Then `groups_write`. Returns nil, or the error reply.
+local function groups_check(script, g, levels, want, moved, touched, running, now)
+  for level = 1, levels do
+    for _, member in ipairs(moved[level]) do
+      local _, bad = group_candidate(script, g, level, member, 0, running, now)
+      if bad then return bad end
+    end
+    for member in pairs(touched[level]) do
+      local _, bad = group_candidate(script, g, level, member, 0, running, now)
+      if bad then return bad end
+    end
+    if want > 0 then
+      local _, bad = groups_candidates(script, g, level, want, running, now, touched[level])
+      if bad then return bad end
+    end
+  end
+end
+
+-- What the checks did not write: the aged-out entries of the groups' rate logs read so far, taken off; a group
+-- read after this (none, when `groups_check` ran) has its own taken off at once.
+local function groups_write(g)
+  g.written = true
+  for _, st in pairs(g.states) do
+    if st.windows then rate_drop(st.windows) end
+  end
 end
 
 -- With type limits beside groups, a turn of up to `m` tasks from a group's flow of the unlimited types

@@ -42,11 +42,12 @@ local function rate_read(script, rates, first_key, first_arg, integer)
   return windows
 end
 
--- Drops each window's entries that aged out at `now` (every one read and parsed first, in every window, before
--- any is dropped). Returns the most starts every window leaves (nil: no window), and, when one is full, when its
--- oldest start ages out (the latest such time of the full windows; 0 when none is full); or nil, nil and the
--- error reply.
-local function rate_trim(script, windows, now)
+-- Reads each window's entries that aged out at `now` (every one read and parsed, in every window) and counts them
+-- as gone, writing nothing: `rate_drop` takes them off the logs, once the caller's checks are all done (a claim
+-- reads several scopes' logs, and a later one may refuse it). Returns the most starts every window leaves (nil: no
+-- window), and, when one is full, when its oldest start ages out (the latest such time of the full windows; 0 when
+-- none is full); or nil, nil and the error reply.
+local function rate_scan(script, windows, now)
   for _, w in ipairs(windows) do
     w.old, w.dropped = 0, 0
     while true do
@@ -62,13 +63,10 @@ local function rate_trim(script, windows, now)
   local free, retry_at = nil, 0
   for _, w in ipairs(windows) do
     if w.old > 0 then
-      redis.call('LTRIM', w.log, w.old, -1)
       if w.oldest then
         w.total = math.max(0, w.total - w.dropped)
-        redis.call('SET', w.sum, w.total, 'KEEPTTL')
       else
         w.total, w.newest = 0, nil
-        redis.call('DEL', w.sum)
       end
     end
     local left = w.limit - w.total
@@ -80,6 +78,29 @@ local function rate_trim(script, windows, now)
     end
     if not free or left < free then free = left end
   end
+  return free, retry_at
+end
+
+-- Takes off the logs what `rate_scan` counted as gone (once: a second call writes nothing), and writes each sum.
+local function rate_drop(windows)
+  for _, w in ipairs(windows) do
+    if w.old and w.old > 0 then
+      redis.call('LTRIM', w.log, w.old, -1)
+      if w.oldest then
+        redis.call('SET', w.sum, w.total, 'KEEPTTL')
+      else
+        redis.call('DEL', w.sum)
+      end
+      w.old = 0
+    end
+  end
+end
+
+-- `rate_scan`, then `rate_drop`: for a take whose checks are done.
+local function rate_trim(script, windows, now)
+  local free, retry_at, bad = rate_scan(script, windows, now)
+  if bad then return nil, nil, bad end
+  rate_drop(windows)
   return free, retry_at
 end
 

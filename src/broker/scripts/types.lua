@@ -87,15 +87,18 @@ end
 -- records when a full flow may go on (`flow.due`: ms, or 0 for "when a running slot frees") and writes each
 -- counted flow's `SCOPE:limit`. A throttled type admits nothing until its throttle's time to live runs out (a
 -- throttle set by hand without an expiry: looked at again in a second, as the queue's). Returns nil, or the error
--- reply of a rate log that does not parse.
-local function types_admit(script, block, running, now)
+-- reply of a rate log that does not parse. With `defer`, it writes nothing: `types_write` does, once the caller's
+-- other checks are done (claim.lua's groups' come after it).
+local function types_admit(script, block, running, now, defer)
   for _, flow in ipairs(block.flows) do
     flow.room, flow.due = nil, nil
     local ends = flow.limited and throttle_until(flow.throttle, now)
     if ends then flow.room, flow.due = 0, ends end
     if flow.max_running > 0 then
-      if flow.known_limit ~= flow.max_running then
+      flow.note = flow.known_limit ~= flow.max_running
+      if flow.note and not defer then
         redis.call('HSET', running, flow.scope .. ':limit', flow.max_running)
+        flow.note = false
       end
       if flow.room ~= 0 then
         flow.room = math.max(0, flow.max_running - flow.running)
@@ -103,14 +106,27 @@ local function types_admit(script, block, running, now)
       end
     end
     if flow.rates > 0 and flow.room ~= 0 then
-      local free, due, bad = rate_trim(script, flow.windows, now)
+      local free, due, bad = rate_scan(script, flow.windows, now)
       if bad then return bad end
+      if not defer then rate_drop(flow.windows) end
       if due > 0 then
         flow.room, flow.due = 0, due
       elseif free and (not flow.room or free < flow.room) then
         flow.room = free
       end
     end
+  end
+end
+
+-- What a deferred `types_admit` did not write: each counted flow's `SCOPE:limit`, and its rate logs' aged-out
+-- entries taken off.
+local function types_write(block, running)
+  for _, flow in ipairs(block.flows) do
+    if flow.note then
+      redis.call('HSET', running, flow.scope .. ':limit', flow.max_running)
+      flow.note = false
+    end
+    if flow.windows then rate_drop(flow.windows) end
   end
 end
 
