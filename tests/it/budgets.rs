@@ -406,7 +406,7 @@ fn run_with_replies_bounded(
         &dir.record_file(),
     );
     let daemon = TestDaemon::start(&through);
-    let s = wait_stats(&through, Duration::from_secs(120), "the backlog run", |s| {
+    let s = wait_stats(&through, Duration::from_secs(600), "the backlog run", |s| {
         s.done == count
     });
     daemon.stop();
