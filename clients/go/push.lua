@@ -139,7 +139,8 @@ for i = 4, #ARGV, 3 do
 end
 -- The type of every key this call may write, then the counter it increments; the fewest calls for a plain push:
 -- the stats hash's type is only asked when reading `pushed` failed, and the ready list's only when a unique id is
--- taken before it is written (otherwise its RPUSH is the first write, and its failure is caught below).
+-- taken before it is written (otherwise its RPUSH is the first write, and its failure is caught below). The wake
+-- list's type also tells whether a marker waits in it already (`wake_found`, see `wake`).
 local function refuse(key, kind, found)
   return redis.error_reply('WRONGTYPE push.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
     '; nothing was written')
@@ -149,6 +150,7 @@ local function wrong_type(key, kind)
   if found ~= 'none' and found ~= kind then return refuse(key, kind, found) end
 end
 local checked = redis.acl_check_cmd('HGET', KEYS[6], 'pushed') and redis.acl_check_cmd('TYPE', KEYS[6])
+local wake_found = nil
 local any_unique = false
 for i = 5, #ARGV, 3 do
   if ARGV[i] == '1' or (listed and uniques[i - 1]) then
@@ -170,7 +172,9 @@ if checked then
   if delayed then
     refused = wrong_type(KEYS[2], 'zset') or wrong_type(KEYS[3], 'hash')
   else
-    refused = wrong_type(KEYS[4], 'list') or (any_unique and wrong_type(KEYS[1], 'list'))
+    wake_found = redis.call('TYPE', KEYS[4]).ok
+    refused = (wake_found ~= 'none' and wake_found ~= 'list' and refuse(KEYS[4], 'list', wake_found)) or
+      (any_unique and wrong_type(KEYS[1], 'list'))
   end
   refused = refused or (any_unique and wrong_type(KEYS[5], 'hash'))
   if refused then return refused end
@@ -215,6 +219,16 @@ if not delayed and #KEYS >= 7 and redis.acl_check_cmd('HGET', KEYS[7], 'groups')
       if refused then return refused end
     end
   end
+end
+-- One marker wakes one idle fetcher; a fetcher that finds more than it can take passes the marker on. A wake list
+-- that held a marker before this call (`wake_found`, checked above) needs no other: no fetcher waits on a list
+-- that holds one (Redis hands a waiting BLPOP the marker as it comes), and a second would be trimmed away. One
+-- found empty takes a marker and needs no trim. So a plain push writes the marker only to wake a fetcher, and a
+-- busy queue's pushes write none; a call that did not check the type (a user without TYPE) pushes and trims.
+local function wake()
+  if wake_found == 'list' then return end
+  redis.call('LPUSH', KEYS[4], 1)
+  if wake_found ~= 'none' then redis.call('LTRIM', KEYS[4], 0, 0) end
 end
 local result, ready, accepted, replaced = {}, {}, 0, 0
 -- Whether this call's user may read the holds of unique_for ids (see "Unique for a time"): asked once.
@@ -282,8 +296,7 @@ if routed and #ready > 0 then
     end
     redis.call('ZADD', routed.ring, 'NX', routed.vt, member)
   end
-  redis.call('LPUSH', KEYS[4], 1)
-  redis.call('LTRIM', KEYS[4], 0, 0)
+  wake()
 elseif #ready > 0 then
   -- In chunks: unpack's stack is bounded (about 8,000 values).
   for first = 1, #ready, 1000 do
@@ -296,9 +309,7 @@ elseif #ready > 0 then
       return redis.error_reply(pushed.err)
     end
   end
-  -- One marker wakes one idle fetcher; a fetcher that finds more than it can take passes the marker on.
-  redis.call('LPUSH', KEYS[4], 1)
-  redis.call('LTRIM', KEYS[4], 0, 0)
+  wake()
 end
 if delayed and accepted > 0 and (earliest == nil or due < earliest) then
   redis.call('PUBLISH', ARGV[3], due)

@@ -81,6 +81,42 @@ fn task_pushed_with_the_published_script_as_documented_runs() {
     daemon.stop();
 }
 
+/// A plain push writes a wake-up marker only when the wake list holds none: a marker that waits already means no
+/// fetcher waits on the list (Redis would have handed it the marker), so push.lua writes nothing more there, and
+/// a list found empty takes its marker without a trim. Before, every push ran `LPUSH` and `LTRIM`: two of a plain
+/// push's seven commands in Redis, the largest part of its cost (issue 38; docs/PERFORMANCE.md, "push.lua's plain
+/// path").
+#[test]
+fn a_plain_push_writes_a_wake_marker_only_to_an_empty_wake_list() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, SAFE_QUEUE);
+    let _: String = redis.cmd(&["CONFIG", "RESETSTAT"]);
+    let calls = |command: &str| -> u64 {
+        let info: String = redis.cmd(&["INFO", "commandstats"]);
+        info.lines()
+            .find_map(|line| line.strip_prefix(&format!("cmdstat_{command}:calls=")))
+            .and_then(|rest| rest.split(',').next())
+            .map_or(0, |n| n.parse().unwrap())
+    };
+    push_many(&config, "first", 1, "{}");
+    assert_eq!(
+        (calls("lpush"), calls("ltrim")),
+        (1, 0),
+        "a push to an empty wake list"
+    );
+    push_many(&config, "more", 3, "{}");
+    push_many(&config, "last", 1, "{}");
+    assert_eq!(
+        (calls("lpush"), calls("ltrim")),
+        (1, 0),
+        "pushes behind a waiting marker"
+    );
+    let wake: i64 = redis.cmd(&["LLEN", "kmq:{jobs}:wake"]);
+    let ready: i64 = redis.cmd(&["LLEN", "kmq:{jobs}:ready:normal"]);
+    assert_eq!((wake, ready), (1, 5));
+}
+
 /// An idle daemon's next claim (safe mode) or pop (default mode) is in Redis before a push comes: sent behind its
 /// blocking wait in the same write, it waits in its connection's query buffer (`qbuf` in `CLIENT LIST`), and Redis
 /// runs it as soon as a push ends the wait, a round trip sooner than a take sent once the wait answered (issue
