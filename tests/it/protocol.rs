@@ -117,6 +117,27 @@ fn a_plain_push_writes_a_wake_marker_only_to_an_empty_wake_list() {
     assert_eq!((wake, ready), (1, 5));
 }
 
+/// A push whose first write Redis refuses for another reason than a key's type (here OOM: `maxmemory` below what
+/// Redis uses, nothing to evict) is answered with Redis's own error, not as a wrong-typed ready list: an operator
+/// reads what to fix. (A replica's READONLY is the same path; the Go client's Sentinel tests met it.)
+#[test]
+fn a_push_refused_for_memory_says_oom_not_wrongtype() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, SAFE_QUEUE);
+    let _: String = redis.cmd(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
+    let _: String = redis.cmd(&["CONFIG", "SET", "maxmemory", "1"]);
+    let task = kmqd::NewTask::new("test", "{}").unwrap().id("t-1");
+    let error = client(&config).push("jobs", task).unwrap_err().to_string();
+    let _: String = redis.cmd(&["CONFIG", "SET", "maxmemory", "0"]);
+    assert!(
+        error.contains("OOM") && !error.contains("WRONGTYPE"),
+        "{error}"
+    );
+    let ready: i64 = redis.cmd(&["LLEN", "kmq:{jobs}:ready:normal"]);
+    assert_eq!(ready, 0);
+}
+
 /// An idle daemon's next claim (safe mode) or pop (default mode) is in Redis before a push comes: sent behind its
 /// blocking wait in the same write, it waits in its connection's query buffer (`qbuf` in `CLIENT LIST`), and Redis
 /// runs it as soon as a push ends the wait, a round trip sooner than a take sent once the wait answered (issue

@@ -302,8 +302,9 @@ elseif #ready > 0 then
   for first = 1, #ready, 1000 do
     local pushed = redis.pcall('RPUSH', KEYS[1], unpack(ready, first, math.min(first + 999, #ready)))
     if type(pushed) == 'table' then
-      -- Only the first write can fail here (the ready list's type, unchecked above when no id was taken).
-      if checked and first == 1 and not any_unique then
+      -- Only the first write can fail for a type here (the ready list's, unchecked above when no id was taken);
+      -- any other refusal (OOM, READONLY on a replica, an ACL rule) is passed on as Redis gave it.
+      if checked and first == 1 and not any_unique and string.sub(pushed.err, 1, 9) == 'WRONGTYPE' then
         return refuse(KEYS[1], 'list', redis.call('TYPE', KEYS[1]).ok)
       end
       return redis.error_reply(pushed.err)
