@@ -43,6 +43,7 @@ impl Policy {
     /// Whether a task that expires at `expires_at_ms` (its envelope's `expires_at`) may no longer start at `now_ms`
     /// (both Redis's clock): the reason it is dead-lettered with, unrun. An expiry is a deadline for the start, so
     /// a start at the very millisecond is too late.
+    #[inline]
     pub fn expired(expires_at_ms: Option<i64>, now_ms: i64) -> Option<String> {
         (now_ms >= expires_at_ms?).then(|| EXPIRED.to_owned())
     }

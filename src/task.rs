@@ -223,10 +223,19 @@ impl<'a> Envelope<'a> {
     /// its worker one test of an empty list; `None` when absent or null. A value that is not an integer makes the
     /// task malformed: it is dead-lettered unrun with this reason, rather than run without the expiry its producer
     /// asked for.
+    #[inline]
     pub fn expires_at(&self) -> Result<Option<i64>, EnvelopeError> {
+        // Inlined into the worker, this test is all an envelope without undecoded fields pays for expiry.
         if self.extra.is_empty() {
             return Ok(None);
         }
+        self.expires_at_among_extra()
+    }
+
+    /// [`Envelope::expires_at`] once the envelope has fields kmqd does not decode: out of line, so that the
+    /// worker inlines only the test above.
+    #[inline(never)]
+    fn expires_at_among_extra(&self) -> Result<Option<i64>, EnvelopeError> {
         let Some((_, raw)) = self.extra.iter().find(|(key, _)| key == "expires_at") else {
             return Ok(None);
         };

@@ -115,11 +115,7 @@ impl Run<'_> {
         let sink = self.progress.map(|(sink, run)| (Arc::as_ptr(sink), run));
         // SAFETY: the sink is the lane's, which outlives every run of its tasks: a worker's `handle` borrows the
         // lane, and a task taken in `start` holds it until its completion (`lane::started`).
-        unsafe {
-            RunSlot::with_dependencies(self.after)
-                .with_trace(self.traceparent, self.tracestate)
-                .reporting(sink)
-        }
+        unsafe { RunSlot::new(self.after, self.traceparent, self.tracestate, sink) }
     }
 }
 
@@ -289,7 +285,7 @@ unsafe extern "C" fn completed(
     // SAFETY: the message is valid for the call; it is copied here.
     let bytes = unsafe { msg.as_bytes() };
     let text = || String::from_utf8_lossy(&bytes[..bytes.len().min(MESSAGE_CAPACITY)]).into_owned();
-    let status = with_result(status_of(status, text, retry_after_ms), &slot);
+    let status = with_result(status_of(status, text, retry_after_ms), slot);
     // Nothing may unwind into the plugin: a panic here is the daemon's bug, logged, and the task stays held until
     // the daemon stops (its lease keeps it safe in Redis).
     if std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || completion(status))).is_err() {
@@ -298,11 +294,12 @@ unsafe extern "C" fn completed(
 }
 
 /// A done status with the result its run handed on, if any (a result of a run that did not finish is dropped).
-fn with_result(status: Status, slot: &RunSlot) -> Status {
+/// The run is over: its slot is ended here, its result taken without a lock.
+fn with_result(status: Status, slot: RunSlot) -> Status {
     match status {
         Status::Done { output, .. } => Status::Done {
             output,
-            result: slot.take_result(),
+            result: slot.into_result(),
         },
         other => other,
     }
@@ -391,7 +388,7 @@ impl LoadedPlugin {
             || String::from_utf8_lossy(&message[..len]).into_owned(),
             retry_after_ms,
         );
-        with_result(status, &slot)
+        with_result(status, slot)
     }
 
     /// Whether the plugin may take tasks without a thread waiting for each (`start`).

@@ -167,13 +167,16 @@ fn plain_string(value: &RawValue) -> Option<&str> {
 impl<'a> Run<'a> {
     /// The run of the task `envelope` of `queue`: `deadline_ms` is Redis's time by which it must be done (0:
     /// none), `cancel` the flag raised to ask its handler to stop, `traceparent` the run span's context when the
-    /// run is traced (`None`: the handler is handed the producer's, unchanged).
+    /// run is traced (`None`: the handler is handed the producer's, unchanged), `progress` where its handler's
+    /// progress reports go and its run's number there (the lane's table of the latest reports, keyed by the held
+    /// task's id; `None`: dropped). Built in one place, every field at once: a run is made for every task.
     pub(crate) fn of(
         envelope: &'a Envelope<'_>,
         queue: &'a str,
         deadline_ms: i64,
         cancel: &'a AtomicU32,
         traceparent: Option<&'a str>,
+        progress: Option<(&'a Arc<dyn ProgressSink>, u64)>,
     ) -> Run<'a> {
         let mut run = Run {
             id: envelope.id_str(),
@@ -185,31 +188,35 @@ impl<'a> Run<'a> {
             deadline_ms,
             cancel,
             after: None,
-            traceparent: None,
+            traceparent,
             tracestate: None,
-            progress: None,
+            progress,
         };
-        // One pass over the fields kmqd does not decode (none, for most tasks), the first of each name counting.
-        for (name, value) in &envelope.extra {
-            match &**name {
-                "after" if run.after.is_none() => run.after = Some(value.get()),
-                "traceparent" if run.traceparent.is_none() => run.traceparent = plain_string(value),
-                "tracestate" if run.tracestate.is_none() => run.tracestate = plain_string(value),
-                _ => {}
-            }
-        }
-        if traceparent.is_some() {
-            run.traceparent = traceparent;
+        // The fields kmqd does not decode are the decoder's list of them: empty for most tasks, which then pay
+        // this one test and no pass over them.
+        if !envelope.extra.is_empty() {
+            run.read_extra(envelope, traceparent.is_some());
         }
         run
     }
 
-    /// The run, with its handler's progress reports going to `sink` as run number `run` (the lane's table of
-    /// the latest reports, keyed by the held task's id).
-    pub(crate) fn reporting(self, sink: &'a Arc<dyn ProgressSink>, run: u64) -> Run<'a> {
-        Run {
-            progress: Some((sink, run)),
-            ..self
+    /// Takes `after`, `traceparent` (unless `traced`: the run span's context replaces the producer's) and
+    /// `tracestate` from the envelope's undecoded fields, in one pass, the first usable one of each name counting.
+    #[cold]
+    fn read_extra(&mut self, envelope: &'a Envelope<'_>, traced: bool) {
+        let mut producer_context = None;
+        for (name, value) in &envelope.extra {
+            match &**name {
+                "after" if self.after.is_none() => self.after = Some(value.get()),
+                "traceparent" if producer_context.is_none() => {
+                    producer_context = plain_string(value)
+                }
+                "tracestate" if self.tracestate.is_none() => self.tracestate = plain_string(value),
+                _ => {}
+            }
+        }
+        if !traced {
+            self.traceparent = producer_context;
         }
     }
 }
@@ -370,7 +377,7 @@ impl Registry {
             return;
         };
         let cancel = AtomicU32::new(0);
-        plugin.on_dead(&Run::of(envelope, queue, 0, &cancel, None), reason);
+        plugin.on_dead(&Run::of(envelope, queue, 0, &cancel, None, None), reason);
     }
 
     /// Calls `on_dead` for each task of a settle call whose record Redis applied (`Some(true)`: a record refused
@@ -680,6 +687,44 @@ impl Trust<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What a run hands its handler from the envelope's undecoded fields: `(after, traceparent, tracestate)`, the
+    /// run untraced and traced (the run span's context, `span`, replaces the producer's `traceparent` only).
+    #[test]
+    fn a_run_takes_after_and_the_trace_context_from_the_envelope_s_other_fields() {
+        let span = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+        type Fields<'a> = (Option<&'a str>, Option<&'a str>, Option<&'a str>);
+        let cases: [(&str, Fields<'_>); 5] = [
+            (r#"{"type":"t"}"#, (None, None, None)),
+            (r#"{"type":"t","other":1}"#, (None, None, None)),
+            (
+                r#"{"type":"t","after":[{"id":"a"}],"traceparent":"00-p","tracestate":"k=v"}"#,
+                (Some(r#"[{"id":"a"}]"#), Some("00-p"), Some("k=v")),
+            ),
+            // A context that is not a plain string is no context; the first plain one counts.
+            (
+                r#"{"type":"t","traceparent":1,"traceparent":"00-q","traceparent":"00-r"}"#,
+                (None, Some("00-q"), None),
+            ),
+            (r#"{"type":"t","tracestate":"a\u0041"}"#, (None, None, None)),
+        ];
+        let cancel = AtomicU32::new(0);
+        for (payload, (after, traceparent, tracestate)) in cases {
+            let envelope = Envelope::decode(payload).expect(payload);
+            let run = Run::of(&envelope, "q", 0, &cancel, None, None);
+            assert_eq!(
+                (run.after, run.traceparent, run.tracestate),
+                (after, traceparent, tracestate),
+                "{payload}"
+            );
+            let traced = Run::of(&envelope, "q", 0, &cancel, Some(span), None);
+            assert_eq!(
+                (traced.after, traced.traceparent, traced.tracestate),
+                (after, Some(span), tracestate),
+                "{payload}, traced"
+            );
+        }
+    }
 
     #[test]
     fn a_reader_sees_a_replaced_registry_at_its_next_task_and_lets_go_of_the_old_one_when_idle() {

@@ -24,7 +24,7 @@ pub static HOST: KmqHost = KmqHost {
 };
 
 /// Where a run's progress reports go: kmqd's lane (which writes the latest of each task to Redis a few times a
-/// second), or a test's. `run` is the number the host gave the run's slot ([`RunSlot::reporting`]).
+/// second), or a test's. `run` is the number the host gave the run's slot ([`RunSlot::new`]).
 pub trait ProgressSink: Send + Sync {
     fn progress(&self, run: u64, fraction: f32, message: &str);
 }
@@ -49,50 +49,55 @@ pub struct RunSlot {
     tracestate: Option<String>,
     /// Where the run's progress reports go, and the run's number there; `None`: they are dropped. A pointer, not
     /// an `Arc`: a count shared by every worker of a lane, bumped per run, would be a cache line they all write
-    /// (the one check a run of a queue whose handlers never report may cost). [`RunSlot::reporting`]'s caller
+    /// (the one check a run of a queue whose handlers never report may cost). [`RunSlot::new`]'s caller
     /// keeps the sink alive as long as the run.
     progress: Option<(*const dyn ProgressSink, u64)>,
 }
 
-// SAFETY: the sink is `Send + Sync` and outlives the slot ([`RunSlot::reporting`]'s contract); the other fields
+// SAFETY: the sink is `Send + Sync` and outlives the slot ([`RunSlot::new`]'s contract); the other fields
 // are `Send + Sync` themselves.
 unsafe impl Send for RunSlot {}
 // SAFETY: as above.
 unsafe impl Sync for RunSlot {}
 
 impl RunSlot {
-    /// The slot of a run whose task waited for the tasks whose outcomes `after` lists (a JSON list).
-    pub fn with_dependencies(after: Option<&str>) -> RunSlot {
-        RunSlot {
-            after: after.map(str::to_string),
-            ..RunSlot::default()
-        }
-    }
-
-    /// The same slot, its run handed the W3C trace context `traceparent` and `tracestate`.
-    pub fn with_trace(self, traceparent: Option<&str>, tracestate: Option<&str>) -> RunSlot {
-        RunSlot {
-            traceparent: traceparent.map(str::to_string),
-            tracestate: tracestate.map(str::to_string),
-            ..self
-        }
-    }
-
-    /// The slot, with its run's progress reports going to `sink`, as run number `run`.
+    /// The slot of one run, every field set at once: the outcomes of the tasks its task waited for (`after`, a
+    /// JSON list), the W3C trace context it is handed (`traceparent`, `tracestate`), and where its progress
+    /// reports go (`progress`: the sink and the run's number there; `None`: dropped). One constructor, every field
+    /// written once where the slot is kept: the three builder steps it replaced each moved the whole slot (a call
+    /// of `memcpy`) for every task, whatever the task carried (docs/PERFORMANCE.md, "The hot path after tracing,
+    /// expiry and progress (2026-12-07)").
     ///
     /// # Safety
-    /// The sink must outlive the run: until `handle` returned, or until `complete` was called for a task taken
-    /// in `start` (kmqd's lane, whose sink this is, outlives every run of its tasks).
-    pub unsafe fn reporting(self, sink: Option<(*const dyn ProgressSink, u64)>) -> RunSlot {
+    /// The sink, if any, must outlive the run: until `handle` returned, or until `complete` was called for a
+    /// task taken in `start` (kmqd's lane, whose sink this is, outlives every run of its tasks).
+    pub unsafe fn new(
+        after: Option<&str>,
+        traceparent: Option<&str>,
+        tracestate: Option<&str>,
+        progress: Option<(*const dyn ProgressSink, u64)>,
+    ) -> RunSlot {
         RunSlot {
-            progress: sink,
-            ..self
+            result: Mutex::new(None),
+            after: after.map(str::to_string),
+            traceparent: traceparent.map(str::to_string),
+            tracestate: tracestate.map(str::to_string),
+            progress,
         }
     }
 
     /// The run's handle, `kmq_task.run`.
     pub fn handle(&self) -> *mut c_void {
         std::ptr::from_ref(self).cast_mut().cast::<c_void>()
+    }
+
+    /// The JSON text the run handed on as its result, if any, once the run is over and its slot is the
+    /// caller's alone: no lock taken (a run's slot is made and ended once per task).
+    pub fn into_result(self) -> Option<String> {
+        // A poisoned lock only means a thread panicked while it set the text: what it holds is still a value.
+        self.result
+            .into_inner()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// The JSON text the run handed on as its result, if any.
@@ -163,7 +168,7 @@ unsafe extern "C" fn progress_given(run: *mut c_void, fraction: f32, message: Km
     let Some((sink, number)) = slot.progress else {
         return;
     };
-    // SAFETY: the sink outlives the run (`RunSlot::reporting`'s contract), which is live (the ABI's rule).
+    // SAFETY: the sink outlives the run (`RunSlot::new`'s contract), which is live (the ABI's rule).
     let sink = unsafe { &*sink };
     // SAFETY: the text is valid for the call (the ABI's rule); the sink copies what it keeps.
     let text = String::from_utf8_lossy(unsafe { message.as_bytes() });

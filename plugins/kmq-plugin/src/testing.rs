@@ -234,8 +234,15 @@ impl Harness {
     /// Runs one attempt of `task` as kmqd does: through the plugin's `start` when it has one and takes the task
     /// (waiting for its completion), else through `handle`. May be called from many threads at once.
     pub fn run(&self, task: TestTask) -> RunResult {
-        let slot =
-            RunSlot::default().with_trace(task.traceparent.as_deref(), task.tracestate.as_deref());
+        // SAFETY: no progress sink, so nothing the slot points at has to outlive the run.
+        let slot = unsafe {
+            RunSlot::new(
+                None,
+                task.traceparent.as_deref(),
+                task.tracestate.as_deref(),
+                None,
+            )
+        };
         let run = slot.handle();
         let taken = || slot.take_result();
         if let Some(start) = self.start {

@@ -287,8 +287,8 @@ impl Worker {
             deadline_ms,
             &job.task.cancel,
             traceparent.as_deref(),
-        )
-        .reporting(&self.lane.progress_sink, job.id);
+            Some((&self.lane.progress_sink, job.id)),
+        );
         tracing::debug!(
             queue = %queue.config.name,
             id = %capped(run.id, LOGGED_PAYLOAD_BYTES),
