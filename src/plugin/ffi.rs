@@ -281,11 +281,14 @@ unsafe extern "C" fn completed(
     // SAFETY: `ticket` is the box `LoadedPlugin::start` leaked for this task, and the ABI has the plugin call this
     // once per task it took, so the box is taken back once.
     let ticket = unsafe { Box::from_raw(ticket.cast::<Ticket>()) };
-    let Ticket { completion, slot } = *ticket;
+    let Ticket {
+        completion,
+        mut slot,
+    } = *ticket;
     // SAFETY: the message is valid for the call; it is copied here.
     let bytes = unsafe { msg.as_bytes() };
     let text = || String::from_utf8_lossy(&bytes[..bytes.len().min(MESSAGE_CAPACITY)]).into_owned();
-    let status = with_result(status_of(status, text, retry_after_ms), slot);
+    let status = with_result(status_of(status, text, retry_after_ms), &mut slot);
     // Nothing may unwind into the plugin: a panic here is the daemon's bug, logged, and the task stays held until
     // the daemon stops (its lease keeps it safe in Redis).
     if std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || completion(status))).is_err() {
@@ -295,11 +298,11 @@ unsafe extern "C" fn completed(
 
 /// A done status with the result its run handed on, if any (a result of a run that did not finish is dropped).
 /// The run is over: its slot is ended here, its result taken without a lock.
-fn with_result(status: Status, slot: RunSlot) -> Status {
+fn with_result(status: Status, slot: &mut RunSlot) -> Status {
     match status {
         Status::Done { output, .. } => Status::Done {
             output,
-            result: slot.into_result(),
+            result: slot.ended_result(),
         },
         other => other,
     }
@@ -372,7 +375,7 @@ impl LoadedPlugin {
             message.resize(MESSAGE_CAPACITY, 0);
         }
         let mut retry_after_ms: i64 = -1;
-        let slot = run.slot();
+        let mut slot = run.slot();
         let task = task_view(run, &mut retry_after_ms, slot.handle());
         let mut buf = KmqBuf {
             ptr: message.as_mut_ptr().cast::<c_char>(),
@@ -388,7 +391,7 @@ impl LoadedPlugin {
             || String::from_utf8_lossy(&message[..len]).into_owned(),
             retry_after_ms,
         );
-        with_result(status, slot)
+        with_result(status, &mut slot)
     }
 
     /// Whether the plugin may take tasks without a thread waiting for each (`start`).
