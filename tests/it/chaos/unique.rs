@@ -168,9 +168,10 @@ pub(super) enum Cause {
 pub(super) struct UniqueCheck {
     pub(super) pushes: Pushes,
     pub(super) runs: u64,
-    /// Pairs (a run's end, a later start within the window after it on the host's clock) judged, and those not,
-    /// by cause.
+    /// Pairs judged: each run's end with the next start of its id after it, and any other start within the window
+    /// after that end.
     pub(super) judged: u64,
+    /// Pairs within the window not judged, by the fault known to lose a window near them.
     pub(super) exempt: BTreeMap<Cause, u64>,
     /// The shortest time from a run's end to the next start of the id, on Redis's clock, among judged pairs (µs;
     /// below the window only in a violation).
