@@ -82,6 +82,9 @@ pub(super) struct Facts {
     pub(super) throttles: HashMap<(String, u32, usize), usize>,
     /// id -> the `after` line of each of its runs (a flow's waiting task): its dependencies' outcomes, JSON.
     pub(super) after: HashMap<String, Vec<String>>,
+    /// id -> each handler's end that returned done: (attempt, process, µs). The testkit writes the time
+    /// (`end_times`) so that the unique_for check ([`super::unique`]) knows when each run ended.
+    pub(super) ends: HashMap<String, Vec<(u32, usize, u64)>>,
 }
 
 /// Reads the new complete lines of one record file.
@@ -127,6 +130,11 @@ impl Tail {
             };
             let rest = parts.next().unwrap_or("");
             let attempt: u32 = attempt.parse().unwrap_or(u32::MAX);
+            // An `end` line is `end ID ATTEMPT OUTCOME µs` (the testkit's `end_times`): the outcome is its first word.
+            let (outcome, end_us) = match rest.split_once(' ') {
+                Some((outcome, time)) => (outcome, time.parse::<u64>().ok()),
+                None => (rest, None),
+            };
             match kind {
                 "start" => {
                     let start_us = rest
@@ -141,10 +149,17 @@ impl Tail {
                         instance: self.instance,
                     });
                 }
-                "end" if rest == "done" => {
+                "end" if outcome == "done" => {
                     facts.done.insert(id.to_string());
+                    if let Some(end_us) = end_us {
+                        facts.ends.entry(id.to_string()).or_default().push((
+                            attempt,
+                            self.instance,
+                            end_us,
+                        ));
+                    }
                 }
-                "end" if rest == "throttle" => {
+                "end" if outcome == "throttle" => {
                     *facts
                         .throttles
                         .entry((id.to_string(), attempt, self.instance))

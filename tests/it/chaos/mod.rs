@@ -43,6 +43,11 @@
 //! parts under `fail` and `continue`; at the end every waiting task ran at most once, after its dependencies, and
 //! ended as the flow's rules say (but for flows alive when Redis lost its data).
 //!
+//! Unique for a time ([`unique`]) runs on two queues of its own, `uniqs` (safe) and `uniqd` (default mode): a few
+//! ids pushed again and again with a 200 ms `unique_for`; at the end no run of an id started within the window after
+//! an earlier run's end, on Redis's clock (but near the faults known to lose a window, counted), and every id is
+//! accepted again after the drain.
+//!
 //! One `#[ignore]`d test, run by `scripts/chaos` (`--short` in CI through `scripts/test`, `--long` by hand):
 //!
 //! - `KMQD_CHAOS_SECONDS`: how long faults are injected (default 60);
@@ -67,7 +72,7 @@
 //! the schedule), [`flows`] (the flows and their invariant), [`outbox`] (Redis losing its data or rewound, and the producer pushing again what it lost),
 //! [`slowloris`] (the slow HTTP clients), [`world`] (what the threads share: the daemons, their supervisor, the
 //! events), [`ledger`] (what was pushed, and what ran, from the record files), [`check`] (conservation, the running
-//! counts, the run budget), [`types`] (the typed queue's limits), [`groups`] (the grouped queue's) and [`report`]
+//! counts, the run budget), [`types`] (the typed queue's limits), [`groups`] (the grouped queue's), [`unique`] (`unique_for`'s window) and [`report`]
 //! (the end checks and the summary);
 //! this file runs them.
 
@@ -80,6 +85,7 @@ mod outbox;
 mod report;
 mod slowloris;
 mod types;
+mod unique;
 mod workload;
 mod world;
 
@@ -164,6 +170,8 @@ fn chaos() {
     let typed_rng = Rng::new(seed ^ 0x0000_7479_7065_6400);
     let grouped_rng = Rng::new(seed ^ 0x0067_726F_7570_6564);
     let flows_rng = Rng::new(seed ^ 0x0000_666C_6F77_7300);
+    let unique_rng = Rng::new(seed ^ 0x0075_6E69_7175_6500);
+    let unique_book = unique::Book::default();
     let redis_url = redis.url();
     let mut injector = Injector {
         world: &world,
@@ -180,6 +188,7 @@ fn chaos() {
     let typed_client = client(&producer_config);
     let grouped_client = client(&producer_config);
     let flows_client = client(&producer_config);
+    let unique_client = client(&producer_config);
 
     let (chaos_time, chaos_end_us, drain_time) = std::thread::scope(|scope| {
         let _stop = StopOnDrop(&world);
@@ -192,6 +201,8 @@ fn chaos() {
             scope.spawn(|| produce(&world, &typed_client, Queue::Typed, typed_rng));
         let grouped_producer =
             scope.spawn(|| produce(&world, &grouped_client, Queue::Grouped, grouped_rng));
+        let unique_producer = scope
+            .spawn(|| unique::produce_unique(&world, &unique_client, &unique_book, unique_rng));
         let supervisor = scope.spawn(|| supervise(&world));
         let sampler = scope.spawn(|| sample(&world, &redis_url));
 
@@ -232,9 +243,18 @@ fn chaos() {
             .join()
             .expect("the grouped queue's producer thread");
         flows_producer.join().expect("the flows' producer thread");
+        unique_producer
+            .join()
+            .expect("the unique_for tasks' producer thread");
         let drain_started = Instant::now();
         drain(&world, &harness, &injector.redis);
         world.drain_flows(&injector.redis);
+        unique::check_free_after_window(
+            &world,
+            &harness,
+            &unique_book,
+            Rng::new(seed ^ 0x0066_7265_6500),
+        );
         let drain_time = drain_started.elapsed();
         world.running.store(false, Ordering::SeqCst);
         supervisor.join().expect("the supervisor thread");
@@ -251,6 +271,18 @@ fn chaos() {
         flows.flows, flows.failed_pushes, flows.judged, flows.exempt, flows.unacked, flows.waiters, flows.released,
         flows.failed
     ));
+    for (queue, check) in world.check_unique(&unique_book) {
+        world.say(&format!(
+            "unique_for on {queue} (window {} ms): pushes {:?}; {} runs; {} pairs (a run's end, the next start) \
+             judged, the shortest {:?} ms on Redis's clock; not judged, by the fault known to lose a window: {:?}",
+            unique::WINDOW.as_millis(),
+            check.pushes,
+            check.runs,
+            check.judged,
+            check.shortest_us.map(|us| us as f64 / 1000.0),
+            check.exempt
+        ));
+    }
     let report = report::report(
         &world,
         &final_stats,

@@ -218,6 +218,7 @@ impl Shape {
             lease = LEASE.as_secs()
         );
         let flows = super::flows::queues(limited_workers, &common);
+        let unique = super::unique::queues(2, &common);
         format!(
             "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\npriorities = {levels}\nworkers = {workers}\n\
              prefetch = {prefetch}\nbatch = {batch}\n{common}\n\
@@ -230,7 +231,7 @@ impl Shape {
              [[queues]]\nname = \"grouped\"\nmode = \"safe\"\nworkers = {limited_workers}\n{common}\n\
              [queues.groups]\nmax_running = {group_limit}\nrate_limit = \"{group_rate}/s\"\n\
              weights = {{ \"{WEIGHTED}\" = 3 }}\n\
-             [[queues.limits]]\ntype = \"{SLOW}\"\nmax_running = {grouped_slow}\n\n{flows}"
+             [[queues.limits]]\ntype = \"{SLOW}\"\nmax_running = {grouped_slow}\n\n{flows}{unique}"
         )
     }
 

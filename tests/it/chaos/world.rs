@@ -254,6 +254,13 @@ impl World<'_> {
             &record,
         );
         self.dir.testkit_types_recording(&config, &record, &TYPES);
+        // Each `end` line with its time: the unique_for check needs when each run ended.
+        let text = std::fs::read_to_string(&config).unwrap();
+        std::fs::write(
+            &config,
+            text.replace("types = [", "end_times = true, types = ["),
+        )
+        .unwrap();
         let process = Process::start_with_env(&config, log.clone(), &[("RUST_BACKTRACE", "0")]);
         lock(&self.tails).0.push(Tail {
             path: record,
