@@ -474,16 +474,12 @@ impl World<'_> {
         }
         drop(book);
         drop(guard);
-        let total = violations.len();
-        for message in violations.into_iter().take(50) {
-            self.violation(format!("flows: {message}"));
-        }
-        if total > 50 {
-            self.violation(format!(
-                "flows: {} more violations of the flows' invariant",
-                total - 50
-            ));
-        }
+        self.violations(
+            "flows",
+            violations,
+            50,
+            "violations of the flows' invariant",
+        );
         check
     }
 }

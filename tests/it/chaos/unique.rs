@@ -320,16 +320,7 @@ impl World<'_> {
             }
         }
         drop(guard);
-        let total = violations.len();
-        for message in violations.into_iter().take(30) {
-            self.violation(format!("unique_for: {message}"));
-        }
-        if total > 30 {
-            self.violation(format!(
-                "unique_for: {} more runs within a window",
-                total - 30
-            ));
-        }
+        self.violations("unique_for", violations, 30, "runs within a window");
         checks
     }
 }

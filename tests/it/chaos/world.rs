@@ -206,6 +206,19 @@ impl World<'_> {
         lock(&self.violations).push(message);
     }
 
+    /// The violations one end-of-run check found, each prefixed with `check`: the first `shown` one by one, the
+    /// rest as one line counting them ("{check}: N more {rest}"), so that a broken invariant does not bury the
+    /// timeline.
+    pub(super) fn violations(&self, check: &str, messages: Vec<String>, shown: usize, rest: &str) {
+        let total = messages.len();
+        for message in messages.into_iter().take(shown) {
+            self.violation(format!("{check}: {message}"));
+        }
+        if total > shown {
+            self.violation(format!("{check}: {} more {rest}", total - shown));
+        }
+    }
+
     pub(super) fn count(&self, name: &str) {
         self.add(name, 1);
     }
