@@ -660,14 +660,18 @@ impl Supervisor {
                 .cloned();
             let (lanes, connector) = (Arc::clone(&self.lanes), Arc::clone(&self.connector));
             let prefix = self.config.redis.key_prefix.clone();
-            let lane = Arc::clone(&serving.lane);
+            // Its delay poller stops now: it does not wait for the release, which Redis may hold up.
+            serving.stop.fire();
+            let lane = serving.lane;
             // After the release, on the owners thread: the lane leaves the set the per-daemon threads read.
-            let then = move || {
-                lanes.remove(&serving.lane);
-                serving.stop.fire();
-                tracing::info!(queue = %serving.lane.name(), "the replaced lane settled everything and stopped");
-                if let Some(queue) = stranded {
-                    startup::warn_of_stranded_levels(&connector, &prefix, &queue);
+            let then = {
+                let lane = Arc::clone(&lane);
+                move || {
+                    lanes.remove(&lane);
+                    tracing::info!(queue = %lane.name(), "the replaced lane settled everything and stopped");
+                    if let Some(queue) = stranded {
+                        startup::warn_of_stranded_levels(&connector, &prefix, &queue);
+                    }
                 }
             };
             self.ask_owners(owners::Request::Release {
