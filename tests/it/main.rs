@@ -25,6 +25,7 @@ mod flow_views;
 mod flows;
 mod group_types;
 mod groups;
+mod handover;
 mod http_bounds;
 mod lease_clock;
 mod limits;
