@@ -205,9 +205,9 @@ fn a_handover_settle_whose_claim_list_key_is_no_list_applies_nothing() {
     redis.cmd::<()>(&["SET", &list, "x"]);
     let mut connection = redis.connection();
     let acks = [settlement_of(&batch, 0, SettleOp::Ack)];
-    let error = settle_handing_over(&mut connection, &queue, 1, &acks, 100, 4)
-        .err()
-        .expect("refused");
+    let Err(error) = settle_handing_over(&mut connection, &queue, 1, &acks, 100, 4) else {
+        panic!("the call applied though a claim key has the wrong type");
+    };
     let error = error.to_string();
     assert!(
         error.contains("WRONGTYPE")
