@@ -190,7 +190,7 @@ fn a_handover_settle_whose_claim_list_key_is_no_list_applies_nothing() {
     let error = error.to_string();
     assert!(
         error.contains("WRONGTYPE")
-            && error.contains("claim.lua: ")
+            && error.contains("settle.lua (its claim.lua): ")
             && error.contains("is a string, not a list"),
         "{error}"
     );

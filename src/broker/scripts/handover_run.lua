@@ -22,7 +22,11 @@ end
 -- claim.lua's checks, before the settle's first write: nil when they pass, else the error (which the settle
 -- returns, having written nothing).
 local function handover_check(h)
-  return as_claim(h, function() return claim_run(true) end)
+  local refused = as_claim(h, function() return claim_run(true) end)
+  if refused then
+    -- Named for the script the caller ran as well as for the claim whose check refused it.
+    return redis.error_reply((string.gsub(refused.err, 'claim%.lua: ', 'settle.lua (its claim.lua): ', 1)))
+  end
 end
 
 -- The claim's reply when it took nothing for the slot: it freed none, or the claim was refused (state -1).
