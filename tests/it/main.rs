@@ -6,6 +6,7 @@ mod support;
 mod acl;
 mod budgets;
 mod chaos;
+mod claim_cost;
 mod cli;
 mod cluster;
 mod conformance;
