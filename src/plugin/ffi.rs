@@ -33,6 +33,7 @@ use kmq_plugin::abi::{
 use kmq_plugin::host::{self, HOST, ProgressSink, Refusal, RunSlot};
 
 use super::PluginError;
+use crate::task::Envelope;
 
 /// How many bytes of message a plugin may return; longer messages are cut.
 pub(crate) const MESSAGE_CAPACITY: usize = abi::MESSAGE_CAPACITY;
@@ -88,34 +89,31 @@ unsafe impl Send for LoadedPlugin {}
 // SAFETY: as above.
 unsafe impl Sync for LoadedPlugin {}
 
-/// The inputs of one run, borrowed for the call.
+/// The inputs of one run, borrowed for the call. Small, so that a run moves without a call of `memcpy` (LLVM copies
+/// up to 128 bytes inline): the task's own fields are read from its envelope where the plugin's view of the task
+/// is made ([`task_view`]), and the fields its handler may ask the host for ([`Run::context`]) where its slot is.
 pub(crate) struct Run<'a> {
-    pub(crate) id: &'a str,
+    /// The task, decoded.
+    pub(crate) envelope: &'a Envelope<'a>,
     pub(crate) queue: &'a str,
-    pub(crate) kind: &'a str,
-    pub(crate) data: &'a str,
-    pub(crate) attempt: u32,
-    pub(crate) created_at_ms: i64,
     pub(crate) deadline_ms: i64,
     pub(crate) cancel: &'a AtomicU32,
-    /// The outcomes of the tasks it waited for (the envelope's `after`, a JSON list), for `kmq_host.dependencies`.
-    pub(crate) after: Option<&'a str>,
-    /// The W3C trace context handed to the handler (`kmq_host.traceparent`): the run span's when the run is
-    /// traced, the producer's otherwise.
+    /// The run span's W3C trace context when the run is traced (`kmq_host.traceparent`); `None`: the handler is
+    /// handed the producer's, if any ([`Run::context`]).
     pub(crate) traceparent: Option<&'a str>,
-    /// The producer's `tracestate`, for `kmq_host.tracestate`.
-    pub(crate) tracestate: Option<&'a str>,
     /// Where its progress reports go (its lane) and its number there; `None`: dropped (`on_dead`, tests).
     pub(crate) progress: Option<(&'a Arc<dyn ProgressSink>, u64)>,
 }
 
 impl Run<'_> {
-    /// The run's slot for what its plugin hands on: its dependencies in, its result and progress out.
+    /// The run's slot for what its plugin hands on: its dependencies and trace context in, its result and
+    /// progress out.
     fn slot(&self) -> RunSlot {
+        let (after, traceparent, tracestate) = self.context();
         let sink = self.progress.map(|(sink, run)| (Arc::as_ptr(sink), run));
         // SAFETY: the sink is the lane's, which outlives every run of its tasks: a worker's `handle` borrows the
         // lane, and a task taken in `start` holds it until its completion (`lane::started`).
-        unsafe { RunSlot::new(self.after, self.traceparent, self.tracestate, sink) }
+        unsafe { RunSlot::new(after, traceparent, tracestate, sink) }
     }
 }
 
@@ -353,12 +351,12 @@ fn missing_symbol(path: &Path, library: &libloading::Library) -> PluginError {
 /// The task as the ABI passes it; `slot`: its run's handle (null where no run is live: `on_dead`).
 fn task_view<'a>(run: &'a Run<'a>, retry_after_ms: &'a mut i64, slot: *mut c_void) -> KmqTask {
     KmqTask {
-        id: KmqStr::borrow(run.id),
+        id: KmqStr::borrow(run.envelope.id_str()),
         queue: KmqStr::borrow(run.queue),
-        type_: KmqStr::borrow(run.kind),
-        data: KmqStr::borrow(run.data),
-        attempt: run.attempt,
-        created_at_ms: run.created_at_ms,
+        type_: KmqStr::borrow(&run.envelope.kind),
+        data: KmqStr::borrow(run.envelope.data.get()),
+        attempt: run.envelope.attempt,
+        created_at_ms: run.envelope.created_at.unwrap_or(0),
         deadline_ms: run.deadline_ms,
         cancel: run.cancel.as_ptr().cast_const(),
         retry_after_ms,

@@ -170,55 +170,56 @@ impl<'a> Run<'a> {
     /// none), `cancel` the flag raised to ask its handler to stop, `traceparent` the run span's context when the
     /// run is traced (`None`: the handler is handed the producer's, unchanged), `progress` where its handler's
     /// progress reports go and its run's number there (the lane's table of the latest reports, keyed by the held
-    /// task's id; `None`: dropped). Built in one place, every field at once: a run is made for every task.
+    /// task's id; `None`: dropped). It borrows the envelope rather than copying its fields out: a run is made
+    /// for every task, and at 72 bytes rather than 160 any move of it is copied inline, never by a call of `memcpy`
+    /// (docs/PERFORMANCE.md, "The hot path after tracing, expiry and progress (2026-12-07)").
     pub(crate) fn of(
-        envelope: &'a Envelope<'_>,
+        envelope: &'a Envelope<'a>,
         queue: &'a str,
         deadline_ms: i64,
         cancel: &'a AtomicU32,
         traceparent: Option<&'a str>,
         progress: Option<(&'a Arc<dyn ProgressSink>, u64)>,
     ) -> Run<'a> {
-        let mut run = Run {
-            id: envelope.id_str(),
+        Run {
+            envelope,
             queue,
-            kind: &envelope.kind,
-            data: envelope.data.get(),
-            attempt: envelope.attempt,
-            created_at_ms: envelope.created_at.unwrap_or(0),
             deadline_ms,
             cancel,
-            after: None,
             traceparent,
-            tracestate: None,
             progress,
-        };
-        // The fields kmqd does not decode are the decoder's list of them: empty for most tasks, which then pay
-        // this one test and no pass over them.
-        if !envelope.extra.is_empty() {
-            run.read_extra(envelope, traceparent.is_some());
         }
-        run
     }
 
-    /// Takes `after`, `traceparent` (unless `traced`: the run span's context replaces the producer's) and
-    /// `tracestate` from the envelope's undecoded fields, in one pass, the first usable one of each name counting.
+    /// What the run's handler is handed from the envelope's undecoded fields, `(after, traceparent, tracestate)`:
+    /// the outcomes of the tasks it waited for, its trace context (the run span's when the run is traced, else
+    /// the producer's) and the producer's trace state.
+    #[inline]
+    pub(crate) fn context(&self) -> (Option<&'a str>, Option<&'a str>, Option<&'a str>) {
+        // The fields kmqd does not decode are the decoder's list of them: empty for most tasks, which then pay
+        // this one test and no pass over them.
+        if self.envelope.extra.is_empty() {
+            return (None, self.traceparent, None);
+        }
+        self.read_extra()
+    }
+
+    /// [`Run::context`] of an envelope with undecoded fields, in one pass, the first usable one of each name
+    /// counting; the producer's `traceparent` only when the run is not traced (the run span's replaces it).
     #[cold]
-    fn read_extra(&mut self, envelope: &'a Envelope<'_>, traced: bool) {
-        let mut producer_context = None;
-        for (name, value) in &envelope.extra {
+    fn read_extra(&self) -> (Option<&'a str>, Option<&'a str>, Option<&'a str>) {
+        let (mut after, mut producer_context, mut tracestate) = (None, None, None);
+        for (name, value) in &self.envelope.extra {
             match &**name {
-                "after" if self.after.is_none() => self.after = Some(value.get()),
+                "after" if after.is_none() => after = Some(value.get()),
                 "traceparent" if producer_context.is_none() => {
                     producer_context = plain_string(value)
                 }
-                "tracestate" if self.tracestate.is_none() => self.tracestate = plain_string(value),
+                "tracestate" if tracestate.is_none() => tracestate = plain_string(value),
                 _ => {}
             }
         }
-        if !traced {
-            self.traceparent = producer_context;
-        }
+        (after, self.traceparent.or(producer_context), tracestate)
     }
 }
 
@@ -705,18 +706,25 @@ mod tests {
         for (payload, (after, traceparent, tracestate)) in cases {
             let envelope = Envelope::decode(payload).expect(payload);
             let run = Run::of(&envelope, "q", 0, &cancel, None, None);
-            assert_eq!(
-                (run.after, run.traceparent, run.tracestate),
-                (after, traceparent, tracestate),
-                "{payload}"
-            );
+            assert_eq!(run.context(), (after, traceparent, tracestate), "{payload}");
             let traced = Run::of(&envelope, "q", 0, &cancel, Some(span), None);
             assert_eq!(
-                (traced.after, traced.traceparent, traced.tracestate),
+                traced.context(),
                 (after, Some(span), tracestate),
                 "{payload}, traced"
             );
         }
+    }
+
+    /// A run is made for every task: at most 128 bytes, LLVM copies it inline, without a call of `memcpy`
+    /// (docs/PERFORMANCE.md, "The hot path after tracing, expiry and progress (2026-12-07)").
+    #[test]
+    fn a_run_is_small_enough_to_be_copied_inline() {
+        assert!(
+            size_of::<Run<'_>>() <= 128,
+            "{} bytes",
+            size_of::<Run<'_>>()
+        );
     }
 
     #[test]

@@ -41,17 +41,25 @@ impl std::fmt::Debug for dyn ProgressSink {
 #[derive(Debug, Default)]
 pub struct RunSlot {
     result: Mutex<Option<String>>,
-    /// The outcomes of the tasks the run's task waited for (its envelope's `after`: docs/design/flows.md), as
-    /// the JSON list the host passes on; `None` for a task that waited for nothing.
-    after: Option<String>,
-    /// The run's W3C trace context (`kmq_host.traceparent`, `kmq_host.tracestate`); `None` when it has none.
-    traceparent: Option<String>,
-    tracestate: Option<String>,
+    /// What the run is handed besides its task, when it is handed anything: boxed, so that the slot of a run
+    /// handed nothing (most: no flow, no trace context) is small and is built and dropped with one word for it.
+    context: Option<Box<RunContext>>,
     /// Where the run's progress reports go, and the run's number there; `None`: they are dropped. A pointer, not
     /// an `Arc`: a count shared by every worker of a lane, bumped per run, would be a cache line they all write
     /// (the one check a run of a queue whose handlers never report may cost). [`RunSlot::new`]'s caller
     /// keeps the sink alive as long as the run.
     progress: Option<(*const dyn ProgressSink, u64)>,
+}
+
+/// The texts a run's handler may ask the host for ([`RunSlot`]'s `context`), each `None` when the run has none.
+#[derive(Debug)]
+struct RunContext {
+    /// The outcomes of the tasks the run's task waited for (its envelope's `after`: docs/design/flows.md), as
+    /// the JSON list the host passes on.
+    after: Option<String>,
+    /// The run's W3C trace context (`kmq_host.traceparent`, `kmq_host.tracestate`).
+    traceparent: Option<String>,
+    tracestate: Option<String>,
 }
 
 // SAFETY: the sink is `Send + Sync` and outlives the slot ([`RunSlot::new`]'s contract); the other fields
@@ -77,13 +85,23 @@ impl RunSlot {
         tracestate: Option<&str>,
         progress: Option<(*const dyn ProgressSink, u64)>,
     ) -> RunSlot {
+        let handed = after.is_some() || traceparent.is_some() || tracestate.is_some();
         RunSlot {
             result: Mutex::new(None),
-            after: after.map(str::to_string),
-            traceparent: traceparent.map(str::to_string),
-            tracestate: tracestate.map(str::to_string),
+            context: handed.then(|| {
+                Box::new(RunContext {
+                    after: after.map(str::to_string),
+                    traceparent: traceparent.map(str::to_string),
+                    tracestate: tracestate.map(str::to_string),
+                })
+            }),
             progress,
         }
+    }
+
+    /// What the run is handed besides its task, if anything.
+    fn context(&self) -> Option<&RunContext> {
+        self.context.as_deref()
     }
 
     /// The run's handle, `kmq_task.run`.
@@ -128,19 +146,19 @@ unsafe fn slot_text(run: *mut c_void, text: impl FnOnce(&RunSlot) -> Option<&str
 /// `kmq_host.dependencies`: the run's `after` list, or empty text.
 unsafe extern "C" fn dependencies_given(run: *mut c_void) -> KmqStr {
     // SAFETY: the ABI's rule: `run` is the handle of a live run.
-    unsafe { slot_text(run, |slot| slot.after.as_deref()) }
+    unsafe { slot_text(run, |slot| slot.context()?.after.as_deref()) }
 }
 
 /// `kmq_host.traceparent`: the run's trace context, or empty text.
 unsafe extern "C" fn traceparent_given(run: *mut c_void) -> KmqStr {
     // SAFETY: the ABI's rule: `run` is the handle of a live run.
-    unsafe { slot_text(run, |slot| slot.traceparent.as_deref()) }
+    unsafe { slot_text(run, |slot| slot.context()?.traceparent.as_deref()) }
 }
 
 /// `kmq_host.tracestate`: the producer's trace state, or empty text.
 unsafe extern "C" fn tracestate_given(run: *mut c_void) -> KmqStr {
     // SAFETY: the ABI's rule: `run` is the handle of a live run.
-    unsafe { slot_text(run, |slot| slot.tracestate.as_deref()) }
+    unsafe { slot_text(run, |slot| slot.context()?.tracestate.as_deref()) }
 }
 
 /// `kmq_host.result`: keeps the run's JSON text (the last call wins). The whole text is copied: kmqd bounds what

@@ -291,9 +291,9 @@ impl Worker {
         );
         tracing::debug!(
             queue = %queue.config.name,
-            id = %capped(run.id, LOGGED_PAYLOAD_BYTES),
-            kind = %capped(run.kind, LOGGED_PAYLOAD_BYTES),
-            attempt = run.attempt,
+            id = %capped(envelope.id_str(), LOGGED_PAYLOAD_BYTES),
+            kind = %capped(&envelope.kind, LOGGED_PAYLOAD_BYTES),
+            attempt = envelope.attempt,
             "task started"
         );
         if plugin.starts() {
