@@ -7,6 +7,7 @@
 //!   5-field UTC cron expressions it holds;
 //! - [`task`]: the task envelope, the only module that knows the wire format of a task;
 //! - [`broker`]: the only module that talks to Redis (key layout, Lua scripts);
+//! - [`poison`]: the daemon's locks, taken whether or not a panic poisoned them, and why that is safe;
 //! - [`policy`]: pure decisions (retry, dead-letter, backoff); [`settlement`]: the one place a task's outcome is
 //!   decided (a verdict, the policy's action, its log event) and the record that applies it;
 //! - [`retry`] and [`shutdown`]: backoff, rate-limited failure reports, and the shutdown broadcasts; [`pulse`],
@@ -73,6 +74,7 @@ pub mod otel;
 pub(crate) mod overview;
 #[cfg(feature = "daemon")]
 pub mod plugin;
+pub(crate) mod poison;
 #[cfg(feature = "daemon")]
 pub(crate) mod policy;
 #[cfg(feature = "daemon")]

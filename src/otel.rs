@@ -24,7 +24,7 @@
 
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use opentelemetry::propagation::{Extractor, TextMapPropagator};
@@ -42,6 +42,7 @@ use opentelemetry_sdk::trace::{
 };
 
 use crate::observed::observed;
+use crate::poison::lock;
 use crate::policy::Action;
 use crate::retry::SUMMARY_EVERY;
 use crate::task::Envelope;
@@ -275,7 +276,7 @@ impl<E: SpanExporter> SpanExporter for Reported<E> {
             observed().spans_dropped.inc_by(spans);
         }
         // A poisoned lock only means a report panicked: the counts are still counts.
-        let mut failures = self.failures.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut failures = lock(&self.failures);
         match result {
             Ok(()) => failures.exported(),
             Err(error) => failures.failed(spans, &error),

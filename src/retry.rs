@@ -12,6 +12,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::broker::BrokerError;
+use crate::poison::lock;
 use crate::shutdown::Listener;
 
 /// How often a thread whose calls keep failing says so again.
@@ -98,9 +99,7 @@ static OUTAGE: Mutex<Outage> = Mutex::new(Outage {
 });
 
 fn outage() -> MutexGuard<'static, Outage> {
-    OUTAGE
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
+    lock(&OUTAGE)
 }
 
 /// Names the Redis deployment in the outage lines (the daemon calls it at start).

@@ -9,6 +9,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::poison::lock;
+
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 
 /// Fires a shutdown phase.
@@ -49,10 +51,7 @@ impl Trigger {
     pub fn fire(&self) {
         self.fired.store(true, Ordering::Release);
         // Dropping the sender is the broadcast; a poisoned lock still holds the Option.
-        self.sender
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .take();
+        lock(&self.sender).take();
     }
 }
 

@@ -24,8 +24,7 @@ local refused = wrong_type(KEYS[1], holder) or wrong_type(KEYS[2], 'hash') or wr
 if refused then return refused end
 local window = nil
 if unique ~= '' then
-  local field = redis.call('HGET', KEYS[3], unique)
-  window = field and string.match(field, '^%d+:(%d+)$')
+  window = unique_window(redis.call('HGET', KEYS[3], unique))
   if window and not redis.acl_check_cmd('SET', KEYS[3] .. ':held:' .. unique, '0', 'PX', window) then
     return redis.error_reply('NOPERM remove.lua: cancelling a unique_for task needs the operators\' rule ~' ..
       KEYS[3] .. ':held:* (docs/OPERATIONS.md, "ACL rules"); nothing was written')
@@ -45,11 +44,13 @@ else
   return redis.error_reply('remove.lua: unknown kind ' .. kind)
 end
 if removed == 1 then
-  if window then
-    local t = redis.call('TIME')
-    free_unique_id(KEYS[3], unique, tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
-  elseif unique ~= '' then
-    redis.call('HDEL', KEYS[3], unique)
+  if unique ~= '' then
+    local now = nil
+    if window then
+      local t = redis.call('TIME')
+      now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    end
+    drop_unique_id(KEYS[3], unique, window, now)
   end
   redis.call('HINCRBY', KEYS[4], 'cancelled', 1)
 end

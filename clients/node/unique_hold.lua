@@ -4,20 +4,32 @@
 -- behind, its value "END:MS" (the end's time, then the window), which expires MS ms later by itself (no sweeper to
 -- fall behind; ":released" after it when a monitor freed the id of a task lost with its owner), and push.lua
 -- refuses every unique push of the id while it exists (docs/PROTOCOL.md, "Debounce, and
--- unique for a time"). Any other field (a plain unique task's, "NOW") is simply deleted. Returns the window (MS,
--- as a string) of a unique_for id, nil for a plain one, so that the step that frees it can carry it on (a dead
--- record's "unique_for"). `released`: the id is freed by release_unique.lua, for a task lost with its owner,
--- which may yet come back (a woken daemon's): its hold says so ("END:MS:released"), see `held_window`.
-local function free_unique_id(uniq, uid, now, released)
-  local field = redis.call('HGET', uniq, uid)
+-- unique for a time"). Any other field (a plain unique task's, "NOW") is simply deleted.
+
+-- The window (MS, as a string) of a unique hash's field: "NOW:MS" for a unique_for id; nil for a plain one's "NOW"
+-- (or no field). The one place that reads the field's format.
+local function unique_window(field)
+  return field and string.match(field, '^%d+:(%d+)$')
+end
+
+-- Frees an id whose window the caller already read (`unique_window`; remove.lua reads it to check its ACL first):
+-- the field goes, and a window leaves its hold.
+local function drop_unique_id(uniq, uid, window, now, released)
   redis.call('HDEL', uniq, uid)
-  local hold = field and string.match(field, '^%d+:(%d+)$')
-  if hold then
-    local value = string.format('%d', now) .. ':' .. hold
+  if window then
+    local value = string.format('%d', now) .. ':' .. window
     if released then value = value .. ':released' end
-    redis.call('SET', uniq .. ':held:' .. uid, value, 'PX', hold)
+    redis.call('SET', uniq .. ':held:' .. uid, value, 'PX', window)
   end
-  return hold
+end
+
+-- Frees an id as its task ends. Returns its window (nil for a plain id), so that the step that frees it can carry
+-- it on (a dead record's "unique_for"). `released`: the id is freed by release_unique.lua, for a task lost with its
+-- owner, which may yet come back (a woken daemon's): its hold says so ("END:MS:released"), see `held_window`.
+local function free_unique_id(uniq, uid, now, released)
+  local window = unique_window(redis.call('HGET', uniq, uid))
+  drop_unique_id(uniq, uid, window, now, released)
+  return window
 end
 
 -- The hold of an id while it is there (its task ended, or its owner was lost, less than MS ago): its window MS

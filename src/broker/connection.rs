@@ -23,6 +23,7 @@ use super::node::Node;
 use super::payloads::Payloads;
 use super::{BrokerError, Result};
 use crate::config::{Deployment, RedisConfig, TlsFiles};
+use crate::poison::lock;
 
 /// Opens connections with a connect timeout and read/write timeouts, so no Redis call can hang a thread forever.
 pub struct Connector {
@@ -188,10 +189,7 @@ impl Connector {
         let link = match &self.target {
             Target::Single(client) => Link::Node(node(client)?),
             Target::Sentinel(sentinel) => {
-                let client = sentinel
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .get_client()?;
+                let client = lock(sentinel).get_client()?;
                 Link::Node(node(&client)?)
             }
             Target::Cluster { client, .. } => {
@@ -223,10 +221,7 @@ impl Connector {
             }
             Target::Single(client) => self.subscribe_at(client),
             Target::Sentinel(sentinel) => {
-                let client = sentinel
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .get_client()?;
+                let client = lock(sentinel).get_client()?;
                 self.subscribe_at(&client)
             }
         }

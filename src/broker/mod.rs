@@ -57,10 +57,10 @@ pub use owners::{LeaseClock, OwnerInfo, Renewal, owner_info, owners, register, r
 pub use schedule::{Fired, fire, schedule_state};
 pub use stats::{QueueStats, Rates, TypeUsage, check_protocol, rate_used, stats, type_usage};
 pub use tasks::{
-    Batch, Call, ClaimLimits, Due, Fence, Fetched, Holder, Isolation, Kept, Limited, PopLimits,
-    Popper, PushItem, SettleOp, Settled, Settlement, ThrottleScope, adopt, claim, claim_after_wake,
-    load_settle, move_sources, promote, push, release_unique, settle, wait_idle, wait_list,
-    wait_wake,
+    Batch, Call, ClaimLimits, Due, Fence, Fetched, Handover, Holder, Isolation, Kept, Limited,
+    PopLimits, Popper, PushItem, SettleOp, Settled, Settlement, ThrottleScope, adopt, claim,
+    claim_after_wake, load_settle, move_sources, promote, push, release_unique, settle,
+    settle_handing_over, wait_idle, wait_list, wait_wake,
 };
 pub use tls::tls_refusal;
 
@@ -267,18 +267,24 @@ pub mod sources {
         };
     }
 
+    // claim.lua and its preludes: claim.lua defines the claim as a function (`claim_run`), which CLAIM calls and
+    // settle.lua too (the slot handed over in the settle: SETTLE).
+    macro_rules! claim_parts {
+        () => {
+            concat!(
+                include_str!("scripts/checks.lua"),
+                include_str!("scripts/rate.lua"),
+                include_str!("scripts/turns.lua"),
+                include_str!("scripts/types.lua"),
+                include_str!("scripts/groups.lua"),
+                include_str!("scripts/claim.lua")
+            )
+        };
+    }
     /// claim.lua and pop.lua both count a rate limit's starts and split a take between weighted levels:
     /// rate.lua and turns.lua, their shared parts, go before each (after the shebang, which must open a script,
     /// and checks.lua), and types.lua, the limits per task type; groups.lua, the fair groups, before claim.lua only.
-    pub const CLAIM: &str = concat!(
-        "#!lua\n",
-        include_str!("scripts/checks.lua"),
-        include_str!("scripts/rate.lua"),
-        include_str!("scripts/turns.lua"),
-        include_str!("scripts/types.lua"),
-        include_str!("scripts/groups.lua"),
-        include_str!("scripts/claim.lua")
-    );
+    pub const CLAIM: &str = concat!("#!lua\n", claim_parts!(), "return claim_run(false)\n");
     pub const ADOPT: &str = checked!(#!lua "scripts/adopt.lua");
     pub const POP: &str = concat!(
         "#!lua\n",
@@ -298,12 +304,21 @@ pub mod sources {
         include_str!("scripts/release_unique.lua")
     );
     /// results.lua, the results a settle keeps (`keep_results`), after.lua, the notes it writes for the tasks
-    /// of a flow that wait (docs/design/flows.md), and unique_hold.lua go before settle.lua (after the shebang).
+    /// of a flow that wait (docs/design/flows.md), and unique_hold.lua go before settle.lua (after the shebang);
+    /// then handover.lua, the trailer of a settle that hands the slots it frees over to the next tasks, and
+    /// claim.lua with its preludes and handover_run.lua inside a function (`handover_parts`) that only such a
+    /// settle calls: every other settle creates one closure for them, where Lua would create one for each of
+    /// their sixty-odd `local function`s as the script's top level runs, on every call.
     pub const SETTLE: &str = concat!(
         "#!lua\n",
         include_str!("scripts/results.lua"),
         include_str!("scripts/after.lua"),
         include_str!("scripts/unique_hold.lua"),
+        include_str!("scripts/handover.lua"),
+        "local function handover_parts()\n",
+        claim_parts!(),
+        include_str!("scripts/handover_run.lua"),
+        "end\n",
         include_str!("scripts/settle.lua")
     );
     pub const RENEW: &str = checked!(#!lua "scripts/renew.lua");

@@ -347,17 +347,15 @@ pub fn claim_after_wake(
     batch
 }
 
-/// [`claim`], after a `BLPOP` of the wake list of up to `wait` when there is one.
-fn claim_after(
-    conn: &mut Conn,
+/// claim.lua's keys and arguments for claim number `claim` of up to `max` tasks: a claim's own call, or the claim
+/// block of a settle that hands its freed slots over ([`settle_handing_over`]).
+fn claim_call(
     keys: &QueueKeys,
     owner: &Arc<str>,
     claim: u64,
     max: usize,
     limits: &ClaimLimits<'_>,
-    wait: Option<Duration>,
-) -> Result<Batch> {
-    let lists = keys.claim_lists(owner, claim);
+) -> (Vec<String>, Vec<String>) {
     let mut script_keys = vec![
         keys.owners.clone(),
         keys.wake.clone(),
@@ -369,7 +367,7 @@ fn claim_after(
     ];
     script_keys.extend(keys.ready.iter().chain(&keys.quarantine).cloned());
     script_keys.extend(keys.processing_all(owner));
-    script_keys.extend(lists.iter().cloned());
+    script_keys.extend(keys.claim_lists(owner, claim));
     script_keys.extend(keys.claim_scopes_all(owner, claim));
     script_keys.push(keys.running.clone());
     for rate in limits.rate_limit {
@@ -389,24 +387,42 @@ fn claim_after(
     script_keys.extend(type_keys);
     let (group_keys, group_args) = group_block(keys, limits.groups);
     script_keys.extend(group_keys);
-    let mut eval = evalsha(&SCRIPTS.claim, &script_keys);
-    eval.arg(&**owner)
-        .arg(max)
-        .arg(limits.max_task_bytes)
-        .arg(limits.dead_max)
-        .arg(limits.queue)
-        .arg(limits.daemon)
-        .arg(claim)
-        .arg(limits.max_running.unwrap_or(0))
-        .arg(limits.rate_limit.len());
+    let mut args = vec![
+        owner.to_string(),
+        max.to_string(),
+        limits.max_task_bytes.to_string(),
+        limits.dead_max.to_string(),
+        limits.queue.to_string(),
+        limits.daemon.to_string(),
+        claim.to_string(),
+        limits.max_running.unwrap_or(0).to_string(),
+        limits.rate_limit.len().to_string(),
+    ];
     for rate in limits.rate_limit {
-        eval.arg(rate.window_ms()).arg(rate.starts);
+        args.extend([rate.window_ms().to_string(), rate.starts.to_string()]);
     }
-    eval.arg(limits.priority_weights.len());
-    for weight in limits.priority_weights {
-        eval.arg(*weight);
-    }
-    eval.arg(type_args).arg(group_args).arg(CLAIM_BYTES);
+    args.push(limits.priority_weights.len().to_string());
+    args.extend(limits.priority_weights.iter().map(u32::to_string));
+    args.extend(type_args);
+    args.extend(group_args);
+    args.push(CLAIM_BYTES.to_string());
+    (script_keys, args)
+}
+
+/// [`claim`], after a `BLPOP` of the wake list of up to `wait` when there is one.
+fn claim_after(
+    conn: &mut Conn,
+    keys: &QueueKeys,
+    owner: &Arc<str>,
+    claim: u64,
+    max: usize,
+    limits: &ClaimLimits<'_>,
+    wait: Option<Duration>,
+) -> Result<Batch> {
+    let lists = keys.claim_lists(owner, claim);
+    let (script_keys, args) = claim_call(keys, owner, claim, max, limits);
+    let mut eval = evalsha(&SCRIPTS.claim, &script_keys);
+    eval.arg(args);
     let wake = wait.map(|wait| (keys.wake.as_str(), wait));
     let (reply, taken, collected) =
         script_then_lists(conn, super::sources::CLAIM, &eval, &lists, wake)
@@ -414,6 +430,18 @@ fn claim_after(
     // Not replicated: a may-have-run error, which the fetcher resolves with adopt() as a lost reply.
     conn.replicated(&keys.stats)?;
     let reply: Vec<Value> = redis::from_redis_value(reply).map_err(redis::RedisError::from)?;
+    claim_batch(keys, owner, claim, reply, taken, collected)
+}
+
+/// A claim's [`Batch`]: claim.lua's reply (6 + L integers) and the claim's lists, read in its transaction.
+fn claim_batch(
+    keys: &QueueKeys,
+    owner: &Arc<str>,
+    claim: u64,
+    reply: Vec<Value>,
+    taken: Vec<Value>,
+    collected: Payloads,
+) -> Result<Batch> {
     if reply.len() != 6 + keys.levels() {
         return Err(reply_error("claim", format!("{} elements", reply.len())));
     }
@@ -1523,6 +1551,66 @@ pub fn settle<'a>(
     holder: Holder<'_>,
     settlements: impl IntoIterator<Item = &'a Settlement> + Clone,
 ) -> Result<Settled> {
+    settle_with(conn, keys, call, fence, dead_max, holder, settlements, None)
+        .map(|(settled, _)| settled)
+}
+
+/// The claim a settle makes for the running slots it frees ([`settle_handing_over`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Handover<'a> {
+    /// The claim's number, reserved from the owner's claim numbers as a fetcher's claim's are (one number: the
+    /// claim's lists are those of `claim`).
+    pub claim: u64,
+    /// The most tasks to take: the settling daemon's workers free for them. The settle takes no more than it
+    /// freed slots of a limit, and what the limits leave.
+    pub max: usize,
+    pub limits: &'a ClaimLimits<'a>,
+}
+
+/// Safe mode, the owner's settle that hands the running slots it frees over to the next tasks (handover.lua;
+/// docs/design/flow-control.md, "The slot handed over in the settle"): as [`settle`], and in the same script step,
+/// once the ended tasks are subtracted from the running counts, claim.lua's claim of up to `handover.max` tasks,
+/// as many as the call freed slots of the queue's `max_running` (or of a type's). Returns the claim's batch too,
+/// read in the call's transaction: `None` when it claimed nothing (it freed no slot, the claim was refused, or
+/// the call was a late copy), or when the call carried a record of 32 KiB or more (sent without the claim, so
+/// that a NOSCRIPT may be answered on this connection: see [`load_settle`]). Sent again after a lost reply, the
+/// call answers the same claim (its stored result) and claims nothing more. The owner's journal counts the claim
+/// as one more bump when it took tasks, beside the settle's own.
+pub fn settle_handing_over<'a>(
+    conn: &mut Conn,
+    keys: &QueueKeys,
+    call: &Call<'_>,
+    dead_max: usize,
+    owner: &Arc<str>,
+    settlements: impl IntoIterator<Item = &'a Settlement> + Clone,
+    handover: &Handover<'_>,
+) -> Result<(Settled, Option<Batch>)> {
+    settle_with(
+        conn,
+        keys,
+        call,
+        Fence::Owner,
+        dead_max,
+        Holder::Claimed(owner),
+        settlements,
+        Some((owner, handover)),
+    )
+}
+
+#[allow(
+    clippy::too_many_arguments,
+    reason = "settle's arguments and the handover's"
+)]
+fn settle_with<'a>(
+    conn: &mut Conn,
+    keys: &QueueKeys,
+    call: &Call<'_>,
+    fence: Fence,
+    dead_max: usize,
+    holder: Holder<'_>,
+    settlements: impl IntoIterator<Item = &'a Settlement> + Clone,
+    handover: Option<(&Arc<str>, &Handover<'_>)>,
+) -> Result<(Settled, Option<Batch>)> {
     let (owner, popper) = match holder {
         Holder::Claimed(owner) => (Some(owner), None),
         Holder::Popped(popper) => (None, Some(popper)),
@@ -1673,6 +1761,30 @@ pub fn settle<'a>(
             .key(keys.results_index())
             .key(keys.results_bucket(start));
     }
+    // A reload on this connection only when the call carried no argument of 32 KiB or more (see `load_settle`):
+    // otherwise the caller loads the script on a new connection (the settler does) and sends the call again.
+    let large = settlements.clone().into_iter().any(|s| {
+        let sent = match bulk(s) {
+            // A plain acknowledgement sends only its kept result and its note, in the trailers.
+            true => {
+                s.kept.as_ref().map_or(0, |kept| kept.value.len())
+                    + s.note.as_ref().map_or(0, |note| note.0.len())
+            }
+            false => s.bytes(),
+        };
+        sent >= LARGE_ARGUMENT
+    });
+    // The claim for the freed slots (handover.lua's trailer, the last): its keys after every other.
+    let handover = handover
+        .filter(|_| !large && fence == Fence::Owner)
+        .map(|(owner, handover)| {
+            let (claim_keys, claim_args) =
+                claim_call(keys, owner, handover.claim, handover.max, handover.limits);
+            for key in &claim_keys {
+                invocation.key(key);
+            }
+            (owner, handover.claim, claim_keys.len(), claim_args)
+        });
     let mut invocation = invocation.evalsha(&SCRIPTS.settle);
     invocation
         .arg(match fence {
@@ -1767,35 +1879,53 @@ pub fn settle<'a>(
             .arg(kept.len())
             .arg("results");
     }
-    // A reload on this connection only when the call carried no argument of 32 KiB or more (see `load_settle`):
-    // otherwise the caller loads the script on a new connection (the settler does) and sends the call again.
-    let large = settlements.clone().into_iter().any(|s| {
-        let sent = match bulk(s) {
-            // A plain acknowledgement sends only its kept result and its note, in the trailers.
-            true => {
-                s.kept.as_ref().map_or(0, |kept| kept.value.len())
-                    + s.note.as_ref().map_or(0, |note| note.0.len())
-            }
-            false => s.bytes(),
-        };
-        sent >= LARGE_ARGUMENT
-    });
-    let reply: Vec<i64> = match invocation.query(conn) {
-        Err(error) if is_no_script(&error) && !large => {
-            load_settle(conn)?;
-            invocation.query(conn)?
+    let (reply, claimed_lists) = match handover {
+        None => {
+            let reply: Vec<i64> = match invocation.query(conn) {
+                Err(error) if is_no_script(&error) && !large => {
+                    load_settle(conn)?;
+                    invocation.query(conn)?
+                }
+                reply => reply?,
+            };
+            (reply, None)
         }
-        reply => reply?,
+        Some((owner, claim, key_count, claim_args)) => {
+            let count = claim_args.len();
+            invocation
+                .arg(claim_args)
+                .arg(count)
+                .arg(key_count)
+                .arg("handover");
+            // The claim's lists are read in the call's transaction, as a claim's (a call sent again reads them
+            // again: its stored result names the same claim).
+            let lists = keys.claim_lists(owner, claim);
+            let (reply, taken, collected) =
+                script_then_lists(conn, super::sources::SETTLE, &invocation, &lists, None)?;
+            let reply: Vec<Value> =
+                redis::from_redis_value(reply).map_err(redis::RedisError::from)?;
+            let split = (records + 2).min(reply.len());
+            let mut reply = reply;
+            let claim_reply = reply.split_off(split);
+            let reply = reply
+                .iter()
+                .map(|value| int(value, "settle"))
+                .collect::<Result<Vec<i64>>>()?;
+            (reply, Some((owner, claim, claim_reply, taken, collected)))
+        }
     };
     // Not replicated: a may-have-run error; the settler sends the same call again, which applies nothing twice.
     conn.replicated(&keys.stats)?;
     if reply.len() == 2 && reply[0] == -1 {
-        return Ok(Settled {
-            applied: settlements.into_iter().map(|_| None).collect(),
-            stale_acks: 0,
-            journal: 0,
-            superseded: true,
-        });
+        return Ok((
+            Settled {
+                applied: settlements.into_iter().map(|_| None).collect(),
+                stale_acks: 0,
+                journal: 0,
+                superseded: true,
+            },
+            None,
+        ));
     }
     if reply.len() != records + 2 {
         return Err(reply_error(
@@ -1803,17 +1933,39 @@ pub fn settle<'a>(
             format!("{} results for {records} records", reply.len()),
         ));
     }
+    // The claim's reply: state -1 when it claimed nothing for the slots (handover_run.lua, `handover_none`).
+    let batch = match claimed_lists {
+        Some((owner, claim, claim_reply, taken, collected))
+            if claim_reply
+                .get(1)
+                .and_then(|state| int(state, "settle").ok())
+                != Some(-1) =>
+        {
+            Some(claim_batch(
+                keys,
+                owner,
+                claim,
+                claim_reply,
+                taken,
+                collected,
+            )?)
+        }
+        _ => None,
+    };
     let mut flags = reply[1..=records].iter().map(|ok| *ok == 1);
     let applied = settlements
         .into_iter()
         .map(|s| if bulk(s) { None } else { flags.next() })
         .collect();
-    Ok(Settled {
-        applied,
-        stale_acks: reply[0] as usize,
-        journal: reply[records + 1].max(0) as u64,
-        superseded: false,
-    })
+    Ok((
+        Settled {
+            applied,
+            stale_acks: reply[0] as usize,
+            journal: reply[records + 1].max(0) as u64,
+            superseded: false,
+        },
+        batch,
+    ))
 }
 
 /// Moves up to `max` due tasks to their ready lists. Returns how many moved and how long until the next one is

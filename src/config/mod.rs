@@ -533,7 +533,7 @@ impl Config {
 
     /// Redis connections the daemon takes from its pool at once: per queue a fetcher, an acker, a delay poller
     /// and, with `source_lists`, a source mover; per daemon the monitor, the scheduler, the metrics endpoint, the
-    /// supervisor (its owners marked draining and released, at a stop or a reload) and, when it runs, the queue
+    /// owners thread (the owners marked draining and released, at a stop or a reload) and, when it runs, the queue
     /// reporter. The heartbeat is not counted: it has a connection of its own, outside the pool, so that nothing
     /// waiting for the pool delays a renewal.
     pub fn connections_needed(&self) -> u32 {

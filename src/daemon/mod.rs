@@ -15,7 +15,9 @@
 //! 3. whatever is still unresolved is taken: handed back (in default mode, a task still running is reported lost);
 //!    the supervisor waits for the fetchers (a claim in flight is handed back by its fetcher);
 //! 4. the ackers settle what they hold and stop once their lane is drained (at most [`SETTLE_DEADLINE`]);
-//! 5. owners are released; *background* fires: heartbeat, monitor, timeouts, delay threads and the rest stop;
+//! 5. owners are released, by the `kmqd-owners` thread (a Redis that does not answer holds up that thread, not the
+//!    supervisor: `owners`); *background* fires: heartbeat, monitor, timeouts, delay threads, the owners thread and the
+//!    rest stop, waited for at most [`BACKGROUND_DEADLINE`];
 //! 6. plugins' `shutdown` runs, only if no thread that may call into a plugin is still alive.
 //!
 //! Reload (SIGHUP; docs/OPERATIONS.md, "Reloading"; what may change live is [`reload`]'s): the new config and its
@@ -24,8 +26,8 @@
 //! while its old lane runs stages 1 and 4 of the shutdown on its own (no deadline, so no task is handed back
 //! running, none lost): it claims nothing more, hands back at once what it has not started (and what a claim whose
 //! reply was lost took, once adopted: `lane::fetcher`), lets its running tasks finish, settles, retrying through
-//! any Redis fault, and once its fetcher and acker ended its owner is released and it leaves the [`LaneSet`] the
-//! per-daemon threads read. The threads holding the set of queues (monitor, delay listener, scheduler) start again
+//! any Redis fault, and once its fetcher and acker ended its owner is released (on the owners thread, while the
+//! supervisor goes on) and it leaves the [`LaneSet`] the per-daemon threads read. The threads holding the set of queues (monitor, delay listener, scheduler) start again
 //! on the new set. Every thread is known by a serial number and a [`Group`], so a queue's old and new lanes may
 //! run side by side under the same thread names, and the end of a group a reload stopped is expected.
 
@@ -69,7 +71,6 @@ use lane::worker::Worker;
 use lane::{Lane, LaneSet};
 use metrics::Metrics;
 use monitor::{Monitor, Watched};
-use owners::{mark_draining, release_owners};
 use scheduler::Scheduler;
 use sources::SourceMover;
 use startup::wait_for_redis;
@@ -199,6 +200,7 @@ pub(crate) fn serve(
         thread_pulses: Arc::default(),
         stopping: HashSet::new(),
         next_group: 0,
+        owners: None,
     };
     let result = supervisor.run(&stop, &reload, &events);
     supervisor.shut_down(&events);
@@ -270,6 +272,9 @@ struct Supervisor {
     /// Groups a reload stopped: their threads' ends are expected.
     stopping: HashSet<Group>,
     next_group: Group,
+    /// The `kmqd-owners` thread's requests (`owners`: the owners' Redis bookkeeping, off the supervisor's thread).
+    /// Set once `start` spawned it; dropped by the shutdown after its last request, which ends the thread.
+    owners: Option<Sender<owners::Request>>,
 }
 
 impl Supervisor {
@@ -313,6 +318,13 @@ impl Supervisor {
 
     /// Starts every lane and the per-daemon threads.
     fn start(&mut self) -> Result<(), DaemonError> {
+        let (requests_tx, requests) = crossbeam_channel::unbounded();
+        let session = self.parts.session("owners");
+        self.threads
+            .spawn("kmqd-owners".to_string(), Role::Other, 0, move || {
+                owners::serve(&requests, session)
+            })?;
+        self.owners = Some(requests_tx);
         for queue in self.config.queues.clone() {
             self.start_lane(&queue)?;
         }
@@ -636,37 +648,60 @@ impl Supervisor {
         // may live on: they hold nothing).
         if self.threads.count_in(group, &[Role::Fetcher, Role::Acker]) == 0 {
             let serving = self.serving.remove(index);
-            release_owners(
-                std::slice::from_ref(&serving.lane),
-                &mut self.parts.session("owners"),
-            );
-            self.lanes.remove(&serving.lane);
-            serving.stop.fire();
-            tracing::info!(queue = %serving.lane.name(), "the replaced lane settled everything and stopped");
             // A reload that dropped one of its levels: whatever the old lane handed back or queued for retry
             // there is in Redis now, with what was waiting there before.
-            if let Some(queue) = self.config.queue(serving.lane.name()) {
-                let old = &serving.lane.queue.config.priorities;
-                if old.iter().any(|level| !queue.priorities.contains(level)) {
-                    let queue = queue.clone();
-                    startup::warn_of_stranded_levels(
-                        &self.connector,
-                        &self.config.redis.key_prefix,
-                        &queue,
-                    );
+            let stranded = self
+                .config
+                .queue(serving.lane.name())
+                .filter(|queue| {
+                    let old = &serving.lane.queue.config.priorities;
+                    old.iter().any(|level| !queue.priorities.contains(level))
+                })
+                .cloned();
+            let (lanes, connector) = (Arc::clone(&self.lanes), Arc::clone(&self.connector));
+            let prefix = self.config.redis.key_prefix.clone();
+            // Its delay poller stops now: it does not wait for the release, which Redis may hold up.
+            serving.stop.fire();
+            let lane = serving.lane;
+            // After the release, on the owners thread: the lane leaves the set the per-daemon threads read.
+            let then = {
+                let lane = Arc::clone(&lane);
+                move || {
+                    lanes.remove(&lane);
+                    tracing::info!(queue = %lane.name(), "the replaced lane settled everything and stopped");
+                    if let Some(queue) = stranded {
+                        startup::warn_of_stranded_levels(&connector, &prefix, &queue);
+                    }
                 }
-            }
+            };
+            self.ask_owners(owners::Request::Release {
+                lanes: vec![lane],
+                then: Box::new(then),
+            });
         }
         None
     }
 
+    /// Hands `request` to the `kmqd-owners` thread, or does it here if that thread is not running (a start that
+    /// failed before spawning it, or the shutdown's last request already sent).
+    fn ask_owners(&mut self, request: owners::Request) {
+        let request = match &self.owners {
+            Some(owners) => match owners.send(request) {
+                Ok(()) => return,
+                Err(crossbeam_channel::SendError(request)) => request,
+            },
+            None => request,
+        };
+        owners::handle(request, &mut self.parts.session("owners"));
+    }
+
     /// The staged shutdown (the module's doc), over every lane, replaced ones still finishing included.
     fn shut_down(&mut self, events: &Receiver<Event>) {
-        let config = &self.config;
-        tracing::info!(grace = ?config.daemon.shutdown_grace, "stopping: no new tasks are taken");
+        let grace = self.config.daemon.shutdown_grace;
+        tracing::info!(?grace, "stopping: no new tasks are taken");
         notify::stopping(&format!(
             "stopping: no new tasks are taken; running ones get shutdown_grace ({})",
-            humantime::format_duration(config.daemon.shutdown_grace)
+            humantime::format_duration(grace)
         ));
         self.parts.claiming.fire();
         for serving in &self.serving {
@@ -674,14 +709,11 @@ impl Supervisor {
         }
         let lanes: Vec<Arc<Lane>> = self.serving.iter().map(|s| Arc::clone(&s.lane)).collect();
         let stopping_at = Instant::now();
-        // After `stopping_at`: a Redis that is slow to answer must not stretch the handlers' grace.
-        mark_draining(&lanes, &mut self.parts.session("owners"));
+        // After `stopping_at`: a Redis that is slow to answer must not stretch the handlers' grace. On the owners
+        // thread, which marks them while the workers finish.
+        self.ask_owners(owners::Request::Drain(lanes.clone()));
         let threads = &mut self.threads;
-        let workers_done = threads.wait_for(
-            events,
-            &[Role::Worker],
-            stopping_at + config.daemon.shutdown_grace,
-        );
+        let workers_done = threads.wait_for(events, &[Role::Worker], stopping_at + grace);
         if !workers_done {
             for lane in &lanes {
                 lane.hand_back_unresolved();
@@ -701,7 +733,15 @@ impl Supervisor {
                 "outcomes still unsettled after {SETTLE_DEADLINE:?}; safe-mode tasks run again once their leases expire"
             );
         }
-        release_owners(&lanes, &mut self.parts.session("owners"));
+        // The stop's last request to the owners thread, whose sender is then dropped: the thread ends once it is
+        // done, which the wait for the background threads below bounds (`BACKGROUND_DEADLINE`), however many lanes
+        // there are and however long Redis takes to answer.
+        self.ask_owners(owners::Request::Release {
+            lanes,
+            then: Box::new(|| {}),
+        });
+        self.owners = None;
+        let threads = &mut self.threads;
         self.parts.background.fire();
         for serving in &self.serving {
             serving.stop.fire();

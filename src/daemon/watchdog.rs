@@ -37,6 +37,7 @@ use std::fmt;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use crate::poison::lock;
 use crate::pulse::Pulse;
 
 /// How long each stage of a lane may go without a beat before it counts as wedged: what one turn of its loop may
@@ -127,13 +128,11 @@ pub struct ThreadPulses(Mutex<Vec<(&'static str, Pulse, Duration)>>);
 impl ThreadPulses {
     /// From now on, watch these threads (name, pulse, bound) instead of the previous set.
     pub fn replace(&self, threads: Vec<(&'static str, Pulse, Duration)>) {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = threads;
+        *lock(&self.0) = threads;
     }
 
     pub fn samples(&self) -> Vec<ThreadSample> {
-        self.0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        lock(&self.0)
             .iter()
             .map(|(thread, pulse, bound)| ThreadSample {
                 thread,

@@ -12,6 +12,7 @@ use crate::broker::groups::Group;
 use crate::broker::history::Sample;
 use crate::broker::peek::DueTask;
 use crate::client::{ClientError, DeadSelection};
+use crate::poison::lock;
 use crate::task::Envelope;
 
 /// Tasks per list on a queue's page unless `?limit=` says otherwise, and the most it may say.
@@ -87,7 +88,7 @@ pub fn session(state: &State, user: &str) -> Json {
 
 /// `GET /api/overview`: every queue's row of the last good poll, when it was read, and the last poll's error.
 pub fn overview(state: &State) -> Json {
-    let overview = state.overview.lock().unwrap_or_else(|e| e.into_inner());
+    let overview = lock(&state.overview);
     json!({
         "updated_ms": overview.updated.map(|at| at.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)),
         "error": overview.error,
@@ -103,12 +104,7 @@ pub fn history(state: &State) -> Result<Json, ApiError> {
         return Ok(json!({ "queues": {} }));
     };
     let now_ms = state.client.redis_now(first)?;
-    let rows = state
-        .overview
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .rows
-        .clone();
+    let rows = lock(&state.overview).rows.clone();
     let mut queues = serde_json::Map::new();
     for (queue, _) in &state.queues {
         let mut points = points(&state.client.history(queue)?, now_ms);
@@ -225,7 +221,7 @@ fn busiest_groups(
         return Ok(None);
     };
     // Held through the read: pages asking meanwhile wait for it rather than read again.
-    let mut reads = state.groups.lock().unwrap_or_else(|e| e.into_inner());
+    let mut reads = lock(&state.groups);
     let stale = reads
         .get(&config.name)
         .is_none_or(|read| read.at.elapsed() >= GROUPS_EVERY);
@@ -255,7 +251,7 @@ fn busiest_groups(
 /// looked at. One lookup at a time per dashboard: more pages asking wait their turn, so Redis serves one scan
 /// at a time whoever asks (the page itself asks once, and again on its button).
 pub fn task(state: &State, queue: &str, id: &str, page: FlowPage) -> Result<Json, ApiError> {
-    let _turn = state.lookups.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = lock(&state.lookups);
     let located = state.client.find_within(queue, id, LOOKUP_BUDGET)?;
     let found: Vec<_> = located.found.into_iter().map(|(_, found)| found).collect();
     let mut answer = json!({
@@ -319,7 +315,7 @@ fn flow_of(state: &State, queue: &str, id: &str, page: FlowPage) -> Result<Json,
 /// the lookup of where the task waits (what a script polling a flow needs). One at a time per dashboard, as
 /// lookups are.
 pub fn flow(state: &State, queue: &str, id: &str, page: FlowPage) -> Result<Json, ApiError> {
-    let _turn = state.lookups.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = lock(&state.lookups);
     Ok(json!({
         "queue": queue,
         "id": id,
@@ -479,11 +475,7 @@ pub fn act(state: &State, queue: &str, action: &Action, body: &Json) -> Result<J
                     .map(|resumed| json!({ "group": group, "resumed": resumed }))
             };
             // Whatever came of it, the page's next answer reads the groups again and shows what Redis holds.
-            state
-                .groups
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(queue);
+            lock(&state.groups).remove(queue);
             done
         }
     };

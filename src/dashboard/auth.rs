@@ -16,6 +16,7 @@ use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, Salt
 use base64::Engine;
 
 use crate::config::{DashboardConfig, read_small_file};
+use crate::poison::lock;
 
 /// The most verified `Authorization` values remembered; past it, the memory starts again.
 const REMEMBERED: usize = 256;
@@ -141,7 +142,7 @@ impl Auth {
                 .ok()?;
             let decoded = String::from_utf8(decoded).ok()?;
             let (name, password) = decoded.split_once(':')?;
-            let _one_at_a_time = self.verifying.lock().unwrap_or_else(|e| e.into_inner());
+            let _one_at_a_time = lock(&self.verifying);
             if let Some(user) = self.remembered().get(value) {
                 return Some(user.clone());
             }
@@ -173,7 +174,7 @@ impl Auth {
     }
 
     fn remembered(&self) -> std::sync::MutexGuard<'_, HashMap<String, String>> {
-        self.verified.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.verified)
     }
 }
 

@@ -26,6 +26,7 @@ use crate::client::Client;
 use crate::config::Config;
 use crate::http::{Limits, Request, Server};
 use crate::overview::{self, Overview};
+use crate::poison::lock;
 use crate::shutdown::Trigger;
 
 /// Where `kmqd dashboard` listens unless `--listen` says otherwise: loopback only.
@@ -129,7 +130,7 @@ fn take_polls(
             overview::poll_forever(&polling.client, &queues, POLL_INTERVAL, &polls_tx)
         })?;
     for poll in polls {
-        let mut overview = state.overview.lock().unwrap_or_else(|e| e.into_inner());
+        let mut overview = lock(&state.overview);
         if !overview.update(poll) {
             tracing::warn!(
                 error = overview.error.as_deref(),

@@ -16,6 +16,7 @@ use serde_json::value::RawValue;
 pub(crate) use ffi::{LoadedPlugin, MESSAGE_CAPACITY, Run, Status};
 
 use crate::config::{Config, PluginConfig};
+use crate::poison::{read, write};
 use crate::settlement::DeadHook;
 use crate::task::Envelope;
 use kmq_plugin::host::ProgressSink;
@@ -438,20 +439,12 @@ impl Plugins {
 
     /// The registry now: the one a task starting now runs on.
     pub(crate) fn current(&self) -> Arc<Registry> {
-        Arc::clone(
-            &self
-                .current
-                .read()
-                .unwrap_or_else(|poisoned| poisoned.into_inner()),
-        )
+        Arc::clone(&read(&self.current))
     }
 
     /// Serves `registry` from now on; returns the one it replaces.
     pub(crate) fn replace(&self, registry: Registry) -> Arc<Registry> {
-        let mut current = self
-            .current
-            .write()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut current = write(&self.current);
         let old = std::mem::replace(&mut *current, Arc::new(registry));
         // Under the lock, after the swap: a reader that sees the new generation reads the new registry.
         self.generation.fetch_add(1, Ordering::Release);

@@ -317,3 +317,67 @@ fn a_reload_hands_back_the_waiting_tasks_at_once_not_after_the_running_ones() {
     reloading.assert_each_done_once(&old);
     reloading.stop();
 }
+
+/// Review I3: the owners of a reload's replaced lanes are released off the supervisor's thread. Every try of
+/// their release is lost here (its connection goes silent, and each waits out `io_timeout`, 10 s, before the
+/// next): three lanes, three tries each, 90 s of Redis calls. A SIGTERM sent while the first try waits is acted
+/// upon within one `io_timeout` (released on the supervisor's thread, it waited for the three tries of at least
+/// one lane, 30 s), and the daemon exits 0 within a bound of its own, not after the 90 s.
+#[test]
+fn a_sigterm_while_replaced_lanes_owners_cannot_be_released_is_acted_upon_at_once() {
+    const IO_TIMEOUT: Duration = Duration::from_secs(10);
+    const LANES: usize = 3;
+    const SIGTERM: i32 = 15;
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let queues: String = (1..=LANES)
+        .map(|i| format!("[[queues]]\nname = \"q{i}\"\nmode = \"safe\"\nworkers = 1\n"))
+        .collect();
+    let redis_keys = format!(
+        "url = \"{}\"\nio_timeout = \"{}s\"\nconnect_timeout = \"1s\"",
+        proxy.url(),
+        IO_TIMEOUT.as_secs()
+    );
+    let config = dir.config_raw(&redis_keys, "", &queues);
+    let mut daemon = start(&dir, &config);
+    // A release begins with an HSCAN of the queue's unique-popped hash (`broker::release_unique`); nothing else
+    // of an idle daemon sends one.
+    let unique_popped_scan = Matcher::new(|args| {
+        args.first()
+            .is_some_and(|name| name.eq_ignore_ascii_case(b"HSCAN"))
+            && args
+                .get(1)
+                .is_some_and(|key| key.ends_with(b":unique-popped"))
+    });
+    // Each rule loses one of them, the nth from now: three tries of each lane's release.
+    let lost: Vec<_> = (1..=3 * LANES)
+        .map(|nth| {
+            proxy.add(Fault::DropRequest {
+                matching: unique_popped_scan.clone(),
+                nth,
+                then: AfterDrop::Hang,
+            })
+        })
+        .collect();
+    let text = fs::read_to_string(&config).unwrap();
+    fs::write(&config, text.replace("workers = 1", "workers = 2")).unwrap();
+    let log = reload(&daemon, 1);
+    assert!(log.contains("config reloaded: "), "{log}");
+    eventually(
+        Duration::from_secs(30),
+        "a replaced lane's first release to be lost",
+        || (lost[0].fired() == 1, daemon.log_text()),
+    );
+    daemon.signal(SIGTERM);
+    eventually(IO_TIMEOUT, "the supervisor to act on the SIGTERM", || {
+        let log = daemon.log_text();
+        (log.contains("stopping: no new tasks are taken"), log)
+    });
+    assert_eq!(
+        daemon.wait_within(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        daemon.log_text()
+    );
+}

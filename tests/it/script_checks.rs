@@ -306,8 +306,10 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
                 .any(|arg| arg.as_slice() == b"results" || arg.as_slice() == b"notes");
             // And a debounced push (push.lua's replacement of a delayed task), which comes after many pushes.
             let debounced = args.iter().any(|arg| arg.as_slice() == b"debounce");
+            // And the settle that hands its freed slots over (handover.lua's trailer), made last.
+            let handover = args.iter().any(|arg| arg.as_slice() == b"handover");
             if shapes.contains_key(&shape)
-                || (per_script >= 8 && !throttle && !typed && !kept && !debounced)
+                || (per_script >= 8 && !throttle && !typed && !kept && !debounced && !handover)
             {
                 return;
             }
@@ -525,6 +527,7 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
         (started == 1, started)
     });
     daemon.stop();
+    handover_through(&proxy, &config);
     let recorded = std::mem::take(&mut *recorded.lock().unwrap());
     for (script, key) in [
         ("claim.lua", ":rate:q:"),
@@ -551,6 +554,7 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
         ("flow_apply.lua", ":deps:flow-"),
         ("flow_apply.lua", "kmq:{jobs}:deps:flow-failed"),
         ("flow_outbox.lua", ":deps-outbox"),
+        ("settle.lua", "handover"),
     ] {
         let named = |call: &Recorded| {
             call.script == script
@@ -576,6 +580,65 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
         );
     }
     (redis, recorded)
+}
+
+/// A settle of the limited queue at its `max_running` that hands the slot it frees over to the next task
+/// (handover.lua), sent through `proxy` as an acker would send it: no daemon sends one yet.
+fn handover_through(proxy: &FaultProxy, config: &std::path::Path) {
+    let loaded = kmqd::Config::load(config).unwrap();
+    let at = loaded
+        .queues
+        .iter()
+        .position(|q| q.name == "limited")
+        .unwrap();
+    let queue = kmqd::queue::QueueContext::new(&loaded, &loaded.queues[at], "test:0");
+    let tasks = (0..3).map(|i| {
+        NewTask::new("test", "7")
+            .unwrap()
+            .id(format!("handover-{i}"))
+    });
+    client(config).push_batch("limited", tasks).unwrap();
+    let mut connection: kmqd::broker::Conn = redis::Client::open(proxy.url())
+        .unwrap()
+        .get_connection()
+        .unwrap()
+        .into();
+    let owner = "handover.1";
+    let batch = crate::safe_mode::dead_daemon_claims(
+        &mut connection,
+        &queue,
+        owner,
+        0,
+        100,
+        Duration::from_secs(60),
+    );
+    assert_eq!(batch.tasks.len(), 2, "the limit's two");
+    let limits = kmqd::broker::ClaimLimits {
+        daemon: "test:0",
+        ..queue.claim_limits()
+    };
+    let (_, handed) = kmqd::broker::settle_handing_over(
+        &mut connection,
+        &queue.keys,
+        &kmqd::broker::Call {
+            settler: "handover-acker",
+            number: 1,
+        },
+        queue.config.dead_max,
+        &Arc::from(owner),
+        &[crate::safe_mode::settlement_of(
+            &batch,
+            0,
+            kmqd::broker::SettleOp::Ack,
+        )],
+        &kmqd::broker::Handover {
+            claim: 100,
+            max: 4,
+            limits: &limits,
+        },
+    )
+    .unwrap();
+    assert_eq!(handed.map(|batch| batch.tasks.len()), Some(1));
 }
 
 /// Replays every recorded call with each of its keys of another type and each counter of its hashes not an

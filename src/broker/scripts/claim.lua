@@ -101,678 +101,687 @@
 -- `MEMORY USAGE` of the claim's list bounds every payload in it by max_task_bytes at once (only a batch larger
 -- than that in all has its payloads checked one by one). A claim costs Redis a fifth of what a hash field per
 -- task did (docs/PERFORMANCE.md, "What at-least-once costs Redis").
-local rates = tonumber(ARGV[9]) or 0
-local WEIGHTS = 10 + 2 * rates
-local weighted = (tonumber(ARGV[WEIGHTS]) or 0) > 0
--- The type limits' block (types.lua) follows the weights: its flows' count, and the keys it adds.
-local TYPES = WEIGHTS + 1 + (tonumber(ARGV[WEIGHTS]) or 0)
--- The groups' block (groups.lua) follows the types': with groups, the levels' rings and the sched hash end KEYS.
-local type_flows, type_other_keys, GROUPS_AT = types_size(TYPES)
-local grouped = ARGV[GROUPS_AT] == '1'
-local per_level = 7
-if type_flows > 0 then per_level = 8 + type_flows end
-if grouped then per_level = per_level + 1 end
-local levels = (#KEYS - 8 - 2 * rates - (weighted and 1 or 0) - type_other_keys - (grouped and 1 or 0)) / per_level
-local READY, QUARANTINE, CLAIMS, LISTS, SCOPES = 7, 7 + levels, 7 + 4 * levels, 7 + 5 * levels, 7 + 6 * levels
-local RUNNING = 8 + 7 * levels
-local SCHED = weighted and RUNNING + 2 * rates + 1
-local TYPE_KEYS = RUNNING + 2 * rates + (weighted and 1 or 0) + 1
-local GROUPS = {1, 8, 64}
-local owner, max, max_bytes, claim = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[7]
-local max_running = tonumber(ARGV[8]) or 0
--- What is left of the claim's bytes ("Bytes").
-local budget = tonumber(ARGV[#ARGV])
--- Keys a claim often finds absent, looked up together: those found absent need no call of their own below (their
--- type checks, and the other looks at them). Each redis.call costs Redis about 5,000 instructions whatever its
--- command does (a TYPE 4,900, docs/PERFORMANCE.md, "The idle claim's calls"), and the claim on every idle push's way
--- to its handler made 16 such calls for these keys (issue 38). `absent`: the paused key and the throttle (KEYS[6],
--- KEYS[7]), the quarantine lists, this claim's lists and their scopes strings, nearly always absent (the fence's
--- look at the claim's lists, the pause's and the throttle's, and the quarantine's lengths are answered by it).
--- `idle`: those and the wake list, the dead list, the owner's claim sets and the running hash, all absent when an
--- idle fetcher claims a task just pushed (its BLPOP took the marker, it holds nothing, nothing was dead-lettered,
--- no limit counts): one EXISTS for that claim, two for a busy queue's. Read before any write, and nothing below
--- writes to these keys before it looks at them (the claim's lists and scopes strings are written after the fence's
--- check, the claim sets after `holds`). Both sets are KEYS[2], [4], [6], [7] and the run from the first quarantine
--- list to the running hash, taken with `unpack` (a table built of them cost more than the calls it saved).
-local idle = redis.call('EXISTS', KEYS[2], KEYS[4], KEYS[6], KEYS[7], unpack(KEYS, QUARANTINE + 1, RUNNING)) == 0
-local absent = idle
-if not idle then
-  local rare = {KEYS[6], KEYS[7], unpack(KEYS, QUARANTINE + 1, CLAIMS)}
-  for i = LISTS + 1, SCOPES + levels do rare[#rare + 1] = KEYS[i] end
-  absent = redis.call('EXISTS', unpack(rare)) == 0
-end
--- Whether KEYS[i] needs no type check: known absent, or the paused key (only its existence counts).
-local function known(i)
-  if i == 6 then return true end
-  if i ~= 2 and i ~= 4 and i ~= 7 and (i <= QUARANTINE or i > RUNNING) then return false end
-  return idle or (absent and (i == 7 or (i > QUARANTINE and i <= CLAIMS) or (i > LISTS and i < RUNNING)))
-end
--- Every key's type first (a handful of calls per claim, none per task); the type limits' keys, types.lua's.
-for i = 1, TYPE_KEYS - 1 do
-  if not known(i) then
-    local found = redis.call('TYPE', KEYS[i]).ok
-    local kind = 'list'
-    if i == 1 or (i > CLAIMS and i <= LISTS) then
-      kind = 'zset'
-    elseif i == 3 or i == 5 or i == RUNNING or i == SCHED then
-      kind = 'hash'
-    elseif i == 7 then
-      kind = 'string'
-    elseif i > RUNNING then
-      if (i - RUNNING) % 2 == 0 then kind = 'string' end
-    elseif i > SCOPES then
-      kind = 'string'
+-- The claim is a function of KEYS and ARGV (the script's own tables), so that settle.lua, which has this file and its
+-- preludes before it, runs the same claim for the slot a settle frees (handover.lua): the turns, groups, type and
+-- rate limits, lease and floor checks and quarantine of one claim, not a copy of them.
+-- `dry`: only the checks of the keys' types and of the counters it reads (a handful of calls), returning nil when
+-- they pass and the error otherwise, before anything is written; settle.lua makes them before its own first write.
+local function claim_run(dry)
+  local rates = tonumber(ARGV[9]) or 0
+  local WEIGHTS = 10 + 2 * rates
+  local weighted = (tonumber(ARGV[WEIGHTS]) or 0) > 0
+  -- The type limits' block (types.lua) follows the weights: its flows' count, and the keys it adds.
+  local TYPES = WEIGHTS + 1 + (tonumber(ARGV[WEIGHTS]) or 0)
+  -- The groups' block (groups.lua) follows the types': with groups, the levels' rings and the sched hash end KEYS.
+  local type_flows, type_other_keys, GROUPS_AT = types_size(TYPES)
+  local grouped = ARGV[GROUPS_AT] == '1'
+  local per_level = 7
+  if type_flows > 0 then per_level = 8 + type_flows end
+  if grouped then per_level = per_level + 1 end
+  local levels = (#KEYS - 8 - 2 * rates - (weighted and 1 or 0) - type_other_keys - (grouped and 1 or 0)) / per_level
+  local READY, QUARANTINE, CLAIMS, LISTS, SCOPES = 7, 7 + levels, 7 + 4 * levels, 7 + 5 * levels, 7 + 6 * levels
+  local RUNNING = 8 + 7 * levels
+  local SCHED = weighted and RUNNING + 2 * rates + 1
+  local TYPE_KEYS = RUNNING + 2 * rates + (weighted and 1 or 0) + 1
+  local GROUPS = {1, 8, 64}
+  local owner, max, max_bytes, claim = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[7]
+  local max_running = tonumber(ARGV[8]) or 0
+  -- What is left of the claim's bytes ("Bytes").
+  local budget = tonumber(ARGV[#ARGV])
+  -- Keys a claim often finds absent, looked up together: those found absent need no call of their own below (their
+  -- type checks, and the other looks at them). Each redis.call costs Redis about 5,000 instructions whatever its
+  -- command does (a TYPE 4,900, docs/PERFORMANCE.md, "The idle claim's calls"), and the claim on every idle push's way
+  -- to its handler made 16 such calls for these keys (issue 38). `absent`: the paused key and the throttle (KEYS[6],
+  -- KEYS[7]), the quarantine lists, this claim's lists and their scopes strings, nearly always absent (the fence's
+  -- look at the claim's lists, the pause's and the throttle's, and the quarantine's lengths are answered by it).
+  -- `idle`: those and the wake list, the dead list, the owner's claim sets and the running hash, all absent when an
+  -- idle fetcher claims a task just pushed (its BLPOP took the marker, it holds nothing, nothing was dead-lettered,
+  -- no limit counts): one EXISTS for that claim, two for a busy queue's. Read before any write of this call (a
+  -- settle's handover runs it after the settle's writes, and it reads them afresh), and nothing below writes to these
+  -- keys before it looks at them (the claim's lists and scopes strings are written after the fence's check, the claim
+  -- sets after `holds`). Both sets are KEYS[2], [4], [6], [7] and the run from the first quarantine list to the
+  -- running hash, taken with `unpack` (a table built of them cost more than the calls it saved).
+  local idle = redis.call('EXISTS', KEYS[2], KEYS[4], KEYS[6], KEYS[7], unpack(KEYS, QUARANTINE + 1, RUNNING)) == 0
+  local absent = idle
+  if not idle then
+    local rare = {KEYS[6], KEYS[7], unpack(KEYS, QUARANTINE + 1, CLAIMS)}
+    for i = LISTS + 1, SCOPES + levels do rare[#rare + 1] = KEYS[i] end
+    absent = redis.call('EXISTS', unpack(rare)) == 0
+  end
+  -- Whether KEYS[i] needs no type check: known absent, or the paused key (only its existence counts).
+  local function known(i)
+    if i == 6 then return true end
+    if i ~= 2 and i ~= 4 and i ~= 7 and (i <= QUARANTINE or i > RUNNING) then return false end
+    return idle or (absent and (i == 7 or (i > QUARANTINE and i <= CLAIMS) or (i > LISTS and i < RUNNING)))
+  end
+  -- Every key's type first (a handful of calls per claim, none per task); the type limits' keys, types.lua's.
+  for i = 1, TYPE_KEYS - 1 do
+    if not known(i) then
+      local found = redis.call('TYPE', KEYS[i]).ok
+      local kind = 'list'
+      if i == 1 or (i > CLAIMS and i <= LISTS) then
+        kind = 'zset'
+      elseif i == 3 or i == 5 or i == RUNNING or i == SCHED then
+        kind = 'hash'
+      elseif i == 7 then
+        kind = 'string'
+      elseif i > RUNNING then
+        if (i - RUNNING) % 2 == 0 then kind = 'string' end
+      elseif i > SCOPES then
+        kind = 'string'
+      end
+      if found ~= 'none' and found ~= kind then
+        return redis.error_reply('WRONGTYPE claim.lua: ' .. KEYS[i] .. ' is a ' .. found .. ', not a ' .. kind ..
+          '; nothing was written')
+      end
     end
-    if found ~= 'none' and found ~= kind then
-      return redis.error_reply('WRONGTYPE claim.lua: ' .. KEYS[i] .. ' is a ' .. found .. ', not a ' .. kind ..
-        '; nothing was written')
+  end
+  -- Then the numbers it reads and the counters it increments: integers, or absent.
+  local integer = integer_check('claim.lua')
+  local info = redis.call('HMGET', KEYS[3], 'floor', 'group', 'journal')
+  local refused = integer(KEYS[3], 'floor', info[1]) or integer(KEYS[3], 'journal', info[3]) or
+    integer(KEYS[5], 'dead_lettered', redis.call('HGET', KEYS[5], 'dead_lettered'))
+  if refused then return refused end
+  local running, known_limit = 0, 0
+  if max_running > 0 then
+    local value = redis.call('HMGET', KEYS[RUNNING], 'q', 'q:limit')
+    refused = integer(KEYS[RUNNING], 'q', value[1]) or integer(KEYS[RUNNING], 'q:limit', value[2])
+    if refused then return refused end
+    running = tonumber(value[1] or '0')
+    known_limit = tonumber(value[2] or '0')
+  end
+  -- The rate limit's logs: their sums and newest entries parsed before any write (rate.lua).
+  local windows
+  windows, refused = rate_read('claim.lua', rates, RUNNING + 1, 10, integer)
+  if refused then return refused end
+  -- With priority weights, the levels' credits (turns.lua), read and checked before any write.
+  local credits
+  if weighted then
+    credits, refused = turns_read('claim.lua', KEYS[SCHED], levels, integer)
+    if refused then return refused end
+  end
+  -- The type limits' flows, their keys and counts (types.lua), read and checked before any write.
+  local block, bad_types = types_read('claim.lua', TYPES, TYPE_KEYS, levels, KEYS[RUNNING], integer)
+  if bad_types then return bad_types end
+  local flowing = #block.flows > 0
+  -- The groups' rings, virtual times and limits (groups.lua), read and checked before any write.
+  local grp, bad_groups = groups_read('claim.lua', GROUPS_AT, #KEYS - levels, levels, integer)
+  if bad_groups then return bad_groups end
+  -- Type limits beside groups: the groups' turns serve the (GROUP, TYPE) flows too (groups.lua).
+  if flowing then groups_with_types(grp, block, 4 * tonumber(ARGV[2]) + 256) end
+  if dry then return nil end
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local lease = redis.call('ZSCORE', KEYS[1], owner)
+  if not lease or tonumber(lease) <= now then
+    -- An owner whose lease entry is gone while its registration is there (Redis lost it, or it was removed by hand)
+    -- is put back as expired, as renew.lua does, so that the monitors find what it holds: its daemon, told here,
+    -- forgets it and never renews it again.
+    if not lease and redis.call('EXISTS', KEYS[3]) == 1 then
+      redis.call('ZADD', KEYS[1], 0, owner)
+    end
+    return redis.error_reply('LEASELOST owner ' .. owner .. ' has no live lease')
+  end
+  if info[1] and tonumber(claim) < tonumber(info[1]) then
+    return redis.error_reply('FENCED claim ' .. claim .. ' below the floor ' .. info[1])
+  end
+  for i = LISTS + 1, LISTS + levels do
+    if not absent and redis.call('EXISTS', KEYS[i]) == 1 then
+      return redis.error_reply('FENCED claim ' .. claim .. ' was already made')
     end
   end
-end
--- Then the numbers it reads and the counters it increments: integers, or absent.
-local integer = integer_check('claim.lua')
-local info = redis.call('HMGET', KEYS[3], 'floor', 'group', 'journal')
-local refused = integer(KEYS[3], 'floor', info[1]) or integer(KEYS[3], 'journal', info[3]) or
-  integer(KEYS[5], 'dead_lettered', redis.call('HGET', KEYS[5], 'dead_lettered'))
-if refused then return refused end
-local running, known_limit = 0, 0
-if max_running > 0 then
-  local value = redis.call('HMGET', KEYS[RUNNING], 'q', 'q:limit')
-  refused = integer(KEYS[RUNNING], 'q', value[1]) or integer(KEYS[RUNNING], 'q:limit', value[2])
-  if refused then return refused end
-  running = tonumber(value[1] or '0')
-  known_limit = tonumber(value[2] or '0')
-end
--- The rate limit's logs: their sums and newest entries parsed before any write (rate.lua).
-local windows
-windows, refused = rate_read('claim.lua', rates, RUNNING + 1, 10, integer)
-if refused then return refused end
--- With priority weights, the levels' credits (turns.lua), read and checked before any write.
-local credits
-if weighted then
-  credits, refused = turns_read('claim.lua', KEYS[SCHED], levels, integer)
-  if refused then return refused end
-end
--- The type limits' flows, their keys and counts (types.lua), read and checked before any write.
-local block, bad_types = types_read('claim.lua', TYPES, TYPE_KEYS, levels, KEYS[RUNNING], integer)
-if bad_types then return bad_types end
-local flowing = #block.flows > 0
--- The groups' rings, virtual times and limits (groups.lua), read and checked before any write.
-local grp, bad_groups = groups_read('claim.lua', GROUPS_AT, #KEYS - levels, levels, integer)
-if bad_groups then return bad_groups end
--- Type limits beside groups: the groups' turns serve the (GROUP, TYPE) flows too (groups.lua).
-if flowing then groups_with_types(grp, block, 4 * tonumber(ARGV[2]) + 256) end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local lease = redis.call('ZSCORE', KEYS[1], owner)
-if not lease or tonumber(lease) <= now then
-  -- An owner whose lease entry is gone while its registration is there (Redis lost it, or it was removed by hand)
-  -- is put back as expired, as renew.lua does, so that the monitors find what it holds: its daemon, told here,
-  -- forgets it and never renews it again.
-  if not lease and redis.call('EXISTS', KEYS[3]) == 1 then
-    redis.call('ZADD', KEYS[1], 0, owner)
-  end
-  return redis.error_reply('LEASELOST owner ' .. owner .. ' has no live lease')
-end
-if info[1] and tonumber(claim) < tonumber(info[1]) then
-  return redis.error_reply('FENCED claim ' .. claim .. ' below the floor ' .. info[1])
-end
-for i = LISTS + 1, LISTS + levels do
-  if not absent and redis.call('EXISTS', KEYS[i]) == 1 then
-    return redis.error_reply('FENCED claim ' .. claim .. ' was already made')
-  end
-end
 
--- The dead record of a payload over max_task_bytes keeps its exact bytes as the daemon's own records do
--- (settlement.rs, DeadRecord; docs/PROTOCOL.md, "Dead letters"): as `task`, a JSON string, when they are UTF-8,
--- else as `task_base64` (RFC 4648, padded), so that the record is valid UTF-8 and JSON whatever the bytes (review
--- L13: cjson.encode passed them through, and the record of a payload that is not UTF-8 was neither). Such a
--- payload is large by definition: it is copied as few times as it can be, and no copy outlives the call. A UTF-8
--- one is encoded with its record in one cjson.encode (in C; its buffer made private to the call, where Redis
--- keeps it by default for the next call, as large as the largest string encoded, outside `maxmemory`'s count);
--- another is encoded in Lua, in base64 pieces concatenated once with the record's other fields.
-local function is_utf8(s)
-  -- Runs of ASCII are skipped by string.find; from a byte that is not ASCII on, a chunk of up to 4,096 bytes is
-  -- read as numbers at once (one string.byte) and each character checked as Rust's str::from_utf8 does: no
-  -- overlong form, no surrogate, nothing past U+10FFFF, nothing cut short.
-  local n = #s
-  local i = string.find(s, '[\128-\255]')
-  while i do
-    local last = math.min(i + 4095, n)
-    local b = {string.byte(s, i, last)}
-    local j, m = 1, last - i + 1
-    while j <= m do
-      local c = b[j]
-      if c < 128 then
-        j = j + 1
-      else
-        local need, lo, hi = 1, 128, 191
-        if c >= 194 and c <= 223 then need = 1
-        elseif c == 224 then need, lo = 2, 160
-        elseif (c >= 225 and c <= 236) or c == 238 or c == 239 then need = 2
-        elseif c == 237 then need, hi = 2, 159
-        elseif c == 240 then need, lo = 3, 144
-        elseif c >= 241 and c <= 243 then need = 3
-        elseif c == 244 then need, hi = 3, 143
-        else return false end
-        if j + need > m then
-          -- Cut short by the end of the payload, or by the chunk's: the next chunk starts at this character.
-          if last == n then return false end
-          break
+  -- The dead record of a payload over max_task_bytes keeps its exact bytes as the daemon's own records do
+  -- (settlement.rs, DeadRecord; docs/PROTOCOL.md, "Dead letters"): as `task`, a JSON string, when they are UTF-8,
+  -- else as `task_base64` (RFC 4648, padded), so that the record is valid UTF-8 and JSON whatever the bytes (review
+  -- L13: cjson.encode passed them through, and the record of a payload that is not UTF-8 was neither). Such a
+  -- payload is large by definition: it is copied as few times as it can be, and no copy outlives the call. A UTF-8
+  -- one is encoded with its record in one cjson.encode (in C; its buffer made private to the call, where Redis
+  -- keeps it by default for the next call, as large as the largest string encoded, outside `maxmemory`'s count);
+  -- another is encoded in Lua, in base64 pieces concatenated once with the record's other fields.
+  local function is_utf8(s)
+    -- Runs of ASCII are skipped by string.find; from a byte that is not ASCII on, a chunk of up to 4,096 bytes is
+    -- read as numbers at once (one string.byte) and each character checked as Rust's str::from_utf8 does: no
+    -- overlong form, no surrogate, nothing past U+10FFFF, nothing cut short.
+    local n = #s
+    local i = string.find(s, '[\128-\255]')
+    while i do
+      local last = math.min(i + 4095, n)
+      local b = {string.byte(s, i, last)}
+      local j, m = 1, last - i + 1
+      while j <= m do
+        local c = b[j]
+        if c < 128 then
+          j = j + 1
+        else
+          local need, lo, hi = 1, 128, 191
+          if c >= 194 and c <= 223 then need = 1
+          elseif c == 224 then need, lo = 2, 160
+          elseif (c >= 225 and c <= 236) or c == 238 or c == 239 then need = 2
+          elseif c == 237 then need, hi = 2, 159
+          elseif c == 240 then need, lo = 3, 144
+          elseif c >= 241 and c <= 243 then need = 3
+          elseif c == 244 then need, hi = 3, 143
+          else return false end
+          if j + need > m then
+            -- Cut short by the end of the payload, or by the chunk's: the next chunk starts at this character.
+            if last == n then return false end
+            break
+          end
+          local b1, b2, b3 = b[j + 1], b[j + 2], b[j + 3]
+          if b1 < lo or b1 > hi then return false end
+          if need >= 2 and (b2 < 128 or b2 > 191) then return false end
+          if need == 3 and (b3 < 128 or b3 > 191) then return false end
+          j = j + need + 1
         end
-        local b1, b2, b3 = b[j + 1], b[j + 2], b[j + 3]
-        if b1 < lo or b1 > hi then return false end
-        if need >= 2 and (b2 < 128 or b2 > 191) then return false end
-        if need == 3 and (b3 < 128 or b3 > 191) then return false end
-        j = j + need + 1
+      end
+      i = string.find(s, '[\128-\255]', i + j - 1)
+    end
+    return true
+  end
+  local B64 = 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/'
+  -- Appends `s` in base64 to `parts`, in pieces of 8,192 characters: each 3 bytes are two halves of 12 bits, each
+  -- two characters of a table of 4,096.
+  local function base64_into(parts, s)
+    local pair = {}
+    for v = 0, 4095 do
+      local hi, lo = (v - v % 64) / 64 + 1, v % 64 + 1
+      pair[v] = string.sub(B64, hi, hi) .. string.sub(B64, lo, lo)
+    end
+    local n = #s
+    local whole = n - n % 3
+    local chunk, k = {}, 0
+    for i = 1, whole, 3 do
+      local a, b, c = string.byte(s, i, i + 2)
+      local v = a * 65536 + b * 256 + c
+      local lo = v % 4096
+      chunk[k + 1], chunk[k + 2] = pair[(v - lo) / 4096], pair[lo]
+      k = k + 2
+      if k == 8192 then
+        parts[#parts + 1] = table.concat(chunk, '', 1, k)
+        k = 0
       end
     end
-    i = string.find(s, '[\128-\255]', i + j - 1)
-  end
-  return true
-end
-local B64 = 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/'
--- Appends `s` in base64 to `parts`, in pieces of 8,192 characters: each 3 bytes are two halves of 12 bits, each
--- two characters of a table of 4,096.
-local function base64_into(parts, s)
-  local pair = {}
-  for v = 0, 4095 do
-    local hi, lo = (v - v % 64) / 64 + 1, v % 64 + 1
-    pair[v] = string.sub(B64, hi, hi) .. string.sub(B64, lo, lo)
-  end
-  local n = #s
-  local whole = n - n % 3
-  local chunk, k = {}, 0
-  for i = 1, whole, 3 do
-    local a, b, c = string.byte(s, i, i + 2)
-    local v = a * 65536 + b * 256 + c
-    local lo = v % 4096
-    chunk[k + 1], chunk[k + 2] = pair[(v - lo) / 4096], pair[lo]
-    k = k + 2
-    if k == 8192 then
-      parts[#parts + 1] = table.concat(chunk, '', 1, k)
-      k = 0
+    if k > 0 then parts[#parts + 1] = table.concat(chunk, '', 1, k) end
+    if n > whole then
+      local a, b = string.byte(s, whole + 1, n)
+      local v = a * 65536 + (b or 0) * 256
+      local lo = v % 4096
+      local last = pair[(v - lo) / 4096] .. pair[lo]
+      if b then last = string.sub(last, 1, 3) .. '=' else last = string.sub(last, 1, 2) .. '==' end
+      parts[#parts + 1] = last
     end
   end
-  if k > 0 then parts[#parts + 1] = table.concat(chunk, '', 1, k) end
-  if n > whole then
-    local a, b = string.byte(s, whole + 1, n)
-    local v = a * 65536 + (b or 0) * 256
-    local lo = v % 4096
-    local last = pair[(v - lo) / 4096] .. pair[lo]
-    if b then last = string.sub(last, 1, 3) .. '=' else last = string.sub(last, 1, 2) .. '==' end
-    parts[#parts + 1] = last
-  end
-end
-local dead_lettered = 0
-local function dead_oversized(payload)
-  dead_lettered = dead_lettered + 1
-  local record = {dead_at = now, queue = ARGV[5], id = '', type = '', attempt = 0,
-    reason = 'task is ' .. #payload .. ' bytes, more than max_task_bytes (' .. ARGV[3] .. '); it was not run',
-    size = #payload, daemon = ARGV[6]}
-  if is_utf8(payload) then
-    record.task = payload
-    local keep = cjson.encode_keep_buffer and cjson.encode_keep_buffer()
-    if keep then cjson.encode_keep_buffer(false) end
-    record = cjson.encode(record)
-    if keep then cjson.encode_keep_buffer(true) end
-  else
-    local parts = {string.sub(cjson.encode(record), 1, -2), ',"task_base64":"'}
-    base64_into(parts, payload)
-    parts[#parts + 1] = '"}'
-    record = table.concat(parts)
-  end
-  redis.call('LPUSH', KEYS[4], record)
-end
--- `took`: the tasks this claim put in its lists (what its journal bump, running count and rate logs count).
-local took, retry_at = 0, 0
--- The owner's journal: one more for a claim that took something; its value, then the lease's time left, end the
--- reply (see renew.lua).
-local function finish(result)
-  if took > 0 and max_running > 0 then redis.call('HINCRBY', KEYS[RUNNING], 'q', took) end
-  if took > 0 and rates > 0 then rate_spend(windows, took, now) end
-  if took > 0 and flowing then scopes_spend(block.flows, KEYS[RUNNING], now) end
-  if took > 0 and grp.on then groups_spend(grp, KEYS[RUNNING], now) end
-  result[#result + 1] = retry_at
-  if dead_lettered > 0 then
-    redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[4]) - 1)
-    redis.call('HINCRBY', KEYS[5], 'dead_lettered', dead_lettered)
-  end
-  if took > 0 then
-    result[#result + 1] = redis.call('HINCRBY', KEYS[3], 'journal', 1)
-  else
-    result[#result + 1] = tonumber(info[3] or '0')
-  end
-  result[#result + 1] = tonumber(lease) - now
-  return result
-end
-local function empty(state, level)
-  local result = {now, state, level}
-  for i = 1, levels do result[3 + i] = 0 end
-  return result
-end
--- Pushes `got` (payloads as Lua strings: a quarantined group, or a batch checked one by one) onto the claim's
--- list at `level`, in chunks (unpack's stack is bounded), dropping the payloads over max_task_bytes.
-local function push_small(level, got)
-  local kept, n = {}, 0
-  for k = 1, #got do
-    if #got[k] > max_bytes then
-      dead_oversized(got[k])
+  local dead_lettered = 0
+  local function dead_oversized(payload)
+    dead_lettered = dead_lettered + 1
+    local record = {dead_at = now, queue = ARGV[5], id = '', type = '', attempt = 0,
+      reason = 'task is ' .. #payload .. ' bytes, more than max_task_bytes (' .. ARGV[3] .. '); it was not run',
+      size = #payload, daemon = ARGV[6]}
+    if is_utf8(payload) then
+      record.task = payload
+      local keep = cjson.encode_keep_buffer and cjson.encode_keep_buffer()
+      if keep then cjson.encode_keep_buffer(false) end
+      record = cjson.encode(record)
+      if keep then cjson.encode_keep_buffer(true) end
     else
-      n = n + 1
-      kept[#kept + 1] = got[k]
-      if #kept == 1000 then
-        redis.call('RPUSH', KEYS[LISTS + level], unpack(kept))
-        kept = {}
+      local parts = {string.sub(cjson.encode(record), 1, -2), ',"task_base64":"'}
+      base64_into(parts, payload)
+      parts[#parts + 1] = '"}'
+      record = table.concat(parts)
+    end
+    redis.call('LPUSH', KEYS[4], record)
+  end
+  -- `took`: the tasks this claim put in its lists (what its journal bump, running count and rate logs count).
+  local took, retry_at = 0, 0
+  -- The owner's journal: one more for a claim that took something; its value, then the lease's time left, end the
+  -- reply (see renew.lua).
+  local function finish(result)
+    if took > 0 and max_running > 0 then redis.call('HINCRBY', KEYS[RUNNING], 'q', took) end
+    if took > 0 and rates > 0 then rate_spend(windows, took, now) end
+    if took > 0 and flowing then scopes_spend(block.flows, KEYS[RUNNING], now) end
+    if took > 0 and grp.on then groups_spend(grp, KEYS[RUNNING], now) end
+    result[#result + 1] = retry_at
+    if dead_lettered > 0 then
+      redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[4]) - 1)
+      redis.call('HINCRBY', KEYS[5], 'dead_lettered', dead_lettered)
+    end
+    if took > 0 then
+      result[#result + 1] = redis.call('HINCRBY', KEYS[3], 'journal', 1)
+    else
+      result[#result + 1] = tonumber(info[3] or '0')
+    end
+    result[#result + 1] = tonumber(lease) - now
+    return result
+  end
+  local function empty(state, level)
+    local result = {now, state, level}
+    for i = 1, levels do result[3 + i] = 0 end
+    return result
+  end
+  -- Pushes `got` (payloads as Lua strings: a quarantined group, or a batch checked one by one) onto the claim's
+  -- list at `level`, in chunks (unpack's stack is bounded), dropping the payloads over max_task_bytes.
+  local function push_small(level, got)
+    local kept, n = {}, 0
+    for k = 1, #got do
+      if #got[k] > max_bytes then
+        dead_oversized(got[k])
+      else
+        n = n + 1
+        kept[#kept + 1] = got[k]
+        if #kept == 1000 then
+          redis.call('RPUSH', KEYS[LISTS + level], unpack(kept))
+          kept = {}
+        end
       end
     end
+    if #kept > 0 then redis.call('RPUSH', KEYS[LISTS + level], unpack(kept)) end
+    return n
   end
-  if #kept > 0 then redis.call('RPUSH', KEYS[LISTS + level], unpack(kept)) end
-  return n
-end
--- Records a non-empty claim list in the owner's claim set: its score counts its tasks not yet settled; under a
--- running limit, its scopes string says they count in `q` (`lines`, with type limits: the scopes of each run of
--- the list, see "Type limits").
-local function record(level, n, lines)
-  redis.call('ZADD', KEYS[CLAIMS + level], n, claim)
-  took = took + n
-  if lines then
-    redis.call('SET', KEYS[SCOPES + level], lines)
-  elseif max_running > 0 then
-    redis.call('SET', KEYS[SCOPES + level], n .. ' q')
+  -- Records a non-empty claim list in the owner's claim set: its score counts its tasks not yet settled; under a
+  -- running limit, its scopes string says they count in `q` (`lines`, with type limits: the scopes of each run of
+  -- the list, see "Type limits").
+  local function record(level, n, lines)
+    redis.call('ZADD', KEYS[CLAIMS + level], n, claim)
+    took = took + n
+    if lines then
+      redis.call('SET', KEYS[SCOPES + level], lines)
+    elseif max_running > 0 then
+      redis.call('SET', KEYS[SCOPES + level], n .. ' q')
+    end
   end
-end
--- With type limits: pushes `runs` (each the payloads of one flow, or of none, as Lua strings) onto the claim's
--- list at `level`, run after run, dropping the payloads over max_task_bytes, counts each run's tasks as its
--- flow's, and records the list with a line `N SCOPE...` per run. Returns the tasks pushed.
-local function push_runs(level, runs)
-  local lines, counted, n = {}, false, 0
-  for _, run in ipairs(runs) do
-    local k = push_small(level, run.payloads)
-    if k > 0 then
-      local scopes = {}
-      if max_running > 0 then scopes[#scopes + 1] = 'q' end
-      -- A run counts in its flow's scope: a type's, a group's, or both (groups.lua's `group_pair`).
-      for _, part in ipairs(run.flow and (run.flow.parts or {run.flow}) or {}) do
-        if part.max_running > 0 then scopes[#scopes + 1] = part.scope end
-        part.taken = part.taken + k
+  -- With type limits: pushes `runs` (each the payloads of one flow, or of none, as Lua strings) onto the claim's
+  -- list at `level`, run after run, dropping the payloads over max_task_bytes, counts each run's tasks as its
+  -- flow's, and records the list with a line `N SCOPE...` per run. Returns the tasks pushed.
+  local function push_runs(level, runs)
+    local lines, counted, n = {}, false, 0
+    for _, run in ipairs(runs) do
+      local k = push_small(level, run.payloads)
+      if k > 0 then
+        local scopes = {}
+        if max_running > 0 then scopes[#scopes + 1] = 'q' end
+        -- A run counts in its flow's scope: a type's, a group's, or both (groups.lua's `group_pair`).
+        for _, part in ipairs(run.flow and (run.flow.parts or {run.flow}) or {}) do
+          if part.max_running > 0 then scopes[#scopes + 1] = part.scope end
+          part.taken = part.taken + k
+        end
+        counted = counted or #scopes > 0
+        lines[#lines + 1] = k .. ' ' .. table.concat(scopes, ' ')
+        n = n + k
       end
-      counted = counted or #scopes > 0
-      lines[#lines + 1] = k .. ' ' .. table.concat(scopes, ' ')
-      n = n + k
+    end
+    if n > 0 then
+      local text = false
+      if counted then text = table.concat(lines, '\n') end
+      record(level, n, text)
+    end
+    return n
+  end
+  -- With type limits: the runs of a take, grouped by flow in the order first met (false: no limited type).
+  local function new_runs()
+    local runs, by = {}, {}
+    return runs, function(flow, payload)
+      local at = flow or runs
+      local run = by[at]
+      if not run then
+        run = {flow = flow, payloads = {}}
+        by[at] = run
+        runs[#runs + 1] = run
+      end
+      run.payloads[#run.payloads + 1] = payload
     end
   end
-  if n > 0 then
-    local text = false
-    if counted then text = table.concat(lines, '\n') end
-    record(level, n, text)
-  end
-  return n
-end
--- With type limits: the runs of a take, grouped by flow in the order first met (false: no limited type).
-local function new_runs()
-  local runs, by = {}, {}
-  return runs, function(flow, payload)
-    local at = flow or runs
-    local run = by[at]
-    if not run then
-      run = {flow = flow, payloads = {}}
-      by[at] = run
-      runs[#runs + 1] = run
-    end
-    run.payloads[#run.payloads + 1] = payload
-  end
-end
 
--- After the lease and floor checks, so that a paused or throttled queue still tells a lost lease or a fenced
--- claim. One EXISTS for both keys: a queue that is neither costs no more than the pause alone did.
-if not absent and redis.call('EXISTS', KEYS[6], KEYS[7]) > 0 then
-  if redis.call('EXISTS', KEYS[6]) == 1 then
-    return finish(empty(3, 0))
-  end
-  local ends = throttle_until(KEYS[7], now)
-  if ends then
-    retry_at = ends
-    return finish(empty(6, 0))
-  end
-end
--- The tasks a level holds that this claim may take: its ready list, and its flows that their limits admit (before
--- types_admit: all its flows).
-local function waiting(i)
-  local n = redis.call('LLEN', KEYS[READY + i])
-  if flowing then
-    for _, flow in ipairs(block.flows) do
-      if flow.room ~= 0 then n = n + redis.call('LLEN', flow.lists[i]) end
+  -- After the lease and floor checks, so that a paused or throttled queue still tells a lost lease or a fenced
+  -- claim. One EXISTS for both keys: a queue that is neither costs no more than the pause alone did.
+  if not absent and redis.call('EXISTS', KEYS[6], KEYS[7]) > 0 then
+    if redis.call('EXISTS', KEYS[6]) == 1 then
+      return finish(empty(3, 0))
+    end
+    local ends = throttle_until(KEYS[7], now)
+    if ends then
+      retry_at = ends
+      return finish(empty(6, 0))
     end
   end
-  -- A grouped level has at least one task if a flow is in the lowest band: as many as the claim may take, for
-  -- the turns between levels (a level whose groups give fewer leaves the rest to the others, below).
-  if grp.on and groups_waiting(grp, i) then n = n + max end
-  return n
-end
--- Passes the wake-up on to another idle fetcher when some level holds a task: one marker at most.
-local function pass_wake_on()
-  for i = 1, levels do
-    if waiting(i) > 0 then
-      redis.call('LPUSH', KEYS[2], 1)
-      redis.call('LTRIM', KEYS[2], 0, 0)
-      return
+  -- The tasks a level holds that this claim may take: its ready list, and its flows that their limits admit (before
+  -- types_admit: all its flows).
+  local function waiting(i)
+    local n = redis.call('LLEN', KEYS[READY + i])
+    if flowing then
+      for _, flow in ipairs(block.flows) do
+        if flow.room ~= 0 then n = n + redis.call('LLEN', flow.lists[i]) end
+      end
+    end
+    -- A grouped level has at least one task if a flow is in the lowest band: as many as the claim may take, for
+    -- the turns between levels (a level whose groups give fewer leaves the rest to the others, below).
+    if grp.on and groups_waiting(grp, i) then n = n + max end
+    return n
+  end
+  -- Passes the wake-up on to another idle fetcher when some level holds a task: one marker at most.
+  local function pass_wake_on()
+    for i = 1, levels do
+      if waiting(i) > 0 then
+        redis.call('LPUSH', KEYS[2], 1)
+        redis.call('LTRIM', KEYS[2], 0, 0)
+        return
+      end
     end
   end
-end
--- Whether the running limit leaves room once this claim took what it may.
-local room = true
--- The limit this claim counts under, for the settles that free a slot to tell whether to wake a fetcher: written
--- once nothing after it can fail (a full count or a full window returns at once; otherwise after every check).
-local function note_limit()
-  if max_running > 0 and known_limit ~= max_running then
-    redis.call('HSET', KEYS[RUNNING], 'q:limit', max_running)
+  -- Whether the running limit leaves room once this claim took what it may.
+  local room = true
+  -- The limit this claim counts under, for the settles that free a slot to tell whether to wake a fetcher: written
+  -- once nothing after it can fail (a full count or a full window returns at once; otherwise after every check).
+  local function note_limit()
+    if max_running > 0 and known_limit ~= max_running then
+      redis.call('HSET', KEYS[RUNNING], 'q:limit', max_running)
+    end
   end
-end
-if max_running > 0 then
-  if running >= max_running then
-    -- In a rolling change of max_running, the marker this fetcher took may have been pushed for a daemon whose
-    -- higher limit (`q:limit`, noted by its claim) leaves a slot: passed on, so that it claims now rather than
-    -- after idle_poll (model/README.md, the sixth finding; a claim that fills this limit does the same, below).
-    -- Noting this claim's lower limit bounds it to one pass a higher limit noted, so that fetchers at the lower
-    -- limit do not hand a marker to and fro.
-    if running < known_limit then pass_wake_on() end
+  if max_running > 0 then
+    if running >= max_running then
+      -- In a rolling change of max_running, the marker this fetcher took may have been pushed for a daemon whose
+      -- higher limit (`q:limit`, noted by its claim) leaves a slot: passed on, so that it claims now rather than
+      -- after idle_poll (model/README.md, the sixth finding; a claim that fills this limit does the same, below).
+      -- Noting this claim's lower limit bounds it to one pass a higher limit noted, so that fetchers at the lower
+      -- limit do not hand a marker to and fro.
+      if running < known_limit then pass_wake_on() end
+      note_limit()
+      return finish(empty(4, 0))
+    end
+    if max >= max_running - running then
+      max, room = max_running - running, false
+    end
+  end
+  -- Each window leaves its limit minus what is still in it once the entries that aged out are dropped (read here,
+  -- dropped once every check is done, below).
+  local free, due, bad = rate_scan('claim.lua', windows, now)
+  if bad then return bad end
+  if due > 0 then
+    rate_drop(windows)
     note_limit()
-    return finish(empty(4, 0))
+    retry_at = due
+    return finish(empty(5, 0))
   end
-  if max >= max_running - running then
-    max, room = max_running - running, false
+  if free and max >= free then
+    max, room = free, false
   end
-end
--- Each window leaves its limit minus what is still in it once the entries that aged out are dropped (read here,
--- dropped once every check is done, below).
-local free, due, bad = rate_scan('claim.lua', windows, now)
-if bad then return bad end
-if due > 0 then
+  -- The type limits' rooms, once the queue's own limits let the claim go on (types.lua; written below).
+  if flowing then
+    bad = types_admit('claim.lua', block, KEYS[RUNNING], now, true)
+    if bad then return bad end
+  end
+  -- When nothing was taken though tasks wait, because their types' limits hold them back (state 7): when the
+  -- earliest of those limits lets one go (0: only a running slot, which a settle's wake-up marker announces).
+  local function held_back()
+    local any, at = types_held(block)
+    if any then
+      retry_at = at
+      return finish(empty(7, 0))
+    end
+  end
+
+  -- With groups: the flows whose time came back return to their rings, and the ready lists' tasks go to their
+  -- groups' flows (groups.lua), before the quarantine and the turns. Planned and checked first, with every group
+  -- the quarantined group and the turns will read (`groups_check`), so that a count or a key of the wrong type
+  -- refuses the claim before its first write (a group's running count that is not an integer was found after the
+  -- rings moved: script_checks, `a_grouped_claim_refused_for_a_group_count_moves_no_task_to_its_group`).
+  local due_plan, intake_plan
+  if grp.on then
+    local moved, touched
+    due_plan, moved, bad = groups_due(grp, levels, KEYS[RUNNING], now)
+    if bad then return bad end
+    intake_plan, touched, bad = groups_intake(grp, levels, function(level) return KEYS[READY + level] end,
+      4 * tonumber(ARGV[2]) + 256)
+    if bad then return bad end
+    -- The groups of the quarantined group that the claim may take (the first quarantine list that holds tasks,
+    -- as below).
+    local looked = max == 0
+    for stage = 1, 3 do
+      for i = 1, levels do
+        local list = KEYS[QUARANTINE + (stage - 1) * levels + i]
+        if not looked and not absent and redis.call('LLEN', list) > 0 then
+          looked = true
+          for _, payload in ipairs(redis.call('LRANGE', list, 0, math.min(GROUPS[stage], max) - 1)) do
+            local _, refused = group_state('claim.lua', grp, group_route(payload), KEYS[RUNNING], now)
+            if refused then return refused end
+          end
+        end
+      end
+    end
+    bad = groups_check('claim.lua', grp, levels, max, moved, touched, KEYS[RUNNING], now)
+    if bad then return bad end
+  end
+  -- Every check is done: the first writes (but for a full count's or a full window's answer, above).
   rate_drop(windows)
   note_limit()
-  retry_at = due
-  return finish(empty(5, 0))
-end
-if free and max >= free then
-  max, room = free, false
-end
--- The type limits' rooms, once the queue's own limits let the claim go on (types.lua; written below).
-if flowing then
-  bad = types_admit('claim.lua', block, KEYS[RUNNING], now, true)
-  if bad then return bad end
-end
--- When nothing was taken though tasks wait, because their types' limits hold them back (state 7): when the
--- earliest of those limits lets one go (0: only a running slot, which a settle's wake-up marker announces).
-local function held_back()
-  local any, at = types_held(block)
-  if any then
-    retry_at = at
-    return finish(empty(7, 0))
+  if flowing then types_write(block, KEYS[RUNNING]) end
+  if grp.on then
+    groups_write(grp)
+    groups_due_apply(grp, levels, due_plan, now)
+    groups_intake_apply(grp, levels, intake_plan)
   end
-end
 
--- With groups: the flows whose time came back return to their rings, and the ready lists' tasks go to their
--- groups' flows (groups.lua), before the quarantine and the turns. Planned and checked first, with every group
--- the quarantined group and the turns will read (`groups_check`), so that a count or a key of the wrong type
--- refuses the claim before its first write (a group's running count that is not an integer was found after the
--- rings moved: script_checks, `a_grouped_claim_refused_for_a_group_count_moves_no_task_to_its_group`).
-local due_plan, intake_plan
-if grp.on then
-  local moved, touched
-  due_plan, moved, bad = groups_due(grp, levels, KEYS[RUNNING], now)
-  if bad then return bad end
-  intake_plan, touched, bad = groups_intake(grp, levels, function(level) return KEYS[READY + level] end,
-    4 * tonumber(ARGV[2]) + 256)
-  if bad then return bad end
-  -- The groups of the quarantined group that the claim may take (the first quarantine list that holds tasks,
-  -- as below).
-  local looked = max == 0
+  local holds = false
+  for i = 1, levels do
+    if not idle and redis.call('EXISTS', KEYS[CLAIMS + i]) == 1 then
+      holds = true
+      break
+    end
+  end
+  if info[2] then
+    if holds then
+      return finish(empty(2, 0))
+    end
+    redis.call('HDEL', KEYS[3], 'group')
+  end
   for stage = 1, 3 do
     for i = 1, levels do
       local list = KEYS[QUARANTINE + (stage - 1) * levels + i]
-      if not looked and not absent and redis.call('LLEN', list) > 0 then
-        looked = true
-        for _, payload in ipairs(redis.call('LRANGE', list, 0, math.min(GROUPS[stage], max) - 1)) do
-          local _, refused = group_state('claim.lua', grp, group_route(payload), KEYS[RUNNING], now)
-          if refused then return refused end
+      if not absent and redis.call('LLEN', list) > 0 then
+        if holds then
+          return finish(empty(2, 0))
         end
-      end
-    end
-  end
-  bad = groups_check('claim.lua', grp, levels, max, moved, touched, KEYS[RUNNING], now)
-  if bad then return bad end
-end
--- Every check is done: the first writes (but for a full count's or a full window's answer, above).
-rate_drop(windows)
-note_limit()
-if flowing then types_write(block, KEYS[RUNNING]) end
-if grp.on then
-  groups_write(grp)
-  groups_due_apply(grp, levels, due_plan, now)
-  groups_intake_apply(grp, levels, intake_plan)
-end
-
-local holds = false
-for i = 1, levels do
-  if not idle and redis.call('EXISTS', KEYS[CLAIMS + i]) == 1 then
-    holds = true
-    break
-  end
-end
-if info[2] then
-  if holds then
-    return finish(empty(2, 0))
-  end
-  redis.call('HDEL', KEYS[3], 'group')
-end
-for stage = 1, 3 do
-  for i = 1, levels do
-    local list = KEYS[QUARANTINE + (stage - 1) * levels + i]
-    if not absent and redis.call('LLEN', list) > 0 then
-      if holds then
-        return finish(empty(2, 0))
-      end
-      local got = false
-      if max > 0 and grp.on then
-        got = redis.call('LRANGE', list, 0, math.min(GROUPS[stage], max) - 1)
-      elseif max > 0 then
-        got = redis.call('LPOP', list, math.min(GROUPS[stage], max))
-      end
-      local n
-      if grp.on and got then
-        -- With groups, the group as far as its tasks' groups admit it, in order (each group's state read before
-        -- anything is taken off the list); the rest stays at the list's head.
-        local states = {}
-        for k = 1, #got do
-          local st, refused = group_state('claim.lua', grp, group_route(got[k]), KEYS[RUNNING], now)
-          if refused then return refused end
-          states[k] = st
+        local got = false
+        if max > 0 and grp.on then
+          got = redis.call('LRANGE', list, 0, math.min(GROUPS[stage], max) - 1)
+        elseif max > 0 then
+          got = redis.call('LPOP', list, math.min(GROUPS[stage], max))
         end
-        local runs, add = new_runs()
-        local kept, due = 0, 0
-        for k = 1, #got do
-          local st = states[k]
-          local typ = flowing and types_route(block, got[k]) or nil
-          if group_refused(st, now) then break end
-          if typ and typ.room == 0 then
-            due = typ.due or 0
-            break
+        local n
+        if grp.on and got then
+          -- With groups, the group as far as its tasks' groups admit it, in order (each group's state read before
+          -- anything is taken off the list); the rest stays at the list's head.
+          local states = {}
+          for k = 1, #got do
+            local st, refused = group_state('claim.lua', grp, group_route(got[k]), KEYS[RUNNING], now)
+            if refused then return refused end
+            states[k] = st
           end
-          if st.room then st.room = st.room - 1 end
-          if typ and typ.room then typ.room = typ.room - 1 end
-          add(group_pair(grp, st, typ), got[k])
-          kept = k
-        end
-        if kept == 0 then
-          retry_at = groups_next(grp, levels)
-          if due > 0 and (retry_at == 0 or due < retry_at) then retry_at = due end
-          return finish(empty(7, 0))
-        end
-        redis.call('LTRIM', list, kept, -1)
-        n = push_runs(i, runs)
-      elseif flowing and got then
-        -- The group as far as its types' limits admit it, in order; the rest goes back to the list's head.
-        local runs, add = new_runs()
-        local kept = 0
-        for k = 1, #got do
-          local flow = types_route(block, got[k])
-          if not types_admit_one(flow) then
-            flow.held = true
-            break
+          local runs, add = new_runs()
+          local kept, due = 0, 0
+          for k = 1, #got do
+            local st = states[k]
+            local typ = flowing and types_route(block, got[k]) or nil
+            if group_refused(st, now) then break end
+            if typ and typ.room == 0 then
+              due = typ.due or 0
+              break
+            end
+            if st.room then st.room = st.room - 1 end
+            if typ and typ.room then typ.room = typ.room - 1 end
+            add(group_pair(grp, st, typ), got[k])
+            kept = k
           end
-          add(flow, got[k])
-          kept = k
-        end
-        for k = #got, kept + 1, -1 do redis.call('LPUSH', list, got[k]) end
-        if kept == 0 then
-          return held_back() or finish(empty(0, 0))
-        end
-        n = push_runs(i, runs)
-      else
-        n = push_small(i, got or {})
-        if n > 0 then record(i, n) end
-      end
-      if n == 0 then
-        return finish(empty(0, 0))
-      end
-      redis.call('HSET', KEYS[3], 'group', GROUPS[stage])
-      local result = empty(1, i)
-      result[3 + i] = n
-      return finish(result)
-    end
-  end
-end
-
-local result = empty(0, 0)
-local taken = 0
--- Whether the byte budget cut this claim short of what it could take.
-local cut = false
--- Strict order takes from the highest level first; priority weights split the claim between the levels that have
--- tasks by their turns (turns.lua).
-local want
-if weighted then
-  local available = {}
-  for i = 1, levels do available[i] = waiting(i) end
-  want = turns_split(KEYS[SCHED], {unpack(ARGV, WEIGHTS + 1, WEIGHTS + levels)}, credits, available, max)
-end
--- With type limits, a level's take (types.lua's `types_take`): from its flows, then its ready list, looking at
--- no more than SCAN tasks of it a claim.
-local SCAN = 4 * max + 256
-local function take_flowing(i, take)
-  local runs, add = new_runs()
-  local got = types_take(block, i, {KEYS[READY + i]}, take, SCAN, add)
-  local n = push_runs(i, runs)
-  taken = taken + got
-  return n
-end
--- With groups, every level's candidate flows and their groups' states are read before the first task is taken
--- (groups.lua), so that a key of the wrong type fails the claim before it holds any payload.
-local cands = {}
-if grp.on then
-  for i = 1, levels do
-    cands[i], bad = groups_candidates('claim.lua', grp, i, max, KEYS[RUNNING], now)
-    if bad then return bad end
-  end
-end
--- With groups, a level's take: turns over its candidate flows (groups.lua).
-local function take_grouped(i, take)
-  local runs, add = new_runs()
-  local got, held = groups_take(grp, i, cands[i], take, now, add)
-  cands[i] = {}
-  if held then grp.held = true end
-  taken = taken + got
-  return push_runs(i, runs)
-end
-for i = 1, levels do
-  local ready = KEYS[READY + i]
-  local n, bytes = 0, 0
-  local take = max - taken
-  if want then take = want[i] end
-  if grp.on then
-    if take > 0 then n = take_grouped(i, take) end
-  elseif flowing then
-    if take > 0 then n = take_flowing(i, take) end
-  elseif take > 0 and (taken == 0 or budget > 0) then
-    n = redis.call('SORT', ready, 'BY', 'nosort', 'LIMIT', 0, take, 'STORE', KEYS[LISTS + i])
-  end
-  if n > 0 and not flowing and not grp.on then
-    -- One weighing serves the byte budget and max_task_bytes. Over the budget, the copy is cut to what fits (as
-    -- many as fit if the tasks are alike, fewer each time until they do), keeping one task for a claim that has
-    -- none yet; the ready list is trimmed by what is kept.
-    local list = KEYS[LISTS + i]
-    bytes = redis.call('MEMORY', 'USAGE', list, 'SAMPLES', 0)
-    local least = taken == 0 and 1 or 0
-    while n > least and bytes > budget do
-      n = math.max(least, math.min(n - 1, math.floor(n * budget / bytes)))
-      cut = true
-      if n > 0 then
-        redis.call('LTRIM', list, 0, n - 1)
-        bytes = redis.call('MEMORY', 'USAGE', list, 'SAMPLES', 0)
-      else
-        redis.call('DEL', list)
-        bytes = 0
-      end
-    end
-    budget = budget - bytes
-  end
-  if n > 0 and not flowing and not grp.on then
-    redis.call('LTRIM', ready, n, -1)
-    taken = taken + n
-    if bytes > max_bytes then
-      -- Perhaps one payload is too large: check them one by one, each taken from the list's head and put back at
-      -- its tail unless it is dead-lettered, so that the script holds one payload at a time, not the batch.
-      local list, kept = KEYS[LISTS + i], 0
-      for _ = 1, n do
-        local payload = redis.call('LPOP', list)
-        if #payload > max_bytes then
-          dead_oversized(payload)
+          if kept == 0 then
+            retry_at = groups_next(grp, levels)
+            if due > 0 and (retry_at == 0 or due < retry_at) then retry_at = due end
+            return finish(empty(7, 0))
+          end
+          redis.call('LTRIM', list, kept, -1)
+          n = push_runs(i, runs)
+        elseif flowing and got then
+          -- The group as far as its types' limits admit it, in order; the rest goes back to the list's head.
+          local runs, add = new_runs()
+          local kept = 0
+          for k = 1, #got do
+            local flow = types_route(block, got[k])
+            if not types_admit_one(flow) then
+              flow.held = true
+              break
+            end
+            add(flow, got[k])
+            kept = k
+          end
+          for k = #got, kept + 1, -1 do redis.call('LPUSH', list, got[k]) end
+          if kept == 0 then
+            return held_back() or finish(empty(0, 0))
+          end
+          n = push_runs(i, runs)
         else
-          redis.call('RPUSH', list, payload)
-          kept = kept + 1
+          n = push_small(i, got or {})
+          if n > 0 then record(i, n) end
+        end
+        if n == 0 then
+          return finish(empty(0, 0))
+        end
+        redis.call('HSET', KEYS[3], 'group', GROUPS[stage])
+        local result = empty(1, i)
+        result[3 + i] = n
+        return finish(result)
+      end
+    end
+  end
+
+  local result = empty(0, 0)
+  local taken = 0
+  -- Whether the byte budget cut this claim short of what it could take.
+  local cut = false
+  -- Strict order takes from the highest level first; priority weights split the claim between the levels that have
+  -- tasks by their turns (turns.lua).
+  local want
+  if weighted then
+    local available = {}
+    for i = 1, levels do available[i] = waiting(i) end
+    want = turns_split(KEYS[SCHED], {unpack(ARGV, WEIGHTS + 1, WEIGHTS + levels)}, credits, available, max)
+  end
+  -- With type limits, a level's take (types.lua's `types_take`): from its flows, then its ready list, looking at
+  -- no more than SCAN tasks of it a claim.
+  local SCAN = 4 * max + 256
+  local function take_flowing(i, take)
+    local runs, add = new_runs()
+    local got = types_take(block, i, {KEYS[READY + i]}, take, SCAN, add)
+    local n = push_runs(i, runs)
+    taken = taken + got
+    return n
+  end
+  -- With groups, every level's candidate flows and their groups' states are read before the first task is taken
+  -- (groups.lua), so that a key of the wrong type fails the claim before it holds any payload.
+  local cands = {}
+  if grp.on then
+    for i = 1, levels do
+      cands[i], bad = groups_candidates('claim.lua', grp, i, max, KEYS[RUNNING], now)
+      if bad then return bad end
+    end
+  end
+  -- With groups, a level's take: turns over its candidate flows (groups.lua).
+  local function take_grouped(i, take)
+    local runs, add = new_runs()
+    local got, held = groups_take(grp, i, cands[i], take, now, add)
+    cands[i] = {}
+    if held then grp.held = true end
+    taken = taken + got
+    return push_runs(i, runs)
+  end
+  for i = 1, levels do
+    local ready = KEYS[READY + i]
+    local n, bytes = 0, 0
+    local take = max - taken
+    if want then take = want[i] end
+    if grp.on then
+      if take > 0 then n = take_grouped(i, take) end
+    elseif flowing then
+      if take > 0 then n = take_flowing(i, take) end
+    elseif take > 0 and (taken == 0 or budget > 0) then
+      n = redis.call('SORT', ready, 'BY', 'nosort', 'LIMIT', 0, take, 'STORE', KEYS[LISTS + i])
+    end
+    if n > 0 and not flowing and not grp.on then
+      -- One weighing serves the byte budget and max_task_bytes. Over the budget, the copy is cut to what fits (as
+      -- many as fit if the tasks are alike, fewer each time until they do), keeping one task for a claim that has
+      -- none yet; the ready list is trimmed by what is kept.
+      local list = KEYS[LISTS + i]
+      bytes = redis.call('MEMORY', 'USAGE', list, 'SAMPLES', 0)
+      local least = taken == 0 and 1 or 0
+      while n > least and bytes > budget do
+        n = math.max(least, math.min(n - 1, math.floor(n * budget / bytes)))
+        cut = true
+        if n > 0 then
+          redis.call('LTRIM', list, 0, n - 1)
+          bytes = redis.call('MEMORY', 'USAGE', list, 'SAMPLES', 0)
+        else
+          redis.call('DEL', list)
+          bytes = 0
         end
       end
-      n = kept
+      budget = budget - bytes
     end
-    if n > 0 then record(i, n) end
+    if n > 0 and not flowing and not grp.on then
+      redis.call('LTRIM', ready, n, -1)
+      taken = taken + n
+      if bytes > max_bytes then
+        -- Perhaps one payload is too large: check them one by one, each taken from the list's head and put back at
+        -- its tail unless it is dead-lettered, so that the script holds one payload at a time, not the batch.
+        local list, kept = KEYS[LISTS + i], 0
+        for _ = 1, n do
+          local payload = redis.call('LPOP', list)
+          if #payload > max_bytes then
+            dead_oversized(payload)
+          else
+            redis.call('RPUSH', list, payload)
+            kept = kept + 1
+          end
+        end
+        n = kept
+      end
+      if n > 0 then record(i, n) end
+    end
+    result[3 + i] = n
   end
-  result[3 + i] = n
-end
--- With weights and type limits, a level's turns may fall on tasks their types hold back (moved to their flows,
--- nothing taken): the claim then takes what it still may from the levels that took nothing, in strict order, so
--- that a task no limit holds back does not wait for the next wake-up (a level that took something keeps its one
--- claim list; the model's finding, model/README.md).
-if (flowing or grp.on) and want and taken < max then
-  for i = 1, levels do
-    if result[3 + i] == 0 and taken < max then
-      if grp.on then
-        result[3 + i] = take_grouped(i, max - taken)
-      else
-        result[3 + i] = take_flowing(i, max - taken)
+  -- With weights and type limits, a level's turns may fall on tasks their types hold back (moved to their flows,
+  -- nothing taken): the claim then takes what it still may from the levels that took nothing, in strict order, so
+  -- that a task no limit holds back does not wait for the next wake-up (a level that took something keeps its one
+  -- claim list; the model's finding, model/README.md).
+  if (flowing or grp.on) and want and taken < max then
+    for i = 1, levels do
+      if result[3 + i] == 0 and taken < max then
+        if grp.on then
+          result[3 + i] = take_grouped(i, max - taken)
+        else
+          result[3 + i] = take_flowing(i, max - taken)
+        end
       end
     end
   end
-end
-if flowing and took == 0 and taken == 0 then
-  local held = held_back()
-  if held then return held end
-end
-if grp.on and took == 0 and taken == 0 then
-  -- Nothing taken though groups hold tasks that their limits or pauses hold back (state 7): when the earliest
-  -- timed flow may go on (0: a settle's or a resume's wake-up marker says when).
-  local at, any = groups_next(grp, levels)
-  if any or grp.held then
-    retry_at = at
-    return finish(empty(7, 0))
+  if flowing and took == 0 and taken == 0 then
+    local held = held_back()
+    if held then return held end
   end
+  if grp.on and took == 0 and taken == 0 then
+    -- Nothing taken though groups hold tasks that their limits or pauses hold back (state 7): when the earliest
+    -- timed flow may go on (0: a settle's or a resume's wake-up marker says when).
+    local at, any = groups_next(grp, levels)
+    if any or grp.held then
+      retry_at = at
+      return finish(empty(7, 0))
+    end
+  end
+  if (taken == max or cut) and room then
+    -- The queue may hold more than this fetcher can take: pass the wake-up on to another idle fetcher.
+    pass_wake_on()
+  elseif result[2] == 0 and took > 0 and max_running > 0 and running + took >= max_running and
+      running + took < known_limit then
+    -- It filled its own limit below the higher one another daemon noted: passed on, as at state 4 (above).
+    pass_wake_on()
+  end
+  if result[2] == 0 and took > 0 and max_running > 0 and running + took >= max_running then result[2] = 8 end
+  return finish(result)
 end
-if (taken == max or cut) and room then
-  -- The queue may hold more than this fetcher can take: pass the wake-up on to another idle fetcher.
-  pass_wake_on()
-elseif result[2] == 0 and took > 0 and max_running > 0 and running + took >= max_running and
-    running + took < known_limit then
-  -- It filled its own limit below the higher one another daemon noted: passed on, as at state 4 (above).
-  pass_wake_on()
-end
-if result[2] == 0 and took > 0 and max_running > 0 and running + took >= max_running then result[2] = 8 end
-return finish(result)

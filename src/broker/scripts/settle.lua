@@ -1,4 +1,5 @@
--- (The broker prepends `#!lua`, results.lua and after.lua: src/broker/mod.rs, `sources`.)
+-- (The broker prepends `#!lua`, results.lua, after.lua, unique_hold.lua, handover.lua, and claim.lua with its
+-- preludes and handover_run.lua inside `handover_parts`: src/broker/mod.rs, `sources`.)
 -- settle.lua: apply the outcomes of many runs at once (acknowledge, retry, recover, hand back, dead-letter),
 -- exactly once.
 --
@@ -98,8 +99,9 @@
 -- hash (progress.lua) and its entry in the claim set. Default-mode records have no token and are never stale.
 -- Returns {number of stale plain acknowledgements, then one integer per record: 1 applied, 0 stale (or, in
 -- default mode, a task not queued again because a newer task holds its unique id: see "Unique ids"), then the
--- owner's journal after this call (0 without an info hash, or when a monitor settles)}; {-1, the stored call's
--- number} for a late copy of an older call (see "Calls").
+-- owner's journal after this call (0 without an info hash, or when a monitor settles), then, with a claim block
+-- (handover.lua), claim.lua's reply for the slots it freed}; {-1, the stored call's number} for a late copy of an
+-- older call (see "Calls").
 --
 -- Older owners. An owner registered by kmqd 0.1 kept its tasks in a hash per level (token ->
 -- envelope); a monitor of this version recovers them with records of claim 0 whose token is the hash's field,
@@ -125,6 +127,9 @@ local owners, stats, dead, uniq, wake, last_call = KEYS[1], KEYS[2], KEYS[3], KE
 local popped, throttle = KEYS[7], KEYS[8]
 local fence, dead_max, levels, channel, owner = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local call = ARGV[6]
+-- The claim for the slots this call frees (handover.lua): its trailer is the last, so it comes off first.
+local handover, refused_handover = take_handover()
+if handover == nil then return refused_handover end
 -- The results this call keeps (results.lua): its trailer is taken off ARGV and KEYS before anything reads them.
 local kept, refused_kept = take_kept()
 if not kept then return refused_kept end
@@ -442,6 +447,12 @@ end
 -- Only a registered owner settling its own tasks adds to its journal: a late settle after the monitors forgot
 -- the owner must not bring its info hash back. Its increment is the call's first write, so that a journal that is
 -- not an integer fails the call before anything is written.
+-- The claim for the freed slots checks its own keys and counters first (handover.lua).
+local parts = handover and handover_parts()
+if handover and fence == 'owner' then
+  local refused = parts.check(handover)
+  if refused then return refused end
+end
 local journal = 0
 if info and fence == 'owner' and redis.call('EXISTS', info) == 1 then
   journal = redis.pcall('HINCRBY', info, 'journal', 1)
@@ -760,6 +771,14 @@ for scope, n in pairs(freed) do
   end
 end
 result[#result + 1] = journal
+-- The next tasks for the slots it freed, claimed in this step (handover.lua): claim.lua's reply follows the
+-- journal, and is stored with the call's result. A claim that filled every slot freed leaves no marker for them.
+if handover then
+  local reply, filled = parts.none(levels), false
+  if fence == 'owner' then reply, filled = parts.run(handover, freed, levels) end
+  for _, n in ipairs(reply) do result[#result + 1] = n end
+  if filled then wake_fetchers = false end
+end
 -- Kept a day: long enough for any retry (a caller retries until Redis answers), then it cleans itself up
 -- after a daemon that died. Stored before the counters: whatever follows, a call that applied is known as such.
 -- The results this call keeps (results.lua), in a few commands once everything applied.

@@ -23,8 +23,10 @@
 //! atomic subtraction; the fetcher is woken only when the free count crosses the threshold.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
+
+use crate::poison::{lock, recover};
 
 #[derive(Debug)]
 pub struct Capacity {
@@ -52,13 +54,6 @@ impl Capacity {
             lock: Mutex::new(()),
             wake: Condvar::new(),
         }
-    }
-
-    fn guard(&self) -> MutexGuard<'_, ()> {
-        // The mutex guards no data, only the wait; a poisoned one is as good.
-        self.lock
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Workers not stuck in a handler.
@@ -119,7 +114,7 @@ impl Capacity {
     /// caller gives back what it did not claim with [`Capacity::release`].
     pub fn acquire(&self, max: usize, timeout: Duration, starving: impl Fn() -> bool) -> usize {
         let deadline = Instant::now() + timeout;
-        let mut guard = self.guard();
+        let mut guard = lock(&self.lock);
         loop {
             let free = self.free();
             if free >= self.threshold() || (free > 0 && starving()) {
@@ -132,11 +127,7 @@ impl Capacity {
             let Some(left) = deadline.checked_duration_since(Instant::now()) else {
                 return 0;
             };
-            guard = self
-                .wake
-                .wait_timeout(guard, left)
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .0;
+            guard = recover(self.wake.wait_timeout(guard, left)).0;
         }
     }
 
@@ -166,14 +157,14 @@ impl Capacity {
     fn wake_if_crossed(&self, before: usize) {
         let threshold = self.threshold();
         if before < threshold && self.free() >= threshold {
-            let _guard = self.guard();
+            let _guard = lock(&self.lock);
             self.wake.notify_one();
         }
     }
 
     /// A worker found no job waiting: wake the fetcher even below the threshold.
     pub fn nudge(&self) {
-        let _guard = self.guard();
+        let _guard = lock(&self.lock);
         self.wake.notify_one();
     }
 }

@@ -7,9 +7,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use rustc_hash::FxHashMap;
 
-use super::lock;
 use super::resolve::{HeldState, HeldTask, JobId};
 use crate::broker::payloads::Payloads;
+use crate::poison::lock;
 
 /// The tasks of one claim (or pop), each with its id in the lane's table of held tasks.
 pub type Tasks = Vec<(JobId, HeldTask)>;

@@ -24,12 +24,12 @@
 
 use std::cell::Cell;
 use std::collections::VecDeque;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 
 use crossbeam_utils::CachePadded;
 
-use super::lock;
 use super::resolve::Job;
+use crate::poison::{lock, recover};
 
 /// The most jobs a worker takes ahead of the one it runs.
 pub const AHEAD: usize = 31;
@@ -85,13 +85,9 @@ pub fn queue(workers: usize) -> (Sender, Vec<Receiver>) {
 }
 
 impl Jobs {
-    fn lock(&self) -> MutexGuard<'_, Queue> {
-        lock(&self.queue)
-    }
-
     /// How many jobs wait for a worker, taken ahead or not.
     fn len(&self) -> usize {
-        let queue = self.lock();
+        let queue = lock(&self.queue);
         queue.jobs.len()
             + queue
                 .holders
@@ -108,7 +104,7 @@ pub struct Sender(Arc<Jobs>);
 impl Sender {
     /// Adds a claim's jobs, in order; gives them back when no worker is left to take them.
     pub fn send(&self, jobs: Vec<Job>) -> Result<(), Vec<Job>> {
-        let mut queue = self.0.lock();
+        let mut queue = lock(&self.0.queue);
         if queue.receivers == 0 {
             return Err(jobs);
         }
@@ -133,7 +129,7 @@ impl Sender {
 
 impl Drop for Sender {
     fn drop(&mut self) {
-        self.0.lock().closed = true;
+        lock(&self.0.queue).closed = true;
         self.0.arrived.notify_all();
     }
 }
@@ -183,7 +179,7 @@ impl Receiver {
         if let Some(job) = self.own_next() {
             return Next::Job(job);
         }
-        let mut queue = self.jobs.lock();
+        let mut queue = lock(&self.jobs.queue);
         match self.next(&mut queue) {
             Some(job) => Next::Job(job),
             None if queue.closed => Next::Closed,
@@ -196,7 +192,7 @@ impl Receiver {
         if let Some(job) = self.own_next() {
             return Some(job);
         }
-        let mut queue = self.jobs.lock();
+        let mut queue = lock(&self.jobs.queue);
         loop {
             if let Some(job) = self.next(&mut queue) {
                 return Some(job);
@@ -205,11 +201,7 @@ impl Receiver {
                 return None;
             }
             queue.waiting += 1;
-            queue = self
-                .jobs
-                .arrived
-                .wait(queue)
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            queue = recover(self.jobs.arrived.wait(queue));
             queue.waiting -= 1;
         }
     }
@@ -259,7 +251,7 @@ impl Receiver {
 
 impl Drop for Receiver {
     fn drop(&mut self) {
-        let mut queue = self.jobs.lock();
+        let mut queue = lock(&self.jobs.queue);
         queue.receivers -= 1;
         let index = self.index;
         queue.holders.retain(|&holder| holder != index);
@@ -313,7 +305,7 @@ mod tests {
             .map(|receiver| std::thread::spawn(move || receiver.take().map(|job| job.id)))
             .collect();
         // Both wait (no sleep: the count says so).
-        while sender.0.lock().waiting < 2 {
+        while lock(&sender.0.queue).waiting < 2 {
             std::thread::yield_now();
         }
         sender.send(vec![job(7)]).unwrap();

@@ -46,13 +46,14 @@ pub mod started;
 pub mod worker;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use rustc_hash::FxHashSet;
 
 use crate::broker::payloads::Payloads;
 use crate::config::{QueueConfig, RedisConfig};
+use crate::poison::{lock, read, write};
 use crate::pulse::Pulse;
 use crate::queue::QueueContext;
 use capacity::Capacity;
@@ -236,7 +237,7 @@ impl LaneSet {
 
     /// The lanes now, in the order they were started.
     pub fn snapshot(&self) -> Arc<Vec<Arc<Lane>>> {
-        Arc::clone(&self.lanes.read().unwrap_or_else(|p| p.into_inner()))
+        Arc::clone(&read(&self.lanes))
     }
 
     /// One lane per queue, the newest: while a reload replaces a queue's lane, the old one (finishing its running
@@ -254,14 +255,14 @@ impl LaneSet {
     }
 
     pub fn add(&self, lane: Arc<Lane>) {
-        let mut lanes = self.lanes.write().unwrap_or_else(|p| p.into_inner());
+        let mut lanes = write(&self.lanes);
         let mut next = Vec::clone(&lanes);
         next.push(lane);
         *lanes = Arc::new(next);
     }
 
     pub fn remove(&self, lane: &Arc<Lane>) {
-        let mut lanes = self.lanes.write().unwrap_or_else(|p| p.into_inner());
+        let mut lanes = write(&self.lanes);
         let next = lanes
             .iter()
             .filter(|l| !Arc::ptr_eq(l, lane))
@@ -269,15 +270,6 @@ impl LaneSet {
             .collect();
         *lanes = Arc::new(next);
     }
-}
-
-/// A lock of the lane's (here and in its modules: the job and outcome lists, the started tasks' plugins).
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every lock here guards plain collections whose operations (push, pop, drain, swap) do not panic midway; a
-    // poisoned one is consistent.
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 #[cfg(test)]

@@ -23,8 +23,8 @@ use std::time::Duration;
 
 use crossbeam_utils::CachePadded;
 
-use super::lock;
 use super::resolve::Resolution;
+use crate::poison::{lock, recover};
 
 #[derive(Debug)]
 pub struct Outcomes {
@@ -115,11 +115,7 @@ impl Outcomes {
         let mut queued = lock(&self.queued);
         if queued.outcomes.is_empty() && queued.listed.is_empty() {
             queued.waiting = true;
-            queued = self
-                .arrived
-                .wait_timeout(queued, timeout)
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .0;
+            queued = recover(self.arrived.wait_timeout(queued, timeout)).0;
             queued.waiting = false;
         }
         std::mem::swap(&mut queued.outcomes, batch);

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
-use super::lock;
 use crate::broker::{LeaseClock, Token};
+use crate::poison::lock;
 
 /// The least forward step of Redis's clock that counts as one: a tenth of the lease, at least a second. Redis's
 /// clock runs as this daemon's does between two looks, give or take a slewing NTP (chrony slews by up to 8 %) and,

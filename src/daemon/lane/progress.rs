@@ -14,9 +14,9 @@ use std::time::Duration;
 use kmq_plugin::host::ProgressSink;
 use rustc_hash::FxHashMap;
 
-use super::lock;
 use super::resolve::JobId;
 use crate::broker::progress::{fraction, message};
+use crate::poison::lock;
 
 /// How often at most the acker writes the lane's reports: a quarter of a second, so that a human watching a task
 /// sees it move, and a handler reporting 10,000 times a second costs Redis four calls a second.

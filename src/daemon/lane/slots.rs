@@ -16,7 +16,9 @@
 //! plugins' `shutdown`, as it does for a handler that never returned).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Condvar, Mutex};
+
+use crate::poison::{lock, recover};
 
 #[derive(Debug)]
 pub struct Slots {
@@ -60,13 +62,6 @@ impl Slots {
         (limit / 8).max(1)
     }
 
-    fn guard(&self) -> MutexGuard<'_, ()> {
-        // Guards no data, only the waits.
-        self.lock
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
     fn try_take(&self) -> bool {
         self.used
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |used| {
@@ -80,16 +75,13 @@ impl Slots {
         if self.try_take() {
             return;
         }
-        let mut guard = self.guard();
+        let mut guard = lock(&self.lock);
         self.waiting.fetch_add(1, Ordering::SeqCst);
         loop {
             if self.used.load(Ordering::SeqCst) + self.refill <= self.limit && self.try_take() {
                 break;
             }
-            guard = self
-                .freed
-                .wait(guard)
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            guard = recover(self.freed.wait(guard));
         }
         self.waiting.fetch_sub(1, Ordering::SeqCst);
         drop(guard);
@@ -104,7 +96,7 @@ impl Slots {
         let after = self.used.fetch_sub(1, Ordering::SeqCst) - 1;
         // Used only falls one at a time, so a wait for `limit - refill` always sees this crossing.
         if after + self.refill == self.limit && self.waiting.load(Ordering::SeqCst) > 0 {
-            let _guard = self.guard();
+            let _guard = lock(&self.lock);
             self.freed.notify_one();
         }
     }
@@ -118,7 +110,7 @@ impl Slots {
     pub fn completed(&self) {
         self.give_back();
         if self.started.fetch_sub(1, Ordering::SeqCst) == 1 {
-            let _guard = self.guard();
+            let _guard = lock(&self.lock);
             self.idle.notify_all();
         }
     }
@@ -126,7 +118,7 @@ impl Slots {
     /// A started task's `start` declined it: the worker runs it, and keeps its slot.
     pub fn declined(&self) {
         if self.started.fetch_sub(1, Ordering::SeqCst) == 1 {
-            let _guard = self.guard();
+            let _guard = lock(&self.lock);
             self.idle.notify_all();
         }
     }
@@ -141,12 +133,9 @@ impl Slots {
         if self.threads.fetch_sub(1, Ordering::SeqCst) != 1 {
             return;
         }
-        let mut guard = self.guard();
+        let mut guard = lock(&self.lock);
         while self.started.load(Ordering::SeqCst) > 0 {
-            guard = self
-                .idle
-                .wait(guard)
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            guard = recover(self.idle.wait(guard));
         }
     }
 

@@ -14,11 +14,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::Lane;
-use super::lock;
 use super::resolve::{HeldTask, JobId, verdict_of};
 use crate::observed::{TaskOutcome, TypeCache};
 use crate::otel::RunTrace;
 use crate::plugin::{LoadedPlugin, Status};
+use crate::poison::lock;
 use crate::task::Envelope;
 
 /// What a lane keeps for its started tasks.

@@ -8,7 +8,7 @@
 //! the daemon knows itself. Only a snapshot taken for this scrape is served: an old one would show depths that
 //! may no longer hold as if they were current.
 
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, select};
@@ -16,6 +16,7 @@ use crossbeam_channel::{Receiver, Sender, select};
 use crate::broker::{self, QueueStats, Session};
 use crate::daemon::lane::LaneSet;
 use crate::observed::redis_error;
+use crate::poison::{lock, recover};
 use crate::shutdown::Listener;
 
 /// How long a scrape waits for Redis before it is answered without the Redis-derived part.
@@ -52,15 +53,6 @@ struct Shared {
     changed: Condvar,
 }
 
-impl Shared {
-    fn lock(&self) -> MutexGuard<'_, Tickets> {
-        // Plain numbers and an Arc, consistent at every step.
-        self.tickets
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-}
-
 /// The scrape's side: asks for a snapshot and waits a bounded time for it.
 #[derive(Debug)]
 pub struct RedisView {
@@ -72,19 +64,14 @@ impl RedisView {
     /// A snapshot taken after this call, if Redis answered within `within`.
     pub fn fresh(&self, within: Duration) -> Option<Arc<Snapshot>> {
         let deadline = Instant::now() + within;
-        let mut tickets = self.shared.lock();
+        let mut tickets = lock(&self.shared.tickets);
         tickets.asked += 1;
         let ticket = tickets.asked;
         // Full: a wake-up is already pending, and the refresher reads `asked` when it takes it.
         let _ = self.wake.try_send(());
         while tickets.answered < ticket {
             let left = deadline.checked_duration_since(Instant::now())?;
-            tickets = self
-                .shared
-                .changed
-                .wait_timeout(tickets, left)
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .0;
+            tickets = recover(self.shared.changed.wait_timeout(tickets, left)).0;
         }
         tickets.latest.clone()
     }
@@ -129,7 +116,7 @@ impl Refresher {
                 recv(self.wake) -> _ => {}
                 recv(self.background.receiver()) -> _ => break,
             }
-            let ticket = self.shared.lock().asked;
+            let ticket = lock(&self.shared.tickets).asked;
             let read = match self.read() {
                 Ok(snapshot) => Some(Arc::new(snapshot)),
                 Err(error) => {
@@ -139,7 +126,7 @@ impl Refresher {
                     None
                 }
             };
-            let mut tickets = self.shared.lock();
+            let mut tickets = lock(&self.shared.tickets);
             tickets.answered = ticket;
             tickets.latest = read;
             self.shared.changed.notify_all();

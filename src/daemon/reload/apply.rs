@@ -3,10 +3,11 @@
 //! hold the set of queues. What changes is decided by `plan.rs`, a pure comparison; this module is its
 //! side effects, apart from it so that the decision reads and tests without threads or Redis.
 
+use std::sync::Arc;
+
 use crate::broker::{self, access};
 use crate::config::Config;
-use crate::daemon::owners::mark_draining;
-use crate::daemon::{Supervisor, notify, reload};
+use crate::daemon::{Supervisor, notify, owners, reload};
 use crate::plugin::Registry;
 
 impl Supervisor {
@@ -20,10 +21,8 @@ impl Supervisor {
         serving.claiming.fire();
         serving.lane.hand_back_waiting();
         self.stopping.insert(serving.group);
-        mark_draining(
-            std::slice::from_ref(&serving.lane),
-            &mut self.parts.session("owners"),
-        );
+        let lane = Arc::clone(&serving.lane);
+        self.ask_owners(owners::Request::Drain(vec![lane]));
     }
 
     /// Re-reads the config file and applies it, or refuses it and keeps the running one.

@@ -1,0 +1,57 @@
+-- handover_run.lua, inside `handover_parts` after claim.lua and its preludes (src/broker/mod.rs, `sources`): the
+-- claim of the slot handed over in the settle (handover.lua says how), returned to settle.lua as a table.
+
+-- Runs `run` with claim.lua's KEYS and ARGV in the script's own tables (claim.lua and its preludes read them), and
+-- puts the settle's back after it.
+local function as_claim(h, run)
+  local function fill(into, from)
+    for i = #into, 1, -1 do into[i] = nil end
+    for i = 1, #from do into[i] = from[i] end
+  end
+  local own_keys, own_args = {}, {}
+  for i = 1, #KEYS do own_keys[i] = KEYS[i] end
+  for i = 1, #ARGV do own_args[i] = ARGV[i] end
+  fill(KEYS, h.keys)
+  fill(ARGV, h.args)
+  local out = run()
+  fill(KEYS, own_keys)
+  fill(ARGV, own_args)
+  return out
+end
+
+-- claim.lua's checks, before the settle's first write: nil when they pass, else the error (which the settle
+-- returns, having written nothing).
+local function handover_check(h)
+  local refused = as_claim(h, function() return claim_run(true) end)
+  if refused then
+    -- Named for the script the caller ran as well as for the claim whose check refused it.
+    return redis.error_reply((string.gsub(refused.err, 'claim%.lua: ', 'settle.lua (its claim.lua): ', 1)))
+  end
+end
+
+-- The claim's reply when it took nothing for the slot: it freed none, or the claim was refused (state -1).
+local function handover_none(levels)
+  local reply = {0, -1, 0}
+  for i = 1, levels do reply[3 + i] = 0 end
+  reply[#reply + 1], reply[#reply + 2], reply[#reply + 3] = 0, 0, 0
+  return reply
+end
+
+-- Claims the next tasks for the slots this call freed (`freed`: scope -> tasks subtracted). Returns claim.lua's
+-- reply, and whether it filled every slot freed (then no marker is pushed for them).
+local function handover_run(h, freed, levels)
+  local slots = freed.q or 0
+  if slots == 0 then
+    for scope, n in pairs(freed) do
+      if string.sub(scope, 1, 2) == 't:' and n > slots then slots = n end
+    end
+  end
+  if slots == 0 then return handover_none(levels), false end
+  h.args[2] = tostring(math.min(h.want, slots))
+  local reply = as_claim(h, function() return claim_run(false) end)
+  if reply.err then return handover_none(levels), false end
+  local took = 0
+  for i = 1, levels do took = took + reply[3 + i] end
+  return reply, took >= slots
+end
+return {check = handover_check, run = handover_run, none = handover_none}
