@@ -372,14 +372,13 @@ impl Resolution {
         }
     }
 
-    /// This resolution, carrying its worker's reference to the task to the acker: the acker drops it with the
+    /// Gives this resolution its worker's reference to the task, for the acker: the acker drops it with the
     /// table's, a batch at a time, where a worker dropping its own would write the count of the task's claim at
-    /// every task, a line the lane's workers share (docs/PERFORMANCE.md, "Workers that share less").
-    pub fn holding(self, task: HeldTask) -> Resolution {
-        Resolution {
-            _task: Some(task),
-            ..self
-        }
+    /// every task, a line the lane's workers share (docs/PERFORMANCE.md, "Workers that share less"). In place: a
+    /// resolution rebuilt around it was one more copy of the whole struct a task (docs/PERFORMANCE.md, "The hot
+    /// path after tracing, expiry and progress (2026-12-07)").
+    pub fn hold(&mut self, task: HeldTask) {
+        self._task = Some(task);
     }
 
     pub fn forget(job: JobId) -> Resolution {

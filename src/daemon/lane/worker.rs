@@ -208,10 +208,10 @@ impl Worker {
         }
         // The envelope borrows the task's payload: it goes before the task does.
         drop(slot);
-        if let Some(outcome) = outcome {
+        if let Some(mut outcome) = outcome {
             // The worker's reference to the task's claim goes with its outcome, for the acker to drop with the
             // table's: dropped here, it would write the claim's count, a line every worker shares, at every task.
-            let outcome = outcome.holding(job.task);
+            outcome.hold(job.task);
             // A worker of short tasks appends their outcomes to a list of its own (`outcomes`), for the reason it
             // takes jobs ahead; one of long tasks to the shared list, which the acker looks at without a lock per
             // worker.
