@@ -1385,19 +1385,32 @@ pub struct Note {
 /// group's outcomes with their places in the call.
 #[derive(Default)]
 struct NoteGroups<'a> {
-    groups: Vec<((&'a str, u64), Vec<((usize, u64), &'a [u8])>)>,
+    groups: Vec<NoteGroup<'a>>,
     /// Where each group is in `groups` (a fan-out's tasks each have waiters of their own).
     at: std::collections::HashMap<(&'a str, u64), usize>,
 }
 
+/// The outcomes of a settle call's tasks with waiters `to` and run `run`: one note, if any applied.
+struct NoteGroup<'a> {
+    to: &'a str,
+    run: u64,
+    outcomes: Vec<((usize, u64), &'a [u8])>,
+}
+
 impl<'a> NoteGroups<'a> {
     fn add(&mut self, place: (usize, u64), note: &'a Note) {
-        let key = (&*note.to, note.run);
-        let at = *self.at.entry(key).or_insert_with(|| {
-            self.groups.push((key, Vec::new()));
+        let (to, run) = (&*note.to, note.run);
+        let at = *self.at.entry((to, run)).or_insert_with(|| {
+            self.groups.push(NoteGroup {
+                to,
+                run,
+                outcomes: Vec::new(),
+            });
             self.groups.len() - 1
         });
-        self.groups[at].1.push((place, note.outcome.as_slice()));
+        self.groups[at]
+            .outcomes
+            .push((place, note.outcome.as_slice()));
     }
 
     fn is_empty(&self) -> bool {
@@ -1787,7 +1800,7 @@ pub fn settle<'a>(
     }
     if !notes.is_empty() {
         let mut args = 0;
-        for ((to, run), outcomes) in &notes.groups {
+        for NoteGroup { to, run, outcomes } in &notes.groups {
             invocation.arg(*to).arg(*run).arg(outcomes.len());
             for ((claim, place), outcome) in outcomes {
                 invocation.arg(*claim).arg(*place).arg(*outcome);
