@@ -253,14 +253,11 @@ fn note(
         (Action::Recover { .. }, SettleOp::Dead) => Ended::Dead("malformed task"),
         _ => return None,
     };
-    Some(Box::new(crate::broker::tasks::Note(workflow::note(
-        queue,
-        id,
-        waiters,
+    Some(Box::new(crate::broker::tasks::Note {
+        to: waiters.get().into(),
         run,
-        ended,
-        MAX_RESULT_BYTES,
-    ))))
+        outcome: workflow::outcome(queue, id, ended, MAX_RESULT_BYTES),
+    }))
 }
 
 /// What a settlement that ends a task keeps: nothing for a task that does not end (a retry, a recovery, a

@@ -8,13 +8,15 @@
 //!   claim);
 //! - its settle (settle.lua with after.lua's trailer): applied only while the dependency is still held under that
 //!   claim (its bit unset), and then in the same step it ends and its note is appended to the outbox; a stale
-//!   settle (the dependency was recovered meanwhile) writes nothing;
+//!   settle (the dependency was recovered meanwhile) writes nothing; or one settle call of every claim a daemon
+//!   holds, which appends one note a run for the dependencies it ended (after.lua: the outcomes of a call's
+//!   tasks with the same waiters and run make one note), none for those that were stale;
 //! - a settle sent again after its reply was lost: the stored answer, nothing written (settle.lua, "Calls");
 //! - a monitor recovering a held dependency (its owner's lease ran out): back to ready, its owner's late settle
 //!   stale; a daemon's `kill -9` (it forgets what it held);
 //! - each of two movers (delay pollers): reading the outbox's oldest notes, applying them one at a time to the
-//!   waiter (flow_apply.lua: the dependency recorded with HSETNX, then released when every dependency is recorded,
-//!   or failed at once by a dead one under `if_failed = "fail"`), then popping from the head each note it read
+//!   waiter (flow_apply.lua: each outcome of a note in turn, the dependency recorded with HSETNX, then released
+//!   when every dependency is recorded, or failed at once by a dead one under `if_failed = "fail"`), then popping from the head each note it read
 //!   while it is the head (flow_outbox.lua); a mover killed between any two of these (it forgets what it read).
 //!
 //! - `kmqd dead requeue` of a dead dependency (dead_requeue.lua): back to ready as its next run, and in the same
@@ -33,7 +35,8 @@ use stateright::{Model, Property};
 const DEPS: usize = 3;
 /// The most requeues of a scenario.
 const REQUEUES: usize = 2;
-/// The most notes in the outbox: one a run of a dependency, and a withdrawal a requeue.
+/// The most notes in the outbox: one a run of a dependency (or fewer, a settle call's of one run in one), and a
+/// withdrawal a requeue.
 const NOTES: usize = DEPS + 2 * REQUEUES;
 const DAEMONS: usize = 2;
 const MOVERS: usize = 2;
@@ -57,7 +60,7 @@ pub const DECIDED: &str = "the waiting task is released or failed in the end";
 /// The deliberate mutations of flows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum FlowMutation {
-    /// flow_apply.lua counts notes (a counter compared with `need`) instead of recording which dependency
+    /// flow_apply.lua counts outcomes (a counter compared with `need`) instead of recording which dependency
     /// ended: a note applied twice counts twice (Sidekiq's batches, sidekiq#4361).
     CountNotes,
     /// The mover removes the notes it read before it applies them (at-most-once delivery).
@@ -201,16 +204,18 @@ pub enum Dep {
 /// A note in the outbox.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Note {
-    pub dep: u8,
-    /// The dependency's run.
+    /// The dependencies it names (a bit each): one for a withdrawal; for outcomes, those a settle call ended
+    /// of this run.
+    pub deps: u8,
+    /// The dependencies' run.
     pub run: u8,
     pub kind: NoteKind,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum NoteKind {
-    /// A run's outcome: `dead` or done.
-    Outcome { dead: bool },
+    /// The runs' outcomes: the dependencies of `dead` (a bit each) dead, the others done.
+    Outcome { dead: u8 },
     /// `dead requeue`'s withdrawal of the runs before `run`.
     Withdraw,
 }
@@ -275,6 +280,10 @@ pub enum Step {
         dep: u8,
         tag: u8,
     },
+    /// One settle call of every claim the daemon holds (it holds two or more): each applied or stale.
+    SettleAll {
+        daemon: u8,
+    },
     /// The same settle sent again after its reply was lost: the stored answer.
     Resend {
         dep: u8,
@@ -320,9 +329,23 @@ impl Flows {
         self.setup.dead.len() as u8
     }
 
-    /// flow_apply.lua for `note`.
+    /// flow_apply.lua for `note`: each of its outcomes in turn, as a note of its own.
     fn apply(&self, state: &mut FlowState, note: Note) {
-        let (dep, bit) = (note.dep as usize, 1u8 << note.dep);
+        for dep in 0..DEPS as u8 {
+            if note.deps & (1 << dep) != 0 {
+                self.apply_one(state, dep, note.run, note.kind);
+            }
+        }
+    }
+
+    /// flow_apply.lua for the outcome (or withdrawal) of `dep`'s run `run`.
+    fn apply_one(&self, state: &mut FlowState, dep: u8, run: u8, kind: NoteKind) {
+        let note = Note {
+            deps: 1 << dep,
+            run,
+            kind,
+        };
+        let (dep, bit) = (dep as usize, 1u8 << dep);
         let mutation = self.setup.mutation;
         let dead = match note.kind {
             NoteKind::Withdraw => {
@@ -341,7 +364,7 @@ impl Flows {
                 }
                 return;
             }
-            NoteKind::Outcome { dead } => dead,
+            NoteKind::Outcome { dead } => dead & bit != 0,
         };
         let ignores_runs = matches!(
             mutation,
@@ -390,6 +413,18 @@ impl Flows {
     /// Whether run `run` of `dep` dies.
     fn dies(&self, dep: u8, run: u8) -> bool {
         self.setup.dead[dep as usize] && run < self.setup.dead_runs
+    }
+
+    /// settle.lua's step for the claim `tag` of `dep`: whether it applied (the dependency was still held under
+    /// it: it ends), and whether it ended dead.
+    fn settle(&self, state: &mut FlowState, dep: u8, tag: u8) -> Option<bool> {
+        if state.deps[dep as usize] != (Dep::Held { tag }) {
+            return None;
+        }
+        let dead = self.dies(dep, state.run[dep as usize]);
+        state.deps[dep as usize] = Dep::Ended { dead };
+        state.ended_once |= 1 << dep;
+        Some(dead)
     }
 
     /// Whether a daemon still holds the claim `tag` of `dep` (it may settle it).
@@ -470,6 +505,11 @@ impl Model for Flows {
                     tag,
                 });
             }
+            if held.len() > 1 {
+                actions.push(Step::SettleAll {
+                    daemon: daemon as u8,
+                });
+            }
             if fault && !held.is_empty() {
                 actions.push(Step::Kill {
                     daemon: daemon as u8,
@@ -506,17 +546,42 @@ impl Model for Flows {
             Step::Settle { daemon, dep, tag } => {
                 let held = &mut state.held[daemon as usize];
                 held.retain(|claim| *claim != (dep, tag));
-                if state.deps[dep as usize] == (Dep::Held { tag }) {
-                    let run = state.run[dep as usize];
-                    let dead = self.dies(dep, run);
-                    state.deps[dep as usize] = Dep::Ended { dead };
-                    state.ended_once |= 1 << dep;
+                if let Some(dead) = self.settle(&mut state, dep, tag) {
                     state.outbox.push(Note {
-                        dep,
-                        run,
-                        kind: NoteKind::Outcome { dead },
+                        deps: 1 << dep,
+                        run: state.run[dep as usize],
+                        kind: NoteKind::Outcome {
+                            dead: u8::from(dead) << dep,
+                        },
                     });
                 }
+            }
+            Step::SettleAll { daemon } => {
+                // after.lua: the outcomes of the claims that applied, one note a run, in the order first seen.
+                let mut notes: ArrayVec<Note, DEPS> = ArrayVec::new();
+                for (dep, tag) in std::mem::take(&mut state.held[daemon as usize]) {
+                    let Some(dead) = self.settle(&mut state, dep, tag) else {
+                        continue;
+                    };
+                    let run = state.run[dep as usize];
+                    let at = match notes.iter().position(|note| note.run == run) {
+                        Some(at) => at,
+                        None => {
+                            notes.push(Note {
+                                deps: 0,
+                                run,
+                                kind: NoteKind::Outcome { dead: 0 },
+                            });
+                            notes.len() - 1
+                        }
+                    };
+                    let note = &mut notes[at];
+                    note.deps |= 1 << dep;
+                    if let NoteKind::Outcome { dead: dead_ones } = &mut note.kind {
+                        *dead_ones |= u8::from(dead) << dep;
+                    }
+                }
+                state.outbox.extend(notes);
             }
             Step::Resend { .. } => {
                 // The stored answer: nothing is written. Counted as a fault so that it is bounded.
@@ -566,7 +631,7 @@ impl Model for Flows {
                 state.outbox.insert(
                     0,
                     Note {
-                        dep,
+                        deps: 1 << dep,
                         run: state.run[dep as usize],
                         kind: NoteKind::Withdraw,
                     },
@@ -594,7 +659,7 @@ impl Model for Flows {
                         || (!counted && s.recorded & (1 << dep) != 0 && s.recorded_run[dep] == run)
                         || (counted && s.count > 0)
                         || s.outbox.iter().any(|note| {
-                            note.dep == dep as u8
+                            note.deps & (1 << dep) != 0
                                 && note.run == run
                                 && note.kind != NoteKind::Withdraw
                         })
@@ -605,6 +670,10 @@ impl Model for Flows {
             Property::sometimes("the waiting task is released", |_, s: &FlowState| {
                 s.waiter == Waiter::Released
             }),
+            Property::sometimes(
+                "a settle call notes several dependencies in one note",
+                |_, s: &FlowState| s.outbox.iter().any(|note| note.deps.count_ones() > 1),
+            ),
             Property::sometimes("a note is applied twice", |_, s: &FlowState| {
                 s.movers.iter().all(|m| m.applied > 0)
             }),

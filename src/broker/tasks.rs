@@ -1394,10 +1394,57 @@ pub struct Settlement {
     pub note: Option<Box<Note>>,
 }
 
-/// A note to the tasks waiting for a task of a flow: its JSON (`broker::workflow::note`). Boxed in a
-/// [`Settlement`], which most tasks settle without: a settlement travels through channels by value.
+/// A note to the tasks waiting for a task of a flow: whom it goes to, the task's run and its outcome
+/// (`broker::workflow::outcome`). Kept apart, not as one note's JSON, so that a settle call writes one note for
+/// all its tasks with the same waiters and run (after.lua): a fan-in's settle of a thousand parts writes one
+/// list element, which the mover reads, parses and removes as one. Boxed in a [`Settlement`], which most tasks
+/// settle without: a settlement travels through channels by value.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Note(pub Vec<u8>);
+pub struct Note {
+    /// The envelope's `waiters`, as it is (a JSON array).
+    pub to: Box<str>,
+    /// The task's run (`broker::workflow::RUN`).
+    pub run: u64,
+    /// Its outcome: the JSON object each waiter's ended hash keeps.
+    pub outcome: Vec<u8>,
+}
+
+/// A settle call's notes (after.lua's trailer), grouped by their waiters and run in the order first seen: each
+/// group's outcomes with their places in the call.
+#[derive(Default)]
+struct NoteGroups<'a> {
+    groups: Vec<NoteGroup<'a>>,
+    /// Where each group is in `groups` (a fan-out's tasks each have waiters of their own).
+    at: std::collections::HashMap<(&'a str, u64), usize>,
+}
+
+/// The outcomes of a settle call's tasks with waiters `to` and run `run`: one note, if any applied.
+struct NoteGroup<'a> {
+    to: &'a str,
+    run: u64,
+    outcomes: Vec<((usize, u64), &'a [u8])>,
+}
+
+impl<'a> NoteGroups<'a> {
+    fn add(&mut self, place: (usize, u64), note: &'a Note) {
+        let (to, run) = (&*note.to, note.run);
+        let at = *self.at.entry((to, run)).or_insert_with(|| {
+            self.groups.push(NoteGroup {
+                to,
+                run,
+                outcomes: Vec::new(),
+            });
+            self.groups.len() - 1
+        });
+        self.groups[at]
+            .outcomes
+            .push((place, note.outcome.as_slice()));
+    }
+
+    fn is_empty(&self) -> bool {
+        self.groups.is_empty()
+    }
+}
 
 /// A task's result as the settle that ends it keeps it: its task's id (its field in the queue's bucket hash of the
 /// time: results.lua), its value (a JSON object: docs/PROTOCOL.md, "Results"; the script adds `ended_at`) and how
@@ -1418,7 +1465,10 @@ impl Settlement {
                 .kept
                 .as_ref()
                 .map_or(0, |kept| kept.id.len() + kept.value.len())
-            + self.note.as_ref().map_or(0, |note| note.0.len())
+            + self
+                .note
+                .as_ref()
+                .map_or(0, |note| note.to.len() + note.outcome.len())
     }
 
     /// A plain acknowledgement: sent as its bare token (or only counted, in default mode), not as a record. Its
@@ -1716,8 +1766,9 @@ fn settle_with<'a>(
     // record; K and P, position P of the Kth claim touched, acknowledged in its bitmap); their keys go last.
     let mut kept: Vec<((usize, u64), &Kept)> = Vec::new();
     // The notes to the tasks waiting for those this call ends (after.lua's trailer, before results.lua's), placed
-    // as the results are, by the same two numbers; the outbox is their one key, before the result keys.
-    let mut notes: Vec<((usize, u64), &[u8])> = Vec::new();
+    // as the results are, by the same two numbers, and grouped by their waiters and run: after.lua writes one note
+    // a group, of the outcomes that applied; the outbox is their one key, before the result keys.
+    let mut notes = NoteGroups::default();
     let mut record = 0;
     for s in settlements.clone() {
         let place = match (&s.token, bulk(s)) {
@@ -1737,7 +1788,7 @@ fn settle_with<'a>(
         if let Some(note) = s.note.as_deref()
             && matches!(s.op, SettleOp::Ack | SettleOp::Dead)
         {
-            notes.push((place, note.0.as_slice()));
+            notes.add(place, note);
         }
         if let Some(result) = s.kept.as_deref()
             && matches!(s.op, SettleOp::Ack | SettleOp::Dead)
@@ -1768,7 +1819,9 @@ fn settle_with<'a>(
             // A plain acknowledgement sends only its kept result and its note, in the trailers.
             true => {
                 s.kept.as_ref().map_or(0, |kept| kept.value.len())
-                    + s.note.as_ref().map_or(0, |note| note.0.len())
+                    + s.note
+                        .as_ref()
+                        .map_or(0, |note| note.to.len() + note.outcome.len())
             }
             false => s.bytes(),
         };
@@ -1860,10 +1913,15 @@ fn settle_with<'a>(
         records += 1;
     }
     if !notes.is_empty() {
-        for ((claim, place), note) in &notes {
-            invocation.arg(*claim).arg(*place).arg(*note);
+        let mut args = 0;
+        for NoteGroup { to, run, outcomes } in &notes.groups {
+            invocation.arg(*to).arg(*run).arg(outcomes.len());
+            for ((claim, place), outcome) in outcomes {
+                invocation.arg(*claim).arg(*place).arg(*outcome);
+            }
+            args += 3 + 3 * outcomes.len();
         }
-        invocation.arg(notes.len()).arg("notes");
+        invocation.arg(args).arg("notes");
     }
     if let Some((ttl, start)) = bucket {
         for ((claim, place), result) in &kept {

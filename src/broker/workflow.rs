@@ -20,10 +20,16 @@ use serde_json::value::RawValue;
 use super::{Conn, QueueKeys, Result, SCRIPTS, reply_error};
 
 /// The most notes one turn of the mover reads from an outbox: a turn costs five round trips (the promote, the
-/// read, a waiter's `HGET` and apply, the removal) whatever its size, so a fan-in's notes are moved in turns of a
-/// thousand (with 256, the waiter of a fan-in of 100,000 ran about a second after its last part, or more:
-/// docs/PERFORMANCE.md, "A fan-in of 100,000").
-pub const MOVE_BATCH: usize = 1024;
+/// read, a waiter's `HGET` and apply, the removal) whatever its size. A note carries the outcomes of one settle
+/// call's tasks with the same waiters (after.lua), so a fan-in's note holds up to a claim's thousand, and 64
+/// notes a turn move up to tens of thousands of outcomes (with turns of 256 one-outcome notes, the waiter of a
+/// fan-in of 100,000 ran about a second after its last part: docs/PERFORMANCE.md, "A fan-in of 100,000"),
+/// while a turn's read stays a few MiB at most.
+pub const MOVE_BATCH: usize = 64;
+
+/// The most outcomes one flow_apply.lua call applies to a waiter: a turn's outcomes for one waiter go in calls of
+/// this many, so that no call holds Redis for long (about a µs an outcome).
+pub const APPLY_BATCH: usize = 4096;
 
 /// The most waiting tasks one call of flow_push.lua writes: a fan-in of 100,000 is pushed in calls of this many,
 /// each all or nothing.
@@ -120,7 +126,8 @@ pub fn push_waiters(
     Ok(said)
 }
 
-/// A note in an outbox, as after.lua and deps.lua write it (an outcome), or dead_requeue.lua (a withdrawal).
+/// A note in an outbox, as after.lua writes it (the outcomes of a settle call's tasks with these waiters and this
+/// run), deps.lua (an outcome: a failed waiting task's, up the graph), or dead_requeue.lua (a withdrawal).
 #[derive(Deserialize)]
 struct Note<'a> {
     #[serde(borrow)]
@@ -130,6 +137,9 @@ struct Note<'a> {
     run: u64,
     #[serde(borrow, default)]
     outcome: Option<&'a RawValue>,
+    /// The outcomes of several dependencies, each applied as a note of its own would be.
+    #[serde(borrow, default)]
+    outcomes: Option<Vec<&'a RawValue>>,
     /// The dependency that was requeued: its waiters forget its dead run's outcome while they wait.
     #[serde(borrow, default)]
     withdraw: Option<Task<'a>>,
@@ -168,9 +178,10 @@ pub fn dependency_field(queue: &str, id: &str) -> String {
     format!("{queue}\n{id}")
 }
 
-/// One turn of the mover of `keys`' outbox: reads up to [`MOVE_BATCH`] of its oldest notes, applies each to each
-/// of its waiters (each apply replicated, with `wait_replicas`, before anything is removed), then removes them. Returns how many notes it read. A note that is not one (written by
-/// something else than kmqd) is logged and removed with the others: it names no waiter it could be applied to.
+/// One turn of the mover of `keys`' outbox: reads up to [`MOVE_BATCH`] of its oldest notes, applies each outcome
+/// to each of its waiters (each apply replicated, with `wait_replicas`, before anything is removed), then removes
+/// them. Returns how many notes it read. A note that is not one (written by something else than kmqd) is logged
+/// and removed with the others: it names no waiter it could be applied to.
 /// `beat` is called before each waiter's apply (the delay poller's pulse, for the watchdog).
 pub fn move_outbox(conn: &mut Conn, keys: &QueueKeys, beat: &dyn Fn()) -> Result<usize> {
     let outbox = keys.deps_outbox();
@@ -188,22 +199,30 @@ pub fn move_outbox(conn: &mut Conn, keys: &QueueKeys, beat: &dyn Fn()) -> Result
     let mut at: HashMap<Task<'_>, usize> = HashMap::new();
     for bytes in &notes {
         let parsed = serde_json::from_slice::<Note<'_>>(bytes).and_then(|note| {
-            let outcome = match (note.outcome, &note.withdraw) {
-                (Some(raw), None) => serde_json::from_str::<Outcome<'_>>(raw.get())?,
-                (None, Some(task)) => Outcome {
-                    queue: task.queue.clone(),
-                    id: task.id.clone(),
-                    state: Cow::Borrowed("withdraw"),
-                },
+            let outcomes = match (note.outcome, &note.outcomes, &note.withdraw) {
+                (Some(raw), None, None) => vec![applied(raw, note.run)?],
+                (None, Some(many), None) if !many.is_empty() => many
+                    .iter()
+                    .map(|raw| applied(raw, note.run))
+                    .collect::<serde_json::Result<_>>()?,
+                (None, None, Some(task)) => vec![Applied {
+                    outcome: Outcome {
+                        queue: task.queue.clone(),
+                        id: task.id.clone(),
+                        state: Cow::Borrowed("withdraw"),
+                    },
+                    raw: "",
+                    run: note.run,
+                }],
                 _ => {
                     return Err(<serde_json::Error as serde::de::Error>::custom(
-                        "a note has either an outcome or a withdrawal",
+                        "a note has either an outcome, outcomes or a withdrawal",
                     ));
                 }
             };
-            Ok((note, outcome))
+            Ok((note.to, outcomes))
         });
-        let (note, outcome) = match parsed {
+        let (to, outcomes) = match parsed {
             Ok(parsed) => parsed,
             Err(error) => {
                 tracing::error!(
@@ -215,24 +234,21 @@ pub fn move_outbox(conn: &mut Conn, keys: &QueueKeys, beat: &dyn Fn()) -> Result
                 continue;
             }
         };
-        for waiter in note.to {
-            let applied = Applied {
-                outcome: outcome.clone(),
-                raw: note.outcome.map_or("", RawValue::get),
-                run: note.run,
-            };
+        for waiter in to {
             match at.entry(waiter.clone()) {
-                Entry::Occupied(known) => waiters[*known.get()].1.push(applied),
+                Entry::Occupied(known) => waiters[*known.get()].1.extend_from_slice(&outcomes),
                 Entry::Vacant(new) => {
                     new.insert(waiters.len());
-                    waiters.push((waiter, vec![applied]));
+                    waiters.push((waiter, outcomes.clone()));
                 }
             }
         }
     }
     for (waiter, outcomes) in &waiters {
-        beat();
-        apply(conn, keys, waiter, outcomes)?;
+        for outcomes in outcomes.chunks(APPLY_BATCH) {
+            beat();
+            apply(conn, keys, waiter, outcomes)?;
+        }
     }
     let mut invocation = SCRIPTS.flow_outbox.prepare_invoke();
     invocation.key(&outbox);
@@ -244,12 +260,22 @@ pub fn move_outbox(conn: &mut Conn, keys: &QueueKeys, beat: &dyn Fn()) -> Result
     Ok(notes.len())
 }
 
-/// One note as flow_apply.lua takes it: the outcome (state "withdraw" for a withdrawal), its JSON ("" for a
+/// One outcome as flow_apply.lua takes it: the outcome (state "withdraw" for a withdrawal), its JSON ("" for a
 /// withdrawal), and the dependency's run.
+#[derive(Clone)]
 struct Applied<'a> {
     outcome: Outcome<'a>,
     raw: &'a str,
     run: u64,
+}
+
+/// The outcome `raw` of a note of run `run`, as flow_apply.lua takes it.
+fn applied<'a>(raw: &'a RawValue, run: u64) -> serde_json::Result<Applied<'a>> {
+    Ok(Applied {
+        outcome: serde_json::from_str::<Outcome<'_>>(raw.get())?,
+        raw: raw.get(),
+        run,
+    })
 }
 
 /// Applies dependencies' outcomes to one waiting task (flow_apply.lua), naming the ready list its hash names.
@@ -386,19 +412,13 @@ pub fn set_run(envelope: &mut crate::task::Envelope<'_>, run: u64) {
     }
 }
 
-/// The note the settle that ends task `id` of `queue` writes to its outbox for `waiters` (the envelope's
-/// `waiters` list, as it is): `{"to": WAITERS, "run": RUN, "outcome": {"queue", "id", "state", "result" |
-/// "reason"}}`, `run` (the envelope's [`RUN`]) left out while it is 0, as it is unless the task was requeued. The
-/// outcome is what each waiter's ended hash keeps and its handler receives in `after`. A result that is not JSON,
-/// or over `max_result` bytes, travels as `null` (the task is done all the same: its waiters run).
-pub fn note(
-    queue: &str,
-    id: &str,
-    waiters: &RawValue,
-    run: u64,
-    ended: Ended<'_>,
-    max_result: usize,
-) -> Vec<u8> {
+/// The outcome of task `id` of `queue` that the settle that ends it notes for its waiters: `{"queue", "id",
+/// "state", "result" | "reason"}`, what each waiter's ended hash keeps and its handler receives in `after`.
+/// after.lua writes it into the note of its call's tasks with the same waiters and run: `{"to": WAITERS, "run":
+/// RUN, "outcomes": [OUTCOME, ...]}`, `run` (the envelope's [`RUN`]) left out while it is 0, as it is unless the
+/// task was requeued. A result that is not JSON, or over `max_result` bytes, travels as `null` (the task is done
+/// all the same: its waiters run).
+pub fn outcome(queue: &str, id: &str, ended: Ended<'_>, max_result: usize) -> Vec<u8> {
     #[derive(serde::Serialize)]
     struct Outcome<'a> {
         queue: &'a str,
@@ -408,13 +428,6 @@ pub fn note(
         result: Option<Option<&'a RawValue>>,
         #[serde(skip_serializing_if = "Option::is_none")]
         reason: Option<&'a str>,
-    }
-    #[derive(serde::Serialize)]
-    struct Note<'a> {
-        to: &'a RawValue,
-        #[serde(skip_serializing_if = "is_zero")]
-        run: u64,
-        outcome: Outcome<'a>,
     }
     let outcome = match ended {
         Ended::Done(result) => Outcome {
@@ -436,16 +449,7 @@ pub fn note(
             reason: Some(reason),
         },
     };
-    serde_json::to_vec(&Note {
-        to: waiters,
-        run,
-        outcome,
-    })
-    .expect("a note serializes")
-}
-
-fn is_zero(run: &u64) -> bool {
-    *run == 0
+    serde_json::to_vec(&outcome).expect("an outcome serializes")
 }
 
 /// The note `dead requeue` writes to the head of the outbox of task `id` of `queue` when it requeues the task as
@@ -477,42 +481,30 @@ pub fn withdrawal(queue: &str, id: &str, waiters: &RawValue, run: u64) -> Vec<u8
 mod tests {
     use super::*;
 
-    fn raw(text: &str) -> &RawValue {
-        serde_json::from_str(text).unwrap()
-    }
-
     #[test]
-    fn a_note_carries_the_outcome_a_waiter_keeps() {
-        let to = raw(r#"[{"queue":"reports","id":"r-7"}]"#);
-        let done = note(
-            "parts",
-            "p-1",
-            to,
-            0,
-            Ended::Done(Some(r#"{"rows": 3}"#)),
-            100,
-        );
+    fn an_outcome_is_what_a_waiter_keeps() {
+        let done = outcome("parts", "p-1", Ended::Done(Some(r#"{"rows": 3}"#)), 100);
         assert_eq!(
             String::from_utf8(done).unwrap(),
-            r#"{"to":[{"queue":"reports","id":"r-7"}],"outcome":{"queue":"parts","id":"p-1","state":"done","result":{"rows": 3}}}"#
+            r#"{"queue":"parts","id":"p-1","state":"done","result":{"rows": 3}}"#
         );
-        let none = note("parts", "p-1", to, 0, Ended::Done(None), 100);
+        let none = outcome("parts", "p-1", Ended::Done(None), 100);
         assert!(
             String::from_utf8(none)
                 .unwrap()
-                .ends_with(r#""state":"done","result":null}}"#)
+                .ends_with(r#""state":"done","result":null}"#)
         );
-        let large = note("parts", "p-1", to, 0, Ended::Done(Some("[1,2,3]")), 3);
+        let large = outcome("parts", "p-1", Ended::Done(Some("[1,2,3]")), 3);
         assert!(
             String::from_utf8(large)
                 .unwrap()
-                .ends_with(r#""result":null}}"#)
+                .ends_with(r#""result":null}"#)
         );
-        let dead = note("parts", "p-1", to, 0, Ended::Dead("no \"luck\""), 100);
+        let dead = outcome("parts", "p-1", Ended::Dead("no \"luck\""), 100);
         assert!(
             String::from_utf8(dead)
                 .unwrap()
-                .ends_with(r#""state":"dead","reason":"no \"luck\""}}"#)
+                .ends_with(r#""state":"dead","reason":"no \"luck\""}"#)
         );
     }
 }

@@ -857,3 +857,71 @@ fn fan_in_across_a_failover(waiters_master: bool) {
     assert_eq!(shown["state"], "released");
     daemon.stop();
 }
+
+/// A settle call writes one note for all the tasks it ends that have the same waiters and run (after.lua), with
+/// the outcome of each that applied, not a note a task: a fan-in's settle of a thousand parts is one list
+/// element to move. Exact as notes a task were: a call sent again after its reply was lost writes nothing, a task
+/// of another run gets a note of its own, and a later call's stale settlement (its bit set before) adds nothing.
+#[test]
+fn a_settle_call_writes_one_note_a_waiter_and_run_with_each_task_it_ended() {
+    use kmqd::broker::{SettleOp, Settlement, tasks::Note};
+
+    use crate::results::claimed;
+    use crate::safe_mode::{context, safe, settle_as, settlement_of};
+
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let path = dir.config(&redis, &safe(""));
+    let mut connection = redis.connection();
+    let owner = "settler.1";
+    let ids = ["t0", "t1", "t2", "t3"];
+    let (config, batch) = claimed(&path, &mut connection, owner, &ids, Duration::from_secs(60));
+    let queue = context(&config);
+    let to = r#"[{"queue":"jobs","id":"root"}]"#;
+    let noted = |index: usize, op: SettleOp, run: u64| {
+        let state = if op == SettleOp::Dead { "dead" } else { "done" };
+        Settlement {
+            note: Some(Box::new(Note {
+                to: to.into(),
+                run,
+                outcome: format!(r#"{{"queue":"jobs","id":"t{index}","state":"{state}"}}"#)
+                    .into_bytes(),
+            })),
+            ..settlement_of(&batch, index, op)
+        }
+    };
+    let outbox = || -> Vec<String> { redis.cmd(&["LRANGE", "kmq:{jobs}:deps-outbox", "0", "-1"]) };
+    let call = [
+        noted(0, SettleOp::Ack, 0),
+        noted(1, SettleOp::Dead, 0),
+        noted(2, SettleOp::Ack, 0),
+        noted(3, SettleOp::Ack, 2),
+    ];
+    settle_as(&mut connection, &queue, (owner, "acker", 1), &call).unwrap();
+    let outcome =
+        |n: usize, state: &str| format!(r#"{{"queue":"jobs","id":"t{n}","state":"{state}"}}"#);
+    let first = format!(
+        r#"{{"to":{to},"outcomes":[{},{},{}]}}"#,
+        outcome(0, "done"),
+        outcome(2, "done"),
+        outcome(1, "dead")
+    );
+    let run_2 = format!(
+        r#"{{"to":{to},"run":2,"outcomes":[{}]}}"#,
+        outcome(3, "done")
+    );
+    // The plain acknowledgements' outcomes (in their claim's bitmap) come before the dead record's.
+    assert_eq!(outbox(), [first.clone(), run_2.clone()]);
+    // The same call again (its reply lost): the stored answer, no note.
+    settle_as(&mut connection, &queue, (owner, "acker", 1), &call).unwrap();
+    assert_eq!(outbox(), [first.clone(), run_2.clone()]);
+    // A later call's duplicate of t0 (its bit set before): stale, no note.
+    settle_as(
+        &mut connection,
+        &queue,
+        (owner, "acker", 2),
+        &[noted(0, SettleOp::Ack, 0)],
+    )
+    .unwrap();
+    assert_eq!(outbox(), [first, run_2]);
+}
