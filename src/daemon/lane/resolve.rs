@@ -338,7 +338,7 @@ pub struct Resolution {
     /// The held task to forget once this is applied.
     pub job: JobId,
     pub apply: Apply,
-    /// The worker's reference to the task, dropped by the acker with the table's (see [`Resolution::holding`]).
+    /// The worker's reference to the task, dropped by the acker with the table's (see [`Resolution::hold`]).
     _task: Option<HeldTask>,
 }
 
