@@ -1409,6 +1409,13 @@ pub struct Note {
     pub outcome: Vec<u8>,
 }
 
+impl Note {
+    /// The bytes it adds to a settle call (its waiters and its outcome; the run is a number).
+    fn bytes(&self) -> usize {
+        self.to.len() + self.outcome.len()
+    }
+}
+
 /// A settle call's notes (after.lua's trailer), grouped by their waiters and run in the order first seen: each
 /// group's outcomes with their places in the call.
 #[derive(Default)]
@@ -1465,10 +1472,7 @@ impl Settlement {
                 .kept
                 .as_ref()
                 .map_or(0, |kept| kept.id.len() + kept.value.len())
-            + self
-                .note
-                .as_ref()
-                .map_or(0, |note| note.to.len() + note.outcome.len())
+            + self.note.as_ref().map_or(0, |note| note.bytes())
     }
 
     /// A plain acknowledgement: sent as its bare token (or only counted, in default mode), not as a record. Its
@@ -1819,9 +1823,7 @@ fn settle_with<'a>(
             // A plain acknowledgement sends only its kept result and its note, in the trailers.
             true => {
                 s.kept.as_ref().map_or(0, |kept| kept.value.len())
-                    + s.note
-                        .as_ref()
-                        .map_or(0, |note| note.to.len() + note.outcome.len())
+                    + s.note.as_ref().map_or(0, |note| note.bytes())
             }
             false => s.bytes(),
         };
@@ -1960,10 +1962,9 @@ fn settle_with<'a>(
             let lists = keys.claim_lists(owner, claim);
             let (reply, taken, collected) =
                 script_then_lists(conn, super::sources::SETTLE, &invocation, &lists, None)?;
-            let reply: Vec<Value> =
+            let mut reply: Vec<Value> =
                 redis::from_redis_value(reply).map_err(redis::RedisError::from)?;
             let split = (records + 2).min(reply.len());
-            let mut reply = reply;
             let claim_reply = reply.split_off(split);
             let reply = reply
                 .iter()
