@@ -536,16 +536,21 @@ fn a_default_mode_pop_that_lands_after_its_owner_was_released_takes_and_counts_n
     );
     assert_eq!(rule.fired(), 1);
     std::fs::write(&gate, "").unwrap();
-    let s = eventually(
+    // All four done (a task the late pop took would be lost: three at most) and every slot given back. Read the
+    // counts before the stats: read after, they could show the last task's slot given back while the stats
+    // still showed it running (a CI failure of 2026-12-07 asserted on such a snapshot).
+    eventually(
         Duration::from_secs(30),
-        "drained, every slot given back",
+        "the late pop took nothing: all four done, every slot given back",
         || {
+            let (count, held) = (running(&redis), shares(&redis));
             let s = stats(&config, "jobs");
-            let settled = s.ready == 0 && running(&redis) == 0 && shares(&redis).is_empty();
-            (settled, (s, running(&redis), shares(&redis)))
+            (
+                s.done == 4 && count == 0 && held.is_empty(),
+                (s, count, held),
+            )
         },
     );
-    assert_eq!(s.0.done, 4, "the late pop took nothing: {s:?}");
     assert_eq!(counter(&redis, "running_underflow"), 0);
     daemon.stop();
 }
