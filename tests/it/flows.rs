@@ -419,7 +419,7 @@ fn a_dependency_requeued_before_its_dead_note_was_applied_re_arms_a_failing_wait
 #[test]
 fn one_apply_of_many_notes_decides_the_waiter_as_one_apply_a_note_would() {
     let redis = RedisServer::start();
-    let apply = |id: &str, if_failed: &str, notes: &[[&str; 4]]| -> String {
+    let apply_needing = |id: &str, if_failed: &str, need: usize, notes: &[[&str; 4]]| -> String {
         let meta = format!("kmq:{{b}}:deps:{id}");
         let ready = "kmq:{b}:ready".to_string();
         let _: i64 = redis.cmd(&["HSETNX", &meta, "ready", &ready]);
@@ -437,7 +437,7 @@ fn one_apply_of_many_notes_decides_the_waiter_as_one_apply_a_note_would() {
             "if_failed",
             if_failed,
             "need",
-            "2",
+            &need.to_string(),
             "deps",
             "[]",
             "up",
@@ -466,6 +466,7 @@ fn one_apply_of_many_notes_decides_the_waiter_as_one_apply_a_note_would() {
         }
         redis.cmd(&args)
     };
+    let apply = |id: &str, if_failed: &str, notes: &[[&str; 4]]| apply_needing(id, if_failed, 2, notes);
     let done = |n: &str| format!(r#"{{"queue":"a","id":"{n}","state":"done","result":null}}"#);
     let (p1, p2) = (done("p1"), done("p2"));
     let dead = r#"{"queue":"a","id":"p1","state":"dead","reason":"boom"}"#;
@@ -511,6 +512,24 @@ fn one_apply_of_many_notes_decides_the_waiter_as_one_apply_a_note_would() {
     assert_eq!(said, "duplicate");
     let ready: i64 = redis.cmd(&["LLEN", "kmq:{b}:ready"]);
     assert_eq!(ready, 1);
+    // A mover's turn of thousands of notes (up to `APPLY_BATCH`), a thousand of them delivered twice in the same
+    // call: 2,500 distinct dependencies released the task once, on the last distinct one, with every outcome
+    // once; the notes after it are recorded, not counted again.
+    let ids: Vec<String> = (0..2_600).map(|n| format!("a\nf{n}")).collect();
+    let outcomes: Vec<String> = (0..2_600).map(|n| done(&format!("f{n}"))).collect();
+    let order = (0..2_500).chain(0..1_000).chain(2_500..2_600);
+    let notes: Vec<[&str; 4]> = order
+        .map(|n| [ids[n].as_str(), outcomes[n].as_str(), "done", "0"])
+        .collect();
+    let said = apply_needing("wide", "fail", 2_500, &notes);
+    assert_eq!(said, "released");
+    let ended: i64 = redis.cmd(&["HLEN", "kmq:{b}:deps-ended:wide"]);
+    assert_eq!(ended, 2_600, "every outcome recorded once");
+    let ready: Vec<String> = redis.cmd(&["LRANGE", "kmq:{b}:ready", "0", "-1"]);
+    assert_eq!(ready.len(), 2, "the wide task released once: {}", ready.len());
+    let released: serde_json::Value = serde_json::from_str(&ready[1]).unwrap();
+    assert_eq!(released["after"].as_array().map(Vec::len), Some(2_500));
+    assert_eq!(apply_needing("wide", "fail", 2_500, &notes), "duplicate");
 }
 
 /// A daemon killed with -9 in the middle of a fan-in (tasks held, notes written but not moved, an apply cut
