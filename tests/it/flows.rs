@@ -466,7 +466,8 @@ fn one_apply_of_many_notes_decides_the_waiter_as_one_apply_a_note_would() {
         }
         redis.cmd(&args)
     };
-    let apply = |id: &str, if_failed: &str, notes: &[[&str; 4]]| apply_needing(id, if_failed, 2, notes);
+    let apply =
+        |id: &str, if_failed: &str, notes: &[[&str; 4]]| apply_needing(id, if_failed, 2, notes);
     let done = |n: &str| format!(r#"{{"queue":"a","id":"{n}","state":"done","result":null}}"#);
     let (p1, p2) = (done("p1"), done("p2"));
     let dead = r#"{"queue":"a","id":"p1","state":"dead","reason":"boom"}"#;
@@ -526,7 +527,12 @@ fn one_apply_of_many_notes_decides_the_waiter_as_one_apply_a_note_would() {
     let ended: i64 = redis.cmd(&["HLEN", "kmq:{b}:deps-ended:wide"]);
     assert_eq!(ended, 2_600, "every outcome recorded once");
     let ready: Vec<String> = redis.cmd(&["LRANGE", "kmq:{b}:ready", "0", "-1"]);
-    assert_eq!(ready.len(), 2, "the wide task released once: {}", ready.len());
+    assert_eq!(
+        ready.len(),
+        2,
+        "the wide task released once: {}",
+        ready.len()
+    );
     let released: serde_json::Value = serde_json::from_str(&ready[1]).unwrap();
     assert_eq!(released["after"].as_array().map(Vec::len), Some(2_500));
     assert_eq!(apply_needing("wide", "fail", 2_500, &notes), "duplicate");
