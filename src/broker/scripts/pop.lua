@@ -96,24 +96,33 @@ for i = FIRST, TYPE_KEYS - 1 do
 end
 if refused then return refused end
 local integer = integer_check('pop.lua')
+-- Each prelude's functions are defined only for a call that uses them (`rate_parts` and the others: rate.lua says
+-- why).
 local windows
-windows, refused = rate_read('pop.lua', rates, LAST + 1, 5, integer)
-if refused then return refused end
+if rates > 0 then
+  rate_parts()
+  windows, refused = rate_read('pop.lua', rates, LAST + 1, 5, integer)
+  if refused then return refused end
+end
 local credits
 if weighted then
+  turns_parts()
   credits, refused = turns_read('pop.lua', KEYS[7], levels, integer)
   if refused then return refused end
 end
 -- The type limits' flows, their keys and counts (types.lua), and the owner's share of each counted type, read and
 -- checked before any write.
+local flowing = type_flows > 0
 local block
-block, refused = types_read('pop.lua', TYPES, TYPE_KEYS, levels, KEYS[5], integer)
-if refused then return refused end
-local flowing = #block.flows > 0
-for _, flow in ipairs(block.flows) do
-  if flow.max_running > 0 then
-    refused = integer(KEYS[6], flow.scope, redis.call('HGET', KEYS[6], flow.scope))
-    if refused then return refused end
+if flowing then
+  types_parts()
+  block, refused = types_read('pop.lua', TYPES, TYPE_KEYS, levels, KEYS[5], integer)
+  if refused then return refused end
+  for _, flow in ipairs(block.flows) do
+    if flow.max_running > 0 then
+      refused = integer(KEYS[6], flow.scope, redis.call('HGET', KEYS[6], flow.scope))
+      if refused then return refused end
+    end
   end
 end
 local running, known_limit = 0, 0
@@ -136,6 +145,7 @@ if redis.call('EXISTS', KEYS[3], KEYS[4]) > 0 then
   if redis.call('EXISTS', KEYS[3]) == 1 then
     return {now, 0, {}, redis.call('HLEN', KEYS[1]), 1, 0, {}, {}, {}}
   end
+  rate_parts()
   local ends = throttle_until(KEYS[4], now)
   if ends then
     return {now, 0, {}, redis.call('HLEN', KEYS[1]), 2, ends, {}, {}, {}}
@@ -178,28 +188,29 @@ end
 local items, index, counts
 -- With type limits: the flow index (types.lua's block) each popped task counted in, in the order of `items`.
 local counted = {}
--- With type limits, a level's take (types.lua's `types_take`, see "Type limits"): from its flows, then its
--- quarantine and ready lists, each task into `taken[level]`, with the index of the flow it counted in (0: none).
-local SCAN = 4 * max + 256
-local index_of = {}
-for f, flow in ipairs(block.flows) do index_of[flow] = f end
-local taken = {}
-local function take_flowing(level, take)
-  local into = {items = {}, counted = {}}
-  taken[level] = into
-  local lists = {}
-  for i = FIRST + 4 * (level - 1), FIRST + 4 * level - 1 do lists[#lists + 1] = KEYS[i] end
-  return types_take(block, level, lists, take, SCAN, function(flow, payload)
-    into.items[#into.items + 1] = payload
-    local f = 0
-    if flow then
-      flow.taken = flow.taken + 1
-      if flow.max_running > 0 then f = index_of[flow] end
-    end
-    into.counted[#into.counted + 1] = f
-  end)
-end
 if flowing then
+  -- With type limits, a level's take (types.lua's `types_take`, see "Type limits"): from its flows, then its
+  -- quarantine and ready lists, each task into `taken[level]`, with the index of the flow it counted in (0: none);
+  -- defined only for a pop with type limits.
+  local SCAN = 4 * max + 256
+  local index_of = {}
+  for f, flow in ipairs(block.flows) do index_of[flow] = f end
+  local taken = {}
+  local function take_flowing(level, take)
+    local into = {items = {}, counted = {}}
+    taken[level] = into
+    local lists = {}
+    for i = FIRST + 4 * (level - 1), FIRST + 4 * level - 1 do lists[#lists + 1] = KEYS[i] end
+    return types_take(block, level, lists, take, SCAN, function(flow, payload)
+      into.items[#into.items + 1] = payload
+      local f = 0
+      if flow then
+        flow.taken = flow.taken + 1
+        if flow.max_running > 0 then f = index_of[flow] end
+      end
+      into.counted[#into.counted + 1] = f
+    end)
+  end
   local bad = types_admit('pop.lua', block, KEYS[5], now)
   if bad then return bad end
   items, index, counts = {}, 0, {}
