@@ -140,24 +140,51 @@ local function claim_run(dry)
   -- settle's handover runs it after the settle's writes, and it reads them afresh), and nothing below writes to these
   -- keys before it looks at them (the claim's lists and scopes strings are written after the fence's check, the claim
   -- sets after `holds`). Both sets are KEYS[2], [4], [6], [7] and the run from the first quarantine list to the
-  -- running hash, taken with `unpack` (a table built of them cost more than the calls it saved).
-  local idle = redis.call('EXISTS', KEYS[2], KEYS[4], KEYS[6], KEYS[7], unpack(KEYS, QUARANTINE + 1, RUNNING)) == 0
+  -- running hash, taken with `unpack` (a table built of them cost more than the calls it saved). Under max_running
+  -- the running hash is left out: its read is its type check (`read`, below), and it exists once a claim noted the
+  -- limit, so that every claim of the queue would miss `idle` for it.
+  local idle = redis.call('EXISTS', KEYS[2], KEYS[4], KEYS[6], KEYS[7],
+    unpack(KEYS, QUARANTINE + 1, max_running > 0 and RUNNING - 1 or RUNNING)) == 0
   local absent = idle
   if not idle then
     local rare = {KEYS[6], KEYS[7], unpack(KEYS, QUARANTINE + 1, CLAIMS)}
     for i = LISTS + 1, SCOPES + levels do rare[#rare + 1] = KEYS[i] end
     absent = redis.call('EXISTS', unpack(rare)) == 0
   end
-  -- Whether KEYS[i] needs no type check: known absent, or the paused key (only its existence counts).
+  -- Whether KEYS[i] needs no type check: known absent, the paused key (only its existence counts), or a key whose
+  -- read below is its type check (`read`): the owners zset, the owner's info hash, the stats hash, and the running
+  -- hash under max_running.
   local function known(i)
-    if i == 6 then return true end
+    if i == 1 or i == 3 or i == 5 or i == 6 or (i == RUNNING and max_running > 0) then return true end
     if i ~= 2 and i ~= 4 and i ~= 7 and (i <= QUARANTINE or i > RUNNING) then return false end
     return idle or (absent and (i == 7 or (i > QUARANTINE and i <= CLAIMS) or (i > LISTS and i < RUNNING)))
   end
+  -- The refusal of KEYS[i], found to be a `found`, not a `kind`.
+  local function wrong(i, found, kind)
+    return redis.error_reply('WRONGTYPE claim.lua: ' .. KEYS[i] .. ' is a ' .. found .. ', not a ' .. kind ..
+      '; nothing was written')
+  end
+  -- A read of KEYS[i] (`command`, then its arguments after the key) that is also its type check: Redis refuses the
+  -- read of a key of another type than the command's (`kind`), and the refusal is then the type check's. A key read
+  -- so needs no TYPE before (one call less each: docs/PERFORMANCE.md, "A claim that pays only for the script code
+  -- it uses"). Returns the reply, or nil and the refusal (Redis's own error, should it refuse it for another reason).
+  local function read(i, kind, command, ...)
+    local reply = redis.pcall(command, KEYS[i], ...)
+    if type(reply) == 'table' and reply.err then
+      local found = redis.call('TYPE', KEYS[i]).ok
+      if found == 'none' or found == kind then return nil, reply end
+      return nil, wrong(i, found, kind)
+    end
+    return reply
+  end
   -- Every key's type first (a handful of calls per claim, none per task); the type limits' keys, types.lua's.
+  -- `holds`: whether the owner holds tasks (one of its claim sets exists), which their type checks tell: a busy
+  -- queue's claim needs no EXISTS of its own for them (an idle one's knows them absent).
+  local holds = false
   for i = 1, TYPE_KEYS - 1 do
     if not known(i) then
       local found = redis.call('TYPE', KEYS[i]).ok
+      if found ~= 'none' and i > CLAIMS and i <= LISTS then holds = true end
       local kind = 'list'
       if i == 1 or (i > CLAIMS and i <= LISTS) then
         kind = 'zset'
@@ -170,21 +197,26 @@ local function claim_run(dry)
       elseif i > SCOPES then
         kind = 'string'
       end
-      if found ~= 'none' and found ~= kind then
-        return redis.error_reply('WRONGTYPE claim.lua: ' .. KEYS[i] .. ' is a ' .. found .. ', not a ' .. kind ..
-          '; nothing was written')
-      end
+      if found ~= 'none' and found ~= kind then return wrong(i, found, kind) end
     end
   end
-  -- Then the numbers it reads and the counters it increments: integers, or absent.
+  -- Then the numbers it reads and the counters it increments: integers, or absent; and the owner's lease.
   local integer = integer_check('claim.lua')
-  local info = redis.call('HMGET', KEYS[3], 'floor', 'group', 'journal')
-  local refused = integer(KEYS[3], 'floor', info[1]) or integer(KEYS[3], 'journal', info[3]) or
-    integer(KEYS[5], 'dead_lettered', redis.call('HGET', KEYS[5], 'dead_lettered'))
+  local info, dead_count, lease, refused
+  info, refused = read(3, 'hash', 'HMGET', 'floor', 'group', 'journal')
+  if refused then return refused end
+  dead_count, refused = read(5, 'hash', 'HGET', 'dead_lettered')
+  if refused then return refused end
+  refused = integer(KEYS[3], 'floor', info[1]) or integer(KEYS[3], 'journal', info[3]) or
+    integer(KEYS[5], 'dead_lettered', dead_count)
+  if refused then return refused end
+  lease, refused = read(1, 'zset', 'ZSCORE', owner)
   if refused then return refused end
   local running, known_limit = 0, 0
   if max_running > 0 then
-    local value = redis.call('HMGET', KEYS[RUNNING], 'q', 'q:limit')
+    local value
+    value, refused = read(RUNNING, 'hash', 'HMGET', 'q', 'q:limit')
+    if refused then return refused end
     refused = integer(KEYS[RUNNING], 'q', value[1]) or integer(KEYS[RUNNING], 'q:limit', value[2])
     if refused then return refused end
     running = tonumber(value[1] or '0')
@@ -225,7 +257,6 @@ local function claim_run(dry)
   if dry then return nil end
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  local lease = redis.call('ZSCORE', KEYS[1], owner)
   if not lease or tonumber(lease) <= now then
     -- An owner whose lease entry is gone while its registration is there (Redis lost it, or it was removed by hand)
     -- is put back as expired, as renew.lua does, so that the monitors find what it holds: its daemon, told here,
@@ -577,13 +608,6 @@ local function claim_run(dry)
     groups_intake_apply(grp, levels, intake_plan)
   end
 
-  local holds = false
-  for i = 1, levels do
-    if not idle and redis.call('EXISTS', KEYS[CLAIMS + i]) == 1 then
-      holds = true
-      break
-    end
-  end
   if info[2] then
     if holds then
       return finish(empty(2, 0))
