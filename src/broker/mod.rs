@@ -284,6 +284,9 @@ pub mod sources {
     /// claim.lua and pop.lua both count a rate limit's starts and split a take between weighted levels:
     /// rate.lua and turns.lua, their shared parts, go before each (after the shebang, which must open a script,
     /// and checks.lua), and types.lua, the limits per task type; groups.lua, the fair groups, before claim.lua only.
+    /// Each of these four defines its functions in one function of its own (`rate_parts`, `turns_parts`,
+    /// `types_parts`, `groups_parts`), which a call runs only when its arguments configure the feature: a take
+    /// without them creates one closure for each file, not one for each of its functions.
     pub const CLAIM: &str = concat!("#!lua\n", claim_parts!(), "return claim_run(false)\n");
     pub const ADOPT: &str = checked!(#!lua "scripts/adopt.lua");
     pub const POP: &str = concat!(
@@ -308,7 +311,8 @@ pub mod sources {
     /// then handover.lua, the trailer of a settle that hands the slots it frees over to the next tasks, and
     /// claim.lua with its preludes and handover_run.lua inside a function (`handover_parts`) that only such a
     /// settle calls: every other settle creates one closure for them, where Lua would create one for each of
-    /// their sixty-odd `local function`s as the script's top level runs, on every call.
+    /// their top level's `local function`s, on every call (the preludes' own functions are defined only for a
+    /// call that uses them: rate.lua's `rate_parts` and the others).
     pub const SETTLE: &str = concat!(
         "#!lua\n",
         include_str!("scripts/results.lua"),

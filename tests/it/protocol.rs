@@ -121,11 +121,12 @@ fn a_plain_push_writes_a_wake_marker_only_to_an_empty_wake_list() {
 }
 
 /// An idle queue's claim (a task just pushed; the owner holds nothing, its marker was taken, nothing was
-/// dead-lettered, no limit counts) checks the type of only the keys that exist (the owners zset, the owner's info
-/// hash, the stats hash, the ready list) and looks up all the others with one EXISTS: each call a script makes costs
-/// Redis about 5,000 instructions, and this claim is on every idle push's way to its handler (issue 38;
-/// docs/PERFORMANCE.md, "The idle claim's calls"). It made 14 TYPE calls, 3 EXISTS and 3 LLEN before:
-/// 29 calls in all, now 15.
+/// dead-lettered, no limit counts) checks the type of only the keys that exist and looks up all the others with one
+/// EXISTS: each call a script makes costs Redis about 5,000 instructions, and this claim is on every idle push's way
+/// to its handler (issue 38; docs/PERFORMANCE.md, "The idle claim's calls"). It made 14 TYPE calls, 3 EXISTS and 3
+/// LLEN before: 29 calls in all, then 15; of the keys that exist, the owners zset, the owner's info hash and the
+/// stats hash are checked by the reads the claim makes of them, so the ready list alone needs a TYPE (4 before:
+/// "A claim that pays only for the script code it uses").
 #[test]
 fn an_idle_claim_checks_the_types_of_only_the_keys_that_exist() {
     let redis = RedisServer::start();
@@ -154,8 +155,44 @@ fn an_idle_claim_checks_the_types_of_only_the_keys_that_exist() {
     let calls = |command: &str| command_calls(&redis, command);
     assert_eq!(
         (calls("type"), calls("exists"), calls("llen")),
-        (4, 1, 0),
+        (1, 1, 0),
         "TYPE, EXISTS and LLEN calls of one idle claim"
+    );
+}
+
+/// An idle default-mode queue's pop (pop.lua: a task just pushed, no unique id held, no limit counts, no weights:
+/// default mode's take behind its idle wait) checks the type of only the keys that exist (the owners zset, the
+/// ready list) and looks up all the others with one EXISTS, as an idle claim does (docs/PERFORMANCE.md, "A claim
+/// that pays only for the script code it uses"). It made 11 TYPE calls, 1 EXISTS and 1 HLEN before.
+#[test]
+fn an_idle_pop_checks_the_types_of_only_the_keys_that_exist() {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let config = dir.config(&redis, "[[queues]]\nname = \"fast\"\nmode = \"default\"\n");
+    let keys = kmqd::broker::QueueKeys::new("kmq", "fast", &["normal".to_string()]);
+    client(&config)
+        .push("fast", kmqd::NewTask::new("test", "{}").unwrap().id("t"))
+        .unwrap();
+    let mut connection = redis.connection();
+    let lease = Duration::from_secs(30);
+    let info = kmqd::broker::OwnerInfo::default();
+    assert!(
+        kmqd::broker::register(&mut connection, &keys, "o.1", lease, &info)
+            .unwrap()
+            .is_some()
+    );
+    let _: String = redis.cmd(&["CONFIG", "RESETSTAT"]);
+    let owner = std::sync::Arc::from("o.1");
+    let limits = kmqd::broker::PopLimits::default();
+    let batch = kmqd::broker::Popper::default()
+        .pop(&mut connection, &keys, &owner, 10, limits, None)
+        .unwrap();
+    assert_eq!(batch.tasks.len(), 1);
+    let calls = |command: &str| command_calls(&redis, command);
+    assert_eq!(
+        (calls("type"), calls("exists"), calls("hlen")),
+        (2, 1, 0),
+        "TYPE, EXISTS and HLEN calls of one idle pop"
     );
 }
 

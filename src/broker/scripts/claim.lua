@@ -140,24 +140,51 @@ local function claim_run(dry)
   -- settle's handover runs it after the settle's writes, and it reads them afresh), and nothing below writes to these
   -- keys before it looks at them (the claim's lists and scopes strings are written after the fence's check, the claim
   -- sets after `holds`). Both sets are KEYS[2], [4], [6], [7] and the run from the first quarantine list to the
-  -- running hash, taken with `unpack` (a table built of them cost more than the calls it saved).
-  local idle = redis.call('EXISTS', KEYS[2], KEYS[4], KEYS[6], KEYS[7], unpack(KEYS, QUARANTINE + 1, RUNNING)) == 0
+  -- running hash, taken with `unpack` (a table built of them cost more than the calls it saved). Under max_running
+  -- the running hash is left out: its read is its type check (`read`, below), and it exists once a claim noted the
+  -- limit, so that every claim of the queue would miss `idle` for it.
+  local idle = redis.call('EXISTS', KEYS[2], KEYS[4], KEYS[6], KEYS[7],
+    unpack(KEYS, QUARANTINE + 1, max_running > 0 and RUNNING - 1 or RUNNING)) == 0
   local absent = idle
   if not idle then
     local rare = {KEYS[6], KEYS[7], unpack(KEYS, QUARANTINE + 1, CLAIMS)}
     for i = LISTS + 1, SCOPES + levels do rare[#rare + 1] = KEYS[i] end
     absent = redis.call('EXISTS', unpack(rare)) == 0
   end
-  -- Whether KEYS[i] needs no type check: known absent, or the paused key (only its existence counts).
+  -- Whether KEYS[i] needs no type check: known absent, the paused key (only its existence counts), or a key whose
+  -- read below is its type check (`read`): the owners zset, the owner's info hash, the stats hash, and the running
+  -- hash under max_running.
   local function known(i)
-    if i == 6 then return true end
+    if i == 1 or i == 3 or i == 5 or i == 6 or (i == RUNNING and max_running > 0) then return true end
     if i ~= 2 and i ~= 4 and i ~= 7 and (i <= QUARANTINE or i > RUNNING) then return false end
     return idle or (absent and (i == 7 or (i > QUARANTINE and i <= CLAIMS) or (i > LISTS and i < RUNNING)))
   end
+  -- The refusal of KEYS[i], found to be a `found`, not a `kind`.
+  local function wrong(i, found, kind)
+    return redis.error_reply('WRONGTYPE claim.lua: ' .. KEYS[i] .. ' is a ' .. found .. ', not a ' .. kind ..
+      '; nothing was written')
+  end
+  -- A read of KEYS[i] (`command`, then its arguments after the key) that is also its type check: Redis refuses the
+  -- read of a key of another type than the command's (`kind`), and the refusal is then the type check's. A key read
+  -- so needs no TYPE before (one call less each: docs/PERFORMANCE.md, "A claim that pays only for the script code
+  -- it uses"). Returns the reply, or nil and the refusal (Redis's own error, should it refuse it for another reason).
+  local function read(i, kind, command, ...)
+    local reply = redis.pcall(command, KEYS[i], ...)
+    if type(reply) == 'table' and reply.err then
+      local found = redis.call('TYPE', KEYS[i]).ok
+      if found == 'none' or found == kind then return nil, reply end
+      return nil, wrong(i, found, kind)
+    end
+    return reply
+  end
   -- Every key's type first (a handful of calls per claim, none per task); the type limits' keys, types.lua's.
+  -- `holds`: whether the owner holds tasks (one of its claim sets exists), which their type checks tell: a busy
+  -- queue's claim needs no EXISTS of its own for them (an idle one's knows them absent).
+  local holds = false
   for i = 1, TYPE_KEYS - 1 do
     if not known(i) then
       local found = redis.call('TYPE', KEYS[i]).ok
+      if found ~= 'none' and i > CLAIMS and i <= LISTS then holds = true end
       local kind = 'list'
       if i == 1 or (i > CLAIMS and i <= LISTS) then
         kind = 'zset'
@@ -170,49 +197,66 @@ local function claim_run(dry)
       elseif i > SCOPES then
         kind = 'string'
       end
-      if found ~= 'none' and found ~= kind then
-        return redis.error_reply('WRONGTYPE claim.lua: ' .. KEYS[i] .. ' is a ' .. found .. ', not a ' .. kind ..
-          '; nothing was written')
-      end
+      if found ~= 'none' and found ~= kind then return wrong(i, found, kind) end
     end
   end
-  -- Then the numbers it reads and the counters it increments: integers, or absent.
+  -- Then the numbers it reads and the counters it increments: integers, or absent; and the owner's lease.
   local integer = integer_check('claim.lua')
-  local info = redis.call('HMGET', KEYS[3], 'floor', 'group', 'journal')
-  local refused = integer(KEYS[3], 'floor', info[1]) or integer(KEYS[3], 'journal', info[3]) or
-    integer(KEYS[5], 'dead_lettered', redis.call('HGET', KEYS[5], 'dead_lettered'))
+  local info, dead_count, lease, refused
+  info, refused = read(3, 'hash', 'HMGET', 'floor', 'group', 'journal')
+  if refused then return refused end
+  dead_count, refused = read(5, 'hash', 'HGET', 'dead_lettered')
+  if refused then return refused end
+  refused = integer(KEYS[3], 'floor', info[1]) or integer(KEYS[3], 'journal', info[3]) or
+    integer(KEYS[5], 'dead_lettered', dead_count)
+  if refused then return refused end
+  lease, refused = read(1, 'zset', 'ZSCORE', owner)
   if refused then return refused end
   local running, known_limit = 0, 0
   if max_running > 0 then
-    local value = redis.call('HMGET', KEYS[RUNNING], 'q', 'q:limit')
+    local value
+    value, refused = read(RUNNING, 'hash', 'HMGET', 'q', 'q:limit')
+    if refused then return refused end
     refused = integer(KEYS[RUNNING], 'q', value[1]) or integer(KEYS[RUNNING], 'q:limit', value[2])
     if refused then return refused end
     running = tonumber(value[1] or '0')
     known_limit = tonumber(value[2] or '0')
   end
-  -- The rate limit's logs: their sums and newest entries parsed before any write (rate.lua).
-  local windows
-  windows, refused = rate_read('claim.lua', rates, RUNNING + 1, 10, integer)
-  if refused then return refused end
+  -- The rate limit's logs: their sums and newest entries parsed before any write (rate.lua). Each prelude's
+  -- functions are defined only for a call that uses them (`rate_parts` and the others: rate.lua says why).
+  local windows = {}
+  if rates > 0 then
+    rate_parts()
+    windows, refused = rate_read('claim.lua', rates, RUNNING + 1, 10, integer)
+    if refused then return refused end
+  end
   -- With priority weights, the levels' credits (turns.lua), read and checked before any write.
   local credits
   if weighted then
+    turns_parts()
     credits, refused = turns_read('claim.lua', KEYS[SCHED], levels, integer)
     if refused then return refused end
   end
   -- The type limits' flows, their keys and counts (types.lua), read and checked before any write.
-  local block, bad_types = types_read('claim.lua', TYPES, TYPE_KEYS, levels, KEYS[RUNNING], integer)
-  if bad_types then return bad_types end
-  local flowing = #block.flows > 0
+  local flowing = type_flows > 0
+  local block
+  if flowing then
+    types_parts()
+    block, refused = types_read('claim.lua', TYPES, TYPE_KEYS, levels, KEYS[RUNNING], integer)
+    if refused then return refused end
+  end
   -- The groups' rings, virtual times and limits (groups.lua), read and checked before any write.
-  local grp, bad_groups = groups_read('claim.lua', GROUPS_AT, #KEYS - levels, levels, integer)
-  if bad_groups then return bad_groups end
+  local grp = {on = false}
+  if grouped then
+    groups_parts()
+    grp, refused = groups_read('claim.lua', GROUPS_AT, #KEYS - levels, levels, integer)
+    if refused then return refused end
+  end
   -- Type limits beside groups: the groups' turns serve the (GROUP, TYPE) flows too (groups.lua).
-  if flowing then groups_with_types(grp, block, 4 * tonumber(ARGV[2]) + 256) end
+  if flowing and grp.on then groups_with_types(grp, block, 4 * tonumber(ARGV[2]) + 256) end
   if dry then return nil end
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  local lease = redis.call('ZSCORE', KEYS[1], owner)
   if not lease or tonumber(lease) <= now then
     -- An owner whose lease entry is gone while its registration is there (Redis lost it, or it was removed by hand)
     -- is put back as expired, as renew.lua does, so that the monitors find what it holds: its daemon, told here,
@@ -239,81 +283,82 @@ local function claim_run(dry)
   -- one is encoded with its record in one cjson.encode (in C; its buffer made private to the call, where Redis
   -- keeps it by default for the next call, as large as the largest string encoded, outside `maxmemory`'s count);
   -- another is encoded in Lua, in base64 pieces concatenated once with the record's other fields.
-  local function is_utf8(s)
-    -- Runs of ASCII are skipped by string.find; from a byte that is not ASCII on, a chunk of up to 4,096 bytes is
-    -- read as numbers at once (one string.byte) and each character checked as Rust's str::from_utf8 does: no
-    -- overlong form, no surrogate, nothing past U+10FFFF, nothing cut short.
-    local n = #s
-    local i = string.find(s, '[\128-\255]')
-    while i do
-      local last = math.min(i + 4095, n)
-      local b = {string.byte(s, i, last)}
-      local j, m = 1, last - i + 1
-      while j <= m do
-        local c = b[j]
-        if c < 128 then
-          j = j + 1
-        else
-          local need, lo, hi = 1, 128, 191
-          if c >= 194 and c <= 223 then need = 1
-          elseif c == 224 then need, lo = 2, 160
-          elseif (c >= 225 and c <= 236) or c == 238 or c == 239 then need = 2
-          elseif c == 237 then need, hi = 2, 159
-          elseif c == 240 then need, lo = 3, 144
-          elseif c >= 241 and c <= 243 then need = 3
-          elseif c == 244 then need, hi = 3, 143
-          else return false end
-          if j + need > m then
-            -- Cut short by the end of the payload, or by the chunk's: the next chunk starts at this character.
-            if last == n then return false end
-            break
-          end
-          local b1, b2, b3 = b[j + 1], b[j + 2], b[j + 3]
-          if b1 < lo or b1 > hi then return false end
-          if need >= 2 and (b2 < 128 or b2 > 191) then return false end
-          if need == 3 and (b3 < 128 or b3 > 191) then return false end
-          j = j + need + 1
-        end
-      end
-      i = string.find(s, '[\128-\255]', i + j - 1)
-    end
-    return true
-  end
-  local B64 = 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/'
-  -- Appends `s` in base64 to `parts`, in pieces of 8,192 characters: each 3 bytes are two halves of 12 bits, each
-  -- two characters of a table of 4,096.
-  local function base64_into(parts, s)
-    local pair = {}
-    for v = 0, 4095 do
-      local hi, lo = (v - v % 64) / 64 + 1, v % 64 + 1
-      pair[v] = string.sub(B64, hi, hi) .. string.sub(B64, lo, lo)
-    end
-    local n = #s
-    local whole = n - n % 3
-    local chunk, k = {}, 0
-    for i = 1, whole, 3 do
-      local a, b, c = string.byte(s, i, i + 2)
-      local v = a * 65536 + b * 256 + c
-      local lo = v % 4096
-      chunk[k + 1], chunk[k + 2] = pair[(v - lo) / 4096], pair[lo]
-      k = k + 2
-      if k == 8192 then
-        parts[#parts + 1] = table.concat(chunk, '', 1, k)
-        k = 0
-      end
-    end
-    if k > 0 then parts[#parts + 1] = table.concat(chunk, '', 1, k) end
-    if n > whole then
-      local a, b = string.byte(s, whole + 1, n)
-      local v = a * 65536 + (b or 0) * 256
-      local lo = v % 4096
-      local last = pair[(v - lo) / 4096] .. pair[lo]
-      if b then last = string.sub(last, 1, 3) .. '=' else last = string.sub(last, 1, 2) .. '==' end
-      parts[#parts + 1] = last
-    end
-  end
   local dead_lettered = 0
   local function dead_oversized(payload)
+    -- Defined here, so that only a claim that dead-letters a payload creates them (rate.lua says why).
+    local function is_utf8(s)
+      -- Runs of ASCII are skipped by string.find; from a byte that is not ASCII on, a chunk of up to 4,096 bytes is
+      -- read as numbers at once (one string.byte) and each character checked as Rust's str::from_utf8 does: no
+      -- overlong form, no surrogate, nothing past U+10FFFF, nothing cut short.
+      local n = #s
+      local i = string.find(s, '[\128-\255]')
+      while i do
+        local last = math.min(i + 4095, n)
+        local b = {string.byte(s, i, last)}
+        local j, m = 1, last - i + 1
+        while j <= m do
+          local c = b[j]
+          if c < 128 then
+            j = j + 1
+          else
+            local need, lo, hi = 1, 128, 191
+            if c >= 194 and c <= 223 then need = 1
+            elseif c == 224 then need, lo = 2, 160
+            elseif (c >= 225 and c <= 236) or c == 238 or c == 239 then need = 2
+            elseif c == 237 then need, hi = 2, 159
+            elseif c == 240 then need, lo = 3, 144
+            elseif c >= 241 and c <= 243 then need = 3
+            elseif c == 244 then need, hi = 3, 143
+            else return false end
+            if j + need > m then
+              -- Cut short by the end of the payload, or by the chunk's: the next chunk starts at this character.
+              if last == n then return false end
+              break
+            end
+            local b1, b2, b3 = b[j + 1], b[j + 2], b[j + 3]
+            if b1 < lo or b1 > hi then return false end
+            if need >= 2 and (b2 < 128 or b2 > 191) then return false end
+            if need == 3 and (b3 < 128 or b3 > 191) then return false end
+            j = j + need + 1
+          end
+        end
+        i = string.find(s, '[\128-\255]', i + j - 1)
+      end
+      return true
+    end
+    local B64 = 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/'
+    -- Appends `s` in base64 to `parts`, in pieces of 8,192 characters: each 3 bytes are two halves of 12 bits, each
+    -- two characters of a table of 4,096.
+    local function base64_into(parts, s)
+      local pair = {}
+      for v = 0, 4095 do
+        local hi, lo = (v - v % 64) / 64 + 1, v % 64 + 1
+        pair[v] = string.sub(B64, hi, hi) .. string.sub(B64, lo, lo)
+      end
+      local n = #s
+      local whole = n - n % 3
+      local chunk, k = {}, 0
+      for i = 1, whole, 3 do
+        local a, b, c = string.byte(s, i, i + 2)
+        local v = a * 65536 + b * 256 + c
+        local lo = v % 4096
+        chunk[k + 1], chunk[k + 2] = pair[(v - lo) / 4096], pair[lo]
+        k = k + 2
+        if k == 8192 then
+          parts[#parts + 1] = table.concat(chunk, '', 1, k)
+          k = 0
+        end
+      end
+      if k > 0 then parts[#parts + 1] = table.concat(chunk, '', 1, k) end
+      if n > whole then
+        local a, b = string.byte(s, whole + 1, n)
+        local v = a * 65536 + (b or 0) * 256
+        local lo = v % 4096
+        local last = pair[(v - lo) / 4096] .. pair[lo]
+        if b then last = string.sub(last, 1, 3) .. '=' else last = string.sub(last, 1, 2) .. '==' end
+        parts[#parts + 1] = last
+      end
+    end
     dead_lettered = dead_lettered + 1
     local record = {dead_at = now, queue = ARGV[5], id = '', type = '', attempt = 0,
       reason = 'task is ' .. #payload .. ' bytes, more than max_task_bytes (' .. ARGV[3] .. '); it was not run',
@@ -438,6 +483,7 @@ local function claim_run(dry)
     if redis.call('EXISTS', KEYS[6]) == 1 then
       return finish(empty(3, 0))
     end
+    rate_parts()
     local ends = throttle_until(KEYS[7], now)
     if ends then
       retry_at = ends
@@ -494,7 +540,8 @@ local function claim_run(dry)
   end
   -- Each window leaves its limit minus what is still in it once the entries that aged out are dropped (read here,
   -- dropped once every check is done, below).
-  local free, due, bad = rate_scan('claim.lua', windows, now)
+  local free, due, bad = nil, 0, nil
+  if rates > 0 then free, due, bad = rate_scan('claim.lua', windows, now) end
   if bad then return bad end
   if due > 0 then
     rate_drop(windows)
@@ -552,7 +599,7 @@ local function claim_run(dry)
     if bad then return bad end
   end
   -- Every check is done: the first writes (but for a full count's or a full window's answer, above).
-  rate_drop(windows)
+  if rates > 0 then rate_drop(windows) end
   note_limit()
   if flowing then types_write(block, KEYS[RUNNING]) end
   if grp.on then
@@ -561,13 +608,6 @@ local function claim_run(dry)
     groups_intake_apply(grp, levels, intake_plan)
   end
 
-  local holds = false
-  for i = 1, levels do
-    if not idle and redis.call('EXISTS', KEYS[CLAIMS + i]) == 1 then
-      holds = true
-      break
-    end
-  end
   if info[2] then
     if holds then
       return finish(empty(2, 0))

@@ -1,8 +1,8 @@
 -- handover.lua, before settle.lua (src/broker/mod.rs, `sources`): the slot handed over in the settle
 -- (docs/design/flow-control.md, "The slot handed over in the settle"). Its trailer is read here; the claim's parts
 -- (claim.lua with its preludes, and handover_run.lua) are inside `handover_parts`, which only a settle that carries
--- the trailer calls: every other settle creates one closure for them, not some sixty (Lua creates one for each
--- `local function` as the script's top level runs, on every call).
+-- the trailer calls: every other settle creates one closure for them, not one for each of their top level's `local
+-- function`s (Lua creates one for each as the script's top level runs, on every call).
 --
 -- At `max_running`, a slot's cycle is its task's run plus the turnaround from the settle that frees it to the claim
 -- that fills it: a wake-up marker, the fetcher's BLPOP served, a claim, its reply. A settle by the owner of a queue

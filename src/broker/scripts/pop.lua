@@ -63,14 +63,16 @@
 -- back every scope of the share when the owner goes. A pop with type limits is bounded by its count only, not
 -- by the bytes (as the claim's: the daemon takes only for idle workers there).
 --
--- Checks before it writes: every key's type (KEYS[3] is only tested for existence, KEYS[4] for its time to
--- live) and every rate log's entries and sum; a call that fails writes nothing (and pops nothing).
+-- Checks before it writes: the type of every key it touches (KEYS[3] is only tested for existence, KEYS[4] for its
+-- time to live) and every rate log's entries and sum; a call that fails writes nothing (and pops nothing).
+-- nil and the type of `key` when it is absent or of type `kind`, else the error reply that names it.
 local function wrong_type(key, kind)
   local found = redis.call('TYPE', key).ok
   if found ~= 'none' and found ~= kind then
     return redis.error_reply('WRONGTYPE pop.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
       '; nothing was written')
   end
+  return nil, found
 end
 local max_running = tonumber(ARGV[3]) or 0
 local rates = tonumber(ARGV[4]) or 0
@@ -86,34 +88,83 @@ local FIRST = 9
 local levels = (#KEYS - 8 - 2 * rates - type_other_keys) / per_level
 local LAST = FIRST + 4 * levels - 1
 local TYPE_KEYS = LAST + 2 * rates + 1
-local refused = wrong_type(KEYS[1], 'hash') or wrong_type(KEYS[2], 'hash')
-refused = refused or wrong_type(KEYS[4], 'string') or wrong_type(KEYS[5], 'hash') or wrong_type(KEYS[6], 'hash')
-  or wrong_type(KEYS[7], 'hash') or wrong_type(KEYS[8], 'zset')
-for i = FIRST, TYPE_KEYS - 1 do
-  local kind = 'list'
-  if i > LAST and (i - LAST) % 2 == 0 then kind = 'string' end
-  refused = refused or wrong_type(KEYS[i], kind)
+-- Keys a pop often finds absent, looked up together as claim.lua's are: those found absent need no call of their
+-- own below (their type checks, the pause's and the throttle's EXISTS, the quarantine's LLENs, the unique ids'
+-- HLEN), each call costing Redis about 5,000 instructions, and each key it names about 500 more (docs/PERFORMANCE.md,
+-- "A claim that pays only for the script code it uses"). `idle`: the unique hashes, the pause, the throttle and the
+-- quarantine lists, all absent when a queue without unique ids pops a task just pushed (default mode's idle take:
+-- one EXISTS for it); `absent`: the pause, the throttle and the quarantine lists, nearly always absent, looked up
+-- again when a unique id is held. Read before any write, and nothing writes to these keys before it looks at them.
+local quarantine = {}
+for i = FIRST, LAST do
+  if (i - FIRST) % 4 ~= 3 then quarantine[#quarantine + 1] = KEYS[i] end
+end
+local idle = redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[3], KEYS[4], unpack(quarantine)) == 0
+local absent = idle or redis.call('EXISTS', KEYS[3], KEYS[4], unpack(quarantine)) == 0
+-- Whether KEYS[i] needs no type check: known absent, the paused key (only its existence counts), or a key this pop
+-- does not touch: the running hashes but under a running limit or type limits, the sched hash but with priority
+-- weights (a key the call does not touch cannot make it fail).
+local counting = max_running > 0 or type_flows > 0
+local function known(i)
+  if i == 3 then return true end
+  if i == 4 or (i >= FIRST and i <= LAST and (i - FIRST) % 4 ~= 3) then return absent end
+  if i == 5 or i == 6 then return not counting end
+  if i == 7 then return not weighted end
+  return idle and i < 3
+end
+-- Every key's type (types.lua's keys are checked by types_read); `unique_ids`: whether the unique hash exists.
+local refused, unique_ids = nil, not idle
+for i = 1, TYPE_KEYS - 1 do
+  if not refused and not known(i) then
+    local kind = 'list'
+    if i == 4 then
+      kind = 'string'
+    elseif i == 8 then
+      kind = 'zset'
+    elseif i < FIRST then
+      kind = 'hash'
+    elseif i > LAST and (i - LAST) % 2 == 0 then
+      kind = 'string'
+    end
+    local found
+    refused, found = wrong_type(KEYS[i], kind)
+    if i == 1 then unique_ids = found ~= 'none' end
+  end
 end
 if refused then return refused end
+-- How many unique ids the queue holds (the reply's fourth element).
+local function held_ids()
+  if not unique_ids then return 0 end
+  return redis.call('HLEN', KEYS[1])
+end
 local integer = integer_check('pop.lua')
+-- Each prelude's functions are defined only for a call that uses them (`rate_parts` and the others: rate.lua says
+-- why).
 local windows
-windows, refused = rate_read('pop.lua', rates, LAST + 1, 5, integer)
-if refused then return refused end
+if rates > 0 then
+  rate_parts()
+  windows, refused = rate_read('pop.lua', rates, LAST + 1, 5, integer)
+  if refused then return refused end
+end
 local credits
 if weighted then
+  turns_parts()
   credits, refused = turns_read('pop.lua', KEYS[7], levels, integer)
   if refused then return refused end
 end
 -- The type limits' flows, their keys and counts (types.lua), and the owner's share of each counted type, read and
 -- checked before any write.
+local flowing = type_flows > 0
 local block
-block, refused = types_read('pop.lua', TYPES, TYPE_KEYS, levels, KEYS[5], integer)
-if refused then return refused end
-local flowing = #block.flows > 0
-for _, flow in ipairs(block.flows) do
-  if flow.max_running > 0 then
-    refused = integer(KEYS[6], flow.scope, redis.call('HGET', KEYS[6], flow.scope))
-    if refused then return refused end
+if flowing then
+  types_parts()
+  block, refused = types_read('pop.lua', TYPES, TYPE_KEYS, levels, KEYS[5], integer)
+  if refused then return refused end
+  for _, flow in ipairs(block.flows) do
+    if flow.max_running > 0 then
+      refused = integer(KEYS[6], flow.scope, redis.call('HGET', KEYS[6], flow.scope))
+      if refused then return refused end
+    end
   end
 end
 local running, known_limit = 0, 0
@@ -131,14 +182,15 @@ local lease = redis.call('ZSCORE', KEYS[8], ARGV[1])
 if not lease or tonumber(lease) <= now then
   return redis.error_reply('LEASELOST owner ' .. ARGV[1] .. ' has no live lease')
 end
--- One EXISTS for both keys, as claim.lua.
-if redis.call('EXISTS', KEYS[3], KEYS[4]) > 0 then
+-- One EXISTS for both keys, as claim.lua (none when the keys looked up above were absent).
+if not absent and redis.call('EXISTS', KEYS[3], KEYS[4]) > 0 then
   if redis.call('EXISTS', KEYS[3]) == 1 then
-    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 1, 0, {}, {}, {}}
+    return {now, 0, {}, held_ids(), 1, 0, {}, {}, {}}
   end
+  rate_parts()
   local ends = throttle_until(KEYS[4], now)
   if ends then
-    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 2, ends, {}, {}, {}}
+    return {now, 0, {}, held_ids(), 2, ends, {}, {}, {}}
   end
 end
 local max = tonumber(ARGV[2])
@@ -150,7 +202,7 @@ end
 if max_running > 0 then
   if running >= max_running then
     note_limit()
-    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 4, 0, {}, {}, {}}
+    return {now, 0, {}, held_ids(), 4, 0, {}, {}, {}}
   end
   max = math.min(max, max_running - running)
 end
@@ -158,7 +210,7 @@ if rates > 0 then
   local free, due, bad = rate_trim('pop.lua', windows, now)
   if bad then return bad end
   if due > 0 then
-    return {now, 0, {}, redis.call('HLEN', KEYS[1]), 3, due, {}, {}, {}}
+    return {now, 0, {}, held_ids(), 3, due, {}, {}, {}}
   end
   max = math.min(max, free)
 end
@@ -169,7 +221,7 @@ local function ready(level) return KEYS[FIRST + 4 * level - 1] end
 local quarantined = false
 if weighted then
   for i = FIRST, LAST do
-    if (i - FIRST) % 4 ~= 3 and redis.call('LLEN', KEYS[i]) > 0 then
+    if not absent and (i - FIRST) % 4 ~= 3 and redis.call('LLEN', KEYS[i]) > 0 then
       quarantined = true
       break
     end
@@ -178,28 +230,29 @@ end
 local items, index, counts
 -- With type limits: the flow index (types.lua's block) each popped task counted in, in the order of `items`.
 local counted = {}
--- With type limits, a level's take (types.lua's `types_take`, see "Type limits"): from its flows, then its
--- quarantine and ready lists, each task into `taken[level]`, with the index of the flow it counted in (0: none).
-local SCAN = 4 * max + 256
-local index_of = {}
-for f, flow in ipairs(block.flows) do index_of[flow] = f end
-local taken = {}
-local function take_flowing(level, take)
-  local into = {items = {}, counted = {}}
-  taken[level] = into
-  local lists = {}
-  for i = FIRST + 4 * (level - 1), FIRST + 4 * level - 1 do lists[#lists + 1] = KEYS[i] end
-  return types_take(block, level, lists, take, SCAN, function(flow, payload)
-    into.items[#into.items + 1] = payload
-    local f = 0
-    if flow then
-      flow.taken = flow.taken + 1
-      if flow.max_running > 0 then f = index_of[flow] end
-    end
-    into.counted[#into.counted + 1] = f
-  end)
-end
 if flowing then
+  -- With type limits, a level's take (types.lua's `types_take`, see "Type limits"): from its flows, then its
+  -- quarantine and ready lists, each task into `taken[level]`, with the index of the flow it counted in (0: none);
+  -- defined only for a pop with type limits.
+  local SCAN = 4 * max + 256
+  local index_of = {}
+  for f, flow in ipairs(block.flows) do index_of[flow] = f end
+  local taken = {}
+  local function take_flowing(level, take)
+    local into = {items = {}, counted = {}}
+    taken[level] = into
+    local lists = {}
+    for i = FIRST + 4 * (level - 1), FIRST + 4 * level - 1 do lists[#lists + 1] = KEYS[i] end
+    return types_take(block, level, lists, take, SCAN, function(flow, payload)
+      into.items[#into.items + 1] = payload
+      local f = 0
+      if flow then
+        flow.taken = flow.taken + 1
+        if flow.max_running > 0 then f = index_of[flow] end
+      end
+      into.counted[#into.counted + 1] = f
+    end)
+  end
   local bad = types_admit('pop.lua', block, KEYS[5], now)
   if bad then return bad end
   items, index, counts = {}, 0, {}
@@ -306,7 +359,7 @@ if budget and #items > 1 and not flowing then
   end
   for k = #items, kept + 1, -1 do items[k] = nil end
 end
-local held = redis.call('HLEN', KEYS[1])
+local held = held_ids()
 if #items == 0 then
   if flowing then
     -- Nothing taken though tasks wait, because their types' limits hold them back (state 7).

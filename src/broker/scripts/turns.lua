@@ -12,50 +12,57 @@
 -- weights by themselves; each is clamped to it all the same, for a change of the weights (a reload, a rolling
 -- change), which would otherwise carry a lead or a debt built under the old ones into the new turns.
 
--- Reads the credits of `levels` levels from `sched` and checks them (integers, or absent) before any write:
--- returns them, or nil and the error reply of `script`.
-local function turns_read(script, sched, levels, integer)
-  local fields = {}
-  for level = 1, levels do fields[level] = 'cur:' .. level end
-  local values = redis.call('HMGET', sched, unpack(fields))
-  local credits = {}
-  for level = 1, levels do
-    local refused = integer(sched, fields[level], values[level])
-    if refused then return nil, refused end
-    credits[level] = tonumber(values[level] or '0')
-  end
-  return credits
-end
-
--- How many of at most `max` tasks each level gets, by `weights` (ARGV strings), given the tasks each level has
--- (`available`); moves the credits on and stores them in `sched`.
-local function turns_split(sched, weights, credits, available, max)
-  local levels, all = #available, 0
-  local want = {}
-  for level = 1, levels do
-    want[level] = 0
-    all = all + tonumber(weights[level])
-  end
-  for _ = 1, max do
-    local total, best = 0, nil
+-- Declared here and defined by `turns_parts`, which a caller runs before its first use of them (priority weights);
+-- a second run returns at once: a call without weights creates one closure for this file, not two (rate.lua says
+-- why).
+local turns_read, turns_split
+local function turns_parts()
+  if turns_read then return end
+  -- Reads the credits of `levels` levels from `sched` and checks them (integers, or absent) before any write:
+  -- returns them, or nil and the error reply of `script`.
+  function turns_read(script, sched, levels, integer)
+    local fields = {}
+    for level = 1, levels do fields[level] = 'cur:' .. level end
+    local values = redis.call('HMGET', sched, unpack(fields))
+    local credits = {}
     for level = 1, levels do
-      if available[level] > want[level] then
-        local weight = tonumber(weights[level])
-        total = total + weight
-        credits[level] = credits[level] + weight
-        if not best or credits[level] > credits[best] then best = level end
-      end
+      local refused = integer(sched, fields[level], values[level])
+      if refused then return nil, refused end
+      credits[level] = tonumber(values[level] or '0')
     end
-    if not best then break end
-    credits[best] = credits[best] - total
-    want[best] = want[best] + 1
+    return credits
   end
-  local stored = {}
-  for level = 1, levels do
-    credits[level] = math.max(-all, math.min(all, credits[level]))
-    stored[#stored + 1] = 'cur:' .. level
-    stored[#stored + 1] = credits[level]
+
+  -- How many of at most `max` tasks each level gets, by `weights` (ARGV strings), given the tasks each level has
+  -- (`available`); moves the credits on and stores them in `sched`.
+  function turns_split(sched, weights, credits, available, max)
+    local levels, all = #available, 0
+    local want = {}
+    for level = 1, levels do
+      want[level] = 0
+      all = all + tonumber(weights[level])
+    end
+    for _ = 1, max do
+      local total, best = 0, nil
+      for level = 1, levels do
+        if available[level] > want[level] then
+          local weight = tonumber(weights[level])
+          total = total + weight
+          credits[level] = credits[level] + weight
+          if not best or credits[level] > credits[best] then best = level end
+        end
+      end
+      if not best then break end
+      credits[best] = credits[best] - total
+      want[best] = want[best] + 1
+    end
+    local stored = {}
+    for level = 1, levels do
+      credits[level] = math.max(-all, math.min(all, credits[level]))
+      stored[#stored + 1] = 'cur:' .. level
+      stored[#stored + 1] = credits[level]
+    end
+    redis.call('HSET', sched, unpack(stored))
+    return want
   end
-  redis.call('HSET', sched, unpack(stored))
-  return want
 end
