@@ -14,10 +14,18 @@
 //! try again later, never resent in a loop that keeps the rest waiting. A call that may have run (its reply lost)
 //! is never split: its halves would apply again what the first copy applied, so it is sent again as it was until
 //! Redis answers.
+//!
+//! An owner's settle may hand the running slots it frees over to the next tasks ([`Settler::settle_handing_over`];
+//! docs/design/flow-control.md, "The slot handed over in the settle"): the claim block rides on the batch's first
+//! call, and on every copy of it sent again (the copy answers the same claim from its stored result, and claims
+//! nothing more); a call Redis refused as sent ran nothing, and its halves go without it.
 
 use std::ops::Range;
+use std::sync::Arc;
 
-use crate::broker::{self, BrokerError, Fence, Holder, QueueKeys, Session, Settled, Settlement};
+use crate::broker::{
+    self, Batch, BrokerError, Fence, Handover, Holder, QueueKeys, Session, Settled, Settlement,
+};
 use crate::pulse::Pulse;
 use crate::retry::Backoff;
 use crate::shutdown::Listener;
@@ -67,7 +75,9 @@ struct Target<'a> {
 
 /// What one call came to.
 enum Answer {
-    Settled(Settled),
+    /// Applied (or answered from its stored result), with the tasks its handover claimed, if it carried one and
+    /// that claimed any.
+    Settled(Settled, Option<Batch>),
     /// An error reply that says Redis refused it as sent (nothing ran).
     Refused(BrokerError),
 }
@@ -106,6 +116,64 @@ impl Settler {
         settlements: &[&Settlement],
         stop: &Listener,
     ) -> Option<Report> {
+        self.settle_with(
+            session,
+            keys,
+            fence,
+            dead_max,
+            holder,
+            settlements,
+            None,
+            stop,
+        )
+        .map(|(report, _)| report)
+    }
+
+    /// [`Settler::settle`] of an owner's settlements (`Holder::Claimed(owner)`, fenced by its lease), whose first
+    /// call hands the running slots it frees over to claim `handover.claim` (`broker::settle_handing_over`).
+    /// Returns the tasks that claim took beside the report (`None`: it took none, or the first call went without
+    /// the block: Redis refused it as sent, or it carried a record too large for it).
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "settle's arguments and the handover's"
+    )]
+    pub fn settle_handing_over(
+        &mut self,
+        session: &mut Session,
+        keys: &QueueKeys,
+        dead_max: usize,
+        owner: &Arc<str>,
+        settlements: &[&Settlement],
+        handover: &Handover<'_>,
+        stop: &Listener,
+    ) -> Option<(Report, Option<Batch>)> {
+        self.settle_with(
+            session,
+            keys,
+            Fence::Owner,
+            dead_max,
+            Holder::Claimed(owner),
+            settlements,
+            Some((owner, handover)),
+            stop,
+        )
+    }
+
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "settle's arguments and the handover's"
+    )]
+    fn settle_with(
+        &mut self,
+        session: &mut Session,
+        keys: &QueueKeys,
+        fence: Fence,
+        dead_max: usize,
+        holder: Holder<'_>,
+        settlements: &[&Settlement],
+        mut handover: Option<(&Arc<str>, &Handover<'_>)>,
+        stop: &Listener,
+    ) -> Option<(Report, Option<Batch>)> {
         let target = Target {
             keys,
             fence,
@@ -119,10 +187,13 @@ impl Settler {
         // Last to first, so that the calls go out in the batch's order.
         let mut pending = by_bytes(settlements, CALL_BYTES);
         pending.reverse();
+        let mut handed_over = None;
         while let Some(range) = pending.pop() {
             let part = &settlements[range.clone()];
-            match self.call(session, &target, part, stop)? {
-                Answer::Settled(settled) => {
+            // The first call only: once it is answered or refused, the claim block goes no more.
+            match self.call(session, &target, part, handover.take(), stop)? {
+                Answer::Settled(settled, batch) => {
+                    handed_over = handed_over.or(batch);
                     if settled.journal > 0 {
                         report.journaled += 1;
                     }
@@ -155,16 +226,18 @@ impl Settler {
                 }
             }
         }
-        Some(report)
+        Some((report, handed_over))
     }
 
     /// Sends `settlements` as one call until Redis answers it, or refuses it before it was ever sent without an
-    /// answer; `None` when `stop` fired first.
+    /// answer; `None` when `stop` fired first. With `handover` (the owner's, `target.holder`), every copy of the
+    /// call carries the same claim block.
     fn call(
         &mut self,
         session: &mut Session,
         target: &Target<'_>,
         settlements: &[&Settlement],
+        handover: Option<(&Arc<str>, &Handover<'_>)>,
         stop: &Listener,
     ) -> Option<Answer> {
         self.calls += 1;
@@ -182,8 +255,17 @@ impl Settler {
             if let Some(pulse) = &self.pulse {
                 pulse.beat();
             }
-            let result = session.get().and_then(|connection| {
-                broker::settle(
+            let result = session.get().and_then(|connection| match handover {
+                Some((owner, handover)) => broker::settle_handing_over(
+                    connection,
+                    target.keys,
+                    &call,
+                    target.dead_max,
+                    owner,
+                    settlements.iter().copied(),
+                    handover,
+                ),
+                None => broker::settle(
                     connection,
                     target.keys,
                     &call,
@@ -192,9 +274,10 @@ impl Settler {
                     target.holder,
                     settlements.iter().copied(),
                 )
+                .map(|settled| (settled, None)),
             });
             match result {
-                Ok(settled) => {
+                Ok((settled, batch)) => {
                     if settled.superseded {
                         // Unreachable while this settler is the only one with its identity (see
                         // `Settled::superseded`): said, and taken as applied before.
@@ -211,7 +294,7 @@ impl Settler {
                             "settled after retrying"
                         );
                     }
-                    return Some(Answer::Settled(settled));
+                    return Some(Answer::Settled(settled, batch));
                 }
                 Err(error) if error.refused() && !may_have_run => {
                     crate::observed::redis_error("settling outcomes");

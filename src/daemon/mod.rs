@@ -417,12 +417,15 @@ impl Supervisor {
         let name = &queue.name;
         let lane = Arc::new(Lane::new(Arc::clone(&context), &instance, parts.epoch));
         let (claiming, stop) = (Trigger::new(), Trigger::new());
+        let (jobs_tx, mut jobs_rx) = lane::jobs::queue(queue.workers);
         let acker = Acker::new(
             Arc::clone(&lane),
             Arc::clone(&parts.plugins),
             parts.session(&format!("acker-{name}")),
             Settler::new(format!("{instance}:acker")).with_pulse(lane.acker_pulse.clone()),
             parts.background.listener(),
+            claiming.listener(),
+            jobs_tx.also(),
         );
         self.threads.spawn(
             format!("kmqd-acker-{name}"),
@@ -430,7 +433,6 @@ impl Supervisor {
             group,
             move || acker.run(),
         )?;
-        let (jobs_tx, mut jobs_rx) = lane::jobs::queue(queue.workers);
         for index in 0..queue.workers {
             let worker = Worker {
                 lane: Arc::clone(&lane),

@@ -1,15 +1,19 @@
 //! The slot handed over in the settle (issue 33; handover.lua, docs/design/flow-control.md, "The slot handed over
 //! in the settle"): the owner's settle that frees a `max_running` slot claims the next task for it in the same
-//! script step. Driven through the broker, as an acker would send it.
+//! script step. Driven through the broker, as an acker would send it, then through a daemon, whose acker sends
+//! it (src/daemon/lane/acker.rs), behind a fault proxy.
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kmqd::broker::{self, SettleOp};
+use kmqd::broker::{self, SettleOp, sources};
 use kmqd::queue::QueueContext;
 use kmqd::{Config, NewTask};
 
+use crate::limits::{assert_drained_to_zero, counter, most_started_within};
 use crate::safe_mode::{context, dead_daemon_claims, monitor, safe, settlement_of};
+use crate::support::proxy::{AfterDrop, Fault, FaultProxy, Matcher};
 use crate::support::*;
 
 const OWNER: &str = "handover.1";
@@ -214,4 +218,223 @@ fn a_handover_settle_of_an_owner_whose_lease_ran_out_applies_and_claims_nothing(
     assert_eq!(running(&at.redis), 1);
     assert_eq!(at.ready(), ["t2", "t3", "t4"]);
     assert_eq!(at.markers(), 1, "the marker, as without a handover");
+}
+
+/// settle.lua's calls that carry a claim block (handover.lua's trailer, the last argument's name).
+fn handover_settles() -> Matcher {
+    let settle = Matcher::script(sources::SETTLE);
+    Matcher::new(move |args| {
+        settle.matches(args)
+            && args
+                .last()
+                .is_some_and(|last| last.as_slice() == b"handover")
+    })
+}
+
+/// A config of `queue` whose daemon reaches `redis` through `proxy`, with a read timeout of 1 s.
+fn through(dir: &TestDir, proxy: &FaultProxy, queue: &str) -> PathBuf {
+    let redis_section = format!("url = \"{}\"\nio_timeout = \"1s\"", proxy.url());
+    dir.config_raw(&redis_section, "shutdown_grace = \"5s\"", queue)
+}
+
+/// Drains `count` tasks `t0`... of `sleep_ms` each while sampling Redis's running count; returns the most it read.
+fn drain_sampling_running(config: &Path, redis: &RedisServer, count: usize, sleep_ms: u64) -> u64 {
+    push_many(config, "t", count, &format!(r#"{{"sleep_ms":{sleep_ms}}}"#));
+    let mut most = 0;
+    eventually(Duration::from_secs(60), "every task done", || {
+        most = most.max(running(redis));
+        let s = stats(config, "jobs");
+        (s.done >= count as u64, s)
+    });
+    assert_drained_to_zero(config, redis, count as u64);
+    most
+}
+
+/// Without the daemon's half every slot's next task came from a fetcher's claim (one a task, behind the settle's
+/// wake-up marker); with it the settle that frees a slot claims the next task itself, and the fetcher, waiting
+/// in Redis for a marker that no settle which filled its slots pushes, claims only at the start and the end.
+#[test]
+fn a_daemon_at_max_running_hands_its_slots_over_in_its_settles_and_its_fetcher_rests() {
+    const TASKS: usize = 24;
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let config = through(
+        &dir,
+        &proxy,
+        &safe_queue("workers = 4\nmax_running = 2\nidle_poll = \"5s\""),
+    );
+    let daemon = TestDaemon::start(&config);
+    redis.wait_blocked_in("blpop");
+    let claims = Matcher::script(sources::CLAIM);
+    let before = proxy.seen(&claims);
+    let most_counted = drain_sampling_running(&config, &redis, TASKS, 20);
+    let (claimed, handed_over) = (
+        proxy.seen(&claims) - before,
+        proxy.seen(&handover_settles()),
+    );
+    assert_ran_once(&dir, "t", TASKS);
+    assert!(most_counted <= 2, "the count reached {most_counted}");
+    let most = most_started_within(&dir, Duration::from_millis(20));
+    assert!(most <= 2, "{most} runs started within 20 ms of each other");
+    assert!(
+        handed_over >= TASKS / 4,
+        "{handed_over} settles handed slots over for {TASKS} tasks"
+    );
+    assert!(
+        claimed <= TASKS / 2,
+        "{claimed} claims by the fetcher for {TASKS} tasks: the settles did not fill the slots they freed"
+    );
+    daemon.stop();
+}
+
+/// A handover settle whose reply is lost (the connection cut, or gone silent) or late (past the read timeout) is
+/// sent again as the same call: it answers the same claim from its stored result, so the tasks it took are
+/// adopted, none is run twice or left under the live owner, and no slot leaks.
+#[test]
+fn a_handover_settle_whose_reply_is_lost_or_late_loses_and_repeats_no_task_and_leaks_no_slot() {
+    let faults = [
+        Fault::DropReply {
+            matching: handover_settles(),
+            nth: 2,
+            then: AfterDrop::Close,
+        },
+        Fault::DropReply {
+            matching: handover_settles(),
+            nth: 2,
+            then: AfterDrop::Hang,
+        },
+        Fault::DelayReply {
+            matching: handover_settles(),
+            nth: 2,
+            delay: Duration::from_secs(2),
+        },
+    ];
+    for fault in faults {
+        let redis = RedisServer::start();
+        let proxy = FaultProxy::start(&redis);
+        let dir = TestDir::new();
+        // A lease far longer than the test: a task stranded under the live owner would wait for it.
+        let queue =
+            safe_queue("workers = 3\nmax_running = 2\nidle_poll = \"5s\"\nlease_timeout = \"60s\"");
+        let config = through(&dir, &proxy, &queue);
+        let daemon = TestDaemon::start(&config);
+        redis.wait_blocked_in("blpop");
+        let rule = proxy.add(fault.clone());
+        let most_counted = drain_sampling_running(&config, &redis, 12, 20);
+        assert_eq!(rule.fired(), 1, "{fault:?}: the fault acted");
+        assert!(
+            most_counted <= 2,
+            "{fault:?}: the count reached {most_counted}"
+        );
+        assert_ran_once(&dir, "t", 12);
+        assert_eq!(
+            counter(&redis, "recovered"),
+            0,
+            "{fault:?}: nothing waited for the lease"
+        );
+        daemon.stop();
+    }
+}
+
+/// A daemon killed right after a settle that handed tasks over, before its reply came (held back by the proxy):
+/// the tasks it claimed are under the dead owner's lease like any claim's; the monitors recover them once it runs
+/// out, the count comes back to 0, and every task runs (at least once: safe mode).
+#[test]
+fn a_daemon_killed_right_after_a_handover_settle_has_its_tasks_recovered_and_its_slots_back() {
+    const TASKS: usize = 10;
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let queue = safe_queue("workers = 2\nmax_running = 2\nlease_timeout = \"1s\"");
+    let config = through(&dir, &proxy, &queue);
+    let mut first = Process::start(&config, dir.path("first.log"));
+    redis.wait_blocked_in("blpop");
+    let rule = proxy.add(Fault::DelayReply {
+        matching: handover_settles(),
+        nth: 1,
+        delay: Duration::from_secs(30),
+    });
+    push_many(&config, "t", TASKS, r#"{"sleep_ms":20}"#);
+    eventually(Duration::from_secs(15), "a handover settle ran", || {
+        (rule.fired() == 1, rule.fired())
+    });
+    first.kill9();
+    let second = TestDaemon::start(&config);
+    assert_drained_to_zero(&config, &redis, TASKS as u64);
+    assert!(
+        counter(&redis, "recovered") >= 1,
+        "the handed-over tasks were recovered"
+    );
+    let records = dir.records();
+    for i in 0..TASKS {
+        let id = format!("t{i}");
+        assert!(
+            records.runs_of(&id) >= 1,
+            "{id} never ran: {:?}",
+            records.starts
+        );
+    }
+    second.stop();
+}
+
+/// A queue without a running limit frees no slot a claim could take: its daemon sends plain settles, without
+/// the claim block's keys and arguments.
+#[test]
+fn a_daemon_of_a_queue_without_limits_never_sends_the_claim_block() {
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let config = through(&dir, &proxy, &safe_queue("workers = 2"));
+    let daemon = TestDaemon::start(&config);
+    redis.wait_blocked_in("blpop");
+    push_many(&config, "t", 20, r#"{"sleep_ms":5}"#);
+    wait_done(&config, 20, Duration::from_secs(30));
+    assert_ran_once(&dir, "t", 20);
+    assert!(proxy.seen(&Matcher::script(sources::SETTLE)) > 0);
+    assert_eq!(proxy.seen(&handover_settles()), 0);
+    daemon.stop();
+}
+
+/// A type's `max_running` frees slots a settle hands over as the queue's does (the largest of its types'): the
+/// limited type's tasks pass their slots on in the settles, each runs once, at most two at once, and the type's
+/// count comes back to 0.
+#[test]
+fn a_daemon_at_a_types_max_running_hands_the_types_slots_over_in_its_settles() {
+    const TASKS: usize = 16;
+    let redis = RedisServer::start();
+    let proxy = FaultProxy::start(&redis);
+    let dir = TestDir::new();
+    let queue = safe_queue(
+        "workers = 4\nidle_poll = \"5s\"\n[[queues.limits]]\ntype = \"slow\"\nmax_running = 2\n",
+    );
+    let config = through(&dir, &proxy, &queue);
+    dir.testkit_types(&config, &["slow"]);
+    let daemon = TestDaemon::start(&config);
+    redis.wait_blocked_in("blpop");
+    let type_running = || -> u64 {
+        let count: Option<u64> = redis.cmd(&["HGET", "kmq:{jobs}:running", "t:slow"]);
+        count.unwrap_or(0)
+    };
+    push_typed(&config, "slow", "s", TASKS, r#"{"sleep_ms":20}"#);
+    let mut most_counted = 0;
+    eventually(Duration::from_secs(60), "every task done", || {
+        most_counted = most_counted.max(type_running());
+        let s = stats(&config, "jobs");
+        (s.done >= TASKS as u64 && s.processing == 0, s)
+    });
+    eventually(
+        Duration::from_secs(10),
+        "the type's count back to 0",
+        || (type_running() == 0, type_running()),
+    );
+    assert_eq!(counter(&redis, "running_underflow"), 0);
+    assert_ran_once(&dir, "s", TASKS);
+    assert!(most_counted <= 2, "the type's count reached {most_counted}");
+    let handed_over = proxy.seen(&handover_settles());
+    assert!(
+        handed_over >= TASKS / 4,
+        "{handed_over} settles handed the type's slots over for {TASKS} tasks"
+    );
+    daemon.stop();
 }

@@ -16,14 +16,14 @@ fn running(redis: &RedisServer) -> u64 {
 }
 
 /// A stats counter of the queue (0 when absent).
-fn counter(redis: &RedisServer, field: &str) -> u64 {
+pub(crate) fn counter(redis: &RedisServer, field: &str) -> u64 {
     let count: Option<u64> = redis.cmd(&["HGET", "kmq:{jobs}:stats", field]);
     count.unwrap_or(0)
 }
 
 /// The most runs that started within any `window` of each other (for tasks whose runs last at least `window`:
 /// how many ran at once).
-fn most_started_within(dir: &TestDir, window: Duration) -> usize {
+pub(crate) fn most_started_within(dir: &TestDir, window: Duration) -> usize {
     let mut starts: Vec<u64> = dir
         .records()
         .start_times
@@ -44,7 +44,7 @@ fn most_started_within(dir: &TestDir, window: Duration) -> usize {
 }
 
 /// Waits until the queue is drained and its count is back to 0, then checks no count went below 0.
-fn assert_drained_to_zero(config: &Path, redis: &RedisServer, done: u64) {
+pub(crate) fn assert_drained_to_zero(config: &Path, redis: &RedisServer, done: u64) {
     let s = eventually(Duration::from_secs(60), "the queue drained", || {
         let s = stats(config, "jobs");
         (s.done >= done && s.processing == 0 && s.ready == 0, s)

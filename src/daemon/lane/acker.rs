@@ -21,6 +21,14 @@
 //! and it sleeps as long as the outcomes' rate says a settle's worth takes to gather: about two timer wake-ups
 //! per settle (docs/PERFORMANCE.md, "Settles gather while workers are busy" and "The acker's lingers, timed").
 //!
+//! At a running limit (the queue's `max_running`, or a type's) in safe mode, the acker's settle hands the slots it
+//! frees over to the next tasks (docs/design/flow-control.md, "The slot handed over in the settle"): it asks, in
+//! the same script step, for up to as many tasks as it settles (the workers that ran them are free, and the
+//! lane's capacity holds them still: [`Capacity::in_place_of`](super::capacity::Capacity::in_place_of)), under a
+//! claim number of the fetcher's numbering, and gives what the settle claimed to the workers as the fetcher gives
+//! its claims' ([`jobs::Sender::dispatch`]). The slot then passes from one task to the next without the wake-up
+//! marker's relay to a fetcher and its claim's round trip. A queue without such a limit sends plain settles.
+//!
 //! The acker stops once the lane is drained: the fetcher has stopped and every task it claimed is settled. Every
 //! held task is resolved exactly once (by its worker, a timeout, a hand-back or a lost lease), so every held task
 //! sends the outcome the acker waits for; a worker stuck in a handler does not hold it up.
@@ -29,10 +37,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::Lane;
+use super::fetcher::watch_clock;
+use super::jobs;
 use super::progress::FLUSH_EVERY;
 use super::resolve::{Apply, Resolution};
 use crate::broker::progress::{self, Report};
-use crate::broker::{Fence, Holder, Session, Settlement, Token, TokenId};
+use crate::broker::{Fence, Handover, Holder, Session, Settlement, Token, TokenId};
+use crate::config::Mode;
 use crate::config::RedisConfig;
 use crate::plugin::Plugins;
 use crate::settler::Settler;
@@ -72,6 +83,15 @@ pub struct Acker {
     pub settler: Settler,
     /// Fires when the daemon gives up waiting: the acker stops even if Redis keeps failing.
     pub background: Listener,
+    /// Fires when the lane stops claiming: no settle hands slots over any more, and what one still in flight
+    /// claimed is handed back.
+    claiming: Listener,
+    /// To the lane's workers, beside the fetcher: the tasks a settle claimed for the slots it freed.
+    jobs: jobs::Sender,
+    /// Whether this lane's settles hand their slots over: safe mode, and a running limit that a settle frees
+    /// slots of (the queue's `max_running` or a type's). Decided once: a lane without one does no work per
+    /// settle for it.
+    hands_over: bool,
     /// Outcomes Redis refused, each alone in its call: held until it takes them.
     refused: Vec<Resolution>,
     /// When they are tried again (`None`: not scheduled yet), and the wait after that.
@@ -88,8 +108,17 @@ impl Acker {
         session: Session,
         settler: Settler,
         background: Listener,
+        claiming: Listener,
+        jobs: jobs::Sender,
     ) -> Acker {
+        let config = &lane.queue.config;
+        let hands_over = config.mode == Mode::Safe
+            && (config.max_running.is_some()
+                || config.type_limits.iter().any(|t| t.max_running.is_some()));
         Acker {
+            claiming,
+            jobs,
+            hands_over,
             lane,
             plugins,
             session,
@@ -256,15 +285,18 @@ impl Acker {
             }
         }
         let mut refused = vec![false; batch.len()];
+        // Tasks the settles claimed in the place of those they settled (handed over; held already).
+        let mut claimed = 0;
         for holder in holders {
             let (at, group): (Vec<usize>, Vec<&Resolution>) = batch
                 .iter()
                 .enumerate()
                 .filter(|(_, o)| o.settlement().is_some_and(|s| Holder::of(s) == holder))
                 .unzip();
-            let Some(left_out) = self.settle_owned(holder, &group) else {
+            let Some((left_out, handed_over)) = self.settle_owned(holder, &group) else {
                 return false;
             };
+            claimed += handed_over;
             for position in left_out {
                 refused[at[position]] = true;
             }
@@ -280,9 +312,9 @@ impl Acker {
                 lane.held.remove([outcome.job]);
             }
         }
-        // The tasks are settled: their capacity may be claimed again. Releasing only now bounds what the daemon
-        // holds, outcomes waiting for Redis included.
-        lane.capacity.release(settled);
+        // The tasks are settled: their capacity may be claimed again, less what the settles claimed in their
+        // place. Releasing only now bounds what the daemon holds, outcomes waiting for Redis included.
+        lane.capacity.settled(settled, claimed);
         self.refused.extend(kept);
         lane.refused_outcomes
             .store(self.refused.len(), std::sync::atomic::Ordering::Release);
@@ -326,22 +358,77 @@ impl Acker {
         true
     }
 
-    /// Settles `group` (of one holder); returns the positions in it of the outcomes Redis refused, or `None` when
-    /// the daemon gave up on Redis first.
-    fn settle_owned(&mut self, holder: Holder<'_>, group: &[&Resolution]) -> Option<Vec<usize>> {
+    /// Settles `group` (of one holder); returns the positions in it of the outcomes Redis refused and how many
+    /// tasks the settle claimed in their place (given to the workers, held, not yet counted in the capacity), or
+    /// `None` when the daemon gave up on Redis first.
+    fn settle_owned(
+        &mut self,
+        holder: Holder<'_>,
+        group: &[&Resolution],
+    ) -> Option<(Vec<usize>, usize)> {
         let lane = &self.lane;
         let queue = &lane.queue;
         // Every outcome of the group has a settlement (the caller picked them by it).
         let settlements: Vec<&Settlement> = group.iter().filter_map(|o| o.settlement()).collect();
-        let report = self.settler.settle(
-            &mut self.session,
-            &queue.keys,
-            Fence::Owner,
-            queue.config.dead_max,
-            holder,
-            &settlements,
-            &self.background,
-        )?;
+        let handing_over = match holder {
+            Holder::Claimed(_) if self.hands_over && !self.claiming.is_triggered() => {
+                // The current owner's tasks only (a lost owner's settle would claim nothing), for the workers
+                // that ran them.
+                lane.ownership
+                    .current()
+                    .filter(|owner| Holder::Claimed(owner) == holder)
+                    .map(|owner| (owner, lane.capacity.in_place_of(settlements.len())))
+                    .filter(|(_, max)| *max > 0)
+            }
+            _ => None,
+        };
+        let (report, claimed) = match handing_over {
+            None => {
+                let report = self.settler.settle(
+                    &mut self.session,
+                    &queue.keys,
+                    Fence::Owner,
+                    queue.config.dead_max,
+                    holder,
+                    &settlements,
+                    &self.background,
+                )?;
+                (report, 0)
+            }
+            Some((owner, max)) => {
+                let limits = queue.claim_limits();
+                let handover = Handover {
+                    // Numbered as the fetcher's claims are, from the same counter: a number used twice would be
+                    // fenced inside the script, and the claim would take nothing.
+                    claim: lane.ownership.tokens(max),
+                    max,
+                    limits: &limits,
+                };
+                let sent = Instant::now();
+                let (report, batch) = self.settler.settle_handing_over(
+                    &mut self.session,
+                    &queue.keys,
+                    queue.config.dead_max,
+                    &owner,
+                    &settlements,
+                    &handover,
+                    &self.background,
+                )?;
+                let claimed = batch.map_or(0, |batch| {
+                    // The claim bumped the owner's journal exactly when it took tasks, beside the settle's bump;
+                    // one answer per call (a copy sent again answers the stored claim), counted once.
+                    if !batch.tasks.is_empty() {
+                        lane.ownership.bumped(&owner);
+                    }
+                    watch_clock(lane, &owner, sent, &batch);
+                    let claimed = batch.tasks.len();
+                    self.jobs
+                        .dispatch(lane, batch, self.claiming.is_triggered());
+                    claimed
+                });
+                (report, claimed)
+            }
+        };
         if let Holder::Claimed(owner) = holder {
             // Each call's answer (the first, or the stored one to a call sent again): one bump, counted once.
             for _ in 0..report.journaled {
@@ -378,6 +465,6 @@ impl Acker {
             hooks.zip(report.applied.iter().copied()),
             || lane.acker_pulse.beat(),
         );
-        Some(report.refused)
+        Some((report.refused, claimed))
     }
 }

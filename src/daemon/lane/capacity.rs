@@ -34,7 +34,8 @@ pub struct Capacity {
     /// Set by the fetcher only (`set_prefetch`), read by everyone.
     prefetch: AtomicUsize,
     batch: usize,
-    /// Tasks claimed and not yet settled (or forgotten). Only the fetcher adds to it.
+    /// Tasks claimed and not yet settled (or forgotten). The fetcher adds to it (`acquire`), and the acker when a
+    /// settle claimed tasks in the place of those it settled (`settled`), never beyond the limit.
     held: AtomicUsize,
     /// Workers inside a handler whose task was taken from them more than STUCK_AFTER ago.
     stuck: AtomicUsize,
@@ -118,8 +119,9 @@ impl Capacity {
         loop {
             let free = self.free();
             if free >= self.threshold() || (free > 0 && starving()) {
-                // Only the fetcher adds to `held`, so `free` cannot shrink below this between the check and the add
-                // but for stuck workers, which only delays the next claim.
+                // Only the fetcher adds to `held` beyond what is released (the acker's handovers replace tasks
+                // still held), so `free` cannot shrink below this between the check and the add but for stuck
+                // workers, which only delays the next claim.
                 let taken = free.min(max);
                 self.held.fetch_add(taken, Ordering::AcqRel);
                 return taken;
@@ -140,6 +142,25 @@ impl Capacity {
         let previous = self.held.fetch_sub(n, Ordering::AcqRel);
         debug_assert!(previous >= n, "released more than held");
         self.wake_if_crossed(before);
+    }
+
+    /// How many tasks a settle of `settling` held tasks may claim in their place (docs/design/flow-control.md,
+    /// "The slot handed over in the settle"): at most one each, and no more than the limit leaves once they are
+    /// gone, so that the lane holds no more than its limit whatever the fetcher reserved meanwhile (it reserves
+    /// only what is free while these are still held).
+    pub fn in_place_of(&self, settling: usize) -> usize {
+        let others = self.held().saturating_sub(settling);
+        self.limit().saturating_sub(others).min(settling)
+    }
+
+    /// The acker settled `settled` held tasks, and its settle claimed `claimed` in their place: it gives back
+    /// the difference, or (a settle some of whose outcomes Redis refused, which stay held) holds the excess.
+    pub fn settled(&self, settled: usize, claimed: usize) {
+        if claimed > settled {
+            self.held.fetch_add(claimed - settled, Ordering::AcqRel);
+        } else {
+            self.release(settled - claimed);
+        }
     }
 
     /// A worker is stuck in a handler: it no longer counts as live.
@@ -220,6 +241,25 @@ mod tests {
         let capacity = Capacity::new(2, 400, 50);
         assert_eq!(capacity.acquire(1000, Duration::ZERO, || false), 402);
         assert_eq!(capacity.short_of_a_claim(), 50);
+    }
+
+    #[test]
+    fn a_settle_claims_in_place_of_its_tasks_no_more_than_the_limit_leaves() {
+        // 4 workers, no prefetch: the limit is 4.
+        let capacity = Capacity::new(4, 0, 1000);
+        assert_eq!(capacity.acquire(3, Duration::ZERO, || false), 3);
+        assert_eq!(capacity.in_place_of(2), 2, "one each");
+        // The fetcher reserves the free slot while the two are settled: still one each, never past the limit.
+        assert_eq!(capacity.acquire(4, Duration::ZERO, || false), 1);
+        assert_eq!(capacity.in_place_of(2), 2);
+        capacity.settled(2, 1);
+        assert_eq!(capacity.held(), 3, "one given back, one claimed in place");
+        capacity.stuck();
+        capacity.stuck();
+        assert_eq!(capacity.in_place_of(3), 2, "the limit fell to 2");
+        // Some outcomes refused (still held) while the settle claimed for more: the excess is held.
+        capacity.settled(0, 1);
+        assert_eq!(capacity.held(), 4);
     }
 
     #[test]

@@ -34,7 +34,6 @@ use super::Lane;
 use super::depth::Depth;
 use super::jobs;
 use super::ownership::Exchange;
-use super::resolve::{HeldState, Job};
 use crate::broker::{self, Batch, BrokerError, Isolation, LeaseClock, Limited, OwnerInfo, Session};
 use crate::config::{Mode, Prefetch};
 use crate::observed;
@@ -192,7 +191,8 @@ impl Fetcher {
                         tracing::error!(queue = %lane.name(), taken, free, "claim returned more tasks than asked");
                     }
                     lane.capacity.release(free.saturating_sub(taken));
-                    self.dispatch(batch);
+                    self.jobs
+                        .dispatch(&self.lane, batch, self.claiming.is_triggered());
                 }
                 Err(error) => {
                     // A claim whose reply was lost keeps its capacity until adopted.
@@ -206,7 +206,7 @@ impl Fetcher {
                 }
             }
         }
-        // Retired by a reload: what the lost claim took is adopted, and handed back (`dispatch`, stopping).
+        // Retired by a reload: what the lost claim took is adopted, and handed back (`jobs::Sender::dispatch`, stopping).
         let mut backoff = Backoff::new();
         while self.lost_claim.is_some() && !self.shutdown.is_triggered() {
             self.lane.fetcher_pulse.beat();
@@ -446,7 +446,7 @@ impl Fetcher {
             .or(std::mem::take(&mut self.running_full).then_some(queue.config.idle_poll));
         let claimed = if let Some(wait) = wait.filter(|_| !self.claiming.is_triggered()) {
             // The marker may have come already: it stays in the wake list until a fetcher takes it. Claiming
-            // stopped during the wait: what the claim takes is handed back (`dispatch`).
+            // stopped during the wait: what the claim takes is handed back (`jobs::Sender::dispatch`).
             let io_timeout = queue.io_timeout;
             broker::claim_after_wake(
                 connection,
@@ -556,7 +556,8 @@ impl Fetcher {
                 lane.capacity
                     .release(lost.count.saturating_sub(batch.tasks.len()));
                 self.lost_claim = None;
-                self.dispatch(batch);
+                self.jobs
+                    .dispatch(&self.lane, batch, self.claiming.is_triggered());
                 true
             }
             Err(BrokerError::LeaseLost { owner }) => {
@@ -582,106 +583,12 @@ impl Fetcher {
             tracing::warn!(queue = %lane.name(), %owner, forgotten, "lease lost; registering a new owner");
         }
     }
-
-    /// Records the tasks as held and gives them to the workers, or, once the daemon stops claiming, hands them
-    /// back at once: no worker may start a task after that. A claim that lands after its owner's lease was lost
-    /// (the heartbeat found it lost while the reply was on its way, and forgot what the owner held then) is
-    /// forgotten at once instead, never held: its tasks are the monitors' (see [`Lane::hold`]).
-    fn dispatch(&self, batch: Batch) {
-        let lane = &self.lane;
-        let claimed_ns = lane.since_epoch(Instant::now());
-        let states = batch.tasks.into_iter().map(|taken| {
-            HeldState::new(taken.token, taken.level, lane.epoch).popped(
-                taken.popped_by,
-                taken.popped_scope,
-                taken.holds_unique,
-            )
-        });
-        let stopping = self.claiming.is_triggered();
-        let held = match lane.hold(states, batch.payloads) {
-            Ok(held) => held,
-            Err((owner, tasks)) => {
-                let forgotten = lane.forget_unheld(tasks);
-                tracing::warn!(
-                    queue = %lane.name(),
-                    %owner,
-                    forgotten,
-                    "a claim landed after its owner's lease was lost; its tasks are forgotten, and the monitors \
-                     return them to the queue"
-                );
-                return;
-            }
-        };
-        if stopping {
-            for (id, state) in held {
-                lane.hand_back_if_waiting(id, &state);
-            }
-            return;
-        }
-        let weights = &lane.queue.config.priority_weights;
-        let held = if weights.is_empty() {
-            held
-        } else {
-            in_turns(held, |(_, state)| state.level, weights)
-        };
-        let jobs = held
-            .into_iter()
-            .map(|(id, state)| Job {
-                id,
-                task: state,
-                claimed_at_ms: batch.now_ms,
-                claimed_ns,
-            })
-            .collect();
-        // Refused only when every worker is gone, which happens after the fetcher.
-        if let Err(jobs) = self.jobs.send(jobs) {
-            for job in jobs {
-                lane.hand_back_if_waiting(job.id, &job.task);
-            }
-        }
-    }
-}
-
-/// A take's tasks in the order of `weights`' turns between their levels (`level_of`), each level's in its own
-/// order: a claim or pop of a weighted queue holds each level's tasks together (a list each), and its workers
-/// would start them level by level, so that the first 1,000 starts of two big takes would be mostly the highest
-/// level's. The same smooth weighted round-robin as turns.lua's, with credits of its own: the take's split
-/// already followed the queue's shared credits.
-fn in_turns<T>(items: Vec<T>, level_of: impl Fn(&T) -> usize, weights: &[u32]) -> Vec<T> {
-    let mut levels: Vec<std::collections::VecDeque<T>> =
-        (0..weights.len()).map(|_| Default::default()).collect();
-    let count = items.len();
-    for item in items {
-        let level = level_of(&item).min(weights.len() - 1);
-        levels[level].push_back(item);
-    }
-    let mut credits = vec![0i64; weights.len()];
-    let mut ordered = Vec::with_capacity(count);
-    while ordered.len() < count {
-        let (mut total, mut best) = (0i64, None::<usize>);
-        for (level, queued) in levels.iter().enumerate() {
-            if queued.is_empty() {
-                continue;
-            }
-            let weight = i64::from(weights[level]);
-            total += weight;
-            credits[level] += weight;
-            if best.is_none_or(|best| credits[level] > credits[best]) {
-                best = Some(level);
-            }
-        }
-        // Some level has an item while fewer than `count` are ordered.
-        let best = best.expect("an item is left");
-        credits[best] -= total;
-        ordered.extend(levels[best].pop_front());
-    }
-    ordered
 }
 
 /// Compares the lease's time left that a claim sent at `sent` answered with this daemon's belief in it: when
 /// Redis's clock stepped forward under the lease, no task starts until a renewal confirms it (see
 /// [`Ownership`](super::Ownership)), which the heartbeat sends at once.
-fn watch_clock(lane: &Lane, owner: &str, sent: Instant, batch: &Batch) {
+pub(super) fn watch_clock(lane: &Lane, owner: &str, sent: Instant, batch: &Batch) {
     let Some(left_ms) = batch.lease_left_ms else {
         return;
     };
@@ -705,38 +612,5 @@ fn watch_clock(lane: &Lane, owner: &str, sent: Instant, batch: &Batch) {
             "Redis's clock stepped forward under the lease (an NTP step, a resumed VM, a failover to a host \
              whose clock runs ahead?): no task starts until a renewal confirms the lease on it"
         );
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::in_turns;
-
-    #[test]
-    fn a_take_is_ordered_by_the_levels_turns_and_a_dry_level_gives_its_turns_away() {
-        let take: Vec<(usize, u32)> = (0..6)
-            .map(|i| (0, i))
-            .chain((0..3).map(|i| (1, i)))
-            .chain((0..1).map(|i| (2, i)))
-            .collect();
-        let ordered = in_turns(take, |(level, _)| *level, &[6, 3, 1]);
-        let levels: Vec<usize> = ordered.iter().map(|(level, _)| *level).collect();
-        assert_eq!(
-            levels,
-            [0, 1, 0, 0, 1, 0, 2, 0, 1, 0],
-            "nginx's sequence for 6:3:1"
-        );
-        let firsts: Vec<u32> = ordered
-            .iter()
-            .filter(|(level, _)| *level == 0)
-            .map(|(_, n)| *n)
-            .collect();
-        assert_eq!(firsts, [0, 1, 2, 3, 4, 5], "each level in its own order");
-        let dry = in_turns(
-            vec![(0, 0), (0, 1), (2, 0)],
-            |(level, _)| *level,
-            &[1, 5, 1],
-        );
-        assert_eq!(dry, [(0, 0), (2, 0), (0, 1)]);
     }
 }

@@ -21,6 +21,13 @@
 //! capacity allows. The ends behave as a channel's: when the fetcher's [`Sender`] is dropped (it stopped, or its
 //! thread died) the workers take what is left and then end; when every worker's [`Receiver`] is dropped, the
 //! fetcher's jobs are refused and it hands them back.
+//!
+//! Two parties send: the fetcher, its claims' tasks, and the acker, the tasks a settle claimed for the running
+//! slots it freed (docs/design/flow-control.md, "The slot handed over in the settle"). Both go through
+//! [`Sender::dispatch`], the one way a taken task reaches a worker: held first ([`Lane::hold`]), then queued, or
+//! handed back once the lane stops claiming. Only the fetcher's end closes the queue when dropped; the acker's
+//! ([`Sender::also`]) is refused once it is closed, so a handover that lands after the workers ended hands its
+//! tasks back rather than leaving them in a queue nobody reads.
 
 use std::cell::Cell;
 use std::collections::VecDeque;
@@ -28,7 +35,9 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use crossbeam_utils::CachePadded;
 
-use super::resolve::Job;
+use super::Lane;
+use super::resolve::{HeldState, Job};
+use crate::broker::Batch;
 use crate::poison::{lock, recover};
 
 /// The most jobs a worker takes ahead of the one it runs.
@@ -81,7 +90,7 @@ pub fn queue(workers: usize) -> (Sender, Vec<Receiver>) {
             takes_ahead: Cell::new(true),
         })
         .collect();
-    (Sender(jobs), receivers)
+    (Sender { jobs, closes: true }, receivers)
 }
 
 impl Jobs {
@@ -97,29 +106,102 @@ impl Jobs {
     }
 }
 
-/// The fetcher's end; dropping it tells the workers that no more jobs come.
+/// A sending end: the fetcher's, whose drop tells the workers that no more jobs come, or the acker's
+/// ([`Sender::also`]).
 #[derive(Debug)]
-pub struct Sender(Arc<Jobs>);
+pub struct Sender {
+    jobs: Arc<Jobs>,
+    /// Whether dropping this end closes the queue: the fetcher's only.
+    closes: bool,
+}
 
 impl Sender {
-    /// Adds a claim's jobs, in order; gives them back when no worker is left to take them.
+    /// A second end to the same workers, for the acker's handed-over tasks: dropping it closes nothing, and what
+    /// it sends once the fetcher's end closed the queue is refused (the workers may have ended already).
+    pub fn also(&self) -> Sender {
+        Sender {
+            jobs: Arc::clone(&self.jobs),
+            closes: false,
+        }
+    }
+
+    /// Adds a take's jobs, in order; gives them back when no worker is left to take them, or the queue is
+    /// closed (a job queued then might find every worker gone).
     pub fn send(&self, jobs: Vec<Job>) -> Result<(), Vec<Job>> {
-        let mut queue = lock(&self.0.queue);
-        if queue.receivers == 0 {
+        let mut queue = lock(&self.jobs.queue);
+        if queue.receivers == 0 || queue.closed {
             return Err(jobs);
         }
         let wake = queue.waiting.min(jobs.len());
         queue.jobs.extend(jobs);
         drop(queue);
         for _ in 0..wake {
-            self.0.arrived.notify_one();
+            self.jobs.arrived.notify_one();
         }
         Ok(())
     }
 
+    /// Records a take's tasks (a claim's or pop's, or a settle's handover) as held and gives them to the workers,
+    /// or, once the lane stops claiming (`stopping`), hands them back at once: no worker may start a task after
+    /// that. A take that lands after its owner's lease was lost (the heartbeat found it lost while the reply was
+    /// on its way, and forgot what the owner held then) is forgotten at once instead, never held: its tasks are
+    /// the monitors' (see [`Lane::hold`]). The caller counted the tasks in the lane's capacity.
+    pub fn dispatch(&self, lane: &Lane, batch: Batch, stopping: bool) {
+        let claimed_ns = lane.since_epoch(std::time::Instant::now());
+        let states = batch.tasks.into_iter().map(|taken| {
+            HeldState::new(taken.token, taken.level, lane.epoch).popped(
+                taken.popped_by,
+                taken.popped_scope,
+                taken.holds_unique,
+            )
+        });
+        let held = match lane.hold(states, batch.payloads) {
+            Ok(held) => held,
+            Err((owner, tasks)) => {
+                let forgotten = lane.forget_unheld(tasks);
+                tracing::warn!(
+                    queue = %lane.name(),
+                    %owner,
+                    forgotten,
+                    "a claim landed after its owner's lease was lost; its tasks are forgotten, and the monitors \
+                     return them to the queue"
+                );
+                return;
+            }
+        };
+        if stopping {
+            for (id, state) in held {
+                lane.hand_back_if_waiting(id, &state);
+            }
+            return;
+        }
+        let weights = &lane.queue.config.priority_weights;
+        let held = if weights.is_empty() {
+            held
+        } else {
+            in_turns(held, |(_, state)| state.level, weights)
+        };
+        let jobs = held
+            .into_iter()
+            .map(|(id, state)| Job {
+                id,
+                task: state,
+                claimed_at_ms: batch.now_ms,
+                claimed_ns,
+            })
+            .collect();
+        // Refused only when every worker is gone, which happens after the fetcher, or (the acker's) once the
+        // fetcher is gone.
+        if let Err(jobs) = self.send(jobs) {
+            for job in jobs {
+                lane.hand_back_if_waiting(job.id, &job.task);
+            }
+        }
+    }
+
     /// How many jobs wait for a worker.
     pub fn len(&self) -> usize {
-        self.0.len()
+        self.jobs.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -129,8 +211,10 @@ impl Sender {
 
 impl Drop for Sender {
     fn drop(&mut self) {
-        lock(&self.0.queue).closed = true;
-        self.0.arrived.notify_all();
+        if self.closes {
+            lock(&self.jobs.queue).closed = true;
+            self.jobs.arrived.notify_all();
+        }
     }
 }
 
@@ -267,6 +351,42 @@ impl Drop for Receiver {
     }
 }
 
+/// A take's tasks in the order of `weights`' turns between their levels (`level_of`), each level's in its own
+/// order: a claim or pop of a weighted queue holds each level's tasks together (a list each), and its workers
+/// would start them level by level, so that the first 1,000 starts of two big takes would be mostly the highest
+/// level's. The same smooth weighted round-robin as turns.lua's, with credits of its own: the take's split
+/// already followed the queue's shared credits.
+fn in_turns<T>(items: Vec<T>, level_of: impl Fn(&T) -> usize, weights: &[u32]) -> Vec<T> {
+    let mut levels: Vec<std::collections::VecDeque<T>> =
+        (0..weights.len()).map(|_| Default::default()).collect();
+    let count = items.len();
+    for item in items {
+        let level = level_of(&item).min(weights.len() - 1);
+        levels[level].push_back(item);
+    }
+    let mut credits = vec![0i64; weights.len()];
+    let mut ordered = Vec::with_capacity(count);
+    while ordered.len() < count {
+        let (mut total, mut best) = (0i64, None::<usize>);
+        for (level, queued) in levels.iter().enumerate() {
+            if queued.is_empty() {
+                continue;
+            }
+            let weight = i64::from(weights[level]);
+            total += weight;
+            credits[level] += weight;
+            if best.is_none_or(|best| credits[level] > credits[best]) {
+                best = Some(level);
+            }
+        }
+        // Some level has an item while fewer than `count` are ordered.
+        let best = best.expect("an item is left");
+        credits[best] -= total;
+        ordered.extend(levels[best].pop_front());
+    }
+    ordered
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -305,7 +425,7 @@ mod tests {
             .map(|receiver| std::thread::spawn(move || receiver.take().map(|job| job.id)))
             .collect();
         // Both wait (no sleep: the count says so).
-        while lock(&sender.0.queue).waiting < 2 {
+        while lock(&sender.jobs.queue).waiting < 2 {
             std::thread::yield_now();
         }
         sender.send(vec![job(7)]).unwrap();
@@ -386,10 +506,53 @@ mod tests {
     }
 
     #[test]
+    fn the_ackers_end_closes_nothing_and_is_refused_once_the_fetchers_end_is_gone() {
+        let (sender, receivers) = queue(1);
+        let acker = sender.also();
+        acker.send(vec![job(1)]).unwrap();
+        drop(acker);
+        assert!(matches!(receivers[0].try_take(), Next::Job(job) if job.id == 1));
+        assert!(matches!(receivers[0].try_take(), Next::Empty), "still open");
+        let acker = sender.also();
+        drop(sender);
+        assert!(matches!(receivers[0].try_take(), Next::Closed));
+        let refused = acker.send(vec![job(2)]).expect_err("the queue is closed");
+        assert_eq!(refused.len(), 1);
+    }
+
+    #[test]
     fn jobs_are_refused_once_every_worker_is_gone() {
         let (sender, receivers) = queue(1);
         drop(receivers);
         let refused = sender.send(vec![job(1)]).expect_err("no worker");
         assert_eq!(refused.len(), 1);
+    }
+
+    #[test]
+    fn a_take_is_ordered_by_the_levels_turns_and_a_dry_level_gives_its_turns_away() {
+        let take: Vec<(usize, u32)> = (0..6)
+            .map(|i| (0, i))
+            .chain((0..3).map(|i| (1, i)))
+            .chain((0..1).map(|i| (2, i)))
+            .collect();
+        let ordered = in_turns(take, |(level, _)| *level, &[6, 3, 1]);
+        let levels: Vec<usize> = ordered.iter().map(|(level, _)| *level).collect();
+        assert_eq!(
+            levels,
+            [0, 1, 0, 0, 1, 0, 2, 0, 1, 0],
+            "nginx's sequence for 6:3:1"
+        );
+        let firsts: Vec<u32> = ordered
+            .iter()
+            .filter(|(level, _)| *level == 0)
+            .map(|(_, n)| *n)
+            .collect();
+        assert_eq!(firsts, [0, 1, 2, 3, 4, 5], "each level in its own order");
+        let dry = in_turns(
+            vec![(0, 0), (0, 1), (2, 0)],
+            |(level, _)| *level,
+            &[1, 5, 1],
+        );
+        assert_eq!(dry, [(0, 0), (2, 0), (0, 1)]);
     }
 }
