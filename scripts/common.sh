@@ -200,3 +200,26 @@ ensure_cargo_deb() {
 ensure_lintian() {
     ensure_command lintian lintian
 }
+
+# Redis's instructions counted by valgrind's callgrind inside evalShaCommand only (scripts/*-instructions: a
+# script's cost that a shared host's load does not move). Starts a redis-server of its own on a free loopback port
+# under callgrind, its output in DIR, waits for it, and loads SCRIPT (a file) into it. Sets CALLGRIND_PORT,
+# CALLGRIND_SERVER (its pid), CALLGRIND_OUT and CALLGRIND_SHA (the script's). Needs ensure_command valgrind valgrind.
+callgrind_redis_start() {
+    local dir="$1" script="$2"
+    CALLGRIND_PORT="$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+    CALLGRIND_OUT="$dir/callgrind.$CALLGRIND_PORT"
+    valgrind --tool=callgrind --collect-atstart=no --toggle-collect=evalShaCommand \
+        --callgrind-out-file="$CALLGRIND_OUT" redis-server --port "$CALLGRIND_PORT" --save '' --appendonly no \
+        >/dev/null 2>&1 &
+    CALLGRIND_SERVER=$!
+    until redis-cli -p "$CALLGRIND_PORT" ping >/dev/null 2>&1; do sleep 0.2; done
+    CALLGRIND_SHA="$(redis-cli -p "$CALLGRIND_PORT" -x SCRIPT LOAD <"$script")"
+}
+
+# Stops the redis-server callgrind_redis_start started; prints the instructions callgrind counted in it.
+callgrind_redis_stop() {
+    redis-cli -p "$CALLGRIND_PORT" SHUTDOWN NOSAVE >/dev/null 2>&1 || true
+    wait "$CALLGRIND_SERVER" || true
+    awk '/^summary:/ {print $2}' "$CALLGRIND_OUT"
+}
