@@ -22,8 +22,8 @@
 //!   list's head: a marker); each newly settled position leaves `q`, and a call that frees a slot of a count that
 //!   was at `q:limit` pushes a marker;
 //! - a push (push.lua: the task at the ready list's tail, and a marker);
-//! - with `handover` (docs/design/flow-control.md, "The slot handed over in the settle"; settle.lua's half built,
-//!   handover.lua, the daemon's not yet): an acknowledgement by its owner whose settle, in the same step, claims the next task for the slot
+//! - with `handover` (docs/design/flow-control.md, "The slot handed over in the settle"; handover.lua and the
+//!   acker's `Settler::settle_handing_over`): an acknowledgement by its owner whose settle, in the same step, claims the next task for the slot
 //!   it frees, for the worker that ran the ended task: claim.lua's logic for one task, under the daemon's current
 //!   owner and its lease (an expired owner's settle claims nothing), counted in `q` like any claim and recovered
 //!   like any claim if the daemon dies; no marker for the slot it handed over. Its reply may be lost: the call,
