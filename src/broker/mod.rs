@@ -285,8 +285,10 @@ pub mod sources {
     /// rate.lua and turns.lua, their shared parts, go before each (after the shebang, which must open a script,
     /// and checks.lua), and types.lua, the limits per task type; groups.lua, the fair groups, before claim.lua only.
     /// Each of these four defines its functions in one function of its own (`rate_parts`, `turns_parts`,
-    /// `types_parts`, `groups_parts`), which a call runs only when its arguments configure the feature: a take
-    /// without them creates one closure for each file, not one for each of its functions.
+    /// `types_parts`, `groups_parts`), which a call runs only when its arguments configure the feature, as the
+    /// fields of one table (`rate`, `turns`, `types`, `groups`): a take without them creates one closure for each
+    /// file, not one for each of its functions, and its own functions name one upvalue for each file, not one for
+    /// each function they call (rate.lua says what each costs).
     pub const CLAIM: &str = concat!("#!lua\n", claim_parts!(), "return claim_run(false)\n");
     pub const ADOPT: &str = checked!(#!lua "scripts/adopt.lua");
     pub const POP: &str = concat!(
@@ -615,6 +617,56 @@ mod tests {
                     .iter()
                     .any(|(script, source)| *script == name || source.contains(&text)),
                 "{name} is in no script of sources::ALL"
+            );
+        }
+    }
+
+    /// The preludes of claim.lua and pop.lua keep their functions in one table a file (`rate`, `turns`, `types`,
+    /// `groups`), made by the file's `*_parts` function, not in locals of the script's top level: a function that
+    /// names a top-level local holds it as an upvalue, which Lua finds or makes each time it creates that function,
+    /// on every call (`claim_run` named 38 of them: 21,000 of an idle claim's instructions, docs/PERFORMANCE.md,
+    /// "The idle take's Lua, line by line"). Fails when a prelude declares another top-level local.
+    #[test]
+    fn each_prelude_names_one_table_at_the_top_level() {
+        let preludes: [(&str, &str, &[&str]); 4] = [
+            (
+                "rate.lua",
+                include_str!("scripts/rate.lua"),
+                &["local rate", "local function rate_parts()"],
+            ),
+            (
+                "turns.lua",
+                include_str!("scripts/turns.lua"),
+                &["local turns", "local function turns_parts()"],
+            ),
+            (
+                "types.lua",
+                include_str!("scripts/types.lua"),
+                &[
+                    "local function types_size(at)",
+                    "local types",
+                    "local function types_parts()",
+                ],
+            ),
+            (
+                "groups.lua",
+                include_str!("scripts/groups.lua"),
+                &[
+                    "local GROUP_TIMED, GROUP_PARKED = 1e15, 2e15",
+                    "local groups",
+                    "local function groups_parts()",
+                ],
+            ),
+        ];
+        for (name, source, expected) in preludes {
+            let top: Vec<&str> = source
+                .lines()
+                .filter(|line| line.starts_with("local "))
+                .collect();
+            assert_eq!(
+                top, expected,
+                "{name}'s top level declares other locals: define a function inside its parts function, as a field \
+                 of its table"
             );
         }
     }

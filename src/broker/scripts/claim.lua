@@ -100,18 +100,23 @@
 -- copies the head of a ready list onto the claim's list natively and in order, `LTRIM` takes it off, and
 -- `MEMORY USAGE` of the claim's list bounds every payload in it by max_task_bytes at once (only a batch larger
 -- than that in all has its payloads checked one by one). A claim costs Redis a fifth of what a hash field per
--- task did (docs/PERFORMANCE.md, "What at-least-once costs Redis").
+-- task did (docs/PERFORMANCE.md, "What at-least-once costs Redis"). Its calls' constant arguments are written as
+-- strings ('0', not 0): Redis turns a Lua number argument into a string with snprintf("%.17g"), about 2,250
+-- instructions each (docs/PERFORMANCE.md, "The idle take's Lua, line by line").
 -- The claim is a function of KEYS and ARGV (the script's own tables), so that settle.lua, which has this file and its
 -- preludes before it, runs the same claim for the slot a settle frees (handover.lua): the turns, groups, type and
 -- rate limits, lease and floor checks and quarantine of one claim, not a copy of them.
 -- `dry`: only the checks of the keys' types and of the counters it reads (a handful of calls), returning nil when
 -- they pass and the error otherwise, before anything is written; settle.lua makes them before its own first write.
 local function claim_run(dry)
-  local rates = tonumber(ARGV[9]) or 0
+  -- The counts a plain claim sends as '0' (no rate limit, no weights, no running limit, and types.lua's flows) are
+  -- read without `tonumber` then: a call of it costs Redis about 1,800 instructions, the comparison 300.
+  local rates = ARGV[9] ~= '0' and tonumber(ARGV[9]) or 0
   local WEIGHTS = 10 + 2 * rates
-  local weighted = (tonumber(ARGV[WEIGHTS]) or 0) > 0
+  local weights = ARGV[WEIGHTS] ~= '0' and tonumber(ARGV[WEIGHTS]) or 0
+  local weighted = weights > 0
   -- The type limits' block (types.lua) follows the weights: its flows' count, and the keys it adds.
-  local TYPES = WEIGHTS + 1 + (tonumber(ARGV[WEIGHTS]) or 0)
+  local TYPES = WEIGHTS + 1 + weights
   -- The groups' block (groups.lua) follows the types': with groups, the levels' rings and the sched hash end KEYS.
   local type_flows, type_other_keys, GROUPS_AT = types_size(TYPES)
   local grouped = ARGV[GROUPS_AT] == '1'
@@ -123,9 +128,8 @@ local function claim_run(dry)
   local RUNNING = 8 + 7 * levels
   local SCHED = weighted and RUNNING + 2 * rates + 1
   local TYPE_KEYS = RUNNING + 2 * rates + (weighted and 1 or 0) + 1
-  local GROUPS = {1, 8, 64}
   local owner, max, max_bytes, claim = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[7]
-  local max_running = tonumber(ARGV[8]) or 0
+  local max_running = ARGV[8] ~= '0' and tonumber(ARGV[8]) or 0
   -- What is left of the claim's bytes ("Bytes").
   local budget = tonumber(ARGV[#ARGV])
   -- Keys a claim often finds absent, looked up together: those found absent need no call of their own below (their
@@ -151,14 +155,6 @@ local function claim_run(dry)
     for i = LISTS + 1, SCOPES + levels do rare[#rare + 1] = KEYS[i] end
     absent = redis.call('EXISTS', unpack(rare)) == 0
   end
-  -- Whether KEYS[i] needs no type check: known absent, the paused key (only its existence counts), or a key whose
-  -- read below is its type check (`read`): the owners zset, the owner's info hash, the stats hash, and the running
-  -- hash under max_running.
-  local function known(i)
-    if i == 1 or i == 3 or i == 5 or i == 6 or (i == RUNNING and max_running > 0) then return true end
-    if i ~= 2 and i ~= 4 and i ~= 7 and (i <= QUARANTINE or i > RUNNING) then return false end
-    return idle or (absent and (i == 7 or (i > QUARANTINE and i <= CLAIMS) or (i > LISTS and i < RUNNING)))
-  end
   -- The refusal of KEYS[i], found to be a `found`, not a `kind`.
   local function wrong(i, found, kind)
     return redis.error_reply('WRONGTYPE claim.lua: ' .. KEYS[i] .. ' is a ' .. found .. ', not a ' .. kind ..
@@ -182,7 +178,15 @@ local function claim_run(dry)
   -- queue's claim needs no EXISTS of its own for them (an idle one's knows them absent).
   local holds = false
   for i = 1, TYPE_KEYS - 1 do
-    if not known(i) then
+    -- Whether KEYS[i] needs no type check: known absent, the paused key (only its existence counts), or a key whose
+    -- read below is its type check (`read`): the owners zset, the owner's info hash, the stats hash, and the running
+    -- hash under max_running. (Worked out here, not by a function of its own: a closure of seven upvalues and a
+    -- call a key cost an idle claim 7,600 instructions.)
+    local known = i == 1 or i == 3 or i == 5 or i == 6 or (i == RUNNING and max_running > 0)
+    if not known and (i == 2 or i == 4 or i == 7 or (i > QUARANTINE and i <= RUNNING)) then
+      known = idle or (absent and (i == 7 or (i > QUARANTINE and i <= CLAIMS) or (i > LISTS and i < RUNNING)))
+    end
+    if not known then
       local found = redis.call('TYPE', KEYS[i]).ok
       if found ~= 'none' and i > CLAIMS and i <= LISTS then holds = true end
       local kind = 'list'
@@ -224,17 +228,17 @@ local function claim_run(dry)
   end
   -- The rate limit's logs: their sums and newest entries parsed before any write (rate.lua). Each prelude's
   -- functions are defined only for a call that uses them (`rate_parts` and the others: rate.lua says why).
-  local windows = {}
+  local windows
   if rates > 0 then
     rate_parts()
-    windows, refused = rate_read('claim.lua', rates, RUNNING + 1, 10, integer)
+    windows, refused = rate.read('claim.lua', rates, RUNNING + 1, 10, integer)
     if refused then return refused end
   end
   -- With priority weights, the levels' credits (turns.lua), read and checked before any write.
   local credits
   if weighted then
     turns_parts()
-    credits, refused = turns_read('claim.lua', KEYS[SCHED], levels, integer)
+    credits, refused = turns.read('claim.lua', KEYS[SCHED], levels, integer)
     if refused then return refused end
   end
   -- The type limits' flows, their keys and counts (types.lua), read and checked before any write.
@@ -242,22 +246,24 @@ local function claim_run(dry)
   local block
   if flowing then
     types_parts()
-    block, refused = types_read('claim.lua', TYPES, TYPE_KEYS, levels, KEYS[RUNNING], integer)
+    block, refused = types.read('claim.lua', TYPES, TYPE_KEYS, levels, KEYS[RUNNING], integer)
     if refused then return refused end
   end
   -- The groups' rings, virtual times and limits (groups.lua), read and checked before any write.
   local grp = {on = false}
   if grouped then
     groups_parts()
-    grp, refused = groups_read('claim.lua', GROUPS_AT, #KEYS - levels, levels, integer)
+    grp, refused = groups.read('claim.lua', GROUPS_AT, #KEYS - levels, levels, integer)
     if refused then return refused end
   end
   -- Type limits beside groups: the groups' turns serve the (GROUP, TYPE) flows too (groups.lua).
-  if flowing and grp.on then groups_with_types(grp, block, 4 * tonumber(ARGV[2]) + 256) end
+  if flowing and grp.on then groups.with_types(grp, block, 4 * tonumber(ARGV[2]) + 256) end
   if dry then return nil end
   local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  if not lease or tonumber(lease) <= now then
+  -- (Lua's arithmetic converts TIME's strings itself, at half a tonumber's cost; the lease is converted once.)
+  local now = t[1] * 1000 + math.floor(t[2] / 1000)
+  lease = lease and tonumber(lease)
+  if not lease or lease <= now then
     -- An owner whose lease entry is gone while its registration is there (Redis lost it, or it was removed by hand)
     -- is put back as expired, as renew.lua does, so that the monitors find what it holds: its daemon, told here,
     -- forgets it and never renews it again.
@@ -383,45 +389,26 @@ local function claim_run(dry)
   -- reply (see renew.lua).
   local function finish(result)
     if took > 0 and max_running > 0 then redis.call('HINCRBY', KEYS[RUNNING], 'q', took) end
-    if took > 0 and rates > 0 then rate_spend(windows, took, now) end
-    if took > 0 and flowing then scopes_spend(block.flows, KEYS[RUNNING], now) end
-    if took > 0 and grp.on then groups_spend(grp, KEYS[RUNNING], now) end
+    if took > 0 and rates > 0 then rate.spend(windows, took, now) end
+    if took > 0 and flowing then types.scopes_spend(block.flows, KEYS[RUNNING], now) end
+    if took > 0 and grp.on then groups.spend(grp, KEYS[RUNNING], now) end
     result[#result + 1] = retry_at
     if dead_lettered > 0 then
       redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[4]) - 1)
       redis.call('HINCRBY', KEYS[5], 'dead_lettered', dead_lettered)
     end
     if took > 0 then
-      result[#result + 1] = redis.call('HINCRBY', KEYS[3], 'journal', 1)
+      result[#result + 1] = redis.call('HINCRBY', KEYS[3], 'journal', '1')
     else
       result[#result + 1] = tonumber(info[3] or '0')
     end
-    result[#result + 1] = tonumber(lease) - now
+    result[#result + 1] = lease - now
     return result
   end
   local function empty(state, level)
     local result = {now, state, level}
     for i = 1, levels do result[3 + i] = 0 end
     return result
-  end
-  -- Pushes `got` (payloads as Lua strings: a quarantined group, or a batch checked one by one) onto the claim's
-  -- list at `level`, in chunks (unpack's stack is bounded), dropping the payloads over max_task_bytes.
-  local function push_small(level, got)
-    local kept, n = {}, 0
-    for k = 1, #got do
-      if #got[k] > max_bytes then
-        dead_oversized(got[k])
-      else
-        n = n + 1
-        kept[#kept + 1] = got[k]
-        if #kept == 1000 then
-          redis.call('RPUSH', KEYS[LISTS + level], unpack(kept))
-          kept = {}
-        end
-      end
-    end
-    if #kept > 0 then redis.call('RPUSH', KEYS[LISTS + level], unpack(kept)) end
-    return n
   end
   -- Records a non-empty claim list in the owner's claim set: its score counts its tasks not yet settled; under a
   -- running limit, its scopes string says they count in `q` (`lines`, with type limits: the scopes of each run of
@@ -435,48 +422,86 @@ local function claim_run(dry)
       redis.call('SET', KEYS[SCOPES + level], n .. ' q')
     end
   end
-  -- With type limits: pushes `runs` (each the payloads of one flow, or of none, as Lua strings) onto the claim's
-  -- list at `level`, run after run, dropping the payloads over max_task_bytes, counts each run's tasks as its
-  -- flow's, and records the list with a line `N SCOPE...` per run. Returns the tasks pushed.
-  local function push_runs(level, runs)
-    local lines, counted, n = {}, false, 0
-    for _, run in ipairs(runs) do
-      local k = push_small(level, run.payloads)
-      if k > 0 then
-        local scopes = {}
-        if max_running > 0 then scopes[#scopes + 1] = 'q' end
-        -- A run counts in its flow's scope: a type's, a group's, or both (groups.lua's `group_pair`).
-        for _, part in ipairs(run.flow and (run.flow.parts or {run.flow}) or {}) do
-          if part.max_running > 0 then scopes[#scopes + 1] = part.scope end
-          part.taken = part.taken + k
-        end
-        counted = counted or #scopes > 0
-        lines[#lines + 1] = k .. ' ' .. table.concat(scopes, ' ')
-        n = n + k
-      end
-    end
-    if n > 0 then
-      local text = false
-      if counted then text = table.concat(lines, '\n') end
-      record(level, n, text)
-    end
-    return n
-  end
-  -- With type limits: the runs of a take, grouped by flow in the order first met (false: no limited type).
-  local function new_runs()
-    local runs, by = {}, {}
-    return runs, function(flow, payload)
-      local at = flow or runs
-      local run = by[at]
-      if not run then
-        run = {flow = flow, payloads = {}}
-        by[at] = run
-        runs[#runs + 1] = run
-      end
-      run.payloads[#run.payloads + 1] = payload
-    end
-  end
 
+  -- The helpers of a quarantined group's take and of the takes with type limits or groups, defined only for a claim
+  -- that may take one of those paths (a key of the quarantine or the claim's own exists, or the queue has type
+  -- limits or groups): Lua creates a closure for each `local function` as the claim runs, whether it is called or
+  -- not, about 1,600 instructions of Redis's each with its upvalues (docs/PERFORMANCE.md, "The idle take's Lua,
+  -- line by line").
+  local GROUPS, push_small, push_runs, new_runs, held_back
+  if flowing or grp.on or not absent then
+    -- The quarantine's group sizes, from its most suspect list on.
+    GROUPS = {1, 8, 64}
+    -- Pushes `got` (payloads as Lua strings: a quarantined group, or a batch checked one by one) onto the claim's
+    -- list at `level`, in chunks (unpack's stack is bounded), dropping the payloads over max_task_bytes.
+    function push_small(level, got)
+      local kept, n = {}, 0
+      for k = 1, #got do
+        if #got[k] > max_bytes then
+          dead_oversized(got[k])
+        else
+          n = n + 1
+          kept[#kept + 1] = got[k]
+          if #kept == 1000 then
+            redis.call('RPUSH', KEYS[LISTS + level], unpack(kept))
+            kept = {}
+          end
+        end
+      end
+      if #kept > 0 then redis.call('RPUSH', KEYS[LISTS + level], unpack(kept)) end
+      return n
+    end
+    -- With type limits: pushes `runs` (each the payloads of one flow, or of none, as Lua strings) onto the claim's
+    -- list at `level`, run after run, dropping the payloads over max_task_bytes, counts each run's tasks as its
+    -- flow's, and records the list with a line `N SCOPE...` per run. Returns the tasks pushed.
+    function push_runs(level, runs)
+      local lines, counted, n = {}, false, 0
+      for _, run in ipairs(runs) do
+        local k = push_small(level, run.payloads)
+        if k > 0 then
+          local scopes = {}
+          if max_running > 0 then scopes[#scopes + 1] = 'q' end
+          -- A run counts in its flow's scope: a type's, a group's, or both (groups.lua's `group_pair`).
+          for _, part in ipairs(run.flow and (run.flow.parts or {run.flow}) or {}) do
+            if part.max_running > 0 then scopes[#scopes + 1] = part.scope end
+            part.taken = part.taken + k
+          end
+          counted = counted or #scopes > 0
+          lines[#lines + 1] = k .. ' ' .. table.concat(scopes, ' ')
+          n = n + k
+        end
+      end
+      if n > 0 then
+        local text = false
+        if counted then text = table.concat(lines, '\n') end
+        record(level, n, text)
+      end
+      return n
+    end
+    -- With type limits: the runs of a take, grouped by flow in the order first met (false: no limited type).
+    function new_runs()
+      local runs, by = {}, {}
+      return runs, function(flow, payload)
+        local at = flow or runs
+        local run = by[at]
+        if not run then
+          run = {flow = flow, payloads = {}}
+          by[at] = run
+          runs[#runs + 1] = run
+        end
+        run.payloads[#run.payloads + 1] = payload
+      end
+    end
+    -- When nothing was taken though tasks wait, because their types' limits hold them back (state 7): when the
+    -- earliest of those limits lets one go (0: only a running slot, which a settle's wake-up marker announces).
+    function held_back()
+      local any, at = types.held(block)
+      if any then
+        retry_at = at
+        return finish(empty(7, 0))
+      end
+    end
+  end
   -- After the lease and floor checks, so that a paused or throttled queue still tells a lost lease or a fenced
   -- claim. One EXISTS for both keys: a queue that is neither costs no more than the pause alone did.
   if not absent and redis.call('EXISTS', KEYS[6], KEYS[7]) > 0 then
@@ -484,7 +509,7 @@ local function claim_run(dry)
       return finish(empty(3, 0))
     end
     rate_parts()
-    local ends = throttle_until(KEYS[7], now)
+    local ends = rate.throttle_until(KEYS[7], now)
     if ends then
       retry_at = ends
       return finish(empty(6, 0))
@@ -501,15 +526,15 @@ local function claim_run(dry)
     end
     -- A grouped level has at least one task if a flow is in the lowest band: as many as the claim may take, for
     -- the turns between levels (a level whose groups give fewer leaves the rest to the others, below).
-    if grp.on and groups_waiting(grp, i) then n = n + max end
+    if grp.on and groups.waiting(grp, i) then n = n + max end
     return n
   end
   -- Passes the wake-up on to another idle fetcher when some level holds a task: one marker at most.
   local function pass_wake_on()
     for i = 1, levels do
       if waiting(i) > 0 then
-        redis.call('LPUSH', KEYS[2], 1)
-        redis.call('LTRIM', KEYS[2], 0, 0)
+        redis.call('LPUSH', KEYS[2], '1')
+        redis.call('LTRIM', KEYS[2], '0', '0')
         return
       end
     end
@@ -541,10 +566,10 @@ local function claim_run(dry)
   -- Each window leaves its limit minus what is still in it once the entries that aged out are dropped (read here,
   -- dropped once every check is done, below).
   local free, due, bad = nil, 0, nil
-  if rates > 0 then free, due, bad = rate_scan('claim.lua', windows, now) end
+  if rates > 0 then free, due, bad = rate.scan('claim.lua', windows, now) end
   if bad then return bad end
   if due > 0 then
-    rate_drop(windows)
+    rate.drop(windows)
     note_limit()
     retry_at = due
     return finish(empty(5, 0))
@@ -554,17 +579,8 @@ local function claim_run(dry)
   end
   -- The type limits' rooms, once the queue's own limits let the claim go on (types.lua; written below).
   if flowing then
-    bad = types_admit('claim.lua', block, KEYS[RUNNING], now, true)
+    bad = types.admit('claim.lua', block, KEYS[RUNNING], now, true)
     if bad then return bad end
-  end
-  -- When nothing was taken though tasks wait, because their types' limits hold them back (state 7): when the
-  -- earliest of those limits lets one go (0: only a running slot, which a settle's wake-up marker announces).
-  local function held_back()
-    local any, at = types_held(block)
-    if any then
-      retry_at = at
-      return finish(empty(7, 0))
-    end
   end
 
   -- With groups: the flows whose time came back return to their rings, and the ready lists' tasks go to their
@@ -575,9 +591,9 @@ local function claim_run(dry)
   local due_plan, intake_plan
   if grp.on then
     local moved, touched
-    due_plan, moved, bad = groups_due(grp, levels, KEYS[RUNNING], now)
+    due_plan, moved, bad = groups.due(grp, levels, KEYS[RUNNING], now)
     if bad then return bad end
-    intake_plan, touched, bad = groups_intake(grp, levels, function(level) return KEYS[READY + level] end,
+    intake_plan, touched, bad = groups.intake(grp, levels, function(level) return KEYS[READY + level] end,
       4 * tonumber(ARGV[2]) + 256)
     if bad then return bad end
     -- The groups of the quarantined group that the claim may take (the first quarantine list that holds tasks,
@@ -589,23 +605,23 @@ local function claim_run(dry)
         if not looked and not absent and redis.call('LLEN', list) > 0 then
           looked = true
           for _, payload in ipairs(redis.call('LRANGE', list, 0, math.min(GROUPS[stage], max) - 1)) do
-            local _, refused = group_state('claim.lua', grp, group_route(payload), KEYS[RUNNING], now)
+            local _, refused = groups.state('claim.lua', grp, groups.route(payload), KEYS[RUNNING], now)
             if refused then return refused end
           end
         end
       end
     end
-    bad = groups_check('claim.lua', grp, levels, max, moved, touched, KEYS[RUNNING], now)
+    bad = groups.check('claim.lua', grp, levels, max, moved, touched, KEYS[RUNNING], now)
     if bad then return bad end
   end
   -- Every check is done: the first writes (but for a full count's or a full window's answer, above).
-  if rates > 0 then rate_drop(windows) end
+  if rates > 0 then rate.drop(windows) end
   note_limit()
-  if flowing then types_write(block, KEYS[RUNNING]) end
+  if flowing then types.write(block, KEYS[RUNNING]) end
   if grp.on then
-    groups_write(grp)
-    groups_due_apply(grp, levels, due_plan, now)
-    groups_intake_apply(grp, levels, intake_plan)
+    groups.write(grp)
+    groups.due_apply(grp, levels, due_plan, now)
+    groups.intake_apply(grp, levels, intake_plan)
   end
 
   if info[2] then
@@ -633,7 +649,7 @@ local function claim_run(dry)
           -- anything is taken off the list); the rest stays at the list's head.
           local states = {}
           for k = 1, #got do
-            local st, refused = group_state('claim.lua', grp, group_route(got[k]), KEYS[RUNNING], now)
+            local st, refused = groups.state('claim.lua', grp, groups.route(got[k]), KEYS[RUNNING], now)
             if refused then return refused end
             states[k] = st
           end
@@ -641,19 +657,19 @@ local function claim_run(dry)
           local kept, due = 0, 0
           for k = 1, #got do
             local st = states[k]
-            local typ = flowing and types_route(block, got[k]) or nil
-            if group_refused(st, now) then break end
+            local typ = flowing and types.route(block, got[k]) or nil
+            if groups.refused(st, now) then break end
             if typ and typ.room == 0 then
               due = typ.due or 0
               break
             end
             if st.room then st.room = st.room - 1 end
             if typ and typ.room then typ.room = typ.room - 1 end
-            add(group_pair(grp, st, typ), got[k])
+            add(groups.pair(grp, st, typ), got[k])
             kept = k
           end
           if kept == 0 then
-            retry_at = groups_next(grp, levels)
+            retry_at = groups.next(grp, levels)
             if due > 0 and (retry_at == 0 or due < retry_at) then retry_at = due end
             return finish(empty(7, 0))
           end
@@ -664,8 +680,8 @@ local function claim_run(dry)
           local runs, add = new_runs()
           local kept = 0
           for k = 1, #got do
-            local flow = types_route(block, got[k])
-            if not types_admit_one(flow) then
+            local flow = types.route(block, got[k])
+            if not types.admit_one(flow) then
               flow.held = true
               break
             end
@@ -702,35 +718,40 @@ local function claim_run(dry)
   if weighted then
     local available = {}
     for i = 1, levels do available[i] = waiting(i) end
-    want = turns_split(KEYS[SCHED], {unpack(ARGV, WEIGHTS + 1, WEIGHTS + levels)}, credits, available, max)
+    want = turns.split(KEYS[SCHED], {unpack(ARGV, WEIGHTS + 1, WEIGHTS + levels)}, credits, available, max)
   end
-  -- With type limits, a level's take (types.lua's `types_take`): from its flows, then its ready list, looking at
-  -- no more than SCAN tasks of it a claim.
-  local SCAN = 4 * max + 256
-  local function take_flowing(i, take)
-    local runs, add = new_runs()
-    local got = types_take(block, i, {KEYS[READY + i]}, take, SCAN, add)
-    local n = push_runs(i, runs)
-    taken = taken + got
-    return n
-  end
-  -- With groups, every level's candidate flows and their groups' states are read before the first task is taken
-  -- (groups.lua), so that a key of the wrong type fails the claim before it holds any payload.
-  local cands = {}
-  if grp.on then
-    for i = 1, levels do
-      cands[i], bad = groups_candidates('claim.lua', grp, i, max, KEYS[RUNNING], now)
-      if bad then return bad end
+  -- A level's take with type limits (`take_flowing`) or groups (`take_grouped`), defined only for a claim that has
+  -- them.
+  local take_flowing, take_grouped
+  if flowing then
+    -- With type limits, a level's take (types.lua's `types_take`): from its flows, then its ready list, looking at
+    -- no more than SCAN tasks of it a claim.
+    local SCAN = 4 * max + 256
+    function take_flowing(i, take)
+      local runs, add = new_runs()
+      local got = types.take(block, i, {KEYS[READY + i]}, take, SCAN, add)
+      local n = push_runs(i, runs)
+      taken = taken + got
+      return n
     end
   end
-  -- With groups, a level's take: turns over its candidate flows (groups.lua).
-  local function take_grouped(i, take)
-    local runs, add = new_runs()
-    local got, held = groups_take(grp, i, cands[i], take, now, add)
-    cands[i] = {}
-    if held then grp.held = true end
-    taken = taken + got
-    return push_runs(i, runs)
+  if grp.on then
+    -- With groups, every level's candidate flows and their groups' states are read before the first task is taken
+    -- (groups.lua), so that a key of the wrong type fails the claim before it holds any payload.
+    local cands = {}
+    for i = 1, levels do
+      cands[i], bad = groups.candidates('claim.lua', grp, i, max, KEYS[RUNNING], now)
+      if bad then return bad end
+    end
+    -- With groups, a level's take: turns over its candidate flows (groups.lua).
+    function take_grouped(i, take)
+      local runs, add = new_runs()
+      local got, held = groups.take(grp, i, cands[i], take, now, add)
+      cands[i] = {}
+      if held then grp.held = true end
+      taken = taken + got
+      return push_runs(i, runs)
+    end
   end
   for i = 1, levels do
     local ready = KEYS[READY + i]
@@ -742,21 +763,21 @@ local function claim_run(dry)
     elseif flowing then
       if take > 0 then n = take_flowing(i, take) end
     elseif take > 0 and (taken == 0 or budget > 0) then
-      n = redis.call('SORT', ready, 'BY', 'nosort', 'LIMIT', 0, take, 'STORE', KEYS[LISTS + i])
+      n = redis.call('SORT', ready, 'BY', 'nosort', 'LIMIT', '0', take, 'STORE', KEYS[LISTS + i])
     end
     if n > 0 and not flowing and not grp.on then
       -- One weighing serves the byte budget and max_task_bytes. Over the budget, the copy is cut to what fits (as
       -- many as fit if the tasks are alike, fewer each time until they do), keeping one task for a claim that has
       -- none yet; the ready list is trimmed by what is kept.
       local list = KEYS[LISTS + i]
-      bytes = redis.call('MEMORY', 'USAGE', list, 'SAMPLES', 0)
+      bytes = redis.call('MEMORY', 'USAGE', list, 'SAMPLES', '0')
       local least = taken == 0 and 1 or 0
       while n > least and bytes > budget do
         n = math.max(least, math.min(n - 1, math.floor(n * budget / bytes)))
         cut = true
         if n > 0 then
           redis.call('LTRIM', list, 0, n - 1)
-          bytes = redis.call('MEMORY', 'USAGE', list, 'SAMPLES', 0)
+          bytes = redis.call('MEMORY', 'USAGE', list, 'SAMPLES', '0')
         else
           redis.call('DEL', list)
           bytes = 0
@@ -765,7 +786,7 @@ local function claim_run(dry)
       budget = budget - bytes
     end
     if n > 0 and not flowing and not grp.on then
-      redis.call('LTRIM', ready, n, -1)
+      redis.call('LTRIM', ready, n, '-1')
       taken = taken + n
       if bytes > max_bytes then
         -- Perhaps one payload is too large: check them one by one, each taken from the list's head and put back at
@@ -808,7 +829,7 @@ local function claim_run(dry)
   if grp.on and took == 0 and taken == 0 then
     -- Nothing taken though groups hold tasks that their limits or pauses hold back (state 7): when the earliest
     -- timed flow may go on (0: a settle's or a resume's wake-up marker says when).
-    local at, any = groups_next(grp, levels)
+    local at, any = groups.next(grp, levels)
     if any or grp.held then
       retry_at = at
       return finish(empty(7, 0))

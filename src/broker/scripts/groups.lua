@@ -40,16 +40,20 @@
 -- argument can name a key of another queue (keys.rs builds the same names: `QueueKeys::group_*`).
 local GROUP_TIMED, GROUP_PARKED = 1e15, 2e15
 
--- Declared here and defined by `groups_parts` (with rate.lua's and types.lua's, which they use), which claim.lua runs
--- before its first use of them (groups); a second run returns at once: a claim without groups creates one closure
--- for this file, not twenty-seven (rate.lua says why).
-local group_route, groups_read, group_state, group_refused, groups_with_types, group_pair, groups_due,
-  groups_due_apply, groups_intake, groups_intake_apply, groups_candidates, groups_check, groups_write, groups_take,
-  groups_waiting, groups_next, groups_spend
+-- Defined by `groups_parts` (with rate.lua's and types.lua's, which they use), which claim.lua runs before its first
+-- use of them (groups), as the fields of `groups` (`groups.read` is `groups_read`, `groups.state` `group_state`); a
+-- second run returns at once: a claim without groups creates one closure for this file, not twenty-seven, and
+-- names one upvalue (rate.lua says why).
+local groups
 local function groups_parts()
-  if group_route then return end
+  if groups then return end
+  local group_route, groups_read, group_state, group_refused, groups_with_types, group_pair, groups_due,
+    groups_due_apply, groups_intake, groups_intake_apply, groups_candidates, groups_check, groups_write, groups_take,
+    groups_waiting, groups_next, groups_spend
   rate_parts()
   types_parts()
+  local rate_entry, rate_scan, rate_drop, throttle_until = rate.entry, rate.scan, rate.drop, rate.throttle_until
+  local types_route, types_again, scopes_spend = types.route, types.again, types.scopes_spend
   -- A group's name as it is written in keys and scopes: keys.rs's `encode_name`.
   local function group_encode(name)
     return (string.gsub(name, '[%%:{}%z\1-\32\127]', function(c) return string.format('%%%02X', string.byte(c)) end))
@@ -604,4 +608,8 @@ local function groups_parts()
     for _, st in pairs(g.states) do states[#states + 1] = st end
     scopes_spend(states, running, now)
   end
+  groups = {route = group_route, read = groups_read, state = group_state, refused = group_refused,
+    with_types = groups_with_types, pair = group_pair, due = groups_due, due_apply = groups_due_apply,
+    intake = groups_intake, intake_apply = groups_intake_apply, candidates = groups_candidates, check = groups_check,
+    write = groups_write, take = groups_take, waiting = groups_waiting, next = groups_next, spend = groups_spend}
 end

@@ -74,13 +74,17 @@ local function wrong_type(key, kind)
   end
   return nil, found
 end
-local max_running = tonumber(ARGV[3]) or 0
-local rates = tonumber(ARGV[4]) or 0
+-- The counts a plain pop sends as '0' (no running limit, no rate limit, no weights) are read without `tonumber`
+-- then: a call of it costs Redis about 1,800 instructions, the comparison 300 (docs/PERFORMANCE.md, "The idle
+-- take's Lua, line by line").
+local max_running = ARGV[3] ~= '0' and tonumber(ARGV[3]) or 0
+local rates = ARGV[4] ~= '0' and tonumber(ARGV[4]) or 0
 local WEIGHTS = 5 + 2 * rates
-local weighted = (tonumber(ARGV[WEIGHTS]) or 0) > 0
+local weights = ARGV[WEIGHTS] ~= '0' and tonumber(ARGV[WEIGHTS]) or 0
+local weighted = weights > 0
 -- The type limits' block (types.lua) follows the weights: its flows' count, and the keys it adds after the rate
 -- logs (the levels' rings, then per flow one list a level, its throttle and its windows' logs and sums).
-local TYPES = WEIGHTS + 1 + (tonumber(ARGV[WEIGHTS]) or 0)
+local TYPES = WEIGHTS + 1 + weights
 local type_flows, type_other_keys = types_size(TYPES)
 local per_level = 4
 if type_flows > 0 then per_level = 5 + type_flows end
@@ -101,21 +105,25 @@ for i = FIRST, LAST do
 end
 local idle = redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[3], KEYS[4], unpack(quarantine)) == 0
 local absent = idle or redis.call('EXISTS', KEYS[3], KEYS[4], unpack(quarantine)) == 0
--- Whether KEYS[i] needs no type check: known absent, the paused key (only its existence counts), or a key this pop
--- does not touch: the running hashes but under a running limit or type limits, the sched hash but with priority
--- weights (a key the call does not touch cannot make it fail).
 local counting = max_running > 0 or type_flows > 0
-local function known(i)
-  if i == 3 then return true end
-  if i == 4 or (i >= FIRST and i <= LAST and (i - FIRST) % 4 ~= 3) then return absent end
-  if i == 5 or i == 6 then return not counting end
-  if i == 7 then return not weighted end
-  return idle and i < 3
-end
 -- Every key's type (types.lua's keys are checked by types_read); `unique_ids`: whether the unique hash exists.
 local refused, unique_ids = nil, not idle
 for i = 1, TYPE_KEYS - 1 do
-  if not refused and not known(i) then
+  -- Whether KEYS[i] needs no type check: known absent, the paused key (only its existence counts), or a key this pop
+  -- does not touch: the running hashes but under a running limit or type limits, the sched hash but with priority
+  -- weights (a key the call does not touch cannot make it fail). (Worked out here, not by a function of its own: a
+  -- call a key costs more than the test, as in claim.lua.)
+  local known = idle and i < 3
+  if i == 3 then
+    known = true
+  elseif i == 4 or (i >= FIRST and i <= LAST and (i - FIRST) % 4 ~= 3) then
+    known = absent
+  elseif i == 5 or i == 6 then
+    known = not counting
+  elseif i == 7 then
+    known = not weighted
+  end
+  if not refused and not known then
     local kind = 'list'
     if i == 4 then
       kind = 'string'
@@ -143,13 +151,13 @@ local integer = integer_check('pop.lua')
 local windows
 if rates > 0 then
   rate_parts()
-  windows, refused = rate_read('pop.lua', rates, LAST + 1, 5, integer)
+  windows, refused = rate.read('pop.lua', rates, LAST + 1, 5, integer)
   if refused then return refused end
 end
 local credits
 if weighted then
   turns_parts()
-  credits, refused = turns_read('pop.lua', KEYS[7], levels, integer)
+  credits, refused = turns.read('pop.lua', KEYS[7], levels, integer)
   if refused then return refused end
 end
 -- The type limits' flows, their keys and counts (types.lua), and the owner's share of each counted type, read and
@@ -158,7 +166,7 @@ local flowing = type_flows > 0
 local block
 if flowing then
   types_parts()
-  block, refused = types_read('pop.lua', TYPES, TYPE_KEYS, levels, KEYS[5], integer)
+  block, refused = types.read('pop.lua', TYPES, TYPE_KEYS, levels, KEYS[5], integer)
   if refused then return refused end
   for _, flow in ipairs(block.flows) do
     if flow.max_running > 0 then
@@ -176,7 +184,8 @@ if max_running > 0 then
   running, known_limit = tonumber(value[1] or '0'), tonumber(value[2] or '0')
 end
 local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- (Lua's arithmetic converts TIME's strings itself, at half a tonumber's cost.)
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
 -- Before the pause, as claim.lua: an owner whose lease is gone or past pops nothing (see "The holder").
 local lease = redis.call('ZSCORE', KEYS[8], ARGV[1])
 if not lease or tonumber(lease) <= now then
@@ -188,7 +197,7 @@ if not absent and redis.call('EXISTS', KEYS[3], KEYS[4]) > 0 then
     return {now, 0, {}, held_ids(), 1, 0, {}, {}, {}}
   end
   rate_parts()
-  local ends = throttle_until(KEYS[4], now)
+  local ends = rate.throttle_until(KEYS[4], now)
   if ends then
     return {now, 0, {}, held_ids(), 2, ends, {}, {}, {}}
   end
@@ -207,7 +216,7 @@ if max_running > 0 then
   max = math.min(max, max_running - running)
 end
 if rates > 0 then
-  local free, due, bad = rate_trim('pop.lua', windows, now)
+  local free, due, bad = rate.trim('pop.lua', windows, now)
   if bad then return bad end
   if due > 0 then
     return {now, 0, {}, held_ids(), 3, due, {}, {}, {}}
@@ -243,7 +252,7 @@ if flowing then
     taken[level] = into
     local lists = {}
     for i = FIRST + 4 * (level - 1), FIRST + 4 * level - 1 do lists[#lists + 1] = KEYS[i] end
-    return types_take(block, level, lists, take, SCAN, function(flow, payload)
+    return types.take(block, level, lists, take, SCAN, function(flow, payload)
       into.items[#into.items + 1] = payload
       local f = 0
       if flow then
@@ -253,7 +262,7 @@ if flowing then
       into.counted[#into.counted + 1] = f
     end)
   end
-  local bad = types_admit('pop.lua', block, KEYS[5], now)
+  local bad = types.admit('pop.lua', block, KEYS[5], now)
   if bad then return bad end
   items, index, counts = {}, 0, {}
   local want
@@ -268,7 +277,7 @@ if flowing then
       end
       available[level] = n
     end
-    want = turns_split(KEYS[7], {unpack(ARGV, WEIGHTS + 1, WEIGHTS + levels)}, credits, available, max)
+    want = turns.split(KEYS[7], {unpack(ARGV, WEIGHTS + 1, WEIGHTS + levels)}, credits, available, max)
   end
   local total = 0
   for level = 1, levels do
@@ -297,7 +306,7 @@ if flowing then
 elseif weighted and not quarantined then
   local available = {}
   for level = 1, levels do available[level] = redis.call('LLEN', ready(level)) end
-  local want = turns_split(KEYS[7], {unpack(ARGV, WEIGHTS + 1, WEIGHTS + levels)}, credits, available, max)
+  local want = turns.split(KEYS[7], {unpack(ARGV, WEIGHTS + 1, WEIGHTS + levels)}, credits, available, max)
   items, index, counts = {}, 0, {}
   for level = 1, levels do
     counts[level] = 0
@@ -363,18 +372,18 @@ local held = held_ids()
 if #items == 0 then
   if flowing then
     -- Nothing taken though tasks wait, because their types' limits hold them back (state 7).
-    local any, at = types_held(block)
+    local any, at = types.held(block)
     if any then return {now, 0, {}, held, 7, at, {}, {}, {}} end
   end
   return {now, 0, {}, held, 0, 0, {}, {}, {}}
 end
-if rates > 0 then rate_spend(windows, #items, now) end
+if rates > 0 then rate.spend(windows, #items, now) end
 if max_running > 0 then
   redis.call('HINCRBY', KEYS[5], 'q', #items)
   redis.call('HINCRBY', KEYS[6], 'q', #items)
 end
 if flowing then
-  scopes_spend(block.flows, KEYS[5], now)
+  types.scopes_spend(block.flows, KEYS[5], now)
   for _, flow in ipairs(block.flows) do
     if flow.taken > 0 and flow.max_running > 0 then redis.call('HINCRBY', KEYS[6], flow.scope, flow.taken) end
   end

@@ -12,12 +12,13 @@
 -- weights by themselves; each is clamped to it all the same, for a change of the weights (a reload, a rolling
 -- change), which would otherwise carry a lead or a debt built under the old ones into the new turns.
 
--- Declared here and defined by `turns_parts`, which a caller runs before its first use of them (priority weights);
--- a second run returns at once: a call without weights creates one closure for this file, not two (rate.lua says
--- why).
-local turns_read, turns_split
+-- Defined by `turns_parts`, which a caller runs before its first use of them (priority weights), as the fields of
+-- `turns` (`turns.read`, `turns.split`); a second run returns at once: a call without weights creates one closure
+-- for this file, not two, and names one upvalue (rate.lua says why).
+local turns
 local function turns_parts()
-  if turns_read then return end
+  if turns then return end
+  local turns_read, turns_split
   -- Reads the credits of `levels` levels from `sched` and checks them (integers, or absent) before any write:
   -- returns them, or nil and the error reply of `script`.
   function turns_read(script, sched, levels, integer)
@@ -65,4 +66,5 @@ local function turns_parts()
     redis.call('HSET', sched, unpack(stored))
     return want
   end
+  turns = {read = turns_read, split = turns_split}
 end

@@ -26,7 +26,8 @@
 -- The size of the block at ARGV[at]: its flows' count, the keys it adds besides the rings and the flows' lists (a
 -- throttle and two keys a window per flow), and the index of the argument that follows it.
 local function types_size(at)
-  local flows, keys, next_at = tonumber(ARGV[at]) or 0, 0, at + 2
+  -- (No flows, the common case, read without `tonumber`, whose call costs Redis six times the comparison.)
+  local flows, keys, next_at = ARGV[at] ~= '0' and tonumber(ARGV[at]) or 0, 0, at + 2
   for _ = 1, flows do
     local r = tonumber(ARGV[next_at + 4]) or 0
     keys, next_at = keys + 1 + 2 * r, next_at + 5 + 2 * r
@@ -34,14 +35,18 @@ local function types_size(at)
   return flows, keys, next_at
 end
 
--- Declared here and defined by `types_parts` (with rate.lua's, which they use), which a caller runs before its first
--- use of them (type limits, groups); a second run returns at once: a call with neither creates one closure for
--- these, not nine (rate.lua says why). `types_size` stays outside: every call reads its arguments' layout with it.
-local types_read, types_admit, types_write, types_route, types_again, scopes_spend, types_admit_one, types_take,
-  types_held
+-- Defined by `types_parts` (with rate.lua's, which they use), which a caller runs before its first use of them (type
+-- limits, groups), as the fields of `types` (`types.read` is `types_read`); a second run returns at once: a call
+-- with neither creates one closure for these, not nine, and names one upvalue (rate.lua says why). `types_size`
+-- stays outside: every call reads its arguments' layout with it.
+local types
 local function types_parts()
-  if types_read then return end
+  if types then return end
+  local types_read, types_admit, types_write, types_route, types_again, scopes_spend, types_admit_one, types_take,
+    types_held
   rate_parts()
+  local rate_read, rate_scan, rate_drop, throttle_until, rate_spend =
+    rate.read, rate.scan, rate.drop, rate.throttle_until, rate.spend
   -- Reads the block at ARGV[at] for `levels` levels (KEYS from `first`), checking every key's type and every value
   -- it will rely on (running counts, rate logs) before any write. Returns the flows (possibly none), or nil and the
   -- error reply of `script`.
@@ -260,4 +265,6 @@ local function types_parts()
     end
     return any, at
   end
+  types = {read = types_read, admit = types_admit, write = types_write, route = types_route, again = types_again,
+    scopes_spend = scopes_spend, admit_one = types_admit_one, take = types_take, held = types_held}
 end
