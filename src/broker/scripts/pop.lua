@@ -74,6 +74,15 @@ local function wrong_type(key, kind)
   end
   return nil, found
 end
+-- A read of `key` (`command`, then its arguments after the key) that is also its type check, as claim.lua's `read`:
+-- Redis refuses the read of a key of another type than the command's (`kind`), and a TYPE then names what it is,
+-- a call fewer than a TYPE before each (docs/PERFORMANCE.md, "The idle take's Lua, line by line"). Returns the
+-- reply, or nil and the refusal (Redis's own error, should it refuse the read for another reason).
+local function read(key, kind, command, ...)
+  local reply = redis.pcall(command, key, ...)
+  if type(reply) == 'table' and reply.err then return nil, wrong_type(key, kind) or reply end
+  return reply
+end
 -- The counts a plain pop sends as '0' (no running limit, no rate limit, no weights) are read without `tonumber`
 -- then: a call of it costs Redis about 1,800 instructions, the comparison 300 (docs/PERFORMANCE.md, "The idle
 -- take's Lua, line by line").
@@ -105,21 +114,21 @@ for i = FIRST, LAST do
 end
 local idle = redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[3], KEYS[4], unpack(quarantine)) == 0
 local absent = idle or redis.call('EXISTS', KEYS[3], KEYS[4], unpack(quarantine)) == 0
-local counting = max_running > 0 or type_flows > 0
 -- Every key's type (types.lua's keys are checked by types_read); `unique_ids`: whether the unique hash exists.
 local refused, unique_ids = nil, not idle
 for i = 1, TYPE_KEYS - 1 do
-  -- Whether KEYS[i] needs no type check: known absent, the paused key (only its existence counts), or a key this pop
-  -- does not touch: the running hashes but under a running limit or type limits, the sched hash but with priority
-  -- weights (a key the call does not touch cannot make it fail). (Worked out here, not by a function of its own: a
-  -- call a key costs more than the test, as in claim.lua.)
+  -- Whether KEYS[i] needs no type check: known absent, the paused key (only its existence counts), a key whose read
+  -- below is its check (`read`: the owners zset, and the running hashes under a running limit without type limits),
+  -- or a key this pop does not touch: the running hashes but under a running limit or type limits, the sched hash
+  -- but with priority weights (a key the call does not touch cannot make it fail). (Worked out here, not by a
+  -- function of its own: a call a key costs more than the test, as in claim.lua.)
   local known = idle and i < 3
-  if i == 3 then
+  if i == 3 or i == 8 then
     known = true
   elseif i == 4 or (i >= FIRST and i <= LAST and (i - FIRST) % 4 ~= 3) then
     known = absent
   elseif i == 5 or i == 6 then
-    known = not counting
+    known = type_flows == 0
   elseif i == 7 then
     known = not weighted
   end
@@ -127,8 +136,6 @@ for i = 1, TYPE_KEYS - 1 do
     local kind = 'list'
     if i == 4 then
       kind = 'string'
-    elseif i == 8 then
-      kind = 'zset'
     elseif i < FIRST then
       kind = 'hash'
     elseif i > LAST and (i - LAST) % 2 == 0 then
@@ -177,17 +184,23 @@ if flowing then
 end
 local running, known_limit = 0, 0
 if max_running > 0 then
-  local value = redis.call('HMGET', KEYS[5], 'q', 'q:limit')
-  refused = integer(KEYS[5], 'q', value[1]) or integer(KEYS[5], 'q:limit', value[2]) or
-    integer(KEYS[6], 'q', redis.call('HGET', KEYS[6], 'q'))
+  local value, share
+  value, refused = read(KEYS[5], 'hash', 'HMGET', 'q', 'q:limit')
+  if refused then return refused end
+  share, refused = read(KEYS[6], 'hash', 'HGET', 'q')
+  if refused then return refused end
+  refused = integer(KEYS[5], 'q', value[1]) or integer(KEYS[5], 'q:limit', value[2]) or integer(KEYS[6], 'q', share)
   if refused then return refused end
   running, known_limit = tonumber(value[1] or '0'), tonumber(value[2] or '0')
 end
 local t = redis.call('TIME')
 -- (Lua's arithmetic converts TIME's strings itself, at half a tonumber's cost.)
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
--- Before the pause, as claim.lua: an owner whose lease is gone or past pops nothing (see "The holder").
-local lease = redis.call('ZSCORE', KEYS[8], ARGV[1])
+-- Before the pause, as claim.lua: an owner whose lease is gone or past pops nothing (see "The holder"). The read is
+-- the owners zset's type check (`read`), still before any write.
+local lease
+lease, refused = read(KEYS[8], 'zset', 'ZSCORE', ARGV[1])
+if refused then return refused end
 if not lease or tonumber(lease) <= now then
   return redis.error_reply('LEASELOST owner ' .. ARGV[1] .. ' has no live lease')
 end
