@@ -319,7 +319,7 @@ pub mod sources {
         include_str!("scripts/after.lua"),
         include_str!("scripts/unique_hold.lua"),
         include_str!("scripts/handover.lua"),
-        "local function handover_parts()\n",
+        "local function handover_parts(KEYS, ARGV)\n",
         claim_parts!(),
         include_str!("scripts/handover_run.lua"),
         "end\n",

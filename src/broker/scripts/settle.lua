@@ -448,9 +448,9 @@ end
 -- the owner must not bring its info hash back. Its increment is the call's first write, so that a journal that is
 -- not an integer fails the call before anything is written.
 -- The claim for the freed slots checks its own keys and counters first (handover.lua).
-local parts = handover and handover_parts()
+local parts = handover and handover_parts(handover.keys, handover.args)
 if handover and fence == 'owner' then
-  local refused = parts.check(handover)
+  local refused = parts.check()
   if refused then return refused end
 end
 local journal = 0
