@@ -269,31 +269,27 @@ for j = records, #ARGV, 9 do
     if refused then return refused end
   end
 end
-for key, kind in pairs(expected) do
-  local found = redis.call('TYPE', key).ok
-  if found ~= 'none' and found ~= kind then
-    return redis.error_reply('WRONGTYPE settle.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
-      '; nothing was applied')
-  end
-end
--- A call sent again (its reply was lost) answers the first call's result; an older call than the stored one
--- (a late copy) applies nothing (checked after the types, so that a key that went wrong meanwhile is reported,
--- and the call answered once it is fixed).
-local prior = redis.call('GET', last_call)
-if prior then
-  local bar = string.find(prior, '|', 1, true)
-  local stored = bar and string.sub(prior, 1, bar - 1)
-  if stored == call then
-    local result = {}
-    for n in string.gmatch(string.sub(prior, bar + 1), '[^,]+') do
-      result[#result + 1] = tonumber(n)
+-- The last call, the stats hash, and each claim's scopes string and the running fields it names are read before
+-- the other keys' types are checked: a read Redis refuses for a key of another type is that key's check (told apart
+-- by a TYPE then), one call fewer each (some 7,400 instructions: docs/PERFORMANCE.md, "Where a slot's turnaround
+-- goes, stage by stage"); each key read so leaves `expected`, whose other keys the loop below checks. All of it
+-- comes before the first write.
+local function wrong_read(key, kind, reply)
+  if type(reply) == 'table' and reply.err then
+    local found = redis.call('TYPE', key).ok
+    if found ~= 'none' and found ~= kind then
+      return redis.error_reply('WRONGTYPE settle.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
+        '; nothing was applied')
     end
-    return result
-  end
-  if stored and tonumber(stored) and tonumber(call) and tonumber(call) < tonumber(stored) then
-    return {-1, tonumber(stored)}
+    return reply
   end
 end
+local prior = redis.pcall('GET', last_call)
+local COUNTERS = {'done', 'retried', 'recovered', 'failed', 'dead_lettered', 'running_underflow', 'throttled'}
+local counters = redis.pcall('HMGET', stats, unpack(COUNTERS))
+local refused_read = wrong_read(last_call, 'string', prior) or wrong_read(stats, 'hash', counters)
+if refused_read then return refused_read end
+expected[last_call], expected[stats] = nil, nil
 -- The counters it may increment: integers, or absent (HINCRBY fails on anything else).
 local function integer(key, field, value)
   local digits = value and string.match(value, '^-?([1-9]%d*)$')
@@ -302,12 +298,6 @@ local function integer(key, field, value)
       string.sub(value, 1, 40) .. '); nothing was applied')
   end
 end
-local COUNTERS = {'done', 'retried', 'recovered', 'failed', 'dead_lettered', 'running_underflow', 'throttled'}
-local counters = redis.call('HMGET', stats, unpack(COUNTERS))
-for n = 1, #COUNTERS do
-  local refused = integer(stats, COUNTERS[n], counters[n])
-  if refused then return refused end
-end
 -- The running scopes of the claims touched (`N SCOPE...`: their lists' tasks count in those fields), and those
 -- fields, integers or absent.
 local counts, limits = {}, {}
@@ -315,7 +305,10 @@ local counts, limits = {}, {}
 -- checked too.
 local grouped = false
 for k = 1, claims do
-  local scopes = redis.call('GET', claim[k].scopes)
+  local scopes = redis.pcall('GET', claim[k].scopes)
+  local refused = wrong_read(claim[k].scopes, 'string', scopes)
+  if refused then return refused end
+  expected[claim[k].scopes] = nil
   if scopes then
     -- One line per run of the list, in position order (a claim of a queue with type limits has several).
     local runs, from = {}, 0
@@ -330,9 +323,11 @@ for k = 1, claims do
       from = run.to + 1
       for scope in string.gmatch(named, '%S+') do
         if not counts[scope] then
-          local value = redis.call('HMGET', running, scope, scope .. ':limit')
-          local refused = integer(running, scope, value[1]) or integer(running, scope .. ':limit', value[2])
+          local value = redis.pcall('HMGET', running, scope, scope .. ':limit')
+          refused = wrong_read(running, 'hash', value) or integer(running, scope, value[1]) or
+            integer(running, scope .. ':limit', value[2])
           if refused then return refused end
+          expected[running] = nil
           counts[scope] = tonumber(value[1] or '0')
           limits[scope] = tonumber(value[2] or '0')
         end
@@ -347,6 +342,35 @@ for k = 1, claims do
       claim[k].runs = runs
     end
   end
+end
+for key, kind in pairs(expected) do
+  local found = redis.call('TYPE', key).ok
+  if found ~= 'none' and found ~= kind then
+    return redis.error_reply('WRONGTYPE settle.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
+      '; nothing was applied')
+  end
+end
+-- A call sent again (its reply was lost) answers the first call's result; an older call than the stored one
+-- (a late copy) applies nothing (checked after the types, so that a key that went wrong meanwhile is reported,
+-- and the call answered once it is fixed).
+if prior then
+  local bar = string.find(prior, '|', 1, true)
+  local stored = bar and string.sub(prior, 1, bar - 1)
+  if stored == call then
+    local result = {}
+    for n in string.gmatch(string.sub(prior, bar + 1), '[^,]+') do
+      result[#result + 1] = tonumber(n)
+    end
+    return result
+  end
+  if stored and tonumber(stored) and tonumber(call) and tonumber(call) < tonumber(stored) then
+    return {-1, tonumber(stored)}
+  end
+end
+-- The counters read above.
+for n = 1, #COUNTERS do
+  local refused = integer(stats, COUNTERS[n], counters[n])
+  if refused then return refused end
 end
 if grouped and not sched then
   -- A run counted in a group, settled by a daemon whose config has no groups (a rolling change): its parked flows
