@@ -311,17 +311,18 @@ pub mod sources {
     /// results.lua, the results a settle keeps (`keep_results`), after.lua, the notes it writes for the tasks
     /// of a flow that wait (docs/design/flows.md), and unique_hold.lua go before settle.lua (after the shebang);
     /// then handover.lua, the trailer of a settle that hands the slots it frees over to the next tasks, and
-    /// claim.lua with its preludes and handover_run.lua inside a function (`handover_parts`) that only such a
-    /// settle calls: every other settle creates one closure for them, where Lua would create one for each of
-    /// their top level's `local function`s, on every call (the preludes' own functions are defined only for a
-    /// call that uses them: rate.lua's `rate_parts` and the others).
+    /// claim.lua with its preludes and handover_run.lua inside a function (`handover_parts(KEYS, ARGV)`) that only
+    /// such a settle calls: every other settle creates one closure for them, where Lua would create one for each
+    /// of their top level's `local function`s, on every call (the preludes' own functions are defined only for a
+    /// call that uses them: rate.lua's `rate_parts` and the others); its parameters, the claim block's own keys
+    /// and arguments, shadow the globals for all of those parts.
     pub const SETTLE: &str = concat!(
         "#!lua\n",
         include_str!("scripts/results.lua"),
         include_str!("scripts/after.lua"),
         include_str!("scripts/unique_hold.lua"),
         include_str!("scripts/handover.lua"),
-        "local function handover_parts()\n",
+        "local function handover_parts(KEYS, ARGV)\n",
         claim_parts!(),
         include_str!("scripts/handover_run.lua"),
         "end\n",

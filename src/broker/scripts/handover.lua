@@ -1,8 +1,11 @@
 -- handover.lua, before settle.lua (src/broker/mod.rs, `sources`): the slot handed over in the settle
 -- (docs/design/flow-control.md, "The slot handed over in the settle"). Its trailer is read here; the claim's parts
--- (claim.lua with its preludes, and handover_run.lua) are inside `handover_parts`, which only a settle that carries
--- the trailer calls: every other settle creates one closure for them, not one for each of their top level's `local
--- function`s (Lua creates one for each as the script's top level runs, on every call).
+-- (claim.lua with its preludes, and handover_run.lua) are inside `handover_parts(KEYS, ARGV)`, which only a settle
+-- that carries the trailer calls: every other settle creates one closure for them, not one for each of their top
+-- level's `local function`s (Lua creates one for each as the script's top level runs, on every call). Its
+-- parameters, the claim's own KEYS and ARGV (the trailer's), shadow the globals for every line of those parts, so
+-- that they read the claim's tables as claim.lua reads its own, with nothing copied into the globals and back (a
+-- copy cost some 67,000 instructions a call).
 --
 -- At `max_running`, a slot's cycle is its task's run plus the turnaround from the settle that frees it to the claim
 -- that fills it: a wake-up marker, the fetcher's BLPOP served, a claim, its reply. A settle by the owner of a queue
@@ -31,10 +34,11 @@ local function take_handover()
     return nil, redis.error_reply('settle.lua: handover trailer of ' .. tostring(ARGV[#ARGV - 2]) ..
       ' arguments and ' .. tostring(ARGV[#ARGV - 1]) .. ' keys; nothing was applied')
   end
-  local h = {keys = {}, args = {}}
   local first_arg, first_key = #ARGV - 2 - nargs, #KEYS - nkeys + 1
-  for i = 1, nargs do h.args[i] = ARGV[first_arg + i - 1] end
-  for i = 1, nkeys do h.keys[i] = KEYS[first_key + i - 1] end
+  -- Copied with `unpack` into table constructors (in C, not one Lua step an element: Redis's Lua runs a step in
+  -- some 50-100 machine instructions, docs/PERFORMANCE.md, "Where a slot's turnaround goes, stage by stage").
+  local h = {keys = {unpack(KEYS, first_key, first_key + nkeys - 1)},
+    args = {unpack(ARGV, first_arg, first_arg + nargs - 1)}}
   for i = #ARGV, first_arg, -1 do ARGV[i] = nil end
   for i = #KEYS, first_key, -1 do KEYS[i] = nil end
   h.want = tonumber(h.args[2])

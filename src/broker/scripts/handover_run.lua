@@ -1,28 +1,10 @@
 -- handover_run.lua, inside `handover_parts` after claim.lua and its preludes (src/broker/mod.rs, `sources`): the
 -- claim of the slot handed over in the settle (handover.lua says how), returned to settle.lua as a table.
 
--- Runs `run` with claim.lua's KEYS and ARGV in the script's own tables (claim.lua and its preludes read them), and
--- puts the settle's back after it.
-local function as_claim(h, run)
-  local function fill(into, from)
-    for i = #into, 1, -1 do into[i] = nil end
-    for i = 1, #from do into[i] = from[i] end
-  end
-  local own_keys, own_args = {}, {}
-  for i = 1, #KEYS do own_keys[i] = KEYS[i] end
-  for i = 1, #ARGV do own_args[i] = ARGV[i] end
-  fill(KEYS, h.keys)
-  fill(ARGV, h.args)
-  local out = run()
-  fill(KEYS, own_keys)
-  fill(ARGV, own_args)
-  return out
-end
-
 -- claim.lua's checks, before the settle's first write: nil when they pass, else the error (which the settle
 -- returns, having written nothing).
-local function handover_check(h)
-  local refused = as_claim(h, function() return claim_run(true) end)
+local function handover_check()
+  local refused = claim_run(true)
   if refused then
     -- Named for the script the caller ran as well as for the claim whose check refused it.
     return redis.error_reply((string.gsub(refused.err, 'claim%.lua: ', 'settle.lua (its claim.lua): ', 1)))
@@ -47,8 +29,9 @@ local function handover_run(h, freed, levels)
     end
   end
   if slots == 0 then return handover_none(levels), false end
+  -- ARGV here is the claim's own, h.args (`handover_parts`' parameter): its number of tasks, cut to the slots.
   h.args[2] = tostring(math.min(h.want, slots))
-  local reply = as_claim(h, function() return claim_run(false) end)
+  local reply = claim_run(false)
   if reply.err then return handover_none(levels), false end
   local took = 0
   for i = 1, levels do took = took + reply[3 + i] end

@@ -127,6 +127,9 @@ local owners, stats, dead, uniq, wake, last_call = KEYS[1], KEYS[2], KEYS[3], KE
 local popped, throttle = KEYS[7], KEYS[8]
 local fence, dead_max, levels, channel, owner = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local call = ARGV[6]
+-- The claims this call touches (K, ARGV[7]). Each `tonumber` costs Redis some 1,800 instructions, each number given to
+-- `redis.call` some 2,250 (its snprintf): a value is converted once, and a constant is given as a string.
+local claims = tonumber(ARGV[7])
 -- The claim for the slots this call frees (handover.lua): its trailer is the last, so it comes off first.
 local handover, refused_handover = take_handover()
 if handover == nil then return refused_handover end
@@ -139,7 +142,7 @@ if not notes then return refused_notes end
 local READY, RETRY, QUARANTINE, PROCESSING = 8, 8 + levels, 8 + 2 * levels, 8 + 5 * levels
 -- Safe mode names at least levels + 3 keys past the quarantine lists; default mode none, or two (a limited queue),
 -- each before the keys of the types whose throttles the call may set (T, after the claims' arguments).
-local THROTTLED_TYPES = 9 + tonumber(ARGV[7]) * 4
+local THROTTLED_TYPES = 9 + claims * 4
 local type_keys = (tonumber(ARGV[THROTTLED_TYPES]) or 0) * (1 + 2 * levels)
 local safe = #KEYS - type_keys > PROCESSING + 2
 local info, scratch, running, CLAIM_KEYS = false, false, false, PROCESSING + levels + 3
@@ -149,8 +152,7 @@ local share = false
 local rings, sched = {}, false
 if safe then
   info, scratch, running = KEYS[PROCESSING + levels + 1], KEYS[PROCESSING + levels + 2], KEYS[PROCESSING + levels + 3]
-  local scopes_at = 9 + tonumber(ARGV[7]) * 4
-  local plain = CLAIM_KEYS + 3 * tonumber(ARGV[7]) + (tonumber(ARGV[scopes_at]) or 0) * (1 + 2 * levels)
+  local plain = CLAIM_KEYS + 3 * claims + (tonumber(ARGV[THROTTLED_TYPES]) or 0) * (1 + 2 * levels)
   if #KEYS == plain + levels + 1 then
     for level = 1, levels do rings[level] = KEYS[PROCESSING + levels + 3 + level] end
     sched = KEYS[PROCESSING + 2 * levels + 4]
@@ -166,7 +168,6 @@ local OPS = {ack = true, retry = true, retry_isolated = true, recover = true, re
   back = true, back_isolated = true, dead = true, throttle = true}
 
 -- The claims touched: level, number, list, bitmap, running scopes; `fresh` counts the bits this call sets.
-local claims = tonumber(ARGV[7])
 local claim = {}
 for k = 1, claims do
   local at = 8 + (k - 1) * 4
@@ -268,31 +269,27 @@ for j = records, #ARGV, 9 do
     if refused then return refused end
   end
 end
-for key, kind in pairs(expected) do
-  local found = redis.call('TYPE', key).ok
-  if found ~= 'none' and found ~= kind then
-    return redis.error_reply('WRONGTYPE settle.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
-      '; nothing was applied')
-  end
-end
--- A call sent again (its reply was lost) answers the first call's result; an older call than the stored one
--- (a late copy) applies nothing (checked after the types, so that a key that went wrong meanwhile is reported,
--- and the call answered once it is fixed).
-local prior = redis.call('GET', last_call)
-if prior then
-  local bar = string.find(prior, '|', 1, true)
-  local stored = bar and string.sub(prior, 1, bar - 1)
-  if stored == call then
-    local result = {}
-    for n in string.gmatch(string.sub(prior, bar + 1), '[^,]+') do
-      result[#result + 1] = tonumber(n)
+-- The last call, the stats hash, and each claim's scopes string and the running fields it names are read before
+-- the other keys' types are checked: a read Redis refuses for a key of another type is that key's check (told apart
+-- by a TYPE then), one call fewer each (some 7,400 instructions: docs/PERFORMANCE.md, "Where a slot's turnaround
+-- goes, stage by stage"); each key read so leaves `expected`, whose other keys the loop below checks. All of it
+-- comes before the first write.
+local function wrong_read(key, kind, reply)
+  if type(reply) == 'table' and reply.err then
+    local found = redis.call('TYPE', key).ok
+    if found ~= 'none' and found ~= kind then
+      return redis.error_reply('WRONGTYPE settle.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
+        '; nothing was applied')
     end
-    return result
-  end
-  if stored and tonumber(stored) and tonumber(call) and tonumber(call) < tonumber(stored) then
-    return {-1, tonumber(stored)}
+    return reply
   end
 end
+local prior = redis.pcall('GET', last_call)
+local COUNTERS = {'done', 'retried', 'recovered', 'failed', 'dead_lettered', 'running_underflow', 'throttled'}
+local counters = redis.pcall('HMGET', stats, unpack(COUNTERS))
+local refused_read = wrong_read(last_call, 'string', prior) or wrong_read(stats, 'hash', counters)
+if refused_read then return refused_read end
+expected[last_call], expected[stats] = nil, nil
 -- The counters it may increment: integers, or absent (HINCRBY fails on anything else).
 local function integer(key, field, value)
   local digits = value and string.match(value, '^-?([1-9]%d*)$')
@@ -301,12 +298,6 @@ local function integer(key, field, value)
       string.sub(value, 1, 40) .. '); nothing was applied')
   end
 end
-local COUNTERS = {'done', 'retried', 'recovered', 'failed', 'dead_lettered', 'running_underflow', 'throttled'}
-local counters = redis.call('HMGET', stats, unpack(COUNTERS))
-for n = 1, #COUNTERS do
-  local refused = integer(stats, COUNTERS[n], counters[n])
-  if refused then return refused end
-end
 -- The running scopes of the claims touched (`N SCOPE...`: their lists' tasks count in those fields), and those
 -- fields, integers or absent.
 local counts, limits = {}, {}
@@ -314,7 +305,10 @@ local counts, limits = {}, {}
 -- checked too.
 local grouped = false
 for k = 1, claims do
-  local scopes = redis.call('GET', claim[k].scopes)
+  local scopes = redis.pcall('GET', claim[k].scopes)
+  local refused = wrong_read(claim[k].scopes, 'string', scopes)
+  if refused then return refused end
+  expected[claim[k].scopes] = nil
   if scopes then
     -- One line per run of the list, in position order (a claim of a queue with type limits has several).
     local runs, from = {}, 0
@@ -324,13 +318,16 @@ for k = 1, claims do
         return redis.error_reply('ERR settle.lua: ' .. claim[k].scopes .. ' holds ' .. string.sub(scopes, 1, 40) ..
           ', not "N SCOPE..." lines; nothing was applied')
       end
-      local run = {from = from, to = from + tonumber(size) - 1, size = tonumber(size), counted = {}}
+      size = tonumber(size)
+      local run = {from = from, to = from + size - 1, size = size, counted = {}}
       from = run.to + 1
       for scope in string.gmatch(named, '%S+') do
         if not counts[scope] then
-          local value = redis.call('HMGET', running, scope, scope .. ':limit')
-          local refused = integer(running, scope, value[1]) or integer(running, scope .. ':limit', value[2])
+          local value = redis.pcall('HMGET', running, scope, scope .. ':limit')
+          refused = wrong_read(running, 'hash', value) or integer(running, scope, value[1]) or
+            integer(running, scope .. ':limit', value[2])
           if refused then return refused end
+          expected[running] = nil
           counts[scope] = tonumber(value[1] or '0')
           limits[scope] = tonumber(value[2] or '0')
         end
@@ -345,6 +342,35 @@ for k = 1, claims do
       claim[k].runs = runs
     end
   end
+end
+for key, kind in pairs(expected) do
+  local found = redis.call('TYPE', key).ok
+  if found ~= 'none' and found ~= kind then
+    return redis.error_reply('WRONGTYPE settle.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
+      '; nothing was applied')
+  end
+end
+-- A call sent again (its reply was lost) answers the first call's result; an older call than the stored one
+-- (a late copy) applies nothing (checked after the types, so that a key that went wrong meanwhile is reported,
+-- and the call answered once it is fixed).
+if prior then
+  local bar = string.find(prior, '|', 1, true)
+  local stored = bar and string.sub(prior, 1, bar - 1)
+  if stored == call then
+    local result = {}
+    for n in string.gmatch(string.sub(prior, bar + 1), '[^,]+') do
+      result[#result + 1] = tonumber(n)
+    end
+    return result
+  end
+  if stored and tonumber(stored) and tonumber(call) and tonumber(call) < tonumber(stored) then
+    return {-1, tonumber(stored)}
+  end
+end
+-- The counters read above.
+for n = 1, #COUNTERS do
+  local refused = integer(stats, COUNTERS[n], counters[n])
+  if refused then return refused end
 end
 if grouped and not sched then
   -- A run counted in a group, settled by a daemon whose config has no groups (a rolling change): its parked flows
@@ -448,21 +474,21 @@ end
 -- the owner must not bring its info hash back. Its increment is the call's first write, so that a journal that is
 -- not an integer fails the call before anything is written.
 -- The claim for the freed slots checks its own keys and counters first (handover.lua).
-local parts = handover and handover_parts()
+local parts = handover and handover_parts(handover.keys, handover.args)
 if handover and fence == 'owner' then
-  local refused = parts.check(handover)
+  local refused = parts.check()
   if refused then return refused end
 end
 local journal = 0
 if info and fence == 'owner' and redis.call('EXISTS', info) == 1 then
-  journal = redis.pcall('HINCRBY', info, 'journal', 1)
+  journal = redis.pcall('HINCRBY', info, 'journal', '1')
   if type(journal) == 'table' then
     return redis.error_reply('ERR settle.lua: ' .. info .. ' field journal is not an integer; nothing was applied')
   end
 end
 
 local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
 local done, retried, recovered, failed, dead_lettered, throttled = 0, 0, 0, 0, 0, 0
 -- How long each throttle still lasts (ms), by key, read at its first throttle record.
 local throttle_left = {}
@@ -540,9 +566,9 @@ for k = 1, claims do
     end
   end
 end
-done = done + tonumber(ARGV[counted_at])
 -- Default mode: the tasks this call ends (every record applies), for the owner's share.
 local ended = tonumber(ARGV[counted_at])
+done = done + ended
 local result = {stale}
 local i = records
 while i <= #ARGV do
@@ -554,7 +580,7 @@ while i <= #ARGV do
     local position = tonumber(token)
     ok = 0
     if live and not c.finished and position < c.length and redis.call('GETBIT', c.bits, position) == 0 then
-      redis.call('SETBIT', c.bits, position, 1)
+      redis.call('SETBIT', c.bits, position, '1')
       c.fresh = c.fresh + 1
       ok = 1
     end
@@ -784,7 +810,7 @@ end
 -- The results this call keeps (results.lua), in a few commands once everything applied.
 write_kept(kept, now)
 write_notes(notes)
-redis.call('SET', last_call, call .. '|' .. table.concat(result, ','), 'PX', 86400000)
+redis.call('SET', last_call, call .. '|' .. table.concat(result, ','), 'PX', '86400000')
 if dead_lettered > 0 then
   redis.call('LTRIM', dead, 0, dead_max - 1)
   redis.call('HINCRBY', stats, 'dead_lettered', dead_lettered)
@@ -796,8 +822,8 @@ if failed > 0 then redis.call('HINCRBY', stats, 'failed', failed) end
 if throttled > 0 then redis.call('HINCRBY', stats, 'throttled', throttled) end
 if underflow > 0 then redis.call('HINCRBY', stats, 'running_underflow', underflow) end
 if wake_fetchers then
-  redis.call('LPUSH', wake, 1)
-  redis.call('LTRIM', wake, 0, 0)
+  redis.call('LPUSH', wake, '1')
+  redis.call('LTRIM', wake, '0', '0')
 end
 if wake_poller then
   redis.call('PUBLISH', channel, now)
