@@ -135,6 +135,24 @@ fn a_settle_at_max_running_claims_the_next_task_for_the_slot_it_frees_with_no_ma
     assert_eq!(at.done(), Some(1));
 }
 
+/// A settle of acknowledgements at the limit looks at the claim's keys once, before its first write: the claim
+/// after its writes uses what those checks found (`claim_run`'s `checked`: the owner's lease and info, the dead
+/// count, the keys found absent), where it looked at them all again (docs/PERFORMANCE.md, "Where a slot's
+/// turnaround goes, stage by stage"). It still reads the running count afresh: the slot passes on under the limit.
+#[test]
+fn a_handover_settle_of_acknowledgements_reads_the_owners_lease_once() {
+    let at = Claimed::at_the_limit();
+    at.redis.cmd::<String>(&["CONFIG", "RESETSTAT"]);
+    let (_, handed) = at.ack_first().unwrap();
+    assert_eq!(ids(&handed.expect("the freed slot's task")), ["t2"]);
+    assert_eq!(running(&at.redis), 2, "the slot passed from t0 to t2");
+    assert_eq!(
+        crate::protocol::command_calls(&at.redis, "zscore"),
+        1,
+        "the lease's ZSCOREs of one handover settle"
+    );
+}
+
 /// Without the stored claim in the settle's result, the call sent again after a lost reply would claim again: a
 /// second task taken for one slot, stranded under the owner (its daemon never hears of it) and counted.
 #[test]

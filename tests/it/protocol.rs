@@ -10,7 +10,7 @@ const SAFE_QUEUE: &str =
     "[[queues]]\nname = \"jobs\"\nmode = \"safe\"\nworkers = 2\nidle_poll = \"200ms\"\n";
 
 /// How many times Redis ran `command` (lowercase) since its stats were last reset (`INFO commandstats`).
-fn command_calls(redis: &RedisServer, command: &str) -> u64 {
+pub(crate) fn command_calls(redis: &RedisServer, command: &str) -> u64 {
     let info: String = redis.cmd(&["INFO", "commandstats"]);
     info.lines()
         .find_map(|line| line.strip_prefix(&format!("cmdstat_{command}:calls=")))

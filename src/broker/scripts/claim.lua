@@ -108,7 +108,7 @@
 -- rate limits, lease and floor checks and quarantine of one claim, not a copy of them.
 -- `dry`: only the checks of the keys' types and of the counters it reads (a handful of calls), returning nil when
 -- they pass and the error otherwise, before anything is written; settle.lua makes them before its own first write.
-local function claim_run(dry)
+local function claim_run(dry, checked)
   -- The counts a plain claim sends as '0' (no rate limit, no weights, no running limit, and types.lua's flows) are
   -- read without `tonumber` then: a call of it costs Redis about 1,800 instructions, the comparison 300.
   local rates = ARGV[9] ~= '0' and tonumber(ARGV[9]) or 0
@@ -132,29 +132,6 @@ local function claim_run(dry)
   local max_running = ARGV[8] ~= '0' and tonumber(ARGV[8]) or 0
   -- What is left of the claim's bytes ("Bytes").
   local budget = tonumber(ARGV[#ARGV])
-  -- Keys a claim often finds absent, looked up together: those found absent need no call of their own below (their
-  -- type checks, and the other looks at them). Each redis.call costs Redis about 5,000 instructions whatever its
-  -- command does (a TYPE 4,900, docs/PERFORMANCE.md, "The idle claim's calls"), and the claim on every idle push's way
-  -- to its handler made 16 such calls for these keys (issue 38). `absent`: the paused key and the throttle (KEYS[6],
-  -- KEYS[7]), the quarantine lists, this claim's lists and their scopes strings, nearly always absent (the fence's
-  -- look at the claim's lists, the pause's and the throttle's, and the quarantine's lengths are answered by it).
-  -- `idle`: those and the wake list, the dead list, the owner's claim sets and the running hash, all absent when an
-  -- idle fetcher claims a task just pushed (its BLPOP took the marker, it holds nothing, nothing was dead-lettered,
-  -- no limit counts): one EXISTS for that claim, two for a busy queue's. Read before any write of this call (a
-  -- settle's handover runs it after the settle's writes, and it reads them afresh), and nothing below writes to these
-  -- keys before it looks at them (the claim's lists and scopes strings are written after the fence's check, the claim
-  -- sets after `holds`). Both sets are KEYS[2], [4], [6], [7] and the run from the first quarantine list to the
-  -- running hash, taken with `unpack` (a table built of them cost more than the calls it saved). Under max_running
-  -- the running hash is left out: its read is its type check (`read`, below), and it exists once a claim noted the
-  -- limit, so that every claim of the queue would miss `idle` for it.
-  local idle = redis.call('EXISTS', KEYS[2], KEYS[4], KEYS[6], KEYS[7],
-    unpack(KEYS, QUARANTINE + 1, max_running > 0 and RUNNING - 1 or RUNNING)) == 0
-  local absent = idle
-  if not idle then
-    local rare = {KEYS[6], KEYS[7], unpack(KEYS, QUARANTINE + 1, CLAIMS)}
-    for i = LISTS + 1, SCOPES + levels do rare[#rare + 1] = KEYS[i] end
-    absent = redis.call('EXISTS', unpack(rare)) == 0
-  end
   -- The refusal of KEYS[i], found to be a `found`, not a `kind`.
   local function wrong(i, found, kind)
     return redis.error_reply('WRONGTYPE claim.lua: ' .. KEYS[i] .. ' is a ' .. found .. ', not a ' .. kind ..
@@ -173,49 +150,82 @@ local function claim_run(dry)
     end
     return reply
   end
-  -- Every key's type first (a handful of calls per claim, none per task); the type limits' keys, types.lua's.
-  -- `holds`: whether the owner holds tasks (one of its claim sets exists), which their type checks tell: a busy
-  -- queue's claim needs no EXISTS of its own for them (an idle one's knows them absent).
-  local holds = false
-  for i = 1, TYPE_KEYS - 1 do
-    -- Whether KEYS[i] needs no type check: known absent, the paused key (only its existence counts), or a key whose
-    -- read below is its type check (`read`): the owners zset, the owner's info hash, the stats hash, and the running
-    -- hash under max_running. (Worked out here, not by a function of its own: a closure of seven upvalues and a
-    -- call a key cost an idle claim 7,600 instructions.)
-    local known = i == 1 or i == 3 or i == 5 or i == 6 or (i == RUNNING and max_running > 0)
-    if not known and (i == 2 or i == 4 or i == 7 or (i > QUARANTINE and i <= RUNNING)) then
-      known = idle or (absent and (i == 7 or (i > QUARANTINE and i <= CLAIMS) or (i > LISTS and i < RUNNING)))
-    end
-    if not known then
-      local found = redis.call('TYPE', KEYS[i]).ok
-      if found ~= 'none' and i > CLAIMS and i <= LISTS then holds = true end
-      local kind = 'list'
-      if i == 1 or (i > CLAIMS and i <= LISTS) then
-        kind = 'zset'
-      elseif i == 3 or i == 5 or i == RUNNING or i == SCHED then
-        kind = 'hash'
-      elseif i == 7 then
-        kind = 'string'
-      elseif i > RUNNING then
-        if (i - RUNNING) % 2 == 0 then kind = 'string' end
-      elseif i > SCOPES then
-        kind = 'string'
-      end
-      if found ~= 'none' and found ~= kind then return wrong(i, found, kind) end
-    end
-  end
-  -- Then the numbers it reads and the counters it increments: integers, or absent; and the owner's lease.
+  -- Keys a claim often finds absent, looked up together: those found absent need no call of their own below (their
+  -- type checks, and the other looks at them). Each redis.call costs Redis about 5,000 instructions whatever its
+  -- command does (a TYPE 4,900, docs/PERFORMANCE.md, "The idle claim's calls"), and the claim on every idle push's way
+  -- to its handler made 16 such calls for these keys (issue 38). `absent`: the paused key and the throttle (KEYS[6],
+  -- KEYS[7]), the quarantine lists, this claim's lists and their scopes strings, nearly always absent (the fence's
+  -- look at the claim's lists, the pause's and the throttle's, and the quarantine's lengths are answered by it).
+  -- `idle`: those and the wake list, the dead list, the owner's claim sets and the running hash, all absent when an
+  -- idle fetcher claims a task just pushed (its BLPOP took the marker, it holds nothing, nothing was dead-lettered,
+  -- no limit counts): one EXISTS for that claim, two for a busy queue's. Read before any write of this call (a
+  -- settle's handover runs it after the settle's writes, and reads them afresh but for what its dry run found:
+  -- `checked`, below), and nothing below writes to these
+  -- keys before it looks at them (the claim's lists and scopes strings are written after the fence's check, the claim
+  -- sets after `holds`). Both sets are KEYS[2], [4], [6], [7] and the run from the first quarantine list to the
+  -- running hash, taken with `unpack` (a table built of them cost more than the calls it saved). Under max_running
+  -- the running hash is left out: its read is its type check (`read`, below), and it exists once a claim noted the
+  -- limit, so that every claim of the queue would miss `idle` for it.
+  -- `checked`: what the checks of a dry run of this claim found, before the writes of the settle that then runs it
+  -- (handover_run.lua): its keys' types and counters, the absent keys, the owner's lease, info and dead count. The
+  -- settle between wrote none of it but the claim sets (which only make `idle` and `holds` err on the careful side)
+  -- and the running hash, read again below: so the claim looks at none of it a second time.
   local integer = integer_check('claim.lua')
-  local info, dead_count, lease, refused
-  info, refused = read(3, 'hash', 'HMGET', 'floor', 'group', 'journal')
-  if refused then return refused end
-  dead_count, refused = read(5, 'hash', 'HGET', 'dead_lettered')
-  if refused then return refused end
-  refused = integer(KEYS[3], 'floor', info[1]) or integer(KEYS[3], 'journal', info[3]) or
-    integer(KEYS[5], 'dead_lettered', dead_count)
-  if refused then return refused end
-  lease, refused = read(1, 'zset', 'ZSCORE', owner)
-  if refused then return refused end
+  local idle, absent, holds, info, dead_count, lease, refused
+  if checked then
+    idle, absent, holds = checked.idle, checked.absent, checked.holds
+    info, dead_count, lease = checked.info, checked.dead_count, checked.lease
+  else
+    idle = redis.call('EXISTS', KEYS[2], KEYS[4], KEYS[6], KEYS[7],
+      unpack(KEYS, QUARANTINE + 1, max_running > 0 and RUNNING - 1 or RUNNING)) == 0
+    absent = idle
+    if not idle then
+      local rare = {KEYS[6], KEYS[7], unpack(KEYS, QUARANTINE + 1, CLAIMS)}
+      for i = LISTS + 1, SCOPES + levels do rare[#rare + 1] = KEYS[i] end
+      absent = redis.call('EXISTS', unpack(rare)) == 0
+    end
+    -- Every key's type first (a handful of calls per claim, none per task); the type limits' keys, types.lua's.
+    -- `holds`: whether the owner holds tasks (one of its claim sets exists), which their type checks tell: a busy
+    -- queue's claim needs no EXISTS of its own for them (an idle one's knows them absent).
+    holds = false
+    for i = 1, TYPE_KEYS - 1 do
+      -- Whether KEYS[i] needs no type check: known absent, the paused key (only its existence counts), or a key whose
+      -- read below is its type check (`read`): the owners zset, the owner's info hash, the stats hash, and the running
+      -- hash under max_running. (Worked out here, not by a function of its own: a closure of seven upvalues and a
+      -- call a key cost an idle claim 7,600 instructions.)
+      local known = i == 1 or i == 3 or i == 5 or i == 6 or (i == RUNNING and max_running > 0)
+      if not known and (i == 2 or i == 4 or i == 7 or (i > QUARANTINE and i <= RUNNING)) then
+        known = idle or (absent and (i == 7 or (i > QUARANTINE and i <= CLAIMS) or (i > LISTS and i < RUNNING)))
+      end
+      if not known then
+        local found = redis.call('TYPE', KEYS[i]).ok
+        if found ~= 'none' and i > CLAIMS and i <= LISTS then holds = true end
+        local kind = 'list'
+        if i == 1 or (i > CLAIMS and i <= LISTS) then
+          kind = 'zset'
+        elseif i == 3 or i == 5 or i == RUNNING or i == SCHED then
+          kind = 'hash'
+        elseif i == 7 then
+          kind = 'string'
+        elseif i > RUNNING then
+          if (i - RUNNING) % 2 == 0 then kind = 'string' end
+        elseif i > SCOPES then
+          kind = 'string'
+        end
+        if found ~= 'none' and found ~= kind then return wrong(i, found, kind) end
+      end
+    end
+    -- Then the numbers it reads and the counters it increments: integers, or absent; and the owner's lease.
+    info, refused = read(3, 'hash', 'HMGET', 'floor', 'group', 'journal')
+    if refused then return refused end
+    dead_count, refused = read(5, 'hash', 'HGET', 'dead_lettered')
+    if refused then return refused end
+    refused = integer(KEYS[3], 'floor', info[1]) or integer(KEYS[3], 'journal', info[3]) or
+      integer(KEYS[5], 'dead_lettered', dead_count)
+    if refused then return refused end
+    lease, refused = read(1, 'zset', 'ZSCORE', owner)
+    if refused then return refused end
+  end
   local running, known_limit = 0, 0
   if max_running > 0 then
     local value
@@ -258,7 +268,13 @@ local function claim_run(dry)
   end
   -- Type limits beside groups: the groups' turns serve the (GROUP, TYPE) flows too (groups.lua).
   if flowing and grp.on then groups.with_types(grp, block, 4 * tonumber(ARGV[2]) + 256) end
-  if dry then return nil end
+  if dry then
+    -- A plain claim's findings, for the same claim after the settle's writes (handover_run.lua).
+    if rates == 0 and not weighted and not flowing and not grouped then
+      return nil, {idle = idle, absent = absent, holds = holds, info = info, dead_count = dead_count, lease = lease}
+    end
+    return nil
+  end
   local t = redis.call('TIME')
   -- (Lua's arithmetic converts TIME's strings itself, at half a tonumber's cost; the lease is converted once.)
   local now = t[1] * 1000 + math.floor(t[2] / 1000)

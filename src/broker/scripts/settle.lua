@@ -801,7 +801,7 @@ result[#result + 1] = journal
 -- journal, and is stored with the call's result. A claim that filled every slot freed leaves no marker for them.
 if handover then
   local reply, filled = parts.none(levels), false
-  if fence == 'owner' then reply, filled = parts.run(handover, freed, levels) end
+  if fence == 'owner' then reply, filled = parts.run(handover, freed, levels, records > #ARGV) end
   for _, n in ipairs(reply) do result[#result + 1] = n end
   if filled then wake_fetchers = false end
 end
