@@ -201,6 +201,12 @@ ensure_lintian() {
     ensure_command lintian lintian
 }
 
+# src/broker/scripts/NAME.lua as revision REV has it, or as the work tree has it for REV `.`: the scripts/*-instructions
+# compare two versions of a script by concatenating each revision's files as src/broker/mod.rs (`sources`) does.
+script_of() {
+    if [ "$1" = . ]; then cat "src/broker/scripts/$2.lua"; else git show "$1:src/broker/scripts/$2.lua"; fi
+}
+
 # Redis's instructions counted by valgrind's callgrind inside evalShaCommand only (scripts/*-instructions: a
 # script's cost that a shared host's load does not move). Starts a redis-server of its own on a free loopback port
 # under callgrind, its output in DIR, waits for it, and loads SCRIPT (a file) into it. Sets CALLGRIND_PORT,
