@@ -5,7 +5,11 @@
 //!   least 95 %), since a slot is held from the claim to the settle of its task. The testkit's records (a start
 //!   and an end time a run) split a slot's cycle (8 / the rate) into the handler's run (its sleep and the
 //!   sleep's overrun) and the rest, the daemon's and Redis's turnaround: the claim's reply, the job to a worker,
-//!   the outcome to the acker, the settle, the wake-up marker and the next claim.
+//!   the outcome to the acker, the settle, the wake-up marker and the next claim. The same records say how that
+//!   turnaround falls: the share of the drain's middle during which every slot ran a handler, and the share of
+//!   starts in step with another (within [`IN_STEP`] of it), which a settle of several tasks at once, handing
+//!   their slots over together, makes (docs/PERFORMANCE.md, "Slots in step, settles in parallel, and the claim
+//!   after a settle").
 //! - `rate_limit = "1000/s"` with 3 daemons and a backlog of no-op tasks: the rate of starts (the testkit's
 //!   records: those after the first window's, over the time from the first to the last) against the limit
 //!   (target: 98 % to 100 %), and the most runs that started in any 1 s (the limit counts claims on Redis's
@@ -50,6 +54,7 @@ fn running(bench: &Bench) -> Result<Figure, String> {
     let data = format!("{{\"sleep_ms\":{}}}", HANDLER.as_millis());
     let (mut rates, mut ratios, mut redis_cpu) = (Vec::new(), Vec::new(), Vec::new());
     let (mut handler, mut turnaround) = (Vec::new(), Vec::new());
+    let (mut full, mut in_step) = (Vec::new(), Vec::new());
     for _ in 0..bench.options.runs {
         let _ = std::fs::remove_file(&record);
         let run = drain_once(bench, &bench.own(), &config, DAEMONS, (n, &data), None)?;
@@ -62,6 +67,9 @@ fn running(bench: &Bench) -> Result<Figure, String> {
         // A slot's cycle at this rate, less the handler's mean run.
         handler.push(ran);
         turnaround.push(1e6 * LIMIT as f64 / run.rate - ran);
+        let shares = occupancy(&text, LIMIT).ok_or("too few runs in the testkit's records")?;
+        full.push(shares.full);
+        in_step.push(shares.in_step);
     }
     Ok(figure(
         "limits",
@@ -74,6 +82,8 @@ fn running(bench: &Bench) -> Result<Figure, String> {
             ("redis CPU µs/task".into(), redis_cpu),
             ("handler run µs (mean)".into(), handler),
             ("slot turnaround µs (cycle - run)".into(), turnaround),
+            ("% of time at the limit".into(), full),
+            ("% of starts in step".into(), in_step),
         ],
     ))
 }
@@ -99,6 +109,68 @@ fn mean_run(text: &str) -> Option<f64> {
         }
     }
     (runs > 0).then(|| total as f64 / runs as f64)
+}
+
+/// How close two starts are to count as in step: well under a settle's round trip (a few hundred µs here), well
+/// over the hand-out of one claim's tasks to the workers.
+const IN_STEP: u64 = 100;
+
+/// How a drain at a running limit filled its slots, from the testkit's records, over the middle 80 % of its starts
+/// (the first and last tenth are the slots filling and emptying).
+#[derive(Debug, PartialEq)]
+struct Occupancy {
+    /// The share of that time (%) during which `limit` handlers ran.
+    full: f64,
+    /// The share of its starts (%) within [`IN_STEP`] µs of the start before or after.
+    in_step: f64,
+}
+
+/// `None` without ten starts with times.
+fn occupancy(text: &str, limit: usize) -> Option<Occupancy> {
+    // (time, +1 for a start or -1 for an end), and the starts' times.
+    let (mut changes, mut starts) = (Vec::new(), Vec::new());
+    for line in text.lines() {
+        let parts: Vec<&str> = line.split(' ').collect();
+        match parts.as_slice() {
+            ["start", _, _, _, at] => {
+                let at = at.parse::<u64>().ok()?;
+                starts.push(at);
+                changes.push((at, 1i64));
+            }
+            ["end", _, _, _, at] => changes.push((at.parse::<u64>().ok()?, -1)),
+            _ => {}
+        }
+    }
+    if starts.len() < 10 {
+        return None;
+    }
+    starts.sort_unstable();
+    // Ends before starts at the same µs: a slot handed over within a µs was never short.
+    changes.sort_unstable();
+    let (from, to) = (starts[starts.len() / 10], starts[starts.len() * 9 / 10]);
+    let (mut running, mut last, mut at_limit) = (0i64, 0u64, 0u64);
+    for (at, change) in changes {
+        if running >= limit as i64 && at > from && last < to {
+            at_limit += at.min(to) - last.max(from);
+        }
+        running += change;
+        last = at;
+    }
+    // Each start of the middle, against its neighbours in all of them.
+    let middle: Vec<usize> = (0..starts.len())
+        .filter(|&i| (from..=to).contains(&starts[i]))
+        .collect();
+    let stepped = middle
+        .iter()
+        .filter(|&&i| {
+            (i > 0 && starts[i] - starts[i - 1] <= IN_STEP)
+                || (i + 1 < starts.len() && starts[i + 1] - starts[i] <= IN_STEP)
+        })
+        .count();
+    Some(Occupancy {
+        full: 100.0 * at_limit as f64 / (to - from).max(1) as f64,
+        in_step: 100.0 * stepped as f64 / middle.len() as f64,
+    })
 }
 
 /// `rate_limit = "1000/s"`, 3 daemons, a backlog of no-op tasks.
@@ -236,5 +308,41 @@ mod tests {
         // b's end has no time: only a's 10,000 µs and c's 20,000 count.
         assert_eq!(mean_run(text), Some(15_000.0));
         assert_eq!(mean_run("start a 0 test 1000\n"), None);
+    }
+
+    #[test]
+    fn occupancy_is_the_time_every_slot_ran_and_the_starts_close_to_another() {
+        // Two slots, ten pairs of starts 2,000 µs apart, the second of a pair 50 µs after the first, each run 900
+        // µs: both slots run from a pair's second start to its first end, 850 µs of every 2,000. The middle runs
+        // from the third start (pair 1's) to the nineteenth (pair 9's): pairs 1 to 8, all in step.
+        let mut text = String::new();
+        for i in 0..20u64 {
+            let start = 1_000_000 + 2_000 * (i / 2) + 50 * (i % 2);
+            text.push_str(&format!(
+                "start t{i} 0 test {start}\nend t{i} 0 done {}\n",
+                start + 900
+            ));
+        }
+        let shares = occupancy(&text, 2).unwrap();
+        assert_eq!(shares.full, 100.0 * 8.0 * 850.0 / 16_000.0);
+        assert_eq!(shares.in_step, 100.0);
+        // Spread out, nothing is in step, and one slot of two is never at the limit.
+        let spread: String = (0..20u64)
+            .map(|i| {
+                format!(
+                    "start t{i} 0 test {}\nend t{i} 0 done {}\n",
+                    1_000 * i,
+                    1_000 * i + 900
+                )
+            })
+            .collect();
+        assert_eq!(
+            occupancy(&spread, 2),
+            Some(Occupancy {
+                full: 0.0,
+                in_step: 0.0
+            })
+        );
+        assert_eq!(occupancy("start a 0 test 1\n", 1), None);
     }
 }
