@@ -153,6 +153,36 @@ fn a_handover_settle_of_acknowledgements_reads_the_owners_lease_once() {
     );
 }
 
+/// The claim in a settle takes from the settle what the settle has read and checked already (`claim_run`'s
+/// `given`): the running count (before its writes for the claim's checks, after them for the claim), the time, the
+/// types of the wake list and the owner's claim set, the stats hash's counters, and the owner's info hash (the
+/// claim's read of it is the settle's type check too); and the settle reads its claim's length and settled bits
+/// before its writes, as their type checks. Before, the call read the running hash three times, Redis's clock
+/// twice, and made ten TYPEs (docs/PERFORMANCE.md, "Slots in step, settles in parallel, and the claim after a
+/// settle").
+#[test]
+fn a_handover_settle_reads_the_running_count_and_the_clock_once() {
+    let at = Claimed::at_the_limit();
+    at.redis.cmd::<String>(&["CONFIG", "RESETSTAT"]);
+    let (_, handed) = at.ack_first().unwrap();
+    assert_eq!(ids(&handed.expect("the freed slot's task")), ["t2"]);
+    let calls = |command| crate::protocol::command_calls(&at.redis, command);
+    // The stats hash's counters, the running count, the owner's info: one HMGET each.
+    assert_eq!(calls("hmget"), 3, "the HMGETs of one handover settle");
+    assert_eq!(calls("time"), 1, "the TIMEs of one handover settle");
+    assert_eq!(calls("type"), 5, "the TYPEs of one handover settle");
+    assert_eq!(
+        calls("hget"),
+        0,
+        "the claim's own read of the dead-letter count"
+    );
+    assert_eq!(
+        running(&at.redis),
+        2,
+        "the slot passed from t0 to t2 under the limit"
+    );
+}
+
 /// Without the stored claim in the settle's result, the call sent again after a lost reply would claim again: a
 /// second task taken for one slot, stranded under the owner (its daemon never hears of it) and counted.
 #[test]

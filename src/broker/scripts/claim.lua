@@ -108,7 +108,17 @@
 -- rate limits, lease and floor checks and quarantine of one claim, not a copy of them.
 -- `dry`: only the checks of the keys' types and of the counters it reads (a handful of calls), returning nil when
 -- they pass and the error otherwise, before anything is written; settle.lua makes them before its own first write.
-local function claim_run(dry, checked)
+-- `given`: what the settle that runs this claim (handover.lua) has read and checked already, so that the claim does
+-- not ask Redis again (each call some 7,400 instructions: docs/PERFORMANCE.md, "Slots in step, settles in
+-- parallel, and the claim after a settle"):
+--   `types`, key -> the type the settle's checks found it to be ('none' when absent), before its first write;
+--   `stats`, the stats hash whose counters the settle read and found integers;
+--   `running`, the running hash, and `q`, `limit`: its fields `q` and `q:limit`, integers, as the settle read them
+--   (its dry run) or as it left them (the claim's run after its writes); nil when the settle did not read them;
+--   `now`: the settle's time, Redis's clock in ms (the claim's run).
+-- A given finding counts only for the key it was made of: a call whose claim block names other keys than the
+-- settle's (no daemon sends one) is checked as a claim of its own is.
+local function claim_run(dry, checked, given)
   -- The counts a plain claim sends as '0' (no rate limit, no weights, no running limit, and types.lua's flows) are
   -- read without `tonumber` then: a call of it costs Redis about 1,800 instructions, the comparison 300.
   local rates = ARGV[9] ~= '0' and tonumber(ARGV[9]) or 0
@@ -172,12 +182,23 @@ local function claim_run(dry, checked)
   -- and the running hash, read again below: so the claim looks at none of it a second time.
   local integer = integer_check('claim.lua')
   local idle, absent, holds, info, dead_count, lease, refused
+  local found_types = given and given.types
   if checked then
     idle, absent, holds = checked.idle, checked.absent, checked.holds
     info, dead_count, lease = checked.info, checked.dead_count, checked.lease
   else
-    idle = redis.call('EXISTS', KEYS[2], KEYS[4], KEYS[6], KEYS[7],
-      unpack(KEYS, QUARANTINE + 1, max_running > 0 and RUNNING - 1 or RUNNING)) == 0
+    -- A settle that found one of the owner's claim sets present knows the owner is not idle (it holds the tasks it
+    -- settles): the EXISTS of them all would only say so again.
+    idle = nil
+    if found_types then
+      for i = CLAIMS + 1, LISTS do
+        if found_types[KEYS[i]] == 'zset' then idle = false end
+      end
+    end
+    if idle == nil then
+      idle = redis.call('EXISTS', KEYS[2], KEYS[4], KEYS[6], KEYS[7],
+        unpack(KEYS, QUARANTINE + 1, max_running > 0 and RUNNING - 1 or RUNNING)) == 0
+    end
     absent = idle
     if not idle then
       local rare = {KEYS[6], KEYS[7], unpack(KEYS, QUARANTINE + 1, CLAIMS)}
@@ -198,8 +219,6 @@ local function claim_run(dry, checked)
         known = idle or (absent and (i == 7 or (i > QUARANTINE and i <= CLAIMS) or (i > LISTS and i < RUNNING)))
       end
       if not known then
-        local found = redis.call('TYPE', KEYS[i]).ok
-        if found ~= 'none' and i > CLAIMS and i <= LISTS then holds = true end
         local kind = 'list'
         if i == 1 or (i > CLAIMS and i <= LISTS) then
           kind = 'zset'
@@ -212,14 +231,21 @@ local function claim_run(dry, checked)
         elseif i > SCOPES then
           kind = 'string'
         end
+        -- What the settle's own check of this key found, if it made one and found it absent or of this kind.
+        local found = found_types and found_types[KEYS[i]]
+        if found ~= kind and found ~= 'none' then found = redis.call('TYPE', KEYS[i]).ok end
+        if found ~= 'none' and i > CLAIMS and i <= LISTS then holds = true end
         if found ~= 'none' and found ~= kind then return wrong(i, found, kind) end
       end
     end
     -- Then the numbers it reads and the counters it increments: integers, or absent; and the owner's lease.
     info, refused = read(3, 'hash', 'HMGET', 'floor', 'group', 'journal')
     if refused then return refused end
-    dead_count, refused = read(5, 'hash', 'HGET', 'dead_lettered')
-    if refused then return refused end
+    -- The settle read the stats hash's counters, and checked them, itself.
+    if not (given and given.stats == KEYS[5]) then
+      dead_count, refused = read(5, 'hash', 'HGET', 'dead_lettered')
+      if refused then return refused end
+    end
     refused = integer(KEYS[3], 'floor', info[1]) or integer(KEYS[3], 'journal', info[3]) or
       integer(KEYS[5], 'dead_lettered', dead_count)
     if refused then return refused end
@@ -227,7 +253,9 @@ local function claim_run(dry, checked)
     if refused then return refused end
   end
   local running, known_limit = 0, 0
-  if max_running > 0 then
+  if max_running > 0 and given and given.q and given.running == KEYS[RUNNING] then
+    running, known_limit = given.q, given.limit
+  elseif max_running > 0 then
     local value
     value, refused = read(RUNNING, 'hash', 'HMGET', 'q', 'q:limit')
     if refused then return refused end
@@ -275,9 +303,12 @@ local function claim_run(dry, checked)
     end
     return nil
   end
-  local t = redis.call('TIME')
-  -- (Lua's arithmetic converts TIME's strings itself, at half a tonumber's cost; the lease is converted once.)
-  local now = t[1] * 1000 + math.floor(t[2] / 1000)
+  local now = given and given.now
+  if not now then
+    local t = redis.call('TIME')
+    -- (Lua's arithmetic converts TIME's strings itself, at half a tonumber's cost; the lease is converted once.)
+    now = t[1] * 1000 + math.floor(t[2] / 1000)
+  end
   lease = lease and tonumber(lease)
   if not lease or lease <= now then
     -- An owner whose lease entry is gone while its registration is there (Redis lost it, or it was removed by hand)

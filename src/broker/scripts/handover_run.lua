@@ -6,10 +6,10 @@
 local checked = false
 
 -- claim.lua's checks, before the settle's first write: nil when they pass, else the error (which the settle
--- returns, having written nothing).
-local function handover_check()
+-- returns, having written nothing). `given`: what the settle's checks found (claim.lua's `given`).
+local function handover_check(given)
   local refused
-  refused, checked = claim_run(true)
+  refused, checked = claim_run(true, nil, given)
   if refused then
     -- Named for the script the caller ran as well as for the claim whose check refused it.
     return redis.error_reply((string.gsub(refused.err, 'claim%.lua: ', 'settle.lua (its claim.lua): ', 1)))
@@ -27,8 +27,9 @@ end
 -- Claims the next tasks for the slots this call freed (`freed`: scope -> tasks subtracted). Returns claim.lua's
 -- reply, and whether it filled every slot freed (then no marker is pushed for them). `acks_only`: the settle wrote
 -- nothing but acknowledgements (no record: nothing queued again, quarantined, dead-lettered or throttled), so what
--- the checks found still holds for the claim's keys but the claim sets and the running hash.
-local function handover_run(h, freed, levels, acks_only)
+-- the checks found still holds for the claim's keys but the claim sets and the running hash. `given`: what the
+-- settle knows of the running count after its writes, and its time (claim.lua's `given`).
+local function handover_run(h, freed, levels, acks_only, given)
   local slots = freed.q or 0
   if slots == 0 then
     for scope, n in pairs(freed) do
@@ -38,7 +39,7 @@ local function handover_run(h, freed, levels, acks_only)
   if slots == 0 then return handover_none(levels), false end
   -- ARGV here is the claim's own, h.args (`handover_parts`' parameter): its number of tasks, cut to the slots.
   h.args[2] = tostring(math.min(h.want, slots))
-  local reply = claim_run(false, acks_only and checked or nil)
+  local reply = claim_run(false, acks_only and checked or nil, given)
   if reply.err then return handover_none(levels), false end
   local took = 0
   for i = 1, levels do took = took + reply[3 + i] end

@@ -184,6 +184,8 @@ local throttled_types = tonumber(ARGV[counted_at + 1]) or 0
 local SHARES = counted_at + 2 + throttled_types
 local shares = tonumber(ARGV[SHARES]) or 0
 local records = SHARES + 1 + 2 * shares
+-- A call of acknowledgements alone (the claims' bitmaps) has no record past the shares.
+local acks_only = records > #ARGV
 local throttle_type = {}
 for t = 1, throttled_types do
   local at = CLAIM_KEYS + 3 * claims + 1 + (t - 1) * (1 + 2 * levels)
@@ -198,7 +200,7 @@ end
 -- call of plain acknowledgements, the hot path, checks a handful.
 local expected = {[stats] = 'hash', [last_call] = 'string'}
 if fence == 'expired' then expected[owners] = 'zset' end
-if #ARGV >= records then
+if not acks_only then
   expected[dead], expected[uniq], expected[wake], expected[popped] = 'list', 'hash', 'list', 'hash'
   expected[throttle] = 'string'
   for _, scope in ipairs(throttle_type) do
@@ -290,6 +292,9 @@ local counters = redis.pcall('HMGET', stats, unpack(COUNTERS))
 local refused_read = wrong_read(last_call, 'string', prior) or wrong_read(stats, 'hash', counters)
 if refused_read then return refused_read end
 expected[last_call], expected[stats] = nil, nil
+-- The owner's info hash is read by the claim's checks for the freed slots (its HMGET, before any write): that read
+-- is its type check for the settle too.
+if handover and fence == 'owner' and info and handover.keys[3] == info then expected[info] = nil end
 -- The counters it may increment: integers, or absent (HINCRBY fails on anything else).
 local function integer(key, field, value)
   local digits = value and string.match(value, '^-?([1-9]%d*)$')
@@ -304,7 +309,25 @@ local counts, limits = {}, {}
 -- Whether a run counted in a group: the rings and the sched hash, which its parked flows return through, are then
 -- checked too.
 local grouped = false
+-- Each claim's length, and its settled bits when it acknowledges some, are read here too, as their keys' type checks
+-- (the settle below needs them, and writes neither before it reads them): once for each list, should a call name a
+-- claim twice.
+local lengths_read = {}
 for k = 1, claims do
+  local c = claim[k]
+  if not lengths_read[c.list] then
+    lengths_read[c.list] = true
+    local length = redis.pcall('LLEN', c.list)
+    local refused = wrong_read(c.list, 'list', length)
+    if refused then return refused end
+    expected[c.list], c.length = nil, length
+    if c.count > 0 and length > 0 then
+      local old = redis.pcall('GET', c.bits)
+      refused = wrong_read(c.bits, 'string', old)
+      if refused then return refused end
+      expected[c.bits], c.old = nil, old
+    end
+  end
   local scopes = redis.pcall('GET', claim[k].scopes)
   local refused = wrong_read(claim[k].scopes, 'string', scopes)
   if refused then return refused end
@@ -343,12 +366,16 @@ for k = 1, claims do
     end
   end
 end
+-- What they found, for the claim of the freed slots (claim.lua's `given.types`); a settle without one builds no
+-- table for it (some 6,000 instructions a call, its growth included).
+local found_types = handover and {}
 for key, kind in pairs(expected) do
   local found = redis.call('TYPE', key).ok
   if found ~= 'none' and found ~= kind then
     return redis.error_reply('WRONGTYPE settle.lua: ' .. key .. ' is a ' .. found .. ', not a ' .. kind ..
       '; nothing was applied')
   end
+  if found_types then found_types[key] = found end
 end
 -- A call sent again (its reply was lost) answers the first call's result; an older call than the stored one
 -- (a late copy) applies nothing (checked after the types, so that a key that went wrong meanwhile is reported,
@@ -469,14 +496,18 @@ if next(counts) then
     return redis.error_reply('WRONGTYPE settle.lua: ' .. wake .. ' is a ' .. found .. ', not a list; nothing ' ..
       'was applied')
   end
+  if found_types then found_types[wake] = found end
 end
 -- Only a registered owner settling its own tasks adds to its journal: a late settle after the monitors forgot
 -- the owner must not bring its info hash back. Its increment is the call's first write, so that a journal that is
 -- not an integer fails the call before anything is written.
--- The claim for the freed slots checks its own keys and counters first (handover.lua).
+-- The claim for the freed slots checks its own keys and counters first (handover.lua), but for what the settle's
+-- own checks and reads above found already (claim.lua's `given`): the keys' types, the stats hash's counters, the
+-- running count.
 local parts = handover and handover_parts(handover.keys, handover.args)
+local given = handover and {types = found_types, stats = stats, running = running, q = counts.q, limit = limits.q}
 if handover and fence == 'owner' then
-  local refused = parts.check()
+  local refused = parts.check(given)
   if refused then return refused end
 end
 local journal = 0
@@ -526,7 +557,7 @@ local used_scratch = false
 local flow_backs = {}
 for k = 1, claims do
   local c = claim[k]
-  c.length = redis.call('LLEN', c.list)
+  c.length = c.length or redis.call('LLEN', c.list)
   if c.runs and c.length > 0 then
     -- Settled bits per run before this call: what it sets anew in each is subtracted from that run's scopes.
     local old = redis.call('EXISTS', c.bits) == 1
@@ -540,7 +571,8 @@ for k = 1, claims do
       -- The claim is gone: a monitor recovered all of it.
       stale = stale + c.count
     else
-      local old = redis.call('GET', c.bits)
+      local old = c.old
+      if old == nil then old = redis.call('GET', c.bits) end
       keep_claim(kept, k, c.bits, old, now)
       note_claim(notes, k, old)
       if not old and c.count == c.length then
@@ -800,8 +832,16 @@ result[#result + 1] = journal
 -- The next tasks for the slots it freed, claimed in this step (handover.lua): claim.lua's reply follows the
 -- journal, and is stored with the call's result. A claim that filled every slot freed leaves no marker for them.
 if handover then
-  local reply, filled = parts.none(levels), false
-  if fence == 'owner' then reply, filled = parts.run(handover, freed, levels, records > #ARGV) end
+  local reply, filled
+  if fence == 'owner' then
+    -- The running count as the subtraction above left it, and the time: the claim reads neither again. The types
+    -- found before the writes are not for after them (a key found absent may have been written since).
+    if freed.q then given.q = math.max(counts.q - freed.q, 0) end
+    given.types, given.now = nil, now
+    reply, filled = parts.run(handover, freed, levels, acks_only, given)
+  else
+    reply, filled = parts.none(levels), false
+  end
   for _, n in ipairs(reply) do result[#result + 1] = n end
   if filled then wake_fetchers = false end
 end
