@@ -310,13 +310,13 @@ local counts, limits = {}, {}
 -- checked too.
 local grouped = false
 -- Each claim's length, and its settled bits when it acknowledges some, are read here too, as their keys' type checks
--- (the settle below needs them, and writes neither before it reads them): once for each list, should a call name a
--- claim twice.
+-- (the settle below needs them, and writes neither before it reads them): once for each list and bitmap, should a
+-- call name one twice (each claim's settle may write its bitmap, which a second claim must then read afresh).
 local lengths_read = {}
 for k = 1, claims do
   local c = claim[k]
-  if not lengths_read[c.list] then
-    lengths_read[c.list] = true
+  if not lengths_read[c.list] and not lengths_read[c.bits] then
+    lengths_read[c.list], lengths_read[c.bits] = true, true
     local length = redis.pcall('LLEN', c.list)
     local refused = wrong_read(c.list, 'list', length)
     if refused then return refused end
