@@ -170,9 +170,8 @@ local function claim_run(dry, checked, given)
   -- idle fetcher claims a task just pushed (its BLPOP took the marker, it holds nothing, nothing was dead-lettered,
   -- no limit counts): one EXISTS for that claim, two for a busy queue's. Read before any write of this call (a
   -- settle's handover runs it after the settle's writes, and reads them afresh but for what its dry run found:
-  -- `checked`, below), and nothing below writes to these
-  -- keys before it looks at them (the claim's lists and scopes strings are written after the fence's check, the claim
-  -- sets after `holds`). Both sets are KEYS[2], [4], [6], [7] and the run from the first quarantine list to the
+  -- `checked`, below), and nothing below writes to these keys before it looks at them (the claim's lists and scopes
+  -- strings are written after the fence's check, the claim sets after `holds`). Both sets are KEYS[2], [4], [6], [7] and the run from the first quarantine list to the
   -- running hash, taken with `unpack` (a table built of them cost more than the calls it saved). Under max_running
   -- the running hash is left out: its read is its type check (`read`, below), and it exists once a claim noted the
   -- limit, so that every claim of the queue would miss `idle` for it.
@@ -189,16 +188,14 @@ local function claim_run(dry, checked, given)
   else
     -- A settle that found one of the owner's claim sets present knows the owner is not idle (it holds the tasks it
     -- settles): the EXISTS of them all would only say so again.
-    idle = nil
+    local settling = false
     if found_types then
       for i = CLAIMS + 1, LISTS do
-        if found_types[KEYS[i]] == 'zset' then idle = false end
+        if found_types[KEYS[i]] == 'zset' then settling = true end
       end
     end
-    if idle == nil then
-      idle = redis.call('EXISTS', KEYS[2], KEYS[4], KEYS[6], KEYS[7],
-        unpack(KEYS, QUARANTINE + 1, max_running > 0 and RUNNING - 1 or RUNNING)) == 0
-    end
+    idle = not settling and redis.call('EXISTS', KEYS[2], KEYS[4], KEYS[6], KEYS[7],
+      unpack(KEYS, QUARANTINE + 1, max_running > 0 and RUNNING - 1 or RUNNING)) == 0
     absent = idle
     if not idle then
       local rare = {KEYS[6], KEYS[7], unpack(KEYS, QUARANTINE + 1, CLAIMS)}
