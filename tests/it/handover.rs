@@ -135,38 +135,28 @@ fn a_settle_at_max_running_claims_the_next_task_for_the_slot_it_frees_with_no_ma
     assert_eq!(at.done(), Some(1));
 }
 
-/// A settle of acknowledgements at the limit looks at the claim's keys once, before its first write: the claim
-/// after its writes uses what those checks found (`claim_run`'s `checked`: the owner's lease and info, the dead
-/// count, the keys found absent), where it looked at them all again (docs/PERFORMANCE.md, "Where a slot's
-/// turnaround goes, stage by stage"). It still reads the running count afresh: the slot passes on under the limit.
+/// A settle of acknowledgements at the limit looks at the claim's keys once, before its first write, and its claim
+/// takes what the settle has read and checked already. The claim after the settle's writes uses what its own dry run
+/// found (`claim_run`'s `checked`: the owner's lease and info, the keys found absent), where it looked at them all
+/// again; both runs use what the settle found (`claim_run`'s `given`): the running count (before the settle's writes
+/// for the checks, after them for the claim: the slot passes on under the limit), the time, the stats hash's
+/// counters, the types of the wake list and the owner's claim set, and the owner's info hash (the claim's read of it
+/// is the settle's type check too). The settle reads its claim's length and settled bits before its writes, as their
+/// type checks. Without `checked` the call read the lease twice; without `given` and those reads, it read the running
+/// hash three times, Redis's clock twice, and made ten TYPEs (docs/PERFORMANCE.md, "Where a slot's turnaround goes,
+/// stage by stage", and "Slots in step, settles in parallel, and the claim after a settle").
 #[test]
-fn a_handover_settle_of_acknowledgements_reads_the_owners_lease_once() {
-    let at = Claimed::at_the_limit();
-    at.redis.cmd::<String>(&["CONFIG", "RESETSTAT"]);
-    let (_, handed) = at.ack_first().unwrap();
-    assert_eq!(ids(&handed.expect("the freed slot's task")), ["t2"]);
-    assert_eq!(running(&at.redis), 2, "the slot passed from t0 to t2");
-    assert_eq!(
-        crate::protocol::command_calls(&at.redis, "zscore"),
-        1,
-        "the lease's ZSCOREs of one handover settle"
-    );
-}
-
-/// The claim in a settle takes from the settle what the settle has read and checked already (`claim_run`'s
-/// `given`): the running count (before its writes for the claim's checks, after them for the claim), the time, the
-/// types of the wake list and the owner's claim set, the stats hash's counters, and the owner's info hash (the
-/// claim's read of it is the settle's type check too); and the settle reads its claim's length and settled bits
-/// before its writes, as their type checks. Before, the call read the running hash three times, Redis's clock
-/// twice, and made ten TYPEs (docs/PERFORMANCE.md, "Slots in step, settles in parallel, and the claim after a
-/// settle").
-#[test]
-fn a_handover_settle_reads_the_running_count_and_the_clock_once() {
+fn a_handover_settle_reads_the_lease_the_running_count_and_the_clock_once() {
     let at = Claimed::at_the_limit();
     at.redis.cmd::<String>(&["CONFIG", "RESETSTAT"]);
     let (_, handed) = at.ack_first().unwrap();
     assert_eq!(ids(&handed.expect("the freed slot's task")), ["t2"]);
     let calls = |command| crate::protocol::command_calls(&at.redis, command);
+    assert_eq!(
+        calls("zscore"),
+        1,
+        "the lease's ZSCOREs of one handover settle"
+    );
     // The stats hash's counters, the running count, the owner's info: one HMGET each.
     assert_eq!(calls("hmget"), 3, "the HMGETs of one handover settle");
     assert_eq!(calls("time"), 1, "the TIMEs of one handover settle");
@@ -176,6 +166,7 @@ fn a_handover_settle_reads_the_running_count_and_the_clock_once() {
         0,
         "the claim's own read of the dead-letter count"
     );
+    // Read last: `running` reads the hash itself.
     assert_eq!(
         running(&at.redis),
         2,
