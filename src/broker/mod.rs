@@ -35,6 +35,7 @@ mod node;
 pub mod owners;
 pub mod payloads;
 pub(crate) mod peek;
+mod plain_handover;
 pub mod processing;
 pub mod progress;
 mod resp;
@@ -60,7 +61,7 @@ pub use tasks::{
     Batch, Call, ClaimLimits, Due, Fence, Fetched, Handover, Holder, Isolation, Kept, Limited,
     PopLimits, Popper, PushItem, SettleOp, Settled, Settlement, ThrottleScope, adopt, claim,
     claim_after_wake, load_settle, move_sources, promote, push, release_unique, settle,
-    settle_handing_over, wait_idle, wait_list, wait_wake,
+    settle_handing_over, settle_handing_over_generic, wait_idle, wait_list, wait_wake,
 };
 pub use tls::tls_refusal;
 
@@ -231,6 +232,7 @@ struct Scripts {
     take: redis::Script,
     release_unique: redis::Script,
     settle: redis::Script,
+    handover_plain: redis::Script,
     renew: redis::Script,
     register: redis::Script,
     release: redis::Script,
@@ -328,6 +330,9 @@ pub mod sources {
         "end\n",
         include_str!("scripts/settle.lua")
     );
+    /// The settle made for the handover of a plain queue at `max_running` (src/broker/plain_handover.rs), which
+    /// leaves every other call to SETTLE.
+    pub const HANDOVER_PLAIN: &str = concat!("#!lua\n", include_str!("scripts/handover_plain.lua"));
     pub const RENEW: &str = checked!(#!lua "scripts/renew.lua");
     pub const REGISTER: &str = checked!(#!lua "scripts/register.lua");
     pub const RELEASE: &str = checked!(#!lua "scripts/release.lua");
@@ -370,7 +375,7 @@ pub mod sources {
     pub const PROGRESS: &str = checked!(#!lua "scripts/progress.lua");
 
     /// Every script the broker runs, by its file's name, push.lua first.
-    pub const ALL: [(&str, &str); 24] = [
+    pub const ALL: [(&str, &str); 25] = [
         ("push.lua", super::PUSH_SCRIPT),
         ("claim.lua", CLAIM),
         ("adopt.lua", ADOPT),
@@ -378,6 +383,7 @@ pub mod sources {
         ("take.lua", TAKE),
         ("release_unique.lua", RELEASE_UNIQUE),
         ("settle.lua", SETTLE),
+        ("handover_plain.lua", HANDOVER_PLAIN),
         ("renew.lua", RENEW),
         ("register.lua", REGISTER),
         ("release.lua", RELEASE),
@@ -415,6 +421,7 @@ static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     take: redis::Script::new(sources::TAKE),
     release_unique: redis::Script::new(sources::RELEASE_UNIQUE),
     settle: redis::Script::new(sources::SETTLE),
+    handover_plain: redis::Script::new(sources::HANDOVER_PLAIN),
     renew: redis::Script::new(sources::RENEW),
     register: redis::Script::new(sources::REGISTER),
     release: redis::Script::new(sources::RELEASE),

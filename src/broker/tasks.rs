@@ -434,7 +434,7 @@ fn claim_after(
 }
 
 /// A claim's [`Batch`]: claim.lua's reply (6 + L integers) and the claim's lists, read in its transaction.
-fn claim_batch(
+pub(super) fn claim_batch(
     keys: &QueueKeys,
     owner: &Arc<str>,
     claim: u64,
@@ -483,16 +483,16 @@ pub(super) const LARGE_ARGUMENT: usize = 32 * 1024;
 
 /// A script call's keys, gathered before its arguments (the `EVALSHA` names their count first).
 #[derive(Default)]
-struct ScriptKeys(Vec<Vec<u8>>);
+pub(super) struct ScriptKeys(Vec<Vec<u8>>);
 
 impl ScriptKeys {
-    fn key(&mut self, key: impl redis::ToRedisArgs) -> &mut Self {
+    pub(super) fn key(&mut self, key: impl redis::ToRedisArgs) -> &mut Self {
         key.write_redis_args(&mut self.0);
         self
     }
 
     /// The `EVALSHA` of `script` with these keys; the arguments follow.
-    fn evalsha(self, script: &redis::Script) -> redis::Cmd {
+    pub(super) fn evalsha(self, script: &redis::Script) -> redis::Cmd {
         let mut eval = redis::cmd("EVALSHA");
         eval.arg(script.get_hash()).arg(self.0.len()).arg(self.0);
         eval
@@ -528,7 +528,7 @@ fn evalsha(script: &redis::Script, keys: &[String]) -> redis::Cmd {
 /// lists' elements kmqd's own connection read into one buffer (see [`claimed`]). A server that lost its script
 /// cache (a restart, a failover) gets the script loaded (on the node of the lists, in a cluster) and the
 /// transaction again: the script did not run, so the lists it would have filled are empty and nothing was taken.
-fn script_then_lists(
+pub(super) fn script_then_lists(
     conn: &mut Conn,
     source: &str,
     eval: &redis::Cmd,
@@ -1477,7 +1477,7 @@ impl Settlement {
 
     /// A plain acknowledgement: sent as its bare token (or only counted, in default mode), not as a record. Its
     /// kept result, if any, goes with it (results.lua: written only if its bit is new).
-    fn is_plain_ack(&self) -> bool {
+    pub(super) fn is_plain_ack(&self) -> bool {
         self.op == SettleOp::Ack && self.unique_id.is_none() && !self.failed
     }
 }
@@ -1561,15 +1561,15 @@ pub struct Call<'a> {
 
 /// The claims one settle call touches, each with the bitmap of its plain acknowledgements (settle.lua).
 #[derive(Default)]
-struct Touched {
+pub(super) struct Touched {
     /// (level, claim, bitmap of acknowledged positions in `GETBIT`'s order).
-    claims: Vec<(usize, u64, Vec<u8>)>,
+    pub(super) claims: Vec<(usize, u64, Vec<u8>)>,
 }
 
 impl Touched {
     /// The 1-based index of (level, claim) among the claims touched, added if new. A call touches a handful of
     /// claims, so a scan of them costs less than a map.
-    fn index(&mut self, level: usize, claim: u64) -> usize {
+    pub(super) fn index(&mut self, level: usize, claim: u64) -> usize {
         if let Some(at) = self
             .claims
             .iter()
@@ -1581,7 +1581,7 @@ impl Touched {
         self.claims.len()
     }
 
-    fn acknowledge(&mut self, level: usize, claim: u64, position: u32) {
+    pub(super) fn acknowledge(&mut self, level: usize, claim: u64, position: u32) {
         let at = self.index(level, claim) - 1;
         let bits = &mut self.claims[at].2;
         let byte = position as usize / 8;
@@ -1630,7 +1630,31 @@ pub struct Handover<'a> {
 /// that a NOSCRIPT may be answered on this connection: see [`load_settle`]). Sent again after a lost reply, the
 /// call answers the same claim (its stored result) and claims nothing more. The owner's journal counts the claim
 /// as one more bump when it took tasks, beside the settle's own.
+///
+/// A call of acknowledgements only, of a queue whose claims are plain but for `max_running`, goes to
+/// handover_plain.lua, made for it (src/broker/plain_handover.rs), and to settle.lua when that script leaves it
+/// (having written nothing): both answer alike.
 pub fn settle_handing_over<'a>(
+    conn: &mut Conn,
+    keys: &QueueKeys,
+    call: &Call<'_>,
+    dead_max: usize,
+    owner: &Arc<str>,
+    settlements: impl IntoIterator<Item = &'a Settlement> + Clone,
+    handover: &Handover<'_>,
+) -> Result<(Settled, Option<Batch>)> {
+    if let Some(answer) =
+        super::plain_handover::settle(conn, keys, call, owner, settlements.clone(), handover)?
+    {
+        return Ok(answer);
+    }
+    settle_handing_over_generic(conn, keys, call, dead_max, owner, settlements, handover)
+}
+
+/// [`settle_handing_over`] by settle.lua whatever the call: the tests that compare the two scripts' answers and
+/// writes send the same call both ways.
+#[doc(hidden)]
+pub fn settle_handing_over_generic<'a>(
     conn: &mut Conn,
     keys: &QueueKeys,
     call: &Call<'_>,
@@ -1962,17 +1986,42 @@ fn settle_with<'a>(
             let lists = keys.claim_lists(owner, claim);
             let (reply, taken, collected) =
                 script_then_lists(conn, super::sources::SETTLE, &invocation, &lists, None)?;
-            let mut reply: Vec<Value> =
-                redis::from_redis_value(reply).map_err(redis::RedisError::from)?;
-            let split = (records + 2).min(reply.len());
-            let claim_reply = reply.split_off(split);
-            let reply = reply
-                .iter()
-                .map(|value| int(value, "settle"))
-                .collect::<Result<Vec<i64>>>()?;
+            let (reply, claim_reply) = split_settle_reply(reply, records)?;
             (reply, Some((owner, claim, claim_reply, taken, collected)))
         }
     };
+    settle_answer(conn, keys, settlements, bulk, records, reply, claimed_lists)
+}
+
+/// A settle's reply with a claim's: its integers up to the claim's (the stale acknowledgements, one per record,
+/// the journal; or a late copy's two), and claim.lua's reply.
+pub(super) fn split_settle_reply(reply: Value, records: usize) -> Result<(Vec<i64>, Vec<Value>)> {
+    let mut reply: Vec<Value> = redis::from_redis_value(reply).map_err(redis::RedisError::from)?;
+    let split = (records + 2).min(reply.len());
+    let claim_reply = reply.split_off(split);
+    let reply = reply
+        .iter()
+        .map(|value| int(value, "settle"))
+        .collect::<Result<Vec<i64>>>()?;
+    Ok((reply, claim_reply))
+}
+
+/// A settle's claim, with its reply and the lists read in the call's transaction ([`script_then_lists`]): the
+/// owner, the claim's number, claim.lua's reply, the lists, their payloads.
+pub(super) type HandedOver<'o> = (&'o Arc<str>, u64, Vec<Value>, Vec<Value>, Payloads);
+
+/// What a settle call's reply says (settle.lua's, or handover_plain.lua's, which answers as it does): `reply`, its
+/// integers up to the claim's (the stale acknowledgements, one per record, the journal), and the claim's
+/// (`claimed`). `bulk`: whether a settlement went as a plain acknowledgement, not a record.
+pub(super) fn settle_answer<'a>(
+    conn: &mut Conn,
+    keys: &QueueKeys,
+    settlements: impl IntoIterator<Item = &'a Settlement>,
+    bulk: impl Fn(&Settlement) -> bool,
+    records: usize,
+    reply: Vec<i64>,
+    claimed: Option<HandedOver<'_>>,
+) -> Result<(Settled, Option<Batch>)> {
     // Not replicated: a may-have-run error; the settler sends the same call again, which applies nothing twice.
     conn.replicated(&keys.stats)?;
     if reply.len() == 2 && reply[0] == -1 {
@@ -1993,7 +2042,7 @@ fn settle_with<'a>(
         ));
     }
     // The claim's reply: state -1 when it claimed nothing for the slots (handover_run.lua, `handover_none`).
-    let batch = match claimed_lists {
+    let batch = match claimed {
         Some((owner, claim, claim_reply, taken, collected))
             if claim_reply
                 .get(1)

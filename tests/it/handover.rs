@@ -79,6 +79,14 @@ impl Claimed {
     /// Call 1 of the acker `handover-acker`: the acknowledgement of the first task claimed, handing the slots it
     /// frees over to claim 100 of up to 4 tasks (the daemon's idle workers).
     fn ack_first(&self) -> broker::Result<(broker::Settled, Option<broker::Batch>)> {
+        self.ack_first_by(false)
+    }
+
+    /// [`Claimed::ack_first`], by settle.lua alone when `generic` (`broker::settle_handing_over_generic`).
+    fn ack_first_by(
+        &self,
+        generic: bool,
+    ) -> broker::Result<(broker::Settled, Option<broker::Batch>)> {
         let limits = broker::ClaimLimits {
             daemon: "test:0",
             ..self.queue.claim_limits()
@@ -87,7 +95,11 @@ impl Claimed {
             settler: "handover-acker",
             number: 1,
         };
-        broker::settle_handing_over(
+        let settle = match generic {
+            true => broker::settle_handing_over_generic,
+            false => broker::settle_handing_over,
+        };
+        settle(
             &mut self.redis.connection(),
             &self.queue.keys,
             &call,
@@ -149,7 +161,7 @@ fn a_settle_at_max_running_claims_the_next_task_for_the_slot_it_frees_with_no_ma
 fn a_handover_settle_reads_the_lease_the_running_count_and_the_clock_once() {
     let at = Claimed::at_the_limit();
     at.redis.cmd::<String>(&["CONFIG", "RESETSTAT"]);
-    let (_, handed) = at.ack_first().unwrap();
+    let (_, handed) = at.ack_first_by(true).unwrap();
     assert_eq!(ids(&handed.expect("the freed slot's task")), ["t2"]);
     let calls = |command| crate::protocol::command_calls(&at.redis, command);
     assert_eq!(
@@ -167,6 +179,56 @@ fn a_handover_settle_reads_the_lease_the_running_count_and_the_clock_once() {
         "the claim's own read of the dead-letter count"
     );
     // Read last: `running` reads the hash itself.
+    assert_eq!(
+        running(&at.redis),
+        2,
+        "the slot passed from t0 to t2 under the limit"
+    );
+}
+
+/// handover_plain.lua, which a plain queue's acknowledgements go to: one run of it (settle.lua is not asked), its
+/// keys read once each, the reads their own type checks (no TYPE), Redis's clock read once, and 23 commands in
+/// all, where settle.lua's handover makes 29 (docs/PERFORMANCE.md, "A settle made for the handover of a plain
+/// queue").
+#[test]
+fn a_plain_handover_settle_is_one_script_run_that_reads_each_key_once() {
+    let at = Claimed::at_the_limit();
+    for (_, body) in sources::ALL {
+        at.redis.cmd::<String>(&["SCRIPT", "LOAD", body]);
+    }
+    at.redis.cmd::<String>(&["CONFIG", "RESETSTAT"]);
+    let (_, handed) = at.ack_first().unwrap();
+    assert_eq!(ids(&handed.expect("the freed slot's task")), ["t2"]);
+    let calls = |command| crate::protocol::command_calls(&at.redis, command);
+    assert_eq!(calls("evalsha"), 1, "one script's run");
+    assert_eq!(calls("type"), 0, "the TYPEs of a plain handover settle");
+    assert_eq!(calls("time"), 1, "the TIMEs of a plain handover settle");
+    assert_eq!(calls("zscore"), 1, "the lease's ZSCOREs");
+    assert_eq!(
+        calls("hmget"),
+        2,
+        "the running count's and the owner's HMGETs"
+    );
+    let info: String = at.redis.cmd(&["INFO", "commandstats"]);
+    let commands: u64 = info
+        .lines()
+        // The script's own commands: not the EVALSHA, nor this test's CONFIG RESETSTAT and INFOs.
+        .filter(|line| {
+            !["cmdstat_evalsha:", "cmdstat_config|", "cmdstat_info:"]
+                .iter()
+                .any(|name| line.starts_with(name))
+        })
+        .filter_map(|line| {
+            line.split_once(":calls=")?
+                .1
+                .split(',')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum();
+    // Its own 23 commands, and the transaction's MULTI, LRANGE and EXEC around it.
+    assert!(commands <= 26, "{commands} commands: {info}");
     assert_eq!(
         running(&at.redis),
         2,
@@ -259,14 +321,17 @@ fn a_handover_settle_of_an_owner_whose_lease_ran_out_applies_and_claims_nothing(
     assert_eq!(at.markers(), 1, "the marker, as without a handover");
 }
 
-/// settle.lua's calls that carry a claim block (handover.lua's trailer, the last argument's name).
+/// The settles that hand slots over: handover_plain.lua's calls (a plain queue's, src/broker/plain_handover.rs), and
+/// settle.lua's that carry a claim block (handover.lua's trailer, the last argument's name).
 fn handover_settles() -> Matcher {
     let settle = Matcher::script(sources::SETTLE);
+    let plain = Matcher::script(sources::HANDOVER_PLAIN);
     Matcher::new(move |args| {
-        settle.matches(args)
-            && args
-                .last()
-                .is_some_and(|last| last.as_slice() == b"handover")
+        plain.matches(args)
+            || (settle.matches(args)
+                && args
+                    .last()
+                    .is_some_and(|last| last.as_slice() == b"handover"))
     })
 }
 

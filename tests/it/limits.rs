@@ -152,15 +152,21 @@ fn drains_to_zero_with_a_reply_lost(script: &str, nth: usize, then: AfterDrop, q
     drain_with_a_reply_lost(script, (nth, then), queue, |_, _| {}, drain);
 }
 
+/// The settles of a plain queue at its limit go to handover_plain.lua (src/broker/plain_handover.rs), those of a queue
+/// with a rate limit beside it to settle.lua with its claim block: each script's lost reply.
 #[test]
 fn a_settle_whose_reply_is_lost_frees_its_running_slots_once() {
-    for then in [AfterDrop::Close, AfterDrop::Hang] {
-        drains_to_zero_with_a_reply_lost(
+    let scripts = [
+        (sources::HANDOVER_PLAIN, "workers = 2\nmax_running = 2"),
+        (
             sources::SETTLE,
-            2,
-            then,
-            &safe_queue("workers = 2\nmax_running = 2"),
-        );
+            "workers = 2\nmax_running = 2\nrate_limit = \"1000/s\"",
+        ),
+    ];
+    for (script, queue) in scripts {
+        for then in [AfterDrop::Close, AfterDrop::Hang] {
+            drains_to_zero_with_a_reply_lost(script, 2, then, &safe_queue(queue));
+        }
     }
 }
 

@@ -646,8 +646,9 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
     (redis, recorded)
 }
 
-/// A settle of the limited queue at its `max_running` that hands the slot it frees over to the next task
-/// (handover.lua), sent through `proxy` as an acker would send it: no daemon sends one yet.
+/// Two settles of the limited queue at its `max_running` that hand the slot they free over to the next task, sent
+/// through `proxy` as an acker sends them: one by handover_plain.lua, one by settle.lua with its claim block
+/// (handover.lua).
 fn handover_through(proxy: &FaultProxy, config: &std::path::Path) {
     let loaded = kmqd::Config::load(config).unwrap();
     let at = loaded
@@ -681,6 +682,12 @@ fn handover_through(proxy: &FaultProxy, config: &std::path::Path) {
         daemon: "test:0",
         ..queue.claim_limits()
     };
+    // The first as a daemon whose config has no rate limit for the queue sends it (a rolling change): a plain
+    // queue's, which handover_plain.lua is made for.
+    let plain = kmqd::broker::ClaimLimits {
+        rate_limit: &[],
+        ..limits
+    };
     let (_, handed) = kmqd::broker::settle_handing_over(
         &mut connection,
         &queue.keys,
@@ -698,11 +705,34 @@ fn handover_through(proxy: &FaultProxy, config: &std::path::Path) {
         &kmqd::broker::Handover {
             claim: 100,
             max: 4,
-            limits: &limits,
+            limits: &plain,
         },
     )
     .unwrap();
     assert_eq!(handed.map(|batch| batch.tasks.len()), Some(1));
+    // That call went to handover_plain.lua, made for it; the next goes to settle.lua with its claim block, as a call
+    // that script leaves to settle.lua does.
+    kmqd::broker::settle_handing_over_generic(
+        &mut connection,
+        &queue.keys,
+        &kmqd::broker::Call {
+            settler: "handover-acker",
+            number: 2,
+        },
+        queue.config.dead_max,
+        &Arc::from(owner),
+        &[crate::safe_mode::settlement_of(
+            &batch,
+            1,
+            kmqd::broker::SettleOp::Ack,
+        )],
+        &kmqd::broker::Handover {
+            claim: 101,
+            max: 4,
+            limits: &limits,
+        },
+    )
+    .unwrap();
 }
 
 /// Replays every recorded call with each of its keys of another type and each counter of its hashes not an

@@ -92,7 +92,7 @@ pub(super) const FAULTS: &[(Kind, u64, &str)] = &[
     (
         Kind::DelayedReply,
         2,
-        "the reply of one claim.lua, settle.lua, renew.lua, push.lua or plain pop (its EXEC) held 200 to 900 ms by \
+        "the reply of one claim.lua, settle.lua, handover_plain.lua, renew.lua, push.lua or plain pop (its EXEC) held 200 to 900 ms by \
          the proxy, within io_timeout: the call ran in Redis at once, the caller learns of it late",
     ),
     (
@@ -428,15 +428,20 @@ impl Injector<'_, '_> {
         }
     }
 
-    /// A call for the proxy faults to act on: the daemons' claims, settles and renewals, the producers' pushes,
-    /// or default mode's plain pops (a transaction, answered by its EXEC). Returns its name and a matcher.
+    /// A call for the proxy faults to act on: the daemons' claims, settles (settle.lua's, and handover_plain.lua's,
+    /// which the `limited` queue's acknowledgements at its limit go to) and renewals, the producers' pushes, or
+    /// default mode's plain pops (a transaction, answered by its EXEC). Returns its name and a matcher.
     fn pick_call(&mut self) -> (&'static str, Matcher) {
-        match self.rng.below(5) {
+        match self.rng.below(6) {
             0 => ("claim.lua", Matcher::script(sources::CLAIM)),
             1 => ("settle.lua", Matcher::script(sources::SETTLE)),
             2 => ("renew.lua", Matcher::script(sources::RENEW)),
             3 => ("push.lua", Matcher::script(kmqd::broker::PUSH_SCRIPT)),
-            _ => ("plain pop (EXEC)", Matcher::command("EXEC")),
+            4 => ("plain pop (EXEC)", Matcher::command("EXEC")),
+            _ => (
+                "handover_plain.lua",
+                Matcher::script(sources::HANDOVER_PLAIN),
+            ),
         }
     }
 
