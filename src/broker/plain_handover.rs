@@ -97,16 +97,8 @@ pub(super) fn settle<'a>(
         .arg(limits.max_running.unwrap_or(0))
         .arg(limits.max_task_bytes)
         .arg(super::tasks::CLAIM_BYTES)
-        .arg(keys.levels())
-        .arg(touched.claims.len());
-    for (level, claim, bits) in &touched.claims {
-        let count: u32 = bits.iter().map(|byte| byte.count_ones()).sum();
-        invocation
-            .arg(level + 1)
-            .arg(claim)
-            .arg(bits.as_slice())
-            .arg(count);
-    }
+        .arg(keys.levels());
+    touched.args(&mut invocation);
     let lists = keys.claim_lists(owner, handover.claim);
     let (reply, taken, collected) = match script_then_lists(
         conn,

@@ -434,7 +434,7 @@ fn claim_after(
 }
 
 /// A claim's [`Batch`]: claim.lua's reply (6 + L integers) and the claim's lists, read in its transaction.
-pub(super) fn claim_batch(
+fn claim_batch(
     keys: &QueueKeys,
     owner: &Arc<str>,
     claim: u64,
@@ -1569,7 +1569,7 @@ pub(super) struct Touched {
 impl Touched {
     /// The 1-based index of (level, claim) among the claims touched, added if new. A call touches a handful of
     /// claims, so a scan of them costs less than a map.
-    pub(super) fn index(&mut self, level: usize, claim: u64) -> usize {
+    fn index(&mut self, level: usize, claim: u64) -> usize {
         if let Some(at) = self
             .claims
             .iter()
@@ -1579,6 +1579,20 @@ impl Touched {
         }
         self.claims.push((level, claim, Vec::new()));
         self.claims.len()
+    }
+
+    /// The claims as settle.lua's (and handover_plain.lua's) arguments name them: their count K, then for each its
+    /// level (1-based), its number, the bitmap of its acknowledgements and how many bits it sets.
+    pub(super) fn args(&self, invocation: &mut redis::Cmd) {
+        invocation.arg(self.claims.len());
+        for (level, claim, bits) in &self.claims {
+            let count: u32 = bits.iter().map(|byte| byte.count_ones()).sum();
+            invocation
+                .arg(level + 1)
+                .arg(claim)
+                .arg(bits.as_slice())
+                .arg(count);
+        }
     }
 
     pub(super) fn acknowledge(&mut self, level: usize, claim: u64, position: u32) {
@@ -1874,16 +1888,8 @@ fn settle_with<'a>(
         .arg(keys.levels())
         .arg(&keys.delay_channel)
         .arg(owner.or(popper).unwrap_or(""))
-        .arg(call.number)
-        .arg(touched.claims.len());
-    for (level, claim, bits) in &touched.claims {
-        let count: u32 = bits.iter().map(|byte| byte.count_ones()).sum();
-        invocation
-            .arg(level + 1)
-            .arg(claim)
-            .arg(bits.as_slice())
-            .arg(count);
-    }
+        .arg(call.number);
+    touched.args(&mut invocation);
     invocation.arg(counted).arg(throttled.len());
     for scope in &throttled {
         invocation.arg(scope.member());

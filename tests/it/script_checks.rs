@@ -683,56 +683,42 @@ fn handover_through(proxy: &FaultProxy, config: &std::path::Path) {
         ..queue.claim_limits()
     };
     // The first as a daemon whose config has no rate limit for the queue sends it (a rolling change): a plain
-    // queue's, which handover_plain.lua is made for.
+    // queue's, which handover_plain.lua is made for; the second by settle.lua with its claim block, as a call that
+    // script leaves to settle.lua goes.
     let plain = kmqd::broker::ClaimLimits {
         rate_limit: &[],
         ..limits
     };
-    let (_, handed) = kmqd::broker::settle_handing_over(
-        &mut connection,
-        &queue.keys,
-        &kmqd::broker::Call {
-            settler: "handover-acker",
-            number: 1,
-        },
-        queue.config.dead_max,
-        &Arc::from(owner),
-        &[crate::safe_mode::settlement_of(
-            &batch,
-            0,
-            kmqd::broker::SettleOp::Ack,
-        )],
-        &kmqd::broker::Handover {
-            claim: 100,
-            max: 4,
-            limits: &plain,
-        },
-    )
-    .unwrap();
-    assert_eq!(handed.map(|batch| batch.tasks.len()), Some(1));
-    // That call went to handover_plain.lua, made for it; the next goes to settle.lua with its claim block, as a call
-    // that script leaves to settle.lua does.
-    kmqd::broker::settle_handing_over_generic(
-        &mut connection,
-        &queue.keys,
-        &kmqd::broker::Call {
-            settler: "handover-acker",
-            number: 2,
-        },
-        queue.config.dead_max,
-        &Arc::from(owner),
-        &[crate::safe_mode::settlement_of(
-            &batch,
-            1,
-            kmqd::broker::SettleOp::Ack,
-        )],
-        &kmqd::broker::Handover {
-            claim: 101,
-            max: 4,
-            limits: &limits,
-        },
-    )
-    .unwrap();
+    for (number, generic, limits) in [(1, false, &plain), (2, true, &limits)] {
+        let settle = match generic {
+            true => kmqd::broker::settle_handing_over_generic,
+            false => kmqd::broker::settle_handing_over,
+        };
+        let (_, handed) = settle(
+            &mut connection,
+            &queue.keys,
+            &kmqd::broker::Call {
+                settler: "handover-acker",
+                number,
+            },
+            queue.config.dead_max,
+            &Arc::from(owner),
+            &[crate::safe_mode::settlement_of(
+                &batch,
+                number as usize - 1,
+                kmqd::broker::SettleOp::Ack,
+            )],
+            &kmqd::broker::Handover {
+                claim: 99 + number,
+                max: 4,
+                limits,
+            },
+        )
+        .unwrap();
+        // The first takes the third task for its slot; the second finds none left.
+        let handed = handed.map_or(0, |batch| batch.tasks.len());
+        assert_eq!(handed, if number == 1 { 1 } else { 0 });
+    }
 }
 
 /// Replays every recorded call with each of its keys of another type and each counter of its hashes not an
