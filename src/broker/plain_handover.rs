@@ -66,6 +66,7 @@ pub(super) fn settle<'a>(
             touched.acknowledge(s.level, *claim, *position);
         }
     }
+    let lists = keys.claim_lists(owner, handover.claim);
     let mut invocation = ScriptKeys::default();
     invocation
         .key(&keys.owners)
@@ -79,14 +80,9 @@ pub(super) fn settle<'a>(
         .key(&keys.ready)
         .key(keys.processing_all(owner))
         .key(&keys.quarantine)
-        .key(keys.claim_lists(owner, handover.claim))
+        .key(&lists)
         .key(keys.claim_scopes_all(owner, handover.claim));
-    for (level, claim, _) in &touched.claims {
-        invocation
-            .key(keys.claim_list(owner, *level, *claim))
-            .key(keys.claim_settled(owner, *level, *claim))
-            .key(keys.claim_scopes(owner, *level, *claim));
-    }
+    touched.keys(&mut invocation, keys, owner);
     let limits = handover.limits;
     let mut invocation = invocation.evalsha(&SCRIPTS.handover_plain);
     invocation
@@ -99,7 +95,6 @@ pub(super) fn settle<'a>(
         .arg(super::tasks::CLAIM_BYTES)
         .arg(keys.levels());
     touched.args(&mut invocation);
-    let lists = keys.claim_lists(owner, handover.claim);
     let (reply, taken, collected) = match script_then_lists(
         conn,
         super::sources::HANDOVER_PLAIN,

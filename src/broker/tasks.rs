@@ -1581,6 +1581,17 @@ impl Touched {
         self.claims.len()
     }
 
+    /// The keys of the claims touched, as settle.lua and handover_plain.lua name them after their others: for each,
+    /// its list, its settled bitmap and its scopes string.
+    pub(super) fn keys(&self, invocation: &mut ScriptKeys, keys: &QueueKeys, owner: &str) {
+        for (level, claim, _) in &self.claims {
+            invocation
+                .key(keys.claim_list(owner, *level, *claim))
+                .key(keys.claim_settled(owner, *level, *claim))
+                .key(keys.claim_scopes(owner, *level, *claim));
+        }
+    }
+
     /// The claims as settle.lua's (and handover_plain.lua's) arguments name them: their count K, then for each its
     /// level (1-based), its number, the bitmap of its acknowledgements and how many bits it sets.
     pub(super) fn args(&self, invocation: &mut redis::Cmd) {
@@ -1763,12 +1774,7 @@ fn settle_with<'a>(
             }
             invocation.key(&keys.sched);
         }
-        for (level, claim, ..) in &touched.claims {
-            invocation
-                .key(keys.claim_list(owner, *level, *claim))
-                .key(keys.claim_settled(owner, *level, *claim))
-                .key(keys.claim_scopes(owner, *level, *claim));
-        }
+        touched.keys(&mut invocation, keys, owner);
     }
     if let Holder::Popped(popper) = holder {
         invocation

@@ -107,7 +107,7 @@ end
 -- What the call settles: each claim's new bits (`fresh`) and those it then has in all (`settled`), counted in `q`
 -- alone. Bits merged into settled ones are OR-ed here, for bitmaps of up to 8 bytes (claims of up to 64 tasks;
 -- settle.lua's BITOP takes the larger): so that what the call frees is known before the first write.
-local freed = 0
+local freed, stale = 0, 0
 for k = 1, claims do
   local c = claim[k]
   if not c.level or c.level < 1 or c.level > levels or not c.count or c.count < 1 or c.length == 0 or
@@ -129,7 +129,7 @@ for k = 1, claims do
     end
     c.fresh, c.settled, c.acks = fresh, settled, string.char(unpack(merged))
   end
-  freed = freed + c.fresh
+  freed, stale = freed + c.fresh, stale + c.count - c.fresh
 end
 local q, known_limit = tonumber(running[1] or '0'), tonumber(running[2] or '0')
 if q < freed then return generic('a running count below the tasks it frees') end
@@ -194,8 +194,6 @@ for k = 1, claims do
     redis.call('ZADD', set, 'XX', c.length - c.settled, c.number)
   end
 end
-local stale = 0
-for k = 1, claims do stale = stale + claim[k].count - claim[k].fresh end
 -- The reply, and its text for the stored call (the same values; the strings of those formatted already).
 local result, text
 if freed == 0 then
