@@ -35,6 +35,7 @@ mod node;
 pub mod owners;
 pub mod payloads;
 pub(crate) mod peek;
+mod plain_claim;
 mod plain_handover;
 pub mod processing;
 pub mod progress;
@@ -60,8 +61,8 @@ pub use stats::{QueueStats, Rates, TypeUsage, check_protocol, rate_used, stats, 
 pub use tasks::{
     Batch, Call, ClaimLimits, Due, Fence, Fetched, Handover, Holder, Isolation, Kept, Limited,
     PopLimits, Popper, PushItem, SettleOp, Settled, Settlement, ThrottleScope, adopt, claim,
-    claim_after_wake, load_settle, move_sources, promote, push, release_unique, settle,
-    settle_handing_over, settle_handing_over_generic, wait_idle, wait_list, wait_wake,
+    claim_after_wake, claim_generic, load_settle, move_sources, promote, push, release_unique,
+    settle, settle_handing_over, settle_handing_over_generic, wait_idle, wait_list, wait_wake,
 };
 pub use tls::tls_refusal;
 
@@ -227,6 +228,7 @@ pub const PROTOCOL_VERSION: u32 = 1;
 struct Scripts {
     push: redis::Script,
     claim: redis::Script,
+    claim_plain: redis::Script,
     adopt: redis::Script,
     pop: redis::Script,
     take: redis::Script,
@@ -330,6 +332,9 @@ pub mod sources {
         "end\n",
         include_str!("scripts/settle.lua")
     );
+    /// The claim made for a plain queue (src/broker/plain_claim.rs), with CLAIM's keys and arguments, which leaves
+    /// every other call to CLAIM.
+    pub const CLAIM_PLAIN: &str = concat!("#!lua\n", include_str!("scripts/claim_plain.lua"));
     /// The settle made for the handover of a plain queue at `max_running` (src/broker/plain_handover.rs), which
     /// leaves every other call to SETTLE.
     pub const HANDOVER_PLAIN: &str = concat!("#!lua\n", include_str!("scripts/handover_plain.lua"));
@@ -375,9 +380,10 @@ pub mod sources {
     pub const PROGRESS: &str = checked!(#!lua "scripts/progress.lua");
 
     /// Every script the broker runs, by its file's name, push.lua first.
-    pub const ALL: [(&str, &str); 25] = [
+    pub const ALL: [(&str, &str); 26] = [
         ("push.lua", super::PUSH_SCRIPT),
         ("claim.lua", CLAIM),
+        ("claim_plain.lua", CLAIM_PLAIN),
         ("adopt.lua", ADOPT),
         ("pop.lua", POP),
         ("take.lua", TAKE),
@@ -416,6 +422,7 @@ pub mod sources {
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     push: redis::Script::new(PUSH_SCRIPT),
     claim: redis::Script::new(sources::CLAIM),
+    claim_plain: redis::Script::new(sources::CLAIM_PLAIN),
     adopt: redis::Script::new(sources::ADOPT),
     pop: redis::Script::new(sources::POP),
     take: redis::Script::new(sources::TAKE),

@@ -25,12 +25,7 @@ fn made_for<'a>(
 ) -> bool {
     let limits = handover.limits;
     let plain = limits.max_running.is_some_and(|max| max > 0)
-        && limits.rate_limit.is_empty()
-        && limits.priority_weights.is_empty()
-        && limits.type_limits.is_empty()
-        && limits.drained_flows.is_empty()
-        && limits.groups.is_none()
-        && !keys.grouped
+        && limits.none_but_max_running(keys)
         && handover.max > 0;
     let mut any = false;
     plain

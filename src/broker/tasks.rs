@@ -306,6 +306,10 @@ pub const CLAIM_BYTES: usize = POP_BYTES;
 /// and the owner holds nothing; otherwise ready tasks, highest level first (see claim.lua). `claim` names the
 /// claim; the caller must not reuse any of the `max` numbers from `claim` on. When this call fails without a
 /// reply, [`adopt`] with the same numbers says what it took.
+///
+/// A queue with no limit, weights or groups has its claims made by claim_plain.lua, made for it
+/// (src/broker/plain_claim.rs), and by claim.lua when that script leaves one (having written nothing): both
+/// answer alike.
 pub fn claim(
     conn: &mut Conn,
     keys: &QueueKeys,
@@ -314,7 +318,21 @@ pub fn claim(
     max: usize,
     limits: &ClaimLimits<'_>,
 ) -> Result<Batch> {
-    claim_after(conn, keys, owner, claim, max, limits, None)
+    claim_after(conn, keys, owner, claim, max, limits, (None, true))
+}
+
+/// [`claim`] by claim.lua whatever the queue: the tests that compare claim_plain.lua's answers and writes with
+/// claim.lua's send the same call both ways.
+#[doc(hidden)]
+pub fn claim_generic(
+    conn: &mut Conn,
+    keys: &QueueKeys,
+    owner: &Arc<str>,
+    claim: u64,
+    max: usize,
+    limits: &ClaimLimits<'_>,
+) -> Result<Batch> {
+    claim_after(conn, keys, owner, claim, max, limits, (None, false))
 }
 
 /// Safe mode: as [`claim`], once a wake-up marker came (or `wait` passed without one; the reply may take
@@ -342,9 +360,23 @@ pub fn claim_after_wake(
         return self::claim(conn, keys, owner, claim, max, limits);
     }
     conn.set_read_timeout(Some(wait + io_timeout))?;
-    let batch = claim_after(conn, keys, owner, claim, max, limits, Some(wait));
+    let batch = claim_after(conn, keys, owner, claim, max, limits, (Some(wait), true));
     conn.set_read_timeout(Some(io_timeout))?;
     batch
+}
+
+impl ClaimLimits<'_> {
+    /// Whether nothing but `max_running` (if set) counts this queue's claims: no rate limit, priority weights, type
+    /// limits, drained flows or groups. The scripts made for the plain queue (claim_plain.lua, handover_plain.lua)
+    /// are made for such claims alone.
+    pub(super) fn none_but_max_running(&self, keys: &QueueKeys) -> bool {
+        self.rate_limit.is_empty()
+            && self.priority_weights.is_empty()
+            && self.type_limits.is_empty()
+            && self.drained_flows.is_empty()
+            && self.groups.is_none()
+            && !keys.grouped
+    }
 }
 
 /// claim.lua's keys and arguments for claim number `claim` of up to `max` tasks: a claim's own call, or the claim
@@ -417,16 +449,31 @@ fn claim_after(
     claim: u64,
     max: usize,
     limits: &ClaimLimits<'_>,
-    wait: Option<Duration>,
+    (wait, lean): (Option<Duration>, bool),
 ) -> Result<Batch> {
     let lists = keys.claim_lists(owner, claim);
     let (script_keys, args) = claim_call(keys, owner, claim, max, limits);
-    let mut eval = evalsha(&SCRIPTS.claim, &script_keys);
-    eval.arg(args);
-    let wake = wait.map(|wait| (keys.wake.as_str(), wait));
-    let (reply, taken, collected) =
-        script_then_lists(conn, super::sources::CLAIM, &eval, &lists, wake)
-            .map_err(|error| owner_error(error, owner))?;
+    // claim_plain.lua first when it is made for the queue (and `lean`); whatever it leaves (GENERIC, having
+    // written nothing) goes to claim.lua, with the same keys, arguments and claim number.
+    let mut first = if lean {
+        super::plain_claim::first(keys, limits)
+    } else {
+        None
+    };
+    let mut wake = wait.map(|wait| (keys.wake.as_str(), wait));
+    let (reply, taken, collected) = loop {
+        let (script, source) = first.unwrap_or((&SCRIPTS.claim, super::sources::CLAIM));
+        let mut eval = evalsha(script, &script_keys);
+        eval.arg(&args);
+        match script_then_lists(conn, source, &eval, &lists, wake) {
+            Err(error) if first.is_some() && error.code() == Some("GENERIC") => {
+                first = None;
+                // The wait returned (with the marker, if one came): the claim goes at once.
+                wake = None;
+            }
+            outcome => break outcome.map_err(|error| owner_error(error, owner))?,
+        }
+    };
     // Not replicated: a may-have-run error, which the fetcher resolves with adopt() as a lost reply.
     conn.replicated(&keys.stats)?;
     let reply: Vec<Value> = redis::from_redis_value(reply).map_err(redis::RedisError::from)?;

@@ -45,7 +45,7 @@ fn a_claim_whose_reply_is_lost_is_adopted_not_stranded_under_a_live_lease() {
         let daemon = TestDaemon::start(&config);
         redis.wait_blocked_in("blpop");
         let rule = proxy.add(Fault::DropReply {
-            matching: Matcher::script(sources::CLAIM),
+            matching: Matcher::claims(),
             nth: 1,
             then,
         });
@@ -140,7 +140,7 @@ fn lost_claim_and_settle_replies_leave_the_journal_count_exact() {
     // counts none of them until it has resolved them (the claim adopted, each settle call answered once).
     let rules = [
         proxy.add(Fault::DropReply {
-            matching: Matcher::script(sources::CLAIM),
+            matching: Matcher::claims(),
             nth: 5,
             then: AfterDrop::Close,
         }),
@@ -543,7 +543,7 @@ fn a_claim_that_lands_after_its_owner_was_lost_is_forgotten_not_run_and_the_lane
     // on a loaded host.
     let delay = Duration::from_millis(2000);
     let rule = proxy.add(Fault::DelayReply {
-        matching: Matcher::script(sources::CLAIM),
+        matching: Matcher::claims(),
         nth: 1,
         delay,
     });

@@ -31,6 +31,7 @@ mod http_bounds;
 mod lease_clock;
 mod limits;
 mod metrics;
+mod plain_claim;
 mod plain_handover;
 mod plugins;
 mod prefetch;

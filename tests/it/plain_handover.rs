@@ -20,9 +20,9 @@ const SETTLER: &str = "plain-acker";
 
 /// Every key's type and what it holds (a hash's fields and a zset's members sorted, bytes past ASCII escaped), its
 /// expiry aside; a dead record's time of death as 0 (the two calls are made at two times).
-type Keys = BTreeMap<String, (String, Vec<String>)>;
+pub(crate) type Keys = BTreeMap<String, (String, Vec<String>)>;
 
-fn keys(redis: &RedisServer) -> Keys {
+pub(crate) fn keys(redis: &RedisServer) -> Keys {
     let mut conn = redis.connection();
     let names: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut conn).unwrap();
     names
@@ -67,7 +67,7 @@ fn keys(redis: &RedisServer) -> Keys {
 }
 
 /// Every key's DUMP, to put the database back as it was.
-fn dump(redis: &RedisServer) -> Vec<(String, Vec<u8>)> {
+pub(crate) fn dump(redis: &RedisServer) -> Vec<(String, Vec<u8>)> {
     let mut conn = redis.connection();
     let names: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut conn).unwrap();
     names
@@ -79,7 +79,7 @@ fn dump(redis: &RedisServer) -> Vec<(String, Vec<u8>)> {
         .collect()
 }
 
-fn restore(redis: &RedisServer, dumped: &[(String, Vec<u8>)]) {
+pub(crate) fn restore(redis: &RedisServer, dumped: &[(String, Vec<u8>)]) {
     let mut conn = redis.connection();
     let _: () = redis::cmd("FLUSHALL").query(&mut conn).unwrap();
     for (key, bytes) in dumped {
@@ -112,28 +112,40 @@ struct Case {
     config: Config,
 }
 
+/// A safe-mode queue `jobs` (`extra` its config) of its own Redis, with tasks `t0`... pushed (`high`: how many of
+/// them at the level `high`, first; the others at the default level), and every script loaded, so that each call's
+/// EVALSHAs are its scripts' runs (no NOSCRIPT).
+pub(crate) fn queue_with_tasks(
+    extra: &str,
+    (n, high): (usize, usize),
+) -> (RedisServer, TestDir, Config, Arc<QueueContext>) {
+    let redis = RedisServer::start();
+    let dir = TestDir::new();
+    let path = dir.config(&redis, &safe(extra));
+    let config = Config::load(&path).unwrap();
+    let queue = context(&config);
+    let tasks: Vec<NewTask> = (0..n)
+        .map(|i| {
+            let task = NewTask::new("test", "{}").unwrap().id(format!("t{i}"));
+            if i < high {
+                task.priority("high")
+            } else {
+                task
+            }
+        })
+        .collect();
+    if n > 0 {
+        client(&path).push_batch("jobs", tasks).unwrap();
+    }
+    for (_, body) in kmqd::broker::sources::ALL {
+        redis.cmd::<String>(&["SCRIPT", "LOAD", body]);
+    }
+    (redis, dir, config, queue)
+}
+
 impl Case {
     fn new(extra: &str, (n, high, max): (usize, usize, usize)) -> Case {
-        let redis = RedisServer::start();
-        let dir = TestDir::new();
-        let path = dir.config(&redis, &safe(extra));
-        let config = Config::load(&path).unwrap();
-        let queue = context(&config);
-        let tasks: Vec<NewTask> = (0..n)
-            .map(|i| {
-                let task = NewTask::new("test", "{}").unwrap().id(format!("t{i}"));
-                if i < high {
-                    task.priority("high")
-                } else {
-                    task
-                }
-            })
-            .collect();
-        client(&path).push_batch("jobs", tasks).unwrap();
-        // Loaded first, so that each call's EVALSHAs are its scripts' runs (no NOSCRIPT).
-        for (_, body) in kmqd::broker::sources::ALL {
-            redis.cmd::<String>(&["SCRIPT", "LOAD", body]);
-        }
+        let (redis, dir, config, queue) = queue_with_tasks(extra, (n, high));
         let batch = dead_daemon_claims(
             &mut redis.connection(),
             &queue,

@@ -123,10 +123,13 @@ fn a_plain_push_writes_a_wake_marker_only_to_an_empty_wake_list() {
 /// An idle queue's claim (a task just pushed; the owner holds nothing, its marker was taken, nothing was
 /// dead-lettered, no limit counts) checks the type of only the keys that exist and looks up all the others with one
 /// EXISTS: each call a script makes costs Redis about 5,000 instructions, and this claim is on every idle push's way
-/// to its handler (issue 38; docs/PERFORMANCE.md, "The idle claim's calls"). It made 14 TYPE calls, 3 EXISTS and 3
-/// LLEN before: 29 calls in all, then 15; of the keys that exist, the owners zset, the owner's info hash and the
-/// stats hash are checked by the reads the claim makes of them, so the ready list alone needs a TYPE (4 before:
-/// "A claim that pays only for the script code it uses").
+/// to its handler (issue 38; docs/PERFORMANCE.md, "The idle claim's calls"). claim.lua made 14 TYPE calls, 3 EXISTS
+/// and 3 LLEN before: 29 calls in all, then 15; of the keys that exist, the owners zset, the owner's info hash and
+/// the stats hash are checked by the reads the claim makes of them, so the ready list alone needs a TYPE (4 before:
+/// "A claim that pays only for the script code it uses"). claim_plain.lua, which a plain queue's claims go to first
+/// ("A claim made for the plain queue"), needs none: its LLEN of the ready list is that list's check (and tells it
+/// whether tasks are left for a marker), and it reads no dead count (it leaves dead-lettering to claim.lua): ten
+/// calls, one script run.
 #[test]
 fn an_idle_claim_checks_the_types_of_only_the_keys_that_exist() {
     let redis = RedisServer::start();
@@ -139,25 +142,42 @@ fn an_idle_claim_checks_the_types_of_only_the_keys_that_exist() {
     // An owner registered, whose first claim found nothing.
     let first = crate::safe_mode::dead_daemon_claims(&mut connection, &queue, "o.1", 0, 10, lease);
     assert!(first.tasks.is_empty());
-    client(&path)
-        .push("jobs", kmqd::NewTask::new("test", "{}").unwrap().id("t"))
-        .unwrap();
-    // As an idle fetcher's BLPOP takes the push's marker.
-    let _: i64 = redis.cmd(&["DEL", "kmq:{jobs}:wake"]);
-    let _: String = redis.cmd(&["CONFIG", "RESETSTAT"]);
     let limits = kmqd::broker::ClaimLimits {
         daemon: "test:0",
         ..queue.claim_limits()
     };
     let owner = std::sync::Arc::from("o.1");
-    let batch = kmqd::broker::claim(&mut connection, &queue.keys, &owner, 10, 10, &limits).unwrap();
-    assert_eq!(batch.tasks.len(), 1);
     let calls = |command: &str| command_calls(&redis, command);
-    assert_eq!(
-        (calls("type"), calls("exists"), calls("llen")),
-        (1, 1, 0),
-        "TYPE, EXISTS and LLEN calls of one idle claim"
-    );
+    for (number, by) in [(10, "claim.lua"), (20, "claim_plain.lua")] {
+        client(&path)
+            .push("jobs", kmqd::NewTask::new("test", "{}").unwrap().id(by))
+            .unwrap();
+        // As an idle fetcher's BLPOP takes the push's marker.
+        let _: i64 = redis.cmd(&["DEL", "kmq:{jobs}:wake"]);
+        // As after the settle of the claim before: the owner holds nothing.
+        let _: i64 = redis.cmd(&["DEL", "kmq:{jobs}:processing:o.1:normal"]);
+        let _: String = redis.cmd(&["CONFIG", "RESETSTAT"]);
+        let claim = match by {
+            "claim.lua" => kmqd::broker::claim_generic,
+            _ => kmqd::broker::claim,
+        };
+        let batch = claim(&mut connection, &queue.keys, &owner, number, 10, &limits).unwrap();
+        assert_eq!(batch.tasks.len(), 1);
+        let (types, exists, llens) = (calls("type"), calls("exists"), calls("llen"));
+        if by == "claim.lua" {
+            assert_eq!(
+                (types, exists, llens),
+                (1, 1, 0),
+                "{by}: TYPE, EXISTS and LLEN calls"
+            );
+        } else {
+            assert_eq!(
+                (types, exists, llens, calls("hget"), calls("evalsha")),
+                (0, 1, 1, 0, 1),
+                "{by}: TYPE, EXISTS, LLEN and HGET calls, and one script run"
+            );
+        }
+    }
 }
 
 /// An idle default-mode queue's pop (pop.lua: a task just pushed, no unique id held, no limit counts, no weights:

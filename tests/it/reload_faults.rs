@@ -285,7 +285,7 @@ fn a_claim_whose_reply_is_lost_as_the_reload_retires_its_lane_is_adopted_and_han
     let old = reloading.owner();
     // The replaced lane's last claim takes four tasks in Redis; its answer never comes.
     let claim = reloading.proxy.add(Fault::DropReply {
-        matching: Matcher::script(sources::CLAIM),
+        matching: Matcher::claims(),
         nth: 1,
         then: AfterDrop::Hang,
     });

@@ -515,7 +515,7 @@ fn record_calls() -> (RedisServer, Vec<Recorded>) {
 
     // The second claim's reply is lost: the daemon adopts it.
     proxy.add(Fault::DropReply {
-        matching: Matcher::script(sources::CLAIM),
+        matching: Matcher::claims(),
         nth: 2,
         then: AfterDrop::Close,
     });

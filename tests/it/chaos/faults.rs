@@ -433,7 +433,7 @@ impl Injector<'_, '_> {
     /// default mode's plain pops (a transaction, answered by its EXEC). Returns its name and a matcher.
     fn pick_call(&mut self) -> (&'static str, Matcher) {
         match self.rng.below(6) {
-            0 => ("claim.lua", Matcher::script(sources::CLAIM)),
+            0 => ("a claim (claim_plain.lua or claim.lua)", Matcher::claims()),
             1 => ("settle.lua", Matcher::script(sources::SETTLE)),
             2 => ("renew.lua", Matcher::script(sources::RENEW)),
             3 => ("push.lua", Matcher::script(kmqd::broker::PUSH_SCRIPT)),

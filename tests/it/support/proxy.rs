@@ -207,6 +207,19 @@ impl Matcher {
     }
 
     /// Any predicate over a command's arguments.
+    /// A safe-mode claim, by either of its scripts: claim_plain.lua, which a plain queue's claims go to first, or
+    /// claim.lua (every other queue's, and what claim_plain.lua leaves).
+    pub fn claims() -> Matcher {
+        let (plain, generic) = (
+            Matcher::script(kmqd::broker::sources::CLAIM_PLAIN),
+            Matcher::script(kmqd::broker::sources::CLAIM),
+        );
+        Matcher {
+            describe: format!("{} or {}", plain.describe, generic.describe),
+            test: Arc::new(move |args| plain.matches(args) || generic.matches(args)),
+        }
+    }
+
     pub fn new(f: impl Fn(&[Vec<u8>]) -> bool + Send + Sync + 'static) -> Matcher {
         Matcher {
             describe: "custom matcher".into(),
