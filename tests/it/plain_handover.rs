@@ -375,7 +375,7 @@ fn a_plain_handover_settle_writes_and_answers_what_settle_lua_does() {
     assert_eq!(ids(&noted), ["t2", "t3"]);
 
     let case = Case::new(
-        "max_running = 2\npriorities = [\"high\", \"normal\"]",
+        "max_running = 2\npriorities = [\"high\", \"normal\"]\ndefault_priority = \"normal\"",
         (5, 3, 100),
     );
     let levels = compare(&case, "two levels", (1, &[0, 1], 100), true);
