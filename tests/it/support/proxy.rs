@@ -206,7 +206,6 @@ impl Matcher {
         }
     }
 
-    /// Any predicate over a command's arguments.
     /// A safe-mode claim, by either of its scripts: claim_plain.lua, which a plain queue's claims go to first, or
     /// claim.lua (every other queue's, and what claim_plain.lua leaves).
     pub fn claims() -> Matcher {
@@ -220,6 +219,7 @@ impl Matcher {
         }
     }
 
+    /// Any predicate over a command's arguments.
     pub fn new(f: impl Fn(&[Vec<u8>]) -> bool + Send + Sync + 'static) -> Matcher {
         Matcher {
             describe: "custom matcher".into(),
