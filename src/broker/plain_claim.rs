@@ -9,7 +9,8 @@ use super::tasks::ClaimLimits;
 use super::{QueueKeys, SCRIPTS};
 
 /// Whether claim_plain.lua is made for this queue's claims: no `max_running`, rate limit, priority weights, type
-/// limits, drained flows or groups. (What else it leaves to claim.lua, it finds in Redis: a pause, a quarantine.)
+/// limits, drained flows or groups. (What else it leaves to claim.lua, it finds in Redis: a throttle, a
+/// quarantine.)
 fn made_for(keys: &QueueKeys, limits: &ClaimLimits<'_>) -> bool {
     limits.max_running.is_none_or(|max| max == 0) && limits.none_but_max_running(keys)
 }

@@ -7,12 +7,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use kmqd::Config;
 use kmqd::broker::{self, SettleOp, sources};
 use kmqd::queue::QueueContext;
-use kmqd::{Config, NewTask};
 
 use crate::limits::{assert_drained_to_zero, counter, most_started_within};
-use crate::safe_mode::{context, dead_daemon_claims, monitor, safe, settlement_of};
+use crate::safe_mode::{dead_daemon_claims, monitor, settlement_of};
 use crate::support::proxy::{AfterDrop, Fault, FaultProxy, Matcher};
 use crate::support::*;
 
@@ -51,15 +51,7 @@ struct Claimed {
 
 impl Claimed {
     fn new(extra: &str, (n, max): (usize, usize), lease: Duration) -> Claimed {
-        let redis = RedisServer::start();
-        let dir = TestDir::new();
-        let path = dir.config(&redis, &safe(extra));
-        let config = Config::load(&path).unwrap();
-        let queue = context(&config);
-        let tasks: Vec<NewTask> = (0..n)
-            .map(|i| NewTask::new("test", "{}").unwrap().id(format!("t{i}")))
-            .collect();
-        client(&path).push_batch("jobs", tasks).unwrap();
+        let (redis, dir, config, queue) = crate::plain_handover::queue_with_tasks(extra, (n, 0));
         let batch = dead_daemon_claims(&mut redis.connection(), &queue, OWNER, 0, max, lease);
         redis.cmd::<()>(&["DEL", "kmq:{jobs}:wake"]);
         Claimed {

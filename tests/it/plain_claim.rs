@@ -110,7 +110,8 @@ fn compare(case: &Case, what: &str, (number, max): (u64, usize), lean: bool) -> 
 
 /// The claims of a plain queue's fetcher, each compared with claim.lua's from the same database: an idle queue's
 /// claim of the task just pushed, a claim of part of a backlog (it passes a wake-up marker on), of all of it, of
-/// nothing, a busy owner's (it holds a claim, a marker waits), two priority levels, a claim after an earlier one.
+/// nothing, a busy owner's (it holds a claim, a marker waits), two priority levels, a claim after an earlier one, a
+/// paused queue's.
 #[test]
 fn a_plain_claim_writes_and_answers_what_claim_lua_does() {
     let case = Case::new("", (1, 0));
@@ -137,6 +138,16 @@ fn a_plain_claim_writes_and_answers_what_claim_lua_does() {
     let none = compare(&case, "nothing left", (4, 4), true);
     assert!(none.starts_with("[] "), "{none}");
 
+    // A paused queue's claim (state 3) writes nothing: answered by claim_plain.lua, so that the idle polls of a
+    // paused queue cost one script run each.
+    let case = Case::new("", (3, 0));
+    case.redis.cmd::<()>(&["SET", "kmq:{jobs}:paused", "1"]);
+    let paused = compare(&case, "a paused queue", (1, 4), true);
+    assert!(
+        paused.contains("paused: true") && paused.starts_with("[] "),
+        "{paused}"
+    );
+
     let case = Case::new("", (4, 0));
     case.redis.cmd::<()>(&["DEL", "kmq:{jobs}:wake"]);
     compare(&case, "all of it, exactly", (1, 4), true);
@@ -158,7 +169,7 @@ fn a_plain_claim_writes_and_answers_what_claim_lua_does() {
 }
 
 /// The cases claim_plain.lua leaves to claim.lua: it writes nothing before it does, and the claim's answer and
-/// writes are claim.lua's (a paused queue, an owner whose lease ran out, a fenced claim, an owner that ran a
+/// writes are claim.lua's (a paused queue that also holds a quarantined task, an owner whose lease ran out, a fenced claim, an owner that ran a
 /// quarantined group, a quarantined task, a
 /// payload past max_task_bytes, a ready list of another type), and a queue it is not made for goes to claim.lua
 /// alone.
@@ -166,7 +177,15 @@ fn a_plain_claim_writes_and_answers_what_claim_lua_does() {
 fn a_claim_claim_plain_lua_is_not_made_for_is_claim_lua_s() {
     let case = Case::new("", (3, 0));
     case.redis.cmd::<()>(&["SET", "kmq:{jobs}:paused", "1"]);
-    let paused = compare(&case, "a paused queue", (1, 4), false);
+    let quarantine = &case.queue.keys.quarantine[0];
+    case.redis
+        .cmd::<()>(&["LPUSH", quarantine, r#"{"id":"q","type":"test","data":{}}"#]);
+    let paused = compare(
+        &case,
+        "a paused queue with a quarantined task",
+        (1, 4),
+        false,
+    );
     assert!(paused.contains("paused: true"), "{paused}");
 
     let case = Case::new("", (3, 0));

@@ -1,6 +1,6 @@
 -- claim_plain.lua: the claim made for the case an idle push waits on (issue 38; docs/PERFORMANCE.md, "A claim made
 -- for the plain queue"): safe mode, a queue with none of max_running, rate limits, priority weights, type limits
--- (drained flows included) or groups, nothing quarantined, paused or throttled. It takes the next ready tasks,
+-- (drained flows included) or groups, nothing quarantined or throttled. It takes the next ready tasks,
 -- highest level first, as claim.lua takes them on that path, writes what claim.lua writes and answers what it
 -- answers: it is sent with claim.lua's own KEYS and ARGV (src/broker/tasks.rs, `claim_call`), and
 -- tests/it/plain_claim.rs compares the two, key by key.
@@ -9,7 +9,7 @@
 -- less its dead count, and none of its preludes, argument offsets, closures or type loops), and leaves every other
 -- case to claim.lua, having written nothing: it answers "GENERIC ...", and the daemon sends the same call to
 -- claim.lua. That is every refusal (a key of another type, a counter that is not an integer: claim.lua's checks name
--- them), a lost lease (claim.lua puts a lost owner back as expired) and a fenced claim, a pause, a throttle, a
+-- them), a lost lease (claim.lua puts a lost owner back as expired) and a fenced claim, a throttle, a
 -- quarantined task or an owner running a quarantined group, tasks past the claim's byte budget (claim.lua cuts the
 -- copy) or max_task_bytes (claim.lua dead-letters them), and a call laid out for any limit.
 --
@@ -44,11 +44,18 @@ end
 -- strings (claim.lua's `absent`); with them the wake list and the owner's claim sets, absent for an idle fetcher's
 -- claim (its BLPOP took the marker; it holds nothing), whose look answers their type checks.
 local idle = redis.call('EXISTS', KEYS[2], KEYS[6], KEYS[7], unpack(KEYS, QUARANTINE + 1, 7 + 7 * levels)) == 0
+local paused = false
 if not idle then
   local rare = {KEYS[6], KEYS[7], unpack(KEYS, QUARANTINE + 1, CLAIMS)}
   for i = LISTS + 1, 7 + 7 * levels do rare[#rare + 1] = KEYS[i] end
-  if redis.call('EXISTS', unpack(rare)) > 0 then
-    return generic('a pause, a throttle, a quarantined task, or the claim made already')
+  local present = redis.call('EXISTS', unpack(rare))
+  if present > 0 then
+    -- The pause alone among them is answered here, as claim.lua answers it (state 3, nothing written), once every
+    -- key claim.lua checks is found of its type: a paused queue's idle polls cost one script run each, not two.
+    if present > 1 or redis.call('EXISTS', KEYS[6]) == 0 then
+      return generic('a throttle, a quarantined task, or the claim made already')
+    end
+    paused = true
   end
 end
 local info = redis.pcall('HMGET', KEYS[3], 'floor', 'group', 'journal')
@@ -57,7 +64,6 @@ if info.err or refused(lease) then return generic('a key of another type') end
 if not (integer(info[1]) and integer(info[3])) then
   return generic(KEYS[3] .. ' holds a counter that is not an integer')
 end
-if info[2] then return generic('an owner that ran a quarantined group') end
 -- Each level's ready tasks; the read is the ready list's type check (a SORT would copy a set's or a zset's members).
 local lengths = {}
 for i = 1, levels do
@@ -70,11 +76,28 @@ if not idle then
     if refused(redis.pcall('ZCARD', KEYS[CLAIMS + i])) then return generic('a key of another type') end
   end
 end
+if paused then
+  -- The keys claim.lua checks that a take would not have read: the wake and dead lists, the stats hash's dead count
+  -- (an integer), the running hash.
+  local dead_count = redis.pcall('HGET', KEYS[5], 'dead_lettered')
+  if refused(dead_count) or refused(redis.pcall('LLEN', KEYS[2])) or refused(redis.pcall('LLEN', KEYS[4])) or
+      refused(redis.pcall('HLEN', KEYS[8 + 7 * levels])) then
+    return generic('a key of another type')
+  end
+  if not integer(dead_count) then return generic(KEYS[5] .. ' holds a counter that is not an integer') end
+end
 local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
 lease = lease and tonumber(lease)
 if not lease or lease <= now then return generic('no live lease') end
 if info[1] and tonumber(ARGV[7]) < tonumber(info[1]) then return generic('a claim below the floor') end
+if paused then
+  local result = {now, 3, 0}
+  for i = 1, levels do result[3 + i] = 0 end
+  result[4 + levels], result[5 + levels], result[6 + levels] = 0, tonumber(info[3] or '0'), lease - now
+  return result
+end
+if info[2] then return generic('an owner that ran a quarantined group') end
 
 -- The take: claim.lua's, copied natively (SORT ... STORE) and weighed, highest level first; nothing written to the
 -- ready lists until every level's copy is weighed.
